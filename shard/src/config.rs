@@ -1,0 +1,164 @@
+//! Table configuration: capacity, dim, score policy, bucket mode, memory budget.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::BUCKET_SLOTS;
+
+/// How scores are computed. Larger score = more valuable; eviction removes the
+/// minimum and admission refuses a newcomer whose score is below it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum ScorePolicy {
+    /// Score = a monotonic clock in ns, set on insert and on every write.
+    #[default]
+    Lru,
+    /// Score = accumulated caller increments (default increment 1).
+    Lfu,
+    /// Score = caller epoch in the high 32 bits, clock in ~ms (ns >> 20) in the low 32.
+    EpochLru,
+    /// Score = caller epoch in the high 32 bits, saturating frequency in the low 32.
+    EpochLfu,
+    /// Score = the caller's value, verbatim.
+    Custom,
+}
+
+impl ScorePolicy {
+    /// Every policy, in a fixed order (tests, CLIs).
+    pub const ALL: [ScorePolicy; 5] =
+        [ScorePolicy::Lru, ScorePolicy::Lfu, ScorePolicy::EpochLru, ScorePolicy::EpochLfu, ScorePolicy::Custom];
+
+    /// Whether callers may pass scores to insert-like operations.
+    pub fn takes_scores(self) -> bool {
+        !matches!(self, ScorePolicy::Lru | ScorePolicy::EpochLru)
+    }
+
+    /// The name used in configs and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            ScorePolicy::Lru => "lru",
+            ScorePolicy::Lfu => "lfu",
+            ScorePolicy::EpochLru => "epoch-lru",
+            ScorePolicy::EpochLfu => "epoch-lfu",
+            ScorePolicy::Custom => "custom",
+        }
+    }
+}
+
+impl std::str::FromStr for ScorePolicy {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        ScorePolicy::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| Error::Config(format!("unknown policy {s:?}; use lru, lfu, epoch-lru, epoch-lfu or custom")))
+    }
+}
+
+/// Single bucket (one candidate bucket per key) or dual bucket (two).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum BucketMode {
+    /// One bucket per key: one digest line per lookup; first eviction near load 0.63.
+    #[default]
+    Single,
+    /// Two independent buckets per key (paper §3.4): first eviction near load 0.98.
+    Dual,
+}
+
+/// The shape and policy of one table (or of one shard of a table).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TableConfig {
+    /// Initial slots; rounded up to whole 128-slot buckets.
+    pub capacity: u64,
+    /// Largest capacity growth may reach; 0 means "same as capacity" (no growth).
+    pub max_capacity: u64,
+    /// Growth doubles the buckets before an insert batch would push
+    /// size / capacity past this fraction, while below max_capacity.
+    pub max_load_factor: f64,
+    /// f32 elements per value.
+    pub dim: usize,
+    /// Score policy.
+    pub policy: ScorePolicy,
+    /// Bucket mode.
+    pub mode: BucketMode,
+    /// Bytes of values kept in device memory; the rest live in pinned host
+    /// memory. `None` = all in device memory. The CPU backend only reports it.
+    pub fast_tier_bytes: Option<u64>,
+}
+
+impl Default for TableConfig {
+    fn default() -> Self {
+        TableConfig {
+            capacity: 1 << 20,
+            max_capacity: 0,
+            max_load_factor: 0.5,
+            dim: 32,
+            policy: ScorePolicy::Lru,
+            mode: BucketMode::Single,
+            fast_tier_bytes: None,
+        }
+    }
+}
+
+impl TableConfig {
+    /// A config with the given capacity and dim and defaults otherwise.
+    pub fn new(capacity: u64, dim: usize) -> Self {
+        TableConfig { capacity, dim, ..Default::default() }
+    }
+
+    /// Builder: set the policy.
+    pub fn policy(mut self, policy: ScorePolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// Builder: set the bucket mode.
+    pub fn mode(mut self, mode: BucketMode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    /// Builder: set the maximum capacity (enables growth when above capacity).
+    pub fn max_capacity(mut self, max: u64) -> Self {
+        self.max_capacity = max;
+        self
+    }
+
+    /// Checks the config; every problem is named.
+    pub fn validate(&self) -> Result<()> {
+        if self.dim == 0 {
+            return Err(Error::Config("dim must be at least 1".into()));
+        }
+        if self.dim > 1 << 16 {
+            return Err(Error::Config(format!("dim {} is above the limit of 65536", self.dim)));
+        }
+        if self.capacity == 0 {
+            return Err(Error::Config("capacity must be at least 1".into()));
+        }
+        if self.max_capacity != 0 && self.max_capacity < self.capacity {
+            return Err(Error::Config(format!(
+                "max_capacity {} is below capacity {}",
+                self.max_capacity, self.capacity
+            )));
+        }
+        if !(self.max_load_factor > 0.0 && self.max_load_factor <= 1.0) {
+            return Err(Error::Config(format!("max_load_factor {} must be in (0, 1]", self.max_load_factor)));
+        }
+        if self.buckets().checked_mul(BUCKET_SLOTS as u64 * self.dim as u64).is_none() {
+            return Err(Error::Config("capacity x dim overflows".into()));
+        }
+        Ok(())
+    }
+
+    /// Buckets at the initial capacity.
+    pub fn buckets(&self) -> u64 {
+        self.capacity.div_ceil(BUCKET_SLOTS as u64).max(1)
+    }
+
+    /// The largest bucket count growth may reach.
+    pub fn max_buckets(&self) -> u64 {
+        self.max_capacity.max(self.capacity).div_ceil(BUCKET_SLOTS as u64).max(1)
+    }
+}

@@ -1,0 +1,466 @@
+//! # hkv-shard: the HierarchicalKV table
+//!
+//! A table is a cache: a full bucket is its normal state, and every insert
+//! into a full bucket is settled in place, by evicting the bucket's
+//! minimum-score entry or by refusing the newcomer when its score is lower
+//! (admission control). This crate holds the table's semantics, its CPU
+//! backend (the reference every other backend is checked against) and the
+//! `hkv-sim` and `hkv-bench` binaries.
+//!
+//! ## Storage
+//! Slots come in buckets of [`BUCKET_SLOTS`] = 128. Per bucket: `digests[128]`
+//! (one byte per slot, exactly one 128-byte cache line), `keys[128]` and
+//! `scores[128]` (u64). Values (`f32 × dim`) are addressed by position —
+//! bucket and slot — never by pointer. A lookup compares the 128 digests of
+//! its bucket 8 bytes at a time (SWAR) and reads a key only where the digest
+//! matches, so a miss costs one digest line plus ~0.5 key reads.
+//!
+//! ## Placement and eviction
+//! Single mode: a key lives only in bucket `h1 % buckets` ([`hash`]). A new
+//! key takes the lowest free slot; in a full bucket it replaces the
+//! minimum-score slot (lowest slot on ties) unless its score is lower, in
+//! which case it is rejected (paper Algorithm 2). Dual mode (Algorithm 3): a
+//! key has two buckets; while either has room it goes to the less loaded
+//! (the first on ties); when both are full it competes in the one whose
+//! minimum score is lower (the first on ties). Every operation works in both
+//! modes.
+//!
+//! ## Concurrency
+//! A [`lock::GroupLock`] admits readers (find, contains, export) together,
+//! updaters (assign, assign_scores, accumulate into existing keys) together,
+//! and inserters (anything that may allocate, evict or erase) alone. Inside a
+//! batch, keys are processed in parallel across cores under per-bucket
+//! locks. Batches of up to [`SEQUENTIAL_BATCH`] keys are processed in index
+//! order, so their per-key outcomes are deterministic.
+//!
+//! ## Deliberate differences from the reference library
+//! - Lfu scores saturate at `u64::MAX` instead of wrapping.
+//! - Lfu and EpochLfu default the increment to 1 when no scores are passed.
+//! - `accum_or_assign` takes no per-key flags: existing keys accumulate,
+//!   missing keys are inserted.
+//! - A batch holding a reserved key is refused whole with an error (the
+//!   reference skips such keys silently).
+//! - Erase frees the slot outright (no tombstone: every slot of the bucket is
+//!   always searched, so no probe chain needs one).
+//! - Duplicate keys within one batch are allowed: they are applied one after
+//!   the other (in index order for batches up to [`SEQUENTIAL_BATCH`] keys, in
+//!   an unspecified order above), and the table never holds a key twice.
+//!
+//! # Layout
+//! - [`config`] holds [`TableConfig`], [`ScorePolicy`], [`BucketMode`].
+//! - [`hash`] computes bucket, digest and shard hashes.
+//! - [`score`] has the score rules per policy and the clocks.
+//! - [`lock`] is the triple-group lock and its observable state.
+//! - [`cpu`] is the CPU backend, [`cpu::CpuTable`].
+//! - [`error`] holds [`Error`].
+//! - this file: the [`Shard`] trait every backend implements, result types,
+//!   [`open`].
+
+pub mod config;
+pub mod cpu;
+pub mod error;
+pub mod hash;
+pub mod lock;
+pub mod score;
+
+use serde::{Deserialize, Serialize};
+
+pub use config::{BucketMode, ScorePolicy, TableConfig};
+pub use error::{Error, Result};
+pub use lock::{Group, LockState};
+
+/// Slots per bucket: 128 one-byte digests fill exactly one 128-byte cache line.
+pub const BUCKET_SLOTS: usize = 128;
+/// Marks a free slot.
+pub const EMPTY_KEY: u64 = u64::MAX;
+/// Smallest reserved key: `u64::MAX - 3 ..= u64::MAX` are refused as input.
+pub const RESERVED_KEY_MIN: u64 = u64::MAX - 3;
+/// Batches up to this many keys are processed sequentially in index order.
+pub const SEQUENTIAL_BATCH: usize = 4096;
+
+/// Whether `key` is one of the reserved marker values.
+#[inline(always)]
+pub fn is_reserved(key: u64) -> bool {
+    key >= RESERVED_KEY_MIN
+}
+
+/// What an operation did with one key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[repr(u8)]
+pub enum Outcome {
+    /// The key was present and was written (or, for find_or_insert, read).
+    Updated = 0,
+    /// The key was absent and took a free slot.
+    Inserted = 1,
+    /// The key was absent and took the slot of the bucket's minimum-score entry.
+    Evicted = 2,
+    /// The key was absent and its score was below the bucket minimum: refused.
+    Rejected = 3,
+    /// The key was absent and the operation only updates existing keys.
+    #[default]
+    Absent = 4,
+}
+
+impl Outcome {
+    /// Decodes the wire byte.
+    pub fn from_u8(b: u8) -> Option<Outcome> {
+        Some(match b {
+            0 => Outcome::Updated,
+            1 => Outcome::Inserted,
+            2 => Outcome::Evicted,
+            3 => Outcome::Rejected,
+            4 => Outcome::Absent,
+            _ => return None,
+        })
+    }
+}
+
+/// Per-outcome counts of one batch.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Summary {
+    /// Keys that were present.
+    pub updated: u64,
+    /// Keys placed in a free slot.
+    pub inserted: u64,
+    /// Keys placed by evicting another entry.
+    pub evicted: u64,
+    /// Keys refused by admission control.
+    pub rejected: u64,
+    /// Keys absent for an update-only operation.
+    pub absent: u64,
+}
+
+impl Summary {
+    /// Counts one outcome.
+    #[inline]
+    pub fn add(&mut self, o: Outcome) {
+        match o {
+            Outcome::Updated => self.updated += 1,
+            Outcome::Inserted => self.inserted += 1,
+            Outcome::Evicted => self.evicted += 1,
+            Outcome::Rejected => self.rejected += 1,
+            Outcome::Absent => self.absent += 1,
+        }
+    }
+
+    /// Sums two summaries.
+    pub fn merge(mut self, o: Summary) -> Summary {
+        self.updated += o.updated;
+        self.inserted += o.inserted;
+        self.evicted += o.evicted;
+        self.rejected += o.rejected;
+        self.absent += o.absent;
+        self
+    }
+}
+
+/// Why an entry appears in `insert_and_evict`'s output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[repr(u8)]
+pub enum Lost {
+    /// A resident entry that lost its slot to a newcomer.
+    Evicted = 0,
+    /// An input entry refused by admission control (with its input value and score).
+    Rejected = 1,
+}
+
+/// Entries that left (or never entered) the table in `insert_and_evict`,
+/// compacted. Order is unspecified.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Evictions {
+    /// Keys.
+    pub keys: Vec<u64>,
+    /// Values, `dim` floats per key.
+    pub values: Vec<f32>,
+    /// Scores (for rejected inputs: the score they would have had).
+    pub scores: Vec<u64>,
+    /// Why each entry is here.
+    pub kinds: Vec<Lost>,
+}
+
+impl Evictions {
+    /// Number of entries.
+    pub fn len(&self) -> usize {
+        self.keys.len()
+    }
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+    fn append(&mut self, mut o: Evictions) {
+        self.keys.append(&mut o.keys);
+        self.values.append(&mut o.values);
+        self.scores.append(&mut o.scores);
+        self.kinds.append(&mut o.kinds);
+    }
+}
+
+/// A predicate on key and score: `(key & key_mask) == key_pattern` and
+/// `min_score <= score <= max_score`. The default matches everything.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Filter {
+    /// Bits of the key to compare.
+    pub key_mask: u64,
+    /// Required value of those bits.
+    pub key_pattern: u64,
+    /// Smallest score that matches.
+    pub min_score: u64,
+    /// Largest score that matches.
+    pub max_score: u64,
+}
+
+impl Default for Filter {
+    fn default() -> Self {
+        Filter { key_mask: 0, key_pattern: 0, min_score: 0, max_score: u64::MAX }
+    }
+}
+
+impl Filter {
+    /// Matches every entry.
+    pub const ALL: Filter = Filter { key_mask: 0, key_pattern: 0, min_score: 0, max_score: u64::MAX };
+
+    /// Entries whose score is at least `min`.
+    pub fn score_at_least(min: u64) -> Filter {
+        Filter { min_score: min, ..Filter::ALL }
+    }
+
+    /// Entries whose score is below `threshold`.
+    pub fn score_below(threshold: u64) -> Filter {
+        Filter { max_score: threshold.saturating_sub(1), min_score: 0, ..Filter::ALL }
+    }
+
+    /// Whether an entry matches.
+    #[inline]
+    pub fn matches(&self, key: u64, score: u64) -> bool {
+        (key & self.key_mask) == self.key_pattern && score >= self.min_score && score <= self.max_score
+    }
+}
+
+/// Entries copied out by `export_batch(_if)`, compacted, in slot order.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Export {
+    /// Keys.
+    pub keys: Vec<u64>,
+    /// Values, `dim` floats per key.
+    pub values: Vec<f32>,
+    /// Scores.
+    pub scores: Vec<u64>,
+}
+
+/// Counters of one shard since creation.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ShardStats {
+    /// Entries stored.
+    pub size: u64,
+    /// Slots.
+    pub capacity: u64,
+    /// size / capacity.
+    pub load_factor: f64,
+    /// Batches per operation, indexed like [`Op::ALL`].
+    pub ops: Vec<u64>,
+    /// Keys per operation, indexed like [`Op::ALL`].
+    pub keys: Vec<u64>,
+    /// Lookups (find, contains, find_or_insert) that found their key.
+    pub hits: u64,
+    /// Lookups that did not.
+    pub misses: u64,
+    /// Keys placed in a free slot.
+    pub inserts: u64,
+    /// Keys placed by evicting another entry.
+    pub evictions: u64,
+    /// Keys refused by admission control.
+    pub rejections: u64,
+    /// Value bytes in the fast (device) tier.
+    pub fast_tier_bytes: u64,
+    /// Value bytes in the host tier.
+    pub host_tier_bytes: u64,
+    /// Lock-group state.
+    pub lock: LockState,
+}
+
+/// The operations, for statistics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[allow(missing_docs)]
+pub enum Op {
+    Find,
+    Contains,
+    InsertOrAssign,
+    InsertAndEvict,
+    FindOrInsert,
+    Assign,
+    AssignScores,
+    AccumOrAssign,
+    Erase,
+    EraseIf,
+    Clear,
+    Export,
+    Reserve,
+    Load,
+}
+
+impl Op {
+    /// Every op, in stats order.
+    pub const ALL: [Op; 14] = [
+        Op::Find,
+        Op::Contains,
+        Op::InsertOrAssign,
+        Op::InsertAndEvict,
+        Op::FindOrInsert,
+        Op::Assign,
+        Op::AssignScores,
+        Op::AccumOrAssign,
+        Op::Erase,
+        Op::EraseIf,
+        Op::Clear,
+        Op::Export,
+        Op::Reserve,
+        Op::Load,
+    ];
+
+    /// The snake_case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Find => "find",
+            Op::Contains => "contains",
+            Op::InsertOrAssign => "insert_or_assign",
+            Op::InsertAndEvict => "insert_and_evict",
+            Op::FindOrInsert => "find_or_insert",
+            Op::Assign => "assign",
+            Op::AssignScores => "assign_scores",
+            Op::AccumOrAssign => "accum_or_assign",
+            Op::Erase => "erase",
+            Op::EraseIf => "erase_if",
+            Op::Clear => "clear",
+            Op::Export => "export",
+            Op::Reserve => "reserve",
+            Op::Load => "load",
+        }
+    }
+
+    /// The lock group the op runs in.
+    pub fn group(self) -> Group {
+        match self {
+            Op::Find | Op::Contains | Op::Export => Group::Reader,
+            Op::Assign | Op::AssignScores => Group::Updater,
+            _ => Group::Inserter,
+        }
+    }
+}
+
+/// One table's slice on one device: the operations every backend implements.
+///
+/// All operations are batched. Output arrays are the caller's and must have
+/// the batch's length (times `dim` for values). On error nothing is changed.
+pub trait Shard: Send + Sync {
+    /// The configuration the shard was created with.
+    fn config(&self) -> &TableConfig;
+    /// f32 elements per value.
+    fn dim(&self) -> usize {
+        self.config().dim
+    }
+    /// Slots (buckets × 128); grows with `reserve` or automatic growth.
+    fn capacity(&self) -> u64;
+    /// Entries stored.
+    fn size(&self) -> u64;
+    /// size / capacity.
+    fn load_factor(&self) -> f64 {
+        self.size() as f64 / self.capacity() as f64
+    }
+    /// Sets the epoch used by EpochLru and EpochLfu scores.
+    fn set_global_epoch(&self, epoch: u32);
+
+    /// Copies the values (and scores) of present keys; misses leave the
+    /// caller's values untouched. Returns the number of hits. Reader group.
+    fn find(&self, keys: &[u64], values: &mut [f32], found: &mut [bool], scores: Option<&mut [u64]>) -> Result<usize>;
+    /// Presence only. Returns the number present. Reader group.
+    fn contains(&self, keys: &[u64], found: &mut [bool]) -> Result<usize>;
+    /// Upsert: present keys get the value and the policy's score; absent keys
+    /// are inserted, evicting or rejected. Inserter group.
+    fn insert_or_assign(
+        &self,
+        keys: &[u64],
+        values: &[f32],
+        scores: Option<&[u64]>,
+        outcomes: Option<&mut [Outcome]>,
+    ) -> Result<Summary>;
+    /// insert_or_assign that also returns every entry that lost its slot and
+    /// every refused input. Inserter group.
+    fn insert_and_evict(
+        &self,
+        keys: &[u64],
+        values: &[f32],
+        scores: Option<&[u64]>,
+        outcomes: Option<&mut [Outcome]>,
+    ) -> Result<Evictions>;
+    /// Present keys: stored value copied into `values[i]`, score refreshed.
+    /// Absent keys: `values[i]` inserted. Inserter group.
+    fn find_or_insert(
+        &self,
+        keys: &[u64],
+        values: &mut [f32],
+        scores: Option<&[u64]>,
+        outcomes: Option<&mut [Outcome]>,
+    ) -> Result<Summary>;
+    /// Overwrites values of present keys (score per policy); absent keys are
+    /// ignored. Updater group.
+    fn assign(
+        &self,
+        keys: &[u64],
+        values: &[f32],
+        scores: Option<&[u64]>,
+        outcomes: Option<&mut [Outcome]>,
+    ) -> Result<Summary>;
+    /// Writes scores of present keys per policy. Updater group.
+    fn assign_scores(&self, keys: &[u64], scores: Option<&[u64]>, outcomes: Option<&mut [Outcome]>) -> Result<Summary>;
+    /// Present keys: value += delta (updater group). Absent keys: the delta is
+    /// inserted as the value (inserter group, only if any key is absent).
+    fn accum_or_assign(
+        &self,
+        keys: &[u64],
+        deltas: &[f32],
+        scores: Option<&[u64]>,
+        outcomes: Option<&mut [Outcome]>,
+    ) -> Result<Summary>;
+    /// Removes keys; returns how many were present. Inserter group.
+    fn erase(&self, keys: &[u64], erased: Option<&mut [bool]>) -> Result<usize>;
+    /// Removes every entry matching the filter; returns the count. Inserter group.
+    fn erase_if(&self, filter: &Filter) -> Result<u64>;
+    /// Removes everything; capacity is kept. Inserter group.
+    fn clear(&self) -> Result<()>;
+    /// Entries in slots `[offset, offset + n)`, compacted. Reader group.
+    fn export_batch(&self, offset: u64, n: u64) -> Result<Export> {
+        self.export_batch_if(offset, n, &Filter::ALL)
+    }
+    /// export_batch restricted to entries matching the filter. Reader group.
+    fn export_batch_if(&self, offset: u64, n: u64, filter: &Filter) -> Result<Export>;
+    /// Grows (by doubling buckets) to at least `capacity` slots. Inserter group.
+    fn reserve(&self, capacity: u64) -> Result<()>;
+    /// Inserts entries with their scores verbatim, whatever the policy
+    /// (restore from a checkpoint). Inserter group.
+    fn load(&self, keys: &[u64], values: &[f32], scores: &[u64]) -> Result<Summary>;
+    /// Counters and lock state.
+    fn stats(&self) -> ShardStats;
+}
+
+/// Which backend a shard runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// CUDA when a driver and a device are present, else CPU.
+    #[default]
+    Auto,
+    /// Host memory, all cores.
+    Cpu,
+    /// One CUDA device.
+    Cuda,
+}
+
+/// Opens a shard on the chosen backend.
+pub fn open(config: TableConfig, backend: Backend) -> Result<Box<dyn Shard>> {
+    match backend {
+        Backend::Auto | Backend::Cpu => Ok(Box::new(cpu::CpuTable::new(config)?)),
+        Backend::Cuda => Err(Error::Unavailable("this build has no CUDA backend yet; use the cpu backend".into())),
+    }
+}
