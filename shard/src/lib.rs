@@ -155,7 +155,7 @@ impl Summary {
 }
 
 /// Why an entry appears in `insert_and_evict`'s output.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[repr(u8)]
 pub enum Lost {
     /// A resident entry that lost its slot to a newcomer.

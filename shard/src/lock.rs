@@ -1,9 +1,11 @@
 //! The triple-group lock (paper §3.5): readers share with readers, updaters
 //! with updaters, an inserter runs alone.
 //!
-//! A group may enter when the lock is idle, or when its own (shareable) group
-//! is active and no other group is waiting: waiting groups block newcomers,
-//! so a stream of readers cannot starve an inserter. State is observable.
+//! The lock is phase-fair. A newcomer joins a running shareable group only
+//! while no other group waits. When the last holder leaves and others wait,
+//! the next waiting group in rotation (reader → updater → inserter) gets the
+//! next phase, and all its waiters enter together (one, for inserters). So
+//! no group starves and sharing still happens under mixed load.
 
 use std::time::Instant;
 
@@ -42,15 +44,38 @@ pub struct LockState {
     pub wait_ns: [u64; 3],
     /// Largest number of operations seen running at once, per group.
     pub max_running: [u32; 3],
-    /// Times the admission rule found two groups running together or two
-    /// inserters at once. Always 0 unless the lock is broken.
+    /// Times an entering operation found another group running, or another
+    /// inserter. Always 0 unless the lock is broken.
     pub violations: u64,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    s: LockState,
+    /// The group granted the next phase, while its waiters are entering.
+    turn: Option<Group>,
+    /// Waiters of `turn` still to enter.
+    admit: u32,
+}
+
+impl Inner {
+    fn others_wait(&self, g: Group) -> bool {
+        Group::ALL.iter().any(|&o| o != g && self.s.waiting[o as usize] > 0)
+    }
+
+    /// May a newcomer (not yet waiting) enter?
+    fn newcomer_may_enter(&self, g: Group) -> bool {
+        match self.s.active {
+            None => self.turn.is_none(),
+            Some(a) => a == g && g != Group::Inserter && self.turn.is_none() && !self.others_wait(g),
+        }
+    }
 }
 
 /// The lock. `acquire` returns a guard that releases on drop.
 #[derive(Debug, Default)]
 pub struct GroupLock {
-    state: Mutex<LockState>,
+    inner: Mutex<Inner>,
     cond: Condvar,
 }
 
@@ -67,55 +92,59 @@ impl GroupLock {
         Self::default()
     }
 
-    fn may_enter(s: &LockState, g: Group) -> bool {
-        match s.active {
-            None => true,
-            Some(a) if a == g && g != Group::Inserter => {
-                // Same shareable group: join unless another group waits.
-                Group::ALL.iter().all(|&o| o == g || s.waiting[o as usize] == 0)
-            }
-            _ => false,
-        }
-    }
-
     /// Blocks until `group` may run, then returns its guard.
     pub fn acquire(&self, group: Group) -> GroupGuard<'_> {
         let gi = group as usize;
-        let mut s = self.state.lock();
-        if !Self::may_enter(&s, group) {
+        let mut inner = self.inner.lock();
+        if !inner.newcomer_may_enter(group) {
             let start = Instant::now();
-            s.waiting[gi] += 1;
-            s.waits[gi] += 1;
-            while !Self::may_enter(&s, group) {
-                self.cond.wait(&mut s);
+            inner.s.waiting[gi] += 1;
+            inner.s.waits[gi] += 1;
+            loop {
+                self.cond.wait(&mut inner);
+                if inner.turn == Some(group) && inner.admit > 0 {
+                    inner.admit -= 1;
+                    if inner.admit == 0 {
+                        inner.turn = None;
+                    }
+                    break;
+                }
             }
-            s.waiting[gi] -= 1;
-            s.wait_ns[gi] += start.elapsed().as_nanos() as u64;
+            inner.s.waiting[gi] -= 1;
+            inner.s.wait_ns[gi] += start.elapsed().as_nanos() as u64;
+        }
+        let s = &mut inner.s;
+        let others: u32 = Group::ALL.iter().filter(|&&o| o != group).map(|&o| s.running[o as usize]).sum();
+        if others > 0 || (group == Group::Inserter && s.running[gi] > 0) {
+            s.violations += 1;
         }
         s.active = Some(group);
         s.running[gi] += 1;
         s.max_running[gi] = s.max_running[gi].max(s.running[gi]);
-        let others = Group::ALL.iter().filter(|&&o| o != group).map(|&o| s.running[o as usize]).sum::<u32>();
-        if others > 0 || (group == Group::Inserter && s.running[gi] > 1) {
-            s.violations += 1;
-        }
         GroupGuard { lock: self, group }
     }
 
     /// A copy of the current state.
     pub fn state(&self) -> LockState {
-        self.state.lock().clone()
+        self.inner.lock().s.clone()
     }
 }
 
 impl Drop for GroupGuard<'_> {
     fn drop(&mut self) {
-        let mut s = self.lock.state.lock();
+        let mut inner = self.lock.inner.lock();
         let gi = self.group as usize;
-        s.running[gi] -= 1;
-        if s.running[gi] == 0 {
-            s.active = None;
-            drop(s);
+        inner.s.running[gi] -= 1;
+        if inner.s.running[gi] > 0 {
+            return;
+        }
+        inner.s.active = None;
+        // Hand the next phase to the next waiting group in rotation.
+        let next = (1..=3).map(|d| Group::ALL[(gi + d) % 3]).find(|&g| inner.s.waiting[g as usize] > 0);
+        if let Some(g) = next {
+            inner.turn = Some(g);
+            inner.admit = if g == Group::Inserter { 1 } else { inner.s.waiting[g as usize] };
+            drop(inner);
             self.lock.cond.notify_all();
         }
     }

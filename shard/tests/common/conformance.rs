@@ -1,0 +1,460 @@
+//! The conformance suite: one body per behaviour, run against every backend
+//! by `conformance_suite!` (see `tests/cpu.rs`). Each test builds its table
+//! through the `make` function it is given, so a backend only supplies that.
+
+#![allow(dead_code)]
+
+use std::collections::{HashMap, HashSet};
+
+use hkv_shard::hash::bucket1;
+use hkv_shard::{BucketMode, Error, Filter, Lost, Outcome, ScorePolicy, Shard, TableConfig, RESERVED_KEY_MIN};
+
+pub type Make = fn(TableConfig) -> Box<dyn Shard>;
+
+pub fn vals(keys: &[u64], dim: usize, salt: f32) -> Vec<f32> {
+    keys.iter().flat_map(|&k| (0..dim).map(move |d| (k % 1000) as f32 + d as f32 * 0.5 + salt)).collect()
+}
+
+fn find_all(t: &dyn Shard, keys: &[u64]) -> (Vec<f32>, Vec<bool>, Vec<u64>) {
+    let mut v = vec![0.0; keys.len() * t.dim()];
+    let mut f = vec![false; keys.len()];
+    let mut s = vec![0; keys.len()];
+    t.find(keys, &mut v, &mut f, Some(&mut s)).unwrap();
+    (v, f, s)
+}
+
+/// Keys that all land in bucket 0 of a table with `buckets` buckets.
+pub fn keys_in_bucket0(buckets: u64, n: usize, from: u64) -> Vec<u64> {
+    (from..).filter(|&k| bucket1(k, buckets) == 0).take(n).collect()
+}
+
+pub fn round_trip(make: Make) {
+    for dim in [1, 8, 33] {
+        for mode in [BucketMode::Single, BucketMode::Dual] {
+            let t = make(TableConfig::new(4096, dim).mode(mode));
+            let keys: Vec<u64> = (0..1000).map(|i| i * 7919 + 1).collect();
+            let v = vals(&keys, dim, 0.25);
+            let s = t.insert_or_assign(&keys, &v, None, None).unwrap();
+            assert_eq!(s.inserted, 1000);
+            assert_eq!(t.size(), 1000);
+            let (got, found, _) = find_all(&*t, &keys);
+            assert!(found.iter().all(|&f| f));
+            assert_eq!(got, v);
+            // Overwrite half: updated, values replaced.
+            let v2 = vals(&keys[..500], dim, 9.0);
+            let s = t.insert_or_assign(&keys[..500], &v2, None, None).unwrap();
+            assert_eq!(s.updated, 500);
+            assert_eq!(t.size(), 1000);
+            let (got, _, _) = find_all(&*t, &keys[..500]);
+            assert_eq!(got, v2);
+            // Misses leave the caller's buffer alone.
+            let missing = [3u64, 5, 9];
+            let mut out = vec![-7.0; 3 * dim];
+            let mut f = vec![true; 3];
+            assert_eq!(t.find(&missing, &mut out, &mut f, None).unwrap(), 0);
+            assert!(out.iter().all(|&x| x == -7.0) && f.iter().all(|&x| !x));
+            let mut c = vec![false; keys.len()];
+            assert_eq!(t.contains(&keys, &mut c).unwrap(), 1000);
+            assert!((t.load_factor() - 1000.0 / t.capacity() as f64).abs() < 1e-12);
+        }
+    }
+}
+
+pub fn bad_input_is_refused_whole(make: Make) {
+    let t = make(TableConfig::new(1024, 4).policy(ScorePolicy::Custom));
+    let keys = [1u64, 2, RESERVED_KEY_MIN + 1, 4];
+    let v = vals(&keys, 4, 0.0);
+    let err = t.insert_or_assign(&keys, &v, Some(&[1, 1, 1, 1]), None).unwrap_err();
+    assert_eq!(err, Error::ReservedKey { key: RESERVED_KEY_MIN + 1, index: 2 });
+    assert!(err.to_string().contains("index 2"), "{err}");
+    assert_eq!(t.size(), 0, "nothing of a refused batch is applied");
+    for k in [u64::MAX, u64::MAX - 1, u64::MAX - 2, u64::MAX - 3] {
+        let mut f = [false];
+        assert!(matches!(t.contains(&[k], &mut f), Err(Error::ReservedKey { .. })));
+        assert!(matches!(t.erase(&[k], None), Err(Error::ReservedKey { .. })));
+    }
+    assert!(t.insert_or_assign(&[u64::MAX - 4], &[0.0; 4], Some(&[1]), None).is_ok(), "MAX-4 is a normal key");
+    let err = t.insert_or_assign(&[1, 2], &[0.0; 7], Some(&[1, 1]), None).unwrap_err();
+    assert!(matches!(err, Error::Length { what: "values", expected: 8, got: 7, .. }), "{err}");
+    let err = t.insert_or_assign(&[1, 2], &[0.0; 8], Some(&[1]), None).unwrap_err();
+    assert!(matches!(err, Error::Length { what: "scores", expected: 2, got: 1, .. }));
+    assert!(matches!(t.insert_or_assign(&[1], &[0.0; 4], None, None), Err(Error::ScoresRequired { .. })));
+    let mut v = [0.0; 4];
+    assert!(matches!(t.find(&[1], &mut v, &mut [false, false], None), Err(Error::Length { what: "found", .. })));
+    let lru = make(TableConfig::new(1024, 4));
+    assert!(matches!(lru.insert_or_assign(&[1], &[0.0; 4], Some(&[5]), None), Err(Error::ScoresNotAccepted { .. })));
+    // Empty batches are fine.
+    assert_eq!(t.insert_or_assign(&[], &[], Some(&[]), None).unwrap().inserted, 0);
+}
+
+pub fn bad_config_is_refused() -> Vec<TableConfig> {
+    vec![
+        TableConfig::new(1024, 0),
+        TableConfig::new(0, 8),
+        TableConfig::new(1024, 8).max_capacity(512),
+        TableConfig { max_load_factor: 0.0, ..TableConfig::new(1024, 8) },
+    ]
+}
+
+/// Algorithm 2 in one full bucket, Custom scores: eviction of the minimum,
+/// admission of equal scores, rejection below.
+pub fn full_bucket_evicts_min_and_rejects_below(make: Make) {
+    let t = make(TableConfig::new(128, 2).policy(ScorePolicy::Custom));
+    let keys: Vec<u64> = (1..=128).collect();
+    let scores: Vec<u64> = keys.iter().map(|k| 100 + k).collect(); // 101..=228
+    t.insert_or_assign(&keys, &vals(&keys, 2, 0.0), Some(&scores), None).unwrap();
+    assert_eq!(t.size(), 128);
+    let mut out = [Outcome::Absent; 3];
+    let ev = t
+        .insert_and_evict(
+            &[1000, 1001, 1002],
+            &vals(&[1000, 1001, 1002], 2, 0.0),
+            Some(&[50, 101, 300]),
+            Some(&mut out),
+        )
+        .unwrap();
+    // 1000 (score 50 < min 101): rejected. 1001 (101 == min): admitted,
+    // evicts key 1, and is now the minimum itself, so 1002 (300) evicts it.
+    assert_eq!(out, [Outcome::Rejected, Outcome::Evicted, Outcome::Evicted]);
+    let mut got: Vec<(u64, u64, Lost)> = (0..ev.len()).map(|i| (ev.keys[i], ev.scores[i], ev.kinds[i])).collect();
+    got.sort();
+    assert_eq!(got, vec![(1, 101, Lost::Evicted), (1000, 50, Lost::Rejected), (1001, 101, Lost::Evicted)]);
+    let i1 = ev.keys.iter().position(|&k| k == 1).unwrap();
+    assert_eq!(&ev.values[i1 * 2..i1 * 2 + 2], &vals(&[1], 2, 0.0)[..], "evicted entry carries its own value");
+    let (_, f, s) = find_all(&*t, &[1000, 1001, 1002, 1, 2, 3]);
+    assert_eq!(f, [false, false, true, false, true, true]);
+    assert_eq!(s[2], 300);
+    assert_eq!(t.size(), 128);
+    let st = t.stats();
+    assert_eq!((st.evictions, st.rejections), (2, 1));
+}
+
+/// Each policy's rules in one full bucket (the reference's evict_strategy tests).
+pub fn policies_keep_the_right_keys(make: Make) {
+    // Lfu: frequent keys survive a wave of newcomers; newcomers are admitted.
+    let t = make(TableConfig::new(128, 1).policy(ScorePolicy::Lfu));
+    let keys: Vec<u64> = (1..=128).collect();
+    t.insert_or_assign(&keys, &vals(&keys, 1, 0.0), None, None).unwrap();
+    t.insert_or_assign(&keys[64..], &vals(&keys[64..], 1, 0.0), Some(&[5; 64]), None).unwrap();
+    let (_, _, s) = find_all(&*t, &keys[63..65]);
+    assert_eq!(s, [1, 6]);
+    let new: Vec<u64> = (1000..1064).collect();
+    let out = t.insert_or_assign(&new, &vals(&new, 1, 0.0), None, None).unwrap();
+    assert_eq!(out.evicted, 64);
+    let (_, f, _) = find_all(&*t, &keys[64..]);
+    assert!(f.iter().all(|&x| x), "frequent keys survive");
+    // EpochLfu: epoch in the high half, saturating low half.
+    let t = make(TableConfig::new(128, 1).policy(ScorePolicy::EpochLfu));
+    t.set_global_epoch(7);
+    t.insert_or_assign(&[5], &[0.0], Some(&[3]), None).unwrap();
+    t.insert_or_assign(&[5], &[0.0], Some(&[u32::MAX as u64]), None).unwrap();
+    assert_eq!(find_all(&*t, &[5]).2, [(7u64 << 32) | 0xffff_ffff]);
+    // EpochLru: an older epoch cannot displace a newer one.
+    let t = make(TableConfig::new(128, 1).policy(ScorePolicy::EpochLru));
+    t.set_global_epoch(9);
+    t.insert_or_assign(&keys, &vals(&keys, 1, 0.0), None, None).unwrap();
+    assert!(find_all(&*t, &[1]).2[0] >> 32 == 9);
+    t.set_global_epoch(8);
+    let s = t.insert_or_assign(&[5000], &[0.0], None, None).unwrap();
+    assert_eq!(s.rejected, 1, "a key of an older epoch is refused in a full bucket");
+    t.set_global_epoch(10);
+    let s = t.insert_or_assign(&[5000], &[0.0], None, None).unwrap();
+    assert_eq!(s.evicted, 1);
+    // Lru: the most recently written keys survive.
+    let t = make(TableConfig::new(128, 1).policy(ScorePolicy::Lru));
+    t.insert_or_assign(&keys, &vals(&keys, 1, 0.0), None, None).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(2));
+    t.insert_or_assign(&keys[..10], &vals(&keys[..10], 1, 0.0), None, None).unwrap();
+    let new: Vec<u64> = (2000..2100).collect();
+    std::thread::sleep(std::time::Duration::from_millis(2));
+    t.insert_or_assign(&new, &vals(&new, 1, 0.0), None, None).unwrap();
+    let (_, f, _) = find_all(&*t, &keys[..10]);
+    assert!(f.iter().all(|&x| x), "recently written keys survive");
+}
+
+/// insert_and_evict under heavy eviction: inserted = size + evicted, and
+/// the union of evicted and exported entries is every key with its own value.
+pub fn insert_and_evict_conserves_entries(make: Make) {
+    for mode in [BucketMode::Single, BucketMode::Dual] {
+        for policy in [ScorePolicy::Lru, ScorePolicy::Custom, ScorePolicy::Lfu] {
+            let dim = 3;
+            let t = make(TableConfig::new(1024, dim).mode(mode).policy(policy));
+            let mut all: HashMap<u64, Vec<f32>> = HashMap::new();
+            let mut gone: HashMap<u64, Vec<f32>> = HashMap::new();
+            let mut refused = 0;
+            for round in 0..8u64 {
+                let keys: Vec<u64> = (0..700).map(|i| round * 1_000_003 + i * 13 + 1).collect();
+                let v = vals(&keys, dim, round as f32);
+                let scores: Vec<u64> = keys.iter().map(|k| k % 97).collect();
+                let sc = policy.takes_scores().then_some(&scores[..]);
+                let ev = t.insert_and_evict(&keys, &v, sc, None).unwrap();
+                for (i, &k) in keys.iter().enumerate() {
+                    all.insert(k, v[i * dim..(i + 1) * dim].to_vec());
+                }
+                for i in 0..ev.len() {
+                    let row = ev.values[i * dim..(i + 1) * dim].to_vec();
+                    assert_eq!(all[&ev.keys[i]], row, "entry {} came back with another value", ev.keys[i]);
+                    match ev.kinds[i] {
+                        Lost::Evicted => assert!(gone.insert(ev.keys[i], row).is_none()),
+                        Lost::Rejected => refused += 1,
+                    }
+                }
+            }
+            let exp = t.export_batch(0, t.capacity()).unwrap();
+            assert_eq!(exp.keys.len() as u64, t.size());
+            let mut seen = HashSet::new();
+            for (i, &k) in exp.keys.iter().enumerate() {
+                assert!(seen.insert(k));
+                assert_eq!(all[&k], exp.values[i * dim..(i + 1) * dim].to_vec());
+                assert!(!gone.contains_key(&k));
+            }
+            assert_eq!(all.len(), exp.keys.len() + gone.len() + refused, "{mode:?} {policy:?}");
+        }
+    }
+}
+
+pub fn find_or_insert_and_accumulate(make: Make) {
+    for mode in [BucketMode::Single, BucketMode::Dual] {
+        let t = make(TableConfig::new(1024, 2).mode(mode).policy(ScorePolicy::Lfu));
+        t.insert_or_assign(&[1, 2], &[1.0, 1.0, 2.0, 2.0], None, None).unwrap();
+        let mut v = vec![9.0, 9.0, 8.0, 8.0, 7.0, 7.0];
+        let mut out = [Outcome::Absent; 3];
+        t.find_or_insert(&[1, 3, 2], &mut v, Some(&[2, 4, 1]), Some(&mut out)).unwrap();
+        assert_eq!(out, [Outcome::Updated, Outcome::Inserted, Outcome::Updated]);
+        assert_eq!(v, [1.0, 1.0, 8.0, 8.0, 2.0, 2.0]);
+        let (got, _, s) = find_all(&*t, &[1, 2, 3]);
+        assert_eq!(got, [1.0, 1.0, 2.0, 2.0, 8.0, 8.0]);
+        assert_eq!(s, [3, 2, 4], "a hit in find_or_insert refreshes the score");
+        let mut out = [Outcome::Absent; 3];
+        t.accum_or_assign(&[1, 4, 3], &[0.5, 0.5, 4.0, 4.0, 1.0, -1.0], None, Some(&mut out)).unwrap();
+        assert_eq!(out, [Outcome::Updated, Outcome::Inserted, Outcome::Updated]);
+        let (got, _, _) = find_all(&*t, &[1, 4, 3]);
+        assert_eq!(got, [1.5, 1.5, 4.0, 4.0, 9.0, 7.0]);
+    }
+}
+
+pub fn assign_touches_only_present_keys(make: Make) {
+    for mode in [BucketMode::Single, BucketMode::Dual] {
+        let t = make(TableConfig::new(1024, 1).mode(mode).policy(ScorePolicy::Custom));
+        t.insert_or_assign(&[1, 2], &[1.0, 2.0], Some(&[10, 20]), None).unwrap();
+        let mut out = [Outcome::Absent; 2];
+        let s = t.assign(&[2, 3], &[5.0, 6.0], Some(&[7, 8]), Some(&mut out)).unwrap();
+        assert_eq!((s.updated, s.absent), (1, 1));
+        assert_eq!(out, [Outcome::Updated, Outcome::Absent]);
+        let s = t.assign_scores(&[1, 3], Some(&[99, 1]), None).unwrap();
+        assert_eq!(s.updated, 1);
+        let (v, f, sc) = find_all(&*t, &[1, 2, 3]);
+        assert_eq!((v, f, sc), (vec![1.0, 5.0, 0.0], vec![true, true, false], vec![99, 7, 0]));
+        // Without scores, Custom keeps them.
+        t.assign(&[1], &[3.0], None, None).unwrap();
+        assert_eq!(find_all(&*t, &[1]).2, [99]);
+        assert_eq!(t.size(), 2);
+    }
+}
+
+pub fn erase_clear_and_reuse(make: Make) {
+    for mode in [BucketMode::Single, BucketMode::Dual] {
+        let t = make(TableConfig::new(2048, 2).mode(mode).policy(ScorePolicy::Custom));
+        let keys: Vec<u64> = (0..5000).collect();
+        let scores: Vec<u64> = keys.iter().map(|k| k % 50).collect();
+        t.insert_or_assign(&keys, &vals(&keys, 2, 0.0), Some(&scores), None).unwrap();
+        let full = t.size();
+        assert_eq!(full, t.capacity(), "heavy insertion fills every slot");
+        let exp = t.export_batch(0, u64::MAX).unwrap();
+        let mut erased = vec![false; exp.keys.len() + 1];
+        let mut ek = exp.keys.clone();
+        ek.push(999_999);
+        assert_eq!(t.erase(&ek, Some(&mut erased)).unwrap(), exp.keys.len());
+        assert!(!erased[exp.keys.len()]);
+        assert_eq!(t.size(), 0);
+        // Freed slots are fully reusable. (Dual mode may place the same set
+        // differently the second time, so a few may not fit.)
+        t.insert_or_assign(&exp.keys, &exp.values, Some(&exp.scores), None).unwrap();
+        let full = t.size();
+        match mode {
+            BucketMode::Single => assert_eq!(full, exp.keys.len() as u64),
+            BucketMode::Dual => assert!(full as f64 > 0.95 * exp.keys.len() as f64),
+        }
+        let now = t.export_batch(0, u64::MAX).unwrap();
+        let n = t.erase_if(&Filter::score_below(10)).unwrap();
+        assert_eq!(n as usize, now.scores.iter().filter(|&&s| s < 10).count());
+        assert!(n > 0);
+        assert_eq!(t.size(), full - n);
+        let odd = Filter { key_mask: 1, key_pattern: 1, ..Filter::ALL };
+        let e = t.export_batch_if(0, u64::MAX, &odd).unwrap();
+        assert!(e.keys.iter().all(|k| k % 2 == 1) && !e.keys.is_empty());
+        t.clear().unwrap();
+        assert_eq!(t.size(), 0);
+        assert_eq!(t.capacity(), 2048);
+        assert!(t.export_batch(0, u64::MAX).unwrap().keys.is_empty());
+    }
+}
+
+/// Exporting in slot ranges of any size visits every entry exactly once.
+pub fn export_in_ranges(make: Make) {
+    let t = make(TableConfig::new(4096, 4).policy(ScorePolicy::Custom));
+    let keys: Vec<u64> = (10..3000).collect();
+    let scores: Vec<u64> = keys.to_vec();
+    t.insert_or_assign(&keys, &vals(&keys, 4, 0.0), Some(&scores), None).unwrap();
+    for chunk in [1u64, 100, 128, 1000, 5000] {
+        let mut got = vec![];
+        let mut off = 0;
+        while off < t.capacity() {
+            let e = t.export_batch(off, chunk).unwrap();
+            for (i, &k) in e.keys.iter().enumerate() {
+                assert_eq!(e.scores[i], k);
+                assert_eq!(e.values[i * 4..i * 4 + 4], vals(&[k], 4, 0.0)[..]);
+            }
+            got.extend(e.keys);
+            off += chunk;
+        }
+        got.sort();
+        assert_eq!(got, keys.iter().copied().filter(|k| find_all(&*t, &[*k]).1[0]).collect::<Vec<_>>());
+        assert_eq!(got.len() as u64, t.size());
+    }
+    assert!(t.export_batch(t.capacity(), 10).unwrap().keys.is_empty());
+    let e = t.export_batch_if(0, u64::MAX, &Filter::score_at_least(2990)).unwrap();
+    assert_eq!(e.keys.len(), e.scores.iter().filter(|&&s| s >= 2990).count());
+    assert!(e.scores.iter().all(|&s| s >= 2990));
+}
+
+pub fn growth_doubles_up_to_max(make: Make) {
+    for mode in [BucketMode::Single, BucketMode::Dual] {
+        let t = make(TableConfig { max_load_factor: 0.5, ..TableConfig::new(1024, 2).max_capacity(8192).mode(mode) });
+        let keys: Vec<u64> = (0..3000).map(|i| i * 31 + 7).collect();
+        t.insert_or_assign(&keys, &vals(&keys, 2, 1.0), None, None).unwrap();
+        assert_eq!(t.capacity(), 8192, "1024 -> 2048 -> 4096 -> 8192");
+        assert_eq!(t.size(), 3000, "growth keeps every entry");
+        let (v, f, _) = find_all(&*t, &keys);
+        assert!(f.iter().all(|&x| x));
+        assert_eq!(v, vals(&keys, 2, 1.0));
+        // At max capacity the table evicts instead of growing.
+        let more: Vec<u64> = (0..20000).map(|i| i * 17 + 1_000_000).collect();
+        t.insert_or_assign(&more, &vals(&more, 2, 0.0), None, None).unwrap();
+        assert_eq!(t.capacity(), 8192);
+        assert!(t.size() <= 8192);
+        assert!(matches!(t.reserve(16384), Err(Error::Capacity { .. })));
+    }
+    let t = make(TableConfig::new(128, 1).max_capacity(1024));
+    t.insert_or_assign(&[1, 2, 3], &[1.0, 2.0, 3.0], None, None).unwrap();
+    t.reserve(1000).unwrap();
+    assert_eq!(t.capacity(), 1024);
+    assert_eq!(find_all(&*t, &[1, 2, 3]).0, [1.0, 2.0, 3.0]);
+}
+
+/// Dual mode fills far beyond single mode before the first eviction.
+pub fn dual_mode_fills_before_evicting(make: Make) {
+    let first_eviction = |mode| {
+        let t = make(TableConfig::new(128 * 256, 1).mode(mode));
+        let mut k = 1u64;
+        loop {
+            let keys: Vec<u64> = (k..k + 256).collect();
+            k += 256;
+            let mut out = vec![Outcome::Absent; 256];
+            let size0 = t.size();
+            t.insert_or_assign(&keys, &vals(&keys, 1, 0.0), None, Some(&mut out)).unwrap();
+            if let Some(i) = out.iter().position(|o| *o == Outcome::Evicted) {
+                return (size0 + i as u64) as f64 / t.capacity() as f64;
+            }
+        }
+    };
+    let single = first_eviction(BucketMode::Single);
+    let dual = first_eviction(BucketMode::Dual);
+    assert!((0.45..0.8).contains(&single), "single {single}");
+    assert!(dual > 0.95, "dual {dual}");
+}
+
+/// Duplicate keys in a batch: applied one after the other, never stored twice.
+pub fn duplicate_keys_in_a_batch(make: Make) {
+    for mode in [BucketMode::Single, BucketMode::Dual] {
+        let t = make(TableConfig::new(1024, 1).mode(mode));
+        let mut out = [Outcome::Absent; 3];
+        t.insert_or_assign(&[7, 7, 7], &[1.0, 2.0, 3.0], None, Some(&mut out)).unwrap();
+        assert_eq!(out, [Outcome::Inserted, Outcome::Updated, Outcome::Updated]);
+        assert_eq!(t.size(), 1);
+        assert_eq!(find_all(&*t, &[7]).0, [3.0], "small batches apply in index order");
+        // A large (parallel) batch of 1024 copies of a few keys.
+        let keys: Vec<u64> = (0..20_000u64).map(|i| i % 5 + 100).collect();
+        t.insert_or_assign(&keys, &vals(&keys, 1, 0.0), None, None).unwrap();
+        assert_eq!(t.size(), 6);
+        let e = t.export_batch(0, u64::MAX).unwrap();
+        assert_eq!(e.keys.iter().collect::<HashSet<_>>().len(), 6);
+        t.accum_or_assign(&keys, &vec![1.0; keys.len()], None, None).unwrap();
+        let (v, _, _) = find_all(&*t, &[100]);
+        assert_eq!(v[0], 100.0 + 4000.0, "every duplicate accumulates");
+    }
+}
+
+/// Large batches take the parallel path; results equal the sequential truth.
+pub fn large_batches(make: Make) {
+    for mode in [BucketMode::Single, BucketMode::Dual] {
+        let dim = 4;
+        let t = make(TableConfig::new(1 << 18, dim).mode(mode));
+        let keys: Vec<u64> = (0..100_000u64).map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 3).collect();
+        let v = vals(&keys, dim, 0.5);
+        let s = t.insert_or_assign(&keys, &v, None, None).unwrap();
+        assert_eq!(s.inserted + s.evicted, 100_000);
+        let (got, f, _) = find_all(&*t, &keys);
+        let hits = f.iter().filter(|&&x| x).count() as u64;
+        assert_eq!(hits, t.size());
+        for (i, &hit) in f.iter().enumerate() {
+            if hit {
+                assert_eq!(got[i * dim..(i + 1) * dim], v[i * dim..(i + 1) * dim]);
+            }
+        }
+        let mut fv = v.clone();
+        let s = t.find_or_insert(&keys, &mut fv, None, None).unwrap();
+        assert_eq!(s.updated, hits);
+        assert_eq!(t.erase(&keys, None).unwrap() as u64, hits);
+        assert_eq!(t.size(), 0);
+    }
+}
+
+/// Stats count what happened.
+pub fn stats_count_operations(make: Make) {
+    let t = make(TableConfig::new(1024, 1));
+    t.insert_or_assign(&[1, 2, 3], &[0.0; 3], None, None).unwrap();
+    let mut v = [0.0; 4];
+    t.find(&[1, 2, 8, 9], &mut v, &mut [false; 4], None).unwrap();
+    let st = t.stats();
+    assert_eq!((st.size, st.capacity, st.hits, st.misses, st.inserts), (3, 1024, 2, 2, 3));
+    let i = hkv_shard::Op::ALL.iter().position(|o| *o == hkv_shard::Op::Find).unwrap();
+    assert_eq!((st.ops[i], st.keys[i]), (1, 4));
+    assert_eq!(st.lock.active, None);
+}
+
+/// Buckets are filled through their candidates only (placement sanity).
+pub fn keys_in_one_bucket_compete(make: Make) {
+    let t = make(TableConfig::new(128 * 4, 1).policy(ScorePolicy::Custom));
+    let keys = keys_in_bucket0(4, 200, 1);
+    let scores: Vec<u64> = (0..200).collect();
+    let s = t.insert_or_assign(&keys, &vals(&keys, 1, 0.0), Some(&scores), None).unwrap();
+    assert_eq!((s.inserted, s.evicted), (128, 72));
+    assert_eq!(t.size(), 128);
+    let e = t.export_batch(0, u64::MAX).unwrap();
+    let mut sc = e.scores.clone();
+    sc.sort();
+    assert_eq!(sc, (72..200).collect::<Vec<u64>>(), "the 128 highest scores survive");
+}
+
+#[macro_export]
+macro_rules! conformance_suite {
+    ($make:expr $(, #[$attr:meta])?) => {
+        use $crate::common::conformance as c;
+        #[test] $(#[$attr])? fn round_trip() { c::round_trip($make) }
+        #[test] $(#[$attr])? fn bad_input_is_refused_whole() { c::bad_input_is_refused_whole($make) }
+        #[test] $(#[$attr])? fn full_bucket_evicts_min_and_rejects_below() { c::full_bucket_evicts_min_and_rejects_below($make) }
+        #[test] $(#[$attr])? fn policies_keep_the_right_keys() { c::policies_keep_the_right_keys($make) }
+        #[test] $(#[$attr])? fn insert_and_evict_conserves_entries() { c::insert_and_evict_conserves_entries($make) }
+        #[test] $(#[$attr])? fn find_or_insert_and_accumulate() { c::find_or_insert_and_accumulate($make) }
+        #[test] $(#[$attr])? fn assign_touches_only_present_keys() { c::assign_touches_only_present_keys($make) }
+        #[test] $(#[$attr])? fn erase_clear_and_reuse() { c::erase_clear_and_reuse($make) }
+        #[test] $(#[$attr])? fn export_in_ranges() { c::export_in_ranges($make) }
+        #[test] $(#[$attr])? fn growth_doubles_up_to_max() { c::growth_doubles_up_to_max($make) }
+        #[test] $(#[$attr])? fn dual_mode_fills_before_evicting() { c::dual_mode_fills_before_evicting($make) }
+        #[test] $(#[$attr])? fn duplicate_keys_in_a_batch() { c::duplicate_keys_in_a_batch($make) }
+        #[test] $(#[$attr])? fn large_batches() { c::large_batches($make) }
+        #[test] $(#[$attr])? fn stats_count_operations() { c::stats_count_operations($make) }
+        #[test] $(#[$attr])? fn keys_in_one_bucket_compete() { c::keys_in_one_bucket_compete($make) }
+    };
+}
