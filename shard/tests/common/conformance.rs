@@ -276,8 +276,11 @@ pub fn erase_clear_and_reuse(make: Make) {
             BucketMode::Dual => assert!(full as f64 > 0.95 * exp.keys.len() as f64),
         }
         let now = t.export_batch(0, u64::MAX).unwrap();
-        let n = t.erase_if(&Filter::score_below(10)).unwrap();
-        assert_eq!(n as usize, now.scores.iter().filter(|&&s| s < 10).count());
+        let mut sorted = now.scores.clone();
+        sorted.sort();
+        let median = sorted[sorted.len() / 2];
+        let n = t.erase_if(&Filter::score_below(median)).unwrap();
+        assert_eq!(n as usize, now.scores.iter().filter(|&&s| s < median).count());
         assert!(n > 0);
         assert_eq!(t.size(), full - n);
         let odd = Filter { key_mask: 1, key_pattern: 1, ..Filter::ALL };
