@@ -153,7 +153,7 @@ fn main() -> Result<()> {
         bail!("--capacity and --batch must be positive");
     }
     let keyspace = a.keyspace.unwrap_or(a.capacity * 10);
-    if !(a.alpha > 0.0) || keyspace == 0 {
+    if a.alpha.is_nan() || a.alpha <= 0.0 || keyspace == 0 {
         bail!("--alpha must be > 0 and --keyspace positive");
     }
     let total = (a.stream_multiple * a.capacity as f64) as u64;
