@@ -1,20 +1,30 @@
 //! The CPU backend: the table in host memory, batches spread over all cores.
 //!
-//! Each bucket sits behind its own `RwLock`, so the keys of one batch can be
-//! processed in parallel; the table-wide [`GroupLock`] on top gives the
-//! reader / updater / inserter semantics between batches. The bucket array
-//! itself sits behind one more `RwLock` that only growth takes for writing
-//! (under the inserter group, so no batch is running then).
+//! Every field of a bucket is a relaxed atomic, so readers need no per-bucket
+//! lock: the table-wide [`GroupLock`] already keeps writers out while they
+//! run. Writers (updaters and inserters, whose batches are processed in
+//! parallel) serialise per bucket on a small mutex. Values live in one array
+//! addressed by position, `(bucket * 128 + slot) * dim`. The whole storage
+//! sits behind an `RwLock` that only growth takes for writing (under the
+//! inserter group, so no batch is running then).
+//!
+//! Lookups are software-pipelined in groups of [`PIPE`] keys: first every
+//! key's digest line is touched, then every candidate key and value row, then
+//! the lookups run on lines already in flight, so the cache misses of a group
+//! overlap instead of queueing one behind the other. (Prefetch instructions
+//! would need `unsafe`; plain relaxed loads whose results feed
+//! `black_box` do the same job.)
 
+use std::hint::black_box;
 use std::ops::Range;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 
 use crate::config::{BucketMode, ScorePolicy, TableConfig};
 use crate::error::{Error, Result};
-use crate::hash::{bucket1, bucket2, digest};
+use crate::hash::{bucket2, digest, locate};
 use crate::lock::{Group, GroupLock};
 use crate::score::{Clock, Scorer, SystemClock};
 use crate::{
@@ -25,56 +35,95 @@ use crate::{
 const S: usize = BUCKET_SLOTS;
 /// Keys per parallel task once a batch is split.
 const GRAIN: usize = 2048;
-
-/// The 128 digests of a bucket: one 128-byte line.
-#[repr(C, align(128))]
-struct Digests([u8; S]);
-
-/// One bucket: the paper's layout (digest line, keys, scores) plus the
-/// bucket's values and an occupancy bitmap (the CPU's way to find a free
-/// slot without scanning keys).
-struct Bucket {
-    digests: Digests,
-    keys: [u64; S],
-    scores: [u64; S],
-    occupied: u128,
-    /// `S * dim` floats; slot `s` owns `values[s * dim..(s + 1) * dim]`.
-    values: Box<[f32]>,
-}
+/// Keys whose memory accesses are overlapped by the lookup pipeline.
+const PIPE: usize = 16;
 
 const LO7: u64 = 0x7f7f_7f7f_7f7f_7f7f;
 const ONES: u64 = 0x0101_0101_0101_0101;
 
+/// One bucket in the paper's layout: the 128 digests first (the struct is
+/// 128-byte aligned, so they are exactly one cache line), then keys and
+/// scores, then what the CPU adds: an occupancy bitmap (a free slot without
+/// scanning keys) and the writers' mutex.
+#[repr(C, align(128))]
+struct Bucket {
+    /// Digest of slot `s` is byte `s % 8` (little-endian) of word `s / 8`.
+    digests: [AtomicU64; S / 8],
+    keys: [AtomicU64; S],
+    scores: [AtomicU64; S],
+    occupied: [AtomicU64; 2],
+    writer: Mutex<()>,
+}
+
 impl Bucket {
-    fn new(dim: usize) -> Bucket {
+    fn new() -> Bucket {
+        let empty = ONES.wrapping_mul(digest(EMPTY_KEY) as u64);
         Bucket {
-            digests: Digests([digest(EMPTY_KEY); S]),
-            keys: [EMPTY_KEY; S],
-            scores: [0; S],
-            occupied: 0,
-            values: vec![0.0; S * dim].into_boxed_slice(),
+            digests: std::array::from_fn(|_| AtomicU64::new(empty)),
+            keys: std::array::from_fn(|_| AtomicU64::new(EMPTY_KEY)),
+            scores: std::array::from_fn(|_| AtomicU64::new(0)),
+            occupied: [AtomicU64::new(0), AtomicU64::new(0)],
+            writer: Mutex::new(()),
         }
     }
 
     #[inline]
-    fn len(&self) -> u32 {
-        self.occupied.count_ones()
+    fn occupied(&self) -> u128 {
+        self.occupied[0].load(Relaxed) as u128 | (self.occupied[1].load(Relaxed) as u128) << 64
     }
 
-    /// The slot holding `key`: compares 8 digests per step (SWAR) and reads a
-    /// key only where its digest matches. Free slots hold `EMPTY_KEY`, which
-    /// no input key equals, so they never match.
     #[inline]
-    fn find(&self, key: u64, d: u8) -> Option<usize> {
+    fn set_occupied(&self, bits: u128) {
+        self.occupied[0].store(bits as u64, Relaxed);
+        self.occupied[1].store((bits >> 64) as u64, Relaxed);
+    }
+
+    #[inline]
+    fn len(&self) -> u32 {
+        self.occupied().count_ones()
+    }
+
+    #[inline]
+    fn key(&self, s: usize) -> u64 {
+        self.keys[s].load(Relaxed)
+    }
+
+    #[inline]
+    fn score(&self, s: usize) -> u64 {
+        self.scores[s].load(Relaxed)
+    }
+
+    #[inline]
+    fn set_score(&self, s: usize, score: u64) {
+        self.scores[s].store(score, Relaxed);
+    }
+
+    #[inline]
+    fn digest(&self, s: usize) -> u8 {
+        (self.digests[s / 8].load(Relaxed) >> (8 * (s % 8))) as u8
+    }
+
+    /// Writers only (the bucket mutex held): no other thread writes the word.
+    #[inline]
+    fn set_digest(&self, s: usize, d: u8) {
+        let w = &self.digests[s / 8];
+        let sh = 8 * (s % 8);
+        w.store((w.load(Relaxed) & !(0xff << sh)) | (d as u64) << sh, Relaxed);
+    }
+
+    /// Slots whose digest equals `d`, 8 at a time (SWAR): one bit per match,
+    /// bit 7 of byte `i` of word `w` for slot `8w + i`, visited by `f` until it
+    /// returns `Some`.
+    #[inline]
+    fn scan<R>(&self, d: u8, mut f: impl FnMut(usize) -> Option<R>) -> Option<R> {
         let pattern = ONES.wrapping_mul(d as u64);
-        for (w, chunk) in self.digests.0.chunks_exact(8).enumerate() {
-            let x = u64::from_le_bytes(chunk.try_into().expect("chunks of 8")) ^ pattern;
-            // Exact zero-byte mask: bit 7 of each byte that is zero in x.
+        for (w, word) in self.digests.iter().enumerate() {
+            let x = word.load(Relaxed) ^ pattern;
+            // Exact zero-byte mask: bit 7 of each byte of x that is zero.
             let mut m = !(((x & LO7).wrapping_add(LO7)) | x | LO7);
             while m != 0 {
-                let slot = w * 8 + (m.trailing_zeros() / 8) as usize;
-                if self.keys[slot] == key {
-                    return Some(slot);
+                if let Some(r) = f(w * 8 + (m.trailing_zeros() / 8) as usize) {
+                    return Some(r);
                 }
                 m &= m - 1;
             }
@@ -82,17 +131,25 @@ impl Bucket {
         None
     }
 
+    /// The slot holding `key`: a key is read only where the digest matches.
+    /// Free slots hold `EMPTY_KEY`, which no input key equals.
+    #[inline]
+    fn find(&self, key: u64, d: u8) -> Option<usize> {
+        self.scan(d, |s| (self.key(s) == key).then_some(s))
+    }
+
     #[inline]
     fn free_slot(&self) -> Option<usize> {
-        let free = !self.occupied;
+        let free = !self.occupied();
         (free != 0).then(|| free.trailing_zeros() as usize)
     }
 
     /// The minimum-score slot of a full bucket (lowest slot on ties).
     #[inline]
     fn min_slot(&self) -> (usize, u64) {
-        let mut best = (0, self.scores[0]);
-        for (s, &sc) in self.scores.iter().enumerate().skip(1) {
+        let mut best = (0, self.score(0));
+        for s in 1..S {
+            let sc = self.score(s);
             if sc < best.1 {
                 best = (s, sc);
             }
@@ -101,51 +158,80 @@ impl Bucket {
     }
 
     #[inline]
-    fn value(&self, slot: usize, dim: usize) -> &[f32] {
-        &self.values[slot * dim..(slot + 1) * dim]
+    fn put_meta(&self, s: usize, key: u64, d: u8, score: u64) {
+        self.keys[s].store(key, Relaxed);
+        self.set_digest(s, d);
+        self.set_score(s, score);
+        self.set_occupied(self.occupied() | 1u128 << s);
     }
 
     #[inline]
-    fn value_mut(&mut self, slot: usize, dim: usize) -> &mut [f32] {
-        &mut self.values[slot * dim..(slot + 1) * dim]
+    fn remove(&self, s: usize) {
+        self.keys[s].store(EMPTY_KEY, Relaxed);
+        self.set_digest(s, digest(EMPTY_KEY));
+        self.set_score(s, 0);
+        self.set_occupied(self.occupied() & !(1u128 << s));
     }
 
+    /// Calls `f` for every occupied slot.
     #[inline]
-    fn put(&mut self, slot: usize, key: u64, d: u8, score: u64, value: &[f32]) {
-        self.keys[slot] = key;
-        self.digests.0[slot] = d;
-        self.scores[slot] = score;
-        self.occupied |= 1u128 << slot;
-        let dim = value.len();
-        self.value_mut(slot, dim).copy_from_slice(value);
-    }
-
-    #[inline]
-    fn remove(&mut self, slot: usize) {
-        self.keys[slot] = EMPTY_KEY;
-        self.digests.0[slot] = digest(EMPTY_KEY);
-        self.scores[slot] = 0;
-        self.occupied &= !(1u128 << slot);
-    }
-
-    fn clear(&mut self) {
-        let mut occ = self.occupied;
+    fn each(&self, mut f: impl FnMut(usize)) {
+        let mut occ = self.occupied();
         while occ != 0 {
-            let s = occ.trailing_zeros() as usize;
-            self.remove(s);
+            f(occ.trailing_zeros() as usize);
             occ &= occ - 1;
         }
     }
 }
 
 struct Storage {
-    buckets: Vec<RwLock<Bucket>>,
+    buckets: Vec<Bucket>,
+    /// `nbuckets * 128 * dim` floats (as bits), addressed by position.
+    values: Vec<AtomicU32>,
     nbuckets: u64,
+    dim: usize,
 }
 
 impl Storage {
     fn new(nbuckets: u64, dim: usize) -> Storage {
-        Storage { buckets: (0..nbuckets).map(|_| RwLock::new(Bucket::new(dim))).collect(), nbuckets }
+        let n = nbuckets as usize;
+        Storage {
+            buckets: (0..n).map(|_| Bucket::new()).collect(),
+            values: (0..n * S * dim).map(|_| AtomicU32::new(0)).collect(),
+            nbuckets,
+            dim,
+        }
+    }
+
+    #[inline]
+    fn row(&self, b: usize, s: usize) -> &[AtomicU32] {
+        let o = (b * S + s) * self.dim;
+        &self.values[o..o + self.dim]
+    }
+
+    #[inline]
+    fn read_row(&self, b: usize, s: usize, out: &mut [f32]) {
+        for (o, v) in out.iter_mut().zip(self.row(b, s)) {
+            *o = f32::from_bits(v.load(Relaxed));
+        }
+    }
+
+    #[inline]
+    fn write_row(&self, b: usize, s: usize, src: &[f32]) {
+        for (v, x) in self.row(b, s).iter().zip(src) {
+            v.store(x.to_bits(), Relaxed);
+        }
+    }
+
+    #[inline]
+    fn add_row(&self, b: usize, s: usize, delta: &[f32]) {
+        for (v, x) in self.row(b, s).iter().zip(delta) {
+            v.store((f32::from_bits(v.load(Relaxed)) + x).to_bits(), Relaxed);
+        }
+    }
+
+    fn push_row(&self, b: usize, s: usize, out: &mut Vec<f32>) {
+        out.extend(self.row(b, s).iter().map(|v| f32::from_bits(v.load(Relaxed))));
     }
 }
 
@@ -269,19 +355,19 @@ struct Counters {
 impl Counters {
     fn op(&self, op: Op, n: usize) {
         let i = Op::ALL.iter().position(|&o| o == op).expect("op listed");
-        self.ops[i].fetch_add(1, Ordering::Relaxed);
-        self.keys[i].fetch_add(n as u64, Ordering::Relaxed);
+        self.ops[i].fetch_add(1, Relaxed);
+        self.keys[i].fetch_add(n as u64, Relaxed);
     }
 
     fn summary(&self, s: &Summary) {
-        self.inserts.fetch_add(s.inserted, Ordering::Relaxed);
-        self.evictions.fetch_add(s.evicted, Ordering::Relaxed);
-        self.rejections.fetch_add(s.rejected, Ordering::Relaxed);
+        self.inserts.fetch_add(s.inserted, Relaxed);
+        self.evictions.fetch_add(s.evicted, Relaxed);
+        self.rejections.fetch_add(s.rejected, Relaxed);
     }
 
     fn lookups(&self, hits: u64, n: usize) {
-        self.hits.fetch_add(hits, Ordering::Relaxed);
-        self.misses.fetch_add(n as u64 - hits, Ordering::Relaxed);
+        self.hits.fetch_add(hits, Relaxed);
+        self.misses.fetch_add(n as u64 - hits, Relaxed);
     }
 }
 
@@ -352,7 +438,7 @@ impl CpuTable {
     }
 
     fn scorer(&self) -> Scorer {
-        Scorer { policy: self.config.policy, now_ns: self.clock.now_ns(), epoch: self.epoch.load(Ordering::Relaxed) }
+        Scorer { policy: self.config.policy, now_ns: self.clock.now_ns(), epoch: self.epoch.load(Relaxed) }
     }
 
     fn check_values(&self, what: &'static str, n: usize, got: usize) -> Result<()> {
@@ -384,52 +470,120 @@ impl CpuTable {
         }
     }
 
-    /// Reads the slot of a present key under read locks.
+    /// The candidate buckets of a key: `(b1, b2)`, `b2 == b1` in single mode.
     #[inline]
-    fn with_entry<R>(&self, st: &Storage, key: u64, f: impl FnOnce(&Bucket, usize) -> R) -> Option<R> {
-        let d = digest(key);
-        let b1 = bucket1(key, st.nbuckets) as usize;
-        {
-            let g = st.buckets[b1].read();
-            if let Some(s) = g.find(key, d) {
-                return Some(f(&g, s));
-            }
+    fn buckets_of(&self, st: &Storage, key: u64) -> (usize, usize, u8) {
+        let (b1, d) = locate(key, st.nbuckets);
+        let b2 = if self.dual() { bucket2(key, st.nbuckets) } else { b1 };
+        (b1 as usize, b2 as usize, d)
+    }
+
+    /// Where a present key sits, without locks (reader group, or under the
+    /// candidate buckets' mutexes).
+    #[inline]
+    fn locate_entry(&self, st: &Storage, key: u64) -> Option<(usize, usize)> {
+        let (b1, b2, d) = self.buckets_of(st, key);
+        if let Some(s) = st.buckets[b1].find(key, d) {
+            return Some((b1, s));
         }
-        if self.dual() {
-            let b2 = bucket2(key, st.nbuckets) as usize;
-            let g = st.buckets[b2].read();
-            if let Some(s) = g.find(key, d) {
-                return Some(f(&g, s));
-            }
+        if b2 != b1 {
+            return st.buckets[b2].find(key, d).map(|s| (b2, s));
         }
         None
     }
 
-    /// Writes the slot of a present key under write locks.
+    /// Looks up `keys` with the pipeline described in the module docs and
+    /// calls `f(j, Some((bucket, slot)))` or `f(j, None)` for each, in order.
     #[inline]
-    fn with_entry_mut<R>(&self, st: &Storage, key: u64, f: impl FnOnce(&mut Bucket, usize) -> R) -> Option<R> {
-        let d = digest(key);
-        let b1 = bucket1(key, st.nbuckets) as usize;
-        {
-            let mut g = st.buckets[b1].write();
-            if let Some(s) = g.find(key, d) {
-                return Some(f(&mut g, s));
+    fn lookup_pipelined(&self, st: &Storage, keys: &[u64], mut f: impl FnMut(usize, Option<(usize, usize)>)) {
+        let dual = self.dual();
+        for (g, group) in keys.chunks(PIPE).enumerate() {
+            let mut loc = [(0usize, 0usize, 0u8); PIPE];
+            let mut sink = 0u64;
+            // Stage 1: every digest line of the group.
+            for (i, &k) in group.iter().enumerate() {
+                let (b1, d) = locate(k, st.nbuckets);
+                let b2 = if dual { bucket2(k, st.nbuckets) as usize } else { b1 as usize };
+                loc[i] = (b1 as usize, b2, d);
+                sink = sink.wrapping_add(st.buckets[b1 as usize].digests[0].load(Relaxed));
+                if dual {
+                    sink = sink.wrapping_add(st.buckets[b2].digests[0].load(Relaxed));
+                }
+            }
+            // Stage 2: the first digest match's key and value row (every
+            // 64-byte line of it).
+            let mut cand = [usize::MAX; PIPE];
+            for (i, &(b1, _, d)) in loc[..group.len()].iter().enumerate() {
+                let bk = &st.buckets[b1];
+                if let Some(s) = bk.scan(d, Some) {
+                    cand[i] = s;
+                    sink = sink.wrapping_add(bk.keys[s].load(Relaxed));
+                    let row = st.row(b1, s);
+                    for line in row.iter().step_by(16) {
+                        sink = sink.wrapping_add(line.load(Relaxed) as u64);
+                    }
+                }
+            }
+            black_box(sink);
+            // Stage 3: the lookups proper, on lines already fetched; the
+            // candidate is checked first (a hit needs no second scan).
+            for (i, &k) in group.iter().enumerate() {
+                let (b1, b2, d) = loc[i];
+                let c = cand[i];
+                let hit = if c != usize::MAX && st.buckets[b1].key(c) == k {
+                    Some((b1, c))
+                } else {
+                    match st.buckets[b1].find(k, d) {
+                        Some(s) => Some((b1, s)),
+                        None if b2 != b1 => st.buckets[b2].find(k, d).map(|s| (b2, s)),
+                        None => None,
+                    }
+                };
+                f(g * PIPE + i, hit);
             }
         }
-        if self.dual() {
-            let b2 = bucket2(key, st.nbuckets) as usize;
-            let mut g = st.buckets[b2].write();
-            if let Some(s) = g.find(key, d) {
-                return Some(f(&mut g, s));
-            }
-        }
-        None
     }
 
-    /// The write path of one key (Algorithms 2 and 3) with its candidate
-    /// buckets write-locked (lower index first, so parallel tasks never
-    /// deadlock). `on_present` handles a present key; otherwise `value` is
-    /// inserted with a score from `input`.
+    /// Touches the digest lines of the next keys a writer will visit, so that
+    /// their misses overlap.
+    #[inline]
+    fn touch(&self, st: &Storage, keys: &[u64]) {
+        let mut sink = 0u64;
+        for &k in keys {
+            let (b1, _) = locate(k, st.nbuckets);
+            sink = sink.wrapping_add(st.buckets[b1 as usize].digests[0].load(Relaxed));
+        }
+        black_box(sink);
+    }
+
+    /// Runs `f` on a present key's slot with its candidate buckets locked.
+    #[inline]
+    fn with_entry_mut<R>(&self, st: &Storage, key: u64, f: impl FnOnce(usize, usize) -> R) -> Option<R> {
+        let (b1, b2, _) = self.buckets_of(st, key);
+        let _w = Self::lock_pair(st, b1, b2);
+        self.locate_entry(st, key).map(|(b, s)| f(b, s))
+    }
+
+    /// Locks one or two buckets, lower index first so that parallel tasks
+    /// never deadlock.
+    #[inline]
+    fn lock_pair(
+        st: &Storage,
+        b1: usize,
+        b2: usize,
+    ) -> (parking_lot::MutexGuard<'_, ()>, Option<parking_lot::MutexGuard<'_, ()>>) {
+        if b1 == b2 {
+            (st.buckets[b1].writer.lock(), None)
+        } else {
+            let (lo, hi) = (b1.min(b2), b1.max(b2));
+            let g = st.buckets[lo].writer.lock();
+            (g, Some(st.buckets[hi].writer.lock()))
+        }
+    }
+
+    /// The write path of one key (paper Algorithms 2 and 3) with its
+    /// candidate buckets locked. `on_present(bucket, slot)` handles a present
+    /// key; otherwise `value` is inserted with a score from `input`.
     #[allow(clippy::too_many_arguments)]
     #[inline]
     fn upsert(
@@ -441,43 +595,13 @@ impl CpuTable {
         scoring: Scoring,
         scorer: &Scorer,
         lost: Option<&mut Evictions>,
-        on_present: impl FnOnce(&mut Bucket, usize),
+        on_present: impl FnOnce(usize, usize),
     ) -> Outcome {
-        let b1 = bucket1(key, st.nbuckets) as usize;
-        if !self.dual() || st.nbuckets == 1 {
-            let mut g = st.buckets[b1].write();
-            return self.upsert_in(&mut [&mut g], key, value, input, scoring, scorer, lost, on_present);
-        }
-        let b2 = bucket2(key, st.nbuckets) as usize;
-        let (mut g1, mut g2) = if b1 < b2 {
-            let g1 = st.buckets[b1].write();
-            (g1, st.buckets[b2].write())
-        } else {
-            let g2 = st.buckets[b2].write();
-            (st.buckets[b1].write(), g2)
-        };
-        self.upsert_in(&mut [&mut g1, &mut g2], key, value, input, scoring, scorer, lost, on_present)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    #[inline]
-    fn upsert_in(
-        &self,
-        bks: &mut [&mut Bucket],
-        key: u64,
-        value: &[f32],
-        input: Option<u64>,
-        scoring: Scoring,
-        scorer: &Scorer,
-        lost: Option<&mut Evictions>,
-        on_present: impl FnOnce(&mut Bucket, usize),
-    ) -> Outcome {
-        let d = digest(key);
-        for bk in bks.iter_mut() {
-            if let Some(s) = bk.find(key, d) {
-                on_present(bk, s);
-                return Outcome::Updated;
-            }
+        let (b1, b2, d) = self.buckets_of(st, key);
+        let _w = Self::lock_pair(st, b1, b2);
+        if let Some((b, s)) = self.locate_entry(st, key) {
+            on_present(b, s);
+            return Outcome::Updated;
         }
         let (score, admission) = match scoring {
             Scoring::Verbatim => {
@@ -490,26 +614,20 @@ impl CpuTable {
             }
         };
         // Phase D1 / Algorithm 2 line 8: a free slot in the less loaded bucket.
-        let target = if bks.len() == 1 {
-            0
-        } else if bks[1].len() < bks[0].len() {
-            1
-        } else {
-            0
-        };
-        if let Some(slot) = bks[target].free_slot() {
-            bks[target].put(slot, key, d, score, value);
+        let target = if b2 != b1 && st.buckets[b2].len() < st.buckets[b1].len() { b2 } else { b1 };
+        if let Some(s) = st.buckets[target].free_slot() {
+            st.buckets[target].put_meta(s, key, d, score);
+            st.write_row(target, s, value);
             return Outcome::Inserted;
         }
         // Phase D2 / Algorithm 2 line 13: the lower minimum of the candidates.
-        let (mut w, (mut slot, mut min)) = (0, bks[0].min_slot());
-        if bks.len() == 2 {
-            let (s2, m2) = bks[1].min_slot();
+        let (mut b, (mut s, mut min)) = (b1, st.buckets[b1].min_slot());
+        if b2 != b1 {
+            let (s2, m2) = st.buckets[b2].min_slot();
             if m2 < min {
-                (w, slot, min) = (1, s2, m2);
+                (b, s, min) = (b2, s2, m2);
             }
         }
-        let dim = value.len();
         if admission < min {
             if let Some(lost) = lost {
                 lost.keys.push(key);
@@ -519,14 +637,15 @@ impl CpuTable {
             }
             return Outcome::Rejected;
         }
-        let bk = &mut bks[w];
+        let bk = &st.buckets[b];
         if let Some(lost) = lost {
-            lost.keys.push(bk.keys[slot]);
-            lost.values.extend_from_slice(bk.value(slot, dim));
-            lost.scores.push(bk.scores[slot]);
+            lost.keys.push(bk.key(s));
+            st.push_row(b, s, &mut lost.values);
+            lost.scores.push(bk.score(s));
             lost.kinds.push(Lost::Evicted);
         }
-        bk.put(slot, key, d, score, value);
+        bk.put_meta(s, key, d, score);
+        st.write_row(b, s, value);
         Outcome::Evicted
     }
 
@@ -537,7 +656,7 @@ impl CpuTable {
         loop {
             let nb = self.storage.read().nbuckets;
             let cap = (nb * S as u64) as f64;
-            let want = (self.size.load(Ordering::Relaxed) + incoming as u64) as f64;
+            let want = (self.size.load(Relaxed) + incoming as u64) as f64;
             if want <= self.config.max_load_factor * cap || nb * 2 > max_buckets {
                 return;
             }
@@ -548,39 +667,32 @@ impl CpuTable {
     /// Rebuilds the table with `nbuckets` buckets: entries are re-inserted in
     /// descending score order (key order on ties), so that if two-choice
     /// placement ever overflows, the lowest scores are the ones that go. In
-    /// single mode doubling never overflows: bucket b's entries move to b or
-    /// b + old_buckets only.
+    /// single mode doubling never overflows: `(h mod 2B) mod B = h mod B`, so
+    /// bucket b's entries move to b or b + B only.
     fn rehash(&self, nbuckets: u64) {
         let mut st = self.storage.write();
-        let dim = self.config.dim;
-        let mut entries: Vec<(u64, u64, usize, usize)> = Vec::with_capacity(self.size.load(Ordering::Relaxed) as usize);
-        for (b, lock) in st.buckets.iter_mut().enumerate() {
-            let bk = lock.get_mut();
-            let mut occ = bk.occupied;
-            while occ != 0 {
-                let s = occ.trailing_zeros() as usize;
-                entries.push((bk.scores[s], bk.keys[s], b, s));
-                occ &= occ - 1;
-            }
+        let mut entries: Vec<(u64, u64, usize, usize)> = Vec::with_capacity(self.size.load(Relaxed) as usize);
+        for (b, bk) in st.buckets.iter().enumerate() {
+            bk.each(|s| entries.push((bk.score(s), bk.key(s), b, s)));
         }
         entries.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
-        let new = Storage::new(nbuckets, dim);
+        let new = Storage::new(nbuckets, self.config.dim);
         let scorer = self.scorer();
         let mut summary = Summary::default();
+        let mut row = vec![0.0; self.config.dim];
         for &(score, key, b, s) in &entries {
-            let old = st.buckets[b].get_mut();
-            let o = self.upsert(&new, key, old.value(s, dim), Some(score), Scoring::Verbatim, &scorer, None, |_, _| {});
-            summary.add(o);
+            st.read_row(b, s, &mut row);
+            summary.add(self.upsert(&new, key, &row, Some(score), Scoring::Verbatim, &scorer, None, |_, _| {}));
         }
         // A two-choice overflow loses entries (an eviction swaps one for
         // another, a rejection drops the newcomer): size is what was placed.
-        self.size.store(summary.inserted, Ordering::Relaxed);
-        self.counters.evictions.fetch_add(summary.evicted + summary.rejected, Ordering::Relaxed);
+        self.size.store(summary.inserted, Relaxed);
+        self.counters.evictions.fetch_add(summary.evicted + summary.rejected, Relaxed);
         *st = new;
     }
 
     fn finish_insert(&self, acc: &Acc) {
-        self.size.fetch_add(acc.summary.inserted, Ordering::Relaxed);
+        self.size.fetch_add(acc.summary.inserted, Relaxed);
         self.counters.summary(&acc.summary);
     }
 
@@ -613,14 +725,21 @@ impl CpuTable {
             let mut acc = Acc::default();
             let mut lost = keep_lost.then(Evictions::default);
             for (j, i) in r.clone().enumerate() {
+                if j % PIPE == 0 {
+                    self.touch(&st, &keys[i..r.end.min(i + PIPE)]);
+                }
                 let input = scores.map(|s| s[i]);
                 let v = &values[i * dim..(i + 1) * dim];
-                let o = self.upsert(&st, keys[i], v, input, scoring, &scorer, lost.as_mut(), |bk, s| {
-                    bk.value_mut(s, dim).copy_from_slice(v);
-                    bk.scores[s] = match scoring {
-                        Scoring::Verbatim => input.unwrap_or(0),
-                        Scoring::Policy => scorer.on_upsert(bk.scores[s], input),
-                    };
+                let o = self.upsert(&st, keys[i], v, input, scoring, &scorer, lost.as_mut(), |b, s| {
+                    st.write_row(b, s, v);
+                    let bk = &st.buckets[b];
+                    bk.set_score(
+                        s,
+                        match scoring {
+                            Scoring::Verbatim => input.unwrap_or(0),
+                            Scoring::Policy => scorer.on_upsert(bk.score(s), input),
+                        },
+                    );
                 });
                 acc.summary.add(o);
                 outs.outcome(j, o);
@@ -630,6 +749,42 @@ impl CpuTable {
         });
         self.finish_insert(&acc);
         Ok(acc)
+    }
+
+    /// An update-only batch (assign, assign_scores): `f(i, bucket, slot)` on
+    /// every present key under its bucket's mutex.
+    fn update_batch(
+        &self,
+        op: Op,
+        keys: &[u64],
+        outcomes: Option<&mut [Outcome]>,
+        f: &(dyn Fn(&Storage, usize, usize, usize) + Sync),
+    ) -> Result<Summary> {
+        let n = keys.len();
+        let _g = self.lock.acquire(Group::Updater);
+        self.counters.op(op, n);
+        let st = self.storage.read();
+        let acc = run_batch(
+            n,
+            Outs { outcomes, ..Outs::default() },
+            self.config.dim,
+            &|r: Range<usize>, mut outs: Outs<'_>| {
+                let mut acc = Acc::default();
+                for (j, i) in r.clone().enumerate() {
+                    if j % PIPE == 0 {
+                        self.touch(&st, &keys[i..r.end.min(i + PIPE)]);
+                    }
+                    let o = match self.with_entry_mut(&st, keys[i], |b, s| f(&st, i, b, s)) {
+                        Some(()) => Outcome::Updated,
+                        None => Outcome::Absent,
+                    };
+                    acc.summary.add(o);
+                    outs.outcome(j, o);
+                }
+                acc
+            },
+        );
+        Ok(acc.summary)
     }
 }
 
@@ -643,11 +798,11 @@ impl Shard for CpuTable {
     }
 
     fn size(&self) -> u64 {
-        self.size.load(Ordering::Relaxed)
+        self.size.load(Relaxed)
     }
 
     fn set_global_epoch(&self, epoch: u32) {
-        self.epoch.store(epoch, Ordering::Relaxed);
+        self.epoch.store(epoch, Relaxed);
     }
 
     fn find(&self, keys: &[u64], values: &mut [f32], found: &mut [bool], scores: Option<&mut [u64]>) -> Result<usize> {
@@ -665,18 +820,18 @@ impl Shard for CpuTable {
         let outs = Outs { values: Some(values), found: Some(found), scores, outcomes: None };
         let acc = run_batch(n, outs, dim, &|r: Range<usize>, mut outs: Outs<'_>| {
             let mut acc = Acc::default();
-            for (j, i) in r.enumerate() {
-                let hit = self.with_entry(&st, keys[i], |bk, s| {
+            self.lookup_pipelined(&st, &keys[r], |j, hit| {
+                if let Some((b, s)) = hit {
                     if let Some(v) = outs.values.as_deref_mut() {
-                        v[j * dim..(j + 1) * dim].copy_from_slice(bk.value(s, dim));
+                        st.read_row(b, s, &mut v[j * dim..(j + 1) * dim]);
                     }
                     if let Some(sc) = outs.scores.as_deref_mut() {
-                        sc[j] = bk.scores[s];
+                        sc[j] = st.buckets[b].score(s);
                     }
-                });
+                    acc.hits += 1;
+                }
                 outs.found(j, hit.is_some());
-                acc.hits += hit.is_some() as u64;
-            }
+            });
             acc
         });
         self.counters.lookups(acc.hits, n);
@@ -693,11 +848,10 @@ impl Shard for CpuTable {
         let outs = Outs { found: Some(found), ..Outs::default() };
         let acc = run_batch(n, outs, self.config.dim, &|r: Range<usize>, mut outs: Outs<'_>| {
             let mut acc = Acc::default();
-            for (j, i) in r.enumerate() {
-                let hit = self.with_entry(&st, keys[i], |_, _| ()).is_some();
-                outs.found(j, hit);
-                acc.hits += hit as u64;
-            }
+            self.lookup_pipelined(&st, &keys[r], |j, hit| {
+                outs.found(j, hit.is_some());
+                acc.hits += hit.is_some() as u64;
+            });
             acc
         });
         self.counters.lookups(acc.hits, n);
@@ -755,13 +909,17 @@ impl Shard for CpuTable {
         let acc = run_batch(n, outs, dim, &|r: Range<usize>, mut outs: Outs<'_>| {
             let mut acc = Acc::default();
             let mut input_row = vec![0.0f32; dim];
-            for (j, i) in r.enumerate() {
+            for (j, i) in r.clone().enumerate() {
+                if j % PIPE == 0 {
+                    self.touch(&st, &keys[i..r.end.min(i + PIPE)]);
+                }
                 let input = scores.map(|s| s[i]);
                 let row = &mut outs.values.as_deref_mut().expect("values given")[j * dim..(j + 1) * dim];
                 input_row.copy_from_slice(row);
-                let o = self.upsert(&st, keys[i], &input_row, input, Scoring::Policy, &scorer, None, |bk, s| {
-                    row.copy_from_slice(bk.value(s, dim));
-                    bk.scores[s] = scorer.on_upsert(bk.scores[s], input);
+                let o = self.upsert(&st, keys[i], &input_row, input, Scoring::Policy, &scorer, None, |b, s| {
+                    st.read_row(b, s, row);
+                    let bk = &st.buckets[b];
+                    bk.set_score(s, scorer.on_upsert(bk.score(s), input));
                 });
                 acc.hits += (o == Outcome::Updated) as u64;
                 acc.summary.add(o);
@@ -786,26 +944,13 @@ impl Shard for CpuTable {
         self.check_values("values", n, values.len())?;
         self.check_scores(scores, n, false)?;
         Self::check_outcomes(&outcomes, n)?;
-        let _g = self.lock.acquire(Group::Updater);
-        self.counters.op(Op::Assign, n);
-        let st = self.storage.read();
         let scorer = self.scorer();
         let dim = self.config.dim;
-        let acc = run_batch(n, Outs { outcomes, ..Outs::default() }, dim, &|r: Range<usize>, mut outs: Outs<'_>| {
-            let mut acc = Acc::default();
-            for (j, i) in r.enumerate() {
-                let input = scores.map(|s| s[i]);
-                let hit = self.with_entry_mut(&st, keys[i], |bk, s| {
-                    bk.value_mut(s, dim).copy_from_slice(&values[i * dim..(i + 1) * dim]);
-                    bk.scores[s] = scorer.on_update(bk.scores[s], input);
-                });
-                let o = if hit.is_some() { Outcome::Updated } else { Outcome::Absent };
-                acc.summary.add(o);
-                outs.outcome(j, o);
-            }
-            acc
-        });
-        Ok(acc.summary)
+        self.update_batch(Op::Assign, keys, outcomes, &|st, i, b, s| {
+            st.write_row(b, s, &values[i * dim..(i + 1) * dim]);
+            let bk = &st.buckets[b];
+            bk.set_score(s, scorer.on_update(bk.score(s), scores.map(|x| x[i])));
+        })
     }
 
     fn assign_scores(&self, keys: &[u64], scores: Option<&[u64]>, outcomes: Option<&mut [Outcome]>) -> Result<Summary> {
@@ -813,29 +958,11 @@ impl Shard for CpuTable {
         check_keys(keys)?;
         self.check_scores(scores, n, false)?;
         Self::check_outcomes(&outcomes, n)?;
-        let _g = self.lock.acquire(Group::Updater);
-        self.counters.op(Op::AssignScores, n);
-        let st = self.storage.read();
         let scorer = self.scorer();
-        let acc = run_batch(
-            n,
-            Outs { outcomes, ..Outs::default() },
-            self.config.dim,
-            &|r: Range<usize>, mut outs: Outs<'_>| {
-                let mut acc = Acc::default();
-                for (j, i) in r.enumerate() {
-                    let input = scores.map(|s| s[i]);
-                    let hit = self.with_entry_mut(&st, keys[i], |bk, s| {
-                        bk.scores[s] = scorer.on_update(bk.scores[s], input);
-                    });
-                    let o = if hit.is_some() { Outcome::Updated } else { Outcome::Absent };
-                    acc.summary.add(o);
-                    outs.outcome(j, o);
-                }
-                acc
-            },
-        );
-        Ok(acc.summary)
+        self.update_batch(Op::AssignScores, keys, outcomes, &|st, i, b, s| {
+            let bk = &st.buckets[b];
+            bk.set_score(s, scorer.on_update(bk.score(s), scores.map(|x| x[i])));
+        })
     }
 
     fn accum_or_assign(
@@ -851,39 +978,36 @@ impl Shard for CpuTable {
         self.check_scores(scores, n, true)?;
         Self::check_outcomes(&outcomes, n)?;
         let dim = self.config.dim;
-        let add = |row: &mut [f32], i: usize| {
-            for (v, d) in row.iter_mut().zip(&deltas[i * dim..(i + 1) * dim]) {
-                *v += d;
-            }
-        };
+        let delta = |i: usize| &deltas[i * dim..(i + 1) * dim];
         // Phase 1, updater group: accumulate into present keys.
-        let mut first =
-            {
-                let _g = self.lock.acquire(Group::Updater);
-                self.counters.op(Op::AccumOrAssign, n);
-                let st = self.storage.read();
-                let scorer = self.scorer();
-                run_batch(n, Outs { outcomes: outcomes.as_deref_mut(), ..Outs::default() }, dim, &|r: Range<usize>,
-                                                                                                   mut outs: Outs<
-                    '_,
-                >| {
-                    let mut acc = Acc::default();
-                    for (j, i) in r.enumerate() {
-                        let input = scores.map(|s| s[i]);
-                        let hit = self.with_entry_mut(&st, keys[i], |bk, s| {
-                            add(bk.value_mut(s, dim), i);
-                            bk.scores[s] = scorer.on_upsert(bk.scores[s], input);
-                        });
-                        if hit.is_some() {
-                            acc.summary.add(Outcome::Updated);
-                            outs.outcome(j, Outcome::Updated);
-                        } else {
-                            acc.absent.push(i);
-                        }
+        let mut first = {
+            let _g = self.lock.acquire(Group::Updater);
+            self.counters.op(Op::AccumOrAssign, n);
+            let st = self.storage.read();
+            let scorer = self.scorer();
+            let outs = Outs { outcomes: outcomes.as_deref_mut(), ..Outs::default() };
+            run_batch(n, outs, dim, &|r: Range<usize>, mut outs: Outs<'_>| {
+                let mut acc = Acc::default();
+                for (j, i) in r.clone().enumerate() {
+                    if j % PIPE == 0 {
+                        self.touch(&st, &keys[i..r.end.min(i + PIPE)]);
                     }
-                    acc
-                })
-            };
+                    let input = scores.map(|s| s[i]);
+                    let hit = self.with_entry_mut(&st, keys[i], |b, s| {
+                        st.add_row(b, s, delta(i));
+                        let bk = &st.buckets[b];
+                        bk.set_score(s, scorer.on_upsert(bk.score(s), input));
+                    });
+                    if hit.is_some() {
+                        acc.summary.add(Outcome::Updated);
+                        outs.outcome(j, Outcome::Updated);
+                    } else {
+                        acc.absent.push(i);
+                    }
+                }
+                acc
+            })
+        };
         if first.absent.is_empty() {
             return Ok(first.summary);
         }
@@ -899,19 +1023,11 @@ impl Shard for CpuTable {
             let mut acc = Acc::default();
             for &i in &idx[r] {
                 let input = scores.map(|s| s[i]);
-                let o = self.upsert(
-                    &st,
-                    keys[i],
-                    &deltas[i * dim..(i + 1) * dim],
-                    input,
-                    Scoring::Policy,
-                    &scorer,
-                    None,
-                    |bk, s| {
-                        add(bk.value_mut(s, dim), i);
-                        bk.scores[s] = scorer.on_upsert(bk.scores[s], input);
-                    },
-                );
+                let o = self.upsert(&st, keys[i], delta(i), input, Scoring::Policy, &scorer, None, |b, s| {
+                    st.add_row(b, s, delta(i));
+                    let bk = &st.buckets[b];
+                    bk.set_score(s, scorer.on_upsert(bk.score(s), input));
+                });
                 acc.summary.add(o);
                 acc.placed.push((i, o));
             }
@@ -935,58 +1051,54 @@ impl Shard for CpuTable {
         let _g = self.lock.acquire(Group::Inserter);
         self.counters.op(Op::Erase, n);
         let st = self.storage.read();
-        let acc = run_batch(
-            n,
-            Outs { found: erased, ..Outs::default() },
-            self.config.dim,
-            &|r: Range<usize>, mut outs: Outs<'_>| {
-                let mut acc = Acc::default();
-                for (j, i) in r.enumerate() {
-                    let hit = self.with_entry_mut(&st, keys[i], |bk, s| bk.remove(s)).is_some();
-                    outs.found(j, hit);
-                    acc.hits += hit as u64;
+        let outs = Outs { found: erased, ..Outs::default() };
+        let acc = run_batch(n, outs, self.config.dim, &|r: Range<usize>, mut outs: Outs<'_>| {
+            let mut acc = Acc::default();
+            for (j, i) in r.clone().enumerate() {
+                if j % PIPE == 0 {
+                    self.touch(&st, &keys[i..r.end.min(i + PIPE)]);
                 }
-                acc
-            },
-        );
-        self.size.fetch_sub(acc.hits, Ordering::Relaxed);
+                let hit = self.with_entry_mut(&st, keys[i], |b, s| st.buckets[b].remove(s)).is_some();
+                outs.found(j, hit);
+                acc.hits += hit as u64;
+            }
+            acc
+        });
+        self.size.fetch_sub(acc.hits, Relaxed);
         Ok(acc.hits as usize)
     }
 
     fn erase_if(&self, filter: &Filter) -> Result<u64> {
-        let _g = self.lock.acquire(Group::Inserter);
-        let st = self.storage.read();
-        self.counters.op(Op::EraseIf, 0);
         use rayon::prelude::*;
+        let _g = self.lock.acquire(Group::Inserter);
+        self.counters.op(Op::EraseIf, 0);
+        let st = self.storage.read();
+        // One task per bucket range: no two tasks touch a bucket.
         let removed: u64 = st
             .buckets
             .par_iter()
-            .map(|lock| {
-                let mut bk = lock.write();
-                let mut occ = bk.occupied;
+            .map(|bk| {
                 let mut removed = 0;
-                while occ != 0 {
-                    let s = occ.trailing_zeros() as usize;
-                    if filter.matches(bk.keys[s], bk.scores[s]) {
+                bk.each(|s| {
+                    if filter.matches(bk.key(s), bk.score(s)) {
                         bk.remove(s);
                         removed += 1;
                     }
-                    occ &= occ - 1;
-                }
+                });
                 removed
             })
             .sum();
-        self.size.fetch_sub(removed, Ordering::Relaxed);
+        self.size.fetch_sub(removed, Relaxed);
         Ok(removed)
     }
 
     fn clear(&self) -> Result<()> {
+        use rayon::prelude::*;
         let _g = self.lock.acquire(Group::Inserter);
         self.counters.op(Op::Clear, 0);
         let st = self.storage.read();
-        use rayon::prelude::*;
-        st.buckets.par_iter().for_each(|lock| lock.write().clear());
-        self.size.store(0, Ordering::Relaxed);
+        st.buckets.par_iter().for_each(|bk| bk.each(|s| bk.remove(s)));
+        self.size.store(0, Relaxed);
         Ok(())
     }
 
@@ -1000,23 +1112,18 @@ impl Shard for CpuTable {
             self.counters.op(Op::Export, 0);
             return Ok(out);
         }
-        let dim = self.config.dim;
         let (first, last) = (offset / S as u64, (end - 1) / S as u64);
         for b in first..=last {
-            let bk = st.buckets[b as usize].read();
+            let bk = &st.buckets[b as usize];
             let lo = if b == first { (offset % S as u64) as usize } else { 0 };
             let hi = if b == last { ((end - 1) % S as u64) as usize + 1 } else { S };
-            let range_mask = if hi - lo == S { u128::MAX } else { ((1u128 << (hi - lo)) - 1) << lo };
-            let mut occ = bk.occupied & range_mask;
-            while occ != 0 {
-                let s = occ.trailing_zeros() as usize;
-                if filter.matches(bk.keys[s], bk.scores[s]) {
-                    out.keys.push(bk.keys[s]);
-                    out.scores.push(bk.scores[s]);
-                    out.values.extend_from_slice(bk.value(s, dim));
+            bk.each(|s| {
+                if s >= lo && s < hi && filter.matches(bk.key(s), bk.score(s)) {
+                    out.keys.push(bk.key(s));
+                    out.scores.push(bk.score(s));
+                    st.push_row(b as usize, s, &mut out.values);
                 }
-                occ &= occ - 1;
-            }
+            });
         }
         self.counters.op(Op::Export, out.keys.len());
         Ok(out)
@@ -1042,20 +1149,19 @@ impl Shard for CpuTable {
         let c = &self.counters;
         let capacity = self.capacity();
         let size = self.size();
-        let value_bytes = capacity * self.config.dim as u64 * 4;
         ShardStats {
             size,
             capacity,
             load_factor: size as f64 / capacity as f64,
-            ops: c.ops.iter().map(|a| a.load(Ordering::Relaxed)).collect(),
-            keys: c.keys.iter().map(|a| a.load(Ordering::Relaxed)).collect(),
-            hits: c.hits.load(Ordering::Relaxed),
-            misses: c.misses.load(Ordering::Relaxed),
-            inserts: c.inserts.load(Ordering::Relaxed),
-            evictions: c.evictions.load(Ordering::Relaxed),
-            rejections: c.rejections.load(Ordering::Relaxed),
+            ops: c.ops.iter().map(|a| a.load(Relaxed)).collect(),
+            keys: c.keys.iter().map(|a| a.load(Relaxed)).collect(),
+            hits: c.hits.load(Relaxed),
+            misses: c.misses.load(Relaxed),
+            inserts: c.inserts.load(Relaxed),
+            evictions: c.evictions.load(Relaxed),
+            rejections: c.rejections.load(Relaxed),
             fast_tier_bytes: 0,
-            host_tier_bytes: value_bytes,
+            host_tier_bytes: capacity * self.config.dim as u64 * 4,
             lock: self.lock.state(),
         }
     }
@@ -1066,20 +1172,13 @@ pub type RawSlot = (u64, usize, u64, u8, u64);
 
 /// Test support: the raw bucket contents, for invariant checks.
 impl CpuTable {
-    /// Every occupied slot as `(bucket, slot, key, digest, score)`, and the
-    /// bucket count. Takes the reader group.
+    /// Every occupied slot, and the bucket count. Takes the reader group.
     pub fn dump_slots(&self) -> (u64, Vec<RawSlot>) {
         let _g = self.lock.acquire(Group::Reader);
         let st = self.storage.read();
         let mut out = Vec::new();
-        for (b, lock) in st.buckets.iter().enumerate() {
-            let bk = lock.read();
-            let mut occ = bk.occupied;
-            while occ != 0 {
-                let s = occ.trailing_zeros() as usize;
-                out.push((b as u64, s, bk.keys[s], bk.digests.0[s], bk.scores[s]));
-                occ &= occ - 1;
-            }
+        for (b, bk) in st.buckets.iter().enumerate() {
+            bk.each(|s| out.push((b as u64, s, bk.key(s), bk.digest(s), bk.score(s))));
         }
         (st.nbuckets, out)
     }

@@ -24,6 +24,13 @@ pub const DUAL_SEED: u64 = 0x9e37_79b9_7f4a_7c15;
 /// XORed into the key before the shard mix.
 pub const SHARD_SEED: u64 = 0xd6e8_feb8_6659_fd93;
 
+/// Bucket (single mode) and digest of a key from one hash.
+#[inline(always)]
+pub fn locate(key: u64, buckets: u64) -> (u64, u8) {
+    let h = fmix64(key);
+    ((h & LOW56) % buckets, (h >> 56) as u8)
+}
+
 /// The digest byte of a key: the top byte of `fmix64(key)`.
 #[inline(always)]
 pub fn digest(key: u64) -> u8 {

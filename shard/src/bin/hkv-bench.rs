@@ -1,0 +1,331 @@
+//! hkv-bench: the table's throughput with the protocol of `shared/TARGETS.md`.
+//!
+//! For each dim and load factor λ, the table is filled with unique keys to λ
+//! (single mode cannot reach exactly 1.0 without eviction: it is filled with
+//! up to 3 × capacity keys, the achieved λ is printed), then each operation
+//! runs on batches of `--batch` keys, `--runs` times, and the median is
+//! reported in billions of key-value pairs per second (B-KV/s):
+//! - find, contains, assign: keys drawn from the inserted ones;
+//! - insert_or_assign, insert_and_evict: keys never seen (misses that insert),
+//!   erased again untimed afterwards so λ stays put (at λ = 1.0 they evict);
+//! - find_or_insert: half inserted keys, half new ones (erased afterwards);
+//! - export_batch, export_batch_if: `--batch` slots from a random offset
+//!   (export_batch_if keeps scores at or above the median).
+//! find* and find_or_insert* return device addresses: CUDA backend only.
+//! Beside it, the same find / insert workload on moka (a concurrent Rust
+//! cache) of the same capacity, all cores, at the same λ.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use hkv_shard::{Backend, BucketMode, Filter, Shard, TableConfig};
+use rand::{Rng, SeedableRng};
+use rayon::prelude::*;
+
+#[derive(Parser, Debug)]
+#[command(name = "hkv-bench", about = "Throughput of every table operation (B-KV/s), TARGETS.md protocol")]
+struct Args {
+    /// Backend: cpu, cuda or auto.
+    #[arg(long, default_value = "auto")]
+    backend: String,
+    /// Table capacity in slots (the reference runs 128 Mi on the GPU).
+    #[arg(long, default_value_t = 1 << 24)]
+    capacity: u64,
+    /// Keys per operation.
+    #[arg(long, default_value_t = 1 << 20)]
+    batch: usize,
+    /// Timed runs per figure (the median is printed).
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
+    /// Value dims, comma separated.
+    #[arg(long, default_value = "8,32,64", value_delimiter = ',')]
+    dims: Vec<usize>,
+    /// Load factors, comma separated.
+    #[arg(long, default_value = "0.5,0.75,1.0", value_delimiter = ',')]
+    lambdas: Vec<f64>,
+    /// Bucket mode: single or dual.
+    #[arg(long, default_value = "single")]
+    mode: String,
+    /// Skip the moka comparison.
+    #[arg(long)]
+    no_moka: bool,
+    /// Only these operations (comma separated names from the table header).
+    #[arg(long, value_delimiter = ',')]
+    ops: Vec<String>,
+}
+
+const OPS: [&str; 10] = [
+    "insert_or_assign",
+    "find",
+    "find_or_insert",
+    "assign",
+    "find*",
+    "find_or_insert*",
+    "insert_and_evict",
+    "export_batch",
+    "export_batch_if",
+    "contains",
+];
+
+fn splitmix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Unique keys: a bijective mix of a counter, top bit cleared (never reserved).
+struct KeyGen(u64);
+impl KeyGen {
+    fn take(&mut self, n: usize) -> Vec<u64> {
+        let v = (self.0..self.0 + n as u64).map(|i| splitmix64(i) >> 1).collect();
+        self.0 += n as u64;
+        v
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn time<F: FnMut()>(mut f: F) -> f64 {
+    let t = Instant::now();
+    f();
+    t.elapsed().as_secs_f64()
+}
+
+struct Bench<'a> {
+    t: &'a dyn Shard,
+    dim: usize,
+    batch: usize,
+    runs: usize,
+    keys: Vec<u64>,
+    gen: KeyGen,
+    rng: rand::rngs::StdRng,
+}
+
+impl Bench<'_> {
+    fn existing(&mut self) -> Vec<u64> {
+        (0..self.batch).map(|_| self.keys[self.rng.gen_range(0..self.keys.len())]).collect()
+    }
+
+    fn fill_to(&mut self, lambda: f64) -> Result<()> {
+        let cap = self.t.capacity();
+        let target = (lambda.min(1.0) * cap as f64) as u64;
+        let mut budget = 3 * cap;
+        while self.t.size() < target && budget > 0 {
+            let n = ((target - self.t.size()) as usize).clamp(1, self.batch).min(budget as usize);
+            let k = self.gen.take(n);
+            self.t.insert_or_assign(&k, &vec![0.5; n * self.dim], None, None)?;
+            self.keys.extend_from_slice(&k);
+            budget -= n as u64;
+        }
+        Ok(())
+    }
+
+    /// Median B-KV/s of `runs` timed calls of `op` (None: not on this backend).
+    fn measure(&mut self, op: &str, lambda: f64) -> Result<Option<f64>> {
+        let (dim, n) = (self.dim, self.batch);
+        let mut secs = vec![];
+        for _ in 0..self.runs {
+            let s = match op {
+                "find" => {
+                    let k = self.existing();
+                    let (mut v, mut f) = (vec![0.0; n * dim], vec![false; n]);
+                    time(|| {
+                        self.t.find(&k, &mut v, &mut f, None).expect("find");
+                    })
+                }
+                "contains" => {
+                    let k = self.existing();
+                    let mut f = vec![false; n];
+                    time(|| {
+                        self.t.contains(&k, &mut f).expect("contains");
+                    })
+                }
+                "assign" => {
+                    let k = self.existing();
+                    let v = vec![1.5; n * dim];
+                    time(|| {
+                        self.t.assign(&k, &v, None, None).expect("assign");
+                    })
+                }
+                "insert_or_assign" | "insert_and_evict" => {
+                    let k = self.gen.take(n);
+                    let v = vec![2.5; n * dim];
+                    let s = time(|| {
+                        if op == "insert_or_assign" {
+                            self.t.insert_or_assign(&k, &v, None, None).expect("insert");
+                        } else {
+                            self.t.insert_and_evict(&k, &v, None, None).expect("insert_and_evict");
+                        }
+                    });
+                    self.restore(&k, lambda)?;
+                    s
+                }
+                "find_or_insert" => {
+                    let mut k = self.existing();
+                    let new = self.gen.take(n / 2);
+                    k[..n / 2].copy_from_slice(&new);
+                    let mut v = vec![3.5; n * dim];
+                    let s = time(|| {
+                        self.t.find_or_insert(&k, &mut v, None, None).expect("find_or_insert");
+                    });
+                    self.restore(&new, lambda)?;
+                    s
+                }
+                "export_batch" | "export_batch_if" => {
+                    let cap = self.t.capacity();
+                    let off = self.rng.gen_range(0..cap.saturating_sub(n as u64).max(1));
+                    let filter = if op == "export_batch" { Filter::ALL } else { self.median_filter(off)? };
+                    time(|| {
+                        self.t.export_batch_if(off, n as u64, &filter).expect("export");
+                    })
+                }
+                _ => return Ok(None),
+            };
+            secs.push(s);
+        }
+        Ok(Some(n as f64 / median(secs) / 1e9))
+    }
+
+    fn median_filter(&self, off: u64) -> Result<Filter> {
+        let e = self.t.export_batch(off, 4096)?;
+        let mut s = e.scores;
+        s.sort_unstable();
+        Ok(Filter::score_at_least(s.get(s.len() / 2).copied().unwrap_or(0)))
+    }
+
+    /// Undo an insert batch (untimed) so that λ stays where it was; at λ = 1
+    /// the table stays full either way.
+    fn restore(&mut self, new: &[u64], lambda: f64) -> Result<()> {
+        if lambda < 1.0 {
+            self.t.erase(new, None)?;
+            self.fill_to(lambda)?;
+        } else {
+            self.keys.extend_from_slice(new);
+        }
+        Ok(())
+    }
+}
+
+fn moka_row(cap: u64, dim: usize, batch: usize, runs: usize, lambdas: &[f64]) -> Vec<(f64, f64, f64)> {
+    let cache: moka::sync::Cache<u64, Arc<[f32]>> = moka::sync::Cache::new(cap);
+    let mut gen = KeyGen(1 << 40);
+    let mut keys: Vec<u64> = vec![];
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let value: Arc<[f32]> = vec![0.5f32; dim].into();
+    let mut out = vec![];
+    for &lambda in lambdas {
+        let target = (lambda * cap as f64) as usize;
+        while keys.len() < target {
+            let k = gen.take((target - keys.len()).min(batch));
+            k.par_iter().for_each(|&x| cache.insert(x, value.clone()));
+            keys.extend(k);
+        }
+        cache.run_pending_tasks();
+        let mut find = vec![];
+        let mut insert = vec![];
+        for _ in 0..runs {
+            let k: Vec<u64> = (0..batch).map(|_| keys[rng.gen_range(0..keys.len())]).collect();
+            let mut out = vec![0.0f32; batch * dim];
+            find.push(time(|| {
+                out.par_chunks_mut(dim).zip(&k).for_each(|(row, key)| {
+                    if let Some(v) = cache.get(key) {
+                        row.copy_from_slice(&v);
+                    }
+                })
+            }));
+            let k = gen.take(batch);
+            let vals: Vec<f32> = vec![2.5; batch * dim];
+            insert.push(time(|| {
+                vals.par_chunks(dim).zip(&k).for_each(|(row, &key)| cache.insert(key, row.into()));
+                cache.run_pending_tasks();
+            }));
+            k.par_iter().for_each(|x| cache.invalidate(x));
+            cache.run_pending_tasks();
+        }
+        let b = batch as f64 / 1e9;
+        out.push((lambda, b / median(insert), b / median(find)));
+    }
+    out
+}
+
+fn main() -> Result<()> {
+    let a = Args::parse();
+    let backend = match a.backend.as_str() {
+        "auto" => Backend::Auto,
+        "cpu" => Backend::Cpu,
+        "cuda" => Backend::Cuda,
+        b => bail!("--backend must be auto, cpu or cuda, not {b:?}"),
+    };
+    let mode = match a.mode.as_str() {
+        "single" => BucketMode::Single,
+        "dual" => BucketMode::Dual,
+        m => bail!("--mode must be single or dual, not {m:?}"),
+    };
+    if a.runs == 0 || a.batch == 0 || a.capacity < a.batch as u64 {
+        bail!("--runs and --batch must be positive and --capacity at least --batch");
+    }
+    println!(
+        "hkv-bench: backend {}, {} mode, capacity {}, batch {}, median of {} runs, {} threads, B-KV/s",
+        a.backend,
+        a.mode,
+        a.capacity,
+        a.batch,
+        a.runs,
+        rayon::current_num_threads()
+    );
+    for &dim in &a.dims {
+        let cfg = TableConfig::new(a.capacity, dim).mode(mode);
+        let t = hkv_shard::open(cfg, backend).context("opening the table")?;
+        println!(
+            "\ndim = {dim}, capacity {}, {:.1} GB values\n",
+            t.capacity(),
+            t.capacity() as f64 * dim as f64 * 4e-9
+        );
+        println!("| λ | {} |", OPS.join(" | "));
+        println!("|---:|{}", "---:|".repeat(OPS.len()));
+        let mut b = Bench {
+            t: &*t,
+            dim,
+            batch: a.batch,
+            runs: a.runs,
+            keys: vec![],
+            gen: KeyGen(0),
+            rng: rand::rngs::StdRng::seed_from_u64(dim as u64),
+        };
+        for &lambda in &a.lambdas {
+            b.fill_to(lambda)?;
+            let achieved = t.load_factor();
+            let mut row = format!("| {lambda:.2}");
+            if (achieved - lambda).abs() > 0.01 {
+                row = format!("| {lambda:.2} (got {achieved:.3})");
+            }
+            for op in OPS {
+                if !a.ops.is_empty() && !a.ops.iter().any(|o| o == op) {
+                    row += " | -";
+                    continue;
+                }
+                match b.measure(op, lambda)? {
+                    Some(x) => row += &format!(" | {x:.4}"),
+                    None => row += " | n/a",
+                }
+            }
+            println!("{row} |");
+        }
+        drop(b);
+        drop(t);
+        if !a.no_moka {
+            println!("\nmoka 0.12 sync::Cache, same capacity, dim {dim}, all cores (B-KV/s)\n");
+            println!("| λ | insert | find |\n|---:|---:|---:|");
+            for (l, ins, find) in moka_row(a.capacity, dim, a.batch, a.runs, &a.lambdas) {
+                println!("| {l:.2} | {ins:.4} | {find:.4} |");
+            }
+        }
+    }
+    Ok(())
+}
