@@ -11,6 +11,7 @@
 //! - find_or_insert: half inserted keys, half new ones (erased afterwards);
 //! - export_batch, export_batch_if: `--batch` slots from a random offset
 //!   (export_batch_if keeps scores at or above the median).
+//!
 //! find* and find_or_insert* return device addresses: CUDA backend only.
 //! Beside it, the same find / insert workload on moka (a concurrent Rust
 //! cache) of the same capacity, all cores, at the same λ.

@@ -1,0 +1,418 @@
+//! hkvctl: the command-line client of hkvd.
+
+#![forbid(unsafe_code)]
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use hkv_client::{proto, Client, ClientError, Request, TableSpec};
+use rand::Rng;
+
+#[derive(Parser)]
+#[command(name = "hkvctl", version, about = "Command-line client of hkvd")]
+struct Cli {
+    /// Socket path [default: $HKVD_SOCKET, else $XDG_RUNTIME_DIR/hkvd/hkvd.sock, else ./hkvd-run/hkvd.sock].
+    #[arg(long, global = true)]
+    socket: Option<PathBuf>,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Check that the daemon answers.
+    Ping,
+    /// Create a table spread over every shard.
+    CreateTable {
+        /// Table name (letters, digits, '_', '-', '.').
+        name: String,
+        /// f32 elements per value.
+        #[arg(long)]
+        dim: usize,
+        /// Slots over all shards.
+        #[arg(long)]
+        capacity: u64,
+        /// lru, lfu, epoch-lru, epoch-lfu or custom.
+        #[arg(long, default_value = "lru")]
+        policy: String,
+        /// Dual-bucket mode (fills to ~98 % before evicting).
+        #[arg(long)]
+        dual: bool,
+        /// Growth limit (slots); default: no growth.
+        #[arg(long, default_value_t = 0)]
+        max_capacity: u64,
+        /// Device-memory budget for values in bytes (CUDA); default: all.
+        #[arg(long)]
+        fast_tier_bytes: Option<u64>,
+    },
+    /// Drop a table.
+    DropTable {
+        /// Table name.
+        name: String,
+    },
+    /// List tables.
+    Tables,
+    /// Write values: KEY=V1,V2,... (dim values each).
+    Put {
+        /// Table name.
+        table: String,
+        /// KEY=V1,V2,... entries.
+        #[arg(required = true)]
+        entries: Vec<String>,
+        /// One score per entry (lfu increments, custom scores).
+        #[arg(long, value_delimiter = ',')]
+        scores: Option<Vec<u64>>,
+    },
+    /// Print values: one line per key, `KEY: V1,V2,...` or `KEY: not found`.
+    Get {
+        /// Table name.
+        table: String,
+        /// Keys.
+        #[arg(required = true)]
+        keys: Vec<u64>,
+    },
+    /// Remove keys.
+    Erase {
+        /// Table name.
+        table: String,
+        /// Keys.
+        #[arg(required = true)]
+        keys: Vec<u64>,
+    },
+    /// Statistics per table (and per shard with --json).
+    Stats {
+        /// Print the daemon's JSON document.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Prometheus text.
+    Metrics,
+    /// Throughput over the socket: find and insert_or_assign beside the raw
+    /// socket moving the same bytes.
+    Bench(BenchArgs),
+    /// Ask the daemon to finish in-flight requests and exit.
+    Shutdown,
+}
+
+#[derive(clap::Args, Clone)]
+struct BenchArgs {
+    /// Value dim.
+    #[arg(long, default_value_t = 32)]
+    dim: usize,
+    /// Table capacity (slots); the table is filled to half.
+    #[arg(long, default_value_t = 1 << 20)]
+    capacity: u64,
+    /// Keys per request, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "65536,262144,1048576")]
+    batches: Vec<usize>,
+    /// Concurrent client connections, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,4")]
+    clients: Vec<usize>,
+    /// Requests in flight per connection.
+    #[arg(long, default_value_t = 2)]
+    pipeline: usize,
+    /// Seconds per measurement.
+    #[arg(long, default_value_t = 2.0)]
+    seconds: f64,
+    /// Print one JSON object per measurement.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_entry(s: &str) -> Result<(u64, Vec<f32>)> {
+    let (k, v) = s.split_once('=').with_context(|| format!("{s:?}: expected KEY=V1,V2,..."))?;
+    let key = k.trim().parse().with_context(|| format!("{k:?} is not a u64 key"))?;
+    let vals = v
+        .split(',')
+        .map(|x| x.trim().parse::<f32>().with_context(|| format!("{x:?} is not a number")))
+        .collect::<Result<Vec<_>>>()?;
+    Ok((key, vals))
+}
+
+fn table_dim(c: &mut Client, table: &str) -> Result<usize> {
+    let t =
+        c.tables()?.into_iter().find(|t| t.spec.name == table).with_context(|| format!("no table named {table:?}"))?;
+    Ok(t.spec.dim)
+}
+
+fn fmt_values(v: &[f32]) -> String {
+    v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(",")
+}
+
+fn stats_table(v: &serde_json::Value) -> String {
+    let mut out = format!(
+        "hkvd {}  backend {}  up {:.0}s  connections {}  requests {}  errors {}\n",
+        v["version"].as_str().unwrap_or("?"),
+        v["backend"].as_str().unwrap_or("?"),
+        v["uptime_s"].as_f64().unwrap_or(0.0),
+        v["connections"],
+        v["requests"],
+        v["errors"]
+    );
+    out += &format!(
+        "{:<20} {:>5} {:<9} {:<6} {:>12} {:>12} {:>6} {:>8} {:>12} {:>12}\n",
+        "table", "dim", "policy", "mode", "size", "capacity", "load", "hit %", "evictions", "rejections"
+    );
+    for t in v["tables"].as_array().into_iter().flatten() {
+        let sum =
+            |f: &str| t["shards"].as_array().into_iter().flatten().map(|s| s[f].as_u64().unwrap_or(0)).sum::<u64>();
+        let (hits, misses) = (sum("hits"), sum("misses"));
+        let rate =
+            if hits + misses > 0 { format!("{:.2}", 100.0 * hits as f64 / (hits + misses) as f64) } else { "-".into() };
+        out += &format!(
+            "{:<20} {:>5} {:<9} {:<6} {:>12} {:>12} {:>6.3} {:>8} {:>12} {:>12}\n",
+            t["spec"]["name"].as_str().unwrap_or("?"),
+            t["spec"]["dim"].as_u64().unwrap_or(0),
+            t["spec"]["policy"].as_str().unwrap_or("?"),
+            t["spec"]["mode"].as_str().unwrap_or("?"),
+            t["size"].as_u64().unwrap_or(0),
+            t["capacity"].as_u64().unwrap_or(0),
+            t["load_factor"].as_f64().unwrap_or(0.0),
+            rate,
+            sum("evictions"),
+            sum("rejections")
+        );
+    }
+    out
+}
+
+/// One measurement: `clients` connections, each keeping `pipeline` requests
+/// in flight for `seconds`; returns keys per second.
+fn measure(
+    socket: &PathBuf,
+    a: &BenchArgs,
+    clients: usize,
+    make: &(dyn Fn(&mut rand::rngs::ThreadRng) -> Request + Sync),
+) -> Result<f64> {
+    let deadline = Duration::from_secs_f64(a.seconds);
+    let results: Vec<Result<(u64, f64)>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..clients)
+            .map(|_| {
+                s.spawn(move || -> Result<(u64, f64)> {
+                    let mut c = Client::connect(socket)?;
+                    let mut rng = rand::thread_rng();
+                    let reqs: Vec<Request> = (0..a.pipeline.max(1) + 1).map(|_| make(&mut rng)).collect();
+                    let per = match &reqs[0] {
+                        Request::Find { keys, .. } | Request::Write { keys, .. } => keys.len() as u64,
+                        Request::Echo { padding, .. } => (*padding / 8) as u64,
+                        _ => 1,
+                    };
+                    let start = Instant::now();
+                    let (mut sent, mut done) = (0usize, 0u64);
+                    for _ in 0..a.pipeline.max(1) {
+                        c.send(&reqs[sent % reqs.len()])?;
+                        sent += 1;
+                    }
+                    while start.elapsed() < deadline {
+                        let (_, r) = c.recv()?;
+                        hkv_client::ok(r)?;
+                        done += per;
+                        c.send(&reqs[sent % reqs.len()])?;
+                        sent += 1;
+                    }
+                    for _ in 0..a.pipeline.max(1) {
+                        c.recv()?;
+                        done += per;
+                    }
+                    Ok((done, start.elapsed().as_secs_f64()))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("bench thread")).collect()
+    });
+    let mut keys = 0u64;
+    let mut secs = 0f64;
+    for r in results {
+        let (k, s) = r?;
+        keys += k;
+        secs = secs.max(s);
+    }
+    Ok(keys as f64 / secs)
+}
+
+fn bench(socket: PathBuf, a: BenchArgs) -> Result<()> {
+    let mut c = Client::connect(&socket)?;
+    let table = format!("hkvctl-bench-{}", std::process::id());
+    c.create_table(TableSpec::new(&table, a.dim, a.capacity))?;
+    let fill = (a.capacity / 2) as usize;
+    let mut key = 1u64;
+    while (key as usize) <= fill {
+        let n = (fill + 1 - key as usize).min(1 << 18);
+        let keys: Vec<u64> = (key..key + n as u64).collect();
+        c.insert_or_assign(&table, &keys, &vec![0.5; n * a.dim], None)?;
+        key += n as u64;
+    }
+    let resident = fill as u64;
+    println!(
+        "hkvctl bench: table dim {}, capacity {}, {} keys resident; {} s per figure, pipeline {}",
+        a.dim, a.capacity, resident, a.seconds, a.pipeline
+    );
+    println!(
+        "{:>8} {:>7} {:>14} {:>10} {:>14} {:>10} {:>10} {:>14} {:>10}",
+        "batch",
+        "clients",
+        "find keys/s",
+        "find GB/s",
+        "raw keys/s",
+        "raw GB/s",
+        "find/raw",
+        "insert keys/s",
+        "ins GB/s"
+    );
+    let row_bytes = |n: usize| (n * 8 + n * (1 + 4 * a.dim)) as f64;
+    for &batch in &a.batches {
+        for &clients in &a.clients {
+            let t = table.clone();
+            let find = measure(&socket, &a, clients, &|rng| Request::Find {
+                table: t.clone(),
+                keys: (0..batch).map(|_| rng.gen_range(1..=resident)).collect(),
+                scores: false,
+            })?;
+            // The same bytes each way: keys in, flags and values out.
+            let reply = (batch * (1 + 4 * a.dim) + 8) as u32;
+            let raw = measure(&socket, &a, clients, &|_| Request::Echo { reply_len: reply, padding: batch * 8 })?;
+            let t = table.clone();
+            let dim = a.dim;
+            let insert = measure(&socket, &a, clients, &|rng| Request::Write {
+                op: proto::op::INSERT_OR_ASSIGN,
+                table: t.clone(),
+                keys: (0..batch).map(|_| rng.gen_range(1..=resident)).collect(),
+                values: vec![1.5; batch * dim],
+                scores: None,
+                outcomes: false,
+            })?;
+            let gb = |kps: f64| kps * row_bytes(1) / 1e9;
+            if a.json {
+                println!(
+                    "{}",
+                    serde_json::json!({"batch": batch, "clients": clients, "dim": a.dim, "find_keys_per_s": find,
+                        "raw_keys_per_s": raw, "find_over_raw": find / raw, "insert_keys_per_s": insert})
+                );
+            } else {
+                println!(
+                    "{:>8} {:>7} {:>14.0} {:>10.2} {:>14.0} {:>10.2} {:>9.0}% {:>14.0} {:>10.2}",
+                    batch,
+                    clients,
+                    find,
+                    gb(find),
+                    raw,
+                    gb(raw),
+                    100.0 * find / raw,
+                    insert,
+                    insert * (12 + 4 * a.dim) as f64 / 1e9
+                );
+            }
+        }
+    }
+    c.drop_table(&table)?;
+    Ok(())
+}
+
+fn run(cli: Cli) -> Result<()> {
+    let socket = cli.socket.clone().unwrap_or_else(proto::client_socket_path);
+    if let Cmd::Bench(a) = cli.cmd {
+        return bench(socket, a);
+    }
+    let mut c = Client::connect(&socket)?;
+    match cli.cmd {
+        Cmd::Ping => {
+            let t = Instant::now();
+            c.ping()?;
+            println!("hkvd at {} answered in {:.3} ms", socket.display(), t.elapsed().as_secs_f64() * 1e3);
+        }
+        Cmd::CreateTable { name, dim, capacity, policy, dual, max_capacity, fast_tier_bytes } => {
+            let spec = TableSpec {
+                max_capacity,
+                policy,
+                mode: if dual { "dual" } else { "single" }.into(),
+                fast_tier_bytes,
+                ..TableSpec::new(&name, dim, capacity)
+            };
+            let info = c.create_table(spec)?;
+            println!("created {name}: dim {dim}, capacity {} over {} shards", info.capacity, info.shards);
+        }
+        Cmd::DropTable { name } => {
+            c.drop_table(&name)?;
+            println!("dropped {name}");
+        }
+        Cmd::Tables => {
+            println!(
+                "{:<20} {:>5} {:<9} {:<6} {:>12} {:>12} {:>6}",
+                "table", "dim", "policy", "mode", "size", "capacity", "shards"
+            );
+            for t in c.tables()? {
+                println!(
+                    "{:<20} {:>5} {:<9} {:<6} {:>12} {:>12} {:>6}",
+                    t.spec.name, t.spec.dim, t.spec.policy, t.spec.mode, t.size, t.capacity, t.shards
+                );
+            }
+        }
+        Cmd::Put { table, entries, scores } => {
+            let dim = table_dim(&mut c, &table)?;
+            let mut keys = vec![];
+            let mut values = vec![];
+            for e in &entries {
+                let (k, v) = parse_entry(e)?;
+                if v.len() != dim {
+                    bail!("{e:?} has {} values; table {table} has dim {dim}", v.len());
+                }
+                keys.push(k);
+                values.extend(v);
+            }
+            let s = c.insert_or_assign(&table, &keys, &values, scores.as_deref())?;
+            println!(
+                "{} inserted, {} updated, {} evicted another entry, {} rejected",
+                s.inserted + s.evicted,
+                s.updated,
+                s.evicted,
+                s.rejected
+            );
+        }
+        Cmd::Get { table, keys } => {
+            let f = c.find(&table, &keys)?;
+            let dim = if keys.is_empty() { 0 } else { f.values.len() / keys.len() };
+            for (i, k) in keys.iter().enumerate() {
+                if f.found[i] {
+                    println!("{k}: {}", fmt_values(&f.values[i * dim..(i + 1) * dim]));
+                } else {
+                    println!("{k}: not found");
+                }
+            }
+        }
+        Cmd::Erase { table, keys } => {
+            let n = c.erase(&table, &keys)?;
+            println!("erased {n} of {} keys", keys.len());
+        }
+        Cmd::Stats { json } => {
+            let v = c.stats()?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&v)?);
+            } else {
+                print!("{}", stats_table(&v));
+            }
+        }
+        Cmd::Metrics => print!("{}", c.metrics()?),
+        Cmd::Shutdown => {
+            c.shutdown()?;
+            println!("hkvd is draining and will exit");
+        }
+        Cmd::Bench(_) => unreachable!(),
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("hkvctl: {e:#}");
+            match e.downcast_ref::<ClientError>() {
+                Some(ClientError::Io { .. }) => ExitCode::from(2),
+                _ => ExitCode::from(1),
+            }
+        }
+    }
+}

@@ -1,0 +1,397 @@
+//! # hkv-client: talk to hkvd
+//!
+//! [`Client`] is blocking (std Unix socket), [`AsyncClient`] runs on tokio.
+//! Both speak `proto/PROTOCOL.md` through `hkv-proto`, can pipeline
+//! (`send` many, then `recv` by id), and turn error frames into
+//! [`ClientError::Daemon`] carrying the daemon's code and message.
+//!
+//! # Layout
+//! - this file: the blocking [`Client`], its typed helpers and [`ClientError`].
+//! - [`asynchronous`] holds [`AsyncClient`].
+//! - `bin/hkvctl.rs` is the command-line client.
+
+#![forbid(unsafe_code)]
+
+pub mod asynchronous;
+
+use std::io::{BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+
+pub use asynchronous::AsyncClient;
+pub use hkv_proto::{
+    self as proto, Control, Cursor, ErrorCode, Evicted, Filter, ProtoError, Request, Response, Summary, TableInfo,
+    TableSpec,
+};
+use hkv_proto::{op, Header, HEADER_LEN};
+
+/// What a client call can fail with.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClientError {
+    /// The socket failed (daemon not running, connection lost).
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The daemon answered with an error frame.
+    #[error("hkvd refused the request ({:?}): {}", .0.code, .0.message)]
+    Daemon(ProtoError),
+    /// The daemon answered something this client did not expect.
+    #[error("unexpected answer from hkvd: {0}")]
+    Protocol(String),
+}
+
+impl ClientError {
+    /// The daemon's error code, when the daemon refused the request.
+    pub fn code(&self) -> Option<ErrorCode> {
+        match self {
+            ClientError::Daemon(e) => Some(e.code),
+            _ => None,
+        }
+    }
+}
+
+/// Result alias.
+pub type Result<T, E = ClientError> = std::result::Result<T, E>;
+
+fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> ClientError {
+    let context = context.into();
+    move |source| ClientError::Io { context, source }
+}
+
+/// The values and found flags of a find.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Found {
+    /// Per key.
+    pub found: Vec<bool>,
+    /// dim floats per key (0.0 where not found).
+    pub values: Vec<f32>,
+    /// Scores, when asked for.
+    pub scores: Option<Vec<u64>>,
+}
+
+/// What a write op returned.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Written {
+    /// Counts.
+    pub summary: Summary,
+    /// Per-key outcome bytes (see PROTOCOL.md).
+    pub outcomes: Vec<u8>,
+    /// find_or_insert: the values.
+    pub values: Option<Vec<f32>>,
+    /// insert_and_evict: what lost its slot.
+    pub evicted: Option<Evicted>,
+}
+
+/// One chunk of an export.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Chunk {
+    /// Where to continue; none at the end.
+    pub next: Option<Cursor>,
+    /// Keys.
+    pub keys: Vec<u64>,
+    /// Values.
+    pub values: Vec<f32>,
+    /// Scores.
+    pub scores: Vec<u64>,
+}
+
+/// Decodes one whole frame already split into header and body.
+pub fn decode(h: &Header, body: &[u8]) -> Result<Response> {
+    Response::decode(h, body).map_err(|e| ClientError::Protocol(e.to_string()))
+}
+
+/// Turns an error frame into `Err`.
+pub fn ok(r: Response) -> Result<Response> {
+    match r {
+        Response::Error(e) => Err(ClientError::Daemon(e)),
+        r => Ok(r),
+    }
+}
+
+fn unexpected<T>(what: &str, r: Response) -> Result<T> {
+    Err(ClientError::Protocol(format!("{what}: got {r:?}")))
+}
+
+/// A blocking connection to hkvd.
+pub struct Client {
+    w: UnixStream,
+    r: BufReader<UnixStream>,
+    next_id: u64,
+}
+
+impl Client {
+    /// Connects to the socket at `path`.
+    pub fn connect(path: impl AsRef<Path>) -> Result<Client> {
+        let p = path.as_ref();
+        let s = UnixStream::connect(p)
+            .map_err(io(format!("cannot connect to hkvd at {} (is it running?)", p.display())))?;
+        let r = BufReader::with_capacity(1 << 16, s.try_clone().map_err(io("socket"))?);
+        Ok(Client { w: s, r, next_id: 1 })
+    }
+
+    /// Connects to `$HKVD_SOCKET` or the default socket.
+    pub fn connect_default() -> Result<Client> {
+        Client::connect(proto::client_socket_path())
+    }
+
+    /// Sends a request without waiting; returns its id.
+    pub fn send(&mut self, req: &Request) -> Result<u64> {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.w.write_all(&req.encode(id)).map_err(io("sending a request"))?;
+        Ok(id)
+    }
+
+    /// Sends raw frame bytes (tests, tools).
+    pub fn send_raw(&mut self, bytes: &[u8]) -> Result<()> {
+        self.w.write_all(bytes).map_err(io("sending bytes"))
+    }
+
+    /// Receives the next response, whichever request it answers.
+    pub fn recv(&mut self) -> Result<(u64, Response)> {
+        let mut h = [0u8; HEADER_LEN];
+        self.r.read_exact(&mut h).map_err(io("reading a response header"))?;
+        let h = Header::decode(&h).map_err(|e| ClientError::Protocol(e.to_string()))?;
+        let mut body = vec![0u8; h.body_len as usize];
+        self.r.read_exact(&mut body).map_err(io("reading a response body"))?;
+        Ok((h.id, decode(&h, &body)?))
+    }
+
+    /// Sends a request and waits for its answer (no other request in flight).
+    pub fn call(&mut self, req: &Request) -> Result<Response> {
+        let id = self.send(req)?;
+        let (got, r) = self.recv()?;
+        if got != id && got != 0 {
+            return Err(ClientError::Protocol(format!("answer to request {got} while waiting for {id}")));
+        }
+        ok(r)
+    }
+
+    /// Liveness check.
+    pub fn ping(&mut self) -> Result<()> {
+        self.call(&Request::Ping).map(|_| ())
+    }
+
+    /// Creates a table.
+    pub fn create_table(&mut self, spec: TableSpec) -> Result<TableInfo> {
+        match self.call(&Request::Control(Control::CreateTable(spec)))? {
+            Response::Json(j) => serde_json::from_slice(&j).map_err(|e| ClientError::Protocol(e.to_string())),
+            r => unexpected("create_table", r),
+        }
+    }
+
+    /// Drops a table.
+    pub fn drop_table(&mut self, name: &str) -> Result<()> {
+        self.call(&Request::Control(Control::DropTable { name: name.into() })).map(|_| ())
+    }
+
+    /// Lists tables.
+    pub fn tables(&mut self) -> Result<Vec<TableInfo>> {
+        match self.call(&Request::Control(Control::ListTables))? {
+            Response::Json(j) => serde_json::from_slice(&j).map_err(|e| ClientError::Protocol(e.to_string())),
+            r => unexpected("list_tables", r),
+        }
+    }
+
+    /// Statistics as JSON.
+    pub fn stats(&mut self) -> Result<serde_json::Value> {
+        match self.call(&Request::Control(Control::Stats))? {
+            Response::Json(j) => serde_json::from_slice(&j).map_err(|e| ClientError::Protocol(e.to_string())),
+            r => unexpected("stats", r),
+        }
+    }
+
+    /// Prometheus text.
+    pub fn metrics(&mut self) -> Result<String> {
+        match self.call(&Request::Control(Control::Metrics))? {
+            Response::Text(t) => Ok(t),
+            r => unexpected("metrics", r),
+        }
+    }
+
+    /// Asks the daemon to drain and exit.
+    pub fn shutdown(&mut self) -> Result<()> {
+        self.call(&Request::Control(Control::Shutdown)).map(|_| ())
+    }
+
+    /// Values of keys.
+    pub fn find(&mut self, table: &str, keys: &[u64]) -> Result<Found> {
+        self.find_inner(table, keys, false)
+    }
+
+    /// Values and scores of keys.
+    pub fn find_with_scores(&mut self, table: &str, keys: &[u64]) -> Result<Found> {
+        self.find_inner(table, keys, true)
+    }
+
+    fn find_inner(&mut self, table: &str, keys: &[u64], scores: bool) -> Result<Found> {
+        match self.call(&Request::Find { table: table.into(), keys: keys.to_vec(), scores })? {
+            Response::Find { found, values, scores } => {
+                Ok(Found { found: found.iter().map(|&f| f != 0).collect(), values, scores })
+            }
+            r => unexpected("find", r),
+        }
+    }
+
+    /// Presence of keys.
+    pub fn contains(&mut self, table: &str, keys: &[u64]) -> Result<Vec<bool>> {
+        match self.call(&Request::Contains { table: table.into(), keys: keys.to_vec() })? {
+            Response::Contains { found } => Ok(found.iter().map(|&f| f != 0).collect()),
+            r => unexpected("contains", r),
+        }
+    }
+
+    /// A write op with per-key outcomes; returns the summary, outcomes,
+    /// values (find_or_insert) and evictions (insert_and_evict).
+    pub fn write(
+        &mut self,
+        code: u8,
+        table: &str,
+        keys: &[u64],
+        values: &[f32],
+        scores: Option<&[u64]>,
+    ) -> Result<Written> {
+        let req = Request::Write {
+            op: code,
+            table: table.into(),
+            keys: keys.to_vec(),
+            values: values.to_vec(),
+            scores: scores.map(<[u64]>::to_vec),
+            outcomes: true,
+        };
+        match self.call(&req)? {
+            Response::Write { summary, outcomes, values, evicted } => {
+                Ok(Written { summary, outcomes: outcomes.unwrap_or_default(), values, evicted })
+            }
+            r => unexpected("write", r),
+        }
+    }
+
+    /// Upsert.
+    pub fn insert_or_assign(
+        &mut self,
+        table: &str,
+        keys: &[u64],
+        values: &[f32],
+        scores: Option<&[u64]>,
+    ) -> Result<Summary> {
+        self.write(op::INSERT_OR_ASSIGN, table, keys, values, scores).map(|r| r.summary)
+    }
+
+    /// Upsert returning what lost its slot.
+    pub fn insert_and_evict(
+        &mut self,
+        table: &str,
+        keys: &[u64],
+        values: &[f32],
+        scores: Option<&[u64]>,
+    ) -> Result<(Summary, Evicted)> {
+        let w = self.write(op::INSERT_AND_EVICT, table, keys, values, scores)?;
+        Ok((w.summary, w.evicted.unwrap_or_default()))
+    }
+
+    /// Values of present keys; the given values inserted for absent ones.
+    pub fn find_or_insert(
+        &mut self,
+        table: &str,
+        keys: &[u64],
+        values: &[f32],
+        scores: Option<&[u64]>,
+    ) -> Result<(Summary, Vec<f32>)> {
+        let w = self.write(op::FIND_OR_INSERT, table, keys, values, scores)?;
+        Ok((w.summary, w.values.unwrap_or_default()))
+    }
+
+    /// Overwrite present keys.
+    pub fn assign(&mut self, table: &str, keys: &[u64], values: &[f32], scores: Option<&[u64]>) -> Result<Summary> {
+        self.write(op::ASSIGN, table, keys, values, scores).map(|r| r.summary)
+    }
+
+    /// Add deltas to present keys, insert absent ones.
+    pub fn accum_or_assign(
+        &mut self,
+        table: &str,
+        keys: &[u64],
+        deltas: &[f32],
+        scores: Option<&[u64]>,
+    ) -> Result<Summary> {
+        self.write(op::ACCUM_OR_ASSIGN, table, keys, deltas, scores).map(|r| r.summary)
+    }
+
+    /// Insert with verbatim scores (restores).
+    pub fn load(&mut self, table: &str, keys: &[u64], values: &[f32], scores: &[u64]) -> Result<Summary> {
+        self.write(op::LOAD, table, keys, values, Some(scores)).map(|r| r.summary)
+    }
+
+    /// Write scores of present keys.
+    pub fn assign_scores(&mut self, table: &str, keys: &[u64], scores: Option<&[u64]>) -> Result<Summary> {
+        let req = Request::AssignScores {
+            table: table.into(),
+            keys: keys.to_vec(),
+            scores: scores.map(<[u64]>::to_vec),
+            outcomes: false,
+        };
+        match self.call(&req)? {
+            Response::Write { summary, .. } => Ok(summary),
+            r => unexpected("assign_scores", r),
+        }
+    }
+
+    /// Remove keys; returns how many were present.
+    pub fn erase(&mut self, table: &str, keys: &[u64]) -> Result<u64> {
+        match self.call(&Request::Erase { table: table.into(), keys: keys.to_vec(), outcomes: false })? {
+            Response::Erased { count, .. } => Ok(count),
+            r => unexpected("erase", r),
+        }
+    }
+
+    /// Remove matching entries; returns the count.
+    pub fn erase_if(&mut self, table: &str, filter: Filter) -> Result<u64> {
+        match self.call(&Request::EraseIf { table: table.into(), filter })? {
+            Response::Erased { count, .. } => Ok(count),
+            r => unexpected("erase_if", r),
+        }
+    }
+
+    /// Remove everything.
+    pub fn clear(&mut self, table: &str) -> Result<()> {
+        self.call(&Request::Clear { table: table.into() }).map(|_| ())
+    }
+
+    /// Set the epoch of epoch policies.
+    pub fn set_epoch(&mut self, table: &str, epoch: u32) -> Result<()> {
+        self.call(&Request::SetEpoch { table: table.into(), epoch }).map(|_| ())
+    }
+
+    /// Grow to at least `capacity` slots.
+    pub fn reserve(&mut self, table: &str, capacity: u64) -> Result<()> {
+        self.call(&Request::Reserve { table: table.into(), capacity }).map(|_| ())
+    }
+
+    /// One export chunk: `(next cursor, keys, values, scores)`.
+    pub fn export_chunk(&mut self, table: &str, cursor: Cursor, max_slots: u64, filter: Filter) -> Result<Chunk> {
+        match self.call(&Request::Export { table: table.into(), cursor, max_slots, filter })? {
+            Response::Export { next, keys, values, scores } => Ok(Chunk { next, keys, values, scores }),
+            r => unexpected("export", r),
+        }
+    }
+
+    /// Every matching entry of a table: `(keys, values, scores)`.
+    pub fn export_all(&mut self, table: &str, filter: Filter) -> Result<(Vec<u64>, Vec<f32>, Vec<u64>)> {
+        let (mut k, mut v, mut s) = (vec![], vec![], vec![]);
+        let mut cursor = Some(Cursor::default());
+        while let Some(c) = cursor {
+            let chunk = self.export_chunk(table, c, 1 << 16, filter)?;
+            k.extend(chunk.keys);
+            v.extend(chunk.values);
+            s.extend(chunk.scores);
+            cursor = chunk.next;
+        }
+        Ok((k, v, s))
+    }
+}

@@ -1,0 +1,119 @@
+//! Daemon configuration: a TOML file (`--config`) and flags; flags win.
+
+use std::path::{Path, PathBuf};
+
+use hkv_proto::TableSpec;
+use serde::{Deserialize, Serialize};
+
+/// Explicit limits, all enforced before allocation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Limits {
+    /// Largest frame body accepted, bytes.
+    pub max_frame_bytes: u32,
+    /// Requests of one connection executed at once; more wait (backpressure).
+    pub max_in_flight: usize,
+    /// Connections served at once; more are refused with `busy`.
+    pub max_connections: usize,
+    /// Seconds to wait for in-flight requests on shutdown.
+    pub drain_seconds: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { max_frame_bytes: 1 << 30, max_in_flight: 64, max_connections: 1024, drain_seconds: 30 }
+    }
+}
+
+/// The whole configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// Socket path; default `$XDG_RUNTIME_DIR/hkvd/hkvd.sock` or `./hkvd-run/hkvd.sock`.
+    pub socket: Option<PathBuf>,
+    /// State directory (checkpoints); default `./hkvd-state`.
+    pub state_dir: Option<PathBuf>,
+    /// `auto`, `cpu` or `cuda`.
+    pub backend: String,
+    /// CPU shards (actors); default: the number of cores. Ignored on CUDA
+    /// (one shard per GPU).
+    pub shards: Option<usize>,
+    /// Threads per shard actor, so that readers and updaters of one shard can
+    /// run together.
+    pub threads_per_shard: usize,
+    /// A group (name) whose members may run admin operations, besides the
+    /// daemon's own user and root.
+    pub admin_group: Option<String>,
+    /// Loopback address for a Prometheus HTTP listener, e.g. `127.0.0.1:9466`.
+    pub metrics_listen: Option<String>,
+    /// Limits.
+    pub limits: Limits,
+    /// Tables created at start.
+    #[serde(rename = "table")]
+    pub tables: Vec<TableSpec>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            socket: None,
+            state_dir: None,
+            backend: "auto".into(),
+            shards: None,
+            threads_per_shard: 4,
+            admin_group: None,
+            metrics_listen: None,
+            limits: Limits::default(),
+            tables: vec![],
+        }
+    }
+}
+
+impl Config {
+    /// Reads a TOML file; unknown keys are errors that name the key.
+    pub fn from_file(path: &Path) -> anyhow::Result<Config> {
+        let text =
+            std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("cannot read config {}: {e}", path.display()))?;
+        toml::from_str(&text).map_err(|e| anyhow::anyhow!("config {}: {e}", path.display()))
+    }
+
+    /// The socket path after defaults.
+    pub fn socket_path(&self) -> PathBuf {
+        self.socket.clone().unwrap_or_else(hkv_proto::default_socket_path)
+    }
+
+    /// The state directory after defaults.
+    pub fn state_path(&self) -> PathBuf {
+        self.state_dir.clone().unwrap_or_else(|| PathBuf::from("hkvd-state"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn toml_with_tables_and_limits() {
+        let c: Config = toml::from_str(
+            r#"
+            socket = "/tmp/x.sock"
+            backend = "cpu"
+            shards = 3
+            [limits]
+            max_frame_bytes = 1024
+            [[table]]
+            name = "emb"
+            dim = 16
+            capacity = 4096
+            policy = "lfu"
+            mode = "dual"
+            "#,
+        )
+        .unwrap();
+        assert_eq!(c.shards, Some(3));
+        assert_eq!(c.limits.max_frame_bytes, 1024);
+        assert_eq!(c.limits.max_in_flight, 64);
+        assert_eq!(c.tables[0].policy, "lfu");
+        assert!(toml::from_str::<Config>("sockett = 1").unwrap_err().to_string().contains("sockett"));
+    }
+}

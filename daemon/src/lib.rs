@@ -1,0 +1,143 @@
+//! # hkvd: the embedding-cache daemon
+//!
+//! An actix `System` with one [`actor::ShardActor`] per device (per CPU shard
+//! on hosts without GPUs), a [`router::Router`] that spreads every table over
+//! them, and a Unix-socket [`server`] speaking `proto/PROTOCOL.md`.
+//!
+//! # Layout
+//! - [`config`] holds the TOML configuration and its defaults.
+//! - [`actor`] is the shard actor and the sub-batch messages.
+//! - [`router`] maps tables and keys to shards and merges answers.
+//! - [`server`] accepts connections, reads frames, answers requests.
+//! - [`stats`] renders statistics as JSON and Prometheus text.
+//! - this file: [`run`], start to finish.
+
+#![forbid(unsafe_code)]
+
+pub mod actor;
+pub mod config;
+pub mod router;
+pub mod server;
+pub mod stats;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use actix::SyncArbiter;
+use anyhow::Context;
+use hkv_shard::Backend;
+use tracing::{info, warn};
+
+use crate::actor::ShardActor;
+use crate::config::Config;
+use crate::router::Router;
+use crate::server::{SocketFile, State};
+
+/// Picks the backend and the number of shard actors.
+fn backend(config: &Config) -> anyhow::Result<(Backend, usize, String)> {
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let cpu = |why: &str| {
+        let n = config.shards.unwrap_or(cores).max(1);
+        (Backend::Cpu, n, format!("cpu ({n} shards{why})"))
+    };
+    match config.backend.as_str() {
+        "cpu" => Ok(cpu("")),
+        "auto" => match hkv_shard::open(hkv_shard::TableConfig::new(128, 1), Backend::Cuda) {
+            Ok(_) => anyhow::bail!("unreachable: this build has no CUDA backend"),
+            Err(e) => {
+                info!(reason = %e, "no CUDA backend; using the CPU backend");
+                Ok(cpu(", no CUDA device"))
+            }
+        },
+        "cuda" => {
+            hkv_shard::open(hkv_shard::TableConfig::new(128, 1), Backend::Cuda).context("--backend cuda")?;
+            anyhow::bail!("unreachable: this build has no CUDA backend")
+        }
+        b => anyhow::bail!("backend {b:?}: use auto, cpu or cuda"),
+    }
+}
+
+/// Runs the daemon until SIGTERM, SIGINT or a shutdown request; returns
+/// after in-flight requests are answered.
+pub fn run(config: Config) -> anyhow::Result<()> {
+    let (backend, n_shards, backend_name) = backend(&config)?;
+    let workers = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).clamp(2, 16);
+    let system = actix_rt::System::with_tokio_rt(move || {
+        tokio::runtime::Builder::new_multi_thread().worker_threads(workers).enable_all().build().expect("tokio runtime")
+    });
+    system.block_on(async move {
+        let threads = config.threads_per_shard.max(1);
+        let actors =
+            (0..n_shards).map(|device| SyncArbiter::start(threads, move || ShardActor { device })).collect::<Vec<_>>();
+        let router = Router::new(actors, backend);
+        for spec in &config.tables {
+            router
+                .create_table(spec.clone())
+                .await
+                .map_err(|e| anyhow::anyhow!("table {:?}: {}", spec.name, e.message))?;
+        }
+        // Socket activation: take the inherited listener when systemd passes one.
+        let mut fds = listenfd::ListenFd::from_env();
+        let (listener, socket_file) = match fds.take_unix_listener(0)? {
+            Some(l) => {
+                l.set_nonblocking(true)?;
+                info!("using the socket passed by systemd");
+                (tokio::net::UnixListener::from_std(l)?, SocketFile(None))
+            }
+            None => {
+                let path = config.socket_path();
+                std::fs::create_dir_all(config.state_path())
+                    .with_context(|| format!("state dir {}", config.state_path().display()))?;
+                (server::bind(&path)?, SocketFile(Some(path)))
+            }
+        };
+        let uid = std::os::unix::fs::MetadataExt::uid(&std::fs::metadata("/proc/self")?);
+        let admin_gid = config.admin_group.as_deref().map(server::group_gid).transpose()?;
+        let (shutdown, _) = tokio::sync::watch::channel(false);
+        let state = Arc::new(State {
+            router,
+            config: config.clone(),
+            started: Instant::now(),
+            shutdown,
+            uid,
+            admin_gid,
+            stats: Default::default(),
+            backend: backend_name.clone(),
+        });
+        if let Some(addr) = &config.metrics_listen {
+            let addr: std::net::SocketAddr = addr.parse().with_context(|| format!("metrics_listen {addr:?}"))?;
+            let st = state.clone();
+            tokio::spawn(async move {
+                if let Err(e) = stats::http_listener(st, addr).await {
+                    warn!(error = %e, "metrics listener stopped");
+                }
+            });
+        }
+        let st = state.clone();
+        tokio::spawn(async move {
+            use tokio::signal::unix::{signal, SignalKind};
+            let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+                warn!("cannot install signal handlers");
+                return;
+            };
+            tokio::select! {
+                _ = term.recv() => info!("SIGTERM: draining"),
+                _ = int.recv() => info!("SIGINT: draining"),
+            }
+            let _ = st.shutdown.send(true);
+        });
+        info!(
+            socket = %socket_file.0.as_deref().map(|p| p.display().to_string()).unwrap_or_else(|| "inherited".into()),
+            backend = %backend_name,
+            tables = config.tables.len(),
+            "hkvd ready"
+        );
+        let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
+        server::serve(state.clone(), listener).await;
+        let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
+        drop(socket_file);
+        info!(requests = state.stats.requests.load(std::sync::atomic::Ordering::Relaxed), "stopped");
+        actix_rt::System::current().stop();
+        Ok(())
+    })
+}

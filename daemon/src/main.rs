@@ -1,0 +1,115 @@
+//! `hkvd`: the daemon's command line.
+
+#![forbid(unsafe_code)]
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use hkvd::config::Config;
+
+#[derive(Parser)]
+#[command(
+    name = "hkvd",
+    version,
+    about = "Embedding tables in GPU (or host) memory as a cache, served over a Unix socket"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Start the daemon (CUDA shards when a GPU exists, else CPU shards).
+    Serve(Serve),
+}
+
+#[derive(Args)]
+struct Serve {
+    /// TOML config file; flags override its values.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Socket path [default: $XDG_RUNTIME_DIR/hkvd/hkvd.sock, else ./hkvd-run/hkvd.sock].
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    /// State directory (checkpoints) [default: ./hkvd-state].
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+    /// auto, cpu or cuda [default: auto].
+    #[arg(long)]
+    backend: Option<String>,
+    /// CPU shards [default: the number of cores].
+    #[arg(long)]
+    shards: Option<usize>,
+    /// Threads per shard actor [default: 4].
+    #[arg(long)]
+    threads_per_shard: Option<usize>,
+    /// Largest request body, bytes [default: 1 GiB].
+    #[arg(long)]
+    max_frame_bytes: Option<u32>,
+    /// Requests of one connection run at once [default: 64].
+    #[arg(long)]
+    max_in_flight: Option<usize>,
+    /// Connections served at once [default: 1024].
+    #[arg(long)]
+    max_connections: Option<usize>,
+    /// Group allowed to run admin operations, besides the daemon's user and root.
+    #[arg(long)]
+    admin_group: Option<String>,
+    /// Serve Prometheus metrics over HTTP on this loopback address, e.g. 127.0.0.1:9466.
+    #[arg(long)]
+    metrics_listen: Option<String>,
+    /// Log filter (tracing env-filter syntax) [default: info, or $RUST_LOG].
+    #[arg(long)]
+    log: Option<String>,
+}
+
+fn config(a: Serve) -> anyhow::Result<Config> {
+    let mut c = match &a.config {
+        Some(p) => Config::from_file(p)?,
+        None => Config::default(),
+    };
+    c.socket = a.socket.or(c.socket);
+    c.state_dir = a.state_dir.or(c.state_dir);
+    if let Some(b) = a.backend {
+        c.backend = b;
+    }
+    c.shards = a.shards.or(c.shards);
+    if let Some(t) = a.threads_per_shard {
+        c.threads_per_shard = t;
+    }
+    if let Some(x) = a.max_frame_bytes {
+        c.limits.max_frame_bytes = x;
+    }
+    if let Some(x) = a.max_in_flight {
+        c.limits.max_in_flight = x.max(1);
+    }
+    if let Some(x) = a.max_connections {
+        c.limits.max_connections = x.max(1);
+    }
+    c.admin_group = a.admin_group.or(c.admin_group);
+    c.metrics_listen = a.metrics_listen.or(c.metrics_listen);
+    Ok(c)
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::Serve(a) => {
+            let filter = a.log.clone().or_else(|| std::env::var("RUST_LOG").ok()).unwrap_or_else(|| "info".into());
+            tracing_subscriber::fmt()
+                .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+                .with_writer(std::io::stderr)
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                .init();
+            match config(a).and_then(hkvd::run) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("hkvd: {e:#}");
+                    ExitCode::from(1)
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,347 @@
+//! The Unix-socket server: accept loop, one task per connection reading
+//! frames, one task per request (at most `max_in_flight` per connection), a
+//! writer task per connection sending answers as they complete.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hkv_proto::{check_frame, Control, ErrorCode, FrameCheck, Header, ProtoError, Request, Response, HEADER_LEN};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::{mpsc, watch, Semaphore};
+use tracing::{debug, info, warn};
+
+use crate::config::Config;
+use crate::router::Router;
+
+/// Counters of the server itself.
+#[derive(Debug, Default)]
+pub struct ServerStats {
+    /// Connections open now.
+    pub connections: AtomicUsize,
+    /// Connections accepted since start.
+    pub accepted: AtomicU64,
+    /// Requests answered.
+    pub requests: AtomicU64,
+    /// Error responses sent.
+    pub errors: AtomicU64,
+    /// Requests running now.
+    pub in_flight: AtomicUsize,
+}
+
+/// Everything the request handlers share.
+pub struct State {
+    /// Tables and shard actors.
+    pub router: Router,
+    /// The configuration in force.
+    pub config: Config,
+    /// When the daemon started.
+    pub started: Instant,
+    /// Set to true to drain and stop.
+    pub shutdown: watch::Sender<bool>,
+    /// The daemon's uid (admin rights).
+    pub uid: u32,
+    /// The admin group's gid, if configured.
+    pub admin_gid: Option<u32>,
+    /// Server counters.
+    pub stats: ServerStats,
+    /// Backend in words, for stats.
+    pub backend: String,
+}
+
+/// The peer of a connection, from SO_PEERCRED.
+#[derive(Debug, Clone, Copy)]
+pub struct Peer {
+    /// User id.
+    pub uid: u32,
+    /// Primary group id.
+    pub gid: u32,
+}
+
+impl State {
+    /// Whether `peer` may run admin operations.
+    pub fn is_admin(&self, peer: &Peer) -> bool {
+        peer.uid == 0 || peer.uid == self.uid || self.admin_gid == Some(peer.gid)
+    }
+}
+
+/// The gid of a group name, read from /etc/group.
+pub fn group_gid(name: &str) -> anyhow::Result<u32> {
+    let text = std::fs::read_to_string("/etc/group")?;
+    text.lines()
+        .filter_map(|l| {
+            let mut f = l.split(':');
+            let n = f.next()?;
+            let gid = f.nth(1)?.parse().ok()?;
+            (n == name).then_some(gid)
+        })
+        .next()
+        .ok_or_else(|| anyhow::anyhow!("admin group {name:?} is not in /etc/group"))
+}
+
+/// Binds the socket: creates its directory (mode 0750) when missing,
+/// replaces a stale socket file, refuses when another daemon answers there,
+/// and sets the socket's mode to 0660.
+pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
+    use std::os::unix::fs::PermissionsExt;
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        if !dir.exists() {
+            std::fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("cannot create {}: {e}", dir.display()))?;
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o750))?;
+        }
+    }
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            anyhow::bail!("another daemon is serving {}; stop it or pick another --socket", path.display());
+        }
+        std::fs::remove_file(path).map_err(|e| anyhow::anyhow!("cannot remove stale {}: {e}", path.display()))?;
+    }
+    let l = UnixListener::bind(path).map_err(|e| anyhow::anyhow!("cannot bind {}: {e}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))?;
+    Ok(l)
+}
+
+/// Removes the socket file on drop (the daemon's own, not an inherited one).
+pub struct SocketFile(pub Option<PathBuf>);
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        if let Some(p) = &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+/// Accepts until shutdown, then waits (up to `drain_seconds`) for every
+/// connection to finish its in-flight requests.
+pub async fn serve(state: Arc<State>, listener: UnixListener) {
+    let mut stop = state.shutdown.subscribe();
+    let mut tasks = tokio::task::JoinSet::new();
+    loop {
+        tokio::select! {
+            r = listener.accept() => match r {
+                Ok((stream, _)) => {
+                    let st = state.clone();
+                    tasks.spawn(async move { connection(st, stream).await });
+                }
+                Err(e) => {
+                    warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            _ = stop.changed() => break,
+        }
+        while tasks.try_join_next().is_some() {}
+    }
+    drop(listener);
+    info!(connections = tasks.len(), "draining");
+    let drain = Duration::from_secs(state.config.limits.drain_seconds);
+    if tokio::time::timeout(drain, async { while tasks.join_next().await.is_some() {} }).await.is_err() {
+        warn!("drain timed out after {drain:?}; closing the remaining connections");
+        tasks.abort_all();
+    }
+}
+
+fn error_frame(id: u64, op: u8, e: ProtoError) -> Vec<u8> {
+    Response::Error(e).encode(op, id)
+}
+
+/// Reads one header; `Ok(None)` is a clean close between frames.
+async fn read_header<R: AsyncReadExt + Unpin>(r: &mut R) -> std::io::Result<Option<[u8; HEADER_LEN]>> {
+    let mut h = [0u8; HEADER_LEN];
+    let mut got = 0;
+    while got < HEADER_LEN {
+        let n = r.read(&mut h[got..]).await?;
+        if n == 0 {
+            return if got == 0 {
+                Ok(None)
+            } else {
+                Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "connection closed inside a frame header"))
+            };
+        }
+        got += n;
+    }
+    Ok(Some(h))
+}
+
+async fn connection(state: Arc<State>, stream: UnixStream) {
+    let st = &state.stats;
+    st.accepted.fetch_add(1, Relaxed);
+    let open = st.connections.fetch_add(1, Relaxed) + 1;
+    let _open = scopeguard(|| {
+        state.stats.connections.fetch_sub(1, Relaxed);
+    });
+    let peer = match stream.peer_cred() {
+        Ok(c) => Peer { uid: c.uid(), gid: c.gid() },
+        Err(e) => {
+            warn!(error = %e, "no peer credentials; closing");
+            return;
+        }
+    };
+    let (rd, wr) = stream.into_split();
+    let (tx, mut rx) = mpsc::channel::<Vec<u8>>(256);
+    let writer = tokio::spawn(async move {
+        let mut w = BufWriter::with_capacity(1 << 16, wr);
+        while let Some(f) = rx.recv().await {
+            if w.write_all(&f).await.is_err() {
+                return;
+            }
+            // Flush when nothing else is queued, so answers never linger.
+            while let Ok(f) = rx.try_recv() {
+                if w.write_all(&f).await.is_err() {
+                    return;
+                }
+            }
+            if w.flush().await.is_err() {
+                return;
+            }
+        }
+        let _ = w.flush().await;
+    });
+    if open > state.config.limits.max_connections {
+        let e = ProtoError::new(
+            ErrorCode::Busy,
+            format!("{} connections are open (limits.max_connections); try again later", open - 1),
+        );
+        let _ = tx.send(error_frame(0, hkv_proto::op::ERROR, e)).await;
+        drop(tx);
+        let _ = writer.await;
+        return;
+    }
+    let limits = &state.config.limits;
+    let sem = Arc::new(Semaphore::new(limits.max_in_flight));
+    let mut rd = BufReader::with_capacity(1 << 16, rd);
+    let mut stop = state.shutdown.subscribe();
+    loop {
+        let header = tokio::select! {
+            h = read_header(&mut rd) => h,
+            _ = stop.changed() => break,
+        };
+        let raw = match header {
+            Ok(Some(h)) => h,
+            Ok(None) => break,
+            Err(e) => {
+                debug!(error = %e, "connection closed mid-frame");
+                break;
+            }
+        };
+        let h = match check_frame(&raw, limits.max_frame_bytes) {
+            Ok(FrameCheck::Ready(_)) | Ok(FrameCheck::NeedMore) => Header::decode(&raw).expect("checked"),
+            Ok(FrameCheck::Oversized(h)) => {
+                // Refused before allocation; the body is skipped unread.
+                let e = ProtoError::new(
+                    ErrorCode::Oversized,
+                    format!(
+                        "frame body of {} bytes is above limits.max_frame_bytes = {}; send smaller batches",
+                        h.body_len, limits.max_frame_bytes
+                    ),
+                );
+                st.errors.fetch_add(1, Relaxed);
+                let _ = tx.send(error_frame(h.id, h.op, e)).await;
+                let skipped = tokio::io::copy(&mut (&mut rd).take(h.body_len as u64), &mut tokio::io::sink()).await;
+                if skipped.map(|n| n < h.body_len as u64).unwrap_or(true) {
+                    break;
+                }
+                continue;
+            }
+            Err(e) => {
+                st.errors.fetch_add(1, Relaxed);
+                let _ = tx.send(error_frame(0, hkv_proto::op::ERROR, e)).await;
+                break;
+            }
+        };
+        let mut body = vec![0u8; h.body_len as usize];
+        if let Err(e) = rd.read_exact(&mut body).await {
+            debug!(error = %e, "connection closed inside a frame body");
+            break;
+        }
+        let Ok(permit) = sem.clone().acquire_owned().await else { break };
+        let (state2, tx2) = (state.clone(), tx.clone());
+        tokio::spawn(async move {
+            state2.stats.in_flight.fetch_add(1, Relaxed);
+            let resp = handle(&state2, &h, &body, &peer).await;
+            state2.stats.in_flight.fetch_sub(1, Relaxed);
+            state2.stats.requests.fetch_add(1, Relaxed);
+            if matches!(resp, Response::Error(_)) {
+                state2.stats.errors.fetch_add(1, Relaxed);
+            }
+            let _ = tx2.send(resp.encode(h.op, h.id)).await;
+            drop(permit);
+        });
+    }
+    // Wait for this connection's in-flight requests, then let the writer finish.
+    let _ = sem.acquire_many(limits.max_in_flight as u32).await;
+    drop(tx);
+    let _ = writer.await;
+}
+
+struct Guard<F: FnMut()>(F);
+impl<F: FnMut()> Drop for Guard<F> {
+    fn drop(&mut self) {
+        (self.0)()
+    }
+}
+fn scopeguard<F: FnMut()>(f: F) -> Guard<F> {
+    Guard(f)
+}
+
+/// Answers one request.
+#[tracing::instrument(level = "debug", skip_all, fields(op = hkv_proto::msg::op_name(h.op), id = h.id))]
+pub async fn handle(state: &State, h: &Header, body: &[u8], peer: &Peer) -> Response {
+    match answer(state, h, body, peer).await {
+        Ok(r) => r,
+        Err(e) => Response::Error(e),
+    }
+}
+
+async fn answer(state: &State, h: &Header, body: &[u8], peer: &Peer) -> Result<Response, ProtoError> {
+    let req = Request::decode(h, body)?;
+    if req.is_admin() && !state.is_admin(peer) {
+        return Err(ProtoError::new(
+            ErrorCode::Forbidden,
+            format!(
+                "{} needs admin rights: uid {} is neither the daemon's user ({}), root, nor in the admin group",
+                hkv_proto::msg::op_name(h.op),
+                peer.uid,
+                state.uid
+            ),
+        ));
+    }
+    match req {
+        Request::Ping => Ok(Response::Empty),
+        Request::Echo { reply_len, .. } => {
+            if reply_len > state.config.limits.max_frame_bytes {
+                return Err(ProtoError::new(ErrorCode::Oversized, "echo reply above limits.max_frame_bytes"));
+            }
+            Ok(Response::Echo { len: reply_len as usize })
+        }
+        Request::Control(c) => match c {
+            Control::CreateTable(spec) => {
+                let info = state.router.create_table(spec).await?;
+                info!(table = %info.spec.name, dim = info.spec.dim, capacity = info.capacity, "table created");
+                Ok(Response::Json(serde_json::to_vec(&info).expect("serializes")))
+            }
+            Control::DropTable { name } => {
+                state.router.drop_table(&name)?;
+                info!(table = %name, "table dropped");
+                Ok(Response::Empty)
+            }
+            Control::ListTables => {
+                let list: Vec<_> = state.router.tables().iter().map(|t| Router::info(t)).collect();
+                Ok(Response::Json(serde_json::to_vec(&list).expect("serializes")))
+            }
+            Control::Stats => {
+                Ok(Response::Json(serde_json::to_vec(&crate::stats::collect(state)).expect("serializes")))
+            }
+            Control::Metrics => Ok(Response::Text(crate::stats::prometheus(&crate::stats::collect(state)))),
+            Control::Shutdown => {
+                info!(uid = peer.uid, "shutdown requested");
+                let _ = state.shutdown.send(true);
+                Ok(Response::Empty)
+            }
+        },
+        table_op => state.router.execute(table_op).await,
+    }
+}

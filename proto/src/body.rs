@@ -1,0 +1,178 @@
+//! Body building blocks: strings and raw little-endian arrays with counts.
+
+use crate::error::{ErrorCode, ProtoError};
+
+/// Appends body fields.
+#[derive(Debug, Default)]
+pub struct Writer {
+    /// The bytes so far.
+    pub buf: Vec<u8>,
+}
+
+impl Writer {
+    /// A writer with room for `n` bytes.
+    pub fn with_capacity(n: usize) -> Writer {
+        Writer { buf: Vec::with_capacity(n) }
+    }
+    /// `u16` length + UTF-8 bytes. Names longer than 65535 bytes are cut.
+    pub fn str(&mut self, s: &str) -> &mut Self {
+        let b = &s.as_bytes()[..s.len().min(u16::MAX as usize)];
+        self.u16(b.len() as u16);
+        self.buf.extend_from_slice(b);
+        self
+    }
+    /// One `u16`.
+    pub fn u16(&mut self, x: u16) -> &mut Self {
+        self.buf.extend_from_slice(&x.to_le_bytes());
+        self
+    }
+    /// One `u32`.
+    pub fn u32(&mut self, x: u32) -> &mut Self {
+        self.buf.extend_from_slice(&x.to_le_bytes());
+        self
+    }
+    /// One `u64`.
+    pub fn u64(&mut self, x: u64) -> &mut Self {
+        self.buf.extend_from_slice(&x.to_le_bytes());
+        self
+    }
+    /// `u32` count + raw `u64`s.
+    pub fn u64s(&mut self, xs: &[u64]) -> &mut Self {
+        self.u32(xs.len() as u32);
+        self.buf.reserve(xs.len() * 8);
+        for x in xs {
+            self.buf.extend_from_slice(&x.to_le_bytes());
+        }
+        self
+    }
+    /// `u32` count + raw `f32`s.
+    pub fn f32s(&mut self, xs: &[f32]) -> &mut Self {
+        self.u32(xs.len() as u32);
+        self.buf.reserve(xs.len() * 4);
+        for x in xs {
+            self.buf.extend_from_slice(&x.to_le_bytes());
+        }
+        self
+    }
+    /// `u32` count + raw bytes.
+    pub fn u8s(&mut self, xs: &[u8]) -> &mut Self {
+        self.u32(xs.len() as u32);
+        self.buf.extend_from_slice(xs);
+        self
+    }
+    /// Raw bytes, no count.
+    pub fn raw(&mut self, xs: &[u8]) -> &mut Self {
+        self.buf.extend_from_slice(xs);
+        self
+    }
+}
+
+/// Reads body fields in order; every shortfall is a `truncated` error that
+/// names the field.
+#[derive(Debug)]
+pub struct Reader<'a> {
+    buf: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    /// Reads `buf` from the start.
+    pub fn new(buf: &'a [u8]) -> Reader<'a> {
+        Reader { buf }
+    }
+
+    fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8], ProtoError> {
+        if self.buf.len() < n {
+            return Err(ProtoError::new(
+                ErrorCode::Truncated,
+                format!("body ends inside {what}: {n} bytes needed, {} left", self.buf.len()),
+            ));
+        }
+        let (a, b) = self.buf.split_at(n);
+        self.buf = b;
+        Ok(a)
+    }
+
+    /// Bytes not read yet.
+    pub fn remaining(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// Fails unless everything was read.
+    pub fn finish(&self) -> Result<(), ProtoError> {
+        if self.buf.is_empty() {
+            Ok(())
+        } else {
+            Err(ProtoError::bad_request(format!("{} unexpected bytes after the body's last field", self.buf.len())))
+        }
+    }
+
+    /// A `str` field.
+    pub fn str(&mut self, what: &str) -> Result<&'a str, ProtoError> {
+        let n = self.u16(what)? as usize;
+        let b = self.take(n, what)?;
+        std::str::from_utf8(b).map_err(|e| ProtoError::bad_request(format!("{what} is not UTF-8: {e}")))
+    }
+    /// A `u16`.
+    pub fn u16(&mut self, what: &str) -> Result<u16, ProtoError> {
+        let b = self.take(2, what)?;
+        Ok(u16::from_le_bytes([b[0], b[1]]))
+    }
+    /// A `u32`.
+    pub fn u32(&mut self, what: &str) -> Result<u32, ProtoError> {
+        let b = self.take(4, what)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    /// A `u64`.
+    pub fn u64(&mut self, what: &str) -> Result<u64, ProtoError> {
+        let b = self.take(8, what)?;
+        Ok(u64::from_le_bytes(b.try_into().expect("8 bytes")))
+    }
+
+    fn array(&mut self, width: usize, what: &str) -> Result<&'a [u8], ProtoError> {
+        let n = self.u32(what)? as usize;
+        let bytes = n.checked_mul(width).ok_or_else(|| ProtoError::bad_request(format!("{what}: count overflows")))?;
+        self.take(bytes, what)
+    }
+    /// A `u64s` array.
+    pub fn u64s(&mut self, what: &str) -> Result<Vec<u64>, ProtoError> {
+        let b = self.array(8, what)?;
+        Ok(b.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect())
+    }
+    /// A `f32s` array.
+    pub fn f32s(&mut self, what: &str) -> Result<Vec<f32>, ProtoError> {
+        let b = self.array(4, what)?;
+        Ok(b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect())
+    }
+    /// A `u8s` array.
+    pub fn u8s(&mut self, what: &str) -> Result<Vec<u8>, ProtoError> {
+        Ok(self.array(1, what)?.to_vec())
+    }
+    /// Everything left.
+    pub fn rest(&mut self) -> &'a [u8] {
+        std::mem::take(&mut self.buf)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arrays_round_trip_and_truncation_is_named() {
+        let mut w = Writer::default();
+        w.str("emb").u64s(&[1, u64::MAX]).f32s(&[0.5, -2.0]).u8s(&[1, 0]).u64(7);
+        let mut r = Reader::new(&w.buf);
+        assert_eq!(r.str("table").unwrap(), "emb");
+        assert_eq!(r.u64s("keys").unwrap(), [1, u64::MAX]);
+        assert_eq!(r.f32s("values").unwrap(), [0.5, -2.0]);
+        assert_eq!(r.u8s("flags").unwrap(), [1, 0]);
+        assert_eq!(r.u64("x").unwrap(), 7);
+        r.finish().unwrap();
+        let cut = &w.buf[..w.buf.len() - 30];
+        let mut r = Reader::new(cut);
+        r.str("table").unwrap();
+        let e = r.u64s("keys").map(|_| ()).and_then(|_| r.f32s("values").map(|_| ())).unwrap_err();
+        assert_eq!(e.code, ErrorCode::Truncated);
+        assert!(e.message.contains("values") || e.message.contains("keys"), "{e}");
+    }
+}

@@ -1,0 +1,64 @@
+//! Error codes carried by error frames.
+
+use serde::{Deserialize, Serialize};
+
+/// Why a request failed. The wire form is the snake_case name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum ErrorCode {
+    /// The frame does not start with `HKVD`.
+    BadMagic,
+    /// Unsupported protocol version.
+    BadVersion,
+    /// The body is larger than the daemon's limit.
+    Oversized,
+    /// The body ends before its arrays do.
+    Truncated,
+    /// Unknown op code.
+    UnknownOp,
+    /// No table of that name.
+    UnknownTable,
+    /// The value array is not n × dim long.
+    WrongDim,
+    /// A per-key array is not n long.
+    LengthMismatch,
+    /// A reserved key was sent.
+    ReservedKey,
+    /// A malformed body.
+    BadRequest,
+    /// Scores passed to a clock policy, or missing for `custom`.
+    Scores,
+    /// create_table of an existing name.
+    TableExists,
+    /// An admin op from a peer without rights.
+    Forbidden,
+    /// Too many connections.
+    Busy,
+    /// The daemon is draining.
+    ShuttingDown,
+    /// A shard failed.
+    Internal,
+}
+
+/// An error as carried by an error frame: a code and a message for people.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{code:?}: {message}")]
+pub struct ProtoError {
+    /// Machine-readable cause.
+    pub code: ErrorCode,
+    /// What happened and what to do about it.
+    pub message: String,
+}
+
+impl ProtoError {
+    /// An error with a code and message.
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> ProtoError {
+        ProtoError { code, message: message.into() }
+    }
+
+    /// A malformed body.
+    pub fn bad_request(message: impl Into<String>) -> ProtoError {
+        ProtoError::new(ErrorCode::BadRequest, message)
+    }
+}

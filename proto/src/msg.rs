@@ -1,0 +1,769 @@
+//! Typed requests and responses, and their encoding (see PROTOCOL.md).
+
+use serde::{Deserialize, Serialize};
+
+use crate::body::{Reader, Writer};
+use crate::error::{ErrorCode, ProtoError};
+use crate::{flags, frame, op, Header};
+
+/// Per-outcome counts of a write.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Summary {
+    /// Keys that were present.
+    pub updated: u64,
+    /// Keys placed in a free slot.
+    pub inserted: u64,
+    /// Keys placed by evicting another entry.
+    pub evicted: u64,
+    /// Keys refused by admission control.
+    pub rejected: u64,
+    /// Keys absent for an update-only op.
+    pub absent: u64,
+}
+
+/// A predicate on key and score (see PROTOCOL.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Filter {
+    /// Bits of the key compared.
+    pub key_mask: u64,
+    /// Their required value.
+    pub key_pattern: u64,
+    /// Smallest matching score.
+    pub min_score: u64,
+    /// Largest matching score.
+    pub max_score: u64,
+}
+
+impl Default for Filter {
+    fn default() -> Self {
+        Filter { key_mask: 0, key_pattern: 0, min_score: 0, max_score: u64::MAX }
+    }
+}
+
+/// Where an export continues: shard index and slot offset in it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Cursor {
+    /// Shard index.
+    pub shard: u32,
+    /// Slot offset within the shard.
+    pub offset: u64,
+}
+
+/// Entries that lost their slot (or were refused) in insert_and_evict.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Evicted {
+    /// Keys.
+    pub keys: Vec<u64>,
+    /// Values, dim per key.
+    pub values: Vec<f32>,
+    /// Scores.
+    pub scores: Vec<u64>,
+    /// 0 = evicted resident, 1 = rejected input.
+    pub kinds: Vec<u8>,
+}
+
+/// A table to create: the whole table, which the daemon spreads over its shards.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TableSpec {
+    /// Table name (1 to 255 bytes of letters, digits, `_`, `-`, `.`).
+    pub name: String,
+    /// f32 elements per value.
+    pub dim: usize,
+    /// Slots over all shards.
+    pub capacity: u64,
+    /// Growth limit over all shards; 0 or absent = no growth.
+    #[serde(default)]
+    pub max_capacity: u64,
+    /// `lru`, `lfu`, `epoch-lru`, `epoch-lfu` or `custom`.
+    #[serde(default = "default_policy")]
+    pub policy: String,
+    /// `single` or `dual`.
+    #[serde(default = "default_mode")]
+    pub mode: String,
+    /// Device-memory byte budget for values over all shards (CUDA); none = all.
+    #[serde(default)]
+    pub fast_tier_bytes: Option<u64>,
+    /// Growth threshold (default 0.5).
+    #[serde(default)]
+    pub max_load_factor: Option<f64>,
+}
+
+fn default_policy() -> String {
+    "lru".into()
+}
+fn default_mode() -> String {
+    "single".into()
+}
+
+impl TableSpec {
+    /// A spec with defaults for everything but name, dim and capacity.
+    pub fn new(name: &str, dim: usize, capacity: u64) -> TableSpec {
+        TableSpec {
+            name: name.into(),
+            dim,
+            capacity,
+            max_capacity: 0,
+            policy: default_policy(),
+            mode: default_mode(),
+            fast_tier_bytes: None,
+            max_load_factor: None,
+        }
+    }
+}
+
+/// A table as listed by the daemon.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TableInfo {
+    /// The spec it was created with.
+    pub spec: TableSpec,
+    /// Entries over all shards.
+    pub size: u64,
+    /// Slots over all shards.
+    pub capacity: u64,
+    /// Shards it is spread over.
+    pub shards: u32,
+}
+
+/// Control requests (JSON bodies where they have one).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Control {
+    /// Create a table (admin).
+    CreateTable(TableSpec),
+    /// Drop a table (admin).
+    DropTable {
+        /// Its name.
+        name: String,
+    },
+    /// List tables.
+    ListTables,
+    /// Daemon, table and shard statistics as JSON.
+    Stats,
+    /// Prometheus text.
+    Metrics,
+    /// Drain and exit (admin).
+    Shutdown,
+}
+
+/// A request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Request {
+    /// Liveness.
+    Ping,
+    /// Raw bandwidth: the daemon replies with `reply_len` zero bytes; `padding`
+    /// bytes are sent along to mimic a request's size.
+    Echo {
+        /// Bytes wanted back.
+        reply_len: u32,
+        /// Bytes sent along.
+        padding: usize,
+    },
+    /// Values (and optionally scores) of keys.
+    Find {
+        /// Table.
+        table: String,
+        /// Keys.
+        keys: Vec<u64>,
+        /// Return scores too.
+        scores: bool,
+    },
+    /// Presence of keys.
+    Contains {
+        /// Table.
+        table: String,
+        /// Keys.
+        keys: Vec<u64>,
+    },
+    /// insert_or_assign, insert_and_evict, find_or_insert, assign,
+    /// accum_or_assign or load (the op code says which).
+    Write {
+        /// One of the write op codes.
+        op: u8,
+        /// Table.
+        table: String,
+        /// Keys.
+        keys: Vec<u64>,
+        /// Values or deltas, dim per key.
+        values: Vec<f32>,
+        /// Scores (required by load and by the custom policy).
+        scores: Option<Vec<u64>>,
+        /// Return per-key outcomes.
+        outcomes: bool,
+    },
+    /// Write scores of present keys.
+    AssignScores {
+        /// Table.
+        table: String,
+        /// Keys.
+        keys: Vec<u64>,
+        /// Scores (policy rules apply; none refreshes clock policies).
+        scores: Option<Vec<u64>>,
+        /// Return per-key outcomes.
+        outcomes: bool,
+    },
+    /// Remove keys.
+    Erase {
+        /// Table.
+        table: String,
+        /// Keys.
+        keys: Vec<u64>,
+        /// Return per-key erased flags.
+        outcomes: bool,
+    },
+    /// Remove every matching entry.
+    EraseIf {
+        /// Table.
+        table: String,
+        /// Predicate.
+        filter: Filter,
+    },
+    /// Remove everything.
+    Clear {
+        /// Table.
+        table: String,
+    },
+    /// One chunk of a table walk.
+    Export {
+        /// Table.
+        table: String,
+        /// Where to start.
+        cursor: Cursor,
+        /// Slots to scan at most.
+        max_slots: u64,
+        /// Predicate.
+        filter: Filter,
+    },
+    /// Set the epoch of epoch policies.
+    SetEpoch {
+        /// Table.
+        table: String,
+        /// Epoch.
+        epoch: u32,
+    },
+    /// Grow to at least this many slots over all shards.
+    Reserve {
+        /// Table.
+        table: String,
+        /// Slots.
+        capacity: u64,
+    },
+    /// A control request.
+    Control(Control),
+}
+
+/// The write op codes carried by [`Request::Write`].
+pub const WRITE_OPS: [u8; 6] =
+    [op::INSERT_OR_ASSIGN, op::INSERT_AND_EVICT, op::FIND_OR_INSERT, op::ASSIGN, op::ACCUM_OR_ASSIGN, op::LOAD];
+
+/// The name of an op code, for messages.
+pub fn op_name(code: u8) -> &'static str {
+    match code {
+        op::PING => "ping",
+        op::ECHO => "echo",
+        op::FIND => "find",
+        op::CONTAINS => "contains",
+        op::INSERT_OR_ASSIGN => "insert_or_assign",
+        op::INSERT_AND_EVICT => "insert_and_evict",
+        op::FIND_OR_INSERT => "find_or_insert",
+        op::ASSIGN => "assign",
+        op::ASSIGN_SCORES => "assign_scores",
+        op::ACCUM_OR_ASSIGN => "accum_or_assign",
+        op::ERASE => "erase",
+        op::ERASE_IF => "erase_if",
+        op::CLEAR => "clear",
+        op::EXPORT => "export",
+        op::LOAD => "load",
+        op::SET_EPOCH => "set_epoch",
+        op::RESERVE => "reserve",
+        op::CREATE_TABLE => "create_table",
+        op::DROP_TABLE => "drop_table",
+        op::LIST_TABLES => "list_tables",
+        op::STATS => "stats",
+        op::METRICS => "metrics",
+        op::SHUTDOWN => "shutdown",
+        _ => "unknown",
+    }
+}
+
+fn filter_put(w: &mut Writer, f: &Filter) {
+    w.u64(f.key_mask).u64(f.key_pattern).u64(f.min_score).u64(f.max_score);
+}
+
+fn filter_get(r: &mut Reader<'_>) -> Result<Filter, ProtoError> {
+    Ok(Filter {
+        key_mask: r.u64("filter")?,
+        key_pattern: r.u64("filter")?,
+        min_score: r.u64("filter")?,
+        max_score: r.u64("filter")?,
+    })
+}
+
+fn json<T: Serialize>(x: &T) -> Vec<u8> {
+    serde_json::to_vec(x).expect("plain data serializes")
+}
+
+fn from_json<'a, T: Deserialize<'a>>(b: &'a [u8], what: &str) -> Result<T, ProtoError> {
+    serde_json::from_slice(b).map_err(|e| ProtoError::bad_request(format!("{what}: {e}")))
+}
+
+impl Request {
+    /// The op code.
+    pub fn op(&self) -> u8 {
+        match self {
+            Request::Ping => op::PING,
+            Request::Echo { .. } => op::ECHO,
+            Request::Find { .. } => op::FIND,
+            Request::Contains { .. } => op::CONTAINS,
+            Request::Write { op, .. } => *op,
+            Request::AssignScores { .. } => op::ASSIGN_SCORES,
+            Request::Erase { .. } => op::ERASE,
+            Request::EraseIf { .. } => op::ERASE_IF,
+            Request::Clear { .. } => op::CLEAR,
+            Request::Export { .. } => op::EXPORT,
+            Request::SetEpoch { .. } => op::SET_EPOCH,
+            Request::Reserve { .. } => op::RESERVE,
+            Request::Control(c) => match c {
+                Control::CreateTable(_) => op::CREATE_TABLE,
+                Control::DropTable { .. } => op::DROP_TABLE,
+                Control::ListTables => op::LIST_TABLES,
+                Control::Stats => op::STATS,
+                Control::Metrics => op::METRICS,
+                Control::Shutdown => op::SHUTDOWN,
+            },
+        }
+    }
+
+    /// The table it addresses, if any.
+    pub fn table(&self) -> Option<&str> {
+        match self {
+            Request::Find { table, .. }
+            | Request::Contains { table, .. }
+            | Request::Write { table, .. }
+            | Request::AssignScores { table, .. }
+            | Request::Erase { table, .. }
+            | Request::EraseIf { table, .. }
+            | Request::Clear { table }
+            | Request::Export { table, .. }
+            | Request::SetEpoch { table, .. }
+            | Request::Reserve { table, .. } => Some(table),
+            _ => None,
+        }
+    }
+
+    /// Whether only admins may send it.
+    pub fn is_admin(&self) -> bool {
+        matches!(self, Request::Control(Control::CreateTable(_) | Control::DropTable { .. } | Control::Shutdown))
+    }
+
+    /// The whole frame with request id `id`.
+    pub fn encode(&self, id: u64) -> Vec<u8> {
+        let mut w = Writer::default();
+        let mut fl = 0u16;
+        match self {
+            Request::Ping => {}
+            Request::Echo { reply_len, padding } => {
+                w.u32(*reply_len);
+                w.buf.resize(4 + padding, 0);
+            }
+            Request::Find { table, keys, scores } => {
+                w.str(table).u64s(keys);
+                if *scores {
+                    fl |= flags::SCORES;
+                }
+            }
+            Request::Contains { table, keys } => {
+                w.str(table).u64s(keys);
+            }
+            Request::Write { table, keys, values, scores, outcomes, .. } => {
+                w = Writer::with_capacity(16 + table.len() + keys.len() * 8 + values.len() * 4);
+                w.str(table).u64s(keys).f32s(values);
+                if let Some(s) = scores {
+                    w.u64s(s);
+                    fl |= flags::SCORES;
+                }
+                if *outcomes {
+                    fl |= flags::OUTCOMES;
+                }
+            }
+            Request::AssignScores { table, keys, scores, outcomes } => {
+                w.str(table).u64s(keys);
+                if let Some(s) = scores {
+                    w.u64s(s);
+                    fl |= flags::SCORES;
+                }
+                if *outcomes {
+                    fl |= flags::OUTCOMES;
+                }
+            }
+            Request::Erase { table, keys, outcomes } => {
+                w.str(table).u64s(keys);
+                if *outcomes {
+                    fl |= flags::OUTCOMES;
+                }
+            }
+            Request::EraseIf { table, filter } => {
+                w.str(table);
+                filter_put(&mut w, filter);
+            }
+            Request::Clear { table } => {
+                w.str(table);
+            }
+            Request::Export { table, cursor, max_slots, filter } => {
+                w.str(table).u32(cursor.shard).u64(cursor.offset).u64(*max_slots);
+                filter_put(&mut w, filter);
+            }
+            Request::SetEpoch { table, epoch } => {
+                w.str(table).u32(*epoch);
+            }
+            Request::Reserve { table, capacity } => {
+                w.str(table).u64(*capacity);
+            }
+            Request::Control(c) => match c {
+                Control::CreateTable(spec) => w.buf = json(spec),
+                Control::DropTable { name } => w.buf = json(&serde_json::json!({ "name": name })),
+                _ => {}
+            },
+        }
+        frame(self.op(), fl, id, &w.buf)
+    }
+
+    /// Parses a request body. Errors name the field at fault.
+    pub fn decode(h: &Header, body: &[u8]) -> Result<Request, ProtoError> {
+        let mut r = Reader::new(body);
+        let scores = h.flags & flags::SCORES != 0;
+        let outcomes = h.flags & flags::OUTCOMES != 0;
+        let req = match h.op {
+            op::PING => Request::Ping,
+            op::ECHO => {
+                let reply_len = r.u32("reply_len")?;
+                let padding = r.rest().len();
+                Request::Echo { reply_len, padding }
+            }
+            op::FIND => Request::Find { table: r.str("table")?.into(), keys: r.u64s("keys")?, scores },
+            op::CONTAINS => Request::Contains { table: r.str("table")?.into(), keys: r.u64s("keys")? },
+            o if WRITE_OPS.contains(&o) => {
+                let table = r.str("table")?.into();
+                let keys = r.u64s("keys")?;
+                let values = r.f32s("values")?;
+                let scores = if scores { Some(r.u64s("scores")?) } else { None };
+                Request::Write { op: o, table, keys, values, scores, outcomes }
+            }
+            op::ASSIGN_SCORES => {
+                let table = r.str("table")?.into();
+                let keys = r.u64s("keys")?;
+                let scores = if scores { Some(r.u64s("scores")?) } else { None };
+                Request::AssignScores { table, keys, scores, outcomes }
+            }
+            op::ERASE => Request::Erase { table: r.str("table")?.into(), keys: r.u64s("keys")?, outcomes },
+            op::ERASE_IF => Request::EraseIf { table: r.str("table")?.into(), filter: filter_get(&mut r)? },
+            op::CLEAR => Request::Clear { table: r.str("table")?.into() },
+            op::EXPORT => {
+                let table = r.str("table")?.into();
+                let cursor = Cursor { shard: r.u32("shard")?, offset: r.u64("offset")? };
+                let max_slots = r.u64("max_slots")?;
+                Request::Export { table, cursor, max_slots, filter: filter_get(&mut r)? }
+            }
+            op::SET_EPOCH => Request::SetEpoch { table: r.str("table")?.into(), epoch: r.u32("epoch")? },
+            op::RESERVE => Request::Reserve { table: r.str("table")?.into(), capacity: r.u64("capacity")? },
+            op::CREATE_TABLE => Request::Control(Control::CreateTable(from_json(r.rest(), "create_table body")?)),
+            op::DROP_TABLE => {
+                #[derive(Deserialize)]
+                #[serde(deny_unknown_fields)]
+                struct Drop {
+                    name: String,
+                }
+                let d: Drop = from_json(r.rest(), "drop_table body")?;
+                Request::Control(Control::DropTable { name: d.name })
+            }
+            op::LIST_TABLES => Request::Control(Control::ListTables),
+            op::STATS => Request::Control(Control::Stats),
+            op::METRICS => Request::Control(Control::Metrics),
+            op::SHUTDOWN => Request::Control(Control::Shutdown),
+            o => {
+                return Err(ProtoError::new(
+                    ErrorCode::UnknownOp,
+                    format!("op code {o:#04x} is not part of protocol version 1"),
+                ))
+            }
+        };
+        r.finish()?;
+        Ok(req)
+    }
+}
+
+/// A response.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Response {
+    /// No body (ping, clear, set_epoch, reserve, drop_table, shutdown).
+    Empty,
+    /// echo: how many bytes came back.
+    Echo {
+        /// Body bytes.
+        len: usize,
+    },
+    /// find.
+    Find {
+        /// 1 = found, per key.
+        found: Vec<u8>,
+        /// dim floats per key; 0.0 for misses.
+        values: Vec<f32>,
+        /// Scores when asked for (0 for misses).
+        scores: Option<Vec<u64>>,
+    },
+    /// contains.
+    Contains {
+        /// 1 = present, per key.
+        found: Vec<u8>,
+    },
+    /// The write ops.
+    Write {
+        /// Counts.
+        summary: Summary,
+        /// Per-key outcome bytes when asked for.
+        outcomes: Option<Vec<u8>>,
+        /// find_or_insert: the values.
+        values: Option<Vec<f32>>,
+        /// insert_and_evict: what lost its slot.
+        evicted: Option<Evicted>,
+    },
+    /// erase and erase_if.
+    Erased {
+        /// Entries removed.
+        count: u64,
+        /// Per-key flags (erase with OUTCOMES).
+        flags: Option<Vec<u8>>,
+    },
+    /// export.
+    Export {
+        /// Where to continue; none when the walk is over.
+        next: Option<Cursor>,
+        /// Keys.
+        keys: Vec<u64>,
+        /// Values.
+        values: Vec<f32>,
+        /// Scores.
+        scores: Vec<u64>,
+    },
+    /// create_table, list_tables, stats: a JSON document.
+    Json(Vec<u8>),
+    /// metrics: Prometheus text.
+    Text(String),
+    /// An error.
+    Error(ProtoError),
+}
+
+impl Response {
+    /// The whole frame answering request `id` of op `req_op`.
+    pub fn encode(&self, req_op: u8, id: u64) -> Vec<u8> {
+        let mut w = Writer::default();
+        let mut fl = flags::RESPONSE;
+        let mut code = req_op;
+        match self {
+            Response::Empty => {}
+            Response::Echo { len } => w.buf.resize(*len, 0),
+            Response::Find { found, values, scores } => {
+                w = Writer::with_capacity(16 + found.len() + values.len() * 4);
+                w.u8s(found).f32s(values);
+                if let Some(s) = scores {
+                    w.u64s(s);
+                    fl |= flags::SCORES;
+                }
+            }
+            Response::Contains { found } => {
+                w.u8s(found);
+            }
+            Response::Write { summary, outcomes, values, evicted } => {
+                let s = summary;
+                w.u64(s.updated).u64(s.inserted).u64(s.evicted).u64(s.rejected).u64(s.absent);
+                if let Some(o) = outcomes {
+                    w.u8s(o);
+                    fl |= flags::OUTCOMES;
+                }
+                if let Some(v) = values {
+                    w.f32s(v);
+                }
+                if let Some(e) = evicted {
+                    w.u64s(&e.keys).f32s(&e.values).u64s(&e.scores).u8s(&e.kinds);
+                }
+            }
+            Response::Erased { count, flags: f } => {
+                w.u64(*count);
+                if let Some(f) = f {
+                    w.u8s(f);
+                    fl |= flags::OUTCOMES;
+                }
+            }
+            Response::Export { next, keys, values, scores } => {
+                let c = next.unwrap_or(Cursor { shard: u32::MAX, offset: 0 });
+                w.u32(c.shard).u64(c.offset).u64s(keys).f32s(values).u64s(scores);
+            }
+            Response::Json(j) => w.buf = j.clone(),
+            Response::Text(t) => w.buf = t.as_bytes().to_vec(),
+            Response::Error(e) => {
+                code = op::ERROR;
+                fl |= flags::ERROR;
+                w.buf = json(e);
+            }
+        }
+        frame(code, fl, id, &w.buf)
+    }
+
+    /// Parses a response body.
+    pub fn decode(h: &Header, body: &[u8]) -> Result<Response, ProtoError> {
+        let mut r = Reader::new(body);
+        let has_outcomes = h.flags & flags::OUTCOMES != 0;
+        let resp = match h.op {
+            op::ERROR => return Ok(Response::Error(from_json(body, "error body")?)),
+            op::PING | op::CLEAR | op::SET_EPOCH | op::RESERVE | op::DROP_TABLE | op::SHUTDOWN => Response::Empty,
+            op::ECHO => Response::Echo { len: r.rest().len() },
+            op::FIND => {
+                let found = r.u8s("found")?;
+                let values = r.f32s("values")?;
+                let scores = if h.flags & flags::SCORES != 0 { Some(r.u64s("scores")?) } else { None };
+                Response::Find { found, values, scores }
+            }
+            op::CONTAINS => Response::Contains { found: r.u8s("found")? },
+            o if WRITE_OPS.contains(&o) || o == op::ASSIGN_SCORES => {
+                let summary = Summary {
+                    updated: r.u64("summary")?,
+                    inserted: r.u64("summary")?,
+                    evicted: r.u64("summary")?,
+                    rejected: r.u64("summary")?,
+                    absent: r.u64("summary")?,
+                };
+                let outcomes = if has_outcomes { Some(r.u8s("outcomes")?) } else { None };
+                let values = if o == op::FIND_OR_INSERT { Some(r.f32s("values")?) } else { None };
+                let evicted = if o == op::INSERT_AND_EVICT {
+                    Some(Evicted {
+                        keys: r.u64s("evicted keys")?,
+                        values: r.f32s("evicted values")?,
+                        scores: r.u64s("evicted scores")?,
+                        kinds: r.u8s("evicted kinds")?,
+                    })
+                } else {
+                    None
+                };
+                Response::Write { summary, outcomes, values, evicted }
+            }
+            op::ERASE | op::ERASE_IF => {
+                let count = r.u64("count")?;
+                let flags = if has_outcomes { Some(r.u8s("erased")?) } else { None };
+                Response::Erased { count, flags }
+            }
+            op::EXPORT => {
+                let shard = r.u32("next shard")?;
+                let offset = r.u64("next offset")?;
+                let next = (shard != u32::MAX).then_some(Cursor { shard, offset });
+                Response::Export { next, keys: r.u64s("keys")?, values: r.f32s("values")?, scores: r.u64s("scores")? }
+            }
+            op::CREATE_TABLE | op::LIST_TABLES | op::STATS => Response::Json(r.rest().to_vec()),
+            op::METRICS => Response::Text(
+                String::from_utf8(r.rest().to_vec()).map_err(|e| ProtoError::bad_request(format!("metrics: {e}")))?,
+            ),
+            o => return Err(ProtoError::new(ErrorCode::UnknownOp, format!("response op {o:#04x}"))),
+        };
+        r.finish()?;
+        Ok(resp)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{check_frame, FrameCheck};
+
+    fn round(req: Request) {
+        let f = req.encode(42);
+        let FrameCheck::Ready(h) = check_frame(&f, u32::MAX).unwrap() else { panic!() };
+        assert_eq!(h.id, 42);
+        assert_eq!(Request::decode(&h, &f[crate::HEADER_LEN..]).unwrap(), req);
+    }
+
+    fn round_resp(op: u8, resp: Response) {
+        let f = resp.encode(op, 7);
+        let FrameCheck::Ready(h) = check_frame(&f, u32::MAX).unwrap() else { panic!() };
+        assert_eq!(Response::decode(&h, &f[crate::HEADER_LEN..]).unwrap(), resp);
+    }
+
+    #[test]
+    fn requests_round_trip() {
+        let t = "emb".to_string();
+        round(Request::Ping);
+        round(Request::Echo { reply_len: 100, padding: 12 });
+        round(Request::Find { table: t.clone(), keys: vec![1, 2], scores: true });
+        round(Request::Contains { table: t.clone(), keys: vec![3] });
+        for op in WRITE_OPS {
+            round(Request::Write {
+                op,
+                table: t.clone(),
+                keys: vec![1],
+                values: vec![0.5, 1.5],
+                scores: Some(vec![9]),
+                outcomes: true,
+            });
+        }
+        round(Request::AssignScores { table: t.clone(), keys: vec![1], scores: None, outcomes: false });
+        round(Request::Erase { table: t.clone(), keys: vec![1, 2, 3], outcomes: true });
+        round(Request::EraseIf { table: t.clone(), filter: Filter { min_score: 3, ..Filter::default() } });
+        round(Request::Clear { table: t.clone() });
+        round(Request::Export {
+            table: t.clone(),
+            cursor: Cursor { shard: 2, offset: 128 },
+            max_slots: 4096,
+            filter: Filter::default(),
+        });
+        round(Request::SetEpoch { table: t.clone(), epoch: 5 });
+        round(Request::Reserve { table: t, capacity: 1 << 20 });
+        round(Request::Control(Control::CreateTable(TableSpec::new("x", 8, 1024))));
+        round(Request::Control(Control::DropTable { name: "x".into() }));
+        for c in [Control::ListTables, Control::Stats, Control::Metrics, Control::Shutdown] {
+            round(Request::Control(c));
+        }
+    }
+
+    #[test]
+    fn responses_round_trip() {
+        round_resp(op::PING, Response::Empty);
+        round_resp(op::ECHO, Response::Echo { len: 33 });
+        round_resp(op::FIND, Response::Find { found: vec![1, 0], values: vec![1.0, 0.0], scores: Some(vec![5, 0]) });
+        round_resp(op::CONTAINS, Response::Contains { found: vec![1] });
+        let summary = Summary { updated: 1, inserted: 2, evicted: 3, rejected: 4, absent: 5 };
+        round_resp(
+            op::INSERT_OR_ASSIGN,
+            Response::Write { summary, outcomes: Some(vec![1]), values: None, evicted: None },
+        );
+        round_resp(
+            op::FIND_OR_INSERT,
+            Response::Write { summary, outcomes: None, values: Some(vec![2.0]), evicted: None },
+        );
+        let ev = Evicted { keys: vec![4], values: vec![1.0], scores: vec![2], kinds: vec![0] };
+        round_resp(op::INSERT_AND_EVICT, Response::Write { summary, outcomes: None, values: None, evicted: Some(ev) });
+        round_resp(op::ERASE, Response::Erased { count: 2, flags: Some(vec![1, 1, 0]) });
+        round_resp(op::ERASE_IF, Response::Erased { count: 2, flags: None });
+        round_resp(
+            op::EXPORT,
+            Response::Export {
+                next: Some(Cursor { shard: 1, offset: 9 }),
+                keys: vec![1],
+                values: vec![0.5],
+                scores: vec![3],
+            },
+        );
+        round_resp(op::EXPORT, Response::Export { next: None, keys: vec![], values: vec![], scores: vec![] });
+        round_resp(op::STATS, Response::Json(b"{\"a\":1}".to_vec()));
+        round_resp(op::METRICS, Response::Text("hkvd_up 1\n".into()));
+        round_resp(op::FIND, Response::Error(ProtoError::new(ErrorCode::UnknownTable, "no table \"x\"")));
+    }
+
+    #[test]
+    fn unknown_op_and_trailing_bytes_are_named() {
+        let f = frame(0x77, 0, 1, b"");
+        let FrameCheck::Ready(h) = check_frame(&f, 100).unwrap() else { panic!() };
+        assert_eq!(Request::decode(&h, b"").unwrap_err().code, ErrorCode::UnknownOp);
+        let mut f = Request::Clear { table: "t".into() }.encode(1);
+        f.push(0);
+        f[16] += 1;
+        let FrameCheck::Ready(h) = check_frame(&f, 100).unwrap() else { panic!() };
+        assert_eq!(Request::decode(&h, &f[20..]).unwrap_err().code, ErrorCode::BadRequest);
+    }
+}
