@@ -1,0 +1,103 @@
+//! Starts the real `hkvd` binary on a temporary socket and state directory.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use hkv_client::Client;
+
+pub struct Daemon {
+    pub child: Option<Child>,
+    pub dir: tempfile::TempDir,
+    pub socket: PathBuf,
+}
+
+impl Daemon {
+    /// `hkvd serve --backend cpu --shards 3` plus `extra`, on a fresh socket.
+    pub fn start(extra: &[&str]) -> Daemon {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("run").join("hkvd.sock");
+        Self::start_in(dir, socket, extra)
+    }
+
+    pub fn start_in(dir: tempfile::TempDir, socket: PathBuf, extra: &[&str]) -> Daemon {
+        let state = dir.path().join("state");
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_hkvd"));
+        cmd.arg("serve")
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--state-dir")
+            .arg(&state)
+            .args(["--backend", "cpu", "--log", "warn"])
+            .args(if extra.contains(&"--shards") { &[][..] } else { &["--shards", "3"][..] })
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit());
+        let child = cmd.spawn().expect("spawn hkvd");
+        let mut d = Daemon { child: Some(child), dir, socket };
+        d.wait_ready();
+        d
+    }
+
+    pub fn wait_ready(&mut self) {
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(20) {
+            if let Some(st) = self.child.as_mut().and_then(|c| c.try_wait().expect("try_wait")) {
+                panic!("hkvd exited before serving: {st}");
+            }
+            if let Ok(mut c) = Client::connect(&self.socket) {
+                if c.ping().is_ok() {
+                    return;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("hkvd did not answer on {} within 20 s", self.socket.display());
+    }
+
+    pub fn client(&self) -> Client {
+        Client::connect(&self.socket).expect("connect")
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    /// Sends a signal by name (TERM, INT) with kill(1).
+    pub fn signal(&self, sig: &str) {
+        let ok = Command::new("kill").arg(format!("-{sig}")).arg(self.pid().to_string()).status().expect("kill");
+        assert!(ok.success());
+    }
+
+    /// Waits for the process to exit; returns its exit code.
+    pub fn wait(&mut self, within: Duration) -> i32 {
+        let mut child = self.child.take().expect("running");
+        let t = Instant::now();
+        loop {
+            if let Some(st) = child.try_wait().expect("try_wait") {
+                return st.code().unwrap_or(-1);
+            }
+            if t.elapsed() > within {
+                let _ = child.kill();
+                panic!("hkvd did not exit within {within:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+pub fn path_str(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}

@@ -1,0 +1,455 @@
+//! The real daemon, driven through the Rust client and through raw bytes.
+
+mod common;
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+
+use common::Daemon;
+use hkv_client::proto::{self, flags, frame, op, Header, HEADER_LEN};
+use hkv_client::{Client, ClientError, Cursor, ErrorCode, Filter, Request, Response, TableSpec};
+
+fn spec(name: &str, dim: usize, capacity: u64, policy: &str, mode: &str) -> TableSpec {
+    TableSpec { policy: policy.into(), mode: mode.into(), ..TableSpec::new(name, dim, capacity) }
+}
+
+fn vals(keys: &[u64], dim: usize, salt: f32) -> Vec<f32> {
+    keys.iter().flat_map(|&k| (0..dim).map(move |d| (k % 997) as f32 + d as f32 + salt)).collect()
+}
+
+#[test]
+fn every_operation_through_the_client() {
+    let d = Daemon::start(&[]);
+    let mut c = d.client();
+    for mode in ["single", "dual"] {
+        let t = format!("lfu-{mode}");
+        let info = c.create_table(spec(&t, 4, 1 << 14, "lfu", mode)).unwrap();
+        assert_eq!(info.shards, 3);
+        assert!(info.capacity >= 1 << 14);
+        let keys: Vec<u64> = (1..=3000).map(|k| k * 7919).collect();
+        let v = vals(&keys, 4, 0.5);
+        let s = c.insert_or_assign(&t, &keys, &v, None).unwrap();
+        assert_eq!(s.inserted, 3000);
+        let f = c.find_with_scores(&t, &keys).unwrap();
+        assert!(f.found.iter().all(|&x| x));
+        assert_eq!(f.values, v, "values come back in request order");
+        assert!(f.scores.unwrap().iter().all(|&s| s == 1));
+        assert_eq!(c.contains(&t, &[keys[0], 5, keys[9]]).unwrap(), [true, false, true]);
+        // find_or_insert: hits return stored values, misses insert given ones.
+        let (s, got) = c.find_or_insert(&t, &[keys[0], 6], &[9.0; 8], Some(&[2, 3])).unwrap();
+        assert_eq!((s.updated, s.inserted), (1, 1));
+        assert_eq!(got[..4], v[..4]);
+        assert_eq!(got[4..], [9.0; 4]);
+        // assign / assign_scores touch present keys only.
+        let s = c.assign(&t, &[keys[1], 7], &[1.0; 8], None).unwrap();
+        assert_eq!((s.updated, s.absent), (1, 1));
+        let s = c.assign_scores(&t, &[keys[1], 8], Some(&[100, 1])).unwrap();
+        assert_eq!((s.updated, s.absent), (1, 1));
+        let f = c.find_with_scores(&t, &[keys[1]]).unwrap();
+        assert_eq!((f.values.clone(), f.scores.unwrap()[0]), (vec![1.0; 4], 101));
+        // accum_or_assign.
+        let s = c.accum_or_assign(&t, &[keys[1], 9], &[0.5; 8], None).unwrap();
+        assert_eq!((s.updated, s.inserted), (1, 1));
+        assert_eq!(c.find(&t, &[keys[1], 9]).unwrap().values, [1.5, 1.5, 1.5, 1.5, 0.5, 0.5, 0.5, 0.5]);
+        // erase, export, erase_if, clear.
+        assert_eq!(c.erase(&t, &[keys[2], 12345]).unwrap(), 1);
+        let (ek, ev, es) = c.export_all(&t, Filter::default()).unwrap();
+        assert_eq!(ek.len() as u64, c.tables().unwrap().iter().find(|x| x.spec.name == t).unwrap().size);
+        let by_key: HashMap<u64, &[f32]> = ek.iter().zip(ev.chunks(4)).map(|(&k, v)| (k, v)).collect();
+        assert_eq!(by_key[&keys[5]], &v[20..24]);
+        assert_eq!(es.len(), ek.len());
+        let n = c.erase_if(&t, Filter { min_score: 2, ..Filter::default() }).unwrap();
+        assert_eq!(n, es.iter().filter(|&&s| s >= 2).count() as u64);
+        c.clear(&t).unwrap();
+        assert_eq!(c.export_all(&t, Filter::default()).unwrap().0.len(), 0);
+        // load: scores verbatim.
+        c.load(&t, &[1, 2], &[0.0; 8], &[77, 88]).unwrap();
+        assert_eq!(c.find_with_scores(&t, &[1, 2]).unwrap().scores.unwrap(), [77, 88]);
+        c.drop_table(&t).unwrap();
+    }
+    // insert_and_evict on a full custom-score table: conservation over the router.
+    c.create_table(spec("ev", 2, 3 * 128, "custom", "single")).unwrap();
+    let keys: Vec<u64> = (1..=2000).collect();
+    let scores: Vec<u64> = keys.iter().map(|k| k % 50).collect();
+    let (s, ev) = c.insert_and_evict("ev", &keys, &vals(&keys, 2, 0.0), Some(&scores)).unwrap();
+    let size = c.tables().unwrap()[0].size;
+    assert_eq!(s.inserted + s.evicted, size + ev.kinds.iter().filter(|&&k| k == 0).count() as u64);
+    assert_eq!(ev.keys.len() as u64, s.evicted + s.rejected);
+    // Epoch policy and reserve.
+    c.create_table(TableSpec { max_capacity: 3 * 1024, ..spec("ep", 1, 3 * 128, "epoch-lfu", "single") }).unwrap();
+    c.set_epoch("ep", 9).unwrap();
+    c.insert_or_assign("ep", &[5], &[1.0], Some(&[3])).unwrap();
+    assert_eq!(c.find_with_scores("ep", &[5]).unwrap().scores.unwrap(), [(9u64 << 32) | 3]);
+    c.reserve("ep", 3 * 1024).unwrap();
+    assert_eq!(c.tables().unwrap().iter().find(|t| t.spec.name == "ep").unwrap().capacity, 3 * 1024);
+    // Stats and metrics.
+    let st = c.stats().unwrap();
+    assert_eq!(st["shards"], 3);
+    assert!(st["tables"].as_array().unwrap().iter().any(|t| t["spec"]["name"] == "ev"));
+    let m = c.metrics().unwrap();
+    assert!(m.contains("hkvd_up 1") && m.contains("hkvd_size{table=\"ev\",shard=\"0\"}"));
+    assert!(m.contains("hkvd_lock_waiting{table=\"ep\",shard=\"2\",group=\"inserter\"} 0"));
+}
+
+#[test]
+fn sixteen_clients_pipelining_mixed_operations() {
+    let d = Daemon::start(&[]);
+    d.client().create_table(spec("t", 8, 1 << 20, "lru", "dual")).unwrap();
+    let socket = d.socket.clone();
+    std::thread::scope(|s| {
+        for w in 0..16u64 {
+            let socket = socket.clone();
+            s.spawn(move || {
+                let mut c = Client::connect(&socket).unwrap();
+                let sets: Vec<Vec<u64>> = (0..8).map(|j| (0..500).map(|i| w << 40 | j << 20 | i).collect()).collect();
+                // Eight inserts in flight, then eight finds, then accumulates.
+                let ids: Vec<u64> = sets
+                    .iter()
+                    .map(|k| {
+                        c.send(&Request::Write {
+                            op: op::INSERT_OR_ASSIGN,
+                            table: "t".into(),
+                            keys: k.clone(),
+                            values: vals(k, 8, w as f32),
+                            scores: None,
+                            outcomes: true,
+                        })
+                        .unwrap()
+                    })
+                    .collect();
+                let mut seen = vec![];
+                for _ in &ids {
+                    let (id, r) = c.recv().unwrap();
+                    let Response::Write { summary, outcomes, .. } = r else { panic!("{r:?}") };
+                    assert_eq!(summary.inserted, 500);
+                    assert!(outcomes.unwrap().iter().all(|&o| o == 1));
+                    seen.push(id);
+                }
+                seen.sort();
+                assert_eq!(seen, ids, "every request answered once, by id");
+                let ids: HashMap<u64, usize> = sets
+                    .iter()
+                    .enumerate()
+                    .map(|(j, k)| {
+                        (c.send(&Request::Find { table: "t".into(), keys: k.clone(), scores: false }).unwrap(), j)
+                    })
+                    .collect();
+                for _ in 0..ids.len() {
+                    let (id, r) = c.recv().unwrap();
+                    let Response::Find { found, values, .. } = r else { panic!("{r:?}") };
+                    assert!(found.iter().all(|&f| f == 1));
+                    assert_eq!(values, vals(&sets[ids[&id]], 8, w as f32));
+                }
+                for k in &sets {
+                    c.send(&Request::Write {
+                        op: op::ACCUM_OR_ASSIGN,
+                        table: "t".into(),
+                        keys: k.clone(),
+                        values: vec![1.0; k.len() * 8],
+                        scores: None,
+                        outcomes: false,
+                    })
+                    .unwrap();
+                }
+                for _ in &sets {
+                    assert!(matches!(c.recv().unwrap().1, Response::Write { .. }));
+                }
+                let f = c.find("t", &sets[3]).unwrap();
+                assert_eq!(f.values, vals(&sets[3], 8, w as f32 + 1.0));
+                assert_eq!(c.erase("t", &sets[7]).unwrap(), 500);
+            });
+        }
+    });
+    let mut c = d.client();
+    assert_eq!(c.tables().unwrap()[0].size, 16 * 7 * 500);
+    assert_eq!(c.stats().unwrap()["errors"], 0);
+}
+
+/// Writes raw bytes, reads one response frame.
+fn raw_call(s: &mut UnixStream, bytes: &[u8]) -> (Header, Response) {
+    s.write_all(bytes).unwrap();
+    let mut h = [0u8; HEADER_LEN];
+    s.read_exact(&mut h).unwrap();
+    let h = Header::decode(&h).unwrap();
+    let mut body = vec![0u8; h.body_len as usize];
+    s.read_exact(&mut body).unwrap();
+    (h, Response::decode(&h, &body).unwrap())
+}
+
+fn expect_error(r: Response, code: ErrorCode, needle: &str) {
+    match r {
+        Response::Error(e) => {
+            assert_eq!(e.code, code, "{e:?}");
+            assert!(e.message.contains(needle), "message {:?} lacks {needle:?}", e.message);
+        }
+        r => panic!("expected {code:?}, got {r:?}"),
+    }
+}
+
+fn closed(s: &mut UnixStream) -> bool {
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut b = [0u8; 1];
+    matches!(s.read(&mut b), Ok(0))
+}
+
+#[test]
+fn bad_input_gets_named_errors_and_the_daemon_keeps_serving() {
+    let d = Daemon::start(&["--max-frame-bytes", "65536"]);
+    let mut c = d.client();
+    c.create_table(spec("t", 4, 4096, "lru", "single")).unwrap();
+    c.create_table(spec("cust", 4, 4096, "custom", "single")).unwrap();
+    let mut s = UnixStream::connect(&d.socket).unwrap();
+    let write = |table: &str, keys: Vec<u64>, values: Vec<f32>, scores: Option<Vec<u64>>| {
+        Request::Write { op: op::INSERT_OR_ASSIGN, table: table.into(), keys, values, scores, outcomes: false }
+            .encode(5)
+    };
+    // Unknown table.
+    let (h, r) = raw_call(&mut s, &Request::Find { table: "nope".into(), keys: vec![1], scores: false }.encode(11));
+    assert_eq!((h.id, h.op, h.flags), (11, op::ERROR, flags::RESPONSE | flags::ERROR));
+    expect_error(r, ErrorCode::UnknownTable, "\"nope\"");
+    // Wrong value length for the dim.
+    expect_error(raw_call(&mut s, &write("t", vec![1, 2], vec![0.0; 7], None)).1, ErrorCode::WrongDim, "dim 4");
+    // Reserved key.
+    let r = raw_call(&mut s, &write("t", vec![1, u64::MAX - 1], vec![0.0; 8], None)).1;
+    expect_error(r, ErrorCode::ReservedKey, "index 1");
+    assert_eq!(c.contains("t", &[1]).unwrap(), [false], "nothing of a refused batch is applied");
+    // Array length mismatch (scores).
+    let r = raw_call(&mut s, &write("cust", vec![1, 2], vec![0.0; 8], Some(vec![1]))).1;
+    expect_error(r, ErrorCode::LengthMismatch, "1 scores for 2 keys");
+    // Scores refused by a clock policy, required by custom.
+    expect_error(raw_call(&mut s, &write("t", vec![1], vec![0.0; 4], Some(vec![1]))).1, ErrorCode::Scores, "Lru");
+    expect_error(raw_call(&mut s, &write("cust", vec![1], vec![0.0; 4], None)).1, ErrorCode::Scores, "Custom");
+    // Unknown op.
+    expect_error(raw_call(&mut s, &frame(0x77, 0, 6, b"")).1, ErrorCode::UnknownOp, "0x77");
+    // Truncated body: 3 keys announced, 2 sent.
+    let mut body = vec![1, 0, b't'];
+    body.extend_from_slice(&3u32.to_le_bytes());
+    body.extend_from_slice(&[0u8; 16]);
+    expect_error(raw_call(&mut s, &frame(op::FIND, 0, 7, &body)).1, ErrorCode::Truncated, "keys");
+    // Oversized: refused from the header, body skipped, connection kept.
+    let big = frame(op::PING, 0, 8, &vec![0u8; 100_000]);
+    expect_error(raw_call(&mut s, &big).1, ErrorCode::Oversized, "65536");
+    let (h, r) = raw_call(&mut s, &Request::Ping.encode(9));
+    assert_eq!((h.id, r), (9, Response::Empty), "the same connection still works");
+    // Bad version and bad magic close that connection only.
+    let mut bad = Request::Ping.encode(1);
+    bad[4] = 2;
+    expect_error(raw_call(&mut s, &bad).1, ErrorCode::BadVersion, "version 2");
+    assert!(closed(&mut s));
+    let mut s = UnixStream::connect(&d.socket).unwrap();
+    expect_error(raw_call(&mut s, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").1, ErrorCode::BadMagic, "HKVD");
+    assert!(closed(&mut s));
+    // The daemon still serves.
+    let s = c.insert_or_assign("t", &[1], &[1.0; 4], None).unwrap();
+    assert_eq!(s.inserted, 1);
+    assert_eq!(c.find("t", &[1]).unwrap().values, [1.0; 4]);
+    // Client-side view of a daemon error.
+    let e = c.find("nope", &[1]).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::UnknownTable));
+    assert!(matches!(e, ClientError::Daemon(_)));
+}
+
+#[test]
+fn a_client_killed_mid_frame_costs_nothing() {
+    let d = Daemon::start(&[]);
+    let mut c = d.client();
+    c.create_table(spec("t", 4, 4096, "lru", "single")).unwrap();
+    for cut in [5usize, 20, 30] {
+        let mut s = UnixStream::connect(&d.socket).unwrap();
+        let f = Request::Write {
+            op: op::INSERT_OR_ASSIGN,
+            table: "t".into(),
+            keys: vec![1, 2, 3],
+            values: vec![0.0; 12],
+            scores: None,
+            outcomes: false,
+        }
+        .encode(1);
+        s.write_all(&f[..cut]).unwrap();
+        drop(s);
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(c.contains("t", &[1, 2, 3]).unwrap(), [false; 3]);
+    c.insert_or_assign("t", &[1], &[0.0; 4], None).unwrap();
+    assert_eq!(c.stats().unwrap()["connections"], 1, "the dead connections were cleaned up");
+}
+
+#[test]
+fn sigterm_answers_in_flight_requests_then_exits_0() {
+    let mut d = Daemon::start(&[]);
+    let mut c = d.client();
+    c.create_table(spec("t", 32, 1 << 18, "lru", "single")).unwrap();
+    let keys: Vec<u64> = (0..1 << 17).collect();
+    c.insert_or_assign("t", &keys, &vec![0.25; keys.len() * 32], None).unwrap();
+    let ids: Vec<u64> = (0..24)
+        .map(|_| c.send(&Request::Find { table: "t".into(), keys: keys.clone(), scores: false }).unwrap())
+        .collect();
+    d.signal("TERM");
+    let mut answered = 0;
+    for _ in &ids {
+        let (_, r) = c.recv().expect("every request sent before SIGTERM is answered");
+        let Response::Find { found, .. } = r else { panic!("{r:?}") };
+        assert!(found.iter().all(|&f| f == 1));
+        answered += 1;
+    }
+    assert_eq!(answered, 24);
+    assert_eq!(d.wait(Duration::from_secs(30)), 0);
+    assert!(!d.socket.exists(), "the socket file is removed on exit");
+    assert!(Client::connect(&d.socket).is_err());
+}
+
+#[test]
+fn socket_modes_and_a_second_daemon_on_the_same_socket() {
+    let d = Daemon::start(&[]);
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&d.socket), 0o660);
+    assert_eq!(mode(d.socket.parent().unwrap()), 0o750);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_hkvd"))
+        .args(["serve", "--backend", "cpu", "--socket"])
+        .arg(&d.socket)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("another daemon is serving"));
+    d.client().ping().unwrap();
+}
+
+#[test]
+fn config_file_tables_and_flags_win() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("hkvd.toml");
+    let from_file = dir.path().join("file.sock");
+    let from_flag = dir.path().join("flag.sock");
+    std::fs::write(
+        &cfg,
+        format!(
+            "socket = {:?}\nshards = 2\n[limits]\nmax_in_flight = 4\n[[table]]\nname = \"emb\"\ndim = 16\ncapacity = 4096\npolicy = \"lfu\"\nmode = \"dual\"\n",
+            from_file
+        ),
+    )
+    .unwrap();
+    let d = Daemon::start_in(dir, from_flag.clone(), &["--config", common::path_str(&cfg), "--shards", "4"]);
+    assert!(!from_file.exists() && from_flag.exists());
+    let mut c = d.client();
+    let t = &c.tables().unwrap()[0];
+    assert_eq!((t.spec.name.as_str(), t.spec.dim, t.shards), ("emb", 16, 4), "--shards 4 beats shards = 2");
+    assert_eq!(t.spec.mode, "dual");
+    // A bad config names the problem.
+    std::fs::write(&cfg, "sockett = 1\n").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_hkvd"))
+        .args(["serve", "--config", common::path_str(&cfg)])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("sockett"));
+}
+
+#[test]
+fn export_walks_every_shard_with_a_cursor() {
+    let d = Daemon::start(&[]);
+    let mut c = d.client();
+    c.create_table(spec("t", 1, 3 * 1024, "custom", "single")).unwrap();
+    let keys: Vec<u64> = (1..=1000).collect();
+    c.insert_or_assign("t", &keys, &vals(&keys, 1, 0.0), Some(&keys)).unwrap();
+    let mut got = vec![];
+    let mut cursor = Some(Cursor::default());
+    let mut chunks = 0;
+    while let Some(cur) = cursor {
+        let ch = c.export_chunk("t", cur, 100, Filter { min_score: 501, ..Filter::default() }).unwrap();
+        got.extend(ch.keys);
+        cursor = ch.next;
+        chunks += 1;
+    }
+    got.sort();
+    assert_eq!(got, (501..=1000).collect::<Vec<_>>());
+    assert!(chunks >= 30, "3 shards x 1024 slots / 100 per chunk");
+}
+
+#[test]
+fn metrics_over_loopback_http() {
+    let port = 20000 + (std::process::id() % 20000) as u16;
+    let addr = format!("127.0.0.1:{port}");
+    let d = Daemon::start(&["--metrics-listen", &addr]);
+    d.client().create_table(spec("t", 2, 1024, "lru", "single")).unwrap();
+    let mut body = String::new();
+    for _ in 0..50 {
+        if let Ok(mut s) = std::net::TcpStream::connect(&addr) {
+            s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+            s.read_to_string(&mut body).unwrap();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(body.starts_with("HTTP/1.1 200 OK"), "{body}");
+    assert!(body.contains("hkvd_capacity{table=\"t\",shard=\"1\"}"));
+}
+
+/// Admin rights come from SO_PEERCRED. As root, a child process runs this
+/// test binary again as uid 65534 (gid 0, so it may open the 0660 socket):
+/// it must get `forbidden` for create_table, and succeed once the daemon
+/// names group 0 as its admin group.
+#[test]
+fn admin_operations_check_peer_credentials() {
+    let me = std::fs::metadata("/proc/self").map(|m| std::os::unix::fs::MetadataExt::uid(&m)).unwrap();
+    let d = Daemon::start(&[]);
+    // The daemon's own user is an admin.
+    d.client().create_table(spec("mine", 2, 1024, "lru", "single")).unwrap();
+    let setpriv = std::path::Path::new("/usr/bin/setpriv").exists();
+    assert!(me == 0 && setpriv, "this test needs root and setpriv (util-linux) to act as another user");
+    let run_as_nobody = |socket: &std::path::Path, expect: &str| {
+        let out = std::process::Command::new("/usr/bin/setpriv")
+            .args(["--reuid", "65534", "--regid", "0", "--clear-groups"])
+            .arg(std::env::current_exe().unwrap())
+            .args(["--exact", "admin_child", "--ignored", "--nocapture"])
+            .env("HKVD_TEST_SOCKET", socket)
+            .env("HKVD_TEST_EXPECT", expect)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "child: {}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    std::fs::set_permissions(d.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    run_as_nobody(&d.socket, "forbidden");
+    drop(d);
+    let d = Daemon::start(&["--admin-group", "root"]);
+    std::fs::set_permissions(d.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    run_as_nobody(&d.socket, "ok");
+    assert_eq!(d.client().tables().unwrap()[0].spec.name, "by-nobody");
+}
+
+#[test]
+#[ignore = "child of admin_operations_check_peer_credentials"]
+fn admin_child() {
+    let socket = std::env::var("HKVD_TEST_SOCKET").unwrap();
+    let mut c = Client::connect(&socket).unwrap();
+    c.ping().unwrap();
+    let r = c.create_table(spec("by-nobody", 2, 1024, "lru", "single"));
+    match std::env::var("HKVD_TEST_EXPECT").unwrap().as_str() {
+        "forbidden" => {
+            let e = r.unwrap_err();
+            assert_eq!(e.code(), Some(ErrorCode::Forbidden), "{e}");
+            assert!(e.to_string().contains("uid 65534"));
+            let e = c.shutdown().unwrap_err();
+            assert_eq!(e.code(), Some(ErrorCode::Forbidden));
+            // Non-admin table operations are fine.
+            assert!(c.tables().is_ok());
+        }
+        _ => {
+            r.unwrap();
+        }
+    }
+}
+
+#[test]
+fn proto_constants_are_the_documented_bytes() {
+    assert_eq!(&proto::MAGIC, b"HKVD");
+    let f = Request::Ping.encode(0x0102);
+    assert_eq!(f, [b'H', b'K', b'V', b'D', 1, 1, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+}
