@@ -1,6 +1,20 @@
 #!/usr/bin/env bash
-# The project's test command (the README's second command). Installs what the
-# tests need when it is missing, then runs every test of the workspace.
+# The project's test command (the README's second command). Installs the
+# system tools some tests drive when they are missing (systemd-analyze and
+# systemd-socket-activate from `systemd`, setpriv from `util-linux`), then
+# runs every test of the workspace.
 set -euo pipefail
 cd "$(dirname "$0")"
+
+need=()
+command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
+command -v systemd-socket-activate >/dev/null 2>&1 || need+=(systemd)
+command -v setpriv >/dev/null 2>&1 || need+=(util-linux)
+if [ ${#need[@]} -gt 0 ]; then
+    echo "test.sh: installing ${need[*]}" >&2
+    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+
 cargo test --workspace --release
