@@ -767,3 +767,42 @@ mod tests {
         assert_eq!(Request::decode(&h, &f[20..]).unwrap_err().code, ErrorCode::BadRequest);
     }
 }
+
+/// Writes the fuzzer's seed corpus: one encoded frame of every request and
+/// response shape. `HKV_WRITE_CORPUS=proto/fuzz/corpus/frame cargo test -p hkv-proto -- --ignored corpus`
+#[cfg(test)]
+#[test]
+#[ignore = "writes the fuzz seed corpus"]
+fn write_fuzz_corpus() {
+    let dir = std::path::PathBuf::from(std::env::var("HKV_WRITE_CORPUS").expect("HKV_WRITE_CORPUS=dir"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let t = "emb".to_string();
+    let mut frames: Vec<Vec<u8>> = vec![
+        Request::Ping.encode(1),
+        Request::Echo { reply_len: 64, padding: 8 }.encode(2),
+        Request::Find { table: t.clone(), keys: vec![1, 2, 3], scores: true }.encode(3),
+        Request::Contains { table: t.clone(), keys: vec![9] }.encode(4),
+        Request::AssignScores { table: t.clone(), keys: vec![1], scores: Some(vec![2]), outcomes: true }.encode(5),
+        Request::Erase { table: t.clone(), keys: vec![1, 2], outcomes: true }.encode(6),
+        Request::EraseIf { table: t.clone(), filter: Filter::default() }.encode(7),
+        Request::Clear { table: t.clone() }.encode(8),
+        Request::Export { table: t.clone(), cursor: Cursor::default(), max_slots: 128, filter: Filter::default() }.encode(9),
+        Request::SetEpoch { table: t.clone(), epoch: 3 }.encode(10),
+        Request::Reserve { table: t.clone(), capacity: 4096 }.encode(11),
+        Request::Control(Control::CreateTable(TableSpec::new("emb", 4, 1024))).encode(12),
+        Request::Control(Control::DropTable { name: "emb".into() }).encode(13),
+        Request::Control(Control::Stats).encode(14),
+        Response::Find { found: vec![1, 0], values: vec![1.0, 2.0], scores: None }.encode(op::FIND, 15),
+        Response::Error(ProtoError::new(ErrorCode::Truncated, "x")).encode(op::FIND, 16),
+        Response::Export { next: None, keys: vec![1], values: vec![0.5], scores: vec![2] }.encode(op::EXPORT, 17),
+    ];
+    for (i, code) in WRITE_OPS.iter().enumerate() {
+        let req = Request::Write { op: *code, table: t.clone(), keys: vec![5, 6], values: vec![0.5; 4], scores: Some(vec![1, 2]), outcomes: true };
+        frames.push(req.encode(100 + i as u64));
+    }
+    let pipelined: Vec<u8> = frames[..4].concat();
+    frames.push(pipelined);
+    for (i, f) in frames.iter().enumerate() {
+        std::fs::write(dir.join(format!("seed-{i:02}")), f).unwrap();
+    }
+}
