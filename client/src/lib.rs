@@ -214,6 +214,30 @@ impl Client {
         }
     }
 
+    /// Starts a checkpoint; with `wait`, returns its listing once complete.
+    pub fn checkpoint(&mut self, wait: bool, full: bool) -> Result<serde_json::Value> {
+        match self.call(&Request::Control(Control::Checkpoint { wait, full }))? {
+            Response::Json(j) => serde_json::from_slice(&j).map_err(|e| ClientError::Protocol(e.to_string())),
+            r => unexpected("checkpoint", r),
+        }
+    }
+
+    /// Lists checkpoints, newest first.
+    pub fn checkpoints(&mut self) -> Result<serde_json::Value> {
+        match self.call(&Request::Control(Control::ListCheckpoints))? {
+            Response::Json(j) => serde_json::from_slice(&j).map_err(|e| ClientError::Protocol(e.to_string())),
+            r => unexpected("list_checkpoints", r),
+        }
+    }
+
+    /// Restores a checkpoint (`latest` or an id) into the running daemon.
+    pub fn restore(&mut self, id: &str) -> Result<serde_json::Value> {
+        match self.call(&Request::Control(Control::Restore { id: id.into() }))? {
+            Response::Json(j) => serde_json::from_slice(&j).map_err(|e| ClientError::Protocol(e.to_string())),
+            r => unexpected("restore", r),
+        }
+    }
+
     /// Asks the daemon to drain and exit.
     pub fn shutdown(&mut self) -> Result<()> {
         self.call(&Request::Control(Control::Shutdown)).map(|_| ())

@@ -48,6 +48,10 @@ pub struct Config {
     pub metrics_listen: Option<String>,
     /// Limits.
     pub limits: Limits,
+    /// Checkpoints.
+    pub checkpoint: crate::ckpt::CheckpointConfig,
+    /// What to restore at start: `latest`, a checkpoint id, or `none`.
+    pub restore: String,
     /// Tables created at start.
     #[serde(rename = "table")]
     pub tables: Vec<TableSpec>,
@@ -64,6 +68,8 @@ impl Default for Config {
             admin_group: None,
             metrics_listen: None,
             limits: Limits::default(),
+            checkpoint: Default::default(),
+            restore: "latest".into(),
             tables: vec![],
         }
     }

@@ -7,6 +7,7 @@
 //! # Layout
 //! - [`config`] holds the TOML configuration and its defaults.
 //! - [`actor`] is the shard actor and the sub-batch messages.
+//! - [`ckpt`] takes and restores checkpoints.
 //! - [`router`] maps tables and keys to shards and merges answers.
 //! - [`server`] accepts connections, reads frames, answers requests.
 //! - [`stats`] renders statistics as JSON and Prometheus text.
@@ -15,6 +16,7 @@
 #![forbid(unsafe_code)]
 
 pub mod actor;
+pub mod ckpt;
 pub mod config;
 pub mod router;
 pub mod server;
@@ -91,6 +93,7 @@ pub fn run(config: Config) -> anyhow::Result<()> {
                 (server::bind(&path)?, SocketFile(Some(path)))
             }
         };
+        let checkpoints = Arc::new(crate::ckpt::Checkpoints::open(&config.state_path(), config.checkpoint.clone())?);
         let uid = std::os::unix::fs::MetadataExt::uid(&std::fs::metadata("/proc/self")?);
         let admin_gid = config.admin_group.as_deref().map(server::group_gid).transpose()?;
         let (shutdown, _) = tokio::sync::watch::channel(false);
@@ -103,7 +106,33 @@ pub fn run(config: Config) -> anyhow::Result<()> {
             admin_gid,
             stats: Default::default(),
             backend: backend_name.clone(),
+            checkpoints,
         });
+        if config.restore != "none" {
+            match crate::ckpt::Checkpoints::restore(state.clone(), &config.restore).await {
+                Ok(Some(r)) => {
+                    for s in &r.skipped {
+                        warn!("skipped a corrupt checkpoint: {s}");
+                    }
+                    info!(id = %r.id, tables = ?r.tables, "restored");
+                }
+                Ok(None) => info!("no checkpoint to restore"),
+                Err(e) => anyhow::bail!("restore {}: {}", config.restore, e.message),
+            }
+        }
+        if let Some(secs) = config.checkpoint.interval_s {
+            let st = state.clone();
+            tokio::spawn(async move {
+                let mut stop = st.shutdown.subscribe();
+                loop {
+                    tokio::select! {
+                        _ = tokio::time::sleep(std::time::Duration::from_secs(secs.max(1))) => {}
+                        _ = stop.changed() => return,
+                    }
+                    let _ = crate::ckpt::Checkpoints::take(st.clone(), false).await;
+                }
+            });
+        }
         if let Some(addr) = &config.metrics_listen {
             let addr: std::net::SocketAddr = addr.parse().with_context(|| format!("metrics_listen {addr:?}"))?;
             let st = state.clone();
@@ -134,6 +163,12 @@ pub fn run(config: Config) -> anyhow::Result<()> {
         );
         let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
         server::serve(state.clone(), listener).await;
+        if config.checkpoint.on_shutdown {
+            info!("final checkpoint before exit");
+            if let Err(e) = crate::ckpt::Checkpoints::take(state.clone(), false).await {
+                warn!(error = %e.message, "final checkpoint failed");
+            }
+        }
         let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
         drop(socket_file);
         info!(requests = state.stats.requests.load(std::sync::atomic::Ordering::Relaxed), "stopped");

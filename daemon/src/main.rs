@@ -60,6 +60,21 @@ struct Serve {
     /// Serve Prometheus metrics over HTTP on this loopback address, e.g. 127.0.0.1:9466.
     #[arg(long)]
     metrics_listen: Option<String>,
+    /// Restore at start: latest, a checkpoint id, or none [default: latest].
+    #[arg(long)]
+    restore: Option<String>,
+    /// Seconds between scheduled checkpoints [default: none, on demand only].
+    #[arg(long)]
+    checkpoint_interval: Option<u64>,
+    /// Complete checkpoints kept [default: 3].
+    #[arg(long)]
+    checkpoint_keep: Option<usize>,
+    /// Incremental checkpoints between full ones; 0 = always full [default: 4].
+    #[arg(long)]
+    checkpoint_full_every: Option<u32>,
+    /// Take a checkpoint after draining on SIGTERM or shutdown.
+    #[arg(long)]
+    checkpoint_on_shutdown: bool,
     /// Log filter (tracing env-filter syntax) [default: info, or $RUST_LOG].
     #[arg(long)]
     log: Option<String>,
@@ -90,6 +105,17 @@ fn config(a: Serve) -> anyhow::Result<Config> {
     }
     c.admin_group = a.admin_group.or(c.admin_group);
     c.metrics_listen = a.metrics_listen.or(c.metrics_listen);
+    if let Some(r) = a.restore {
+        c.restore = r;
+    }
+    c.checkpoint.interval_s = a.checkpoint_interval.or(c.checkpoint.interval_s);
+    if let Some(k) = a.checkpoint_keep {
+        c.checkpoint.keep = k.max(1);
+    }
+    if let Some(k) = a.checkpoint_full_every {
+        c.checkpoint.full_every = k;
+    }
+    c.checkpoint.on_shutdown |= a.checkpoint_on_shutdown;
     Ok(c)
 }
 

@@ -49,6 +49,8 @@ pub struct State {
     pub stats: ServerStats,
     /// Backend in words, for stats.
     pub backend: String,
+    /// Checkpoints.
+    pub checkpoints: Arc<crate::ckpt::Checkpoints>,
 }
 
 /// The peer of a connection, from SO_PEERCRED.
@@ -289,14 +291,14 @@ fn scopeguard<F: FnMut()>(f: F) -> Guard<F> {
 
 /// Answers one request.
 #[tracing::instrument(level = "debug", skip_all, fields(op = hkv_proto::msg::op_name(h.op), id = h.id))]
-pub async fn handle(state: &State, h: &Header, body: &[u8], peer: &Peer) -> Response {
+pub async fn handle(state: &Arc<State>, h: &Header, body: &[u8], peer: &Peer) -> Response {
     match answer(state, h, body, peer).await {
         Ok(r) => r,
         Err(e) => Response::Error(e),
     }
 }
 
-async fn answer(state: &State, h: &Header, body: &[u8], peer: &Peer) -> Result<Response, ProtoError> {
+async fn answer(state: &Arc<State>, h: &Header, body: &[u8], peer: &Peer) -> Result<Response, ProtoError> {
     let req = Request::decode(h, body)?;
     if req.is_admin() && !state.is_admin(peer) {
         return Err(ProtoError::new(
@@ -336,6 +338,35 @@ async fn answer(state: &State, h: &Header, body: &[u8], peer: &Peer) -> Result<R
                 Ok(Response::Json(serde_json::to_vec(&crate::stats::collect(state)).expect("serializes")))
             }
             Control::Metrics => Ok(Response::Text(crate::stats::prometheus(&crate::stats::collect(state)))),
+            Control::Checkpoint { wait, full } => {
+                use crate::ckpt::Checkpoints;
+                if state.checkpoints.busy() && !wait {
+                    return Err(ProtoError::new(
+                        ErrorCode::Busy,
+                        "a checkpoint is already running; watch it with hkvctl stats",
+                    ));
+                }
+                if wait {
+                    let m = Checkpoints::take(state.clone(), full).await?;
+                    let l = state.checkpoints.list()?.into_iter().find(|l| l.id == format!("{:016x}", m.id));
+                    Ok(Response::Json(serde_json::to_vec(&l).expect("serializes")))
+                } else {
+                    let st = state.clone();
+                    tokio::spawn(async move {
+                        let _ = Checkpoints::take(st, full).await;
+                    });
+                    Ok(Response::Json(b"{\"started\":true}".to_vec()))
+                }
+            }
+            Control::ListCheckpoints => {
+                Ok(Response::Json(serde_json::to_vec(&state.checkpoints.list()?).expect("serializes")))
+            }
+            Control::Restore { id } => {
+                let r = crate::ckpt::Checkpoints::restore(state.clone(), &id).await?;
+                let r =
+                    r.ok_or_else(|| ProtoError::new(ErrorCode::UnknownTable, "there is no checkpoint to restore"))?;
+                Ok(Response::Json(serde_json::to_vec(&r).expect("serializes")))
+            }
             Control::Shutdown => {
                 info!(uid = peer.uid, "shutdown requested");
                 let _ = state.shutdown.send(true);

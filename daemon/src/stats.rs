@@ -33,6 +33,8 @@ pub struct DaemonStats {
     pub tables: Vec<TableStats>,
     /// Names of the operations, in the order of each shard's `ops` and `keys`.
     pub op_names: Vec<String>,
+    /// Checkpoint status.
+    pub checkpoint: crate::ckpt::CheckpointStats,
 }
 
 /// One table.
@@ -86,6 +88,7 @@ pub fn collect(state: &State) -> DaemonStats {
         in_flight: s.in_flight.load(Relaxed),
         tables,
         op_names: Op::ALL.iter().map(|o| o.name().to_string()).collect(),
+        checkpoint: state.checkpoints.stats(),
     }
 }
 

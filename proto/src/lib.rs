@@ -66,6 +66,9 @@ pub mod op {
     pub const STATS: u8 = 0x23;
     pub const METRICS: u8 = 0x24;
     pub const SHUTDOWN: u8 = 0x25;
+    pub const CHECKPOINT: u8 = 0x26;
+    pub const LIST_CHECKPOINTS: u8 = 0x27;
+    pub const RESTORE: u8 = 0x28;
     pub const ERROR: u8 = 0xFF;
 }
 

@@ -143,6 +143,20 @@ pub enum Control {
     Metrics,
     /// Drain and exit (admin).
     Shutdown,
+    /// Start a checkpoint (admin). With `wait`, answer when it is complete.
+    Checkpoint {
+        /// Answer only once the checkpoint is complete.
+        wait: bool,
+        /// Force a full checkpoint (else the schedule decides).
+        full: bool,
+    },
+    /// List checkpoints.
+    ListCheckpoints,
+    /// Restore a checkpoint (`latest` or an id) into the running daemon (admin).
+    Restore {
+        /// `latest` or a hex id.
+        id: String,
+    },
 }
 
 /// A request.
@@ -281,6 +295,9 @@ pub fn op_name(code: u8) -> &'static str {
         op::STATS => "stats",
         op::METRICS => "metrics",
         op::SHUTDOWN => "shutdown",
+        op::CHECKPOINT => "checkpoint",
+        op::LIST_CHECKPOINTS => "list_checkpoints",
+        op::RESTORE => "restore",
         _ => "unknown",
     }
 }
@@ -329,6 +346,9 @@ impl Request {
                 Control::Stats => op::STATS,
                 Control::Metrics => op::METRICS,
                 Control::Shutdown => op::SHUTDOWN,
+                Control::Checkpoint { .. } => op::CHECKPOINT,
+                Control::ListCheckpoints => op::LIST_CHECKPOINTS,
+                Control::Restore { .. } => op::RESTORE,
             },
         }
     }
@@ -352,7 +372,16 @@ impl Request {
 
     /// Whether only admins may send it.
     pub fn is_admin(&self) -> bool {
-        matches!(self, Request::Control(Control::CreateTable(_) | Control::DropTable { .. } | Control::Shutdown))
+        matches!(
+            self,
+            Request::Control(
+                Control::CreateTable(_)
+                    | Control::DropTable { .. }
+                    | Control::Shutdown
+                    | Control::Checkpoint { .. }
+                    | Control::Restore { .. }
+            )
+        )
     }
 
     /// The whole frame with request id `id`.
@@ -421,6 +450,8 @@ impl Request {
             Request::Control(c) => match c {
                 Control::CreateTable(spec) => w.buf = json(spec),
                 Control::DropTable { name } => w.buf = json(&serde_json::json!({ "name": name })),
+                Control::Checkpoint { wait, full } => w.buf = json(&serde_json::json!({ "wait": wait, "full": full })),
+                Control::Restore { id } => w.buf = json(&serde_json::json!({ "id": id })),
                 _ => {}
             },
         }
@@ -474,6 +505,32 @@ impl Request {
                 }
                 let d: Drop = from_json(r.rest(), "drop_table body")?;
                 Request::Control(Control::DropTable { name: d.name })
+            }
+            op::CHECKPOINT => {
+                #[derive(Deserialize)]
+                #[serde(deny_unknown_fields)]
+                struct Ck {
+                    #[serde(default)]
+                    wait: bool,
+                    #[serde(default)]
+                    full: bool,
+                }
+                let c: Ck = if r.remaining() == 0 {
+                    Ck { wait: false, full: false }
+                } else {
+                    from_json(r.rest(), "checkpoint body")?
+                };
+                Request::Control(Control::Checkpoint { wait: c.wait, full: c.full })
+            }
+            op::LIST_CHECKPOINTS => Request::Control(Control::ListCheckpoints),
+            op::RESTORE => {
+                #[derive(Deserialize)]
+                #[serde(deny_unknown_fields)]
+                struct Re {
+                    id: String,
+                }
+                let x: Re = from_json(r.rest(), "restore body")?;
+                Request::Control(Control::Restore { id: x.id })
             }
             op::LIST_TABLES => Request::Control(Control::ListTables),
             op::STATS => Request::Control(Control::Stats),
@@ -656,7 +713,9 @@ impl Response {
                 let next = (shard != u32::MAX).then_some(Cursor { shard, offset });
                 Response::Export { next, keys: r.u64s("keys")?, values: r.f32s("values")?, scores: r.u64s("scores")? }
             }
-            op::CREATE_TABLE | op::LIST_TABLES | op::STATS => Response::Json(r.rest().to_vec()),
+            op::CREATE_TABLE | op::LIST_TABLES | op::STATS | op::CHECKPOINT | op::LIST_CHECKPOINTS | op::RESTORE => {
+                Response::Json(r.rest().to_vec())
+            }
             op::METRICS => Response::Text(
                 String::from_utf8(r.rest().to_vec()).map_err(|e| ProtoError::bad_request(format!("metrics: {e}")))?,
             ),
@@ -716,7 +775,9 @@ mod tests {
         round(Request::Reserve { table: t, capacity: 1 << 20 });
         round(Request::Control(Control::CreateTable(TableSpec::new("x", 8, 1024))));
         round(Request::Control(Control::DropTable { name: "x".into() }));
-        for c in [Control::ListTables, Control::Stats, Control::Metrics, Control::Shutdown] {
+        round(Request::Control(Control::Checkpoint { wait: true, full: false }));
+        round(Request::Control(Control::Restore { id: "latest".into() }));
+        for c in [Control::ListTables, Control::Stats, Control::Metrics, Control::Shutdown, Control::ListCheckpoints] {
             round(Request::Control(c));
         }
     }
@@ -786,7 +847,8 @@ fn write_fuzz_corpus() {
         Request::Erase { table: t.clone(), keys: vec![1, 2], outcomes: true }.encode(6),
         Request::EraseIf { table: t.clone(), filter: Filter::default() }.encode(7),
         Request::Clear { table: t.clone() }.encode(8),
-        Request::Export { table: t.clone(), cursor: Cursor::default(), max_slots: 128, filter: Filter::default() }.encode(9),
+        Request::Export { table: t.clone(), cursor: Cursor::default(), max_slots: 128, filter: Filter::default() }
+            .encode(9),
         Request::SetEpoch { table: t.clone(), epoch: 3 }.encode(10),
         Request::Reserve { table: t.clone(), capacity: 4096 }.encode(11),
         Request::Control(Control::CreateTable(TableSpec::new("emb", 4, 1024))).encode(12),
@@ -797,7 +859,14 @@ fn write_fuzz_corpus() {
         Response::Export { next: None, keys: vec![1], values: vec![0.5], scores: vec![2] }.encode(op::EXPORT, 17),
     ];
     for (i, code) in WRITE_OPS.iter().enumerate() {
-        let req = Request::Write { op: *code, table: t.clone(), keys: vec![5, 6], values: vec![0.5; 4], scores: Some(vec![1, 2]), outcomes: true };
+        let req = Request::Write {
+            op: *code,
+            table: t.clone(),
+            keys: vec![5, 6],
+            values: vec![0.5; 4],
+            scores: Some(vec![1, 2]),
+            outcomes: true,
+        };
         frames.push(req.encode(100 + i as u64));
     }
     let pipelined: Vec<u8> = frames[..4].concat();

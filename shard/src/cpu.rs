@@ -1145,6 +1145,15 @@ impl Shard for CpuTable {
         }
     }
 
+    fn clock_score(&self) -> u64 {
+        let sc = self.scorer();
+        match self.config.policy {
+            ScorePolicy::Lru | ScorePolicy::EpochLru => sc.on_insert(None),
+            ScorePolicy::EpochLfu => (sc.epoch as u64) << 32,
+            ScorePolicy::Lfu | ScorePolicy::Custom => 0,
+        }
+    }
+
     fn stats(&self) -> ShardStats {
         let c = &self.counters;
         let capacity = self.capacity();

@@ -442,6 +442,11 @@ pub trait Shard: Send + Sync {
     fn load(&self, keys: &[u64], values: &[f32], scores: &[u64]) -> Result<Summary>;
     /// Counters and lock state.
     fn stats(&self) -> ShardStats;
+    /// The lowest score a write made from now on can get, for policies whose
+    /// scores grow with time (Lru: the clock; EpochLru: epoch and clock;
+    /// EpochLfu: the epoch); 0 for Lfu and Custom. Incremental checkpoints
+    /// export entries at or above the value read when the previous one began.
+    fn clock_score(&self) -> u64;
 }
 
 /// Which backend a shard runs on.

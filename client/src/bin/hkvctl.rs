@@ -93,6 +93,22 @@ enum Cmd {
     /// Throughput over the socket: find and insert_or_assign beside the raw
     /// socket moving the same bytes.
     Bench(BenchArgs),
+    /// Take a checkpoint now; with --wait, show its progress until it completes.
+    Checkpoint {
+        /// Wait for it, with a progress bar.
+        #[arg(long)]
+        wait: bool,
+        /// A full checkpoint even when an incremental one is due.
+        #[arg(long)]
+        full: bool,
+    },
+    /// List checkpoints with size, entry counts and status.
+    Checkpoints,
+    /// Restore a checkpoint (an id from `checkpoints`, or latest) into the running daemon.
+    Restore {
+        /// Checkpoint id or `latest`.
+        id: String,
+    },
     /// Ask the daemon to finish in-flight requests and exit.
     Shutdown,
 }
@@ -136,6 +152,23 @@ fn table_dim(c: &mut Client, table: &str) -> Result<usize> {
     let t =
         c.tables()?.into_iter().find(|t| t.spec.name == table).with_context(|| format!("no table named {table:?}"))?;
     Ok(t.spec.dim)
+}
+
+/// `YYYY-MM-DD HH:MM:SS` (UTC) of a Unix time in ms.
+fn fmt_time(ms: u64) -> String {
+    let s = ms / 1000;
+    let (days, rem) = (s / 86400, s % 86400);
+    // Civil-from-days (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + (m <= 2) as i64;
+    format!("{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
 }
 
 fn fmt_values(v: &[f32]) -> String {
@@ -395,6 +428,80 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Cmd::Metrics => print!("{}", c.metrics()?),
+        Cmd::Checkpoint { wait, full } => {
+            let before = c.stats()?["checkpoint"]["last"]["finished_unix_ms"].clone();
+            c.checkpoint(false, full)?;
+            if !wait {
+                println!("checkpoint started; `hkvctl stats` shows its progress");
+                return Ok(());
+            }
+            let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+            loop {
+                std::thread::sleep(Duration::from_millis(200));
+                let st = c.stats()?;
+                let ck = &st["checkpoint"];
+                if let Some(p) = ck["running"].as_object() {
+                    let (done, total) =
+                        (p["entries_done"].as_u64().unwrap_or(0), p["entries_total"].as_u64().unwrap_or(0));
+                    let frac = if total > 0 { (done as f64 / total as f64).min(1.0) } else { 0.0 };
+                    let bar = "#".repeat((frac * 30.0) as usize) + &"-".repeat(30 - (frac * 30.0) as usize);
+                    let line = format!(
+                        "checkpoint {} [{bar}] {done}/{total} entries, {:.1} MB, {:.0} entries/s, ETA {:.0}s",
+                        p["id"].as_str().unwrap_or("?"),
+                        p["bytes"].as_u64().unwrap_or(0) as f64 / 1e6,
+                        p["rate"].as_f64().unwrap_or(0.0),
+                        p["eta_s"].as_f64().unwrap_or(0.0)
+                    );
+                    if tty {
+                        eprint!("\r{line}");
+                    }
+                } else if ck["last"]["finished_unix_ms"] != before {
+                    if tty {
+                        eprintln!();
+                    }
+                    let l = &ck["last"];
+                    if let Some(e) = l["error"].as_str() {
+                        bail!("checkpoint failed: {e}");
+                    }
+                    println!(
+                        "checkpoint {} complete ({}): {} entries, {:.1} MB in {:.2}s",
+                        l["id"].as_str().unwrap_or("?"),
+                        l["kind"].as_str().unwrap_or("?"),
+                        l["entries"],
+                        l["bytes"].as_u64().unwrap_or(0) as f64 / 1e6,
+                        l["seconds"].as_f64().unwrap_or(0.0)
+                    );
+                    break;
+                }
+            }
+        }
+        Cmd::Checkpoints => {
+            println!("{:<18} {:<20} {:<30} {:>12} {:>10}  status", "id", "created (UTC)", "kind", "entries", "MB");
+            for l in c.checkpoints()?.as_array().into_iter().flatten() {
+                let ms = l["created_unix_ms"].as_u64().unwrap_or(0);
+                println!(
+                    "{:<18} {:<20} {:<30} {:>12} {:>10.1}  {}",
+                    l["id"].as_str().unwrap_or("?"),
+                    fmt_time(ms),
+                    l["kind"].as_str().unwrap_or("?"),
+                    l["entries"].as_u64().unwrap_or(0),
+                    l["bytes"].as_u64().unwrap_or(0) as f64 / 1e6,
+                    l["status"].as_str().unwrap_or("?")
+                );
+            }
+        }
+        Cmd::Restore { id } => {
+            let r = c.restore(&id)?;
+            for s in r["skipped"].as_array().into_iter().flatten() {
+                eprintln!("hkvctl: warning: skipped {}", s.as_str().unwrap_or("?"));
+            }
+            println!(
+                "restored checkpoint {} in {:.2}s: {}",
+                r["id"].as_str().unwrap_or("?"),
+                r["seconds"].as_f64().unwrap_or(0.0),
+                r["tables"]
+            );
+        }
         Cmd::Shutdown => {
             c.shutdown()?;
             println!("hkvd is draining and will exit");

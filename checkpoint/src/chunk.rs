@@ -1,0 +1,111 @@
+//! Chunks: the exported entries of one table shard, checksummed.
+//!
+//! Layout (little-endian): `"HKVC"`, u32 format, u32 dim, u64 n, n u64 keys,
+//! n u64 scores, n × dim f32 values, u64 xxh3-64 of every preceding byte.
+
+use crate::{Error, Result, FORMAT_VERSION};
+
+const MAGIC: &[u8; 4] = b"HKVC";
+const HEAD: usize = 4 + 4 + 4 + 8;
+
+/// Entries of one chunk.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Chunk {
+    /// f32 per value.
+    pub dim: usize,
+    /// Keys.
+    pub keys: Vec<u64>,
+    /// Scores.
+    pub scores: Vec<u64>,
+    /// Values, dim per key.
+    pub values: Vec<f32>,
+}
+
+/// Encodes a chunk; returns the bytes and their checksum.
+pub fn encode(dim: usize, keys: &[u64], scores: &[u64], values: &[f32]) -> (Vec<u8>, u64) {
+    let n = keys.len();
+    let mut b = Vec::with_capacity(HEAD + n * 16 + values.len() * 4 + 8);
+    b.extend_from_slice(MAGIC);
+    b.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    b.extend_from_slice(&(dim as u32).to_le_bytes());
+    b.extend_from_slice(&(n as u64).to_le_bytes());
+    for k in keys {
+        b.extend_from_slice(&k.to_le_bytes());
+    }
+    for s in scores {
+        b.extend_from_slice(&s.to_le_bytes());
+    }
+    for v in values {
+        b.extend_from_slice(&v.to_le_bytes());
+    }
+    let sum = xxhash_rust::xxh3::xxh3_64(&b);
+    b.extend_from_slice(&sum.to_le_bytes());
+    (b, sum)
+}
+
+fn u32_at(b: &[u8], o: usize) -> u32 {
+    u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]])
+}
+
+fn u64_at(b: &[u8], o: usize) -> u64 {
+    u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"))
+}
+
+/// Verifies and decodes a chunk; `expected` is the checksum the manifest
+/// recorded. Errors name checkpoint `id` and chunk `key`.
+pub fn decode(id: u64, key: &str, b: &[u8], expected: u64) -> Result<Chunk> {
+    let corrupt = |why: String| Error::CorruptChunk { id, chunk: key.to_string(), why };
+    if b.len() < HEAD + 8 || &b[..4] != MAGIC {
+        return Err(corrupt(format!("{} bytes, no chunk header", b.len())));
+    }
+    let body = &b[..b.len() - 8];
+    let stored = u64_at(b, b.len() - 8);
+    let actual = xxhash_rust::xxh3::xxh3_64(body);
+    if actual != stored || stored != expected {
+        return Err(corrupt(format!(
+            "checksum {actual:016x}, chunk says {stored:016x}, manifest says {expected:016x}"
+        )));
+    }
+    let version = u32_at(b, 4);
+    if version != FORMAT_VERSION {
+        return Err(corrupt(format!("format version {version}, this build reads {FORMAT_VERSION}")));
+    }
+    let dim = u32_at(b, 8) as usize;
+    let n = u64_at(b, 12) as usize;
+    let need = n.checked_mul(16 + 4 * dim).and_then(|x| x.checked_add(HEAD)).unwrap_or(usize::MAX);
+    if need != body.len() {
+        return Err(corrupt(format!("{n} entries of dim {dim} need {need} bytes, the chunk has {}", body.len())));
+    }
+    let mut o = HEAD;
+    let mut take_u64 = |count: usize| {
+        let v: Vec<u64> =
+            body[o..o + count * 8].chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8"))).collect();
+        o += count * 8;
+        v
+    };
+    let keys = take_u64(n);
+    let scores = take_u64(n);
+    let values = body[HEAD + n * 16..].chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4"))).collect();
+    Ok(Chunk { dim, keys, scores, values })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_and_every_flipped_byte_is_caught() {
+        let (b, sum) = encode(2, &[1, 2], &[10, 20], &[0.5, 1.5, -2.0, f32::NAN]);
+        let c = decode(7, "k", &b, sum).unwrap();
+        assert_eq!((c.dim, c.keys.clone(), c.scores.clone()), (2, vec![1, 2], vec![10, 20]));
+        assert_eq!(c.values[..3], [0.5, 1.5, -2.0]);
+        assert!(c.values[3].is_nan());
+        for i in 0..b.len() {
+            let mut bad = b.clone();
+            bad[i] ^= 0x10;
+            let e = decode(7, "k", &bad, sum).unwrap_err();
+            assert!(e.to_string().contains("chunk k"), "{e}");
+        }
+        assert!(decode(7, "k", &b[..b.len() - 1], sum).is_err());
+    }
+}

@@ -1,0 +1,139 @@
+//! # hkv-checkpoint: checkpoints of hkvd tables in an embedded store
+//!
+//! A checkpoint is a set of **chunks** (exported entries of one table shard:
+//! keys, scores, values), each stored as one value with its own xxh3
+//! checksum, followed by a **manifest** (tables, their specs, entry counts,
+//! the chunk list) that is written only after every chunk was flushed, and a
+//! `current` pointer written after the manifest was flushed. A checkpoint
+//! without a manifest is a leftover of an interrupted one and is collected.
+//! The byte layout is in `checkpoint/FORMAT.md`.
+//!
+//! # Layout
+//! - this file: [`Store`] (the engine boundary), [`SledStore`], errors.
+//! - [`chunk`] encodes and verifies chunks.
+//! - [`manifest`] holds [`Manifest`] and its checksummed encoding.
+//! - [`catalog`] writes, lists, verifies, retains and collects checkpoints.
+
+#![forbid(unsafe_code)]
+
+pub mod catalog;
+pub mod chunk;
+pub mod manifest;
+
+pub use catalog::{Catalog, ChunkWriter, Listed};
+pub use chunk::Chunk;
+pub use manifest::{ChunkRef, Kind, Manifest, TableEntry};
+
+/// Our own format version, in every chunk and manifest.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// What checkpoint operations fail with.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The store engine failed (I/O, corruption it detected itself).
+    #[error("checkpoint store: {0}")]
+    Store(String),
+    /// A chunk's bytes do not match its checksum or length.
+    #[error("checkpoint {id:016x}: chunk {chunk} is corrupt ({why}); it cannot be restored")]
+    CorruptChunk {
+        /// Checkpoint id.
+        id: u64,
+        /// Chunk key.
+        chunk: String,
+        /// What did not match.
+        why: String,
+    },
+    /// A manifest does not match its checksum or cannot be parsed.
+    #[error("checkpoint {id:016x}: manifest is corrupt ({why})")]
+    CorruptManifest {
+        /// Checkpoint id.
+        id: u64,
+        /// What did not match.
+        why: String,
+    },
+    /// A chunk named by a manifest is missing.
+    #[error("checkpoint {id:016x}: chunk {chunk} is missing")]
+    MissingChunk {
+        /// Checkpoint id.
+        id: u64,
+        /// Chunk key.
+        chunk: String,
+    },
+    /// No such checkpoint.
+    #[error("no complete checkpoint {0}")]
+    NotFound(String),
+}
+
+/// Result alias.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The storage engine behind the catalog: a flat ordered key-value map.
+/// Keeping it this small lets the engine change (by export and import)
+/// without touching the format.
+pub trait Store: Send + Sync {
+    /// Writes a value.
+    fn put(&self, key: &str, value: &[u8]) -> Result<()>;
+    /// Reads a value.
+    fn get(&self, key: &str) -> Result<Option<Vec<u8>>>;
+    /// Keys starting with `prefix`, in order.
+    fn keys(&self, prefix: &str) -> Result<Vec<String>>;
+    /// Removes a key.
+    fn remove(&self, key: &str) -> Result<()>;
+    /// Makes every write so far durable.
+    fn flush(&self) -> Result<()>;
+    /// Bytes the store occupies on disk.
+    fn disk_bytes(&self) -> Result<u64>;
+}
+
+/// sled 0.34 as the store. Values above ~128 KiB become files under `blobs/`.
+pub struct SledStore {
+    db: sled::Db,
+}
+
+fn store_err(e: sled::Error) -> Error {
+    Error::Store(e.to_string())
+}
+
+impl SledStore {
+    /// Opens (or creates) the database directory.
+    pub fn open(path: &std::path::Path) -> Result<SledStore> {
+        let db = sled::Config::new()
+            .path(path)
+            // Durability comes from explicit flushes at the points the format
+            // needs them; no background flush thread competes with them.
+            .flush_every_ms(None)
+            .cache_capacity(64 << 20)
+            .open()
+            .map_err(|e| Error::Store(format!("cannot open {}: {e}", path.display())))?;
+        Ok(SledStore { db })
+    }
+}
+
+impl Store for SledStore {
+    fn put(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.db.insert(key.as_bytes(), value).map_err(store_err)?;
+        Ok(())
+    }
+    fn get(&self, key: &str) -> Result<Option<Vec<u8>>> {
+        Ok(self.db.get(key.as_bytes()).map_err(store_err)?.map(|v| v.to_vec()))
+    }
+    fn keys(&self, prefix: &str) -> Result<Vec<String>> {
+        self.db
+            .scan_prefix(prefix.as_bytes())
+            .keys()
+            .map(|k| k.map(|k| String::from_utf8_lossy(&k).into_owned()).map_err(store_err))
+            .collect()
+    }
+    fn remove(&self, key: &str) -> Result<()> {
+        self.db.remove(key.as_bytes()).map_err(store_err)?;
+        Ok(())
+    }
+    fn flush(&self) -> Result<()> {
+        self.db.flush().map_err(store_err)?;
+        Ok(())
+    }
+    fn disk_bytes(&self) -> Result<u64> {
+        self.db.size_on_disk().map_err(store_err)
+    }
+}

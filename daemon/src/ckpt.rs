@@ -1,0 +1,472 @@
+//! Checkpoints of every table into the sled catalog of `hkv-checkpoint`, and
+//! restores through the router (so a checkpoint of N shards restores onto M).
+//!
+//! Export runs in the reader group in bounded chunks (`chunk_bytes`), so
+//! writers wait at most one chunk at a time and every entry is copied whole.
+
+use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use hkv_checkpoint::{Catalog, Kind, Manifest, TableEntry};
+use hkv_proto::{ErrorCode, ProtoError, Request, TableSpec};
+use hkv_shard::{Filter, ScorePolicy};
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use tracing::{info, warn};
+
+use crate::router::Router;
+use crate::server::State;
+
+/// The `[checkpoint]` section of the config.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CheckpointConfig {
+    /// Seconds between scheduled checkpoints; none = only on demand.
+    pub interval_s: Option<u64>,
+    /// Complete checkpoints kept (plus the bases incremental ones need).
+    pub keep: usize,
+    /// Incremental checkpoints between two full ones; 0 = always full.
+    pub full_every: u32,
+    /// Target bytes per chunk.
+    pub chunk_bytes: u64,
+    /// Take a checkpoint after draining on SIGTERM / shutdown.
+    pub on_shutdown: bool,
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        CheckpointConfig { interval_s: None, keep: 3, full_every: 4, chunk_bytes: 8 << 20, on_shutdown: false }
+    }
+}
+
+/// A checkpoint being written.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Progress {
+    /// Id (hex).
+    pub id: String,
+    /// `full` or `incremental`.
+    pub kind: String,
+    /// Entries written so far.
+    pub entries_done: u64,
+    /// Entries in the tables when it began (an upper bound for incremental ones).
+    pub entries_total: u64,
+    /// Bytes written so far.
+    pub bytes: u64,
+    /// Seconds since it began.
+    pub seconds: f64,
+    /// Entries per second so far.
+    pub rate: f64,
+    /// Seconds left at this rate.
+    pub eta_s: f64,
+}
+
+/// The last checkpoint attempt.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Finished {
+    /// Id (hex), when it got one.
+    pub id: String,
+    /// `full` or `incremental`.
+    pub kind: String,
+    /// Completion time, ms since the Unix epoch.
+    pub finished_unix_ms: u64,
+    /// Entries.
+    pub entries: u64,
+    /// Bytes.
+    pub bytes: u64,
+    /// Duration.
+    pub seconds: f64,
+    /// The error, if it failed.
+    pub error: Option<String>,
+}
+
+/// Checkpoint status for stats and the console.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct CheckpointStats {
+    /// The one running, if any.
+    pub running: Option<Progress>,
+    /// The last one finished (or failed).
+    pub last: Option<Finished>,
+    /// Seconds until the next scheduled one.
+    pub next_in_s: Option<f64>,
+    /// The schedule.
+    pub interval_s: Option<u64>,
+    /// Complete checkpoints in the store.
+    pub complete: usize,
+}
+
+/// A checkpoint as listed to clients.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Listing {
+    /// Id (hex).
+    pub id: String,
+    /// Creation time, ms since the Unix epoch.
+    pub created_unix_ms: u64,
+    /// `full` or `incremental on <base>`.
+    pub kind: String,
+    /// Table names and entry counts.
+    pub tables: Vec<(String, u64)>,
+    /// Entries.
+    pub entries: u64,
+    /// Chunk bytes.
+    pub bytes: u64,
+    /// `complete` or the problem.
+    pub status: String,
+}
+
+/// What a restore loaded.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Restored {
+    /// The checkpoint restored (hex).
+    pub id: String,
+    /// Checkpoints skipped because they were corrupt, with the reason.
+    pub skipped: Vec<String>,
+    /// Tables and entries loaded.
+    pub tables: Vec<(String, u64)>,
+    /// Seconds.
+    pub seconds: f64,
+}
+
+/// The daemon's checkpoints.
+pub struct Checkpoints {
+    catalog: Catalog,
+    config: CheckpointConfig,
+    running: Mutex<Option<Progress>>,
+    last: Mutex<Option<Finished>>,
+    next_due: Mutex<Option<Instant>>,
+    gate: tokio::sync::Mutex<()>,
+    incrementals: AtomicU32,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+fn kind_name(k: &Kind) -> String {
+    match k {
+        Kind::Full => "full".into(),
+        Kind::Incremental { base } => format!("incremental on {base:016x}"),
+    }
+}
+
+fn grows_with_time(policy: &str) -> bool {
+    matches!(policy.parse(), Ok(ScorePolicy::Lru | ScorePolicy::EpochLru | ScorePolicy::EpochLfu))
+}
+
+fn internal(e: impl std::fmt::Display) -> ProtoError {
+    ProtoError::new(ErrorCode::Internal, e.to_string())
+}
+
+impl Checkpoints {
+    /// Opens the catalog in `dir` and collects leftovers of interrupted checkpoints.
+    pub fn open(dir: &std::path::Path, config: CheckpointConfig) -> anyhow::Result<Checkpoints> {
+        let catalog = Catalog::open(&dir.join("checkpoints"))?;
+        let removed = catalog.collect(config.keep, None)?;
+        if !removed.is_empty() {
+            info!(removed = removed.len(), "collected leftovers of interrupted or expired checkpoints");
+        }
+        let next_due = config.interval_s.map(|s| Instant::now() + Duration::from_secs(s.max(1)));
+        Ok(Checkpoints {
+            catalog,
+            config,
+            running: Mutex::new(None),
+            last: Mutex::new(None),
+            next_due: Mutex::new(next_due),
+            gate: tokio::sync::Mutex::new(()),
+            incrementals: AtomicU32::new(u32::MAX),
+        })
+    }
+
+    /// Status for stats.
+    pub fn stats(&self) -> CheckpointStats {
+        CheckpointStats {
+            running: self.running.lock().clone(),
+            last: self.last.lock().clone(),
+            next_in_s: self.next_due.lock().map(|t| t.saturating_duration_since(Instant::now()).as_secs_f64()),
+            interval_s: self.config.interval_s,
+            complete: self.catalog.list().map(|l| l.iter().filter(|x| x.manifest.is_some()).count()).unwrap_or(0),
+        }
+    }
+
+    /// Every checkpoint, newest first.
+    pub fn list(&self) -> Result<Vec<Listing>, ProtoError> {
+        Ok(self
+            .catalog
+            .list()
+            .map_err(internal)?
+            .into_iter()
+            .map(|l| match l.manifest {
+                Some(m) => Listing {
+                    id: format!("{:016x}", m.id),
+                    created_unix_ms: m.created_unix_ms,
+                    kind: kind_name(&m.kind),
+                    tables: m.tables.iter().map(|t| (t.name.clone(), t.entries)).collect(),
+                    entries: m.entries(),
+                    bytes: m.bytes(),
+                    status: l.status,
+                },
+                None => Listing {
+                    id: format!("{:016x}", l.id),
+                    created_unix_ms: 0,
+                    kind: "?".into(),
+                    tables: vec![],
+                    entries: 0,
+                    bytes: 0,
+                    status: l.status,
+                },
+            })
+            .collect())
+    }
+
+    /// Whether one is running now.
+    pub fn busy(&self) -> bool {
+        self.running.lock().is_some()
+    }
+
+    /// Takes a checkpoint (one at a time); `full` forces a full one.
+    pub async fn take(state: Arc<State>, full: bool) -> Result<Manifest, ProtoError> {
+        let ck = state.checkpoints.clone();
+        let _gate = ck.gate.lock().await;
+        if let Some(s) = ck.config.interval_s {
+            *ck.next_due.lock() = Some(Instant::now() + Duration::from_secs(s.max(1)));
+        }
+        let started = Instant::now();
+        let st = state.clone();
+        let result = tokio::task::spawn_blocking(move || st.checkpoints.write(&st.router, full))
+            .await
+            .map_err(internal)
+            .and_then(|r| r);
+        let seconds = started.elapsed().as_secs_f64();
+        let finished = match &result {
+            Ok(m) => {
+                info!(id = %format!("{:016x}", m.id), entries = m.entries(), bytes = m.bytes(), seconds, "checkpoint complete");
+                Finished {
+                    id: format!("{:016x}", m.id),
+                    kind: kind_name(&m.kind),
+                    finished_unix_ms: m.finished_unix_ms,
+                    entries: m.entries(),
+                    bytes: m.bytes(),
+                    seconds,
+                    error: None,
+                }
+            }
+            Err(e) => {
+                warn!(error = %e.message, "checkpoint failed");
+                let p = ck.running.lock().clone();
+                Finished {
+                    id: p.as_ref().map(|p| p.id.clone()).unwrap_or_default(),
+                    kind: p.map(|p| p.kind).unwrap_or_default(),
+                    finished_unix_ms: now_ms(),
+                    entries: 0,
+                    bytes: 0,
+                    seconds,
+                    error: Some(e.message.clone()),
+                }
+            }
+        };
+        *ck.running.lock() = None;
+        *ck.last.lock() = Some(finished);
+        result
+    }
+
+    /// The blocking body of a checkpoint.
+    fn write(&self, router: &Router, force_full: bool) -> Result<Manifest, ProtoError> {
+        let tables = router.tables();
+        let prev = self.catalog.list().map_err(internal)?.into_iter().find_map(|l| l.manifest);
+        let since = self.incrementals.load(Relaxed);
+        let incremental = !force_full && self.config.full_every > 0 && since < self.config.full_every && prev.is_some();
+        let kind = match (&prev, incremental) {
+            (Some(p), true) => Kind::Incremental { base: p.id },
+            _ => Kind::Full,
+        };
+        let mut w = self.catalog.begin().map_err(internal)?;
+        let total: u64 = tables.iter().flat_map(|t| &t.shards).map(|s| s.size()).sum();
+        let started = Instant::now();
+        *self.running.lock() = Some(Progress {
+            id: format!("{:016x}", w.id()),
+            kind: kind_name(&kind),
+            entries_done: 0,
+            entries_total: total,
+            bytes: 0,
+            seconds: 0.0,
+            rate: 0.0,
+            eta_s: 0.0,
+        });
+        let mut entries = vec![];
+        for t in &tables {
+            let dim = t.config.dim;
+            let prev_t = prev.as_ref().and_then(|p| p.tables.iter().find(|x| x.name == t.spec.name));
+            let inc = incremental
+                && grows_with_time(&t.spec.policy)
+                && prev_t
+                    .is_some_and(|p| p.shards as usize == t.shards.len() && p.dim == dim && p.policy == t.spec.policy);
+            let slots = (self.config.chunk_bytes / (16 + 4 * dim as u64)).max(128);
+            let mut chunks = vec![];
+            let mut marks = vec![];
+            let mut count = 0;
+            for (i, shard) in t.shards.iter().enumerate() {
+                // Read before exporting: every later write scores at least this.
+                marks.push(shard.clock_score());
+                let filter = match (inc, prev_t) {
+                    (true, Some(p)) => Filter::score_at_least(p.watermarks[i]),
+                    _ => Filter::ALL,
+                };
+                let (mut offset, mut seq) = (0u64, 0u32);
+                while offset < shard.capacity() {
+                    let e = shard.export_batch_if(offset, slots, &filter).map_err(internal)?;
+                    offset += slots;
+                    if e.keys.is_empty() {
+                        continue;
+                    }
+                    let c =
+                        w.write(&t.spec.name, i as u32, seq, dim, &e.keys, &e.scores, &e.values).map_err(internal)?;
+                    seq += 1;
+                    count += c.entries;
+                    chunks.push(c);
+                    let secs = started.elapsed().as_secs_f64();
+                    if let Some(p) = self.running.lock().as_mut() {
+                        p.entries_done = w.entries();
+                        p.bytes = w.bytes();
+                        p.seconds = secs;
+                        p.rate = w.entries() as f64 / secs.max(1e-9);
+                        p.eta_s = total.saturating_sub(w.entries()) as f64 / p.rate.max(1e-9);
+                    }
+                }
+            }
+            entries.push(TableEntry {
+                name: t.spec.name.clone(),
+                dim,
+                policy: t.spec.policy.clone(),
+                mode: t.spec.mode.clone(),
+                spec: serde_json::to_value(&t.spec).map_err(internal)?,
+                shards: t.shards.len() as u32,
+                entries: count,
+                full: !inc,
+                watermarks: marks,
+                chunks,
+            });
+        }
+        let m = w.commit(kind, entries, env!("CARGO_PKG_VERSION")).map_err(internal)?;
+        match kind {
+            Kind::Full => self.incrementals.store(0, Relaxed),
+            Kind::Incremental { .. } => {
+                self.incrementals.fetch_add(1, Relaxed);
+            }
+        }
+        if let Err(e) = self.catalog.collect(self.config.keep, None) {
+            warn!(error = %e, "collecting old checkpoints failed");
+        }
+        Ok(m)
+    }
+
+    /// Restores `which` (`latest` or a hex id). With `latest`, a corrupt
+    /// checkpoint is skipped with a warning and the previous complete one is
+    /// tried. Nothing is loaded before every chunk of the chosen chain
+    /// verified.
+    pub async fn restore(state: Arc<State>, which: &str) -> Result<Option<Restored>, ProtoError> {
+        let ck = state.checkpoints.clone();
+        let _gate = ck.gate.lock().await;
+        let which = which.to_string();
+        let st = state.clone();
+        let handle = tokio::runtime::Handle::current();
+        tokio::task::spawn_blocking(move || st.checkpoints.restore_blocking(&st.router, &which, &handle))
+            .await
+            .map_err(internal)?
+    }
+
+    fn restore_blocking(
+        &self,
+        router: &Router,
+        which: &str,
+        rt: &tokio::runtime::Handle,
+    ) -> Result<Option<Restored>, ProtoError> {
+        let started = Instant::now();
+        let candidates: Vec<u64> = if which == "latest" {
+            self.catalog.list().map_err(internal)?.into_iter().filter(|l| l.manifest.is_some()).map(|l| l.id).collect()
+        } else {
+            let id = u64::from_str_radix(which, 16).map_err(|_| {
+                ProtoError::bad_request(format!(
+                    "checkpoint id {which:?}: use `latest` or an id from `hkvctl checkpoints`"
+                ))
+            })?;
+            vec![id]
+        };
+        if candidates.is_empty() {
+            return Ok(None);
+        }
+        let mut skipped = vec![];
+        for id in candidates {
+            let checked = self.catalog.chain(id).and_then(|chain| self.catalog.verify(&chain, |_| ()).map(|_| chain));
+            let chain = match checked {
+                Ok(c) => c,
+                Err(e) if which == "latest" => {
+                    warn!(error = %e, "checkpoint unusable; falling back to the previous complete one");
+                    skipped.push(e.to_string());
+                    continue;
+                }
+                Err(e) => {
+                    return Err(ProtoError::new(
+                        ErrorCode::Internal,
+                        format!("{e}; restore the previous complete checkpoint instead (hkvctl checkpoints)"),
+                    ))
+                }
+            };
+            let target = chain.last().expect("non-empty").clone();
+            // Check every table before loading any.
+            for t in &target.tables {
+                if let Ok(running) = router.table(&t.name) {
+                    let mut diff = vec![];
+                    if running.spec.dim != t.dim {
+                        diff.push(format!("dim {} here, {} in the checkpoint", running.spec.dim, t.dim));
+                    }
+                    if running.spec.policy != t.policy {
+                        diff.push(format!("policy {} here, {} in the checkpoint", running.spec.policy, t.policy));
+                    }
+                    if !diff.is_empty() {
+                        return Err(ProtoError::bad_request(format!(
+                            "checkpoint {:016x} cannot be restored into table {:?}: {}; drop the table or restore elsewhere",
+                            target.id,
+                            t.name,
+                            diff.join(", ")
+                        )));
+                    }
+                }
+            }
+            let mut loaded = vec![];
+            for t in &target.tables {
+                if router.table(&t.name).is_err() {
+                    let spec: TableSpec = serde_json::from_value(t.spec.clone()).map_err(internal)?;
+                    rt.block_on(router.create_table(spec))?;
+                }
+                // Apply from the last manifest holding this table whole.
+                let from = chain.iter().rposition(|m| m.tables.iter().any(|x| x.name == t.name && x.full)).unwrap_or(0);
+                let mut n = 0;
+                for m in &chain[from..] {
+                    let Some(te) = m.tables.iter().find(|x| x.name == t.name) else { continue };
+                    for c in &te.chunks {
+                        let chunk = self.catalog.read_chunk(m.id, c).map_err(internal)?;
+                        n += chunk.keys.len() as u64;
+                        rt.block_on(router.execute(Request::Write {
+                            op: hkv_proto::op::LOAD,
+                            table: t.name.clone(),
+                            keys: chunk.keys,
+                            values: chunk.values,
+                            scores: Some(chunk.scores),
+                            outcomes: false,
+                        }))?;
+                    }
+                }
+                loaded.push((t.name.clone(), n));
+            }
+            let r = Restored {
+                id: format!("{:016x}", target.id),
+                skipped,
+                tables: loaded,
+                seconds: started.elapsed().as_secs_f64(),
+            };
+            info!(id = %r.id, tables = r.tables.len(), seconds = r.seconds, "checkpoint restored");
+            return Ok(Some(r));
+        }
+        Err(ProtoError::new(ErrorCode::Internal, format!("no usable checkpoint: {}", skipped.join("; "))))
+    }
+}
