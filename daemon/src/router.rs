@@ -200,13 +200,15 @@ impl Router {
     }
 
     /// Checks a keyed request before any shard sees it, so that a bad batch
-    /// is refused whole.
+    /// is refused whole. `inserts`: Custom tables need scores. `verbatim`:
+    /// scores are stored as given (load), whatever the policy.
     fn validate(
         t: &Table,
         keys: &[u64],
         values: Option<&[f32]>,
         scores: Option<&[u64]>,
         inserts: bool,
+        verbatim: bool,
     ) -> Result<(), ProtoError> {
         let n = keys.len();
         if let Some(i) = keys.iter().position(|&k| hkv_shard::is_reserved(k)) {
@@ -231,7 +233,9 @@ impl Router {
             Some(s) if s.len() != n => {
                 Err(err(ErrorCode::LengthMismatch, format!("{} scores for {n} keys; send one score per key", s.len())))
             }
-            Some(_) if !policy.takes_scores() => Err(shard_error(ShardError::ScoresNotAccepted { policy })),
+            Some(_) if !policy.takes_scores() && !verbatim => {
+                Err(shard_error(ShardError::ScoresNotAccepted { policy }))
+            }
             None if inserts && policy == ScorePolicy::Custom => Err(shard_error(ShardError::ScoresRequired { policy })),
             _ => Ok(()),
         }
@@ -244,7 +248,7 @@ impl Router {
         let dim = t.config.dim;
         match req {
             Request::Find { keys, scores, .. } => {
-                Self::validate(&t, &keys, None, None, false)?;
+                Self::validate(&t, &keys, None, None, false, false)?;
                 let n = keys.len();
                 let parts = split(&keys, n_shards);
                 let ops = parts.iter().map(|p| SubOp::Find { keys: gather(&keys, p, 1), scores }).collect();
@@ -264,14 +268,14 @@ impl Router {
                 Ok(Response::Find { found, values, scores: sc })
             }
             Request::Contains { keys, .. } => {
-                Self::validate(&t, &keys, None, None, false)?;
+                Self::validate(&t, &keys, None, None, false, false)?;
                 let parts = split(&keys, n_shards);
                 let ops = parts.iter().map(|p| SubOp::Contains { keys: gather(&keys, p, 1) }).collect();
                 let found = self.flags(&t, &parts, ops, keys.len()).await?;
                 Ok(Response::Contains { found })
             }
             Request::Erase { keys, outcomes, .. } => {
-                Self::validate(&t, &keys, None, None, false)?;
+                Self::validate(&t, &keys, None, None, false, false)?;
                 let parts = split(&keys, n_shards);
                 let ops = parts.iter().map(|p| SubOp::Erase { keys: gather(&keys, p, 1) }).collect();
                 let flags = self.flags(&t, &parts, ops, keys.len()).await?;
@@ -280,7 +284,7 @@ impl Router {
             }
             Request::Write { op: code, keys, values, scores, outcomes, .. } => {
                 let inserts = code != op::ASSIGN;
-                Self::validate(&t, &keys, Some(&values), scores.as_deref(), inserts)?;
+                Self::validate(&t, &keys, Some(&values), scores.as_deref(), inserts, code == op::LOAD)?;
                 if code == op::LOAD && scores.is_none() {
                     return Err(err(
                         ErrorCode::LengthMismatch,
@@ -300,7 +304,7 @@ impl Router {
                 self.writes(&t, &parts, ops, keys.len(), outcomes, code).await
             }
             Request::AssignScores { keys, scores, outcomes, .. } => {
-                Self::validate(&t, &keys, None, scores.as_deref(), false)?;
+                Self::validate(&t, &keys, None, scores.as_deref(), false, false)?;
                 let parts = split(&keys, n_shards);
                 let ops = parts
                     .iter()

@@ -14,6 +14,22 @@ pub struct Daemon {
     pub socket: PathBuf,
 }
 
+/// The command line `Daemon` runs, for tests that need the process itself.
+pub fn command(root: &Path, extra: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_hkvd"));
+    cmd.arg("serve")
+        .arg("--socket")
+        .arg(root.join("run").join("hkvd.sock"))
+        .arg("--state-dir")
+        .arg(root.join("state"))
+        .args(["--backend", "cpu", "--log", "warn"])
+        .args(if extra.contains(&"--shards") { &[][..] } else { &["--shards", "3"][..] })
+        .args(extra)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null());
+    cmd
+}
+
 impl Daemon {
     /// `hkvd serve --backend cpu --shards 3` plus `extra`, on a fresh socket.
     pub fn start(extra: &[&str]) -> Daemon {
@@ -70,6 +86,26 @@ impl Daemon {
     pub fn signal(&self, sig: &str) {
         let ok = Command::new("kill").arg(format!("-{sig}")).arg(self.pid().to_string()).status().expect("kill");
         assert!(ok.success());
+    }
+
+    /// Stops with SIGTERM, waits, and starts again on the same state
+    /// directory with `extra` flags.
+    pub fn restart(mut self, extra: &[&str]) -> Daemon {
+        if self.child.is_some() {
+            self.signal("TERM");
+            assert_eq!(self.wait(Duration::from_secs(60)), 0);
+        }
+        let dir = std::mem::replace(&mut self.dir, tempfile::tempdir().expect("tempdir"));
+        let socket = self.socket.clone();
+        Daemon::start_in(dir, socket, extra)
+    }
+
+    /// Kills with SIGKILL (a crash).
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            c.kill().expect("kill");
+            c.wait().expect("wait");
+        }
     }
 
     /// Waits for the process to exit; returns its exit code.
