@@ -74,6 +74,20 @@ enum Cmd {
         #[arg(required = true)]
         keys: Vec<u64>,
     },
+    /// Write `count` keys from `start` with test values (key as f32 + position), for demos and benchmarks.
+    Fill {
+        /// Table name.
+        table: String,
+        /// Keys to write.
+        #[arg(long)]
+        count: u64,
+        /// First key.
+        #[arg(long, default_value_t = 0)]
+        start: u64,
+        /// Keys per request.
+        #[arg(long, default_value_t = 1 << 18)]
+        batch: u64,
+    },
     /// Remove keys.
     Erase {
         /// Table name.
@@ -414,6 +428,32 @@ fn run(cli: Cli) -> Result<()> {
                     println!("{k}: not found");
                 }
             }
+        }
+        Cmd::Fill { table, count, start, batch } => {
+            let dim = table_dim(&mut c, &table)?;
+            let t = Instant::now();
+            let mut s = proto::Summary::default();
+            let mut k = start;
+            while k < start + count {
+                let n = batch.max(1).min(start + count - k);
+                let keys: Vec<u64> = (k..k + n).collect();
+                let values: Vec<f32> = keys.iter().flat_map(|&x| (0..dim).map(move |d| x as f32 + d as f32)).collect();
+                let r = c.insert_or_assign(&table, &keys, &values, None)?;
+                s.inserted += r.inserted;
+                s.updated += r.updated;
+                s.evicted += r.evicted;
+                s.rejected += r.rejected;
+                k += n;
+            }
+            let secs = t.elapsed().as_secs_f64();
+            println!(
+                "wrote {count} keys in {secs:.2}s ({:.0} keys/s): {} inserted, {} updated, {} evicted another entry, {} rejected",
+                count as f64 / secs,
+                s.inserted + s.evicted,
+                s.updated,
+                s.evicted,
+                s.rejected
+            );
         }
         Cmd::Erase { table, keys } => {
             let n = c.erase(&table, &keys)?;
