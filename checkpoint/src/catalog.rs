@@ -1,9 +1,15 @@
-//! The catalog: checkpoints in a [`Store`] under three key families:
-//! `chunk/{id:016x}/{table}/{shard:04}/{seq:08}`, `manifest/{id:016x}` and
-//! `current`. Ids are hex-formatted so that key order is id order.
+//! The catalog: manifests and the `current` pointer in a [`Store`] (keys
+//! `manifest/{id:016x}` and `current`; hex ids make key order id order), and
+//! chunk bodies as plain files `chunks/{id:016x}/{table}.{shard:04}.{seq:08}`
+//! written to a temporary name, fsynced and renamed, by a writer thread that
+//! overlaps disk writes with the export.
 
 use std::collections::BTreeSet;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::chunk::{self, Chunk};
@@ -33,21 +39,49 @@ pub struct Listed {
     pub status: String,
 }
 
-/// Checkpoints in a store.
+/// Checkpoints: a catalog store plus a directory of chunk files.
 #[derive(Clone)]
 pub struct Catalog {
     store: Arc<dyn Store>,
+    chunks: PathBuf,
+}
+
+fn io_err(what: &str, path: &Path, e: std::io::Error) -> Error {
+    Error::Store(format!("{what} {}: {e}", path.display()))
 }
 
 impl Catalog {
-    /// A catalog in a sled database at `path`.
-    pub fn open(path: &std::path::Path) -> Result<Catalog> {
-        Ok(Catalog { store: Arc::new(SledStore::open(path)?) })
+    /// A catalog in `dir`: sled at `dir/catalog`, chunk files under `dir/chunks`.
+    pub fn open(dir: &Path) -> Result<Catalog> {
+        let chunks = dir.join("chunks");
+        std::fs::create_dir_all(&chunks).map_err(|e| io_err("cannot create", &chunks, e))?;
+        Ok(Catalog { store: Arc::new(SledStore::open(&dir.join("catalog"))?), chunks })
     }
 
-    /// A catalog over any store.
-    pub fn new(store: Arc<dyn Store>) -> Catalog {
-        Catalog { store }
+    /// A catalog over any store, with chunk files under `chunks`.
+    pub fn new(store: Arc<dyn Store>, chunks: PathBuf) -> Catalog {
+        Catalog { store, chunks }
+    }
+
+    /// The directory of a checkpoint's chunk files.
+    pub fn chunk_dir(&self, id: u64) -> PathBuf {
+        self.chunks.join(format!("{id:016x}"))
+    }
+
+    /// The file of a chunk.
+    pub fn chunk_path(&self, c: &ChunkRef) -> PathBuf {
+        self.chunks.join(&c.key)
+    }
+
+    /// Bytes of the catalog store and every chunk file.
+    pub fn disk_bytes(&self) -> Result<u64> {
+        let mut total = self.store.disk_bytes()?;
+        for d in std::fs::read_dir(&self.chunks).map_err(|e| io_err("cannot list", &self.chunks, e))?.flatten() {
+            for f in std::fs::read_dir(d.path()).into_iter().flatten().flatten() {
+                total += f.metadata().map(|m| m.len()).unwrap_or(0);
+            }
+        }
+        Ok(total)
     }
 
     /// The store.
@@ -59,14 +93,43 @@ impl Catalog {
     pub fn begin(&self) -> Result<ChunkWriter> {
         let last = self.all_ids()?.into_iter().max().unwrap_or(0);
         let created = now_ms();
-        Ok(ChunkWriter { cat: self.clone(), id: created.max(last + 1), created, bytes: 0, entries: 0 })
+        let id = created.max(last + 1);
+        let dir = self.chunk_dir(id);
+        std::fs::create_dir_all(&dir).map_err(|e| io_err("cannot create", &dir, e))?;
+        // The writer thread: fsync each file, rename it into place.
+        let (tx, rx) = sync_channel::<(PathBuf, Vec<u8>)>(3);
+        let thread = std::thread::Builder::new()
+            .name("hkvd-ckpt-write".into())
+            .spawn(move || -> Result<()> {
+                for (path, bytes) in rx {
+                    let tmp = path.with_extension("tmp");
+                    let mut f = std::fs::File::create(&tmp).map_err(|e| io_err("cannot create", &tmp, e))?;
+                    f.write_all(&bytes).map_err(|e| io_err("cannot write", &tmp, e))?;
+                    f.sync_data().map_err(|e| io_err("cannot sync", &tmp, e))?;
+                    std::fs::rename(&tmp, &path).map_err(|e| io_err("cannot rename", &tmp, e))?;
+                }
+                Ok(())
+            })
+            .map_err(|e| Error::Store(format!("cannot start the checkpoint writer: {e}")))?;
+        Ok(ChunkWriter {
+            cat: self.clone(),
+            id,
+            created,
+            bytes: 0,
+            entries: 0,
+            tx: Some(tx),
+            thread: Some(thread),
+            dir,
+        })
     }
 
     /// Ids that have a chunk or a manifest.
     fn all_ids(&self) -> Result<BTreeSet<u64>> {
         let mut ids: BTreeSet<u64> =
             self.store.keys("manifest/")?.iter().filter_map(|k| id_of(k, "manifest/")).collect();
-        ids.extend(self.store.keys("chunk/")?.iter().filter_map(|k| id_of(k, "chunk/")));
+        if let Ok(dirs) = std::fs::read_dir(&self.chunks) {
+            ids.extend(dirs.flatten().filter_map(|d| u64::from_str_radix(&d.file_name().to_string_lossy(), 16).ok()));
+        }
         Ok(ids)
     }
 
@@ -100,7 +163,7 @@ impl Catalog {
 
     /// Reads and verifies one chunk.
     pub fn read_chunk(&self, id: u64, c: &ChunkRef) -> Result<Chunk> {
-        let b = self.store.get(&c.key)?.ok_or_else(|| Error::MissingChunk { id, chunk: c.key.clone() })?;
+        let b = std::fs::read(self.chunk_path(c)).map_err(|_| Error::MissingChunk { id, chunk: c.key.clone() })?;
         chunk::decode(id, &c.key, &b, c.checksum)
     }
 
@@ -152,8 +215,10 @@ impl Catalog {
             }
             // Manifest first: from then on the rest is a leftover.
             self.store.remove(&manifest_key(id))?;
-            for k in self.store.keys(&format!("chunk/{id:016x}/"))? {
-                self.store.remove(&k)?;
+            self.store.flush()?;
+            let dir = self.chunk_dir(id);
+            if dir.exists() {
+                std::fs::remove_dir_all(&dir).map_err(|e| io_err("cannot remove", &dir, e))?;
             }
             removed.push(id);
         }
@@ -171,6 +236,27 @@ pub struct ChunkWriter {
     created: u64,
     bytes: u64,
     entries: u64,
+    tx: Option<SyncSender<(PathBuf, Vec<u8>)>>,
+    thread: Option<JoinHandle<Result<()>>>,
+    dir: PathBuf,
+}
+
+impl ChunkWriter {
+    /// Waits for the writer thread; its first error, if any.
+    fn finish_writes(&mut self) -> Result<()> {
+        drop(self.tx.take());
+        match self.thread.take().map(|t| t.join()) {
+            Some(Ok(r)) => r,
+            Some(Err(_)) => Err(Error::Store("the checkpoint writer thread panicked".into())),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for ChunkWriter {
+    fn drop(&mut self) {
+        let _ = self.finish_writes();
+    }
 }
 
 impl ChunkWriter {
@@ -201,18 +287,27 @@ impl ChunkWriter {
         scores: &[u64],
         values: &[f32],
     ) -> Result<ChunkRef> {
-        let key = format!("chunk/{:016x}/{table}/{shard:04}/{seq:08}", self.id);
+        let key = format!("{:016x}/{table}.{shard:04}.{seq:08}", self.id);
         let (b, checksum) = chunk::encode(dim, keys, scores, values);
-        self.cat.store.put(&key, &b)?;
-        self.bytes += b.len() as u64;
+        let len = b.len() as u64;
+        let sent = self.tx.as_ref().map(|tx| tx.send((self.dir.join(format!("{table}.{shard:04}.{seq:08}")), b)));
+        if !matches!(sent, Some(Ok(()))) {
+            // The writer stopped: report its error.
+            self.finish_writes()?;
+            return Err(Error::Store("the checkpoint writer stopped".into()));
+        }
+        self.bytes += len;
         self.entries += keys.len() as u64;
-        Ok(ChunkRef { key, shard, entries: keys.len() as u64, bytes: b.len() as u64, checksum })
+        Ok(ChunkRef { key, shard, entries: keys.len() as u64, bytes: len, checksum })
     }
 
     /// Flushes the chunks, then writes and flushes the manifest, then the
     /// `current` pointer: a crash at any point leaves either the previous
     /// complete checkpoint current, or this one complete.
-    pub fn commit(self, kind: Kind, tables: Vec<TableEntry>, daemon_version: &str) -> Result<Manifest> {
+    pub fn commit(mut self, kind: Kind, tables: Vec<TableEntry>, daemon_version: &str) -> Result<Manifest> {
+        // Every chunk file is synced and renamed; make the renames durable.
+        self.finish_writes()?;
+        std::fs::File::open(&self.dir).and_then(|d| d.sync_all()).map_err(|e| io_err("cannot sync", &self.dir, e))?;
         let m = Manifest {
             format: FORMAT_VERSION,
             id: self.id,
@@ -254,7 +349,7 @@ mod tests {
     #[test]
     fn write_list_chain_collect() {
         let dir = tempfile::tempdir().unwrap();
-        let cat = Catalog::open(&dir.path().join("db")).unwrap();
+        let cat = Catalog::open(dir.path()).unwrap();
         let mut w = cat.begin().unwrap();
         let c = w.write("t", 0, 0, 2, &[1, 2], &[5, 6], &[0.5; 4]).unwrap();
         let a = w.commit(Kind::Full, vec![table("t", vec![c], true)], "test").unwrap();
@@ -266,7 +361,8 @@ mod tests {
         let mut w = cat.begin().unwrap();
         let leftover = w.id();
         w.write("t", 0, 0, 2, &[9], &[9], &[0.0; 2]).unwrap();
-        cat.store().flush().unwrap();
+        drop(w);
+        assert!(cat.chunk_dir(leftover).exists());
         assert_eq!(cat.current().unwrap(), Some(b.id));
         let listed = cat.list().unwrap();
         assert_eq!(listed.iter().map(|l| l.id).collect::<Vec<_>>(), [b.id, a.id]);
@@ -277,13 +373,14 @@ mod tests {
         assert_eq!((ch.keys, ch.scores, ch.values), (vec![3], vec![7], vec![1.5, 1.5]));
         // keep = 1 still keeps a (b's base); the leftover goes.
         assert_eq!(cat.collect(1, None).unwrap(), [leftover]);
-        assert!(cat.store().keys(&format!("chunk/{leftover:016x}")).unwrap().is_empty());
+        assert!(!cat.chunk_dir(leftover).exists());
         assert_eq!(cat.list().unwrap().len(), 2);
         // Corrupt a chunk: verify names checkpoint and chunk.
         let key = &a.tables[0].chunks[0].key;
-        let mut bytes = cat.store().get(key).unwrap().unwrap();
+        let path = cat.chunk_path(&a.tables[0].chunks[0]);
+        let mut bytes = std::fs::read(&path).unwrap();
         bytes[30] ^= 1;
-        cat.store().put(key, &bytes).unwrap();
+        std::fs::write(&path, &bytes).unwrap();
         let e = cat.verify(&chain, |_| ()).unwrap_err().to_string();
         assert!(e.contains(&format!("{:016x}", a.id)) && e.contains(key), "{e}");
     }

@@ -1,8 +1,8 @@
 //! # hkv-checkpoint: checkpoints of hkvd tables in an embedded store
 //!
 //! A checkpoint is a set of **chunks** (exported entries of one table shard:
-//! keys, scores, values), each stored as one value with its own xxh3
-//! checksum, followed by a **manifest** (tables, their specs, entry counts,
+//! keys, scores, values), each a file with its own xxh3 checksum, followed by
+//! a **manifest** in the sled catalog (tables, their specs, entry counts,
 //! the chunk list) that is written only after every chunk was flushed, and a
 //! `current` pointer written after the manifest was flushed. A checkpoint
 //! without a manifest is a leftover of an interrupted one and is collected.
@@ -86,7 +86,7 @@ pub trait Store: Send + Sync {
     fn disk_bytes(&self) -> Result<u64>;
 }
 
-/// sled 0.34 as the store. Values above ~128 KiB become files under `blobs/`.
+/// sled 0.34 as the catalog store.
 pub struct SledStore {
     db: sled::Db,
 }

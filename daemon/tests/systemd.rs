@@ -36,7 +36,8 @@ fn unit_files_pass_systemd_analyze_verify() {
     std::fs::copy(units().join("hkvd-checkpoint.timer"), dir.path().join("hkvd-checkpoint.timer")).unwrap();
     // The checkpoint service calls hkvctl: any executable stands in for it here.
     let ck = std::fs::read_to_string(units().join("hkvd-checkpoint.service")).unwrap();
-    std::fs::write(dir.path().join("hkvd-checkpoint.service"), ck.replace("/usr/local/bin/hkvctl", "/bin/true")).unwrap();
+    std::fs::write(dir.path().join("hkvd-checkpoint.service"), ck.replace("/usr/local/bin/hkvctl", "/bin/true"))
+        .unwrap();
     let out = Command::new("systemd-analyze")
         .args(["verify", "--man=no"])
         .arg(dir.path().join("hkvd.socket"))
