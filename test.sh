@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The project's test command (the README's second command). Installs the
 # system tools some tests drive when they are missing (systemd-analyze and
-# systemd-socket-activate from `systemd`, setpriv from `util-linux`), then
-# runs every test of the workspace.
+# systemd-socket-activate from `systemd`, setpriv from `util-linux`, numpy and
+# pytest for the Python client), then runs every Rust test of the workspace
+# and the Python client's tests.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -18,3 +19,7 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 cargo test --workspace --release
+
+# The Python client's tests run against the hkvd binary the step above built.
+python3 -c 'import numpy, pytest' 2>/dev/null || python3 -m pip install -q numpy pytest
+HKVD_BIN="$PWD/target/release/hkvd" python3 -m pytest -q python/tests

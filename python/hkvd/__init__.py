@@ -1,0 +1,477 @@
+"""Python client of hkvd, the embedding-cache daemon.
+
+Speaks the daemon's wire protocol (``proto/PROTOCOL.md``) over a Unix socket:
+20-byte little-endian frame headers, bulk arrays as raw little-endian bytes.
+Requests are sent with ``sendmsg`` straight from the numpy buffers; answers
+are received with ``recv_into`` straight into preallocated numpy arrays, so
+no Python loop ever touches a key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+__all__ = [
+    "Client",
+    "Summary",
+    "Evicted",
+    "HkvdError",
+    "BadMagic",
+    "BadVersion",
+    "Oversized",
+    "Truncated",
+    "UnknownOp",
+    "UnknownTable",
+    "WrongDim",
+    "LengthMismatch",
+    "ReservedKey",
+    "BadRequest",
+    "ScoresError",
+    "TableExists",
+    "Forbidden",
+    "Busy",
+    "ShuttingDown",
+    "InternalError",
+    "ProtocolError",
+    "default_socket",
+]
+
+MAGIC = b"HKVD"
+VERSION = 1
+HEADER = struct.Struct("<4sBBHQI")
+
+F_RESPONSE, F_SCORES, F_OUTCOMES, F_ERROR = 0x1, 0x2, 0x4, 0x8
+
+OP_PING = 0x01
+OP_FIND = 0x10
+OP_CONTAINS = 0x11
+OP_INSERT_OR_ASSIGN = 0x12
+OP_INSERT_AND_EVICT = 0x13
+OP_FIND_OR_INSERT = 0x14
+OP_ASSIGN = 0x15
+OP_ASSIGN_SCORES = 0x16
+OP_ACCUM_OR_ASSIGN = 0x17
+OP_ERASE = 0x18
+OP_ERASE_IF = 0x19
+OP_CLEAR = 0x1A
+OP_EXPORT = 0x1B
+OP_LOAD = 0x1C
+OP_SET_EPOCH = 0x1D
+OP_RESERVE = 0x1E
+OP_CREATE_TABLE = 0x20
+OP_DROP_TABLE = 0x21
+OP_LIST_TABLES = 0x22
+OP_STATS = 0x23
+OP_METRICS = 0x24
+OP_SHUTDOWN = 0x25
+OP_CHECKPOINT = 0x26
+OP_LIST_CHECKPOINTS = 0x27
+OP_RESTORE = 0x28
+OP_ERROR = 0xFF
+
+_WRITE_OPS = (OP_INSERT_OR_ASSIGN, OP_INSERT_AND_EVICT, OP_FIND_OR_INSERT, OP_ASSIGN, OP_ACCUM_OR_ASSIGN, OP_LOAD)
+
+
+class HkvdError(Exception):
+    """The daemon refused a request; ``code`` and ``message`` are its own."""
+
+    code = "unknown"
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class BadMagic(HkvdError): pass  # noqa: E701
+class BadVersion(HkvdError): pass  # noqa: E701
+class Oversized(HkvdError): pass  # noqa: E701
+class Truncated(HkvdError): pass  # noqa: E701
+class UnknownOp(HkvdError): pass  # noqa: E701
+class UnknownTable(HkvdError): pass  # noqa: E701
+class WrongDim(HkvdError): pass  # noqa: E701
+class LengthMismatch(HkvdError): pass  # noqa: E701
+class ReservedKey(HkvdError): pass  # noqa: E701
+class BadRequest(HkvdError): pass  # noqa: E701
+class ScoresError(HkvdError): pass  # noqa: E701
+class TableExists(HkvdError): pass  # noqa: E701
+class Forbidden(HkvdError): pass  # noqa: E701
+class Busy(HkvdError): pass  # noqa: E701
+class ShuttingDown(HkvdError): pass  # noqa: E701
+class InternalError(HkvdError): pass  # noqa: E701
+
+
+class ProtocolError(Exception):
+    """The daemon sent something this client does not understand."""
+
+
+_ERRORS = {
+    "bad_magic": BadMagic,
+    "bad_version": BadVersion,
+    "oversized": Oversized,
+    "truncated": Truncated,
+    "unknown_op": UnknownOp,
+    "unknown_table": UnknownTable,
+    "wrong_dim": WrongDim,
+    "length_mismatch": LengthMismatch,
+    "reserved_key": ReservedKey,
+    "bad_request": BadRequest,
+    "scores": ScoresError,
+    "table_exists": TableExists,
+    "forbidden": Forbidden,
+    "busy": Busy,
+    "shutting_down": ShuttingDown,
+    "internal": InternalError,
+}
+
+
+def default_socket() -> str:
+    """Where hkvctl looks: $HKVD_SOCKET, else $XDG_RUNTIME_DIR/hkvd/hkvd.sock
+    when that directory exists, else ./hkvd-run/hkvd.sock."""
+    env = os.environ.get("HKVD_SOCKET")
+    if env:
+        return env
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg):
+        return os.path.join(xdg, "hkvd", "hkvd.sock")
+    return os.path.join("hkvd-run", "hkvd.sock")
+
+
+@dataclass
+class Summary:
+    """Per-outcome counts of a write."""
+
+    updated: int = 0
+    inserted: int = 0
+    evicted: int = 0
+    rejected: int = 0
+    absent: int = 0
+
+
+@dataclass
+class Evicted:
+    """What lost its slot (kind 0) or was refused (kind 1) in insert_and_evict."""
+
+    keys: np.ndarray
+    values: np.ndarray
+    scores: np.ndarray
+    kinds: np.ndarray
+
+
+def _keys(keys) -> np.ndarray:
+    a = np.asarray(keys)
+    if a.dtype == np.int64:
+        a = a.view(np.uint64)
+    return np.ascontiguousarray(a, dtype="<u8").reshape(-1)
+
+
+def _u64(x) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(x), dtype="<u8").reshape(-1)
+
+
+def _f32(x) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(x), dtype="<f4").reshape(-1)
+
+
+def _str(s: str) -> bytes:
+    b = s.encode()
+    return struct.pack("<H", len(b)) + b
+
+
+def _arr(a: np.ndarray) -> List[memoryview]:
+    return [memoryview(struct.pack("<I", a.size)), memoryview(a).cast("B")]
+
+
+class _Pending:
+    __slots__ = ("op", "dim", "n", "flags")
+
+    def __init__(self, op: int, dim: int, n: int, flags: int):
+        self.op, self.dim, self.n, self.flags = op, dim, n, flags
+
+
+class Client:
+    """A connection to hkvd. Not shared between threads (open one per thread)."""
+
+    def __init__(self, socket_path: Optional[str] = None, timeout: Optional[float] = None):
+        self.path = socket_path or default_socket()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout)
+        try:
+            self._sock.connect(self.path)
+        except OSError as e:
+            raise ConnectionError(f"cannot connect to hkvd at {self.path} (is it running?): {e}") from e
+        self._next = 1
+        self._pending: Dict[int, _Pending] = {}
+        self._done: Dict[int, object] = {}
+        self._dims: Dict[str, int] = {}
+        self._hdr = bytearray(HEADER.size)
+        self._lock = threading.Lock()
+
+    # ---- plumbing -----------------------------------------------------
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _send(self, op: int, flags: int, parts: Sequence, dim: int = 0, n: int = 0) -> int:
+        rid = self._next
+        self._next += 1
+        body = sum(len(p) if not isinstance(p, memoryview) else p.nbytes for p in parts)
+        bufs = [HEADER.pack(MAGIC, VERSION, op, flags, rid, body)] + list(parts)
+        total = sum(len(b) if not isinstance(b, memoryview) else b.nbytes for b in bufs)
+        sent = self._sock.sendmsg(bufs)
+        if sent < total:
+            # Rare: the kernel took part of it; send the rest as one buffer.
+            rest = b"".join(bytes(b) for b in bufs)[sent:]
+            self._sock.sendall(rest)
+        self._pending[rid] = _Pending(op, dim, n, flags)
+        return rid
+
+    def _recv_exact(self, view: memoryview) -> None:
+        got = 0
+        n = view.nbytes
+        while got < n:
+            k = self._sock.recv_into(view[got:], n - got)
+            if k == 0:
+                raise ConnectionError("hkvd closed the connection")
+            got += k
+
+    def _read(self, n: int) -> bytes:
+        b = bytearray(n)
+        self._recv_exact(memoryview(b))
+        return bytes(b)
+
+    def _u32(self) -> int:
+        return struct.unpack("<I", self._read(4))[0]
+
+    def _array(self, dtype: str, expect: Optional[int] = None) -> np.ndarray:
+        n = self._u32()
+        if expect is not None and n != expect:
+            raise ProtocolError(f"array of {n} elements where {expect} were expected")
+        a = np.empty(n, dtype=dtype)
+        if n:
+            self._recv_exact(memoryview(a).cast("B"))
+        return a
+
+    def _summary(self) -> Summary:
+        return Summary(*struct.unpack("<5Q", self._read(40)))
+
+    def _recv_one(self) -> Tuple[int, object]:
+        """Reads one answer, parsing it by the op of the request it answers."""
+        self._recv_exact(memoryview(self._hdr))
+        magic, version, op, flags, rid, length = HEADER.unpack(self._hdr)
+        if magic != MAGIC or version != VERSION:
+            raise ProtocolError(f"bad frame header {bytes(self._hdr)!r}")
+        p = self._pending.pop(rid, None)
+        if op == OP_ERROR:
+            err = json.loads(self._read(length))
+            cls = _ERRORS.get(err.get("code"), HkvdError)
+            return rid, cls(err.get("code", "?"), err.get("message", ""))
+        if p is None:
+            self._read(length)
+            raise ProtocolError(f"answer to unknown request {rid}")
+        if op == OP_FIND:
+            found = self._array("u1", p.n).astype(bool)
+            values = self._array("<f4", p.n * p.dim).reshape(p.n, p.dim)
+            scores = self._array("<u8", p.n) if flags & F_SCORES else None
+            return rid, (values, found, scores)
+        if op == OP_CONTAINS:
+            return rid, self._array("u1", p.n).astype(bool)
+        if op in _WRITE_OPS or op == OP_ASSIGN_SCORES:
+            s = self._summary()
+            outcomes = self._array("u1", p.n) if flags & F_OUTCOMES else None
+            out: Dict[str, object] = {"summary": s, "outcomes": outcomes}
+            if op == OP_FIND_OR_INSERT:
+                out["values"] = self._array("<f4", p.n * p.dim).reshape(p.n, p.dim)
+            if op == OP_INSERT_AND_EVICT:
+                k = self._array("<u8")
+                v = self._array("<f4").reshape(len(k), p.dim)
+                out["evicted"] = Evicted(k, v, self._array("<u8"), self._array("u1"))
+            return rid, out
+        if op in (OP_ERASE, OP_ERASE_IF):
+            count = struct.unpack("<Q", self._read(8))[0]
+            flags_arr = self._array("u1", p.n).astype(bool) if flags & F_OUTCOMES else None
+            return rid, (count, flags_arr)
+        if op == OP_EXPORT:
+            shard, offset = struct.unpack("<IQ", self._read(12))
+            k = self._array("<u8")
+            v = self._array("<f4").reshape(len(k), p.dim)
+            s = self._array("<u8")
+            nxt = None if shard == 0xFFFFFFFF else (shard, offset)
+            return rid, (nxt, k, v, s)
+        body = self._read(length)
+        if op in (OP_CREATE_TABLE, OP_LIST_TABLES, OP_STATS, OP_CHECKPOINT, OP_LIST_CHECKPOINTS, OP_RESTORE):
+            return rid, json.loads(body)
+        if op == OP_METRICS:
+            return rid, body.decode()
+        return rid, None
+
+    def result(self, rid: int):
+        """The answer to a request sent with a ``send_*`` method (raises its error)."""
+        while rid not in self._done:
+            got, value = self._recv_one()
+            self._done[got] = value
+        value = self._done.pop(rid)
+        if isinstance(value, HkvdError):
+            raise value
+        return value
+
+    def _call(self, op: int, flags: int = 0, parts: Sequence = (), dim: int = 0, n: int = 0):
+        return self.result(self._send(op, flags, parts, dim, n))
+
+    def _json(self, op: int, obj=None):
+        parts = [json.dumps(obj).encode()] if obj is not None else []
+        return self._call(op, 0, parts)
+
+    def dim(self, table: str) -> int:
+        """The table's dim (cached after the first lookup)."""
+        if table not in self._dims:
+            for t in self.tables():
+                self._dims[t["spec"]["name"]] = t["spec"]["dim"]
+        if table not in self._dims:
+            raise UnknownTable("unknown_table", f"no table named {table!r}")
+        return self._dims[table]
+
+    # ---- admin --------------------------------------------------------
+    def ping(self) -> None:
+        self._call(OP_PING)
+
+    def create_table(self, name: str, dim: int, capacity: int, policy: str = "lru", mode: str = "single",
+                     max_capacity: int = 0, fast_tier_bytes: Optional[int] = None) -> dict:
+        spec = {"name": name, "dim": dim, "capacity": capacity, "max_capacity": max_capacity,
+                "policy": policy, "mode": mode, "fast_tier_bytes": fast_tier_bytes}
+        info = self._json(OP_CREATE_TABLE, spec)
+        self._dims[name] = dim
+        return info
+
+    def drop_table(self, name: str) -> None:
+        self._json(OP_DROP_TABLE, {"name": name})
+        self._dims.pop(name, None)
+
+    def tables(self) -> List[dict]:
+        return self._call(OP_LIST_TABLES)
+
+    def stats(self) -> dict:
+        return self._call(OP_STATS)
+
+    def metrics(self) -> str:
+        return self._call(OP_METRICS)
+
+    def checkpoint(self, wait: bool = True, full: bool = False):
+        """Takes a checkpoint; with ``wait`` returns its listing once complete."""
+        return self._json(OP_CHECKPOINT, {"wait": wait, "full": full})
+
+    def checkpoints(self) -> List[dict]:
+        return self._call(OP_LIST_CHECKPOINTS)
+
+    def restore(self, checkpoint_id: str = "latest") -> dict:
+        return self._json(OP_RESTORE, {"id": checkpoint_id})
+
+    def shutdown(self) -> None:
+        self._call(OP_SHUTDOWN)
+
+    # ---- table operations ---------------------------------------------
+    def send_find(self, table: str, keys, scores: bool = False) -> int:
+        k = _keys(keys)
+        return self._send(OP_FIND, F_SCORES if scores else 0, [_str(table), *_arr(k)], self.dim(table), k.size)
+
+    def find(self, table: str, keys, scores: bool = False):
+        """``(values (n, dim) float32, found (n,) bool)``, plus scores when asked.
+        Misses leave zeros."""
+        values, found, sc = self.result(self.send_find(table, keys, scores))
+        return (values, found, sc) if scores else (values, found)
+
+    def contains(self, table: str, keys) -> np.ndarray:
+        k = _keys(keys)
+        return self._call(OP_CONTAINS, 0, [_str(table), *_arr(k)], 0, k.size)
+
+    def send_write(self, op: int, table: str, keys, values, scores=None, outcomes: bool = False) -> int:
+        k = _keys(keys)
+        dim = self.dim(table)
+        v = _f32(values)
+        parts = [_str(table), *_arr(k), *_arr(v)]
+        flags = F_OUTCOMES if outcomes else 0
+        if scores is not None:
+            parts += _arr(_u64(scores))
+            flags |= F_SCORES
+        return self._send(op, flags, parts, dim, k.size)
+
+    def _write(self, op, table, keys, values, scores, outcomes):
+        return self.result(self.send_write(op, table, keys, values, scores, outcomes))
+
+    def insert_or_assign(self, table: str, keys, values, scores=None, outcomes: bool = False):
+        """Upsert. Returns a ``Summary`` (and per-key outcome codes when asked:
+        0 updated, 1 inserted, 2 evicted another entry, 3 rejected)."""
+        r = self._write(OP_INSERT_OR_ASSIGN, table, keys, values, scores, outcomes)
+        return (r["summary"], r["outcomes"]) if outcomes else r["summary"]
+
+    def insert_and_evict(self, table: str, keys, values, scores=None) -> Tuple[Summary, Evicted]:
+        r = self._write(OP_INSERT_AND_EVICT, table, keys, values, scores, False)
+        return r["summary"], r["evicted"]
+
+    def find_or_insert(self, table: str, keys, values, scores=None) -> np.ndarray:
+        """Stored values of present keys; the given rows are inserted for the others."""
+        return self._write(OP_FIND_OR_INSERT, table, keys, values, scores, False)["values"]
+
+    def assign(self, table: str, keys, values, scores=None) -> Summary:
+        return self._write(OP_ASSIGN, table, keys, values, scores, False)["summary"]
+
+    def accum_or_assign(self, table: str, keys, deltas, scores=None) -> Summary:
+        return self._write(OP_ACCUM_OR_ASSIGN, table, keys, deltas, scores, False)["summary"]
+
+    def load(self, table: str, keys, values, scores) -> Summary:
+        """Insert with scores stored verbatim, whatever the policy (restores)."""
+        return self._write(OP_LOAD, table, keys, values, scores, False)["summary"]
+
+    def assign_scores(self, table: str, keys, scores=None) -> Summary:
+        k = _keys(keys)
+        parts = [_str(table), *_arr(k)]
+        flags = 0
+        if scores is not None:
+            parts += _arr(_u64(scores))
+            flags |= F_SCORES
+        return self._call(OP_ASSIGN_SCORES, flags, parts, 0, k.size)["summary"]
+
+    def erase(self, table: str, keys) -> int:
+        k = _keys(keys)
+        return self._call(OP_ERASE, 0, [_str(table), *_arr(k)], 0, k.size)[0]
+
+    def erase_if(self, table: str, key_mask: int = 0, key_pattern: int = 0, min_score: int = 0,
+                 max_score: int = 2**64 - 1) -> int:
+        f = struct.pack("<4Q", key_mask, key_pattern, min_score, max_score)
+        return self._call(OP_ERASE_IF, 0, [_str(table), f])[0]
+
+    def clear(self, table: str) -> None:
+        self._call(OP_CLEAR, 0, [_str(table)])
+
+    def set_epoch(self, table: str, epoch: int) -> None:
+        self._call(OP_SET_EPOCH, 0, [_str(table), struct.pack("<I", epoch)])
+
+    def reserve(self, table: str, capacity: int) -> None:
+        self._call(OP_RESERVE, 0, [_str(table), struct.pack("<Q", capacity)])
+
+    def export(self, table: str, min_score: int = 0, max_score: int = 2**64 - 1, key_mask: int = 0,
+               key_pattern: int = 0, chunk_slots: int = 1 << 16):
+        """Every matching entry: ``(keys, values (n, dim), scores)``."""
+        dim = self.dim(table)
+        cursor = (0, 0)
+        ks, vs, ss = [], [], []
+        while cursor is not None:
+            body = struct.pack("<IQQ4Q", cursor[0], cursor[1], chunk_slots, key_mask, key_pattern, min_score, max_score)
+            cursor, k, v, s = self._call(OP_EXPORT, 0, [_str(table), body], dim, 0)
+            ks.append(k)
+            vs.append(v)
+            ss.append(s)
+        return np.concatenate(ks), np.concatenate(vs).reshape(-1, dim), np.concatenate(ss)

@@ -1,0 +1,166 @@
+"""The Python client against a real daemon: every op, errors, large batches,
+concurrent clients, pipelining, checkpoints, and the torch helper."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import hkvd
+
+
+def rows(keys, dim, salt=0.0):
+    k = np.asarray(keys, dtype=np.float64)
+    return (k[:, None] % 997 + np.arange(dim)[None, :] + salt).astype(np.float32)
+
+
+def test_every_table_operation(daemon):
+    c = daemon.client()
+    info = c.create_table("emb", dim=4, capacity=1 << 14, policy="lfu", mode="dual")
+    assert info["shards"] == 2
+    keys = np.arange(1, 3001, dtype=np.uint64) * 7919
+    v = rows(keys, 4)
+    s = c.insert_or_assign("emb", keys, v)
+    assert s.inserted == 3000
+    got, found, scores = c.find("emb", keys, scores=True)
+    assert found.all() and got.dtype == np.float32 and got.shape == (3000, 4)
+    np.testing.assert_array_equal(got, v)
+    assert (scores == 1).all()
+    assert list(c.contains("emb", [keys[0], 5])) == [True, False]
+    # int64 keys work too.
+    got64, found64 = c.find("emb", keys.astype(np.int64))
+    assert found64.all()
+    # find_or_insert: stored rows for hits, given rows inserted for misses.
+    out = c.find_or_insert("emb", [keys[0], 6], np.full((2, 4), 9.0, np.float32), scores=[2, 3])
+    np.testing.assert_array_equal(out[0], v[0])
+    np.testing.assert_array_equal(out[1], [9.0] * 4)
+    s = c.assign("emb", [keys[1], 7], np.ones((2, 4), np.float32))
+    assert (s.updated, s.absent) == (1, 1)
+    s = c.assign_scores("emb", [keys[1]], [100])
+    assert s.updated == 1
+    s = c.accum_or_assign("emb", [keys[1], 8], np.full((2, 4), 0.5, np.float32))
+    assert (s.updated, s.inserted) == (1, 1)
+    got, _ = c.find("emb", [keys[1], 8])
+    np.testing.assert_array_equal(got, [[1.5] * 4, [0.5] * 4])
+    s, outcomes = c.insert_or_assign("emb", [keys[2], 10**12], np.zeros((2, 4), np.float32), outcomes=True)
+    assert list(outcomes) == [0, 1]
+    assert c.erase("emb", [keys[2], 123456789]) == 1
+    ek, ev, es = c.export("emb")
+    assert len(ek) == c.tables()[0]["size"] and ev.shape == (len(ek), 4) and len(es) == len(ek)
+    n = c.erase_if("emb", min_score=2)
+    assert n == int((es >= 2).sum())
+    c.load("emb", [1, 2], np.zeros((2, 4), np.float32), [77, 88])
+    assert list(c.find("emb", [1, 2], scores=True)[2]) == [77, 88]
+    c.clear("emb")
+    assert len(c.export("emb")[0]) == 0
+    # insert_and_evict on a full custom table.
+    c.create_table("ev", dim=2, capacity=256, policy="custom")
+    k = np.arange(1, 2001, dtype=np.uint64)
+    s, ev = c.insert_and_evict("ev", k, rows(k, 2), scores=k % 50)
+    assert len(ev.keys) == s.evicted + s.rejected and ev.values.shape == (len(ev.keys), 2)
+    c.create_table("ep", dim=1, capacity=256, policy="epoch-lfu", max_capacity=1024)
+    c.set_epoch("ep", 9)
+    c.insert_or_assign("ep", [5], [[1.0]], scores=[3])
+    assert c.find("ep", [5], scores=True)[2][0] == (9 << 32) | 3
+    c.reserve("ep", 1024)
+    assert [t for t in c.tables() if t["spec"]["name"] == "ep"][0]["capacity"] == 1024
+    st = c.stats()
+    assert st["shards"] == 2 and "checkpoint" in st
+    assert "hkvd_up 1" in c.metrics()
+    c.drop_table("ev")
+    assert "ev" not in [t["spec"]["name"] for t in c.tables()]
+
+
+def test_errors_are_typed_and_carry_the_daemons_message(daemon):
+    c = daemon.client()
+    c.create_table("t", dim=4, capacity=4096)
+    c.create_table("cus", dim=4, capacity=4096, policy="custom")
+    with pytest.raises(hkvd.UnknownTable) as e:
+        c.find("nope", [1])
+    assert e.value.code == "unknown_table" and "nope" in e.value.message
+    with pytest.raises(hkvd.WrongDim) as e:
+        c.send_write(0x12, "t", [1, 2], np.zeros(7, np.float32))
+        c.result(c._next - 1)
+    assert "dim 4" in e.value.message
+    with pytest.raises(hkvd.ReservedKey):
+        c.insert_or_assign("t", np.array([1, 2**64 - 1], np.uint64), np.zeros((2, 4), np.float32))
+    with pytest.raises(hkvd.LengthMismatch):
+        c.insert_or_assign("cus", [1, 2], np.zeros((2, 4), np.float32), scores=[1])
+    with pytest.raises(hkvd.ScoresError):
+        c.insert_or_assign("cus", [1], np.zeros((1, 4), np.float32))
+    with pytest.raises(hkvd.TableExists):
+        c.create_table("t", dim=4, capacity=4096)
+    assert isinstance(hkvd.Forbidden("forbidden", "x"), hkvd.HkvdError)
+    # The connection still works after every error.
+    c.insert_or_assign("t", [1], np.ones((1, 4), np.float32))
+    assert c.find("t", [1])[1][0]
+    with pytest.raises(ConnectionError):
+        hkvd.Client(daemon.socket + ".missing")
+
+
+def test_large_batches_of_a_million_keys(daemon):
+    c = daemon.client()
+    c.create_table("big", dim=8, capacity=1 << 22)
+    keys = np.arange(1 << 20, dtype=np.uint64) * 3 + 1
+    v = np.random.default_rng(1).random((1 << 20, 8), dtype=np.float32)
+    s = c.insert_or_assign("big", keys, v)
+    assert s.inserted + s.evicted == 1 << 20
+    got, found = c.find("big", keys)
+    np.testing.assert_array_equal(got[found], v[found])
+    assert found.sum() == c.tables()[0]["size"]
+
+
+def test_concurrent_clients_and_pipelining(daemon):
+    daemon.client().create_table("t", dim=4, capacity=1 << 20)
+    errors = []
+
+    def work(w):
+        try:
+            with daemon.client() as c:
+                sets = [np.arange(500, dtype=np.uint64) + (w << 40) + (j << 20) for j in range(8)]
+                ids = [c.send_write(0x12, "t", k, rows(k, 4, w)) for k in sets]
+                for i in ids:
+                    assert c.result(i)["summary"].inserted == 500
+                ids = [c.send_find("t", k) for k in sets]
+                for k, i in reversed(list(zip(sets, ids))):  # collect out of order
+                    values, found, _ = c.result(i)
+                    assert found.all()
+                    np.testing.assert_array_equal(values, rows(k, 4, w))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert daemon.client().tables()[0]["size"] == 8 * 8 * 500
+
+
+def test_checkpoint_and_restore(daemon, tmp_path):
+    c = daemon.client()
+    c.create_table("t", dim=2, capacity=4096, policy="custom")
+    c.insert_or_assign("t", [1, 2, 3], np.ones((3, 2), np.float32), scores=[5, 6, 7])
+    listing = c.checkpoint(wait=True)
+    assert listing["entries"] == 3 and listing["status"] == "complete"
+    assert c.checkpoints()[0]["id"] == listing["id"]
+    c.clear("t")
+    r = c.restore(listing["id"])
+    assert r["tables"] == [["t", 3]]
+    assert list(c.find("t", [1, 2, 3], scores=True)[2]) == [5, 6, 7]
+
+
+def test_torch_helper(daemon):
+    torch = pytest.importorskip("torch")
+    from hkvd.torch import EmbeddingCache
+
+    c = daemon.client()
+    c.create_table("emb", dim=3, capacity=4096)
+    cache = EmbeddingCache(c, "emb")
+    ids = torch.tensor([1, 2, 3])
+    first = cache.lookup(ids)
+    assert first.shape == (3, 3) and float(first.abs().sum()) == 0.0
+    cache.write_back(ids, first + torch.tensor([1.0, 2.0, 3.0]))
+    again = cache.lookup(ids)
+    assert torch.equal(again[:, 1], torch.full((3,), 2.0))
