@@ -23,6 +23,21 @@ struct Cli {
 enum Cmd {
     /// Start the daemon (CUDA shards when a GPU exists, else CPU shards).
     Serve(Serve),
+    /// The operator console: tables, shards, lock groups, checkpoints, live.
+    Top(Top),
+}
+
+#[derive(Args)]
+struct Top {
+    /// Socket path [default: $HKVD_SOCKET, else $XDG_RUNTIME_DIR/hkvd/hkvd.sock, else ./hkvd-run/hkvd.sock].
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    /// Milliseconds between stats polls.
+    #[arg(long, default_value_t = 250)]
+    interval_ms: u64,
+    /// Append a line per poll to this file (the console never logs to the screen).
+    #[arg(long)]
+    log: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -122,6 +137,16 @@ fn config(a: Serve) -> anyhow::Result<Config> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.cmd {
+        Cmd::Top(t) => {
+            let socket = t.socket.unwrap_or_else(hkv_proto::client_socket_path);
+            match hkv_tui::run(socket, std::time::Duration::from_millis(t.interval_ms.max(50)), t.log) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("hkvd top: {e:#}");
+                    ExitCode::from(1)
+                }
+            }
+        }
         Cmd::Serve(a) => {
             let filter = a.log.clone().or_else(|| std::env::var("RUST_LOG").ok()).unwrap_or_else(|| "info".into());
             tracing_subscriber::fmt()

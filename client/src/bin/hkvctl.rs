@@ -125,6 +125,12 @@ enum Cmd {
     },
     /// Ask the daemon to finish in-flight requests and exit.
     Shutdown,
+    /// The operator console (runs `hkvd top`, from beside hkvctl or from PATH).
+    Top {
+        /// Arguments passed on to `hkvd top`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 #[derive(clap::Args, Clone)]
@@ -363,6 +369,22 @@ fn run(cli: Cli) -> Result<()> {
     if let Cmd::Bench(a) = cli.cmd {
         return bench(socket, a);
     }
+    if let Cmd::Top { args } = &cli.cmd {
+        let beside =
+            std::env::current_exe().ok().and_then(|p| p.parent().map(|d| d.join("hkvd"))).filter(|p| p.exists());
+        let hkvd = beside.unwrap_or_else(|| PathBuf::from("hkvd"));
+        let status = std::process::Command::new(&hkvd)
+            .arg("top")
+            .arg("--socket")
+            .arg(&socket)
+            .args(args)
+            .status()
+            .with_context(|| format!("cannot run {}", hkvd.display()))?;
+        if !status.success() {
+            bail!("hkvd top exited with {status}");
+        }
+        return Ok(());
+    }
     let mut c = Client::connect(&socket)?;
     match cli.cmd {
         Cmd::Ping => {
@@ -546,7 +568,7 @@ fn run(cli: Cli) -> Result<()> {
             c.shutdown()?;
             println!("hkvd is draining and will exit");
         }
-        Cmd::Bench(_) => unreachable!(),
+        Cmd::Bench(_) | Cmd::Top { .. } => unreachable!(),
     }
     Ok(())
 }

@@ -1,0 +1,115 @@
+//! # hkv-tui: `hkvd top`, the operator console
+//!
+//! Polls the daemon's stats over the socket a few times a second (on its own
+//! thread, so a slow or dead daemon never blocks drawing) and shows, per
+//! table and per shard, load factor gauges, hit rate, operations per second,
+//! eviction and rejection rates as sparklines, bytes per memory tier, the
+//! lock-group state, and the checkpoint status. Logs go to a file, never to
+//! the screen it draws on.
+//!
+//! # Layout
+//! - [`model`] turns a stats JSON document into plain numbers, tolerating
+//!   missing or unexpected fields, and computes rates between polls.
+//! - [`app`] holds the console state and handles keys.
+//! - [`ui`] draws it (tested with ratatui's `TestBackend`).
+//! - this file: [`run`], the terminal loop.
+
+#![forbid(unsafe_code)]
+
+pub mod app;
+pub mod model;
+pub mod ui;
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use crossterm::event::{self, Event, KeyEventKind};
+
+use crate::app::{Action, App};
+
+/// What the poller thread reports.
+enum Update {
+    Stats(serde_json::Value),
+    Down(String),
+    CheckpointStarted(Result<(), String>),
+}
+
+/// Runs the console against the daemon at `socket` until the user quits.
+pub fn run(socket: PathBuf, interval: Duration, log: Option<PathBuf>) -> anyhow::Result<()> {
+    let mut logf = match &log {
+        Some(p) => Some(std::fs::OpenOptions::new().create(true).append(true).open(p)?),
+        None => None,
+    };
+    let (tx, rx) = mpsc::channel::<Update>();
+    let (cmd_tx, cmd_rx) = mpsc::channel::<()>();
+    let sock = socket.clone();
+    std::thread::Builder::new().name("hkvd-top-poll".into()).spawn(move || {
+        let mut client: Option<hkv_client::Client> = None;
+        loop {
+            if client.is_none() {
+                client = hkv_client::Client::connect(&sock).ok();
+            }
+            let update = match client.as_mut().map(|c| c.stats()) {
+                Some(Ok(v)) => Update::Stats(v),
+                Some(Err(e)) => {
+                    client = None;
+                    Update::Down(e.to_string())
+                }
+                None => Update::Down(format!("cannot connect to {}", sock.display())),
+            };
+            if tx.send(update).is_err() {
+                return;
+            }
+            while let Ok(()) = cmd_rx.try_recv() {
+                let r = match client.as_mut() {
+                    Some(c) => c.checkpoint(false, false).map(|_| ()).map_err(|e| e.to_string()),
+                    None => Err("the daemon is down".into()),
+                };
+                if tx.send(Update::CheckpointStarted(r)).is_err() {
+                    return;
+                }
+            }
+            std::thread::sleep(interval);
+        }
+    })?;
+
+    let mut terminal = ratatui::init();
+    let mut app = App::new(socket.display().to_string());
+    let result = (|| -> anyhow::Result<()> {
+        let mut last_draw = Instant::now() - Duration::from_secs(1);
+        loop {
+            while let Ok(u) = rx.try_recv() {
+                match u {
+                    Update::Stats(v) => app.on_stats(&v, Instant::now()),
+                    Update::Down(e) => app.on_down(e),
+                    Update::CheckpointStarted(r) => app.on_checkpoint_started(r),
+                }
+                if let Some(f) = logf.as_mut() {
+                    let _ = writeln!(f, "{:?} {}", std::time::SystemTime::now(), app.status_line());
+                }
+            }
+            if last_draw.elapsed() >= Duration::from_millis(100) || app.dirty {
+                terminal.draw(|f| ui::draw(f, &app))?;
+                app.dirty = false;
+                last_draw = Instant::now();
+            }
+            if event::poll(Duration::from_millis(50))? {
+                match event::read()? {
+                    Event::Key(k) if k.kind == KeyEventKind::Press => match app.on_key(k) {
+                        Action::Quit => return Ok(()),
+                        Action::Checkpoint => {
+                            let _ = cmd_tx.send(());
+                        }
+                        Action::None => {}
+                    },
+                    Event::Resize(..) => app.dirty = true,
+                    _ => {}
+                }
+            }
+        }
+    })();
+    ratatui::restore();
+    result
+}

@@ -1,0 +1,259 @@
+//! Stats as plain numbers. Every field is read defensively: a missing or
+//! oddly typed field reads as zero or empty, never as a panic.
+
+use serde_json::Value;
+
+fn u(v: &Value) -> u64 {
+    v.as_u64().or_else(|| v.as_f64().map(|f| f.max(0.0) as u64)).unwrap_or(0)
+}
+
+fn f(v: &Value) -> f64 {
+    v.as_f64().unwrap_or(0.0)
+}
+
+fn s(v: &Value) -> String {
+    v.as_str().unwrap_or("?").to_string()
+}
+
+/// Lock-group state of one shard.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Lock {
+    /// `reader`, `updater`, `inserter` or empty.
+    pub active: String,
+    /// Running per group (reader, updater, inserter).
+    pub running: [u64; 3],
+    /// Waiting per group.
+    pub waiting: [u64; 3],
+    /// Acquisitions that waited, per group.
+    pub waits: [u64; 3],
+    /// Seconds spent waiting, per group.
+    pub wait_s: [f64; 3],
+}
+
+/// One shard of one table.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Shard {
+    /// Entries.
+    pub size: u64,
+    /// Slots.
+    pub capacity: u64,
+    /// Lookups that hit.
+    pub hits: u64,
+    /// Lookups that missed.
+    pub misses: u64,
+    /// Evictions.
+    pub evictions: u64,
+    /// Rejections.
+    pub rejections: u64,
+    /// Batches over all ops.
+    pub ops: u64,
+    /// Keys over all ops.
+    pub keys: u64,
+    /// Value bytes in device memory.
+    pub fast_bytes: u64,
+    /// Value bytes in host memory.
+    pub host_bytes: u64,
+    /// Lock state.
+    pub lock: Lock,
+}
+
+/// One table.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Table {
+    /// Name.
+    pub name: String,
+    /// Dim.
+    pub dim: u64,
+    /// Policy.
+    pub policy: String,
+    /// Mode.
+    pub mode: String,
+    /// Per shard.
+    pub shards: Vec<Shard>,
+}
+
+impl Table {
+    /// Sum of a shard field.
+    pub fn sum(&self, get: impl Fn(&Shard) -> u64) -> u64 {
+        self.shards.iter().map(get).sum()
+    }
+    /// Entries.
+    pub fn size(&self) -> u64 {
+        self.sum(|s| s.size)
+    }
+    /// Slots.
+    pub fn capacity(&self) -> u64 {
+        self.sum(|s| s.capacity)
+    }
+    /// size / capacity in [0, 1].
+    pub fn load(&self) -> f64 {
+        let c = self.capacity();
+        if c == 0 {
+            0.0
+        } else {
+            (self.size() as f64 / c as f64).clamp(0.0, 1.0)
+        }
+    }
+    /// Hit rate, if any lookups happened.
+    pub fn hit_rate(&self) -> Option<f64> {
+        let (h, m) = (self.sum(|s| s.hits), self.sum(|s| s.misses));
+        (h + m > 0).then(|| h as f64 / (h + m) as f64)
+    }
+}
+
+/// A checkpoint in progress.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Progress {
+    /// Id.
+    pub id: String,
+    /// Entries written.
+    pub done: u64,
+    /// Entries in total.
+    pub total: u64,
+    /// Seconds left.
+    pub eta_s: f64,
+}
+
+/// Checkpoint status.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Checkpoint {
+    /// Running one.
+    pub running: Option<Progress>,
+    /// Last one: id, entries, seconds, error.
+    pub last: Option<(String, u64, f64, Option<String>)>,
+    /// Seconds to the next scheduled one.
+    pub next_in_s: Option<f64>,
+}
+
+/// One stats document.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Snapshot {
+    /// Daemon version.
+    pub version: String,
+    /// Uptime.
+    pub uptime_s: f64,
+    /// Backend in words.
+    pub backend: String,
+    /// Shards per table.
+    pub shards: u64,
+    /// Connections.
+    pub connections: u64,
+    /// Requests answered.
+    pub requests: u64,
+    /// Errors sent.
+    pub errors: u64,
+    /// Tables.
+    pub tables: Vec<Table>,
+    /// Checkpoints.
+    pub checkpoint: Checkpoint,
+}
+
+fn lock(v: &Value) -> Lock {
+    let arr = |k: &str| {
+        let mut a = [0u64; 3];
+        for (i, x) in v[k].as_array().into_iter().flatten().take(3).enumerate() {
+            a[i] = u(x);
+        }
+        a
+    };
+    let ns = arr("wait_ns");
+    Lock {
+        active: v["active"].as_str().unwrap_or("").to_string(),
+        running: arr("running"),
+        waiting: arr("waiting"),
+        waits: arr("waits"),
+        wait_s: [ns[0] as f64 / 1e9, ns[1] as f64 / 1e9, ns[2] as f64 / 1e9],
+    }
+}
+
+/// Reads a stats document.
+pub fn parse(v: &Value) -> Snapshot {
+    let tables = v["tables"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|t| Table {
+            name: s(&t["spec"]["name"]),
+            dim: u(&t["spec"]["dim"]),
+            policy: s(&t["spec"]["policy"]),
+            mode: s(&t["spec"]["mode"]),
+            shards: t["shards"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|x| Shard {
+                    size: u(&x["size"]),
+                    capacity: u(&x["capacity"]),
+                    hits: u(&x["hits"]),
+                    misses: u(&x["misses"]),
+                    evictions: u(&x["evictions"]),
+                    rejections: u(&x["rejections"]),
+                    ops: x["ops"].as_array().into_iter().flatten().map(u).sum(),
+                    keys: x["keys"].as_array().into_iter().flatten().map(u).sum(),
+                    fast_bytes: u(&x["fast_tier_bytes"]),
+                    host_bytes: u(&x["host_tier_bytes"]),
+                    lock: lock(&x["lock"]),
+                })
+                .collect(),
+        })
+        .collect();
+    let ck = &v["checkpoint"];
+    // Index Values, not Maps: a missing key in a Value reads as null.
+    let (p, l) = (&ck["running"], &ck["last"]);
+    let running = p.is_object().then(|| Progress {
+        id: s(&p["id"]),
+        done: u(&p["entries_done"]),
+        total: u(&p["entries_total"]),
+        eta_s: f(&p["eta_s"]),
+    });
+    let last =
+        l.is_object().then(|| (s(&l["id"]), u(&l["entries"]), f(&l["seconds"]), l["error"].as_str().map(String::from)));
+    Snapshot {
+        version: s(&v["version"]),
+        uptime_s: f(&v["uptime_s"]),
+        backend: s(&v["backend"]),
+        shards: u(&v["shards"]),
+        connections: u(&v["connections"]),
+        requests: u(&v["requests"]),
+        errors: u(&v["errors"]),
+        tables,
+        checkpoint: Checkpoint { running, last, next_in_s: ck["next_in_s"].as_f64() },
+    }
+}
+
+/// Rates of one table between two snapshots, per second.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Rates {
+    /// Batches per second.
+    pub ops: f64,
+    /// Keys per second.
+    pub keys: f64,
+    /// Evictions per second.
+    pub evictions: f64,
+    /// Rejections per second.
+    pub rejections: f64,
+}
+
+/// Rates of `now` against `before` over `secs`; counters that went down
+/// (a daemon restart) read as zero.
+pub fn rates(before: &Table, now: &Table, secs: f64) -> Rates {
+    let d = |g: fn(&Shard) -> u64| now.sum(g).saturating_sub(before.sum(g)) as f64 / secs.max(1e-6);
+    Rates { ops: d(|s| s.ops), keys: d(|s| s.keys), evictions: d(|s| s.evictions), rejections: d(|s| s.rejections) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn garbage_reads_as_zero_not_panic() {
+        for v in [
+            serde_json::json!(null),
+            serde_json::json!({"tables": 3}),
+            serde_json::json!({"tables": [{"shards": [1, "x"]}]}),
+        ] {
+            let s = parse(&v);
+            assert!(s.tables.iter().all(|t| t.load() == 0.0));
+        }
+    }
+}

@@ -1,0 +1,430 @@
+//! Drawing. Colors are accents on the terminal's own foreground and
+//! background (selection is reverse video), so they read on dark and light
+//! themes alike; every area is laid out by constraints, so any terminal size,
+//! down to a single cell, draws without panicking.
+
+use ratatui::layout::{Constraint, Layout, Rect};
+use ratatui::style::{Color, Modifier, Style};
+use ratatui::text::{Line, Span};
+use ratatui::widgets::{Block, Borders, Cell, Clear, Gauge, Paragraph, Row, Sparkline, Table, Tabs, Wrap};
+use ratatui::Frame;
+
+use crate::app::{App, Mode, View};
+use crate::model::Table as T;
+
+fn human(n: f64) -> String {
+    let a = n.abs();
+    if a >= 1e9 {
+        format!("{:.1}G", n / 1e9)
+    } else if a >= 1e6 {
+        format!("{:.1}M", n / 1e6)
+    } else if a >= 1e3 {
+        format!("{:.1}k", n / 1e3)
+    } else {
+        format!("{n:.0}")
+    }
+}
+
+fn bytes(n: u64) -> String {
+    let n = n as f64;
+    if n >= 1e9 {
+        format!("{:.1} GB", n / 1e9)
+    } else if n >= 1e6 {
+        format!("{:.1} MB", n / 1e6)
+    } else {
+        format!("{:.0} kB", n / 1e3)
+    }
+}
+
+fn bar(frac: f64, width: usize) -> String {
+    let full = ((frac.clamp(0.0, 1.0) * width as f64).round() as usize).min(width);
+    format!("{}{} {:>5.1}%", "█".repeat(full), "░".repeat(width - full), frac * 100.0)
+}
+
+fn load_color(frac: f64) -> Color {
+    if frac >= 0.95 {
+        Color::Red
+    } else if frac >= 0.75 {
+        Color::Yellow
+    } else {
+        Color::Green
+    }
+}
+
+/// Draws the whole console.
+pub fn draw(f: &mut Frame, app: &App) {
+    let [header, tabs, body, footer] =
+        Layout::vertical([Constraint::Length(1), Constraint::Length(1), Constraint::Min(0), Constraint::Length(2)])
+            .areas(f.area());
+    draw_header(f, app, header);
+    let titles = ["Overview", "Table", "Devices"];
+    let idx = match app.view {
+        View::Overview => 0,
+        View::Table => 1,
+        View::Devices => 2,
+    };
+    f.render_widget(
+        Tabs::new(titles)
+            .select(idx)
+            .highlight_style(Style::default().add_modifier(Modifier::REVERSED | Modifier::BOLD)),
+        tabs,
+    );
+    match app.view {
+        View::Overview => draw_overview(f, app, body),
+        View::Table => draw_table(f, app, body),
+        View::Devices => draw_devices(f, app, body),
+    }
+    draw_footer(f, app, footer);
+    match app.mode {
+        Mode::Help => draw_help(f),
+        Mode::Confirm => draw_popup(f, "Checkpoint", "Start a checkpoint now? (y / n)"),
+        _ => {}
+    }
+}
+
+fn draw_header(f: &mut Frame, app: &App, area: Rect) {
+    let line = match (&app.down, &app.snap) {
+        (Some(e), _) => Line::from(vec![
+            Span::styled(
+                " hkvd down ",
+                Style::default().fg(Color::Red).add_modifier(Modifier::BOLD | Modifier::REVERSED),
+            ),
+            Span::raw(format!(" {e} — reconnecting to {}", app.socket)),
+        ]),
+        (None, Some(s)) => Line::from(vec![
+            Span::styled(
+                format!(" hkvd {} ", s.version),
+                Style::default().add_modifier(Modifier::BOLD | Modifier::REVERSED),
+            ),
+            Span::raw(format!(
+                " up {}  {}  {} shards  {} conn  {} req  {} err  {}",
+                uptime(s.uptime_s),
+                s.backend,
+                s.shards,
+                s.connections,
+                human(s.requests as f64),
+                s.errors,
+                app.socket
+            )),
+        ]),
+        (None, None) => Line::raw(format!(" connecting to {} …", app.socket)),
+    };
+    f.render_widget(Paragraph::new(line), area);
+}
+
+fn uptime(s: f64) -> String {
+    let s = s as u64;
+    if s >= 86400 {
+        format!("{}d{}h", s / 86400, s % 86400 / 3600)
+    } else if s >= 3600 {
+        format!("{}h{}m", s / 3600, s % 3600 / 60)
+    } else {
+        format!("{}m{}s", s / 60, s % 60)
+    }
+}
+
+fn draw_overview(f: &mut Frame, app: &App, area: Rect) {
+    let [list, detail] = Layout::vertical([Constraint::Min(3), Constraint::Length(9)]).areas(area);
+    let header = Row::new([
+        "table", "dim", "policy", "mode", "size", "capacity", "load", "hit %", "ops/s", "keys/s", "evict/s", "reject/s",
+    ])
+    .style(Style::default().add_modifier(Modifier::BOLD));
+    let visible = app.visible();
+    let rows = visible.iter().enumerate().map(|(i, t)| {
+        let r = app.rates.get(&t.name).copied().unwrap_or_default();
+        let load = t.load();
+        let row = Row::new(vec![
+            Cell::from(t.name.clone()),
+            Cell::from(t.dim.to_string()),
+            Cell::from(t.policy.clone()),
+            Cell::from(t.mode.clone()),
+            Cell::from(t.size().to_string()),
+            Cell::from(t.capacity().to_string()),
+            Cell::from(bar(load, 10)).style(Style::default().fg(load_color(load))),
+            Cell::from(t.hit_rate().map(|h| format!("{:.2}", h * 100.0)).unwrap_or_else(|| "-".into())),
+            Cell::from(human(r.ops)),
+            Cell::from(human(r.keys)),
+            Cell::from(human(r.evictions)),
+            Cell::from(human(r.rejections)),
+        ]);
+        if i == app.selected {
+            row.style(Style::default().add_modifier(Modifier::REVERSED))
+        } else {
+            row
+        }
+    });
+    let widths = [
+        Constraint::Min(8),
+        Constraint::Length(4),
+        Constraint::Length(9),
+        Constraint::Length(6),
+        Constraint::Length(10),
+        Constraint::Length(10),
+        Constraint::Length(17),
+        Constraint::Length(6),
+        Constraint::Length(7),
+        Constraint::Length(7),
+        Constraint::Length(7),
+        Constraint::Length(8),
+    ];
+    let title =
+        if app.filter.is_empty() { " tables ".to_string() } else { format!(" tables matching /{} ", app.filter) };
+    f.render_widget(
+        Table::new(rows, widths).header(header).block(Block::default().borders(Borders::ALL).title(title)),
+        list,
+    );
+    let Some(t) = app.current_table() else {
+        f.render_widget(
+            Paragraph::new(if app.snap.is_some() {
+                "no tables (hkvctl create-table …)"
+            } else {
+                "waiting for stats"
+            })
+            .block(Block::default().borders(Borders::ALL)),
+            detail,
+        );
+        return;
+    };
+    let [sparks, lock] = Layout::horizontal([Constraint::Percentage(60), Constraint::Percentage(40)]).areas(detail);
+    draw_sparklines(f, app, t, sparks);
+    draw_lock(f, t, lock);
+}
+
+fn draw_sparklines(f: &mut Frame, app: &App, t: &T, area: Rect) {
+    let block = Block::default().borders(Borders::ALL).title(format!(" {} — last minutes ", t.name));
+    let inner = block.inner(area);
+    f.render_widget(block, area);
+    let [a, b] = Layout::vertical([Constraint::Percentage(50), Constraint::Percentage(50)]).areas(inner);
+    let h = app.history.get(&t.name);
+    for (area, label, data, color) in [
+        (a, "evictions/s", h.map(|h| &h.evictions), Color::Yellow),
+        (b, "rejections/s", h.map(|h| &h.rejections), Color::Magenta),
+    ] {
+        let [l, s] = Layout::horizontal([Constraint::Length(20), Constraint::Min(0)]).areas(area);
+        let last = data.and_then(|d| d.back()).copied().unwrap_or(0);
+        f.render_widget(Paragraph::new(format!("{label} {}", human(last as f64))), l);
+        let tail: Vec<u64> =
+            data.map(|d| d.iter().rev().take(s.width as usize).rev().copied().collect()).unwrap_or_default();
+        f.render_widget(Sparkline::default().data(&tail).style(Style::default().fg(color)), s);
+    }
+}
+
+fn draw_lock(f: &mut Frame, t: &T, area: Rect) {
+    let mut running = [0u64; 3];
+    let mut waiting = [0u64; 3];
+    let mut waits = [0u64; 3];
+    let mut wait_s = [0f64; 3];
+    let mut active = vec![];
+    for s in &t.shards {
+        for g in 0..3 {
+            running[g] += s.lock.running[g];
+            waiting[g] += s.lock.waiting[g];
+            waits[g] += s.lock.waits[g];
+            wait_s[g] += s.lock.wait_s[g];
+        }
+        if !s.lock.active.is_empty() && !active.contains(&s.lock.active) {
+            active.push(s.lock.active.clone());
+        }
+    }
+    let active = if active.is_empty() { "idle".to_string() } else { active.join(", ") };
+    let mut lines = vec![Line::from(vec![
+        Span::raw("active: "),
+        Span::styled(active, Style::default().add_modifier(Modifier::BOLD)),
+    ])];
+    lines.push(Line::raw(format!("{:<9}{:>8}{:>8}{:>9}{:>9}", "group", "running", "waiting", "waits", "wait s")));
+    for (g, name) in ["readers", "updaters", "inserters"].iter().enumerate() {
+        lines.push(Line::raw(format!("{name:<9}{:>8}{:>8}{:>9}{:>9.2}", running[g], waiting[g], waits[g], wait_s[g])));
+    }
+    f.render_widget(Paragraph::new(lines).block(Block::default().borders(Borders::ALL).title(" lock groups ")), area);
+}
+
+fn draw_table(f: &mut Frame, app: &App, area: Rect) {
+    let Some(t) = app.current_table() else {
+        f.render_widget(Paragraph::new("no table selected").block(Block::default().borders(Borders::ALL)), area);
+        return;
+    };
+    let [gauge, rest] = Layout::vertical([Constraint::Length(3), Constraint::Min(0)]).areas(area);
+    f.render_widget(
+        Gauge::default()
+            .block(
+                Block::default()
+                    .borders(Borders::ALL)
+                    .title(format!(" {} — dim {}, {}, {} ", t.name, t.dim, t.policy, t.mode)),
+            )
+            .gauge_style(Style::default().fg(load_color(t.load())))
+            .ratio(t.load())
+            .label(format!("load {:.1}%  ({} of {})", t.load() * 100.0, t.size(), t.capacity())),
+        gauge,
+    );
+    let header = Row::new([
+        "shard",
+        "size",
+        "capacity",
+        "load",
+        "hit %",
+        "evictions",
+        "rejections",
+        "lock",
+        "R/U/I run",
+        "R/U/I wait",
+        "device",
+        "host",
+    ])
+    .style(Style::default().add_modifier(Modifier::BOLD));
+    let rows = t.shards.iter().enumerate().map(|(i, s)| {
+        let load = if s.capacity == 0 { 0.0 } else { s.size as f64 / s.capacity as f64 };
+        let (h, m) = (s.hits, s.misses);
+        Row::new(vec![
+            Cell::from(i.to_string()),
+            Cell::from(s.size.to_string()),
+            Cell::from(s.capacity.to_string()),
+            Cell::from(bar(load, 8)).style(Style::default().fg(load_color(load))),
+            Cell::from(if h + m > 0 { format!("{:.2}", 100.0 * h as f64 / (h + m) as f64) } else { "-".into() }),
+            Cell::from(s.evictions.to_string()),
+            Cell::from(s.rejections.to_string()),
+            Cell::from(if s.lock.active.is_empty() { "idle".into() } else { s.lock.active.clone() }),
+            Cell::from(format!("{}/{}/{}", s.lock.running[0], s.lock.running[1], s.lock.running[2])),
+            Cell::from(format!("{}/{}/{}", s.lock.waiting[0], s.lock.waiting[1], s.lock.waiting[2])),
+            Cell::from(bytes(s.fast_bytes)),
+            Cell::from(bytes(s.host_bytes)),
+        ])
+    });
+    let widths = [
+        Constraint::Length(5),
+        Constraint::Length(10),
+        Constraint::Length(10),
+        Constraint::Length(15),
+        Constraint::Length(6),
+        Constraint::Length(10),
+        Constraint::Length(10),
+        Constraint::Length(8),
+        Constraint::Length(9),
+        Constraint::Length(10),
+        Constraint::Length(9),
+        Constraint::Length(9),
+    ];
+    f.render_widget(
+        Table::new(rows, widths).header(header).block(Block::default().borders(Borders::ALL).title(" shards ")),
+        rest,
+    );
+}
+
+fn draw_devices(f: &mut Frame, app: &App, area: Rect) {
+    let Some(s) = &app.snap else {
+        f.render_widget(Paragraph::new("waiting for stats").block(Block::default().borders(Borders::ALL)), area);
+        return;
+    };
+    let n = s.tables.iter().map(|t| t.shards.len()).max().unwrap_or(0);
+    let header = Row::new(["device", "tables", "entries", "capacity", "load", "device memory", "host memory"])
+        .style(Style::default().add_modifier(Modifier::BOLD));
+    let rows = (0..n).map(|i| {
+        let shards: Vec<_> = s.tables.iter().filter_map(|t| t.shards.get(i)).collect();
+        let (size, cap) = (shards.iter().map(|x| x.size).sum::<u64>(), shards.iter().map(|x| x.capacity).sum::<u64>());
+        let load = if cap == 0 { 0.0 } else { size as f64 / cap as f64 };
+        let row = Row::new(vec![
+            Cell::from(i.to_string()),
+            Cell::from(shards.len().to_string()),
+            Cell::from(size.to_string()),
+            Cell::from(cap.to_string()),
+            Cell::from(bar(load, 10)).style(Style::default().fg(load_color(load))),
+            Cell::from(bytes(shards.iter().map(|x| x.fast_bytes).sum())),
+            Cell::from(bytes(shards.iter().map(|x| x.host_bytes).sum())),
+        ]);
+        if i == app.selected {
+            row.style(Style::default().add_modifier(Modifier::REVERSED))
+        } else {
+            row
+        }
+    });
+    let widths = [
+        Constraint::Length(7),
+        Constraint::Length(7),
+        Constraint::Length(12),
+        Constraint::Length(12),
+        Constraint::Length(17),
+        Constraint::Length(14),
+        Constraint::Length(12),
+    ];
+    f.render_widget(
+        Table::new(rows, widths)
+            .header(header)
+            .block(Block::default().borders(Borders::ALL).title(format!(" devices — {} ", s.backend))),
+        area,
+    );
+}
+
+fn draw_footer(f: &mut Frame, app: &App, area: Rect) {
+    let [ck, keys] = Layout::vertical([Constraint::Length(1), Constraint::Length(1)]).areas(area);
+    let c = app.snap.as_ref().map(|s| &s.checkpoint);
+    match c.and_then(|c| c.running.as_ref()) {
+        Some(p) => {
+            let ratio = if p.total == 0 { 0.0 } else { (p.done as f64 / p.total as f64).clamp(0.0, 1.0) };
+            f.render_widget(
+                Gauge::default()
+                    .gauge_style(Style::default().fg(Color::Cyan))
+                    .ratio(ratio)
+                    .label(format!("checkpoint {}: {}/{} entries, ETA {:.0}s", p.id, p.done, p.total, p.eta_s)),
+                ck,
+            );
+        }
+        None => {
+            let last = match c.and_then(|c| c.last.as_ref()) {
+                Some((id, n, secs, None)) => format!("last checkpoint {id}: {n} entries in {secs:.1}s"),
+                Some((id, _, _, Some(e))) => format!("last checkpoint {id} FAILED: {e}"),
+                None => "no checkpoint yet".into(),
+            };
+            let next = match c.and_then(|c| c.next_in_s) {
+                Some(s) => format!("  next in {s:.0}s"),
+                None => "  next: on demand (c)".into(),
+            };
+            f.render_widget(Paragraph::new(last + &next), ck);
+        }
+    }
+    let text = match app.mode {
+        Mode::Filter => format!("/{}▏ (enter: keep, esc: clear)", app.filter),
+        _ => {
+            let msg = app.message.as_deref().map(|m| format!("  — {m}")).unwrap_or_default();
+            format!("q quit  ? help  tab view  ↑↓/jk move  / filter  c checkpoint{msg}")
+        }
+    };
+    f.render_widget(Paragraph::new(text).style(Style::default().add_modifier(Modifier::DIM)), keys);
+}
+
+fn centered(area: Rect, w: u16, h: u16) -> Rect {
+    let w = w.min(area.width);
+    let h = h.min(area.height);
+    Rect { x: area.x + (area.width - w) / 2, y: area.y + (area.height - h) / 2, width: w, height: h }
+}
+
+fn draw_popup(f: &mut Frame, title: &str, text: &str) {
+    let area = centered(f.area(), 44, 5);
+    f.render_widget(Clear, area);
+    f.render_widget(
+        Paragraph::new(text)
+            .wrap(Wrap { trim: true })
+            .block(Block::default().borders(Borders::ALL).title(format!(" {title} "))),
+        area,
+    );
+}
+
+fn draw_help(f: &mut Frame) {
+    let area = centered(f.area(), 56, 14);
+    f.render_widget(Clear, area);
+    let lines = [
+        "q, Esc, Ctrl-C   quit (the terminal is restored)",
+        "?                this help (any key closes it)",
+        "tab / shift-tab  overview → table by shard → devices",
+        "↑ ↓  or  k j     move the selection",
+        "/                filter tables by name (enter keeps, esc clears)",
+        "c                start a checkpoint (asks first)",
+        "",
+        "load bars: green < 75 %, yellow < 95 %, red above",
+        "sparklines: evictions and rejections per second",
+        "lock groups: readers and updaters share, inserters run alone",
+    ];
+    f.render_widget(
+        Paragraph::new(lines.iter().map(|l| Line::raw(*l)).collect::<Vec<_>>())
+            .block(Block::default().borders(Borders::ALL).title(" hkvd top — help ")),
+        area,
+    );
+}

@@ -1,0 +1,171 @@
+//! The console drawn into ratatui's TestBackend from fixed stats.
+
+use std::time::{Duration, Instant};
+
+use crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
+use hkv_tui::app::{Action, App, Mode, View};
+use ratatui::backend::TestBackend;
+use ratatui::Terminal;
+use serde_json::json;
+
+fn shard(
+    size: u64,
+    cap: u64,
+    evictions: u64,
+    running: [u64; 3],
+    waiting: [u64; 3],
+    active: Option<&str>,
+) -> serde_json::Value {
+    json!({"size": size, "capacity": cap, "hits": 75, "misses": 25, "evictions": evictions, "rejections": 2,
+           "ops": [1, 2, 3], "keys": [10, 20, 30], "fast_tier_bytes": 0, "host_tier_bytes": cap * 16,
+           "lock": {"active": active, "running": running, "waiting": waiting, "waits": [4, 5, 6], "wait_ns": [1_000_000_000u64, 0, 0]}})
+}
+
+fn stats(evictions: u64, running_ck: bool) -> serde_json::Value {
+    json!({
+        "version": "0.1.0", "uptime_s": 3725.0, "backend": "cpu (2 shards)", "shards": 2, "connections": 3,
+        "requests": 12345, "errors": 1, "in_flight": 0,
+        "tables": [
+            {"spec": {"name": "users", "dim": 32, "policy": "lfu", "mode": "dual"}, "size": 0, "capacity": 0,
+             "shards": [shard(600, 1000, evictions, [0, 0, 1], [2, 3, 0], Some("inserter")), shard(400, 1000, 0, [0, 0, 0], [0, 0, 0], None)]},
+            {"spec": {"name": "items", "dim": 8, "policy": "lru", "mode": "single"}, "size": 0, "capacity": 0,
+             "shards": [shard(10, 1000, 0, [0; 3], [0; 3], None), shard(10, 1000, 0, [0; 3], [0; 3], None)]}
+        ],
+        "checkpoint": if running_ck {
+            json!({"running": {"id": "00ab", "entries_done": 250, "entries_total": 1000, "eta_s": 3.0}, "last": null, "next_in_s": null})
+        } else {
+            json!({"running": null, "last": {"id": "00aa", "entries": 999, "seconds": 1.5, "error": null}, "next_in_s": 42.0})
+        }
+    })
+}
+
+fn render(app: &App, w: u16, h: u16) -> String {
+    let mut t = Terminal::new(TestBackend::new(w, h)).unwrap();
+    t.draw(|f| hkv_tui::ui::draw(f, app)).unwrap();
+    let buf = t.backend().buffer().clone();
+    (0..buf.area.height)
+        .map(|y| (0..buf.area.width).map(|x| buf[(x, y)].symbol().to_string()).collect::<String>())
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn key(c: KeyCode) -> KeyEvent {
+    KeyEvent::new(c, KeyModifiers::NONE)
+}
+
+fn app() -> App {
+    let mut a = App::new("/tmp/hkvd.sock".into());
+    let t0 = Instant::now();
+    a.on_stats(&stats(100, false), t0);
+    a.on_stats(&stats(300, false), t0 + Duration::from_secs(2));
+    a
+}
+
+#[test]
+fn overview_shows_what_the_stats_say() {
+    let a = app();
+    let s = render(&a, 140, 30);
+    assert!(s.contains("hkvd 0.1.0") && s.contains("up 1h2m") && s.contains("cpu (2 shards)"), "{s}");
+    // users: 1000 of 2000 slots = 50 %, hit rate 75 %.
+    let users = s.lines().find(|l| l.contains("users")).unwrap();
+    assert!(
+        users.contains("1000") && users.contains("2000") && users.contains("50.0%") && users.contains("75.00"),
+        "{users}"
+    );
+    let items = s.lines().find(|l| l.contains("items")).unwrap();
+    assert!(items.contains("1.0%"), "{items}");
+    // Eviction rate: (300 - 100) / 2 s = 100/s, in the row and, once users
+    // is selected (items sorts first), in its sparkline panel.
+    assert!(users.split_whitespace().rev().nth(2) == Some("100"), "{users}");
+    let mut a = a;
+    a.on_key(key(KeyCode::Down));
+    let s = render(&a, 140, 30);
+    assert!(s.contains("evictions/s 100"), "{s}");
+    assert!(s.contains("active: inserter"), "{s}");
+    // Summed over both shards: 6 + 6 inserter waits, 1 s + 1 s reader wait.
+    let ins = s.lines().find(|l| l.contains("inserters")).unwrap();
+    assert!(ins.contains(" 1 ") && ins.contains(" 12 "), "{ins}");
+    let rd = s.lines().find(|l| l.contains("readers")).unwrap();
+    assert!(rd.contains(" 2 ") && rd.contains("2.00"), "{rd}");
+    assert!(s.contains("last checkpoint 00aa: 999 entries in 1.5s") && s.contains("next in 42s"), "{s}");
+}
+
+#[test]
+fn table_and_device_views() {
+    let mut a = app();
+    a.on_key(key(KeyCode::Down));
+    a.on_key(key(KeyCode::Tab));
+    assert_eq!(a.view, View::Table);
+    let s = render(&a, 140, 30);
+    assert!(s.contains("users — dim 32, lfu, dual") && s.contains("load 50.0%  (1000 of 2000)"), "{s}");
+    let row0 = s.lines().find(|l| l.trim_start().starts_with("│0 ") || l.contains("│0    ")).unwrap_or("");
+    assert!(
+        row0.contains("600")
+            && row0.contains("300")
+            && row0.contains("inserter")
+            && row0.contains("0/0/1")
+            && row0.contains("2/3/0"),
+        "{s}"
+    );
+    a.on_key(key(KeyCode::Tab));
+    assert_eq!(a.view, View::Devices);
+    let s = render(&a, 140, 30);
+    let d0 = s.lines().find(|l| l.contains("│0 ")).unwrap();
+    assert!(d0.contains("610") && d0.contains("2000"), "{d0}");
+}
+
+#[test]
+fn help_filter_confirm_and_quit() {
+    let mut a = app();
+    a.on_key(key(KeyCode::Char('?')));
+    assert_eq!(a.mode, Mode::Help);
+    assert!(render(&a, 100, 30).contains("filter tables by name"));
+    a.on_key(key(KeyCode::Char('x')));
+    assert_eq!(a.mode, Mode::Normal);
+    for k in [KeyCode::Char('/'), KeyCode::Char('i'), KeyCode::Char('t'), KeyCode::Enter] {
+        a.on_key(key(k));
+    }
+    let s = render(&a, 140, 30);
+    assert!(s.contains("tables matching /it") && s.contains("items") && !s.contains("users"), "{s}");
+    a.on_key(key(KeyCode::Char('/')));
+    a.on_key(key(KeyCode::Esc));
+    assert!(render(&a, 140, 30).contains("users"));
+    assert_eq!(a.on_key(key(KeyCode::Char('c'))), Action::None);
+    assert!(render(&a, 100, 30).contains("Start a checkpoint now?"));
+    assert_eq!(a.on_key(key(KeyCode::Char('n'))), Action::None);
+    a.on_key(key(KeyCode::Char('c')));
+    assert_eq!(a.on_key(key(KeyCode::Char('y'))), Action::Checkpoint);
+    assert_eq!(a.on_key(key(KeyCode::Char('q'))), Action::Quit);
+    assert_eq!(a.on_key(KeyEvent::new(KeyCode::Char('c'), KeyModifiers::CONTROL)), Action::Quit);
+}
+
+#[test]
+fn checkpoint_progress_and_daemon_down() {
+    let mut a = app();
+    a.on_stats(&stats(300, true), Instant::now() + Duration::from_secs(3));
+    let s = render(&a, 120, 30);
+    assert!(s.contains("checkpoint 00ab: 250/1000 entries, ETA 3s"), "{s}");
+    a.on_down("connection refused".into());
+    let s = render(&a, 120, 30);
+    assert!(s.contains("hkvd down") && s.contains("connection refused") && s.contains("reconnecting"), "{s}");
+    a.on_stats(&stats(0, false), Instant::now() + Duration::from_secs(4));
+    assert!(render(&a, 120, 30).contains("reconnected"));
+}
+
+#[test]
+fn tiny_terminals_and_odd_stats_do_not_panic() {
+    let a = app();
+    let s = render(&a, 40, 10);
+    assert!(s.contains("hkvd 0.1.0"));
+    for (w, h) in [(1, 1), (2, 3), (10, 2), (40, 10), (300, 5)] {
+        render(&a, w, h);
+    }
+    let mut b = App::new("s".into());
+    for v in
+        [json!(null), json!({"tables": [{"shards": "x"}]}), json!({"checkpoint": {"running": {"entries_total": 0}}})]
+    {
+        b.on_stats(&v, Instant::now());
+        render(&b, 80, 24);
+        render(&b, 40, 10);
+    }
+}
