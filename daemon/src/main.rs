@@ -22,7 +22,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Start the daemon (CUDA shards when a GPU exists, else CPU shards).
-    Serve(Serve),
+    Serve(Box<Serve>),
     /// The operator console: tables, shards, lock groups, checkpoints, live.
     Top(Top),
 }
@@ -154,7 +154,7 @@ fn main() -> ExitCode {
                 .with_writer(std::io::stderr)
                 .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
                 .init();
-            match config(a).and_then(hkvd::run) {
+            match config(*a).and_then(hkvd::run) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("hkvd: {e:#}");
