@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command (the README's second command). Installs the
 # system tools some tests drive when they are missing (systemd-analyze and
-# systemd-socket-activate from `systemd`, setpriv from `util-linux`, numpy and
+# systemd-socket-activate from `systemd`, setpriv from `util-linux`, tmux, numpy and
 # pytest for the Python client), then runs every Rust test of the workspace
 # and the Python client's tests.
 set -euo pipefail
@@ -11,6 +11,7 @@ need=()
 command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
 command -v systemd-socket-activate >/dev/null 2>&1 || need+=(systemd)
 command -v setpriv >/dev/null 2>&1 || need+=(util-linux)
+command -v tmux >/dev/null 2>&1 || need+=(tmux)
 if [ ${#need[@]} -gt 0 ]; then
     echo "test.sh: installing ${need[*]}" >&2
     SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"

@@ -1,0 +1,129 @@
+//! `hkvd top` in a real terminal: tmux runs it against a real daemon while a
+//! client drives load; capture-pane shows the table, a load factor that rises
+//! as keys are inserted, evictions once the table is full, and a clean exit
+//! on `q`.
+
+mod common;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::Daemon;
+use hkv_client::TableSpec;
+
+struct Tmux {
+    server: String,
+    session: String,
+}
+
+impl Tmux {
+    fn run(&self, args: &[&str]) -> String {
+        let out = Command::new("tmux")
+            .args(["-L", &self.server])
+            .args(args)
+            .env("TERM", "xterm-256color")
+            .output()
+            .expect("tmux (Debian package tmux) is needed for this test");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn capture(&self) -> String {
+        self.run(&["capture-pane", "-p", "-t", &self.session])
+    }
+
+    /// Captures until `pred` holds (10 s at most); returns the last capture.
+    fn wait_for(&self, what: &str, pred: impl Fn(&str) -> bool) -> String {
+        let t = Instant::now();
+        loop {
+            let s = self.capture();
+            if pred(&s) {
+                return s;
+            }
+            assert!(t.elapsed() < Duration::from_secs(10), "timed out waiting for {what}; screen:\n{s}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        self.run(&["kill-server"]);
+    }
+}
+
+/// The load percentage in the table's overview row.
+fn load(screen: &str, table: &str) -> Option<f64> {
+    let row = screen.lines().find(|l| l.contains(table))?;
+    row.split_whitespace().find(|w| w.ends_with('%'))?.trim_end_matches('%').parse().ok()
+}
+
+/// The last evictions/s figure of the sparkline panel.
+fn evictions(screen: &str) -> Option<f64> {
+    let i = screen.find("evictions/s ")?;
+    let rest = &screen[i + "evictions/s ".len()..];
+    let tok = rest.split_whitespace().next()?;
+    let (num, mult) = match tok.chars().last()? {
+        'k' => (&tok[..tok.len() - 1], 1e3),
+        'M' => (&tok[..tok.len() - 1], 1e6),
+        _ => (tok, 1.0),
+    };
+    num.parse::<f64>().ok().map(|x| x * mult)
+}
+
+#[test]
+fn top_under_tmux_shows_rising_load_evictions_and_exits_cleanly() {
+    let d = Daemon::start(&[]);
+    let mut c = d.client();
+    c.create_table(TableSpec::new("emb", 4, 3 * 256)).unwrap();
+    let tmux = Tmux { server: format!("hkvd-top-test-{}", std::process::id()), session: "top".into() };
+    // The shell records the exit status (tmux 3.3's pane_dead_status is empty here).
+    let status_file = d.dir.path().join("top.status");
+    let cmd = format!(
+        "{} top --socket {} --interval-ms 100; echo $? > {}",
+        env!("CARGO_BIN_EXE_hkvd"),
+        d.socket.display(),
+        status_file.display()
+    );
+    tmux.run(&["new-session", "-d", "-s", &tmux.session, "-x", "150", "-y", "40", &cmd]);
+    tmux.run(&["set-option", "-t", &tmux.session, "remain-on-exit", "on"]);
+    let s = tmux.wait_for("the table row", |s| load(s, "emb").is_some());
+    assert!(s.contains("hkvd 0.1.0") && s.contains("Overview"), "{s}");
+    assert_eq!(load(&s, "emb"), Some(0.0));
+    // Insert a third of the capacity: the load factor rises.
+    let keys: Vec<u64> = (1..=256).collect();
+    c.insert_or_assign("emb", &keys, &vec![0.5; 256 * 4], None).unwrap();
+    let s = tmux.wait_for("the load to rise", |s| load(s, "emb").unwrap_or(0.0) > 30.0);
+    assert!(load(&s, "emb").unwrap() < 40.0, "{s}");
+    // Keep inserting new keys into the full table: evictions show up.
+    let mut next = 1000u64;
+    let t = Instant::now();
+    let s = loop {
+        let keys: Vec<u64> = (next..next + 512).collect();
+        next += 512;
+        c.insert_or_assign("emb", &keys, &vec![1.5; 512 * 4], None).unwrap();
+        let s = tmux.capture();
+        if evictions(&s).unwrap_or(0.0) > 0.0 {
+            break s;
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "no evictions shown:\n{s}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(load(&s, "emb").unwrap() > 60.0, "{s}");
+    // tab shows the table by shard, with its eviction counts.
+    tmux.run(&["send-keys", "-t", &tmux.session, "Tab"]);
+    let s = tmux.wait_for("the table view", |s| s.contains("emb — dim 4"));
+    assert!(s.contains("shards") && s.contains("evictions"), "{s}");
+    // q quits with status 0.
+    tmux.run(&["send-keys", "-t", &tmux.session, "q"]);
+    let t = Instant::now();
+    loop {
+        if let Ok(st) = std::fs::read_to_string(&status_file) {
+            assert_eq!(st.trim(), "0", "hkvd top exited with status {st}");
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "hkvd top did not exit on q:\n{}", tmux.capture());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The daemon never noticed anything wrong.
+    assert_eq!(c.stats().unwrap()["errors"], 0);
+}
