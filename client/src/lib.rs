@@ -172,6 +172,14 @@ impl Client {
         ok(r)
     }
 
+    /// A control request answered with JSON, decoded into `T`.
+    fn json<T: serde::de::DeserializeOwned>(&mut self, c: Control, what: &str) -> Result<T> {
+        match self.call(&Request::Control(c))? {
+            Response::Json(j) => serde_json::from_slice(&j).map_err(|e| ClientError::Protocol(format!("{what}: {e}"))),
+            r => unexpected(what, r),
+        }
+    }
+
     /// Liveness check.
     pub fn ping(&mut self) -> Result<()> {
         self.call(&Request::Ping).map(|_| ())
@@ -179,10 +187,7 @@ impl Client {
 
     /// Creates a table.
     pub fn create_table(&mut self, spec: TableSpec) -> Result<TableInfo> {
-        match self.call(&Request::Control(Control::CreateTable(spec)))? {
-            Response::Json(j) => serde_json::from_slice(&j).map_err(|e| ClientError::Protocol(e.to_string())),
-            r => unexpected("create_table", r),
-        }
+        self.json(Control::CreateTable(spec), "create_table")
     }
 
     /// Drops a table.
@@ -192,18 +197,12 @@ impl Client {
 
     /// Lists tables.
     pub fn tables(&mut self) -> Result<Vec<TableInfo>> {
-        match self.call(&Request::Control(Control::ListTables))? {
-            Response::Json(j) => serde_json::from_slice(&j).map_err(|e| ClientError::Protocol(e.to_string())),
-            r => unexpected("list_tables", r),
-        }
+        self.json(Control::ListTables, "tables")
     }
 
     /// Statistics as JSON.
     pub fn stats(&mut self) -> Result<serde_json::Value> {
-        match self.call(&Request::Control(Control::Stats))? {
-            Response::Json(j) => serde_json::from_slice(&j).map_err(|e| ClientError::Protocol(e.to_string())),
-            r => unexpected("stats", r),
-        }
+        self.json(Control::Stats, "stats")
     }
 
     /// Prometheus text.
@@ -216,26 +215,17 @@ impl Client {
 
     /// Starts a checkpoint; with `wait`, returns its listing once complete.
     pub fn checkpoint(&mut self, wait: bool, full: bool) -> Result<serde_json::Value> {
-        match self.call(&Request::Control(Control::Checkpoint { wait, full }))? {
-            Response::Json(j) => serde_json::from_slice(&j).map_err(|e| ClientError::Protocol(e.to_string())),
-            r => unexpected("checkpoint", r),
-        }
+        self.json(Control::Checkpoint { wait, full }, "checkpoint")
     }
 
     /// Lists checkpoints, newest first.
     pub fn checkpoints(&mut self) -> Result<serde_json::Value> {
-        match self.call(&Request::Control(Control::ListCheckpoints))? {
-            Response::Json(j) => serde_json::from_slice(&j).map_err(|e| ClientError::Protocol(e.to_string())),
-            r => unexpected("list_checkpoints", r),
-        }
+        self.json(Control::ListCheckpoints, "checkpoints")
     }
 
     /// Restores a checkpoint (`latest` or an id) into the running daemon.
     pub fn restore(&mut self, id: &str) -> Result<serde_json::Value> {
-        match self.call(&Request::Control(Control::Restore { id: id.into() }))? {
-            Response::Json(j) => serde_json::from_slice(&j).map_err(|e| ClientError::Protocol(e.to_string())),
-            r => unexpected("restore", r),
-        }
+        self.json(Control::Restore { id: id.into() }, "restore")
     }
 
     /// Asks the daemon to drain and exit.

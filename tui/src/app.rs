@@ -68,6 +68,8 @@ pub struct App {
     pub rates: HashMap<String, Rates>,
     /// Per-table history.
     pub history: HashMap<String, History>,
+    /// Per table: (op type, batches/s, keys/s) of the op types that ran.
+    pub by_type: HashMap<String, Vec<(String, f64, f64)>>,
     /// Current view.
     pub view: View,
     /// Current key mode.
@@ -93,6 +95,7 @@ impl App {
             prev: None,
             rates: HashMap::new(),
             history: HashMap::new(),
+            by_type: HashMap::new(),
             view: View::Overview,
             mode: Mode::Normal,
             selected: 0,
@@ -114,6 +117,7 @@ impl App {
                     if let Some(p) = prev.tables.iter().find(|p| p.name == t.name) {
                         let r = model::rates(p, t, secs);
                         self.rates.insert(t.name.clone(), r);
+                        self.by_type.insert(t.name.clone(), model::rates_by_type(&snap.op_names, p, t, secs));
                         let h = self.history.entry(t.name.clone()).or_default();
                         for (q, x) in [
                             (&mut h.evictions, r.evictions as u64),

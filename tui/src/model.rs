@@ -49,6 +49,10 @@ pub struct Shard {
     pub ops: u64,
     /// Keys over all ops.
     pub keys: u64,
+    /// Batches per op type (in the order of `Snapshot::op_names`).
+    pub ops_by_type: Vec<u64>,
+    /// Keys per op type.
+    pub keys_by_type: Vec<u64>,
     /// Value bytes in device memory.
     pub fast_bytes: u64,
     /// Value bytes in host memory.
@@ -146,6 +150,8 @@ pub struct Snapshot {
     pub tables: Vec<Table>,
     /// Checkpoints.
     pub checkpoint: Checkpoint,
+    /// Names of the op types, in the order of `Shard::ops_by_type`.
+    pub op_names: Vec<String>,
 }
 
 fn lock(v: &Value) -> Lock {
@@ -190,6 +196,8 @@ pub fn parse(v: &Value) -> Snapshot {
                     rejections: u(&x["rejections"]),
                     ops: x["ops"].as_array().into_iter().flatten().map(u).sum(),
                     keys: x["keys"].as_array().into_iter().flatten().map(u).sum(),
+                    ops_by_type: x["ops"].as_array().into_iter().flatten().map(u).collect(),
+                    keys_by_type: x["keys"].as_array().into_iter().flatten().map(u).collect(),
                     fast_bytes: u(&x["fast_tier_bytes"]),
                     host_bytes: u(&x["host_tier_bytes"]),
                     lock: lock(&x["lock"]),
@@ -218,6 +226,7 @@ pub fn parse(v: &Value) -> Snapshot {
         errors: u(&v["errors"]),
         tables,
         checkpoint: Checkpoint { running, last, next_in_s: ck["next_in_s"].as_f64() },
+        op_names: v["op_names"].as_array().into_iter().flatten().map(s).collect(),
     }
 }
 
@@ -232,6 +241,23 @@ pub struct Rates {
     pub evictions: f64,
     /// Rejections per second.
     pub rejections: f64,
+}
+
+/// Per op type: (name, batches/s, keys/s) of `now` against `before`, for
+/// the types that ran.
+pub fn rates_by_type(names: &[String], before: &Table, now: &Table, secs: f64) -> Vec<(String, f64, f64)> {
+    let total = |t: &Table, i: usize, keys: bool| -> u64 {
+        t.shards.iter().map(|s| if keys { &s.keys_by_type } else { &s.ops_by_type }).filter_map(|v| v.get(i)).sum()
+    };
+    names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            let d = |keys| total(now, i, keys).saturating_sub(total(before, i, keys)) as f64 / secs.max(1e-6);
+            (n.clone(), d(false), d(true))
+        })
+        .filter(|(_, o, _)| *o > 0.0)
+        .collect()
 }
 
 /// Rates of `now` against `before` over `secs`; counters that went down

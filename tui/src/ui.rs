@@ -243,7 +243,18 @@ fn draw_table(f: &mut Frame, app: &App, area: Rect) {
         f.render_widget(Paragraph::new("no table selected").block(Block::default().borders(Borders::ALL)), area);
         return;
     };
-    let [gauge, rest] = Layout::vertical([Constraint::Length(3), Constraint::Min(0)]).areas(area);
+    let [gauge, rest, ops] =
+        Layout::vertical([Constraint::Length(3), Constraint::Min(3), Constraint::Length(8)]).areas(area);
+    let by_type = app.by_type.get(&t.name).cloned().unwrap_or_default();
+    let op_rows = by_type
+        .iter()
+        .map(|(n, o, k)| Row::new(vec![Cell::from(n.clone()), Cell::from(human(*o)), Cell::from(human(*k))]));
+    f.render_widget(
+        Table::new(op_rows, [Constraint::Length(18), Constraint::Length(12), Constraint::Length(12)])
+            .header(Row::new(["operation", "batches/s", "keys/s"]).style(Style::default().add_modifier(Modifier::BOLD)))
+            .block(Block::default().borders(Borders::ALL).title(" operations per second by type ")),
+        ops,
+    );
     f.render_widget(
         Gauge::default()
             .block(

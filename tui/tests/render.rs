@@ -22,6 +22,19 @@ fn shard(
 }
 
 fn stats(evictions: u64, running_ck: bool) -> serde_json::Value {
+    let mut v = stats_inner(evictions, running_ck);
+    v["op_names"] = json!(["find", "contains", "insert_or_assign"]);
+    // Op counters grow with `evictions`, so rates exist between two polls.
+    for t in v["tables"].as_array_mut().unwrap() {
+        for s in t["shards"].as_array_mut().unwrap() {
+            s["ops"] = json!([evictions, 0, evictions / 100]);
+            s["keys"] = json!([evictions * 1000, 0, evictions * 10]);
+        }
+    }
+    v
+}
+
+fn stats_inner(evictions: u64, running_ck: bool) -> serde_json::Value {
     json!({
         "version": "0.1.0", "uptime_s": 3725.0, "backend": "cpu (2 shards)", "shards": 2, "connections": 3,
         "requests": 12345, "errors": 1, "in_flight": 0,
@@ -107,6 +120,12 @@ fn table_and_device_views() {
             && row0.contains("2/3/0"),
         "{s}"
     );
+    // users, 2 shards: find (300-100)*2/2 s = 200 batches/s, 200k keys/s;
+    // insert_or_assign (3-1)*2/2 = 2 batches/s; contains did not run.
+    let find = s.lines().find(|l| l.contains("│find ")).expect("find row");
+    assert!(find.contains("200 ") && find.contains("200.0k"), "{find}");
+    assert!(s.lines().any(|l| l.contains("insert_or_assign") && l.contains(" 2 ")), "{s}");
+    assert!(!s.lines().any(|l| l.contains("│contains")), "{s}");
     a.on_key(key(KeyCode::Tab));
     assert_eq!(a.view, View::Devices);
     let s = render(&a, 140, 30);
