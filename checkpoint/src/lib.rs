@@ -15,6 +15,7 @@
 //! - [`catalog`] writes, lists, verifies, retains and collects checkpoints.
 
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 pub mod catalog;
 pub mod chunk;

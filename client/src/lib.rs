@@ -11,6 +11,7 @@
 //! - `bin/hkvctl.rs` is the command-line client.
 
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 pub mod asynchronous;
 

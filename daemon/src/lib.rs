@@ -14,6 +14,7 @@
 //! - this file: [`run`], start to finish.
 
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 pub mod actor;
 pub mod ckpt;

@@ -12,6 +12,7 @@
 //! - [`error`] holds the [`ProtoError`] codes shared by both sides.
 
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 #![deny(clippy::host_endian_bytes, clippy::big_endian_bytes)]
 
 pub mod body;

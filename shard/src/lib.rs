@@ -56,6 +56,8 @@
 //! - this file: the [`Shard`] trait every backend implements, result types,
 //!   [`open`].
 
+#![warn(missing_docs)]
+
 pub mod config;
 pub mod cpu;
 pub mod error;

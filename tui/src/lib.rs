@@ -15,6 +15,7 @@
 //! - this file: [`run`], the terminal loop.
 
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 pub mod app;
 pub mod model;
