@@ -113,6 +113,16 @@ fn top_under_tmux_shows_rising_load_evictions_and_exits_cleanly() {
     tmux.run(&["send-keys", "-t", &tmux.session, "Tab"]);
     let s = tmux.wait_for("the table view", |s| s.contains("emb — dim 4"));
     assert!(s.contains("shards") && s.contains("evictions"), "{s}");
+    // The daemon goes away: the console says so; it comes back: reconnected.
+    drop(c);
+    let mut d = d;
+    d.signal("TERM");
+    assert_eq!(d.wait(Duration::from_secs(30)), 0);
+    tmux.wait_for("the daemon-down banner", |s| s.contains("hkvd down") && s.contains("reconnecting"));
+    let d = d.restart(&[]);
+    let mut c = d.client();
+    c.create_table(TableSpec::new("after", 2, 256)).unwrap();
+    tmux.wait_for("the reconnection", |s| s.contains("reconnected") && s.contains("after") && !s.contains("hkvd down"));
     // q quits with status 0.
     tmux.run(&["send-keys", "-t", &tmux.session, "q"]);
     let t = Instant::now();
