@@ -311,8 +311,24 @@ impl Checkpoints {
                     (true, Some(p)) => Filter::score_at_least(p.watermarks[i]),
                     _ => Filter::ALL,
                 };
-                let (mut offset, mut seq) = (0u64, 0u32);
-                while offset < shard.capacity() {
+                // Slots move when a shard grows (rehash) mid-export; then its
+                // export starts over, so no entry is skipped.
+                let (first_chunk, first_count) = (chunks.len(), count);
+                let (mut offset, mut seq, mut attempt) = (0u64, 0u32, 0);
+                let mut capacity = shard.capacity();
+                loop {
+                    if offset >= capacity {
+                        let now = shard.capacity();
+                        if now == capacity || attempt >= 3 {
+                            break;
+                        }
+                        warn!(table = %t.spec.name, shard = i, "the shard grew during the checkpoint; exporting it again");
+                        chunks.truncate(first_chunk);
+                        count = first_count;
+                        (offset, capacity) = (0, now);
+                        attempt += 1;
+                        continue;
+                    }
                     let e = shard.export_batch_if(offset, slots, &filter).map_err(internal)?;
                     offset += slots;
                     if e.keys.is_empty() {

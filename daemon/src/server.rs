@@ -217,6 +217,10 @@ async fn connection(state: Arc<State>, stream: UnixStream) {
     let mut rd = BufReader::with_capacity(1 << 16, rd);
     let mut stop = state.shutdown.subscribe();
     loop {
+        // A connection accepted as shutdown began must not wait for a change.
+        if *stop.borrow() {
+            break;
+        }
         let header = tokio::select! {
             h = read_header(&mut rd) => h,
             _ = stop.changed() => break,
