@@ -14,6 +14,23 @@ impl Writer {
     pub fn with_capacity(n: usize) -> Writer {
         Writer { buf: Vec::with_capacity(n) }
     }
+    /// A writer for a whole frame: room for the header first, filled in by
+    /// [`Writer::finish_frame`], so the body is never copied behind a header.
+    pub fn framed(body_capacity: usize) -> Writer {
+        let mut buf = Vec::with_capacity(crate::HEADER_LEN + body_capacity);
+        buf.resize(crate::HEADER_LEN, 0);
+        Writer { buf }
+    }
+
+    /// Writes the header of a [`Writer::framed`] buffer and returns the frame.
+    pub fn finish_frame(mut self, op: u8, flags: u16, id: u64) -> Vec<u8> {
+        let body_len = (self.buf.len() - crate::HEADER_LEN) as u32;
+        let mut h = Vec::with_capacity(crate::HEADER_LEN);
+        crate::Header { op, flags, id, body_len }.encode(&mut h);
+        self.buf[..crate::HEADER_LEN].copy_from_slice(&h);
+        self.buf
+    }
+
     /// `u16` length + UTF-8 bytes. Names longer than 65535 bytes are cut.
     pub fn str(&mut self, s: &str) -> &mut Self {
         let b = &s.as_bytes()[..s.len().min(u16::MAX as usize)];

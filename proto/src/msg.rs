@@ -4,7 +4,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::body::{Reader, Writer};
 use crate::error::{ErrorCode, ProtoError};
-use crate::{flags, frame, op, Header};
+use crate::{flags, op, Header, HEADER_LEN};
 
 /// Per-outcome counts of a write.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -386,13 +386,13 @@ impl Request {
 
     /// The whole frame with request id `id`.
     pub fn encode(&self, id: u64) -> Vec<u8> {
-        let mut w = Writer::default();
+        let mut w = Writer::framed(64);
         let mut fl = 0u16;
         match self {
             Request::Ping => {}
             Request::Echo { reply_len, padding } => {
                 w.u32(*reply_len);
-                w.buf.resize(4 + padding, 0);
+                w.buf.resize(HEADER_LEN + 4 + padding, 0);
             }
             Request::Find { table, keys, scores } => {
                 w.str(table).u64s(keys);
@@ -404,7 +404,7 @@ impl Request {
                 w.str(table).u64s(keys);
             }
             Request::Write { table, keys, values, scores, outcomes, .. } => {
-                w = Writer::with_capacity(16 + table.len() + keys.len() * 8 + values.len() * 4);
+                w = Writer::framed(16 + table.len() + keys.len() * 8 + values.len() * 4);
                 w.str(table).u64s(keys).f32s(values);
                 if let Some(s) = scores {
                     w.u64s(s);
@@ -448,14 +448,16 @@ impl Request {
                 w.str(table).u64(*capacity);
             }
             Request::Control(c) => match c {
-                Control::CreateTable(spec) => w.buf = json(spec),
-                Control::DropTable { name } => w.buf = json(&serde_json::json!({ "name": name })),
-                Control::Checkpoint { wait, full } => w.buf = json(&serde_json::json!({ "wait": wait, "full": full })),
-                Control::Restore { id } => w.buf = json(&serde_json::json!({ "id": id })),
+                Control::CreateTable(spec) => w.buf.extend(json(spec)),
+                Control::DropTable { name } => w.buf.extend(json(&serde_json::json!({ "name": name }))),
+                Control::Checkpoint { wait, full } => {
+                    w.buf.extend(json(&serde_json::json!({ "wait": wait, "full": full })))
+                }
+                Control::Restore { id } => w.buf.extend(json(&serde_json::json!({ "id": id }))),
                 _ => {}
             },
         }
-        frame(self.op(), fl, id, &w.buf)
+        w.finish_frame(self.op(), fl, id)
     }
 
     /// Parses a request body. Errors name the field at fault.
@@ -612,14 +614,14 @@ pub enum Response {
 impl Response {
     /// The whole frame answering request `id` of op `req_op`.
     pub fn encode(&self, req_op: u8, id: u64) -> Vec<u8> {
-        let mut w = Writer::default();
+        let mut w = Writer::framed(64);
         let mut fl = flags::RESPONSE;
         let mut code = req_op;
         match self {
             Response::Empty => {}
-            Response::Echo { len } => w.buf.resize(*len, 0),
+            Response::Echo { len } => w.buf.resize(HEADER_LEN + *len, 0),
             Response::Find { found, values, scores } => {
-                w = Writer::with_capacity(16 + found.len() + values.len() * 4);
+                w = Writer::framed(16 + found.len() + values.len() * 4);
                 w.u8s(found).f32s(values);
                 if let Some(s) = scores {
                     w.u64s(s);
@@ -654,15 +656,15 @@ impl Response {
                 let c = next.unwrap_or(Cursor { shard: u32::MAX, offset: 0 });
                 w.u32(c.shard).u64(c.offset).u64s(keys).f32s(values).u64s(scores);
             }
-            Response::Json(j) => w.buf = j.clone(),
-            Response::Text(t) => w.buf = t.as_bytes().to_vec(),
+            Response::Json(j) => w.buf.extend_from_slice(j),
+            Response::Text(t) => w.buf.extend_from_slice(t.as_bytes()),
             Response::Error(e) => {
                 code = op::ERROR;
                 fl |= flags::ERROR;
-                w.buf = json(e);
+                w.buf.extend(json(e));
             }
         }
-        frame(code, fl, id, &w.buf)
+        w.finish_frame(code, fl, id)
     }
 
     /// Parses a response body.
@@ -818,7 +820,7 @@ mod tests {
 
     #[test]
     fn unknown_op_and_trailing_bytes_are_named() {
-        let f = frame(0x77, 0, 1, b"");
+        let f = crate::frame(0x77, 0, 1, b"");
         let FrameCheck::Ready(h) = check_frame(&f, 100).unwrap() else { panic!() };
         assert_eq!(Request::decode(&h, b"").unwrap_err().code, ErrorCode::UnknownOp);
         let mut f = Request::Clear { table: "t".into() }.encode(1);
