@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
+import socket as _socket
 import struct
 import threading
 from dataclasses import dataclass
@@ -200,9 +200,9 @@ class _Pending:
 class Client:
     """A connection to hkvd. Not shared between threads (open one per thread)."""
 
-    def __init__(self, socket_path: Optional[str] = None, timeout: Optional[float] = None):
-        self.path = socket_path or default_socket()
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    def __init__(self, socket: Optional[str] = None, timeout: Optional[float] = None):
+        self.path = socket or default_socket()
+        self._sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         try:
             self._sock.connect(self.path)

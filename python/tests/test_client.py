@@ -95,7 +95,7 @@ def test_errors_are_typed_and_carry_the_daemons_message(daemon):
     c.insert_or_assign("t", [1], np.ones((1, 4), np.float32))
     assert c.find("t", [1])[1][0]
     with pytest.raises(ConnectionError):
-        hkvd.Client(daemon.socket + ".missing")
+        hkvd.Client(socket=daemon.socket + ".missing")
 
 
 def test_large_batches_of_a_million_keys(daemon):
