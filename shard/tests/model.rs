@@ -267,8 +267,13 @@ impl Now for ManualClock {
     }
 }
 
+fn cases(default: u32) -> u32 {
+    std::env::var("PROPTEST_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(default)
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 160, max_shrink_iters: 2000, ..ProptestConfig::default() })]
+    // PROPTEST_CASES raises the count for soak runs.
+    #![proptest_config(ProptestConfig { cases: cases(160), max_shrink_iters: 2000, ..ProptestConfig::default() })]
 
     #[test]
     fn table_matches_model(cfg in config(), steps in prop::collection::vec(step(900), 1..60)) {
@@ -280,7 +285,7 @@ proptest! {
 #[test]
 fn long_eviction_heavy_sequences_match_model() {
     use proptest::test_runner::{Config, TestRunner};
-    let mut runner = TestRunner::new(Config { cases: 24, ..Config::default() });
+    let mut runner = TestRunner::new(Config { cases: cases(160) / 6, ..Config::default() });
     let strat = (config(), prop::collection::vec(step(4000), 100..200));
     runner
         .run(&strat, |(cfg, steps)| {
