@@ -52,6 +52,8 @@
 //! - [`score`] has the score rules per policy and the clocks.
 //! - [`lock`] is the triple-group lock and its observable state.
 //! - [`cpu`] is the CPU backend, [`cpu::CpuTable`].
+//! - [`cuda`] finds CUDA devices and compiles and launches the kernels of
+//!   `hkv-kernels` (the CUDA table backend builds on it; not there yet).
 //! - [`error`] holds [`Error`].
 //! - this file: the [`Shard`] trait every backend implements, result types,
 //!   [`open`].
@@ -60,6 +62,7 @@
 
 pub mod config;
 pub mod cpu;
+pub mod cuda;
 pub mod error;
 pub mod hash;
 pub mod lock;
@@ -468,6 +471,12 @@ pub enum Backend {
 pub fn open(config: TableConfig, backend: Backend) -> Result<Box<dyn Shard>> {
     match backend {
         Backend::Auto | Backend::Cpu => Ok(Box::new(cpu::CpuTable::new(config)?)),
-        Backend::Cuda => Err(Error::Unavailable("this build has no CUDA backend yet; use the cpu backend".into())),
+        Backend::Cuda => match cuda::probe() {
+            Err(e) => Err(e),
+            Ok(devices) => Err(Error::Unavailable(format!(
+                "CUDA device {} ({}) found, but the CUDA table backend is not built yet; use the cpu backend",
+                devices[0].ordinal, devices[0].name
+            ))),
+        },
     }
 }

@@ -1,0 +1,67 @@
+//! # hkv-kernels: the table's CUDA C sources
+//!
+//! One `.cu` file per kernel family, shared helpers in `common.cuh`, all
+//! embedded in the binary. The CUDA module of `hkv-shard` compiles them with
+//! NVRTC for the device's architecture at start and caches the result on
+//! disk. Kernel symbols are named `{op}_{variant}`.
+//!
+//! # Layout
+//! - this file: [`KernelId`], every module, with its source and symbols.
+//! - `common.cuh`: hashing helpers shared by every module.
+//! - `hash.cu`: bucket and digest of keys.
+
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+/// The shared helpers, prepended to every module's source.
+pub const COMMON: &str = include_str!("../common.cuh");
+
+/// A kernel module (one `.cu` file).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KernelId {
+    /// `hash.cu`: `hash_locate`.
+    Hash,
+}
+
+impl KernelId {
+    /// Every module.
+    pub const ALL: [KernelId; 1] = [KernelId::Hash];
+
+    /// The module's name (its file stem).
+    pub fn name(self) -> &'static str {
+        match self {
+            KernelId::Hash => "hash",
+        }
+    }
+
+    /// The full source NVRTC compiles: the shared helpers, then the module.
+    pub fn source(self) -> String {
+        let body = match self {
+            KernelId::Hash => include_str!("../hash.cu"),
+        };
+        format!("{COMMON}\n{body}")
+    }
+
+    /// The kernels the module defines.
+    pub fn symbols(self) -> &'static [&'static str] {
+        match self {
+            KernelId::Hash => &["hash_locate"],
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_symbol_is_defined_in_its_source() {
+        for id in KernelId::ALL {
+            let src = id.source();
+            assert!(src.contains("hkv_fmix64"), "{} lacks the shared helpers", id.name());
+            for s in id.symbols() {
+                assert!(src.contains(&format!("__global__ void {s}(")), "{s} not in {}", id.name());
+            }
+        }
+    }
+}
