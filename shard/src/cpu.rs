@@ -8,7 +8,7 @@
 //! sits behind an `RwLock` that only growth takes for writing (under the
 //! inserter group, so no batch is running then).
 //!
-//! Lookups are software-pipelined in groups of [`PIPE`] keys: first every
+//! Lookups are software-pipelined in groups of 16 keys (`PIPE`): first every
 //! key's digest line is touched, then every candidate key and value row, then
 //! the lookups run on lines already in flight, so the cache misses of a group
 //! overlap instead of queueing one behind the other. (Prefetch instructions
