@@ -133,6 +133,11 @@ impl Catalog {
         Ok(ids)
     }
 
+    /// How many checkpoints have a manifest (read from the keys alone).
+    pub fn count(&self) -> Result<usize> {
+        Ok(self.store.keys("manifest/")?.len())
+    }
+
     /// Every checkpoint with a manifest, newest first.
     pub fn list(&self) -> Result<Vec<Listed>> {
         let mut out = vec![];

@@ -91,7 +91,7 @@ pub struct CheckpointStats {
     pub next_in_s: Option<f64>,
     /// The schedule.
     pub interval_s: Option<u64>,
-    /// Complete checkpoints in the store.
+    /// Checkpoints with a manifest in the store.
     pub complete: usize,
 }
 
@@ -184,7 +184,8 @@ impl Checkpoints {
             last: self.last.lock().clone(),
             next_in_s: self.next_due.lock().map(|t| t.saturating_duration_since(Instant::now()).as_secs_f64()),
             interval_s: self.config.interval_s,
-            complete: self.catalog.list().map(|l| l.iter().filter(|x| x.manifest.is_some()).count()).unwrap_or(0),
+            // Polled several times a second: count keys, decode nothing.
+            complete: self.catalog.count().unwrap_or(0),
         }
     }
 

@@ -45,17 +45,11 @@ fn backend(config: &Config) -> anyhow::Result<(Backend, usize, String)> {
     };
     match config.backend.as_str() {
         "cpu" => Ok(cpu("")),
-        "auto" => match hkv_shard::open(hkv_shard::TableConfig::new(128, 1), Backend::Cuda) {
-            Ok(_) => anyhow::bail!("unreachable: this build has no CUDA backend"),
-            Err(e) => {
-                info!(reason = %e, "no CUDA backend; using the CPU backend");
-                Ok(cpu(", no CUDA device"))
-            }
-        },
-        "cuda" => {
-            hkv_shard::open(hkv_shard::TableConfig::new(128, 1), Backend::Cuda).context("--backend cuda")?;
-            anyhow::bail!("unreachable: this build has no CUDA backend")
+        "auto" => {
+            info!(reason = %hkv_shard::cuda_unavailable(), "using the CPU backend");
+            Ok(cpu(", CUDA unavailable"))
         }
+        "cuda" => Err(anyhow::Error::new(hkv_shard::cuda_unavailable()).context("--backend cuda")),
         b => anyhow::bail!("backend {b:?}: use auto, cpu or cuda"),
     }
 }

@@ -108,14 +108,8 @@ fn scatter<T: Copy>(dst: &mut [T], idx: &[u32], src: &[T], width: usize) {
     }
 }
 
-fn add(a: Summary, s: hkv_shard::Summary) -> Summary {
-    Summary {
-        updated: a.updated + s.updated,
-        inserted: a.inserted + s.inserted,
-        evicted: a.evicted + s.evicted,
-        rejected: a.rejected + s.rejected,
-        absent: a.absent + s.absent,
-    }
+fn to_wire(s: hkv_shard::Summary) -> Summary {
+    Summary { updated: s.updated, inserted: s.inserted, evicted: s.evicted, rejected: s.rejected, absent: s.absent }
 }
 
 impl Router {
@@ -393,7 +387,7 @@ impl Router {
         let mut evicted = (code == op::INSERT_AND_EVICT).then(Evicted::default);
         for (p, r) in parts.iter().zip(self.fan_out(t, ops).await?) {
             let SubResult::Write { summary: s, outcomes: o, values: v, evicted: e } = r else { unreachable!() };
-            summary = add(summary, s);
+            summary += to_wire(s);
             if want_outcomes && !o.is_empty() {
                 for (j, &i) in p.iter().enumerate() {
                     outcomes[i as usize] = o[j] as u8;

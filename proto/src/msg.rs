@@ -21,6 +21,31 @@ pub struct Summary {
     pub absent: u64,
 }
 
+impl std::ops::AddAssign for Summary {
+    fn add_assign(&mut self, o: Summary) {
+        self.updated += o.updated;
+        self.inserted += o.inserted;
+        self.evicted += o.evicted;
+        self.rejected += o.rejected;
+        self.absent += o.absent;
+    }
+}
+
+impl std::fmt::Display for Summary {
+    /// "N inserted, N updated, N evicted another entry, N rejected" (keys
+    /// placed by eviction count as inserted too).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} inserted, {} updated, {} evicted another entry, {} rejected",
+            self.inserted + self.evicted,
+            self.updated,
+            self.evicted,
+            self.rejected
+        )
+    }
+}
+
 /// A predicate on key and score (see PROTOCOL.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Filter {

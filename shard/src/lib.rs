@@ -471,12 +471,19 @@ pub enum Backend {
 pub fn open(config: TableConfig, backend: Backend) -> Result<Box<dyn Shard>> {
     match backend {
         Backend::Auto | Backend::Cpu => Ok(Box::new(cpu::CpuTable::new(config)?)),
-        Backend::Cuda => match cuda::probe() {
-            Err(e) => Err(e),
-            Ok(devices) => Err(Error::Unavailable(format!(
-                "CUDA device {} ({}) found, but the CUDA table backend is not built yet; use the cpu backend",
-                devices[0].ordinal, devices[0].name
-            ))),
-        },
+        Backend::Cuda => Err(cuda_unavailable()),
+    }
+}
+
+/// Why the CUDA backend cannot hold a table on this host: no driver or
+/// device (as [`cuda::probe`] says), or, with a device, that the CUDA table
+/// is not built yet.
+pub fn cuda_unavailable() -> Error {
+    match cuda::probe() {
+        Err(e) => e,
+        Ok(devices) => Error::Unavailable(format!(
+            "CUDA device {} ({}) found, but the CUDA table backend is not built yet; use the cpu backend",
+            devices[0].ordinal, devices[0].name
+        )),
     }
 }

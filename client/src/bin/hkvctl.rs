@@ -431,14 +431,7 @@ fn run(cli: Cli) -> Result<()> {
                 keys.push(k);
                 values.extend(v);
             }
-            let s = c.insert_or_assign(&table, &keys, &values, scores.as_deref())?;
-            println!(
-                "{} inserted, {} updated, {} evicted another entry, {} rejected",
-                s.inserted + s.evicted,
-                s.updated,
-                s.evicted,
-                s.rejected
-            );
+            println!("{}", c.insert_or_assign(&table, &keys, &values, scores.as_deref())?);
         }
         Cmd::Get { table, keys } => {
             let f = c.find(&table, &keys)?;
@@ -460,22 +453,11 @@ fn run(cli: Cli) -> Result<()> {
                 let n = batch.max(1).min(start + count - k);
                 let keys: Vec<u64> = (k..k + n).collect();
                 let values: Vec<f32> = keys.iter().flat_map(|&x| (0..dim).map(move |d| x as f32 + d as f32)).collect();
-                let r = c.insert_or_assign(&table, &keys, &values, None)?;
-                s.inserted += r.inserted;
-                s.updated += r.updated;
-                s.evicted += r.evicted;
-                s.rejected += r.rejected;
+                s += c.insert_or_assign(&table, &keys, &values, None)?;
                 k += n;
             }
             let secs = t.elapsed().as_secs_f64();
-            println!(
-                "wrote {count} keys in {secs:.2}s ({:.0} keys/s): {} inserted, {} updated, {} evicted another entry, {} rejected",
-                count as f64 / secs,
-                s.inserted + s.evicted,
-                s.updated,
-                s.evicted,
-                s.rejected
-            );
+            println!("wrote {count} keys in {secs:.2}s ({:.0} keys/s): {s}", count as f64 / secs);
         }
         Cmd::Erase { table, keys } => {
             let n = c.erase(&table, &keys)?;
