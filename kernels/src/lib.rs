@@ -9,6 +9,7 @@
 //! - this file: [`KernelId`], every module, with its source and symbols.
 //! - `common.cuh`: hashing helpers shared by every module.
 //! - `hash.cu`: bucket and digest of keys.
+//! - `features.cu`: raw features to keys (Fingerprint64, SipHash-2-4).
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -21,16 +22,19 @@ pub const COMMON: &str = include_str!("../common.cuh");
 pub enum KernelId {
     /// `hash.cu`: `hash_locate`.
     Hash,
+    /// `features.cu`: `features_int64`, `features_strings`.
+    Features,
 }
 
 impl KernelId {
     /// Every module.
-    pub const ALL: [KernelId; 1] = [KernelId::Hash];
+    pub const ALL: [KernelId; 2] = [KernelId::Hash, KernelId::Features];
 
     /// The module's name (its file stem).
     pub fn name(self) -> &'static str {
         match self {
             KernelId::Hash => "hash",
+            KernelId::Features => "features",
         }
     }
 
@@ -38,6 +42,7 @@ impl KernelId {
     pub fn source(self) -> String {
         let body = match self {
             KernelId::Hash => include_str!("../hash.cu"),
+            KernelId::Features => include_str!("../features.cu"),
         };
         format!("{COMMON}\n{body}")
     }
@@ -46,6 +51,7 @@ impl KernelId {
     pub fn symbols(self) -> &'static [&'static str] {
         match self {
             KernelId::Hash => &["hash_locate"],
+            KernelId::Features => &["features_int64", "features_strings"],
         }
     }
 }

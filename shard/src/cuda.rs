@@ -13,11 +13,12 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaModule, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{CompileOptions, Ptx};
 use hkv_kernels::KernelId;
 
 use crate::error::{Error, Result};
+use crate::features::{Features, HashKind};
 
 /// One CUDA device.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -187,5 +188,121 @@ impl Device {
         let b = stream.clone_dtoh(&d_buckets).map_err(dev_err("copying buckets"))?;
         let d = stream.clone_dtoh(&d_digests).map_err(dev_err("copying digests"))?;
         Ok((b, d))
+    }
+}
+
+/// Hashes raw features on one device (`features.cu`), reusing its device
+/// buffers from batch to batch: each input array goes to the device in one
+/// copy, the keys come back in one.
+pub struct FeatureHasher {
+    stream: Arc<CudaStream>,
+    f_int64: CudaFunction,
+    f_strings: CudaFunction,
+    ints: Option<CudaSlice<i64>>,
+    bytes: Option<CudaSlice<u8>>,
+    offsets: Option<CudaSlice<u32>>,
+    keys: Option<CudaSlice<u64>>,
+}
+
+/// Grows a reusable device buffer to at least `n` elements (never empty).
+fn ensure<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+    stream: &Arc<CudaStream>,
+    buf: &mut Option<CudaSlice<T>>,
+    n: usize,
+) -> Result<()> {
+    if buf.as_ref().is_none_or(|b| b.len() < n) {
+        *buf = None;
+        *buf = Some(stream.alloc_zeros::<T>(n.max(1).next_power_of_two()).map_err(dev_err("allocating"))?);
+    }
+    Ok(())
+}
+
+impl FeatureHasher {
+    /// A hasher on `device`'s own stream.
+    pub fn new(device: &Device) -> Result<FeatureHasher> {
+        let stream = device.ctx.new_stream().map_err(dev_err("creating a stream"))?;
+        let m = device.module(KernelId::Features);
+        Ok(FeatureHasher {
+            stream,
+            f_int64: m.load_function("features_int64").map_err(dev_err("features_int64"))?,
+            f_strings: m.load_function("features_strings").map_err(dev_err("features_strings"))?,
+            ints: None,
+            bytes: None,
+            offsets: None,
+            keys: None,
+        })
+    }
+
+    /// Hashes `features` into `out` (one key per feature), exactly as
+    /// [`crate::features::hash_features_cpu`]. Returns the kernel's time in
+    /// milliseconds (CUDA events around the launch).
+    pub fn hash(&mut self, features: Features<'_>, kind: HashKind, num_buckets: u64, out: &mut [u64]) -> Result<f32> {
+        crate::features::check_buckets(num_buckets)?;
+        features.validate()?;
+        let n = features.len();
+        if out.len() != n {
+            return Err(Error::Length {
+                what: "keys",
+                expected: n,
+                got: out.len(),
+                detail: "one key per feature".into(),
+            });
+        }
+        if n == 0 {
+            return Ok(0.0);
+        }
+        let (k0, k1) = match kind {
+            HashKind::Fingerprint64 => (0u64, 0u64),
+            HashKind::Strong { k0, k1 } => (k0, k1),
+        };
+        let code = kind.code() as i32;
+        let (s, n64) = (self.stream.clone(), n as u64);
+        ensure(&s, &mut self.keys, n)?;
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let (start, end);
+        match features {
+            Features::Int64(v) => {
+                ensure(&s, &mut self.ints, n)?;
+                let ints = self.ints.as_mut().expect("ensured");
+                s.memcpy_htod(v, &mut ints.slice_mut(..n)).map_err(dev_err("copying features"))?;
+                let keys = self.keys.as_mut().expect("ensured");
+                let mut launch = s.launch_builder(&self.f_int64);
+                launch.arg(&*ints).arg(&n64).arg(&code).arg(&k0).arg(&k1).arg(&num_buckets).arg(&mut *keys);
+                start = s.record_event(timing).map_err(dev_err("recording an event"))?;
+                // SAFETY: features_int64(x, n, kind, k0, k1, num_buckets, out)
+                // reads x[0..n] and writes out[0..n]; both buffers hold at
+                // least n elements of the kernel's types (i64, u64), threads
+                // with an index >= n return at once, and num_buckets >= 1 was
+                // checked above.
+                unsafe { launch.launch(LaunchConfig::for_num_elems(n as u32)) }
+                    .map_err(dev_err("launching features_int64"))?;
+            }
+            Features::Strings { bytes, offsets } => {
+                ensure(&s, &mut self.bytes, bytes.len())?;
+                ensure(&s, &mut self.offsets, n + 1)?;
+                let (db, dofs) = (self.bytes.as_mut().expect("ensured"), self.offsets.as_mut().expect("ensured"));
+                if !bytes.is_empty() {
+                    s.memcpy_htod(bytes, &mut db.slice_mut(..bytes.len())).map_err(dev_err("copying bytes"))?;
+                }
+                s.memcpy_htod(offsets, &mut dofs.slice_mut(..n + 1)).map_err(dev_err("copying offsets"))?;
+                let keys = self.keys.as_mut().expect("ensured");
+                let mut launch = s.launch_builder(&self.f_strings);
+                launch.arg(&*db).arg(&*dofs).arg(&n64).arg(&code).arg(&k0).arg(&k1).arg(&num_buckets).arg(&mut *keys);
+                start = s.record_event(timing).map_err(dev_err("recording an event"))?;
+                // SAFETY: features_strings(bytes, offsets, n, kind, k0, k1,
+                // num_buckets, out) reads offsets[0..=n], bytes in
+                // [offsets[i], offsets[i+1]) and writes out[0..n]. validate()
+                // checked that the offsets are non-decreasing and end within
+                // `bytes`, which was copied whole into a buffer at least that
+                // long; offsets holds n + 1 and out n elements; num_buckets >= 1.
+                unsafe { launch.launch(LaunchConfig::for_num_elems(n as u32)) }
+                    .map_err(dev_err("launching features_strings"))?;
+            }
+        }
+        end = s.record_event(timing).map_err(dev_err("recording an event"))?;
+        let keys = self.keys.as_ref().expect("ensured");
+        s.memcpy_dtoh(&keys.slice(..n), out).map_err(dev_err("copying keys"))?;
+        s.synchronize().map_err(dev_err("synchronizing"))?;
+        start.elapsed_ms(&end).map_err(dev_err("reading events"))
     }
 }

@@ -64,6 +64,7 @@ pub mod config;
 pub mod cpu;
 pub mod cuda;
 pub mod error;
+pub mod features;
 pub mod hash;
 pub mod lock;
 pub mod score;
