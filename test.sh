@@ -22,5 +22,5 @@ fi
 cargo test --workspace --release
 
 # The Python client's tests run against the hkvd binary the step above built.
-python3 -c 'import numpy, pytest' 2>/dev/null || python3 -m pip install -q numpy pytest
+python3 -c "import numpy, pytest, farmhash" 2>/dev/null || python3 -m pip install -q numpy pytest pyfarmhash
 HKVD_BIN="$PWD/target/release/hkvd" python3 -m pytest -q python/tests

@@ -70,6 +70,21 @@ impl AsyncClient {
         }
     }
 
+    /// Hash features and find their keys, in one round trip.
+    pub async fn find_features(
+        &mut self,
+        table: &str,
+        hash: hkv_proto::HashSpec,
+        features: hkv_proto::Features,
+    ) -> Result<Found> {
+        match self.call(&Request::FindFeatures { table: table.into(), hash, features, scores: false }).await? {
+            Response::Find { found, values, scores } => {
+                Ok(Found { found: found.iter().map(|&f| f != 0).collect(), values, scores })
+            }
+            r => Err(ClientError::Protocol(format!("find_features: got {r:?}"))),
+        }
+    }
+
     /// Upsert.
     pub async fn insert_or_assign(&mut self, table: &str, keys: &[u64], values: &[f32]) -> Result<hkv_proto::Summary> {
         let req = Request::Write {

@@ -21,8 +21,8 @@ use std::path::Path;
 
 pub use asynchronous::AsyncClient;
 pub use hkv_proto::{
-    self as proto, Control, Cursor, ErrorCode, Evicted, Filter, ProtoError, Request, Response, Summary, TableInfo,
-    TableSpec,
+    self as proto, Control, Cursor, ErrorCode, Evicted, FeatureHash, Features, Filter, HashSpec, ProtoError, Request,
+    Response, Summary, TableInfo, TableSpec,
 };
 use hkv_proto::{op, Header, HEADER_LEN};
 
@@ -250,6 +250,49 @@ impl Client {
                 Ok(Found { found: found.iter().map(|&f| f != 0).collect(), values, scores })
             }
             r => unexpected("find", r),
+        }
+    }
+
+    /// Keys of raw features (`HashSpec::Table` needs `table`; else it may be "").
+    pub fn hash(&mut self, table: &str, hash: HashSpec, features: Features) -> Result<Vec<u64>> {
+        match self.call(&Request::Hash { table: table.into(), hash, features })? {
+            Response::Keys(k) => Ok(k),
+            r => unexpected("hash", r),
+        }
+    }
+
+    /// Hash features and find their keys, in one round trip.
+    pub fn find_features(&mut self, table: &str, hash: HashSpec, features: Features, scores: bool) -> Result<Found> {
+        match self.call(&Request::FindFeatures { table: table.into(), hash, features, scores })? {
+            Response::Find { found, values, scores } => {
+                Ok(Found { found: found.iter().map(|&f| f != 0).collect(), values, scores })
+            }
+            r => unexpected("find_features", r),
+        }
+    }
+
+    /// Hash features, then find_or_insert their keys, in one round trip.
+    pub fn find_or_insert_features(
+        &mut self,
+        table: &str,
+        hash: HashSpec,
+        features: Features,
+        values: &[f32],
+        scores: Option<&[u64]>,
+    ) -> Result<Written> {
+        let req = Request::FindOrInsertFeatures {
+            table: table.into(),
+            hash,
+            features,
+            values: values.to_vec(),
+            scores: scores.map(<[u64]>::to_vec),
+            outcomes: true,
+        };
+        match self.call(&req)? {
+            Response::Write { summary, outcomes, values, evicted } => {
+                Ok(Written { summary, outcomes: outcomes.unwrap_or_default(), values, evicted })
+            }
+            r => unexpected("find_or_insert_features", r),
         }
     }
 

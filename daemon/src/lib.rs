@@ -19,6 +19,7 @@
 pub mod actor;
 pub mod ckpt;
 pub mod config;
+pub mod features;
 pub mod router;
 pub mod server;
 pub mod stats;

@@ -14,6 +14,7 @@ use hkv_shard::{Backend, BucketMode, Error as ShardError, Filter, Outcome, Score
 use parking_lot::RwLock;
 
 use crate::actor::{Call, Create, ShardActor, SubOp, SubResult};
+use crate::features::Hasher;
 
 /// A table: its spec, the per-shard config, and one shard per actor.
 pub struct Table {
@@ -30,6 +31,8 @@ pub struct Router {
     actors: Vec<Addr<ShardActor>>,
     backend: Backend,
     tables: RwLock<HashMap<String, Arc<Table>>>,
+    /// Feature hashing (GPU when present).
+    pub hasher: Arc<Hasher>,
 }
 
 fn err(code: ErrorCode, msg: impl Into<String>) -> ProtoError {
@@ -115,7 +118,8 @@ fn to_wire(s: hkv_shard::Summary) -> Summary {
 impl Router {
     /// A router over these actors (one per device / CPU shard).
     pub fn new(actors: Vec<Addr<ShardActor>>, backend: Backend) -> Router {
-        Router { actors, backend, tables: RwLock::new(HashMap::new()) }
+        let hasher = Arc::new(Hasher::new(backend != Backend::Cpu));
+        Router { actors, backend, tables: RwLock::new(HashMap::new()), hasher }
     }
 
     /// Shards per table.
@@ -150,6 +154,9 @@ impl Router {
     /// Creates a table on every actor.
     pub async fn create_table(&self, spec: TableSpec) -> Result<TableInfo, ProtoError> {
         check_name(&spec.name)?;
+        if let Some(h) = &spec.hash {
+            crate::features::check(h)?;
+        }
         if self.tables.read().contains_key(&spec.name) {
             return Err(err(ErrorCode::TableExists, format!("table {:?} exists; drop it first", spec.name)));
         }
@@ -232,6 +239,42 @@ impl Router {
             }
             None if inserts && policy == ScorePolicy::Custom => Err(shard_error(ShardError::ScoresRequired { policy })),
             _ => Ok(()),
+        }
+    }
+
+    /// Executes a feature request: hash (on the GPU when present), then,
+    /// for the fused ops, find or find_or_insert with the keys.
+    pub async fn features(&self, req: Request) -> Result<Response, ProtoError> {
+        let (table, hash) = match &req {
+            Request::Hash { table, hash, .. }
+            | Request::FindFeatures { table, hash, .. }
+            | Request::FindOrInsertFeatures { table, hash, .. } => (table, hash),
+            _ => return Err(err(ErrorCode::Internal, "not a feature request")),
+        };
+        let t = if table.is_empty() && matches!(req, Request::Hash { .. }) { None } else { Some(self.table(table)?) };
+        let (kind, num_buckets) = crate::features::resolve(hash.clone(), t.as_deref())?;
+        // Values, scores and dim are checked by find / find_or_insert below,
+        // before anything is applied; hashing changes nothing.
+        let hasher = self.hasher.clone();
+        let (keys, req) = tokio::task::spawn_blocking(move || {
+            let r = match &req {
+                Request::Hash { features, .. }
+                | Request::FindFeatures { features, .. }
+                | Request::FindOrInsertFeatures { features, .. } => hasher.hash(features, kind, num_buckets),
+                _ => unreachable!("checked above"),
+            };
+            (r, req)
+        })
+        .await
+        .map_err(|e| err(ErrorCode::Internal, format!("hashing task failed: {e}")))?;
+        let keys = keys?;
+        match req {
+            Request::Hash { .. } => Ok(Response::Keys(keys)),
+            Request::FindFeatures { table, scores, .. } => self.execute(Request::Find { table, keys, scores }).await,
+            Request::FindOrInsertFeatures { table, values, scores, outcomes, .. } => {
+                self.execute(Request::Write { op: op::FIND_OR_INSERT, table, keys, values, scores, outcomes }).await
+            }
+            _ => unreachable!("checked above"),
         }
     }
 

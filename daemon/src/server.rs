@@ -377,6 +377,9 @@ async fn answer(state: &Arc<State>, h: &Header, body: &[u8], peer: &Peer) -> Res
                 Ok(Response::Empty)
             }
         },
+        r @ (Request::Hash { .. } | Request::FindFeatures { .. } | Request::FindOrInsertFeatures { .. }) => {
+            state.router.features(r).await
+        }
         table_op => state.router.execute(table_op).await,
     }
 }

@@ -71,6 +71,24 @@ impl Writer {
         }
         self
     }
+    /// `u32` count + raw `u32`s.
+    pub fn u32s(&mut self, xs: &[u32]) -> &mut Self {
+        self.u32(xs.len() as u32);
+        self.buf.reserve(xs.len() * 4);
+        for x in xs {
+            self.buf.extend_from_slice(&x.to_le_bytes());
+        }
+        self
+    }
+    /// `u32` count + raw `i64`s.
+    pub fn i64s(&mut self, xs: &[i64]) -> &mut Self {
+        self.u32(xs.len() as u32);
+        self.buf.reserve(xs.len() * 8);
+        for x in xs {
+            self.buf.extend_from_slice(&x.to_le_bytes());
+        }
+        self
+    }
     /// `u32` count + raw bytes.
     pub fn u8s(&mut self, xs: &[u8]) -> &mut Self {
         self.u32(xs.len() as u32);
@@ -129,6 +147,10 @@ impl<'a> Reader<'a> {
         let b = self.take(n, what)?;
         std::str::from_utf8(b).map_err(|e| ProtoError::bad_request(format!("{what} is not UTF-8: {e}")))
     }
+    /// A `u8`.
+    pub fn u8(&mut self, what: &str) -> Result<u8, ProtoError> {
+        Ok(self.take(1, what)?[0])
+    }
     /// A `u16`.
     pub fn u16(&mut self, what: &str) -> Result<u16, ProtoError> {
         let b = self.take(2, what)?;
@@ -159,6 +181,16 @@ impl<'a> Reader<'a> {
     pub fn f32s(&mut self, what: &str) -> Result<Vec<f32>, ProtoError> {
         let b = self.array(4, what)?;
         Ok(b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect())
+    }
+    /// A `u32s` array.
+    pub fn u32s(&mut self, what: &str) -> Result<Vec<u32>, ProtoError> {
+        let b = self.array(4, what)?;
+        Ok(b.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes"))).collect())
+    }
+    /// An `i64s` array.
+    pub fn i64s(&mut self, what: &str) -> Result<Vec<i64>, ProtoError> {
+        let b = self.array(8, what)?;
+        Ok(b.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes"))).collect())
     }
     /// A `u8s` array.
     pub fn u8s(&mut self, what: &str) -> Result<Vec<u8>, ProtoError> {

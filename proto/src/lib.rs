@@ -20,7 +20,9 @@ pub mod error;
 pub mod msg;
 
 pub use error::{ErrorCode, ProtoError};
-pub use msg::{Control, Cursor, Evicted, Filter, Request, Response, Summary, TableInfo, TableSpec};
+pub use msg::{
+    Control, Cursor, Evicted, FeatureHash, Features, Filter, HashSpec, Request, Response, Summary, TableInfo, TableSpec,
+};
 
 /// The first four bytes of every frame: `"HKVD"`.
 pub const MAGIC: [u8; 4] = *b"HKVD";
@@ -70,6 +72,9 @@ pub mod op {
     pub const CHECKPOINT: u8 = 0x26;
     pub const LIST_CHECKPOINTS: u8 = 0x27;
     pub const RESTORE: u8 = 0x28;
+    pub const HASH: u8 = 0x30;
+    pub const FIND_FEATURES: u8 = 0x31;
+    pub const FIND_OR_INSERT_FEATURES: u8 = 0x32;
     pub const ERROR: u8 = 0xFF;
 }
 

@@ -87,6 +87,141 @@ pub struct Evicted {
     pub kinds: Vec<u8>,
 }
 
+/// How feature bytes become keys: `hash(bytes) % num_buckets`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FeatureHash {
+    /// `fingerprint64` (TensorFlow's `to_hash_bucket_fast`) or `strong`
+    /// (SipHash-2-4 keyed by `key`, TensorFlow's `to_hash_bucket_strong`).
+    #[serde(default = "default_hash_kind")]
+    pub kind: String,
+    /// Keys are `hash % num_buckets`: 1 to 2^64 - 4.
+    pub num_buckets: u64,
+    /// The SipHash key of `strong` (ignored by `fingerprint64`).
+    #[serde(default)]
+    pub key: [u64; 2],
+}
+
+fn default_hash_kind() -> String {
+    "fingerprint64".into()
+}
+
+impl FeatureHash {
+    /// Fingerprint64 into `num_buckets` buckets.
+    pub fn fingerprint64(num_buckets: u64) -> FeatureHash {
+        FeatureHash { kind: default_hash_kind(), num_buckets, key: [0, 0] }
+    }
+
+    /// The wire code of the kind, or an error naming the known kinds.
+    pub fn code(&self) -> Result<u8, ProtoError> {
+        match self.kind.as_str() {
+            "fingerprint64" => Ok(0),
+            "strong" => Ok(1),
+            k => Err(ProtoError::bad_request(format!("hash kind {k:?} is unknown: use fingerprint64 or strong"))),
+        }
+    }
+}
+
+/// The hash a feature request uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HashSpec {
+    /// The table's `hash` setting.
+    Table,
+    /// This one.
+    Given(FeatureHash),
+}
+
+/// Raw categorical features.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Features {
+    /// int64 features, hashed as their decimal text.
+    Int64(Vec<i64>),
+    /// Strings: feature `i` is `bytes[offsets[i] .. offsets[i + 1]]`.
+    Strings {
+        /// Every feature's bytes, back to back.
+        bytes: Vec<u8>,
+        /// `n + 1` offsets.
+        offsets: Vec<u32>,
+    },
+}
+
+impl Features {
+    /// Number of features.
+    pub fn len(&self) -> usize {
+        match self {
+            Features::Int64(v) => v.len(),
+            Features::Strings { offsets, .. } => offsets.len().saturating_sub(1),
+        }
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Strings from a list (builds the buffer and offsets).
+    pub fn strings<S: AsRef<[u8]>>(items: &[S]) -> Features {
+        let mut bytes = vec![];
+        let mut offsets = vec![0u32];
+        for s in items {
+            bytes.extend_from_slice(s.as_ref());
+            offsets.push(bytes.len() as u32);
+        }
+        Features::Strings { bytes, offsets }
+    }
+}
+
+fn hash_put(w: &mut Writer, h: &HashSpec) {
+    match h {
+        HashSpec::Table => {
+            w.raw(&[0xFF]);
+        }
+        HashSpec::Given(f) => {
+            // An unknown kind name goes out as code 0xFE, which the daemon refuses.
+            w.raw(&[f.code().unwrap_or(0xFE)]).u64(f.num_buckets).u64(f.key[0]).u64(f.key[1]);
+        }
+    }
+}
+
+fn hash_get(r: &mut Reader<'_>) -> Result<HashSpec, ProtoError> {
+    let code = r.u8("hash kind")?;
+    let kind = match code {
+        0xFF => return Ok(HashSpec::Table),
+        0 => "fingerprint64",
+        1 => "strong",
+        c => {
+            return Err(ProtoError::bad_request(format!(
+                "hash kind {c} is unknown: use 0 (fingerprint64), 1 (strong) or 255 (the table's)"
+            )))
+        }
+    };
+    let num_buckets = r.u64("num_buckets")?;
+    let key = [r.u64("hash key")?, r.u64("hash key")?];
+    Ok(HashSpec::Given(FeatureHash { kind: kind.into(), num_buckets, key }))
+}
+
+fn features_put(w: &mut Writer, f: &Features) {
+    match f {
+        Features::Int64(v) => {
+            w.raw(&[0]).i64s(v);
+        }
+        Features::Strings { bytes, offsets } => {
+            w.raw(&[1]).u32s(offsets).u8s(bytes);
+        }
+    }
+}
+
+fn features_get(r: &mut Reader<'_>) -> Result<Features, ProtoError> {
+    match r.u8("feature type")? {
+        0 => Ok(Features::Int64(r.i64s("int64 features")?)),
+        1 => {
+            let offsets = r.u32s("string offsets")?;
+            Ok(Features::Strings { offsets, bytes: r.u8s("string bytes")? })
+        }
+        t => Err(ProtoError::bad_request(format!("feature type {t} is unknown: use 0 (int64) or 1 (strings)"))),
+    }
+}
+
 /// A table to create: the whole table, which the daemon spreads over its shards.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -112,6 +247,9 @@ pub struct TableSpec {
     /// Growth threshold (default 0.5).
     #[serde(default)]
     pub max_load_factor: Option<f64>,
+    /// The hash feature requests use when they name none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hash: Option<FeatureHash>,
 }
 
 fn default_policy() -> String {
@@ -133,6 +271,7 @@ impl TableSpec {
             mode: default_mode(),
             fast_tier_bytes: None,
             max_load_factor: None,
+            hash: None,
         }
     }
 }
@@ -286,6 +425,41 @@ pub enum Request {
         /// Slots.
         capacity: u64,
     },
+    /// Features to keys. `table` may be empty unless `hash` is the table's.
+    Hash {
+        /// Table whose hash setting applies, or "".
+        table: String,
+        /// The hash.
+        hash: HashSpec,
+        /// The features.
+        features: Features,
+    },
+    /// Features to keys, then find: one round trip.
+    FindFeatures {
+        /// Table.
+        table: String,
+        /// The hash.
+        hash: HashSpec,
+        /// The features.
+        features: Features,
+        /// Return scores too.
+        scores: bool,
+    },
+    /// Features to keys, then find_or_insert.
+    FindOrInsertFeatures {
+        /// Table.
+        table: String,
+        /// The hash.
+        hash: HashSpec,
+        /// The features.
+        features: Features,
+        /// Values inserted for absent keys, dim per feature.
+        values: Vec<f32>,
+        /// Scores (custom and lfu policies).
+        scores: Option<Vec<u64>>,
+        /// Return per-key outcomes.
+        outcomes: bool,
+    },
     /// A control request.
     Control(Control),
 }
@@ -323,6 +497,9 @@ pub fn op_name(code: u8) -> &'static str {
         op::CHECKPOINT => "checkpoint",
         op::LIST_CHECKPOINTS => "list_checkpoints",
         op::RESTORE => "restore",
+        op::HASH => "hash",
+        op::FIND_FEATURES => "find_features",
+        op::FIND_OR_INSERT_FEATURES => "find_or_insert_features",
         _ => "unknown",
     }
 }
@@ -338,6 +515,13 @@ fn filter_get(r: &mut Reader<'_>) -> Result<Filter, ProtoError> {
         min_score: r.u64("filter")?,
         max_score: r.u64("filter")?,
     })
+}
+
+fn features_bytes(f: &Features) -> usize {
+    match f {
+        Features::Int64(v) => v.len() * 8,
+        Features::Strings { bytes, offsets } => bytes.len() + offsets.len() * 4,
+    }
 }
 
 fn json<T: Serialize>(x: &T) -> Vec<u8> {
@@ -364,6 +548,9 @@ impl Request {
             Request::Export { .. } => op::EXPORT,
             Request::SetEpoch { .. } => op::SET_EPOCH,
             Request::Reserve { .. } => op::RESERVE,
+            Request::Hash { .. } => op::HASH,
+            Request::FindFeatures { .. } => op::FIND_FEATURES,
+            Request::FindOrInsertFeatures { .. } => op::FIND_OR_INSERT_FEATURES,
             Request::Control(c) => match c {
                 Control::CreateTable(_) => op::CREATE_TABLE,
                 Control::DropTable { .. } => op::DROP_TABLE,
@@ -390,7 +577,10 @@ impl Request {
             | Request::Clear { table }
             | Request::Export { table, .. }
             | Request::SetEpoch { table, .. }
-            | Request::Reserve { table, .. } => Some(table),
+            | Request::Reserve { table, .. }
+            | Request::Hash { table, .. }
+            | Request::FindFeatures { table, .. }
+            | Request::FindOrInsertFeatures { table, .. } => Some(table),
             _ => None,
         }
     }
@@ -472,6 +662,35 @@ impl Request {
             Request::Reserve { table, capacity } => {
                 w.str(table).u64(*capacity);
             }
+            Request::Hash { table, hash, features } => {
+                w = Writer::framed(64 + table.len() + features_bytes(features));
+                w.str(table);
+                hash_put(&mut w, hash);
+                features_put(&mut w, features);
+            }
+            Request::FindFeatures { table, hash, features, scores } => {
+                w = Writer::framed(64 + table.len() + features_bytes(features));
+                w.str(table);
+                hash_put(&mut w, hash);
+                features_put(&mut w, features);
+                if *scores {
+                    fl |= flags::SCORES;
+                }
+            }
+            Request::FindOrInsertFeatures { table, hash, features, values, scores, outcomes } => {
+                w = Writer::framed(64 + table.len() + features_bytes(features) + values.len() * 4);
+                w.str(table);
+                hash_put(&mut w, hash);
+                features_put(&mut w, features);
+                w.f32s(values);
+                if let Some(s) = scores {
+                    w.u64s(s);
+                    fl |= flags::SCORES;
+                }
+                if *outcomes {
+                    fl |= flags::OUTCOMES;
+                }
+            }
             Request::Control(c) => match c {
                 Control::CreateTable(spec) => w.buf.extend(json(spec)),
                 Control::DropTable { name } => w.buf.extend(json(&serde_json::json!({ "name": name }))),
@@ -523,6 +742,25 @@ impl Request {
             }
             op::SET_EPOCH => Request::SetEpoch { table: r.str("table")?.into(), epoch: r.u32("epoch")? },
             op::RESERVE => Request::Reserve { table: r.str("table")?.into(), capacity: r.u64("capacity")? },
+            op::HASH => Request::Hash {
+                table: r.str("table")?.into(),
+                hash: hash_get(&mut r)?,
+                features: features_get(&mut r)?,
+            },
+            op::FIND_FEATURES => Request::FindFeatures {
+                table: r.str("table")?.into(),
+                hash: hash_get(&mut r)?,
+                features: features_get(&mut r)?,
+                scores,
+            },
+            op::FIND_OR_INSERT_FEATURES => {
+                let table = r.str("table")?.into();
+                let hash = hash_get(&mut r)?;
+                let features = features_get(&mut r)?;
+                let values = r.f32s("values")?;
+                let scores = if scores { Some(r.u64s("scores")?) } else { None };
+                Request::FindOrInsertFeatures { table, hash, features, values, scores, outcomes }
+            }
             op::CREATE_TABLE => Request::Control(Control::CreateTable(from_json(r.rest(), "create_table body")?)),
             op::DROP_TABLE => {
                 #[derive(Deserialize)]
@@ -628,6 +866,8 @@ pub enum Response {
         /// Scores.
         scores: Vec<u64>,
     },
+    /// hash: one key per feature.
+    Keys(Vec<u64>),
     /// create_table, list_tables, stats: a JSON document.
     Json(Vec<u8>),
     /// metrics: Prometheus text.
@@ -681,6 +921,10 @@ impl Response {
                 let c = next.unwrap_or(Cursor { shard: u32::MAX, offset: 0 });
                 w.u32(c.shard).u64(c.offset).u64s(keys).f32s(values).u64s(scores);
             }
+            Response::Keys(k) => {
+                w = Writer::framed(8 + k.len() * 8);
+                w.u64s(k);
+            }
             Response::Json(j) => w.buf.extend_from_slice(j),
             Response::Text(t) => w.buf.extend_from_slice(t.as_bytes()),
             Response::Error(e) => {
@@ -700,14 +944,15 @@ impl Response {
             op::ERROR => return Ok(Response::Error(from_json(body, "error body")?)),
             op::PING | op::CLEAR | op::SET_EPOCH | op::RESERVE | op::DROP_TABLE | op::SHUTDOWN => Response::Empty,
             op::ECHO => Response::Echo { len: r.rest().len() },
-            op::FIND => {
+            op::HASH => Response::Keys(r.u64s("keys")?),
+            op::FIND | op::FIND_FEATURES => {
                 let found = r.u8s("found")?;
                 let values = r.f32s("values")?;
                 let scores = if h.flags & flags::SCORES != 0 { Some(r.u64s("scores")?) } else { None };
                 Response::Find { found, values, scores }
             }
             op::CONTAINS => Response::Contains { found: r.u8s("found")? },
-            o if WRITE_OPS.contains(&o) || o == op::ASSIGN_SCORES => {
+            o if WRITE_OPS.contains(&o) || o == op::ASSIGN_SCORES || o == op::FIND_OR_INSERT_FEATURES => {
                 let summary = Summary {
                     updated: r.u64("summary")?,
                     inserted: r.u64("summary")?,
@@ -716,7 +961,11 @@ impl Response {
                     absent: r.u64("summary")?,
                 };
                 let outcomes = if has_outcomes { Some(r.u8s("outcomes")?) } else { None };
-                let values = if o == op::FIND_OR_INSERT { Some(r.f32s("values")?) } else { None };
+                let values = if matches!(o, op::FIND_OR_INSERT | op::FIND_OR_INSERT_FEATURES) {
+                    Some(r.f32s("values")?)
+                } else {
+                    None
+                };
                 let evicted = if o == op::INSERT_AND_EVICT {
                     Some(Evicted {
                         keys: r.u64s("evicted keys")?,
@@ -799,7 +1048,27 @@ mod tests {
             filter: Filter::default(),
         });
         round(Request::SetEpoch { table: t.clone(), epoch: 5 });
-        round(Request::Reserve { table: t, capacity: 1 << 20 });
+        round(Request::Reserve { table: t.clone(), capacity: 1 << 20 });
+        let strong = FeatureHash { kind: "strong".into(), num_buckets: 10, key: [1, 2] };
+        round(Request::Hash {
+            table: String::new(),
+            hash: HashSpec::Given(strong),
+            features: Features::Int64(vec![-1, 5]),
+        });
+        round(Request::FindFeatures {
+            table: t.clone(),
+            hash: HashSpec::Table,
+            features: Features::strings(&["a", "", "bcd"]),
+            scores: true,
+        });
+        round(Request::FindOrInsertFeatures {
+            table: t,
+            hash: HashSpec::Given(FeatureHash::fingerprint64(1 << 20)),
+            features: Features::Int64(vec![7]),
+            values: vec![0.5, 1.5],
+            scores: Some(vec![3]),
+            outcomes: true,
+        });
         round(Request::Control(Control::CreateTable(TableSpec::new("x", 8, 1024))));
         round(Request::Control(Control::DropTable { name: "x".into() }));
         round(Request::Control(Control::Checkpoint { wait: true, full: false }));
@@ -839,6 +1108,12 @@ mod tests {
         );
         round_resp(op::EXPORT, Response::Export { next: None, keys: vec![], values: vec![], scores: vec![] });
         round_resp(op::STATS, Response::Json(b"{\"a\":1}".to_vec()));
+        round_resp(op::HASH, Response::Keys(vec![1, 2, 3]));
+        round_resp(op::FIND_FEATURES, Response::Find { found: vec![1], values: vec![1.0], scores: None });
+        round_resp(
+            op::FIND_OR_INSERT_FEATURES,
+            Response::Write { summary, outcomes: Some(vec![1]), values: Some(vec![2.0]), evicted: None },
+        );
         round_resp(op::METRICS, Response::Text("hkvd_up 1\n".into()));
         round_resp(op::FIND, Response::Error(ProtoError::new(ErrorCode::UnknownTable, "no table \"x\"")));
     }
@@ -884,6 +1159,28 @@ fn write_fuzz_corpus() {
         Response::Find { found: vec![1, 0], values: vec![1.0, 2.0], scores: None }.encode(op::FIND, 15),
         Response::Error(ProtoError::new(ErrorCode::Truncated, "x")).encode(op::FIND, 16),
         Response::Export { next: None, keys: vec![1], values: vec![0.5], scores: vec![2] }.encode(op::EXPORT, 17),
+        Request::Hash {
+            table: String::new(),
+            hash: HashSpec::Given(FeatureHash::fingerprint64(1000)),
+            features: Features::Int64(vec![-1, 7]),
+        }
+        .encode(18),
+        Request::FindFeatures {
+            table: t.clone(),
+            hash: HashSpec::Table,
+            features: Features::strings(&["a", "bc"]),
+            scores: true,
+        }
+        .encode(19),
+        Request::FindOrInsertFeatures {
+            table: t.clone(),
+            hash: HashSpec::Given(FeatureHash { kind: "strong".into(), num_buckets: 9, key: [1, 2] }),
+            features: Features::strings(&["x"]),
+            values: vec![0.5; 4],
+            scores: None,
+            outcomes: true,
+        }
+        .encode(20),
     ];
     for (i, code) in WRITE_OPS.iter().enumerate() {
         let req = Request::Write {

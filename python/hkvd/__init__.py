@@ -75,6 +75,9 @@ OP_SHUTDOWN = 0x25
 OP_CHECKPOINT = 0x26
 OP_LIST_CHECKPOINTS = 0x27
 OP_RESTORE = 0x28
+OP_HASH = 0x30
+OP_FIND_FEATURES = 0x31
+OP_FIND_OR_INSERT_FEATURES = 0x32
 OP_ERROR = 0xFF
 
 _WRITE_OPS = (OP_INSERT_OR_ASSIGN, OP_INSERT_AND_EVICT, OP_FIND_OR_INSERT, OP_ASSIGN, OP_ACCUM_OR_ASSIGN, OP_LOAD)
@@ -181,6 +184,37 @@ def _f32(x) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(x), dtype="<f4").reshape(-1)
 
 
+_HASH_KINDS = {"fingerprint64": 0, "strong": 1}
+
+
+def _hash_spec(num_buckets: Optional[int], kind: str, key) -> bytes:
+    """The wire hash spec: the table's (0xFF) when no num_buckets is given."""
+    if num_buckets is None:
+        return b"\xff"
+    if kind not in _HASH_KINDS:
+        raise ValueError(f"hash kind {kind!r} is unknown: use fingerprint64 or strong")
+    k0, k1 = key
+    return struct.pack("<BQQQ", _HASH_KINDS[kind], num_buckets, k0, k1)
+
+
+def _features(features) -> Tuple[List, int]:
+    """Wire parts and count of a feature batch: an int64 array or list of
+    ints; a list of str / bytes; or an Arrow-style ``(bytes, offsets)`` pair."""
+    if isinstance(features, tuple) and len(features) == 2 and isinstance(features[0], (bytes, bytearray, memoryview)):
+        data, offsets = features
+        o = np.ascontiguousarray(np.asarray(offsets), dtype="<u4").reshape(-1)
+        b = np.frombuffer(bytes(data), dtype="u1")
+        return [b"\x01", *_arr(o), *_arr(b)], max(o.size - 1, 0)
+    if isinstance(features, np.ndarray) or (len(features) > 0 and isinstance(features[0], (int, np.integer))):
+        a = np.ascontiguousarray(np.asarray(features), dtype="<i8").reshape(-1)
+        return [b"\x00", *_arr(a)], a.size
+    enc = [f.encode() if isinstance(f, str) else bytes(f) for f in features]
+    o = np.zeros(len(enc) + 1, dtype="<u4")
+    np.cumsum([len(e) for e in enc], out=o[1:])
+    b = np.frombuffer(b"".join(enc), dtype="u1")
+    return [b"\x01", *_arr(o), *_arr(b)], len(enc)
+
+
 def _str(s: str) -> bytes:
     b = s.encode()
     return struct.pack("<H", len(b)) + b
@@ -282,18 +316,20 @@ class Client:
         if p is None:
             self._read(length)
             raise ProtocolError(f"answer to unknown request {rid}")
-        if op == OP_FIND:
+        if op == OP_HASH:
+            return rid, self._array("<u8", p.n)
+        if op in (OP_FIND, OP_FIND_FEATURES):
             found = self._array("u1", p.n).astype(bool)
             values = self._array("<f4", p.n * p.dim).reshape(p.n, p.dim)
             scores = self._array("<u8", p.n) if flags & F_SCORES else None
             return rid, (values, found, scores)
         if op == OP_CONTAINS:
             return rid, self._array("u1", p.n).astype(bool)
-        if op in _WRITE_OPS or op == OP_ASSIGN_SCORES:
+        if op in _WRITE_OPS or op in (OP_ASSIGN_SCORES, OP_FIND_OR_INSERT_FEATURES):
             s = self._summary()
             outcomes = self._array("u1", p.n) if flags & F_OUTCOMES else None
             out: Dict[str, object] = {"summary": s, "outcomes": outcomes}
-            if op == OP_FIND_OR_INSERT:
+            if op in (OP_FIND_OR_INSERT, OP_FIND_OR_INSERT_FEATURES):
                 out["values"] = self._array("<f4", p.n * p.dim).reshape(p.n, p.dim)
             if op == OP_INSERT_AND_EVICT:
                 k = self._array("<u8")
@@ -349,9 +385,15 @@ class Client:
         self._call(OP_PING)
 
     def create_table(self, name: str, dim: int, capacity: int, policy: str = "lru", mode: str = "single",
-                     max_capacity: int = 0, fast_tier_bytes: Optional[int] = None) -> dict:
+                     max_capacity: int = 0, fast_tier_bytes: Optional[int] = None,
+                     num_buckets: Optional[int] = None, hash_kind: str = "fingerprint64",
+                     hash_key=(0, 0)) -> dict:
+        """Creates a table; ``num_buckets`` (with ``hash_kind``) sets the hash
+        feature requests use when they name none."""
         spec = {"name": name, "dim": dim, "capacity": capacity, "max_capacity": max_capacity,
                 "policy": policy, "mode": mode, "fast_tier_bytes": fast_tier_bytes}
+        if num_buckets is not None:
+            spec["hash"] = {"kind": hash_kind, "num_buckets": num_buckets, "key": list(hash_key)}
         info = self._json(OP_CREATE_TABLE, spec)
         self._dims[name] = dim
         return info
@@ -392,6 +434,37 @@ class Client:
         Misses leave zeros."""
         values, found, sc = self.result(self.send_find(table, keys, scores))
         return (values, found, sc) if scores else (values, found)
+
+    # ---- feature hashing ---------------------------------------------
+    def hash(self, features, num_buckets: Optional[int] = None, kind: str = "fingerprint64", key=(0, 0),
+             table: str = "") -> np.ndarray:
+        """Keys (uint64) of raw features, as TensorFlow's ``to_hash_bucket_fast``
+        (``kind="fingerprint64"``) or ``to_hash_bucket_strong`` (``kind="strong"``,
+        ``key=(k0, k1)``) computes them; int64 features are hashed as their
+        decimal text. Without ``num_buckets``, ``table``'s hash setting applies."""
+        parts, n = _features(features)
+        return self._call(OP_HASH, 0, [_str(table), _hash_spec(num_buckets, kind, key), *parts], 0, n)
+
+    def find_features(self, table: str, features, num_buckets: Optional[int] = None, kind: str = "fingerprint64",
+                      key=(0, 0), scores: bool = False):
+        """Hashes features and finds their keys in one round trip; returns what ``find`` returns."""
+        parts, n = _features(features)
+        rid = self._send(OP_FIND_FEATURES, F_SCORES if scores else 0,
+                         [_str(table), _hash_spec(num_buckets, kind, key), *parts], self.dim(table), n)
+        values, found, sc = self.result(rid)
+        return (values, found, sc) if scores else (values, found)
+
+    def find_or_insert_features(self, table: str, features, values, num_buckets: Optional[int] = None,
+                                kind: str = "fingerprint64", key=(0, 0), scores=None) -> np.ndarray:
+        """Hashes features, then ``find_or_insert`` with their keys: the stored
+        rows of present keys, ``values`` inserted for the others."""
+        parts, n = _features(features)
+        wire = [_str(table), _hash_spec(num_buckets, kind, key), *parts, *_arr(_f32(values))]
+        flags = 0
+        if scores is not None:
+            wire += _arr(_u64(scores))
+            flags |= F_SCORES
+        return self.result(self._send(OP_FIND_OR_INSERT_FEATURES, flags, wire, self.dim(table), n))["values"]
 
     def contains(self, table: str, keys) -> np.ndarray:
         k = _keys(keys)

@@ -47,6 +47,51 @@ enum Cmd {
         /// Device-memory budget for values in bytes (CUDA); default: all.
         #[arg(long)]
         fast_tier_bytes: Option<u64>,
+        /// Default feature hash of the table: fingerprint64 or strong (needs --num-buckets).
+        #[arg(long)]
+        hash: Option<String>,
+        /// Default num_buckets of feature requests (keys = hash % num_buckets).
+        #[arg(long)]
+        num_buckets: Option<u64>,
+        /// SipHash key of the strong hash: K0,K1.
+        #[arg(long, value_delimiter = ',', num_args = 2)]
+        hash_key: Option<Vec<u64>>,
+    },
+    /// Keys of raw features: one line per feature, `FEATURE: KEY`.
+    Hash {
+        /// Features (strings, or int64 with --int).
+        #[arg(required = true)]
+        features: Vec<String>,
+        #[command(flatten)]
+        hash: HashArgs,
+        /// Use this table's hash setting when no --kind / --num-buckets is given.
+        #[arg(long)]
+        table: Option<String>,
+    },
+    /// Hash features and find their keys in one request: one line per
+    /// feature, `FEATURE: V1,V2,...` or `FEATURE: not found`.
+    FindFeatures {
+        /// Table name.
+        table: String,
+        /// Features (strings, or int64 with --int).
+        #[arg(required = true)]
+        features: Vec<String>,
+        #[command(flatten)]
+        hash: HashArgs,
+    },
+    /// Hash features and find_or_insert their keys: FEATURE=V1,V2,... entries
+    /// (the values are inserted for absent keys); prints the stored values.
+    FindOrInsertFeatures {
+        /// Table name.
+        table: String,
+        /// FEATURE=V1,V2,... entries.
+        #[arg(required = true)]
+        entries: Vec<String>,
+        #[command(flatten)]
+        hash: HashArgs,
+        /// One score per entry (lfu increments, custom scores).
+        #[arg(long, value_delimiter = ',')]
+        scores: Option<Vec<u64>>,
     },
     /// Drop a table.
     DropTable {
@@ -133,6 +178,53 @@ enum Cmd {
     },
 }
 
+/// How features become keys; without --kind and --num-buckets the table's setting applies.
+#[derive(clap::Args, Clone)]
+struct HashArgs {
+    /// fingerprint64 (TensorFlow to_hash_bucket_fast) or strong (to_hash_bucket_strong).
+    #[arg(long)]
+    kind: Option<String>,
+    /// Keys are hash % num_buckets.
+    #[arg(long)]
+    num_buckets: Option<u64>,
+    /// SipHash key of the strong hash: K0,K1.
+    #[arg(long, value_delimiter = ',', num_args = 2)]
+    key: Option<Vec<u64>>,
+    /// The features are int64 (hashed as their decimal text, like as_string).
+    #[arg(long)]
+    int: bool,
+}
+
+impl HashArgs {
+    fn spec(&self) -> Result<proto::HashSpec> {
+        Ok(match (&self.kind, self.num_buckets) {
+            (None, None) => proto::HashSpec::Table,
+            (_, None) => bail!("--kind needs --num-buckets"),
+            (kind, Some(num_buckets)) => proto::HashSpec::Given(proto::FeatureHash {
+                kind: kind.clone().unwrap_or_else(|| "fingerprint64".into()),
+                num_buckets,
+                key: key_pair(&self.key),
+            }),
+        })
+    }
+
+    fn features(&self, items: &[String]) -> Result<proto::Features> {
+        if self.int {
+            let v = items
+                .iter()
+                .map(|x| x.trim().parse::<i64>().with_context(|| format!("{x:?} is not an int64 feature")))
+                .collect::<Result<Vec<_>>>()?;
+            Ok(proto::Features::Int64(v))
+        } else {
+            Ok(proto::Features::strings(items))
+        }
+    }
+}
+
+fn key_pair(k: &Option<Vec<u64>>) -> [u64; 2] {
+    k.as_ref().map(|k| [k[0], k.get(1).copied().unwrap_or(0)]).unwrap_or([0, 0])
+}
+
 #[derive(clap::Args, Clone)]
 struct BenchArgs {
     /// Value dim.
@@ -156,6 +248,10 @@ struct BenchArgs {
     /// Print one JSON object per measurement.
     #[arg(long)]
     json: bool,
+    /// Measure feature requests instead: find with precomputed keys, fused
+    /// find_features, and hash then find (two round trips), int64 features.
+    #[arg(long)]
+    features: bool,
 }
 
 fn parse_entry(s: &str) -> Result<(u64, Vec<f32>)> {
@@ -250,6 +346,7 @@ fn measure(
                     let reqs: Vec<Request> = (0..a.pipeline.max(1) + 1).map(|_| make(&mut rng)).collect();
                     let per = match &reqs[0] {
                         Request::Find { keys, .. } | Request::Write { keys, .. } => keys.len() as u64,
+                        Request::FindFeatures { features, .. } => features.len() as u64,
                         Request::Echo { padding, .. } => (*padding / 8) as u64,
                         _ => 1,
                     };
@@ -286,7 +383,143 @@ fn measure(
     Ok(keys as f64 / secs)
 }
 
+/// `hkvctl bench --features`: int64 features 1..=fill hashed with the
+/// table's Fingerprint64 setting; the same lookups three ways.
+fn bench_features(socket: PathBuf, a: BenchArgs) -> Result<()> {
+    let mut c = Client::connect(&socket)?;
+    let table = format!("hkvctl-bench-{}", std::process::id());
+    let nb = 1u64 << 40;
+    c.create_table(TableSpec {
+        hash: Some(proto::FeatureHash::fingerprint64(nb)),
+        ..TableSpec::new(&table, a.dim, a.capacity)
+    })?;
+    let fill = (a.capacity / 2) as i64;
+    let mut resident = Vec::with_capacity(fill as usize);
+    let mut x = 1i64;
+    while x <= fill {
+        let n = (fill + 1 - x).min(1 << 18);
+        let f: Vec<i64> = (x..x + n).collect();
+        let keys = c.hash(&table, proto::HashSpec::Table, proto::Features::Int64(f))?;
+        c.insert_or_assign(&table, &keys, &vec![0.5; keys.len() * a.dim], None)?;
+        resident.extend(keys);
+        x += n;
+    }
+    println!(
+        "hkvctl bench --features: table dim {}, capacity {}, {fill} int64 features resident; {} s per figure, pipeline {}",
+        a.dim, a.capacity, a.seconds, a.pipeline
+    );
+    println!(
+        "{:>8} {:>7} {:>16} {:>18} {:>16} {:>12}",
+        "batch", "clients", "find keys/s", "find_features/s", "hash+find/s", "fused/find"
+    );
+    for &batch in &a.batches {
+        for &clients in &a.clients {
+            let (t, r) = (table.clone(), &resident);
+            let find = measure(&socket, &a, clients, &|rng| Request::Find {
+                table: t.clone(),
+                keys: (0..batch).map(|_| r[rng.gen_range(0..r.len())]).collect(),
+                scores: false,
+            })?;
+            let t = table.clone();
+            let fused = measure(&socket, &a, clients, &|rng| Request::FindFeatures {
+                table: t.clone(),
+                hash: proto::HashSpec::Table,
+                features: proto::Features::Int64((0..batch).map(|_| rng.gen_range(1..=fill)).collect()),
+                scores: false,
+            })?;
+            let two = hash_then_find(&socket, &a, clients, &table, batch, fill)?;
+            if a.json {
+                println!(
+                    "{}",
+                    serde_json::json!({"batch": batch, "clients": clients, "dim": a.dim, "find_keys_per_s": find,
+                        "find_features_per_s": fused, "hash_then_find_per_s": two, "fused_over_find": fused / find})
+                );
+            } else {
+                println!(
+                    "{:>8} {:>7} {:>16.0} {:>18.0} {:>16.0} {:>11.0}%",
+                    batch,
+                    clients,
+                    find,
+                    fused,
+                    two,
+                    100.0 * fused / find
+                );
+            }
+        }
+    }
+    c.drop_table(&table)?;
+    Ok(())
+}
+
+/// Features per second of `hash`, then `find` with the keys (two round
+/// trips per batch, `a.pipeline` batches in flight per connection).
+fn hash_then_find(
+    socket: &PathBuf,
+    a: &BenchArgs,
+    clients: usize,
+    table: &str,
+    batch: usize,
+    fill: i64,
+) -> Result<f64> {
+    let deadline = Duration::from_secs_f64(a.seconds);
+    let results: Vec<Result<(u64, f64)>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..clients)
+            .map(|_| {
+                s.spawn(move || -> Result<(u64, f64)> {
+                    let mut c = Client::connect(socket)?;
+                    let mut rng = rand::thread_rng();
+                    let reqs: Vec<Request> = (0..a.pipeline.max(1) + 1)
+                        .map(|_| Request::Hash {
+                            table: table.into(),
+                            hash: proto::HashSpec::Table,
+                            features: proto::Features::Int64((0..batch).map(|_| rng.gen_range(1..=fill)).collect()),
+                        })
+                        .collect();
+                    let start = Instant::now();
+                    let (mut sent, mut done) = (0usize, 0u64);
+                    let mut ids = std::collections::HashSet::new();
+                    for _ in 0..a.pipeline.max(1) {
+                        ids.insert(c.send(&reqs[sent % reqs.len()])?);
+                        sent += 1;
+                    }
+                    let mut outstanding = a.pipeline.max(1);
+                    while outstanding > 0 {
+                        let (id, r) = c.recv()?;
+                        if ids.remove(&id) {
+                            let hkv_client::Response::Keys(keys) = hkv_client::ok(r)? else {
+                                bail!("hash: unexpected answer")
+                            };
+                            c.send(&Request::Find { table: table.into(), keys, scores: false })?;
+                        } else {
+                            hkv_client::ok(r)?;
+                            done += batch as u64;
+                            outstanding -= 1;
+                            if start.elapsed() < deadline {
+                                ids.insert(c.send(&reqs[sent % reqs.len()])?);
+                                sent += 1;
+                                outstanding += 1;
+                            }
+                        }
+                    }
+                    Ok((done, start.elapsed().as_secs_f64()))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("bench thread")).collect()
+    });
+    let (mut keys, mut secs) = (0u64, 0f64);
+    for r in results {
+        let (k, s) = r?;
+        keys += k;
+        secs = secs.max(s);
+    }
+    Ok(keys as f64 / secs)
+}
+
 fn bench(socket: PathBuf, a: BenchArgs) -> Result<()> {
+    if a.features {
+        return bench_features(socket, a);
+    }
     let mut c = Client::connect(&socket)?;
     let table = format!("hkvctl-bench-{}", std::process::id());
     c.create_table(TableSpec::new(&table, a.dim, a.capacity))?;
@@ -392,12 +625,33 @@ fn run(cli: Cli) -> Result<()> {
             c.ping()?;
             println!("hkvd at {} answered in {:.3} ms", socket.display(), t.elapsed().as_secs_f64() * 1e3);
         }
-        Cmd::CreateTable { name, dim, capacity, policy, dual, max_capacity, fast_tier_bytes } => {
+        Cmd::CreateTable {
+            name,
+            dim,
+            capacity,
+            policy,
+            dual,
+            max_capacity,
+            fast_tier_bytes,
+            hash,
+            num_buckets,
+            hash_key,
+        } => {
+            let hash = match (hash, num_buckets) {
+                (None, None) => None,
+                (_, None) => bail!("--hash needs --num-buckets"),
+                (kind, Some(num_buckets)) => Some(proto::FeatureHash {
+                    kind: kind.unwrap_or_else(|| "fingerprint64".into()),
+                    num_buckets,
+                    key: key_pair(&hash_key),
+                }),
+            };
             let spec = TableSpec {
                 max_capacity,
                 policy,
                 mode: if dual { "dual" } else { "single" }.into(),
                 fast_tier_bytes,
+                hash,
                 ..TableSpec::new(&name, dim, capacity)
             };
             let info = c.create_table(spec)?;
@@ -443,6 +697,47 @@ fn run(cli: Cli) -> Result<()> {
                     println!("{k}: not found");
                 }
             }
+        }
+        Cmd::Hash { features, hash, table } => {
+            let keys = c.hash(table.as_deref().unwrap_or(""), hash.spec()?, hash.features(&features)?)?;
+            for (f, k) in features.iter().zip(keys) {
+                println!("{f}: {k}");
+            }
+        }
+        Cmd::FindFeatures { table, features, hash } => {
+            let f = c.find_features(&table, hash.spec()?, hash.features(&features)?, false)?;
+            let dim = if features.is_empty() { 0 } else { f.values.len() / features.len() };
+            for (i, x) in features.iter().enumerate() {
+                if f.found[i] {
+                    println!("{x}: {}", fmt_values(&f.values[i * dim..(i + 1) * dim]));
+                } else {
+                    println!("{x}: not found");
+                }
+            }
+        }
+        Cmd::FindOrInsertFeatures { table, entries, hash, scores } => {
+            let dim = table_dim(&mut c, &table)?;
+            let mut names = vec![];
+            let mut values = vec![];
+            for e in &entries {
+                let (f, v) = e.rsplit_once('=').with_context(|| format!("{e:?}: expected FEATURE=V1,V2,..."))?;
+                let v = v
+                    .split(',')
+                    .map(|x| x.trim().parse::<f32>().with_context(|| format!("{x:?} is not a number")))
+                    .collect::<Result<Vec<_>>>()?;
+                if v.len() != dim {
+                    bail!("{e:?} has {} values; table {table} has dim {dim}", v.len());
+                }
+                names.push(f.to_string());
+                values.extend(v);
+            }
+            let w =
+                c.find_or_insert_features(&table, hash.spec()?, hash.features(&names)?, &values, scores.as_deref())?;
+            let stored = w.values.unwrap_or_default();
+            for (i, f) in names.iter().enumerate() {
+                println!("{f}: {}", fmt_values(&stored[i * dim..(i + 1) * dim]));
+            }
+            println!("{}", w.summary);
         }
         Cmd::Fill { table, count, start, batch } => {
             let dim = table_dim(&mut c, &table)?;

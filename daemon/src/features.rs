@@ -1,0 +1,90 @@
+//! Feature hashing in the daemon: raw features to keys on the GPU when one
+//! is present (and the backend is not forced to cpu), else on every core.
+//! Batches below [`GPU_MIN`] features stay on the CPU, where a round trip to
+//! the device would cost more than the hashing.
+
+use hkv_proto::{ErrorCode, FeatureHash, Features as WireFeatures, HashSpec, ProtoError};
+use hkv_shard::features::{hash_features_cpu, Features, HashKind};
+use parking_lot::Mutex;
+use tracing::{info, warn};
+
+use crate::router::{shard_error, Table};
+
+/// Smallest batch hashed on the GPU.
+pub const GPU_MIN: usize = 16 * 1024;
+
+struct Gpu {
+    hasher: Mutex<hkv_shard::cuda::FeatureHasher>,
+    // Owns the context and modules the hasher's kernels live in.
+    _device: hkv_shard::cuda::Device,
+}
+
+/// Hashes features for the router.
+pub struct Hasher {
+    gpu: Option<Gpu>,
+    /// Where hashing runs, in words (for stats).
+    pub place: String,
+}
+
+impl Hasher {
+    /// Uses device 0 when `try_gpu` and a device opens, else the CPU.
+    pub fn new(try_gpu: bool) -> Hasher {
+        if try_gpu {
+            match hkv_shard::cuda::Device::open(0, None)
+                .and_then(|d| Ok(Gpu { hasher: Mutex::new(hkv_shard::cuda::FeatureHasher::new(&d)?), _device: d }))
+            {
+                Ok(g) => {
+                    let place = format!("GPU 0 ({})", g._device.info.name);
+                    info!(on = %place, "feature hashing");
+                    return Hasher { gpu: Some(g), place };
+                }
+                Err(hkv_shard::Error::Unavailable(why)) => info!(%why, "feature hashing on the CPU"),
+                Err(e) => warn!(error = %e, "feature hashing on the CPU: the GPU could not be used"),
+            }
+        }
+        Hasher { gpu: None, place: "CPU".into() }
+    }
+
+    /// Hashes one batch (blocking: call from a blocking context).
+    pub fn hash(&self, f: &WireFeatures, kind: HashKind, num_buckets: u64) -> Result<Vec<u64>, ProtoError> {
+        let f = match f {
+            WireFeatures::Int64(v) => Features::Int64(v),
+            WireFeatures::Strings { bytes, offsets } => Features::Strings { bytes, offsets },
+        };
+        let mut out = vec![0u64; f.len()];
+        match &self.gpu {
+            Some(g) if f.len() >= GPU_MIN => g.hasher.lock().hash(f, kind, num_buckets, &mut out).map(|_| ()),
+            _ => hash_features_cpu(f, kind, num_buckets, &mut out, true),
+        }
+        .map_err(shard_error)?;
+        Ok(out)
+    }
+}
+
+/// The hash a request asks for: its own, or its table's.
+pub fn resolve(spec: HashSpec, table: Option<&Table>) -> Result<(HashKind, u64), ProtoError> {
+    let h: FeatureHash = match spec {
+        HashSpec::Given(h) => h,
+        HashSpec::Table => match table {
+            Some(t) => t.spec.hash.clone().ok_or_else(|| {
+                ProtoError::bad_request(format!(
+                    "table {:?} has no hash setting: name a hash kind and num_buckets, or create the table with one",
+                    t.spec.name
+                ))
+            })?,
+            None => return Err(ProtoError::bad_request("the table's hash was asked for, but no table was named")),
+        },
+    };
+    check(&h)?;
+    let kind = match h.code()? {
+        0 => HashKind::Fingerprint64,
+        _ => HashKind::Strong { k0: h.key[0], k1: h.key[1] },
+    };
+    Ok((kind, h.num_buckets))
+}
+
+/// Checks a hash setting (kind known, num_buckets in range).
+pub fn check(h: &FeatureHash) -> Result<(), ProtoError> {
+    h.code()?;
+    hkv_shard::features::check_buckets(h.num_buckets).map_err(|e| ProtoError::new(ErrorCode::BadRequest, e.to_string()))
+}

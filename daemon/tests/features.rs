@@ -1,0 +1,102 @@
+//! Feature requests through the real daemon: hash, find_features and
+//! find_or_insert_features equal hashing on the client and then the keyed
+//! ops; bad input is refused with nothing applied; hkvctl prints them.
+
+mod common;
+
+use common::Daemon;
+use hkv_client::{ErrorCode, FeatureHash, Features, HashSpec, TableSpec};
+use hkv_shard::features::{fingerprint64, key_of_i64, siphash24, HashKind};
+
+#[test]
+fn feature_ops_equal_hash_then_keyed_ops() {
+    let d = Daemon::start(&[]);
+    let mut c = d.client();
+    let nb = 1_000_003u64;
+    let spec = TableSpec { hash: Some(FeatureHash::fingerprint64(nb)), ..TableSpec::new("ads", 2, 1 << 14) };
+    c.create_table(spec).unwrap();
+
+    // hash: TensorFlow's vectors, with and without the table's setting.
+    let tf = Features::strings(&["a", "b", "c", "d"]);
+    let raw = c.hash("", HashSpec::Given(FeatureHash::fingerprint64(u64::MAX - 3)), tf.clone()).unwrap();
+    let want = [12917804110809363939u64, 11795596070477164822, 11430444447143000872, 4470636696479570465];
+    assert_eq!(raw, want.map(|h| h % (u64::MAX - 3)));
+    assert_eq!(c.hash("ads", HashSpec::Table, tf).unwrap(), want.map(|h| h % nb));
+    let ints: Vec<i64> = (0..40_000).map(|i| (i as i64 - 20_000) * 1_000_003).chain([i64::MIN, i64::MAX]).collect();
+    let keys = c.hash("ads", HashSpec::Table, Features::Int64(ints.clone())).unwrap();
+    assert_eq!(keys, ints.iter().map(|&x| key_of_i64(HashKind::Fingerprint64, x, nb)).collect::<Vec<_>>());
+    let strong = FeatureHash { kind: "strong".into(), num_buckets: 100, key: [5, 6] };
+    let k = c.hash("", HashSpec::Given(strong), Features::strings(&["xyz"])).unwrap();
+    assert_eq!(k, [siphash24(5, 6, b"xyz") % 100]);
+
+    // find_or_insert_features inserts under the hashed keys...
+    let names: Vec<String> = (0..500).map(|i| format!("user:{i}")).collect();
+    let values: Vec<f32> = (0..1000).map(|i| i as f32).collect();
+    let w = c.find_or_insert_features("ads", HashSpec::Table, Features::strings(&names), &values, None).unwrap();
+    assert_eq!(w.summary.inserted, 500);
+    assert_eq!(w.values.unwrap(), values);
+    // ...which find with client-side keys sees, and find_features equals.
+    let keys: Vec<u64> = names.iter().map(|n| fingerprint64(n.as_bytes()) % nb).collect();
+    let by_key = c.find("ads", &keys).unwrap();
+    assert!(by_key.found.iter().all(|&f| f));
+    assert_eq!(by_key.values, values);
+    let mut probe = names.clone();
+    probe.push("never seen".into());
+    let f = c.find_features("ads", HashSpec::Table, Features::strings(&probe), false).unwrap();
+    assert_eq!(f.values[..1000], values[..]);
+    assert_eq!(f.found[500], false);
+
+    // Bad input: a clear error, nothing applied, the daemon keeps serving.
+    let size = || c_size(&d);
+    let before = size();
+    let bad = [
+        (Features::Strings { bytes: b"abc".to_vec(), offsets: vec![0, 2, 1] }, HashSpec::Table, "decrease"),
+        (Features::Strings { bytes: b"abc".to_vec(), offsets: vec![0, 2, 9] }, HashSpec::Table, "past the"),
+        (Features::Int64(vec![1, 2]), HashSpec::Given(FeatureHash::fingerprint64(0)), "at least 1"),
+        (
+            Features::Int64(vec![1, 2]),
+            HashSpec::Given(FeatureHash { kind: "md5".into(), num_buckets: 9, key: [0, 0] }),
+            "unknown",
+        ),
+    ];
+    for (features, hash, says) in bad {
+        let e = c.find_or_insert_features("ads", hash, features, &[0.0; 4], None).unwrap_err();
+        assert_eq!(e.code(), Some(ErrorCode::BadRequest), "{e}");
+        assert!(e.to_string().contains(says), "{e} should say {says:?}");
+    }
+    let e = c.find_or_insert_features("ads", HashSpec::Table, Features::Int64(vec![1, 2]), &[0.0; 3], None);
+    assert_eq!(e.unwrap_err().code(), Some(ErrorCode::WrongDim));
+    c.create_table(TableSpec::new("plain", 2, 1024)).unwrap();
+    let e = c.find_features("plain", HashSpec::Table, Features::Int64(vec![1]), false).unwrap_err();
+    assert!(e.to_string().contains("no hash setting"), "{e}");
+    let bad_spec = TableSpec { hash: Some(FeatureHash::fingerprint64(0)), ..TableSpec::new("bad", 2, 1024) };
+    assert_eq!(c.create_table(bad_spec).unwrap_err().code(), Some(ErrorCode::BadRequest));
+    assert_eq!(size(), before, "refused requests changed nothing");
+    c.ping().unwrap();
+}
+
+fn c_size(d: &Daemon) -> u64 {
+    d.client().tables().unwrap().iter().map(|t| t.size).sum()
+}
+
+#[test]
+fn hkvctl_hashes_and_looks_up_features() {
+    let d = Daemon::start(&[]);
+    let run = |args: &[&str]| {
+        let out = common::hkvctl(&d, args);
+        assert!(out.status.success(), "hkvctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    assert_eq!(
+        run(&["hash", "--num-buckets", "18446744073709551612", "a", "b"]),
+        format!("a: {}\nb: {}\n", 12917804110809363939u64, 11795596070477164822u64)
+    );
+    assert_eq!(
+        run(&["hash", "--int", "--num-buckets", "10", "--", "-1"]),
+        format!("-1: {}\n", fingerprint64(b"-1") % 10)
+    );
+    run(&["create-table", "t", "--dim", "2", "--capacity", "4096", "--num-buckets", "1000"]);
+    let out = run(&["find-or-insert-features", "t", "--int", "42=1.5,2.5", "7=3,4"]);
+    assert!(out.starts_with("42: 1.5,2.5\n7: 3,4\n"), "{out}");
+    assert_eq!(run(&["find-features", "t", "--int", "42", "8"]), "42: 1.5,2.5\n8: not found\n");
+}
