@@ -132,7 +132,7 @@ pub struct Create {
 impl Handler<Create> for ShardActor {
     type Result = Result<Arc<dyn Shard>, hkv_shard::Error>;
     fn handle(&mut self, msg: Create, _: &mut SyncContext<Self>) -> Self::Result {
-        Ok(Arc::from(hkv_shard::open(msg.config, msg.backend)?))
+        Ok(Arc::from(hkv_shard::open_on(msg.config, msg.backend, self.device)?))
     }
 }
 

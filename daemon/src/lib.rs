@@ -44,13 +44,24 @@ fn backend(config: &Config) -> anyhow::Result<(Backend, usize, String)> {
         let n = config.shards.unwrap_or(cores).max(1);
         (Backend::Cpu, n, format!("cpu ({n} shards{why})"))
     };
+    let gpus = |devices: Vec<hkv_shard::cuda::DeviceInfo>| {
+        let names: Vec<String> = devices.iter().map(|d| format!("{} {}", d.ordinal, d.name)).collect();
+        (
+            Backend::Cuda,
+            devices.len(),
+            format!("cuda ({} GPU{}: {})", devices.len(), if devices.len() == 1 { "" } else { "s" }, names.join(", ")),
+        )
+    };
     match config.backend.as_str() {
         "cpu" => Ok(cpu("")),
-        "auto" => {
-            info!(reason = %hkv_shard::cuda_unavailable(), "using the CPU backend");
-            Ok(cpu(", CUDA unavailable"))
-        }
-        "cuda" => Err(anyhow::Error::new(hkv_shard::cuda_unavailable()).context("--backend cuda")),
+        "auto" => match hkv_shard::cuda::probe() {
+            Ok(devices) => Ok(gpus(devices)),
+            Err(reason) => {
+                info!(%reason, "using the CPU backend");
+                Ok(cpu(", CUDA unavailable"))
+            }
+        },
+        "cuda" => Ok(gpus(hkv_shard::cuda::probe().context("--backend cuda")?)),
         b => anyhow::bail!("backend {b:?}: use auto, cpu or cuda"),
     }
 }

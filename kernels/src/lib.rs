@@ -10,12 +10,19 @@
 //! - `common.cuh`: hashing helpers shared by every module.
 //! - `hash.cu`: bucket and digest of keys.
 //! - `features.cu`: raw features to keys (Fingerprint64, SipHash-2-4).
+//! - `table.cuh`: the table's device layout and shared per-key helpers,
+//!   prepended (after `common.cuh`) to the table families:
+//!   `lookup.cu` (find, contains, find*), `upsert.cu` (every insert path),
+//!   `update.cu` (assign, assign_scores, accumulate), `erase.cu` (erase,
+//!   erase_if, clear), `export.cu` (export_batch(_if), compacted).
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 /// The shared helpers, prepended to every module's source.
 pub const COMMON: &str = include_str!("../common.cuh");
+/// The table layout and per-key helpers, prepended to the table families.
+pub const TABLE: &str = include_str!("../table.cuh");
 
 /// A kernel module (one `.cu` file).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -24,27 +31,59 @@ pub enum KernelId {
     Hash,
     /// `features.cu`: `features_int64`, `features_strings`.
     Features,
+    /// `lookup.cu`: `lookup_find`.
+    Lookup,
+    /// `upsert.cu`: `upsert_keys`.
+    Upsert,
+    /// `update.cu`: `update_keys`.
+    Update,
+    /// `erase.cu`: `erase_keys`, `erase_if`, `clear_table`.
+    Erase,
+    /// `export.cu`: `export_count`, `export_scan`, `export_write`.
+    Export,
 }
 
 impl KernelId {
     /// Every module.
-    pub const ALL: [KernelId; 2] = [KernelId::Hash, KernelId::Features];
+    pub const ALL: [KernelId; 7] = [
+        KernelId::Hash,
+        KernelId::Features,
+        KernelId::Lookup,
+        KernelId::Upsert,
+        KernelId::Update,
+        KernelId::Erase,
+        KernelId::Export,
+    ];
 
     /// The module's name (its file stem).
     pub fn name(self) -> &'static str {
         match self {
             KernelId::Hash => "hash",
             KernelId::Features => "features",
+            KernelId::Lookup => "lookup",
+            KernelId::Upsert => "upsert",
+            KernelId::Update => "update",
+            KernelId::Erase => "erase",
+            KernelId::Export => "export",
         }
     }
 
     /// The full source NVRTC compiles: the shared helpers, then the module.
     pub fn source(self) -> String {
-        let body = match self {
-            KernelId::Hash => include_str!("../hash.cu"),
-            KernelId::Features => include_str!("../features.cu"),
+        let (table, body) = match self {
+            KernelId::Hash => (false, include_str!("../hash.cu")),
+            KernelId::Features => (false, include_str!("../features.cu")),
+            KernelId::Lookup => (true, include_str!("../lookup.cu")),
+            KernelId::Upsert => (true, include_str!("../upsert.cu")),
+            KernelId::Update => (true, include_str!("../update.cu")),
+            KernelId::Erase => (true, include_str!("../erase.cu")),
+            KernelId::Export => (true, include_str!("../export.cu")),
         };
-        format!("{COMMON}\n{body}")
+        if table {
+            format!("{COMMON}\n{TABLE}\n{body}")
+        } else {
+            format!("{COMMON}\n{body}")
+        }
     }
 
     /// The kernels the module defines.
@@ -52,6 +91,11 @@ impl KernelId {
         match self {
             KernelId::Hash => &["hash_locate"],
             KernelId::Features => &["features_int64", "features_strings"],
+            KernelId::Lookup => &["lookup_find"],
+            KernelId::Upsert => &["upsert_keys"],
+            KernelId::Update => &["update_keys"],
+            KernelId::Erase => &["erase_keys", "erase_if", "clear_table"],
+            KernelId::Export => &["export_count", "export_scan", "export_write"],
         }
     }
 }

@@ -341,31 +341,32 @@ enum Scoring {
     Verbatim,
 }
 
+/// Operation counters of a shard (shared by the backends).
 #[derive(Default)]
-struct Counters {
-    ops: [AtomicU64; Op::ALL.len()],
-    keys: [AtomicU64; Op::ALL.len()],
-    hits: AtomicU64,
-    misses: AtomicU64,
-    inserts: AtomicU64,
-    evictions: AtomicU64,
-    rejections: AtomicU64,
+pub(crate) struct Counters {
+    pub(crate) ops: [AtomicU64; Op::ALL.len()],
+    pub(crate) keys: [AtomicU64; Op::ALL.len()],
+    pub(crate) hits: AtomicU64,
+    pub(crate) misses: AtomicU64,
+    pub(crate) inserts: AtomicU64,
+    pub(crate) evictions: AtomicU64,
+    pub(crate) rejections: AtomicU64,
 }
 
 impl Counters {
-    fn op(&self, op: Op, n: usize) {
+    pub(crate) fn op(&self, op: Op, n: usize) {
         let i = Op::ALL.iter().position(|&o| o == op).expect("op listed");
         self.ops[i].fetch_add(1, Relaxed);
         self.keys[i].fetch_add(n as u64, Relaxed);
     }
 
-    fn summary(&self, s: &Summary) {
+    pub(crate) fn summary(&self, s: &Summary) {
         self.inserts.fetch_add(s.inserted, Relaxed);
         self.evictions.fetch_add(s.evicted, Relaxed);
         self.rejections.fetch_add(s.rejected, Relaxed);
     }
 
-    fn lookups(&self, hits: u64, n: usize) {
+    pub(crate) fn lookups(&self, hits: u64, n: usize) {
         self.hits.fetch_add(hits, Relaxed);
         self.misses.fetch_add(n as u64 - hits, Relaxed);
     }
@@ -392,7 +393,12 @@ impl std::fmt::Debug for CpuTable {
     }
 }
 
-fn check_len(what: &'static str, got: usize, expected: usize, detail: impl FnOnce() -> String) -> Result<()> {
+pub(crate) fn check_len(
+    what: &'static str,
+    got: usize,
+    expected: usize,
+    detail: impl FnOnce() -> String,
+) -> Result<()> {
     if got == expected {
         Ok(())
     } else {
@@ -400,7 +406,7 @@ fn check_len(what: &'static str, got: usize, expected: usize, detail: impl FnOnc
     }
 }
 
-fn check_keys(keys: &[u64]) -> Result<()> {
+pub(crate) fn check_keys(keys: &[u64]) -> Result<()> {
     match keys.iter().position(|&k| is_reserved(k)) {
         Some(index) => Err(Error::ReservedKey { key: keys[index], index }),
         None => Ok(()),

@@ -3,8 +3,8 @@
 //! an on-disk cache keyed by source hash, architecture and driver version),
 //! and typed wrappers around kernel launches.
 //!
-//! This is the foundation of the CUDA table backend; the table itself
-//! (`Backend::Cuda`) is not built yet, so `open` still refuses it.
+//! The table itself is [`crate::cuda_table::CudaTable`]; [`shared_device`]
+//! opens each device once per process for every table on it.
 //!
 //! cudarc is loaded dynamically: without a driver library, its first call
 //! would panic, so [`probe`] asks `is_culib_present` first and reports a
@@ -33,7 +33,7 @@ pub struct DeviceInfo {
     pub driver_version: i32,
 }
 
-fn dev_err(what: &str) -> impl FnOnce(cudarc::driver::DriverError) -> Error + '_ {
+pub(crate) fn dev_err(what: &str) -> impl FnOnce(cudarc::driver::DriverError) -> Error + '_ {
     move |e| Error::Device(format!("{what}: {e:?}"))
 }
 
@@ -158,7 +158,7 @@ impl Device {
         Ok(Device { info, ctx, modules, nvrtc_compiles })
     }
 
-    fn module(&self, id: KernelId) -> &Arc<CudaModule> {
+    pub(crate) fn module(&self, id: KernelId) -> &Arc<CudaModule> {
         &self.modules.iter().find(|(m, _)| *m == id).expect("every module is loaded").1
     }
 
@@ -205,7 +205,7 @@ pub struct FeatureHasher {
 }
 
 /// Grows a reusable device buffer to at least `n` elements (never empty).
-fn ensure<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+pub(crate) fn ensure<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
     stream: &Arc<CudaStream>,
     buf: &mut Option<CudaSlice<T>>,
     n: usize,
@@ -305,4 +305,29 @@ impl FeatureHasher {
         s.synchronize().map_err(dev_err("synchronizing"))?;
         start.elapsed_ms(&end).map_err(dev_err("reading events"))
     }
+}
+
+/// Where compiled kernels are cached: `$HKV_KERNEL_CACHE`, else
+/// `$XDG_CACHE_HOME/hkvd/kernels`, else `$HOME/.cache/hkvd/kernels`
+/// (none when neither is set: every start compiles).
+pub fn default_cache_dir() -> Option<PathBuf> {
+    if let Some(d) = std::env::var_os("HKV_KERNEL_CACHE") {
+        return Some(d.into());
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
+        return Some(Path::new(&d).join("hkvd").join("kernels"));
+    }
+    std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache").join("hkvd").join("kernels"))
+}
+
+/// Device `ordinal`, opened (and its kernels loaded) once per process.
+pub fn shared_device(ordinal: usize) -> Result<Arc<Device>> {
+    static DEVICES: std::sync::OnceLock<parking_lot::Mutex<Vec<(usize, Arc<Device>)>>> = std::sync::OnceLock::new();
+    let mut devs = DEVICES.get_or_init(Default::default).lock();
+    if let Some((_, d)) = devs.iter().find(|(o, _)| *o == ordinal) {
+        return Ok(d.clone());
+    }
+    let d = Arc::new(Device::open(ordinal, default_cache_dir().as_deref())?);
+    devs.push((ordinal, d.clone()));
+    Ok(d)
 }

@@ -52,8 +52,10 @@
 //! - [`score`] has the score rules per policy and the clocks.
 //! - [`lock`] is the triple-group lock and its observable state.
 //! - [`cpu`] is the CPU backend, [`cpu::CpuTable`].
-//! - [`cuda`] finds CUDA devices and compiles and launches the kernels of
-//!   `hkv-kernels` (the CUDA table backend builds on it; not there yet).
+//! - [`cuda`] finds CUDA devices, compiles the kernels of `hkv-kernels`
+//!   (with an on-disk cache) and hashes features on the GPU.
+//! - [`cuda_table`] is the CUDA backend, [`cuda_table::CudaTable`].
+//! - [`features`] turns raw features into keys (TensorFlow-compatible).
 //! - [`error`] holds [`Error`].
 //! - this file: the [`Shard`] trait every backend implements, result types,
 //!   [`open`].
@@ -63,6 +65,7 @@
 pub mod config;
 pub mod cpu;
 pub mod cuda;
+pub mod cuda_table;
 pub mod error;
 pub mod features;
 pub mod hash;
@@ -468,23 +471,28 @@ pub enum Backend {
     Cuda,
 }
 
-/// Opens a shard on the chosen backend.
+/// Opens a shard on the chosen backend (CUDA: device 0).
 pub fn open(config: TableConfig, backend: Backend) -> Result<Box<dyn Shard>> {
+    open_on(config, backend, 0)
+}
+
+/// Opens a shard on the chosen backend; CUDA shards on device `ordinal`.
+/// `Auto` picks CUDA when a driver and that device are present, else CPU.
+pub fn open_on(config: TableConfig, backend: Backend, ordinal: usize) -> Result<Box<dyn Shard>> {
     match backend {
-        Backend::Auto | Backend::Cpu => Ok(Box::new(cpu::CpuTable::new(config)?)),
-        Backend::Cuda => Err(cuda_unavailable()),
+        Backend::Cpu => Ok(Box::new(cpu::CpuTable::new(config)?)),
+        Backend::Cuda => Ok(Box::new(cuda_table::CudaTable::new(config, cuda::shared_device(ordinal)?)?)),
+        Backend::Auto => match cuda::probe() {
+            Ok(d) if d.iter().any(|d| d.ordinal == ordinal) => {
+                Ok(Box::new(cuda_table::CudaTable::new(config, cuda::shared_device(ordinal)?)?))
+            }
+            _ => Ok(Box::new(cpu::CpuTable::new(config)?)),
+        },
     }
 }
 
-/// Why the CUDA backend cannot hold a table on this host: no driver or
-/// device (as [`cuda::probe`] says), or, with a device, that the CUDA table
-/// is not built yet.
-pub fn cuda_unavailable() -> Error {
-    match cuda::probe() {
-        Err(e) => e,
-        Ok(devices) => Error::Unavailable(format!(
-            "CUDA device {} ({}) found, but the CUDA table backend is not built yet; use the cpu backend",
-            devices[0].ordinal, devices[0].name
-        )),
-    }
+/// Why the CUDA backend cannot hold a table on this host (no driver
+/// library, no device), or `None` when it can.
+pub fn cuda_unavailable() -> Option<Error> {
+    cuda::probe().err()
 }

@@ -1,11 +1,29 @@
-//! The CUDA module: a clear error, never a panic, without a driver or a
-//! device; on a GPU host, the hash kernel equals the CPU hash bit for bit and
-//! a warm kernel cache skips NVRTC.
+//! The CUDA backend: a clear error, never a panic, without a driver or a
+//! device; on a GPU host (with --ignored), the hash kernel equals the CPU
+//! hash bit for bit, a warm kernel cache skips NVRTC, the conformance suite
+//! passes unchanged, and a differential test against the CPU backend finds
+//! the same results.
+
+mod common;
+
+use std::collections::HashMap;
 
 use hkv_kernels::KernelId;
+use hkv_shard::cpu::CpuTable;
 use hkv_shard::cuda::{self, Device};
+use hkv_shard::cuda_table::{CudaTable, DeviceOp};
 use hkv_shard::hash::locate;
+use hkv_shard::{BucketMode, Filter, Outcome, ScorePolicy, Shard, TableConfig};
 use rand::{Rng, SeedableRng};
+
+fn make(cfg: TableConfig) -> Box<dyn Shard> {
+    Box::new(CudaTable::new(cfg, cuda::shared_device(0).expect("CUDA device 0")).expect("valid config"))
+}
+
+mod conformance {
+    use super::*;
+    conformance_suite!(make, #[ignore = "needs a CUDA device"]);
+}
 
 #[test]
 fn probe_never_panics_and_says_why() {
@@ -13,10 +31,14 @@ fn probe_never_panics_and_says_why() {
         Ok(devices) => assert!(!devices.is_empty()),
         Err(e) => assert!(e.to_string().contains("CUDA"), "{e}"),
     }
-    // Asking for the CUDA backend gives an error that names the reason.
-    let e =
-        hkv_shard::open(hkv_shard::TableConfig::new(256, 1), hkv_shard::Backend::Cuda).err().expect("not built yet");
-    assert!(e.to_string().contains("CUDA"), "{e}");
+    // Asking for the CUDA backend without a device gives an error that
+    // names the reason; Auto falls back to the CPU.
+    match hkv_shard::open(TableConfig::new(256, 1), hkv_shard::Backend::Cuda) {
+        Ok(t) => assert!(cuda::probe().is_ok(), "a CUDA table {t:?} without a device?", t = t.capacity()),
+        Err(e) => assert!(e.to_string().contains("CUDA"), "{e}"),
+    }
+    let t = hkv_shard::open(TableConfig::new(256, 1), hkv_shard::Backend::Auto).expect("auto always opens");
+    assert_eq!(t.capacity(), 256);
 }
 
 #[test]
@@ -41,4 +63,213 @@ fn hash_kernel_equals_the_cpu_hash_and_a_warm_cache_skips_nvrtc() {
     assert_eq!(warm.nvrtc_compiles, 0, "a warm cache must not call NVRTC");
     assert_eq!(warm.hash_locate(&[42], 10).unwrap(), (vec![locate(42, 10).0], vec![locate(42, 10).1]));
     let _ = std::fs::remove_dir_all(&cache);
+}
+
+/// One random batch applied to both backends, results compared exactly
+/// (batches of up to 4096 keys run in index order on both).
+fn differential_step(
+    rng: &mut rand::rngs::StdRng,
+    cpu: &dyn Shard,
+    gpu: &dyn Shard,
+    key_space: u64,
+    policy: ScorePolicy,
+) {
+    let dim = cpu.dim();
+    let n = rng.gen_range(1..=1500usize);
+    let keys: Vec<u64> = (0..n).map(|_| rng.gen_range(0..key_space) * 0x9E37_79B9 + 1).collect();
+    let vals: Vec<f32> = (0..n * dim).map(|_| rng.gen_range(-100..100) as f32 * 0.25).collect();
+    // Custom: few distinct scores (ties); Lfu: small increments or none.
+    let scores: Option<Vec<u64>> = match policy {
+        ScorePolicy::Custom => Some((0..n).map(|_| rng.gen_range(0..50)).collect()),
+        _ => rng.gen_bool(0.5).then(|| (0..n).map(|_| rng.gen_range(1..4)).collect()),
+    };
+    let sc = scores.as_deref();
+    let op = rng.gen_range(0..12);
+    let (mut oc, mut og) = (vec![Outcome::Absent; n], vec![Outcome::Absent; n]);
+    match op {
+        0..=2 => {
+            let a = cpu.insert_or_assign(&keys, &vals, sc, Some(&mut oc)).unwrap();
+            let b = gpu.insert_or_assign(&keys, &vals, sc, Some(&mut og)).unwrap();
+            assert_eq!((a, &oc), (b, &og), "insert_or_assign");
+        }
+        3 | 4 => {
+            let mut a = cpu.insert_and_evict(&keys, &vals, sc, Some(&mut oc)).unwrap();
+            let mut b = gpu.insert_and_evict(&keys, &vals, sc, Some(&mut og)).unwrap();
+            assert_eq!(oc, og, "insert_and_evict outcomes");
+            let rows = |e: &mut hkv_shard::Evictions| {
+                let mut v: Vec<_> = (0..e.len())
+                    .map(|i| {
+                        (
+                            e.keys[i],
+                            e.kinds[i],
+                            e.scores[i],
+                            e.values[i * dim..(i + 1) * dim].iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                        )
+                    })
+                    .collect();
+                v.sort();
+                v
+            };
+            assert_eq!(rows(&mut a), rows(&mut b), "insert_and_evict output (as a set)");
+        }
+        5 => {
+            let (mut va, mut vb) = (vals.clone(), vals.clone());
+            let a = cpu.find_or_insert(&keys, &mut va, sc, Some(&mut oc)).unwrap();
+            let b = gpu.find_or_insert(&keys, &mut vb, sc, Some(&mut og)).unwrap();
+            assert_eq!((a, &oc, &va), (b, &og, &vb), "find_or_insert");
+        }
+        6 => {
+            let a = cpu.assign(&keys, &vals, sc, Some(&mut oc)).unwrap();
+            let b = gpu.assign(&keys, &vals, sc, Some(&mut og)).unwrap();
+            assert_eq!((a, &oc), (b, &og), "assign");
+        }
+        7 => {
+            let a = cpu.accum_or_assign(&keys, &vals, sc, Some(&mut oc)).unwrap();
+            let b = gpu.accum_or_assign(&keys, &vals, sc, Some(&mut og)).unwrap();
+            assert_eq!((a, &oc), (b, &og), "accum_or_assign");
+        }
+        8 => {
+            let a = cpu.assign_scores(&keys, sc, Some(&mut oc)).unwrap();
+            let b = gpu.assign_scores(&keys, sc, Some(&mut og)).unwrap();
+            assert_eq!((a, &oc), (b, &og), "assign_scores");
+        }
+        9 => {
+            let (mut ea, mut eb) = (vec![false; n], vec![false; n]);
+            let a = cpu.erase(&keys, Some(&mut ea)).unwrap();
+            let b = gpu.erase(&keys, Some(&mut eb)).unwrap();
+            assert_eq!((a, &ea), (b, &eb), "erase");
+        }
+        10 => {
+            let f = Filter { key_mask: 7, key_pattern: rng.gen_range(0..8), ..Filter::ALL };
+            assert_eq!(cpu.erase_if(&f).unwrap(), gpu.erase_if(&f).unwrap(), "erase_if");
+        }
+        _ => {
+            let off = rng.gen_range(0..cpu.capacity());
+            let f = Filter::score_at_least(rng.gen_range(0..30));
+            assert_eq!(
+                cpu.export_batch_if(off, 3000, &f).unwrap(),
+                gpu.export_batch_if(off, 3000, &f).unwrap(),
+                "export"
+            );
+        }
+    }
+    // Lookups of the same keys agree, values and scores included.
+    let (mut va, mut vb) = (vec![0.0; n * dim], vec![0.0; n * dim]);
+    let (mut fa, mut fb) = (vec![false; n], vec![false; n]);
+    let (mut sa, mut sb) = (vec![0; n], vec![0; n]);
+    cpu.find(&keys, &mut va, &mut fa, Some(&mut sa)).unwrap();
+    gpu.find(&keys, &mut vb, &mut fb, Some(&mut sb)).unwrap();
+    assert_eq!((fa, va, sa), (fb, vb, sb), "find after op {op}");
+    assert_eq!(cpu.size(), gpu.size(), "size after op {op}");
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn differential_against_the_cpu_backend() {
+    let dev = cuda::shared_device(0).unwrap();
+    for mode in [BucketMode::Single, BucketMode::Dual] {
+        for policy in [ScorePolicy::Custom, ScorePolicy::Lfu] {
+            let cfg = TableConfig::new(128 * 32, 3).policy(policy).mode(mode);
+            let cpu = CpuTable::new(cfg.clone()).unwrap();
+            let gpu = CudaTable::new(cfg, dev.clone()).unwrap();
+            let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+            // Key space 3x capacity: the table runs full, with heavy eviction.
+            for step in 0..400 {
+                differential_step(&mut rng, &cpu, &gpu, 3 * 128 * 32, policy);
+                if step % 100 == 99 {
+                    // Every slot agrees, in slot order.
+                    let all = |t: &dyn Shard| t.export_batch(0, u64::MAX).unwrap();
+                    assert_eq!(all(&cpu), all(&gpu), "{mode:?} {policy:?}: whole table after step {step}");
+                }
+            }
+            println!("{mode:?} {policy:?}: load factor {:.3}, {} evictions", cpu.load_factor(), cpu.stats().evictions);
+            assert!(cpu.load_factor() > 0.9, "the test must reach a full table");
+        }
+    }
+}
+
+/// Unrestricted (parallel) batches: the invariants and the conservation of
+/// entries instead of identical results.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn large_batches_conserve_entries() {
+    let dev = cuda::shared_device(0).unwrap();
+    for mode in [BucketMode::Single, BucketMode::Dual] {
+        let dim = 2;
+        let t =
+            CudaTable::new(TableConfig::new(1 << 16, dim).policy(ScorePolicy::Custom).mode(mode), dev.clone()).unwrap();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let mut resident: HashMap<u64, u64> = HashMap::new();
+        for round in 0..6 {
+            let keys: Vec<u64> = (0..40_000).map(|i| (round * 40_000 + i) as u64 * 7 + 3).collect();
+            let vals: Vec<f32> = keys.iter().flat_map(|&k| [k as f32, -(k as f32)]).collect();
+            let scores: Vec<u64> = (0..keys.len()).map(|_| rng.gen_range(0..1000)).collect();
+            let before = t.size();
+            let mut out = vec![Outcome::Absent; keys.len()];
+            let lost = t.insert_and_evict(&keys, &vals, Some(&scores), Some(&mut out)).unwrap();
+            let placed = out.iter().filter(|o| matches!(o, Outcome::Inserted | Outcome::Evicted)).count() as u64;
+            let evicted = lost.kinds.iter().filter(|k| **k == hkv_shard::Lost::Evicted).count() as u64;
+            let rejected = lost.len() as u64 - evicted;
+            assert_eq!(t.size(), before + placed - evicted, "size = before + placed - evicted");
+            assert_eq!(rejected, out.iter().filter(|o| **o == Outcome::Rejected).count() as u64);
+            for (i, k) in lost.keys.iter().enumerate() {
+                assert_eq!(lost.values[i * dim], *k as f32, "an evicted entry keeps its own value");
+                resident.remove(k);
+            }
+            for (i, &k) in keys.iter().enumerate() {
+                if out[i] != Outcome::Rejected {
+                    resident.insert(k, scores[i]);
+                }
+            }
+            for k in lost.keys.iter() {
+                resident.remove(k);
+            }
+        }
+        // Every resident key comes back with its own value; nothing else is there.
+        let e = t.export_batch(0, u64::MAX).unwrap();
+        assert_eq!(e.keys.len() as u64, t.size());
+        for (i, k) in e.keys.iter().enumerate() {
+            assert_eq!(e.values[i * dim], *k as f32);
+            assert_eq!(e.values[i * dim + 1], -(*k as f32));
+        }
+        let got: std::collections::HashSet<u64> = e.keys.iter().copied().collect();
+        let want: std::collections::HashSet<u64> = resident.keys().copied().collect();
+        assert_eq!(got, want, "{mode:?}: the table holds exactly the keys that were placed and not evicted");
+        println!("{mode:?}: size {}, load factor {:.3}", t.size(), t.load_factor());
+    }
+}
+
+/// The device-buffer path: find* returns addresses that read back the
+/// values; find_or_insert* hands out writable rows; the hybrid tier places
+/// rows in host memory and still serves them.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_batches_pointers_and_the_host_tier() {
+    let dev = cuda::shared_device(0).unwrap();
+    let dim = 4;
+    // Half the values in device memory, half in pinned host memory.
+    let mut cfg = TableConfig::new(1 << 14, dim);
+    cfg.fast_tier_bytes = Some((1 << 13) * dim as u64 * 4);
+    let t = CudaTable::new(cfg, dev).unwrap();
+    let st = t.stats();
+    assert_eq!((st.fast_tier_bytes, st.host_tier_bytes), ((1 << 13) * 16, (1 << 13) * 16));
+    let keys: Vec<u64> = (1..=6000u64).collect();
+    let vals: Vec<f32> = keys.iter().flat_map(|&k| (0..dim).map(move |d| k as f32 + d as f32 / 10.0)).collect();
+    t.insert_or_assign(&keys, &vals, None, None).unwrap();
+    let mut b = t.device_batch(keys.len()).unwrap();
+    b.stream.memcpy_htod(&keys, &mut b.keys).unwrap();
+    let r = t.run_device(DeviceOp::Find, &mut b, keys.len()).unwrap();
+    assert_eq!(r.counts.hits, 6000);
+    let got = b.stream.clone_dtoh(&b.values).unwrap();
+    assert_eq!(&got[..vals.len()], &vals[..]);
+    let r = t.run_device(DeviceOp::FindPtr, &mut b, keys.len()).unwrap();
+    assert_eq!(r.counts.hits, 6000);
+    let ptrs = b.stream.clone_dtoh(&b.ptrs).unwrap();
+    assert!(ptrs[..6000].iter().all(|&p| p != 0));
+    let e = t.export_batch(0, u64::MAX).unwrap();
+    assert_eq!(e.keys.len(), 6000);
+    for (i, k) in e.keys.iter().enumerate() {
+        assert_eq!(e.values[i * dim], *k as f32, "rows in both tiers come back");
+    }
+    println!("ms per find of 6000 keys: {}", r.ms);
 }

@@ -1,0 +1,78 @@
+// export family: export_batch(_if) over slot positions [offset, end),
+// compacted on the GPU in slot order: count per bucket (one warp each), an
+// exclusive scan of the counts (one block), then each bucket's warp writes
+// its matches at its offset. Reader group.
+
+__device__ __forceinline__ u32 export_mask(const HkvTable& t, u64 b, u32 lane, u64 offset, u64 end,
+                                           const HkvFilter& f) {
+    u32 m = 0;
+    for (int j = 0; j < 4; ++j) {
+        u64 pos = b * 128 + lane * 4 + j;
+        if (pos < offset || pos >= end) continue;
+        u64 k = __ldg(t.keys + pos);
+        if (k != HKV_EMPTY_KEY && hkv_matches(f, k, __ldg(t.scores + pos))) m |= 1u << j;
+    }
+    return m;
+}
+
+// counts[b - offset / 128] = matching entries of bucket b.
+extern "C" __global__ void export_count(HkvTable t, u64 offset, u64 end, HkvFilter f, u32* counts) {
+    u64 first = offset / 128;
+    u64 b = first + ((u64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    u32 lane = threadIdx.x & 31;
+    if (b * 128 >= end) return;
+    u32 c = __popc(export_mask(t, b, lane, offset, end, f));
+    for (int off = 16; off > 0; off >>= 1) c += __shfl_xor_sync(0xffffffffu, c, off);
+    if (lane == 0) counts[b - first] = c;
+}
+
+// offsets[i] = sum of counts[0..i), offsets[n] = total. One block of 1024 threads.
+extern "C" __global__ void export_scan(const u32* counts, u64 n, u64* offsets) {
+    __shared__ u64 part[1024];
+    u64 per = (n + 1023) / 1024;
+    u64 lo = threadIdx.x * per, hi = lo + per < n ? lo + per : n;
+    u64 sum = 0;
+    for (u64 i = lo; i < hi; ++i) sum += counts[i];
+    part[threadIdx.x] = sum;
+    __syncthreads();
+    for (int off = 1; off < 1024; off <<= 1) {
+        u64 v = threadIdx.x >= (u32)off ? part[threadIdx.x - off] : 0;
+        __syncthreads();
+        part[threadIdx.x] += v;
+        __syncthreads();
+    }
+    u64 run = part[threadIdx.x] - sum;
+    for (u64 i = lo; i < hi; ++i) {
+        offsets[i] = run;
+        run += counts[i];
+    }
+    if (threadIdx.x == 1023) offsets[n] = part[1023];
+}
+
+extern "C" __global__ void export_write(HkvTable t, u64 offset, u64 end, HkvFilter f, const u64* offsets,
+                                       u64* keys_out, float* values_out, u64* scores_out) {
+    u64 first = offset / 128;
+    u64 b = first + ((u64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    u32 lane = threadIdx.x & 31;
+    if (b * 128 >= end) return;
+    u32 m = export_mask(t, b, lane, offset, end, f);
+    u32 c = __popc(m), incl = c;
+    for (int off = 1; off < 32; off <<= 1) {
+        u32 v = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= (u32)off) incl += v;
+    }
+    u64 at = offsets[b - first] + (incl - c);
+    while (m) {
+        int j = __ffs(m) - 1;
+        m &= m - 1;
+        u64 pos = b * 128 + lane * 4 + j;
+        keys_out[at] = __ldg(t.keys + pos);
+        scores_out[at] = __ldg(t.scores + pos);
+        if (values_out) {
+            const float* row = hkv_row(t, pos);
+            float* o = values_out + at * t.dim;
+            for (u32 e = 0; e < t.dim; ++e) o[e] = __ldg(row + e);
+        }
+        at++;
+    }
+}

@@ -1,0 +1,39 @@
+// lookup family: find, contains and find* (value addresses). Reader group:
+// no writer runs meanwhile, so no lock is taken. Thread mapping: G = 8
+// threads per key (each loads 16 digest bytes), 32 keys per 256-thread block.
+// Memory traffic per key: the key, one digest line (two in dual mode), ~1 key
+// read per digest match, and on a hit the value row read and written.
+
+template <int G>
+__device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u64 n, float* values, u8* found,
+                                           u64* scores, u64* ptrs, u64* cnt) {
+    HkvGroup<G> g;
+    u64 i = ((u64)blockIdx.x * blockDim.x + threadIdx.x) / G;
+    if (i >= n) return;
+    u64 key = keys[i];
+    u64 b1, b2;
+    u8 d;
+    hkv_locate(t, key, &b1, &b2, &d);
+    u64 b = b1;
+    int s = hkv_find_in<G, false>(t, g, b1, key, d);
+    if (s < 0 && b2 != b1) {
+        b = b2;
+        s = hkv_find_in<G, false>(t, g, b2, key, d);
+    }
+    bool hit = s >= 0;
+    if (g.rank == 0) {
+        if (found) found[i] = hit;
+        if (hit && scores) scores[i] = __ldg(t.scores + b * 128 + s);
+        if (ptrs) ptrs[i] = hit ? (u64)hkv_row(t, b * 128 + s) : 0;
+        if (hit) atomicAdd(cnt + HKV_C_HITS, 1ULL);
+    }
+    if (hit && values) hkv_copy_row<G, false>(values + i * t.dim, hkv_row(t, b * 128 + s), t.dim, g.rank);
+}
+
+// values / found / scores / ptrs may each be null. Misses leave values untouched.
+extern "C" __global__ void lookup_find(HkvTable t, const u64* keys, u64 n, float* values, u8* found, u64* scores,
+                                       u64* ptrs, u64* counters) {
+    HKV_COUNTERS_INIT
+    lookup_one<8>(t, keys, n, values, found, scores, ptrs, hkv_cnt);
+    hkv_flush_counters(hkv_cnt, counters);
+}

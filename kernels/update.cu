@@ -1,0 +1,63 @@
+// update family: assign, assign_scores and the accumulate phase of
+// accum_or_assign, on present keys only. Updater group: batches of this
+// family may run together, so buckets are locked per key as writers do.
+// Thread mapping: G = 16 threads per key.
+
+#define HKV_UPD_ASSIGN 0
+#define HKV_UPD_SCORES 1
+#define HKV_UPD_ACCUM 2
+
+template <int G>
+__device__ __forceinline__ void update_one(const HkvTable& t, const HkvScoring& sc, const u64* keys, u64 n,
+                                           const float* values, const u64* scores_in, const u8* only, int mode,
+                                           u8* outcomes, u8* absent, u64* cnt) {
+    HkvGroup<G> g;
+    u64 i = ((u64)blockIdx.x * blockDim.x + threadIdx.x) / G;
+    if (i >= n || (only && !only[i])) return;
+    u64 key = keys[i];
+    u64 b1, b2;
+    u8 d;
+    hkv_locate(t, key, &b1, &b2, &d);
+    bool has = scores_in != 0;
+    u64 in = has ? scores_in[i] : 0;
+    hkv_lock2(t, g, b1, b2);
+    u64 b = b1;
+    int s = hkv_find_in<G, true>(t, g, b1, key, d);
+    if (s < 0 && b2 != b1) {
+        b = b2;
+        s = hkv_find_in<G, true>(t, g, b2, key, d);
+    }
+    if (s >= 0) {
+        u64 pos = b * 128 + s;
+        float* row = hkv_row(t, pos);
+        u64 old = __ldcg(t.scores + pos);
+        u64 ns;
+        if (mode == HKV_UPD_ASSIGN) {
+            hkv_copy_row<G, false>(row, values + i * t.dim, t.dim, g.rank);
+            ns = hkv_on_update(sc, old, has, in);
+        } else if (mode == HKV_UPD_SCORES) {
+            ns = hkv_on_update(sc, old, has, in);
+        } else {
+            hkv_add_row<G>(row, values + i * t.dim, t.dim, g.rank);
+            ns = hkv_on_upsert(sc, old, has, in);
+        }
+        if (g.rank == 0) t.scores[pos] = ns;
+    }
+    hkv_unlock2(t, g, b1, b2);
+    if (g.rank == 0) {
+        int out = s >= 0 ? HKV_UPDATED : HKV_ABSENT;
+        if (outcomes) outcomes[i] = (u8)out;
+        if (absent) absent[i] = s < 0;
+        atomicAdd(cnt + HKV_C_UPDATED + out, 1ULL);
+    }
+}
+
+// values: rows (assign) or deltas (accumulate); null for assign_scores.
+// only (may be null): process key i only where only[i] != 0.
+extern "C" __global__ void update_keys(HkvTable t, HkvScoring sc, const u64* keys, u64 n, const float* values,
+                                       const u64* scores_in, const u8* only, int mode, u8* outcomes, u8* absent,
+                                       u64* counters) {
+    HKV_COUNTERS_INIT
+    update_one<16>(t, sc, keys, n, values, scores_in, only, mode, outcomes, absent, hkv_cnt);
+    hkv_flush_counters(hkv_cnt, counters);
+}

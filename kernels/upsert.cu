@@ -1,0 +1,120 @@
+// upsert family: insert_or_assign, insert_and_evict, find_or_insert,
+// find_or_insert*, load and the insert phase of accum_or_assign: the write
+// path of paper Algorithms 2 and 3, exactly as CpuTable::upsert. Inserter
+// group. Thread mapping: G = 16 threads per key, 16 keys per 256-thread
+// block; the key's candidate buckets are locked for the whole operation.
+// insert_and_evict compacts what lost its slot on the GPU (order unspecified).
+
+#define HKV_UP_INSERT 0
+#define HKV_UP_FIND_OR_INSERT 1
+#define HKV_UP_ACCUM 2
+#define HKV_UP_FIND_OR_INSERT_PTR 3
+
+template <int G>
+__device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& sc, const u64* keys, u64 n,
+                                           float* values, const u64* scores_in, const u8* skip, int mode,
+                                           u8* outcomes, u64* ptrs, u64* lost_keys, float* lost_values,
+                                           u64* lost_scores, u8* lost_kinds, u64* cnt, u64* gcnt) {
+    HkvGroup<G> g;
+    u64 i = ((u64)blockIdx.x * blockDim.x + threadIdx.x) / G;
+    if (i >= n || (skip && skip[i])) return;
+    u64 key = keys[i];
+    u64 b1, b2;
+    u8 d;
+    hkv_locate(t, key, &b1, &b2, &d);
+    bool has = scores_in != 0;
+    u64 in = has ? scores_in[i] : 0;
+    float* vin = values ? values + i * t.dim : 0;
+    u64 ptr = 0;
+    int out;
+    hkv_lock2(t, g, b1, b2);
+    u64 b = b1;
+    int s = hkv_find_in<G, true>(t, g, b1, key, d);
+    if (s < 0 && b2 != b1) {
+        b = b2;
+        s = hkv_find_in<G, true>(t, g, b2, key, d);
+    }
+    if (s >= 0) {
+        u64 pos = b * 128 + s;
+        float* row = hkv_row(t, pos);
+        u64 old = __ldcg(t.scores + pos);
+        u64 ns = sc.verbatim ? in : hkv_on_upsert(sc, old, has, in);
+        if (mode == HKV_UP_INSERT) hkv_copy_row<G, false>(row, vin, t.dim, g.rank);
+        else if (mode == HKV_UP_FIND_OR_INSERT) hkv_copy_row<G, true>(vin, row, t.dim, g.rank);
+        else if (mode == HKV_UP_ACCUM) hkv_add_row<G>(row, vin, t.dim, g.rank);
+        ptr = (u64)row;
+        if (g.rank == 0) t.scores[pos] = ns;
+        out = HKV_UPDATED;
+    } else {
+        u64 score = sc.verbatim ? in : hkv_on_insert(sc, has, in);
+        u64 adm = sc.verbatim ? score : hkv_admission(sc, score);
+        u64 tb = b1;
+        if (b2 != b1 && __ldcg(t.sizes + b2) < __ldcg(t.sizes + b1)) tb = b2;
+        int fs = hkv_free_slot<G>(t, g, tb, hkv_digest(HKV_EMPTY_KEY));
+        if (fs >= 0) {
+            b = tb;
+            s = fs;
+            out = HKV_INSERTED;
+        } else {
+            int ms;
+            u64 mv;
+            hkv_min_slot<G>(t, g, b1, &ms, &mv);
+            b = b1;
+            if (b2 != b1) {
+                int ms2;
+                u64 mv2;
+                hkv_min_slot<G>(t, g, b2, &ms2, &mv2);
+                if (mv2 < mv) {
+                    b = b2;
+                    ms = ms2;
+                    mv = mv2;
+                }
+            }
+            s = ms;
+            out = adm < mv ? HKV_REJECTED : HKV_EVICTED;
+        }
+        u64 pos = b * 128 + s;
+        float* row = hkv_row(t, pos);
+        if (out != HKV_INSERTED && lost_keys) {
+            // The entry that leaves: the resident one, or the refused input.
+            u64 at = 0;
+            if (g.rank == 0) at = atomicAdd(gcnt + HKV_C_LOST, 1ULL);
+            at = g.bcast(at, 0);
+            if (g.rank == 0) {
+                lost_keys[at] = out == HKV_EVICTED ? __ldcg(t.keys + pos) : key;
+                lost_scores[at] = out == HKV_EVICTED ? __ldcg(t.scores + pos) : score;
+                lost_kinds[at] = out == HKV_EVICTED ? 0 : 1;
+            }
+            hkv_copy_row<G, true>(lost_values + at * t.dim, out == HKV_EVICTED ? row : vin, t.dim, g.rank);
+            g.sync();
+        }
+        if (out != HKV_REJECTED) {
+            if (g.rank == 0) {
+                t.keys[pos] = key;
+                t.digests[pos] = d;
+                t.scores[pos] = score;
+                if (out == HKV_INSERTED) t.sizes[b] += 1;
+            }
+            if (mode != HKV_UP_FIND_OR_INSERT_PTR) hkv_copy_row<G, false>(row, vin, t.dim, g.rank);
+            ptr = (u64)row;
+        }
+    }
+    hkv_unlock2(t, g, b1, b2);
+    if (g.rank == 0) {
+        if (outcomes) outcomes[i] = (u8)out;
+        if (ptrs) ptrs[i] = ptr;
+        atomicAdd(cnt + HKV_C_UPDATED + out, 1ULL);
+    }
+}
+
+// values: input rows (find_or_insert: in and out; null for find_or_insert*).
+// scores_in, skip, outcomes, ptrs and the lost_* outputs may be null.
+extern "C" __global__ void upsert_keys(HkvTable t, HkvScoring sc, const u64* keys, u64 n, float* values,
+                                       const u64* scores_in, const u8* skip, int mode, u8* outcomes, u64* ptrs,
+                                       u64* lost_keys, float* lost_values, u64* lost_scores, u8* lost_kinds,
+                                       u64* counters) {
+    HKV_COUNTERS_INIT
+    upsert_one<16>(t, sc, keys, n, values, scores_in, skip, mode, outcomes, ptrs, lost_keys, lost_values,
+                   lost_scores, lost_kinds, hkv_cnt, counters);
+    hkv_flush_counters(hkv_cnt, counters);
+}

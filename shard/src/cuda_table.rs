@@ -1,0 +1,1577 @@
+//! The CUDA backend: the table in one GPU's memory, every operation a kernel
+//! of `hkv-kernels` (lookup, upsert, update, erase, export).
+//!
+//! Layout on the device: per bucket one 128-byte digest line, 128 keys, 128
+//! scores, an occupancy count and a writer lock word. Values are addressed by
+//! position `bucket * 128 + slot`: positions below the fast-tier budget live
+//! in device memory, the rest in pinned, device-mapped host memory allocated
+//! in slices of about 1 GiB, which kernels read and write through their
+//! device addresses (no CPU thread on the data path).
+//!
+//! Concurrency: the same [`GroupLock`] as the CPU backend. Every batch runs
+//! on a lane (a stream with its own reusable device buffers) taken from a
+//! pool, so reader batches (and updater batches) of several threads run on
+//! several streams at once, while an inserter batch runs alone. Inside a
+//! kernel, writers lock a key's candidate buckets (see `table.cuh`), so
+//! results per key equal the CPU backend's whenever no two keys of a batch
+//! share a bucket.
+//!
+//! Deliberate difference from the CPU backend: growth re-inserts entries in
+//! parallel, not in descending score order; in dual mode, where a rehash can
+//! overflow a bucket pair, which entry is dropped may differ.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg,
+};
+use hkv_kernels::KernelId;
+use parking_lot::{Mutex, RwLock};
+
+use crate::config::{BucketMode, ScorePolicy, TableConfig};
+use crate::cpu::{check_keys, check_len, Counters};
+use crate::cuda::{dev_err, ensure, Device};
+use crate::error::{Error, Result};
+use crate::lock::{Group, GroupLock};
+use crate::score::{Clock, Scorer, SystemClock};
+use std::collections::HashMap;
+
+use crate::hash::{bucket1, bucket2};
+use crate::{Evictions, Export, Filter, Lost, Op, Outcome, Shard, ShardStats, Summary, BUCKET_SLOTS, SEQUENTIAL_BATCH};
+
+const S: u64 = BUCKET_SLOTS as u64;
+const BLOCK: u32 = 256;
+/// Threads per key of the lookup kernel and of the writer kernels.
+const G_LOOKUP: u64 = 8;
+const G_WRITE: u64 = 16;
+/// Bytes per host-tier slice (rounded down to a power of two of rows).
+const SLICE_BYTES: u64 = 1 << 30;
+
+const C_HITS: usize = 0;
+const C_UPDATED: usize = 1;
+const C_LOST: usize = 6;
+const C_ERASED: usize = 7;
+const NCOUNTERS: usize = 8;
+
+const UP_INSERT: i32 = 0;
+const UP_FIND_OR_INSERT: i32 = 1;
+const UP_ACCUM: i32 = 2;
+const UP_FIND_OR_INSERT_PTR: i32 = 3;
+const UPD_ASSIGN: i32 = 0;
+const UPD_SCORES: i32 = 1;
+const UPD_ACCUM: i32 = 2;
+
+/// `HkvTable` of `table.cuh`, field for field.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct TableArgs {
+    digests: u64,
+    keys: u64,
+    scores: u64,
+    sizes: u64,
+    locks: u64,
+    fast: u64,
+    slices: u64,
+    fast_slots: u64,
+    nbuckets: u64,
+    slice_shift: u32,
+    dim: u32,
+    dual: u32,
+    pad: u32,
+}
+
+/// `HkvScoring` of `table.cuh`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct ScoringArgs {
+    now_ns: u64,
+    policy: u32,
+    epoch: u32,
+    verbatim: u32,
+    pad: u32,
+}
+
+/// `HkvFilter` of `table.cuh`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct FilterArgs {
+    key_mask: u64,
+    key_pattern: u64,
+    min_score: u64,
+    max_score: u64,
+}
+
+// SAFETY: plain #[repr(C)] structs of integers whose layout matches the C
+// structs the kernels take by value (HkvTable, HkvScoring, HkvFilter in
+// kernels/table.cuh): same field order, types and padding.
+unsafe impl DeviceRepr for TableArgs {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for ScoringArgs {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for FilterArgs {}
+
+fn policy_code(p: ScorePolicy) -> u32 {
+    match p {
+        ScorePolicy::Lru => 0,
+        ScorePolicy::Lfu => 1,
+        ScorePolicy::EpochLru => 2,
+        ScorePolicy::EpochLfu => 3,
+        ScorePolicy::Custom => 4,
+    }
+}
+
+fn filter_args(f: &Filter) -> FilterArgs {
+    FilterArgs { key_mask: f.key_mask, key_pattern: f.key_pattern, min_score: f.min_score, max_score: f.max_score }
+}
+
+/// The raw device address of a buffer (event tracking is off for the
+/// table's context: every lane synchronises its own stream).
+fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+    s.device_ptr(stream).0
+}
+
+fn opt_ptr<T>(s: &Option<CudaSlice<T>>, stream: &CudaStream) -> u64 {
+    s.as_ref().map_or(0, |s| ptr(s, stream))
+}
+
+fn blocks(threads: u64) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (threads.div_ceil(BLOCK as u64).max(1) as u32, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The table's device memory. The buffers are held for the raw addresses
+/// in `args`, through which the kernels use them.
+#[allow(dead_code)]
+struct Storage {
+    digests: CudaSlice<u8>,
+    keys: CudaSlice<u64>,
+    scores: CudaSlice<u64>,
+    sizes: CudaSlice<i32>,
+    locks: CudaSlice<i32>,
+    fast: Option<CudaSlice<f32>>,
+    host: Vec<PinnedHostSlice<f32>>,
+    _slice_ptrs: CudaSlice<u64>,
+    nbuckets: u64,
+    fast_slots: u64,
+    host_slots: u64,
+    args: TableArgs,
+}
+
+impl Storage {
+    fn new(t: &CudaTable, stream: &Arc<CudaStream>, nbuckets: u64) -> Result<Storage> {
+        let dim = t.config.dim as u64;
+        let slots = nbuckets * S;
+        let row = dim * 4;
+        let fast_slots = match t.config.fast_tier_bytes {
+            Some(b) => (b / row).min(slots),
+            None => slots,
+        };
+        let host_slots = slots - fast_slots;
+        let al = |what: &'static str| dev_err(what);
+        let digests = stream.alloc_zeros::<u8>(slots as usize).map_err(al("allocating digests"))?;
+        let keys = stream.alloc_zeros::<u64>(slots as usize).map_err(al("allocating keys"))?;
+        let scores = stream.alloc_zeros::<u64>(slots as usize).map_err(al("allocating scores"))?;
+        let sizes = stream.alloc_zeros::<i32>(nbuckets as usize).map_err(al("allocating bucket sizes"))?;
+        let locks = stream.alloc_zeros::<i32>(nbuckets as usize).map_err(al("allocating bucket locks"))?;
+        let fast = if fast_slots > 0 {
+            Some(stream.alloc_zeros::<f32>((fast_slots * dim) as usize).map_err(al("allocating device values"))?)
+        } else {
+            None
+        };
+        // Host tier: slices of 2^shift rows, pinned and mapped into the device's address space.
+        let mut shift = 0u32;
+        while (2u64 << shift) * row <= SLICE_BYTES {
+            shift += 1;
+        }
+        let per = 1u64 << shift;
+        let mut host = vec![];
+        let mut slice_ptrs = vec![];
+        let mut left = host_slots;
+        while left > 0 {
+            let rows = left.min(per);
+            // SAFETY: the memory is zeroed right below before any use.
+            let mut h = unsafe {
+                t.dev.ctx.alloc_pinned_with_flags::<f32>(
+                    (rows * dim) as usize,
+                    cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE | cudarc::driver::sys::CU_MEMHOSTALLOC_DEVICEMAP,
+                )
+            }
+            .map_err(al("allocating pinned host values"))?;
+            let hp = h.as_mut_ptr().map_err(al("host values"))?;
+            // SAFETY: hp points to rows * dim f32 just allocated and owned by `h`.
+            unsafe { std::ptr::write_bytes(hp, 0, (rows * dim) as usize) };
+            let mut dp: cudarc::driver::sys::CUdeviceptr = 0;
+            // SAFETY: hp was allocated by cuMemHostAlloc with DEVICEMAP in
+            // this context; the call writes one device pointer to `dp`.
+            let r = unsafe { cudarc::driver::sys::cuMemHostGetDevicePointer_v2(&mut dp, hp as *mut _, 0) };
+            if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+                return Err(Error::Device(format!("cuMemHostGetDevicePointer: {r:?}")));
+            }
+            slice_ptrs.push(dp);
+            host.push(h);
+            left -= rows;
+        }
+        if slice_ptrs.is_empty() {
+            slice_ptrs.push(0);
+        }
+        let dslices = stream.clone_htod(&slice_ptrs).map_err(al("copying slice pointers"))?;
+        let args = TableArgs {
+            digests: ptr(&digests, stream),
+            keys: ptr(&keys, stream),
+            scores: ptr(&scores, stream),
+            sizes: ptr(&sizes, stream),
+            locks: ptr(&locks, stream),
+            fast: opt_ptr(&fast, stream),
+            slices: ptr(&dslices, stream),
+            fast_slots,
+            nbuckets,
+            slice_shift: shift,
+            dim: dim as u32,
+            dual: (t.config.mode == BucketMode::Dual) as u32,
+            pad: 0,
+        };
+        let st = Storage {
+            digests,
+            keys,
+            scores,
+            sizes,
+            locks,
+            fast,
+            host,
+            _slice_ptrs: dslices,
+            nbuckets,
+            fast_slots,
+            host_slots,
+            args,
+        };
+        let mut l = stream.launch_builder(&t.f.clear);
+        l.arg(&st.args);
+        // SAFETY: clear_table(t) writes keys, digests and scores of positions
+        // < nbuckets * 128 and sizes / locks of buckets < nbuckets, all inside
+        // the buffers just allocated with exactly those lengths.
+        unsafe { l.launch(blocks(slots)) }.map_err(dev_err("launching clear_table"))?;
+        stream.synchronize().map_err(dev_err("initialising the table"))?;
+        Ok(st)
+    }
+}
+
+/// A stream with its reusable device buffers; one batch at a time.
+struct Lane {
+    stream: Arc<CudaStream>,
+    keys: Option<CudaSlice<u64>>,
+    values: Option<CudaSlice<f32>>,
+    scores: Option<CudaSlice<u64>>,
+    flags: Option<CudaSlice<u8>>,
+    flags2: Option<CudaSlice<u8>>,
+    counters: CudaSlice<u64>,
+    lost_keys: Option<CudaSlice<u64>>,
+    lost_values: Option<CudaSlice<f32>>,
+    lost_scores: Option<CudaSlice<u64>>,
+    lost_kinds: Option<CudaSlice<u8>>,
+    counts: Option<CudaSlice<u32>>,
+    offsets: Option<CudaSlice<u64>>,
+}
+
+struct Funcs {
+    lookup: CudaFunction,
+    upsert: CudaFunction,
+    update: CudaFunction,
+    erase: CudaFunction,
+    erase_if: CudaFunction,
+    clear: CudaFunction,
+    ex_count: CudaFunction,
+    ex_scan: CudaFunction,
+    ex_write: CudaFunction,
+}
+
+/// Device pointers of one kernel call (0 = none).
+#[derive(Default, Clone, Copy)]
+struct Ptrs {
+    keys: u64,
+    values: u64,
+    scores: u64,
+    found: u64,
+    outcomes: u64,
+    ptrs: u64,
+    only: u64,
+    lost: [u64; 4],
+    counters: u64,
+}
+
+/// The table on one CUDA device. See the module docs.
+pub struct CudaTable {
+    config: TableConfig,
+    dev: Arc<Device>,
+    f: Funcs,
+    storage: RwLock<Option<Storage>>,
+    lanes: Mutex<Vec<Lane>>,
+    lock: GroupLock,
+    size: AtomicU64,
+    epoch: AtomicU32,
+    clock: Arc<dyn Clock>,
+    counters: Counters,
+}
+
+impl std::fmt::Debug for CudaTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaTable").field("config", &self.config).field("device", &self.dev.info.name).finish()
+    }
+}
+
+/// Per-batch results read back from the counters.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Counts {
+    /// Hits (lookups).
+    pub hits: u64,
+    /// Outcome counts.
+    pub summary: Summary,
+    /// Entries in the insert_and_evict output.
+    pub lost: u64,
+    /// Entries erased.
+    pub erased: u64,
+}
+
+fn counts(c: &[u64]) -> Counts {
+    Counts {
+        hits: c[C_HITS],
+        summary: Summary {
+            updated: c[C_UPDATED],
+            inserted: c[C_UPDATED + 1],
+            evicted: c[C_UPDATED + 2],
+            rejected: c[C_UPDATED + 3],
+            absent: c[C_UPDATED + 4],
+        },
+        lost: c[C_LOST],
+        erased: c[C_ERASED],
+    }
+}
+
+impl CudaTable {
+    /// A table on `dev`, on the system clock.
+    pub fn new(config: TableConfig, dev: Arc<Device>) -> Result<CudaTable> {
+        Self::with_clock(config, dev, Arc::new(SystemClock::default()))
+    }
+
+    /// A table reading Lru / EpochLru time from `clock`.
+    pub fn with_clock(config: TableConfig, dev: Arc<Device>, clock: Arc<dyn Clock>) -> Result<CudaTable> {
+        config.validate()?;
+        // SAFETY: every buffer the table uses is used on one lane's stream
+        // at a time, and each batch synchronises its stream before its lane
+        // is returned to the pool or its buffers are reallocated; storage is
+        // replaced only under the inserter group, after every lane is idle.
+        unsafe { dev.ctx.disable_event_tracking() };
+        let get = |id: KernelId, name: &str| {
+            dev.module(id).load_function(name).map_err(|e| Error::Device(format!("kernel {name}: {e:?}")))
+        };
+        let f = Funcs {
+            lookup: get(KernelId::Lookup, "lookup_find")?,
+            upsert: get(KernelId::Upsert, "upsert_keys")?,
+            update: get(KernelId::Update, "update_keys")?,
+            erase: get(KernelId::Erase, "erase_keys")?,
+            erase_if: get(KernelId::Erase, "erase_if")?,
+            clear: get(KernelId::Erase, "clear_table")?,
+            ex_count: get(KernelId::Export, "export_count")?,
+            ex_scan: get(KernelId::Export, "export_scan")?,
+            ex_write: get(KernelId::Export, "export_write")?,
+        };
+        let t = CudaTable {
+            config,
+            dev,
+            f,
+            storage: RwLock::new(None),
+            lanes: Mutex::new(vec![]),
+            lock: GroupLock::new(),
+            size: AtomicU64::new(0),
+            epoch: AtomicU32::new(0),
+            clock,
+            counters: Counters::default(),
+        };
+        let lane = t.lane()?;
+        let st = Storage::new(&t, &lane.stream, t.config.buckets())?;
+        *t.storage.write() = Some(st);
+        t.put_lane(lane);
+        Ok(t)
+    }
+
+    /// The device the table lives on.
+    pub fn device(&self) -> &Arc<Device> {
+        &self.dev
+    }
+
+    fn lane(&self) -> Result<Lane> {
+        if let Some(l) = self.lanes.lock().pop() {
+            return Ok(l);
+        }
+        let stream = self.dev.ctx.new_stream().map_err(dev_err("creating a stream"))?;
+        let counters = stream.alloc_zeros::<u64>(NCOUNTERS).map_err(dev_err("allocating counters"))?;
+        Ok(Lane {
+            stream,
+            keys: None,
+            values: None,
+            scores: None,
+            flags: None,
+            flags2: None,
+            counters,
+            lost_keys: None,
+            lost_values: None,
+            lost_scores: None,
+            lost_kinds: None,
+            counts: None,
+            offsets: None,
+        })
+    }
+
+    fn put_lane(&self, l: Lane) {
+        self.lanes.lock().push(l);
+    }
+
+    fn scoring(&self, verbatim: bool) -> ScoringArgs {
+        ScoringArgs {
+            now_ns: self.clock.now_ns(),
+            policy: policy_code(self.config.policy),
+            epoch: self.epoch.load(Relaxed),
+            verbatim: verbatim as u32,
+            pad: 0,
+        }
+    }
+
+    fn check_values(&self, what: &'static str, n: usize, got: usize) -> Result<()> {
+        let dim = self.config.dim;
+        check_len(what, got, n * dim, || format!("{n} keys x dim {dim}"))
+    }
+
+    fn check_scores(&self, scores: Option<&[u64]>, n: usize, needed: bool) -> Result<()> {
+        let policy = self.config.policy;
+        match scores {
+            Some(s) => {
+                check_len("scores", s.len(), n, || format!("{n} keys"))?;
+                if !policy.takes_scores() {
+                    return Err(Error::ScoresNotAccepted { policy });
+                }
+            }
+            None if needed && policy == ScorePolicy::Custom => return Err(Error::ScoresRequired { policy }),
+            None => {}
+        }
+        Ok(())
+    }
+
+    fn check_outcomes(outcomes: &Option<&mut [Outcome]>, n: usize) -> Result<()> {
+        match outcomes {
+            Some(o) => check_len("outcomes", o.len(), n, || format!("{n} keys")),
+            None => Ok(()),
+        }
+    }
+
+    // ---- kernel launches (raw device pointers, one stream) ----------------
+
+    fn zero_counters(&self, l: &mut Lane) -> Result<()> {
+        l.stream.memset_zeros(&mut l.counters).map_err(dev_err("clearing counters"))
+    }
+
+    fn read_counters(&self, l: &Lane) -> Result<Counts> {
+        let c = l.stream.clone_dtoh(&l.counters).map_err(dev_err("reading counters"))?;
+        Ok(counts(&c))
+    }
+
+    fn k_lookup(&self, l: &CudaStream, st: &Storage, n: u64, p: Ptrs) -> Result<()> {
+        let c = p.counters;
+        let mut b = l.launch_builder(&self.f.lookup);
+        b.arg(&st.args).arg(&p.keys).arg(&n).arg(&p.values).arg(&p.found).arg(&p.scores).arg(&p.ptrs).arg(&c);
+        // SAFETY: lookup_find reads keys[0..n] and the table (args describe
+        // live buffers of this storage), and writes, where non-null,
+        // values[0..n*dim], found[0..n], scores[0..n], ptrs[0..n] and 8
+        // counters; every non-null buffer was sized for n keys by the caller.
+        unsafe { b.launch(blocks(n * G_LOOKUP)) }.map_err(dev_err("launching lookup_find"))?;
+        Ok(())
+    }
+
+    fn k_upsert(&self, l: &CudaStream, st: &Storage, sc: ScoringArgs, n: u64, mode: i32, p: Ptrs) -> Result<()> {
+        let c = p.counters;
+        let mut b = l.launch_builder(&self.f.upsert);
+        b.arg(&st.args)
+            .arg(&sc)
+            .arg(&p.keys)
+            .arg(&n)
+            .arg(&p.values)
+            .arg(&p.scores)
+            .arg(&p.only)
+            .arg(&mode)
+            .arg(&p.outcomes)
+            .arg(&p.ptrs)
+            .arg(&p.lost[0])
+            .arg(&p.lost[1])
+            .arg(&p.lost[2])
+            .arg(&p.lost[3])
+            .arg(&c);
+        // SAFETY: upsert_keys reads keys[0..n], values[0..n*dim] (or writes
+        // them for find_or_insert), scores[0..n] and only[0..n] where
+        // non-null, locks and writes the table described by args, and
+        // writes outcomes[0..n], ptrs[0..n], at most n entries to each lost_*
+        // array (sized for n keys, n*dim values) and 8 counters.
+        unsafe { b.launch(blocks(n * G_WRITE)) }.map_err(dev_err("launching upsert_keys"))?;
+        Ok(())
+    }
+
+    fn k_update(&self, l: &CudaStream, st: &Storage, sc: ScoringArgs, n: u64, mode: i32, p: Ptrs) -> Result<()> {
+        let c = p.counters;
+        let mut b = l.launch_builder(&self.f.update);
+        b.arg(&st.args)
+            .arg(&sc)
+            .arg(&p.keys)
+            .arg(&n)
+            .arg(&p.values)
+            .arg(&p.scores)
+            .arg(&p.only)
+            .arg(&mode)
+            .arg(&p.outcomes)
+            .arg(&p.found)
+            .arg(&c);
+        // SAFETY: update_keys reads keys[0..n], values[0..n*dim] and
+        // scores[0..n] where non-null, writes present entries of the table
+        // under its bucket locks, and writes outcomes[0..n] and absent
+        // flags[0..n] where non-null and 8 counters.
+        unsafe { b.launch(blocks(n * G_WRITE)) }.map_err(dev_err("launching update_keys"))?;
+        Ok(())
+    }
+
+    fn k_erase(&self, l: &CudaStream, st: &Storage, n: u64, p: Ptrs) -> Result<()> {
+        let c = p.counters;
+        let mut b = l.launch_builder(&self.f.erase);
+        b.arg(&st.args).arg(&p.keys).arg(&n).arg(&p.only).arg(&p.found).arg(&c);
+        // SAFETY: erase_keys reads keys[0..n], writes table entries under
+        // their bucket locks, erased[0..n] where non-null, and 8 counters.
+        unsafe { b.launch(blocks(n * G_WRITE)) }.map_err(dev_err("launching erase_keys"))?;
+        Ok(())
+    }
+
+    /// Export of positions [offset, end): counts, scan, write (all on the lane's stream).
+    #[allow(clippy::too_many_arguments)]
+    fn k_export(
+        &self,
+        l: &CudaStream,
+        st: &Storage,
+        offset: u64,
+        end: u64,
+        f: FilterArgs,
+        counts: u64,
+        offsets: u64,
+        out: [u64; 3],
+    ) -> Result<()> {
+        let nb = (end - 1) / S - offset / S + 1;
+        let mut b = l.launch_builder(&self.f.ex_count);
+        b.arg(&st.args).arg(&offset).arg(&end).arg(&f).arg(&counts);
+        // SAFETY: export_count reads table positions in [offset, end) and
+        // writes counts[0..nb], nb = the buckets the range spans.
+        unsafe { b.launch(blocks(nb * 32)) }.map_err(dev_err("launching export_count"))?;
+        let mut b = l.launch_builder(&self.f.ex_scan);
+        b.arg(&counts).arg(&nb).arg(&offsets);
+        let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: export_scan reads counts[0..nb] and writes offsets[0..=nb].
+        unsafe { b.launch(one) }.map_err(dev_err("launching export_scan"))?;
+        if out[0] != 0 {
+            let mut b = l.launch_builder(&self.f.ex_write);
+            b.arg(&st.args).arg(&offset).arg(&end).arg(&f).arg(&offsets).arg(&out[0]).arg(&out[1]).arg(&out[2]);
+            // SAFETY: export_write writes offsets[nb] entries in total to
+            // keys_out, values_out (dim each) and scores_out, which the
+            // caller sized for at least that many (or for every slot of the
+            // range).
+            unsafe { b.launch(blocks(nb * 32)) }.map_err(dev_err("launching export_write"))?;
+        }
+        Ok(())
+    }
+
+    // ---- growth -------------------------------------------------------------
+
+    /// Doubles the buckets while `incoming` more keys would pass the max load
+    /// factor and the max capacity allows. Caller holds the inserter group.
+    fn grow_for(&self, incoming: usize) -> Result<()> {
+        let max_buckets = self.config.max_buckets();
+        loop {
+            let nb = self.nbuckets();
+            let cap = (nb * S) as f64;
+            let want = (self.size.load(Relaxed) + incoming as u64) as f64;
+            if want <= self.config.max_load_factor * cap || nb * 2 > max_buckets {
+                return Ok(());
+            }
+            self.rehash(nb * 2)?;
+        }
+    }
+
+    fn nbuckets(&self) -> u64 {
+        self.storage.read().as_ref().map_or(0, |s| s.nbuckets)
+    }
+
+    /// Rebuilds the table with `nbuckets` buckets: every entry is exported
+    /// into device buffers and loaded (scores verbatim) into new storage.
+    fn rehash(&self, nbuckets: u64) -> Result<()> {
+        let mut guard = self.storage.write();
+        let old = guard.as_ref().expect("storage");
+        let mut l = self.lane()?;
+        let s = l.stream.clone();
+        let dim = self.config.dim;
+        let slots = old.nbuckets * S;
+        let nb_old = old.nbuckets as usize;
+        let counts = s.alloc_zeros::<u32>(nb_old).map_err(dev_err("allocating"))?;
+        let offsets = s.alloc_zeros::<u64>(nb_old + 1).map_err(dev_err("allocating"))?;
+        let (cp, op) = (ptr(&counts, &s), ptr(&offsets, &s));
+        let all = filter_args(&Filter::ALL);
+        self.k_export(&s, old, 0, slots, all, cp, op, [0, 0, 0])?;
+        let mut total = [0u64];
+        s.memcpy_dtoh(&offsets.slice(nb_old..nb_old + 1), &mut total).map_err(dev_err("reading the entry count"))?;
+        s.synchronize().map_err(dev_err("counting entries for growth"))?;
+        let size = total[0] as usize;
+        let keys = s.alloc_zeros::<u64>(size.max(1)).map_err(dev_err("allocating"))?;
+        let values = s.alloc_zeros::<f32>((size * dim).max(1)).map_err(dev_err("allocating"))?;
+        let scores = s.alloc_zeros::<u64>(size.max(1)).map_err(dev_err("allocating"))?;
+        let out = [ptr(&keys, &s), ptr(&values, &s), ptr(&scores, &s)];
+        self.k_export(&s, old, 0, slots, all, cp, op, out)?;
+        s.synchronize().map_err(dev_err("exporting for growth"))?;
+        drop(counts);
+        let new = Storage::new(self, &s, nbuckets)?;
+        *guard = None; // the old storage is freed before the load runs
+        self.zero_counters(&mut l)?;
+        let p = Ptrs { keys: out[0], values: out[1], scores: out[2], ..Ptrs::default() };
+        self.k_upsert(
+            &s,
+            &new,
+            self.scoring(true),
+            size as u64,
+            UP_INSERT,
+            Ptrs { counters: ptr(&l.counters, &s), ..p },
+        )?;
+        let c = self.read_counters(&l)?;
+        s.synchronize().map_err(dev_err("loading after growth"))?;
+        *guard = Some(new);
+        self.size.store(c.summary.inserted, Relaxed);
+        self.counters.evictions.fetch_add(c.summary.evicted + c.summary.rejected, Relaxed);
+        drop((keys, values, scores, offsets));
+        self.put_lane(l);
+        Ok(())
+    }
+
+    // ---- host-buffer batches -------------------------------------------------
+
+    /// Copies `src` into the lane buffer `buf` (grown as needed); returns its address.
+    fn upload<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        stream: &Arc<CudaStream>,
+        buf: &mut Option<CudaSlice<T>>,
+        src: &[T],
+    ) -> Result<u64> {
+        ensure(stream, buf, src.len())?;
+        let b = buf.as_mut().expect("ensured");
+        if !src.is_empty() {
+            stream.memcpy_htod(src, &mut b.slice_mut(..src.len())).map_err(dev_err("copying to the device"))?;
+        }
+        Ok(ptr(b, stream))
+    }
+
+    fn scratch<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        stream: &Arc<CudaStream>,
+        buf: &mut Option<CudaSlice<T>>,
+        n: usize,
+    ) -> Result<u64> {
+        ensure(stream, buf, n)?;
+        Ok(ptr(buf.as_ref().expect("ensured"), stream))
+    }
+
+    fn download<T: DeviceRepr>(stream: &Arc<CudaStream>, buf: &Option<CudaSlice<T>>, dst: &mut [T]) -> Result<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let b = buf.as_ref().expect("allocated");
+        stream.memcpy_dtoh(&b.slice(..dst.len()), dst).map_err(dev_err("copying from the device"))
+    }
+
+    /// Rounds that give a small batch the CPU backend's index order: keys
+    /// sharing a candidate bucket run in index order, each round in
+    /// parallel. `None`: one launch (no shared bucket, or a batch above
+    /// [`SEQUENTIAL_BATCH`] keys, whose order is unspecified).
+    fn rounds(&self, keys: &[u64], nbuckets: u64) -> Option<(Vec<u32>, u32)> {
+        if keys.len() < 2 || keys.len() > SEQUENTIAL_BATCH {
+            return None;
+        }
+        let dual = self.config.mode == BucketMode::Dual;
+        let mut last: HashMap<u64, u32> = HashMap::with_capacity(keys.len() * 2);
+        let mut round = vec![0u32; keys.len()];
+        let mut max = 0;
+        for (i, &k) in keys.iter().enumerate() {
+            let b1 = bucket1(k, nbuckets);
+            let b2 = if dual { bucket2(k, nbuckets) } else { b1 };
+            let r = match last.get(&b1).copied().max(last.get(&b2).copied()) {
+                Some(x) => x + 1,
+                None => 0,
+            };
+            round[i] = r;
+            max = max.max(r);
+            last.insert(b1, r);
+            last.insert(b2, r);
+        }
+        (max > 0).then_some((round, max))
+    }
+
+    /// Runs `launch` once per round of `keys` (see [`Self::rounds`]), with
+    /// the lane's flags2 buffer holding which keys run (also restricted to
+    /// `only`, when given). Counters accumulate over the rounds.
+    fn in_rounds(
+        &self,
+        l: &mut Lane,
+        keys: &[u64],
+        nbuckets: u64,
+        only: Option<&[u8]>,
+        mut launch: impl FnMut(&Lane, u64) -> Result<()>,
+    ) -> Result<()> {
+        let s = l.stream.clone();
+        match self.rounds(keys, nbuckets) {
+            None => {
+                let p = match only {
+                    Some(o) => Self::upload(&s, &mut l.flags2, o)?,
+                    None => 0,
+                };
+                launch(l, p)
+            }
+            Some((round, max)) => {
+                let mut flags = vec![0u8; keys.len()];
+                for r in 0..=max {
+                    let mut any = false;
+                    for i in 0..keys.len() {
+                        flags[i] = (round[i] == r && only.is_none_or(|o| o[i] != 0)) as u8;
+                        any |= flags[i] != 0;
+                    }
+                    if any {
+                        let p = Self::upload(&s, &mut l.flags2, &flags)?;
+                        launch(l, p)?;
+                        // flags is rewritten for the next round: wait for the copy.
+                        s.synchronize().map_err(dev_err("synchronizing"))?;
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// The shared body of insert_or_assign, insert_and_evict, load,
+    /// find_or_insert and the insert phase of accum_or_assign. Caller holds
+    /// the inserter group and has checked the arguments. `only`: the keys to
+    /// process (accum_or_assign's absent ones). Returns the counts, what lost
+    /// its slot, and the raw outcome bytes when asked for.
+    #[allow(clippy::too_many_arguments)]
+    fn upsert_host(
+        &self,
+        l: &mut Lane,
+        mode: i32,
+        keys: &[u64],
+        incoming: usize,
+        values: &mut [f32],
+        scores: Option<&[u64]>,
+        verbatim: bool,
+        only: Option<&[u8]>,
+        want_outcomes: bool,
+        keep_lost: bool,
+    ) -> Result<(Counts, Evictions, Vec<u8>)> {
+        self.grow_for(incoming)?;
+        let guard = self.storage.read();
+        let st = guard.as_ref().expect("storage");
+        let s = l.stream.clone();
+        let dim = self.config.dim;
+        let n = keys.len();
+        let mut p = Ptrs {
+            keys: Self::upload(&s, &mut l.keys, keys)?,
+            values: Self::upload(&s, &mut l.values, values)?,
+            counters: ptr(&l.counters, &s),
+            ..Ptrs::default()
+        };
+        if let Some(sc) = scores {
+            p.scores = Self::upload(&s, &mut l.scores, sc)?;
+        }
+        if want_outcomes {
+            p.outcomes = Self::scratch(&s, &mut l.flags, n)?;
+        }
+        if keep_lost {
+            p.lost = [
+                Self::scratch(&s, &mut l.lost_keys, n)?,
+                Self::scratch(&s, &mut l.lost_values, n * dim)?,
+                Self::scratch(&s, &mut l.lost_scores, n)?,
+                Self::scratch(&s, &mut l.lost_kinds, n)?,
+            ];
+        }
+        self.zero_counters(l)?;
+        let sc = self.scoring(verbatim);
+        self.in_rounds(l, keys, st.nbuckets, only, |_, o| {
+            self.k_upsert(&s, st, sc, n as u64, mode, Ptrs { only: o, ..p })
+        })?;
+        let c = self.read_counters(l)?;
+        if mode == UP_FIND_OR_INSERT {
+            Self::download(&s, &l.values, values)?;
+        }
+        let mut raw = vec![0u8; if want_outcomes { n } else { 0 }];
+        Self::download(&s, &l.flags, &mut raw)?;
+        let mut lost = Evictions::default();
+        if keep_lost && c.lost > 0 {
+            let m = c.lost as usize;
+            lost.keys = vec![0; m];
+            lost.values = vec![0.0; m * dim];
+            lost.scores = vec![0; m];
+            let mut kinds = vec![0u8; m];
+            Self::download(&s, &l.lost_keys, &mut lost.keys)?;
+            Self::download(&s, &l.lost_values, &mut lost.values)?;
+            Self::download(&s, &l.lost_scores, &mut lost.scores)?;
+            Self::download(&s, &l.lost_kinds, &mut kinds)?;
+            lost.kinds = kinds.into_iter().map(|k| if k == 0 { Lost::Evicted } else { Lost::Rejected }).collect();
+        }
+        s.synchronize().map_err(dev_err("synchronizing"))?;
+        self.size.fetch_add(c.summary.inserted, Relaxed);
+        self.counters.summary(&c.summary);
+        Ok((c, lost, raw))
+    }
+
+    fn with_lane<R>(&self, f: impl FnOnce(&mut Lane) -> Result<R>) -> Result<R> {
+        let mut l = self.lane()?;
+        let r = f(&mut l);
+        if r.is_ok() {
+            self.put_lane(l);
+        }
+        r
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn upsert_batch(
+        &self,
+        op: Op,
+        keys: &[u64],
+        values: &[f32],
+        scores: Option<&[u64]>,
+        verbatim: bool,
+        outcomes: Option<&mut [Outcome]>,
+        keep_lost: bool,
+    ) -> Result<(Counts, Evictions)> {
+        let n = keys.len();
+        check_keys(keys)?;
+        self.check_values("values", n, values.len())?;
+        Self::check_outcomes(&outcomes, n)?;
+        if !verbatim {
+            self.check_scores(scores, n, true)?;
+        }
+        let _g = self.lock.acquire(Group::Inserter);
+        self.counters.op(op, n);
+        if n == 0 {
+            return Ok(Default::default());
+        }
+        // The input rows are only read (upload copies them).
+        let mut rows = values.to_vec();
+        let want = outcomes.is_some();
+        let (c, lost, raw) = self.with_lane(|l| {
+            self.upsert_host(l, UP_INSERT, keys, n, &mut rows, scores, verbatim, None, want, keep_lost)
+        })?;
+        set_outcomes(outcomes, &raw, None);
+        Ok((c, lost))
+    }
+
+    fn update_batch(
+        &self,
+        op: Op,
+        mode: i32,
+        keys: &[u64],
+        values: Option<&[f32]>,
+        scores: Option<&[u64]>,
+        outcomes: Option<&mut [Outcome]>,
+    ) -> Result<Summary> {
+        let n = keys.len();
+        let _g = self.lock.acquire(Group::Updater);
+        self.counters.op(op, n);
+        if n == 0 {
+            return Ok(Summary::default());
+        }
+        let guard = self.storage.read();
+        let st = guard.as_ref().expect("storage");
+        let want = outcomes.is_some();
+        let (summary, raw) = self.with_lane(|l| self.update_host(l, st, mode, keys, values, scores, want, false))?;
+        set_outcomes(outcomes, &raw, None);
+        Ok(summary)
+    }
+
+    /// An update kernel over `keys` in rounds; returns the summary and the
+    /// raw outcomes (when asked); with `flag_absent`, the lane's flags
+    /// buffer ends up holding 1 for each absent key (downloaded into the
+    /// returned vector instead of outcomes).
+    #[allow(clippy::too_many_arguments)]
+    fn update_host(
+        &self,
+        l: &mut Lane,
+        st: &Storage,
+        mode: i32,
+        keys: &[u64],
+        values: Option<&[f32]>,
+        scores: Option<&[u64]>,
+        want_outcomes: bool,
+        flag_absent: bool,
+    ) -> Result<(Summary, Vec<u8>)> {
+        let s = l.stream.clone();
+        let n = keys.len();
+        let mut p =
+            Ptrs { keys: Self::upload(&s, &mut l.keys, keys)?, counters: ptr(&l.counters, &s), ..Ptrs::default() };
+        if let Some(v) = values {
+            p.values = Self::upload(&s, &mut l.values, v)?;
+        }
+        if let Some(sc) = scores {
+            p.scores = Self::upload(&s, &mut l.scores, sc)?;
+        }
+        if want_outcomes {
+            p.outcomes = Self::scratch(&s, &mut l.flags, n)?;
+        }
+        let mut absent = vec![0u8; if flag_absent { n } else { 0 }];
+        if flag_absent {
+            p.found = Self::scratch(&s, &mut l.lost_kinds, n)?;
+        }
+        self.zero_counters(l)?;
+        let sc = self.scoring(false);
+        self.in_rounds(l, keys, st.nbuckets, None, |_, o| {
+            self.k_update(&s, st, sc, n as u64, mode, Ptrs { only: o, ..p })
+        })?;
+        let c = self.read_counters(l)?;
+        let mut raw = vec![0u8; if want_outcomes { n } else { 0 }];
+        Self::download(&s, &l.flags, &mut raw)?;
+        Self::download(&s, &l.lost_kinds, &mut absent)?;
+        s.synchronize().map_err(dev_err("synchronizing"))?;
+        Ok((c.summary, if flag_absent { absent } else { raw }))
+    }
+}
+
+/// Writes raw outcome bytes into the caller's array (only where `mask` is
+/// non-zero, when given).
+fn set_outcomes(out: Option<&mut [Outcome]>, raw: &[u8], mask: Option<&[u8]>) {
+    if let Some(o) = out {
+        for (i, (d, &r)) in o.iter_mut().zip(raw).enumerate() {
+            if mask.is_none_or(|m| m[i] != 0) {
+                *d = Outcome::from_u8(r).unwrap_or(Outcome::Absent);
+            }
+        }
+    }
+}
+
+/// An operation on device-resident buffers ([`CudaTable::run_device`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum DeviceOp {
+    /// Values, found flags and scores of `keys`.
+    Find,
+    /// Device addresses of the values of `keys` (0 for misses), into `ptrs`.
+    FindPtr,
+    /// Found flags.
+    Contains,
+    /// Upsert `values`.
+    InsertOrAssign,
+    /// Upsert, with what lost its slot compacted into the `lost_*` buffers.
+    InsertAndEvict,
+    /// Stored rows of present keys into `values`; the given rows inserted otherwise.
+    FindOrInsert,
+    /// Present or newly inserted keys' value addresses into `ptrs` (0 if
+    /// refused); new rows are left for the caller to write.
+    FindOrInsertPtr,
+    /// Overwrite present keys' values.
+    Assign,
+    /// Remove keys.
+    Erase,
+    /// Export `n` slots from `offset`, compacted into `out_*`.
+    Export {
+        /// First slot position.
+        offset: u64,
+        /// Predicate.
+        filter: Filter,
+    },
+}
+
+/// Device buffers for batches of up to `n` keys (see [`CudaTable::run_device`]).
+pub struct DeviceBatch {
+    /// Capacity in keys.
+    pub n: usize,
+    /// Keys in.
+    pub keys: CudaSlice<u64>,
+    /// Values in or out, `n * dim`.
+    pub values: CudaSlice<f32>,
+    /// Scores out (find).
+    pub scores: CudaSlice<u64>,
+    /// Found / erased flags out.
+    pub found: CudaSlice<u8>,
+    /// Outcomes out.
+    pub outcomes: CudaSlice<u8>,
+    /// Value addresses out.
+    pub ptrs: CudaSlice<u64>,
+    /// insert_and_evict output: keys, values, scores, kinds.
+    pub lost_keys: CudaSlice<u64>,
+    /// insert_and_evict output values.
+    pub lost_values: CudaSlice<f32>,
+    /// insert_and_evict output scores.
+    pub lost_scores: CudaSlice<u64>,
+    /// insert_and_evict output kinds (0 evicted, 1 rejected).
+    pub lost_kinds: CudaSlice<u8>,
+    /// Export output keys (`n`).
+    pub out_keys: CudaSlice<u64>,
+    /// Export output values.
+    pub out_values: CudaSlice<f32>,
+    /// Export output scores.
+    pub out_scores: CudaSlice<u64>,
+    counts: CudaSlice<u32>,
+    offsets: CudaSlice<u64>,
+    counters: CudaSlice<u64>,
+    /// The stream every operation on this batch runs on.
+    pub stream: Arc<CudaStream>,
+}
+
+/// What [`CudaTable::run_device`] measured and counted.
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceRun {
+    /// Kernel time between CUDA events, in milliseconds.
+    pub ms: f32,
+    /// Counts of the batch.
+    pub counts: Counts,
+}
+
+impl CudaTable {
+    /// Allocates device buffers for batches of up to `n` keys, on a new stream.
+    pub fn device_batch(&self, n: usize) -> Result<DeviceBatch> {
+        let s = self.dev.ctx.new_stream().map_err(dev_err("creating a stream"))?;
+        let dim = self.config.dim;
+        let n1 = n.max(1);
+        let a = |e| dev_err("allocating a device batch")(e);
+        let nb = n1 / BUCKET_SLOTS + 2;
+        Ok(DeviceBatch {
+            n,
+            keys: s.alloc_zeros(n1).map_err(a)?,
+            values: s.alloc_zeros(n1 * dim).map_err(a)?,
+            scores: s.alloc_zeros(n1).map_err(a)?,
+            found: s.alloc_zeros(n1).map_err(a)?,
+            outcomes: s.alloc_zeros(n1).map_err(a)?,
+            ptrs: s.alloc_zeros(n1).map_err(a)?,
+            lost_keys: s.alloc_zeros(n1).map_err(a)?,
+            lost_values: s.alloc_zeros(n1 * dim).map_err(a)?,
+            lost_scores: s.alloc_zeros(n1).map_err(a)?,
+            lost_kinds: s.alloc_zeros(n1).map_err(a)?,
+            out_keys: s.alloc_zeros(n1 + BUCKET_SLOTS).map_err(a)?,
+            out_values: s.alloc_zeros((n1 + BUCKET_SLOTS) * dim).map_err(a)?,
+            out_scores: s.alloc_zeros(n1 + BUCKET_SLOTS).map_err(a)?,
+            counts: s.alloc_zeros(nb).map_err(a)?,
+            offsets: s.alloc_zeros(nb + 1).map_err(a)?,
+            counters: s.alloc_zeros(NCOUNTERS).map_err(a)?,
+            stream: s,
+        })
+    }
+
+    /// Runs `op` on the first `n` keys of `b` (already on the device), under
+    /// the op's lock group; results stay in `b`. Returns the kernel time
+    /// (CUDA events) and the batch's counts.
+    pub fn run_device(&self, op: DeviceOp, b: &mut DeviceBatch, n: usize) -> Result<DeviceRun> {
+        if n > b.n {
+            return Err(Error::Config(format!("{n} keys for a device batch of {}", b.n)));
+        }
+        let group = match op {
+            DeviceOp::Find | DeviceOp::FindPtr | DeviceOp::Contains | DeviceOp::Export { .. } => Group::Reader,
+            DeviceOp::Assign => Group::Updater,
+            _ => Group::Inserter,
+        };
+        let _g = self.lock.acquire(group);
+        let stat = match op {
+            DeviceOp::Find | DeviceOp::FindPtr => Op::Find,
+            DeviceOp::Contains => Op::Contains,
+            DeviceOp::InsertOrAssign => Op::InsertOrAssign,
+            DeviceOp::InsertAndEvict => Op::InsertAndEvict,
+            DeviceOp::FindOrInsert | DeviceOp::FindOrInsertPtr => Op::FindOrInsert,
+            DeviceOp::Assign => Op::Assign,
+            DeviceOp::Erase => Op::Erase,
+            DeviceOp::Export { .. } => Op::Export,
+        };
+        self.counters.op(stat, n);
+        if group == Group::Inserter && op != DeviceOp::Erase {
+            self.grow_for(n)?;
+        }
+        let guard = self.storage.read();
+        let st = guard.as_ref().expect("storage");
+        let s = b.stream.clone();
+        s.memset_zeros(&mut b.counters).map_err(dev_err("clearing counters"))?;
+        let lane: &CudaStream = &s;
+        let base = Ptrs { keys: ptr(&b.keys, &s), counters: ptr(&b.counters, &s), ..Ptrs::default() };
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = s.record_event(timing).map_err(dev_err("recording an event"))?;
+        let sc = self.scoring(false);
+        let n64 = n as u64;
+        match op {
+            DeviceOp::Find => {
+                let p =
+                    Ptrs { values: ptr(&b.values, &s), found: ptr(&b.found, &s), scores: ptr(&b.scores, &s), ..base };
+                self.k_lookup(lane, st, n64, p)?
+            }
+            DeviceOp::FindPtr => self.k_lookup(lane, st, n64, Ptrs { ptrs: ptr(&b.ptrs, &s), ..base })?,
+            DeviceOp::Contains => self.k_lookup(lane, st, n64, Ptrs { found: ptr(&b.found, &s), ..base })?,
+            DeviceOp::InsertOrAssign | DeviceOp::InsertAndEvict | DeviceOp::FindOrInsert => {
+                let mut p = Ptrs { values: ptr(&b.values, &s), ..base };
+                if op == DeviceOp::InsertAndEvict {
+                    p.lost = [
+                        ptr(&b.lost_keys, &s),
+                        ptr(&b.lost_values, &s),
+                        ptr(&b.lost_scores, &s),
+                        ptr(&b.lost_kinds, &s),
+                    ];
+                }
+                let mode = if op == DeviceOp::FindOrInsert { UP_FIND_OR_INSERT } else { UP_INSERT };
+                self.k_upsert(lane, st, sc, n64, mode, p)?
+            }
+            DeviceOp::FindOrInsertPtr => {
+                self.k_upsert(lane, st, sc, n64, UP_FIND_OR_INSERT_PTR, Ptrs { ptrs: ptr(&b.ptrs, &s), ..base })?
+            }
+            DeviceOp::Assign => {
+                self.k_update(lane, st, sc, n64, UPD_ASSIGN, Ptrs { values: ptr(&b.values, &s), ..base })?
+            }
+            DeviceOp::Erase => self.k_erase(lane, st, n64, Ptrs { found: ptr(&b.found, &s), ..base })?,
+            DeviceOp::Export { offset, filter } => {
+                let cap = st.nbuckets * S;
+                let end = offset.saturating_add(n64).min(cap);
+                if offset < end {
+                    let out = [ptr(&b.out_keys, &s), ptr(&b.out_values, &s), ptr(&b.out_scores, &s)];
+                    self.k_export(
+                        lane,
+                        st,
+                        offset,
+                        end,
+                        filter_args(&filter),
+                        ptr(&b.counts, &s),
+                        ptr(&b.offsets, &s),
+                        out,
+                    )?;
+                }
+            }
+        }
+        let end = s.record_event(timing).map_err(dev_err("recording an event"))?;
+        let c = s.clone_dtoh(&b.counters).map_err(dev_err("reading counters"))?;
+        s.synchronize().map_err(dev_err("synchronizing"))?;
+        let ms = start.elapsed_ms(&end).map_err(dev_err("reading events"))?;
+        let counts = counts(&c);
+        match op {
+            DeviceOp::Find | DeviceOp::FindPtr | DeviceOp::Contains => self.counters.lookups(counts.hits, n),
+            DeviceOp::Erase => {
+                self.size.fetch_sub(counts.erased, Relaxed);
+            }
+            DeviceOp::Export { .. } | DeviceOp::Assign => {}
+            _ => {
+                self.size.fetch_add(counts.summary.inserted, Relaxed);
+                self.counters.summary(&counts.summary);
+            }
+        }
+        Ok(DeviceRun { ms, counts })
+    }
+}
+
+impl Shard for CudaTable {
+    fn config(&self) -> &TableConfig {
+        &self.config
+    }
+
+    fn capacity(&self) -> u64 {
+        self.nbuckets() * S
+    }
+
+    fn size(&self) -> u64 {
+        self.size.load(Relaxed)
+    }
+
+    fn set_global_epoch(&self, epoch: u32) {
+        self.epoch.store(epoch, Relaxed);
+    }
+
+    fn find(&self, keys: &[u64], values: &mut [f32], found: &mut [bool], scores: Option<&mut [u64]>) -> Result<usize> {
+        let n = keys.len();
+        check_keys(keys)?;
+        self.check_values("values", n, values.len())?;
+        check_len("found", found.len(), n, || format!("{n} keys"))?;
+        if let Some(s) = &scores {
+            check_len("scores", s.len(), n, || format!("{n} keys"))?;
+        }
+        let _g = self.lock.acquire(Group::Reader);
+        self.counters.op(Op::Find, n);
+        if n == 0 {
+            return Ok(0);
+        }
+        let guard = self.storage.read();
+        let st = guard.as_ref().expect("storage");
+        let dim = self.config.dim;
+        let hits = self.with_lane(|l| {
+            let s = l.stream.clone();
+            let mut p = Ptrs {
+                keys: Self::upload(&s, &mut l.keys, keys)?,
+                values: Self::scratch(&s, &mut l.values, n * dim)?,
+                found: Self::scratch(&s, &mut l.flags, n)?,
+                ..Ptrs::default()
+            };
+            if scores.is_some() {
+                p.scores = Self::scratch(&s, &mut l.scores, n)?;
+            }
+            self.zero_counters(l)?;
+            let p = Ptrs { counters: ptr(&l.counters, &s), ..p };
+            self.k_lookup(&s, st, n as u64, p)?;
+            let c = self.read_counters(l)?;
+            let mut f = vec![0u8; n];
+            Self::download(&s, &l.flags, &mut f)?;
+            let mut v = vec![0f32; n * dim];
+            Self::download(&s, &l.values, &mut v)?;
+            let mut sc = vec![0u64; if scores.is_some() { n } else { 0 }];
+            Self::download(&s, &l.scores, &mut sc)?;
+            s.synchronize().map_err(dev_err("synchronizing"))?;
+            // Misses leave the caller's rows untouched.
+            for i in 0..n {
+                found[i] = f[i] != 0;
+                if found[i] {
+                    values[i * dim..(i + 1) * dim].copy_from_slice(&v[i * dim..(i + 1) * dim]);
+                }
+            }
+            if let Some(out) = scores {
+                for i in 0..n {
+                    if found[i] {
+                        out[i] = sc[i];
+                    }
+                }
+            }
+            Ok(c.hits)
+        })?;
+        self.counters.lookups(hits, n);
+        Ok(hits as usize)
+    }
+
+    fn contains(&self, keys: &[u64], found: &mut [bool]) -> Result<usize> {
+        let n = keys.len();
+        check_keys(keys)?;
+        check_len("found", found.len(), n, || format!("{n} keys"))?;
+        let _g = self.lock.acquire(Group::Reader);
+        self.counters.op(Op::Contains, n);
+        if n == 0 {
+            return Ok(0);
+        }
+        let guard = self.storage.read();
+        let st = guard.as_ref().expect("storage");
+        let hits = self.with_lane(|l| {
+            let s = l.stream.clone();
+            let p = Ptrs {
+                keys: Self::upload(&s, &mut l.keys, keys)?,
+                found: Self::scratch(&s, &mut l.flags, n)?,
+                ..Ptrs::default()
+            };
+            self.zero_counters(l)?;
+            let p = Ptrs { counters: ptr(&l.counters, &s), ..p };
+            self.k_lookup(&s, st, n as u64, p)?;
+            let c = self.read_counters(l)?;
+            let mut f = vec![0u8; n];
+            Self::download(&s, &l.flags, &mut f)?;
+            s.synchronize().map_err(dev_err("synchronizing"))?;
+            for (o, x) in found.iter_mut().zip(f) {
+                *o = x != 0;
+            }
+            Ok(c.hits)
+        })?;
+        self.counters.lookups(hits, n);
+        Ok(hits as usize)
+    }
+
+    fn insert_or_assign(
+        &self,
+        keys: &[u64],
+        values: &[f32],
+        scores: Option<&[u64]>,
+        outcomes: Option<&mut [Outcome]>,
+    ) -> Result<Summary> {
+        Ok(self.upsert_batch(Op::InsertOrAssign, keys, values, scores, false, outcomes, false)?.0.summary)
+    }
+
+    fn insert_and_evict(
+        &self,
+        keys: &[u64],
+        values: &[f32],
+        scores: Option<&[u64]>,
+        outcomes: Option<&mut [Outcome]>,
+    ) -> Result<Evictions> {
+        Ok(self.upsert_batch(Op::InsertAndEvict, keys, values, scores, false, outcomes, true)?.1)
+    }
+
+    fn find_or_insert(
+        &self,
+        keys: &[u64],
+        values: &mut [f32],
+        scores: Option<&[u64]>,
+        outcomes: Option<&mut [Outcome]>,
+    ) -> Result<Summary> {
+        let n = keys.len();
+        check_keys(keys)?;
+        self.check_values("values", n, values.len())?;
+        self.check_scores(scores, n, true)?;
+        Self::check_outcomes(&outcomes, n)?;
+        let _g = self.lock.acquire(Group::Inserter);
+        self.counters.op(Op::FindOrInsert, n);
+        if n == 0 {
+            return Ok(Summary::default());
+        }
+        let want = outcomes.is_some();
+        let (c, _, raw) = self
+            .with_lane(|l| self.upsert_host(l, UP_FIND_OR_INSERT, keys, n, values, scores, false, None, want, false))?;
+        set_outcomes(outcomes, &raw, None);
+        self.counters.lookups(c.summary.updated, n);
+        Ok(c.summary)
+    }
+
+    fn assign(
+        &self,
+        keys: &[u64],
+        values: &[f32],
+        scores: Option<&[u64]>,
+        outcomes: Option<&mut [Outcome]>,
+    ) -> Result<Summary> {
+        let n = keys.len();
+        check_keys(keys)?;
+        self.check_values("values", n, values.len())?;
+        self.check_scores(scores, n, false)?;
+        Self::check_outcomes(&outcomes, n)?;
+        self.update_batch(Op::Assign, UPD_ASSIGN, keys, Some(values), scores, outcomes)
+    }
+
+    fn assign_scores(&self, keys: &[u64], scores: Option<&[u64]>, outcomes: Option<&mut [Outcome]>) -> Result<Summary> {
+        let n = keys.len();
+        check_keys(keys)?;
+        self.check_scores(scores, n, false)?;
+        Self::check_outcomes(&outcomes, n)?;
+        self.update_batch(Op::AssignScores, UPD_SCORES, keys, None, scores, outcomes)
+    }
+
+    fn accum_or_assign(
+        &self,
+        keys: &[u64],
+        deltas: &[f32],
+        scores: Option<&[u64]>,
+        mut outcomes: Option<&mut [Outcome]>,
+    ) -> Result<Summary> {
+        let n = keys.len();
+        check_keys(keys)?;
+        self.check_values("deltas", n, deltas.len())?;
+        self.check_scores(scores, n, true)?;
+        Self::check_outcomes(&outcomes, n)?;
+        if n == 0 {
+            let _g = self.lock.acquire(Group::Updater);
+            self.counters.op(Op::AccumOrAssign, 0);
+            return Ok(Summary::default());
+        }
+        let mut l = self.lane()?;
+        // Phase 1, updater group: accumulate into present keys, flag absent ones.
+        let (first, absent) = {
+            let _g = self.lock.acquire(Group::Updater);
+            self.counters.op(Op::AccumOrAssign, n);
+            let guard = self.storage.read();
+            let st = guard.as_ref().expect("storage");
+            let want = outcomes.is_some();
+            let (summary, absent) = self.update_host(&mut l, st, UPD_ACCUM, keys, Some(deltas), scores, false, true)?;
+            if want {
+                // Present keys: Updated; the others are decided in phase 2.
+                set_outcomes(
+                    outcomes.as_deref_mut(),
+                    &vec![Outcome::Updated as u8; n],
+                    Some(&absent.iter().map(|&a| (a == 0) as u8).collect::<Vec<_>>()),
+                );
+            }
+            (summary, absent)
+        };
+        if first.absent == 0 {
+            self.put_lane(l);
+            return Ok(first);
+        }
+        // Phase 2, inserter group: insert the absent keys in index order
+        // (another batch may have inserted some meanwhile: those accumulate).
+        let _g = self.lock.acquire(Group::Inserter);
+        let mut rows = deltas.to_vec();
+        let want = outcomes.is_some();
+        let (c, _, raw) = self.upsert_host(
+            &mut l,
+            UP_ACCUM,
+            keys,
+            first.absent as usize,
+            &mut rows,
+            scores,
+            false,
+            Some(&absent),
+            want,
+            false,
+        )?;
+        set_outcomes(outcomes, &raw, Some(&absent));
+        self.put_lane(l);
+        Ok(Summary { absent: 0, ..first }.merge(c.summary))
+    }
+
+    fn erase(&self, keys: &[u64], erased: Option<&mut [bool]>) -> Result<usize> {
+        let n = keys.len();
+        check_keys(keys)?;
+        if let Some(e) = &erased {
+            check_len("erased", e.len(), n, || format!("{n} keys"))?;
+        }
+        let _g = self.lock.acquire(Group::Inserter);
+        self.counters.op(Op::Erase, n);
+        if n == 0 {
+            return Ok(0);
+        }
+        let guard = self.storage.read();
+        let st = guard.as_ref().expect("storage");
+        let count = self.with_lane(|l| {
+            let s = l.stream.clone();
+            let p = Ptrs {
+                keys: Self::upload(&s, &mut l.keys, keys)?,
+                found: Self::scratch(&s, &mut l.flags, n)?,
+                ..Ptrs::default()
+            };
+            self.zero_counters(l)?;
+            let p = Ptrs { counters: ptr(&l.counters, &s), ..p };
+            self.in_rounds(l, keys, st.nbuckets, None, |_, o| self.k_erase(&s, st, n as u64, Ptrs { only: o, ..p }))?;
+            let c = self.read_counters(l)?;
+            if let Some(out) = erased {
+                let mut f = vec![0u8; n];
+                Self::download(&s, &l.flags, &mut f)?;
+                s.synchronize().map_err(dev_err("synchronizing"))?;
+                for (o, x) in out.iter_mut().zip(f) {
+                    *o = x != 0;
+                }
+            }
+            s.synchronize().map_err(dev_err("synchronizing"))?;
+            Ok(c.erased)
+        })?;
+        self.size.fetch_sub(count, Relaxed);
+        Ok(count as usize)
+    }
+
+    fn erase_if(&self, filter: &Filter) -> Result<u64> {
+        let _g = self.lock.acquire(Group::Inserter);
+        self.counters.op(Op::EraseIf, 0);
+        let guard = self.storage.read();
+        let st = guard.as_ref().expect("storage");
+        let removed = self.with_lane(|l| {
+            self.zero_counters(l)?;
+            let c = ptr(&l.counters, &l.stream);
+            let fa = filter_args(filter);
+            let mut b = l.stream.launch_builder(&self.f.erase_if);
+            b.arg(&st.args).arg(&fa).arg(&c);
+            // SAFETY: erase_if visits buckets < nbuckets (one warp each) of
+            // the table described by args and writes 8 counters.
+            unsafe { b.launch(blocks(st.nbuckets * 32)) }.map_err(dev_err("launching erase_if"))?;
+            let c = self.read_counters(l)?;
+            l.stream.synchronize().map_err(dev_err("synchronizing"))?;
+            Ok(c.erased)
+        })?;
+        self.size.fetch_sub(removed, Relaxed);
+        Ok(removed)
+    }
+
+    fn clear(&self) -> Result<()> {
+        let _g = self.lock.acquire(Group::Inserter);
+        self.counters.op(Op::Clear, 0);
+        let guard = self.storage.read();
+        let st = guard.as_ref().expect("storage");
+        self.with_lane(|l| {
+            let mut b = l.stream.launch_builder(&self.f.clear);
+            b.arg(&st.args);
+            // SAFETY: clear_table writes positions < nbuckets * 128 and
+            // buckets < nbuckets of the table described by args.
+            unsafe { b.launch(blocks(st.nbuckets * S)) }.map_err(dev_err("launching clear_table"))?;
+            l.stream.synchronize().map_err(dev_err("synchronizing"))
+        })?;
+        self.size.store(0, Relaxed);
+        Ok(())
+    }
+
+    fn export_batch_if(&self, offset: u64, n: u64, filter: &Filter) -> Result<Export> {
+        let _g = self.lock.acquire(Group::Reader);
+        let guard = self.storage.read();
+        let st = guard.as_ref().expect("storage");
+        let cap = st.nbuckets * S;
+        let end = offset.saturating_add(n).min(cap);
+        if offset >= end {
+            self.counters.op(Op::Export, 0);
+            return Ok(Export::default());
+        }
+        let dim = self.config.dim;
+        let out = self.with_lane(|l| {
+            let s = l.stream.clone();
+            let nb = ((end - 1) / S - offset / S + 1) as usize;
+            let counts = Self::scratch(&s, &mut l.counts, nb)?;
+            let offsets = Self::scratch(&s, &mut l.offsets, nb + 1)?;
+            let fa = filter_args(filter);
+            self.k_export(&s, st, offset, end, fa, counts, offsets, [0, 0, 0])?;
+            let mut total = [0u64];
+            let o = l.offsets.as_ref().expect("allocated");
+            s.memcpy_dtoh(&o.slice(nb..nb + 1), &mut total).map_err(dev_err("reading the export size"))?;
+            s.synchronize().map_err(dev_err("synchronizing"))?;
+            let m = total[0] as usize;
+            let mut e = Export { keys: vec![0; m], values: vec![0.0; m * dim], scores: vec![0; m] };
+            if m > 0 {
+                let out = [
+                    Self::scratch(&s, &mut l.keys, m)?,
+                    Self::scratch(&s, &mut l.values, m * dim)?,
+                    Self::scratch(&s, &mut l.scores, m)?,
+                ];
+                self.k_export(&s, st, offset, end, fa, counts, offsets, out)?;
+                Self::download(&s, &l.keys, &mut e.keys)?;
+                Self::download(&s, &l.values, &mut e.values)?;
+                Self::download(&s, &l.scores, &mut e.scores)?;
+                s.synchronize().map_err(dev_err("synchronizing"))?;
+            }
+            Ok(e)
+        })?;
+        self.counters.op(Op::Export, out.keys.len());
+        Ok(out)
+    }
+
+    fn reserve(&self, capacity: u64) -> Result<()> {
+        let max = self.config.max_buckets() * S;
+        if capacity > max {
+            return Err(Error::Capacity { requested: capacity, max });
+        }
+        let _g = self.lock.acquire(Group::Inserter);
+        self.counters.op(Op::Reserve, 0);
+        loop {
+            let nb = self.nbuckets();
+            if nb * S >= capacity || nb * 2 > self.config.max_buckets() {
+                return Ok(());
+            }
+            self.rehash(nb * 2)?;
+        }
+    }
+
+    fn load(&self, keys: &[u64], values: &[f32], scores: &[u64]) -> Result<Summary> {
+        let n = keys.len();
+        check_len("scores", scores.len(), n, || format!("{n} keys"))?;
+        Ok(self.upsert_batch(Op::Load, keys, values, Some(scores), true, None, false)?.0.summary)
+    }
+
+    fn stats(&self) -> ShardStats {
+        let c = &self.counters;
+        let capacity = self.capacity();
+        let size = self.size();
+        let (fast, host) = self.storage.read().as_ref().map_or((0, 0), |s| (s.fast_slots, s.host_slots));
+        let row = self.config.dim as u64 * 4;
+        ShardStats {
+            size,
+            capacity,
+            load_factor: size as f64 / capacity.max(1) as f64,
+            ops: c.ops.iter().map(|a| a.load(Relaxed)).collect(),
+            keys: c.keys.iter().map(|a| a.load(Relaxed)).collect(),
+            hits: c.hits.load(Relaxed),
+            misses: c.misses.load(Relaxed),
+            inserts: c.inserts.load(Relaxed),
+            evictions: c.evictions.load(Relaxed),
+            rejections: c.rejections.load(Relaxed),
+            fast_tier_bytes: fast * row,
+            host_tier_bytes: host * row,
+            lock: self.lock.state(),
+        }
+    }
+
+    fn clock_score(&self) -> u64 {
+        let sc = Scorer { policy: self.config.policy, now_ns: self.clock.now_ns(), epoch: self.epoch.load(Relaxed) };
+        match self.config.policy {
+            ScorePolicy::Lru | ScorePolicy::EpochLru => sc.on_insert(None),
+            ScorePolicy::EpochLfu => (sc.epoch as u64) << 32,
+            ScorePolicy::Lfu | ScorePolicy::Custom => 0,
+        }
+    }
+}
