@@ -241,14 +241,15 @@ __device__ __forceinline__ int hkv_free_slot(const HkvTable& t, const HkvGroup<G
 template <int G>
 __device__ __forceinline__ void hkv_min_slot(const HkvTable& t, const HkvGroup<G>& g, u64 b, int* slot, u64* score) {
     constexpr int SPT = 128 / G;
-    int bs = g.rank * SPT;
-    u64 bv = __ldcg(t.scores + b * 128 + bs);
+    const int first = g.rank * SPT;
+    int bs = first;
+    u64 bv = __ldcg(t.scores + b * 128 + first);
 #pragma unroll
     for (int i = 1; i < SPT; ++i) {
-        u64 v = __ldcg(t.scores + b * 128 + bs + i);
+        u64 v = __ldcg(t.scores + b * 128 + first + i);
         if (v < bv) {
             bv = v;
-            bs = g.rank * SPT + i;
+            bs = first + i;
         }
     }
 #pragma unroll

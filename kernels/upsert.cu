@@ -12,12 +12,12 @@
 
 template <int G>
 __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& sc, const u64* keys, u64 n,
-                                           float* values, const u64* scores_in, const u8* skip, int mode,
+                                           float* values, const u64* scores_in, const u8* only, int mode,
                                            u8* outcomes, u64* ptrs, u64* lost_keys, float* lost_values,
                                            u64* lost_scores, u8* lost_kinds, u64* cnt, u64* gcnt) {
     HkvGroup<G> g;
     u64 i = ((u64)blockIdx.x * blockDim.x + threadIdx.x) / G;
-    if (i >= n || (skip && skip[i])) return;
+    if (i >= n || (only && !only[i])) return;
     u64 key = keys[i];
     u64 b1, b2;
     u8 d;
@@ -108,13 +108,14 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
 }
 
 // values: input rows (find_or_insert: in and out; null for find_or_insert*).
-// scores_in, skip, outcomes, ptrs and the lost_* outputs may be null.
+// scores_in, only, outcomes, ptrs and the lost_* outputs may be null; with
+// only, key i is processed only where only[i] != 0.
 extern "C" __global__ void upsert_keys(HkvTable t, HkvScoring sc, const u64* keys, u64 n, float* values,
-                                       const u64* scores_in, const u8* skip, int mode, u8* outcomes, u64* ptrs,
+                                       const u64* scores_in, const u8* only, int mode, u8* outcomes, u64* ptrs,
                                        u64* lost_keys, float* lost_values, u64* lost_scores, u8* lost_kinds,
                                        u64* counters) {
     HKV_COUNTERS_INIT
-    upsert_one<16>(t, sc, keys, n, values, scores_in, skip, mode, outcomes, ptrs, lost_keys, lost_values,
+    upsert_one<16>(t, sc, keys, n, values, scores_in, only, mode, outcomes, ptrs, lost_keys, lost_values,
                    lost_scores, lost_kinds, hkv_cnt, counters);
     hkv_flush_counters(hkv_cnt, counters);
 }
