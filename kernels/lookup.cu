@@ -30,10 +30,15 @@ __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u
     if (hit && values) hkv_copy_row<G, false>(values + i * t.dim, hkv_row(t, b * 128 + s), t.dim, g.rank);
 }
 
-// values / found / scores / ptrs may each be null. Misses leave values untouched.
-extern "C" __global__ void lookup_find(HkvTable t, const u64* keys, u64 n, float* values, u8* found, u64* scores,
-                                       u64* ptrs, u64* counters) {
-    HKV_COUNTERS_INIT
-    lookup_one<8>(t, keys, n, values, found, scores, ptrs, hkv_cnt);
-    hkv_flush_counters(hkv_cnt, counters);
-}
+#define HKV_LOOKUP_KERNEL(NAME, G)                                                                              \
+    extern "C" __global__ void NAME(HkvTable t, const u64* keys, u64 n, float* values, u8* found, u64* scores,     \
+                                    u64* ptrs, u64* counters) {                                                    \
+        HKV_COUNTERS_INIT                                                                                          \
+        lookup_one<G>(t, keys, n, values, found, scores, ptrs, hkv_cnt);                                          \
+        hkv_flush_counters(hkv_cnt, counters);                                                                     \
+    }
+
+// values / found / scores / ptrs may each be null. Misses leave values
+// untouched. lookup_find: 8 threads per key; lookup_find_g4: 4.
+HKV_LOOKUP_KERNEL(lookup_find, 8)
+HKV_LOOKUP_KERNEL(lookup_find_g4, 4)

@@ -4,7 +4,7 @@
 // the minimum-score slot (lowest slot on ties) as the eviction victim, the
 // score rules of shard/src/score.rs.
 //
-// A key is served by a group of G threads of one warp (G = 8, 16 or 32):
+// A key is served by a group of G threads of one warp (G = 4, 8, 16 or 32):
 // thread r of the group owns slots [r * 128/G, (r + 1) * 128/G) of a bucket,
 // so the group reads a digest line in one coalesced access and every
 // group-wide choice ("lowest slot", "minimum score") is a ballot or a
@@ -178,7 +178,13 @@ __device__ __forceinline__ u32 hkv_match(const u8* line, u32 rank, u8 d) {
     constexpr int SPT = 128 / G;
     u32 pat = 0x01010101u * d;
     u32 w[SPT / 4];
-    if constexpr (SPT == 16) {
+    if constexpr (SPT == 32) {
+        const uint4* q = reinterpret_cast<const uint4*>(line) + rank * 2;
+        uint4 v = CG ? __ldcg(q) : __ldg(q);
+        uint4 u = CG ? __ldcg(q + 1) : __ldg(q + 1);
+        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+        w[4] = u.x; w[5] = u.y; w[6] = u.z; w[7] = u.w;
+    } else if constexpr (SPT == 16) {
         uint4 v = CG ? __ldcg(reinterpret_cast<const uint4*>(line) + rank) : __ldg(reinterpret_cast<const uint4*>(line) + rank);
         w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
     } else if constexpr (SPT == 8) {
@@ -265,27 +271,48 @@ __device__ __forceinline__ void hkv_min_slot(const HkvTable& t, const HkvGroup<G
     *score = bv;
 }
 
-// Writer locks: the group's first thread spins; lower bucket index first.
+// Writer locks: the group's first thread spins with an acquire CAS; the
+// release store that unlocks publishes the group's writes (ordered before it
+// by the group's __syncwarp). Lower bucket index first.
+__device__ __forceinline__ int hkv_cas_acquire(int* p) {
+    int old;
+    asm volatile("atom.acquire.gpu.global.cas.b32 %0, [%1], 0, 1;" : "=r"(old) : "l"(p) : "memory");
+    return old;
+}
+
+__device__ __forceinline__ void hkv_store_release(int* p) {
+    asm volatile("st.release.gpu.global.b32 [%0], 0;" ::"l"(p) : "memory");
+}
+
+__device__ __forceinline__ void hkv_prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 template <int G>
 __device__ __forceinline__ void hkv_lock2(const HkvTable& t, const HkvGroup<G>& g, u64 b1, u64 b2) {
     if (g.rank == 0) {
         u64 lo = b1 < b2 ? b1 : b2, hi = b1 < b2 ? b2 : b1;
-        while (atomicCAS(t.locks + lo, 0, 1) != 0) __nanosleep(32);
+        while (hkv_cas_acquire(t.locks + lo) != 0) __nanosleep(32);
         if (hi != lo)
-            while (atomicCAS(t.locks + hi, 0, 1) != 0) __nanosleep(32);
-        __threadfence();
+            while (hkv_cas_acquire(t.locks + hi) != 0) __nanosleep(32);
     }
     g.sync();
 }
 
 template <int G>
 __device__ __forceinline__ void hkv_unlock2(const HkvTable& t, const HkvGroup<G>& g, u64 b1, u64 b2) {
-    __threadfence();
     g.sync();
     if (g.rank == 0) {
-        if (b2 != b1) atomicExch(t.locks + b2, 0);
-        atomicExch(t.locks + b1, 0);
+        if (b2 != b1) hkv_store_release(t.locks + b2);
+        hkv_store_release(t.locks + b1);
     }
+}
+
+// Starts fetching a bucket's digest line (and sizes word) into L2 while the
+// lock is being taken.
+__device__ __forceinline__ void hkv_prefetch_bucket(const HkvTable& t, u64 b) {
+    hkv_prefetch_l2(t.digests + b * 128);
+    hkv_prefetch_l2(t.sizes + b);
 }
 
 // ---- value rows, copied by the group ---------------------------------------

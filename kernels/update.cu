@@ -1,7 +1,7 @@
 // update family: assign, assign_scores and the accumulate phase of
 // accum_or_assign, on present keys only. Updater group: batches of this
 // family may run together, so buckets are locked per key as writers do.
-// Thread mapping: G = 16 threads per key.
+// Thread mapping: G = 8 threads per key (4 and 16 also built).
 
 #define HKV_UPD_ASSIGN 0
 #define HKV_UPD_SCORES 1
@@ -18,6 +18,10 @@ __device__ __forceinline__ void update_one(const HkvTable& t, const HkvScoring& 
     u64 b1, b2;
     u8 d;
     hkv_locate(t, key, &b1, &b2, &d);
+    if (g.rank == 0) {
+        hkv_prefetch_bucket(t, b1);
+        if (b2 != b1) hkv_prefetch_bucket(t, b2);
+    }
     bool has = scores_in != 0;
     u64 in = has ? scores_in[i] : 0;
     hkv_lock2(t, g, b1, b2);
@@ -54,10 +58,16 @@ __device__ __forceinline__ void update_one(const HkvTable& t, const HkvScoring& 
 
 // values: rows (assign) or deltas (accumulate); null for assign_scores.
 // only (may be null): process key i only where only[i] != 0.
-extern "C" __global__ void update_keys(HkvTable t, HkvScoring sc, const u64* keys, u64 n, const float* values,
-                                       const u64* scores_in, const u8* only, int mode, u8* outcomes, u8* absent,
-                                       u64* counters) {
-    HKV_COUNTERS_INIT
-    update_one<16>(t, sc, keys, n, values, scores_in, only, mode, outcomes, absent, hkv_cnt);
-    hkv_flush_counters(hkv_cnt, counters);
-}
+#define HKV_UPDATE_KERNEL(NAME, G)                                                                              \
+    extern "C" __global__ void NAME(HkvTable t, HkvScoring sc, const u64* keys, u64 n, const float* values,        \
+                                    const u64* scores_in, const u8* only, int mode, u8* outcomes, u8* absent,      \
+                                    u64* counters) {                                                               \
+        HKV_COUNTERS_INIT                                                                                          \
+        update_one<G>(t, sc, keys, n, values, scores_in, only, mode, outcomes, absent, hkv_cnt);                  \
+        hkv_flush_counters(hkv_cnt, counters);                                                                     \
+    }
+
+// update_keys: 8 threads per key; the _g4 and _g16 variants: 4 and 16.
+HKV_UPDATE_KERNEL(update_keys, 8)
+HKV_UPDATE_KERNEL(update_keys_g4, 4)
+HKV_UPDATE_KERNEL(update_keys_g16, 16)

@@ -1,8 +1,8 @@
 // upsert family: insert_or_assign, insert_and_evict, find_or_insert,
 // find_or_insert*, load and the insert phase of accum_or_assign: the write
 // path of paper Algorithms 2 and 3, exactly as CpuTable::upsert. Inserter
-// group. Thread mapping: G = 16 threads per key, 16 keys per 256-thread
-// block; the key's candidate buckets are locked for the whole operation.
+// group. Thread mapping: G = 8 threads per key (4 and 16 also built), 32 keys
+// per 256-thread block; the key's candidate buckets are locked for the whole operation.
 // insert_and_evict compacts what lost its slot on the GPU (order unspecified).
 
 #define HKV_UP_INSERT 0
@@ -22,6 +22,10 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
     u64 b1, b2;
     u8 d;
     hkv_locate(t, key, &b1, &b2, &d);
+    if (g.rank == 0) {
+        hkv_prefetch_bucket(t, b1);
+        if (b2 != b1) hkv_prefetch_bucket(t, b2);
+    }
     bool has = scores_in != 0;
     u64 in = has ? scores_in[i] : 0;
     float* vin = values ? values + i * t.dim : 0;
@@ -110,12 +114,18 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
 // values: input rows (find_or_insert: in and out; null for find_or_insert*).
 // scores_in, only, outcomes, ptrs and the lost_* outputs may be null; with
 // only, key i is processed only where only[i] != 0.
-extern "C" __global__ void upsert_keys(HkvTable t, HkvScoring sc, const u64* keys, u64 n, float* values,
-                                       const u64* scores_in, const u8* only, int mode, u8* outcomes, u64* ptrs,
-                                       u64* lost_keys, float* lost_values, u64* lost_scores, u8* lost_kinds,
-                                       u64* counters) {
-    HKV_COUNTERS_INIT
-    upsert_one<16>(t, sc, keys, n, values, scores_in, only, mode, outcomes, ptrs, lost_keys, lost_values,
-                   lost_scores, lost_kinds, hkv_cnt, counters);
-    hkv_flush_counters(hkv_cnt, counters);
-}
+#define HKV_UPSERT_KERNEL(NAME, G)                                                                              \
+    extern "C" __global__ void NAME(HkvTable t, HkvScoring sc, const u64* keys, u64 n, float* values,              \
+                                    const u64* scores_in, const u8* only, int mode, u8* outcomes, u64* ptrs,       \
+                                    u64* lost_keys, float* lost_values, u64* lost_scores, u8* lost_kinds,          \
+                                    u64* counters) {                                                               \
+        HKV_COUNTERS_INIT                                                                                          \
+        upsert_one<G>(t, sc, keys, n, values, scores_in, only, mode, outcomes, ptrs, lost_keys, lost_values,       \
+                      lost_scores, lost_kinds, hkv_cnt, counters);                                                 \
+        hkv_flush_counters(hkv_cnt, counters);                                                                     \
+    }
+
+// upsert_keys: 8 threads per key; the _g4 and _g16 variants: 4 and 16.
+HKV_UPSERT_KERNEL(upsert_keys, 8)
+HKV_UPSERT_KERNEL(upsert_keys_g4, 4)
+HKV_UPSERT_KERNEL(upsert_keys_g16, 16)

@@ -91,9 +91,9 @@ impl KernelId {
         match self {
             KernelId::Hash => &["hash_locate"],
             KernelId::Features => &["features_int64", "features_strings"],
-            KernelId::Lookup => &["lookup_find"],
-            KernelId::Upsert => &["upsert_keys"],
-            KernelId::Update => &["update_keys"],
+            KernelId::Lookup => &["lookup_find", "lookup_find_g4"],
+            KernelId::Upsert => &["upsert_keys", "upsert_keys_g4", "upsert_keys_g16"],
+            KernelId::Update => &["update_keys", "update_keys_g4", "update_keys_g16"],
             KernelId::Erase => &["erase_keys", "erase_if", "clear_table"],
             KernelId::Export => &["export_count", "export_scan", "export_write"],
         }
@@ -110,7 +110,8 @@ mod tests {
             let src = id.source();
             assert!(src.contains("hkv_fmix64"), "{} lacks the shared helpers", id.name());
             for s in id.symbols() {
-                assert!(src.contains(&format!("__global__ void {s}(")), "{s} not in {}", id.name());
+                let defined = src.contains(&format!("__global__ void {s}(")) || src.contains(&format!("_KERNEL({s},"));
+                assert!(defined, "{s} not in {}", id.name());
             }
         }
     }

@@ -42,9 +42,6 @@ use crate::{Evictions, Export, Filter, Lost, Op, Outcome, Shard, ShardStats, Sum
 
 const S: u64 = BUCKET_SLOTS as u64;
 const BLOCK: u32 = 256;
-/// Threads per key of the lookup kernel and of the writer kernels.
-const G_LOOKUP: u64 = 8;
-const G_WRITE: u64 = 16;
 /// Bytes per host-tier slice (rounded down to a power of two of rows).
 const SLICE_BYTES: u64 = 1 << 30;
 
@@ -277,6 +274,11 @@ struct Lane {
 }
 
 struct Funcs {
+    /// Threads per key of the writer kernels (upsert, update): 8, or 4 / 16
+    /// with `HKV_WRITE_GROUP` (a tuning knob for benchmarks).
+    g_write: u64,
+    /// Threads per key of the lookup kernel: 8, or 4 with `HKV_LOOKUP_GROUP=4`.
+    g_lookup: u64,
     lookup: CudaFunction,
     upsert: CudaFunction,
     update: CudaFunction,
@@ -367,10 +369,18 @@ impl CudaTable {
         let get = |id: KernelId, name: &str| {
             dev.module(id).load_function(name).map_err(|e| Error::Device(format!("kernel {name}: {e:?}")))
         };
+        let (g_write, suffix) = match std::env::var("HKV_WRITE_GROUP").as_deref() {
+            Ok("4") => (4, "_g4"),
+            Ok("16") => (16, "_g16"),
+            _ => (8, ""),
+        };
+        let g4 = std::env::var("HKV_LOOKUP_GROUP").is_ok_and(|v| v == "4");
         let f = Funcs {
-            lookup: get(KernelId::Lookup, "lookup_find")?,
-            upsert: get(KernelId::Upsert, "upsert_keys")?,
-            update: get(KernelId::Update, "update_keys")?,
+            g_write,
+            g_lookup: if g4 { 4 } else { 8 },
+            lookup: get(KernelId::Lookup, if g4 { "lookup_find_g4" } else { "lookup_find" })?,
+            upsert: get(KernelId::Upsert, &format!("upsert_keys{suffix}"))?,
+            update: get(KernelId::Update, &format!("update_keys{suffix}"))?,
             erase: get(KernelId::Erase, "erase_keys")?,
             erase_if: get(KernelId::Erase, "erase_if")?,
             clear: get(KernelId::Erase, "clear_table")?,
@@ -485,7 +495,7 @@ impl CudaTable {
         // live buffers of this storage), and writes, where non-null,
         // values[0..n*dim], found[0..n], scores[0..n], ptrs[0..n] and 8
         // counters; every non-null buffer was sized for n keys by the caller.
-        unsafe { b.launch(blocks(n * G_LOOKUP)) }.map_err(dev_err("launching lookup_find"))?;
+        unsafe { b.launch(blocks(n * self.f.g_lookup)) }.map_err(dev_err("launching lookup_find"))?;
         Ok(())
     }
 
@@ -512,7 +522,7 @@ impl CudaTable {
         // non-null, locks and writes the table described by args, and
         // writes outcomes[0..n], ptrs[0..n], at most n entries to each lost_*
         // array (sized for n keys, n*dim values) and 8 counters.
-        unsafe { b.launch(blocks(n * G_WRITE)) }.map_err(dev_err("launching upsert_keys"))?;
+        unsafe { b.launch(blocks(n * self.f.g_write)) }.map_err(dev_err("launching upsert_keys"))?;
         Ok(())
     }
 
@@ -534,7 +544,7 @@ impl CudaTable {
         // scores[0..n] where non-null, writes present entries of the table
         // under its bucket locks, and writes outcomes[0..n] and absent
         // flags[0..n] where non-null and 8 counters.
-        unsafe { b.launch(blocks(n * G_WRITE)) }.map_err(dev_err("launching update_keys"))?;
+        unsafe { b.launch(blocks(n * self.f.g_write)) }.map_err(dev_err("launching update_keys"))?;
         Ok(())
     }
 
@@ -544,7 +554,7 @@ impl CudaTable {
         b.arg(&st.args).arg(&p.keys).arg(&n).arg(&p.only).arg(&p.found).arg(&c);
         // SAFETY: erase_keys reads keys[0..n], writes table entries under
         // their bucket locks, erased[0..n] where non-null, and 8 counters.
-        unsafe { b.launch(blocks(n * G_WRITE)) }.map_err(dev_err("launching erase_keys"))?;
+        unsafe { b.launch(blocks(n * 16)) }.map_err(dev_err("launching erase_keys"))?;
         Ok(())
     }
 

@@ -55,6 +55,9 @@ struct Args {
     /// Only these operations (comma separated names from the table header).
     #[arg(long, value_delimiter = ',')]
     ops: Vec<String>,
+    /// CUDA: bytes of values kept in device memory (the rest in pinned host memory); default all.
+    #[arg(long)]
+    fast_tier_bytes: Option<u64>,
 }
 
 const OPS: [&str; 10] = [
@@ -271,6 +274,9 @@ fn main() -> Result<()> {
     if a.runs == 0 || a.batch == 0 || a.capacity < a.batch as u64 {
         bail!("--runs and --batch must be positive and --capacity at least --batch");
     }
+    if backend == Backend::Cuda {
+        return cuda_bench::run(&a, mode);
+    }
     println!(
         "hkv-bench: backend {}, {} mode, capacity {}, batch {}, median of {} runs, {} threads, B-KV/s",
         a.backend,
@@ -329,4 +335,270 @@ fn main() -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The CUDA backend on device-resident batches, timed with CUDA events
+/// around the kernels (the protocol of shared/TARGETS.md).
+mod cuda_bench {
+    use super::*;
+    use hkv_shard::cuda_table::{CudaTable, DeviceBatch, DeviceOp};
+
+    /// The reference library's figures on the H200 (shared/TARGETS.md):
+    /// (dim, capacity, hybrid, λ) → the row in OPS order (NaN: not measured).
+    fn reference(dim: usize, capacity: u64, hybrid: bool, lambda: f64) -> Option<[f64; 10]> {
+        let n = f64::NAN;
+        let rows: [[f64; 10]; 3] = match (dim, capacity, hybrid) {
+            (8, c, false) if c == 128 << 20 => [
+                [2.079, 3.445, 2.196, 3.566, 7.273, 2.371, 1.952, 7.192, 8.446, 4.918],
+                [1.994, 3.504, 2.129, 3.119, 6.241, 2.201, 1.971, 7.541, 8.680, 5.125],
+                [1.370, 3.835, 1.195, 3.067, 4.678, 1.319, 0.812, 7.401, 7.690, 5.258],
+            ],
+            (32, c, false) if c == 128 << 20 => [
+                [2.140, 3.445, 2.152, 2.915, 6.813, 2.280, 1.690, 1.219, 1.327, 5.064],
+                [1.935, 3.481, 1.970, 2.950, 6.366, 2.229, 1.518, 1.069, 1.296, 5.146],
+                [1.289, 3.641, 1.271, 3.040, 4.459, 1.292, 0.769, 0.979, 1.253, 4.693],
+            ],
+            (64, c, false) if c == 64 << 20 => [
+                [1.770, 3.513, 1.912, 2.839, 7.396, 2.387, 1.505, 0.588, 0.700, 4.782],
+                [1.716, 3.489, 1.774, 2.743, 6.542, 2.259, 1.467, 0.460, 0.680, 5.131],
+                [1.261, 3.481, 1.221, 2.903, 4.701, 1.344, 0.785, 0.347, 0.673, 4.800],
+            ],
+            (64, c, true) if c == 128 << 20 => [
+                [0.153, 0.190, 0.151, 0.187, 6.798, 2.406, n, 0.588, 0.699, 4.816],
+                [0.154, 0.193, 0.152, 0.189, 6.402, 2.265, n, 0.445, 0.676, 5.222],
+                [0.146, 0.189, 0.145, 0.184, 4.520, 1.323, n, 0.343, 0.681, 5.083],
+            ],
+            _ => return None,
+        };
+        let i = [0.5, 0.75, 1.0].iter().position(|&l| (l - lambda).abs() < 1e-9)?;
+        Some(rows[i])
+    }
+
+    struct Ctx<'a> {
+        t: &'a CudaTable,
+        b: DeviceBatch,
+        dim: usize,
+        n: usize,
+        runs: usize,
+        keys: Vec<u64>,
+        gen: KeyGen,
+        rng: rand::rngs::StdRng,
+    }
+
+    impl Ctx<'_> {
+        fn upload_keys(&mut self, k: &[u64]) -> Result<()> {
+            self.b.stream.memcpy_htod(k, &mut self.b.keys.slice_mut(..k.len()))?;
+            Ok(())
+        }
+
+        fn upload_values(&mut self, x: f32) -> Result<()> {
+            let v = vec![x; self.n * self.dim];
+            self.b.stream.memcpy_htod(&v, &mut self.b.values.slice_mut(..v.len()))?;
+            Ok(())
+        }
+
+        /// Keys likely resident: drawn from the most recent `capacity` inserted.
+        fn existing(&mut self) -> Vec<u64> {
+            let cap = self.t.capacity() as usize;
+            let lo = self.keys.len().saturating_sub(cap);
+            (0..self.n).map(|_| self.keys[self.rng.gen_range(lo..self.keys.len())]).collect()
+        }
+
+        fn run(&mut self, op: DeviceOp, n: usize) -> Result<f64> {
+            Ok(self.t.run_device(op, &mut self.b, n)?.ms as f64)
+        }
+
+        fn fill_to(&mut self, lambda: f64) -> Result<()> {
+            let cap = self.t.capacity();
+            let target = (lambda.min(1.0) * cap as f64) as u64;
+            let mut budget = 3 * cap;
+            self.upload_values(0.5)?;
+            while self.t.size() < target && budget > 0 {
+                let n = ((target - self.t.size()) as usize).clamp(1, self.n).min(budget as usize);
+                let k = self.gen.take(n);
+                self.upload_keys(&k)?;
+                self.run(DeviceOp::InsertOrAssign, n)?;
+                self.keys.extend_from_slice(&k);
+                budget -= n as u64;
+            }
+            Ok(())
+        }
+
+        /// Untimed: erase `new` again and top the table up, so λ stays put.
+        fn restore(&mut self, new: &[u64], lambda: f64) -> Result<()> {
+            if lambda < 1.0 {
+                self.upload_keys(new)?;
+                self.run(DeviceOp::Erase, new.len())?;
+                self.fill_to(lambda)?;
+            } else {
+                self.keys.extend_from_slice(new);
+            }
+            Ok(())
+        }
+
+        /// Median B-KV/s of `runs` timed calls after one warm-up.
+        fn measure(&mut self, op: &str, lambda: f64) -> Result<f64> {
+            let n = self.n;
+            let mut ms = vec![];
+            for run in 0..=self.runs {
+                let t = match op {
+                    "find" | "find*" | "contains" => {
+                        let k = self.existing();
+                        self.upload_keys(&k)?;
+                        let d = match op {
+                            "find" => DeviceOp::Find,
+                            "find*" => DeviceOp::FindPtr,
+                            _ => DeviceOp::Contains,
+                        };
+                        self.run(d, n)?
+                    }
+                    "assign" => {
+                        let k = self.existing();
+                        self.upload_keys(&k)?;
+                        self.upload_values(1.5)?;
+                        self.run(DeviceOp::Assign, n)?
+                    }
+                    "insert_or_assign" | "insert_and_evict" => {
+                        let k = self.gen.take(n);
+                        self.upload_keys(&k)?;
+                        self.upload_values(2.5)?;
+                        let d = if op == "insert_or_assign" { DeviceOp::InsertOrAssign } else { DeviceOp::InsertAndEvict };
+                        let t = self.run(d, n)?;
+                        self.restore(&k, lambda)?;
+                        t
+                    }
+                    "find_or_insert" | "find_or_insert*" => {
+                        let mut k = self.existing();
+                        let new = self.gen.take(n / 2);
+                        k[..n / 2].copy_from_slice(&new);
+                        self.upload_keys(&k)?;
+                        self.upload_values(3.5)?;
+                        let d = if op == "find_or_insert" { DeviceOp::FindOrInsert } else { DeviceOp::FindOrInsertPtr };
+                        let t = self.run(d, n)?;
+                        self.restore(&new, lambda)?;
+                        t
+                    }
+                    "export_batch" | "export_batch_if" => {
+                        let cap = self.t.capacity();
+                        let offset = self.rng.gen_range(0..cap.saturating_sub(n as u64).max(1));
+                        let filter = if op == "export_batch" {
+                            Filter::ALL
+                        } else {
+                            let e = self.t.export_batch(offset, 4096)?;
+                            let mut s = e.scores;
+                            s.sort_unstable();
+                            Filter::score_at_least(s.get(s.len() / 2).copied().unwrap_or(0))
+                        };
+                        self.run(DeviceOp::Export { offset, filter }, n)?
+                    }
+                    _ => bail!("unknown op {op}"),
+                };
+                if run > 0 {
+                    ms.push(t);
+                }
+            }
+            Ok(n as f64 / (median(ms) / 1e3) / 1e9)
+        }
+    }
+
+    /// Device-to-device copy bandwidth (bytes read + written per second).
+    fn copy_bandwidth(t: &CudaTable) -> Result<f64> {
+        let s = t.device().ctx.new_stream()?;
+        let n = 1usize << 29; // 4 GiB of u64
+        let a = s.alloc_zeros::<u64>(n)?;
+        let mut b = s.alloc_zeros::<u64>(n)?;
+        let mut v = vec![];
+        for _ in 0..6 {
+            let e0 = s.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+            s.memcpy_dtod(&a, &mut b)?;
+            let e1 = s.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+            v.push(2.0 * (n * 8) as f64 / (e0.elapsed_ms(&e1)? as f64 / 1e3));
+        }
+        Ok(median(v))
+    }
+
+    pub fn run(a: &Args, mode: BucketMode) -> Result<()> {
+        let dev = hkv_shard::cuda::shared_device(0)?;
+        println!(
+            "hkv-bench: CUDA on {} (compute {}.{}), {} mode, capacity {}, batch {}, median of {} runs after a warm-up, CUDA-event timing, B-KV/s",
+            dev.info.name,
+            dev.info.compute_capability.0,
+            dev.info.compute_capability.1,
+            a.mode,
+            a.capacity,
+            a.batch,
+            a.runs
+        );
+        let mut copy_bw = None;
+        for &dim in &a.dims {
+            let mut cfg = TableConfig::new(a.capacity, dim).mode(mode);
+            cfg.fast_tier_bytes = a.fast_tier_bytes;
+            let t = CudaTable::new(cfg, dev.clone()).context("creating the table")?;
+            let st = t.stats();
+            let hybrid = st.host_tier_bytes > 0;
+            println!(
+                "\ndim = {dim}, capacity {}, {:.1} GB values in device memory{}\n",
+                t.capacity(),
+                st.fast_tier_bytes as f64 / 1e9,
+                if hybrid { format!(" + {:.1} GB in pinned host memory", st.host_tier_bytes as f64 / 1e9) } else { String::new() }
+            );
+            println!("| λ | {} |", OPS.join(" | "));
+            println!("|---:|{}", "---:|".repeat(OPS.len()));
+            let b = t.device_batch(a.batch)?;
+            let mut c = Ctx {
+                t: &t,
+                b,
+                dim,
+                n: a.batch,
+                runs: a.runs,
+                keys: vec![],
+                gen: KeyGen(0),
+                rng: rand::rngs::StdRng::seed_from_u64(dim as u64),
+            };
+            let mut find32 = None;
+            for &lambda in &a.lambdas {
+                c.fill_to(lambda)?;
+                let achieved = t.load_factor();
+                let mut row = format!("| {lambda:.2}");
+                if (achieved - lambda).abs() > 0.01 {
+                    row = format!("| {lambda:.2} (got {achieved:.3})");
+                }
+                let reference = reference(dim, t.capacity(), hybrid, lambda);
+                for (j, op) in OPS.iter().enumerate() {
+                    if !a.ops.is_empty() && !a.ops.iter().any(|o| o == op) {
+                        row += " | -";
+                        continue;
+                    }
+                    let x = c.measure(op, lambda)?;
+                    if *op == "find" && dim == 32 && lambda == 1.0 {
+                        find32 = Some(x);
+                    }
+                    match reference.map(|r| r[j]).filter(|r| r.is_finite()) {
+                        Some(r) => row += &format!(" | {x:.3} ({:.2}×)", x / r),
+                        None => row += &format!(" | {x:.3}"),
+                    }
+                }
+                println!("{row} |");
+            }
+            if let Some(f) = find32 {
+                let bw = match copy_bw {
+                    Some(b) => b,
+                    None => {
+                        let b = copy_bandwidth(&t)?;
+                        copy_bw = Some(b);
+                        b
+                    }
+                };
+                println!(
+                    "\nfind at dim 32, λ 1.0: {:.3} B-KV/s × 424 B/key = {:.2} TB/s, {:.0} % of the device-to-device copy ({:.2} TB/s read + write)",
+                    f,
+                    f * 424.0 / 1e3,
+                    100.0 * f * 424e9 / bw,
+                    bw / 1e12
+                );
+            }
+        }
+        println!("\n(×: ratio to the reference library on the H200, shared/TARGETS.md, where the configuration matches.)");
+        Ok(())
+    }
 }
