@@ -44,7 +44,7 @@ fn feature_ops_equal_hash_then_keyed_ops() {
     probe.push("never seen".into());
     let f = c.find_features("ads", HashSpec::Table, Features::strings(&probe), false).unwrap();
     assert_eq!(f.values[..1000], values[..]);
-    assert_eq!(f.found[500], false);
+    assert!(!f.found[500]);
 
     // Bad input: a clear error, nothing applied, the daemon keeps serving.
     let size = || c_size(&d);

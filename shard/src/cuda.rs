@@ -322,7 +322,8 @@ pub fn default_cache_dir() -> Option<PathBuf> {
 
 /// Device `ordinal`, opened (and its kernels loaded) once per process.
 pub fn shared_device(ordinal: usize) -> Result<Arc<Device>> {
-    static DEVICES: std::sync::OnceLock<parking_lot::Mutex<Vec<(usize, Arc<Device>)>>> = std::sync::OnceLock::new();
+    type Opened = parking_lot::Mutex<Vec<(usize, Arc<Device>)>>;
+    static DEVICES: std::sync::OnceLock<Opened> = std::sync::OnceLock::new();
     let mut devs = DEVICES.get_or_init(Default::default).lock();
     if let Some((_, d)) = devs.iter().find(|(o, _)| *o == ordinal) {
         return Ok(d.clone());

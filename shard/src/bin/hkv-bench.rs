@@ -462,7 +462,8 @@ mod cuda_bench {
                         let k = self.gen.take(n);
                         self.upload_keys(&k)?;
                         self.upload_values(2.5)?;
-                        let d = if op == "insert_or_assign" { DeviceOp::InsertOrAssign } else { DeviceOp::InsertAndEvict };
+                        let d =
+                            if op == "insert_or_assign" { DeviceOp::InsertOrAssign } else { DeviceOp::InsertAndEvict };
                         let t = self.run(d, n)?;
                         self.restore(&k, lambda)?;
                         t
@@ -540,7 +541,11 @@ mod cuda_bench {
                 "\ndim = {dim}, capacity {}, {:.1} GB values in device memory{}\n",
                 t.capacity(),
                 st.fast_tier_bytes as f64 / 1e9,
-                if hybrid { format!(" + {:.1} GB in pinned host memory", st.host_tier_bytes as f64 / 1e9) } else { String::new() }
+                if hybrid {
+                    format!(" + {:.1} GB in pinned host memory", st.host_tier_bytes as f64 / 1e9)
+                } else {
+                    String::new()
+                }
             );
             println!("| λ | {} |", OPS.join(" | "));
             println!("|---:|{}", "---:|".repeat(OPS.len()));
@@ -598,7 +603,9 @@ mod cuda_bench {
                 );
             }
         }
-        println!("\n(×: ratio to the reference library on the H200, shared/TARGETS.md, where the configuration matches.)");
+        println!(
+            "\n(×: ratio to the reference library on the H200, shared/TARGETS.md, where the configuration matches.)"
+        );
         Ok(())
     }
 }
