@@ -35,9 +35,12 @@ pub struct Config {
     pub state_dir: Option<PathBuf>,
     /// `auto`, `cpu` or `cuda`.
     pub backend: String,
-    /// CPU shards (actors); default: the number of cores. Ignored on CUDA
-    /// (one shard per GPU).
+    /// Shard actors: CPU shards (default: the number of cores), or CUDA
+    /// shards spread round-robin over the GPUs (default: one per GPU).
     pub shards: Option<usize>,
+    /// CUDA devices to use (ordinals as CUDA numbers them after
+    /// `CUDA_VISIBLE_DEVICES`); none = every visible device.
+    pub devices: Option<Vec<usize>>,
     /// Threads per shard actor, so that readers and updaters of one shard can
     /// run together.
     pub threads_per_shard: usize,
@@ -64,6 +67,7 @@ impl Default for Config {
             state_dir: None,
             backend: "auto".into(),
             shards: None,
+            devices: None,
             threads_per_shard: 4,
             admin_group: None,
             metrics_listen: None,

@@ -15,8 +15,9 @@ pub const GPU_MIN: usize = 16 * 1024;
 
 struct Gpu {
     hasher: Mutex<hkv_shard::cuda::FeatureHasher>,
-    // Owns the context and modules the hasher's kernels live in.
-    _device: hkv_shard::cuda::Device,
+    // The context and modules the hasher's kernels live in (shared with the
+    // CUDA shards of device 0).
+    _device: std::sync::Arc<hkv_shard::cuda::Device>,
 }
 
 /// Hashes features for the router.
@@ -30,7 +31,7 @@ impl Hasher {
     /// Uses device 0 when `try_gpu` and a device opens, else the CPU.
     pub fn new(try_gpu: bool) -> Hasher {
         if try_gpu {
-            match hkv_shard::cuda::Device::open(0, None)
+            match hkv_shard::cuda::shared_device(0)
                 .and_then(|d| Ok(Gpu { hasher: Mutex::new(hkv_shard::cuda::FeatureHasher::new(&d)?), _device: d }))
             {
                 Ok(g) => {

@@ -37,31 +37,52 @@ use crate::config::Config;
 use crate::router::Router;
 use crate::server::{SocketFile, State};
 
-/// Picks the backend and the number of shard actors.
-fn backend(config: &Config) -> anyhow::Result<(Backend, usize, String)> {
+/// Picks the backend and the shard actors: for each, the device ordinal it
+/// opens its shards on (CUDA), or its index (CPU).
+fn backend(config: &Config) -> anyhow::Result<(Backend, Vec<usize>, String)> {
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let cpu = |why: &str| {
         let n = config.shards.unwrap_or(cores).max(1);
-        (Backend::Cpu, n, format!("cpu ({n} shards{why})"))
+        (Backend::Cpu, (0..n).collect(), format!("cpu ({n} shards{why})"))
     };
-    let gpus = |devices: Vec<hkv_shard::cuda::DeviceInfo>| {
-        let names: Vec<String> = devices.iter().map(|d| format!("{} {}", d.ordinal, d.name)).collect();
-        (
-            Backend::Cuda,
-            devices.len(),
-            format!("cuda ({} GPU{}: {})", devices.len(), if devices.len() == 1 { "" } else { "s" }, names.join(", ")),
-        )
+    let gpus = |found: Vec<hkv_shard::cuda::DeviceInfo>| -> anyhow::Result<(Backend, Vec<usize>, String)> {
+        let chosen: Vec<hkv_shard::cuda::DeviceInfo> = match &config.devices {
+            None => found,
+            Some(want) => want
+                .iter()
+                .map(|o| {
+                    found.iter().find(|d| d.ordinal == *o).cloned().ok_or_else(|| {
+                        anyhow::anyhow!(
+                            "--devices {o}: no such CUDA device (visible: {})",
+                            found.iter().map(|d| d.ordinal.to_string()).collect::<Vec<_>>().join(", ")
+                        )
+                    })
+                })
+                .collect::<anyhow::Result<_>>()?,
+        };
+        anyhow::ensure!(!chosen.is_empty(), "--devices names no device");
+        let n = config.shards.unwrap_or(chosen.len()).max(1);
+        let ordinals: Vec<usize> = (0..n).map(|i| chosen[i % chosen.len()].ordinal).collect();
+        let names: Vec<String> = chosen.iter().map(|d| format!("{} {}", d.ordinal, d.name)).collect();
+        let what = format!(
+            "cuda ({} GPU{}: {}; {n} shard{})",
+            chosen.len(),
+            if chosen.len() == 1 { "" } else { "s" },
+            names.join(", "),
+            if n == 1 { "" } else { "s" }
+        );
+        Ok((Backend::Cuda, ordinals, what))
     };
     match config.backend.as_str() {
         "cpu" => Ok(cpu("")),
         "auto" => match hkv_shard::cuda::probe() {
-            Ok(devices) => Ok(gpus(devices)),
+            Ok(devices) => gpus(devices),
             Err(reason) => {
                 info!(%reason, "using the CPU backend");
                 Ok(cpu(", CUDA unavailable"))
             }
         },
-        "cuda" => Ok(gpus(hkv_shard::cuda::probe().context("--backend cuda")?)),
+        "cuda" => gpus(hkv_shard::cuda::probe().context("--backend cuda")?),
         b => anyhow::bail!("backend {b:?}: use auto, cpu or cuda"),
     }
 }
@@ -69,15 +90,18 @@ fn backend(config: &Config) -> anyhow::Result<(Backend, usize, String)> {
 /// Runs the daemon until SIGTERM, SIGINT or a shutdown request; returns
 /// after in-flight requests are answered.
 pub fn run(config: Config) -> anyhow::Result<()> {
-    let (backend, n_shards, backend_name) = backend(&config)?;
+    hkv_shard::cuda::set_cache_dir(config.state_path().join("kernels"));
+    let (backend, ordinals, backend_name) = backend(&config)?;
     let workers = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).clamp(2, 16);
     let system = actix_rt::System::with_tokio_rt(move || {
         tokio::runtime::Builder::new_multi_thread().worker_threads(workers).enable_all().build().expect("tokio runtime")
     });
     system.block_on(async move {
         let threads = config.threads_per_shard.max(1);
-        let actors =
-            (0..n_shards).map(|device| SyncArbiter::start(threads, move || ShardActor { device })).collect::<Vec<_>>();
+        let actors = ordinals
+            .iter()
+            .map(|&device| SyncArbiter::start(threads, move || ShardActor { device }))
+            .collect::<Vec<_>>();
         let router = Router::new(actors, backend);
         for spec in &config.tables {
             router

@@ -54,9 +54,13 @@ struct Serve {
     /// auto, cpu or cuda [default: auto].
     #[arg(long)]
     backend: Option<String>,
-    /// CPU shards [default: the number of cores].
+    /// Shard actors: CPU shards [default: the number of cores], or CUDA
+    /// shards spread round-robin over the GPUs [default: one per GPU].
     #[arg(long)]
     shards: Option<usize>,
+    /// CUDA devices to use, comma separated (after CUDA_VISIBLE_DEVICES) [default: all].
+    #[arg(long, value_delimiter = ',')]
+    devices: Option<Vec<usize>>,
     /// Threads per shard actor [default: 4].
     #[arg(long)]
     threads_per_shard: Option<usize>,
@@ -106,6 +110,7 @@ fn config(a: Serve) -> anyhow::Result<Config> {
         c.backend = b;
     }
     c.shards = a.shards.or(c.shards);
+    c.devices = a.devices.or(c.devices);
     if let Some(t) = a.threads_per_shard {
         c.threads_per_shard = t;
     }

@@ -347,6 +347,26 @@ fn config_file_tables_and_flags_win() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("sockett"));
 }
 
+/// `--backend cuda` names why it cannot run (no driver, no device, or a
+/// `--devices` ordinal that does not exist) and exits 1, without a panic.
+#[test]
+fn cuda_backend_refusals_are_clear() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |extra: &[&str]| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_hkvd"));
+        cmd.args(["serve", "--socket"]).arg(dir.path().join("s.sock")).arg("--state-dir").arg(dir.path().join("st"));
+        cmd.args(extra).output().unwrap()
+    };
+    let out = run(&["--backend", "cuda", "--devices", "97"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    match hkv_shard::cuda::probe() {
+        Err(_) => assert!(err.contains("CUDA") && err.contains("--backend cuda"), "{err}"),
+        Ok(_) => assert!(err.contains("--devices 97: no such CUDA device"), "{err}"),
+    }
+}
+
 #[test]
 fn export_walks_every_shard_with_a_cursor() {
     let d = Daemon::start(&[]);

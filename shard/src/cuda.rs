@@ -307,12 +307,24 @@ impl FeatureHasher {
     }
 }
 
-/// Where compiled kernels are cached: `$HKV_KERNEL_CACHE`, else
-/// `$XDG_CACHE_HOME/hkvd/kernels`, else `$HOME/.cache/hkvd/kernels`
-/// (none when neither is set: every start compiles).
+static CACHE_DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+/// Sets the kernel cache directory of this process (the daemon uses its
+/// state directory); `$HKV_KERNEL_CACHE` still wins. Only the first call counts.
+pub fn set_cache_dir(dir: PathBuf) {
+    let _ = CACHE_DIR.set(dir);
+}
+
+/// Where compiled kernels are cached: `$HKV_KERNEL_CACHE`, else the
+/// directory given to [`set_cache_dir`], else `$XDG_CACHE_HOME/hkvd/kernels`,
+/// else `$HOME/.cache/hkvd/kernels` (none when nothing is set: every start
+/// compiles).
 pub fn default_cache_dir() -> Option<PathBuf> {
     if let Some(d) = std::env::var_os("HKV_KERNEL_CACHE") {
         return Some(d.into());
+    }
+    if let Some(d) = CACHE_DIR.get() {
+        return Some(d.clone());
     }
     if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
         return Some(Path::new(&d).join("hkvd").join("kernels"));
