@@ -487,7 +487,13 @@ impl CudaTable {
         Ok(counts(&c))
     }
 
-    fn k_lookup(&self, l: &CudaStream, st: &Storage, n: u64, p: Ptrs) -> Result<()> {
+    /// Launches `lookup_find` on stream `l`.
+    ///
+    /// # Safety
+    /// `p.keys` holds `n` keys; `p.values` (n × dim floats), `p.found`,
+    /// `p.scores`, `p.ptrs` (n each) are 0 or device buffers that long;
+    /// `p.counters` holds 8 u64; all stay alive until `l` is synchronised.
+    unsafe fn k_lookup(&self, l: &CudaStream, st: &Storage, n: u64, p: Ptrs) -> Result<()> {
         let c = p.counters;
         let mut b = l.launch_builder(&self.f.lookup);
         b.arg(&st.args).arg(&p.keys).arg(&n).arg(&p.values).arg(&p.found).arg(&p.scores).arg(&p.ptrs).arg(&c);
@@ -499,7 +505,15 @@ impl CudaTable {
         Ok(())
     }
 
-    fn k_upsert(&self, l: &CudaStream, st: &Storage, sc: ScoringArgs, n: u64, mode: i32, p: Ptrs) -> Result<()> {
+    /// Launches `upsert_keys` on stream `l`.
+    ///
+    /// # Safety
+    /// `p.keys` holds `n` keys; `p.values` (n × dim floats, or 0 for
+    /// find_or_insert*), `p.scores`, `p.only`, `p.outcomes`, `p.ptrs` (n
+    /// each) and the four `p.lost` arrays (n entries, n × dim floats) are 0
+    /// or device buffers that long; `p.counters` holds 8 u64; all stay alive
+    /// until `l` is synchronised.
+    unsafe fn k_upsert(&self, l: &CudaStream, st: &Storage, sc: ScoringArgs, n: u64, mode: i32, p: Ptrs) -> Result<()> {
         let c = p.counters;
         let mut b = l.launch_builder(&self.f.upsert);
         b.arg(&st.args)
@@ -526,7 +540,14 @@ impl CudaTable {
         Ok(())
     }
 
-    fn k_update(&self, l: &CudaStream, st: &Storage, sc: ScoringArgs, n: u64, mode: i32, p: Ptrs) -> Result<()> {
+    /// Launches `update_keys` on stream `l`.
+    ///
+    /// # Safety
+    /// `p.keys` holds `n` keys; `p.values` (n × dim floats), `p.scores`,
+    /// `p.only`, `p.outcomes`, `p.found` (absent flags; n each) are 0 or
+    /// device buffers that long; `p.counters` holds 8 u64; all stay alive
+    /// until `l` is synchronised.
+    unsafe fn k_update(&self, l: &CudaStream, st: &Storage, sc: ScoringArgs, n: u64, mode: i32, p: Ptrs) -> Result<()> {
         let c = p.counters;
         let mut b = l.launch_builder(&self.f.update);
         b.arg(&st.args)
@@ -548,7 +569,13 @@ impl CudaTable {
         Ok(())
     }
 
-    fn k_erase(&self, l: &CudaStream, st: &Storage, n: u64, p: Ptrs) -> Result<()> {
+    /// Launches `erase_keys` on stream `l`.
+    ///
+    /// # Safety
+    /// `p.keys` holds `n` keys; `p.only` and `p.found` (erased flags) are 0
+    /// or `n` bytes; `p.counters` holds 8 u64; all stay alive until `l` is
+    /// synchronised.
+    unsafe fn k_erase(&self, l: &CudaStream, st: &Storage, n: u64, p: Ptrs) -> Result<()> {
         let c = p.counters;
         let mut b = l.launch_builder(&self.f.erase);
         b.arg(&st.args).arg(&p.keys).arg(&n).arg(&p.only).arg(&p.found).arg(&c);
@@ -558,9 +585,15 @@ impl CudaTable {
         Ok(())
     }
 
-    /// Export of positions [offset, end): counts, scan, write (all on the lane's stream).
+    /// Export of positions [offset, end): counts, scan, write (all on stream `l`).
+    ///
+    /// # Safety
+    /// `counts` holds one u32 and `offsets` one u64 more than the buckets the
+    /// range spans; `out` is zeros (count only) or keys, values (× dim) and
+    /// scores buffers long enough for every match of the range; all stay
+    /// alive until `l` is synchronised.
     #[allow(clippy::too_many_arguments)]
-    fn k_export(
+    unsafe fn k_export(
         &self,
         l: &CudaStream,
         st: &Storage,
@@ -629,7 +662,8 @@ impl CudaTable {
         let offsets = s.alloc_zeros::<u64>(nb_old + 1).map_err(dev_err("allocating"))?;
         let (cp, op) = (ptr(&counts, &s), ptr(&offsets, &s));
         let all = filter_args(&Filter::ALL);
-        self.k_export(&s, old, 0, slots, all, cp, op, [0, 0, 0])?;
+        // SAFETY: counts and offsets span every bucket of the old storage; count pass only
+        unsafe { self.k_export(&s, old, 0, slots, all, cp, op, [0, 0, 0]) }?;
         let mut total = [0u64];
         s.memcpy_dtoh(&offsets.slice(nb_old..nb_old + 1), &mut total).map_err(dev_err("reading the entry count"))?;
         s.synchronize().map_err(dev_err("counting entries for growth"))?;
@@ -638,21 +672,26 @@ impl CudaTable {
         let values = s.alloc_zeros::<f32>((size * dim).max(1)).map_err(dev_err("allocating"))?;
         let scores = s.alloc_zeros::<u64>(size.max(1)).map_err(dev_err("allocating"))?;
         let out = [ptr(&keys, &s), ptr(&values, &s), ptr(&scores, &s)];
-        self.k_export(&s, old, 0, slots, all, cp, op, out)?;
+        // SAFETY: counts / offsets span every bucket; the outputs hold the
+        // `size` entries the count pass found.
+        unsafe { self.k_export(&s, old, 0, slots, all, cp, op, out) }?;
         s.synchronize().map_err(dev_err("exporting for growth"))?;
         drop(counts);
         let new = Storage::new(self, &s, nbuckets)?;
         *guard = None; // the old storage is freed before the load runs
         self.zero_counters(&mut l)?;
         let p = Ptrs { keys: out[0], values: out[1], scores: out[2], ..Ptrs::default() };
-        self.k_upsert(
-            &s,
-            &new,
-            self.scoring(true),
-            size as u64,
-            UP_INSERT,
-            Ptrs { counters: ptr(&l.counters, &s), ..p },
-        )?;
+        // SAFETY: keys, values and scores hold the `size` exported entries; the counters are the lane's
+        unsafe {
+            self.k_upsert(
+                &s,
+                &new,
+                self.scoring(true),
+                size as u64,
+                UP_INSERT,
+                Ptrs { counters: ptr(&l.counters, &s), ..p },
+            )
+        }?;
         let c = self.read_counters(&l)?;
         s.synchronize().map_err(dev_err("loading after growth"))?;
         *guard = Some(new);
@@ -811,7 +850,9 @@ impl CudaTable {
         self.zero_counters(l)?;
         let sc = self.scoring(verbatim);
         self.in_rounds(l, keys, st.nbuckets, only, |_, o| {
-            self.k_upsert(&s, st, sc, n as u64, mode, Ptrs { only: o, ..p })
+            // SAFETY: keys, values, scores, outcomes and the lost buffers were uploaded or sized above for
+            // these n keys, flags2 by in_rounds
+            unsafe { self.k_upsert(&s, st, sc, n as u64, mode, Ptrs { only: o, ..p }) }
         })?;
         let c = self.read_counters(l)?;
         if mode == UP_FIND_OR_INSERT {
@@ -939,7 +980,9 @@ impl CudaTable {
         self.zero_counters(l)?;
         let sc = self.scoring(false);
         self.in_rounds(l, keys, st.nbuckets, None, |_, o| {
-            self.k_update(&s, st, sc, n as u64, mode, Ptrs { only: o, ..p })
+            // SAFETY: keys, values, scores, outcomes and absent flags were uploaded or sized above for these
+            // n keys, flags2 by in_rounds
+            unsafe { self.k_update(&s, st, sc, n as u64, mode, Ptrs { only: o, ..p }) }
         })?;
         let c = self.read_counters(l)?;
         let mut raw = vec![0u8; if want_outcomes { n } else { 0 }];
@@ -1106,49 +1149,59 @@ impl CudaTable {
         let start = s.record_event(timing).map_err(dev_err("recording an event"))?;
         let sc = self.scoring(false);
         let n64 = n as u64;
-        match op {
-            DeviceOp::Find => {
-                let p =
-                    Ptrs { values: ptr(&b.values, &s), found: ptr(&b.found, &s), scores: ptr(&b.scores, &s), ..base };
-                self.k_lookup(lane, st, n64, p)?
-            }
-            DeviceOp::FindPtr => self.k_lookup(lane, st, n64, Ptrs { ptrs: ptr(&b.ptrs, &s), ..base })?,
-            DeviceOp::Contains => self.k_lookup(lane, st, n64, Ptrs { found: ptr(&b.found, &s), ..base })?,
-            DeviceOp::InsertOrAssign | DeviceOp::InsertAndEvict | DeviceOp::FindOrInsert => {
-                let mut p = Ptrs { values: ptr(&b.values, &s), ..base };
-                if op == DeviceOp::InsertAndEvict {
-                    p.lost = [
-                        ptr(&b.lost_keys, &s),
-                        ptr(&b.lost_values, &s),
-                        ptr(&b.lost_scores, &s),
-                        ptr(&b.lost_kinds, &s),
-                    ];
+        // SAFETY: every pointer is one of the batch's buffers, allocated by
+        // device_batch for `b.n` >= n keys (n × dim floats, and the export
+        // outputs for n + 128 slots, at least the matches of n slots), and
+        // the stream is synchronised below before the batch can be reused.
+        unsafe {
+            match op {
+                DeviceOp::Find => {
+                    let p = Ptrs {
+                        values: ptr(&b.values, &s),
+                        found: ptr(&b.found, &s),
+                        scores: ptr(&b.scores, &s),
+                        ..base
+                    };
+                    self.k_lookup(lane, st, n64, p)?
                 }
-                let mode = if op == DeviceOp::FindOrInsert { UP_FIND_OR_INSERT } else { UP_INSERT };
-                self.k_upsert(lane, st, sc, n64, mode, p)?
-            }
-            DeviceOp::FindOrInsertPtr => {
-                self.k_upsert(lane, st, sc, n64, UP_FIND_OR_INSERT_PTR, Ptrs { ptrs: ptr(&b.ptrs, &s), ..base })?
-            }
-            DeviceOp::Assign => {
-                self.k_update(lane, st, sc, n64, UPD_ASSIGN, Ptrs { values: ptr(&b.values, &s), ..base })?
-            }
-            DeviceOp::Erase => self.k_erase(lane, st, n64, Ptrs { found: ptr(&b.found, &s), ..base })?,
-            DeviceOp::Export { offset, filter } => {
-                let cap = st.nbuckets * S;
-                let end = offset.saturating_add(n64).min(cap);
-                if offset < end {
-                    let out = [ptr(&b.out_keys, &s), ptr(&b.out_values, &s), ptr(&b.out_scores, &s)];
-                    self.k_export(
-                        lane,
-                        st,
-                        offset,
-                        end,
-                        filter_args(&filter),
-                        ptr(&b.counts, &s),
-                        ptr(&b.offsets, &s),
-                        out,
-                    )?;
+                DeviceOp::FindPtr => self.k_lookup(lane, st, n64, Ptrs { ptrs: ptr(&b.ptrs, &s), ..base })?,
+                DeviceOp::Contains => self.k_lookup(lane, st, n64, Ptrs { found: ptr(&b.found, &s), ..base })?,
+                DeviceOp::InsertOrAssign | DeviceOp::InsertAndEvict | DeviceOp::FindOrInsert => {
+                    let mut p = Ptrs { values: ptr(&b.values, &s), ..base };
+                    if op == DeviceOp::InsertAndEvict {
+                        p.lost = [
+                            ptr(&b.lost_keys, &s),
+                            ptr(&b.lost_values, &s),
+                            ptr(&b.lost_scores, &s),
+                            ptr(&b.lost_kinds, &s),
+                        ];
+                    }
+                    let mode = if op == DeviceOp::FindOrInsert { UP_FIND_OR_INSERT } else { UP_INSERT };
+                    self.k_upsert(lane, st, sc, n64, mode, p)?
+                }
+                DeviceOp::FindOrInsertPtr => {
+                    self.k_upsert(lane, st, sc, n64, UP_FIND_OR_INSERT_PTR, Ptrs { ptrs: ptr(&b.ptrs, &s), ..base })?
+                }
+                DeviceOp::Assign => {
+                    self.k_update(lane, st, sc, n64, UPD_ASSIGN, Ptrs { values: ptr(&b.values, &s), ..base })?
+                }
+                DeviceOp::Erase => self.k_erase(lane, st, n64, Ptrs { found: ptr(&b.found, &s), ..base })?,
+                DeviceOp::Export { offset, filter } => {
+                    let cap = st.nbuckets * S;
+                    let end = offset.saturating_add(n64).min(cap);
+                    if offset < end {
+                        let out = [ptr(&b.out_keys, &s), ptr(&b.out_values, &s), ptr(&b.out_scores, &s)];
+                        self.k_export(
+                            lane,
+                            st,
+                            offset,
+                            end,
+                            filter_args(&filter),
+                            ptr(&b.counts, &s),
+                            ptr(&b.offsets, &s),
+                            out,
+                        )?;
+                    }
                 }
             }
         }
@@ -1218,7 +1271,8 @@ impl Shard for CudaTable {
             }
             self.zero_counters(l)?;
             let p = Ptrs { counters: ptr(&l.counters, &s), ..p };
-            self.k_lookup(&s, st, n as u64, p)?;
+            // SAFETY: keys uploaded, values / flags / scores sized above for these n keys
+            unsafe { self.k_lookup(&s, st, n as u64, p) }?;
             let c = self.read_counters(l)?;
             let mut f = vec![0u8; n];
             Self::download(&s, &l.flags, &mut f)?;
@@ -1267,7 +1321,8 @@ impl Shard for CudaTable {
             };
             self.zero_counters(l)?;
             let p = Ptrs { counters: ptr(&l.counters, &s), ..p };
-            self.k_lookup(&s, st, n as u64, p)?;
+            // SAFETY: keys uploaded, values / flags / scores sized above for these n keys
+            unsafe { self.k_lookup(&s, st, n as u64, p) }?;
             let c = self.read_counters(l)?;
             let mut f = vec![0u8; n];
             Self::download(&s, &l.flags, &mut f)?;
@@ -1433,7 +1488,10 @@ impl Shard for CudaTable {
             };
             self.zero_counters(l)?;
             let p = Ptrs { counters: ptr(&l.counters, &s), ..p };
-            self.in_rounds(l, keys, st.nbuckets, None, |_, o| self.k_erase(&s, st, n as u64, Ptrs { only: o, ..p }))?;
+            self.in_rounds(l, keys, st.nbuckets, None, |_, o| {
+                // SAFETY: keys uploaded and erased flags sized above for these n keys, flags2 by in_rounds
+                unsafe { self.k_erase(&s, st, n as u64, Ptrs { only: o, ..p }) }
+            })?;
             let c = self.read_counters(l)?;
             if let Some(out) = erased {
                 let mut f = vec![0u8; n];
@@ -1506,7 +1564,8 @@ impl Shard for CudaTable {
             let counts = Self::scratch(&s, &mut l.counts, nb)?;
             let offsets = Self::scratch(&s, &mut l.offsets, nb + 1)?;
             let fa = filter_args(filter);
-            self.k_export(&s, st, offset, end, fa, counts, offsets, [0, 0, 0])?;
+            // SAFETY: counts and offsets were sized above for the nb buckets of the range; count pass only
+            unsafe { self.k_export(&s, st, offset, end, fa, counts, offsets, [0, 0, 0]) }?;
             let mut total = [0u64];
             let o = l.offsets.as_ref().expect("allocated");
             s.memcpy_dtoh(&o.slice(nb..nb + 1), &mut total).map_err(dev_err("reading the export size"))?;
@@ -1519,7 +1578,8 @@ impl Shard for CudaTable {
                     Self::scratch(&s, &mut l.values, m * dim)?,
                     Self::scratch(&s, &mut l.scores, m)?,
                 ];
-                self.k_export(&s, st, offset, end, fa, counts, offsets, out)?;
+                // SAFETY: the outputs were sized above for the m matches the count pass found
+                unsafe { self.k_export(&s, st, offset, end, fa, counts, offsets, out) }?;
                 Self::download(&s, &l.keys, &mut e.keys)?;
                 Self::download(&s, &l.values, &mut e.values)?;
                 Self::download(&s, &l.scores, &mut e.scores)?;
