@@ -406,6 +406,37 @@ pub(crate) fn check_len(
     }
 }
 
+/// A value array must hold `n × dim` floats.
+pub(crate) fn check_values(config: &TableConfig, what: &'static str, n: usize, got: usize) -> Result<()> {
+    let dim = config.dim;
+    check_len(what, got, n * dim, || format!("{n} keys x dim {dim}"))
+}
+
+/// Scores must fit the batch and the policy. `needed`: the op inserts, so
+/// Custom needs them.
+pub(crate) fn check_scores(config: &TableConfig, scores: Option<&[u64]>, n: usize, needed: bool) -> Result<()> {
+    let policy = config.policy;
+    match scores {
+        Some(s) => {
+            check_len("scores", s.len(), n, || format!("{n} keys"))?;
+            if !policy.takes_scores() {
+                return Err(Error::ScoresNotAccepted { policy });
+            }
+        }
+        None if needed && policy == ScorePolicy::Custom => return Err(Error::ScoresRequired { policy }),
+        None => {}
+    }
+    Ok(())
+}
+
+/// An outcome array, when given, must have one entry per key.
+pub(crate) fn check_outcomes(outcomes: &Option<&mut [Outcome]>, n: usize) -> Result<()> {
+    match outcomes {
+        Some(o) => check_len("outcomes", o.len(), n, || format!("{n} keys")),
+        None => Ok(()),
+    }
+}
+
 pub(crate) fn check_keys(keys: &[u64]) -> Result<()> {
     match keys.iter().position(|&k| is_reserved(k)) {
         Some(index) => Err(Error::ReservedKey { key: keys[index], index }),
@@ -448,32 +479,15 @@ impl CpuTable {
     }
 
     fn check_values(&self, what: &'static str, n: usize, got: usize) -> Result<()> {
-        let dim = self.config.dim;
-        check_len(what, got, n * dim, || format!("{n} keys x dim {dim}"))
+        check_values(&self.config, what, n, got)
     }
 
-    /// Scores must fit the batch and the policy. `needed`: the op inserts, so
-    /// Custom needs them.
     fn check_scores(&self, scores: Option<&[u64]>, n: usize, needed: bool) -> Result<()> {
-        let policy = self.config.policy;
-        match scores {
-            Some(s) => {
-                check_len("scores", s.len(), n, || format!("{n} keys"))?;
-                if !policy.takes_scores() {
-                    return Err(Error::ScoresNotAccepted { policy });
-                }
-            }
-            None if needed && policy == ScorePolicy::Custom => return Err(Error::ScoresRequired { policy }),
-            None => {}
-        }
-        Ok(())
+        check_scores(&self.config, scores, n, needed)
     }
 
     fn check_outcomes(outcomes: &Option<&mut [Outcome]>, n: usize) -> Result<()> {
-        match outcomes {
-            Some(o) => check_len("outcomes", o.len(), n, || format!("{n} keys")),
-            None => Ok(()),
-        }
+        check_outcomes(outcomes, n)
     }
 
     /// The candidate buckets of a key: `(b1, b2)`, `b2 == b1` in single mode.
@@ -1152,12 +1166,7 @@ impl Shard for CpuTable {
     }
 
     fn clock_score(&self) -> u64 {
-        let sc = self.scorer();
-        match self.config.policy {
-            ScorePolicy::Lru | ScorePolicy::EpochLru => sc.on_insert(None),
-            ScorePolicy::EpochLfu => (sc.epoch as u64) << 32,
-            ScorePolicy::Lfu | ScorePolicy::Custom => 0,
-        }
+        self.scorer().clock_floor()
     }
 
     fn stats(&self) -> ShardStats {

@@ -30,7 +30,7 @@ use hkv_kernels::KernelId;
 use parking_lot::{Mutex, RwLock};
 
 use crate::config::{BucketMode, ScorePolicy, TableConfig};
-use crate::cpu::{check_keys, check_len, Counters};
+use crate::cpu::{check_keys, check_len, check_outcomes, check_scores, check_values, Counters};
 use crate::cuda::{dev_err, ensure, Device};
 use crate::error::{Error, Result};
 use crate::lock::{Group, GroupLock};
@@ -450,30 +450,15 @@ impl CudaTable {
     }
 
     fn check_values(&self, what: &'static str, n: usize, got: usize) -> Result<()> {
-        let dim = self.config.dim;
-        check_len(what, got, n * dim, || format!("{n} keys x dim {dim}"))
+        check_values(&self.config, what, n, got)
     }
 
     fn check_scores(&self, scores: Option<&[u64]>, n: usize, needed: bool) -> Result<()> {
-        let policy = self.config.policy;
-        match scores {
-            Some(s) => {
-                check_len("scores", s.len(), n, || format!("{n} keys"))?;
-                if !policy.takes_scores() {
-                    return Err(Error::ScoresNotAccepted { policy });
-                }
-            }
-            None if needed && policy == ScorePolicy::Custom => return Err(Error::ScoresRequired { policy }),
-            None => {}
-        }
-        Ok(())
+        check_scores(&self.config, scores, n, needed)
     }
 
     fn check_outcomes(outcomes: &Option<&mut [Outcome]>, n: usize) -> Result<()> {
-        match outcomes {
-            Some(o) => check_len("outcomes", o.len(), n, || format!("{n} keys")),
-            None => Ok(()),
-        }
+        check_outcomes(outcomes, n)
     }
 
     // ---- kernel launches (raw device pointers, one stream) ----------------
@@ -1637,11 +1622,7 @@ impl Shard for CudaTable {
     }
 
     fn clock_score(&self) -> u64 {
-        let sc = Scorer { policy: self.config.policy, now_ns: self.clock.now_ns(), epoch: self.epoch.load(Relaxed) };
-        match self.config.policy {
-            ScorePolicy::Lru | ScorePolicy::EpochLru => sc.on_insert(None),
-            ScorePolicy::EpochLfu => (sc.epoch as u64) << 32,
-            ScorePolicy::Lfu | ScorePolicy::Custom => 0,
-        }
+        Scorer { policy: self.config.policy, now_ns: self.clock.now_ns(), epoch: self.epoch.load(Relaxed) }
+            .clock_floor()
     }
 }

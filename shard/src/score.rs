@@ -128,6 +128,16 @@ impl Scorer {
         }
     }
 
+    /// The lowest score a write made from now on can get, for policies whose
+    /// scores grow with time; 0 for Lfu and Custom (see `Shard::clock_score`).
+    pub fn clock_floor(&self) -> u64 {
+        match self.policy {
+            ScorePolicy::Lru | ScorePolicy::EpochLru => self.on_insert(None),
+            ScorePolicy::EpochLfu => self.epoch_hi(),
+            ScorePolicy::Lfu | ScorePolicy::Custom => 0,
+        }
+    }
+
     fn epoch_lfu_add(&self, old: u64, inc: u64) -> u64 {
         let low = (old & 0xffff_ffff).saturating_add(inc & 0xffff_ffff).min(0xffff_ffff);
         self.epoch_hi() | low
