@@ -56,36 +56,44 @@ impl Writer {
     /// `u32` count + raw `u64`s.
     pub fn u64s(&mut self, xs: &[u64]) -> &mut Self {
         self.u32(xs.len() as u32);
-        self.buf.reserve(xs.len() * 8);
-        for x in xs {
-            self.buf.extend_from_slice(&x.to_le_bytes());
+        let at = self.buf.len();
+        self.buf.resize(at + xs.len() * 8, 0);
+        // One pass over a pre-sized buffer: the compiler turns it into a copy.
+        for (dst, x) in self.buf[at..].chunks_exact_mut(8).zip(xs) {
+            dst.copy_from_slice(&x.to_le_bytes());
         }
         self
     }
     /// `u32` count + raw `f32`s.
     pub fn f32s(&mut self, xs: &[f32]) -> &mut Self {
         self.u32(xs.len() as u32);
-        self.buf.reserve(xs.len() * 4);
-        for x in xs {
-            self.buf.extend_from_slice(&x.to_le_bytes());
+        let at = self.buf.len();
+        self.buf.resize(at + xs.len() * 4, 0);
+        // One pass over a pre-sized buffer: the compiler turns it into a copy.
+        for (dst, x) in self.buf[at..].chunks_exact_mut(4).zip(xs) {
+            dst.copy_from_slice(&x.to_le_bytes());
         }
         self
     }
     /// `u32` count + raw `u32`s.
     pub fn u32s(&mut self, xs: &[u32]) -> &mut Self {
         self.u32(xs.len() as u32);
-        self.buf.reserve(xs.len() * 4);
-        for x in xs {
-            self.buf.extend_from_slice(&x.to_le_bytes());
+        let at = self.buf.len();
+        self.buf.resize(at + xs.len() * 4, 0);
+        // One pass over a pre-sized buffer: the compiler turns it into a copy.
+        for (dst, x) in self.buf[at..].chunks_exact_mut(4).zip(xs) {
+            dst.copy_from_slice(&x.to_le_bytes());
         }
         self
     }
     /// `u32` count + raw `i64`s.
     pub fn i64s(&mut self, xs: &[i64]) -> &mut Self {
         self.u32(xs.len() as u32);
-        self.buf.reserve(xs.len() * 8);
-        for x in xs {
-            self.buf.extend_from_slice(&x.to_le_bytes());
+        let at = self.buf.len();
+        self.buf.resize(at + xs.len() * 8, 0);
+        // One pass over a pre-sized buffer: the compiler turns it into a copy.
+        for (dst, x) in self.buf[at..].chunks_exact_mut(8).zip(xs) {
+            dst.copy_from_slice(&x.to_le_bytes());
         }
         self
     }
