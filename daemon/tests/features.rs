@@ -1,6 +1,7 @@
 //! Feature requests through the real daemon: hash, find_features and
 //! find_or_insert_features equal hashing on the client and then the keyed
-//! ops; bad input is refused with nothing applied; hkvctl prints them.
+//! ops; bad input is refused with nothing applied (hkvctl's feature
+//! commands: client/tests/hkvctl.rs).
 
 mod common;
 
@@ -77,26 +78,4 @@ fn feature_ops_equal_hash_then_keyed_ops() {
 
 fn c_size(d: &Daemon) -> u64 {
     d.client().tables().unwrap().iter().map(|t| t.size).sum()
-}
-
-#[test]
-fn hkvctl_hashes_and_looks_up_features() {
-    let d = Daemon::start(&[]);
-    let run = |args: &[&str]| {
-        let out = common::hkvctl(&d, args);
-        assert!(out.status.success(), "hkvctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-        String::from_utf8(out.stdout).unwrap()
-    };
-    assert_eq!(
-        run(&["hash", "--num-buckets", "18446744073709551612", "a", "b"]),
-        format!("a: {}\nb: {}\n", 12917804110809363939u64, 11795596070477164822u64)
-    );
-    assert_eq!(
-        run(&["hash", "--int", "--num-buckets", "10", "--", "-1"]),
-        format!("-1: {}\n", fingerprint64(b"-1") % 10)
-    );
-    run(&["create-table", "t", "--dim", "2", "--capacity", "4096", "--num-buckets", "1000"]);
-    let out = run(&["find-or-insert-features", "t", "--int", "42=1.5,2.5", "7=3,4"]);
-    assert!(out.starts_with("42: 1.5,2.5\n7: 3,4\n"), "{out}");
-    assert_eq!(run(&["find-features", "t", "--int", "42", "8"]), "42: 1.5,2.5\n8: not found\n");
 }

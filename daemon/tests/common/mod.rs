@@ -137,11 +137,3 @@ impl Drop for Daemon {
 pub fn path_str(p: &Path) -> &str {
     p.to_str().expect("utf-8 path")
 }
-
-/// Runs `hkvctl --socket <daemon's> args...` (hkvctl is built beside hkvd by
-/// `cargo test --workspace`).
-pub fn hkvctl(d: &Daemon, args: &[&str]) -> std::process::Output {
-    let exe = Path::new(env!("CARGO_BIN_EXE_hkvd")).with_file_name("hkvctl");
-    assert!(exe.exists(), "{} is missing: run the tests with cargo test --workspace", exe.display());
-    Command::new(exe).arg("--socket").arg(&d.socket).args(args).output().expect("run hkvctl")
-}

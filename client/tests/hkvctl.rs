@@ -1,0 +1,91 @@
+//! hkvctl end to end: the real binary against a real daemon (`hkvd`, built
+//! beside hkvctl by `cargo test --workspace`).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use hkv_client::Client;
+
+struct Daemon {
+    child: Child,
+    socket: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Daemon {
+    fn start() -> Daemon {
+        let hkvd = Path::new(env!("CARGO_BIN_EXE_hkvctl")).with_file_name("hkvd");
+        assert!(hkvd.exists(), "{} is missing: run the tests with cargo test --workspace", hkvd.display());
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("hkvd.sock");
+        let child = Command::new(hkvd)
+            .args(["serve", "--backend", "cpu", "--shards", "2", "--log", "warn", "--socket"])
+            .arg(&socket)
+            .arg("--state-dir")
+            .arg(dir.path().join("state"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("spawn hkvd");
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(20) {
+            if Client::connect(&socket).and_then(|mut c| c.ping()).is_ok() {
+                return Daemon { child, socket, _dir: dir };
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("hkvd did not answer on {}", socket.display());
+    }
+
+    fn hkvctl(&self, args: &[&str]) -> Output {
+        Command::new(env!("CARGO_BIN_EXE_hkvctl")).arg("--socket").arg(&self.socket).args(args).output().unwrap()
+    }
+
+    fn run(&self, args: &[&str]) -> String {
+        let out = self.hkvctl(args);
+        assert!(out.status.success(), "hkvctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn tables_put_get_erase() {
+    let d = Daemon::start();
+    let out = d.run(&["create-table", "emb", "--dim", "2", "--capacity", "4096", "--policy", "lfu"]);
+    assert!(out.starts_with("created emb"), "{out}");
+    d.run(&["put", "emb", "7=1.5,2", "9=3,4"]);
+    assert_eq!(d.run(&["get", "emb", "7", "9", "8"]), "7: 1.5,2\n9: 3,4\n8: not found\n");
+    d.run(&["erase", "emb", "7"]);
+    assert_eq!(d.run(&["get", "emb", "7"]), "7: not found\n");
+    assert!(d.run(&["tables"]).contains("emb"));
+    // A wrong dim is refused with what the table needs.
+    let out = d.hkvctl(&["put", "emb", "1=1,2,3"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("dim 2"), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn feature_commands_hash_and_look_up() {
+    let d = Daemon::start();
+    assert_eq!(
+        d.run(&["hash", "--num-buckets", "18446744073709551612", "a", "b"]),
+        format!("a: {}\nb: {}\n", 12917804110809363939u64, 11795596070477164822u64)
+    );
+    let minus_one = hkv_shard::features::fingerprint64(b"-1");
+    assert_eq!(d.run(&["hash", "--int", "--num-buckets", "10", "--", "-1"]), format!("-1: {}\n", minus_one % 10));
+    d.run(&["create-table", "t", "--dim", "2", "--capacity", "4096", "--num-buckets", "1000"]);
+    let out = d.run(&["find-or-insert-features", "t", "--int", "42=1.5,2.5", "7=3,4"]);
+    assert!(out.starts_with("42: 1.5,2.5\n7: 3,4\n"), "{out}");
+    assert_eq!(d.run(&["find-features", "t", "--int", "42", "8"]), "42: 1.5,2.5\n8: not found\n");
+    // The table's setting applies when none is given.
+    let x = hkv_shard::features::fingerprint64(b"x") % 1000;
+    assert_eq!(d.run(&["hash", "--table", "t", "x"]), format!("x: {x}\n"));
+}
