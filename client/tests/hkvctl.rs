@@ -19,7 +19,7 @@ impl Daemon {
         assert!(hkvd.exists(), "{} is missing: run the tests with cargo test --workspace", hkvd.display());
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("hkvd.sock");
-        let child = Command::new(hkvd)
+        let mut child = Command::new(hkvd)
             .args(["serve", "--backend", "cpu", "--shards", "2", "--log", "warn", "--socket"])
             .arg(&socket)
             .arg("--state-dir")
@@ -35,6 +35,8 @@ impl Daemon {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+        let _ = child.kill();
+        let _ = child.wait();
         panic!("hkvd did not answer on {}", socket.display());
     }
 
