@@ -21,6 +21,9 @@ pub struct DaemonStats {
     pub backend: String,
     /// Shard actors (devices or CPU shards).
     pub shards: usize,
+    /// Where feature requests are hashed: "CPU" or "GPU 0 (name)".
+    #[serde(default)]
+    pub feature_hashing: String,
     /// Connections open now.
     pub connections: usize,
     /// Requests answered since start.
@@ -82,6 +85,7 @@ pub fn collect(state: &State) -> DaemonStats {
         uptime_s: state.started.elapsed().as_secs_f64(),
         backend: state.backend.clone(),
         shards: state.router.shards(),
+        feature_hashing: state.router.hasher.place.clone(),
         connections: s.connections.load(Relaxed),
         requests: s.requests.load(Relaxed),
         errors: s.errors.load(Relaxed),

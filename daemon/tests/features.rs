@@ -74,6 +74,8 @@ fn feature_ops_equal_hash_then_keyed_ops() {
     assert_eq!(c.create_table(bad_spec).unwrap_err().code(), Some(ErrorCode::BadRequest));
     assert_eq!(size(), before, "refused requests changed nothing");
     c.ping().unwrap();
+    let st = c.stats().unwrap();
+    assert_eq!(st["feature_hashing"], "CPU", "a --backend cpu daemon hashes on the CPU");
 }
 
 fn c_size(d: &Daemon) -> u64 {

@@ -293,9 +293,10 @@ fn fmt_values(v: &[f32]) -> String {
 
 fn stats_table(v: &serde_json::Value) -> String {
     let mut out = format!(
-        "hkvd {}  backend {}  up {:.0}s  connections {}  requests {}  errors {}\n",
+        "hkvd {}  backend {}  hashing on {}  up {:.0}s  connections {}  requests {}  errors {}\n",
         v["version"].as_str().unwrap_or("?"),
         v["backend"].as_str().unwrap_or("?"),
+        v["feature_hashing"].as_str().unwrap_or("?"),
         v["uptime_s"].as_f64().unwrap_or(0.0),
         v["connections"],
         v["requests"],
