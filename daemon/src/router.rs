@@ -287,6 +287,15 @@ impl Router {
             Request::Find { keys, scores, .. } => {
                 Self::validate(&t, &keys, None, None, false, false)?;
                 let n = keys.len();
+                if n_shards == 1 {
+                    // One shard (one GPU): its answer is already in request order.
+                    let SubResult::Find { found, values, scores } =
+                        self.call(&t, 0, SubOp::Find { keys, scores }).await?
+                    else {
+                        unreachable!()
+                    };
+                    return Ok(Response::Find { found: found.into_iter().map(u8::from).collect(), values, scores });
+                }
                 let parts = split(&keys, n_shards);
                 let ops = parts.iter().map(|p| SubOp::Find { keys: gather(&keys, p, 1), scores }).collect();
                 let mut found = vec![0u8; n];
@@ -328,6 +337,13 @@ impl Router {
                         "load needs a score per key (sent with the SCORES flag)",
                     ));
                 }
+                let n = keys.len();
+                if n_shards == 1 {
+                    // One shard: the batch goes as it came, no gather.
+                    let parts = vec![(0..n as u32).collect::<Vec<u32>>()];
+                    let ops = vec![SubOp::Write { op: code, keys, values, scores }];
+                    return self.writes(&t, &parts, ops, n, outcomes, code).await;
+                }
                 let parts = split(&keys, n_shards);
                 let ops = parts
                     .iter()
@@ -338,7 +354,7 @@ impl Router {
                         scores: scores.as_ref().map(|s| gather(s, p, 1)),
                     })
                     .collect();
-                self.writes(&t, &parts, ops, keys.len(), outcomes, code).await
+                self.writes(&t, &parts, ops, n, outcomes, code).await
             }
             Request::AssignScores { keys, scores, outcomes, .. } => {
                 Self::validate(&t, &keys, None, scores.as_deref(), false, false)?;

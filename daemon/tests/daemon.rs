@@ -94,6 +94,35 @@ fn every_operation_through_the_client() {
     assert!(m.contains("hkvd_lock_waiting{table=\"ep\",shard=\"2\",group=\"inserter\"} 0"));
 }
 
+/// One shard (a one-GPU host's layout) takes the router's direct path:
+/// answers in request order, outcomes and find_or_insert values included.
+#[test]
+fn one_shard_answers_in_request_order() {
+    let d = Daemon::start(&["--shards", "1"]);
+    let mut c = d.client();
+    c.create_table(spec("one", 3, 4096, "lfu", "dual")).unwrap();
+    let keys: Vec<u64> = (0..2000).map(|i| i * 48271 + 5).collect();
+    let v = vals(&keys, 3, 0.5);
+    let w = c.write(proto::op::INSERT_OR_ASSIGN, "one", &keys, &v, None).unwrap();
+    assert_eq!(w.summary.inserted, 2000);
+    assert!(w.outcomes.iter().all(|&o| o == 1));
+    let mut probe = keys.clone();
+    probe.reverse();
+    probe.push(3);
+    let f = c.find_with_scores("one", &probe).unwrap();
+    assert_eq!(&f.found[..2000], &vec![true; 2000][..]);
+    assert!(!f.found[2000]);
+    let mut want = vals(&keys, 3, 0.5).chunks(3).rev().flatten().copied().collect::<Vec<f32>>();
+    want.extend([0.0; 3]);
+    assert_eq!(f.values, want);
+    assert_eq!(f.scores.unwrap()[..2000], vec![1u64; 2000][..]);
+    let (s, got) = c.find_or_insert("one", &[keys[7], 4, keys[9]], &[9.0; 9], None).unwrap();
+    assert_eq!((s.updated, s.inserted), (2, 1));
+    assert_eq!(got[..3], v[21..24]);
+    assert_eq!(got[3..6], [9.0; 3]);
+    assert_eq!(got[6..], v[27..30]);
+}
+
 #[test]
 fn sixteen_clients_pipelining_mixed_operations() {
     let d = Daemon::start(&[]);
