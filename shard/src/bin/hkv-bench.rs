@@ -261,7 +261,9 @@ fn moka_row(cap: u64, dim: usize, batch: usize, runs: usize, lambdas: &[f64]) ->
 fn main() -> Result<()> {
     let a = Args::parse();
     let backend = match a.backend.as_str() {
-        "auto" => Backend::Auto,
+        // Auto: the CUDA protocol (device buffers, event timing) on a GPU host.
+        "auto" if hkv_shard::cuda::probe().is_ok() => Backend::Cuda,
+        "auto" => Backend::Cpu,
         "cpu" => Backend::Cpu,
         "cuda" => Backend::Cuda,
         b => bail!("--backend must be auto, cpu or cuda, not {b:?}"),
