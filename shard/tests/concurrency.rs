@@ -2,7 +2,9 @@
 //! samples the lock state throughout and the lock's own admission check
 //! counts violations: no reader or updater may ever run beside an inserter,
 //! readers never beside updaters. Updaters accumulate on keys nobody erases,
-//! so their sums prove that no update was lost.
+//! so their sums prove that no update was lost. The same test runs on the
+//! CUDA backend on a GPU host (`--ignored`): several streams at once, and
+//! bucket locks inside the kernels.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -11,9 +13,18 @@ use std::thread;
 use hkv_shard::cpu::CpuTable;
 use hkv_shard::{BucketMode, Group, Shard, TableConfig};
 
-fn run(mode: BucketMode) {
+fn cpu(cfg: TableConfig) -> Arc<dyn Shard> {
+    Arc::new(CpuTable::new(cfg).unwrap())
+}
+
+fn cuda(cfg: TableConfig) -> Arc<dyn Shard> {
+    let dev = hkv_shard::cuda::shared_device(0).expect("CUDA device 0");
+    Arc::new(hkv_shard::cuda_table::CudaTable::new(cfg, dev).unwrap())
+}
+
+fn run(mode: BucketMode, make: fn(TableConfig) -> Arc<dyn Shard>) {
     let dim = 4;
-    let t = Arc::new(CpuTable::new(TableConfig::new(1 << 16, dim).mode(mode)).unwrap());
+    let t = make(TableConfig::new(1 << 16, dim).mode(mode));
     // Counter keys 0..512: inserted once, only ever accumulated.
     let counters: Vec<u64> = (0..512).collect();
     t.insert_or_assign(&counters, &vec![0.0; 512 * dim], None, None).unwrap();
@@ -23,7 +34,7 @@ fn run(mode: BucketMode) {
         thread::spawn(move || {
             let mut samples = 0u64;
             while !stop.load(Ordering::Relaxed) {
-                let s = t.lock_state();
+                let s = t.stats().lock;
                 let [r, u, i] = s.running;
                 assert!(i <= 1, "two inserters at once: {s:?}");
                 assert!(i == 0 || (r == 0 && u == 0), "inserter beside others: {s:?}");
@@ -78,7 +89,7 @@ fn run(mode: BucketMode) {
     }
     stop.store(true, Ordering::Relaxed);
     let samples = monitor.join().unwrap();
-    let s = t.lock_state();
+    let s = t.stats().lock;
     assert_eq!(s.violations, 0);
     assert!(samples > 100);
     assert!(s.max_running[Group::Reader as usize] >= 2, "readers never overlapped: {s:?}");
@@ -100,10 +111,22 @@ fn counters_of(r: u64) -> Vec<u64> {
 
 #[test]
 fn groups_exclude_each_other_single() {
-    run(BucketMode::Single);
+    run(BucketMode::Single, cpu);
 }
 
 #[test]
 fn groups_exclude_each_other_dual() {
-    run(BucketMode::Dual);
+    run(BucketMode::Dual, cpu);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_groups_exclude_each_other_single() {
+    run(BucketMode::Single, cuda);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_groups_exclude_each_other_dual() {
+    run(BucketMode::Dual, cuda);
 }
