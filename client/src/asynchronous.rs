@@ -62,12 +62,8 @@ impl AsyncClient {
 
     /// Values of keys.
     pub async fn find(&mut self, table: &str, keys: &[u64]) -> Result<Found> {
-        match self.call(&Request::Find { table: table.into(), keys: keys.to_vec(), scores: false }).await? {
-            Response::Find { found, values, scores } => {
-                Ok(Found { found: found.iter().map(|&f| f != 0).collect(), values, scores })
-            }
-            r => Err(ClientError::Protocol(format!("find: got {r:?}"))),
-        }
+        let r = self.call(&Request::Find { table: table.into(), keys: keys.to_vec(), scores: false }).await?;
+        Found::from_response("find", r)
     }
 
     /// Hash features and find their keys, in one round trip.
@@ -77,12 +73,8 @@ impl AsyncClient {
         hash: hkv_proto::HashSpec,
         features: hkv_proto::Features,
     ) -> Result<Found> {
-        match self.call(&Request::FindFeatures { table: table.into(), hash, features, scores: false }).await? {
-            Response::Find { found, values, scores } => {
-                Ok(Found { found: found.iter().map(|&f| f != 0).collect(), values, scores })
-            }
-            r => Err(ClientError::Protocol(format!("find_features: got {r:?}"))),
-        }
+        let r = self.call(&Request::FindFeatures { table: table.into(), hash, features, scores: false }).await?;
+        Found::from_response("find_features", r)
     }
 
     /// Upsert.

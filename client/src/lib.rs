@@ -118,6 +118,30 @@ fn unexpected<T>(what: &str, r: Response) -> Result<T> {
     Err(ClientError::Protocol(format!("{what}: got {r:?}")))
 }
 
+impl Found {
+    /// The answer of a find (or find_features) request `what`.
+    pub(crate) fn from_response(what: &str, r: Response) -> Result<Found> {
+        match r {
+            Response::Find { found, values, scores } => {
+                Ok(Found { found: found.iter().map(|&f| f != 0).collect(), values, scores })
+            }
+            r => unexpected(what, r),
+        }
+    }
+}
+
+impl Written {
+    /// The answer of a write request `what`.
+    fn from_response(what: &str, r: Response) -> Result<Written> {
+        match r {
+            Response::Write { summary, outcomes, values, evicted } => {
+                Ok(Written { summary, outcomes: outcomes.unwrap_or_default(), values, evicted })
+            }
+            r => unexpected(what, r),
+        }
+    }
+}
+
 /// A blocking connection to hkvd.
 pub struct Client {
     w: UnixStream,
@@ -245,12 +269,7 @@ impl Client {
     }
 
     fn find_inner(&mut self, table: &str, keys: &[u64], scores: bool) -> Result<Found> {
-        match self.call(&Request::Find { table: table.into(), keys: keys.to_vec(), scores })? {
-            Response::Find { found, values, scores } => {
-                Ok(Found { found: found.iter().map(|&f| f != 0).collect(), values, scores })
-            }
-            r => unexpected("find", r),
-        }
+        Found::from_response("find", self.call(&Request::Find { table: table.into(), keys: keys.to_vec(), scores })?)
     }
 
     /// Keys of raw features (`HashSpec::Table` needs `table`; else it may be "").
@@ -263,12 +282,8 @@ impl Client {
 
     /// Hash features and find their keys, in one round trip.
     pub fn find_features(&mut self, table: &str, hash: HashSpec, features: Features, scores: bool) -> Result<Found> {
-        match self.call(&Request::FindFeatures { table: table.into(), hash, features, scores })? {
-            Response::Find { found, values, scores } => {
-                Ok(Found { found: found.iter().map(|&f| f != 0).collect(), values, scores })
-            }
-            r => unexpected("find_features", r),
-        }
+        let r = self.call(&Request::FindFeatures { table: table.into(), hash, features, scores })?;
+        Found::from_response("find_features", r)
     }
 
     /// Hash features, then find_or_insert their keys, in one round trip.
@@ -288,12 +303,7 @@ impl Client {
             scores: scores.map(<[u64]>::to_vec),
             outcomes: true,
         };
-        match self.call(&req)? {
-            Response::Write { summary, outcomes, values, evicted } => {
-                Ok(Written { summary, outcomes: outcomes.unwrap_or_default(), values, evicted })
-            }
-            r => unexpected("find_or_insert_features", r),
-        }
+        Written::from_response("find_or_insert_features", self.call(&req)?)
     }
 
     /// Presence of keys.
@@ -322,12 +332,7 @@ impl Client {
             scores: scores.map(<[u64]>::to_vec),
             outcomes: true,
         };
-        match self.call(&req)? {
-            Response::Write { summary, outcomes, values, evicted } => {
-                Ok(Written { summary, outcomes: outcomes.unwrap_or_default(), values, evicted })
-            }
-            r => unexpected("write", r),
-        }
+        Written::from_response("write", self.call(&req)?)
     }
 
     /// Upsert.

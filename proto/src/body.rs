@@ -55,45 +55,28 @@ impl Writer {
     }
     /// `u32` count + raw `u64`s.
     pub fn u64s(&mut self, xs: &[u64]) -> &mut Self {
-        self.u32(xs.len() as u32);
-        let at = self.buf.len();
-        self.buf.resize(at + xs.len() * 8, 0);
-        // One pass over a pre-sized buffer: the compiler turns it into a copy.
-        for (dst, x) in self.buf[at..].chunks_exact_mut(8).zip(xs) {
-            dst.copy_from_slice(&x.to_le_bytes());
-        }
-        self
+        self.le_array(xs, u64::to_le_bytes)
     }
     /// `u32` count + raw `f32`s.
     pub fn f32s(&mut self, xs: &[f32]) -> &mut Self {
-        self.u32(xs.len() as u32);
-        let at = self.buf.len();
-        self.buf.resize(at + xs.len() * 4, 0);
-        // One pass over a pre-sized buffer: the compiler turns it into a copy.
-        for (dst, x) in self.buf[at..].chunks_exact_mut(4).zip(xs) {
-            dst.copy_from_slice(&x.to_le_bytes());
-        }
-        self
+        self.le_array(xs, f32::to_le_bytes)
     }
     /// `u32` count + raw `u32`s.
     pub fn u32s(&mut self, xs: &[u32]) -> &mut Self {
-        self.u32(xs.len() as u32);
-        let at = self.buf.len();
-        self.buf.resize(at + xs.len() * 4, 0);
-        // One pass over a pre-sized buffer: the compiler turns it into a copy.
-        for (dst, x) in self.buf[at..].chunks_exact_mut(4).zip(xs) {
-            dst.copy_from_slice(&x.to_le_bytes());
-        }
-        self
+        self.le_array(xs, u32::to_le_bytes)
     }
     /// `u32` count + raw `i64`s.
     pub fn i64s(&mut self, xs: &[i64]) -> &mut Self {
+        self.le_array(xs, i64::to_le_bytes)
+    }
+    /// `u32` count + the elements as `W` little-endian bytes each, written in
+    /// one pass over a pre-sized buffer (the compiler turns it into a copy).
+    fn le_array<T: Copy, const W: usize>(&mut self, xs: &[T], le: fn(T) -> [u8; W]) -> &mut Self {
         self.u32(xs.len() as u32);
         let at = self.buf.len();
-        self.buf.resize(at + xs.len() * 8, 0);
-        // One pass over a pre-sized buffer: the compiler turns it into a copy.
-        for (dst, x) in self.buf[at..].chunks_exact_mut(8).zip(xs) {
-            dst.copy_from_slice(&x.to_le_bytes());
+        self.buf.resize(at + xs.len() * W, 0);
+        for (dst, &x) in self.buf[at..].chunks_exact_mut(W).zip(xs) {
+            dst.copy_from_slice(&le(x));
         }
         self
     }
@@ -175,6 +158,12 @@ impl<'a> Reader<'a> {
         Ok(u64::from_le_bytes(b.try_into().expect("8 bytes")))
     }
 
+    /// A counted array of `W`-byte little-endian elements.
+    fn le_array<T, const W: usize>(&mut self, what: &str, from: fn([u8; W]) -> T) -> Result<Vec<T>, ProtoError> {
+        let b = self.array(W, what)?;
+        Ok(b.chunks_exact(W).map(|c| from(c.try_into().expect("W bytes"))).collect())
+    }
+
     fn array(&mut self, width: usize, what: &str) -> Result<&'a [u8], ProtoError> {
         let n = self.u32(what)? as usize;
         let bytes = n.checked_mul(width).ok_or_else(|| ProtoError::bad_request(format!("{what}: count overflows")))?;
@@ -182,23 +171,19 @@ impl<'a> Reader<'a> {
     }
     /// A `u64s` array.
     pub fn u64s(&mut self, what: &str) -> Result<Vec<u64>, ProtoError> {
-        let b = self.array(8, what)?;
-        Ok(b.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect())
+        self.le_array(what, u64::from_le_bytes)
     }
     /// A `f32s` array.
     pub fn f32s(&mut self, what: &str) -> Result<Vec<f32>, ProtoError> {
-        let b = self.array(4, what)?;
-        Ok(b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect())
+        self.le_array(what, f32::from_le_bytes)
     }
     /// A `u32s` array.
     pub fn u32s(&mut self, what: &str) -> Result<Vec<u32>, ProtoError> {
-        let b = self.array(4, what)?;
-        Ok(b.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes"))).collect())
+        self.le_array(what, u32::from_le_bytes)
     }
     /// An `i64s` array.
     pub fn i64s(&mut self, what: &str) -> Result<Vec<i64>, ProtoError> {
-        let b = self.array(8, what)?;
-        Ok(b.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes"))).collect())
+        self.le_array(what, i64::from_le_bytes)
     }
     /// A `u8s` array.
     pub fn u8s(&mut self, what: &str) -> Result<Vec<u8>, ProtoError> {

@@ -22,14 +22,14 @@ use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock};
 
-use crate::config::{BucketMode, ScorePolicy, TableConfig};
+use crate::check;
+use crate::config::{BucketMode, TableConfig};
 use crate::error::{Error, Result};
 use crate::hash::{bucket2, digest, locate};
 use crate::lock::{Group, GroupLock};
 use crate::score::{Clock, Scorer, SystemClock};
 use crate::{
-    is_reserved, Evictions, Export, Filter, Lost, Op, Outcome, Shard, ShardStats, Summary, BUCKET_SLOTS, EMPTY_KEY,
-    SEQUENTIAL_BATCH,
+    Evictions, Export, Filter, Lost, Op, Outcome, Shard, ShardStats, Summary, BUCKET_SLOTS, EMPTY_KEY, SEQUENTIAL_BATCH,
 };
 
 const S: usize = BUCKET_SLOTS;
@@ -344,13 +344,13 @@ enum Scoring {
 /// Operation counters of a shard (shared by the backends).
 #[derive(Default)]
 pub(crate) struct Counters {
-    pub(crate) ops: [AtomicU64; Op::ALL.len()],
-    pub(crate) keys: [AtomicU64; Op::ALL.len()],
-    pub(crate) hits: AtomicU64,
-    pub(crate) misses: AtomicU64,
-    pub(crate) inserts: AtomicU64,
+    ops: [AtomicU64; Op::ALL.len()],
+    keys: [AtomicU64; Op::ALL.len()],
+    hits: AtomicU64,
+    misses: AtomicU64,
+    inserts: AtomicU64,
     pub(crate) evictions: AtomicU64,
-    pub(crate) rejections: AtomicU64,
+    rejections: AtomicU64,
 }
 
 impl Counters {
@@ -364,6 +364,32 @@ impl Counters {
         self.inserts.fetch_add(s.inserted, Relaxed);
         self.evictions.fetch_add(s.evicted, Relaxed);
         self.rejections.fetch_add(s.rejected, Relaxed);
+    }
+
+    /// The shard's statistics from these counters and the given state.
+    pub(crate) fn stats(
+        &self,
+        size: u64,
+        capacity: u64,
+        fast_tier_bytes: u64,
+        host_tier_bytes: u64,
+        lock: crate::LockState,
+    ) -> ShardStats {
+        ShardStats {
+            size,
+            capacity,
+            load_factor: size as f64 / capacity.max(1) as f64,
+            ops: self.ops.iter().map(|a| a.load(Relaxed)).collect(),
+            keys: self.keys.iter().map(|a| a.load(Relaxed)).collect(),
+            hits: self.hits.load(Relaxed),
+            misses: self.misses.load(Relaxed),
+            inserts: self.inserts.load(Relaxed),
+            evictions: self.evictions.load(Relaxed),
+            rejections: self.rejections.load(Relaxed),
+            fast_tier_bytes,
+            host_tier_bytes,
+            lock,
+        }
     }
 
     pub(crate) fn lookups(&self, hits: u64, n: usize) {
@@ -390,57 +416,6 @@ impl std::fmt::Debug for CpuTable {
             .field("capacity", &self.capacity())
             .field("size", &self.size())
             .finish()
-    }
-}
-
-pub(crate) fn check_len(
-    what: &'static str,
-    got: usize,
-    expected: usize,
-    detail: impl FnOnce() -> String,
-) -> Result<()> {
-    if got == expected {
-        Ok(())
-    } else {
-        Err(Error::Length { what, expected, got, detail: detail() })
-    }
-}
-
-/// A value array must hold `n × dim` floats.
-pub(crate) fn check_values(config: &TableConfig, what: &'static str, n: usize, got: usize) -> Result<()> {
-    let dim = config.dim;
-    check_len(what, got, n * dim, || format!("{n} keys x dim {dim}"))
-}
-
-/// Scores must fit the batch and the policy. `needed`: the op inserts, so
-/// Custom needs them.
-pub(crate) fn check_scores(config: &TableConfig, scores: Option<&[u64]>, n: usize, needed: bool) -> Result<()> {
-    let policy = config.policy;
-    match scores {
-        Some(s) => {
-            check_len("scores", s.len(), n, || format!("{n} keys"))?;
-            if !policy.takes_scores() {
-                return Err(Error::ScoresNotAccepted { policy });
-            }
-        }
-        None if needed && policy == ScorePolicy::Custom => return Err(Error::ScoresRequired { policy }),
-        None => {}
-    }
-    Ok(())
-}
-
-/// An outcome array, when given, must have one entry per key.
-pub(crate) fn check_outcomes(outcomes: &Option<&mut [Outcome]>, n: usize) -> Result<()> {
-    match outcomes {
-        Some(o) => check_len("outcomes", o.len(), n, || format!("{n} keys")),
-        None => Ok(()),
-    }
-}
-
-pub(crate) fn check_keys(keys: &[u64]) -> Result<()> {
-    match keys.iter().position(|&k| is_reserved(k)) {
-        Some(index) => Err(Error::ReservedKey { key: keys[index], index }),
-        None => Ok(()),
     }
 }
 
@@ -476,18 +451,6 @@ impl CpuTable {
 
     fn scorer(&self) -> Scorer {
         Scorer { policy: self.config.policy, now_ns: self.clock.now_ns(), epoch: self.epoch.load(Relaxed) }
-    }
-
-    fn check_values(&self, what: &'static str, n: usize, got: usize) -> Result<()> {
-        check_values(&self.config, what, n, got)
-    }
-
-    fn check_scores(&self, scores: Option<&[u64]>, n: usize, needed: bool) -> Result<()> {
-        check_scores(&self.config, scores, n, needed)
-    }
-
-    fn check_outcomes(outcomes: &Option<&mut [Outcome]>, n: usize) -> Result<()> {
-        check_outcomes(outcomes, n)
     }
 
     /// The candidate buckets of a key: `(b1, b2)`, `b2 == b1` in single mode.
@@ -729,12 +692,17 @@ impl CpuTable {
         keep_lost: bool,
     ) -> Result<Acc> {
         let n = keys.len();
-        check_keys(keys)?;
-        self.check_values("values", n, values.len())?;
-        Self::check_outcomes(&outcomes, n)?;
-        if let Scoring::Policy = scoring {
-            self.check_scores(scores, n, true)?;
-        }
+        // Verbatim scores (load) are checked by the caller, not against the policy.
+        let policy = matches!(scoring, Scoring::Policy);
+        let policy_scores = if policy { scores } else { None };
+        check::write(
+            &self.config,
+            keys,
+            Some(("values", values.len())),
+            policy_scores,
+            policy,
+            outcomes.as_ref().map(|o| o.len()),
+        )?;
         let _g = self.lock.acquire(Group::Inserter);
         self.counters.op(op, n);
         self.grow_for(n);
@@ -827,12 +795,7 @@ impl Shard for CpuTable {
 
     fn find(&self, keys: &[u64], values: &mut [f32], found: &mut [bool], scores: Option<&mut [u64]>) -> Result<usize> {
         let n = keys.len();
-        check_keys(keys)?;
-        self.check_values("values", n, values.len())?;
-        check_len("found", found.len(), n, || format!("{n} keys"))?;
-        if let Some(s) = &scores {
-            check_len("scores", s.len(), n, || format!("{n} keys"))?;
-        }
+        check::lookup(&self.config, keys, Some(values.len()), found.len(), scores.as_ref().map(|s| s.len()))?;
         let _g = self.lock.acquire(Group::Reader);
         self.counters.op(Op::Find, n);
         let st = self.storage.read();
@@ -860,8 +823,7 @@ impl Shard for CpuTable {
 
     fn contains(&self, keys: &[u64], found: &mut [bool]) -> Result<usize> {
         let n = keys.len();
-        check_keys(keys)?;
-        check_len("found", found.len(), n, || format!("{n} keys"))?;
+        check::lookup(&self.config, keys, None, found.len(), None)?;
         let _g = self.lock.acquire(Group::Reader);
         self.counters.op(Op::Contains, n);
         let st = self.storage.read();
@@ -902,7 +864,7 @@ impl Shard for CpuTable {
 
     fn load(&self, keys: &[u64], values: &[f32], scores: &[u64]) -> Result<Summary> {
         let n = keys.len();
-        check_len("scores", scores.len(), n, || format!("{n} keys"))?;
+        check::len("scores", scores.len(), n, || format!("{n} keys"))?;
         let acc = self.upsert_batch(Op::Load, keys, values, Some(scores), Scoring::Verbatim, None, false)?;
         Ok(acc.summary)
     }
@@ -915,10 +877,14 @@ impl Shard for CpuTable {
         outcomes: Option<&mut [Outcome]>,
     ) -> Result<Summary> {
         let n = keys.len();
-        check_keys(keys)?;
-        self.check_values("values", n, values.len())?;
-        self.check_scores(scores, n, true)?;
-        Self::check_outcomes(&outcomes, n)?;
+        check::write(
+            &self.config,
+            keys,
+            Some(("values", values.len())),
+            scores,
+            true,
+            outcomes.as_ref().map(|o| o.len()),
+        )?;
         let _g = self.lock.acquire(Group::Inserter);
         self.counters.op(Op::FindOrInsert, n);
         self.grow_for(n);
@@ -959,11 +925,14 @@ impl Shard for CpuTable {
         scores: Option<&[u64]>,
         outcomes: Option<&mut [Outcome]>,
     ) -> Result<Summary> {
-        let n = keys.len();
-        check_keys(keys)?;
-        self.check_values("values", n, values.len())?;
-        self.check_scores(scores, n, false)?;
-        Self::check_outcomes(&outcomes, n)?;
+        check::write(
+            &self.config,
+            keys,
+            Some(("values", values.len())),
+            scores,
+            false,
+            outcomes.as_ref().map(|o| o.len()),
+        )?;
         let scorer = self.scorer();
         let dim = self.config.dim;
         self.update_batch(Op::Assign, keys, outcomes, &|st, i, b, s| {
@@ -974,10 +943,7 @@ impl Shard for CpuTable {
     }
 
     fn assign_scores(&self, keys: &[u64], scores: Option<&[u64]>, outcomes: Option<&mut [Outcome]>) -> Result<Summary> {
-        let n = keys.len();
-        check_keys(keys)?;
-        self.check_scores(scores, n, false)?;
-        Self::check_outcomes(&outcomes, n)?;
+        check::write(&self.config, keys, None, scores, false, outcomes.as_ref().map(|o| o.len()))?;
         let scorer = self.scorer();
         self.update_batch(Op::AssignScores, keys, outcomes, &|st, i, b, s| {
             let bk = &st.buckets[b];
@@ -993,10 +959,14 @@ impl Shard for CpuTable {
         mut outcomes: Option<&mut [Outcome]>,
     ) -> Result<Summary> {
         let n = keys.len();
-        check_keys(keys)?;
-        self.check_values("deltas", n, deltas.len())?;
-        self.check_scores(scores, n, true)?;
-        Self::check_outcomes(&outcomes, n)?;
+        check::write(
+            &self.config,
+            keys,
+            Some(("deltas", deltas.len())),
+            scores,
+            true,
+            outcomes.as_ref().map(|o| o.len()),
+        )?;
         let dim = self.config.dim;
         let delta = |i: usize| &deltas[i * dim..(i + 1) * dim];
         // Phase 1, updater group: accumulate into present keys.
@@ -1064,10 +1034,7 @@ impl Shard for CpuTable {
 
     fn erase(&self, keys: &[u64], erased: Option<&mut [bool]>) -> Result<usize> {
         let n = keys.len();
-        check_keys(keys)?;
-        if let Some(e) = &erased {
-            check_len("erased", e.len(), n, || format!("{n} keys"))?;
-        }
+        check::erase(keys, erased.as_ref().map(|e| e.len()))?;
         let _g = self.lock.acquire(Group::Inserter);
         self.counters.op(Op::Erase, n);
         let st = self.storage.read();
@@ -1170,24 +1137,9 @@ impl Shard for CpuTable {
     }
 
     fn stats(&self) -> ShardStats {
-        let c = &self.counters;
         let capacity = self.capacity();
-        let size = self.size();
-        ShardStats {
-            size,
-            capacity,
-            load_factor: size as f64 / capacity as f64,
-            ops: c.ops.iter().map(|a| a.load(Relaxed)).collect(),
-            keys: c.keys.iter().map(|a| a.load(Relaxed)).collect(),
-            hits: c.hits.load(Relaxed),
-            misses: c.misses.load(Relaxed),
-            inserts: c.inserts.load(Relaxed),
-            evictions: c.evictions.load(Relaxed),
-            rejections: c.rejections.load(Relaxed),
-            fast_tier_bytes: 0,
-            host_tier_bytes: capacity * self.config.dim as u64 * 4,
-            lock: self.lock.state(),
-        }
+        // Host memory holds every value.
+        self.counters.stats(self.size(), capacity, 0, capacity * self.config.dim as u64 * 4, self.lock.state())
     }
 }
 

@@ -29,8 +29,9 @@ use cudarc::driver::{
 use hkv_kernels::KernelId;
 use parking_lot::{Mutex, RwLock};
 
+use crate::check;
 use crate::config::{BucketMode, ScorePolicy, TableConfig};
-use crate::cpu::{check_keys, check_len, check_outcomes, check_scores, check_values, Counters};
+use crate::cpu::Counters;
 use crate::cuda::{dev_err, ensure, Device};
 use crate::error::{Error, Result};
 use crate::lock::{Group, GroupLock};
@@ -449,18 +450,6 @@ impl CudaTable {
         }
     }
 
-    fn check_values(&self, what: &'static str, n: usize, got: usize) -> Result<()> {
-        check_values(&self.config, what, n, got)
-    }
-
-    fn check_scores(&self, scores: Option<&[u64]>, n: usize, needed: bool) -> Result<()> {
-        check_scores(&self.config, scores, n, needed)
-    }
-
-    fn check_outcomes(outcomes: &Option<&mut [Outcome]>, n: usize) -> Result<()> {
-        check_outcomes(outcomes, n)
-    }
-
     // ---- kernel launches (raw device pointers, one stream) ----------------
 
     fn zero_counters(&self, l: &mut Lane) -> Result<()> {
@@ -799,7 +788,7 @@ impl CudaTable {
         mode: i32,
         keys: &[u64],
         incoming: usize,
-        values: &mut [f32],
+        values: Rows<'_>,
         scores: Option<&[u64]>,
         verbatim: bool,
         only: Option<&[u8]>,
@@ -814,7 +803,7 @@ impl CudaTable {
         let n = keys.len();
         let mut p = Ptrs {
             keys: Self::upload(&s, &mut l.keys, keys)?,
-            values: Self::upload(&s, &mut l.values, values)?,
+            values: Self::upload(&s, &mut l.values, values.input())?,
             counters: ptr(&l.counters, &s),
             ..Ptrs::default()
         };
@@ -840,8 +829,8 @@ impl CudaTable {
             unsafe { self.k_upsert(&s, st, sc, n as u64, mode, Ptrs { only: o, ..p }) }
         })?;
         let c = self.read_counters(l)?;
-        if mode == UP_FIND_OR_INSERT {
-            Self::download(&s, &l.values, values)?;
+        if let Rows::InOut(out) = values {
+            Self::download(&s, &l.values, out)?;
         }
         let mut raw = vec![0u8; if want_outcomes { n } else { 0 }];
         Self::download(&s, &l.flags, &mut raw)?;
@@ -885,22 +874,24 @@ impl CudaTable {
         keep_lost: bool,
     ) -> Result<(Counts, Evictions)> {
         let n = keys.len();
-        check_keys(keys)?;
-        self.check_values("values", n, values.len())?;
-        Self::check_outcomes(&outcomes, n)?;
-        if !verbatim {
-            self.check_scores(scores, n, true)?;
-        }
+        // Verbatim scores (load) are checked by the caller, not against the policy.
+        let policy_scores = if !verbatim { scores } else { None };
+        check::write(
+            &self.config,
+            keys,
+            Some(("values", values.len())),
+            policy_scores,
+            !verbatim,
+            outcomes.as_ref().map(|o| o.len()),
+        )?;
         let _g = self.lock.acquire(Group::Inserter);
         self.counters.op(op, n);
         if n == 0 {
             return Ok(Default::default());
         }
-        // The input rows are only read (upload copies them).
-        let mut rows = values.to_vec();
         let want = outcomes.is_some();
         let (c, lost, raw) = self.with_lane(|l| {
-            self.upsert_host(l, UP_INSERT, keys, n, &mut rows, scores, verbatim, None, want, keep_lost)
+            self.upsert_host(l, UP_INSERT, keys, n, Rows::In(values), scores, verbatim, None, want, keep_lost)
         })?;
         set_outcomes(outcomes, &raw, None);
         Ok((c, lost))
@@ -975,6 +966,22 @@ impl CudaTable {
         Self::download(&s, &l.lost_kinds, &mut absent)?;
         s.synchronize().map_err(dev_err("synchronizing"))?;
         Ok((c.summary, if flag_absent { absent } else { raw }))
+    }
+}
+
+/// The value rows of an upsert: uploaded only, or uploaded and then
+/// overwritten with the stored rows (find_or_insert).
+enum Rows<'a> {
+    In(&'a [f32]),
+    InOut(&'a mut [f32]),
+}
+
+impl Rows<'_> {
+    fn input(&self) -> &[f32] {
+        match self {
+            Rows::In(v) => v,
+            Rows::InOut(v) => v,
+        }
     }
 }
 
@@ -1229,12 +1236,7 @@ impl Shard for CudaTable {
 
     fn find(&self, keys: &[u64], values: &mut [f32], found: &mut [bool], scores: Option<&mut [u64]>) -> Result<usize> {
         let n = keys.len();
-        check_keys(keys)?;
-        self.check_values("values", n, values.len())?;
-        check_len("found", found.len(), n, || format!("{n} keys"))?;
-        if let Some(s) = &scores {
-            check_len("scores", s.len(), n, || format!("{n} keys"))?;
-        }
+        check::lookup(&self.config, keys, Some(values.len()), found.len(), scores.as_ref().map(|s| s.len()))?;
         let _g = self.lock.acquire(Group::Reader);
         self.counters.op(Op::Find, n);
         if n == 0 {
@@ -1261,23 +1263,30 @@ impl Shard for CudaTable {
             let c = self.read_counters(l)?;
             let mut f = vec![0u8; n];
             Self::download(&s, &l.flags, &mut f)?;
+            for (o, x) in found.iter_mut().zip(&f) {
+                *o = *x != 0;
+            }
+            if c.hits == n as u64 {
+                // Every key hit: the rows (and scores) come straight back.
+                Self::download(&s, &l.values, values)?;
+                if let Some(out) = scores {
+                    Self::download(&s, &l.scores, out)?;
+                }
+                s.synchronize().map_err(dev_err("synchronizing"))?;
+                return Ok(c.hits);
+            }
+            // Misses leave the caller's rows untouched: copy the hits only.
             let mut v = vec![0f32; n * dim];
             Self::download(&s, &l.values, &mut v)?;
             let mut sc = vec![0u64; if scores.is_some() { n } else { 0 }];
             Self::download(&s, &l.scores, &mut sc)?;
             s.synchronize().map_err(dev_err("synchronizing"))?;
-            // Misses leave the caller's rows untouched.
-            for i in 0..n {
-                found[i] = f[i] != 0;
-                if found[i] {
-                    values[i * dim..(i + 1) * dim].copy_from_slice(&v[i * dim..(i + 1) * dim]);
-                }
+            for i in (0..n).filter(|&i| found[i]) {
+                values[i * dim..(i + 1) * dim].copy_from_slice(&v[i * dim..(i + 1) * dim]);
             }
             if let Some(out) = scores {
-                for i in 0..n {
-                    if found[i] {
-                        out[i] = sc[i];
-                    }
+                for i in (0..n).filter(|&i| found[i]) {
+                    out[i] = sc[i];
                 }
             }
             Ok(c.hits)
@@ -1288,8 +1297,7 @@ impl Shard for CudaTable {
 
     fn contains(&self, keys: &[u64], found: &mut [bool]) -> Result<usize> {
         let n = keys.len();
-        check_keys(keys)?;
-        check_len("found", found.len(), n, || format!("{n} keys"))?;
+        check::lookup(&self.config, keys, None, found.len(), None)?;
         let _g = self.lock.acquire(Group::Reader);
         self.counters.op(Op::Contains, n);
         if n == 0 {
@@ -1349,18 +1357,23 @@ impl Shard for CudaTable {
         outcomes: Option<&mut [Outcome]>,
     ) -> Result<Summary> {
         let n = keys.len();
-        check_keys(keys)?;
-        self.check_values("values", n, values.len())?;
-        self.check_scores(scores, n, true)?;
-        Self::check_outcomes(&outcomes, n)?;
+        check::write(
+            &self.config,
+            keys,
+            Some(("values", values.len())),
+            scores,
+            true,
+            outcomes.as_ref().map(|o| o.len()),
+        )?;
         let _g = self.lock.acquire(Group::Inserter);
         self.counters.op(Op::FindOrInsert, n);
         if n == 0 {
             return Ok(Summary::default());
         }
         let want = outcomes.is_some();
-        let (c, _, raw) = self
-            .with_lane(|l| self.upsert_host(l, UP_FIND_OR_INSERT, keys, n, values, scores, false, None, want, false))?;
+        let (c, _, raw) = self.with_lane(|l| {
+            self.upsert_host(l, UP_FIND_OR_INSERT, keys, n, Rows::InOut(values), scores, false, None, want, false)
+        })?;
         set_outcomes(outcomes, &raw, None);
         self.counters.lookups(c.summary.updated, n);
         Ok(c.summary)
@@ -1373,19 +1386,19 @@ impl Shard for CudaTable {
         scores: Option<&[u64]>,
         outcomes: Option<&mut [Outcome]>,
     ) -> Result<Summary> {
-        let n = keys.len();
-        check_keys(keys)?;
-        self.check_values("values", n, values.len())?;
-        self.check_scores(scores, n, false)?;
-        Self::check_outcomes(&outcomes, n)?;
+        check::write(
+            &self.config,
+            keys,
+            Some(("values", values.len())),
+            scores,
+            false,
+            outcomes.as_ref().map(|o| o.len()),
+        )?;
         self.update_batch(Op::Assign, UPD_ASSIGN, keys, Some(values), scores, outcomes)
     }
 
     fn assign_scores(&self, keys: &[u64], scores: Option<&[u64]>, outcomes: Option<&mut [Outcome]>) -> Result<Summary> {
-        let n = keys.len();
-        check_keys(keys)?;
-        self.check_scores(scores, n, false)?;
-        Self::check_outcomes(&outcomes, n)?;
+        check::write(&self.config, keys, None, scores, false, outcomes.as_ref().map(|o| o.len()))?;
         self.update_batch(Op::AssignScores, UPD_SCORES, keys, None, scores, outcomes)
     }
 
@@ -1397,10 +1410,14 @@ impl Shard for CudaTable {
         mut outcomes: Option<&mut [Outcome]>,
     ) -> Result<Summary> {
         let n = keys.len();
-        check_keys(keys)?;
-        self.check_values("deltas", n, deltas.len())?;
-        self.check_scores(scores, n, true)?;
-        Self::check_outcomes(&outcomes, n)?;
+        check::write(
+            &self.config,
+            keys,
+            Some(("deltas", deltas.len())),
+            scores,
+            true,
+            outcomes.as_ref().map(|o| o.len()),
+        )?;
         if n == 0 {
             let _g = self.lock.acquire(Group::Updater);
             self.counters.op(Op::AccumOrAssign, 0);
@@ -1432,14 +1449,13 @@ impl Shard for CudaTable {
         // Phase 2, inserter group: insert the absent keys in index order
         // (another batch may have inserted some meanwhile: those accumulate).
         let _g = self.lock.acquire(Group::Inserter);
-        let mut rows = deltas.to_vec();
         let want = outcomes.is_some();
         let (c, _, raw) = self.upsert_host(
             &mut l,
             UP_ACCUM,
             keys,
             first.absent as usize,
-            &mut rows,
+            Rows::In(deltas),
             scores,
             false,
             Some(&absent),
@@ -1453,10 +1469,7 @@ impl Shard for CudaTable {
 
     fn erase(&self, keys: &[u64], erased: Option<&mut [bool]>) -> Result<usize> {
         let n = keys.len();
-        check_keys(keys)?;
-        if let Some(e) = &erased {
-            check_len("erased", e.len(), n, || format!("{n} keys"))?;
-        }
+        check::erase(keys, erased.as_ref().map(|e| e.len()))?;
         let _g = self.lock.acquire(Group::Inserter);
         self.counters.op(Op::Erase, n);
         if n == 0 {
@@ -1594,31 +1607,14 @@ impl Shard for CudaTable {
 
     fn load(&self, keys: &[u64], values: &[f32], scores: &[u64]) -> Result<Summary> {
         let n = keys.len();
-        check_len("scores", scores.len(), n, || format!("{n} keys"))?;
+        check::len("scores", scores.len(), n, || format!("{n} keys"))?;
         Ok(self.upsert_batch(Op::Load, keys, values, Some(scores), true, None, false)?.0.summary)
     }
 
     fn stats(&self) -> ShardStats {
-        let c = &self.counters;
-        let capacity = self.capacity();
-        let size = self.size();
         let (fast, host) = self.storage.read().as_ref().map_or((0, 0), |s| (s.fast_slots, s.host_slots));
         let row = self.config.dim as u64 * 4;
-        ShardStats {
-            size,
-            capacity,
-            load_factor: size as f64 / capacity.max(1) as f64,
-            ops: c.ops.iter().map(|a| a.load(Relaxed)).collect(),
-            keys: c.keys.iter().map(|a| a.load(Relaxed)).collect(),
-            hits: c.hits.load(Relaxed),
-            misses: c.misses.load(Relaxed),
-            inserts: c.inserts.load(Relaxed),
-            evictions: c.evictions.load(Relaxed),
-            rejections: c.rejections.load(Relaxed),
-            fast_tier_bytes: fast * row,
-            host_tier_bytes: host * row,
-            lock: self.lock.state(),
-        }
+        self.counters.stats(self.size(), self.capacity(), fast * row, host * row, self.lock.state())
     }
 
     fn clock_score(&self) -> u64 {

@@ -62,6 +62,7 @@
 
 #![warn(missing_docs)]
 
+mod check;
 pub mod config;
 pub mod cpu;
 pub mod cuda;

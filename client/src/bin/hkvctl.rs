@@ -197,14 +197,9 @@ struct HashArgs {
 
 impl HashArgs {
     fn spec(&self) -> Result<proto::HashSpec> {
-        Ok(match (&self.kind, self.num_buckets) {
-            (None, None) => proto::HashSpec::Table,
-            (_, None) => bail!("--kind needs --num-buckets"),
-            (kind, Some(num_buckets)) => proto::HashSpec::Given(proto::FeatureHash {
-                kind: kind.clone().unwrap_or_else(|| "fingerprint64".into()),
-                num_buckets,
-                key: key_pair(&self.key),
-            }),
+        Ok(match feature_hash("--kind", &self.kind, self.num_buckets, &self.key)? {
+            None => proto::HashSpec::Table,
+            Some(h) => proto::HashSpec::Given(h),
         })
     }
 
@@ -221,8 +216,23 @@ impl HashArgs {
     }
 }
 
-fn key_pair(k: &Option<Vec<u64>>) -> [u64; 2] {
-    k.as_ref().map(|k| [k[0], k.get(1).copied().unwrap_or(0)]).unwrap_or([0, 0])
+/// A hash setting from its flags: none without a kind or bucket count; a
+/// kind (`flag`) without --num-buckets is an error.
+fn feature_hash(
+    flag: &str,
+    kind: &Option<String>,
+    num_buckets: Option<u64>,
+    key: &Option<Vec<u64>>,
+) -> Result<Option<proto::FeatureHash>> {
+    Ok(match (kind, num_buckets) {
+        (None, None) => None,
+        (_, None) => bail!("{flag} needs --num-buckets"),
+        (kind, Some(num_buckets)) => Some(proto::FeatureHash {
+            kind: kind.clone().unwrap_or_else(|| "fingerprint64".into()),
+            num_buckets,
+            key: key.as_ref().map(|k| [k[0], k.get(1).copied().unwrap_or(0)]).unwrap_or([0, 0]),
+        }),
+    })
 }
 
 #[derive(clap::Args, Clone)]
@@ -287,6 +297,18 @@ fn fmt_time(ms: u64) -> String {
     format!("{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
 }
 
+/// One line per label: `LABEL: V1,V2,...` or `LABEL: not found`.
+fn print_found<L: std::fmt::Display>(labels: &[L], f: &hkv_client::Found) {
+    let dim = if labels.is_empty() { 0 } else { f.values.len() / labels.len() };
+    for (i, l) in labels.iter().enumerate() {
+        if f.found[i] {
+            println!("{l}: {}", fmt_values(&f.values[i * dim..(i + 1) * dim]));
+        } else {
+            println!("{l}: not found");
+        }
+    }
+}
+
 fn fmt_values(v: &[f32]) -> String {
     v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(",")
 }
@@ -331,6 +353,27 @@ fn stats_table(v: &serde_json::Value) -> String {
 
 /// One measurement: `clients` connections, each keeping `pipeline` requests
 /// in flight for `seconds`; returns keys per second.
+/// Runs `run` on `clients` connections at once (each on its own thread);
+/// returns keys per second over all of them: the keys they did over the
+/// longest time one took.
+fn across_clients(
+    socket: &PathBuf,
+    clients: usize,
+    run: &(dyn Fn(&mut Client) -> Result<(u64, f64)> + Sync),
+) -> Result<f64> {
+    let results: Vec<Result<(u64, f64)>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..clients).map(|_| s.spawn(move || run(&mut Client::connect(socket)?))).collect();
+        hs.into_iter().map(|h| h.join().expect("bench thread")).collect()
+    });
+    let (mut keys, mut secs) = (0u64, 0f64);
+    for r in results {
+        let (k, s) = r?;
+        keys += k;
+        secs = secs.max(s);
+    }
+    Ok(keys as f64 / secs)
+}
+
 fn measure(
     socket: &PathBuf,
     a: &BenchArgs,
@@ -338,50 +381,34 @@ fn measure(
     make: &(dyn Fn(&mut rand::rngs::ThreadRng) -> Request + Sync),
 ) -> Result<f64> {
     let deadline = Duration::from_secs_f64(a.seconds);
-    let results: Vec<Result<(u64, f64)>> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..clients)
-            .map(|_| {
-                s.spawn(move || -> Result<(u64, f64)> {
-                    let mut c = Client::connect(socket)?;
-                    let mut rng = rand::thread_rng();
-                    let reqs: Vec<Request> = (0..a.pipeline.max(1) + 1).map(|_| make(&mut rng)).collect();
-                    let per = match &reqs[0] {
-                        Request::Find { keys, .. } | Request::Write { keys, .. } => keys.len() as u64,
-                        Request::FindFeatures { features, .. } => features.len() as u64,
-                        Request::Echo { padding, .. } => (*padding / 8) as u64,
-                        _ => 1,
-                    };
-                    let start = Instant::now();
-                    let (mut sent, mut done) = (0usize, 0u64);
-                    for _ in 0..a.pipeline.max(1) {
-                        c.send(&reqs[sent % reqs.len()])?;
-                        sent += 1;
-                    }
-                    while start.elapsed() < deadline {
-                        let (_, r) = c.recv()?;
-                        hkv_client::ok(r)?;
-                        done += per;
-                        c.send(&reqs[sent % reqs.len()])?;
-                        sent += 1;
-                    }
-                    for _ in 0..a.pipeline.max(1) {
-                        c.recv()?;
-                        done += per;
-                    }
-                    Ok((done, start.elapsed().as_secs_f64()))
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().expect("bench thread")).collect()
-    });
-    let mut keys = 0u64;
-    let mut secs = 0f64;
-    for r in results {
-        let (k, s) = r?;
-        keys += k;
-        secs = secs.max(s);
-    }
-    Ok(keys as f64 / secs)
+    across_clients(socket, clients, &|c| {
+        let mut rng = rand::thread_rng();
+        let reqs: Vec<Request> = (0..a.pipeline.max(1) + 1).map(|_| make(&mut rng)).collect();
+        let per = match &reqs[0] {
+            Request::Find { keys, .. } | Request::Write { keys, .. } => keys.len() as u64,
+            Request::FindFeatures { features, .. } => features.len() as u64,
+            Request::Echo { padding, .. } => (*padding / 8) as u64,
+            _ => 1,
+        };
+        let start = Instant::now();
+        let (mut sent, mut done) = (0usize, 0u64);
+        for _ in 0..a.pipeline.max(1) {
+            c.send(&reqs[sent % reqs.len()])?;
+            sent += 1;
+        }
+        while start.elapsed() < deadline {
+            let (_, r) = c.recv()?;
+            hkv_client::ok(r)?;
+            done += per;
+            c.send(&reqs[sent % reqs.len()])?;
+            sent += 1;
+        }
+        for _ in 0..a.pipeline.max(1) {
+            c.recv()?;
+            done += per;
+        }
+        Ok((done, start.elapsed().as_secs_f64()))
+    })
 }
 
 /// `hkvctl bench --features`: int64 features 1..=fill hashed with the
@@ -463,58 +490,41 @@ fn hash_then_find(
     fill: i64,
 ) -> Result<f64> {
     let deadline = Duration::from_secs_f64(a.seconds);
-    let results: Vec<Result<(u64, f64)>> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..clients)
-            .map(|_| {
-                s.spawn(move || -> Result<(u64, f64)> {
-                    let mut c = Client::connect(socket)?;
-                    let mut rng = rand::thread_rng();
-                    let reqs: Vec<Request> = (0..a.pipeline.max(1) + 1)
-                        .map(|_| Request::Hash {
-                            table: table.into(),
-                            hash: proto::HashSpec::Table,
-                            features: proto::Features::Int64((0..batch).map(|_| rng.gen_range(1..=fill)).collect()),
-                        })
-                        .collect();
-                    let start = Instant::now();
-                    let (mut sent, mut done) = (0usize, 0u64);
-                    let mut ids = std::collections::HashSet::new();
-                    for _ in 0..a.pipeline.max(1) {
-                        ids.insert(c.send(&reqs[sent % reqs.len()])?);
-                        sent += 1;
-                    }
-                    let mut outstanding = a.pipeline.max(1);
-                    while outstanding > 0 {
-                        let (id, r) = c.recv()?;
-                        if ids.remove(&id) {
-                            let hkv_client::Response::Keys(keys) = hkv_client::ok(r)? else {
-                                bail!("hash: unexpected answer")
-                            };
-                            c.send(&Request::Find { table: table.into(), keys, scores: false })?;
-                        } else {
-                            hkv_client::ok(r)?;
-                            done += batch as u64;
-                            outstanding -= 1;
-                            if start.elapsed() < deadline {
-                                ids.insert(c.send(&reqs[sent % reqs.len()])?);
-                                sent += 1;
-                                outstanding += 1;
-                            }
-                        }
-                    }
-                    Ok((done, start.elapsed().as_secs_f64()))
-                })
+    across_clients(socket, clients, &|c| {
+        let mut rng = rand::thread_rng();
+        let reqs: Vec<Request> = (0..a.pipeline.max(1) + 1)
+            .map(|_| Request::Hash {
+                table: table.into(),
+                hash: proto::HashSpec::Table,
+                features: proto::Features::Int64((0..batch).map(|_| rng.gen_range(1..=fill)).collect()),
             })
             .collect();
-        hs.into_iter().map(|h| h.join().expect("bench thread")).collect()
-    });
-    let (mut keys, mut secs) = (0u64, 0f64);
-    for r in results {
-        let (k, s) = r?;
-        keys += k;
-        secs = secs.max(s);
-    }
-    Ok(keys as f64 / secs)
+        let start = Instant::now();
+        let (mut sent, mut done) = (0usize, 0u64);
+        let mut ids = std::collections::HashSet::new();
+        for _ in 0..a.pipeline.max(1) {
+            ids.insert(c.send(&reqs[sent % reqs.len()])?);
+            sent += 1;
+        }
+        let mut outstanding = a.pipeline.max(1);
+        while outstanding > 0 {
+            let (id, r) = c.recv()?;
+            if ids.remove(&id) {
+                let hkv_client::Response::Keys(keys) = hkv_client::ok(r)? else { bail!("hash: unexpected answer") };
+                c.send(&Request::Find { table: table.into(), keys, scores: false })?;
+            } else {
+                hkv_client::ok(r)?;
+                done += batch as u64;
+                outstanding -= 1;
+                if start.elapsed() < deadline {
+                    ids.insert(c.send(&reqs[sent % reqs.len()])?);
+                    sent += 1;
+                    outstanding += 1;
+                }
+            }
+        }
+        Ok((done, start.elapsed().as_secs_f64()))
+    })
 }
 
 fn bench(socket: PathBuf, a: BenchArgs) -> Result<()> {
@@ -638,15 +648,7 @@ fn run(cli: Cli) -> Result<()> {
             num_buckets,
             hash_key,
         } => {
-            let hash = match (hash, num_buckets) {
-                (None, None) => None,
-                (_, None) => bail!("--hash needs --num-buckets"),
-                (kind, Some(num_buckets)) => Some(proto::FeatureHash {
-                    kind: kind.unwrap_or_else(|| "fingerprint64".into()),
-                    num_buckets,
-                    key: key_pair(&hash_key),
-                }),
-            };
+            let hash = feature_hash("--hash", &hash, num_buckets, &hash_key)?;
             let spec = TableSpec {
                 max_capacity,
                 policy,
@@ -690,14 +692,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Get { table, keys } => {
             let f = c.find(&table, &keys)?;
-            let dim = if keys.is_empty() { 0 } else { f.values.len() / keys.len() };
-            for (i, k) in keys.iter().enumerate() {
-                if f.found[i] {
-                    println!("{k}: {}", fmt_values(&f.values[i * dim..(i + 1) * dim]));
-                } else {
-                    println!("{k}: not found");
-                }
-            }
+            print_found(&keys, &f);
         }
         Cmd::Hash { features, hash, table } => {
             let keys = c.hash(table.as_deref().unwrap_or(""), hash.spec()?, hash.features(&features)?)?;
@@ -707,14 +702,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::FindFeatures { table, features, hash } => {
             let f = c.find_features(&table, hash.spec()?, hash.features(&features)?, false)?;
-            let dim = if features.is_empty() { 0 } else { f.values.len() / features.len() };
-            for (i, x) in features.iter().enumerate() {
-                if f.found[i] {
-                    println!("{x}: {}", fmt_values(&f.values[i * dim..(i + 1) * dim]));
-                } else {
-                    println!("{x}: not found");
-                }
-            }
+            print_found(&features, &f);
         }
         Cmd::FindOrInsertFeatures { table, entries, hash, scores } => {
             let dim = table_dim(&mut c, &table)?;
