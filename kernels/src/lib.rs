@@ -15,6 +15,8 @@
 //!   `lookup.cu` (find, contains, find*), `upsert.cu` (every insert path),
 //!   `update.cu` (assign, assign_scores, accumulate), `erase.cu` (erase,
 //!   erase_if, clear), `export.cu` (export_batch(_if), compacted).
+//! - `route.cu`: the device-resident path of a GPU group: split a batch by
+//!   owning shard on the GPU, put rows back in request order.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -41,11 +43,13 @@ pub enum KernelId {
     Erase,
     /// `export.cu`: `export_count`, `export_scan`, `export_write`.
     Export,
+    /// `route.cu`: `route_count`, `route_scan`, `route_scatter`, `rows_*`.
+    Route,
 }
 
 impl KernelId {
     /// Every module.
-    pub const ALL: [KernelId; 7] = [
+    pub const ALL: [KernelId; 8] = [
         KernelId::Hash,
         KernelId::Features,
         KernelId::Lookup,
@@ -53,6 +57,7 @@ impl KernelId {
         KernelId::Update,
         KernelId::Erase,
         KernelId::Export,
+        KernelId::Route,
     ];
 
     /// The module's name (its file stem).
@@ -65,6 +70,7 @@ impl KernelId {
             KernelId::Update => "update",
             KernelId::Erase => "erase",
             KernelId::Export => "export",
+            KernelId::Route => "route",
         }
     }
 
@@ -78,6 +84,7 @@ impl KernelId {
             KernelId::Update => (true, include_str!("../update.cu")),
             KernelId::Erase => (true, include_str!("../erase.cu")),
             KernelId::Export => (true, include_str!("../export.cu")),
+            KernelId::Route => (false, include_str!("../route.cu")),
         };
         if table {
             format!("{COMMON}\n{TABLE}\n{body}")
@@ -96,6 +103,19 @@ impl KernelId {
             KernelId::Update => &["update_keys", "update_keys_g4", "update_keys_g16"],
             KernelId::Erase => &["erase_keys", "erase_if", "clear_table"],
             KernelId::Export => &["export_count", "export_scan", "export_write"],
+            KernelId::Route => &[
+                "route_count",
+                "route_scan",
+                "route_scatter",
+                "rows_scatter_u8",
+                "rows_gather_u8",
+                "rows_scatter_u64",
+                "rows_gather_u64",
+                "rows_scatter_f32",
+                "rows_gather_f32",
+                "rows_scatter_f128",
+                "rows_gather_f128",
+            ],
         }
     }
 }

@@ -293,16 +293,16 @@ struct Funcs {
 
 /// Device pointers of one kernel call (0 = none).
 #[derive(Default, Clone, Copy)]
-struct Ptrs {
-    keys: u64,
-    values: u64,
-    scores: u64,
-    found: u64,
-    outcomes: u64,
-    ptrs: u64,
-    only: u64,
-    lost: [u64; 4],
-    counters: u64,
+pub(crate) struct Ptrs {
+    pub(crate) keys: u64,
+    pub(crate) values: u64,
+    pub(crate) scores: u64,
+    pub(crate) found: u64,
+    pub(crate) outcomes: u64,
+    pub(crate) ptrs: u64,
+    pub(crate) only: u64,
+    pub(crate) lost: [u64; 4],
+    pub(crate) counters: u64,
 }
 
 /// The table on one CUDA device. See the module docs.
@@ -1019,6 +1019,9 @@ pub enum DeviceOp {
     Assign,
     /// Remove keys.
     Erase,
+    /// Insert or overwrite `values` with the given `scores` kept verbatim
+    /// (restores and resharding).
+    Load,
     /// Export `n` slots from `offset`, compacted into `out_*`.
     Export {
         /// First slot position.
@@ -1111,16 +1114,60 @@ impl CudaTable {
         if n > b.n {
             return Err(Error::Config(format!("{n} keys for a device batch of {}", b.n)));
         }
+        let s = b.stream.clone();
+        s.memset_zeros(&mut b.counters).map_err(dev_err("clearing counters"))?;
+        let raw = Raw {
+            p: Ptrs {
+                keys: ptr(&b.keys, &s),
+                values: ptr(&b.values, &s),
+                scores: ptr(&b.scores, &s),
+                found: ptr(&b.found, &s),
+                ptrs: ptr(&b.ptrs, &s),
+                lost: [ptr(&b.lost_keys, &s), ptr(&b.lost_values, &s), ptr(&b.lost_scores, &s), ptr(&b.lost_kinds, &s)],
+                counters: ptr(&b.counters, &s),
+                ..Ptrs::default()
+            },
+            out: [ptr(&b.out_keys, &s), ptr(&b.out_values, &s), ptr(&b.out_scores, &s)],
+            counts: ptr(&b.counts, &s),
+            offsets: ptr(&b.offsets, &s),
+        };
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = s.record_event(timing).map_err(dev_err("recording an event"))?;
+        // SAFETY: every pointer is one of the batch's buffers, allocated by
+        // device_batch for `b.n` >= n keys (n × dim floats, and the export
+        // outputs for n + 128 slots, at least the matches of n slots), and
+        // the stream is synchronised below before the batch can be reused.
+        let pending = unsafe { self.enqueue(op, &s, n, raw) }?;
+        let end = s.record_event(timing).map_err(dev_err("recording an event"))?;
+        let c = s.clone_dtoh(&b.counters).map_err(dev_err("reading counters"))?;
+        s.synchronize().map_err(dev_err("synchronizing"))?;
+        let ms = start.elapsed_ms(&end).map_err(dev_err("reading events"))?;
+        Ok(DeviceRun { ms, counts: self.complete(pending, &c) })
+    }
+
+    /// Takes `op`'s lock group and launches it on stream `s` over `n` keys at
+    /// the device addresses of `r`, without waiting. The batch's counters
+    /// (`r.p.counters`, 8 u64, zeroed by the caller) are read after the
+    /// stream is synchronised and handed to [`CudaTable::complete`] with the
+    /// returned [`Pending`], which holds the lock group until then.
+    ///
+    /// # Safety
+    /// Every non-zero address of `r` is a buffer on this table's device,
+    /// sized for `n` keys as the op's kernel needs (see `k_lookup`,
+    /// `k_upsert`, `k_update`, `k_erase`; export outputs for every match of
+    /// `n` slots), alive and untouched by other streams until `s` is
+    /// synchronised.
+    pub(crate) unsafe fn enqueue(&self, op: DeviceOp, s: &CudaStream, n: usize, r: Raw) -> Result<Pending<'_>> {
         let group = match op {
             DeviceOp::Find | DeviceOp::FindPtr | DeviceOp::Contains | DeviceOp::Export { .. } => Group::Reader,
             DeviceOp::Assign => Group::Updater,
             _ => Group::Inserter,
         };
-        let _g = self.lock.acquire(group);
+        let guard = self.lock.acquire(group);
         let stat = match op {
             DeviceOp::Find | DeviceOp::FindPtr => Op::Find,
             DeviceOp::Contains => Op::Contains,
-            DeviceOp::InsertOrAssign => Op::InsertOrAssign,
+            DeviceOp::InsertOrAssign | DeviceOp::Load => Op::InsertOrAssign,
             DeviceOp::InsertAndEvict => Op::InsertAndEvict,
             DeviceOp::FindOrInsert | DeviceOp::FindOrInsertPtr => Op::FindOrInsert,
             DeviceOp::Assign => Op::Assign,
@@ -1131,90 +1178,96 @@ impl CudaTable {
         if group == Group::Inserter && op != DeviceOp::Erase {
             self.grow_for(n)?;
         }
-        let guard = self.storage.read();
-        let st = guard.as_ref().expect("storage");
-        let s = b.stream.clone();
-        s.memset_zeros(&mut b.counters).map_err(dev_err("clearing counters"))?;
-        let lane: &CudaStream = &s;
-        let base = Ptrs { keys: ptr(&b.keys, &s), counters: ptr(&b.counters, &s), ..Ptrs::default() };
-        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-        let start = s.record_event(timing).map_err(dev_err("recording an event"))?;
-        let sc = self.scoring(false);
+        let st_guard = self.storage.read();
+        let st = st_guard.as_ref().expect("storage");
+        let base = Ptrs { keys: r.p.keys, counters: r.p.counters, ..Ptrs::default() };
+        let p = r.p;
         let n64 = n as u64;
-        // SAFETY: every pointer is one of the batch's buffers, allocated by
-        // device_batch for `b.n` >= n keys (n × dim floats, and the export
-        // outputs for n + 128 slots, at least the matches of n slots), and
-        // the stream is synchronised below before the batch can be reused.
+        // SAFETY: the caller's contract covers every address passed on.
         unsafe {
             match op {
                 DeviceOp::Find => {
-                    let p = Ptrs {
-                        values: ptr(&b.values, &s),
-                        found: ptr(&b.found, &s),
-                        scores: ptr(&b.scores, &s),
-                        ..base
-                    };
-                    self.k_lookup(lane, st, n64, p)?
+                    let p = Ptrs { values: p.values, found: p.found, scores: p.scores, ..base };
+                    self.k_lookup(s, st, n64, p)?
                 }
-                DeviceOp::FindPtr => self.k_lookup(lane, st, n64, Ptrs { ptrs: ptr(&b.ptrs, &s), ..base })?,
-                DeviceOp::Contains => self.k_lookup(lane, st, n64, Ptrs { found: ptr(&b.found, &s), ..base })?,
+                DeviceOp::FindPtr => self.k_lookup(s, st, n64, Ptrs { ptrs: p.ptrs, ..base })?,
+                DeviceOp::Contains => self.k_lookup(s, st, n64, Ptrs { found: p.found, ..base })?,
                 DeviceOp::InsertOrAssign | DeviceOp::InsertAndEvict | DeviceOp::FindOrInsert => {
-                    let mut p = Ptrs { values: ptr(&b.values, &s), ..base };
+                    let mut q = Ptrs { values: p.values, ..base };
                     if op == DeviceOp::InsertAndEvict {
-                        p.lost = [
-                            ptr(&b.lost_keys, &s),
-                            ptr(&b.lost_values, &s),
-                            ptr(&b.lost_scores, &s),
-                            ptr(&b.lost_kinds, &s),
-                        ];
+                        q.lost = p.lost;
                     }
                     let mode = if op == DeviceOp::FindOrInsert { UP_FIND_OR_INSERT } else { UP_INSERT };
-                    self.k_upsert(lane, st, sc, n64, mode, p)?
+                    self.k_upsert(s, st, self.scoring(false), n64, mode, q)?
                 }
-                DeviceOp::FindOrInsertPtr => {
-                    self.k_upsert(lane, st, sc, n64, UP_FIND_OR_INSERT_PTR, Ptrs { ptrs: ptr(&b.ptrs, &s), ..base })?
+                DeviceOp::Load => {
+                    let q = Ptrs { values: p.values, scores: p.scores, ..base };
+                    self.k_upsert(s, st, self.scoring(true), n64, UP_INSERT, q)?
                 }
+                DeviceOp::FindOrInsertPtr => self.k_upsert(
+                    s,
+                    st,
+                    self.scoring(false),
+                    n64,
+                    UP_FIND_OR_INSERT_PTR,
+                    Ptrs { ptrs: p.ptrs, ..base },
+                )?,
                 DeviceOp::Assign => {
-                    self.k_update(lane, st, sc, n64, UPD_ASSIGN, Ptrs { values: ptr(&b.values, &s), ..base })?
+                    self.k_update(s, st, self.scoring(false), n64, UPD_ASSIGN, Ptrs { values: p.values, ..base })?
                 }
-                DeviceOp::Erase => self.k_erase(lane, st, n64, Ptrs { found: ptr(&b.found, &s), ..base })?,
+                DeviceOp::Erase => self.k_erase(s, st, n64, Ptrs { found: p.found, ..base })?,
                 DeviceOp::Export { offset, filter } => {
                     let cap = st.nbuckets * S;
                     let end = offset.saturating_add(n64).min(cap);
                     if offset < end {
-                        let out = [ptr(&b.out_keys, &s), ptr(&b.out_values, &s), ptr(&b.out_scores, &s)];
-                        self.k_export(
-                            lane,
-                            st,
-                            offset,
-                            end,
-                            filter_args(&filter),
-                            ptr(&b.counts, &s),
-                            ptr(&b.offsets, &s),
-                            out,
-                        )?;
+                        self.k_export(s, st, offset, end, filter_args(&filter), r.counts, r.offsets, r.out)?;
                     }
                 }
             }
         }
-        let end = s.record_event(timing).map_err(dev_err("recording an event"))?;
-        let c = s.clone_dtoh(&b.counters).map_err(dev_err("reading counters"))?;
-        s.synchronize().map_err(dev_err("synchronizing"))?;
-        let ms = start.elapsed_ms(&end).map_err(dev_err("reading events"))?;
-        let counts = counts(&c);
-        match op {
-            DeviceOp::Find | DeviceOp::FindPtr | DeviceOp::Contains => self.counters.lookups(counts.hits, n),
+        Ok(Pending { _guard: guard, op, n })
+    }
+
+    /// Books a finished [`CudaTable::enqueue`]: `c` are its 8 counters,
+    /// read after its stream was synchronised. Releases the lock group.
+    pub(crate) fn complete(&self, pending: Pending<'_>, c: &[u64]) -> Counts {
+        let counts = counts(c);
+        match pending.op {
+            DeviceOp::Find | DeviceOp::FindPtr | DeviceOp::Contains => self.counters.lookups(counts.hits, pending.n),
             DeviceOp::Erase => {
                 self.size.fetch_sub(counts.erased, Relaxed);
             }
             DeviceOp::Export { .. } | DeviceOp::Assign => {}
+            DeviceOp::Load => {
+                self.size.fetch_add(counts.summary.inserted, Relaxed);
+                self.counters.evictions.fetch_add(counts.summary.evicted + counts.summary.rejected, Relaxed);
+            }
             _ => {
                 self.size.fetch_add(counts.summary.inserted, Relaxed);
                 self.counters.summary(&counts.summary);
             }
         }
-        Ok(DeviceRun { ms, counts })
+        counts
     }
+}
+
+/// Device addresses of one batch for [`CudaTable::enqueue`] (0 = none).
+#[derive(Default, Clone, Copy)]
+pub(crate) struct Raw {
+    /// Keys, values, scores, found flags, pointers, lost outputs, counters.
+    pub(crate) p: Ptrs,
+    /// Export outputs: keys, values, scores.
+    pub(crate) out: [u64; 3],
+    /// Export scratch: per-bucket counts (u32) and offsets (u64, one more).
+    pub(crate) counts: u64,
+    pub(crate) offsets: u64,
+}
+
+/// A launched batch whose lock group is held until [`CudaTable::complete`].
+pub(crate) struct Pending<'a> {
+    _guard: crate::lock::GroupGuard<'a>,
+    op: DeviceOp,
+    n: usize,
 }
 
 impl Shard for CudaTable {

@@ -71,6 +71,7 @@ pub mod error;
 pub mod features;
 pub mod hash;
 pub mod lock;
+pub mod multi;
 pub mod score;
 
 use serde::{Deserialize, Serialize};

@@ -1,0 +1,147 @@
+// route family: the device-resident request path of a GPU group. A batch
+// already on one GPU is split by owning shard on that GPU (a stable
+// partition: keys bound for one shard keep their request order), exchanged
+// with NCCL, served, exchanged back and put in request order again.
+//
+// route_count   dest[i] = shard_of(keys[i]); per 1024-key tile, keys per dest
+// route_scan    exclusive scan of the tile counts (dest-major) -> offsets,
+//               keys per dest -> totals (one block)
+// route_scatter send_keys[p] = keys[i], pos[i] = p, p stable per dest
+// rows_scatter_* dst[pos[i]] = src[i]     (rows of w words)
+// rows_gather_*  dst[i] = src[pos[i]]     (where mask, if any, is set at pos[i])
+//
+// The shard mix mirrors shard/src/hash.rs::shard_of bit for bit.
+
+typedef unsigned long long u64;
+typedef unsigned int u32;
+typedef unsigned char u8;
+
+#define HKV_SHARD_SEED 0xd6e8feb86659fd93ULL
+#define HKV_ROUTE_MAX 8
+#define HKV_TILE 1024
+
+__device__ __forceinline__ u32 hkv_shard_of(u64 key, u32 shards) {
+    return (u32)__umul64hi(hkv_fmix64(key ^ HKV_SHARD_SEED), (u64)shards);
+}
+
+// Launch: ceil(n / 1024) blocks of 1024 threads. tile_counts[d * tiles + tile].
+extern "C" __global__ void route_count(const u64* keys, u64 n, u32 shards, u8* dest, u32* tile_counts) {
+    __shared__ u32 c[HKV_ROUTE_MAX];
+    if (threadIdx.x < HKV_ROUTE_MAX) c[threadIdx.x] = 0;
+    __syncthreads();
+    u64 i = (u64)blockIdx.x * HKV_TILE + threadIdx.x;
+    if (i < n) {
+        u32 d = hkv_shard_of(keys[i], shards);
+        dest[i] = (u8)d;
+        atomicAdd(&c[d], 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x < shards) tile_counts[(u64)threadIdx.x * gridDim.x + blockIdx.x] = c[threadIdx.x];
+}
+
+// Launch: one block of 1024 threads. offsets[j] = sum of tile_counts[0..j)
+// over the dest-major array of shards * tiles counts; totals[d] = keys for d.
+extern "C" __global__ void route_scan(const u32* tile_counts, u64 tiles, u32 shards, u64* offsets, u64* totals) {
+    __shared__ u64 part[1024];
+    u64 len = tiles * shards;
+    u64 per = (len + 1023) / 1024;
+    u64 lo = threadIdx.x * per, hi = lo + per < len ? lo + per : len;
+    u64 sum = 0;
+    for (u64 j = lo; j < hi; ++j) sum += tile_counts[j];
+    part[threadIdx.x] = sum;
+    __syncthreads();
+    for (int off = 1; off < 1024; off <<= 1) {
+        u64 v = threadIdx.x >= (u32)off ? part[threadIdx.x - off] : 0;
+        __syncthreads();
+        part[threadIdx.x] += v;
+        __syncthreads();
+    }
+    u64 run = part[threadIdx.x] - sum;
+    for (u64 j = lo; j < hi; ++j) {
+        offsets[j] = run;
+        run += tile_counts[j];
+    }
+    __syncthreads();
+    if (threadIdx.x < shards) {
+        u64 d = threadIdx.x;
+        u64 start = tiles ? offsets[d * tiles] : 0;
+        u64 end = d + 1 < shards ? offsets[(d + 1) * tiles] : part[1023];
+        totals[d] = end - start;
+    }
+}
+
+// Launch: as route_count. Each key's place among the keys of its tile bound
+// for the same shard comes from warp ballots, so the partition is stable.
+extern "C" __global__ void route_scatter(const u64* keys, u64 n, u32 shards, const u8* dest, const u64* offsets,
+                                         u64* send_keys, u32* pos) {
+    __shared__ u32 wt[HKV_ROUTE_MAX][32];
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    u64 i = (u64)blockIdx.x * HKV_TILE + threadIdx.x;
+    bool valid = i < n;
+    u32 d = valid ? dest[i] : 0xffu;
+    u32 before = 0;
+    for (u32 r = 0; r < shards; ++r) {
+        u32 m = __ballot_sync(0xffffffffu, d == r);
+        if (d == r) before = __popc(m & ((1u << lane) - 1u));
+        if (lane == 0) wt[r][warp] = __popc(m);
+    }
+    __syncthreads();
+    if (warp < shards) {
+        u32 v = wt[warp][lane], incl = v;
+        for (int off = 1; off < 32; off <<= 1) {
+            u32 t = __shfl_up_sync(0xffffffffu, incl, off);
+            if (lane >= (u32)off) incl += t;
+        }
+        wt[warp][lane] = incl - v;
+    }
+    __syncthreads();
+    if (valid) {
+        u64 p = offsets[(u64)d * gridDim.x + blockIdx.x] + wt[d][warp] + before;
+        send_keys[p] = keys[i];
+        pos[i] = (u32)p;
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void rows_scatter(const T* src, T* dst, const u32* pos, u64 n, u64 w) {
+    u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= n * w) return;
+    u64 i = e / w, j = e - i * w;
+    dst[(u64)pos[i] * w + j] = src[e];
+}
+
+template <typename T>
+__device__ __forceinline__ void rows_gather(const T* src, T* dst, const u32* pos, const u8* mask, u64 n, u64 w) {
+    u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= n * w) return;
+    u64 i = e / w, j = e - i * w;
+    u64 p = pos[i];
+    if (mask && !mask[p]) return;
+    dst[e] = src[p * w + j];
+}
+
+// Launch: ceil(n * w / 256) blocks of 256 threads.
+extern "C" __global__ void rows_scatter_u8(const u8* src, u8* dst, const u32* pos, u64 n, u64 w) {
+    rows_scatter<u8>(src, dst, pos, n, w);
+}
+extern "C" __global__ void rows_gather_u8(const u8* src, u8* dst, const u32* pos, const u8* mask, u64 n, u64 w) {
+    rows_gather<u8>(src, dst, pos, mask, n, w);
+}
+extern "C" __global__ void rows_scatter_u64(const u64* src, u64* dst, const u32* pos, u64 n, u64 w) {
+    rows_scatter<u64>(src, dst, pos, n, w);
+}
+extern "C" __global__ void rows_gather_u64(const u64* src, u64* dst, const u32* pos, const u8* mask, u64 n, u64 w) {
+    rows_gather<u64>(src, dst, pos, mask, n, w);
+}
+extern "C" __global__ void rows_scatter_f32(const float* src, float* dst, const u32* pos, u64 n, u64 w) {
+    rows_scatter<float>(src, dst, pos, n, w);
+}
+extern "C" __global__ void rows_gather_f32(const float* src, float* dst, const u32* pos, const u8* mask, u64 n, u64 w) {
+    rows_gather<float>(src, dst, pos, mask, n, w);
+}
+extern "C" __global__ void rows_scatter_f128(const float4* src, float4* dst, const u32* pos, u64 n, u64 w) {
+    rows_scatter<float4>(src, dst, pos, n, w);
+}
+extern "C" __global__ void rows_gather_f128(const float4* src, float4* dst, const u32* pos, const u8* mask, u64 n, u64 w) {
+    rows_gather<float4>(src, dst, pos, mask, n, w);
+}

@@ -1,0 +1,992 @@
+//! A table spread over several GPUs of one host, with NCCL between them.
+//!
+//! A [`GpuGroup`] holds one [`CudaTable`] per GPU; a key belongs to GPU
+//! `hash::shard_of(key, gpus)`, the mix the daemon's router uses, so a
+//! group and a daemon with one shard per GPU agree on every key's owner.
+//!
+//! Batches that already sit on the GPUs (in-process callers, keys hashed
+//! from raw features on the GPU) take the device-resident path
+//! ([`Route::Device`]): each GPU splits its keys by owner on the GPU (a
+//! stable partition, `kernels/route.cu`), one NCCL all-to-all (grouped
+//! sends and receives) carries keys and rows to the owners, the owners
+//! serve them with their table's kernels, a second all-to-all carries the
+//! results back, and a gather kernel puts them in request order. Only the
+//! per-destination key counts cross to the host (one small copy per GPU).
+//! [`Route::Host`] does what the daemon's router does with a socket batch:
+//! copy to the host, split there, copy each part to its owner and back; it
+//! is kept for comparison (`hkv-multi-bench`).
+//!
+//! [`GpuGroup::reshard`] moves every entry of a group onto another set of
+//! GPUs, GPU to GPU: each old GPU exports its entries in chunks, splits them
+//! by their new owner and sends them over one communicator spanning both
+//! sets; the new owners load them with their scores kept.
+//!
+//! NCCL is loaded at run time; [`nccl_version`] says whether it can be, and
+//! a one-GPU group never touches it. Keep NVLink multicast off
+//! (`NCCL_NVLS_ENABLE=0`); [`GpuGroup::new`] sets it when unset.
+//!
+//! # Layout
+//! - [`GpuGroup`]: construction, [`GpuGroup::batch`], [`GpuGroup::run`],
+//!   [`GpuGroup::reshard`].
+//! - `Node`: one GPU's stream, route kernels and scratch buffers, and the
+//!   partition / all-to-all / gather steps every path shares.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::nccl::{group_end, group_start, Comm, NcclType};
+use hkv_kernels::KernelId;
+use parking_lot::Mutex;
+
+use crate::config::TableConfig;
+use crate::cuda::{dev_err, ensure, shared_device, Device};
+use crate::cuda_table::{Counts, CudaTable, DeviceOp, Pending, Ptrs, Raw};
+use crate::error::{Error, Result};
+use crate::hash::shard_of;
+use crate::{Filter, Shard, Summary, BUCKET_SLOTS};
+
+/// Most GPUs in a group (the route kernels count per destination in
+/// shared memory).
+pub const MAX_GPUS: usize = 8;
+const TILE: u64 = 1024;
+/// Slots exported per GPU per round while resharding.
+const RESHARD_CHUNK: u64 = 1 << 20;
+
+/// The NCCL version (e.g. 22803 for 2.28.3), or a clear error when the
+/// library cannot be loaded. Never panics.
+pub fn nccl_version() -> Result<i32> {
+    // SAFETY: only tries to load the library; no NCCL call is made.
+    if !unsafe { cudarc::nccl::sys::is_culib_present() } {
+        let so2 = ["/usr/lib/x86_64-linux-gnu/libnccl.so.2", "/usr/lib64/libnccl.so.2", "/usr/local/lib/libnccl.so.2"]
+            .iter()
+            .find(|p| std::path::Path::new(p).exists());
+        let hint = match so2 {
+            Some(p) => format!(
+                "; {p} exists but only libnccl.so is looked for: link libnccl.so to it in a directory on LD_LIBRARY_PATH"
+            ),
+            None => String::new(),
+        };
+        return Err(Error::Unavailable(format!("NCCL (libnccl.so) cannot be loaded{hint}")));
+    }
+    cudarc::nccl::result::get_nccl_version().map_err(|e| Error::Device(format!("ncclGetVersion: {e:?}")))
+}
+
+fn nccl_err(what: &str) -> impl FnOnce(cudarc::nccl::result::NcclError) -> Error + '_ {
+    move |e| Error::Device(format!("NCCL {what}: {e:?}"))
+}
+
+/// How a group batch reaches the GPUs that own its keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// Split on the GPU, NCCL all-to-all there and back (the default).
+    Device,
+    /// Copy to the host, split there, copy each part to its owner and back.
+    Host,
+}
+
+/// One GPU's part of a group batch: buffers on that GPU, sized for `n` keys.
+pub struct RankBatch {
+    /// Capacity in keys.
+    pub n: usize,
+    /// Keys in.
+    pub keys: CudaSlice<u64>,
+    /// Values in (writes) or out (find, find_or_insert), `n * dim`.
+    pub values: CudaSlice<f32>,
+    /// Found flags out (find, contains), erased flags (erase).
+    pub found: CudaSlice<u8>,
+}
+
+/// What [`GpuGroup::run`] did.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GroupRun {
+    /// Wall time of the whole batch, every GPU finished, in milliseconds.
+    pub ms: f64,
+    /// Counts summed over the owners.
+    pub counts: Counts,
+}
+
+struct RouteFns {
+    count: CudaFunction,
+    scan: CudaFunction,
+    scatter: CudaFunction,
+    scatter_u64: CudaFunction,
+    gather_u8: CudaFunction,
+    scatter_f32: CudaFunction,
+    gather_f32: CudaFunction,
+    scatter_f128: CudaFunction,
+    gather_f128: CudaFunction,
+}
+
+impl RouteFns {
+    fn load(dev: &Device) -> Result<RouteFns> {
+        let m = dev.module(KernelId::Route);
+        let get = |name: &str| m.load_function(name).map_err(|e| Error::Device(format!("kernel {name}: {e:?}")));
+        Ok(RouteFns {
+            count: get("route_count")?,
+            scan: get("route_scan")?,
+            scatter: get("route_scatter")?,
+            scatter_u64: get("rows_scatter_u64")?,
+            gather_u8: get("rows_gather_u8")?,
+            scatter_f32: get("rows_scatter_f32")?,
+            gather_f32: get("rows_gather_f32")?,
+            scatter_f128: get("rows_scatter_f128")?,
+            gather_f128: get("rows_gather_f128")?,
+        })
+    }
+}
+
+/// Scratch of one GPU, grown as batches need.
+#[derive(Default)]
+struct Bufs {
+    dest: Option<CudaSlice<u8>>,
+    tile_counts: Option<CudaSlice<u32>>,
+    offsets: Option<CudaSlice<u64>>,
+    totals: Option<CudaSlice<u64>>,
+    pos: Option<CudaSlice<u32>>,
+    send_keys: Option<CudaSlice<u64>>,
+    send_values: Option<CudaSlice<f32>>,
+    send_scores: Option<CudaSlice<u64>>,
+    send_found: Option<CudaSlice<u8>>,
+    recv_keys: Option<CudaSlice<u64>>,
+    recv_values: Option<CudaSlice<f32>>,
+    recv_scores: Option<CudaSlice<u64>>,
+    recv_found: Option<CudaSlice<u8>>,
+    counters: Option<CudaSlice<u64>>,
+    ex_counts: Option<CudaSlice<u32>>,
+    ex_offsets: Option<CudaSlice<u64>>,
+}
+
+/// One GPU of a group: its stream (also its communicator's), route kernels
+/// and scratch.
+struct Node {
+    stream: Arc<CudaStream>,
+    f: RouteFns,
+    b: Bufs,
+}
+
+fn addr<T>(s: &Option<CudaSlice<T>>, stream: &CudaStream) -> u64 {
+    s.as_ref().map_or(0, |b| {
+        let (p, _) = cudarc::driver::DevicePtr::device_ptr(b, stream);
+        p
+    })
+}
+
+fn addr_of<T>(b: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+    let (p, _) = cudarc::driver::DevicePtr::device_ptr(b, stream);
+    p
+}
+
+fn grid(threads: u64, block: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (threads.div_ceil(block as u64).max(1) as u32, 1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Exclusive prefix sums of a row of counts.
+fn starts(c: &[u64]) -> Vec<u64> {
+    c.iter()
+        .scan(0, |acc, &x| {
+            let s = *acc;
+            *acc += x;
+            Some(s)
+        })
+        .collect()
+}
+
+impl Node {
+    fn new(dev: &Device) -> Result<Node> {
+        let stream = dev.ctx.new_stream().map_err(dev_err("creating a stream"))?;
+        let mut b = Bufs::default();
+        ensure(&stream, &mut b.counters, 8)?;
+        Ok(Node { f: RouteFns::load(dev)?, stream, b })
+    }
+
+    /// Row kernels move `w` words per key: float4 when the row allows.
+    fn row_width(dim: usize) -> (bool, u64) {
+        if dim.is_multiple_of(4) {
+            (true, dim as u64 / 4)
+        } else {
+            (false, dim as u64)
+        }
+    }
+
+    /// Splits `n` keys at `keys` by owner (of `shards`) into `send_keys`
+    /// (stable), recording each key's place in `pos`; queues the copy of the
+    /// per-owner totals, read by [`Node::totals`].
+    ///
+    /// # Safety
+    /// `keys` is a device buffer of this node's GPU holding `n` keys, alive
+    /// until the stream is synchronised.
+    unsafe fn partition(&mut self, keys: u64, n: usize, shards: usize) -> Result<()> {
+        let s = self.stream.clone();
+        let tiles = (n as u64).div_ceil(TILE).max(1);
+        let b = &mut self.b;
+        ensure(&s, &mut b.dest, n)?;
+        ensure(&s, &mut b.pos, n)?;
+        ensure(&s, &mut b.send_keys, n)?;
+        ensure(&s, &mut b.tile_counts, (tiles as usize) * shards)?;
+        ensure(&s, &mut b.offsets, (tiles as usize) * shards)?;
+        ensure(&s, &mut b.totals, MAX_GPUS)?;
+        let (n64, nr) = (n as u64, shards as u32);
+        let (dest, tc, off, tot) =
+            (addr(&b.dest, &s), addr(&b.tile_counts, &s), addr(&b.offsets, &s), addr(&b.totals, &s));
+        let (send, pos) = (addr(&b.send_keys, &s), addr(&b.pos, &s));
+        let tiles_cfg =
+            LaunchConfig { grid_dim: (tiles as u32, 1, 1), block_dim: (TILE as u32, 1, 1), shared_mem_bytes: 0 };
+        let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        if n == 0 {
+            s.memset_zeros(b.totals.as_mut().expect("ensured")).map_err(dev_err("clearing totals"))?;
+            return Ok(());
+        }
+        let mut l = s.launch_builder(&self.f.count);
+        l.arg(&keys).arg(&n64).arg(&nr).arg(&dest).arg(&tc);
+        // SAFETY: route_count reads keys[0..n] and writes dest[0..n] and
+        // tile_counts[0..shards * tiles], all sized above.
+        unsafe { l.launch(tiles_cfg) }.map_err(dev_err("launching route_count"))?;
+        let mut l = s.launch_builder(&self.f.scan);
+        l.arg(&tc).arg(&tiles).arg(&nr).arg(&off).arg(&tot);
+        // SAFETY: route_scan reads shards * tiles counts and writes as many
+        // offsets and `shards` totals.
+        unsafe { l.launch(one) }.map_err(dev_err("launching route_scan"))?;
+        let mut l = s.launch_builder(&self.f.scatter);
+        l.arg(&keys).arg(&n64).arg(&nr).arg(&dest).arg(&off).arg(&send).arg(&pos);
+        // SAFETY: route_scatter writes each of the n keys once into
+        // send_keys[0..n] and pos[0..n].
+        unsafe { l.launch(tiles_cfg) }.map_err(dev_err("launching route_scatter"))?;
+        Ok(())
+    }
+
+    /// The per-owner key counts of the last [`Node::partition`] (waits for it).
+    fn totals(&self, shards: usize) -> Result<Vec<u64>> {
+        let mut t = vec![0u64; MAX_GPUS];
+        let b = self.b.totals.as_ref().expect("partitioned");
+        self.stream.memcpy_dtoh(b, &mut t).map_err(dev_err("reading route totals"))?;
+        self.stream.synchronize().map_err(dev_err("partitioning a batch"))?;
+        t.truncate(shards);
+        Ok(t)
+    }
+
+    /// `dst[pos[i]] = src[i]` for `n` rows of `dim` floats.
+    ///
+    /// # Safety
+    /// `src` and `dst` hold `n * dim` floats on this GPU; `pos` is the last
+    /// partition's, of at least `n` keys.
+    unsafe fn scatter_values(&self, src: u64, dst: u64, n: usize, dim: usize) -> Result<()> {
+        let (f128, w) = Self::row_width(dim);
+        let f = if f128 { &self.f.scatter_f128 } else { &self.f.scatter_f32 };
+        let pos = addr(&self.b.pos, &self.stream);
+        let n64 = n as u64;
+        let mut l = self.stream.launch_builder(f);
+        l.arg(&src).arg(&dst).arg(&pos).arg(&n64).arg(&w);
+        // SAFETY: per the contract, n rows of w words at src and dst.
+        unsafe { l.launch(grid(n64 * w, 256)) }.map_err(dev_err("launching rows_scatter"))?;
+        Ok(())
+    }
+
+    /// `dst[pos[i]] = src[i]` for `n` u64.
+    ///
+    /// # Safety
+    /// As [`Node::scatter_values`], one u64 per key.
+    unsafe fn scatter_u64(&self, src: u64, dst: u64, n: usize) -> Result<()> {
+        let pos = addr(&self.b.pos, &self.stream);
+        let (n64, w) = (n as u64, 1u64);
+        let mut l = self.stream.launch_builder(&self.f.scatter_u64);
+        l.arg(&src).arg(&dst).arg(&pos).arg(&n64).arg(&w);
+        // SAFETY: per the contract, n u64 at src and dst.
+        unsafe { l.launch(grid(n64, 256)) }.map_err(dev_err("launching rows_scatter_u64"))?;
+        Ok(())
+    }
+
+    /// `dst[i] = src[pos[i]]` for `n` rows of `dim` floats, where `mask` is
+    /// 0 or `mask[pos[i]]` is set.
+    ///
+    /// # Safety
+    /// `src` holds `n * dim` floats (and `mask` n bytes) in partition order,
+    /// `dst` `n * dim` floats, on this GPU.
+    unsafe fn gather_values(&self, src: u64, dst: u64, mask: u64, n: usize, dim: usize) -> Result<()> {
+        let (f128, w) = Self::row_width(dim);
+        let f = if f128 { &self.f.gather_f128 } else { &self.f.gather_f32 };
+        let pos = addr(&self.b.pos, &self.stream);
+        let n64 = n as u64;
+        let mut l = self.stream.launch_builder(f);
+        l.arg(&src).arg(&dst).arg(&pos).arg(&mask).arg(&n64).arg(&w);
+        // SAFETY: per the contract.
+        unsafe { l.launch(grid(n64 * w, 256)) }.map_err(dev_err("launching rows_gather"))?;
+        Ok(())
+    }
+
+    /// `dst[i] = src[pos[i]]` for `n` bytes.
+    ///
+    /// # Safety
+    /// `src` and `dst` hold `n` bytes on this GPU.
+    unsafe fn gather_u8(&self, src: u64, dst: u64, n: usize) -> Result<()> {
+        let pos = addr(&self.b.pos, &self.stream);
+        let (n64, w, mask) = (n as u64, 1u64, 0u64);
+        let mut l = self.stream.launch_builder(&self.f.gather_u8);
+        l.arg(&src).arg(&dst).arg(&pos).arg(&mask).arg(&n64).arg(&w);
+        // SAFETY: per the contract.
+        unsafe { l.launch(grid(n64, 256)) }.map_err(dev_err("launching rows_gather_u8"))?;
+        Ok(())
+    }
+
+    fn read_counters(&self) -> Result<Vec<u64>> {
+        let c = self.b.counters.as_ref().expect("allocated");
+        let mut out = vec![0u64; 8];
+        self.stream.memcpy_dtoh(c, &mut out).map_err(dev_err("reading counters"))?;
+        self.stream.synchronize().map_err(dev_err("finishing a batch"))?;
+        Ok(out)
+    }
+
+    fn zero_counters(&mut self) -> Result<u64> {
+        let c = self.b.counters.as_mut().expect("allocated");
+        self.stream.memset_zeros(c).map_err(dev_err("clearing counters"))?;
+        Ok(addr_of(c, &self.stream))
+    }
+}
+
+/// Which buffer of a node an exchange reads or fills.
+#[derive(Clone, Copy)]
+enum Buf {
+    SendKeys,
+    SendValues,
+    SendScores,
+    SendFound,
+    RecvKeys,
+    RecvValues,
+    RecvScores,
+    RecvFound,
+}
+
+/// One all-to-all over `comms` (rank r on `nodes[r]`): rank r sends
+/// `c[r][p] * w` elements of its `from` buffer, from offset
+/// `starts(c[r])[p] * w`, to rank p, which receives them into its `to`
+/// buffer at `starts(column r)[...]`, i.e. sources in rank order. `to`
+/// buffers are grown to fit first.
+fn exchange(comms: &[Comm], nodes: &mut [&mut Node], c: &[Vec<u64>], w: usize, from: Buf, to: Buf) -> Result<()> {
+    let nr = nodes.len();
+    let recv_total: Vec<u64> = (0..nr).map(|r| (0..nr).map(|p| c[p][r]).sum()).collect();
+    for (r, node) in nodes.iter_mut().enumerate() {
+        let need = recv_total[r] as usize * w;
+        let s = node.stream.clone();
+        let b = &mut node.b;
+        match to {
+            Buf::RecvKeys => ensure(&s, &mut b.recv_keys, need)?,
+            Buf::RecvValues => ensure(&s, &mut b.recv_values, need)?,
+            Buf::RecvScores => ensure(&s, &mut b.recv_scores, need)?,
+            Buf::RecvFound => ensure(&s, &mut b.recv_found, need)?,
+            Buf::SendValues => ensure(&s, &mut b.send_values, need)?,
+            Buf::SendFound => ensure(&s, &mut b.send_found, need)?,
+            Buf::SendKeys => ensure(&s, &mut b.send_keys, need)?,
+            Buf::SendScores => ensure(&s, &mut b.send_scores, need)?,
+        }
+    }
+    group_start().map_err(nccl_err("group start"))?;
+    let mut result = Ok(());
+    for r in 0..nr {
+        let out = starts(&c[r]);
+        let col: Vec<u64> = (0..nr).map(|p| c[p][r]).collect();
+        let inn = starts(&col);
+        let b = &mut nodes[r].b;
+        for p in 0..nr {
+            let (so, sn) = (out[p] as usize * w, c[r][p] as usize * w);
+            let (ro, rn) = (inn[p] as usize * w, col[p] as usize * w);
+            let res = match (from, to) {
+                (Buf::SendKeys, Buf::RecvKeys) => {
+                    send_recv(&comms[r], p, &b.send_keys, so, sn, &mut b.recv_keys, ro, rn)
+                }
+                (Buf::SendValues, Buf::RecvValues) => {
+                    send_recv(&comms[r], p, &b.send_values, so, sn, &mut b.recv_values, ro, rn)
+                }
+                (Buf::SendScores, Buf::RecvScores) => {
+                    send_recv(&comms[r], p, &b.send_scores, so, sn, &mut b.recv_scores, ro, rn)
+                }
+                (Buf::RecvValues, Buf::SendValues) => {
+                    send_recv(&comms[r], p, &b.recv_values, so, sn, &mut b.send_values, ro, rn)
+                }
+                (Buf::RecvFound, Buf::SendFound) => {
+                    send_recv(&comms[r], p, &b.recv_found, so, sn, &mut b.send_found, ro, rn)
+                }
+                _ => unreachable!("no such exchange"),
+            };
+            if result.is_ok() {
+                result = res;
+            }
+        }
+    }
+    group_end().map_err(nccl_err("group end"))?;
+    result
+}
+
+/// Queues (inside a group) rank `comm`'s send of `sn` elements of `from`
+/// at `so` to `peer` and its receive of `rn` elements into `to` at `ro`.
+#[allow(clippy::too_many_arguments)]
+fn send_recv<T: NcclType + DeviceRepr>(
+    comm: &Comm,
+    peer: usize,
+    from: &Option<CudaSlice<T>>,
+    so: usize,
+    sn: usize,
+    to: &mut Option<CudaSlice<T>>,
+    ro: usize,
+    rn: usize,
+) -> Result<()> {
+    if sn > 0 {
+        let f = from.as_ref().expect("sized");
+        comm.send(&f.slice(so..so + sn), peer as i32).map_err(nccl_err("send"))?;
+    }
+    if rn > 0 {
+        let t = to.as_mut().expect("sized");
+        comm.recv(&mut t.slice_mut(ro..ro + rn), peer as i32).map_err(nccl_err("recv"))?;
+    }
+    Ok(())
+}
+
+fn add_counts(a: &mut Counts, b: &Counts) {
+    a.hits += b.hits;
+    a.lost += b.lost;
+    a.erased += b.erased;
+    let (x, y) = (&mut a.summary, &b.summary);
+    *x = Summary {
+        updated: x.updated + y.updated,
+        inserted: x.inserted + y.inserted,
+        evicted: x.evicted + y.evicted,
+        rejected: x.rejected + y.rejected,
+        absent: x.absent + y.absent,
+    };
+}
+
+/// What an op moves: rows to the owners, rows and flags back.
+struct Moves {
+    values_in: bool,
+    values_out: bool,
+    found_out: bool,
+    /// Misses leave the caller's rows untouched (find).
+    masked: bool,
+}
+
+fn moves(op: DeviceOp) -> Result<Moves> {
+    let m = |values_in, values_out, found_out, masked| Ok(Moves { values_in, values_out, found_out, masked });
+    match op {
+        DeviceOp::Find => m(false, true, true, true),
+        DeviceOp::Contains | DeviceOp::Erase => m(false, false, true, false),
+        DeviceOp::InsertOrAssign | DeviceOp::Assign => m(true, false, false, false),
+        DeviceOp::FindOrInsert => m(true, true, false, false),
+        other => Err(Error::Config(format!("{other:?} is not offered on a GPU group"))),
+    }
+}
+
+/// A table over several GPUs. See the module docs.
+pub struct GpuGroup {
+    config: TableConfig,
+    ordinals: Vec<usize>,
+    tables: Vec<CudaTable>,
+    comms: Vec<Comm>,
+    nodes: Mutex<Vec<Node>>,
+}
+
+// SAFETY: the NCCL communicators (raw handles, hence not Send / Sync by
+// themselves) are only used while `nodes` is locked, so never by two
+// threads at once; NCCL allows a communicator to be used from any thread
+// under that condition. Everything else is Send + Sync.
+unsafe impl Send for GpuGroup {}
+// SAFETY: as above.
+unsafe impl Sync for GpuGroup {}
+
+impl std::fmt::Debug for GpuGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuGroup").field("ordinals", &self.ordinals).field("config", &self.config).finish()
+    }
+}
+
+/// NCCL communicators over `nodes` (one rank each, on the node's stream).
+fn communicators(nodes: &[Node]) -> Result<Vec<Comm>> {
+    if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
+        // NVLink multicast stays off: it is not needed here, and on shared
+        // hosts it can take the GPUs out of service.
+        // SAFETY: set before NCCL's first communicator, while no other thread
+        // of this process reads the environment through NCCL.
+        unsafe { std::env::set_var("NCCL_NVLS_ENABLE", "0") };
+    }
+    nccl_version()?;
+    Comm::from_devices(nodes.iter().map(|n| n.stream.clone()).collect()).map_err(nccl_err("creating communicators"))
+}
+
+impl GpuGroup {
+    /// One table of `config` on each GPU of `ordinals` (distinct, at most
+    /// [`MAX_GPUS`]); the capacity is per GPU. NCCL is needed for two or more.
+    pub fn new(config: TableConfig, ordinals: &[usize]) -> Result<GpuGroup> {
+        if ordinals.is_empty() || ordinals.len() > MAX_GPUS {
+            return Err(Error::Config(format!("a GPU group has 1 to {MAX_GPUS} GPUs, not {}", ordinals.len())));
+        }
+        let mut seen = ordinals.to_vec();
+        seen.sort_unstable();
+        seen.dedup();
+        if seen.len() != ordinals.len() {
+            return Err(Error::Config(format!("GPU {ordinals:?}: each GPU may appear once in a group")));
+        }
+        let mut tables = vec![];
+        let mut nodes = vec![];
+        for &o in ordinals {
+            let dev = shared_device(o)?;
+            tables.push(CudaTable::new(config.clone(), dev.clone())?);
+            nodes.push(Node::new(&dev)?);
+        }
+        let comms = if ordinals.len() > 1 { communicators(&nodes)? } else { vec![] };
+        Ok(GpuGroup { config, ordinals: ordinals.to_vec(), tables, comms, nodes: Mutex::new(nodes) })
+    }
+
+    /// The GPUs, in rank order.
+    pub fn ordinals(&self) -> &[usize] {
+        &self.ordinals
+    }
+
+    /// The tables, in rank order (the one on GPU `ordinals()[r]` holds the
+    /// keys with `shard_of(key, gpus) == r`).
+    pub fn tables(&self) -> &[CudaTable] {
+        &self.tables
+    }
+
+    /// Entries over every GPU.
+    pub fn size(&self) -> u64 {
+        self.tables.iter().map(|t| t.size()).sum()
+    }
+
+    /// The stream every operation of rank `r` runs on: fill a
+    /// [`RankBatch`] on it (or synchronise with it) before [`GpuGroup::run`].
+    pub fn stream(&self, r: usize) -> Arc<CudaStream> {
+        self.nodes.lock()[r].stream.clone()
+    }
+
+    /// Buffers for batches of up to `n` keys on every GPU, in rank order.
+    pub fn batch(&self, n: usize) -> Result<Vec<RankBatch>> {
+        let nodes = self.nodes.lock();
+        let dim = self.config.dim;
+        nodes
+            .iter()
+            .map(|node| {
+                let s = &node.stream;
+                let a = |e| dev_err("allocating a group batch")(e);
+                Ok(RankBatch {
+                    n,
+                    keys: s.alloc_zeros(n.max(1)).map_err(a)?,
+                    values: s.alloc_zeros((n * dim).max(1)).map_err(a)?,
+                    found: s.alloc_zeros(n.max(1)).map_err(a)?,
+                })
+            })
+            .collect()
+    }
+
+    /// Runs `op` (find, contains, insert_or_assign, find_or_insert, assign
+    /// or erase) on the first `n[r]` keys of each `b[r]`: every key is served
+    /// by the GPU that owns it and the results land in `b[r]` in request
+    /// order, as the single-GPU `run_device` leaves them. Returns when every
+    /// GPU is done.
+    pub fn run(&self, op: DeviceOp, route: Route, b: &mut [RankBatch], n: &[usize]) -> Result<GroupRun> {
+        let mv = moves(op)?;
+        let nr = self.tables.len();
+        if b.len() != nr || n.len() != nr {
+            return Err(Error::Config(format!("{} batches and {} lengths for {nr} GPUs", b.len(), n.len())));
+        }
+        if let Some(r) = (0..nr).find(|&r| n[r] > b[r].n) {
+            return Err(Error::Config(format!("{} keys for a batch of {} on rank {r}", n[r], b[r].n)));
+        }
+        let mut nodes = self.nodes.lock();
+        let t0 = Instant::now();
+        let counts = if nr == 1 {
+            self.run_local(op, &mut nodes[0], &mut b[0], n[0])?
+        } else {
+            match route {
+                Route::Device => self.run_nccl(op, &mv, &mut nodes, b, n)?,
+                Route::Host => self.run_host(op, &mv, &mut nodes, b, n)?,
+            }
+        };
+        Ok(GroupRun { ms: t0.elapsed().as_secs_f64() * 1e3, counts })
+    }
+
+    /// One GPU: the batch goes straight to its table.
+    fn run_local(&self, op: DeviceOp, node: &mut Node, b: &mut RankBatch, n: usize) -> Result<Counts> {
+        let s = node.stream.clone();
+        let counters = node.zero_counters()?;
+        let raw = Raw {
+            p: Ptrs {
+                keys: addr_of(&b.keys, &s),
+                values: addr_of(&b.values, &s),
+                found: addr_of(&b.found, &s),
+                counters,
+                ..Ptrs::default()
+            },
+            ..Raw::default()
+        };
+        // SAFETY: the batch's buffers hold b.n >= n keys (n × dim floats) on
+        // this GPU, and the stream is synchronised by read_counters.
+        let pending = unsafe { self.tables[0].enqueue(op, &s, n, raw) }?;
+        let c = node.read_counters()?;
+        Ok(self.tables[0].complete(pending, &c))
+    }
+
+    /// Enqueues `op` on every rank over what it received (`recv_*`).
+    fn serve<'a>(&'a self, op: DeviceOp, nodes: &mut [Node], received: &[u64]) -> Result<Vec<Pending<'a>>> {
+        let dim = self.config.dim;
+        let mut pending = vec![];
+        for (r, node) in nodes.iter_mut().enumerate() {
+            let m = received[r] as usize;
+            let s = node.stream.clone();
+            ensure(&s, &mut node.b.recv_keys, m)?;
+            ensure(&s, &mut node.b.recv_values, m * dim)?;
+            ensure(&s, &mut node.b.recv_found, m)?;
+            let counters = node.zero_counters()?;
+            let b = &node.b;
+            let raw = Raw {
+                p: Ptrs {
+                    keys: addr(&b.recv_keys, &s),
+                    values: addr(&b.recv_values, &s),
+                    found: addr(&b.recv_found, &s),
+                    scores: addr(&b.recv_scores, &s),
+                    counters,
+                    ..Ptrs::default()
+                },
+                ..Raw::default()
+            };
+            // SAFETY: the recv buffers were sized for the m keys (m × dim
+            // floats) this rank received; scores (load only) were sized by
+            // the exchange that filled them. Each stream is synchronised by
+            // read_counters before the buffers change.
+            pending.push(unsafe { self.tables[r].enqueue(op, &s, m, raw) }?);
+        }
+        Ok(pending)
+    }
+
+    fn finish(&self, nodes: &[Node], pending: Vec<Pending<'_>>) -> Result<Counts> {
+        let mut total = Counts::default();
+        for (r, p) in pending.into_iter().enumerate() {
+            let c = nodes[r].read_counters()?;
+            add_counts(&mut total, &self.tables[r].complete(p, &c));
+        }
+        Ok(total)
+    }
+
+    fn run_nccl(
+        &self,
+        op: DeviceOp,
+        mv: &Moves,
+        nodes: &mut [Node],
+        b: &mut [RankBatch],
+        n: &[usize],
+    ) -> Result<Counts> {
+        let nr = nodes.len();
+        let dim = self.config.dim;
+        for (r, node) in nodes.iter_mut().enumerate() {
+            let s = node.stream.clone();
+            // SAFETY: b[r].keys holds b[r].n >= n[r] keys on this GPU.
+            unsafe { node.partition(addr_of(&b[r].keys, &s), n[r], nr) }?;
+            if mv.values_in {
+                ensure(&s, &mut node.b.send_values, n[r] * dim)?;
+                let dst = addr(&node.b.send_values, &s);
+                // SAFETY: both hold n[r] rows; pos is this partition's.
+                unsafe { node.scatter_values(addr_of(&b[r].values, &s), dst, n[r], dim) }?;
+            }
+        }
+        let c: Vec<Vec<u64>> = nodes.iter().map(|node| node.totals(nr)).collect::<Result<_>>()?;
+        let received: Vec<u64> = (0..nr).map(|r| (0..nr).map(|p| c[p][r]).sum()).collect();
+        let mut refs: Vec<&mut Node> = nodes.iter_mut().collect();
+        exchange(&self.comms, &mut refs, &c, 1, Buf::SendKeys, Buf::RecvKeys)?;
+        if mv.values_in {
+            exchange(&self.comms, &mut refs, &c, dim, Buf::SendValues, Buf::RecvValues)?;
+        }
+        let pending = self.serve(op, nodes, &received)?;
+        // Results travel back along the transposed counts.
+        let back: Vec<Vec<u64>> = (0..nr).map(|r| (0..nr).map(|p| c[p][r]).collect()).collect();
+        let mut refs: Vec<&mut Node> = nodes.iter_mut().collect();
+        if mv.found_out {
+            exchange(&self.comms, &mut refs, &back, 1, Buf::RecvFound, Buf::SendFound)?;
+        }
+        if mv.values_out {
+            exchange(&self.comms, &mut refs, &back, dim, Buf::RecvValues, Buf::SendValues)?;
+        }
+        for (r, node) in nodes.iter().enumerate() {
+            let s = &node.stream;
+            let found = addr(&node.b.send_found, s);
+            // SAFETY: send_found / send_values hold n[r] results in
+            // partition order (the exchange sized them), b[r] n[r] keys.
+            unsafe {
+                if mv.found_out {
+                    node.gather_u8(found, addr_of(&b[r].found, s), n[r])?;
+                }
+                if mv.values_out {
+                    let mask = if mv.masked { found } else { 0 };
+                    node.gather_values(addr(&node.b.send_values, s), addr_of(&b[r].values, s), mask, n[r], dim)?;
+                }
+            }
+        }
+        self.finish(nodes, pending)
+    }
+
+    fn run_host(
+        &self,
+        op: DeviceOp,
+        mv: &Moves,
+        nodes: &mut [Node],
+        b: &mut [RankBatch],
+        n: &[usize],
+    ) -> Result<Counts> {
+        let nr = nodes.len();
+        let dim = self.config.dim;
+        // To the host, split by owner there.
+        let mut parts_keys = vec![Vec::<u64>::new(); nr];
+        let mut parts_values = vec![Vec::<f32>::new(); nr];
+        let mut origin = vec![Vec::<(usize, usize)>::new(); nr];
+        for (r, node) in nodes.iter().enumerate() {
+            let s = &node.stream;
+            let mut keys = vec![0u64; n[r]];
+            s.memcpy_dtoh(&b[r].keys.slice(..n[r]), &mut keys).map_err(dev_err("copying keys to the host"))?;
+            let mut values = vec![0f32; if mv.values_in { n[r] * dim } else { 0 }];
+            if mv.values_in {
+                s.memcpy_dtoh(&b[r].values.slice(..n[r] * dim), &mut values).map_err(dev_err("copying rows"))?;
+            }
+            s.synchronize().map_err(dev_err("copying a batch to the host"))?;
+            for (i, &k) in keys.iter().enumerate() {
+                let d = shard_of(k, nr as u64) as usize;
+                parts_keys[d].push(k);
+                origin[d].push((r, i));
+                if mv.values_in {
+                    parts_values[d].extend_from_slice(&values[i * dim..(i + 1) * dim]);
+                }
+            }
+        }
+        // Each part to its owner.
+        let received: Vec<u64> = parts_keys.iter().map(|p| p.len() as u64).collect();
+        for (d, node) in nodes.iter_mut().enumerate() {
+            let s = node.stream.clone();
+            let m = parts_keys[d].len();
+            ensure(&s, &mut node.b.recv_keys, m)?;
+            ensure(&s, &mut node.b.recv_values, m * dim)?;
+            if m > 0 {
+                let k = node.b.recv_keys.as_mut().expect("sized");
+                s.memcpy_htod(&parts_keys[d], &mut k.slice_mut(..m)).map_err(dev_err("copying keys"))?;
+                if mv.values_in {
+                    let v = node.b.recv_values.as_mut().expect("sized");
+                    s.memcpy_htod(&parts_values[d], &mut v.slice_mut(..m * dim)).map_err(dev_err("copying rows"))?;
+                }
+            }
+        }
+        let pending = self.serve(op, nodes, &received)?;
+        // Results back to the host, into request order, and to the callers.
+        let mut found_out: Vec<Vec<u8>> = (0..nr).map(|r| vec![0u8; if mv.found_out { n[r] } else { 0 }]).collect();
+        let mut values_out: Vec<Vec<f32>> =
+            (0..nr).map(|r| vec![0f32; if mv.values_out { n[r] * dim } else { 0 }]).collect();
+        if mv.masked {
+            for (r, node) in nodes.iter().enumerate() {
+                let s = &node.stream;
+                s.memcpy_dtoh(&b[r].values.slice(..n[r] * dim), &mut values_out[r]).map_err(dev_err("copying rows"))?;
+            }
+        }
+        for (d, node) in nodes.iter().enumerate() {
+            let s = &node.stream;
+            let m = parts_keys[d].len();
+            let mut f = vec![0u8; m];
+            let mut v = vec![0f32; m * dim];
+            if m > 0 {
+                if mv.found_out {
+                    s.memcpy_dtoh(&node.b.recv_found.as_ref().expect("sized").slice(..m), &mut f)
+                        .map_err(dev_err("copying flags"))?;
+                }
+                if mv.values_out {
+                    let src = node.b.recv_values.as_ref().expect("sized").slice(..m * dim);
+                    s.memcpy_dtoh(&src, &mut v).map_err(dev_err("copying rows"))?;
+                }
+            }
+            s.synchronize().map_err(dev_err("serving a batch"))?;
+            for (j, &(r, i)) in origin[d].iter().enumerate() {
+                if mv.found_out {
+                    found_out[r][i] = f[j];
+                }
+                if mv.values_out && (!mv.masked || f[j] != 0) {
+                    values_out[r][i * dim..(i + 1) * dim].copy_from_slice(&v[j * dim..(j + 1) * dim]);
+                }
+            }
+        }
+        for (r, node) in nodes.iter().enumerate() {
+            let s = &node.stream;
+            if mv.found_out && n[r] > 0 {
+                s.memcpy_htod(&found_out[r], &mut b[r].found.slice_mut(..n[r])).map_err(dev_err("copying flags"))?;
+            }
+            if mv.values_out && n[r] > 0 {
+                s.memcpy_htod(&values_out[r], &mut b[r].values.slice_mut(..n[r] * dim))
+                    .map_err(dev_err("copying rows"))?;
+            }
+        }
+        self.finish(nodes, pending)
+    }
+
+    /// Moves every entry onto a new group on `ordinals` (same config, keys
+    /// re-owned by `shard_of(key, ordinals.len())`), GPU to GPU over one
+    /// communicator spanning both sets of GPUs; scores are kept. This group
+    /// is left as it was. Returns the new group and the entries moved.
+    pub fn reshard(&self, ordinals: &[usize]) -> Result<(GpuGroup, u64)> {
+        let new = GpuGroup::new(self.config.clone(), ordinals)?;
+        let mut all: Vec<usize> = self.ordinals.iter().chain(ordinals).copied().collect();
+        all.sort_unstable();
+        all.dedup();
+        let mut nodes: Vec<Node> =
+            all.iter().map(|&o| shared_device(o).and_then(|d| Node::new(&d))).collect::<Result<_>>()?;
+        let comms = if all.len() > 1 { communicators(&nodes)? } else { vec![] };
+        let old_of = |u: usize| self.ordinals.iter().position(|&o| o == all[u]);
+        let new_of = |u: usize| ordinals.iter().position(|&o| o == all[u]);
+        let m = ordinals.len();
+        let dim = self.config.dim;
+        let rounds = self.tables.iter().map(|t| t.capacity().div_ceil(RESHARD_CHUNK)).max().unwrap_or(0);
+        let mut moved = 0;
+        for round in 0..rounds {
+            let offset = round * RESHARD_CHUNK;
+            // Export a chunk on every old GPU, split it by new owner.
+            let mut c = vec![vec![0u64; all.len()]; all.len()];
+            for (u, node) in nodes.iter_mut().enumerate() {
+                let Some(r) = old_of(u) else { continue };
+                let count = self.export_chunk(&self.tables[r], node, offset)?;
+                moved += count;
+                let s = node.stream.clone();
+                // SAFETY: ex keys (in recv_keys) hold `count` keys.
+                unsafe { node.partition(addr(&node.b.recv_keys, &s), count as usize, m) }?;
+                ensure(&s, &mut node.b.send_values, count as usize * dim)?;
+                ensure(&s, &mut node.b.send_scores, count as usize)?;
+                // SAFETY: the exported rows and scores hold `count` entries;
+                // the send buffers were sized for them; pos is this partition's.
+                unsafe {
+                    let b = &node.b;
+                    node.scatter_values(addr(&b.recv_values, &s), addr(&b.send_values, &s), count as usize, dim)?;
+                    node.scatter_u64(addr(&b.recv_scores, &s), addr(&b.send_scores, &s), count as usize)?;
+                }
+                let t = node.totals(m)?;
+                for (d, &x) in t.iter().enumerate() {
+                    let to = all.iter().position(|&o| o == ordinals[d]).expect("member");
+                    c[u][to] = x;
+                }
+            }
+            // Send, then load on the new owners.
+            let received: Vec<u64> = (0..all.len()).map(|u| (0..all.len()).map(|p| c[p][u]).sum()).collect();
+            if all.len() > 1 {
+                let mut refs: Vec<&mut Node> = nodes.iter_mut().collect();
+                exchange(&comms, &mut refs, &c, 1, Buf::SendKeys, Buf::RecvKeys)?;
+                exchange(&comms, &mut refs, &c, dim, Buf::SendValues, Buf::RecvValues)?;
+                exchange(&comms, &mut refs, &c, 1, Buf::SendScores, Buf::RecvScores)?;
+            } else {
+                let node = &mut nodes[0];
+                std::mem::swap(&mut node.b.send_keys, &mut node.b.recv_keys);
+                std::mem::swap(&mut node.b.send_values, &mut node.b.recv_values);
+                std::mem::swap(&mut node.b.send_scores, &mut node.b.recv_scores);
+            }
+            for (u, node) in nodes.iter_mut().enumerate() {
+                let Some(d) = new_of(u) else { continue };
+                let k = received[u] as usize;
+                if k == 0 {
+                    continue;
+                }
+                let s = node.stream.clone();
+                let counters = node.zero_counters()?;
+                let b = &node.b;
+                let raw = Raw {
+                    p: Ptrs {
+                        keys: addr(&b.recv_keys, &s),
+                        values: addr(&b.recv_values, &s),
+                        scores: addr(&b.recv_scores, &s),
+                        counters,
+                        ..Ptrs::default()
+                    },
+                    ..Raw::default()
+                };
+                // SAFETY: the exchange sized and filled recv_* with k
+                // entries on this GPU; synchronised by read_counters below.
+                let p = unsafe { new.tables[d].enqueue(DeviceOp::Load, &s, k, raw) }?;
+                let cn = node.read_counters()?;
+                new.tables[d].complete(p, &cn);
+            }
+        }
+        drop(comms);
+        Ok((new, moved))
+    }
+
+    /// Exports slots `[offset, offset + RESHARD_CHUNK)` of `table` into the
+    /// node's `recv_keys / recv_values / recv_scores`; returns the count.
+    fn export_chunk(&self, table: &CudaTable, node: &mut Node, offset: u64) -> Result<u64> {
+        let s = node.stream.clone();
+        let dim = self.config.dim;
+        let chunk = RESHARD_CHUNK as usize;
+        let nb = chunk / BUCKET_SLOTS + 2;
+        let b = &mut node.b;
+        ensure(&s, &mut b.recv_keys, chunk)?;
+        ensure(&s, &mut b.recv_values, chunk * dim)?;
+        ensure(&s, &mut b.recv_scores, chunk)?;
+        ensure(&s, &mut b.ex_counts, nb)?;
+        ensure(&s, &mut b.ex_offsets, nb + 1)?;
+        let counters = node.zero_counters()?;
+        let b = &node.b;
+        let raw = Raw {
+            p: Ptrs { counters, ..Ptrs::default() },
+            out: [addr(&b.recv_keys, &s), addr(&b.recv_values, &s), addr(&b.recv_scores, &s)],
+            counts: addr(&b.ex_counts, &s),
+            offsets: addr(&b.ex_offsets, &s),
+        };
+        // SAFETY: the outputs hold a whole chunk of slots (every possible
+        // match), counts / offsets its buckets; synchronised below.
+        let p = unsafe { table.enqueue(DeviceOp::Export { offset, filter: Filter::ALL }, &s, chunk, raw) }?;
+        let end = (offset + RESHARD_CHUNK).min(table.capacity());
+        let spanned = if offset < end {
+            ((end - 1) / BUCKET_SLOTS as u64 - offset / BUCKET_SLOTS as u64 + 1) as usize
+        } else {
+            0
+        };
+        let mut total = [0u64];
+        if spanned > 0 {
+            let o = node.b.ex_offsets.as_ref().expect("sized");
+            s.memcpy_dtoh(&o.slice(spanned..spanned + 1), &mut total).map_err(dev_err("reading the export count"))?;
+        }
+        let cn = node.read_counters()?;
+        table.complete(p, &cn);
+        Ok(total[0])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn starts_are_exclusive_prefix_sums() {
+        assert_eq!(starts(&[3, 0, 2, 5]), vec![0, 3, 3, 5]);
+        assert_eq!(starts(&[]), Vec::<u64>::new());
+    }
+
+    #[test]
+    fn only_the_group_ops_are_offered() {
+        for op in [
+            DeviceOp::Find,
+            DeviceOp::Contains,
+            DeviceOp::InsertOrAssign,
+            DeviceOp::FindOrInsert,
+            DeviceOp::Assign,
+            DeviceOp::Erase,
+        ] {
+            assert!(moves(op).is_ok(), "{op:?}");
+        }
+        let e = moves(DeviceOp::FindPtr).err().expect("refused").to_string();
+        assert!(e.contains("not offered on a GPU group"), "{e}");
+    }
+
+    #[test]
+    fn without_nccl_or_a_driver_the_answer_is_an_error() {
+        // On a host without NCCL this is a clear error; with it, a version.
+        match nccl_version() {
+            Ok(v) => assert!(v >= 20000, "{v}"),
+            Err(e) => assert!(e.to_string().contains("NCCL"), "{e}"),
+        }
+        if crate::cuda_unavailable().is_some() {
+            let e = GpuGroup::new(TableConfig::new(1024, 4), &[0]).expect_err("no GPU here").to_string();
+            assert!(!e.is_empty());
+        }
+        let e = GpuGroup::new(TableConfig::new(1024, 4), &[0, 0]).expect_err("duplicate").to_string();
+        assert!(e.contains("once"), "{e}");
+    }
+}

@@ -1,0 +1,236 @@
+//! A table over every GPU of the host (`GpuGroup`): with `--ignored` on a
+//! GPU host, every group operation on both routes equals the CPU backend
+//! sharded the way the daemon's router shards, and resharding from N GPUs
+//! onto M keeps every entry with its value and score. On one GPU the same
+//! tests run a group of one.
+
+use hkv_shard::cpu::CpuTable;
+use hkv_shard::cuda;
+use hkv_shard::cuda_table::DeviceOp;
+use hkv_shard::hash::shard_of;
+use hkv_shard::multi::{nccl_version, GpuGroup, RankBatch, Route};
+use hkv_shard::{BucketMode, ScorePolicy, Shard, TableConfig};
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+const DIM: usize = 6;
+
+fn gpus() -> Vec<usize> {
+    let n = cuda::probe().expect("a CUDA device").len().min(hkv_shard::multi::MAX_GPUS);
+    (0..n).collect()
+}
+
+fn config(mode: BucketMode) -> TableConfig {
+    TableConfig::new(1 << 14, DIM).policy(ScorePolicy::Lfu).mode(mode)
+}
+
+fn row(k: u64, salt: u64) -> Vec<f32> {
+    (0..DIM).map(|j| (k.wrapping_mul(31).wrapping_add(salt * 7 + j as u64) % 100_003) as f32).collect()
+}
+
+/// Every entry of some shards, sorted by key: (key, row, score).
+fn entries<'a>(shards: impl Iterator<Item = &'a dyn Shard>) -> Vec<(u64, Vec<f32>, u64)> {
+    let mut all = vec![];
+    for s in shards {
+        let e = s.export_batch(0, s.capacity()).unwrap();
+        for (i, &k) in e.keys.iter().enumerate() {
+            all.push((k, e.values[i * DIM..(i + 1) * DIM].to_vec(), e.scores[i]));
+        }
+    }
+    all.sort_by_key(|e| e.0);
+    all
+}
+
+/// The CPU reference: one CpuTable per GPU, each fed its part of every batch
+/// in request order, as the daemon's router does.
+struct Reference {
+    shards: Vec<CpuTable>,
+}
+
+impl Reference {
+    fn apply(&self, op: DeviceOp, keys: &[u64], values: &mut [f32], found: &mut [bool]) {
+        let n = self.shards.len() as u64;
+        for (d, shard) in self.shards.iter().enumerate() {
+            let idx: Vec<usize> = (0..keys.len()).filter(|&i| shard_of(keys[i], n) == d as u64).collect();
+            let k: Vec<u64> = idx.iter().map(|&i| keys[i]).collect();
+            let mut v: Vec<f32> = idx.iter().flat_map(|&i| values[i * DIM..(i + 1) * DIM].to_vec()).collect();
+            let mut f = vec![false; k.len()];
+            match op {
+                DeviceOp::Find => drop(shard.find(&k, &mut v, &mut f, None).unwrap()),
+                DeviceOp::Contains => drop(shard.contains(&k, &mut f).unwrap()),
+                DeviceOp::InsertOrAssign => drop(shard.insert_or_assign(&k, &v, None, None).unwrap()),
+                DeviceOp::FindOrInsert => drop(shard.find_or_insert(&k, &mut v, None, None).unwrap()),
+                DeviceOp::Assign => drop(shard.assign(&k, &v, None, None).unwrap()),
+                DeviceOp::Erase => drop(shard.erase(&k, Some(&mut f)).unwrap()),
+                _ => unreachable!(),
+            }
+            for (j, &i) in idx.iter().enumerate() {
+                found[i] = f[j];
+                values[i * DIM..(i + 1) * DIM].copy_from_slice(&v[j * DIM..(j + 1) * DIM]);
+            }
+        }
+    }
+}
+
+fn upload(group: &GpuGroup, b: &mut [RankBatch], keys: &[Vec<u64>], values: &[Vec<f32>]) {
+    for r in 0..b.len() {
+        let s = group.stream(r);
+        if !keys[r].is_empty() {
+            s.memcpy_htod(&keys[r], &mut b[r].keys.slice_mut(..keys[r].len())).unwrap();
+            s.memcpy_htod(&values[r], &mut b[r].values.slice_mut(..values[r].len())).unwrap();
+            s.memset_zeros(&mut b[r].found).unwrap();
+        }
+        s.synchronize().unwrap();
+    }
+}
+
+fn download(group: &GpuGroup, b: &[RankBatch], n: &[usize]) -> (Vec<Vec<f32>>, Vec<Vec<u8>>) {
+    let mut vs = vec![];
+    let mut fs = vec![];
+    for r in 0..b.len() {
+        let s = group.stream(r);
+        let mut v = vec![0f32; n[r] * DIM];
+        let mut f = vec![0u8; n[r]];
+        if n[r] > 0 {
+            s.memcpy_dtoh(&b[r].values.slice(..n[r] * DIM), &mut v).unwrap();
+            s.memcpy_dtoh(&b[r].found.slice(..n[r]), &mut f).unwrap();
+        }
+        s.synchronize().unwrap();
+        vs.push(v);
+        fs.push(f);
+    }
+    (vs, fs)
+}
+
+#[test]
+fn nccl_loads_or_says_why() {
+    match nccl_version() {
+        Ok(v) => assert!(v >= 20000, "{v}"),
+        Err(e) => assert!(e.to_string().contains("libnccl"), "{e}"),
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn group_operations_equal_the_cpu_backend_on_both_routes() {
+    let all = gpus();
+    let mut sets = vec![all.clone()];
+    if all.len() > 1 {
+        sets.push(vec![all[all.len() - 1]]);
+    }
+    for ordinals in sets {
+        for mode in [BucketMode::Single, BucketMode::Dual] {
+            for route in [Route::Device, Route::Host] {
+                let cfg = config(mode);
+                let group = GpuGroup::new(cfg.clone(), &ordinals).unwrap();
+                let reference =
+                    Reference { shards: ordinals.iter().map(|_| CpuTable::new(cfg.clone()).unwrap()).collect() };
+                let nr = ordinals.len();
+                let per_gpu = 3000;
+                let mut b = group.batch(per_gpu).unwrap();
+                let mut rng = rand::rngs::StdRng::seed_from_u64(11 + nr as u64);
+                // Keys stay below half the capacity: no eviction, so every
+                // result is determined whatever order a batch's keys run in.
+                let universe: Vec<u64> = (0..(6000 * nr as u64)).map(|i| i * 2_654_435_761 + 5).collect();
+                let ops = [
+                    DeviceOp::InsertOrAssign,
+                    DeviceOp::Find,
+                    DeviceOp::FindOrInsert,
+                    DeviceOp::Assign,
+                    DeviceOp::Contains,
+                    DeviceOp::Erase,
+                ];
+                for round in 0..40u64 {
+                    let op = if round < 4 { DeviceOp::InsertOrAssign } else { ops[rng.gen_range(0..ops.len())] };
+                    let n: Vec<usize> = (0..nr).map(|_| rng.gen_range(0..=per_gpu)).collect();
+                    // Distinct keys over the whole batch (every GPU's part).
+                    let mut pick = universe.clone();
+                    pick.shuffle(&mut rng);
+                    let mut at = 0;
+                    let keys: Vec<Vec<u64>> = n
+                        .iter()
+                        .map(|&m| {
+                            at += m;
+                            pick[at - m..at].to_vec()
+                        })
+                        .collect();
+                    let values: Vec<Vec<f32>> =
+                        keys.iter().map(|ks| ks.iter().flat_map(|&k| row(k, round)).collect()).collect();
+                    upload(&group, &mut b, &keys, &values);
+                    let run = group.run(op, route, &mut b, &n).unwrap();
+                    let (gv, gf) = download(&group, &b, &n);
+                    let flat_keys: Vec<u64> = keys.concat();
+                    let mut rv: Vec<f32> = values.concat();
+                    let mut rf = vec![false; flat_keys.len()];
+                    reference.apply(op, &flat_keys, &mut rv, &mut rf);
+                    let (gv, gf) = (gv.concat(), gf.concat());
+                    let what = format!("{ordinals:?} {mode:?} {route:?} round {round} {op:?}");
+                    if matches!(op, DeviceOp::Find | DeviceOp::Contains | DeviceOp::Erase) {
+                        let gfb: Vec<bool> = gf.iter().map(|&x| x != 0).collect();
+                        assert_eq!(gfb, rf, "{what}: found flags");
+                        assert_eq!(
+                            run.counts.hits as usize + run.counts.erased as usize,
+                            rf.iter().filter(|&&x| x).count(),
+                            "{what}"
+                        );
+                    }
+                    if matches!(op, DeviceOp::Find | DeviceOp::FindOrInsert) {
+                        assert_eq!(gv, rv, "{what}: rows");
+                    }
+                    let sizes: Vec<u64> = group.tables().iter().map(|t| t.size()).collect();
+                    let want: Vec<u64> = reference.shards.iter().map(|t| t.size()).collect();
+                    assert_eq!(sizes, want, "{what}: sizes per GPU");
+                }
+                let g = entries(group.tables().iter().map(|t| t as &dyn Shard));
+                let c = entries(reference.shards.iter().map(|t| t as &dyn Shard));
+                assert_eq!(g, c, "{ordinals:?} {mode:?} {route:?}: every entry, row and score");
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn resharding_keeps_every_entry() {
+    let all = gpus();
+    // N -> M over the GPUs there are: all -> last one -> all, and (with one
+    // GPU) a group of one onto itself.
+    let plan: Vec<Vec<usize>> = if all.len() > 1 {
+        vec![all.clone(), vec![all[all.len() - 1]], all.iter().rev().copied().collect()]
+    } else {
+        vec![all.clone(), all.clone()]
+    };
+    let cfg = TableConfig::new(1 << 17, DIM).policy(ScorePolicy::Lfu);
+    let group = GpuGroup::new(cfg, &plan[0]).unwrap();
+    let nr = plan[0].len();
+    let per_gpu = 8000;
+    let mut b = group.batch(per_gpu).unwrap();
+    for round in 0..3u64 {
+        let keys: Vec<Vec<u64>> = (0..nr)
+            .map(|r| (0..per_gpu as u64).map(|i| (round * 1_000_003 + r as u64 * 77_777 + i) * 0x9e37_79b1).collect())
+            .collect();
+        let values: Vec<Vec<f32>> = keys.iter().map(|ks| ks.iter().flat_map(|&k| row(k, 0)).collect()).collect();
+        upload(&group, &mut b, &keys, &values);
+        let n = vec![per_gpu; nr];
+        group.run(DeviceOp::InsertOrAssign, Route::Device, &mut b, &n).unwrap();
+        if round == 2 {
+            // Scores differ between entries (Lfu: found twice).
+            group.run(DeviceOp::Find, Route::Device, &mut b, &n).unwrap();
+        }
+    }
+    let before = entries(group.tables().iter().map(|t| t as &dyn Shard));
+    assert_eq!(before.len() as u64, group.size());
+    assert_eq!(before.len(), 3 * per_gpu * nr, "every key inserted");
+    let mut current = group;
+    for next in &plan[1..] {
+        let (moved_to, moved) = current.reshard(next).unwrap();
+        assert_eq!(moved, before.len() as u64, "{:?} -> {next:?}", current.ordinals());
+        let after = entries(moved_to.tables().iter().map(|t| t as &dyn Shard));
+        assert_eq!(after, before, "{:?} -> {next:?}: every entry, row and score", current.ordinals());
+        for (r, t) in moved_to.tables().iter().enumerate() {
+            let e = t.export_batch(0, t.capacity()).unwrap();
+            assert!(e.keys.iter().all(|&k| shard_of(k, next.len() as u64) == r as u64), "owners after {next:?}");
+        }
+        current = moved_to;
+    }
+}
