@@ -1158,12 +1158,28 @@ impl CudaTable {
     /// `n` slots), alive and untouched by other streams until `s` is
     /// synchronised.
     pub(crate) unsafe fn enqueue(&self, op: DeviceOp, s: &CudaStream, n: usize, r: Raw) -> Result<Pending<'_>> {
+        // SAFETY: forwarded contract; the lock group is taken here.
+        unsafe { self.enqueue_in(op, s, n, r, true) }
+    }
+
+    /// [`CudaTable::enqueue`] inside a lock group the caller already holds
+    /// through an earlier [`Pending`] of the same group on this table (not
+    /// completed before this one's stream is synchronised).
+    ///
+    /// # Safety
+    /// As [`CudaTable::enqueue`].
+    pub(crate) unsafe fn enqueue_held(&self, op: DeviceOp, s: &CudaStream, n: usize, r: Raw) -> Result<Pending<'_>> {
+        // SAFETY: forwarded contract; the caller holds the group.
+        unsafe { self.enqueue_in(op, s, n, r, false) }
+    }
+
+    unsafe fn enqueue_in(&self, op: DeviceOp, s: &CudaStream, n: usize, r: Raw, lock: bool) -> Result<Pending<'_>> {
         let group = match op {
             DeviceOp::Find | DeviceOp::FindPtr | DeviceOp::Contains | DeviceOp::Export { .. } => Group::Reader,
             DeviceOp::Assign => Group::Updater,
             _ => Group::Inserter,
         };
-        let guard = self.lock.acquire(group);
+        let guard = lock.then(|| self.lock.acquire(group));
         let stat = match op {
             DeviceOp::Find | DeviceOp::FindPtr => Op::Find,
             DeviceOp::Contains => Op::Contains,
@@ -1265,7 +1281,7 @@ pub(crate) struct Raw {
 
 /// A launched batch whose lock group is held until [`CudaTable::complete`].
 pub(crate) struct Pending<'a> {
-    _guard: crate::lock::GroupGuard<'a>,
+    _guard: Option<crate::lock::GroupGuard<'a>>,
     op: DeviceOp,
     n: usize,
 }

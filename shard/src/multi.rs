@@ -98,12 +98,15 @@ pub struct RankBatch {
 }
 
 /// What [`GpuGroup::run`] did.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct GroupRun {
     /// Wall time of the whole batch, every GPU finished, in milliseconds.
     pub ms: f64,
     /// Counts summed over the owners.
     pub counts: Counts,
+    /// With [`GpuGroup::set_phases`], device-route phases on rank 0 (CUDA
+    /// events): name and milliseconds.
+    pub phases: Vec<(&'static str, f32)>,
 }
 
 struct RouteFns {
@@ -153,6 +156,7 @@ struct Bufs {
     recv_scores: Option<CudaSlice<u64>>,
     recv_found: Option<CudaSlice<u8>>,
     counters: Option<CudaSlice<u64>>,
+    local_counters: Option<CudaSlice<u64>>,
     ex_counts: Option<CudaSlice<u32>>,
     ex_offsets: Option<CudaSlice<u64>>,
 }
@@ -201,6 +205,7 @@ impl Node {
         let stream = dev.ctx.new_stream().map_err(dev_err("creating a stream"))?;
         let mut b = Bufs::default();
         ensure(&stream, &mut b.counters, 8)?;
+        ensure(&stream, &mut b.local_counters, 8)?;
         Ok(Node { f: RouteFns::load(dev)?, stream, b })
     }
 
@@ -332,18 +337,62 @@ impl Node {
         Ok(())
     }
 
-    fn read_counters(&self) -> Result<Vec<u64>> {
-        let c = self.b.counters.as_ref().expect("allocated");
+    /// The counters of the last batch (`local`: of its in-place part);
+    /// waits for the stream.
+    fn read_counters_of(&self, local: bool) -> Result<Vec<u64>> {
+        let c = if local { &self.b.local_counters } else { &self.b.counters };
         let mut out = vec![0u64; 8];
-        self.stream.memcpy_dtoh(c, &mut out).map_err(dev_err("reading counters"))?;
+        self.stream.memcpy_dtoh(c.as_ref().expect("allocated"), &mut out).map_err(dev_err("reading counters"))?;
         self.stream.synchronize().map_err(dev_err("finishing a batch"))?;
         Ok(out)
+    }
+
+    fn read_counters(&self) -> Result<Vec<u64>> {
+        self.read_counters_of(false)
     }
 
     fn zero_counters(&mut self) -> Result<u64> {
         let c = self.b.counters.as_mut().expect("allocated");
         self.stream.memset_zeros(c).map_err(dev_err("clearing counters"))?;
         Ok(addr_of(c, &self.stream))
+    }
+
+    fn zero_local_counters(&mut self) -> Result<u64> {
+        let c = self.b.local_counters.as_mut().expect("allocated");
+        self.stream.memset_zeros(c).map_err(dev_err("clearing counters"))?;
+        Ok(addr_of(c, &self.stream))
+    }
+}
+
+/// CUDA events between the phases of a batch on rank 0's stream, when asked
+/// for ([`GpuGroup::set_phases`]).
+struct Marks {
+    stream: Arc<CudaStream>,
+    events: Vec<(&'static str, cudarc::driver::CudaEvent)>,
+    on: bool,
+}
+
+impl Marks {
+    fn new(stream: &Arc<CudaStream>, on: bool) -> Result<Marks> {
+        let mut m = Marks { stream: stream.clone(), events: vec![], on };
+        m.mark("start")?;
+        Ok(m)
+    }
+
+    fn mark(&mut self, name: &'static str) -> Result<()> {
+        if self.on {
+            let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+            self.events.push((name, self.stream.record_event(flags).map_err(dev_err("recording an event"))?));
+        }
+        Ok(())
+    }
+
+    /// Milliseconds of each phase (after the stream is synchronised).
+    fn read(self) -> Result<Vec<(&'static str, f32)>> {
+        self.events
+            .windows(2)
+            .map(|w| Ok((w[1].0, w[0].1.elapsed_ms(&w[1].1).map_err(dev_err("reading events"))?)))
+            .collect()
     }
 }
 
@@ -360,16 +409,52 @@ enum Buf {
     RecvFound,
 }
 
-/// One all-to-all over `comms` (rank r on `nodes[r]`): rank r sends
-/// `c[r][p] * w` elements of its `from` buffer, from offset
-/// `starts(c[r])[p] * w`, to rank p, which receives them into its `to`
-/// buffer at `starts(column r)[...]`, i.e. sources in rank order. `to`
-/// buffers are grown to fit first.
-fn exchange(comms: &[Comm], nodes: &mut [&mut Node], c: &[Vec<u64>], w: usize, from: Buf, to: Buf) -> Result<()> {
+/// Who sends what to whom in one all-to-all: rank r sends `lens[r][p] * w`
+/// elements of its source buffer, from `send_at[r][p] * w`, to rank p,
+/// which receives them into its target buffer at `recv_at[p][r] * w`;
+/// target buffers are grown to `recv_size[r] * w` first.
+#[derive(Debug, Clone)]
+struct Plan {
+    lens: Vec<Vec<u64>>,
+    send_at: Vec<Vec<u64>>,
+    recv_at: Vec<Vec<u64>>,
+    recv_size: Vec<u64>,
+}
+
+impl Plan {
+    /// Segments packed in peer order on both sides, skipping each rank's
+    /// own segment when `skip_self` (a rank serves its own keys in place).
+    fn packed(c: &[Vec<u64>], skip_self: bool) -> Plan {
+        let nr = c.len();
+        let lens: Vec<Vec<u64>> =
+            (0..nr).map(|r| (0..nr).map(|p| if skip_self && p == r { 0 } else { c[r][p] }).collect()).collect();
+        let send_at = c.iter().map(|row| starts(row)).collect();
+        let cols: Vec<Vec<u64>> = (0..nr).map(|r| (0..nr).map(|p| lens[p][r]).collect()).collect();
+        let recv_at = cols.iter().map(|col| starts(col)).collect();
+        let recv_size = cols.iter().map(|col| col.iter().sum()).collect();
+        Plan { lens, send_at, recv_at, recv_size }
+    }
+
+    /// The way back: what was received returns to where it was sent from,
+    /// into buffers of `sizes[r]` keys.
+    fn back(&self, sizes: &[u64]) -> Plan {
+        let nr = self.lens.len();
+        let t = |m: &Vec<Vec<u64>>| -> Vec<Vec<u64>> { (0..nr).map(|r| (0..nr).map(|p| m[p][r]).collect()).collect() };
+        Plan {
+            lens: t(&self.lens),
+            send_at: self.recv_at.clone(),
+            recv_at: self.send_at.clone(),
+            recv_size: sizes.to_vec(),
+        }
+    }
+}
+
+/// One all-to-all over `comms` (rank r on `nodes[r]`) following `plan`,
+/// `w` elements per key, from each node's `from` buffer into its `to`.
+fn exchange(comms: &[Comm], nodes: &mut [&mut Node], plan: &Plan, w: usize, from: Buf, to: Buf) -> Result<()> {
     let nr = nodes.len();
-    let recv_total: Vec<u64> = (0..nr).map(|r| (0..nr).map(|p| c[p][r]).sum()).collect();
     for (r, node) in nodes.iter_mut().enumerate() {
-        let need = recv_total[r] as usize * w;
+        let need = plan.recv_size[r] as usize * w;
         let s = node.stream.clone();
         let b = &mut node.b;
         match to {
@@ -386,13 +471,10 @@ fn exchange(comms: &[Comm], nodes: &mut [&mut Node], c: &[Vec<u64>], w: usize, f
     group_start().map_err(nccl_err("group start"))?;
     let mut result = Ok(());
     for r in 0..nr {
-        let out = starts(&c[r]);
-        let col: Vec<u64> = (0..nr).map(|p| c[p][r]).collect();
-        let inn = starts(&col);
         let b = &mut nodes[r].b;
         for p in 0..nr {
-            let (so, sn) = (out[p] as usize * w, c[r][p] as usize * w);
-            let (ro, rn) = (inn[p] as usize * w, col[p] as usize * w);
+            let (so, sn) = (plan.send_at[r][p] as usize * w, plan.lens[r][p] as usize * w);
+            let (ro, rn) = (plan.recv_at[r][p] as usize * w, plan.lens[p][r] as usize * w);
             let res = match (from, to) {
                 (Buf::SendKeys, Buf::RecvKeys) => {
                     send_recv(&comms[r], p, &b.send_keys, so, sn, &mut b.recv_keys, ro, rn)
@@ -485,6 +567,8 @@ pub struct GpuGroup {
     tables: Vec<CudaTable>,
     comms: Vec<Comm>,
     nodes: Mutex<Vec<Node>>,
+    phases: bool,
+    in_place: bool,
 }
 
 // SAFETY: the NCCL communicators (raw handles, hence not Send / Sync by
@@ -535,7 +619,26 @@ impl GpuGroup {
             nodes.push(Node::new(&dev)?);
         }
         let comms = if ordinals.len() > 1 { communicators(&nodes)? } else { vec![] };
-        Ok(GpuGroup { config, ordinals: ordinals.to_vec(), tables, comms, nodes: Mutex::new(nodes) })
+        Ok(GpuGroup {
+            config,
+            ordinals: ordinals.to_vec(),
+            tables,
+            comms,
+            nodes: Mutex::new(nodes),
+            phases: false,
+            in_place: true,
+        })
+    }
+
+    /// Times the phases of device-route batches (see [`GroupRun::phases`]).
+    pub fn set_phases(&mut self, on: bool) {
+        self.phases = on;
+    }
+
+    /// Whether reads serve each GPU's own keys in place (the default) or
+    /// send them through NCCL to itself like every other part.
+    pub fn set_in_place(&mut self, on: bool) {
+        self.in_place = on;
     }
 
     /// The GPUs, in rank order.
@@ -595,15 +698,15 @@ impl GpuGroup {
         }
         let mut nodes = self.nodes.lock();
         let t0 = Instant::now();
-        let counts = if nr == 1 {
-            self.run_local(op, &mut nodes[0], &mut b[0], n[0])?
+        let (counts, phases) = if nr == 1 {
+            (self.run_local(op, &mut nodes[0], &mut b[0], n[0])?, vec![])
         } else {
             match route {
                 Route::Device => self.run_nccl(op, &mv, &mut nodes, b, n)?,
-                Route::Host => self.run_host(op, &mv, &mut nodes, b, n)?,
+                Route::Host => (self.run_host(op, &mv, &mut nodes, b, n)?, vec![]),
             }
         };
-        Ok(GroupRun { ms: t0.elapsed().as_secs_f64() * 1e3, counts })
+        Ok(GroupRun { ms: t0.elapsed().as_secs_f64() * 1e3, counts, phases })
     }
 
     /// One GPU: the batch goes straight to its table.
@@ -628,7 +731,8 @@ impl GpuGroup {
     }
 
     /// Enqueues `op` on every rank over what it received (`recv_*`).
-    fn serve<'a>(&'a self, op: DeviceOp, nodes: &mut [Node], received: &[u64]) -> Result<Vec<Pending<'a>>> {
+    /// `held`: each rank's table group is held by an earlier pending batch.
+    fn serve<'a>(&'a self, op: DeviceOp, nodes: &mut [Node], received: &[u64], held: bool) -> Result<Vec<Pending<'a>>> {
         let dim = self.config.dim;
         let mut pending = vec![];
         for (r, node) in nodes.iter_mut().enumerate() {
@@ -654,9 +758,23 @@ impl GpuGroup {
             // floats) this rank received; scores (load only) were sized by
             // the exchange that filled them. Each stream is synchronised by
             // read_counters before the buffers change.
-            pending.push(unsafe { self.tables[r].enqueue(op, &s, m, raw) }?);
+            pending.push(if held {
+                unsafe { self.tables[r].enqueue_held(op, &s, m, raw) }?
+            } else {
+                unsafe { self.tables[r].enqueue(op, &s, m, raw) }?
+            });
         }
         Ok(pending)
+    }
+
+    /// Books batches enqueued on rank r (`local`: its in-place part).
+    fn finish_all(&self, nodes: &[Node], pending: Vec<(usize, bool, Pending<'_>)>) -> Result<Counts> {
+        let mut total = Counts::default();
+        for (r, local, p) in pending {
+            let c = nodes[r].read_counters_of(local)?;
+            add_counts(&mut total, &self.tables[r].complete(p, &c));
+        }
+        Ok(total)
     }
 
     fn finish(&self, nodes: &[Node], pending: Vec<Pending<'_>>) -> Result<Counts> {
@@ -675,9 +793,10 @@ impl GpuGroup {
         nodes: &mut [Node],
         b: &mut [RankBatch],
         n: &[usize],
-    ) -> Result<Counts> {
+    ) -> Result<(Counts, Vec<(&'static str, f32)>)> {
         let nr = nodes.len();
         let dim = self.config.dim;
+        let mut marks = Marks::new(&nodes[0].stream, self.phases)?;
         for (r, node) in nodes.iter_mut().enumerate() {
             let s = node.stream.clone();
             // SAFETY: b[r].keys holds b[r].n >= n[r] keys on this GPU.
@@ -690,15 +809,48 @@ impl GpuGroup {
             }
         }
         let c: Vec<Vec<u64>> = nodes.iter().map(|node| node.totals(nr)).collect::<Result<_>>()?;
-        let received: Vec<u64> = (0..nr).map(|r| (0..nr).map(|p| c[p][r]).sum()).collect();
+        marks.mark("partition")?;
+        // Readers serve their own keys in place (no copy to themselves), as
+        // two launches under one reader group. Writers run one contiguous
+        // batch, their own part sent to themselves like the rest.
+        let in_place = self.in_place && matches!(op, DeviceOp::Find | DeviceOp::Contains);
+        let plan = Plan::packed(&c, in_place);
         let mut refs: Vec<&mut Node> = nodes.iter_mut().collect();
-        exchange(&self.comms, &mut refs, &c, 1, Buf::SendKeys, Buf::RecvKeys)?;
+        exchange(&self.comms, &mut refs, &plan, 1, Buf::SendKeys, Buf::RecvKeys)?;
         if mv.values_in {
-            exchange(&self.comms, &mut refs, &c, dim, Buf::SendValues, Buf::RecvValues)?;
+            exchange(&self.comms, &mut refs, &plan, dim, Buf::SendValues, Buf::RecvValues)?;
         }
-        let pending = self.serve(op, nodes, &received)?;
-        // Results travel back along the transposed counts.
-        let back: Vec<Vec<u64>> = (0..nr).map(|r| (0..nr).map(|p| c[p][r]).collect()).collect();
+        marks.mark("exchange in")?;
+        let mut pending = vec![];
+        if in_place {
+            for (r, node) in nodes.iter_mut().enumerate() {
+                let s = node.stream.clone();
+                ensure(&s, &mut node.b.send_values, n[r] * dim)?;
+                ensure(&s, &mut node.b.send_found, n[r])?;
+                let (at, m) = (plan.send_at[r][r], c[r][r] as usize);
+                let counters = node.zero_local_counters()?;
+                let bf = &node.b;
+                let raw = Raw {
+                    p: Ptrs {
+                        keys: addr(&bf.send_keys, &s) + at * 8,
+                        values: addr(&bf.send_values, &s) + at * dim as u64 * 4,
+                        found: addr(&bf.send_found, &s) + at,
+                        counters,
+                        ..Ptrs::default()
+                    },
+                    ..Raw::default()
+                };
+                // SAFETY: the segment [at, at + m) of send_keys holds this
+                // rank's own keys; send_values / send_found were sized for
+                // the n[r] keys of the partition; synchronised in finish.
+                pending.push((r, true, unsafe { self.tables[r].enqueue(op, &s, m, raw) }?));
+            }
+        }
+        for (r, p) in self.serve(op, nodes, &plan.recv_size, in_place)?.into_iter().enumerate() {
+            pending.push((r, false, p));
+        }
+        marks.mark("serve")?;
+        let back = plan.back(&n.iter().map(|&x| x as u64).collect::<Vec<_>>());
         let mut refs: Vec<&mut Node> = nodes.iter_mut().collect();
         if mv.found_out {
             exchange(&self.comms, &mut refs, &back, 1, Buf::RecvFound, Buf::SendFound)?;
@@ -706,6 +858,7 @@ impl GpuGroup {
         if mv.values_out {
             exchange(&self.comms, &mut refs, &back, dim, Buf::RecvValues, Buf::SendValues)?;
         }
+        marks.mark("exchange out")?;
         for (r, node) in nodes.iter().enumerate() {
             let s = &node.stream;
             let found = addr(&node.b.send_found, s);
@@ -721,7 +874,9 @@ impl GpuGroup {
                 }
             }
         }
-        self.finish(nodes, pending)
+        marks.mark("gather")?;
+        let counts = self.finish_all(nodes, pending)?;
+        Ok((counts, marks.read()?))
     }
 
     fn run_host(
@@ -772,7 +927,7 @@ impl GpuGroup {
                 }
             }
         }
-        let pending = self.serve(op, nodes, &received)?;
+        let pending = self.serve(op, nodes, &received, false)?;
         // Results back to the host, into request order, and to the callers.
         let mut found_out: Vec<Vec<u8>> = (0..nr).map(|r| vec![0u8; if mv.found_out { n[r] } else { 0 }]).collect();
         let mut values_out: Vec<Vec<f32>> =
@@ -843,6 +998,9 @@ impl GpuGroup {
             let offset = round * RESHARD_CHUNK;
             // Export a chunk on every old GPU, split it by new owner.
             let mut c = vec![vec![0u64; all.len()]; all.len()];
+            // The partition lays segments out in new-rank order; the
+            // communicator's ranks are the union's, so offsets are explicit.
+            let mut send_at = vec![vec![0u64; all.len()]; all.len()];
             for (u, node) in nodes.iter_mut().enumerate() {
                 let Some(r) = old_of(u) else { continue };
                 let count = self.export_chunk(&self.tables[r], node, offset)?;
@@ -860,18 +1018,22 @@ impl GpuGroup {
                     node.scatter_u64(addr(&b.recv_scores, &s), addr(&b.send_scores, &s), count as usize)?;
                 }
                 let t = node.totals(m)?;
+                let at = starts(&t);
                 for (d, &x) in t.iter().enumerate() {
                     let to = all.iter().position(|&o| o == ordinals[d]).expect("member");
                     c[u][to] = x;
+                    send_at[u][to] = at[d];
                 }
             }
+            let mut plan = Plan::packed(&c, false);
+            plan.send_at = send_at;
             // Send, then load on the new owners.
-            let received: Vec<u64> = (0..all.len()).map(|u| (0..all.len()).map(|p| c[p][u]).sum()).collect();
+            let received = plan.recv_size.clone();
             if all.len() > 1 {
                 let mut refs: Vec<&mut Node> = nodes.iter_mut().collect();
-                exchange(&comms, &mut refs, &c, 1, Buf::SendKeys, Buf::RecvKeys)?;
-                exchange(&comms, &mut refs, &c, dim, Buf::SendValues, Buf::RecvValues)?;
-                exchange(&comms, &mut refs, &c, 1, Buf::SendScores, Buf::RecvScores)?;
+                exchange(&comms, &mut refs, &plan, 1, Buf::SendKeys, Buf::RecvKeys)?;
+                exchange(&comms, &mut refs, &plan, dim, Buf::SendValues, Buf::RecvValues)?;
+                exchange(&comms, &mut refs, &plan, 1, Buf::SendScores, Buf::RecvScores)?;
             } else {
                 let node = &mut nodes[0];
                 std::mem::swap(&mut node.b.send_keys, &mut node.b.recv_keys);

@@ -120,9 +120,10 @@ fn group_operations_equal_the_cpu_backend_on_both_routes() {
     }
     for ordinals in sets {
         for mode in [BucketMode::Single, BucketMode::Dual] {
-            for route in [Route::Device, Route::Host] {
+            for (route, in_place) in [(Route::Device, true), (Route::Device, false), (Route::Host, true)] {
                 let cfg = config(mode);
-                let group = GpuGroup::new(cfg.clone(), &ordinals).unwrap();
+                let mut group = GpuGroup::new(cfg.clone(), &ordinals).unwrap();
+                group.set_in_place(in_place);
                 let reference =
                     Reference { shards: ordinals.iter().map(|_| CpuTable::new(cfg.clone()).unwrap()).collect() };
                 let nr = ordinals.len();
@@ -164,7 +165,7 @@ fn group_operations_equal_the_cpu_backend_on_both_routes() {
                     let mut rf = vec![false; flat_keys.len()];
                     reference.apply(op, &flat_keys, &mut rv, &mut rf);
                     let (gv, gf) = (gv.concat(), gf.concat());
-                    let what = format!("{ordinals:?} {mode:?} {route:?} round {round} {op:?}");
+                    let what = format!("{ordinals:?} {mode:?} {route:?} in place {in_place} round {round} {op:?}");
                     if matches!(op, DeviceOp::Find | DeviceOp::Contains | DeviceOp::Erase) {
                         let gfb: Vec<bool> = gf.iter().map(|&x| x != 0).collect();
                         assert_eq!(gfb, rf, "{what}: found flags");

@@ -37,6 +37,13 @@ struct Args {
     /// Timed batches per figure (the median is printed).
     #[arg(long, default_value_t = 7)]
     runs: usize,
+    /// Also print where a device-route batch spends its time (CUDA events on
+    /// GPU 0, medians): partition, exchange in, serve, exchange out, gather.
+    #[arg(long)]
+    phases: bool,
+    /// Skip the host route (it is slow: every batch crosses PCIe twice).
+    #[arg(long)]
+    no_host: bool,
 }
 
 fn splitmix(mut x: u64) -> u64 {
@@ -74,7 +81,7 @@ fn main() -> Result<()> {
         "dim {}, {} slots per GPU, batch {} keys per GPU, λ {:.2}, median of {} runs\n",
         a.dim, a.capacity, a.batch, a.load, a.runs
     );
-    println!("{:>4} {:>16} {:>7} {:>9} {:>12} {:>8}", "GPUs", "op", "route", "ms", "M keys/s", "scaling");
+    println!("{:>4} {:>16} {:>8} {:>9} {:>12} {:>8}", "GPUs", "op", "route", "ms", "M keys/s", "scaling");
     let mut base: Vec<(String, f64)> = vec![];
     for &k in &a.gpus {
         if k == 0 || k > devices.len() {
@@ -82,7 +89,8 @@ fn main() -> Result<()> {
         }
         let ordinals: Vec<usize> = (0..k).collect();
         let cfg = TableConfig::new(a.capacity, a.dim).policy(ScorePolicy::Lru);
-        let g = GpuGroup::new(cfg, &ordinals)?;
+        let mut g = GpuGroup::new(cfg, &ordinals)?;
+        g.set_phases(a.phases);
         let mut b = g.batch(a.batch)?;
         for (r, rb) in b.iter_mut().enumerate() {
             let row: Vec<f32> = (0..a.batch * a.dim).map(|i| (i % 1000) as f32).collect();
@@ -105,10 +113,23 @@ fn main() -> Result<()> {
             next,
             g.size() as f64 / (a.capacity * k as u64) as f64
         );
-        let routes: &[Route] = if k > 1 { &[Route::Device, Route::Host] } else { &[Route::Device] };
-        for &route in routes {
+        // (route, reads in place): the default, reads sending their own
+        // keys through NCCL to themselves, and the host split.
+        let mut routes = vec![(Route::Device, true)];
+        if k > 1 {
+            routes.push((Route::Device, false));
+            if !a.no_host {
+                routes.push((Route::Host, true));
+            }
+        }
+        for (route, in_place) in routes {
+            g.set_in_place(in_place);
             for (name, op) in [("find", DeviceOp::Find), ("insert_or_assign", DeviceOp::InsertOrAssign)] {
+                if !in_place && op != DeviceOp::Find {
+                    continue; // writes never serve in place
+                }
                 let mut ms = vec![];
+                let mut phases: Vec<Vec<(&'static str, f32)>> = vec![];
                 for run in 0..=a.runs {
                     if op == DeviceOp::Find {
                         // The most recent fill batches: resident.
@@ -121,6 +142,7 @@ fn main() -> Result<()> {
                     let r = g.run(op, route, &mut b, &n)?;
                     if run > 0 {
                         ms.push(r.ms);
+                        phases.push(r.phases);
                     }
                 }
                 let m = median(ms);
@@ -132,10 +154,21 @@ fn main() -> Result<()> {
                         "1.00x".into()
                     }
                 };
-                println!(
-                    "{k:>4} {name:>16} {:>7} {m:>9.3} {rate:>12.1} {scaling:>8}",
-                    format!("{route:?}").to_lowercase()
-                );
+                let label = match (route, in_place) {
+                    (Route::Host, _) => "host",
+                    (Route::Device, true) => "device",
+                    (Route::Device, false) => "dev-self",
+                };
+                println!("{k:>4} {name:>16} {label:>8} {m:>9.3} {rate:>12.1} {scaling:>8}");
+                if a.phases && !phases[0].is_empty() {
+                    let cols: Vec<String> = (0..phases[0].len())
+                        .map(|i| {
+                            let v: Vec<f64> = phases.iter().map(|p| p[i].1 as f64).collect();
+                            format!("{} {:.3}", phases[0][i].0, median(v))
+                        })
+                        .collect();
+                    println!("{:>31}phases (ms, GPU 0): {}", "", cols.join(", "));
+                }
             }
         }
     }
