@@ -40,9 +40,10 @@ use hkv_kernels::KernelId;
 use parking_lot::Mutex;
 
 use crate::config::TableConfig;
-use crate::cuda::{dev_err, ensure, shared_device, Device};
+use crate::cuda::{dev_err, ensure, shared_device, Device, FeatureHasher};
 use crate::cuda_table::{Counts, CudaTable, DeviceOp, Pending, Ptrs, Raw};
 use crate::error::{Error, Result};
+use crate::features::{Features, HashKind};
 use crate::hash::shard_of;
 use crate::{Filter, Shard, Summary, BUCKET_SLOTS};
 
@@ -164,9 +165,11 @@ struct Bufs {
 /// One GPU of a group: its stream (also its communicator's), route kernels
 /// and scratch.
 struct Node {
+    dev: Arc<Device>,
     stream: Arc<CudaStream>,
     f: RouteFns,
     b: Bufs,
+    hasher: Option<FeatureHasher>,
 }
 
 fn addr<T>(s: &Option<CudaSlice<T>>, stream: &CudaStream) -> u64 {
@@ -201,12 +204,12 @@ fn starts(c: &[u64]) -> Vec<u64> {
 }
 
 impl Node {
-    fn new(dev: &Device) -> Result<Node> {
+    fn new(dev: &Arc<Device>) -> Result<Node> {
         let stream = dev.ctx.new_stream().map_err(dev_err("creating a stream"))?;
         let mut b = Bufs::default();
         ensure(&stream, &mut b.counters, 8)?;
         ensure(&stream, &mut b.local_counters, 8)?;
-        Ok(Node { f: RouteFns::load(dev)?, stream, b })
+        Ok(Node { f: RouteFns::load(dev)?, dev: dev.clone(), stream, b, hasher: None })
     }
 
     /// Row kernels move `w` words per key: float4 when the row allows.
@@ -661,6 +664,33 @@ impl GpuGroup {
     /// [`RankBatch`] on it (or synchronise with it) before [`GpuGroup::run`].
     pub fn stream(&self, r: usize) -> Arc<CudaStream> {
         self.nodes.lock()[r].stream.clone()
+    }
+
+    /// Hashes raw `features` on GPU `r` (as
+    /// [`crate::features::hash_features_cpu`]) into the first keys of
+    /// `b.keys`, where they stay for [`GpuGroup::run`]: the keys of a
+    /// feature batch never visit the host. Returns the number of keys.
+    pub fn hash_features(
+        &self,
+        r: usize,
+        features: Features<'_>,
+        kind: HashKind,
+        num_buckets: u64,
+        b: &mut RankBatch,
+    ) -> Result<usize> {
+        let mut nodes = self.nodes.lock();
+        let node = nodes
+            .get_mut(r)
+            .ok_or_else(|| Error::Config(format!("no rank {r} in a group of {}", self.tables.len())))?;
+        if node.hasher.is_none() {
+            node.hasher = Some(FeatureHasher::new(&node.dev)?);
+        }
+        let n = features.len();
+        if n > b.n {
+            return Err(Error::Config(format!("{n} features for a batch of {}", b.n)));
+        }
+        node.hasher.as_mut().expect("made").hash_on_device(features, kind, num_buckets, &mut b.keys)?;
+        Ok(n)
     }
 
     /// Buffers for batches of up to `n` keys on every GPU, in rank order.

@@ -235,3 +235,52 @@ fn resharding_keeps_every_entry() {
         current = moved_to;
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn features_hashed_on_the_gpus_take_the_device_route() {
+    use hkv_shard::features::{hash_features_cpu, Features, HashKind};
+    let ordinals = gpus();
+    let nr = ordinals.len();
+    let group = GpuGroup::new(TableConfig::new(1 << 15, DIM).policy(ScorePolicy::Lfu), &ordinals).unwrap();
+    let per_gpu = 5000;
+    let mut b = group.batch(per_gpu).unwrap();
+    let buckets = 1u64 << 40;
+    let ints: Vec<Vec<i64>> =
+        (0..nr).map(|r| (0..per_gpu as i64).map(|i| i * 7919 - r as i64 * 1_000_000).collect()).collect();
+    let mut host_keys = vec![];
+    for (r, f) in ints.iter().enumerate() {
+        let n = group.hash_features(r, Features::Int64(f), HashKind::Fingerprint64, buckets, &mut b[r]).unwrap();
+        assert_eq!(n, per_gpu);
+        let mut want = vec![0u64; per_gpu];
+        hash_features_cpu(Features::Int64(f), HashKind::Fingerprint64, buckets, &mut want, false).unwrap();
+        let mut got = vec![0u64; per_gpu];
+        let s = group.stream(r);
+        s.memcpy_dtoh(&b[r].keys.slice(..per_gpu), &mut got).unwrap();
+        s.synchronize().unwrap();
+        assert_eq!(got, want, "keys hashed on GPU {r}");
+        let rows: Vec<f32> = want.iter().flat_map(|&k| row(k, 1)).collect();
+        s.memcpy_htod(&rows, &mut b[r].values.slice_mut(..rows.len())).unwrap();
+        s.synchronize().unwrap();
+        host_keys.push(want);
+    }
+    let n = vec![per_gpu; nr];
+    let w = group.run(DeviceOp::InsertOrAssign, Route::Device, &mut b, &n).unwrap();
+    assert_eq!(w.counts.summary.inserted as usize, per_gpu * nr);
+    // Hash again on the GPUs and find: every row comes back.
+    for (r, f) in ints.iter().enumerate() {
+        group.hash_features(r, Features::Int64(f), HashKind::Fingerprint64, buckets, &mut b[r]).unwrap();
+    }
+    let found = group.run(DeviceOp::Find, Route::Device, &mut b, &n).unwrap();
+    assert_eq!(found.counts.hits as usize, per_gpu * nr);
+    let (values, _) = download(&group, &b, &n);
+    for r in 0..nr {
+        let want: Vec<f32> = host_keys[r].iter().flat_map(|&k| row(k, 1)).collect();
+        assert_eq!(values[r], want, "rows found from GPU {r}'s features");
+    }
+    // Bad input is refused before any key is written.
+    let e = group.hash_features(0, Features::Int64(&[1]), HashKind::Fingerprint64, 0, &mut b[0]).unwrap_err();
+    assert!(e.to_string().contains("bucket"), "{e}");
+    let e = group.hash_features(nr, Features::Int64(&[1]), HashKind::Fingerprint64, 8, &mut b[0]).unwrap_err();
+    assert!(e.to_string().contains("rank"), "{e}");
+}
