@@ -1159,27 +1159,56 @@ impl CudaTable {
     /// synchronised.
     pub(crate) unsafe fn enqueue(&self, op: DeviceOp, s: &CudaStream, n: usize, r: Raw) -> Result<Pending<'_>> {
         // SAFETY: forwarded contract; the lock group is taken here.
-        unsafe { self.enqueue_in(op, s, n, r, true) }
+        unsafe { self.enqueue_in(op, s, n, r, Some(n)) }
     }
 
-    /// [`CudaTable::enqueue`] inside a lock group the caller already holds
-    /// through an earlier [`Pending`] of the same group on this table (not
-    /// completed before this one's stream is synchronised).
+    /// [`CudaTable::enqueue`] of the first part of one batch of `total`
+    /// keys served in parts: the op is counted and room is made for all of
+    /// them; the other parts follow with [`CudaTable::enqueue_held`].
+    ///
+    /// # Safety
+    /// As [`CudaTable::enqueue`].
+    pub(crate) unsafe fn enqueue_first(
+        &self,
+        op: DeviceOp,
+        s: &CudaStream,
+        n: usize,
+        r: Raw,
+        total: usize,
+    ) -> Result<Pending<'_>> {
+        // SAFETY: forwarded contract; the lock group is taken here.
+        unsafe { self.enqueue_in(op, s, n, r, Some(total)) }
+    }
+
+    /// A further part of the batch begun by [`CudaTable::enqueue_first`],
+    /// inside the lock group its [`Pending`] holds (which must not complete
+    /// before this part's stream is synchronised); fold the returned
+    /// [`Pending`] into it with [`Pending::absorb`].
     ///
     /// # Safety
     /// As [`CudaTable::enqueue`].
     pub(crate) unsafe fn enqueue_held(&self, op: DeviceOp, s: &CudaStream, n: usize, r: Raw) -> Result<Pending<'_>> {
         // SAFETY: forwarded contract; the caller holds the group.
-        unsafe { self.enqueue_in(op, s, n, r, false) }
+        unsafe { self.enqueue_in(op, s, n, r, None) }
     }
 
-    unsafe fn enqueue_in(&self, op: DeviceOp, s: &CudaStream, n: usize, r: Raw, lock: bool) -> Result<Pending<'_>> {
+    /// `whole`: the keys of the whole batch when this call begins it (takes
+    /// the lock group, counts the op, grows the table); None for a further
+    /// part.
+    unsafe fn enqueue_in(
+        &self,
+        op: DeviceOp,
+        s: &CudaStream,
+        n: usize,
+        r: Raw,
+        whole: Option<usize>,
+    ) -> Result<Pending<'_>> {
         let group = match op {
             DeviceOp::Find | DeviceOp::FindPtr | DeviceOp::Contains | DeviceOp::Export { .. } => Group::Reader,
             DeviceOp::Assign => Group::Updater,
             _ => Group::Inserter,
         };
-        let guard = lock.then(|| self.lock.acquire(group));
+        let guard = whole.map(|_| self.lock.acquire(group));
         let stat = match op {
             DeviceOp::Find | DeviceOp::FindPtr => Op::Find,
             DeviceOp::Contains => Op::Contains,
@@ -1190,9 +1219,11 @@ impl CudaTable {
             DeviceOp::Erase => Op::Erase,
             DeviceOp::Export { .. } => Op::Export,
         };
-        self.counters.op(stat, n);
-        if group == Group::Inserter && op != DeviceOp::Erase {
-            self.grow_for(n)?;
+        if let Some(total) = whole {
+            self.counters.op(stat, total);
+            if group == Group::Inserter && op != DeviceOp::Erase {
+                self.grow_for(total)?;
+            }
         }
         let st_guard = self.storage.read();
         let st = st_guard.as_ref().expect("storage");
@@ -1284,6 +1315,14 @@ pub(crate) struct Pending<'a> {
     _guard: Option<crate::lock::GroupGuard<'a>>,
     op: DeviceOp,
     n: usize,
+}
+
+impl Pending<'_> {
+    /// Folds a further part of the same batch into this one (its keys are
+    /// booked with this one's counters).
+    pub(crate) fn absorb(&mut self, part: Pending<'_>) {
+        self.n += part.n;
+    }
 }
 
 impl Shard for CudaTable {

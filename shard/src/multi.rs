@@ -51,6 +51,8 @@ use crate::{Filter, Shard, Summary, BUCKET_SLOTS};
 /// shared memory).
 pub const MAX_GPUS: usize = 8;
 const TILE: u64 = 1024;
+/// Parts of a device-route batch (see [`GpuGroup::set_parts`]).
+pub const DEFAULT_PARTS: usize = 4;
 /// Slots exported per GPU per round while resharding.
 const RESHARD_CHUNK: u64 = 1 << 20;
 
@@ -167,6 +169,8 @@ struct Bufs {
 struct Node {
     dev: Arc<Device>,
     stream: Arc<CudaStream>,
+    /// Serves the parts of a device-route batch while `stream` moves them.
+    serve: Arc<CudaStream>,
     f: RouteFns,
     b: Bufs,
     hasher: Option<FeatureHasher>,
@@ -209,7 +213,8 @@ impl Node {
         let mut b = Bufs::default();
         ensure(&stream, &mut b.counters, 8)?;
         ensure(&stream, &mut b.local_counters, 8)?;
-        Ok(Node { f: RouteFns::load(dev)?, dev: dev.clone(), stream, b, hasher: None })
+        let serve = dev.ctx.new_stream().map_err(dev_err("creating a stream"))?;
+        Ok(Node { f: RouteFns::load(dev)?, dev: dev.clone(), stream, serve, b, hasher: None })
     }
 
     /// Row kernels move `w` words per key: float4 when the row allows.
@@ -422,6 +427,10 @@ struct Plan {
     send_at: Vec<Vec<u64>>,
     recv_at: Vec<Vec<u64>>,
     recv_size: Vec<u64>,
+    /// Where this plan's received keys start in each rank's target buffer,
+    /// and how many there are (a part of a split plan: one contiguous run).
+    base: Vec<u64>,
+    received: Vec<u64>,
 }
 
 impl Plan {
@@ -434,8 +443,43 @@ impl Plan {
         let send_at = c.iter().map(|row| starts(row)).collect();
         let cols: Vec<Vec<u64>> = (0..nr).map(|r| (0..nr).map(|p| lens[p][r]).collect()).collect();
         let recv_at = cols.iter().map(|col| starts(col)).collect();
-        let recv_size = cols.iter().map(|col| col.iter().sum()).collect();
-        Plan { lens, send_at, recv_at, recv_size }
+        let recv_size: Vec<u64> = cols.iter().map(|col| col.iter().sum()).collect();
+        Plan { lens, send_at, recv_at, base: vec![0; nr], received: recv_size.clone(), recv_size }
+    }
+
+    /// `k` plans that together move what this one moves: part j carries
+    /// slice j of every segment, and each rank receives part j as one
+    /// contiguous run after parts 0..j, so it can be served while later
+    /// parts are still on the wire.
+    fn split(&self, k: usize) -> Vec<Plan> {
+        let nr = self.lens.len();
+        let k = k.max(1) as u64;
+        let mut base = vec![0u64; nr];
+        (0..k)
+            .map(|j| {
+                let lo = |x: u64| x * j / k;
+                let lens: Vec<Vec<u64>> =
+                    self.lens.iter().map(|row| row.iter().map(|&x| x * (j + 1) / k - lo(x)).collect()).collect();
+                let send_at: Vec<Vec<u64>> =
+                    (0..nr).map(|r| (0..nr).map(|p| self.send_at[r][p] + lo(self.lens[r][p])).collect()).collect();
+                let cols: Vec<Vec<u64>> = (0..nr).map(|r| (0..nr).map(|p| lens[p][r]).collect()).collect();
+                let recv_at: Vec<Vec<u64>> =
+                    (0..nr).map(|r| starts(&cols[r]).into_iter().map(|x| x + base[r]).collect()).collect();
+                let received: Vec<u64> = cols.iter().map(|col| col.iter().sum()).collect();
+                let part = Plan {
+                    lens,
+                    send_at,
+                    recv_at,
+                    recv_size: self.recv_size.clone(),
+                    base: base.clone(),
+                    received: received.clone(),
+                };
+                for r in 0..nr {
+                    base[r] += received[r];
+                }
+                part
+            })
+            .collect()
     }
 
     /// The way back: what was received returns to where it was sent from,
@@ -443,11 +487,15 @@ impl Plan {
     fn back(&self, sizes: &[u64]) -> Plan {
         let nr = self.lens.len();
         let t = |m: &Vec<Vec<u64>>| -> Vec<Vec<u64>> { (0..nr).map(|r| (0..nr).map(|p| m[p][r]).collect()).collect() };
+        let lens = t(&self.lens);
+        let received = (0..nr).map(|r| (0..nr).map(|p| lens[p][r]).sum()).collect();
         Plan {
-            lens: t(&self.lens),
             send_at: self.recv_at.clone(),
             recv_at: self.send_at.clone(),
             recv_size: sizes.to_vec(),
+            base: vec![0; nr],
+            received,
+            lens,
         }
     }
 }
@@ -455,7 +503,34 @@ impl Plan {
 /// One all-to-all over `comms` (rank r on `nodes[r]`) following `plan`,
 /// `w` elements per key, from each node's `from` buffer into its `to`.
 fn exchange(comms: &[Comm], nodes: &mut [&mut Node], plan: &Plan, w: usize, from: Buf, to: Buf) -> Result<()> {
+    exchange_many(comms, nodes, plan, &[(w, from, to)])
+}
+
+/// Several all-to-alls of one plan in one NCCL group: `(w, from, to)` each.
+fn exchange_many(comms: &[Comm], nodes: &mut [&mut Node], plan: &Plan, arrays: &[(usize, Buf, Buf)]) -> Result<()> {
     let nr = nodes.len();
+    for &(w, _, to) in arrays {
+        ensure_target(nodes, plan, w, to)?;
+    }
+    group_start().map_err(nccl_err("group start"))?;
+    let mut result = Ok(());
+    for &(w, from, to) in arrays {
+        for r in 0..nr {
+            let b = &mut nodes[r].b;
+            for p in 0..nr {
+                let res = send_recv_buf(&comms[r], p, b, plan, r, w, from, to);
+                if result.is_ok() {
+                    result = res;
+                }
+            }
+        }
+    }
+    group_end().map_err(nccl_err("group end"))?;
+    result
+}
+
+/// Grows each node's `to` buffer to the plan's `recv_size * w`.
+fn ensure_target(nodes: &mut [&mut Node], plan: &Plan, w: usize, to: Buf) -> Result<()> {
     for (r, node) in nodes.iter_mut().enumerate() {
         let need = plan.recv_size[r] as usize * w;
         let s = node.stream.clone();
@@ -471,38 +546,31 @@ fn exchange(comms: &[Comm], nodes: &mut [&mut Node], plan: &Plan, w: usize, from
             Buf::SendScores => ensure(&s, &mut b.send_scores, need)?,
         }
     }
-    group_start().map_err(nccl_err("group start"))?;
-    let mut result = Ok(());
-    for r in 0..nr {
-        let b = &mut nodes[r].b;
-        for p in 0..nr {
-            let (so, sn) = (plan.send_at[r][p] as usize * w, plan.lens[r][p] as usize * w);
-            let (ro, rn) = (plan.recv_at[r][p] as usize * w, plan.lens[p][r] as usize * w);
-            let res = match (from, to) {
-                (Buf::SendKeys, Buf::RecvKeys) => {
-                    send_recv(&comms[r], p, &b.send_keys, so, sn, &mut b.recv_keys, ro, rn)
-                }
-                (Buf::SendValues, Buf::RecvValues) => {
-                    send_recv(&comms[r], p, &b.send_values, so, sn, &mut b.recv_values, ro, rn)
-                }
-                (Buf::SendScores, Buf::RecvScores) => {
-                    send_recv(&comms[r], p, &b.send_scores, so, sn, &mut b.recv_scores, ro, rn)
-                }
-                (Buf::RecvValues, Buf::SendValues) => {
-                    send_recv(&comms[r], p, &b.recv_values, so, sn, &mut b.send_values, ro, rn)
-                }
-                (Buf::RecvFound, Buf::SendFound) => {
-                    send_recv(&comms[r], p, &b.recv_found, so, sn, &mut b.send_found, ro, rn)
-                }
-                _ => unreachable!("no such exchange"),
-            };
-            if result.is_ok() {
-                result = res;
-            }
-        }
+    Ok(())
+}
+
+/// Queues rank r's part of one array's all-to-all with peer `p`.
+#[allow(clippy::too_many_arguments)]
+fn send_recv_buf(
+    comm: &Comm,
+    p: usize,
+    b: &mut Bufs,
+    plan: &Plan,
+    r: usize,
+    w: usize,
+    from: Buf,
+    to: Buf,
+) -> Result<()> {
+    let (so, sn) = (plan.send_at[r][p] as usize * w, plan.lens[r][p] as usize * w);
+    let (ro, rn) = (plan.recv_at[r][p] as usize * w, plan.lens[p][r] as usize * w);
+    match (from, to) {
+        (Buf::SendKeys, Buf::RecvKeys) => send_recv(comm, p, &b.send_keys, so, sn, &mut b.recv_keys, ro, rn),
+        (Buf::SendValues, Buf::RecvValues) => send_recv(comm, p, &b.send_values, so, sn, &mut b.recv_values, ro, rn),
+        (Buf::SendScores, Buf::RecvScores) => send_recv(comm, p, &b.send_scores, so, sn, &mut b.recv_scores, ro, rn),
+        (Buf::RecvValues, Buf::SendValues) => send_recv(comm, p, &b.recv_values, so, sn, &mut b.send_values, ro, rn),
+        (Buf::RecvFound, Buf::SendFound) => send_recv(comm, p, &b.recv_found, so, sn, &mut b.send_found, ro, rn),
+        _ => unreachable!("no such exchange"),
     }
-    group_end().map_err(nccl_err("group end"))?;
-    result
 }
 
 /// Queues (inside a group) rank `comm`'s send of `sn` elements of `from`
@@ -527,6 +595,15 @@ fn send_recv<T: NcclType + DeviceRepr>(
         comm.recv(&mut t.slice_mut(ro..ro + rn), peer as i32).map_err(nccl_err("recv"))?;
     }
     Ok(())
+}
+
+/// Keeps the first part of a batch (it holds the lock group) and folds
+/// later parts into it.
+fn fold<'a>(first: &mut Option<Pending<'a>>, p: Pending<'a>) {
+    match first {
+        Some(f) => f.absorb(p),
+        None => *first = Some(p),
+    }
 }
 
 fn add_counts(a: &mut Counts, b: &Counts) {
@@ -572,6 +649,7 @@ pub struct GpuGroup {
     nodes: Mutex<Vec<Node>>,
     phases: bool,
     in_place: bool,
+    parts: usize,
 }
 
 // SAFETY: the NCCL communicators (raw handles, hence not Send / Sync by
@@ -630,6 +708,7 @@ impl GpuGroup {
             nodes: Mutex::new(nodes),
             phases: false,
             in_place: true,
+            parts: DEFAULT_PARTS,
         })
     }
 
@@ -642,6 +721,12 @@ impl GpuGroup {
     /// send them through NCCL to itself like every other part.
     pub fn set_in_place(&mut self, on: bool) {
         self.in_place = on;
+    }
+
+    /// Parts a device-route batch is cut into, so that one part is served
+    /// while the next crosses (1: no overlap).
+    pub fn set_parts(&mut self, parts: usize) {
+        self.parts = parts.max(1);
     }
 
     /// The GPUs, in rank order.
@@ -761,8 +846,8 @@ impl GpuGroup {
     }
 
     /// Enqueues `op` on every rank over what it received (`recv_*`).
-    /// `held`: each rank's table group is held by an earlier pending batch.
-    fn serve<'a>(&'a self, op: DeviceOp, nodes: &mut [Node], received: &[u64], held: bool) -> Result<Vec<Pending<'a>>> {
+    /// Enqueues `op` on every rank over what it received (`recv_*`).
+    fn serve<'a>(&'a self, op: DeviceOp, nodes: &mut [Node], received: &[u64]) -> Result<Vec<Pending<'a>>> {
         let dim = self.config.dim;
         let mut pending = vec![];
         for (r, node) in nodes.iter_mut().enumerate() {
@@ -788,23 +873,9 @@ impl GpuGroup {
             // floats) this rank received; scores (load only) were sized by
             // the exchange that filled them. Each stream is synchronised by
             // read_counters before the buffers change.
-            pending.push(if held {
-                unsafe { self.tables[r].enqueue_held(op, &s, m, raw) }?
-            } else {
-                unsafe { self.tables[r].enqueue(op, &s, m, raw) }?
-            });
+            pending.push(unsafe { self.tables[r].enqueue(op, &s, m, raw) }?);
         }
         Ok(pending)
-    }
-
-    /// Books batches enqueued on rank r (`local`: its in-place part).
-    fn finish_all(&self, nodes: &[Node], pending: Vec<(usize, bool, Pending<'_>)>) -> Result<Counts> {
-        let mut total = Counts::default();
-        for (r, local, p) in pending {
-            let c = nodes[r].read_counters_of(local)?;
-            add_counts(&mut total, &self.tables[r].complete(p, &c));
-        }
-        Ok(total)
     }
 
     fn finish(&self, nodes: &[Node], pending: Vec<Pending<'_>>) -> Result<Counts> {
@@ -841,59 +912,115 @@ impl GpuGroup {
         let c: Vec<Vec<u64>> = nodes.iter().map(|node| node.totals(nr)).collect::<Result<_>>()?;
         marks.mark("partition")?;
         // Readers serve their own keys in place (no copy to themselves), as
-        // two launches under one reader group. Writers run one contiguous
-        // batch, their own part sent to themselves like the rest.
+        // one more part of the batch. Writers send their own part to
+        // themselves like the rest.
         let in_place = self.in_place && matches!(op, DeviceOp::Find | DeviceOp::Contains);
         let plan = Plan::packed(&c, in_place);
-        let mut refs: Vec<&mut Node> = nodes.iter_mut().collect();
-        exchange(&self.comms, &mut refs, &plan, 1, Buf::SendKeys, Buf::RecvKeys)?;
-        if mv.values_in {
-            exchange(&self.comms, &mut refs, &plan, dim, Buf::SendValues, Buf::RecvValues)?;
+        let parts = plan.split(self.parts);
+        // Every buffer at its full size first: no part may move one.
+        for (r, node) in nodes.iter_mut().enumerate() {
+            let (s, m) = (node.stream.clone(), plan.recv_size[r] as usize);
+            let bf = &mut node.b;
+            ensure(&s, &mut bf.recv_keys, m)?;
+            ensure(&s, &mut bf.recv_values, m * dim)?;
+            ensure(&s, &mut bf.recv_found, m)?;
+            ensure(&s, &mut bf.send_values, n[r] * dim)?;
+            ensure(&s, &mut bf.send_found, n[r])?;
+            node.zero_counters()?;
+            node.zero_local_counters()?;
         }
-        marks.mark("exchange in")?;
-        let mut pending = vec![];
+        let total: Vec<usize> =
+            (0..nr).map(|r| (plan.recv_size[r] + if in_place { c[r][r] } else { 0 }) as usize).collect();
+        let mut first: Vec<Option<Pending<'_>>> = (0..nr).map(|_| None).collect();
         if in_place {
-            for (r, node) in nodes.iter_mut().enumerate() {
-                let s = node.stream.clone();
-                ensure(&s, &mut node.b.send_values, n[r] * dim)?;
-                ensure(&s, &mut node.b.send_found, n[r])?;
-                let (at, m) = (plan.send_at[r][r], c[r][r] as usize);
-                let counters = node.zero_local_counters()?;
+            for (r, node) in nodes.iter().enumerate() {
+                let (s, sv) = (&node.stream, &node.serve);
+                sv.join(s).map_err(dev_err("ordering streams"))?;
+                let at = plan.send_at[r][r];
                 let bf = &node.b;
                 let raw = Raw {
                     p: Ptrs {
-                        keys: addr(&bf.send_keys, &s) + at * 8,
-                        values: addr(&bf.send_values, &s) + at * dim as u64 * 4,
-                        found: addr(&bf.send_found, &s) + at,
-                        counters,
+                        keys: addr(&bf.send_keys, s) + at * 8,
+                        values: addr(&bf.send_values, s) + at * dim as u64 * 4,
+                        found: addr(&bf.send_found, s) + at,
+                        counters: addr(&bf.local_counters, s),
                         ..Ptrs::default()
                     },
                     ..Raw::default()
                 };
-                // SAFETY: the segment [at, at + m) of send_keys holds this
-                // rank's own keys; send_values / send_found were sized for
-                // the n[r] keys of the partition; synchronised in finish.
-                pending.push((r, true, unsafe { self.tables[r].enqueue(op, &s, m, raw) }?));
+                // SAFETY: [at, at + c[r][r]) of send_keys holds this rank's
+                // own keys; send_values / send_found hold n[r] results; the
+                // serve stream waits for the partition and the main stream
+                // joins it before the gather and the final synchronisation.
+                let p = unsafe { self.tables[r].enqueue_first(op, sv, c[r][r] as usize, raw, total[r]) }?;
+                fold(&mut first[r], p);
             }
         }
-        for (r, p) in self.serve(op, nodes, &plan.recv_size, in_place)?.into_iter().enumerate() {
-            pending.push((r, false, p));
+        // Forward: part j crosses while part j - 1 is served.
+        let mut forward = vec![(1, Buf::SendKeys, Buf::RecvKeys)];
+        if mv.values_in {
+            forward.push((dim, Buf::SendValues, Buf::RecvValues));
         }
-        marks.mark("serve")?;
-        let back = plan.back(&n.iter().map(|&x| x as u64).collect::<Vec<_>>());
-        let mut refs: Vec<&mut Node> = nodes.iter_mut().collect();
+        let mut served: Vec<Vec<cudarc::driver::CudaEvent>> = (0..nr).map(|_| vec![]).collect();
+        for part in &parts {
+            let mut refs: Vec<&mut Node> = nodes.iter_mut().collect();
+            exchange_many(&self.comms, &mut refs, part, &forward)?;
+            for (r, node) in nodes.iter().enumerate() {
+                let (s, sv) = (&node.stream, &node.serve);
+                sv.join(s).map_err(dev_err("ordering streams"))?;
+                let (base, m) = (part.base[r], part.received[r] as usize);
+                let bf = &node.b;
+                let raw = Raw {
+                    p: Ptrs {
+                        keys: addr(&bf.recv_keys, s) + base * 8,
+                        values: addr(&bf.recv_values, s) + base * dim as u64 * 4,
+                        found: addr(&bf.recv_found, s) + base,
+                        counters: addr(&bf.counters, s),
+                        ..Ptrs::default()
+                    },
+                    ..Raw::default()
+                };
+                // SAFETY: the part's m keys (rows) sit at `base` of the recv
+                // buffers, sized for every part above; the serve stream
+                // waits for their arrival and is joined before the end.
+                let p = unsafe {
+                    match first[r] {
+                        None => self.tables[r].enqueue_first(op, sv, m, raw, total[r]),
+                        Some(_) => self.tables[r].enqueue_held(op, sv, m, raw),
+                    }
+                }?;
+                fold(&mut first[r], p);
+                served[r].push(sv.record_event(None).map_err(dev_err("recording an event"))?);
+            }
+        }
+        marks.mark("forward")?;
+        // Back: part j returns once it is served.
+        let mut backward = vec![];
         if mv.found_out {
-            exchange(&self.comms, &mut refs, &back, 1, Buf::RecvFound, Buf::SendFound)?;
+            backward.push((1, Buf::RecvFound, Buf::SendFound));
         }
         if mv.values_out {
-            exchange(&self.comms, &mut refs, &back, dim, Buf::RecvValues, Buf::SendValues)?;
+            backward.push((dim, Buf::RecvValues, Buf::SendValues));
         }
-        marks.mark("exchange out")?;
+        let sizes: Vec<u64> = n.iter().map(|&x| x as u64).collect();
+        if !backward.is_empty() {
+            for (j, part) in parts.iter().enumerate() {
+                for (r, node) in nodes.iter().enumerate() {
+                    node.stream.wait(&served[r][j]).map_err(dev_err("ordering streams"))?;
+                }
+                let mut refs: Vec<&mut Node> = nodes.iter_mut().collect();
+                exchange_many(&self.comms, &mut refs, &part.back(&sizes), &backward)?;
+            }
+        }
+        for node in nodes.iter() {
+            node.stream.join(&node.serve).map_err(dev_err("ordering streams"))?;
+        }
+        marks.mark("back")?;
         for (r, node) in nodes.iter().enumerate() {
             let s = &node.stream;
             let found = addr(&node.b.send_found, s);
             // SAFETY: send_found / send_values hold n[r] results in
-            // partition order (the exchange sized them), b[r] n[r] keys.
+            // partition order (sized above), b[r] n[r] keys.
             unsafe {
                 if mv.found_out {
                     node.gather_u8(found, addr_of(&b[r].found, s), n[r])?;
@@ -905,7 +1032,15 @@ impl GpuGroup {
             }
         }
         marks.mark("gather")?;
-        let counts = self.finish_all(nodes, pending)?;
+        let mut counts = Counts::default();
+        for (r, p) in first.into_iter().enumerate() {
+            let mut c = nodes[r].read_counters_of(false)?;
+            let l = nodes[r].read_counters_of(true)?;
+            c.iter_mut().zip(&l).for_each(|(a, b)| *a += b);
+            if let Some(p) = p {
+                add_counts(&mut counts, &self.tables[r].complete(p, &c));
+            }
+        }
         Ok((counts, marks.read()?))
     }
 
@@ -957,7 +1092,7 @@ impl GpuGroup {
                 }
             }
         }
-        let pending = self.serve(op, nodes, &received, false)?;
+        let pending = self.serve(op, nodes, &received)?;
         // Results back to the host, into request order, and to the callers.
         let mut found_out: Vec<Vec<u8>> = (0..nr).map(|r| vec![0u8; if mv.found_out { n[r] } else { 0 }]).collect();
         let mut values_out: Vec<Vec<f32>> =

@@ -120,10 +120,13 @@ fn group_operations_equal_the_cpu_backend_on_both_routes() {
     }
     for ordinals in sets {
         for mode in [BucketMode::Single, BucketMode::Dual] {
-            for (route, in_place) in [(Route::Device, true), (Route::Device, false), (Route::Host, true)] {
+            let variants =
+                [(Route::Device, true, 4), (Route::Device, false, 1), (Route::Device, true, 3), (Route::Host, true, 1)];
+            for (route, in_place, parts) in variants {
                 let cfg = config(mode);
                 let mut group = GpuGroup::new(cfg.clone(), &ordinals).unwrap();
                 group.set_in_place(in_place);
+                group.set_parts(parts);
                 let reference =
                     Reference { shards: ordinals.iter().map(|_| CpuTable::new(cfg.clone()).unwrap()).collect() };
                 let nr = ordinals.len();
@@ -165,7 +168,9 @@ fn group_operations_equal_the_cpu_backend_on_both_routes() {
                     let mut rf = vec![false; flat_keys.len()];
                     reference.apply(op, &flat_keys, &mut rv, &mut rf);
                     let (gv, gf) = (gv.concat(), gf.concat());
-                    let what = format!("{ordinals:?} {mode:?} {route:?} in place {in_place} round {round} {op:?}");
+                    let what = format!(
+                        "{ordinals:?} {mode:?} {route:?} in place {in_place} parts {parts} round {round} {op:?}"
+                    );
                     if matches!(op, DeviceOp::Find | DeviceOp::Contains | DeviceOp::Erase) {
                         let gfb: Vec<bool> = gf.iter().map(|&x| x != 0).collect();
                         assert_eq!(gfb, rf, "{what}: found flags");

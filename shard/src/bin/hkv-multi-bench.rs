@@ -41,6 +41,10 @@ struct Args {
     /// GPU 0, medians): partition, exchange in, serve, exchange out, gather.
     #[arg(long)]
     phases: bool,
+    /// Parts a device-route batch is cut into (one is served while the next
+    /// crosses), comma separated: each is measured.
+    #[arg(long, default_value = "4", value_delimiter = ',')]
+    parts: Vec<usize>,
     /// Skip the host route (it is slow: every batch crosses PCIe twice).
     #[arg(long)]
     no_host: bool,
@@ -81,7 +85,7 @@ fn main() -> Result<()> {
         "dim {}, {} slots per GPU, batch {} keys per GPU, λ {:.2}, median of {} runs\n",
         a.dim, a.capacity, a.batch, a.load, a.runs
     );
-    println!("{:>4} {:>16} {:>8} {:>9} {:>12} {:>8}", "GPUs", "op", "route", "ms", "M keys/s", "scaling");
+    println!("{:>4} {:>16} {:>9} {:>9} {:>12} {:>8}", "GPUs", "op", "route", "ms", "M keys/s", "scaling");
     let mut base: Vec<(String, f64)> = vec![];
     for &k in &a.gpus {
         if k == 0 || k > devices.len() {
@@ -113,17 +117,21 @@ fn main() -> Result<()> {
             next,
             g.size() as f64 / (a.capacity * k as u64) as f64
         );
-        // (route, reads in place): the default, reads sending their own
-        // keys through NCCL to themselves, and the host split.
-        let mut routes = vec![(Route::Device, true)];
-        if k > 1 {
-            routes.push((Route::Device, false));
+        // (route, reads in place, parts): the device route cut into each
+        // --parts count, reads sending their own keys through NCCL to
+        // themselves, and the host split.
+        let mut routes: Vec<(Route, bool, usize)> = a.parts.iter().map(|&p| (Route::Device, true, p)).collect();
+        if k == 1 {
+            routes.truncate(1);
+        } else {
+            routes.push((Route::Device, false, a.parts[0]));
             if !a.no_host {
-                routes.push((Route::Host, true));
+                routes.push((Route::Host, true, 1));
             }
         }
-        for (route, in_place) in routes {
+        for (route, in_place, parts) in routes {
             g.set_in_place(in_place);
+            g.set_parts(parts);
             for (name, op) in [("find", DeviceOp::Find), ("insert_or_assign", DeviceOp::InsertOrAssign)] {
                 if !in_place && op != DeviceOp::Find {
                     continue; // writes never serve in place
@@ -155,11 +163,11 @@ fn main() -> Result<()> {
                     }
                 };
                 let label = match (route, in_place) {
-                    (Route::Host, _) => "host",
-                    (Route::Device, true) => "device",
-                    (Route::Device, false) => "dev-self",
+                    (Route::Host, _) => "host".to_string(),
+                    (Route::Device, true) => format!("device/{parts}"),
+                    (Route::Device, false) => format!("self/{parts}"),
                 };
-                println!("{k:>4} {name:>16} {label:>8} {m:>9.3} {rate:>12.1} {scaling:>8}");
+                println!("{k:>4} {name:>16} {label:>9} {m:>9.3} {rate:>12.1} {scaling:>8}");
                 if a.phases && !phases[0].is_empty() {
                     let cols: Vec<String> = (0..phases[0].len())
                         .map(|i| {
