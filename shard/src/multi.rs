@@ -5,13 +5,16 @@
 //! group and a daemon with one shard per GPU agree on every key's owner.
 //!
 //! Batches that already sit on the GPUs (in-process callers, keys hashed
-//! from raw features on the GPU) take the device-resident path
-//! ([`Route::Device`]): each GPU splits its keys by owner on the GPU (a
-//! stable partition, `kernels/route.cu`), one NCCL all-to-all (grouped
-//! sends and receives) carries keys and rows to the owners, the owners
-//! serve them with their table's kernels, a second all-to-all carries the
-//! results back, and a gather kernel puts them in request order. Only the
-//! per-destination key counts cross to the host (one small copy per GPU).
+//! from raw features on the GPU: [`GpuGroup::hash_features`]) take the
+//! device-resident path ([`Route::Device`]): each GPU splits its keys by
+//! owner on the GPU (a stable partition, `kernels/route.cu`); only the
+//! per-owner counts cross to the host. Each GPU then serves its own keys in
+//! place on a second stream while NCCL (grouped sends and receives, one
+//! all-to-all) carries the other keys and rows to their owners, who serve
+//! them too; a second all-to-all carries results back and a gather kernel
+//! puts them in request order. A batch can also be cut into parts
+//! ([`GpuGroup::set_parts`]) so that one part is served while the next
+//! crosses; on the H200 pair that was slower than one part.
 //! [`Route::Host`] does what the daemon's router does with a socket batch:
 //! copy to the host, split there, copy each part to its owner and back; it
 //! is kept for comparison (`hkv-multi-bench`).
@@ -52,7 +55,7 @@ use crate::{Filter, Shard, Summary, BUCKET_SLOTS};
 pub const MAX_GPUS: usize = 8;
 const TILE: u64 = 1024;
 /// Parts of a device-route batch (see [`GpuGroup::set_parts`]).
-pub const DEFAULT_PARTS: usize = 4;
+pub const DEFAULT_PARTS: usize = 1;
 /// Slots exported per GPU per round while resharding.
 const RESHARD_CHUNK: u64 = 1 << 20;
 
@@ -717,14 +720,15 @@ impl GpuGroup {
         self.phases = on;
     }
 
-    /// Whether reads serve each GPU's own keys in place (the default) or
-    /// send them through NCCL to itself like every other part.
+    /// Whether each GPU serves its own keys in place (the default), while
+    /// the rest cross, or sends them through NCCL to itself like the rest.
     pub fn set_in_place(&mut self, on: bool) {
         self.in_place = on;
     }
 
     /// Parts a device-route batch is cut into, so that one part is served
-    /// while the next crosses (1: no overlap).
+    /// while the next crosses (default 1: only a GPU's own keys are served
+    /// while the rest cross).
     pub fn set_parts(&mut self, parts: usize) {
         self.parts = parts.max(1);
     }
@@ -911,10 +915,10 @@ impl GpuGroup {
         }
         let c: Vec<Vec<u64>> = nodes.iter().map(|node| node.totals(nr)).collect::<Result<_>>()?;
         marks.mark("partition")?;
-        // Readers serve their own keys in place (no copy to themselves), as
-        // one more part of the batch. Writers send their own part to
-        // themselves like the rest.
-        let in_place = self.in_place && matches!(op, DeviceOp::Find | DeviceOp::Contains);
+        // Each GPU serves its own keys in place (no copy to itself) on the
+        // serve stream while the other parts cross, as one more part of the
+        // batch under the same lock group.
+        let in_place = self.in_place;
         let plan = Plan::packed(&c, in_place);
         let parts = plan.split(self.parts);
         // Every buffer at its full size first: no part may move one.
@@ -949,7 +953,8 @@ impl GpuGroup {
                     ..Raw::default()
                 };
                 // SAFETY: [at, at + c[r][r]) of send_keys holds this rank's
-                // own keys; send_values / send_found hold n[r] results; the
+                // own keys (send_values their rows, for writes);
+                // send_values / send_found hold n[r] results; the
                 // serve stream waits for the partition and the main stream
                 // joins it before the gather and the final synchronisation.
                 let p = unsafe { self.tables[r].enqueue_first(op, sv, c[r][r] as usize, raw, total[r]) }?;

@@ -43,7 +43,7 @@ struct Args {
     phases: bool,
     /// Parts a device-route batch is cut into (one is served while the next
     /// crosses), comma separated: each is measured.
-    #[arg(long, default_value = "4", value_delimiter = ',')]
+    #[arg(long, default_value = "1", value_delimiter = ',')]
     parts: Vec<usize>,
     /// Skip the host route (it is slow: every batch crosses PCIe twice).
     #[arg(long)]
@@ -133,9 +133,6 @@ fn main() -> Result<()> {
             g.set_in_place(in_place);
             g.set_parts(parts);
             for (name, op) in [("find", DeviceOp::Find), ("insert_or_assign", DeviceOp::InsertOrAssign)] {
-                if !in_place && op != DeviceOp::Find {
-                    continue; // writes never serve in place
-                }
                 let mut ms = vec![];
                 let mut phases: Vec<Vec<(&'static str, f32)>> = vec![];
                 for run in 0..=a.runs {
