@@ -6,10 +6,10 @@
 
 template <int G>
 __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u64 n, float* values, u8* found,
-                                           u64* scores, u64* ptrs, u64* cnt) {
+                                           u64* scores, u64* ptrs, u64* cnt, const u8* only) {
     HkvGroup<G> g;
     u64 i = ((u64)blockIdx.x * blockDim.x + threadIdx.x) / G;
-    if (i >= n) return;
+    if (i >= n || (only && !only[i])) return;
     u64 key = keys[i];
     u64 b1, b2;
     u8 d;
@@ -32,13 +32,14 @@ __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u
 
 #define HKV_LOOKUP_KERNEL(NAME, G)                                                                              \
     extern "C" __global__ void NAME(HkvTable t, const u64* keys, u64 n, float* values, u8* found, u64* scores,     \
-                                    u64* ptrs, u64* counters) {                                                    \
+                                    u64* ptrs, u64* counters, const u8* only) {                                    \
         HKV_COUNTERS_INIT                                                                                          \
-        lookup_one<G>(t, keys, n, values, found, scores, ptrs, hkv_cnt);                                          \
+        lookup_one<G>(t, keys, n, values, found, scores, ptrs, hkv_cnt, only);                                    \
         hkv_flush_counters(hkv_cnt, counters);                                                                     \
     }
 
 // values / found / scores / ptrs may each be null. Misses leave values
-// untouched. lookup_find: 8 threads per key; lookup_find_g4: 4.
+// untouched. With only (may be null), key i is looked up only where
+// only[i] != 0: nothing of the others is written. lookup_find: 8 threads per key; lookup_find_g4: 4.
 HKV_LOOKUP_KERNEL(lookup_find, 8)
 HKV_LOOKUP_KERNEL(lookup_find_g4, 4)

@@ -24,8 +24,11 @@ __device__ __forceinline__ u32 hkv_shard_of(u64 key, u32 shards) {
     return (u32)__umul64hi(hkv_fmix64(key ^ HKV_SHARD_SEED), (u64)shards);
 }
 
-// Launch: ceil(n / 1024) blocks of 1024 threads. tile_counts[d * tiles + tile].
-extern "C" __global__ void route_count(const u64* keys, u64 n, u32 shards, u8* dest, u32* tile_counts) {
+// Launch: ceil(n / 1024) blocks of 1024 threads. tile_counts[d * tiles + tile];
+// mine (may be null): mine[i] = (dest[i] == me), the filter a shard uses to
+// serve its own keys straight from the batch.
+extern "C" __global__ void route_count(const u64* keys, u64 n, u32 shards, u8* dest, u32* tile_counts, u32 me,
+                                       u8* mine) {
     __shared__ u32 c[HKV_ROUTE_MAX];
     if (threadIdx.x < HKV_ROUTE_MAX) c[threadIdx.x] = 0;
     __syncthreads();
@@ -33,6 +36,7 @@ extern "C" __global__ void route_count(const u64* keys, u64 n, u32 shards, u8* d
     if (i < n) {
         u32 d = hkv_shard_of(keys[i], shards);
         dest[i] = (u8)d;
+        if (mine) mine[i] = d == me;
         atomicAdd(&c[d], 1u);
     }
     __syncthreads();
@@ -102,46 +106,60 @@ extern "C" __global__ void route_scatter(const u64* keys, u64 n, u32 shards, con
     }
 }
 
+// Rows i with dest[i] == me are skipped (dest may be null): a shard's own
+// keys are served in place and never staged.
 template <typename T>
-__device__ __forceinline__ void rows_scatter(const T* src, T* dst, const u32* pos, u64 n, u64 w) {
+__device__ __forceinline__ void rows_scatter(const T* src, T* dst, const u32* pos, u64 n, u64 w, const u8* dest,
+                                             u32 me) {
     u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= n * w) return;
     u64 i = e / w, j = e - i * w;
+    if (dest && dest[i] == me) return;
     dst[(u64)pos[i] * w + j] = src[e];
 }
 
 template <typename T>
-__device__ __forceinline__ void rows_gather(const T* src, T* dst, const u32* pos, const u8* mask, u64 n, u64 w) {
+__device__ __forceinline__ void rows_gather(const T* src, T* dst, const u32* pos, const u8* mask, u64 n, u64 w,
+                                            const u8* dest, u32 me) {
     u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= n * w) return;
     u64 i = e / w, j = e - i * w;
+    if (dest && dest[i] == me) return;
     u64 p = pos[i];
     if (mask && !mask[p]) return;
     dst[e] = src[p * w + j];
 }
 
 // Launch: ceil(n * w / 256) blocks of 256 threads.
-extern "C" __global__ void rows_scatter_u8(const u8* src, u8* dst, const u32* pos, u64 n, u64 w) {
-    rows_scatter<u8>(src, dst, pos, n, w);
+extern "C" __global__ void rows_scatter_u8(const u8* src, u8* dst, const u32* pos, u64 n, u64 w,
+                                           const u8* dest, u32 me) {
+    rows_scatter<u8>(src, dst, pos, n, w, dest, me);
 }
-extern "C" __global__ void rows_gather_u8(const u8* src, u8* dst, const u32* pos, const u8* mask, u64 n, u64 w) {
-    rows_gather<u8>(src, dst, pos, mask, n, w);
+extern "C" __global__ void rows_gather_u8(const u8* src, u8* dst, const u32* pos, const u8* mask, u64 n,
+                                          u64 w, const u8* dest, u32 me) {
+    rows_gather<u8>(src, dst, pos, mask, n, w, dest, me);
 }
-extern "C" __global__ void rows_scatter_u64(const u64* src, u64* dst, const u32* pos, u64 n, u64 w) {
-    rows_scatter<u64>(src, dst, pos, n, w);
+extern "C" __global__ void rows_scatter_u64(const u64* src, u64* dst, const u32* pos, u64 n, u64 w,
+                                           const u8* dest, u32 me) {
+    rows_scatter<u64>(src, dst, pos, n, w, dest, me);
 }
-extern "C" __global__ void rows_gather_u64(const u64* src, u64* dst, const u32* pos, const u8* mask, u64 n, u64 w) {
-    rows_gather<u64>(src, dst, pos, mask, n, w);
+extern "C" __global__ void rows_gather_u64(const u64* src, u64* dst, const u32* pos, const u8* mask, u64 n,
+                                          u64 w, const u8* dest, u32 me) {
+    rows_gather<u64>(src, dst, pos, mask, n, w, dest, me);
 }
-extern "C" __global__ void rows_scatter_f32(const float* src, float* dst, const u32* pos, u64 n, u64 w) {
-    rows_scatter<float>(src, dst, pos, n, w);
+extern "C" __global__ void rows_scatter_f32(const float* src, float* dst, const u32* pos, u64 n, u64 w,
+                                           const u8* dest, u32 me) {
+    rows_scatter<float>(src, dst, pos, n, w, dest, me);
 }
-extern "C" __global__ void rows_gather_f32(const float* src, float* dst, const u32* pos, const u8* mask, u64 n, u64 w) {
-    rows_gather<float>(src, dst, pos, mask, n, w);
+extern "C" __global__ void rows_gather_f32(const float* src, float* dst, const u32* pos, const u8* mask, u64 n,
+                                          u64 w, const u8* dest, u32 me) {
+    rows_gather<float>(src, dst, pos, mask, n, w, dest, me);
 }
-extern "C" __global__ void rows_scatter_f128(const float4* src, float4* dst, const u32* pos, u64 n, u64 w) {
-    rows_scatter<float4>(src, dst, pos, n, w);
+extern "C" __global__ void rows_scatter_f128(const float4* src, float4* dst, const u32* pos, u64 n, u64 w,
+                                           const u8* dest, u32 me) {
+    rows_scatter<float4>(src, dst, pos, n, w, dest, me);
 }
-extern "C" __global__ void rows_gather_f128(const float4* src, float4* dst, const u32* pos, const u8* mask, u64 n, u64 w) {
-    rows_gather<float4>(src, dst, pos, mask, n, w);
+extern "C" __global__ void rows_gather_f128(const float4* src, float4* dst, const u32* pos, const u8* mask, u64 n,
+                                          u64 w, const u8* dest, u32 me) {
+    rows_gather<float4>(src, dst, pos, mask, n, w, dest, me);
 }

@@ -465,14 +465,24 @@ impl CudaTable {
     ///
     /// # Safety
     /// `p.keys` holds `n` keys; `p.values` (n × dim floats), `p.found`,
-    /// `p.scores`, `p.ptrs` (n each) are 0 or device buffers that long;
-    /// `p.counters` holds 8 u64; all stay alive until `l` is synchronised.
+    /// `p.scores`, `p.ptrs`, `p.only` (n each) are 0 or device buffers that
+    /// long; `p.counters` holds 8 u64; all stay alive until `l` is
+    /// synchronised.
     unsafe fn k_lookup(&self, l: &CudaStream, st: &Storage, n: u64, p: Ptrs) -> Result<()> {
         let c = p.counters;
         let mut b = l.launch_builder(&self.f.lookup);
-        b.arg(&st.args).arg(&p.keys).arg(&n).arg(&p.values).arg(&p.found).arg(&p.scores).arg(&p.ptrs).arg(&c);
-        // SAFETY: lookup_find reads keys[0..n] and the table (args describe
-        // live buffers of this storage), and writes, where non-null,
+        b.arg(&st.args)
+            .arg(&p.keys)
+            .arg(&n)
+            .arg(&p.values)
+            .arg(&p.found)
+            .arg(&p.scores)
+            .arg(&p.ptrs)
+            .arg(&c)
+            .arg(&p.only);
+        // SAFETY: lookup_find reads keys[0..n], only[0..n] where non-null
+        // and the table (args describe live buffers of this storage), and
+        // writes, where non-null,
         // values[0..n*dim], found[0..n], scores[0..n], ptrs[0..n] and 8
         // counters; every non-null buffer was sized for n keys by the caller.
         unsafe { b.launch(blocks(n * self.f.g_lookup)) }.map_err(dev_err("launching lookup_find"))?;
@@ -1159,12 +1169,16 @@ impl CudaTable {
     /// synchronised.
     pub(crate) unsafe fn enqueue(&self, op: DeviceOp, s: &CudaStream, n: usize, r: Raw) -> Result<Pending<'_>> {
         // SAFETY: forwarded contract; the lock group is taken here.
-        unsafe { self.enqueue_in(op, s, n, r, Some(n)) }
+        let p = unsafe { self.enqueue_in(op, s, n, r, Some(n)) }?;
+        self.book(op, n);
+        Ok(p)
     }
 
-    /// [`CudaTable::enqueue`] of the first part of one batch of `total`
-    /// keys served in parts: the op is counted and room is made for all of
-    /// them; the other parts follow with [`CudaTable::enqueue_held`].
+    /// [`CudaTable::enqueue`] of the first part of one batch served in
+    /// parts: takes the lock group and makes room for `incoming` keys (an
+    /// upper bound of the batch); the other parts follow with
+    /// [`CudaTable::enqueue_held`]. The caller books the batch
+    /// ([`CudaTable::book`], [`Pending::set_keys`]).
     ///
     /// # Safety
     /// As [`CudaTable::enqueue`].
@@ -1174,10 +1188,10 @@ impl CudaTable {
         s: &CudaStream,
         n: usize,
         r: Raw,
-        total: usize,
+        incoming: usize,
     ) -> Result<Pending<'_>> {
         // SAFETY: forwarded contract; the lock group is taken here.
-        unsafe { self.enqueue_in(op, s, n, r, Some(total)) }
+        unsafe { self.enqueue_in(op, s, n, r, Some(incoming)) }
     }
 
     /// A further part of the batch begun by [`CudaTable::enqueue_first`],
@@ -1192,23 +1206,8 @@ impl CudaTable {
         unsafe { self.enqueue_in(op, s, n, r, None) }
     }
 
-    /// `whole`: the keys of the whole batch when this call begins it (takes
-    /// the lock group, counts the op, grows the table); None for a further
-    /// part.
-    unsafe fn enqueue_in(
-        &self,
-        op: DeviceOp,
-        s: &CudaStream,
-        n: usize,
-        r: Raw,
-        whole: Option<usize>,
-    ) -> Result<Pending<'_>> {
-        let group = match op {
-            DeviceOp::Find | DeviceOp::FindPtr | DeviceOp::Contains | DeviceOp::Export { .. } => Group::Reader,
-            DeviceOp::Assign => Group::Updater,
-            _ => Group::Inserter,
-        };
-        let guard = whole.map(|_| self.lock.acquire(group));
+    /// Counts one `op` of `keys` keys in the table's stats.
+    pub(crate) fn book(&self, op: DeviceOp, keys: usize) {
         let stat = match op {
             DeviceOp::Find | DeviceOp::FindPtr => Op::Find,
             DeviceOp::Contains => Op::Contains,
@@ -1219,15 +1218,34 @@ impl CudaTable {
             DeviceOp::Erase => Op::Erase,
             DeviceOp::Export { .. } => Op::Export,
         };
-        if let Some(total) = whole {
-            self.counters.op(stat, total);
+        self.counters.op(stat, keys);
+    }
+
+    /// `incoming`: when this call begins a batch, the keys to make room
+    /// for (takes the lock group and grows the table); None for a further
+    /// part.
+    unsafe fn enqueue_in(
+        &self,
+        op: DeviceOp,
+        s: &CudaStream,
+        n: usize,
+        r: Raw,
+        incoming: Option<usize>,
+    ) -> Result<Pending<'_>> {
+        let group = match op {
+            DeviceOp::Find | DeviceOp::FindPtr | DeviceOp::Contains | DeviceOp::Export { .. } => Group::Reader,
+            DeviceOp::Assign => Group::Updater,
+            _ => Group::Inserter,
+        };
+        let guard = incoming.map(|_| self.lock.acquire(group));
+        if let Some(total) = incoming {
             if group == Group::Inserter && op != DeviceOp::Erase {
                 self.grow_for(total)?;
             }
         }
         let st_guard = self.storage.read();
         let st = st_guard.as_ref().expect("storage");
-        let base = Ptrs { keys: r.p.keys, counters: r.p.counters, ..Ptrs::default() };
+        let base = Ptrs { keys: r.p.keys, counters: r.p.counters, only: r.p.only, ..Ptrs::default() };
         let p = r.p;
         let n64 = n as u64;
         // SAFETY: the caller's contract covers every address passed on.
@@ -1322,6 +1340,12 @@ impl Pending<'_> {
     /// booked with this one's counters).
     pub(crate) fn absorb(&mut self, part: Pending<'_>) {
         self.n += part.n;
+    }
+
+    /// Sets the keys the batch is booked with (its parts may have launched
+    /// over filtered ranges).
+    pub(crate) fn set_keys(&mut self, n: usize) {
+        self.n = n;
     }
 }
 

@@ -149,6 +149,7 @@ impl RouteFns {
 #[derive(Default)]
 struct Bufs {
     dest: Option<CudaSlice<u8>>,
+    mine: Option<CudaSlice<u8>>,
     tile_counts: Option<CudaSlice<u32>>,
     offsets: Option<CudaSlice<u64>>,
     totals: Option<CudaSlice<u64>>,
@@ -212,11 +213,17 @@ fn starts(c: &[u64]) -> Vec<u64> {
 
 impl Node {
     fn new(dev: &Arc<Device>) -> Result<Node> {
-        let stream = dev.ctx.new_stream().map_err(dev_err("creating a stream"))?;
+        // The serve stream runs below the main one (partition, NCCL,
+        // gather): a table kernel filling the GPU must not hold their
+        // blocks back.
+        dev.ctx.bind_to_thread().map_err(dev_err("binding a context"))?;
+        let (least, greatest) =
+            cudarc::driver::result::stream::get_priority_range().map_err(dev_err("reading stream priorities"))?;
+        let stream = dev.ctx.new_stream_with_priority(greatest).map_err(dev_err("creating a stream"))?;
+        let serve = dev.ctx.new_stream_with_priority(least).map_err(dev_err("creating a stream"))?;
         let mut b = Bufs::default();
         ensure(&stream, &mut b.counters, 8)?;
         ensure(&stream, &mut b.local_counters, 8)?;
-        let serve = dev.ctx.new_stream().map_err(dev_err("creating a stream"))?;
         Ok(Node { f: RouteFns::load(dev)?, dev: dev.clone(), stream, serve, b, hasher: None })
     }
 
@@ -237,15 +244,61 @@ impl Node {
     /// `keys` is a device buffer of this node's GPU holding `n` keys, alive
     /// until the stream is synchronised.
     unsafe fn partition(&mut self, keys: u64, n: usize, shards: usize) -> Result<()> {
+        // SAFETY: forwarded contract.
+        unsafe {
+            self.count(keys, n, shards, None)?;
+            self.place(keys, n, shards)
+        }
+    }
+
+    /// The first half of [`Node::partition`]: each key's owner into `dest`
+    /// and per-tile counts; with `me`, also `mine[i] = (dest[i] == me)`.
+    ///
+    /// # Safety
+    /// As [`Node::partition`].
+    unsafe fn count(&mut self, keys: u64, n: usize, shards: usize, me: Option<u32>) -> Result<()> {
         let s = self.stream.clone();
         let tiles = (n as u64).div_ceil(TILE).max(1);
         let b = &mut self.b;
         ensure(&s, &mut b.dest, n)?;
+        ensure(&s, &mut b.mine, n)?;
+        ensure(&s, &mut b.tile_counts, (tiles as usize) * shards)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (n64, nr) = (n as u64, shards as u32);
+        let (dest, tc) = (addr(&b.dest, &s), addr(&b.tile_counts, &s));
+        let (me, mine) = match me {
+            Some(m) => (m, addr(&b.mine, &s)),
+            None => (u32::MAX, 0),
+        };
+        let tiles_cfg =
+            LaunchConfig { grid_dim: (tiles as u32, 1, 1), block_dim: (TILE as u32, 1, 1), shared_mem_bytes: 0 };
+        let mut l = s.launch_builder(&self.f.count);
+        l.arg(&keys).arg(&n64).arg(&nr).arg(&dest).arg(&tc).arg(&me).arg(&mine);
+        // SAFETY: route_count reads keys[0..n] and writes dest[0..n],
+        // mine[0..n] (when non-null) and tile_counts[0..shards * tiles], all
+        // sized above.
+        unsafe { l.launch(tiles_cfg) }.map_err(dev_err("launching route_count"))?;
+        Ok(())
+    }
+
+    /// The second half of [`Node::partition`], after [`Node::count`].
+    ///
+    /// # Safety
+    /// As [`Node::partition`].
+    unsafe fn place(&mut self, keys: u64, n: usize, shards: usize) -> Result<()> {
+        let s = self.stream.clone();
+        let tiles = (n as u64).div_ceil(TILE).max(1);
+        let b = &mut self.b;
         ensure(&s, &mut b.pos, n)?;
         ensure(&s, &mut b.send_keys, n)?;
-        ensure(&s, &mut b.tile_counts, (tiles as usize) * shards)?;
         ensure(&s, &mut b.offsets, (tiles as usize) * shards)?;
         ensure(&s, &mut b.totals, MAX_GPUS)?;
+        if n == 0 {
+            s.memset_zeros(b.totals.as_mut().expect("ensured")).map_err(dev_err("clearing totals"))?;
+            return Ok(());
+        }
         let (n64, nr) = (n as u64, shards as u32);
         let (dest, tc, off, tot) =
             (addr(&b.dest, &s), addr(&b.tile_counts, &s), addr(&b.offsets, &s), addr(&b.totals, &s));
@@ -253,19 +306,10 @@ impl Node {
         let tiles_cfg =
             LaunchConfig { grid_dim: (tiles as u32, 1, 1), block_dim: (TILE as u32, 1, 1), shared_mem_bytes: 0 };
         let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-        if n == 0 {
-            s.memset_zeros(b.totals.as_mut().expect("ensured")).map_err(dev_err("clearing totals"))?;
-            return Ok(());
-        }
-        let mut l = s.launch_builder(&self.f.count);
-        l.arg(&keys).arg(&n64).arg(&nr).arg(&dest).arg(&tc);
-        // SAFETY: route_count reads keys[0..n] and writes dest[0..n] and
-        // tile_counts[0..shards * tiles], all sized above.
-        unsafe { l.launch(tiles_cfg) }.map_err(dev_err("launching route_count"))?;
         let mut l = s.launch_builder(&self.f.scan);
         l.arg(&tc).arg(&tiles).arg(&nr).arg(&off).arg(&tot);
-        // SAFETY: route_scan reads shards * tiles counts and writes as many
-        // offsets and `shards` totals.
+        // SAFETY: route_scan reads shards * tiles counts (written by count)
+        // and writes as many offsets and `shards` totals.
         unsafe { l.launch(one) }.map_err(dev_err("launching route_scan"))?;
         let mut l = s.launch_builder(&self.f.scatter);
         l.arg(&keys).arg(&n64).arg(&nr).arg(&dest).arg(&off).arg(&send).arg(&pos);
@@ -273,6 +317,15 @@ impl Node {
         // send_keys[0..n] and pos[0..n].
         unsafe { l.launch(tiles_cfg) }.map_err(dev_err("launching route_scatter"))?;
         Ok(())
+    }
+
+    /// Device address of `dest` and `me` for the row kernels to skip this
+    /// GPU's own keys, or (0, none) to move every row.
+    fn skip(&self, me: Option<u32>) -> (u64, u32) {
+        match me {
+            Some(m) => (addr(&self.b.dest, &self.stream), m),
+            None => (0, u32::MAX),
+        }
     }
 
     /// The per-owner key counts of the last [`Node::partition`] (waits for it).
@@ -290,13 +343,14 @@ impl Node {
     /// # Safety
     /// `src` and `dst` hold `n * dim` floats on this GPU; `pos` is the last
     /// partition's, of at least `n` keys.
-    unsafe fn scatter_values(&self, src: u64, dst: u64, n: usize, dim: usize) -> Result<()> {
+    unsafe fn scatter_values(&self, src: u64, dst: u64, n: usize, dim: usize, me: Option<u32>) -> Result<()> {
         let (f128, w) = Self::row_width(dim);
         let f = if f128 { &self.f.scatter_f128 } else { &self.f.scatter_f32 };
         let pos = addr(&self.b.pos, &self.stream);
         let n64 = n as u64;
+        let (dest, me) = self.skip(me);
         let mut l = self.stream.launch_builder(f);
-        l.arg(&src).arg(&dst).arg(&pos).arg(&n64).arg(&w);
+        l.arg(&src).arg(&dst).arg(&pos).arg(&n64).arg(&w).arg(&dest).arg(&me);
         // SAFETY: per the contract, n rows of w words at src and dst.
         unsafe { l.launch(grid(n64 * w, 256)) }.map_err(dev_err("launching rows_scatter"))?;
         Ok(())
@@ -309,8 +363,9 @@ impl Node {
     unsafe fn scatter_u64(&self, src: u64, dst: u64, n: usize) -> Result<()> {
         let pos = addr(&self.b.pos, &self.stream);
         let (n64, w) = (n as u64, 1u64);
+        let (dest, me) = self.skip(None);
         let mut l = self.stream.launch_builder(&self.f.scatter_u64);
-        l.arg(&src).arg(&dst).arg(&pos).arg(&n64).arg(&w);
+        l.arg(&src).arg(&dst).arg(&pos).arg(&n64).arg(&w).arg(&dest).arg(&me);
         // SAFETY: per the contract, n u64 at src and dst.
         unsafe { l.launch(grid(n64, 256)) }.map_err(dev_err("launching rows_scatter_u64"))?;
         Ok(())
@@ -322,13 +377,14 @@ impl Node {
     /// # Safety
     /// `src` holds `n * dim` floats (and `mask` n bytes) in partition order,
     /// `dst` `n * dim` floats, on this GPU.
-    unsafe fn gather_values(&self, src: u64, dst: u64, mask: u64, n: usize, dim: usize) -> Result<()> {
+    unsafe fn gather_values(&self, src: u64, dst: u64, mask: u64, n: usize, dim: usize, me: Option<u32>) -> Result<()> {
         let (f128, w) = Self::row_width(dim);
         let f = if f128 { &self.f.gather_f128 } else { &self.f.gather_f32 };
         let pos = addr(&self.b.pos, &self.stream);
         let n64 = n as u64;
+        let (dest, me) = self.skip(me);
         let mut l = self.stream.launch_builder(f);
-        l.arg(&src).arg(&dst).arg(&pos).arg(&mask).arg(&n64).arg(&w);
+        l.arg(&src).arg(&dst).arg(&pos).arg(&mask).arg(&n64).arg(&w).arg(&dest).arg(&me);
         // SAFETY: per the contract.
         unsafe { l.launch(grid(n64 * w, 256)) }.map_err(dev_err("launching rows_gather"))?;
         Ok(())
@@ -338,11 +394,12 @@ impl Node {
     ///
     /// # Safety
     /// `src` and `dst` hold `n` bytes on this GPU.
-    unsafe fn gather_u8(&self, src: u64, dst: u64, n: usize) -> Result<()> {
+    unsafe fn gather_u8(&self, src: u64, dst: u64, n: usize, me: Option<u32>) -> Result<()> {
         let pos = addr(&self.b.pos, &self.stream);
         let (n64, w, mask) = (n as u64, 1u64, 0u64);
+        let (dest, me) = self.skip(me);
         let mut l = self.stream.launch_builder(&self.f.gather_u8);
-        l.arg(&src).arg(&dst).arg(&pos).arg(&mask).arg(&n64).arg(&w);
+        l.arg(&src).arg(&dst).arg(&pos).arg(&mask).arg(&n64).arg(&w).arg(&dest).arg(&me);
         // SAFETY: per the contract.
         unsafe { l.launch(grid(n64, 256)) }.map_err(dev_err("launching rows_gather_u8"))?;
         Ok(())
@@ -907,24 +964,59 @@ impl GpuGroup {
     ) -> Result<(Counts, Vec<(&'static str, f32)>)> {
         let nr = nodes.len();
         let dim = self.config.dim;
+        let in_place = self.in_place;
+        let me = |r: usize| in_place.then_some(r as u32);
         let mut marks = Marks::new(&nodes[0].stream, self.phases)?;
+        // Owners first. With in_place, each GPU then serves its own keys
+        // straight from the batch (filtered by `mine`, results in request
+        // order, nothing staged) on its low-priority serve stream, while the
+        // main stream finishes the split and NCCL moves the rest.
         for (r, node) in nodes.iter_mut().enumerate() {
             let s = node.stream.clone();
             // SAFETY: b[r].keys holds b[r].n >= n[r] keys on this GPU.
-            unsafe { node.partition(addr_of(&b[r].keys, &s), n[r], nr) }?;
+            unsafe { node.count(addr_of(&b[r].keys, &s), n[r], nr, me(r)) }?;
+            node.zero_counters()?;
+            node.zero_local_counters()?;
+        }
+        let incoming: usize = n.iter().sum();
+        let mut first: Vec<Option<Pending<'_>>> = (0..nr).map(|_| None).collect();
+        if in_place {
+            for (r, node) in nodes.iter().enumerate() {
+                let (s, sv) = (&node.stream, &node.serve);
+                sv.join(s).map_err(dev_err("ordering streams"))?;
+                let bf = &node.b;
+                let raw = Raw {
+                    p: Ptrs {
+                        keys: addr_of(&b[r].keys, s),
+                        values: addr_of(&b[r].values, s),
+                        found: addr_of(&b[r].found, s),
+                        only: addr(&bf.mine, s),
+                        counters: addr(&bf.local_counters, s),
+                        ..Ptrs::default()
+                    },
+                    ..Raw::default()
+                };
+                // SAFETY: the caller's batch holds n[r] keys (rows, flags)
+                // and `mine` n[r] filter bytes written by count on the main
+                // stream, which the serve stream waits for; the main stream
+                // joins the serve stream before the final synchronisation.
+                let p = unsafe { self.tables[r].enqueue_first(op, sv, n[r], raw, incoming) }?;
+                first[r] = Some(p);
+            }
+        }
+        for (r, node) in nodes.iter_mut().enumerate() {
+            let s = node.stream.clone();
+            // SAFETY: as count above.
+            unsafe { node.place(addr_of(&b[r].keys, &s), n[r], nr) }?;
             if mv.values_in {
                 ensure(&s, &mut node.b.send_values, n[r] * dim)?;
                 let dst = addr(&node.b.send_values, &s);
                 // SAFETY: both hold n[r] rows; pos is this partition's.
-                unsafe { node.scatter_values(addr_of(&b[r].values, &s), dst, n[r], dim) }?;
+                unsafe { node.scatter_values(addr_of(&b[r].values, &s), dst, n[r], dim, me(r)) }?;
             }
         }
         let c: Vec<Vec<u64>> = nodes.iter().map(|node| node.totals(nr)).collect::<Result<_>>()?;
         marks.mark("partition")?;
-        // Each GPU serves its own keys in place (no copy to itself) on the
-        // serve stream while the other parts cross, as one more part of the
-        // batch under the same lock group.
-        let in_place = self.in_place;
         let plan = Plan::packed(&c, in_place);
         let parts = plan.split(self.parts);
         // Every buffer at its full size first: no part may move one.
@@ -936,54 +1028,16 @@ impl GpuGroup {
             ensure(&s, &mut bf.recv_found, m)?;
             ensure(&s, &mut bf.send_values, n[r] * dim)?;
             ensure(&s, &mut bf.send_found, n[r])?;
-            node.zero_counters()?;
-            node.zero_local_counters()?;
         }
-        let total: Vec<usize> =
-            (0..nr).map(|r| (plan.recv_size[r] + if in_place { c[r][r] } else { 0 }) as usize).collect();
-        let mut first: Vec<Option<Pending<'_>>> = (0..nr).map(|_| None).collect();
         // Forward: part j crosses while part j - 1 is served.
         let mut forward = vec![(1, Buf::SendKeys, Buf::RecvKeys)];
         if mv.values_in {
             forward.push((dim, Buf::SendValues, Buf::RecvValues));
         }
         let mut served: Vec<Vec<cudarc::driver::CudaEvent>> = (0..nr).map(|_| vec![]).collect();
-        // The partition is done where `ready` is recorded; each GPU's own
-        // keys are served from then on, after the first exchange is queued
-        // (NCCL's kernels take their SMs before the table's kernel fills
-        // the rest).
-        let ready: Vec<cudarc::driver::CudaEvent> = nodes
-            .iter()
-            .map(|node| node.stream.record_event(None).map_err(dev_err("recording an event")))
-            .collect::<Result<_>>()?;
-        for (j, part) in parts.iter().enumerate() {
+        for part in &parts {
             let mut refs: Vec<&mut Node> = nodes.iter_mut().collect();
             exchange_many(&self.comms, &mut refs, part, &forward)?;
-            if in_place && j == 0 {
-                for (r, node) in nodes.iter().enumerate() {
-                    let (s, sv) = (&node.stream, &node.serve);
-                    sv.wait(&ready[r]).map_err(dev_err("ordering streams"))?;
-                    let at = plan.send_at[r][r];
-                    let bf = &node.b;
-                    let raw = Raw {
-                        p: Ptrs {
-                            keys: addr(&bf.send_keys, s) + at * 8,
-                            values: addr(&bf.send_values, s) + at * dim as u64 * 4,
-                            found: addr(&bf.send_found, s) + at,
-                            counters: addr(&bf.local_counters, s),
-                            ..Ptrs::default()
-                        },
-                        ..Raw::default()
-                    };
-                    // SAFETY: [at, at + c[r][r]) of send_keys holds this rank's
-                    // own keys (send_values their rows, for writes);
-                    // send_values / send_found hold n[r] results; the
-                    // serve stream waits for the partition and the main stream
-                    // joins it before the gather and the final synchronisation.
-                    let p = unsafe { self.tables[r].enqueue_first(op, sv, c[r][r] as usize, raw, total[r]) }?;
-                    fold(&mut first[r], p);
-                }
-            }
             for (r, node) in nodes.iter().enumerate() {
                 let (s, sv) = (&node.stream, &node.serve);
                 sv.join(s).map_err(dev_err("ordering streams"))?;
@@ -1004,7 +1058,7 @@ impl GpuGroup {
                 // waits for their arrival and is joined before the end.
                 let p = unsafe {
                     match first[r] {
-                        None => self.tables[r].enqueue_first(op, sv, m, raw, total[r]),
+                        None => self.tables[r].enqueue_first(op, sv, m, raw, incoming),
                         Some(_) => self.tables[r].enqueue_held(op, sv, m, raw),
                     }
                 }?;
@@ -1031,33 +1085,38 @@ impl GpuGroup {
                 exchange_many(&self.comms, &mut refs, &part.back(&sizes), &backward)?;
             }
         }
-        for node in nodes.iter() {
-            node.stream.join(&node.serve).map_err(dev_err("ordering streams"))?;
-        }
         marks.mark("back")?;
         for (r, node) in nodes.iter().enumerate() {
             let s = &node.stream;
             let found = addr(&node.b.send_found, s);
-            // SAFETY: send_found / send_values hold n[r] results in
-            // partition order (sized above), b[r] n[r] keys.
+            // SAFETY: send_found / send_values hold the n[r] results in
+            // partition order (sized above; a GPU's own rows, skipped here,
+            // were written in place), b[r] n[r] keys.
             unsafe {
                 if mv.found_out {
-                    node.gather_u8(found, addr_of(&b[r].found, s), n[r])?;
+                    node.gather_u8(found, addr_of(&b[r].found, s), n[r], me(r))?;
                 }
                 if mv.values_out {
                     let mask = if mv.masked { found } else { 0 };
-                    node.gather_values(addr(&node.b.send_values, s), addr_of(&b[r].values, s), mask, n[r], dim)?;
+                    let src = addr(&node.b.send_values, s);
+                    node.gather_values(src, addr_of(&b[r].values, s), mask, n[r], dim, me(r))?;
                 }
             }
+        }
+        for node in nodes.iter() {
+            node.stream.join(&node.serve).map_err(dev_err("ordering streams"))?;
         }
         marks.mark("gather")?;
         let mut counts = Counts::default();
         for (r, p) in first.into_iter().enumerate() {
-            let mut c = nodes[r].read_counters_of(false)?;
+            let mut cn = nodes[r].read_counters_of(false)?;
             let l = nodes[r].read_counters_of(true)?;
-            c.iter_mut().zip(&l).for_each(|(a, b)| *a += b);
-            if let Some(p) = p {
-                add_counts(&mut counts, &self.tables[r].complete(p, &c));
+            cn.iter_mut().zip(&l).for_each(|(a, b)| *a += b);
+            let keys = (0..nr).map(|q| c[q][r]).sum::<u64>() as usize;
+            self.tables[r].book(op, keys);
+            if let Some(mut p) = p {
+                p.set_keys(keys);
+                add_counts(&mut counts, &self.tables[r].complete(p, &cn));
             }
         }
         Ok((counts, marks.read()?))
@@ -1198,7 +1257,7 @@ impl GpuGroup {
                 // the send buffers were sized for them; pos is this partition's.
                 unsafe {
                     let b = &node.b;
-                    node.scatter_values(addr(&b.recv_values, &s), addr(&b.send_values, &s), count as usize, dim)?;
+                    node.scatter_values(addr(&b.recv_values, &s), addr(&b.send_values, &s), count as usize, dim, None)?;
                     node.scatter_u64(addr(&b.recv_scores, &s), addr(&b.send_scores, &s), count as usize)?;
                 }
                 let t = node.totals(m)?;
