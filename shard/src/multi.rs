@@ -967,10 +967,10 @@ impl GpuGroup {
         let in_place = self.in_place;
         let me = |r: usize| in_place.then_some(r as u32);
         let mut marks = Marks::new(&nodes[0].stream, self.phases)?;
-        // Owners first. With in_place, each GPU then serves its own keys
-        // straight from the batch (filtered by `mine`, results in request
-        // order, nothing staged) on its low-priority serve stream, while the
-        // main stream finishes the split and NCCL moves the rest.
+        // Owners first. With in_place, each GPU serves its own keys straight
+        // from the batch (filtered by `mine`, results in request order,
+        // nothing staged) on its low-priority serve stream while NCCL moves
+        // the rest.
         for (r, node) in nodes.iter_mut().enumerate() {
             let s = node.stream.clone();
             // SAFETY: b[r].keys holds b[r].n >= n[r] keys on this GPU.
@@ -980,30 +980,11 @@ impl GpuGroup {
         }
         let incoming: usize = n.iter().sum();
         let mut first: Vec<Option<Pending<'_>>> = (0..nr).map(|_| None).collect();
-        if in_place {
-            for (r, node) in nodes.iter().enumerate() {
-                let (s, sv) = (&node.stream, &node.serve);
-                sv.join(s).map_err(dev_err("ordering streams"))?;
-                let bf = &node.b;
-                let raw = Raw {
-                    p: Ptrs {
-                        keys: addr_of(&b[r].keys, s),
-                        values: addr_of(&b[r].values, s),
-                        found: addr_of(&b[r].found, s),
-                        only: addr(&bf.mine, s),
-                        counters: addr(&bf.local_counters, s),
-                        ..Ptrs::default()
-                    },
-                    ..Raw::default()
-                };
-                // SAFETY: the caller's batch holds n[r] keys (rows, flags)
-                // and `mine` n[r] filter bytes written by count on the main
-                // stream, which the serve stream waits for; the main stream
-                // joins the serve stream before the final synchronisation.
-                let p = unsafe { self.tables[r].enqueue_first(op, sv, n[r], raw, incoming) }?;
-                first[r] = Some(p);
-            }
-        }
+        // The count is done where `ready` is recorded.
+        let ready: Vec<cudarc::driver::CudaEvent> = nodes
+            .iter()
+            .map(|node| node.stream.record_event(None).map_err(dev_err("recording an event")))
+            .collect::<Result<_>>()?;
         for (r, node) in nodes.iter_mut().enumerate() {
             let s = node.stream.clone();
             // SAFETY: as count above.
@@ -1035,9 +1016,36 @@ impl GpuGroup {
             forward.push((dim, Buf::SendValues, Buf::RecvValues));
         }
         let mut served: Vec<Vec<cudarc::driver::CudaEvent>> = (0..nr).map(|_| vec![]).collect();
-        for part in &parts {
+        for (j, part) in parts.iter().enumerate() {
             let mut refs: Vec<&mut Node> = nodes.iter_mut().collect();
             exchange_many(&self.comms, &mut refs, part, &forward)?;
+            // Each GPU's own keys are served once the first exchange is
+            // queued: NCCL's kernels take their SMs before the table's
+            // kernel fills the rest.
+            if in_place && j == 0 {
+                for (r, node) in nodes.iter().enumerate() {
+                    let (s, sv) = (&node.stream, &node.serve);
+                    sv.wait(&ready[r]).map_err(dev_err("ordering streams"))?;
+                    let bf = &node.b;
+                    let raw = Raw {
+                        p: Ptrs {
+                            keys: addr_of(&b[r].keys, s),
+                            values: addr_of(&b[r].values, s),
+                            found: addr_of(&b[r].found, s),
+                            only: addr(&bf.mine, s),
+                            counters: addr(&bf.local_counters, s),
+                            ..Ptrs::default()
+                        },
+                        ..Raw::default()
+                    };
+                    // SAFETY: the caller's batch holds n[r] keys (rows, flags)
+                    // and `mine` n[r] filter bytes written by count on the main
+                    // stream, which the serve stream waits for; the main stream
+                    // joins the serve stream before the final synchronisation.
+                    let p = unsafe { self.tables[r].enqueue_first(op, sv, n[r], raw, incoming) }?;
+                    first[r] = Some(p);
+                }
+            }
             for (r, node) in nodes.iter().enumerate() {
                 let (s, sv) = (&node.stream, &node.serve);
                 sv.join(s).map_err(dev_err("ordering streams"))?;
