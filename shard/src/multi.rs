@@ -91,6 +91,22 @@ pub enum Route {
     Host,
 }
 
+/// How a GPU serves the keys of its own batch that it owns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Local {
+    /// Sent through NCCL to itself like every other part.
+    Sent,
+    /// Staged with the split (keys and rows in partition order) and served
+    /// from there while the other parts cross.
+    Staged,
+    /// Served straight from the caller's batch (a filter on the owner),
+    /// results in request order, while the other parts cross.
+    Direct,
+    /// Direct for reads, staged for writes (measured fastest on the H200
+    /// pair; the default).
+    Auto,
+}
+
 /// One GPU's part of a group batch: buffers on that GPU, sized for `n` keys.
 pub struct RankBatch {
     /// Capacity in keys.
@@ -708,7 +724,7 @@ pub struct GpuGroup {
     comms: Vec<Comm>,
     nodes: Mutex<Vec<Node>>,
     phases: bool,
-    in_place: bool,
+    local: Local,
     parts: usize,
 }
 
@@ -773,7 +789,7 @@ impl GpuGroup {
             comms,
             nodes: Mutex::new(nodes),
             phases: false,
-            in_place: true,
+            local: Local::Auto,
             parts: DEFAULT_PARTS,
         })
     }
@@ -783,10 +799,9 @@ impl GpuGroup {
         self.phases = on;
     }
 
-    /// Whether each GPU serves its own keys in place (the default), while
-    /// the rest cross, or sends them through NCCL to itself like the rest.
-    pub fn set_in_place(&mut self, on: bool) {
-        self.in_place = on;
+    /// How each GPU serves its own keys (see [`Local`]).
+    pub fn set_local(&mut self, local: Local) {
+        self.local = local;
     }
 
     /// Parts a device-route batch is cut into, so that one part is served
@@ -964,8 +979,11 @@ impl GpuGroup {
     ) -> Result<(Counts, Vec<(&'static str, f32)>)> {
         let nr = nodes.len();
         let dim = self.config.dim;
-        let in_place = self.in_place;
-        let me = |r: usize| in_place.then_some(r as u32);
+        let reads = matches!(op, DeviceOp::Find | DeviceOp::Contains);
+        let direct = self.local == Local::Direct || (self.local == Local::Auto && reads);
+        let staged = self.local == Local::Staged || (self.local == Local::Auto && !reads);
+        let in_place = direct || staged;
+        let me = |r: usize| direct.then_some(r as u32);
         let mut marks = Marks::new(&nodes[0].stream, self.phases)?;
         // Owners first. With in_place, each GPU serves its own keys straight
         // from the batch (filtered by `mine`, results in request order,
@@ -996,6 +1014,11 @@ impl GpuGroup {
                 unsafe { node.scatter_values(addr_of(&b[r].values, &s), dst, n[r], dim, me(r)) }?;
             }
         }
+        // The split is done where `placed` is recorded.
+        let placed: Vec<cudarc::driver::CudaEvent> = nodes
+            .iter()
+            .map(|node| node.stream.record_event(None).map_err(dev_err("recording an event")))
+            .collect::<Result<_>>()?;
         let c: Vec<Vec<u64>> = nodes.iter().map(|node| node.totals(nr)).collect::<Result<_>>()?;
         marks.mark("partition")?;
         let plan = Plan::packed(&c, in_place);
@@ -1025,24 +1048,38 @@ impl GpuGroup {
             if in_place && j == 0 {
                 for (r, node) in nodes.iter().enumerate() {
                     let (s, sv) = (&node.stream, &node.serve);
-                    sv.wait(&ready[r]).map_err(dev_err("ordering streams"))?;
+                    sv.wait(if direct { &ready[r] } else { &placed[r] }).map_err(dev_err("ordering streams"))?;
                     let bf = &node.b;
-                    let raw = Raw {
-                        p: Ptrs {
+                    let counters = addr(&bf.local_counters, s);
+                    let (raw, m) = if direct {
+                        let p = Ptrs {
                             keys: addr_of(&b[r].keys, s),
                             values: addr_of(&b[r].values, s),
                             found: addr_of(&b[r].found, s),
                             only: addr(&bf.mine, s),
-                            counters: addr(&bf.local_counters, s),
+                            counters,
                             ..Ptrs::default()
-                        },
-                        ..Raw::default()
+                        };
+                        (Raw { p, ..Raw::default() }, n[r])
+                    } else {
+                        let at = plan.send_at[r][r];
+                        let p = Ptrs {
+                            keys: addr(&bf.send_keys, s) + at * 8,
+                            values: addr(&bf.send_values, s) + at * dim as u64 * 4,
+                            found: addr(&bf.send_found, s) + at,
+                            counters,
+                            ..Ptrs::default()
+                        };
+                        (Raw { p, ..Raw::default() }, c[r][r] as usize)
                     };
-                    // SAFETY: the caller's batch holds n[r] keys (rows, flags)
-                    // and `mine` n[r] filter bytes written by count on the main
-                    // stream, which the serve stream waits for; the main stream
-                    // joins the serve stream before the final synchronisation.
-                    let p = unsafe { self.tables[r].enqueue_first(op, sv, n[r], raw, incoming) }?;
+                    // SAFETY: direct: the caller's batch holds n[r] keys
+                    // (rows, flags) and `mine` n[r] filter bytes written by
+                    // count; staged: [at, at + c[r][r]) of the send buffers
+                    // holds this GPU's own keys and rows, and its results
+                    // land there. The serve stream waits for the count
+                    // (`ready`) or the whole split (`placed`); the main
+                    // stream joins it before the end.
+                    let p = unsafe { self.tables[r].enqueue_first(op, sv, m, raw, incoming) }?;
                     first[r] = Some(p);
                 }
             }

@@ -8,7 +8,7 @@ use hkv_shard::cpu::CpuTable;
 use hkv_shard::cuda;
 use hkv_shard::cuda_table::DeviceOp;
 use hkv_shard::hash::shard_of;
-use hkv_shard::multi::{nccl_version, GpuGroup, RankBatch, Route};
+use hkv_shard::multi::{nccl_version, GpuGroup, Local, RankBatch, Route};
 use hkv_shard::{BucketMode, ScorePolicy, Shard, TableConfig};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -120,12 +120,17 @@ fn group_operations_equal_the_cpu_backend_on_both_routes() {
     }
     for ordinals in sets {
         for mode in [BucketMode::Single, BucketMode::Dual] {
-            let variants =
-                [(Route::Device, true, 4), (Route::Device, false, 1), (Route::Device, true, 3), (Route::Host, true, 1)];
-            for (route, in_place, parts) in variants {
+            let variants = [
+                (Route::Device, Local::Auto, 1),
+                (Route::Device, Local::Sent, 1),
+                (Route::Device, Local::Direct, 3),
+                (Route::Device, Local::Staged, 2),
+                (Route::Host, Local::Auto, 1),
+            ];
+            for (route, local, parts) in variants {
                 let cfg = config(mode);
                 let mut group = GpuGroup::new(cfg.clone(), &ordinals).unwrap();
-                group.set_in_place(in_place);
+                group.set_local(local);
                 group.set_parts(parts);
                 let reference =
                     Reference { shards: ordinals.iter().map(|_| CpuTable::new(cfg.clone()).unwrap()).collect() };
@@ -168,9 +173,8 @@ fn group_operations_equal_the_cpu_backend_on_both_routes() {
                     let mut rf = vec![false; flat_keys.len()];
                     reference.apply(op, &flat_keys, &mut rv, &mut rf);
                     let (gv, gf) = (gv.concat(), gf.concat());
-                    let what = format!(
-                        "{ordinals:?} {mode:?} {route:?} in place {in_place} parts {parts} round {round} {op:?}"
-                    );
+                    let what =
+                        format!("{ordinals:?} {mode:?} {route:?} local {local:?} parts {parts} round {round} {op:?}");
                     if matches!(op, DeviceOp::Find | DeviceOp::Contains | DeviceOp::Erase) {
                         let gfb: Vec<bool> = gf.iter().map(|&x| x != 0).collect();
                         assert_eq!(gfb, rf, "{what}: found flags");

@@ -13,7 +13,7 @@
 use anyhow::{bail, Result};
 use clap::Parser;
 use hkv_shard::cuda_table::DeviceOp;
-use hkv_shard::multi::{GpuGroup, RankBatch, Route};
+use hkv_shard::multi::{GpuGroup, Local, RankBatch, Route};
 use hkv_shard::{ScorePolicy, TableConfig};
 
 #[derive(Parser, Debug)]
@@ -45,6 +45,10 @@ struct Args {
     /// crosses), comma separated: each is measured.
     #[arg(long, default_value = "1", value_delimiter = ',')]
     parts: Vec<usize>,
+    /// How each GPU serves its own keys on the device route, comma
+    /// separated, each measured: auto, direct, staged, sent.
+    #[arg(long, default_value = "auto,sent", value_delimiter = ',')]
+    local: Vec<String>,
     /// Skip the host route (it is slow: every batch crosses PCIe twice).
     #[arg(long)]
     no_host: bool,
@@ -117,20 +121,28 @@ fn main() -> Result<()> {
             next,
             g.size() as f64 / (a.capacity * k as u64) as f64
         );
-        // (route, reads in place, parts): the device route cut into each
-        // --parts count, reads sending their own keys through NCCL to
-        // themselves, and the host split.
-        let mut routes: Vec<(Route, bool, usize)> = a.parts.iter().map(|&p| (Route::Device, true, p)).collect();
-        if k == 1 {
-            routes.truncate(1);
-        } else {
-            routes.push((Route::Device, false, a.parts[0]));
-            if !a.no_host {
-                routes.push((Route::Host, true, 1));
+        // (route, local, parts): the device route for each --local and
+        // --parts, and the host split.
+        let mut routes: Vec<(Route, Local, usize)> = vec![];
+        for &p in &a.parts {
+            for l in &a.local {
+                let local = match l.as_str() {
+                    "auto" => Local::Auto,
+                    "direct" => Local::Direct,
+                    "staged" => Local::Staged,
+                    "sent" => Local::Sent,
+                    other => bail!("--local {other:?}: use auto, direct, staged or sent"),
+                };
+                routes.push((Route::Device, local, p));
             }
         }
-        for (route, in_place, parts) in routes {
-            g.set_in_place(in_place);
+        if k == 1 {
+            routes.truncate(1);
+        } else if !a.no_host {
+            routes.push((Route::Host, Local::Auto, 1));
+        }
+        for (route, local, parts) in routes {
+            g.set_local(local);
             g.set_parts(parts);
             for (name, op) in [("find", DeviceOp::Find), ("insert_or_assign", DeviceOp::InsertOrAssign)] {
                 let mut ms = vec![];
@@ -159,10 +171,9 @@ fn main() -> Result<()> {
                         "1.00x".into()
                     }
                 };
-                let label = match (route, in_place) {
-                    (Route::Host, _) => "host".to_string(),
-                    (Route::Device, true) => format!("device/{parts}"),
-                    (Route::Device, false) => format!("self/{parts}"),
+                let label = match route {
+                    Route::Host => "host".to_string(),
+                    Route::Device => format!("{}/{parts}", format!("{local:?}").to_lowercase()),
                 };
                 println!("{k:>4} {name:>16} {label:>9} {m:>9.3} {rate:>12.1} {scaling:>8}");
                 if a.phases && !phases[0].is_empty() {
