@@ -231,10 +231,13 @@ impl Node {
     fn new(dev: &Arc<Device>) -> Result<Node> {
         // The serve stream runs below the main one (partition, NCCL,
         // gather): a table kernel filling the GPU must not hold their
-        // blocks back.
+        // blocks back. HKV_GROUP_PRIORITY=0 puts both at the default.
         dev.ctx.bind_to_thread().map_err(dev_err("binding a context"))?;
-        let (least, greatest) =
+        let (mut least, mut greatest) =
             cudarc::driver::result::stream::get_priority_range().map_err(dev_err("reading stream priorities"))?;
+        if std::env::var("HKV_GROUP_PRIORITY").is_ok_and(|v| v == "0") {
+            (least, greatest) = (0, 0); // both at the default priority
+        }
         let stream = dev.ctx.new_stream_with_priority(greatest).map_err(dev_err("creating a stream"))?;
         let serve = dev.ctx.new_stream_with_priority(least).map_err(dev_err("creating a stream"))?;
         let mut b = Bufs::default();
