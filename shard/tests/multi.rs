@@ -121,11 +121,11 @@ fn group_operations_equal_the_cpu_backend_on_both_routes() {
     for ordinals in sets {
         for mode in [BucketMode::Single, BucketMode::Dual] {
             let variants = [
-                (Route::Device, Local::Auto, 1),
+                (Route::Device, Local::Staged, 1),
                 (Route::Device, Local::Sent, 1),
                 (Route::Device, Local::Direct, 3),
                 (Route::Device, Local::Staged, 2),
-                (Route::Host, Local::Auto, 1),
+                (Route::Host, Local::Staged, 1),
             ];
             for (route, local, parts) in variants {
                 let cfg = config(mode);

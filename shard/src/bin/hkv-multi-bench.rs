@@ -46,8 +46,8 @@ struct Args {
     #[arg(long, default_value = "1", value_delimiter = ',')]
     parts: Vec<usize>,
     /// How each GPU serves its own keys on the device route, comma
-    /// separated, each measured: auto, direct, staged, sent.
-    #[arg(long, default_value = "auto,sent", value_delimiter = ',')]
+    /// separated, each measured: staged (the default), direct, sent.
+    #[arg(long, default_value = "staged,sent", value_delimiter = ',')]
     local: Vec<String>,
     /// Skip the host route (it is slow: every batch crosses PCIe twice).
     #[arg(long)]
@@ -127,11 +127,10 @@ fn main() -> Result<()> {
         for &p in &a.parts {
             for l in &a.local {
                 let local = match l.as_str() {
-                    "auto" => Local::Auto,
                     "direct" => Local::Direct,
                     "staged" => Local::Staged,
                     "sent" => Local::Sent,
-                    other => bail!("--local {other:?}: use auto, direct, staged or sent"),
+                    other => bail!("--local {other:?}: use staged, direct or sent"),
                 };
                 routes.push((Route::Device, local, p));
             }
@@ -139,7 +138,7 @@ fn main() -> Result<()> {
         if k == 1 {
             routes.truncate(1);
         } else if !a.no_host {
-            routes.push((Route::Host, Local::Auto, 1));
+            routes.push((Route::Host, Local::Staged, 1));
         }
         for (route, local, parts) in routes {
             g.set_local(local);
