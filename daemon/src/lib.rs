@@ -64,8 +64,18 @@ fn backend(config: &Config) -> anyhow::Result<(Backend, Vec<usize>, String)> {
         let n = config.shards.unwrap_or(chosen.len()).max(1);
         let ordinals: Vec<usize> = (0..n).map(|i| chosen[i % chosen.len()].ordinal).collect();
         let names: Vec<String> = chosen.iter().map(|d| format!("{} {}", d.ordinal, d.name)).collect();
+        // Socket batches are split on the host and need no NCCL; say
+        // whether the GPU-to-GPU paths (hkv_shard::multi) could run here.
+        let nccl = match (chosen.len(), hkv_shard::multi::nccl_version()) {
+            (1, _) => String::new(),
+            (_, Ok(v)) => format!("; NCCL {}.{}.{}", v / 10000, v / 100 % 100, v % 100),
+            (_, Err(e)) => {
+                warn!(reason = %e, "NCCL unavailable: GPU-to-GPU paths are off");
+                "; NCCL unavailable".into()
+            }
+        };
         let what = format!(
-            "cuda ({} GPU{}: {}; {n} shard{})",
+            "cuda ({} GPU{}: {}; {n} shard{}{nccl})",
             chosen.len(),
             if chosen.len() == 1 { "" } else { "s" },
             names.join(", "),
