@@ -193,6 +193,29 @@ struct Node {
     f: RouteFns,
     b: Bufs,
     hasher: Option<FeatureHasher>,
+    /// Host buffers of the host route: this GPU as a batch's source, and as
+    /// the owner of keys.
+    host: (HostSource, HostOwner),
+}
+
+/// A GPU's batch on the host (host route), and its results in request order.
+#[derive(Default)]
+struct HostSource {
+    keys: Vec<u64>,
+    values: Vec<f32>,
+    out_found: Vec<u8>,
+    out_rows: Vec<f32>,
+}
+
+/// The keys a GPU owns in a host-route batch, where each came from, and
+/// what its table answered.
+#[derive(Default)]
+struct HostOwner {
+    keys: Vec<u64>,
+    values: Vec<f32>,
+    origin: Vec<(u32, u32)>,
+    found: Vec<u8>,
+    rows: Vec<f32>,
 }
 
 fn addr<T>(s: &Option<CudaSlice<T>>, stream: &CudaStream) -> u64 {
@@ -235,7 +258,7 @@ impl Node {
         let mut b = Bufs::default();
         ensure(&stream, &mut b.counters, 8)?;
         ensure(&stream, &mut b.local_counters, 8)?;
-        Ok(Node { f: RouteFns::load(dev)?, dev: dev.clone(), stream, serve, b, hasher: None })
+        Ok(Node { f: RouteFns::load(dev)?, dev: dev.clone(), stream, serve, b, hasher: None, host: Default::default() })
     }
 
     /// Row kernels move `w` words per key: float4 when the row allows.
@@ -1170,91 +1193,107 @@ impl GpuGroup {
     ) -> Result<Counts> {
         let nr = nodes.len();
         let dim = self.config.dim;
+        // Host buffers are kept from batch to batch: fresh ones would cost a
+        // page fault per 4 KiB on every batch.
+        let mut src: Vec<HostSource> = nodes.iter_mut().map(|nd| std::mem::take(&mut nd.host.0)).collect();
+        let mut own: Vec<HostOwner> = nodes.iter_mut().map(|nd| std::mem::take(&mut nd.host.1)).collect();
+        for o in own.iter_mut() {
+            o.keys.clear();
+            o.values.clear();
+            o.origin.clear();
+        }
         // To the host, split by owner there.
-        let mut parts_keys = vec![Vec::<u64>::new(); nr];
-        let mut parts_values = vec![Vec::<f32>::new(); nr];
-        let mut origin = vec![Vec::<(usize, usize)>::new(); nr];
         for (r, node) in nodes.iter().enumerate() {
             let s = &node.stream;
-            let mut keys = vec![0u64; n[r]];
-            s.memcpy_dtoh(&b[r].keys.slice(..n[r]), &mut keys).map_err(dev_err("copying keys to the host"))?;
-            let mut values = vec![0f32; if mv.values_in { n[r] * dim } else { 0 }];
+            let h = &mut src[r];
+            h.keys.resize(n[r], 0);
+            s.memcpy_dtoh(&b[r].keys.slice(..n[r]), &mut h.keys).map_err(dev_err("copying keys to the host"))?;
             if mv.values_in {
-                s.memcpy_dtoh(&b[r].values.slice(..n[r] * dim), &mut values).map_err(dev_err("copying rows"))?;
+                h.values.resize(n[r] * dim, 0.0);
+                s.memcpy_dtoh(&b[r].values.slice(..n[r] * dim), &mut h.values).map_err(dev_err("copying rows"))?;
             }
             s.synchronize().map_err(dev_err("copying a batch to the host"))?;
-            for (i, &k) in keys.iter().enumerate() {
-                let d = shard_of(k, nr as u64) as usize;
-                parts_keys[d].push(k);
-                origin[d].push((r, i));
+            for (i, &k) in h.keys.iter().enumerate() {
+                let o = &mut own[shard_of(k, nr as u64) as usize];
+                o.keys.push(k);
+                o.origin.push((r as u32, i as u32));
                 if mv.values_in {
-                    parts_values[d].extend_from_slice(&values[i * dim..(i + 1) * dim]);
+                    o.values.extend_from_slice(&h.values[i * dim..(i + 1) * dim]);
                 }
             }
         }
         // Each part to its owner.
-        let received: Vec<u64> = parts_keys.iter().map(|p| p.len() as u64).collect();
+        let received: Vec<u64> = own.iter().map(|o| o.keys.len() as u64).collect();
         for (d, node) in nodes.iter_mut().enumerate() {
             let s = node.stream.clone();
-            let m = parts_keys[d].len();
+            let m = own[d].keys.len();
             ensure(&s, &mut node.b.recv_keys, m)?;
             ensure(&s, &mut node.b.recv_values, m * dim)?;
+            ensure(&s, &mut node.b.recv_found, m)?;
             if m > 0 {
                 let k = node.b.recv_keys.as_mut().expect("sized");
-                s.memcpy_htod(&parts_keys[d], &mut k.slice_mut(..m)).map_err(dev_err("copying keys"))?;
+                s.memcpy_htod(&own[d].keys, &mut k.slice_mut(..m)).map_err(dev_err("copying keys"))?;
                 if mv.values_in {
                     let v = node.b.recv_values.as_mut().expect("sized");
-                    s.memcpy_htod(&parts_values[d], &mut v.slice_mut(..m * dim)).map_err(dev_err("copying rows"))?;
+                    s.memcpy_htod(&own[d].values, &mut v.slice_mut(..m * dim)).map_err(dev_err("copying rows"))?;
                 }
             }
         }
         let pending = self.serve(op, nodes, &received)?;
         // Results back to the host, into request order, and to the callers.
-        let mut found_out: Vec<Vec<u8>> = (0..nr).map(|r| vec![0u8; if mv.found_out { n[r] } else { 0 }]).collect();
-        let mut values_out: Vec<Vec<f32>> =
-            (0..nr).map(|r| vec![0f32; if mv.values_out { n[r] * dim } else { 0 }]).collect();
-        if mv.masked {
-            for (r, node) in nodes.iter().enumerate() {
+        for (r, node) in nodes.iter().enumerate() {
+            let h = &mut src[r];
+            h.out_found.clear();
+            h.out_found.resize(if mv.found_out { n[r] } else { 0 }, 0);
+            h.out_rows.resize(if mv.values_out { n[r] * dim } else { 0 }, 0.0);
+            if mv.masked {
                 let s = &node.stream;
-                s.memcpy_dtoh(&b[r].values.slice(..n[r] * dim), &mut values_out[r]).map_err(dev_err("copying rows"))?;
+                s.memcpy_dtoh(&b[r].values.slice(..n[r] * dim), &mut h.out_rows).map_err(dev_err("copying rows"))?;
             }
         }
         for (d, node) in nodes.iter().enumerate() {
             let s = &node.stream;
-            let m = parts_keys[d].len();
-            let mut f = vec![0u8; m];
-            let mut v = vec![0f32; m * dim];
+            let o = &mut own[d];
+            let m = o.keys.len();
+            o.found.resize(m, 0);
+            o.rows.resize(m * dim, 0.0);
             if m > 0 {
                 if mv.found_out {
-                    s.memcpy_dtoh(&node.b.recv_found.as_ref().expect("sized").slice(..m), &mut f)
+                    s.memcpy_dtoh(&node.b.recv_found.as_ref().expect("sized").slice(..m), &mut o.found)
                         .map_err(dev_err("copying flags"))?;
                 }
                 if mv.values_out {
-                    let src = node.b.recv_values.as_ref().expect("sized").slice(..m * dim);
-                    s.memcpy_dtoh(&src, &mut v).map_err(dev_err("copying rows"))?;
+                    let from = node.b.recv_values.as_ref().expect("sized").slice(..m * dim);
+                    s.memcpy_dtoh(&from, &mut o.rows).map_err(dev_err("copying rows"))?;
                 }
             }
             s.synchronize().map_err(dev_err("serving a batch"))?;
-            for (j, &(r, i)) in origin[d].iter().enumerate() {
+            for (j, &(r, i)) in o.origin.iter().enumerate() {
+                let (r, i) = (r as usize, i as usize);
                 if mv.found_out {
-                    found_out[r][i] = f[j];
+                    src[r].out_found[i] = o.found[j];
                 }
-                if mv.values_out && (!mv.masked || f[j] != 0) {
-                    values_out[r][i * dim..(i + 1) * dim].copy_from_slice(&v[j * dim..(j + 1) * dim]);
+                if mv.values_out && (!mv.masked || o.found[j] != 0) {
+                    src[r].out_rows[i * dim..(i + 1) * dim].copy_from_slice(&o.rows[j * dim..(j + 1) * dim]);
                 }
             }
         }
         for (r, node) in nodes.iter().enumerate() {
             let s = &node.stream;
             if mv.found_out && n[r] > 0 {
-                s.memcpy_htod(&found_out[r], &mut b[r].found.slice_mut(..n[r])).map_err(dev_err("copying flags"))?;
+                s.memcpy_htod(&src[r].out_found, &mut b[r].found.slice_mut(..n[r]))
+                    .map_err(dev_err("copying flags"))?;
             }
             if mv.values_out && n[r] > 0 {
-                s.memcpy_htod(&values_out[r], &mut b[r].values.slice_mut(..n[r] * dim))
+                s.memcpy_htod(&src[r].out_rows, &mut b[r].values.slice_mut(..n[r] * dim))
                     .map_err(dev_err("copying rows"))?;
             }
         }
-        self.finish(nodes, pending)
+        let counts = self.finish(nodes, pending);
+        for ((node, s), o) in nodes.iter_mut().zip(src).zip(own) {
+            node.host = (s, o);
+        }
+        counts
     }
 
     /// Moves every entry onto a new group on `ordinals` (same config, keys
