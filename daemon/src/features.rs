@@ -28,14 +28,15 @@ pub struct Hasher {
 }
 
 impl Hasher {
-    /// Uses device 0 when `try_gpu` and a device opens, else the CPU.
-    pub fn new(try_gpu: bool) -> Hasher {
-        if try_gpu {
-            match hkv_shard::cuda::shared_device(0)
+    /// Uses device `gpu` (the daemon's first GPU) when given and it opens,
+    /// else the CPU.
+    pub fn new(gpu: Option<usize>) -> Hasher {
+        if let Some(ordinal) = gpu {
+            match hkv_shard::cuda::shared_device(ordinal)
                 .and_then(|d| Ok(Gpu { hasher: Mutex::new(hkv_shard::cuda::FeatureHasher::new(&d)?), _device: d }))
             {
                 Ok(g) => {
-                    let place = format!("GPU 0 ({})", g._device.info.name);
+                    let place = format!("GPU {ordinal} ({})", g._device.info.name);
                     info!(on = %place, "feature hashing");
                     return Hasher { gpu: Some(g), place };
                 }

@@ -112,7 +112,8 @@ pub fn run(config: Config) -> anyhow::Result<()> {
             .iter()
             .map(|&device| SyncArbiter::start(threads, move || ShardActor { device }))
             .collect::<Vec<_>>();
-        let router = Router::new(actors, backend);
+        let hash_gpu = (backend == Backend::Cuda).then(|| ordinals[0]);
+        let router = Router::new(actors, backend, hash_gpu);
         for spec in &config.tables {
             router
                 .create_table(spec.clone())

@@ -116,9 +116,10 @@ fn to_wire(s: hkv_shard::Summary) -> Summary {
 }
 
 impl Router {
-    /// A router over these actors (one per device / CPU shard).
-    pub fn new(actors: Vec<Addr<ShardActor>>, backend: Backend) -> Router {
-        let hasher = Arc::new(Hasher::new(backend != Backend::Cpu));
+    /// A router over these actors (one per device / CPU shard); feature
+    /// batches are hashed on GPU `hash_gpu` when given.
+    pub fn new(actors: Vec<Addr<ShardActor>>, backend: Backend, hash_gpu: Option<usize>) -> Router {
+        let hasher = Arc::new(Hasher::new(hash_gpu));
         Router { actors, backend, tables: RwLock::new(HashMap::new()), hasher }
     }
 
