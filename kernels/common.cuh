@@ -16,3 +16,29 @@ __device__ __forceinline__ unsigned long long hkv_fmix64(unsigned long long k) {
     k ^= k >> 33;
     return k;
 }
+
+// One block of 1024 threads: offsets[j] = counts[0] + ... + counts[j - 1]
+// for j < len; returns the total of all len counts (to every thread).
+// Each thread sums a contiguous run, the runs are scanned in shared memory.
+__device__ __forceinline__ unsigned long long hkv_block_scan(const unsigned* counts, unsigned long long len,
+                                                             unsigned long long* offsets) {
+    __shared__ unsigned long long part[1024];
+    unsigned long long per = (len + 1023) / 1024;
+    unsigned long long lo = threadIdx.x * per, hi = lo + per < len ? lo + per : len;
+    unsigned long long sum = 0;
+    for (unsigned long long j = lo; j < hi; ++j) sum += counts[j];
+    part[threadIdx.x] = sum;
+    __syncthreads();
+    for (int off = 1; off < 1024; off <<= 1) {
+        unsigned long long v = threadIdx.x >= (unsigned)off ? part[threadIdx.x - off] : 0;
+        __syncthreads();
+        part[threadIdx.x] += v;
+        __syncthreads();
+    }
+    unsigned long long run = part[threadIdx.x] - sum;
+    for (unsigned long long j = lo; j < hi; ++j) {
+        offsets[j] = run;
+        run += counts[j];
+    }
+    return part[1023];
+}

@@ -28,25 +28,8 @@ extern "C" __global__ void export_count(HkvTable t, u64 offset, u64 end, HkvFilt
 
 // offsets[i] = sum of counts[0..i), offsets[n] = total. One block of 1024 threads.
 extern "C" __global__ void export_scan(const u32* counts, u64 n, u64* offsets) {
-    __shared__ u64 part[1024];
-    u64 per = (n + 1023) / 1024;
-    u64 lo = threadIdx.x * per, hi = lo + per < n ? lo + per : n;
-    u64 sum = 0;
-    for (u64 i = lo; i < hi; ++i) sum += counts[i];
-    part[threadIdx.x] = sum;
-    __syncthreads();
-    for (int off = 1; off < 1024; off <<= 1) {
-        u64 v = threadIdx.x >= (u32)off ? part[threadIdx.x - off] : 0;
-        __syncthreads();
-        part[threadIdx.x] += v;
-        __syncthreads();
-    }
-    u64 run = part[threadIdx.x] - sum;
-    for (u64 i = lo; i < hi; ++i) {
-        offsets[i] = run;
-        run += counts[i];
-    }
-    if (threadIdx.x == 1023) offsets[n] = part[1023];
+    u64 total = hkv_block_scan(counts, n, offsets);
+    if (threadIdx.x == 1023) offsets[n] = total;
 }
 
 extern "C" __global__ void export_write(HkvTable t, u64 offset, u64 end, HkvFilter f, const u64* offsets,

@@ -46,30 +46,12 @@ extern "C" __global__ void route_count(const u64* keys, u64 n, u32 shards, u8* d
 // Launch: one block of 1024 threads. offsets[j] = sum of tile_counts[0..j)
 // over the dest-major array of shards * tiles counts; totals[d] = keys for d.
 extern "C" __global__ void route_scan(const u32* tile_counts, u64 tiles, u32 shards, u64* offsets, u64* totals) {
-    __shared__ u64 part[1024];
-    u64 len = tiles * shards;
-    u64 per = (len + 1023) / 1024;
-    u64 lo = threadIdx.x * per, hi = lo + per < len ? lo + per : len;
-    u64 sum = 0;
-    for (u64 j = lo; j < hi; ++j) sum += tile_counts[j];
-    part[threadIdx.x] = sum;
-    __syncthreads();
-    for (int off = 1; off < 1024; off <<= 1) {
-        u64 v = threadIdx.x >= (u32)off ? part[threadIdx.x - off] : 0;
-        __syncthreads();
-        part[threadIdx.x] += v;
-        __syncthreads();
-    }
-    u64 run = part[threadIdx.x] - sum;
-    for (u64 j = lo; j < hi; ++j) {
-        offsets[j] = run;
-        run += tile_counts[j];
-    }
+    u64 total = hkv_block_scan(tile_counts, tiles * shards, offsets);
     __syncthreads();
     if (threadIdx.x < shards) {
         u64 d = threadIdx.x;
         u64 start = tiles ? offsets[d * tiles] : 0;
-        u64 end = d + 1 < shards ? offsets[(d + 1) * tiles] : part[1023];
+        u64 end = d + 1 < shards ? offsets[(d + 1) * tiles] : total;
         totals[d] = end - start;
     }
 }

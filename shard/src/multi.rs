@@ -449,6 +449,25 @@ impl Node {
         Ok(out)
     }
 
+    /// The batch of received keys from `base` on: keys, rows, found flags
+    /// (and scores, for loads) at the recv buffers (0 where a buffer is
+    /// missing), with `counters`.
+    fn recv_raw(&self, base: u64, dim: usize, counters: u64, scores: bool) -> Raw {
+        let (s, b) = (&self.stream, &self.b);
+        let at = |a: u64, width: u64| if a == 0 { 0 } else { a + base * width };
+        Raw {
+            p: Ptrs {
+                keys: at(addr(&b.recv_keys, s), 8),
+                values: at(addr(&b.recv_values, s), dim as u64 * 4),
+                found: at(addr(&b.recv_found, s), 1),
+                scores: if scores { at(addr(&b.recv_scores, s), 8) } else { 0 },
+                counters,
+                ..Ptrs::default()
+            },
+            ..Raw::default()
+        }
+    }
+
     fn read_counters(&self) -> Result<Vec<u64>> {
         self.read_counters_of(false)
     }
@@ -957,21 +976,9 @@ impl GpuGroup {
             ensure(&s, &mut node.b.recv_values, m * dim)?;
             ensure(&s, &mut node.b.recv_found, m)?;
             let counters = node.zero_counters()?;
-            let b = &node.b;
-            let raw = Raw {
-                p: Ptrs {
-                    keys: addr(&b.recv_keys, &s),
-                    values: addr(&b.recv_values, &s),
-                    found: addr(&b.recv_found, &s),
-                    scores: addr(&b.recv_scores, &s),
-                    counters,
-                    ..Ptrs::default()
-                },
-                ..Raw::default()
-            };
+            let raw = node.recv_raw(0, dim, counters, false);
             // SAFETY: the recv buffers were sized for the m keys (m × dim
-            // floats) this rank received; scores (load only) were sized by
-            // the exchange that filled them. Each stream is synchronised by
+            // floats) this rank received. Each stream is synchronised by
             // read_counters before the buffers change.
             pending.push(unsafe { self.tables[r].enqueue(op, &s, m, raw) }?);
         }
@@ -1103,17 +1110,7 @@ impl GpuGroup {
                 let (s, sv) = (&node.stream, &node.serve);
                 sv.join(s).map_err(dev_err("ordering streams"))?;
                 let (base, m) = (part.base[r], part.received[r] as usize);
-                let bf = &node.b;
-                let raw = Raw {
-                    p: Ptrs {
-                        keys: addr(&bf.recv_keys, s) + base * 8,
-                        values: addr(&bf.recv_values, s) + base * dim as u64 * 4,
-                        found: addr(&bf.recv_found, s) + base,
-                        counters: addr(&bf.counters, s),
-                        ..Ptrs::default()
-                    },
-                    ..Raw::default()
-                };
+                let raw = node.recv_raw(base, dim, addr(&node.b.counters, s), false);
                 // SAFETY: the part's m keys (rows) sit at `base` of the recv
                 // buffers, sized for every part above; the serve stream
                 // waits for their arrival and is joined before the end.
@@ -1368,17 +1365,7 @@ impl GpuGroup {
                 }
                 let s = node.stream.clone();
                 let counters = node.zero_counters()?;
-                let b = &node.b;
-                let raw = Raw {
-                    p: Ptrs {
-                        keys: addr(&b.recv_keys, &s),
-                        values: addr(&b.recv_values, &s),
-                        scores: addr(&b.recv_scores, &s),
-                        counters,
-                        ..Ptrs::default()
-                    },
-                    ..Raw::default()
-                };
+                let raw = node.recv_raw(0, dim, counters, true);
                 // SAFETY: the exchange sized and filled recv_* with k
                 // entries on this GPU; synchronised by read_counters below.
                 let p = unsafe { new.tables[d].enqueue(DeviceOp::Load, &s, k, raw) }?;
