@@ -193,7 +193,16 @@ impl Router {
             .send(Call { shard: table.shards[i].clone(), op })
             .await
             .map_err(|e| err(ErrorCode::Internal, format!("shard {i} actor gone: {e}")))?
-            .map_err(shard_error)
+            .map_err(|e| {
+                // A device failure (out of memory, a lost GPU) fails the
+                // requests that touched that shard, and says which one.
+                let device = matches!(e, ShardError::Device(_));
+                let mut pe = shard_error(e);
+                if device {
+                    pe.message = format!("shard {i}: {}", pe.message);
+                }
+                pe
+            })
     }
 
     /// Runs one sub-op per shard (in parallel) and returns the results in shard order.

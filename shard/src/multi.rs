@@ -1428,6 +1428,84 @@ mod tests {
         assert_eq!(starts(&[]), Vec::<u64>::new());
     }
 
+    /// Every element rank r sends to p, as (send offset, recv offset) pairs
+    /// of each key, over all parts.
+    fn moves_of(parts: &[Plan]) -> Vec<Vec<Vec<(u64, u64)>>> {
+        let nr = parts[0].lens.len();
+        let mut m = vec![vec![vec![]; nr]; nr];
+        for part in parts {
+            for r in 0..nr {
+                for p in 0..nr {
+                    for k in 0..part.lens[r][p] {
+                        m[r][p].push((part.send_at[r][p] + k, part.recv_at[p][r] + k));
+                    }
+                }
+            }
+        }
+        m
+    }
+
+    #[test]
+    fn split_plans_move_every_key_once_and_land_each_part_contiguously() {
+        let c = vec![vec![5, 0, 7], vec![3, 9, 1], vec![0, 4, 11]];
+        for skip_self in [false, true] {
+            let whole = Plan::packed(&c, skip_self);
+            for k in [1, 2, 3, 8] {
+                let parts = whole.split(k);
+                assert_eq!(parts.len(), k);
+                let mut a = moves_of(&parts);
+                let mut b = moves_of(std::slice::from_ref(&whole));
+                for r in 0..3 {
+                    for p in 0..3 {
+                        // Same sends; receives may be reordered between parts.
+                        a[r][p].sort_unstable();
+                        b[r][p].sort_unstable();
+                        let sends = |v: &Vec<(u64, u64)>| v.iter().map(|x| x.0).collect::<Vec<_>>();
+                        assert_eq!(sends(&a[r][p]), sends(&b[r][p]), "{skip_self} {k} {r}->{p}");
+                        if skip_self && r == p {
+                            assert!(a[r][p].is_empty());
+                        }
+                    }
+                }
+                // Each rank's receives: every slot of [0, recv_size) once,
+                // part j filling [base_j, base_j + received_j).
+                for r in 0..3 {
+                    let mut got: Vec<u64> = (0..3).flat_map(|p| a[p][r].iter().map(|x| x.1)).collect();
+                    got.sort_unstable();
+                    assert_eq!(got, (0..whole.recv_size[r]).collect::<Vec<_>>(), "{skip_self} {k} rank {r}");
+                    let mut next = 0;
+                    for part in &parts {
+                        assert_eq!(part.base[r], next);
+                        for p in 0..3 {
+                            let at = part.recv_at[r][p];
+                            assert!(
+                                part.lens[p][r] == 0 || (at >= next && at + part.lens[p][r] <= next + part.received[r])
+                            );
+                        }
+                        next += part.received[r];
+                    }
+                    assert_eq!(next, whole.recv_size[r]);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_way_back_returns_each_key_to_where_it_came_from() {
+        let c = vec![vec![2, 3], vec![4, 1]];
+        let fwd = Plan::packed(&c, true);
+        let back = fwd.back(&[5, 5]);
+        let f = moves_of(std::slice::from_ref(&fwd));
+        let b = moves_of(std::slice::from_ref(&back));
+        for r in 0..2 {
+            for p in 0..2 {
+                let there: Vec<(u64, u64)> = f[r][p].iter().map(|&(s, d)| (d, s)).collect();
+                assert_eq!(b[p][r], there, "{r} -> {p} and back");
+            }
+        }
+        assert_eq!(back.recv_size, vec![5, 5]);
+    }
+
     #[test]
     fn only_the_group_ops_are_offered() {
         for op in [
