@@ -1419,6 +1419,7 @@ impl GpuGroup {
 }
 
 #[cfg(test)]
+#[allow(clippy::needless_range_loop)] // ranks index several matrices at once
 mod tests {
     use super::*;
 
