@@ -139,6 +139,47 @@ fn config(a: Serve) -> anyhow::Result<Config> {
     Ok(c)
 }
 
+/// Transparent huge pages for the host memory of tables. Lookups touch table
+/// memory at random, so with 4 KiB pages nearly every one also misses the
+/// TLB; on the 2-core development machine, the CPU table's finds ran 30-80 %
+/// faster on huge pages (`shard/BENCHMARKS.md`). Linux in the common
+/// `madvise` mode gives them only to memory that asks, and glibc's malloc
+/// asks when `glibc.malloc.hugetlb=1` is in `GLIBC_TUNABLES` at process
+/// start; so, unless `HKVD_HUGE_PAGES=0`, hkvd re-executes itself (same pid,
+/// same descriptors: systemd and socket activation are unaffected) with it
+/// set. Returns what applies, in words; returns only without re-executing.
+fn huge_pages() -> String {
+    const TUNABLE: &str = "glibc.malloc.hugetlb=1";
+    if std::env::var("HKVD_HUGE_PAGES").is_ok_and(|v| v == "0") {
+        return "off (HKVD_HUGE_PAGES=0)".into();
+    }
+    let tunables = std::env::var("GLIBC_TUNABLES").unwrap_or_default();
+    if tunables.split(':').any(|t| t == TUNABLE) {
+        return format!("on ({TUNABLE})");
+    }
+    if tunables.contains("glibc.malloc.hugetlb") {
+        return format!("as GLIBC_TUNABLES={tunables} says");
+    }
+    let mode = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+    if mode.contains("[always]") {
+        return "on (transparent huge pages: always)".into();
+    }
+    if !mode.contains("[madvise]") || !cfg!(all(target_os = "linux", target_env = "gnu")) {
+        return "unavailable (transparent huge pages off, or not glibc on Linux)".into();
+    }
+    let Ok(exe) = std::env::current_exe() else {
+        return "off (the executable's path is unknown)".into();
+    };
+    let value = if tunables.is_empty() { TUNABLE.to_string() } else { format!("{tunables}:{TUNABLE}") };
+    let mut args = std::env::args_os();
+    let mut cmd = std::process::Command::new(exe);
+    if let Some(arg0) = args.next() {
+        std::os::unix::process::CommandExt::arg0(&mut cmd, arg0);
+    }
+    let err = std::os::unix::process::CommandExt::exec(cmd.args(args).env("GLIBC_TUNABLES", value));
+    format!("off (re-executing with {TUNABLE} failed: {err})")
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.cmd {
@@ -153,12 +194,15 @@ fn main() -> ExitCode {
             }
         }
         Cmd::Serve(a) => {
+            // Before any thread starts: this may re-execute the process.
+            let huge = huge_pages();
             let filter = a.log.clone().or_else(|| std::env::var("RUST_LOG").ok()).unwrap_or_else(|| "info".into());
             tracing_subscriber::fmt()
                 .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
                 .with_writer(std::io::stderr)
                 .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
                 .init();
+            tracing::info!(huge_pages = %huge, "host memory for tables");
             match config(*a).and_then(hkvd::run) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
