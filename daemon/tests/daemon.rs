@@ -502,3 +502,32 @@ fn proto_constants_are_the_documented_bytes() {
     let f = Request::Ping.encode(0x0102);
     assert_eq!(f, [b'H', b'K', b'V', b'D', 1, 1, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
 }
+
+/// hkvd re-executes itself (same pid) with glibc asked for transparent huge
+/// pages where the kernel gives them on request, unless HKVD_HUGE_PAGES=0:
+/// a table's memory then lies in huge pages (AnonHugePages of the process).
+#[test]
+fn huge_pages_are_asked_for_unless_turned_off() {
+    let mode = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+    let on_request = mode.contains("[madvise]") && cfg!(target_env = "gnu");
+    let huge_kb = |env: &[(&str, &str)]| -> u64 {
+        let d = Daemon::start_env(&["--shards", "1"], env);
+        let mut c = d.client();
+        c.create_table(spec("hp", 32, 1 << 20, "lru", "single")).unwrap();
+        let keys: Vec<u64> = (0..50_000u64).map(|k| k.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 8).collect();
+        c.insert_or_assign("hp", &keys, &vec![1.0; keys.len() * 32], None).unwrap();
+        let rollup = std::fs::read_to_string(format!("/proc/{}/smaps_rollup", d.pid())).expect("smaps_rollup of hkvd");
+        let line = rollup.lines().find(|l| l.starts_with("AnonHugePages:")).expect("AnonHugePages");
+        line.split_whitespace().nth(1).unwrap().parse().unwrap()
+    };
+    let asked = huge_kb(&[]);
+    let other_tunable = huge_kb(&[("GLIBC_TUNABLES", "glibc.malloc.tcache_count=7")]);
+    let off = huge_kb(&[("HKVD_HUGE_PAGES", "0")]);
+    if on_request {
+        assert!(asked >= 2048, "table memory in huge pages: {asked} kB");
+        assert!(other_tunable >= 2048, "with other tunables given: {other_tunable} kB");
+        assert_eq!(off, 0, "HKVD_HUGE_PAGES=0");
+    } else {
+        eprintln!("transparent huge pages {mode:?}: {asked} / {other_tunable} / {off} kB");
+    }
+}

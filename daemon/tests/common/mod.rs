@@ -16,12 +16,17 @@ pub struct Daemon {
 
 /// The command line `Daemon` runs, for tests that need the process itself.
 pub fn command(root: &Path, extra: &[&str]) -> Command {
+    command_at(&root.join("run").join("hkvd.sock"), &root.join("state"), extra)
+}
+
+/// `hkvd serve --backend cpu --shards 3` on `socket` and `state`, plus `extra`.
+fn command_at(socket: &Path, state: &Path, extra: &[&str]) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_hkvd"));
     cmd.arg("serve")
         .arg("--socket")
-        .arg(root.join("run").join("hkvd.sock"))
+        .arg(socket)
         .arg("--state-dir")
-        .arg(root.join("state"))
+        .arg(state)
         .args(["--backend", "cpu", "--log", "warn"])
         .args(if extra.contains(&"--shards") { &[][..] } else { &["--shards", "3"][..] })
         .args(extra)
@@ -33,25 +38,23 @@ pub fn command(root: &Path, extra: &[&str]) -> Command {
 impl Daemon {
     /// `hkvd serve --backend cpu --shards 3` plus `extra`, on a fresh socket.
     pub fn start(extra: &[&str]) -> Daemon {
+        Self::start_env(extra, &[])
+    }
+
+    /// [`Daemon::start`] with extra environment variables.
+    pub fn start_env(extra: &[&str], env: &[(&str, &str)]) -> Daemon {
         let dir = tempfile::tempdir().expect("tempdir");
         let socket = dir.path().join("run").join("hkvd.sock");
-        Self::start_in(dir, socket, extra)
+        Self::start_in_env(dir, socket, extra, env)
     }
 
     pub fn start_in(dir: tempfile::TempDir, socket: PathBuf, extra: &[&str]) -> Daemon {
-        let state = dir.path().join("state");
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_hkvd"));
-        cmd.arg("serve")
-            .arg("--socket")
-            .arg(&socket)
-            .arg("--state-dir")
-            .arg(&state)
-            .args(["--backend", "cpu", "--log", "warn"])
-            .args(if extra.contains(&"--shards") { &[][..] } else { &["--shards", "3"][..] })
-            .args(extra)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit());
+        Self::start_in_env(dir, socket, extra, &[])
+    }
+
+    fn start_in_env(dir: tempfile::TempDir, socket: PathBuf, extra: &[&str], env: &[(&str, &str)]) -> Daemon {
+        let mut cmd = command_at(&socket, &dir.path().join("state"), extra);
+        cmd.envs(env.iter().copied()).stderr(Stdio::inherit());
         let child = cmd.spawn().expect("spawn hkvd");
         let mut d = Daemon { child: Some(child), dir, socket };
         d.wait_ready();
