@@ -126,7 +126,10 @@ pub struct GroupRun {
     /// Counts summed over the owners.
     pub counts: Counts,
     /// With [`GpuGroup::set_phases`], device-route phases on rank 0 (CUDA
-    /// events): name and milliseconds.
+    /// events on its main stream): name and milliseconds. "partition": the
+    /// split until the counts reach the host; "forward": keys and rows
+    /// queued to their owners; "back": until the results are back; "gather":
+    /// request order restored and the GPU's own keys served.
     pub phases: Vec<(&'static str, f32)>,
 }
 

@@ -38,7 +38,10 @@ struct Args {
     #[arg(long, default_value_t = 7)]
     runs: usize,
     /// Also print where a device-route batch spends its time (CUDA events on
-    /// GPU 0, medians): partition, exchange in, serve, exchange out, gather.
+    /// GPU 0, medians): partition (the split, until the counts are on the
+    /// host), forward (keys and rows queued to their owners), back (until
+    /// the owners' results are back), gather (into request order, and the
+    /// GPU's own keys served).
     #[arg(long)]
     phases: bool,
     /// Parts a device-route batch is cut into (one is served while the next
