@@ -176,11 +176,8 @@ pub fn execute(t: &dyn Shard, op: SubOp) -> Result<SubResult, hkv_shard::Error> 
                 }
                 code::ASSIGN => (t.assign(&keys, &values, sc, o)?, None, None),
                 code::ACCUM_OR_ASSIGN => (t.accum_or_assign(&keys, &values, sc, o)?, None, None),
-                code::LOAD => {
-                    let s = t.load(&keys, &values, sc.unwrap_or(&[]))?;
-                    outcomes.clear();
-                    (s, None, None)
-                }
+                // load reports no per-key outcome: every one stays Absent.
+                code::LOAD => (t.load(&keys, &values, sc.unwrap_or(&[]))?, None, None),
                 other => unreachable!("router sends only write ops here, got {other:#x}"),
             };
             SubResult::Write { summary, outcomes, values, evicted }

@@ -111,6 +111,50 @@ fn scatter<T: Copy>(dst: &mut [T], idx: &[u32], src: &[T], width: usize) {
     }
 }
 
+/// Where the keys of one request go. With one shard (one GPU) every key goes
+/// there in request order: arrays are moved to it and its answers are moved
+/// back, with no copy.
+enum Split {
+    Whole,
+    /// Per shard, the request indices of its keys.
+    Parts(Vec<Vec<u32>>),
+}
+
+impl Split {
+    fn new(keys: &[u64], shards: usize) -> Split {
+        if shards == 1 {
+            Split::Whole
+        } else {
+            Split::Parts(split(keys, shards))
+        }
+    }
+
+    /// Each shard's rows of `v` (`width` values per key), in shard order.
+    fn take<T: Copy>(&self, v: Vec<T>, width: usize) -> Vec<Vec<T>> {
+        match self {
+            Split::Whole => vec![v],
+            Split::Parts(parts) => parts.iter().map(|p| gather(&v, p, width)).collect(),
+        }
+    }
+
+    /// An answer array of `n` keys (`width` values each) for [`Split::place`]
+    /// to fill: empty when whole, as the one shard's array replaces it.
+    fn out<T: Clone>(&self, n: usize, width: usize, fill: T) -> Vec<T> {
+        match self {
+            Split::Whole => Vec::new(),
+            Split::Parts(_) => vec![fill; n * width],
+        }
+    }
+
+    /// Puts shard `j`'s answer rows in request order.
+    fn place<T: Copy>(&self, dst: &mut Vec<T>, j: usize, src: Vec<T>, width: usize) {
+        match self {
+            Split::Whole => *dst = src,
+            Split::Parts(parts) => scatter(dst, &parts[j], &src, width),
+        }
+    }
+}
+
 fn to_wire(s: hkv_shard::Summary) -> Summary {
     Summary { updated: s.updated, inserted: s.inserted, evicted: s.evicted, rejected: s.rejected, absent: s.absent }
 }
@@ -297,44 +341,33 @@ impl Router {
             Request::Find { keys, scores, .. } => {
                 Self::validate(&t, &keys, None, None, false, false)?;
                 let n = keys.len();
-                if n_shards == 1 {
-                    // One shard (one GPU): its answer is already in request order.
-                    let SubResult::Find { found, values, scores } =
-                        self.call(&t, 0, SubOp::Find { keys, scores }).await?
-                    else {
-                        unreachable!()
-                    };
-                    return Ok(Response::Find { found: found.into_iter().map(u8::from).collect(), values, scores });
-                }
-                let parts = split(&keys, n_shards);
-                let ops = parts.iter().map(|p| SubOp::Find { keys: gather(&keys, p, 1), scores }).collect();
-                let mut found = vec![0u8; n];
-                let mut values = vec![0.0f32; n * dim];
-                let mut sc = scores.then(|| vec![0u64; n]);
-                for (p, r) in parts.iter().zip(self.fan_out(&t, ops).await?) {
+                let split = Split::new(&keys, n_shards);
+                let ops = split.take(keys, 1).into_iter().map(|keys| SubOp::Find { keys, scores }).collect();
+                let mut found = split.out(n, 1, 0u8);
+                let mut values = split.out(n, dim, 0.0f32);
+                let mut sc = scores.then(|| split.out(n, 1, 0u64));
+                for (j, r) in self.fan_out(&t, ops).await?.into_iter().enumerate() {
                     let SubResult::Find { found: f, values: v, scores: s } = r else { unreachable!() };
-                    for (j, &i) in p.iter().enumerate() {
-                        found[i as usize] = f[j] as u8;
-                    }
-                    scatter(&mut values, p, &v, dim);
+                    split.place(&mut found, j, f.into_iter().map(u8::from).collect(), 1);
+                    split.place(&mut values, j, v, dim);
                     if let (Some(dst), Some(s)) = (sc.as_mut(), s) {
-                        scatter(dst, p, &s, 1);
+                        split.place(dst, j, s, 1);
                     }
                 }
                 Ok(Response::Find { found, values, scores: sc })
             }
             Request::Contains { keys, .. } => {
                 Self::validate(&t, &keys, None, None, false, false)?;
-                let parts = split(&keys, n_shards);
-                let ops = parts.iter().map(|p| SubOp::Contains { keys: gather(&keys, p, 1) }).collect();
-                let found = self.flags(&t, &parts, ops, keys.len()).await?;
+                let (n, split) = (keys.len(), Split::new(&keys, n_shards));
+                let ops = split.take(keys, 1).into_iter().map(|keys| SubOp::Contains { keys }).collect();
+                let found = self.flags(&t, &split, ops, n).await?;
                 Ok(Response::Contains { found })
             }
             Request::Erase { keys, outcomes, .. } => {
                 Self::validate(&t, &keys, None, None, false, false)?;
-                let parts = split(&keys, n_shards);
-                let ops = parts.iter().map(|p| SubOp::Erase { keys: gather(&keys, p, 1) }).collect();
-                let flags = self.flags(&t, &parts, ops, keys.len()).await?;
+                let (n, split) = (keys.len(), Split::new(&keys, n_shards));
+                let ops = split.take(keys, 1).into_iter().map(|keys| SubOp::Erase { keys }).collect();
+                let flags = self.flags(&t, &split, ops, n).await?;
                 let count = flags.iter().filter(|&&f| f == 1).count() as u64;
                 Ok(Response::Erased { count, flags: outcomes.then_some(flags) })
             }
@@ -347,36 +380,31 @@ impl Router {
                         "load needs a score per key (sent with the SCORES flag)",
                     ));
                 }
-                let n = keys.len();
-                if n_shards == 1 {
-                    // One shard: the batch goes as it came, no gather.
-                    let parts = vec![(0..n as u32).collect::<Vec<u32>>()];
-                    let ops = vec![SubOp::Write { op: code, keys, values, scores }];
-                    return self.writes(&t, &parts, ops, n, outcomes, code).await;
-                }
-                let parts = split(&keys, n_shards);
-                let ops = parts
-                    .iter()
-                    .map(|p| SubOp::Write {
+                let (n, split) = (keys.len(), Split::new(&keys, n_shards));
+                let mut scores = scores.map(|s| split.take(s, 1).into_iter());
+                let ops = split
+                    .take(keys, 1)
+                    .into_iter()
+                    .zip(split.take(values, dim))
+                    .map(|(keys, values)| SubOp::Write {
                         op: code,
-                        keys: gather(&keys, p, 1),
-                        values: gather(&values, p, dim),
-                        scores: scores.as_ref().map(|s| gather(s, p, 1)),
+                        keys,
+                        values,
+                        scores: scores.as_mut().and_then(|s| s.next()),
                     })
                     .collect();
-                self.writes(&t, &parts, ops, n, outcomes, code).await
+                self.writes(&t, &split, ops, n, outcomes, code).await
             }
             Request::AssignScores { keys, scores, outcomes, .. } => {
                 Self::validate(&t, &keys, None, scores.as_deref(), false, false)?;
-                let parts = split(&keys, n_shards);
-                let ops = parts
-                    .iter()
-                    .map(|p| SubOp::AssignScores {
-                        keys: gather(&keys, p, 1),
-                        scores: scores.as_ref().map(|s| gather(s, p, 1)),
-                    })
+                let (n, split) = (keys.len(), Split::new(&keys, n_shards));
+                let mut scores = scores.map(|s| split.take(s, 1).into_iter());
+                let ops = split
+                    .take(keys, 1)
+                    .into_iter()
+                    .map(|keys| SubOp::AssignScores { keys, scores: scores.as_mut().and_then(|s| s.next()) })
                     .collect();
-                self.writes(&t, &parts, ops, keys.len(), outcomes, op::ASSIGN_SCORES).await
+                self.writes(&t, &split, ops, n, outcomes, op::ASSIGN_SCORES).await
             }
             Request::EraseIf { filter, .. } => {
                 let f = to_filter(filter);
@@ -429,13 +457,11 @@ impl Router {
         }
     }
 
-    async fn flags(&self, t: &Table, parts: &[Vec<u32>], ops: Vec<SubOp>, n: usize) -> Result<Vec<u8>, ProtoError> {
-        let mut out = vec![0u8; n];
-        for (p, r) in parts.iter().zip(self.fan_out(t, ops).await?) {
+    async fn flags(&self, t: &Table, split: &Split, ops: Vec<SubOp>, n: usize) -> Result<Vec<u8>, ProtoError> {
+        let mut out = split.out(n, 1, 0u8);
+        for (j, r) in self.fan_out(t, ops).await?.into_iter().enumerate() {
             let SubResult::Flags(f) = r else { unreachable!() };
-            for (j, &i) in p.iter().enumerate() {
-                out[i as usize] = f[j] as u8;
-            }
+            split.place(&mut out, j, f.into_iter().map(u8::from).collect(), 1);
         }
         Ok(out)
     }
@@ -443,7 +469,7 @@ impl Router {
     async fn writes(
         &self,
         t: &Table,
-        parts: &[Vec<u32>],
+        split: &Split,
         ops: Vec<SubOp>,
         n: usize,
         want_outcomes: bool,
@@ -451,19 +477,17 @@ impl Router {
     ) -> Result<Response, ProtoError> {
         let dim = t.config.dim;
         let mut summary = Summary::default();
-        let mut outcomes = vec![Outcome::Absent as u8; if want_outcomes { n } else { 0 }];
-        let mut values = (code == op::FIND_OR_INSERT).then(|| vec![0.0f32; n * dim]);
+        let mut outcomes = want_outcomes.then(|| split.out(n, 1, Outcome::Absent as u8));
+        let mut values = (code == op::FIND_OR_INSERT).then(|| split.out(n, dim, 0.0f32));
         let mut evicted = (code == op::INSERT_AND_EVICT).then(Evicted::default);
-        for (p, r) in parts.iter().zip(self.fan_out(t, ops).await?) {
+        for (j, r) in self.fan_out(t, ops).await?.into_iter().enumerate() {
             let SubResult::Write { summary: s, outcomes: o, values: v, evicted: e } = r else { unreachable!() };
             summary += to_wire(s);
-            if want_outcomes && !o.is_empty() {
-                for (j, &i) in p.iter().enumerate() {
-                    outcomes[i as usize] = o[j] as u8;
-                }
+            if let Some(dst) = outcomes.as_mut() {
+                split.place(dst, j, o.into_iter().map(|o| o as u8).collect(), 1);
             }
             if let (Some(dst), Some(v)) = (values.as_mut(), v) {
-                scatter(dst, p, &v, dim);
+                split.place(dst, j, v, dim);
             }
             if let (Some(dst), Some(e)) = (evicted.as_mut(), e) {
                 dst.keys.extend_from_slice(&e.keys);
@@ -472,7 +496,7 @@ impl Router {
                 dst.kinds.extend(e.kinds.iter().map(|k| *k as u8));
             }
         }
-        Ok(Response::Write { summary, outcomes: want_outcomes.then_some(outcomes), values, evicted })
+        Ok(Response::Write { summary, outcomes, values, evicted })
     }
 }
 
@@ -483,6 +507,31 @@ fn to_filter(f: hkv_proto::Filter) -> Filter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_shard_moves_arrays_both_ways_and_several_restore_order() {
+        let keys: Vec<u64> = (0..1000).collect();
+        let whole = Split::new(&keys, 1);
+        let at = keys.as_ptr();
+        let taken = whole.take(keys.clone(), 1);
+        assert_eq!(taken, vec![keys.clone()]);
+        let moved = whole.take(taken.into_iter().next().unwrap(), 1);
+        let mut out = whole.out(1000, 1, 0u64);
+        let src = moved.into_iter().next().unwrap();
+        let src_at = src.as_ptr();
+        whole.place(&mut out, 0, src, 1);
+        assert_eq!(out.as_ptr(), src_at, "the shard's answer is moved, not copied");
+        assert_eq!(out, keys);
+        assert_ne!(at, src_at); // (the clone above, not the original)
+        let parts = Split::new(&keys, 3);
+        let mut back = parts.out(1000, 2, 0u64);
+        let rows: Vec<u64> = keys.iter().flat_map(|&k| [k, k + 1]).collect();
+        for (j, sub) in parts.take(rows.clone(), 2).into_iter().enumerate() {
+            assert!(sub.chunks(2).all(|r| shard_of(r[0], 3) == j as u64));
+            parts.place(&mut back, j, sub, 2);
+        }
+        assert_eq!(back, rows);
+    }
 
     #[test]
     fn split_gather_scatter_restore_order() {
