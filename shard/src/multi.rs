@@ -442,14 +442,20 @@ impl Node {
         Ok(())
     }
 
-    /// The counters of the last batch (`local`: of its in-place part);
-    /// waits for the stream.
-    fn read_counters_of(&self, local: bool) -> Result<Vec<u64>> {
-        let c = if local { &self.b.local_counters } else { &self.b.counters };
-        let mut out = vec![0u64; 8];
-        self.stream.memcpy_dtoh(c.as_ref().expect("allocated"), &mut out).map_err(dev_err("reading counters"))?;
-        self.stream.synchronize().map_err(dev_err("finishing a batch"))?;
-        Ok(out)
+    /// The counters of the last batch; with `local`, added to those of its
+    /// in-place part. One wait for the stream.
+    fn read_counters_with(&self, local: bool) -> Result<Vec<u64>> {
+        let mut out = [0u64; 16];
+        let (a, b) = out.split_at_mut(8);
+        let s = &self.stream;
+        s.memcpy_dtoh(self.b.counters.as_ref().expect("allocated"), a).map_err(dev_err("reading counters"))?;
+        if local {
+            let l = self.b.local_counters.as_ref().expect("allocated");
+            s.memcpy_dtoh(l, b).map_err(dev_err("reading counters"))?;
+        }
+        s.synchronize().map_err(dev_err("finishing a batch"))?;
+        let (a, b) = out.split_at(8);
+        Ok(a.iter().zip(b).map(|(x, y)| x + y).collect())
     }
 
     /// The batch of received keys from `base` on: keys, rows, found flags
@@ -472,7 +478,7 @@ impl Node {
     }
 
     fn read_counters(&self) -> Result<Vec<u64>> {
-        self.read_counters_of(false)
+        self.read_counters_with(false)
     }
 
     fn zero_counters(&mut self) -> Result<u64> {
@@ -1170,9 +1176,7 @@ impl GpuGroup {
         marks.mark("gather")?;
         let mut counts = Counts::default();
         for (r, p) in first.into_iter().enumerate() {
-            let mut cn = nodes[r].read_counters_of(false)?;
-            let l = nodes[r].read_counters_of(true)?;
-            cn.iter_mut().zip(&l).for_each(|(a, b)| *a += b);
+            let cn = nodes[r].read_counters_with(in_place)?;
             let keys = (0..nr).map(|q| c[q][r]).sum::<u64>() as usize;
             self.tables[r].book(op, keys);
             if let Some(mut p) = p {
