@@ -17,6 +17,13 @@ __device__ __forceinline__ unsigned long long hkv_fmix64(unsigned long long k) {
     return k;
 }
 
+// A key's digest from its hash: the top byte, its low bit flipped where it
+// would equal the free-slot digest (the top byte of fmix64 of the empty key).
+__device__ __forceinline__ unsigned char hkv_key_digest(unsigned long long h) {
+    unsigned char d = (unsigned char)(h >> 56);
+    return d == (unsigned char)(hkv_fmix64(0xFFFFFFFFFFFFFFFFULL) >> 56) ? d ^ 1 : d;
+}
+
 // One block of 1024 threads: offsets[j] = counts[0] + ... + counts[j - 1]
 // for j < len; returns the total of all len counts (to every thread).
 // Each thread sums a contiguous run, the runs are scanned in shared memory.

@@ -23,7 +23,7 @@ __device__ __forceinline__ void erase_one(const HkvTable& t, const u64* keys, u6
     if (s >= 0 && g.rank == 0) {
         u64 pos = b * 128 + s;
         t.keys[pos] = HKV_EMPTY_KEY;
-        t.digests[pos] = hkv_digest(HKV_EMPTY_KEY);
+        t.digests[pos] = hkv_empty_digest();
         t.scores[pos] = 0;
         t.sizes[b] -= 1;
     }
@@ -54,7 +54,7 @@ extern "C" __global__ void erase_if(HkvTable t, HkvFilter f, u64* counters) {
             u64 k = t.keys[pos];
             if (k != HKV_EMPTY_KEY && hkv_matches(f, k, t.scores[pos])) {
                 t.keys[pos] = HKV_EMPTY_KEY;
-                t.digests[pos] = hkv_digest(HKV_EMPTY_KEY);
+                t.digests[pos] = hkv_empty_digest();
                 t.scores[pos] = 0;
                 removed++;
             }
@@ -73,7 +73,7 @@ extern "C" __global__ void clear_table(HkvTable t) {
     u64 pos = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (pos >= t.nbuckets * 128) return;
     t.keys[pos] = HKV_EMPTY_KEY;
-    t.digests[pos] = hkv_digest(HKV_EMPTY_KEY);
+    t.digests[pos] = hkv_empty_digest();
     t.scores[pos] = 0;
     if ((pos & 127) == 0) {
         t.sizes[pos >> 7] = 0;

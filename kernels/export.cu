@@ -32,11 +32,16 @@ extern "C" __global__ void export_scan(const u32* counts, u64 n, u64* offsets) {
     if (threadIdx.x == 1023) offsets[n] = total;
 }
 
+// Keys and scores are written by the lane that found them; the values of
+// the warp's matches are then copied by the whole warp, row after row in
+// output order, so that each read covers whole lines of the (mostly
+// adjacent) source rows. Blocks of 256 threads.
 extern "C" __global__ void export_write(HkvTable t, u64 offset, u64 end, HkvFilter f, const u64* offsets,
                                        u64* keys_out, float* values_out, u64* scores_out) {
+    __shared__ u64 rows[8][128];
     u64 first = offset / 128;
     u64 b = first + ((u64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
-    u32 lane = threadIdx.x & 31;
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x / 32;
     if (b * 128 >= end) return;
     u32 m = export_mask(t, b, lane, offset, end, f);
     u32 c = __popc(m), incl = c;
@@ -44,18 +49,35 @@ extern "C" __global__ void export_write(HkvTable t, u64 offset, u64 end, HkvFilt
         u32 v = __shfl_up_sync(0xffffffffu, incl, off);
         if (lane >= (u32)off) incl += v;
     }
-    u64 at = offsets[b - first] + (incl - c);
+    u32 total = __shfl_sync(0xffffffffu, incl, 31);
+    u64 base = offsets[b - first];
+    u32 local = incl - c;
     while (m) {
         int j = __ffs(m) - 1;
         m &= m - 1;
         u64 pos = b * 128 + lane * 4 + j;
-        keys_out[at] = __ldg(t.keys + pos);
-        scores_out[at] = __ldg(t.scores + pos);
-        if (values_out) {
-            const float* row = hkv_row(t, pos);
-            float* o = values_out + at * t.dim;
-            for (u32 e = 0; e < t.dim; ++e) o[e] = __ldg(row + e);
+        keys_out[base + local] = __ldg(t.keys + pos);
+        scores_out[base + local] = __ldg(t.scores + pos);
+        rows[warp][local] = pos;
+        local++;
+    }
+    if (!values_out || total == 0) return;
+    __syncwarp();
+    u32 dim = t.dim;
+    if ((dim & 3) == 0) {
+        u32 n4 = dim / 4;
+        u64 all = (u64)total * n4;
+        float4* o = reinterpret_cast<float4*>(values_out + base * dim);
+        for (u64 e = lane; e < all; e += 32) {
+            u32 r = (u32)(e / n4), k = (u32)(e % n4);
+            o[e] = __ldg(reinterpret_cast<const float4*>(hkv_row(t, rows[warp][r])) + k);
         }
-        at++;
+    } else {
+        u64 all = (u64)total * dim;
+        float* o = values_out + base * dim;
+        for (u64 e = lane; e < all; e += 32) {
+            u32 r = (u32)(e / dim), k = (u32)(e % dim);
+            o[e] = __ldg(hkv_row(t, rows[warp][r]) + k);
+        }
     }
 }

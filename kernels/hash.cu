@@ -9,5 +9,5 @@ extern "C" __global__ void hash_locate(const unsigned long long* keys, unsigned 
     if (i >= n) return;
     unsigned long long h = hkv_fmix64(keys[i]);
     bucket_out[i] = (h & HKV_LOW56) % buckets;
-    digest_out[i] = (unsigned char)(h >> 56);
+    digest_out[i] = hkv_key_digest(h);
 }

@@ -9,25 +9,40 @@ __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u
                                            u64* scores, u64* ptrs, u64* cnt, const u8* only) {
     HkvGroup<G> g;
     u64 i = ((u64)blockIdx.x * blockDim.x + threadIdx.x) / G;
-    if (i >= n || (only && !only[i])) return;
-    u64 key = keys[i];
-    u64 b1, b2;
-    u8 d;
-    hkv_locate(t, key, &b1, &b2, &d);
-    u64 b = b1;
-    int s = hkv_find_in<G, false>(t, g, b1, key, d);
-    if (s < 0 && b2 != b1) {
-        b = b2;
-        s = hkv_find_in<G, false>(t, g, b2, key, d);
+    bool active = i < n && !(only && !only[i]);
+    u64 pos = 0;
+    bool hit = false;
+    if (active) {
+        u64 key = keys[i];
+        u64 b1, b2;
+        u8 d;
+        hkv_locate(t, key, &b1, &b2, &d);
+        u64 b = b1;
+        int s = hkv_find_in<G, false>(t, g, b1, key, d);
+        if (s < 0 && b2 != b1) {
+            b = b2;
+            s = hkv_find_in<G, false>(t, g, b2, key, d);
+        }
+        hit = s >= 0;
+        pos = b * 128 + s;
+        if (g.rank == 0) {
+            if (found) found[i] = hit;
+            if (hit && scores) scores[i] = __ldg(t.scores + pos);
+            if (ptrs) ptrs[i] = hit ? (u64)hkv_row(t, pos) : 0;
+            if (hit) atomicAdd(cnt + HKV_C_HITS, 1ULL);
+        }
     }
-    bool hit = s >= 0;
-    if (g.rank == 0) {
-        if (found) found[i] = hit;
-        if (hit && scores) scores[i] = __ldg(t.scores + b * 128 + s);
-        if (ptrs) ptrs[i] = hit ? (u64)hkv_row(t, b * 128 + s) : 0;
-        if (hit) atomicAdd(cnt + HKV_C_HITS, 1ULL);
+    if (!values) return;
+    // Rows in device memory: each group copies its own. Rows in host memory
+    // (warp-uniform test: the table has a host tier): the warp copies them
+    // together, in whole lines.
+    bool host = hit && pos >= t.fast_slots;
+    if (hit && !host) hkv_copy_row<G, false>(values + i * t.dim, hkv_row(t, pos), t.dim, g.rank);
+    if (t.fast_slots < t.nbuckets * 128) {
+        float* dst = host ? values + i * t.dim : 0;
+        const float* src = host ? hkv_row(t, pos) : 0;
+        hkv_copy_rows_warp<G>(g, host, dst, src, t.dim);
     }
-    if (hit && values) hkv_copy_row<G, false>(values + i * t.dim, hkv_row(t, b * 128 + s), t.dim, g.rank);
 }
 
 #define HKV_LOOKUP_KERNEL(NAME, G)                                                                              \
@@ -42,4 +57,6 @@ __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u
 // untouched. With only (may be null), key i is looked up only where
 // only[i] != 0: nothing of the others is written. lookup_find: 8 threads per key; lookup_find_g4: 4.
 HKV_LOOKUP_KERNEL(lookup_find, 8)
+HKV_LOOKUP_KERNEL(lookup_find_g1, 1)
+HKV_LOOKUP_KERNEL(lookup_find_g2, 2)
 HKV_LOOKUP_KERNEL(lookup_find_g4, 4)

@@ -84,13 +84,14 @@ __device__ __forceinline__ bool hkv_matches(const HkvFilter& f, u64 key, u64 sco
     return (key & f.key_mask) == f.key_pattern && score >= f.min_score && score <= f.max_score;
 }
 
-__device__ __forceinline__ u8 hkv_digest(u64 key) { return (u8)(hkv_fmix64(key) >> 56); }
+// The digest of a free slot; a key's digest is never it (shard/src/hash.rs).
+__device__ __forceinline__ u8 hkv_empty_digest() { return (u8)(hkv_fmix64(HKV_EMPTY_KEY) >> 56); }
 
 // Bucket 1 and digest; bucket 2 (dual mode) as shard::hash::bucket2.
 __device__ __forceinline__ void hkv_locate(const HkvTable& t, u64 key, u64* b1, u64* b2, u8* d) {
     u64 h = hkv_fmix64(key);
     *b1 = (h & HKV_LOW56) % t.nbuckets;
-    *d = (u8)(h >> 56);
+    *d = hkv_key_digest(h);
     if (t.dual) {
         u64 x = (hkv_fmix64(key ^ HKV_DUAL_SEED) & HKV_LOW56) % t.nbuckets;
         if (x == *b1 && t.nbuckets > 1) x = (x + 1) % t.nbuckets;
@@ -165,6 +166,11 @@ struct HkvGroup {
     __device__ __forceinline__ void sync() const { __syncwarp(mask); }
 };
 
+// Starts fetching the line of p into L2.
+__device__ __forceinline__ void hkv_prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 // Loads that see other SMs' writes (writers) or may use the read-only path (readers).
 template <bool CG>
 __device__ __forceinline__ u64 hkv_ld(const u64* p) {
@@ -172,50 +178,74 @@ __device__ __forceinline__ u64 hkv_ld(const u64* p) {
     return __ldg(p);
 }
 
-// Bit i set: slot rank * (128 / G) + i has digest d.
-template <int G, bool CG>
-__device__ __forceinline__ u32 hkv_match(const u8* line, u32 rank, u8 d) {
-    constexpr int SPT = 128 / G;
-    u32 pat = 0x01010101u * d;
-    u32 w[SPT / 4];
-    if constexpr (SPT == 32) {
-        const uint4* q = reinterpret_cast<const uint4*>(line) + rank * 2;
-        uint4 v = CG ? __ldcg(q) : __ldg(q);
-        uint4 u = CG ? __ldcg(q + 1) : __ldg(q + 1);
-        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
-        w[4] = u.x; w[5] = u.y; w[6] = u.z; w[7] = u.w;
-    } else if constexpr (SPT == 16) {
-        uint4 v = CG ? __ldcg(reinterpret_cast<const uint4*>(line) + rank) : __ldg(reinterpret_cast<const uint4*>(line) + rank);
-        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
-    } else if constexpr (SPT == 8) {
-        uint2 v = CG ? __ldcg(reinterpret_cast<const uint2*>(line) + rank) : __ldg(reinterpret_cast<const uint2*>(line) + rank);
-        w[0] = v.x; w[1] = v.y;
-    } else {
-        w[0] = CG ? __ldcg(reinterpret_cast<const u32*>(line) + rank) : __ldg(reinterpret_cast<const u32*>(line) + rank);
-    }
-    u32 m = 0;
-#pragma unroll
-    for (int i = 0; i < SPT / 4; ++i) {
-        u32 x = __vcmpeq4(w[i], pat);
-        u32 c = ((x >> 7) & 1u) | ((x >> 14) & 2u) | ((x >> 21) & 4u) | ((x >> 28) & 8u);
-        m |= c << (4 * i);
-    }
-    return m;
+// Match bits of one thread's SPT = 128 / G slots: bit i of w[k] stands for
+// slot rank * SPT + 64 * k + i.
+template <int SPT>
+struct HkvBits {
+    static constexpr int W = SPT > 64 ? 2 : 1;
+    u64 w[W];
+};
+
+// Four digest bytes against a repeated pattern: bit j set where byte j matches.
+__device__ __forceinline__ u32 hkv_cmp4(u32 x, u32 pat) {
+    u32 e = __vcmpeq4(x, pat);
+    return ((e >> 7) & 1u) | ((e >> 14) & 2u) | ((e >> 21) & 4u) | ((e >> 28) & 8u);
 }
 
-// The slot of `key` in bucket b, or -1 (every thread gets the answer).
+// The thread's slots whose digest is d (into m) and, when m2 is given, d2
+// (into *m2), from one read of its part of the digest line.
 template <int G, bool CG>
-__device__ __forceinline__ int hkv_find_in(const HkvTable& t, const HkvGroup<G>& g, u64 b, u64 key, u8 d) {
+__device__ __forceinline__ void hkv_match(const u8* line, u32 rank, u8 d, HkvBits<128 / G>& m, u8 d2,
+                                          HkvBits<128 / G>* m2) {
     constexpr int SPT = 128 / G;
-    u32 m = hkv_match<G, CG>(t.digests + b * 128, g.rank, d);
+    constexpr int NW = SPT / 4;
+    u32 w[NW];
+    const u8* p = line + rank * SPT;
+    if constexpr (SPT >= 16) {
+        const uint4* q = reinterpret_cast<const uint4*>(p);
+#pragma unroll
+        for (int j = 0; j < SPT / 16; ++j) {
+            uint4 v = CG ? __ldcg(q + j) : __ldg(q + j);
+            w[4 * j] = v.x;
+            w[4 * j + 1] = v.y;
+            w[4 * j + 2] = v.z;
+            w[4 * j + 3] = v.w;
+        }
+    } else if constexpr (SPT == 8) {
+        uint2 v = CG ? __ldcg(reinterpret_cast<const uint2*>(p)) : __ldg(reinterpret_cast<const uint2*>(p));
+        w[0] = v.x;
+        w[1] = v.y;
+    } else {
+        w[0] = CG ? __ldcg(reinterpret_cast<const u32*>(p)) : __ldg(reinterpret_cast<const u32*>(p));
+    }
+    u32 pat = 0x01010101u * d, pat2 = 0x01010101u * d2;
+#pragma unroll
+    for (int k = 0; k < HkvBits<SPT>::W; ++k) {
+        m.w[k] = 0;
+        if (m2) m2->w[k] = 0;
+    }
+#pragma unroll
+    for (int j = 0; j < NW; ++j) {
+        m.w[j / 16] |= (u64)hkv_cmp4(w[j], pat) << (4 * (j % 16));
+        if (m2) m2->w[j / 16] |= (u64)hkv_cmp4(w[j], pat2) << (4 * (j % 16));
+    }
+}
+
+// The lowest slot among the candidate bits m of bucket b that holds `key`,
+// or -1 (every thread of the group gets the answer).
+template <int G, bool CG>
+__device__ __forceinline__ int hkv_scan(const HkvTable& t, const HkvGroup<G>& g, u64 b, u64 key,
+                                        const HkvBits<128 / G>& m) {
+    constexpr int SPT = 128 / G;
     int mine = -1;
-    while (m) {
-        int i = __ffs(m) - 1;
-        m &= m - 1;
-        int s = g.rank * SPT + i;
-        if (hkv_ld<CG>(t.keys + b * 128 + s) == key) {
-            mine = s;
-            break;
+#pragma unroll
+    for (int k = 0; k < HkvBits<SPT>::W; ++k) {
+        u64 x = m.w[k];
+        while (x && mine < 0) {
+            int i = __ffsll(x) - 1;
+            x &= x - 1;
+            int s = g.rank * SPT + 64 * k + i;
+            if (hkv_ld<CG>(t.keys + b * 128 + s) == key) mine = s;
         }
     }
     u32 who = g.ballot(mine >= 0);
@@ -223,21 +253,34 @@ __device__ __forceinline__ int hkv_find_in(const HkvTable& t, const HkvGroup<G>&
     return g.bcast(mine, __ffs(who) - 1);
 }
 
-// Lowest free slot of bucket b, or -1 (writers, bucket locked).
+// The slot of `key` in bucket b, or -1 (every thread gets the answer).
+template <int G, bool CG>
+__device__ __forceinline__ int hkv_find_in(const HkvTable& t, const HkvGroup<G>& g, u64 b, u64 key, u8 d) {
+    HkvBits<128 / G> m;
+    hkv_match<G, CG>(t.digests + b * 128, g.rank, d, m, 0, (HkvBits<128 / G>*)0);
+    return hkv_scan<G, CG>(t, g, b, key, m);
+}
+
+// Writers (bucket locked): the slot of `key` in bucket b or -1, and the
+// bucket's free-slot candidates (empty digest) into *free, from one read of
+// the digest line.
 template <int G>
-__device__ __forceinline__ int hkv_free_slot(const HkvTable& t, const HkvGroup<G>& g, u64 b, u8 empty_d) {
+__device__ __forceinline__ int hkv_find_write(const HkvTable& t, const HkvGroup<G>& g, u64 b, u64 key, u8 d,
+                                              HkvBits<128 / G>* free) {
+    HkvBits<128 / G> m;
+    hkv_match<G, true>(t.digests + b * 128, g.rank, d, m, hkv_empty_digest(), free);
+    return hkv_scan<G, true>(t, g, b, key, m);
+}
+
+// Lowest free slot of a bucket from its free-digest bits (no key has the
+// free-slot digest, so they need no key read), or -1.
+template <int G>
+__device__ __forceinline__ int hkv_free_slot(const HkvGroup<G>& g, const HkvBits<128 / G>& free) {
     constexpr int SPT = 128 / G;
-    u32 m = hkv_match<G, true>(t.digests + b * 128, g.rank, empty_d);
     int mine = -1;
-    while (m) {
-        int i = __ffs(m) - 1;
-        m &= m - 1;
-        int s = g.rank * SPT + i;
-        if (__ldcg(t.keys + b * 128 + s) == HKV_EMPTY_KEY) {
-            mine = s;
-            break;
-        }
-    }
+#pragma unroll
+    for (int k = HkvBits<SPT>::W - 1; k >= 0; --k)
+        if (free.w[k]) mine = g.rank * SPT + 64 * k + __ffsll(free.w[k]) - 1;
     u32 who = g.ballot(mine >= 0);
     if (!who) return -1;
     return g.bcast(mine, __ffs(who) - 1);
@@ -249,14 +292,28 @@ __device__ __forceinline__ void hkv_min_slot(const HkvTable& t, const HkvGroup<G
     constexpr int SPT = 128 / G;
     const int first = g.rank * SPT;
     int bs = first;
-    u64 bv = __ldcg(t.scores + b * 128 + first);
+    u64 bv = 0xFFFFFFFFFFFFFFFFULL;
+    if constexpr (SPT > 16) {
+        // All of the thread's score lines in flight at once.
 #pragma unroll
-    for (int i = 1; i < SPT; ++i) {
-        u64 v = __ldcg(t.scores + b * 128 + first + i);
-        if (v < bv) {
-            bv = v;
-            bs = first + i;
+        for (int j = 0; j < SPT / 16; ++j) hkv_prefetch_l2(t.scores + b * 128 + first + 16 * j);
+    }
+    if constexpr (SPT >= 2) {
+        const ulonglong2* q = reinterpret_cast<const ulonglong2*>(t.scores + b * 128 + first);
+#pragma unroll 16
+        for (int j = 0; j < SPT / 2; ++j) {
+            ulonglong2 v = __ldcg(q + j);
+            if (v.x < bv) {
+                bv = v.x;
+                bs = first + 2 * j;
+            }
+            if (v.y < bv) {
+                bv = v.y;
+                bs = first + 2 * j + 1;
+            }
         }
+    } else {
+        bv = __ldcg(t.scores + b * 128 + first);
     }
 #pragma unroll
     for (int off = G / 2; off > 0; off >>= 1) {
@@ -284,10 +341,6 @@ __device__ __forceinline__ void hkv_store_release(int* p) {
     asm volatile("st.release.gpu.global.b32 [%0], 0;" ::"l"(p) : "memory");
 }
 
-__device__ __forceinline__ void hkv_prefetch_l2(const void* p) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
 template <int G>
 __device__ __forceinline__ void hkv_lock2(const HkvTable& t, const HkvGroup<G>& g, u64 b1, u64 b2) {
     if (g.rank == 0) {
@@ -308,6 +361,15 @@ __device__ __forceinline__ void hkv_unlock2(const HkvTable& t, const HkvGroup<G>
     }
 }
 
+// Starts fetching the lines of a dim-float row into L2 (the group's threads
+// share the work), so that a copy under a bucket lock waits on L2 only.
+template <int G>
+__device__ __forceinline__ void hkv_prefetch_row(const HkvGroup<G>& g, const float* row, u32 dim) {
+    if (!row) return;
+    for (u32 off = g.rank * 32; off < dim; off += G * 32) hkv_prefetch_l2(row + off);
+    if (g.rank == 0 && dim > 1) hkv_prefetch_l2(row + dim - 1);
+}
+
 // Starts fetching a bucket's digest line (and sizes word) into L2 while the
 // lock is being taken.
 __device__ __forceinline__ void hkv_prefetch_bucket(const HkvTable& t, u64 b) {
@@ -317,14 +379,77 @@ __device__ __forceinline__ void hkv_prefetch_bucket(const HkvTable& t, u64 b) {
 
 // ---- value rows, copied by the group ---------------------------------------
 
+// Each thread loads up to four 16-byte pieces before storing them, so that
+// a row in mapped host memory costs one round trip rather than one per piece.
 template <int G, bool CG>
-__device__ __forceinline__ void hkv_copy_row(float* dst, const float* src, u32 dim, u32 rank) {
+__device__ __forceinline__ void hkv_copy_row(float* __restrict__ dst, const float* __restrict__ src, u32 dim,
+                                             u32 rank) {
     if ((dim & 3) == 0) {
         const float4* s = reinterpret_cast<const float4*>(src);
         float4* o = reinterpret_cast<float4*>(dst);
-        for (u32 i = rank; i < dim / 4; i += G) o[i] = CG ? __ldcg(s + i) : __ldg(s + i);
+        u32 n4 = dim / 4;
+        for (u32 base = rank; base < n4; base += 4 * G) {
+            float4 r[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+                if (base + k * G < n4) r[k] = CG ? __ldcg(s + base + k * G) : __ldg(s + base + k * G);
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+                if (base + k * G < n4) o[base + k * G] = r[k];
+        }
     } else {
         for (u32 i = rank; i < dim; i += G) dst[i] = CG ? __ldcg(src + i) : __ldg(src + i);
+    }
+}
+
+// The whole warp copies the rows of those of its groups that pass `want`
+// (group-uniform): rows of n4 16-byte pieces (dim % 4 == 0), as many rows
+// at a time as fit in 32 lanes, so that each row is read in whole lines.
+// Every lane of the warp calls it. For rows in mapped host memory, where
+// the size of each read decides the speed.
+template <int G>
+__device__ __forceinline__ void hkv_copy_rows_warp(const HkvGroup<G>& g, bool want, float* dst, const float* src,
+                                                   u32 dim) {
+    u32 lane = threadIdx.x & 31;
+    u32 lead = __ballot_sync(0xffffffffu, want && g.rank == 0);
+    if ((dim & 3) != 0) {
+        while (lead) {
+            int from = __ffs(lead) - 1;
+            lead &= lead - 1;
+            float* o = (float*)__shfl_sync(0xffffffffu, (u64)dst, from);
+            const float* s = (const float*)__shfl_sync(0xffffffffu, (u64)src, from);
+            for (u32 e = lane; e < dim; e += 32) o[e] = __ldg(s + e);
+        }
+        return;
+    }
+    u32 n4 = dim / 4;
+    u32 per = n4 >= 32 ? 1 : 32 / n4;
+    u32 r = n4 >= 32 ? 0 : lane / n4;
+    u32 first = n4 >= 32 ? lane : lane % n4;
+    u32 step = n4 >= 32 ? 32 : n4;
+    while (lead) {
+        u32 sel = 0;
+        for (u32 k = 0; k < per && lead; ++k) {
+            sel |= lead & (0u - lead);
+            lead &= lead - 1;
+        }
+        bool mine = r < (u32)__popc(sel);
+        u32 x = sel;
+        for (u32 k = 0; k < r && x; ++k) x &= x - 1;
+        int from = mine ? __ffs(x) - 1 : 0;
+        float4* o = (float4*)__shfl_sync(0xffffffffu, (u64)dst, from);
+        const float4* s = (const float4*)__shfl_sync(0xffffffffu, (u64)src, from);
+        if (mine) {
+            float4 v[4];
+            for (u32 e = first; e < n4; e += 4 * step) {
+#pragma unroll
+                for (int k = 0; k < 4; ++k)
+                    if (e + k * step < n4) v[k] = __ldg(s + e + k * step);
+#pragma unroll
+                for (int k = 0; k < 4; ++k)
+                    if (e + k * step < n4) o[e + k * step] = v[k];
+            }
+        }
     }
 }
 

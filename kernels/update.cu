@@ -24,6 +24,7 @@ __device__ __forceinline__ void update_one(const HkvTable& t, const HkvScoring& 
     }
     bool has = scores_in != 0;
     u64 in = has ? scores_in[i] : 0;
+    if (values) hkv_prefetch_row<G>(g, values + i * t.dim, t.dim);
     hkv_lock2(t, g, b1, b2);
     u64 b = b1;
     int s = hkv_find_in<G, true>(t, g, b1, key, d);
@@ -67,7 +68,9 @@ __device__ __forceinline__ void update_one(const HkvTable& t, const HkvScoring& 
         hkv_flush_counters(hkv_cnt, counters);                                                                     \
     }
 
-// update_keys: 8 threads per key; the _g4 and _g16 variants: 4 and 16.
+// update_keys: 8 threads per key; the _gN variants: N.
 HKV_UPDATE_KERNEL(update_keys, 8)
+HKV_UPDATE_KERNEL(update_keys_g1, 1)
+HKV_UPDATE_KERNEL(update_keys_g2, 2)
 HKV_UPDATE_KERNEL(update_keys_g4, 4)
 HKV_UPDATE_KERNEL(update_keys_g16, 16)

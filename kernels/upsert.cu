@@ -29,14 +29,16 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
     bool has = scores_in != 0;
     u64 in = has ? scores_in[i] : 0;
     float* vin = values ? values + i * t.dim : 0;
+    hkv_prefetch_row<G>(g, vin, t.dim);
     u64 ptr = 0;
     int out;
     hkv_lock2(t, g, b1, b2);
     u64 b = b1;
-    int s = hkv_find_in<G, true>(t, g, b1, key, d);
+    HkvBits<128 / G> free1, free2;
+    int s = hkv_find_write<G>(t, g, b1, key, d, &free1);
     if (s < 0 && b2 != b1) {
         b = b2;
-        s = hkv_find_in<G, true>(t, g, b2, key, d);
+        s = hkv_find_write<G>(t, g, b2, key, d, &free2);
     }
     if (s >= 0) {
         u64 pos = b * 128 + s;
@@ -54,7 +56,7 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
         u64 adm = sc.verbatim ? score : hkv_admission(sc, score);
         u64 tb = b1;
         if (b2 != b1 && __ldcg(t.sizes + b2) < __ldcg(t.sizes + b1)) tb = b2;
-        int fs = hkv_free_slot<G>(t, g, tb, hkv_digest(HKV_EMPTY_KEY));
+        int fs = hkv_free_slot<G>(g, tb == b1 ? free1 : free2);
         if (fs >= 0) {
             b = tb;
             s = fs;
@@ -125,7 +127,9 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
         hkv_flush_counters(hkv_cnt, counters);                                                                     \
     }
 
-// upsert_keys: 8 threads per key; the _g4 and _g16 variants: 4 and 16.
+// upsert_keys: 8 threads per key; the _gN variants: N.
 HKV_UPSERT_KERNEL(upsert_keys, 8)
+HKV_UPSERT_KERNEL(upsert_keys_g1, 1)
+HKV_UPSERT_KERNEL(upsert_keys_g2, 2)
 HKV_UPSERT_KERNEL(upsert_keys_g4, 4)
 HKV_UPSERT_KERNEL(upsert_keys_g16, 16)

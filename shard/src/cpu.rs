@@ -25,7 +25,7 @@ use parking_lot::{Mutex, RwLock};
 use crate::check;
 use crate::config::{BucketMode, TableConfig};
 use crate::error::{Error, Result};
-use crate::hash::{bucket2, digest, locate};
+use crate::hash::{bucket2, locate, EMPTY_DIGEST};
 use crate::lock::{Group, GroupLock};
 use crate::score::{Clock, Scorer, SystemClock};
 use crate::{
@@ -57,7 +57,7 @@ struct Bucket {
 
 impl Bucket {
     fn new() -> Bucket {
-        let empty = ONES.wrapping_mul(digest(EMPTY_KEY) as u64);
+        let empty = ONES.wrapping_mul(EMPTY_DIGEST as u64);
         Bucket {
             digests: std::array::from_fn(|_| AtomicU64::new(empty)),
             keys: std::array::from_fn(|_| AtomicU64::new(EMPTY_KEY)),
@@ -168,7 +168,7 @@ impl Bucket {
     #[inline]
     fn remove(&self, s: usize) {
         self.keys[s].store(EMPTY_KEY, Relaxed);
-        self.set_digest(s, digest(EMPTY_KEY));
+        self.set_digest(s, EMPTY_DIGEST);
         self.set_score(s, 0);
         self.set_occupied(self.occupied() & !(1u128 << s));
     }

@@ -133,6 +133,20 @@ fn opt_ptr<T>(s: &Option<CudaSlice<T>>, stream: &CudaStream) -> u64 {
     s.as_ref().map_or(0, |s| ptr(s, stream))
 }
 
+/// Threads per key from the tuning variable `var` when it names one of `built`.
+fn group_size(var: &str, built: &[u64]) -> Option<u64> {
+    std::env::var(var).ok().and_then(|v| v.parse().ok()).filter(|g| built.contains(g))
+}
+
+/// The kernel variant with `g` threads per key (`base` itself is the 8-thread one).
+fn kernel_name(base: &str, g: u64) -> String {
+    if g == 8 {
+        base.to_string()
+    } else {
+        format!("{base}_g{g}")
+    }
+}
+
 fn blocks(threads: u64) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (threads.div_ceil(BLOCK as u64).max(1) as u32, 1, 1),
@@ -151,7 +165,7 @@ struct Storage {
     sizes: CudaSlice<i32>,
     locks: CudaSlice<i32>,
     fast: Option<CudaSlice<f32>>,
-    host: Vec<PinnedHostSlice<f32>>,
+    host: Vec<HostSlice>,
     _slice_ptrs: CudaSlice<u64>,
     nbuckets: u64,
     fast_slots: u64,
@@ -188,27 +202,11 @@ impl Storage {
         let per = 1u64 << shift;
         let mut host = vec![];
         let mut slice_ptrs = vec![];
+        let tier = HostTier::from_env();
         let mut left = host_slots;
         while left > 0 {
             let rows = left.min(per);
-            // SAFETY: the memory is zeroed right below before any use.
-            let mut h = unsafe {
-                t.dev.ctx.alloc_pinned_with_flags::<f32>(
-                    (rows * dim) as usize,
-                    cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE | cudarc::driver::sys::CU_MEMHOSTALLOC_DEVICEMAP,
-                )
-            }
-            .map_err(al("allocating pinned host values"))?;
-            let hp = h.as_mut_ptr().map_err(al("host values"))?;
-            // SAFETY: hp points to rows * dim f32 just allocated and owned by `h`.
-            unsafe { std::ptr::write_bytes(hp, 0, (rows * dim) as usize) };
-            let mut dp: cudarc::driver::sys::CUdeviceptr = 0;
-            // SAFETY: hp was allocated by cuMemHostAlloc with DEVICEMAP in
-            // this context; the call writes one device pointer to `dp`.
-            let r = unsafe { cudarc::driver::sys::cuMemHostGetDevicePointer_v2(&mut dp, hp as *mut _, 0) };
-            if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
-                return Err(Error::Device(format!("cuMemHostGetDevicePointer: {r:?}")));
-            }
+            let (h, dp) = HostSlice::new(t, (rows * dim) as usize, tier)?;
             slice_ptrs.push(dp);
             host.push(h);
             left -= rows;
@@ -257,6 +255,128 @@ impl Storage {
     }
 }
 
+/// How host-tier slices are allocated (`HKV_HOST_TIER`, a tuning knob):
+/// `pinned` (default) by cuMemHostAlloc, `wc` the same write-combined (the
+/// CPU reads it slowly), `thp` as transparent huge pages registered with
+/// cuMemHostRegister.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum HostTier {
+    Pinned,
+    WriteCombined,
+    HugePages,
+}
+
+impl HostTier {
+    fn from_env() -> HostTier {
+        match std::env::var("HKV_HOST_TIER").as_deref() {
+            Ok("wc") => HostTier::WriteCombined,
+            Ok("thp") => HostTier::HugePages,
+            _ => HostTier::Pinned,
+        }
+    }
+}
+
+/// One host-tier slice of values, zeroed, mapped into the device's address space.
+#[allow(dead_code)] // held for their Drop
+enum HostSlice {
+    Pinned(PinnedHostSlice<f32>),
+    Registered(Registered),
+}
+
+/// Host memory from the global allocator (2 MiB aligned, advised into huge
+/// pages), page-locked and mapped with cuMemHostRegister; unregistered and
+/// freed on drop.
+struct Registered {
+    ptr: *mut f32,
+    layout: std::alloc::Layout,
+    ctx: Arc<cudarc::driver::CudaContext>,
+}
+
+// SAFETY: the slice is plain memory owned by this value alone; kernels reach
+// it through the device mapping, and the host never reads it through `ptr`
+// while the value is shared.
+unsafe impl Send for Registered {}
+// SAFETY: as for Send: shared references never touch the memory.
+unsafe impl Sync for Registered {}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: ptr was registered by HostSlice::new and allocated with
+        // `layout`; nothing uses it after the table's storage is dropped.
+        unsafe {
+            cudarc::driver::sys::cuMemHostUnregister(self.ptr as *mut _);
+            std::alloc::dealloc(self.ptr as *mut u8, self.layout);
+        }
+    }
+}
+
+impl HostSlice {
+    /// `len` zeroed floats and their device address.
+    fn new(t: &CudaTable, len: usize, tier: HostTier) -> Result<(HostSlice, u64)> {
+        let al = |e| dev_err("allocating pinned host values")(e);
+        let (slice, hp) = match tier {
+            HostTier::Pinned | HostTier::WriteCombined => {
+                let mut flags =
+                    cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE | cudarc::driver::sys::CU_MEMHOSTALLOC_DEVICEMAP;
+                if tier == HostTier::WriteCombined {
+                    flags |= cudarc::driver::sys::CU_MEMHOSTALLOC_WRITECOMBINED;
+                }
+                // SAFETY: the memory is zeroed right below before any use.
+                let mut h = unsafe { t.dev.ctx.alloc_pinned_with_flags::<f32>(len, flags) }.map_err(al)?;
+                let hp = h.as_mut_ptr().map_err(al)?;
+                // SAFETY: hp points to len f32 just allocated and owned by `h`.
+                unsafe { std::ptr::write_bytes(hp, 0, len) };
+                (HostSlice::Pinned(h), hp as *mut std::ffi::c_void)
+            }
+            HostTier::HugePages => {
+                const HUGE: usize = 2 << 20;
+                let bytes = (len * 4).div_ceil(HUGE) * HUGE;
+                let layout = std::alloc::Layout::from_size_align(bytes, HUGE)
+                    .map_err(|e| Error::Config(format!("host slice of {bytes} bytes: {e}")))?;
+                // SAFETY: the layout has a non-zero size (len > 0).
+                let p = unsafe { std::alloc::alloc(layout) };
+                if p.is_null() {
+                    return Err(Error::Device(format!("allocating {bytes} bytes of host values")));
+                }
+                // SAFETY: p is the start of `bytes` bytes just allocated; a
+                // failed madvise leaves ordinary pages, which still work.
+                unsafe {
+                    libc::madvise(p as *mut _, bytes, libc::MADV_HUGEPAGE);
+                    std::ptr::write_bytes(p, 0, bytes);
+                }
+                let reg = Registered { ptr: p as *mut f32, layout, ctx: t.dev.ctx.clone() };
+                t.dev.ctx.bind_to_thread().map_err(al)?;
+                // SAFETY: p..p+bytes is allocated and stays so until `reg` is
+                // dropped, which unregisters it first.
+                let r = unsafe {
+                    cudarc::driver::sys::cuMemHostRegister_v2(
+                        p as *mut _,
+                        bytes,
+                        cudarc::driver::sys::CU_MEMHOSTREGISTER_PORTABLE
+                            | cudarc::driver::sys::CU_MEMHOSTREGISTER_DEVICEMAP,
+                    )
+                };
+                if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+                    // SAFETY: not registered: free it without unregistering.
+                    unsafe { std::alloc::dealloc(p, layout) };
+                    std::mem::forget(reg);
+                    return Err(Error::Device(format!("cuMemHostRegister: {r:?}")));
+                }
+                (HostSlice::Registered(reg), p as *mut std::ffi::c_void)
+            }
+        };
+        let mut dp: cudarc::driver::sys::CUdeviceptr = 0;
+        // SAFETY: hp is mapped (DEVICEMAP) in this context; the call writes
+        // one device pointer to `dp`.
+        let r = unsafe { cudarc::driver::sys::cuMemHostGetDevicePointer_v2(&mut dp, hp, 0) };
+        if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+            return Err(Error::Device(format!("cuMemHostGetDevicePointer: {r:?}")));
+        }
+        Ok((slice, dp))
+    }
+}
+
 /// A stream with its reusable device buffers; one batch at a time.
 struct Lane {
     stream: Arc<CudaStream>,
@@ -275,20 +395,71 @@ struct Lane {
 }
 
 struct Funcs {
-    /// Threads per key of the writer kernels (upsert, update): 4 (fastest
-    /// on the H200), or 8 / 16 with `HKV_WRITE_GROUP` (a tuning knob).
-    g_write: u64,
-    /// Threads per key of the lookup kernel: 4, or 8 with `HKV_LOOKUP_GROUP=8`.
-    g_lookup: u64,
-    lookup: CudaFunction,
-    upsert: CudaFunction,
-    update: CudaFunction,
+    /// Lookup kernels with 1, 2, 4 and 8 threads per key (see [`Funcs::lookup`]).
+    lookup: Vec<Variant>,
+    /// Upsert and update kernels with 1, 2, 4, 8 and 16 threads per key
+    /// (see [`Funcs::upsert`], [`Funcs::update`]).
+    upsert: Vec<Variant>,
+    update: Vec<Variant>,
+    /// Threads per key forced by `HKV_LOOKUP_GROUP` / `HKV_WRITE_GROUP`
+    /// (tuning knobs), instead of the choice below.
+    forced_lookup: Option<u64>,
+    forced_write: Option<u64>,
     erase: CudaFunction,
     erase_if: CudaFunction,
     clear: CudaFunction,
     ex_count: CudaFunction,
     ex_scan: CudaFunction,
     ex_write: CudaFunction,
+}
+
+/// A kernel and the threads it gives each key.
+#[derive(Clone)]
+struct Variant {
+    f: CudaFunction,
+    g: u64,
+}
+
+/// Load factor from which inserts take at least 2 threads per key: in a
+/// nearly full table most inserts scan a bucket's 128 scores for the
+/// minimum, which 2 threads do faster; below it, 1 thread per key keeps
+/// more keys in flight (measured on the H200, shard/BENCHMARKS.md).
+const WRITER_PAIR_FROM: f64 = 0.875;
+
+/// Threads per key so that each copies at most 8 16-byte pieces of a row
+/// of `dim` floats (copies under a bucket lock wait once per 4 pieces).
+fn copy_threads(dim: usize) -> u64 {
+    (dim.div_ceil(32) as u64).next_power_of_two()
+}
+
+/// The variant of `vs` with the fewest threads per key, at least `g`.
+fn pick(vs: &[Variant], g: u64) -> &Variant {
+    vs.iter().find(|v| v.g >= g).unwrap_or(&vs[vs.len() - 1])
+}
+
+impl Funcs {
+    /// The lookup kernel for a batch of rows of `dim` floats: 1 thread per
+    /// key when no values are copied out (contains, find*), else 2, or one
+    /// per 16 floats of a wide row.
+    fn lookup(&self, values: bool, dim: usize) -> &Variant {
+        let g = if values { (2 * copy_threads(dim)).max(2) } else { 1 };
+        pick(&self.lookup, self.forced_lookup.unwrap_or(g))
+    }
+
+    /// The upsert kernel for a table at `load`: 1 thread per key, 2 from
+    /// [`WRITER_PAIR_FROM`] on, and enough for the row copy
+    /// ([`copy_threads`]) when values are copied.
+    fn upsert(&self, load: f64, values: bool, dim: usize) -> &Variant {
+        let g = if load >= WRITER_PAIR_FROM { 2 } else { 1 };
+        let g = if values { g.max(copy_threads(dim)) } else { g };
+        pick(&self.upsert, self.forced_write.unwrap_or(g))
+    }
+
+    /// The update kernel: 2 threads per key (measured faster than 1 at
+    /// every load), or enough for the row copy.
+    fn update(&self, dim: usize) -> &Variant {
+        pick(&self.update, self.forced_write.unwrap_or(copy_threads(dim).max(2)))
+    }
 }
 
 /// Device pointers of one kernel call (0 = none).
@@ -370,18 +541,15 @@ impl CudaTable {
         let get = |id: KernelId, name: &str| {
             dev.module(id).load_function(name).map_err(|e| Error::Device(format!("kernel {name}: {e:?}")))
         };
-        let (g_write, suffix) = match std::env::var("HKV_WRITE_GROUP").as_deref() {
-            Ok("8") => (8, ""),
-            Ok("16") => (16, "_g16"),
-            _ => (4, "_g4"),
+        let variants = |id: KernelId, base: &str, gs: &[u64]| -> Result<Vec<Variant>> {
+            gs.iter().map(|&g| Ok(Variant { f: get(id, &kernel_name(base, g))?, g })).collect()
         };
-        let g8 = std::env::var("HKV_LOOKUP_GROUP").is_ok_and(|v| v == "8");
         let f = Funcs {
-            g_write,
-            g_lookup: if g8 { 8 } else { 4 },
-            lookup: get(KernelId::Lookup, if g8 { "lookup_find" } else { "lookup_find_g4" })?,
-            upsert: get(KernelId::Upsert, &format!("upsert_keys{suffix}"))?,
-            update: get(KernelId::Update, &format!("update_keys{suffix}"))?,
+            lookup: variants(KernelId::Lookup, "lookup_find", &[1, 2, 4, 8])?,
+            upsert: variants(KernelId::Upsert, "upsert_keys", &[1, 2, 4, 8, 16])?,
+            update: variants(KernelId::Update, "update_keys", &[1, 2, 4, 8, 16])?,
+            forced_lookup: group_size("HKV_LOOKUP_GROUP", &[1, 2, 4, 8]),
+            forced_write: group_size("HKV_WRITE_GROUP", &[1, 2, 4, 8, 16]),
             erase: get(KernelId::Erase, "erase_keys")?,
             erase_if: get(KernelId::Erase, "erase_if")?,
             clear: get(KernelId::Erase, "clear_table")?,
@@ -406,6 +574,11 @@ impl CudaTable {
         *t.storage.write() = Some(st);
         t.put_lane(lane);
         Ok(t)
+    }
+
+    /// Entries over slots of storage `st` (what the writer kernel choice goes by).
+    fn load(&self, st: &Storage) -> f64 {
+        self.size.load(Relaxed) as f64 / (st.nbuckets * S).max(1) as f64
     }
 
     /// The device the table lives on.
@@ -470,7 +643,8 @@ impl CudaTable {
     /// synchronised.
     unsafe fn k_lookup(&self, l: &CudaStream, st: &Storage, n: u64, p: Ptrs) -> Result<()> {
         let c = p.counters;
-        let mut b = l.launch_builder(&self.f.lookup);
+        let v = self.f.lookup(p.values != 0, self.config.dim);
+        let mut b = l.launch_builder(&v.f);
         b.arg(&st.args)
             .arg(&p.keys)
             .arg(&n)
@@ -485,7 +659,7 @@ impl CudaTable {
         // writes, where non-null,
         // values[0..n*dim], found[0..n], scores[0..n], ptrs[0..n] and 8
         // counters; every non-null buffer was sized for n keys by the caller.
-        unsafe { b.launch(blocks(n * self.f.g_lookup)) }.map_err(dev_err("launching lookup_find"))?;
+        unsafe { b.launch(blocks(n * v.g)) }.map_err(dev_err("launching lookup_find"))?;
         Ok(())
     }
 
@@ -499,7 +673,8 @@ impl CudaTable {
     /// until `l` is synchronised.
     unsafe fn k_upsert(&self, l: &CudaStream, st: &Storage, sc: ScoringArgs, n: u64, mode: i32, p: Ptrs) -> Result<()> {
         let c = p.counters;
-        let mut b = l.launch_builder(&self.f.upsert);
+        let v = self.f.upsert(self.load(st), p.values != 0, self.config.dim);
+        let mut b = l.launch_builder(&v.f);
         b.arg(&st.args)
             .arg(&sc)
             .arg(&p.keys)
@@ -520,7 +695,7 @@ impl CudaTable {
         // non-null, locks and writes the table described by args, and
         // writes outcomes[0..n], ptrs[0..n], at most n entries to each lost_*
         // array (sized for n keys, n*dim values) and 8 counters.
-        unsafe { b.launch(blocks(n * self.f.g_write)) }.map_err(dev_err("launching upsert_keys"))?;
+        unsafe { b.launch(blocks(n * v.g)) }.map_err(dev_err("launching upsert_keys"))?;
         Ok(())
     }
 
@@ -533,7 +708,8 @@ impl CudaTable {
     /// until `l` is synchronised.
     unsafe fn k_update(&self, l: &CudaStream, st: &Storage, sc: ScoringArgs, n: u64, mode: i32, p: Ptrs) -> Result<()> {
         let c = p.counters;
-        let mut b = l.launch_builder(&self.f.update);
+        let v = self.f.update(self.config.dim);
+        let mut b = l.launch_builder(&v.f);
         b.arg(&st.args)
             .arg(&sc)
             .arg(&p.keys)
@@ -549,7 +725,7 @@ impl CudaTable {
         // scores[0..n] where non-null, writes present entries of the table
         // under its bucket locks, and writes outcomes[0..n] and absent
         // flags[0..n] where non-null and 8 counters.
-        unsafe { b.launch(blocks(n * self.f.g_write)) }.map_err(dev_err("launching update_keys"))?;
+        unsafe { b.launch(blocks(n * v.g)) }.map_err(dev_err("launching update_keys"))?;
         Ok(())
     }
 

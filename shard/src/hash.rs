@@ -2,14 +2,17 @@
 //!
 //! Single mode: `h1 = fmix64(key)` (the Murmur3 64-bit finalizer);
 //! bucket = `(h1 & LOW56) % buckets`; digest = `h1 >> 56`, bits the bucket
-//! index never reads, so digest collisions inside a bucket stay at 1/256.
+//! index never reads, so digest collisions inside a bucket stay near 1/256.
+//! The digest of a free slot, [`EMPTY_DIGEST`], is never a key's: a key
+//! whose top byte equals it takes that byte with its low bit flipped, so a
+//! slot's digest alone says whether the slot is free.
 //! Dual mode adds `h2 = fmix64(key ^ DUAL_SEED)`, an independent mix, for the
 //! second bucket; the digest stays the one of `h1` in both buckets.
 //! Shard choice (the daemon's router) uses [`shard_of`], a third mix.
 
 /// Murmur3's 64-bit finalizer: full avalanche, cheap on CPU and GPU.
 #[inline(always)]
-pub fn fmix64(mut k: u64) -> u64 {
+pub const fn fmix64(mut k: u64) -> u64 {
     k ^= k >> 33;
     k = k.wrapping_mul(0xff51_afd7_ed55_8ccd);
     k ^= k >> 33;
@@ -24,17 +27,32 @@ pub const DUAL_SEED: u64 = 0x9e37_79b9_7f4a_7c15;
 /// XORed into the key before the shard mix.
 pub const SHARD_SEED: u64 = 0xd6e8_feb8_6659_fd93;
 
+/// The digest of a free slot: the top byte of `fmix64(EMPTY_KEY)`.
+pub const EMPTY_DIGEST: u8 = (fmix64(crate::EMPTY_KEY) >> 56) as u8;
+
+/// A key's digest from its hash: the top byte, never [`EMPTY_DIGEST`].
+#[inline(always)]
+const fn key_digest(h: u64) -> u8 {
+    let d = (h >> 56) as u8;
+    if d == EMPTY_DIGEST {
+        d ^ 1
+    } else {
+        d
+    }
+}
+
 /// Bucket (single mode) and digest of a key from one hash.
 #[inline(always)]
 pub fn locate(key: u64, buckets: u64) -> (u64, u8) {
     let h = fmix64(key);
-    ((h & LOW56) % buckets, (h >> 56) as u8)
+    ((h & LOW56) % buckets, key_digest(h))
 }
 
-/// The digest byte of a key: the top byte of `fmix64(key)`.
+/// The digest byte of a key: the top byte of `fmix64(key)`, its low bit
+/// flipped where it would equal [`EMPTY_DIGEST`].
 #[inline(always)]
 pub fn digest(key: u64) -> u8 {
-    (fmix64(key) >> 56) as u8
+    key_digest(fmix64(key))
 }
 
 /// The first (single-mode) bucket of a key.
@@ -72,6 +90,24 @@ mod tests {
         // Murmur3 fmix64 of 0 is 0; of 1 it is this well-known constant.
         assert_eq!(fmix64(0), 0);
         assert_eq!(fmix64(1), 0xb456_bcfc_34c2_cb2c);
+    }
+
+    #[test]
+    fn no_key_has_the_free_slot_digest() {
+        let mut flipped = 0;
+        for k in 0..1_000_000u64 {
+            let raw = (fmix64(k) >> 56) as u8;
+            assert_ne!(digest(k), EMPTY_DIGEST);
+            assert_eq!(locate(k, 1000).1, digest(k));
+            if raw == EMPTY_DIGEST {
+                assert_eq!(digest(k), EMPTY_DIGEST ^ 1);
+                flipped += 1;
+            } else {
+                assert_eq!(digest(k), raw);
+            }
+        }
+        // About 1 key in 256 has the free-slot byte.
+        assert!((3_000..5_000).contains(&flipped), "{flipped}");
     }
 
     #[test]
