@@ -165,7 +165,7 @@ struct Storage {
     sizes: CudaSlice<i32>,
     locks: CudaSlice<i32>,
     fast: Option<CudaSlice<f32>>,
-    host: Vec<HostSlice>,
+    host: Vec<PinnedHostSlice<f32>>,
     _slice_ptrs: CudaSlice<u64>,
     nbuckets: u64,
     fast_slots: u64,
@@ -202,11 +202,27 @@ impl Storage {
         let per = 1u64 << shift;
         let mut host = vec![];
         let mut slice_ptrs = vec![];
-        let tier = HostTier::from_env();
         let mut left = host_slots;
         while left > 0 {
             let rows = left.min(per);
-            let (h, dp) = HostSlice::new(t, (rows * dim) as usize, tier)?;
+            // SAFETY: the memory is zeroed right below before any use.
+            let mut h = unsafe {
+                t.dev.ctx.alloc_pinned_with_flags::<f32>(
+                    (rows * dim) as usize,
+                    cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE | cudarc::driver::sys::CU_MEMHOSTALLOC_DEVICEMAP,
+                )
+            }
+            .map_err(al("allocating pinned host values"))?;
+            let hp = h.as_mut_ptr().map_err(al("host values"))?;
+            // SAFETY: hp points to rows * dim f32 just allocated and owned by `h`.
+            unsafe { std::ptr::write_bytes(hp, 0, (rows * dim) as usize) };
+            let mut dp: cudarc::driver::sys::CUdeviceptr = 0;
+            // SAFETY: hp was allocated by cuMemHostAlloc with DEVICEMAP in
+            // this context; the call writes one device pointer to `dp`.
+            let r = unsafe { cudarc::driver::sys::cuMemHostGetDevicePointer_v2(&mut dp, hp as *mut _, 0) };
+            if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+                return Err(Error::Device(format!("cuMemHostGetDevicePointer: {r:?}")));
+            }
             slice_ptrs.push(dp);
             host.push(h);
             left -= rows;
@@ -252,128 +268,6 @@ impl Storage {
         unsafe { l.launch(blocks(slots)) }.map_err(dev_err("launching clear_table"))?;
         stream.synchronize().map_err(dev_err("initialising the table"))?;
         Ok(st)
-    }
-}
-
-/// How host-tier slices are allocated (`HKV_HOST_TIER`, a tuning knob):
-/// `pinned` (default) by cuMemHostAlloc, `wc` the same write-combined (the
-/// CPU reads it slowly), `thp` as transparent huge pages registered with
-/// cuMemHostRegister.
-#[derive(Clone, Copy, PartialEq, Debug)]
-enum HostTier {
-    Pinned,
-    WriteCombined,
-    HugePages,
-}
-
-impl HostTier {
-    fn from_env() -> HostTier {
-        match std::env::var("HKV_HOST_TIER").as_deref() {
-            Ok("wc") => HostTier::WriteCombined,
-            Ok("thp") => HostTier::HugePages,
-            _ => HostTier::Pinned,
-        }
-    }
-}
-
-/// One host-tier slice of values, zeroed, mapped into the device's address space.
-#[allow(dead_code)] // held for their Drop
-enum HostSlice {
-    Pinned(PinnedHostSlice<f32>),
-    Registered(Registered),
-}
-
-/// Host memory from the global allocator (2 MiB aligned, advised into huge
-/// pages), page-locked and mapped with cuMemHostRegister; unregistered and
-/// freed on drop.
-struct Registered {
-    ptr: *mut f32,
-    layout: std::alloc::Layout,
-    ctx: Arc<cudarc::driver::CudaContext>,
-}
-
-// SAFETY: the slice is plain memory owned by this value alone; kernels reach
-// it through the device mapping, and the host never reads it through `ptr`
-// while the value is shared.
-unsafe impl Send for Registered {}
-// SAFETY: as for Send: shared references never touch the memory.
-unsafe impl Sync for Registered {}
-
-impl Drop for Registered {
-    fn drop(&mut self) {
-        let _ = self.ctx.bind_to_thread();
-        // SAFETY: ptr was registered by HostSlice::new and allocated with
-        // `layout`; nothing uses it after the table's storage is dropped.
-        unsafe {
-            cudarc::driver::sys::cuMemHostUnregister(self.ptr as *mut _);
-            std::alloc::dealloc(self.ptr as *mut u8, self.layout);
-        }
-    }
-}
-
-impl HostSlice {
-    /// `len` zeroed floats and their device address.
-    fn new(t: &CudaTable, len: usize, tier: HostTier) -> Result<(HostSlice, u64)> {
-        let al = |e| dev_err("allocating pinned host values")(e);
-        let (slice, hp) = match tier {
-            HostTier::Pinned | HostTier::WriteCombined => {
-                let mut flags =
-                    cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE | cudarc::driver::sys::CU_MEMHOSTALLOC_DEVICEMAP;
-                if tier == HostTier::WriteCombined {
-                    flags |= cudarc::driver::sys::CU_MEMHOSTALLOC_WRITECOMBINED;
-                }
-                // SAFETY: the memory is zeroed right below before any use.
-                let mut h = unsafe { t.dev.ctx.alloc_pinned_with_flags::<f32>(len, flags) }.map_err(al)?;
-                let hp = h.as_mut_ptr().map_err(al)?;
-                // SAFETY: hp points to len f32 just allocated and owned by `h`.
-                unsafe { std::ptr::write_bytes(hp, 0, len) };
-                (HostSlice::Pinned(h), hp as *mut std::ffi::c_void)
-            }
-            HostTier::HugePages => {
-                const HUGE: usize = 2 << 20;
-                let bytes = (len * 4).div_ceil(HUGE) * HUGE;
-                let layout = std::alloc::Layout::from_size_align(bytes, HUGE)
-                    .map_err(|e| Error::Config(format!("host slice of {bytes} bytes: {e}")))?;
-                // SAFETY: the layout has a non-zero size (len > 0).
-                let p = unsafe { std::alloc::alloc(layout) };
-                if p.is_null() {
-                    return Err(Error::Device(format!("allocating {bytes} bytes of host values")));
-                }
-                // SAFETY: p is the start of `bytes` bytes just allocated; a
-                // failed madvise leaves ordinary pages, which still work.
-                unsafe {
-                    libc::madvise(p as *mut _, bytes, libc::MADV_HUGEPAGE);
-                    std::ptr::write_bytes(p, 0, bytes);
-                }
-                let reg = Registered { ptr: p as *mut f32, layout, ctx: t.dev.ctx.clone() };
-                t.dev.ctx.bind_to_thread().map_err(al)?;
-                // SAFETY: p..p+bytes is allocated and stays so until `reg` is
-                // dropped, which unregisters it first.
-                let r = unsafe {
-                    cudarc::driver::sys::cuMemHostRegister_v2(
-                        p as *mut _,
-                        bytes,
-                        cudarc::driver::sys::CU_MEMHOSTREGISTER_PORTABLE
-                            | cudarc::driver::sys::CU_MEMHOSTREGISTER_DEVICEMAP,
-                    )
-                };
-                if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
-                    // SAFETY: not registered: free it without unregistering.
-                    unsafe { std::alloc::dealloc(p, layout) };
-                    std::mem::forget(reg);
-                    return Err(Error::Device(format!("cuMemHostRegister: {r:?}")));
-                }
-                (HostSlice::Registered(reg), p as *mut std::ffi::c_void)
-            }
-        };
-        let mut dp: cudarc::driver::sys::CUdeviceptr = 0;
-        // SAFETY: hp is mapped (DEVICEMAP) in this context; the call writes
-        // one device pointer to `dp`.
-        let r = unsafe { cudarc::driver::sys::cuMemHostGetDevicePointer_v2(&mut dp, hp, 0) };
-        if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
-            return Err(Error::Device(format!("cuMemHostGetDevicePointer: {r:?}")));
-        }
-        Ok((slice, dp))
     }
 }
 
