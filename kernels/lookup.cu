@@ -1,6 +1,7 @@
 // lookup family: find, contains and find* (value addresses). Reader group:
-// no writer runs meanwhile, so no lock is taken. Thread mapping: G = 8
-// threads per key (each loads 16 digest bytes), 32 keys per 256-thread block.
+// no writer runs meanwhile, so no lock is taken. Thread mapping: G = 1, 2,
+// 4 or 8 threads per key (each loads 128 / G digest bytes), 256 / G keys per
+// 256-thread block; the host picks G per batch (cuda_table::Funcs).
 // Memory traffic per key: the key, one digest line (two in dual mode), ~1 key
 // read per digest match, and on a hit the value row read and written.
 
@@ -55,7 +56,7 @@ __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u
 
 // values / found / scores / ptrs may each be null. Misses leave values
 // untouched. With only (may be null), key i is looked up only where
-// only[i] != 0: nothing of the others is written. lookup_find: 8 threads per key; lookup_find_g4: 4.
+// only[i] != 0: nothing of the others is written. lookup_find: 8 threads per key; lookup_find_gN: N.
 HKV_LOOKUP_KERNEL(lookup_find, 8)
 HKV_LOOKUP_KERNEL(lookup_find_g1, 1)
 HKV_LOOKUP_KERNEL(lookup_find_g2, 2)

@@ -1,7 +1,7 @@
 // update family: assign, assign_scores and the accumulate phase of
 // accum_or_assign, on present keys only. Updater group: batches of this
 // family may run together, so buckets are locked per key as writers do.
-// Thread mapping: G = 8 threads per key (4 and 16 also built).
+// Thread mapping: G = 1, 2, 4, 8 or 16 threads per key, picked by the host.
 
 #define HKV_UPD_ASSIGN 0
 #define HKV_UPD_SCORES 1
