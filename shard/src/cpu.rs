@@ -527,14 +527,17 @@ impl CpuTable {
         }
     }
 
-    /// Touches the digest lines of the next keys a writer will visit, so that
-    /// their misses overlap.
+    /// Touches what a writer reads first in the buckets of its next keys
+    /// (both halves of the digest line, and the line of the occupancy bits
+    /// and mutex), so that their misses overlap.
     #[inline]
     fn touch(&self, st: &Storage, keys: &[u64]) {
         let mut sink = 0u64;
         for &k in keys {
             let (b1, _) = locate(k, st.nbuckets);
-            sink = sink.wrapping_add(st.buckets[b1 as usize].digests[0].load(Relaxed));
+            let bk = &st.buckets[b1 as usize];
+            sink = sink.wrapping_add(bk.digests[0].load(Relaxed) ^ bk.digests[8].load(Relaxed));
+            sink = sink.wrapping_add(bk.occupied[0].load(Relaxed));
         }
         black_box(sink);
     }
