@@ -13,7 +13,9 @@
 //! `scores[128]` (u64). Values (`f32 × dim`) are addressed by position —
 //! bucket and slot — never by pointer. A lookup compares the 128 digests of
 //! its bucket 8 bytes at a time (SWAR) and reads a key only where the digest
-//! matches, so a miss costs one digest line plus ~0.5 key reads.
+//! matches, so a miss costs one digest line plus ~0.5 key reads. A free
+//! slot's digest is [`hash::EMPTY_DIGEST`], which no key has, so the GPU
+//! kernels find the lowest free slot from the digest line alone.
 //!
 //! ## Placement and eviction
 //! Single mode: a key lives only in bucket `h1 % buckets` ([`hash`]). A new
