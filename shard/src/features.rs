@@ -1,6 +1,6 @@
 //! Feature hashing: raw categorical features to table keys, bit-identical to
 //! TensorFlow's string hashing ops, on the CPU (this file) and on the GPU
-//! (`kernels/features.cu`, launched by [`crate::cuda::Device::hash_features`]).
+//! (`kernels/features.cu`, launched by [`crate::cuda::FeatureHasher`]).
 //!
 //! - [`HashKind::Fingerprint64`]: FarmHash Fingerprint64 (farmhashna
 //!   `Hash64`), what `tf.strings.to_hash_bucket_fast` uses.
