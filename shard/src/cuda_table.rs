@@ -138,6 +138,16 @@ fn group_size(var: &str, built: &[u64]) -> Option<u64> {
     std::env::var(var).ok().and_then(|v| v.parse().ok()).filter(|g| built.contains(g))
 }
 
+/// The update kernels: bucket locks (`update_keys`), or slot locks
+/// (`update_slot_keys`) with `HKV_UPDATE_LOCK=slot`, an experiment.
+fn update_base() -> &'static str {
+    if std::env::var("HKV_UPDATE_LOCK").is_ok_and(|v| v == "slot") {
+        "update_slot_keys"
+    } else {
+        "update_keys"
+    }
+}
+
 /// The kernel variant with `g` threads per key (`base` itself is the 8-thread one).
 fn kernel_name(base: &str, g: u64) -> String {
     if g == 8 {
@@ -441,7 +451,7 @@ impl CudaTable {
         let f = Funcs {
             lookup: variants(KernelId::Lookup, "lookup_find", &[1, 2, 4, 8])?,
             upsert: variants(KernelId::Upsert, "upsert_keys", &[1, 2, 4, 8, 16])?,
-            update: variants(KernelId::Update, "update_keys", &[1, 2, 4, 8, 16])?,
+            update: variants(KernelId::Update, update_base(), &[1, 2, 4, 8, 16])?,
             forced_lookup: group_size("HKV_LOOKUP_GROUP", &[1, 2, 4, 8]),
             forced_write: group_size("HKV_WRITE_GROUP", &[1, 2, 4, 8, 16]),
             erase: get(KernelId::Erase, "erase_keys")?,
