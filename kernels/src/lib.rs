@@ -33,11 +33,11 @@ pub enum KernelId {
     Hash,
     /// `features.cu`: `features_int64`, `features_strings`.
     Features,
-    /// `lookup.cu`: `lookup_find`.
+    /// `lookup.cu`: `lookup_find` (and its `_gN` variants).
     Lookup,
-    /// `upsert.cu`: `upsert_keys`.
+    /// `upsert.cu`: `upsert_keys` (and its `_gN` variants).
     Upsert,
-    /// `update.cu`: `update_keys`.
+    /// `update.cu`: `update_keys`, `update_slot_keys` (and their `_gN` variants).
     Update,
     /// `erase.cu`: `erase_keys`, `erase_if`, `clear_table`.
     Erase,
@@ -98,9 +98,22 @@ impl KernelId {
         match self {
             KernelId::Hash => &["hash_locate"],
             KernelId::Features => &["features_int64", "features_strings"],
-            KernelId::Lookup => &["lookup_find", "lookup_find_g4"],
-            KernelId::Upsert => &["upsert_keys", "upsert_keys_g4", "upsert_keys_g16"],
-            KernelId::Update => &["update_keys", "update_keys_g4", "update_keys_g16"],
+            KernelId::Lookup => &["lookup_find", "lookup_find_g1", "lookup_find_g2", "lookup_find_g4"],
+            KernelId::Upsert => {
+                &["upsert_keys", "upsert_keys_g1", "upsert_keys_g2", "upsert_keys_g4", "upsert_keys_g16"]
+            }
+            KernelId::Update => &[
+                "update_keys",
+                "update_keys_g1",
+                "update_keys_g2",
+                "update_keys_g4",
+                "update_keys_g16",
+                "update_slot_keys",
+                "update_slot_keys_g1",
+                "update_slot_keys_g2",
+                "update_slot_keys_g4",
+                "update_slot_keys_g16",
+            ],
             KernelId::Erase => &["erase_keys", "erase_if", "clear_table"],
             KernelId::Export => &["export_count", "export_scan", "export_write"],
             KernelId::Route => &[

@@ -1942,3 +1942,38 @@ impl Shard for CudaTable {
             .clock_floor()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn row_copies_get_one_thread_per_32_floats() {
+        let got: Vec<u64> = [1, 8, 32, 33, 64, 100, 128, 256, 512].iter().map(|&d| copy_threads(d)).collect();
+        assert_eq!(got, [1, 1, 1, 2, 2, 4, 4, 8, 16]);
+    }
+
+    #[test]
+    fn kernel_names_follow_the_threads_per_key() {
+        assert_eq!(kernel_name("upsert_keys", 8), "upsert_keys");
+        assert_eq!(kernel_name("upsert_keys", 1), "upsert_keys_g1");
+        assert_eq!(kernel_name("lookup_find", 16), "lookup_find_g16");
+    }
+
+    #[test]
+    fn every_kernel_variant_the_host_asks_for_is_built() {
+        use hkv_kernels::KernelId;
+        let asked = [
+            (KernelId::Lookup, "lookup_find", &[1u64, 2, 4, 8][..]),
+            (KernelId::Upsert, "upsert_keys", &[1, 2, 4, 8, 16][..]),
+            (KernelId::Update, "update_keys", &[1, 2, 4, 8, 16][..]),
+            (KernelId::Update, "update_slot_keys", &[1, 2, 4, 8, 16][..]),
+        ];
+        for (id, base, gs) in asked {
+            for &g in gs {
+                let name = kernel_name(base, g);
+                assert!(id.symbols().contains(&name.as_str()), "{name} is not built in {id:?}");
+            }
+        }
+    }
+}
