@@ -320,7 +320,7 @@ fn main() -> Result<()> {
                     continue;
                 }
                 match b.measure(op, lambda)? {
-                    Some(x) => row += &format!(" | {x:.4}"),
+                    Some(x) => row += &format!(" | {x:.5}"),
                     None => row += " | n/a",
                 }
             }
@@ -332,7 +332,7 @@ fn main() -> Result<()> {
             println!("\nmoka 0.12 sync::Cache, same capacity, dim {dim}, all cores (B-KV/s)\n");
             println!("| λ | insert | find |\n|---:|---:|---:|");
             for (l, ins, find) in moka_row(a.capacity, dim, a.batch, a.runs, &a.lambdas) {
-                println!("| {l:.2} | {ins:.4} | {find:.4} |");
+                println!("| {l:.2} | {ins:.5} | {find:.5} |");
             }
         }
     }
