@@ -5,9 +5,6 @@
 // from one byte buffer plus n + 1 offsets. Kind 0 = FarmHash Fingerprint64,
 // kind 1 = SipHash-2-4 keyed by (k0, k1). key = hash % num_buckets (u64).
 
-typedef unsigned long long u64;
-typedef unsigned int u32;
-
 #define FH_K0 0xc3a5c85c97cb3127ULL
 #define FH_K1 0xb492b66fbe98f273ULL
 #define FH_K2 0x9ae16a3b2f90404fULL

@@ -12,10 +12,6 @@
 //
 // The shard mix mirrors shard/src/hash.rs::shard_of bit for bit.
 
-typedef unsigned long long u64;
-typedef unsigned int u32;
-typedef unsigned char u8;
-
 #define HKV_SHARD_SEED 0xd6e8feb86659fd93ULL
 #define HKV_ROUTE_MAX 8
 #define HKV_TILE 1024
@@ -112,36 +108,21 @@ __device__ __forceinline__ void rows_gather(const T* src, T* dst, const u32* pos
     dst[e] = src[p * w + j];
 }
 
+// The row kernels over words of type T.
 // Launch: ceil(n * w / 256) blocks of 256 threads.
-extern "C" __global__ void rows_scatter_u8(const u8* src, u8* dst, const u32* pos, u64 n, u64 w,
-                                           const u8* dest, u32 me) {
-    rows_scatter<u8>(src, dst, pos, n, w, dest, me);
-}
-extern "C" __global__ void rows_gather_u8(const u8* src, u8* dst, const u32* pos, const u8* mask, u64 n,
-                                          u64 w, const u8* dest, u32 me) {
-    rows_gather<u8>(src, dst, pos, mask, n, w, dest, me);
-}
-extern "C" __global__ void rows_scatter_u64(const u64* src, u64* dst, const u32* pos, u64 n, u64 w,
-                                           const u8* dest, u32 me) {
-    rows_scatter<u64>(src, dst, pos, n, w, dest, me);
-}
-extern "C" __global__ void rows_gather_u64(const u64* src, u64* dst, const u32* pos, const u8* mask, u64 n,
-                                          u64 w, const u8* dest, u32 me) {
-    rows_gather<u64>(src, dst, pos, mask, n, w, dest, me);
-}
-extern "C" __global__ void rows_scatter_f32(const float* src, float* dst, const u32* pos, u64 n, u64 w,
-                                           const u8* dest, u32 me) {
-    rows_scatter<float>(src, dst, pos, n, w, dest, me);
-}
-extern "C" __global__ void rows_gather_f32(const float* src, float* dst, const u32* pos, const u8* mask, u64 n,
-                                          u64 w, const u8* dest, u32 me) {
-    rows_gather<float>(src, dst, pos, mask, n, w, dest, me);
-}
-extern "C" __global__ void rows_scatter_f128(const float4* src, float4* dst, const u32* pos, u64 n, u64 w,
-                                           const u8* dest, u32 me) {
-    rows_scatter<float4>(src, dst, pos, n, w, dest, me);
-}
-extern "C" __global__ void rows_gather_f128(const float4* src, float4* dst, const u32* pos, const u8* mask, u64 n,
-                                          u64 w, const u8* dest, u32 me) {
-    rows_gather<float4>(src, dst, pos, mask, n, w, dest, me);
-}
+#define HKV_SCATTER_KERNEL(NAME, T)                                                                              \
+    extern "C" __global__ void NAME(const T* src, T* dst, const u32* pos, u64 n, u64 w, const u8* dest, u32 me) { \
+        rows_scatter<T>(src, dst, pos, n, w, dest, me);                                                           \
+    }
+#define HKV_GATHER_KERNEL(NAME, T)                                                                               \
+    extern "C" __global__ void NAME(const T* src, T* dst, const u32* pos, const u8* mask, u64 n, u64 w,          \
+                                    const u8* dest, u32 me) {                                                     \
+        rows_gather<T>(src, dst, pos, mask, n, w, dest, me);                                                      \
+    }
+
+HKV_GATHER_KERNEL(rows_gather_u8, u8)
+HKV_SCATTER_KERNEL(rows_scatter_u64, u64)
+HKV_SCATTER_KERNEL(rows_scatter_f32, float)
+HKV_GATHER_KERNEL(rows_gather_f32, float)
+HKV_SCATTER_KERNEL(rows_scatter_f128, float4)
+HKV_GATHER_KERNEL(rows_gather_f128, float4)

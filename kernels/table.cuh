@@ -18,10 +18,6 @@
 // groups guarantee it) and take no lock. Writer kernels read bucket state
 // with ld.cg (L2), so that an entry written by another SM is seen.
 
-typedef unsigned long long u64;
-typedef unsigned int u32;
-typedef unsigned char u8;
-
 #define HKV_EMPTY_KEY 0xFFFFFFFFFFFFFFFFULL
 
 // Policies, in the order of ScorePolicy.
@@ -86,9 +82,6 @@ struct HkvFilter {
 __device__ __forceinline__ bool hkv_matches(const HkvFilter& f, u64 key, u64 score) {
     return (key & f.key_mask) == f.key_pattern && score >= f.min_score && score <= f.max_score;
 }
-
-// The digest of a free slot; a key's digest is never it (shard/src/hash.rs).
-__device__ __forceinline__ u8 hkv_empty_digest() { return (u8)(hkv_fmix64(HKV_EMPTY_KEY) >> 56); }
 
 // Bucket 1 and digest; bucket 2 (dual mode) as shard::hash::bucket2.
 __device__ __forceinline__ void hkv_locate(const HkvTable& t, u64 key, u64* b1, u64* b2, u8* d) {
@@ -234,23 +227,28 @@ __device__ __forceinline__ void hkv_match(const u8* line, u32 rank, u8 d, HkvBit
     }
 }
 
+// The thread's first candidate slot (bits m, in slot order) for which
+// take(slot) is true, or -1; take is called on candidates until one is.
+template <int SPT, typename Take>
+__device__ __forceinline__ int hkv_first(const HkvBits<SPT>& m, u32 rank, Take take) {
+#pragma unroll
+    for (int k = 0; k < HkvBits<SPT>::W; ++k) {
+        u64 x = m.w[k];
+        while (x) {
+            int s = rank * SPT + 64 * k + __ffsll(x) - 1;
+            x &= x - 1;
+            if (take(s)) return s;
+        }
+    }
+    return -1;
+}
+
 // The lowest slot among the candidate bits m of bucket b that holds `key`,
 // or -1 (every thread of the group gets the answer).
 template <int G, bool CG>
 __device__ __forceinline__ int hkv_scan(const HkvTable& t, const HkvGroup<G>& g, u64 b, u64 key,
                                         const HkvBits<128 / G>& m) {
-    constexpr int SPT = 128 / G;
-    int mine = -1;
-#pragma unroll
-    for (int k = 0; k < HkvBits<SPT>::W; ++k) {
-        u64 x = m.w[k];
-        while (x && mine < 0) {
-            int i = __ffsll(x) - 1;
-            x &= x - 1;
-            int s = g.rank * SPT + 64 * k + i;
-            if (hkv_ld<CG>(t.keys + b * 128 + s) == key) mine = s;
-        }
-    }
+    int mine = hkv_first(m, g.rank, [&](int s) { return hkv_ld<CG>(t.keys + b * 128 + s) == key; });
     u32 who = g.ballot(mine >= 0);
     if (!who) return -1;
     return g.bcast(mine, __ffs(who) - 1);

@@ -36,21 +36,13 @@ __device__ __forceinline__ int hkv_claim(const HkvTable& t, const HkvGroup<G>& g
     HkvBits<SPT> m;
     hkv_match<G, true>(t.digests + b * 128, g.rank, d, m, 0, (HkvBits<SPT>*)0);
     for (;;) {
-        int mine = -1;
         bool busy = false;
-#pragma unroll
-        for (int k = 0; k < HkvBits<SPT>::W; ++k) {
-            u64 x = m.w[k];
-            while (x && mine < 0) {
-                int i = __ffsll(x) - 1;
-                x &= x - 1;
-                int s = g.rank * SPT + 64 * k + i;
-                hkv_prefetch_l2(t.scores + b * 128 + s);
-                u64 old = hkv_cas64_acquire(t.keys + b * 128 + s, key, HKV_LOCKED_KEY);
-                if (old == key) mine = s;
-                else if (old == HKV_LOCKED_KEY) busy = true;
-            }
-        }
+        int mine = hkv_first(m, g.rank, [&](int s) {
+            hkv_prefetch_l2(t.scores + b * 128 + s);
+            u64 old = hkv_cas64_acquire(t.keys + b * 128 + s, key, HKV_LOCKED_KEY);
+            busy |= old == HKV_LOCKED_KEY;
+            return old == key;
+        });
         u32 who = g.ballot(mine >= 0);
         if (who) return g.bcast(mine, __ffs(who) - 1);
         if (!g.ballot(busy)) return -1;
