@@ -125,11 +125,13 @@ fn filter_args(f: &Filter) -> FilterArgs {
 
 /// The raw device address of a buffer (event tracking is off for the
 /// table's context: every lane synchronises its own stream).
-fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+/// The device address of a buffer, for a kernel argument.
+pub(crate) fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
     s.device_ptr(stream).0
 }
 
-fn opt_ptr<T>(s: &Option<CudaSlice<T>>, stream: &CudaStream) -> u64 {
+/// The device address of a buffer, or 0 when there is none.
+pub(crate) fn opt_ptr<T>(s: &Option<CudaSlice<T>>, stream: &CudaStream) -> u64 {
     s.as_ref().map_or(0, |s| ptr(s, stream))
 }
 
@@ -519,6 +521,18 @@ pub struct Counts {
     pub lost: u64,
     /// Entries erased.
     pub erased: u64,
+}
+
+impl Counts {
+    /// Sums the counts of two batches (or of two GPUs' parts of one).
+    pub fn merge(self, o: Counts) -> Counts {
+        Counts {
+            hits: self.hits + o.hits,
+            summary: self.summary.merge(o.summary),
+            lost: self.lost + o.lost,
+            erased: self.erased + o.erased,
+        }
+    }
 }
 
 fn counts(c: &[u64]) -> Counts {

@@ -44,11 +44,11 @@ use parking_lot::Mutex;
 
 use crate::config::TableConfig;
 use crate::cuda::{dev_err, ensure, shared_device, Device, FeatureHasher};
-use crate::cuda_table::{Counts, CudaTable, DeviceOp, Pending, Ptrs, Raw};
+use crate::cuda_table::{opt_ptr, ptr, Counts, CudaTable, DeviceOp, Pending, Ptrs, Raw};
 use crate::error::{Error, Result};
 use crate::features::{Features, HashKind};
 use crate::hash::shard_of;
-use crate::{Filter, Shard, Summary, BUCKET_SLOTS};
+use crate::{Filter, Shard, BUCKET_SLOTS};
 
 /// Most GPUs in a group (the route kernels count per destination in
 /// shared memory).
@@ -221,18 +221,6 @@ struct HostOwner {
     rows: Vec<f32>,
 }
 
-fn addr<T>(s: &Option<CudaSlice<T>>, stream: &CudaStream) -> u64 {
-    s.as_ref().map_or(0, |b| {
-        let (p, _) = cudarc::driver::DevicePtr::device_ptr(b, stream);
-        p
-    })
-}
-
-fn addr_of<T>(b: &CudaSlice<T>, stream: &CudaStream) -> u64 {
-    let (p, _) = cudarc::driver::DevicePtr::device_ptr(b, stream);
-    p
-}
-
 fn grid(threads: u64, block: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (threads.div_ceil(block as u64).max(1) as u32, 1, 1),
@@ -304,9 +292,9 @@ impl Node {
             return Ok(());
         }
         let (n64, nr) = (n as u64, shards as u32);
-        let (dest, tc) = (addr(&b.dest, &s), addr(&b.tile_counts, &s));
+        let (dest, tc) = (opt_ptr(&b.dest, &s), opt_ptr(&b.tile_counts, &s));
         let (me, mine) = match me {
-            Some(m) => (m, addr(&b.mine, &s)),
+            Some(m) => (m, opt_ptr(&b.mine, &s)),
             None => (u32::MAX, 0),
         };
         let tiles_cfg =
@@ -338,8 +326,8 @@ impl Node {
         }
         let (n64, nr) = (n as u64, shards as u32);
         let (dest, tc, off, tot) =
-            (addr(&b.dest, &s), addr(&b.tile_counts, &s), addr(&b.offsets, &s), addr(&b.totals, &s));
-        let (send, pos) = (addr(&b.send_keys, &s), addr(&b.pos, &s));
+            (opt_ptr(&b.dest, &s), opt_ptr(&b.tile_counts, &s), opt_ptr(&b.offsets, &s), opt_ptr(&b.totals, &s));
+        let (send, pos) = (opt_ptr(&b.send_keys, &s), opt_ptr(&b.pos, &s));
         let tiles_cfg =
             LaunchConfig { grid_dim: (tiles as u32, 1, 1), block_dim: (TILE as u32, 1, 1), shared_mem_bytes: 0 };
         let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
@@ -360,7 +348,7 @@ impl Node {
     /// GPU's own keys, or (0, none) to move every row.
     fn skip(&self, me: Option<u32>) -> (u64, u32) {
         match me {
-            Some(m) => (addr(&self.b.dest, &self.stream), m),
+            Some(m) => (opt_ptr(&self.b.dest, &self.stream), m),
             None => (0, u32::MAX),
         }
     }
@@ -383,7 +371,7 @@ impl Node {
     unsafe fn scatter_values(&self, src: u64, dst: u64, n: usize, dim: usize, me: Option<u32>) -> Result<()> {
         let (f128, w) = Self::row_width(dim);
         let f = if f128 { &self.f.scatter_f128 } else { &self.f.scatter_f32 };
-        let pos = addr(&self.b.pos, &self.stream);
+        let pos = opt_ptr(&self.b.pos, &self.stream);
         let n64 = n as u64;
         let (dest, me) = self.skip(me);
         let mut l = self.stream.launch_builder(f);
@@ -398,7 +386,7 @@ impl Node {
     /// # Safety
     /// As [`Node::scatter_values`], one u64 per key.
     unsafe fn scatter_u64(&self, src: u64, dst: u64, n: usize) -> Result<()> {
-        let pos = addr(&self.b.pos, &self.stream);
+        let pos = opt_ptr(&self.b.pos, &self.stream);
         let (n64, w) = (n as u64, 1u64);
         let (dest, me) = self.skip(None);
         let mut l = self.stream.launch_builder(&self.f.scatter_u64);
@@ -417,7 +405,7 @@ impl Node {
     unsafe fn gather_values(&self, src: u64, dst: u64, mask: u64, n: usize, dim: usize, me: Option<u32>) -> Result<()> {
         let (f128, w) = Self::row_width(dim);
         let f = if f128 { &self.f.gather_f128 } else { &self.f.gather_f32 };
-        let pos = addr(&self.b.pos, &self.stream);
+        let pos = opt_ptr(&self.b.pos, &self.stream);
         let n64 = n as u64;
         let (dest, me) = self.skip(me);
         let mut l = self.stream.launch_builder(f);
@@ -432,7 +420,7 @@ impl Node {
     /// # Safety
     /// `src` and `dst` hold `n` bytes on this GPU.
     unsafe fn gather_u8(&self, src: u64, dst: u64, n: usize, me: Option<u32>) -> Result<()> {
-        let pos = addr(&self.b.pos, &self.stream);
+        let pos = opt_ptr(&self.b.pos, &self.stream);
         let (n64, w, mask) = (n as u64, 1u64, 0u64);
         let (dest, me) = self.skip(me);
         let mut l = self.stream.launch_builder(&self.f.gather_u8);
@@ -466,10 +454,10 @@ impl Node {
         let at = |a: u64, width: u64| if a == 0 { 0 } else { a + base * width };
         Raw {
             p: Ptrs {
-                keys: at(addr(&b.recv_keys, s), 8),
-                values: at(addr(&b.recv_values, s), dim as u64 * 4),
-                found: at(addr(&b.recv_found, s), 1),
-                scores: if scores { at(addr(&b.recv_scores, s), 8) } else { 0 },
+                keys: at(opt_ptr(&b.recv_keys, s), 8),
+                values: at(opt_ptr(&b.recv_values, s), dim as u64 * 4),
+                found: at(opt_ptr(&b.recv_found, s), 1),
+                scores: if scores { at(opt_ptr(&b.recv_scores, s), 8) } else { 0 },
                 counters,
                 ..Ptrs::default()
             },
@@ -484,13 +472,13 @@ impl Node {
     fn zero_counters(&mut self) -> Result<u64> {
         let c = self.b.counters.as_mut().expect("allocated");
         self.stream.memset_zeros(c).map_err(dev_err("clearing counters"))?;
-        Ok(addr_of(c, &self.stream))
+        Ok(ptr(c, &self.stream))
     }
 
     fn zero_local_counters(&mut self) -> Result<u64> {
         let c = self.b.local_counters.as_mut().expect("allocated");
         self.stream.memset_zeros(c).map_err(dev_err("clearing counters"))?;
-        Ok(addr_of(c, &self.stream))
+        Ok(ptr(c, &self.stream))
     }
 }
 
@@ -622,13 +610,9 @@ impl Plan {
     }
 }
 
-/// One all-to-all over `comms` (rank r on `nodes[r]`) following `plan`,
-/// `w` elements per key, from each node's `from` buffer into its `to`.
-fn exchange(comms: &[Comm], nodes: &mut [&mut Node], plan: &Plan, w: usize, from: Buf, to: Buf) -> Result<()> {
-    exchange_many(comms, nodes, plan, &[(w, from, to)])
-}
-
-/// Several all-to-alls of one plan in one NCCL group: `(w, from, to)` each.
+/// All-to-alls of one plan over `comms` (rank r on `nodes[r]`), in one
+/// NCCL group: `(w, from, to)` each, `w` elements per key from each node's
+/// `from` buffer into its `to`.
 fn exchange_many(comms: &[Comm], nodes: &mut [&mut Node], plan: &Plan, arrays: &[(usize, Buf, Buf)]) -> Result<()> {
     let nr = nodes.len();
     for &(w, _, to) in arrays {
@@ -726,20 +710,6 @@ fn fold<'a>(first: &mut Option<Pending<'a>>, p: Pending<'a>) {
         Some(f) => f.absorb(p),
         None => *first = Some(p),
     }
-}
-
-fn add_counts(a: &mut Counts, b: &Counts) {
-    a.hits += b.hits;
-    a.lost += b.lost;
-    a.erased += b.erased;
-    let (x, y) = (&mut a.summary, &b.summary);
-    *x = Summary {
-        updated: x.updated + y.updated,
-        inserted: x.inserted + y.inserted,
-        evicted: x.evicted + y.evicted,
-        rejected: x.rejected + y.rejected,
-        absent: x.absent + y.absent,
-    };
 }
 
 /// What an op moves: rows to the owners, rows and flags back.
@@ -958,9 +928,9 @@ impl GpuGroup {
         let counters = node.zero_counters()?;
         let raw = Raw {
             p: Ptrs {
-                keys: addr_of(&b.keys, &s),
-                values: addr_of(&b.values, &s),
-                found: addr_of(&b.found, &s),
+                keys: ptr(&b.keys, &s),
+                values: ptr(&b.values, &s),
+                found: ptr(&b.found, &s),
                 counters,
                 ..Ptrs::default()
             },
@@ -973,7 +943,6 @@ impl GpuGroup {
         Ok(self.tables[0].complete(pending, &c))
     }
 
-    /// Enqueues `op` on every rank over what it received (`recv_*`).
     /// Enqueues `op` on every rank over what it received (`recv_*`).
     fn serve<'a>(&'a self, op: DeviceOp, nodes: &mut [Node], received: &[u64]) -> Result<Vec<Pending<'a>>> {
         let dim = self.config.dim;
@@ -998,7 +967,7 @@ impl GpuGroup {
         let mut total = Counts::default();
         for (r, p) in pending.into_iter().enumerate() {
             let c = nodes[r].read_counters()?;
-            add_counts(&mut total, &self.tables[r].complete(p, &c));
+            total = total.merge(self.tables[r].complete(p, &c));
         }
         Ok(total)
     }
@@ -1017,14 +986,13 @@ impl GpuGroup {
         let in_place = self.local != Local::Sent;
         let me = |r: usize| direct.then_some(r as u32);
         let mut marks = Marks::new(&nodes[0].stream, self.phases)?;
-        // Owners first. With in_place, each GPU serves its own keys straight
-        // from the batch (filtered by `mine`, results in request order,
-        // nothing staged) on its low-priority serve stream while NCCL moves
-        // the rest.
+        // Owners first. With in_place, each GPU serves its own keys (staged
+        // by the split, or with Local::Direct straight from the batch,
+        // filtered by `mine`) on its serve stream while NCCL moves the rest.
         for (r, node) in nodes.iter_mut().enumerate() {
             let s = node.stream.clone();
             // SAFETY: b[r].keys holds b[r].n >= n[r] keys on this GPU.
-            unsafe { node.count(addr_of(&b[r].keys, &s), n[r], nr, me(r)) }?;
+            unsafe { node.count(ptr(&b[r].keys, &s), n[r], nr, me(r)) }?;
             node.zero_counters()?;
             node.zero_local_counters()?;
         }
@@ -1038,12 +1006,12 @@ impl GpuGroup {
         for (r, node) in nodes.iter_mut().enumerate() {
             let s = node.stream.clone();
             // SAFETY: as count above.
-            unsafe { node.place(addr_of(&b[r].keys, &s), n[r], nr) }?;
+            unsafe { node.place(ptr(&b[r].keys, &s), n[r], nr) }?;
             if mv.values_in {
                 ensure(&s, &mut node.b.send_values, n[r] * dim)?;
-                let dst = addr(&node.b.send_values, &s);
+                let dst = opt_ptr(&node.b.send_values, &s);
                 // SAFETY: both hold n[r] rows; pos is this partition's.
-                unsafe { node.scatter_values(addr_of(&b[r].values, &s), dst, n[r], dim, me(r)) }?;
+                unsafe { node.scatter_values(ptr(&b[r].values, &s), dst, n[r], dim, me(r)) }?;
             }
         }
         // The split is done where `placed` is recorded.
@@ -1082,13 +1050,13 @@ impl GpuGroup {
                     let (s, sv) = (&node.stream, &node.serve);
                     sv.wait(if direct { &ready[r] } else { &placed[r] }).map_err(dev_err("ordering streams"))?;
                     let bf = &node.b;
-                    let counters = addr(&bf.local_counters, s);
+                    let counters = opt_ptr(&bf.local_counters, s);
                     let (raw, m) = if direct {
                         let p = Ptrs {
-                            keys: addr_of(&b[r].keys, s),
-                            values: addr_of(&b[r].values, s),
-                            found: addr_of(&b[r].found, s),
-                            only: addr(&bf.mine, s),
+                            keys: ptr(&b[r].keys, s),
+                            values: ptr(&b[r].values, s),
+                            found: ptr(&b[r].found, s),
+                            only: opt_ptr(&bf.mine, s),
                             counters,
                             ..Ptrs::default()
                         };
@@ -1096,9 +1064,9 @@ impl GpuGroup {
                     } else {
                         let at = plan.send_at[r][r];
                         let p = Ptrs {
-                            keys: addr(&bf.send_keys, s) + at * 8,
-                            values: addr(&bf.send_values, s) + at * dim as u64 * 4,
-                            found: addr(&bf.send_found, s) + at,
+                            keys: opt_ptr(&bf.send_keys, s) + at * 8,
+                            values: opt_ptr(&bf.send_values, s) + at * dim as u64 * 4,
+                            found: opt_ptr(&bf.send_found, s) + at,
                             counters,
                             ..Ptrs::default()
                         };
@@ -1119,7 +1087,7 @@ impl GpuGroup {
                 let (s, sv) = (&node.stream, &node.serve);
                 sv.join(s).map_err(dev_err("ordering streams"))?;
                 let (base, m) = (part.base[r], part.received[r] as usize);
-                let raw = node.recv_raw(base, dim, addr(&node.b.counters, s), false);
+                let raw = node.recv_raw(base, dim, opt_ptr(&node.b.counters, s), false);
                 // SAFETY: the part's m keys (rows) sit at `base` of the recv
                 // buffers, sized for every part above; the serve stream
                 // waits for their arrival and is joined before the end.
@@ -1155,18 +1123,18 @@ impl GpuGroup {
         marks.mark("back")?;
         for (r, node) in nodes.iter().enumerate() {
             let s = &node.stream;
-            let found = addr(&node.b.send_found, s);
+            let found = opt_ptr(&node.b.send_found, s);
             // SAFETY: send_found / send_values hold the n[r] results in
             // partition order (sized above; a GPU's own rows, skipped here,
             // were written in place), b[r] n[r] keys.
             unsafe {
                 if mv.found_out {
-                    node.gather_u8(found, addr_of(&b[r].found, s), n[r], me(r))?;
+                    node.gather_u8(found, ptr(&b[r].found, s), n[r], me(r))?;
                 }
                 if mv.values_out {
                     let mask = if mv.masked { found } else { 0 };
-                    let src = addr(&node.b.send_values, s);
-                    node.gather_values(src, addr_of(&b[r].values, s), mask, n[r], dim, me(r))?;
+                    let src = opt_ptr(&node.b.send_values, s);
+                    node.gather_values(src, ptr(&b[r].values, s), mask, n[r], dim, me(r))?;
                 }
             }
         }
@@ -1181,7 +1149,7 @@ impl GpuGroup {
             self.tables[r].book(op, keys);
             if let Some(mut p) = p {
                 p.set_keys(keys);
-                add_counts(&mut counts, &self.tables[r].complete(p, &cn));
+                counts = counts.merge(self.tables[r].complete(p, &cn));
             }
         }
         Ok((counts, marks.read()?))
@@ -1331,15 +1299,21 @@ impl GpuGroup {
                 moved += count;
                 let s = node.stream.clone();
                 // SAFETY: ex keys (in recv_keys) hold `count` keys.
-                unsafe { node.partition(addr(&node.b.recv_keys, &s), count as usize, m) }?;
+                unsafe { node.partition(opt_ptr(&node.b.recv_keys, &s), count as usize, m) }?;
                 ensure(&s, &mut node.b.send_values, count as usize * dim)?;
                 ensure(&s, &mut node.b.send_scores, count as usize)?;
                 // SAFETY: the exported rows and scores hold `count` entries;
                 // the send buffers were sized for them; pos is this partition's.
                 unsafe {
                     let b = &node.b;
-                    node.scatter_values(addr(&b.recv_values, &s), addr(&b.send_values, &s), count as usize, dim, None)?;
-                    node.scatter_u64(addr(&b.recv_scores, &s), addr(&b.send_scores, &s), count as usize)?;
+                    node.scatter_values(
+                        opt_ptr(&b.recv_values, &s),
+                        opt_ptr(&b.send_values, &s),
+                        count as usize,
+                        dim,
+                        None,
+                    )?;
+                    node.scatter_u64(opt_ptr(&b.recv_scores, &s), opt_ptr(&b.send_scores, &s), count as usize)?;
                 }
                 let t = node.totals(m)?;
                 let at = starts(&t);
@@ -1355,9 +1329,12 @@ impl GpuGroup {
             let received = plan.recv_size.clone();
             if all.len() > 1 {
                 let mut refs: Vec<&mut Node> = nodes.iter_mut().collect();
-                exchange(&comms, &mut refs, &plan, 1, Buf::SendKeys, Buf::RecvKeys)?;
-                exchange(&comms, &mut refs, &plan, dim, Buf::SendValues, Buf::RecvValues)?;
-                exchange(&comms, &mut refs, &plan, 1, Buf::SendScores, Buf::RecvScores)?;
+                let arrays = [
+                    (1, Buf::SendKeys, Buf::RecvKeys),
+                    (dim, Buf::SendValues, Buf::RecvValues),
+                    (1, Buf::SendScores, Buf::RecvScores),
+                ];
+                exchange_many(&comms, &mut refs, &plan, &arrays)?;
             } else {
                 let node = &mut nodes[0];
                 std::mem::swap(&mut node.b.send_keys, &mut node.b.recv_keys);
@@ -1401,9 +1378,9 @@ impl GpuGroup {
         let b = &node.b;
         let raw = Raw {
             p: Ptrs { counters, ..Ptrs::default() },
-            out: [addr(&b.recv_keys, &s), addr(&b.recv_values, &s), addr(&b.recv_scores, &s)],
-            counts: addr(&b.ex_counts, &s),
-            offsets: addr(&b.ex_offsets, &s),
+            out: [opt_ptr(&b.recv_keys, &s), opt_ptr(&b.recv_values, &s), opt_ptr(&b.recv_scores, &s)],
+            counts: opt_ptr(&b.ex_counts, &s),
+            offsets: opt_ptr(&b.ex_offsets, &s),
         };
         // SAFETY: the outputs hold a whole chunk of slots (every possible
         // match), counts / offsets its buckets; synchronised below.
