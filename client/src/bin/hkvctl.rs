@@ -351,8 +351,6 @@ fn stats_table(v: &serde_json::Value) -> String {
     out
 }
 
-/// One measurement: `clients` connections, each keeping `pipeline` requests
-/// in flight for `seconds`; returns keys per second.
 /// Runs `run` on `clients` connections at once (each on its own thread);
 /// returns keys per second over all of them: the keys they did over the
 /// longest time one took.
@@ -374,6 +372,8 @@ fn across_clients(
     Ok(keys as f64 / secs)
 }
 
+/// One measurement: `clients` connections, each keeping `pipeline` requests
+/// in flight for `seconds`; returns keys per second.
 fn measure(
     socket: &PathBuf,
     a: &BenchArgs,
