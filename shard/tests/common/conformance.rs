@@ -299,7 +299,13 @@ pub fn export_in_ranges(make: Make) {
     let keys: Vec<u64> = (10..3000).collect();
     let scores: Vec<u64> = keys.to_vec();
     t.insert_or_assign(&keys, &vals(&keys, 4, 0.0), Some(&scores), None).unwrap();
-    for chunk in [1u64, 100, 128, 1000, 5000] {
+    let present: Vec<u64> = {
+        let (_, found, _) = find_all(&*t, &keys);
+        keys.iter().zip(found).filter(|(_, f)| *f).map(|(k, _)| *k).collect()
+    };
+    // Chunks smaller than a bucket, not dividing it, equal to it, spanning
+    // buckets, and larger than the table.
+    for chunk in [7u64, 100, 128, 1000, 5000] {
         let mut got = vec![];
         let mut off = 0;
         while off < t.capacity() {
@@ -312,7 +318,7 @@ pub fn export_in_ranges(make: Make) {
             off += chunk;
         }
         got.sort();
-        assert_eq!(got, keys.iter().copied().filter(|k| find_all(&*t, &[*k]).1[0]).collect::<Vec<_>>());
+        assert_eq!(got, present);
         assert_eq!(got.len() as u64, t.size());
     }
     assert!(t.export_batch(t.capacity(), 10).unwrap().keys.is_empty());
