@@ -37,7 +37,7 @@ pub enum KernelId {
     Lookup,
     /// `upsert.cu`: `upsert_keys` (and its `_gN` variants).
     Upsert,
-    /// `update.cu`: `update_keys`, `update_slot_keys` (and their `_gN` variants).
+    /// `update.cu`: `update_keys` (and its `_gN` variants).
     Update,
     /// `erase.cu`: `erase_keys`, `erase_if`, `clear_table`.
     Erase,
@@ -108,11 +108,6 @@ impl KernelId {
                 "update_keys_g2",
                 "update_keys_g4",
                 "update_keys_g16",
-                "update_slot_keys",
-                "update_slot_keys_g1",
-                "update_slot_keys_g2",
-                "update_slot_keys_g4",
-                "update_slot_keys_g16",
             ],
             KernelId::Erase => &["erase_keys", "erase_if", "clear_table"],
             KernelId::Export => &["export_count", "export_scan", "export_write"],

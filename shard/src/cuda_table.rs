@@ -140,16 +140,6 @@ fn group_size(var: &str, built: &[u64]) -> Option<u64> {
     std::env::var(var).ok().and_then(|v| v.parse().ok()).filter(|g| built.contains(g))
 }
 
-/// The update kernels: bucket locks (`update_keys`), or slot locks
-/// (`update_slot_keys`) with `HKV_UPDATE_LOCK=slot`, an experiment.
-fn update_base() -> &'static str {
-    if std::env::var("HKV_UPDATE_LOCK").is_ok_and(|v| v == "slot") {
-        "update_slot_keys"
-    } else {
-        "update_keys"
-    }
-}
-
 /// The kernel variant with `g` threads per key (`base` itself is the 8-thread one).
 fn kernel_name(base: &str, g: u64) -> String {
     if g == 8 {
@@ -214,11 +204,10 @@ impl Storage {
         let per = 1u64 << shift;
         let mut host = vec![];
         let mut slice_ptrs = vec![];
-        let vmm = std::env::var("HKV_HOST_TIER").is_ok_and(|v| v == "vmm");
         let mut left = host_slots;
         while left > 0 {
             let rows = left.min(per);
-            let (h, dp) = HostSlice::new(t, (rows * dim) as usize, vmm)?;
+            let (h, dp) = HostSlice::new(t, (rows * dim) as usize)?;
             slice_ptrs.push(dp);
             host.push(h);
             left -= rows;
@@ -267,38 +256,9 @@ impl Storage {
     }
 }
 
-/// One host-tier slice of values, zeroed and mapped into the device's
-/// address space: by cuMemHostAlloc (the default), or, with
-/// `HKV_HOST_TIER=vmm` (an experiment, not yet run on a GPU), host NUMA
-/// memory from cuMemCreate mapped at the allocation granularity (2 MiB
-/// pages on the device side instead of the 4 KiB of pinned pages).
-#[allow(dead_code)] // held for their Drop
-enum HostSlice {
-    Pinned(PinnedHostSlice<f32>),
-    Vmm(VmmHost),
-}
-
-/// A host NUMA allocation mapped at `ptr` for the table's device;
-/// unmapped and released on drop.
-struct VmmHost {
-    ptr: cudarc::driver::sys::CUdeviceptr,
-    size: usize,
-    handle: cudarc::driver::sys::CUmemGenericAllocationHandle,
-    ctx: Arc<cudarc::driver::CudaContext>,
-}
-
-impl Drop for VmmHost {
-    fn drop(&mut self) {
-        let _ = self.ctx.bind_to_thread();
-        // SAFETY: ptr..ptr+size was reserved and mapped to `handle` by
-        // HostSlice::new; no kernel uses it once the storage is dropped.
-        unsafe {
-            cudarc::driver::sys::cuMemUnmap(self.ptr, self.size);
-            cudarc::driver::sys::cuMemRelease(self.handle);
-            cudarc::driver::sys::cuMemAddressFree(self.ptr, self.size);
-        }
-    }
-}
+/// One host-tier slice of values (cuMemHostAlloc), zeroed and mapped into
+/// the device's address space.
+struct HostSlice(#[allow(dead_code)] PinnedHostSlice<f32>); // held for its Drop
 
 fn cu_check(r: cudarc::driver::sys::CUresult, what: &str) -> Result<()> {
     if r == cudarc::driver::sys::CUresult::CUDA_SUCCESS {
@@ -310,11 +270,8 @@ fn cu_check(r: cudarc::driver::sys::CUresult, what: &str) -> Result<()> {
 
 impl HostSlice {
     /// `len` zeroed floats and their device address.
-    fn new(t: &CudaTable, len: usize, vmm: bool) -> Result<(HostSlice, u64)> {
+    fn new(t: &CudaTable, len: usize) -> Result<(HostSlice, u64)> {
         use cudarc::driver::sys;
-        if vmm {
-            return Self::vmm(t, len);
-        }
         let al = |e| dev_err("allocating pinned host values")(e);
         let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
         // SAFETY: the memory is zeroed right below before any use.
@@ -326,68 +283,7 @@ impl HostSlice {
         // SAFETY: hp was allocated by cuMemHostAlloc with DEVICEMAP in this
         // context; the call writes one device pointer to `dp`.
         cu_check(unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dp, hp as *mut _, 0) }, "cuMemHostGetDevicePointer")?;
-        Ok((HostSlice::Pinned(h), dp))
-    }
-
-    fn vmm(t: &CudaTable, len: usize) -> Result<(HostSlice, u64)> {
-        use cudarc::driver::sys;
-        let ctx = &t.dev.ctx;
-        ctx.bind_to_thread().map_err(dev_err("binding the context"))?;
-        let dev = ctx.cu_device();
-        let attr = |a: sys::CUdevice_attribute| -> Result<i32> {
-            let mut v = 0;
-            // SAFETY: writes one int for a valid device and attribute.
-            cu_check(unsafe { sys::cuDeviceGetAttribute(&mut v, a, dev) }, "cuDeviceGetAttribute")?;
-            Ok(v)
-        };
-        if attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)? == 0 {
-            return Err(Error::Device("HKV_HOST_TIER=vmm: this device cannot map host NUMA memory".into()));
-        }
-        let numa = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID)?.max(0);
-        // SAFETY: an all-zero CUmemAllocationProp is a valid value (no
-        // handle types, no flags); the fields that matter are set below.
-        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
-        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-        prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA;
-        prop.location.id = numa;
-        let mut gran = 0usize;
-        // SAFETY: prop is initialised; writes one usize.
-        cu_check(
-            unsafe {
-                sys::cuMemGetAllocationGranularity(
-                    &mut gran,
-                    &prop,
-                    sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
-                )
-            },
-            "cuMemGetAllocationGranularity",
-        )?;
-        let size = (len * 4).div_ceil(gran.max(1)) * gran.max(1);
-        let mut handle: sys::CUmemGenericAllocationHandle = 0;
-        // SAFETY: prop is initialised; writes one handle.
-        cu_check(unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) }, "cuMemCreate (host NUMA)")?;
-        let mut ptr: sys::CUdeviceptr = 0;
-        // SAFETY: reserves `size` bytes of address space; writes one pointer.
-        let r = unsafe { sys::cuMemAddressReserve(&mut ptr, size, 0, 0, 0) };
-        if let Err(e) = cu_check(r, "cuMemAddressReserve") {
-            // SAFETY: handle was created above and is not mapped.
-            unsafe { sys::cuMemRelease(handle) };
-            return Err(e);
-        }
-        let slice = VmmHost { ptr, size, handle, ctx: ctx.clone() };
-        // SAFETY: ptr..ptr+size is reserved and `handle` holds size bytes;
-        // on error `slice` unmaps (a no-op if unmapped) and frees both.
-        cu_check(unsafe { sys::cuMemMap(ptr, size, 0, handle, 0) }, "cuMemMap")?;
-        // SAFETY: an all-zero CUmemAccessDesc is valid; set below.
-        let mut desc: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
-        desc.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-        desc.location.id = ctx.ordinal() as i32;
-        desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-        // SAFETY: the range is mapped; desc names this device.
-        cu_check(unsafe { sys::cuMemSetAccess(ptr, size, &desc, 1) }, "cuMemSetAccess")?;
-        // SAFETY: the range is mapped read-write for this device.
-        cu_check(unsafe { sys::cuMemsetD8_v2(ptr, 0, size) }, "zeroing host values")?;
-        Ok((HostSlice::Vmm(slice), ptr))
+        Ok((HostSlice(h), dp))
     }
 }
 
@@ -573,7 +469,7 @@ impl CudaTable {
         let f = Funcs {
             lookup: variants(KernelId::Lookup, "lookup_find", &[1, 2, 4, 8])?,
             upsert: variants(KernelId::Upsert, "upsert_keys", &[1, 2, 4, 8, 16])?,
-            update: variants(KernelId::Update, update_base(), &[1, 2, 4, 8, 16])?,
+            update: variants(KernelId::Update, "update_keys", &[1, 2, 4, 8, 16])?,
             forced_lookup: group_size("HKV_LOOKUP_GROUP", &[1, 2, 4, 8]),
             forced_write: group_size("HKV_WRITE_GROUP", &[1, 2, 4, 8, 16]),
             erase: get(KernelId::Erase, "erase_keys")?,
@@ -1981,7 +1877,6 @@ mod tests {
             (KernelId::Lookup, "lookup_find", &[1u64, 2, 4, 8][..]),
             (KernelId::Upsert, "upsert_keys", &[1, 2, 4, 8, 16][..]),
             (KernelId::Update, "update_keys", &[1, 2, 4, 8, 16][..]),
-            (KernelId::Update, "update_slot_keys", &[1, 2, 4, 8, 16][..]),
         ];
         for (id, base, gs) in asked {
             for &g in gs {
