@@ -60,7 +60,13 @@ struct HkvTable {
     u32 dim;
     u32 dual;
     u32 pad;
+    const u32* order;  // per launch: thread slot j serves key order[j] (null: key j)
 };
+
+// The key index served by thread slot j of an n-key launch (see HkvTable::order).
+__device__ __forceinline__ u64 hkv_key_index(const HkvTable& t, u64 j, u64 n) {
+    return t.order && j < n ? t.order[j] : j;
+}
 
 // How written keys are scored (mirrors cuda_table::ScoringArgs).
 struct HkvScoring {

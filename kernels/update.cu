@@ -13,7 +13,7 @@ __device__ __forceinline__ void update_one(const HkvTable& t, const HkvScoring& 
                                            const float* values, const u64* scores_in, const u8* only, int mode,
                                            u8* outcomes, u8* absent, u64* cnt) {
     HkvGroup<G> g;
-    u64 i = ((u64)blockIdx.x * blockDim.x + threadIdx.x) / G;
+    u64 i = hkv_key_index(t, ((u64)blockIdx.x * blockDim.x + threadIdx.x) / G, n);
     if (i >= n || (only && !only[i])) return;
     u64 key = keys[i];
     u64 b1, b2;

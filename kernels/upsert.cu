@@ -17,7 +17,7 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
                                            u8* outcomes, u64* ptrs, u64* lost_keys, float* lost_values,
                                            u64* lost_scores, u8* lost_kinds, u64* cnt, u64* gcnt) {
     HkvGroup<G> g;
-    u64 i = ((u64)blockIdx.x * blockDim.x + threadIdx.x) / G;
+    u64 i = hkv_key_index(t, ((u64)blockIdx.x * blockDim.x + threadIdx.x) / G, n);
     if (i >= n || (only && !only[i])) return;
     u64 key = keys[i];
     u64 b1, b2;

@@ -33,7 +33,7 @@ pub enum KernelId {
     Hash,
     /// `features.cu`: `features_int64`, `features_strings`.
     Features,
-    /// `lookup.cu`: `lookup_find` (and its `_gN` variants).
+    /// `lookup.cu`: `lookup_find` (and its `_gN` variants), `order_count`, `order_write`.
     Lookup,
     /// `upsert.cu`: `upsert_keys` (and its `_gN` variants).
     Upsert,
@@ -98,17 +98,15 @@ impl KernelId {
         match self {
             KernelId::Hash => &["hash_locate"],
             KernelId::Features => &["features_int64", "features_strings"],
-            KernelId::Lookup => &["lookup_find", "lookup_find_g1", "lookup_find_g2", "lookup_find_g4"],
+            KernelId::Lookup => {
+                &["lookup_find", "lookup_find_g1", "lookup_find_g2", "lookup_find_g4", "order_count", "order_write"]
+            }
             KernelId::Upsert => {
                 &["upsert_keys", "upsert_keys_g1", "upsert_keys_g2", "upsert_keys_g4", "upsert_keys_g16"]
             }
-            KernelId::Update => &[
-                "update_keys",
-                "update_keys_g1",
-                "update_keys_g2",
-                "update_keys_g4",
-                "update_keys_g16",
-            ],
+            KernelId::Update => {
+                &["update_keys", "update_keys_g1", "update_keys_g2", "update_keys_g4", "update_keys_g16"]
+            }
             KernelId::Erase => &["erase_keys", "erase_if", "clear_table"],
             KernelId::Export => &["export_count", "export_scan", "export_write"],
             KernelId::Route => &[

@@ -189,15 +189,24 @@ fn differential_against_the_cpu_backend() {
 }
 
 /// Unrestricted (parallel) batches: the invariants and the conservation of
-/// entries instead of identical results.
+/// entries instead of identical results; with all values in device memory,
+/// and with half of them in host memory (where large batches run in bucket
+/// region order).
 #[test]
 #[ignore = "needs a CUDA device"]
 fn large_batches_conserve_entries() {
     let dev = cuda::shared_device(0).unwrap();
-    for mode in [BucketMode::Single, BucketMode::Dual] {
-        let dim = 2;
-        let t =
-            CudaTable::new(TableConfig::new(1 << 16, dim).policy(ScorePolicy::Custom).mode(mode), dev.clone()).unwrap();
+    let dim = 2;
+    for (mode, fast_tier) in [
+        (BucketMode::Single, None),
+        (BucketMode::Dual, None),
+        (BucketMode::Single, Some((1u64 << 15) * dim as u64 * 4)),
+        (BucketMode::Dual, Some((1u64 << 15) * dim as u64 * 4)),
+    ] {
+        let mut cfg = TableConfig::new(1 << 16, dim).policy(ScorePolicy::Custom).mode(mode);
+        cfg.fast_tier_bytes = fast_tier;
+        let t = CudaTable::new(cfg, dev.clone()).unwrap();
+        assert_eq!(t.stats().host_tier_bytes, if fast_tier.is_some() { (1 << 15) * dim as u64 * 4 } else { 0 });
         let mut rng = rand::rngs::StdRng::seed_from_u64(3);
         let mut resident: HashMap<u64, u64> = HashMap::new();
         for round in 0..6 {
@@ -235,7 +244,18 @@ fn large_batches_conserve_entries() {
         let got: std::collections::HashSet<u64> = e.keys.iter().copied().collect();
         let want: std::collections::HashSet<u64> = resident.keys().copied().collect();
         assert_eq!(got, want, "{mode:?}: the table holds exactly the keys that were placed and not evicted");
-        println!("{mode:?}: size {}, load factor {:.3}", t.size(), t.load_factor());
+        // Finds and assigns of every resident key, in one large batch.
+        let keys: Vec<u64> = e.keys.clone();
+        let (mut v, mut f) = (vec![0.0; keys.len() * dim], vec![false; keys.len()]);
+        t.find(&keys, &mut v, &mut f, None).unwrap();
+        assert!(f.iter().all(|&x| x));
+        assert_eq!(v, e.values, "{mode:?}: find returns each key's own row");
+        let twice: Vec<f32> = e.values.iter().map(|x| 2.0 * x).collect();
+        let s = t.assign(&keys, &twice, None, None).unwrap();
+        assert_eq!(s.updated as usize, keys.len());
+        t.find(&keys, &mut v, &mut f, None).unwrap();
+        assert_eq!(v, twice, "{mode:?}: assign wrote each key's own row");
+        println!("{mode:?} {fast_tier:?}: size {}, load factor {:.3}", t.size(), t.load_factor());
     }
 }
 
