@@ -1,0 +1,95 @@
+// How fast the device reaches rows of mapped, pinned host memory, by how
+// far the rows are spread and in what order they come. Each figure: one
+// kernel moving 512 Ki rows of 256 bytes (16 threads per row, 16 bytes
+// each) between the host buffer and device memory, best of 5, GB/s.
+// Build and run on a GPU host: nvcc -O3 -arch=sm_90 -o host_rows host_rows.cu && ./host_rows
+// (needs 16 GiB of pinned host memory). The table's host tier is laid out
+// and read the same way (shard/BENCHMARKS.md, "The host tier").
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <cuda_runtime.h>
+#include <vector>
+
+#define CK(x)                                                                        \
+    do {                                                                             \
+        cudaError_t e = (x);                                                         \
+        if (e != cudaSuccess) {                                                      \
+            printf("%s: %s\n", #x, cudaGetErrorString(e));                           \
+            exit(1);                                                                 \
+        }                                                                            \
+    } while (0)
+typedef unsigned long long u64;
+
+__global__ void gather(const float4* src, const u64* idx, float4* dst, u64 n, int n4) {
+    u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n * n4) return;
+    dst[t] = src[idx[t / n4] * n4 + t % n4];
+}
+
+__global__ void scatter(float4* dst, const u64* idx, const float4* src, u64 n, int n4) {
+    u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n * n4) return;
+    dst[idx[t / n4] * n4 + t % n4] = src[t];
+}
+
+// Row indices below `rows`: random, then sorted by index >> shift (shift
+// -1: left random; 0: fully sorted; 64: sequential instead).
+static void make_rows(std::vector<u64>& idx, u64 rows, int shift) {
+    for (u64 i = 0; i < idx.size(); ++i) idx[i] = shift == 64 ? i % rows : (((u64)rand() << 31) ^ rand()) % rows;
+    if (shift >= 0 && shift < 64)
+        std::sort(idx.begin(), idx.end(), [shift](u64 a, u64 b) { return (a >> shift) < (b >> shift); });
+}
+
+int main() {
+    const int dim = 64, n4 = dim / 4;
+    const u64 n = 1 << 19;
+    float* dout;
+    u64* didx;
+    CK(cudaMalloc(&dout, n * dim * 4));
+    CK(cudaMalloc(&didx, n * 8));
+    cudaEvent_t a, b;
+    cudaEventCreate(&a);
+    cudaEventCreate(&b);
+    srand(7);
+    struct Order {
+        const char* name;
+        int shift;  // in rows of 256 bytes
+    };
+    const Order orders[] = {{"random", -1}, {"sequential", 64}, {"sorted", 0},   {"by 2 MiB", 13},
+                            {"by 64 MiB", 18}, {"by 1 GiB", 22}};
+    const double sizes[] = {0.25, 1, 4, 16};
+    std::vector<u64> idx(n);
+    printf("%-10s %-11s %-6s %9s\n", "spread", "order", "dir", "GB/s");
+    for (double gib : sizes) {
+        u64 bytes = (u64)(gib * (1ull << 30));
+        void* h = 0;
+        CK(cudaHostAlloc(&h, bytes, cudaHostAllocMapped | cudaHostAllocPortable));
+        memset(h, 0, bytes);
+        float* dh;
+        CK(cudaHostGetDevicePointer((void**)&dh, h, 0));
+        u64 rows = bytes / (dim * 4);
+        for (const Order& o : orders) {
+            if (gib < 16 && o.shift >= 0 && o.shift < 64) continue;  // orders only matter when spread wide
+            make_rows(idx, rows, o.shift);
+            CK(cudaMemcpy(didx, idx.data(), n * 8, cudaMemcpyHostToDevice));
+            for (int write = 0; write < 2; ++write) {
+                float best = 1e9;
+                for (int rep = 0; rep < 5; ++rep) {
+                    cudaEventRecord(a);
+                    if (write) scatter<<<(n * n4 + 255) / 256, 256>>>((float4*)dh, didx, (const float4*)dout, n, n4);
+                    else gather<<<(n * n4 + 255) / 256, 256>>>((const float4*)dh, didx, (float4*)dout, n, n4);
+                    cudaEventRecord(b);
+                    CK(cudaEventSynchronize(b));
+                    float ms;
+                    cudaEventElapsedTime(&ms, a, b);
+                    best = std::min(best, ms);
+                }
+                printf("%5.2f GiB  %-11s %-6s %9.2f\n", gib, o.name, write ? "write" : "read", n * dim * 4 / best / 1e6);
+            }
+        }
+        CK(cudaFreeHost(h));
+    }
+    return 0;
+}
