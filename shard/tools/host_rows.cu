@@ -2,14 +2,17 @@
 // far the rows are spread and in what order they come. Each figure: one
 // kernel moving 512 Ki rows of 256 bytes (16 threads per row, 16 bytes
 // each) between the host buffer and device memory, best of 5, GB/s.
-// Build and run on a GPU host: nvcc -O3 -arch=sm_90 -o host_rows host_rows.cu && ./host_rows
-// (needs 16 GiB of pinned host memory). The table's host tier is laid out
+// Build and run on a GPU host: nvcc -O3 -arch=sm_90 -o host_rows host_rows.cu && ./host_rows [MODE]
+// (needs 16 GiB of pinned host memory). MODE: hostalloc (cudaHostAlloc,
+// what the table uses; the default), register (mmap + cudaHostRegister) or
+// register-thp (the same with 2 MiB transparent huge pages asked for). The table's host tier is laid out
 // and read the same way (shard/BENCHMARKS.md, "The host tier").
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <cuda_runtime.h>
+#include <sys/mman.h>
 #include <vector>
 
 #define CK(x)                                                                        \
@@ -42,7 +45,13 @@ static void make_rows(std::vector<u64>& idx, u64 rows, int shift) {
         std::sort(idx.begin(), idx.end(), [shift](u64 a, u64 b) { return (a >> shift) < (b >> shift); });
 }
 
-int main() {
+int main(int argc, char** argv) {
+    const char* mode = argc > 1 ? argv[1] : "hostalloc";
+    bool reg = strncmp(mode, "register", 8) == 0, thp = strcmp(mode, "register-thp") == 0;
+    if (!reg && strcmp(mode, "hostalloc") != 0) {
+        printf("unknown mode %s: hostalloc, register or register-thp\n", mode);
+        return 2;
+    }
     const int dim = 64, n4 = dim / 4;
     const u64 n = 1 << 19;
     float* dout;
@@ -61,12 +70,20 @@ int main() {
                             {"by 64 MiB", 18}, {"by 1 GiB", 22}};
     const double sizes[] = {0.25, 1, 4, 16};
     std::vector<u64> idx(n);
-    printf("%-10s %-11s %-6s %9s\n", "spread", "order", "dir", "GB/s");
+    printf("%s\n%-10s %-11s %-6s %9s\n", mode, "spread", "order", "dir", "GB/s");
     for (double gib : sizes) {
         u64 bytes = (u64)(gib * (1ull << 30));
         void* h = 0;
-        CK(cudaHostAlloc(&h, bytes, cudaHostAllocMapped | cudaHostAllocPortable));
-        memset(h, 0, bytes);
+        if (reg) {
+            h = mmap(0, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            if (h == MAP_FAILED) return 1;
+            if (thp) madvise(h, bytes, MADV_HUGEPAGE);
+            memset(h, 0, bytes);
+            CK(cudaHostRegister(h, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable));
+        } else {
+            CK(cudaHostAlloc(&h, bytes, cudaHostAllocMapped | cudaHostAllocPortable));
+            memset(h, 0, bytes);
+        }
         float* dh;
         CK(cudaHostGetDevicePointer((void**)&dh, h, 0));
         u64 rows = bytes / (dim * 4);
@@ -89,7 +106,12 @@ int main() {
                 printf("%5.2f GiB  %-11s %-6s %9.2f\n", gib, o.name, write ? "write" : "read", n * dim * 4 / best / 1e6);
             }
         }
-        CK(cudaFreeHost(h));
+        if (reg) {
+            CK(cudaHostUnregister(h));
+            munmap(h, bytes);
+        } else {
+            CK(cudaFreeHost(h));
+        }
     }
     return 0;
 }
