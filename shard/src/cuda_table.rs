@@ -332,10 +332,6 @@ struct Funcs {
     /// with a host tier ([`CudaTable::key_order`]); `HKV_KEY_ORDER=index`
     /// turns it off (a tuning knob).
     region_order: bool,
-    /// Dynamic shared memory per block of a launch in region order: unused
-    /// by the kernels, it caps the blocks resident per SM and so the keys
-    /// in flight ([`HOST_TIER_SMEM`]; `HKV_HOST_TIER_SMEM` sets it).
-    ordered_smem: u32,
     order_count: CudaFunction,
     order_write: CudaFunction,
     erase: CudaFunction,
@@ -368,10 +364,6 @@ const WRITER_PAIR_FROM: f64 = 0.875;
 const HOST_TIER_LOOKUP: u64 = 8;
 const HOST_TIER_WRITE: u64 = 16;
 
-/// Dynamic shared memory per block of those launches (at most 48 KiB): 0
-/// leaves residency to the kernels' needs.
-const HOST_TIER_SMEM: u32 = 0;
-
 /// Threads per key so that each copies at most 8 16-byte pieces of a row
 /// of `dim` floats (copies under a bucket lock wait once per 4 pieces).
 fn copy_threads(dim: usize) -> u64 {
@@ -384,15 +376,6 @@ fn pick(vs: &[Variant], g: u64) -> &Variant {
 }
 
 impl Funcs {
-    /// The launch of `threads` threads, `ordered`: a batch in region order.
-    fn config(&self, threads: u64, ordered: bool) -> LaunchConfig {
-        let mut c = blocks(threads);
-        if ordered {
-            c.shared_mem_bytes = self.ordered_smem;
-        }
-        c
-    }
-
     /// The lookup kernel for a batch of rows of `dim` floats: 1 thread per
     /// key when no values are copied out (contains, find*), else 2, or one
     /// per 16 floats of a wide row; 8 for a batch in region order
@@ -529,11 +512,6 @@ impl CudaTable {
             forced_lookup: group_size("HKV_LOOKUP_GROUP", &[1, 2, 4, 8]),
             forced_write: group_size("HKV_WRITE_GROUP", &[1, 2, 4, 8, 16]),
             region_order: std::env::var("HKV_KEY_ORDER").map_or(true, |v| v != "index"),
-            ordered_smem: std::env::var("HKV_HOST_TIER_SMEM")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .filter(|&b| b <= 48 * 1024)
-                .unwrap_or(HOST_TIER_SMEM),
             order_count: get(KernelId::Lookup, "order_count")?,
             order_write: get(KernelId::Lookup, "order_write")?,
             erase: get(KernelId::Erase, "erase_keys")?,
@@ -692,7 +670,7 @@ impl CudaTable {
         // writes, where non-null,
         // values[0..n*dim], found[0..n], scores[0..n], ptrs[0..n] and 8
         // counters; every non-null buffer was sized for n keys by the caller.
-        unsafe { b.launch(self.f.config(n * v.g, order.is_some())) }.map_err(dev_err("launching lookup_find"))?;
+        unsafe { b.launch(blocks(n * v.g)) }.map_err(dev_err("launching lookup_find"))?;
         Ok(())
     }
 
@@ -738,7 +716,7 @@ impl CudaTable {
         // non-null, locks and writes the table described by args, and
         // writes outcomes[0..n], ptrs[0..n], at most n entries to each lost_*
         // array (sized for n keys, n*dim values) and 8 counters.
-        unsafe { b.launch(self.f.config(n * v.g, order.is_some())) }.map_err(dev_err("launching upsert_keys"))?;
+        unsafe { b.launch(blocks(n * v.g)) }.map_err(dev_err("launching upsert_keys"))?;
         Ok(())
     }
 
@@ -778,7 +756,7 @@ impl CudaTable {
         // scores[0..n] where non-null, writes present entries of the table
         // under its bucket locks, and writes outcomes[0..n] and absent
         // flags[0..n] where non-null and 8 counters.
-        unsafe { b.launch(self.f.config(n * v.g, order.is_some())) }.map_err(dev_err("launching update_keys"))?;
+        unsafe { b.launch(blocks(n * v.g)) }.map_err(dev_err("launching update_keys"))?;
         Ok(())
     }
 
