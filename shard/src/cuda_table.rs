@@ -606,7 +606,8 @@ impl CudaTable {
     /// together (random 256-byte rows of a 16 GiB tier: 7.8 GB/s; the same
     /// rows grouped by 2 MiB region: 24 GB/s, measured on the H200).
     /// None, and index order, otherwise and for batches of up to
-    /// [`SEQUENTIAL_BATCH`] keys. The buffer is freed in stream order.
+    /// [`SEQUENTIAL_BATCH`] keys. Returned with the table arguments that
+    /// carry it; the buffer is freed in stream order when dropped.
     ///
     /// # Safety
     /// `keys` holds `n` keys on this device, alive until `l` is synchronised.
@@ -617,9 +618,9 @@ impl CudaTable {
         n: u64,
         keys: u64,
         copies: bool,
-    ) -> Result<Option<CudaSlice<u32>>> {
+    ) -> Result<(Option<CudaSlice<u32>>, TableArgs)> {
         if !copies || st.host_slots == 0 || !self.f.region_order || n <= SEQUENTIAL_BATCH as u64 {
-            return Ok(None);
+            return Ok((None, st.args));
         }
         let bucket_bytes = S * self.config.dim as u64 * 4;
         let mut shift = 0u32;
@@ -648,7 +649,7 @@ impl CudaTable {
         // SAFETY: as order_count; the offsets of the regions sum to n, so
         // each key gets one distinct entry of order[0..n].
         unsafe { b.launch(blocks(n)) }.map_err(dev_err("launching order_write"))?;
-        Ok(Some(order))
+        Ok((Some(order), TableArgs { order: o, ..st.args }))
     }
 
     /// Launches `lookup_find` on stream `l`.
@@ -660,9 +661,8 @@ impl CudaTable {
     /// synchronised.
     unsafe fn k_lookup(&self, l: &Arc<CudaStream>, st: &Storage, n: u64, p: Ptrs) -> Result<()> {
         let c = p.counters;
-        let order = self.key_order(l, st, n, p.keys, p.values != 0)?;
+        let (order, args) = self.key_order(l, st, n, p.keys, p.values != 0)?;
         let v = self.f.lookup(p.values != 0, self.config.dim, order.is_some());
-        let args = TableArgs { order: opt_ptr(&order, l), ..st.args };
         let mut b = l.launch_builder(&v.f);
         b.arg(&args).arg(&p.keys).arg(&n).arg(&p.values).arg(&p.found).arg(&p.scores).arg(&p.ptrs).arg(&c).arg(&p.only);
         // SAFETY: lookup_find reads keys[0..n], only[0..n] where non-null
@@ -692,9 +692,8 @@ impl CudaTable {
         p: Ptrs,
     ) -> Result<()> {
         let c = p.counters;
-        let order = self.key_order(l, st, n, p.keys, p.values != 0)?;
+        let (order, args) = self.key_order(l, st, n, p.keys, p.values != 0)?;
         let v = self.f.upsert(self.load(st), p.values != 0, self.config.dim, order.is_some());
-        let args = TableArgs { order: opt_ptr(&order, l), ..st.args };
         let mut b = l.launch_builder(&v.f);
         b.arg(&args)
             .arg(&sc)
@@ -737,9 +736,8 @@ impl CudaTable {
         p: Ptrs,
     ) -> Result<()> {
         let c = p.counters;
-        let order = self.key_order(l, st, n, p.keys, p.values != 0)?;
+        let (order, args) = self.key_order(l, st, n, p.keys, p.values != 0)?;
         let v = self.f.update(self.config.dim, order.is_some());
-        let args = TableArgs { order: opt_ptr(&order, l), ..st.args };
         let mut b = l.launch_builder(&v.f);
         b.arg(&args)
             .arg(&sc)
