@@ -605,8 +605,8 @@ impl CudaTable {
     /// about three times faster when the rows copied at one time lie close
     /// together (random 256-byte rows of a 16 GiB tier: 7.8 GB/s; the same
     /// rows grouped by 2 MiB region: 24 GB/s, measured on the H200).
-    /// None, and index order, otherwise and for batches of up to
-    /// [`SEQUENTIAL_BATCH`] keys. Returned with the table arguments that
+    /// None, and index order, otherwise, for batches of up to
+    /// [`SEQUENTIAL_BATCH`] keys and for batches too large for u32 indices. Returned with the table arguments that
     /// carry it; the buffer is freed in stream order when dropped.
     ///
     /// # Safety
@@ -619,7 +619,8 @@ impl CudaTable {
         keys: u64,
         copies: bool,
     ) -> Result<(Option<CudaSlice<u32>>, TableArgs)> {
-        if !copies || st.host_slots == 0 || !self.f.region_order || n <= SEQUENTIAL_BATCH as u64 {
+        if !copies || st.host_slots == 0 || !self.f.region_order || n <= SEQUENTIAL_BATCH as u64 || n > u32::MAX as u64
+        {
             return Ok((None, st.args));
         }
         let bucket_bytes = S * self.config.dim as u64 * 4;
