@@ -606,8 +606,9 @@ impl CudaTable {
     /// together (random 256-byte rows of a 16 GiB tier: 7.8 GB/s; the same
     /// rows grouped by 2 MiB region: 24 GB/s, measured on the H200).
     /// None, and index order, otherwise, for batches of up to
-    /// [`SEQUENTIAL_BATCH`] keys and for batches too large for u32 indices. Returned with the table arguments that
-    /// carry it; the buffer is freed in stream order when dropped.
+    /// [`SEQUENTIAL_BATCH`] keys and for batches too large for u32
+    /// indices. Returned with the table arguments that carry it; the
+    /// buffer is freed in stream order when dropped.
     ///
     /// # Safety
     /// `keys` holds `n` keys on this device, alive until `l` is synchronised.
