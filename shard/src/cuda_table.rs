@@ -6,7 +6,10 @@
 //! position `bucket * 128 + slot`: positions below the fast-tier budget live
 //! in device memory, the rest in pinned, device-mapped host memory allocated
 //! in slices of about 1 GiB, which kernels read and write through their
-//! device addresses (no CPU thread on the data path).
+//! device addresses (no CPU thread on the data path). Large batches that
+//! copy values of such a table serve their keys grouped by bucket region
+//! ([`CudaTable::key_order`]), which the device reaches host rows in about
+//! three times faster than in random order.
 //!
 //! Concurrency: the same [`GroupLock`] as the CPU backend. Every batch runs
 //! on a lane (a stream with its own reusable device buffers) taken from a
