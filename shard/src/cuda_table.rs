@@ -8,7 +8,7 @@
 //! in slices of about 1 GiB, which kernels read and write through their
 //! device addresses (no CPU thread on the data path). Large batches that
 //! copy values of such a table serve their keys grouped by bucket region
-//! ([`CudaTable::key_order`]), which the device reaches host rows in about
+//! (`CudaTable::key_order`), which the device reaches host rows in about
 //! three times faster than in random order.
 //!
 //! Concurrency: the same [`GroupLock`] as the CPU backend. Every batch runs
