@@ -75,17 +75,12 @@ HKV_LOOKUP_KERNEL(lookup_find_g4, 4)
 extern "C" __global__ void order_count(HkvTable t, const u64* keys, u64 n, u32 shift, u32* counts) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    u64 b1, b2;
-    u8 d;
-    hkv_locate(t, keys[i], &b1, &b2, &d);
-    atomicAdd(counts + (b1 >> shift), 1u);
+    atomicAdd(counts + (hkv_bucket1(t, hkv_fmix64(keys[i])) >> shift), 1u);
 }
 
 extern "C" __global__ void order_write(HkvTable t, const u64* keys, u64 n, u32 shift, u64* next, u32* order) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    u64 b1, b2;
-    u8 d;
-    hkv_locate(t, keys[i], &b1, &b2, &d);
-    order[atomicAdd((unsigned long long*)(next + (b1 >> shift)), 1ULL)] = (u32)i;
+    u64 region = hkv_bucket1(t, hkv_fmix64(keys[i])) >> shift;
+    order[atomicAdd(next + region, 1ULL)] = (u32)i;
 }

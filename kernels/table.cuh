@@ -89,10 +89,13 @@ __device__ __forceinline__ bool hkv_matches(const HkvFilter& f, u64 key, u64 sco
     return (key & f.key_mask) == f.key_pattern && score >= f.min_score && score <= f.max_score;
 }
 
+// A key's first bucket from its hash.
+__device__ __forceinline__ u64 hkv_bucket1(const HkvTable& t, u64 h) { return (h & HKV_LOW56) % t.nbuckets; }
+
 // Bucket 1 and digest; bucket 2 (dual mode) as shard::hash::bucket2.
 __device__ __forceinline__ void hkv_locate(const HkvTable& t, u64 key, u64* b1, u64* b2, u8* d) {
     u64 h = hkv_fmix64(key);
-    *b1 = (h & HKV_LOW56) % t.nbuckets;
+    *b1 = hkv_bucket1(t, h);
     *d = hkv_key_digest(h);
     if (t.dual) {
         u64 x = (hkv_fmix64(key ^ HKV_DUAL_SEED) & HKV_LOW56) % t.nbuckets;
@@ -233,28 +236,25 @@ __device__ __forceinline__ void hkv_match(const u8* line, u32 rank, u8 d, HkvBit
     }
 }
 
-// The thread's first candidate slot (bits m, in slot order) for which
-// take(slot) is true, or -1; take is called on candidates until one is.
-template <int SPT, typename Take>
-__device__ __forceinline__ int hkv_first(const HkvBits<SPT>& m, u32 rank, Take take) {
-#pragma unroll
-    for (int k = 0; k < HkvBits<SPT>::W; ++k) {
-        u64 x = m.w[k];
-        while (x) {
-            int s = rank * SPT + 64 * k + __ffsll(x) - 1;
-            x &= x - 1;
-            if (take(s)) return s;
-        }
-    }
-    return -1;
-}
-
 // The lowest slot among the candidate bits m of bucket b that holds `key`,
 // or -1 (every thread of the group gets the answer).
 template <int G, bool CG>
 __device__ __forceinline__ int hkv_scan(const HkvTable& t, const HkvGroup<G>& g, u64 b, u64 key,
                                         const HkvBits<128 / G>& m) {
-    int mine = hkv_first(m, g.rank, [&](int s) { return hkv_ld<CG>(t.keys + b * 128 + s) == key; });
+    constexpr int SPT = 128 / G;
+    int mine = -1;
+#pragma unroll
+    for (int k = 0; k < HkvBits<SPT>::W && mine < 0; ++k) {
+        u64 x = m.w[k];
+        while (x) {
+            int s = g.rank * SPT + 64 * k + __ffsll(x) - 1;
+            x &= x - 1;
+            if (hkv_ld<CG>(t.keys + b * 128 + s) == key) {
+                mine = s;
+                break;
+            }
+        }
+    }
     u32 who = g.ballot(mine >= 0);
     if (!who) return -1;
     return g.bcast(mine, __ffs(who) - 1);

@@ -60,12 +60,12 @@ __device__ __forceinline__ void update_one(const HkvTable& t, const HkvScoring& 
 
 // values: rows (assign) or deltas (accumulate); null for assign_scores.
 // only (may be null): process key i only where only[i] != 0.
-#define HKV_UPDATE_KERNEL(NAME, G)                                                                        \
+#define HKV_UPDATE_KERNEL(NAME, G)                                                                                 \
     extern "C" __global__ void NAME(HkvTable t, HkvScoring sc, const u64* keys, u64 n, const float* values,        \
                                     const u64* scores_in, const u8* only, int mode, u8* outcomes, u8* absent,      \
                                     u64* counters) {                                                               \
         HKV_COUNTERS_INIT                                                                                          \
-        update_one<G>(t, sc, keys, n, values, scores_in, only, mode, outcomes, absent, hkv_cnt);            \
+        update_one<G>(t, sc, keys, n, values, scores_in, only, mode, outcomes, absent, hkv_cnt);                   \
         hkv_flush_counters(hkv_cnt, counters);                                                                     \
     }
 

@@ -128,9 +128,8 @@ fn filter_args(f: &Filter) -> FilterArgs {
     FilterArgs { key_mask: f.key_mask, key_pattern: f.key_pattern, min_score: f.min_score, max_score: f.max_score }
 }
 
-/// The raw device address of a buffer (event tracking is off for the
-/// table's context: every lane synchronises its own stream).
-/// The device address of a buffer, for a kernel argument.
+/// The device address of a buffer, for a kernel argument (event tracking
+/// is off for the table's context: every lane synchronises its own stream).
 pub(crate) fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
     s.device_ptr(stream).0
 }
@@ -144,6 +143,11 @@ pub(crate) fn opt_ptr<T>(s: &Option<CudaSlice<T>>, stream: &CudaStream) -> u64 {
 fn group_size(var: &str, built: &[u64]) -> Option<u64> {
     std::env::var(var).ok().and_then(|v| v.parse().ok()).filter(|g| built.contains(g))
 }
+
+/// Threads per key the lookup kernels are built for, and the writer
+/// (upsert, update) kernels.
+const LOOKUP_GROUPS: [u64; 4] = [1, 2, 4, 8];
+const WRITE_GROUPS: [u64; 5] = [1, 2, 4, 8, 16];
 
 /// The kernel variant with `g` threads per key (`base` itself is the 8-thread one).
 fn kernel_name(base: &str, g: u64) -> String {
@@ -182,7 +186,7 @@ struct Storage {
     sizes: CudaSlice<i32>,
     locks: CudaSlice<i32>,
     fast: Option<CudaSlice<f32>>,
-    host: Vec<HostSlice>,
+    host: Vec<PinnedHostSlice<f32>>,
     _slice_ptrs: CudaSlice<u64>,
     nbuckets: u64,
     fast_slots: u64,
@@ -222,7 +226,7 @@ impl Storage {
         let mut left = host_slots;
         while left > 0 {
             let rows = left.min(per);
-            let (h, dp) = HostSlice::new(t, (rows * dim) as usize)?;
+            let (h, dp) = host_slice(t, (rows * dim) as usize)?;
             slice_ptrs.push(dp);
             host.push(h);
             left -= rows;
@@ -272,35 +276,25 @@ impl Storage {
     }
 }
 
-/// One host-tier slice of values (cuMemHostAlloc), zeroed and mapped into
-/// the device's address space.
-struct HostSlice(#[allow(dead_code)] PinnedHostSlice<f32>); // held for its Drop
-
-fn cu_check(r: cudarc::driver::sys::CUresult, what: &str) -> Result<()> {
-    if r == cudarc::driver::sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(Error::Device(format!("{what}: {r:?}")))
+/// One host-tier slice of `len` values (cuMemHostAlloc), zeroed and mapped
+/// into the device's address space, and its device address.
+fn host_slice(t: &CudaTable, len: usize) -> Result<(PinnedHostSlice<f32>, u64)> {
+    use cudarc::driver::sys;
+    let al = |e| dev_err("allocating pinned host values")(e);
+    let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
+    // SAFETY: the memory is zeroed right below before any use.
+    let mut h = unsafe { t.dev.ctx.alloc_pinned_with_flags::<f32>(len, flags) }.map_err(al)?;
+    let hp = h.as_mut_ptr().map_err(al)?;
+    // SAFETY: hp points to len f32 just allocated and owned by `h`.
+    unsafe { std::ptr::write_bytes(hp, 0, len) };
+    let mut dp: sys::CUdeviceptr = 0;
+    // SAFETY: hp was allocated by cuMemHostAlloc with DEVICEMAP in this
+    // context; the call writes one device pointer to `dp`.
+    let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dp, hp as *mut _, 0) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(Error::Device(format!("cuMemHostGetDevicePointer: {r:?}")));
     }
-}
-
-impl HostSlice {
-    /// `len` zeroed floats and their device address.
-    fn new(t: &CudaTable, len: usize) -> Result<(HostSlice, u64)> {
-        use cudarc::driver::sys;
-        let al = |e| dev_err("allocating pinned host values")(e);
-        let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
-        // SAFETY: the memory is zeroed right below before any use.
-        let mut h = unsafe { t.dev.ctx.alloc_pinned_with_flags::<f32>(len, flags) }.map_err(al)?;
-        let hp = h.as_mut_ptr().map_err(al)?;
-        // SAFETY: hp points to len f32 just allocated and owned by `h`.
-        unsafe { std::ptr::write_bytes(hp, 0, len) };
-        let mut dp: sys::CUdeviceptr = 0;
-        // SAFETY: hp was allocated by cuMemHostAlloc with DEVICEMAP in this
-        // context; the call writes one device pointer to `dp`.
-        cu_check(unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dp, hp as *mut _, 0) }, "cuMemHostGetDevicePointer")?;
-        Ok((HostSlice(h), dp))
-    }
+    Ok((h, dp))
 }
 
 /// A stream with its reusable device buffers; one batch at a time.
@@ -399,9 +393,14 @@ impl Funcs {
     /// ([`copy_threads`]) when values are copied; 16 for a batch in region
     /// order.
     fn upsert(&self, load: f64, values: bool, dim: usize, ordered: bool) -> &Variant {
-        let g = if load >= WRITER_PAIR_FROM { 2 } else { 1 };
-        let g = if values { g.max(copy_threads(dim)) } else { g };
-        let g = if ordered { HOST_TIER_WRITE } else { g };
+        let scan = if load >= WRITER_PAIR_FROM { 2 } else { 1 };
+        let g = if ordered {
+            HOST_TIER_WRITE
+        } else if values {
+            scan.max(copy_threads(dim))
+        } else {
+            scan
+        };
         pick(&self.upsert, self.forced_write.unwrap_or(g))
     }
 
@@ -509,11 +508,11 @@ impl CudaTable {
             gs.iter().map(|&g| Ok(Variant { f: get(id, &kernel_name(base, g))?, g })).collect()
         };
         let f = Funcs {
-            lookup: variants(KernelId::Lookup, "lookup_find", &[1, 2, 4, 8])?,
-            upsert: variants(KernelId::Upsert, "upsert_keys", &[1, 2, 4, 8, 16])?,
-            update: variants(KernelId::Update, "update_keys", &[1, 2, 4, 8, 16])?,
-            forced_lookup: group_size("HKV_LOOKUP_GROUP", &[1, 2, 4, 8]),
-            forced_write: group_size("HKV_WRITE_GROUP", &[1, 2, 4, 8, 16]),
+            lookup: variants(KernelId::Lookup, "lookup_find", &LOOKUP_GROUPS)?,
+            upsert: variants(KernelId::Upsert, "upsert_keys", &WRITE_GROUPS)?,
+            update: variants(KernelId::Update, "update_keys", &WRITE_GROUPS)?,
+            forced_lookup: group_size("HKV_LOOKUP_GROUP", &LOOKUP_GROUPS),
+            forced_write: group_size("HKV_WRITE_GROUP", &WRITE_GROUPS),
             region_order: std::env::var("HKV_KEY_ORDER").map_or(true, |v| v != "index"),
             order_count: get(KernelId::Lookup, "order_count")?,
             order_write: get(KernelId::Lookup, "order_write")?,
@@ -1991,9 +1990,9 @@ mod tests {
     fn every_kernel_variant_the_host_asks_for_is_built() {
         use hkv_kernels::KernelId;
         let asked = [
-            (KernelId::Lookup, "lookup_find", &[1u64, 2, 4, 8][..]),
-            (KernelId::Upsert, "upsert_keys", &[1, 2, 4, 8, 16][..]),
-            (KernelId::Update, "update_keys", &[1, 2, 4, 8, 16][..]),
+            (KernelId::Lookup, "lookup_find", &LOOKUP_GROUPS[..]),
+            (KernelId::Upsert, "upsert_keys", &WRITE_GROUPS[..]),
+            (KernelId::Update, "update_keys", &WRITE_GROUPS[..]),
         ];
         for (id, base, gs) in asked {
             for &g in gs {
