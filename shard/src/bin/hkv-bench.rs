@@ -12,7 +12,9 @@
 //! - export_batch, export_batch_if: `--batch` slots from a random offset
 //!   (export_batch_if keeps scores at or above the median).
 //!
-//! find* and find_or_insert* return device addresses: CUDA backend only.
+//! find* and find_or_insert* return device addresses: CUDA backend on
+//! device batches only. With `--host-buffers` the CUDA backend is timed
+//! like the CPU one, through the table's calls on host arrays.
 //! Beside it, the same find / insert workload on moka (a concurrent Rust
 //! cache) of the same capacity, all cores, at the same λ.
 
@@ -58,6 +60,10 @@ struct Args {
     /// CUDA: bytes of values kept in device memory (the rest in pinned host memory); default all.
     #[arg(long)]
     fast_tier_bytes: Option<u64>,
+    /// CUDA: time the table's calls on host arrays (wall clock, the copies
+    /// to and from the device included) instead of device-resident batches.
+    #[arg(long)]
+    host_buffers: bool,
 }
 
 const OPS: [&str; 10] = [
@@ -276,12 +282,13 @@ fn main() -> Result<()> {
     if a.runs == 0 || a.batch == 0 || a.capacity < a.batch as u64 {
         bail!("--runs and --batch must be positive and --capacity at least --batch");
     }
-    if backend == Backend::Cuda {
+    if backend == Backend::Cuda && !a.host_buffers {
         return cuda_bench::run(&a, mode);
     }
     println!(
-        "hkv-bench: backend {}, {} mode, capacity {}, batch {}, median of {} runs, {} threads, B-KV/s",
+        "hkv-bench: backend {}{}, {} mode, capacity {}, batch {}, median of {} runs, {} threads, B-KV/s",
         a.backend,
+        if a.host_buffers { " on host arrays (wall clock, copies included)" } else { "" },
         a.mode,
         a.capacity,
         a.batch,
@@ -289,7 +296,8 @@ fn main() -> Result<()> {
         rayon::current_num_threads()
     );
     for &dim in &a.dims {
-        let cfg = TableConfig::new(a.capacity, dim).mode(mode);
+        let mut cfg = TableConfig::new(a.capacity, dim).mode(mode);
+        cfg.fast_tier_bytes = a.fast_tier_bytes;
         let t = hkv_shard::open(cfg, backend).context("opening the table")?;
         println!(
             "\ndim = {dim}, capacity {}, {:.1} GB values\n",
