@@ -39,6 +39,7 @@ use crate::cuda::{dev_err, ensure, Device};
 use crate::error::{Error, Result};
 use crate::lock::{Group, GroupLock};
 use crate::score::{Clock, Scorer, SystemClock};
+use crate::staging::{Region, Staging};
 use std::collections::HashMap;
 
 use crate::hash::{bucket1, bucket2};
@@ -312,6 +313,8 @@ struct Lane {
     lost_kinds: Option<CudaSlice<u8>>,
     counts: Option<CudaSlice<u32>>,
     offsets: Option<CudaSlice<u64>>,
+    /// Pinned memory the batch's host arrays pass through.
+    stage: Staging,
 }
 
 struct Funcs {
@@ -572,11 +575,16 @@ impl CudaTable {
             lost_kinds: None,
             counts: None,
             offsets: None,
+            stage: Staging::new(self.dev.ctx.clone()),
         })
     }
 
-    fn put_lane(&self, l: Lane) {
-        self.lanes.lock().push(l);
+    /// Returns a lane to the pool once its batch is over (a lane whose
+    /// stream fails is dropped).
+    fn put_lane(&self, mut l: Lane) {
+        if l.stage.reset(&l.stream).is_ok() {
+            self.lanes.lock().push(l);
+        }
     }
 
     fn scoring(&self, verbatim: bool) -> ScoringArgs {
@@ -595,9 +603,17 @@ impl CudaTable {
         l.stream.memset_zeros(&mut l.counters).map_err(dev_err("clearing counters"))
     }
 
-    fn read_counters(&self, l: &Lane) -> Result<Counts> {
-        let c = l.stream.clone_dtoh(&l.counters).map_err(dev_err("reading counters"))?;
-        Ok(counts(&c))
+    /// Queues the transfer of the lane's counters to its staging memory.
+    fn fetch_counters(&self, l: &mut Lane) -> Result<Region<u64>> {
+        // SAFETY: the counters buffer holds NCOUNTERS values and lives as long as the lane.
+        unsafe { l.stage.fetch(&l.stream, ptr(&l.counters, &l.stream), NCOUNTERS) }
+    }
+
+    /// Waits for the lane and reads its counters.
+    fn read_counters(&self, l: &mut Lane) -> Result<Counts> {
+        let r = self.fetch_counters(l)?;
+        l.stage.sync(&l.stream)?;
+        Ok(counts(l.stage.read(&r)))
     }
 
     /// For a launch of `n` keys (device address `keys`) that copies value
@@ -884,8 +900,7 @@ impl CudaTable {
                 Ptrs { counters: ptr(&l.counters, &s), ..p },
             )
         }?;
-        let c = self.read_counters(&l)?;
-        s.synchronize().map_err(dev_err("loading after growth"))?;
+        let c = self.read_counters(&mut l)?;
         *guard = Some(new);
         self.size.store(c.summary.inserted, Relaxed);
         self.counters.evictions.fetch_add(c.summary.evicted + c.summary.rejected, Relaxed);
@@ -896,18 +911,20 @@ impl CudaTable {
 
     // ---- host-buffer batches -------------------------------------------------
 
-    /// Copies `src` into the lane buffer `buf` (grown as needed); returns its address.
+    /// Copies `src` into the lane buffer `buf` (grown as needed) through
+    /// the lane's staging memory; returns the buffer's address.
     fn upload<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
         stream: &Arc<CudaStream>,
+        stage: &mut Staging,
         buf: &mut Option<CudaSlice<T>>,
         src: &[T],
     ) -> Result<u64> {
         ensure(stream, buf, src.len())?;
-        let b = buf.as_mut().expect("ensured");
-        if !src.is_empty() {
-            stream.memcpy_htod(src, &mut b.slice_mut(..src.len())).map_err(dev_err("copying to the device"))?;
-        }
-        Ok(ptr(b, stream))
+        let dst = ptr(buf.as_ref().expect("ensured"), stream);
+        // SAFETY: `buf` holds at least src.len() elements and belongs to the
+        // lane, whose stream orders this copy before the kernels reading it.
+        unsafe { stage.upload(stream, src, dst) }?;
+        Ok(dst)
     }
 
     fn scratch<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
@@ -919,12 +936,22 @@ impl CudaTable {
         Ok(ptr(buf.as_ref().expect("ensured"), stream))
     }
 
-    fn download<T: DeviceRepr>(stream: &Arc<CudaStream>, buf: &Option<CudaSlice<T>>, dst: &mut [T]) -> Result<()> {
-        if dst.is_empty() {
-            return Ok(());
-        }
-        let b = buf.as_ref().expect("allocated");
-        stream.memcpy_dtoh(&b.slice(..dst.len()), dst).map_err(dev_err("copying from the device"))
+    /// Queues the transfer of the first `len` elements of the lane buffer
+    /// `buf` into the lane's staging memory (read after `stage.sync`).
+    fn fetch<T: DeviceRepr>(
+        stream: &Arc<CudaStream>,
+        stage: &mut Staging,
+        buf: &Option<CudaSlice<T>>,
+        len: usize,
+    ) -> Result<Region<T>> {
+        let src = match buf {
+            Some(b) if b.len() >= len => ptr(b, stream),
+            _ if len == 0 => 0,
+            _ => panic!("fetching {len} elements from a lane buffer sized for fewer"),
+        };
+        // SAFETY: `buf` holds at least len elements and belongs to the lane;
+        // its stream orders this copy after the kernels writing it.
+        unsafe { stage.fetch(stream, src, len) }
     }
 
     /// Rounds that give a small batch the CPU backend's index order: keys
@@ -969,7 +996,7 @@ impl CudaTable {
         match self.rounds(keys, nbuckets) {
             None => {
                 let p = match only {
-                    Some(o) => Self::upload(&s, &mut l.flags2, o)?,
+                    Some(o) => Self::upload(&s, &mut l.stage, &mut l.flags2, o)?,
                     None => 0,
                 };
                 launch(l, p)
@@ -983,10 +1010,10 @@ impl CudaTable {
                         any |= flags[i] != 0;
                     }
                     if any {
-                        let p = Self::upload(&s, &mut l.flags2, &flags)?;
+                        // Each round's flags take their own staging region: no wait
+                        // before flags is rewritten for the next round.
+                        let p = Self::upload(&s, &mut l.stage, &mut l.flags2, &flags)?;
                         launch(l, p)?;
-                        // flags is rewritten for the next round: wait for the copy.
-                        s.synchronize().map_err(dev_err("synchronizing"))?;
                     }
                 }
                 Ok(())
@@ -1020,13 +1047,13 @@ impl CudaTable {
         let dim = self.config.dim;
         let n = keys.len();
         let mut p = Ptrs {
-            keys: Self::upload(&s, &mut l.keys, keys)?,
-            values: Self::upload(&s, &mut l.values, values.input())?,
+            keys: Self::upload(&s, &mut l.stage, &mut l.keys, keys)?,
+            values: Self::upload(&s, &mut l.stage, &mut l.values, values.input())?,
             counters: ptr(&l.counters, &s),
             ..Ptrs::default()
         };
         if let Some(sc) = scores {
-            p.scores = Self::upload(&s, &mut l.scores, sc)?;
+            p.scores = Self::upload(&s, &mut l.stage, &mut l.scores, sc)?;
         }
         if want_outcomes {
             p.outcomes = Self::scratch(&s, &mut l.flags, n)?;
@@ -1046,26 +1073,30 @@ impl CudaTable {
             // these n keys, flags2 by in_rounds
             unsafe { self.k_upsert(&s, st, sc, n as u64, mode, Ptrs { only: o, ..p }) }
         })?;
+        let rows = match values {
+            Rows::InOut(_) => Some(Self::fetch(&s, &mut l.stage, &l.values, n * dim)?),
+            Rows::In(_) => None,
+        };
+        let flags = Self::fetch(&s, &mut l.stage, &l.flags, if want_outcomes { n } else { 0 })?;
         let c = self.read_counters(l)?;
-        if let Rows::InOut(out) = values {
-            Self::download(&s, &l.values, out)?;
+        if let (Some(r), Rows::InOut(out)) = (&rows, values) {
+            l.stage.read_into(r, out);
         }
-        let mut raw = vec![0u8; if want_outcomes { n } else { 0 }];
-        Self::download(&s, &l.flags, &mut raw)?;
+        let raw = l.stage.read(&flags).to_vec();
         let mut lost = Evictions::default();
         if keep_lost && c.lost > 0 {
             let m = c.lost as usize;
-            lost.keys = vec![0; m];
-            lost.values = vec![0.0; m * dim];
-            lost.scores = vec![0; m];
-            let mut kinds = vec![0u8; m];
-            Self::download(&s, &l.lost_keys, &mut lost.keys)?;
-            Self::download(&s, &l.lost_values, &mut lost.values)?;
-            Self::download(&s, &l.lost_scores, &mut lost.scores)?;
-            Self::download(&s, &l.lost_kinds, &mut kinds)?;
-            lost.kinds = kinds.into_iter().map(|k| if k == 0 { Lost::Evicted } else { Lost::Rejected }).collect();
+            let k = Self::fetch(&s, &mut l.stage, &l.lost_keys, m)?;
+            let v = Self::fetch(&s, &mut l.stage, &l.lost_values, m * dim)?;
+            let sc = Self::fetch(&s, &mut l.stage, &l.lost_scores, m)?;
+            let kinds = Self::fetch(&s, &mut l.stage, &l.lost_kinds, m)?;
+            l.stage.sync(&s)?;
+            lost.keys = l.stage.read(&k).to_vec();
+            lost.values = l.stage.read(&v).to_vec();
+            lost.scores = l.stage.read(&sc).to_vec();
+            lost.kinds =
+                l.stage.read(&kinds).iter().map(|&k| if k == 0 { Lost::Evicted } else { Lost::Rejected }).collect();
         }
-        s.synchronize().map_err(dev_err("synchronizing"))?;
         self.size.fetch_add(c.summary.inserted, Relaxed);
         self.counters.summary(&c.summary);
         Ok((c, lost, raw))
@@ -1156,18 +1187,20 @@ impl CudaTable {
     ) -> Result<(Summary, Vec<u8>)> {
         let s = l.stream.clone();
         let n = keys.len();
-        let mut p =
-            Ptrs { keys: Self::upload(&s, &mut l.keys, keys)?, counters: ptr(&l.counters, &s), ..Ptrs::default() };
+        let mut p = Ptrs {
+            keys: Self::upload(&s, &mut l.stage, &mut l.keys, keys)?,
+            counters: ptr(&l.counters, &s),
+            ..Ptrs::default()
+        };
         if let Some(v) = values {
-            p.values = Self::upload(&s, &mut l.values, v)?;
+            p.values = Self::upload(&s, &mut l.stage, &mut l.values, v)?;
         }
         if let Some(sc) = scores {
-            p.scores = Self::upload(&s, &mut l.scores, sc)?;
+            p.scores = Self::upload(&s, &mut l.stage, &mut l.scores, sc)?;
         }
         if want_outcomes {
             p.outcomes = Self::scratch(&s, &mut l.flags, n)?;
         }
-        let mut absent = vec![0u8; if flag_absent { n } else { 0 }];
         if flag_absent {
             p.found = Self::scratch(&s, &mut l.lost_kinds, n)?;
         }
@@ -1178,12 +1211,13 @@ impl CudaTable {
             // n keys, flags2 by in_rounds
             unsafe { self.k_update(&s, st, sc, n as u64, mode, Ptrs { only: o, ..p }) }
         })?;
+        let flags = if flag_absent {
+            Self::fetch(&s, &mut l.stage, &l.lost_kinds, n)?
+        } else {
+            Self::fetch(&s, &mut l.stage, &l.flags, if want_outcomes { n } else { 0 })?
+        };
         let c = self.read_counters(l)?;
-        let mut raw = vec![0u8; if want_outcomes { n } else { 0 }];
-        Self::download(&s, &l.flags, &mut raw)?;
-        Self::download(&s, &l.lost_kinds, &mut absent)?;
-        s.synchronize().map_err(dev_err("synchronizing"))?;
-        Ok((c.summary, if flag_absent { absent } else { raw }))
+        Ok((c.summary, l.stage.read(&flags).to_vec()))
     }
 }
 
@@ -1594,7 +1628,7 @@ impl Shard for CudaTable {
         let hits = self.with_lane(|l| {
             let s = l.stream.clone();
             let mut p = Ptrs {
-                keys: Self::upload(&s, &mut l.keys, keys)?,
+                keys: Self::upload(&s, &mut l.stage, &mut l.keys, keys)?,
                 values: Self::scratch(&s, &mut l.values, n * dim)?,
                 found: Self::scratch(&s, &mut l.flags, n)?,
                 ..Ptrs::default()
@@ -1606,27 +1640,23 @@ impl Shard for CudaTable {
             let p = Ptrs { counters: ptr(&l.counters, &s), ..p };
             // SAFETY: keys uploaded, values / flags / scores sized above for these n keys
             unsafe { self.k_lookup(&s, st, n as u64, p) }?;
+            let f = Self::fetch(&s, &mut l.stage, &l.flags, n)?;
+            let v = Self::fetch(&s, &mut l.stage, &l.values, n * dim)?;
+            let sc = Self::fetch(&s, &mut l.stage, &l.scores, if scores.is_some() { n } else { 0 })?;
             let c = self.read_counters(l)?;
-            let mut f = vec![0u8; n];
-            Self::download(&s, &l.flags, &mut f)?;
-            for (o, x) in found.iter_mut().zip(&f) {
+            for (o, x) in found.iter_mut().zip(l.stage.read(&f)) {
                 *o = *x != 0;
             }
             if c.hits == n as u64 {
                 // Every key hit: the rows (and scores) come straight back.
-                Self::download(&s, &l.values, values)?;
+                l.stage.read_into(&v, values);
                 if let Some(out) = scores {
-                    Self::download(&s, &l.scores, out)?;
+                    l.stage.read_into(&sc, out);
                 }
-                s.synchronize().map_err(dev_err("synchronizing"))?;
                 return Ok(c.hits);
             }
             // Misses leave the caller's rows untouched: copy the hits only.
-            let mut v = vec![0f32; n * dim];
-            Self::download(&s, &l.values, &mut v)?;
-            let mut sc = vec![0u64; if scores.is_some() { n } else { 0 }];
-            Self::download(&s, &l.scores, &mut sc)?;
-            s.synchronize().map_err(dev_err("synchronizing"))?;
+            let (v, sc) = (l.stage.read(&v), l.stage.read(&sc));
             for i in (0..n).filter(|&i| found[i]) {
                 values[i * dim..(i + 1) * dim].copy_from_slice(&v[i * dim..(i + 1) * dim]);
             }
@@ -1654,7 +1684,7 @@ impl Shard for CudaTable {
         let hits = self.with_lane(|l| {
             let s = l.stream.clone();
             let p = Ptrs {
-                keys: Self::upload(&s, &mut l.keys, keys)?,
+                keys: Self::upload(&s, &mut l.stage, &mut l.keys, keys)?,
                 found: Self::scratch(&s, &mut l.flags, n)?,
                 ..Ptrs::default()
             };
@@ -1662,12 +1692,10 @@ impl Shard for CudaTable {
             let p = Ptrs { counters: ptr(&l.counters, &s), ..p };
             // SAFETY: keys uploaded, values / flags / scores sized above for these n keys
             unsafe { self.k_lookup(&s, st, n as u64, p) }?;
+            let f = Self::fetch(&s, &mut l.stage, &l.flags, n)?;
             let c = self.read_counters(l)?;
-            let mut f = vec![0u8; n];
-            Self::download(&s, &l.flags, &mut f)?;
-            s.synchronize().map_err(dev_err("synchronizing"))?;
-            for (o, x) in found.iter_mut().zip(f) {
-                *o = x != 0;
+            for (o, x) in found.iter_mut().zip(l.stage.read(&f)) {
+                *o = *x != 0;
             }
             Ok(c.hits)
         })?;
@@ -1826,7 +1854,7 @@ impl Shard for CudaTable {
         let count = self.with_lane(|l| {
             let s = l.stream.clone();
             let p = Ptrs {
-                keys: Self::upload(&s, &mut l.keys, keys)?,
+                keys: Self::upload(&s, &mut l.stage, &mut l.keys, keys)?,
                 found: Self::scratch(&s, &mut l.flags, n)?,
                 ..Ptrs::default()
             };
@@ -1836,16 +1864,13 @@ impl Shard for CudaTable {
                 // SAFETY: keys uploaded and erased flags sized above for these n keys, flags2 by in_rounds
                 unsafe { self.k_erase(&s, st, n as u64, Ptrs { only: o, ..p }) }
             })?;
+            let f = Self::fetch(&s, &mut l.stage, &l.flags, if erased.is_some() { n } else { 0 })?;
             let c = self.read_counters(l)?;
             if let Some(out) = erased {
-                let mut f = vec![0u8; n];
-                Self::download(&s, &l.flags, &mut f)?;
-                s.synchronize().map_err(dev_err("synchronizing"))?;
-                for (o, x) in out.iter_mut().zip(f) {
-                    *o = x != 0;
+                for (o, x) in out.iter_mut().zip(l.stage.read(&f)) {
+                    *o = *x != 0;
                 }
             }
-            s.synchronize().map_err(dev_err("synchronizing"))?;
             Ok(c.erased)
         })?;
         self.size.fetch_sub(count, Relaxed);
@@ -1867,7 +1892,6 @@ impl Shard for CudaTable {
             // the table described by args and writes 8 counters.
             unsafe { b.launch(blocks(st.nbuckets * 32)) }.map_err(dev_err("launching erase_if"))?;
             let c = self.read_counters(l)?;
-            l.stream.synchronize().map_err(dev_err("synchronizing"))?;
             Ok(c.erased)
         })?;
         self.size.fetch_sub(removed, Relaxed);
@@ -1910,11 +1934,9 @@ impl Shard for CudaTable {
             let fa = filter_args(filter);
             // SAFETY: counts and offsets were sized above for the nb buckets of the range; count pass only
             unsafe { self.k_export(&s, st, offset, end, fa, counts, offsets, [0, 0, 0]) }?;
-            let mut total = [0u64];
-            let o = l.offsets.as_ref().expect("allocated");
-            s.memcpy_dtoh(&o.slice(nb..nb + 1), &mut total).map_err(dev_err("reading the export size"))?;
-            s.synchronize().map_err(dev_err("synchronizing"))?;
-            let m = total[0] as usize;
+            let total = Self::fetch(&s, &mut l.stage, &l.offsets, nb + 1)?;
+            l.stage.sync(&s)?;
+            let m = l.stage.read(&total)[nb] as usize;
             let mut e = Export { keys: vec![0; m], values: vec![0.0; m * dim], scores: vec![0; m] };
             if m > 0 {
                 let out = [
@@ -1924,10 +1946,13 @@ impl Shard for CudaTable {
                 ];
                 // SAFETY: the outputs were sized above for the m matches the count pass found
                 unsafe { self.k_export(&s, st, offset, end, fa, counts, offsets, out) }?;
-                Self::download(&s, &l.keys, &mut e.keys)?;
-                Self::download(&s, &l.values, &mut e.values)?;
-                Self::download(&s, &l.scores, &mut e.scores)?;
-                s.synchronize().map_err(dev_err("synchronizing"))?;
+                let k = Self::fetch(&s, &mut l.stage, &l.keys, m)?;
+                let v = Self::fetch(&s, &mut l.stage, &l.values, m * dim)?;
+                let sc = Self::fetch(&s, &mut l.stage, &l.scores, m)?;
+                l.stage.sync(&s)?;
+                l.stage.read_into(&k, &mut e.keys);
+                l.stage.read_into(&v, &mut e.values);
+                l.stage.read_into(&sc, &mut e.scores);
             }
             Ok(e)
         })?;

@@ -57,6 +57,7 @@
 //! - [`cuda`] finds CUDA devices, compiles the kernels of `hkv-kernels`
 //!   (with an on-disk cache) and hashes features on the GPU.
 //! - [`cuda_table`] is the CUDA backend, [`cuda_table::CudaTable`].
+//! - `staging` is the pinned memory host arrays of CUDA batches pass through.
 //! - [`features`] turns raw features into keys (TensorFlow-compatible).
 //! - [`error`] holds [`Error`].
 //! - this file: the [`Shard`] trait every backend implements, result types,
@@ -75,6 +76,7 @@ pub mod hash;
 pub mod lock;
 pub mod multi;
 pub mod score;
+mod staging;
 
 use serde::{Deserialize, Serialize};
 
