@@ -1,6 +1,6 @@
 // lookup family: find, contains and find* (value addresses). Reader group:
 // no writer runs meanwhile, so no lock is taken. Thread mapping: G = 1, 2,
-// 4 or 8 threads per key (each loads 128 / G digest bytes), 256 / G keys per
+// 4, 8, 16 or 32 threads per key (each loads 128 / G digest bytes), 256 / G keys per
 // 256-thread block; the host picks G per batch (cuda_table::Funcs).
 // Memory traffic per key: the key, one digest line (two in dual mode), ~1 key
 // read per digest match, and on a hit the value row read and written.
@@ -61,6 +61,8 @@ HKV_LOOKUP_KERNEL(lookup_find, 8)
 HKV_LOOKUP_KERNEL(lookup_find_g1, 1)
 HKV_LOOKUP_KERNEL(lookup_find_g2, 2)
 HKV_LOOKUP_KERNEL(lookup_find_g4, 4)
+HKV_LOOKUP_KERNEL(lookup_find_g16, 16)
+HKV_LOOKUP_KERNEL(lookup_find_g32, 32)
 
 // ---- key order for tables with a host tier -----------------------------------
 // The device reaches rows in mapped host memory about three times faster

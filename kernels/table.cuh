@@ -4,8 +4,8 @@
 // the minimum-score slot (lowest slot on ties) as the eviction victim, the
 // score rules of shard/src/score.rs.
 //
-// A key is served by a group of G threads of one warp (G = 1, 2, 4, 8 or
-// 16; the host picks G per batch): thread r of the group owns slots
+// A key is served by a group of G threads of one warp (G = 1, 2, 4, 8, 16
+// or 32; the host picks G per batch): thread r of the group owns slots
 // [r * 128/G, (r + 1) * 128/G) of a bucket, so the group reads a digest
 // line in one coalesced access and every group-wide choice ("lowest slot",
 // "minimum score") is a ballot or a shuffle reduction in slot order. Fewer

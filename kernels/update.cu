@@ -2,7 +2,7 @@
 // accum_or_assign, on present keys only. Updater group: batches of this
 // family may run together, so buckets are locked per key as writers do
 // (update_keys*).
-// Thread mapping: G = 1, 2, 4, 8 or 16 threads per key, picked by the host.
+// Thread mapping: G = 1, 2, 4, 8, 16 or 32 threads per key, picked by the host.
 
 #define HKV_UPD_ASSIGN 0
 #define HKV_UPD_SCORES 1
@@ -75,3 +75,4 @@ HKV_UPDATE_KERNEL(update_keys_g1, 1)
 HKV_UPDATE_KERNEL(update_keys_g2, 2)
 HKV_UPDATE_KERNEL(update_keys_g4, 4)
 HKV_UPDATE_KERNEL(update_keys_g16, 16)
+HKV_UPDATE_KERNEL(update_keys_g32, 32)

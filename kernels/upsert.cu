@@ -1,7 +1,7 @@
 // upsert family: insert_or_assign, insert_and_evict, find_or_insert,
 // find_or_insert*, load and the insert phase of accum_or_assign: the write
 // path of paper Algorithms 2 and 3, exactly as CpuTable::upsert. Inserter
-// group. Thread mapping: G = 1, 2, 4, 8 or 16 threads per key, picked by the
+// group. Thread mapping: G = 1, 2, 4, 8, 16 or 32 threads per key, picked by the
 // host per batch, 256 / G keys per 256-thread block; the key's candidate
 // buckets are locked for the whole operation.
 // insert_and_evict compacts what lost its slot on the GPU (order unspecified).
@@ -134,3 +134,4 @@ HKV_UPSERT_KERNEL(upsert_keys_g1, 1)
 HKV_UPSERT_KERNEL(upsert_keys_g2, 2)
 HKV_UPSERT_KERNEL(upsert_keys_g4, 4)
 HKV_UPSERT_KERNEL(upsert_keys_g16, 16)
+HKV_UPSERT_KERNEL(upsert_keys_g32, 32)

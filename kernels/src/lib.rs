@@ -98,15 +98,32 @@ impl KernelId {
         match self {
             KernelId::Hash => &["hash_locate"],
             KernelId::Features => &["features_int64", "features_strings"],
-            KernelId::Lookup => {
-                &["lookup_find", "lookup_find_g1", "lookup_find_g2", "lookup_find_g4", "order_count", "order_write"]
-            }
-            KernelId::Upsert => {
-                &["upsert_keys", "upsert_keys_g1", "upsert_keys_g2", "upsert_keys_g4", "upsert_keys_g16"]
-            }
-            KernelId::Update => {
-                &["update_keys", "update_keys_g1", "update_keys_g2", "update_keys_g4", "update_keys_g16"]
-            }
+            KernelId::Lookup => &[
+                "lookup_find",
+                "lookup_find_g1",
+                "lookup_find_g2",
+                "lookup_find_g4",
+                "lookup_find_g16",
+                "lookup_find_g32",
+                "order_count",
+                "order_write",
+            ],
+            KernelId::Upsert => &[
+                "upsert_keys",
+                "upsert_keys_g1",
+                "upsert_keys_g2",
+                "upsert_keys_g4",
+                "upsert_keys_g16",
+                "upsert_keys_g32",
+            ],
+            KernelId::Update => &[
+                "update_keys",
+                "update_keys_g1",
+                "update_keys_g2",
+                "update_keys_g4",
+                "update_keys_g16",
+                "update_keys_g32",
+            ],
             KernelId::Erase => &["erase_keys", "erase_if", "clear_table"],
             KernelId::Export => &["export_count", "export_scan", "export_write"],
             KernelId::Route => &[

@@ -147,8 +147,8 @@ fn group_size(var: &str, built: &[u64]) -> Option<u64> {
 
 /// Threads per key the lookup kernels are built for, and the writer
 /// (upsert, update) kernels.
-const LOOKUP_GROUPS: [u64; 4] = [1, 2, 4, 8];
-const WRITE_GROUPS: [u64; 5] = [1, 2, 4, 8, 16];
+const LOOKUP_GROUPS: [u64; 6] = [1, 2, 4, 8, 16, 32];
+const WRITE_GROUPS: [u64; 6] = [1, 2, 4, 8, 16, 32];
 
 /// The kernel variant with `g` threads per key (`base` itself is the 8-thread one).
 fn kernel_name(base: &str, g: u64) -> String {
