@@ -318,9 +318,9 @@ struct Lane {
 }
 
 struct Funcs {
-    /// Lookup kernels with 1, 2, 4 and 8 threads per key (see [`Funcs::lookup`]).
+    /// Lookup kernels with 1 to 32 threads per key ([`LOOKUP_GROUPS`]) (see [`Funcs::lookup`]).
     lookup: Vec<Variant>,
-    /// Upsert and update kernels with 1, 2, 4, 8 and 16 threads per key
+    /// Upsert and update kernels with 1 to 32 threads per key ([`WRITE_GROUPS`])
     /// (see [`Funcs::upsert`], [`Funcs::update`]).
     upsert: Vec<Variant>,
     update: Vec<Variant>,
@@ -358,10 +358,12 @@ const WRITER_PAIR_FROM: f64 = 0.875;
 /// Threads per key of lookups and writes that copy rows of a table with a
 /// host tier (batches in region order, [`CudaTable::key_order`]): fewer
 /// keys in flight keep the host rows being copied at one time closer
-/// together. At dim 64 with half the rows in host memory these measured
+/// together. At dim 64 with half the rows in host memory, 8 / 16 measured
 /// 19–24 % faster than the device-memory choices (find 0.143 → 0.177,
-/// insert_or_assign 0.150 → 0.168 B-KV/s, λ 0.5, H200).
-const HOST_TIER_LOOKUP: u64 = 8;
+/// insert_or_assign 0.150 → 0.168 B-KV/s, λ 0.5, H200); lookups with 16
+/// another 4 % (find 0.171 → 0.179; 32: 0.174), writes with 32 4 % slower
+/// than with 16.
+const HOST_TIER_LOOKUP: u64 = 16;
 const HOST_TIER_WRITE: u64 = 16;
 
 /// Threads per key so that each copies at most 8 16-byte pieces of a row
@@ -378,7 +380,7 @@ fn pick(vs: &[Variant], g: u64) -> &Variant {
 impl Funcs {
     /// The lookup kernel for a batch of rows of `dim` floats: 1 thread per
     /// key when no values are copied out (contains, find*), else 2, or one
-    /// per 16 floats of a wide row; 8 for a batch in region order
+    /// per 16 floats of a wide row; 16 for a batch in region order
     /// (`ordered`, a table with a host tier).
     fn lookup(&self, values: bool, dim: usize, ordered: bool) -> &Variant {
         let g = if ordered {
