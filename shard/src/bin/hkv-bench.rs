@@ -127,7 +127,10 @@ impl Bench<'_> {
         let target = (lambda.min(1.0) * cap as f64) as u64;
         let mut budget = 3 * cap;
         while self.t.size() < target && budget > 0 {
-            let n = ((target - self.t.size()) as usize).clamp(1, self.batch).min(budget as usize);
+            // Towards a full table, whole batches: the last free slots of
+            // single mode fill only through eviction, one batch at a time.
+            let left = if lambda >= 1.0 { self.batch } else { (target - self.t.size()) as usize };
+            let n = left.clamp(1, self.batch).min(budget as usize);
             let k = self.gen.take(n);
             self.t.insert_or_assign(&k, &vec![0.5; n * self.dim], None, None)?;
             self.keys.extend_from_slice(&k);
@@ -424,7 +427,9 @@ mod cuda_bench {
             let mut budget = 3 * cap;
             self.upload_values(0.5)?;
             while self.t.size() < target && budget > 0 {
-                let n = ((target - self.t.size()) as usize).clamp(1, self.n).min(budget as usize);
+                // As in the CPU path: whole batches towards a full table.
+                let left = if lambda >= 1.0 { self.n } else { (target - self.t.size()) as usize };
+                let n = left.clamp(1, self.n).min(budget as usize);
                 let k = self.gen.take(n);
                 self.upload_keys(&k)?;
                 self.run(DeviceOp::InsertOrAssign, n)?;
