@@ -368,6 +368,37 @@ __device__ __forceinline__ void hkv_unlock2(const HkvTable& t, const HkvGroup<G>
     }
 }
 
+// Updaters: no key or digest changes while an updater batch runs (the
+// updater group excludes inserters), so their slot lookup needs no lock.
+// hkv_lock2_start issues the first attempt on the lower bucket's lock as a
+// relaxed CAS and returns without waiting for it, so that its round trip
+// overlaps the lookup; hkv_lock2_wait completes the locking and then makes
+// it an acquire with fence.acq_rel (the PTX acquire pattern: a strong read
+// followed by the fence). Unlock with hkv_unlock2.
+__device__ __forceinline__ int hkv_cas_relaxed(int* p) {
+    int old;
+    asm volatile("atom.relaxed.gpu.global.cas.b32 %0, [%1], 0, 1;" : "=r"(old) : "l"(p) : "memory");
+    return old;
+}
+
+template <int G>
+__device__ __forceinline__ int hkv_lock2_start(const HkvTable& t, const HkvGroup<G>& g, u64 b1, u64 b2) {
+    return g.rank == 0 ? hkv_cas_relaxed(t.locks + (b1 < b2 ? b1 : b2)) : 0;
+}
+
+template <int G>
+__device__ __forceinline__ void hkv_lock2_wait(const HkvTable& t, const HkvGroup<G>& g, u64 b1, u64 b2,
+                                               int first) {
+    if (g.rank == 0) {
+        u64 lo = b1 < b2 ? b1 : b2, hi = b1 < b2 ? b2 : b1;
+        for (int old = first; old != 0; old = hkv_cas_relaxed(t.locks + lo)) __nanosleep(32);
+        if (hi != lo)
+            while (hkv_cas_relaxed(t.locks + hi) != 0) __nanosleep(32);
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    }
+    g.sync();
+}
+
 // Starts fetching the lines of a dim-float row into L2 (the group's threads
 // share the work), so that a copy under a bucket lock waits on L2 only.
 template <int G>

@@ -1,7 +1,8 @@
 // update family: assign, assign_scores and the accumulate phase of
 // accum_or_assign, on present keys only. Updater group: batches of this
-// family may run together, so buckets are locked per key as writers do
-// (update_keys*).
+// family may run together, so a key's buckets are locked around its score
+// and row writes; no key moves meanwhile, so the slot is looked up without
+// the lock (update_keys*).
 // Thread mapping: G = 1, 2, 4, 8, 16 or 32 threads per key, picked by the host.
 
 #define HKV_UPD_ASSIGN 0
@@ -19,20 +20,19 @@ __device__ __forceinline__ void update_one(const HkvTable& t, const HkvScoring& 
     u64 b1, b2;
     u8 d;
     hkv_locate(t, key, &b1, &b2, &d);
-    if (g.rank == 0) {
-        hkv_prefetch_bucket(t, b1);
-        if (b2 != b1) hkv_prefetch_bucket(t, b2);
-    }
     bool has = scores_in != 0;
     u64 in = has ? scores_in[i] : 0;
     if (values) hkv_prefetch_row<G>(g, values + i * t.dim, t.dim);
-    hkv_lock2(t, g, b1, b2);
+    // The lock's first attempt overlaps the lookup (keys are stable under
+    // the updater group, see hkv_lock2_start).
+    int first = hkv_lock2_start(t, g, b1, b2);
     u64 b = b1;
-    int s = hkv_find_in<G, true>(t, g, b1, key, d);
+    int s = hkv_find_in<G, false>(t, g, b1, key, d);
     if (s < 0 && b2 != b1) {
         b = b2;
-        s = hkv_find_in<G, true>(t, g, b2, key, d);
+        s = hkv_find_in<G, false>(t, g, b2, key, d);
     }
+    hkv_lock2_wait(t, g, b1, b2, first);
     if (s >= 0) {
         u64 pos = b * 128 + s;
         float* row = hkv_row(t, pos);
