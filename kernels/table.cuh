@@ -74,7 +74,7 @@ struct HkvScoring {
     u32 policy;
     u32 epoch;
     u32 verbatim;  // load: scores as given
-    u32 full;      // upserts: the table is nearly full (see hkv_prefetch_scores)
+    u32 pad;
 };
 
 // A key and score predicate (mirrors shard::Filter).
@@ -406,16 +406,6 @@ __device__ __forceinline__ void hkv_prefetch_row(const HkvGroup<G>& g, const flo
     if (!row) return;
     for (u32 off = g.rank * 32; off < dim; off += G * 32) hkv_prefetch_l2(row + off);
     if (g.rank == 0 && dim > 1) hkv_prefetch_l2(row + dim - 1);
-}
-
-// Starts fetching the thread's score lines of bucket b into L2. Upserts on
-// a nearly full table call it before taking the lock: most of their
-// inserts scan the bucket's scores for a victim (hkv_min_slot).
-template <int G>
-__device__ __forceinline__ void hkv_prefetch_scores(const HkvTable& t, const HkvGroup<G>& g, u64 b) {
-    constexpr int SPT = 128 / G;
-#pragma unroll
-    for (int j = 0; j < (SPT >= 16 ? SPT / 16 : 1); ++j) hkv_prefetch_l2(t.scores + b * 128 + g.rank * SPT + 16 * j);
 }
 
 // Starts fetching a bucket's digest line (and sizes word) into L2 while the

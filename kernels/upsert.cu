@@ -27,10 +27,6 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
         hkv_prefetch_bucket(t, b1);
         if (b2 != b1) hkv_prefetch_bucket(t, b2);
     }
-    if (sc.full) {
-        hkv_prefetch_scores<G>(t, g, b1);
-        if (b2 != b1) hkv_prefetch_scores<G>(t, g, b2);
-    }
     bool has = scores_in != 0;
     u64 in = has ? scores_in[i] : 0;
     float* vin = values ? values + i * t.dim : 0;

@@ -93,10 +93,7 @@ struct ScoringArgs {
     policy: u32,
     epoch: u32,
     verbatim: u32,
-    /// Upserts: nonzero when the table is nearly full (λ ≥
-    /// [`WRITER_PAIR_FROM`]), so that each key's score lines are fetched
-    /// before its bucket is locked (`hkv_prefetch_scores`).
-    full: u32,
+    pad: u32,
 }
 
 /// `HkvFilter` of `table.cuh`.
@@ -607,7 +604,7 @@ impl CudaTable {
             policy: policy_code(self.config.policy),
             epoch: self.epoch.load(Relaxed),
             verbatim: verbatim as u32,
-            full: 0,
+            pad: 0,
         }
     }
 
@@ -727,9 +724,7 @@ impl CudaTable {
     ) -> Result<()> {
         let c = p.counters;
         let (order, args) = self.key_order(l, st, n, p.keys, p.values != 0)?;
-        let load = self.load(st);
-        let v = self.f.upsert(load, p.values != 0, self.config.dim, order.is_some());
-        let sc = ScoringArgs { full: (load >= WRITER_PAIR_FROM) as u32, ..sc };
+        let v = self.f.upsert(self.load(st), p.values != 0, self.config.dim, order.is_some());
         let mut b = l.launch_builder(&v.f);
         b.arg(&args)
             .arg(&sc)
