@@ -11,9 +11,12 @@
 //! (`CudaTable::key_order`), which the device reaches host rows in about
 //! three times faster than in random order.
 //!
+//! Host arrays reach the device through the lane's pinned staging memory
+//! (`staging`): one asynchronous transfer per array, one wait per batch.
+//!
 //! Concurrency: the same [`GroupLock`] as the CPU backend. Every batch runs
-//! on a lane (a stream with its own reusable device buffers) taken from a
-//! pool, so reader batches (and updater batches) of several threads run on
+//! on a lane (a stream with its own reusable device buffers and staging
+//! memory) taken from a pool, so reader batches (and updater batches) of several threads run on
 //! several streams at once, while an inserter batch runs alone. Inside a
 //! kernel, writers lock a key's candidate buckets (see `table.cuh`), so
 //! results per key equal the CPU backend's whenever no two keys of a batch
