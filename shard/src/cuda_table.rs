@@ -16,8 +16,8 @@
 //!
 //! Concurrency: the same [`GroupLock`] as the CPU backend. Every batch runs
 //! on a lane (a stream with its own reusable device buffers and staging
-//! memory) taken from a pool, so reader batches (and updater batches) of several threads run on
-//! several streams at once, while an inserter batch runs alone. Inside a
+//! memory) taken from a pool, so reader batches (and updater batches) of
+//! several threads run on several streams at once, while an inserter batch runs alone. Inside a
 //! kernel, writers lock a key's candidate buckets (see `table.cuh`), so
 //! results per key equal the CPU backend's whenever no two keys of a batch
 //! share a bucket.
@@ -162,8 +162,9 @@ fn kernel_name(base: &str, g: u64) -> String {
     }
 }
 
-/// The one block of 1024 threads that `export_scan` runs in.
-fn scan_config() -> LaunchConfig {
+/// One block of 1024 threads: the launch of the block scans (`export_scan`,
+/// `route_scan`, both on `hkv_block_scan`).
+pub(crate) fn scan_config() -> LaunchConfig {
     LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 }
 }
 
@@ -617,15 +618,11 @@ impl CudaTable {
         l.stream.memset_zeros(&mut l.counters).map_err(dev_err("clearing counters"))
     }
 
-    /// Queues the transfer of the lane's counters to its staging memory.
-    fn fetch_counters(&self, l: &mut Lane) -> Result<Region<u64>> {
-        // SAFETY: the counters buffer holds NCOUNTERS values and lives as long as the lane.
-        unsafe { l.stage.fetch(&l.stream, ptr(&l.counters, &l.stream), NCOUNTERS) }
-    }
-
-    /// Waits for the lane and reads its counters.
+    /// Waits for the lane and reads its counters (with whatever else was
+    /// fetched into its staging memory before).
     fn read_counters(&self, l: &mut Lane) -> Result<Counts> {
-        let r = self.fetch_counters(l)?;
+        // SAFETY: the counters buffer holds NCOUNTERS values and lives as long as the lane.
+        let r = unsafe { l.stage.fetch(&l.stream, ptr(&l.counters, &l.stream), NCOUNTERS) }?;
         l.stage.sync(&l.stream)?;
         Ok(counts(l.stage.read(&r)))
     }

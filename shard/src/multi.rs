@@ -44,7 +44,7 @@ use parking_lot::Mutex;
 
 use crate::config::TableConfig;
 use crate::cuda::{dev_err, ensure, shared_device, Device, FeatureHasher};
-use crate::cuda_table::{opt_ptr, ptr, Counts, CudaTable, DeviceOp, Pending, Ptrs, Raw};
+use crate::cuda_table::{opt_ptr, ptr, scan_config, Counts, CudaTable, DeviceOp, Pending, Ptrs, Raw};
 use crate::error::{Error, Result};
 use crate::features::{Features, HashKind};
 use crate::hash::shard_of;
@@ -330,12 +330,11 @@ impl Node {
         let (send, pos) = (opt_ptr(&b.send_keys, &s), opt_ptr(&b.pos, &s));
         let tiles_cfg =
             LaunchConfig { grid_dim: (tiles as u32, 1, 1), block_dim: (TILE as u32, 1, 1), shared_mem_bytes: 0 };
-        let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
         let mut l = s.launch_builder(&self.f.scan);
         l.arg(&tc).arg(&tiles).arg(&nr).arg(&off).arg(&tot);
         // SAFETY: route_scan reads shards * tiles counts (written by count)
         // and writes as many offsets and `shards` totals.
-        unsafe { l.launch(one) }.map_err(dev_err("launching route_scan"))?;
+        unsafe { l.launch(scan_config()) }.map_err(dev_err("launching route_scan"))?;
         let mut l = s.launch_builder(&self.f.scatter);
         l.arg(&keys).arg(&n64).arg(&nr).arg(&dest).arg(&off).arg(&send).arg(&pos);
         // SAFETY: route_scatter writes each of the n keys once into

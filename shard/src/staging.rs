@@ -210,7 +210,11 @@ fn copy(dst: &mut [u8], src: &[u8]) {
         dst.copy_from_slice(src);
         return;
     }
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(COPY_THREADS);
+    // Asked once: the answer comes from the scheduler affinity and cgroup
+    // files, not something to read per batch.
+    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let threads =
+        *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()).min(COPY_THREADS));
     let chunk = src.len().div_ceil(threads).next_multiple_of(ALIGN);
     std::thread::scope(|s| {
         for (d, c) in dst.chunks_mut(chunk).zip(src.chunks(chunk)) {
