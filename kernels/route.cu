@@ -9,6 +9,9 @@
 // route_scatter send_keys[p] = keys[i], pos[i] = p, p stable per dest
 // rows_scatter_* dst[pos[i]] = src[i]     (rows of w words)
 // rows_gather_*  dst[i] = src[pos[i]]     (where mask, if any, is set at pos[i])
+// route_masks   masks[d * n + i] = (shard_of(keys[i]) == d), keys per d
+//               added to totals: the peer path, where each owner serves its
+//               keys straight out of every GPU's batch
 //
 // The shard mix mirrors shard/src/hash.rs::shard_of bit for bit.
 
@@ -50,6 +53,22 @@ extern "C" __global__ void route_scan(const u32* tile_counts, u64 tiles, u32 sha
         u64 end = d + 1 < shards ? offsets[(d + 1) * tiles] : total;
         totals[d] = end - start;
     }
+}
+
+// Launch: ceil(n / 1024) blocks of 1024 threads; totals (shards u64) zeroed
+// by the caller.
+extern "C" __global__ void route_masks(const u64* keys, u64 n, u32 shards, u8* masks, u64* totals) {
+    __shared__ u32 c[HKV_ROUTE_MAX];
+    if (threadIdx.x < HKV_ROUTE_MAX) c[threadIdx.x] = 0;
+    __syncthreads();
+    u64 i = (u64)blockIdx.x * HKV_TILE + threadIdx.x;
+    if (i < n) {
+        u32 d = hkv_shard_of(keys[i], shards);
+        for (u32 r = 0; r < shards; ++r) masks[(u64)r * n + i] = r == d;
+        atomicAdd(&c[d], 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x < shards && c[threadIdx.x]) atomicAdd((unsigned long long*)&totals[threadIdx.x], (unsigned long long)c[threadIdx.x]);
 }
 
 // Launch: as route_count. Each key's place among the keys of its tile bound

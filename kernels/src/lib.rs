@@ -43,7 +43,7 @@ pub enum KernelId {
     Erase,
     /// `export.cu`: `export_count`, `export_scan`, `export_write`.
     Export,
-    /// `route.cu`: `route_count`, `route_scan`, `route_scatter`, `rows_*`.
+    /// `route.cu`: `route_count`, `route_scan`, `route_scatter`, `route_masks`, `rows_*`.
     Route,
 }
 
@@ -130,6 +130,7 @@ impl KernelId {
                 "route_count",
                 "route_scan",
                 "route_scatter",
+                "route_masks",
                 "rows_gather_u8",
                 "rows_scatter_u64",
                 "rows_scatter_f32",

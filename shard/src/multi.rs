@@ -5,16 +5,32 @@
 //! group and a daemon with one shard per GPU agree on every key's owner.
 //!
 //! Batches that already sit on the GPUs (in-process callers, keys hashed
-//! from raw features on the GPU: [`GpuGroup::hash_features`]) take the
-//! device-resident path ([`Route::Device`]): each GPU splits its keys by
-//! owner on the GPU (a stable partition, `kernels/route.cu`); only the
-//! per-owner counts cross to the host. Each GPU then serves its own keys in
-//! place on a second stream while NCCL (grouped sends and receives, one
-//! all-to-all) carries the other keys and rows to their owners, who serve
-//! them too; a second all-to-all carries results back and a gather kernel
-//! puts them in request order. A batch can also be cut into parts
-//! ([`GpuGroup::set_parts`]) so that one part is served while the next
-//! crosses; on the H200 pair that was slower than one part.
+//! from raw features on the GPU: [`GpuGroup::hash_features`]) take one of
+//! two device-resident paths:
+//! - [`Route::Peer`] (the default, [`Route::Auto`], where every pair of
+//!   GPUs has peer access): a mask kernel marks each key's owner; each GPU
+//!   serves its own batch's keys in place while it pulls every other
+//!   batch's keys and masks (and the rows of writes) with copy-engine
+//!   transfers and serves the keys it owns there, on a second stream. Found
+//!   rows and flags are written straight into the requesting GPU's batch
+//!   over the link, already in request order: no split, no gather, no host
+//!   round trip before the lookups.
+//! - [`Route::Device`]: each GPU splits its keys by owner on the GPU (a
+//!   stable partition, `kernels/route.cu`); only the per-owner counts cross
+//!   to the host. Each GPU then serves its own keys in place on a second
+//!   stream while NCCL (grouped sends and receives, one all-to-all) carries
+//!   the other keys and rows to their owners, who serve them too; a second
+//!   all-to-all carries results back and a gather kernel puts them in
+//!   request order. A batch can also be cut into parts
+//!   ([`GpuGroup::set_parts`]) so that one part is served while the next
+//!   crosses; on the H200 pair that was slower than one part.
+//!
+//! On the H200 pair the peer route ran finds in 0.45 ms against 0.69 ms and
+//! insert_or_assign in 1.11 ms against 1.17 ms (`hkv-multi-bench`, see
+//! `daemon/BENCHMARKS.md`). find_or_insert stays on the device route under
+//! [`Route::Auto`]: on the peer route it would read its rows over the link
+//! while holding bucket locks (insert_or_assign did so at 22 ms a batch
+//! before its rows were pulled first).
 //! [`Route::Host`] does what the daemon's router does with a socket batch:
 //! copy to the host, split there, copy each part to its owner and back; it
 //! is kept for comparison (`hkv-multi-bench`).
@@ -32,7 +48,9 @@
 //! - [`GpuGroup`]: construction, [`GpuGroup::batch`], [`GpuGroup::run`],
 //!   [`GpuGroup::reshard`].
 //! - `Node`: one GPU's stream, route kernels and scratch buffers, and the
-//!   partition / all-to-all / gather steps every path shares.
+//!   masks / partition / all-to-all / gather steps the paths share.
+//! - `peer_access`: enables peer access (contexts and the stream-ordered
+//!   pool) between every pair.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -83,12 +101,23 @@ fn nccl_err(what: &str) -> impl FnOnce(cudarc::nccl::result::NcclError) -> Error
 }
 
 /// How a group batch reaches the GPUs that own its keys.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Route {
+    /// [`Route::Peer`] where every pair of GPUs has peer access, except for
+    /// find_or_insert (which would read rows over the link while it holds
+    /// bucket locks); else [`Route::Device`]. The default: the fastest on
+    /// the H200 pair.
+    #[default]
+    Auto,
     /// Split on the GPU, NCCL all-to-all there and back (the default).
     Device,
     /// Copy to the host, split there, copy each part to its owner and back.
     Host,
+    /// No split and no exchange: each GPU serves the keys it owns straight
+    /// out of every GPU's batch, reading keys and rows and writing results
+    /// over NVLink (CUDA peer access), in request order where they are.
+    /// Needs peer access between every pair ([`GpuGroup::peer_access`]).
+    Peer,
 }
 
 /// How a GPU serves the keys of its own batch that it owns.
@@ -137,6 +166,7 @@ struct RouteFns {
     count: CudaFunction,
     scan: CudaFunction,
     scatter: CudaFunction,
+    masks: CudaFunction,
     scatter_u64: CudaFunction,
     gather_u8: CudaFunction,
     scatter_f32: CudaFunction,
@@ -153,6 +183,7 @@ impl RouteFns {
             count: get("route_count")?,
             scan: get("route_scan")?,
             scatter: get("route_scatter")?,
+            masks: get("route_masks")?,
             scatter_u64: get("rows_scatter_u64")?,
             gather_u8: get("rows_gather_u8")?,
             scatter_f32: get("rows_scatter_f32")?,
@@ -168,6 +199,10 @@ impl RouteFns {
 struct Bufs {
     dest: Option<CudaSlice<u8>>,
     mine: Option<CudaSlice<u8>>,
+    masks: Option<CudaSlice<u8>>,
+    pulled_keys: Option<CudaSlice<u64>>,
+    pulled_only: Option<CudaSlice<u8>>,
+    pulled_values: Option<CudaSlice<f32>>,
     tile_counts: Option<CudaSlice<u32>>,
     offsets: Option<CudaSlice<u64>>,
     totals: Option<CudaSlice<u64>>,
@@ -343,6 +378,33 @@ impl Node {
         Ok(())
     }
 
+    /// For the peer route: `masks[d * n + i] = (owner of key i == d)` for
+    /// every owner d of `shards`, and the keys per owner into `totals`
+    /// (read by [`Node::totals`]).
+    ///
+    /// # Safety
+    /// As [`Node::partition`].
+    unsafe fn masks(&mut self, keys: u64, n: usize, shards: usize) -> Result<()> {
+        let s = self.stream.clone();
+        let b = &mut self.b;
+        ensure(&s, &mut b.masks, n * shards)?;
+        ensure(&s, &mut b.totals, MAX_GPUS)?;
+        s.memset_zeros(b.totals.as_mut().expect("ensured")).map_err(dev_err("clearing totals"))?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (n64, nr) = (n as u64, shards as u32);
+        let (masks, tot) = (opt_ptr(&b.masks, &s), opt_ptr(&b.totals, &s));
+        let tiles = n64.div_ceil(TILE) as u32;
+        let cfg = LaunchConfig { grid_dim: (tiles, 1, 1), block_dim: (TILE as u32, 1, 1), shared_mem_bytes: 0 };
+        let mut l = s.launch_builder(&self.f.masks);
+        l.arg(&keys).arg(&n64).arg(&nr).arg(&masks).arg(&tot);
+        // SAFETY: route_masks reads keys[0..n] and writes masks[0..shards * n]
+        // and totals[0..shards], sized above.
+        unsafe { l.launch(cfg) }.map_err(dev_err("launching route_masks"))?;
+        Ok(())
+    }
+
     /// Device address of `dest` and `me` for the row kernels to skip this
     /// GPU's own keys, or (0, none) to move every row.
     fn skip(&self, me: Option<u32>) -> (u64, u32) {
@@ -443,6 +505,18 @@ impl Node {
         s.synchronize().map_err(dev_err("finishing a batch"))?;
         let (a, b) = out.split_at(8);
         Ok(a.iter().zip(b).map(|(x, y)| x + y).collect())
+    }
+
+    /// The counters of the last batch and the per-owner totals of the last
+    /// [`Node::masks`] (or partition), with one wait for the stream.
+    fn read_counters_and_totals(&self, shards: usize) -> Result<(Vec<u64>, Vec<u64>)> {
+        let (mut c, mut t) = (vec![0u64; 8], vec![0u64; MAX_GPUS]);
+        let s = &self.stream;
+        s.memcpy_dtoh(self.b.counters.as_ref().expect("allocated"), &mut c).map_err(dev_err("reading counters"))?;
+        s.memcpy_dtoh(self.b.totals.as_ref().expect("allocated"), &mut t).map_err(dev_err("reading totals"))?;
+        s.synchronize().map_err(dev_err("finishing a batch"))?;
+        t.truncate(shards);
+        Ok((c, t))
     }
 
     /// The batch of received keys from `base` on: keys, rows, found flags
@@ -741,6 +815,8 @@ pub struct GpuGroup {
     phases: bool,
     local: Local,
     parts: usize,
+    /// Every GPU of the group can read and write every other's memory.
+    peer: bool,
 }
 
 // SAFETY: the NCCL communicators (raw handles, hence not Send / Sync by
@@ -776,6 +852,53 @@ fn communicators(nodes: &[Node]) -> Result<Vec<Comm>> {
     Comm::from_devices(nodes.iter().map(|n| n.stream.clone()).collect()).map_err(nccl_err("creating communicators"))
 }
 
+/// Enables peer access between every pair of `nodes`' GPUs, for plain
+/// allocations and for the stream-ordered pool the batches come from; false
+/// when a pair has none (the peer route is then refused, the others work).
+fn peer_access(nodes: &[Node]) -> bool {
+    use cudarc::driver::sys::{
+        cuCtxEnablePeerAccess, cuDeviceCanAccessPeer, cuDeviceGetDefaultMemPool, cuMemPoolSetAccess, CUmemAccessDesc,
+        CUmemAccess_flags, CUmemLocation, CUmemLocationType, CUresult,
+    };
+    for a in nodes {
+        for b in nodes {
+            if Arc::ptr_eq(&a.dev, &b.dev) {
+                continue;
+            }
+            let (da, db) = (a.dev.ctx.cu_device(), b.dev.ctx.cu_device());
+            let mut can = 0;
+            // SAFETY: both devices are valid ordinals of an initialised
+            // driver; `can` is a local out-parameter.
+            let r = unsafe { cuDeviceCanAccessPeer(&mut can, da, db) };
+            if r != CUresult::CUDA_SUCCESS || can == 0 || a.dev.ctx.bind_to_thread().is_err() {
+                return false;
+            }
+            // SAFETY: a's context is current on this thread; b's context
+            // lives as long as the group (the nodes hold both devices).
+            let r = unsafe { cuCtxEnablePeerAccess(b.dev.ctx.cu_ctx(), 0) };
+            if r != CUresult::CUDA_SUCCESS && r != CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+                return false;
+            }
+            // Stream-ordered allocations (every batch and scratch buffer)
+            // come from b's default pool, which needs its own grant.
+            let mut pool = std::ptr::null_mut();
+            // SAFETY: `pool` is a local out-parameter; db is valid.
+            if unsafe { cuDeviceGetDefaultMemPool(&mut pool, db) } != CUresult::CUDA_SUCCESS {
+                return false;
+            }
+            let desc = CUmemAccessDesc {
+                location: CUmemLocation { type_: CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: da },
+                flags: CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            };
+            // SAFETY: one descriptor, alive for the call; the pool is b's.
+            if unsafe { cuMemPoolSetAccess(pool, &desc, 1) } != CUresult::CUDA_SUCCESS {
+                return false;
+            }
+        }
+    }
+    true
+}
+
 impl GpuGroup {
     /// One table of `config` on each GPU of `ordinals` (distinct, at most
     /// [`MAX_GPUS`]); the capacity is per GPU. NCCL is needed for two or more.
@@ -797,6 +920,7 @@ impl GpuGroup {
             nodes.push(Node::new(&dev)?);
         }
         let comms = if ordinals.len() > 1 { communicators(&nodes)? } else { vec![] };
+        let peer = peer_access(&nodes);
         Ok(GpuGroup {
             config,
             ordinals: ordinals.to_vec(),
@@ -806,6 +930,7 @@ impl GpuGroup {
             phases: false,
             local: Local::Staged,
             parts: DEFAULT_PARTS,
+            peer,
         })
     }
 
@@ -824,6 +949,12 @@ impl GpuGroup {
     /// while the rest cross).
     pub fn set_parts(&mut self, parts: usize) {
         self.parts = parts.max(1);
+    }
+
+    /// Whether [`Route::Peer`] can run: every pair of the group's GPUs has
+    /// peer access (NVLink or PCIe), enabled when the group was made.
+    pub fn peer_access(&self) -> bool {
+        self.peer
     }
 
     /// The GPUs, in rank order.
@@ -913,9 +1044,15 @@ impl GpuGroup {
         let (counts, phases) = if nr == 1 {
             (self.run_local(op, &mut nodes[0], &mut b[0], n[0])?, vec![])
         } else {
+            let route = match route {
+                Route::Auto if self.peer && op != DeviceOp::FindOrInsert => Route::Peer,
+                Route::Auto => Route::Device,
+                r => r,
+            };
             match route {
-                Route::Device => self.run_nccl(op, &mv, &mut nodes, b, n)?,
+                Route::Auto | Route::Device => self.run_nccl(op, &mv, &mut nodes, b, n)?,
                 Route::Host => (self.run_host(op, &mv, &mut nodes, b, n)?, vec![]),
+                Route::Peer => self.run_peer(op, &mut nodes, b, n)?,
             }
         };
         Ok(GroupRun { ms: t0.elapsed().as_secs_f64() * 1e3, counts, phases })
@@ -1149,6 +1286,154 @@ impl GpuGroup {
             if let Some(mut p) = p {
                 p.set_keys(keys);
                 counts = counts.merge(self.tables[r].complete(p, &cn));
+            }
+        }
+        Ok((counts, marks.read()?))
+    }
+
+    /// The peer route: each owner serves its keys of every GPU's batch in
+    /// place, over peer pointers, filtered by the batch's owner masks.
+    fn run_peer(
+        &self,
+        op: DeviceOp,
+        nodes: &mut [Node],
+        b: &mut [RankBatch],
+        n: &[usize],
+    ) -> Result<(Counts, Vec<(&'static str, f32)>)> {
+        if !self.peer {
+            return Err(Error::Unavailable(format!(
+                "GPUs {:?}: not every pair has peer access; use the device route",
+                self.ordinals
+            )));
+        }
+        let nr = nodes.len();
+        let mut marks = Marks::new(&nodes[0].stream, self.phases)?;
+        for (q, node) in nodes.iter_mut().enumerate() {
+            let s = node.stream.clone();
+            // SAFETY: b[q].keys holds b[q].n >= n[q] keys on this GPU.
+            unsafe { node.masks(ptr(&b[q].keys, &s), n[q], nr) }?;
+            node.zero_counters()?;
+        }
+        // The masks of batch q are done where `ready[q]` is recorded.
+        let ready: Vec<cudarc::driver::CudaEvent> = nodes
+            .iter()
+            .map(|node| node.stream.record_event(None).map_err(dev_err("recording an event")))
+            .collect::<Result<_>>()?;
+        marks.mark("masks")?;
+        let incoming: usize = n.iter().sum();
+        let mut pending: Vec<Option<Pending<'_>>> = (0..nr).map(|_| None).collect();
+        // Rows the owner only reads are pulled with the keys; rows it writes
+        // (find, find_or_insert) are written straight into the batch.
+        let mv = moves(op)?;
+        let pull_values = mv.values_in && !mv.values_out;
+        let dim = self.config.dim;
+        // Addresses of every batch and its masks, on its own GPU.
+        let addr: Vec<(u64, u64, u64, u64)> = nodes
+            .iter()
+            .enumerate()
+            .map(|(q, nd)| {
+                let sq = &nd.stream;
+                (ptr(&b[q].keys, sq), ptr(&b[q].values, sq), ptr(&b[q].found, sq), opt_ptr(&nd.b.masks, sq))
+            })
+            .collect();
+        let ctxs: Vec<_> = nodes.iter().map(|nd| nd.dev.ctx.cu_ctx()).collect();
+        for (r, node) in nodes.iter_mut().enumerate() {
+            // Its own keys on the main stream, the others' (pulled over the
+            // link first) on the serve stream, at the same time.
+            let s = node.stream.clone();
+            let other = node.serve.clone();
+            other.join(&s).map_err(dev_err("ordering streams"))?;
+            for (q, ev) in ready.iter().enumerate() {
+                if q != r {
+                    other.wait(ev).map_err(dev_err("ordering streams"))?;
+                }
+            }
+            let theirs: usize = (0..nr).filter(|&q| q != r).map(|q| n[q]).sum();
+            ensure(&s, &mut node.b.pulled_keys, theirs)?;
+            ensure(&s, &mut node.b.pulled_only, theirs)?;
+            if pull_values {
+                ensure(&s, &mut node.b.pulled_values, theirs * dim)?;
+            }
+            let counters = opt_ptr(&node.b.counters, &s);
+            let (pk, po, pv) = (
+                opt_ptr(&node.b.pulled_keys, &s),
+                opt_ptr(&node.b.pulled_only, &s),
+                opt_ptr(&node.b.pulled_values, &s),
+            );
+            let mut at = 0u64;
+            // Its own batch first, then the others'.
+            for q in (0..nr).map(|k| (r + k) % nr) {
+                let st = if q == r { &s } else { &other };
+                let (keys, values, found, masks) = addr[q];
+                let mut p = Ptrs { keys, values, found, only: masks + (r * n[q]) as u64, counters, ..Ptrs::default() };
+                if q != r && n[q] > 0 {
+                    let cp = |dst: u64, src: u64, bytes: usize| {
+                        // SAFETY: both ranges are live device buffers of
+                        // `bytes` (sized above / the caller's batch), on the
+                        // contexts named; the stream orders the copy.
+                        unsafe {
+                            cudarc::driver::result::memcpy_peer_async(ctxs[r], dst, ctxs[q], src, bytes, st.cu_stream())
+                        }
+                        .map_err(dev_err("copying from a peer"))
+                    };
+                    // Keys and masks are read many times per key (remote
+                    // loads would sit on each lookup's critical path): one
+                    // copy-engine transfer each.
+                    cp(pk + at * 8, p.keys, n[q] * 8)?;
+                    cp(po + at, p.only, n[q])?;
+                    p.keys = pk + at * 8;
+                    p.only = po + at;
+                    if pull_values {
+                        cp(pv + at * dim as u64 * 4, p.values, n[q] * dim * 4)?;
+                        p.values = pv + at * dim as u64 * 4;
+                    }
+                    at += n[q] as u64;
+                }
+                let raw = Raw { p, ..Raw::default() };
+                // SAFETY: b[q] holds n[q] keys (rows, flags) on GPU q, which
+                // this GPU reaches through peer access (checked above); the
+                // masks of q hold n[q] bytes for owner r, and the pulled
+                // copies n[q] keys, bytes and rows. The stream waited for q's
+                // masks; q's stream waits for it before the batch ends, and
+                // every stream is synchronised before run returns.
+                let part = unsafe {
+                    match pending[r] {
+                        None => self.tables[r].enqueue_first(op, st, n[q], raw, incoming),
+                        Some(_) => self.tables[r].enqueue_held(op, st, n[q], raw),
+                    }
+                }?;
+                fold(&mut pending[r], part);
+            }
+            s.join(&other).map_err(dev_err("ordering streams"))?;
+        }
+        let served: Vec<cudarc::driver::CudaEvent> = nodes
+            .iter()
+            .map(|node| node.stream.record_event(None).map_err(dev_err("recording an event")))
+            .collect::<Result<_>>()?;
+        marks.mark("serve")?;
+        for (q, node) in nodes.iter().enumerate() {
+            for (r, ev) in served.iter().enumerate() {
+                if r != q {
+                    node.stream.wait(ev).map_err(dev_err("ordering streams"))?;
+                }
+            }
+        }
+        marks.mark("others")?;
+        let mut counts = Counts::default();
+        let mut keys = vec![0u64; nr];
+        let mut cn = vec![];
+        for node in nodes.iter() {
+            let (c, t) = node.read_counters_and_totals(nr)?;
+            cn.push(c);
+            for (r, t) in t.into_iter().enumerate() {
+                keys[r] += t;
+            }
+        }
+        for (r, p) in pending.into_iter().enumerate() {
+            self.tables[r].book(op, keys[r] as usize);
+            if let Some(mut p) = p {
+                p.set_keys(keys[r] as usize);
+                counts = counts.merge(self.tables[r].complete(p, &cn[r]));
             }
         }
         Ok((counts, marks.read()?))

@@ -112,7 +112,7 @@ fn nccl_loads_or_says_why() {
 
 #[test]
 #[ignore = "needs a CUDA device"]
-fn group_operations_equal_the_cpu_backend_on_both_routes() {
+fn group_operations_equal_the_cpu_backend_on_every_route() {
     let all = gpus();
     let mut sets = vec![all.clone()];
     if all.len() > 1 {
@@ -126,6 +126,8 @@ fn group_operations_equal_the_cpu_backend_on_both_routes() {
                 (Route::Device, Local::Direct, 3),
                 (Route::Device, Local::Staged, 2),
                 (Route::Host, Local::Staged, 1),
+                (Route::Peer, Local::Staged, 1),
+                (Route::Auto, Local::Staged, 1),
             ];
             for (route, local, parts) in variants {
                 let cfg = config(mode);
@@ -137,6 +139,11 @@ fn group_operations_equal_the_cpu_backend_on_both_routes() {
                 let nr = ordinals.len();
                 let per_gpu = 3000;
                 let mut b = group.batch(per_gpu).unwrap();
+                if route == Route::Peer && nr > 1 && !group.peer_access() {
+                    let e = group.run(DeviceOp::Find, route, &mut b, &vec![1; nr]).unwrap_err();
+                    assert!(e.to_string().contains("peer access"), "{e}");
+                    continue;
+                }
                 let mut rng = rand::rngs::StdRng::seed_from_u64(11 + nr as u64);
                 // Keys stay below half the capacity: no eviction, so every
                 // result is determined whatever order a batch's keys run in.

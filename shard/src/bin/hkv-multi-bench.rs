@@ -5,13 +5,16 @@
 //! to `--load` with fresh keys, then `--runs` batches of `--batch` keys per
 //! GPU are timed (wall clock, every GPU finished) for find (keys inserted
 //! earlier, nearly all hits) and insert_or_assign (fresh keys, evicting at
-//! λ 1.0), on the device-resident route (split on the GPU, NCCL all-to-all)
-//! and the host route (split on the host, as the daemon's router does).
+//! λ 1.0), on the device-resident routes (split on the GPU and NCCL
+//! all-to-all; or each owner serving its keys out of every GPU's batch over
+//! peer access) and the host route (split on the host, as the daemon's
+//! router does).
 //! Prints medians in million keys per second, aggregated over the GPUs, and
 //! the scaling over one GPU.
 
 use anyhow::{bail, Result};
 use clap::Parser;
+use cudarc::driver::DevicePtr;
 use hkv_shard::cuda_table::DeviceOp;
 use hkv_shard::multi::{GpuGroup, Local, RankBatch, Route};
 use hkv_shard::{ScorePolicy, TableConfig};
@@ -41,7 +44,9 @@ struct Args {
     /// GPU 0, medians): partition (the split, until the counts are on the
     /// host), forward (keys and rows queued to their owners), back (until
     /// the owners' results are back), gather (into request order, and the
-    /// GPU's own keys served).
+    /// GPU's own keys served). Peer route: masks (owners marked), serve
+    /// (GPU 0 done with its keys of every batch), others (the other GPUs
+    /// done with GPU 0's batch).
     #[arg(long)]
     phases: bool,
     /// Parts a device-route batch is cut into (one is served while the next
@@ -55,6 +60,10 @@ struct Args {
     /// Skip the host route (it is slow: every batch crosses PCIe twice).
     #[arg(long)]
     no_host: bool,
+    /// Skip the peer route (each GPU serves its keys straight out of every
+    /// GPU's batch over NVLink; measured whenever peer access exists).
+    #[arg(long)]
+    no_peer: bool,
 }
 
 fn splitmix(mut x: u64) -> u64 {
@@ -77,6 +86,42 @@ fn load_keys(g: &GpuGroup, b: &mut [RankBatch], n: usize, first: u64, stride: u6
         s.memcpy_htod(&keys, &mut rb.keys.slice_mut(..n))?;
         s.synchronize()?;
     }
+    Ok(())
+}
+
+/// Times copy-engine transfers of `bytes` from every GPU to the next at
+/// once (GPU 0 to 1 and 1 to 0 on a pair), median of `runs`: the link's
+/// rate for the rows a find moves each way.
+fn link(g: &GpuGroup, bytes: usize, runs: usize) -> Result<()> {
+    let k = g.ordinals().len();
+    let streams: Vec<_> = (0..k).map(|r| g.stream(r)).collect();
+    let bufs: Vec<(cudarc::driver::CudaSlice<u8>, cudarc::driver::CudaSlice<u8>)> =
+        streams.iter().map(|s| Ok((s.alloc_zeros(bytes)?, s.alloc_zeros(bytes)?))).collect::<Result<_>>()?;
+    let mut ms = vec![];
+    for run in 0..=runs {
+        let t0 = std::time::Instant::now();
+        for r in 0..k {
+            let (to, s) = ((r + 1) % k, &streams[r]);
+            let (src, _) = bufs[r].0.device_ptr(s);
+            let (dst, _) = bufs[to].1.device_ptr(&streams[to]);
+            let (sc, dc) = (s.context().cu_ctx(), streams[to].context().cu_ctx());
+            // SAFETY: both buffers hold `bytes` and live until the streams
+            // are synchronised below.
+            unsafe { cudarc::driver::result::memcpy_peer_async(dc, dst, sc, src, bytes, s.cu_stream()) }?;
+        }
+        for s in &streams {
+            s.synchronize()?;
+        }
+        if run > 0 {
+            ms.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    let m = median(ms);
+    println!(
+        "  (link: {:.1} MB from each GPU to the next at once, copy engines, {m:.3} ms: {:.0} GB/s each way)",
+        bytes as f64 / 1e6,
+        bytes as f64 / m / 1e6
+    );
     Ok(())
 }
 
@@ -117,6 +162,9 @@ fn main() -> Result<()> {
             g.run(DeviceOp::InsertOrAssign, Route::Device, &mut b, &n)?;
             next += per_round;
         }
+        if k > 1 && g.peer_access() {
+            link(&g, a.batch / 2 * a.dim * 4, a.runs)?;
+        }
         println!(
             "  ({k} GPU{}: {} entries after {} inserted, λ {:.3})",
             if k > 1 { "s" } else { "" },
@@ -140,8 +188,13 @@ fn main() -> Result<()> {
         }
         if k == 1 {
             routes.truncate(1);
-        } else if !a.no_host {
-            routes.push((Route::Host, Local::Staged, 1));
+        } else {
+            if !a.no_peer && g.peer_access() {
+                routes.push((Route::Peer, Local::Staged, 1));
+            }
+            if !a.no_host {
+                routes.push((Route::Host, Local::Staged, 1));
+            }
         }
         for (route, local, parts) in routes {
             g.set_local(local);
@@ -175,6 +228,8 @@ fn main() -> Result<()> {
                 };
                 let label = match route {
                     Route::Host => "host".to_string(),
+                    Route::Peer => "peer".to_string(),
+                    Route::Auto => "auto".to_string(),
                     Route::Device => format!("{}/{parts}", format!("{local:?}").to_lowercase()),
                 };
                 println!("{k:>4} {name:>16} {label:>9} {m:>9.3} {rate:>12.1} {scaling:>8}");
