@@ -60,8 +60,8 @@ __device__ __forceinline__ void update_one(const HkvTable& t, const HkvScoring& 
 
 // values: rows (assign) or deltas (accumulate); null for assign_scores.
 // only (may be null): process key i only where only[i] != 0.
-#define HKV_UPDATE_KERNEL(NAME, G)                                                                                 \
-    extern "C" __global__ void NAME(HkvTable t, HkvScoring sc, const u64* keys, u64 n, const float* values,        \
+#define HKV_UPDATE_KERNEL(NAME, G, BOUNDS)                                                                                 \
+    extern "C" __global__ void BOUNDS NAME(HkvTable t, HkvScoring sc, const u64* keys, u64 n, const float* values,        \
                                     const u64* scores_in, const u8* only, int mode, u8* outcomes, u8* absent,      \
                                     u64* counters) {                                                               \
         HKV_COUNTERS_INIT                                                                                          \
@@ -69,10 +69,14 @@ __device__ __forceinline__ void update_one(const HkvTable& t, const HkvScoring& 
         hkv_flush_counters(hkv_cnt, counters);                                                                     \
     }
 
-// update_keys: 8 threads per key; the _gN variants: N.
-HKV_UPDATE_KERNEL(update_keys, 8)
-HKV_UPDATE_KERNEL(update_keys_g1, 1)
-HKV_UPDATE_KERNEL(update_keys_g2, 2)
-HKV_UPDATE_KERNEL(update_keys_g4, 4)
-HKV_UPDATE_KERNEL(update_keys_g16, 16)
-HKV_UPDATE_KERNEL(update_keys_g32, 32)
+// update_keys: 8 threads per key; the _gN variants: N. update_keys_g2_b5:
+// 2 threads per key, at most 48 registers so that 5 blocks of 256 fit an SM
+// (the compiler's own choice, 64, fits 4): faster for rows of up to 32
+// floats, slower for 64 (measured on the H200, shard/BENCHMARKS.md).
+HKV_UPDATE_KERNEL(update_keys, 8, )
+HKV_UPDATE_KERNEL(update_keys_g1, 1, )
+HKV_UPDATE_KERNEL(update_keys_g2, 2, )
+HKV_UPDATE_KERNEL(update_keys_g4, 4, )
+HKV_UPDATE_KERNEL(update_keys_g16, 16, )
+HKV_UPDATE_KERNEL(update_keys_g32, 32, )
+HKV_UPDATE_KERNEL(update_keys_g2_b5, 2, __launch_bounds__(256, 5))

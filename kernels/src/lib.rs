@@ -123,6 +123,7 @@ impl KernelId {
                 "update_keys_g4",
                 "update_keys_g16",
                 "update_keys_g32",
+                "update_keys_g2_b5",
             ],
             KernelId::Erase => &["erase_keys", "erase_if", "clear_table"],
             KernelId::Export => &["export_count", "export_scan", "export_write"],

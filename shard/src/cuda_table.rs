@@ -328,6 +328,8 @@ struct Funcs {
     /// (see [`Funcs::upsert`], [`Funcs::update`]).
     upsert: Vec<Variant>,
     update: Vec<Variant>,
+    /// The 2-thread update kernel held to 48 registers (`update_keys_g2_b5`).
+    update_bounded: Variant,
     /// Threads per key forced by `HKV_LOOKUP_GROUP` / `HKV_WRITE_GROUP`
     /// (tuning knobs), instead of the choice below.
     forced_lookup: Option<u64>,
@@ -358,6 +360,13 @@ struct Variant {
 /// minimum, which 2 threads do faster; below it, 1 thread per key keeps
 /// more keys in flight (measured on the H200, shard/BENCHMARKS.md).
 const WRITER_PAIR_FROM: f64 = 0.875;
+
+/// Widest row for which assign and accumulate take `update_keys_g2_b5`, 2
+/// threads per key held to 48 registers (5 blocks of 256 per SM instead of
+/// 4). Measured on the H200 (128 Mi slots; 64 Mi at dim 64), assign B-KV/s
+/// at λ 0.5 / 1.0: dim 8 3.602 / 3.587 → 3.854 / 3.777, dim 32 3.206 /
+/// 3.200 → 3.335 / 3.237, but dim 64 2.551 / 2.588 → 2.274 / 2.303.
+const BOUNDED_UPDATE_DIM: usize = 32;
 
 /// Threads per key of lookups and writes that copy rows of a table with a
 /// host tier (batches in region order, [`CudaTable::key_order`]): fewer
@@ -424,10 +433,14 @@ impl Funcs {
 
     /// The update kernel: 2 threads per key (measured faster than 1 at
     /// every load), or enough for the row copy; 16 for a batch in region
-    /// order.
+    /// order. Rows of up to [`BOUNDED_UPDATE_DIM`] floats take the variant
+    /// held to 48 registers.
     fn update(&self, dim: usize, ordered: bool) -> &Variant {
         let g = if ordered { HOST_TIER_WRITE } else { copy_threads(dim).max(2) };
-        pick(&self.update, self.forced_write.unwrap_or(g))
+        match self.forced_write {
+            None if g == 2 && dim <= BOUNDED_UPDATE_DIM => &self.update_bounded,
+            forced => pick(&self.update, forced.unwrap_or(g)),
+        }
     }
 }
 
@@ -529,6 +542,7 @@ impl CudaTable {
             lookup: variants(KernelId::Lookup, "lookup_find", &LOOKUP_GROUPS)?,
             upsert: variants(KernelId::Upsert, "upsert_keys", &WRITE_GROUPS)?,
             update: variants(KernelId::Update, "update_keys", &WRITE_GROUPS)?,
+            update_bounded: Variant { f: get(KernelId::Update, "update_keys_g2_b5")?, g: 2 },
             forced_lookup: group_size("HKV_LOOKUP_GROUP", &LOOKUP_GROUPS),
             forced_write: group_size("HKV_WRITE_GROUP", &WRITE_GROUPS),
             region_order: std::env::var("HKV_KEY_ORDER").map_or(true, |v| v != "index"),
