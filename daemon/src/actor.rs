@@ -7,7 +7,22 @@
 use std::sync::Arc;
 
 use actix::prelude::*;
+use hkv_proto::FindFrame;
 use hkv_shard::{Backend, Evictions, Export, Filter, Outcome, Shard, Summary, TableConfig};
+use zerocopy::FromBytes;
+
+/// The found bytes and values of `frame` as the table writes them: None
+/// unless the values are aligned for f32 (the router only builds frames
+/// whose values start at a multiple of 4 bytes, in an allocation aligned
+/// at least that much) and the host is little-endian (the wire's order), so
+/// that the bytes sent are the floats as stored.
+pub fn values_of(frame: &mut FindFrame) -> Option<(&mut [u8], &mut [f32])> {
+    if !cfg!(target_endian = "little") {
+        return None;
+    }
+    let (found, bytes) = frame.parts_mut();
+    <[f32]>::mut_from_bytes(bytes).ok().map(|v| (found, v))
+}
 
 /// The actor of one device.
 pub struct ShardActor {
@@ -28,6 +43,14 @@ pub enum SubOp {
         keys: Vec<u64>,
         /// Return scores.
         scores: bool,
+    },
+    /// find written straight into the response frame (one shard holds
+    /// every key; see [`values_of`]).
+    FindInto {
+        /// Keys.
+        keys: Vec<u64>,
+        /// The response, laid out; its found bytes and values are filled.
+        frame: FindFrame,
     },
     /// contains.
     Contains {
@@ -88,6 +111,8 @@ pub enum SubResult {
         /// Scores, if asked for.
         scores: Option<Vec<u64>>,
     },
+    /// find written into its response frame.
+    Frame(FindFrame),
     /// contains / erase flags.
     Flags(Vec<bool>),
     /// Writes.
@@ -154,6 +179,15 @@ pub fn execute(t: &dyn Shard, op: SubOp) -> Result<SubResult, hkv_shard::Error> 
             let mut sc = scores.then(|| vec![0u64; keys.len()]);
             t.find(&keys, &mut values, &mut found, sc.as_deref_mut())?;
             SubResult::Find { found, values, scores: sc }
+        }
+        SubOp::FindInto { keys, mut frame } => {
+            let mut found = vec![false; keys.len()];
+            let (flags, values) = values_of(&mut frame).expect("aligned: checked by the router");
+            t.find(&keys, values, &mut found, None)?;
+            for (b, &f) in flags.iter_mut().zip(&found) {
+                *b = u8::from(f);
+            }
+            SubResult::Frame(frame)
         }
         SubOp::Contains { keys } => {
             let mut found = vec![false; keys.len()];

@@ -8,12 +8,14 @@ use std::sync::Arc;
 
 use actix::Addr;
 use futures::future::join_all;
-use hkv_proto::{op, Cursor, ErrorCode, Evicted, ProtoError, Request, Response, Summary, TableInfo, TableSpec};
+use hkv_proto::{
+    op, Cursor, ErrorCode, Evicted, FindFrame, ProtoError, Request, Response, Summary, TableInfo, TableSpec,
+};
 use hkv_shard::hash::shard_of;
 use hkv_shard::{Backend, BucketMode, Error as ShardError, Filter, Outcome, ScorePolicy, Shard, TableConfig};
 use parking_lot::RwLock;
 
-use crate::actor::{Call, Create, ShardActor, SubOp, SubResult};
+use crate::actor::{values_of, Call, Create, ShardActor, SubOp, SubResult};
 use crate::features::Hasher;
 
 /// A table: its spec, the per-shard config, and one shard per actor.
@@ -143,6 +145,15 @@ impl Split {
         match self {
             Split::Whole => Vec::new(),
             Split::Parts(_) => vec![fill; n * width],
+        }
+    }
+
+    /// Puts shard `j`'s answer rows in request order into `dst`, every key's
+    /// rows (`width` values each).
+    fn place_into<T: Copy>(&self, dst: &mut [T], j: usize, src: &[T], width: usize) {
+        match self {
+            Split::Whole => dst.copy_from_slice(src),
+            Split::Parts(parts) => scatter(dst, &parts[j], src, width),
         }
     }
 
@@ -332,6 +343,34 @@ impl Router {
         }
     }
 
+    /// find without scores into `frame` (whose values [`values_of`] can
+    /// cast): the one shard writes its answers there itself, or each
+    /// shard's answers are placed there in request order.
+    async fn find_framed(
+        &self,
+        t: &Table,
+        split: Split,
+        keys: Vec<u64>,
+        mut frame: FindFrame,
+    ) -> Result<Response, ProtoError> {
+        if let Split::Whole = split {
+            let r = self.fan_out(t, vec![SubOp::FindInto { keys, frame }]).await?;
+            let Some(SubResult::Frame(frame)) = r.into_iter().next() else { unreachable!() };
+            return Ok(frame.into_response());
+        }
+        let dim = t.config.dim;
+        let ops = split.take(keys, 1).into_iter().map(|keys| SubOp::Find { keys, scores: false }).collect();
+        let results = self.fan_out(t, ops).await?;
+        let (found, values) = values_of(&mut frame).expect("checked by the caller");
+        for (j, r) in results.into_iter().enumerate() {
+            let SubResult::Find { found: f, values: v, .. } = r else { unreachable!() };
+            let f: Vec<u8> = f.into_iter().map(u8::from).collect();
+            split.place_into(found, j, &f, 1);
+            split.place_into(values, j, &v, dim);
+        }
+        Ok(frame.into_response())
+    }
+
     /// Executes a table request.
     pub async fn execute(&self, req: Request) -> Result<Response, ProtoError> {
         let t = self.table(req.table().unwrap_or_default())?;
@@ -342,6 +381,15 @@ impl Router {
                 Self::validate(&t, &keys, None, None, false, false)?;
                 let n = keys.len();
                 let split = Split::new(&keys, n_shards);
+                // Without scores the answers are written where they are sent
+                // from: by the shard itself when it holds every key, else
+                // placed into the frame from each shard's answer.
+                let frame = (!scores && FindFrame::values_at(n).is_multiple_of(4)).then(|| FindFrame::new(n, dim));
+                if let Some(mut frame) = frame.filter(|_| cfg!(target_endian = "little")) {
+                    if values_of(&mut frame).is_some() {
+                        return self.find_framed(&t, split, keys, frame).await;
+                    }
+                }
                 let ops = split.take(keys, 1).into_iter().map(|keys| SubOp::Find { keys, scores }).collect();
                 let mut found = split.out(n, 1, 0u8);
                 let mut values = split.out(n, dim, 0.0f32);

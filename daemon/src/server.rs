@@ -273,7 +273,7 @@ async fn connection(state: Arc<State>, stream: UnixStream) {
             if matches!(resp, Response::Error(_)) {
                 state2.stats.errors.fetch_add(1, Relaxed);
             }
-            let _ = tx2.send(resp.encode(h.op, h.id)).await;
+            let _ = tx2.send(resp.into_frame(h.op, h.id)).await;
             drop(permit);
         });
     }

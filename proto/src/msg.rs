@@ -874,9 +874,71 @@ pub enum Response {
     Text(String),
     /// An error.
     Error(ProtoError),
+    /// A response frame the server built in place ([`FindFrame`]): the body
+    /// after [`HEADER_LEN`] bytes of header space, and the flags to send
+    /// with it. Never decoded: the client sees the op's own response.
+    Framed {
+        /// Header space, then the encoded body.
+        frame: Vec<u8>,
+        /// Flags besides [`flags::RESPONSE`].
+        flags: u16,
+    },
+}
+
+/// A find response laid out in one frame before the table answers, so
+/// that the answers are written where they are sent from: header space, a
+/// `u32` count and one found byte per key, a `u32` count and `dim` f32 per
+/// key (no scores). Every byte starts at zero: a miss reads 0.0.
+#[derive(Debug)]
+pub struct FindFrame {
+    frame: Vec<u8>,
+    n: usize,
+}
+
+impl FindFrame {
+    /// The frame for `n` keys of `dim` floats.
+    pub fn new(n: usize, dim: usize) -> FindFrame {
+        let mut frame = vec![0u8; HEADER_LEN + 8 + n + n * dim * 4];
+        let at = HEADER_LEN;
+        frame[at..at + 4].copy_from_slice(&(n as u32).to_le_bytes());
+        let at = HEADER_LEN + 4 + n;
+        frame[at..at + 4].copy_from_slice(&((n * dim) as u32).to_le_bytes());
+        FindFrame { frame, n }
+    }
+
+    /// Where the values of `n` keys start in the frame.
+    pub fn values_at(n: usize) -> usize {
+        HEADER_LEN + 8 + n
+    }
+
+    /// The found bytes and the values' little-endian bytes.
+    pub fn parts_mut(&mut self) -> (&mut [u8], &mut [u8]) {
+        let (head, values) = self.frame.split_at_mut(HEADER_LEN + 8 + self.n);
+        (&mut head[HEADER_LEN + 4..HEADER_LEN + 4 + self.n], values)
+    }
+
+    /// The response to send.
+    pub fn into_response(self) -> Response {
+        Response::Framed { frame: self.frame, flags: 0 }
+    }
 }
 
 impl Response {
+    /// The whole frame answering request `id` of op `req_op`, reusing a
+    /// [`Response::Framed`] buffer (its header is written in place).
+    pub fn into_frame(self, req_op: u8, id: u64) -> Vec<u8> {
+        match self {
+            Response::Framed { mut frame, flags: f } => {
+                let body_len = (frame.len() - HEADER_LEN) as u32;
+                let mut h = Vec::with_capacity(HEADER_LEN);
+                crate::Header { op: req_op, flags: flags::RESPONSE | f, id, body_len }.encode(&mut h);
+                frame[..HEADER_LEN].copy_from_slice(&h);
+                frame
+            }
+            other => other.encode(req_op, id),
+        }
+    }
+
     /// The whole frame answering request `id` of op `req_op`.
     pub fn encode(&self, req_op: u8, id: u64) -> Vec<u8> {
         let mut w = Writer::framed(64);
@@ -931,6 +993,10 @@ impl Response {
                 code = op::ERROR;
                 fl |= flags::ERROR;
                 w.buf.extend(json(e));
+            }
+            Response::Framed { frame, flags: f } => {
+                w.buf.extend_from_slice(&frame[HEADER_LEN..]);
+                fl |= f;
             }
         }
         w.finish_frame(code, fl, id)
@@ -1018,6 +1084,36 @@ mod tests {
         let f = resp.encode(op, 7);
         let FrameCheck::Ready(h) = check_frame(&f, u32::MAX).unwrap() else { panic!() };
         assert_eq!(Response::decode(&h, &f[crate::HEADER_LEN..]).unwrap(), resp);
+    }
+
+    #[test]
+    fn a_find_frame_built_in_place_decodes_as_a_find() {
+        for n in [0usize, 1, 3, 4] {
+            let dim = 2;
+            let mut ff = FindFrame::new(n, dim);
+            let (found, values) = ff.parts_mut();
+            assert_eq!((found.len(), values.len()), (n, n * dim * 4));
+            // Every other key found, with values k + 0.5, k + 1.5.
+            let mut want_vals = vec![0.0f32; n * dim];
+            let mut want_found = vec![0u8; n];
+            for k in (0..n).step_by(2) {
+                found[k] = 1;
+                want_found[k] = 1;
+                for j in 0..dim {
+                    let x = k as f32 + j as f32 + 0.5;
+                    values[(k * dim + j) * 4..(k * dim + j + 1) * 4].copy_from_slice(&x.to_le_bytes());
+                    want_vals[k * dim + j] = x;
+                }
+            }
+            let want = Response::Find { found: want_found, values: want_vals, scores: None };
+            let resp = ff.into_response();
+            let copied = resp.encode(op::FIND, 9);
+            let moved = resp.into_frame(op::FIND, 9);
+            assert_eq!(copied, moved, "n {n}");
+            let FrameCheck::Ready(h) = check_frame(&moved, u32::MAX).unwrap() else { panic!() };
+            assert_eq!((h.op, h.id, h.flags), (op::FIND, 9, flags::RESPONSE));
+            assert_eq!(Response::decode(&h, &moved[crate::HEADER_LEN..]).unwrap(), want, "n {n}");
+        }
     }
 
     #[test]
