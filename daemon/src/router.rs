@@ -560,25 +560,31 @@ mod tests {
     fn one_shard_moves_arrays_both_ways_and_several_restore_order() {
         let keys: Vec<u64> = (0..1000).collect();
         let whole = Split::new(&keys, 1);
-        let at = keys.as_ptr();
-        let taken = whole.take(keys.clone(), 1);
+        let request = keys.clone();
+        let at = request.as_ptr();
+        let taken = whole.take(request, 1);
+        assert_eq!(taken[0].as_ptr(), at, "the request's array is moved to the shard, not copied");
         assert_eq!(taken, vec![keys.clone()]);
-        let moved = whole.take(taken.into_iter().next().unwrap(), 1);
-        let mut out = whole.out(1000, 1, 0u64);
-        let src = moved.into_iter().next().unwrap();
+        let src = taken.into_iter().next().unwrap();
         let src_at = src.as_ptr();
+        let mut out = whole.out(1000, 1, 0u64);
         whole.place(&mut out, 0, src, 1);
         assert_eq!(out.as_ptr(), src_at, "the shard's answer is moved, not copied");
         assert_eq!(out, keys);
-        assert_ne!(at, src_at); // (the clone above, not the original)
+        let mut framed = vec![0u64; 1000];
+        whole.place_into(&mut framed, 0, &keys, 1);
+        assert_eq!(framed, keys);
         let parts = Split::new(&keys, 3);
         let mut back = parts.out(1000, 2, 0u64);
+        let mut framed = vec![0u64; 2000];
         let rows: Vec<u64> = keys.iter().flat_map(|&k| [k, k + 1]).collect();
         for (j, sub) in parts.take(rows.clone(), 2).into_iter().enumerate() {
             assert!(sub.chunks(2).all(|r| shard_of(r[0], 3) == j as u64));
+            parts.place_into(&mut framed, j, &sub, 2);
             parts.place(&mut back, j, sub, 2);
         }
         assert_eq!(back, rows);
+        assert_eq!(framed, rows);
     }
 
     #[test]
