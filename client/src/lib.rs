@@ -182,9 +182,50 @@ impl Client {
         let mut h = [0u8; HEADER_LEN];
         self.r.read_exact(&mut h).map_err(io("reading a response header"))?;
         let h = Header::decode(&h).map_err(|e| ClientError::Protocol(e.to_string()))?;
+        let plain_find = matches!(h.op, proto::op::FIND | proto::op::FIND_FEATURES)
+            && h.flags & (proto::flags::ERROR | proto::flags::SCORES) == 0;
+        if plain_find && cfg!(target_endian = "little") {
+            return Ok((h.id, self.recv_find(h.body_len as usize)?));
+        }
         let mut body = vec![0u8; h.body_len as usize];
         self.r.read_exact(&mut body).map_err(io("reading a response body"))?;
         Ok((h.id, decode(&h, &body)?))
+    }
+
+    /// The body of a find response without scores (`body_len` bytes: a
+    /// count and the found bytes, a count and the values), read from the
+    /// socket straight into the arrays it returns: the values are never
+    /// copied out of a body buffer. A body whose counts do not add up to
+    /// its length is read to its end and refused, so the next response
+    /// still starts where it should. Little-endian hosts only (the wire's
+    /// order is then the floats' own).
+    fn recv_find(&mut self, body_len: usize) -> Result<Response> {
+        let what = "reading a find response";
+        let mut left = body_len;
+        let count = |r: &mut BufReader<UnixStream>, left: &mut usize| -> Result<Option<usize>> {
+            if *left < 4 {
+                return Ok(None);
+            }
+            let mut c = [0u8; 4];
+            r.read_exact(&mut c).map_err(io(what))?;
+            *left -= 4;
+            Ok(Some(u32::from_le_bytes(c) as usize))
+        };
+        let n = count(&mut self.r, &mut left)?.filter(|&n| n <= left);
+        let mut found = vec![0u8; n.unwrap_or(0)];
+        self.r.read_exact(&mut found).map_err(io(what))?;
+        left -= found.len();
+        let m = match n {
+            Some(_) => count(&mut self.r, &mut left)?,
+            None => None,
+        };
+        if let Some(m) = m.filter(|&m| m.checked_mul(4) == Some(left)) {
+            let mut values = vec![0f32; m];
+            self.r.read_exact(zerocopy::IntoBytes::as_mut_bytes(&mut values[..])).map_err(io(what))?;
+            return Ok(Response::Find { found, values, scores: None });
+        }
+        std::io::copy(&mut (&mut self.r).take(left as u64), &mut std::io::sink()).map_err(io(what))?;
+        Err(ClientError::Protocol(format!("find response of {body_len} bytes whose array counts do not match it")))
     }
 
     /// Sends a request and waits for its answer (no other request in flight).
@@ -456,5 +497,53 @@ impl Client {
             cursor = chunk.next;
         }
         Ok((k, v, s))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::net::UnixListener;
+
+    use super::*;
+
+    /// A frame of `op` with `flags` and `body`, as the daemon sends it.
+    fn frame(op: u8, flags: u16, id: u64, body: &[u8]) -> Vec<u8> {
+        let mut f = vec![];
+        Header { op, flags: proto::flags::RESPONSE | flags, id, body_len: body.len() as u32 }.encode(&mut f);
+        f.extend_from_slice(body);
+        f
+    }
+
+    #[test]
+    fn find_responses_are_read_into_their_arrays_and_bad_ones_keep_the_stream_in_step() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let good = Response::Find { found: vec![1, 0, 1], values: vec![1.5, -2.0, 0.0, 0.0, 3.25, 4.0], scores: None };
+        let mut frames = good.encode(op::FIND, 1);
+        // Counts that do not add up: 3 found bytes, then 5 floats announced
+        // but 4 sent; then a truncated count.
+        let mut bad = vec![];
+        bad.extend_from_slice(&3u32.to_le_bytes());
+        bad.extend_from_slice(&[1, 1, 0]);
+        bad.extend_from_slice(&5u32.to_le_bytes());
+        bad.extend_from_slice(&[0u8; 16]);
+        frames.extend(frame(op::FIND, 0, 2, &bad));
+        frames.extend(frame(op::FIND, 0, 3, &[7, 0]));
+        frames.extend(Response::Find { found: vec![], values: vec![], scores: None }.encode(op::FIND, 4));
+        frames.extend(Response::Empty.encode(op::PING, 5));
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            s.write_all(&frames).unwrap();
+        });
+        let mut c = Client::connect(&path).unwrap();
+        assert_eq!(c.recv().unwrap(), (1, good));
+        let e = c.recv().unwrap_err();
+        assert!(e.to_string().contains("do not match"), "{e}");
+        let e = c.recv().unwrap_err();
+        assert!(e.to_string().contains("do not match"), "{e}");
+        assert_eq!(c.recv().unwrap(), (4, Response::Find { found: vec![], values: vec![], scores: None }));
+        assert_eq!(c.recv().unwrap(), (5, Response::Empty));
+        server.join().unwrap();
     }
 }
