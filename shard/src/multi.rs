@@ -1342,17 +1342,19 @@ impl GpuGroup {
             // link first) on the serve stream, at the same time.
             let s = node.stream.clone();
             let other = node.serve.clone();
-            other.join(&s).map_err(dev_err("ordering streams"))?;
-            for (q, ev) in ready.iter().enumerate() {
-                if q != r {
-                    other.wait(ev).map_err(dev_err("ordering streams"))?;
-                }
-            }
             let theirs: usize = (0..nr).filter(|&q| q != r).map(|q| n[q]).sum();
             ensure(&s, &mut node.b.pulled_keys, theirs)?;
             ensure(&s, &mut node.b.pulled_only, theirs)?;
             if pull_values {
                 ensure(&s, &mut node.b.pulled_values, theirs * dim)?;
+            }
+            // The serve stream starts after the main stream's allocations
+            // (stream-ordered) and every batch's masks.
+            other.join(&s).map_err(dev_err("ordering streams"))?;
+            for (q, ev) in ready.iter().enumerate() {
+                if q != r {
+                    other.wait(ev).map_err(dev_err("ordering streams"))?;
+                }
             }
             let counters = opt_ptr(&node.b.counters, &s);
             let (pk, po, pv) = (
