@@ -37,6 +37,15 @@ pub struct Router {
     pub hasher: Arc<Hasher>,
 }
 
+/// The largest frame body the protocol can carry (`Header::body_len`).
+const MAX_BODY: u64 = u32::MAX as u64;
+
+/// Slots one export request walks at most: 16 Mi, fewer where every one of
+/// them matching would overflow a frame body (keys, values, scores).
+fn export_slots(dim: usize) -> u64 {
+    (1u64 << 24).min((MAX_BODY - 64) / (16 + 4 * dim as u64))
+}
+
 fn err(code: ErrorCode, msg: impl Into<String>) -> ProtoError {
     ProtoError::new(code, msg)
 }
@@ -380,6 +389,18 @@ impl Router {
             Request::Find { keys, scores, .. } => {
                 Self::validate(&t, &keys, None, None, false, false)?;
                 let n = keys.len();
+                let per_key = 1 + 4 * dim as u64 + if scores { 8 } else { 0 };
+                if (n as u64).saturating_mul(per_key) + 16 > MAX_BODY {
+                    return Err(err(
+                        ErrorCode::Oversized,
+                        format!(
+                            "the answer to a find of {n} keys of dim {dim} would be {} bytes, above the protocol's \
+                             {MAX_BODY}-byte frame body; send at most {} keys per find",
+                            (n as u64).saturating_mul(per_key) + 16,
+                            (MAX_BODY - 16) / per_key
+                        ),
+                    ));
+                }
                 let split = Split::new(&keys, n_shards);
                 // Without scores the answers are written where they are sent
                 // from: by the shard itself when it holds every key, else
@@ -485,7 +506,7 @@ impl Router {
                         "export cursor shard {i}: the table has {n_shards} shards"
                     )));
                 }
-                let max_slots = max_slots.clamp(1, 1 << 24);
+                let max_slots = max_slots.clamp(1, export_slots(dim));
                 let op = SubOp::Export { offset: cursor.offset, n: max_slots, filter: to_filter(filter) };
                 let SubResult::Export(e) = self.call(&t, i, op).await? else { unreachable!() };
                 let end = cursor.offset.saturating_add(max_slots);
@@ -599,6 +620,16 @@ mod tests {
             scatter(&mut back, p, &sub, 1);
         }
         assert_eq!(back, keys);
+    }
+
+    #[test]
+    fn an_export_answer_always_fits_a_frame() {
+        assert_eq!(export_slots(32), 1 << 24);
+        for dim in [1usize, 32, 64, 1000, 1 << 16] {
+            let s = export_slots(dim);
+            assert!(s >= 1 && s * (16 + 4 * dim as u64) + 64 <= MAX_BODY, "dim {dim}: {s} slots");
+        }
+        assert!(export_slots(64) < 1 << 24, "dim 64 rows of 16 Mi slots would pass 4 GiB");
     }
 
     #[test]

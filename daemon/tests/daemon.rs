@@ -563,3 +563,19 @@ fn find_answers_in_order_for_every_batch_length_and_shard_count() {
         }
     }
 }
+
+#[test]
+fn a_find_whose_answer_would_not_fit_a_frame_is_refused_before_it_runs() {
+    let d = Daemon::start(&["--shards", "1"]);
+    let mut c = d.client();
+    let dim = 1 << 16;
+    c.create_table(spec("wide", dim, 128, "lru", "single")).unwrap();
+    // 16384 keys × (1 + 4 × 65536) bytes is just above 4 GiB.
+    let keys: Vec<u64> = (1..=16384).collect();
+    let e = c.find("wide", &keys).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::Oversized), "{e}");
+    assert!(e.to_string().contains("send at most 16383 keys per find"), "{e}");
+    let f = c.find("wide", &keys[..2]).unwrap();
+    assert_eq!(f.found, [false, false]);
+    assert_eq!(f.values.len(), 2 * dim);
+}
