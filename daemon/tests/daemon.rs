@@ -579,3 +579,37 @@ fn a_find_whose_answer_would_not_fit_a_frame_is_refused_before_it_runs() {
     assert_eq!(f.found, [false, false]);
     assert_eq!(f.values.len(), 2 * dim);
 }
+
+#[test]
+fn a_miss_reads_zeros_after_finds_that_hit() {
+    // Large finds (2 MB answers) that hit, then miss, then mix, on one and
+    // on three shards: a miss never reads rows of an earlier answer.
+    for shards in ["1", "3"] {
+        let d = Daemon::start(&["--shards", shards]);
+        let mut c = d.client();
+        let dim = 64;
+        c.create_table(spec("t", dim, 1 << 15, "lru", "single")).unwrap();
+        let stored: Vec<u64> = (1..=8192).map(|k| k * 31).collect();
+        c.insert_or_assign("t", &stored, &vals(&stored, dim, 1.0), None).unwrap();
+        let absent: Vec<u64> = (1..=8192).map(|k| k * 31 + 1).collect();
+        for round in 0..3 {
+            let f = c.find("t", &stored).unwrap();
+            assert!(f.found.iter().all(|&x| x), "{shards} shards, round {round}");
+            assert_eq!(f.values, vals(&stored, dim, 1.0), "{shards} shards, round {round}");
+            let g = c.find("t", &absent).unwrap();
+            assert!(g.found.iter().all(|&x| !x), "{shards} shards, round {round}");
+            assert!(g.values.iter().all(|&x| x == 0.0), "{shards} shards, round {round}: a miss read old rows");
+            // Half present, half absent, interleaved.
+            let mixed: Vec<u64> = stored.iter().zip(&absent).map(|(&a, &b)| if a % 2 == 0 { a } else { b }).collect();
+            let h = c.find("t", &mixed).unwrap();
+            for (i, &k) in mixed.iter().enumerate() {
+                let row = &h.values[i * dim..(i + 1) * dim];
+                if k % 31 == 0 {
+                    assert!(h.found[i] && row == vals(&[k], dim, 1.0).as_slice());
+                } else {
+                    assert!(!h.found[i] && row.iter().all(|&x| x == 0.0), "{shards} shards, key {k}");
+                }
+            }
+        }
+    }
+}
