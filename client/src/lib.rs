@@ -200,32 +200,32 @@ impl Client {
     /// still starts where it should. Little-endian hosts only (the wire's
     /// order is then the floats' own).
     fn recv_find(&mut self, body_len: usize) -> Result<Response> {
-        let what = "reading a find response";
+        const WHAT: &str = "reading a find response";
         let mut left = body_len;
-        let count = |r: &mut BufReader<UnixStream>, left: &mut usize| -> Result<Option<usize>> {
-            if *left < 4 {
-                return Ok(None);
+        if let Some(n) = self.read_count(&mut left)?.filter(|&n| n <= left) {
+            let mut found = vec![0u8; n];
+            self.r.read_exact(&mut found).map_err(io(WHAT))?;
+            left -= n;
+            if let Some(m) = self.read_count(&mut left)?.filter(|&m| m.checked_mul(4) == Some(left)) {
+                let mut values = vec![0f32; m];
+                self.r.read_exact(zerocopy::IntoBytes::as_mut_bytes(&mut values[..])).map_err(io(WHAT))?;
+                return Ok(Response::Find { found, values, scores: None });
             }
-            let mut c = [0u8; 4];
-            r.read_exact(&mut c).map_err(io(what))?;
-            *left -= 4;
-            Ok(Some(u32::from_le_bytes(c) as usize))
-        };
-        let n = count(&mut self.r, &mut left)?.filter(|&n| n <= left);
-        let mut found = vec![0u8; n.unwrap_or(0)];
-        self.r.read_exact(&mut found).map_err(io(what))?;
-        left -= found.len();
-        let m = match n {
-            Some(_) => count(&mut self.r, &mut left)?,
-            None => None,
-        };
-        if let Some(m) = m.filter(|&m| m.checked_mul(4) == Some(left)) {
-            let mut values = vec![0f32; m];
-            self.r.read_exact(zerocopy::IntoBytes::as_mut_bytes(&mut values[..])).map_err(io(what))?;
-            return Ok(Response::Find { found, values, scores: None });
         }
-        std::io::copy(&mut (&mut self.r).take(left as u64), &mut std::io::sink()).map_err(io(what))?;
+        std::io::copy(&mut (&mut self.r).take(left as u64), &mut std::io::sink()).map_err(io(WHAT))?;
         Err(ClientError::Protocol(format!("find response of {body_len} bytes whose array counts do not match it")))
+    }
+
+    /// The next `u32` count of a body with `left` bytes unread, or None
+    /// (nothing read) when fewer than 4 are left.
+    fn read_count(&mut self, left: &mut usize) -> Result<Option<usize>> {
+        if *left < 4 {
+            return Ok(None);
+        }
+        let mut c = [0u8; 4];
+        self.r.read_exact(&mut c).map_err(io("reading a find response"))?;
+        *left -= 4;
+        Ok(Some(u32::from_le_bytes(c) as usize))
     }
 
     /// Sends a request and waits for its answer (no other request in flight).

@@ -363,8 +363,9 @@ impl Router {
         mut frame: FindFrame,
     ) -> Result<Response, ProtoError> {
         if let Split::Whole = split {
-            let r = self.fan_out(t, vec![SubOp::FindInto { keys, frame }]).await?;
-            let Some(SubResult::Frame(frame)) = r.into_iter().next() else { unreachable!() };
+            let SubResult::Frame(frame) = self.call(t, 0, SubOp::FindInto { keys, frame }).await? else {
+                unreachable!()
+            };
             return Ok(frame.into_response());
         }
         let dim = t.config.dim;
@@ -405,8 +406,8 @@ impl Router {
                 // Without scores the answers are written where they are sent
                 // from: by the shard itself when it holds every key, else
                 // placed into the frame from each shard's answer.
-                let frame = (!scores && FindFrame::values_at(n).is_multiple_of(4)).then(|| FindFrame::new(n, dim));
-                if let Some(mut frame) = frame.filter(|_| cfg!(target_endian = "little")) {
+                if !scores && FindFrame::values_at(n).is_multiple_of(4) {
+                    let mut frame = FindFrame::new(n, dim);
                     if values_of(&mut frame).is_some() {
                         return self.find_framed(&t, split, keys, frame).await;
                     }

@@ -532,23 +532,30 @@ fn huge_pages_are_asked_for_unless_turned_off() {
     }
 }
 
+/// A daemon of `shards` shards with LRU table "t" of `dim` floats holding
+/// `stored` (rows `vals(.., 0.5)`), and a client of it.
+fn filled(shards: &str, dim: usize, capacity: u64, stored: &[u64]) -> (Daemon, Client) {
+    let d = Daemon::start(&["--shards", shards]);
+    let mut c = d.client();
+    c.create_table(spec("t", dim, capacity, "lru", "single")).unwrap();
+    c.insert_or_assign("t", stored, &vals(stored, dim, 0.5), None).unwrap();
+    (d, c)
+}
+
 #[test]
 fn find_answers_in_order_for_every_batch_length_and_shard_count() {
     // One shard writes a find straight into its response frame, several
     // shards' answers are placed into it; lengths that leave the values
     // unaligned in the frame and finds with scores take the general path.
+    let dim = 3;
+    let stored: Vec<u64> = (1..=2000).map(|k| k * 104_729).collect();
     for shards in ["1", "3"] {
-        let d = Daemon::start(&["--shards", shards]);
-        let mut c = d.client();
-        let dim = 3;
-        c.create_table(spec("t", dim, 1 << 14, "lru", "single")).unwrap();
-        let stored: Vec<u64> = (1..=2000).map(|k| k * 104_729).collect();
-        c.insert_or_assign("t", &stored, &vals(&stored, dim, 0.25), None).unwrap();
+        let (_d, mut c) = filled(shards, dim, 1 << 14, &stored);
         for n in [0usize, 1, 2, 3, 4, 5, 8, 999, 1000, 4096] {
             // Every third key is absent.
             let keys: Vec<u64> =
                 (0..n as u64).map(|i| if i % 3 == 2 { 7 + i * 2 } else { stored[i as usize % 2000] }).collect();
-            let mut want = vals(&keys, dim, 0.25);
+            let mut want = vals(&keys, dim, 0.5);
             for (i, _) in keys.iter().enumerate().filter(|(i, _)| i % 3 == 2) {
                 want[i * dim..(i + 1) * dim].fill(0.0);
             }
@@ -584,18 +591,15 @@ fn a_find_whose_answer_would_not_fit_a_frame_is_refused_before_it_runs() {
 fn a_miss_reads_zeros_after_finds_that_hit() {
     // Large finds (2 MB answers) that hit, then miss, then mix, on one and
     // on three shards: a miss never reads rows of an earlier answer.
+    let dim = 64;
+    let stored: Vec<u64> = (1..=8192).map(|k| k * 31).collect();
+    let absent: Vec<u64> = (1..=8192).map(|k| k * 31 + 1).collect();
     for shards in ["1", "3"] {
-        let d = Daemon::start(&["--shards", shards]);
-        let mut c = d.client();
-        let dim = 64;
-        c.create_table(spec("t", dim, 1 << 15, "lru", "single")).unwrap();
-        let stored: Vec<u64> = (1..=8192).map(|k| k * 31).collect();
-        c.insert_or_assign("t", &stored, &vals(&stored, dim, 1.0), None).unwrap();
-        let absent: Vec<u64> = (1..=8192).map(|k| k * 31 + 1).collect();
+        let (_d, mut c) = filled(shards, dim, 1 << 15, &stored);
         for round in 0..3 {
             let f = c.find("t", &stored).unwrap();
             assert!(f.found.iter().all(|&x| x), "{shards} shards, round {round}");
-            assert_eq!(f.values, vals(&stored, dim, 1.0), "{shards} shards, round {round}");
+            assert_eq!(f.values, vals(&stored, dim, 0.5), "{shards} shards, round {round}");
             let g = c.find("t", &absent).unwrap();
             assert!(g.found.iter().all(|&x| !x), "{shards} shards, round {round}");
             assert!(g.values.iter().all(|&x| x == 0.0), "{shards} shards, round {round}: a miss read old rows");
@@ -605,7 +609,7 @@ fn a_miss_reads_zeros_after_finds_that_hit() {
             for (i, &k) in mixed.iter().enumerate() {
                 let row = &h.values[i * dim..(i + 1) * dim];
                 if k % 31 == 0 {
-                    assert!(h.found[i] && row == vals(&[k], dim, 1.0).as_slice());
+                    assert!(h.found[i] && row == vals(&[k], dim, 0.5).as_slice());
                 } else {
                     assert!(!h.found[i] && row.iter().all(|&x| x == 0.0), "{shards} shards, key {k}");
                 }

@@ -874,15 +874,10 @@ pub enum Response {
     Text(String),
     /// An error.
     Error(ProtoError),
-    /// A response frame the server built in place ([`FindFrame`]): the body
-    /// after [`HEADER_LEN`] bytes of header space, and the flags to send
-    /// with it. Never decoded: the client sees the op's own response.
-    Framed {
-        /// Header space, then the encoded body.
-        frame: Vec<u8>,
-        /// Flags besides [`flags::RESPONSE`].
-        flags: u16,
-    },
+    /// A response frame the server built in place ([`FindFrame`]):
+    /// [`HEADER_LEN`] bytes of header space, then the encoded body. Never
+    /// decoded: the client sees the op's own response.
+    Framed(Vec<u8>),
 }
 
 /// A find response laid out in one frame before the table answers, so
@@ -898,11 +893,10 @@ pub struct FindFrame {
 impl FindFrame {
     /// The frame for `n` keys of `dim` floats.
     pub fn new(n: usize, dim: usize) -> FindFrame {
-        let mut frame = vec![0u8; HEADER_LEN + 8 + n + n * dim * 4];
-        let at = HEADER_LEN;
-        frame[at..at + 4].copy_from_slice(&(n as u32).to_le_bytes());
-        let at = HEADER_LEN + 4 + n;
-        frame[at..at + 4].copy_from_slice(&((n * dim) as u32).to_le_bytes());
+        let values = FindFrame::values_at(n);
+        let mut frame = vec![0u8; values + n * dim * 4];
+        frame[HEADER_LEN..HEADER_LEN + 4].copy_from_slice(&(n as u32).to_le_bytes());
+        frame[values - 4..values].copy_from_slice(&((n * dim) as u32).to_le_bytes());
         FindFrame { frame, n }
     }
 
@@ -913,13 +907,13 @@ impl FindFrame {
 
     /// The found bytes and the values' little-endian bytes.
     pub fn parts_mut(&mut self) -> (&mut [u8], &mut [u8]) {
-        let (head, values) = self.frame.split_at_mut(HEADER_LEN + 8 + self.n);
+        let (head, values) = self.frame.split_at_mut(FindFrame::values_at(self.n));
         (&mut head[HEADER_LEN + 4..HEADER_LEN + 4 + self.n], values)
     }
 
     /// The response to send.
     pub fn into_response(self) -> Response {
-        Response::Framed { frame: self.frame, flags: 0 }
+        Response::Framed(self.frame)
     }
 }
 
@@ -928,13 +922,7 @@ impl Response {
     /// [`Response::Framed`] buffer (its header is written in place).
     pub fn into_frame(self, req_op: u8, id: u64) -> Vec<u8> {
         match self {
-            Response::Framed { mut frame, flags: f } => {
-                let body_len = (frame.len() - HEADER_LEN) as u32;
-                let mut h = Vec::with_capacity(HEADER_LEN);
-                crate::Header { op: req_op, flags: flags::RESPONSE | f, id, body_len }.encode(&mut h);
-                frame[..HEADER_LEN].copy_from_slice(&h);
-                frame
-            }
+            Response::Framed(frame) => Writer { buf: frame }.finish_frame(req_op, flags::RESPONSE, id),
             other => other.encode(req_op, id),
         }
     }
@@ -994,10 +982,7 @@ impl Response {
                 fl |= flags::ERROR;
                 w.buf.extend(json(e));
             }
-            Response::Framed { frame, flags: f } => {
-                w.buf.extend_from_slice(&frame[HEADER_LEN..]);
-                fl |= f;
-            }
+            Response::Framed(frame) => w.buf.extend_from_slice(&frame[HEADER_LEN..]),
         }
         w.finish_frame(code, fl, id)
     }

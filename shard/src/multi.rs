@@ -109,7 +109,7 @@ pub enum Route {
     /// the H200 pair.
     #[default]
     Auto,
-    /// Split on the GPU, NCCL all-to-all there and back (the default).
+    /// Split on the GPU, NCCL all-to-all there and back.
     Device,
     /// Copy to the host, split there, copy each part to its owner and back.
     Host,
@@ -380,7 +380,7 @@ impl Node {
 
     /// For the peer route: `masks[d * n + i] = (owner of key i == d)` for
     /// every owner d of `shards`, and the keys per owner into `totals`
-    /// (read by [`Node::totals`]).
+    /// (read by [`Node::read_counters_and_totals`]).
     ///
     /// # Safety
     /// As [`Node::partition`].
