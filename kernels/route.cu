@@ -68,7 +68,8 @@ extern "C" __global__ void route_masks(const u64* keys, u64 n, u32 shards, u8* m
         atomicAdd(&c[d], 1u);
     }
     __syncthreads();
-    if (threadIdx.x < shards && c[threadIdx.x]) atomicAdd((unsigned long long*)&totals[threadIdx.x], (unsigned long long)c[threadIdx.x]);
+    if (threadIdx.x < shards && c[threadIdx.x])
+        atomicAdd((unsigned long long*)&totals[threadIdx.x], (unsigned long long)c[threadIdx.x]);
 }
 
 // Launch: as route_count. Each key's place among the keys of its tile bound

@@ -60,8 +60,8 @@ __device__ __forceinline__ void update_one(const HkvTable& t, const HkvScoring& 
 
 // values: rows (assign) or deltas (accumulate); null for assign_scores.
 // only (may be null): process key i only where only[i] != 0.
-#define HKV_UPDATE_KERNEL(NAME, G, BOUNDS)                                                                                 \
-    extern "C" __global__ void BOUNDS NAME(HkvTable t, HkvScoring sc, const u64* keys, u64 n, const float* values,        \
+#define HKV_UPDATE_KERNEL(NAME, G, BOUNDS)                                                                         \
+    extern "C" __global__ void BOUNDS NAME(HkvTable t, HkvScoring sc, const u64* keys, u64 n, const float* values, \
                                     const u64* scores_in, const u8* only, int mode, u8* outcomes, u8* absent,      \
                                     u64* counters) {                                                               \
         HKV_COUNTERS_INIT                                                                                          \
