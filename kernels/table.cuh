@@ -294,33 +294,40 @@ __device__ __forceinline__ int hkv_free_slot(const HkvGroup<G>& g, const HkvBits
 }
 
 // Minimum score of a full bucket and its slot (lowest slot on ties).
+// The group reads the score array in passes of 16 * G contiguous bytes:
+// in pass j thread r takes slots 2 * (G * j + r) and the one after it, so
+// that the threads of a group together read whole 32-byte sectors (a
+// thread reading only its own contiguous slots would fetch each sector from
+// L2 twice, 16 bytes at a time). Each thread visits its slots in increasing
+// order and keeps the first of equal scores; the reduction then prefers the
+// lower slot.
 template <int G>
 __device__ __forceinline__ void hkv_min_slot(const HkvTable& t, const HkvGroup<G>& g, u64 b, int* slot, u64* score) {
     constexpr int SPT = 128 / G;
-    const int first = g.rank * SPT;
-    int bs = first;
+    static_assert(SPT >= 2, "a thread scans at least two slots");
+    const u64* line = t.scores + b * 128;
+    int bs = 2 * g.rank;
     u64 bv = 0xFFFFFFFFFFFFFFFFULL;
-    if constexpr (SPT > 16) {
-        // All of the thread's score lines in flight at once.
+    // Every score line of the bucket in flight at once, spread over the group.
 #pragma unroll
-        for (int j = 0; j < SPT / 16; ++j) hkv_prefetch_l2(t.scores + b * 128 + first + 16 * j);
-    }
-    if constexpr (SPT >= 2) {
-        const ulonglong2* q = reinterpret_cast<const ulonglong2*>(t.scores + b * 128 + first);
-#pragma unroll 16
-        for (int j = 0; j < SPT / 2; ++j) {
-            ulonglong2 v = __ldcg(q + j);
-            if (v.x < bv) {
-                bv = v.x;
-                bs = first + 2 * j;
-            }
-            if (v.y < bv) {
-                bv = v.y;
-                bs = first + 2 * j + 1;
-            }
+    for (int j = g.rank; j < 8; j += G) hkv_prefetch_l2(line + 16 * j);
+    const ulonglong2* q = reinterpret_cast<const ulonglong2*>(line) + g.rank;
+    // Loads in flight per thread: 16 pairs of scores, 8 from 4 threads per
+    // key on (which copy wider rows and would otherwise need more than 64
+    // registers, 3 blocks per SM instead of 4).
+    constexpr int UNROLL = G >= 4 ? 8 : 16;
+#pragma unroll UNROLL
+    for (int j = 0; j < SPT / 2; ++j) {
+        ulonglong2 v = __ldcg(q + G * j);
+        int s = 2 * (G * j + (int)g.rank);
+        if (v.x < bv) {
+            bv = v.x;
+            bs = s;
         }
-    } else {
-        bv = __ldcg(t.scores + b * 128 + first);
+        if (v.y < bv) {
+            bv = v.y;
+            bs = s + 1;
+        }
     }
 #pragma unroll
     for (int off = G / 2; off > 0; off >>= 1) {

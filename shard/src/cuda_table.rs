@@ -355,10 +355,11 @@ struct Variant {
     g: u64,
 }
 
-/// Load factor from which inserts take at least 2 threads per key: in a
-/// nearly full table most inserts scan a bucket's 128 scores for the
-/// minimum, which 2 threads do faster; below it, 1 thread per key keeps
-/// more keys in flight (measured on the H200, shard/BENCHMARKS.md).
+/// Load factor from which inserts take at least 2 threads per key (4 for
+/// insert_or_assign, see [`Funcs::upsert`]): in a nearly full table most
+/// inserts scan a bucket's 128 scores for the minimum, which several
+/// threads do faster; below it, 1 thread per key keeps more keys in flight
+/// (measured on the H200, shard/BENCHMARKS.md).
 const WRITER_PAIR_FROM: f64 = 0.875;
 
 /// Widest row for which assign and accumulate take `update_keys_g2_b5`, 2
@@ -416,11 +417,19 @@ impl Funcs {
         pick(&self.lookup, self.forced_lookup.unwrap_or(g))
     }
 
-    /// The upsert kernel for a table at `load`: 1 thread per key, 2 from
-    /// [`WRITER_PAIR_FROM`] on, and one per 16 floats of a copied row
-    /// ([`upsert_copy_threads`]); 16 for a batch in region order.
-    fn upsert(&self, load: f64, values: bool, dim: usize, ordered: bool) -> &Variant {
-        let scan = if load >= WRITER_PAIR_FROM { 2 } else { 1 };
+    /// The upsert kernel for a table at `load`: 1 thread per key, from
+    /// [`WRITER_PAIR_FROM`] on 2, or 4 for a plain insert (`plain`:
+    /// insert_or_assign, nothing copied out), and one per 16 floats of a
+    /// copied row ([`upsert_copy_threads`]); 16 for a batch in region order.
+    /// Measured on the H200 at λ 1.0 (128 Mi slots), B-KV/s with 2 / 4
+    /// threads: insert_or_assign dim 8 1.320 / 1.459, dim 32 1.259 / 1.443;
+    /// insert_and_evict dim 8 0.905 / 0.820, dim 32 0.877 / 0.820.
+    fn upsert(&self, load: f64, values: bool, dim: usize, ordered: bool, plain: bool) -> &Variant {
+        let scan = match (load >= WRITER_PAIR_FROM, plain) {
+            (false, _) => 1,
+            (true, false) => 2,
+            (true, true) => 4,
+        };
         let g = if ordered {
             HOST_TIER_WRITE
         } else if values {
@@ -738,7 +747,8 @@ impl CudaTable {
     ) -> Result<()> {
         let c = p.counters;
         let (order, args) = self.key_order(l, st, n, p.keys, p.values != 0)?;
-        let v = self.f.upsert(self.load(st), p.values != 0, self.config.dim, order.is_some());
+        let plain = mode == UP_INSERT && p.lost[0] == 0;
+        let v = self.f.upsert(self.load(st), p.values != 0, self.config.dim, order.is_some(), plain);
         let mut b = l.launch_builder(&v.f);
         b.arg(&args)
             .arg(&sc)
