@@ -7,15 +7,15 @@
 //! Batches that already sit on the GPUs (in-process callers, keys hashed
 //! from raw features on the GPU: [`GpuGroup::hash_features`]) take one of
 //! two device-resident paths:
-//! - [`Route::Peer`] (the default, [`Route::Auto`], where every pair of
-//!   GPUs has peer access): a mask kernel marks each key's owner; each GPU
+//! - [`Route::Peer`] (the default for lookups, [`Route::Auto`], where every
+//!   pair of GPUs has peer access): a mask kernel marks each key's owner; each GPU
 //!   serves its own batch's keys in place while it pulls every other
 //!   batch's keys and masks (and the rows of writes) with copy-engine
 //!   transfers and serves the keys it owns there, on a second stream. Found
 //!   rows and flags are written straight into the requesting GPU's batch
 //!   over the link, already in request order: no split, no gather, no host
 //!   round trip before the lookups.
-//! - [`Route::Device`]: each GPU splits its keys by owner on the GPU (a
+//! - [`Route::Device`] (the default for writes): each GPU splits its keys by owner on the GPU (a
 //!   stable partition, `kernels/route.cu`); only the per-owner counts cross
 //!   to the host. Each GPU then serves its own keys in place on a second
 //!   stream while NCCL (grouped sends and receives, one all-to-all) carries
@@ -25,12 +25,14 @@
 //!   ([`GpuGroup::set_parts`]) so that one part is served while the next
 //!   crosses; on the H200 pair that was slower than one part.
 //!
-//! On the H200 pair the peer route ran finds in 0.45 ms against 0.69 ms and
-//! insert_or_assign in 1.11 ms against 1.17 ms (`hkv-multi-bench`, see
-//! `daemon/BENCHMARKS.md`). find_or_insert stays on the device route under
-//! [`Route::Auto`]: on the peer route it would read its rows over the link
-//! while holding bucket locks (insert_or_assign did so at 22 ms a batch
-//! before its rows were pulled first).
+//! On the H200 pair the peer route ran finds in 0.41–0.47 ms against
+//! 0.64–0.69 ms on the device route, and the device route insert_or_assign
+//! in 1.01–1.09 ms against 1.11–1.16 ms on the peer route (four runs of
+//! `hkv-multi-bench`, see `daemon/BENCHMARKS.md`), so [`Route::Auto`] sends
+//! lookups (find, find*, contains) the peer way and every other operation
+//! the device way. find_or_insert on the peer route would also read its
+//! rows over the link while holding bucket locks (insert_or_assign did so
+//! at 22 ms a batch before its rows were pulled first).
 //! [`Route::Host`] does what the daemon's router does with a socket batch:
 //! copy to the host, split there, copy each part to its owner and back; it
 //! is kept for comparison (`hkv-multi-bench`).
@@ -103,10 +105,10 @@ fn nccl_err(what: &str) -> impl FnOnce(cudarc::nccl::result::NcclError) -> Error
 /// How a group batch reaches the GPUs that own its keys.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Route {
-    /// [`Route::Peer`] where every pair of GPUs has peer access, except for
-    /// find_or_insert (which would read rows over the link while it holds
-    /// bucket locks); else [`Route::Device`]. The default: the fastest on
-    /// the H200 pair.
+    /// For lookups (find, find*, contains) [`Route::Peer`] where every pair
+    /// of GPUs has peer access; for every other operation, and without peer
+    /// access, [`Route::Device`]. The default: the faster of the two for
+    /// each on the H200 pair.
     #[default]
     Auto,
     /// Split on the GPU, NCCL all-to-all there and back.
@@ -1045,7 +1047,9 @@ impl GpuGroup {
             (self.run_local(op, &mut nodes[0], &mut b[0], n[0])?, vec![])
         } else {
             let route = match route {
-                Route::Auto if self.peer && op != DeviceOp::FindOrInsert => Route::Peer,
+                Route::Auto if self.peer && matches!(op, DeviceOp::Find | DeviceOp::FindPtr | DeviceOp::Contains) => {
+                    Route::Peer
+                }
                 Route::Auto => Route::Device,
                 r => r,
             };
