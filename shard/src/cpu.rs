@@ -8,12 +8,13 @@
 //! sits behind an `RwLock` that only growth takes for writing (under the
 //! inserter group, so no batch is running then).
 //!
-//! Lookups are software-pipelined in groups of 16 keys (`PIPE`): first every
-//! key's digest line is touched, then every candidate key and value row, then
-//! the lookups run on lines already in flight, so the cache misses of a group
-//! overlap instead of queueing one behind the other. (Prefetch instructions
-//! would need `unsafe`; plain relaxed loads whose results feed
-//! `black_box` do the same job.)
+//! Lookups are software-pipelined in groups of 16 keys (`PIPE`): while the
+//! lookups of group g run, the candidate keys and value rows of group g + 1
+//! and the digest lines of group g + 2 are being fetched, each touched back
+//! to back, so that cache misses overlap instead of queueing one behind the
+//! other. (Prefetch instructions would need `unsafe`; plain relaxed loads
+//! whose results feed `black_box` do the same job.) Bucket indices use a
+//! precomputed reciprocal ([`Buckets`]) instead of a 64-bit division.
 
 use std::hint::black_box;
 use std::ops::Range;
@@ -25,7 +26,7 @@ use parking_lot::{Mutex, RwLock};
 use crate::check;
 use crate::config::{BucketMode, TableConfig};
 use crate::error::{Error, Result};
-use crate::hash::{bucket2, locate, EMPTY_DIGEST};
+use crate::hash::{Buckets, EMPTY_DIGEST};
 use crate::lock::{Group, GroupLock};
 use crate::score::{Clock, Scorer, SystemClock};
 use crate::{
@@ -189,6 +190,8 @@ struct Storage {
     /// `nbuckets * 128 * dim` floats (as bits), addressed by position.
     values: Vec<AtomicU32>,
     nbuckets: u64,
+    /// `nbuckets` with its reciprocal, for the bucket of a key.
+    div: Buckets,
     dim: usize,
 }
 
@@ -199,6 +202,7 @@ impl Storage {
             buckets: (0..n).map(|_| Bucket::new()).collect(),
             values: (0..n * S * dim).map(|_| AtomicU32::new(0)).collect(),
             nbuckets,
+            div: Buckets::new(nbuckets),
             dim,
         }
     }
@@ -456,8 +460,8 @@ impl CpuTable {
     /// The candidate buckets of a key: `(b1, b2)`, `b2 == b1` in single mode.
     #[inline]
     fn buckets_of(&self, st: &Storage, key: u64) -> (usize, usize, u8) {
-        let (b1, d) = locate(key, st.nbuckets);
-        let b2 = if self.dual() { bucket2(key, st.nbuckets) } else { b1 };
+        let (b1, d) = st.div.locate(key);
+        let b2 = if self.dual() { st.div.bucket2(key, b1) } else { b1 };
         (b1 as usize, b2 as usize, d)
     }
 
@@ -476,40 +480,79 @@ impl CpuTable {
     }
 
     /// Looks up `keys` with the pipeline described in the module docs and
-    /// calls `f(j, Some((bucket, slot)))` or `f(j, None)` for each, in order.
+    /// calls `f(j, Some((bucket, slot)))` or `f(j, None)` for each, in order;
+    /// `rows`: also fetch the value rows of the keys found (for `f` to read).
     #[inline]
-    fn lookup_pipelined(&self, st: &Storage, keys: &[u64], mut f: impl FnMut(usize, Option<(usize, usize)>)) {
+    fn lookup_pipelined(
+        &self,
+        st: &Storage,
+        keys: &[u64],
+        rows: bool,
+        mut f: impl FnMut(usize, Option<(usize, usize)>),
+    ) {
         let dual = self.dual();
-        for (g, group) in keys.chunks(PIPE).enumerate() {
-            let mut loc = [(0usize, 0usize, 0u8); PIPE];
-            let mut sink = 0u64;
-            // Stage 1: every digest line of the group.
-            for (i, &k) in group.iter().enumerate() {
-                let (b1, d) = locate(k, st.nbuckets);
-                let b2 = if dual { bucket2(k, st.nbuckets) as usize } else { b1 as usize };
+        let groups: Vec<&[u64]> = keys.chunks(PIPE).collect();
+        // Per group in flight (three at a time, by group index mod 3): each
+        // key's buckets and digest, and its first digest match.
+        let mut loc = [[(0usize, 0usize, 0u8); PIPE]; 3];
+        let mut cand = [[usize::MAX; PIPE]; 3];
+        let mut sink = 0u64;
+        // Stage 1 of group g: every key's buckets, then every digest line
+        // (both 64-byte halves), the loads back to back.
+        let stage1 = |g: usize, loc: &mut [(usize, usize, u8); PIPE], sink: &mut u64| {
+            for (i, &k) in groups[g].iter().enumerate() {
+                let (b1, d) = st.div.locate(k);
+                let b2 = if dual { st.div.bucket2(k, b1) as usize } else { b1 as usize };
                 loc[i] = (b1 as usize, b2, d);
-                sink = sink.wrapping_add(st.buckets[b1 as usize].digests[0].load(Relaxed));
+            }
+            for &(b1, b2, _) in &loc[..groups[g].len()] {
+                let bk = &st.buckets[b1];
+                *sink = sink.wrapping_add(bk.digests[0].load(Relaxed) ^ bk.digests[S / 16].load(Relaxed));
                 if dual {
-                    sink = sink.wrapping_add(st.buckets[b2].digests[0].load(Relaxed));
+                    let bk = &st.buckets[b2];
+                    *sink = sink.wrapping_add(bk.digests[0].load(Relaxed) ^ bk.digests[S / 16].load(Relaxed));
                 }
             }
-            // Stage 2: the first digest match's key and value row (every
-            // 64-byte line of it).
-            let mut cand = [usize::MAX; PIPE];
-            for (i, &(b1, _, d)) in loc[..group.len()].iter().enumerate() {
-                let bk = &st.buckets[b1];
-                if let Some(s) = bk.scan(d, Some) {
-                    cand[i] = s;
-                    sink = sink.wrapping_add(bk.keys[s].load(Relaxed));
-                    let row = st.row(b1, s);
-                    for line in row.iter().step_by(16) {
-                        sink = sink.wrapping_add(line.load(Relaxed) as u64);
+        };
+        // Stage 2 of group g: each key's first digest match (its digest
+        // lines were touched a group earlier), then the candidates' keys and
+        // value rows (every 64-byte line), touched back to back.
+        let stage2 = |g: usize, loc: &[(usize, usize, u8); PIPE], cand: &mut [usize; PIPE], sink: &mut u64| {
+            let n = groups[g].len();
+            for (i, &(b1, _, d)) in loc[..n].iter().enumerate() {
+                cand[i] = st.buckets[b1].scan(d, Some).unwrap_or(usize::MAX);
+            }
+            for (i, &(b1, _, _)) in loc[..n].iter().enumerate() {
+                let s = cand[i];
+                if s != usize::MAX {
+                    *sink = sink.wrapping_add(st.buckets[b1].keys[s].load(Relaxed));
+                    if rows {
+                        for line in st.row(b1, s).iter().step_by(16) {
+                            *sink = sink.wrapping_add(line.load(Relaxed) as u64);
+                        }
                     }
                 }
             }
-            black_box(sink);
+        };
+        // Group g's lookups run while group g + 1's rows and group g + 2's
+        // digest lines are on their way.
+        for g in 0..groups.len().min(2) {
+            stage1(g, &mut loc[g % 3], &mut sink);
+        }
+        if !groups.is_empty() {
+            stage2(0, &loc[0], &mut cand[0], &mut sink);
+        }
+        for (g, group) in groups.iter().enumerate() {
+            if g + 2 < groups.len() {
+                stage1(g + 2, &mut loc[(g + 2) % 3], &mut sink);
+            }
+            if g + 1 < groups.len() {
+                let (l, c) = (&loc[(g + 1) % 3], &mut cand[(g + 1) % 3]);
+                stage2(g + 1, l, c, &mut sink);
+            }
             // Stage 3: the lookups proper, on lines already fetched; the
             // candidate is checked first (a hit needs no second scan).
+            let (loc, cand) = (&loc[g % 3], &cand[g % 3]);
             for (i, &k) in group.iter().enumerate() {
                 let (b1, b2, d) = loc[i];
                 let c = cand[i];
@@ -525,6 +568,7 @@ impl CpuTable {
                 f(g * PIPE + i, hit);
             }
         }
+        black_box(sink);
     }
 
     /// Touches what a writer reads first in the buckets of its next keys
@@ -534,7 +578,7 @@ impl CpuTable {
     fn touch(&self, st: &Storage, keys: &[u64]) {
         let mut sink = 0u64;
         for &k in keys {
-            let (b1, _) = locate(k, st.nbuckets);
+            let (b1, _) = st.div.locate(k);
             let bk = &st.buckets[b1 as usize];
             sink = sink.wrapping_add(bk.digests[0].load(Relaxed) ^ bk.digests[8].load(Relaxed));
             sink = sink.wrapping_add(bk.occupied[0].load(Relaxed));
@@ -806,7 +850,7 @@ impl Shard for CpuTable {
         let outs = Outs { values: Some(values), found: Some(found), scores, outcomes: None };
         let acc = run_batch(n, outs, dim, &|r: Range<usize>, mut outs: Outs<'_>| {
             let mut acc = Acc::default();
-            self.lookup_pipelined(&st, &keys[r], |j, hit| {
+            self.lookup_pipelined(&st, &keys[r], outs.values.is_some(), |j, hit| {
                 if let Some((b, s)) = hit {
                     if let Some(v) = outs.values.as_deref_mut() {
                         st.read_row(b, s, &mut v[j * dim..(j + 1) * dim]);
@@ -833,7 +877,7 @@ impl Shard for CpuTable {
         let outs = Outs { found: Some(found), ..Outs::default() };
         let acc = run_batch(n, outs, self.config.dim, &|r: Range<usize>, mut outs: Outs<'_>| {
             let mut acc = Acc::default();
-            self.lookup_pipelined(&st, &keys[r], |j, hit| {
+            self.lookup_pipelined(&st, &keys[r], false, |j, hit| {
                 outs.found(j, hit.is_some());
                 acc.hits += hit.is_some() as u64;
             });

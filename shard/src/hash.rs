@@ -48,6 +48,62 @@ pub fn locate(key: u64, buckets: u64) -> (u64, u8) {
     ((h & LOW56) % buckets, key_digest(h))
 }
 
+/// A bucket count with its reciprocal: `x % n` in two multiplications
+/// instead of a 64-bit division, which on the x86 cores we run on takes
+/// tens of cycles and is not pipelined (the CPU table's lookups ran 2-3×
+/// slower with it). Same results as `%`, so the CPU and GPU tables agree.
+#[derive(Clone, Copy, Debug)]
+pub struct Buckets {
+    n: u64,
+    /// floor((2^64 - 1) / n).
+    m: u64,
+}
+
+impl Buckets {
+    /// `n` buckets (at least 1).
+    pub fn new(n: u64) -> Buckets {
+        assert!(n > 0, "a table has at least one bucket");
+        Buckets { n, m: u64::MAX / n }
+    }
+
+    /// The bucket count.
+    #[inline(always)]
+    pub fn count(self) -> u64 {
+        self.n
+    }
+
+    /// `x % n`. The estimate `q = x·m / 2^64` is floor(x / n) or one less
+    /// (x < 2^64), so one correction makes the remainder exact.
+    #[inline(always)]
+    pub fn reduce(self, x: u64) -> u64 {
+        let q = ((x as u128 * self.m as u128) >> 64) as u64;
+        let r = x - q * self.n;
+        if r >= self.n {
+            r - self.n
+        } else {
+            r
+        }
+    }
+
+    /// [`locate`] with this bucket count.
+    #[inline(always)]
+    pub fn locate(self, key: u64) -> (u64, u8) {
+        let h = fmix64(key);
+        (self.reduce(h & LOW56), key_digest(h))
+    }
+
+    /// [`bucket2`] with this bucket count, given the first bucket `b1`.
+    #[inline(always)]
+    pub fn bucket2(self, key: u64, b1: u64) -> u64 {
+        let b2 = self.reduce(fmix64(key ^ DUAL_SEED) & LOW56);
+        if b2 == b1 && self.n > 1 {
+            self.reduce(b2 + 1)
+        } else {
+            b2
+        }
+    }
+}
+
 /// The digest byte of a key: the top byte of `fmix64(key)`, its low bit
 /// flipped where it would equal [`EMPTY_DIGEST`].
 #[inline(always)]
@@ -108,6 +164,26 @@ mod tests {
         }
         // About 1 key in 256 has the free-slot byte.
         assert!((3_000..5_000).contains(&flipped), "{flipped}");
+    }
+
+    #[test]
+    fn reciprocal_reduction_equals_the_remainder() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let counts = [1, 2, 3, 7, 8, 1000, 8192, 8191, 1 << 20, (1 << 40) + 3, LOW56, u64::MAX / 3, u64::MAX];
+        for &n in &counts {
+            let b = Buckets::new(n);
+            for edge in [0, 1, n - 1, n, n.wrapping_add(1), u64::MAX, u64::MAX - 1, LOW56] {
+                assert_eq!(b.reduce(edge), edge % n, "{edge} % {n}");
+            }
+            for _ in 0..100_000 {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                assert_eq!(b.reduce(x), x % n, "{x} % {n}");
+                assert_eq!(b.locate(x), locate(x, n));
+                assert_eq!(b.bucket2(x, b.locate(x).0), bucket2(x, n));
+            }
+        }
     }
 
     #[test]
