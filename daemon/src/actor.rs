@@ -52,6 +52,16 @@ pub enum SubOp {
         /// The response, laid out; its found bytes and values are filled.
         frame: FindFrame,
     },
+    /// find of one shard's part of a request, written straight into the
+    /// response frame that every shard fills in turn (`Shard::find_at`).
+    FindAt {
+        /// This shard's keys.
+        keys: Vec<u64>,
+        /// Their rows in the request (increasing).
+        at: Vec<u32>,
+        /// The response, laid out; this shard's found bytes and values are filled.
+        frame: FindFrame,
+    },
     /// contains.
     Contains {
         /// Keys.
@@ -187,6 +197,11 @@ pub fn execute(t: &dyn Shard, op: SubOp) -> Result<SubResult, hkv_shard::Error> 
             for (b, &f) in flags.iter_mut().zip(&found) {
                 *b = u8::from(f);
             }
+            SubResult::Frame(frame)
+        }
+        SubOp::FindAt { keys, at, mut frame } => {
+            let (flags, values) = values_of(&mut frame).expect("aligned: checked by the router");
+            t.find_at(&keys, &at, values, flags)?;
             SubResult::Frame(frame)
         }
         SubOp::Contains { keys } => {

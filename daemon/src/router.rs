@@ -368,6 +368,22 @@ impl Router {
             };
             return Ok(frame.into_response());
         }
+        if self.backend == Backend::Cpu {
+            // A CPU shard spreads a batch over every core by itself, so the
+            // shards fill the frame one after the other, each writing its
+            // keys' rows in place: no answer array per shard, no copy.
+            let Split::Parts(parts) = &split else { unreachable!() };
+            for (i, (keys, at)) in split.take(keys, 1).into_iter().zip(parts).enumerate() {
+                if keys.is_empty() {
+                    continue;
+                }
+                let SubResult::Frame(f) = self.call(t, i, SubOp::FindAt { keys, at: at.clone(), frame }).await? else {
+                    unreachable!()
+                };
+                frame = f;
+            }
+            return Ok(frame.into_response());
+        }
         let dim = t.config.dim;
         let ops = split.take(keys, 1).into_iter().map(|keys| SubOp::Find { keys, scores: false }).collect();
         let results = self.fan_out(t, ops).await?;

@@ -22,6 +22,23 @@ pub(crate) fn keys(keys: &[u64]) -> Result<()> {
     }
 }
 
+/// The target rows of [`crate::Shard::find_at`]: one per key, strictly
+/// increasing, inside an answer of `rows` found bytes and `rows × dim`
+/// values.
+pub(crate) fn rows_at(config: &TableConfig, n: usize, at: &[u32], values: usize, rows: usize) -> Result<()> {
+    per_key("target rows", at.len(), n)?;
+    len("values", values, rows * config.dim, || format!("{rows} rows x dim {}", config.dim))?;
+    if let Some(i) = at.windows(2).position(|w| w[0] >= w[1]) {
+        return Err(Error::Config(format!("target rows must increase: row {} after {}", at[i + 1], at[i])));
+    }
+    match at.last() {
+        Some(&last) if last as usize >= rows => {
+            Err(Error::Config(format!("target row {last} outside an answer of {rows} rows")))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// One element per key.
 fn per_key(what: &'static str, got: usize, n: usize) -> Result<()> {
     len(what, got, n, || format!("{n} keys"))

@@ -571,6 +571,55 @@ impl CpuTable {
         black_box(sink);
     }
 
+    /// [`Shard::find_at`] on one thread: `values` and `found` hold the
+    /// answer's rows from row `base` on.
+    fn find_rows(
+        &self,
+        st: &Storage,
+        keys: &[u64],
+        at: &[u32],
+        base: usize,
+        values: &mut [f32],
+        found: &mut [u8],
+    ) -> u64 {
+        let dim = st.dim;
+        let mut hits = 0;
+        self.lookup_pipelined(st, keys, true, |j, hit| {
+            if let Some((b, s)) = hit {
+                let r = at[j] as usize - base;
+                st.read_row(b, s, &mut values[r * dim..(r + 1) * dim]);
+                found[r] = 1;
+                hits += 1;
+            }
+        });
+        hits
+    }
+
+    /// [`CpuTable::find_rows`] on the rayon pool: as `at` increases, the
+    /// two halves of the batch write disjoint row ranges of the answer.
+    fn find_rows_parallel(
+        &self,
+        st: &Storage,
+        keys: &[u64],
+        at: &[u32],
+        base: usize,
+        values: &mut [f32],
+        found: &mut [u8],
+    ) -> u64 {
+        if keys.len() <= GRAIN {
+            return self.find_rows(st, keys, at, base, values, found);
+        }
+        let mid = keys.len() / 2;
+        let split = at[mid] as usize - base;
+        let (vl, vh) = values.split_at_mut(split * st.dim);
+        let (fl, fh) = found.split_at_mut(split);
+        let (a, b) = rayon::join(
+            || self.find_rows_parallel(st, &keys[..mid], &at[..mid], base, vl, fl),
+            || self.find_rows_parallel(st, &keys[mid..], &at[mid..], base + split, vh, fh),
+        );
+        a + b
+    }
+
     /// Touches what a writer reads first in the buckets of its next keys
     /// (both halves of the digest line, and the line of the occupancy bits
     /// and mutex), so that their misses overlap.
@@ -866,6 +915,22 @@ impl Shard for CpuTable {
         });
         self.counters.lookups(acc.hits, n);
         Ok(acc.hits as usize)
+    }
+
+    fn find_at(&self, keys: &[u64], at: &[u32], values: &mut [f32], found: &mut [u8]) -> Result<usize> {
+        let n = keys.len();
+        check::keys(keys)?;
+        check::rows_at(&self.config, n, at, values.len(), found.len())?;
+        let _g = self.lock.acquire(Group::Reader);
+        self.counters.op(Op::Find, n);
+        let st = self.storage.read();
+        let hits = if n <= SEQUENTIAL_BATCH {
+            self.find_rows(&st, keys, at, 0, values, found)
+        } else {
+            self.find_rows_parallel(&st, keys, at, 0, values, found)
+        };
+        self.counters.lookups(hits, n);
+        Ok(hits as usize)
     }
 
     fn contains(&self, keys: &[u64], found: &mut [bool]) -> Result<usize> {

@@ -419,6 +419,46 @@ pub fn large_batches(make: Make) {
     }
 }
 
+/// find_at writes each key's row at its target row of a larger answer,
+/// sets found only for hits, leaves other rows alone, and refuses target
+/// rows that do not increase or fall outside the answer.
+pub fn find_at_fills_target_rows(make: Make) {
+    for (dim, n) in [(3, 100usize), (8, 20_000)] {
+        let t = make(TableConfig::new(1 << 16, dim));
+        let keys: Vec<u64> = (0..n as u64).map(|i| i * 2654435761 + 11).collect();
+        let v = vals(&keys, dim, 1.5);
+        t.insert_or_assign(&keys, &v, None, None).unwrap();
+        // Every third row of a 3n-row answer is ours; half the keys miss.
+        let rows = 3 * n;
+        let asked: Vec<u64> =
+            keys.iter().enumerate().map(|(i, &k)| if i % 2 == 0 { k } else { k ^ (1 << 62) }).collect();
+        let at: Vec<u32> = (0..n as u32).map(|i| 3 * i + 1).collect();
+        let mut out = vec![-1.0f32; rows * dim];
+        let mut found = vec![7u8; rows];
+        let (want, want_found, _) = find_all(&*t, &asked);
+        let hits = t.find_at(&asked, &at, &mut out, &mut found).unwrap();
+        assert_eq!(hits, want_found.iter().filter(|&&f| f).count());
+        for r in 0..rows {
+            let row = &out[r * dim..(r + 1) * dim];
+            if r % 3 == 1 && want_found[r / 3] {
+                let i = r / 3;
+                assert_eq!(found[r], 1, "row {r}");
+                assert_eq!(row, &want[i * dim..(i + 1) * dim], "row {r}");
+            } else {
+                assert_eq!(found[r], 7, "row {r}");
+                assert!(row.iter().all(|&x| x == -1.0), "row {r}");
+            }
+        }
+        let mut bad = at.clone();
+        bad.swap(0, 1);
+        assert!(t.find_at(&asked, &bad, &mut out, &mut found).is_err());
+        let mut past = at.clone();
+        *past.last_mut().unwrap() = rows as u32;
+        assert!(t.find_at(&asked, &past, &mut out, &mut found).is_err());
+        assert!(t.find_at(&asked, &at, &mut out[dim..], &mut found).is_err());
+    }
+}
+
 /// Stats count what happened.
 pub fn stats_count_operations(make: Make) {
     let t = make(TableConfig::new(1024, 1));
@@ -465,5 +505,6 @@ macro_rules! conformance_suite {
         #[test] $(#[$attr])? fn large_batches() { c::large_batches($make) }
         #[test] $(#[$attr])? fn stats_count_operations() { c::stats_count_operations($make) }
         #[test] $(#[$attr])? fn keys_in_one_bucket_compete() { c::keys_in_one_bucket_compete($make) }
+        #[test] $(#[$attr])? fn find_at_fills_target_rows() { c::find_at_fills_target_rows($make) }
     };
 }
