@@ -420,8 +420,9 @@ impl Router {
                 }
                 let split = Split::new(&keys, n_shards);
                 // Without scores the answers are written where they are sent
-                // from: by the shard itself when it holds every key, else
-                // placed into the frame from each shard's answer.
+                // from: by the shard itself when it holds every key; CPU
+                // shards each write their keys' rows in turn; CUDA shards'
+                // answers are placed into the frame.
                 if !scores && FindFrame::values_at(n).is_multiple_of(4) {
                     let mut frame = FindFrame::new(n, dim);
                     if values_of(&mut frame).is_some() {

@@ -545,8 +545,9 @@ fn filled(shards: &str, dim: usize, capacity: u64, stored: &[u64]) -> (Daemon, C
 #[test]
 fn find_answers_in_order_for_every_batch_length_and_shard_count() {
     // One shard writes a find straight into its response frame, several
-    // shards' answers are placed into it; lengths that leave the values
-    // unaligned in the frame and finds with scores take the general path.
+    // CPU shards write their rows into it in turn; lengths that leave the
+    // values unaligned in the frame and finds with scores take the general
+    // path.
     let dim = 3;
     let stored: Vec<u64> = (1..=2000).map(|k| k * 104_729).collect();
     for shards in ["1", "3"] {
