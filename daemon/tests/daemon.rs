@@ -123,6 +123,48 @@ fn one_shard_answers_in_request_order() {
     assert_eq!(got[6..], v[27..30]);
 }
 
+/// The async client against the real daemon: upsert, find in request
+/// order across shards, pipelined requests answered by id (in any order),
+/// and a refused request as an error.
+#[test]
+fn the_async_client_reads_and_writes() {
+    let d = Daemon::start(&[]);
+    d.client().create_table(spec("a", 4, 4096, "lru", "single")).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let mut c = hkv_client::AsyncClient::connect(&d.socket).await.unwrap();
+        let keys: Vec<u64> = (1..=1000).map(|k| k * 7919).collect();
+        let v = vals(&keys, 4, 0.5);
+        assert_eq!(c.insert_or_assign("a", &keys, &v).await.unwrap().inserted, 1000);
+        let mut probe = keys.clone();
+        probe.reverse();
+        probe.push(3);
+        let f = c.find("a", &probe).await.unwrap();
+        assert!(f.found[..1000].iter().all(|&x| x) && !f.found[1000]);
+        let mut want: Vec<f32> = v.chunks(4).rev().flatten().copied().collect();
+        want.extend([0.0; 4]);
+        assert_eq!(f.values, want);
+        let ids = [
+            c.send(&Request::Find { table: "a".into(), keys: vec![keys[0]], scores: false }).await.unwrap(),
+            c.send(&Request::Find { table: "a".into(), keys: vec![keys[1], 5], scores: false }).await.unwrap(),
+        ];
+        // Answers may come in any order; each carries its request's id.
+        let mut answers = HashMap::new();
+        for _ in 0..2 {
+            let (id, r) = c.recv().await.unwrap();
+            answers.insert(id, r);
+        }
+        for (i, id) in ids.into_iter().enumerate() {
+            let Some(Response::Find { found, values, .. }) = answers.remove(&id) else { panic!("answer {id}") };
+            assert_eq!(found.len(), i + 1);
+            assert_eq!(values[..4], v[4 * i..4 * i + 4]);
+        }
+        let err = c.find("missing", &[1]).await.unwrap_err();
+        assert!(err.to_string().contains("missing"), "{err}");
+        assert_eq!(c.find("a", &[keys[2]]).await.unwrap().values, v[8..12]);
+    });
+}
+
 #[test]
 fn sixteen_clients_pipelining_mixed_operations() {
     let d = Daemon::start(&[]);
