@@ -310,6 +310,24 @@ impl<'a> Outs<'a> {
     }
 }
 
+/// Rows of a [`Shard::find_at`] answer from row `base` on: `dim` values
+/// and one found byte each.
+struct Rows<'a> {
+    base: usize,
+    values: &'a mut [f32],
+    found: &'a mut [u8],
+}
+
+impl<'a> Rows<'a> {
+    /// The rows before answer row `row` and those from it on.
+    fn split(self, row: usize, dim: usize) -> (Rows<'a>, Rows<'a>) {
+        let at = row - self.base;
+        let (vl, vh) = self.values.split_at_mut(at * dim);
+        let (fl, fh) = self.found.split_at_mut(at);
+        (Rows { base: self.base, values: vl, found: fl }, Rows { base: row, values: vh, found: fh })
+    }
+}
+
 /// Runs `f` over `0..n`: in index order for small batches, else split in
 /// halves down to [`GRAIN`] keys and run on the rayon pool.
 fn run_batch<F>(n: usize, outs: Outs<'_>, dim: usize, f: &F) -> Acc
@@ -491,7 +509,8 @@ impl CpuTable {
         mut f: impl FnMut(usize, Option<(usize, usize)>),
     ) {
         let dual = self.dual();
-        let groups: Vec<&[u64]> = keys.chunks(PIPE).collect();
+        let ngroups = keys.len().div_ceil(PIPE);
+        let group = |g: usize| &keys[g * PIPE..((g + 1) * PIPE).min(keys.len())];
         // Per group in flight (three at a time, by group index mod 3): each
         // key's buckets and digest, and its first digest match.
         let mut loc = [[(0usize, 0usize, 0u8); PIPE]; 3];
@@ -500,12 +519,12 @@ impl CpuTable {
         // Stage 1 of group g: every key's buckets, then every digest line
         // (both 64-byte halves), the loads back to back.
         let stage1 = |g: usize, loc: &mut [(usize, usize, u8); PIPE], sink: &mut u64| {
-            for (i, &k) in groups[g].iter().enumerate() {
+            for (i, &k) in group(g).iter().enumerate() {
                 let (b1, d) = st.div.locate(k);
                 let b2 = if dual { st.div.bucket2(k, b1) as usize } else { b1 as usize };
                 loc[i] = (b1 as usize, b2, d);
             }
-            for &(b1, b2, _) in &loc[..groups[g].len()] {
+            for &(b1, b2, _) in &loc[..group(g).len()] {
                 let bk = &st.buckets[b1];
                 *sink = sink.wrapping_add(bk.digests[0].load(Relaxed) ^ bk.digests[S / 16].load(Relaxed));
                 if dual {
@@ -518,7 +537,7 @@ impl CpuTable {
         // lines were touched a group earlier), then the candidates' keys and
         // value rows (every 64-byte line), touched back to back.
         let stage2 = |g: usize, loc: &[(usize, usize, u8); PIPE], cand: &mut [usize; PIPE], sink: &mut u64| {
-            let n = groups[g].len();
+            let n = group(g).len();
             for (i, &(b1, _, d)) in loc[..n].iter().enumerate() {
                 cand[i] = st.buckets[b1].scan(d, Some).unwrap_or(usize::MAX);
             }
@@ -536,24 +555,24 @@ impl CpuTable {
         };
         // Group g's lookups run while group g + 1's rows and group g + 2's
         // digest lines are on their way.
-        for g in 0..groups.len().min(2) {
+        for g in 0..ngroups.min(2) {
             stage1(g, &mut loc[g % 3], &mut sink);
         }
-        if !groups.is_empty() {
+        if ngroups > 0 {
             stage2(0, &loc[0], &mut cand[0], &mut sink);
         }
-        for (g, group) in groups.iter().enumerate() {
-            if g + 2 < groups.len() {
+        for g in 0..ngroups {
+            if g + 2 < ngroups {
                 stage1(g + 2, &mut loc[(g + 2) % 3], &mut sink);
             }
-            if g + 1 < groups.len() {
+            if g + 1 < ngroups {
                 let (l, c) = (&loc[(g + 1) % 3], &mut cand[(g + 1) % 3]);
                 stage2(g + 1, l, c, &mut sink);
             }
             // Stage 3: the lookups proper, on lines already fetched; the
             // candidate is checked first (a hit needs no second scan).
             let (loc, cand) = (&loc[g % 3], &cand[g % 3]);
-            for (i, &k) in group.iter().enumerate() {
+            for (i, &k) in group(g).iter().enumerate() {
                 let (b1, b2, d) = loc[i];
                 let c = cand[i];
                 let hit = if c != usize::MAX && st.buckets[b1].key(c) == k {
@@ -571,18 +590,20 @@ impl CpuTable {
         black_box(sink);
     }
 
-    /// [`Shard::find_at`] on one thread: `values` and `found` hold the
-    /// answer's rows from row `base` on.
-    fn find_rows(
-        &self,
-        st: &Storage,
-        keys: &[u64],
-        at: &[u32],
-        base: usize,
-        values: &mut [f32],
-        found: &mut [u8],
-    ) -> u64 {
-        let dim = st.dim;
+    /// [`Shard::find_at`] into `rows`: batches of up to `grain` keys on
+    /// this thread, larger ones halved on the rayon pool (as `at`
+    /// increases, the two halves write disjoint row ranges).
+    fn find_rows(&self, st: &Storage, keys: &[u64], at: &[u32], rows: Rows<'_>, grain: usize) -> u64 {
+        if keys.len() > grain {
+            let mid = keys.len() / 2;
+            let (lo, hi) = rows.split(at[mid] as usize, st.dim);
+            let (a, b) = rayon::join(
+                || self.find_rows(st, &keys[..mid], &at[..mid], lo, grain),
+                || self.find_rows(st, &keys[mid..], &at[mid..], hi, grain),
+            );
+            return a + b;
+        }
+        let (dim, Rows { base, values, found }) = (st.dim, rows);
         let mut hits = 0;
         self.lookup_pipelined(st, keys, true, |j, hit| {
             if let Some((b, s)) = hit {
@@ -595,31 +616,6 @@ impl CpuTable {
         hits
     }
 
-    /// [`CpuTable::find_rows`] on the rayon pool: as `at` increases, the
-    /// two halves of the batch write disjoint row ranges of the answer.
-    fn find_rows_parallel(
-        &self,
-        st: &Storage,
-        keys: &[u64],
-        at: &[u32],
-        base: usize,
-        values: &mut [f32],
-        found: &mut [u8],
-    ) -> u64 {
-        if keys.len() <= GRAIN {
-            return self.find_rows(st, keys, at, base, values, found);
-        }
-        let mid = keys.len() / 2;
-        let split = at[mid] as usize - base;
-        let (vl, vh) = values.split_at_mut(split * st.dim);
-        let (fl, fh) = found.split_at_mut(split);
-        let (a, b) = rayon::join(
-            || self.find_rows_parallel(st, &keys[..mid], &at[..mid], base, vl, fl),
-            || self.find_rows_parallel(st, &keys[mid..], &at[mid..], base + split, vh, fh),
-        );
-        a + b
-    }
-
     /// Touches what a writer reads first in the buckets of its next keys
     /// (both halves of the digest line, and the line of the occupancy bits
     /// and mutex), so that their misses overlap.
@@ -629,7 +625,7 @@ impl CpuTable {
         for &k in keys {
             let (b1, _) = st.div.locate(k);
             let bk = &st.buckets[b1 as usize];
-            sink = sink.wrapping_add(bk.digests[0].load(Relaxed) ^ bk.digests[8].load(Relaxed));
+            sink = sink.wrapping_add(bk.digests[0].load(Relaxed) ^ bk.digests[S / 16].load(Relaxed));
             sink = sink.wrapping_add(bk.occupied[0].load(Relaxed));
         }
         black_box(sink);
@@ -924,11 +920,9 @@ impl Shard for CpuTable {
         let _g = self.lock.acquire(Group::Reader);
         self.counters.op(Op::Find, n);
         let st = self.storage.read();
-        let hits = if n <= SEQUENTIAL_BATCH {
-            self.find_rows(&st, keys, at, 0, values, found)
-        } else {
-            self.find_rows_parallel(&st, keys, at, 0, values, found)
-        };
+        // As run_batch: small batches in one piece, larger ones in GRAIN-key tasks.
+        let grain = if n <= SEQUENTIAL_BATCH { n } else { GRAIN };
+        let hits = self.find_rows(&st, keys, at, Rows { base: 0, values, found }, grain);
         self.counters.lookups(hits, n);
         Ok(hits as usize)
     }

@@ -444,7 +444,7 @@ mod cuda_bench {
             };
             let slots = slots.min(self.t.capacity() - offset) as usize;
             if self.xb.as_ref().is_none_or(|b| b.n < slots) {
-                self.xb = None;
+                self.xb = None; // the old buffers go before the larger ones come
                 self.xb = Some(self.t.device_batch(slots)?);
             }
             let b = self.xb.as_mut().expect("export batch");
@@ -454,9 +454,16 @@ mod cuda_bench {
         /// The export figure (B-KV/s, median) from the first host-tier slot
         /// of a hybrid table, credited as the main figure.
         fn export_host_tier(&mut self, op: &str, lambda: f64, first_host_slot: u64) -> Result<f64> {
+            let slots = export_slots(self.n, lambda);
+            self.rate(|c| c.export(op, slots, first_host_slot))
+        }
+
+        /// B-KV/s of a batch of `n` keys from the median of `runs` timed
+        /// calls of `once` (ms each) after one warm-up call.
+        fn rate(&mut self, mut once: impl FnMut(&mut Self) -> Result<f64>) -> Result<f64> {
             let mut ms = vec![];
             for run in 0..=self.runs {
-                let t = self.export(op, export_slots(self.n, lambda), first_host_slot)?;
+                let t = once(self)?;
                 if run > 0 {
                     ms.push(t);
                 }
@@ -496,55 +503,52 @@ mod cuda_bench {
 
         /// Median B-KV/s of `runs` timed calls after one warm-up.
         fn measure(&mut self, op: &str, lambda: f64) -> Result<f64> {
+            self.rate(|c| c.once(op, lambda))
+        }
+
+        /// One timed call of `op` at `lambda` (ms).
+        fn once(&mut self, op: &str, lambda: f64) -> Result<f64> {
             let n = self.n;
-            let mut ms = vec![];
-            for run in 0..=self.runs {
-                let t = match op {
-                    "find" | "find*" | "contains" => {
-                        let k = self.existing();
-                        self.upload_keys(&k)?;
-                        let d = match op {
-                            "find" => DeviceOp::Find,
-                            "find*" => DeviceOp::FindPtr,
-                            _ => DeviceOp::Contains,
-                        };
-                        self.run(d, n)?
-                    }
-                    "assign" => {
-                        let k = self.existing();
-                        self.upload_keys(&k)?;
-                        self.upload_values(1.5)?;
-                        self.run(DeviceOp::Assign, n)?
-                    }
-                    "insert_or_assign" | "insert_and_evict" => {
-                        let k = self.gen.take(n);
-                        self.upload_keys(&k)?;
-                        self.upload_values(2.5)?;
-                        let d =
-                            if op == "insert_or_assign" { DeviceOp::InsertOrAssign } else { DeviceOp::InsertAndEvict };
-                        let t = self.run(d, n)?;
-                        self.restore(&k, lambda)?;
-                        t
-                    }
-                    "find_or_insert" | "find_or_insert*" => {
-                        let mut k = self.existing();
-                        let new = self.gen.take(n / 2);
-                        k[..n / 2].copy_from_slice(&new);
-                        self.upload_keys(&k)?;
-                        self.upload_values(3.5)?;
-                        let d = if op == "find_or_insert" { DeviceOp::FindOrInsert } else { DeviceOp::FindOrInsertPtr };
-                        let t = self.run(d, n)?;
-                        self.restore(&new, lambda)?;
-                        t
-                    }
-                    "export_batch" | "export_batch_if" => self.export(op, export_slots(n, lambda), 0)?,
-                    _ => bail!("unknown op {op}"),
-                };
-                if run > 0 {
-                    ms.push(t);
+            Ok(match op {
+                "find" | "find*" | "contains" => {
+                    let k = self.existing();
+                    self.upload_keys(&k)?;
+                    let d = match op {
+                        "find" => DeviceOp::Find,
+                        "find*" => DeviceOp::FindPtr,
+                        _ => DeviceOp::Contains,
+                    };
+                    self.run(d, n)?
                 }
-            }
-            Ok(n as f64 / (median(ms) / 1e3) / 1e9)
+                "assign" => {
+                    let k = self.existing();
+                    self.upload_keys(&k)?;
+                    self.upload_values(1.5)?;
+                    self.run(DeviceOp::Assign, n)?
+                }
+                "insert_or_assign" | "insert_and_evict" => {
+                    let k = self.gen.take(n);
+                    self.upload_keys(&k)?;
+                    self.upload_values(2.5)?;
+                    let d = if op == "insert_or_assign" { DeviceOp::InsertOrAssign } else { DeviceOp::InsertAndEvict };
+                    let t = self.run(d, n)?;
+                    self.restore(&k, lambda)?;
+                    t
+                }
+                "find_or_insert" | "find_or_insert*" => {
+                    let mut k = self.existing();
+                    let new = self.gen.take(n / 2);
+                    k[..n / 2].copy_from_slice(&new);
+                    self.upload_keys(&k)?;
+                    self.upload_values(3.5)?;
+                    let d = if op == "find_or_insert" { DeviceOp::FindOrInsert } else { DeviceOp::FindOrInsertPtr };
+                    let t = self.run(d, n)?;
+                    self.restore(&new, lambda)?;
+                    t
+                }
+                "export_batch" | "export_batch_if" => self.export(op, export_slots(n, lambda), 0)?,
+                _ => bail!("unknown op {op}"),
+            })
         }
     }
 
