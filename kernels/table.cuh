@@ -146,6 +146,12 @@ __device__ __forceinline__ u64 hkv_on_upsert(const HkvScoring& s, u64 old, bool 
     }
 }
 
+// Whether a present key's new score (hkv_on_upsert, or hkv_on_update when
+// `update`) depends on its old one; when not, the old score is not read.
+__device__ __forceinline__ bool hkv_needs_old(const HkvScoring& s, bool has, bool update) {
+    return s.policy == HKV_LFU || s.policy == HKV_EPOCH_LFU || (update && !has && s.policy == HKV_CUSTOM);
+}
+
 __device__ __forceinline__ u64 hkv_on_update(const HkvScoring& s, u64 old, bool has, u64 input) {
     if (!has && (s.policy == HKV_LFU || s.policy == HKV_EPOCH_LFU || s.policy == HKV_CUSTOM)) return old;
     return hkv_on_upsert(s, old, has, input);
@@ -342,12 +348,19 @@ __device__ __forceinline__ void hkv_min_slot(const HkvTable& t, const HkvGroup<G
     *score = bv;
 }
 
-// Writer locks: the group's first thread spins with an acquire CAS; the
-// release store that unlocks publishes the group's writes (ordered before it
-// by the group's __syncwarp). Lower bucket index first.
+// Writer locks: a lock word per bucket, lower bucket index first. The
+// group's first thread spins with an acquire CAS; the release store that
+// unlocks publishes the group's writes (ordered before it by the group's
+// __syncwarp).
 __device__ __forceinline__ int hkv_cas_acquire(int* p) {
     int old;
     asm volatile("atom.acquire.gpu.global.cas.b32 %0, [%1], 0, 1;" : "=r"(old) : "l"(p) : "memory");
+    return old;
+}
+
+__device__ __forceinline__ int hkv_cas_relaxed(int* p) {
+    int old;
+    asm volatile("atom.relaxed.gpu.global.cas.b32 %0, [%1], 0, 1;" : "=r"(old) : "l"(p) : "memory");
     return old;
 }
 
@@ -377,17 +390,18 @@ __device__ __forceinline__ void hkv_unlock2(const HkvTable& t, const HkvGroup<G>
 
 // Updaters: no key or digest changes while an updater batch runs (the
 // updater group excludes inserters), so their slot lookup needs no lock.
-// hkv_lock2_start issues the first attempt on the lower bucket's lock as a
-// relaxed CAS and returns without waiting for it, so that its round trip
-// overlaps the lookup; hkv_lock2_wait completes the locking and then makes
-// it an acquire with fence.acq_rel (the PTX acquire pattern: a strong read
-// followed by the fence). Unlock with hkv_unlock2.
-__device__ __forceinline__ int hkv_cas_relaxed(int* p) {
-    int old;
-    asm volatile("atom.relaxed.gpu.global.cas.b32 %0, [%1], 0, 1;" : "=r"(old) : "l"(p) : "memory");
-    return old;
-}
-
+// hkv_lock2_start issues the first attempt on the lower bucket's lock and
+// returns without waiting for it, so that its round trip overlaps the
+// lookup; hkv_lock2_wait completes the locking. Unlock with hkv_unlock2.
+// The CAS is relaxed and no acquire fence follows it: under the lock an
+// updater writes a row and a score and reads only a score and (accumulate)
+// the row, both from L2 (ld.cg), the device's point of coherence; each of
+// these accesses is issued after the CAS has returned (they depend on its
+// result, and the asm's memory clobber keeps the compiler from moving
+// them); the previous holder's writes were performed in L2 before its
+// release store, which the CAS saw. So the holder reads and overwrites the
+// latest values. The fence cost a gpu-scope round trip per key: assign ran
+// 3-7 % faster at dim 64 without it (H200, shard/BENCHMARKS.md).
 template <int G>
 __device__ __forceinline__ int hkv_lock2_start(const HkvTable& t, const HkvGroup<G>& g, u64 b1, u64 b2) {
     return g.rank == 0 ? hkv_cas_relaxed(t.locks + (b1 < b2 ? b1 : b2)) : 0;
@@ -401,7 +415,6 @@ __device__ __forceinline__ void hkv_lock2_wait(const HkvTable& t, const HkvGroup
         for (int old = first; old != 0; old = hkv_cas_relaxed(t.locks + lo)) __nanosleep(32);
         if (hi != lo)
             while (hkv_cas_relaxed(t.locks + hi) != 0) __nanosleep(32);
-        asm volatile("fence.acq_rel.gpu;" ::: "memory");
     }
     g.sync();
 }

@@ -44,7 +44,7 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
     if (s >= 0) {
         u64 pos = b * 128 + s;
         float* row = hkv_row(t, pos);
-        u64 old = __ldcg(t.scores + pos);
+        u64 old = !sc.verbatim && hkv_needs_old(sc, has, false) ? __ldcg(t.scores + pos) : 0;
         u64 ns = sc.verbatim ? in : hkv_on_upsert(sc, old, has, in);
         if (mode == HKV_UP_INSERT) hkv_copy_row<G, false>(row, vin, t.dim, g.rank);
         else if (mode == HKV_UP_FIND_OR_INSERT) hkv_copy_row<G, true>(vin, row, t.dim, g.rank);
