@@ -194,8 +194,13 @@ pub fn execute(t: &dyn Shard, op: SubOp) -> Result<SubResult, hkv_shard::Error> 
             let mut found = vec![false; keys.len()];
             let (flags, values) = values_of(&mut frame).expect("aligned: checked by the router");
             t.find(&keys, values, &mut found, None)?;
-            for (b, &f) in flags.iter_mut().zip(&found) {
+            // The frame's buffer may hold an earlier answer: misses get zeros.
+            let dim = t.config().dim;
+            for ((b, &f), row) in flags.iter_mut().zip(&found).zip(values.chunks_exact_mut(dim)) {
                 *b = u8::from(f);
+                if !f {
+                    row.fill(0.0);
+                }
             }
             SubResult::Frame(frame)
         }

@@ -13,7 +13,7 @@ use hkv_proto::{
 };
 use hkv_shard::hash::shard_of;
 use hkv_shard::{Backend, BucketMode, Error as ShardError, Filter, Outcome, ScorePolicy, Shard, TableConfig};
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 
 use crate::actor::{values_of, Call, Create, ShardActor, SubOp, SubResult};
 use crate::features::Hasher;
@@ -35,6 +35,59 @@ pub struct Router {
     tables: RwLock<HashMap<String, Arc<Table>>>,
     /// Feature hashing (GPU when present).
     pub hasher: Arc<Hasher>,
+    /// Sent frames given back for find answers to reuse.
+    pub frames: Frames,
+}
+
+/// Frames given back once sent, whose memory find answers reuse instead of
+/// zeroing a fresh allocation each time (a find of 64 Ki keys of dim 32
+/// answers 8.4 MB). Keeps at most [`Frames::KEEP`] buffers of
+/// [`Frames::MIN`] to [`Frames::MAX`] bytes; smaller answers are cheap to
+/// zero, larger ones are not kept idle.
+#[derive(Default)]
+pub struct Frames {
+    pool: Mutex<Vec<Vec<u8>>>,
+}
+
+impl Frames {
+    /// Buffers kept.
+    pub const KEEP: usize = 4;
+    /// Smallest buffer kept (bytes).
+    pub const MIN: usize = 1 << 20;
+    /// Largest buffer kept (bytes).
+    pub const MAX: usize = 64 << 20;
+
+    /// Gives a sent frame back.
+    pub fn put(&self, frame: Vec<u8>) {
+        if (Self::MIN..=Self::MAX).contains(&frame.capacity()) {
+            let mut p = self.pool.lock();
+            if p.len() < Self::KEEP {
+                p.push(frame);
+            }
+        }
+    }
+
+    /// The frame of a find of `n` keys of `dim` floats: a kept buffer where
+    /// one is large enough (the smallest such; its found bytes and values
+    /// are stale, and the shards write every one of them), else zeroed.
+    fn find_frame(&self, n: usize, dim: usize) -> FindFrame {
+        let len = FindFrame::values_at(n) + n * dim * 4;
+        if len >= Self::MIN {
+            let mut p = self.pool.lock();
+            let fit = p.iter().enumerate().filter(|(_, b)| b.capacity() >= len).min_by_key(|(_, b)| b.capacity());
+            if let Some(i) = fit.map(|(i, _)| i) {
+                let buf = p.swap_remove(i);
+                drop(p);
+                return FindFrame::reuse(buf, n, dim);
+            }
+        }
+        FindFrame::new(n, dim)
+    }
+
+    /// Buffers kept now.
+    pub fn kept(&self) -> usize {
+        self.pool.lock().len()
+    }
 }
 
 /// The largest frame body the protocol can carry (`Header::body_len`).
@@ -184,7 +237,7 @@ impl Router {
     /// batches are hashed on GPU `hash_gpu` when given.
     pub fn new(actors: Vec<Addr<ShardActor>>, backend: Backend, hash_gpu: Option<usize>) -> Router {
         let hasher = Arc::new(Hasher::new(hash_gpu));
-        Router { actors, backend, tables: RwLock::new(HashMap::new()), hasher }
+        Router { actors, backend, tables: RwLock::new(HashMap::new()), hasher, frames: Frames::default() }
     }
 
     /// Shards per table.
@@ -424,7 +477,7 @@ impl Router {
                 // shards each write their keys' rows in turn; CUDA shards'
                 // answers are placed into the frame.
                 if !scores && FindFrame::values_at(n).is_multiple_of(4) {
-                    let mut frame = FindFrame::new(n, dim);
+                    let mut frame = self.frames.find_frame(n, dim);
                     if values_of(&mut frame).is_some() {
                         return self.find_framed(&t, split, keys, frame).await;
                     }
@@ -659,5 +712,32 @@ mod tests {
         let mut bad = TableSpec::new("t", 8, 1000);
         bad.policy = "fifo".into();
         assert!(shard_config(&bad, 1).unwrap_err().message.contains("fifo"));
+    }
+
+    #[test]
+    fn frames_are_reused_without_zeroing_and_bounded() {
+        let f = Frames::default();
+        f.put(vec![0xAB; 2 << 20]);
+        f.put(vec![0xCD; 1000]); // too small to keep
+        f.put(vec![0xEF; 65 << 20]); // too large to keep
+        assert_eq!(f.kept(), 1);
+        // 10 000 keys of dim 32: 1.29 MB, reuses the 2 MiB buffer as it is.
+        let mut frame = f.find_frame(10_000, 32);
+        assert_eq!(f.kept(), 0);
+        let (found, values) = frame.parts_mut();
+        assert_eq!(found.len(), 10_000);
+        assert_eq!(values.len(), 10_000 * 32 * 4);
+        assert!(found.iter().chain(values.iter()).all(|&b| b == 0xAB), "stale bytes: the shards overwrite them");
+        // No buffer kept: a zeroed frame.
+        let mut fresh = f.find_frame(10_000, 32);
+        assert!(fresh.parts_mut().1.iter().all(|&b| b == 0));
+        for _ in 0..2 * Frames::KEEP {
+            f.put(vec![0; 1 << 20]);
+        }
+        assert_eq!(f.kept(), Frames::KEEP);
+        // A request larger than every kept buffer gets a fresh one.
+        let mut big = f.find_frame(20_000, 32);
+        assert!(big.parts_mut().1.iter().all(|&b| b == 0));
+        assert_eq!(f.kept(), Frames::KEEP);
     }
 }

@@ -184,17 +184,20 @@ async fn connection(state: Arc<State>, stream: UnixStream) {
     };
     let (rd, wr) = stream.into_split();
     let (tx, mut rx) = mpsc::channel::<Vec<u8>>(256);
+    let sent = state.clone();
     let writer = tokio::spawn(async move {
         let mut w = BufWriter::with_capacity(1 << 16, wr);
         while let Some(f) = rx.recv().await {
             if w.write_all(&f).await.is_err() {
                 return;
             }
+            sent.router.frames.put(f);
             // Flush when nothing else is queued, so answers never linger.
             while let Ok(f) = rx.try_recv() {
                 if w.write_all(&f).await.is_err() {
                     return;
                 }
+                sent.router.frames.put(f);
             }
             if w.flush().await.is_err() {
                 return;

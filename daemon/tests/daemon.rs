@@ -165,6 +165,41 @@ fn the_async_client_reads_and_writes() {
     });
 }
 
+/// Find answers of 1 MiB and more are written into the memory of frames
+/// sent before (`router::Frames`), without zeroing it first: a miss must
+/// still read zeros and `false`, never a row of an earlier answer. One
+/// shard (the shard fills the frame whole) and two (each fills its rows).
+#[test]
+fn reused_find_frames_answer_misses_with_zeros() {
+    for shards in ["1", "2"] {
+        let d = Daemon::start(&["--shards", shards]);
+        let mut c = d.client();
+        c.create_table(spec("r", 32, 1 << 15, "lru", "single")).unwrap();
+        let keys: Vec<u64> = (1..=10_000).map(|k| k * 7919).collect();
+        let v = vals(&keys, 32, 0.5);
+        c.insert_or_assign("r", &keys, &v, None).unwrap();
+        // Every odd key of the second probe is absent.
+        let probe: Vec<u64> = keys.iter().enumerate().map(|(i, &k)| if i % 2 == 1 { k + 1 } else { k }).collect();
+        for round in 0..4 {
+            let f = c.find("r", &keys).unwrap();
+            assert!(f.found.iter().all(|&x| x), "round {round}");
+            assert_eq!(f.values, v);
+            // Time for the writer to give the frame back.
+            std::thread::sleep(Duration::from_millis(50));
+            let f = c.find("r", &probe).unwrap();
+            for (i, row) in f.values.chunks(32).enumerate() {
+                if i % 2 == 1 {
+                    assert!(!f.found[i] && row.iter().all(|&x| x == 0.0), "{shards} shards, round {round}, key {i}");
+                } else {
+                    assert!(f.found[i], "{shards} shards, round {round}, key {i}");
+                    assert_eq!(row, &v[i * 32..(i + 1) * 32]);
+                }
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
 #[test]
 fn sixteen_clients_pipelining_mixed_operations() {
     let d = Daemon::start(&[]);

@@ -883,7 +883,9 @@ pub enum Response {
 /// A find response laid out in one frame before the table answers, so
 /// that the answers are written where they are sent from: header space, a
 /// `u32` count and one found byte per key, a `u32` count and `dim` f32 per
-/// key (no scores). Every byte starts at zero: a miss reads 0.0.
+/// key (no scores). From [`FindFrame::new`] every byte starts at zero; from
+/// [`FindFrame::reuse`] the found bytes and values hold what the buffer
+/// held, and whoever fills the frame writes every one of them.
 #[derive(Debug)]
 pub struct FindFrame {
     frame: Vec<u8>,
@@ -898,6 +900,24 @@ impl FindFrame {
         frame[HEADER_LEN..HEADER_LEN + 4].copy_from_slice(&(n as u32).to_le_bytes());
         frame[values - 4..values].copy_from_slice(&((n * dim) as u32).to_le_bytes());
         FindFrame { frame, n }
+    }
+
+    /// The frame for `n` keys of `dim` floats in the memory of `buf`, an
+    /// earlier frame, without zeroing it: the found bytes and values keep
+    /// whatever `buf` held up to its length (the rest is zero), so the
+    /// caller must write every one of them before the frame is sent.
+    pub fn reuse(mut buf: Vec<u8>, n: usize, dim: usize) -> FindFrame {
+        let values = FindFrame::values_at(n);
+        let len = values + n * dim * 4;
+        if buf.len() >= len {
+            buf.truncate(len);
+        } else {
+            buf.resize(len, 0);
+        }
+        buf[..HEADER_LEN].fill(0);
+        buf[HEADER_LEN..HEADER_LEN + 4].copy_from_slice(&(n as u32).to_le_bytes());
+        buf[values - 4..values].copy_from_slice(&((n * dim) as u32).to_le_bytes());
+        FindFrame { frame: buf, n }
     }
 
     /// Where the values of `n` keys start in the frame.

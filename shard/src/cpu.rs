@@ -606,11 +606,15 @@ impl CpuTable {
         let (dim, Rows { base, values, found }) = (st.dim, rows);
         let mut hits = 0;
         self.lookup_pipelined(st, keys, true, |j, hit| {
+            let r = at[j] as usize - base;
+            let row = &mut values[r * dim..(r + 1) * dim];
             if let Some((b, s)) = hit {
-                let r = at[j] as usize - base;
-                st.read_row(b, s, &mut values[r * dim..(r + 1) * dim]);
+                st.read_row(b, s, row);
                 found[r] = 1;
                 hits += 1;
+            } else {
+                row.fill(0.0);
+                found[r] = 0;
             }
         });
         hits

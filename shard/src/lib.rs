@@ -390,11 +390,13 @@ pub trait Shard: Send + Sync {
     /// caller's values untouched. Returns the number of hits. Reader group.
     fn find(&self, keys: &[u64], values: &mut [f32], found: &mut [bool], scores: Option<&mut [u64]>) -> Result<usize>;
     /// find into rows of a larger answer: key `i`'s values go to row
-    /// `at[i]` of `values` (`dim` floats a row) and a hit sets `found[at[i]]`
-    /// to 1; other rows are left as they are. `at` must be strictly
-    /// increasing and below `found.len()`, and `values` must hold
-    /// `found.len()` rows. For answers that several shards fill in turn
-    /// (the daemon's response frame). Returns the number of hits.
+    /// `at[i]` of `values` (`dim` floats a row) and `found[at[i]]` becomes 1;
+    /// a miss writes a row of zeros and `found[at[i]] = 0`, so every target
+    /// row is written (the answer's buffer may hold an earlier answer);
+    /// other rows are left as they are. `at` must be strictly increasing and
+    /// below `found.len()`, and `values` must hold `found.len()` rows. For
+    /// answers that several shards fill in turn (the daemon's response
+    /// frame). Returns the number of hits.
     fn find_at(&self, keys: &[u64], at: &[u32], values: &mut [f32], found: &mut [u8]) -> Result<usize> {
         check::rows_at(self.config(), keys.len(), at, values.len(), found.len())?;
         let dim = self.config().dim;
@@ -402,11 +404,9 @@ pub trait Shard: Send + Sync {
         let mut f = vec![false; keys.len()];
         let hits = self.find(keys, &mut v, &mut f, None)?;
         for (i, &r) in at.iter().enumerate() {
-            if f[i] {
-                let r = r as usize;
-                values[r * dim..(r + 1) * dim].copy_from_slice(&v[i * dim..(i + 1) * dim]);
-                found[r] = 1;
-            }
+            let r = r as usize;
+            values[r * dim..(r + 1) * dim].copy_from_slice(&v[i * dim..(i + 1) * dim]);
+            found[r] = u8::from(f[i]);
         }
         Ok(hits)
     }

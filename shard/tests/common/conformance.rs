@@ -444,6 +444,10 @@ pub fn find_at_fills_target_rows(make: Make) {
                 let i = r / 3;
                 assert_eq!(found[r], 1, "row {r}");
                 assert_eq!(row, &want[i * dim..(i + 1) * dim], "row {r}");
+            } else if r % 3 == 1 {
+                // A miss writes its row too: zeros, found 0.
+                assert_eq!(found[r], 0, "row {r}");
+                assert!(row.iter().all(|&x| x == 0.0), "row {r}");
             } else {
                 assert_eq!(found[r], 7, "row {r}");
                 assert!(row.iter().all(|&x| x == -1.0), "row {r}");
