@@ -34,6 +34,8 @@ use crate::{
 };
 
 const S: usize = BUCKET_SLOTS;
+/// f32 per 64-byte cache line.
+const LINE_FLOATS: usize = 16;
 /// Keys per parallel task once a batch is split.
 const GRAIN: usize = 2048;
 /// Keys whose memory accesses are overlapped by the lookup pipeline.
@@ -187,8 +189,14 @@ impl Bucket {
 
 struct Storage {
     buckets: Vec<Bucket>,
-    /// `nbuckets * 128 * dim` floats (as bits), addressed by position.
+    /// `nbuckets * 128 * dim` floats (as bits), addressed by position,
+    /// from element `skew` on.
     values: Vec<AtomicU32>,
+    /// The first element of row 0, at a 64-byte boundary of `values`: a
+    /// row of 16 or 32 floats then spans one or two cache lines, not two
+    /// or three (large allocations start 16 bytes past a page boundary),
+    /// and the lookup pipeline's touches reach every line of it.
+    skew: usize,
     nbuckets: u64,
     /// `nbuckets` with its reciprocal, for the bucket of a key.
     div: Buckets,
@@ -198,9 +206,12 @@ struct Storage {
 impl Storage {
     fn new(nbuckets: u64, dim: usize) -> Storage {
         let n = nbuckets as usize;
+        let values: Vec<AtomicU32> = (0..n * S * dim + LINE_FLOATS - 1).map(|_| AtomicU32::new(0)).collect();
+        let skew = (values.as_ptr() as usize).wrapping_neg() % 64 / 4;
         Storage {
             buckets: (0..n).map(|_| Bucket::new()).collect(),
-            values: (0..n * S * dim).map(|_| AtomicU32::new(0)).collect(),
+            values,
+            skew,
             nbuckets,
             div: Buckets::new(nbuckets),
             dim,
@@ -209,7 +220,7 @@ impl Storage {
 
     #[inline]
     fn row(&self, b: usize, s: usize) -> &[AtomicU32] {
-        let o = (b * S + s) * self.dim;
+        let o = self.skew + (b * S + s) * self.dim;
         &self.values[o..o + self.dim]
     }
 
@@ -546,7 +557,8 @@ impl CpuTable {
                 if s != usize::MAX {
                     *sink = sink.wrapping_add(st.buckets[b1].keys[s].load(Relaxed));
                     if rows {
-                        for line in st.row(b1, s).iter().step_by(16) {
+                        let row = st.row(b1, s);
+                        for line in row.iter().step_by(LINE_FLOATS).chain(row.last()) {
                             *sink = sink.wrapping_add(line.load(Relaxed) as u64);
                         }
                     }
@@ -1267,5 +1279,26 @@ impl CpuTable {
             bk.each(|s| out.push((b as u64, s, bk.key(s), bk.digest(s), bk.score(s))));
         }
         (st.nbuckets, out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Storage;
+
+    /// Rows of 16 and 32 floats start on 64-byte boundaries, whatever the
+    /// allocation's own alignment, and every position maps inside `values`.
+    #[test]
+    fn rows_start_on_cache_lines() {
+        for dim in [16, 32] {
+            for nbuckets in [1, 3, 64] {
+                let st = Storage::new(nbuckets, dim);
+                for (b, s) in [(0, 0), (0, 1), (nbuckets as usize - 1, 127)] {
+                    let row = st.row(b, s);
+                    assert_eq!(row.as_ptr() as usize % 64, 0, "dim {dim}, bucket {b}, slot {s}");
+                    assert_eq!(row.len(), dim);
+                }
+            }
+        }
     }
 }
