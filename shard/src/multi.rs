@@ -981,6 +981,53 @@ impl GpuGroup {
         self.nodes.lock()[r].stream.clone()
     }
 
+    /// The link between the group's GPUs: every GPU copies `bytes` to the
+    /// next (GPU 0 to 1 and 1 to 0 on a pair; to itself alone) at once,
+    /// on the copy engines, `runs` times after a warm-up. Returns the
+    /// median milliseconds of one such round; the bytes that arrived are
+    /// checked after the last one.
+    pub fn link(&self, bytes: usize, runs: usize) -> Result<f64> {
+        let k = self.ordinals.len();
+        let streams: Vec<_> = (0..k).map(|r| self.stream(r)).collect();
+        let a = |what| dev_err(what);
+        let mut bufs = vec![];
+        for (r, s) in streams.iter().enumerate() {
+            let pattern: Vec<u8> = (0..bytes).map(|i| (i * 7 + r * 13) as u8).collect();
+            let src = s.clone_htod(&pattern).map_err(a("allocating link buffers"))?;
+            let dst = s.alloc_zeros::<u8>(bytes).map_err(a("allocating link buffers"))?;
+            bufs.push((src, dst));
+        }
+        let mut ms = vec![];
+        for run in 0..=runs {
+            let t0 = Instant::now();
+            for r in 0..k {
+                let (to, s) = ((r + 1) % k, &streams[r]);
+                let (src, dst) = (ptr(&bufs[r].0, s), ptr(&bufs[to].1, &streams[to]));
+                let (sc, dc) = (s.context().cu_ctx(), streams[to].context().cu_ctx());
+                // SAFETY: both buffers hold `bytes`, were allocated on the
+                // contexts named, and live until the streams are
+                // synchronised below.
+                unsafe { cudarc::driver::result::memcpy_peer_async(dc, dst, sc, src, bytes, s.cu_stream()) }
+                    .map_err(a("copying between GPUs"))?;
+            }
+            for s in &streams {
+                s.synchronize().map_err(a("waiting for the copies"))?;
+            }
+            if run > 0 {
+                ms.push(t0.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        for (to, (_, dst)) in bufs.iter().enumerate() {
+            let from = (to + k - 1) % k;
+            let got = streams[to].clone_dtoh(dst).map_err(a("reading link buffers"))?;
+            if got.iter().enumerate().any(|(i, &b)| b != (i * 7 + from * 13) as u8) {
+                return Err(Error::Device(format!("the copy from GPU {from} to GPU {to} arrived changed")));
+            }
+        }
+        ms.sort_by(|x, y| x.total_cmp(y));
+        Ok(ms.get(ms.len() / 2).copied().unwrap_or(0.0))
+    }
+
     /// Hashes raw `features` on GPU `r` (as
     /// [`crate::features::hash_features_cpu`]) into the first keys of
     /// `b.keys`, where they stay for [`GpuGroup::run`]: the keys of a

@@ -206,6 +206,16 @@ fn group_operations_equal_the_cpu_backend_on_every_route() {
     }
 }
 
+/// The link measurement copies between every GPU and the next (to itself
+/// on one GPU) and checks what arrived.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn the_link_measurement_moves_the_bytes() {
+    let g = GpuGroup::new(config(BucketMode::Single), &gpus()).unwrap();
+    let ms = g.link(3 << 20, 3).unwrap();
+    assert!(ms > 0.0 && ms.is_finite(), "{ms} ms");
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn resharding_keeps_every_entry() {

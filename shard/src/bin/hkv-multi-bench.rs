@@ -14,7 +14,6 @@
 
 use anyhow::{bail, Result};
 use clap::Parser;
-use cudarc::driver::DevicePtr;
 use hkv_shard::cuda_table::DeviceOp;
 use hkv_shard::multi::{GpuGroup, Local, RankBatch, Route};
 use hkv_shard::{ScorePolicy, TableConfig};
@@ -89,34 +88,10 @@ fn load_keys(g: &GpuGroup, b: &mut [RankBatch], n: usize, first: u64, stride: u6
     Ok(())
 }
 
-/// Times copy-engine transfers of `bytes` from every GPU to the next at
-/// once (GPU 0 to 1 and 1 to 0 on a pair), median of `runs`: the link's
-/// rate for the rows a find moves each way.
+/// Prints the link's rate for the rows a find moves each way
+/// ([`GpuGroup::link`]).
 fn link(g: &GpuGroup, bytes: usize, runs: usize) -> Result<()> {
-    let k = g.ordinals().len();
-    let streams: Vec<_> = (0..k).map(|r| g.stream(r)).collect();
-    let bufs: Vec<(cudarc::driver::CudaSlice<u8>, cudarc::driver::CudaSlice<u8>)> =
-        streams.iter().map(|s| Ok((s.alloc_zeros(bytes)?, s.alloc_zeros(bytes)?))).collect::<Result<_>>()?;
-    let mut ms = vec![];
-    for run in 0..=runs {
-        let t0 = std::time::Instant::now();
-        for r in 0..k {
-            let (to, s) = ((r + 1) % k, &streams[r]);
-            let (src, _) = bufs[r].0.device_ptr(s);
-            let (dst, _) = bufs[to].1.device_ptr(&streams[to]);
-            let (sc, dc) = (s.context().cu_ctx(), streams[to].context().cu_ctx());
-            // SAFETY: both buffers hold `bytes` and live until the streams
-            // are synchronised below.
-            unsafe { cudarc::driver::result::memcpy_peer_async(dc, dst, sc, src, bytes, s.cu_stream()) }?;
-        }
-        for s in &streams {
-            s.synchronize()?;
-        }
-        if run > 0 {
-            ms.push(t0.elapsed().as_secs_f64() * 1e3);
-        }
-    }
-    let m = median(ms);
+    let m = g.link(bytes, runs)?;
     println!(
         "  (link: {:.1} MB from each GPU to the next at once, copy engines, {m:.3} ms: {:.0} GB/s each way)",
         bytes as f64 / 1e6,
