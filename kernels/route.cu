@@ -23,22 +23,34 @@ __device__ __forceinline__ u32 hkv_shard_of(u64 key, u32 shards) {
     return (u32)__umul64hi(hkv_fmix64(key ^ HKV_SHARD_SEED), (u64)shards);
 }
 
+// Key i = blockIdx.x * 1024 + threadIdx.x: its shard (HKV_ROUTE_MAX past
+// n), with the tile's keys per shard counted into c (HKV_ROUTE_MAX shared
+// counters). Every thread of the block calls it; c is complete on return.
+__device__ __forceinline__ u32 hkv_tile_shards(const u64* keys, u64 n, u32 shards, u32* c, u64* i) {
+    if (threadIdx.x < HKV_ROUTE_MAX) c[threadIdx.x] = 0;
+    __syncthreads();
+    *i = (u64)blockIdx.x * HKV_TILE + threadIdx.x;
+    u32 d = HKV_ROUTE_MAX;
+    if (*i < n) {
+        d = hkv_shard_of(keys[*i], shards);
+        atomicAdd(&c[d], 1u);
+    }
+    __syncthreads();
+    return d;
+}
+
 // Launch: ceil(n / 1024) blocks of 1024 threads. tile_counts[d * tiles + tile];
 // mine (may be null): mine[i] = (dest[i] == me), the filter a shard uses to
 // serve its own keys straight from the batch.
 extern "C" __global__ void route_count(const u64* keys, u64 n, u32 shards, u8* dest, u32* tile_counts, u32 me,
                                        u8* mine) {
     __shared__ u32 c[HKV_ROUTE_MAX];
-    if (threadIdx.x < HKV_ROUTE_MAX) c[threadIdx.x] = 0;
-    __syncthreads();
-    u64 i = (u64)blockIdx.x * HKV_TILE + threadIdx.x;
+    u64 i;
+    u32 d = hkv_tile_shards(keys, n, shards, c, &i);
     if (i < n) {
-        u32 d = hkv_shard_of(keys[i], shards);
         dest[i] = (u8)d;
         if (mine) mine[i] = d == me;
-        atomicAdd(&c[d], 1u);
     }
-    __syncthreads();
     if (threadIdx.x < shards) tile_counts[(u64)threadIdx.x * gridDim.x + blockIdx.x] = c[threadIdx.x];
 }
 
@@ -59,15 +71,10 @@ extern "C" __global__ void route_scan(const u32* tile_counts, u64 tiles, u32 sha
 // by the caller.
 extern "C" __global__ void route_masks(const u64* keys, u64 n, u32 shards, u8* masks, u64* totals) {
     __shared__ u32 c[HKV_ROUTE_MAX];
-    if (threadIdx.x < HKV_ROUTE_MAX) c[threadIdx.x] = 0;
-    __syncthreads();
-    u64 i = (u64)blockIdx.x * HKV_TILE + threadIdx.x;
-    if (i < n) {
-        u32 d = hkv_shard_of(keys[i], shards);
+    u64 i;
+    u32 d = hkv_tile_shards(keys, n, shards, c, &i);
+    if (i < n)
         for (u32 r = 0; r < shards; ++r) masks[(u64)r * n + i] = r == d;
-        atomicAdd(&c[d], 1u);
-    }
-    __syncthreads();
     if (threadIdx.x < shards && c[threadIdx.x])
         atomicAdd((unsigned long long*)&totals[threadIdx.x], (unsigned long long)c[threadIdx.x]);
 }
