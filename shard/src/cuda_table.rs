@@ -30,7 +30,8 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 use cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg,
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchArgs, LaunchConfig, PinnedHostSlice,
+    PushKernelArg,
 };
 use hkv_kernels::KernelId;
 use parking_lot::{Mutex, RwLock};
@@ -453,6 +454,20 @@ impl Funcs {
     }
 }
 
+/// The arguments `upsert_keys` and `update_keys` begin with, in their
+/// order: table, scoring, keys, n, values, input scores, only, mode,
+/// outcomes.
+fn write_args<'a>(
+    b: &mut LaunchArgs<'a>,
+    args: &'a TableArgs,
+    sc: &'a ScoringArgs,
+    n: &'a u64,
+    mode: &'a i32,
+    p: &'a Ptrs,
+) {
+    b.arg(args).arg(sc).arg(&p.keys).arg(n).arg(&p.values).arg(&p.scores).arg(&p.only).arg(mode).arg(&p.outcomes);
+}
+
 /// Device pointers of one kernel call (0 = none).
 #[derive(Default, Clone, Copy)]
 pub(crate) struct Ptrs {
@@ -750,21 +765,8 @@ impl CudaTable {
         let plain = mode == UP_INSERT && p.lost[0] == 0;
         let v = self.f.upsert(self.load(st), p.values != 0, self.config.dim, order.is_some(), plain);
         let mut b = l.launch_builder(&v.f);
-        b.arg(&args)
-            .arg(&sc)
-            .arg(&p.keys)
-            .arg(&n)
-            .arg(&p.values)
-            .arg(&p.scores)
-            .arg(&p.only)
-            .arg(&mode)
-            .arg(&p.outcomes)
-            .arg(&p.ptrs)
-            .arg(&p.lost[0])
-            .arg(&p.lost[1])
-            .arg(&p.lost[2])
-            .arg(&p.lost[3])
-            .arg(&c);
+        write_args(&mut b, &args, &sc, &n, &mode, &p);
+        b.arg(&p.ptrs).arg(&p.lost[0]).arg(&p.lost[1]).arg(&p.lost[2]).arg(&p.lost[3]).arg(&c);
         // SAFETY: upsert_keys reads keys[0..n], values[0..n*dim] (or writes
         // them for find_or_insert), scores[0..n] and only[0..n] where
         // non-null, locks and writes the table described by args, and
@@ -794,17 +796,8 @@ impl CudaTable {
         let (order, args) = self.key_order(l, st, n, p.keys, p.values != 0)?;
         let v = self.f.update(self.config.dim, order.is_some());
         let mut b = l.launch_builder(&v.f);
-        b.arg(&args)
-            .arg(&sc)
-            .arg(&p.keys)
-            .arg(&n)
-            .arg(&p.values)
-            .arg(&p.scores)
-            .arg(&p.only)
-            .arg(&mode)
-            .arg(&p.outcomes)
-            .arg(&p.found)
-            .arg(&c);
+        write_args(&mut b, &args, &sc, &n, &mode, &p);
+        b.arg(&p.found).arg(&c);
         // SAFETY: update_keys reads keys[0..n], values[0..n*dim] and
         // scores[0..n] where non-null, writes present entries of the table
         // under its bucket locks, and writes outcomes[0..n] and absent
