@@ -41,9 +41,10 @@ pub struct Router {
 
 /// Frames given back once sent, whose memory find answers reuse instead of
 /// zeroing a fresh allocation each time (a find of 64 Ki keys of dim 32
-/// answers 8.4 MB). Keeps at most [`Frames::KEEP`] buffers of
-/// [`Frames::MIN`] to [`Frames::MAX`] bytes; smaller answers are cheap to
-/// zero, larger ones are not kept idle.
+/// answers 8.4 MB, of 1 Mi keys 135 MB). Keeps at most [`Frames::KEEP`]
+/// buffers of [`Frames::MIN`] to [`Frames::MAX`] bytes, [`Frames::TOTAL`]
+/// bytes in all: smaller answers are cheap to zero, and no more than that
+/// is held idle after a burst of large finds.
 #[derive(Default)]
 pub struct Frames {
     pool: Mutex<Vec<Vec<u8>>>,
@@ -55,13 +56,16 @@ impl Frames {
     /// Smallest buffer kept (bytes).
     pub const MIN: usize = 1 << 20;
     /// Largest buffer kept (bytes).
-    pub const MAX: usize = 64 << 20;
+    pub const MAX: usize = 256 << 20;
+    /// Bytes kept in all.
+    pub const TOTAL: usize = 512 << 20;
 
     /// Gives a sent frame back.
     pub fn put(&self, frame: Vec<u8>) {
         if (Self::MIN..=Self::MAX).contains(&frame.capacity()) {
             let mut p = self.pool.lock();
-            if p.len() < Self::KEEP {
+            let held: usize = p.iter().map(Vec::capacity).sum();
+            if p.len() < Self::KEEP && held + frame.capacity() <= Self::TOTAL {
                 p.push(frame);
             }
         }
@@ -719,7 +723,7 @@ mod tests {
         let f = Frames::default();
         f.put(vec![0xAB; 2 << 20]);
         f.put(vec![0xCD; 1000]); // too small to keep
-        f.put(vec![0xEF; 65 << 20]); // too large to keep
+        f.put(vec![0xEF; 257 << 20]); // too large to keep
         assert_eq!(f.kept(), 1);
         // 10 000 keys of dim 32: 1.29 MB, reuses the 2 MiB buffer as it is.
         let mut frame = f.find_frame(10_000, 32);
@@ -739,5 +743,11 @@ mod tests {
         let mut big = f.find_frame(20_000, 32);
         assert!(big.parts_mut().1.iter().all(|&b| b == 0));
         assert_eq!(f.kept(), Frames::KEEP);
+        // No more than TOTAL bytes are held: two 200 MiB buffers, not three.
+        let f = Frames::default();
+        for _ in 0..3 {
+            f.put(vec![0; 200 << 20]);
+        }
+        assert_eq!(f.kept(), 2);
     }
 }
