@@ -89,7 +89,8 @@ impl Frames {
     }
 
     /// Buffers kept now.
-    pub fn kept(&self) -> usize {
+    #[cfg(test)]
+    fn kept(&self) -> usize {
         self.pool.lock().len()
     }
 }

@@ -914,7 +914,7 @@ impl FindFrame {
         } else {
             buf.resize(len, 0);
         }
-        buf[..HEADER_LEN].fill(0);
+        // The header space is written when the frame is sent (`Response::into_frame`).
         buf[HEADER_LEN..HEADER_LEN + 4].copy_from_slice(&(n as u32).to_le_bytes());
         buf[values - 4..values].copy_from_slice(&((n * dim) as u32).to_le_bytes());
         FindFrame { frame: buf, n }

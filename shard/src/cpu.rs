@@ -197,8 +197,7 @@ struct Storage {
     /// or three (large allocations start 16 bytes past a page boundary),
     /// and the lookup pipeline's touches reach every line of it.
     skew: usize,
-    nbuckets: u64,
-    /// `nbuckets` with its reciprocal, for the bucket of a key.
+    /// The bucket count with its reciprocal, for the bucket of a key.
     div: Buckets,
     dim: usize,
 }
@@ -208,14 +207,11 @@ impl Storage {
         let n = nbuckets as usize;
         let values: Vec<AtomicU32> = (0..n * S * dim + LINE_FLOATS - 1).map(|_| AtomicU32::new(0)).collect();
         let skew = (values.as_ptr() as usize).wrapping_neg() % 64 / 4;
-        Storage {
-            buckets: (0..n).map(|_| Bucket::new()).collect(),
-            values,
-            skew,
-            nbuckets,
-            div: Buckets::new(nbuckets),
-            dim,
-        }
+        Storage { buckets: (0..n).map(|_| Bucket::new()).collect(), values, skew, div: Buckets::new(nbuckets), dim }
+    }
+
+    fn nbuckets(&self) -> u64 {
+        self.div.count()
     }
 
     #[inline]
@@ -339,30 +335,39 @@ impl<'a> Rows<'a> {
     }
 }
 
+/// The most keys a batch of `n` runs in one piece on the calling thread:
+/// all of a small batch, else [`GRAIN`] (larger ones are halved on the
+/// rayon pool).
+fn grain(n: usize) -> usize {
+    if n <= SEQUENTIAL_BATCH {
+        n
+    } else {
+        GRAIN
+    }
+}
+
 /// Runs `f` over `0..n`: in index order for small batches, else split in
-/// halves down to [`GRAIN`] keys and run on the rayon pool.
+/// halves down to [`grain`] keys and run on the rayon pool.
 fn run_batch<F>(n: usize, outs: Outs<'_>, dim: usize, f: &F) -> Acc
 where
     F: Fn(Range<usize>, Outs<'_>) -> Acc + Sync,
 {
-    fn split<F>(r: Range<usize>, outs: Outs<'_>, dim: usize, f: &F) -> Acc
+    fn split<F>(r: Range<usize>, outs: Outs<'_>, dim: usize, grain: usize, f: &F) -> Acc
     where
         F: Fn(Range<usize>, Outs<'_>) -> Acc + Sync,
     {
-        if r.len() <= GRAIN {
+        if r.len() <= grain {
             return f(r, outs);
         }
         let mid = r.len() / 2;
         let (lo, hi) = outs.split(mid, dim);
-        let (a, b) =
-            rayon::join(|| split(r.start..r.start + mid, lo, dim, f), || split(r.start + mid..r.end, hi, dim, f));
+        let (a, b) = rayon::join(
+            || split(r.start..r.start + mid, lo, dim, grain, f),
+            || split(r.start + mid..r.end, hi, dim, grain, f),
+        );
         a.merge(b)
     }
-    if n <= SEQUENTIAL_BATCH {
-        f(0..n, outs)
-    } else {
-        split(0..n, outs, dim, f)
-    }
+    split(0..n, outs, dim, grain(n), f)
 }
 
 /// How the score of a written key is decided.
@@ -745,7 +750,7 @@ impl CpuTable {
     fn grow_for(&self, incoming: usize) {
         let max_buckets = self.config.max_buckets();
         loop {
-            let nb = self.storage.read().nbuckets;
+            let nb = self.storage.read().nbuckets();
             let cap = (nb * S as u64) as f64;
             let want = (self.size.load(Relaxed) + incoming as u64) as f64;
             if want <= self.config.max_load_factor * cap || nb * 2 > max_buckets {
@@ -890,7 +895,7 @@ impl Shard for CpuTable {
     }
 
     fn capacity(&self) -> u64 {
-        self.storage.read().nbuckets * S as u64
+        self.storage.read().nbuckets() * S as u64
     }
 
     fn size(&self) -> u64 {
@@ -936,9 +941,7 @@ impl Shard for CpuTable {
         let _g = self.lock.acquire(Group::Reader);
         self.counters.op(Op::Find, n);
         let st = self.storage.read();
-        // As run_batch: small batches in one piece, larger ones in GRAIN-key tasks.
-        let grain = if n <= SEQUENTIAL_BATCH { n } else { GRAIN };
-        let hits = self.find_rows(&st, keys, at, Rows { base: 0, values, found }, grain);
+        let hits = self.find_rows(&st, keys, at, Rows { base: 0, values, found }, grain(n));
         self.counters.lookups(hits, n);
         Ok(hits as usize)
     }
@@ -1214,7 +1217,7 @@ impl Shard for CpuTable {
     fn export_batch_if(&self, offset: u64, n: u64, filter: &Filter) -> Result<Export> {
         let _g = self.lock.acquire(Group::Reader);
         let st = self.storage.read();
-        let cap = st.nbuckets * S as u64;
+        let cap = st.nbuckets() * S as u64;
         let end = offset.saturating_add(n).min(cap);
         let mut out = Export::default();
         if offset >= end {
@@ -1246,7 +1249,7 @@ impl Shard for CpuTable {
         let _g = self.lock.acquire(Group::Inserter);
         self.counters.op(Op::Reserve, 0);
         loop {
-            let nb = self.storage.read().nbuckets;
+            let nb = self.storage.read().nbuckets();
             if nb * S as u64 >= capacity || nb * 2 > self.config.max_buckets() {
                 return Ok(());
             }
@@ -1278,7 +1281,7 @@ impl CpuTable {
         for (b, bk) in st.buckets.iter().enumerate() {
             bk.each(|s| out.push((b as u64, s, bk.key(s), bk.digest(s), bk.score(s))));
         }
-        (st.nbuckets, out)
+        (st.nbuckets(), out)
     }
 }
 

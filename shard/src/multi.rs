@@ -989,12 +989,11 @@ impl GpuGroup {
     pub fn link(&self, bytes: usize, runs: usize) -> Result<f64> {
         let k = self.ordinals.len();
         let streams: Vec<_> = (0..k).map(|r| self.stream(r)).collect();
-        let a = |what| dev_err(what);
         let mut bufs = vec![];
         for (r, s) in streams.iter().enumerate() {
             let pattern: Vec<u8> = (0..bytes).map(|i| (i * 7 + r * 13) as u8).collect();
-            let src = s.clone_htod(&pattern).map_err(a("allocating link buffers"))?;
-            let dst = s.alloc_zeros::<u8>(bytes).map_err(a("allocating link buffers"))?;
+            let src = s.clone_htod(&pattern).map_err(dev_err("allocating link buffers"))?;
+            let dst = s.alloc_zeros::<u8>(bytes).map_err(dev_err("allocating link buffers"))?;
             bufs.push((src, dst));
         }
         let mut ms = vec![];
@@ -1008,10 +1007,10 @@ impl GpuGroup {
                 // contexts named, and live until the streams are
                 // synchronised below.
                 unsafe { cudarc::driver::result::memcpy_peer_async(dc, dst, sc, src, bytes, s.cu_stream()) }
-                    .map_err(a("copying between GPUs"))?;
+                    .map_err(dev_err("copying between GPUs"))?;
             }
             for s in &streams {
-                s.synchronize().map_err(a("waiting for the copies"))?;
+                s.synchronize().map_err(dev_err("waiting for the copies"))?;
             }
             if run > 0 {
                 ms.push(t0.elapsed().as_secs_f64() * 1e3);
@@ -1019,7 +1018,7 @@ impl GpuGroup {
         }
         for (to, (_, dst)) in bufs.iter().enumerate() {
             let from = (to + k - 1) % k;
-            let got = streams[to].clone_dtoh(dst).map_err(a("reading link buffers"))?;
+            let got = streams[to].clone_dtoh(dst).map_err(dev_err("reading link buffers"))?;
             if got.iter().enumerate().any(|(i, &b)| b != (i * 7 + from * 13) as u8) {
                 return Err(Error::Device(format!("the copy from GPU {from} to GPU {to} arrived changed")));
             }

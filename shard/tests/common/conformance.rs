@@ -419,9 +419,9 @@ pub fn large_batches(make: Make) {
     }
 }
 
-/// find_at writes each key's row at its target row of a larger answer,
-/// sets found only for hits, leaves other rows alone, and refuses target
-/// rows that do not increase or fall outside the answer.
+/// find_at writes each key's row at its target row of a larger answer
+/// (a miss as zeros with found 0), leaves other rows alone, and refuses
+/// target rows that do not increase or fall outside the answer.
 pub fn find_at_fills_target_rows(make: Make) {
     for (dim, n) in [(3, 100usize), (8, 20_000)] {
         let t = make(TableConfig::new(1 << 16, dim));
