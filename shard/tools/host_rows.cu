@@ -2,15 +2,18 @@
 // far the rows are spread and in what order they come. Each figure: one
 // kernel moving 512 Ki rows of 256 bytes (16 threads per row, 16 bytes
 // each) between the host buffer and device memory, best of 5, GB/s.
-// Build and run on a GPU host: nvcc -O3 -arch=sm_90 -o host_rows host_rows.cu && ./host_rows [MODE]
+// Build and run on a GPU host: nvcc -O3 -arch=sm_90 -o host_rows host_rows.cu -lcuda && ./host_rows [MODE]
 // (needs 16 GiB of pinned host memory). MODE: hostalloc (cudaHostAlloc,
 // what the table uses; the default), register (mmap + cudaHostRegister) or
-// register-thp (the same with 2 MiB transparent huge pages asked for). The table's host tier is laid out
+// register-thp (the same with 2 MiB transparent huge pages asked for) or
+// vmm (host NUMA memory from cuMemCreate, mapped for the device at the
+// allocation granularity; build with -lcuda). The table's host tier is laid out
 // and read the same way (shard/BENCHMARKS.md, "The host tier").
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <cuda.h>
 #include <cuda_runtime.h>
 #include <sys/mman.h>
 #include <vector>
@@ -20,6 +23,16 @@
         cudaError_t e = (x);                                                         \
         if (e != cudaSuccess) {                                                      \
             printf("%s: %s\n", #x, cudaGetErrorString(e));                           \
+            exit(1);                                                                 \
+        }                                                                            \
+    } while (0)
+#define CU(x)                                                                        \
+    do {                                                                             \
+        CUresult e = (x);                                                            \
+        if (e != CUDA_SUCCESS) {                                                     \
+            const char* m = 0;                                                       \
+            cuGetErrorString(e, &m);                                                 \
+            printf("%s: %s\n", #x, m ? m : "?");                                     \
             exit(1);                                                                 \
         }                                                                            \
     } while (0)
@@ -48,8 +61,9 @@ static void make_rows(std::vector<u64>& idx, u64 rows, int shift) {
 int main(int argc, char** argv) {
     const char* mode = argc > 1 ? argv[1] : "hostalloc";
     bool reg = strncmp(mode, "register", 8) == 0, thp = strcmp(mode, "register-thp") == 0;
-    if (!reg && strcmp(mode, "hostalloc") != 0) {
-        printf("unknown mode %s: hostalloc, register or register-thp\n", mode);
+    bool vmm = strcmp(mode, "vmm") == 0;
+    if (!reg && !vmm && strcmp(mode, "hostalloc") != 0) {
+        printf("unknown mode %s: hostalloc, register, register-thp or vmm\n", mode);
         return 2;
     }
     const int dim = 64, n4 = dim / 4;
@@ -74,7 +88,31 @@ int main(int argc, char** argv) {
     for (double gib : sizes) {
         u64 bytes = (u64)(gib * (1ull << 30));
         void* h = 0;
-        if (reg) {
+        float* dh = 0;
+        CUmemGenericAllocationHandle handle = 0;
+        CUdeviceptr vp = 0;
+        if (vmm) {
+            CK(cudaFree(0));
+            int dev = 0, numa = 0;
+            cuDeviceGetAttribute(&numa, CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID, dev);
+            CUmemAllocationProp prop = {};
+            prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+            prop.location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
+            prop.location.id = numa < 0 ? 0 : numa;
+            size_t gran = 0;
+            CU(cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
+            printf("vmm: host NUMA node %d, granularity %zu\n", prop.location.id, gran);
+            CU(cuMemCreate(&handle, bytes, &prop, 0));
+            CU(cuMemAddressReserve(&vp, bytes, 1 << 30, 0, 0));
+            CU(cuMemMap(vp, bytes, 0, handle, 0));
+            CUmemAccessDesc desc = {};
+            desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+            desc.location.id = dev;
+            desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+            CU(cuMemSetAccess(vp, bytes, &desc, 1));
+            CU(cuMemsetD8(vp, 0, bytes));
+            dh = (float*)vp;
+        } else if (reg) {
             h = mmap(0, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
             if (h == MAP_FAILED) return 1;
             if (thp) madvise(h, bytes, MADV_HUGEPAGE);
@@ -84,8 +122,7 @@ int main(int argc, char** argv) {
             CK(cudaHostAlloc(&h, bytes, cudaHostAllocMapped | cudaHostAllocPortable));
             memset(h, 0, bytes);
         }
-        float* dh;
-        CK(cudaHostGetDevicePointer((void**)&dh, h, 0));
+        if (!vmm) CK(cudaHostGetDevicePointer((void**)&dh, h, 0));
         u64 rows = bytes / (dim * 4);
         for (const Order& o : orders) {
             if (gib < 16 && o.shift >= 0 && o.shift < 64) continue;  // orders only matter when spread wide
@@ -106,7 +143,11 @@ int main(int argc, char** argv) {
                 printf("%5.2f GiB  %-11s %-6s %9.2f\n", gib, o.name, write ? "write" : "read", n * dim * 4 / best / 1e6);
             }
         }
-        if (reg) {
+        if (vmm) {
+            CU(cuMemUnmap(vp, bytes));
+            CU(cuMemAddressFree(vp, bytes));
+            CU(cuMemRelease(handle));
+        } else if (reg) {
             CK(cudaHostUnregister(h));
             munmap(h, bytes);
         } else {

@@ -15,6 +15,12 @@
 //!   above the median). With a host tier, slot 0 is in device memory; the
 //!   same export from the first host-tier slot is printed under the table.
 //!
+//! With `--key-mix reference` (CUDA backend, device batches) the keys of
+//! every operation but the exports are those of the reference's own
+//! benchmark instead: 60 % the most recently inserted keys, then 40 % keys
+//! never inserted (which miss, or are inserted and erased again untimed),
+//! and the figures count keys per second in units of 2^30, as it does.
+//!
 //! find* and find_or_insert* return device addresses: CUDA backend on
 //! device batches only. With `--host-buffers` the CUDA backend is timed
 //! like the CPU one, through the table's calls on host arrays.
@@ -67,6 +73,13 @@ struct Args {
     /// to and from the device included) instead of device-resident batches.
     #[arg(long)]
     host_buffers: bool,
+    /// Keys of each timed call: `hits` (this protocol: lookups and updates
+    /// of inserted keys, inserts of new keys, find_or_insert half and half)
+    /// or `reference` (the reference's benchmark: 60 % the most recently
+    /// inserted keys then 40 % new keys for every operation, figures in
+    /// 2^30 keys/s). `reference`: CUDA backend on device batches only.
+    #[arg(long, default_value = "hits")]
+    key_mix: String,
 }
 
 const OPS: [&str; 10] = [
@@ -287,8 +300,16 @@ fn main() -> Result<()> {
     if a.runs == 0 || a.batch == 0 || a.capacity < a.batch as u64 {
         bail!("--runs and --batch must be positive and --capacity at least --batch");
     }
+    let reference_mix = match a.key_mix.as_str() {
+        "hits" => false,
+        "reference" => true,
+        m => bail!("--key-mix must be hits or reference, not {m:?}"),
+    };
     if backend == Backend::Cuda && !a.host_buffers {
-        return cuda_bench::run(&a, mode);
+        return cuda_bench::run(&a, mode, reference_mix);
+    }
+    if reference_mix {
+        bail!("--key-mix reference needs the CUDA backend on device batches (not --host-buffers)");
     }
     println!(
         "hkv-bench: backend {}{}, {} mode, capacity {}, batch {}, median of {} runs, {} threads, B-KV/s",
@@ -406,6 +427,10 @@ mod cuda_bench {
         rng: rand::rngs::StdRng,
         /// Buffers for exports of more slots than a batch.
         xb: Option<DeviceBatch>,
+        /// The reference's key mix and unit (`--key-mix reference`).
+        reference_mix: bool,
+        /// Hits of the last find.
+        find_hits: u64,
     }
 
     impl Ctx<'_> {
@@ -427,8 +452,42 @@ mod cuda_bench {
             (0..self.n).map(|_| self.keys[self.rng.gen_range(lo..self.keys.len())]).collect()
         }
 
+        /// The keys of one timed call of a non-export operation, and those
+        /// of them that are new (to be erased again after an insert).
+        /// Default: lookups and updates take `existing` keys, inserts new
+        /// ones, find_or_insert half of each. The reference's mix: for
+        /// every operation the 60 % most recently inserted keys, in order,
+        /// then 40 % new ones (its create_keys_for_hitrate, last_insert).
+        fn keys_for(&mut self, op: &str) -> (Vec<u64>, Vec<u64>) {
+            let n = self.n;
+            if self.reference_mix {
+                let hits = (n as f64 * 0.6) as usize;
+                let new = self.gen.take(n - hits);
+                let mut k = self.keys[self.keys.len().saturating_sub(hits)..].to_vec();
+                k.extend_from_slice(&new);
+                return (k, new);
+            }
+            match op {
+                "insert_or_assign" | "insert_and_evict" => {
+                    let k = self.gen.take(n);
+                    (k.clone(), k)
+                }
+                "find_or_insert" | "find_or_insert*" => {
+                    let mut k = self.existing();
+                    let new = self.gen.take(n / 2);
+                    k[..n / 2].copy_from_slice(&new);
+                    (k, new)
+                }
+                _ => (self.existing(), vec![]),
+            }
+        }
+
         fn run(&mut self, op: DeviceOp, n: usize) -> Result<f64> {
-            Ok(self.t.run_device(op, &mut self.b, n)?.ms as f64)
+            let r = self.t.run_device(op, &mut self.b, n)?;
+            if matches!(op, DeviceOp::Find) {
+                self.find_hits = r.counts.hits;
+            }
+            Ok(r.ms as f64)
         }
 
         /// One timed export of `slots` slots from `offset` (ms), on a batch
@@ -468,7 +527,8 @@ mod cuda_bench {
                     ms.push(t);
                 }
             }
-            Ok(self.n as f64 / (median(ms) / 1e3) / 1e9)
+            let unit = if self.reference_mix { (1u64 << 30) as f64 } else { 1e9 };
+            Ok(self.n as f64 / (median(ms) / 1e3) / unit)
         }
 
         fn fill_to(&mut self, lambda: f64) -> Result<()> {
@@ -511,7 +571,7 @@ mod cuda_bench {
             let n = self.n;
             Ok(match op {
                 "find" | "find*" | "contains" => {
-                    let k = self.existing();
+                    let (k, _) = self.keys_for(op);
                     self.upload_keys(&k)?;
                     let d = match op {
                         "find" => DeviceOp::Find,
@@ -521,24 +581,22 @@ mod cuda_bench {
                     self.run(d, n)?
                 }
                 "assign" => {
-                    let k = self.existing();
+                    let (k, _) = self.keys_for(op);
                     self.upload_keys(&k)?;
                     self.upload_values(1.5)?;
                     self.run(DeviceOp::Assign, n)?
                 }
                 "insert_or_assign" | "insert_and_evict" => {
-                    let k = self.gen.take(n);
+                    let (k, new) = self.keys_for(op);
                     self.upload_keys(&k)?;
                     self.upload_values(2.5)?;
                     let d = if op == "insert_or_assign" { DeviceOp::InsertOrAssign } else { DeviceOp::InsertAndEvict };
                     let t = self.run(d, n)?;
-                    self.restore(&k, lambda)?;
+                    self.restore(&new, lambda)?;
                     t
                 }
                 "find_or_insert" | "find_or_insert*" => {
-                    let mut k = self.existing();
-                    let new = self.gen.take(n / 2);
-                    k[..n / 2].copy_from_slice(&new);
+                    let (k, new) = self.keys_for(op);
                     self.upload_keys(&k)?;
                     self.upload_values(3.5)?;
                     let d = if op == "find_or_insert" { DeviceOp::FindOrInsert } else { DeviceOp::FindOrInsertPtr };
@@ -568,17 +626,22 @@ mod cuda_bench {
         Ok(median(v))
     }
 
-    pub fn run(a: &Args, mode: BucketMode) -> Result<()> {
+    pub fn run(a: &Args, mode: BucketMode, reference_mix: bool) -> Result<()> {
         let dev = hkv_shard::cuda::shared_device(0)?;
         println!(
-            "hkv-bench: CUDA on {} (compute {}.{}), {} mode, capacity {}, batch {}, median of {} runs after a warm-up, CUDA-event timing, B-KV/s",
+            "hkv-bench: CUDA on {} (compute {}.{}), {} mode, capacity {}, batch {}, median of {} runs after a warm-up, CUDA-event timing, {}",
             dev.info.name,
             dev.info.compute_capability.0,
             dev.info.compute_capability.1,
             a.mode,
             a.capacity,
             a.batch,
-            a.runs
+            a.runs,
+            if reference_mix {
+                "the reference's key mix (60 % most recently inserted keys, 40 % new), 2^30 keys/s"
+            } else {
+                "B-KV/s"
+            }
         );
         let mut copy_bw = None;
         for &dim in &a.dims {
@@ -610,10 +673,13 @@ mod cuda_bench {
                 gen: KeyGen(0),
                 rng: rand::rngs::StdRng::seed_from_u64(dim as u64),
                 xb: None,
+                reference_mix,
+                find_hits: 0,
             };
             let mut find32 = None;
             let first_host_slot = st.fast_tier_bytes / (dim as u64 * 4);
             let mut host_exports = vec![];
+            let mut hit_lines = vec![];
             for &lambda in &a.lambdas {
                 c.fill_to(lambda)?;
                 let achieved = t.load_factor();
@@ -631,7 +697,7 @@ mod cuda_bench {
                     if hybrid && op.starts_with("export") {
                         host_exports.push((lambda, *op, c.export_host_tier(op, lambda, first_host_slot)?));
                     }
-                    if *op == "find" && dim == 32 && lambda == 1.0 {
+                    if *op == "find" && dim == 32 && lambda == 1.0 && !reference_mix {
                         find32 = Some(x);
                     }
                     match reference.map(|r| r[j]).filter(|r| r.is_finite()) {
@@ -640,9 +706,19 @@ mod cuda_bench {
                     }
                 }
                 println!("{row} |");
+                if reference_mix && (a.ops.is_empty() || a.ops.iter().any(|o| o == "find")) {
+                    hit_lines.push(format!(
+                        "find at λ {lambda:.2}: {:.1} % of the keys found",
+                        100.0 * c.find_hits as f64 / a.batch as f64
+                    ));
+                }
+            }
+            for l in hit_lines {
+                println!("{l}");
             }
             for (lambda, op, x) in host_exports {
-                println!("{op} at λ {lambda:.2} from the first host-tier slot (values over PCIe): {x:.3} B-KV/s");
+                let unit = if reference_mix { "2^30 keys/s" } else { "B-KV/s" };
+                println!("{op} at λ {lambda:.2} from the first host-tier slot (values over PCIe): {x:.3} {unit}");
             }
             if let Some(f) = find32 {
                 let bw = match copy_bw {
