@@ -142,11 +142,45 @@ impl Written {
     }
 }
 
+/// Buffers a [`Client`] keeps between requests, so that large batches do
+/// not allocate (and fault in) fresh memory each time; one of more than
+/// [`KEEP_MAX`] bytes is let go.
+#[derive(Default)]
+struct Spare {
+    /// The last request frame sent.
+    send: Vec<u8>,
+    /// The last response body read (all but plain finds).
+    body: Vec<u8>,
+    /// Arrays handed back by [`Client::recycle`] for the next find answer.
+    found: Vec<u8>,
+    values: Vec<f32>,
+}
+
+/// The largest buffer a [`Client`] keeps for reuse (256 MiB).
+pub const KEEP_MAX: usize = 256 << 20;
+
+/// `v` holding `n` elements, its memory reused: elements already there are
+/// kept as they are (the caller overwrites all `n`), only new ones zeroed.
+fn fit<T: Clone + Default>(mut v: Vec<T>, n: usize) -> Vec<T> {
+    v.resize(n, T::default());
+    v
+}
+
+/// `v` when its memory is worth keeping, else an empty vector.
+fn keep<T>(v: Vec<T>) -> Vec<T> {
+    if v.capacity() * std::mem::size_of::<T>() <= KEEP_MAX {
+        v
+    } else {
+        Vec::new()
+    }
+}
+
 /// A blocking connection to hkvd.
 pub struct Client {
     w: UnixStream,
     r: BufReader<UnixStream>,
     next_id: u64,
+    spare: Spare,
 }
 
 impl Client {
@@ -156,7 +190,7 @@ impl Client {
         let s = UnixStream::connect(p)
             .map_err(io(format!("cannot connect to hkvd at {} (is it running?)", p.display())))?;
         let r = BufReader::with_capacity(1 << 16, s.try_clone().map_err(io("socket"))?);
-        Ok(Client { w: s, r, next_id: 1 })
+        Ok(Client { w: s, r, next_id: 1, spare: Spare::default() })
     }
 
     /// Connects to `$HKVD_SOCKET` or the default socket.
@@ -168,8 +202,10 @@ impl Client {
     pub fn send(&mut self, req: &Request) -> Result<u64> {
         let id = self.next_id;
         self.next_id += 1;
-        self.w.write_all(&req.encode(id)).map_err(io("sending a request"))?;
-        Ok(id)
+        let frame = req.encode_into(id, std::mem::take(&mut self.spare.send));
+        let sent = self.w.write_all(&frame).map_err(io("sending a request"));
+        self.spare.send = keep(frame);
+        sent.map(|_| id)
     }
 
     /// Sends raw frame bytes (tests, tools).
@@ -187,9 +223,26 @@ impl Client {
         if plain_find && cfg!(target_endian = "little") {
             return Ok((h.id, self.recv_find(h.body_len as usize)?));
         }
-        let mut body = vec![0u8; h.body_len as usize];
-        self.r.read_exact(&mut body).map_err(io("reading a response body"))?;
-        Ok((h.id, decode(&h, &body)?))
+        let mut body = fit(std::mem::take(&mut self.spare.body), h.body_len as usize);
+        let read = self.r.read_exact(&mut body).map_err(io("reading a response body"));
+        let r = read.and_then(|_| decode(&h, &body));
+        self.spare.body = keep(body);
+        Ok((h.id, r?))
+    }
+
+    /// Hands the arrays of a find answer back, for the next find answer on
+    /// this connection to be read into (no fresh memory to fault in for a
+    /// loop of same-sized finds). Other responses are dropped.
+    pub fn recycle(&mut self, r: Response) {
+        if let Response::Find { found, values, .. } = r {
+            self.spare.found = found;
+            self.spare.values = values;
+        }
+    }
+
+    /// [`Client::recycle`] for the answer of [`Client::find`].
+    pub fn recycle_found(&mut self, f: Found) {
+        self.spare.values = f.values;
     }
 
     /// The body of a find response without scores (`body_len` bytes: a
@@ -203,11 +256,11 @@ impl Client {
         const WHAT: &str = "reading a find response";
         let mut left = body_len;
         if let Some(n) = self.read_count(&mut left)?.filter(|&n| n <= left) {
-            let mut found = vec![0u8; n];
+            let mut found = fit(std::mem::take(&mut self.spare.found), n);
             self.r.read_exact(&mut found).map_err(io(WHAT))?;
             left -= n;
             if let Some(m) = self.read_count(&mut left)?.filter(|&m| m.checked_mul(4) == Some(left)) {
-                let mut values = vec![0f32; m];
+                let mut values = fit(std::mem::take(&mut self.spare.values), m);
                 self.r.read_exact(zerocopy::IntoBytes::as_mut_bytes(&mut values[..])).map_err(io(WHAT))?;
                 return Ok(Response::Find { found, values, scores: None });
             }

@@ -200,6 +200,47 @@ fn reused_find_frames_answer_misses_with_zeros() {
     }
 }
 
+/// A client that hands find answers back (`recycle`) and keeps its send
+/// and body buffers gets exact answers whatever the sizes before: longer,
+/// shorter or equal finds, with hits and misses, between writes and other
+/// answers read through the reused body buffer.
+#[test]
+fn a_client_reusing_its_buffers_gets_exact_answers() {
+    let d = Daemon::start(&["--shards", "2"]);
+    let mut c = d.client();
+    c.create_table(spec("b", 32, 1 << 16, "lru", "single")).unwrap();
+    let keys: Vec<u64> = (1..=20_000).map(|k| k * 104_729).collect();
+    for (round, &n) in [20_000usize, 300, 20_000, 20_000, 1, 7_000].iter().enumerate() {
+        let salt = round as f32;
+        // Rewrite the first n keys (request buffers of changing size).
+        let v = vals(&keys[..n], 32, salt);
+        c.insert_or_assign("b", &keys[..n], &v, None).unwrap();
+        // Every third probe is absent.
+        let probe: Vec<u64> = keys[..n].iter().enumerate().map(|(i, &k)| if i % 3 == 2 { k + 1 } else { k }).collect();
+        let f = c.find("b", &probe).unwrap();
+        assert_eq!((f.found.len(), f.values.len()), (n, n * 32), "round {round}");
+        for (i, row) in f.values.chunks(32).enumerate() {
+            if i % 3 == 2 {
+                assert!(!f.found[i] && row.iter().all(|&x| x == 0.0), "round {round}, key {i}");
+            } else {
+                assert!(f.found[i], "round {round}, key {i}");
+                assert_eq!(row, &v[i * 32..(i + 1) * 32], "round {round}, key {i}");
+            }
+        }
+        c.recycle_found(f);
+        // The same through send / recv / recycle, and an answer of another
+        // kind through the body buffer.
+        c.send(&Request::Find { table: "b".into(), keys: probe.clone(), scores: false }).unwrap();
+        let (_, r) = c.recv().unwrap();
+        let Response::Find { found, values, .. } = &r else { panic!("round {round}: {r:?}") };
+        assert_eq!(found.iter().filter(|&&x| x != 0).count(), n - n / 3, "round {round}");
+        assert_eq!(&values[..32], &v[..32], "round {round}");
+        c.recycle(r);
+        let present = c.contains("b", &probe).unwrap();
+        assert!(present.iter().enumerate().all(|(i, &p)| p == (i % 3 != 2)), "round {round}");
+    }
+}
+
 #[test]
 fn sixteen_clients_pipelining_mixed_operations() {
     let d = Daemon::start(&[]);

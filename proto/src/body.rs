@@ -22,6 +22,15 @@ impl Writer {
         Writer { buf }
     }
 
+    /// [`Writer::framed`] in `buf`, whose contents go and whose memory is
+    /// reused (a sender that keeps its last frame's buffer).
+    pub fn framed_in(mut buf: Vec<u8>, body_capacity: usize) -> Writer {
+        buf.clear();
+        buf.reserve(crate::HEADER_LEN + body_capacity);
+        buf.resize(crate::HEADER_LEN, 0);
+        Writer { buf }
+    }
+
     /// Writes the header of a [`Writer::framed`] buffer and returns the frame.
     pub fn finish_frame(mut self, op: u8, flags: u16, id: u64) -> Vec<u8> {
         let body_len = (self.buf.len() - crate::HEADER_LEN) as u32;

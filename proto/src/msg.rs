@@ -601,7 +601,13 @@ impl Request {
 
     /// The whole frame with request id `id`.
     pub fn encode(&self, id: u64) -> Vec<u8> {
-        let mut w = Writer::framed(64);
+        self.encode_into(id, Vec::new())
+    }
+
+    /// [`Request::encode`] into `buf`, whose contents go and whose memory
+    /// is reused; returns it holding the frame.
+    pub fn encode_into(&self, id: u64, buf: Vec<u8>) -> Vec<u8> {
+        let mut w = Writer::framed_in(buf, 64);
         let mut fl = 0u16;
         match self {
             Request::Ping => {}
@@ -610,6 +616,7 @@ impl Request {
                 w.buf.resize(HEADER_LEN + 4 + padding, 0);
             }
             Request::Find { table, keys, scores } => {
+                w.buf.reserve(2 + table.len() + 4 + keys.len() * 8);
                 w.str(table).u64s(keys);
                 if *scores {
                     fl |= flags::SCORES;
@@ -619,7 +626,7 @@ impl Request {
                 w.str(table).u64s(keys);
             }
             Request::Write { table, keys, values, scores, outcomes, .. } => {
-                w = Writer::framed(16 + table.len() + keys.len() * 8 + values.len() * 4);
+                w.buf.reserve(16 + table.len() + keys.len() * 8 + values.len() * 4);
                 w.str(table).u64s(keys).f32s(values);
                 if let Some(s) = scores {
                     w.u64s(s);
@@ -663,13 +670,13 @@ impl Request {
                 w.str(table).u64(*capacity);
             }
             Request::Hash { table, hash, features } => {
-                w = Writer::framed(64 + table.len() + features_bytes(features));
+                w.buf.reserve(64 + table.len() + features_bytes(features));
                 w.str(table);
                 hash_put(&mut w, hash);
                 features_put(&mut w, features);
             }
             Request::FindFeatures { table, hash, features, scores } => {
-                w = Writer::framed(64 + table.len() + features_bytes(features));
+                w.buf.reserve(64 + table.len() + features_bytes(features));
                 w.str(table);
                 hash_put(&mut w, hash);
                 features_put(&mut w, features);
@@ -678,7 +685,7 @@ impl Request {
                 }
             }
             Request::FindOrInsertFeatures { table, hash, features, values, scores, outcomes } => {
-                w = Writer::framed(64 + table.len() + features_bytes(features) + values.len() * 4);
+                w.buf.reserve(64 + table.len() + features_bytes(features) + values.len() * 4);
                 w.str(table);
                 hash_put(&mut w, hash);
                 features_put(&mut w, features);
@@ -1080,6 +1087,8 @@ mod tests {
 
     fn round(req: Request) {
         let f = req.encode(42);
+        // Into a buffer that held a longer frame: the same bytes.
+        assert_eq!(req.encode_into(42, vec![0xab; f.len() + 100]), f);
         let FrameCheck::Ready(h) = check_frame(&f, u32::MAX).unwrap() else { panic!() };
         assert_eq!(h.id, 42);
         assert_eq!(Request::decode(&h, &f[crate::HEADER_LEN..]).unwrap(), req);
