@@ -324,7 +324,7 @@ async fn answer(state: &Arc<State>, h: &Header, body: &[u8], peer: &Peer) -> Res
             if reply_len > state.config.limits.max_frame_bytes {
                 return Err(ProtoError::new(ErrorCode::Oversized, "echo reply above limits.max_frame_bytes"));
             }
-            Ok(Response::Echo { len: reply_len as usize })
+            Ok(state.router.frames.echo(reply_len as usize))
         }
         Request::Control(c) => match c {
             Control::CreateTable(spec) => {

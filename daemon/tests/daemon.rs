@@ -200,6 +200,32 @@ fn reused_find_frames_answer_misses_with_zeros() {
     }
 }
 
+/// The echo answer reuses frames of earlier finds and still carries only
+/// zeros: nothing of another answer leaks into it.
+#[test]
+fn echo_answers_in_reused_frames_are_zeros() {
+    let d = Daemon::start(&["--shards", "2"]);
+    let mut c = d.client();
+    c.create_table(spec("e", 32, 1 << 16, "lru", "single")).unwrap();
+    let keys: Vec<u64> = (1..=40_000).collect();
+    c.insert_or_assign("e", &keys, &vals(&keys, 32, 3.0), None).unwrap();
+    let mut s = UnixStream::connect(&d.socket).unwrap();
+    for round in 0..3u64 {
+        // A 5 MB answer full of values, given back to the frame pool once sent.
+        assert!(c.find("e", &keys).unwrap().found.iter().all(|&f| f), "round {round}");
+        std::thread::sleep(Duration::from_millis(50));
+        let len = 4 << 20;
+        s.write_all(&Request::Echo { reply_len: len, padding: 8 }.encode(round)).unwrap();
+        let mut h = [0u8; HEADER_LEN];
+        s.read_exact(&mut h).unwrap();
+        let h = Header::decode(&h).unwrap();
+        assert_eq!((h.id, h.body_len), (round, len), "round {round}");
+        let mut body = vec![1u8; len as usize];
+        s.read_exact(&mut body).unwrap();
+        assert!(body.iter().all(|&b| b == 0), "round {round}: the echo carries stale bytes");
+    }
+}
+
 /// A client that hands find answers back (`recycle`) and keeps its send
 /// and body buffers gets exact answers whatever the sizes before: longer,
 /// shorter or equal finds, with hits and misses, between writes and other
