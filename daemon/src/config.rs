@@ -17,11 +17,20 @@ pub struct Limits {
     pub max_connections: usize,
     /// Seconds to wait for in-flight requests on shutdown.
     pub drain_seconds: u64,
+    /// Bytes of sent answer frames kept for later find and echo answers to
+    /// reuse (buffers of 1 MiB to 256 MiB, at most 16); 0 keeps none.
+    pub frame_cache_bytes: u64,
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_frame_bytes: 1 << 30, max_in_flight: 64, max_connections: 1024, drain_seconds: 30 }
+        Limits {
+            max_frame_bytes: 1 << 30,
+            max_in_flight: 64,
+            max_connections: 1024,
+            drain_seconds: 30,
+            frame_cache_bytes: crate::router::Frames::DEFAULT_TOTAL,
+        }
     }
 }
 

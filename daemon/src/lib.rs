@@ -113,7 +113,7 @@ pub fn run(config: Config) -> anyhow::Result<()> {
             .map(|&device| SyncArbiter::start(threads, move || ShardActor { device }))
             .collect::<Vec<_>>();
         let hash_gpu = (backend == Backend::Cuda).then(|| ordinals[0]);
-        let router = Router::new(actors, backend, hash_gpu);
+        let router = Router::new(actors, backend, hash_gpu, config.limits.frame_cache_bytes);
         for spec in &config.tables {
             router
                 .create_table(spec.clone())

@@ -73,6 +73,9 @@ struct Serve {
     /// Connections served at once [default: 1024].
     #[arg(long)]
     max_connections: Option<usize>,
+    /// Bytes of sent answers kept for later answers to reuse [default: 512 MiB].
+    #[arg(long)]
+    frame_cache_bytes: Option<u64>,
     /// Group allowed to run admin operations, besides the daemon's user and root.
     #[arg(long)]
     admin_group: Option<String>,
@@ -122,6 +125,9 @@ fn config(a: Serve) -> anyhow::Result<Config> {
     }
     if let Some(x) = a.max_connections {
         c.limits.max_connections = x.max(1);
+    }
+    if let Some(x) = a.frame_cache_bytes {
+        c.limits.frame_cache_bytes = x;
     }
     c.admin_group = a.admin_group.or(c.admin_group);
     c.metrics_listen = a.metrics_listen.or(c.metrics_listen);

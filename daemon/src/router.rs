@@ -42,30 +42,43 @@ pub struct Router {
 /// Frames given back once sent, whose memory find and echo answers reuse
 /// instead of a fresh allocation each time (a find of 64 Ki keys of dim 32
 /// answers 8.4 MB, of 1 Mi keys 135 MB). Keeps at most [`Frames::KEEP`]
-/// buffers of [`Frames::MIN`] to [`Frames::MAX`] bytes, [`Frames::TOTAL`]
-/// bytes in all: smaller answers are cheap to zero, and no more than that
-/// is held idle after a burst of large finds.
-#[derive(Default)]
+/// buffers of [`Frames::MIN`] to [`Frames::MAX`] bytes, `total` bytes in
+/// all (`limits.frame_cache_bytes`): smaller answers are cheap to zero, and
+/// no more than that is held idle after a burst of large finds. The
+/// default holds the answers in flight of 4 clients pipelining two finds
+/// of 256 Ki keys of dim 32 each.
 pub struct Frames {
     pool: Mutex<Vec<Vec<u8>>>,
+    total: usize,
+}
+
+impl Default for Frames {
+    fn default() -> Frames {
+        Frames::new(Frames::DEFAULT_TOTAL)
+    }
 }
 
 impl Frames {
-    /// Buffers kept.
-    pub const KEEP: usize = 4;
+    /// Buffers kept at most.
+    pub const KEEP: usize = 16;
     /// Smallest buffer kept (bytes).
     pub const MIN: usize = 1 << 20;
     /// Largest buffer kept (bytes).
     pub const MAX: usize = 256 << 20;
-    /// Bytes kept in all.
-    pub const TOTAL: usize = 512 << 20;
+    /// Bytes kept in all by default.
+    pub const DEFAULT_TOTAL: u64 = 512 << 20;
+
+    /// A cache of at most `total` bytes.
+    pub fn new(total: u64) -> Frames {
+        Frames { pool: Mutex::new(vec![]), total: usize::try_from(total).unwrap_or(usize::MAX) }
+    }
 
     /// Gives a sent frame back.
     pub fn put(&self, frame: Vec<u8>) {
         if (Self::MIN..=Self::MAX).contains(&frame.capacity()) {
             let mut p = self.pool.lock();
             let held: usize = p.iter().map(Vec::capacity).sum();
-            if p.len() < Self::KEEP && held + frame.capacity() <= Self::TOTAL {
+            if p.len() < Self::KEEP && held.saturating_add(frame.capacity()) <= self.total {
                 p.push(frame);
             }
         }
@@ -254,9 +267,9 @@ fn to_wire(s: hkv_shard::Summary) -> Summary {
 impl Router {
     /// A router over these actors (one per device / CPU shard); feature
     /// batches are hashed on GPU `hash_gpu` when given.
-    pub fn new(actors: Vec<Addr<ShardActor>>, backend: Backend, hash_gpu: Option<usize>) -> Router {
+    pub fn new(actors: Vec<Addr<ShardActor>>, backend: Backend, hash_gpu: Option<usize>, frame_cache: u64) -> Router {
         let hasher = Arc::new(Hasher::new(hash_gpu));
-        Router { actors, backend, tables: RwLock::new(HashMap::new()), hasher, frames: Frames::default() }
+        Router { actors, backend, tables: RwLock::new(HashMap::new()), hasher, frames: Frames::new(frame_cache) }
     }
 
     /// Shards per table.
@@ -758,11 +771,15 @@ mod tests {
         let mut big = f.find_frame(20_000, 32);
         assert!(big.parts_mut().1.iter().all(|&b| b == 0));
         assert_eq!(f.kept(), Frames::KEEP);
-        // No more than TOTAL bytes are held: two 200 MiB buffers, not three.
-        let f = Frames::default();
+        // No more than the total is held: two 200 MiB buffers of 512 MiB, not three.
+        let f = Frames::new(512 << 20);
         for _ in 0..3 {
             f.put(vec![0; 200 << 20]);
         }
         assert_eq!(f.kept(), 2);
+        // A cache of 0 bytes keeps nothing.
+        let f = Frames::new(0);
+        f.put(vec![0; 2 << 20]);
+        assert_eq!(f.kept(), 0);
     }
 }
