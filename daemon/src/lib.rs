@@ -113,7 +113,12 @@ pub fn run(config: Config) -> anyhow::Result<()> {
             .map(|&device| SyncArbiter::start(threads, move || ShardActor { device }))
             .collect::<Vec<_>>();
         let hash_gpu = (backend == Backend::Cuda).then(|| ordinals[0]);
-        let router = Router::new(actors, backend, hash_gpu, config.limits.frame_cache_bytes);
+        let frame_cache = config.limits.frame_cache_bytes.unwrap_or(if backend == Backend::Cuda {
+            router::Frames::DEFAULT_TOTAL_CUDA
+        } else {
+            router::Frames::DEFAULT_TOTAL
+        });
+        let router = Router::new(actors, backend, hash_gpu, frame_cache);
         for spec in &config.tables {
             router
                 .create_table(spec.clone())

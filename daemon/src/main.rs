@@ -73,7 +73,7 @@ struct Serve {
     /// Connections served at once [default: 1024].
     #[arg(long)]
     max_connections: Option<usize>,
-    /// Bytes of sent answers kept for later answers to reuse [default: 512 MiB].
+    /// Bytes of sent answers kept for later answers to reuse [default: 512 MiB; CUDA: 2 GiB].
     #[arg(long)]
     frame_cache_bytes: Option<u64>,
     /// Group allowed to run admin operations, besides the daemon's user and root.
@@ -127,7 +127,7 @@ fn config(a: Serve) -> anyhow::Result<Config> {
         c.limits.max_connections = x.max(1);
     }
     if let Some(x) = a.frame_cache_bytes {
-        c.limits.frame_cache_bytes = x;
+        c.limits.frame_cache_bytes = Some(x);
     }
     c.admin_group = a.admin_group.or(c.admin_group);
     c.metrics_listen = a.metrics_listen.or(c.metrics_listen);

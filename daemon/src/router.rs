@@ -4,12 +4,14 @@
 //! in request order.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 
 use actix::Addr;
 use futures::future::join_all;
 use hkv_proto::{
-    op, Cursor, ErrorCode, Evicted, FindFrame, ProtoError, Request, Response, Summary, TableInfo, TableSpec,
+    op, Cursor, ErrorCode, Evicted, FindFrame, FrameBuf, FrameMemory, ProtoError, Request, Response, Summary,
+    TableInfo, TableSpec,
 };
 use hkv_shard::hash::shard_of;
 use hkv_shard::{Backend, BucketMode, Error as ShardError, Filter, Outcome, ScorePolicy, Shard, TableConfig};
@@ -46,10 +48,44 @@ pub struct Router {
 /// all (`limits.frame_cache_bytes`): smaller answers are cheap to zero, and
 /// no more than that is held idle after a burst of large finds. The
 /// default holds the answers in flight of 4 clients pipelining two finds
-/// of 256 Ki keys of dim 32 each.
+/// of 256 Ki keys of dim 32 each (CPU backend), or of 1 Mi keys (CUDA).
+///
+/// On the CUDA backend ([`Frames::pinned`]) find answers get page-locked
+/// frames, into which the GPU copies the rows directly, as long as those
+/// alive stay within the total; beyond it, ordinary memory.
 pub struct Frames {
-    pool: Mutex<Vec<Vec<u8>>>,
+    pool: Mutex<Vec<FrameBuf>>,
     total: usize,
+    /// The device whose context allocates pinned frames, and the bytes of
+    /// pinned frames alive.
+    pinned: Option<(usize, Arc<AtomicUsize>)>,
+}
+
+/// A page-locked frame that counts itself out of the bytes alive when dropped.
+struct PinnedFrame {
+    mem: hkv_shard::cuda::HostFrame,
+    live: Arc<AtomicUsize>,
+}
+
+impl FrameMemory for PinnedFrame {
+    fn bytes(&self) -> &[u8] {
+        self.mem.bytes()
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self.mem.bytes_mut()
+    }
+    fn capacity(&self) -> usize {
+        self.mem.capacity()
+    }
+    fn set_len(&mut self, len: usize) {
+        self.mem.set_len(len)
+    }
+}
+
+impl Drop for PinnedFrame {
+    fn drop(&mut self) {
+        self.live.fetch_sub(self.mem.capacity(), Relaxed);
+    }
 }
 
 impl Default for Frames {
@@ -65,19 +101,29 @@ impl Frames {
     pub const MIN: usize = 1 << 20;
     /// Largest buffer kept (bytes).
     pub const MAX: usize = 256 << 20;
-    /// Bytes kept in all by default.
+    /// Bytes kept in all by default (CPU backend).
     pub const DEFAULT_TOTAL: u64 = 512 << 20;
+    /// Bytes kept in all by default on the CUDA backend: the answers in
+    /// flight of 4 clients pipelining two finds of 1 Mi keys of dim 32.
+    pub const DEFAULT_TOTAL_CUDA: u64 = 2 << 30;
 
     /// A cache of at most `total` bytes.
     pub fn new(total: u64) -> Frames {
-        Frames { pool: Mutex::new(vec![]), total: usize::try_from(total).unwrap_or(usize::MAX) }
+        Frames { pool: Mutex::new(vec![]), total: usize::try_from(total).unwrap_or(usize::MAX), pinned: None }
+    }
+
+    /// Find answers get page-locked frames allocated in device
+    /// `ordinal`'s context (see [`Frames`]).
+    pub fn pinned(mut self, ordinal: usize) -> Frames {
+        self.pinned = Some((ordinal, Arc::new(AtomicUsize::new(0))));
+        self
     }
 
     /// Gives a sent frame back.
-    pub fn put(&self, frame: Vec<u8>) {
+    pub fn put(&self, frame: FrameBuf) {
         if (Self::MIN..=Self::MAX).contains(&frame.capacity()) {
             let mut p = self.pool.lock();
-            let held: usize = p.iter().map(Vec::capacity).sum();
+            let held: usize = p.iter().map(FrameBuf::capacity).sum();
             if p.len() < Self::KEEP && held.saturating_add(frame.capacity()) <= self.total {
                 p.push(frame);
             }
@@ -88,9 +134,33 @@ impl Frames {
     /// one is large enough (the smallest such; its found bytes and values
     /// are stale, and the shards write every one of them), else zeroed.
     fn find_frame(&self, n: usize, dim: usize) -> FindFrame {
-        match self.take(FindFrame::values_at(n) + n * dim * 4) {
+        let len = FindFrame::values_at(n) + n * dim * 4;
+        match self.take(len).or_else(|| self.new_pinned(len)) {
             Some(buf) => FindFrame::reuse(buf, n, dim),
             None => FindFrame::new(n, dim),
+        }
+    }
+
+    /// A new page-locked frame of `len` bytes where pinned frames are on
+    /// and those alive stay within the total with it; None otherwise, or
+    /// when the driver refuses (ordinary memory then does).
+    fn new_pinned(&self, len: usize) -> Option<FrameBuf> {
+        let (ordinal, live) = self.pinned.as_ref()?;
+        if !(Self::MIN..=Self::MAX).contains(&len) {
+            return None;
+        }
+        let before = live.fetch_add(len, Relaxed);
+        if before + len > self.total {
+            live.fetch_sub(len, Relaxed);
+            return None;
+        }
+        match hkv_shard::cuda::HostFrame::new(*ordinal, len) {
+            Ok(mem) => Some(FrameBuf::Other(Box::new(PinnedFrame { mem, live: live.clone() }))),
+            Err(e) => {
+                live.fetch_sub(len, Relaxed);
+                tracing::warn!(error = %e, bytes = len, "no pinned frame; answering from ordinary memory");
+                None
+            }
         }
     }
 
@@ -98,15 +168,21 @@ impl Frames {
     /// in a kept buffer where one is large enough (zeroing memory already
     /// there costs less than faulting in a fresh allocation).
     pub fn echo(&self, len: usize) -> Response {
-        let mut buf = self.take(hkv_proto::HEADER_LEN + len).unwrap_or_default();
-        buf.clear();
-        buf.resize(hkv_proto::HEADER_LEN + len, 0);
+        let len = hkv_proto::HEADER_LEN + len;
+        let buf = match self.take(len) {
+            Some(mut buf) => {
+                buf.set_len(len);
+                buf.bytes_mut().fill(0);
+                buf
+            }
+            None => FrameBuf::Vec(vec![0; len]),
+        };
         Response::Framed(buf)
     }
 
     /// The smallest kept buffer of at least `len` bytes, if `len` is worth
     /// one ([`Frames::MIN`]).
-    fn take(&self, len: usize) -> Option<Vec<u8>> {
+    fn take(&self, len: usize) -> Option<FrameBuf> {
         if len < Self::MIN {
             return None;
         }
@@ -269,7 +345,11 @@ impl Router {
     /// batches are hashed on GPU `hash_gpu` when given.
     pub fn new(actors: Vec<Addr<ShardActor>>, backend: Backend, hash_gpu: Option<usize>, frame_cache: u64) -> Router {
         let hasher = Arc::new(Hasher::new(hash_gpu));
-        Router { actors, backend, tables: RwLock::new(HashMap::new()), hasher, frames: Frames::new(frame_cache) }
+        let frames = match (backend, hash_gpu) {
+            (Backend::Cuda, Some(ordinal)) => Frames::new(frame_cache).pinned(ordinal),
+            _ => Frames::new(frame_cache),
+        };
+        Router { actors, backend, tables: RwLock::new(HashMap::new()), hasher, frames }
     }
 
     /// Shards per table.
@@ -749,9 +829,9 @@ mod tests {
     #[test]
     fn frames_are_reused_without_zeroing_and_bounded() {
         let f = Frames::default();
-        f.put(vec![0xAB; 2 << 20]);
-        f.put(vec![0xCD; 1000]); // too small to keep
-        f.put(vec![0xEF; 257 << 20]); // too large to keep
+        f.put(FrameBuf::Vec(vec![0xAB; 2 << 20]));
+        f.put(FrameBuf::Vec(vec![0xCD; 1000])); // too small to keep
+        f.put(FrameBuf::Vec(vec![0xEF; 257 << 20])); // too large to keep
         assert_eq!(f.kept(), 1);
         // 10 000 keys of dim 32: 1.29 MB, reuses the 2 MiB buffer as it is.
         let mut frame = f.find_frame(10_000, 32);
@@ -764,7 +844,7 @@ mod tests {
         let mut fresh = f.find_frame(10_000, 32);
         assert!(fresh.parts_mut().1.iter().all(|&b| b == 0));
         for _ in 0..2 * Frames::KEEP {
-            f.put(vec![0; 1 << 20]);
+            f.put(FrameBuf::Vec(vec![0; 1 << 20]));
         }
         assert_eq!(f.kept(), Frames::KEEP);
         // A request larger than every kept buffer gets a fresh one.
@@ -774,12 +854,12 @@ mod tests {
         // No more than the total is held: two 200 MiB buffers of 512 MiB, not three.
         let f = Frames::new(512 << 20);
         for _ in 0..3 {
-            f.put(vec![0; 200 << 20]);
+            f.put(FrameBuf::Vec(vec![0; 200 << 20]));
         }
         assert_eq!(f.kept(), 2);
         // A cache of 0 bytes keeps nothing.
         let f = Frames::new(0);
-        f.put(vec![0; 2 << 20]);
+        f.put(FrameBuf::Vec(vec![0; 2 << 20]));
         assert_eq!(f.kept(), 0);
     }
 }

@@ -7,7 +7,9 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hkv_proto::{check_frame, Control, ErrorCode, FrameCheck, Header, ProtoError, Request, Response, HEADER_LEN};
+use hkv_proto::{
+    check_frame, Control, ErrorCode, FrameBuf, FrameCheck, Header, ProtoError, Request, Response, HEADER_LEN,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{mpsc, watch, Semaphore};
@@ -146,8 +148,8 @@ pub async fn serve(state: Arc<State>, listener: UnixListener) {
     }
 }
 
-fn error_frame(id: u64, op: u8, e: ProtoError) -> Vec<u8> {
-    Response::Error(e).encode(op, id)
+fn error_frame(id: u64, op: u8, e: ProtoError) -> FrameBuf {
+    FrameBuf::Vec(Response::Error(e).encode(op, id))
 }
 
 /// Reads one header; `Ok(None)` is a clean close between frames.
@@ -183,18 +185,18 @@ async fn connection(state: Arc<State>, stream: UnixStream) {
         }
     };
     let (rd, wr) = stream.into_split();
-    let (tx, mut rx) = mpsc::channel::<Vec<u8>>(256);
+    let (tx, mut rx) = mpsc::channel::<FrameBuf>(256);
     let sent = state.clone();
     let writer = tokio::spawn(async move {
         let mut w = BufWriter::with_capacity(1 << 16, wr);
         while let Some(f) = rx.recv().await {
-            if w.write_all(&f).await.is_err() {
+            if w.write_all(f.bytes()).await.is_err() {
                 return;
             }
             sent.router.frames.put(f);
             // Flush when nothing else is queued, so answers never linger.
             while let Ok(f) = rx.try_recv() {
-                if w.write_all(&f).await.is_err() {
+                if w.write_all(f.bytes()).await.is_err() {
                     return;
                 }
                 sent.router.frames.put(f);

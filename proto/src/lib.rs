@@ -21,8 +21,8 @@ pub mod msg;
 
 pub use error::{ErrorCode, ProtoError};
 pub use msg::{
-    Control, Cursor, Evicted, FeatureHash, Features, Filter, FindFrame, HashSpec, Request, Response, Summary,
-    TableInfo, TableSpec,
+    Control, Cursor, Evicted, FeatureHash, Features, Filter, FindFrame, FrameBuf, FrameMemory, HashSpec, Request,
+    Response, Summary, TableInfo, TableSpec,
 };
 
 /// The first four bytes of every frame: `"HKVD"`.

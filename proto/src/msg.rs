@@ -884,7 +884,89 @@ pub enum Response {
     /// A response frame the server built in place ([`FindFrame`]):
     /// [`HEADER_LEN`] bytes of header space, then the encoded body. Never
     /// decoded: the client sees the op's own response.
-    Framed(Vec<u8>),
+    Framed(FrameBuf),
+}
+
+/// Memory an answer frame can live in besides a `Vec<u8>`: pinned host
+/// memory that a GPU writes rows into directly, for instance.
+pub trait FrameMemory: Send + Sync {
+    /// The frame's bytes.
+    fn bytes(&self) -> &[u8];
+    /// The frame's bytes, to write.
+    fn bytes_mut(&mut self) -> &mut [u8];
+    /// The most bytes the frame can have.
+    fn capacity(&self) -> usize;
+    /// Makes the frame `len` bytes (at most [`FrameMemory::capacity`]); the
+    /// bytes that come into it hold what the memory held (never anything
+    /// uninitialised).
+    fn set_len(&mut self, len: usize);
+}
+
+/// The bytes of a frame: a vector, or other memory ([`FrameMemory`]).
+pub enum FrameBuf {
+    /// Heap memory.
+    Vec(Vec<u8>),
+    /// Other memory.
+    Other(Box<dyn FrameMemory>),
+}
+
+impl FrameBuf {
+    /// The frame's bytes.
+    pub fn bytes(&self) -> &[u8] {
+        match self {
+            FrameBuf::Vec(v) => v,
+            FrameBuf::Other(m) => m.bytes(),
+        }
+    }
+
+    /// The frame's bytes, to write.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            FrameBuf::Vec(v) => v,
+            FrameBuf::Other(m) => m.bytes_mut(),
+        }
+    }
+
+    /// The most bytes the frame can have without new memory.
+    pub fn capacity(&self) -> usize {
+        match self {
+            FrameBuf::Vec(v) => v.capacity(),
+            FrameBuf::Other(m) => m.capacity(),
+        }
+    }
+
+    /// Makes the frame `len` bytes: bytes already in it keep their values,
+    /// new ones are zero, or for other memory hold what it held. Other
+    /// memory cannot grow past its capacity: such a frame becomes a
+    /// zeroed vector.
+    pub fn set_len(&mut self, len: usize) {
+        match self {
+            FrameBuf::Vec(v) => v.resize(len, 0),
+            FrameBuf::Other(m) if len <= m.capacity() => m.set_len(len),
+            FrameBuf::Other(_) => *self = FrameBuf::Vec(vec![0; len]),
+        }
+    }
+}
+
+impl std::fmt::Debug for FrameBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = if matches!(self, FrameBuf::Vec(_)) { "Vec" } else { "Other" };
+        write!(f, "FrameBuf::{kind}({} bytes)", self.bytes().len())
+    }
+}
+
+/// A copy is a vector of the same bytes.
+impl Clone for FrameBuf {
+    fn clone(&self) -> FrameBuf {
+        FrameBuf::Vec(self.bytes().to_vec())
+    }
+}
+
+/// Frames are equal when their bytes are.
+impl PartialEq for FrameBuf {
+    fn eq(&self, o: &FrameBuf) -> bool {
+        self.bytes() == o.bytes()
+    }
 }
 
 /// A find response laid out in one frame before the table answers, so
@@ -895,7 +977,7 @@ pub enum Response {
 /// held, and whoever fills the frame writes every one of them.
 #[derive(Debug)]
 pub struct FindFrame {
-    frame: Vec<u8>,
+    frame: FrameBuf,
     n: usize,
 }
 
@@ -906,24 +988,20 @@ impl FindFrame {
         let mut frame = vec![0u8; values + n * dim * 4];
         frame[HEADER_LEN..HEADER_LEN + 4].copy_from_slice(&(n as u32).to_le_bytes());
         frame[values - 4..values].copy_from_slice(&((n * dim) as u32).to_le_bytes());
-        FindFrame { frame, n }
+        FindFrame { frame: FrameBuf::Vec(frame), n }
     }
 
     /// The frame for `n` keys of `dim` floats in the memory of `buf`, an
     /// earlier frame, without zeroing it: the found bytes and values keep
     /// whatever `buf` held up to its length (the rest is zero), so the
     /// caller must write every one of them before the frame is sent.
-    pub fn reuse(mut buf: Vec<u8>, n: usize, dim: usize) -> FindFrame {
+    pub fn reuse(mut buf: FrameBuf, n: usize, dim: usize) -> FindFrame {
         let values = FindFrame::values_at(n);
-        let len = values + n * dim * 4;
-        if buf.len() >= len {
-            buf.truncate(len);
-        } else {
-            buf.resize(len, 0);
-        }
+        buf.set_len(values + n * dim * 4);
         // The header space is written when the frame is sent (`Response::into_frame`).
-        buf[HEADER_LEN..HEADER_LEN + 4].copy_from_slice(&(n as u32).to_le_bytes());
-        buf[values - 4..values].copy_from_slice(&((n * dim) as u32).to_le_bytes());
+        let b = buf.bytes_mut();
+        b[HEADER_LEN..HEADER_LEN + 4].copy_from_slice(&(n as u32).to_le_bytes());
+        b[values - 4..values].copy_from_slice(&((n * dim) as u32).to_le_bytes());
         FindFrame { frame: buf, n }
     }
 
@@ -934,7 +1012,7 @@ impl FindFrame {
 
     /// The found bytes and the values' little-endian bytes.
     pub fn parts_mut(&mut self) -> (&mut [u8], &mut [u8]) {
-        let (head, values) = self.frame.split_at_mut(FindFrame::values_at(self.n));
+        let (head, values) = self.frame.bytes_mut().split_at_mut(FindFrame::values_at(self.n));
         (&mut head[HEADER_LEN + 4..HEADER_LEN + 4 + self.n], values)
     }
 
@@ -947,10 +1025,17 @@ impl FindFrame {
 impl Response {
     /// The whole frame answering request `id` of op `req_op`, reusing a
     /// [`Response::Framed`] buffer (its header is written in place).
-    pub fn into_frame(self, req_op: u8, id: u64) -> Vec<u8> {
+    pub fn into_frame(self, req_op: u8, id: u64) -> FrameBuf {
         match self {
-            Response::Framed(frame) => Writer { buf: frame }.finish_frame(req_op, flags::RESPONSE, id),
-            other => other.encode(req_op, id),
+            Response::Framed(mut frame) => {
+                let b = frame.bytes_mut();
+                let body_len = (b.len() - HEADER_LEN) as u32;
+                let mut h = Vec::with_capacity(HEADER_LEN);
+                crate::Header { op: req_op, flags: flags::RESPONSE, id, body_len }.encode(&mut h);
+                b[..HEADER_LEN].copy_from_slice(&h);
+                frame
+            }
+            other => FrameBuf::Vec(other.encode(req_op, id)),
         }
     }
 
@@ -1009,7 +1094,7 @@ impl Response {
                 fl |= flags::ERROR;
                 w.buf.extend(json(e));
             }
-            Response::Framed(frame) => w.buf.extend_from_slice(&frame[HEADER_LEN..]),
+            Response::Framed(frame) => w.buf.extend_from_slice(&frame.bytes()[HEADER_LEN..]),
         }
         w.finish_frame(code, fl, id)
     }
@@ -1123,11 +1208,54 @@ mod tests {
             let resp = ff.into_response();
             let copied = resp.encode(op::FIND, 9);
             let moved = resp.into_frame(op::FIND, 9);
+            let moved = moved.bytes();
             assert_eq!(copied, moved, "n {n}");
-            let FrameCheck::Ready(h) = check_frame(&moved, u32::MAX).unwrap() else { panic!() };
+            let FrameCheck::Ready(h) = check_frame(moved, u32::MAX).unwrap() else { panic!() };
             assert_eq!((h.op, h.id, h.flags), (op::FIND, 9, flags::RESPONSE));
             assert_eq!(Response::decode(&h, &moved[crate::HEADER_LEN..]).unwrap(), want, "n {n}");
         }
+    }
+
+    /// Memory of a fixed capacity standing in for pinned memory.
+    struct Fixed(Vec<u8>, usize);
+    impl crate::FrameMemory for Fixed {
+        fn bytes(&self) -> &[u8] {
+            &self.0[..self.1]
+        }
+        fn bytes_mut(&mut self) -> &mut [u8] {
+            &mut self.0[..self.1]
+        }
+        fn capacity(&self) -> usize {
+            self.0.len()
+        }
+        fn set_len(&mut self, len: usize) {
+            assert!(len <= self.0.len());
+            self.1 = len;
+        }
+    }
+
+    #[test]
+    fn a_find_frame_in_other_memory_sends_the_same_bytes() {
+        let (n, dim) = (5usize, 3usize);
+        let fill = |ff: &mut FindFrame| {
+            let (found, values) = ff.parts_mut();
+            found.fill(1);
+            for (i, b) in values.iter_mut().enumerate() {
+                *b = i as u8;
+            }
+        };
+        let mut a = FindFrame::new(n, dim);
+        fill(&mut a);
+        // Stale bytes in a larger memory: every byte sent is still written.
+        let mut b = FindFrame::reuse(FrameBuf::Other(Box::new(Fixed(vec![0xee; 4096], 0))), n, dim);
+        fill(&mut b);
+        let (a, b) = (a.into_response().into_frame(op::FIND, 3), b.into_response().into_frame(op::FIND, 3));
+        assert!(matches!(b, FrameBuf::Other(_)));
+        assert_eq!(a.bytes(), b.bytes());
+        // Other memory cannot grow past its capacity: a zeroed vector then.
+        let mut small = FrameBuf::Other(Box::new(Fixed(vec![0xee; 16], 16)));
+        small.set_len(100);
+        assert!(matches!(&small, FrameBuf::Vec(v) if v.len() == 100 && v.iter().all(|&x| x == 0)));
     }
 
     #[test]

@@ -391,3 +391,83 @@ pub fn shared_device(ordinal: usize) -> Result<Arc<Device>> {
     devs.push((ordinal, d.clone()));
     Ok(d)
 }
+
+/// Page-locked host memory for a response frame that the GPU writes rows
+/// into directly: a find of a CUDA table whose values array lies in such
+/// memory copies the rows there from the device in one transfer, without
+/// the lane's staging memory in between. Pinned for every context
+/// (`CU_MEMHOSTALLOC_PORTABLE`); zeroed when allocated; freed on drop.
+pub struct HostFrame {
+    mem: cudarc::driver::PinnedHostSlice<u8>,
+    /// `mem`'s address (fixed for its life).
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the memory is owned by `mem` (itself Send + Sync) and reached
+// only through &self / &mut self, so the usual borrow rules serialise it.
+unsafe impl Send for HostFrame {}
+// SAFETY: as above; &self gives read access only.
+unsafe impl Sync for HostFrame {}
+
+impl HostFrame {
+    /// `bytes` zeroed bytes of pinned memory, allocated in device
+    /// `ordinal`'s context.
+    pub fn new(ordinal: usize, bytes: usize) -> Result<HostFrame> {
+        let dev = shared_device(ordinal)?;
+        let flags = cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE;
+        // SAFETY: the memory is zeroed below before anything reads it.
+        let mut mem = unsafe { dev.ctx.alloc_pinned_with_flags::<u8>(bytes.max(1), flags) }
+            .map_err(dev_err("allocating a pinned frame"))?;
+        let ptr = mem.as_mut_ptr().map_err(dev_err("a pinned frame"))?;
+        // SAFETY: ptr points to at least `bytes` bytes just allocated, owned by `mem`.
+        unsafe { std::ptr::write_bytes(ptr, 0, bytes) };
+        Ok(HostFrame { mem, ptr, len: bytes })
+    }
+
+    /// The frame's bytes.
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: `len` bytes at `ptr` are allocated (len <= capacity) and
+        // initialised (zeroed at allocation, written only through &mut).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// The frame's bytes, to write.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `bytes`; &mut self makes the access exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    /// Bytes allocated.
+    pub fn capacity(&self) -> usize {
+        self.mem.len()
+    }
+
+    /// Makes the frame `len` bytes, at most [`HostFrame::capacity`]; bytes
+    /// that come into it keep what they held.
+    pub fn set_len(&mut self, len: usize) {
+        assert!(len <= self.capacity(), "a pinned frame of {} bytes cannot hold {len}", self.capacity());
+        self.len = len;
+    }
+}
+
+/// Whether `bytes` bytes at `p` lie in page-locked host memory that CUDA
+/// copies can reach directly (allocated or registered with the driver):
+/// the first and the last byte are (a Rust slice lies in one allocation).
+pub fn is_pinned_host(p: *const u8, bytes: usize) -> bool {
+    use cudarc::driver::sys;
+    let pinned = |a: u64| {
+        let mut kind: u32 = 0;
+        // SAFETY: the call writes one CUmemorytype (u32) into `kind`; it
+        // only looks the address up, never dereferences it.
+        let r = unsafe {
+            sys::cuPointerGetAttribute(
+                &mut kind as *mut u32 as *mut std::ffi::c_void,
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                a as sys::CUdeviceptr,
+            )
+        };
+        r == sys::CUresult::CUDA_SUCCESS && kind == sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32
+    };
+    bytes > 0 && pinned(p as u64) && pinned(p as u64 + bytes as u64 - 1)
+}

@@ -1668,13 +1668,48 @@ impl Shard for CudaTable {
             let p = Ptrs { counters: ptr(&l.counters, &s), ..p };
             // SAFETY: keys uploaded, values / flags / scores sized above for these n keys
             unsafe { self.k_lookup(&s, st, n as u64, p) }?;
+            // Values into pinned memory (a daemon's response frame) come
+            // straight from the device once every key is known to hit: no
+            // staging copy. Else they pass through the staging memory.
+            let direct = crate::cuda::is_pinned_host(values.as_ptr() as *const u8, std::mem::size_of_val(values));
             let f = Self::fetch(&s, &mut l.stage, &l.flags, n)?;
-            let v = Self::fetch(&s, &mut l.stage, &l.values, n * dim)?;
+            let v = if direct { None } else { Some(Self::fetch(&s, &mut l.stage, &l.values, n * dim)?) };
             let sc = Self::fetch(&s, &mut l.stage, &l.scores, if scores.is_some() { n } else { 0 })?;
             let c = self.read_counters(l)?;
             for (o, x) in found.iter_mut().zip(l.stage.read(&f)) {
                 *o = *x != 0;
             }
+            if direct && c.hits == n as u64 {
+                let bytes = std::mem::size_of_val(values);
+                // SAFETY: `values` is page-locked host memory of `bytes`
+                // bytes (checked above), borrowed mutably for this call,
+                // which waits for the copy below; the lane's values buffer
+                // holds n * dim floats written by the lookup, ordered
+                // before the copy by the stream.
+                unsafe {
+                    cudarc::driver::sys::cuMemcpyDtoHAsync_v2(
+                        values.as_mut_ptr() as *mut std::ffi::c_void,
+                        p.values,
+                        bytes,
+                        s.cu_stream(),
+                    )
+                }
+                .result()
+                .map_err(dev_err("copying rows into a pinned frame"))?;
+                s.synchronize().map_err(dev_err("synchronizing"))?;
+                if let Some(out) = scores {
+                    l.stage.read_into(&sc, out);
+                }
+                return Ok(c.hits);
+            }
+            let v = match v {
+                Some(v) => v,
+                None => {
+                    let v = Self::fetch(&s, &mut l.stage, &l.values, n * dim)?;
+                    l.stage.sync(&s)?;
+                    v
+                }
+            };
             if c.hits == n as u64 {
                 // Every key hit: the rows (and scores) come straight back.
                 l.stage.read_into(&v, values);

@@ -262,6 +262,44 @@ fn large_batches_conserve_entries() {
 /// The device-buffer path: find* returns addresses that read back the
 /// values; find_or_insert* hands out writable rows; the hybrid tier places
 /// rows in host memory and still serves them.
+/// A find whose values array lies in a pinned frame (`cuda::HostFrame`,
+/// as the daemon's response frames on a GPU host) gets the rows copied
+/// there straight from the device when every key hits, and keeps the
+/// contract when some miss (their rows untouched); a Vec is not pinned.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn finds_into_pinned_frames() {
+    use zerocopy::FromBytes;
+    let dim = 32;
+    let t = CudaTable::new(TableConfig::new(1 << 16, dim), cuda::shared_device(0).unwrap()).unwrap();
+    let keys: Vec<u64> = (1..=20_000u64).collect();
+    let vals: Vec<f32> = keys.iter().flat_map(|&k| (0..dim).map(move |d| k as f32 + d as f32 / 64.0)).collect();
+    t.insert_or_assign(&keys, &vals, None, None).unwrap();
+    let bytes = vals.len() * 4;
+    // The values 64 bytes into the frame, as after a frame's header.
+    let mut frame = cuda::HostFrame::new(0, 64 + bytes).unwrap();
+    let v = <[f32]>::mut_from_bytes(&mut frame.bytes_mut()[64..]).unwrap();
+    assert!(cuda::is_pinned_host(v.as_ptr() as *const u8, bytes), "a HostFrame is pinned");
+    let plain: Vec<f32> = (0..16).map(|_| 0.0).collect();
+    assert!(!cuda::is_pinned_host(plain.as_ptr() as *const u8, 64), "a Vec is not");
+    // Every key hits: the direct copy.
+    let mut found = vec![false; keys.len()];
+    assert_eq!(t.find(&keys, v, &mut found, None).unwrap(), keys.len());
+    assert!(found.iter().all(|&f| f));
+    assert_eq!(&v[..], &vals[..]);
+    // A third of the keys miss: their rows stay as they were.
+    v.fill(7.0);
+    let probe: Vec<u64> = keys.iter().map(|&k| if k % 3 == 0 { k + 1_000_000 } else { k }).collect();
+    assert_eq!(t.find(&probe, v, &mut found, None).unwrap(), keys.len() - keys.len() / 3);
+    for (i, row) in v.chunks(dim).enumerate() {
+        if probe[i] > 1_000_000 {
+            assert!(!found[i] && row.iter().all(|&x| x == 7.0), "key {i}");
+        } else {
+            assert!(found[i] && row == &vals[i * dim..(i + 1) * dim], "key {i}");
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn device_batches_pointers_and_the_host_tier() {
