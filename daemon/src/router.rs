@@ -56,15 +56,22 @@ pub struct Router {
 pub struct Frames {
     pool: Mutex<Vec<FrameBuf>>,
     total: usize,
-    /// The device whose context allocates pinned frames, and the bytes of
-    /// pinned frames alive.
-    pinned: Option<(usize, Arc<AtomicUsize>)>,
+    /// The device whose context allocates pinned frames, and the pinned
+    /// frames alive.
+    pinned: Option<(usize, Arc<Live>)>,
 }
 
-/// A page-locked frame that counts itself out of the bytes alive when dropped.
+/// Pinned frames alive: bytes and frames.
+#[derive(Default)]
+struct Live {
+    bytes: AtomicUsize,
+    frames: AtomicUsize,
+}
+
+/// A page-locked frame that counts itself out of [`Live`] when dropped.
 struct PinnedFrame {
     mem: hkv_shard::cuda::HostFrame,
-    live: Arc<AtomicUsize>,
+    live: Arc<Live>,
 }
 
 impl FrameMemory for PinnedFrame {
@@ -84,7 +91,8 @@ impl FrameMemory for PinnedFrame {
 
 impl Drop for PinnedFrame {
     fn drop(&mut self) {
-        self.live.fetch_sub(self.mem.capacity(), Relaxed);
+        self.live.bytes.fetch_sub(self.mem.capacity(), Relaxed);
+        self.live.frames.fetch_sub(1, Relaxed);
     }
 }
 
@@ -115,7 +123,7 @@ impl Frames {
     /// Find answers get page-locked frames allocated in device
     /// `ordinal`'s context (see [`Frames`]).
     pub fn pinned(mut self, ordinal: usize) -> Frames {
-        self.pinned = Some((ordinal, Arc::new(AtomicUsize::new(0))));
+        self.pinned = Some((ordinal, Arc::new(Live::default())));
         self
     }
 
@@ -149,15 +157,23 @@ impl Frames {
         if !(Self::MIN..=Self::MAX).contains(&len) {
             return None;
         }
-        let before = live.fetch_add(len, Relaxed);
-        if before + len > self.total {
-            live.fetch_sub(len, Relaxed);
+        // No more alive than the cache keeps, in bytes and in frames, so
+        // that pinned frames are allocated once and then reused.
+        let bytes = live.bytes.fetch_add(len, Relaxed) + len;
+        let frames = live.frames.fetch_add(1, Relaxed) + 1;
+        let undo = || {
+            live.bytes.fetch_sub(len, Relaxed);
+            live.frames.fetch_sub(1, Relaxed);
+        };
+        if bytes > self.total || frames > Self::KEEP {
+            undo();
             return None;
         }
         match hkv_shard::cuda::HostFrame::new(*ordinal, len) {
+            // The frame's capacity is `len` (at least MIN), what its drop gives back.
             Ok(mem) => Some(FrameBuf::Other(Box::new(PinnedFrame { mem, live: live.clone() }))),
             Err(e) => {
-                live.fetch_sub(len, Relaxed);
+                undo();
                 tracing::warn!(error = %e, bytes = len, "no pinned frame; answering from ordinary memory");
                 None
             }
@@ -861,5 +877,14 @@ mod tests {
         let f = Frames::new(0);
         f.put(FrameBuf::Vec(vec![0; 2 << 20]));
         assert_eq!(f.kept(), 0);
+        // Pinned frames asked for where no CUDA device answers: an
+        // ordinary zeroed frame, and nothing counted as alive.
+        if hkv_shard::cuda::probe().is_err() {
+            let f = Frames::new(1 << 30).pinned(0);
+            let mut frame = f.find_frame(10_000, 32);
+            assert!(frame.parts_mut().1.iter().all(|&b| b == 0));
+            let live = &f.pinned.as_ref().expect("pinned").1;
+            assert_eq!((live.bytes.load(Relaxed), live.frames.load(Relaxed)), (0, 0));
+        }
     }
 }

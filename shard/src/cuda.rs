@@ -451,6 +451,14 @@ impl HostFrame {
     }
 }
 
+impl Drop for HostFrame {
+    /// The memory is freed through its context, which the dropping thread
+    /// (a daemon's connection writer, say) may not have bound.
+    fn drop(&mut self) {
+        let _ = self.mem.context().bind_to_thread();
+    }
+}
+
 /// Whether `bytes` bytes at `p` lie in page-locked host memory that CUDA
 /// copies can reach directly (allocated or registered with the driver):
 /// the first and the last byte are (a Rust slice lies in one allocation).
