@@ -7,17 +7,20 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::UnixStream;
 
-use crate::{decode, ok, ClientError, Found, Result};
+use crate::{decode, fit, keep, ok, ClientError, Found, Result, Spare};
 
 fn io(context: &'static str) -> impl FnOnce(std::io::Error) -> ClientError {
     move |source| ClientError::Io { context: context.into(), source }
 }
 
 /// A tokio connection to hkvd. `send` / `recv` pipeline; `call` waits.
+/// Like [`crate::Client`] it keeps its send and body buffers, and reads
+/// find answers into arrays handed back with [`AsyncClient::recycle`].
 pub struct AsyncClient {
     w: OwnedWriteHalf,
     r: BufReader<OwnedReadHalf>,
     next_id: u64,
+    spare: Spare,
 }
 
 impl AsyncClient {
@@ -29,15 +32,17 @@ impl AsyncClient {
             source,
         })?;
         let (r, w) = s.into_split();
-        Ok(AsyncClient { w, r: BufReader::with_capacity(1 << 16, r), next_id: 1 })
+        Ok(AsyncClient { w, r: BufReader::with_capacity(1 << 16, r), next_id: 1, spare: Spare::default() })
     }
 
     /// Sends a request without waiting; returns its id.
     pub async fn send(&mut self, req: &Request) -> Result<u64> {
         let id = self.next_id;
         self.next_id += 1;
-        self.w.write_all(&req.encode(id)).await.map_err(io("sending a request"))?;
-        Ok(id)
+        let frame = req.encode_into(id, std::mem::take(&mut self.spare.send));
+        let sent = self.w.write_all(&frame).await.map_err(io("sending a request"));
+        self.spare.send = keep(frame);
+        sent.map(|_| id)
     }
 
     /// Receives the next response.
@@ -45,9 +50,22 @@ impl AsyncClient {
         let mut h = [0u8; HEADER_LEN];
         self.r.read_exact(&mut h).await.map_err(io("reading a response header"))?;
         let h = Header::decode(&h).map_err(|e| ClientError::Protocol(e.to_string()))?;
-        let mut body = vec![0u8; h.body_len as usize];
-        self.r.read_exact(&mut body).await.map_err(io("reading a response body"))?;
-        Ok((h.id, decode(&h, &body)?))
+        let mut body = fit(std::mem::take(&mut self.spare.body), h.body_len as usize);
+        let read = self.r.read_exact(&mut body).await.map_err(io("reading a response body"));
+        let plain_find = matches!(h.op, hkv_proto::op::FIND | hkv_proto::op::FIND_FEATURES)
+            && h.flags & (hkv_proto::flags::ERROR | hkv_proto::flags::SCORES) == 0
+            && cfg!(target_endian = "little");
+        let r = read.and_then(|_| match plain_find.then(|| self.spare.find_from(&body)).flatten() {
+            Some(r) => Ok(r),
+            None => decode(&h, &body),
+        });
+        self.spare.body = keep(body);
+        Ok((h.id, r?))
+    }
+
+    /// Hands a find answer back: the next one is read into its arrays.
+    pub fn recycle(&mut self, r: Response) {
+        self.spare.recycle(r);
     }
 
     /// Sends a request and waits for its answer.

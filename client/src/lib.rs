@@ -146,7 +146,7 @@ impl Written {
 /// not allocate (and fault in) fresh memory each time; one of more than
 /// [`KEEP_MAX`] bytes is let go.
 #[derive(Default)]
-struct Spare {
+pub(crate) struct Spare {
     /// The last request frame sent.
     send: Vec<u8>,
     /// The last response body read (all but plain finds).
@@ -156,18 +156,48 @@ struct Spare {
     values: Vec<f32>,
 }
 
+impl Spare {
+    /// Keeps the arrays of a find answer for the next one.
+    pub(crate) fn recycle(&mut self, r: Response) {
+        if let Response::Find { found, values, .. } = r {
+            self.found = found;
+            self.values = values;
+        }
+    }
+
+    /// A plain find answer's body (a count and the found bytes, a count and
+    /// the values) in the kept arrays; None when the counts do not add up
+    /// to the body. Little-endian hosts (the wire's order is the floats').
+    pub(crate) fn find_from(&mut self, body: &[u8]) -> Option<Response> {
+        let count = |b: &[u8]| -> Option<usize> { Some(u32::from_le_bytes(b.get(..4)?.try_into().ok()?) as usize) };
+        let n = count(body)?;
+        let rest = body.get(4..)?;
+        let (flags, rest) = (rest.get(..n)?, rest.get(n..)?);
+        let m = count(rest)?;
+        let vals = rest.get(4..)?;
+        if m.checked_mul(4) != Some(vals.len()) {
+            return None;
+        }
+        let mut found = fit(std::mem::take(&mut self.found), n);
+        found.copy_from_slice(flags);
+        let mut values = fit(std::mem::take(&mut self.values), m);
+        zerocopy::IntoBytes::as_mut_bytes(&mut values[..]).copy_from_slice(vals);
+        Some(Response::Find { found, values, scores: None })
+    }
+}
+
 /// The largest buffer a [`Client`] keeps for reuse (256 MiB).
 pub const KEEP_MAX: usize = 256 << 20;
 
 /// `v` holding `n` elements, its memory reused: elements already there are
 /// kept as they are (the caller overwrites all `n`), only new ones zeroed.
-fn fit<T: Clone + Default>(mut v: Vec<T>, n: usize) -> Vec<T> {
+pub(crate) fn fit<T: Clone + Default>(mut v: Vec<T>, n: usize) -> Vec<T> {
     v.resize(n, T::default());
     v
 }
 
 /// `v` when its memory is worth keeping, else an empty vector.
-fn keep<T>(v: Vec<T>) -> Vec<T> {
+pub(crate) fn keep<T>(v: Vec<T>) -> Vec<T> {
     if v.capacity() * std::mem::size_of::<T>() <= KEEP_MAX {
         v
     } else {
@@ -234,10 +264,7 @@ impl Client {
     /// this connection to be read into (no fresh memory to fault in for a
     /// loop of same-sized finds). Other responses are dropped.
     pub fn recycle(&mut self, r: Response) {
-        if let Response::Find { found, values, .. } = r {
-            self.spare.found = found;
-            self.spare.values = values;
-        }
+        self.spare.recycle(r);
     }
 
     /// [`Client::recycle`] for the answer of [`Client::find`].

@@ -162,6 +162,15 @@ fn the_async_client_reads_and_writes() {
         let err = c.find("missing", &[1]).await.unwrap_err();
         assert!(err.to_string().contains("missing"), "{err}");
         assert_eq!(c.find("a", &[keys[2]]).await.unwrap().values, v[8..12]);
+        // Answers handed back: later ones, larger and smaller, are exact.
+        for n in [1000usize, 10, 1000, 3] {
+            c.send(&Request::Find { table: "a".into(), keys: probe[..n].to_vec(), scores: false }).await.unwrap();
+            let (_, r) = c.recv().await.unwrap();
+            let Response::Find { found, values, .. } = &r else { panic!("{r:?}") };
+            assert_eq!((found.len(), values.len()), (n, 4 * n));
+            assert_eq!(values[..], want[..4 * n], "{n} keys");
+            c.recycle(r);
+        }
     });
 }
 
