@@ -225,10 +225,22 @@ def _arr(a: np.ndarray) -> List[memoryview]:
 
 
 class _Pending:
-    __slots__ = ("op", "dim", "n", "flags")
+    __slots__ = ("op", "dim", "n", "flags", "out")
 
-    def __init__(self, op: int, dim: int, n: int, flags: int):
-        self.op, self.dim, self.n, self.flags = op, dim, n, flags
+    def __init__(self, op: int, dim: int, n: int, flags: int, out: Optional[np.ndarray] = None):
+        self.op, self.dim, self.n, self.flags, self.out = op, dim, n, flags, out
+
+
+def _check_out(out: np.ndarray, n: int, dim: int) -> np.ndarray:
+    """``out`` when it can take a find's values: float32, shape (n, dim),
+    C-contiguous and writeable."""
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a numpy array, not {type(out).__name__}")
+    if out.dtype != np.float32 or out.shape != (n, dim):
+        raise ValueError(f"out must be float32 of shape ({n}, {dim}), not {out.dtype} of shape {out.shape}")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError("out must be C-contiguous and writeable")
+    return out
 
 
 class Client:
@@ -259,7 +271,8 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _send(self, op: int, flags: int, parts: Sequence, dim: int = 0, n: int = 0) -> int:
+    def _send(self, op: int, flags: int, parts: Sequence, dim: int = 0, n: int = 0,
+              out: Optional[np.ndarray] = None) -> int:
         rid = self._next
         self._next += 1
         body = sum(len(p) if not isinstance(p, memoryview) else p.nbytes for p in parts)
@@ -270,7 +283,7 @@ class Client:
             # Rare: the kernel took part of it; send the rest as one buffer.
             rest = b"".join(bytes(b) for b in bufs)[sent:]
             self._sock.sendall(rest)
-        self._pending[rid] = _Pending(op, dim, n, flags)
+        self._pending[rid] = _Pending(op, dim, n, flags, out)
         return rid
 
     def _recv_exact(self, view: memoryview) -> None:
@@ -290,11 +303,12 @@ class Client:
     def _u32(self) -> int:
         return struct.unpack("<I", self._read(4))[0]
 
-    def _array(self, dtype: str, expect: Optional[int] = None) -> np.ndarray:
+    def _array(self, dtype: str, expect: Optional[int] = None, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """The next array; into ``out`` (of ``expect`` elements) when given."""
         n = self._u32()
         if expect is not None and n != expect:
             raise ProtocolError(f"array of {n} elements where {expect} were expected")
-        a = np.empty(n, dtype=dtype)
+        a = out.reshape(-1) if out is not None else np.empty(n, dtype=dtype)
         if n:
             self._recv_exact(memoryview(a).cast("B"))
         return a
@@ -320,7 +334,9 @@ class Client:
             return rid, self._array("<u8", p.n)
         if op in (OP_FIND, OP_FIND_FEATURES):
             found = self._array("u1", p.n).astype(bool)
-            values = self._array("<f4", p.n * p.dim).reshape(p.n, p.dim)
+            values = self._array("<f4", p.n * p.dim, p.out).reshape(p.n, p.dim)
+            if p.out is not None:
+                values = p.out
             scores = self._array("<u8", p.n) if flags & F_SCORES else None
             return rid, (values, found, scores)
         if op == OP_CONTAINS:
@@ -425,14 +441,19 @@ class Client:
         self._call(OP_SHUTDOWN)
 
     # ---- table operations ---------------------------------------------
-    def send_find(self, table: str, keys, scores: bool = False) -> int:
+    def send_find(self, table: str, keys, scores: bool = False, out: Optional[np.ndarray] = None) -> int:
         k = _keys(keys)
-        return self._send(OP_FIND, F_SCORES if scores else 0, [_str(table), *_arr(k)], self.dim(table), k.size)
+        dim = self.dim(table)
+        if out is not None:
+            _check_out(out, k.size, dim)
+        return self._send(OP_FIND, F_SCORES if scores else 0, [_str(table), *_arr(k)], dim, k.size, out)
 
-    def find(self, table: str, keys, scores: bool = False):
+    def find(self, table: str, keys, scores: bool = False, out: Optional[np.ndarray] = None):
         """``(values (n, dim) float32, found (n,) bool)``, plus scores when asked.
-        Misses leave zeros."""
-        values, found, sc = self.result(self.send_find(table, keys, scores))
+        Misses leave zeros. With ``out`` (float32, shape (n, dim),
+        C-contiguous) the values are received into it and it is returned: a
+        loop of finds then reuses one array instead of a fresh one each time."""
+        values, found, sc = self.result(self.send_find(table, keys, scores, out))
         return (values, found, sc) if scores else (values, found)
 
     # ---- feature hashing ---------------------------------------------

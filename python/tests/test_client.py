@@ -108,6 +108,16 @@ def test_large_batches_of_a_million_keys(daemon):
     got, found = c.find("big", keys)
     np.testing.assert_array_equal(got[found], v[found])
     assert found.sum() == c.tables()[0]["size"]
+    # Into a caller's array: the same array back, filled, then refilled.
+    out = np.full((1 << 20, 8), 7.0, np.float32)
+    got2, found2 = c.find("big", keys, out=out)
+    assert got2 is out and (found2 == found).all()
+    np.testing.assert_array_equal(out, got)
+    half = keys[: 1 << 19] + 1  # keys never inserted: rows of zeros
+    got3, found3 = c.find("big", half, out=out[: 1 << 19])
+    assert not found3.any() and (got3 == 0).all() and (out[1 << 19 :] == got[1 << 19 :]).all()
+    with pytest.raises(ValueError, match="float32 of shape"):
+        c.find("big", keys[:4], out=np.zeros((4, 7), np.float32))
 
 
 def test_concurrent_clients_and_pipelining(daemon):
