@@ -7,7 +7,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::UnixStream;
 
-use crate::{decode, fit, keep, ok, ClientError, Found, Result, Spare};
+use crate::{decode, fit, keep, ok, plain_find, ClientError, Found, Result, Spare};
 
 fn io(context: &'static str) -> impl FnOnce(std::io::Error) -> ClientError {
     move |source| ClientError::Io { context: context.into(), source }
@@ -52,10 +52,7 @@ impl AsyncClient {
         let h = Header::decode(&h).map_err(|e| ClientError::Protocol(e.to_string()))?;
         let mut body = fit(std::mem::take(&mut self.spare.body), h.body_len as usize);
         let read = self.r.read_exact(&mut body).await.map_err(io("reading a response body"));
-        let plain_find = matches!(h.op, hkv_proto::op::FIND | hkv_proto::op::FIND_FEATURES)
-            && h.flags & (hkv_proto::flags::ERROR | hkv_proto::flags::SCORES) == 0
-            && cfg!(target_endian = "little");
-        let r = read.and_then(|_| match plain_find.then(|| self.spare.find_from(&body)).flatten() {
+        let r = read.and_then(|_| match plain_find(&h).then(|| self.spare.find_from(&body)).flatten() {
             Some(r) => Ok(r),
             None => decode(&h, &body),
         });

@@ -186,6 +186,15 @@ impl Spare {
     }
 }
 
+/// Whether the answer under header `h` is a find without scores, whose
+/// arrays the clients read into kept ones (little-endian hosts only: the
+/// wire's order is then the floats' own).
+pub(crate) fn plain_find(h: &Header) -> bool {
+    matches!(h.op, proto::op::FIND | proto::op::FIND_FEATURES)
+        && h.flags & (proto::flags::ERROR | proto::flags::SCORES) == 0
+        && cfg!(target_endian = "little")
+}
+
 /// The largest buffer a [`Client`] keeps for reuse (256 MiB).
 pub const KEEP_MAX: usize = 256 << 20;
 
@@ -248,9 +257,7 @@ impl Client {
         let mut h = [0u8; HEADER_LEN];
         self.r.read_exact(&mut h).map_err(io("reading a response header"))?;
         let h = Header::decode(&h).map_err(|e| ClientError::Protocol(e.to_string()))?;
-        let plain_find = matches!(h.op, proto::op::FIND | proto::op::FIND_FEATURES)
-            && h.flags & (proto::flags::ERROR | proto::flags::SCORES) == 0;
-        if plain_find && cfg!(target_endian = "little") {
+        if plain_find(&h) {
             return Ok((h.id, self.recv_find(h.body_len as usize)?));
         }
         let mut body = fit(std::mem::take(&mut self.spare.body), h.body_len as usize);

@@ -189,17 +189,18 @@ async fn connection(state: Arc<State>, stream: UnixStream) {
     let sent = state.clone();
     let writer = tokio::spawn(async move {
         let mut w = BufWriter::with_capacity(1 << 16, wr);
-        while let Some(f) = rx.recv().await {
-            if w.write_all(f.bytes()).await.is_err() {
-                return;
-            }
-            sent.router.frames.put(f);
-            // Flush when nothing else is queued, so answers never linger.
-            while let Ok(f) = rx.try_recv() {
+        while let Some(mut f) = rx.recv().await {
+            // Everything queued, then a flush when nothing else is, so
+            // answers never linger; each sent frame goes back for reuse.
+            loop {
                 if w.write_all(f.bytes()).await.is_err() {
                     return;
                 }
                 sent.router.frames.put(f);
+                match rx.try_recv() {
+                    Ok(next) => f = next,
+                    Err(_) => break,
+                }
             }
             if w.flush().await.is_err() {
                 return;

@@ -33,10 +33,7 @@ impl Writer {
 
     /// Writes the header of a [`Writer::framed`] buffer and returns the frame.
     pub fn finish_frame(mut self, op: u8, flags: u16, id: u64) -> Vec<u8> {
-        let body_len = (self.buf.len() - crate::HEADER_LEN) as u32;
-        let mut h = Vec::with_capacity(crate::HEADER_LEN);
-        crate::Header { op, flags, id, body_len }.encode(&mut h);
-        self.buf[..crate::HEADER_LEN].copy_from_slice(&h);
+        crate::Header::write_into(op, flags, id, &mut self.buf);
         self.buf
     }
 

@@ -103,6 +103,15 @@ impl Header {
         out.extend_from_slice(&self.body_len.to_le_bytes());
     }
 
+    /// Writes the header of a frame laid out with [`HEADER_LEN`] bytes of
+    /// header space first (`frame`: the whole frame, body after the space).
+    pub fn write_into(op: u8, flags: u16, id: u64, frame: &mut [u8]) {
+        let body_len = (frame.len() - HEADER_LEN) as u32;
+        let mut h = Vec::with_capacity(HEADER_LEN);
+        Header { op, flags, id, body_len }.encode(&mut h);
+        frame[..HEADER_LEN].copy_from_slice(&h);
+    }
+
     /// Parses 20 header bytes: magic, then version, are checked.
     pub fn decode(b: &[u8; HEADER_LEN]) -> Result<Header, ProtoError> {
         if b[0..4] != MAGIC {

@@ -1028,11 +1028,7 @@ impl Response {
     pub fn into_frame(self, req_op: u8, id: u64) -> FrameBuf {
         match self {
             Response::Framed(mut frame) => {
-                let b = frame.bytes_mut();
-                let body_len = (b.len() - HEADER_LEN) as u32;
-                let mut h = Vec::with_capacity(HEADER_LEN);
-                crate::Header { op: req_op, flags: flags::RESPONSE, id, body_len }.encode(&mut h);
-                b[..HEADER_LEN].copy_from_slice(&h);
+                crate::Header::write_into(req_op, flags::RESPONSE, id, frame.bytes_mut());
                 frame
             }
             other => FrameBuf::Vec(other.encode(req_op, id)),

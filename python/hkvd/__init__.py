@@ -334,9 +334,8 @@ class Client:
             return rid, self._array("<u8", p.n)
         if op in (OP_FIND, OP_FIND_FEATURES):
             found = self._array("u1", p.n).astype(bool)
-            values = self._array("<f4", p.n * p.dim, p.out).reshape(p.n, p.dim)
-            if p.out is not None:
-                values = p.out
+            flat = self._array("<f4", p.n * p.dim, p.out)
+            values = p.out if p.out is not None else flat.reshape(p.n, p.dim)
             scores = self._array("<u8", p.n) if flags & F_SCORES else None
             return rid, (values, found, scores)
         if op == OP_CONTAINS:
