@@ -91,3 +91,23 @@ fn feature_commands_hash_and_look_up() {
     let x = hkv_shard::features::fingerprint64(b"x") % 1000;
     assert_eq!(d.run(&["hash", "--table", "t", "x"]), format!("x: {x}\n"));
 }
+
+#[test]
+fn bench_prints_every_figure_and_cleans_up() {
+    let d = Daemon::start();
+    let args = ["bench", "--json", "--capacity", "8192", "--batches", "64,256", "--clients", "1,2"];
+    let out = d.run(&[&args[..], &["--seconds", "0.2", "--warmup", "0.1"]].concat());
+    let rows: Vec<serde_json::Value> =
+        out.lines().filter(|l| l.starts_with('{')).map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(rows.len(), 4, "{out}");
+    for r in &rows {
+        for f in ["find_keys_per_s", "raw_keys_per_s", "insert_keys_per_s"] {
+            assert!(r[f].as_f64().is_some_and(|x| x > 0.0), "{f} in {r}");
+        }
+    }
+    let out = d.run(&["bench", "--features", "--capacity", "8192", "--batches", "64", "--clients", "2", "--seconds", "0.2"]);
+    assert!(out.contains("after 0.5 s warm-up"), "{out}");
+    assert_eq!(out.lines().filter(|l| l.trim_start().starts_with("64 ")).count(), 1, "{out}");
+    // Each bench drops the table it made.
+    assert!(!d.run(&["tables"]).contains("hkvctl-bench"), "tables left behind");
+}

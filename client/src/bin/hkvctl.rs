@@ -255,6 +255,10 @@ struct BenchArgs {
     /// Seconds per measurement.
     #[arg(long, default_value_t = 2.0)]
     seconds: f64,
+    /// Untimed seconds of the same requests before each measurement, so
+    /// that buffers on both ends exist before the clock starts (0: none).
+    #[arg(long, default_value_t = 0.5)]
+    warmup: f64,
     /// Print one JSON object per measurement.
     #[arg(long)]
     json: bool,
@@ -373,44 +377,56 @@ fn across_clients(
 }
 
 /// One measurement: `clients` connections, each keeping `pipeline` requests
-/// in flight for `seconds`; returns keys per second.
+/// in flight for `warmup` seconds untimed and then for `seconds`; returns
+/// keys per second of the timed part.
 fn measure(
     socket: &PathBuf,
     a: &BenchArgs,
     clients: usize,
     make: &(dyn Fn(&mut rand::rngs::ThreadRng) -> Request + Sync),
 ) -> Result<f64> {
-    let deadline = Duration::from_secs_f64(a.seconds);
     across_clients(socket, clients, &|c| {
         let mut rng = rand::thread_rng();
         let reqs: Vec<Request> = (0..a.pipeline.max(1) + 1).map(|_| make(&mut rng)).collect();
-        let per = match &reqs[0] {
-            Request::Find { keys, .. } | Request::Write { keys, .. } => keys.len() as u64,
-            Request::FindFeatures { features, .. } => features.len() as u64,
-            Request::Echo { padding, .. } => (*padding / 8) as u64,
-            _ => 1,
-        };
-        let start = Instant::now();
-        let (mut sent, mut done) = (0usize, 0u64);
-        for _ in 0..a.pipeline.max(1) {
-            c.send(&reqs[sent % reqs.len()])?;
-            sent += 1;
-        }
-        // Answers go back to the client for the next ones to be read into,
-        // as a loop of same-sized finds would do.
-        while start.elapsed() < deadline {
-            let (_, r) = c.recv()?;
-            c.recycle(hkv_client::ok(r)?);
-            done += per;
-            c.send(&reqs[sent % reqs.len()])?;
-            sent += 1;
-        }
-        for _ in 0..a.pipeline.max(1) {
-            c.recv()?;
-            done += per;
-        }
-        Ok((done, start.elapsed().as_secs_f64()))
+        // The first large answers of a kind make the daemon allocate (and on
+        // the CUDA backend page-lock) the frames it then keeps reusing, and
+        // the client grow its buffers: a warm-up keeps that out of the figure.
+        keep_busy(c, &reqs, a.pipeline, Duration::from_secs_f64(a.warmup))?;
+        keep_busy(c, &reqs, a.pipeline, Duration::from_secs_f64(a.seconds))
     })
+}
+
+/// Sends `reqs` in turn, `pipeline` in flight, until `time` has passed, then
+/// waits for the answers still due; returns the keys answered and the
+/// seconds taken.
+fn keep_busy(c: &mut Client, reqs: &[Request], pipeline: usize, time: Duration) -> Result<(u64, f64)> {
+    let per = match &reqs[0] {
+        Request::Find { keys, .. } | Request::Write { keys, .. } => keys.len() as u64,
+        Request::FindFeatures { features, .. } => features.len() as u64,
+        Request::Echo { padding, .. } => (*padding / 8) as u64,
+        _ => 1,
+    };
+    let start = Instant::now();
+    let (mut sent, mut done) = (0usize, 0u64);
+    for _ in 0..pipeline.max(1) {
+        c.send(&reqs[sent % reqs.len()])?;
+        sent += 1;
+    }
+    // Answers go back to the client for the next ones to be read into, as a
+    // loop of same-sized finds would do.
+    while start.elapsed() < time {
+        let (_, r) = c.recv()?;
+        c.recycle(hkv_client::ok(r)?);
+        done += per;
+        c.send(&reqs[sent % reqs.len()])?;
+        sent += 1;
+    }
+    for _ in 0..pipeline.max(1) {
+        let (_, r) = c.recv()?;
+        c.recycle(hkv_client::ok(r)?);
+        done += per;
+    }
+    Ok((done, start.elapsed().as_secs_f64()))
 }
 
 /// `hkvctl bench --features`: int64 features 1..=fill hashed with the
@@ -435,8 +451,8 @@ fn bench_features(socket: PathBuf, a: BenchArgs) -> Result<()> {
         x += n;
     }
     println!(
-        "hkvctl bench --features: table dim {}, capacity {}, {fill} int64 features resident; {} s per figure, pipeline {}",
-        a.dim, a.capacity, a.seconds, a.pipeline
+        "hkvctl bench --features: table dim {}, capacity {}, {fill} int64 features resident; {} s per figure after {} s warm-up, pipeline {}",
+        a.dim, a.capacity, a.seconds, a.warmup, a.pipeline
     );
     println!(
         "{:>8} {:>7} {:>16} {:>18} {:>16} {:>12}",
@@ -491,7 +507,6 @@ fn hash_then_find(
     batch: usize,
     fill: i64,
 ) -> Result<f64> {
-    let deadline = Duration::from_secs_f64(a.seconds);
     across_clients(socket, clients, &|c| {
         let mut rng = rand::thread_rng();
         let reqs: Vec<Request> = (0..a.pipeline.max(1) + 1)
@@ -501,31 +516,37 @@ fn hash_then_find(
                 features: proto::Features::Int64((0..batch).map(|_| rng.gen_range(1..=fill)).collect()),
             })
             .collect();
-        let start = Instant::now();
-        let (mut sent, mut done) = (0usize, 0u64);
-        let mut ids = std::collections::HashSet::new();
-        for _ in 0..a.pipeline.max(1) {
-            ids.insert(c.send(&reqs[sent % reqs.len()])?);
-            sent += 1;
-        }
-        let mut outstanding = a.pipeline.max(1);
-        while outstanding > 0 {
-            let (id, r) = c.recv()?;
-            if ids.remove(&id) {
-                let hkv_client::Response::Keys(keys) = hkv_client::ok(r)? else { bail!("hash: unexpected answer") };
-                c.send(&Request::Find { table: table.into(), keys, scores: false })?;
-            } else {
-                hkv_client::ok(r)?;
-                done += batch as u64;
-                outstanding -= 1;
-                if start.elapsed() < deadline {
-                    ids.insert(c.send(&reqs[sent % reqs.len()])?);
-                    sent += 1;
-                    outstanding += 1;
+        let mut run = |time: Duration| -> Result<(u64, f64)> {
+            let start = Instant::now();
+            let (mut sent, mut done) = (0usize, 0u64);
+            let mut ids = std::collections::HashSet::new();
+            for _ in 0..a.pipeline.max(1) {
+                ids.insert(c.send(&reqs[sent % reqs.len()])?);
+                sent += 1;
+            }
+            let mut outstanding = a.pipeline.max(1);
+            while outstanding > 0 {
+                let (id, r) = c.recv()?;
+                if ids.remove(&id) {
+                    let hkv_client::Response::Keys(keys) = hkv_client::ok(r)? else {
+                        bail!("hash: unexpected answer")
+                    };
+                    c.send(&Request::Find { table: table.into(), keys, scores: false })?;
+                } else {
+                    hkv_client::ok(r)?;
+                    done += batch as u64;
+                    outstanding -= 1;
+                    if start.elapsed() < time {
+                        ids.insert(c.send(&reqs[sent % reqs.len()])?);
+                        sent += 1;
+                        outstanding += 1;
+                    }
                 }
             }
-        }
-        Ok((done, start.elapsed().as_secs_f64()))
+            Ok((done, start.elapsed().as_secs_f64()))
+        };
+        run(Duration::from_secs_f64(a.warmup))?;
+        run(Duration::from_secs_f64(a.seconds))
     })
 }
 
@@ -546,8 +567,8 @@ fn bench(socket: PathBuf, a: BenchArgs) -> Result<()> {
     }
     let resident = fill as u64;
     println!(
-        "hkvctl bench: table dim {}, capacity {}, {} keys resident; {} s per figure, pipeline {}",
-        a.dim, a.capacity, resident, a.seconds, a.pipeline
+        "hkvctl bench: table dim {}, capacity {}, {} keys resident; {} s per figure after {} s warm-up, pipeline {}",
+        a.dim, a.capacity, resident, a.seconds, a.warmup, a.pipeline
     );
     println!(
         "{:>8} {:>7} {:>14} {:>10} {:>14} {:>10} {:>10} {:>14} {:>10}",
