@@ -105,7 +105,8 @@ fn bench_prints_every_figure_and_cleans_up() {
             assert!(r[f].as_f64().is_some_and(|x| x > 0.0), "{f} in {r}");
         }
     }
-    let out = d.run(&["bench", "--features", "--capacity", "8192", "--batches", "64", "--clients", "2", "--seconds", "0.2"]);
+    let out =
+        d.run(&["bench", "--features", "--capacity", "8192", "--batches", "64", "--clients", "2", "--seconds", "0.2"]);
     assert!(out.contains("after 0.5 s warm-up"), "{out}");
     assert_eq!(out.lines().filter(|l| l.trim_start().starts_with("64 ")).count(), 1, "{out}");
     // Each bench drops the table it made.

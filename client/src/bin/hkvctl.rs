@@ -528,9 +528,7 @@ fn hash_then_find(
             while outstanding > 0 {
                 let (id, r) = c.recv()?;
                 if ids.remove(&id) {
-                    let hkv_client::Response::Keys(keys) = hkv_client::ok(r)? else {
-                        bail!("hash: unexpected answer")
-                    };
+                    let hkv_client::Response::Keys(keys) = hkv_client::ok(r)? else { bail!("hash: unexpected answer") };
                     c.send(&Request::Find { table: table.into(), keys, scores: false })?;
                 } else {
                     hkv_client::ok(r)?;
