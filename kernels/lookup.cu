@@ -4,15 +4,23 @@
 // 256-thread block; the host picks G per batch (cuda_table::Funcs).
 // Memory traffic per key: the key, one digest line (two in dual mode), ~1 key
 // read per digest match, and on a hit the value row read and written.
+// The lookup_at kernels (AT, for find_at) write key i's row at row at[i] of
+// the output instead, a miss as a row of zeros (flags stay at index i). The
+// output may be a daemon's response frame in page-locked host memory, whose
+// rows are aligned to 4 bytes only and cross PCIe as the device writes them:
+// the warp writes its keys' rows one after the other, all 32 lanes 4 bytes
+// each, so that each row goes in whole-row writes (a group's own stores
+// would send 4 × G bytes at a time).
 
-template <int G>
+template <int G, bool AT>
 __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u64 n, float* values, u8* found,
-                                           u64* scores, u64* ptrs, u64* cnt, const u8* only) {
+                                           u64* scores, u64* ptrs, u64* cnt, const u8* only, const u32* at) {
     HkvGroup<G> g;
     u64 i = hkv_key_index(t, ((u64)blockIdx.x * blockDim.x + threadIdx.x) / G, n);
     bool active = i < n && !(only && !only[i]);
     u64 pos = 0;
     bool hit = false;
+    u64 o = AT && active ? at[i] : i;
     if (active) {
         u64 key = keys[i];
         u64 b1, b2;
@@ -34,6 +42,21 @@ __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u
         }
     }
     if (!values) return;
+    // find_at: the warp writes every row of its keys, one after the other.
+    if (AT) {
+        u32 lane = threadIdx.x & 31;
+        u32 lead = __ballot_sync(0xffffffffu, active && g.rank == 0);
+        float* dst = active ? values + o * t.dim : 0;
+        const float* src = hit ? hkv_row(t, pos) : 0;
+        while (lead) {
+            int from = __ffs(lead) - 1;
+            lead &= lead - 1;
+            float* d = (float*)__shfl_sync(0xffffffffu, (u64)dst, from);
+            const float* s = (const float*)__shfl_sync(0xffffffffu, (u64)src, from);
+            for (u32 e = lane; e < t.dim; e += 32) d[e] = s ? __ldg(s + e) : 0.0f;
+        }
+        return;
+    }
     // Rows in device memory: each group copies its own. Rows in host memory
     // (warp-uniform test: the table has a host tier): the warp copies them
     // together, in whole lines.
@@ -50,7 +73,15 @@ __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u
     extern "C" __global__ void NAME(HkvTable t, const u64* keys, u64 n, float* values, u8* found, u64* scores,     \
                                     u64* ptrs, u64* counters, const u8* only) {                                    \
         HKV_COUNTERS_INIT                                                                                          \
-        lookup_one<G>(t, keys, n, values, found, scores, ptrs, hkv_cnt, only);                                    \
+        lookup_one<G, false>(t, keys, n, values, found, scores, ptrs, hkv_cnt, only, 0);                          \
+        hkv_flush_counters(hkv_cnt, counters);                                                                     \
+    }
+
+#define HKV_LOOKUP_AT_KERNEL(NAME, G)                                                                           \
+    extern "C" __global__ void NAME(HkvTable t, const u64* keys, u64 n, const u32* at, float* values, u8* found,   \
+                                    u64* counters) {                                                               \
+        HKV_COUNTERS_INIT                                                                                          \
+        lookup_one<G, true>(t, keys, n, values, found, 0, 0, hkv_cnt, 0, at);                                     \
         hkv_flush_counters(hkv_cnt, counters);                                                                     \
     }
 
@@ -63,6 +94,16 @@ HKV_LOOKUP_KERNEL(lookup_find_g2, 2)
 HKV_LOOKUP_KERNEL(lookup_find_g4, 4)
 HKV_LOOKUP_KERNEL(lookup_find_g16, 16)
 HKV_LOOKUP_KERNEL(lookup_find_g32, 32)
+
+// find_at: key i's flag into found[i], its row into row at[i] of values
+// (4-byte aligned), a miss as zeros. lookup_at: 8 threads per key;
+// lookup_at_gN: N.
+HKV_LOOKUP_AT_KERNEL(lookup_at, 8)
+HKV_LOOKUP_AT_KERNEL(lookup_at_g1, 1)
+HKV_LOOKUP_AT_KERNEL(lookup_at_g2, 2)
+HKV_LOOKUP_AT_KERNEL(lookup_at_g4, 4)
+HKV_LOOKUP_AT_KERNEL(lookup_at_g16, 16)
+HKV_LOOKUP_AT_KERNEL(lookup_at_g32, 32)
 
 // ---- key order for tables with a host tier -----------------------------------
 // The device reaches rows in mapped host memory about three times faster

@@ -334,15 +334,6 @@ impl Split {
         }
     }
 
-    /// Puts shard `j`'s answer rows in request order into `dst`, every key's
-    /// rows (`width` values each).
-    fn place_into<T: Copy>(&self, dst: &mut [T], j: usize, src: &[T], width: usize) {
-        match self {
-            Split::Whole => dst.copy_from_slice(src),
-            Split::Parts(parts) => scatter(dst, &parts[j], src, width),
-        }
-    }
-
     /// Puts shard `j`'s answer rows in request order.
     fn place<T: Copy>(&self, dst: &mut Vec<T>, j: usize, src: Vec<T>, width: usize) {
         match self {
@@ -549,31 +540,21 @@ impl Router {
             };
             return Ok(frame.into_response());
         }
-        if self.backend == Backend::Cpu {
-            // A CPU shard spreads a batch over every core by itself, so the
-            // shards fill the frame one after the other, each writing its
-            // keys' rows in place: no answer array per shard, no copy.
-            let Split::Parts(parts) = &split else { unreachable!() };
-            for (i, (keys, at)) in split.take(keys, 1).into_iter().zip(parts).enumerate() {
-                if keys.is_empty() {
-                    continue;
-                }
-                let SubResult::Frame(f) = self.call(t, i, SubOp::FindAt { keys, at: at.clone(), frame }).await? else {
-                    unreachable!()
-                };
-                frame = f;
+        // The shards fill the frame one after the other, each writing its
+        // keys' rows in place (`Shard::find_at`): no answer array per shard,
+        // no copy on the router. A CPU shard spreads its part over every
+        // core by itself; a CUDA shard's kernel writes its rows straight
+        // into a pinned frame. While one request's part is on one shard,
+        // other requests' parts keep the other shards busy.
+        let Split::Parts(parts) = &split else { unreachable!() };
+        for (i, (keys, at)) in split.take(keys, 1).into_iter().zip(parts).enumerate() {
+            if keys.is_empty() {
+                continue;
             }
-            return Ok(frame.into_response());
-        }
-        let dim = t.config.dim;
-        let ops = split.take(keys, 1).into_iter().map(|keys| SubOp::Find { keys, scores: false }).collect();
-        let results = self.fan_out(t, ops).await?;
-        let (found, values) = values_of(&mut frame).expect("checked by the caller");
-        for (j, r) in results.into_iter().enumerate() {
-            let SubResult::Find { found: f, values: v, .. } = r else { unreachable!() };
-            let f: Vec<u8> = f.into_iter().map(u8::from).collect();
-            split.place_into(found, j, &f, 1);
-            split.place_into(values, j, &v, dim);
+            let SubResult::Frame(f) = self.call(t, i, SubOp::FindAt { keys, at: at.clone(), frame }).await? else {
+                unreachable!()
+            };
+            frame = f;
         }
         Ok(frame.into_response())
     }
@@ -791,20 +772,14 @@ mod tests {
         whole.place(&mut out, 0, src, 1);
         assert_eq!(out.as_ptr(), src_at, "the shard's answer is moved, not copied");
         assert_eq!(out, keys);
-        let mut framed = vec![0u64; 1000];
-        whole.place_into(&mut framed, 0, &keys, 1);
-        assert_eq!(framed, keys);
         let parts = Split::new(&keys, 3);
         let mut back = parts.out(1000, 2, 0u64);
-        let mut framed = vec![0u64; 2000];
         let rows: Vec<u64> = keys.iter().flat_map(|&k| [k, k + 1]).collect();
         for (j, sub) in parts.take(rows.clone(), 2).into_iter().enumerate() {
             assert!(sub.chunks(2).all(|r| shard_of(r[0], 3) == j as u64));
-            parts.place_into(&mut framed, j, &sub, 2);
             parts.place(&mut back, j, sub, 2);
         }
         assert_eq!(back, rows);
-        assert_eq!(framed, rows);
     }
 
     #[test]

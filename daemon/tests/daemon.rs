@@ -180,8 +180,21 @@ fn the_async_client_reads_and_writes() {
 /// shard (the shard fills the frame whole) and two (each fills its rows).
 #[test]
 fn reused_find_frames_answer_misses_with_zeros() {
+    misses_in_reused_frames("cpu");
+}
+
+/// The same on the CUDA backend, whose frames are page-locked: one shard
+/// copies its rows into the frame from the device, two shards on one GPU
+/// have the lookup kernel write each row at its place.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn reused_pinned_find_frames_answer_misses_with_zeros() {
+    misses_in_reused_frames("cuda");
+}
+
+fn misses_in_reused_frames(backend: &str) {
     for shards in ["1", "2"] {
-        let d = Daemon::start(&["--shards", shards]);
+        let d = Daemon::start(&["--backend", backend, "--shards", shards]);
         let mut c = d.client();
         c.create_table(spec("r", 32, 1 << 15, "lru", "single")).unwrap();
         let keys: Vec<u64> = (1..=10_000).map(|k| k * 7919).collect();

@@ -395,8 +395,10 @@ pub fn shared_device(ordinal: usize) -> Result<Arc<Device>> {
 /// Page-locked host memory for a response frame that the GPU writes rows
 /// into directly: a find of a CUDA table whose values array lies in such
 /// memory copies the rows there from the device in one transfer, without
-/// the lane's staging memory in between. Pinned for every context
-/// (`CU_MEMHOSTALLOC_PORTABLE`); zeroed when allocated; freed on drop.
+/// the lane's staging memory in between, and `CudaTable::find_at` has the
+/// lookup kernel write rows into it over PCIe. Pinned and mapped for every
+/// context (`CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP`); zeroed
+/// when allocated; freed on drop.
 pub struct HostFrame {
     mem: cudarc::driver::PinnedHostSlice<u8>,
     /// `mem`'s address (fixed for its life).
@@ -415,7 +417,7 @@ impl HostFrame {
     /// `ordinal`'s context.
     pub fn new(ordinal: usize, bytes: usize) -> Result<HostFrame> {
         let dev = shared_device(ordinal)?;
-        let flags = cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE;
+        let flags = cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE | cudarc::driver::sys::CU_MEMHOSTALLOC_DEVICEMAP;
         // SAFETY: the memory is zeroed below before anything reads it.
         let mut mem = unsafe { dev.ctx.alloc_pinned_with_flags::<u8>(bytes.max(1), flags) }
             .map_err(dev_err("allocating a pinned frame"))?;
@@ -478,4 +480,25 @@ pub fn is_pinned_host(p: *const u8, bytes: usize) -> bool {
         r == sys::CUresult::CUDA_SUCCESS && kind == sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32
     };
     bytes > 0 && pinned(p as u64) && pinned(p as u64 + bytes as u64 - 1)
+}
+
+/// The address through which kernels of the thread's current context reach
+/// the `bytes` bytes at `p`, when they lie in page-locked host memory mapped
+/// for the device (as a [`HostFrame`] is); else `None`.
+pub(crate) fn device_address_of_host(p: *const u8, bytes: usize) -> Option<u64> {
+    use cudarc::driver::sys;
+    if !is_pinned_host(p, bytes) {
+        return None;
+    }
+    let mut addr: sys::CUdeviceptr = 0;
+    // SAFETY: the call writes one CUdeviceptr into `addr`; it only looks the
+    // address up, never dereferences it.
+    let r = unsafe {
+        sys::cuPointerGetAttribute(
+            &mut addr as *mut sys::CUdeviceptr as *mut std::ffi::c_void,
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
+            p as sys::CUdeviceptr,
+        )
+    };
+    (r == sys::CUresult::CUDA_SUCCESS && addr != 0).then_some(addr)
 }

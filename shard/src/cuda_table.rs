@@ -318,6 +318,8 @@ struct Lane {
     lost_kinds: Option<CudaSlice<u8>>,
     counts: Option<CudaSlice<u32>>,
     offsets: Option<CudaSlice<u64>>,
+    /// find_at's output rows.
+    at: Option<CudaSlice<u32>>,
     /// Pinned memory the batch's host arrays pass through.
     stage: Staging,
 }
@@ -325,6 +327,8 @@ struct Lane {
 struct Funcs {
     /// Lookup kernels with 1 to 32 threads per key ([`LOOKUP_GROUPS`]) (see [`Funcs::lookup`]).
     lookup: Vec<Variant>,
+    /// The same for find_at (`lookup_at`: rows to given output rows).
+    lookup_at: Vec<Variant>,
     /// Upsert and update kernels with 1 to 32 threads per key ([`WRITE_GROUPS`])
     /// (see [`Funcs::upsert`], [`Funcs::update`]).
     upsert: Vec<Variant>,
@@ -406,8 +410,8 @@ impl Funcs {
     /// The lookup kernel for a batch of rows of `dim` floats: 1 thread per
     /// key when no values are copied out (contains, find*), else 2, or one
     /// per 16 floats of a wide row; 16 for a batch in region order
-    /// (`ordered`, a table with a host tier).
-    fn lookup(&self, values: bool, dim: usize, ordered: bool) -> &Variant {
+    /// (`ordered`, a table with a host tier). `at`: the find_at kernel.
+    fn lookup(&self, values: bool, dim: usize, ordered: bool, at: bool) -> &Variant {
         let g = if ordered {
             HOST_TIER_LOOKUP
         } else if values {
@@ -415,7 +419,7 @@ impl Funcs {
         } else {
             1
         };
-        pick(&self.lookup, self.forced_lookup.unwrap_or(g))
+        pick(if at { &self.lookup_at } else { &self.lookup }, self.forced_lookup.unwrap_or(g))
     }
 
     /// The upsert kernel for a table at `load`: 1 thread per key, from
@@ -478,6 +482,8 @@ pub(crate) struct Ptrs {
     pub(crate) outcomes: u64,
     pub(crate) ptrs: u64,
     pub(crate) only: u64,
+    /// Lookups: each key's output row (u32 each; 0: key i to row i).
+    pub(crate) at: u64,
     pub(crate) lost: [u64; 4],
     pub(crate) counters: u64,
 }
@@ -564,6 +570,7 @@ impl CudaTable {
         };
         let f = Funcs {
             lookup: variants(KernelId::Lookup, "lookup_find", &LOOKUP_GROUPS)?,
+            lookup_at: variants(KernelId::Lookup, "lookup_at", &LOOKUP_GROUPS)?,
             upsert: variants(KernelId::Upsert, "upsert_keys", &WRITE_GROUPS)?,
             update: variants(KernelId::Update, "update_keys", &WRITE_GROUPS)?,
             update_bounded: Variant { f: get(KernelId::Update, "update_keys_g2_b5")?, g: 2 },
@@ -628,6 +635,7 @@ impl CudaTable {
             lost_kinds: None,
             counts: None,
             offsets: None,
+            at: None,
             stage: Staging::new(self.dev.ctx.clone()),
         })
     }
@@ -726,20 +734,40 @@ impl CudaTable {
     /// # Safety
     /// `p.keys` holds `n` keys; `p.values` (n × dim floats), `p.found`,
     /// `p.scores`, `p.ptrs`, `p.only` (n each) are 0 or device buffers that
-    /// long; `p.counters` holds 8 u64; all stay alive until `l` is
-    /// synchronised.
+    /// long; or, with `p.at` (n rows, each below some `rows`), `p.values`
+    /// holds `rows` rows, in device memory or in host memory mapped for the
+    /// device, `p.found` n flags, and `p.scores`, `p.ptrs` and `p.only` are
+    /// 0; `p.counters` holds 8 u64; all stay alive until `l`
+    /// is synchronised.
     unsafe fn k_lookup(&self, l: &Arc<CudaStream>, st: &Storage, n: u64, p: Ptrs) -> Result<()> {
         let c = p.counters;
         let (order, args) = self.key_order(l, st, n, p.keys, p.values != 0)?;
-        let v = self.f.lookup(p.values != 0, self.config.dim, order.is_some());
+        let v = self.f.lookup(p.values != 0, self.config.dim, order.is_some(), p.at != 0);
         let mut b = l.launch_builder(&v.f);
-        b.arg(&args).arg(&p.keys).arg(&n).arg(&p.values).arg(&p.found).arg(&p.scores).arg(&p.ptrs).arg(&c).arg(&p.only);
-        // SAFETY: lookup_find reads keys[0..n], only[0..n] where non-null
-        // and the table (args describe live buffers of this storage), and
-        // writes, where non-null,
-        // values[0..n*dim], found[0..n], scores[0..n], ptrs[0..n] and 8
-        // counters; every non-null buffer was sized for n keys by the caller.
-        unsafe { b.launch(blocks(n * v.g)) }.map_err(dev_err("launching lookup_find"))?;
+        if p.at != 0 {
+            b.arg(&args).arg(&p.keys).arg(&n).arg(&p.at).arg(&p.values).arg(&p.found).arg(&c);
+        } else {
+            b.arg(&args)
+                .arg(&p.keys)
+                .arg(&n)
+                .arg(&p.values)
+                .arg(&p.found)
+                .arg(&p.scores)
+                .arg(&p.ptrs)
+                .arg(&c)
+                .arg(&p.only);
+        }
+        // SAFETY: lookup_find (lookup_at) reads keys[0..n], only[0..n]
+        // (at[0..n]) where non-null and the table (args describe live
+        // buffers of this storage), and writes, where non-null,
+        // values[0..n*dim] (with at: rows at[i] < the caller's row count),
+        // found[0..n], scores[0..n], ptrs[0..n] and 8 counters; every
+        // non-null buffer was sized for that by the caller.
+        unsafe { b.launch(blocks(n * v.g)) }.map_err(dev_err(if p.at != 0 {
+            "launching lookup_at"
+        } else {
+            "launching lookup_find"
+        }))?;
         Ok(())
     }
 
@@ -1734,6 +1762,56 @@ impl Shard for CudaTable {
         Ok(hits as usize)
     }
 
+    /// Into page-locked host memory mapped for the device (a daemon's
+    /// [`crate::cuda::HostFrame`]), the lookup kernel writes each row at its
+    /// target row itself, a miss as zeros, and only the flags come back
+    /// through the lane: no copy of a row on the host. Other memory gets the
+    /// rows through [`Shard::find`].
+    fn find_at(&self, keys: &[u64], at: &[u32], values: &mut [f32], found: &mut [u8]) -> Result<usize> {
+        let n = keys.len();
+        check::keys(keys)?;
+        check::rows_at(&self.config, n, at, values.len(), found.len())?;
+        self.dev.ctx.bind_to_thread().map_err(dev_err("binding the device's context"))?;
+        let bytes = std::mem::size_of_val(values);
+        let Some(rows) = crate::cuda::device_address_of_host(values.as_ptr() as *const u8, bytes) else {
+            return crate::find_at_by_find(self, keys, at, values, found);
+        };
+        let _g = self.lock.acquire(Group::Reader);
+        self.counters.op(Op::Find, n);
+        if n == 0 {
+            return Ok(0);
+        }
+        let guard = self.storage.read();
+        let st = guard.as_ref().expect("storage");
+        let hits = self.with_lane(|l| {
+            let s = l.stream.clone();
+            let p = Ptrs {
+                keys: Self::upload(&s, &mut l.stage, &mut l.keys, keys)?,
+                at: Self::upload(&s, &mut l.stage, &mut l.at, at)?,
+                values: rows,
+                found: Self::scratch(&s, &mut l.flags, n)?,
+                ..Ptrs::default()
+            };
+            self.zero_counters(l)?;
+            let p = Ptrs { counters: ptr(&l.counters, &s), ..p };
+            // SAFETY: keys, at and the flags sized for these n keys; at is
+            // strictly increasing and below found.len() (checked), and
+            // values, mapped host memory (looked up above), holds
+            // found.len() rows (checked) and is borrowed mutably for this
+            // call, which waits for the kernel (read_counters synchronises
+            // the stream).
+            unsafe { self.k_lookup(&s, st, n as u64, p) }?;
+            let f = Self::fetch(&s, &mut l.stage, &l.flags, n)?;
+            let hits = self.read_counters(l)?.hits;
+            for (&r, &x) in at.iter().zip(l.stage.read(&f)) {
+                found[r as usize] = x;
+            }
+            Ok(hits)
+        })?;
+        self.counters.lookups(hits, n);
+        Ok(hits as usize)
+    }
+
     fn contains(&self, keys: &[u64], found: &mut [bool]) -> Result<usize> {
         let n = keys.len();
         check::lookup(&self.config, keys, None, found.len(), None)?;
@@ -2085,6 +2163,7 @@ mod tests {
         use hkv_kernels::KernelId;
         let asked = [
             (KernelId::Lookup, "lookup_find", &LOOKUP_GROUPS[..]),
+            (KernelId::Lookup, "lookup_at", &LOOKUP_GROUPS[..]),
             (KernelId::Upsert, "upsert_keys", &WRITE_GROUPS[..]),
             (KernelId::Update, "update_keys", &WRITE_GROUPS[..]),
         ];

@@ -398,17 +398,7 @@ pub trait Shard: Send + Sync {
     /// answers that several shards fill in turn (the daemon's response
     /// frame). Returns the number of hits.
     fn find_at(&self, keys: &[u64], at: &[u32], values: &mut [f32], found: &mut [u8]) -> Result<usize> {
-        check::rows_at(self.config(), keys.len(), at, values.len(), found.len())?;
-        let dim = self.config().dim;
-        let mut v = vec![0.0; keys.len() * dim];
-        let mut f = vec![false; keys.len()];
-        let hits = self.find(keys, &mut v, &mut f, None)?;
-        for (i, &r) in at.iter().enumerate() {
-            let r = r as usize;
-            values[r * dim..(r + 1) * dim].copy_from_slice(&v[i * dim..(i + 1) * dim]);
-            found[r] = u8::from(f[i]);
-        }
-        Ok(hits)
+        find_at_by_find(self, keys, at, values, found)
     }
     /// Presence only. Returns the number present. Reader group.
     fn contains(&self, keys: &[u64], found: &mut [bool]) -> Result<usize>;
@@ -496,6 +486,28 @@ pub enum Backend {
     Cpu,
     /// One CUDA device.
     Cuda,
+}
+
+/// [`Shard::find_at`] through [`Shard::find`]: the rows found into a
+/// batch-sized array, then each placed at its target row.
+pub(crate) fn find_at_by_find<S: Shard + ?Sized>(
+    s: &S,
+    keys: &[u64],
+    at: &[u32],
+    values: &mut [f32],
+    found: &mut [u8],
+) -> Result<usize> {
+    check::rows_at(s.config(), keys.len(), at, values.len(), found.len())?;
+    let dim = s.config().dim;
+    let mut v = vec![0.0; keys.len() * dim];
+    let mut f = vec![false; keys.len()];
+    let hits = s.find(keys, &mut v, &mut f, None)?;
+    for (i, &r) in at.iter().enumerate() {
+        let r = r as usize;
+        values[r * dim..(r + 1) * dim].copy_from_slice(&v[i * dim..(i + 1) * dim]);
+        found[r] = u8::from(f[i]);
+    }
+    Ok(hits)
 }
 
 /// Opens a shard on the chosen backend (CUDA: device 0).

@@ -302,6 +302,76 @@ fn finds_into_pinned_frames() {
 
 #[test]
 #[ignore = "needs a CUDA device"]
+fn finds_at_rows_of_pinned_frames() {
+    use zerocopy::FromBytes;
+    // Two shards fill one answer frame, each at its own rows, as the
+    // daemon's router has them do: the kernel writes into the frame, a
+    // miss as zeros; rows of neither shard keep what they held. Once with
+    // every row in device memory, once with half of them in host memory
+    // (the warp-wide copy), and at a dim that is no multiple of 4.
+    for (dim, host_tier) in [(32, false), (4, true), (3, false)] {
+        let shard = |lo: u64| {
+            let mut cfg = TableConfig::new(1 << 14, dim);
+            if host_tier {
+                cfg.fast_tier_bytes = Some((1 << 13) * dim as u64 * 4);
+            }
+            let t = CudaTable::new(cfg, cuda::shared_device(0).unwrap()).unwrap();
+            let keys: Vec<u64> = (lo..lo + 6000).collect();
+            let vals: Vec<f32> = keys.iter().flat_map(|&k| (0..dim).map(move |d| k as f32 + d as f32 / 8.0)).collect();
+            t.insert_or_assign(&keys, &vals, None, None).unwrap();
+            t
+        };
+        let (a, b) = (shard(1), shard(100_001));
+        let rows = 9000usize;
+        let mut frame = cuda::HostFrame::new(0, 64 + rows * (1 + 4 * dim) + 64).unwrap();
+        let bytes = frame.bytes_mut();
+        let (flags, rest) = bytes[64..].split_at_mut(rows);
+        let pad = (4 - (64 + rows) % 4) % 4;
+        let values = <[f32]>::mut_from_bytes(&mut rest[pad..pad + rows * dim * 4]).unwrap();
+        flags.fill(9);
+        values.fill(7.0);
+        // Row r: shard a's key r + 1 (a miss where r % 5 == 0) for r % 3 == 0,
+        // shard b's key 100_001 + r for r % 3 == 1, untouched for r % 3 == 2.
+        let key = |r: usize| -> u64 {
+            match r % 3 {
+                0 if r.is_multiple_of(5) => 50_000 + r as u64,
+                0 => 1 + r as u64 % 6000,
+                _ => 100_001 + r as u64 % 6000,
+            }
+        };
+        for (t, part) in [(&a, 0), (&b, 1)] {
+            let at: Vec<u32> = (0..rows as u32).filter(|r| r % 3 == part).collect();
+            let keys: Vec<u64> = at.iter().map(|&r| key(r as usize)).collect();
+            let hits = t.find_at(&keys, &at, values, flags).unwrap();
+            let want = if part == 0 { at.iter().filter(|&&r| r % 5 != 0).count() } else { at.len() };
+            assert_eq!(hits, want, "dim {dim}, shard {part}");
+        }
+        for r in 0..rows {
+            let row = &values[r * dim..(r + 1) * dim];
+            let k = key(r);
+            if r % 3 == 2 {
+                assert!(flags[r] == 9 && row.iter().all(|&x| x == 7.0), "dim {dim}: row {r} untouched");
+            } else if r % 3 == 0 && r % 5 == 0 {
+                assert!(flags[r] == 0 && row.iter().all(|&x| x == 0.0), "dim {dim}: row {r} a miss");
+            } else {
+                let want: Vec<f32> = (0..dim).map(|d| k as f32 + d as f32 / 8.0).collect();
+                assert!(flags[r] == 1 && row == &want[..], "dim {dim}: row {r} found");
+            }
+        }
+        // A Vec is no frame: the same answer through find.
+        let (mut v2, mut f2) = (vec![7.0f32; rows * dim], vec![9u8; rows]);
+        let at: Vec<u32> = (0..rows as u32).filter(|r| r % 3 == 0).collect();
+        let keys: Vec<u64> = at.iter().map(|&r| key(r as usize)).collect();
+        a.find_at(&keys, &at, &mut v2, &mut f2).unwrap();
+        for &r in &at {
+            let r = r as usize;
+            assert_eq!((&v2[r * dim..(r + 1) * dim], f2[r]), (&values[r * dim..(r + 1) * dim], flags[r]), "row {r}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
 fn device_batches_pointers_and_the_host_tier() {
     let dev = cuda::shared_device(0).unwrap();
     let dim = 4;

@@ -19,15 +19,20 @@ pub fn command(root: &Path, extra: &[&str]) -> Command {
     command_at(&root.join("run").join("hkvd.sock"), &root.join("state"), extra)
 }
 
-/// `hkvd serve --backend cpu --shards 3` on `socket` and `state`, plus `extra`.
+/// `hkvd serve --backend cpu --shards 3` on `socket` and `state`, plus
+/// `extra` (which may name another backend or shard count). The binary is
+/// `$HKVD_BIN` when set (a GPU host that runs test binaries built
+/// elsewhere), else the one cargo built beside the tests.
 fn command_at(socket: &Path, state: &Path, extra: &[&str]) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_hkvd"));
+    let hkvd = std::env::var_os("HKVD_BIN").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_hkvd")), PathBuf::from);
+    let mut cmd = Command::new(hkvd);
     cmd.arg("serve")
         .arg("--socket")
         .arg(socket)
         .arg("--state-dir")
         .arg(state)
-        .args(["--backend", "cpu", "--log", "warn"])
+        .args(["--log", "warn"])
+        .args(if extra.contains(&"--backend") { &[][..] } else { &["--backend", "cpu"][..] })
         .args(if extra.contains(&"--shards") { &[][..] } else { &["--shards", "3"][..] })
         .args(extra)
         .stdin(Stdio::null())
@@ -36,7 +41,8 @@ fn command_at(socket: &Path, state: &Path, extra: &[&str]) -> Command {
 }
 
 impl Daemon {
-    /// `hkvd serve --backend cpu --shards 3` plus `extra`, on a fresh socket.
+    /// `hkvd serve --backend cpu --shards 3` plus `extra` (see
+    /// `command_at`), on a fresh socket.
     pub fn start(extra: &[&str]) -> Daemon {
         Self::start_env(extra, &[])
     }
