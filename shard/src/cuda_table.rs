@@ -1167,6 +1167,35 @@ impl CudaTable {
         r
     }
 
+    /// A reader-group batch of `keys` (`op`): takes the group and counts the
+    /// op; unless the batch is empty, runs `f` on a lane with the storage
+    /// and `Ptrs` holding the uploaded keys and the lane's counters,
+    /// cleared; counts the hits `f` returns as lookups.
+    fn read_batch(
+        &self,
+        op: Op,
+        keys: &[u64],
+        f: impl FnOnce(&Storage, &mut Lane, Ptrs) -> Result<u64>,
+    ) -> Result<usize> {
+        let n = keys.len();
+        let _g = self.lock.acquire(Group::Reader);
+        self.counters.op(op, n);
+        if n == 0 {
+            return Ok(0);
+        }
+        let guard = self.storage.read();
+        let st = guard.as_ref().expect("storage");
+        let hits = self.with_lane(|l| {
+            let s = l.stream.clone();
+            let keys = Self::upload(&s, &mut l.stage, &mut l.keys, keys)?;
+            self.zero_counters(l)?;
+            let counters = ptr(&l.counters, &s);
+            f(st, l, Ptrs { keys, counters, ..Ptrs::default() })
+        })?;
+        self.counters.lookups(hits, n);
+        Ok(hits as usize)
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn upsert_batch(
         &self,
@@ -1673,27 +1702,17 @@ impl Shard for CudaTable {
     fn find(&self, keys: &[u64], values: &mut [f32], found: &mut [bool], scores: Option<&mut [u64]>) -> Result<usize> {
         let n = keys.len();
         check::lookup(&self.config, keys, Some(values.len()), found.len(), scores.as_ref().map(|s| s.len()))?;
-        let _g = self.lock.acquire(Group::Reader);
-        self.counters.op(Op::Find, n);
-        if n == 0 {
-            return Ok(0);
-        }
-        let guard = self.storage.read();
-        let st = guard.as_ref().expect("storage");
         let dim = self.config.dim;
-        let hits = self.with_lane(|l| {
+        self.read_batch(Op::Find, keys, |st, l, base| {
             let s = l.stream.clone();
             let mut p = Ptrs {
-                keys: Self::upload(&s, &mut l.stage, &mut l.keys, keys)?,
                 values: Self::scratch(&s, &mut l.values, n * dim)?,
                 found: Self::scratch(&s, &mut l.flags, n)?,
-                ..Ptrs::default()
+                ..base
             };
             if scores.is_some() {
                 p.scores = Self::scratch(&s, &mut l.scores, n)?;
             }
-            self.zero_counters(l)?;
-            let p = Ptrs { counters: ptr(&l.counters, &s), ..p };
             // SAFETY: keys uploaded, values / flags / scores sized above for these n keys
             unsafe { self.k_lookup(&s, st, n as u64, p) }?;
             // Values into pinned memory (a daemon's response frame) come
@@ -1757,9 +1776,7 @@ impl Shard for CudaTable {
                 }
             }
             Ok(c.hits)
-        })?;
-        self.counters.lookups(hits, n);
-        Ok(hits as usize)
+        })
     }
 
     /// Into page-locked host memory mapped for the device (a daemon's
@@ -1776,24 +1793,14 @@ impl Shard for CudaTable {
         let Some(rows) = crate::cuda::device_address_of_host(values.as_ptr() as *const u8, bytes) else {
             return crate::find_at_by_find(self, keys, at, values, found);
         };
-        let _g = self.lock.acquire(Group::Reader);
-        self.counters.op(Op::Find, n);
-        if n == 0 {
-            return Ok(0);
-        }
-        let guard = self.storage.read();
-        let st = guard.as_ref().expect("storage");
-        let hits = self.with_lane(|l| {
+        self.read_batch(Op::Find, keys, |st, l, base| {
             let s = l.stream.clone();
             let p = Ptrs {
-                keys: Self::upload(&s, &mut l.stage, &mut l.keys, keys)?,
                 at: Self::upload(&s, &mut l.stage, &mut l.at, at)?,
                 values: rows,
                 found: Self::scratch(&s, &mut l.flags, n)?,
-                ..Ptrs::default()
+                ..base
             };
-            self.zero_counters(l)?;
-            let p = Ptrs { counters: ptr(&l.counters, &s), ..p };
             // SAFETY: keys, at and the flags sized for these n keys; at is
             // strictly increasing and below found.len() (checked), and
             // values, mapped host memory (looked up above), holds
@@ -1807,31 +1814,16 @@ impl Shard for CudaTable {
                 found[r as usize] = x;
             }
             Ok(hits)
-        })?;
-        self.counters.lookups(hits, n);
-        Ok(hits as usize)
+        })
     }
 
     fn contains(&self, keys: &[u64], found: &mut [bool]) -> Result<usize> {
         let n = keys.len();
         check::lookup(&self.config, keys, None, found.len(), None)?;
-        let _g = self.lock.acquire(Group::Reader);
-        self.counters.op(Op::Contains, n);
-        if n == 0 {
-            return Ok(0);
-        }
-        let guard = self.storage.read();
-        let st = guard.as_ref().expect("storage");
-        let hits = self.with_lane(|l| {
+        self.read_batch(Op::Contains, keys, |st, l, base| {
             let s = l.stream.clone();
-            let p = Ptrs {
-                keys: Self::upload(&s, &mut l.stage, &mut l.keys, keys)?,
-                found: Self::scratch(&s, &mut l.flags, n)?,
-                ..Ptrs::default()
-            };
-            self.zero_counters(l)?;
-            let p = Ptrs { counters: ptr(&l.counters, &s), ..p };
-            // SAFETY: keys uploaded, values / flags / scores sized above for these n keys
+            let p = Ptrs { found: Self::scratch(&s, &mut l.flags, n)?, ..base };
+            // SAFETY: keys uploaded, flags sized above for these n keys
             unsafe { self.k_lookup(&s, st, n as u64, p) }?;
             let f = Self::fetch(&s, &mut l.stage, &l.flags, n)?;
             let c = self.read_counters(l)?;
@@ -1839,9 +1831,7 @@ impl Shard for CudaTable {
                 *o = *x != 0;
             }
             Ok(c.hits)
-        })?;
-        self.counters.lookups(hits, n);
-        Ok(hits as usize)
+        })
     }
 
     fn insert_or_assign(
