@@ -10,13 +10,16 @@
 //!
 //! Lookups are software-pipelined in groups of 16 keys (`PIPE`): while the
 //! lookups of group g run, the candidate keys and value rows of group g + 1
-//! and the digest lines of group g + 2 are being fetched, each touched back
-//! to back, so that cache misses overlap instead of queueing one behind the
-//! other. (Prefetch instructions would need `unsafe`; plain relaxed loads
-//! whose results feed `black_box` do the same job.) Bucket indices use a
-//! precomputed reciprocal ([`Buckets`]) instead of a 64-bit division.
+//! and the digest lines of group g + 2 are being fetched, with prefetch
+//! instructions issued back to back, so that cache misses overlap instead of
+//! queueing one behind the other. [`prefetch`] is this module's one `unsafe`
+//! call, outside the CUDA modules where `unsafe` otherwise lives: plain
+//! loads in its place (results fed to `black_box`) must complete before
+//! they retire and so keep far fewer misses in flight; through hkvd on two
+//! cores finds ran 25–60 % faster with the instruction (`daemon/BENCHMARKS.md`).
+//! Bucket indices use a precomputed reciprocal ([`Buckets`]) instead of a
+//! 64-bit division.
 
-use std::hint::black_box;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -531,10 +534,9 @@ impl CpuTable {
         // key's buckets and digest, and its first digest match.
         let mut loc = [[(0usize, 0usize, 0u8); PIPE]; 3];
         let mut cand = [[usize::MAX; PIPE]; 3];
-        let mut sink = 0u64;
         // Stage 1 of group g: every key's buckets, then every digest line
-        // (both 64-byte halves), the loads back to back.
-        let stage1 = |g: usize, loc: &mut [(usize, usize, u8); PIPE], sink: &mut u64| {
+        // (both 64-byte halves) prefetched, back to back.
+        let stage1 = |g: usize, loc: &mut [(usize, usize, u8); PIPE]| {
             for (i, &k) in group(g).iter().enumerate() {
                 let (b1, d) = st.div.locate(k);
                 let b2 = if dual { st.div.bucket2(k, b1) as usize } else { b1 as usize };
@@ -542,17 +544,19 @@ impl CpuTable {
             }
             for &(b1, b2, _) in &loc[..group(g).len()] {
                 let bk = &st.buckets[b1];
-                *sink = sink.wrapping_add(bk.digests[0].load(Relaxed) ^ bk.digests[S / 16].load(Relaxed));
+                prefetch(&bk.digests[0]);
+                prefetch(&bk.digests[S / 16]);
                 if dual {
                     let bk = &st.buckets[b2];
-                    *sink = sink.wrapping_add(bk.digests[0].load(Relaxed) ^ bk.digests[S / 16].load(Relaxed));
+                    prefetch(&bk.digests[0]);
+                    prefetch(&bk.digests[S / 16]);
                 }
             }
         };
         // Stage 2 of group g: each key's first digest match (its digest
-        // lines were touched a group earlier), then the candidates' keys and
-        // value rows (every 64-byte line), touched back to back.
-        let stage2 = |g: usize, loc: &[(usize, usize, u8); PIPE], cand: &mut [usize; PIPE], sink: &mut u64| {
+        // lines were prefetched a group earlier), then the candidates' keys
+        // and value rows (every 64-byte line) prefetched, back to back.
+        let stage2 = |g: usize, loc: &[(usize, usize, u8); PIPE], cand: &mut [usize; PIPE]| {
             let n = group(g).len();
             for (i, &(b1, _, d)) in loc[..n].iter().enumerate() {
                 cand[i] = st.buckets[b1].scan(d, Some).unwrap_or(usize::MAX);
@@ -560,11 +564,11 @@ impl CpuTable {
             for (i, &(b1, _, _)) in loc[..n].iter().enumerate() {
                 let s = cand[i];
                 if s != usize::MAX {
-                    *sink = sink.wrapping_add(st.buckets[b1].keys[s].load(Relaxed));
+                    prefetch(&st.buckets[b1].keys[s]);
                     if rows {
                         let row = st.row(b1, s);
                         for line in row.iter().step_by(LINE_FLOATS).chain(row.last()) {
-                            *sink = sink.wrapping_add(line.load(Relaxed) as u64);
+                            prefetch(line);
                         }
                     }
                 }
@@ -573,18 +577,18 @@ impl CpuTable {
         // Group g's lookups run while group g + 1's rows and group g + 2's
         // digest lines are on their way.
         for g in 0..ngroups.min(2) {
-            stage1(g, &mut loc[g % 3], &mut sink);
+            stage1(g, &mut loc[g % 3]);
         }
         if ngroups > 0 {
-            stage2(0, &loc[0], &mut cand[0], &mut sink);
+            stage2(0, &loc[0], &mut cand[0]);
         }
         for g in 0..ngroups {
             if g + 2 < ngroups {
-                stage1(g + 2, &mut loc[(g + 2) % 3], &mut sink);
+                stage1(g + 2, &mut loc[(g + 2) % 3]);
             }
             if g + 1 < ngroups {
                 let (l, c) = (&loc[(g + 1) % 3], &mut cand[(g + 1) % 3]);
-                stage2(g + 1, l, c, &mut sink);
+                stage2(g + 1, l, c);
             }
             // Stage 3: the lookups proper, on lines already fetched; the
             // candidate is checked first (a hit needs no second scan).
@@ -604,7 +608,6 @@ impl CpuTable {
                 f(g * PIPE + i, hit);
             }
         }
-        black_box(sink);
     }
 
     /// [`Shard::find_at`] into `rows`: batches of up to `grain` keys on
@@ -637,19 +640,18 @@ impl CpuTable {
         hits
     }
 
-    /// Touches what a writer reads first in the buckets of its next keys
+    /// Prefetches what a writer reads first in the buckets of its next keys
     /// (both halves of the digest line, and the line of the occupancy bits
     /// and mutex), so that their misses overlap.
     #[inline]
     fn touch(&self, st: &Storage, keys: &[u64]) {
-        let mut sink = 0u64;
         for &k in keys {
             let (b1, _) = st.div.locate(k);
             let bk = &st.buckets[b1 as usize];
-            sink = sink.wrapping_add(bk.digests[0].load(Relaxed) ^ bk.digests[S / 16].load(Relaxed));
-            sink = sink.wrapping_add(bk.occupied[0].load(Relaxed));
+            prefetch(&bk.digests[0]);
+            prefetch(&bk.digests[S / 16]);
+            prefetch(&bk.occupied[0]);
         }
-        black_box(sink);
     }
 
     /// Runs `f` on a present key's slot with its candidate buckets locked.
@@ -1283,6 +1285,20 @@ impl CpuTable {
         }
         (st.nbuckets(), out)
     }
+}
+
+/// Starts fetching the cache line that holds `x` into every cache level.
+#[inline(always)]
+fn prefetch<T>(x: &T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: PREFETCHT0 is a hint: it reads nothing architecturally and
+    // never faults (and `x` is a live reference). The intrinsic is unsafe
+    // only as a target-feature function; SSE is in x86-64's baseline.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(x as *const T as *const i8)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = x;
 }
 
 #[cfg(test)]
