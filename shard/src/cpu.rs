@@ -626,6 +626,15 @@ impl CpuTable {
         let (dim, Rows { base, values, found }) = (st.dim, rows);
         let mut hits = 0;
         self.lookup_pipelined(st, keys, true, |j, hit| {
+            // The answer row a group ahead: its lines arrive before they
+            // are written, instead of each store waiting for its line.
+            if let Some(&r) = at.get(j + PIPE) {
+                let r = r as usize - base;
+                for x in values[r * dim..(r + 1) * dim].iter().step_by(LINE_FLOATS).chain(values.get((r + 1) * dim - 1))
+                {
+                    prefetch(x);
+                }
+            }
             let r = at[j] as usize - base;
             let row = &mut values[r * dim..(r + 1) * dim];
             if let Some((b, s)) = hit {
