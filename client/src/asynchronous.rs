@@ -7,7 +7,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::UnixStream;
 
-use crate::{decode, fit, keep, ok, plain_find, ClientError, Found, Result, Spare};
+use crate::{decode_into, fit, keep, ok, plain_find, ClientError, Found, Result, Spare};
 
 fn io(context: &'static str) -> impl FnOnce(std::io::Error) -> ClientError {
     move |source| ClientError::Io { context: context.into(), source }
@@ -52,9 +52,10 @@ impl AsyncClient {
         let h = Header::decode(&h).map_err(|e| ClientError::Protocol(e.to_string()))?;
         let mut body = fit(std::mem::take(&mut self.spare.body), h.body_len as usize);
         let read = self.r.read_exact(&mut body).await.map_err(io("reading a response body"));
-        let r = read.and_then(|_| match plain_find(&h).then(|| self.spare.find_from(&body)).flatten() {
-            Some(r) => Ok(r),
-            None => decode(&h, &body),
+        let r = read.and_then(|_| {
+            // A find answer is read into the arrays handed back (recycle).
+            let (found, values) = if plain_find(&h) { self.spare.take_find() } else { Default::default() };
+            decode_into(&h, &body, found, values)
         });
         self.spare.body = keep(body);
         Ok((h.id, r?))

@@ -103,7 +103,13 @@ pub struct Chunk {
 
 /// Decodes one whole frame already split into header and body.
 pub fn decode(h: &Header, body: &[u8]) -> Result<Response> {
-    Response::decode(h, body).map_err(|e| ClientError::Protocol(e.to_string()))
+    decode_into(h, body, Vec::new(), Vec::new())
+}
+
+/// [`decode`], reading a find answer's arrays into `found` and `values`
+/// ([`Response::decode_into`]).
+pub(crate) fn decode_into(h: &Header, body: &[u8], found: Vec<u8>, values: Vec<f32>) -> Result<Response> {
+    Response::decode_into(h, body, found, values).map_err(|e| ClientError::Protocol(e.to_string()))
 }
 
 /// Turns an error frame into `Err`.
@@ -165,24 +171,9 @@ impl Spare {
         }
     }
 
-    /// A plain find answer's body (a count and the found bytes, a count and
-    /// the values) in the kept arrays; None when the counts do not add up
-    /// to the body. Little-endian hosts (the wire's order is the floats').
-    pub(crate) fn find_from(&mut self, body: &[u8]) -> Option<Response> {
-        let count = |b: &[u8]| -> Option<usize> { Some(u32::from_le_bytes(b.get(..4)?.try_into().ok()?) as usize) };
-        let n = count(body)?;
-        let rest = body.get(4..)?;
-        let (flags, rest) = (rest.get(..n)?, rest.get(n..)?);
-        let m = count(rest)?;
-        let vals = rest.get(4..)?;
-        if m.checked_mul(4) != Some(vals.len()) {
-            return None;
-        }
-        let mut found = fit(std::mem::take(&mut self.found), n);
-        found.copy_from_slice(flags);
-        let mut values = fit(std::mem::take(&mut self.values), m);
-        zerocopy::IntoBytes::as_mut_bytes(&mut values[..]).copy_from_slice(vals);
-        Some(Response::Find { found, values, scores: None })
+    /// The arrays handed back for the next find answer.
+    pub(crate) fn take_find(&mut self) -> (Vec<u8>, Vec<f32>) {
+        (std::mem::take(&mut self.found), std::mem::take(&mut self.values))
     }
 }
 

@@ -181,7 +181,15 @@ impl<'a> Reader<'a> {
     }
     /// A `f32s` array.
     pub fn f32s(&mut self, what: &str) -> Result<Vec<f32>, ProtoError> {
-        self.le_array(what, f32::from_le_bytes)
+        self.f32s_into(what, Vec::new())
+    }
+    /// A `f32s` array into `out`, whose memory is reused (what it held is
+    /// replaced).
+    pub fn f32s_into(&mut self, what: &str, mut out: Vec<f32>) -> Result<Vec<f32>, ProtoError> {
+        let b = self.array(4, what)?;
+        out.clear();
+        out.extend(b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))));
+        Ok(out)
     }
     /// A `u32s` array.
     pub fn u32s(&mut self, what: &str) -> Result<Vec<u32>, ProtoError> {
@@ -193,7 +201,15 @@ impl<'a> Reader<'a> {
     }
     /// A `u8s` array.
     pub fn u8s(&mut self, what: &str) -> Result<Vec<u8>, ProtoError> {
-        Ok(self.array(1, what)?.to_vec())
+        self.u8s_into(what, Vec::new())
+    }
+    /// A `u8s` array into `out`, whose memory is reused (what it held is
+    /// replaced).
+    pub fn u8s_into(&mut self, what: &str, mut out: Vec<u8>) -> Result<Vec<u8>, ProtoError> {
+        let b = self.array(1, what)?;
+        out.clear();
+        out.extend_from_slice(b);
+        Ok(out)
     }
     /// Everything left.
     pub fn rest(&mut self) -> &'a [u8] {

@@ -1097,6 +1097,13 @@ impl Response {
 
     /// Parses a response body.
     pub fn decode(h: &Header, body: &[u8]) -> Result<Response, ProtoError> {
+        Self::decode_into(h, body, Vec::new(), Vec::new())
+    }
+
+    /// [`Response::decode`] that reads a find answer's arrays into `found`
+    /// and `values`, reusing their memory (a client that hands each answer
+    /// back allocates nothing for the next); other answers drop them.
+    pub fn decode_into(h: &Header, body: &[u8], found: Vec<u8>, values: Vec<f32>) -> Result<Response, ProtoError> {
         let mut r = Reader::new(body);
         let has_outcomes = h.flags & flags::OUTCOMES != 0;
         let resp = match h.op {
@@ -1105,8 +1112,8 @@ impl Response {
             op::ECHO => Response::Echo { len: r.rest().len() },
             op::HASH => Response::Keys(r.u64s("keys")?),
             op::FIND | op::FIND_FEATURES => {
-                let found = r.u8s("found")?;
-                let values = r.f32s("values")?;
+                let found = r.u8s_into("found", found)?;
+                let values = r.f32s_into("values", values)?;
                 let scores = if h.flags & flags::SCORES != 0 { Some(r.u64s("scores")?) } else { None };
                 Response::Find { found, values, scores }
             }
@@ -1209,6 +1216,14 @@ mod tests {
             let FrameCheck::Ready(h) = check_frame(moved, u32::MAX).unwrap() else { panic!() };
             assert_eq!((h.op, h.id, h.flags), (op::FIND, 9, flags::RESPONSE));
             assert_eq!(Response::decode(&h, &moved[crate::HEADER_LEN..]).unwrap(), want, "n {n}");
+            // Into arrays that held a longer answer: the same answer, in
+            // their memory.
+            let (f, v) = (vec![7u8; n + 9], vec![7.0f32; (n + 9) * dim]);
+            let (fp, vp) = (f.as_ptr(), v.as_ptr());
+            let got = Response::decode_into(&h, &moved[crate::HEADER_LEN..], f, v).unwrap();
+            let Response::Find { found, values, .. } = &got else { panic!() };
+            assert_eq!((found.as_ptr(), values.as_ptr()), (fp, vp), "n {n}: memory reused");
+            assert_eq!(got, want, "n {n}");
         }
     }
 
