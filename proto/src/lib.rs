@@ -93,23 +93,28 @@ pub struct Header {
 }
 
 impl Header {
+    /// The 20 header bytes.
+    pub fn bytes(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..4].copy_from_slice(&MAGIC);
+        b[4] = VERSION;
+        b[5] = self.op;
+        b[6..8].copy_from_slice(&self.flags.to_le_bytes());
+        b[8..16].copy_from_slice(&self.id.to_le_bytes());
+        b[16..20].copy_from_slice(&self.body_len.to_le_bytes());
+        b
+    }
+
     /// Appends the 20 header bytes.
     pub fn encode(&self, out: &mut Vec<u8>) {
-        out.extend_from_slice(&MAGIC);
-        out.push(VERSION);
-        out.push(self.op);
-        out.extend_from_slice(&self.flags.to_le_bytes());
-        out.extend_from_slice(&self.id.to_le_bytes());
-        out.extend_from_slice(&self.body_len.to_le_bytes());
+        out.extend_from_slice(&self.bytes());
     }
 
     /// Writes the header of a frame laid out with [`HEADER_LEN`] bytes of
     /// header space first (`frame`: the whole frame, body after the space).
     pub fn write_into(op: u8, flags: u16, id: u64, frame: &mut [u8]) {
         let body_len = (frame.len() - HEADER_LEN) as u32;
-        let mut h = Vec::with_capacity(HEADER_LEN);
-        Header { op, flags, id, body_len }.encode(&mut h);
-        frame[..HEADER_LEN].copy_from_slice(&h);
+        frame[..HEADER_LEN].copy_from_slice(&Header { op, flags, id, body_len }.bytes());
     }
 
     /// Parses 20 header bytes: magic, then version, are checked.

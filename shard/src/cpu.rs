@@ -566,10 +566,7 @@ impl CpuTable {
                 if s != usize::MAX {
                     prefetch(&st.buckets[b1].keys[s]);
                     if rows {
-                        let row = st.row(b1, s);
-                        for line in row.iter().step_by(LINE_FLOATS).chain(row.last()) {
-                            prefetch(line);
-                        }
+                        prefetch_row(st.row(b1, s));
                     }
                 }
             }
@@ -630,10 +627,7 @@ impl CpuTable {
             // are written, instead of each store waiting for its line.
             if let Some(&r) = at.get(j + PIPE) {
                 let r = r as usize - base;
-                for x in values[r * dim..(r + 1) * dim].iter().step_by(LINE_FLOATS).chain(values.get((r + 1) * dim - 1))
-                {
-                    prefetch(x);
-                }
+                prefetch_row(&values[r * dim..(r + 1) * dim]);
             }
             let r = at[j] as usize - base;
             let row = &mut values[r * dim..(r + 1) * dim];
@@ -1293,6 +1287,15 @@ impl CpuTable {
             bk.each(|s| out.push((b as u64, s, bk.key(s), bk.digest(s), bk.score(s))));
         }
         (st.nbuckets(), out)
+    }
+}
+
+/// Starts fetching every 64-byte line of a row of 4-byte values (rows may
+/// start mid-line: the last element's line too).
+#[inline(always)]
+fn prefetch_row<T>(row: &[T]) {
+    for x in row.iter().step_by(LINE_FLOATS).chain(row.last()) {
+        prefetch(x);
     }
 }
 

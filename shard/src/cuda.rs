@@ -465,19 +465,10 @@ impl Drop for HostFrame {
 /// copies can reach directly (allocated or registered with the driver):
 /// the first and the last byte are (a Rust slice lies in one allocation).
 pub fn is_pinned_host(p: *const u8, bytes: usize) -> bool {
-    use cudarc::driver::sys;
+    use cudarc::driver::sys::{CUmemorytype, CUpointer_attribute};
     let pinned = |a: u64| {
-        let mut kind: u32 = 0;
-        // SAFETY: the call writes one CUmemorytype (u32) into `kind`; it
-        // only looks the address up, never dereferences it.
-        let r = unsafe {
-            sys::cuPointerGetAttribute(
-                &mut kind as *mut u32 as *mut std::ffi::c_void,
-                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-                a as sys::CUdeviceptr,
-            )
-        };
-        r == sys::CUresult::CUDA_SUCCESS && kind == sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32
+        pointer_attribute::<u32>(a, CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE)
+            == Some(CUmemorytype::CU_MEMORYTYPE_HOST as u32)
     };
     bytes > 0 && pinned(p as u64) && pinned(p as u64 + bytes as u64 - 1)
 }
@@ -486,19 +477,22 @@ pub fn is_pinned_host(p: *const u8, bytes: usize) -> bool {
 /// the `bytes` bytes at `p`, when they lie in page-locked host memory mapped
 /// for the device (as a [`HostFrame`] is); else `None`.
 pub(crate) fn device_address_of_host(p: *const u8, bytes: usize) -> Option<u64> {
-    use cudarc::driver::sys;
+    use cudarc::driver::sys::CUpointer_attribute;
     if !is_pinned_host(p, bytes) {
         return None;
     }
-    let mut addr: sys::CUdeviceptr = 0;
-    // SAFETY: the call writes one CUdeviceptr into `addr`; it only looks the
-    // address up, never dereferences it.
-    let r = unsafe {
-        sys::cuPointerGetAttribute(
-            &mut addr as *mut sys::CUdeviceptr as *mut std::ffi::c_void,
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
-            p as sys::CUdeviceptr,
-        )
-    };
-    (r == sys::CUresult::CUDA_SUCCESS && addr != 0).then_some(addr)
+    pointer_attribute::<u64>(p as u64, CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_POINTER).filter(|&a| a != 0)
+}
+
+/// The driver's answer to a pointer attribute query about address `a`
+/// (`T`: the attribute's type, u32 or u64), or None where it has none.
+fn pointer_attribute<T: Copy + Default>(a: u64, attr: cudarc::driver::sys::CUpointer_attribute) -> Option<T> {
+    use cudarc::driver::sys;
+    let mut v = T::default();
+    // SAFETY: the call writes one value of the attribute's type, which the
+    // callers give as `T`, into `v`; it only looks the address up, never
+    // dereferences it.
+    let r =
+        unsafe { sys::cuPointerGetAttribute(&mut v as *mut T as *mut std::ffi::c_void, attr, a as sys::CUdeviceptr) };
+    (r == sys::CUresult::CUDA_SUCCESS).then_some(v)
 }
