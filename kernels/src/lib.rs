@@ -121,6 +121,7 @@ impl KernelId {
                 "upsert_keys_g4",
                 "upsert_keys_g16",
                 "upsert_keys_g32",
+                "upsert_keys_g4_b5",
             ],
             KernelId::Update => &[
                 "update_keys",

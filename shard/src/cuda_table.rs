@@ -335,6 +335,9 @@ struct Funcs {
     update: Vec<Variant>,
     /// The 2-thread update kernel held to 48 registers (`update_keys_g2_b5`).
     update_bounded: Variant,
+    /// The 4-thread upsert kernel without lost outputs, held to 48
+    /// registers (`upsert_keys_g4_b5`).
+    upsert_bounded: Variant,
     /// Threads per key forced by `HKV_LOOKUP_GROUP` / `HKV_WRITE_GROUP`
     /// (tuning knobs), instead of the choice below.
     forced_lookup: Option<u64>,
@@ -429,7 +432,9 @@ impl Funcs {
     /// Measured on the H200 at λ 1.0 (128 Mi slots), B-KV/s with 2 / 4
     /// threads: insert_or_assign dim 8 1.320 / 1.459, dim 32 1.259 / 1.443;
     /// insert_and_evict dim 8 0.905 / 0.820, dim 32 0.877 / 0.820.
-    fn upsert(&self, load: f64, values: bool, dim: usize, ordered: bool, plain: bool) -> &Variant {
+    /// Four threads without lost outputs (`lost`: insert_and_evict) take
+    /// the variant held to 48 registers.
+    fn upsert(&self, load: f64, values: bool, dim: usize, ordered: bool, plain: bool, lost: bool) -> &Variant {
         let scan = match (load >= WRITER_PAIR_FROM, plain) {
             (false, _) => 1,
             (true, false) => 2,
@@ -442,7 +447,10 @@ impl Funcs {
         } else {
             scan
         };
-        pick(&self.upsert, self.forced_write.unwrap_or(g))
+        match pick(&self.upsert, self.forced_write.unwrap_or(g)) {
+            v if v.g == 4 && !lost => &self.upsert_bounded,
+            v => v,
+        }
     }
 
     /// The update kernel: 2 threads per key (measured faster than 1 at
@@ -574,6 +582,7 @@ impl CudaTable {
             upsert: variants(KernelId::Upsert, "upsert_keys", &WRITE_GROUPS)?,
             update: variants(KernelId::Update, "update_keys", &WRITE_GROUPS)?,
             update_bounded: Variant { f: get(KernelId::Update, "update_keys_g2_b5")?, g: 2 },
+            upsert_bounded: Variant { f: get(KernelId::Upsert, "upsert_keys_g4_b5")?, g: 4 },
             forced_lookup: group_size("HKV_LOOKUP_GROUP", &LOOKUP_GROUPS),
             forced_write: group_size("HKV_WRITE_GROUP", &WRITE_GROUPS),
             region_order: std::env::var("HKV_KEY_ORDER").map_or(true, |v| v != "index"),
@@ -790,8 +799,9 @@ impl CudaTable {
     ) -> Result<()> {
         let c = p.counters;
         let (order, args) = self.key_order(l, st, n, p.keys, p.values != 0)?;
-        let plain = mode == UP_INSERT && p.lost[0] == 0;
-        let v = self.f.upsert(self.load(st), p.values != 0, self.config.dim, order.is_some(), plain);
+        let lost = p.lost[0] != 0;
+        let plain = mode == UP_INSERT && !lost;
+        let v = self.f.upsert(self.load(st), p.values != 0, self.config.dim, order.is_some(), plain, lost);
         let mut b = l.launch_builder(&v.f);
         write_args(&mut b, &args, &sc, &n, &mode, &p);
         b.arg(&p.ptrs).arg(&p.lost[0]).arg(&p.lost[1]).arg(&p.lost[2]).arg(&p.lost[3]).arg(&c);
@@ -2157,6 +2167,9 @@ mod tests {
             (KernelId::Upsert, "upsert_keys", &WRITE_GROUPS[..]),
             (KernelId::Update, "update_keys", &WRITE_GROUPS[..]),
         ];
+        for (id, name) in [(KernelId::Upsert, "upsert_keys_g4_b5"), (KernelId::Update, "update_keys_g2_b5")] {
+            assert!(id.symbols().contains(&name), "{name} is not built in {id:?}");
+        }
         for (id, base, gs) in asked {
             for &g in gs {
                 let name = kernel_name(base, g);
