@@ -384,9 +384,11 @@ const BOUNDED_UPDATE_DIM: usize = 32;
 /// 19–24 % faster than the device-memory choices (find 0.143 → 0.177,
 /// insert_or_assign 0.150 → 0.168 B-KV/s, λ 0.5, H200); lookups with 16
 /// another 4 % (find 0.171 → 0.179; 32: 0.174), writes with 32 4 % slower
-/// than with 16.
+/// than with 16, with 8 3 % faster than with 16 (insert_or_assign,
+/// find_or_insert and assign, the reference's keys, every λ; 4: 2–8 %
+/// slower than 16).
 const HOST_TIER_LOOKUP: u64 = 16;
-const HOST_TIER_WRITE: u64 = 16;
+const HOST_TIER_WRITE: u64 = 8;
 
 /// Threads per key so that each copies at most 8 16-byte pieces of a row
 /// of `dim` floats (copies under a bucket lock wait once per 4 pieces).
@@ -428,7 +430,7 @@ impl Funcs {
     /// The upsert kernel for a table at `load`: 1 thread per key, from
     /// [`WRITER_PAIR_FROM`] on 2, or 4 for a plain insert (`plain`:
     /// insert_or_assign, nothing copied out), and one per 16 floats of a
-    /// copied row ([`upsert_copy_threads`]); 16 for a batch in region order.
+    /// copied row ([`upsert_copy_threads`]); 8 for a batch in region order.
     /// Measured on the H200 at λ 1.0 (128 Mi slots), B-KV/s with 2 / 4
     /// threads: insert_or_assign dim 8 1.320 / 1.459, dim 32 1.259 / 1.443;
     /// insert_and_evict dim 8 0.905 / 0.820, dim 32 0.877 / 0.820.
@@ -454,7 +456,7 @@ impl Funcs {
     }
 
     /// The update kernel: 2 threads per key (measured faster than 1 at
-    /// every load), or enough for the row copy; 16 for a batch in region
+    /// every load), or enough for the row copy; 8 for a batch in region
     /// order. Rows of up to [`BOUNDED_UPDATE_DIM`] floats take the variant
     /// held to 48 registers.
     fn update(&self, dim: usize, ordered: bool) -> &Variant {
