@@ -134,8 +134,8 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
 // upsert_keys: 8 threads per key; the _gN variants: N. upsert_keys_g4_b5:
 // 4 threads per key, no lost outputs (every upsert but insert_and_evict),
 // at most 48 registers so that 5 blocks of 256 fit an SM (the compiler's
-// own choice, 64, fits 4; a few bytes spill): 2-4 % faster at dim 64
-// (measured on the H200, shard/BENCHMARKS.md).
+// own choice, 64, fits 4; a few bytes spill): at dim 64 2-4 % faster up to
+// λ 0.75, level at 1.0 (measured on the H200, shard/BENCHMARKS.md).
 HKV_UPSERT_KERNEL(upsert_keys, 8, , true)
 HKV_UPSERT_KERNEL(upsert_keys_g1, 1, , true)
 HKV_UPSERT_KERNEL(upsert_keys_g2, 2, , true)
