@@ -7,11 +7,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::UnixStream;
 
-use crate::{decode_into, fit, keep, ok, plain_find, ClientError, Found, Result, Spare};
-
-fn io(context: &'static str) -> impl FnOnce(std::io::Error) -> ClientError {
-    move |source| ClientError::Io { context: context.into(), source }
-}
+use crate::{connect_context, decode_into, fit, io, keep, ok, plain_find, ClientError, Found, Result, Spare};
 
 /// A tokio connection to hkvd. `send` / `recv` pipeline; `call` waits.
 /// Like [`crate::Client`] it keeps its send and body buffers, and reads
@@ -27,10 +23,7 @@ impl AsyncClient {
     /// Connects to the socket at `path`.
     pub async fn connect(path: impl AsRef<Path>) -> Result<AsyncClient> {
         let p = path.as_ref();
-        let s = UnixStream::connect(p).await.map_err(|source| ClientError::Io {
-            context: format!("cannot connect to hkvd at {} (is it running?)", p.display()),
-            source,
-        })?;
+        let s = UnixStream::connect(p).await.map_err(io(connect_context(p)))?;
         let (r, w) = s.into_split();
         Ok(AsyncClient { w, r: BufReader::with_capacity(1 << 16, r), next_id: 1, spare: Spare::default() })
     }

@@ -30,13 +30,15 @@ use hkv_proto::{op, Header, HEADER_LEN};
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ClientError {
-    /// The socket failed (daemon not running, connection lost).
-    #[error("{context}: {source}")]
+    /// The socket failed (daemon not running, connection lost). The
+    /// message names the I/O error, which is therefore not also given as
+    /// the error's source (a printed chain would say it twice).
+    #[error("{context}: {cause}")]
     Io {
         /// What was being done.
         context: String,
         /// The I/O error.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// The daemon answered with an error frame.
     #[error("hkvd refused the request ({:?}): {}", .0.code, .0.message)]
@@ -59,9 +61,14 @@ impl ClientError {
 /// Result alias.
 pub type Result<T, E = ClientError> = std::result::Result<T, E>;
 
-fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> ClientError {
+pub(crate) fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> ClientError {
     let context = context.into();
-    move |source| ClientError::Io { context, source }
+    move |cause| ClientError::Io { context, cause }
+}
+
+/// What a failed connect to `path` says.
+pub(crate) fn connect_context(path: &Path) -> String {
+    format!("cannot connect to hkvd at {} (is it running?)", path.display())
 }
 
 /// The values and found flags of a find.
@@ -217,8 +224,7 @@ impl Client {
     /// Connects to the socket at `path`.
     pub fn connect(path: impl AsRef<Path>) -> Result<Client> {
         let p = path.as_ref();
-        let s = UnixStream::connect(p)
-            .map_err(io(format!("cannot connect to hkvd at {} (is it running?)", p.display())))?;
+        let s = UnixStream::connect(p).map_err(io(connect_context(p)))?;
         let r = BufReader::with_capacity(1 << 16, s.try_clone().map_err(io("socket"))?);
         Ok(Client { w: s, r, next_id: 1, spare: Spare::default() })
     }

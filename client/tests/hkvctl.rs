@@ -112,3 +112,16 @@ fn bench_prints_every_figure_and_cleans_up() {
     // Each bench drops the table it made.
     assert!(!d.run(&["tables"]).contains("hkvctl-bench"), "tables left behind");
 }
+
+#[test]
+fn no_daemon_is_one_clear_line_and_exit_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("none.sock");
+    let out = Command::new(env!("CARGO_BIN_EXE_hkvctl")).arg("--socket").arg(&socket).arg("ping").output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(err.contains("cannot connect to hkvd at") && err.contains("is it running?"), "{err}");
+    // The I/O error is said once (not again as the error's source).
+    assert_eq!(err.matches("os error").count(), 1, "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+}
