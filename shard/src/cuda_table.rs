@@ -385,7 +385,7 @@ const BOUNDED_UPDATE_DIM: usize = 32;
 /// insert_or_assign 0.150 → 0.168 B-KV/s, λ 0.5, H200); lookups with 16
 /// another 4 % (find 0.171 → 0.179; 32: 0.174), writes with 32 4 % slower
 /// than with 16, with 8 3 % faster than with 16 (insert_or_assign,
-/// find_or_insert and assign, the reference's keys, every λ; 4: 2–8 %
+/// find_or_insert and assign, the reference's keys, every λ; 4: 5–10 %
 /// slower than 16).
 const HOST_TIER_LOOKUP: u64 = 16;
 const HOST_TIER_WRITE: u64 = 8;
