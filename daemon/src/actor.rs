@@ -167,15 +167,31 @@ pub struct Create {
 impl Handler<Create> for ShardActor {
     type Result = Result<Arc<dyn Shard>, hkv_shard::Error>;
     fn handle(&mut self, msg: Create, _: &mut SyncContext<Self>) -> Self::Result {
-        Ok(Arc::from(hkv_shard::open_on(msg.config, msg.backend, self.device)?))
+        let device = self.device;
+        contained("create_table", || Ok(Arc::from(hkv_shard::open_on(msg.config, msg.backend, device)?)))
     }
 }
 
 impl Handler<Call> for ShardActor {
     type Result = Result<SubResult, hkv_shard::Error>;
     fn handle(&mut self, msg: Call, _: &mut SyncContext<Self>) -> Self::Result {
-        execute(&*msg.shard, msg.op)
+        contained("a table operation", || execute(&*msg.shard, msg.op))
     }
+}
+
+/// Runs `f`, turning a panic into an error: a bug hit by one request fails
+/// that request, and the actor's thread lives on to serve the next one
+/// (a thread that died would leave every later request without an answer).
+fn contained<T>(what: &str, f: impl FnOnce() -> Result<T, hkv_shard::Error>) -> Result<T, hkv_shard::Error> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|p| {
+        let why = p
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| p.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown".into());
+        tracing::error!(panic = %why, "{what} panicked; the request failed, the shard actor goes on");
+        Err(hkv_shard::Error::Device(format!("{what} failed inside the daemon ({why}); please report it")))
+    })
 }
 
 /// Runs `op` on `t` (on the calling thread).

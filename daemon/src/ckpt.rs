@@ -422,10 +422,12 @@ impl Checkpoints {
                     continue;
                 }
                 Err(e) => {
+                    // An id the catalog does not list is the caller's mistake, not the daemon's.
+                    let listed = self.catalog.list().is_ok_and(|l| l.iter().any(|l| l.id == id));
                     return Err(ProtoError::new(
-                        ErrorCode::Internal,
+                        if listed { ErrorCode::Internal } else { ErrorCode::NotFound },
                         format!("{e}; restore the previous complete checkpoint instead (hkvctl checkpoints)"),
-                    ))
+                    ));
                 }
             };
             let target = chain.last().expect("non-empty").clone();

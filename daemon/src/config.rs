@@ -21,6 +21,18 @@ pub struct Limits {
     /// reuse (buffers of 1 MiB to 256 MiB, at most 16); 0 keeps none.
     /// Unset: 512 MiB on the CPU backend, 2 GiB on CUDA (page-locked there).
     pub frame_cache_bytes: Option<u64>,
+    /// Bytes all tables may hold at their peak (their storage at
+    /// max_capacity): device memory on CUDA, host memory on the CPU backend.
+    /// Unset: 7/8 of the devices' memory on CUDA, 3/4 of host memory (or of
+    /// the cgroup's limit) on the CPU backend.
+    pub max_table_bytes: Option<u64>,
+    /// Bytes of pinned host memory CUDA tables' host tiers may hold.
+    /// Unset: half of host memory.
+    pub max_host_tier_bytes: Option<u64>,
+    /// Bytes of request bodies being received or run at once, over every
+    /// connection; a frame past it is refused with `resource_exhausted`.
+    /// At least max_frame_bytes.
+    pub max_body_bytes_in_flight: u64,
 }
 
 impl Default for Limits {
@@ -31,6 +43,9 @@ impl Default for Limits {
             max_connections: 1024,
             drain_seconds: 30,
             frame_cache_bytes: None,
+            max_table_bytes: None,
+            max_host_tier_bytes: None,
+            max_body_bytes_in_flight: 4 << 30,
         }
     }
 }
@@ -95,6 +110,20 @@ impl Config {
         let text =
             std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("cannot read config {}: {e}", path.display()))?;
         toml::from_str(&text).map_err(|e| anyhow::anyhow!("config {}: {e}", path.display()))
+    }
+
+    /// Checks values that flags and files cannot get wrong one by one.
+    pub fn check(&self) -> anyhow::Result<()> {
+        let l = &self.limits;
+        anyhow::ensure!(
+            l.max_body_bytes_in_flight >= l.max_frame_bytes as u64,
+            "limits.max_body_bytes_in_flight ({}) is below limits.max_frame_bytes ({}): \
+             one request of the largest size could never be received",
+            l.max_body_bytes_in_flight,
+            l.max_frame_bytes
+        );
+        anyhow::ensure!(l.max_frame_bytes >= 64, "limits.max_frame_bytes must be at least 64");
+        Ok(())
     }
 
     /// The socket path after defaults.

@@ -5,6 +5,8 @@
 //! them, and a Unix-socket [`server`] speaking `proto/PROTOCOL.md`.
 //!
 //! # Layout
+//! - [`admin`] says who may run admin operations and read the state directory.
+//! - [`budget`] counts table memory against limits before it is allocated.
 //! - [`config`] holds the TOML configuration and its defaults.
 //! - [`actor`] is the shard actor and the sub-batch messages.
 //! - [`ckpt`] takes and restores checkpoints.
@@ -17,6 +19,8 @@
 #![warn(missing_docs)]
 
 pub mod actor;
+pub mod admin;
+pub mod budget;
 pub mod ckpt;
 pub mod config;
 pub mod features;
@@ -100,6 +104,12 @@ fn backend(config: &Config) -> anyhow::Result<(Backend, Vec<usize>, String)> {
 /// Runs the daemon until SIGTERM, SIGINT or a shutdown request; returns
 /// after in-flight requests are answered.
 pub fn run(config: Config) -> anyhow::Result<()> {
+    config.check()?;
+    // Before anything is written: no file of the daemon is readable by others.
+    let admin_gid = config.admin_group.as_deref().map(admin::group_gid).transpose()?;
+    let modes = admin::Modes { gid: admin_gid };
+    modes.apply_umask();
+    modes.secure(&config.state_path())?;
     hkv_shard::cuda::set_cache_dir(config.state_path().join("kernels"));
     let (backend, ordinals, backend_name) = backend(&config)?;
     let workers = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).clamp(2, 16);
@@ -118,7 +128,19 @@ pub fn run(config: Config) -> anyhow::Result<()> {
         } else {
             router::Frames::DEFAULT_TOTAL
         });
-        let router = Router::new(actors, backend, hash_gpu, frame_cache);
+        let budget = budget::Budget::new(
+            backend,
+            ordinals.clone(),
+            config.limits.max_table_bytes.unwrap_or_else(|| budget::Budget::default_table_limit(backend, &ordinals)),
+            config.limits.max_host_tier_bytes.unwrap_or_else(budget::Budget::default_host_tier_limit),
+        );
+        let limits = budget.stats();
+        info!(
+            max_table_bytes = limits.max_table_bytes,
+            max_host_tier_bytes = limits.max_host_tier_bytes,
+            "table memory budget"
+        );
+        let router = Router::new(actors, backend, hash_gpu, frame_cache, budget, config.limits.max_frame_bytes);
         for spec in &config.tables {
             router
                 .create_table(spec.clone())
@@ -135,14 +157,11 @@ pub fn run(config: Config) -> anyhow::Result<()> {
             }
             None => {
                 let path = config.socket_path();
-                std::fs::create_dir_all(config.state_path())
-                    .with_context(|| format!("state dir {}", config.state_path().display()))?;
-                (server::bind(&path)?, SocketFile(Some(path)))
+                (server::bind(&path, admin_gid)?, SocketFile(Some(path)))
             }
         };
         let checkpoints = Arc::new(crate::ckpt::Checkpoints::open(&config.state_path(), config.checkpoint.clone())?);
         let uid = std::os::unix::fs::MetadataExt::uid(&std::fs::metadata("/proc/self")?);
-        let admin_gid = config.admin_group.as_deref().map(server::group_gid).transpose()?;
         let (shutdown, _) = tokio::sync::watch::channel(false);
         let state = Arc::new(State {
             router,

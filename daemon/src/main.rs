@@ -76,7 +76,18 @@ struct Serve {
     /// Bytes of sent answers kept for later answers to reuse [default: 512 MiB; CUDA: 2 GiB].
     #[arg(long)]
     frame_cache_bytes: Option<u64>,
-    /// Group allowed to run admin operations, besides the daemon's user and root.
+    /// Bytes all tables may hold at their peak: device memory on CUDA, host
+    /// memory on the CPU backend [default: 7/8 of the GPUs' memory; CPU: 3/4 of RAM].
+    #[arg(long)]
+    max_table_bytes: Option<u64>,
+    /// Pinned host memory for CUDA tables' host tiers, bytes [default: half of RAM].
+    #[arg(long)]
+    max_host_tier_bytes: Option<u64>,
+    /// Request body bytes received or running at once, all connections [default: 4 GiB].
+    #[arg(long)]
+    max_body_bytes_in_flight: Option<u64>,
+    /// Group allowed to run admin operations, besides the daemon's user and
+    /// root; the socket and state directory get this group.
     #[arg(long)]
     admin_group: Option<String>,
     /// Serve Prometheus metrics over HTTP on this loopback address, e.g. 127.0.0.1:9466.
@@ -129,6 +140,11 @@ fn config(a: Serve) -> anyhow::Result<Config> {
     if let Some(x) = a.frame_cache_bytes {
         c.limits.frame_cache_bytes = Some(x);
     }
+    c.limits.max_table_bytes = a.max_table_bytes.or(c.limits.max_table_bytes);
+    c.limits.max_host_tier_bytes = a.max_host_tier_bytes.or(c.limits.max_host_tier_bytes);
+    if let Some(x) = a.max_body_bytes_in_flight {
+        c.limits.max_body_bytes_in_flight = x;
+    }
     c.admin_group = a.admin_group.or(c.admin_group);
     c.metrics_listen = a.metrics_listen.or(c.metrics_listen);
     if let Some(r) = a.restore {
@@ -142,6 +158,7 @@ fn config(a: Serve) -> anyhow::Result<Config> {
         c.checkpoint.full_every = k;
     }
     c.checkpoint.on_shutdown |= a.checkpoint_on_shutdown;
+    c.check()?;
     Ok(c)
 }
 

@@ -18,6 +18,7 @@ use hkv_shard::{Backend, BucketMode, Error as ShardError, Filter, Outcome, Score
 use parking_lot::{Mutex, RwLock};
 
 use crate::actor::{values_of, Call, Create, ShardActor, SubOp, SubResult};
+use crate::budget::{Budget, Charge};
 use crate::features::Hasher;
 
 /// A table: its spec, the per-shard config, and one shard per actor.
@@ -28,6 +29,9 @@ pub struct Table {
     pub config: TableConfig,
     /// Shard `i` lives on actor `i`.
     pub shards: Vec<Arc<dyn Shard>>,
+    /// Its share of the memory budget, given back when the last request
+    /// holding the table is done.
+    _charge: Charge,
 }
 
 /// Maps tables and keys to shard actors.
@@ -39,6 +43,10 @@ pub struct Router {
     pub hasher: Arc<Hasher>,
     /// Sent frames given back for find answers to reuse.
     pub frames: Frames,
+    /// Table memory.
+    pub budget: Arc<Budget>,
+    /// The largest answer body (`limits.max_frame_bytes`).
+    max_answer: u64,
 }
 
 /// Frames given back once sent, whose memory find and echo answers reuse
@@ -218,9 +226,10 @@ impl Frames {
 const MAX_BODY: u64 = u32::MAX as u64;
 
 /// Slots one export request walks at most: 16 Mi, fewer where every one of
-/// them matching would overflow a frame body (keys, values, scores).
-fn export_slots(dim: usize) -> u64 {
-    (1u64 << 24).min((MAX_BODY - 64) / (16 + 4 * dim as u64))
+/// them matching would pass `max_answer` bytes (keys, values, scores); 0
+/// where not even one row fits.
+fn export_slots(dim: usize, max_answer: u64) -> u64 {
+    (1u64 << 24).min(max_answer.saturating_sub(64) / (16 + 4 * dim as u64))
 }
 
 fn err(code: ErrorCode, msg: impl Into<String>) -> ProtoError {
@@ -235,20 +244,25 @@ pub fn shard_error(e: ShardError) -> ProtoError {
         ShardError::Length { .. } => ErrorCode::LengthMismatch,
         ShardError::ScoresNotAccepted { .. } | ShardError::ScoresRequired { .. } => ErrorCode::Scores,
         ShardError::Config(_) | ShardError::Capacity { .. } => ErrorCode::BadRequest,
+        ShardError::OutOfMemory(_) => ErrorCode::ResourceExhausted,
         _ => ErrorCode::Internal,
     };
     ProtoError::new(code, e.to_string())
 }
 
-/// Validates a table name: 1..=255 bytes of `[A-Za-z0-9_.-]`.
+/// Validates a table name: 1..=255 bytes of `[A-Za-z0-9_.-]` starting with
+/// a letter, digit or '_' (so never `.`, `..`, a hidden chunk file name or
+/// something a command line takes for a flag).
 pub fn check_name(name: &str) -> Result<(), ProtoError> {
-    let ok = !name.is_empty()
-        && name.len() <= 255
+    let ok = name.len() <= 255
+        && name.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric() || b == b'_')
         && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
     if ok {
         Ok(())
     } else {
-        Err(ProtoError::bad_request(format!("table name {name:?}: use 1 to 255 letters, digits, '_', '-' or '.'")))
+        Err(ProtoError::bad_request(format!(
+            "table name {name:?}: use 1 to 255 letters, digits, '_', '-' or '.', starting with a letter, digit or '_'"
+        )))
     }
 }
 
@@ -350,13 +364,29 @@ fn to_wire(s: hkv_shard::Summary) -> Summary {
 impl Router {
     /// A router over these actors (one per device / CPU shard); feature
     /// batches are hashed on GPU `hash_gpu` when given.
-    pub fn new(actors: Vec<Addr<ShardActor>>, backend: Backend, hash_gpu: Option<usize>, frame_cache: u64) -> Router {
+    /// Answers are at most `max_answer` bytes (`limits.max_frame_bytes`).
+    pub fn new(
+        actors: Vec<Addr<ShardActor>>,
+        backend: Backend,
+        hash_gpu: Option<usize>,
+        frame_cache: u64,
+        budget: Arc<Budget>,
+        max_answer: u32,
+    ) -> Router {
         let hasher = Arc::new(Hasher::new(hash_gpu));
         let frames = match (backend, hash_gpu) {
             (Backend::Cuda, Some(ordinal)) => Frames::new(frame_cache).pinned(ordinal),
             _ => Frames::new(frame_cache),
         };
-        Router { actors, backend, tables: RwLock::new(HashMap::new()), hasher, frames }
+        Router {
+            actors,
+            backend,
+            tables: RwLock::new(HashMap::new()),
+            hasher,
+            frames,
+            budget,
+            max_answer: (max_answer as u64).min(MAX_BODY),
+        }
     }
 
     /// Shards per table.
@@ -398,6 +428,15 @@ impl Router {
             return Err(err(ErrorCode::TableExists, format!("table {:?} exists; drop it first", spec.name)));
         }
         let config = shard_config(&spec, self.actors.len())?;
+        let n = self.actors.len();
+        let shape = format!(
+            "capacity {}, max_capacity {}, dim {}, {n} shard{}",
+            spec.capacity,
+            spec.max_capacity,
+            spec.dim,
+            if n == 1 { "" } else { "s" }
+        );
+        let charge = self.budget.charge(&spec.name, &shape, &config)?;
         let created =
             join_all(self.actors.iter().map(|a| a.send(Create { config: config.clone(), backend: self.backend })))
                 .await;
@@ -406,7 +445,7 @@ impl Router {
             let shard = r.map_err(|e| err(ErrorCode::Internal, format!("shard actor gone: {e}")))?;
             shards.push(shard.map_err(shard_error)?);
         }
-        let table = Arc::new(Table { spec: spec.clone(), config, shards });
+        let table = Arc::new(Table { spec: spec.clone(), config, shards, _charge: charge });
         let mut tables = self.tables.write();
         if tables.contains_key(&spec.name) {
             return Err(err(ErrorCode::TableExists, format!("table {:?} exists; drop it first", spec.name)));
@@ -568,18 +607,7 @@ impl Router {
             Request::Find { keys, scores, .. } => {
                 Self::validate(&t, &keys, None, None, false, false)?;
                 let n = keys.len();
-                let per_key = 1 + 4 * dim as u64 + if scores { 8 } else { 0 };
-                if (n as u64).saturating_mul(per_key) + 16 > MAX_BODY {
-                    return Err(err(
-                        ErrorCode::Oversized,
-                        format!(
-                            "the answer to a find of {n} keys of dim {dim} would be {} bytes, above the protocol's \
-                             {MAX_BODY}-byte frame body; send at most {} keys per find",
-                            (n as u64).saturating_mul(per_key) + 16,
-                            (MAX_BODY - 16) / per_key
-                        ),
-                    ));
-                }
+                self.bound("find", n, dim, 1 + 4 * dim as u64 + if scores { 8 } else { 0 }, 16)?;
                 let split = Split::new(&keys, n_shards);
                 // Without scores the answers are written where they are sent
                 // from: by the shard itself when it holds every key; CPU
@@ -621,6 +649,14 @@ impl Router {
                 Ok(Response::Erased { count, flags: outcomes.then_some(flags) })
             }
             Request::Write { op: code, keys, values, scores, outcomes, .. } => {
+                // insert_and_evict answers up to a key, row, score and kind per
+                // key besides the outcomes; find_or_insert a row per key.
+                let per_key = match code {
+                    op::INSERT_AND_EVICT => 17 + 4 * dim as u64,
+                    op::FIND_OR_INSERT => 4 * dim as u64,
+                    _ => 0,
+                } + u64::from(outcomes);
+                self.bound(hkv_proto::msg::op_name(code), keys.len(), dim, per_key, 64)?;
                 let inserts = code != op::ASSIGN;
                 Self::validate(&t, &keys, Some(&values), scores.as_deref(), inserts, code == op::LOAD)?;
                 if code == op::LOAD && scores.is_none() {
@@ -686,7 +722,18 @@ impl Router {
                         "export cursor shard {i}: the table has {n_shards} shards"
                     )));
                 }
-                let max_slots = max_slots.clamp(1, export_slots(dim));
+                let most = export_slots(dim, self.max_answer);
+                if most == 0 {
+                    return Err(err(
+                        ErrorCode::Oversized,
+                        format!(
+                            "one exported row of dim {dim} takes {} bytes, above limits.max_frame_bytes = {}",
+                            16 + 4 * dim as u64 + 64,
+                            self.max_answer
+                        ),
+                    ));
+                }
+                let max_slots = max_slots.clamp(1, most);
                 let op = SubOp::Export { offset: cursor.offset, n: max_slots, filter: to_filter(filter) };
                 let SubResult::Export(e) = self.call(&t, i, op).await? else { unreachable!() };
                 let end = cursor.offset.saturating_add(max_slots);
@@ -704,6 +751,24 @@ impl Router {
                 hkv_proto::msg::op_name(other.op())
             ))),
         }
+    }
+
+    /// Refuses, before it runs, a request of `n` keys whose answer would take
+    /// `per_key` bytes a key plus `fixed` bytes, beyond the largest answer.
+    fn bound(&self, what: &str, n: usize, dim: usize, per_key: u64, fixed: u64) -> Result<(), ProtoError> {
+        let size = (n as u64).saturating_mul(per_key).saturating_add(fixed);
+        if size <= self.max_answer {
+            return Ok(());
+        }
+        Err(err(
+            ErrorCode::Oversized,
+            format!(
+                "the answer to a {what} of {n} keys of dim {dim} would be {size} bytes, above \
+                 limits.max_frame_bytes = {}; send at most {} keys per {what}",
+                self.max_answer,
+                self.max_answer.saturating_sub(fixed) / per_key.max(1)
+            ),
+        ))
     }
 
     async fn flags(&self, t: &Table, split: &Split, ops: Vec<SubOp>, n: usize) -> Result<Vec<u8>, ProtoError> {
@@ -798,18 +863,23 @@ mod tests {
 
     #[test]
     fn an_export_answer_always_fits_a_frame() {
-        assert_eq!(export_slots(32), 1 << 24);
+        assert_eq!(export_slots(32, MAX_BODY), 1 << 24);
         for dim in [1usize, 32, 64, 1000, 1 << 16] {
-            let s = export_slots(dim);
+            let s = export_slots(dim, MAX_BODY);
             assert!(s >= 1 && s * (16 + 4 * dim as u64) + 64 <= MAX_BODY, "dim {dim}: {s} slots");
         }
-        assert!(export_slots(64) < 1 << 24, "dim 64 rows of 16 Mi slots would pass 4 GiB");
+        assert!(export_slots(64, MAX_BODY) < 1 << 24, "dim 64 rows of 16 Mi slots would pass 4 GiB");
+        assert_eq!(export_slots(65536, 4096), 0, "no row of dim 65536 fits 4 KiB");
     }
 
     #[test]
     fn names_and_configs_are_checked() {
         assert!(check_name("emb_v2.users-1").is_ok());
         assert!(check_name("").is_err() && check_name("a b").is_err() && check_name(&"x".repeat(256)).is_err());
+        for bad in [".", "..", ".hidden", "-flag", "a/b"] {
+            assert!(check_name(bad).is_err(), "{bad:?}");
+        }
+        assert!(check_name("_x").is_ok() && check_name("9.a-b").is_ok());
         let c = shard_config(&TableSpec::new("t", 8, 1000), 4).unwrap();
         assert_eq!(c.capacity, 250);
         let mut bad = TableSpec::new("t", 8, 1000);

@@ -15,6 +15,7 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{mpsc, watch, Semaphore};
 use tracing::{debug, info, warn};
 
+use crate::admin::Peer;
 use crate::config::Config;
 use crate::router::Router;
 
@@ -31,6 +32,11 @@ pub struct ServerStats {
     pub errors: AtomicU64,
     /// Requests running now.
     pub in_flight: AtomicUsize,
+    /// Bytes of request bodies received or running now, over every
+    /// connection (bounded by `limits.max_body_bytes_in_flight`).
+    pub body_bytes: AtomicU64,
+    /// Frames refused because that bound was reached.
+    pub body_refusals: AtomicU64,
 }
 
 /// Everything the request handlers share.
@@ -55,45 +61,32 @@ pub struct State {
     pub checkpoints: Arc<crate::ckpt::Checkpoints>,
 }
 
-/// The peer of a connection, from SO_PEERCRED.
-#[derive(Debug, Clone, Copy)]
-pub struct Peer {
-    /// User id.
-    pub uid: u32,
-    /// Primary group id.
-    pub gid: u32,
-}
-
 impl State {
-    /// Whether `peer` may run admin operations.
+    /// Whether `peer` may run admin operations: root, the daemon's user, or
+    /// a member of the admin group (primary or supplementary).
     pub fn is_admin(&self, peer: &Peer) -> bool {
-        peer.uid == 0 || peer.uid == self.uid || self.admin_gid == Some(peer.gid)
+        peer.uid == 0 || peer.uid == self.uid || self.admin_gid.is_some_and(|g| peer.in_group(g))
     }
 }
 
-/// The gid of a group name, read from /etc/group.
-pub fn group_gid(name: &str) -> anyhow::Result<u32> {
-    let text = std::fs::read_to_string("/etc/group")?;
-    text.lines()
-        .filter_map(|l| {
-            let mut f = l.split(':');
-            let n = f.next()?;
-            let gid = f.nth(1)?.parse().ok()?;
-            (n == name).then_some(gid)
-        })
-        .next()
-        .ok_or_else(|| anyhow::anyhow!("admin group {name:?} is not in /etc/group"))
-}
-
-/// Binds the socket: creates its directory (mode 0750) when missing,
-/// replaces a stale socket file, refuses when another daemon answers there,
-/// and sets the socket's mode to 0660.
-pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
+/// Binds the socket: creates its directory (mode 0750, in group `gid` when
+/// given) when missing, replaces a stale socket file, refuses when another
+/// daemon answers there, and gives the socket mode 0660 and group `gid`, so
+/// that the admin group's members can connect.
+pub fn bind(path: &Path, gid: Option<u32>) -> anyhow::Result<UnixListener> {
     use std::os::unix::fs::PermissionsExt;
+    let chgrp = |p: &Path| -> anyhow::Result<()> {
+        if let Some(g) = gid {
+            std::os::unix::fs::chown(p, None, Some(g))
+                .map_err(|e| anyhow::anyhow!("cannot give {} the admin group (gid {g}): {e}", p.display()))?;
+        }
+        Ok(())
+    };
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         if !dir.exists() {
             std::fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("cannot create {}: {e}", dir.display()))?;
             std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o750))?;
+            chgrp(dir)?;
         }
     }
     if path.exists() {
@@ -104,6 +97,7 @@ pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
     }
     let l = UnixListener::bind(path).map_err(|e| anyhow::anyhow!("cannot bind {}: {e}", path.display()))?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))?;
+    chgrp(path)?;
     Ok(l)
 }
 
@@ -178,7 +172,7 @@ async fn connection(state: Arc<State>, stream: UnixStream) {
         state.stats.connections.fetch_sub(1, Relaxed);
     });
     let peer = match stream.peer_cred() {
-        Ok(c) => Peer { uid: c.uid(), gid: c.gid() },
+        Ok(c) => Arc::new(Peer::new(c.uid(), c.gid(), c.pid())),
         Err(e) => {
             warn!(error = %e, "no peer credentials; closing");
             return;
@@ -222,14 +216,24 @@ async fn connection(state: Arc<State>, stream: UnixStream) {
     let sem = Arc::new(Semaphore::new(limits.max_in_flight));
     let mut rd = BufReader::with_capacity(1 << 16, rd);
     let mut stop = state.shutdown.subscribe();
+    // A connection accepted as shutdown began must not wait for a change.
+    let mut draining = *stop.borrow();
     loop {
-        // A connection accepted as shutdown began must not wait for a change.
-        if *stop.borrow() {
-            break;
-        }
-        let header = tokio::select! {
-            h = read_header(&mut rd) => h,
-            _ = stop.changed() => break,
+        let header = if draining {
+            // Requests still arriving are answered `shutting_down` until
+            // this connection's in-flight requests are done.
+            tokio::select! {
+                h = read_header(&mut rd) => h,
+                _ = sem.acquire_many(limits.max_in_flight as u32) => break,
+            }
+        } else {
+            tokio::select! {
+                h = read_header(&mut rd) => h,
+                _ = stop.changed() => {
+                    draining = true;
+                    continue;
+                }
+            }
         };
         let raw = match header {
             Ok(Some(h)) => h,
@@ -239,41 +243,68 @@ async fn connection(state: Arc<State>, stream: UnixStream) {
                 break;
             }
         };
-        let h = match check_frame(&raw, limits.max_frame_bytes) {
-            Ok(FrameCheck::Ready(_)) | Ok(FrameCheck::NeedMore) => Header::decode(&raw).expect("checked"),
-            Ok(FrameCheck::Oversized(h)) => {
-                // Refused before allocation; the body is skipped unread.
-                let e = ProtoError::new(
+        let refusal = match check_frame(&raw, limits.max_frame_bytes) {
+            Ok(FrameCheck::Ready(_)) | Ok(FrameCheck::NeedMore) => None,
+            // Refused before allocation; the body is skipped unread.
+            Ok(FrameCheck::Oversized(h)) => Some((
+                h,
+                ProtoError::new(
                     ErrorCode::Oversized,
                     format!(
                         "frame body of {} bytes is above limits.max_frame_bytes = {}; send smaller batches",
                         h.body_len, limits.max_frame_bytes
                     ),
-                );
-                st.errors.fetch_add(1, Relaxed);
-                let _ = tx.send(error_frame(h.id, h.op, e)).await;
-                let skipped = tokio::io::copy(&mut (&mut rd).take(h.body_len as u64), &mut tokio::io::sink()).await;
-                if skipped.map(|n| n < h.body_len as u64).unwrap_or(true) {
-                    break;
-                }
-                continue;
-            }
+                ),
+            )),
             Err(e) => {
                 st.errors.fetch_add(1, Relaxed);
                 let _ = tx.send(error_frame(0, hkv_proto::op::ERROR, e)).await;
                 break;
             }
         };
-        let mut body = vec![0u8; h.body_len as usize];
-        if let Err(e) = rd.read_exact(&mut body).await {
-            debug!(error = %e, "connection closed inside a frame body");
-            break;
-        }
+        let (h, refusal) = match refusal {
+            Some((h, e)) => (h, Some(e)),
+            None => {
+                let h = Header::decode(&raw).expect("checked");
+                let e = draining.then(|| {
+                    ProtoError::new(
+                        ErrorCode::ShuttingDown,
+                        "the daemon is shutting down: requests sent before it began are answered, this one is not run",
+                    )
+                });
+                (h, e)
+            }
+        };
+        let body = match refusal {
+            Some(e) => Err((e, 0)),
+            None => match read_body(&mut rd, h.body_len as usize, &state).await {
+                Ok(b) => b,
+                Err(e) => {
+                    debug!(error = %e, "connection closed inside a frame body");
+                    break;
+                }
+            },
+        };
+        let (body, charge) = match body {
+            Ok(b) => b,
+            Err((e, read)) => {
+                st.errors.fetch_add(1, Relaxed);
+                let _ = tx.send(error_frame(h.id, h.op, e)).await;
+                let rest = h.body_len as u64 - read as u64;
+                let skipped = tokio::io::copy(&mut (&mut rd).take(rest), &mut tokio::io::sink()).await;
+                if skipped.map(|n| n < rest).unwrap_or(true) {
+                    break;
+                }
+                continue;
+            }
+        };
         let Ok(permit) = sem.clone().acquire_owned().await else { break };
-        let (state2, tx2) = (state.clone(), tx.clone());
+        let (state2, tx2, peer) = (state.clone(), tx.clone(), peer.clone());
         tokio::spawn(async move {
             state2.stats.in_flight.fetch_add(1, Relaxed);
             let resp = handle(&state2, &h, &body, &peer).await;
+            drop(body);
+            drop(charge);
             state2.stats.in_flight.fetch_sub(1, Relaxed);
             state2.stats.requests.fetch_add(1, Relaxed);
             if matches!(resp, Response::Error(_)) {
@@ -287,6 +318,75 @@ async fn connection(state: Arc<State>, stream: UnixStream) {
     let _ = sem.acquire_many(limits.max_in_flight as u32).await;
     drop(tx);
     let _ = writer.await;
+}
+
+/// Bytes of request bodies counted in `ServerStats::body_bytes`; given
+/// back on drop.
+struct BodyCharge {
+    state: Arc<State>,
+    bytes: u64,
+}
+
+impl BodyCharge {
+    /// Counts `n` more bytes, unless that passes the limit.
+    fn add(&mut self, n: u64) -> bool {
+        let limit = self.state.config.limits.max_body_bytes_in_flight;
+        let counter = &self.state.stats.body_bytes;
+        let ok = counter.fetch_update(Relaxed, Relaxed, |b| b.checked_add(n).filter(|&t| t <= limit)).is_ok();
+        if ok {
+            self.bytes += n;
+        }
+        ok
+    }
+}
+
+impl Drop for BodyCharge {
+    fn drop(&mut self) {
+        self.state.stats.body_bytes.fetch_sub(self.bytes, Relaxed);
+    }
+}
+
+/// Reads a body of `len` bytes, allocating memory as its bytes arrive (a
+/// header alone reserves nothing, so declared lengths cost no memory), each
+/// step counted against `limits.max_body_bytes_in_flight`. Past that limit,
+/// the error to answer and the bytes read so far. An `Err` of the outer
+/// result is the connection failing.
+#[allow(clippy::type_complexity)]
+async fn read_body<R: AsyncReadExt + Unpin>(
+    rd: &mut R,
+    len: usize,
+    state: &Arc<State>,
+) -> std::io::Result<Result<(Vec<u8>, BodyCharge), (ProtoError, usize)>> {
+    /// The first allocation; each later one doubles what arrived (large
+    /// reallocations move pages, they do not copy them).
+    const FIRST: usize = 1 << 20;
+    let mut body = Vec::new();
+    let mut charge = BodyCharge { state: state.clone(), bytes: 0 };
+    while body.len() < len {
+        if body.capacity() == body.len() {
+            let step = (len - body.len()).min(body.len().max(FIRST));
+            if !charge.add(step as u64) {
+                state.stats.body_refusals.fetch_add(1, Relaxed);
+                let limit = state.config.limits.max_body_bytes_in_flight;
+                let e = ProtoError::new(
+                    ErrorCode::ResourceExhausted,
+                    format!(
+                        "{} bytes of request bodies are already being received or run \
+                         (limits.max_body_bytes_in_flight = {limit}); this {len}-byte request was not run: \
+                         retry, or send smaller batches",
+                        state.stats.body_bytes.load(Relaxed)
+                    ),
+                );
+                return Ok(Err((e, body.len())));
+            }
+            body.try_reserve_exact(step).map_err(|e| std::io::Error::new(std::io::ErrorKind::OutOfMemory, e))?;
+        }
+        let room = (body.capacity() - body.len()).min(len - body.len());
+        if (&mut *rd).take(room as u64).read_buf(&mut body).await? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+    Ok(Ok((body, charge)))
 }
 
 struct Guard<F: FnMut()>(F);
@@ -311,10 +411,14 @@ pub async fn handle(state: &Arc<State>, h: &Header, body: &[u8], peer: &Peer) ->
 async fn answer(state: &Arc<State>, h: &Header, body: &[u8], peer: &Peer) -> Result<Response, ProtoError> {
     let req = Request::decode(h, body)?;
     if req.is_admin() && !state.is_admin(peer) {
+        let group = match (&state.config.admin_group, state.admin_gid) {
+            (Some(name), Some(gid)) => format!("nor in the admin group {name} (gid {gid})"),
+            _ => "and the daemon has no admin group (--admin-group)".into(),
+        };
         return Err(ProtoError::new(
             ErrorCode::Forbidden,
             format!(
-                "{} needs admin rights: uid {} is neither the daemon's user ({}), root, nor in the admin group",
+                "{} needs admin rights: uid {} is neither the daemon's user ({}) nor root, {group}",
                 hkv_proto::msg::op_name(h.op),
                 peer.uid,
                 state.uid
@@ -373,8 +477,7 @@ async fn answer(state: &Arc<State>, h: &Header, body: &[u8], peer: &Peer) -> Res
             }
             Control::Restore { id } => {
                 let r = crate::ckpt::Checkpoints::restore(state.clone(), &id).await?;
-                let r =
-                    r.ok_or_else(|| ProtoError::new(ErrorCode::UnknownTable, "there is no checkpoint to restore"))?;
+                let r = r.ok_or_else(|| ProtoError::new(ErrorCode::NotFound, "there is no checkpoint to restore"))?;
                 Ok(Response::Json(serde_json::to_vec(&r).expect("serializes")))
             }
             Control::Shutdown => {

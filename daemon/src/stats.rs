@@ -38,6 +38,26 @@ pub struct DaemonStats {
     pub op_names: Vec<String>,
     /// Checkpoint status.
     pub checkpoint: crate::ckpt::CheckpointStats,
+    /// Memory limits and what is held of them.
+    #[serde(default)]
+    pub memory: MemoryStats,
+}
+
+/// The memory budget and the request bytes in flight.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+pub struct MemoryStats {
+    /// `limits.max_table_bytes` in force: device memory on CUDA, host memory on CPU.
+    pub max_table_bytes: u64,
+    /// Bytes of it granted to tables (each table's peak footprint).
+    pub table_bytes: u64,
+    /// `limits.max_host_tier_bytes` in force (CUDA; 0 on the CPU backend).
+    pub max_host_tier_bytes: u64,
+    /// Bytes of it granted to tables.
+    pub host_tier_bytes: u64,
+    /// Request body bytes being received or run now.
+    pub body_bytes_in_flight: u64,
+    /// Requests refused because `limits.max_body_bytes_in_flight` was reached.
+    pub body_refusals: u64,
 }
 
 /// One table.
@@ -93,6 +113,17 @@ pub fn collect(state: &State) -> DaemonStats {
         tables,
         op_names: Op::ALL.iter().map(|o| o.name().to_string()).collect(),
         checkpoint: state.checkpoints.stats(),
+        memory: {
+            let b = state.router.budget.stats();
+            MemoryStats {
+                max_table_bytes: b.max_table_bytes,
+                table_bytes: b.table_bytes,
+                max_host_tier_bytes: b.max_host_tier_bytes,
+                host_tier_bytes: b.host_tier_bytes,
+                body_bytes_in_flight: s.body_bytes.load(Relaxed),
+                body_refusals: s.body_refusals.load(Relaxed),
+            }
+        },
     }
 }
 
@@ -113,6 +144,13 @@ pub fn prometheus(d: &DaemonStats) -> String {
     let _ = writeln!(o, "hkvd_requests_total {}", d.requests);
     family(&mut o, "errors_total", "counter", "Error responses sent.");
     let _ = writeln!(o, "hkvd_errors_total {}", d.errors);
+    let m = &d.memory;
+    family(&mut o, "table_budget_bytes", "gauge", "limits.max_table_bytes: memory all tables may hold at their peak.");
+    let _ = writeln!(o, "hkvd_table_budget_bytes {}", m.max_table_bytes);
+    family(&mut o, "table_granted_bytes", "gauge", "Bytes of the table budget granted to tables.");
+    let _ = writeln!(o, "hkvd_table_granted_bytes {}", m.table_bytes);
+    family(&mut o, "body_bytes_in_flight", "gauge", "Request body bytes being received or run.");
+    let _ = writeln!(o, "hkvd_body_bytes_in_flight {}", m.body_bytes_in_flight);
     type Get = fn(&ShardStats) -> f64;
     let gauges: [(&str, &str, &str, Get); 10] = [
         ("size", "gauge", "Entries stored.", |s| s.size as f64),

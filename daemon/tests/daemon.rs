@@ -744,11 +744,12 @@ fn a_find_whose_answer_would_not_fit_a_frame_is_refused_before_it_runs() {
     let mut c = d.client();
     let dim = 1 << 16;
     c.create_table(spec("wide", dim, 128, "lru", "single")).unwrap();
-    // 16384 keys × (1 + 4 × 65536) bytes is just above 4 GiB.
+    // 16384 keys × (1 + 4 × 65536) bytes is above 4 GiB, and far above
+    // the default limits.max_frame_bytes of 1 GiB that bounds every answer.
     let keys: Vec<u64> = (1..=16384).collect();
     let e = c.find("wide", &keys).unwrap_err();
     assert_eq!(e.code(), Some(ErrorCode::Oversized), "{e}");
-    assert!(e.to_string().contains("send at most 16383 keys per find"), "{e}");
+    assert!(e.to_string().contains("limits.max_frame_bytes = 1073741824; send at most 4095 keys per find"), "{e}");
     let f = c.find("wide", &keys[..2]).unwrap();
     assert_eq!(f.found, [false, false]);
     assert_eq!(f.values.len(), 2 * dim);

@@ -39,6 +39,12 @@ pub enum ErrorCode {
     ShuttingDown,
     /// A shard failed.
     Internal,
+    /// The request needs more memory than the daemon's budget or the
+    /// device or host has free (a table too large, too many request bytes
+    /// in flight); the message names the sizes.
+    ResourceExhausted,
+    /// A named thing that is not a table does not exist (a checkpoint id).
+    NotFound,
 }
 
 /// An error as carried by an error frame: a code and a message for people.

@@ -39,6 +39,8 @@ __all__ = [
     "Forbidden",
     "Busy",
     "ShuttingDown",
+    "ResourceExhausted",
+    "NotFound",
     "InternalError",
     "ProtocolError",
     "default_socket",
@@ -110,6 +112,8 @@ class Forbidden(HkvdError): pass  # noqa: E701
 class Busy(HkvdError): pass  # noqa: E701
 class ShuttingDown(HkvdError): pass  # noqa: E701
 class InternalError(HkvdError): pass  # noqa: E701
+class ResourceExhausted(HkvdError): pass  # noqa: E701
+class NotFound(HkvdError): pass  # noqa: E701
 
 
 class ProtocolError(Exception):
@@ -133,6 +137,8 @@ _ERRORS = {
     "busy": Busy,
     "shutting_down": ShuttingDown,
     "internal": InternalError,
+    "resource_exhausted": ResourceExhausted,
+    "not_found": NotFound,
 }
 
 

@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::BUCKET_SLOTS;
+use crate::{Backend, BUCKET_SLOTS};
 
 /// How scores are computed. Larger score = more valuable; eviction removes the
 /// minimum and admission refuses a newcomer whose score is below it.
@@ -160,5 +160,55 @@ impl TableConfig {
     /// The largest bucket count growth may reach.
     pub fn max_buckets(&self) -> u64 {
         self.max_capacity.max(self.capacity).div_ceil(BUCKET_SLOTS as u64).max(1)
+    }
+
+    /// The memory one shard of this config holds at `buckets` buckets on
+    /// `backend` (`Auto` counts as CPU); `None` when it overflows a u64.
+    pub fn footprint_at(&self, backend: Backend, buckets: u64) -> Option<Footprint> {
+        let slots = buckets.checked_mul(BUCKET_SLOTS as u64)?;
+        let row = (self.dim as u64).checked_mul(4)?;
+        match backend {
+            Backend::Cpu | Backend::Auto => {
+                let meta = buckets.checked_mul(crate::cpu::BUCKET_BYTES)?;
+                Some(Footprint { device: 0, host: meta.checked_add(slots.checked_mul(row)?)?.checked_add(64)? })
+            }
+            Backend::Cuda => {
+                // Per slot a digest, a key and a score; per bucket a size and a lock.
+                let meta = slots.checked_mul(17)?.checked_add(buckets.checked_mul(8)?)?;
+                let fast = self.fast_tier_bytes.map_or(slots, |b| (b / row.max(1)).min(slots));
+                let device = meta.checked_add(fast.checked_mul(row)?)?;
+                Some(Footprint { device, host: (slots - fast).checked_mul(row)? })
+            }
+        }
+    }
+
+    /// The most memory one shard of this config can ever hold: at its
+    /// largest bucket count, plus, when it may grow, the half-size storage
+    /// that a last doubling rebuilds from while the new one is filled.
+    pub fn peak_footprint(&self, backend: Backend) -> Option<Footprint> {
+        let (first, last) = (self.buckets(), self.max_buckets());
+        let top = self.footprint_at(backend, last)?;
+        if last <= first {
+            return Some(top);
+        }
+        let half = self.footprint_at(backend, (last / 2).max(first))?;
+        Some(Footprint { device: top.device.checked_add(half.device)?, host: top.host.checked_add(half.host)? })
+    }
+}
+
+/// Bytes of table memory, by where they live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Footprint {
+    /// Device memory (CUDA backend).
+    pub device: u64,
+    /// Host memory: every byte of a CPU table, the pinned value tier of a
+    /// CUDA table.
+    pub host: u64,
+}
+
+impl Footprint {
+    /// `self × n`, `None` on overflow.
+    pub fn times(self, n: u64) -> Option<Footprint> {
+        Some(Footprint { device: self.device.checked_mul(n)?, host: self.host.checked_mul(n)? })
     }
 }

@@ -205,12 +205,32 @@ struct Storage {
     dim: usize,
 }
 
+/// Bytes of one bucket in host memory (digests, keys, scores, bitmap, mutex).
+pub const BUCKET_BYTES: u64 = std::mem::size_of::<Bucket>() as u64;
+
+/// A vector of `n` elements made by `f`, or an error naming the bytes when
+/// the allocation fails (the size may come from a client: never abort).
+fn try_vec<T>(n: usize, what: &str, f: impl FnMut() -> T) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| {
+        Error::OutOfMemory(format!(
+            "{what}: {} bytes could not be allocated",
+            (n as u128) * std::mem::size_of::<T>() as u128
+        ))
+    })?;
+    v.extend(std::iter::repeat_with(f).take(n));
+    Ok(v)
+}
+
 impl Storage {
-    fn new(nbuckets: u64, dim: usize) -> Storage {
-        let n = nbuckets as usize;
-        let values: Vec<AtomicU32> = (0..n * S * dim + LINE_FLOATS - 1).map(|_| AtomicU32::new(0)).collect();
+    fn new(nbuckets: u64, dim: usize) -> Result<Storage> {
+        let too_big = || Error::Config(format!("{nbuckets} buckets of dim {dim} do not fit this host's address space"));
+        let n = usize::try_from(nbuckets).map_err(|_| too_big())?;
+        let floats = n.checked_mul(S * dim).and_then(|x| x.checked_add(LINE_FLOATS - 1)).ok_or_else(too_big)?;
+        let values = try_vec(floats, "table values", || AtomicU32::new(0))?;
         let skew = (values.as_ptr() as usize).wrapping_neg() % 64 / 4;
-        Storage { buckets: (0..n).map(|_| Bucket::new()).collect(), values, skew, div: Buckets::new(nbuckets), dim }
+        let buckets = try_vec(n, "table buckets", Bucket::new)?;
+        Ok(Storage { buckets, values, skew, div: Buckets::new(nbuckets), dim })
     }
 
     fn nbuckets(&self) -> u64 {
@@ -469,7 +489,7 @@ impl CpuTable {
     /// A table reading Lru / EpochLru time from `clock`.
     pub fn with_clock(config: TableConfig, clock: Arc<dyn Clock>) -> Result<CpuTable> {
         config.validate()?;
-        let storage = Storage::new(config.buckets(), config.dim);
+        let storage = Storage::new(config.buckets(), config.dim)?;
         Ok(CpuTable {
             config,
             storage: RwLock::new(storage),
@@ -761,7 +781,11 @@ impl CpuTable {
             if want <= self.config.max_load_factor * cap || nb * 2 > max_buckets {
                 return;
             }
-            self.rehash(nb * 2);
+            // Without memory for the larger storage the table stays as it
+            // is and keeps working as a cache: inserts evict instead.
+            if self.rehash(nb * 2).is_err() {
+                return;
+            }
         }
     }
 
@@ -770,14 +794,17 @@ impl CpuTable {
     /// placement ever overflows, the lowest scores are the ones that go. In
     /// single mode doubling never overflows: `(h mod 2B) mod B = h mod B`, so
     /// bucket b's entries move to b or b + B only.
-    fn rehash(&self, nbuckets: u64) {
+    fn rehash(&self, nbuckets: u64) -> Result<()> {
         let mut st = self.storage.write();
-        let mut entries: Vec<(u64, u64, usize, usize)> = Vec::with_capacity(self.size.load(Relaxed) as usize);
+        let new = Storage::new(nbuckets, self.config.dim)?;
+        let mut entries: Vec<(u64, u64, usize, usize)> = Vec::new();
+        entries
+            .try_reserve_exact(self.size.load(Relaxed) as usize)
+            .map_err(|_| Error::OutOfMemory("the entry list of a table's growth".into()))?;
         for (b, bk) in st.buckets.iter().enumerate() {
             bk.each(|s| entries.push((bk.score(s), bk.key(s), b, s)));
         }
         entries.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
-        let new = Storage::new(nbuckets, self.config.dim);
         let scorer = self.scorer();
         let mut summary = Summary::default();
         let mut row = vec![0.0; self.config.dim];
@@ -790,6 +817,7 @@ impl CpuTable {
         self.size.store(summary.inserted, Relaxed);
         self.counters.evictions.fetch_add(summary.evicted + summary.rejected, Relaxed);
         *st = new;
+        Ok(())
     }
 
     fn finish_insert(&self, acc: &Acc) {
@@ -1258,7 +1286,7 @@ impl Shard for CpuTable {
             if nb * S as u64 >= capacity || nb * 2 > self.config.max_buckets() {
                 return Ok(());
             }
-            self.rehash(nb * 2);
+            self.rehash(nb * 2)?;
         }
     }
 
@@ -1323,7 +1351,7 @@ mod tests {
     fn rows_start_on_cache_lines() {
         for dim in [16, 32] {
             for nbuckets in [1, 3, 64] {
-                let st = Storage::new(nbuckets, dim);
+                let st = Storage::new(nbuckets, dim).unwrap();
                 for (b, s) in [(0, 0), (0, 1), (nbuckets as usize - 1, 127)] {
                     let row = st.row(b, s);
                     assert_eq!(row.as_ptr() as usize % 64, 0, "dim {dim}, bucket {b}, slot {s}");
@@ -1331,5 +1359,13 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A size no host can hold is an error, not an abort (the number may
+    /// come from a client's create_table).
+    #[test]
+    fn storage_too_large_for_the_host_is_an_error() {
+        assert!(Storage::new(1 << 40, 4).is_err());
+        assert!(Storage::new(u64::MAX / 2, 65536).is_err());
     }
 }

@@ -392,6 +392,14 @@ pub fn shared_device(ordinal: usize) -> Result<Arc<Device>> {
     Ok(d)
 }
 
+/// Free and total memory of device `ordinal`, in bytes (binds its
+/// context to the calling thread).
+pub fn memory(ordinal: usize) -> Result<(u64, u64)> {
+    let d = shared_device(ordinal)?;
+    let (free, total) = d.ctx.mem_get_info().map_err(dev_err("cuMemGetInfo"))?;
+    Ok((free as u64, total as u64))
+}
+
 /// Page-locked host memory for a response frame that the GPU writes rows
 /// into directly: a find of a CUDA table whose values array lies in such
 /// memory copies the rows there from the device in one transfer, without

@@ -64,6 +64,9 @@ pub enum Error {
     /// A device call failed; the message keeps the failing call and its code.
     #[error("device error: {0}")]
     Device(String),
+    /// Host memory for the table could not be allocated; nothing was changed.
+    #[error("out of host memory: {0}")]
+    OutOfMemory(String),
 }
 
 /// Result alias of this crate.

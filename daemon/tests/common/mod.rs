@@ -54,6 +54,39 @@ impl Daemon {
         Self::start_in_env(dir, socket, extra, env)
     }
 
+    /// [`Daemon::start`] under an address-space limit of `bytes`
+    /// (`prlimit --as`): a test that sends hostile input fails, instead of
+    /// taking the machine down, if a regression lets the daemon allocate
+    /// what a request asks for.
+    pub fn start_limited(bytes: u64, extra: &[&str]) -> Daemon {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("run").join("hkvd.sock");
+        let inner = command_at(&socket, &dir.path().join("state"), extra);
+        let mut cmd = Command::new("prlimit");
+        cmd.arg(format!("--as={bytes}")).arg("--").arg(inner.get_program()).args(inner.get_args());
+        cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::inherit());
+        let child = cmd.spawn().expect("spawn prlimit hkvd (prlimit is in util-linux)");
+        let mut d = Daemon { child: Some(child), dir, socket };
+        d.wait_ready();
+        d
+    }
+
+    /// Whether the process is still running.
+    pub fn alive(&mut self) -> bool {
+        self.child.as_mut().is_some_and(|c| c.try_wait().expect("try_wait").is_none())
+    }
+
+    /// Resident memory of the process, bytes.
+    pub fn rss(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).expect("status");
+        let kb: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .expect("VmRSS");
+        kb * 1024
+    }
+
     pub fn start_in(dir: tempfile::TempDir, socket: PathBuf, extra: &[&str]) -> Daemon {
         Self::start_in_env(dir, socket, extra, &[])
     }
