@@ -245,6 +245,7 @@ pub fn shard_error(e: ShardError) -> ProtoError {
         ShardError::ScoresNotAccepted { .. } | ShardError::ScoresRequired { .. } => ErrorCode::Scores,
         ShardError::Config(_) | ShardError::Capacity { .. } => ErrorCode::BadRequest,
         ShardError::OutOfMemory(_) => ErrorCode::ResourceExhausted,
+        ShardError::Features(_) => ErrorCode::BadRequest,
         _ => ErrorCode::Internal,
     };
     ProtoError::new(code, e.to_string())
@@ -681,7 +682,9 @@ impl Router {
                 self.writes(&t, &split, ops, n, outcomes, code).await
             }
             Request::AssignScores { keys, scores, outcomes, .. } => {
-                Self::validate(&t, &keys, None, scores.as_deref(), false, false)?;
+                // A custom table's scores are the caller's: without them there is nothing to assign.
+                let needs = t.config.policy == ScorePolicy::Custom;
+                Self::validate(&t, &keys, None, scores.as_deref(), needs, false)?;
                 let (n, split) = (keys.len(), Split::new(&keys, n_shards));
                 let mut scores = scores.map(|s| split.take(s, 1).into_iter());
                 let ops = split

@@ -193,7 +193,8 @@ fn declared_body_lengths_cost_no_memory() {
 /// connection kept; the bytes come back when the requests finish.
 #[test]
 fn request_bytes_in_flight_are_bounded() {
-    let mut d = Daemon::start_limited(LIMIT, &["--max-frame-bytes", "4194304", "--max-body-bytes-in-flight", "8388608"]);
+    let mut d =
+        Daemon::start_limited(LIMIT, &["--max-frame-bytes", "4194304", "--max-body-bytes-in-flight", "8388608"]);
     let mut c = d.client();
     c.create_table(spec("t", 4, 1 << 21)).unwrap();
     let n = 170_000u64;
@@ -298,7 +299,10 @@ fn state_files_are_not_readable_by_others() {
 /// admin group: one that is not root's.
 fn users_gid() -> u32 {
     let g = std::fs::read_to_string("/etc/group").unwrap();
-    g.lines().find_map(|l| l.strip_prefix("users:x:")).and_then(|r| r.split(':').next()?.parse().ok()).expect("group users")
+    g.lines()
+        .find_map(|l| l.strip_prefix("users:x:"))
+        .and_then(|r| r.split(':').next()?.parse().ok())
+        .expect("group users")
 }
 
 /// With an admin group, the socket, its directory and the state directory
@@ -397,8 +401,14 @@ fn seeds() -> Vec<Vec<u8>> {
     reserve.extend_from_slice(&(1u64 << 20).to_le_bytes());
     vec![
         json(op::CREATE_TABLE, r#"{"name": "t", "dim": 4, "capacity": 4096}"#),
-        json(op::CREATE_TABLE, r#"{"name": "g", "dim": 8, "capacity": 128, "max_capacity": 65536, "policy": "lfu", "mode": "dual"}"#),
-        json(op::CREATE_TABLE, r#"{"name": "w", "dim": 65536, "capacity": 128, "fast_tier_bytes": 0, "max_load_factor": 0.9}"#),
+        json(
+            op::CREATE_TABLE,
+            r#"{"name": "g", "dim": 8, "capacity": 128, "max_capacity": 65536, "policy": "lfu", "mode": "dual"}"#,
+        ),
+        json(
+            op::CREATE_TABLE,
+            r#"{"name": "w", "dim": 65536, "capacity": 128, "fast_tier_bytes": 0, "max_load_factor": 0.9}"#,
+        ),
         json(op::RESTORE, r#"{"id": "latest"}"#),
         json(op::RESTORE, r#"{"id": "00000000000000ff"}"#),
         json(op::CHECKPOINT, r#"{"wait": true, "full": true}"#),
@@ -484,7 +494,8 @@ fn fuzzed_admin_frames_never_take_the_daemon_down() {
         // Only whole frames get an answer; the rest leave the stream inside
         // a frame, so the connection is replaced after them.
         let whole = f.len() >= HEADER_LEN
-            && Header::decode(f[..HEADER_LEN].try_into().unwrap()).is_ok_and(|h| f.len() == HEADER_LEN + h.body_len as usize);
+            && Header::decode(f[..HEADER_LEN].try_into().unwrap())
+                .is_ok_and(|h| f.len() == HEADER_LEN + h.body_len as usize);
         if s.write_all(&f).is_err() {
             panic!("frame {i}: the daemon closed the connection while being written to");
         }

@@ -64,6 +64,10 @@ pub enum Error {
     /// A device call failed; the message keeps the failing call and its code.
     #[error("device error: {0}")]
     Device(String),
+    /// A feature batch or hash setting is unusable (offsets that decrease
+    /// or run past the buffer, `num_buckets` 0); nothing was hashed.
+    #[error("bad features: {0}")]
+    Features(String),
     /// Host memory for the table could not be allocated; nothing was changed.
     #[error("out of host memory: {0}")]
     OutOfMemory(String),

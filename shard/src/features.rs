@@ -77,7 +77,7 @@ impl Features<'_> {
             return Ok(());
         }
         if let Some(i) = offsets.windows(2).position(|w| w[1] < w[0]) {
-            return Err(Error::Config(format!(
+            return Err(Error::Features(format!(
                 "string offsets must not decrease: offsets[{}] = {} < offsets[{i}] = {}",
                 i + 1,
                 offsets[i + 1],
@@ -86,7 +86,7 @@ impl Features<'_> {
         }
         let last = *offsets.last().expect("not empty") as usize;
         if last > bytes.len() {
-            return Err(Error::Config(format!(
+            return Err(Error::Features(format!(
                 "string offsets reach byte {last}, past the {}-byte buffer",
                 bytes.len()
             )));
@@ -99,10 +99,10 @@ impl Features<'_> {
 /// is ever a reserved marker.
 pub fn check_buckets(num_buckets: u64) -> Result<()> {
     if num_buckets == 0 {
-        return Err(Error::Config("num_buckets must be at least 1".into()));
+        return Err(Error::Features("num_buckets must be at least 1".into()));
     }
     if num_buckets > crate::RESERVED_KEY_MIN {
-        return Err(Error::Config(format!(
+        return Err(Error::Features(format!(
             "num_buckets {num_buckets} is above {}: such keys would collide with reserved markers",
             crate::RESERVED_KEY_MIN
         )));
