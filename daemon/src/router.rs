@@ -275,6 +275,13 @@ pub fn shard_config(spec: &TableSpec, n: usize) -> Result<TableConfig, ProtoErro
         "dual" => BucketMode::Dual,
         m => return Err(ProtoError::bad_request(format!("mode {m:?}: use single or dual"))),
     };
+    // Checked in the request's own numbers; the per-shard ones below are rounded.
+    if spec.max_capacity != 0 && spec.max_capacity < spec.capacity {
+        return Err(ProtoError::bad_request(format!(
+            "max_capacity {} is below capacity {}; use 0 for a table that does not grow",
+            spec.max_capacity, spec.capacity
+        )));
+    }
     let per = |x: u64| x.div_ceil(n as u64);
     let config = TableConfig {
         capacity: per(spec.capacity),
@@ -539,6 +546,9 @@ impl Router {
         };
         let t = if table.is_empty() && matches!(req, Request::Hash { .. }) { None } else { Some(self.table(table)?) };
         let (kind, num_buckets) = crate::features::resolve(hash.clone(), t.as_deref())?;
+        if let Request::Hash { features, .. } = &req {
+            self.bound("hash", features.len(), 0, 8, 8)?;
+        }
         // Values, scores and dim are checked by find / find_or_insert below,
         // before anything is applied; hashing changes nothing.
         let hasher = self.hasher.clone();
@@ -659,13 +669,12 @@ impl Router {
                 } + u64::from(outcomes);
                 self.bound(hkv_proto::msg::op_name(code), keys.len(), dim, per_key, 64)?;
                 let inserts = code != op::ASSIGN;
-                Self::validate(&t, &keys, Some(&values), scores.as_deref(), inserts, code == op::LOAD)?;
                 if code == op::LOAD && scores.is_none() {
-                    return Err(err(
-                        ErrorCode::LengthMismatch,
-                        "load needs a score per key (sent with the SCORES flag)",
-                    ));
+                    return Err(err(ErrorCode::Scores, "load needs a score per key (sent with the SCORES flag)"));
                 }
+                Self::validate(&t, &keys, Some(&values), scores.as_deref(), inserts, code == op::LOAD)?;
+                // load places entries as they were; it reports no per-key outcome.
+                let outcomes = outcomes && code != op::LOAD;
                 let (n, split) = (keys.len(), Split::new(&keys, n_shards));
                 let mut scores = scores.map(|s| split.take(s, 1).into_iter());
                 let ops = split
@@ -714,6 +723,14 @@ impl Router {
                 Ok(Response::Empty)
             }
             Request::Reserve { capacity, .. } => {
+                let most = t.config.max_buckets() * 128 * n_shards as u64;
+                if capacity > most {
+                    return Err(ProtoError::bad_request(format!(
+                        "cannot reserve {capacity} slots: table {:?} grows to {most} at most; \
+                         create it with a larger max_capacity",
+                        t.spec.name
+                    )));
+                }
                 let per = capacity.div_ceil(n_shards as u64);
                 self.fan_out(&t, (0..n_shards).map(|_| SubOp::Reserve(per)).collect()).await?;
                 Ok(Response::Empty)

@@ -409,8 +409,7 @@ pub async fn handle(state: &Arc<State>, h: &Header, body: &[u8], peer: &Peer) ->
 }
 
 async fn answer(state: &Arc<State>, h: &Header, body: &[u8], peer: &Peer) -> Result<Response, ProtoError> {
-    let req = Request::decode(h, body)?;
-    if req.is_admin() && !state.is_admin(peer) {
+    if hkv_proto::msg::is_admin_op(h.op) && !state.is_admin(peer) {
         let group = match (&state.config.admin_group, state.admin_gid) {
             (Some(name), Some(gid)) => format!("nor in the admin group {name} (gid {gid})"),
             _ => "and the daemon has no admin group (--admin-group)".into(),
@@ -425,6 +424,7 @@ async fn answer(state: &Arc<State>, h: &Header, body: &[u8], peer: &Peer) -> Res
             ),
         ));
     }
+    let req = Request::decode(h, body)?;
     match req {
         Request::Ping => Ok(Response::Empty),
         Request::Echo { reply_len, .. } => {

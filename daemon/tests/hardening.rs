@@ -100,7 +100,7 @@ fn the_crashing_frames_get_errors_and_the_daemon_keeps_serving() {
     let mut grows = spec("mc62", 4, 128);
     grows.max_capacity = 3 << 15;
     c.create_table(grows).unwrap();
-    expect_error(raw_call(&mut s, &reserve40).1, ErrorCode::BadRequest, "raise max_capacity");
+    expect_error(raw_call(&mut s, &reserve40).1, ErrorCode::BadRequest, "grows to 98304 at most");
     c.reserve("mc62", 3 << 15).unwrap();
     assert_eq!(c.tables().unwrap().iter().find(|t| t.spec.name == "mc62").unwrap().capacity, 3 << 15);
     still_serves(&mut d, "after-reserve");

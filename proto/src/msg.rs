@@ -117,7 +117,7 @@ impl FeatureHash {
         match self.kind.as_str() {
             "fingerprint64" => Ok(0),
             "strong" => Ok(1),
-            k => Err(ProtoError::bad_request(format!("hash kind {k:?} is unknown: use fingerprint64 or strong"))),
+            k => Err(ProtoError::bad_request(format!("bad features: hash kind {k:?} is unknown: use fingerprint64 or strong"))),
         }
     }
 }
@@ -191,7 +191,7 @@ fn hash_get(r: &mut Reader<'_>) -> Result<HashSpec, ProtoError> {
         1 => "strong",
         c => {
             return Err(ProtoError::bad_request(format!(
-                "hash kind {c} is unknown: use 0 (fingerprint64), 1 (strong) or 255 (the table's)"
+                "bad features: hash kind {c} is unknown: use 0 (fingerprint64), 1 (strong) or 255 (the table's)"
             )))
         }
     };
@@ -218,7 +218,7 @@ fn features_get(r: &mut Reader<'_>) -> Result<Features, ProtoError> {
             let offsets = r.u32s("string offsets")?;
             Ok(Features::Strings { offsets, bytes: r.u8s("string bytes")? })
         }
-        t => Err(ProtoError::bad_request(format!("feature type {t} is unknown: use 0 (int64) or 1 (strings)"))),
+        t => Err(ProtoError::bad_request(format!("bad features: feature type {t} is unknown: use 0 (int64) or 1 (strings)"))),
     }
 }
 
@@ -587,18 +587,17 @@ impl Request {
 
     /// Whether only admins may send it.
     pub fn is_admin(&self) -> bool {
-        matches!(
-            self,
-            Request::Control(
-                Control::CreateTable(_)
-                    | Control::DropTable { .. }
-                    | Control::Shutdown
-                    | Control::Checkpoint { .. }
-                    | Control::Restore { .. }
-            )
-        )
+        is_admin_op(self.op())
     }
+}
 
+/// Whether op code `code` is an admin operation (decided from the header
+/// alone, so that a peer without rights learns nothing from the decoder).
+pub fn is_admin_op(code: u8) -> bool {
+    matches!(code, op::CREATE_TABLE | op::DROP_TABLE | op::SHUTDOWN | op::CHECKPOINT | op::RESTORE)
+}
+
+impl Request {
     /// The whole frame with request id `id`.
     pub fn encode(&self, id: u64) -> Vec<u8> {
         self.encode_into(id, Vec::new())

@@ -157,9 +157,17 @@ impl TableConfig {
         self.capacity.div_ceil(BUCKET_SLOTS as u64).max(1)
     }
 
-    /// The largest bucket count growth may reach.
+    /// The largest bucket count growth may reach. Growth doubles, so
+    /// `max_capacity` is rounded up to the initial buckets times a power of
+    /// two: `reserve(max_capacity)` then reaches it (rounding down left the
+    /// table short of a capacity it had said it could hold).
     pub fn max_buckets(&self) -> u64 {
-        self.max_capacity.max(self.capacity).div_ceil(BUCKET_SLOTS as u64).max(1)
+        let want = self.max_capacity.max(self.capacity).div_ceil(BUCKET_SLOTS as u64).max(1);
+        let mut b = self.buckets();
+        while b < want {
+            b = b.saturating_mul(2);
+        }
+        b
     }
 
     /// The memory one shard of this config holds at `buckets` buckets on
