@@ -4,7 +4,7 @@
 //! in request order.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 
 use actix::Addr;
@@ -28,6 +28,12 @@ pub struct Table {
     pub config: TableConfig,
     /// Shard `i` lives on actor `i`.
     pub shards: Vec<Arc<dyn Shard>>,
+    /// Set by writes whose scores may fall below the clock (a client's load
+    /// with verbatim scores, an epoch set lower): the next incremental
+    /// checkpoint cannot find them by score and stores this table whole.
+    pub untracked: AtomicBool,
+    /// The last epoch set, to tell when it goes down.
+    pub epoch: AtomicU32,
 }
 
 /// Maps tables and keys to shard actors.
@@ -39,6 +45,9 @@ pub struct Router {
     pub hasher: Arc<Hasher>,
     /// Sent frames given back for find answers to reuse.
     pub frames: Frames,
+    /// Counts table creations and drops: a checkpoint chain continues only
+    /// while it is unchanged.
+    generation: AtomicU64,
 }
 
 /// Frames given back once sent, whose memory find and echo answers reuse
@@ -356,7 +365,12 @@ impl Router {
             (Backend::Cuda, Some(ordinal)) => Frames::new(frame_cache).pinned(ordinal),
             _ => Frames::new(frame_cache),
         };
-        Router { actors, backend, tables: RwLock::new(HashMap::new()), hasher, frames }
+        Router { actors, backend, tables: RwLock::new(HashMap::new()), hasher, frames, generation: AtomicU64::new(0) }
+    }
+
+    /// Table creations and drops so far.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Relaxed)
     }
 
     /// Shards per table.
@@ -406,22 +420,27 @@ impl Router {
             let shard = r.map_err(|e| err(ErrorCode::Internal, format!("shard actor gone: {e}")))?;
             shards.push(shard.map_err(shard_error)?);
         }
-        let table = Arc::new(Table { spec: spec.clone(), config, shards });
+        let table = Arc::new(Table {
+            spec: spec.clone(),
+            config,
+            shards,
+            untracked: AtomicBool::new(false),
+            epoch: AtomicU32::new(0),
+        });
         let mut tables = self.tables.write();
         if tables.contains_key(&spec.name) {
             return Err(err(ErrorCode::TableExists, format!("table {:?} exists; drop it first", spec.name)));
         }
         tables.insert(spec.name.clone(), table.clone());
+        self.generation.fetch_add(1, Relaxed);
         Ok(Self::info(&table))
     }
 
     /// Drops a table; requests already running on it finish first.
     pub fn drop_table(&self, name: &str) -> Result<(), ProtoError> {
-        self.tables
-            .write()
-            .remove(name)
-            .map(|_| ())
-            .ok_or_else(|| err(ErrorCode::UnknownTable, format!("no table named {name:?}")))
+        let removed = self.tables.write().remove(name);
+        self.generation.fetch_add(1, Relaxed);
+        removed.map(|_| ()).ok_or_else(|| err(ErrorCode::UnknownTable, format!("no table named {name:?}")))
     }
 
     async fn call(&self, table: &Table, i: usize, op: SubOp) -> Result<SubResult, ProtoError> {
@@ -629,6 +648,9 @@ impl Router {
                         "load needs a score per key (sent with the SCORES flag)",
                     ));
                 }
+                if code == op::LOAD {
+                    t.untracked.store(true, Relaxed);
+                }
                 let (n, split) = (keys.len(), Split::new(&keys, n_shards));
                 let mut scores = scores.map(|s| split.take(s, 1).into_iter());
                 let ops = split
@@ -671,6 +693,9 @@ impl Router {
                 Ok(Response::Empty)
             }
             Request::SetEpoch { epoch, .. } => {
+                if epoch < t.epoch.swap(epoch, Relaxed) {
+                    t.untracked.store(true, Relaxed);
+                }
                 self.fan_out(&t, (0..n_shards).map(|_| SubOp::SetEpoch(epoch)).collect()).await?;
                 Ok(Response::Empty)
             }

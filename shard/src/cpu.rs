@@ -1262,6 +1262,10 @@ impl Shard for CpuTable {
         }
     }
 
+    fn resume_after(&self, max_score: u64) {
+        crate::score::resume_after(self.config.policy, max_score, &*self.clock, &self.epoch);
+    }
+
     fn clock_score(&self) -> u64 {
         self.scorer().clock_floor()
     }
