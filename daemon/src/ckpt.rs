@@ -233,7 +233,10 @@ impl Checkpoints {
             );
         }
         if !rec.migrated.is_empty() {
-            info!(checkpoints = rec.migrated.len(), "wrote the manifests of earlier-format checkpoints into their directories");
+            info!(
+                checkpoints = rec.migrated.len(),
+                "wrote the manifests of earlier-format checkpoints into their directories"
+            );
         }
         let removed = catalog.collect(config.keep, None)?;
         if !removed.is_empty() {
