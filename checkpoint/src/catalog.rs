@@ -199,8 +199,7 @@ impl Catalog {
                     newest = Some(id);
                 }
                 DirManifest::Missing
-                    if self.chunk_dir(id).is_dir()
-                        && in_index.is_some_and(|b| manifest::decode(id, b).is_ok()) =>
+                    if self.chunk_dir(id).is_dir() && in_index.is_some_and(|b| manifest::decode(id, b).is_ok()) =>
                 {
                     // A checkpoint of the earlier format: give it its directory manifest.
                     let bytes = in_index.cloned().unwrap_or_default();
@@ -635,7 +634,9 @@ mod tests {
         type Damage = fn(&Path);
         let db = |p: &Path| p.join("catalog").join("db");
         let damages: [(&str, Damage); 6] = [
-            ("truncate to 0", |p| std::fs::File::options().write(true).open(p.join("catalog/db")).unwrap().set_len(0).unwrap()),
+            ("truncate to 0", |p| {
+                std::fs::File::options().write(true).open(p.join("catalog/db")).unwrap().set_len(0).unwrap()
+            }),
             ("truncate to half", |p| {
                 let f = std::fs::File::options().write(true).open(p.join("catalog/db")).unwrap();
                 let n = f.metadata().unwrap().len();
