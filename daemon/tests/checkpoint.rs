@@ -567,7 +567,7 @@ fn crash_harness_kill_during_checkpoint_and_restore() {
         mutate(&mut c);
         let pending = snapshot(&mut c, "t");
         c.checkpoint(false, next() % 2 == 0).unwrap();
-        std::thread::sleep(Duration::from_micros(next() % 150_000));
+        std::thread::sleep(Duration::from_micros(next() % 60_000));
         d.kill();
         // Sometimes also kill the restore that follows.
         if next() % 2 == 0 {
