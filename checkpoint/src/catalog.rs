@@ -1,10 +1,13 @@
-//! The catalog: manifests and the `current` pointer in a [`Store`] (keys
-//! `manifest/{id:016x}` and `current`; hex ids make key order id order), and
-//! chunk bodies as plain files `chunks/{id:016x}/{table}.{shard:04}.{seq:08}`
-//! written to a temporary name, fsynced and renamed, by a writer thread that
-//! overlaps disk writes with the export.
+//! The catalog: checkpoint directories `chunks/{id:016x}/` holding chunk
+//! files `{table}.{shard:04}.{seq:08}` (written to a temporary name, fsynced
+//! and renamed by a writer thread that overlaps disk writes with the export),
+//! key lists `{table}.{shard:04}.keys{seq:08}`, and last the checksummed
+//! `MANIFEST`; and an index of them in a [`Store`] (keys `manifest/{id:016x}`
+//! and `current`; hex ids make key order id order). The directories are the
+//! truth: the index is checked against them at open and rebuilt from them
+//! when it is lost or damaged.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{sync_channel, SyncSender};
@@ -15,6 +18,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use crate::chunk::{self, Chunk};
 use crate::manifest::{self, ChunkRef, Kind, Manifest, TableEntry};
 use crate::{Error, Result, SledStore, Store, FORMAT_VERSION};
+
+/// The manifest's file name inside a checkpoint directory.
+pub const MANIFEST_FILE: &str = "MANIFEST";
 
 fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
@@ -39,7 +45,38 @@ pub struct Listed {
     pub status: String,
 }
 
-/// Checkpoints: a catalog store plus a directory of chunk files.
+/// What opening the catalog found and repaired, for the caller to log.
+#[derive(Debug, Clone, Default)]
+pub struct Recovery {
+    /// The index could not be opened or read: why, and where its files were
+    /// moved (they are kept for inspection, never deleted).
+    pub damaged: Option<(String, PathBuf)>,
+    /// Checkpoints whose directory verifies but the index lacked or held
+    /// differently: indexed again from their directory.
+    pub reindexed: Vec<u64>,
+    /// Checkpoints of the earlier format (manifest only in the index) whose
+    /// manifest was written into their directory.
+    pub migrated: Vec<u64>,
+    /// Index entries without a verifying directory manifest: removed from
+    /// the index (their directories are leftovers).
+    pub unindexed: Vec<u64>,
+}
+
+impl Recovery {
+    /// Whether the index needed any repair.
+    pub fn repaired(&self) -> bool {
+        self.damaged.is_some() || !self.reindexed.is_empty() || !self.unindexed.is_empty()
+    }
+}
+
+/// A directory's manifest: verifying, damaged (why), or absent.
+enum DirManifest {
+    Valid(Manifest, Vec<u8>),
+    Invalid(String),
+    Missing,
+}
+
+/// Checkpoints: a catalog store plus a directory per checkpoint.
 #[derive(Clone)]
 pub struct Catalog {
     store: Arc<dyn Store>,
@@ -50,30 +87,161 @@ fn io_err(what: &str, path: &Path, e: std::io::Error) -> Error {
     Error::Store(format!("{what} {}: {e}", path.display()))
 }
 
+fn sync_dir(dir: &Path) -> Result<()> {
+    std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(|e| io_err("cannot sync", dir, e))
+}
+
 impl Catalog {
-    /// A catalog in `dir`: sled at `dir/catalog`, chunk files under `dir/chunks`.
+    /// A catalog in `dir`: sled at `dir/catalog`, checkpoint directories
+    /// under `dir/chunks`; the index is checked and repaired as
+    /// [`Catalog::open_recovering`] does.
     pub fn open(dir: &Path) -> Result<Catalog> {
-        let chunks = dir.join("chunks");
-        std::fs::create_dir_all(&chunks).map_err(|e| io_err("cannot create", &chunks, e))?;
-        Ok(Catalog { store: Arc::new(SledStore::open(&dir.join("catalog"))?), chunks })
+        Ok(Self::open_recovering(dir)?.0)
     }
 
-    /// A catalog over any store, with chunk files under `chunks`.
+    /// Opens the catalog in `dir`. If sled cannot be opened or read (an
+    /// error or a panic), its directory is moved aside to
+    /// `catalog.damaged-{ms}` and a new index is built from the checkpoint
+    /// directories. Either way the index is then made to agree with the
+    /// directories: every directory whose manifest verifies is indexed,
+    /// entries without one are dropped, `current` names the newest.
+    pub fn open_recovering(dir: &Path) -> Result<(Catalog, Recovery)> {
+        let chunks = dir.join("chunks");
+        std::fs::create_dir_all(&chunks).map_err(|e| io_err("cannot create", &chunks, e))?;
+        let path = dir.join("catalog");
+        let mut rec = Recovery::default();
+        let first = SledStore::open(&path).and_then(|store| {
+            let cat = Catalog { store: Arc::new(store), chunks: chunks.clone() };
+            cat.reconcile(&mut rec).map(|_| cat)
+        });
+        match first {
+            Ok(cat) => Ok((cat, rec)),
+            Err(e) if SledStore::is_locked_error(&e) => Err(e),
+            Err(e) => {
+                // Keep the damaged files: they are evidence, and deleting is never recovery.
+                let aside = dir.join(format!("catalog.damaged-{}", now_ms()));
+                if path.exists() {
+                    std::fs::rename(&path, &aside).map_err(|e| io_err("cannot move aside", &path, e))?;
+                }
+                rec = Recovery { damaged: Some((e.to_string(), aside)), ..Recovery::default() };
+                let cat = Catalog { store: Arc::new(SledStore::open(&path)?), chunks };
+                cat.reconcile(&mut rec)?;
+                Ok((cat, rec))
+            }
+        }
+    }
+
+    /// A catalog over any store, with checkpoint directories under `chunks`.
     pub fn new(store: Arc<dyn Store>, chunks: PathBuf) -> Catalog {
         Catalog { store, chunks }
     }
 
-    /// The directory of a checkpoint's chunk files.
+    /// The directory of a checkpoint.
     pub fn chunk_dir(&self, id: u64) -> PathBuf {
         self.chunks.join(format!("{id:016x}"))
     }
 
-    /// The file of a chunk.
+    /// The file of a chunk or key list.
     pub fn chunk_path(&self, c: &ChunkRef) -> PathBuf {
         self.chunks.join(&c.key)
     }
 
-    /// Bytes of the catalog store and every chunk file.
+    /// Reads a directory's manifest.
+    fn dir_manifest(&self, id: u64) -> DirManifest {
+        let path = self.chunk_dir(id).join(MANIFEST_FILE);
+        match std::fs::read(&path) {
+            Ok(b) => match manifest::decode(id, &b) {
+                Ok(m) => DirManifest::Valid(m, b),
+                Err(e) => DirManifest::Invalid(e.to_string()),
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => DirManifest::Missing,
+            Err(e) => DirManifest::Invalid(format!("cannot read {}: {e}", path.display())),
+        }
+    }
+
+    /// Ids of the checkpoint directories.
+    fn dir_ids(&self) -> BTreeSet<u64> {
+        let mut ids = BTreeSet::new();
+        if let Ok(dirs) = std::fs::read_dir(&self.chunks) {
+            for d in dirs.flatten() {
+                let name = d.file_name().to_string_lossy().into_owned();
+                if name.len() == 16 && d.path().is_dir() {
+                    if let Ok(id) = u64::from_str_radix(&name, 16) {
+                        ids.insert(id);
+                    }
+                }
+            }
+        }
+        ids
+    }
+
+    /// Makes the index agree with the directories (see `open_recovering`).
+    fn reconcile(&self, rec: &mut Recovery) -> Result<()> {
+        let mut indexed: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
+        for key in self.store.keys("manifest/")? {
+            if let Some(id) = id_of(&key, "manifest/") {
+                indexed.insert(id, self.store.get(&key)?.unwrap_or_default());
+            }
+        }
+        let mut newest = None;
+        let mut changed = false;
+        let mut dirs = self.dir_ids();
+        dirs.extend(indexed.keys().copied());
+        for id in dirs {
+            let in_index = indexed.get(&id);
+            match self.dir_manifest(id) {
+                DirManifest::Valid(_, bytes) => {
+                    if in_index != Some(&bytes) {
+                        self.store.put(&manifest_key(id), &bytes)?;
+                        rec.reindexed.push(id);
+                        changed = true;
+                    }
+                    newest = Some(id);
+                }
+                DirManifest::Missing
+                    if self.chunk_dir(id).is_dir() && in_index.is_some_and(|b| manifest::decode(id, b).is_ok()) =>
+                {
+                    // A checkpoint of the earlier format: give it its directory manifest.
+                    let bytes = in_index.cloned().unwrap_or_default();
+                    self.write_dir_manifest(id, &bytes)?;
+                    rec.migrated.push(id);
+                    newest = Some(id);
+                }
+                _ => {
+                    if in_index.is_some() {
+                        self.store.remove(&manifest_key(id))?;
+                        rec.unindexed.push(id);
+                        changed = true;
+                    }
+                }
+            }
+        }
+        if let Some(id) = newest {
+            if self.current()? != Some(id) {
+                self.store.put("current", &id.to_le_bytes())?;
+                changed = true;
+            }
+        }
+        if changed {
+            self.store.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Writes a directory's manifest: temporary name, fsync, rename, fsync
+    /// of the directory. From the rename on, the checkpoint is complete.
+    fn write_dir_manifest(&self, id: u64, bytes: &[u8]) -> Result<()> {
+        let dir = self.chunk_dir(id);
+        let tmp = dir.join(format!("{MANIFEST_FILE}.tmp"));
+        let path = dir.join(MANIFEST_FILE);
+        let mut f = std::fs::File::create(&tmp).map_err(|e| io_err("cannot create", &tmp, e))?;
+        f.write_all(bytes).map_err(|e| io_err("cannot write", &tmp, e))?;
+        f.sync_all().map_err(|e| io_err("cannot sync", &tmp, e))?;
+        std::fs::rename(&tmp, &path).map_err(|e| io_err("cannot rename", &tmp, e))?;
+        sync_dir(&dir)
+    }
+
+    /// Bytes of the catalog store and every checkpoint file.
     pub fn disk_bytes(&self) -> Result<u64> {
         let mut total = self.store.disk_bytes()?;
         for d in std::fs::read_dir(&self.chunks).map_err(|e| io_err("cannot list", &self.chunks, e))?.flatten() {
@@ -102,7 +270,9 @@ impl Catalog {
             .name("hkvd-ckpt-write".into())
             .spawn(move || -> Result<()> {
                 for (path, bytes) in rx {
-                    let tmp = path.with_extension("tmp");
+                    let mut tmp = path.clone().into_os_string();
+                    tmp.push(".tmp");
+                    let tmp = PathBuf::from(tmp);
                     let mut f = std::fs::File::create(&tmp).map_err(|e| io_err("cannot create", &tmp, e))?;
                     f.write_all(&bytes).map_err(|e| io_err("cannot write", &tmp, e))?;
                     f.sync_data().map_err(|e| io_err("cannot sync", &tmp, e))?;
@@ -123,22 +293,20 @@ impl Catalog {
         })
     }
 
-    /// Ids that have a chunk or a manifest.
+    /// Ids that have a directory or an index entry.
     fn all_ids(&self) -> Result<BTreeSet<u64>> {
         let mut ids: BTreeSet<u64> =
             self.store.keys("manifest/")?.iter().filter_map(|k| id_of(k, "manifest/")).collect();
-        if let Ok(dirs) = std::fs::read_dir(&self.chunks) {
-            ids.extend(dirs.flatten().filter_map(|d| u64::from_str_radix(&d.file_name().to_string_lossy(), 16).ok()));
-        }
+        ids.extend(self.dir_ids());
         Ok(ids)
     }
 
-    /// How many checkpoints have a manifest (read from the keys alone).
+    /// How many checkpoints are indexed (read from the keys alone).
     pub fn count(&self) -> Result<usize> {
         Ok(self.store.keys("manifest/")?.len())
     }
 
-    /// Every checkpoint with a manifest, newest first.
+    /// Every indexed checkpoint, newest first.
     pub fn list(&self) -> Result<Vec<Listed>> {
         let mut out = vec![];
         for key in self.store.keys("manifest/")?.into_iter().rev() {
@@ -153,17 +321,21 @@ impl Catalog {
         Ok(out)
     }
 
-    /// A checkpoint's manifest.
+    /// A checkpoint's manifest: from the index, else from its directory.
     pub fn manifest(&self, id: u64) -> Result<Manifest> {
         match self.store.get(&manifest_key(id))? {
             Some(b) => manifest::decode(id, &b),
-            None => Err(Error::NotFound(format!("{id:016x}"))),
+            None => match self.dir_manifest(id) {
+                DirManifest::Valid(m, _) => Ok(m),
+                DirManifest::Invalid(why) => Err(Error::CorruptManifest { id, why }),
+                DirManifest::Missing => Err(Error::NotFound(format!("{id:016x}"))),
+            },
         }
     }
 
     /// The id the `current` pointer names.
     pub fn current(&self) -> Result<Option<u64>> {
-        Ok(self.store.get("current")?.and_then(|b| b.get(..8).map(|b| u64::from_le_bytes(b.try_into().expect("8")))))
+        Ok(self.store.get("current")?.and_then(|b| b.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes)))
     }
 
     /// Reads and verifies one chunk.
@@ -172,18 +344,27 @@ impl Catalog {
         chunk::decode(id, &c.key, &b, c.checksum)
     }
 
+    /// Reads and verifies one key list.
+    pub fn read_keys(&self, id: u64, c: &ChunkRef) -> Result<Vec<u64>> {
+        let b = std::fs::read(self.chunk_path(c)).map_err(|_| Error::MissingChunk { id, chunk: c.key.clone() })?;
+        chunk::decode_keys(id, &c.key, &b, c.checksum)
+    }
+
     /// The manifests to apply to restore `id`: its full base first.
     pub fn chain(&self, id: u64) -> Result<Vec<Manifest>> {
         let mut chain = vec![self.manifest(id)?];
-        while let Kind::Incremental { base } = chain.last().expect("non-empty").kind {
+        while let Some(Kind::Incremental { base }) = chain.last().map(|m| m.kind) {
+            if chain.len() > 100_000 || chain.iter().any(|m| m.id == base) {
+                return Err(Error::CorruptManifest { id, why: "its chain of bases loops".into() });
+            }
             chain.push(self.manifest(base)?);
         }
         chain.reverse();
         Ok(chain)
     }
 
-    /// Reads every chunk of a chain and checks its checksum, so that a
-    /// restore never loads half a table. Calls `progress(bytes)` per chunk.
+    /// Reads every chunk and key list of a chain and checks its checksum, so
+    /// that a restore never loads half a table. Calls `progress(bytes)` per file.
     pub fn verify(&self, chain: &[Manifest], mut progress: impl FnMut(u64)) -> Result<()> {
         for m in chain {
             for t in &m.tables {
@@ -191,45 +372,73 @@ impl Catalog {
                     self.read_chunk(m.id, c)?;
                     progress(c.bytes);
                 }
+                for c in &t.keys {
+                    self.read_keys(m.id, c)?;
+                    progress(c.bytes);
+                }
             }
         }
         Ok(())
     }
 
-    /// Removes leftovers of interrupted checkpoints (chunks without a
-    /// manifest, except those of `running`) and complete checkpoints beyond
-    /// the newest `keep` (keeping the bases incremental ones need). Returns
-    /// the ids removed.
+    /// Removes leftovers of interrupted checkpoints (directories without a
+    /// verifying manifest, except `running`) and complete checkpoints beyond
+    /// the newest `keep` (keeping the bases incremental ones need). What is
+    /// complete is read from the directories, not the index, so a damaged
+    /// index never causes a deletion. Returns the ids removed.
     pub fn collect(&self, keep: usize, running: Option<u64>) -> Result<Vec<u64>> {
-        let listed = self.list()?;
+        let mut complete: BTreeMap<u64, Manifest> = BTreeMap::new();
+        let mut leftovers = vec![];
+        for id in self.dir_ids() {
+            match self.dir_manifest(id) {
+                DirManifest::Valid(m, _) => {
+                    complete.insert(id, m);
+                }
+                _ if Some(id) == running => {}
+                _ => leftovers.push(id),
+            }
+        }
         let mut retained: BTreeSet<u64> = BTreeSet::new();
-        for l in listed.iter().filter(|l| l.manifest.is_some()).take(keep.max(1)) {
-            let mut m = l.manifest.clone();
-            while let Some(x) = m {
-                retained.insert(x.id);
-                m = match x.kind {
-                    Kind::Incremental { base } => self.manifest(base).ok(),
+        for m in complete.values().rev().take(keep.max(1)) {
+            let mut next = Some(m);
+            while let Some(x) = next {
+                if !retained.insert(x.id) {
+                    break;
+                }
+                next = match x.kind {
+                    Kind::Incremental { base } => complete.get(&base),
                     Kind::Full => None,
                 };
             }
         }
         let mut removed = vec![];
-        for id in self.all_ids()? {
-            if retained.contains(&id) || Some(id) == running {
-                continue;
-            }
-            // Manifest first: from then on the rest is a leftover.
+        for (&id, _) in complete.iter().filter(|(id, _)| !retained.contains(id)) {
+            // Index first, then the directory's manifest: from then on the
+            // rest is a leftover, whatever happens next.
             self.store.remove(&manifest_key(id))?;
             self.store.flush()?;
             let dir = self.chunk_dir(id);
-            if dir.exists() {
-                std::fs::remove_dir_all(&dir).map_err(|e| io_err("cannot remove", &dir, e))?;
-            }
+            let mf = dir.join(MANIFEST_FILE);
+            std::fs::remove_file(&mf).map_err(|e| io_err("cannot remove", &mf, e))?;
+            sync_dir(&dir)?;
+            std::fs::remove_dir_all(&dir).map_err(|e| io_err("cannot remove", &dir, e))?;
             removed.push(id);
         }
-        if !removed.is_empty() {
-            self.store.flush()?;
+        for id in leftovers {
+            self.store.remove(&manifest_key(id))?;
+            let dir = self.chunk_dir(id);
+            std::fs::remove_dir_all(&dir).map_err(|e| io_err("cannot remove", &dir, e))?;
+            removed.push(id);
         }
+        // Index entries whose directory is gone.
+        let dirs = self.dir_ids();
+        for key in self.store.keys("manifest/")? {
+            if id_of(&key, "manifest/").is_some_and(|id| !dirs.contains(&id) && Some(id) != running) {
+                self.store.remove(&key)?;
+            }
+        }
+        self.store.flush()?;
+        removed.sort_unstable();
         Ok(removed)
     }
 }
@@ -295,15 +504,31 @@ impl ChunkWriter {
         let key = format!("{:016x}/{table}.{shard:04}.{seq:08}", self.id);
         let (b, checksum) = chunk::encode(dim, keys, scores, values);
         let len = b.len() as u64;
-        let sent = self.tx.as_ref().map(|tx| tx.send((self.dir.join(format!("{table}.{shard:04}.{seq:08}")), b)));
+        self.send(self.dir.join(format!("{table}.{shard:04}.{seq:08}")), b)?;
+        self.bytes += len;
+        self.entries += keys.len() as u64;
+        Ok(ChunkRef { key, shard, entries: keys.len() as u64, bytes: len, checksum })
+    }
+
+    /// Stores one key list (the live keys of a shard, or a part of them).
+    pub fn write_keys(&mut self, table: &str, shard: u32, seq: u32, keys: &[u64]) -> Result<ChunkRef> {
+        let name = format!("{table}.{shard:04}.keys{seq:08}");
+        let key = format!("{:016x}/{name}", self.id);
+        let (b, checksum) = chunk::encode_keys(keys);
+        let len = b.len() as u64;
+        self.send(self.dir.join(name), b)?;
+        self.bytes += len;
+        Ok(ChunkRef { key, shard, entries: keys.len() as u64, bytes: len, checksum })
+    }
+
+    fn send(&mut self, path: PathBuf, b: Vec<u8>) -> Result<()> {
+        let sent = self.tx.as_ref().map(|tx| tx.send((path, b)));
         if !matches!(sent, Some(Ok(()))) {
             // The writer stopped: report its error.
             self.finish_writes()?;
             return Err(Error::Store("the checkpoint writer stopped".into()));
         }
-        self.bytes += len;
-        self.entries += keys.len() as u64;
-        Ok(ChunkRef { key, shard, entries: keys.len() as u64, bytes: len, checksum })
+        Ok(())
     }
 
     /// Flushes the chunks, then writes and flushes the manifest, then the
@@ -312,7 +537,7 @@ impl ChunkWriter {
     pub fn commit(mut self, kind: Kind, tables: Vec<TableEntry>, daemon_version: &str) -> Result<Manifest> {
         // Every chunk file is synced and renamed; make the renames durable.
         self.finish_writes()?;
-        std::fs::File::open(&self.dir).and_then(|d| d.sync_all()).map_err(|e| io_err("cannot sync", &self.dir, e))?;
+        sync_dir(&self.dir)?;
         let m = Manifest {
             format: FORMAT_VERSION,
             id: self.id,
@@ -322,12 +547,22 @@ impl ChunkWriter {
             kind,
             tables,
         };
+        let bytes = manifest::encode(&m);
+        // The directory's manifest is the commit point; the index follows it
+        // and is rebuilt from it if this process dies before the flush.
+        self.cat.write_dir_manifest(self.id, &bytes)?;
         let s = &self.cat.store;
-        s.flush()?;
-        s.put(&manifest_key(self.id), &manifest::encode(&m))?;
-        s.flush()?;
-        s.put("current", &self.id.to_le_bytes())?;
-        s.flush()?;
+        let indexed = s
+            .put(&manifest_key(self.id), &bytes)
+            .and_then(|_| s.put("current", &self.id.to_le_bytes()))
+            .and_then(|_| s.flush());
+        if let Err(e) = indexed {
+            return Err(Error::Store(format!(
+                "checkpoint {:016x} is complete on disk, but the catalog could not index it ({e}); \
+                 it is indexed again at the next start",
+                self.id
+            )));
+        }
         Ok(m)
     }
 }
@@ -348,6 +583,7 @@ mod tests {
             full,
             watermarks: vec![0],
             chunks,
+            keys: vec![],
         }
     }
 
@@ -388,5 +624,67 @@ mod tests {
         std::fs::write(&path, &bytes).unwrap();
         let e = cat.verify(&chain, |_| ()).unwrap_err().to_string();
         assert!(e.contains(&format!("{:016x}", a.id)) && e.contains(key), "{e}");
+    }
+
+    /// Issue 24, finding 1: a damaged sled catalog made every checkpoint look
+    /// like a leftover, and start-up deleted them all. Now each damage is
+    /// repaired from the directories and nothing that verifies is deleted.
+    #[test]
+    fn a_damaged_index_is_rebuilt_from_the_directories_and_nothing_is_deleted() {
+        type Damage = fn(&Path);
+        let db = |p: &Path| p.join("catalog").join("db");
+        let damages: [(&str, Damage); 6] = [
+            ("truncate to 0", |p| {
+                std::fs::File::options().write(true).open(p.join("catalog/db")).unwrap().set_len(0).unwrap()
+            }),
+            ("truncate to half", |p| {
+                let f = std::fs::File::options().write(true).open(p.join("catalog/db")).unwrap();
+                let n = f.metadata().unwrap().len();
+                f.set_len(n / 2).unwrap();
+            }),
+            ("zero", |p| {
+                let n = std::fs::metadata(p.join("catalog/db")).unwrap().len() as usize;
+                std::fs::write(p.join("catalog/db"), vec![0u8; n]).unwrap();
+            }),
+            ("delete", |p| std::fs::remove_dir_all(p.join("catalog")).unwrap()),
+            ("flip bytes", |p| {
+                let mut b = std::fs::read(p.join("catalog/db")).unwrap();
+                for i in (0..b.len()).step_by(97) {
+                    b[i] ^= 0x5a;
+                }
+                std::fs::write(p.join("catalog/db"), b).unwrap();
+            }),
+            ("garbage file for a directory", |p| {
+                std::fs::remove_dir_all(p.join("catalog")).unwrap();
+                std::fs::write(p.join("catalog"), b"not a database").unwrap();
+            }),
+        ];
+        for (what, damage) in damages {
+            let dir = tempfile::tempdir().unwrap();
+            let mut ids = vec![];
+            {
+                let cat = Catalog::open(dir.path()).unwrap();
+                for i in 0..3u64 {
+                    let mut w = cat.begin().unwrap();
+                    let c = w.write("t", 0, 0, 2, &[i], &[i], &[0.5; 2]).unwrap();
+                    ids.push(w.commit(Kind::Full, vec![table("t", vec![c], true)], "test").unwrap().id);
+                }
+                // An interrupted fourth: a leftover to collect.
+                let mut w = cat.begin().unwrap();
+                w.write("t", 0, 0, 2, &[9], &[9], &[0.0; 2]).unwrap();
+            }
+            assert!(db(dir.path()).exists());
+            damage(dir.path());
+            let (cat, rec) = Catalog::open_recovering(dir.path()).unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert!(rec.repaired(), "{what}: {rec:?}");
+            let listed: Vec<u64> = cat.list().unwrap().iter().filter(|l| l.manifest.is_some()).map(|l| l.id).collect();
+            assert_eq!(listed, [ids[2], ids[1], ids[0]], "{what}");
+            assert_eq!(cat.current().unwrap(), Some(ids[2]), "{what}");
+            assert_eq!(cat.collect(3, None).unwrap().len(), 1, "{what}: only the leftover goes");
+            for id in &ids {
+                assert!(cat.chunk_dir(*id).join(MANIFEST_FILE).exists(), "{what}: {id:x} deleted");
+                cat.verify(&cat.chain(*id).unwrap(), |_| ()).unwrap();
+            }
+        }
     }
 }

@@ -89,6 +89,50 @@ pub fn decode(id: u64, key: &str, b: &[u8], expected: u64) -> Result<Chunk> {
     Ok(Chunk { dim, keys, scores, values })
 }
 
+const KEYS_MAGIC: &[u8; 4] = b"HKVK";
+const KEYS_HEAD: usize = 4 + 4 + 8;
+
+/// Encodes a key list (the live keys of one shard, recorded by incremental
+/// checkpoints): `"HKVK"`, u32 format, u64 n, n u64 keys, u64 xxh3-64 of
+/// every preceding byte. Returns the bytes and their checksum.
+pub fn encode_keys(keys: &[u64]) -> (Vec<u8>, u64) {
+    let mut b = Vec::with_capacity(KEYS_HEAD + keys.len() * 8 + 8);
+    b.extend_from_slice(KEYS_MAGIC);
+    b.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    b.extend_from_slice(&(keys.len() as u64).to_le_bytes());
+    for k in keys {
+        b.extend_from_slice(&k.to_le_bytes());
+    }
+    let sum = xxhash_rust::xxh3::xxh3_64(&b);
+    b.extend_from_slice(&sum.to_le_bytes());
+    (b, sum)
+}
+
+/// Verifies and decodes a key list; errors name checkpoint `id` and `key`.
+pub fn decode_keys(id: u64, key: &str, b: &[u8], expected: u64) -> Result<Vec<u64>> {
+    let corrupt = |why: String| Error::CorruptChunk { id, chunk: key.to_string(), why };
+    if b.len() < KEYS_HEAD + 8 || &b[..4] != KEYS_MAGIC {
+        return Err(corrupt(format!("{} bytes, no key-list header", b.len())));
+    }
+    let body = &b[..b.len() - 8];
+    let stored = u64_at(b, b.len() - 8);
+    let actual = xxhash_rust::xxh3::xxh3_64(body);
+    if actual != stored || stored != expected {
+        return Err(corrupt(format!(
+            "checksum {actual:016x}, key list says {stored:016x}, manifest says {expected:016x}"
+        )));
+    }
+    let version = u32_at(b, 4);
+    if version != FORMAT_VERSION {
+        return Err(corrupt(format!("format version {version}, this build reads {FORMAT_VERSION}")));
+    }
+    let n = u64_at(b, 8) as usize;
+    if n.checked_mul(8).and_then(|x| x.checked_add(KEYS_HEAD)) != Some(body.len()) {
+        return Err(corrupt(format!("{n} keys do not fit {} bytes", body.len())));
+    }
+    Ok(body[KEYS_HEAD..].chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8"))).collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -107,5 +151,17 @@ mod tests {
             assert!(e.to_string().contains("chunk k"), "{e}");
         }
         assert!(decode(7, "k", &b[..b.len() - 1], sum).is_err());
+    }
+
+    #[test]
+    fn key_lists_round_trip_and_every_flipped_byte_is_caught() {
+        let (b, sum) = encode_keys(&[3, 1, u64::MAX - 9]);
+        assert_eq!(decode_keys(7, "k", &b, sum).unwrap(), [3, 1, u64::MAX - 9]);
+        for i in 0..b.len() {
+            let mut bad = b.clone();
+            bad[i] ^= 0x02;
+            assert!(decode_keys(7, "k", &bad, sum).is_err(), "byte {i}");
+        }
+        assert!(decode_keys(7, "k", &b[..b.len() - 1], sum).is_err());
     }
 }

@@ -1,11 +1,14 @@
 //! # hkv-checkpoint: checkpoints of hkvd tables in an embedded store
 //!
-//! A checkpoint is a set of **chunks** (exported entries of one table shard:
-//! keys, scores, values), each a file with its own xxh3 checksum, followed by
-//! a **manifest** in the sled catalog (tables, their specs, entry counts,
-//! the chunk list) that is written only after every chunk was flushed, and a
-//! `current` pointer written after the manifest was flushed. A checkpoint
-//! without a manifest is a leftover of an interrupted one and is collected.
+//! A checkpoint is a directory of **chunks** (exported entries of one table
+//! shard: keys, scores, values; and, for incremental checkpoints, the live
+//! keys of each shard), each a file with its own xxh3 checksum, and a
+//! **manifest** (tables, their specs, entry counts, the chunk list) written
+//! last into the same directory as `MANIFEST`, checksummed and fsynced. The
+//! sled catalog indexes the manifests and the `current` pointer; when it is
+//! lost or damaged it is rebuilt from the directories ([`Recovery`]). A
+//! directory without a verifying manifest is a leftover of an interrupted
+//! checkpoint and is collected; one with a verifying manifest never is.
 //! The byte layout is in `checkpoint/FORMAT.md`.
 //!
 //! # Layout
@@ -21,7 +24,7 @@ pub mod catalog;
 pub mod chunk;
 pub mod manifest;
 
-pub use catalog::{Catalog, ChunkWriter, Listed};
+pub use catalog::{Catalog, ChunkWriter, Listed, Recovery};
 pub use chunk::Chunk;
 pub use manifest::{ChunkRef, Kind, Manifest, TableEntry};
 
@@ -96,45 +99,78 @@ fn store_err(e: sled::Error) -> Error {
     Error::Store(e.to_string())
 }
 
+/// Runs a sled call so that a panic inside sled (it panics on some damaged
+/// files instead of returning an error) becomes an error, never an abort.
+fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            Err(Error::Store(format!("{what}: sled panicked: {msg}")))
+        }
+    }
+}
+
 impl SledStore {
-    /// Opens (or creates) the database directory.
+    /// Opens (or creates) the database directory. A damaged database gives
+    /// an error (sled's panics included), never a crash.
     pub fn open(path: &std::path::Path) -> Result<SledStore> {
-        let db = sled::Config::new()
-            .path(path)
-            // Durability comes from explicit flushes at the points the format
-            // needs them; no background flush thread competes with them.
-            .flush_every_ms(None)
-            .cache_capacity(64 << 20)
-            .open()
-            .map_err(|e| Error::Store(format!("cannot open {}: {e}", path.display())))?;
-        Ok(SledStore { db })
+        guarded("open", || {
+            let db = sled::Config::new()
+                .path(path)
+                // Durability comes from explicit flushes at the points the format
+                // needs them; no background flush thread competes with them.
+                .flush_every_ms(None)
+                .cache_capacity(64 << 20)
+                .open()
+                .map_err(|e| Error::Store(format!("cannot open {}: {e}", path.display())))?;
+            Ok(SledStore { db })
+        })
+    }
+
+    /// Whether an open error means another process holds the database (not
+    /// damage: the files must not be touched).
+    pub fn is_locked_error(e: &Error) -> bool {
+        matches!(e, Error::Store(m) if m.contains("could not acquire lock"))
     }
 }
 
 impl Store for SledStore {
     fn put(&self, key: &str, value: &[u8]) -> Result<()> {
-        self.db.insert(key.as_bytes(), value).map_err(store_err)?;
-        Ok(())
+        guarded("put", || {
+            self.db.insert(key.as_bytes(), value).map_err(store_err)?;
+            Ok(())
+        })
     }
     fn get(&self, key: &str) -> Result<Option<Vec<u8>>> {
-        Ok(self.db.get(key.as_bytes()).map_err(store_err)?.map(|v| v.to_vec()))
+        guarded("get", || Ok(self.db.get(key.as_bytes()).map_err(store_err)?.map(|v| v.to_vec())))
     }
     fn keys(&self, prefix: &str) -> Result<Vec<String>> {
-        self.db
-            .scan_prefix(prefix.as_bytes())
-            .keys()
-            .map(|k| k.map(|k| String::from_utf8_lossy(&k).into_owned()).map_err(store_err))
-            .collect()
+        guarded("scan", || {
+            self.db
+                .scan_prefix(prefix.as_bytes())
+                .keys()
+                .map(|k| k.map(|k| String::from_utf8_lossy(&k).into_owned()).map_err(store_err))
+                .collect()
+        })
     }
     fn remove(&self, key: &str) -> Result<()> {
-        self.db.remove(key.as_bytes()).map_err(store_err)?;
-        Ok(())
+        guarded("remove", || {
+            self.db.remove(key.as_bytes()).map_err(store_err)?;
+            Ok(())
+        })
     }
     fn flush(&self) -> Result<()> {
-        self.db.flush().map_err(store_err)?;
-        Ok(())
+        guarded("flush", || {
+            self.db.flush().map_err(store_err)?;
+            Ok(())
+        })
     }
     fn disk_bytes(&self) -> Result<u64> {
-        self.db.size_on_disk().map_err(store_err)
+        guarded("size", || self.db.size_on_disk().map_err(store_err))
     }
 }

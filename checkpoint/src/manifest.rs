@@ -59,6 +59,12 @@ pub struct TableEntry {
     pub watermarks: Vec<u64>,
     /// The chunks, in export order.
     pub chunks: Vec<ChunkRef>,
+    /// Incremental checkpoints of a table not stored whole: every key the
+    /// table held when its shard was exported (key lists, one or more per
+    /// shard), so that a restore drops the keys erased or evicted since the
+    /// base. Empty when `full`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub keys: Vec<ChunkRef>,
 }
 
 /// A checkpoint's manifest.
@@ -85,9 +91,9 @@ impl Manifest {
     pub fn entries(&self) -> u64 {
         self.tables.iter().map(|t| t.entries).sum()
     }
-    /// Chunk bytes over all tables.
+    /// Chunk and key-list bytes over all tables.
     pub fn bytes(&self) -> u64 {
-        self.tables.iter().flat_map(|t| &t.chunks).map(|c| c.bytes).sum()
+        self.tables.iter().flat_map(|t| t.chunks.iter().chain(&t.keys)).map(|c| c.bytes).sum()
     }
 }
 
@@ -106,11 +112,14 @@ pub fn decode(id: u64, b: &[u8]) -> Result<Manifest> {
         return Err(corrupt("too short".into()));
     }
     let (json, sum) = b.split_at(b.len() - 8);
-    let stored = u64::from_le_bytes(sum.try_into().expect("8 bytes"));
+    let stored = u64::from_le_bytes(sum.try_into().map_err(|_| corrupt("too short".into()))?);
     if xxhash_rust::xxh3::xxh3_64(json) != stored {
         return Err(corrupt("checksum mismatch".into()));
     }
     let m: Manifest = serde_json::from_slice(json).map_err(|e| corrupt(e.to_string()))?;
+    if m.id != id {
+        return Err(corrupt(format!("it names checkpoint {:016x}", m.id)));
+    }
     if m.format != FORMAT_VERSION {
         return Err(corrupt(format!("format version {}, this build reads {FORMAT_VERSION}", m.format)));
     }

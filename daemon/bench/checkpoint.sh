@@ -2,9 +2,11 @@
 # Checkpoint and restore throughput beside the disk's raw sequential write rate.
 #   daemon/bench/checkpoint.sh [entries, default 10000000] [dim, default 32]
 # Starts hkvd (CPU backend unless HKVD_BACKEND is set) with its state on the
-# disk of this directory, fills a table, takes 3 full checkpoints, restarts to
-# measure the restore, and writes the same number of bytes with dd 3 times
-# (8 MiB blocks, fsync at the end) for the raw rate. Quote medians.
+# disk of this directory, fills a table, then alternates 3 times: a full
+# checkpoint, and `dd if=/dev/zero of=F bs=1M count=1024 oflag=direct
+# conv=fsync` (the issue's raw write); then 3 restores (restart with restore)
+# alternated with `dd if=F of=/dev/null bs=1M iflag=direct` (raw read).
+# Quote medians.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 n=${1:-10000000}; dim=${2:-32}
@@ -24,19 +26,20 @@ start
 cap=$(( n * 2 ))
 "$bin/hkvctl" --socket "$sock" create-table bench --dim "$dim" --capacity "$cap" >/dev/null
 "$bin/hkvctl" --socket "$sock" fill bench --count "$n"
-echo "== checkpoint of $n entries, dim $dim ($(nproc) cores)"
-for i in 1 2 3; do "$bin/hkvctl" --socket "$sock" checkpoint --wait --full; done
-"$bin/hkvctl" --socket "$sock" checkpoints | head -2
-kill "$hp"; wait "$hp" || true
-du -sh "$root/state/checkpoints"; echo "files in the store: $(find "$root/state/checkpoints" -type f | wc -l)"
-echo "== restore"
-t0=$(date +%s.%N); start; t1=$(date +%s.%N)
-grep "checkpoint restored" "$root/log" | tail -1 | sed 's/.*checkpoint restored/checkpoint restored/'
-echo "daemon start with restore: $(awk "BEGIN{printf \"%.2f\", $t1-$t0}") s"
-kill "$hp"; wait "$hp" || true; hp=
-bytes=$(( n * (16 + 4 * dim) ))
-echo "== raw sequential write of the same $(( bytes / 1048576 )) MiB (dd, 8 MiB blocks, fsync), 3 runs"
+echo "== checkpoint of $n entries, dim $dim ($(nproc) cores), alternated with dd"
 for i in 1 2 3; do
-    dd if=/dev/zero of="$root/raw" bs=8M count=$(( bytes / 8388608 + 1 )) conv=fsync 2>&1 | tail -1
-    rm -f "$root/raw"
+    "$bin/hkvctl" --socket "$sock" checkpoint --wait --full
+    dd if=/dev/zero of="$root/raw" bs=1M count=1024 oflag=direct conv=fsync 2>&1 | tail -1
+done
+"$bin/hkvctl" --socket "$sock" checkpoints | sed -n 1,2p
+kill "$hp"; wait "$hp" || true
+du -sh "$root/state/checkpoints"
+echo "== restore (restart with restore), alternated with dd read"
+for i in 1 2 3; do
+    sync; echo 3 2>/dev/null > /proc/sys/vm/drop_caches || true
+    t0=$(date +%s.%N); start; t1=$(date +%s.%N)
+    grep "checkpoint restored" "$root/log" | tail -1 | sed 's/.*checkpoint restored/checkpoint restored/'
+    echo "daemon start with restore: $(awk "BEGIN{printf \"%.2f\", $t1-$t0}") s"
+    kill "$hp"; wait "$hp" || true; hp=
+    dd if="$root/raw" of=/dev/null bs=1M iflag=direct 2>&1 | tail -1
 done

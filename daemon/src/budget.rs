@@ -162,7 +162,7 @@ impl Budget {
         } else {
             ("host memory", peak.host, used.host, self.table_limit, "limits.max_table_bytes")
         };
-        if held.checked_add(need).map_or(true, |t| t > limit) {
+        if held.checked_add(need).is_none_or(|t| t > limit) {
             return Err(exhausted(format!(
                 "needs up to {} of {what} ({shape}), but {key} is {} and other tables hold {}; \
                  create a smaller table, drop one, or raise {key}",
@@ -171,7 +171,7 @@ impl Budget {
                 bytes(held)
             )));
         }
-        if cuda && used.host.checked_add(peak.host).map_or(true, |t| t > self.host_tier_limit) {
+        if cuda && used.host.checked_add(peak.host).is_none_or(|t| t > self.host_tier_limit) {
             return Err(exhausted(format!(
                 "needs up to {} of pinned host memory for values beyond fast_tier_bytes ({shape}), but \
                  limits.max_host_tier_bytes is {} and other tables hold {}; raise fast_tier_bytes or the limit",

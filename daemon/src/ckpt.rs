@@ -4,7 +4,7 @@
 //! Export runs in the reader group in bounded chunks (`chunk_bytes`), so
 //! writers wait at most one chunk at a time and every entry is copied whole.
 
-use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -59,6 +59,9 @@ pub struct Progress {
     pub rate: f64,
     /// Seconds left at this rate.
     pub eta_s: f64,
+    /// Chunk megabytes (10^6 B) per second so far.
+    #[serde(default)]
+    pub mb_per_s: f64,
 }
 
 /// The last checkpoint attempt.
@@ -93,6 +96,10 @@ pub struct CheckpointStats {
     pub interval_s: Option<u64>,
     /// Checkpoints with a manifest in the store.
     pub complete: usize,
+    /// The restore running, if any (kind: `verify` or `load`).
+    pub restoring: Option<Progress>,
+    /// The last restore, with what it could not place.
+    pub last_restore: Option<Restored>,
 }
 
 /// A checkpoint as listed to clients.
@@ -121,10 +128,19 @@ pub struct Restored {
     pub id: String,
     /// Checkpoints skipped because they were corrupt, with the reason.
     pub skipped: Vec<String>,
-    /// Tables and entries loaded.
+    /// Tables and the entries they hold after the restore.
     pub tables: Vec<(String, u64)>,
-    /// Seconds.
+    /// Per table, the entries of the checkpoint that could not be placed
+    /// (refused by a full bucket, or evicted by another restored entry).
+    pub dropped: Vec<(String, u64)>,
+    /// Entries placed, over all tables.
+    pub entries: u64,
+    /// Chunk bytes read and loaded.
+    pub bytes: u64,
+    /// Seconds, verification included.
     pub seconds: f64,
+    /// Chunk megabytes (10^6 B) per second, verification included.
+    pub mb_per_s: f64,
 }
 
 /// The daemon's checkpoints.
@@ -136,6 +152,10 @@ pub struct Checkpoints {
     next_due: Mutex<Option<Instant>>,
     gate: tokio::sync::Mutex<()>,
     incrementals: AtomicU32,
+    /// The router's table generation when the last checkpoint began.
+    chain_generation: AtomicU64,
+    restoring: Mutex<Option<Progress>>,
+    last_restore: Mutex<Option<Restored>>,
 }
 
 fn now_ms() -> u64 {
@@ -149,8 +169,45 @@ fn kind_name(k: &Kind) -> String {
     }
 }
 
-fn grows_with_time(policy: &str) -> bool {
-    matches!(policy.parse(), Ok(ScorePolicy::Lru | ScorePolicy::EpochLru | ScorePolicy::EpochLfu))
+/// Whether an incremental checkpoint can find a table's changes by score:
+/// lru and epoch-lru give every write (insert, assign, accum, find_or_insert
+/// hit) the clock's score, which is at or above the watermark read before
+/// the previous export; the writes that can score lower (a client's load
+/// with verbatim scores, an epoch set lower) mark the table `untracked`.
+/// lfu, epoch-lfu (an assign without scores keeps the old score) and custom
+/// scores do not follow time: those tables are stored whole every time.
+fn tracks_changes(policy: &str) -> bool {
+    matches!(policy.parse(), Ok(ScorePolicy::Lru | ScorePolicy::EpochLru))
+}
+
+/// The entries of `c` that are live (in the sorted `live`) and not yet
+/// loaded from a newer part of the chain; marks them loaded.
+fn keep_newest(c: hkv_checkpoint::Chunk, live: &[u64], seen: &mut [bool]) -> hkv_checkpoint::Chunk {
+    let dim = c.dim;
+    let mut out = hkv_checkpoint::Chunk { dim, ..Default::default() };
+    for (i, (&k, &s)) in c.keys.iter().zip(&c.scores).enumerate() {
+        if let Ok(pos) = live.binary_search(&k) {
+            if !std::mem::replace(&mut seen[pos], true) {
+                out.keys.push(k);
+                out.scores.push(s);
+                out.values.extend_from_slice(&c.values[i * dim..(i + 1) * dim]);
+            }
+        }
+    }
+    out
+}
+
+/// The entries of `e` whose score is at least `wm`.
+fn changed_since(e: hkv_shard::Export, wm: u64, dim: usize) -> hkv_shard::Export {
+    let mut out = hkv_shard::Export::default();
+    for (i, (&k, &s)) in e.keys.iter().zip(&e.scores).enumerate() {
+        if s >= wm {
+            out.keys.push(k);
+            out.scores.push(s);
+            out.values.extend_from_slice(&e.values[i * dim..(i + 1) * dim]);
+        }
+    }
+    out
 }
 
 fn internal(e: impl std::fmt::Display) -> ProtoError {
@@ -160,7 +217,27 @@ fn internal(e: impl std::fmt::Display) -> ProtoError {
 impl Checkpoints {
     /// Opens the catalog in `dir` and collects leftovers of interrupted checkpoints.
     pub fn open(dir: &std::path::Path, config: CheckpointConfig) -> anyhow::Result<Checkpoints> {
-        let catalog = Catalog::open(&dir.join("checkpoints"))?;
+        let (catalog, rec) = Catalog::open_recovering(&dir.join("checkpoints"))?;
+        if let Some((why, aside)) = &rec.damaged {
+            warn!(
+                error = %why,
+                moved_to = %aside.display(),
+                rebuilt = rec.reindexed.len(),
+                "the checkpoint catalog was damaged: it was moved aside and rebuilt from the checkpoint directories"
+            );
+        } else if !rec.reindexed.is_empty() || !rec.unindexed.is_empty() {
+            warn!(
+                reindexed = ?rec.reindexed.iter().map(|i| format!("{i:016x}")).collect::<Vec<_>>(),
+                unindexed = ?rec.unindexed.iter().map(|i| format!("{i:016x}")).collect::<Vec<_>>(),
+                "the checkpoint catalog disagreed with the checkpoint directories; it was rebuilt from them"
+            );
+        }
+        if !rec.migrated.is_empty() {
+            info!(
+                checkpoints = rec.migrated.len(),
+                "wrote the manifests of earlier-format checkpoints into their directories"
+            );
+        }
         let removed = catalog.collect(config.keep, None)?;
         if !removed.is_empty() {
             info!(removed = removed.len(), "collected leftovers of interrupted or expired checkpoints");
@@ -174,6 +251,9 @@ impl Checkpoints {
             next_due: Mutex::new(next_due),
             gate: tokio::sync::Mutex::new(()),
             incrementals: AtomicU32::new(u32::MAX),
+            chain_generation: AtomicU64::new(u64::MAX),
+            restoring: Mutex::new(None),
+            last_restore: Mutex::new(None),
         })
     }
 
@@ -186,6 +266,8 @@ impl Checkpoints {
             interval_s: self.config.interval_s,
             // Polled several times a second: count keys, decode nothing.
             complete: self.catalog.count().unwrap_or(0),
+            restoring: self.restoring.lock().clone(),
+            last_restore: self.last_restore.lock().clone(),
         }
     }
 
@@ -272,14 +354,23 @@ impl Checkpoints {
 
     /// The blocking body of a checkpoint.
     fn write(&self, router: &Router, force_full: bool) -> Result<Manifest, ProtoError> {
+        // Read before the tables: a table created or dropped from here on
+        // makes the next checkpoint full.
+        let generation = router.generation();
         let tables = router.tables();
         let prev = self.catalog.list().map_err(internal)?.into_iter().find_map(|l| l.manifest);
         let since = self.incrementals.load(Relaxed);
-        let incremental = !force_full && self.config.full_every > 0 && since < self.config.full_every && prev.is_some();
+        let incremental = !force_full
+            && self.config.full_every > 0
+            && since < self.config.full_every
+            && prev.is_some()
+            && self.chain_generation.load(Relaxed) == generation;
         let kind = match (&prev, incremental) {
             (Some(p), true) => Kind::Incremental { base: p.id },
             _ => Kind::Full,
         };
+        // Until this one completes, the next must not build on it.
+        self.incrementals.store(u32::MAX, Relaxed);
         let mut w = self.catalog.begin().map_err(internal)?;
         let total: u64 = tables.iter().flat_map(|t| &t.shards).map(|s| s.size()).sum();
         let started = Instant::now();
@@ -292,30 +383,41 @@ impl Checkpoints {
             seconds: 0.0,
             rate: 0.0,
             eta_s: 0.0,
+            mb_per_s: 0.0,
         });
         let mut entries = vec![];
         for t in &tables {
             let dim = t.config.dim;
             let prev_t = prev.as_ref().and_then(|p| p.tables.iter().find(|x| x.name == t.spec.name));
+            // Cleared now: writes during this export set it again for the next one.
+            let untracked = t.untracked.swap(false, Relaxed);
             let inc = incremental
-                && grows_with_time(&t.spec.policy)
-                && prev_t
-                    .is_some_and(|p| p.shards as usize == t.shards.len() && p.dim == dim && p.policy == t.spec.policy);
+                && tracks_changes(&t.spec.policy)
+                && !untracked
+                && prev_t.is_some_and(|p| {
+                    p.shards as usize == t.shards.len()
+                        && p.dim == dim
+                        && p.policy == t.spec.policy
+                        && p.watermarks.len() == t.shards.len()
+                });
             let slots = (self.config.chunk_bytes / (16 + 4 * dim as u64)).max(128);
+            let keys_per_list = (self.config.chunk_bytes / 8).max(1024) as usize;
             let mut chunks = vec![];
+            let mut key_lists = vec![];
             let mut marks = vec![];
             let mut count = 0;
             for (i, shard) in t.shards.iter().enumerate() {
                 // Read before exporting: every later write scores at least this.
                 marks.push(shard.clock_score());
-                let filter = match (inc, prev_t) {
-                    (true, Some(p)) => Filter::score_at_least(p.watermarks[i]),
-                    _ => Filter::ALL,
+                let watermark = match (inc, prev_t) {
+                    (true, Some(p)) => Some(p.watermarks[i]),
+                    _ => None,
                 };
                 // Slots move when a shard grows (rehash) mid-export; then its
                 // export starts over, so no entry is skipped.
-                let (first_chunk, first_count) = (chunks.len(), count);
-                let (mut offset, mut seq, mut attempt) = (0u64, 0u32, 0);
+                let (first_chunk, first_list, first_count) = (chunks.len(), key_lists.len(), count);
+                let (mut offset, mut seq, mut kseq, mut attempt) = (0u64, 0u32, 0u32, 0);
+                let mut live: Vec<u64> = vec![];
                 let mut capacity = shard.capacity();
                 loop {
                     if offset >= capacity {
@@ -325,13 +427,28 @@ impl Checkpoints {
                         }
                         warn!(table = %t.spec.name, shard = i, "the shard grew during the checkpoint; exporting it again");
                         chunks.truncate(first_chunk);
+                        key_lists.truncate(first_list);
+                        live.clear();
                         count = first_count;
                         (offset, capacity) = (0, now);
                         attempt += 1;
                         continue;
                     }
-                    let e = shard.export_batch_if(offset, slots, &filter).map_err(internal)?;
+                    let mut e = shard.export_batch_if(offset, slots, &Filter::ALL).map_err(internal)?;
                     offset += slots;
+                    if let Some(wm) = watermark {
+                        // One pass: every live key for the key list, and the
+                        // entries written since the base for the chunk.
+                        live.extend_from_slice(&e.keys);
+                        if e.scores.iter().any(|&s| s < wm) {
+                            e = changed_since(e, wm, dim);
+                        }
+                        if live.len() >= keys_per_list {
+                            key_lists.push(w.write_keys(&t.spec.name, i as u32, kseq, &live).map_err(internal)?);
+                            kseq += 1;
+                            live.clear();
+                        }
+                    }
                     if e.keys.is_empty() {
                         continue;
                     }
@@ -346,8 +463,13 @@ impl Checkpoints {
                         p.bytes = w.bytes();
                         p.seconds = secs;
                         p.rate = w.entries() as f64 / secs.max(1e-9);
+                        p.mb_per_s = w.bytes() as f64 / 1e6 / secs.max(1e-9);
                         p.eta_s = total.saturating_sub(w.entries()) as f64 / p.rate.max(1e-9);
                     }
+                }
+                if watermark.is_some() {
+                    // Always at least one list per shard: an empty one says "no keys".
+                    key_lists.push(w.write_keys(&t.spec.name, i as u32, kseq, &live).map_err(internal)?);
                 }
             }
             entries.push(TableEntry {
@@ -361,14 +483,14 @@ impl Checkpoints {
                 full: !inc,
                 watermarks: marks,
                 chunks,
+                keys: key_lists,
             });
         }
         let m = w.commit(kind, entries, env!("CARGO_PKG_VERSION")).map_err(internal)?;
+        self.chain_generation.store(generation, Relaxed);
         match kind {
             Kind::Full => self.incrementals.store(0, Relaxed),
-            Kind::Incremental { .. } => {
-                self.incrementals.fetch_add(1, Relaxed);
-            }
+            Kind::Incremental { .. } => self.incrementals.store(since.saturating_add(1), Relaxed),
         }
         if let Err(e) = self.catalog.collect(self.config.keep, None) {
             warn!(error = %e, "collecting old checkpoints failed");
@@ -413,7 +535,30 @@ impl Checkpoints {
         }
         let mut skipped = vec![];
         for id in candidates {
-            let checked = self.catalog.chain(id).and_then(|chain| self.catalog.verify(&chain, |_| ()).map(|_| chain));
+            let progress = |phase: &str, id: u64, done: u64, total: u64, bytes: u64| {
+                let secs = started.elapsed().as_secs_f64();
+                *self.restoring.lock() = Some(Progress {
+                    id: format!("{id:016x}"),
+                    kind: phase.into(),
+                    entries_done: done,
+                    entries_total: total,
+                    bytes,
+                    seconds: secs,
+                    rate: done as f64 / secs.max(1e-9),
+                    eta_s: 0.0,
+                    mb_per_s: bytes as f64 / 1e6 / secs.max(1e-9),
+                });
+            };
+            let checked = self.catalog.chain(id).and_then(|chain| {
+                let (mut read, mut files) = (0u64, 0u64);
+                self.catalog
+                    .verify(&chain, |b| {
+                        read += b;
+                        files += 1;
+                        progress("verify", id, files, 0, read);
+                    })
+                    .map(|_| chain)
+            });
             let chain = match checked {
                 Ok(c) => c,
                 Err(e) if which == "latest" => {
@@ -422,6 +567,7 @@ impl Checkpoints {
                     continue;
                 }
                 Err(e) => {
+                    *self.restoring.lock() = None;
                     // An id the catalog does not list is the caller's mistake, not the daemon's.
                     let listed = self.catalog.list().is_ok_and(|l| l.iter().any(|l| l.id == id));
                     return Err(ProtoError::new(
@@ -430,62 +576,160 @@ impl Checkpoints {
                     ));
                 }
             };
-            let target = chain.last().expect("non-empty").clone();
-            // Check every table before loading any.
-            for t in &target.tables {
-                if let Ok(running) = router.table(&t.name) {
-                    let mut diff = vec![];
-                    if running.spec.dim != t.dim {
-                        diff.push(format!("dim {} here, {} in the checkpoint", running.spec.dim, t.dim));
-                    }
-                    if running.spec.policy != t.policy {
-                        diff.push(format!("policy {} here, {} in the checkpoint", running.spec.policy, t.policy));
-                    }
-                    if !diff.is_empty() {
-                        return Err(ProtoError::bad_request(format!(
-                            "checkpoint {:016x} cannot be restored into table {:?}: {}; drop the table or restore elsewhere",
-                            target.id,
-                            t.name,
-                            diff.join(", ")
-                        )));
-                    }
+            let r = self.load_chain(router, &chain, rt, skipped, started, &progress);
+            *self.restoring.lock() = None;
+            let r = r?;
+            *self.last_restore.lock() = Some(r.clone());
+            return Ok(Some(r));
+        }
+        *self.restoring.lock() = None;
+        Err(ProtoError::new(ErrorCode::Internal, format!("no usable checkpoint: {}", skipped.join("; "))))
+    }
+
+    /// Loads a verified chain: each table of its last checkpoint is emptied
+    /// (or created) and gets exactly the entries it held then, each loaded
+    /// once with its score; every entry that could not be placed is counted.
+    fn load_chain(
+        &self,
+        router: &Router,
+        chain: &[Manifest],
+        rt: &tokio::runtime::Handle,
+        skipped: Vec<String>,
+        started: Instant,
+        progress: &dyn Fn(&str, u64, u64, u64, u64),
+    ) -> Result<Restored, ProtoError> {
+        let target = chain.last().ok_or_else(|| internal("an empty chain"))?.clone();
+        // Check every table before loading any.
+        for t in &target.tables {
+            if let Ok(running) = router.table(&t.name) {
+                let mut diff = vec![];
+                if running.spec.dim != t.dim {
+                    diff.push(format!("dim {} here, {} in the checkpoint", running.spec.dim, t.dim));
+                }
+                if running.spec.policy != t.policy {
+                    diff.push(format!("policy {} here, {} in the checkpoint", running.spec.policy, t.policy));
+                }
+                if !diff.is_empty() {
+                    return Err(ProtoError::bad_request(format!(
+                        "checkpoint {:016x} cannot be restored into table {:?}: {}; drop the table or restore elsewhere",
+                        target.id,
+                        t.name,
+                        diff.join(", ")
+                    )));
                 }
             }
-            let mut loaded = vec![];
-            for t in &target.tables {
-                if router.table(&t.name).is_err() {
+        }
+        // A restore ends the chain: the next checkpoint is full.
+        self.incrementals.store(u32::MAX, Relaxed);
+        // Per table, the manifests to apply: from the last holding it whole.
+        let plan: Vec<(&TableEntry, Vec<(u64, &TableEntry)>)> = target
+            .tables
+            .iter()
+            .map(|t| {
+                let from = chain.iter().rposition(|m| m.tables.iter().any(|x| x.name == t.name && x.full)).unwrap_or(0);
+                let parts =
+                    chain[from..].iter().filter_map(|m| m.tables.iter().find(|x| x.name == t.name).map(|x| (m.id, x)));
+                (t, parts.collect())
+            })
+            .collect();
+        let total: u64 = plan.iter().flat_map(|(_, p)| p).map(|(_, x)| x.entries).sum();
+        let (mut done, mut bytes) = (0u64, 0u64);
+        let mut loaded = vec![];
+        let mut dropped = vec![];
+        for (t, parts) in &plan {
+            match router.table(&t.name) {
+                Ok(_) => {
+                    rt.block_on(router.execute(Request::Clear { table: t.name.clone() }))?;
+                }
+                Err(_) => {
                     let spec: TableSpec = serde_json::from_value(t.spec.clone()).map_err(internal)?;
                     rt.block_on(router.create_table(spec))?;
                 }
-                // Apply from the last manifest holding this table whole.
-                let from = chain.iter().rposition(|m| m.tables.iter().any(|x| x.name == t.name && x.full)).unwrap_or(0);
-                let mut n = 0;
-                for m in &chain[from..] {
-                    let Some(te) = m.tables.iter().find(|x| x.name == t.name) else { continue };
-                    for c in &te.chunks {
-                        let chunk = self.catalog.read_chunk(m.id, c).map_err(internal)?;
-                        n += chunk.keys.len() as u64;
-                        rt.block_on(router.execute(Request::Write {
-                            op: hkv_proto::op::LOAD,
-                            table: t.name.clone(),
-                            keys: chunk.keys,
-                            values: chunk.values,
-                            scores: Some(chunk.scores),
-                            outcomes: false,
-                        }))?;
-                    }
-                }
-                loaded.push((t.name.clone(), n));
             }
-            let r = Restored {
-                id: format!("{:016x}", target.id),
-                skipped,
-                tables: loaded,
-                seconds: started.elapsed().as_secs_f64(),
+            // An incremental's key lists name every key the table held: older
+            // parts of the chain load only those (erasures and evictions since
+            // the base stay gone), and each key only from its newest part.
+            let live = if !t.full && !t.keys.is_empty() {
+                let mut keys = vec![];
+                for c in &t.keys {
+                    keys.extend(self.catalog.read_keys(target.id, c).map_err(internal)?);
+                }
+                keys.sort_unstable();
+                keys.dedup();
+                Some(keys)
+            } else {
+                None
             };
-            info!(id = %r.id, tables = r.tables.len(), seconds = r.seconds, "checkpoint restored");
-            return Ok(Some(r));
+            let mut seen = vec![false; live.as_ref().map_or(0, |k| k.len())];
+            let order: Vec<&(u64, &TableEntry)> =
+                if live.is_some() { parts.iter().rev().collect() } else { parts.iter().collect() };
+            let (mut max_score, mut lost) = (0u64, 0u64);
+            for (id, te) in order {
+                for c in &te.chunks {
+                    let mut chunk = self.catalog.read_chunk(*id, c).map_err(internal)?;
+                    done += chunk.keys.len() as u64;
+                    bytes += c.bytes;
+                    if let Some(live) = &live {
+                        chunk = keep_newest(chunk, live, &mut seen);
+                    }
+                    if chunk.keys.is_empty() {
+                        continue;
+                    }
+                    max_score = chunk.scores.iter().copied().fold(max_score, u64::max);
+                    let r = rt.block_on(router.execute(Request::Write {
+                        op: hkv_proto::op::LOAD,
+                        table: t.name.clone(),
+                        keys: chunk.keys,
+                        values: chunk.values,
+                        scores: Some(chunk.scores),
+                        outcomes: false,
+                    }))?;
+                    if let hkv_proto::Response::Write { summary, .. } = r {
+                        // Evicted: a restored entry lost its slot to another; rejected: one never placed.
+                        lost += summary.evicted + summary.rejected;
+                    }
+                    progress("load", target.id, done, total, bytes);
+                }
+            }
+            let table = router.table(&t.name)?;
+            for shard in &table.shards {
+                shard.resume_after(max_score);
+            }
+            // What the restore wrote is the state at the checkpoint, not a change since.
+            table.untracked.store(false, Relaxed);
+            let placed = table.shards.iter().map(|s| s.size()).sum();
+            if lost > 0 {
+                warn!(
+                    table = %t.name,
+                    dropped = lost,
+                    placed,
+                    capacity = table.shards.iter().map(|s| s.capacity()).sum::<u64>(),
+                    "restore could not place every entry: buckets overflowed (the table cannot grow further)"
+                );
+            }
+            loaded.push((t.name.clone(), placed));
+            dropped.push((t.name.clone(), lost));
         }
-        Err(ProtoError::new(ErrorCode::Internal, format!("no usable checkpoint: {}", skipped.join("; "))))
+        let seconds = started.elapsed().as_secs_f64();
+        let r = Restored {
+            id: format!("{:016x}", target.id),
+            skipped,
+            entries: loaded.iter().map(|(_, n)| n).sum(),
+            tables: loaded,
+            dropped,
+            bytes,
+            seconds,
+            mb_per_s: bytes as f64 / 1e6 / seconds.max(1e-9),
+        };
+        info!(
+            id = %r.id,
+            tables = r.tables.len(),
+            entries = r.entries,
+            dropped = r.dropped.iter().map(|(_, n)| n).sum::<u64>(),
+            seconds = r.seconds,
+            mb_per_s = r.mb_per_s,
+            "checkpoint restored"
+        );
+        Ok(r)
     }
 }

@@ -180,7 +180,7 @@ pub fn run(config: Config) -> anyhow::Result<()> {
                     for s in &r.skipped {
                         warn!("skipped a corrupt checkpoint: {s}");
                     }
-                    info!(id = %r.id, tables = ?r.tables, "restored");
+                    info!(id = %r.id, tables = ?r.tables, entries = r.entries, dropped = ?r.dropped, "restored");
                 }
                 Ok(None) => info!("no checkpoint to restore"),
                 Err(e) => anyhow::bail!("restore {}: {}", config.restore, e.message),
@@ -224,7 +224,7 @@ pub fn run(config: Config) -> anyhow::Result<()> {
         info!(
             socket = %socket_file.0.as_deref().map(|p| p.display().to_string()).unwrap_or_else(|| "inherited".into()),
             backend = %backend_name,
-            tables = config.tables.len(),
+            tables = state.router.tables().len(),
             "hkvd ready"
         );
         let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);

@@ -4,7 +4,7 @@
 //! in request order.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 
 use actix::Addr;
@@ -32,6 +32,12 @@ pub struct Table {
     /// Its share of the memory budget, given back when the last request
     /// holding the table is done.
     _charge: Charge,
+    /// Set by writes whose scores may fall below the clock (a client's load
+    /// with verbatim scores, an epoch set lower): the next incremental
+    /// checkpoint cannot find them by score and stores this table whole.
+    pub untracked: AtomicBool,
+    /// The last epoch set, to tell when it goes down.
+    pub epoch: AtomicU32,
 }
 
 /// Maps tables and keys to shard actors.
@@ -47,6 +53,9 @@ pub struct Router {
     pub budget: Arc<Budget>,
     /// The largest answer body (`limits.max_frame_bytes`).
     max_answer: u64,
+    /// Counts table creations and drops: a checkpoint chain continues only
+    /// while it is unchanged.
+    generation: AtomicU64,
 }
 
 /// Frames given back once sent, whose memory find and echo answers reuse
@@ -394,7 +403,13 @@ impl Router {
             frames,
             budget,
             max_answer: (max_answer as u64).min(MAX_BODY),
+            generation: AtomicU64::new(0),
         }
+    }
+
+    /// Table creations and drops so far.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Relaxed)
     }
 
     /// Shards per table.
@@ -453,22 +468,28 @@ impl Router {
             let shard = r.map_err(|e| err(ErrorCode::Internal, format!("shard actor gone: {e}")))?;
             shards.push(shard.map_err(shard_error)?);
         }
-        let table = Arc::new(Table { spec: spec.clone(), config, shards, _charge: charge });
+        let table = Arc::new(Table {
+            spec: spec.clone(),
+            config,
+            shards,
+            _charge: charge,
+            untracked: AtomicBool::new(false),
+            epoch: AtomicU32::new(0),
+        });
         let mut tables = self.tables.write();
         if tables.contains_key(&spec.name) {
             return Err(err(ErrorCode::TableExists, format!("table {:?} exists; drop it first", spec.name)));
         }
         tables.insert(spec.name.clone(), table.clone());
+        self.generation.fetch_add(1, Relaxed);
         Ok(Self::info(&table))
     }
 
     /// Drops a table; requests already running on it finish first.
     pub fn drop_table(&self, name: &str) -> Result<(), ProtoError> {
-        self.tables
-            .write()
-            .remove(name)
-            .map(|_| ())
-            .ok_or_else(|| err(ErrorCode::UnknownTable, format!("no table named {name:?}")))
+        let removed = self.tables.write().remove(name);
+        self.generation.fetch_add(1, Relaxed);
+        removed.map(|_| ()).ok_or_else(|| err(ErrorCode::UnknownTable, format!("no table named {name:?}")))
     }
 
     async fn call(&self, table: &Table, i: usize, op: SubOp) -> Result<SubResult, ProtoError> {
@@ -675,6 +696,9 @@ impl Router {
                 Self::validate(&t, &keys, Some(&values), scores.as_deref(), inserts, code == op::LOAD)?;
                 // load places entries as they were; it reports no per-key outcome.
                 let outcomes = outcomes && code != op::LOAD;
+                if code == op::LOAD {
+                    t.untracked.store(true, Relaxed);
+                }
                 let (n, split) = (keys.len(), Split::new(&keys, n_shards));
                 let mut scores = scores.map(|s| split.take(s, 1).into_iter());
                 let ops = split
@@ -719,6 +743,9 @@ impl Router {
                 Ok(Response::Empty)
             }
             Request::SetEpoch { epoch, .. } => {
+                if epoch < t.epoch.swap(epoch, Relaxed) {
+                    t.untracked.store(true, Relaxed);
+                }
                 self.fan_out(&t, (0..n_shards).map(|_| SubOp::SetEpoch(epoch)).collect()).await?;
                 Ok(Response::Empty)
             }

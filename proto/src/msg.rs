@@ -117,7 +117,9 @@ impl FeatureHash {
         match self.kind.as_str() {
             "fingerprint64" => Ok(0),
             "strong" => Ok(1),
-            k => Err(ProtoError::bad_request(format!("bad features: hash kind {k:?} is unknown: use fingerprint64 or strong"))),
+            k => Err(ProtoError::bad_request(format!(
+                "bad features: hash kind {k:?} is unknown: use fingerprint64 or strong"
+            ))),
         }
     }
 }
@@ -218,7 +220,9 @@ fn features_get(r: &mut Reader<'_>) -> Result<Features, ProtoError> {
             let offsets = r.u32s("string offsets")?;
             Ok(Features::Strings { offsets, bytes: r.u8s("string bytes")? })
         }
-        t => Err(ProtoError::bad_request(format!("bad features: feature type {t} is unknown: use 0 (int64) or 1 (strings)"))),
+        t => Err(ProtoError::bad_request(format!(
+            "bad features: feature type {t} is unknown: use 0 (int64) or 1 (strings)"
+        ))),
     }
 }
 

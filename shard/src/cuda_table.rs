@@ -2131,6 +2131,10 @@ impl Shard for CudaTable {
         self.counters.stats(self.size(), self.capacity(), fast * row, host * row, self.lock.state())
     }
 
+    fn resume_after(&self, max_score: u64) {
+        crate::score::resume_after(self.config.policy, max_score, &*self.clock, &self.epoch);
+    }
+
     fn clock_score(&self) -> u64 {
         Scorer { policy: self.config.policy, now_ns: self.clock.now_ns(), epoch: self.epoch.load(Relaxed) }
             .clock_floor()

@@ -473,6 +473,10 @@ pub trait Shard: Send + Sync {
     /// EpochLfu: the epoch); 0 for Lfu and Custom. Incremental checkpoints
     /// export entries at or above the value read when the previous one began.
     fn clock_score(&self) -> u64;
+    /// After a restore whose highest score was `max_score`: moves the epoch
+    /// and the clock so that later writes rank above the restored entries
+    /// (see `score::resume_after`).
+    fn resume_after(&self, max_score: u64);
 }
 
 /// Which backend a shard runs on.

@@ -11,7 +11,7 @@
 //! Update-only operations (`assign`, `assign_scores`) without scores keep the
 //! stored score for Lfu, EpochLfu and Custom, and refresh it for Lru and EpochLru.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -21,24 +21,34 @@ use crate::config::ScorePolicy;
 pub trait Clock: Send + Sync + std::fmt::Debug {
     /// Nanoseconds on a clock that never goes back.
     fn now_ns(&self) -> u64;
+    /// Moves the clock forward to at least `ns` (never back): after a
+    /// restore, so that new writes score above the restored entries.
+    fn advance_to(&self, ns: u64);
 }
 
 /// The process's monotonic clock, counted from first use (plus one, so a
-/// fresh entry never scores 0).
+/// fresh entry never scores 0), plus an offset that only grows: a restore
+/// moves it past the restored scores, so time continues from them instead of
+/// restarting with the process.
 #[derive(Debug)]
 pub struct SystemClock {
     start: Instant,
+    offset: AtomicU64,
 }
 
 impl Default for SystemClock {
     fn default() -> Self {
-        SystemClock { start: Instant::now() }
+        SystemClock { start: Instant::now(), offset: AtomicU64::new(0) }
     }
 }
 
 impl Clock for SystemClock {
     fn now_ns(&self) -> u64 {
-        self.start.elapsed().as_nanos() as u64 + 1
+        (self.start.elapsed().as_nanos() as u64 + 1).saturating_add(self.offset.load(Ordering::Relaxed))
+    }
+    fn advance_to(&self, ns: u64) {
+        let elapsed = self.start.elapsed().as_nanos() as u64 + 1;
+        self.offset.fetch_max(ns.saturating_sub(elapsed), Ordering::Relaxed);
     }
 }
 
@@ -64,6 +74,28 @@ impl ManualClock {
 impl Clock for ManualClock {
     fn now_ns(&self) -> u64 {
         self.0.load(Ordering::Relaxed)
+    }
+    fn advance_to(&self, ns: u64) {
+        self.0.fetch_max(ns, Ordering::Relaxed);
+    }
+}
+
+/// After restoring entries whose highest score is `max_score`: moves the
+/// epoch (EpochLru, EpochLfu: to the restored epoch, if higher) and the
+/// clock (Lru: past the score; EpochLru: past its ~ms part) so that every
+/// later write ranks above the restored entries, as it did before the
+/// restart. Lfu and Custom scores do not follow time: nothing moves.
+pub fn resume_after(policy: ScorePolicy, max_score: u64, clock: &dyn Clock, epoch: &AtomicU32) {
+    match policy {
+        ScorePolicy::Lru => clock.advance_to(max_score.saturating_add(1)),
+        ScorePolicy::EpochLru => {
+            epoch.fetch_max((max_score >> 32) as u32, Ordering::Relaxed);
+            clock.advance_to(((max_score & 0xffff_ffff) + 1) << 20);
+        }
+        ScorePolicy::EpochLfu => {
+            epoch.fetch_max((max_score >> 32) as u32, Ordering::Relaxed);
+        }
+        ScorePolicy::Lfu | ScorePolicy::Custom => {}
     }
 }
 
@@ -166,5 +198,19 @@ mod tests {
         assert_eq!(s(ScorePolicy::Lru).on_update(100, None), 5 << 20);
         assert_eq!(s(ScorePolicy::Lfu).admission(1), u64::MAX);
         assert_eq!(s(ScorePolicy::Custom).admission(1), 1);
+    }
+
+    #[test]
+    fn a_restore_moves_clock_and_epoch_past_the_restored_scores() {
+        let (c, e) = (SystemClock::default(), AtomicU32::new(0));
+        resume_after(ScorePolicy::Lru, 1 << 50, &c, &e);
+        assert!(c.now_ns() > 1 << 50);
+        let (c, e) = (SystemClock::default(), AtomicU32::new(2));
+        resume_after(ScorePolicy::EpochLru, (5 << 32) | 1000, &c, &e);
+        let sc = Scorer { policy: ScorePolicy::EpochLru, now_ns: c.now_ns(), epoch: e.load(Ordering::Relaxed) };
+        assert!(sc.on_insert(None) > (5 << 32) | 1000);
+        let (c, e) = (ManualClock::default(), AtomicU32::new(9));
+        resume_after(ScorePolicy::EpochLfu, 5 << 32, &c, &e);
+        assert_eq!(e.load(Ordering::Relaxed), 9, "the epoch never goes back");
     }
 }

@@ -795,9 +795,10 @@ fn run(cli: Cli) -> Result<()> {
                     let frac = if total > 0 { (done as f64 / total as f64).min(1.0) } else { 0.0 };
                     let bar = "#".repeat((frac * 30.0) as usize) + &"-".repeat(30 - (frac * 30.0) as usize);
                     let line = format!(
-                        "checkpoint {} [{bar}] {done}/{total} entries, {:.1} MB, {:.0} entries/s, ETA {:.0}s",
+                        "checkpoint {} [{bar}] {done}/{total} entries, {:.1} MB, {:.0} MB/s, {:.0} entries/s, ETA {:.0}s",
                         p["id"].as_str().unwrap_or("?"),
                         p["bytes"].as_u64().unwrap_or(0) as f64 / 1e6,
+                        p["mb_per_s"].as_f64().unwrap_or(0.0),
                         p["rate"].as_f64().unwrap_or(0.0),
                         p["eta_s"].as_f64().unwrap_or(0.0)
                     );
@@ -812,13 +813,14 @@ fn run(cli: Cli) -> Result<()> {
                     if let Some(e) = l["error"].as_str() {
                         bail!("checkpoint failed: {e}");
                     }
+                    let (mb, secs) =
+                        (l["bytes"].as_u64().unwrap_or(0) as f64 / 1e6, l["seconds"].as_f64().unwrap_or(0.0));
                     println!(
-                        "checkpoint {} complete ({}): {} entries, {:.1} MB in {:.2}s",
+                        "checkpoint {} complete ({}): {} entries, {mb:.1} MB in {secs:.2}s ({:.0} MB/s)",
                         l["id"].as_str().unwrap_or("?"),
                         l["kind"].as_str().unwrap_or("?"),
                         l["entries"],
-                        l["bytes"].as_u64().unwrap_or(0) as f64 / 1e6,
-                        l["seconds"].as_f64().unwrap_or(0.0)
+                        mb / secs.max(1e-9)
                     );
                     break;
                 }
@@ -840,15 +842,53 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Cmd::Restore { id } => {
-            let r = c.restore(&id)?;
+            // The restore answers when done; a second connection shows its progress meanwhile.
+            let socket = socket.clone();
+            let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let watcher = std::io::IsTerminal::is_terminal(&std::io::stderr()).then(|| {
+                let done = done.clone();
+                std::thread::spawn(move || {
+                    let Ok(mut w) = Client::connect(&socket) else { return };
+                    while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                        std::thread::sleep(Duration::from_millis(200));
+                        let Ok(st) = w.stats() else { return };
+                        if let Some(p) = st["checkpoint"]["restoring"].as_object() {
+                            eprint!(
+                                "\rrestore {} {}: {}/{} entries, {:.1} MB, {:.0} MB/s   ",
+                                p["id"].as_str().unwrap_or("?"),
+                                p["kind"].as_str().unwrap_or("?"),
+                                p["entries_done"].as_u64().unwrap_or(0),
+                                p["entries_total"].as_u64().unwrap_or(0),
+                                p["bytes"].as_u64().unwrap_or(0) as f64 / 1e6,
+                                p["mb_per_s"].as_f64().unwrap_or(0.0)
+                            );
+                        }
+                    }
+                })
+            });
+            let r = c.restore(&id);
+            done.store(true, std::sync::atomic::Ordering::Relaxed);
+            if let Some(w) = watcher {
+                let _ = w.join();
+                eprintln!();
+            }
+            let r = r?;
             for s in r["skipped"].as_array().into_iter().flatten() {
                 eprintln!("hkvctl: warning: skipped {}", s.as_str().unwrap_or("?"));
             }
+            for d in r["dropped"].as_array().into_iter().flatten() {
+                if d[1].as_u64().unwrap_or(0) > 0 {
+                    eprintln!("hkvctl: warning: table {} could not place {} entries of the checkpoint", d[0], d[1]);
+                }
+            }
             println!(
-                "restored checkpoint {} in {:.2}s: {}",
+                "restored checkpoint {} in {:.2}s ({:.0} MB/s): {} entries, tables {}, dropped {}",
                 r["id"].as_str().unwrap_or("?"),
                 r["seconds"].as_f64().unwrap_or(0.0),
-                r["tables"]
+                r["mb_per_s"].as_f64().unwrap_or(0.0),
+                r["entries"],
+                r["tables"],
+                r["dropped"]
             );
         }
         Cmd::Shutdown => {

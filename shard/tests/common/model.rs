@@ -74,12 +74,45 @@ impl Model {
         self.locate(key).map(|(b, s)| self.buckets[b][s].as_mut().unwrap())
     }
 
+    fn make_room(&mut self, b: usize, depth: u32, path: &mut Vec<usize>) -> Option<usize> {
+        for pass in 0..depth {
+            for s in 0..self.buckets[b].len() {
+                let k = self.buckets[b][s].as_ref().unwrap().key;
+                let kc = self.candidates(k);
+                let alt = if kc[0] == b { kc[1] } else { kc[0] };
+                if path.contains(&alt) {
+                    continue;
+                }
+                let free = if pass == 0 {
+                    self.buckets[alt].iter().position(|x| x.is_none())
+                } else {
+                    path.push(alt);
+                    let t = self.make_room(alt, 1, path);
+                    path.pop();
+                    t
+                };
+                if let Some(t) = free {
+                    self.buckets[alt][t] = self.buckets[b][s].take();
+                    return Some(s);
+                }
+            }
+        }
+        None
+    }
+
     fn load(&self, b: usize) -> usize {
         self.buckets[b].iter().filter(|s| s.is_some()).count()
     }
 
     /// Places an absent key. Returns the outcome and what was lost.
-    fn place(&mut self, key: u64, value: &[f32], score: u64, admission: u64) -> (Outcome, Option<(Slot, Lost)>) {
+    fn place(
+        &mut self,
+        key: u64,
+        value: &[f32],
+        score: u64,
+        admission: u64,
+        verbatim: bool,
+    ) -> (Outcome, Option<(Slot, Lost)>) {
         let c = self.candidates(key);
         // The less loaded candidate, the first on ties.
         let mut target = c[0];
@@ -89,6 +122,16 @@ impl Model {
         if let Some(s) = self.buckets[target].iter().position(|x| x.is_none()) {
             self.buckets[target][s] = Some(Slot { key, score, value: value.to_vec() });
             return (Outcome::Inserted, None);
+        }
+        // Verbatim loads in dual mode first free a slot of a candidate (b1
+        // first) by moving residents on, two steps at most (CpuTable::make_room).
+        if verbatim && c.len() == 2 {
+            for &b in &c {
+                if let Some(s) = self.make_room(b, 2, &mut c.clone()) {
+                    self.buckets[b][s] = Some(Slot { key, score, value: value.to_vec() });
+                    return (Outcome::Inserted, None);
+                }
+            }
         }
         // Full: the candidate with the lowest minimum (the first on ties),
         // and in it the lowest slot holding that minimum.
@@ -128,7 +171,7 @@ impl Model {
         all.sort_by(|a, b| b.score.cmp(&a.score).then(a.key.cmp(&b.key)));
         self.buckets = new_buckets(nb);
         for e in all {
-            self.place(e.key, &e.value, e.score, e.score);
+            self.place(e.key, &e.value, e.score, e.score, true);
         }
     }
 
@@ -165,7 +208,7 @@ impl Model {
             }
             let score = if verbatim { input.unwrap() } else { sc.on_insert(input) };
             let adm = if verbatim { score } else { sc.admission(score) };
-            let (o, l) = self.place(k, v, score, adm);
+            let (o, l) = self.place(k, v, score, adm, verbatim);
             outs.push(o);
             lost.extend(l);
         }
@@ -193,7 +236,7 @@ impl Model {
                 continue;
             }
             let score = sc.on_insert(input);
-            let (o, _) = self.place(k, row, score, sc.admission(score));
+            let (o, _) = self.place(k, row, score, sc.admission(score), false);
             outs.push(o);
         }
         outs
@@ -254,7 +297,7 @@ impl Model {
                 continue;
             }
             let score = sc.on_insert(input);
-            outs[i] = self.place(keys[i], d, score, sc.admission(score)).0;
+            outs[i] = self.place(keys[i], d, score, sc.admission(score), false).0;
         }
         outs
     }
