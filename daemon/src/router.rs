@@ -291,6 +291,19 @@ pub fn shard_config(spec: &TableSpec, n: usize) -> Result<TableConfig, ProtoErro
             spec.max_capacity, spec.capacity
         )));
     }
+    // Sizes that cannot even be counted in bytes are memory no host has,
+    // whatever the shard count: the same answer as the budget's refusals.
+    let slot_bytes = (spec.dim as u64).saturating_mul(4).saturating_add(145);
+    let dim_ok = (1..=1 << 16).contains(&spec.dim); // else the config check below names the dim
+    if dim_ok && spec.capacity.max(spec.max_capacity).checked_mul(slot_bytes).is_none() {
+        return Err(ProtoError::new(
+            ErrorCode::ResourceExhausted,
+            format!(
+                "table {:?}: capacity {} (max_capacity {}) at dim {} is too large to count in bytes; no host holds it",
+                spec.name, spec.capacity, spec.max_capacity, spec.dim
+            ),
+        ));
+    }
     let per = |x: u64| x.div_ceil(n as u64);
     let config = TableConfig {
         capacity: per(spec.capacity),
@@ -927,6 +940,13 @@ mod tests {
             assert!(check_name(bad).is_err(), "{bad:?}");
         }
         assert!(check_name("_x").is_ok() && check_name("9.a-b").is_ok());
+        // Uncountable sizes are resource_exhausted on any shard count.
+        for shards in [1, 3] {
+            let e = shard_config(&TableSpec::new("t", 4, 1 << 62), shards).unwrap_err();
+            assert_eq!(e.code, ErrorCode::ResourceExhausted, "{shards}: {}", e.message);
+        }
+        let e = shard_config(&TableSpec::new("t", 1 << 20, 1 << 62), 1).unwrap_err();
+        assert!(e.message.contains("dim 1048576 is above the limit"), "{}", e.message);
         let c = shard_config(&TableSpec::new("t", 8, 1000), 4).unwrap();
         assert_eq!(c.capacity, 250);
         let mut bad = TableSpec::new("t", 8, 1000);
