@@ -531,3 +531,32 @@ fn fuzzed_admin_frames_never_take_the_daemon_down() {
         d.rss() >> 20
     );
 }
+
+/// On the CUDA backend the budget is device memory (7/8 of it by default):
+/// a table past it is refused with the sizes, before any allocation; and
+/// LRU scores continue after a restart on the device clock too.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn cuda_budget_refuses_with_device_sizes_and_lru_clocks_continue() {
+    let d = Daemon::start(&["--backend", "cuda", "--shards", "1"]);
+    let mut c = d.client();
+    let m = c.stats().unwrap()["memory"].clone();
+    let limit = m["max_table_bytes"].as_u64().unwrap();
+    eprintln!("memory: {m}");
+    assert!(limit > 1 << 30);
+    for (cap, dim) in [(1u64 << 40, 4), (1 << 62, 4), (limit / (17 + 4 * 256) + (1 << 24), 256)] {
+        let e = c.create_table(spec("big", dim, cap)).unwrap_err();
+        assert_eq!(e.code(), Some(ErrorCode::ResourceExhausted), "{e}");
+        eprintln!("{e}");
+    }
+    c.create_table(spec("l", 8, 1 << 16)).unwrap();
+    let keys: Vec<u64> = (1..=1000).collect();
+    c.insert_or_assign("l", &keys, &vec![1.0; 8000], None).unwrap();
+    c.checkpoint(true, true).unwrap();
+    let d = d.restart(&["--backend", "cuda", "--shards", "1"]);
+    let mut c = d.client();
+    c.insert_or_assign("l", &[5000], &[1.0; 8], None).unwrap();
+    let old = c.find_with_scores("l", &[1]).unwrap().scores.unwrap()[0];
+    let new = c.find_with_scores("l", &[5000]).unwrap().scores.unwrap()[0];
+    assert!(new > old, "a write after the restart ranks above restored entries: {new} <= {old}");
+}
