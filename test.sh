@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The project's test command (the README's second command). Installs the
 # system tools some tests drive when they are missing (systemd-analyze and
-# systemd-socket-activate from `systemd`, setpriv from `util-linux`, tmux, numpy and
-# pytest for the Python client), then runs every Rust test of the workspace
-# and the Python client's tests.
+# systemd-socket-activate from `systemd`, setpriv and prlimit from `util-linux`, tmux, numpy and
+# pytest for the Python client), checks formatting and clippy's lints, then
+# runs every Rust test of the workspace and the Python client's tests.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -11,6 +11,7 @@ need=()
 command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
 command -v systemd-socket-activate >/dev/null 2>&1 || need+=(systemd)
 command -v setpriv >/dev/null 2>&1 || need+=(util-linux)
+command -v prlimit >/dev/null 2>&1 || need+=(util-linux)
 command -v tmux >/dev/null 2>&1 || need+=(tmux)
 if [ ${#need[@]} -gt 0 ]; then
     echo "test.sh: installing ${need[*]}" >&2
@@ -19,6 +20,12 @@ if [ ${#need[@]} -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
 
+# Formatting and lints first: they fail in seconds, the tests take minutes.
+for c in rustfmt clippy; do
+    cargo "${c/rustfmt/fmt}" --version >/dev/null 2>&1 || rustup component add "$c"
+done
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets --release -- -D warnings
 cargo test --workspace --release
 
 # The Python client's tests run against the hkvd binary the step above built.
