@@ -32,7 +32,13 @@ impl AsyncClient {
     pub async fn send(&mut self, req: &Request) -> Result<u64> {
         let id = self.next_id;
         self.next_id += 1;
-        let frame = req.encode_into(id, std::mem::take(&mut self.spare.send));
+        let frame = match req.try_encode_into(id, std::mem::take(&mut self.spare.send)) {
+            Ok(f) => f,
+            Err((e, buf)) => {
+                self.spare.send = keep(buf);
+                return Err(ClientError::Request(e));
+            }
+        };
         let sent = self.w.write_all(&frame).await.map_err(io("sending a request"));
         self.spare.send = keep(frame);
         sent.map(|_| id)

@@ -46,6 +46,11 @@ pub enum ClientError {
     /// The daemon answered something this client did not expect.
     #[error("unexpected answer from hkvd: {0}")]
     Protocol(String),
+    /// The request cannot be sent: a field does not fit the protocol (a
+    /// table name over 65535 bytes, an array over 2^32 − 1 elements, a
+    /// body over 4 GiB − 1). Nothing was sent.
+    #[error("request not sent: {}", .0.message)]
+    Request(ProtoError),
 }
 
 impl ClientError {
@@ -238,7 +243,13 @@ impl Client {
     pub fn send(&mut self, req: &Request) -> Result<u64> {
         let id = self.next_id;
         self.next_id += 1;
-        let frame = req.encode_into(id, std::mem::take(&mut self.spare.send));
+        let frame = match req.try_encode_into(id, std::mem::take(&mut self.spare.send)) {
+            Ok(f) => f,
+            Err((e, buf)) => {
+                self.spare.send = keep(buf);
+                return Err(ClientError::Request(e));
+            }
+        };
         let sent = self.w.write_all(&frame).map_err(io("sending a request"));
         self.spare.send = keep(frame);
         sent.map(|_| id)

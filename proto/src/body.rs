@@ -2,24 +2,27 @@
 
 use crate::error::{ErrorCode, ProtoError};
 
-/// Appends body fields.
+/// Appends body fields. A field whose length does not fit its count field
+/// (a name over 65535 bytes, an array over 2^32 − 1 elements) is noted, not
+/// silently cut: [`Writer::check`] then refuses the frame.
 #[derive(Debug, Default)]
 pub struct Writer {
     /// The bytes so far.
     pub buf: Vec<u8>,
+    too_long: Option<String>,
 }
 
 impl Writer {
     /// A writer with room for `n` bytes.
     pub fn with_capacity(n: usize) -> Writer {
-        Writer { buf: Vec::with_capacity(n) }
+        Writer { buf: Vec::with_capacity(n), too_long: None }
     }
     /// A writer for a whole frame: room for the header first, filled in by
     /// [`Writer::finish_frame`], so the body is never copied behind a header.
     pub fn framed(body_capacity: usize) -> Writer {
         let mut buf = Vec::with_capacity(crate::HEADER_LEN + body_capacity);
         buf.resize(crate::HEADER_LEN, 0);
-        Writer { buf }
+        Writer { buf, too_long: None }
     }
 
     /// [`Writer::framed`] in `buf`, whose contents go and whose memory is
@@ -28,7 +31,27 @@ impl Writer {
         buf.clear();
         buf.reserve(crate::HEADER_LEN + body_capacity);
         buf.resize(crate::HEADER_LEN, 0);
-        Writer { buf }
+        Writer { buf, too_long: None }
+    }
+
+    /// Whether every field fit its count and a framed buffer's body fits
+    /// the header's 32-bit length; the error names the field.
+    pub fn check(&self) -> Result<(), ProtoError> {
+        if let Some(what) = &self.too_long {
+            return Err(ProtoError::bad_request(what.clone()));
+        }
+        let body = self.buf.len().saturating_sub(crate::HEADER_LEN) as u64;
+        if body > u32::MAX as u64 {
+            return Err(ProtoError::new(
+                ErrorCode::Oversized,
+                format!("a frame body of {body} bytes does not fit the header's 32-bit length; send smaller batches"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn note(&mut self, what: String) {
+        self.too_long.get_or_insert(what);
     }
 
     /// Writes the header of a [`Writer::framed`] buffer and returns the frame.
@@ -37,11 +60,18 @@ impl Writer {
         self.buf
     }
 
-    /// `u16` length + UTF-8 bytes. Names longer than 65535 bytes are cut.
+    /// `u16` length + UTF-8 bytes. A string over 65535 bytes is noted for
+    /// [`Writer::check`] (and written cut at a character boundary).
     pub fn str(&mut self, s: &str) -> &mut Self {
-        let b = &s.as_bytes()[..s.len().min(u16::MAX as usize)];
-        self.u16(b.len() as u16);
-        self.buf.extend_from_slice(b);
+        let mut end = s.len().min(u16::MAX as usize);
+        if end < s.len() {
+            self.note(format!("a name of {} bytes does not fit the protocol's 65535", s.len()));
+            while !s.is_char_boundary(end) {
+                end -= 1;
+            }
+        }
+        self.u16(end as u16);
+        self.buf.extend_from_slice(&s.as_bytes()[..end]);
         self
     }
     /// One `u16`.
@@ -78,7 +108,7 @@ impl Writer {
     /// `u32` count + the elements as `W` little-endian bytes each, written in
     /// one pass over a pre-sized buffer (the compiler turns it into a copy).
     fn le_array<T: Copy, const W: usize>(&mut self, xs: &[T], le: fn(T) -> [u8; W]) -> &mut Self {
-        self.u32(xs.len() as u32);
+        self.count(xs.len());
         let at = self.buf.len();
         self.buf.resize(at + xs.len() * W, 0);
         for (dst, &x) in self.buf[at..].chunks_exact_mut(W).zip(xs) {
@@ -88,10 +118,18 @@ impl Writer {
     }
     /// `u32` count + raw bytes.
     pub fn u8s(&mut self, xs: &[u8]) -> &mut Self {
-        self.u32(xs.len() as u32);
+        self.count(xs.len());
         self.buf.extend_from_slice(xs);
         self
     }
+    /// An array's `u32` element count; one that does not fit is noted.
+    fn count(&mut self, n: usize) {
+        if n > u32::MAX as usize {
+            self.note(format!("an array of {n} elements does not fit the protocol's 32-bit count"));
+        }
+        self.u32(n as u32);
+    }
+
     /// Raw bytes, no count.
     pub fn raw(&mut self, xs: &[u8]) -> &mut Self {
         self.buf.extend_from_slice(xs);
@@ -238,5 +276,24 @@ mod tests {
         let e = r.u64s("keys").map(|_| ()).and_then(|_| r.f32s("values").map(|_| ())).unwrap_err();
         assert_eq!(e.code, ErrorCode::Truncated);
         assert!(e.message.contains("values") || e.message.contains("keys"), "{e}");
+    }
+
+    /// A name over 65535 bytes used to be cut silently, possibly inside a
+    /// UTF-8 character; it is now refused by `check`, and what is written
+    /// stays valid UTF-8.
+    #[test]
+    fn names_too_long_for_their_count_are_refused() {
+        let mut w = Writer::default();
+        w.str("ok");
+        assert!(w.check().is_ok());
+        let long = "é".repeat(40_000); // 80000 bytes, 2 per character
+        w.str(&long);
+        let e = w.check().unwrap_err();
+        assert_eq!(e.code, ErrorCode::BadRequest);
+        assert!(e.message.contains("80000 bytes"), "{e}");
+        let mut r = Reader::new(&w.buf);
+        assert_eq!(r.str("a").unwrap(), "ok");
+        let cut = r.str("b").unwrap();
+        assert_eq!(cut.len(), 65534, "cut at a character boundary");
     }
 }

@@ -608,8 +608,28 @@ impl Request {
     }
 
     /// [`Request::encode`] into `buf`, whose contents go and whose memory
-    /// is reused; returns it holding the frame.
+    /// is reused; returns it holding the frame. A field too long for the
+    /// protocol is cut: senders use [`Request::try_encode_into`].
     pub fn encode_into(&self, id: u64, buf: Vec<u8>) -> Vec<u8> {
+        let (w, fl) = self.writer(buf);
+        w.finish_frame(self.op(), fl, id)
+    }
+
+    /// [`Request::encode_into`], or an error naming the field that does not
+    /// fit the protocol (a table name over 65535 bytes, an array over
+    /// 2^32 − 1 elements, a body over 4 GiB − 1); the buffer comes back
+    /// with the error so that its memory is kept.
+    #[allow(clippy::result_large_err)]
+    pub fn try_encode_into(&self, id: u64, buf: Vec<u8>) -> Result<Vec<u8>, (ProtoError, Vec<u8>)> {
+        let (w, fl) = self.writer(buf);
+        match w.check() {
+            Ok(()) => Ok(w.finish_frame(self.op(), fl, id)),
+            Err(e) => Err((e, w.buf)),
+        }
+    }
+
+    /// The body written after room for the header, and the header's flags.
+    fn writer(&self, buf: Vec<u8>) -> (Writer, u16) {
         let mut w = Writer::framed_in(buf, 64);
         let mut fl = 0u16;
         match self {
@@ -711,7 +731,7 @@ impl Request {
                 _ => {}
             },
         }
-        w.finish_frame(self.op(), fl, id)
+        (w, fl)
     }
 
     /// Parses a request body. Errors name the field at fault.
@@ -1175,6 +1195,17 @@ impl Response {
 mod tests {
     use super::*;
     use crate::{check_frame, FrameCheck};
+
+    #[test]
+    fn a_request_whose_fields_do_not_fit_is_not_encoded() {
+        let ok = Request::Find { table: "t".into(), keys: vec![1], scores: true };
+        let f = ok.try_encode_into(7, Vec::new()).unwrap();
+        assert_eq!(f, ok.encode(7));
+        let long = Request::Find { table: "x".repeat(70_000), keys: vec![1], scores: false };
+        let (e, buf) = long.try_encode_into(7, Vec::with_capacity(1 << 20)).unwrap_err();
+        assert!(e.message.contains("70000 bytes"), "{e}");
+        assert!(buf.capacity() >= 1 << 20, "the buffer comes back");
+    }
 
     fn round(req: Request) {
         let f = req.encode(42);
