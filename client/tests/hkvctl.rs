@@ -92,6 +92,50 @@ fn feature_commands_hash_and_look_up() {
     assert_eq!(d.run(&["hash", "--table", "t", "x"]), format!("x: {x}\n"));
 }
 
+/// Features used to come only as arguments; the documented `--key K0,K1`
+/// was refused (the CLI wanted `--key K0 K1`), and `--key` without
+/// `--kind strong` was silently ignored.
+#[test]
+fn features_from_files_and_stdin_keys_and_escapes() {
+    let d = Daemon::start();
+    let dir = tempfile::tempdir().unwrap();
+    let fp = |s: &str| hkv_shard::features::fingerprint64(s.as_bytes()) % 1000;
+    // One a line, a feature holding a backslash escaped in the text output.
+    let file = dir.path().join("f.txt");
+    std::fs::write(&file, "a\nb\\c\n").unwrap();
+    let out = d.run(&["hash", "--num-buckets", "1000", "--from", file.to_str().unwrap()]);
+    assert_eq!(out, format!("a: {}\nb\\\\c: {}\n", fp("a"), fp("b\\c")));
+    // NUL-separated from stdin, a newline inside a feature; JSON lines.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_hkvctl"))
+        .arg("--socket")
+        .arg(&d.socket)
+        .args(["hash", "--num-buckets", "1000", "--from", "-", "-0", "--json"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(child.stdin.as_mut().unwrap(), b"x\ny\0z").unwrap();
+    drop(child.stdin.take());
+    let out = String::from_utf8(child.wait_with_output().unwrap().stdout).unwrap();
+    let lines: Vec<serde_json::Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines[0], serde_json::json!({"feature": "x\ny", "key": fp("x\ny")}));
+    assert_eq!(lines[1], serde_json::json!({"feature": "z", "key": fp("z")}));
+    // The strong hash's key as documented; --key alone is refused.
+    let strong = hkv_shard::features::siphash24(1, 2, b"a") % 1000;
+    assert_eq!(
+        d.run(&["hash", "--num-buckets", "1000", "--kind", "strong", "--key", "1,2", "a"]),
+        format!("a: {strong}\n")
+    );
+    let out = d.hkvctl(&["hash", "--num-buckets", "1000", "--key", "1,2", "a"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("add --kind strong"));
+    // Many features in one call.
+    let many = dir.path().join("many.txt");
+    std::fs::write(&many, (1..=100_000).map(|i| format!("{i}\n")).collect::<String>()).unwrap();
+    let out = d.run(&["hash", "--int", "--num-buckets", "1000", "--from", many.to_str().unwrap()]);
+    assert_eq!(out.lines().count(), 100_000);
+}
+
 #[test]
 fn bench_prints_every_figure_and_cleans_up() {
     let d = Daemon::start();

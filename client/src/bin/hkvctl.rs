@@ -53,15 +53,17 @@ enum Cmd {
         /// Default num_buckets of feature requests (keys = hash % num_buckets).
         #[arg(long)]
         num_buckets: Option<u64>,
-        /// SipHash key of the strong hash: K0,K1.
-        #[arg(long, value_delimiter = ',', num_args = 2)]
+        /// SipHash key of the strong hash: K0,K1 (needs --hash strong).
+        #[arg(long, value_delimiter = ',')]
         hash_key: Option<Vec<u64>>,
     },
     /// Keys of raw features: one line per feature, `FEATURE: KEY`.
     Hash {
-        /// Features (strings, or int64 with --int).
-        #[arg(required = true)]
+        /// Features (strings, or int64 with --int); or --from FILE.
+        #[arg(required_unless_present = "from")]
         features: Vec<String>,
+        #[command(flatten)]
+        input: Input,
         #[command(flatten)]
         hash: HashArgs,
         /// Use this table's hash setting when no --kind / --num-buckets is given.
@@ -73,9 +75,11 @@ enum Cmd {
     FindFeatures {
         /// Table name.
         table: String,
-        /// Features (strings, or int64 with --int).
-        #[arg(required = true)]
+        /// Features (strings, or int64 with --int); or --from FILE.
+        #[arg(required_unless_present = "from")]
         features: Vec<String>,
+        #[command(flatten)]
+        input: Input,
         #[command(flatten)]
         hash: HashArgs,
     },
@@ -84,9 +88,11 @@ enum Cmd {
     FindOrInsertFeatures {
         /// Table name.
         table: String,
-        /// FEATURE=V1,V2,... entries.
-        #[arg(required = true)]
+        /// FEATURE=V1,V2,... entries; or --from FILE (one entry each).
+        #[arg(required_unless_present = "from")]
         entries: Vec<String>,
+        #[command(flatten)]
+        input: Input,
         #[command(flatten)]
         hash: HashArgs,
         /// One score per entry (lfu increments, custom scores).
@@ -187,12 +193,84 @@ struct HashArgs {
     /// Keys are hash % num_buckets.
     #[arg(long)]
     num_buckets: Option<u64>,
-    /// SipHash key of the strong hash: K0,K1.
-    #[arg(long, value_delimiter = ',', num_args = 2)]
+    /// SipHash key of the strong hash: K0,K1 (needs --kind strong).
+    #[arg(long, value_delimiter = ',')]
     key: Option<Vec<u64>>,
     /// The features are int64 (hashed as their decimal text, like as_string).
     #[arg(long)]
     int: bool,
+}
+
+/// Where features come from and how answers are printed.
+#[derive(clap::Args, Clone)]
+struct Input {
+    /// Read the features (or FEATURE=V1,... entries) from FILE, `-` for
+    /// standard input: one a line, or NUL-separated with -0. Sent in one request.
+    #[arg(long, value_name = "FILE")]
+    from: Option<PathBuf>,
+    /// With --from: items are separated by NUL bytes, not newlines (features
+    /// that hold newlines).
+    #[arg(short = '0', long = "null", requires = "from")]
+    null: bool,
+    /// Print one JSON object a line ({"feature": .., "key": ..} / {"feature":
+    /// .., "values": [..]} / {"feature": .., "found": false}).
+    #[arg(long)]
+    json: bool,
+}
+
+impl Input {
+    /// The items: the arguments, or those of --from.
+    fn items(&self, args: Vec<String>) -> Result<Vec<String>> {
+        let Some(path) = &self.from else { return Ok(args) };
+        if !args.is_empty() {
+            bail!("give features as arguments or with --from, not both");
+        }
+        let mut bytes = vec![];
+        if path.as_os_str() == "-" {
+            std::io::Read::read_to_end(&mut std::io::stdin(), &mut bytes).context("reading standard input")?;
+        } else {
+            bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+        }
+        let text = String::from_utf8(bytes).with_context(|| format!("{} is not UTF-8 text", path.display()))?;
+        let sep = if self.null { '\0' } else { '\n' };
+        let mut items: Vec<String> = text.split(sep).map(|l| l.strip_suffix('\r').unwrap_or(l).to_string()).collect();
+        if items.last().is_some_and(|l| l.is_empty()) {
+            items.pop();
+        }
+        Ok(items)
+    }
+
+    /// One answer line: `FEATURE: WHAT` (the feature escaped when a newline,
+    /// tab, control character or backslash would make the line ambiguous),
+    /// or a JSON object.
+    fn line(&self, feature: &str, what: Answer) {
+        if self.json {
+            let v = match what {
+                Answer::Key(k) => serde_json::json!({"feature": feature, "key": k}),
+                Answer::Values(v) => serde_json::json!({"feature": feature, "values": v}),
+                Answer::Missing => serde_json::json!({"feature": feature, "found": false}),
+            };
+            println!("{v}");
+            return;
+        }
+        let shown: std::borrow::Cow<str> = if feature.chars().any(|c| c.is_control() || c == '\\') {
+            feature.escape_default().to_string().into()
+        } else {
+            feature.into()
+        };
+        match what {
+            Answer::Key(k) => println!("{shown}: {k}"),
+            Answer::Values(v) => println!("{shown}: {}", fmt_values(v)),
+            Answer::Missing => println!("{shown}: not found"),
+        }
+    }
+}
+
+/// What one feature got.
+enum Answer<'a> {
+    Key(u64),
+    Values(&'a [f32]),
+    Missing,
 }
 
 impl HashArgs {
@@ -224,6 +302,15 @@ fn feature_hash(
     num_buckets: Option<u64>,
     key: &Option<Vec<u64>>,
 ) -> Result<Option<proto::FeatureHash>> {
+    if let Some(k) = key {
+        let key_flag = if flag == "--hash" { "--hash-key" } else { "--key" };
+        if kind.as_deref() != Some("strong") {
+            bail!("{key_flag} is the SipHash key of the strong hash: add {flag} strong");
+        }
+        if k.len() != 2 {
+            bail!("{key_flag} takes two u64 numbers, K0,K1; got {}", k.len());
+        }
+    }
     Ok(match (kind, num_buckets) {
         (None, None) => None,
         (_, None) => bail!("{flag} needs --num-buckets"),
@@ -715,17 +802,24 @@ fn run(cli: Cli) -> Result<()> {
             let f = c.find(&table, &keys)?;
             print_found(&keys, &f);
         }
-        Cmd::Hash { features, hash, table } => {
+        Cmd::Hash { features, input, hash, table } => {
+            let features = input.items(features)?;
             let keys = c.hash(table.as_deref().unwrap_or(""), hash.spec()?, hash.features(&features)?)?;
             for (f, k) in features.iter().zip(keys) {
-                println!("{f}: {k}");
+                input.line(f, Answer::Key(k));
             }
         }
-        Cmd::FindFeatures { table, features, hash } => {
+        Cmd::FindFeatures { table, features, input, hash } => {
+            let features = input.items(features)?;
             let f = c.find_features(&table, hash.spec()?, hash.features(&features)?, false)?;
-            print_found(&features, &f);
+            let dim = if features.is_empty() { 0 } else { f.values.len() / features.len() };
+            for (i, feature) in features.iter().enumerate() {
+                let row = &f.values[i * dim..(i + 1) * dim];
+                input.line(feature, if f.found[i] { Answer::Values(row) } else { Answer::Missing });
+            }
         }
-        Cmd::FindOrInsertFeatures { table, entries, hash, scores } => {
+        Cmd::FindOrInsertFeatures { table, entries, input, hash, scores } => {
+            let entries = input.items(entries)?;
             let dim = table_dim(&mut c, &table)?;
             let mut names = vec![];
             let mut values = vec![];
@@ -745,9 +839,11 @@ fn run(cli: Cli) -> Result<()> {
                 c.find_or_insert_features(&table, hash.spec()?, hash.features(&names)?, &values, scores.as_deref())?;
             let stored = w.values.unwrap_or_default();
             for (i, f) in names.iter().enumerate() {
-                println!("{f}: {}", fmt_values(&stored[i * dim..(i + 1) * dim]));
+                input.line(f, Answer::Values(&stored[i * dim..(i + 1) * dim]));
             }
-            println!("{}", w.summary);
+            if !input.json {
+                println!("{}", w.summary);
+            }
         }
         Cmd::Fill { table, count, start, batch } => {
             let dim = table_dim(&mut c, &table)?;
