@@ -29,10 +29,13 @@ pub struct Limits {
     /// Bytes of pinned host memory CUDA tables' host tiers may hold.
     /// Unset: half of host memory.
     pub max_host_tier_bytes: Option<u64>,
-    /// Bytes of request bodies being received or run at once, over every
-    /// connection; a frame past it is refused with `resource_exhausted`.
-    /// At least max_frame_bytes.
-    pub max_body_bytes_in_flight: u64,
+    /// Bytes of request bodies being received or run and of answers being
+    /// built or sent, over every connection; a request past it is refused
+    /// with `resource_exhausted`. At least max_frame_bytes.
+    pub max_bytes_in_flight: u64,
+    /// Seconds a started request body may go without a byte arriving
+    /// before its connection is closed (its memory is freed).
+    pub body_stall_seconds: u64,
 }
 
 impl Default for Limits {
@@ -45,7 +48,8 @@ impl Default for Limits {
             frame_cache_bytes: None,
             max_table_bytes: None,
             max_host_tier_bytes: None,
-            max_body_bytes_in_flight: 4 << 30,
+            max_bytes_in_flight: 4 << 30,
+            body_stall_seconds: 30,
         }
     }
 }
@@ -116,12 +120,36 @@ impl Config {
     pub fn check(&self) -> anyhow::Result<()> {
         let l = &self.limits;
         anyhow::ensure!(
-            l.max_body_bytes_in_flight >= l.max_frame_bytes as u64,
-            "limits.max_body_bytes_in_flight ({}) is below limits.max_frame_bytes ({}): \
-             one request of the largest size could never be received",
-            l.max_body_bytes_in_flight,
+            l.max_bytes_in_flight >= 2 * l.max_frame_bytes as u64,
+            "limits.max_bytes_in_flight ({}) is below twice limits.max_frame_bytes ({}): \
+             a request of the largest size and its answer could never be in flight together",
+            l.max_bytes_in_flight,
             l.max_frame_bytes
         );
+        let at_least_one = [
+            ("limits.max_in_flight (--max-in-flight)", l.max_in_flight as u64),
+            ("limits.max_connections (--max-connections)", l.max_connections as u64),
+            ("limits.body_stall_seconds (--body-stall-seconds)", l.body_stall_seconds),
+            ("threads_per_shard (--threads-per-shard)", self.threads_per_shard as u64),
+            ("checkpoint.keep (--checkpoint-keep)", self.checkpoint.keep as u64),
+        ];
+        for (what, v) in at_least_one {
+            anyhow::ensure!(v >= 1, "{what} must be at least 1");
+        }
+        if let Some(n) = self.shards {
+            anyhow::ensure!((1..=1024).contains(&n), "shards (--shards) must be 1 to 1024, not {n}");
+        }
+        if let Some(s) = self.checkpoint.interval_s {
+            anyhow::ensure!(s >= 1, "checkpoint.interval_s (--checkpoint-interval) must be at least 1 second");
+        }
+        if let Some(addr) = &self.metrics_listen {
+            let a: std::net::SocketAddr =
+                addr.parse().map_err(|e| anyhow::anyhow!("metrics_listen {addr:?} is not an address: {e}"))?;
+            anyhow::ensure!(
+                a.ip().is_loopback(),
+                "metrics_listen {addr}: the metrics listener serves loopback addresses only (e.g. 127.0.0.1:9466)"
+            );
+        }
         anyhow::ensure!(l.max_frame_bytes >= 64, "limits.max_frame_bytes must be at least 64");
         Ok(())
     }
@@ -164,5 +192,25 @@ mod tests {
         assert_eq!(c.limits.max_in_flight, 64);
         assert_eq!(c.tables[0].policy, "lfu");
         assert!(toml::from_str::<Config>("sockett = 1").unwrap_err().to_string().contains("sockett"));
+    }
+
+    /// Zero limits, a zero or huge shard count and a metrics address off
+    /// loopback used to start silently (or, for 100000 shards, panic).
+    #[test]
+    fn senseless_values_are_named_at_start() {
+        let bad = |edit: fn(&mut Config)| {
+            let mut c = Config::default();
+            edit(&mut c);
+            c.check().unwrap_err().to_string()
+        };
+        assert!(Config::default().check().is_ok());
+        assert!(bad(|c| c.limits.max_in_flight = 0).contains("--max-in-flight"));
+        assert!(bad(|c| c.limits.max_connections = 0).contains("--max-connections"));
+        assert!(bad(|c| c.shards = Some(0)).contains("--shards"));
+        assert!(bad(|c| c.shards = Some(100_000)).contains("1 to 1024"));
+        assert!(bad(|c| c.checkpoint.keep = 0).contains("--checkpoint-keep"));
+        assert!(bad(|c| c.checkpoint.interval_s = Some(0)).contains("--checkpoint-interval"));
+        assert!(bad(|c| c.metrics_listen = Some("0.0.0.0:9466".into())).contains("loopback"));
+        assert!(bad(|c| c.limits.max_bytes_in_flight = 1 << 30).contains("twice"));
     }
 }

@@ -83,9 +83,14 @@ struct Serve {
     /// Pinned host memory for CUDA tables' host tiers, bytes [default: half of RAM].
     #[arg(long)]
     max_host_tier_bytes: Option<u64>,
-    /// Request body bytes received or running at once, all connections [default: 4 GiB].
+    /// Bytes of requests being received or run and answers being built or
+    /// sent, all connections [default: 4 GiB; at least twice max-frame-bytes].
     #[arg(long)]
-    max_body_bytes_in_flight: Option<u64>,
+    max_bytes_in_flight: Option<u64>,
+    /// Seconds a started request body may go without a byte arriving before
+    /// its connection is closed [default: 30].
+    #[arg(long)]
+    body_stall_seconds: Option<u64>,
     /// Group allowed to run admin operations, besides the daemon's user and
     /// root; the socket and state directory get this group.
     #[arg(long)]
@@ -132,18 +137,21 @@ fn config(a: Serve) -> anyhow::Result<Config> {
         c.limits.max_frame_bytes = x;
     }
     if let Some(x) = a.max_in_flight {
-        c.limits.max_in_flight = x.max(1);
+        c.limits.max_in_flight = x;
     }
     if let Some(x) = a.max_connections {
-        c.limits.max_connections = x.max(1);
+        c.limits.max_connections = x;
     }
     if let Some(x) = a.frame_cache_bytes {
         c.limits.frame_cache_bytes = Some(x);
     }
     c.limits.max_table_bytes = a.max_table_bytes.or(c.limits.max_table_bytes);
     c.limits.max_host_tier_bytes = a.max_host_tier_bytes.or(c.limits.max_host_tier_bytes);
-    if let Some(x) = a.max_body_bytes_in_flight {
-        c.limits.max_body_bytes_in_flight = x;
+    if let Some(x) = a.max_bytes_in_flight {
+        c.limits.max_bytes_in_flight = x;
+    }
+    if let Some(x) = a.body_stall_seconds {
+        c.limits.body_stall_seconds = x;
     }
     c.admin_group = a.admin_group.or(c.admin_group);
     c.metrics_listen = a.metrics_listen.or(c.metrics_listen);
@@ -152,7 +160,7 @@ fn config(a: Serve) -> anyhow::Result<Config> {
     }
     c.checkpoint.interval_s = a.checkpoint_interval.or(c.checkpoint.interval_s);
     if let Some(k) = a.checkpoint_keep {
-        c.checkpoint.keep = k.max(1);
+        c.checkpoint.keep = k;
     }
     if let Some(k) = a.checkpoint_full_every {
         c.checkpoint.full_every = k;

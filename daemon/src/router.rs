@@ -318,6 +318,22 @@ pub fn shard_config(spec: &TableSpec, n: usize) -> Result<TableConfig, ProtoErro
     Ok(config)
 }
 
+/// Answer bytes a find takes per key.
+fn find_per_key(dim: usize, scores: bool) -> u64 {
+    1 + 4 * dim as u64 + if scores { 8 } else { 0 }
+}
+
+/// Answer bytes a write op takes per key: insert_and_evict up to a key,
+/// row, score and kind besides the outcome; find_or_insert a row.
+fn write_per_key(code: u8, dim: usize, outcomes: bool) -> u64 {
+    let rows = match code {
+        op::INSERT_AND_EVICT => 17 + 4 * dim as u64,
+        op::FIND_OR_INSERT => 4 * dim as u64,
+        _ => 0,
+    };
+    rows + u64::from(outcomes)
+}
+
 /// Which shard each key goes to: per shard, the request indices.
 fn split(keys: &[u64], n: usize) -> Vec<Vec<u32>> {
     let mut parts: Vec<Vec<u32>> = (0..n).map(|_| Vec::with_capacity(keys.len() / n + 16)).collect();
@@ -652,7 +668,7 @@ impl Router {
             Request::Find { keys, scores, .. } => {
                 Self::validate(&t, &keys, None, None, false, false)?;
                 let n = keys.len();
-                self.bound("find", n, dim, 1 + 4 * dim as u64 + if scores { 8 } else { 0 }, 16)?;
+                self.bound("find", n, dim, find_per_key(dim, scores), 16)?;
                 let split = Split::new(&keys, n_shards);
                 // Without scores the answers are written where they are sent
                 // from: by the shard itself when it holds every key; CPU
@@ -694,13 +710,7 @@ impl Router {
                 Ok(Response::Erased { count, flags: outcomes.then_some(flags) })
             }
             Request::Write { op: code, keys, values, scores, outcomes, .. } => {
-                // insert_and_evict answers up to a key, row, score and kind per
-                // key besides the outcomes; find_or_insert a row per key.
-                let per_key = match code {
-                    op::INSERT_AND_EVICT => 17 + 4 * dim as u64,
-                    op::FIND_OR_INSERT => 4 * dim as u64,
-                    _ => 0,
-                } + u64::from(outcomes);
+                let per_key = write_per_key(code, dim, outcomes);
                 self.bound(hkv_proto::msg::op_name(code), keys.len(), dim, per_key, 64)?;
                 let inserts = code != op::ASSIGN;
                 if code == op::LOAD && scores.is_none() {
@@ -811,6 +821,40 @@ impl Router {
                 hkv_proto::msg::op_name(other.op())
             ))),
         }
+    }
+
+    /// The most bytes the answer to `req` can take (the bounds [`Router::bound`]
+    /// checks), counted against the bytes in flight before it is built; 0
+    /// for answers that are small whatever the request.
+    pub fn answer_bytes(&self, req: &Request) -> u64 {
+        let dim = |name: &str| self.table(name).map_or(0, |t| t.config.dim);
+        let times = |n: usize, per: u64, fixed: u64| (n as u64).saturating_mul(per).saturating_add(fixed);
+        // An answer past the frame limit is refused as `oversized` before it
+        // is built; it never holds more than that.
+        let most = match req {
+            Request::Echo { reply_len, .. } => *reply_len as u64,
+            Request::Find { table, keys, scores } => times(keys.len(), find_per_key(dim(table), *scores), 16),
+            Request::FindFeatures { table, features, scores, .. } => {
+                times(features.len(), find_per_key(dim(table), *scores), 16)
+            }
+            Request::Write { op: code, table, keys, outcomes, .. } => {
+                times(keys.len(), write_per_key(*code, dim(table), *outcomes), 64)
+            }
+            Request::FindOrInsertFeatures { table, features, outcomes, .. } => {
+                times(features.len(), write_per_key(op::FIND_OR_INSERT, dim(table), *outcomes), 64)
+            }
+            Request::Hash { features, .. } => times(features.len(), 8, 8),
+            Request::Contains { keys, .. } | Request::Erase { keys, .. } | Request::AssignScores { keys, .. } => {
+                times(keys.len(), 1, 64)
+            }
+            Request::Export { table, max_slots, .. } => {
+                let d = dim(table);
+                let slots = (*max_slots).clamp(1, export_slots(d, self.max_answer).max(1));
+                slots.saturating_mul(16 + 4 * d as u64).saturating_add(64)
+            }
+            _ => 0,
+        };
+        most.min(self.max_answer)
     }
 
     /// Refuses, before it runs, a request of `n` keys whose answer would take

@@ -32,11 +32,12 @@ pub struct ServerStats {
     pub errors: AtomicU64,
     /// Requests running now.
     pub in_flight: AtomicUsize,
-    /// Bytes of request bodies received or running now, over every
-    /// connection (bounded by `limits.max_body_bytes_in_flight`).
-    pub body_bytes: AtomicU64,
+    /// Bytes of request bodies being received or run, and of answers
+    /// being built or sent, over every connection (bounded by
+    /// `limits.max_bytes_in_flight`).
+    pub in_flight_bytes: AtomicU64,
     /// Frames refused because that bound was reached.
-    pub body_refusals: AtomicU64,
+    pub in_flight_refusals: AtomicU64,
 }
 
 /// Everything the request handlers share.
@@ -83,10 +84,22 @@ pub fn bind(path: &Path, gid: Option<u32>) -> anyhow::Result<UnixListener> {
         Ok(())
     };
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        if !dir.exists() {
-            std::fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("cannot create {}: {e}", dir.display()))?;
-            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o750))?;
-            chgrp(dir)?;
+        // Every directory hkvd creates gets the mode and group, not only the
+        // last: a member of the group must be able to pass through each.
+        let missing: Vec<&Path> = dir.ancestors().take_while(|d| !d.as_os_str().is_empty() && !d.exists()).collect();
+        for d in missing.into_iter().rev() {
+            std::fs::create_dir(d).map_err(|e| anyhow::anyhow!("cannot create {}: {e}", d.display()))?;
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o750))?;
+            chgrp(d)?;
+        }
+    }
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        use std::os::unix::fs::FileTypeExt;
+        if !meta.file_type().is_socket() {
+            anyhow::bail!(
+                "{} exists and is not a socket; hkvd does not replace it: pick another --socket",
+                path.display()
+            );
         }
     }
     if path.exists() {
@@ -179,7 +192,9 @@ async fn connection(state: Arc<State>, stream: UnixStream) {
         }
     };
     let (rd, wr) = stream.into_split();
-    let (tx, mut rx) = mpsc::channel::<FrameBuf>(256);
+    // Each answer travels with its share of the bytes in flight, given back
+    // once it is written to the socket.
+    let (tx, mut rx) = mpsc::channel::<(FrameBuf, Option<InFlight>)>(256);
     let sent = state.clone();
     let writer = tokio::spawn(async move {
         let mut w = BufWriter::with_capacity(1 << 16, wr);
@@ -187,10 +202,11 @@ async fn connection(state: Arc<State>, stream: UnixStream) {
             // Everything queued, then a flush when nothing else is, so
             // answers never linger; each sent frame goes back for reuse.
             loop {
-                if w.write_all(f.bytes()).await.is_err() {
+                if w.write_all(f.0.bytes()).await.is_err() {
                     return;
                 }
-                sent.router.frames.put(f);
+                sent.router.frames.put(f.0);
+                drop(f.1);
                 match rx.try_recv() {
                     Ok(next) => f = next,
                     Err(_) => break,
@@ -207,12 +223,13 @@ async fn connection(state: Arc<State>, stream: UnixStream) {
             ErrorCode::Busy,
             format!("{} connections are open (limits.max_connections); try again later", open - 1),
         );
-        let _ = tx.send(error_frame(0, hkv_proto::op::ERROR, e)).await;
+        let _ = tx.send((error_frame(0, hkv_proto::op::ERROR, e), None)).await;
         drop(tx);
         let _ = writer.await;
         return;
     }
     let limits = &state.config.limits;
+    let stall = Duration::from_secs(limits.body_stall_seconds.max(1));
     let sem = Arc::new(Semaphore::new(limits.max_in_flight));
     let mut rd = BufReader::with_capacity(1 << 16, rd);
     let mut stop = state.shutdown.subscribe();
@@ -258,7 +275,7 @@ async fn connection(state: Arc<State>, stream: UnixStream) {
             )),
             Err(e) => {
                 st.errors.fetch_add(1, Relaxed);
-                let _ = tx.send(error_frame(0, hkv_proto::op::ERROR, e)).await;
+                let _ = tx.send((error_frame(0, hkv_proto::op::ERROR, e), None)).await;
                 break;
             }
         };
@@ -277,7 +294,7 @@ async fn connection(state: Arc<State>, stream: UnixStream) {
         };
         let body = match refusal {
             Some(e) => Err((e, 0)),
-            None => match read_body(&mut rd, h.body_len as usize, &state).await {
+            None => match read_body(&mut rd, h.body_len as usize, &state, stall).await {
                 Ok(b) => b,
                 Err(e) => {
                     debug!(error = %e, "connection closed inside a frame body");
@@ -289,7 +306,7 @@ async fn connection(state: Arc<State>, stream: UnixStream) {
             Ok(b) => b,
             Err((e, read)) => {
                 st.errors.fetch_add(1, Relaxed);
-                let _ = tx.send(error_frame(h.id, h.op, e)).await;
+                let _ = tx.send((error_frame(h.id, h.op, e), None)).await;
                 let rest = h.body_len as u64 - read as u64;
                 let skipped = tokio::io::copy(&mut (&mut rd).take(rest), &mut tokio::io::sink()).await;
                 if skipped.map(|n| n < rest).unwrap_or(true) {
@@ -302,7 +319,7 @@ async fn connection(state: Arc<State>, stream: UnixStream) {
         let (state2, tx2, peer) = (state.clone(), tx.clone(), peer.clone());
         tokio::spawn(async move {
             state2.stats.in_flight.fetch_add(1, Relaxed);
-            let resp = handle(&state2, &h, &body, &peer).await;
+            let (resp, answer) = handle(&state2, &h, &body, &peer).await;
             drop(body);
             drop(charge);
             state2.stats.in_flight.fetch_sub(1, Relaxed);
@@ -310,7 +327,7 @@ async fn connection(state: Arc<State>, stream: UnixStream) {
             if matches!(resp, Response::Error(_)) {
                 state2.stats.errors.fetch_add(1, Relaxed);
             }
-            let _ = tx2.send(resp.into_frame(h.op, h.id)).await;
+            let _ = tx2.send((resp.into_frame(h.op, h.id), answer)).await;
             drop(permit);
         });
     }
@@ -320,18 +337,18 @@ async fn connection(state: Arc<State>, stream: UnixStream) {
     let _ = writer.await;
 }
 
-/// Bytes of request bodies counted in `ServerStats::body_bytes`; given
-/// back on drop.
-struct BodyCharge {
+/// Bytes counted in `ServerStats::in_flight_bytes` (a request body as it
+/// arrives, an answer until it is sent); given back on drop.
+pub struct InFlight {
     state: Arc<State>,
     bytes: u64,
 }
 
-impl BodyCharge {
+impl InFlight {
     /// Counts `n` more bytes, unless that passes the limit.
     fn add(&mut self, n: u64) -> bool {
-        let limit = self.state.config.limits.max_body_bytes_in_flight;
-        let counter = &self.state.stats.body_bytes;
+        let limit = self.state.config.limits.max_bytes_in_flight;
+        let counter = &self.state.stats.in_flight_bytes;
         let ok = counter.fetch_update(Relaxed, Relaxed, |b| b.checked_add(n).filter(|&t| t <= limit)).is_ok();
         if ok {
             self.bytes += n;
@@ -340,41 +357,43 @@ impl BodyCharge {
     }
 }
 
-impl Drop for BodyCharge {
+impl Drop for InFlight {
     fn drop(&mut self) {
-        self.state.stats.body_bytes.fetch_sub(self.bytes, Relaxed);
+        self.state.stats.in_flight_bytes.fetch_sub(self.bytes, Relaxed);
     }
 }
 
 /// Reads a body of `len` bytes, allocating memory as its bytes arrive (a
 /// header alone reserves nothing, so declared lengths cost no memory), each
-/// step counted against `limits.max_body_bytes_in_flight`. Past that limit,
+/// step counted against `limits.max_bytes_in_flight`. Past that limit,
 /// the error to answer and the bytes read so far. An `Err` of the outer
-/// result is the connection failing.
+/// result is the connection failing, or a body that stopped arriving for
+/// `stall` (its memory would otherwise be held for good).
 #[allow(clippy::type_complexity)]
 async fn read_body<R: AsyncReadExt + Unpin>(
     rd: &mut R,
     len: usize,
     state: &Arc<State>,
-) -> std::io::Result<Result<(Vec<u8>, BodyCharge), (ProtoError, usize)>> {
+    stall: Duration,
+) -> std::io::Result<Result<(Vec<u8>, InFlight), (ProtoError, usize)>> {
     /// The first allocation; each later one doubles what arrived (large
     /// reallocations move pages, they do not copy them).
     const FIRST: usize = 1 << 20;
     let mut body = Vec::new();
-    let mut charge = BodyCharge { state: state.clone(), bytes: 0 };
+    let mut charge = InFlight { state: state.clone(), bytes: 0 };
     while body.len() < len {
         if body.capacity() == body.len() {
             let step = (len - body.len()).min(body.len().max(FIRST));
             if !charge.add(step as u64) {
-                state.stats.body_refusals.fetch_add(1, Relaxed);
-                let limit = state.config.limits.max_body_bytes_in_flight;
+                state.stats.in_flight_refusals.fetch_add(1, Relaxed);
+                let limit = state.config.limits.max_bytes_in_flight;
                 let e = ProtoError::new(
                     ErrorCode::ResourceExhausted,
                     format!(
-                        "{} bytes of request bodies are already being received or run \
-                         (limits.max_body_bytes_in_flight = {limit}); this {len}-byte request was not run: \
+                        "{} bytes of requests and answers are already in flight \
+                         (limits.max_bytes_in_flight = {limit}); this {len}-byte request was not run: \
                          retry, or send smaller batches",
-                        state.stats.body_bytes.load(Relaxed)
+                        state.stats.in_flight_bytes.load(Relaxed)
                     ),
                 );
                 return Ok(Err((e, body.len())));
@@ -382,8 +401,15 @@ async fn read_body<R: AsyncReadExt + Unpin>(
             body.try_reserve_exact(step).map_err(|e| std::io::Error::new(std::io::ErrorKind::OutOfMemory, e))?;
         }
         let room = (body.capacity() - body.len()).min(len - body.len());
-        if (&mut *rd).take(room as u64).read_buf(&mut body).await? == 0 {
-            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        let read = tokio::time::timeout(stall, (&mut *rd).take(room as u64).read_buf(&mut body)).await;
+        match read {
+            Ok(Ok(0)) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => return Err(e),
+            Err(_) => {
+                warn!(got = body.len(), len, "a request body stopped arriving; closing its connection");
+                return Err(std::io::ErrorKind::TimedOut.into());
+            }
         }
     }
     Ok(Ok((body, charge)))
@@ -401,14 +427,22 @@ fn scopeguard<F: FnMut()>(f: F) -> Guard<F> {
 
 /// Answers one request.
 #[tracing::instrument(level = "debug", skip_all, fields(op = hkv_proto::msg::op_name(h.op), id = h.id))]
-pub async fn handle(state: &Arc<State>, h: &Header, body: &[u8], peer: &Peer) -> Response {
-    match answer(state, h, body, peer).await {
-        Ok(r) => r,
-        Err(e) => Response::Error(e),
+/// The answer, and its share of the bytes in flight (held until it is sent).
+pub async fn handle(state: &Arc<State>, h: &Header, body: &[u8], peer: &Peer) -> (Response, Option<InFlight>) {
+    let mut answer_bytes = None;
+    match answer(state, h, body, peer, &mut answer_bytes).await {
+        Ok(r) => (r, answer_bytes),
+        Err(e) => (Response::Error(e), None),
     }
 }
 
-async fn answer(state: &Arc<State>, h: &Header, body: &[u8], peer: &Peer) -> Result<Response, ProtoError> {
+async fn answer(
+    state: &Arc<State>,
+    h: &Header,
+    body: &[u8],
+    peer: &Peer,
+    answer_bytes: &mut Option<InFlight>,
+) -> Result<Response, ProtoError> {
     if hkv_proto::msg::is_admin_op(h.op) && !state.is_admin(peer) {
         let group = match (&state.config.admin_group, state.admin_gid) {
             (Some(name), Some(gid)) => format!("nor in the admin group {name} (gid {gid})"),
@@ -425,6 +459,27 @@ async fn answer(state: &Arc<State>, h: &Header, body: &[u8], peer: &Peer) -> Res
         ));
     }
     let req = Request::decode(h, body)?;
+    // Answers count against the bytes in flight before they are built: a
+    // client that pipelines large finds without reading them is refused
+    // instead of holding answers until memory runs out.
+    let need = state.router.answer_bytes(&req);
+    if need > 0 {
+        let mut c = InFlight { state: state.clone(), bytes: 0 };
+        if !c.add(need) {
+            state.stats.in_flight_refusals.fetch_add(1, Relaxed);
+            return Err(ProtoError::new(
+                ErrorCode::ResourceExhausted,
+                format!(
+                    "{} bytes of requests and answers are already in flight (limits.max_bytes_in_flight = {}); \
+                     this request's answer of up to {need} bytes was not built: read the answers already sent \
+                     for, retry, or send smaller batches",
+                    state.stats.in_flight_bytes.load(Relaxed),
+                    state.config.limits.max_bytes_in_flight
+                ),
+            ));
+        }
+        *answer_bytes = Some(c);
+    }
     match req {
         Request::Ping => Ok(Response::Empty),
         Request::Echo { reply_len, .. } => {

@@ -54,10 +54,10 @@ pub struct MemoryStats {
     pub max_host_tier_bytes: u64,
     /// Bytes of it granted to tables.
     pub host_tier_bytes: u64,
-    /// Request body bytes being received or run now.
-    pub body_bytes_in_flight: u64,
-    /// Requests refused because `limits.max_body_bytes_in_flight` was reached.
-    pub body_refusals: u64,
+    /// Bytes of requests being received or run and of answers being built or sent.
+    pub bytes_in_flight: u64,
+    /// Requests refused because `limits.max_bytes_in_flight` was reached.
+    pub in_flight_refusals: u64,
 }
 
 /// One table.
@@ -120,8 +120,8 @@ pub fn collect(state: &State) -> DaemonStats {
                 table_bytes: b.table_bytes,
                 max_host_tier_bytes: b.max_host_tier_bytes,
                 host_tier_bytes: b.host_tier_bytes,
-                body_bytes_in_flight: s.body_bytes.load(Relaxed),
-                body_refusals: s.body_refusals.load(Relaxed),
+                bytes_in_flight: s.in_flight_bytes.load(Relaxed),
+                in_flight_refusals: s.in_flight_refusals.load(Relaxed),
             }
         },
     }
@@ -149,8 +149,13 @@ pub fn prometheus(d: &DaemonStats) -> String {
     let _ = writeln!(o, "hkvd_table_budget_bytes {}", m.max_table_bytes);
     family(&mut o, "table_granted_bytes", "gauge", "Bytes of the table budget granted to tables.");
     let _ = writeln!(o, "hkvd_table_granted_bytes {}", m.table_bytes);
-    family(&mut o, "body_bytes_in_flight", "gauge", "Request body bytes being received or run.");
-    let _ = writeln!(o, "hkvd_body_bytes_in_flight {}", m.body_bytes_in_flight);
+    family(
+        &mut o,
+        "bytes_in_flight",
+        "gauge",
+        "Bytes of requests being received or run and answers being built or sent.",
+    );
+    let _ = writeln!(o, "hkvd_bytes_in_flight {}", m.bytes_in_flight);
     type Get = fn(&ShardStats) -> f64;
     let gauges: [(&str, &str, &str, Get); 10] = [
         ("size", "gauge", "Entries stored.", |s| s.size as f64),

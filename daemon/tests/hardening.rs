@@ -11,6 +11,7 @@ use std::io::{Read, Write};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use common::Daemon;
@@ -184,17 +185,16 @@ fn declared_body_lengths_cost_no_memory() {
     assert!(d.rss() < before + (256 << 20), "rss {} -> {}", before, d.rss());
     drop(open);
     std::thread::sleep(Duration::from_millis(200));
-    assert_eq!(d.client().stats().unwrap()["memory"]["body_bytes_in_flight"], 0);
+    assert_eq!(d.client().stats().unwrap()["memory"]["bytes_in_flight"], 0);
 }
 
 /// Request bodies being received or run count against
-/// `limits.max_body_bytes_in_flight`, over every connection: past it a
+/// `limits.max_bytes_in_flight`, over every connection: past it a
 /// frame is refused with `resource_exhausted`, its body skipped, and the
 /// connection kept; the bytes come back when the requests finish.
 #[test]
 fn request_bytes_in_flight_are_bounded() {
-    let mut d =
-        Daemon::start_limited(LIMIT, &["--max-frame-bytes", "4194304", "--max-body-bytes-in-flight", "8388608"]);
+    let mut d = Daemon::start_limited(LIMIT, &["--max-frame-bytes", "4194304", "--max-bytes-in-flight", "8388608"]);
     let mut c = d.client();
     c.create_table(spec("t", 4, 1 << 21)).unwrap();
     let n = 170_000u64;
@@ -217,14 +217,14 @@ fn request_bytes_in_flight_are_bounded() {
     a.write_all(&fa[..3_500_000]).unwrap();
     b.write_all(&fb[..3_500_000]).unwrap();
     let t = Instant::now();
-    while c.stats().unwrap()["memory"]["body_bytes_in_flight"].as_u64().unwrap() < 2 * len {
+    while c.stats().unwrap()["memory"]["bytes_in_flight"].as_u64().unwrap() < 2 * len {
         assert!(t.elapsed() < Duration::from_secs(10), "the two partial bodies were not counted");
         std::thread::sleep(Duration::from_millis(20));
     }
     let mut s = UnixStream::connect(&d.socket).unwrap();
     let (h, r) = raw_call(&mut s, &fc);
     assert_eq!(h.id, 3);
-    expect_error(r, ErrorCode::ResourceExhausted, "limits.max_body_bytes_in_flight = 8388608");
+    expect_error(r, ErrorCode::ResourceExhausted, "limits.max_bytes_in_flight = 8388608");
     assert_eq!(raw_call(&mut s, &Request::Ping.encode(4)).1, Response::Empty, "the connection is kept");
     a.write_all(&fa[3_500_000..]).unwrap();
     b.write_all(&fb[3_500_000..]).unwrap();
@@ -234,8 +234,79 @@ fn request_bytes_in_flight_are_bounded() {
     let Response::Write { summary, .. } = r else { panic!("{r:?}") };
     assert_eq!(summary.inserted, n);
     let stats = c.stats().unwrap();
-    assert_eq!(stats["memory"]["body_bytes_in_flight"], 0);
-    assert_eq!(stats["memory"]["body_refusals"], 1);
+    assert_eq!(stats["memory"]["bytes_in_flight"], 0);
+    assert_eq!(stats["memory"]["in_flight_refusals"], 1);
+    still_serves(&mut d, "x");
+}
+
+/// Answers count too: a client pipelining finds of a wide table without
+/// reading the answers (each about 105 MB here, under the frame limit)
+/// once took the daemon's memory until an allocation aborted it (with the
+/// defaults, 1 GB answers, at the sixth). Past `limits.max_bytes_in_flight`
+/// a find is refused before its answer is built, and what was sent is
+/// given back as the client reads.
+#[test]
+fn answers_waiting_to_be_read_are_bounded() {
+    let mut d = Daemon::start_limited(
+        LIMIT,
+        &["--shards", "2", "--max-frame-bytes", "134217728", "--max-bytes-in-flight", "268435456"],
+    );
+    let mut c = d.client();
+    c.create_table(spec("wide", 1 << 16, 128)).unwrap();
+    let keys: Vec<u64> = (1..=400).collect();
+    let mut s = UnixStream::connect(&d.socket).unwrap();
+    for id in 1..=6u64 {
+        s.write_all(&Request::Find { table: "wide".into(), keys: keys.clone(), scores: false }.encode(id)).unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(d.rss() < 1 << 30, "rss {} MB with answers unread", d.rss() >> 20);
+    let (mut found, mut refused) = (0, 0);
+    for _ in 0..6 {
+        match read_answer(&mut s).1 {
+            Response::Find { values, .. } => {
+                assert_eq!(values.len(), 400 << 16);
+                found += 1;
+            }
+            r => {
+                expect_error(r, ErrorCode::ResourceExhausted, "limits.max_bytes_in_flight = 268435456");
+                refused += 1;
+            }
+        }
+    }
+    assert!(found >= 2 && refused >= 1, "{found} answered, {refused} refused");
+    assert_eq!(c.stats().unwrap()["memory"]["bytes_in_flight"], 0, "given back once sent");
+    assert_eq!(raw_call(&mut s, &Request::Find { table: "wide".into(), keys, scores: false }.encode(9)).0.id, 9);
+    still_serves(&mut d, "x");
+}
+
+/// A body that stops arriving used to hold its share of the bytes in
+/// flight for good: four stalled uploads locked every client out. The
+/// connection is closed after `limits.body_stall_seconds` and the bytes
+/// come back.
+#[test]
+fn a_stalled_body_is_dropped_and_its_bytes_come_back() {
+    let mut d = Daemon::start_limited(
+        LIMIT,
+        &["--max-frame-bytes", "67108864", "--max-bytes-in-flight", "134217728", "--body-stall-seconds", "1"],
+    );
+    let mut stalled = vec![];
+    for i in 0..2 {
+        let mut s = UnixStream::connect(&d.socket).unwrap();
+        let mut f = Header { op: op::INSERT_OR_ASSIGN, flags: 0, id: i, body_len: 64 << 20 }.bytes().to_vec();
+        f.extend_from_slice(&vec![0u8; (32 << 20) + 1]);
+        s.write_all(&f).unwrap();
+        stalled.push(s);
+    }
+    let mut c = d.client();
+    let held = c.stats().unwrap()["memory"]["bytes_in_flight"].as_u64().unwrap();
+    assert!(held >= 64 << 20, "{held}");
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(c.stats().unwrap()["memory"]["bytes_in_flight"], 0);
+    for mut s in stalled {
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut b = [0u8; 1];
+        assert!(matches!(s.read(&mut b), Ok(0) | Err(_)), "the stalled connection is closed");
+    }
     still_serves(&mut d, "x");
 }
 
@@ -322,6 +393,33 @@ fn the_admin_group_owns_the_socket_and_may_read_checkpoints() {
         assert_eq!(meta(&p).gid(), gid, "{}", p.display());
         assert_eq!(mode(&p) & 0o027, 0, "{} has mode {:o}", p.display(), mode(&p));
     }
+}
+
+/// `--socket` naming a regular file used to delete that file; every
+/// directory hkvd creates for the socket gets the admin group (only the
+/// last one did, so members could not pass through the others).
+#[test]
+fn the_socket_path_is_never_a_file_of_someone_else_and_its_directories_are_the_groups() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("notes.txt");
+    std::fs::write(&file, b"mine").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_hkvd"))
+        .args(["serve", "--backend", "cpu", "--socket"])
+        .arg(&file)
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("exists and is not a socket"), "{out:?}");
+    assert_eq!(std::fs::read(&file).unwrap(), b"mine");
+    let socket = dir.path().join("a").join("b").join("hkvd.sock");
+    let d = Daemon::start_in(tempfile::tempdir().unwrap(), socket.clone(), &["--admin-group", "users"]);
+    for p in [dir.path().join("a"), dir.path().join("a").join("b")] {
+        assert_eq!((std::fs::metadata(&p).unwrap().gid(), mode(&p)), (users_gid(), 0o750), "{}", p.display());
+    }
+    drop(d);
 }
 
 /// Admin rights through a supplementary group: as root, this test binary
