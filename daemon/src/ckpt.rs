@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use hkv_checkpoint::{Catalog, Kind, Manifest, TableEntry};
+use hkv_checkpoint::{Catalog, ChunkWriter, Kind, Manifest, TableEntry};
 use hkv_proto::{ErrorCode, ProtoError, Request, TableSpec};
 use hkv_shard::{Filter, ScorePolicy};
 use parking_lot::Mutex;
@@ -96,7 +96,7 @@ pub struct CheckpointStats {
     pub interval_s: Option<u64>,
     /// Checkpoints with a manifest in the store.
     pub complete: usize,
-    /// The restore running, if any (kind: `verify` or `load`).
+    /// The restore running, if any (kind: `load`: chunks read, verified and loaded into tables not yet visible).
     pub restoring: Option<Progress>,
     /// The last restore, with what it could not place.
     pub last_restore: Option<Restored>,
@@ -150,7 +150,9 @@ pub struct Checkpoints {
     running: Mutex<Option<Progress>>,
     last: Mutex<Option<Finished>>,
     next_due: Mutex<Option<Instant>>,
-    gate: tokio::sync::Mutex<()>,
+    /// Held by the one checkpoint or restore running, from the moment it
+    /// is accepted: a checkpoint without `wait` claims it or answers busy.
+    gate: Arc<tokio::sync::Mutex<()>>,
     incrementals: AtomicU32,
     /// The router's table generation when the last checkpoint began.
     chain_generation: AtomicU64,
@@ -249,7 +251,7 @@ impl Checkpoints {
             running: Mutex::new(None),
             last: Mutex::new(None),
             next_due: Mutex::new(next_due),
-            gate: tokio::sync::Mutex::new(()),
+            gate: Arc::new(tokio::sync::Mutex::new(())),
             incrementals: AtomicU32::new(u32::MAX),
             chain_generation: AtomicU64::new(u64::MAX),
             restoring: Mutex::new(None),
@@ -301,21 +303,57 @@ impl Checkpoints {
             .collect())
     }
 
-    /// Whether one is running now.
-    pub fn busy(&self) -> bool {
-        self.running.lock().is_some()
+    /// Starts a checkpoint without waiting for it: claims the gate now (so
+    /// a second request answers busy, however soon it follows), allocates
+    /// the checkpoint's id and answers it; the checkpoint runs on.
+    pub async fn start(state: Arc<State>, full: bool) -> Result<String, ProtoError> {
+        let ck = state.checkpoints.clone();
+        let Ok(gate) = ck.gate.clone().try_lock_owned() else {
+            return Err(ProtoError::new(
+                ErrorCode::Busy,
+                "a checkpoint or restore is already running; watch it with hkvctl stats",
+            ));
+        };
+        let c = ck.clone();
+        let w = tokio::task::spawn_blocking(move || c.catalog.begin()).await.map_err(internal)?.map_err(internal)?;
+        let id = format!("{:016x}", w.id());
+        *ck.running.lock() = Some(Progress {
+            id: id.clone(),
+            kind: "starting".into(),
+            entries_done: 0,
+            entries_total: 0,
+            bytes: 0,
+            seconds: 0.0,
+            rate: 0.0,
+            eta_s: 0.0,
+            mb_per_s: 0.0,
+        });
+        tokio::spawn(Self::run(state, full, gate, Some(w)));
+        Ok(id)
     }
 
-    /// Takes a checkpoint (one at a time); `full` forces a full one.
+    /// Takes a checkpoint (one at a time: waits for a running checkpoint or
+    /// restore to finish first); `full` forces a full one.
     pub async fn take(state: Arc<State>, full: bool) -> Result<Manifest, ProtoError> {
+        let gate = state.checkpoints.gate.clone().lock_owned().await;
+        Self::run(state, full, gate, None).await
+    }
+
+    /// Runs a checkpoint while holding the gate, into `w` when its id was
+    /// already allocated.
+    async fn run(
+        state: Arc<State>,
+        full: bool,
+        _gate: tokio::sync::OwnedMutexGuard<()>,
+        w: Option<ChunkWriter>,
+    ) -> Result<Manifest, ProtoError> {
         let ck = state.checkpoints.clone();
-        let _gate = ck.gate.lock().await;
         if let Some(s) = ck.config.interval_s {
             *ck.next_due.lock() = Some(Instant::now() + Duration::from_secs(s.max(1)));
         }
         let started = Instant::now();
         let st = state.clone();
-        let result = tokio::task::spawn_blocking(move || st.checkpoints.write(&st.router, full))
+        let result = tokio::task::spawn_blocking(move || st.checkpoints.write(&st.router, full, w))
             .await
             .map_err(internal)
             .and_then(|r| r);
@@ -353,7 +391,7 @@ impl Checkpoints {
     }
 
     /// The blocking body of a checkpoint.
-    fn write(&self, router: &Router, force_full: bool) -> Result<Manifest, ProtoError> {
+    fn write(&self, router: &Router, force_full: bool, w: Option<ChunkWriter>) -> Result<Manifest, ProtoError> {
         // Read before the tables: a table created or dropped from here on
         // makes the next checkpoint full.
         let generation = router.generation();
@@ -371,7 +409,10 @@ impl Checkpoints {
         };
         // Until this one completes, the next must not build on it.
         self.incrementals.store(u32::MAX, Relaxed);
-        let mut w = self.catalog.begin().map_err(internal)?;
+        let mut w = match w {
+            Some(w) => w,
+            None => self.catalog.begin().map_err(internal)?,
+        };
         let total: u64 = tables.iter().flat_map(|t| &t.shards).map(|s| s.size()).sum();
         let started = Instant::now();
         *self.running.lock() = Some(Progress {
@@ -632,7 +673,7 @@ impl Checkpoints {
         chain: &[Manifest],
         rt: &tokio::runtime::Handle,
         progress: &dyn Fn(&str, u64, u64, u64, u64),
-    ) -> Result<(Vec<(String, u64)>, Vec<(String, u64)>, u64), Failure> {
+    ) -> Result<Loaded, Failure> {
         let target = chain.last().ok_or_else(|| Failure::Refused(internal("an empty chain")))?;
         // Check every table before loading any.
         for t in &target.tables {
@@ -665,47 +706,25 @@ impl Checkpoints {
                 (t, parts.collect())
             })
             .collect();
-        // Build every table before reading any entry: missing ones first
-        // (they must fit), then copies of running ones (in place if not).
-        let mut built: Vec<Option<Arc<crate::router::Table>>> = vec![None; plan.len()];
-        let running: Vec<Option<Arc<crate::router::Table>>> =
-            plan.iter().map(|(t, _)| router.table(&t.name).ok()).collect();
-        for pass in [false, true] {
-            for (i, (t, _)) in plan.iter().enumerate() {
-                if running[i].is_some() != pass {
-                    continue;
-                }
-                let spec: TableSpec = match &running[i] {
-                    Some(r) => r.spec.clone(),
-                    None => serde_json::from_value(t.spec.clone()).map_err(|e| {
-                        Failure::Unusable(hkv_checkpoint::Error::CorruptManifest {
-                            id: target.id,
-                            why: format!("table {:?}: spec: {e}", t.name),
-                        })
-                    })?,
-                };
-                match rt.block_on(router.build_table(spec)) {
-                    Ok(b) => built[i] = Some(b),
-                    // No room for a copy of a running table: restore it in place.
-                    Err(e) if pass && e.code == ErrorCode::ResourceExhausted => {
-                        info!(table = %t.name, reason = %e.message, "no memory for a copy: the table is restored in place after verification");
-                    }
-                    Err(mut e) => {
-                        e.message = format!(
-                            "checkpoint {:016x} not restored (nothing was changed): table {:?}: {}",
-                            target.id, t.name, e.message
-                        );
-                        return Err(Failure::Refused(e));
-                    }
-                }
-            }
-        }
+        // Every chunk, in the order it is applied: per table, newest part
+        // first when a key list decides (the first version of a key seen wins).
+        let has_live: Vec<bool> = plan.iter().map(|(t, _)| !t.full && !t.keys.is_empty()).collect();
+        let work: Vec<(usize, u64, &hkv_checkpoint::ChunkRef)> = plan
+            .iter()
+            .enumerate()
+            .flat_map(|(i, (_, parts))| {
+                let order: Vec<&(u64, &TableEntry)> =
+                    if has_live[i] { parts.iter().rev().collect() } else { parts.iter().collect() };
+                order.into_iter().flat_map(move |(id, te)| te.chunks.iter().map(move |c| (i, *id, c)))
+            })
+            .collect();
+        let total: u64 = work.iter().map(|(_, _, c)| c.entries).sum();
         // An incremental's key lists name every key the table held: older
         // parts of the chain load only those (erasures and evictions since
         // the base stay gone), and each key only from its newest part.
         let mut lives: Vec<Option<Vec<u64>>> = vec![];
-        for (t, _) in &plan {
-            lives.push(if !t.full && !t.keys.is_empty() {
+        for (i, (t, _)) in plan.iter().enumerate() {
+            lives.push(if has_live[i] {
                 let mut keys = vec![];
                 for c in &t.keys {
                     keys.extend(self.catalog.read_keys(target.id, c).map_err(Failure::Unusable)?);
@@ -717,18 +736,6 @@ impl Checkpoints {
                 None
             });
         }
-        // Every chunk, in the order it is applied: per table, newest part
-        // first when a key list decides (the first version of a key seen wins).
-        let work: Vec<(usize, u64, &hkv_checkpoint::ChunkRef)> = plan
-            .iter()
-            .enumerate()
-            .flat_map(|(i, (_, parts))| {
-                let order: Vec<&(u64, &TableEntry)> =
-                    if lives[i].is_some() { parts.iter().rev().collect() } else { parts.iter().collect() };
-                order.into_iter().flat_map(move |(id, te)| te.chunks.iter().map(move |c| (i, *id, c)))
-            })
-            .collect();
-        let total: u64 = work.iter().map(|(_, _, c)| c.entries).sum();
         let mut seen: Vec<Vec<bool>> = lives.iter().map(|l| vec![false; l.as_ref().map_or(0, |k| k.len())]).collect();
         let mut max_score = vec![0u64; plan.len()];
         let mut lost = vec![0u64; plan.len()];
@@ -759,16 +766,88 @@ impl Checkpoints {
                 why: format!("dim {}, the manifest says {}", chunk.dim, plan[i].0.dim),
             }))
         };
+        let mut built: Vec<Option<Arc<crate::router::Table>>> = vec![None; plan.len()];
+        let running: Vec<Option<Arc<crate::router::Table>>> =
+            plan.iter().map(|(t, _)| router.table(&t.name).ok()).collect();
+        let consumed = std::sync::atomic::AtomicU64::new(0);
+        let stop = std::sync::atomic::AtomicBool::new(false);
         std::thread::scope(|s| -> Result<(), Failure> {
-            // Four chunks in flight (32 MiB by default): enough to keep the
-            // disk busy while one is loaded.
+            // Tells the prefetcher to stop however this scope is left.
+            struct Stop<'a>(&'a std::sync::atomic::AtomicBool);
+            impl Drop for Stop<'_> {
+                fn drop(&mut self) {
+                    self.0.store(true, Relaxed);
+                }
+            }
+            let _stop = Stop(&stop);
+            // Reads the chunk files in order into the page cache, up to
+            // 512 MB ahead of the loader, from before the tables are built:
+            // zeroing a large table's memory takes seconds of CPU, during
+            // which the disk would otherwise sit idle. Correctness never
+            // depends on it (the reader verifies what it reads itself).
+            let (work, catalog, consumed, stop) = (&work, &self.catalog, &consumed, &stop);
+            s.spawn(move || {
+                let mut buf = vec![];
+                let mut ahead = 0u64;
+                for (_, _, c) in work.iter() {
+                    while ahead.saturating_sub(consumed.load(Relaxed)) > 512 << 20 {
+                        if stop.load(Relaxed) {
+                            return;
+                        }
+                        std::thread::sleep(Duration::from_millis(2));
+                    }
+                    if stop.load(Relaxed) {
+                        return;
+                    }
+                    buf.clear();
+                    let read = std::fs::File::open(catalog.chunk_path(c))
+                        .and_then(|mut f| std::io::Read::read_to_end(&mut f, &mut buf));
+                    if read.is_err() {
+                        return;
+                    }
+                    ahead += c.bytes;
+                }
+            });
+            // Build every table before reading any entry: missing ones first
+            // (they must fit), then copies of running ones (in place if not).
+            for pass in [false, true] {
+                for (i, (t, _)) in plan.iter().enumerate() {
+                    if running[i].is_some() != pass {
+                        continue;
+                    }
+                    let spec: TableSpec = match &running[i] {
+                        Some(r) => r.spec.clone(),
+                        None => serde_json::from_value(t.spec.clone()).map_err(|e| {
+                            Failure::Unusable(hkv_checkpoint::Error::CorruptManifest {
+                                id: target.id,
+                                why: format!("table {:?}: spec: {e}", t.name),
+                            })
+                        })?,
+                    };
+                    match rt.block_on(router.build_table(spec)) {
+                        Ok(b) => built[i] = Some(b),
+                        // No room for a copy of a running table: restore it in place.
+                        Err(e) if pass && e.code == ErrorCode::ResourceExhausted => {
+                            info!(table = %t.name, reason = %e.message, "no memory for a copy: the table is restored in place after verification");
+                        }
+                        Err(mut e) => {
+                            e.message = format!(
+                                "checkpoint {:016x} not restored (nothing was changed): table {:?}: {}",
+                                target.id, t.name, e.message
+                            );
+                            return Err(Failure::Refused(e));
+                        }
+                    }
+                }
+            }
+            // The reader: reads and verifies each chunk while the previous
+            // one loads; four in flight (32 MiB by default).
             let (tx, rx) = std::sync::mpsc::sync_channel(4);
-            let (work, catalog) = (&work, &self.catalog);
             s.spawn(move || {
                 for (j, (_, id, c)) in work.iter().enumerate() {
                     let r = catalog.read_chunk(*id, c);
-                    let stop = r.is_err();
-                    if tx.send((j, r)).is_err() || stop {
+                    let failed = r.is_err();
+                    if tx.send((j, r)).is_err() || failed {
                         return;
                     }
                 }
@@ -779,6 +858,7 @@ impl Checkpoints {
                 check_dim(i, id, c, &chunk)?;
                 done += chunk.keys.len() as u64;
                 bytes += c.bytes;
+                consumed.store(bytes, Relaxed);
                 if let Some(b) = &built[i] {
                     apply(i, chunk, b)?;
                 }
@@ -833,6 +913,9 @@ impl Checkpoints {
         Ok((placed_all, dropped, bytes))
     }
 }
+
+/// Per table the entries placed, per table those dropped, and chunk bytes read.
+type Loaded = (Vec<(String, u64)>, Vec<(String, u64)>, u64);
 
 /// Why a chain was not restored.
 enum Failure {

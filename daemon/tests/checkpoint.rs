@@ -638,3 +638,71 @@ fn a_corrupt_chunk_found_half_way_through_a_live_restore_changes_nothing() {
     assert!(st["checkpoint"]["last_restore"].is_null(), "{st}");
     assert_eq!(st["memory"]["table_bytes"], granted, "the fresh tables' memory is given back: {st}");
 }
+
+/// Two `checkpoint {}` (no wait) sent back to back were both answered
+/// `{"started":true}` and two checkpoints were taken: the busy flag was set
+/// only once writing began, after the second request was already accepted.
+/// The answer did not say which checkpoint it started either. Now a
+/// request claims the checkpoint when it is accepted (the second is
+/// `busy`), the answer names the id, and `wait: true` waits for the running
+/// one and then takes its own.
+#[test]
+fn a_checkpoint_right_after_another_is_busy_and_the_answer_names_its_id() {
+    let d = Daemon::start(&["--checkpoint-full-every", "0"]);
+    let mut c = d.client();
+    c.create_table(spec("t", 32, 1 << 20, "lru", "single")).unwrap();
+    // 43 MB of chunks, fsynced: far longer than one request's round trip.
+    fill(&mut c, "t", 32, 0..300_000, false);
+    let first = c.checkpoint(false, false).unwrap();
+    assert_eq!(first["started"], true, "{first}");
+    let id = first["id"].as_str().unwrap_or_else(|| panic!("no id in {first}")).to_string();
+    assert!(id.len() == 16 && id.chars().all(|ch| matches!(ch, '0'..='9' | 'a'..='f')), "{first}");
+    let second = c.checkpoint(false, true).unwrap_err();
+    assert_eq!(second.code(), Some(hkv_client::ErrorCode::Busy), "{second}");
+    // The running one is the one the answer named.
+    let running = c.stats().unwrap()["checkpoint"]["running"]["id"].clone();
+    assert!(running == id.as_str() || running.is_null(), "{running}");
+    let own = c.checkpoint(true, false).unwrap();
+    assert_ne!(own["id"], first["id"], "wait: true takes a checkpoint of its own");
+    let listed: Vec<String> =
+        c.checkpoints().unwrap().as_array().unwrap().iter().map(|l| l["id"].as_str().unwrap().to_string()).collect();
+    assert_eq!(listed, [own["id"].as_str().unwrap(), &id], "exactly the two accepted checkpoints, both complete");
+    assert_eq!(c.stats().unwrap()["checkpoint"]["last"]["id"], own["id"]);
+}
+
+/// A restore created the missing tables one by one while loading, so when
+/// the second did not fit the memory budget (`resource_exhausted`), the
+/// first was already created and loaded: the refused restore left a
+/// partial state. Now every table is built (charged) before any entry is
+/// read, and a refusal drops the ones built and restores nothing.
+#[test]
+fn a_restore_whose_second_table_does_not_fit_the_budget_restores_nothing() {
+    let d = Daemon::start(&["--shards", "2", "--checkpoint-full-every", "0"]);
+    let mut c = d.client();
+    for t in ["a", "b"] {
+        c.create_table(spec(t, 8, 1 << 14, "lfu", "single")).unwrap();
+        fill(&mut c, t, 8, 0..5000, true);
+    }
+    let per_table = c.stats().unwrap()["memory"]["table_bytes"].as_u64().unwrap() / 2;
+    c.checkpoint(true, true).unwrap();
+    drop(c);
+    // Room for two and a half tables; c takes one, so a fits but a and b do not.
+    let limit = (per_table * 5 / 2).to_string();
+    let d = d.restart(&["--shards", "2", "--max-table-bytes", &limit, "--restore", "none"]);
+    let mut c = d.client();
+    c.create_table(spec("c", 8, 1 << 14, "lfu", "single")).unwrap();
+    fill(&mut c, "c", 8, 100..200, true);
+    let want_c = snapshot(&mut c, "c");
+    let granted = c.stats().unwrap()["memory"]["table_bytes"].as_u64().unwrap();
+    let e = c.restore("latest").unwrap_err();
+    assert_eq!(e.code(), Some(hkv_client::ErrorCode::ResourceExhausted), "{e}");
+    assert!(e.to_string().contains("\"b\"") && e.to_string().contains("nothing was changed"), "{e}");
+    let names: Vec<String> = c.tables().unwrap().into_iter().map(|t| t.spec.name).collect();
+    assert_eq!(names, ["c"], "no table of the refused restore is left behind");
+    assert_eq!(snapshot(&mut c, "c"), want_c);
+    assert_eq!(c.stats().unwrap()["memory"]["table_bytes"], granted, "the built tables' memory is given back");
+    // Once there is room, the same restore places both.
+    c.drop_table("c").unwrap();
+    let r = c.restore("latest").unwrap();
+    assert_eq!(r["tables"], serde_json::json!([["a", 5000], ["b", 5000]]), "{r}");
+}

@@ -779,9 +779,13 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Metrics => print!("{}", c.metrics()?),
         Cmd::Checkpoint { wait, full } => {
             let before = c.stats()?["checkpoint"]["last"]["finished_unix_ms"].clone();
-            c.checkpoint(false, full)?;
+            // Daemons before protocol 1's `id` field answered only `started`.
+            let id = c.checkpoint(false, full)?["id"].as_str().map(str::to_string);
             if !wait {
-                println!("checkpoint started; `hkvctl stats` shows its progress");
+                match &id {
+                    Some(id) => println!("checkpoint {id} started; `hkvctl stats` shows its progress"),
+                    None => println!("checkpoint started; `hkvctl stats` shows its progress"),
+                }
                 return Ok(());
             }
             let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
@@ -805,7 +809,7 @@ fn run(cli: Cli) -> Result<()> {
                     if tty {
                         eprint!("\r{line}");
                     }
-                } else if ck["last"]["finished_unix_ms"] != before {
+                } else if id.as_deref().map_or(ck["last"]["finished_unix_ms"] != before, |id| ck["last"]["id"] == id) {
                     if tty {
                         eprintln!();
                     }
