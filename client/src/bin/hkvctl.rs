@@ -780,7 +780,22 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Checkpoint { wait, full } => {
             let before = c.stats()?["checkpoint"]["last"]["finished_unix_ms"].clone();
             // Daemons before protocol 1's `id` field answered only `started`.
-            let id = c.checkpoint(false, full)?["id"].as_str().map(str::to_string);
+            // With --wait, a running checkpoint or restore is waited for, then
+            // this one is taken (as the protocol's `wait: true` does).
+            let mut said = false;
+            let started = loop {
+                match c.checkpoint(false, full) {
+                    Err(e) if wait && e.code() == Some(proto::ErrorCode::Busy) => {
+                        if !said {
+                            eprintln!("waiting for the running checkpoint or restore to finish");
+                            said = true;
+                        }
+                        std::thread::sleep(Duration::from_millis(200));
+                    }
+                    r => break r?,
+                }
+            };
+            let id = started["id"].as_str().map(str::to_string);
             if !wait {
                 match &id {
                     Some(id) => println!("checkpoint {id} started; `hkvctl stats` shows its progress"),
