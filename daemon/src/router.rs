@@ -479,6 +479,24 @@ impl Router {
         if self.tables.read().contains_key(&spec.name) {
             return Err(err(ErrorCode::TableExists, format!("table {:?} exists; drop it first", spec.name)));
         }
+        let table = self.build_table(spec).await?;
+        let mut tables = self.tables.write();
+        if tables.contains_key(&table.spec.name) {
+            return Err(err(ErrorCode::TableExists, format!("table {:?} exists; drop it first", table.spec.name)));
+        }
+        tables.insert(table.spec.name.clone(), table.clone());
+        self.generation.fetch_add(1, Relaxed);
+        Ok(Self::info(&table))
+    }
+
+    /// Builds a table on every actor, charged to the budget, without making
+    /// it visible: a restore fills such tables and then [`Router::install`]s
+    /// them, so nothing it refuses or fails on is ever seen half loaded.
+    pub async fn build_table(&self, spec: TableSpec) -> Result<Arc<Table>, ProtoError> {
+        check_name(&spec.name)?;
+        if let Some(h) = &spec.hash {
+            crate::features::check(h)?;
+        }
         let config = shard_config(&spec, self.actors.len())?;
         let n = self.actors.len();
         let shape = format!(
@@ -497,21 +515,49 @@ impl Router {
             let shard = r.map_err(|e| err(ErrorCode::Internal, format!("shard actor gone: {e}")))?;
             shards.push(shard.map_err(shard_error)?);
         }
-        let table = Arc::new(Table {
-            spec: spec.clone(),
+        Ok(Arc::new(Table {
+            spec,
             config,
             shards,
             _charge: charge,
             untracked: AtomicBool::new(false),
             epoch: AtomicU32::new(0),
-        });
+        }))
+    }
+
+    /// Makes built tables visible at once, replacing tables of the same
+    /// names (requests already running on those finish on them).
+    pub fn install(&self, built: Vec<Arc<Table>>) {
         let mut tables = self.tables.write();
-        if tables.contains_key(&spec.name) {
-            return Err(err(ErrorCode::TableExists, format!("table {:?} exists; drop it first", spec.name)));
+        for t in built {
+            tables.insert(t.spec.name.clone(), t);
         }
-        tables.insert(spec.name.clone(), table.clone());
         self.generation.fetch_add(1, Relaxed);
-        Ok(Self::info(&table))
+    }
+
+    /// Loads entries with their scores verbatim into `t` (registered or
+    /// only built), split over its shards as any write is.
+    pub async fn load_into(
+        &self,
+        t: &Table,
+        keys: Vec<u64>,
+        values: Vec<f32>,
+        scores: Vec<u64>,
+    ) -> Result<Summary, ProtoError> {
+        Self::validate(t, &keys, Some(&values), Some(&scores), true, true)?;
+        let (n, split) = (keys.len(), Split::new(&keys, t.shards.len()));
+        let dim = t.config.dim;
+        let ops = split
+            .take(keys, 1)
+            .into_iter()
+            .zip(split.take(values, dim))
+            .zip(split.take(scores, 1))
+            .map(|((keys, values), scores)| SubOp::Write { op: op::LOAD, keys, values, scores: Some(scores) })
+            .collect();
+        match self.writes(t, &split, ops, n, false, op::LOAD).await? {
+            Response::Write { summary, .. } => Ok(summary),
+            _ => Err(err(ErrorCode::Internal, "load answered something else than a write summary")),
+        }
     }
 
     /// Drops a table; requests already running on it finish first.

@@ -509,22 +509,15 @@ async fn answer(
             Control::Metrics => Ok(Response::Text(crate::stats::prometheus(&crate::stats::collect(state)))),
             Control::Checkpoint { wait, full } => {
                 use crate::ckpt::Checkpoints;
-                if state.checkpoints.busy() && !wait {
-                    return Err(ProtoError::new(
-                        ErrorCode::Busy,
-                        "a checkpoint is already running; watch it with hkvctl stats",
-                    ));
-                }
                 if wait {
                     let m = Checkpoints::take(state.clone(), full).await?;
                     let l = state.checkpoints.list()?.into_iter().find(|l| l.id == format!("{:016x}", m.id));
                     Ok(Response::Json(serde_json::to_vec(&l).expect("serializes")))
                 } else {
-                    let st = state.clone();
-                    tokio::spawn(async move {
-                        let _ = Checkpoints::take(st, full).await;
-                    });
-                    Ok(Response::Json(b"{\"started\":true}".to_vec()))
+                    // Busy unless this request claims the checkpoint now; the answer names its id.
+                    let id = Checkpoints::start(state.clone(), full).await?;
+                    let answer = serde_json::json!({ "started": true, "id": id });
+                    Ok(Response::Json(serde_json::to_vec(&answer).expect("serializes")))
                 }
             }
             Control::ListCheckpoints => {

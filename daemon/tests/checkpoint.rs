@@ -591,3 +591,118 @@ fn crash_harness_kill_during_checkpoint_and_restore() {
     }
     eprintln!("crash harness: {rounds} rounds passed ({completed} checkpoints completed before the kill, {interrupted} interrupted)");
 }
+
+/// Issue 24, restore speed: a restore read every chunk twice (verify the
+/// whole chain, then read again to load) and ran at 41 % of the disk's read
+/// rate. Now each chunk is read once, verified and loaded into fresh tables
+/// that no client sees, swapped in only when the whole chain verified. This
+/// guards what that must keep: a corrupt chunk found after other tables
+/// were already loaded changes nothing a client can see.
+#[test]
+fn a_corrupt_chunk_found_half_way_through_a_live_restore_changes_nothing() {
+    let d = Daemon::start(&["--checkpoint-full-every", "0"]);
+    let mut c = d.client();
+    c.create_table(spec("a", 4, 1 << 15, "lru", "single")).unwrap();
+    c.create_table(spec("b", 4, 1 << 14, "custom", "dual")).unwrap();
+    fill(&mut c, "a", 4, 0..20_000, false);
+    fill(&mut c, "b", 4, 0..3000, true);
+    let ck = c.checkpoint(true, true).unwrap();
+    let id = ck["id"].as_str().unwrap().to_string();
+    // After the checkpoint: a changes, b is dropped.
+    c.erase("a", &(0..5000).collect::<Vec<_>>()).unwrap();
+    fill(&mut c, "a", 4, 50_000..51_000, false);
+    c.drop_table("b").unwrap();
+    let want_a = snapshot(&mut c, "a");
+    // Corrupt b's last chunk: a's chunks come first and load before it is read.
+    // The daemon holds the catalog: find the chunk file by its name.
+    let dir = d.dir.path().join("state/checkpoints/chunks").join(&id);
+    let mut b_chunks: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("b."))
+        .collect();
+    b_chunks.sort();
+    let victim = b_chunks.last().unwrap().clone();
+    let mut bytes = std::fs::read(&victim).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x04;
+    std::fs::write(&victim, &bytes).unwrap();
+    let granted = c.stats().unwrap()["memory"]["table_bytes"].as_u64().unwrap();
+    let e = c.restore(&id).unwrap_err().to_string();
+    assert!(e.contains("corrupt") && e.contains(victim.file_name().unwrap().to_str().unwrap()), "{e}");
+    assert_eq!(snapshot(&mut c, "a"), want_a, "a is as it was before the refused restore");
+    let names: Vec<String> = c.tables().unwrap().into_iter().map(|t| t.spec.name).collect();
+    assert_eq!(names, ["a"], "b is not created by a refused restore");
+    let st = c.stats().unwrap();
+    assert!(st["checkpoint"]["last_restore"].is_null(), "{st}");
+    assert_eq!(st["memory"]["table_bytes"], granted, "the fresh tables' memory is given back: {st}");
+}
+
+/// Two `checkpoint {}` (no wait) sent back to back were both answered
+/// `{"started":true}` and two checkpoints were taken: the busy flag was set
+/// only once writing began, after the second request was already accepted.
+/// The answer did not say which checkpoint it started either. Now a
+/// request claims the checkpoint when it is accepted (the second is
+/// `busy`), the answer names the id, and `wait: true` waits for the running
+/// one and then takes its own.
+#[test]
+fn a_checkpoint_right_after_another_is_busy_and_the_answer_names_its_id() {
+    let d = Daemon::start(&["--checkpoint-full-every", "0"]);
+    let mut c = d.client();
+    c.create_table(spec("t", 32, 1 << 20, "lru", "single")).unwrap();
+    // 43 MB of chunks, fsynced: far longer than one request's round trip.
+    fill(&mut c, "t", 32, 0..300_000, false);
+    let first = c.checkpoint(false, false).unwrap();
+    assert_eq!(first["started"], true, "{first}");
+    let id = first["id"].as_str().unwrap_or_else(|| panic!("no id in {first}")).to_string();
+    assert!(id.len() == 16 && id.chars().all(|ch| matches!(ch, '0'..='9' | 'a'..='f')), "{first}");
+    let second = c.checkpoint(false, true).unwrap_err();
+    assert_eq!(second.code(), Some(hkv_client::ErrorCode::Busy), "{second}");
+    // The running one is the one the answer named.
+    let running = c.stats().unwrap()["checkpoint"]["running"]["id"].clone();
+    assert!(running == id.as_str() || running.is_null(), "{running}");
+    let own = c.checkpoint(true, false).unwrap();
+    assert_ne!(own["id"], first["id"], "wait: true takes a checkpoint of its own");
+    let listed: Vec<String> =
+        c.checkpoints().unwrap().as_array().unwrap().iter().map(|l| l["id"].as_str().unwrap().to_string()).collect();
+    assert_eq!(listed, [own["id"].as_str().unwrap(), &id], "exactly the two accepted checkpoints, both complete");
+    assert_eq!(c.stats().unwrap()["checkpoint"]["last"]["id"], own["id"]);
+}
+
+/// A restore created the missing tables one by one while loading, so when
+/// the second did not fit the memory budget (`resource_exhausted`), the
+/// first was already created and loaded: the refused restore left a
+/// partial state. Now every table is built (charged) before any entry is
+/// read, and a refusal drops the ones built and restores nothing.
+#[test]
+fn a_restore_whose_second_table_does_not_fit_the_budget_restores_nothing() {
+    let d = Daemon::start(&["--shards", "2", "--checkpoint-full-every", "0"]);
+    let mut c = d.client();
+    for t in ["a", "b"] {
+        c.create_table(spec(t, 8, 1 << 14, "lfu", "single")).unwrap();
+        fill(&mut c, t, 8, 0..5000, true);
+    }
+    let per_table = c.stats().unwrap()["memory"]["table_bytes"].as_u64().unwrap() / 2;
+    c.checkpoint(true, true).unwrap();
+    drop(c);
+    // Room for two and a half tables; c takes one, so a fits but a and b do not.
+    let limit = (per_table * 5 / 2).to_string();
+    let d = d.restart(&["--shards", "2", "--max-table-bytes", &limit, "--restore", "none"]);
+    let mut c = d.client();
+    c.create_table(spec("c", 8, 1 << 14, "lfu", "single")).unwrap();
+    fill(&mut c, "c", 8, 100..200, true);
+    let want_c = snapshot(&mut c, "c");
+    let granted = c.stats().unwrap()["memory"]["table_bytes"].as_u64().unwrap();
+    let e = c.restore("latest").unwrap_err();
+    assert_eq!(e.code(), Some(hkv_client::ErrorCode::ResourceExhausted), "{e}");
+    assert!(e.to_string().contains("\"b\"") && e.to_string().contains("nothing was changed"), "{e}");
+    let names: Vec<String> = c.tables().unwrap().into_iter().map(|t| t.spec.name).collect();
+    assert_eq!(names, ["c"], "no table of the refused restore is left behind");
+    assert_eq!(snapshot(&mut c, "c"), want_c);
+    assert_eq!(c.stats().unwrap()["memory"]["table_bytes"], granted, "the built tables' memory is given back");
+    // Once there is room, the same restore places both.
+    c.drop_table("c").unwrap();
+    let r = c.restore("latest").unwrap();
+    assert_eq!(r["tables"], serde_json::json!([["a", 5000], ["b", 5000]]), "{r}");
+}

@@ -875,9 +875,28 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Metrics => print!("{}", c.metrics()?),
         Cmd::Checkpoint { wait, full } => {
             let before = c.stats()?["checkpoint"]["last"]["finished_unix_ms"].clone();
-            c.checkpoint(false, full)?;
+            // Daemons before protocol 1's `id` field answered only `started`.
+            // With --wait, a running checkpoint or restore is waited for, then
+            // this one is taken (as the protocol's `wait: true` does).
+            let mut said = false;
+            let started = loop {
+                match c.checkpoint(false, full) {
+                    Err(e) if wait && e.code() == Some(proto::ErrorCode::Busy) => {
+                        if !said {
+                            eprintln!("waiting for the running checkpoint or restore to finish");
+                            said = true;
+                        }
+                        std::thread::sleep(Duration::from_millis(200));
+                    }
+                    r => break r?,
+                }
+            };
+            let id = started["id"].as_str().map(str::to_string);
             if !wait {
-                println!("checkpoint started; `hkvctl stats` shows its progress");
+                match &id {
+                    Some(id) => println!("checkpoint {id} started; `hkvctl stats` shows its progress"),
+                    None => println!("checkpoint started; `hkvctl stats` shows its progress"),
+                }
                 return Ok(());
             }
             let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
@@ -901,7 +920,7 @@ fn run(cli: Cli) -> Result<()> {
                     if tty {
                         eprint!("\r{line}");
                     }
-                } else if ck["last"]["finished_unix_ms"] != before {
+                } else if id.as_deref().map_or(ck["last"]["finished_unix_ms"] != before, |id| ck["last"]["id"] == id) {
                     if tty {
                         eprintln!();
                     }
