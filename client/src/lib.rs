@@ -67,13 +67,29 @@ impl ClientError {
 pub type Result<T, E = ClientError> = std::result::Result<T, E>;
 
 pub(crate) fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> ClientError {
-    let context = context.into();
-    move |cause| ClientError::Io { context, cause }
+    let mut context = context.into();
+    move |cause| {
+        use std::io::ErrorKind::{BrokenPipe, ConnectionReset, UnexpectedEof};
+        // The raw causes ("Broken pipe", "failed to fill whole buffer") do
+        // not say that the daemon went away mid-request.
+        if matches!(cause.kind(), BrokenPipe | ConnectionReset | UnexpectedEof)
+            && !context.starts_with("cannot connect")
+        {
+            context = format!("hkvd closed the connection while {context} (did it stop or restart?)");
+        }
+        ClientError::Io { context, cause }
+    }
 }
 
 /// What a failed connect to `path` says.
 pub(crate) fn connect_context(path: &Path) -> String {
-    format!("cannot connect to hkvd at {} (is it running?)", path.display())
+    use std::os::unix::fs::FileTypeExt;
+    match std::fs::metadata(path) {
+        Ok(m) if !m.file_type().is_socket() => {
+            format!("cannot connect to hkvd at {}: it is not a socket (check --socket / $HKVD_SOCKET)", path.display())
+        }
+        _ => format!("cannot connect to hkvd at {} (is it running?)", path.display()),
+    }
 }
 
 /// The values and found flags of a find.
