@@ -313,6 +313,9 @@ pub fn shard_config(spec: &TableSpec, n: usize) -> Result<TableConfig, ProtoErro
         policy,
         mode,
         fast_tier_bytes: spec.fast_tier_bytes.map(per),
+        // The table spec has no field for it yet: every table gets the
+        // default rule (least recently written among equal frequencies).
+        lfu_ties: hkv_shard::LfuTies::default(),
     };
     config.validate().map_err(|e| ProtoError::bad_request(e.to_string()))?;
     Ok(config)

@@ -80,7 +80,7 @@ mod staging;
 
 use serde::{Deserialize, Serialize};
 
-pub use config::{BucketMode, Footprint, ScorePolicy, TableConfig};
+pub use config::{BucketMode, Footprint, LfuTies, ScorePolicy, TableConfig};
 pub use error::{Error, Result};
 pub use lock::{Group, LockState};
 
