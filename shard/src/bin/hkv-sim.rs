@@ -62,7 +62,7 @@ struct Args {
     trace: Option<PathBuf>,
     /// Trace format: `bin` (u64 little-endian keys, 8 bytes each), `text`
     /// (one decimal key per line, blank lines skipped) or `auto` (text when
-    /// the first 4 KiB hold only digits and white space, else bin).
+    /// the first 4 KiB are printable ASCII and white space, else bin).
     #[arg(long, default_value = "auto")]
     trace_format: String,
     /// Score policy: lru or lfu.
@@ -186,7 +186,9 @@ impl TraceFormat {
     }
 
     /// `bin` or `text` as asked, or for `auto` guessed from the first 4 KiB:
-    /// text when they hold only ASCII digits and white space.
+    /// text when they are printable ASCII and white space (binary keys are
+    /// that only by a vanishing chance; a text trace with a typo is still
+    /// read as text, so the error names the line).
     fn pick(asked: &str, path: &Path) -> Result<TraceFormat> {
         match asked {
             "bin" => Ok(TraceFormat::Bin),
@@ -201,7 +203,7 @@ impl TraceFormat {
                 if head.is_empty() {
                     bail!("trace {} is empty", path.display());
                 }
-                let text = head.iter().all(|b| b.is_ascii_digit() || b.is_ascii_whitespace());
+                let text = head.iter().all(|b| b.is_ascii_graphic() || b.is_ascii_whitespace());
                 Ok(if text { TraceFormat::Text } else { TraceFormat::Bin })
             }
             f => bail!("--trace-format must be bin, text or auto, not {f:?}"),
@@ -335,6 +337,8 @@ fn parse_capacity(s: &str, base: u64) -> Result<u64> {
 struct Run {
     capacity: u64,
     accesses: u64,
+    hits: u64,
+    ideal_hits: u64,
     distinct: u64,
     hit_rate: f64,
     ideal_hit_rate: f64,
@@ -427,6 +431,8 @@ fn replay(a: &Args, cfg: &TableConfig, mut source: Source) -> Result<Run> {
     Ok(Run {
         capacity,
         accesses: done,
+        hits,
+        ideal_hits,
         distinct: truth.len() as u64,
         hit_rate: hits as f64 / done as f64,
         ideal_hit_rate: ideal_hits as f64 / done as f64,
@@ -534,7 +540,7 @@ fn main() -> Result<()> {
                 "trace": a.trace.as_ref().map(|p| p.display().to_string()), "trace_format": format.map(|f| f.name()),
                 "distinct_keys": r.distinct,
                 "alpha": if a.trace.is_some() { None } else { Some(a.alpha) },
-                "accesses": r.accesses, "batch": a.batch, "seed": a.seed,
+                "accesses": r.accesses, "hits": r.hits, "ideal_hits": r.ideal_hits, "batch": a.batch, "seed": a.seed,
                 "hit_rate": r.hit_rate, "ideal_hit_rate": r.ideal_hit_rate, "ceiling_hit_rate": r.ceiling,
                 "first_eviction_load_factor": r.first_eviction, "evicted": r.first_eviction.is_some(),
                 "top_n_retention": r.top_n_retention, "popular_n_retention": r.popular_n_retention,
