@@ -15,7 +15,7 @@ pub enum ScorePolicy {
     #[default]
     Lru,
     /// Score = accumulated caller increments (default increment 1); how
-    /// equal frequencies are told apart is [`TableConfig::lfu_ties`].
+    /// equal frequencies are told apart is the `lfu_ties` of [`TableConfig`].
     Lfu,
     /// Score = caller epoch in the high 32 bits, clock in ~ms (ns >> 20) in the low 32.
     EpochLru,
