@@ -537,7 +537,8 @@ fn main() -> Result<()> {
     if a.json {
         let obj = |r: &Run| {
             serde_json::json!({
-                "mode": a.mode, "policy": a.policy, "lfu_ties": lfu_ties.name(), "capacity": r.capacity,
+                "mode": a.mode, "policy": a.policy,
+                "lfu_ties": (policy == ScorePolicy::Lfu).then(|| lfu_ties.name()), "capacity": r.capacity,
                 "keyspace": if a.trace.is_some() { None } else { Some(keyspace) },
                 "trace": a.trace.as_ref().map(|p| p.display().to_string()), "trace_format": format.map(|f| f.name()),
                 "distinct_keys": r.distinct,
