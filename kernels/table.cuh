@@ -2,7 +2,8 @@
 // export). They mirror shard/src/cpu.rs rule for rule: buckets of 128 slots,
 // a one-line digest array per bucket, the lowest free slot for a newcomer,
 // the minimum-score slot (lowest slot on ties) as the eviction victim, the
-// score rules of shard/src/score.rs.
+// score rules of shard/src/score.rs (Lfu with LRU ties included: the
+// victim rule stays "minimum score", the recency is in the score).
 //
 // A key is served by a group of G threads of one warp (G = 1, 2, 4, 8, 16
 // or 32; the host picks G per batch): thread r of the group owns slots
@@ -74,7 +75,7 @@ struct HkvScoring {
     u32 policy;
     u32 epoch;
     u32 verbatim;  // load: scores as given
-    u32 pad;
+    u32 lfu_lru;   // Lfu: 1 = frequency << 40 | stamp (LfuTies::Lru), 0 = plain frequency
 };
 
 // A key and score predicate (mirrors shard::Filter).
@@ -115,11 +116,27 @@ __device__ __forceinline__ float* hkv_row(const HkvTable& t, u64 pos) {
 
 // ---- scores (shard/src/score.rs) ----------------------------------------
 
+// Lfu with LRU ties (score::LFU_STAMP_BITS, score::LFU_MAX_FREQUENCY): the
+// frequency in the high 24 bits, the batch's clock in ~ms in the low 40, so
+// that hkv_min_slot's "minimum score" evicts the least frequent entry and,
+// among equal frequencies, the least recently written.
+#define HKV_LFU_STAMP_BITS 40
+#define HKV_LFU_MAX_FREQ ((1ULL << (64 - HKV_LFU_STAMP_BITS)) - 1)
+#define HKV_LFU_STAMP_MASK ((1ULL << HKV_LFU_STAMP_BITS) - 1)
+
+// An Lfu score of frequency f written now (Scorer::lfu).
+__device__ __forceinline__ u64 hkv_lfu(const HkvScoring& s, u64 f) {
+    if (!s.lfu_lru) return f;
+    u64 stamp = s.now_ns >> 20;
+    if (stamp > HKV_LFU_STAMP_MASK) stamp = HKV_LFU_STAMP_MASK;
+    return ((f < HKV_LFU_MAX_FREQ ? f : HKV_LFU_MAX_FREQ) << HKV_LFU_STAMP_BITS) | stamp;
+}
+
 __device__ __forceinline__ u64 hkv_on_insert(const HkvScoring& s, bool has, u64 input) {
     u64 hi = (u64)s.epoch << 32;
     switch (s.policy) {
         case HKV_LRU: return s.now_ns;
-        case HKV_LFU: return has ? input : 1;
+        case HKV_LFU: return hkv_lfu(s, has ? input : 1);
         case HKV_EPOCH_LRU: return hi | ((s.now_ns >> 20) & 0xffffffffULL);
         case HKV_EPOCH_LFU: return hi | ((has ? input : 1) & 0xffffffffULL);
         default: return has ? input : 0;
@@ -134,8 +151,9 @@ __device__ __forceinline__ u64 hkv_on_upsert(const HkvScoring& s, u64 old, bool 
     switch (s.policy) {
         case HKV_LFU: {
             u64 inc = has ? input : 1;
-            u64 r = old + inc;
-            return r < old ? 0xFFFFFFFFFFFFFFFFULL : r;
+            u64 f = s.lfu_lru ? old >> HKV_LFU_STAMP_BITS : old;
+            u64 r = f + inc;
+            return hkv_lfu(s, r < f ? 0xFFFFFFFFFFFFFFFFULL : r);
         }
         case HKV_EPOCH_LFU: {
             u64 low = (old & 0xffffffffULL) + ((has ? input : 1) & 0xffffffffULL);

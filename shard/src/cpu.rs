@@ -511,7 +511,12 @@ impl CpuTable {
     }
 
     fn scorer(&self) -> Scorer {
-        Scorer { policy: self.config.policy, now_ns: self.clock.now_ns(), epoch: self.epoch.load(Relaxed) }
+        Scorer {
+            policy: self.config.policy,
+            now_ns: self.clock.now_ns(),
+            epoch: self.epoch.load(Relaxed),
+            lfu_ties: self.config.lfu_ties,
+        }
     }
 
     /// The candidate buckets of a key: `(b1, b2)`, `b2 == b1` in single mode.
@@ -1350,7 +1355,7 @@ impl Shard for CpuTable {
     }
 
     fn resume_after(&self, max_score: u64) {
-        crate::score::resume_after(self.config.policy, max_score, &*self.clock, &self.epoch);
+        crate::score::resume_after(self.config.policy, self.config.lfu_ties, max_score, &*self.clock, &self.epoch);
     }
 
     fn clock_score(&self) -> u64 {

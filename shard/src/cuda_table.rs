@@ -37,7 +37,7 @@ use hkv_kernels::KernelId;
 use parking_lot::{Mutex, RwLock};
 
 use crate::check;
-use crate::config::{BucketMode, ScorePolicy, TableConfig};
+use crate::config::{BucketMode, LfuTies, ScorePolicy, TableConfig};
 use crate::cpu::Counters;
 use crate::cuda::{dev_err, ensure, Device};
 use crate::error::{Error, Result};
@@ -97,7 +97,8 @@ struct ScoringArgs {
     policy: u32,
     epoch: u32,
     verbatim: u32,
-    pad: u32,
+    /// Lfu: 1 for [`LfuTies::Lru`] (packed frequency and stamp), 0 for plain frequencies.
+    lfu_lru: u32,
 }
 
 /// `HkvFilter` of `table.cuh`.
@@ -665,7 +666,7 @@ impl CudaTable {
             policy: policy_code(self.config.policy),
             epoch: self.epoch.load(Relaxed),
             verbatim: verbatim as u32,
-            pad: 0,
+            lfu_lru: (self.config.lfu_ties == LfuTies::Lru) as u32,
         }
     }
 
@@ -2132,12 +2133,17 @@ impl Shard for CudaTable {
     }
 
     fn resume_after(&self, max_score: u64) {
-        crate::score::resume_after(self.config.policy, max_score, &*self.clock, &self.epoch);
+        crate::score::resume_after(self.config.policy, self.config.lfu_ties, max_score, &*self.clock, &self.epoch);
     }
 
     fn clock_score(&self) -> u64 {
-        Scorer { policy: self.config.policy, now_ns: self.clock.now_ns(), epoch: self.epoch.load(Relaxed) }
-            .clock_floor()
+        Scorer {
+            policy: self.config.policy,
+            now_ns: self.clock.now_ns(),
+            epoch: self.epoch.load(Relaxed),
+            lfu_ties: self.config.lfu_ties,
+        }
+        .clock_floor()
     }
 }
 

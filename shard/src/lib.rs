@@ -27,6 +27,14 @@
 //! minimum score is lower (the first on ties). Every operation works in both
 //! modes.
 //!
+//! Lfu ties: with [`LfuTies::Lru`] (the default) an Lfu score is the
+//! frequency in its high 24 bits and the batch's clock in ~ms in its low 40
+//! ([`score`]), so the minimum-score victim is the least frequent entry and,
+//! among equal frequencies, the least recently written; scores returned by
+//! find and export are these packed values ([`score::lfu_frequency`] reads
+//! the count). [`LfuTies::LowestSlot`] keeps the reference library's plain
+//! counts and lowest-slot victim.
+//!
 //! ## Concurrency
 //! A [`lock::GroupLock`] admits readers (find, contains, export) together,
 //! updaters (assign, assign_scores, accumulate into existing keys) together,
@@ -37,6 +45,11 @@
 //!
 //! ## Deliberate differences from the reference library
 //! - Lfu scores saturate at `u64::MAX` instead of wrapping.
+//! - Lfu evicts the least recently written of equal frequencies, its scores
+//!   packing frequency (saturating at 2^24 − 1) and clock
+//!   ([`LfuTies::Lru`], the default): the reference's lowest slot let every
+//!   newcomer to a full bucket evict the previous one (issue 27).
+//!   [`LfuTies::LowestSlot`] restores the reference's rule and scores.
 //! - Lfu and EpochLfu default the increment to 1 when no scores are passed.
 //! - `accum_or_assign` takes no per-key flags: existing keys accumulate,
 //!   missing keys are inserted.
@@ -49,7 +62,7 @@
 //!   an unspecified order above), and the table never holds a key twice.
 //!
 //! # Layout
-//! - [`config`] holds [`TableConfig`], [`ScorePolicy`], [`BucketMode`].
+//! - [`config`] holds [`TableConfig`], [`ScorePolicy`], [`LfuTies`], [`BucketMode`].
 //! - [`hash`] computes bucket, digest and shard hashes.
 //! - [`score`] has the score rules per policy and the clocks.
 //! - [`lock`] is the triple-group lock and its observable state.
@@ -80,7 +93,7 @@ mod staging;
 
 use serde::{Deserialize, Serialize};
 
-pub use config::{BucketMode, Footprint, ScorePolicy, TableConfig};
+pub use config::{BucketMode, Footprint, LfuTies, ScorePolicy, TableConfig};
 pub use error::{Error, Result};
 pub use lock::{Group, LockState};
 

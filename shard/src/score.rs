@@ -3,19 +3,50 @@
 //! | policy | on insert | on write to an existing key | admission of a newcomer |
 //! |---|---|---|---|
 //! | Lru | now (ns) | now | always (the clock only grows) |
-//! | Lfu | increment (default 1) | old + increment, saturating | always |
+//! | Lfu (ties: lru) | freq << 40 \| stamp, freq = increment (default 1) | freq = old freq + increment, saturating at 2^24 − 1; stamp = now | always |
+//! | Lfu (ties: lowest-slot) | increment (default 1) | old + increment, saturating | always |
 //! | EpochLru | epoch << 32 \| (now >> 20) as u32 | same | score >= bucket minimum |
 //! | EpochLfu | epoch << 32 \| increment as u32 | epoch << 32 \| sat32(low + increment) | score >= bucket minimum |
 //! | Custom | caller's score | caller's score | score >= bucket minimum |
 //!
 //! Update-only operations (`assign`, `assign_scores`) without scores keep the
 //! stored score for Lfu, EpochLfu and Custom, and refresh it for Lru and EpochLru.
+//!
+//! Lfu with [`LfuTies::Lru`] (the default) packs two numbers in a score:
+//! the frequency in the high 24 bits and a stamp, the batch's clock in ~ms
+//! (ns >> 20, 40 bits), in the low 40. Every policy evicts the minimum
+//! score, so the least frequent entry goes and, among equal frequencies, the
+//! least recently written one (issue 27: with plain frequencies a full
+//! bucket's lowest slot took every newcomer). [`lfu_frequency`] and
+//! [`lfu_stamp`] take a packed score apart. EpochLfu has no bits to spare
+//! (epoch 32, frequency 32) and keeps the lowest-slot rule.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::config::ScorePolicy;
+use crate::config::{LfuTies, ScorePolicy};
+
+/// Lfu with [`LfuTies::Lru`]: bits of the stamp (low) in a packed score.
+pub const LFU_STAMP_BITS: u32 = 40;
+/// Lfu with [`LfuTies::Lru`]: the largest frequency a packed score holds;
+/// higher counts saturate there (and such entries then rank by recency).
+pub const LFU_MAX_FREQUENCY: u64 = (1 << (64 - LFU_STAMP_BITS)) - 1;
+const STAMP_MASK: u64 = (1 << LFU_STAMP_BITS) - 1;
+
+/// The frequency of an Lfu score under the given tie rule.
+pub fn lfu_frequency(score: u64, ties: LfuTies) -> u64 {
+    match ties {
+        LfuTies::Lru => score >> LFU_STAMP_BITS,
+        LfuTies::LowestSlot => score,
+    }
+}
+
+/// The stamp (clock ns >> 20 of the last write) of an Lfu score packed
+/// under [`LfuTies::Lru`].
+pub fn lfu_stamp(score: u64) -> u64 {
+    score & STAMP_MASK
+}
 
 /// A source of nanoseconds for Lru and EpochLru scores.
 pub trait Clock: Send + Sync + std::fmt::Debug {
@@ -84,9 +115,14 @@ impl Clock for ManualClock {
 /// epoch (EpochLru, EpochLfu: to the restored epoch, if higher) and the
 /// clock (Lru: past the score; EpochLru: past its ~ms part) so that every
 /// later write ranks above the restored entries, as it did before the
-/// restart. Lfu and Custom scores do not follow time: nothing moves.
-pub fn resume_after(policy: ScorePolicy, max_score: u64, clock: &dyn Clock, epoch: &AtomicU32) {
+/// restart. Lfu with [`LfuTies::Lru`]: the clock past the stamp of the
+/// highest score, a lower bound of the newest restored stamp (the most
+/// frequent entry is not always the latest written), so that at least the
+/// entries written after that one lose ties to new writes. Lfu with the
+/// lowest-slot rule and Custom scores do not follow time: nothing moves.
+pub fn resume_after(policy: ScorePolicy, ties: LfuTies, max_score: u64, clock: &dyn Clock, epoch: &AtomicU32) {
     match policy {
+        ScorePolicy::Lfu if ties == LfuTies::Lru => clock.advance_to((lfu_stamp(max_score) + 1) << 20),
         ScorePolicy::Lru => clock.advance_to(max_score.saturating_add(1)),
         ScorePolicy::EpochLru => {
             epoch.fetch_max((max_score >> 32) as u32, Ordering::Relaxed);
@@ -109,6 +145,8 @@ pub struct Scorer {
     pub now_ns: u64,
     /// The table's global epoch.
     pub epoch: u32,
+    /// The table's Lfu tie rule.
+    pub lfu_ties: LfuTies,
 }
 
 impl Scorer {
@@ -116,12 +154,21 @@ impl Scorer {
         (self.epoch as u64) << 32
     }
 
+    /// An Lfu score of frequency `freq` written now, under the table's tie rule.
+    #[inline]
+    fn lfu(&self, freq: u64) -> u64 {
+        match self.lfu_ties {
+            LfuTies::Lru => freq.min(LFU_MAX_FREQUENCY) << LFU_STAMP_BITS | (self.now_ns >> 20).min(STAMP_MASK),
+            LfuTies::LowestSlot => freq,
+        }
+    }
+
     /// Score of a key inserted with caller input `input`.
     #[inline]
     pub fn on_insert(&self, input: Option<u64>) -> u64 {
         match self.policy {
             ScorePolicy::Lru => self.now_ns,
-            ScorePolicy::Lfu => input.unwrap_or(1),
+            ScorePolicy::Lfu => self.lfu(input.unwrap_or(1)),
             ScorePolicy::EpochLru => self.epoch_hi() | ((self.now_ns >> 20) & 0xffff_ffff),
             ScorePolicy::EpochLfu => self.epoch_hi() | (input.unwrap_or(1) & 0xffff_ffff),
             // Validated before: Custom always has input on insert paths.
@@ -145,7 +192,7 @@ impl Scorer {
     pub fn on_upsert(&self, old: u64, input: Option<u64>) -> u64 {
         match self.policy {
             ScorePolicy::Lru | ScorePolicy::EpochLru | ScorePolicy::Custom => self.on_insert(input),
-            ScorePolicy::Lfu => old.saturating_add(input.unwrap_or(1)),
+            ScorePolicy::Lfu => self.lfu(lfu_frequency(old, self.lfu_ties).saturating_add(input.unwrap_or(1))),
             ScorePolicy::EpochLfu => self.epoch_lfu_add(old, input.unwrap_or(1)),
         }
     }
@@ -181,7 +228,30 @@ mod tests {
     use super::*;
 
     fn s(policy: ScorePolicy) -> Scorer {
-        Scorer { policy, now_ns: 5 << 20, epoch: 3 }
+        Scorer { policy, now_ns: 5 << 20, epoch: 3, lfu_ties: LfuTies::LowestSlot }
+    }
+
+    fn lfu(now_ns: u64) -> Scorer {
+        Scorer { policy: ScorePolicy::Lfu, now_ns, epoch: 0, lfu_ties: LfuTies::Lru }
+    }
+
+    /// Lfu with LRU ties: frequency high, stamp low; a later write of the
+    /// same frequency scores higher, a higher frequency always does.
+    #[test]
+    fn lfu_scores_pack_frequency_and_stamp() {
+        let a = lfu(5 << 20).on_insert(None);
+        assert_eq!((lfu_frequency(a, LfuTies::Lru), lfu_stamp(a)), (1, 5));
+        let b = lfu(9 << 20).on_insert(None);
+        assert!(b > a, "same frequency, written later");
+        let c = lfu(6 << 20).on_upsert(a, Some(2));
+        assert_eq!((lfu_frequency(c, LfuTies::Lru), lfu_stamp(c)), (3, 6));
+        assert!(lfu(0).on_insert(Some(2)) > lfu(u64::MAX).on_insert(None), "frequency first");
+        let top = lfu(7 << 20).on_upsert(c, Some(u64::MAX));
+        assert_eq!((lfu_frequency(top, LfuTies::Lru), lfu_stamp(top)), (LFU_MAX_FREQUENCY, 7));
+        assert_eq!(lfu_stamp(lfu(u64::MAX).on_insert(None)), STAMP_MASK, "the stamp saturates");
+        assert_eq!(lfu(8 << 20).on_update(c, None), c, "update-only ops without scores keep it");
+        assert_eq!(lfu(8 << 20).admission(1), u64::MAX);
+        assert_eq!(lfu(8 << 20).clock_floor(), 0);
     }
 
     #[test]
@@ -203,14 +273,25 @@ mod tests {
     #[test]
     fn a_restore_moves_clock_and_epoch_past_the_restored_scores() {
         let (c, e) = (SystemClock::default(), AtomicU32::new(0));
-        resume_after(ScorePolicy::Lru, 1 << 50, &c, &e);
+        resume_after(ScorePolicy::Lru, LfuTies::Lru, 1 << 50, &c, &e);
         assert!(c.now_ns() > 1 << 50);
         let (c, e) = (SystemClock::default(), AtomicU32::new(2));
-        resume_after(ScorePolicy::EpochLru, (5 << 32) | 1000, &c, &e);
-        let sc = Scorer { policy: ScorePolicy::EpochLru, now_ns: c.now_ns(), epoch: e.load(Ordering::Relaxed) };
+        resume_after(ScorePolicy::EpochLru, LfuTies::Lru, (5 << 32) | 1000, &c, &e);
+        let sc = Scorer {
+            policy: ScorePolicy::EpochLru,
+            now_ns: c.now_ns(),
+            epoch: e.load(Ordering::Relaxed),
+            lfu_ties: LfuTies::Lru,
+        };
         assert!(sc.on_insert(None) > (5 << 32) | 1000);
         let (c, e) = (ManualClock::default(), AtomicU32::new(9));
-        resume_after(ScorePolicy::EpochLfu, 5 << 32, &c, &e);
+        resume_after(ScorePolicy::EpochLfu, LfuTies::Lru, 5 << 32, &c, &e);
         assert_eq!(e.load(Ordering::Relaxed), 9, "the epoch never goes back");
+        let (c, e) = (ManualClock::default(), AtomicU32::new(0));
+        resume_after(ScorePolicy::Lfu, LfuTies::Lru, lfu(40 << 20).on_insert(Some(3)), &c, &e);
+        assert!(lfu(c.now_ns()).on_insert(Some(3)) > lfu(40 << 20).on_insert(Some(3)));
+        let (c, e) = (ManualClock::default(), AtomicU32::new(0));
+        resume_after(ScorePolicy::Lfu, LfuTies::LowestSlot, 1 << 50, &c, &e);
+        assert_eq!(c.now_ns(), 0, "plain frequencies do not follow time");
     }
 }

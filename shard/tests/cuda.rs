@@ -13,7 +13,8 @@ use hkv_shard::cpu::CpuTable;
 use hkv_shard::cuda::{self, Device};
 use hkv_shard::cuda_table::{CudaTable, DeviceOp};
 use hkv_shard::hash::locate;
-use hkv_shard::{BucketMode, Filter, Outcome, ScorePolicy, Shard, TableConfig};
+use hkv_shard::score::ManualClock;
+use hkv_shard::{BucketMode, Filter, LfuTies, Outcome, ScorePolicy, Shard, TableConfig};
 use rand::{Rng, SeedableRng};
 
 fn make(cfg: TableConfig) -> Box<dyn Shard> {
@@ -167,22 +168,35 @@ fn differential_step(
 #[ignore = "needs a CUDA device"]
 fn differential_against_the_cpu_backend() {
     let dev = cuda::shared_device(0).unwrap();
+    let policies = [
+        (ScorePolicy::Custom, LfuTies::Lru),
+        (ScorePolicy::Lfu, LfuTies::Lru),
+        (ScorePolicy::Lfu, LfuTies::LowestSlot),
+    ];
     for mode in [BucketMode::Single, BucketMode::Dual] {
-        for policy in [ScorePolicy::Custom, ScorePolicy::Lfu] {
-            let cfg = TableConfig::new(128 * 32, 3).policy(policy).mode(mode);
-            let cpu = CpuTable::new(cfg.clone()).unwrap();
-            let gpu = CudaTable::new(cfg, dev.clone()).unwrap();
+        for (policy, ties) in policies {
+            let cfg = TableConfig::new(128 * 32, 3).policy(policy).mode(mode).lfu_ties(ties);
+            // One clock for both, a ~ms stamp further each step: Lfu with
+            // LRU ties packs the batch's clock into the score.
+            let clock = ManualClock::new(1 << 20);
+            let cpu = CpuTable::with_clock(cfg.clone(), clock.clone()).unwrap();
+            let gpu = CudaTable::with_clock(cfg, dev.clone(), clock.clone()).unwrap();
             let mut rng = rand::rngs::StdRng::seed_from_u64(11);
             // Key space 3x capacity: the table runs full, with heavy eviction.
             for step in 0..400 {
+                clock.advance(rng.gen_range(0..3) << 20);
                 differential_step(&mut rng, &cpu, &gpu, 3 * 128 * 32, policy);
                 if step % 100 == 99 {
                     // Every slot agrees, in slot order.
                     let all = |t: &dyn Shard| t.export_batch(0, u64::MAX).unwrap();
-                    assert_eq!(all(&cpu), all(&gpu), "{mode:?} {policy:?}: whole table after step {step}");
+                    assert_eq!(all(&cpu), all(&gpu), "{mode:?} {policy:?} {ties:?}: whole table after step {step}");
                 }
             }
-            println!("{mode:?} {policy:?}: load factor {:.3}, {} evictions", cpu.load_factor(), cpu.stats().evictions);
+            println!(
+                "{mode:?} {policy:?} {ties:?}: load factor {:.3}, {} evictions",
+                cpu.load_factor(),
+                cpu.stats().evictions
+            );
             assert!(cpu.load_factor() > 0.9, "the test must reach a full table");
         }
     }

@@ -12,7 +12,7 @@ use common::model::Model;
 use hkv_shard::cpu::CpuTable;
 use hkv_shard::hash::{bucket1, bucket2, digest};
 use hkv_shard::score::ManualClock;
-use hkv_shard::{BucketMode, Filter, Lost, Outcome, ScorePolicy, Shard, TableConfig};
+use hkv_shard::{BucketMode, Filter, LfuTies, Lost, Outcome, ScorePolicy, Shard, TableConfig};
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
@@ -82,8 +82,9 @@ fn config() -> impl Strategy<Value = TableConfig> {
         prop::sample::select(ScorePolicy::ALL.to_vec()),
         prop::sample::select(vec![BucketMode::Single, BucketMode::Dual]),
         prop_oneof![Just(0.5f64), Just(0.9), Just(1.0)],
+        prop::sample::select(LfuTies::ALL.to_vec()),
     )
-        .prop_map(|(buckets, grow, dim, policy, mode, lf)| TableConfig {
+        .prop_map(|(buckets, grow, dim, policy, mode, lf, lfu_ties)| TableConfig {
             capacity: buckets * 128,
             max_capacity: buckets * 128 * grow,
             max_load_factor: lf,
@@ -91,6 +92,7 @@ fn config() -> impl Strategy<Value = TableConfig> {
             policy,
             mode,
             fast_tier_bytes: None,
+            lfu_ties,
         })
 }
 

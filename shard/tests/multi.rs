@@ -9,7 +9,7 @@ use hkv_shard::cuda;
 use hkv_shard::cuda_table::DeviceOp;
 use hkv_shard::hash::shard_of;
 use hkv_shard::multi::{nccl_version, GpuGroup, Local, RankBatch, Route};
-use hkv_shard::{BucketMode, ScorePolicy, Shard, TableConfig};
+use hkv_shard::{BucketMode, LfuTies, ScorePolicy, Shard, TableConfig};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
@@ -20,8 +20,11 @@ fn gpus() -> Vec<usize> {
     (0..n).collect()
 }
 
+/// Lfu with plain frequencies: scores that do not depend on the clock, so
+/// that the group's tables and the CPU reference (each on its own system
+/// clock) agree on every score.
 fn config(mode: BucketMode) -> TableConfig {
-    TableConfig::new(1 << 14, DIM).policy(ScorePolicy::Lfu).mode(mode)
+    TableConfig::new(1 << 14, DIM).policy(ScorePolicy::Lfu).lfu_ties(LfuTies::LowestSlot).mode(mode)
 }
 
 fn row(k: u64, salt: u64) -> Vec<f32> {

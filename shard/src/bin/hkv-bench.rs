@@ -32,7 +32,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use hkv_shard::{Backend, BucketMode, Filter, Shard, TableConfig};
+use hkv_shard::{Backend, BucketMode, Filter, LfuTies, ScorePolicy, Shard, TableConfig};
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 
@@ -60,6 +60,14 @@ struct Args {
     /// Bucket mode: single or dual.
     #[arg(long, default_value = "single")]
     mode: String,
+    /// Score policy: lru, lfu, epoch-lru or epoch-lfu (custom needs caller
+    /// scores, which the benchmark does not pass).
+    #[arg(long, default_value = "lru")]
+    policy: ScorePolicy,
+    /// Lfu tie rule: lru (least recently written of equal frequencies goes)
+    /// or lowest-slot (the reference's rule).
+    #[arg(long, default_value = "lru")]
+    lfu_ties: LfuTies,
     /// Skip the moka comparison.
     #[arg(long)]
     no_moka: bool,
@@ -94,6 +102,14 @@ const OPS: [&str; 10] = [
     "export_batch_if",
     "contains",
 ];
+
+/// The policy as printed: Lfu with its tie rule.
+fn policy_name(a: &Args) -> String {
+    match a.policy {
+        ScorePolicy::Lfu => format!("lfu ({} ties)", a.lfu_ties.name()),
+        p => p.name().to_string(),
+    }
+}
 
 fn splitmix64(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
@@ -305,6 +321,11 @@ fn main() -> Result<()> {
         "reference" => true,
         m => bail!("--key-mix must be hits or reference, not {m:?}"),
     };
+    if a.policy == ScorePolicy::Custom {
+        bail!(
+            "--policy custom needs caller scores, which hkv-bench does not pass; use lru, lfu, epoch-lru or epoch-lfu"
+        );
+    }
     if backend == Backend::Cuda && !a.host_buffers {
         return cuda_bench::run(&a, mode, reference_mix);
     }
@@ -312,17 +333,18 @@ fn main() -> Result<()> {
         bail!("--key-mix reference needs the CUDA backend on device batches (not --host-buffers)");
     }
     println!(
-        "hkv-bench: backend {}{}, {} mode, capacity {}, batch {}, median of {} runs, {} threads, B-KV/s",
+        "hkv-bench: backend {}{}, {} mode, {} policy, capacity {}, batch {}, median of {} runs, {} threads, B-KV/s",
         a.backend,
         if a.host_buffers { " on host arrays (wall clock, copies included)" } else { "" },
         a.mode,
+        policy_name(&a),
         a.capacity,
         a.batch,
         a.runs,
         rayon::current_num_threads()
     );
     for &dim in &a.dims {
-        let mut cfg = TableConfig::new(a.capacity, dim).mode(mode);
+        let mut cfg = TableConfig::new(a.capacity, dim).mode(mode).policy(a.policy).lfu_ties(a.lfu_ties);
         cfg.fast_tier_bytes = a.fast_tier_bytes;
         let t = hkv_shard::open(cfg, backend).context("opening the table")?;
         println!(
@@ -630,11 +652,12 @@ mod cuda_bench {
     pub fn run(a: &Args, mode: BucketMode, reference_mix: bool) -> Result<()> {
         let dev = hkv_shard::cuda::shared_device(0)?;
         println!(
-            "hkv-bench: CUDA on {} (compute {}.{}), {} mode, capacity {}, batch {}, median of {} runs after a warm-up, CUDA-event timing, {}",
+            "hkv-bench: CUDA on {} (compute {}.{}), {} mode, {} policy, capacity {}, batch {}, median of {} runs after a warm-up, CUDA-event timing, {}",
             dev.info.name,
             dev.info.compute_capability.0,
             dev.info.compute_capability.1,
             a.mode,
+            super::policy_name(a),
             a.capacity,
             a.batch,
             a.runs,
@@ -646,7 +669,7 @@ mod cuda_bench {
         );
         let mut copy_bw = None;
         for &dim in &a.dims {
-            let mut cfg = TableConfig::new(a.capacity, dim).mode(mode);
+            let mut cfg = TableConfig::new(a.capacity, dim).mode(mode).policy(a.policy).lfu_ties(a.lfu_ties);
             cfg.fast_tier_bytes = a.fast_tier_bytes;
             let t = CudaTable::new(cfg, dev.clone()).context("creating the table")?;
             let st = t.stats();

@@ -1,19 +1,30 @@
-//! hkv-sim: cache quality of the table under a Zipfian key stream.
+//! hkv-sim: cache quality of the table under a Zipfian key stream or a
+//! user's own key trace.
 //!
-//! Replays `stream-multiple × capacity` accesses drawn from Zipf(alpha) over
-//! `keyspace` keys, in batches: each batch is first looked up (hits counted),
-//! then written with insert_or_assign. Beside the table, the same stream runs
-//! through an ideal fully associative cache of the same capacity and policy
-//! with the same batch semantics. Prints the hit rates, the load factor at
-//! the first eviction, and the top-N retention of the paper's Table 11: the
-//! share of the ideal highest-scored N = capacity keys — the final contents
-//! of the ideal fully associative cache of the same policy — that the table
-//! holds at the end. For Lru these are exactly the N most recently accessed
-//! keys. Also printed: the share of the N most frequently accessed keys held
-//! (`popular_n_retention`), the same figure for the ideal cache, and the hit
-//! rate ceiling (the probability mass of the `capacity` most popular keys).
+//! Replays a key stream in batches: each batch is first looked up (hits
+//! counted), then written with insert_or_assign. The stream is either
+//! `stream-multiple × capacity` accesses drawn from Zipf(alpha) over
+//! `keyspace` keys, or the keys of `--trace FILE` (u64 little-endian, or one
+//! decimal key per line), replayed once. Beside the table, the same stream
+//! runs through an ideal fully associative cache of the same capacity and
+//! policy with the same batch semantics. Prints the hit rates, the load
+//! factor at the first eviction (none when nothing was evicted), and the
+//! top-N retention of the paper's Table 11: the share of the ideal
+//! highest-scored N = capacity keys — the final contents of the ideal fully
+//! associative cache of the same policy — that the table holds at the end.
+//! For Lru these are exactly the N most recently accessed keys. Also
+//! printed: the share of the N most frequently accessed keys held
+//! (`popular_n_retention`), the same figure for the ideal cache, and, for a
+//! Zipf stream, the hit rate ceiling (the probability mass of the
+//! `capacity` most popular keys). `--capacities` repeats the replay at
+//! several capacities (slot counts, or factors of `--capacity`), the same
+//! stream each time, so that a user can see what a smaller or larger table
+//! would hit before buying it.
 
 use std::collections::{BTreeSet, HashMap};
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -21,7 +32,7 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use hkv_shard::cpu::CpuTable;
 use hkv_shard::score::ManualClock;
-use hkv_shard::{BucketMode, Outcome, ScorePolicy, Shard, TableConfig};
+use hkv_shard::{is_reserved, BucketMode, LfuTies, Outcome, ScorePolicy, Shard, TableConfig};
 use rand::SeedableRng;
 use rand_distr::{Distribution, Zipf};
 
@@ -31,6 +42,11 @@ struct Args {
     /// Table capacity in slots (a multiple of 128 keeps it exact).
     #[arg(long, default_value_t = 1 << 20)]
     capacity: u64,
+    /// Capacities to replay the same stream at, comma separated: slot
+    /// counts (`262144`) or factors of --capacity (`1/8x,1/2x,1x,2x,8x`).
+    /// Default: --capacity alone.
+    #[arg(long, value_delimiter = ',')]
+    capacities: Vec<String>,
     /// Zipf exponent of the key popularity.
     #[arg(long, default_value_t = 0.99)]
     alpha: f64,
@@ -40,9 +56,22 @@ struct Args {
     /// Accesses = stream-multiple × capacity.
     #[arg(long, default_value_t = 5.0)]
     stream_multiple: f64,
+    /// Replay this key trace instead of a Zipf stream (alpha, keyspace and
+    /// stream-multiple are then unused).
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Trace format: `bin` (u64 little-endian keys, 8 bytes each), `text`
+    /// (one decimal key per line, blank lines skipped) or `auto` (text when
+    /// the first 4 KiB are printable ASCII and white space, else bin).
+    #[arg(long, default_value = "auto")]
+    trace_format: String,
     /// Score policy: lru or lfu.
     #[arg(long, default_value = "lru")]
     policy: String,
+    /// Lfu tie rule: lru (the least recently written of equal frequencies
+    /// goes) or lowest-slot (the reference library's rule).
+    #[arg(long, default_value = "lru")]
+    lfu_ties: String,
     /// Bucket mode: single or dual.
     #[arg(long, default_value = "single")]
     mode: String,
@@ -52,7 +81,8 @@ struct Args {
     /// Keys per batch.
     #[arg(long, default_value_t = 1024)]
     batch: usize,
-    /// Print one JSON object as the last line.
+    /// Print one JSON object as the last line (with several capacities:
+    /// `{"runs": [one object per capacity]}`).
     #[arg(long)]
     json: bool,
 }
@@ -138,38 +168,202 @@ fn harmonic(n: u64, alpha: f64) -> f64 {
     (1..=n).rev().map(|r| (r as f64).powf(-alpha)).sum()
 }
 
-fn main() -> Result<()> {
-    let a = Args::parse();
-    let policy: ScorePolicy = a.policy.parse().context("--policy")?;
-    if !matches!(policy, ScorePolicy::Lru | ScorePolicy::Lfu) {
-        bail!("--policy must be lru or lfu (the ideal cache is defined for those)");
-    }
-    let mode = match a.mode.as_str() {
-        "single" => BucketMode::Single,
-        "dual" => BucketMode::Dual,
-        m => bail!("--mode must be single or dual, not {m:?}"),
-    };
-    if a.capacity == 0 || a.batch == 0 {
-        bail!("--capacity and --batch must be positive");
-    }
-    let keyspace = a.keyspace.unwrap_or(a.capacity * 10);
-    if a.alpha.is_nan() || a.alpha <= 0.0 || keyspace == 0 {
-        bail!("--alpha must be > 0 and --keyspace positive");
-    }
-    let total = (a.stream_multiple * a.capacity as f64) as u64;
-    let started = Instant::now();
+/// How a trace file is laid out.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum TraceFormat {
+    /// u64 little-endian keys.
+    Bin,
+    /// One decimal key per line.
+    Text,
+}
 
-    let clock = ManualClock::new(1);
-    let cfg = TableConfig { dim: 1, ..TableConfig::new(a.capacity, 1) }.policy(policy).mode(mode);
-    let table = CpuTable::with_clock(cfg, clock.clone() as Arc<_>)?;
+impl TraceFormat {
+    fn name(self) -> &'static str {
+        match self {
+            TraceFormat::Bin => "bin",
+            TraceFormat::Text => "text",
+        }
+    }
+
+    /// `bin` or `text` as asked, or for `auto` guessed from the first 4 KiB:
+    /// text when they are printable ASCII and white space (binary keys are
+    /// that only by a vanishing chance; a text trace with a typo is still
+    /// read as text, so the error names the line).
+    fn pick(asked: &str, path: &Path) -> Result<TraceFormat> {
+        match asked {
+            "bin" => Ok(TraceFormat::Bin),
+            "text" => Ok(TraceFormat::Text),
+            "auto" => {
+                let mut head = Vec::with_capacity(4096);
+                File::open(path)
+                    .with_context(|| format!("opening trace {}", path.display()))?
+                    .take(4096)
+                    .read_to_end(&mut head)
+                    .with_context(|| format!("reading trace {}", path.display()))?;
+                if head.is_empty() {
+                    bail!("trace {} is empty", path.display());
+                }
+                let text = head.iter().all(|b| b.is_ascii_graphic() || b.is_ascii_whitespace());
+                Ok(if text { TraceFormat::Text } else { TraceFormat::Bin })
+            }
+            f => bail!("--trace-format must be bin, text or auto, not {f:?}"),
+        }
+    }
+}
+
+/// Where the keys come from: a Zipf stream or a trace file, read a batch at
+/// a time (a trace is streamed, never held whole). One lives per replay, so
+/// the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
+enum Source {
+    Zipf { zipf: Zipf<f64>, rng: rand::rngs::StdRng, seed: u64, left: u64 },
+    Trace { path: PathBuf, format: TraceFormat, reader: BufReader<File>, read: u64, line: String },
+}
+
+impl Source {
+    fn zipf(keyspace: u64, alpha: f64, seed: u64, total: u64) -> Result<Source> {
+        let zipf = Zipf::new(keyspace, alpha).context("zipf parameters")?;
+        Ok(Source::Zipf { zipf, rng: rand::rngs::StdRng::seed_from_u64(seed), seed, left: total })
+    }
+
+    fn trace(path: &Path, format: TraceFormat) -> Result<Source> {
+        let f = File::open(path).with_context(|| format!("opening trace {}", path.display()))?;
+        Ok(Source::Trace {
+            path: path.to_path_buf(),
+            format,
+            reader: BufReader::with_capacity(1 << 20, f),
+            read: 0,
+            line: String::new(),
+        })
+    }
+
+    /// Replaces `keys` with up to `n` next keys; empty at the end.
+    fn next_batch(&mut self, keys: &mut Vec<u64>, n: usize) -> Result<()> {
+        keys.clear();
+        match self {
+            Source::Zipf { zipf, rng, seed, left } => {
+                let n = n.min(*left as usize);
+                for _ in 0..n {
+                    let rank = zipf.sample(rng) as u64;
+                    keys.push(splitmix64(rank ^ seed.rotate_left(32)) >> 1);
+                }
+                *left -= n as u64;
+            }
+            Source::Trace { path, format: TraceFormat::Bin, reader, read, .. } => {
+                let mut b = [0u8; 8];
+                while keys.len() < n {
+                    let got = read_full(reader, &mut b).with_context(|| format!("reading trace {}", path.display()))?;
+                    match got {
+                        0 => break,
+                        8 => {}
+                        _ => bail!(
+                            "trace {} ends with {got} bytes, not a whole u64 key (a text trace? use --trace-format text)",
+                            path.display()
+                        ),
+                    }
+                    let k = u64::from_le_bytes(b);
+                    if is_reserved(k) {
+                        bail!("trace {}: key {} (index {}) is one of the table's reserved keys (u64::MAX - 3 ..= u64::MAX)", path.display(), k, *read);
+                    }
+                    keys.push(k);
+                    *read += 1;
+                }
+            }
+            Source::Trace { path, format: TraceFormat::Text, reader, read, line } => {
+                while keys.len() < n {
+                    line.clear();
+                    if reader.read_line(line).with_context(|| format!("reading trace {}", path.display()))? == 0 {
+                        break;
+                    }
+                    *read += 1;
+                    let t = line.trim();
+                    if t.is_empty() {
+                        continue;
+                    }
+                    let k: u64 = t.parse().with_context(|| {
+                        format!("trace {} line {}: {t:?} is not a decimal u64 key", path.display(), *read)
+                    })?;
+                    if is_reserved(k) {
+                        bail!(
+                            "trace {} line {}: key {k} is one of the table's reserved keys (u64::MAX - 3 ..= u64::MAX)",
+                            path.display(),
+                            *read
+                        );
+                    }
+                    keys.push(k);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Reads until `b` is full or the input ends; returns the bytes read.
+fn read_full(r: &mut impl Read, b: &mut [u8]) -> std::io::Result<usize> {
+    let mut got = 0;
+    while got < b.len() {
+        match r.read(&mut b[got..]) {
+            Ok(0) => break,
+            Ok(k) => got += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(got)
+}
+
+/// One capacity of `--capacities`: slots, or a factor `P/Qx` / `Fx` of base.
+fn parse_capacity(s: &str, base: u64) -> Result<u64> {
+    let s = s.trim();
+    let cap = if let Some(f) = s.strip_suffix('x') {
+        let (p, q) = match f.split_once('/') {
+            Some((p, q)) => (p.trim().parse::<f64>(), q.trim().parse::<f64>()),
+            None => (f.trim().parse::<f64>(), Ok(1.0)),
+        };
+        let (p, q) = (p.ok(), q.ok());
+        match (p, q) {
+            (Some(p), Some(q)) if p > 0.0 && q > 0.0 && (p / q).is_finite() => (base as f64 * p / q).round() as u64,
+            _ => bail!("--capacities: {s:?} is not a factor such as 1/8x, 0.5x or 2x"),
+        }
+    } else {
+        s.parse::<u64>()
+            .with_context(|| format!("--capacities: {s:?} is neither a slot count nor a factor such as 2x"))?
+    };
+    if cap == 0 {
+        bail!("--capacities: {s:?} gives no slots");
+    }
+    Ok(cap)
+}
+
+/// What one replay measured.
+struct Run {
+    capacity: u64,
+    accesses: u64,
+    hits: u64,
+    ideal_hits: u64,
+    distinct: u64,
+    hit_rate: f64,
+    ideal_hit_rate: f64,
+    ceiling: Option<f64>,
+    first_eviction: Option<f64>,
+    top_n_retention: f64,
+    popular_n_retention: f64,
+    ideal_popular: f64,
+    final_load_factor: f64,
+    seconds: f64,
+}
+
+/// Replays `source` through a table of `capacity` slots and the ideal cache.
+fn replay(a: &Args, cfg: &TableConfig, mut source: Source) -> Result<Run> {
+    let started = Instant::now();
+    let policy = cfg.policy;
+    let clock = ManualClock::new(1 << 20);
+    let table = CpuTable::with_clock(cfg.clone(), clock.clone() as Arc<_>)?;
     let capacity = table.capacity();
     let mut ideal: Box<dyn Ideal> = match policy {
         ScorePolicy::Lru => Box::new(IdealLru { cap: capacity as usize, last: HashMap::new(), order: BTreeSet::new() }),
         _ => Box::new(IdealLfu { cap: capacity as usize, entry: HashMap::new(), order: BTreeSet::new() }),
     };
-
-    let zipf = Zipf::new(keyspace, a.alpha).context("zipf parameters")?;
-    let mut rng = rand::rngs::StdRng::seed_from_u64(a.seed);
     // Per key: (latest access, accesses) — the ideal scores for top-N.
     let mut truth: HashMap<u64, (u64, u64)> = HashMap::new();
     let (mut hits, mut ideal_hits, mut done) = (0u64, 0u64, 0u64);
@@ -179,18 +373,19 @@ fn main() -> Result<()> {
     let mut vals = vec![0.0f32; a.batch];
     let mut outcomes = vec![Outcome::Absent; a.batch];
     let ones = vec![1u64; a.batch];
-    let mut step = 0u64;
-    while done < total {
-        let n = a.batch.min((total - done) as usize);
-        keys.clear();
-        for _ in 0..n {
-            let rank = zipf.sample(&mut rng) as u64;
-            keys.push(splitmix64(rank ^ a.seed.rotate_left(32)) >> 1);
+    let mut step = 1u64;
+    loop {
+        source.next_batch(&mut keys, a.batch)?;
+        let n = keys.len();
+        if n == 0 {
+            break;
         }
         hits += table.find(&keys, &mut vals[..n], &mut found[..n], None)? as u64;
         ideal_hits += keys.iter().filter(|&&k| ideal.contains(k)).count() as u64;
+        // One clock step per batch, in the ~ms unit Lfu stamps count in
+        // (ns >> 20), so that every batch writes a later stamp.
         step += 1;
-        clock.set(step);
+        clock.set(step << 20);
         let size0 = table.size();
         let scores = (policy == ScorePolicy::Lfu).then(|| &ones[..n]);
         table.insert_or_assign(&keys, &vals[..n], scores, Some(&mut outcomes[..n]))?;
@@ -207,6 +402,9 @@ fn main() -> Result<()> {
             *e = (at, e.1 + 1);
         }
         done += n as u64;
+    }
+    if done == 0 {
+        bail!("the stream holds no keys");
     }
 
     // Top-N: the ideal cache's final contents, held by the table?
@@ -225,38 +423,138 @@ fn main() -> Result<()> {
     let popular: Vec<u64> = ranked[..n_top].iter().map(|t| t.2).collect();
     let popular_n_retention = retention(&popular)?;
     let ideal_popular = popular.iter().filter(|&&k| ideal.contains(k)).count() as f64 / n_top.max(1) as f64;
+    let ceiling = match &source {
+        Source::Zipf { .. } => {
+            let keyspace = a.keyspace.unwrap_or(a.capacity * 10);
+            Some(harmonic(capacity.min(keyspace), a.alpha) / harmonic(keyspace, a.alpha))
+        }
+        Source::Trace { .. } => None,
+    };
+    Ok(Run {
+        capacity,
+        accesses: done,
+        hits,
+        ideal_hits,
+        distinct: truth.len() as u64,
+        hit_rate: hits as f64 / done as f64,
+        ideal_hit_rate: ideal_hits as f64 / done as f64,
+        ceiling,
+        first_eviction,
+        top_n_retention,
+        popular_n_retention,
+        ideal_popular,
+        final_load_factor: table.load_factor(),
+        seconds: started.elapsed().as_secs_f64(),
+    })
+}
 
-    let hit_rate = hits as f64 / total as f64;
-    let ideal_hit_rate = ideal_hits as f64 / total as f64;
-    let ceiling = harmonic(capacity.min(keyspace), a.alpha) / harmonic(keyspace, a.alpha);
-    let first = first_eviction.unwrap_or(table.load_factor());
-    let secs = started.elapsed().as_secs_f64();
+fn pct(x: Option<f64>) -> String {
+    x.map_or("n/a".into(), |x| format!("{:.3}%", x * 100.0))
+}
 
-    println!("hkv-sim: {} mode, {} policy, capacity {capacity}, keyspace {keyspace}, alpha {}, {total} accesses in batches of {}, seed {}",
-        a.mode, a.policy, a.alpha, a.batch, a.seed);
-    println!("{:<34} {:>10}", "metric", "value");
-    println!("{:<34} {:>9.3}%", "hit rate (table)", hit_rate * 100.0);
-    println!("{:<34} {:>9.3}%", "hit rate (ideal fully assoc.)", ideal_hit_rate * 100.0);
-    println!("{:<34} {:>9.3}%", "hit rate ceiling (top-capacity mass)", ceiling * 100.0);
-    println!("{:<34} {:>+9.3} pp", "table - ideal", (hit_rate - ideal_hit_rate) * 100.0);
-    match first_eviction {
-        Some(f) => println!("{:<34} {:>10.4}", "first-eviction load factor", f),
-        None => println!("{:<34} {:>10}", "first-eviction load factor", "none"),
+fn main() -> Result<()> {
+    let a = Args::parse();
+    let policy: ScorePolicy = a.policy.parse().context("--policy")?;
+    if !matches!(policy, ScorePolicy::Lru | ScorePolicy::Lfu) {
+        bail!("--policy must be lru or lfu (the ideal cache is defined for those)");
     }
-    println!("{:<34} {:>9.3}%", "top-N retention", top_n_retention * 100.0);
-    println!("{:<34} {:>9.3}%", "popular-N retention (table)", popular_n_retention * 100.0);
-    println!("{:<34} {:>9.3}%", "popular-N retention (ideal)", ideal_popular * 100.0);
-    println!("{:<34} {:>10.4}", "final load factor", table.load_factor());
-    println!("{:<34} {:>9.1}s", "wall time", secs);
+    let lfu_ties: LfuTies = a.lfu_ties.parse().context("--lfu-ties")?;
+    let mode = match a.mode.as_str() {
+        "single" => BucketMode::Single,
+        "dual" => BucketMode::Dual,
+        m => bail!("--mode must be single or dual, not {m:?}"),
+    };
+    if a.capacity == 0 || a.batch == 0 {
+        bail!("--capacity and --batch must be positive");
+    }
+    let keyspace = a.keyspace.unwrap_or(a.capacity * 10);
+    if a.alpha.is_nan() || a.alpha <= 0.0 || keyspace == 0 {
+        bail!("--alpha must be > 0 and --keyspace positive");
+    }
+    // The same stream at every capacity: its size follows --capacity.
+    let total = (a.stream_multiple * a.capacity as f64) as u64;
+    let capacities: Vec<u64> = if a.capacities.is_empty() {
+        vec![a.capacity]
+    } else {
+        a.capacities.iter().map(|c| parse_capacity(c, a.capacity)).collect::<Result<_>>()?
+    };
+    let format = a.trace.as_deref().map(|p| TraceFormat::pick(&a.trace_format, p)).transpose()?;
+
+    let mut runs = Vec::new();
+    for &cap in &capacities {
+        let cfg = TableConfig::new(cap, 1).policy(policy).mode(mode).lfu_ties(lfu_ties);
+        let source = match (&a.trace, format) {
+            (Some(p), Some(f)) => Source::trace(p, f)?,
+            _ => Source::zipf(keyspace, a.alpha, a.seed, total)?,
+        };
+        let r = replay(&a, &cfg, source)?;
+        let stream = match (&a.trace, format) {
+            (Some(p), Some(f)) => format!("trace {} ({}, {} distinct keys)", p.display(), f.name(), r.distinct),
+            _ => format!("keyspace {keyspace}, alpha {}, seed {}", a.alpha, a.seed),
+        };
+        println!(
+            "hkv-sim: {} mode, {} policy{}, capacity {}, {stream}, {} accesses in batches of {}",
+            a.mode,
+            a.policy,
+            if policy == ScorePolicy::Lfu { format!(" ({} ties)", lfu_ties.name()) } else { String::new() },
+            r.capacity,
+            r.accesses,
+            a.batch
+        );
+        println!("{:<36} {:>10}", "metric", "value");
+        println!("{:<36} {:>9.3}%", "hit rate (table)", r.hit_rate * 100.0);
+        println!("{:<36} {:>9.3}%", "hit rate (ideal fully assoc.)", r.ideal_hit_rate * 100.0);
+        println!("{:<36} {:>10}", "hit rate ceiling (top-capacity mass)", pct(r.ceiling));
+        println!("{:<36} {:>+9.3} pp", "table - ideal", (r.hit_rate - r.ideal_hit_rate) * 100.0);
+        match r.first_eviction {
+            Some(f) => println!("{:<36} {:>10.4}", "first-eviction load factor", f),
+            None => println!("{:<36} {:>10}", "first-eviction load factor", "none"),
+        }
+        println!("{:<36} {:>9.3}%", "top-N retention", r.top_n_retention * 100.0);
+        println!("{:<36} {:>9.3}%", "popular-N retention (table)", r.popular_n_retention * 100.0);
+        println!("{:<36} {:>9.3}%", "popular-N retention (ideal)", r.ideal_popular * 100.0);
+        println!("{:<36} {:>10.4}", "final load factor", r.final_load_factor);
+        println!("{:<36} {:>9.1}s", "wall time", r.seconds);
+        runs.push(r);
+    }
+    if runs.len() > 1 {
+        println!(
+            "{:>12} {:>8} {:>10} {:>10} {:>10} {:>10}",
+            "capacity", "factor", "table", "ideal", "diff pp", "top-N"
+        );
+        for r in &runs {
+            println!(
+                "{:>12} {:>8.3} {:>9.3}% {:>9.3}% {:>+10.3} {:>9.3}%",
+                r.capacity,
+                r.capacity as f64 / a.capacity as f64,
+                r.hit_rate * 100.0,
+                r.ideal_hit_rate * 100.0,
+                (r.hit_rate - r.ideal_hit_rate) * 100.0,
+                r.top_n_retention * 100.0
+            );
+        }
+    }
     if a.json {
-        let j = serde_json::json!({
-            "mode": a.mode, "policy": a.policy, "capacity": capacity, "keyspace": keyspace,
-            "alpha": a.alpha, "accesses": total, "batch": a.batch, "seed": a.seed,
-            "hit_rate": hit_rate, "ideal_hit_rate": ideal_hit_rate, "ceiling_hit_rate": ceiling,
-            "first_eviction_load_factor": first, "evicted": first_eviction.is_some(),
-            "top_n_retention": top_n_retention, "popular_n_retention": popular_n_retention,
-            "ideal_popular_n_retention": ideal_popular, "final_load_factor": table.load_factor(), "seconds": secs,
-        });
+        let obj = |r: &Run| {
+            serde_json::json!({
+                "mode": a.mode, "policy": a.policy,
+                "lfu_ties": (policy == ScorePolicy::Lfu).then(|| lfu_ties.name()), "capacity": r.capacity,
+                "keyspace": if a.trace.is_some() { None } else { Some(keyspace) },
+                "trace": a.trace.as_ref().map(|p| p.display().to_string()), "trace_format": format.map(|f| f.name()),
+                "distinct_keys": r.distinct,
+                "alpha": if a.trace.is_some() { None } else { Some(a.alpha) },
+                "accesses": r.accesses, "hits": r.hits, "ideal_hits": r.ideal_hits, "batch": a.batch, "seed": a.seed,
+                "hit_rate": r.hit_rate, "ideal_hit_rate": r.ideal_hit_rate, "ceiling_hit_rate": r.ceiling,
+                "first_eviction_load_factor": r.first_eviction, "evicted": r.first_eviction.is_some(),
+                "top_n_retention": r.top_n_retention, "popular_n_retention": r.popular_n_retention,
+                "ideal_popular_n_retention": r.ideal_popular, "final_load_factor": r.final_load_factor,
+                "seconds": r.seconds,
+            })
+        };
+        let j = match runs.as_slice() {
+            [r] => obj(r),
+            rs => serde_json::json!({ "runs": rs.iter().map(obj).collect::<Vec<_>>() }),
+        };
         println!("{j}");
     }
     Ok(())

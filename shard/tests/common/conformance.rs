@@ -7,7 +7,8 @@
 use std::collections::{HashMap, HashSet};
 
 use hkv_shard::hash::bucket1;
-use hkv_shard::{BucketMode, Error, Filter, Lost, Outcome, ScorePolicy, Shard, TableConfig, RESERVED_KEY_MIN};
+use hkv_shard::score::lfu_frequency;
+use hkv_shard::{BucketMode, Error, Filter, LfuTies, Lost, Outcome, ScorePolicy, Shard, TableConfig, RESERVED_KEY_MIN};
 
 pub type Make = fn(TableConfig) -> Box<dyn Shard>;
 
@@ -132,17 +133,19 @@ pub fn full_bucket_evicts_min_and_rejects_below(make: Make) {
 /// Each policy's rules in one full bucket (the reference's evict_strategy tests).
 pub fn policies_keep_the_right_keys(make: Make) {
     // Lfu: frequent keys survive a wave of newcomers; newcomers are admitted.
-    let t = make(TableConfig::new(128, 1).policy(ScorePolicy::Lfu));
     let keys: Vec<u64> = (1..=128).collect();
-    t.insert_or_assign(&keys, &vals(&keys, 1, 0.0), None, None).unwrap();
-    t.insert_or_assign(&keys[64..], &vals(&keys[64..], 1, 0.0), Some(&[5; 64]), None).unwrap();
-    let (_, _, s) = find_all(&*t, &keys[63..65]);
-    assert_eq!(s, [1, 6]);
-    let new: Vec<u64> = (1000..1064).collect();
-    let out = t.insert_or_assign(&new, &vals(&new, 1, 0.0), None, None).unwrap();
-    assert_eq!(out.evicted, 64);
-    let (_, f, _) = find_all(&*t, &keys[64..]);
-    assert!(f.iter().all(|&x| x), "frequent keys survive");
+    for ties in LfuTies::ALL {
+        let t = make(TableConfig::new(128, 1).policy(ScorePolicy::Lfu).lfu_ties(ties));
+        t.insert_or_assign(&keys, &vals(&keys, 1, 0.0), None, None).unwrap();
+        t.insert_or_assign(&keys[64..], &vals(&keys[64..], 1, 0.0), Some(&[5; 64]), None).unwrap();
+        let (_, _, s) = find_all(&*t, &keys[63..65]);
+        assert_eq!(s.iter().map(|&s| lfu_frequency(s, ties)).collect::<Vec<_>>(), [1, 6], "{ties:?}");
+        let new: Vec<u64> = (1000..1064).collect();
+        let out = t.insert_or_assign(&new, &vals(&new, 1, 0.0), None, None).unwrap();
+        assert_eq!(out.evicted, 64);
+        let (_, f, _) = find_all(&*t, &keys[64..]);
+        assert!(f.iter().all(|&x| x), "{ties:?}: frequent keys survive");
+    }
     // EpochLfu: epoch in the high half, saturating low half.
     let t = make(TableConfig::new(128, 1).policy(ScorePolicy::EpochLfu));
     t.set_global_epoch(7);
@@ -170,6 +173,54 @@ pub fn policies_keep_the_right_keys(make: Make) {
     t.insert_or_assign(&new, &vals(&new, 1, 0.0), None, None).unwrap();
     let (_, f, _) = find_all(&*t, &keys[..10]);
     assert!(f.iter().all(|&x| x), "recently written keys survive");
+}
+
+/// Issue 27: a full bucket of frequency-1 Lfu entries evicted its lowest
+/// slot for every newcomer, so a newcomer was evicted by the next one before
+/// it could be counted twice (1.06 pp below the ideal Lfu's hit rate in
+/// hkv-sim). With LRU ties the least recently written entry of the lowest
+/// frequency goes; the reference's rule stays available as `lowest-slot`.
+pub fn lfu_ties_evict_the_least_recently_written(make: Make) {
+    // Past one ~ms stamp (ns >> 20) of the system clock.
+    let tick = || std::thread::sleep(std::time::Duration::from_millis(3));
+    let old: Vec<u64> = (1..=64).collect();
+    let newer: Vec<u64> = (65..=128).collect();
+    for ties in LfuTies::ALL {
+        let t = make(TableConfig::new(128, 1).policy(ScorePolicy::Lfu).lfu_ties(ties));
+        t.insert_or_assign(&old, &vals(&old, 1, 0.0), None, None).unwrap();
+        tick();
+        t.insert_or_assign(&newer, &vals(&newer, 1, 0.0), None, None).unwrap();
+        // A second count for key 3, the oldest write of all otherwise.
+        t.insert_or_assign(&[3], &[0.0], None, None).unwrap();
+        let mut seen = vec![];
+        for k in [1000u64, 1001, 1000, 1001, 1002] {
+            tick();
+            let mut out = [Outcome::Absent];
+            t.insert_or_assign(&[k], &[0.0], None, Some(&mut out)).unwrap();
+            seen.push(out[0]);
+        }
+        let (_, f, s) = find_all(&*t, &[1, 2, 3, 4, 1000, 1001, 1002, 64, 65]);
+        let freq: Vec<u64> = s.iter().map(|&s| lfu_frequency(s, ties)).collect();
+        use Outcome::{Evicted as E, Updated as U};
+        match ties {
+            LfuTies::Lru => {
+                // 1000 and 1001 take the two oldest frequency-1 slots (keys 1
+                // and 2; key 3 counts twice), stay and are counted again;
+                // 1002 then takes key 4's.
+                assert_eq!(seen, [E, E, U, U, E], "{ties:?}");
+                assert_eq!(f, [false, false, true, false, true, true, true, true, true], "{ties:?}");
+                assert_eq!(freq, [0, 0, 2, 0, 2, 2, 1, 1, 1], "{ties:?}");
+                let (_, _, s) = find_all(&*t, &[64, 65, 1002]);
+                assert!(s[0] < s[1] && s[1] < s[2], "{ties:?}: equal frequencies rank by their last write");
+            }
+            LfuTies::LowestSlot => {
+                // Every newcomer takes slot 0 from the one before it.
+                assert_eq!(seen, [E, E, E, E, E], "{ties:?}");
+                assert_eq!(f, [false, true, true, true, false, false, true, true, true], "{ties:?}");
+                assert_eq!(freq, [0, 1, 2, 1, 0, 0, 1, 1, 1], "{ties:?}");
+            }
+        }
+    }
 }
 
 /// insert_and_evict under heavy eviction: inserted = size + evicted, and
@@ -224,7 +275,8 @@ pub fn find_or_insert_and_accumulate(make: Make) {
         assert_eq!(v, [1.0, 1.0, 8.0, 8.0, 2.0, 2.0]);
         let (got, _, s) = find_all(&*t, &[1, 2, 3]);
         assert_eq!(got, [1.0, 1.0, 2.0, 2.0, 8.0, 8.0]);
-        assert_eq!(s, [3, 2, 4], "a hit in find_or_insert refreshes the score");
+        let freq: Vec<u64> = s.iter().map(|&s| lfu_frequency(s, LfuTies::default())).collect();
+        assert_eq!(freq, [3, 2, 4], "a hit in find_or_insert refreshes the score");
         let mut out = [Outcome::Absent; 3];
         t.accum_or_assign(&[1, 4, 3], &[0.5, 0.5, 4.0, 4.0, 1.0, -1.0], None, Some(&mut out)).unwrap();
         assert_eq!(out, [Outcome::Updated, Outcome::Inserted, Outcome::Updated]);
@@ -498,6 +550,7 @@ macro_rules! conformance_suite {
         #[test] $(#[$attr])? fn bad_input_is_refused_whole() { c::bad_input_is_refused_whole($make) }
         #[test] $(#[$attr])? fn full_bucket_evicts_min_and_rejects_below() { c::full_bucket_evicts_min_and_rejects_below($make) }
         #[test] $(#[$attr])? fn policies_keep_the_right_keys() { c::policies_keep_the_right_keys($make) }
+        #[test] $(#[$attr])? fn lfu_ties_evict_the_least_recently_written() { c::lfu_ties_evict_the_least_recently_written($make) }
         #[test] $(#[$attr])? fn insert_and_evict_conserves_entries() { c::insert_and_evict_conserves_entries($make) }
         #[test] $(#[$attr])? fn find_or_insert_and_accumulate() { c::find_or_insert_and_accumulate($make) }
         #[test] $(#[$attr])? fn assign_touches_only_present_keys() { c::assign_touches_only_present_keys($make) }

@@ -176,7 +176,7 @@ impl Model {
     }
 
     fn scorer(&self, now: u64) -> Scorer {
-        Scorer { policy: self.cfg.policy, now_ns: now, epoch: self.epoch }
+        Scorer { policy: self.cfg.policy, now_ns: now, epoch: self.epoch, lfu_ties: self.cfg.lfu_ties }
     }
 
     pub fn find(&self, keys: &[u64]) -> Vec<Option<(Vec<f32>, u64)>> {

@@ -1,0 +1,157 @@
+//! hkv-sim on key traces the tests write: both trace formats (given and
+//! detected) replay the same keys, hit rates are exact where the access
+//! pattern decides them, `--capacities` replays the same trace at each
+//! capacity, a run without eviction reports no first-eviction load factor,
+//! and the Lfu tie rules keep (or lose) newcomers as issue 27 describes.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+/// A trace file in the temp directory, removed on drop.
+struct Trace(PathBuf);
+
+impl Trace {
+    fn bin(name: &str, keys: &[u64]) -> Trace {
+        let mut bytes = Vec::with_capacity(keys.len() * 8);
+        for k in keys {
+            bytes.extend_from_slice(&k.to_le_bytes());
+        }
+        Trace::raw(name, &bytes)
+    }
+
+    fn text(name: &str, keys: &[u64]) -> Trace {
+        let mut s = String::new();
+        for (i, k) in keys.iter().enumerate() {
+            s.push_str(&format!("{k}\n"));
+            if i == 3 {
+                s.push('\n'); // blank lines are skipped
+            }
+        }
+        Trace::raw(name, s.as_bytes())
+    }
+
+    fn raw(name: &str, bytes: &[u8]) -> Trace {
+        let p = std::env::temp_dir().join(format!("hkv-sim-{}-{name}", std::process::id()));
+        std::fs::File::create(&p).unwrap().write_all(bytes).unwrap();
+        Trace(p)
+    }
+
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Trace {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+fn sim(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_hkv-sim")).args(args).output().expect("hkv-sim runs")
+}
+
+/// The JSON object of a successful run (its last line).
+fn sim_json(trace: &Trace, args: &[&str]) -> Value {
+    let mut all = vec!["--trace", trace.path().to_str().unwrap(), "--json"];
+    all.extend_from_slice(args);
+    let out = sim(&all);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{args:?}: {}\n{stdout}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_str(stdout.lines().last().unwrap()).unwrap()
+}
+
+fn cycle(distinct: u64, times: usize) -> Vec<u64> {
+    (0..times).flat_map(|_| (0..distinct).map(|i| i * 0x9e37_79b9 + 7)).collect()
+}
+
+/// 100 keys, ten times, in one bucket of 128: every access after the first
+/// pass hits, nothing is evicted, and the report says so (it used to print
+/// the final load factor as the first eviction's).
+#[test]
+fn both_formats_replay_the_same_keys_and_no_eviction_reports_none() {
+    let keys = cycle(100, 10);
+    let (bin, text) = (Trace::bin("fit.bin", &keys), Trace::text("fit.txt", &keys));
+    let mut runs = vec![];
+    for (t, format) in [(&bin, "bin"), (&bin, "auto"), (&text, "text"), (&text, "auto")] {
+        let j = sim_json(t, &["--capacity", "128", "--batch", "10", "--trace-format", format]);
+        assert_eq!(j["trace_format"], if t.path() == bin.path() { "bin" } else { "text" }, "{format}");
+        assert_eq!((j["accesses"].as_u64(), j["distinct_keys"].as_u64()), (Some(1000), Some(100)));
+        assert_eq!((j["hits"].as_u64(), j["ideal_hits"].as_u64()), (Some(900), Some(900)), "{format}");
+        assert!((j["hit_rate"].as_f64().unwrap() - 0.9).abs() < 1e-12, "{format}");
+        assert!(j["first_eviction_load_factor"].is_null(), "{format}: {j}");
+        assert_eq!(j["evicted"], false);
+        assert!((j["final_load_factor"].as_f64().unwrap() - 100.0 / 128.0).abs() < 1e-12);
+        assert!(j["ceiling_hit_rate"].is_null(), "a trace has no Zipf ceiling");
+        runs.push(j);
+    }
+    let strip = |j: &Value| {
+        let mut j = j.clone();
+        for f in ["trace", "trace_format", "seconds"] {
+            j.as_object_mut().unwrap().remove(f);
+        }
+        j
+    };
+    assert!(runs.iter().all(|j| strip(j) == strip(&runs[0])), "the formats replay the same keys");
+    let out = sim(&["--trace", text.path().to_str().unwrap(), "--capacity", "128", "--batch", "10"]);
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(s.lines().any(|l| l.starts_with("first-eviction load factor") && l.ends_with("none")), "{s}");
+}
+
+/// A cycle of 200 keys: at 128 slots Lru never hits (table and ideal); at
+/// 256 (2 buckets, dual mode) everything after the first pass does.
+#[test]
+fn capacities_replay_the_same_trace_at_each_capacity() {
+    let t = Trace::bin("cycle.bin", &cycle(200, 5));
+    let j = sim_json(&t, &["--capacity", "256", "--capacities", "1/2x,1x", "--mode", "dual", "--batch", "10"]);
+    let runs = j["runs"].as_array().expect("one object per capacity");
+    let got: Vec<(u64, u64, u64)> = runs
+        .iter()
+        .map(|r| (r["capacity"].as_u64().unwrap(), r["hits"].as_u64().unwrap(), r["ideal_hits"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(got, [(128, 0, 0), (256, 800, 800)]);
+    assert_eq!(runs[0]["first_eviction_load_factor"].as_f64(), Some(1.0), "one bucket evicts when full");
+    assert!(runs[1]["first_eviction_load_factor"].is_null());
+    // Slot counts work as well as factors.
+    let j = sim_json(&t, &["--capacities", "256", "--mode", "dual", "--batch", "10"]);
+    assert_eq!(j["capacity"].as_u64(), Some(256));
+}
+
+/// Issue 27 in one bucket: 128 keys once, then two newcomers alternating.
+/// With LRU ties the newcomers take the two oldest slots and hit from their
+/// second access on, as in the ideal Lfu; with the reference's lowest-slot
+/// rule each takes slot 0 from the other and never hits.
+#[test]
+fn lfu_ties_keep_alternating_newcomers() {
+    let mut keys: Vec<u64> = (1..=128).collect();
+    keys.extend([1000u64, 1001].repeat(10));
+    let t = Trace::text("lfu.txt", &keys);
+    let args = ["--capacity", "128", "--batch", "1", "--policy", "lfu", "--lfu-ties"];
+    let lru = sim_json(&t, &[&args[..], &["lru"]].concat());
+    let counts = |j: &Value| (j["accesses"].as_u64(), j["hits"].as_u64(), j["ideal_hits"].as_u64());
+    assert_eq!(counts(&lru), (Some(148), Some(18), Some(18)));
+    assert_eq!(lru["top_n_retention"].as_f64(), Some(1.0));
+    let slot = sim_json(&t, &[&args[..], &["lowest-slot"]].concat());
+    assert_eq!(counts(&slot), (Some(148), Some(0), Some(18)));
+    assert!((slot["top_n_retention"].as_f64().unwrap() - 127.0 / 128.0).abs() < 1e-12);
+}
+
+#[test]
+fn bad_traces_are_refused_with_the_place() {
+    let t = Trace::raw("bad.txt", b"12\n13\nfourteen\n");
+    let out = sim(&["--trace", t.path().to_str().unwrap(), "--capacity", "128"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("line 3") && err.contains("fourteen"), "{err}");
+    let t = Trace::raw("short.bin", &[1, 2, 3, 4, 5, 6, 7, 8, 9, 0xff, 0xfe]);
+    let out = sim(&["--trace", t.path().to_str().unwrap(), "--capacity", "128"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("3 bytes"), "{err}");
+    let t = Trace::bin("reserved.bin", &[5, u64::MAX]);
+    let out = sim(&["--trace", t.path().to_str().unwrap(), "--capacity", "128"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("reserved") && err.contains("index 1"), "{err}");
+}
