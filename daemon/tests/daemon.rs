@@ -8,7 +8,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
-use common::Daemon;
+use common::{expect_error, raw_call, Daemon};
 use hkv_client::proto::{self, flags, frame, op, Header, HEADER_LEN};
 use hkv_client::{Client, ClientError, Cursor, ErrorCode, Filter, Request, Response, TableSpec};
 
@@ -361,27 +361,6 @@ fn sixteen_clients_pipelining_mixed_operations() {
     let mut c = d.client();
     assert_eq!(c.tables().unwrap()[0].size, 16 * 7 * 500);
     assert_eq!(c.stats().unwrap()["errors"], 0);
-}
-
-/// Writes raw bytes, reads one response frame.
-fn raw_call(s: &mut UnixStream, bytes: &[u8]) -> (Header, Response) {
-    s.write_all(bytes).unwrap();
-    let mut h = [0u8; HEADER_LEN];
-    s.read_exact(&mut h).unwrap();
-    let h = Header::decode(&h).unwrap();
-    let mut body = vec![0u8; h.body_len as usize];
-    s.read_exact(&mut body).unwrap();
-    (h, Response::decode(&h, &body).unwrap())
-}
-
-fn expect_error(r: Response, code: ErrorCode, needle: &str) {
-    match r {
-        Response::Error(e) => {
-            assert_eq!(e.code, code, "{e:?}");
-            assert!(e.message.contains(needle), "message {:?} lacks {needle:?}", e.message);
-        }
-        r => panic!("expected {code:?}, got {r:?}"),
-    }
 }
 
 fn closed(s: &mut UnixStream) -> bool {

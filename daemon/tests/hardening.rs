@@ -14,7 +14,7 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::Daemon;
+use common::{expect_error, raw_call, read_answer, Daemon};
 use hkv_client::proto::{frame, op, Header, HEADER_LEN};
 use hkv_client::{Client, ErrorCode, Filter, Request, Response, TableSpec};
 use rand::{Rng, SeedableRng};
@@ -29,31 +29,6 @@ fn spec(name: &str, dim: usize, capacity: u64) -> TableSpec {
 
 fn hex(s: &str) -> Vec<u8> {
     (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
-}
-
-/// Writes raw bytes, reads one response frame.
-fn raw_call(s: &mut UnixStream, bytes: &[u8]) -> (Header, Response) {
-    s.write_all(bytes).unwrap();
-    read_answer(s)
-}
-
-fn read_answer(s: &mut UnixStream) -> (Header, Response) {
-    let mut h = [0u8; HEADER_LEN];
-    s.read_exact(&mut h).unwrap();
-    let h = Header::decode(&h).unwrap();
-    let mut body = vec![0u8; h.body_len as usize];
-    s.read_exact(&mut body).unwrap();
-    (h, Response::decode(&h, &body).unwrap())
-}
-
-fn expect_error(r: Response, code: ErrorCode, needle: &str) {
-    match r {
-        Response::Error(e) => {
-            assert_eq!(e.code, code, "{e:?}");
-            assert!(e.message.contains(needle), "message {:?} lacks {needle:?}", e.message);
-        }
-        r => panic!("expected {code:?}, got {r:?}"),
-    }
 }
 
 /// The daemon answers a new connection and a table works end to end.

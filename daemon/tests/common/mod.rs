@@ -6,7 +6,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use hkv_client::Client;
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+
+use hkv_client::proto::{Header, HEADER_LEN};
+use hkv_client::{Client, ErrorCode, Response};
 
 pub struct Daemon {
     pub child: Option<Child>,
@@ -178,4 +182,31 @@ impl Drop for Daemon {
 
 pub fn path_str(p: &Path) -> &str {
     p.to_str().expect("utf-8 path")
+}
+
+/// Writes raw bytes, reads one response frame.
+pub fn raw_call(s: &mut UnixStream, bytes: &[u8]) -> (Header, Response) {
+    s.write_all(bytes).unwrap();
+    read_answer(s)
+}
+
+/// Reads one response frame.
+pub fn read_answer(s: &mut UnixStream) -> (Header, Response) {
+    let mut h = [0u8; HEADER_LEN];
+    s.read_exact(&mut h).unwrap();
+    let h = Header::decode(&h).unwrap();
+    let mut body = vec![0u8; h.body_len as usize];
+    s.read_exact(&mut body).unwrap();
+    (h, Response::decode(&h, &body).unwrap())
+}
+
+/// Asserts an error answer with `code` whose message holds `needle`.
+pub fn expect_error(r: Response, code: ErrorCode, needle: &str) {
+    match r {
+        Response::Error(e) => {
+            assert_eq!(e.code, code, "{e:?}");
+            assert!(e.message.contains(needle), "message {:?} lacks {needle:?}", e.message);
+        }
+        r => panic!("expected {code:?}, got {r:?}"),
+    }
 }
