@@ -6,9 +6,11 @@
 //! **manifest** (tables, their specs, entry counts, the chunk list) written
 //! last into the same directory as `MANIFEST`, checksummed and fsynced. The
 //! sled catalog indexes the manifests and the `current` pointer; when it is
-//! lost or damaged it is rebuilt from the directories ([`Recovery`]). A
-//! directory without a verifying manifest is a leftover of an interrupted
-//! checkpoint and is collected; one with a verifying manifest never is.
+//! lost or damaged it is rebuilt from the directories ([`Recovery`]), and a
+//! damaged `MANIFEST` from the index's copy. A directory with no manifest
+//! anywhere (file or index) is a leftover of an interrupted checkpoint and is
+//! collected; one that once completed never is (outside retention): if it
+//! cannot be repaired it is moved aside.
 //! The byte layout is in `checkpoint/FORMAT.md`.
 //!
 //! # Layout
