@@ -1010,3 +1010,49 @@ enum Failure {
     /// (that one's id): skipped without reading it again.
     Known(u64),
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(policy: &str, watermarks: Vec<u64>, clocks: Vec<u64>) -> TableEntry {
+        TableEntry {
+            name: "t".into(),
+            dim: 1,
+            policy: policy.into(),
+            mode: "single".into(),
+            spec: serde_json::json!({}),
+            shards: 1,
+            entries: 1,
+            full: true,
+            watermarks,
+            clocks,
+            chunks: vec![],
+            keys: vec![],
+        }
+    }
+
+    /// A loaded score of 2^64 - 1 made every later write score 2^64 - 1 after
+    /// a restart (the clock resumed past the highest restored score). The
+    /// recorded clock decides now; older manifests cap the restored maximum.
+    #[test]
+    fn the_clock_resumes_from_the_recorded_clock_or_a_capped_maximum() {
+        let m = Manifest {
+            format: 1,
+            id: 1,
+            created_unix_ms: 1000,
+            finished_unix_ms: 1009,
+            daemon_version: "t".into(),
+            kind: Kind::Full,
+            tables: vec![],
+        };
+        assert_eq!(resume_point(&entry("lru", vec![5, 7], vec![90, 80]), &m, u64::MAX), 90);
+        // No clocks: capped at the watermark plus 10 ms in ns.
+        assert_eq!(resume_point(&entry("lru", vec![5, 7], vec![]), &m, u64::MAX), 7 + 10_000_000);
+        assert_eq!(resume_point(&entry("lru", vec![5, 7], vec![]), &m, 6), 6, "a legit maximum stays");
+        let wm = (3u64 << 32) | 100;
+        assert_eq!(resume_point(&entry("epoch-lru", vec![wm], vec![]), &m, u64::MAX) >> 32, 3);
+        assert_eq!(resume_point(&entry("epoch-lfu", vec![3 << 32], vec![]), &m, u64::MAX), (3 << 32) | 0xffff_ffff);
+        assert_eq!(resume_point(&entry("lru", vec![], vec![]), &m, 42), 42, "nothing recorded: today's rule");
+    }
+}
