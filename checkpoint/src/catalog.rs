@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{sync_channel, SyncSender};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -57,15 +57,26 @@ pub struct Recovery {
     /// Checkpoints of the earlier format (manifest only in the index) whose
     /// manifest was written into their directory.
     pub migrated: Vec<u64>,
-    /// Index entries without a verifying directory manifest: removed from
-    /// the index (their directories are leftovers).
+    /// Index entries whose directory is gone: removed from the index.
     pub unindexed: Vec<u64>,
+    /// Checkpoints whose directory `MANIFEST` was damaged while the index
+    /// held a copy that verifies, as does every chunk it names: the
+    /// directory's `MANIFEST` was rewritten from that copy.
+    pub rewritten: Vec<u64>,
+    /// Directories that hold a checkpoint which once completed (a damaged
+    /// `MANIFEST`, or an index entry) but could not be repaired: moved aside
+    /// to `chunks/{id:016x}.damaged-{ms}` (never deleted), with why.
+    pub moved_aside: Vec<(u64, PathBuf, String)>,
 }
 
 impl Recovery {
     /// Whether the index needed any repair.
     pub fn repaired(&self) -> bool {
-        self.damaged.is_some() || !self.reindexed.is_empty() || !self.unindexed.is_empty()
+        self.damaged.is_some()
+            || !self.reindexed.is_empty()
+            || !self.unindexed.is_empty()
+            || !self.rewritten.is_empty()
+            || !self.moved_aside.is_empty()
     }
 }
 
@@ -81,6 +92,9 @@ enum DirManifest {
 pub struct Catalog {
     store: Arc<dyn Store>,
     chunks: PathBuf,
+    /// Checkpoints a restore found a corrupt or missing file in (this
+    /// process's knowledge, not persisted: the next restore finds it again).
+    corrupt: Arc<Mutex<BTreeMap<u64, String>>>,
 }
 
 fn io_err(what: &str, path: &Path, e: std::io::Error) -> Error {
@@ -111,7 +125,7 @@ impl Catalog {
         let path = dir.join("catalog");
         let mut rec = Recovery::default();
         let first = SledStore::open(&path).and_then(|store| {
-            let cat = Catalog { store: Arc::new(store), chunks: chunks.clone() };
+            let cat = Catalog::new(Arc::new(store), chunks.clone());
             cat.reconcile(&mut rec).map(|_| cat)
         });
         match first {
@@ -124,7 +138,7 @@ impl Catalog {
                     std::fs::rename(&path, &aside).map_err(|e| io_err("cannot move aside", &path, e))?;
                 }
                 rec = Recovery { damaged: Some((e.to_string(), aside)), ..Recovery::default() };
-                let cat = Catalog { store: Arc::new(SledStore::open(&path)?), chunks };
+                let cat = Catalog::new(Arc::new(SledStore::open(&path)?), chunks);
                 cat.reconcile(&mut rec)?;
                 Ok((cat, rec))
             }
@@ -133,7 +147,24 @@ impl Catalog {
 
     /// A catalog over any store, with checkpoint directories under `chunks`.
     pub fn new(store: Arc<dyn Store>, chunks: PathBuf) -> Catalog {
-        Catalog { store, chunks }
+        Catalog { store, chunks, corrupt: Arc::default() }
+    }
+
+    /// Records that a restore found checkpoint `id` corrupt (a chunk that
+    /// fails verification or is missing): [`Catalog::list`] says so, for it
+    /// and for the incrementals built on it.
+    pub fn mark_corrupt(&self, id: u64, why: &str) {
+        self.corrupt.lock().unwrap_or_else(|p| p.into_inner()).insert(id, why.to_string());
+    }
+
+    /// Forgets a corrupt mark (a restore of it verified after all).
+    pub fn clear_corrupt(&self, id: u64) {
+        self.corrupt.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+    }
+
+    /// Why checkpoint `id` was found corrupt, if it was.
+    pub fn corrupt_reason(&self, id: u64) -> Option<String> {
+        self.corrupt.lock().unwrap_or_else(|p| p.into_inner()).get(&id).cloned()
     }
 
     /// The directory of a checkpoint.
@@ -189,6 +220,11 @@ impl Catalog {
         dirs.extend(indexed.keys().copied());
         for id in dirs {
             let in_index = indexed.get(&id);
+            // The index's copy, when it verifies (it is only ever written
+            // after the directory's MANIFEST, so it proves the checkpoint
+            // once completed).
+            let copy = in_index.and_then(|b| manifest::decode(id, b).ok().map(|m| (m, b.clone())));
+            let is_dir = self.chunk_dir(id).is_dir();
             match self.dir_manifest(id) {
                 DirManifest::Valid(_, bytes) => {
                     if in_index != Some(&bytes) {
@@ -198,21 +234,59 @@ impl Catalog {
                     }
                     newest = Some(id);
                 }
-                DirManifest::Missing
-                    if self.chunk_dir(id).is_dir() && in_index.is_some_and(|b| manifest::decode(id, b).is_ok()) =>
-                {
-                    // A checkpoint of the earlier format: give it its directory manifest.
-                    let bytes = in_index.cloned().unwrap_or_default();
-                    self.write_dir_manifest(id, &bytes)?;
-                    rec.migrated.push(id);
-                    newest = Some(id);
-                }
-                _ => {
+                _ if !is_dir => {
+                    // The directory is gone: nothing to restore from.
                     if in_index.is_some() {
                         self.store.remove(&manifest_key(id))?;
                         rec.unindexed.push(id);
                         changed = true;
                     }
+                }
+                DirManifest::Missing if copy.is_some() => {
+                    // A checkpoint of the earlier format, or a deleted MANIFEST:
+                    // give it its directory manifest back.
+                    let bytes = copy.map(|(_, b)| b).unwrap_or_default();
+                    self.write_dir_manifest(id, &bytes)?;
+                    rec.migrated.push(id);
+                    newest = Some(id);
+                }
+                // No manifest anywhere: an interrupted checkpoint, for `collect`.
+                DirManifest::Missing if in_index.is_none() => {}
+                DirManifest::Invalid(why) => {
+                    // A damaged MANIFEST. With a good copy in the index whose
+                    // every chunk verifies, the file is rewritten from it;
+                    // otherwise the files are kept for inspection, out of the way.
+                    let checked = copy.map(|(m, bytes)| (self.verify(std::slice::from_ref(&m), |_| ()), bytes));
+                    match checked {
+                        Some((Ok(()), bytes)) => {
+                            self.write_dir_manifest(id, &bytes)?;
+                            rec.rewritten.push(id);
+                            newest = Some(id);
+                        }
+                        Some((Err(e), _)) => {
+                            let why = format!(
+                                "its MANIFEST is damaged ({why}) and a file the catalog's copy names does not verify ({e})"
+                            );
+                            rec.moved_aside.push(self.move_aside(id, why)?);
+                        }
+                        None => {
+                            let why =
+                                format!("its MANIFEST is damaged ({why}) and the catalog holds no copy that verifies");
+                            rec.moved_aside.push(self.move_aside(id, why)?);
+                        }
+                    }
+                    if rec.moved_aside.last().is_some_and(|m| m.0 == id) && in_index.is_some() {
+                        self.store.remove(&manifest_key(id))?;
+                        changed = true;
+                    }
+                }
+                DirManifest::Missing => {
+                    // The index named it (so it once completed), but its copy
+                    // does not verify and the MANIFEST file is gone.
+                    let why = "its MANIFEST is missing and the catalog's copy does not verify".to_string();
+                    rec.moved_aside.push(self.move_aside(id, why)?);
+                    self.store.remove(&manifest_key(id))?;
+                    changed = true;
                 }
             }
         }
@@ -226,6 +300,16 @@ impl Catalog {
             self.store.flush()?;
         }
         Ok(())
+    }
+
+    /// Moves a checkpoint directory to `chunks/{id:016x}.damaged-{ms}` (a
+    /// name the catalog no longer reads, never deleted).
+    fn move_aside(&self, id: u64, why: String) -> Result<(u64, PathBuf, String)> {
+        let dir = self.chunk_dir(id);
+        let aside = self.chunks.join(format!("{id:016x}.damaged-{}", now_ms()));
+        std::fs::rename(&dir, &aside).map_err(|e| io_err("cannot move aside", &dir, e))?;
+        sync_dir(&self.chunks)?;
+        Ok((id, aside, why))
     }
 
     /// Writes a directory's manifest: temporary name, fsync, rename, fsync
@@ -306,7 +390,10 @@ impl Catalog {
         Ok(self.store.keys("manifest/")?.len())
     }
 
-    /// Every indexed checkpoint, newest first.
+    /// Every indexed checkpoint, newest first. Status: `complete`;
+    /// `corrupt: …` once a restore found one of its files corrupt or
+    /// missing; `unusable: base … is missing` (or `… is corrupt`) for an
+    /// incremental whose chain is broken; or the manifest's own error.
     pub fn list(&self) -> Result<Vec<Listed>> {
         let mut out = vec![];
         for key in self.store.keys("manifest/")?.into_iter().rev() {
@@ -317,6 +404,27 @@ impl Catalog {
                 None => continue,
             };
             out.push(listed);
+        }
+        let kinds: BTreeMap<u64, Kind> =
+            out.iter().filter_map(|l| l.manifest.as_ref().map(|m| (l.id, m.kind))).collect();
+        for l in out.iter_mut().filter(|l| l.manifest.is_some()) {
+            if let Some(why) = self.corrupt_reason(l.id) {
+                l.status = format!("corrupt: {why}");
+                continue;
+            }
+            // Walk the chain of bases (bounded: ids only go down).
+            let mut at = kinds.get(&l.id).copied();
+            while let Some(Kind::Incremental { base }) = at {
+                if base >= l.id || !kinds.contains_key(&base) {
+                    l.status = format!("unusable: base {base:016x} is missing");
+                    break;
+                }
+                if self.corrupt_reason(base).is_some() {
+                    l.status = format!("unusable: base {base:016x} is corrupt");
+                    break;
+                }
+                at = kinds.get(&base).copied();
+            }
         }
         Ok(out)
     }
@@ -350,14 +458,24 @@ impl Catalog {
         chunk::decode_keys(id, &c.key, &b, c.checksum)
     }
 
-    /// The manifests to apply to restore `id`: its full base first.
+    /// The manifests to apply to restore `id`: its full base first. A base
+    /// that is missing or whose manifest does not verify is
+    /// [`Error::BrokenChain`], naming it.
     pub fn chain(&self, id: u64) -> Result<Vec<Manifest>> {
         let mut chain = vec![self.manifest(id)?];
         while let Some(Kind::Incremental { base }) = chain.last().map(|m| m.kind) {
             if chain.len() > 100_000 || chain.iter().any(|m| m.id == base) {
                 return Err(Error::CorruptManifest { id, why: "its chain of bases loops".into() });
             }
-            chain.push(self.manifest(base)?);
+            let m = self.manifest(base).map_err(|e| Error::BrokenChain {
+                id,
+                base,
+                why: match e {
+                    Error::NotFound(_) => "missing".into(),
+                    e => format!("unusable ({e})"),
+                },
+            })?;
+            chain.push(m);
         }
         chain.reverse();
         Ok(chain)
@@ -381,21 +499,27 @@ impl Catalog {
         Ok(())
     }
 
-    /// Removes leftovers of interrupted checkpoints (directories without a
-    /// verifying manifest, except `running`) and complete checkpoints beyond
-    /// the newest `keep` (keeping the bases incremental ones need). What is
-    /// complete is read from the directories, not the index, so a damaged
-    /// index never causes a deletion. Returns the ids removed.
+    /// Removes leftovers of interrupted checkpoints and complete
+    /// checkpoints beyond the newest `keep` (keeping the bases incremental
+    /// ones need). A leftover is provably interrupted: its directory has no
+    /// `MANIFEST` file and the index has no entry for it (both are written
+    /// only once every chunk is durable), and it is not `running`. A
+    /// directory whose `MANIFEST` is damaged is never collected: the next
+    /// open repairs it or moves it aside. What is complete is read from the
+    /// directories, not the index, so a damaged index never causes a
+    /// deletion. Returns the ids removed.
     pub fn collect(&self, keep: usize, running: Option<u64>) -> Result<Vec<u64>> {
         let mut complete: BTreeMap<u64, Manifest> = BTreeMap::new();
         let mut leftovers = vec![];
+        let indexed: BTreeSet<u64> =
+            self.store.keys("manifest/")?.iter().filter_map(|k| id_of(k, "manifest/")).collect();
         for id in self.dir_ids() {
             match self.dir_manifest(id) {
                 DirManifest::Valid(m, _) => {
                     complete.insert(id, m);
                 }
-                _ if Some(id) == running => {}
-                _ => leftovers.push(id),
+                DirManifest::Missing if Some(id) != running && !indexed.contains(&id) => leftovers.push(id),
+                _ => {}
             }
         }
         let mut retained: BTreeSet<u64> = BTreeSet::new();
@@ -582,6 +706,7 @@ mod tests {
             entries: chunks.iter().map(|c| c.entries).sum(),
             full,
             watermarks: vec![0],
+            clocks: vec![0],
             chunks,
             keys: vec![],
         }
@@ -686,5 +811,131 @@ mod tests {
                 cat.verify(&cat.chain(*id).unwrap(), |_| ()).unwrap();
             }
         }
+    }
+
+    /// A chain F1 <- I2 <- I3 in a fresh directory.
+    fn chain_of_three() -> (tempfile::TempDir, [u64; 3]) {
+        let dir = tempfile::tempdir().unwrap();
+        let cat = Catalog::open(dir.path()).unwrap();
+        let mut ids = [0; 3];
+        for (i, k) in [1u64, 2, 3].into_iter().enumerate() {
+            let mut w = cat.begin().unwrap();
+            let c = w.write("t", 0, 0, 2, &[k, k + 10], &[k, k], &[0.5; 4]).unwrap();
+            let kind = if i == 0 { Kind::Full } else { Kind::Incremental { base: ids[i - 1] } };
+            ids[i] = w.commit(kind, vec![table("t", vec![c], i == 0)], "test").unwrap().id;
+        }
+        (dir, ids)
+    }
+
+    fn aside(root: &Path, id: u64) -> Vec<PathBuf> {
+        let prefix = format!("{id:016x}.damaged-");
+        std::fs::read_dir(root.join("chunks"))
+            .unwrap()
+            .flatten()
+            .filter(|d| d.file_name().to_string_lossy().starts_with(&prefix))
+            .map(|d| d.path())
+            .collect()
+    }
+
+    /// Found testing issue 24: flipping byte 0 of an incremental's MANIFEST
+    /// (or truncating it to 100 bytes) made the next open drop it from the
+    /// index as "unindexed" and `collect` delete its directory with every
+    /// good chunk, although the catalog held a copy that verified; damaging
+    /// a base's MANIFEST that way broke the chain on top of it, which still
+    /// listed as complete. Now a damaged MANIFEST is rewritten from the
+    /// index's copy when that copy and its chunks verify; otherwise the
+    /// directory is moved aside, never deleted, and the incrementals on it
+    /// list as unusable, naming the missing base.
+    #[test]
+    fn a_damaged_manifest_is_rewritten_from_the_index_or_moved_aside_never_deleted() {
+        type Damage = fn(&Path);
+        let damages: [(&str, Damage); 3] = [
+            ("flip byte 0", |p| {
+                let mut b = std::fs::read(p).unwrap();
+                b[0] ^= 0xff;
+                std::fs::write(p, b).unwrap();
+            }),
+            ("truncate to 100 bytes", |p| std::fs::File::options().write(true).open(p).unwrap().set_len(100).unwrap()),
+            ("zero", |p| std::fs::write(p, vec![0u8; std::fs::metadata(p).unwrap().len() as usize]).unwrap()),
+        ];
+        for (what, damage) in damages {
+            for victim in [1, 2] {
+                let (dir, ids) = chain_of_three();
+                let id = ids[victim];
+                damage(&dir.path().join(format!("chunks/{id:016x}/{MANIFEST_FILE}")));
+                let (cat, rec) = Catalog::open_recovering(dir.path()).unwrap();
+                assert_eq!(rec.rewritten, [id], "{what}: {rec:?}");
+                assert!(rec.moved_aside.is_empty() && rec.unindexed.is_empty(), "{what}: {rec:?}");
+                assert_eq!(cat.collect(3, None).unwrap(), Vec::<u64>::new(), "{what}");
+                let listed = cat.list().unwrap();
+                assert!(listed.iter().all(|l| l.status == "complete"), "{what}: {listed:?}");
+                assert_eq!(listed.len(), 3);
+                let chain = cat.chain(ids[2]).unwrap();
+                cat.verify(&chain, |_| ()).unwrap();
+                // The file itself verifies again: a later open finds nothing to repair.
+                drop(cat);
+                let (_, rec) = Catalog::open_recovering(dir.path()).unwrap();
+                assert!(!rec.repaired(), "{what}: {rec:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_damaged_manifest_without_a_verifying_copy_is_moved_aside_and_its_chain_says_so() {
+        // The index's copy is good, but a chunk is not: moved aside.
+        let (dir, ids) = chain_of_three();
+        let i2 = dir.path().join(format!("chunks/{:016x}", ids[1]));
+        std::fs::write(i2.join(MANIFEST_FILE), b"garbage").unwrap();
+        let chunk = i2.join("t.0000.00000000");
+        let mut b = std::fs::read(&chunk).unwrap();
+        b[25] ^= 1;
+        std::fs::write(&chunk, b).unwrap();
+        let (cat, rec) = Catalog::open_recovering(dir.path()).unwrap();
+        assert_eq!(rec.moved_aside.len(), 1, "{rec:?}");
+        assert_eq!(rec.moved_aside[0].0, ids[1]);
+        assert!(rec.moved_aside[0].2.contains("does not verify"), "{rec:?}");
+        let moved = aside(dir.path(), ids[1]);
+        assert_eq!(moved.len(), 1);
+        assert!(moved[0].join("t.0000.00000000").exists(), "the chunks are kept");
+        assert_eq!(cat.collect(3, None).unwrap(), Vec::<u64>::new());
+        assert!(moved[0].exists(), "collect leaves what was moved aside");
+        let listed = cat.list().unwrap();
+        let i3 = listed.iter().find(|l| l.id == ids[2]).unwrap();
+        assert_eq!(i3.status, format!("unusable: base {:016x} is missing", ids[1]));
+        let e = cat.chain(ids[2]).unwrap_err();
+        assert!(matches!(e, Error::BrokenChain { base, .. } if base == ids[1]), "{e}");
+        assert!(e.to_string().contains(&format!("{:016x}", ids[1])), "{e}");
+        assert_eq!(listed.iter().find(|l| l.id == ids[0]).unwrap().status, "complete");
+
+        // No copy at all (the catalog is gone too): moved aside, not deleted.
+        let (dir, ids) = chain_of_three();
+        std::fs::write(dir.path().join(format!("chunks/{:016x}/{MANIFEST_FILE}", ids[2])), b"x").unwrap();
+        std::fs::remove_dir_all(dir.path().join("catalog")).unwrap();
+        let (cat, rec) = Catalog::open_recovering(dir.path()).unwrap();
+        assert_eq!(rec.moved_aside.iter().map(|m| m.0).collect::<Vec<_>>(), [ids[2]], "{rec:?}");
+        assert!(rec.moved_aside[0].2.contains("no copy"), "{rec:?}");
+        assert_eq!(aside(dir.path(), ids[2]).len(), 1);
+        assert_eq!(cat.current().unwrap(), Some(ids[1]));
+
+        // A damaged MANIFEST found while running: collect leaves it alone.
+        let (dir, ids) = chain_of_three();
+        let cat = Catalog::open(dir.path()).unwrap();
+        std::fs::write(dir.path().join(format!("chunks/{:016x}/{MANIFEST_FILE}", ids[2])), b"x").unwrap();
+        assert_eq!(cat.collect(1, None).unwrap(), Vec::<u64>::new());
+        assert!(cat.chunk_dir(ids[2]).join("t.0000.00000000").exists());
+    }
+
+    #[test]
+    fn a_checkpoint_marked_corrupt_lists_so_and_so_do_the_incrementals_on_it() {
+        let (dir, ids) = chain_of_three();
+        let cat = Catalog::open(dir.path()).unwrap();
+        cat.mark_corrupt(ids[0], "chunk x is corrupt");
+        let listed = cat.list().unwrap();
+        let status = |id: u64| listed.iter().find(|l| l.id == id).unwrap().status.clone();
+        assert_eq!(status(ids[0]), "corrupt: chunk x is corrupt");
+        assert_eq!(status(ids[1]), format!("unusable: base {:016x} is corrupt", ids[0]));
+        assert_eq!(status(ids[2]), format!("unusable: base {:016x} is corrupt", ids[0]));
+        cat.clear_corrupt(ids[0]);
+        assert!(cat.list().unwrap().iter().all(|l| l.status == "complete"));
     }
 }

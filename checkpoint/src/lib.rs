@@ -6,9 +6,11 @@
 //! **manifest** (tables, their specs, entry counts, the chunk list) written
 //! last into the same directory as `MANIFEST`, checksummed and fsynced. The
 //! sled catalog indexes the manifests and the `current` pointer; when it is
-//! lost or damaged it is rebuilt from the directories ([`Recovery`]). A
-//! directory without a verifying manifest is a leftover of an interrupted
-//! checkpoint and is collected; one with a verifying manifest never is.
+//! lost or damaged it is rebuilt from the directories ([`Recovery`]), and a
+//! damaged `MANIFEST` from the index's copy. A directory with no manifest
+//! anywhere (file or index) is a leftover of an interrupted checkpoint and is
+//! collected; one that once completed never is (outside retention): if it
+//! cannot be repaired it is moved aside.
 //! The byte layout is in `checkpoint/FORMAT.md`.
 //!
 //! # Layout
@@ -67,6 +69,33 @@ pub enum Error {
     /// No such checkpoint.
     #[error("no complete checkpoint {0}")]
     NotFound(String),
+    /// An incremental checkpoint whose base (or a base further down its
+    /// chain) is missing or unusable: it cannot be restored on its own.
+    #[error(
+        "checkpoint {id:016x} cannot be restored: it is incremental and its base {base:016x} is {why}; \
+         restore a checkpoint whose chain is complete (hkvctl checkpoints lists them)"
+    )]
+    BrokenChain {
+        /// The checkpoint asked for.
+        id: u64,
+        /// The base that is missing or unusable.
+        base: u64,
+        /// Why it is unusable (`missing`, or its own error).
+        why: String,
+    },
+}
+
+impl Error {
+    /// The checkpoint whose files this error is about (a corrupt or missing
+    /// chunk, a corrupt manifest), for marking it corrupt.
+    pub fn damaged_checkpoint(&self) -> Option<u64> {
+        match self {
+            Error::CorruptChunk { id, .. } | Error::MissingChunk { id, .. } | Error::CorruptManifest { id, .. } => {
+                Some(*id)
+            }
+            _ => None,
+        }
+    }
 }
 
 /// Result alias.

@@ -57,6 +57,13 @@ pub struct TableEntry {
     /// Per shard: the score a write had when the export began; the next
     /// incremental exports entries at or above it.
     pub watermarks: Vec<u64>,
+    /// Per shard: the clock score (`Shard::clock_score`) read when its
+    /// export ended. Every entry a write scored is at or below it, so a
+    /// restore resumes the clock from here, not from the highest restored
+    /// score (which a client's `load` can set to anything). Empty in
+    /// manifests written before it was recorded.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub clocks: Vec<u64>,
     /// The chunks, in export order.
     pub chunks: Vec<ChunkRef>,
     /// Incremental checkpoints of a table not stored whole: every key the

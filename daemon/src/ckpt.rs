@@ -199,6 +199,29 @@ fn keep_newest(c: hkv_checkpoint::Chunk, live: &[u64], seen: &mut [bool]) -> hkv
     out
 }
 
+/// The score a restored table's clock and epoch resume after
+/// (`Shard::resume_after`): the clock its checkpoint recorded when each
+/// shard's export ended, at or above every score a write gave. Not the
+/// highest restored score: a client's `load` can store any score (2^64 − 1),
+/// and resuming past it would give every later write that score for good.
+fn resume_point(t: &TableEntry, m: &Manifest, max_restored: u64) -> u64 {
+    if let Some(&clock) = t.clocks.iter().max() {
+        return clock;
+    }
+    // Older manifests (no `clocks`): the highest restored score, capped at
+    // the export-start watermark plus the checkpoint's duration in the
+    // policy's clock units, above which no write (only a `load`) can score.
+    let Some(&wm) = t.watermarks.iter().max() else { return max_restored };
+    let took_ns = (m.finished_unix_ms.saturating_sub(m.created_unix_ms) + 1).saturating_mul(1_000_000);
+    let cap = match t.policy.parse() {
+        Ok(ScorePolicy::Lru) => wm.saturating_add(took_ns),
+        Ok(ScorePolicy::EpochLru) => wm.saturating_add((took_ns >> 20) + 1),
+        Ok(ScorePolicy::EpochLfu) => wm | 0xffff_ffff,
+        _ => u64::MAX,
+    };
+    max_restored.min(cap)
+}
+
 /// The entries of `e` whose score is at least `wm`.
 fn changed_since(e: hkv_shard::Export, wm: u64, dim: usize) -> hkv_shard::Export {
     let mut out = hkv_shard::Export::default();
@@ -236,8 +259,22 @@ impl Checkpoints {
         }
         if !rec.migrated.is_empty() {
             info!(
-                checkpoints = rec.migrated.len(),
-                "wrote the manifests of earlier-format checkpoints into their directories"
+                checkpoints = ?rec.migrated.iter().map(|i| format!("{i:016x}")).collect::<Vec<_>>(),
+                "wrote missing directory manifests (earlier format, or deleted) from the catalog's copies"
+            );
+        }
+        for id in &rec.rewritten {
+            warn!(
+                checkpoint = %format!("{id:016x}"),
+                "the checkpoint's MANIFEST file was damaged; it was rewritten from the catalog's copy, which verifies, as does every chunk it names"
+            );
+        }
+        for (id, aside, why) in &rec.moved_aside {
+            warn!(
+                checkpoint = %format!("{id:016x}"),
+                moved_to = %aside.display(),
+                reason = %why,
+                "a checkpoint directory could not be repaired: it was moved aside (not deleted) and is no longer listed"
             );
         }
         let removed = catalog.collect(config.keep, None)?;
@@ -396,7 +433,14 @@ impl Checkpoints {
         // makes the next checkpoint full.
         let generation = router.generation();
         let tables = router.tables();
-        let prev = self.catalog.list().map_err(internal)?.into_iter().find_map(|l| l.manifest);
+        // The base of an incremental: the newest checkpoint whose chain restores.
+        let prev = self
+            .catalog
+            .list()
+            .map_err(internal)?
+            .into_iter()
+            .filter(|l| l.status == "complete")
+            .find_map(|l| l.manifest);
         let since = self.incrementals.load(Relaxed);
         let incremental = !force_full
             && self.config.full_every > 0
@@ -446,6 +490,7 @@ impl Checkpoints {
             let mut chunks = vec![];
             let mut key_lists = vec![];
             let mut marks = vec![];
+            let mut clocks = vec![];
             let mut count = 0;
             for (i, shard) in t.shards.iter().enumerate() {
                 // Read before exporting: every later write scores at least this.
@@ -512,6 +557,9 @@ impl Checkpoints {
                     // Always at least one list per shard: an empty one says "no keys".
                     key_lists.push(w.write_keys(&t.spec.name, i as u32, kseq, &live).map_err(internal)?);
                 }
+                // Read after exporting: every entry exported scored at most this
+                // (except a client's verbatim `load`); a restore resumes from here.
+                clocks.push(shard.clock_score());
             }
             entries.push(TableEntry {
                 name: t.spec.name.clone(),
@@ -523,6 +571,7 @@ impl Checkpoints {
                 entries: count,
                 full: !inc,
                 watermarks: marks,
+                clocks,
                 chunks,
                 keys: key_lists,
             });
@@ -575,6 +624,10 @@ impl Checkpoints {
             return Ok(None);
         }
         let mut skipped = vec![];
+        // Checkpoints found unusable by this restore, with why: a candidate
+        // whose chain holds one is skipped without reading it again.
+        let mut bad: Vec<u64> = vec![];
+        let tried = candidates.len();
         for id in candidates {
             let progress = |phase: &str, id: u64, done: u64, total: u64, bytes: u64| {
                 let secs = started.elapsed().as_secs_f64();
@@ -592,14 +645,20 @@ impl Checkpoints {
                 });
             };
             let loaded = self.catalog.chain(id).map_err(Failure::Unusable).and_then(|chain| {
-                self.load_chain(router, &chain, rt, &progress).map(|l| (chain.last().map_or(id, |m| m.id), l))
+                if let Some(b) = bad.iter().find(|b| chain.iter().any(|m| m.id == **b)) {
+                    return Err(Failure::Known(*b));
+                }
+                self.load_chain(router, &chain, rt, &progress).map(|l| (chain, l))
             });
             match loaded {
-                Ok((id, (loaded, dropped, bytes))) => {
+                Ok((chain, (loaded, dropped, bytes))) => {
                     *self.restoring.lock() = None;
+                    for m in &chain {
+                        self.catalog.clear_corrupt(m.id);
+                    }
                     let seconds = started.elapsed().as_secs_f64();
                     let r = Restored {
-                        id: format!("{id:016x}"),
+                        id: format!("{:016x}", chain.last().map_or(id, |m| m.id)),
                         skipped,
                         entries: loaded.iter().map(|(_, n)| n).sum(),
                         tables: loaded,
@@ -620,27 +679,49 @@ impl Checkpoints {
                     *self.last_restore.lock() = Some(r.clone());
                     return Ok(Some(r));
                 }
-                Err(Failure::Unusable(e)) if which == "latest" => {
-                    warn!(error = %e, "checkpoint unusable; falling back to the previous complete one");
-                    skipped.push(e.to_string());
-                }
-                Err(Failure::Unusable(e)) => {
-                    *self.restoring.lock() = None;
-                    // An id the catalog does not list is the caller's mistake, not the daemon's.
-                    let listed = self.catalog.list().is_ok_and(|l| l.iter().any(|l| l.id == id));
-                    return Err(ProtoError::new(
-                        if listed { ErrorCode::Internal } else { ErrorCode::NotFound },
-                        format!("{e}; restore the previous complete checkpoint instead (hkvctl checkpoints)"),
-                    ));
-                }
-                Err(Failure::Refused(e)) => {
-                    *self.restoring.lock() = None;
-                    return Err(e);
+                Err(f) => {
+                    // One line per checkpoint tried, naming it and why.
+                    let (why, broken) = match f {
+                        Failure::Refused(e) => {
+                            *self.restoring.lock() = None;
+                            return Err(e);
+                        }
+                        Failure::Known(b) if b == id => ("it was found corrupt above".to_string(), false),
+                        Failure::Known(b) => (format!("its base {b:016x} was found unusable above"), false),
+                        Failure::Unusable(e) => {
+                            if let Some(d) = e.damaged_checkpoint() {
+                                self.catalog.mark_corrupt(d, &e.to_string());
+                                bad.push(d);
+                            }
+                            let broken = matches!(
+                                e,
+                                hkv_checkpoint::Error::BrokenChain { .. } | hkv_checkpoint::Error::NotFound(_)
+                            );
+                            (e.to_string(), broken)
+                        }
+                    };
+                    let line = format!("checkpoint {id:016x} not restored: {why}");
+                    if which != "latest" {
+                        *self.restoring.lock() = None;
+                        // An id the catalog does not list, or a chain whose
+                        // base is gone, is the caller's to fix, not the daemon's.
+                        let listed = self.catalog.list().is_ok_and(|l| l.iter().any(|l| l.id == id));
+                        let not_found = !listed || broken;
+                        return Err(ProtoError::new(
+                            if not_found { ErrorCode::NotFound } else { ErrorCode::Internal },
+                            format!("{why}; restore another complete checkpoint instead (hkvctl checkpoints)"),
+                        ));
+                    }
+                    warn!(checkpoint = %format!("{id:016x}"), reason = %why, "checkpoint skipped; trying the previous complete one");
+                    skipped.push(line);
                 }
             }
         }
         *self.restoring.lock() = None;
-        Err(ProtoError::new(ErrorCode::Internal, format!("no usable checkpoint: {}", skipped.join("; "))))
+        Err(ProtoError::new(
+            ErrorCode::Internal,
+            format!("no usable checkpoint among the {tried} tried:\n  {}", skipped.join("\n  ")),
+        ))
     }
 
     /// Restores a chain: each table of its last checkpoint gets exactly the
@@ -892,8 +973,9 @@ impl Checkpoints {
         let (mut placed_all, mut dropped) = (vec![], vec![]);
         for (i, (t, _)) in plan.iter().enumerate() {
             let Some(table) = built[i].as_ref().or(running[i].as_ref()) else { continue };
+            let resume = resume_point(t, target, max_score[i]);
             for shard in &table.shards {
-                shard.resume_after(max_score[i]);
+                shard.resume_after(resume);
             }
             // What the restore wrote is the state at the checkpoint, not a change since.
             table.untracked.store(false, Relaxed);
@@ -924,4 +1006,53 @@ enum Failure {
     Unusable(hkv_checkpoint::Error),
     /// Refused or failed as a request (returned as it is).
     Refused(ProtoError),
+    /// Its chain holds a checkpoint this restore already found unusable
+    /// (that one's id): skipped without reading it again.
+    Known(u64),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(policy: &str, watermarks: Vec<u64>, clocks: Vec<u64>) -> TableEntry {
+        TableEntry {
+            name: "t".into(),
+            dim: 1,
+            policy: policy.into(),
+            mode: "single".into(),
+            spec: serde_json::json!({}),
+            shards: 1,
+            entries: 1,
+            full: true,
+            watermarks,
+            clocks,
+            chunks: vec![],
+            keys: vec![],
+        }
+    }
+
+    /// A loaded score of 2^64 - 1 made every later write score 2^64 - 1 after
+    /// a restart (the clock resumed past the highest restored score). The
+    /// recorded clock decides now; older manifests cap the restored maximum.
+    #[test]
+    fn the_clock_resumes_from_the_recorded_clock_or_a_capped_maximum() {
+        let m = Manifest {
+            format: 1,
+            id: 1,
+            created_unix_ms: 1000,
+            finished_unix_ms: 1009,
+            daemon_version: "t".into(),
+            kind: Kind::Full,
+            tables: vec![],
+        };
+        assert_eq!(resume_point(&entry("lru", vec![5, 7], vec![90, 80]), &m, u64::MAX), 90);
+        // No clocks: capped at the watermark plus 10 ms in ns.
+        assert_eq!(resume_point(&entry("lru", vec![5, 7], vec![]), &m, u64::MAX), 7 + 10_000_000);
+        assert_eq!(resume_point(&entry("lru", vec![5, 7], vec![]), &m, 6), 6, "a legit maximum stays");
+        let wm = (3u64 << 32) | 100;
+        assert_eq!(resume_point(&entry("epoch-lru", vec![wm], vec![]), &m, u64::MAX) >> 32, 3);
+        assert_eq!(resume_point(&entry("epoch-lfu", vec![3 << 32], vec![]), &m, u64::MAX), (3 << 32) | 0xffff_ffff);
+        assert_eq!(resume_point(&entry("lru", vec![], vec![]), &m, 42), 42, "nothing recorded: today's rule");
+    }
 }

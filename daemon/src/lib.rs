@@ -178,12 +178,22 @@ pub fn run(config: Config) -> anyhow::Result<()> {
             match crate::ckpt::Checkpoints::restore(state.clone(), &config.restore).await {
                 Ok(Some(r)) => {
                     for s in &r.skipped {
-                        warn!("skipped a corrupt checkpoint: {s}");
+                        warn!("skipped an unusable checkpoint: {s}");
                     }
                     info!(id = %r.id, tables = ?r.tables, entries = r.entries, dropped = ?r.dropped, "restored");
                 }
                 Ok(None) => info!("no checkpoint to restore"),
-                Err(e) => anyhow::bail!("restore {}: {}", config.restore, e.message),
+                // Refuse to start rather than silently serve without the data;
+                // say how to start anyway (every file stays on disk).
+                Err(e) => anyhow::bail!(
+                    "restore {}: {}\n\
+                     hkvd did not start, so that no checkpointed data is silently lost; every checkpoint is kept. \
+                     To start with empty tables and keep the checkpoints on disk, use --restore none \
+                     (hkvctl restore ID can try one later); to try one checkpoint, use --restore ID \
+                     (ids are in the lines above, or in hkvctl checkpoints).",
+                    config.restore,
+                    e.message
+                ),
             }
         }
         if let Some(secs) = config.checkpoint.interval_s {

@@ -706,3 +706,217 @@ fn a_restore_whose_second_table_does_not_fit_the_budget_restores_nothing() {
     let r = c.restore("latest").unwrap();
     assert_eq!(r["tables"], serde_json::json!([["a", 5000], ["b", 5000]]), "{r}");
 }
+
+/// Takes F1 (full), I2 and I3 (incrementals on it) of an lru table, each
+/// after some changes; returns the daemon's directory, the three ids and
+/// the table as I3 and as F1 hold it.
+type Snap = BTreeMap<u64, (Vec<u32>, u64)>;
+fn chain_of_three() -> (tempfile::TempDir, [String; 3], Snap, Snap) {
+    let d = Daemon::start(&["--checkpoint-full-every", "4"]);
+    let mut c = d.client();
+    c.create_table(spec("t", 4, 1 << 14, "lru", "single")).unwrap();
+    let mut ids = vec![];
+    let mut at_f1 = BTreeMap::new();
+    for i in 0..3u64 {
+        fill(&mut c, "t", 4, i * 1000..i * 1000 + 1500, false);
+        c.erase("t", &[i * 1000 + 3]).unwrap();
+        let l = c.checkpoint(true, i == 0).unwrap();
+        assert_eq!(l["kind"] == "full", i == 0, "{l}");
+        ids.push(l["id"].as_str().unwrap().to_string());
+        if i == 0 {
+            at_f1 = snapshot(&mut c, "t");
+        }
+    }
+    let want = snapshot(&mut c, "t");
+    drop(c);
+    (stop(d), ids.try_into().unwrap(), want, at_f1)
+}
+
+fn chunk_dir(root: &std::path::Path, id: &str) -> std::path::PathBuf {
+    root.join("state/checkpoints/chunks").join(id)
+}
+
+/// The checkpoint's files other than its MANIFEST (chunks, key lists).
+fn chunk_files(root: &std::path::Path, id: &str) -> Vec<std::path::PathBuf> {
+    let mut v: Vec<_> = std::fs::read_dir(chunk_dir(root, id))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.file_name().unwrap() != "MANIFEST")
+        .collect();
+    v.sort();
+    v
+}
+
+fn listed_status(c: &mut Client) -> BTreeMap<String, String> {
+    c.checkpoints()
+        .unwrap()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| (l["id"].as_str().unwrap().to_string(), l["status"].as_str().unwrap().to_string()))
+        .collect()
+}
+
+/// Found testing issue 24: with a chain F1 <- I2 <- I3, flipping byte 0 of
+/// I3's MANIFEST (or truncating it to 100 bytes) made start-up delete I3's
+/// directory with all its good chunks, logging only "catalog … rebuilt …
+/// unindexed"; zeroing I2's MANIFEST deleted I2, left I3 listed "complete"
+/// but unrestorable (`internal`: "no complete checkpoint I2"), and start-up
+/// fell back to F1, two checkpoints lost. Yet a *deleted* MANIFEST was
+/// rewritten from the catalog. Now a damaged one is too (the catalog's copy
+/// and its chunks verify), with a WARN; and with no verifying copy the
+/// directory is moved aside, never deleted, I3 lists as unusable, naming
+/// its missing base, and `restore I3` says so without `internal`.
+#[test]
+fn a_damaged_manifest_is_rewritten_from_the_catalog_and_never_deletes_a_checkpoint() {
+    type Damage = fn(&std::path::Path);
+    let damages: [(&str, Damage); 3] = [
+        ("flip byte 0", |p| {
+            let mut b = std::fs::read(p).unwrap();
+            b[0] ^= 0xff;
+            std::fs::write(p, b).unwrap();
+        }),
+        ("truncate to 100 bytes", |p| std::fs::File::options().write(true).open(p).unwrap().set_len(100).unwrap()),
+        ("zero", |p| std::fs::write(p, vec![0u8; std::fs::metadata(p).unwrap().len() as usize]).unwrap()),
+    ];
+    for (what, damage) in damages {
+        for victim in [2, 1] {
+            let (dir, ids, want, _) = chain_of_three();
+            let files = chunk_files(dir.path(), &ids[victim]);
+            damage(&chunk_dir(dir.path(), &ids[victim]).join("MANIFEST"));
+            let d = start_logged(dir, &[], "warn");
+            let mut c = d.client();
+            assert_eq!(snapshot(&mut c, "t"), want, "{what} {}: I3 is restored", ids[victim]);
+            assert_eq!(chunk_files(d.dir.path(), &ids[victim]), files, "{what}: every chunk kept");
+            assert_eq!(checkpoint_dirs(d.dir.path()).len(), 3, "{what}");
+            assert!(listed_status(&mut c).values().all(|s| s == "complete"), "{what}: {:?}", listed_status(&mut c));
+            let log = std::fs::read_to_string(d.dir.path().join("log")).unwrap();
+            assert!(log.contains("WARN") && log.contains(&ids[victim]) && log.contains("rewritten"), "{what}: {log}");
+        }
+    }
+
+    // I2's MANIFEST zeroed and one of its files corrupt: nothing verifies
+    // I2 any more. Moved aside, I3 unusable, start-up falls back to F1 and
+    // says which checkpoint it skipped and why.
+    let (dir, ids, _, at_f1) = chain_of_three();
+    let files = chunk_files(dir.path(), &ids[1]);
+    std::fs::write(chunk_dir(dir.path(), &ids[1]).join("MANIFEST"), [0u8; 64]).unwrap();
+    let mut b = std::fs::read(&files[0]).unwrap();
+    let mid = b.len() / 2;
+    b[mid] ^= 0x10;
+    std::fs::write(&files[0], b).unwrap();
+    let d = start_logged(dir, &[], "warn");
+    let mut c = d.client();
+    assert_eq!(snapshot(&mut c, "t"), at_f1, "the newest usable checkpoint, F1");
+    let moved: Vec<_> = std::fs::read_dir(d.dir.path().join("state/checkpoints/chunks"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with(&format!("{}.damaged-", ids[1])))
+        .collect();
+    assert_eq!(moved.len(), 1, "I2 is moved aside");
+    assert_eq!(std::fs::read_dir(&moved[0]).unwrap().count(), files.len() + 1, "with every file");
+    let status = listed_status(&mut c);
+    assert_eq!(status[&ids[2]], format!("unusable: base {} is missing", ids[1]), "{status:?}");
+    assert_eq!(status[&ids[0]], "complete");
+    assert!(!status.contains_key(&ids[1]));
+    let e = c.restore(&ids[2]).unwrap_err();
+    assert_eq!(e.code(), Some(hkv_client::ErrorCode::NotFound), "{e}");
+    assert!(e.to_string().contains(&ids[1]) && e.to_string().contains("base"), "{e}");
+    let log = std::fs::read_to_string(d.dir.path().join("log")).unwrap();
+    let warn_of = |needle: &str| log.lines().filter(|l| l.contains("WARN") && l.contains(needle)).count();
+    assert!(warn_of("moved aside") >= 1 && log.contains(&moved[0].display().to_string()), "{log}");
+    assert!(
+        log.lines().any(|l| l.contains("WARN") && l.contains("skipped") && l.contains(&ids[2]) && l.contains(&ids[1])),
+        "the fallback names the skipped checkpoint and its missing base: {log}"
+    );
+}
+
+/// Found testing issue 24: a corrupt (or missing) chunk in the full base
+/// that every checkpoint needs made `hkvd serve` exit with "restore latest:
+/// no usable checkpoint: …" and the same chunk error three times, no hint;
+/// and the checkpoints still listed "complete". Now start-up still refuses
+/// (no silent data loss) but says one line per checkpoint tried and how to
+/// start anyway; a restore that finds the damage lists it as `corrupt`, and
+/// the incrementals on it as unusable.
+#[test]
+fn a_corrupt_base_stops_start_up_with_one_line_per_checkpoint_and_a_hint() {
+    for missing in [false, true] {
+        let (dir, ids, _, _) = chain_of_three();
+        let root = dir.path().to_path_buf();
+        let victim = chunk_files(&root, &ids[0])[0].clone();
+        if missing {
+            std::fs::remove_file(&victim).unwrap();
+        } else {
+            let mut b = std::fs::read(&victim).unwrap();
+            let mid = b.len() / 2;
+            b[mid] ^= 0x01;
+            std::fs::write(&victim, b).unwrap();
+        }
+        let out = common::command(&root, &[]).output().unwrap();
+        let all = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{all}");
+        // The error itself (the WARN lines before it say the same, one per checkpoint).
+        let err = &all[all.find("no usable checkpoint").unwrap_or_else(|| panic!("{all}"))..];
+        let name = victim.file_name().unwrap().to_string_lossy().into_owned();
+        assert_eq!(err.matches(&name).count(), 1, "missing {missing}: the chunk error once: {err}");
+        assert!(err.contains(if missing { "is missing" } else { "is corrupt" }), "{err}");
+        assert!(err.contains("among the 3 tried"), "{err}");
+        for id in &ids {
+            assert_eq!(err.matches(&format!("checkpoint {id} not restored")).count(), 1, "one line for {id}: {err}");
+        }
+        assert!(err.contains("--restore none") && err.contains("--restore ID"), "a hint: {err}");
+        assert_eq!(checkpoint_dirs(&root).len(), 3, "every checkpoint kept");
+        // --restore none starts empty and keeps the files; a restore that
+        // finds the damage lists it.
+        let d = Daemon::start_in(dir, root.join("run").join("hkvd.sock"), &["--restore", "none"]);
+        let mut c = d.client();
+        assert!(listed_status(&mut c).values().all(|s| s == "complete"));
+        let e = c.restore("latest").unwrap_err().to_string();
+        assert!(e.contains(&name), "{e}");
+        let status = listed_status(&mut c);
+        assert!(status[&ids[0]].starts_with("corrupt: ") && status[&ids[0]].contains(&name), "{status:?}");
+        for id in &ids[1..] {
+            assert_eq!(status[id], format!("unusable: base {} is corrupt", ids[0]), "{status:?}");
+        }
+        assert_eq!(checkpoint_dirs(d.dir.path()).len(), 3);
+    }
+}
+
+/// Found testing issue 24: `load` (open to any client) of one key with score
+/// 2^64 − 1 into an lru table, a checkpoint and a restart, and every later
+/// write scored 2^64 − 1 (LRU order gone for good); for epoch-lru the epoch
+/// jumped to 2^32 − 1. The clock resumed past the highest restored score.
+/// Now it resumes from the clock the checkpoint recorded, and the loaded
+/// score stays an outlier.
+#[test]
+fn a_loaded_absurd_score_does_not_poison_the_clock_after_a_restart() {
+    let d = Daemon::start(&["--shards", "2"]);
+    let mut c = d.client();
+    c.create_table(spec("t", 1, 1 << 12, "lru", "single")).unwrap();
+    c.create_table(spec("e", 1, 1 << 12, "epoch-lru", "single")).unwrap();
+    c.set_epoch("e", 3).unwrap();
+    for t in ["t", "e"] {
+        fill(&mut c, t, 1, 0..100, false);
+        c.load(t, &[1 << 40], &[1.0], &[u64::MAX]).unwrap();
+    }
+    let legit_max = |c: &mut Client, t: &str| snapshot(c, t).values().map(|v| v.1).filter(|&s| s != u64::MAX).max();
+    let (old_t, old_e) = (legit_max(&mut c, "t").unwrap(), legit_max(&mut c, "e").unwrap());
+    c.checkpoint(true, true).unwrap();
+    drop(c);
+    let d = d.restart(&["--shards", "2"]);
+    let mut c = d.client();
+    let score = |c: &mut Client, t: &str, k: u64| snapshot(c, t)[&k].1;
+    assert_eq!(score(&mut c, "t", 1 << 40), u64::MAX, "the loaded entry is restored as it was");
+    c.insert_or_assign("t", &[1 << 41], &[2.0], None).unwrap();
+    std::thread::sleep(Duration::from_millis(5));
+    c.insert_or_assign("t", &[(1 << 41) + 1], &[2.0], None).unwrap();
+    let (a, b) = (score(&mut c, "t", 1 << 41), score(&mut c, "t", (1 << 41) + 1));
+    assert!(a > old_t, "new writes rank above the restored ones ({a} <= {old_t})");
+    assert!(a < u64::MAX && a < b, "lru: later writes rank above earlier ones: {a}, {b}");
+    c.insert_or_assign("e", &[1 << 41], &[2.0], None).unwrap();
+    let s = score(&mut c, "e", 1 << 41);
+    assert_eq!(s >> 32, 3, "epoch-lru: the epoch stays 3, not 2^32 - 1 ({s:#x})");
+    assert!(s > old_e, "epoch-lru: new writes rank above the restored ones ({s:#x} <= {old_e:#x})");
+}
