@@ -59,8 +59,8 @@ enum Cmd {
     },
     /// Keys of raw features: one line per feature, `FEATURE: KEY`.
     Hash {
-        /// Features (strings, or int64 with --int); or --from FILE.
-        #[arg(required_unless_present = "from", allow_negative_numbers = true)]
+        /// Features (strings, or int64 with --int; negative ones after `--`); or --from FILE.
+        #[arg(required_unless_present = "from")]
         features: Vec<String>,
         #[command(flatten)]
         input: Input,
@@ -75,8 +75,8 @@ enum Cmd {
     FindFeatures {
         /// Table name.
         table: String,
-        /// Features (strings, or int64 with --int); or --from FILE.
-        #[arg(required_unless_present = "from", allow_negative_numbers = true)]
+        /// Features (strings, or int64 with --int; negative ones after `--`); or --from FILE.
+        #[arg(required_unless_present = "from")]
         features: Vec<String>,
         #[command(flatten)]
         input: Input,
@@ -89,7 +89,7 @@ enum Cmd {
         /// Table name.
         table: String,
         /// FEATURE=V1,V2,... entries; or --from FILE (one entry each).
-        #[arg(required_unless_present = "from", allow_negative_numbers = true)]
+        #[arg(required_unless_present = "from")]
         entries: Vec<String>,
         #[command(flatten)]
         input: Input,
