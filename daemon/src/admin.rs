@@ -112,8 +112,17 @@ impl Modes {
     /// older daemon left 0755 / 0644 behind) and the admin group. Nothing
     /// else below `dir` is touched: it may be a directory shared with others.
     pub fn secure(self, dir: &Path) -> anyhow::Result<()> {
-        std::fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("cannot create {}: {e}", dir.display()))?;
+        // Every directory created on the way gets the modes and group, so
+        // that the admin group can reach the state directory.
+        let missing: Vec<&Path> = dir.ancestors().take_while(|d| !d.as_os_str().is_empty() && !d.exists()).collect();
         let mut fixed = 0usize;
+        for d in missing.into_iter().rev() {
+            std::fs::create_dir(d).map_err(|e| anyhow::anyhow!("cannot create {}: {e}", d.display()))?;
+            if d != dir {
+                self.fix(d, &std::fs::symlink_metadata(d)?, &mut fixed)?;
+            }
+        }
+        fixed = 0;
         self.fix(dir, &std::fs::symlink_metadata(dir)?, &mut fixed)?;
         for own in ["checkpoints", "kernels"] {
             if dir.join(own).exists() {
@@ -170,6 +179,20 @@ mod tests {
             assert!(me.in_group(g.parse().unwrap()), "group {g}");
         }
         assert!(!Peer::new(1, 1, None).in_group(2));
+    }
+
+    /// A nested state directory's parents were created 0750 root:root, so
+    /// the admin group could not reach it.
+    #[test]
+    fn every_directory_created_for_the_state_gets_the_group() {
+        let d = tempfile::tempdir().unwrap();
+        let gid = std::fs::metadata(d.path()).unwrap().gid() + 1; // any group: root may give it
+        let state = d.path().join("a").join("b");
+        Modes { gid: Some(gid) }.secure(&state).unwrap();
+        for p in [d.path().join("a"), state] {
+            let m = std::fs::metadata(&p).unwrap();
+            assert_eq!((m.gid(), m.mode() & 0o7777), (gid, 0o2750), "{}", p.display());
+        }
     }
 
     #[test]

@@ -395,6 +395,18 @@ impl Checkpoints {
             .map_err(internal)
             .and_then(|r| r);
         let seconds = started.elapsed().as_secs_f64();
+        if result.is_err() {
+            // The failed checkpoint's files (a full disk, say) go now: left
+            // until the next start, they made every later checkpoint fail too.
+            let c = ck.clone();
+            match tokio::task::spawn_blocking(move || c.catalog.collect(c.config.keep, None)).await {
+                Ok(Ok(removed)) if !removed.is_empty() => {
+                    info!(removed = removed.len(), "removed the files of the failed checkpoint")
+                }
+                Ok(Err(e)) => warn!(error = %e, "removing the failed checkpoint's files failed"),
+                _ => {}
+            }
+        }
         let finished = match &result {
             Ok(m) => {
                 info!(id = %format!("{:016x}", m.id), entries = m.entries(), bytes = m.bytes(), seconds, "checkpoint complete");
@@ -709,7 +721,11 @@ impl Checkpoints {
                         let not_found = !listed || broken;
                         return Err(ProtoError::new(
                             if not_found { ErrorCode::NotFound } else { ErrorCode::Internal },
-                            format!("{why}; restore another complete checkpoint instead (hkvctl checkpoints)"),
+                            if why.contains("hkvctl checkpoints") {
+                                why.clone()
+                            } else {
+                                format!("{why}; restore another complete checkpoint instead (hkvctl checkpoints)")
+                            },
                         ));
                     }
                     warn!(checkpoint = %format!("{id:016x}"), reason = %why, "checkpoint skipped; trying the previous complete one");

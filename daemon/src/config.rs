@@ -136,6 +136,11 @@ impl Config {
         for (what, v) in at_least_one {
             anyhow::ensure!(v >= 1, "{what} must be at least 1");
         }
+        anyhow::ensure!(
+            self.checkpoint.chunk_bytes >= 64 << 10,
+            "checkpoint.chunk_bytes must be at least 65536 (64 KiB), not {}: smaller chunks make one file per bucket",
+            self.checkpoint.chunk_bytes
+        );
         if let Some(n) = self.shards {
             anyhow::ensure!((1..=1024).contains(&n), "shards (--shards) must be 1 to 1024, not {n}");
         }
@@ -212,5 +217,6 @@ mod tests {
         assert!(bad(|c| c.checkpoint.interval_s = Some(0)).contains("--checkpoint-interval"));
         assert!(bad(|c| c.metrics_listen = Some("0.0.0.0:9466".into())).contains("loopback"));
         assert!(bad(|c| c.limits.max_bytes_in_flight = 1 << 30).contains("twice"));
+        assert!(bad(|c| c.checkpoint.chunk_bytes = 0).contains("chunk_bytes"));
     }
 }

@@ -920,3 +920,57 @@ fn a_loaded_absurd_score_does_not_poison_the_clock_after_a_restart() {
     assert_eq!(s >> 32, 3, "epoch-lru: the epoch stays 3, not 2^32 - 1 ({s:#x})");
     assert!(s > old_e, "epoch-lru: new writes rank above the restored ones ({s:#x} <= {old_e:#x})");
 }
+
+/// A tmpfs of `mb` MiB mounted at `dir`, unmounted on drop.
+struct Tmpfs(std::path::PathBuf);
+
+impl Tmpfs {
+    fn mount(dir: &std::path::Path, mb: u64) -> Tmpfs {
+        std::fs::create_dir_all(dir).unwrap();
+        let ok = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={mb}m"), "tmpfs"])
+            .arg(dir)
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "this test needs root and mount(8) to put the state directory on a small tmpfs");
+        Tmpfs(dir.to_path_buf())
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+/// A checkpoint that failed on a full disk left its partial files behind
+/// (chunk files and a `.tmp`), so every later checkpoint failed too, and a
+/// restart could not even open the catalog. Its files now go when it fails:
+/// the next checkpoint that fits succeeds, and a restart restores it.
+#[test]
+fn a_checkpoint_that_fills_the_disk_leaves_nothing_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let _fs = Tmpfs::mount(&dir.path().join("state"), 24);
+    let socket = dir.path().join("run").join("hkvd.sock");
+    let d = Daemon::start_in(dir, socket, &["--checkpoint-keep", "1"]);
+    let mut c = d.client();
+    c.create_table(spec("f", 8, 1 << 20, "lfu", "single")).unwrap();
+    // 48 bytes an entry in a chunk: 14.4 MB a full checkpoint, two do not fit 24 MiB.
+    fill(&mut c, "f", 8, 1..300_001, true);
+    c.checkpoint(true, true).unwrap();
+    let chunks = d.dir.path().join("state/checkpoints/chunks");
+    let dirs = || std::fs::read_dir(&chunks).unwrap().count();
+    assert_eq!(dirs(), 1);
+    let e = c.checkpoint(true, true).unwrap_err();
+    assert!(e.to_string().contains("No space left"), "{e}");
+    assert_eq!(dirs(), 1, "the failed checkpoint's files are gone");
+    let erased: Vec<u64> = (1..200_001).collect();
+    for part in erased.chunks(1 << 16) {
+        c.erase("f", part).unwrap();
+    }
+    let want = snapshot(&mut c, "f");
+    c.checkpoint(true, false).unwrap();
+    assert_eq!(dirs(), 1, "keep 1: the new checkpoint replaced the old one");
+    let d = d.restart(&["--checkpoint-keep", "1"]);
+    assert_eq!(snapshot(&mut d.client(), "f"), want);
+}
