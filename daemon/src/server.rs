@@ -38,6 +38,10 @@ pub struct ServerStats {
     pub in_flight_bytes: AtomicU64,
     /// Frames refused because that bound was reached.
     pub in_flight_refusals: AtomicU64,
+    /// Of `in_flight_bytes`, those of bodies over [`SMALL_BODY`] bytes still
+    /// arriving: at most 3/4 of the limit, so that uploads kept trickling
+    /// cannot take what small requests and answers need.
+    pub receiving_bytes: AtomicU64,
 }
 
 /// Everything the request handlers share.
@@ -363,6 +367,39 @@ impl Drop for InFlight {
     }
 }
 
+/// Bodies up to this size are not counted among those still arriving (each
+/// connection receives one body at a time, so they hold at most
+/// `max_connections` × 64 KiB): a small request is served while large
+/// uploads take their 3/4 of the bytes in flight.
+pub const SMALL_BODY: usize = 64 << 10;
+
+/// Bytes of a large body still arriving, in `ServerStats::receiving_bytes`;
+/// given back when the body is complete (or dropped).
+struct Receiving {
+    state: Arc<State>,
+    bytes: u64,
+}
+
+impl Receiving {
+    /// Counts `n` more bytes, unless bodies still arriving would then hold
+    /// more than 3/4 of `limits.max_bytes_in_flight`.
+    fn add(&mut self, n: u64) -> bool {
+        let cap = self.state.config.limits.max_bytes_in_flight / 4 * 3;
+        let counter = &self.state.stats.receiving_bytes;
+        let ok = counter.fetch_update(Relaxed, Relaxed, |b| b.checked_add(n).filter(|&t| t <= cap)).is_ok();
+        if ok {
+            self.bytes += n;
+        }
+        ok
+    }
+}
+
+impl Drop for Receiving {
+    fn drop(&mut self) {
+        self.state.stats.receiving_bytes.fetch_sub(self.bytes, Relaxed);
+    }
+}
+
 /// Reads a body of `len` bytes, allocating memory as its bytes arrive (a
 /// header alone reserves nothing, so declared lengths cost no memory), each
 /// step counted against `limits.max_bytes_in_flight`. Past that limit,
@@ -381,22 +418,31 @@ async fn read_body<R: AsyncReadExt + Unpin>(
     const FIRST: usize = 1 << 20;
     let mut body = Vec::new();
     let mut charge = InFlight { state: state.clone(), bytes: 0 };
+    let mut arriving = Receiving { state: state.clone(), bytes: 0 };
     while body.len() < len {
         if body.capacity() == body.len() {
             let step = (len - body.len()).min(body.len().max(FIRST));
-            if !charge.add(step as u64) {
+            let limit = state.config.limits.max_bytes_in_flight;
+            let refused = if len > SMALL_BODY && !arriving.add(step as u64) {
+                Some(format!(
+                    "{} bytes of large request bodies are still arriving (at most 3/4 of \
+                     limits.max_bytes_in_flight = {limit}); this {len}-byte request was not run: \
+                     retry, or send smaller batches",
+                    state.stats.receiving_bytes.load(Relaxed)
+                ))
+            } else if !charge.add(step as u64) {
+                Some(format!(
+                    "{} bytes of requests and answers are already in flight \
+                     (limits.max_bytes_in_flight = {limit}); this {len}-byte request was not run: \
+                     retry, or send smaller batches",
+                    state.stats.in_flight_bytes.load(Relaxed)
+                ))
+            } else {
+                None
+            };
+            if let Some(why) = refused {
                 state.stats.in_flight_refusals.fetch_add(1, Relaxed);
-                let limit = state.config.limits.max_bytes_in_flight;
-                let e = ProtoError::new(
-                    ErrorCode::ResourceExhausted,
-                    format!(
-                        "{} bytes of requests and answers are already in flight \
-                         (limits.max_bytes_in_flight = {limit}); this {len}-byte request was not run: \
-                         retry, or send smaller batches",
-                        state.stats.in_flight_bytes.load(Relaxed)
-                    ),
-                );
-                return Ok(Err((e, body.len())));
+                return Ok(Err((ProtoError::new(ErrorCode::ResourceExhausted, why), body.len())));
             }
             body.try_reserve_exact(step).map_err(|e| std::io::Error::new(std::io::ErrorKind::OutOfMemory, e))?;
         }

@@ -169,7 +169,7 @@ fn declared_body_lengths_cost_no_memory() {
 /// connection kept; the bytes come back when the requests finish.
 #[test]
 fn request_bytes_in_flight_are_bounded() {
-    let mut d = Daemon::start_limited(LIMIT, &["--max-frame-bytes", "4194304", "--max-bytes-in-flight", "8388608"]);
+    let mut d = Daemon::start_limited(LIMIT, &["--max-frame-bytes", "4194304", "--max-bytes-in-flight", "12058624"]);
     let mut c = d.client();
     c.create_table(spec("t", 4, 1 << 21)).unwrap();
     let n = 170_000u64;
@@ -199,7 +199,7 @@ fn request_bytes_in_flight_are_bounded() {
     let mut s = UnixStream::connect(&d.socket).unwrap();
     let (h, r) = raw_call(&mut s, &fc);
     assert_eq!(h.id, 3);
-    expect_error(r, ErrorCode::ResourceExhausted, "limits.max_bytes_in_flight = 8388608");
+    expect_error(r, ErrorCode::ResourceExhausted, "limits.max_bytes_in_flight = 12058624");
     assert_eq!(raw_call(&mut s, &Request::Ping.encode(4)).1, Response::Empty, "the connection is kept");
     a.write_all(&fa[3_500_000..]).unwrap();
     b.write_all(&fb[3_500_000..]).unwrap();
@@ -262,7 +262,7 @@ fn answers_waiting_to_be_read_are_bounded() {
 fn a_stalled_body_is_dropped_and_its_bytes_come_back() {
     let mut d = Daemon::start_limited(
         LIMIT,
-        &["--max-frame-bytes", "67108864", "--max-bytes-in-flight", "134217728", "--body-stall-seconds", "1"],
+        &["--max-frame-bytes", "67108864", "--max-bytes-in-flight", "268435456", "--body-stall-seconds", "1"],
     );
     let mut stalled = vec![];
     for i in 0..2 {
@@ -282,6 +282,39 @@ fn a_stalled_body_is_dropped_and_its_bytes_come_back() {
         let mut b = [0u8; 1];
         assert!(matches!(s.read(&mut b), Ok(0) | Err(_)), "the stalled connection is closed");
     }
+    still_serves(&mut d, "x");
+}
+
+/// Uploads kept trickling (a byte every few seconds, so never stalled)
+/// used to hold the whole of `limits.max_bytes_in_flight`: every other
+/// request was refused for as long as they went on. Large bodies still
+/// arriving now hold at most 3/4 of it, and small requests and answers are
+/// served beside them.
+#[test]
+fn trickling_uploads_do_not_lock_small_requests_out() {
+    let mut d = Daemon::start_limited(LIMIT, &["--max-frame-bytes", "1048576", "--max-bytes-in-flight", "4194304"]);
+    let mut c = d.client();
+    c.create_table(spec("t", 4, 1024)).unwrap();
+    c.insert_or_assign("t", &[7], &[1.0; 4], None).unwrap();
+    let mut trickles = vec![];
+    for i in 0..4 {
+        let mut s = UnixStream::connect(&d.socket).unwrap();
+        let mut f = Header { op: op::INSERT_OR_ASSIGN, flags: 0, id: i, body_len: 1 << 20 }.bytes().to_vec();
+        f.extend_from_slice(&vec![0u8; (1 << 20) - 100]);
+        s.write_all(&f).unwrap();
+        trickles.push(s);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let m = c.stats().unwrap()["memory"].clone();
+    assert_eq!(m["bytes_in_flight"], 3 << 20, "three trickles fit their 3/4, the fourth was refused: {m}");
+    let (_, r) = read_answer(&mut trickles[3]);
+    expect_error(r, ErrorCode::ResourceExhausted, "still arriving");
+    // Small requests and their answers go through meanwhile.
+    assert_eq!(c.find("t", &[7]).unwrap().values, [1.0; 4]);
+    c.insert_or_assign("t", &[8], &[2.0; 4], None).unwrap();
+    drop(trickles);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(c.stats().unwrap()["memory"]["bytes_in_flight"], 0);
     still_serves(&mut d, "x");
 }
 
