@@ -58,6 +58,10 @@ pub struct MemoryStats {
     pub bytes_in_flight: u64,
     /// Requests refused because `limits.max_bytes_in_flight` was reached.
     pub in_flight_refusals: u64,
+    /// Of `bytes_in_flight`, those of bodies over 64 KiB still arriving (at
+    /// most 3/4 of `limits.max_bytes_in_flight`).
+    #[serde(default)]
+    pub receiving_bytes: u64,
 }
 
 /// One table.
@@ -122,6 +126,7 @@ pub fn collect(state: &State) -> DaemonStats {
                 host_tier_bytes: b.host_tier_bytes,
                 bytes_in_flight: s.in_flight_bytes.load(Relaxed),
                 in_flight_refusals: s.in_flight_refusals.load(Relaxed),
+                receiving_bytes: s.receiving_bytes.load(Relaxed),
             }
         },
     }
