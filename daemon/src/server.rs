@@ -341,19 +341,31 @@ async fn connection(state: Arc<State>, stream: UnixStream) {
     let _ = writer.await;
 }
 
-/// Bytes counted in `ServerStats::in_flight_bytes` (a request body as it
-/// arrives, an answer until it is sent); given back on drop.
+/// Bytes counted in one of the server's byte counters, up to a cap: in
+/// `in_flight_bytes` a request body as it arrives or an answer until it is
+/// sent, in `receiving_bytes` a large body until it is complete; given back
+/// on drop.
 pub struct InFlight {
     state: Arc<State>,
+    counter: fn(&ServerStats) -> &AtomicU64,
     bytes: u64,
 }
 
 impl InFlight {
-    /// Counts `n` more bytes, unless that passes the limit.
-    fn add(&mut self, n: u64) -> bool {
-        let limit = self.state.config.limits.max_bytes_in_flight;
-        let counter = &self.state.stats.in_flight_bytes;
-        let ok = counter.fetch_update(Relaxed, Relaxed, |b| b.checked_add(n).filter(|&t| t <= limit)).is_ok();
+    /// A share of `ServerStats::in_flight_bytes`.
+    fn total(state: &Arc<State>) -> InFlight {
+        InFlight { state: state.clone(), counter: |s| &s.in_flight_bytes, bytes: 0 }
+    }
+
+    /// A share of `ServerStats::receiving_bytes`.
+    fn receiving(state: &Arc<State>) -> InFlight {
+        InFlight { state: state.clone(), counter: |s| &s.receiving_bytes, bytes: 0 }
+    }
+
+    /// Counts `n` more bytes, unless the counter would then pass `cap`.
+    fn add(&mut self, n: u64, cap: u64) -> bool {
+        let counter = (self.counter)(&self.state.stats);
+        let ok = counter.fetch_update(Relaxed, Relaxed, |b| b.checked_add(n).filter(|&t| t <= cap)).is_ok();
         if ok {
             self.bytes += n;
         }
@@ -363,42 +375,15 @@ impl InFlight {
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.state.stats.in_flight_bytes.fetch_sub(self.bytes, Relaxed);
+        (self.counter)(&self.state.stats).fetch_sub(self.bytes, Relaxed);
     }
 }
 
 /// Bodies up to this size are not counted among those still arriving (each
 /// connection receives one body at a time, so they hold at most
 /// `max_connections` × 64 KiB): a small request is served while large
-/// uploads take their 3/4 of the bytes in flight.
+/// uploads hold at most 3/4 of the bytes in flight.
 pub const SMALL_BODY: usize = 64 << 10;
-
-/// Bytes of a large body still arriving, in `ServerStats::receiving_bytes`;
-/// given back when the body is complete (or dropped).
-struct Receiving {
-    state: Arc<State>,
-    bytes: u64,
-}
-
-impl Receiving {
-    /// Counts `n` more bytes, unless bodies still arriving would then hold
-    /// more than 3/4 of `limits.max_bytes_in_flight`.
-    fn add(&mut self, n: u64) -> bool {
-        let cap = self.state.config.limits.max_bytes_in_flight / 4 * 3;
-        let counter = &self.state.stats.receiving_bytes;
-        let ok = counter.fetch_update(Relaxed, Relaxed, |b| b.checked_add(n).filter(|&t| t <= cap)).is_ok();
-        if ok {
-            self.bytes += n;
-        }
-        ok
-    }
-}
-
-impl Drop for Receiving {
-    fn drop(&mut self) {
-        self.state.stats.receiving_bytes.fetch_sub(self.bytes, Relaxed);
-    }
-}
 
 /// Reads a body of `len` bytes, allocating memory as its bytes arrive (a
 /// header alone reserves nothing, so declared lengths cost no memory), each
@@ -417,20 +402,20 @@ async fn read_body<R: AsyncReadExt + Unpin>(
     /// reallocations move pages, they do not copy them).
     const FIRST: usize = 1 << 20;
     let mut body = Vec::new();
-    let mut charge = InFlight { state: state.clone(), bytes: 0 };
-    let mut arriving = Receiving { state: state.clone(), bytes: 0 };
+    let mut charge = InFlight::total(state);
+    let mut arriving = InFlight::receiving(state);
     while body.len() < len {
         if body.capacity() == body.len() {
             let step = (len - body.len()).min(body.len().max(FIRST));
             let limit = state.config.limits.max_bytes_in_flight;
-            let refused = if len > SMALL_BODY && !arriving.add(step as u64) {
+            let refused = if len > SMALL_BODY && !arriving.add(step as u64, limit / 4 * 3) {
                 Some(format!(
                     "{} bytes of large request bodies are still arriving (at most 3/4 of \
                      limits.max_bytes_in_flight = {limit}); this {len}-byte request was not run: \
                      retry, or send smaller batches",
                     state.stats.receiving_bytes.load(Relaxed)
                 ))
-            } else if !charge.add(step as u64) {
+            } else if !charge.add(step as u64, limit) {
                 Some(format!(
                     "{} bytes of requests and answers are already in flight \
                      (limits.max_bytes_in_flight = {limit}); this {len}-byte request was not run: \
@@ -510,8 +495,8 @@ async fn answer(
     // instead of holding answers until memory runs out.
     let need = state.router.answer_bytes(&req);
     if need > 0 {
-        let mut c = InFlight { state: state.clone(), bytes: 0 };
-        if !c.add(need) {
+        let mut c = InFlight::total(state);
+        if !c.add(need, state.config.limits.max_bytes_in_flight) {
             state.stats.in_flight_refusals.fetch_add(1, Relaxed);
             return Err(ProtoError::new(
                 ErrorCode::ResourceExhausted,
