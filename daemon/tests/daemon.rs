@@ -594,20 +594,7 @@ fn admin_operations_check_peer_credentials() {
     let setpriv = std::path::Path::new("/usr/bin/setpriv").exists();
     assert!(me == 0 && setpriv, "this test needs root and setpriv (util-linux) to act as another user");
     let run_as_nobody = |socket: &std::path::Path, expect: &str| {
-        let out = std::process::Command::new("/usr/bin/setpriv")
-            .args(["--reuid", "65534", "--regid", "0", "--clear-groups"])
-            .arg(std::env::current_exe().unwrap())
-            .args(["--exact", "admin_child", "--ignored", "--nocapture"])
-            .env("HKVD_TEST_SOCKET", socket)
-            .env("HKVD_TEST_EXPECT", expect)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "child: {}\n{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        common::run_child_as(&["--reuid", "65534", "--regid", "0", "--clear-groups"], "admin_child", socket, expect)
     };
     std::fs::set_permissions(d.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     run_as_nobody(&d.socket, "forbidden");

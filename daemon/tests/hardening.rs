@@ -447,20 +447,8 @@ fn supplementary_admin_group_members_administer() {
     let d = Daemon::start(&["--admin-group", "users"]);
     std::fs::set_permissions(d.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let child = |groups: &str, expect: &str| {
-        let out = std::process::Command::new("/usr/bin/setpriv")
-            .args(["--reuid", "65534", "--regid", "65534", "--groups", groups])
-            .arg(std::env::current_exe().unwrap())
-            .args(["--exact", "group_child", "--ignored", "--nocapture"])
-            .env("HKVD_TEST_SOCKET", &d.socket)
-            .env("HKVD_TEST_EXPECT", expect)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "child: {}\n{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let ids = ["--reuid", "65534", "--regid", "65534", "--groups", groups];
+        common::run_child_as(&ids, "group_child", &d.socket, expect)
     };
     child(&gid.to_string(), "admin");
     child("65534", "no-access");

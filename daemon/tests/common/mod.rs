@@ -210,3 +210,23 @@ pub fn expect_error(r: Response, code: ErrorCode, needle: &str) {
         r => panic!("expected {code:?}, got {r:?}"),
     }
 }
+
+/// Runs this test binary's ignored test `child` as another user through
+/// `setpriv` (`ids`: its uid/gid/group options), with `HKVD_TEST_SOCKET`
+/// and `HKVD_TEST_EXPECT` set, and asserts that it passed. Needs root.
+pub fn run_child_as(ids: &[&str], child: &str, socket: &Path, expect: &str) {
+    let out = Command::new("/usr/bin/setpriv")
+        .args(ids)
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", child, "--ignored", "--nocapture"])
+        .env("HKVD_TEST_SOCKET", socket)
+        .env("HKVD_TEST_EXPECT", expect)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "child: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
