@@ -66,7 +66,9 @@
 //! - [`hash`] computes bucket, digest and shard hashes.
 //! - [`score`] has the score rules per policy and the clocks.
 //! - [`lock`] is the triple-group lock and its observable state.
-//! - [`cpu`] is the CPU backend, [`cpu::CpuTable`].
+//! - [`cpu`] is the CPU backend, [`cpu::CpuTable`]: buckets, storage, batch
+//!   splitting, the lookup pipeline, the write path, growth and the batch
+//!   operations, one module each; its one `unsafe` item is the prefetch hint.
 //! - [`cuda`] finds CUDA devices, compiles the kernels of `hkv-kernels`
 //!   (with an on-disk cache) and hashes features on the GPU.
 //! - [`cuda_table`] is the CUDA backend, [`cuda_table::CudaTable`].
