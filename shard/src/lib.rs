@@ -73,6 +73,8 @@
 //!   (with an on-disk cache) and hashes features on the GPU.
 //! - [`cuda_table`] is the CUDA backend, [`cuda_table::CudaTable`].
 //! - `staging` is the pinned memory host arrays of CUDA batches pass through.
+//! - [`mrc`] estimates miss-ratio curves (SHARDS sampling, LRU stack
+//!   distances): the hit rate of a smaller or larger table.
 //! - [`features`] turns raw features into keys (TensorFlow-compatible).
 //! - [`error`] holds [`Error`].
 //! - this file: the [`Shard`] trait every backend implements, result types,
@@ -89,6 +91,7 @@ pub mod error;
 pub mod features;
 pub mod hash;
 pub mod lock;
+pub mod mrc;
 pub mod multi;
 pub mod score;
 mod staging;
