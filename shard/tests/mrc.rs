@@ -107,3 +107,20 @@ fn curve_round_trips_through_json() {
     // Hit rates never fall as the capacity grows.
     assert!(c.points.windows(2).all(|w| w[0].hit_rate <= w[1].hit_rate + 1e-12));
 }
+
+/// `hkv-sim --mrc` prints the estimate beside the exact LRU; its JSON line
+/// carries the errors, within the bar at a small size.
+#[test]
+fn hkv_sim_mrc_reports_the_errors() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_hkv-sim"))
+        .args(["--mrc", "--capacity", "4096", "--alpha", "0.9", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("mean absolute error"), "{text}");
+    let j: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    assert_eq!(j["points"].as_array().unwrap().len(), FACTORS.len());
+    assert!(j["mae_pp"].as_f64().unwrap() <= 1.0, "{text}");
+    assert!(j["worst_pp"].as_f64().unwrap() <= 2.0, "{text}");
+}
