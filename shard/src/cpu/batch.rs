@@ -77,7 +77,7 @@ impl<'a> Outs<'a> {
     }
 }
 
-/// Rows of a [`Shard::find_at`] answer from row `base` on: `dim` values
+/// Rows of a [`Shard::find_at`](crate::Shard::find_at) answer from row `base` on: `dim` values
 /// and one found byte each.
 pub(super) struct Rows<'a> {
     pub(super) base: usize,

@@ -45,7 +45,7 @@ impl CpuTable {
         }
     }
 
-    /// [`Shard::find_at`] into `rows`: batches of up to `grain` keys on
+    /// [`Shard::find_at`](crate::Shard::find_at) into `rows`: batches of up to `grain` keys on
     /// this thread, larger ones halved on the rayon pool (as `at`
     /// increases, the two halves write disjoint row ranges).
     pub(super) fn find_rows(&self, st: &Storage, keys: &[u64], at: &[u32], rows: Rows<'_>, grain: usize) -> u64 {
