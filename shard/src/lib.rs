@@ -66,11 +66,15 @@
 //! - [`hash`] computes bucket, digest and shard hashes.
 //! - [`score`] has the score rules per policy and the clocks.
 //! - [`lock`] is the triple-group lock and its observable state.
-//! - [`cpu`] is the CPU backend, [`cpu::CpuTable`].
+//! - [`cpu`] is the CPU backend, [`cpu::CpuTable`]: buckets, storage, batch
+//!   splitting, the lookup pipeline, the write path, growth and the batch
+//!   operations, one module each; its one `unsafe` item is the prefetch hint.
 //! - [`cuda`] finds CUDA devices, compiles the kernels of `hkv-kernels`
 //!   (with an on-disk cache) and hashes features on the GPU.
 //! - [`cuda_table`] is the CUDA backend, [`cuda_table::CudaTable`].
 //! - `staging` is the pinned memory host arrays of CUDA batches pass through.
+//! - [`mrc`] estimates miss-ratio curves (SHARDS sampling, LRU stack
+//!   distances): the hit rate of a smaller or larger table.
 //! - [`features`] turns raw features into keys (TensorFlow-compatible).
 //! - [`error`] holds [`Error`].
 //! - this file: the [`Shard`] trait every backend implements, result types,
@@ -87,6 +91,7 @@ pub mod error;
 pub mod features;
 pub mod hash;
 pub mod lock;
+pub mod mrc;
 pub mod multi;
 pub mod score;
 mod staging;

@@ -20,6 +20,12 @@
 //! several capacities (slot counts, or factors of `--capacity`), the same
 //! stream each time, so that a user can see what a smaller or larger table
 //! would hit before buying it.
+//!
+//! `--mrc` instead measures the miss-ratio-curve estimator
+//! (`hkv_shard::mrc`): the stream is fed once to the SHARDS estimate and to
+//! an exact LRU stack, and the estimated hit rate is printed beside the
+//! exact fully associative LRU hit rate at 1/8× to 8× `--capacity`, with
+//! the mean absolute and worst errors and the cost of `observe` per key.
 
 use std::collections::{BTreeSet, HashMap};
 use std::fs::File;
@@ -81,6 +87,17 @@ struct Args {
     /// Keys per batch.
     #[arg(long, default_value_t = 1024)]
     batch: usize,
+    /// Compare the miss-ratio-curve estimate (SHARDS) with the exact fully
+    /// associative LRU at 1/8× to 8× --capacity, instead of replaying the
+    /// table.
+    #[arg(long)]
+    mrc: bool,
+    /// With --mrc: distinct sampled keys tracked (the estimator's budget).
+    #[arg(long, default_value_t = hkv_shard::mrc::DEFAULT_MAX_KEYS)]
+    mrc_keys: usize,
+    /// With --mrc: the sampling hash's seed (default: the library's).
+    #[arg(long)]
+    mrc_seed: Option<u64>,
     /// Print one JSON object as the last line (with several capacities:
     /// `{"runs": [one object per capacity]}`).
     #[arg(long)]
@@ -479,6 +496,17 @@ fn main() -> Result<()> {
         a.capacities.iter().map(|c| parse_capacity(c, a.capacity)).collect::<Result<_>>()?
     };
     let format = a.trace.as_deref().map(|p| TraceFormat::pick(&a.trace_format, p)).transpose()?;
+    if a.mrc {
+        let source = match (&a.trace, format) {
+            (Some(p), Some(f)) => Source::trace(p, f)?,
+            _ => Source::zipf(keyspace, a.alpha, a.seed, total)?,
+        };
+        let stream = match &a.trace {
+            Some(p) => format!("trace {}", p.display()),
+            None => format!("keyspace {keyspace}, alpha {}, seed {}", a.alpha, a.seed),
+        };
+        return mrc_compare(&a, source, &stream);
+    }
 
     let mut runs = Vec::new();
     for &cap in &capacities {
@@ -558,4 +586,132 @@ fn main() -> Result<()> {
         println!("{j}");
     }
     Ok(())
+}
+
+/// `--mrc`: the SHARDS estimate beside the exact LRU hit rates, and the
+/// cost of `observe`.
+fn mrc_compare(a: &Args, mut source: Source, stream: &str) -> Result<()> {
+    use hkv_shard::mrc::{LruStack, Mrc, MrcConfig, FACTORS};
+    let mut cfg = MrcConfig { max_keys: a.mrc_keys, ..MrcConfig::default() };
+    if let Some(s) = a.mrc_seed {
+        cfg.seed = s;
+    }
+    let mut mrc = Mrc::new(cfg);
+    let mut exact = LruStack::new();
+    let caps: Vec<u64> = FACTORS.iter().map(|f| (a.capacity as f64 * f).round() as u64).collect();
+    let mut exact_hits = vec![0u64; caps.len()];
+    // The whole stream in memory (8 bytes an access), so that observe is
+    // timed alone.
+    let (mut all, mut keys) = (Vec::new(), Vec::new());
+    loop {
+        source.next_batch(&mut keys, a.batch)?;
+        if keys.is_empty() {
+            break;
+        }
+        all.extend_from_slice(&keys);
+    }
+    let done = all.len() as u64;
+    if done == 0 {
+        bail!("the stream holds no keys");
+    }
+    let t = thread_seconds();
+    for b in all.chunks(a.batch) {
+        mrc.observe(b);
+    }
+    let observe_s = thread_seconds() - t;
+    for &k in &all {
+        if let Some(d) = exact.access(k) {
+            for (h, &c) in exact_hits.iter_mut().zip(&caps) {
+                *h += u64::from(d < c);
+            }
+        }
+    }
+    // The cost of observe at the rate reached: the stream's last batches
+    // of BENCH_KEYS keys observed again, each timed on the wall clock (the
+    // least disturbed is the cost on an idle core).
+    const BENCH_KEYS: usize = 256 * 1024;
+    let tail = &all[all.len().saturating_sub(10 * BENCH_KEYS)..];
+    let curve = mrc.curve(a.capacity);
+    let mut costs: Vec<f64> = tail
+        .chunks(BENCH_KEYS)
+        .map(|b| {
+            let t = Instant::now();
+            mrc.observe(b);
+            t.elapsed().as_secs_f64() * 1e9 / b.len() as f64
+        })
+        .collect();
+    costs.sort_by(f64::total_cmp);
+    let (bench_ns, bench_median) = (costs[0], costs[costs.len() / 2]);
+    println!(
+        "hkv-sim --mrc: capacity {}, {stream}, {done} accesses, {} distinct keys; SHARDS budget {} keys (~{} KiB), seed {:#x}",
+        a.capacity,
+        exact.len(),
+        cfg.max_keys,
+        mrc.memory_bytes() / 1024,
+        cfg.seed
+    );
+    println!(
+        "sampling rate {:.6}, {} sampled accesses, {} keys tracked",
+        curve.rate, curve.sampled_accesses, curve.tracked_keys
+    );
+    println!("{:>8} {:>12} {:>10} {:>10} {:>10}", "factor", "capacity", "shards", "exact", "diff pp");
+    let (mut sum, mut worst) = (0.0f64, 0.0f64);
+    let mut rows = Vec::new();
+    for (p, &h) in curve.points.iter().zip(&exact_hits) {
+        let ex = h as f64 / done as f64;
+        let diff = (p.hit_rate - ex) * 100.0;
+        sum += diff.abs();
+        worst = worst.max(diff.abs());
+        println!(
+            "{:>8.3} {:>12} {:>9.3}% {:>9.3}% {:>+10.3}",
+            p.factor,
+            p.capacity,
+            p.hit_rate * 100.0,
+            ex * 100.0,
+            diff
+        );
+        rows.push(serde_json::json!({"factor": p.factor, "capacity": p.capacity, "shards": p.hit_rate, "exact": ex}));
+    }
+    let mae = sum / curve.points.len() as f64;
+    println!("mean absolute error {mae:.3} pp, worst {worst:.3} pp");
+    println!(
+        "observe: {:.2} ns/key over the whole stream from the start (batches of {}, {}); \
+         at the rate reached, {bench_ns:.2} ns/key (median {bench_median:.2}) on batches of {} keys ({} batches, wall clock, least)",
+        observe_s * 1e9 / done as f64,
+        a.batch,
+        if cpu_clock() { "thread CPU time" } else { "wall clock" },
+        BENCH_KEYS.min(tail.len()),
+        costs.len()
+    );
+    if a.json {
+        let j = serde_json::json!({
+            "capacity": a.capacity, "accesses": done, "distinct_keys": exact.len(), "max_keys": cfg.max_keys,
+            "memory_bytes": mrc.memory_bytes(), "rate": curve.rate, "sampled_accesses": curve.sampled_accesses,
+            "tracked_keys": curve.tracked_keys, "points": rows, "mae_pp": mae, "worst_pp": worst,
+            "observe_ns_per_key": bench_ns, "stream_observe_ns_per_key": observe_s * 1e9 / done as f64,
+        });
+        println!("{j}");
+    }
+    Ok(())
+}
+
+/// Whether [`thread_seconds`] reads this thread's CPU time (Linux) rather
+/// than the wall clock: on a shared machine the CPU time is what a cost is.
+fn cpu_clock() -> bool {
+    std::fs::read_to_string("/proc/thread-self/schedstat").is_ok()
+}
+
+/// This thread's time on a CPU (the first field of
+/// `/proc/thread-self/schedstat`, ns), else the wall clock, in seconds.
+fn thread_seconds() -> f64 {
+    let cpu = std::fs::read_to_string("/proc/thread-self/schedstat")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok());
+    match cpu {
+        Some(ns) => ns as f64 * 1e-9,
+        None => {
+            static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+            START.get_or_init(Instant::now).elapsed().as_secs_f64()
+        }
+    }
 }
