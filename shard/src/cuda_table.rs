@@ -202,11 +202,19 @@ struct Storage {
 }
 
 impl Storage {
-    fn new(t: &CudaTable, stream: &Arc<CudaStream>, nbuckets: u64) -> Result<Storage> {
-        let dim = t.config.dim as u64;
+    /// Allocates and clears storage of `nbuckets` buckets for `config` on
+    /// `dev` (`clear`: the `clear_table` kernel), waiting for the clear.
+    fn new(
+        dev: &Device,
+        config: &TableConfig,
+        clear: &CudaFunction,
+        stream: &Arc<CudaStream>,
+        nbuckets: u64,
+    ) -> Result<Storage> {
+        let dim = config.dim as u64;
         let slots = nbuckets * S;
         let row = dim * 4;
-        let fast_slots = match t.config.fast_tier_bytes {
+        let fast_slots = match config.fast_tier_bytes {
             Some(b) => (b / row).min(slots),
             None => slots,
         };
@@ -233,7 +241,7 @@ impl Storage {
         let mut left = host_slots;
         while left > 0 {
             let rows = left.min(per);
-            let (h, dp) = host_slice(t, (rows * dim) as usize)?;
+            let (h, dp) = host_slice(dev, (rows * dim) as usize)?;
             slice_ptrs.push(dp);
             host.push(h);
             left -= rows;
@@ -254,7 +262,7 @@ impl Storage {
             nbuckets,
             slice_shift: shift,
             dim: dim as u32,
-            dual: (t.config.mode == BucketMode::Dual) as u32,
+            dual: (config.mode == BucketMode::Dual) as u32,
             pad: 0,
             order: 0,
         };
@@ -272,7 +280,7 @@ impl Storage {
             host_slots,
             args,
         };
-        let mut l = stream.launch_builder(&t.f.clear);
+        let mut l = stream.launch_builder(clear);
         l.arg(&st.args);
         // SAFETY: clear_table(t) writes keys, digests and scores of positions
         // < nbuckets * 128 and sizes / locks of buckets < nbuckets, all inside
@@ -285,12 +293,12 @@ impl Storage {
 
 /// One host-tier slice of `len` values (cuMemHostAlloc), zeroed and mapped
 /// into the device's address space, and its device address.
-fn host_slice(t: &CudaTable, len: usize) -> Result<(PinnedHostSlice<f32>, u64)> {
+fn host_slice(dev: &Device, len: usize) -> Result<(PinnedHostSlice<f32>, u64)> {
     use cudarc::driver::sys;
     let al = |e| dev_err("allocating pinned host values")(e);
     let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
     // SAFETY: the memory is zeroed right below before any use.
-    let mut h = unsafe { t.dev.ctx.alloc_pinned_with_flags::<f32>(len, flags) }.map_err(al)?;
+    let mut h = unsafe { dev.ctx.alloc_pinned_with_flags::<f32>(len, flags) }.map_err(al)?;
     let hp = h.as_mut_ptr().map_err(al)?;
     // SAFETY: hp points to len f32 just allocated and owned by `h`.
     unsafe { std::ptr::write_bytes(hp, 0, len) };
@@ -504,13 +512,16 @@ pub struct CudaTable {
     config: TableConfig,
     dev: Arc<Device>,
     f: Funcs,
-    storage: RwLock<Option<Storage>>,
+    /// Replaced whole by a grow, only once the new storage holds every entry.
+    storage: RwLock<Storage>,
     lanes: Mutex<Vec<Lane>>,
     lock: GroupLock,
     size: AtomicU64,
     epoch: AtomicU32,
     clock: Arc<dyn Clock>,
     counters: Counters,
+    /// Fault injection for tests ([`CudaTable::fail_next_grow`]).
+    fail_grow: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for CudaTable {
@@ -598,23 +609,21 @@ impl CudaTable {
             ex_scan: get(KernelId::Export, "export_scan")?,
             ex_write: get(KernelId::Export, "export_write")?,
         };
-        let t = CudaTable {
+        let stream = dev.ctx.new_stream().map_err(dev_err("creating a stream"))?;
+        let storage = Storage::new(&dev, &config, &f.clear, &stream, config.buckets())?;
+        Ok(CudaTable {
             config,
             dev,
             f,
-            storage: RwLock::new(None),
+            storage: RwLock::new(storage),
             lanes: Mutex::new(vec![]),
             lock: GroupLock::new(),
             size: AtomicU64::new(0),
             epoch: AtomicU32::new(0),
             clock,
             counters: Counters::default(),
-        };
-        let lane = t.lane()?;
-        let st = Storage::new(&t, &lane.stream, t.config.buckets())?;
-        *t.storage.write() = Some(st);
-        t.put_lane(lane);
-        Ok(t)
+            fail_grow: std::sync::atomic::AtomicBool::new(false),
+        })
     }
 
     /// Entries over slots of storage `st` (what the writer kernel choice goes by).
@@ -922,14 +931,23 @@ impl CudaTable {
     }
 
     fn nbuckets(&self) -> u64 {
-        self.storage.read().as_ref().map_or(0, |s| s.nbuckets)
+        self.storage.read().nbuckets
+    }
+
+    /// Makes the next grow fail after its new storage is loaded, as a
+    /// device error would; for tests of the failure path only.
+    #[doc(hidden)]
+    pub fn fail_next_grow(&self) {
+        self.fail_grow.store(true, Relaxed);
     }
 
     /// Rebuilds the table with `nbuckets` buckets: every entry is exported
-    /// into device buffers and loaded (scores verbatim) into new storage.
+    /// into device buffers and loaded (scores verbatim) into new storage,
+    /// which replaces the old one only once loaded: on any error the table
+    /// is left as it was.
     fn rehash(&self, nbuckets: u64) -> Result<()> {
         let mut guard = self.storage.write();
-        let old = guard.as_ref().expect("storage");
+        let old = &*guard;
         let mut l = self.lane()?;
         let s = l.stream.clone();
         let dim = self.config.dim;
@@ -954,8 +972,7 @@ impl CudaTable {
         unsafe { self.k_export(&s, old, 0, slots, all, cp, op, out) }?;
         s.synchronize().map_err(dev_err("exporting for growth"))?;
         drop(counts);
-        let new = Storage::new(self, &s, nbuckets)?;
-        *guard = None; // the old storage is freed before the load runs
+        let new = Storage::new(&self.dev, &self.config, &self.f.clear, &s, nbuckets)?;
         self.zero_counters(&mut l)?;
         let p = Ptrs { keys: out[0], values: out[1], scores: out[2], ..Ptrs::default() };
         // SAFETY: keys, values and scores hold the `size` exported entries; the counters are the lane's
@@ -970,7 +987,11 @@ impl CudaTable {
             )
         }?;
         let c = self.read_counters(&mut l)?;
-        *guard = Some(new);
+        if self.fail_grow.swap(false, Relaxed) {
+            return Err(Error::Device("growing the table: injected failure".into()));
+        }
+        // Only now, with every entry in the new storage, is the old one dropped.
+        *guard = new;
         self.size.store(c.summary.inserted, Relaxed);
         self.counters.evictions.fetch_add(c.summary.evicted + c.summary.rejected, Relaxed);
         drop((keys, values, scores, offsets));
@@ -1111,7 +1132,7 @@ impl CudaTable {
     ) -> Result<(Counts, Evictions, Vec<u8>)> {
         self.grow_for(incoming)?;
         let guard = self.storage.read();
-        let st = guard.as_ref().expect("storage");
+        let st = &*guard;
         let s = l.stream.clone();
         let dim = self.config.dim;
         let n = keys.len();
@@ -1197,7 +1218,7 @@ impl CudaTable {
             return Ok(0);
         }
         let guard = self.storage.read();
-        let st = guard.as_ref().expect("storage");
+        let st = &*guard;
         let hits = self.with_lane(|l| {
             let s = l.stream.clone();
             let keys = Self::upload(&s, &mut l.stage, &mut l.keys, keys)?;
@@ -1260,7 +1281,7 @@ impl CudaTable {
             return Ok(Summary::default());
         }
         let guard = self.storage.read();
-        let st = guard.as_ref().expect("storage");
+        let st = &*guard;
         let want = outcomes.is_some();
         let (summary, raw) = self.with_lane(|l| self.update_host(l, st, mode, keys, values, scores, want, false))?;
         set_outcomes(outcomes, &raw, None);
@@ -1583,14 +1604,22 @@ impl CudaTable {
             DeviceOp::Assign => Group::Updater,
             _ => Group::Inserter,
         };
-        let guard = incoming.map(|_| self.lock.acquire(group));
+        // From here on, an early return drops `pending`, which waits for
+        // `s` before it lets the lock group go.
+        let pending = Pending {
+            op,
+            n,
+            streams: vec![s.clone()],
+            synchronized: false,
+            _guard: incoming.map(|_| self.lock.acquire(group)),
+        };
         if let Some(total) = incoming {
             if group == Group::Inserter && op != DeviceOp::Erase {
                 self.grow_for(total)?;
             }
         }
         let st_guard = self.storage.read();
-        let st = st_guard.as_ref().expect("storage");
+        let st = &*st_guard;
         let base = Ptrs { keys: r.p.keys, counters: r.p.counters, only: r.p.only, ..Ptrs::default() };
         let p = r.p;
         let n64 = n as u64;
@@ -1636,12 +1665,13 @@ impl CudaTable {
                 }
             }
         }
-        Ok(Pending { _guard: guard, op, n })
+        Ok(pending)
     }
 
     /// Books a finished [`CudaTable::enqueue`]: `c` are its 8 counters,
     /// read after its stream was synchronised. Releases the lock group.
-    pub(crate) fn complete(&self, pending: Pending<'_>, c: &[u64]) -> Counts {
+    pub(crate) fn complete(&self, mut pending: Pending<'_>, c: &[u64]) -> Counts {
+        pending.synchronized = true;
         let counts = counts(c);
         match pending.op {
             DeviceOp::Find | DeviceOp::FindPtr | DeviceOp::Contains => self.counters.lookups(counts.hits, pending.n),
@@ -1675,23 +1705,48 @@ pub(crate) struct Raw {
 }
 
 /// A launched batch whose lock group is held until [`CudaTable::complete`].
+/// Dropped without it (an error path), it first waits for every stream its
+/// parts launched on, so that no kernel still runs on the table's storage
+/// once the group is released (a grow could free it).
 pub(crate) struct Pending<'a> {
-    _guard: Option<crate::lock::GroupGuard<'a>>,
     op: DeviceOp,
     n: usize,
+    /// The streams the batch's kernels run on.
+    streams: Vec<Arc<CudaStream>>,
+    /// Set by [`CudaTable::complete`], whose caller synchronised them.
+    synchronized: bool,
+    /// Declared last: dropped after [`Pending::drop`] has synchronised.
+    _guard: Option<crate::lock::GroupGuard<'a>>,
 }
 
 impl Pending<'_> {
     /// Folds a further part of the same batch into this one (its keys are
-    /// booked with this one's counters).
-    pub(crate) fn absorb(&mut self, part: Pending<'_>) {
+    /// booked with this one's counters, its stream waited for with this one's).
+    pub(crate) fn absorb(&mut self, mut part: Pending<'_>) {
         self.n += part.n;
+        for s in std::mem::take(&mut part.streams) {
+            if !self.streams.iter().any(|x| Arc::ptr_eq(x, &s)) {
+                self.streams.push(s);
+            }
+        }
     }
 
     /// Sets the keys the batch is booked with (its parts may have launched
     /// over filtered ranges).
     pub(crate) fn set_keys(&mut self, n: usize) {
         self.n = n;
+    }
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        if !self.synchronized {
+            for s in &self.streams {
+                // Best effort on an error path: a stream that cannot be
+                // waited for has failed, and its kernels with it.
+                let _ = s.synchronize();
+            }
+        }
     }
 }
 
@@ -1947,7 +2002,7 @@ impl Shard for CudaTable {
             let _g = self.lock.acquire(Group::Updater);
             self.counters.op(Op::AccumOrAssign, n);
             let guard = self.storage.read();
-            let st = guard.as_ref().expect("storage");
+            let st = &*guard;
             let want = outcomes.is_some();
             let (summary, absent) = self.update_host(&mut l, st, UPD_ACCUM, keys, Some(deltas), scores, false, true)?;
             if want {
@@ -1994,7 +2049,7 @@ impl Shard for CudaTable {
             return Ok(0);
         }
         let guard = self.storage.read();
-        let st = guard.as_ref().expect("storage");
+        let st = &*guard;
         let count = self.with_lane(|l| {
             let s = l.stream.clone();
             let p = Ptrs {
@@ -2025,7 +2080,7 @@ impl Shard for CudaTable {
         let _g = self.lock.acquire(Group::Inserter);
         self.counters.op(Op::EraseIf, 0);
         let guard = self.storage.read();
-        let st = guard.as_ref().expect("storage");
+        let st = &*guard;
         let removed = self.with_lane(|l| {
             self.zero_counters(l)?;
             let c = ptr(&l.counters, &l.stream);
@@ -2046,7 +2101,7 @@ impl Shard for CudaTable {
         let _g = self.lock.acquire(Group::Inserter);
         self.counters.op(Op::Clear, 0);
         let guard = self.storage.read();
-        let st = guard.as_ref().expect("storage");
+        let st = &*guard;
         self.with_lane(|l| {
             let mut b = l.stream.launch_builder(&self.f.clear);
             b.arg(&st.args);
@@ -2062,7 +2117,7 @@ impl Shard for CudaTable {
     fn export_batch_if(&self, offset: u64, n: u64, filter: &Filter) -> Result<Export> {
         let _g = self.lock.acquire(Group::Reader);
         let guard = self.storage.read();
-        let st = guard.as_ref().expect("storage");
+        let st = &*guard;
         let cap = st.nbuckets * S;
         let end = offset.saturating_add(n).min(cap);
         if offset >= end {
@@ -2127,7 +2182,10 @@ impl Shard for CudaTable {
     }
 
     fn stats(&self) -> ShardStats {
-        let (fast, host) = self.storage.read().as_ref().map_or((0, 0), |s| (s.fast_slots, s.host_slots));
+        let (fast, host) = {
+            let s = self.storage.read();
+            (s.fast_slots, s.host_slots)
+        };
         let row = self.config.dim as u64 * 4;
         self.counters.stats(self.size(), self.capacity(), fast * row, host * row, self.lock.state())
     }

@@ -416,3 +416,50 @@ fn device_batches_pointers_and_the_host_tier() {
     }
     println!("ms per find of 6000 keys: {}", r.ms);
 }
+
+// A grow used to replace the table's storage with nothing before it loaded
+// the entries into the new storage, so any error in that load (a failed
+// launch, a device out of memory) left every later call of the table
+// panicking at `expect("storage")`. A failed grow now leaves the table as
+// it was: same capacity, same entries, and later calls (a grow included)
+// work.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_failed_grow_leaves_the_table_as_it_was() {
+    let dim = 4;
+    let cfg = TableConfig::new(1024, dim).max_capacity(1 << 40);
+    let t = CudaTable::new(cfg, cuda::shared_device(0).expect("CUDA device 0")).expect("valid config");
+    let keys: Vec<u64> = (1..=400).collect();
+    let rows = |ks: &[u64]| -> Vec<f32> {
+        ks.iter().flat_map(|&k| (0..dim).map(move |j| (k * 10 + j as u64) as f32)).collect()
+    };
+    t.insert_or_assign(&keys, &rows(&keys), None, None).unwrap();
+    let cap = t.capacity();
+    let check = |t: &CudaTable, ks: &[u64]| {
+        let mut v = vec![0f32; ks.len() * dim];
+        let mut f = vec![false; ks.len()];
+        assert_eq!(t.find(ks, &mut v, &mut f, None).unwrap(), ks.len());
+        assert_eq!(v, rows(ks));
+    };
+
+    // The load into the new storage fails.
+    t.fail_next_grow();
+    let more: Vec<u64> = (401..=2000).collect();
+    let e = t.insert_or_assign(&more, &rows(&more), None, None).unwrap_err();
+    assert!(e.to_string().contains("injected"), "{e}");
+    assert_eq!((t.capacity(), t.size()), (cap, 400));
+    check(&t, &keys);
+
+    // The allocation of the new storage fails: far beyond any device's memory.
+    let e = t.reserve(1 << 40).unwrap_err();
+    assert!(e.to_string().to_lowercase().contains("alloc"), "{e}");
+    assert_eq!(t.size(), 400);
+    check(&t, &keys);
+
+    // And the table still grows and answers afterwards.
+    t.insert_or_assign(&more, &rows(&more), None, None).unwrap();
+    assert!(t.capacity() > cap);
+    assert_eq!(t.size(), 2000);
+    check(&t, &keys);
+    check(&t, &more);
+}

@@ -313,3 +313,56 @@ fn features_hashed_on_the_gpus_take_the_device_route() {
     let e = group.hash_features(nr, Features::Int64(&[1]), HashKind::Fingerprint64, 8, &mut b[0]).unwrap_err();
     assert!(e.to_string().contains("rank"), "{e}");
 }
+
+// On an error part-way through the device and peer routes (here a GPU's
+// table failing to grow after the other GPUs had launched their parts),
+// the lock groups held for the launched parts were let go before their
+// streams were synchronised, so a grow right after could free the storage
+// under kernels still running. Now a launched part waits for its streams
+// before its lock group goes: the error comes back, every table keeps its
+// entries, and the group grows and answers afterwards.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn an_error_part_way_through_a_route_leaves_every_table_whole() {
+    let ordinals = gpus();
+    let nr = ordinals.len();
+    for route in [Route::Device, Route::Peer] {
+        let cfg = config(BucketMode::Single).max_capacity(1 << 20);
+        let group = GpuGroup::new(cfg, &ordinals).unwrap();
+        if route == Route::Peer && !group.peer_access() {
+            continue;
+        }
+        let mut b = group.batch(8000).unwrap();
+        let first: Vec<Vec<u64>> = (0..nr as u64).map(|r| (0..1000).map(|i| (r << 32) + i * 7 + 1).collect()).collect();
+        let rows = |ks: &[Vec<u64>]| -> Vec<Vec<f32>> {
+            ks.iter().map(|k| k.iter().flat_map(|&k| row(k, 0)).collect()).collect()
+        };
+        upload(&group, &mut b, &first, &rows(&first));
+        group.run(DeviceOp::InsertOrAssign, route, &mut b, &vec![1000; nr]).unwrap();
+        let before = entries(group.tables().iter().map(|t| t as &dyn Shard));
+        assert_eq!(before.len(), 1000 * nr);
+
+        // Enough keys to make every table grow; the last one's grow fails.
+        let more: Vec<Vec<u64>> =
+            (0..nr as u64).map(|r| (0..8000).map(|i| (r << 32) + (1 << 31) + i * 7 + 1).collect()).collect();
+        upload(&group, &mut b, &more, &rows(&more));
+        group.tables()[nr - 1].fail_next_grow();
+        let e = group.run(DeviceOp::InsertOrAssign, route, &mut b, &vec![8000; nr]).unwrap_err();
+        assert!(e.to_string().contains("injected"), "{route:?}: {e}");
+        // Grow every table at once, right after the error.
+        for t in group.tables() {
+            t.reserve(t.capacity() * 2).unwrap();
+        }
+        let after = entries(group.tables().iter().map(|t| t as &dyn Shard));
+        // The GPUs whose part ran keep what it inserted, and everything from before.
+        for e in &before {
+            assert!(after.contains(e), "{route:?}: {e:?} lost");
+        }
+        upload(&group, &mut b, &more, &rows(&more));
+        group.run(DeviceOp::InsertOrAssign, route, &mut b, &vec![8000; nr]).unwrap();
+        upload(&group, &mut b, &first, &rows(&first));
+        let run = group.run(DeviceOp::Find, route, &mut b, &vec![1000; nr]).unwrap();
+        assert_eq!(run.counts.hits, 1000 * nr as u64, "{route:?}");
+        assert_eq!(group.size(), 9000 * nr as u64, "{route:?}");
+    }
+}
