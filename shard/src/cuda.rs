@@ -33,6 +33,20 @@ pub struct DeviceInfo {
     pub driver_version: i32,
 }
 
+/// A one-dimensional launch of `threads` threads in blocks of `block`;
+/// refused when the grid would pass CUDA's limit of 2^31 − 1 blocks.
+pub(crate) fn grid(threads: u64, block: u32) -> Result<LaunchConfig> {
+    let blocks = threads.div_ceil(u64::from(block)).max(1);
+    match u32::try_from(blocks) {
+        Ok(x) if x <= i32::MAX as u32 => {
+            Ok(LaunchConfig { grid_dim: (x, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 })
+        }
+        _ => Err(Error::Config(format!(
+            "a launch of {threads} threads needs {blocks} blocks of {block}, above CUDA's 2^31 - 1: use smaller batches or tables"
+        ))),
+    }
+}
+
 pub(crate) fn dev_err(what: &str) -> impl FnOnce(cudarc::driver::DriverError) -> Error + '_ {
     move |e| Error::Device(format!("{what}: {e:?}"))
 }
@@ -184,7 +198,7 @@ impl Device {
         // keys[0..n] and writes bucket_out[0..n] and digest_out[0..n]; each
         // buffer holds exactly n elements of the kernel's element type, and
         // threads with an index >= n return before touching memory.
-        unsafe { launch.launch(LaunchConfig::for_num_elems(n as u32)) }.map_err(dev_err("launching hash_locate"))?;
+        unsafe { launch.launch(grid(n64, 1024)?) }.map_err(dev_err("launching hash_locate"))?;
         let b = stream.clone_dtoh(&d_buckets).map_err(dev_err("copying buckets"))?;
         let d = stream.clone_dtoh(&d_digests).map_err(dev_err("copying digests"))?;
         Ok((b, d))
@@ -325,8 +339,7 @@ impl FeatureHasher {
                 // `out` at least n u64 (the hasher's buffer, ensured above, or
                 // the caller's, checked by hash_on_device), threads with an
                 // index >= n return at once, and num_buckets >= 1 was checked.
-                unsafe { launch.launch(LaunchConfig::for_num_elems(n as u32)) }
-                    .map_err(dev_err("launching features_int64"))?;
+                unsafe { launch.launch(grid(n64, 1024)?) }.map_err(dev_err("launching features_int64"))?;
             }
             Features::Strings { bytes, offsets } => {
                 ensure(&s, &mut self.bytes, bytes.len())?;
@@ -345,8 +358,7 @@ impl FeatureHasher {
                 // checked that the offsets are non-decreasing and end within
                 // `bytes`, which was copied whole into a buffer at least that
                 // long; offsets holds n + 1 and `out` n elements; num_buckets >= 1.
-                unsafe { launch.launch(LaunchConfig::for_num_elems(n as u32)) }
-                    .map_err(dev_err("launching features_strings"))?;
+                unsafe { launch.launch(grid(n64, 1024)?) }.map_err(dev_err("launching features_strings"))?;
             }
         }
         let end = s.record_event(timing).map_err(dev_err("recording an event"))?;
@@ -503,4 +515,24 @@ fn pointer_attribute<T: Copy + Default>(a: u64, attr: cudarc::driver::sys::CUpoi
     let r =
         unsafe { sys::cuPointerGetAttribute(&mut v as *mut T as *mut std::ffi::c_void, attr, a as sys::CUdeviceptr) };
     (r == sys::CUresult::CUDA_SUCCESS).then_some(v)
+}
+
+#[cfg(test)]
+mod launch_tests {
+    use super::grid;
+
+    // Launch sizes used to be cast with `as u32`, so a launch past 2^32
+    // blocks wrapped around to a small grid that covered only part of the
+    // keys. Now a grid CUDA cannot take is refused with an error.
+    #[test]
+    fn a_grid_past_cudas_limit_is_refused_not_wrapped() {
+        assert_eq!(grid(0, 256).unwrap().grid_dim, (1, 1, 1));
+        assert_eq!(grid(257, 256).unwrap().grid_dim, (2, 1, 1));
+        let most = i32::MAX as u64 * 256;
+        assert_eq!(grid(most, 256).unwrap().grid_dim, (i32::MAX as u32, 1, 1));
+        for too_many in [most + 1, (1u64 << 32) * 256 + 1, u64::MAX] {
+            let e = grid(too_many, 256).unwrap_err().to_string();
+            assert!(e.contains("blocks"), "{e}");
+        }
+    }
 }

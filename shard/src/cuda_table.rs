@@ -175,12 +175,8 @@ pub(crate) fn scan_config() -> LaunchConfig {
 const REGION_BYTES: u64 = 2 << 20;
 const MAX_REGIONS: u64 = 1 << 16;
 
-fn blocks(threads: u64) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (threads.div_ceil(BLOCK as u64).max(1) as u32, 1, 1),
-        block_dim: (BLOCK, 1, 1),
-        shared_mem_bytes: 0,
-    }
+fn blocks(threads: u64) -> Result<LaunchConfig> {
+    crate::cuda::grid(threads, BLOCK)
 }
 
 /// The table's device memory. The buffers are held for the raw addresses
@@ -285,7 +281,7 @@ impl Storage {
         // SAFETY: clear_table(t) writes keys, digests and scores of positions
         // < nbuckets * 128 and sizes / locks of buckets < nbuckets, all inside
         // the buffers just allocated with exactly those lengths.
-        unsafe { l.launch(blocks(slots)) }.map_err(dev_err("launching clear_table"))?;
+        unsafe { l.launch(blocks(slots)?) }.map_err(dev_err("launching clear_table"))?;
         stream.synchronize().map_err(dev_err("initialising the table"))?;
         Ok(st)
     }
@@ -737,7 +733,7 @@ impl CudaTable {
         b.arg(&st.args).arg(&keys).arg(&n).arg(&shift).arg(&c);
         // SAFETY: reads keys[0..n]; every key's region (b1 >> shift) is
         // below `regions`, the length of counts.
-        unsafe { b.launch(blocks(n)) }.map_err(dev_err("launching order_count"))?;
+        unsafe { b.launch(blocks(n)?) }.map_err(dev_err("launching order_count"))?;
         let mut b = l.launch_builder(&self.f.ex_scan);
         b.arg(&c).arg(&regions).arg(&x);
         // SAFETY: reads counts[0..regions], writes next[0..=regions].
@@ -746,7 +742,7 @@ impl CudaTable {
         b.arg(&st.args).arg(&keys).arg(&n).arg(&shift).arg(&x).arg(&o);
         // SAFETY: as order_count; the offsets of the regions sum to n, so
         // each key gets one distinct entry of order[0..n].
-        unsafe { b.launch(blocks(n)) }.map_err(dev_err("launching order_write"))?;
+        unsafe { b.launch(blocks(n)?) }.map_err(dev_err("launching order_write"))?;
         Ok((Some(order), TableArgs { order: o, ..st.args }))
     }
 
@@ -784,7 +780,7 @@ impl CudaTable {
         // values[0..n*dim] (with at: rows at[i] < the caller's row count),
         // found[0..n], scores[0..n], ptrs[0..n] and 8 counters; every
         // non-null buffer was sized for that by the caller.
-        unsafe { b.launch(blocks(n * v.g)) }.map_err(dev_err(if p.at != 0 {
+        unsafe { b.launch(blocks(n * v.g)?) }.map_err(dev_err(if p.at != 0 {
             "launching lookup_at"
         } else {
             "launching lookup_find"
@@ -822,7 +818,7 @@ impl CudaTable {
         // non-null, locks and writes the table described by args, and
         // writes outcomes[0..n], ptrs[0..n], at most n entries to each lost_*
         // array (sized for n keys, n*dim values) and 8 counters.
-        unsafe { b.launch(blocks(n * v.g)) }.map_err(dev_err("launching upsert_keys"))?;
+        unsafe { b.launch(blocks(n * v.g)?) }.map_err(dev_err("launching upsert_keys"))?;
         Ok(())
     }
 
@@ -852,7 +848,7 @@ impl CudaTable {
         // scores[0..n] where non-null, writes present entries of the table
         // under its bucket locks, and writes outcomes[0..n] and absent
         // flags[0..n] where non-null and 8 counters.
-        unsafe { b.launch(blocks(n * v.g)) }.map_err(dev_err("launching update_keys"))?;
+        unsafe { b.launch(blocks(n * v.g)?) }.map_err(dev_err("launching update_keys"))?;
         Ok(())
     }
 
@@ -868,7 +864,7 @@ impl CudaTable {
         b.arg(&st.args).arg(&p.keys).arg(&n).arg(&p.only).arg(&p.found).arg(&c);
         // SAFETY: erase_keys reads keys[0..n], writes table entries under
         // their bucket locks, erased[0..n] where non-null, and 8 counters.
-        unsafe { b.launch(blocks(n * 16)) }.map_err(dev_err("launching erase_keys"))?;
+        unsafe { b.launch(blocks(n * 16)?) }.map_err(dev_err("launching erase_keys"))?;
         Ok(())
     }
 
@@ -896,7 +892,7 @@ impl CudaTable {
         b.arg(&st.args).arg(&offset).arg(&end).arg(&f).arg(&counts);
         // SAFETY: export_count reads table positions in [offset, end) and
         // writes counts[0..nb], nb = the buckets the range spans.
-        unsafe { b.launch(blocks(nb * 32)) }.map_err(dev_err("launching export_count"))?;
+        unsafe { b.launch(blocks(nb * 32)?) }.map_err(dev_err("launching export_count"))?;
         let mut b = l.launch_builder(&self.f.ex_scan);
         b.arg(&counts).arg(&nb).arg(&offsets);
         // SAFETY: export_scan reads counts[0..nb] and writes offsets[0..=nb].
@@ -908,7 +904,7 @@ impl CudaTable {
             // keys_out, values_out (dim each) and scores_out, which the
             // caller sized for at least that many (or for every slot of the
             // range).
-            unsafe { b.launch(blocks(nb * 32)) }.map_err(dev_err("launching export_write"))?;
+            unsafe { b.launch(blocks(nb * 32)?) }.map_err(dev_err("launching export_write"))?;
         }
         Ok(())
     }
@@ -2089,7 +2085,7 @@ impl Shard for CudaTable {
             b.arg(&st.args).arg(&fa).arg(&c);
             // SAFETY: erase_if visits buckets < nbuckets (one warp each) of
             // the table described by args and writes 8 counters.
-            unsafe { b.launch(blocks(st.nbuckets * 32)) }.map_err(dev_err("launching erase_if"))?;
+            unsafe { b.launch(blocks(st.nbuckets * 32)?) }.map_err(dev_err("launching erase_if"))?;
             let c = self.read_counters(l)?;
             Ok(c.erased)
         })?;
@@ -2107,7 +2103,7 @@ impl Shard for CudaTable {
             b.arg(&st.args);
             // SAFETY: clear_table writes positions < nbuckets * 128 and
             // buckets < nbuckets of the table described by args.
-            unsafe { b.launch(blocks(st.nbuckets * S)) }.map_err(dev_err("launching clear_table"))?;
+            unsafe { b.launch(blocks(st.nbuckets * S)?) }.map_err(dev_err("launching clear_table"))?;
             l.stream.synchronize().map_err(dev_err("synchronizing"))
         })?;
         self.size.store(0, Relaxed);

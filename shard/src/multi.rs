@@ -57,13 +57,13 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DeviceRepr, PushKernelArg};
 use cudarc::nccl::{group_end, group_start, Comm, NcclType};
 use hkv_kernels::KernelId;
 use parking_lot::Mutex;
 
 use crate::config::TableConfig;
-use crate::cuda::{dev_err, ensure, shared_device, Device, FeatureHasher};
+use crate::cuda::{dev_err, ensure, grid, shared_device, Device, FeatureHasher};
 use crate::cuda_table::{opt_ptr, ptr, scan_config, Counts, CudaTable, DeviceOp, Pending, Ptrs, Raw};
 use crate::error::{Error, Result};
 use crate::features::{Features, HashKind};
@@ -258,14 +258,6 @@ struct HostOwner {
     rows: Vec<f32>,
 }
 
-fn grid(threads: u64, block: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (threads.div_ceil(block as u64).max(1) as u32, 1, 1),
-        block_dim: (block, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
 /// Exclusive prefix sums of a row of counts.
 fn starts(c: &[u64]) -> Vec<u64> {
     c.iter()
@@ -334,8 +326,7 @@ impl Node {
             Some(m) => (m, opt_ptr(&b.mine, &s)),
             None => (u32::MAX, 0),
         };
-        let tiles_cfg =
-            LaunchConfig { grid_dim: (tiles as u32, 1, 1), block_dim: (TILE as u32, 1, 1), shared_mem_bytes: 0 };
+        let tiles_cfg = grid(n64, TILE as u32)?;
         let mut l = s.launch_builder(&self.f.count);
         l.arg(&keys).arg(&n64).arg(&nr).arg(&dest).arg(&tc).arg(&me).arg(&mine);
         // SAFETY: route_count reads keys[0..n] and writes dest[0..n],
@@ -365,8 +356,7 @@ impl Node {
         let (dest, tc, off, tot) =
             (opt_ptr(&b.dest, &s), opt_ptr(&b.tile_counts, &s), opt_ptr(&b.offsets, &s), opt_ptr(&b.totals, &s));
         let (send, pos) = (opt_ptr(&b.send_keys, &s), opt_ptr(&b.pos, &s));
-        let tiles_cfg =
-            LaunchConfig { grid_dim: (tiles as u32, 1, 1), block_dim: (TILE as u32, 1, 1), shared_mem_bytes: 0 };
+        let tiles_cfg = grid(n64, TILE as u32)?;
         let mut l = s.launch_builder(&self.f.scan);
         l.arg(&tc).arg(&tiles).arg(&nr).arg(&off).arg(&tot);
         // SAFETY: route_scan reads shards * tiles counts (written by count)
@@ -397,8 +387,7 @@ impl Node {
         }
         let (n64, nr) = (n as u64, shards as u32);
         let (masks, tot) = (opt_ptr(&b.masks, &s), opt_ptr(&b.totals, &s));
-        let tiles = n64.div_ceil(TILE) as u32;
-        let cfg = LaunchConfig { grid_dim: (tiles, 1, 1), block_dim: (TILE as u32, 1, 1), shared_mem_bytes: 0 };
+        let cfg = grid(n64, TILE as u32)?;
         let mut l = s.launch_builder(&self.f.masks);
         l.arg(&keys).arg(&n64).arg(&nr).arg(&masks).arg(&tot);
         // SAFETY: route_masks reads keys[0..n] and writes masks[0..shards * n]
@@ -440,7 +429,7 @@ impl Node {
         let mut l = self.stream.launch_builder(f);
         l.arg(&src).arg(&dst).arg(&pos).arg(&n64).arg(&w).arg(&dest).arg(&me);
         // SAFETY: per the contract, n rows of w words at src and dst.
-        unsafe { l.launch(grid(n64 * w, 256)) }.map_err(dev_err("launching rows_scatter"))?;
+        unsafe { l.launch(grid(n64 * w, 256)?) }.map_err(dev_err("launching rows_scatter"))?;
         Ok(())
     }
 
@@ -455,7 +444,7 @@ impl Node {
         let mut l = self.stream.launch_builder(&self.f.scatter_u64);
         l.arg(&src).arg(&dst).arg(&pos).arg(&n64).arg(&w).arg(&dest).arg(&me);
         // SAFETY: per the contract, n u64 at src and dst.
-        unsafe { l.launch(grid(n64, 256)) }.map_err(dev_err("launching rows_scatter_u64"))?;
+        unsafe { l.launch(grid(n64, 256)?) }.map_err(dev_err("launching rows_scatter_u64"))?;
         Ok(())
     }
 
@@ -474,7 +463,7 @@ impl Node {
         let mut l = self.stream.launch_builder(f);
         l.arg(&src).arg(&dst).arg(&pos).arg(&mask).arg(&n64).arg(&w).arg(&dest).arg(&me);
         // SAFETY: per the contract.
-        unsafe { l.launch(grid(n64 * w, 256)) }.map_err(dev_err("launching rows_gather"))?;
+        unsafe { l.launch(grid(n64 * w, 256)?) }.map_err(dev_err("launching rows_gather"))?;
         Ok(())
     }
 
@@ -489,7 +478,7 @@ impl Node {
         let mut l = self.stream.launch_builder(&self.f.gather_u8);
         l.arg(&src).arg(&dst).arg(&pos).arg(&mask).arg(&n64).arg(&w).arg(&dest).arg(&me);
         // SAFETY: per the contract.
-        unsafe { l.launch(grid(n64, 256)) }.map_err(dev_err("launching rows_gather_u8"))?;
+        unsafe { l.launch(grid(n64, 256)?) }.map_err(dev_err("launching rows_gather_u8"))?;
         Ok(())
     }
 
@@ -1509,6 +1498,9 @@ impl GpuGroup {
             o.keys.clear();
             o.values.clear();
             o.origin.clear();
+        }
+        if let Some(&big) = n.iter().find(|&&m| u32::try_from(m).is_err()) {
+            return Err(Error::Config(format!("{big} keys on one GPU: the host route takes at most 2^32 - 1")));
         }
         // To the host, split by owner there.
         for (r, node) in nodes.iter().enumerate() {
