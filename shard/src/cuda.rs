@@ -17,6 +17,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStrea
 use cudarc::nvrtc::{CompileOptions, Ptx};
 use hkv_kernels::KernelId;
 
+use crate::config::CudaTuning;
 use crate::error::{Error, Result};
 use crate::features::{Features, HashKind};
 
@@ -368,27 +369,43 @@ impl FeatureHasher {
 
 static CACHE_DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
 
-/// Sets the kernel cache directory of this process (the daemon uses its
-/// state directory); `$HKV_KERNEL_CACHE` still wins. Only the first call counts.
+/// Sets the kernel cache directory of this process's shared devices
+/// ([`shared_device`]); without it every start compiles. Binaries pass
+/// [`default_kernel_cache_dir`]. Only the first call counts.
 pub fn set_cache_dir(dir: PathBuf) {
     let _ = CACHE_DIR.set(dir);
 }
 
-/// Where compiled kernels are cached: `$HKV_KERNEL_CACHE`, else the
-/// directory given to [`set_cache_dir`], else `$XDG_CACHE_HOME/hkvd/kernels`,
-/// else `$HOME/.cache/hkvd/kernels` (none when nothing is set: every start
-/// compiles).
-pub fn default_cache_dir() -> Option<PathBuf> {
+/// The kernel cache directory a binary should give [`set_cache_dir`]:
+/// `$HKV_KERNEL_CACHE`, else `preferred` (the daemon's state directory),
+/// else `$XDG_CACHE_HOME/hkvd/kernels`, else `$HOME/.cache/hkvd/kernels`.
+/// The one function of the library that reads the environment; only
+/// binaries (and tests) call it.
+pub fn default_kernel_cache_dir(preferred: Option<PathBuf>) -> Option<PathBuf> {
     if let Some(d) = std::env::var_os("HKV_KERNEL_CACHE") {
         return Some(d.into());
     }
-    if let Some(d) = CACHE_DIR.get() {
-        return Some(d.clone());
+    if preferred.is_some() {
+        return preferred;
     }
     if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
         return Some(Path::new(&d).join("hkvd").join("kernels"));
     }
     std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache").join("hkvd").join("kernels"))
+}
+
+static TUNING: std::sync::OnceLock<CudaTuning> = std::sync::OnceLock::new();
+
+/// Sets the kernel tuning of the CUDA tables this process opens from now
+/// on (a binary's way in for `HKV_*` variables, [`CudaTuning::from_vars`]).
+/// Only the first call counts.
+pub fn set_tuning(t: CudaTuning) {
+    let _ = TUNING.set(t);
+}
+
+/// The process's kernel tuning ([`set_tuning`], else the default).
+pub fn tuning() -> CudaTuning {
+    TUNING.get().copied().unwrap_or_default()
 }
 
 /// Device `ordinal`, opened (and its kernels loaded) once per process.
@@ -399,7 +416,7 @@ pub fn shared_device(ordinal: usize) -> Result<Arc<Device>> {
     if let Some((_, d)) = devs.iter().find(|(o, _)| *o == ordinal) {
         return Ok(d.clone());
     }
-    let d = Arc::new(Device::open(ordinal, default_cache_dir().as_deref())?);
+    let d = Arc::new(Device::open(ordinal, CACHE_DIR.get().map(PathBuf::as_path))?);
     devs.push((ordinal, d.clone()));
     Ok(d)
 }

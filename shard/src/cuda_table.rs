@@ -37,7 +37,7 @@ use hkv_kernels::KernelId;
 use parking_lot::{Mutex, RwLock};
 
 use crate::check;
-use crate::config::{BucketMode, LfuTies, ScorePolicy, TableConfig};
+use crate::config::{BucketMode, CudaTuning, LfuTies, ScorePolicy, TableConfig};
 use crate::cpu::Counters;
 use crate::cuda::{dev_err, ensure, Device};
 use crate::error::{Error, Result};
@@ -145,9 +145,9 @@ pub(crate) fn opt_ptr<T>(s: &Option<CudaSlice<T>>, stream: &CudaStream) -> u64 {
     s.as_ref().map_or(0, |s| ptr(s, stream))
 }
 
-/// Threads per key from the tuning variable `var` when it names one of `built`.
-fn group_size(var: &str, built: &[u64]) -> Option<u64> {
-    std::env::var(var).ok().and_then(|v| v.parse().ok()).filter(|g| built.contains(g))
+/// Threads per key forced by a tuning, when it names one of `built`.
+fn group_size(forced: Option<u32>, built: &[u64]) -> Option<u64> {
+    forced.map(u64::from).filter(|g| built.contains(g))
 }
 
 /// Threads per key the lookup kernels are built for, and the writer
@@ -343,13 +343,13 @@ struct Funcs {
     /// The 4-thread upsert kernel without lost outputs, held to 48
     /// registers (`upsert_keys_g4_b5`).
     upsert_bounded: Variant,
-    /// Threads per key forced by `HKV_LOOKUP_GROUP` / `HKV_WRITE_GROUP`
-    /// (tuning knobs), instead of the choice below.
+    /// Threads per key forced by the [`CudaTuning`] (the process's, or
+    /// [`CudaTable::set_tuning`]) instead of the choice below.
     forced_lookup: Option<u64>,
     forced_write: Option<u64>,
     /// Key order by bucket region for value-copying launches on a table
-    /// with a host tier ([`CudaTable::key_order`]); `HKV_KEY_ORDER=index`
-    /// turns it off (a tuning knob).
+    /// with a host tier ([`CudaTable::key_order`]); off with
+    /// [`CudaTuning::index_order`].
     region_order: bool,
     order_count: CudaFunction,
     order_write: CudaFunction,
@@ -583,6 +583,7 @@ impl CudaTable {
         let get = |id: KernelId, name: &str| {
             dev.module(id).load_function(name).map_err(|e| Error::Device(format!("kernel {name}: {e:?}")))
         };
+        let tuning = crate::cuda::tuning();
         let variants = |id: KernelId, base: &str, gs: &[u64]| -> Result<Vec<Variant>> {
             gs.iter().map(|&g| Ok(Variant { f: get(id, &kernel_name(base, g))?, g })).collect()
         };
@@ -593,9 +594,9 @@ impl CudaTable {
             update: variants(KernelId::Update, "update_keys", &WRITE_GROUPS)?,
             update_bounded: Variant { f: get(KernelId::Update, "update_keys_g2_b5")?, g: 2 },
             upsert_bounded: Variant { f: get(KernelId::Upsert, "upsert_keys_g4_b5")?, g: 4 },
-            forced_lookup: group_size("HKV_LOOKUP_GROUP", &LOOKUP_GROUPS),
-            forced_write: group_size("HKV_WRITE_GROUP", &WRITE_GROUPS),
-            region_order: std::env::var("HKV_KEY_ORDER").map_or(true, |v| v != "index"),
+            forced_lookup: group_size(tuning.lookup_group, &LOOKUP_GROUPS),
+            forced_write: group_size(tuning.write_group, &WRITE_GROUPS),
+            region_order: !tuning.index_order,
             order_count: get(KernelId::Lookup, "order_count")?,
             order_write: get(KernelId::Lookup, "order_write")?,
             erase: get(KernelId::Erase, "erase_keys")?,
@@ -620,6 +621,15 @@ impl CudaTable {
             counters: Counters::default(),
             fail_grow: std::sync::atomic::AtomicBool::new(false),
         })
+    }
+
+    /// Forces (or frees) the kernel choice of later batches (benchmarks).
+    pub fn set_tuning(&mut self, t: CudaTuning) -> Result<()> {
+        t.validate()?;
+        self.f.forced_lookup = group_size(t.lookup_group, &LOOKUP_GROUPS);
+        self.f.forced_write = group_size(t.write_group, &WRITE_GROUPS);
+        self.f.region_order = !t.index_order;
+        Ok(())
     }
 
     /// Entries over slots of storage `st` (what the writer kernel choice goes by).

@@ -93,7 +93,7 @@ mod staging;
 
 use serde::{Deserialize, Serialize};
 
-pub use config::{BucketMode, Footprint, LfuTies, ScorePolicy, TableConfig};
+pub use config::{BucketMode, CudaTuning, Footprint, LfuTies, ScorePolicy, TableConfig};
 pub use error::{Error, Result};
 pub use lock::{Group, LockState};
 

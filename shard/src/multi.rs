@@ -44,7 +44,7 @@
 //!
 //! NCCL is loaded at run time; [`nccl_version`] says whether it can be, and
 //! a one-GPU group never touches it. Keep NVLink multicast off
-//! (`NCCL_NVLS_ENABLE=0`); [`GpuGroup::new`] sets it when unset.
+//! (`NCCL_NVLS_ENABLE=0`): binaries set [`NCCL_ENV_DEFAULTS`] in `main`.
 //!
 //! # Layout
 //! - [`GpuGroup`]: construction, [`GpuGroup::batch`], [`GpuGroup::run`],
@@ -824,21 +824,18 @@ impl std::fmt::Debug for GpuGroup {
     }
 }
 
+/// NCCL settings a process should have in its environment before its
+/// first group, each unless already set. The library sets no variable (it
+/// cannot do so safely once threads run): a binary sets these in `main`
+/// before it starts any thread.
+/// - `NCCL_P2P_NVL_CHUNKSIZE=2097152`: 2 MiB chunks over NVLink, 9 % faster
+///   all-to-all of a 1 Mi-key batch than NCCL's 512 KiB on the H200 pair.
+/// - `NCCL_NVLS_ENABLE=0`: NVLink multicast, not needed here, can take the
+///   GPUs of a shared host out of service.
+pub const NCCL_ENV_DEFAULTS: [(&str, &str); 2] = [("NCCL_P2P_NVL_CHUNKSIZE", "2097152"), ("NCCL_NVLS_ENABLE", "0")];
+
 /// NCCL communicators over `nodes` (one rank each, on the node's stream).
 fn communicators(nodes: &[Node]) -> Result<Vec<Comm>> {
-    if std::env::var_os("NCCL_P2P_NVL_CHUNKSIZE").is_none() {
-        // 2 MiB chunks over NVLink: the all-to-all of a 1 Mi-key batch ran
-        // 9 % faster than with NCCL's 512 KiB default on the H200 pair.
-        // SAFETY: as below.
-        unsafe { std::env::set_var("NCCL_P2P_NVL_CHUNKSIZE", "2097152") };
-    }
-    if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
-        // NVLink multicast stays off: it is not needed here, and on shared
-        // hosts it can take the GPUs out of service.
-        // SAFETY: set before NCCL's first communicator, while no other thread
-        // of this process reads the environment through NCCL.
-        unsafe { std::env::set_var("NCCL_NVLS_ENABLE", "0") };
-    }
     nccl_version()?;
     Comm::from_devices(nodes.iter().map(|n| n.stream.clone()).collect()).map_err(nccl_err("creating communicators"))
 }
@@ -892,7 +889,8 @@ fn peer_access(nodes: &[Node]) -> bool {
 
 impl GpuGroup {
     /// One table of `config` on each GPU of `ordinals` (distinct, at most
-    /// [`MAX_GPUS`]); the capacity is per GPU. NCCL is needed for two or more.
+    /// [`MAX_GPUS`]); the capacity is per GPU. NCCL is needed for two or more,
+    /// with [`NCCL_ENV_DEFAULTS`] in the environment.
     pub fn new(config: TableConfig, ordinals: &[usize]) -> Result<GpuGroup> {
         if ordinals.is_empty() || ordinals.len() > MAX_GPUS {
             return Err(Error::Config(format!("a GPU group has 1 to {MAX_GPUS} GPUs, not {}", ordinals.len())));
@@ -923,6 +921,11 @@ impl GpuGroup {
             parts: DEFAULT_PARTS,
             peer,
         })
+    }
+
+    /// Forces (or frees) the kernel choice of every GPU's table (benchmarks).
+    pub fn set_tuning(&mut self, t: crate::config::CudaTuning) -> Result<()> {
+        self.tables.iter_mut().try_for_each(|tb| tb.set_tuning(t))
     }
 
     /// Times the phases of device-route batches (see [`GroupRun::phases`]).

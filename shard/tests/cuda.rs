@@ -17,8 +17,20 @@ use hkv_shard::score::ManualClock;
 use hkv_shard::{BucketMode, Filter, LfuTies, Outcome, ScorePolicy, Shard, TableConfig};
 use rand::{Rng, SeedableRng};
 
+/// The kernel cache a binary would use (the library reads no environment).
+fn init() {
+    if let Some(dir) = cuda::default_kernel_cache_dir(None) {
+        cuda::set_cache_dir(dir);
+    }
+}
+
+fn device() -> std::sync::Arc<Device> {
+    init();
+    cuda::shared_device(0).expect("CUDA device 0")
+}
+
 fn make(cfg: TableConfig) -> Box<dyn Shard> {
-    Box::new(CudaTable::new(cfg, cuda::shared_device(0).expect("CUDA device 0")).expect("valid config"))
+    Box::new(CudaTable::new(cfg, device()).expect("valid config"))
 }
 
 mod conformance {
@@ -28,6 +40,7 @@ mod conformance {
 
 #[test]
 fn probe_never_panics_and_says_why() {
+    init();
     match cuda::probe() {
         Ok(devices) => assert!(!devices.is_empty()),
         Err(e) => assert!(e.to_string().contains("CUDA"), "{e}"),
@@ -167,7 +180,7 @@ fn differential_step(
 #[test]
 #[ignore = "needs a CUDA device"]
 fn differential_against_the_cpu_backend() {
-    let dev = cuda::shared_device(0).unwrap();
+    let dev = device();
     let policies = [
         (ScorePolicy::Custom, LfuTies::Lru),
         (ScorePolicy::Lfu, LfuTies::Lru),
@@ -210,7 +223,7 @@ fn differential_against_the_cpu_backend() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn large_batches_conserve_entries() {
-    let dev = cuda::shared_device(0).unwrap();
+    let dev = device();
     let dim = 2;
     for (mode, fast_tier) in [
         (BucketMode::Single, None),
@@ -286,7 +299,7 @@ fn large_batches_conserve_entries() {
 fn finds_into_pinned_frames() {
     use zerocopy::FromBytes;
     let dim = 32;
-    let t = CudaTable::new(TableConfig::new(1 << 16, dim), cuda::shared_device(0).unwrap()).unwrap();
+    let t = CudaTable::new(TableConfig::new(1 << 16, dim), device()).unwrap();
     let keys: Vec<u64> = (1..=20_000u64).collect();
     let vals: Vec<f32> = keys.iter().flat_map(|&k| (0..dim).map(move |d| k as f32 + d as f32 / 64.0)).collect();
     t.insert_or_assign(&keys, &vals, None, None).unwrap();
@@ -330,7 +343,7 @@ fn finds_at_rows_of_pinned_frames() {
             if host_tier {
                 cfg.fast_tier_bytes = Some((1 << 13) * dim as u64 * 4);
             }
-            let t = CudaTable::new(cfg, cuda::shared_device(0).unwrap()).unwrap();
+            let t = CudaTable::new(cfg, device()).unwrap();
             let keys: Vec<u64> = (lo..lo + 6000).collect();
             let vals: Vec<f32> = keys.iter().flat_map(|&k| (0..dim).map(move |d| k as f32 + d as f32 / 8.0)).collect();
             t.insert_or_assign(&keys, &vals, None, None).unwrap();
@@ -388,7 +401,7 @@ fn finds_at_rows_of_pinned_frames() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn device_batches_pointers_and_the_host_tier() {
-    let dev = cuda::shared_device(0).unwrap();
+    let dev = device();
     let dim = 4;
     // Half the values in device memory, half in pinned host memory.
     let mut cfg = TableConfig::new(1 << 14, dim);
@@ -428,7 +441,7 @@ fn device_batches_pointers_and_the_host_tier() {
 fn a_failed_grow_leaves_the_table_as_it_was() {
     let dim = 4;
     let cfg = TableConfig::new(1024, dim).max_capacity(1 << 40);
-    let t = CudaTable::new(cfg, cuda::shared_device(0).expect("CUDA device 0")).expect("valid config");
+    let t = CudaTable::new(cfg, device()).expect("valid config");
     let keys: Vec<u64> = (1..=400).collect();
     let rows = |ks: &[u64]| -> Vec<f32> {
         ks.iter().flat_map(|&k| (0..dim).map(move |j| (k * 10 + j as u64) as f32)).collect()

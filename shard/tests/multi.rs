@@ -15,7 +15,20 @@ use rand::{Rng, SeedableRng};
 
 const DIM: usize = 6;
 
+/// Every GPU of the host, after the set-up a binary's `main` does: NCCL's
+/// settings in the environment, the kernel cache.
 fn gpus() -> Vec<usize> {
+    static INIT: std::sync::Once = std::sync::Once::new();
+    INIT.call_once(|| {
+        for (k, v) in hkv_shard::multi::NCCL_ENV_DEFAULTS {
+            if std::env::var_os(k).is_none() {
+                std::env::set_var(k, v);
+            }
+        }
+        if let Some(dir) = cuda::default_kernel_cache_dir(None) {
+            cuda::set_cache_dir(dir);
+        }
+    });
     let n = cuda::probe().expect("a CUDA device").len().min(hkv_shard::multi::MAX_GPUS);
     (0..n).collect()
 }

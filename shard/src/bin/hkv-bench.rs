@@ -300,6 +300,12 @@ fn moka_row(cap: u64, dim: usize, batch: usize, runs: usize, lambdas: &[f64]) ->
 
 fn main() -> Result<()> {
     let a = Args::parse();
+    // The library reads no environment: the kernel cache and the tuning
+    // knobs (HKV_LOOKUP_GROUP, HKV_WRITE_GROUP, HKV_KEY_ORDER) come in here.
+    if let Some(dir) = hkv_shard::cuda::default_kernel_cache_dir(None) {
+        hkv_shard::cuda::set_cache_dir(dir);
+    }
+    hkv_shard::cuda::set_tuning(hkv_shard::CudaTuning::from_vars(|k| std::env::var(k).ok())?);
     let backend = match a.backend.as_str() {
         // Auto: the CUDA protocol (device buffers, event timing) on a GPU host.
         "auto" if hkv_shard::cuda::probe().is_ok() => Backend::Cuda,

@@ -101,7 +101,17 @@ fn link(g: &GpuGroup, bytes: usize, runs: usize) -> Result<()> {
 }
 
 fn main() -> Result<()> {
+    // Before any thread starts: NCCL reads these when the first group is made.
+    for (k, v) in hkv_shard::multi::NCCL_ENV_DEFAULTS {
+        if std::env::var_os(k).is_none() {
+            std::env::set_var(k, v);
+        }
+    }
     let a = Args::parse();
+    if let Some(dir) = hkv_shard::cuda::default_kernel_cache_dir(None) {
+        hkv_shard::cuda::set_cache_dir(dir);
+    }
+    hkv_shard::cuda::set_tuning(hkv_shard::CudaTuning::from_vars(|k| std::env::var(k).ok())?);
     let devices = hkv_shard::cuda::probe().map_err(|e| anyhow::anyhow!("{e}"))?;
     println!("GPUs: {} x {} (driver {})", devices.len(), devices[0].name, devices[0].driver_version);
     match hkv_shard::multi::nccl_version() {
