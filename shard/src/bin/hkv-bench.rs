@@ -1,4 +1,4 @@
-//! hkv-bench: the table's throughput with the protocol of `shared/TARGETS.md`.
+//! hkv-bench: the table's throughput with the protocol of `shard/TARGETS.md`.
 //!
 //! For each dim and load factor λ, the table is filled with unique keys to λ
 //! (single mode cannot reach exactly 1.0 without eviction: it is filled with
@@ -37,7 +37,7 @@ use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 
 #[derive(Parser, Debug)]
-#[command(name = "hkv-bench", about = "Throughput of every table operation (B-KV/s), TARGETS.md protocol")]
+#[command(name = "hkv-bench", about = "Throughput of every table operation (B-KV/s), shard/TARGETS.md protocol")]
 struct Args {
     /// Backend: cpu, cuda or auto.
     #[arg(long, default_value = "auto")]
@@ -408,12 +408,12 @@ fn export_slots(n: usize, lambda: f64) -> u64 {
 }
 
 /// The CUDA backend on device-resident batches, timed with CUDA events
-/// around the kernels (the protocol of shared/TARGETS.md).
+/// around the kernels (the protocol of shard/TARGETS.md).
 mod cuda_bench {
     use super::*;
     use hkv_shard::cuda_table::{CudaTable, DeviceBatch, DeviceOp};
 
-    /// The reference library's figures on the H200 (shared/TARGETS.md):
+    /// The reference library's figures on the H200 (shard/TARGETS.md):
     /// (dim, capacity, hybrid, λ) → the row in OPS order (NaN: not measured).
     fn reference(dim: usize, capacity: u64, hybrid: bool, lambda: f64) -> Option<[f64; 10]> {
         let n = f64::NAN;
@@ -769,7 +769,7 @@ mod cuda_bench {
             }
         }
         println!(
-            "\n(×: ratio to the reference library on the H200, shared/TARGETS.md, where the configuration matches.)"
+            "\n(×: ratio to the reference library on the H200, shard/TARGETS.md, where the configuration matches.)"
         );
         Ok(())
     }
