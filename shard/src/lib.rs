@@ -77,19 +77,26 @@
 //!   [`open`].
 
 #![warn(missing_docs)]
+#![deny(unsafe_code)]
 
 mod check;
 pub mod config;
+// The CPU prefetch (one intrinsic) is the one `unsafe` outside `cuda`.
+#[allow(unsafe_code)]
 pub mod cpu;
+// Every other `unsafe` of the crate: driver calls, kernel launches, pinned memory.
+#[allow(unsafe_code)]
 pub mod cuda;
-pub mod cuda_table;
 pub mod error;
 pub mod features;
 pub mod hash;
 pub mod lock;
-pub mod multi;
 pub mod score;
-mod staging;
+
+/// The GPU group, at its former path ([`cuda::group`]).
+pub use cuda::group as multi;
+/// The CUDA table, at its former path ([`cuda::table`]).
+pub use cuda::table as cuda_table;
 
 use serde::{Deserialize, Serialize};
 

@@ -3,12 +3,16 @@
 //! an on-disk cache keyed by source hash, architecture and driver version),
 //! and typed wrappers around kernel launches.
 //!
-//! The table itself is [`crate::cuda_table::CudaTable`]; [`shared_device`]
+//! The table itself is [`crate::cuda::table::CudaTable`]; [`shared_device`]
 //! opens each device once per process for every table on it.
 //!
 //! cudarc is loaded dynamically: without a driver library, its first call
 //! would panic, so [`probe`] asks `is_culib_present` first and reports a
 //! clear error instead.
+
+pub mod group;
+pub(crate) mod staging;
+pub mod table;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

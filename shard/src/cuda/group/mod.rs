@@ -63,8 +63,8 @@ use hkv_kernels::KernelId;
 use parking_lot::Mutex;
 
 use crate::config::TableConfig;
+use crate::cuda::table::{opt_ptr, ptr, scan_config, Counts, CudaTable, DeviceOp, Pending, Ptrs, Raw};
 use crate::cuda::{dev_err, ensure, grid, shared_device, Device, FeatureHasher};
-use crate::cuda_table::{opt_ptr, ptr, scan_config, Counts, CudaTable, DeviceOp, Pending, Ptrs, Raw};
 use crate::error::{Error, Result};
 use crate::features::{Features, HashKind};
 use crate::hash::shard_of;
