@@ -8,7 +8,7 @@ use hkv_shard::cpu::CpuTable;
 use hkv_shard::cuda;
 use hkv_shard::cuda_table::DeviceOp;
 use hkv_shard::hash::shard_of;
-use hkv_shard::multi::{nccl_version, GpuGroup, Local, RankBatch, Route};
+use hkv_shard::multi::{nccl_version, GpuGroup, RankBatch, Route};
 use hkv_shard::{BucketMode, LfuTies, ScorePolicy, Shard, TableConfig};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -136,20 +136,9 @@ fn group_operations_equal_the_cpu_backend_on_every_route() {
     }
     for ordinals in sets {
         for mode in [BucketMode::Single, BucketMode::Dual] {
-            let variants = [
-                (Route::Device, Local::Staged, 1),
-                (Route::Device, Local::Sent, 1),
-                (Route::Device, Local::Direct, 3),
-                (Route::Device, Local::Staged, 2),
-                (Route::Host, Local::Staged, 1),
-                (Route::Peer, Local::Staged, 1),
-                (Route::Auto, Local::Staged, 1),
-            ];
-            for (route, local, parts) in variants {
+            for route in [Route::Device, Route::Host, Route::Peer, Route::Auto] {
                 let cfg = config(mode);
-                let mut group = GpuGroup::new(cfg.clone(), &ordinals).unwrap();
-                group.set_local(local);
-                group.set_parts(parts);
+                let group = GpuGroup::new(cfg.clone(), &ordinals).unwrap();
                 let reference =
                     Reference { shards: ordinals.iter().map(|_| CpuTable::new(cfg.clone()).unwrap()).collect() };
                 let nr = ordinals.len();
@@ -196,8 +185,7 @@ fn group_operations_equal_the_cpu_backend_on_every_route() {
                     let mut rf = vec![false; flat_keys.len()];
                     reference.apply(op, &flat_keys, &mut rv, &mut rf);
                     let (gv, gf) = (gv.concat(), gf.concat());
-                    let what =
-                        format!("{ordinals:?} {mode:?} {route:?} local {local:?} parts {parts} round {round} {op:?}");
+                    let what = format!("{ordinals:?} {mode:?} {route:?} round {round} {op:?}");
                     if matches!(op, DeviceOp::Find | DeviceOp::Contains | DeviceOp::Erase) {
                         let gfb: Vec<bool> = gf.iter().map(|&x| x != 0).collect();
                         assert_eq!(gfb, rf, "{what}: found flags");
@@ -220,16 +208,6 @@ fn group_operations_equal_the_cpu_backend_on_every_route() {
             }
         }
     }
-}
-
-/// The link measurement copies between every GPU and the next (to itself
-/// on one GPU) and checks what arrived.
-#[test]
-#[ignore = "needs a CUDA device"]
-fn the_link_measurement_moves_the_bytes() {
-    let g = GpuGroup::new(config(BucketMode::Single), &gpus()).unwrap();
-    let ms = g.link(3 << 20, 3).unwrap();
-    assert!(ms > 0.0 && ms.is_finite(), "{ms} ms");
 }
 
 #[test]
