@@ -1,0 +1,134 @@
+//! The device route: split on the GPU, NCCL there and back.
+
+use super::*;
+
+impl GpuGroup {
+    /// The device route: each GPU splits its keys by owner on the GPU and
+    /// serves its own part (staged by the split) on its serve stream while
+    /// NCCL carries the other parts to their owners, who serve them too; a
+    /// second all-to-all brings the results back and a gather restores
+    /// request order.
+    pub(super) fn run_nccl(
+        &self,
+        op: DeviceOp,
+        mv: &Moves,
+        nodes: &mut [Node],
+        b: &mut [RankBatch],
+        n: &[usize],
+    ) -> Result<Counts> {
+        let nr = nodes.len();
+        let dim = self.config.dim;
+        for (r, node) in nodes.iter_mut().enumerate() {
+            let s = node.stream.clone();
+            // SAFETY: b[r].keys holds b[r].n >= n[r] keys on this GPU.
+            unsafe { node.partition(ptr(&b[r].keys, &s), n[r], nr) }?;
+            node.zero_counters()?;
+            node.zero_local_counters()?;
+            if mv.values_in {
+                ensure(&s, &mut node.b.send_values, n[r] * dim)?;
+                let dst = opt_ptr(&node.b.send_values, &s);
+                // SAFETY: both hold n[r] rows; pos is this partition's.
+                unsafe { node.scatter_values(ptr(&b[r].values, &s), dst, n[r], dim) }?;
+            }
+        }
+        // The split is done where `placed` is recorded.
+        let placed: Vec<cudarc::driver::CudaEvent> = nodes
+            .iter()
+            .map(|node| node.stream.record_event(None).map_err(dev_err("recording an event")))
+            .collect::<Result<_>>()?;
+        let c: Vec<Vec<u64>> = nodes.iter().map(|node| node.totals(nr)).collect::<Result<_>>()?;
+        let plan = Plan::packed(&c, true);
+        for (r, node) in nodes.iter_mut().enumerate() {
+            let (s, m) = (node.stream.clone(), plan.recv_size[r] as usize);
+            let bf = &mut node.b;
+            ensure(&s, &mut bf.recv_keys, m)?;
+            ensure(&s, &mut bf.recv_values, m * dim)?;
+            ensure(&s, &mut bf.recv_found, m)?;
+            ensure(&s, &mut bf.send_values, n[r] * dim)?;
+            ensure(&s, &mut bf.send_found, n[r])?;
+        }
+        let mut forward = vec![(1, Buf::SendKeys, Buf::RecvKeys)];
+        if mv.values_in {
+            forward.push((dim, Buf::SendValues, Buf::RecvValues));
+        }
+        let mut refs: Vec<&mut Node> = nodes.iter_mut().collect();
+        exchange_many(&self.comms, &mut refs, &plan, &forward)?;
+        // Each GPU's own keys are served once the exchange is queued: NCCL's
+        // kernels take their SMs before the table's kernel fills the rest.
+        // Until `pending` completes, each holds its table's lock group, and
+        // waits for its streams if dropped on an error path.
+        let incoming: usize = n.iter().sum();
+        let mut pending: Vec<Pending<'_>> = Vec::with_capacity(nr);
+        for (r, node) in nodes.iter().enumerate() {
+            let (s, sv, bf) = (&node.stream, &node.serve, &node.b);
+            sv.wait(&placed[r]).map_err(dev_err("ordering streams"))?;
+            let at = plan.send_at[r][r];
+            let p = Ptrs {
+                keys: opt_ptr(&bf.send_keys, s) + at * 8,
+                values: opt_ptr(&bf.send_values, s) + at * dim as u64 * 4,
+                found: opt_ptr(&bf.send_found, s) + at,
+                counters: opt_ptr(&bf.local_counters, s),
+                ..Ptrs::default()
+            };
+            // SAFETY: [at, at + c[r][r]) of the send buffers holds this
+            // GPU's own keys and rows, and its results land there; the serve
+            // stream waits for the split (`placed`) and the main stream
+            // joins it before the end.
+            let raw = Raw { p, ..Raw::default() };
+            pending.push(unsafe { self.tables[r].enqueue_first(op, sv, c[r][r] as usize, raw, incoming) }?);
+        }
+        for (r, node) in nodes.iter().enumerate() {
+            let (s, sv) = (&node.stream, &node.serve);
+            sv.join(s).map_err(dev_err("ordering streams"))?;
+            let raw = node.recv_raw(opt_ptr(&node.b.counters, s), false);
+            // SAFETY: the received keys (rows) fill the recv buffers, sized
+            // above; the serve stream waits for their arrival and is joined
+            // before the end.
+            let part = unsafe { self.tables[r].enqueue_held(op, sv, plan.recv_size[r] as usize, raw) }?;
+            pending[r].absorb(part);
+        }
+        let mut backward = vec![];
+        if mv.found_out {
+            backward.push((1, Buf::RecvFound, Buf::SendFound));
+        }
+        if mv.values_out {
+            backward.push((dim, Buf::RecvValues, Buf::SendValues));
+        }
+        if !backward.is_empty() {
+            for node in nodes.iter() {
+                node.stream.join(&node.serve).map_err(dev_err("ordering streams"))?;
+            }
+            let sizes: Vec<u64> = n.iter().map(|&x| x as u64).collect();
+            let mut refs: Vec<&mut Node> = nodes.iter_mut().collect();
+            exchange_many(&self.comms, &mut refs, &plan.back(&sizes), &backward)?;
+        }
+        for (r, node) in nodes.iter().enumerate() {
+            let s = &node.stream;
+            let found = opt_ptr(&node.b.send_found, s);
+            // SAFETY: send_found / send_values hold the n[r] results in
+            // partition order (sized above), b[r] n[r] keys.
+            unsafe {
+                if mv.found_out {
+                    node.gather_u8(found, ptr(&b[r].found, s), n[r])?;
+                }
+                if mv.values_out {
+                    let mask = if mv.masked { found } else { 0 };
+                    let src = opt_ptr(&node.b.send_values, s);
+                    node.gather_values(src, ptr(&b[r].values, s), mask, n[r], dim)?;
+                }
+            }
+        }
+        for node in nodes.iter() {
+            node.stream.join(&node.serve).map_err(dev_err("ordering streams"))?;
+        }
+        let mut counts = Counts::default();
+        for (r, mut p) in pending.into_iter().enumerate() {
+            let cn = nodes[r].read_counters_with(true)?;
+            let keys = (0..nr).map(|q| c[q][r]).sum::<u64>() as usize;
+            self.tables[r].book(op, keys);
+            p.set_keys(keys);
+            counts = counts.merge(self.tables[r].complete(p, &cn));
+        }
+        Ok(counts)
+    }
+}
