@@ -67,10 +67,15 @@
 //! - [`score`] has the score rules per policy and the clocks.
 //! - [`lock`] is the triple-group lock and its observable state.
 //! - [`cpu`] is the CPU backend, [`cpu::CpuTable`].
-//! - [`cuda`] finds CUDA devices, compiles the kernels of `hkv-kernels`
-//!   (with an on-disk cache) and hashes features on the GPU.
-//! - [`cuda_table`] is the CUDA backend, [`cuda_table::CudaTable`].
-//! - `staging` is the pinned memory host arrays of CUDA batches pass through.
+//! - [`cuda`] holds every `unsafe` but the CPU prefetch: it finds CUDA
+//!   devices, compiles the kernels of `hkv-kernels` (with an on-disk cache),
+//!   hashes features on the GPU, and holds the pinned staging memory.
+//!   - [`cuda::table`] (also [`cuda_table`]) is the CUDA backend,
+//!     [`cuda_table::CudaTable`]: `abi`, `kernels`, `launch`, `storage`,
+//!     `lane`, `growth`, `host_batch`, `device_batch`, `ops`.
+//!   - [`cuda::group`] (also [`multi`]) is one table over several GPUs,
+//!     [`multi::GpuGroup`]: `plan`, `node`, `nccl`, `device_route`,
+//!     `peer_route`, `host_route`, `reshard`.
 //! - [`features`] turns raw features into keys (TensorFlow-compatible).
 //! - [`error`] holds [`Error`].
 //! - this file: the [`Shard`] trait every backend implements, result types,

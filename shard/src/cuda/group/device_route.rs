@@ -70,11 +70,11 @@ impl GpuGroup {
                 counters: opt_ptr(&bf.local_counters, s),
                 ..Ptrs::default()
             };
+            let raw = Raw { p, ..Raw::default() };
             // SAFETY: [at, at + c[r][r]) of the send buffers holds this
             // GPU's own keys and rows, and its results land there; the serve
             // stream waits for the split (`placed`) and the main stream
             // joins it before the end.
-            let raw = Raw { p, ..Raw::default() };
             pending.push(unsafe { self.tables[r].enqueue_first(op, sv, c[r][r] as usize, raw, incoming) }?);
         }
         for (r, node) in nodes.iter().enumerate() {

@@ -23,14 +23,9 @@
 //!   all-to-all carries results back and a gather kernel puts them in
 //!   request order.
 //!
-//! On the H200 pair the peer route ran finds in 0.41–0.47 ms against
-//! 0.64–0.69 ms on the device route, and the device route insert_or_assign
-//! in 1.01–1.09 ms against 1.11–1.16 ms on the peer route (four runs of
-//! `hkv-multi-bench`, see `daemon/BENCHMARKS.md`), so [`Route::Auto`] sends
-//! lookups (find, find*, contains) the peer way and every other operation
-//! the device way. find_or_insert on the peer route would also read its
-//! rows over the link while holding bucket locks (insert_or_assign did so
-//! at 22 ms a batch before its rows were pulled first).
+//! [`Route::Auto`] sends lookups (find, find*, contains) the peer way and
+//! every other operation the device way: the faster of the two for each on
+//! the H200 pair (`daemon/BENCHMARKS.md`).
 //! [`Route::Host`] does what the daemon's router does with a socket batch:
 //! copy to the host, split there, copy each part to its owner and back; it
 //! is kept for comparison (`hkv-multi-bench`).
@@ -45,12 +40,15 @@
 //! (`NCCL_NVLS_ENABLE=0`): binaries set [`NCCL_ENV_DEFAULTS`] in `main`.
 //!
 //! # Layout
-//! - [`GpuGroup`]: construction, [`GpuGroup::batch`], [`GpuGroup::run`],
-//!   [`GpuGroup::reshard`].
-//! - `Node`: one GPU's stream, route kernels and scratch buffers, and the
-//!   masks / partition / all-to-all / gather steps the paths share.
-//! - `peer_access`: enables peer access (contexts and the stream-ordered
-//!   pool) between every pair.
+//! - this file: [`GpuGroup`] (construction, [`GpuGroup::batch`],
+//!   [`GpuGroup::run`] and its one-GPU path), [`Route`], [`RankBatch`].
+//! - `plan`: who sends what to whom in an all-to-all; what each op moves.
+//! - `node`: one GPU's streams, route kernels and scratch, and the masks /
+//!   partition / scatter / gather steps the routes share.
+//! - `nccl`: loading NCCL, [`NCCL_ENV_DEFAULTS`], communicators, exchanges.
+//! - `device_route`, `peer_route` (with enabling peer access), `host_route`:
+//!   the three routes.
+//! - `reshard`: [`GpuGroup::reshard`].
 
 mod device_route;
 mod host_route;

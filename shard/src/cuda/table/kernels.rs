@@ -62,30 +62,19 @@ pub(super) struct Variant {
     pub(super) g: u64,
 }
 
-/// Load factor from which inserts take at least 2 threads per key (4 for
-/// insert_or_assign, see [`Funcs::upsert`]): in a nearly full table most
-/// inserts scan a bucket's 128 scores for the minimum, which several
-/// threads do faster; below it, 1 thread per key keeps more keys in flight
-/// (measured on the H200, shard/BENCHMARKS.md).
+/// Load factor from which inserts take at least 2 threads per key: a nearly
+/// full table's inserts scan 128 scores, which several threads do faster
+/// (BENCHMARKS.md, "Kernel choice").
 pub(super) const WRITER_PAIR_FROM: f64 = 0.875;
 
-/// Widest row for which assign and accumulate take `update_keys_g2_b5`, 2
-/// threads per key held to 48 registers (5 blocks of 256 per SM instead of
-/// 4). Measured on the H200 (128 Mi slots; 64 Mi at dim 64), assign B-KV/s
-/// at λ 0.5 / 1.0: dim 8 3.602 / 3.587 → 3.854 / 3.777, dim 32 3.206 /
-/// 3.200 → 3.335 / 3.237, but dim 64 2.551 / 2.588 → 2.274 / 2.303.
+/// Widest row for which assign and accumulate take `update_keys_g2_b5` (48
+/// registers: 5 blocks per SM): faster up to dim 32, slower at 64
+/// (BENCHMARKS.md, "Kernel choice").
 pub(super) const BOUNDED_UPDATE_DIM: usize = 32;
 
 /// Threads per key of lookups and writes that copy rows of a table with a
-/// host tier (batches in region order, [`CudaTable::key_order`]): fewer
-/// keys in flight keep the host rows being copied at one time closer
-/// together. At dim 64 with half the rows in host memory, 8 / 16 measured
-/// 19–24 % faster than the device-memory choices (find 0.143 → 0.177,
-/// insert_or_assign 0.150 → 0.168 B-KV/s, λ 0.5, H200); lookups with 16
-/// another 4 % (find 0.171 → 0.179; 32: 0.174), writes with 32 4 % slower
-/// than with 16, with 8 3 % faster than with 16 (insert_or_assign,
-/// find_or_insert and assign, the reference's keys, every λ; 4: 5–10 %
-/// slower than 16).
+/// host tier (batches in region order): fewer keys in flight keep the host
+/// rows copied at one time close together (BENCHMARKS.md, "Kernel choice").
 pub(super) const HOST_TIER_LOOKUP: u64 = 16;
 
 pub(super) const HOST_TIER_WRITE: u64 = 8;
@@ -97,11 +86,7 @@ pub(super) fn copy_threads(dim: usize) -> u64 {
 }
 
 /// Threads per key of an upsert that copies rows of `dim` floats: one per
-/// 16 floats (4 pieces of 16 bytes each). Measured on the H200 (128 Mi
-/// slots, λ 0.5): at dim 32, 2 threads give insert_or_assign 2.30 B-KV/s
-/// against 1.79 with 1 (find_or_insert 2.42 / 1.97); at dim 8, 1 and 2
-/// are equal (2.42 / 2.41); at dim 64 (64 Mi slots, λ 1.0), 4 threads give
-/// insert_or_assign 1.15 against 1.06 with 2 (find_or_insert 1.39 / 1.31).
+/// 16 floats, measured fastest (BENCHMARKS.md, "Kernel choice").
 pub(super) fn upsert_copy_threads(dim: usize) -> u64 {
     (dim.div_ceil(16) as u64).next_power_of_two()
 }
@@ -130,12 +115,9 @@ impl Funcs {
     /// The upsert kernel for a table at `load`: 1 thread per key, from
     /// [`WRITER_PAIR_FROM`] on 2, or 4 for a plain insert (`plain`:
     /// insert_or_assign, nothing copied out), and one per 16 floats of a
-    /// copied row ([`upsert_copy_threads`]); 8 for a batch in region order.
-    /// Measured on the H200 at λ 1.0 (128 Mi slots), B-KV/s with 2 / 4
-    /// threads: insert_or_assign dim 8 1.320 / 1.459, dim 32 1.259 / 1.443;
-    /// insert_and_evict dim 8 0.905 / 0.820, dim 32 0.877 / 0.820.
-    /// Four threads without lost outputs (`lost`: insert_and_evict) take
-    /// the variant held to 48 registers.
+    /// copied row ([`upsert_copy_threads`]); 8 for a batch in region order
+    /// (BENCHMARKS.md, "Kernel choice"). Four threads without lost outputs
+    /// (`lost`: insert_and_evict) take the variant held to 48 registers.
     pub(super) fn upsert(
         &self,
         load: f64,

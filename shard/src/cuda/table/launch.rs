@@ -38,10 +38,8 @@ impl CudaTable {
     /// For a launch of `n` keys (device address `keys`) that copies value
     /// rows (`copies`) of a table with a host tier: the keys' indices in
     /// the order of their first bucket's region, about 2 MiB of value rows
-    /// (see `order_count` in lookup.cu). Rows in mapped host memory come
-    /// about three times faster when the rows copied at one time lie close
-    /// together (random 256-byte rows of a 16 GiB tier: 7.8 GB/s; the same
-    /// rows grouped by 2 MiB region: 24 GB/s, measured on the H200).
+    /// (see `order_count` in lookup.cu): the device reaches host rows about
+    /// three times faster so grouped (BENCHMARKS.md, "Kernel choice").
     /// None, and index order, otherwise, for batches of up to
     /// [`SEQUENTIAL_BATCH`] keys and for batches too large for u32
     /// indices. Returned with the table arguments that carry it; the

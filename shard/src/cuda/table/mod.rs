@@ -17,14 +17,28 @@
 //! Concurrency: the same [`GroupLock`] as the CPU backend. Every batch runs
 //! on a lane (a stream with its own reusable device buffers and staging
 //! memory) taken from a pool, so reader batches (and updater batches) of
-//! several threads run on several streams at once, while an inserter batch runs alone. Inside a
-//! kernel, writers lock a key's candidate buckets (see `table.cuh`), so
+//! several threads run on several streams at once, while an inserter batch
+//! runs alone. Inside a kernel, writers lock a key's candidate buckets (see `table.cuh`), so
 //! results per key equal the CPU backend's whenever no two keys of a batch
 //! share a bucket.
 //!
 //! Deliberate difference from the CPU backend: growth re-inserts entries in
 //! parallel, not in descending score order; in dual mode, where a rehash can
-//! overflow a bucket pair, which entry is dropped may differ.
+//! overflow a bucket pair, which entry is dropped may differ. A grow that
+//! fails leaves the table as it was.
+//!
+//! # Layout
+//! - this file: [`CudaTable`], its construction and tuning.
+//! - `abi`: the C structs the kernels take, counters, raw pointers of a launch.
+//! - `kernels`: which kernel variant (threads per key) serves a batch.
+//! - `launch`: one typed wrapper per kernel launch, with its safety contract.
+//! - `storage`: device buffers and the pinned host tier.
+//! - `lane`: streams with reusable buffers and staging memory.
+//! - `growth`: doubling the buckets.
+//! - `host_batch`: batches of host arrays (upload, rounds, fetch).
+//! - `device_batch`: [`DeviceOp`], [`DeviceBatch`], [`CudaTable::run_device`]
+//!   and the enqueue / complete pair the GPU group builds on.
+//! - `ops`: the [`Shard`] operations.
 
 mod abi;
 mod device_batch;
