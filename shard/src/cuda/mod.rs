@@ -17,6 +17,7 @@ pub mod table;
 mod device;
 mod hasher;
 mod host_frame;
+mod ptr;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -31,6 +32,7 @@ use crate::features::{Features, HashKind};
 pub use device::*;
 pub use hasher::*;
 pub use host_frame::*;
+pub(crate) use ptr::{arg, DevPtr};
 
 /// A one-dimensional launch of `threads` threads in blocks of `block`;
 /// refused when the grid would pass CUDA's limit of 2^31 − 1 blocks.

@@ -63,11 +63,12 @@ impl GpuGroup {
             let (s, sv, bf) = (&node.stream, &node.serve, &node.b);
             sv.wait(&placed[r]).map_err(dev_err("ordering streams"))?;
             let at = plan.send_at[r][r];
+            let at = at as usize;
             let p = Ptrs {
-                keys: opt_ptr(&bf.send_keys, s) + at * 8,
-                values: opt_ptr(&bf.send_values, s) + at * dim as u64 * 4,
-                found: opt_ptr(&bf.send_found, s) + at,
-                counters: opt_ptr(&bf.local_counters, s),
+                keys: DevPtr::of_opt(&bf.send_keys, s).map(|p| p.skip(at)),
+                values: DevPtr::of_opt(&bf.send_values, s).map(|p| p.skip(at * dim)),
+                found: DevPtr::of_opt(&bf.send_found, s).map(|p| p.skip(at)),
+                counters: DevPtr::of_opt(&bf.local_counters, s),
                 ..Ptrs::default()
             };
             let raw = Raw { p, ..Raw::default() };
@@ -80,7 +81,8 @@ impl GpuGroup {
         for (r, node) in nodes.iter().enumerate() {
             let (s, sv) = (&node.stream, &node.serve);
             sv.join(s).map_err(dev_err("ordering streams"))?;
-            let raw = node.recv_raw(opt_ptr(&node.b.counters, s), false);
+            let counters = DevPtr::of(node.b.counters.as_ref().expect("allocated by Node::new"), s);
+            let raw = node.recv_raw(counters, false);
             // SAFETY: the received keys (rows) fill the recv buffers, sized
             // above; the serve stream waits for their arrival and is joined
             // before the end.

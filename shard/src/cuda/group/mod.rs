@@ -67,12 +67,15 @@ use hkv_kernels::KernelId;
 use parking_lot::Mutex;
 
 use crate::config::TableConfig;
-use crate::cuda::table::{opt_ptr, ptr, scan_config, Counts, CudaTable, DeviceOp, Pending, Ptrs, Raw};
-use crate::cuda::{dev_err, ensure, grid, shared_device, Device, FeatureHasher};
+use crate::cuda::table::{
+    opt_ptr, ptr, scan_config, Counts, CudaTable, DeviceOp, ExportArgs, ExportPtrs, Pending, Ptrs, Raw,
+};
+use crate::cuda::{dev_err, ensure, grid, shared_device, DevPtr, Device, FeatureHasher};
 use crate::error::{Error, Result};
 use crate::features::{Features, HashKind};
 use crate::hash::shard_of;
 use crate::{Filter, Shard, BUCKET_SLOTS};
+use cudarc::driver::sys::CUcontext;
 use nccl::*;
 pub use nccl::{nccl_version, NCCL_ENV_DEFAULTS};
 use node::*;
@@ -296,10 +299,10 @@ impl GpuGroup {
         let counters = node.zero_counters()?;
         let raw = Raw {
             p: Ptrs {
-                keys: ptr(&b.keys, &s),
-                values: ptr(&b.values, &s),
-                found: ptr(&b.found, &s),
-                counters,
+                keys: Some(DevPtr::of(&b.keys, &s)),
+                values: Some(DevPtr::of(&b.values, &s)),
+                found: Some(DevPtr::of(&b.found, &s)),
+                counters: Some(counters),
                 ..Ptrs::default()
             },
             ..Raw::default()

@@ -328,17 +328,17 @@ impl Node {
     }
 
     /// The batch of received keys: keys, rows, found flags (and scores, for
-    /// loads) at the recv buffers (0 where a buffer is missing), with
+    /// loads) at the recv buffers (none where a buffer is missing), with
     /// `counters`.
-    pub(super) fn recv_raw(&self, counters: u64, scores: bool) -> Raw {
+    pub(super) fn recv_raw(&self, counters: DevPtr<u64>, scores: bool) -> Raw {
         let (s, b) = (&self.stream, &self.b);
         Raw {
             p: Ptrs {
-                keys: opt_ptr(&b.recv_keys, s),
-                values: opt_ptr(&b.recv_values, s),
-                found: opt_ptr(&b.recv_found, s),
-                scores: if scores { opt_ptr(&b.recv_scores, s) } else { 0 },
-                counters,
+                keys: DevPtr::of_opt(&b.recv_keys, s),
+                values: DevPtr::of_opt(&b.recv_values, s),
+                found: DevPtr::of_opt(&b.recv_found, s),
+                scores: if scores { DevPtr::of_opt(&b.recv_scores, s) } else { None },
+                counters: Some(counters),
                 ..Ptrs::default()
             },
             ..Raw::default()
@@ -349,15 +349,15 @@ impl Node {
         self.read_counters_with(false)
     }
 
-    pub(super) fn zero_counters(&mut self) -> Result<u64> {
+    pub(super) fn zero_counters(&mut self) -> Result<DevPtr<u64>> {
         let c = self.b.counters.as_mut().expect("allocated");
         self.stream.memset_zeros(c).map_err(dev_err("clearing counters"))?;
-        Ok(ptr(c, &self.stream))
+        Ok(DevPtr::of(c, &self.stream))
     }
 
-    pub(super) fn zero_local_counters(&mut self) -> Result<u64> {
+    pub(super) fn zero_local_counters(&mut self) -> Result<DevPtr<u64>> {
         let c = self.b.local_counters.as_mut().expect("allocated");
         self.stream.memset_zeros(c).map_err(dev_err("clearing counters"))?;
-        Ok(ptr(c, &self.stream))
+        Ok(DevPtr::of(c, &self.stream))
     }
 }

@@ -86,12 +86,14 @@ impl GpuGroup {
         let pull_values = mv.values_in && !mv.values_out;
         let dim = self.config.dim;
         // Addresses of every batch and its masks, on its own GPU.
-        let addr: Vec<(u64, u64, u64, u64)> = nodes
+        type Batch = (DevPtr<u64>, DevPtr<f32>, DevPtr<u8>, Option<DevPtr<u8>>);
+        let addr: Vec<Batch> = nodes
             .iter()
             .enumerate()
             .map(|(q, nd)| {
                 let sq = &nd.stream;
-                (ptr(&b[q].keys, sq), ptr(&b[q].values, sq), ptr(&b[q].found, sq), opt_ptr(&nd.b.masks, sq))
+                let (k, v, f) = (DevPtr::of(&b[q].keys, sq), DevPtr::of(&b[q].values, sq), DevPtr::of(&b[q].found, sq));
+                (k, v, f, DevPtr::of_opt(&nd.b.masks, sq))
             })
             .collect();
         let ctxs: Vec<_> = nodes.iter().map(|nd| nd.dev.ctx.cu_ctx()).collect();
@@ -114,40 +116,65 @@ impl GpuGroup {
                     other.wait(ev).map_err(dev_err("ordering streams"))?;
                 }
             }
-            let counters = opt_ptr(&node.b.counters, &s);
+            let counters = DevPtr::of_opt(&node.b.counters, &s);
             let (pk, po, pv) = (
-                opt_ptr(&node.b.pulled_keys, &s),
-                opt_ptr(&node.b.pulled_only, &s),
-                opt_ptr(&node.b.pulled_values, &s),
+                DevPtr::of_opt(&node.b.pulled_keys, &s),
+                DevPtr::of_opt(&node.b.pulled_only, &s),
+                DevPtr::of_opt(&node.b.pulled_values, &s),
             );
-            let mut at = 0u64;
+            let mut at = 0usize;
             // Its own batch first, then the others'.
             for q in (0..nr).map(|k| (r + k) % nr) {
                 let st = if q == r { &s } else { &other };
                 let (keys, values, found, masks) = addr[q];
-                let mut p = Ptrs { keys, values, found, only: masks + (r * n[q]) as u64, counters, ..Ptrs::default() };
+                let mut p = Ptrs {
+                    keys: Some(keys),
+                    values: Some(values),
+                    found: Some(found),
+                    only: masks.map(|m| m.skip(r * n[q]).take(n[q])),
+                    counters,
+                    ..Ptrs::default()
+                };
                 if q != r && n[q] > 0 {
-                    let cp = |dst: u64, src: u64, bytes: usize| {
-                        // SAFETY: both ranges are live device buffers of
-                        // `bytes` (sized above / the caller's batch), on the
-                        // contexts named; the stream orders the copy.
+                    // The first `len` elements of `src` (GPU q) into `dst` (this GPU).
+                    fn cp<T>(
+                        ctxs: (CUcontext, CUcontext),
+                        st: &CudaStream,
+                        dst: Option<DevPtr<T>>,
+                        src: Option<DevPtr<T>>,
+                        len: usize,
+                    ) -> Result<Option<DevPtr<T>>> {
+                        let (Some(dst), Some(src)) = (dst, src) else {
+                            return Err(Error::Device("a peer copy without its buffer".into()));
+                        };
+                        let (dst, src) = (dst.take(len), src.take(len));
+                        let bytes = len * std::mem::size_of::<T>();
+                        // SAFETY: both views hold `len` elements (take
+                        // checks), on the contexts named; the stream
+                        // orders the copy before the kernels reading it.
                         unsafe {
-                            cudarc::driver::result::memcpy_peer_async(ctxs[r], dst, ctxs[q], src, bytes, st.cu_stream())
+                            cudarc::driver::result::memcpy_peer_async(
+                                ctxs.0,
+                                dst.addr(),
+                                ctxs.1,
+                                src.addr(),
+                                bytes,
+                                st.cu_stream(),
+                            )
                         }
-                        .map_err(dev_err("copying from a peer"))
-                    };
+                        .map_err(dev_err("copying from a peer"))?;
+                        Ok(Some(dst))
+                    }
+                    let ends = (ctxs[r], ctxs[q]);
                     // Keys and masks are read many times per key (remote
                     // loads would sit on each lookup's critical path): one
                     // copy-engine transfer each.
-                    cp(pk + at * 8, p.keys, n[q] * 8)?;
-                    cp(po + at, p.only, n[q])?;
-                    p.keys = pk + at * 8;
-                    p.only = po + at;
+                    p.keys = cp(ends, st, pk.map(|x| x.skip(at)), p.keys, n[q])?;
+                    p.only = cp(ends, st, po.map(|x| x.skip(at)), p.only, n[q])?;
                     if pull_values {
-                        cp(pv + at * dim as u64 * 4, p.values, n[q] * dim * 4)?;
-                        p.values = pv + at * dim as u64 * 4;
+                        p.values = cp(ends, st, pv.map(|x| x.skip(at * dim)), p.values, n[q] * dim)?;
                     }
-                    at += n[q] as u64;
+                    at += n[q];
                 }
                 let raw = Raw { p, ..Raw::default() };
                 // SAFETY: b[q] holds n[q] keys (rows, flags) on GPU q, which

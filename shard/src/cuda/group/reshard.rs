@@ -108,11 +108,18 @@ impl GpuGroup {
         ensure(&s, &mut b.ex_offsets, nb + 1)?;
         let counters = node.zero_counters()?;
         let b = &node.b;
+        let view = |x: &Option<CudaSlice<u64>>| DevPtr::of(x.as_ref().expect("ensured"), &s);
         let raw = Raw {
-            p: Ptrs { counters, ..Ptrs::default() },
-            out: [opt_ptr(&b.recv_keys, &s), opt_ptr(&b.recv_values, &s), opt_ptr(&b.recv_scores, &s)],
-            counts: opt_ptr(&b.ex_counts, &s),
-            offsets: opt_ptr(&b.ex_offsets, &s),
+            p: Ptrs { counters: Some(counters), ..Ptrs::default() },
+            export: Some(ExportArgs {
+                out: ExportPtrs {
+                    keys: view(&b.recv_keys),
+                    values: DevPtr::of(b.recv_values.as_ref().expect("ensured"), &s),
+                    scores: view(&b.recv_scores),
+                },
+                counts: DevPtr::of(b.ex_counts.as_ref().expect("ensured"), &s),
+                offsets: view(&b.ex_offsets),
+            }),
         };
         // SAFETY: the outputs hold a whole chunk of slots (every possible
         // match), counts / offsets its buckets; synchronised below.

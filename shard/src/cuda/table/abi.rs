@@ -106,20 +106,39 @@ pub(crate) fn opt_ptr<T>(s: &Option<CudaSlice<T>>, stream: &CudaStream) -> u64 {
     s.as_ref().map_or(0, |s| ptr(s, stream))
 }
 
-/// Device pointers of one kernel call (0 = none).
-#[derive(Default, Clone, Copy)]
+/// Device buffers of one kernel call (`None`: the kernel gets null).
+#[derive(Default, Clone, Copy, Debug)]
 pub(crate) struct Ptrs {
-    pub(crate) keys: u64,
-    pub(crate) values: u64,
-    pub(crate) scores: u64,
-    pub(crate) found: u64,
-    pub(crate) outcomes: u64,
-    pub(crate) ptrs: u64,
-    pub(crate) only: u64,
-    /// Lookups: each key's output row (u32 each; 0: key i to row i).
-    pub(crate) at: u64,
-    pub(crate) lost: [u64; 4],
-    pub(crate) counters: u64,
+    pub(crate) keys: Option<DevPtr<u64>>,
+    pub(crate) values: Option<DevPtr<f32>>,
+    pub(crate) scores: Option<DevPtr<u64>>,
+    pub(crate) found: Option<DevPtr<u8>>,
+    pub(crate) outcomes: Option<DevPtr<u8>>,
+    pub(crate) ptrs: Option<DevPtr<u64>>,
+    pub(crate) only: Option<DevPtr<u8>>,
+    /// Lookups: each key's output row (`None`: key i to row i).
+    pub(crate) at: Option<DevPtr<u32>>,
+    /// insert_and_evict: what lost its slot.
+    pub(crate) lost: Option<LostPtrs>,
+    pub(crate) counters: Option<DevPtr<u64>>,
+}
+
+/// An export's outputs: keys, rows and scores of the matches.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ExportPtrs {
+    pub(crate) keys: DevPtr<u64>,
+    pub(crate) values: DevPtr<f32>,
+    pub(crate) scores: DevPtr<u64>,
+}
+
+/// insert_and_evict's outputs: keys, rows, scores and kinds of what lost
+/// its slot (at most one per key).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct LostPtrs {
+    pub(crate) keys: DevPtr<u64>,
+    pub(crate) values: DevPtr<f32>,
+    pub(crate) scores: DevPtr<u64>,
+    pub(crate) kinds: DevPtr<u8>,
 }
 
 /// Per-batch results read back from the counters.

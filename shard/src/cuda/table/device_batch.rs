@@ -124,18 +124,29 @@ impl CudaTable {
         s.memset_zeros(&mut b.counters).map_err(dev_err("clearing counters"))?;
         let raw = Raw {
             p: Ptrs {
-                keys: ptr(&b.keys, &s),
-                values: ptr(&b.values, &s),
-                scores: ptr(&b.scores, &s),
-                found: ptr(&b.found, &s),
-                ptrs: ptr(&b.ptrs, &s),
-                lost: [ptr(&b.lost_keys, &s), ptr(&b.lost_values, &s), ptr(&b.lost_scores, &s), ptr(&b.lost_kinds, &s)],
-                counters: ptr(&b.counters, &s),
+                keys: Some(DevPtr::of(&b.keys, &s)),
+                values: Some(DevPtr::of(&b.values, &s)),
+                scores: Some(DevPtr::of(&b.scores, &s)),
+                found: Some(DevPtr::of(&b.found, &s)),
+                ptrs: Some(DevPtr::of(&b.ptrs, &s)),
+                lost: Some(LostPtrs {
+                    keys: DevPtr::of(&b.lost_keys, &s),
+                    values: DevPtr::of(&b.lost_values, &s),
+                    scores: DevPtr::of(&b.lost_scores, &s),
+                    kinds: DevPtr::of(&b.lost_kinds, &s),
+                }),
+                counters: Some(DevPtr::of(&b.counters, &s)),
                 ..Ptrs::default()
             },
-            out: [ptr(&b.out_keys, &s), ptr(&b.out_values, &s), ptr(&b.out_scores, &s)],
-            counts: ptr(&b.counts, &s),
-            offsets: ptr(&b.offsets, &s),
+            export: Some(ExportArgs {
+                out: ExportPtrs {
+                    keys: DevPtr::of(&b.out_keys, &s),
+                    values: DevPtr::of(&b.out_values, &s),
+                    scores: DevPtr::of(&b.out_scores, &s),
+                },
+                counts: DevPtr::of(&b.counts, &s),
+                offsets: DevPtr::of(&b.offsets, &s),
+            }),
         };
         let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
         let start = s.record_event(timing).map_err(dev_err("recording an event"))?;
@@ -294,8 +305,11 @@ impl CudaTable {
                 DeviceOp::Export { offset, filter } => {
                     let cap = st.nbuckets * S;
                     let end = offset.saturating_add(n64).min(cap);
+                    let Some(x) = r.export else {
+                        return Err(Error::Config("an export without output buffers".into()));
+                    };
                     if offset < end {
-                        self.k_export(s, st, offset, end, filter_args(&filter), r.counts, r.offsets, r.out)?;
+                        self.k_export(s, st, offset, end, filter_args(&filter), x.counts, x.offsets, Some(x.out))?;
                     }
                 }
             }
@@ -327,16 +341,22 @@ impl CudaTable {
     }
 }
 
-/// Device addresses of one batch for [`CudaTable::enqueue`] (0 = none).
+/// The device buffers of one batch for [`CudaTable::enqueue`].
 #[derive(Default, Clone, Copy)]
 pub(crate) struct Raw {
     /// Keys, values, scores, found flags, pointers, lost outputs, counters.
     pub(crate) p: Ptrs,
-    /// Export outputs: keys, values, scores.
-    pub(crate) out: [u64; 3],
-    /// Export scratch: per-bucket counts (u32) and offsets (u64, one more).
-    pub(crate) counts: u64,
-    pub(crate) offsets: u64,
+    /// An export's outputs and scratch.
+    pub(crate) export: Option<ExportArgs>,
+}
+
+/// An export's outputs (for every match of its slots) and scratch:
+/// per-bucket counts and offsets (one more), for the buckets it spans.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ExportArgs {
+    pub(crate) out: ExportPtrs,
+    pub(crate) counts: DevPtr<u32>,
+    pub(crate) offsets: DevPtr<u64>,
 }
 
 /// A launched batch whose lock group is held until [`CudaTable::complete`].

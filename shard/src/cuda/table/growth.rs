@@ -43,10 +43,10 @@ impl CudaTable {
         let nb_old = old.nbuckets as usize;
         let counts = s.alloc_zeros::<u32>(nb_old).map_err(dev_err("allocating"))?;
         let offsets = s.alloc_zeros::<u64>(nb_old + 1).map_err(dev_err("allocating"))?;
-        let (cp, op) = (ptr(&counts, &s), ptr(&offsets, &s));
+        let (cp, op) = (DevPtr::of(&counts, &s), DevPtr::of(&offsets, &s));
         let all = filter_args(&Filter::ALL);
         // SAFETY: counts and offsets span every bucket of the old storage; count pass only
-        unsafe { self.k_export(&s, old, 0, slots, all, cp, op, [0, 0, 0]) }?;
+        unsafe { self.k_export(&s, old, 0, slots, all, cp, op, None) }?;
         let mut total = [0u64];
         s.memcpy_dtoh(&offsets.slice(nb_old..nb_old + 1), &mut total).map_err(dev_err("reading the entry count"))?;
         s.synchronize().map_err(dev_err("counting entries for growth"))?;
@@ -54,15 +54,24 @@ impl CudaTable {
         let keys = s.alloc_zeros::<u64>(size.max(1)).map_err(dev_err("allocating"))?;
         let values = s.alloc_zeros::<f32>((size * dim).max(1)).map_err(dev_err("allocating"))?;
         let scores = s.alloc_zeros::<u64>(size.max(1)).map_err(dev_err("allocating"))?;
-        let out = [ptr(&keys, &s), ptr(&values, &s), ptr(&scores, &s)];
+        let out = ExportPtrs {
+            keys: DevPtr::of(&keys, &s),
+            values: DevPtr::of(&values, &s),
+            scores: DevPtr::of(&scores, &s),
+        };
         // SAFETY: counts / offsets span every bucket; the outputs hold the
         // `size` entries the count pass found.
-        unsafe { self.k_export(&s, old, 0, slots, all, cp, op, out) }?;
+        unsafe { self.k_export(&s, old, 0, slots, all, cp, op, Some(out)) }?;
         s.synchronize().map_err(dev_err("exporting for growth"))?;
         drop(counts);
         let new = Storage::new(&self.dev, &self.config, &self.f.clear, &s, nbuckets)?;
         self.zero_counters(&mut l)?;
-        let p = Ptrs { keys: out[0], values: out[1], scores: out[2], ..Ptrs::default() };
+        let p = Ptrs {
+            keys: Some(out.keys.take(size)),
+            values: Some(out.values.take(size * dim)),
+            scores: Some(out.scores.take(size)),
+            ..Ptrs::default()
+        };
         // SAFETY: keys, values and scores hold the `size` exported entries; the counters are the lane's
         unsafe {
             self.k_upsert(
@@ -71,7 +80,7 @@ impl CudaTable {
                 self.scoring(true),
                 size as u64,
                 UP_INSERT,
-                Ptrs { counters: ptr(&l.counters, &s), ..p },
+                Ptrs { counters: Some(DevPtr::of(&l.counters, &s)), ..p },
             )
         }?;
         let c = self.read_counters(&mut l)?;

@@ -39,14 +39,14 @@ impl CudaTable {
         keys: &[u64],
         nbuckets: u64,
         only: Option<&[u8]>,
-        mut launch: impl FnMut(&Lane, u64) -> Result<()>,
+        mut launch: impl FnMut(&Lane, Option<DevPtr<u8>>) -> Result<()>,
     ) -> Result<()> {
         let s = l.stream.clone();
         match self.rounds(keys, nbuckets) {
             None => {
                 let p = match only {
-                    Some(o) => Self::upload(&s, &mut l.stage, &mut l.flags2, o)?,
-                    None => 0,
+                    Some(o) => Some(Self::upload(&s, &mut l.stage, &mut l.flags2, o)?),
+                    None => None,
                 };
                 launch(l, p)
             }
@@ -61,7 +61,7 @@ impl CudaTable {
                     if any {
                         // Each round's flags take their own staging region: no wait
                         // before flags is rewritten for the next round.
-                        let p = Self::upload(&s, &mut l.stage, &mut l.flags2, &flags)?;
+                        let p = Some(Self::upload(&s, &mut l.stage, &mut l.flags2, &flags)?);
                         launch(l, p)?;
                     }
                 }
@@ -96,24 +96,24 @@ impl CudaTable {
         let dim = self.config.dim;
         let n = keys.len();
         let mut p = Ptrs {
-            keys: Self::upload(&s, &mut l.stage, &mut l.keys, keys)?,
-            values: Self::upload(&s, &mut l.stage, &mut l.values, values.input())?,
-            counters: ptr(&l.counters, &s),
+            keys: Some(Self::upload(&s, &mut l.stage, &mut l.keys, keys)?),
+            values: Some(Self::upload(&s, &mut l.stage, &mut l.values, values.input())?),
+            counters: Some(DevPtr::of(&l.counters, &s)),
             ..Ptrs::default()
         };
         if let Some(sc) = scores {
-            p.scores = Self::upload(&s, &mut l.stage, &mut l.scores, sc)?;
+            p.scores = Some(Self::upload(&s, &mut l.stage, &mut l.scores, sc)?);
         }
         if want_outcomes {
-            p.outcomes = Self::scratch(&s, &mut l.flags, n)?;
+            p.outcomes = Some(Self::scratch(&s, &mut l.flags, n)?);
         }
         if keep_lost {
-            p.lost = [
-                Self::scratch(&s, &mut l.lost_keys, n)?,
-                Self::scratch(&s, &mut l.lost_values, n * dim)?,
-                Self::scratch(&s, &mut l.lost_scores, n)?,
-                Self::scratch(&s, &mut l.lost_kinds, n)?,
-            ];
+            p.lost = Some(LostPtrs {
+                keys: Self::scratch(&s, &mut l.lost_keys, n)?,
+                values: Self::scratch(&s, &mut l.lost_values, n * dim)?,
+                scores: Self::scratch(&s, &mut l.lost_scores, n)?,
+                kinds: Self::scratch(&s, &mut l.lost_kinds, n)?,
+            });
         }
         self.zero_counters(l)?;
         let sc = self.scoring(verbatim);
@@ -173,8 +173,8 @@ impl CudaTable {
             let s = l.stream.clone();
             let keys = Self::upload(&s, &mut l.stage, &mut l.keys, keys)?;
             self.zero_counters(l)?;
-            let counters = ptr(&l.counters, &s);
-            f(st, l, Ptrs { keys, counters, ..Ptrs::default() })
+            let counters = Some(DevPtr::of(&l.counters, &s));
+            f(st, l, Ptrs { keys: Some(keys), counters, ..Ptrs::default() })
         })?;
         self.counters.lookups(hits, n);
         Ok(hits as usize)
@@ -257,21 +257,21 @@ impl CudaTable {
         let s = l.stream.clone();
         let n = keys.len();
         let mut p = Ptrs {
-            keys: Self::upload(&s, &mut l.stage, &mut l.keys, keys)?,
-            counters: ptr(&l.counters, &s),
+            keys: Some(Self::upload(&s, &mut l.stage, &mut l.keys, keys)?),
+            counters: Some(DevPtr::of(&l.counters, &s)),
             ..Ptrs::default()
         };
         if let Some(v) = values {
-            p.values = Self::upload(&s, &mut l.stage, &mut l.values, v)?;
+            p.values = Some(Self::upload(&s, &mut l.stage, &mut l.values, v)?);
         }
         if let Some(sc) = scores {
-            p.scores = Self::upload(&s, &mut l.stage, &mut l.scores, sc)?;
+            p.scores = Some(Self::upload(&s, &mut l.stage, &mut l.scores, sc)?);
         }
         if want_outcomes {
-            p.outcomes = Self::scratch(&s, &mut l.flags, n)?;
+            p.outcomes = Some(Self::scratch(&s, &mut l.flags, n)?);
         }
         if flag_absent {
-            p.found = Self::scratch(&s, &mut l.lost_kinds, n)?;
+            p.found = Some(Self::scratch(&s, &mut l.lost_kinds, n)?);
         }
         self.zero_counters(l)?;
         let sc = self.scoring(false);

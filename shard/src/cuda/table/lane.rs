@@ -72,28 +72,28 @@ impl CudaTable {
     }
 
     /// Copies `src` into the lane buffer `buf` (grown as needed) through
-    /// the lane's staging memory; returns the buffer's address.
+    /// the lane's staging memory; returns a view of the copy.
     pub(super) fn upload<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
         stream: &Arc<CudaStream>,
         stage: &mut Staging,
         buf: &mut Option<CudaSlice<T>>,
         src: &[T],
-    ) -> Result<u64> {
-        ensure(stream, buf, src.len())?;
-        let dst = ptr(buf.as_ref().expect("ensured"), stream);
+    ) -> Result<DevPtr<T>> {
+        let dst = Self::scratch(stream, buf, src.len())?;
         // SAFETY: `buf` holds at least src.len() elements and belongs to the
         // lane, whose stream orders this copy before the kernels reading it.
-        unsafe { stage.upload(stream, src, dst) }?;
+        unsafe { stage.upload(stream, src, dst.addr()) }?;
         Ok(dst)
     }
 
+    /// The first `n` elements of the lane buffer `buf`, grown as needed.
     pub(super) fn scratch<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
         stream: &Arc<CudaStream>,
         buf: &mut Option<CudaSlice<T>>,
         n: usize,
-    ) -> Result<u64> {
+    ) -> Result<DevPtr<T>> {
         ensure(stream, buf, n)?;
-        Ok(ptr(buf.as_ref().expect("ensured"), stream))
+        Ok(DevPtr::of(buf.as_ref().expect("ensured"), stream).take(n))
     }
 
     /// Queues the transfer of the first `len` elements of the lane buffer

@@ -29,9 +29,55 @@ pub(super) fn write_args<'a>(
     sc: &'a ScoringArgs,
     n: &'a u64,
     mode: &'a i32,
-    p: &'a Ptrs,
+    p: &'a Addrs,
 ) {
     b.arg(args).arg(sc).arg(&p.keys).arg(n).arg(&p.values).arg(&p.scores).arg(&p.only).arg(mode).arg(&p.outcomes);
+}
+
+/// The kernel arguments of a [`Ptrs`]: each buffer's address, 0 for none.
+#[derive(Default)]
+pub(super) struct Addrs {
+    pub(super) keys: u64,
+    pub(super) values: u64,
+    pub(super) scores: u64,
+    pub(super) found: u64,
+    pub(super) outcomes: u64,
+    pub(super) ptrs: u64,
+    pub(super) only: u64,
+    pub(super) at: u64,
+    pub(super) lost: [u64; 4],
+    pub(super) counters: u64,
+}
+
+impl Ptrs {
+    /// The addresses for a launch over `n` keys with rows of `dim` floats;
+    /// a buffer shorter than the launch needs is refused (with `at`, the
+    /// rows' count is the caller's, checked against `at` by it).
+    pub(super) fn addrs(&self, n: u64, dim: usize) -> Result<Addrs> {
+        let n = usize::try_from(n).map_err(|_| Error::Config(format!("{n} keys in one launch")))?;
+        let rows = if self.at.is_some() { 0 } else { n * dim };
+        let lost = match self.lost {
+            None => [0; 4],
+            Some(l) => [
+                arg("lost keys", Some(l.keys), n)?,
+                arg("lost values", Some(l.values), n * dim)?,
+                arg("lost scores", Some(l.scores), n)?,
+                arg("lost kinds", Some(l.kinds), n)?,
+            ],
+        };
+        Ok(Addrs {
+            keys: arg("keys", self.keys, n)?,
+            values: arg("values", self.values, rows)?,
+            scores: arg("scores", self.scores, n)?,
+            found: arg("flags", self.found, n)?,
+            outcomes: arg("outcomes", self.outcomes, n)?,
+            ptrs: arg("value addresses", self.ptrs, n)?,
+            only: arg("key filter", self.only, n)?,
+            at: arg("output rows", self.at, n)?,
+            lost,
+            counters: arg("counters", self.counters, NCOUNTERS)?,
+        })
+    }
 }
 
 impl CudaTable {
@@ -100,11 +146,13 @@ impl CudaTable {
     /// 0; `p.counters` holds 8 u64; all stay alive until `l`
     /// is synchronised.
     pub(super) unsafe fn k_lookup(&self, l: &Arc<CudaStream>, st: &Storage, n: u64, p: Ptrs) -> Result<()> {
+        let at = p.at.is_some();
+        let p = p.addrs(n, self.config.dim)?;
         let c = p.counters;
         let (order, args) = self.key_order(l, st, n, p.keys, p.values != 0)?;
-        let v = self.f.lookup(p.values != 0, self.config.dim, order.is_some(), p.at != 0);
+        let v = self.f.lookup(p.values != 0, self.config.dim, order.is_some(), at);
         let mut b = l.launch_builder(&v.f);
-        if p.at != 0 {
+        if at {
             b.arg(&args).arg(&p.keys).arg(&n).arg(&p.at).arg(&p.values).arg(&p.found).arg(&c);
         } else {
             b.arg(&args)
@@ -123,7 +171,7 @@ impl CudaTable {
         // values[0..n*dim] (with at: rows at[i] < the caller's row count),
         // found[0..n], scores[0..n], ptrs[0..n] and 8 counters; every
         // non-null buffer was sized for that by the caller.
-        unsafe { b.launch(blocks(n * v.g)?) }.map_err(dev_err(if p.at != 0 {
+        unsafe { b.launch(blocks(n * v.g)?) }.map_err(dev_err(if at {
             "launching lookup_at"
         } else {
             "launching lookup_find"
@@ -148,9 +196,10 @@ impl CudaTable {
         mode: i32,
         p: Ptrs,
     ) -> Result<()> {
+        let lost = p.lost.is_some();
+        let p = p.addrs(n, self.config.dim)?;
         let c = p.counters;
         let (order, args) = self.key_order(l, st, n, p.keys, p.values != 0)?;
-        let lost = p.lost[0] != 0;
         let plain = mode == UP_INSERT && !lost;
         let v = self.f.upsert(self.load(st), p.values != 0, self.config.dim, order.is_some(), plain, lost);
         let mut b = l.launch_builder(&v.f);
@@ -181,6 +230,7 @@ impl CudaTable {
         mode: i32,
         p: Ptrs,
     ) -> Result<()> {
+        let p = p.addrs(n, self.config.dim)?;
         let c = p.counters;
         let (order, args) = self.key_order(l, st, n, p.keys, p.values != 0)?;
         let v = self.f.update(self.config.dim, order.is_some());
@@ -202,6 +252,7 @@ impl CudaTable {
     /// or `n` bytes; `p.counters` holds 8 u64; all stay alive until `l` is
     /// synchronised.
     pub(super) unsafe fn k_erase(&self, l: &CudaStream, st: &Storage, n: u64, p: Ptrs) -> Result<()> {
+        let p = p.addrs(n, self.config.dim)?;
         let c = p.counters;
         let mut b = l.launch_builder(&self.f.erase);
         b.arg(&st.args).arg(&p.keys).arg(&n).arg(&p.only).arg(&p.found).arg(&c);
@@ -211,13 +262,14 @@ impl CudaTable {
         Ok(())
     }
 
-    /// Export of positions [offset, end): counts, scan, write (all on stream `l`).
+    /// Export of positions [offset, end): counts, scan, write (all on stream
+    /// `l`); counts and offsets too short for the buckets of the range are
+    /// refused.
     ///
     /// # Safety
-    /// `counts` holds one u32 and `offsets` one u64 more than the buckets the
-    /// range spans; `out` is zeros (count only) or keys, values (× dim) and
-    /// scores buffers long enough for every match of the range; all stay
-    /// alive until `l` is synchronised.
+    /// `out` is `None` (count only) or keys, values (× dim) and scores
+    /// buffers long enough for every match of the range; all stay alive
+    /// until `l` is synchronised.
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn k_export(
         &self,
@@ -226,11 +278,13 @@ impl CudaTable {
         offset: u64,
         end: u64,
         f: FilterArgs,
-        counts: u64,
-        offsets: u64,
-        out: [u64; 3],
+        counts: DevPtr<u32>,
+        offsets: DevPtr<u64>,
+        out: Option<ExportPtrs>,
     ) -> Result<()> {
         let nb = (end - 1) / S - offset / S + 1;
+        let spans = usize::try_from(nb).map_err(|_| Error::Config(format!("an export over {nb} buckets")))?;
+        let (counts, offsets) = (arg("counts", Some(counts), spans)?, arg("offsets", Some(offsets), spans + 1)?);
         let mut b = l.launch_builder(&self.f.ex_count);
         b.arg(&st.args).arg(&offset).arg(&end).arg(&f).arg(&counts);
         // SAFETY: export_count reads table positions in [offset, end) and
@@ -240,7 +294,8 @@ impl CudaTable {
         b.arg(&counts).arg(&nb).arg(&offsets);
         // SAFETY: export_scan reads counts[0..nb] and writes offsets[0..=nb].
         unsafe { b.launch(scan_config()) }.map_err(dev_err("launching export_scan"))?;
-        if out[0] != 0 {
+        if let Some(o) = out {
+            let out = [o.keys.addr(), o.values.addr(), o.scores.addr()];
             let mut b = l.launch_builder(&self.f.ex_write);
             b.arg(&st.args).arg(&offset).arg(&end).arg(&f).arg(&offsets).arg(&out[0]).arg(&out[1]).arg(&out[2]);
             // SAFETY: export_write writes offsets[nb] entries in total to

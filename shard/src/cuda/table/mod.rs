@@ -64,7 +64,7 @@ use crate::check;
 use crate::config::{BucketMode, CudaTuning, LfuTies, ScorePolicy, TableConfig};
 use crate::cpu::Counters;
 use crate::cuda::staging::{Region, Staging};
-use crate::cuda::{dev_err, ensure, Device};
+use crate::cuda::{arg, dev_err, ensure, DevPtr, Device};
 use crate::error::{Error, Result};
 use crate::lock::{Group, GroupLock};
 use crate::score::{Clock, Scorer, SystemClock};
@@ -80,9 +80,9 @@ use launch::*;
 use storage::*;
 
 pub use abi::Counts;
-pub(crate) use abi::{opt_ptr, ptr, Ptrs};
+pub(crate) use abi::{opt_ptr, ptr, ExportPtrs, LostPtrs, Ptrs};
 pub use device_batch::{DeviceBatch, DeviceOp, DeviceRun};
-pub(crate) use device_batch::{Pending, Raw};
+pub(crate) use device_batch::{ExportArgs, Pending, Raw};
 pub(crate) use launch::scan_config;
 
 const S: u64 = BUCKET_SLOTS as u64;

@@ -26,12 +26,12 @@ impl Shard for CudaTable {
         self.read_batch(Op::Find, keys, |st, l, base| {
             let s = l.stream.clone();
             let mut p = Ptrs {
-                values: Self::scratch(&s, &mut l.values, n * dim)?,
-                found: Self::scratch(&s, &mut l.flags, n)?,
+                values: Some(Self::scratch(&s, &mut l.values, n * dim)?),
+                found: Some(Self::scratch(&s, &mut l.flags, n)?),
                 ..base
             };
             if scores.is_some() {
-                p.scores = Self::scratch(&s, &mut l.scores, n)?;
+                p.scores = Some(Self::scratch(&s, &mut l.scores, n)?);
             }
             // SAFETY: keys uploaded, values / flags / scores sized above for these n keys
             unsafe { self.k_lookup(&s, st, n as u64, p) }?;
@@ -56,7 +56,7 @@ impl Shard for CudaTable {
                 unsafe {
                     cudarc::driver::sys::cuMemcpyDtoHAsync_v2(
                         values.as_mut_ptr() as *mut std::ffi::c_void,
-                        p.values,
+                        arg("values", p.values, n * dim)?,
                         bytes,
                         s.cu_stream(),
                     )
@@ -116,9 +116,9 @@ impl Shard for CudaTable {
         self.read_batch(Op::Find, keys, |st, l, base| {
             let s = l.stream.clone();
             let p = Ptrs {
-                at: Self::upload(&s, &mut l.stage, &mut l.at, at)?,
-                values: rows,
-                found: Self::scratch(&s, &mut l.flags, n)?,
+                at: Some(Self::upload(&s, &mut l.stage, &mut l.at, at)?),
+                values: Some(DevPtr::from_raw(rows, values.len())),
+                found: Some(Self::scratch(&s, &mut l.flags, n)?),
                 ..base
             };
             // SAFETY: keys, at and the flags sized for these n keys; at is
@@ -142,7 +142,7 @@ impl Shard for CudaTable {
         check::lookup(&self.config, keys, None, found.len(), None)?;
         self.read_batch(Op::Contains, keys, |st, l, base| {
             let s = l.stream.clone();
-            let p = Ptrs { found: Self::scratch(&s, &mut l.flags, n)?, ..base };
+            let p = Ptrs { found: Some(Self::scratch(&s, &mut l.flags, n)?), ..base };
             // SAFETY: keys uploaded, flags sized above for these n keys
             unsafe { self.k_lookup(&s, st, n as u64, p) }?;
             let f = Self::fetch(&s, &mut l.stage, &l.flags, n)?;
@@ -305,12 +305,12 @@ impl Shard for CudaTable {
         let count = self.with_lane(|l| {
             let s = l.stream.clone();
             let p = Ptrs {
-                keys: Self::upload(&s, &mut l.stage, &mut l.keys, keys)?,
-                found: Self::scratch(&s, &mut l.flags, n)?,
+                keys: Some(Self::upload(&s, &mut l.stage, &mut l.keys, keys)?),
+                found: Some(Self::scratch(&s, &mut l.flags, n)?),
                 ..Ptrs::default()
             };
             self.zero_counters(l)?;
-            let p = Ptrs { counters: ptr(&l.counters, &s), ..p };
+            let p = Ptrs { counters: Some(DevPtr::of(&l.counters, &s)), ..p };
             self.in_rounds(l, keys, st.nbuckets, None, |_, o| {
                 // SAFETY: keys uploaded and erased flags sized above for these n keys, flags2 by in_rounds
                 unsafe { self.k_erase(&s, st, n as u64, Ptrs { only: o, ..p }) }
@@ -384,19 +384,19 @@ impl Shard for CudaTable {
             let offsets = Self::scratch(&s, &mut l.offsets, nb + 1)?;
             let fa = filter_args(filter);
             // SAFETY: counts and offsets were sized above for the nb buckets of the range; count pass only
-            unsafe { self.k_export(&s, st, offset, end, fa, counts, offsets, [0, 0, 0]) }?;
+            unsafe { self.k_export(&s, st, offset, end, fa, counts, offsets, None) }?;
             let total = Self::fetch(&s, &mut l.stage, &l.offsets, nb + 1)?;
             l.stage.sync(&s)?;
             let m = l.stage.read(&total)[nb] as usize;
             let mut e = Export { keys: vec![0; m], values: vec![0.0; m * dim], scores: vec![0; m] };
             if m > 0 {
-                let out = [
-                    Self::scratch(&s, &mut l.keys, m)?,
-                    Self::scratch(&s, &mut l.values, m * dim)?,
-                    Self::scratch(&s, &mut l.scores, m)?,
-                ];
+                let out = ExportPtrs {
+                    keys: Self::scratch(&s, &mut l.keys, m)?,
+                    values: Self::scratch(&s, &mut l.values, m * dim)?,
+                    scores: Self::scratch(&s, &mut l.scores, m)?,
+                };
                 // SAFETY: the outputs were sized above for the m matches the count pass found
-                unsafe { self.k_export(&s, st, offset, end, fa, counts, offsets, out) }?;
+                unsafe { self.k_export(&s, st, offset, end, fa, counts, offsets, Some(out)) }?;
                 let k = Self::fetch(&s, &mut l.stage, &l.keys, m)?;
                 let v = Self::fetch(&s, &mut l.stage, &l.values, m * dim)?;
                 let sc = Self::fetch(&s, &mut l.stage, &l.scores, m)?;
