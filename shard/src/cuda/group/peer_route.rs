@@ -136,43 +136,14 @@ impl GpuGroup {
                     ..Ptrs::default()
                 };
                 if q != r && n[q] > 0 {
-                    // The first `len` elements of `src` (GPU q) into `dst` (this GPU).
-                    fn cp<T>(
-                        ctxs: (CUcontext, CUcontext),
-                        st: &CudaStream,
-                        dst: Option<DevPtr<T>>,
-                        src: Option<DevPtr<T>>,
-                        len: usize,
-                    ) -> Result<Option<DevPtr<T>>> {
-                        let (Some(dst), Some(src)) = (dst, src) else {
-                            return Err(Error::Device("a peer copy without its buffer".into()));
-                        };
-                        let (dst, src) = (dst.take(len), src.take(len));
-                        let bytes = len * std::mem::size_of::<T>();
-                        // SAFETY: both views hold `len` elements (take
-                        // checks), on the contexts named; the stream
-                        // orders the copy before the kernels reading it.
-                        unsafe {
-                            cudarc::driver::result::memcpy_peer_async(
-                                ctxs.0,
-                                dst.addr(),
-                                ctxs.1,
-                                src.addr(),
-                                bytes,
-                                st.cu_stream(),
-                            )
-                        }
-                        .map_err(dev_err("copying from a peer"))?;
-                        Ok(Some(dst))
-                    }
                     let ends = (ctxs[r], ctxs[q]);
                     // Keys and masks are read many times per key (remote
                     // loads would sit on each lookup's critical path): one
                     // copy-engine transfer each.
-                    p.keys = cp(ends, st, pk.map(|x| x.skip(at)), p.keys, n[q])?;
-                    p.only = cp(ends, st, po.map(|x| x.skip(at)), p.only, n[q])?;
+                    p.keys = pull(ends, st, pk.map(|x| x.skip(at)), p.keys, n[q])?;
+                    p.only = pull(ends, st, po.map(|x| x.skip(at)), p.only, n[q])?;
                     if pull_values {
-                        p.values = cp(ends, st, pv.map(|x| x.skip(at * dim)), p.values, n[q] * dim)?;
+                        p.values = pull(ends, st, pv.map(|x| x.skip(at * dim)), p.values, n[q] * dim)?;
                     }
                     at += n[q];
                 }
@@ -223,4 +194,27 @@ impl GpuGroup {
         }
         Ok(counts)
     }
+}
+
+/// Copies the first `len` elements of `src` (on the context `ctxs.1`)
+/// into `dst` (on `ctxs.0`) on the copy engines, ordered on `st`; returns
+/// the copy.
+pub(super) fn pull<T>(
+    ctxs: (CUcontext, CUcontext),
+    st: &CudaStream,
+    dst: Option<DevPtr<T>>,
+    src: Option<DevPtr<T>>,
+    len: usize,
+) -> Result<Option<DevPtr<T>>> {
+    let (Some(dst), Some(src)) = (dst, src) else {
+        return Err(Error::Device("a peer copy without its buffer".into()));
+    };
+    let (dst, src) = (dst.take(len), src.take(len));
+    let bytes = len * std::mem::size_of::<T>();
+    // SAFETY: both views hold `len` elements (take
+    // checks), on the contexts named; the stream
+    // orders the copy before the kernels reading it.
+    unsafe { cudarc::driver::result::memcpy_peer_async(ctxs.0, dst.addr(), ctxs.1, src.addr(), bytes, st.cu_stream()) }
+        .map_err(dev_err("copying from a peer"))?;
+    Ok(Some(dst))
 }
