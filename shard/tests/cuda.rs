@@ -435,12 +435,13 @@ fn device_batches_pointers_and_the_host_tier() {
 // launch, a device out of memory) left every later call of the table
 // panicking at `expect("storage")`. A failed grow now leaves the table as
 // it was: same capacity, same entries, and later calls (a grow included)
-// work.
+// work. (The failure is injected: a real out-of-memory grow would hold most
+// of the GPU while the other tests of this binary run.)
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_failed_grow_leaves_the_table_as_it_was() {
     let dim = 4;
-    let cfg = TableConfig::new(1024, dim).max_capacity(1 << 40);
+    let cfg = TableConfig::new(1024, dim).max_capacity(1 << 20);
     let t = CudaTable::new(cfg, device()).expect("valid config");
     let keys: Vec<u64> = (1..=400).collect();
     let rows = |ks: &[u64]| -> Vec<f32> {
@@ -461,12 +462,6 @@ fn a_failed_grow_leaves_the_table_as_it_was() {
     let e = t.insert_or_assign(&more, &rows(&more), None, None).unwrap_err();
     assert!(e.to_string().contains("injected"), "{e}");
     assert_eq!((t.capacity(), t.size()), (cap, 400));
-    check(&t, &keys);
-
-    // The allocation of the new storage fails: far beyond any device's memory.
-    let e = t.reserve(1 << 40).unwrap_err();
-    assert!(e.to_string().to_lowercase().contains("alloc"), "{e}");
-    assert_eq!(t.size(), 400);
     check(&t, &keys);
 
     // And the table still grows and answers afterwards.
