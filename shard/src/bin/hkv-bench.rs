@@ -27,6 +27,8 @@
 //! Beside it, the same find / insert workload on moka (a concurrent Rust
 //! cache) of the same capacity, all cores, at the same λ.
 
+#![forbid(unsafe_code)]
+
 use std::sync::Arc;
 use std::time::Instant;
 

@@ -12,6 +12,8 @@
 //! Prints medians in million keys per second, aggregated over the GPUs, and
 //! the scaling over one GPU.
 
+#![forbid(unsafe_code)]
+
 use anyhow::{bail, Result};
 use clap::Parser;
 use hkv_shard::cuda_table::DeviceOp;
