@@ -66,6 +66,14 @@ impl GpuGroup {
                 self.ordinals
             )));
         }
+        let ready = self.mark_owners(nodes, b, n)?;
+        let pending = self.serve_from_peers(op, nodes, b, n, &ready)?;
+        self.finish_peer(op, nodes, pending)
+    }
+
+    /// Marks each key's owner in every GPU's masks; returns where each
+    /// GPU's masks are done.
+    fn mark_owners(&self, nodes: &mut [Node], b: &[RankBatch], n: &[usize]) -> Result<Vec<cudarc::driver::CudaEvent>> {
         let nr = nodes.len();
         for (q, node) in nodes.iter_mut().enumerate() {
             let s = node.stream.clone();
@@ -78,6 +86,22 @@ impl GpuGroup {
             .iter()
             .map(|node| node.stream.record_event(None).map_err(dev_err("recording an event")))
             .collect::<Result<_>>()?;
+        Ok(ready)
+    }
+
+    /// Each GPU serves its keys of its own batch on its main stream and,
+    /// pulled over the link, of every other batch on its serve stream.
+    /// Until each [`Pending`] completes, it holds its table's lock group,
+    /// and waits for its streams if dropped on an error path.
+    fn serve_from_peers(
+        &self,
+        op: DeviceOp,
+        nodes: &mut [Node],
+        b: &[RankBatch],
+        n: &[usize],
+        ready: &[cudarc::driver::CudaEvent],
+    ) -> Result<Vec<Option<Pending<'_>>>> {
+        let nr = nodes.len();
         let incoming: usize = n.iter().sum();
         let mut pending: Vec<Option<Pending<'_>>> = (0..nr).map(|_| None).collect();
         // Rows the owner only reads are pulled with the keys; rows it writes
@@ -164,6 +188,13 @@ impl GpuGroup {
             }
             s.join(&other).map_err(dev_err("ordering streams"))?;
         }
+        Ok(pending)
+    }
+
+    /// Every GPU waits for the others to be done with its batch; then each
+    /// table books its keys of every batch.
+    fn finish_peer(&self, op: DeviceOp, nodes: &[Node], pending: Vec<Option<Pending<'_>>>) -> Result<Counts> {
+        let nr = nodes.len();
         let served: Vec<cudarc::driver::CudaEvent> = nodes
             .iter()
             .map(|node| node.stream.record_event(None).map_err(dev_err("recording an event")))
