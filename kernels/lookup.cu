@@ -1,7 +1,7 @@
 // lookup family: find, contains and find* (value addresses). Reader group:
 // no writer runs meanwhile, so no lock is taken. Thread mapping: G = 1, 2,
 // 4, 8, 16 or 32 threads per key (each loads 128 / G digest bytes), 256 / G keys per
-// 256-thread block; the host picks G per batch (cuda_table::Funcs).
+// 256-thread block; the host picks G per batch (Funcs in shard/src/cuda/table/kernels.rs).
 // Memory traffic per key: the key, one digest line (two in dual mode), ~1 key
 // read per digest match, and on a hit the value row read and written.
 // The lookup_at kernels (AT, for find_at) write key i's row at row at[i] of

@@ -46,7 +46,7 @@
 #define HKV_C_ERASED 7
 #define HKV_NCOUNTERS 8
 
-// The table's device state, passed by value (mirrors cuda_table::TableArgs).
+// The table's device state, passed by value (mirrors TableArgs in shard/src/cuda/table/abi.rs).
 struct HkvTable {
     u8* digests;       // nbuckets * 128
     u64* keys;         // nbuckets * 128
@@ -69,7 +69,7 @@ __device__ __forceinline__ u64 hkv_key_index(const HkvTable& t, u64 j, u64 n) {
     return t.order && j < n ? t.order[j] : j;
 }
 
-// How written keys are scored (mirrors cuda_table::ScoringArgs).
+// How written keys are scored (mirrors ScoringArgs in shard/src/cuda/table/abi.rs).
 struct HkvScoring {
     u64 now_ns;
     u32 policy;

@@ -110,7 +110,9 @@ pub fn run(config: Config) -> anyhow::Result<()> {
     let modes = admin::Modes { gid: admin_gid };
     modes.apply_umask();
     modes.secure(&config.state_path())?;
-    hkv_shard::cuda::set_cache_dir(config.state_path().join("kernels"));
+    hkv_shard::cuda::set_cache_dir(
+        hkv_shard::cuda::default_kernel_cache_dir(Some(config.state_path().join("kernels"))).unwrap_or_default(),
+    );
     let (backend, ordinals, backend_name) = backend(&config)?;
     let workers = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).clamp(2, 16);
     let system = actix_rt::System::with_tokio_rt(move || {

@@ -234,7 +234,9 @@ fn main() -> ExitCode {
                 .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
                 .init();
             tracing::info!(huge_pages = %huge, "host memory for tables");
-            match config(*a).and_then(hkvd::run) {
+            // The CUDA kernel tuning knobs (HKV_LOOKUP_GROUP, HKV_WRITE_GROUP, HKV_KEY_ORDER): the library reads no environment.
+            let tuning = hkv_shard::CudaTuning::from_vars(|k| std::env::var(k).ok()).map(hkv_shard::cuda::set_tuning);
+            match tuning.map_err(anyhow::Error::from).and_then(|()| config(*a)).and_then(hkvd::run) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("hkvd: {e:#}");

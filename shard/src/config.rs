@@ -148,6 +148,58 @@ pub struct TableConfig {
     pub lfu_ties: LfuTies,
 }
 
+/// Tuning of the CUDA backend's kernel choice, for benchmarks: the
+/// default is what was measured fastest on the H200 (`shard/BENCHMARKS.md`).
+/// The library reads no environment variable: binaries fill it from flags
+/// or from the `HKV_*` variables with [`CudaTuning::from_vars`] and give it
+/// to a table (`CudaTable::set_tuning`, `GpuGroup::set_tuning`) or to the
+/// process (`cuda::set_tuning`, for tables opened later).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CudaTuning {
+    /// Threads per key of every lookup kernel (one of [`CudaTuning::GROUPS`]);
+    /// `None`: chosen per batch.
+    pub lookup_group: Option<u32>,
+    /// Threads per key of every writer kernel (upsert, update).
+    pub write_group: Option<u32>,
+    /// Serve large host-tier batches in index order instead of grouped by
+    /// bucket region.
+    pub index_order: bool,
+}
+
+impl CudaTuning {
+    /// The threads per key the kernels are built for.
+    pub const GROUPS: [u32; 6] = [1, 2, 4, 8, 16, 32];
+
+    /// Tuning from the variables `HKV_LOOKUP_GROUP`, `HKV_WRITE_GROUP`
+    /// (1|2|4|8|16|32) and `HKV_KEY_ORDER` (`index` or `region`), read
+    /// through `get` (a binary passes `|k| std::env::var(k).ok()`).
+    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<CudaTuning> {
+        let group = |var: &str| -> Result<Option<u32>> {
+            let Some(v) = get(var) else { return Ok(None) };
+            match v.trim().parse::<u32>() {
+                Ok(g) if Self::GROUPS.contains(&g) => Ok(Some(g)),
+                _ => Err(Error::Config(format!("{var}={v:?}: use one of 1, 2, 4, 8, 16, 32"))),
+            }
+        };
+        let index_order = match get("HKV_KEY_ORDER").as_deref().map(str::trim) {
+            None | Some("region") => false,
+            Some("index") => true,
+            Some(v) => return Err(Error::Config(format!("HKV_KEY_ORDER={v:?}: use index or region"))),
+        };
+        Ok(CudaTuning { lookup_group: group("HKV_LOOKUP_GROUP")?, write_group: group("HKV_WRITE_GROUP")?, index_order })
+    }
+
+    /// Checks the forced group sizes.
+    pub fn validate(&self) -> Result<()> {
+        for (what, g) in [("lookup_group", self.lookup_group), ("write_group", self.write_group)] {
+            if let Some(g) = g.filter(|g| !Self::GROUPS.contains(g)) {
+                return Err(Error::Config(format!("{what} {g}: use one of 1, 2, 4, 8, 16, 32")));
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Default for TableConfig {
     fn default() -> Self {
         TableConfig {
@@ -285,5 +337,26 @@ impl Footprint {
     /// `self × n`, `None` on overflow.
     pub fn times(self, n: u64) -> Option<Footprint> {
         Some(Footprint { device: self.device.checked_mul(n)?, host: self.host.checked_mul(n)? })
+    }
+}
+
+#[cfg(test)]
+mod tuning_tests {
+    use super::CudaTuning;
+
+    fn vars<'a>(v: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |k| v.iter().find(|(n, _)| *n == k).map(|(_, x)| x.to_string())
+    }
+
+    #[test]
+    fn tuning_comes_from_the_variables_a_binary_passes() {
+        assert_eq!(CudaTuning::from_vars(vars(&[])).unwrap(), CudaTuning::default());
+        let t = CudaTuning::from_vars(vars(&[("HKV_LOOKUP_GROUP", "16"), ("HKV_KEY_ORDER", "index")])).unwrap();
+        assert_eq!(t, CudaTuning { lookup_group: Some(16), write_group: None, index_order: true });
+        for bad in [("HKV_WRITE_GROUP", "3"), ("HKV_LOOKUP_GROUP", "x"), ("HKV_KEY_ORDER", "random")] {
+            let e = CudaTuning::from_vars(vars(&[bad])).unwrap_err().to_string();
+            assert!(e.contains(bad.0), "{e}");
+        }
+        assert!(CudaTuning { write_group: Some(64), ..Default::default() }.validate().is_err());
     }
 }

@@ -69,10 +69,15 @@
 //! - [`cpu`] is the CPU backend, [`cpu::CpuTable`]: buckets, storage, batch
 //!   splitting, the lookup pipeline, the write path, growth and the batch
 //!   operations, one module each; its one `unsafe` item is the prefetch hint.
-//! - [`cuda`] finds CUDA devices, compiles the kernels of `hkv-kernels`
-//!   (with an on-disk cache) and hashes features on the GPU.
-//! - [`cuda_table`] is the CUDA backend, [`cuda_table::CudaTable`].
-//! - `staging` is the pinned memory host arrays of CUDA batches pass through.
+//! - [`cuda`] holds every `unsafe` but the CPU prefetch: it finds CUDA
+//!   devices, compiles the kernels of `hkv-kernels` (with an on-disk cache),
+//!   hashes features on the GPU, and holds the pinned staging memory.
+//!   - [`cuda::table`] (also [`cuda_table`]) is the CUDA backend,
+//!     [`cuda_table::CudaTable`]: `abi`, `kernels`, `launch`, `storage`,
+//!     `lane`, `growth`, `host_batch`, `device_batch`, `ops`.
+//!   - [`cuda::group`] (also [`multi`]) is one table over several GPUs,
+//!     [`multi::GpuGroup`]: `plan`, `node`, `nccl`, `device_route`,
+//!     `peer_route`, `host_route`, `reshard`.
 //! - [`mrc`] estimates miss-ratio curves (SHARDS sampling, LRU stack
 //!   distances): the hit rate of a smaller or larger table.
 //! - [`features`] turns raw features into keys (TensorFlow-compatible).
@@ -81,24 +86,31 @@
 //!   [`open`].
 
 #![warn(missing_docs)]
+#![deny(unsafe_code)]
 
 mod check;
 pub mod config;
+// The CPU prefetch (one intrinsic) is the one `unsafe` outside `cuda`.
+#[allow(unsafe_code)]
 pub mod cpu;
+// Every other `unsafe` of the crate: driver calls, kernel launches, pinned memory.
+#[allow(unsafe_code)]
 pub mod cuda;
-pub mod cuda_table;
 pub mod error;
 pub mod features;
 pub mod hash;
 pub mod lock;
 pub mod mrc;
-pub mod multi;
 pub mod score;
-mod staging;
+
+/// The GPU group, at its former path ([`cuda::group`]).
+pub use cuda::group as multi;
+/// The CUDA table, at its former path ([`cuda::table`]).
+pub use cuda::table as cuda_table;
 
 use serde::{Deserialize, Serialize};
 
-pub use config::{BucketMode, Footprint, LfuTies, ScorePolicy, TableConfig};
+pub use config::{BucketMode, CudaTuning, Footprint, LfuTies, ScorePolicy, TableConfig};
 pub use error::{Error, Result};
 pub use lock::{Group, LockState};
 

@@ -1,4 +1,4 @@
-//! hkv-bench: the table's throughput with the protocol of `shared/TARGETS.md`.
+//! hkv-bench: the table's throughput with the protocol of `shard/TARGETS.md`.
 //!
 //! For each dim and load factor λ, the table is filled with unique keys to λ
 //! (single mode cannot reach exactly 1.0 without eviction: it is filled with
@@ -27,6 +27,8 @@
 //! Beside it, the same find / insert workload on moka (a concurrent Rust
 //! cache) of the same capacity, all cores, at the same λ.
 
+#![forbid(unsafe_code)]
+
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -37,7 +39,7 @@ use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 
 #[derive(Parser, Debug)]
-#[command(name = "hkv-bench", about = "Throughput of every table operation (B-KV/s), TARGETS.md protocol")]
+#[command(name = "hkv-bench", about = "Throughput of every table operation (B-KV/s), shard/TARGETS.md protocol")]
 struct Args {
     /// Backend: cpu, cuda or auto.
     #[arg(long, default_value = "auto")]
@@ -300,6 +302,12 @@ fn moka_row(cap: u64, dim: usize, batch: usize, runs: usize, lambdas: &[f64]) ->
 
 fn main() -> Result<()> {
     let a = Args::parse();
+    // The library reads no environment: the kernel cache and the tuning
+    // knobs (HKV_LOOKUP_GROUP, HKV_WRITE_GROUP, HKV_KEY_ORDER) come in here.
+    if let Some(dir) = hkv_shard::cuda::default_kernel_cache_dir(None) {
+        hkv_shard::cuda::set_cache_dir(dir);
+    }
+    hkv_shard::cuda::set_tuning(hkv_shard::CudaTuning::from_vars(|k| std::env::var(k).ok())?);
     let backend = match a.backend.as_str() {
         // Auto: the CUDA protocol (device buffers, event timing) on a GPU host.
         "auto" if hkv_shard::cuda::probe().is_ok() => Backend::Cuda,
@@ -402,12 +410,12 @@ fn export_slots(n: usize, lambda: f64) -> u64 {
 }
 
 /// The CUDA backend on device-resident batches, timed with CUDA events
-/// around the kernels (the protocol of shared/TARGETS.md).
+/// around the kernels (the protocol of shard/TARGETS.md).
 mod cuda_bench {
     use super::*;
     use hkv_shard::cuda_table::{CudaTable, DeviceBatch, DeviceOp};
 
-    /// The reference library's figures on the H200 (shared/TARGETS.md):
+    /// The reference library's figures on the H200 (shard/TARGETS.md):
     /// (dim, capacity, hybrid, λ) → the row in OPS order (NaN: not measured).
     fn reference(dim: usize, capacity: u64, hybrid: bool, lambda: f64) -> Option<[f64; 10]> {
         let n = f64::NAN;
@@ -763,7 +771,7 @@ mod cuda_bench {
             }
         }
         println!(
-            "\n(×: ratio to the reference library on the H200, shared/TARGETS.md, where the configuration matches.)"
+            "\n(×: ratio to the reference library on the H200, shard/TARGETS.md, where the configuration matches.)"
         );
         Ok(())
     }

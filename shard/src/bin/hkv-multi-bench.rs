@@ -12,10 +12,12 @@
 //! Prints medians in million keys per second, aggregated over the GPUs, and
 //! the scaling over one GPU.
 
+#![forbid(unsafe_code)]
+
 use anyhow::{bail, Result};
 use clap::Parser;
 use hkv_shard::cuda_table::DeviceOp;
-use hkv_shard::multi::{GpuGroup, Local, RankBatch, Route};
+use hkv_shard::multi::{GpuGroup, RankBatch, Route};
 use hkv_shard::{ScorePolicy, TableConfig};
 
 #[derive(Parser, Debug)]
@@ -39,23 +41,6 @@ struct Args {
     /// Timed batches per figure (the median is printed).
     #[arg(long, default_value_t = 7)]
     runs: usize,
-    /// Also print where a device-route batch spends its time (CUDA events on
-    /// GPU 0, medians): partition (the split, until the counts are on the
-    /// host), forward (keys and rows queued to their owners), back (until
-    /// the owners' results are back), gather (into request order, and the
-    /// GPU's own keys served). Peer route: masks (owners marked), serve
-    /// (GPU 0 done with its keys of every batch), others (the other GPUs
-    /// done with GPU 0's batch).
-    #[arg(long)]
-    phases: bool,
-    /// Parts a device-route batch is cut into (one is served while the next
-    /// crosses), comma separated: each is measured.
-    #[arg(long, default_value = "1", value_delimiter = ',')]
-    parts: Vec<usize>,
-    /// How each GPU serves its own keys on the device route, comma
-    /// separated, each measured: staged (the default), direct, sent.
-    #[arg(long, default_value = "staged,sent", value_delimiter = ',')]
-    local: Vec<String>,
     /// Skip the host route (it is slow: every batch crosses PCIe twice).
     #[arg(long)]
     no_host: bool,
@@ -88,20 +73,18 @@ fn load_keys(g: &GpuGroup, b: &mut [RankBatch], n: usize, first: u64, stride: u6
     Ok(())
 }
 
-/// Prints the link's rate for the rows a find moves each way
-/// ([`GpuGroup::link`]).
-fn link(g: &GpuGroup, bytes: usize, runs: usize) -> Result<()> {
-    let m = g.link(bytes, runs)?;
-    println!(
-        "  (link: {:.1} MB from each GPU to the next at once, copy engines, {m:.3} ms: {:.0} GB/s each way)",
-        bytes as f64 / 1e6,
-        bytes as f64 / m / 1e6
-    );
-    Ok(())
-}
-
 fn main() -> Result<()> {
+    // Before any thread starts: NCCL reads these when the first group is made.
+    for (k, v) in hkv_shard::multi::NCCL_ENV_DEFAULTS {
+        if std::env::var_os(k).is_none() {
+            std::env::set_var(k, v);
+        }
+    }
     let a = Args::parse();
+    if let Some(dir) = hkv_shard::cuda::default_kernel_cache_dir(None) {
+        hkv_shard::cuda::set_cache_dir(dir);
+    }
+    hkv_shard::cuda::set_tuning(hkv_shard::CudaTuning::from_vars(|k| std::env::var(k).ok())?);
     let devices = hkv_shard::cuda::probe().map_err(|e| anyhow::anyhow!("{e}"))?;
     println!("GPUs: {} x {} (driver {})", devices.len(), devices[0].name, devices[0].driver_version);
     match hkv_shard::multi::nccl_version() {
@@ -120,8 +103,7 @@ fn main() -> Result<()> {
         }
         let ordinals: Vec<usize> = (0..k).collect();
         let cfg = TableConfig::new(a.capacity, a.dim).policy(ScorePolicy::Lru);
-        let mut g = GpuGroup::new(cfg, &ordinals)?;
-        g.set_phases(a.phases);
+        let g = GpuGroup::new(cfg, &ordinals)?;
         let mut b = g.batch(a.batch)?;
         for (r, rb) in b.iter_mut().enumerate() {
             let row: Vec<f32> = (0..a.batch * a.dim).map(|i| (i % 1000) as f32).collect();
@@ -137,9 +119,6 @@ fn main() -> Result<()> {
             g.run(DeviceOp::InsertOrAssign, Route::Device, &mut b, &n)?;
             next += per_round;
         }
-        if k > 1 && g.peer_access() {
-            link(&g, a.batch / 2 * a.dim * 4, a.runs)?;
-        }
         println!(
             "  ({k} GPU{}: {} entries after {} inserted, λ {:.3})",
             if k > 1 { "s" } else { "" },
@@ -147,36 +126,18 @@ fn main() -> Result<()> {
             next,
             g.size() as f64 / (a.capacity * k as u64) as f64
         );
-        // (route, local, parts): the device route for each --local and
-        // --parts, and the host split.
-        let mut routes: Vec<(Route, Local, usize)> = vec![];
-        for &p in &a.parts {
-            for l in &a.local {
-                let local = match l.as_str() {
-                    "direct" => Local::Direct,
-                    "staged" => Local::Staged,
-                    "sent" => Local::Sent,
-                    other => bail!("--local {other:?}: use staged, direct or sent"),
-                };
-                routes.push((Route::Device, local, p));
-            }
-        }
-        if k == 1 {
-            routes.truncate(1);
-        } else {
+        let mut routes = vec![Route::Device];
+        if k > 1 {
             if !a.no_peer && g.peer_access() {
-                routes.push((Route::Peer, Local::Staged, 1));
+                routes.push(Route::Peer);
             }
             if !a.no_host {
-                routes.push((Route::Host, Local::Staged, 1));
+                routes.push(Route::Host);
             }
         }
-        for (route, local, parts) in routes {
-            g.set_local(local);
-            g.set_parts(parts);
+        for route in routes {
             for (name, op) in [("find", DeviceOp::Find), ("insert_or_assign", DeviceOp::InsertOrAssign)] {
                 let mut ms = vec![];
-                let mut phases: Vec<Vec<(&'static str, f32)>> = vec![];
                 for run in 0..=a.runs {
                     if op == DeviceOp::Find {
                         // The most recent fill batches: resident.
@@ -189,7 +150,6 @@ fn main() -> Result<()> {
                     let r = g.run(op, route, &mut b, &n)?;
                     if run > 0 {
                         ms.push(r.ms);
-                        phases.push(r.phases);
                     }
                 }
                 let m = median(ms);
@@ -201,22 +161,8 @@ fn main() -> Result<()> {
                         "1.00x".into()
                     }
                 };
-                let label = match route {
-                    Route::Host => "host".to_string(),
-                    Route::Peer => "peer".to_string(),
-                    Route::Auto => "auto".to_string(),
-                    Route::Device => format!("{}/{parts}", format!("{local:?}").to_lowercase()),
-                };
+                let label = format!("{route:?}").to_lowercase();
                 println!("{k:>4} {name:>16} {label:>9} {m:>9.3} {rate:>12.1} {scaling:>8}");
-                if a.phases && !phases[0].is_empty() {
-                    let cols: Vec<String> = (0..phases[0].len())
-                        .map(|i| {
-                            let v: Vec<f64> = phases.iter().map(|p| p[i].1 as f64).collect();
-                            format!("{} {:.3}", phases[0][i].0, median(v))
-                        })
-                        .collect();
-                    println!("{:>31}phases (ms, GPU 0): {}", "", cols.join(", "));
-                }
             }
         }
     }

@@ -250,7 +250,7 @@ mod tests {
                 s.alloc_zeros::<f32>(b.len()).unwrap(),
                 s.alloc_zeros::<u8>(c.len()).unwrap(),
             );
-            use crate::cuda_table::ptr;
+            use crate::cuda::table::ptr;
             let (pa, pb, pc) = (ptr(&da, &s), ptr(&db, &s), ptr(&dc, &s));
             // SAFETY: each device buffer was sized for its array above.
             unsafe {
@@ -290,7 +290,7 @@ mod tests {
         let (mut st, s) = staging();
         let d = s.alloc_zeros::<u64>(16).unwrap();
         // SAFETY: d holds 16 values.
-        let r = unsafe { st.fetch::<u64>(&s, crate::cuda_table::ptr(&d, &s), 16) }.unwrap();
+        let r = unsafe { st.fetch::<u64>(&s, crate::cuda::table::ptr(&d, &s), 16) }.unwrap();
         st.read(&r);
     }
 }

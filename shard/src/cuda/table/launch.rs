@@ -1,0 +1,309 @@
+//! One typed wrapper per kernel launch, each with its safety contract.
+
+use super::*;
+
+pub(super) const BLOCK: u32 = 256;
+
+/// One block of 1024 threads: the launch of the block scans (`export_scan`,
+/// `route_scan`, both on `hkv_block_scan`).
+pub(crate) fn scan_config() -> LaunchConfig {
+    LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// Value bytes per region of [`CudaTable::key_order`] (at least; whole
+/// buckets), and the most regions it counts.
+pub(super) const REGION_BYTES: u64 = 2 << 20;
+
+pub(super) const MAX_REGIONS: u64 = 1 << 16;
+
+pub(super) fn blocks(threads: u64) -> Result<LaunchConfig> {
+    crate::cuda::grid(threads, BLOCK)
+}
+
+/// The arguments `upsert_keys` and `update_keys` begin with, in their
+/// order: table, scoring, keys, n, values, input scores, only, mode,
+/// outcomes.
+pub(super) fn write_args<'a>(
+    b: &mut LaunchArgs<'a>,
+    args: &'a TableArgs,
+    sc: &'a ScoringArgs,
+    n: &'a u64,
+    mode: &'a i32,
+    p: &'a Addrs,
+) {
+    b.arg(args).arg(sc).arg(&p.keys).arg(n).arg(&p.values).arg(&p.scores).arg(&p.only).arg(mode).arg(&p.outcomes);
+}
+
+/// The kernel arguments of a [`Ptrs`]: each buffer's address, 0 for none.
+#[derive(Default)]
+pub(super) struct Addrs {
+    pub(super) keys: u64,
+    pub(super) values: u64,
+    pub(super) scores: u64,
+    pub(super) found: u64,
+    pub(super) outcomes: u64,
+    pub(super) ptrs: u64,
+    pub(super) only: u64,
+    pub(super) at: u64,
+    pub(super) lost: [u64; 4],
+    pub(super) counters: u64,
+}
+
+impl Ptrs {
+    /// The addresses for a launch over `n` keys with rows of `dim` floats;
+    /// a buffer shorter than the launch needs is refused (with `at`, the
+    /// rows' count is the caller's, checked against `at` by it).
+    pub(super) fn addrs(&self, n: u64, dim: usize) -> Result<Addrs> {
+        let n = usize::try_from(n).map_err(|_| Error::Config(format!("{n} keys in one launch")))?;
+        let rows = if self.at.is_some() { 0 } else { n * dim };
+        let lost = match self.lost {
+            None => [0; 4],
+            Some(l) => [
+                arg("lost keys", Some(l.keys), n)?,
+                arg("lost values", Some(l.values), n * dim)?,
+                arg("lost scores", Some(l.scores), n)?,
+                arg("lost kinds", Some(l.kinds), n)?,
+            ],
+        };
+        Ok(Addrs {
+            keys: arg("keys", self.keys, n)?,
+            values: arg("values", self.values, rows)?,
+            scores: arg("scores", self.scores, n)?,
+            found: arg("flags", self.found, n)?,
+            outcomes: arg("outcomes", self.outcomes, n)?,
+            ptrs: arg("value addresses", self.ptrs, n)?,
+            only: arg("key filter", self.only, n)?,
+            at: arg("output rows", self.at, n)?,
+            lost,
+            counters: arg("counters", self.counters, NCOUNTERS)?,
+        })
+    }
+}
+
+impl CudaTable {
+    /// For a launch of `n` keys (device address `keys`) that copies value
+    /// rows (`copies`) of a table with a host tier: the keys' indices in
+    /// the order of their first bucket's region, about 2 MiB of value rows
+    /// (see `order_count` in lookup.cu): the device reaches host rows about
+    /// three times faster so grouped (BENCHMARKS.md, "Kernel choice").
+    /// None, and index order, otherwise, for batches of up to
+    /// [`SEQUENTIAL_BATCH`] keys and for batches too large for u32
+    /// indices. Returned with the table arguments that carry it; the
+    /// buffer is freed in stream order when dropped.
+    ///
+    /// # Safety
+    /// `keys` holds `n` keys on this device, alive until `l` is synchronised.
+    pub(super) unsafe fn key_order(
+        &self,
+        l: &Arc<CudaStream>,
+        st: &Storage,
+        n: u64,
+        keys: u64,
+        copies: bool,
+    ) -> Result<(Option<CudaSlice<u32>>, TableArgs)> {
+        if !copies || st.host_slots == 0 || !self.f.region_order || n <= SEQUENTIAL_BATCH as u64 || n > u32::MAX as u64
+        {
+            return Ok((None, st.args));
+        }
+        let bucket_bytes = S * self.config.dim as u64 * 4;
+        let mut shift = 0u32;
+        while (bucket_bytes << shift) < REGION_BYTES || (st.nbuckets >> shift) >= MAX_REGIONS {
+            shift += 1;
+        }
+        let regions = (st.nbuckets >> shift) + 1;
+        let a = |e| dev_err("allocating the key order")(e);
+        let counts = l.alloc_zeros::<u32>(regions as usize).map_err(a)?;
+        // SAFETY: export_scan writes every offset below before it is read.
+        let next = unsafe { l.alloc::<u64>(regions as usize + 1) }.map_err(a)?;
+        // SAFETY: order_write writes order[0..n] before the launch that reads it.
+        let order = unsafe { l.alloc::<u32>(n as usize) }.map_err(a)?;
+        let (c, x, o) = (ptr(&counts, l), ptr(&next, l), ptr(&order, l));
+        let mut b = l.launch_builder(&self.f.order_count);
+        b.arg(&st.args).arg(&keys).arg(&n).arg(&shift).arg(&c);
+        // SAFETY: reads keys[0..n]; every key's region (b1 >> shift) is
+        // below `regions`, the length of counts.
+        unsafe { b.launch(blocks(n)?) }.map_err(dev_err("launching order_count"))?;
+        let mut b = l.launch_builder(&self.f.ex_scan);
+        b.arg(&c).arg(&regions).arg(&x);
+        // SAFETY: reads counts[0..regions], writes next[0..=regions].
+        unsafe { b.launch(scan_config()) }.map_err(dev_err("launching export_scan"))?;
+        let mut b = l.launch_builder(&self.f.order_write);
+        b.arg(&st.args).arg(&keys).arg(&n).arg(&shift).arg(&x).arg(&o);
+        // SAFETY: as order_count; the offsets of the regions sum to n, so
+        // each key gets one distinct entry of order[0..n].
+        unsafe { b.launch(blocks(n)?) }.map_err(dev_err("launching order_write"))?;
+        Ok((Some(order), TableArgs { order: o, ..st.args }))
+    }
+
+    /// Launches `lookup_find` on stream `l`.
+    ///
+    /// # Safety
+    /// `p.keys` holds `n` keys; `p.values` (n × dim floats), `p.found`,
+    /// `p.scores`, `p.ptrs`, `p.only` (n each) are 0 or device buffers that
+    /// long; or, with `p.at` (n rows, each below some `rows`), `p.values`
+    /// holds `rows` rows, in device memory or in host memory mapped for the
+    /// device, `p.found` n flags, and `p.scores`, `p.ptrs` and `p.only` are
+    /// 0; `p.counters` holds 8 u64; all stay alive until `l`
+    /// is synchronised.
+    pub(super) unsafe fn k_lookup(&self, l: &Arc<CudaStream>, st: &Storage, n: u64, p: Ptrs) -> Result<()> {
+        let at = p.at.is_some();
+        let p = p.addrs(n, self.config.dim)?;
+        let c = p.counters;
+        let (order, args) = self.key_order(l, st, n, p.keys, p.values != 0)?;
+        let v = self.f.lookup(p.values != 0, self.config.dim, order.is_some(), at);
+        let mut b = l.launch_builder(&v.f);
+        if at {
+            b.arg(&args).arg(&p.keys).arg(&n).arg(&p.at).arg(&p.values).arg(&p.found).arg(&c);
+        } else {
+            b.arg(&args)
+                .arg(&p.keys)
+                .arg(&n)
+                .arg(&p.values)
+                .arg(&p.found)
+                .arg(&p.scores)
+                .arg(&p.ptrs)
+                .arg(&c)
+                .arg(&p.only);
+        }
+        // SAFETY: lookup_find (lookup_at) reads keys[0..n], only[0..n]
+        // (at[0..n]) where non-null and the table (args describe live
+        // buffers of this storage), and writes, where non-null,
+        // values[0..n*dim] (with at: rows at[i] < the caller's row count),
+        // found[0..n], scores[0..n], ptrs[0..n] and 8 counters; every
+        // non-null buffer was sized for that by the caller.
+        unsafe { b.launch(blocks(n * v.g)?) }.map_err(dev_err(if at {
+            "launching lookup_at"
+        } else {
+            "launching lookup_find"
+        }))?;
+        Ok(())
+    }
+
+    /// Launches `upsert_keys` on stream `l`.
+    ///
+    /// # Safety
+    /// `p.keys` holds `n` keys; `p.values` (n × dim floats, or 0 for
+    /// find_or_insert*), `p.scores`, `p.only`, `p.outcomes`, `p.ptrs` (n
+    /// each) and the four `p.lost` arrays (n entries, n × dim floats) are 0
+    /// or device buffers that long; `p.counters` holds 8 u64; all stay alive
+    /// until `l` is synchronised.
+    pub(super) unsafe fn k_upsert(
+        &self,
+        l: &Arc<CudaStream>,
+        st: &Storage,
+        sc: ScoringArgs,
+        n: u64,
+        mode: i32,
+        p: Ptrs,
+    ) -> Result<()> {
+        let lost = p.lost.is_some();
+        let p = p.addrs(n, self.config.dim)?;
+        let c = p.counters;
+        let (order, args) = self.key_order(l, st, n, p.keys, p.values != 0)?;
+        let plain = mode == UP_INSERT && !lost;
+        let v = self.f.upsert(self.load(st), p.values != 0, self.config.dim, order.is_some(), plain, lost);
+        let mut b = l.launch_builder(&v.f);
+        write_args(&mut b, &args, &sc, &n, &mode, &p);
+        b.arg(&p.ptrs).arg(&p.lost[0]).arg(&p.lost[1]).arg(&p.lost[2]).arg(&p.lost[3]).arg(&c);
+        // SAFETY: upsert_keys reads keys[0..n], values[0..n*dim] (or writes
+        // them for find_or_insert), scores[0..n] and only[0..n] where
+        // non-null, locks and writes the table described by args, and
+        // writes outcomes[0..n], ptrs[0..n], at most n entries to each lost_*
+        // array (sized for n keys, n*dim values) and 8 counters.
+        unsafe { b.launch(blocks(n * v.g)?) }.map_err(dev_err("launching upsert_keys"))?;
+        Ok(())
+    }
+
+    /// Launches `update_keys` on stream `l`.
+    ///
+    /// # Safety
+    /// `p.keys` holds `n` keys; `p.values` (n × dim floats), `p.scores`,
+    /// `p.only`, `p.outcomes`, `p.found` (absent flags; n each) are 0 or
+    /// device buffers that long; `p.counters` holds 8 u64; all stay alive
+    /// until `l` is synchronised.
+    pub(super) unsafe fn k_update(
+        &self,
+        l: &Arc<CudaStream>,
+        st: &Storage,
+        sc: ScoringArgs,
+        n: u64,
+        mode: i32,
+        p: Ptrs,
+    ) -> Result<()> {
+        let p = p.addrs(n, self.config.dim)?;
+        let c = p.counters;
+        let (order, args) = self.key_order(l, st, n, p.keys, p.values != 0)?;
+        let v = self.f.update(self.config.dim, order.is_some());
+        let mut b = l.launch_builder(&v.f);
+        write_args(&mut b, &args, &sc, &n, &mode, &p);
+        b.arg(&p.found).arg(&c);
+        // SAFETY: update_keys reads keys[0..n], values[0..n*dim] and
+        // scores[0..n] where non-null, writes present entries of the table
+        // under its bucket locks, and writes outcomes[0..n] and absent
+        // flags[0..n] where non-null and 8 counters.
+        unsafe { b.launch(blocks(n * v.g)?) }.map_err(dev_err("launching update_keys"))?;
+        Ok(())
+    }
+
+    /// Launches `erase_keys` on stream `l`.
+    ///
+    /// # Safety
+    /// `p.keys` holds `n` keys; `p.only` and `p.found` (erased flags) are 0
+    /// or `n` bytes; `p.counters` holds 8 u64; all stay alive until `l` is
+    /// synchronised.
+    pub(super) unsafe fn k_erase(&self, l: &CudaStream, st: &Storage, n: u64, p: Ptrs) -> Result<()> {
+        let p = p.addrs(n, self.config.dim)?;
+        let c = p.counters;
+        let mut b = l.launch_builder(&self.f.erase);
+        b.arg(&st.args).arg(&p.keys).arg(&n).arg(&p.only).arg(&p.found).arg(&c);
+        // SAFETY: erase_keys reads keys[0..n], writes table entries under
+        // their bucket locks, erased[0..n] where non-null, and 8 counters.
+        unsafe { b.launch(blocks(n * 16)?) }.map_err(dev_err("launching erase_keys"))?;
+        Ok(())
+    }
+
+    /// Export of positions [offset, end): counts, scan, write (all on stream
+    /// `l`); counts and offsets too short for the buckets of the range are
+    /// refused.
+    ///
+    /// # Safety
+    /// `out` is `None` (count only) or keys, values (× dim) and scores
+    /// buffers long enough for every match of the range; all stay alive
+    /// until `l` is synchronised.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn k_export(
+        &self,
+        l: &CudaStream,
+        st: &Storage,
+        offset: u64,
+        end: u64,
+        f: FilterArgs,
+        counts: DevPtr<u32>,
+        offsets: DevPtr<u64>,
+        out: Option<ExportPtrs>,
+    ) -> Result<()> {
+        let nb = (end - 1) / S - offset / S + 1;
+        let spans = usize::try_from(nb).map_err(|_| Error::Config(format!("an export over {nb} buckets")))?;
+        let (counts, offsets) = (arg("counts", Some(counts), spans)?, arg("offsets", Some(offsets), spans + 1)?);
+        let mut b = l.launch_builder(&self.f.ex_count);
+        b.arg(&st.args).arg(&offset).arg(&end).arg(&f).arg(&counts);
+        // SAFETY: export_count reads table positions in [offset, end) and
+        // writes counts[0..nb], nb = the buckets the range spans.
+        unsafe { b.launch(blocks(nb * 32)?) }.map_err(dev_err("launching export_count"))?;
+        let mut b = l.launch_builder(&self.f.ex_scan);
+        b.arg(&counts).arg(&nb).arg(&offsets);
+        // SAFETY: export_scan reads counts[0..nb] and writes offsets[0..=nb].
+        unsafe { b.launch(scan_config()) }.map_err(dev_err("launching export_scan"))?;
+        if let Some(o) = out {
+            let out = [o.keys.addr(), o.values.addr(), o.scores.addr()];
+            let mut b = l.launch_builder(&self.f.ex_write);
+            b.arg(&st.args).arg(&offset).arg(&end).arg(&f).arg(&offsets).arg(&out[0]).arg(&out[1]).arg(&out[2]);
+            // SAFETY: export_write writes offsets[nb] entries in total to
+            // keys_out, values_out (dim each) and scores_out, which the
+            // caller sized for at least that many (or for every slot of the
+            // range).
+            unsafe { b.launch(blocks(nb * 32)?) }.map_err(dev_err("launching export_write"))?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,198 @@
+//! The CUDA backend: the table in one GPU's memory, every operation a kernel
+//! of `hkv-kernels` (lookup, upsert, update, erase, export).
+//!
+//! Layout on the device: per bucket one 128-byte digest line, 128 keys, 128
+//! scores, an occupancy count and a writer lock word. Values are addressed by
+//! position `bucket * 128 + slot`: positions below the fast-tier budget live
+//! in device memory, the rest in pinned, device-mapped host memory allocated
+//! in slices of about 1 GiB, which kernels read and write through their
+//! device addresses (no CPU thread on the data path). Large batches that
+//! copy values of such a table serve their keys grouped by bucket region
+//! (`CudaTable::key_order`), which the device reaches host rows in about
+//! three times faster than in random order.
+//!
+//! Host arrays reach the device through the lane's pinned staging memory
+//! (`staging`): one asynchronous transfer per array, one wait per batch.
+//!
+//! Concurrency: the same [`GroupLock`] as the CPU backend. Every batch runs
+//! on a lane (a stream with its own reusable device buffers and staging
+//! memory) taken from a pool, so reader batches (and updater batches) of
+//! several threads run on several streams at once, while an inserter batch
+//! runs alone. Inside a kernel, writers lock a key's candidate buckets (see `table.cuh`), so
+//! results per key equal the CPU backend's whenever no two keys of a batch
+//! share a bucket.
+//!
+//! Deliberate difference from the CPU backend: growth re-inserts entries in
+//! parallel, not in descending score order; in dual mode, where a rehash can
+//! overflow a bucket pair, which entry is dropped may differ. A grow that
+//! fails leaves the table as it was.
+//!
+//! # Layout
+//! - this file: [`CudaTable`], its construction and tuning.
+//! - `abi`: the C structs the kernels take, counters, raw pointers of a launch.
+//! - `kernels`: which kernel variant (threads per key) serves a batch.
+//! - `launch`: one typed wrapper per kernel launch, with its safety contract.
+//! - `storage`: device buffers and the pinned host tier.
+//! - `lane`: streams with reusable buffers and staging memory.
+//! - `growth`: doubling the buckets.
+//! - `host_batch`: batches of host arrays (upload, rounds, fetch).
+//! - `device_batch`: [`DeviceOp`], [`DeviceBatch`], [`CudaTable::run_device`]
+//!   and the enqueue / complete pair the GPU group builds on.
+//! - `ops`: the [`Shard`] operations.
+
+mod abi;
+mod device_batch;
+mod growth;
+mod host_batch;
+mod kernels;
+mod lane;
+mod launch;
+mod ops;
+mod storage;
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchArgs, LaunchConfig, PinnedHostSlice,
+    PushKernelArg,
+};
+use hkv_kernels::KernelId;
+use parking_lot::{Mutex, RwLock};
+
+use crate::check;
+use crate::config::{BucketMode, CudaTuning, LfuTies, ScorePolicy, TableConfig};
+use crate::cpu::Counters;
+use crate::cuda::staging::{Region, Staging};
+use crate::cuda::{arg, dev_err, ensure, DevPtr, Device};
+use crate::error::{Error, Result};
+use crate::lock::{Group, GroupLock};
+use crate::score::{Clock, Scorer, SystemClock};
+use std::collections::HashMap;
+
+use crate::hash::{bucket1, bucket2};
+use crate::{Evictions, Export, Filter, Lost, Op, Outcome, Shard, ShardStats, Summary, BUCKET_SLOTS, SEQUENTIAL_BATCH};
+use abi::*;
+use host_batch::*;
+use kernels::*;
+use lane::*;
+use launch::*;
+use storage::*;
+
+pub use abi::Counts;
+pub(crate) use abi::{opt_ptr, ptr, ExportPtrs, LostPtrs, Ptrs};
+pub use device_batch::{DeviceBatch, DeviceOp, DeviceRun};
+pub(crate) use device_batch::{ExportArgs, Pending, Raw};
+pub(crate) use launch::scan_config;
+
+const S: u64 = BUCKET_SLOTS as u64;
+
+/// The table on one CUDA device. See the module docs.
+pub struct CudaTable {
+    config: TableConfig,
+    dev: Arc<Device>,
+    f: Funcs,
+    /// Replaced whole by a grow, only once the new storage holds every entry.
+    storage: RwLock<Storage>,
+    lanes: Mutex<Vec<Lane>>,
+    lock: GroupLock,
+    size: AtomicU64,
+    epoch: AtomicU32,
+    clock: Arc<dyn Clock>,
+    counters: Counters,
+    /// Fault injection for tests ([`CudaTable::fail_next_grow`]).
+    fail_grow: std::sync::atomic::AtomicBool,
+}
+
+impl std::fmt::Debug for CudaTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaTable").field("config", &self.config).field("device", &self.dev.info.name).finish()
+    }
+}
+
+impl CudaTable {
+    /// A table on `dev`, on the system clock.
+    pub fn new(config: TableConfig, dev: Arc<Device>) -> Result<CudaTable> {
+        Self::with_clock(config, dev, Arc::new(SystemClock::default()))
+    }
+
+    /// A table reading Lru / EpochLru time from `clock`.
+    pub fn with_clock(config: TableConfig, dev: Arc<Device>, clock: Arc<dyn Clock>) -> Result<CudaTable> {
+        config.validate()?;
+        // SAFETY: every buffer the table uses is used on one lane's stream
+        // at a time, and each batch synchronises its stream before its lane
+        // is returned to the pool or its buffers are reallocated; storage is
+        // replaced only under the inserter group, after every lane is idle.
+        unsafe { dev.ctx.disable_event_tracking() };
+        let get = |id: KernelId, name: &str| {
+            dev.module(id).load_function(name).map_err(|e| Error::Device(format!("kernel {name}: {e:?}")))
+        };
+        let tuning = crate::cuda::tuning();
+        let variants = |id: KernelId, base: &str, gs: &[u64]| -> Result<Vec<Variant>> {
+            gs.iter().map(|&g| Ok(Variant { f: get(id, &kernel_name(base, g))?, g })).collect()
+        };
+        let f = Funcs {
+            lookup: variants(KernelId::Lookup, "lookup_find", &LOOKUP_GROUPS)?,
+            lookup_at: variants(KernelId::Lookup, "lookup_at", &LOOKUP_GROUPS)?,
+            upsert: variants(KernelId::Upsert, "upsert_keys", &WRITE_GROUPS)?,
+            update: variants(KernelId::Update, "update_keys", &WRITE_GROUPS)?,
+            update_bounded: Variant { f: get(KernelId::Update, "update_keys_g2_b5")?, g: 2 },
+            upsert_bounded: Variant { f: get(KernelId::Upsert, "upsert_keys_g4_b5")?, g: 4 },
+            forced_lookup: group_size(tuning.lookup_group, &LOOKUP_GROUPS),
+            forced_write: group_size(tuning.write_group, &WRITE_GROUPS),
+            region_order: !tuning.index_order,
+            order_count: get(KernelId::Lookup, "order_count")?,
+            order_write: get(KernelId::Lookup, "order_write")?,
+            erase: get(KernelId::Erase, "erase_keys")?,
+            erase_if: get(KernelId::Erase, "erase_if")?,
+            clear: get(KernelId::Erase, "clear_table")?,
+            ex_count: get(KernelId::Export, "export_count")?,
+            ex_scan: get(KernelId::Export, "export_scan")?,
+            ex_write: get(KernelId::Export, "export_write")?,
+        };
+        let stream = dev.ctx.new_stream().map_err(dev_err("creating a stream"))?;
+        let storage = Storage::new(&dev, &config, &f.clear, &stream, config.buckets())?;
+        Ok(CudaTable {
+            config,
+            dev,
+            f,
+            storage: RwLock::new(storage),
+            lanes: Mutex::new(vec![]),
+            lock: GroupLock::new(),
+            size: AtomicU64::new(0),
+            epoch: AtomicU32::new(0),
+            clock,
+            counters: Counters::default(),
+            fail_grow: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
+    /// Forces (or frees) the kernel choice of later batches (benchmarks).
+    pub fn set_tuning(&mut self, t: CudaTuning) -> Result<()> {
+        t.validate()?;
+        self.f.forced_lookup = group_size(t.lookup_group, &LOOKUP_GROUPS);
+        self.f.forced_write = group_size(t.write_group, &WRITE_GROUPS);
+        self.f.region_order = !t.index_order;
+        Ok(())
+    }
+
+    /// Entries over slots of storage `st` (what the writer kernel choice goes by).
+    fn load(&self, st: &Storage) -> f64 {
+        self.size.load(Relaxed) as f64 / (st.nbuckets * S).max(1) as f64
+    }
+
+    /// The device the table lives on.
+    pub fn device(&self) -> &Arc<Device> {
+        &self.dev
+    }
+
+    fn scoring(&self, verbatim: bool) -> ScoringArgs {
+        ScoringArgs {
+            now_ns: self.clock.now_ns(),
+            policy: policy_code(self.config.policy),
+            epoch: self.epoch.load(Relaxed),
+            verbatim: verbatim as u32,
+            lfu_lru: (self.config.lfu_ties == LfuTies::Lru) as u32,
+        }
+    }
+}
