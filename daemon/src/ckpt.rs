@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use hkv_checkpoint::{Catalog, ChunkWriter, Kind, Manifest, TableEntry};
-use hkv_proto::{ErrorCode, ProtoError, Request, TableSpec};
+use hkv_proto::{ErrorCode, ProtoError, TableSpec};
 use hkv_shard::{Filter, ScorePolicy};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
@@ -390,7 +390,8 @@ impl Checkpoints {
         }
         let started = Instant::now();
         let st = state.clone();
-        let result = tokio::task::spawn_blocking(move || st.checkpoints.write(&st.router, full, w))
+        let rt = tokio::runtime::Handle::current();
+        let result = tokio::task::spawn_blocking(move || st.checkpoints.write(&st.router, &rt, full, w))
             .await
             .map_err(internal)
             .and_then(|r| r);
@@ -439,8 +440,16 @@ impl Checkpoints {
         result
     }
 
-    /// The blocking body of a checkpoint.
-    fn write(&self, router: &Router, force_full: bool, w: Option<ChunkWriter>) -> Result<Manifest, ProtoError> {
+    /// The blocking body of a checkpoint: each shard is exported in batches
+    /// of `chunk_bytes` by its actor (messages sent through `rt`), each
+    /// batch written out before the next is asked for.
+    fn write(
+        &self,
+        router: &Router,
+        rt: &tokio::runtime::Handle,
+        force_full: bool,
+        w: Option<ChunkWriter>,
+    ) -> Result<Manifest, ProtoError> {
         // Read before the tables: a table created or dropped from here on
         // makes the next checkpoint full.
         let generation = router.generation();
@@ -469,7 +478,10 @@ impl Checkpoints {
             Some(w) => w,
             None => self.catalog.begin().map_err(internal)?,
         };
-        let total: u64 = tables.iter().flat_map(|t| &t.shards).map(|s| s.size()).sum();
+        let mut total = 0;
+        for t in &tables {
+            total += rt.block_on(router.sizes(t))?.iter().map(|s| s.0).sum::<u64>();
+        }
         let started = Instant::now();
         *self.running.lock() = Some(Progress {
             id: format!("{:016x}", w.id()),
@@ -492,10 +504,10 @@ impl Checkpoints {
                 && tracks_changes(&t.spec.policy)
                 && !untracked
                 && prev_t.is_some_and(|p| {
-                    p.shards as usize == t.shards.len()
+                    p.shards as usize == t.shards()
                         && p.dim == dim
                         && p.policy == t.spec.policy
-                        && p.watermarks.len() == t.shards.len()
+                        && p.watermarks.len() == t.shards()
                 });
             let slots = (self.config.chunk_bytes / (16 + 4 * dim as u64)).max(128);
             let keys_per_list = (self.config.chunk_bytes / 8).max(1024) as usize;
@@ -504,9 +516,9 @@ impl Checkpoints {
             let mut marks = vec![];
             let mut clocks = vec![];
             let mut count = 0;
-            for (i, shard) in t.shards.iter().enumerate() {
+            for i in 0..t.shards() {
                 // Read before exporting: every later write scores at least this.
-                marks.push(shard.clock_score());
+                marks.push(rt.block_on(router.clock_score(t, i))?);
                 let watermark = match (inc, prev_t) {
                     (true, Some(p)) => Some(p.watermarks[i]),
                     _ => None,
@@ -516,10 +528,11 @@ impl Checkpoints {
                 let (first_chunk, first_list, first_count) = (chunks.len(), key_lists.len(), count);
                 let (mut offset, mut seq, mut kseq, mut attempt) = (0u64, 0u32, 0u32, 0);
                 let mut live: Vec<u64> = vec![];
-                let mut capacity = shard.capacity();
+                let capacity_now = || Ok::<_, ProtoError>(rt.block_on(router.sizes(t))?[i].1);
+                let mut capacity = capacity_now()?;
                 loop {
                     if offset >= capacity {
-                        let now = shard.capacity();
+                        let now = capacity_now()?;
                         if now == capacity || attempt >= 3 {
                             break;
                         }
@@ -532,7 +545,7 @@ impl Checkpoints {
                         attempt += 1;
                         continue;
                     }
-                    let mut e = shard.export_batch_if(offset, slots, &Filter::ALL).map_err(internal)?;
+                    let (mut e, _) = rt.block_on(router.export_part(t, i, offset, slots, Filter::ALL))?;
                     offset += slots;
                     if let Some(wm) = watermark {
                         // One pass: every live key for the key list, and the
@@ -571,7 +584,7 @@ impl Checkpoints {
                 }
                 // Read after exporting: every entry exported scored at most this
                 // (except a client's verbatim `load`); a restore resumes from here.
-                clocks.push(shard.clock_score());
+                clocks.push(rt.block_on(router.clock_score(t, i))?);
             }
             entries.push(TableEntry {
                 name: t.spec.name.clone(),
@@ -579,7 +592,7 @@ impl Checkpoints {
                 policy: t.spec.policy.clone(),
                 mode: t.spec.mode.clone(),
                 spec: serde_json::to_value(&t.spec).map_err(internal)?,
-                shards: t.shards.len() as u32,
+                shards: t.shards() as u32,
                 entries: count,
                 full: !inc,
                 watermarks: marks,
@@ -970,9 +983,9 @@ impl Checkpoints {
         // Every chunk verified: from here on the restore changes what clients see.
         // A restore ends the chain: the next checkpoint is full.
         self.incrementals.store(u32::MAX, Relaxed);
-        for (i, (t, _)) in plan.iter().enumerate() {
+        for i in 0..plan.len() {
             let (Some(r), None) = (&running[i], &built[i]) else { continue };
-            rt.block_on(router.execute(Request::Clear { table: t.name.clone() })).map_err(Failure::Refused)?;
+            rt.block_on(router.clear(r)).map_err(Failure::Refused)?;
             for &(_, id, c) in work.iter().filter(|w| w.0 == i) {
                 let chunk = self.catalog.read_chunk(id, c).map_err(|e| Failure::Refused(internal(e)))?;
                 apply(i, chunk, r)?;
@@ -990,18 +1003,17 @@ impl Checkpoints {
         for (i, (t, _)) in plan.iter().enumerate() {
             let Some(table) = built[i].as_ref().or(running[i].as_ref()) else { continue };
             let resume = resume_point(t, target, max_score[i]);
-            for shard in &table.shards {
-                shard.resume_after(resume);
-            }
+            rt.block_on(router.resume_after(table, resume)).map_err(Failure::Refused)?;
             // What the restore wrote is the state at the checkpoint, not a change since.
             table.untracked.store(false, Relaxed);
-            let placed = table.shards.iter().map(|s| s.size()).sum();
+            let sizes = rt.block_on(router.sizes(table)).map_err(Failure::Refused)?;
+            let placed = sizes.iter().map(|s| s.0).sum();
             if lost[i] > 0 {
                 warn!(
                     table = %t.name,
                     dropped = lost[i],
                     placed,
-                    capacity = table.shards.iter().map(|s| s.capacity()).sum::<u64>(),
+                    capacity = sizes.iter().map(|s| s.1).sum::<u64>(),
                     "restore could not place every entry: buckets overflowed (the table cannot grow further)"
                 );
             }

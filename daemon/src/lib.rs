@@ -31,7 +31,6 @@ pub mod stats;
 use std::sync::Arc;
 use std::time::Instant;
 
-use actix::SyncArbiter;
 use anyhow::Context;
 use hkv_shard::Backend;
 use tracing::{info, warn};
@@ -118,10 +117,7 @@ pub fn run(config: Config) -> anyhow::Result<()> {
     });
     system.block_on(async move {
         let threads = config.threads_per_shard.max(1);
-        let actors = ordinals
-            .iter()
-            .map(|&device| SyncArbiter::start(threads, move || ShardActor { device }))
-            .collect::<Vec<_>>();
+        let actors = ordinals.iter().map(|&device| ShardActor::start(device, threads)).collect::<Vec<_>>();
         let hash_gpu = (backend == Backend::Cuda).then(|| ordinals[0]);
         let frame_cache = config.limits.frame_cache_bytes.unwrap_or(if backend == Backend::Cuda {
             router::Frames::DEFAULT_TOTAL_CUDA

@@ -14,30 +14,69 @@ use hkv_proto::{
     TableInfo, TableSpec,
 };
 use hkv_shard::hash::shard_of;
-use hkv_shard::{Backend, BucketMode, Error as ShardError, Filter, Outcome, ScorePolicy, Shard, TableConfig};
+use hkv_shard::{Backend, BucketMode, Error as ShardError, Filter, Outcome, ScorePolicy, TableConfig};
 use parking_lot::{Mutex, RwLock};
 
-use crate::actor::{values_of, Call, Create, ShardActor, SubOp, SubResult};
+use crate::actor::{values_of, Call, Close, Open, ShardActor, SubOp, SubResult, TableId};
 use crate::budget::{Budget, Charge};
 use crate::features::Hasher;
 
-/// A table: its spec, the per-shard config, and one shard per actor.
+/// A table: its spec, the per-shard config, and the id its shards go by on
+/// every actor (shard `i` lives on actor `i`).
 pub struct Table {
     /// As created.
     pub spec: TableSpec,
     /// Each shard's config.
     pub config: TableConfig,
-    /// Shard `i` lives on actor `i`.
-    pub shards: Vec<Arc<dyn Shard>>,
-    /// Its share of the memory budget, given back when the last request
-    /// holding the table is done.
-    _charge: Charge,
     /// Set by writes whose scores may fall below the clock (a client's load
     /// with verbatim scores, an epoch set lower): the next incremental
     /// checkpoint cannot find them by score and stores this table whole.
     pub untracked: AtomicBool,
     /// The last epoch set, to tell when it goes down.
     pub epoch: AtomicU32,
+    /// Its shards on the actors, closed when the last request holding the
+    /// table is done.
+    owner: Owner,
+}
+
+impl Table {
+    /// The id its shards go by on the actors.
+    pub fn id(&self) -> TableId {
+        self.owner.id
+    }
+
+    /// Shards (one per actor).
+    pub fn shards(&self) -> usize {
+        self.owner.actors.len()
+    }
+
+    /// Closes the shards and waits until every actor dropped its own; then
+    /// gives the table's memory back to the budget.
+    async fn close(mut self) {
+        let charge = self.owner.charge.take();
+        let (id, actors) = (self.owner.id, std::mem::take(&mut self.owner.actors));
+        join_all(actors.iter().map(|a| a.send(Close { table: id, charge: None }))).await;
+        drop(charge);
+    }
+}
+
+/// The shards of one table on the actors. Dropped without
+/// [`Table::close`] (a table replaced by a restore, or the last request on
+/// a dropped table ending), it tells every actor to drop its shard, and the
+/// table's share of the budget goes with the last of them.
+struct Owner {
+    id: TableId,
+    actors: Vec<Addr<ShardActor>>,
+    charge: Option<Charge>,
+}
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        let charge = self.charge.take().map(Arc::new);
+        for a in &self.actors {
+            a.do_send(Close { table: self.id, charge: charge.clone() });
+        }
+    }
 }
 
 /// Maps tables and keys to shard actors.
@@ -56,6 +95,8 @@ pub struct Router {
     /// Counts table creations and drops: a checkpoint chain continues only
     /// while it is unchanged.
     generation: AtomicU64,
+    /// The next [`TableId`].
+    next_id: AtomicU64,
 }
 
 /// Frames given back once sent, whose memory find and echo answers reuse
@@ -243,6 +284,11 @@ fn export_slots(dim: usize, max_answer: u64) -> u64 {
 
 fn err(code: ErrorCode, msg: impl Into<String>) -> ProtoError {
     ProtoError::new(code, msg)
+}
+
+/// A shard actor answered a message with the result of another kind.
+fn unexpected(what: &str) -> ProtoError {
+    err(ErrorCode::Internal, format!("a shard actor answered {what} with another kind of result"))
 }
 
 /// Maps a shard error to the wire error with the matching code.
@@ -439,6 +485,7 @@ impl Router {
             budget,
             max_answer: (max_answer as u64).min(MAX_BODY),
             generation: AtomicU64::new(0),
+            next_id: AtomicU64::new(0),
         }
     }
 
@@ -467,13 +514,68 @@ impl Router {
     }
 
     /// The listing of a table.
-    pub fn info(t: &Table) -> TableInfo {
-        TableInfo {
+    pub async fn info(&self, t: &Table) -> Result<TableInfo, ProtoError> {
+        let sizes = self.sizes(t).await?;
+        Ok(TableInfo {
             spec: t.spec.clone(),
-            size: t.shards.iter().map(|s| s.size()).sum(),
-            capacity: t.shards.iter().map(|s| s.capacity()).sum(),
-            shards: t.shards.len() as u32,
+            size: sizes.iter().map(|s| s.0).sum(),
+            capacity: sizes.iter().map(|s| s.1).sum(),
+            shards: t.shards() as u32,
+        })
+    }
+
+    /// Each shard's entries and slots.
+    pub async fn sizes(&self, t: &Table) -> Result<Vec<(u64, u64)>, ProtoError> {
+        let ops = (0..t.shards()).map(|_| SubOp::Size).collect();
+        let sizes = self.fan_out(t, ops).await?.into_iter().map(|r| match r {
+            SubResult::Size { size, capacity } => Ok((size, capacity)),
+            _ => Err(unexpected("size")),
+        });
+        sizes.collect()
+    }
+
+    /// Each shard's counters and lock state.
+    pub async fn shard_stats(&self, t: &Table) -> Result<Vec<hkv_shard::ShardStats>, ProtoError> {
+        let ops = (0..t.shards()).map(|_| SubOp::Stats).collect();
+        let stats = self.fan_out(t, ops).await?.into_iter().map(|r| match r {
+            SubResult::Stats(s) => Ok(*s),
+            _ => Err(unexpected("stats")),
+        });
+        stats.collect()
+    }
+
+    /// Shard `i`'s `clock_score` (the lowest score a write made from now on can get).
+    pub async fn clock_score(&self, t: &Table, i: usize) -> Result<u64, ProtoError> {
+        match self.call(t, i, SubOp::ClockScore).await? {
+            SubResult::Count(c) => Ok(c),
+            _ => Err(unexpected("clock_score")),
         }
+    }
+
+    /// Entries of shard `i` in slots `[offset, offset + n)` matching
+    /// `filter`, and the shard's capacity after the export.
+    pub async fn export_part(
+        &self,
+        t: &Table,
+        i: usize,
+        offset: u64,
+        n: u64,
+        filter: Filter,
+    ) -> Result<(hkv_shard::Export, u64), ProtoError> {
+        match self.call(t, i, SubOp::Export { offset, n, filter }).await? {
+            SubResult::Export(e, capacity) => Ok((e, capacity)),
+            _ => Err(unexpected("export")),
+        }
+    }
+
+    /// Moves every shard's clock and epoch past a restore's scores (`Shard::resume_after`).
+    pub async fn resume_after(&self, t: &Table, score: u64) -> Result<(), ProtoError> {
+        self.fan_out(t, (0..t.shards()).map(|_| SubOp::ResumeAfter(score)).collect()).await.map(drop)
+    }
+
+    /// Empties every shard of `t`.
+    pub async fn clear(&self, t: &Table) -> Result<(), ProtoError> {
+        self.fan_out(t, (0..t.shards()).map(|_| SubOp::Clear).collect()).await.map(drop)
     }
 
     /// Creates a table on every actor.
@@ -486,13 +588,15 @@ impl Router {
             return Err(err(ErrorCode::TableExists, format!("table {:?} exists; drop it first", spec.name)));
         }
         let table = self.build_table(spec).await?;
-        let mut tables = self.tables.write();
-        if tables.contains_key(&table.spec.name) {
-            return Err(err(ErrorCode::TableExists, format!("table {:?} exists; drop it first", table.spec.name)));
+        {
+            let mut tables = self.tables.write();
+            if tables.contains_key(&table.spec.name) {
+                return Err(err(ErrorCode::TableExists, format!("table {:?} exists; drop it first", table.spec.name)));
+            }
+            tables.insert(table.spec.name.clone(), table.clone());
+            self.generation.fetch_add(1, Relaxed);
         }
-        tables.insert(table.spec.name.clone(), table.clone());
-        self.generation.fetch_add(1, Relaxed);
-        Ok(Self::info(&table))
+        self.info(&table).await
     }
 
     /// Builds a table on every actor, charged to the budget, without making
@@ -513,22 +617,34 @@ impl Router {
             if n == 1 { "" } else { "s" }
         );
         let charge = self.budget.charge(&spec.name, &shape, &config)?;
-        let created =
-            join_all(self.actors.iter().map(|a| a.send(Create { config: config.clone(), backend: self.backend })))
-                .await;
-        let mut shards = Vec::with_capacity(created.len());
-        for r in created {
-            let shard = r.map_err(|e| err(ErrorCode::Internal, format!("shard actor gone: {e}")))?;
-            shards.push(shard.map_err(shard_error)?);
-        }
-        Ok(Arc::new(Table {
+        let id = self.next_id.fetch_add(1, Relaxed);
+        // Owned from here on: a shard some actor failed to create is closed
+        // with the others when this table is dropped.
+        let table = Table {
             spec,
             config,
-            shards,
-            _charge: charge,
             untracked: AtomicBool::new(false),
             epoch: AtomicU32::new(0),
-        }))
+            owner: Owner { id, actors: self.actors.clone(), charge: Some(charge) },
+        };
+        let opened = join_all(
+            self.actors.iter().map(|a| a.send(Open { table: id, config: table.config.clone(), backend: self.backend })),
+        )
+        .await;
+        let mut failed = None;
+        for r in opened {
+            let r = r.map_err(|e| err(ErrorCode::Internal, format!("shard actor gone: {e}")));
+            if let Err(e) = r.and_then(|r| r.map_err(shard_error)) {
+                failed.get_or_insert(e);
+            }
+        }
+        match failed {
+            None => Ok(Arc::new(table)),
+            Some(e) => {
+                table.close().await;
+                Err(e)
+            }
+        }
     }
 
     /// Makes built tables visible at once, replacing tables of the same
@@ -551,7 +667,7 @@ impl Router {
         scores: Vec<u64>,
     ) -> Result<Summary, ProtoError> {
         Self::validate(t, &keys, Some(&values), Some(&scores), true, true)?;
-        let (n, split) = (keys.len(), Split::new(&keys, t.shards.len()));
+        let (n, split) = (keys.len(), Split::new(&keys, t.shards()));
         let dim = t.config.dim;
         let ops = split
             .take(keys, 1)
@@ -566,16 +682,22 @@ impl Router {
         }
     }
 
-    /// Drops a table; requests already running on it finish first.
-    pub fn drop_table(&self, name: &str) -> Result<(), ProtoError> {
+    /// Drops a table; requests already running on it finish first. When
+    /// none is, its shards are gone (and its memory back in the budget)
+    /// when this returns.
+    pub async fn drop_table(&self, name: &str) -> Result<(), ProtoError> {
         let removed = self.tables.write().remove(name);
         self.generation.fetch_add(1, Relaxed);
-        removed.map(|_| ()).ok_or_else(|| err(ErrorCode::UnknownTable, format!("no table named {name:?}")))
+        let t = removed.ok_or_else(|| err(ErrorCode::UnknownTable, format!("no table named {name:?}")))?;
+        if let Some(t) = Arc::into_inner(t) {
+            t.close().await;
+        }
+        Ok(())
     }
 
     async fn call(&self, table: &Table, i: usize, op: SubOp) -> Result<SubResult, ProtoError> {
         self.actors[i]
-            .send(Call { shard: table.shards[i].clone(), op })
+            .send(Call { table: table.id(), op })
             .await
             .map_err(|e| err(ErrorCode::Internal, format!("shard {i} actor gone: {e}")))?
             .map_err(|e| {
@@ -714,7 +836,7 @@ impl Router {
     /// Executes a table request.
     pub async fn execute(&self, req: Request) -> Result<Response, ProtoError> {
         let t = self.table(req.table().unwrap_or_default())?;
-        let n_shards = t.shards.len();
+        let n_shards = t.shards();
         let dim = t.config.dim;
         match req {
             Request::Find { keys, scores, .. } => {
@@ -814,7 +936,7 @@ impl Router {
                 Ok(Response::Erased { count, flags: None })
             }
             Request::Clear { .. } => {
-                self.fan_out(&t, (0..n_shards).map(|_| SubOp::Clear).collect()).await?;
+                self.clear(&t).await?;
                 Ok(Response::Empty)
             }
             Request::SetEpoch { epoch, .. } => {
@@ -856,10 +978,9 @@ impl Router {
                     ));
                 }
                 let max_slots = max_slots.clamp(1, most);
-                let op = SubOp::Export { offset: cursor.offset, n: max_slots, filter: to_filter(filter) };
-                let SubResult::Export(e) = self.call(&t, i, op).await? else { unreachable!() };
+                let (e, capacity) = self.export_part(&t, i, cursor.offset, max_slots, to_filter(filter)).await?;
                 let end = cursor.offset.saturating_add(max_slots);
-                let next = if end < t.shards[i].capacity() {
+                let next = if end < capacity {
                     Some(Cursor { shard: i as u32, offset: end })
                 } else if i + 1 < n_shards {
                     Some(Cursor { shard: i as u32 + 1, offset: 0 })

@@ -526,18 +526,21 @@ async fn answer(
                 Ok(Response::Json(serde_json::to_vec(&info).expect("serializes")))
             }
             Control::DropTable { name } => {
-                state.router.drop_table(&name)?;
+                state.router.drop_table(&name).await?;
                 info!(table = %name, "table dropped");
                 Ok(Response::Empty)
             }
             Control::ListTables => {
-                let list: Vec<_> = state.router.tables().iter().map(|t| Router::info(t)).collect();
+                let mut list = vec![];
+                for t in state.router.tables() {
+                    list.push(state.router.info(&t).await?);
+                }
                 Ok(Response::Json(serde_json::to_vec(&list).expect("serializes")))
             }
             Control::Stats => {
-                Ok(Response::Json(serde_json::to_vec(&crate::stats::collect(state)).expect("serializes")))
+                Ok(Response::Json(serde_json::to_vec(&crate::stats::collect(state).await?).expect("serializes")))
             }
-            Control::Metrics => Ok(Response::Text(crate::stats::prometheus(&crate::stats::collect(state)))),
+            Control::Metrics => Ok(Response::Text(crate::stats::prometheus(&crate::stats::collect(state).await?))),
             Control::Checkpoint { wait, full } => {
                 use crate::ckpt::Checkpoints;
                 if wait {
