@@ -23,7 +23,9 @@ pub mod admin;
 pub mod budget;
 pub mod ckpt;
 pub mod config;
+pub mod error;
 pub mod features;
+pub mod frames;
 pub mod router;
 pub mod server;
 pub mod stats;
@@ -120,9 +122,9 @@ pub fn run(config: Config) -> anyhow::Result<()> {
         let actors = ordinals.iter().map(|&device| ShardActor::start(device, threads)).collect::<Vec<_>>();
         let hash_gpu = (backend == Backend::Cuda).then(|| ordinals[0]);
         let frame_cache = config.limits.frame_cache_bytes.unwrap_or(if backend == Backend::Cuda {
-            router::Frames::DEFAULT_TOTAL_CUDA
+            frames::Frames::DEFAULT_TOTAL_CUDA
         } else {
-            router::Frames::DEFAULT_TOTAL
+            frames::Frames::DEFAULT_TOTAL
         });
         let budget = budget::Budget::new(
             backend,

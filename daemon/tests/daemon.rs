@@ -392,7 +392,7 @@ fn bad_input_gets_named_errors_and_the_daemon_keeps_serving() {
     assert_eq!(c.contains("t", &[1]).unwrap(), [false], "nothing of a refused batch is applied");
     // Array length mismatch (scores).
     let r = raw_call(&mut s, &write("cust", vec![1, 2], vec![0.0; 8], Some(vec![1]))).1;
-    expect_error(r, ErrorCode::LengthMismatch, "1 scores for 2 keys");
+    expect_error(r, ErrorCode::LengthMismatch, "scores has 1 elements but 2 are needed");
     // Scores refused by a clock policy, required by custom.
     expect_error(raw_call(&mut s, &write("t", vec![1], vec![0.0; 4], Some(vec![1]))).1, ErrorCode::Scores, "Lru");
     expect_error(raw_call(&mut s, &write("cust", vec![1], vec![0.0; 4], None)).1, ErrorCode::Scores, "Custom");
