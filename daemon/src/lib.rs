@@ -23,11 +23,14 @@ pub mod admin;
 pub mod budget;
 pub mod ckpt;
 pub mod config;
+pub mod connection;
 pub mod error;
 pub mod features;
 pub mod frames;
+pub mod handle;
 pub mod router;
 pub mod server;
+pub mod state;
 pub mod stats;
 
 use std::sync::Arc;
@@ -40,7 +43,8 @@ use tracing::{info, warn};
 use crate::actor::ShardActor;
 use crate::config::Config;
 use crate::router::Router;
-use crate::server::{SocketFile, State};
+use crate::server::SocketFile;
+use crate::state::State;
 
 /// Picks the backend and the shard actors: for each, the device ordinal it
 /// opens its shards on (CUDA), or its index (CPU).
@@ -162,7 +166,7 @@ pub fn run(config: Config) -> anyhow::Result<()> {
         let uid = std::os::unix::fs::MetadataExt::uid(&std::fs::metadata("/proc/self")?);
         let (shutdown, _) = tokio::sync::watch::channel(false);
         let state = Arc::new(State {
-            router,
+            router: Arc::new(router),
             config: config.clone(),
             started: Instant::now(),
             shutdown,
@@ -173,7 +177,7 @@ pub fn run(config: Config) -> anyhow::Result<()> {
             checkpoints,
         });
         if config.restore != "none" {
-            match crate::ckpt::Checkpoints::restore(state.clone(), &config.restore).await {
+            match state.checkpoints.restore(state.router.clone(), &config.restore).await {
                 Ok(Some(r)) => {
                     for s in &r.skipped {
                         warn!("skipped an unusable checkpoint: {s}");
@@ -194,19 +198,7 @@ pub fn run(config: Config) -> anyhow::Result<()> {
                 ),
             }
         }
-        if let Some(secs) = config.checkpoint.interval_s {
-            let st = state.clone();
-            tokio::spawn(async move {
-                let mut stop = st.shutdown.subscribe();
-                loop {
-                    tokio::select! {
-                        _ = tokio::time::sleep(std::time::Duration::from_secs(secs.max(1))) => {}
-                        _ = stop.changed() => return,
-                    }
-                    let _ = crate::ckpt::Checkpoints::take(st.clone(), false).await;
-                }
-            });
-        }
+        state.checkpoints.schedule(state.router.clone(), state.shutdown.subscribe());
         if let Some(addr) = &config.metrics_listen {
             let addr: std::net::SocketAddr = addr.parse().with_context(|| format!("metrics_listen {addr:?}"))?;
             let st = state.clone();
@@ -239,7 +231,7 @@ pub fn run(config: Config) -> anyhow::Result<()> {
         server::serve(state.clone(), listener).await;
         if config.checkpoint.on_shutdown {
             info!("final checkpoint before exit");
-            if let Err(e) = crate::ckpt::Checkpoints::take(state.clone(), false).await {
+            if let Err(e) = state.checkpoints.take(state.router.clone(), false).await {
                 warn!(error = %e.message, "final checkpoint failed");
             }
         }

@@ -8,7 +8,7 @@ use hkv_proto::TableSpec;
 use hkv_shard::{Group, Op, ShardStats};
 use serde::{Deserialize, Serialize};
 
-use crate::server::State;
+use crate::state::State;
 
 /// Everything the daemon reports.
 #[derive(Debug, Clone, Serialize, Deserialize)]
