@@ -3,19 +3,20 @@
 //! against `max_bytes_in_flight`, a writer task sending answers as they
 //! complete.
 
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
 
 use hkv_proto::{check_frame, ErrorCode, FrameBuf, FrameCheck, Header, ProtoError, Response, HEADER_LEN};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
+use tokio::net::unix::OwnedWriteHalf;
 use tokio::net::UnixStream;
 use tokio::sync::{mpsc, Semaphore};
 use tracing::{debug, warn};
 
 use crate::admin::Peer;
 use crate::handle::handle;
-use crate::state::{ServerStats, State};
+use crate::state::{InFlight, State};
 
 fn error_frame(id: u64, op: u8, e: ProtoError) -> FrameBuf {
     FrameBuf::Vec(Response::Error(e).encode(op, id))
@@ -39,6 +40,12 @@ async fn read_header<R: AsyncReadExt + Unpin>(r: &mut R) -> std::io::Result<Opti
     Ok(Some(h))
 }
 
+/// An answer to send, with its share of the bytes in flight (given back
+/// once it is written to the socket).
+type Answer = (FrameBuf, Option<InFlight>);
+
+/// Serves one connection until the peer closes it, or until shutdown once
+/// its in-flight requests are answered.
 pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
     let st = &state.stats;
     st.accepted.fetch_add(1, Relaxed);
@@ -54,32 +61,8 @@ pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
         }
     };
     let (rd, wr) = stream.into_split();
-    // Each answer travels with its share of the bytes in flight, given back
-    // once it is written to the socket.
-    let (tx, mut rx) = mpsc::channel::<(FrameBuf, Option<InFlight>)>(256);
-    let sent = state.clone();
-    let writer = tokio::spawn(async move {
-        let mut w = BufWriter::with_capacity(1 << 16, wr);
-        while let Some(mut f) = rx.recv().await {
-            // Everything queued, then a flush when nothing else is, so
-            // answers never linger; each sent frame goes back for reuse.
-            loop {
-                if w.write_all(f.0.bytes()).await.is_err() {
-                    return;
-                }
-                sent.router.frames.put(f.0);
-                drop(f.1);
-                match rx.try_recv() {
-                    Ok(next) => f = next,
-                    Err(_) => break,
-                }
-            }
-            if w.flush().await.is_err() {
-                return;
-            }
-        }
-        let _ = w.flush().await;
-    });
+    let (tx, rx) = mpsc::channel::<Answer>(256);
+    let writer = tokio::spawn(write_answers(state.clone(), wr, rx));
     if open > state.config.limits.max_connections {
         let e = ProtoError::new(
             ErrorCode::Busy,
@@ -122,36 +105,12 @@ pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
                 break;
             }
         };
-        let refusal = match check_frame(&raw, limits.max_frame_bytes) {
-            Ok(FrameCheck::Ready(_)) | Ok(FrameCheck::NeedMore) => None,
-            // Refused before allocation; the body is skipped unread.
-            Ok(FrameCheck::Oversized(h)) => Some((
-                h,
-                ProtoError::new(
-                    ErrorCode::Oversized,
-                    format!(
-                        "frame body of {} bytes is above limits.max_frame_bytes = {}; send smaller batches",
-                        h.body_len, limits.max_frame_bytes
-                    ),
-                ),
-            )),
+        let (h, refusal) = match admit(&raw, limits.max_frame_bytes, draining) {
+            Ok(admitted) => admitted,
             Err(e) => {
                 st.errors.fetch_add(1, Relaxed);
                 let _ = tx.send((error_frame(0, hkv_proto::op::ERROR, e), None)).await;
                 break;
-            }
-        };
-        let (h, refusal) = match refusal {
-            Some((h, e)) => (h, Some(e)),
-            None => {
-                let h = Header::decode(&raw).expect("checked");
-                let e = draining.then(|| {
-                    ProtoError::new(
-                        ErrorCode::ShuttingDown,
-                        "the daemon is shutting down: requests sent before it began are answered, this one is not run",
-                    )
-                });
-                (h, e)
             }
         };
         let body = match refusal {
@@ -178,18 +137,10 @@ pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
             }
         };
         let Ok(permit) = sem.clone().acquire_owned().await else { break };
-        let (state2, tx2, peer) = (state.clone(), tx.clone(), peer.clone());
+        let (state, tx, peer) = (state.clone(), tx.clone(), peer.clone());
         tokio::spawn(async move {
-            state2.stats.in_flight.fetch_add(1, Relaxed);
-            let (resp, answer) = handle(&state2, &h, &body, &peer).await;
-            drop(body);
-            drop(charge);
-            state2.stats.in_flight.fetch_sub(1, Relaxed);
-            state2.stats.requests.fetch_add(1, Relaxed);
-            if matches!(resp, Response::Error(_)) {
-                state2.stats.errors.fetch_add(1, Relaxed);
-            }
-            let _ = tx2.send((resp.into_frame(h.op, h.id), answer)).await;
+            let answer = run(&state, &h, body, charge, &peer).await;
+            let _ = tx.send(answer).await;
             drop(permit);
         });
     }
@@ -199,42 +150,74 @@ pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
     let _ = writer.await;
 }
 
-/// Bytes counted in one of the server's byte counters, up to a cap: in
-/// `in_flight_bytes` a request body as it arrives or an answer until it is
-/// sent, in `receiving_bytes` a large body until it is complete; given back
-/// on drop.
-pub struct InFlight {
-    state: Arc<State>,
-    counter: fn(&ServerStats) -> &AtomicU64,
-    bytes: u64,
-}
-
-impl InFlight {
-    /// A share of `ServerStats::in_flight_bytes`.
-    pub(crate) fn total(state: &Arc<State>) -> InFlight {
-        InFlight { state: state.clone(), counter: |s| &s.in_flight_bytes, bytes: 0 }
-    }
-
-    /// A share of `ServerStats::receiving_bytes`.
-    fn receiving(state: &Arc<State>) -> InFlight {
-        InFlight { state: state.clone(), counter: |s| &s.receiving_bytes, bytes: 0 }
-    }
-
-    /// Counts `n` more bytes, unless the counter would then pass `cap`.
-    pub(crate) fn add(&mut self, n: u64, cap: u64) -> bool {
-        let counter = (self.counter)(&self.state.stats);
-        let ok = counter.fetch_update(Relaxed, Relaxed, |b| b.checked_add(n).filter(|&t| t <= cap)).is_ok();
-        if ok {
-            self.bytes += n;
+/// Writes answers as they come: everything queued, then a flush when
+/// nothing else is, so answers never linger; each sent frame goes back for
+/// reuse.
+async fn write_answers(state: Arc<State>, wr: OwnedWriteHalf, mut rx: mpsc::Receiver<Answer>) {
+    let mut w = BufWriter::with_capacity(1 << 16, wr);
+    while let Some(mut f) = rx.recv().await {
+        loop {
+            if w.write_all(f.0.bytes()).await.is_err() {
+                return;
+            }
+            state.router.frames.put(f.0);
+            drop(f.1);
+            match rx.try_recv() {
+                Ok(next) => f = next,
+                Err(_) => break,
+            }
         }
-        ok
+        if w.flush().await.is_err() {
+            return;
+        }
+    }
+    let _ = w.flush().await;
+}
+
+/// The header of a frame whose body may be read, or of one to refuse
+/// (oversized: its body is skipped unread; or sent while draining). An
+/// `Err` is a header that cannot be decoded: the connection closes.
+fn admit(
+    raw: &[u8; HEADER_LEN],
+    max_frame_bytes: u32,
+    draining: bool,
+) -> Result<(Header, Option<ProtoError>), ProtoError> {
+    match check_frame(raw, max_frame_bytes)? {
+        FrameCheck::Oversized(h) => {
+            let e = ProtoError::new(
+                ErrorCode::Oversized,
+                format!(
+                    "frame body of {} bytes is above limits.max_frame_bytes = {max_frame_bytes}; send smaller batches",
+                    h.body_len
+                ),
+            );
+            Ok((h, Some(e)))
+        }
+        FrameCheck::Ready(_) | FrameCheck::NeedMore => {
+            let h = Header::decode(raw)?;
+            let e = draining.then(|| {
+                ProtoError::new(
+                    ErrorCode::ShuttingDown,
+                    "the daemon is shutting down: requests sent before it began are answered, this one is not run",
+                )
+            });
+            Ok((h, e))
+        }
     }
 }
 
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        (self.counter)(&self.state.stats).fetch_sub(self.bytes, Relaxed);
+/// Runs one request, counted among those in flight, and frames its answer.
+async fn run(state: &Arc<State>, h: &Header, body: Vec<u8>, charge: InFlight, peer: &Peer) -> Answer {
+    state.stats.in_flight.fetch_add(1, Relaxed);
+    let (resp, answer) = handle(state, h, &body, peer).await;
+    drop(body);
+    drop(charge);
+    state.stats.in_flight.fetch_sub(1, Relaxed);
+    state.stats.requests.fetch_add(1, Relaxed);
+    if matches!(resp, Response::Error(_)) {
+        state.stats.errors.fetch_add(1, Relaxed);
     }
+    (resp.into_frame(h.op, h.id), answer)
 }
 
 /// Bodies up to this size are not counted among those still arriving (each

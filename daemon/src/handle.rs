@@ -9,7 +9,7 @@ use hkv_proto::{Control, ErrorCode, Header, ProtoError, Request, Response};
 use tracing::info;
 
 use crate::admin::Peer;
-use crate::connection::InFlight;
+use crate::state::InFlight;
 use crate::state::State;
 
 /// Answers one request.

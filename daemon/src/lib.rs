@@ -122,46 +122,8 @@ pub fn run(config: Config) -> anyhow::Result<()> {
         tokio::runtime::Builder::new_multi_thread().worker_threads(workers).enable_all().build().expect("tokio runtime")
     });
     system.block_on(async move {
-        let threads = config.threads_per_shard.max(1);
-        let actors = ordinals.iter().map(|&device| ShardActor::start(device, threads)).collect::<Vec<_>>();
-        let hash_gpu = (backend == Backend::Cuda).then(|| ordinals[0]);
-        let frame_cache = config.limits.frame_cache_bytes.unwrap_or(if backend == Backend::Cuda {
-            frames::Frames::DEFAULT_TOTAL_CUDA
-        } else {
-            frames::Frames::DEFAULT_TOTAL
-        });
-        let budget = budget::Budget::new(
-            backend,
-            ordinals.clone(),
-            config.limits.max_table_bytes.unwrap_or_else(|| budget::Budget::default_table_limit(backend, &ordinals)),
-            config.limits.max_host_tier_bytes.unwrap_or_else(budget::Budget::default_host_tier_limit),
-        );
-        let limits = budget.stats();
-        info!(
-            max_table_bytes = limits.max_table_bytes,
-            max_host_tier_bytes = limits.max_host_tier_bytes,
-            "table memory budget"
-        );
-        let router = Router::new(actors, backend, hash_gpu, frame_cache, budget, config.limits.max_frame_bytes);
-        for spec in &config.tables {
-            router
-                .create_table(spec.clone())
-                .await
-                .map_err(|e| anyhow::anyhow!("table {:?}: {}", spec.name, e.message))?;
-        }
-        // Socket activation: take the inherited listener when systemd passes one.
-        let mut fds = listenfd::ListenFd::from_env();
-        let (listener, socket_file) = match fds.take_unix_listener(0)? {
-            Some(l) => {
-                l.set_nonblocking(true)?;
-                info!("using the socket passed by systemd");
-                (tokio::net::UnixListener::from_std(l)?, SocketFile(None))
-            }
-            None => {
-                let path = config.socket_path();
-                (server::bind(&path, admin_gid)?, SocketFile(Some(path)))
-            }
-        };
+        let router = start_router(&config, backend, &ordinals).await?;
+        let (listener, socket_file) = listen(&config, admin_gid)?;
         let checkpoints = Arc::new(crate::ckpt::Checkpoints::open(&config.state_path(), config.checkpoint.clone())?);
         let uid = std::os::unix::fs::MetadataExt::uid(&std::fs::metadata("/proc/self")?);
         let (shutdown, _) = tokio::sync::watch::channel(false);
@@ -177,26 +139,7 @@ pub fn run(config: Config) -> anyhow::Result<()> {
             checkpoints,
         });
         if config.restore != "none" {
-            match state.checkpoints.restore(state.router.clone(), &config.restore).await {
-                Ok(Some(r)) => {
-                    for s in &r.skipped {
-                        warn!("skipped an unusable checkpoint: {s}");
-                    }
-                    info!(id = %r.id, tables = ?r.tables, entries = r.entries, dropped = ?r.dropped, "restored");
-                }
-                Ok(None) => info!("no checkpoint to restore"),
-                // Refuse to start rather than silently serve without the data;
-                // say how to start anyway (every file stays on disk).
-                Err(e) => anyhow::bail!(
-                    "restore {}: {}\n\
-                     hkvd did not start, so that no checkpointed data is silently lost; every checkpoint is kept. \
-                     To start with empty tables and keep the checkpoints on disk, use --restore none \
-                     (hkvctl restore ID can try one later); to try one checkpoint, use --restore ID \
-                     (ids are in the lines above, or in hkvctl checkpoints).",
-                    config.restore,
-                    e.message
-                ),
-            }
+            restore_at_start(&state).await?;
         }
         state.checkpoints.schedule(state.router.clone(), state.shutdown.subscribe());
         if let Some(addr) = &config.metrics_listen {
@@ -208,19 +151,7 @@ pub fn run(config: Config) -> anyhow::Result<()> {
                 }
             });
         }
-        let st = state.clone();
-        tokio::spawn(async move {
-            use tokio::signal::unix::{signal, SignalKind};
-            let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
-                warn!("cannot install signal handlers");
-                return;
-            };
-            tokio::select! {
-                _ = term.recv() => info!("SIGTERM: draining"),
-                _ = int.recv() => info!("SIGINT: draining"),
-            }
-            let _ = st.shutdown.send(true);
-        });
+        tokio::spawn(drain_on_signal(state.clone()));
         info!(
             socket = %socket_file.0.as_deref().map(|p| p.display().to_string()).unwrap_or_else(|| "inherited".into()),
             backend = %backend_name,
@@ -241,4 +172,93 @@ pub fn run(config: Config) -> anyhow::Result<()> {
         actix_rt::System::current().stop();
         Ok(())
     })
+}
+
+/// The shard actors (one per device or CPU shard), the memory budget, and
+/// the router over them with the configured tables.
+async fn start_router(config: &Config, backend: Backend, ordinals: &[usize]) -> anyhow::Result<Router> {
+    let threads = config.threads_per_shard.max(1);
+    let actors = ordinals.iter().map(|&device| ShardActor::start(device, threads)).collect::<Vec<_>>();
+    let hash_gpu = (backend == Backend::Cuda).then(|| ordinals[0]);
+    let frame_cache = config.limits.frame_cache_bytes.unwrap_or(if backend == Backend::Cuda {
+        frames::Frames::DEFAULT_TOTAL_CUDA
+    } else {
+        frames::Frames::DEFAULT_TOTAL
+    });
+    let budget = budget::Budget::new(
+        backend,
+        ordinals.to_vec(),
+        config.limits.max_table_bytes.unwrap_or_else(|| budget::Budget::default_table_limit(backend, ordinals)),
+        config.limits.max_host_tier_bytes.unwrap_or_else(budget::Budget::default_host_tier_limit),
+    );
+    let limits = budget.stats();
+    info!(
+        max_table_bytes = limits.max_table_bytes,
+        max_host_tier_bytes = limits.max_host_tier_bytes,
+        "table memory budget"
+    );
+    let router = Router::new(actors, backend, hash_gpu, frame_cache, budget, config.limits.max_frame_bytes);
+    for spec in &config.tables {
+        router.create_table(spec.clone()).await.map_err(|e| anyhow::anyhow!("table {:?}: {}", spec.name, e.message))?;
+    }
+    Ok(router)
+}
+
+/// The listening socket: the one systemd passes (socket activation), else
+/// the configured path, bound here.
+fn listen(config: &Config, admin_gid: Option<u32>) -> anyhow::Result<(tokio::net::UnixListener, SocketFile)> {
+    let mut fds = listenfd::ListenFd::from_env();
+    Ok(match fds.take_unix_listener(0)? {
+        Some(l) => {
+            l.set_nonblocking(true)?;
+            info!("using the socket passed by systemd");
+            (tokio::net::UnixListener::from_std(l)?, SocketFile(None))
+        }
+        None => {
+            let path = config.socket_path();
+            (server::bind(&path, admin_gid)?, SocketFile(Some(path)))
+        }
+    })
+}
+
+/// Restores `--restore` before serving; refuses to start rather than
+/// silently serve without the data, and says how to start anyway (every
+/// file stays on disk).
+async fn restore_at_start(state: &State) -> anyhow::Result<()> {
+    let which = &state.config.restore;
+    match state.checkpoints.restore(state.router.clone(), which).await {
+        Ok(Some(r)) => {
+            for s in &r.skipped {
+                warn!("skipped an unusable checkpoint: {s}");
+            }
+            info!(id = %r.id, tables = ?r.tables, entries = r.entries, dropped = ?r.dropped, "restored");
+            Ok(())
+        }
+        Ok(None) => {
+            info!("no checkpoint to restore");
+            Ok(())
+        }
+        Err(e) => anyhow::bail!(
+            "restore {which}: {}\n\
+             hkvd did not start, so that no checkpointed data is silently lost; every checkpoint is kept. \
+             To start with empty tables and keep the checkpoints on disk, use --restore none \
+             (hkvctl restore ID can try one later); to try one checkpoint, use --restore ID \
+             (ids are in the lines above, or in hkvctl checkpoints).",
+            e.message
+        ),
+    }
+}
+
+/// Starts draining on SIGTERM or SIGINT.
+async fn drain_on_signal(state: Arc<State>) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        warn!("cannot install signal handlers");
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => info!("SIGTERM: draining"),
+        _ = int.recv() => info!("SIGINT: draining"),
+    }
+    let _ = state.shutdown.send(true);
 }

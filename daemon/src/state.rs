@@ -1,7 +1,7 @@
 //! What every request handler shares: the router, the configuration, the
 //! checkpoints and the server's counters.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -31,7 +31,7 @@ pub struct ServerStats {
     pub in_flight_bytes: AtomicU64,
     /// Frames refused because that bound was reached.
     pub in_flight_refusals: AtomicU64,
-    /// Of `in_flight_bytes`, those of bodies over [`crate::connection::SMALL_BODY`] bytes still
+    /// Of `in_flight_bytes`, those of bodies over 64 KiB (`connection::SMALL_BODY`) bytes still
     /// arriving: at most 3/4 of the limit, so that uploads kept trickling
     /// cannot take what small requests and answers need.
     pub receiving_bytes: AtomicU64,
@@ -64,5 +64,43 @@ impl State {
     /// a member of the admin group (primary or supplementary).
     pub fn is_admin(&self, peer: &Peer) -> bool {
         peer.uid == 0 || peer.uid == self.uid || self.admin_gid.is_some_and(|g| peer.in_group(g))
+    }
+}
+
+/// Bytes counted in one of the server's byte counters, up to a cap: in
+/// `in_flight_bytes` a request body as it arrives or an answer until it is
+/// sent, in `receiving_bytes` a large body until it is complete; given back
+/// on drop.
+pub struct InFlight {
+    state: Arc<State>,
+    counter: fn(&ServerStats) -> &AtomicU64,
+    bytes: u64,
+}
+
+impl InFlight {
+    /// A share of `ServerStats::in_flight_bytes`.
+    pub(crate) fn total(state: &Arc<State>) -> InFlight {
+        InFlight { state: state.clone(), counter: |s| &s.in_flight_bytes, bytes: 0 }
+    }
+
+    /// A share of `ServerStats::receiving_bytes`.
+    pub(crate) fn receiving(state: &Arc<State>) -> InFlight {
+        InFlight { state: state.clone(), counter: |s| &s.receiving_bytes, bytes: 0 }
+    }
+
+    /// Counts `n` more bytes, unless the counter would then pass `cap`.
+    pub(crate) fn add(&mut self, n: u64, cap: u64) -> bool {
+        let counter = (self.counter)(&self.state.stats);
+        let ok = counter.fetch_update(Relaxed, Relaxed, |b| b.checked_add(n).filter(|&t| t <= cap)).is_ok();
+        if ok {
+            self.bytes += n;
+        }
+        ok
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        (self.counter)(&self.state.stats).fetch_sub(self.bytes, Relaxed);
     }
 }

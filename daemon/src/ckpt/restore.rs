@@ -2,7 +2,7 @@
 //! one) verified and loaded into tables built beside the running ones,
 //! which are swapped in only once every chunk verified.
 
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -12,7 +12,7 @@ use hkv_shard::ScorePolicy;
 use tracing::{info, warn};
 
 use super::{internal, Checkpoints, Progress, Restored};
-use crate::router::Router;
+use crate::router::{Router, Table};
 
 /// The entries of `c` that are live (in the sorted `live`) and not yet
 /// loaded from a newer part of the chain; marks them loaded.
@@ -225,25 +225,7 @@ impl Checkpoints {
     ) -> Result<Loaded, Failure> {
         let target = chain.last().ok_or_else(|| Failure::Refused(internal("an empty chain")))?;
         // Check every table before loading any.
-        for t in &target.tables {
-            if let Ok(running) = router.table(&t.name) {
-                let mut diff = vec![];
-                if running.spec.dim != t.dim {
-                    diff.push(format!("dim {} here, {} in the checkpoint", running.spec.dim, t.dim));
-                }
-                if running.spec.policy != t.policy {
-                    diff.push(format!("policy {} here, {} in the checkpoint", running.spec.policy, t.policy));
-                }
-                if !diff.is_empty() {
-                    return Err(Failure::Refused(ProtoError::bad_request(format!(
-                        "checkpoint {:016x} cannot be restored into table {:?}: {}; drop the table or restore elsewhere",
-                        target.id,
-                        t.name,
-                        diff.join(", ")
-                    ))));
-                }
-            }
-        }
+        check_compatible(router, target)?;
         // Per table, the manifests to apply: from the last holding it whole.
         let plan: Vec<(&TableEntry, Vec<(u64, &TableEntry)>)> = target
             .tables
@@ -290,7 +272,7 @@ impl Checkpoints {
         let mut lost = vec![0u64; plan.len()];
         let (mut done, mut bytes) = (0u64, 0u64);
         // Loads one verified chunk into `into`.
-        let mut apply = |i: usize, mut chunk: hkv_checkpoint::Chunk, into: &crate::router::Table| {
+        let mut apply = |i: usize, mut chunk: hkv_checkpoint::Chunk, into: &Table| {
             if let Some(live) = &lives[i] {
                 chunk = keep_newest(chunk, live, &mut seen[i]);
             }
@@ -315,80 +297,24 @@ impl Checkpoints {
                 why: format!("dim {}, the manifest says {}", chunk.dim, plan[i].0.dim),
             }))
         };
-        let mut built: Vec<Option<Arc<crate::router::Table>>> = vec![None; plan.len()];
-        let running: Vec<Option<Arc<crate::router::Table>>> =
-            plan.iter().map(|(t, _)| router.table(&t.name).ok()).collect();
-        let consumed = std::sync::atomic::AtomicU64::new(0);
-        let stop = std::sync::atomic::AtomicBool::new(false);
+        let mut built: Vec<Option<Arc<Table>>> = vec![None; plan.len()];
+        let running: Vec<Option<Arc<Table>>> = plan.iter().map(|(t, _)| router.table(&t.name).ok()).collect();
+        let consumed = AtomicU64::new(0);
+        let stop = AtomicBool::new(false);
         std::thread::scope(|s| -> Result<(), Failure> {
             // Tells the prefetcher to stop however this scope is left.
-            struct Stop<'a>(&'a std::sync::atomic::AtomicBool);
+            struct Stop<'a>(&'a AtomicBool);
             impl Drop for Stop<'_> {
                 fn drop(&mut self) {
                     self.0.store(true, Relaxed);
                 }
             }
             let _stop = Stop(&stop);
-            // Reads the chunk files in order into the page cache, up to
-            // 512 MB ahead of the loader, from before the tables are built:
-            // zeroing a large table's memory takes seconds of CPU, during
-            // which the disk would otherwise sit idle. Correctness never
-            // depends on it (the reader verifies what it reads itself).
+            // From before the tables are built (see `prefetch`).
             let (work, catalog, consumed, stop) = (&work, &self.catalog, &consumed, &stop);
-            s.spawn(move || {
-                let mut buf = vec![];
-                let mut ahead = 0u64;
-                for (_, _, c) in work.iter() {
-                    while ahead.saturating_sub(consumed.load(Relaxed)) > 512 << 20 {
-                        if stop.load(Relaxed) {
-                            return;
-                        }
-                        std::thread::sleep(Duration::from_millis(2));
-                    }
-                    if stop.load(Relaxed) {
-                        return;
-                    }
-                    buf.clear();
-                    let read = std::fs::File::open(catalog.chunk_path(c))
-                        .and_then(|mut f| std::io::Read::read_to_end(&mut f, &mut buf));
-                    if read.is_err() {
-                        return;
-                    }
-                    ahead += c.bytes;
-                }
-            });
-            // Build every table before reading any entry: missing ones first
-            // (they must fit), then copies of running ones (in place if not).
-            for pass in [false, true] {
-                for (i, (t, _)) in plan.iter().enumerate() {
-                    if running[i].is_some() != pass {
-                        continue;
-                    }
-                    let spec: TableSpec = match &running[i] {
-                        Some(r) => r.spec.clone(),
-                        None => serde_json::from_value(t.spec.clone()).map_err(|e| {
-                            Failure::Unusable(hkv_checkpoint::Error::CorruptManifest {
-                                id: target.id,
-                                why: format!("table {:?}: spec: {e}", t.name),
-                            })
-                        })?,
-                    };
-                    match rt.block_on(router.build_table(spec)) {
-                        Ok(b) => built[i] = Some(b),
-                        // No room for a copy of a running table: restore it in place.
-                        Err(e) if pass && e.code == ErrorCode::ResourceExhausted => {
-                            info!(table = %t.name, reason = %e.message, "no memory for a copy: the table is restored in place after verification");
-                        }
-                        Err(mut e) => {
-                            e.message = format!(
-                                "checkpoint {:016x} not restored (nothing was changed): table {:?}: {}",
-                                target.id, t.name, e.message
-                            );
-                            return Err(Failure::Refused(e));
-                        }
-                    }
-                }
-            }
+            s.spawn(move || prefetch(catalog, work, consumed, stop));
+            let entries: Vec<&TableEntry> = plan.iter().map(|(t, _)| *t).collect();
+            built = build_tables(router, rt, target, &entries, &running)?;
             // The reader: reads and verifies each chunk while the previous
             // one loads; four in flight (32 MiB by default).
             let (tx, rx) = std::sync::mpsc::sync_channel(4);
@@ -438,32 +364,154 @@ impl Checkpoints {
             fresh.extend(b.clone());
         }
         router.install(fresh);
-        let (mut placed_all, mut dropped) = (vec![], vec![]);
-        for (i, (t, _)) in plan.iter().enumerate() {
-            let Some(table) = built[i].as_ref().or(running[i].as_ref()) else { continue };
-            let resume = resume_point(t, target, max_score[i]);
-            rt.block_on(router.resume_after(table, resume)).map_err(Failure::Refused)?;
-            // What the restore wrote is the state at the checkpoint, not a change since.
-            table.untracked.store(false, Relaxed);
-            let sizes = rt.block_on(router.sizes(table)).map_err(Failure::Refused)?;
-            let placed = sizes.iter().map(|s| s.0).sum();
-            if lost[i] > 0 {
-                warn!(
-                    table = %t.name,
-                    dropped = lost[i],
-                    placed,
-                    capacity = sizes.iter().map(|s| s.1).sum::<u64>(),
-                    "restore could not place every entry: buckets overflowed (the table cannot grow further)"
-                );
-            }
-            placed_all.push((t.name.clone(), placed));
-            dropped.push((t.name.clone(), lost[i]));
-        }
+        let tables: Vec<Option<&Arc<Table>>> =
+            built.iter().zip(&running).map(|(b, r)| b.as_ref().or(r.as_ref())).collect();
+        let (placed_all, dropped) = settle(router, rt, target, &tables, &max_score, &lost)?;
         Ok((placed_all, dropped, bytes))
     }
 }
 
 /// Per table the entries placed, per table those dropped, and chunk bytes read.
+/// A count per table name.
+type PerTable = Vec<(String, u64)>;
+
+/// After a restore's entries are in: each table's clock and epoch moved past
+/// them, its change tracking reset, and per table the entries placed and
+/// those dropped (`lost`), with a warning where any were.
+fn settle(
+    router: &Router,
+    rt: &tokio::runtime::Handle,
+    target: &Manifest,
+    tables: &[Option<&Arc<Table>>],
+    max_score: &[u64],
+    lost: &[u64],
+) -> Result<(PerTable, PerTable), Failure> {
+    let (mut placed_all, mut dropped) = (vec![], vec![]);
+    for (i, t) in target.tables.iter().enumerate() {
+        let Some(table) = tables[i] else { continue };
+        let resume = resume_point(t, target, max_score[i]);
+        rt.block_on(router.resume_after(table, resume)).map_err(Failure::Refused)?;
+        // What the restore wrote is the state at the checkpoint, not a change since.
+        table.untracked.store(false, Relaxed);
+        let sizes = rt.block_on(router.sizes(table)).map_err(Failure::Refused)?;
+        let placed = sizes.iter().map(|s| s.0).sum();
+        if lost[i] > 0 {
+            warn!(
+                table = %t.name,
+                dropped = lost[i],
+                placed,
+                capacity = sizes.iter().map(|s| s.1).sum::<u64>(),
+                "restore could not place every entry: buckets overflowed (the table cannot grow further)"
+            );
+        }
+        placed_all.push((t.name.clone(), placed));
+        dropped.push((t.name.clone(), lost[i]));
+    }
+    Ok((placed_all, dropped))
+}
+
+/// Builds every table of `target` before any entry is read (invisible to
+/// clients until installed): missing ones first, from the checkpoint's
+/// specs (they must fit), then copies of the `running` ones with their
+/// running specs (None: no room for a copy, restored in place).
+fn build_tables(
+    router: &Router,
+    rt: &tokio::runtime::Handle,
+    target: &Manifest,
+    tables: &[&TableEntry],
+    running: &[Option<Arc<Table>>],
+) -> Result<Vec<Option<Arc<Table>>>, Failure> {
+    let mut built = vec![None; tables.len()];
+    for pass in [false, true] {
+        for (i, t) in tables.iter().enumerate() {
+            if running[i].is_some() != pass {
+                continue;
+            }
+            let spec: TableSpec = match &running[i] {
+                Some(r) => r.spec.clone(),
+                None => serde_json::from_value(t.spec.clone()).map_err(|e| {
+                    Failure::Unusable(hkv_checkpoint::Error::CorruptManifest {
+                        id: target.id,
+                        why: format!("table {:?}: spec: {e}", t.name),
+                    })
+                })?,
+            };
+            match rt.block_on(router.build_table(spec)) {
+                Ok(b) => built[i] = Some(b),
+                // No room for a copy of a running table: restore it in place.
+                Err(e) if pass && e.code == ErrorCode::ResourceExhausted => {
+                    info!(table = %t.name, reason = %e.message, "no memory for a copy: the table is restored in place after verification");
+                }
+                Err(mut e) => {
+                    e.message = format!(
+                        "checkpoint {:016x} not restored (nothing was changed): table {:?}: {}",
+                        target.id, t.name, e.message
+                    );
+                    return Err(Failure::Refused(e));
+                }
+            }
+        }
+    }
+    Ok(built)
+}
+
+/// Refuses a checkpoint whose tables differ from running tables of the
+/// same names in dim or policy.
+fn check_compatible(router: &Router, target: &Manifest) -> Result<(), Failure> {
+    for t in &target.tables {
+        let Ok(running) = router.table(&t.name) else { continue };
+        let mut diff = vec![];
+        if running.spec.dim != t.dim {
+            diff.push(format!("dim {} here, {} in the checkpoint", running.spec.dim, t.dim));
+        }
+        if running.spec.policy != t.policy {
+            diff.push(format!("policy {} here, {} in the checkpoint", running.spec.policy, t.policy));
+        }
+        if !diff.is_empty() {
+            return Err(Failure::Refused(ProtoError::bad_request(format!(
+                "checkpoint {:016x} cannot be restored into table {:?}: {}; drop the table or restore elsewhere",
+                target.id,
+                t.name,
+                diff.join(", ")
+            ))));
+        }
+    }
+    Ok(())
+}
+
+/// Reads the chunk files of `work` in order into the page cache, up to
+/// 512 MB ahead of what the loader `consumed`, until done or `stop`:
+/// zeroing a large table's memory takes seconds of CPU, during which the
+/// disk would otherwise sit idle. Correctness never depends on it (the
+/// reader verifies what it reads itself).
+fn prefetch(
+    catalog: &hkv_checkpoint::Catalog,
+    work: &[(usize, u64, &hkv_checkpoint::ChunkRef)],
+    consumed: &AtomicU64,
+    stop: &AtomicBool,
+) {
+    let mut buf = vec![];
+    let mut ahead = 0u64;
+    for (_, _, c) in work {
+        while ahead.saturating_sub(consumed.load(Relaxed)) > 512 << 20 {
+            if stop.load(Relaxed) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        if stop.load(Relaxed) {
+            return;
+        }
+        buf.clear();
+        let read =
+            std::fs::File::open(catalog.chunk_path(c)).and_then(|mut f| std::io::Read::read_to_end(&mut f, &mut buf));
+        if read.is_err() {
+            return;
+        }
+        ahead += c.bytes;
+    }
+}
+
 type Loaded = (Vec<(String, u64)>, Vec<(String, u64)>, u64);
 
 /// Why a chain was not restored.

@@ -12,7 +12,7 @@ use hkv_shard::{Filter, ScorePolicy};
 use tracing::warn;
 
 use super::{internal, kind_name, Checkpoints, Progress};
-use crate::router::Router;
+use crate::router::{Router, Table};
 
 /// Whether an incremental checkpoint can find a table's changes by score:
 /// lru and epoch-lru give every write (insert, assign, accum, find_or_insert
@@ -81,7 +81,6 @@ impl Checkpoints {
         for t in &tables {
             total += rt.block_on(router.sizes(t))?.iter().map(|s| s.0).sum::<u64>();
         }
-        let started = Instant::now();
         *self.running.lock() = Some(Progress {
             id: format!("{:016x}", w.id()),
             kind: kind_name(&kind),
@@ -93,112 +92,11 @@ impl Checkpoints {
             eta_s: 0.0,
             mb_per_s: 0.0,
         });
+        let mut x = Export { router, rt, w: &mut w, started: Instant::now(), total };
         let mut entries = vec![];
         for t in &tables {
-            let dim = t.config.dim;
-            let prev_t = prev.as_ref().and_then(|p| p.tables.iter().find(|x| x.name == t.spec.name));
-            // Cleared now: writes during this export set it again for the next one.
-            let untracked = t.untracked.swap(false, Relaxed);
-            let inc = incremental
-                && tracks_changes(&t.spec.policy)
-                && !untracked
-                && prev_t.is_some_and(|p| {
-                    p.shards as usize == t.shards()
-                        && p.dim == dim
-                        && p.policy == t.spec.policy
-                        && p.watermarks.len() == t.shards()
-                });
-            let slots = (self.config.chunk_bytes / (16 + 4 * dim as u64)).max(128);
-            let keys_per_list = (self.config.chunk_bytes / 8).max(1024) as usize;
-            let mut chunks = vec![];
-            let mut key_lists = vec![];
-            let mut marks = vec![];
-            let mut clocks = vec![];
-            let mut count = 0;
-            for i in 0..t.shards() {
-                // Read before exporting: every later write scores at least this.
-                marks.push(rt.block_on(router.clock_score(t, i))?);
-                let watermark = match (inc, prev_t) {
-                    (true, Some(p)) => Some(p.watermarks[i]),
-                    _ => None,
-                };
-                // Slots move when a shard grows (rehash) mid-export; then its
-                // export starts over, so no entry is skipped.
-                let (first_chunk, first_list, first_count) = (chunks.len(), key_lists.len(), count);
-                let (mut offset, mut seq, mut kseq, mut attempt) = (0u64, 0u32, 0u32, 0);
-                let mut live: Vec<u64> = vec![];
-                let capacity_now = || Ok::<_, ProtoError>(rt.block_on(router.sizes(t))?[i].1);
-                let mut capacity = capacity_now()?;
-                loop {
-                    if offset >= capacity {
-                        let now = capacity_now()?;
-                        if now == capacity || attempt >= 3 {
-                            break;
-                        }
-                        warn!(table = %t.spec.name, shard = i, "the shard grew during the checkpoint; exporting it again");
-                        chunks.truncate(first_chunk);
-                        key_lists.truncate(first_list);
-                        live.clear();
-                        count = first_count;
-                        (offset, capacity) = (0, now);
-                        attempt += 1;
-                        continue;
-                    }
-                    let (mut e, _) = rt.block_on(router.export_part(t, i, offset, slots, Filter::ALL))?;
-                    offset += slots;
-                    if let Some(wm) = watermark {
-                        // One pass: every live key for the key list, and the
-                        // entries written since the base for the chunk.
-                        live.extend_from_slice(&e.keys);
-                        if e.scores.iter().any(|&s| s < wm) {
-                            e = changed_since(e, wm, dim);
-                        }
-                        if live.len() >= keys_per_list {
-                            key_lists.push(w.write_keys(&t.spec.name, i as u32, kseq, &live).map_err(internal)?);
-                            kseq += 1;
-                            live.clear();
-                        }
-                    }
-                    if e.keys.is_empty() {
-                        continue;
-                    }
-                    let c =
-                        w.write(&t.spec.name, i as u32, seq, dim, &e.keys, &e.scores, &e.values).map_err(internal)?;
-                    seq += 1;
-                    count += c.entries;
-                    chunks.push(c);
-                    let secs = started.elapsed().as_secs_f64();
-                    if let Some(p) = self.running.lock().as_mut() {
-                        p.entries_done = w.entries();
-                        p.bytes = w.bytes();
-                        p.seconds = secs;
-                        p.rate = w.entries() as f64 / secs.max(1e-9);
-                        p.mb_per_s = w.bytes() as f64 / 1e6 / secs.max(1e-9);
-                        p.eta_s = total.saturating_sub(w.entries()) as f64 / p.rate.max(1e-9);
-                    }
-                }
-                if watermark.is_some() {
-                    // Always at least one list per shard: an empty one says "no keys".
-                    key_lists.push(w.write_keys(&t.spec.name, i as u32, kseq, &live).map_err(internal)?);
-                }
-                // Read after exporting: every entry exported scored at most this
-                // (except a client's verbatim `load`); a restore resumes from here.
-                clocks.push(rt.block_on(router.clock_score(t, i))?);
-            }
-            entries.push(TableEntry {
-                name: t.spec.name.clone(),
-                dim,
-                policy: t.spec.policy.clone(),
-                mode: t.spec.mode.clone(),
-                spec: serde_json::to_value(&t.spec).map_err(internal)?,
-                shards: t.shards() as u32,
-                entries: count,
-                full: !inc,
-                watermarks: marks,
-                clocks,
-                chunks,
-                keys: key_lists,
-            });
+            let prev_t = prev.as_ref().and_then(|p| p.tables.iter().find(|e| e.name == t.spec.name));
+            entries.push(self.export_table(&mut x, t, prev_t, incremental)?);
         }
         let m = w.commit(kind, entries, env!("CARGO_PKG_VERSION")).map_err(internal)?;
         self.chain_generation.store(generation, Relaxed);
@@ -211,4 +109,157 @@ impl Checkpoints {
         }
         Ok(m)
     }
+
+    /// One table's part of a checkpoint: every shard exported, whole or
+    /// (`incremental`, where the table allows it) only what changed since
+    /// `prev_t`.
+    fn export_table(
+        &self,
+        x: &mut Export,
+        t: &Table,
+        prev_t: Option<&TableEntry>,
+        incremental: bool,
+    ) -> Result<TableEntry, ProtoError> {
+        let dim = t.config.dim;
+        // Cleared now: writes during this export set it again for the next one.
+        let untracked = t.untracked.swap(false, Relaxed);
+        let inc = incremental
+            && tracks_changes(&t.spec.policy)
+            && !untracked
+            && prev_t.is_some_and(|p| {
+                p.shards as usize == t.shards()
+                    && p.dim == dim
+                    && p.policy == t.spec.policy
+                    && p.watermarks.len() == t.shards()
+            });
+        let mut out = Parts::default();
+        let (mut marks, mut clocks) = (vec![], vec![]);
+        for i in 0..t.shards() {
+            // Read before exporting: every later write scores at least this.
+            marks.push(x.rt.block_on(x.router.clock_score(t, i))?);
+            let watermark = match (inc, prev_t) {
+                (true, Some(p)) => Some(p.watermarks[i]),
+                _ => None,
+            };
+            self.export_shard(x, t, i, watermark, &mut out)?;
+            // Read after exporting: every entry exported scored at most this
+            // (except a client's verbatim `load`); a restore resumes from here.
+            clocks.push(x.rt.block_on(x.router.clock_score(t, i))?);
+        }
+        Ok(TableEntry {
+            name: t.spec.name.clone(),
+            dim,
+            policy: t.spec.policy.clone(),
+            mode: t.spec.mode.clone(),
+            spec: serde_json::to_value(&t.spec).map_err(internal)?,
+            shards: t.shards() as u32,
+            entries: out.count,
+            full: !inc,
+            watermarks: marks,
+            clocks,
+            chunks: out.chunks,
+            keys: out.key_lists,
+        })
+    }
+
+    /// Shard `i` of `t` exported by its actor in batches of about
+    /// `chunk_bytes`, each written as a chunk before the next is asked for;
+    /// with a `watermark`, only entries scored at or above it, plus lists of
+    /// every live key.
+    fn export_shard(
+        &self,
+        x: &mut Export,
+        t: &Table,
+        i: usize,
+        watermark: Option<u64>,
+        out: &mut Parts,
+    ) -> Result<(), ProtoError> {
+        let dim = t.config.dim;
+        let name = &t.spec.name;
+        let slots = (self.config.chunk_bytes / (16 + 4 * dim as u64)).max(128);
+        let keys_per_list = (self.config.chunk_bytes / 8).max(1024) as usize;
+        // Slots move when a shard grows (rehash) mid-export; then its
+        // export starts over, so no entry is skipped.
+        let (first_chunk, first_list, first_count) = (out.chunks.len(), out.key_lists.len(), out.count);
+        let (mut offset, mut seq, mut kseq, mut attempt) = (0u64, 0u32, 0u32, 0);
+        let mut live: Vec<u64> = vec![];
+        let capacity_now = |x: &Export| Ok::<_, ProtoError>(x.rt.block_on(x.router.sizes(t))?[i].1);
+        let mut capacity = capacity_now(x)?;
+        loop {
+            if offset >= capacity {
+                let now = capacity_now(x)?;
+                if now == capacity || attempt >= 3 {
+                    break;
+                }
+                warn!(table = %name, shard = i, "the shard grew during the checkpoint; exporting it again");
+                out.chunks.truncate(first_chunk);
+                out.key_lists.truncate(first_list);
+                live.clear();
+                out.count = first_count;
+                (offset, capacity) = (0, now);
+                attempt += 1;
+                continue;
+            }
+            let (mut e, _) = x.rt.block_on(x.router.export_part(t, i, offset, slots, Filter::ALL))?;
+            offset += slots;
+            if let Some(wm) = watermark {
+                // One pass: every live key for the key list, and the
+                // entries written since the base for the chunk.
+                live.extend_from_slice(&e.keys);
+                if e.scores.iter().any(|&s| s < wm) {
+                    e = changed_since(e, wm, dim);
+                }
+                if live.len() >= keys_per_list {
+                    out.key_lists.push(x.w.write_keys(name, i as u32, kseq, &live).map_err(internal)?);
+                    kseq += 1;
+                    live.clear();
+                }
+            }
+            if e.keys.is_empty() {
+                continue;
+            }
+            let c = x.w.write(name, i as u32, seq, dim, &e.keys, &e.scores, &e.values).map_err(internal)?;
+            seq += 1;
+            out.count += c.entries;
+            out.chunks.push(c);
+            self.report(x);
+        }
+        if watermark.is_some() {
+            // Always at least one list per shard: an empty one says "no keys".
+            out.key_lists.push(x.w.write_keys(name, i as u32, kseq, &live).map_err(internal)?);
+        }
+        Ok(())
+    }
+
+    /// The running checkpoint's progress, for stats.
+    fn report(&self, x: &Export) {
+        let (w, secs) = (&x.w, x.started.elapsed().as_secs_f64());
+        if let Some(p) = self.running.lock().as_mut() {
+            p.entries_done = w.entries();
+            p.bytes = w.bytes();
+            p.seconds = secs;
+            p.rate = w.entries() as f64 / secs.max(1e-9);
+            p.mb_per_s = w.bytes() as f64 / 1e6 / secs.max(1e-9);
+            p.eta_s = x.total.saturating_sub(w.entries()) as f64 / p.rate.max(1e-9);
+        }
+    }
+}
+
+/// A checkpoint being exported: the router whose actors export the shards
+/// (messages sent through `rt`), the writer of its chunks, and its
+/// progress.
+struct Export<'a> {
+    router: &'a Router,
+    rt: &'a tokio::runtime::Handle,
+    w: &'a mut ChunkWriter,
+    started: Instant,
+    total: u64,
+}
+
+/// One table's chunks and key lists so far, and its entries.
+#[derive(Default)]
+struct Parts {
+    chunks: Vec<hkv_checkpoint::ChunkRef>,
+    key_lists: Vec<hkv_checkpoint::ChunkRef>,
+    count: u64,
 }
