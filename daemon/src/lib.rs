@@ -1,18 +1,25 @@
 //! # hkvd: the embedding-cache daemon
 //!
 //! An actix `System` with one [`actor::ShardActor`] per device (per CPU shard
-//! on hosts without GPUs), a [`router::Router`] that spreads every table over
-//! them, and a Unix-socket [`server`] speaking `proto/PROTOCOL.md`.
+//! on hosts without GPUs) owning that device's shard of every table, a
+//! [`router::Router`] that spreads every table over them by messages, and a
+//! Unix-socket [`server`] speaking `proto/PROTOCOL.md`.
 //!
 //! # Layout
-//! - [`admin`] says who may run admin operations and read the state directory.
+//! - [`actor`] is the shard actor: the shards it owns, and its messages.
+//! - [`router`] maps tables and keys to actors and merges their answers.
+//! - [`frames`] keeps sent frames for find and echo answers to reuse.
+//! - [`features`] hashes raw features into keys (on the GPU when present).
 //! - [`budget`] counts table memory against limits before it is allocated.
-//! - [`config`] holds the TOML configuration and its defaults.
-//! - [`actor`] is the shard actor and the sub-batch messages.
 //! - [`ckpt`] takes and restores checkpoints.
-//! - [`router`] maps tables and keys to shards and merges answers.
-//! - [`server`] accepts connections, reads frames, answers requests.
+//! - [`state`] is what the request handlers share, and the server's counters.
+//! - [`server`] binds the socket, accepts connections, drains on shutdown.
+//! - [`connection`] reads one connection's frames and writes its answers.
+//! - [`handle`] answers one request.
+//! - [`admin`] says who may run admin operations and read the state directory.
 //! - [`stats`] renders statistics as JSON and Prometheus text.
+//! - [`config`] holds the TOML configuration and its defaults.
+//! - [`error`] maps shard errors to wire errors.
 //! - this file: [`run`], start to finish.
 
 #![forbid(unsafe_code)]
