@@ -12,9 +12,9 @@ use crate::admin::Peer;
 use crate::state::InFlight;
 use crate::state::State;
 
-/// Answers one request.
+/// Answers one request: the answer, and its share of the bytes in flight
+/// (held until it is sent).
 #[tracing::instrument(level = "debug", skip_all, fields(op = hkv_proto::msg::op_name(h.op), id = h.id))]
-/// The answer, and its share of the bytes in flight (held until it is sent).
 pub async fn handle(state: &Arc<State>, h: &Header, body: &[u8], peer: &Peer) -> (Response, Option<InFlight>) {
     let mut answer_bytes = None;
     match answer(state, h, body, peer, &mut answer_bytes).await {
@@ -75,57 +75,62 @@ async fn answer(
             }
             Ok(state.router.frames.echo(reply_len as usize))
         }
-        Request::Control(c) => match c {
-            Control::CreateTable(spec) => {
-                let info = state.router.create_table(spec).await?;
-                info!(table = %info.spec.name, dim = info.spec.dim, capacity = info.capacity, "table created");
-                Ok(Response::Json(serde_json::to_vec(&info).expect("serializes")))
-            }
-            Control::DropTable { name } => {
-                state.router.drop_table(&name).await?;
-                info!(table = %name, "table dropped");
-                Ok(Response::Empty)
-            }
-            Control::ListTables => {
-                let mut list = vec![];
-                for t in state.router.tables() {
-                    list.push(state.router.info(&t).await?);
-                }
-                Ok(Response::Json(serde_json::to_vec(&list).expect("serializes")))
-            }
-            Control::Stats => {
-                Ok(Response::Json(serde_json::to_vec(&crate::stats::collect(state).await?).expect("serializes")))
-            }
-            Control::Metrics => Ok(Response::Text(crate::stats::prometheus(&crate::stats::collect(state).await?))),
-            Control::Checkpoint { wait, full } => {
-                if wait {
-                    let m = state.checkpoints.take(state.router.clone(), full).await?;
-                    let l = state.checkpoints.list()?.into_iter().find(|l| l.id == format!("{:016x}", m.id));
-                    Ok(Response::Json(serde_json::to_vec(&l).expect("serializes")))
-                } else {
-                    // Busy unless this request claims the checkpoint now; the answer names its id.
-                    let id = state.checkpoints.start(state.router.clone(), full).await?;
-                    let answer = serde_json::json!({ "started": true, "id": id });
-                    Ok(Response::Json(serde_json::to_vec(&answer).expect("serializes")))
-                }
-            }
-            Control::ListCheckpoints => {
-                Ok(Response::Json(serde_json::to_vec(&state.checkpoints.list()?).expect("serializes")))
-            }
-            Control::Restore { id } => {
-                let r = state.checkpoints.restore(state.router.clone(), &id).await?;
-                let r = r.ok_or_else(|| ProtoError::new(ErrorCode::NotFound, "there is no checkpoint to restore"))?;
-                Ok(Response::Json(serde_json::to_vec(&r).expect("serializes")))
-            }
-            Control::Shutdown => {
-                info!(uid = peer.uid, "shutdown requested");
-                let _ = state.shutdown.send(true);
-                Ok(Response::Empty)
-            }
-        },
+        Request::Control(c) => control(state, c, peer).await,
         r @ (Request::Hash { .. } | Request::FindFeatures { .. } | Request::FindOrInsertFeatures { .. }) => {
             state.router.features(r).await
         }
         table_op => state.router.execute(table_op).await,
+    }
+}
+
+/// Answers a control request (tables, stats, checkpoints, shutdown).
+async fn control(state: &Arc<State>, c: Control, peer: &Peer) -> Result<Response, ProtoError> {
+    match c {
+        Control::CreateTable(spec) => {
+            let info = state.router.create_table(spec).await?;
+            info!(table = %info.spec.name, dim = info.spec.dim, capacity = info.capacity, "table created");
+            Ok(Response::Json(serde_json::to_vec(&info).expect("serializes")))
+        }
+        Control::DropTable { name } => {
+            state.router.drop_table(&name).await?;
+            info!(table = %name, "table dropped");
+            Ok(Response::Empty)
+        }
+        Control::ListTables => {
+            let mut list = vec![];
+            for t in state.router.tables() {
+                list.push(state.router.info(&t).await?);
+            }
+            Ok(Response::Json(serde_json::to_vec(&list).expect("serializes")))
+        }
+        Control::Stats => {
+            Ok(Response::Json(serde_json::to_vec(&crate::stats::collect(state).await?).expect("serializes")))
+        }
+        Control::Metrics => Ok(Response::Text(crate::stats::prometheus(&crate::stats::collect(state).await?))),
+        Control::Checkpoint { wait, full } => {
+            if wait {
+                let m = state.checkpoints.take(state.router.clone(), full).await?;
+                let l = state.checkpoints.list()?.into_iter().find(|l| l.id == format!("{:016x}", m.id));
+                Ok(Response::Json(serde_json::to_vec(&l).expect("serializes")))
+            } else {
+                // Busy unless this request claims the checkpoint now; the answer names its id.
+                let id = state.checkpoints.start(state.router.clone(), full).await?;
+                let answer = serde_json::json!({ "started": true, "id": id });
+                Ok(Response::Json(serde_json::to_vec(&answer).expect("serializes")))
+            }
+        }
+        Control::ListCheckpoints => {
+            Ok(Response::Json(serde_json::to_vec(&state.checkpoints.list()?).expect("serializes")))
+        }
+        Control::Restore { id } => {
+            let r = state.checkpoints.restore(state.router.clone(), &id).await?;
+            let r = r.ok_or_else(|| ProtoError::new(ErrorCode::NotFound, "there is no checkpoint to restore"))?;
+            Ok(Response::Json(serde_json::to_vec(&r).expect("serializes")))
+        }
+        Control::Shutdown => {
+            info!(uid = peer.uid, "shutdown requested");
+            let _ = state.shutdown.send(true);
+            Ok(Response::Empty)
+        }
     }
 }

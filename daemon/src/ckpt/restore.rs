@@ -192,6 +192,31 @@ impl Checkpoints {
         ))
     }
 
+    /// Per table of `target` whose key lists decide (`has_live`), every
+    /// key it held, sorted.
+    fn live_keys(
+        &self,
+        target: &Manifest,
+        tables: &[&TableEntry],
+        has_live: &[bool],
+    ) -> Result<Vec<Option<Vec<u64>>>, Failure> {
+        let mut lives = vec![];
+        for (t, &live) in tables.iter().zip(has_live) {
+            lives.push(if live {
+                let mut keys = vec![];
+                for c in &t.keys {
+                    keys.extend(self.catalog.read_keys(target.id, c).map_err(Failure::Unusable)?);
+                }
+                keys.sort_unstable();
+                keys.dedup();
+                Some(keys)
+            } else {
+                None
+            });
+        }
+        Ok(lives)
+    }
+
     /// Restores a chain: each table of its last checkpoint gets exactly the
     /// entries it held then, each loaded once with its score; every entry
     /// that could not be placed is counted. Returns per table the entries
@@ -253,20 +278,7 @@ impl Checkpoints {
         // An incremental's key lists name every key the table held: older
         // parts of the chain load only those (erasures and evictions since
         // the base stay gone), and each key only from its newest part.
-        let mut lives: Vec<Option<Vec<u64>>> = vec![];
-        for (i, (t, _)) in plan.iter().enumerate() {
-            lives.push(if has_live[i] {
-                let mut keys = vec![];
-                for c in &t.keys {
-                    keys.extend(self.catalog.read_keys(target.id, c).map_err(Failure::Unusable)?);
-                }
-                keys.sort_unstable();
-                keys.dedup();
-                Some(keys)
-            } else {
-                None
-            });
-        }
+        let lives = self.live_keys(target, &plan.iter().map(|(t, _)| *t).collect::<Vec<_>>(), &has_live)?;
         let mut seen: Vec<Vec<bool>> = lives.iter().map(|l| vec![false; l.as_ref().map_or(0, |k| k.len())]).collect();
         let mut max_score = vec![0u64; plan.len()];
         let mut lost = vec![0u64; plan.len()];
