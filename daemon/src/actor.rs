@@ -1,15 +1,30 @@
 //! `ShardActor`: the thread(s) owning one device and its shard of every table.
 //!
 //! Each device gets its own `SyncArbiter` (blocking work never runs on the
-//! async executor); a CUDA context is bound to those threads. Messages carry
-//! owned sub-batches and come back with owned results.
+//! async executor); a CUDA context is bound to those threads. The shards
+//! live in the actor: the router names a table by its [`TableId`] and sends
+//! [`Open`], [`Call`] and [`Close`]; no shard is reachable from anywhere
+//! else, so no table lock is ever taken on the async executor. Messages
+//! carry owned sub-batches and come back with owned results.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use actix::prelude::*;
 use hkv_proto::FindFrame;
-use hkv_shard::{Backend, Evictions, Export, Filter, Outcome, Shard, Summary, TableConfig};
+use hkv_shard::{Backend, Evictions, Export, Filter, Outcome, Shard, ShardStats, Summary, TableConfig};
+use parking_lot::RwLock;
 use zerocopy::FromBytes;
+
+use crate::budget::Charge;
+
+/// Names a table to the actors: unique for the daemon's life (a restore
+/// builds a table of the same name beside the running one).
+pub type TableId = u64;
+
+/// The shards of one device, by table: shared by that device's actor
+/// threads, touched by nothing else.
+type Shards = Arc<RwLock<HashMap<TableId, Arc<dyn Shard>>>>;
 
 /// The found bytes and values of `frame` as the table writes them: None
 /// unless the values are aligned for f32 (the router only builds frames
@@ -24,10 +39,28 @@ pub fn values_of(frame: &mut FindFrame) -> Option<(&mut [u8], &mut [f32])> {
     <[f32]>::mut_from_bytes(bytes).ok().map(|v| (found, v))
 }
 
-/// The actor of one device.
+/// The actor of one device: each of its threads (`threads_per_shard`, so
+/// that readers run in parallel in the table's own lock groups) serves
+/// messages on the shards they own together.
 pub struct ShardActor {
     /// Device (or CPU shard) index.
-    pub device: usize,
+    device: usize,
+    /// This device's shard of every table.
+    shards: Shards,
+}
+
+impl ShardActor {
+    /// Starts the actor of device (or CPU shard) `device` on `threads` threads.
+    pub fn start(device: usize, threads: usize) -> Addr<ShardActor> {
+        let shards = Shards::default();
+        SyncArbiter::start(threads.max(1), move || ShardActor { device, shards: shards.clone() })
+    }
+
+    fn shard(&self, table: TableId) -> Result<Arc<dyn Shard>, hkv_shard::Error> {
+        self.shards.read().get(&table).cloned().ok_or_else(|| {
+            hkv_shard::Error::Device(format!("table {table} has no shard on device {}; it was dropped", self.device))
+        })
+    }
 }
 
 impl Actor for ShardActor {
@@ -107,6 +140,14 @@ pub enum SubOp {
     SetEpoch(u32),
     /// reserve.
     Reserve(u64),
+    /// Size and capacity.
+    Size,
+    /// Counters and lock state.
+    Stats,
+    /// clock_score.
+    ClockScore,
+    /// resume_after.
+    ResumeAfter(u64),
 }
 
 /// One shard's answer.
@@ -136,46 +177,81 @@ pub enum SubResult {
         /// insert_and_evict output.
         evicted: Option<Evictions>,
     },
-    /// erase_if count.
+    /// erase_if count; clock_score.
     Count(u64),
-    /// export.
-    Export(Export),
+    /// export, and the shard's capacity after it (slots move when it grew).
+    Export(Export, u64),
+    /// Entries and slots.
+    Size {
+        /// Entries.
+        size: u64,
+        /// Slots.
+        capacity: u64,
+    },
+    /// Counters and lock state.
+    Stats(Box<ShardStats>),
     /// Nothing to return.
     Unit,
 }
 
-/// Runs a sub-batch on a shard.
+/// Runs a sub-batch on this device's shard of a table.
 #[derive(Message)]
 #[rtype(result = "Result<SubResult, hkv_shard::Error>")]
 pub struct Call {
-    /// The shard (of this actor's device).
-    pub shard: Arc<dyn Shard>,
+    /// The table.
+    pub table: TableId,
     /// What to do.
     pub op: SubOp,
 }
 
-/// Creates a shard on this actor's device.
+/// Creates this device's shard of a table.
 #[derive(Message)]
-#[rtype(result = "Result<Arc<dyn Shard>, hkv_shard::Error>")]
-pub struct Create {
+#[rtype(result = "Result<(), hkv_shard::Error>")]
+pub struct Open {
+    /// The table.
+    pub table: TableId,
     /// Per-shard config.
     pub config: TableConfig,
     /// Backend.
     pub backend: Backend,
 }
 
-impl Handler<Create> for ShardActor {
-    type Result = Result<Arc<dyn Shard>, hkv_shard::Error>;
-    fn handle(&mut self, msg: Create, _: &mut SyncContext<Self>) -> Self::Result {
+/// Drops this device's shard of a table (a call running on it finishes first).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Close {
+    /// The table.
+    pub table: TableId,
+    /// The table's share of the memory budget, given back once every
+    /// device dropped its shard (when the router does not wait for them).
+    pub charge: Option<Arc<Charge>>,
+}
+
+impl Handler<Open> for ShardActor {
+    type Result = Result<(), hkv_shard::Error>;
+    fn handle(&mut self, msg: Open, _: &mut SyncContext<Self>) -> Self::Result {
         let device = self.device;
-        contained("create_table", || Ok(Arc::from(hkv_shard::open_on(msg.config, msg.backend, device)?)))
+        let shard = contained("create_table", || Ok(Arc::from(hkv_shard::open_on(msg.config, msg.backend, device)?)))?;
+        self.shards.write().insert(msg.table, shard);
+        Ok(())
+    }
+}
+
+impl Handler<Close> for ShardActor {
+    type Result = ();
+    fn handle(&mut self, msg: Close, _: &mut SyncContext<Self>) {
+        let shard = self.shards.write().remove(&msg.table);
+        // Freed here, on the actor's thread (a CUDA shard binds its context).
+        drop(shard);
+        drop(msg.charge);
     }
 }
 
 impl Handler<Call> for ShardActor {
     type Result = Result<SubResult, hkv_shard::Error>;
     fn handle(&mut self, msg: Call, _: &mut SyncContext<Self>) -> Self::Result {
-        contained("a table operation", || execute(&*msg.shard, msg.op))
+        let shard = self.shard(msg.table)?;
+        contained("a table operation", || execute(&*shard, msg.op))
     }
 }
 
@@ -194,8 +270,8 @@ fn contained<T>(what: &str, f: impl FnOnce() -> Result<T, hkv_shard::Error>) -> 
     })
 }
 
-/// Runs `op` on `t` (on the calling thread).
-pub fn execute(t: &dyn Shard, op: SubOp) -> Result<SubResult, hkv_shard::Error> {
+/// Runs `op` on `t` (on the calling thread: an actor's).
+fn execute(t: &dyn Shard, op: SubOp) -> Result<SubResult, hkv_shard::Error> {
     use hkv_proto::op as code;
     let dim = t.dim();
     Ok(match op {
@@ -267,13 +343,23 @@ pub fn execute(t: &dyn Shard, op: SubOp) -> Result<SubResult, hkv_shard::Error> 
             t.clear()?;
             SubResult::Unit
         }
-        SubOp::Export { offset, n, filter } => SubResult::Export(t.export_batch_if(offset, n, &filter)?),
+        SubOp::Export { offset, n, filter } => {
+            let e = t.export_batch_if(offset, n, &filter)?;
+            SubResult::Export(e, t.capacity())
+        }
         SubOp::SetEpoch(e) => {
             t.set_global_epoch(e);
             SubResult::Unit
         }
         SubOp::Reserve(c) => {
             t.reserve(c)?;
+            SubResult::Unit
+        }
+        SubOp::Size => SubResult::Size { size: t.size(), capacity: t.capacity() },
+        SubOp::Stats => SubResult::Stats(Box::new(t.stats())),
+        SubOp::ClockScore => SubResult::Count(t.clock_score()),
+        SubOp::ResumeAfter(s) => {
+            t.resume_after(s);
             SubResult::Unit
         }
     })

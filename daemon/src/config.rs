@@ -81,7 +81,7 @@ pub struct Config {
     /// Limits.
     pub limits: Limits,
     /// Checkpoints.
-    pub checkpoint: crate::ckpt::CheckpointConfig,
+    pub checkpoint: CheckpointConfig,
     /// What to restore at start: `latest`, a checkpoint id, or `none`.
     pub restore: String,
     /// Tables created at start.
@@ -167,6 +167,28 @@ impl Config {
     /// The state directory after defaults.
     pub fn state_path(&self) -> PathBuf {
         self.state_dir.clone().unwrap_or_else(|| PathBuf::from("hkvd-state"))
+    }
+}
+
+/// The `[checkpoint]` section of the config.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CheckpointConfig {
+    /// Seconds between scheduled checkpoints; none = only on demand.
+    pub interval_s: Option<u64>,
+    /// Complete checkpoints kept (plus the bases incremental ones need).
+    pub keep: usize,
+    /// Incremental checkpoints between two full ones; 0 = always full.
+    pub full_every: u32,
+    /// Target bytes per chunk.
+    pub chunk_bytes: u64,
+    /// Take a checkpoint after draining on SIGTERM / shutdown.
+    pub on_shutdown: bool,
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        CheckpointConfig { interval_s: None, keep: 3, full_every: 4, chunk_bytes: 8 << 20, on_shutdown: false }
     }
 }
 

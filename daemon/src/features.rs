@@ -3,12 +3,12 @@
 //! Batches below [`GPU_MIN`] features stay on the CPU, where a round trip to
 //! the device would cost more than the hashing.
 
-use hkv_proto::{ErrorCode, FeatureHash, Features as WireFeatures, HashSpec, ProtoError};
+use hkv_proto::{ErrorCode, FeatureHash, Features as WireFeatures, HashSpec, ProtoError, TableSpec};
 use hkv_shard::features::{hash_features_cpu, Features, HashKind};
 use parking_lot::Mutex;
 use tracing::{info, warn};
 
-use crate::router::{shard_error, Table};
+use crate::error::shard_error;
 
 /// Smallest batch hashed on the GPU.
 pub const GPU_MIN: usize = 16 * 1024;
@@ -64,14 +64,14 @@ impl Hasher {
 }
 
 /// The hash a request asks for: its own, or its table's.
-pub fn resolve(spec: HashSpec, table: Option<&Table>) -> Result<(HashKind, u64), ProtoError> {
+pub fn resolve(spec: HashSpec, table: Option<&TableSpec>) -> Result<(HashKind, u64), ProtoError> {
     let h: FeatureHash = match spec {
         HashSpec::Given(h) => h,
         HashSpec::Table => match table {
-            Some(t) => t.spec.hash.clone().ok_or_else(|| {
+            Some(t) => t.hash.clone().ok_or_else(|| {
                 ProtoError::bad_request(format!(
                     "table {:?} has no hash setting: name a hash kind and num_buckets, or create the table with one",
-                    t.spec.name
+                    t.name
                 ))
             })?,
             None => return Err(ProtoError::bad_request("the table's hash was asked for, but no table was named")),

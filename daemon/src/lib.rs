@@ -1,18 +1,25 @@
 //! # hkvd: the embedding-cache daemon
 //!
 //! An actix `System` with one [`actor::ShardActor`] per device (per CPU shard
-//! on hosts without GPUs), a [`router::Router`] that spreads every table over
-//! them, and a Unix-socket [`server`] speaking `proto/PROTOCOL.md`.
+//! on hosts without GPUs) owning that device's shard of every table, a
+//! [`router::Router`] that spreads every table over them by messages, and a
+//! Unix-socket [`server`] speaking `proto/PROTOCOL.md`.
 //!
 //! # Layout
-//! - [`admin`] says who may run admin operations and read the state directory.
+//! - [`actor`] is the shard actor: the shards it owns, and its messages.
+//! - [`router`] maps tables and keys to actors and merges their answers.
+//! - [`frames`] keeps sent frames for find and echo answers to reuse.
+//! - [`features`] hashes raw features into keys (on the GPU when present).
 //! - [`budget`] counts table memory against limits before it is allocated.
-//! - [`config`] holds the TOML configuration and its defaults.
-//! - [`actor`] is the shard actor and the sub-batch messages.
 //! - [`ckpt`] takes and restores checkpoints.
-//! - [`router`] maps tables and keys to shards and merges answers.
-//! - [`server`] accepts connections, reads frames, answers requests.
+//! - [`state`] is what the request handlers share, and the server's counters.
+//! - [`server`] binds the socket, accepts connections, drains on shutdown.
+//! - [`connection`] reads one connection's frames and writes its answers.
+//! - [`handle`] answers one request.
+//! - [`admin`] says who may run admin operations and read the state directory.
 //! - [`stats`] renders statistics as JSON and Prometheus text.
+//! - [`config`] holds the TOML configuration and its defaults.
+//! - [`error`] maps shard errors to wire errors.
 //! - this file: [`run`], start to finish.
 
 #![forbid(unsafe_code)]
@@ -23,15 +30,19 @@ pub mod admin;
 pub mod budget;
 pub mod ckpt;
 pub mod config;
+pub mod connection;
+pub mod error;
 pub mod features;
+pub mod frames;
+pub mod handle;
 pub mod router;
 pub mod server;
+pub mod state;
 pub mod stats;
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use actix::SyncArbiter;
 use anyhow::Context;
 use hkv_shard::Backend;
 use tracing::{info, warn};
@@ -39,7 +50,8 @@ use tracing::{info, warn};
 use crate::actor::ShardActor;
 use crate::config::Config;
 use crate::router::Router;
-use crate::server::{SocketFile, State};
+use crate::server::SocketFile;
+use crate::state::State;
 
 /// Picks the backend and the shard actors: for each, the device ordinal it
 /// opens its shards on (CUDA), or its index (CPU).
@@ -119,54 +131,13 @@ pub fn run(config: Config) -> anyhow::Result<()> {
         tokio::runtime::Builder::new_multi_thread().worker_threads(workers).enable_all().build().expect("tokio runtime")
     });
     system.block_on(async move {
-        let threads = config.threads_per_shard.max(1);
-        let actors = ordinals
-            .iter()
-            .map(|&device| SyncArbiter::start(threads, move || ShardActor { device }))
-            .collect::<Vec<_>>();
-        let hash_gpu = (backend == Backend::Cuda).then(|| ordinals[0]);
-        let frame_cache = config.limits.frame_cache_bytes.unwrap_or(if backend == Backend::Cuda {
-            router::Frames::DEFAULT_TOTAL_CUDA
-        } else {
-            router::Frames::DEFAULT_TOTAL
-        });
-        let budget = budget::Budget::new(
-            backend,
-            ordinals.clone(),
-            config.limits.max_table_bytes.unwrap_or_else(|| budget::Budget::default_table_limit(backend, &ordinals)),
-            config.limits.max_host_tier_bytes.unwrap_or_else(budget::Budget::default_host_tier_limit),
-        );
-        let limits = budget.stats();
-        info!(
-            max_table_bytes = limits.max_table_bytes,
-            max_host_tier_bytes = limits.max_host_tier_bytes,
-            "table memory budget"
-        );
-        let router = Router::new(actors, backend, hash_gpu, frame_cache, budget, config.limits.max_frame_bytes);
-        for spec in &config.tables {
-            router
-                .create_table(spec.clone())
-                .await
-                .map_err(|e| anyhow::anyhow!("table {:?}: {}", spec.name, e.message))?;
-        }
-        // Socket activation: take the inherited listener when systemd passes one.
-        let mut fds = listenfd::ListenFd::from_env();
-        let (listener, socket_file) = match fds.take_unix_listener(0)? {
-            Some(l) => {
-                l.set_nonblocking(true)?;
-                info!("using the socket passed by systemd");
-                (tokio::net::UnixListener::from_std(l)?, SocketFile(None))
-            }
-            None => {
-                let path = config.socket_path();
-                (server::bind(&path, admin_gid)?, SocketFile(Some(path)))
-            }
-        };
+        let router = start_router(&config, backend, &ordinals).await?;
+        let (listener, socket_file) = listen(&config, admin_gid)?;
         let checkpoints = Arc::new(crate::ckpt::Checkpoints::open(&config.state_path(), config.checkpoint.clone())?);
         let uid = std::os::unix::fs::MetadataExt::uid(&std::fs::metadata("/proc/self")?);
         let (shutdown, _) = tokio::sync::watch::channel(false);
         let state = Arc::new(State {
-            router,
+            router: Arc::new(router),
             config: config.clone(),
             started: Instant::now(),
             shutdown,
@@ -177,40 +148,9 @@ pub fn run(config: Config) -> anyhow::Result<()> {
             checkpoints,
         });
         if config.restore != "none" {
-            match crate::ckpt::Checkpoints::restore(state.clone(), &config.restore).await {
-                Ok(Some(r)) => {
-                    for s in &r.skipped {
-                        warn!("skipped an unusable checkpoint: {s}");
-                    }
-                    info!(id = %r.id, tables = ?r.tables, entries = r.entries, dropped = ?r.dropped, "restored");
-                }
-                Ok(None) => info!("no checkpoint to restore"),
-                // Refuse to start rather than silently serve without the data;
-                // say how to start anyway (every file stays on disk).
-                Err(e) => anyhow::bail!(
-                    "restore {}: {}\n\
-                     hkvd did not start, so that no checkpointed data is silently lost; every checkpoint is kept. \
-                     To start with empty tables and keep the checkpoints on disk, use --restore none \
-                     (hkvctl restore ID can try one later); to try one checkpoint, use --restore ID \
-                     (ids are in the lines above, or in hkvctl checkpoints).",
-                    config.restore,
-                    e.message
-                ),
-            }
+            restore_at_start(&state).await?;
         }
-        if let Some(secs) = config.checkpoint.interval_s {
-            let st = state.clone();
-            tokio::spawn(async move {
-                let mut stop = st.shutdown.subscribe();
-                loop {
-                    tokio::select! {
-                        _ = tokio::time::sleep(std::time::Duration::from_secs(secs.max(1))) => {}
-                        _ = stop.changed() => return,
-                    }
-                    let _ = crate::ckpt::Checkpoints::take(st.clone(), false).await;
-                }
-            });
-        }
+        state.checkpoints.schedule(state.router.clone(), state.shutdown.subscribe());
         if let Some(addr) = &config.metrics_listen {
             let addr: std::net::SocketAddr = addr.parse().with_context(|| format!("metrics_listen {addr:?}"))?;
             let st = state.clone();
@@ -220,19 +160,7 @@ pub fn run(config: Config) -> anyhow::Result<()> {
                 }
             });
         }
-        let st = state.clone();
-        tokio::spawn(async move {
-            use tokio::signal::unix::{signal, SignalKind};
-            let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
-                warn!("cannot install signal handlers");
-                return;
-            };
-            tokio::select! {
-                _ = term.recv() => info!("SIGTERM: draining"),
-                _ = int.recv() => info!("SIGINT: draining"),
-            }
-            let _ = st.shutdown.send(true);
-        });
+        tokio::spawn(drain_on_signal(state.clone()));
         info!(
             socket = %socket_file.0.as_deref().map(|p| p.display().to_string()).unwrap_or_else(|| "inherited".into()),
             backend = %backend_name,
@@ -243,7 +171,7 @@ pub fn run(config: Config) -> anyhow::Result<()> {
         server::serve(state.clone(), listener).await;
         if config.checkpoint.on_shutdown {
             info!("final checkpoint before exit");
-            if let Err(e) = crate::ckpt::Checkpoints::take(state.clone(), false).await {
+            if let Err(e) = state.checkpoints.take(state.router.clone(), false).await {
                 warn!(error = %e.message, "final checkpoint failed");
             }
         }
@@ -253,4 +181,93 @@ pub fn run(config: Config) -> anyhow::Result<()> {
         actix_rt::System::current().stop();
         Ok(())
     })
+}
+
+/// The shard actors (one per device or CPU shard), the memory budget, and
+/// the router over them with the configured tables.
+async fn start_router(config: &Config, backend: Backend, ordinals: &[usize]) -> anyhow::Result<Router> {
+    let threads = config.threads_per_shard.max(1);
+    let actors = ordinals.iter().map(|&device| ShardActor::start(device, threads)).collect::<Vec<_>>();
+    let hash_gpu = (backend == Backend::Cuda).then(|| ordinals[0]);
+    let frame_cache = config.limits.frame_cache_bytes.unwrap_or(if backend == Backend::Cuda {
+        frames::Frames::DEFAULT_TOTAL_CUDA
+    } else {
+        frames::Frames::DEFAULT_TOTAL
+    });
+    let budget = budget::Budget::new(
+        backend,
+        ordinals.to_vec(),
+        config.limits.max_table_bytes.unwrap_or_else(|| budget::Budget::default_table_limit(backend, ordinals)),
+        config.limits.max_host_tier_bytes.unwrap_or_else(budget::Budget::default_host_tier_limit),
+    );
+    let limits = budget.stats();
+    info!(
+        max_table_bytes = limits.max_table_bytes,
+        max_host_tier_bytes = limits.max_host_tier_bytes,
+        "table memory budget"
+    );
+    let router = Router::new(actors, backend, hash_gpu, frame_cache, budget, config.limits.max_frame_bytes);
+    for spec in &config.tables {
+        router.create_table(spec.clone()).await.map_err(|e| anyhow::anyhow!("table {:?}: {}", spec.name, e.message))?;
+    }
+    Ok(router)
+}
+
+/// The listening socket: the one systemd passes (socket activation), else
+/// the configured path, bound here.
+fn listen(config: &Config, admin_gid: Option<u32>) -> anyhow::Result<(tokio::net::UnixListener, SocketFile)> {
+    let mut fds = listenfd::ListenFd::from_env();
+    Ok(match fds.take_unix_listener(0)? {
+        Some(l) => {
+            l.set_nonblocking(true)?;
+            info!("using the socket passed by systemd");
+            (tokio::net::UnixListener::from_std(l)?, SocketFile(None))
+        }
+        None => {
+            let path = config.socket_path();
+            (server::bind(&path, admin_gid)?, SocketFile(Some(path)))
+        }
+    })
+}
+
+/// Restores `--restore` before serving; refuses to start rather than
+/// silently serve without the data, and says how to start anyway (every
+/// file stays on disk).
+async fn restore_at_start(state: &State) -> anyhow::Result<()> {
+    let which = &state.config.restore;
+    match state.checkpoints.restore(state.router.clone(), which).await {
+        Ok(Some(r)) => {
+            for s in &r.skipped {
+                warn!("skipped an unusable checkpoint: {s}");
+            }
+            info!(id = %r.id, tables = ?r.tables, entries = r.entries, dropped = ?r.dropped, "restored");
+            Ok(())
+        }
+        Ok(None) => {
+            info!("no checkpoint to restore");
+            Ok(())
+        }
+        Err(e) => anyhow::bail!(
+            "restore {which}: {}\n\
+             hkvd did not start, so that no checkpointed data is silently lost; every checkpoint is kept. \
+             To start with empty tables and keep the checkpoints on disk, use --restore none \
+             (hkvctl restore ID can try one later); to try one checkpoint, use --restore ID \
+             (ids are in the lines above, or in hkvctl checkpoints).",
+            e.message
+        ),
+    }
+}
+
+/// Starts draining on SIGTERM or SIGINT.
+async fn drain_on_signal(state: Arc<State>) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        warn!("cannot install signal handlers");
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => info!("SIGTERM: draining"),
+        _ = int.recv() => info!("SIGINT: draining"),
+    }
+    let _ = state.shutdown.send(true);
 }

@@ -8,7 +8,7 @@ use hkv_proto::TableSpec;
 use hkv_shard::{Group, Op, ShardStats};
 use serde::{Deserialize, Serialize};
 
-use crate::server::State;
+use crate::state::State;
 
 /// Everything the daemon reports.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -81,14 +81,16 @@ pub struct TableStats {
     pub shards: Vec<ShardStats>,
 }
 
-/// Collects the current statistics.
-pub fn collect(state: &State) -> DaemonStats {
-    let tables = state
-        .router
-        .tables()
-        .iter()
-        .map(|t| {
-            let shards: Vec<ShardStats> = t.shards.iter().map(|s| s.stats()).collect();
+/// Collects the current statistics (each shard's from its actor).
+pub async fn collect(state: &State) -> Result<DaemonStats, hkv_proto::ProtoError> {
+    let mut per_table = vec![];
+    for t in state.router.tables() {
+        let shards = state.router.shard_stats(&t).await?;
+        per_table.push((t, shards));
+    }
+    let tables = per_table
+        .into_iter()
+        .map(|(t, shards)| {
             let size: u64 = shards.iter().map(|s| s.size).sum();
             let capacity: u64 = shards.iter().map(|s| s.capacity).sum();
             let mean = size as f64 / shards.len().max(1) as f64;
@@ -104,7 +106,7 @@ pub fn collect(state: &State) -> DaemonStats {
         })
         .collect();
     let s = &state.stats;
-    DaemonStats {
+    Ok(DaemonStats {
         version: env!("CARGO_PKG_VERSION").into(),
         uptime_s: state.started.elapsed().as_secs_f64(),
         backend: state.backend.clone(),
@@ -129,7 +131,7 @@ pub fn collect(state: &State) -> DaemonStats {
                 receiving_bytes: s.receiving_bytes.load(Relaxed),
             }
         },
-    }
+    })
 }
 
 fn family(out: &mut String, name: &str, kind: &str, help: &str) {
@@ -229,10 +231,13 @@ pub async fn http_listener(state: std::sync::Arc<State>, addr: std::net::SocketA
             let mut buf = [0u8; 1024];
             let n = s.read(&mut buf).await.unwrap_or(0);
             let ok = buf[..n].starts_with(b"GET /metrics");
-            let (status, body) = if ok {
-                ("200 OK", prometheus(&collect(&st)))
-            } else {
+            let (status, body) = if !ok {
                 ("404 Not Found", "try GET /metrics\n".to_string())
+            } else {
+                match collect(&st).await {
+                    Ok(d) => ("200 OK", prometheus(&d)),
+                    Err(e) => ("500 Internal Server Error", format!("{}\n", e.message)),
+                }
             };
             let head = format!(
                 "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",

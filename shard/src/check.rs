@@ -6,7 +6,7 @@ use crate::error::{Error, Result};
 use crate::is_reserved;
 
 /// An array must have `expected` elements.
-pub(crate) fn len(what: &'static str, got: usize, expected: usize, detail: impl FnOnce() -> String) -> Result<()> {
+pub fn len(what: &'static str, got: usize, expected: usize, detail: impl FnOnce() -> String) -> Result<()> {
     if got == expected {
         Ok(())
     } else {
@@ -15,7 +15,7 @@ pub(crate) fn len(what: &'static str, got: usize, expected: usize, detail: impl 
 }
 
 /// No key may be a reserved marker.
-pub(crate) fn keys(keys: &[u64]) -> Result<()> {
+pub fn keys(keys: &[u64]) -> Result<()> {
     match keys.iter().position(|&k| is_reserved(k)) {
         Some(index) => Err(Error::ReservedKey { key: keys[index], index }),
         None => Ok(()),
@@ -25,7 +25,7 @@ pub(crate) fn keys(keys: &[u64]) -> Result<()> {
 /// The target rows of [`crate::Shard::find_at`]: one per key, strictly
 /// increasing, inside an answer of `rows` found bytes and `rows × dim`
 /// values.
-pub(crate) fn rows_at(config: &TableConfig, n: usize, at: &[u32], values: usize, rows: usize) -> Result<()> {
+pub fn rows_at(config: &TableConfig, n: usize, at: &[u32], values: usize, rows: usize) -> Result<()> {
     per_key("target rows", at.len(), n)?;
     len("values", values, rows * config.dim, || format!("{rows} rows x dim {}", config.dim))?;
     if let Some(i) = at.windows(2).position(|w| w[0] >= w[1]) {
@@ -69,7 +69,7 @@ fn scores(config: &TableConfig, scores: Option<&[u64]>, n: usize, needed: bool) 
 
 /// find / contains: keys, the value array's length (find), one found flag
 /// per key, the scores array's length when asked for.
-pub(crate) fn lookup(
+pub fn lookup(
     config: &TableConfig,
     k: &[u64],
     value_len: Option<usize>,
@@ -91,7 +91,7 @@ pub(crate) fn lookup(
 /// The writes: keys, `(name, length)` of the value or delta array if any,
 /// caller scores against the policy (`inserts`: Custom needs them), one
 /// outcome per key when asked for.
-pub(crate) fn write(
+pub fn write(
     config: &TableConfig,
     k: &[u64],
     value_array: Option<(&'static str, usize)>,
@@ -112,7 +112,7 @@ pub(crate) fn write(
 }
 
 /// erase: keys, one erased flag per key when asked for.
-pub(crate) fn erase(k: &[u64], erased_len: Option<usize>) -> Result<()> {
+pub fn erase(k: &[u64], erased_len: Option<usize>) -> Result<()> {
     keys(k)?;
     match erased_len {
         Some(e) => per_key("erased", e, k.len()),

@@ -62,6 +62,8 @@
 //!   an unspecified order above), and the table never holds a key twice.
 //!
 //! # Layout
+//! - [`check`] holds the argument checks every backend runs (and the daemon,
+//!   on a batch it splits over shards).
 //! - [`config`] holds [`TableConfig`], [`ScorePolicy`], [`LfuTies`], [`BucketMode`].
 //! - [`hash`] computes bucket, digest and shard hashes.
 //! - [`score`] has the score rules per policy and the clocks.
@@ -88,7 +90,7 @@
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
 
-mod check;
+pub mod check;
 pub mod config;
 // The CPU prefetch (one intrinsic) is the one `unsafe` outside `cuda`.
 #[allow(unsafe_code)]

@@ -1,0 +1,266 @@
+//! Checkpoints of every table into the sled catalog of `hkv-checkpoint`, and
+//! restores through the router (so a checkpoint of N shards restores onto M).
+//!
+//! Export runs in the reader group in bounded chunks (`chunk_bytes`), so
+//! writers wait at most one chunk at a time and every entry is copied whole.
+//!
+//! # Layout
+//! - `schedule`: one checkpoint or restore at a time, started, taken,
+//!   scheduled, and its outcome recorded.
+//! - `write`: a checkpoint written, each shard exported in bounded batches
+//!   through its actor.
+//! - `restore`: a chain of checkpoints verified and loaded through the router.
+//! - this file: the catalog opened, status and listings.
+
+mod restore;
+mod schedule;
+mod write;
+
+use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use hkv_checkpoint::{Catalog, Kind};
+use hkv_proto::{ErrorCode, ProtoError};
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use tracing::{info, warn};
+
+use crate::config::CheckpointConfig;
+
+/// A checkpoint being written.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Progress {
+    /// Id (hex).
+    pub id: String,
+    /// `full` or `incremental`.
+    pub kind: String,
+    /// Entries written so far.
+    pub entries_done: u64,
+    /// Entries in the tables when it began (an upper bound for incremental ones).
+    pub entries_total: u64,
+    /// Bytes written so far.
+    pub bytes: u64,
+    /// Seconds since it began.
+    pub seconds: f64,
+    /// Entries per second so far.
+    pub rate: f64,
+    /// Seconds left at this rate.
+    pub eta_s: f64,
+    /// Chunk megabytes (10^6 B) per second so far.
+    #[serde(default)]
+    pub mb_per_s: f64,
+}
+
+/// The last checkpoint attempt.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Finished {
+    /// Id (hex), when it got one.
+    pub id: String,
+    /// `full` or `incremental`.
+    pub kind: String,
+    /// Completion time, ms since the Unix epoch.
+    pub finished_unix_ms: u64,
+    /// Entries.
+    pub entries: u64,
+    /// Bytes.
+    pub bytes: u64,
+    /// Duration.
+    pub seconds: f64,
+    /// The error, if it failed.
+    pub error: Option<String>,
+}
+
+/// Checkpoint status for stats and the console.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct CheckpointStats {
+    /// The one running, if any.
+    pub running: Option<Progress>,
+    /// The last one finished (or failed).
+    pub last: Option<Finished>,
+    /// Seconds until the next scheduled one.
+    pub next_in_s: Option<f64>,
+    /// The schedule.
+    pub interval_s: Option<u64>,
+    /// Checkpoints with a manifest in the store.
+    pub complete: usize,
+    /// The restore running, if any (kind: `load`: chunks read, verified and loaded into tables not yet visible).
+    pub restoring: Option<Progress>,
+    /// The last restore, with what it could not place.
+    pub last_restore: Option<Restored>,
+}
+
+/// A checkpoint as listed to clients.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Listing {
+    /// Id (hex).
+    pub id: String,
+    /// Creation time, ms since the Unix epoch.
+    pub created_unix_ms: u64,
+    /// `full` or `incremental on <base>`.
+    pub kind: String,
+    /// Table names and entry counts.
+    pub tables: Vec<(String, u64)>,
+    /// Entries.
+    pub entries: u64,
+    /// Chunk bytes.
+    pub bytes: u64,
+    /// `complete` or the problem.
+    pub status: String,
+}
+
+/// What a restore loaded.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Restored {
+    /// The checkpoint restored (hex).
+    pub id: String,
+    /// Checkpoints skipped because they were corrupt, with the reason.
+    pub skipped: Vec<String>,
+    /// Tables and the entries they hold after the restore.
+    pub tables: Vec<(String, u64)>,
+    /// Per table, the entries of the checkpoint that could not be placed
+    /// (refused by a full bucket, or evicted by another restored entry).
+    pub dropped: Vec<(String, u64)>,
+    /// Entries placed, over all tables.
+    pub entries: u64,
+    /// Chunk bytes read and loaded.
+    pub bytes: u64,
+    /// Seconds, verification included.
+    pub seconds: f64,
+    /// Chunk megabytes (10^6 B) per second, verification included.
+    pub mb_per_s: f64,
+}
+
+/// The daemon's checkpoints.
+pub struct Checkpoints {
+    catalog: Catalog,
+    config: CheckpointConfig,
+    running: Mutex<Option<Progress>>,
+    last: Mutex<Option<Finished>>,
+    next_due: Mutex<Option<Instant>>,
+    /// Held by the one checkpoint or restore running, from the moment it
+    /// is accepted: a checkpoint without `wait` claims it or answers busy.
+    gate: Arc<tokio::sync::Mutex<()>>,
+    incrementals: AtomicU32,
+    /// The router's table generation when the last checkpoint began.
+    chain_generation: AtomicU64,
+    restoring: Mutex<Option<Progress>>,
+    last_restore: Mutex<Option<Restored>>,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+fn kind_name(k: &Kind) -> String {
+    match k {
+        Kind::Full => "full".into(),
+        Kind::Incremental { base } => format!("incremental on {base:016x}"),
+    }
+}
+
+fn internal(e: impl std::fmt::Display) -> ProtoError {
+    ProtoError::new(ErrorCode::Internal, e.to_string())
+}
+
+impl Checkpoints {
+    /// Opens the catalog in `dir` and collects leftovers of interrupted checkpoints.
+    pub fn open(dir: &std::path::Path, config: CheckpointConfig) -> anyhow::Result<Checkpoints> {
+        let (catalog, rec) = Catalog::open_recovering(&dir.join("checkpoints"))?;
+        if let Some((why, aside)) = &rec.damaged {
+            warn!(
+                error = %why,
+                moved_to = %aside.display(),
+                rebuilt = rec.reindexed.len(),
+                "the checkpoint catalog was damaged: it was moved aside and rebuilt from the checkpoint directories"
+            );
+        } else if !rec.reindexed.is_empty() || !rec.unindexed.is_empty() {
+            warn!(
+                reindexed = ?rec.reindexed.iter().map(|i| format!("{i:016x}")).collect::<Vec<_>>(),
+                unindexed = ?rec.unindexed.iter().map(|i| format!("{i:016x}")).collect::<Vec<_>>(),
+                "the checkpoint catalog disagreed with the checkpoint directories; it was rebuilt from them"
+            );
+        }
+        if !rec.migrated.is_empty() {
+            info!(
+                checkpoints = ?rec.migrated.iter().map(|i| format!("{i:016x}")).collect::<Vec<_>>(),
+                "wrote missing directory manifests (earlier format, or deleted) from the catalog's copies"
+            );
+        }
+        for id in &rec.rewritten {
+            warn!(
+                checkpoint = %format!("{id:016x}"),
+                "the checkpoint's MANIFEST file was damaged; it was rewritten from the catalog's copy, which verifies, as does every chunk it names"
+            );
+        }
+        for (id, aside, why) in &rec.moved_aside {
+            warn!(
+                checkpoint = %format!("{id:016x}"),
+                moved_to = %aside.display(),
+                reason = %why,
+                "a checkpoint directory could not be repaired: it was moved aside (not deleted) and is no longer listed"
+            );
+        }
+        let removed = catalog.collect(config.keep, None)?;
+        if !removed.is_empty() {
+            info!(removed = removed.len(), "collected leftovers of interrupted or expired checkpoints");
+        }
+        let next_due = config.interval_s.map(|s| Instant::now() + Duration::from_secs(s.max(1)));
+        Ok(Checkpoints {
+            catalog,
+            config,
+            running: Mutex::new(None),
+            last: Mutex::new(None),
+            next_due: Mutex::new(next_due),
+            gate: Arc::new(tokio::sync::Mutex::new(())),
+            incrementals: AtomicU32::new(u32::MAX),
+            chain_generation: AtomicU64::new(u64::MAX),
+            restoring: Mutex::new(None),
+            last_restore: Mutex::new(None),
+        })
+    }
+
+    /// Status for stats.
+    pub fn stats(&self) -> CheckpointStats {
+        CheckpointStats {
+            running: self.running.lock().clone(),
+            last: self.last.lock().clone(),
+            next_in_s: self.next_due.lock().map(|t| t.saturating_duration_since(Instant::now()).as_secs_f64()),
+            interval_s: self.config.interval_s,
+            // Polled several times a second: count keys, decode nothing.
+            complete: self.catalog.count().unwrap_or(0),
+            restoring: self.restoring.lock().clone(),
+            last_restore: self.last_restore.lock().clone(),
+        }
+    }
+
+    /// Every checkpoint, newest first.
+    pub fn list(&self) -> Result<Vec<Listing>, ProtoError> {
+        Ok(self
+            .catalog
+            .list()
+            .map_err(internal)?
+            .into_iter()
+            .map(|l| match l.manifest {
+                Some(m) => Listing {
+                    id: format!("{:016x}", m.id),
+                    created_unix_ms: m.created_unix_ms,
+                    kind: kind_name(&m.kind),
+                    tables: m.tables.iter().map(|t| (t.name.clone(), t.entries)).collect(),
+                    entries: m.entries(),
+                    bytes: m.bytes(),
+                    status: l.status,
+                },
+                None => Listing {
+                    id: format!("{:016x}", l.id),
+                    created_unix_ms: 0,
+                    kind: "?".into(),
+                    tables: vec![],
+                    entries: 0,
+                    bytes: 0,
+                    status: l.status,
+                },
+            })
+            .collect())
+    }
+}

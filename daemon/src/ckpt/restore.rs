@@ -1,0 +1,586 @@
+//! A restore: the chain of the checkpoint asked for (or the newest usable
+//! one) verified and loaded into tables built beside the running ones,
+//! which are swapped in only once every chunk verified.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hkv_checkpoint::{Manifest, TableEntry};
+use hkv_proto::{ErrorCode, ProtoError, TableSpec};
+use hkv_shard::ScorePolicy;
+use tracing::{info, warn};
+
+use super::{internal, Checkpoints, Progress, Restored};
+use crate::router::{Router, Table};
+
+/// The entries of `c` that are live (in the sorted `live`) and not yet
+/// loaded from a newer part of the chain; marks them loaded.
+fn keep_newest(c: hkv_checkpoint::Chunk, live: &[u64], seen: &mut [bool]) -> hkv_checkpoint::Chunk {
+    let dim = c.dim;
+    let mut out = hkv_checkpoint::Chunk { dim, ..Default::default() };
+    for (i, (&k, &s)) in c.keys.iter().zip(&c.scores).enumerate() {
+        if let Ok(pos) = live.binary_search(&k) {
+            if !std::mem::replace(&mut seen[pos], true) {
+                out.keys.push(k);
+                out.scores.push(s);
+                out.values.extend_from_slice(&c.values[i * dim..(i + 1) * dim]);
+            }
+        }
+    }
+    out
+}
+
+/// The score a restored table's clock and epoch resume after
+/// (`Shard::resume_after`): the clock its checkpoint recorded when each
+/// shard's export ended, at or above every score a write gave. Not the
+/// highest restored score: a client's `load` can store any score (2^64 − 1),
+/// and resuming past it would give every later write that score for good.
+fn resume_point(t: &TableEntry, m: &Manifest, max_restored: u64) -> u64 {
+    if let Some(&clock) = t.clocks.iter().max() {
+        return clock;
+    }
+    // Older manifests (no `clocks`): the highest restored score, capped at
+    // the export-start watermark plus the checkpoint's duration in the
+    // policy's clock units, above which no write (only a `load`) can score.
+    let Some(&wm) = t.watermarks.iter().max() else { return max_restored };
+    let took_ns = (m.finished_unix_ms.saturating_sub(m.created_unix_ms) + 1).saturating_mul(1_000_000);
+    let cap = match t.policy.parse() {
+        Ok(ScorePolicy::Lru) => wm.saturating_add(took_ns),
+        Ok(ScorePolicy::EpochLru) => wm.saturating_add((took_ns >> 20) + 1),
+        Ok(ScorePolicy::EpochLfu) => wm | 0xffff_ffff,
+        _ => u64::MAX,
+    };
+    max_restored.min(cap)
+}
+
+impl Checkpoints {
+    /// Restores `which` (`latest` or a hex id). With `latest`, a corrupt
+    /// checkpoint is skipped with a warning and the previous complete one is
+    /// tried. Nothing a client can see changes before every chunk of the
+    /// chosen chain verified (see [`Checkpoints::load_chain`]).
+    pub async fn restore(self: &Arc<Self>, router: Arc<Router>, which: &str) -> Result<Option<Restored>, ProtoError> {
+        let _gate = self.gate.lock().await;
+        let which = which.to_string();
+        let ck = self.clone();
+        let handle = tokio::runtime::Handle::current();
+        tokio::task::spawn_blocking(move || ck.restore_blocking(&router, &which, &handle)).await.map_err(internal)?
+    }
+
+    fn restore_blocking(
+        &self,
+        router: &Router,
+        which: &str,
+        rt: &tokio::runtime::Handle,
+    ) -> Result<Option<Restored>, ProtoError> {
+        let started = Instant::now();
+        let candidates: Vec<u64> = if which == "latest" {
+            self.catalog.list().map_err(internal)?.into_iter().filter(|l| l.manifest.is_some()).map(|l| l.id).collect()
+        } else {
+            let id = u64::from_str_radix(which, 16).map_err(|_| {
+                ProtoError::bad_request(format!(
+                    "checkpoint id {which:?}: use `latest` or an id from `hkvctl checkpoints`"
+                ))
+            })?;
+            vec![id]
+        };
+        if candidates.is_empty() {
+            return Ok(None);
+        }
+        let mut skipped = vec![];
+        // Checkpoints found unusable by this restore, with why: a candidate
+        // whose chain holds one is skipped without reading it again.
+        let mut bad: Vec<u64> = vec![];
+        let tried = candidates.len();
+        for id in candidates {
+            let progress = |phase: &str, id: u64, done: u64, total: u64, bytes: u64| {
+                let secs = started.elapsed().as_secs_f64();
+                let rate = done as f64 / secs.max(1e-9);
+                *self.restoring.lock() = Some(Progress {
+                    id: format!("{id:016x}"),
+                    kind: phase.into(),
+                    entries_done: done,
+                    entries_total: total,
+                    bytes,
+                    seconds: secs,
+                    rate,
+                    eta_s: total.saturating_sub(done) as f64 / rate.max(1e-9),
+                    mb_per_s: bytes as f64 / 1e6 / secs.max(1e-9),
+                });
+            };
+            let loaded = self.catalog.chain(id).map_err(Failure::Unusable).and_then(|chain| {
+                if let Some(b) = bad.iter().find(|b| chain.iter().any(|m| m.id == **b)) {
+                    return Err(Failure::Known(*b));
+                }
+                self.load_chain(router, &chain, rt, &progress).map(|l| (chain, l))
+            });
+            match loaded {
+                Ok((chain, (loaded, dropped, bytes))) => {
+                    *self.restoring.lock() = None;
+                    for m in &chain {
+                        self.catalog.clear_corrupt(m.id);
+                    }
+                    let seconds = started.elapsed().as_secs_f64();
+                    let r = Restored {
+                        id: format!("{:016x}", chain.last().map_or(id, |m| m.id)),
+                        skipped,
+                        entries: loaded.iter().map(|(_, n)| n).sum(),
+                        tables: loaded,
+                        dropped,
+                        bytes,
+                        seconds,
+                        mb_per_s: bytes as f64 / 1e6 / seconds.max(1e-9),
+                    };
+                    info!(
+                        id = %r.id,
+                        tables = r.tables.len(),
+                        entries = r.entries,
+                        dropped = r.dropped.iter().map(|(_, n)| n).sum::<u64>(),
+                        seconds = r.seconds,
+                        mb_per_s = r.mb_per_s,
+                        "checkpoint restored"
+                    );
+                    *self.last_restore.lock() = Some(r.clone());
+                    return Ok(Some(r));
+                }
+                Err(f) => {
+                    // One line per checkpoint tried, naming it and why.
+                    let (why, broken) = match f {
+                        Failure::Refused(e) => {
+                            *self.restoring.lock() = None;
+                            return Err(e);
+                        }
+                        Failure::Known(b) if b == id => ("it was found corrupt above".to_string(), false),
+                        Failure::Known(b) => (format!("its base {b:016x} was found unusable above"), false),
+                        Failure::Unusable(e) => {
+                            if let Some(d) = e.damaged_checkpoint() {
+                                self.catalog.mark_corrupt(d, &e.to_string());
+                                bad.push(d);
+                            }
+                            let broken = matches!(
+                                e,
+                                hkv_checkpoint::Error::BrokenChain { .. } | hkv_checkpoint::Error::NotFound(_)
+                            );
+                            (e.to_string(), broken)
+                        }
+                    };
+                    let line = format!("checkpoint {id:016x} not restored: {why}");
+                    if which != "latest" {
+                        *self.restoring.lock() = None;
+                        // An id the catalog does not list, or a chain whose
+                        // base is gone, is the caller's to fix, not the daemon's.
+                        let listed = self.catalog.list().is_ok_and(|l| l.iter().any(|l| l.id == id));
+                        let not_found = !listed || broken;
+                        return Err(ProtoError::new(
+                            if not_found { ErrorCode::NotFound } else { ErrorCode::Internal },
+                            if why.contains("hkvctl checkpoints") {
+                                why.clone()
+                            } else {
+                                format!("{why}; restore another complete checkpoint instead (hkvctl checkpoints)")
+                            },
+                        ));
+                    }
+                    warn!(checkpoint = %format!("{id:016x}"), reason = %why, "checkpoint skipped; trying the previous complete one");
+                    skipped.push(line);
+                }
+            }
+        }
+        *self.restoring.lock() = None;
+        Err(ProtoError::new(
+            ErrorCode::Internal,
+            format!("no usable checkpoint among the {tried} tried:\n  {}", skipped.join("\n  ")),
+        ))
+    }
+
+    /// Per table of `target` whose key lists decide (`has_live`), every
+    /// key it held, sorted.
+    fn live_keys(
+        &self,
+        target: &Manifest,
+        tables: &[&TableEntry],
+        has_live: &[bool],
+    ) -> Result<Vec<Option<Vec<u64>>>, Failure> {
+        let mut lives = vec![];
+        for (t, &live) in tables.iter().zip(has_live) {
+            lives.push(if live {
+                let mut keys = vec![];
+                for c in &t.keys {
+                    keys.extend(self.catalog.read_keys(target.id, c).map_err(Failure::Unusable)?);
+                }
+                keys.sort_unstable();
+                keys.dedup();
+                Some(keys)
+            } else {
+                None
+            });
+        }
+        Ok(lives)
+    }
+
+    /// Restores a chain: each table of its last checkpoint gets exactly the
+    /// entries it held then, each loaded once with its score; every entry
+    /// that could not be placed is counted. Returns per table the entries
+    /// placed and dropped, and the chunk bytes read.
+    ///
+    /// Everything that can be refused is checked first: dims and policies,
+    /// then every table is *built* (charged to the memory budget) before any
+    /// entry is read: the missing ones from the checkpoint's specs, and a
+    /// fresh copy of each running one with its running spec. A refusal
+    /// (`resource_exhausted`, …) drops what was built and restores nothing.
+    ///
+    /// Then one pass reads the chain: a reader thread reads and verifies
+    /// each chunk (its checksum) while this thread loads the previous one
+    /// into the built tables, so disk reads overlap loading and each chunk
+    /// is read once. Built tables are invisible to clients: a corrupt or
+    /// missing chunk found half way drops them, and nothing a client sees
+    /// has changed. Only when every chunk verified are they swapped in, all
+    /// at once ([`Router::install`]); writes made to a restored table while
+    /// the restore ran are replaced with it.
+    ///
+    /// A running table for which the budget has no room for a copy is
+    /// restored in place instead: its chunks are verified in the same pass,
+    /// and only after every chunk of the chain verified is it emptied and
+    /// loaded (a second read of its chunks).
+    fn load_chain(
+        &self,
+        router: &Router,
+        chain: &[Manifest],
+        rt: &tokio::runtime::Handle,
+        progress: &dyn Fn(&str, u64, u64, u64, u64),
+    ) -> Result<Loaded, Failure> {
+        let target = chain.last().ok_or_else(|| Failure::Refused(internal("an empty chain")))?;
+        // Check every table before loading any.
+        check_compatible(router, target)?;
+        // Per table, the manifests to apply: from the last holding it whole.
+        let plan: Vec<(&TableEntry, Vec<(u64, &TableEntry)>)> = target
+            .tables
+            .iter()
+            .map(|t| {
+                let from = chain.iter().rposition(|m| m.tables.iter().any(|x| x.name == t.name && x.full)).unwrap_or(0);
+                let parts =
+                    chain[from..].iter().filter_map(|m| m.tables.iter().find(|x| x.name == t.name).map(|x| (m.id, x)));
+                (t, parts.collect())
+            })
+            .collect();
+        // Every chunk, in the order it is applied: per table, newest part
+        // first when a key list decides (the first version of a key seen wins).
+        let has_live: Vec<bool> = plan.iter().map(|(t, _)| !t.full && !t.keys.is_empty()).collect();
+        let work: Vec<(usize, u64, &hkv_checkpoint::ChunkRef)> = plan
+            .iter()
+            .enumerate()
+            .flat_map(|(i, (_, parts))| {
+                let order: Vec<&(u64, &TableEntry)> =
+                    if has_live[i] { parts.iter().rev().collect() } else { parts.iter().collect() };
+                order.into_iter().flat_map(move |(id, te)| te.chunks.iter().map(move |c| (i, *id, c)))
+            })
+            .collect();
+        let total: u64 = work.iter().map(|(_, _, c)| c.entries).sum();
+        // An incremental's key lists name every key the table held: older
+        // parts of the chain load only those (erasures and evictions since
+        // the base stay gone), and each key only from its newest part.
+        let lives = self.live_keys(target, &plan.iter().map(|(t, _)| *t).collect::<Vec<_>>(), &has_live)?;
+        let mut seen: Vec<Vec<bool>> = lives.iter().map(|l| vec![false; l.as_ref().map_or(0, |k| k.len())]).collect();
+        let mut max_score = vec![0u64; plan.len()];
+        let mut lost = vec![0u64; plan.len()];
+        let (mut done, mut bytes) = (0u64, 0u64);
+        // Loads one verified chunk into `into`.
+        let mut apply = |i: usize, mut chunk: hkv_checkpoint::Chunk, into: &Table| {
+            if let Some(live) = &lives[i] {
+                chunk = keep_newest(chunk, live, &mut seen[i]);
+            }
+            if chunk.keys.is_empty() {
+                return Ok(());
+            }
+            max_score[i] = chunk.scores.iter().copied().fold(max_score[i], u64::max);
+            let s = rt
+                .block_on(router.load_into(into, chunk.keys, chunk.values, chunk.scores))
+                .map_err(Failure::Refused)?;
+            // Evicted: a restored entry lost its slot to another; rejected: one never placed.
+            lost[i] += s.evicted + s.rejected;
+            Ok(())
+        };
+        let check_dim = |i: usize, id: u64, c: &hkv_checkpoint::ChunkRef, chunk: &hkv_checkpoint::Chunk| {
+            if chunk.dim == plan[i].0.dim {
+                return Ok(());
+            }
+            Err(Failure::Unusable(hkv_checkpoint::Error::CorruptChunk {
+                id,
+                chunk: c.key.clone(),
+                why: format!("dim {}, the manifest says {}", chunk.dim, plan[i].0.dim),
+            }))
+        };
+        let mut built: Vec<Option<Arc<Table>>> = vec![None; plan.len()];
+        let running: Vec<Option<Arc<Table>>> = plan.iter().map(|(t, _)| router.table(&t.name).ok()).collect();
+        let consumed = AtomicU64::new(0);
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|s| -> Result<(), Failure> {
+            // Tells the prefetcher to stop however this scope is left.
+            struct Stop<'a>(&'a AtomicBool);
+            impl Drop for Stop<'_> {
+                fn drop(&mut self) {
+                    self.0.store(true, Relaxed);
+                }
+            }
+            let _stop = Stop(&stop);
+            // From before the tables are built (see `prefetch`).
+            let (work, catalog, consumed, stop) = (&work, &self.catalog, &consumed, &stop);
+            s.spawn(move || prefetch(catalog, work, consumed, stop));
+            let entries: Vec<&TableEntry> = plan.iter().map(|(t, _)| *t).collect();
+            built = build_tables(router, rt, target, &entries, &running)?;
+            // The reader: reads and verifies each chunk while the previous
+            // one loads; four in flight (32 MiB by default).
+            let (tx, rx) = std::sync::mpsc::sync_channel(4);
+            s.spawn(move || {
+                for (j, (_, id, c)) in work.iter().enumerate() {
+                    let r = catalog.read_chunk(*id, c);
+                    let failed = r.is_err();
+                    if tx.send((j, r)).is_err() || failed {
+                        return;
+                    }
+                }
+            });
+            for (j, r) in rx {
+                let (i, id, c) = work[j];
+                let chunk = r.map_err(Failure::Unusable)?;
+                check_dim(i, id, c, &chunk)?;
+                done += chunk.keys.len() as u64;
+                bytes += c.bytes;
+                consumed.store(bytes, Relaxed);
+                if let Some(b) = &built[i] {
+                    apply(i, chunk, b)?;
+                }
+                progress("load", target.id, done, total, bytes);
+            }
+            Ok(())
+        })?;
+        if done < total {
+            // The reader stopped without an error: cannot happen, but never install a partial table.
+            return Err(Failure::Refused(internal("the chunk reader stopped early")));
+        }
+        // Every chunk verified: from here on the restore changes what clients see.
+        // A restore ends the chain: the next checkpoint is full.
+        self.incrementals.store(u32::MAX, Relaxed);
+        for i in 0..plan.len() {
+            let (Some(r), None) = (&running[i], &built[i]) else { continue };
+            rt.block_on(router.clear(r)).map_err(Failure::Refused)?;
+            for &(_, id, c) in work.iter().filter(|w| w.0 == i) {
+                let chunk = self.catalog.read_chunk(id, c).map_err(|e| Failure::Refused(internal(e)))?;
+                apply(i, chunk, r)?;
+            }
+        }
+        let mut fresh = vec![];
+        for (i, b) in built.iter().enumerate() {
+            if let (Some(b), Some(r)) = (b, &running[i]) {
+                b.epoch.store(r.epoch.load(Relaxed), Relaxed);
+            }
+            fresh.extend(b.clone());
+        }
+        router.install(fresh);
+        let tables: Vec<Option<&Arc<Table>>> =
+            built.iter().zip(&running).map(|(b, r)| b.as_ref().or(r.as_ref())).collect();
+        let (placed_all, dropped) = settle(router, rt, target, &tables, &max_score, &lost)?;
+        Ok((placed_all, dropped, bytes))
+    }
+}
+
+/// Per table the entries placed, per table those dropped, and chunk bytes read.
+/// A count per table name.
+type PerTable = Vec<(String, u64)>;
+
+/// After a restore's entries are in: each table's clock and epoch moved past
+/// them, its change tracking reset, and per table the entries placed and
+/// those dropped (`lost`), with a warning where any were.
+fn settle(
+    router: &Router,
+    rt: &tokio::runtime::Handle,
+    target: &Manifest,
+    tables: &[Option<&Arc<Table>>],
+    max_score: &[u64],
+    lost: &[u64],
+) -> Result<(PerTable, PerTable), Failure> {
+    let (mut placed_all, mut dropped) = (vec![], vec![]);
+    for (i, t) in target.tables.iter().enumerate() {
+        let Some(table) = tables[i] else { continue };
+        let resume = resume_point(t, target, max_score[i]);
+        rt.block_on(router.resume_after(table, resume)).map_err(Failure::Refused)?;
+        // What the restore wrote is the state at the checkpoint, not a change since.
+        table.untracked.store(false, Relaxed);
+        let sizes = rt.block_on(router.sizes(table)).map_err(Failure::Refused)?;
+        let placed = sizes.iter().map(|s| s.0).sum();
+        if lost[i] > 0 {
+            warn!(
+                table = %t.name,
+                dropped = lost[i],
+                placed,
+                capacity = sizes.iter().map(|s| s.1).sum::<u64>(),
+                "restore could not place every entry: buckets overflowed (the table cannot grow further)"
+            );
+        }
+        placed_all.push((t.name.clone(), placed));
+        dropped.push((t.name.clone(), lost[i]));
+    }
+    Ok((placed_all, dropped))
+}
+
+/// Builds every table of `target` before any entry is read (invisible to
+/// clients until installed): missing ones first, from the checkpoint's
+/// specs (they must fit), then copies of the `running` ones with their
+/// running specs (None: no room for a copy, restored in place).
+fn build_tables(
+    router: &Router,
+    rt: &tokio::runtime::Handle,
+    target: &Manifest,
+    tables: &[&TableEntry],
+    running: &[Option<Arc<Table>>],
+) -> Result<Vec<Option<Arc<Table>>>, Failure> {
+    let mut built = vec![None; tables.len()];
+    for pass in [false, true] {
+        for (i, t) in tables.iter().enumerate() {
+            if running[i].is_some() != pass {
+                continue;
+            }
+            let spec: TableSpec = match &running[i] {
+                Some(r) => r.spec.clone(),
+                None => serde_json::from_value(t.spec.clone()).map_err(|e| {
+                    Failure::Unusable(hkv_checkpoint::Error::CorruptManifest {
+                        id: target.id,
+                        why: format!("table {:?}: spec: {e}", t.name),
+                    })
+                })?,
+            };
+            match rt.block_on(router.build_table(spec)) {
+                Ok(b) => built[i] = Some(b),
+                // No room for a copy of a running table: restore it in place.
+                Err(e) if pass && e.code == ErrorCode::ResourceExhausted => {
+                    info!(table = %t.name, reason = %e.message, "no memory for a copy: the table is restored in place after verification");
+                }
+                Err(mut e) => {
+                    e.message = format!(
+                        "checkpoint {:016x} not restored (nothing was changed): table {:?}: {}",
+                        target.id, t.name, e.message
+                    );
+                    return Err(Failure::Refused(e));
+                }
+            }
+        }
+    }
+    Ok(built)
+}
+
+/// Refuses a checkpoint whose tables differ from running tables of the
+/// same names in dim or policy.
+fn check_compatible(router: &Router, target: &Manifest) -> Result<(), Failure> {
+    for t in &target.tables {
+        let Ok(running) = router.table(&t.name) else { continue };
+        let mut diff = vec![];
+        if running.spec.dim != t.dim {
+            diff.push(format!("dim {} here, {} in the checkpoint", running.spec.dim, t.dim));
+        }
+        if running.spec.policy != t.policy {
+            diff.push(format!("policy {} here, {} in the checkpoint", running.spec.policy, t.policy));
+        }
+        if !diff.is_empty() {
+            return Err(Failure::Refused(ProtoError::bad_request(format!(
+                "checkpoint {:016x} cannot be restored into table {:?}: {}; drop the table or restore elsewhere",
+                target.id,
+                t.name,
+                diff.join(", ")
+            ))));
+        }
+    }
+    Ok(())
+}
+
+/// Reads the chunk files of `work` in order into the page cache, up to
+/// 512 MB ahead of what the loader `consumed`, until done or `stop`:
+/// zeroing a large table's memory takes seconds of CPU, during which the
+/// disk would otherwise sit idle. Correctness never depends on it (the
+/// reader verifies what it reads itself).
+fn prefetch(
+    catalog: &hkv_checkpoint::Catalog,
+    work: &[(usize, u64, &hkv_checkpoint::ChunkRef)],
+    consumed: &AtomicU64,
+    stop: &AtomicBool,
+) {
+    let mut buf = vec![];
+    let mut ahead = 0u64;
+    for (_, _, c) in work {
+        while ahead.saturating_sub(consumed.load(Relaxed)) > 512 << 20 {
+            if stop.load(Relaxed) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        if stop.load(Relaxed) {
+            return;
+        }
+        buf.clear();
+        let read =
+            std::fs::File::open(catalog.chunk_path(c)).and_then(|mut f| std::io::Read::read_to_end(&mut f, &mut buf));
+        if read.is_err() {
+            return;
+        }
+        ahead += c.bytes;
+    }
+}
+
+type Loaded = (Vec<(String, u64)>, Vec<(String, u64)>, u64);
+
+/// Why a chain was not restored.
+enum Failure {
+    /// Its files: corrupt, missing or unreadable (with `latest`, the
+    /// previous complete checkpoint is tried).
+    Unusable(hkv_checkpoint::Error),
+    /// Refused or failed as a request (returned as it is).
+    Refused(ProtoError),
+    /// Its chain holds a checkpoint this restore already found unusable
+    /// (that one's id): skipped without reading it again.
+    Known(u64),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hkv_checkpoint::Kind;
+
+    fn entry(policy: &str, watermarks: Vec<u64>, clocks: Vec<u64>) -> TableEntry {
+        TableEntry {
+            name: "t".into(),
+            dim: 1,
+            policy: policy.into(),
+            mode: "single".into(),
+            spec: serde_json::json!({}),
+            shards: 1,
+            entries: 1,
+            full: true,
+            watermarks,
+            clocks,
+            chunks: vec![],
+            keys: vec![],
+        }
+    }
+
+    /// A loaded score of 2^64 - 1 made every later write score 2^64 - 1 after
+    /// a restart (the clock resumed past the highest restored score). The
+    /// recorded clock decides now; older manifests cap the restored maximum.
+    #[test]
+    fn the_clock_resumes_from_the_recorded_clock_or_a_capped_maximum() {
+        let m = Manifest {
+            format: 1,
+            id: 1,
+            created_unix_ms: 1000,
+            finished_unix_ms: 1009,
+            daemon_version: "t".into(),
+            kind: Kind::Full,
+            tables: vec![],
+        };
+        assert_eq!(resume_point(&entry("lru", vec![5, 7], vec![90, 80]), &m, u64::MAX), 90);
+        // No clocks: capped at the watermark plus 10 ms in ns.
+        assert_eq!(resume_point(&entry("lru", vec![5, 7], vec![]), &m, u64::MAX), 7 + 10_000_000);
+        assert_eq!(resume_point(&entry("lru", vec![5, 7], vec![]), &m, 6), 6, "a legit maximum stays");
+        let wm = (3u64 << 32) | 100;
+        assert_eq!(resume_point(&entry("epoch-lru", vec![wm], vec![]), &m, u64::MAX) >> 32, 3);
+        assert_eq!(resume_point(&entry("epoch-lfu", vec![3 << 32], vec![]), &m, u64::MAX), (3 << 32) | 0xffff_ffff);
+        assert_eq!(resume_point(&entry("lru", vec![], vec![]), &m, 42), 42, "nothing recorded: today's rule");
+    }
+}

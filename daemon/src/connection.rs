@@ -1,0 +1,300 @@
+//! One connection: frames read as they arrive (one task per request, at
+//! most `max_in_flight` at once), request bodies and answers counted
+//! against `max_bytes_in_flight`, a writer task sending answers as they
+//! complete.
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hkv_proto::{check_frame, ErrorCode, FrameBuf, FrameCheck, Header, ProtoError, Response, HEADER_LEN};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
+use tokio::net::unix::OwnedWriteHalf;
+use tokio::net::UnixStream;
+use tokio::sync::{mpsc, Semaphore};
+use tracing::{debug, warn};
+
+use crate::admin::Peer;
+use crate::handle::handle;
+use crate::state::{InFlight, State};
+
+fn error_frame(id: u64, op: u8, e: ProtoError) -> FrameBuf {
+    FrameBuf::Vec(Response::Error(e).encode(op, id))
+}
+
+/// Reads one header; `Ok(None)` is a clean close between frames.
+async fn read_header<R: AsyncReadExt + Unpin>(r: &mut R) -> std::io::Result<Option<[u8; HEADER_LEN]>> {
+    let mut h = [0u8; HEADER_LEN];
+    let mut got = 0;
+    while got < HEADER_LEN {
+        let n = r.read(&mut h[got..]).await?;
+        if n == 0 {
+            return if got == 0 {
+                Ok(None)
+            } else {
+                Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "connection closed inside a frame header"))
+            };
+        }
+        got += n;
+    }
+    Ok(Some(h))
+}
+
+/// An answer to send, with its share of the bytes in flight (given back
+/// once it is written to the socket).
+type Answer = (FrameBuf, Option<InFlight>);
+
+/// Serves one connection until the peer closes it, or until shutdown once
+/// its in-flight requests are answered.
+pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
+    let st = &state.stats;
+    st.accepted.fetch_add(1, Relaxed);
+    let open = st.connections.fetch_add(1, Relaxed) + 1;
+    let _open = scopeguard(|| {
+        state.stats.connections.fetch_sub(1, Relaxed);
+    });
+    let peer = match stream.peer_cred() {
+        Ok(c) => Arc::new(Peer::new(c.uid(), c.gid(), c.pid())),
+        Err(e) => {
+            warn!(error = %e, "no peer credentials; closing");
+            return;
+        }
+    };
+    let (rd, wr) = stream.into_split();
+    let (tx, rx) = mpsc::channel::<Answer>(256);
+    let writer = tokio::spawn(write_answers(state.clone(), wr, rx));
+    if open > state.config.limits.max_connections {
+        let e = ProtoError::new(
+            ErrorCode::Busy,
+            format!("{} connections are open (limits.max_connections); try again later", open - 1),
+        );
+        let _ = tx.send((error_frame(0, hkv_proto::op::ERROR, e), None)).await;
+        drop(tx);
+        let _ = writer.await;
+        return;
+    }
+    let limits = &state.config.limits;
+    let stall = Duration::from_secs(limits.body_stall_seconds.max(1));
+    let sem = Arc::new(Semaphore::new(limits.max_in_flight));
+    let mut rd = BufReader::with_capacity(1 << 16, rd);
+    let mut stop = state.shutdown.subscribe();
+    // A connection accepted as shutdown began must not wait for a change.
+    let mut draining = *stop.borrow();
+    loop {
+        let header = if draining {
+            // Requests still arriving are answered `shutting_down` until
+            // this connection's in-flight requests are done.
+            tokio::select! {
+                h = read_header(&mut rd) => h,
+                _ = sem.acquire_many(limits.max_in_flight as u32) => break,
+            }
+        } else {
+            tokio::select! {
+                h = read_header(&mut rd) => h,
+                _ = stop.changed() => {
+                    draining = true;
+                    continue;
+                }
+            }
+        };
+        let raw = match header {
+            Ok(Some(h)) => h,
+            Ok(None) => break,
+            Err(e) => {
+                debug!(error = %e, "connection closed mid-frame");
+                break;
+            }
+        };
+        let (h, refusal) = match admit(&raw, limits.max_frame_bytes, draining) {
+            Ok(admitted) => admitted,
+            Err(e) => {
+                st.errors.fetch_add(1, Relaxed);
+                let _ = tx.send((error_frame(0, hkv_proto::op::ERROR, e), None)).await;
+                break;
+            }
+        };
+        let body = match refusal {
+            Some(e) => Err((e, 0)),
+            None => match read_body(&mut rd, h.body_len as usize, &state, stall).await {
+                Ok(b) => b,
+                Err(e) => {
+                    debug!(error = %e, "connection closed inside a frame body");
+                    break;
+                }
+            },
+        };
+        let (body, charge) = match body {
+            Ok(b) => b,
+            Err((e, read)) => {
+                st.errors.fetch_add(1, Relaxed);
+                let _ = tx.send((error_frame(h.id, h.op, e), None)).await;
+                let rest = h.body_len as u64 - read as u64;
+                let skipped = tokio::io::copy(&mut (&mut rd).take(rest), &mut tokio::io::sink()).await;
+                if skipped.map(|n| n < rest).unwrap_or(true) {
+                    break;
+                }
+                continue;
+            }
+        };
+        let Ok(permit) = sem.clone().acquire_owned().await else { break };
+        let (state, tx, peer) = (state.clone(), tx.clone(), peer.clone());
+        tokio::spawn(async move {
+            let answer = run(&state, &h, body, charge, &peer).await;
+            let _ = tx.send(answer).await;
+            drop(permit);
+        });
+    }
+    // Wait for this connection's in-flight requests, then let the writer finish.
+    let _ = sem.acquire_many(limits.max_in_flight as u32).await;
+    drop(tx);
+    let _ = writer.await;
+}
+
+/// Writes answers as they come: everything queued, then a flush when
+/// nothing else is, so answers never linger; each sent frame goes back for
+/// reuse.
+async fn write_answers(state: Arc<State>, wr: OwnedWriteHalf, mut rx: mpsc::Receiver<Answer>) {
+    let mut w = BufWriter::with_capacity(1 << 16, wr);
+    while let Some(mut f) = rx.recv().await {
+        loop {
+            if w.write_all(f.0.bytes()).await.is_err() {
+                return;
+            }
+            state.router.frames.put(f.0);
+            drop(f.1);
+            match rx.try_recv() {
+                Ok(next) => f = next,
+                Err(_) => break,
+            }
+        }
+        if w.flush().await.is_err() {
+            return;
+        }
+    }
+    let _ = w.flush().await;
+}
+
+/// The header of a frame whose body may be read, or of one to refuse
+/// (oversized: its body is skipped unread; or sent while draining). An
+/// `Err` is a header that cannot be decoded: the connection closes.
+fn admit(
+    raw: &[u8; HEADER_LEN],
+    max_frame_bytes: u32,
+    draining: bool,
+) -> Result<(Header, Option<ProtoError>), ProtoError> {
+    match check_frame(raw, max_frame_bytes)? {
+        FrameCheck::Oversized(h) => {
+            let e = ProtoError::new(
+                ErrorCode::Oversized,
+                format!(
+                    "frame body of {} bytes is above limits.max_frame_bytes = {max_frame_bytes}; send smaller batches",
+                    h.body_len
+                ),
+            );
+            Ok((h, Some(e)))
+        }
+        FrameCheck::Ready(_) | FrameCheck::NeedMore => {
+            let h = Header::decode(raw)?;
+            let e = draining.then(|| {
+                ProtoError::new(
+                    ErrorCode::ShuttingDown,
+                    "the daemon is shutting down: requests sent before it began are answered, this one is not run",
+                )
+            });
+            Ok((h, e))
+        }
+    }
+}
+
+/// Runs one request, counted among those in flight, and frames its answer.
+async fn run(state: &Arc<State>, h: &Header, body: Vec<u8>, charge: InFlight, peer: &Peer) -> Answer {
+    state.stats.in_flight.fetch_add(1, Relaxed);
+    let (resp, answer) = handle(state, h, &body, peer).await;
+    drop(body);
+    drop(charge);
+    state.stats.in_flight.fetch_sub(1, Relaxed);
+    state.stats.requests.fetch_add(1, Relaxed);
+    if matches!(resp, Response::Error(_)) {
+        state.stats.errors.fetch_add(1, Relaxed);
+    }
+    (resp.into_frame(h.op, h.id), answer)
+}
+
+/// Bodies up to this size are not counted among those still arriving (each
+/// connection receives one body at a time, so they hold at most
+/// `max_connections` × 64 KiB): a small request is served while large
+/// uploads hold at most 3/4 of the bytes in flight.
+pub const SMALL_BODY: usize = 64 << 10;
+
+/// Reads a body of `len` bytes, allocating memory as its bytes arrive (a
+/// header alone reserves nothing, so declared lengths cost no memory), each
+/// step counted against `limits.max_bytes_in_flight`. Past that limit,
+/// the error to answer and the bytes read so far. An `Err` of the outer
+/// result is the connection failing, or a body that stopped arriving for
+/// `stall` (its memory would otherwise be held for good).
+#[allow(clippy::type_complexity)]
+async fn read_body<R: AsyncReadExt + Unpin>(
+    rd: &mut R,
+    len: usize,
+    state: &Arc<State>,
+    stall: Duration,
+) -> std::io::Result<Result<(Vec<u8>, InFlight), (ProtoError, usize)>> {
+    /// The first allocation; each later one doubles what arrived (large
+    /// reallocations move pages, they do not copy them).
+    const FIRST: usize = 1 << 20;
+    let mut body = Vec::new();
+    let mut charge = InFlight::total(state);
+    let mut arriving = InFlight::receiving(state);
+    while body.len() < len {
+        if body.capacity() == body.len() {
+            let step = (len - body.len()).min(body.len().max(FIRST));
+            let limit = state.config.limits.max_bytes_in_flight;
+            let refused = if len > SMALL_BODY && !arriving.add(step as u64, limit / 4 * 3) {
+                Some(format!(
+                    "{} bytes of large request bodies are still arriving (at most 3/4 of \
+                     limits.max_bytes_in_flight = {limit}); this {len}-byte request was not run: \
+                     retry, or send smaller batches",
+                    state.stats.receiving_bytes.load(Relaxed)
+                ))
+            } else if !charge.add(step as u64, limit) {
+                Some(format!(
+                    "{} bytes of requests and answers are already in flight \
+                     (limits.max_bytes_in_flight = {limit}); this {len}-byte request was not run: \
+                     retry, or send smaller batches",
+                    state.stats.in_flight_bytes.load(Relaxed)
+                ))
+            } else {
+                None
+            };
+            if let Some(why) = refused {
+                state.stats.in_flight_refusals.fetch_add(1, Relaxed);
+                return Ok(Err((ProtoError::new(ErrorCode::ResourceExhausted, why), body.len())));
+            }
+            body.try_reserve_exact(step).map_err(|e| std::io::Error::new(std::io::ErrorKind::OutOfMemory, e))?;
+        }
+        let room = (body.capacity() - body.len()).min(len - body.len());
+        let read = tokio::time::timeout(stall, (&mut *rd).take(room as u64).read_buf(&mut body)).await;
+        match read {
+            Ok(Ok(0)) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => return Err(e),
+            Err(_) => {
+                warn!(got = body.len(), len, "a request body stopped arriving; closing its connection");
+                return Err(std::io::ErrorKind::TimedOut.into());
+            }
+        }
+    }
+    Ok(Ok((body, charge)))
+}
+
+struct Guard<F: FnMut()>(F);
+
+impl<F: FnMut()> Drop for Guard<F> {
+    fn drop(&mut self) {
+        (self.0)()
+    }
+}
+
+fn scopeguard<F: FnMut()>(f: F) -> Guard<F> {
+    Guard(f)
+}

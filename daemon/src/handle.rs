@@ -1,0 +1,136 @@
+//! Answers one request: admin rights checked, the body decoded, the
+//! answer's bytes counted, then the control operations here and the table
+//! and feature operations through the router.
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+
+use hkv_proto::{Control, ErrorCode, Header, ProtoError, Request, Response};
+use tracing::info;
+
+use crate::admin::Peer;
+use crate::state::InFlight;
+use crate::state::State;
+
+/// Answers one request: the answer, and its share of the bytes in flight
+/// (held until it is sent).
+#[tracing::instrument(level = "debug", skip_all, fields(op = hkv_proto::msg::op_name(h.op), id = h.id))]
+pub async fn handle(state: &Arc<State>, h: &Header, body: &[u8], peer: &Peer) -> (Response, Option<InFlight>) {
+    let mut answer_bytes = None;
+    match answer(state, h, body, peer, &mut answer_bytes).await {
+        Ok(r) => (r, answer_bytes),
+        Err(e) => (Response::Error(e), None),
+    }
+}
+
+async fn answer(
+    state: &Arc<State>,
+    h: &Header,
+    body: &[u8],
+    peer: &Peer,
+    answer_bytes: &mut Option<InFlight>,
+) -> Result<Response, ProtoError> {
+    if hkv_proto::msg::is_admin_op(h.op) && !state.is_admin(peer) {
+        let group = match (&state.config.admin_group, state.admin_gid) {
+            (Some(name), Some(gid)) => format!("nor in the admin group {name} (gid {gid})"),
+            _ => "and the daemon has no admin group (--admin-group)".into(),
+        };
+        return Err(ProtoError::new(
+            ErrorCode::Forbidden,
+            format!(
+                "{} needs admin rights: uid {} is neither the daemon's user ({}) nor root, {group}",
+                hkv_proto::msg::op_name(h.op),
+                peer.uid,
+                state.uid
+            ),
+        ));
+    }
+    let req = Request::decode(h, body)?;
+    // Answers count against the bytes in flight before they are built: a
+    // client that pipelines large finds without reading them is refused
+    // instead of holding answers until memory runs out.
+    let need = state.router.answer_bytes(&req);
+    if need > 0 {
+        let mut c = InFlight::total(state);
+        if !c.add(need, state.config.limits.max_bytes_in_flight) {
+            state.stats.in_flight_refusals.fetch_add(1, Relaxed);
+            return Err(ProtoError::new(
+                ErrorCode::ResourceExhausted,
+                format!(
+                    "{} bytes of requests and answers are already in flight (limits.max_bytes_in_flight = {}); \
+                     this request's answer of up to {need} bytes was not built: read the answers already sent \
+                     for, retry, or send smaller batches",
+                    state.stats.in_flight_bytes.load(Relaxed),
+                    state.config.limits.max_bytes_in_flight
+                ),
+            ));
+        }
+        *answer_bytes = Some(c);
+    }
+    match req {
+        Request::Ping => Ok(Response::Empty),
+        Request::Echo { reply_len, .. } => {
+            if reply_len > state.config.limits.max_frame_bytes {
+                return Err(ProtoError::new(ErrorCode::Oversized, "echo reply above limits.max_frame_bytes"));
+            }
+            Ok(state.router.frames.echo(reply_len as usize))
+        }
+        Request::Control(c) => control(state, c, peer).await,
+        r @ (Request::Hash { .. } | Request::FindFeatures { .. } | Request::FindOrInsertFeatures { .. }) => {
+            state.router.features(r).await
+        }
+        table_op => state.router.execute(table_op).await,
+    }
+}
+
+/// Answers a control request (tables, stats, checkpoints, shutdown).
+async fn control(state: &Arc<State>, c: Control, peer: &Peer) -> Result<Response, ProtoError> {
+    match c {
+        Control::CreateTable(spec) => {
+            let info = state.router.create_table(spec).await?;
+            info!(table = %info.spec.name, dim = info.spec.dim, capacity = info.capacity, "table created");
+            Ok(Response::Json(serde_json::to_vec(&info).expect("serializes")))
+        }
+        Control::DropTable { name } => {
+            state.router.drop_table(&name).await?;
+            info!(table = %name, "table dropped");
+            Ok(Response::Empty)
+        }
+        Control::ListTables => {
+            let mut list = vec![];
+            for t in state.router.tables() {
+                list.push(state.router.info(&t).await?);
+            }
+            Ok(Response::Json(serde_json::to_vec(&list).expect("serializes")))
+        }
+        Control::Stats => {
+            Ok(Response::Json(serde_json::to_vec(&crate::stats::collect(state).await?).expect("serializes")))
+        }
+        Control::Metrics => Ok(Response::Text(crate::stats::prometheus(&crate::stats::collect(state).await?))),
+        Control::Checkpoint { wait, full } => {
+            if wait {
+                let m = state.checkpoints.take(state.router.clone(), full).await?;
+                let l = state.checkpoints.list()?.into_iter().find(|l| l.id == format!("{:016x}", m.id));
+                Ok(Response::Json(serde_json::to_vec(&l).expect("serializes")))
+            } else {
+                // Busy unless this request claims the checkpoint now; the answer names its id.
+                let id = state.checkpoints.start(state.router.clone(), full).await?;
+                let answer = serde_json::json!({ "started": true, "id": id });
+                Ok(Response::Json(serde_json::to_vec(&answer).expect("serializes")))
+            }
+        }
+        Control::ListCheckpoints => {
+            Ok(Response::Json(serde_json::to_vec(&state.checkpoints.list()?).expect("serializes")))
+        }
+        Control::Restore { id } => {
+            let r = state.checkpoints.restore(state.router.clone(), &id).await?;
+            let r = r.ok_or_else(|| ProtoError::new(ErrorCode::NotFound, "there is no checkpoint to restore"))?;
+            Ok(Response::Json(serde_json::to_vec(&r).expect("serializes")))
+        }
+        Control::Shutdown => {
+            info!(uid = peer.uid, "shutdown requested");
+            let _ = state.shutdown.send(true);
+            Ok(Response::Empty)
+        }
+    }
+}

@@ -1,0 +1,199 @@
+//! The router: tables spread over every shard actor. A batch is split by
+//! `hkv_shard::hash::shard_of` (a mix independent of the bucket hashes), the
+//! sub-batches run concurrently on their actors, and the answers are put back
+//! in request order.
+//!
+//! # Layout
+//! - `table`: [`Table`], table names and specs checked.
+//! - `shards`: messages to the shard actors.
+//! - `ops`: each table operation, split over the shards (and the feature requests).
+//! - `merge`: sub-batch answers put back into one.
+//! - `split`: which shard each key goes to.
+//! - `bounds`: the largest answer a request can get.
+//! - this file: [`Router`] and its tables, created, built, installed and dropped.
+
+mod bounds;
+mod merge;
+mod ops;
+mod shards;
+mod split;
+mod table;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+
+use actix::Addr;
+use futures::future::join_all;
+use hkv_proto::{ErrorCode, ProtoError, TableInfo, TableSpec};
+use hkv_shard::Backend;
+use parking_lot::RwLock;
+
+pub use table::{check_name, shard_config, Table};
+
+use crate::actor::{Open, ShardActor};
+use crate::budget::Budget;
+use crate::error::{err, shard_error};
+use crate::features::Hasher;
+use crate::frames::Frames;
+
+/// Maps tables and keys to shard actors.
+pub struct Router {
+    actors: Vec<Addr<ShardActor>>,
+    backend: Backend,
+    tables: RwLock<HashMap<String, Arc<Table>>>,
+    /// Feature hashing (GPU when present).
+    pub hasher: Arc<Hasher>,
+    /// Sent frames given back for find answers to reuse.
+    pub frames: Frames,
+    /// Table memory.
+    pub budget: Arc<Budget>,
+    /// The largest answer body (`limits.max_frame_bytes`).
+    max_answer: u64,
+    /// Counts table creations and drops: a checkpoint chain continues only
+    /// while it is unchanged.
+    generation: AtomicU64,
+    /// The next [`TableId`].
+    next_id: AtomicU64,
+}
+
+impl Router {
+    /// A router over these actors (one per device / CPU shard); feature
+    /// batches are hashed on GPU `hash_gpu` when given.
+    /// Answers are at most `max_answer` bytes (`limits.max_frame_bytes`).
+    pub fn new(
+        actors: Vec<Addr<ShardActor>>,
+        backend: Backend,
+        hash_gpu: Option<usize>,
+        frame_cache: u64,
+        budget: Arc<Budget>,
+        max_answer: u32,
+    ) -> Router {
+        let hasher = Arc::new(Hasher::new(hash_gpu));
+        let frames = match (backend, hash_gpu) {
+            (Backend::Cuda, Some(ordinal)) => Frames::new(frame_cache).pinned(ordinal),
+            _ => Frames::new(frame_cache),
+        };
+        Router {
+            actors,
+            backend,
+            tables: RwLock::new(HashMap::new()),
+            hasher,
+            frames,
+            budget,
+            max_answer: (max_answer as u64).min(bounds::MAX_BODY),
+            generation: AtomicU64::new(0),
+            next_id: AtomicU64::new(0),
+        }
+    }
+
+    /// Table creations and drops so far.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Relaxed)
+    }
+
+    /// Shards per table.
+    pub fn shards(&self) -> usize {
+        self.actors.len()
+    }
+
+    /// Every table, by name.
+    pub fn tables(&self) -> Vec<Arc<Table>> {
+        let mut v: Vec<_> = self.tables.read().values().cloned().collect();
+        v.sort_by(|a, b| a.spec.name.cmp(&b.spec.name));
+        v
+    }
+
+    /// A table by name.
+    pub fn table(&self, name: &str) -> Result<Arc<Table>, ProtoError> {
+        self.tables.read().get(name).cloned().ok_or_else(|| {
+            err(ErrorCode::UnknownTable, format!("no table named {name:?}; create it first (hkvctl create-table)"))
+        })
+    }
+
+    /// Creates a table on every actor.
+    pub async fn create_table(&self, spec: TableSpec) -> Result<TableInfo, ProtoError> {
+        check_name(&spec.name)?;
+        if let Some(h) = &spec.hash {
+            crate::features::check(h)?;
+        }
+        if self.tables.read().contains_key(&spec.name) {
+            return Err(err(ErrorCode::TableExists, format!("table {:?} exists; drop it first", spec.name)));
+        }
+        let table = self.build_table(spec).await?;
+        {
+            let mut tables = self.tables.write();
+            if tables.contains_key(&table.spec.name) {
+                return Err(err(ErrorCode::TableExists, format!("table {:?} exists; drop it first", table.spec.name)));
+            }
+            tables.insert(table.spec.name.clone(), table.clone());
+            self.generation.fetch_add(1, Relaxed);
+        }
+        self.info(&table).await
+    }
+
+    /// Builds a table on every actor, charged to the budget, without making
+    /// it visible: a restore fills such tables and then [`Router::install`]s
+    /// them, so nothing it refuses or fails on is ever seen half loaded.
+    pub async fn build_table(&self, spec: TableSpec) -> Result<Arc<Table>, ProtoError> {
+        check_name(&spec.name)?;
+        if let Some(h) = &spec.hash {
+            crate::features::check(h)?;
+        }
+        let config = shard_config(&spec, self.actors.len())?;
+        let n = self.actors.len();
+        let shape = format!(
+            "capacity {}, max_capacity {}, dim {}, {n} shard{}",
+            spec.capacity,
+            spec.max_capacity,
+            spec.dim,
+            if n == 1 { "" } else { "s" }
+        );
+        let charge = self.budget.charge(&spec.name, &shape, &config)?;
+        let id = self.next_id.fetch_add(1, Relaxed);
+        // Owned from here on: a shard some actor failed to create is closed
+        // with the others when this table is dropped.
+        let table = Table::new(spec, config, id, self.actors.clone(), charge);
+        let opened = join_all(
+            self.actors.iter().map(|a| a.send(Open { table: id, config: table.config.clone(), backend: self.backend })),
+        )
+        .await;
+        let mut failed = None;
+        for r in opened {
+            let r = r.map_err(|e| err(ErrorCode::Internal, format!("shard actor gone: {e}")));
+            if let Err(e) = r.and_then(|r| r.map_err(shard_error)) {
+                failed.get_or_insert(e);
+            }
+        }
+        match failed {
+            None => Ok(Arc::new(table)),
+            Some(e) => {
+                table.close().await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Makes built tables visible at once, replacing tables of the same
+    /// names (requests already running on those finish on them).
+    pub fn install(&self, built: Vec<Arc<Table>>) {
+        let mut tables = self.tables.write();
+        for t in built {
+            tables.insert(t.spec.name.clone(), t);
+        }
+        self.generation.fetch_add(1, Relaxed);
+    }
+
+    /// Drops a table; requests already running on it finish first. When
+    /// none is, its shards are gone (and its memory back in the budget)
+    /// when this returns.
+    pub async fn drop_table(&self, name: &str) -> Result<(), ProtoError> {
+        let removed = self.tables.write().remove(name);
+        self.generation.fetch_add(1, Relaxed);
+        let t = removed.ok_or_else(|| err(ErrorCode::UnknownTable, format!("no table named {name:?}")))?;
+        if let Some(t) = Arc::into_inner(t) {
+            t.close().await;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,284 @@
+//! The table operations: each request split over the shards (checked whole
+//! first when it is split), run on their actors, its answers merged; and
+//! the feature requests, hashed and then run as the finds and writes they
+//! are, without a round trip through a wire request.
+
+use std::sync::atomic::Ordering::Relaxed;
+
+use hkv_proto::{op, Cursor, ErrorCode, FindFrame, ProtoError, Request, Response, Summary};
+use hkv_shard::{check, ScorePolicy};
+
+use super::bounds::{export_slots, find_per_key, write_per_key};
+use super::merge::to_filter;
+use super::split::Split;
+use super::{Router, Table};
+use crate::actor::{values_of, SubOp, SubResult};
+use crate::error::{err, shard_error, unexpected};
+
+/// Runs the shard's own argument checks (`hkv_shard::check`) on a batch
+/// that is split over several shards, so that no shard applies its part of
+/// a batch another would refuse. A batch that goes whole to one shard is
+/// checked there, before anything is applied: each key is scanned for
+/// reserved values once by the daemon either way.
+fn check_split(split: &Split, f: impl FnOnce() -> hkv_shard::Result<()>) -> Result<(), ProtoError> {
+    match split {
+        Split::Whole => Ok(()),
+        Split::Parts(_) => f().map_err(shard_error),
+    }
+}
+
+impl Router {
+    /// Executes a table request.
+    pub async fn execute(&self, req: Request) -> Result<Response, ProtoError> {
+        let t = self.table(req.table().unwrap_or_default())?;
+        match req {
+            Request::Find { keys, scores, .. } => self.find(&t, keys, scores).await,
+            Request::Contains { keys, .. } => self.contains(&t, keys).await,
+            Request::Erase { keys, outcomes, .. } => self.erase(&t, keys, outcomes).await,
+            Request::Write { op: code, keys, values, scores, outcomes, .. } => {
+                self.write(&t, code, keys, values, scores, outcomes).await
+            }
+            Request::AssignScores { keys, scores, outcomes, .. } => {
+                self.assign_scores(&t, keys, scores, outcomes).await
+            }
+            Request::EraseIf { filter, .. } => {
+                let f = to_filter(filter);
+                let mut count = 0;
+                for r in self.fan_out(&t, (0..t.shards()).map(|_| SubOp::EraseIf(f)).collect()).await? {
+                    let SubResult::Count(c) = r else { return Err(unexpected("erase_if")) };
+                    count += c;
+                }
+                Ok(Response::Erased { count, flags: None })
+            }
+            Request::Clear { .. } => {
+                self.clear(&t).await?;
+                Ok(Response::Empty)
+            }
+            Request::SetEpoch { epoch, .. } => {
+                if epoch < t.epoch.swap(epoch, Relaxed) {
+                    t.untracked.store(true, Relaxed);
+                }
+                self.fan_out(&t, (0..t.shards()).map(|_| SubOp::SetEpoch(epoch)).collect()).await?;
+                Ok(Response::Empty)
+            }
+            Request::Reserve { capacity, .. } => self.reserve(&t, capacity).await,
+            Request::Export { cursor, max_slots, filter, .. } => self.export(&t, cursor, max_slots, filter).await,
+            other => Err(ProtoError::bad_request(format!(
+                "{} is not a table operation",
+                hkv_proto::msg::op_name(other.op())
+            ))),
+        }
+    }
+
+    /// find: without scores, the answers are written where they are sent
+    /// from (see [`Router::find_framed`]).
+    async fn find(&self, t: &Table, keys: Vec<u64>, scores: bool) -> Result<Response, ProtoError> {
+        let (n, dim) = (keys.len(), t.config.dim);
+        self.bound("find", n, dim, find_per_key(dim, scores), 16)?;
+        let split = Split::new(&keys, t.shards());
+        check_split(&split, || check::keys(&keys))?;
+        // By the shard itself when it holds every key; else each shard
+        // writes its keys' rows in turn.
+        if !scores && FindFrame::values_at(n).is_multiple_of(4) {
+            let mut frame = self.frames.find_frame(n, dim);
+            if values_of(&mut frame).is_some() {
+                return self.find_framed(t, split, keys, frame).await;
+            }
+        }
+        let ops = split.take(keys, 1).into_iter().map(|keys| SubOp::Find { keys, scores }).collect();
+        self.finds(t, &split, ops, n, scores).await
+    }
+
+    async fn contains(&self, t: &Table, keys: Vec<u64>) -> Result<Response, ProtoError> {
+        let (n, split) = (keys.len(), Split::new(&keys, t.shards()));
+        check_split(&split, || check::keys(&keys))?;
+        let ops = split.take(keys, 1).into_iter().map(|keys| SubOp::Contains { keys }).collect();
+        Ok(Response::Contains { found: self.flags(t, &split, ops, n).await? })
+    }
+
+    async fn erase(&self, t: &Table, keys: Vec<u64>, outcomes: bool) -> Result<Response, ProtoError> {
+        let (n, split) = (keys.len(), Split::new(&keys, t.shards()));
+        check_split(&split, || check::keys(&keys))?;
+        let ops = split.take(keys, 1).into_iter().map(|keys| SubOp::Erase { keys }).collect();
+        let flags = self.flags(t, &split, ops, n).await?;
+        let count = flags.iter().filter(|&&f| f == 1).count() as u64;
+        Ok(Response::Erased { count, flags: outcomes.then_some(flags) })
+    }
+
+    /// A write op of `hkv_proto::msg::WRITE_OPS`.
+    async fn write(
+        &self,
+        t: &Table,
+        code: u8,
+        keys: Vec<u64>,
+        values: Vec<f32>,
+        scores: Option<Vec<u64>>,
+        outcomes: bool,
+    ) -> Result<Response, ProtoError> {
+        let dim = t.config.dim;
+        self.bound(hkv_proto::msg::op_name(code), keys.len(), dim, write_per_key(code, dim, outcomes), 64)?;
+        let split = Split::new(&keys, t.shards());
+        if code == op::LOAD {
+            let Some(s) = scores.as_deref() else {
+                return Err(err(ErrorCode::Scores, "load needs a score per key (sent with the SCORES flag)"));
+            };
+            // Scores are stored verbatim, whatever the policy (as `Shard::load` checks them).
+            let n = keys.len();
+            check_split(&split, || {
+                check::len("scores", s.len(), n, || format!("{n} keys"))?;
+                check::write(&t.config, &keys, Some(("values", values.len())), None, false, None)
+            })?;
+            // A load places entries as they were: no per-key outcome, and
+            // scores an incremental checkpoint cannot tell from older ones.
+            t.untracked.store(true, Relaxed);
+        } else {
+            let what = if code == op::ACCUM_OR_ASSIGN { "deltas" } else { "values" };
+            let inserts = code != op::ASSIGN;
+            check_split(&split, || {
+                check::write(&t.config, &keys, Some((what, values.len())), scores.as_deref(), inserts, None)
+            })?;
+        }
+        let outcomes = outcomes && code != op::LOAD;
+        let n = keys.len();
+        let mut scores = scores.map(|s| split.take(s, 1).into_iter());
+        let ops = split
+            .take(keys, 1)
+            .into_iter()
+            .zip(split.take(values, dim))
+            .map(|(keys, values)| SubOp::Write {
+                op: code,
+                keys,
+                values,
+                scores: scores.as_mut().and_then(|s| s.next()),
+            })
+            .collect();
+        self.writes(t, &split, ops, n, outcomes, code).await
+    }
+
+    async fn assign_scores(
+        &self,
+        t: &Table,
+        keys: Vec<u64>,
+        scores: Option<Vec<u64>>,
+        outcomes: bool,
+    ) -> Result<Response, ProtoError> {
+        // A custom table's scores are the caller's: without them there is nothing to assign.
+        let policy = t.config.policy;
+        if policy == ScorePolicy::Custom && scores.is_none() {
+            return Err(shard_error(hkv_shard::Error::ScoresRequired { policy }));
+        }
+        let (n, split) = (keys.len(), Split::new(&keys, t.shards()));
+        check_split(&split, || check::write(&t.config, &keys, None, scores.as_deref(), false, None))?;
+        let mut scores = scores.map(|s| split.take(s, 1).into_iter());
+        let ops = split
+            .take(keys, 1)
+            .into_iter()
+            .map(|keys| SubOp::AssignScores { keys, scores: scores.as_mut().and_then(|s| s.next()) })
+            .collect();
+        self.writes(t, &split, ops, n, outcomes, op::ASSIGN_SCORES).await
+    }
+
+    async fn reserve(&self, t: &Table, capacity: u64) -> Result<Response, ProtoError> {
+        let n_shards = t.shards();
+        let most = t.config.max_buckets() * 128 * n_shards as u64;
+        if capacity > most {
+            return Err(ProtoError::bad_request(format!(
+                "cannot reserve {capacity} slots: table {:?} grows to {most} at most; \
+                 create it with a larger max_capacity",
+                t.spec.name
+            )));
+        }
+        let per = capacity.div_ceil(n_shards as u64);
+        self.fan_out(t, (0..n_shards).map(|_| SubOp::Reserve(per)).collect()).await?;
+        Ok(Response::Empty)
+    }
+
+    async fn export(
+        &self,
+        t: &Table,
+        cursor: Cursor,
+        max_slots: u64,
+        filter: hkv_proto::Filter,
+    ) -> Result<Response, ProtoError> {
+        let (i, n_shards, dim) = (cursor.shard as usize, t.shards(), t.config.dim);
+        if i >= n_shards {
+            return Err(ProtoError::bad_request(format!("export cursor shard {i}: the table has {n_shards} shards")));
+        }
+        let most = export_slots(dim, self.max_answer);
+        if most == 0 {
+            return Err(err(
+                ErrorCode::Oversized,
+                format!(
+                    "one exported row of dim {dim} takes {} bytes, above limits.max_frame_bytes = {}",
+                    16 + 4 * dim as u64 + 64,
+                    self.max_answer
+                ),
+            ));
+        }
+        let max_slots = max_slots.clamp(1, most);
+        let (e, capacity) = self.export_part(t, i, cursor.offset, max_slots, to_filter(filter)).await?;
+        let end = cursor.offset.saturating_add(max_slots);
+        let next = if end < capacity {
+            Some(Cursor { shard: i as u32, offset: end })
+        } else if i + 1 < n_shards {
+            Some(Cursor { shard: i as u32 + 1, offset: 0 })
+        } else {
+            None
+        };
+        Ok(Response::Export { next, keys: e.keys, values: e.values, scores: e.scores })
+    }
+
+    /// Loads entries with their scores verbatim into `t` (registered or
+    /// only built), split over its shards as any write is.
+    pub async fn load_into(
+        &self,
+        t: &Table,
+        keys: Vec<u64>,
+        values: Vec<f32>,
+        scores: Vec<u64>,
+    ) -> Result<Summary, ProtoError> {
+        match self.write(t, op::LOAD, keys, values, Some(scores), false).await? {
+            Response::Write { summary, .. } => Ok(summary),
+            _ => Err(err(ErrorCode::Internal, "load answered something else than a write summary")),
+        }
+    }
+
+    /// Executes a feature request: hash (on the GPU when present), then,
+    /// for the fused ops, find or find_or_insert with the keys.
+    pub async fn features(&self, req: Request) -> Result<Response, ProtoError> {
+        let (table, hash) = match &req {
+            Request::Hash { table, hash, .. }
+            | Request::FindFeatures { table, hash, .. }
+            | Request::FindOrInsertFeatures { table, hash, .. } => (table, hash),
+            _ => return Err(err(ErrorCode::Internal, "not a feature request")),
+        };
+        let t = if table.is_empty() && matches!(req, Request::Hash { .. }) { None } else { Some(self.table(table)?) };
+        let (kind, num_buckets) = crate::features::resolve(hash.clone(), t.as_deref().map(|t| &t.spec))?;
+        if let Request::Hash { features, .. } = &req {
+            self.bound("hash", features.len(), 0, 8, 8)?;
+        }
+        // Values, scores and dim are checked by find / find_or_insert below,
+        // before anything is applied; hashing changes nothing.
+        let hasher = self.hasher.clone();
+        let (keys, req) = tokio::task::spawn_blocking(move || {
+            let r = match &req {
+                Request::Hash { features, .. }
+                | Request::FindFeatures { features, .. }
+                | Request::FindOrInsertFeatures { features, .. } => hasher.hash(features, kind, num_buckets),
+                _ => unreachable!("checked above"),
+            };
+            (r, req)
+        })
+        .await
+        .map_err(|e| err(ErrorCode::Internal, format!("hashing task failed: {e}")))?;
+        let keys = keys?;
+        match (req, t) {
+            (Request::Hash { .. }, _) => Ok(Response::Keys(keys)),
+            (Request::FindFeatures { scores, .. }, Some(t)) => self.find(&t, keys, scores).await,
+            (Request::FindOrInsertFeatures { values, scores, outcomes, .. }, Some(t)) => {
+                self.write(&t, op::FIND_OR_INSERT, keys, values, scores, outcomes).await
+            }
+            _ => unreachable!("checked above"),
+        }
+    }
+}

@@ -1,0 +1,99 @@
+//! The router's messages to the shard actors: one shard's call, a call on
+//! every shard, and the queries a table's listing, stats and checkpoints need.
+
+use futures::future::join_all;
+use hkv_proto::{ErrorCode, ProtoError, TableInfo};
+use hkv_shard::{Error as ShardError, Filter};
+
+use super::{Router, Table};
+use crate::actor::{Call, SubOp, SubResult};
+use crate::error::{err, shard_error, unexpected};
+
+impl Router {
+    pub(super) async fn call(&self, table: &Table, i: usize, op: SubOp) -> Result<SubResult, ProtoError> {
+        self.actors[i]
+            .send(Call { table: table.id(), op })
+            .await
+            .map_err(|e| err(ErrorCode::Internal, format!("shard {i} actor gone: {e}")))?
+            .map_err(|e| {
+                // A device failure (out of memory, a lost GPU) fails the
+                // requests that touched that shard, and says which one.
+                let device = matches!(e, ShardError::Device(_));
+                let mut pe = shard_error(e);
+                if device {
+                    pe.message = format!("shard {i}: {}", pe.message);
+                }
+                pe
+            })
+    }
+
+    /// Runs one sub-op per shard (in parallel) and returns the results in shard order.
+    pub(super) async fn fan_out(&self, table: &Table, ops: Vec<SubOp>) -> Result<Vec<SubResult>, ProtoError> {
+        join_all(ops.into_iter().enumerate().map(|(i, op)| self.call(table, i, op))).await.into_iter().collect()
+    }
+
+    /// The listing of a table.
+    pub async fn info(&self, t: &Table) -> Result<TableInfo, ProtoError> {
+        let sizes = self.sizes(t).await?;
+        Ok(TableInfo {
+            spec: t.spec.clone(),
+            size: sizes.iter().map(|s| s.0).sum(),
+            capacity: sizes.iter().map(|s| s.1).sum(),
+            shards: t.shards() as u32,
+        })
+    }
+
+    /// Each shard's entries and slots.
+    pub async fn sizes(&self, t: &Table) -> Result<Vec<(u64, u64)>, ProtoError> {
+        let ops = (0..t.shards()).map(|_| SubOp::Size).collect();
+        let sizes = self.fan_out(t, ops).await?.into_iter().map(|r| match r {
+            SubResult::Size { size, capacity } => Ok((size, capacity)),
+            _ => Err(unexpected("size")),
+        });
+        sizes.collect()
+    }
+
+    /// Each shard's counters and lock state.
+    pub async fn shard_stats(&self, t: &Table) -> Result<Vec<hkv_shard::ShardStats>, ProtoError> {
+        let ops = (0..t.shards()).map(|_| SubOp::Stats).collect();
+        let stats = self.fan_out(t, ops).await?.into_iter().map(|r| match r {
+            SubResult::Stats(s) => Ok(*s),
+            _ => Err(unexpected("stats")),
+        });
+        stats.collect()
+    }
+
+    /// Shard `i`'s `clock_score` (the lowest score a write made from now on can get).
+    pub async fn clock_score(&self, t: &Table, i: usize) -> Result<u64, ProtoError> {
+        match self.call(t, i, SubOp::ClockScore).await? {
+            SubResult::Count(c) => Ok(c),
+            _ => Err(unexpected("clock_score")),
+        }
+    }
+
+    /// Entries of shard `i` in slots `[offset, offset + n)` matching
+    /// `filter`, and the shard's capacity after the export.
+    pub async fn export_part(
+        &self,
+        t: &Table,
+        i: usize,
+        offset: u64,
+        n: u64,
+        filter: Filter,
+    ) -> Result<(hkv_shard::Export, u64), ProtoError> {
+        match self.call(t, i, SubOp::Export { offset, n, filter }).await? {
+            SubResult::Export(e, capacity) => Ok((e, capacity)),
+            _ => Err(unexpected("export")),
+        }
+    }
+
+    /// Moves every shard's clock and epoch past a restore's scores (`Shard::resume_after`).
+    pub async fn resume_after(&self, t: &Table, score: u64) -> Result<(), ProtoError> {
+        self.fan_out(t, (0..t.shards()).map(|_| SubOp::ResumeAfter(score)).collect()).await.map(drop)
+    }
+
+    /// Empties every shard of `t`.
+    pub async fn clear(&self, t: &Table) -> Result<(), ProtoError> {
+        self.fan_out(t, (0..t.shards()).map(|_| SubOp::Clear).collect()).await.map(drop)
+    }
+}

@@ -1,0 +1,180 @@
+//! A table as the router holds it: its spec, its per-shard config, and the
+//! id its shards go by on the actors; names and specs are checked here.
+
+use std::sync::atomic::{AtomicBool, AtomicU32};
+use std::sync::Arc;
+
+use actix::Addr;
+use futures::future::join_all;
+use hkv_proto::{ErrorCode, ProtoError, TableSpec};
+use hkv_shard::{BucketMode, Error as ShardError, ScorePolicy, TableConfig};
+
+use crate::actor::{Close, ShardActor, TableId};
+use crate::budget::Charge;
+
+/// A table: its spec, the per-shard config, and the id its shards go by on
+/// every actor (shard `i` lives on actor `i`).
+pub struct Table {
+    /// As created.
+    pub spec: TableSpec,
+    /// Each shard's config.
+    pub config: TableConfig,
+    /// Set by writes whose scores may fall below the clock (a client's load
+    /// with verbatim scores, an epoch set lower): the next incremental
+    /// checkpoint cannot find them by score and stores this table whole.
+    pub untracked: AtomicBool,
+    /// The last epoch set, to tell when it goes down.
+    pub epoch: AtomicU32,
+    /// Its shards on the actors, closed when the last request holding the
+    /// table is done.
+    owner: Owner,
+}
+
+impl Table {
+    /// A table whose shards go by `id` on `actors` (not opened yet: the
+    /// router sends `Open`), holding its share of the budget.
+    pub(super) fn new(
+        spec: TableSpec,
+        config: TableConfig,
+        id: TableId,
+        actors: Vec<Addr<ShardActor>>,
+        charge: Charge,
+    ) -> Table {
+        Table {
+            spec,
+            config,
+            untracked: AtomicBool::new(false),
+            epoch: AtomicU32::new(0),
+            owner: Owner { id, actors, charge: Some(charge) },
+        }
+    }
+
+    /// The id its shards go by on the actors.
+    pub fn id(&self) -> TableId {
+        self.owner.id
+    }
+
+    /// Shards (one per actor).
+    pub fn shards(&self) -> usize {
+        self.owner.actors.len()
+    }
+
+    /// Closes the shards and waits until every actor dropped its own; then
+    /// gives the table's memory back to the budget.
+    pub(super) async fn close(mut self) {
+        let charge = self.owner.charge.take();
+        let (id, actors) = (self.owner.id, std::mem::take(&mut self.owner.actors));
+        join_all(actors.iter().map(|a| a.send(Close { table: id, charge: None }))).await;
+        drop(charge);
+    }
+}
+
+/// The shards of one table on the actors. Dropped without
+/// [`Table::close`] (a table replaced by a restore, or the last request on
+/// a dropped table ending), it tells every actor to drop its shard, and the
+/// table's share of the budget goes with the last of them.
+struct Owner {
+    id: TableId,
+    actors: Vec<Addr<ShardActor>>,
+    charge: Option<Charge>,
+}
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        let charge = self.charge.take().map(Arc::new);
+        for a in &self.actors {
+            a.do_send(Close { table: self.id, charge: charge.clone() });
+        }
+    }
+}
+
+/// Validates a table name: 1..=255 bytes of `[A-Za-z0-9_.-]` starting with
+/// a letter, digit or '_' (so never `.`, `..`, a hidden chunk file name or
+/// something a command line takes for a flag).
+pub fn check_name(name: &str) -> Result<(), ProtoError> {
+    let ok = name.len() <= 255
+        && name.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric() || b == b'_')
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(ProtoError::bad_request(format!(
+            "table name {name:?}: use 1 to 255 letters, digits, '_', '-' or '.', starting with a letter, digit or '_'"
+        )))
+    }
+}
+
+/// The per-shard config of a table spec spread over `n` shards.
+pub fn shard_config(spec: &TableSpec, n: usize) -> Result<TableConfig, ProtoError> {
+    let policy: ScorePolicy = spec.policy.parse().map_err(|e: ShardError| ProtoError::bad_request(e.to_string()))?;
+    let mode = match spec.mode.as_str() {
+        "single" => BucketMode::Single,
+        "dual" => BucketMode::Dual,
+        m => return Err(ProtoError::bad_request(format!("mode {m:?}: use single or dual"))),
+    };
+    // Checked in the request's own numbers; the per-shard ones below are rounded.
+    if spec.max_capacity != 0 && spec.max_capacity < spec.capacity {
+        return Err(ProtoError::bad_request(format!(
+            "max_capacity {} is below capacity {}; use 0 for a table that does not grow",
+            spec.max_capacity, spec.capacity
+        )));
+    }
+    // Sizes that cannot even be counted in bytes are memory no host has,
+    // whatever the shard count: the same answer as the budget's refusals.
+    let slot_bytes = (spec.dim as u64).saturating_mul(4).saturating_add(145);
+    let dim_ok = (1..=1 << 16).contains(&spec.dim); // else the config check below names the dim
+    if dim_ok && spec.capacity.max(spec.max_capacity).checked_mul(slot_bytes).is_none() {
+        return Err(ProtoError::new(
+            ErrorCode::ResourceExhausted,
+            format!(
+                "table {:?}: capacity {} (max_capacity {}) at dim {} is too large to count in bytes; no host holds it",
+                spec.name, spec.capacity, spec.max_capacity, spec.dim
+            ),
+        ));
+    }
+    let per = |x: u64| x.div_ceil(n as u64);
+    let config = TableConfig {
+        capacity: per(spec.capacity),
+        max_capacity: per(spec.max_capacity),
+        max_load_factor: spec.max_load_factor.unwrap_or(0.5),
+        dim: spec.dim,
+        policy,
+        mode,
+        fast_tier_bytes: spec.fast_tier_bytes.map(per),
+        // The reference's rule (plain frequencies) until the table spec
+        // carries the choice: PROTOCOL.md and the checkpoints of existing
+        // lfu tables hold plain frequencies, and a restore into a table
+        // packing frequency and stamp would rank every restored entry below
+        // new ones (issue 27; hkv_shard::LfuTies).
+        lfu_ties: hkv_shard::LfuTies::LowestSlot,
+    };
+    config.validate().map_err(|e| ProtoError::bad_request(e.to_string()))?;
+    Ok(config)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_configs_are_checked() {
+        assert!(check_name("emb_v2.users-1").is_ok());
+        assert!(check_name("").is_err() && check_name("a b").is_err() && check_name(&"x".repeat(256)).is_err());
+        for bad in [".", "..", ".hidden", "-flag", "a/b"] {
+            assert!(check_name(bad).is_err(), "{bad:?}");
+        }
+        assert!(check_name("_x").is_ok() && check_name("9.a-b").is_ok());
+        // Uncountable sizes are resource_exhausted on any shard count.
+        for shards in [1, 3] {
+            let e = shard_config(&TableSpec::new("t", 4, 1 << 62), shards).unwrap_err();
+            assert_eq!(e.code, ErrorCode::ResourceExhausted, "{shards}: {}", e.message);
+        }
+        let e = shard_config(&TableSpec::new("t", 1 << 20, 1 << 62), 1).unwrap_err();
+        assert!(e.message.contains("dim 1048576 is above the limit"), "{}", e.message);
+        let c = shard_config(&TableSpec::new("t", 8, 1000), 4).unwrap();
+        assert_eq!(c.capacity, 250);
+        let mut bad = TableSpec::new("t", 8, 1000);
+        bad.policy = "fifo".into();
+        assert!(shard_config(&bad, 1).unwrap_err().message.contains("fifo"));
+    }
+}

@@ -1,0 +1,106 @@
+//! What every request handler shares: the router, the configuration, the
+//! checkpoints and the server's counters.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::sync::watch;
+
+use crate::admin::Peer;
+use crate::ckpt::Checkpoints;
+use crate::config::Config;
+use crate::router::Router;
+
+/// Counters of the server itself.
+#[derive(Debug, Default)]
+pub struct ServerStats {
+    /// Connections open now.
+    pub connections: AtomicUsize,
+    /// Connections accepted since start.
+    pub accepted: AtomicU64,
+    /// Requests answered.
+    pub requests: AtomicU64,
+    /// Error responses sent.
+    pub errors: AtomicU64,
+    /// Requests running now.
+    pub in_flight: AtomicUsize,
+    /// Bytes of request bodies being received or run, and of answers
+    /// being built or sent, over every connection (bounded by
+    /// `limits.max_bytes_in_flight`).
+    pub in_flight_bytes: AtomicU64,
+    /// Frames refused because that bound was reached.
+    pub in_flight_refusals: AtomicU64,
+    /// Of `in_flight_bytes`, those of bodies over 64 KiB (`connection::SMALL_BODY`) bytes still
+    /// arriving: at most 3/4 of the limit, so that uploads kept trickling
+    /// cannot take what small requests and answers need.
+    pub receiving_bytes: AtomicU64,
+}
+
+/// Everything the request handlers share.
+pub struct State {
+    /// Tables and shard actors.
+    pub router: Arc<Router>,
+    /// The configuration in force.
+    pub config: Config,
+    /// When the daemon started.
+    pub started: Instant,
+    /// Set to true to drain and stop.
+    pub shutdown: watch::Sender<bool>,
+    /// The daemon's uid (admin rights).
+    pub uid: u32,
+    /// The admin group's gid, if configured.
+    pub admin_gid: Option<u32>,
+    /// Server counters.
+    pub stats: ServerStats,
+    /// Backend in words, for stats.
+    pub backend: String,
+    /// Checkpoints.
+    pub checkpoints: Arc<Checkpoints>,
+}
+
+impl State {
+    /// Whether `peer` may run admin operations: root, the daemon's user, or
+    /// a member of the admin group (primary or supplementary).
+    pub fn is_admin(&self, peer: &Peer) -> bool {
+        peer.uid == 0 || peer.uid == self.uid || self.admin_gid.is_some_and(|g| peer.in_group(g))
+    }
+}
+
+/// Bytes counted in one of the server's byte counters, up to a cap: in
+/// `in_flight_bytes` a request body as it arrives or an answer until it is
+/// sent, in `receiving_bytes` a large body until it is complete; given back
+/// on drop.
+pub struct InFlight {
+    state: Arc<State>,
+    counter: fn(&ServerStats) -> &AtomicU64,
+    bytes: u64,
+}
+
+impl InFlight {
+    /// A share of `ServerStats::in_flight_bytes`.
+    pub(crate) fn total(state: &Arc<State>) -> InFlight {
+        InFlight { state: state.clone(), counter: |s| &s.in_flight_bytes, bytes: 0 }
+    }
+
+    /// A share of `ServerStats::receiving_bytes`.
+    pub(crate) fn receiving(state: &Arc<State>) -> InFlight {
+        InFlight { state: state.clone(), counter: |s| &s.receiving_bytes, bytes: 0 }
+    }
+
+    /// Counts `n` more bytes, unless the counter would then pass `cap`.
+    pub(crate) fn add(&mut self, n: u64, cap: u64) -> bool {
+        let counter = (self.counter)(&self.state.stats);
+        let ok = counter.fetch_update(Relaxed, Relaxed, |b| b.checked_add(n).filter(|&t| t <= cap)).is_ok();
+        if ok {
+            self.bytes += n;
+        }
+        ok
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        (self.counter)(&self.state.stats).fetch_sub(self.bytes, Relaxed);
+    }
+}
