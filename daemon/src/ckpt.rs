@@ -213,7 +213,7 @@ fn resume_point(t: &TableEntry, m: &Manifest, max_restored: u64) -> u64 {
     // policy's clock units, above which no write (only a `load`) can score.
     let Some(&wm) = t.watermarks.iter().max() else { return max_restored };
     let took_ns = (m.finished_unix_ms.saturating_sub(m.created_unix_ms) + 1).saturating_mul(1_000_000);
-    let cap = match t.policy.parse() {
+    let cap = match t.policy.as_str().parse() {
         Ok(ScorePolicy::Lru) => wm.saturating_add(took_ns),
         Ok(ScorePolicy::EpochLru) => wm.saturating_add((took_ns >> 20) + 1),
         Ok(ScorePolicy::EpochLfu) => wm | 0xffff_ffff,
@@ -489,7 +489,7 @@ impl Checkpoints {
             // Cleared now: writes during this export set it again for the next one.
             let untracked = t.untracked.swap(false, Relaxed);
             let inc = incremental
-                && tracks_changes(&t.spec.policy)
+                && tracks_changes(t.spec.policy.as_str())
                 && !untracked
                 && prev_t.is_some_and(|p| {
                     p.shards as usize == t.shards.len()
@@ -576,8 +576,8 @@ impl Checkpoints {
             entries.push(TableEntry {
                 name: t.spec.name.clone(),
                 dim,
-                policy: t.spec.policy.clone(),
-                mode: t.spec.mode.clone(),
+                policy: t.spec.policy,
+                mode: t.spec.mode,
                 spec: serde_json::to_value(&t.spec).map_err(internal)?,
                 shards: t.shards.len() as u32,
                 entries: count,
@@ -1035,8 +1035,8 @@ mod tests {
         TableEntry {
             name: "t".into(),
             dim: 1,
-            policy: policy.into(),
-            mode: "single".into(),
+            policy: policy.parse().unwrap(),
+            mode: hkv_proto::Mode::Single,
             spec: serde_json::json!({}),
             shards: 1,
             entries: 1,

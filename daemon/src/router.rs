@@ -10,8 +10,8 @@ use std::sync::Arc;
 use actix::Addr;
 use futures::future::join_all;
 use hkv_proto::{
-    op, Cursor, ErrorCode, Evicted, FindFrame, FrameBuf, FrameMemory, ProtoError, Request, Response, Summary,
-    TableInfo, TableSpec,
+    Cursor, ErrorCode, Evicted, FindFrame, FrameBuf, FrameMemory, Mode, Op, ProtoError, Request, Response, Summary,
+    TableInfo, TableSpec, WriteOp,
 };
 use hkv_shard::hash::shard_of;
 use hkv_shard::{Backend, BucketMode, Error as ShardError, Filter, Outcome, ScorePolicy, Shard, TableConfig};
@@ -278,11 +278,11 @@ pub fn check_name(name: &str) -> Result<(), ProtoError> {
 
 /// The per-shard config of a table spec spread over `n` shards.
 pub fn shard_config(spec: &TableSpec, n: usize) -> Result<TableConfig, ProtoError> {
-    let policy: ScorePolicy = spec.policy.parse().map_err(|e: ShardError| ProtoError::bad_request(e.to_string()))?;
-    let mode = match spec.mode.as_str() {
-        "single" => BucketMode::Single,
-        "dual" => BucketMode::Dual,
-        m => return Err(ProtoError::bad_request(format!("mode {m:?}: use single or dual"))),
+    let policy: ScorePolicy =
+        spec.policy.as_str().parse().map_err(|e: ShardError| ProtoError::bad_request(e.to_string()))?;
+    let mode = match spec.mode {
+        Mode::Single => BucketMode::Single,
+        Mode::Dual => BucketMode::Dual,
     };
     // Checked in the request's own numbers; the per-shard ones below are rounded.
     if spec.max_capacity != 0 && spec.max_capacity < spec.capacity {
@@ -331,10 +331,10 @@ fn find_per_key(dim: usize, scores: bool) -> u64 {
 
 /// Answer bytes a write op takes per key: insert_and_evict up to a key,
 /// row, score and kind besides the outcome; find_or_insert a row.
-fn write_per_key(code: u8, dim: usize, outcomes: bool) -> u64 {
+fn write_per_key(code: WriteOp, dim: usize, outcomes: bool) -> u64 {
     let rows = match code {
-        op::INSERT_AND_EVICT => 17 + 4 * dim as u64,
-        op::FIND_OR_INSERT => 4 * dim as u64,
+        WriteOp::InsertAndEvict => 17 + 4 * dim as u64,
+        WriteOp::FindOrInsert => 4 * dim as u64,
         _ => 0,
     };
     rows + u64::from(outcomes)
@@ -558,9 +558,9 @@ impl Router {
             .into_iter()
             .zip(split.take(values, dim))
             .zip(split.take(scores, 1))
-            .map(|((keys, values), scores)| SubOp::Write { op: op::LOAD, keys, values, scores: Some(scores) })
+            .map(|((keys, values), scores)| SubOp::Write { op: WriteOp::Load, keys, values, scores: Some(scores) })
             .collect();
-        match self.writes(t, &split, ops, n, false, op::LOAD).await? {
+        match self.writes(t, &split, ops, n, false, Op::Load).await? {
             Response::Write { summary, .. } => Ok(summary),
             _ => Err(err(ErrorCode::Internal, "load answered something else than a write summary")),
         }
@@ -670,7 +670,7 @@ impl Router {
             Request::Hash { .. } => Ok(Response::Keys(keys)),
             Request::FindFeatures { table, scores, .. } => self.execute(Request::Find { table, keys, scores }).await,
             Request::FindOrInsertFeatures { table, values, scores, outcomes, .. } => {
-                self.execute(Request::Write { op: op::FIND_OR_INSERT, table, keys, values, scores, outcomes }).await
+                self.execute(Request::Write { op: WriteOp::FindOrInsert, table, keys, values, scores, outcomes }).await
             }
             _ => unreachable!("checked above"),
         }
@@ -763,15 +763,15 @@ impl Router {
             }
             Request::Write { op: code, keys, values, scores, outcomes, .. } => {
                 let per_key = write_per_key(code, dim, outcomes);
-                self.bound(hkv_proto::msg::op_name(code), keys.len(), dim, per_key, 64)?;
-                let inserts = code != op::ASSIGN;
-                if code == op::LOAD && scores.is_none() {
+                self.bound(code.name(), keys.len(), dim, per_key, 64)?;
+                let inserts = code != WriteOp::Assign;
+                if code == WriteOp::Load && scores.is_none() {
                     return Err(err(ErrorCode::Scores, "load needs a score per key (sent with the SCORES flag)"));
                 }
-                Self::validate(&t, &keys, Some(&values), scores.as_deref(), inserts, code == op::LOAD)?;
+                Self::validate(&t, &keys, Some(&values), scores.as_deref(), inserts, code == WriteOp::Load)?;
                 // load places entries as they were; it reports no per-key outcome.
-                let outcomes = outcomes && code != op::LOAD;
-                if code == op::LOAD {
+                let outcomes = outcomes && code != WriteOp::Load;
+                if code == WriteOp::Load {
                     t.untracked.store(true, Relaxed);
                 }
                 let (n, split) = (keys.len(), Split::new(&keys, n_shards));
@@ -787,7 +787,7 @@ impl Router {
                         scores: scores.as_mut().and_then(|s| s.next()),
                     })
                     .collect();
-                self.writes(&t, &split, ops, n, outcomes, code).await
+                self.writes(&t, &split, ops, n, outcomes, code.into()).await
             }
             Request::AssignScores { keys, scores, outcomes, .. } => {
                 // A custom table's scores are the caller's: without them there is nothing to assign.
@@ -800,7 +800,7 @@ impl Router {
                     .into_iter()
                     .map(|keys| SubOp::AssignScores { keys, scores: scores.as_mut().and_then(|s| s.next()) })
                     .collect();
-                self.writes(&t, &split, ops, n, outcomes, op::ASSIGN_SCORES).await
+                self.writes(&t, &split, ops, n, outcomes, Op::AssignScores).await
             }
             Request::EraseIf { filter, .. } => {
                 let f = to_filter(filter);
@@ -868,10 +868,7 @@ impl Router {
                 };
                 Ok(Response::Export { next, keys: e.keys, values: e.values, scores: e.scores })
             }
-            other => Err(ProtoError::bad_request(format!(
-                "{} is not a table operation",
-                hkv_proto::msg::op_name(other.op())
-            ))),
+            other => Err(ProtoError::bad_request(format!("{} is not a table operation", other.op().name()))),
         }
     }
 
@@ -893,7 +890,7 @@ impl Router {
                 times(keys.len(), write_per_key(*code, dim(table), *outcomes), 64)
             }
             Request::FindOrInsertFeatures { table, features, outcomes, .. } => {
-                times(features.len(), write_per_key(op::FIND_OR_INSERT, dim(table), *outcomes), 64)
+                times(features.len(), write_per_key(WriteOp::FindOrInsert, dim(table), *outcomes), 64)
             }
             Request::Hash { features, .. } => times(features.len(), 8, 8),
             Request::Contains { keys, .. } | Request::Erase { keys, .. } | Request::AssignScores { keys, .. } => {
@@ -943,13 +940,13 @@ impl Router {
         ops: Vec<SubOp>,
         n: usize,
         want_outcomes: bool,
-        code: u8,
+        code: Op,
     ) -> Result<Response, ProtoError> {
         let dim = t.config.dim;
         let mut summary = Summary::default();
         let mut outcomes = want_outcomes.then(|| split.out(n, 1, Outcome::Absent as u8));
-        let mut values = (code == op::FIND_OR_INSERT).then(|| split.out(n, dim, 0.0f32));
-        let mut evicted = (code == op::INSERT_AND_EVICT).then(Evicted::default);
+        let mut values = (code == Op::FindOrInsert).then(|| split.out(n, dim, 0.0f32));
+        let mut evicted = (code == Op::InsertAndEvict).then(Evicted::default);
         for (j, r) in self.fan_out(t, ops).await?.into_iter().enumerate() {
             let SubResult::Write { summary: s, outcomes: o, values: v, evicted: e } = r else { unreachable!() };
             summary += to_wire(s);
@@ -1045,9 +1042,8 @@ mod tests {
         assert!(e.message.contains("dim 1048576 is above the limit"), "{}", e.message);
         let c = shard_config(&TableSpec::new("t", 8, 1000), 4).unwrap();
         assert_eq!(c.capacity, 250);
-        let mut bad = TableSpec::new("t", 8, 1000);
-        bad.policy = "fifo".into();
-        assert!(shard_config(&bad, 1).unwrap_err().message.contains("fifo"));
+        let bad = serde_json::from_str::<TableSpec>(r#"{"name":"t","dim":8,"capacity":1000,"policy":"fifo"}"#);
+        assert!(bad.unwrap_err().to_string().contains("fifo"));
     }
 
     #[test]

@@ -227,7 +227,7 @@ async fn connection(state: Arc<State>, stream: UnixStream) {
             ErrorCode::Busy,
             format!("{} connections are open (limits.max_connections); try again later", open - 1),
         );
-        let _ = tx.send((error_frame(0, hkv_proto::op::ERROR, e), None)).await;
+        let _ = tx.send((error_frame(0, hkv_proto::Op::Error.into(), e), None)).await;
         drop(tx);
         let _ = writer.await;
         return;
@@ -279,7 +279,7 @@ async fn connection(state: Arc<State>, stream: UnixStream) {
             )),
             Err(e) => {
                 st.errors.fetch_add(1, Relaxed);
-                let _ = tx.send((error_frame(0, hkv_proto::op::ERROR, e), None)).await;
+                let _ = tx.send((error_frame(0, hkv_proto::Op::Error.into(), e), None)).await;
                 break;
             }
         };
@@ -457,7 +457,7 @@ fn scopeguard<F: FnMut()>(f: F) -> Guard<F> {
 }
 
 /// Answers one request.
-#[tracing::instrument(level = "debug", skip_all, fields(op = hkv_proto::msg::op_name(h.op), id = h.id))]
+#[tracing::instrument(level = "debug", skip_all, fields(op = hkv_proto::op::name_of(h.op), id = h.id))]
 /// The answer, and its share of the bytes in flight (held until it is sent).
 pub async fn handle(state: &Arc<State>, h: &Header, body: &[u8], peer: &Peer) -> (Response, Option<InFlight>) {
     let mut answer_bytes = None;
@@ -474,7 +474,7 @@ async fn answer(
     peer: &Peer,
     answer_bytes: &mut Option<InFlight>,
 ) -> Result<Response, ProtoError> {
-    if hkv_proto::msg::is_admin_op(h.op) && !state.is_admin(peer) {
+    if hkv_proto::Op::try_from(h.op).is_ok_and(hkv_proto::Op::is_admin) && !state.is_admin(peer) {
         let group = match (&state.config.admin_group, state.admin_gid) {
             (Some(name), Some(gid)) => format!("nor in the admin group {name} (gid {gid})"),
             _ => "and the daemon has no admin group (--admin-group)".into(),
@@ -483,7 +483,7 @@ async fn answer(
             ErrorCode::Forbidden,
             format!(
                 "{} needs admin rights: uid {} is neither the daemon's user ({}) nor root, {group}",
-                hkv_proto::msg::op_name(h.op),
+                hkv_proto::op::name_of(h.op),
                 peer.uid,
                 state.uid
             ),

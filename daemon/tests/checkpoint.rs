@@ -12,7 +12,7 @@ use common::Daemon;
 use hkv_client::{Client, Filter, TableSpec};
 
 fn spec(name: &str, dim: usize, capacity: u64, policy: &str, mode: &str) -> TableSpec {
-    TableSpec { policy: policy.into(), mode: mode.into(), ..TableSpec::new(name, dim, capacity) }
+    TableSpec { policy: policy.parse().unwrap(), mode: mode.parse().unwrap(), ..TableSpec::new(name, dim, capacity) }
 }
 
 /// Every entry of a table: key -> (value bits, score).

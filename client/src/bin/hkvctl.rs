@@ -36,8 +36,8 @@ enum Cmd {
         #[arg(long)]
         capacity: u64,
         /// lru, lfu, epoch-lru, epoch-lfu or custom.
-        #[arg(long, default_value = "lru")]
-        policy: String,
+        #[arg(long, default_value = "lru", value_parser = name::<proto::Policy>)]
+        policy: proto::Policy,
         /// Dual-bucket mode (fills to ~98 % before evicting).
         #[arg(long)]
         dual: bool,
@@ -48,8 +48,8 @@ enum Cmd {
         #[arg(long)]
         fast_tier_bytes: Option<u64>,
         /// Default feature hash of the table: fingerprint64 or strong (needs --num-buckets).
-        #[arg(long)]
-        hash: Option<String>,
+        #[arg(long, value_parser = name::<proto::HashKind>)]
+        hash: Option<proto::HashKind>,
         /// Default num_buckets of feature requests (keys = hash % num_buckets).
         #[arg(long)]
         num_buckets: Option<u64>,
@@ -188,8 +188,8 @@ enum Cmd {
 #[derive(clap::Args, Clone)]
 struct HashArgs {
     /// fingerprint64 (TensorFlow to_hash_bucket_fast) or strong (to_hash_bucket_strong).
-    #[arg(long)]
-    kind: Option<String>,
+    #[arg(long, value_parser = name::<proto::HashKind>)]
+    kind: Option<proto::HashKind>,
     /// Keys are hash % num_buckets.
     #[arg(long)]
     num_buckets: Option<u64>,
@@ -294,17 +294,23 @@ impl HashArgs {
     }
 }
 
+/// A name flag (`--policy`, `--kind`) parsed as its enum; the error lists
+/// the names.
+fn name<T: std::str::FromStr<Err = proto::ProtoError>>(s: &str) -> std::result::Result<T, String> {
+    s.parse().map_err(|e: proto::ProtoError| e.message)
+}
+
 /// A hash setting from its flags: none without a kind or bucket count; a
 /// kind (`flag`) without --num-buckets is an error.
 fn feature_hash(
     flag: &str,
-    kind: &Option<String>,
+    kind: &Option<proto::HashKind>,
     num_buckets: Option<u64>,
     key: &Option<Vec<u64>>,
 ) -> Result<Option<proto::FeatureHash>> {
     if let Some(k) = key {
         let key_flag = if flag == "--hash" { "--hash-key" } else { "--key" };
-        if kind.as_deref() != Some("strong") {
+        if *kind != Some(proto::HashKind::Strong) {
             bail!("{key_flag} is the SipHash key of the strong hash: add {flag} strong");
         }
         if k.len() != 2 {
@@ -315,7 +321,7 @@ fn feature_hash(
         (None, None) => None,
         (_, None) => bail!("{flag} needs --num-buckets"),
         (kind, Some(num_buckets)) => Some(proto::FeatureHash {
-            kind: kind.clone().unwrap_or_else(|| "fingerprint64".into()),
+            kind: kind.unwrap_or_default(),
             num_buckets,
             key: key.as_ref().map(|k| [k[0], k.get(1).copied().unwrap_or(0)]).unwrap_or([0, 0]),
         }),
@@ -682,7 +688,7 @@ fn bench(socket: PathBuf, a: BenchArgs) -> Result<()> {
             let t = table.clone();
             let dim = a.dim;
             let insert = measure(&socket, &a, clients, &|rng| Request::Write {
-                op: proto::op::INSERT_OR_ASSIGN,
+                op: proto::WriteOp::InsertOrAssign,
                 table: t.clone(),
                 keys: (0..batch).map(|_| rng.gen_range(1..=resident)).collect(),
                 values: vec![1.5; batch * dim],
@@ -760,7 +766,7 @@ fn run(cli: Cli) -> Result<()> {
             let spec = TableSpec {
                 max_capacity,
                 policy,
-                mode: if dual { "dual" } else { "single" }.into(),
+                mode: if dual { proto::Mode::Dual } else { proto::Mode::Single },
                 fast_tier_bytes,
                 hash,
                 ..TableSpec::new(&name, dim, capacity)
