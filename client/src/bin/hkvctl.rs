@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
+use hkv_client::proto::stats::{Listing, Restored, ShardStats, Started, Stats};
 use hkv_client::{proto, Client, ClientError, Request, TableSpec};
 use rand::Rng;
 
@@ -410,39 +411,37 @@ fn fmt_values(v: &[f32]) -> String {
     v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(",")
 }
 
-fn stats_table(v: &serde_json::Value) -> String {
+/// A JSON answer read as its typed document (`proto::stats`).
+fn doc<T: serde::de::DeserializeOwned>(v: serde_json::Value, what: &str) -> Result<T> {
+    serde_json::from_value(v).with_context(|| format!("the daemon's {what} answer does not read"))
+}
+
+fn stats_table(v: &Stats) -> String {
     let mut out = format!(
         "hkvd {}  backend {}  hashing on {}  up {:.0}s  connections {}  requests {}  errors {}\n",
-        v["version"].as_str().unwrap_or("?"),
-        v["backend"].as_str().unwrap_or("?"),
-        v["feature_hashing"].as_str().unwrap_or("?"),
-        v["uptime_s"].as_f64().unwrap_or(0.0),
-        v["connections"],
-        v["requests"],
-        v["errors"]
+        v.version, v.backend, v.feature_hashing, v.uptime_s, v.connections, v.requests, v.errors
     );
     out += &format!(
         "{:<20} {:>5} {:<9} {:<6} {:>12} {:>12} {:>6} {:>8} {:>12} {:>12}\n",
         "table", "dim", "policy", "mode", "size", "capacity", "load", "hit %", "evictions", "rejections"
     );
-    for t in v["tables"].as_array().into_iter().flatten() {
-        let sum =
-            |f: &str| t["shards"].as_array().into_iter().flatten().map(|s| s[f].as_u64().unwrap_or(0)).sum::<u64>();
-        let (hits, misses) = (sum("hits"), sum("misses"));
+    for t in &v.tables {
+        let sum = |f: fn(&ShardStats) -> u64| t.shards.iter().map(f).sum::<u64>();
+        let (hits, misses) = (sum(|s| s.hits), sum(|s| s.misses));
         let rate =
             if hits + misses > 0 { format!("{:.2}", 100.0 * hits as f64 / (hits + misses) as f64) } else { "-".into() };
         out += &format!(
             "{:<20} {:>5} {:<9} {:<6} {:>12} {:>12} {:>6.3} {:>8} {:>12} {:>12}\n",
-            t["spec"]["name"].as_str().unwrap_or("?"),
-            t["spec"]["dim"].as_u64().unwrap_or(0),
-            t["spec"]["policy"].as_str().unwrap_or("?"),
-            t["spec"]["mode"].as_str().unwrap_or("?"),
-            t["size"].as_u64().unwrap_or(0),
-            t["capacity"].as_u64().unwrap_or(0),
-            t["load_factor"].as_f64().unwrap_or(0.0),
+            t.spec.name,
+            t.spec.dim,
+            t.spec.policy.as_str(),
+            t.spec.mode.as_str(),
+            t.size,
+            t.capacity,
+            t.load_factor,
             rate,
-            sum("evictions"),
-            sum("rejections")
+            sum(|s| s.evictions),
+            sum(|s| s.rejections)
         );
     }
     out
@@ -875,12 +874,13 @@ fn run(cli: Cli) -> Result<()> {
             if json {
                 println!("{}", serde_json::to_string_pretty(&v)?);
             } else {
-                print!("{}", stats_table(&v));
+                print!("{}", stats_table(&doc(v, "stats")?));
             }
         }
         Cmd::Metrics => print!("{}", c.metrics()?),
         Cmd::Checkpoint { wait, full } => {
-            let before = c.stats()?["checkpoint"]["last"]["finished_unix_ms"].clone();
+            let finished = |st: &Stats| st.checkpoint.last.as_ref().map(|l| l.finished_unix_ms);
+            let before = finished(&doc(c.stats()?, "stats")?);
             // Daemons before protocol 1's `id` field answered only `started`.
             // With --wait, a running checkpoint or restore is waited for, then
             // this one is taken (as the protocol's `wait: true` does).
@@ -897,7 +897,8 @@ fn run(cli: Cli) -> Result<()> {
                     r => break r?,
                 }
             };
-            let id = started["id"].as_str().map(str::to_string);
+            let started: Started = doc(started, "checkpoint")?;
+            let id = (!started.id.is_empty()).then_some(started.id);
             if !wait {
                 match &id {
                     Some(id) => println!("checkpoint {id} started; `hkvctl stats` shows its progress"),
@@ -908,39 +909,39 @@ fn run(cli: Cli) -> Result<()> {
             let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
             loop {
                 std::thread::sleep(Duration::from_millis(200));
-                let st = c.stats()?;
-                let ck = &st["checkpoint"];
-                if let Some(p) = ck["running"].as_object() {
-                    let (done, total) =
-                        (p["entries_done"].as_u64().unwrap_or(0), p["entries_total"].as_u64().unwrap_or(0));
+                let st: Stats = doc(c.stats()?, "stats")?;
+                let ck = &st.checkpoint;
+                if let Some(p) = &ck.running {
+                    let (done, total) = (p.entries_done, p.entries_total);
                     let frac = if total > 0 { (done as f64 / total as f64).min(1.0) } else { 0.0 };
                     let bar = "#".repeat((frac * 30.0) as usize) + &"-".repeat(30 - (frac * 30.0) as usize);
                     let line = format!(
                         "checkpoint {} [{bar}] {done}/{total} entries, {:.1} MB, {:.0} MB/s, {:.0} entries/s, ETA {:.0}s",
-                        p["id"].as_str().unwrap_or("?"),
-                        p["bytes"].as_u64().unwrap_or(0) as f64 / 1e6,
-                        p["mb_per_s"].as_f64().unwrap_or(0.0),
-                        p["rate"].as_f64().unwrap_or(0.0),
-                        p["eta_s"].as_f64().unwrap_or(0.0)
+                        p.id,
+                        p.bytes as f64 / 1e6,
+                        p.mb_per_s,
+                        p.rate,
+                        p.eta_s
                     );
                     if tty {
                         eprint!("\r{line}");
                     }
-                } else if id.as_deref().map_or(ck["last"]["finished_unix_ms"] != before, |id| ck["last"]["id"] == id) {
+                } else if let Some(l) = ck.last.as_ref().filter(|l| match &id {
+                    Some(id) => l.id == *id,
+                    None => Some(l.finished_unix_ms) != before,
+                }) {
                     if tty {
                         eprintln!();
                     }
-                    let l = &ck["last"];
-                    if let Some(e) = l["error"].as_str() {
+                    if let Some(e) = &l.error {
                         bail!("checkpoint failed: {e}");
                     }
-                    let (mb, secs) =
-                        (l["bytes"].as_u64().unwrap_or(0) as f64 / 1e6, l["seconds"].as_f64().unwrap_or(0.0));
+                    let (mb, secs) = (l.bytes as f64 / 1e6, l.seconds);
                     println!(
                         "checkpoint {} complete ({}): {} entries, {mb:.1} MB in {secs:.2}s ({:.0} MB/s)",
-                        l["id"].as_str().unwrap_or("?"),
-                        l["kind"].as_str().unwrap_or("?"),
-                        l["entries"],
+                        l.id,
+                        l.kind,
+                        l.entries,
                         mb / secs.max(1e-9)
                     );
                     break;
@@ -949,16 +950,15 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Checkpoints => {
             println!("{:<18} {:<20} {:<30} {:>12} {:>10}  status", "id", "created (UTC)", "kind", "entries", "MB");
-            for l in c.checkpoints()?.as_array().into_iter().flatten() {
-                let ms = l["created_unix_ms"].as_u64().unwrap_or(0);
+            for l in doc::<Vec<Listing>>(c.checkpoints()?, "list_checkpoints")? {
                 println!(
                     "{:<18} {:<20} {:<30} {:>12} {:>10.1}  {}",
-                    l["id"].as_str().unwrap_or("?"),
-                    fmt_time(ms),
-                    l["kind"].as_str().unwrap_or("?"),
-                    l["entries"].as_u64().unwrap_or(0),
-                    l["bytes"].as_u64().unwrap_or(0) as f64 / 1e6,
-                    l["status"].as_str().unwrap_or("?")
+                    l.id,
+                    fmt_time(l.created_unix_ms),
+                    l.kind,
+                    l.entries,
+                    l.bytes as f64 / 1e6,
+                    l.status
                 );
             }
         }
@@ -972,16 +972,19 @@ fn run(cli: Cli) -> Result<()> {
                     let Ok(mut w) = Client::connect(&socket) else { return };
                     while !done.load(std::sync::atomic::Ordering::Relaxed) {
                         std::thread::sleep(Duration::from_millis(200));
-                        let Ok(st) = w.stats() else { return };
-                        if let Some(p) = st["checkpoint"]["restoring"].as_object() {
+                        let Ok(st) = w.stats().map_err(anyhow::Error::from).and_then(|v| doc::<Stats>(v, "stats"))
+                        else {
+                            return;
+                        };
+                        if let Some(p) = &st.checkpoint.restoring {
                             eprint!(
                                 "\rrestore {} {}: {}/{} entries, {:.1} MB, {:.0} MB/s   ",
-                                p["id"].as_str().unwrap_or("?"),
-                                p["kind"].as_str().unwrap_or("?"),
-                                p["entries_done"].as_u64().unwrap_or(0),
-                                p["entries_total"].as_u64().unwrap_or(0),
-                                p["bytes"].as_u64().unwrap_or(0) as f64 / 1e6,
-                                p["mb_per_s"].as_f64().unwrap_or(0.0)
+                                p.id,
+                                p.kind,
+                                p.entries_done,
+                                p.entries_total,
+                                p.bytes as f64 / 1e6,
+                                p.mb_per_s
                             );
                         }
                     }
@@ -993,23 +996,25 @@ fn run(cli: Cli) -> Result<()> {
                 let _ = w.join();
                 eprintln!();
             }
-            let r = r?;
-            for s in r["skipped"].as_array().into_iter().flatten() {
-                eprintln!("hkvctl: warning: skipped {}", s.as_str().unwrap_or("?"));
+            let r: Restored = doc(r?, "restore")?;
+            for s in &r.skipped {
+                eprintln!("hkvctl: warning: skipped {s}");
             }
-            for d in r["dropped"].as_array().into_iter().flatten() {
-                if d[1].as_u64().unwrap_or(0) > 0 {
-                    eprintln!("hkvctl: warning: table {} could not place {} entries of the checkpoint", d[0], d[1]);
+            for (table, n) in &r.dropped {
+                if *n > 0 {
+                    // The name as JSON text (quoted), as this line has always shown it.
+                    let table = serde_json::Value::from(table.as_str());
+                    eprintln!("hkvctl: warning: table {table} could not place {n} entries of the checkpoint");
                 }
             }
             println!(
                 "restored checkpoint {} in {:.2}s ({:.0} MB/s): {} entries, tables {}, dropped {}",
-                r["id"].as_str().unwrap_or("?"),
-                r["seconds"].as_f64().unwrap_or(0.0),
-                r["mb_per_s"].as_f64().unwrap_or(0.0),
-                r["entries"],
-                r["tables"],
-                r["dropped"]
+                r.id,
+                r.seconds,
+                r.mb_per_s,
+                r.entries,
+                serde_json::to_string(&r.tables)?,
+                serde_json::to_string(&r.dropped)?
             );
         }
         Cmd::Shutdown => {
