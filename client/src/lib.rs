@@ -8,7 +8,10 @@
 //! # Layout
 //! - this file: the blocking [`Client`], its typed helpers and [`ClientError`].
 //! - [`asynchronous`] holds [`AsyncClient`].
-//! - `bin/hkvctl.rs` is the command-line client.
+//! - `bin/hkvctl/` is the command-line client: `main.rs` (dispatch, exit
+//!   codes), `cmd.rs` (the clap definitions), `tables.rs`, `entries.rs`,
+//!   `features.rs`, `checkpoint.rs` (one module per command family),
+//!   `render.rs` (printing), `bench.rs` (`hkvctl bench`).
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
