@@ -404,8 +404,10 @@ impl Client {
     }
 
     /// Restores a checkpoint (`latest` or an id) into the running daemon.
+    /// An id that is neither `latest` nor hex is refused before sending.
     pub fn restore(&mut self, id: &str) -> Result<serde_json::Value> {
-        self.json(Control::Restore { id: id.into() }, "restore")
+        let id = id.parse().map_err(ClientError::Request)?;
+        self.json(Control::Restore { id }, "restore")
     }
 
     /// Asks the daemon to drain and exit.

@@ -555,7 +555,7 @@ async fn answer(
                 Ok(Response::Json(serde_json::to_vec(&state.checkpoints.list()?).expect("serializes")))
             }
             Control::Restore { id } => {
-                let r = crate::ckpt::Checkpoints::restore(state.clone(), &id).await?;
+                let r = crate::ckpt::Checkpoints::restore(state.clone(), &id.to_string()).await?;
                 let r = r.ok_or_else(|| ProtoError::new(ErrorCode::NotFound, "there is no checkpoint to restore"))?;
                 Ok(Response::Json(serde_json::to_vec(&r).expect("serializes")))
             }

@@ -43,7 +43,8 @@ pub use op::{Op, WriteOp};
 pub use request::{Control, Request};
 pub use response::Response;
 pub use types::{
-    Cursor, Evicted, FeatureHash, Features, Filter, HashKind, HashSpec, Mode, Policy, Summary, TableInfo, TableSpec,
+    CheckpointId, Cursor, Evicted, FeatureHash, Features, Filter, HashKind, HashSpec, Mode, Policy, Summary, TableInfo,
+    TableSpec,
 };
 
 /// Where clients and the daemon look for the socket when none is given:

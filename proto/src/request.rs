@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use crate::body::{Reader, Writer};
 use crate::error::{ErrorCode, ProtoError};
 use crate::op::{Op, WriteOp};
-use crate::types::{Cursor, FeatureHash, Features, Filter, HashKind, HashSpec, TableSpec};
+use crate::types::{CheckpointId, Cursor, FeatureHash, Features, Filter, HashKind, HashSpec, TableSpec};
 use crate::{flags, Header, HEADER_LEN};
 
 /// Control requests (JSON bodies where they have one).
@@ -38,8 +38,8 @@ pub enum Control {
     ListCheckpoints,
     /// Restore a checkpoint (`latest` or an id) into the running daemon (admin).
     Restore {
-        /// `latest` or a hex id.
-        id: String,
+        /// Which.
+        id: CheckpointId,
     },
 }
 
@@ -552,7 +552,7 @@ impl Request {
                 #[derive(Deserialize)]
                 #[serde(deny_unknown_fields)]
                 struct Re {
-                    id: String,
+                    id: CheckpointId,
                 }
                 let x: Re = from_json(r.rest(), "restore body")?;
                 Request::Control(Control::Restore { id: x.id })

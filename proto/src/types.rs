@@ -331,6 +331,55 @@ impl HashKind {
     }
 }
 
+/// Which checkpoint a restore loads: the newest complete one, or one by
+/// id. Travels as text: `latest`, or the id in hex (parsed as a base-16
+/// `u64`: leading zeros may be left out, case does not matter; written as
+/// 16 digits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum CheckpointId {
+    /// The newest complete checkpoint (a corrupt one is skipped).
+    Latest,
+    /// This one.
+    Id(u64),
+}
+
+impl std::fmt::Display for CheckpointId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CheckpointId::Latest => f.write_str("latest"),
+            CheckpointId::Id(id) => write!(f, "{id:016x}"),
+        }
+    }
+}
+
+impl std::str::FromStr for CheckpointId {
+    type Err = ProtoError;
+
+    fn from_str(s: &str) -> Result<CheckpointId, ProtoError> {
+        if s == "latest" {
+            return Ok(CheckpointId::Latest);
+        }
+        u64::from_str_radix(s, 16).map(CheckpointId::Id).map_err(|_| {
+            ProtoError::bad_request(format!("checkpoint id {s:?}: use `latest` or an id from `hkvctl checkpoints`"))
+        })
+    }
+}
+
+impl TryFrom<String> for CheckpointId {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<CheckpointId, String> {
+        s.parse().map_err(|e: ProtoError| e.message)
+    }
+}
+
+impl From<CheckpointId> for String {
+    fn from(c: CheckpointId) -> String {
+        c.to_string()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -351,6 +400,10 @@ mod tests {
         assert_eq!((spec.policy, spec.mode, spec.hash.unwrap().kind), (Policy::EpochLfu, Mode::Dual, HashKind::Strong));
         let spec: TableSpec = serde_json::from_str(r#"{"name":"t","dim":4,"capacity":8}"#).unwrap();
         assert_eq!(spec, TableSpec::new("t", 4, 8));
+        assert_eq!("latest".parse::<CheckpointId>().unwrap(), CheckpointId::Latest);
+        assert_eq!("FF".parse::<CheckpointId>().unwrap(), CheckpointId::Id(255));
+        assert_eq!(CheckpointId::Id(255).to_string(), "00000000000000ff");
+        assert!("xyz".parse::<CheckpointId>().unwrap_err().message.contains("\"xyz\""));
         let e = serde_json::from_str::<TableSpec>(r#"{"name":"t","dim":4,"capacity":8,"policy":"fifo"}"#).unwrap_err();
         assert!(e.to_string().contains("fifo"), "{e}");
     }
