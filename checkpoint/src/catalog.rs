@@ -699,8 +699,8 @@ mod tests {
         TableEntry {
             name: name.into(),
             dim: 2,
-            policy: "lru".into(),
-            mode: "single".into(),
+            policy: hkv_proto::Policy::Lru,
+            mode: hkv_proto::Mode::Single,
             spec: serde_json::json!({}),
             shards: 1,
             entries: chunks.iter().map(|c| c.entries).sum(),

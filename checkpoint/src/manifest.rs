@@ -1,6 +1,7 @@
 //! Manifests: what a checkpoint holds. JSON followed by a u64 xxh3-64 of the
 //! JSON bytes (little-endian).
 
+use hkv_proto::{Mode, Policy};
 use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result, FORMAT_VERSION};
@@ -41,10 +42,10 @@ pub struct TableEntry {
     pub name: String,
     /// f32 per value.
     pub dim: usize,
-    /// Score policy name.
-    pub policy: String,
-    /// Bucket mode name.
-    pub mode: String,
+    /// Score policy (stored as its name: `lru`, `epoch-lfu` ...).
+    pub policy: Policy,
+    /// Bucket mode (stored as its name: `single` or `dual`).
+    pub mode: Mode,
     /// The daemon's full table spec, as it was created.
     pub spec: serde_json::Value,
     /// Shards it had.
@@ -131,4 +132,32 @@ pub fn decode(id: u64, b: &[u8]) -> Result<Manifest> {
         return Err(corrupt(format!("format version {}, this build reads {FORMAT_VERSION}", m.format)));
     }
     Ok(m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Manifests written while the policy and mode were plain strings read
+    /// unchanged: the typed fields keep the same JSON text.
+    #[test]
+    fn a_manifest_written_with_string_policies_still_reads() {
+        let old = r#"{"format":1,"id":7,"created_unix_ms":1,"finished_unix_ms":2,"daemon_version":"0.1.0",
+            "kind":{"incremental":{"base":5}},
+            "tables":[{"name":"emb","dim":4,"policy":"epoch-lfu","mode":"dual",
+              "spec":{"name":"emb","dim":4,"capacity":1024,"policy":"epoch-lfu","mode":"dual"},
+              "shards":2,"entries":3,"full":true,"watermarks":[0,0],
+              "chunks":[{"key":"c","shard":0,"entries":3,"bytes":64,"checksum":9}]}]}"#
+            .replace(['\n', ' '], "");
+        let old = old.replace("\"format\":1", &format!("\"format\":{FORMAT_VERSION}"));
+        let mut bytes = old.clone().into_bytes();
+        bytes.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(old.as_bytes()).to_le_bytes());
+        let m = decode(7, &bytes).unwrap();
+        assert_eq!((m.tables[0].policy, m.tables[0].mode), (Policy::EpochLfu, Mode::Dual));
+        assert_eq!(m.kind, Kind::Incremental { base: 5 });
+        // Written back, the same document.
+        let again = encode(&m);
+        let value = |b: &[u8]| serde_json::from_slice::<serde_json::Value>(b).unwrap();
+        assert_eq!(value(&again[..again.len() - 8]), value(old.as_bytes()));
+    }
 }

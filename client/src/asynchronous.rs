@@ -95,7 +95,7 @@ impl AsyncClient {
     /// Upsert.
     pub async fn insert_or_assign(&mut self, table: &str, keys: &[u64], values: &[f32]) -> Result<hkv_proto::Summary> {
         let req = Request::Write {
-            op: hkv_proto::op::INSERT_OR_ASSIGN,
+            op: hkv_proto::WriteOp::InsertOrAssign,
             table: table.into(),
             keys: keys.to_vec(),
             values: values.to_vec(),

@@ -8,7 +8,10 @@
 //! # Layout
 //! - this file: the blocking [`Client`], its typed helpers and [`ClientError`].
 //! - [`asynchronous`] holds [`AsyncClient`].
-//! - `bin/hkvctl.rs` is the command-line client.
+//! - `bin/hkvctl/` is the command-line client: `main.rs` (dispatch, exit
+//!   codes), `cmd.rs` (the clap definitions), `tables.rs`, `entries.rs`,
+//!   `features.rs`, `checkpoint.rs` (one module per command family),
+//!   `render.rs` (printing), `bench.rs` (`hkvctl bench`).
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -21,10 +24,10 @@ use std::path::Path;
 
 pub use asynchronous::AsyncClient;
 pub use hkv_proto::{
-    self as proto, Control, Cursor, ErrorCode, Evicted, FeatureHash, Features, Filter, HashSpec, ProtoError, Request,
-    Response, Summary, TableInfo, TableSpec,
+    self as proto, Control, Cursor, ErrorCode, Evicted, FeatureHash, Features, Filter, HashKind, HashSpec, Mode, Op,
+    Policy, ProtoError, Request, Response, Summary, TableInfo, TableSpec, WriteOp,
 };
-use hkv_proto::{op, Header, HEADER_LEN};
+use hkv_proto::{Header, HEADER_LEN};
 
 /// What a client call can fail with.
 #[derive(Debug, thiserror::Error)]
@@ -209,7 +212,7 @@ impl Spare {
 /// arrays the clients read into kept ones (little-endian hosts only: the
 /// wire's order is then the floats' own).
 pub(crate) fn plain_find(h: &Header) -> bool {
-    matches!(h.op, proto::op::FIND | proto::op::FIND_FEATURES)
+    matches!(proto::Op::try_from(h.op), Ok(proto::Op::Find | proto::Op::FindFeatures))
         && h.flags & (proto::flags::ERROR | proto::flags::SCORES) == 0
         && cfg!(target_endian = "little")
 }
@@ -401,8 +404,10 @@ impl Client {
     }
 
     /// Restores a checkpoint (`latest` or an id) into the running daemon.
+    /// An id that is neither `latest` nor hex is refused before sending.
     pub fn restore(&mut self, id: &str) -> Result<serde_json::Value> {
-        self.json(Control::Restore { id: id.into() }, "restore")
+        let id = id.parse().map_err(ClientError::Request)?;
+        self.json(Control::Restore { id }, "restore")
     }
 
     /// Asks the daemon to drain and exit.
@@ -470,14 +475,14 @@ impl Client {
     /// values (find_or_insert) and evictions (insert_and_evict).
     pub fn write(
         &mut self,
-        code: u8,
+        op: WriteOp,
         table: &str,
         keys: &[u64],
         values: &[f32],
         scores: Option<&[u64]>,
     ) -> Result<Written> {
         let req = Request::Write {
-            op: code,
+            op,
             table: table.into(),
             keys: keys.to_vec(),
             values: values.to_vec(),
@@ -495,7 +500,7 @@ impl Client {
         values: &[f32],
         scores: Option<&[u64]>,
     ) -> Result<Summary> {
-        self.write(op::INSERT_OR_ASSIGN, table, keys, values, scores).map(|r| r.summary)
+        self.write(WriteOp::InsertOrAssign, table, keys, values, scores).map(|r| r.summary)
     }
 
     /// Upsert returning what lost its slot.
@@ -506,7 +511,7 @@ impl Client {
         values: &[f32],
         scores: Option<&[u64]>,
     ) -> Result<(Summary, Evicted)> {
-        let w = self.write(op::INSERT_AND_EVICT, table, keys, values, scores)?;
+        let w = self.write(WriteOp::InsertAndEvict, table, keys, values, scores)?;
         Ok((w.summary, w.evicted.unwrap_or_default()))
     }
 
@@ -518,13 +523,13 @@ impl Client {
         values: &[f32],
         scores: Option<&[u64]>,
     ) -> Result<(Summary, Vec<f32>)> {
-        let w = self.write(op::FIND_OR_INSERT, table, keys, values, scores)?;
+        let w = self.write(WriteOp::FindOrInsert, table, keys, values, scores)?;
         Ok((w.summary, w.values.unwrap_or_default()))
     }
 
     /// Overwrite present keys.
     pub fn assign(&mut self, table: &str, keys: &[u64], values: &[f32], scores: Option<&[u64]>) -> Result<Summary> {
-        self.write(op::ASSIGN, table, keys, values, scores).map(|r| r.summary)
+        self.write(WriteOp::Assign, table, keys, values, scores).map(|r| r.summary)
     }
 
     /// Add deltas to present keys, insert absent ones.
@@ -535,12 +540,12 @@ impl Client {
         deltas: &[f32],
         scores: Option<&[u64]>,
     ) -> Result<Summary> {
-        self.write(op::ACCUM_OR_ASSIGN, table, keys, deltas, scores).map(|r| r.summary)
+        self.write(WriteOp::AccumOrAssign, table, keys, deltas, scores).map(|r| r.summary)
     }
 
     /// Insert with verbatim scores (restores).
     pub fn load(&mut self, table: &str, keys: &[u64], values: &[f32], scores: &[u64]) -> Result<Summary> {
-        self.write(op::LOAD, table, keys, values, Some(scores)).map(|r| r.summary)
+        self.write(WriteOp::Load, table, keys, values, Some(scores)).map(|r| r.summary)
     }
 
     /// Write scores of present keys.
@@ -618,11 +623,8 @@ mod tests {
     use super::*;
 
     /// A frame of `op` with `flags` and `body`, as the daemon sends it.
-    fn frame(op: u8, flags: u16, id: u64, body: &[u8]) -> Vec<u8> {
-        let mut f = vec![];
-        Header { op, flags: proto::flags::RESPONSE | flags, id, body_len: body.len() as u32 }.encode(&mut f);
-        f.extend_from_slice(body);
-        f
+    fn frame(op: Op, flags: u16, id: u64, body: &[u8]) -> Vec<u8> {
+        proto::frame(op, proto::flags::RESPONSE | flags, id, body)
     }
 
     #[test]
@@ -631,7 +633,7 @@ mod tests {
         let path = dir.path().join("s.sock");
         let listener = UnixListener::bind(&path).unwrap();
         let good = Response::Find { found: vec![1, 0, 1], values: vec![1.5, -2.0, 0.0, 0.0, 3.25, 4.0], scores: None };
-        let mut frames = good.encode(op::FIND, 1);
+        let mut frames = good.encode(Op::Find, 1);
         // Counts that do not add up: 3 found bytes, then 5 floats announced
         // but 4 sent; then a truncated count.
         let mut bad = vec![];
@@ -639,10 +641,10 @@ mod tests {
         bad.extend_from_slice(&[1, 1, 0]);
         bad.extend_from_slice(&5u32.to_le_bytes());
         bad.extend_from_slice(&[0u8; 16]);
-        frames.extend(frame(op::FIND, 0, 2, &bad));
-        frames.extend(frame(op::FIND, 0, 3, &[7, 0]));
-        frames.extend(Response::Find { found: vec![], values: vec![], scores: None }.encode(op::FIND, 4));
-        frames.extend(Response::Empty.encode(op::PING, 5));
+        frames.extend(frame(Op::Find, 0, 2, &bad));
+        frames.extend(frame(Op::Find, 0, 3, &[7, 0]));
+        frames.extend(Response::Find { found: vec![], values: vec![], scores: None }.encode(Op::Find, 4));
+        frames.extend(Response::Empty.encode(Op::Ping, 5));
         let server = std::thread::spawn(move || {
             let (mut s, _) = listener.accept().unwrap();
             s.write_all(&frames).unwrap();

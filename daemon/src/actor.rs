@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use actix::prelude::*;
-use hkv_proto::FindFrame;
+use hkv_proto::{FindFrame, WriteOp};
 use hkv_shard::{Backend, Evictions, Export, Filter, Outcome, Shard, ShardStats, Summary, TableConfig};
 use parking_lot::RwLock;
 use zerocopy::FromBytes;
@@ -100,10 +100,10 @@ pub enum SubOp {
         /// Keys.
         keys: Vec<u64>,
     },
-    /// A write op of `hkv_proto::msg::WRITE_OPS`.
+    /// A write.
     Write {
-        /// Op code.
-        op: u8,
+        /// Which.
+        op: WriteOp,
         /// Keys.
         keys: Vec<u64>,
         /// Values or deltas.
@@ -272,7 +272,6 @@ fn contained<T>(what: &str, f: impl FnOnce() -> Result<T, hkv_shard::Error>) -> 
 
 /// Runs `op` on `t` (on the calling thread: an actor's).
 fn execute(t: &dyn Shard, op: SubOp) -> Result<SubResult, hkv_shard::Error> {
-    use hkv_proto::op as code;
     let dim = t.dim();
     Ok(match op {
         SubOp::Find { keys, scores } => {
@@ -311,20 +310,19 @@ fn execute(t: &dyn Shard, op: SubOp) -> Result<SubResult, hkv_shard::Error> {
             let sc = scores.as_deref();
             let o = Some(&mut outcomes[..]);
             let (summary, values, evicted) = match op {
-                code::INSERT_OR_ASSIGN => (t.insert_or_assign(&keys, &values, sc, o)?, None, None),
-                code::INSERT_AND_EVICT => {
+                WriteOp::InsertOrAssign => (t.insert_or_assign(&keys, &values, sc, o)?, None, None),
+                WriteOp::InsertAndEvict => {
                     let ev = t.insert_and_evict(&keys, &values, sc, o)?;
                     (summarize(&outcomes), None, Some(ev))
                 }
-                code::FIND_OR_INSERT => {
+                WriteOp::FindOrInsert => {
                     let s = t.find_or_insert(&keys, &mut values, sc, o)?;
                     (s, Some(values), None)
                 }
-                code::ASSIGN => (t.assign(&keys, &values, sc, o)?, None, None),
-                code::ACCUM_OR_ASSIGN => (t.accum_or_assign(&keys, &values, sc, o)?, None, None),
+                WriteOp::Assign => (t.assign(&keys, &values, sc, o)?, None, None),
+                WriteOp::AccumOrAssign => (t.accum_or_assign(&keys, &values, sc, o)?, None, None),
                 // load reports no per-key outcome: every one stays Absent.
-                code::LOAD => (t.load(&keys, &values, sc.unwrap_or(&[]))?, None, None),
-                other => unreachable!("router sends only write ops here, got {other:#x}"),
+                WriteOp::Load => (t.load(&keys, &values, sc.unwrap_or(&[]))?, None, None),
             };
             SubResult::Write { summary, outcomes, values, evicted }
         }

@@ -217,7 +217,7 @@ mod tests {
         assert_eq!(c.shards, Some(3));
         assert_eq!(c.limits.max_frame_bytes, 1024);
         assert_eq!(c.limits.max_in_flight, 64);
-        assert_eq!(c.tables[0].policy, "lfu");
+        assert_eq!(c.tables[0].policy, hkv_proto::Policy::Lfu);
         assert!(toml::from_str::<Config>("sockett = 1").unwrap_err().to_string().contains("sockett"));
     }
 

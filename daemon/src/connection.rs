@@ -68,7 +68,7 @@ pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
             ErrorCode::Busy,
             format!("{} connections are open (limits.max_connections); try again later", open - 1),
         );
-        let _ = tx.send((error_frame(0, hkv_proto::op::ERROR, e), None)).await;
+        let _ = tx.send((error_frame(0, hkv_proto::Op::Error.into(), e), None)).await;
         drop(tx);
         let _ = writer.await;
         return;
@@ -109,7 +109,7 @@ pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
             Ok(admitted) => admitted,
             Err(e) => {
                 st.errors.fetch_add(1, Relaxed);
-                let _ = tx.send((error_frame(0, hkv_proto::op::ERROR, e), None)).await;
+                let _ = tx.send((error_frame(0, hkv_proto::Op::Error.into(), e), None)).await;
                 break;
             }
         };

@@ -78,15 +78,14 @@ pub fn resolve(spec: HashSpec, table: Option<&TableSpec>) -> Result<(HashKind, u
         },
     };
     check(&h)?;
-    let kind = match h.code()? {
-        0 => HashKind::Fingerprint64,
-        _ => HashKind::Strong { k0: h.key[0], k1: h.key[1] },
+    let kind = match h.kind {
+        hkv_proto::HashKind::Fingerprint64 => HashKind::Fingerprint64,
+        hkv_proto::HashKind::Strong => HashKind::Strong { k0: h.key[0], k1: h.key[1] },
     };
     Ok((kind, h.num_buckets))
 }
 
-/// Checks a hash setting (kind known, num_buckets in range).
+/// Checks a hash setting (num_buckets in range; the kind is typed).
 pub fn check(h: &FeatureHash) -> Result<(), ProtoError> {
-    h.code()?;
     hkv_shard::features::check_buckets(h.num_buckets).map_err(|e| ProtoError::new(ErrorCode::BadRequest, e.to_string()))
 }

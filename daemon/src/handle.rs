@@ -14,7 +14,7 @@ use crate::state::State;
 
 /// Answers one request: the answer, and its share of the bytes in flight
 /// (held until it is sent).
-#[tracing::instrument(level = "debug", skip_all, fields(op = hkv_proto::msg::op_name(h.op), id = h.id))]
+#[tracing::instrument(level = "debug", skip_all, fields(op = hkv_proto::op::name_of(h.op), id = h.id))]
 pub async fn handle(state: &Arc<State>, h: &Header, body: &[u8], peer: &Peer) -> (Response, Option<InFlight>) {
     let mut answer_bytes = None;
     match answer(state, h, body, peer, &mut answer_bytes).await {
@@ -30,7 +30,7 @@ async fn answer(
     peer: &Peer,
     answer_bytes: &mut Option<InFlight>,
 ) -> Result<Response, ProtoError> {
-    if hkv_proto::msg::is_admin_op(h.op) && !state.is_admin(peer) {
+    if hkv_proto::Op::try_from(h.op).is_ok_and(hkv_proto::Op::is_admin) && !state.is_admin(peer) {
         let group = match (&state.config.admin_group, state.admin_gid) {
             (Some(name), Some(gid)) => format!("nor in the admin group {name} (gid {gid})"),
             _ => "and the daemon has no admin group (--admin-group)".into(),
@@ -39,7 +39,7 @@ async fn answer(
             ErrorCode::Forbidden,
             format!(
                 "{} needs admin rights: uid {} is neither the daemon's user ({}) nor root, {group}",
-                hkv_proto::msg::op_name(h.op),
+                hkv_proto::op::name_of(h.op),
                 peer.uid,
                 state.uid
             ),
@@ -123,7 +123,7 @@ async fn control(state: &Arc<State>, c: Control, peer: &Peer) -> Result<Response
             Ok(Response::Json(serde_json::to_vec(&state.checkpoints.list()?).expect("serializes")))
         }
         Control::Restore { id } => {
-            let r = state.checkpoints.restore(state.router.clone(), &id).await?;
+            let r = state.checkpoints.restore(state.router.clone(), &id.to_string()).await?;
             let r = r.ok_or_else(|| ProtoError::new(ErrorCode::NotFound, "there is no checkpoint to restore"))?;
             Ok(Response::Json(serde_json::to_vec(&r).expect("serializes")))
         }

@@ -4,81 +4,51 @@
 use std::fmt::Write;
 use std::sync::atomic::Ordering::Relaxed;
 
-use hkv_proto::TableSpec;
-use hkv_shard::{Group, Op, ShardStats};
-use serde::{Deserialize, Serialize};
+use hkv_proto::stats::{LockGroup, LockStats};
+pub use hkv_proto::stats::{MemoryStats, ShardStats, Stats as DaemonStats, TableStats};
+use hkv_shard::{Group, Op};
 
 use crate::state::State;
 
-/// Everything the daemon reports.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct DaemonStats {
-    /// Crate version.
-    pub version: String,
-    /// Seconds since start.
-    pub uptime_s: f64,
-    /// Backend in words.
-    pub backend: String,
-    /// Shard actors (devices or CPU shards).
-    pub shards: usize,
-    /// Where feature requests are hashed: "CPU" or "GPU 0 (name)".
-    #[serde(default)]
-    pub feature_hashing: String,
-    /// Connections open now.
-    pub connections: usize,
-    /// Requests answered since start.
-    pub requests: u64,
-    /// Error responses since start.
-    pub errors: u64,
-    /// Requests running now.
-    pub in_flight: usize,
-    /// Per table.
-    pub tables: Vec<TableStats>,
-    /// Names of the operations, in the order of each shard's `ops` and `keys`.
-    pub op_names: Vec<String>,
-    /// Checkpoint status.
-    pub checkpoint: crate::ckpt::CheckpointStats,
-    /// Memory limits and what is held of them.
-    #[serde(default)]
-    pub memory: MemoryStats,
-}
-
-/// The memory budget and the request bytes in flight.
-#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
-pub struct MemoryStats {
-    /// `limits.max_table_bytes` in force: device memory on CUDA, host memory on CPU.
-    pub max_table_bytes: u64,
-    /// Bytes of it granted to tables (each table's peak footprint).
-    pub table_bytes: u64,
-    /// `limits.max_host_tier_bytes` in force (CUDA; 0 on the CPU backend).
-    pub max_host_tier_bytes: u64,
-    /// Bytes of it granted to tables.
-    pub host_tier_bytes: u64,
-    /// Bytes of requests being received or run and of answers being built or sent.
-    pub bytes_in_flight: u64,
-    /// Requests refused because `limits.max_bytes_in_flight` was reached.
-    pub in_flight_refusals: u64,
-    /// Of `bytes_in_flight`, those of bodies over 64 KiB still arriving (at
-    /// most 3/4 of `limits.max_bytes_in_flight`).
-    #[serde(default)]
-    pub receiving_bytes: u64,
-}
-
-/// One table.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct TableStats {
-    /// As created.
-    pub spec: TableSpec,
-    /// Entries over all shards.
-    pub size: u64,
-    /// Slots over all shards.
-    pub capacity: u64,
-    /// size / capacity.
-    pub load_factor: f64,
-    /// Largest shard size over the mean (1.0 = perfectly even).
-    pub imbalance: f64,
-    /// Per shard.
-    pub shards: Vec<ShardStats>,
+/// A shard's counters as the stats document carries them (destructured
+/// whole, so that a counter added to the shard is not silently left out).
+fn shard_stats(s: hkv_shard::ShardStats) -> ShardStats {
+    let hkv_shard::ShardStats {
+        size,
+        capacity,
+        load_factor,
+        ops,
+        keys,
+        hits,
+        misses,
+        inserts,
+        evictions,
+        rejections,
+        fast_tier_bytes,
+        host_tier_bytes,
+        lock,
+    } = s;
+    let hkv_shard::LockState { active, running, waiting, waits, wait_ns, max_running, violations } = lock;
+    let active = active.map(|g| match g {
+        Group::Reader => LockGroup::Reader,
+        Group::Updater => LockGroup::Updater,
+        Group::Inserter => LockGroup::Inserter,
+    });
+    ShardStats {
+        size,
+        capacity,
+        load_factor,
+        ops,
+        keys,
+        hits,
+        misses,
+        inserts,
+        evictions,
+        rejections,
+        fast_tier_bytes,
+        host_tier_bytes,
+        lock: LockStats { active, running, waiting, waits, wait_ns, max_running, violations },
+    }
 }
 
 /// Collects the current statistics (each shard's from its actor).
@@ -91,6 +61,7 @@ pub async fn collect(state: &State) -> Result<DaemonStats, hkv_proto::ProtoError
     let tables = per_table
         .into_iter()
         .map(|(t, shards)| {
+            let shards: Vec<ShardStats> = shards.into_iter().map(shard_stats).collect();
             let size: u64 = shards.iter().map(|s| s.size).sum();
             let capacity: u64 = shards.iter().map(|s| s.capacity).sum();
             let mean = size as f64 / shards.len().max(1) as f64;

@@ -12,7 +12,7 @@ use common::Daemon;
 use hkv_client::{Client, Filter, TableSpec};
 
 fn spec(name: &str, dim: usize, capacity: u64, policy: &str, mode: &str) -> TableSpec {
-    TableSpec { policy: policy.into(), mode: mode.into(), ..TableSpec::new(name, dim, capacity) }
+    TableSpec { policy: policy.parse().unwrap(), mode: mode.parse().unwrap(), ..TableSpec::new(name, dim, capacity) }
 }
 
 /// Every entry of a table: key -> (value bits, score).
@@ -973,4 +973,45 @@ fn a_checkpoint_that_fills_the_disk_leaves_nothing_behind() {
     assert_eq!(dirs(), 1, "keep 1: the new checkpoint replaced the old one");
     let d = d.restart(&["--checkpoint-keep", "1"]);
     assert_eq!(snapshot(&mut d.client(), "f"), want);
+}
+
+/// The stats, listing and restore documents of a real daemon read into the
+/// typed structs of `hkv_proto::stats` and write back as the same JSON: no
+/// field is lost or renamed between the daemon and its readers (hkvctl, the
+/// console).
+#[test]
+fn the_daemons_json_documents_round_trip_through_their_types() {
+    use hkv_client::proto::stats::{Listing, Restored, Started, Stats};
+    fn round<T: serde::de::DeserializeOwned + serde::Serialize>(v: &serde_json::Value) -> T {
+        let typed: T = serde_json::from_value(v.clone()).unwrap();
+        assert_eq!(&serde_json::to_value(&typed).unwrap(), v, "re-serialised differs");
+        typed
+    }
+    let d = Daemon::start(&["--shards", "2"]);
+    let mut c = d.client();
+    let hashed =
+        TableSpec { hash: Some(hkv_client::FeatureHash::fingerprint64(1 << 20)), ..spec("a", 4, 4096, "lfu", "dual") };
+    c.create_table(hashed).unwrap();
+    c.create_table(spec("b", 2, 4096, "epoch-lru", "single")).unwrap();
+    fill(&mut c, "a", 4, 0..3000, true);
+    c.find("a", &[1, 2, 99_999]).unwrap();
+    let listed = round::<Listing>(&c.checkpoint(true, true).unwrap());
+    let started = round::<Started>(&c.checkpoint(false, false).unwrap());
+    assert!(started.started);
+    let st = round::<Stats>(&c.stats().unwrap());
+    assert_eq!(st.tables.len(), 2);
+    assert!(st.tables[0].shards.iter().any(|s| s.hits > 0));
+    // Wait for the second checkpoint, then restore: every optional part of
+    // the checkpoint status is filled.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while c.stats().unwrap()["checkpoint"]["running"] != serde_json::Value::Null {
+        assert!(std::time::Instant::now() < deadline, "checkpoint did not finish");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let restored = round::<Restored>(&c.restore(&listed.id).unwrap());
+    assert_eq!(restored.id, listed.id);
+    let st = round::<Stats>(&c.stats().unwrap());
+    assert!(st.checkpoint.last.is_some() && st.checkpoint.last_restore.is_some());
+    let list: Vec<Listing> = round(&c.checkpoints().unwrap());
+    assert_eq!(list.len(), 2);
 }

@@ -9,11 +9,11 @@ use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
 use common::{expect_error, raw_call, Daemon};
-use hkv_client::proto::{self, flags, frame, op, Header, HEADER_LEN};
+use hkv_client::proto::{self, flags, frame, Header, Op, WriteOp, HEADER_LEN};
 use hkv_client::{Client, ClientError, Cursor, ErrorCode, Filter, Request, Response, TableSpec};
 
 fn spec(name: &str, dim: usize, capacity: u64, policy: &str, mode: &str) -> TableSpec {
-    TableSpec { policy: policy.into(), mode: mode.into(), ..TableSpec::new(name, dim, capacity) }
+    TableSpec { policy: policy.parse().unwrap(), mode: mode.parse().unwrap(), ..TableSpec::new(name, dim, capacity) }
 }
 
 fn vals(keys: &[u64], dim: usize, salt: f32) -> Vec<f32> {
@@ -103,7 +103,7 @@ fn one_shard_answers_in_request_order() {
     c.create_table(spec("one", 3, 4096, "lfu", "dual")).unwrap();
     let keys: Vec<u64> = (0..2000).map(|i| i * 48271 + 5).collect();
     let v = vals(&keys, 3, 0.5);
-    let w = c.write(proto::op::INSERT_OR_ASSIGN, "one", &keys, &v, None).unwrap();
+    let w = c.write(proto::WriteOp::InsertOrAssign, "one", &keys, &v, None).unwrap();
     assert_eq!(w.summary.inserted, 2000);
     assert!(w.outcomes.iter().all(|&o| o == 1));
     let mut probe = keys.clone();
@@ -305,7 +305,7 @@ fn sixteen_clients_pipelining_mixed_operations() {
                     .iter()
                     .map(|k| {
                         c.send(&Request::Write {
-                            op: op::INSERT_OR_ASSIGN,
+                            op: WriteOp::InsertOrAssign,
                             table: "t".into(),
                             keys: k.clone(),
                             values: vals(k, 8, w as f32),
@@ -340,7 +340,7 @@ fn sixteen_clients_pipelining_mixed_operations() {
                 }
                 for k in &sets {
                     c.send(&Request::Write {
-                        op: op::ACCUM_OR_ASSIGN,
+                        op: WriteOp::AccumOrAssign,
                         table: "t".into(),
                         keys: k.clone(),
                         values: vec![1.0; k.len() * 8],
@@ -379,24 +379,24 @@ fn argument_errors_are_the_same_on_one_shard_and_several() {
         c.create_table(spec("t", 4, 4096, "lru", "single")).unwrap();
         c.create_table(spec("cust", 4, 4096, "custom", "single")).unwrap();
         let mut s = UnixStream::connect(&d.socket).unwrap();
-        let write = |code: u8, table: &str, keys: Vec<u64>, values: Vec<f32>, scores: Option<Vec<u64>>| {
+        let write = |code: WriteOp, table: &str, keys: Vec<u64>, values: Vec<f32>, scores: Option<Vec<u64>>| {
             Request::Write { op: code, table: table.into(), keys, values, scores, outcomes: false }.encode(5)
         };
         let keys: Vec<u64> = (1..=40).collect();
         let mut reserved = keys.clone();
         reserved[17] = u64::MAX - 2;
         let requests = [
-            write(op::INSERT_OR_ASSIGN, "t", keys.clone(), vec![0.0; 159], None),
-            write(op::ACCUM_OR_ASSIGN, "t", keys.clone(), vec![0.0; 161], None),
-            write(op::INSERT_OR_ASSIGN, "t", reserved.clone(), vec![0.0; 160], None),
+            write(WriteOp::InsertOrAssign, "t", keys.clone(), vec![0.0; 159], None),
+            write(WriteOp::AccumOrAssign, "t", keys.clone(), vec![0.0; 161], None),
+            write(WriteOp::InsertOrAssign, "t", reserved.clone(), vec![0.0; 160], None),
             Request::Find { table: "t".into(), keys: reserved.clone(), scores: false }.encode(6),
             Request::Contains { table: "t".into(), keys: reserved.clone() }.encode(6),
             Request::Erase { table: "t".into(), keys: reserved, outcomes: true }.encode(6),
-            write(op::INSERT_OR_ASSIGN, "cust", keys.clone(), vec![0.0; 160], Some(vec![1; 39])),
-            write(op::INSERT_OR_ASSIGN, "t", keys.clone(), vec![0.0; 160], Some(vec![1; 40])),
-            write(op::FIND_OR_INSERT, "cust", keys.clone(), vec![0.0; 160], None),
-            write(op::LOAD, "t", keys.clone(), vec![0.0; 160], None),
-            write(op::LOAD, "t", keys.clone(), vec![0.0; 160], Some(vec![1; 41])),
+            write(WriteOp::InsertOrAssign, "cust", keys.clone(), vec![0.0; 160], Some(vec![1; 39])),
+            write(WriteOp::InsertOrAssign, "t", keys.clone(), vec![0.0; 160], Some(vec![1; 40])),
+            write(WriteOp::FindOrInsert, "cust", keys.clone(), vec![0.0; 160], None),
+            write(WriteOp::Load, "t", keys.clone(), vec![0.0; 160], None),
+            write(WriteOp::Load, "t", keys.clone(), vec![0.0; 160], Some(vec![1; 41])),
             Request::AssignScores { table: "cust".into(), keys: keys.clone(), scores: None, outcomes: false }.encode(7),
         ];
         let mut got = vec![];
@@ -443,12 +443,12 @@ fn bad_input_gets_named_errors_and_the_daemon_keeps_serving() {
     c.create_table(spec("cust", 4, 4096, "custom", "single")).unwrap();
     let mut s = UnixStream::connect(&d.socket).unwrap();
     let write = |table: &str, keys: Vec<u64>, values: Vec<f32>, scores: Option<Vec<u64>>| {
-        Request::Write { op: op::INSERT_OR_ASSIGN, table: table.into(), keys, values, scores, outcomes: false }
+        Request::Write { op: WriteOp::InsertOrAssign, table: table.into(), keys, values, scores, outcomes: false }
             .encode(5)
     };
     // Unknown table.
     let (h, r) = raw_call(&mut s, &Request::Find { table: "nope".into(), keys: vec![1], scores: false }.encode(11));
-    assert_eq!((h.id, h.op, h.flags), (11, op::ERROR, flags::RESPONSE | flags::ERROR));
+    assert_eq!((h.id, h.op, h.flags), (11, Op::Error as u8, flags::RESPONSE | flags::ERROR));
     expect_error(r, ErrorCode::UnknownTable, "\"nope\"");
     // Wrong value length for the dim.
     expect_error(raw_call(&mut s, &write("t", vec![1, 2], vec![0.0; 7], None)).1, ErrorCode::WrongDim, "dim 4");
@@ -468,9 +468,9 @@ fn bad_input_gets_named_errors_and_the_daemon_keeps_serving() {
     let mut body = vec![1, 0, b't'];
     body.extend_from_slice(&3u32.to_le_bytes());
     body.extend_from_slice(&[0u8; 16]);
-    expect_error(raw_call(&mut s, &frame(op::FIND, 0, 7, &body)).1, ErrorCode::Truncated, "keys");
+    expect_error(raw_call(&mut s, &frame(Op::Find, 0, 7, &body)).1, ErrorCode::Truncated, "keys");
     // Oversized: refused from the header, body skipped, connection kept.
-    let big = frame(op::PING, 0, 8, &vec![0u8; 100_000]);
+    let big = frame(Op::Ping, 0, 8, &vec![0u8; 100_000]);
     expect_error(raw_call(&mut s, &big).1, ErrorCode::Oversized, "65536");
     let (h, r) = raw_call(&mut s, &Request::Ping.encode(9));
     assert_eq!((h.id, r), (9, Response::Empty), "the same connection still works");
@@ -500,7 +500,7 @@ fn a_client_killed_mid_frame_costs_nothing() {
     for cut in [5usize, 20, 30] {
         let mut s = UnixStream::connect(&d.socket).unwrap();
         let f = Request::Write {
-            op: op::INSERT_OR_ASSIGN,
+            op: WriteOp::InsertOrAssign,
             table: "t".into(),
             keys: vec![1, 2, 3],
             values: vec![0.0; 12],
@@ -576,7 +576,7 @@ fn config_file_tables_and_flags_win() {
     let mut c = d.client();
     let t = &c.tables().unwrap()[0];
     assert_eq!((t.spec.name.as_str(), t.spec.dim, t.shards), ("emb", 16, 4), "--shards 4 beats shards = 2");
-    assert_eq!(t.spec.mode, "dual");
+    assert_eq!(t.spec.mode, proto::Mode::Dual);
     // A bad config names the problem.
     std::fs::write(&cfg, "sockett = 1\n").unwrap();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_hkvd"))

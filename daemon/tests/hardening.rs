@@ -15,7 +15,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use common::{expect_error, raw_call, read_answer, Daemon};
-use hkv_client::proto::{frame, op, Header, HEADER_LEN};
+use hkv_client::proto::{frame, Header, Op, WriteOp, HEADER_LEN};
 use hkv_client::{Client, ErrorCode, Filter, Request, Response, TableSpec};
 use rand::{Rng, SeedableRng};
 
@@ -150,7 +150,7 @@ fn declared_body_lengths_cost_no_memory() {
     let mut open = vec![];
     for i in 0..20 {
         let mut s = UnixStream::connect(&d.socket).unwrap();
-        let mut f = Header { op: op::INSERT_OR_ASSIGN, flags: 0, id: i, body_len: (1 << 30) - 4 }.bytes().to_vec();
+        let mut f = Header { op: Op::InsertOrAssign as u8, flags: 0, id: i, body_len: (1 << 30) - 4 }.bytes().to_vec();
         f.extend_from_slice(&[0u8; 100]);
         s.write_all(&f).unwrap();
         open.push(s);
@@ -176,7 +176,7 @@ fn request_bytes_in_flight_are_bounded() {
     let write = |id: u64, base: u64| {
         let keys: Vec<u64> = (base..base + n).collect();
         Request::Write {
-            op: op::INSERT_OR_ASSIGN,
+            op: WriteOp::InsertOrAssign,
             table: "t".into(),
             keys,
             values: vec![1.0; n as usize * 4],
@@ -267,7 +267,7 @@ fn a_stalled_body_is_dropped_and_its_bytes_come_back() {
     let mut stalled = vec![];
     for i in 0..2 {
         let mut s = UnixStream::connect(&d.socket).unwrap();
-        let mut f = Header { op: op::INSERT_OR_ASSIGN, flags: 0, id: i, body_len: 64 << 20 }.bytes().to_vec();
+        let mut f = Header { op: Op::InsertOrAssign as u8, flags: 0, id: i, body_len: 64 << 20 }.bytes().to_vec();
         f.extend_from_slice(&vec![0u8; (32 << 20) + 1]);
         s.write_all(&f).unwrap();
         stalled.push(s);
@@ -299,7 +299,7 @@ fn trickling_uploads_do_not_lock_small_requests_out() {
     let mut trickles = vec![];
     for i in 0..4 {
         let mut s = UnixStream::connect(&d.socket).unwrap();
-        let mut f = Header { op: op::INSERT_OR_ASSIGN, flags: 0, id: i, body_len: 1 << 20 }.bytes().to_vec();
+        let mut f = Header { op: Op::InsertOrAssign as u8, flags: 0, id: i, body_len: 1 << 20 }.bytes().to_vec();
         f.extend_from_slice(&vec![0u8; (1 << 20) - 100]);
         s.write_all(&f).unwrap();
         trickles.push(s);
@@ -490,26 +490,26 @@ fn names_and_restores_get_the_right_errors() {
 /// Requests a fuzzer mutates: the admin frames that crashed the daemon,
 /// and valid create / reserve / load / restore / checkpoint requests.
 fn seeds() -> Vec<Vec<u8>> {
-    let json = |op: u8, body: &str| frame(op, 0, 1, body.as_bytes());
+    let json = |op: Op, body: &str| frame(op, 0, 1, body.as_bytes());
     let mut reserve = vec![1u8, 0, b't'];
     reserve.extend_from_slice(&(1u64 << 20).to_le_bytes());
     vec![
-        json(op::CREATE_TABLE, r#"{"name": "t", "dim": 4, "capacity": 4096}"#),
+        json(Op::CreateTable, r#"{"name": "t", "dim": 4, "capacity": 4096}"#),
         json(
-            op::CREATE_TABLE,
+            Op::CreateTable,
             r#"{"name": "g", "dim": 8, "capacity": 128, "max_capacity": 65536, "policy": "lfu", "mode": "dual"}"#,
         ),
         json(
-            op::CREATE_TABLE,
+            Op::CreateTable,
             r#"{"name": "w", "dim": 65536, "capacity": 128, "fast_tier_bytes": 0, "max_load_factor": 0.9}"#,
         ),
-        json(op::RESTORE, r#"{"id": "latest"}"#),
-        json(op::RESTORE, r#"{"id": "00000000000000ff"}"#),
-        json(op::CHECKPOINT, r#"{"wait": true, "full": true}"#),
-        json(op::DROP_TABLE, r#"{"name": "t"}"#),
-        frame(op::RESERVE, 0, 1, &reserve),
+        json(Op::Restore, r#"{"id": "latest"}"#),
+        json(Op::Restore, r#"{"id": "00000000000000ff"}"#),
+        json(Op::Checkpoint, r#"{"wait": true, "full": true}"#),
+        json(Op::DropTable, r#"{"name": "t"}"#),
+        frame(Op::Reserve, 0, 1, &reserve),
         Request::Write {
-            op: op::LOAD,
+            op: WriteOp::Load,
             table: "t".into(),
             keys: vec![1, 2],
             values: vec![0.5; 8],
@@ -560,11 +560,11 @@ fn mutate(rng: &mut rand::rngs::StdRng, seed: &[u8]) -> Vec<u8> {
         3 => f.truncate(rng.gen_range(HEADER_LEN..=f.len())),
         4 => f.extend((0..rng.gen_range(1..64)).map(|_| rng.gen::<u8>())),
         // Another seed's body under this op.
-        _ => f[5] = [op::CREATE_TABLE, op::RESERVE, op::LOAD, op::RESTORE, op::FIND][rng.gen_range(0..5)],
+        _ => f[5] = [Op::CreateTable, Op::Reserve, Op::Load, Op::Restore, Op::Find][rng.gen_range(0..5)] as u8,
     }
     // Never shutdown: the loop is about surviving, not being told to stop.
-    if f.len() > 5 && f[5] == op::SHUTDOWN {
-        f[5] = op::PING;
+    if f.len() > 5 && f[5] == Op::Shutdown as u8 {
+        f[5] = Op::Ping as u8;
     }
     f
 }

@@ -40,24 +40,25 @@ impl Writer {
         if let Some(what) = &self.too_long {
             return Err(ProtoError::bad_request(what.clone()));
         }
-        let body = self.buf.len().saturating_sub(crate::HEADER_LEN) as u64;
-        if body > u32::MAX as u64 {
-            return Err(ProtoError::new(
-                ErrorCode::Oversized,
-                format!("a frame body of {body} bytes does not fit the header's 32-bit length; send smaller batches"),
-            ));
-        }
-        Ok(())
+        crate::header::body_len(self.buf.len().saturating_sub(crate::HEADER_LEN)).map(|_| ())
     }
 
     fn note(&mut self, what: String) {
         self.too_long.get_or_insert(what);
     }
 
-    /// Writes the header of a [`Writer::framed`] buffer and returns the frame.
-    pub fn finish_frame(mut self, op: u8, flags: u16, id: u64) -> Vec<u8> {
-        crate::Header::write_into(op, flags, id, &mut self.buf);
-        self.buf
+    /// Writes the header of a [`Writer::framed`] buffer and returns the
+    /// frame, after [`Writer::check`]: a field that did not fit is refused,
+    /// with the buffer (so that its memory is kept).
+    #[allow(clippy::result_large_err)]
+    pub fn finish_frame(mut self, op: impl Into<u8>, flags: u16, id: u64) -> Result<Vec<u8>, (ProtoError, Vec<u8>)> {
+        if let Err(e) = self.check() {
+            return Err((e, self.buf));
+        }
+        match crate::Header::write_into(op, flags, id, &mut self.buf) {
+            Ok(()) => Ok(self.buf),
+            Err(e) => Err((e, self.buf)),
+        }
     }
 
     /// `u16` length + UTF-8 bytes. A string over 65535 bytes is noted for
@@ -70,7 +71,7 @@ impl Writer {
                 end -= 1;
             }
         }
-        self.u16(end as u16);
+        self.u16(u16::try_from(end).expect("cut to u16::MAX above"));
         self.buf.extend_from_slice(&s.as_bytes()[..end]);
         self
     }
@@ -124,10 +125,11 @@ impl Writer {
     }
     /// An array's `u32` element count; one that does not fit is noted.
     fn count(&mut self, n: usize) {
-        if n > u32::MAX as usize {
+        let c = u32::try_from(n).unwrap_or_else(|_| {
             self.note(format!("an array of {n} elements does not fit the protocol's 32-bit count"));
-        }
-        self.u32(n as u32);
+            u32::MAX
+        });
+        self.u32(c);
     }
 
     /// Raw bytes, no count.
@@ -295,5 +297,21 @@ mod tests {
         assert_eq!(r.str("a").unwrap(), "ok");
         let cut = r.str("b").unwrap();
         assert_eq!(cut.len(), 65534, "cut at a character boundary");
+    }
+
+    /// An array's count used to be an `as u32` cast; one past 2^32 − 1 is
+    /// noted and the frame refused (no 4-billion-element array needed to
+    /// show it: the count is what is checked).
+    #[test]
+    fn counts_too_large_for_u32_are_refused() {
+        let mut w = Writer::framed(0);
+        w.count(u32::MAX as usize);
+        assert!(w.check().is_ok());
+        w.count(u32::MAX as usize + 1);
+        let e = w.check().unwrap_err();
+        assert_eq!(e.code, ErrorCode::BadRequest);
+        assert!(e.message.contains("4294967296 elements"), "{e}");
+        let (e, _) = w.finish_frame(crate::Op::Find, 0, 1).unwrap_err();
+        assert!(e.message.contains("32-bit count"), "{e}");
     }
 }

@@ -1,19 +1,9 @@
-//! Stats as plain numbers. Every field is read defensively: a missing or
-//! oddly typed field reads as zero or empty, never as a panic.
+//! Stats as plain numbers, from the typed stats document
+//! (`hkv_proto::stats::Stats`). A document that does not read as one reads
+//! as an empty snapshot, never as a panic.
 
+use hkv_client::proto::stats::{LockGroup, LockStats, Stats};
 use serde_json::Value;
-
-fn u(v: &Value) -> u64 {
-    v.as_u64().or_else(|| v.as_f64().map(|f| f.max(0.0) as u64)).unwrap_or(0)
-}
-
-fn f(v: &Value) -> f64 {
-    v.as_f64().unwrap_or(0.0)
-}
-
-fn s(v: &Value) -> String {
-    v.as_str().unwrap_or("?").to_string()
-}
 
 /// Lock-group state of one shard.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -154,79 +144,79 @@ pub struct Snapshot {
     pub op_names: Vec<String>,
 }
 
-fn lock(v: &Value) -> Lock {
-    let arr = |k: &str| {
-        let mut a = [0u64; 3];
-        for (i, x) in v[k].as_array().into_iter().flatten().take(3).enumerate() {
-            a[i] = u(x);
-        }
-        a
-    };
-    let ns = arr("wait_ns");
+fn lock(l: &LockStats) -> Lock {
+    let wide = |a: [u32; 3]| a.map(u64::from);
     Lock {
-        active: v["active"].as_str().unwrap_or("").to_string(),
-        running: arr("running"),
-        waiting: arr("waiting"),
-        waits: arr("waits"),
-        wait_s: [ns[0] as f64 / 1e9, ns[1] as f64 / 1e9, ns[2] as f64 / 1e9],
+        active: match l.active {
+            Some(LockGroup::Reader) => "reader",
+            Some(LockGroup::Updater) => "updater",
+            Some(LockGroup::Inserter) => "inserter",
+            None => "",
+        }
+        .to_string(),
+        running: wide(l.running),
+        waiting: wide(l.waiting),
+        waits: l.waits,
+        wait_s: l.wait_ns.map(|ns| ns as f64 / 1e9),
     }
 }
 
-/// Reads a stats document.
+/// Reads a stats document: one that does not have the shape of
+/// [`Stats`] reads as an empty snapshot, never as a panic.
 pub fn parse(v: &Value) -> Snapshot {
-    let tables = v["tables"]
-        .as_array()
-        .into_iter()
-        .flatten()
+    serde_json::from_value::<Stats>(v.clone()).map(|s| snapshot(&s)).unwrap_or_default()
+}
+
+/// The plain numbers of a stats document.
+pub fn snapshot(v: &Stats) -> Snapshot {
+    let tables = v
+        .tables
+        .iter()
         .map(|t| Table {
-            name: s(&t["spec"]["name"]),
-            dim: u(&t["spec"]["dim"]),
-            policy: s(&t["spec"]["policy"]),
-            mode: s(&t["spec"]["mode"]),
-            shards: t["shards"]
-                .as_array()
-                .into_iter()
-                .flatten()
+            name: t.spec.name.clone(),
+            dim: t.spec.dim as u64,
+            policy: t.spec.policy.to_string(),
+            mode: t.spec.mode.to_string(),
+            shards: t
+                .shards
+                .iter()
                 .map(|x| Shard {
-                    size: u(&x["size"]),
-                    capacity: u(&x["capacity"]),
-                    hits: u(&x["hits"]),
-                    misses: u(&x["misses"]),
-                    evictions: u(&x["evictions"]),
-                    rejections: u(&x["rejections"]),
-                    ops: x["ops"].as_array().into_iter().flatten().map(u).sum(),
-                    keys: x["keys"].as_array().into_iter().flatten().map(u).sum(),
-                    ops_by_type: x["ops"].as_array().into_iter().flatten().map(u).collect(),
-                    keys_by_type: x["keys"].as_array().into_iter().flatten().map(u).collect(),
-                    fast_bytes: u(&x["fast_tier_bytes"]),
-                    host_bytes: u(&x["host_tier_bytes"]),
-                    lock: lock(&x["lock"]),
+                    size: x.size,
+                    capacity: x.capacity,
+                    hits: x.hits,
+                    misses: x.misses,
+                    evictions: x.evictions,
+                    rejections: x.rejections,
+                    ops: x.ops.iter().sum(),
+                    keys: x.keys.iter().sum(),
+                    ops_by_type: x.ops.clone(),
+                    keys_by_type: x.keys.clone(),
+                    fast_bytes: x.fast_tier_bytes,
+                    host_bytes: x.host_tier_bytes,
+                    lock: lock(&x.lock),
                 })
                 .collect(),
         })
         .collect();
-    let ck = &v["checkpoint"];
-    // Index Values, not Maps: a missing key in a Value reads as null.
-    let (p, l) = (&ck["running"], &ck["last"]);
-    let running = p.is_object().then(|| Progress {
-        id: s(&p["id"]),
-        done: u(&p["entries_done"]),
-        total: u(&p["entries_total"]),
-        eta_s: f(&p["eta_s"]),
+    let ck = &v.checkpoint;
+    let running = ck.running.as_ref().map(|p| Progress {
+        id: p.id.clone(),
+        done: p.entries_done,
+        total: p.entries_total,
+        eta_s: p.eta_s,
     });
-    let last =
-        l.is_object().then(|| (s(&l["id"]), u(&l["entries"]), f(&l["seconds"]), l["error"].as_str().map(String::from)));
+    let last = ck.last.as_ref().map(|l| (l.id.clone(), l.entries, l.seconds, l.error.clone()));
     Snapshot {
-        version: s(&v["version"]),
-        uptime_s: f(&v["uptime_s"]),
-        backend: s(&v["backend"]),
-        shards: u(&v["shards"]),
-        connections: u(&v["connections"]),
-        requests: u(&v["requests"]),
-        errors: u(&v["errors"]),
+        version: v.version.clone(),
+        uptime_s: v.uptime_s,
+        backend: v.backend.clone(),
+        shards: v.shards as u64,
+        connections: v.connections as u64,
+        requests: v.requests,
+        errors: v.errors,
         tables,
-        checkpoint: Checkpoint { running, last, next_in_s: ck["next_in_s"].as_f64() },
-        op_names: v["op_names"].as_array().into_iter().flatten().map(s).collect(),
+        checkpoint: Checkpoint { running, last, next_in_s: ck.next_in_s },
+        op_names: v.op_names.clone(),
     }
 }
 

@@ -39,9 +39,9 @@ fn stats_inner(evictions: u64, running_ck: bool) -> serde_json::Value {
         "version": "0.1.0", "uptime_s": 3725.0, "backend": "cpu (2 shards)", "shards": 2, "connections": 3,
         "requests": 12345, "errors": 1, "in_flight": 0,
         "tables": [
-            {"spec": {"name": "users", "dim": 32, "policy": "lfu", "mode": "dual"}, "size": 0, "capacity": 0,
+            {"spec": {"name": "users", "dim": 32, "capacity": 2000, "policy": "lfu", "mode": "dual"}, "size": 0, "capacity": 0,
              "shards": [shard(600, 1000, evictions, [0, 0, 1], [2, 3, 0], Some("inserter")), shard(400, 1000, 0, [0, 0, 0], [0, 0, 0], None)]},
-            {"spec": {"name": "items", "dim": 8, "policy": "lru", "mode": "single"}, "size": 0, "capacity": 0,
+            {"spec": {"name": "items", "dim": 8, "capacity": 2000, "policy": "lru", "mode": "single"}, "size": 0, "capacity": 0,
              "shards": [shard(10, 1000, 0, [0; 3], [0; 3], None), shard(10, 1000, 0, [0; 3], [0; 3], None)]}
         ],
         "checkpoint": if running_ck {

@@ -16,6 +16,7 @@ mod restore;
 mod schedule;
 mod write;
 
+pub use hkv_proto::stats::{CheckpointStats, Finished, Listing, Progress, Restored};
 use std::sync::atomic::{AtomicU32, AtomicU64};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -23,113 +24,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use hkv_checkpoint::{Catalog, Kind};
 use hkv_proto::{ErrorCode, ProtoError};
 use parking_lot::Mutex;
-use serde::{Deserialize, Serialize};
+
 use tracing::{info, warn};
 
 use crate::config::CheckpointConfig;
-
-/// A checkpoint being written.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Progress {
-    /// Id (hex).
-    pub id: String,
-    /// `full` or `incremental`.
-    pub kind: String,
-    /// Entries written so far.
-    pub entries_done: u64,
-    /// Entries in the tables when it began (an upper bound for incremental ones).
-    pub entries_total: u64,
-    /// Bytes written so far.
-    pub bytes: u64,
-    /// Seconds since it began.
-    pub seconds: f64,
-    /// Entries per second so far.
-    pub rate: f64,
-    /// Seconds left at this rate.
-    pub eta_s: f64,
-    /// Chunk megabytes (10^6 B) per second so far.
-    #[serde(default)]
-    pub mb_per_s: f64,
-}
-
-/// The last checkpoint attempt.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Finished {
-    /// Id (hex), when it got one.
-    pub id: String,
-    /// `full` or `incremental`.
-    pub kind: String,
-    /// Completion time, ms since the Unix epoch.
-    pub finished_unix_ms: u64,
-    /// Entries.
-    pub entries: u64,
-    /// Bytes.
-    pub bytes: u64,
-    /// Duration.
-    pub seconds: f64,
-    /// The error, if it failed.
-    pub error: Option<String>,
-}
-
-/// Checkpoint status for stats and the console.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub struct CheckpointStats {
-    /// The one running, if any.
-    pub running: Option<Progress>,
-    /// The last one finished (or failed).
-    pub last: Option<Finished>,
-    /// Seconds until the next scheduled one.
-    pub next_in_s: Option<f64>,
-    /// The schedule.
-    pub interval_s: Option<u64>,
-    /// Checkpoints with a manifest in the store.
-    pub complete: usize,
-    /// The restore running, if any (kind: `load`: chunks read, verified and loaded into tables not yet visible).
-    pub restoring: Option<Progress>,
-    /// The last restore, with what it could not place.
-    pub last_restore: Option<Restored>,
-}
-
-/// A checkpoint as listed to clients.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Listing {
-    /// Id (hex).
-    pub id: String,
-    /// Creation time, ms since the Unix epoch.
-    pub created_unix_ms: u64,
-    /// `full` or `incremental on <base>`.
-    pub kind: String,
-    /// Table names and entry counts.
-    pub tables: Vec<(String, u64)>,
-    /// Entries.
-    pub entries: u64,
-    /// Chunk bytes.
-    pub bytes: u64,
-    /// `complete` or the problem.
-    pub status: String,
-}
-
-/// What a restore loaded.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Restored {
-    /// The checkpoint restored (hex).
-    pub id: String,
-    /// Checkpoints skipped because they were corrupt, with the reason.
-    pub skipped: Vec<String>,
-    /// Tables and the entries they hold after the restore.
-    pub tables: Vec<(String, u64)>,
-    /// Per table, the entries of the checkpoint that could not be placed
-    /// (refused by a full bucket, or evicted by another restored entry).
-    pub dropped: Vec<(String, u64)>,
-    /// Entries placed, over all tables.
-    pub entries: u64,
-    /// Chunk bytes read and loaded.
-    pub bytes: u64,
-    /// Seconds, verification included.
-    pub seconds: f64,
-    /// Chunk megabytes (10^6 B) per second, verification included.
-    pub mb_per_s: f64,
-}
 
 /// The daemon's checkpoints.
 pub struct Checkpoints {

@@ -45,7 +45,7 @@ fn resume_point(t: &TableEntry, m: &Manifest, max_restored: u64) -> u64 {
     // policy's clock units, above which no write (only a `load`) can score.
     let Some(&wm) = t.watermarks.iter().max() else { return max_restored };
     let took_ns = (m.finished_unix_ms.saturating_sub(m.created_unix_ms) + 1).saturating_mul(1_000_000);
-    let cap = match t.policy.parse() {
+    let cap = match t.policy.as_str().parse() {
         Ok(ScorePolicy::Lru) => wm.saturating_add(took_ns),
         Ok(ScorePolicy::EpochLru) => wm.saturating_add((took_ns >> 20) + 1),
         Ok(ScorePolicy::EpochLfu) => wm | 0xffff_ffff,
@@ -547,8 +547,8 @@ mod tests {
         TableEntry {
             name: "t".into(),
             dim: 1,
-            policy: policy.into(),
-            mode: "single".into(),
+            policy: policy.parse().expect("a policy name"),
+            mode: hkv_proto::Mode::Single,
             spec: serde_json::json!({}),
             shards: 1,
             entries: 1,

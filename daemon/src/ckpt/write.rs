@@ -124,7 +124,7 @@ impl Checkpoints {
         // Cleared now: writes during this export set it again for the next one.
         let untracked = t.untracked.swap(false, Relaxed);
         let inc = incremental
-            && tracks_changes(&t.spec.policy)
+            && tracks_changes(t.spec.policy.as_str())
             && !untracked
             && prev_t.is_some_and(|p| {
                 p.shards as usize == t.shards()
@@ -149,8 +149,8 @@ impl Checkpoints {
         Ok(TableEntry {
             name: t.spec.name.clone(),
             dim,
-            policy: t.spec.policy.clone(),
-            mode: t.spec.mode.clone(),
+            policy: t.spec.policy,
+            mode: t.spec.mode,
             spec: serde_json::to_value(&t.spec).map_err(internal)?,
             shards: t.shards() as u32,
             entries: out.count,

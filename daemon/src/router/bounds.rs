@@ -2,7 +2,7 @@
 //! `limits.max_frame_bytes` are refused before they run, and every answer's
 //! most bytes are counted against the bytes in flight before it is built.
 
-use hkv_proto::{op, ErrorCode, ProtoError, Request};
+use hkv_proto::{ErrorCode, ProtoError, Request, WriteOp};
 
 use super::Router;
 use crate::error::err;
@@ -24,10 +24,10 @@ pub(super) fn find_per_key(dim: usize, scores: bool) -> u64 {
 
 /// Answer bytes a write op takes per key: insert_and_evict up to a key,
 /// row, score and kind besides the outcome; find_or_insert a row.
-pub(super) fn write_per_key(code: u8, dim: usize, outcomes: bool) -> u64 {
+pub(super) fn write_per_key(code: WriteOp, dim: usize, outcomes: bool) -> u64 {
     let rows = match code {
-        op::INSERT_AND_EVICT => 17 + 4 * dim as u64,
-        op::FIND_OR_INSERT => 4 * dim as u64,
+        WriteOp::InsertAndEvict => 17 + 4 * dim as u64,
+        WriteOp::FindOrInsert => 4 * dim as u64,
         _ => 0,
     };
     rows + u64::from(outcomes)
@@ -52,7 +52,7 @@ impl Router {
                 times(keys.len(), write_per_key(*code, dim(table), *outcomes), 64)
             }
             Request::FindOrInsertFeatures { table, features, outcomes, .. } => {
-                times(features.len(), write_per_key(op::FIND_OR_INSERT, dim(table), *outcomes), 64)
+                times(features.len(), write_per_key(WriteOp::FindOrInsert, dim(table), *outcomes), 64)
             }
             Request::Hash { features, .. } => times(features.len(), 8, 8),
             Request::Contains { keys, .. } | Request::Erase { keys, .. } | Request::AssignScores { keys, .. } => {

@@ -1,7 +1,7 @@
 //! The shards' answers to one request put back into one answer, in
 //! request order.
 
-use hkv_proto::{op, Evicted, FindFrame, ProtoError, Response, Summary};
+use hkv_proto::{Evicted, FindFrame, Op, ProtoError, Response, Summary};
 use hkv_shard::{Filter, Outcome};
 
 use super::split::Split;
@@ -35,13 +35,13 @@ impl Router {
         ops: Vec<SubOp>,
         n: usize,
         want_outcomes: bool,
-        code: u8,
+        code: Op,
     ) -> Result<Response, ProtoError> {
         let dim = t.config.dim;
         let mut summary = Summary::default();
         let mut outcomes = want_outcomes.then(|| split.out(n, 1, Outcome::Absent as u8));
-        let mut values = (code == op::FIND_OR_INSERT).then(|| split.out(n, dim, 0.0f32));
-        let mut evicted = (code == op::INSERT_AND_EVICT).then(Evicted::default);
+        let mut values = (code == Op::FindOrInsert).then(|| split.out(n, dim, 0.0f32));
+        let mut evicted = (code == Op::InsertAndEvict).then(Evicted::default);
         for (j, r) in self.fan_out(t, ops).await?.into_iter().enumerate() {
             let SubResult::Write { summary: s, outcomes: o, values: v, evicted: e } = r else {
                 return Err(unexpected("a write"));

@@ -5,7 +5,7 @@
 
 use std::sync::atomic::Ordering::Relaxed;
 
-use hkv_proto::{op, Cursor, ErrorCode, FindFrame, ProtoError, Request, Response, Summary};
+use hkv_proto::{Cursor, ErrorCode, FindFrame, Op, ProtoError, Request, Response, Summary, WriteOp};
 use hkv_shard::{check, ScorePolicy};
 
 use super::bounds::{export_slots, find_per_key, write_per_key};
@@ -63,10 +63,7 @@ impl Router {
             }
             Request::Reserve { capacity, .. } => self.reserve(&t, capacity).await,
             Request::Export { cursor, max_slots, filter, .. } => self.export(&t, cursor, max_slots, filter).await,
-            other => Err(ProtoError::bad_request(format!(
-                "{} is not a table operation",
-                hkv_proto::msg::op_name(other.op())
-            ))),
+            other => Err(ProtoError::bad_request(format!("{} is not a table operation", other.op().name()))),
         }
     }
 
@@ -105,20 +102,20 @@ impl Router {
         Ok(Response::Erased { count, flags: outcomes.then_some(flags) })
     }
 
-    /// A write op of `hkv_proto::msg::WRITE_OPS`.
+    /// A write op ([`WriteOp`]).
     async fn write(
         &self,
         t: &Table,
-        code: u8,
+        code: WriteOp,
         keys: Vec<u64>,
         values: Vec<f32>,
         scores: Option<Vec<u64>>,
         outcomes: bool,
     ) -> Result<Response, ProtoError> {
         let dim = t.config.dim;
-        self.bound(hkv_proto::msg::op_name(code), keys.len(), dim, write_per_key(code, dim, outcomes), 64)?;
+        self.bound(Op::from(code).name(), keys.len(), dim, write_per_key(code, dim, outcomes), 64)?;
         let split = Split::new(&keys, t.shards());
-        if code == op::LOAD {
+        if code == WriteOp::Load {
             let Some(s) = scores.as_deref() else {
                 return Err(err(ErrorCode::Scores, "load needs a score per key (sent with the SCORES flag)"));
             };
@@ -132,13 +129,13 @@ impl Router {
             // scores an incremental checkpoint cannot tell from older ones.
             t.untracked.store(true, Relaxed);
         } else {
-            let what = if code == op::ACCUM_OR_ASSIGN { "deltas" } else { "values" };
-            let inserts = code != op::ASSIGN;
+            let what = if code == WriteOp::AccumOrAssign { "deltas" } else { "values" };
+            let inserts = code != WriteOp::Assign;
             check_split(&split, || {
                 check::write(&t.config, &keys, Some((what, values.len())), scores.as_deref(), inserts, None)
             })?;
         }
-        let outcomes = outcomes && code != op::LOAD;
+        let outcomes = outcomes && code != WriteOp::Load;
         let n = keys.len();
         let mut scores = scores.map(|s| split.take(s, 1).into_iter());
         let ops = split
@@ -152,7 +149,7 @@ impl Router {
                 scores: scores.as_mut().and_then(|s| s.next()),
             })
             .collect();
-        self.writes(t, &split, ops, n, outcomes, code).await
+        self.writes(t, &split, ops, n, outcomes, code.into()).await
     }
 
     async fn assign_scores(
@@ -175,7 +172,7 @@ impl Router {
             .into_iter()
             .map(|keys| SubOp::AssignScores { keys, scores: scores.as_mut().and_then(|s| s.next()) })
             .collect();
-        self.writes(t, &split, ops, n, outcomes, op::ASSIGN_SCORES).await
+        self.writes(t, &split, ops, n, outcomes, Op::AssignScores).await
     }
 
     async fn reserve(&self, t: &Table, capacity: u64) -> Result<Response, ProtoError> {
@@ -237,7 +234,7 @@ impl Router {
         values: Vec<f32>,
         scores: Vec<u64>,
     ) -> Result<Summary, ProtoError> {
-        match self.write(t, op::LOAD, keys, values, Some(scores), false).await? {
+        match self.write(t, WriteOp::Load, keys, values, Some(scores), false).await? {
             Response::Write { summary, .. } => Ok(summary),
             _ => Err(err(ErrorCode::Internal, "load answered something else than a write summary")),
         }
@@ -276,7 +273,7 @@ impl Router {
             (Request::Hash { .. }, _) => Ok(Response::Keys(keys)),
             (Request::FindFeatures { scores, .. }, Some(t)) => self.find(&t, keys, scores).await,
             (Request::FindOrInsertFeatures { values, scores, outcomes, .. }, Some(t)) => {
-                self.write(&t, op::FIND_OR_INSERT, keys, values, scores, outcomes).await
+                self.write(&t, WriteOp::FindOrInsert, keys, values, scores, outcomes).await
             }
             _ => unreachable!("checked above"),
         }

@@ -106,7 +106,8 @@ pub fn check_name(name: &str) -> Result<(), ProtoError> {
 
 /// The per-shard config of a table spec spread over `n` shards.
 pub fn shard_config(spec: &TableSpec, n: usize) -> Result<TableConfig, ProtoError> {
-    let policy: ScorePolicy = spec.policy.parse().map_err(|e: ShardError| ProtoError::bad_request(e.to_string()))?;
+    let policy: ScorePolicy =
+        spec.policy.as_str().parse().map_err(|e: ShardError| ProtoError::bad_request(e.to_string()))?;
     let mode = match spec.mode.as_str() {
         "single" => BucketMode::Single,
         "dual" => BucketMode::Dual,
@@ -173,8 +174,7 @@ mod tests {
         assert!(e.message.contains("dim 1048576 is above the limit"), "{}", e.message);
         let c = shard_config(&TableSpec::new("t", 8, 1000), 4).unwrap();
         assert_eq!(c.capacity, 250);
-        let mut bad = TableSpec::new("t", 8, 1000);
-        bad.policy = "fifo".into();
-        assert!(shard_config(&bad, 1).unwrap_err().message.contains("fifo"));
+        let bad = serde_json::from_str::<TableSpec>(r#"{"name":"t","dim":8,"capacity":1000,"policy":"fifo"}"#);
+        assert!(bad.unwrap_err().to_string().contains("fifo"));
     }
 }

@@ -1,0 +1,317 @@
+//! `hkvctl bench`: throughput over the socket (find and insert_or_assign
+//! beside the raw socket moving the same bytes; with --features, the
+//! feature requests).
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+use hkv_client::{proto, Client, Request, TableSpec};
+use rand::Rng;
+
+#[derive(clap::Args, Clone)]
+pub struct BenchArgs {
+    /// Value dim.
+    #[arg(long, default_value_t = 32)]
+    pub dim: usize,
+    /// Table capacity (slots); the table is filled to half.
+    #[arg(long, default_value_t = 1 << 20)]
+    pub capacity: u64,
+    /// Keys per request, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "65536,262144,1048576")]
+    pub batches: Vec<usize>,
+    /// Concurrent client connections, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,4")]
+    pub clients: Vec<usize>,
+    /// Requests in flight per connection.
+    #[arg(long, default_value_t = 2)]
+    pub pipeline: usize,
+    /// Seconds per measurement.
+    #[arg(long, default_value_t = 2.0)]
+    pub seconds: f64,
+    /// Untimed seconds of the same requests before each measurement, so
+    /// that buffers on both ends exist before the clock starts (0: none).
+    #[arg(long, default_value_t = 0.5)]
+    pub warmup: f64,
+    /// Print one JSON object per measurement.
+    #[arg(long)]
+    pub json: bool,
+    /// Measure feature requests instead: find with precomputed keys, fused
+    /// find_features, and hash then find (two round trips), int64 features.
+    #[arg(long)]
+    pub features: bool,
+}
+
+/// Runs `run` on `clients` connections at once (each on its own thread);
+/// returns keys per second over all of them: the keys they did over the
+/// longest time one took.
+fn across_clients(
+    socket: &PathBuf,
+    clients: usize,
+    run: &(dyn Fn(&mut Client) -> Result<(u64, f64)> + Sync),
+) -> Result<f64> {
+    let results: Vec<Result<(u64, f64)>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..clients).map(|_| s.spawn(move || run(&mut Client::connect(socket)?))).collect();
+        hs.into_iter().map(|h| h.join().expect("bench thread")).collect()
+    });
+    let (mut keys, mut secs) = (0u64, 0f64);
+    for r in results {
+        let (k, s) = r?;
+        keys += k;
+        secs = secs.max(s);
+    }
+    Ok(keys as f64 / secs)
+}
+
+/// One measurement: `clients` connections, each keeping `pipeline` requests
+/// in flight for `warmup` seconds untimed and then for `seconds`; returns
+/// keys per second of the timed part.
+fn measure(
+    socket: &PathBuf,
+    a: &BenchArgs,
+    clients: usize,
+    make: &(dyn Fn(&mut rand::rngs::ThreadRng) -> Request + Sync),
+) -> Result<f64> {
+    across_clients(socket, clients, &|c| {
+        let mut rng = rand::thread_rng();
+        let reqs: Vec<Request> = (0..a.pipeline.max(1) + 1).map(|_| make(&mut rng)).collect();
+        // The first large answers of a kind make the daemon allocate (and on
+        // the CUDA backend page-lock) the frames it then keeps reusing, and
+        // the client grow its buffers: a warm-up keeps that out of the figure.
+        keep_busy(c, &reqs, a.pipeline, Duration::from_secs_f64(a.warmup))?;
+        keep_busy(c, &reqs, a.pipeline, Duration::from_secs_f64(a.seconds))
+    })
+}
+
+/// Sends `reqs` in turn, `pipeline` in flight, until `time` has passed, then
+/// waits for the answers still due; returns the keys answered and the
+/// seconds taken.
+fn keep_busy(c: &mut Client, reqs: &[Request], pipeline: usize, time: Duration) -> Result<(u64, f64)> {
+    let per = match &reqs[0] {
+        Request::Find { keys, .. } | Request::Write { keys, .. } => keys.len() as u64,
+        Request::FindFeatures { features, .. } => features.len() as u64,
+        Request::Echo { padding, .. } => (*padding / 8) as u64,
+        _ => 1,
+    };
+    let start = Instant::now();
+    let (mut sent, mut done) = (0usize, 0u64);
+    for _ in 0..pipeline.max(1) {
+        c.send(&reqs[sent % reqs.len()])?;
+        sent += 1;
+    }
+    // Answers go back to the client for the next ones to be read into, as a
+    // loop of same-sized finds would do.
+    while start.elapsed() < time {
+        let (_, r) = c.recv()?;
+        c.recycle(hkv_client::ok(r)?);
+        done += per;
+        c.send(&reqs[sent % reqs.len()])?;
+        sent += 1;
+    }
+    for _ in 0..pipeline.max(1) {
+        let (_, r) = c.recv()?;
+        c.recycle(hkv_client::ok(r)?);
+        done += per;
+    }
+    Ok((done, start.elapsed().as_secs_f64()))
+}
+
+/// `hkvctl bench --features`: int64 features 1..=fill hashed with the
+/// table's Fingerprint64 setting; the same lookups three ways.
+pub fn bench_features(socket: PathBuf, a: BenchArgs) -> Result<()> {
+    let mut c = Client::connect(&socket)?;
+    let table = format!("hkvctl-bench-{}", std::process::id());
+    let nb = 1u64 << 40;
+    c.create_table(TableSpec {
+        hash: Some(proto::FeatureHash::fingerprint64(nb)),
+        ..TableSpec::new(&table, a.dim, a.capacity)
+    })?;
+    let fill = (a.capacity / 2) as i64;
+    let mut resident = Vec::with_capacity(fill as usize);
+    let mut x = 1i64;
+    while x <= fill {
+        let n = (fill + 1 - x).min(1 << 18);
+        let f: Vec<i64> = (x..x + n).collect();
+        let keys = c.hash(&table, proto::HashSpec::Table, proto::Features::Int64(f))?;
+        c.insert_or_assign(&table, &keys, &vec![0.5; keys.len() * a.dim], None)?;
+        resident.extend(keys);
+        x += n;
+    }
+    println!(
+        "hkvctl bench --features: table dim {}, capacity {}, {fill} int64 features resident; {} s per figure after {} s warm-up, pipeline {}",
+        a.dim, a.capacity, a.seconds, a.warmup, a.pipeline
+    );
+    println!(
+        "{:>8} {:>7} {:>16} {:>18} {:>16} {:>12}",
+        "batch", "clients", "find keys/s", "find_features/s", "hash+find/s", "fused/find"
+    );
+    for &batch in &a.batches {
+        for &clients in &a.clients {
+            let (t, r) = (table.clone(), &resident);
+            let find = measure(&socket, &a, clients, &|rng| Request::Find {
+                table: t.clone(),
+                keys: (0..batch).map(|_| r[rng.gen_range(0..r.len())]).collect(),
+                scores: false,
+            })?;
+            let t = table.clone();
+            let fused = measure(&socket, &a, clients, &|rng| Request::FindFeatures {
+                table: t.clone(),
+                hash: proto::HashSpec::Table,
+                features: proto::Features::Int64((0..batch).map(|_| rng.gen_range(1..=fill)).collect()),
+                scores: false,
+            })?;
+            let two = hash_then_find(&socket, &a, clients, &table, batch, fill)?;
+            if a.json {
+                println!(
+                    "{}",
+                    serde_json::json!({"batch": batch, "clients": clients, "dim": a.dim, "find_keys_per_s": find,
+                        "find_features_per_s": fused, "hash_then_find_per_s": two, "fused_over_find": fused / find})
+                );
+            } else {
+                println!(
+                    "{:>8} {:>7} {:>16.0} {:>18.0} {:>16.0} {:>11.0}%",
+                    batch,
+                    clients,
+                    find,
+                    fused,
+                    two,
+                    100.0 * fused / find
+                );
+            }
+        }
+    }
+    c.drop_table(&table)?;
+    Ok(())
+}
+
+/// Features per second of `hash`, then `find` with the keys (two round
+/// trips per batch, `a.pipeline` batches in flight per connection).
+fn hash_then_find(
+    socket: &PathBuf,
+    a: &BenchArgs,
+    clients: usize,
+    table: &str,
+    batch: usize,
+    fill: i64,
+) -> Result<f64> {
+    across_clients(socket, clients, &|c| {
+        let mut rng = rand::thread_rng();
+        let reqs: Vec<Request> = (0..a.pipeline.max(1) + 1)
+            .map(|_| Request::Hash {
+                table: table.into(),
+                hash: proto::HashSpec::Table,
+                features: proto::Features::Int64((0..batch).map(|_| rng.gen_range(1..=fill)).collect()),
+            })
+            .collect();
+        let mut run = |time: Duration| -> Result<(u64, f64)> {
+            let start = Instant::now();
+            let (mut sent, mut done) = (0usize, 0u64);
+            let mut ids = std::collections::HashSet::new();
+            for _ in 0..a.pipeline.max(1) {
+                ids.insert(c.send(&reqs[sent % reqs.len()])?);
+                sent += 1;
+            }
+            let mut outstanding = a.pipeline.max(1);
+            while outstanding > 0 {
+                let (id, r) = c.recv()?;
+                if ids.remove(&id) {
+                    let hkv_client::Response::Keys(keys) = hkv_client::ok(r)? else { bail!("hash: unexpected answer") };
+                    c.send(&Request::Find { table: table.into(), keys, scores: false })?;
+                } else {
+                    hkv_client::ok(r)?;
+                    done += batch as u64;
+                    outstanding -= 1;
+                    if start.elapsed() < time {
+                        ids.insert(c.send(&reqs[sent % reqs.len()])?);
+                        sent += 1;
+                        outstanding += 1;
+                    }
+                }
+            }
+            Ok((done, start.elapsed().as_secs_f64()))
+        };
+        run(Duration::from_secs_f64(a.warmup))?;
+        run(Duration::from_secs_f64(a.seconds))
+    })
+}
+
+pub fn bench(socket: PathBuf, a: BenchArgs) -> Result<()> {
+    if a.features {
+        return bench_features(socket, a);
+    }
+    let mut c = Client::connect(&socket)?;
+    let table = format!("hkvctl-bench-{}", std::process::id());
+    c.create_table(TableSpec::new(&table, a.dim, a.capacity))?;
+    let fill = (a.capacity / 2) as usize;
+    let mut key = 1u64;
+    while (key as usize) <= fill {
+        let n = (fill + 1 - key as usize).min(1 << 18);
+        let keys: Vec<u64> = (key..key + n as u64).collect();
+        c.insert_or_assign(&table, &keys, &vec![0.5; n * a.dim], None)?;
+        key += n as u64;
+    }
+    let resident = fill as u64;
+    println!(
+        "hkvctl bench: table dim {}, capacity {}, {} keys resident; {} s per figure after {} s warm-up, pipeline {}",
+        a.dim, a.capacity, resident, a.seconds, a.warmup, a.pipeline
+    );
+    println!(
+        "{:>8} {:>7} {:>14} {:>10} {:>14} {:>10} {:>10} {:>14} {:>10}",
+        "batch",
+        "clients",
+        "find keys/s",
+        "find GB/s",
+        "raw keys/s",
+        "raw GB/s",
+        "find/raw",
+        "insert keys/s",
+        "ins GB/s"
+    );
+    let row_bytes = |n: usize| (n * 8 + n * (1 + 4 * a.dim)) as f64;
+    for &batch in &a.batches {
+        for &clients in &a.clients {
+            let t = table.clone();
+            let find = measure(&socket, &a, clients, &|rng| Request::Find {
+                table: t.clone(),
+                keys: (0..batch).map(|_| rng.gen_range(1..=resident)).collect(),
+                scores: false,
+            })?;
+            // The same bytes each way: keys in, flags and values out.
+            let reply = (batch * (1 + 4 * a.dim) + 8) as u32;
+            let raw = measure(&socket, &a, clients, &|_| Request::Echo { reply_len: reply, padding: batch * 8 })?;
+            let t = table.clone();
+            let dim = a.dim;
+            let insert = measure(&socket, &a, clients, &|rng| Request::Write {
+                op: proto::WriteOp::InsertOrAssign,
+                table: t.clone(),
+                keys: (0..batch).map(|_| rng.gen_range(1..=resident)).collect(),
+                values: vec![1.5; batch * dim],
+                scores: None,
+                outcomes: false,
+            })?;
+            let gb = |kps: f64| kps * row_bytes(1) / 1e9;
+            if a.json {
+                println!(
+                    "{}",
+                    serde_json::json!({"batch": batch, "clients": clients, "dim": a.dim, "find_keys_per_s": find,
+                        "raw_keys_per_s": raw, "find_over_raw": find / raw, "insert_keys_per_s": insert})
+                );
+            } else {
+                println!(
+                    "{:>8} {:>7} {:>14.0} {:>10.2} {:>14.0} {:>10.2} {:>9.0}% {:>14.0} {:>10.2}",
+                    batch,
+                    clients,
+                    find,
+                    gb(find),
+                    raw,
+                    gb(raw),
+                    100.0 * find / raw,
+                    insert,
+                    insert * (12 + 4 * a.dim) as f64 / 1e9
+                );
+            }
+        }
+    }
+    c.drop_table(&table)?;
+    Ok(())
+}

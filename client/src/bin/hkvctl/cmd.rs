@@ -1,0 +1,152 @@
+//! The command line: [`Cli`] and its subcommands, [`Cmd`].
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+use crate::bench::BenchArgs;
+use crate::features::{HashArgs, Input};
+use crate::tables::CreateTable;
+
+#[derive(Parser)]
+#[command(name = "hkvctl", version, about = "Command-line client of hkvd")]
+pub struct Cli {
+    /// Socket path [default: $HKVD_SOCKET, else $XDG_RUNTIME_DIR/hkvd/hkvd.sock, else ./hkvd-run/hkvd.sock].
+    #[arg(long, global = true)]
+    pub socket: Option<PathBuf>,
+    #[command(subcommand)]
+    pub cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+pub enum Cmd {
+    /// Check that the daemon answers.
+    Ping,
+    /// Create a table spread over every shard.
+    CreateTable(CreateTable),
+    /// Keys of raw features: one line per feature, `FEATURE: KEY`.
+    Hash {
+        /// Features (strings, or int64 with --int; negative ones after `--`); or --from FILE.
+        #[arg(required_unless_present = "from")]
+        features: Vec<String>,
+        #[command(flatten)]
+        input: Input,
+        #[command(flatten)]
+        hash: HashArgs,
+        /// Use this table's hash setting when no --kind / --num-buckets is given.
+        #[arg(long)]
+        table: Option<String>,
+    },
+    /// Hash features and find their keys in one request: one line per
+    /// feature, `FEATURE: V1,V2,...` or `FEATURE: not found`.
+    FindFeatures {
+        /// Table name.
+        table: String,
+        /// Features (strings, or int64 with --int; negative ones after `--`); or --from FILE.
+        #[arg(required_unless_present = "from")]
+        features: Vec<String>,
+        #[command(flatten)]
+        input: Input,
+        #[command(flatten)]
+        hash: HashArgs,
+    },
+    /// Hash features and find_or_insert their keys: FEATURE=V1,V2,... entries
+    /// (the values are inserted for absent keys); prints the stored values.
+    FindOrInsertFeatures {
+        /// Table name.
+        table: String,
+        /// FEATURE=V1,V2,... entries; or --from FILE (one entry each).
+        #[arg(required_unless_present = "from")]
+        entries: Vec<String>,
+        #[command(flatten)]
+        input: Input,
+        #[command(flatten)]
+        hash: HashArgs,
+        /// One score per entry (lfu increments, custom scores).
+        #[arg(long, value_delimiter = ',')]
+        scores: Option<Vec<u64>>,
+    },
+    /// Drop a table.
+    DropTable {
+        /// Table name.
+        name: String,
+    },
+    /// List tables.
+    Tables,
+    /// Write values: KEY=V1,V2,... (dim values each).
+    Put {
+        /// Table name.
+        table: String,
+        /// KEY=V1,V2,... entries.
+        #[arg(required = true)]
+        entries: Vec<String>,
+        /// One score per entry (lfu increments, custom scores).
+        #[arg(long, value_delimiter = ',')]
+        scores: Option<Vec<u64>>,
+    },
+    /// Print values: one line per key, `KEY: V1,V2,...` or `KEY: not found`.
+    Get {
+        /// Table name.
+        table: String,
+        /// Keys.
+        #[arg(required = true)]
+        keys: Vec<u64>,
+    },
+    /// Write `count` keys from `start` with test values (key as f32 + position), for demos and benchmarks.
+    Fill {
+        /// Table name.
+        table: String,
+        /// Keys to write.
+        #[arg(long)]
+        count: u64,
+        /// First key.
+        #[arg(long, default_value_t = 0)]
+        start: u64,
+        /// Keys per request.
+        #[arg(long, default_value_t = 1 << 18)]
+        batch: u64,
+    },
+    /// Remove keys.
+    Erase {
+        /// Table name.
+        table: String,
+        /// Keys.
+        #[arg(required = true)]
+        keys: Vec<u64>,
+    },
+    /// Statistics per table (and per shard with --json).
+    Stats {
+        /// Print the daemon's JSON document.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Prometheus text.
+    Metrics,
+    /// Throughput over the socket: find and insert_or_assign beside the raw
+    /// socket moving the same bytes.
+    Bench(BenchArgs),
+    /// Take a checkpoint now; with --wait, show its progress until it completes.
+    Checkpoint {
+        /// Wait for it, with a progress bar.
+        #[arg(long)]
+        wait: bool,
+        /// A full checkpoint even when an incremental one is due.
+        #[arg(long)]
+        full: bool,
+    },
+    /// List checkpoints with size, entry counts and status.
+    Checkpoints,
+    /// Restore a checkpoint (an id from `checkpoints`, or latest) into the running daemon.
+    Restore {
+        /// Checkpoint id or `latest`.
+        id: String,
+    },
+    /// Ask the daemon to finish in-flight requests and exit.
+    Shutdown,
+    /// The operator console (runs `hkvd top`, from beside hkvctl or from PATH).
+    Top {
+        /// Arguments passed on to `hkvd top`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+}

@@ -1,0 +1,114 @@
+//! hkvctl: the command-line client of hkvd.
+//!
+//! # Layout
+//! - [`cmd`]: the command line ([`cmd::Cli`], [`cmd::Cmd`]).
+//! - [`tables`]: create-table, drop-table, tables.
+//! - [`entries`]: put, get, fill, erase.
+//! - [`features`]: hash, find-features, find-or-insert-features; the hash
+//!   flags, `--from` input and the answer lines.
+//! - [`checkpoint`]: checkpoint, checkpoints, restore.
+//! - [`render`]: printing values, times and the stats table.
+//! - [`bench`]: `hkvctl bench`.
+//! - this file: dispatch, `top`, exit codes.
+
+#![forbid(unsafe_code)]
+
+mod bench;
+mod checkpoint;
+mod cmd;
+mod entries;
+mod features;
+mod render;
+mod tables;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use hkv_client::{proto, Client, ClientError};
+
+use crate::cmd::{Cli, Cmd};
+
+/// `hkvctl top`: runs `hkvd top` (beside hkvctl, else from PATH).
+fn top(socket: &Path, args: &[String]) -> Result<()> {
+    let beside = std::env::current_exe().ok().and_then(|p| p.parent().map(|d| d.join("hkvd"))).filter(|p| p.exists());
+    let hkvd = beside.unwrap_or_else(|| PathBuf::from("hkvd"));
+    let status = std::process::Command::new(&hkvd)
+        .arg("top")
+        .arg("--socket")
+        .arg(socket)
+        .args(args)
+        .status()
+        .with_context(|| format!("cannot run {}", hkvd.display()))?;
+    if !status.success() {
+        bail!("hkvd top exited with {status}");
+    }
+    Ok(())
+}
+
+fn run(cli: Cli) -> Result<()> {
+    let socket = cli.socket.clone().unwrap_or_else(proto::client_socket_path);
+    let cmd = match cli.cmd {
+        Cmd::Bench(a) => return bench::bench(socket, a),
+        Cmd::Top { args } => return top(&socket, &args),
+        cmd => cmd,
+    };
+    let c = &mut Client::connect(&socket)?;
+    match cmd {
+        Cmd::Ping => {
+            let t = Instant::now();
+            c.ping()?;
+            println!("hkvd at {} answered in {:.3} ms", socket.display(), t.elapsed().as_secs_f64() * 1e3);
+        }
+        Cmd::CreateTable(a) => tables::create(c, a)?,
+        Cmd::DropTable { name } => {
+            c.drop_table(&name)?;
+            println!("dropped {name}");
+        }
+        Cmd::Tables => tables::list(c)?,
+        Cmd::Put { table, entries, scores } => entries::put(c, &table, &entries, scores)?,
+        Cmd::Get { table, keys } => entries::get(c, &table, &keys)?,
+        Cmd::Hash { features, input, hash, table } => features::hash(c, features, &input, &hash, table)?,
+        Cmd::FindFeatures { table, features, input, hash } => {
+            features::find_features(c, &table, features, &input, &hash)?
+        }
+        Cmd::FindOrInsertFeatures { table, entries, input, hash, scores } => {
+            features::find_or_insert_features(c, &table, entries, &input, &hash, scores)?
+        }
+        Cmd::Fill { table, count, start, batch } => entries::fill(c, &table, count, start, batch)?,
+        Cmd::Erase { table, keys } => entries::erase(c, &table, &keys)?,
+        Cmd::Stats { json } => {
+            let v = c.stats()?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&v)?);
+            } else {
+                print!("{}", render::stats_table(&render::doc(v, "stats")?));
+            }
+        }
+        Cmd::Metrics => print!("{}", c.metrics()?),
+        Cmd::Checkpoint { wait, full } => checkpoint::checkpoint(c, wait, full)?,
+        Cmd::Checkpoints => checkpoint::checkpoints(c)?,
+        Cmd::Restore { id } => checkpoint::restore(c, &socket, &id)?,
+        Cmd::Shutdown => {
+            c.shutdown()?;
+            println!("hkvd is draining and will exit");
+        }
+        Cmd::Bench(_) | Cmd::Top { .. } => unreachable!("handled before connecting"),
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("hkvctl: {e:#}");
+            match e.downcast_ref::<ClientError>() {
+                Some(ClientError::Io { .. }) => ExitCode::from(2),
+                _ => ExitCode::from(1),
+            }
+        }
+    }
+}

@@ -1,0 +1,73 @@
+//! Table commands: `create-table`, `drop-table`, `tables`.
+
+use anyhow::Result;
+use hkv_client::{proto, Client, TableSpec};
+
+use crate::features::{feature_hash, name};
+
+/// The flags of `create-table`.
+#[derive(clap::Args)]
+pub struct CreateTable {
+    /// Table name (letters, digits, '_', '-', '.').
+    pub name: String,
+    /// f32 elements per value.
+    #[arg(long)]
+    pub dim: usize,
+    /// Slots over all shards.
+    #[arg(long)]
+    pub capacity: u64,
+    /// lru, lfu, epoch-lru, epoch-lfu or custom.
+    #[arg(long, default_value = "lru", value_parser = name::<proto::Policy>)]
+    pub policy: proto::Policy,
+    /// Dual-bucket mode (fills to ~98 % before evicting).
+    #[arg(long)]
+    pub dual: bool,
+    /// Growth limit (slots); default: no growth.
+    #[arg(long, default_value_t = 0)]
+    pub max_capacity: u64,
+    /// Device-memory budget for values in bytes (CUDA); default: all.
+    #[arg(long)]
+    pub fast_tier_bytes: Option<u64>,
+    /// Default feature hash of the table: fingerprint64 or strong (needs --num-buckets).
+    #[arg(long, value_parser = name::<proto::HashKind>)]
+    pub hash: Option<proto::HashKind>,
+    /// Default num_buckets of feature requests (keys = hash % num_buckets).
+    #[arg(long)]
+    pub num_buckets: Option<u64>,
+    /// SipHash key of the strong hash: K0,K1 (needs --hash strong).
+    #[arg(long, value_delimiter = ',')]
+    pub hash_key: Option<Vec<u64>>,
+}
+
+/// `hkvctl create-table`.
+pub fn create(c: &mut Client, a: CreateTable) -> Result<()> {
+    let CreateTable { name, dim, capacity, policy, dual, max_capacity, fast_tier_bytes, hash, num_buckets, hash_key } =
+        a;
+    let hash = feature_hash("--hash", &hash, num_buckets, &hash_key)?;
+    let spec = TableSpec {
+        max_capacity,
+        policy,
+        mode: if dual { proto::Mode::Dual } else { proto::Mode::Single },
+        fast_tier_bytes,
+        hash,
+        ..TableSpec::new(&name, dim, capacity)
+    };
+    let info = c.create_table(spec)?;
+    println!("created {name}: dim {dim}, capacity {} over {} shards", info.capacity, info.shards);
+    Ok(())
+}
+
+/// `hkvctl tables`: one line per table.
+pub fn list(c: &mut Client) -> Result<()> {
+    println!(
+        "{:<20} {:>5} {:<9} {:<6} {:>12} {:>12} {:>6}",
+        "table", "dim", "policy", "mode", "size", "capacity", "shards"
+    );
+    for t in c.tables()? {
+        println!(
+            "{:<20} {:>5} {:<9} {:<6} {:>12} {:>12} {:>6}",
+            t.spec.name, t.spec.dim, t.spec.policy, t.spec.mode, t.size, t.capacity, t.shards
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,247 @@
+//! [`Response`]: the typed answers, their encoding and decoding (see
+//! PROTOCOL.md).
+
+use crate::body::{Reader, Writer};
+use crate::error::{ErrorCode, ProtoError};
+use crate::frame::FrameBuf;
+use crate::op::Op;
+use crate::request::{from_json, json};
+use crate::types::{Cursor, Evicted, Summary};
+use crate::{flags, Header, HEADER_LEN};
+
+/// A response.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Response {
+    /// No body (ping, clear, set_epoch, reserve, drop_table, shutdown).
+    Empty,
+    /// echo: how many bytes came back.
+    Echo {
+        /// Body bytes.
+        len: usize,
+    },
+    /// find.
+    Find {
+        /// 1 = found, per key.
+        found: Vec<u8>,
+        /// dim floats per key; 0.0 for misses.
+        values: Vec<f32>,
+        /// Scores when asked for (0 for misses).
+        scores: Option<Vec<u64>>,
+    },
+    /// contains.
+    Contains {
+        /// 1 = present, per key.
+        found: Vec<u8>,
+    },
+    /// The write ops.
+    Write {
+        /// Counts.
+        summary: Summary,
+        /// Per-key outcome bytes when asked for.
+        outcomes: Option<Vec<u8>>,
+        /// find_or_insert: the values.
+        values: Option<Vec<f32>>,
+        /// insert_and_evict: what lost its slot.
+        evicted: Option<Evicted>,
+    },
+    /// erase and erase_if.
+    Erased {
+        /// Entries removed.
+        count: u64,
+        /// Per-key flags (erase with OUTCOMES).
+        flags: Option<Vec<u8>>,
+    },
+    /// export.
+    Export {
+        /// Where to continue; none when the walk is over.
+        next: Option<Cursor>,
+        /// Keys.
+        keys: Vec<u64>,
+        /// Values.
+        values: Vec<f32>,
+        /// Scores.
+        scores: Vec<u64>,
+    },
+    /// hash: one key per feature.
+    Keys(Vec<u64>),
+    /// create_table, list_tables, stats: a JSON document.
+    Json(Vec<u8>),
+    /// metrics: Prometheus text.
+    Text(String),
+    /// An error.
+    Error(ProtoError),
+    /// A response frame the server built in place ([`FindFrame`]):
+    /// [`HEADER_LEN`] bytes of header space, then the encoded body. Never
+    /// decoded: the client sees the op's own response.
+    Framed(FrameBuf),
+}
+
+impl Response {
+    /// The whole frame answering request `id` of op `req_op`, reusing a
+    /// [`Response::Framed`] buffer (its header is written in place).
+    /// A frame too long for the header's length goes out as an `oversized`
+    /// error instead.
+    pub fn into_frame(self, req_op: impl Into<u8>, id: u64) -> FrameBuf {
+        let req_op = req_op.into();
+        match self {
+            Response::Framed(mut frame) => {
+                match crate::Header::write_into(req_op, flags::RESPONSE, id, frame.bytes_mut()) {
+                    Ok(()) => frame,
+                    Err(e) => FrameBuf::Vec(Response::Error(e).encode(req_op, id)),
+                }
+            }
+            other => FrameBuf::Vec(other.encode(req_op, id)),
+        }
+    }
+
+    /// The whole frame answering request `id` of op `req_op` (the request's
+    /// op byte, echoed). An answer with a field that does not fit the
+    /// protocol (an array over 2^32 − 1 elements, a body of 4 GiB or more)
+    /// goes out as the error naming it instead.
+    pub fn encode(&self, req_op: impl Into<u8>, id: u64) -> Vec<u8> {
+        let req_op = req_op.into();
+        let (w, code, fl) = self.writer(req_op);
+        w.finish_frame(code, fl, id).unwrap_or_else(|(e, _)| Response::Error(e).encode(req_op, id))
+    }
+
+    /// The body written after room for the header, and the header's op
+    /// and flags.
+    fn writer(&self, req_op: u8) -> (Writer, u8, u16) {
+        let mut w = Writer::framed(64);
+        let mut fl = flags::RESPONSE;
+        let mut code = req_op;
+        match self {
+            Response::Empty => {}
+            Response::Echo { len } => w.buf.resize(HEADER_LEN + *len, 0),
+            Response::Find { found, values, scores } => {
+                w = Writer::framed(16 + found.len() + values.len() * 4);
+                w.u8s(found).f32s(values);
+                if let Some(s) = scores {
+                    w.u64s(s);
+                    fl |= flags::SCORES;
+                }
+            }
+            Response::Contains { found } => {
+                w.u8s(found);
+            }
+            Response::Write { summary, outcomes, values, evicted } => {
+                let s = summary;
+                w.u64(s.updated).u64(s.inserted).u64(s.evicted).u64(s.rejected).u64(s.absent);
+                if let Some(o) = outcomes {
+                    w.u8s(o);
+                    fl |= flags::OUTCOMES;
+                }
+                if let Some(v) = values {
+                    w.f32s(v);
+                }
+                if let Some(e) = evicted {
+                    w.u64s(&e.keys).f32s(&e.values).u64s(&e.scores).u8s(&e.kinds);
+                }
+            }
+            Response::Erased { count, flags: f } => {
+                w.u64(*count);
+                if let Some(f) = f {
+                    w.u8s(f);
+                    fl |= flags::OUTCOMES;
+                }
+            }
+            Response::Export { next, keys, values, scores } => {
+                let c = next.unwrap_or(Cursor { shard: u32::MAX, offset: 0 });
+                w.u32(c.shard).u64(c.offset).u64s(keys).f32s(values).u64s(scores);
+            }
+            Response::Keys(k) => {
+                w = Writer::framed(8 + k.len() * 8);
+                w.u64s(k);
+            }
+            Response::Json(j) => w.buf.extend_from_slice(j),
+            Response::Text(t) => w.buf.extend_from_slice(t.as_bytes()),
+            Response::Error(e) => {
+                code = Op::Error.into();
+                fl |= flags::ERROR;
+                w.buf.extend(json(e));
+            }
+            Response::Framed(frame) => w.buf.extend_from_slice(&frame.bytes()[HEADER_LEN..]),
+        }
+        (w, code, fl)
+    }
+
+    /// Parses a response body.
+    pub fn decode(h: &Header, body: &[u8]) -> Result<Response, ProtoError> {
+        Self::decode_into(h, body, Vec::new(), Vec::new())
+    }
+
+    /// [`Response::decode`] that reads a find answer's arrays into `found`
+    /// and `values`, reusing their memory (a client that hands each answer
+    /// back allocates nothing for the next); other answers drop them.
+    pub fn decode_into(h: &Header, body: &[u8], found: Vec<u8>, values: Vec<f32>) -> Result<Response, ProtoError> {
+        let mut r = Reader::new(body);
+        let has_outcomes = h.flags & flags::OUTCOMES != 0;
+        let op = Op::try_from(h.op)
+            .map_err(|_| ProtoError::new(ErrorCode::UnknownOp, format!("response op {:#04x}", h.op)))?;
+        let resp = match op {
+            Op::Error => return Ok(Response::Error(from_json(body, "error body")?)),
+            Op::Ping | Op::Clear | Op::SetEpoch | Op::Reserve | Op::DropTable | Op::Shutdown => Response::Empty,
+            Op::Echo => Response::Echo { len: r.rest().len() },
+            Op::Hash => Response::Keys(r.u64s("keys")?),
+            Op::Find | Op::FindFeatures => {
+                let found = r.u8s_into("found", found)?;
+                let values = r.f32s_into("values", values)?;
+                let scores = if h.flags & flags::SCORES != 0 { Some(r.u64s("scores")?) } else { None };
+                Response::Find { found, values, scores }
+            }
+            Op::Contains => Response::Contains { found: r.u8s("found")? },
+            o @ (Op::InsertOrAssign
+            | Op::InsertAndEvict
+            | Op::FindOrInsert
+            | Op::Assign
+            | Op::AccumOrAssign
+            | Op::Load
+            | Op::AssignScores
+            | Op::FindOrInsertFeatures) => {
+                let summary = Summary {
+                    updated: r.u64("summary")?,
+                    inserted: r.u64("summary")?,
+                    evicted: r.u64("summary")?,
+                    rejected: r.u64("summary")?,
+                    absent: r.u64("summary")?,
+                };
+                let outcomes = if has_outcomes { Some(r.u8s("outcomes")?) } else { None };
+                let values = if matches!(o, Op::FindOrInsert | Op::FindOrInsertFeatures) {
+                    Some(r.f32s("values")?)
+                } else {
+                    None
+                };
+                let evicted = if o == Op::InsertAndEvict {
+                    Some(Evicted {
+                        keys: r.u64s("evicted keys")?,
+                        values: r.f32s("evicted values")?,
+                        scores: r.u64s("evicted scores")?,
+                        kinds: r.u8s("evicted kinds")?,
+                    })
+                } else {
+                    None
+                };
+                Response::Write { summary, outcomes, values, evicted }
+            }
+            Op::Erase | Op::EraseIf => {
+                let count = r.u64("count")?;
+                let flags = if has_outcomes { Some(r.u8s("erased")?) } else { None };
+                Response::Erased { count, flags }
+            }
+            Op::Export => {
+                let shard = r.u32("next shard")?;
+                let offset = r.u64("next offset")?;
+                let next = (shard != u32::MAX).then_some(Cursor { shard, offset });
+                Response::Export { next, keys: r.u64s("keys")?, values: r.f32s("values")?, scores: r.u64s("scores")? }
+            }
+            Op::CreateTable | Op::ListTables | Op::Stats | Op::Checkpoint | Op::ListCheckpoints | Op::Restore => {
+                Response::Json(r.rest().to_vec())
+            }
+            Op::Metrics => Response::Text(
+                String::from_utf8(r.rest().to_vec()).map_err(|e| ProtoError::bad_request(format!("metrics: {e}")))?,
+            ),
+        };
+        r.finish()?;
+        Ok(resp)
+    }
+}

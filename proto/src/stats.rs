@@ -1,0 +1,293 @@
+//! The JSON documents of the `stats`, `list_checkpoints`, `checkpoint` and
+//! `restore` answers, typed (PROTOCOL.md, "Stats" and "Checkpoint listing").
+//! The daemon fills and writes them; `hkvctl` and the console read them.
+//! Every struct reads missing fields as their defaults, so a document from
+//! an older daemon (without the fields added since) still reads.
+
+use serde::{Deserialize, Serialize};
+
+use crate::types::TableSpec;
+
+/// The `stats` answer.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Stats {
+    /// Daemon version.
+    pub version: String,
+    /// Seconds since start.
+    pub uptime_s: f64,
+    /// Backend in words, e.g. `cpu (3 shards)`.
+    pub backend: String,
+    /// Shards per table (devices or CPU shards).
+    pub shards: usize,
+    /// Where feature requests are hashed: "CPU" or "GPU 0 (name)".
+    pub feature_hashing: String,
+    /// Connections open now.
+    pub connections: usize,
+    /// Requests answered since start.
+    pub requests: u64,
+    /// Error answers since start.
+    pub errors: u64,
+    /// Requests running now.
+    pub in_flight: usize,
+    /// Per table, sorted by name.
+    pub tables: Vec<TableStats>,
+    /// Names of the operations, indexing each shard's `ops` and `keys`.
+    pub op_names: Vec<String>,
+    /// Checkpoint status.
+    pub checkpoint: CheckpointStats,
+    /// Memory limits and what is held of them.
+    pub memory: MemoryStats,
+}
+
+/// The memory budget and the request bytes in flight.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct MemoryStats {
+    /// `limits.max_table_bytes` in force: device memory on CUDA, host memory on CPU.
+    pub max_table_bytes: u64,
+    /// Bytes of it granted to tables (each table's peak footprint).
+    pub table_bytes: u64,
+    /// `limits.max_host_tier_bytes` in force (CUDA; 0 on the CPU backend).
+    pub max_host_tier_bytes: u64,
+    /// Bytes of it granted to tables.
+    pub host_tier_bytes: u64,
+    /// Bytes of requests being received or run and of answers being built or sent.
+    pub bytes_in_flight: u64,
+    /// Requests refused because `limits.max_bytes_in_flight` was reached.
+    pub in_flight_refusals: u64,
+    /// Of `bytes_in_flight`, those of bodies over 64 KiB still arriving (at
+    /// most 3/4 of `limits.max_bytes_in_flight`).
+    pub receiving_bytes: u64,
+}
+
+/// One table.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TableStats {
+    /// As created, defaults filled in.
+    pub spec: TableSpec,
+    /// Entries over all shards.
+    #[serde(default)]
+    pub size: u64,
+    /// Slots over all shards.
+    #[serde(default)]
+    pub capacity: u64,
+    /// size / capacity.
+    #[serde(default)]
+    pub load_factor: f64,
+    /// Largest shard size over the mean (1.0 = perfectly even).
+    #[serde(default)]
+    pub imbalance: f64,
+    /// Per shard, in shard order.
+    #[serde(default)]
+    pub shards: Vec<ShardStats>,
+}
+
+/// Counters of one shard since its table was created.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ShardStats {
+    /// Entries stored.
+    pub size: u64,
+    /// Slots.
+    pub capacity: u64,
+    /// size / capacity.
+    pub load_factor: f64,
+    /// Batches per operation, indexed like [`Stats::op_names`].
+    pub ops: Vec<u64>,
+    /// Keys per operation, indexed like [`Stats::op_names`].
+    pub keys: Vec<u64>,
+    /// Lookups (find, contains, find_or_insert) that found their key.
+    pub hits: u64,
+    /// Lookups that did not.
+    pub misses: u64,
+    /// Keys placed in a free slot.
+    pub inserts: u64,
+    /// Keys placed by evicting another entry.
+    pub evictions: u64,
+    /// Keys refused by admission control.
+    pub rejections: u64,
+    /// Value bytes in the fast (device) tier.
+    pub fast_tier_bytes: u64,
+    /// Value bytes in the host tier.
+    pub host_tier_bytes: u64,
+    /// Lock-group state.
+    pub lock: LockStats,
+}
+
+/// A lock group of a shard's triple-group lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LockGroup {
+    /// find, contains, export.
+    Reader,
+    /// assign, assign_scores, accumulate on existing keys.
+    Updater,
+    /// Anything that may allocate, evict or erase.
+    Inserter,
+}
+
+/// A shard's lock: who runs, who waits, how much waiting happened. The
+/// arrays are indexed reader, updater, inserter.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LockStats {
+    /// The group holding the lock, if any.
+    pub active: Option<LockGroup>,
+    /// Operations running, per group.
+    pub running: [u32; 3],
+    /// Operations waiting, per group.
+    pub waiting: [u32; 3],
+    /// Acquisitions that had to wait, per group.
+    pub waits: [u64; 3],
+    /// Nanoseconds spent waiting, per group.
+    pub wait_ns: [u64; 3],
+    /// Most operations seen running at once, per group.
+    pub max_running: [u32; 3],
+    /// Entries that found the lock in a state it must never be in (always 0).
+    pub violations: u64,
+}
+
+/// Checkpoint status (`stats.checkpoint`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct CheckpointStats {
+    /// The one running, if any.
+    pub running: Option<Progress>,
+    /// The last one finished (or failed).
+    pub last: Option<Finished>,
+    /// Seconds until the next scheduled one.
+    pub next_in_s: Option<f64>,
+    /// The schedule.
+    pub interval_s: Option<u64>,
+    /// Checkpoints with a manifest in the store.
+    pub complete: usize,
+    /// The restore running, if any (kind: `load`: chunks read, verified and
+    /// loaded into tables not yet visible).
+    pub restoring: Option<Progress>,
+    /// The last restore, with what it could not place.
+    pub last_restore: Option<Restored>,
+}
+
+/// A checkpoint (or restore) in progress.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Progress {
+    /// Id (hex).
+    pub id: String,
+    /// `full` or `incremental` (`load` for a restore).
+    pub kind: String,
+    /// Entries written so far.
+    pub entries_done: u64,
+    /// Entries in the tables when it began (an upper bound for incremental ones).
+    pub entries_total: u64,
+    /// Bytes written so far.
+    pub bytes: u64,
+    /// Seconds since it began.
+    pub seconds: f64,
+    /// Entries per second so far.
+    pub rate: f64,
+    /// Seconds left at this rate.
+    pub eta_s: f64,
+    /// Chunk megabytes (10^6 B) per second so far.
+    pub mb_per_s: f64,
+}
+
+/// The last checkpoint attempt.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Finished {
+    /// Id (hex), when it got one.
+    pub id: String,
+    /// `full` or `incremental`.
+    pub kind: String,
+    /// Completion time, ms since the Unix epoch.
+    pub finished_unix_ms: u64,
+    /// Entries.
+    pub entries: u64,
+    /// Bytes.
+    pub bytes: u64,
+    /// Duration.
+    pub seconds: f64,
+    /// The error, if it failed.
+    pub error: Option<String>,
+}
+
+/// A checkpoint as listed (`list_checkpoints`, and `checkpoint` with wait).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Listing {
+    /// Id (hex).
+    pub id: String,
+    /// Creation time, ms since the Unix epoch.
+    pub created_unix_ms: u64,
+    /// `full` or `incremental on <base>`.
+    pub kind: String,
+    /// Table names and entry counts.
+    pub tables: Vec<(String, u64)>,
+    /// Entries.
+    pub entries: u64,
+    /// Chunk bytes.
+    pub bytes: u64,
+    /// `complete` or the problem.
+    pub status: String,
+}
+
+/// What a restore loaded (the `restore` answer, and `stats.checkpoint.last_restore`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Restored {
+    /// The checkpoint restored (hex).
+    pub id: String,
+    /// Checkpoints skipped because they were corrupt, with the reason.
+    pub skipped: Vec<String>,
+    /// Tables and the entries they hold after the restore.
+    pub tables: Vec<(String, u64)>,
+    /// Per table, the entries of the checkpoint that could not be placed
+    /// (refused by a full bucket, or evicted by another restored entry).
+    pub dropped: Vec<(String, u64)>,
+    /// Entries placed, over all tables.
+    pub entries: u64,
+    /// Chunk bytes read and loaded.
+    pub bytes: u64,
+    /// Seconds, verification included.
+    pub seconds: f64,
+    /// Chunk megabytes (10^6 B) per second, verification included.
+    pub mb_per_s: f64,
+}
+
+/// The `checkpoint` answer without wait: the checkpoint now being taken.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Started {
+    /// Always true.
+    pub started: bool,
+    /// Its id (16 hex digits).
+    pub id: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A document from before `feature_hashing`, `memory` and the restore
+    /// fields existed still reads, with those at their defaults.
+    #[test]
+    fn an_older_document_reads() {
+        let old = serde_json::json!({
+            "version": "0.1.0", "uptime_s": 1.5, "backend": "cpu (2 shards)", "shards": 2,
+            "connections": 1, "requests": 9, "errors": 0, "in_flight": 1,
+            "tables": [{"spec": {"name": "t", "dim": 4, "capacity": 64}, "size": 3, "capacity": 64,
+                        "load_factor": 0.05, "imbalance": 1.0,
+                        "shards": [{"size": 3, "capacity": 64, "ops": [1], "keys": [3],
+                                    "lock": {"active": "reader", "running": [1, 0, 0]}}]}],
+            "op_names": ["find"],
+            "checkpoint": {"running": {"id": "00000000000000ff", "entries_done": 5, "entries_total": 10},
+                           "last": null, "next_in_s": null, "interval_s": null, "complete": 0}
+        });
+        let s: Stats = serde_json::from_value(old).unwrap();
+        assert_eq!(s.tables[0].shards[0].lock.active, Some(LockGroup::Reader));
+        assert_eq!(s.checkpoint.running.as_ref().unwrap().entries_done, 5);
+        assert_eq!((s.feature_hashing.as_str(), s.memory), ("", MemoryStats::default()));
+    }
+}

@@ -1,0 +1,285 @@
+//! Round trips of every request and response shape, frames built in place,
+//! and the fuzzer's seed corpus.
+
+use crate::frame::{FindFrame, FrameBuf};
+use crate::*;
+
+#[test]
+fn a_request_whose_fields_do_not_fit_is_not_encoded() {
+    let ok = Request::Find { table: "t".into(), keys: vec![1], scores: true };
+    let f = ok.try_encode_into(7, Vec::new()).unwrap();
+    assert_eq!(f, ok.encode(7));
+    let long = Request::Find { table: "x".repeat(70_000), keys: vec![1], scores: false };
+    let (e, buf) = long.try_encode_into(7, Vec::with_capacity(1 << 20)).unwrap_err();
+    assert!(e.message.contains("70000 bytes"), "{e}");
+    assert!(buf.capacity() >= 1 << 20, "the buffer comes back");
+}
+
+fn round(req: Request) {
+    let f = req.encode(42);
+    // Into a buffer that held a longer frame: the same bytes.
+    assert_eq!(req.encode_into(42, vec![0xab; f.len() + 100]), f);
+    let FrameCheck::Ready(h) = check_frame(&f, u32::MAX).unwrap() else { panic!() };
+    assert_eq!(h.id, 42);
+    assert_eq!(Request::decode(&h, &f[crate::HEADER_LEN..]).unwrap(), req);
+}
+
+fn round_resp(op: Op, resp: Response) {
+    let f = resp.encode(op, 7);
+    let FrameCheck::Ready(h) = check_frame(&f, u32::MAX).unwrap() else { panic!() };
+    assert_eq!(Response::decode(&h, &f[crate::HEADER_LEN..]).unwrap(), resp);
+}
+
+#[test]
+fn a_find_frame_built_in_place_decodes_as_a_find() {
+    for n in [0usize, 1, 3, 4] {
+        let dim = 2;
+        let mut ff = FindFrame::new(n, dim);
+        let (found, values) = ff.parts_mut();
+        assert_eq!((found.len(), values.len()), (n, n * dim * 4));
+        // Every other key found, with values k + 0.5, k + 1.5.
+        let mut want_vals = vec![0.0f32; n * dim];
+        let mut want_found = vec![0u8; n];
+        for k in (0..n).step_by(2) {
+            found[k] = 1;
+            want_found[k] = 1;
+            for j in 0..dim {
+                let x = k as f32 + j as f32 + 0.5;
+                values[(k * dim + j) * 4..(k * dim + j + 1) * 4].copy_from_slice(&x.to_le_bytes());
+                want_vals[k * dim + j] = x;
+            }
+        }
+        let want = Response::Find { found: want_found, values: want_vals, scores: None };
+        let resp = ff.into_response();
+        let copied = resp.encode(Op::Find, 9);
+        let moved = resp.into_frame(Op::Find, 9);
+        let moved = moved.bytes();
+        assert_eq!(copied, moved, "n {n}");
+        let FrameCheck::Ready(h) = check_frame(moved, u32::MAX).unwrap() else { panic!() };
+        assert_eq!((h.op, h.id, h.flags), (Op::Find as u8, 9, flags::RESPONSE));
+        assert_eq!(Response::decode(&h, &moved[crate::HEADER_LEN..]).unwrap(), want, "n {n}");
+        // Into arrays that held a longer answer: the same answer, in
+        // their memory.
+        let (f, v) = (vec![7u8; n + 9], vec![7.0f32; (n + 9) * dim]);
+        let (fp, vp) = (f.as_ptr(), v.as_ptr());
+        let got = Response::decode_into(&h, &moved[crate::HEADER_LEN..], f, v).unwrap();
+        let Response::Find { found, values, .. } = &got else { panic!() };
+        assert_eq!((found.as_ptr(), values.as_ptr()), (fp, vp), "n {n}: memory reused");
+        assert_eq!(got, want, "n {n}");
+    }
+}
+
+/// Memory of a fixed capacity standing in for pinned memory.
+struct Fixed(Vec<u8>, usize);
+impl crate::FrameMemory for Fixed {
+    fn bytes(&self) -> &[u8] {
+        &self.0[..self.1]
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.0[..self.1]
+    }
+    fn capacity(&self) -> usize {
+        self.0.len()
+    }
+    fn set_len(&mut self, len: usize) {
+        assert!(len <= self.0.len());
+        self.1 = len;
+    }
+}
+
+#[test]
+fn a_find_frame_in_other_memory_sends_the_same_bytes() {
+    let (n, dim) = (5usize, 3usize);
+    let fill = |ff: &mut FindFrame| {
+        let (found, values) = ff.parts_mut();
+        found.fill(1);
+        for (i, b) in values.iter_mut().enumerate() {
+            *b = i as u8;
+        }
+    };
+    let mut a = FindFrame::new(n, dim);
+    fill(&mut a);
+    // Stale bytes in a larger memory: every byte sent is still written.
+    let mut b = FindFrame::reuse(FrameBuf::Other(Box::new(Fixed(vec![0xee; 4096], 0))), n, dim);
+    fill(&mut b);
+    let (a, b) = (a.into_response().into_frame(Op::Find, 3), b.into_response().into_frame(Op::Find, 3));
+    assert!(matches!(b, FrameBuf::Other(_)));
+    assert_eq!(a.bytes(), b.bytes());
+    // Other memory cannot grow past its capacity: a zeroed vector then.
+    let mut small = FrameBuf::Other(Box::new(Fixed(vec![0xee; 16], 16)));
+    small.set_len(100);
+    assert!(matches!(&small, FrameBuf::Vec(v) if v.len() == 100 && v.iter().all(|&x| x == 0)));
+}
+
+#[test]
+fn requests_round_trip() {
+    let t = "emb".to_string();
+    round(Request::Ping);
+    round(Request::Echo { reply_len: 100, padding: 12 });
+    round(Request::Find { table: t.clone(), keys: vec![1, 2], scores: true });
+    round(Request::Contains { table: t.clone(), keys: vec![3] });
+    for op in WriteOp::ALL {
+        round(Request::Write {
+            op,
+            table: t.clone(),
+            keys: vec![1],
+            values: vec![0.5, 1.5],
+            scores: Some(vec![9]),
+            outcomes: true,
+        });
+    }
+    round(Request::AssignScores { table: t.clone(), keys: vec![1], scores: None, outcomes: false });
+    round(Request::Erase { table: t.clone(), keys: vec![1, 2, 3], outcomes: true });
+    round(Request::EraseIf { table: t.clone(), filter: Filter { min_score: 3, ..Filter::default() } });
+    round(Request::Clear { table: t.clone() });
+    round(Request::Export {
+        table: t.clone(),
+        cursor: Cursor { shard: 2, offset: 128 },
+        max_slots: 4096,
+        filter: Filter::default(),
+    });
+    round(Request::SetEpoch { table: t.clone(), epoch: 5 });
+    round(Request::Reserve { table: t.clone(), capacity: 1 << 20 });
+    let strong = FeatureHash { kind: HashKind::Strong, num_buckets: 10, key: [1, 2] };
+    round(Request::Hash {
+        table: String::new(),
+        hash: HashSpec::Given(strong),
+        features: Features::Int64(vec![-1, 5]),
+    });
+    round(Request::FindFeatures {
+        table: t.clone(),
+        hash: HashSpec::Table,
+        features: Features::strings(&["a", "", "bcd"]),
+        scores: true,
+    });
+    round(Request::FindOrInsertFeatures {
+        table: t,
+        hash: HashSpec::Given(FeatureHash::fingerprint64(1 << 20)),
+        features: Features::Int64(vec![7]),
+        values: vec![0.5, 1.5],
+        scores: Some(vec![3]),
+        outcomes: true,
+    });
+    round(Request::Control(Control::CreateTable(TableSpec::new("x", 8, 1024))));
+    round(Request::Control(Control::DropTable { name: "x".into() }));
+    round(Request::Control(Control::Checkpoint { wait: true, full: false }));
+    round(Request::Control(Control::Restore { id: CheckpointId::Latest }));
+    round(Request::Control(Control::Restore { id: CheckpointId::Id(0xff) }));
+    for c in [Control::ListTables, Control::Stats, Control::Metrics, Control::Shutdown, Control::ListCheckpoints] {
+        round(Request::Control(c));
+    }
+}
+
+#[test]
+fn responses_round_trip() {
+    round_resp(Op::Ping, Response::Empty);
+    round_resp(Op::Echo, Response::Echo { len: 33 });
+    round_resp(Op::Find, Response::Find { found: vec![1, 0], values: vec![1.0, 0.0], scores: Some(vec![5, 0]) });
+    round_resp(Op::Contains, Response::Contains { found: vec![1] });
+    let summary = Summary { updated: 1, inserted: 2, evicted: 3, rejected: 4, absent: 5 };
+    round_resp(Op::InsertOrAssign, Response::Write { summary, outcomes: Some(vec![1]), values: None, evicted: None });
+    round_resp(Op::FindOrInsert, Response::Write { summary, outcomes: None, values: Some(vec![2.0]), evicted: None });
+    let ev = Evicted { keys: vec![4], values: vec![1.0], scores: vec![2], kinds: vec![0] };
+    round_resp(Op::InsertAndEvict, Response::Write { summary, outcomes: None, values: None, evicted: Some(ev) });
+    round_resp(Op::Erase, Response::Erased { count: 2, flags: Some(vec![1, 1, 0]) });
+    round_resp(Op::EraseIf, Response::Erased { count: 2, flags: None });
+    round_resp(
+        Op::Export,
+        Response::Export {
+            next: Some(Cursor { shard: 1, offset: 9 }),
+            keys: vec![1],
+            values: vec![0.5],
+            scores: vec![3],
+        },
+    );
+    round_resp(Op::Export, Response::Export { next: None, keys: vec![], values: vec![], scores: vec![] });
+    round_resp(Op::Stats, Response::Json(b"{\"a\":1}".to_vec()));
+    round_resp(Op::Hash, Response::Keys(vec![1, 2, 3]));
+    round_resp(Op::FindFeatures, Response::Find { found: vec![1], values: vec![1.0], scores: None });
+    round_resp(
+        Op::FindOrInsertFeatures,
+        Response::Write { summary, outcomes: Some(vec![1]), values: Some(vec![2.0]), evicted: None },
+    );
+    round_resp(Op::Metrics, Response::Text("hkvd_up 1\n".into()));
+    round_resp(Op::Find, Response::Error(ProtoError::new(ErrorCode::UnknownTable, "no table \"x\"")));
+}
+
+#[test]
+fn unknown_op_and_trailing_bytes_are_named() {
+    let f = crate::frame(0x77, 0, 1, b"");
+    let FrameCheck::Ready(h) = check_frame(&f, 100).unwrap() else { panic!() };
+    assert_eq!(Request::decode(&h, b"").unwrap_err().code, ErrorCode::UnknownOp);
+    let mut f = Request::Clear { table: "t".into() }.encode(1);
+    f.push(0);
+    f[16] += 1;
+    let FrameCheck::Ready(h) = check_frame(&f, 100).unwrap() else { panic!() };
+    assert_eq!(Request::decode(&h, &f[20..]).unwrap_err().code, ErrorCode::BadRequest);
+}
+
+/// Writes the fuzzer's seed corpus: one encoded frame of every request and
+/// response shape. `HKV_WRITE_CORPUS=proto/fuzz/corpus/frame cargo test -p hkv-proto -- --ignored corpus`
+#[test]
+#[ignore = "writes the fuzz seed corpus"]
+fn write_fuzz_corpus() {
+    let dir = std::path::PathBuf::from(std::env::var("HKV_WRITE_CORPUS").expect("HKV_WRITE_CORPUS=dir"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let t = "emb".to_string();
+    let mut frames: Vec<Vec<u8>> = vec![
+        Request::Ping.encode(1),
+        Request::Echo { reply_len: 64, padding: 8 }.encode(2),
+        Request::Find { table: t.clone(), keys: vec![1, 2, 3], scores: true }.encode(3),
+        Request::Contains { table: t.clone(), keys: vec![9] }.encode(4),
+        Request::AssignScores { table: t.clone(), keys: vec![1], scores: Some(vec![2]), outcomes: true }.encode(5),
+        Request::Erase { table: t.clone(), keys: vec![1, 2], outcomes: true }.encode(6),
+        Request::EraseIf { table: t.clone(), filter: Filter::default() }.encode(7),
+        Request::Clear { table: t.clone() }.encode(8),
+        Request::Export { table: t.clone(), cursor: Cursor::default(), max_slots: 128, filter: Filter::default() }
+            .encode(9),
+        Request::SetEpoch { table: t.clone(), epoch: 3 }.encode(10),
+        Request::Reserve { table: t.clone(), capacity: 4096 }.encode(11),
+        Request::Control(Control::CreateTable(TableSpec::new("emb", 4, 1024))).encode(12),
+        Request::Control(Control::DropTable { name: "emb".into() }).encode(13),
+        Request::Control(Control::Stats).encode(14),
+        Response::Find { found: vec![1, 0], values: vec![1.0, 2.0], scores: None }.encode(Op::Find, 15),
+        Response::Error(ProtoError::new(ErrorCode::Truncated, "x")).encode(Op::Find, 16),
+        Response::Export { next: None, keys: vec![1], values: vec![0.5], scores: vec![2] }.encode(Op::Export, 17),
+        Request::Hash {
+            table: String::new(),
+            hash: HashSpec::Given(FeatureHash::fingerprint64(1000)),
+            features: Features::Int64(vec![-1, 7]),
+        }
+        .encode(18),
+        Request::FindFeatures {
+            table: t.clone(),
+            hash: HashSpec::Table,
+            features: Features::strings(&["a", "bc"]),
+            scores: true,
+        }
+        .encode(19),
+        Request::FindOrInsertFeatures {
+            table: t.clone(),
+            hash: HashSpec::Given(FeatureHash { kind: HashKind::Strong, num_buckets: 9, key: [1, 2] }),
+            features: Features::strings(&["x"]),
+            values: vec![0.5; 4],
+            scores: None,
+            outcomes: true,
+        }
+        .encode(20),
+    ];
+    for (i, code) in WriteOp::ALL.iter().enumerate() {
+        let req = Request::Write {
+            op: *code,
+            table: t.clone(),
+            keys: vec![5, 6],
+            values: vec![0.5; 4],
+            scores: Some(vec![1, 2]),
+            outcomes: true,
+        };
+        frames.push(req.encode(100 + i as u64));
+    }
+    let pipelined: Vec<u8> = frames[..4].concat();
+    frames.push(pipelined);
+    for (i, f) in frames.iter().enumerate() {
+        std::fs::write(dir.join(format!("seed-{i:02}")), f).unwrap();
+    }
+}

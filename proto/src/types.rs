@@ -1,0 +1,410 @@
+//! The plain data requests and responses carry: write summaries, filters,
+//! export cursors, feature hashes, table specs.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::ProtoError;
+
+/// Per-outcome counts of a write.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Summary {
+    /// Keys that were present.
+    pub updated: u64,
+    /// Keys placed in a free slot.
+    pub inserted: u64,
+    /// Keys placed by evicting another entry.
+    pub evicted: u64,
+    /// Keys refused by admission control.
+    pub rejected: u64,
+    /// Keys absent for an update-only op.
+    pub absent: u64,
+}
+
+impl std::ops::AddAssign for Summary {
+    fn add_assign(&mut self, o: Summary) {
+        self.updated += o.updated;
+        self.inserted += o.inserted;
+        self.evicted += o.evicted;
+        self.rejected += o.rejected;
+        self.absent += o.absent;
+    }
+}
+
+impl std::fmt::Display for Summary {
+    /// "N inserted, N updated, N evicted another entry, N rejected" (keys
+    /// placed by eviction count as inserted too).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} inserted, {} updated, {} evicted another entry, {} rejected",
+            self.inserted + self.evicted,
+            self.updated,
+            self.evicted,
+            self.rejected
+        )
+    }
+}
+
+/// A predicate on key and score (see PROTOCOL.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Filter {
+    /// Bits of the key compared.
+    pub key_mask: u64,
+    /// Their required value.
+    pub key_pattern: u64,
+    /// Smallest matching score.
+    pub min_score: u64,
+    /// Largest matching score.
+    pub max_score: u64,
+}
+
+impl Default for Filter {
+    fn default() -> Self {
+        Filter { key_mask: 0, key_pattern: 0, min_score: 0, max_score: u64::MAX }
+    }
+}
+
+/// Where an export continues: shard index and slot offset in it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Cursor {
+    /// Shard index.
+    pub shard: u32,
+    /// Slot offset within the shard.
+    pub offset: u64,
+}
+
+/// Entries that lost their slot (or were refused) in insert_and_evict.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Evicted {
+    /// Keys.
+    pub keys: Vec<u64>,
+    /// Values, dim per key.
+    pub values: Vec<f32>,
+    /// Scores.
+    pub scores: Vec<u64>,
+    /// 0 = evicted resident, 1 = rejected input.
+    pub kinds: Vec<u8>,
+}
+
+/// How feature bytes become keys: `hash(bytes) % num_buckets`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FeatureHash {
+    /// The hash function.
+    #[serde(default)]
+    pub kind: HashKind,
+    /// Keys are `hash % num_buckets`: 1 to 2^64 - 4.
+    pub num_buckets: u64,
+    /// The SipHash key of `strong` (ignored by `fingerprint64`).
+    #[serde(default)]
+    pub key: [u64; 2],
+}
+
+impl FeatureHash {
+    /// Fingerprint64 into `num_buckets` buckets.
+    pub fn fingerprint64(num_buckets: u64) -> FeatureHash {
+        FeatureHash { kind: HashKind::Fingerprint64, num_buckets, key: [0, 0] }
+    }
+}
+
+/// The hash a feature request uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HashSpec {
+    /// The table's `hash` setting.
+    Table,
+    /// This one.
+    Given(FeatureHash),
+}
+
+/// Raw categorical features.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Features {
+    /// int64 features, hashed as their decimal text.
+    Int64(Vec<i64>),
+    /// Strings: feature `i` is `bytes[offsets[i] .. offsets[i + 1]]`.
+    Strings {
+        /// Every feature's bytes, back to back.
+        bytes: Vec<u8>,
+        /// `n + 1` offsets.
+        offsets: Vec<u32>,
+    },
+}
+
+impl Features {
+    /// Number of features.
+    pub fn len(&self) -> usize {
+        match self {
+            Features::Int64(v) => v.len(),
+            Features::Strings { offsets, .. } => offsets.len().saturating_sub(1),
+        }
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Strings from a list (builds the buffer and offsets).
+    ///
+    /// # Panics
+    /// When the strings total 4 GiB or more; [`Features::try_strings`]
+    /// refuses them instead.
+    pub fn strings<S: AsRef<[u8]>>(items: &[S]) -> Features {
+        Features::try_strings(items).unwrap_or_else(|e| panic!("{}", e.message))
+    }
+
+    /// [`Features::strings`], or an error when the strings total 4 GiB or
+    /// more (their offsets are `u32`s).
+    pub fn try_strings<S: AsRef<[u8]>>(items: &[S]) -> Result<Features, ProtoError> {
+        let mut bytes = vec![];
+        let mut offsets = Vec::with_capacity(items.len() + 1);
+        offsets.push(0u32);
+        for s in items {
+            bytes.extend_from_slice(s.as_ref());
+            offsets.push(u32::try_from(bytes.len()).map_err(|_| {
+                ProtoError::bad_request(format!(
+                    "features of {} bytes or more do not fit the protocol's 32-bit offsets; send smaller batches",
+                    bytes.len()
+                ))
+            })?);
+        }
+        Ok(Features::Strings { bytes, offsets })
+    }
+}
+
+/// A table to create: the whole table, which the daemon spreads over its shards.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TableSpec {
+    /// Table name (1 to 255 bytes of letters, digits, `_`, `-`, `.`).
+    pub name: String,
+    /// f32 elements per value.
+    pub dim: usize,
+    /// Slots over all shards.
+    pub capacity: u64,
+    /// Growth limit over all shards; 0 or absent = no growth.
+    #[serde(default)]
+    pub max_capacity: u64,
+    /// The score policy.
+    #[serde(default)]
+    pub policy: Policy,
+    /// The bucket mode.
+    #[serde(default)]
+    pub mode: Mode,
+    /// Device-memory byte budget for values over all shards (CUDA); none = all.
+    #[serde(default)]
+    pub fast_tier_bytes: Option<u64>,
+    /// Growth threshold (default 0.5).
+    #[serde(default)]
+    pub max_load_factor: Option<f64>,
+    /// The hash feature requests use when they name none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hash: Option<FeatureHash>,
+}
+
+impl TableSpec {
+    /// A spec with defaults for everything but name, dim and capacity.
+    pub fn new(name: &str, dim: usize, capacity: u64) -> TableSpec {
+        TableSpec {
+            name: name.into(),
+            dim,
+            capacity,
+            max_capacity: 0,
+            policy: Policy::Lru,
+            mode: Mode::Single,
+            fast_tier_bytes: None,
+            max_load_factor: None,
+            hash: None,
+        }
+    }
+}
+
+/// A table as listed by the daemon.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TableInfo {
+    /// The spec it was created with.
+    pub spec: TableSpec,
+    /// Entries over all shards.
+    pub size: u64,
+    /// Slots over all shards.
+    pub capacity: u64,
+    /// Shards it is spread over.
+    pub shards: u32,
+}
+
+/// `as_str`, `Display`, `FromStr` (whose error lists the names) and `ALL`
+/// for an enum of names that travel as text (JSON, TOML, CLI flags); serde
+/// spells them the same through `rename`.
+macro_rules! names {
+    ($ty:ident, $what:literal, { $($v:ident = $s:literal,)* }) => {
+        impl $ty {
+            /// Every value.
+            pub const ALL: &'static [$ty] = &[$($ty::$v),*];
+
+            /// The name, as configs, flags and JSON spell it.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $($ty::$v => $s,)*
+                }
+            }
+        }
+
+        impl std::fmt::Display for $ty {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl std::str::FromStr for $ty {
+            type Err = ProtoError;
+
+            fn from_str(s: &str) -> Result<$ty, ProtoError> {
+                $ty::ALL.iter().copied().find(|x| x.as_str() == s).ok_or_else(|| {
+                    let names: Vec<&str> = $ty::ALL.iter().map(|x| x.as_str()).collect();
+                    ProtoError::bad_request(format!(
+                        concat!("unknown ", $what, " {:?}; use {}"),
+                        s,
+                        names.join(", ")
+                    ))
+                })
+            }
+        }
+    };
+}
+
+/// A table's score policy: which entry a full bucket evicts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum Policy {
+    /// Least recently written goes.
+    #[default]
+    #[serde(rename = "lru")]
+    Lru,
+    /// Least frequently written goes.
+    #[serde(rename = "lfu")]
+    Lfu,
+    /// Lru within the epoch set by `set_epoch`.
+    #[serde(rename = "epoch-lru")]
+    EpochLru,
+    /// Lfu within the epoch.
+    #[serde(rename = "epoch-lfu")]
+    EpochLfu,
+    /// Scores given by the client.
+    #[serde(rename = "custom")]
+    Custom,
+}
+names!(Policy, "policy", { Lru = "lru", Lfu = "lfu", EpochLru = "epoch-lru", EpochLfu = "epoch-lfu", Custom = "custom", });
+
+/// A table's bucket mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum Mode {
+    /// One bucket per key.
+    #[default]
+    #[serde(rename = "single")]
+    Single,
+    /// The emptier of two buckets per key.
+    #[serde(rename = "dual")]
+    Dual,
+}
+names!(Mode, "mode", { Single = "single", Dual = "dual", });
+
+/// The hash of feature requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum HashKind {
+    /// Fingerprint64 (TensorFlow's `to_hash_bucket_fast`).
+    #[default]
+    #[serde(rename = "fingerprint64")]
+    Fingerprint64,
+    /// SipHash-2-4 keyed by the setting's `key` (TensorFlow's
+    /// `to_hash_bucket_strong`).
+    #[serde(rename = "strong")]
+    Strong,
+}
+names!(HashKind, "hash kind", { Fingerprint64 = "fingerprint64", Strong = "strong", });
+
+impl HashKind {
+    /// The wire code: 0 fingerprint64, 1 strong.
+    pub fn code(self) -> u8 {
+        match self {
+            HashKind::Fingerprint64 => 0,
+            HashKind::Strong => 1,
+        }
+    }
+}
+
+/// Which checkpoint a restore loads: the newest complete one, or one by
+/// id. Travels as text: `latest`, or the id in hex (parsed as a base-16
+/// `u64`: leading zeros may be left out, case does not matter; written as
+/// 16 digits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum CheckpointId {
+    /// The newest complete checkpoint (a corrupt one is skipped).
+    Latest,
+    /// This one.
+    Id(u64),
+}
+
+impl std::fmt::Display for CheckpointId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CheckpointId::Latest => f.write_str("latest"),
+            CheckpointId::Id(id) => write!(f, "{id:016x}"),
+        }
+    }
+}
+
+impl std::str::FromStr for CheckpointId {
+    type Err = ProtoError;
+
+    fn from_str(s: &str) -> Result<CheckpointId, ProtoError> {
+        if s == "latest" {
+            return Ok(CheckpointId::Latest);
+        }
+        u64::from_str_radix(s, 16).map(CheckpointId::Id).map_err(|_| {
+            ProtoError::bad_request(format!("checkpoint id {s:?}: use `latest` or an id from `hkvctl checkpoints`"))
+        })
+    }
+}
+
+impl TryFrom<String> for CheckpointId {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<CheckpointId, String> {
+        s.parse().map_err(|e: ProtoError| e.message)
+    }
+}
+
+impl From<CheckpointId> for String {
+    fn from(c: CheckpointId) -> String {
+        c.to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Configs, flags and JSON keep their exact text.
+    #[test]
+    fn names_parse_print_and_serialise_as_before() {
+        for &p in Policy::ALL {
+            assert_eq!(p.as_str().parse::<Policy>().unwrap(), p);
+            assert_eq!(serde_json::to_string(&p).unwrap(), format!("\"{p}\""));
+        }
+        assert_eq!(Policy::EpochLfu.to_string(), "epoch-lfu");
+        let e = "fifo".parse::<Policy>().unwrap_err();
+        assert!(e.message.contains("\"fifo\"") && e.message.contains("epoch-lru"), "{e}");
+        assert_eq!("dual".parse::<Mode>().unwrap(), Mode::Dual);
+        assert_eq!(serde_json::to_string(&HashKind::Strong).unwrap(), "\"strong\"");
+        let spec: TableSpec = serde_json::from_str(r#"{"name":"t","dim":4,"capacity":8,"policy":"epoch-lfu","mode":"dual","hash":{"kind":"strong","num_buckets":9,"key":[1,2]}}"#).unwrap();
+        assert_eq!((spec.policy, spec.mode, spec.hash.unwrap().kind), (Policy::EpochLfu, Mode::Dual, HashKind::Strong));
+        let spec: TableSpec = serde_json::from_str(r#"{"name":"t","dim":4,"capacity":8}"#).unwrap();
+        assert_eq!(spec, TableSpec::new("t", 4, 8));
+        assert_eq!("latest".parse::<CheckpointId>().unwrap(), CheckpointId::Latest);
+        assert_eq!("FF".parse::<CheckpointId>().unwrap(), CheckpointId::Id(255));
+        assert_eq!(CheckpointId::Id(255).to_string(), "00000000000000ff");
+        assert!("xyz".parse::<CheckpointId>().unwrap_err().message.contains("\"xyz\""));
+        let e = serde_json::from_str::<TableSpec>(r#"{"name":"t","dim":4,"capacity":8,"policy":"fifo"}"#).unwrap_err();
+        assert!(e.to_string().contains("fifo"), "{e}");
+    }
+}
