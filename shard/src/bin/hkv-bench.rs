@@ -23,8 +23,9 @@
 //!
 //! With `--sample-rate R` (issue 27's cost check) the table samples keys
 //! for miss-ratio curves at rate R (a sampler of threshold R × 2^64) and
-//! every figure is measured twice, call by call alternating: without
-//! sampling (first row) and with it (the row marked `sampled`). After each
+//! every figure is measured twice, call by call alternating (off then on,
+//! then on then off, ...): without sampling (first row) and with it (the
+//! row marked `sampled`, its change in brackets). After each
 //! sampled call the table's buffer (CUDA: device ring) is drained, untimed,
 //! into an `Mrc` with the same fixed rate, as a daemon's actor would; the
 //! samples and drops are printed under the table.
@@ -106,6 +107,17 @@ struct Args {
     sample_rate: Option<f64>,
 }
 
+/// Whether sampling is on for each of the two calls of run `run`: off
+/// first in even runs, on first in odd ones, so that neither side always
+/// follows the other (a call after an insert's untimed restore, say).
+fn sample_order(run: usize) -> [bool; 2] {
+    if run % 2 == 0 {
+        [false, true]
+    } else {
+        [true, false]
+    }
+}
+
 /// Sampling during a benchmark (`--sample-rate`): the sampler set on the
 /// table for the sampled calls, and the estimator the drains feed.
 struct SampleRun {
@@ -142,11 +154,34 @@ impl SampleRun {
         self.total.dropped += d.dropped;
     }
 
-    fn summary(&self, capacity: u64) -> String {
+    /// The CPU filter's cost per key (ns, the least of 20 passes over a
+    /// batch of `n` keys, so a loaded machine inflates it least): the hash
+    /// and comparison of every key and the copy of the sampled ones, what
+    /// the CPU backend adds to a batch.
+    fn filter_ns(&self, n: usize) -> f64 {
+        let keys: Vec<u64> = (0..n as u64).map(splitmix64).collect();
+        let mut local = Vec::new();
+        let mut best = f64::MAX;
+        for _ in 0..20 {
+            local.clear();
+            let t = Instant::now();
+            for &k in &keys {
+                if self.sampler.sampled(k) {
+                    local.push(k);
+                }
+            }
+            std::hint::black_box(&local);
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        best * 1e9 / n as f64
+    }
+
+    fn summary(&self, capacity: u64, batch: usize) -> String {
         let c = self.mrc.curve(capacity);
         format!(
-            "sampling at rate {:.4}: {} accesses, {} keys sampled, {} dropped (buffer full); estimated LRU hit rate at 1× / 2× capacity: {:.3} / {:.3}",
+            "sampling at rate {:.4}: the CPU filter {:.2} ns/key (least of 20 passes over {batch} keys); {} accesses, {} keys sampled, {} dropped (buffer full); estimated LRU hit rate at 1× / 2× capacity: {:.3} / {:.3}",
             self.sampler.rate(),
+            self.filter_ns(batch),
             self.total.accesses,
             self.total.sampled,
             self.total.dropped,
@@ -255,7 +290,8 @@ impl Bench<'_> {
                     None => return Ok(None),
                 },
                 Some(sr) => {
-                    for (i, on) in [false, true].into_iter().enumerate() {
+                    for on in sample_order(secs[0].len()) {
+                        let i = on as usize;
                         self.t.set_sampler(on.then_some(sr.sampler));
                         let Some(x) = self.once(op, lambda)? else {
                             self.t.set_sampler(None);
@@ -503,7 +539,7 @@ fn main() -> Result<()> {
             }
         }
         if let Some(sr) = &sampling {
-            println!("\n{}", sr.summary(t.capacity()));
+            println!("\n{}", sr.summary(t.capacity(), a.batch));
         }
         drop(b);
         drop(t);
@@ -720,7 +756,8 @@ mod cuda_bench {
             };
             let mut ms = [vec![], vec![]];
             for run in 0..=self.runs {
-                for (i, on) in [false, true].into_iter().enumerate() {
+                for on in sample_order(run) {
+                    let i = on as usize;
                     self.t.set_sampler(on.then_some(sr.sampler));
                     let r = self.once(op, lambda);
                     self.t.set_sampler(None);
@@ -895,7 +932,7 @@ mod cuda_bench {
                 println!("{l}");
             }
             if let Some(sr) = &sampling {
-                println!("{}", sr.summary(t.capacity()));
+                println!("{}", sr.summary(t.capacity(), a.batch));
             }
             for (lambda, op, x) in host_exports {
                 let unit = if reference_mix { "2^30 keys/s" } else { "B-KV/s" };
