@@ -111,7 +111,7 @@ struct Args {
 /// first in even runs, on first in odd ones, so that neither side always
 /// follows the other (a call after an insert's untimed restore, say).
 fn sample_order(run: usize) -> [bool; 2] {
-    if run % 2 == 0 {
+    if run.is_multiple_of(2) {
         [false, true]
     } else {
         [true, false]
