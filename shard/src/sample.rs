@@ -12,11 +12,17 @@
 //! device memory (`cuda::table::sampling`).
 //!
 //! A drain hands over the keys in the order they were appended (a batch in
-//! index order) with the accesses counted since the last drain; sampled
+//! index order; on the CUDA backend a batch above
+//! [`SEQUENTIAL_BATCH`](crate::SEQUENTIAL_BATCH) keys in runs of 1024 keys
+//! in index order, the runs in the order the device ran them, as the
+//! batch's own keys are processed in no set order) with the accesses
+//! counted since the last drain; sampled
 //! keys that found the buffer full ([`SAMPLE_BUFFER_KEYS`]) are lost and
 //! counted as dropped. Keys sampled under an earlier sampler are filtered
 //! again by [`crate::mrc::Mrc::observe_sampled`], so a sampler may change
-//! between drains.
+//! between drains. A drain on the CUDA backend takes the table's inserter
+//! lock group: a thread must not drain a table while it holds a device
+//! batch of that table still pending (the GPU group's enqueued parts).
 //!
 //! [`Shard::drain_samples`]: crate::Shard::drain_samples
 
