@@ -17,6 +17,8 @@
 //!   erase_if, clear), `export.cu` (export_batch(_if), compacted).
 //! - `route.cu`: the device-resident path of a GPU group: split a batch by
 //!   owning shard on the GPU, put rows back in request order.
+//! - `sample.cu`: the miss-ratio curves' sampling filter, appending the
+//!   sampled keys of a batch to a ring the host drains.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -45,11 +47,13 @@ pub enum KernelId {
     Export,
     /// `route.cu`: `route_count`, `route_scan`, `route_scatter`, `route_masks`, `rows_*`.
     Route,
+    /// `sample.cu`: `sample_keys`.
+    Sample,
 }
 
 impl KernelId {
     /// Every module.
-    pub const ALL: [KernelId; 8] = [
+    pub const ALL: [KernelId; 9] = [
         KernelId::Hash,
         KernelId::Features,
         KernelId::Lookup,
@@ -58,6 +62,7 @@ impl KernelId {
         KernelId::Erase,
         KernelId::Export,
         KernelId::Route,
+        KernelId::Sample,
     ];
 
     /// The module's name (its file stem).
@@ -71,6 +76,7 @@ impl KernelId {
             KernelId::Erase => "erase",
             KernelId::Export => "export",
             KernelId::Route => "route",
+            KernelId::Sample => "sample",
         }
     }
 
@@ -85,6 +91,7 @@ impl KernelId {
             KernelId::Erase => (true, include_str!("../erase.cu")),
             KernelId::Export => (true, include_str!("../export.cu")),
             KernelId::Route => (false, include_str!("../route.cu")),
+            KernelId::Sample => (false, include_str!("../sample.cu")),
         };
         if table {
             format!("{COMMON}\n{TABLE}\n{body}")
@@ -134,6 +141,7 @@ impl KernelId {
             ],
             KernelId::Erase => &["erase_keys", "erase_if", "clear_table"],
             KernelId::Export => &["export_count", "export_scan", "export_write"],
+            KernelId::Sample => &["sample_keys"],
             KernelId::Route => &[
                 "route_count",
                 "route_scan",

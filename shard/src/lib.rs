@@ -82,6 +82,9 @@
 //!     `peer_route`, `host_route`, `reshard`.
 //! - [`mrc`] estimates miss-ratio curves (SHARDS sampling, LRU stack
 //!   distances): the hit rate of a smaller or larger table.
+//! - [`sample`] is the shards' side of it: the sampler switch and the
+//!   bounded buffer of sampled keys ([`Shard::set_sampler`],
+//!   [`Shard::drain_samples`]).
 //! - [`features`] turns raw features into keys (TensorFlow-compatible).
 //! - [`error`] holds [`Error`].
 //! - this file: the [`Shard`] trait every backend implements, result types,
@@ -103,6 +106,7 @@ pub mod features;
 pub mod hash;
 pub mod lock;
 pub mod mrc;
+pub mod sample;
 pub mod score;
 
 /// The GPU group, at its former path ([`cuda::group`]).
@@ -509,6 +513,43 @@ pub trait Shard: Send + Sync {
     /// and the clock so that later writes rank above the restored entries
     /// (see `score::resume_after`).
     fn resume_after(&self, max_score: u64);
+
+    /// Sets (or, with `None`, stops) the miss-ratio sampling filter
+    /// ([`mrc::Sampler`]): from the next batch on, the keys of every lookup
+    /// and write (find, find_at, contains, insert_or_assign,
+    /// insert_and_evict, find_or_insert, assign, assign_scores,
+    /// accum_or_assign and their device-batch forms; not erase, export or
+    /// load) that pass it are kept for [`Shard::drain_samples`], and those
+    /// keys counted as accesses. Off by default; while off, a batch costs
+    /// one relaxed load more. The default does nothing (a backend that does
+    /// not sample).
+    fn set_sampler(&self, sampler: Option<mrc::Sampler>) {
+        let _ = sampler;
+    }
+
+    /// Appends the keys sampled since the last drain to `out`, in the
+    /// order the shard processed them (a batch in index order; on the CUDA
+    /// backend, batches above [`SEQUENTIAL_BATCH`] keys in runs of 1024 keys
+    /// in index order, see [`sample`]), and says how many keys were
+    /// accessed meanwhile and how many sampled keys were lost to a full
+    /// buffer ([`sample::SAMPLE_BUFFER_KEYS`]). Feed both to
+    /// [`mrc::Mrc::observe_sampled`]. The default drains nothing.
+    fn drain_samples(&self, out: &mut Vec<u64>) -> SampleDrain {
+        let _ = out;
+        SampleDrain::default()
+    }
+}
+
+/// What one [`Shard::drain_samples`] handed over.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SampleDrain {
+    /// Keys of lookups and writes since the last drain, sampled or not
+    /// (counted only while a sampler is set).
+    pub accesses: u64,
+    /// Keys appended to the output.
+    pub sampled: u64,
+    /// Sampled keys lost because the buffer was full.
+    pub dropped: u64,
 }
 
 /// Which backend a shard runs on.

@@ -471,3 +471,79 @@ fn a_failed_grow_leaves_the_table_as_it_was() {
     check(&t, &keys);
     check(&t, &more);
 }
+
+/// The sampling kernel's hash is `mrc::sample_hash` bit for bit: a vector
+/// key is kept at a threshold one above its hash and not at its hash; on
+/// random keys and thresholds the kernel keeps exactly the keys
+/// `mrc::sampled` keeps.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn sample_kernel_equals_the_cpu_filter() {
+    use hkv_shard::mrc::{sampled, Sampler, SAMPLE_HASH_VECTORS, SAMPLE_SEED};
+    use hkv_shard::SampleDrain;
+    let t = CudaTable::new(TableConfig::new(1 << 12, 1), device()).unwrap();
+    let mut out = Vec::new();
+    for (k, h) in SAMPLE_HASH_VECTORS {
+        for (threshold, kept) in [(h, false), (h + 1, true)] {
+            t.set_sampler(Some(Sampler { seed: SAMPLE_SEED, threshold }));
+            t.contains(&[k], &mut [false]).unwrap();
+            out.clear();
+            let d = t.drain_samples(&mut out);
+            assert_eq!(d, SampleDrain { accesses: 1, sampled: kept as u64, dropped: 0 }, "key {k:#x}");
+            assert_eq!(out, if kept { vec![k] } else { vec![] }, "key {k:#x}");
+        }
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(27);
+    for round in 0..6 {
+        let s = Sampler { seed: rng.gen(), threshold: rng.gen() };
+        let n = [100, 4096, 50_000][round % 3];
+        let keys: Vec<u64> = (0..n).map(|_| rng.gen_range(0..u64::MAX - 4)).collect();
+        t.set_sampler(Some(s));
+        t.contains(&keys, &mut vec![false; n]).unwrap();
+        out.clear();
+        let d = t.drain_samples(&mut out);
+        let mut want: Vec<u64> = keys.iter().copied().filter(|&k| sampled(k, s.seed, s.threshold)).collect();
+        assert_eq!((d.accesses, d.sampled + d.dropped), (n as u64, want.len() as u64), "round {round}");
+        if d.dropped == 0 {
+            if n > hkv_shard::SEQUENTIAL_BATCH {
+                out.sort_unstable();
+                want.sort_unstable();
+            }
+            assert_eq!(out, want, "round {round}");
+        }
+    }
+}
+
+/// Device batches are sampled like host batches (find, contains, writes),
+/// erase, load and export are not.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_batches_are_sampled() {
+    use hkv_shard::mrc::Sampler;
+    use hkv_shard::SampleDrain;
+    let dim = 4;
+    let t = CudaTable::new(TableConfig::new(1 << 14, dim), device()).unwrap();
+    let keys: Vec<u64> = (1..=3000u64).map(|i| i * 13 + 1).collect();
+    let mut b = t.device_batch(keys.len()).unwrap();
+    b.stream.memcpy_htod(&keys, &mut b.keys).unwrap();
+    t.set_sampler(Some(Sampler { seed: 1, threshold: u64::MAX }));
+    let mut out = Vec::new();
+    let mut want = Vec::new();
+    for op in [DeviceOp::InsertOrAssign, DeviceOp::Find, DeviceOp::FindPtr, DeviceOp::Contains, DeviceOp::Assign] {
+        t.run_device(op, &mut b, keys.len()).unwrap();
+        want.extend(&keys);
+    }
+    t.run_device(DeviceOp::FindOrInsert, &mut b, 100).unwrap();
+    want.extend(&keys[..100]);
+    t.run_device(DeviceOp::Export { offset: 0, filter: Filter::ALL }, &mut b, 1000).unwrap();
+    t.run_device(DeviceOp::Load, &mut b, 10).unwrap();
+    t.run_device(DeviceOp::Erase, &mut b, 10).unwrap();
+    let d = t.drain_samples(&mut out);
+    let n = want.len() as u64;
+    assert_eq!(d, SampleDrain { accesses: n, sampled: n, dropped: 0 });
+    assert_eq!(out, want, "batches of up to 4096 keys in index order");
+    t.set_sampler(None);
+    t.run_device(DeviceOp::Find, &mut b, keys.len()).unwrap();
+    out.clear();
+    assert_eq!(t.drain_samples(&mut out), SampleDrain::default());
+}

@@ -357,3 +357,46 @@ fn an_error_part_way_through_a_route_leaves_every_table_whole() {
         assert_eq!(group.size(), 9000 * nr as u64, "{route:?}");
     }
 }
+
+/// Every route samples each key of a lookup or write once, on the GPU that
+/// owns it (miss-ratio curves, issue 27), and none of an erase.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn routes_sample_each_key_once() {
+    use hkv_shard::mrc::Sampler;
+    let ordinals = gpus();
+    let nr = ordinals.len();
+    for route in [Route::Device, Route::Host, Route::Peer, Route::Auto] {
+        let group = GpuGroup::new(config(BucketMode::Single), &ordinals).unwrap();
+        if route == Route::Peer && nr > 1 && !group.peer_access() {
+            continue;
+        }
+        group.set_sampler(Some(Sampler { seed: 3, threshold: u64::MAX }));
+        let per_gpu = 2000;
+        let mut b = group.batch(per_gpu).unwrap();
+        let n = vec![per_gpu; nr];
+        let keys: Vec<Vec<u64>> =
+            (0..nr as u64).map(|r| (0..per_gpu as u64).map(|i| (r * 1_000_003 + i) * 7919 + 1).collect()).collect();
+        let values: Vec<Vec<f32>> = keys.iter().map(|ks| ks.iter().flat_map(|&k| row(k, 0)).collect()).collect();
+        upload(&group, &mut b, &keys, &values);
+        let mut want: Vec<u64> = keys.concat();
+        want.sort_unstable();
+        for op in [DeviceOp::InsertOrAssign, DeviceOp::Find, DeviceOp::Contains, DeviceOp::Assign, DeviceOp::Erase] {
+            group.run(op, route, &mut b, &n).unwrap();
+            let mut out = vec![];
+            let d = group.drain_samples(&mut out);
+            out.sort_unstable();
+            if op == DeviceOp::Erase {
+                assert_eq!(d, hkv_shard::SampleDrain::default(), "{route:?} {op:?}");
+                assert!(out.is_empty());
+            } else {
+                assert_eq!(
+                    (d.accesses, d.sampled, d.dropped),
+                    (want.len() as u64, want.len() as u64, 0),
+                    "{route:?} {op:?}"
+                );
+                assert_eq!(out, want, "{route:?} {op:?}");
+            }
+        }
+    }
+}

@@ -21,6 +21,15 @@
 //! never inserted (which miss, or are inserted and erased again untimed),
 //! and the figures count keys per second in units of 2^30, as it does.
 //!
+//! With `--sample-rate R` (issue 27's cost check) the table samples keys
+//! for miss-ratio curves at rate R (a sampler of threshold R × 2^64) and
+//! every figure is measured twice, call by call alternating (off then on,
+//! then on then off, ...): without sampling (first row) and with it (the
+//! row marked `sampled`, its change in brackets). After each
+//! sampled call the table's buffer (CUDA: device ring) is drained, untimed,
+//! into an `Mrc` with the same fixed rate, as a daemon's actor would; the
+//! samples and drops are printed under the table.
+//!
 //! find* and find_or_insert* return device addresses: CUDA backend on
 //! device batches only. With `--host-buffers` the CUDA backend is timed
 //! like the CPU one, through the table's calls on host arrays.
@@ -34,7 +43,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use hkv_shard::{Backend, BucketMode, Filter, LfuTies, ScorePolicy, Shard, TableConfig};
+use hkv_shard::mrc::{Mrc, MrcConfig, Sampler, SAMPLE_SEED};
+use hkv_shard::{Backend, BucketMode, Filter, LfuTies, SampleDrain, ScorePolicy, Shard, TableConfig};
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 
@@ -90,6 +100,95 @@ struct Args {
     /// 2^30 keys/s). `reference`: CUDA backend on device batches only.
     #[arg(long, default_value = "hits")]
     key_mix: String,
+    /// Miss-ratio sampling: the share of keys sampled, in (0, 1]; every
+    /// figure is then measured without and with sampling, alternating
+    /// call by call (two rows per λ).
+    #[arg(long)]
+    sample_rate: Option<f64>,
+}
+
+/// Whether sampling is on for each of the two calls of run `run`: off
+/// first in even runs, on first in odd ones, so that neither side always
+/// follows the other (a call after an insert's untimed restore, say).
+fn sample_order(run: usize) -> [bool; 2] {
+    if run.is_multiple_of(2) {
+        [false, true]
+    } else {
+        [true, false]
+    }
+}
+
+/// Sampling during a benchmark (`--sample-rate`): the sampler set on the
+/// table for the sampled calls, and the estimator the drains feed.
+struct SampleRun {
+    sampler: Sampler,
+    mrc: Mrc,
+    buf: Vec<u64>,
+    total: SampleDrain,
+}
+
+impl SampleRun {
+    fn new(rate: Option<f64>) -> Result<Option<SampleRun>> {
+        let Some(r) = rate else { return Ok(None) };
+        if !(r > 0.0 && r <= 1.0) {
+            bail!("--sample-rate must be in (0, 1], not {r}");
+        }
+        let threshold = if r >= 1.0 { u64::MAX } else { (r * 18_446_744_073_709_551_616.0) as u64 };
+        // A budget large enough that the estimator keeps the rate it is given.
+        let cfg = MrcConfig { max_keys: 1 << 22, seed: SAMPLE_SEED, initial_rate: r };
+        Ok(Some(SampleRun {
+            sampler: Sampler { seed: SAMPLE_SEED, threshold },
+            mrc: Mrc::new(cfg),
+            buf: vec![],
+            total: SampleDrain::default(),
+        }))
+    }
+
+    /// Drains the table into the estimator (untimed).
+    fn drain(&mut self, t: &dyn Shard) {
+        self.buf.clear();
+        let d = t.drain_samples(&mut self.buf);
+        self.mrc.observe_sampled(&self.buf, d.accesses);
+        self.total.accesses += d.accesses;
+        self.total.sampled += d.sampled;
+        self.total.dropped += d.dropped;
+    }
+
+    /// The CPU filter's cost per key (ns, the least of 20 passes over a
+    /// batch of `n` keys, so a loaded machine inflates it least): the hash
+    /// and comparison of every key and the copy of the sampled ones, what
+    /// the CPU backend adds to a batch.
+    fn filter_ns(&self, n: usize) -> f64 {
+        let keys: Vec<u64> = (0..n as u64).map(splitmix64).collect();
+        let mut local = Vec::new();
+        let mut best = f64::MAX;
+        for _ in 0..20 {
+            local.clear();
+            let t = Instant::now();
+            for &k in &keys {
+                if self.sampler.sampled(k) {
+                    local.push(k);
+                }
+            }
+            std::hint::black_box(&local);
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        best * 1e9 / n as f64
+    }
+
+    fn summary(&self, capacity: u64, batch: usize) -> String {
+        let c = self.mrc.curve(capacity);
+        format!(
+            "sampling at rate {:.4}: the CPU filter {:.2} ns/key (least of 20 passes over {batch} keys); {} accesses, {} keys sampled, {} dropped (buffer full); estimated LRU hit rate at 1× / 2× capacity: {:.3} / {:.3}",
+            self.sampler.rate(),
+            self.filter_ns(batch),
+            self.total.accesses,
+            self.total.sampled,
+            self.total.dropped,
+            c.points[3].hit_rate,
+            c.points[4].hit_rate
+        )
+    }
 }
 
 const OPS: [&str; 10] = [
@@ -173,11 +272,46 @@ impl Bench<'_> {
         Ok(())
     }
 
-    /// Median B-KV/s of `runs` timed calls of `op` (None: not on this backend).
-    fn measure(&mut self, op: &str, lambda: f64) -> Result<Option<f64>> {
-        let (dim, n) = (self.dim, self.batch);
-        let mut secs = vec![];
+    /// Median B-KV/s of `runs` timed calls of `op` (None: not on this
+    /// backend); with `sampling`, also with the sampler on, the calls
+    /// alternating.
+    fn measure(
+        &mut self,
+        op: &str,
+        lambda: f64,
+        sampling: &mut Option<SampleRun>,
+    ) -> Result<Option<(f64, Option<f64>)>> {
+        let n = self.batch;
+        let mut secs = [vec![], vec![]];
         for _ in 0..self.runs {
+            match sampling {
+                None => match self.once(op, lambda)? {
+                    Some(x) => secs[0].push(x),
+                    None => return Ok(None),
+                },
+                Some(sr) => {
+                    for on in sample_order(secs[0].len()) {
+                        let i = on as usize;
+                        self.t.set_sampler(on.then_some(sr.sampler));
+                        let Some(x) = self.once(op, lambda)? else {
+                            self.t.set_sampler(None);
+                            return Ok(None);
+                        };
+                        secs[i].push(x);
+                        sr.drain(self.t);
+                    }
+                    self.t.set_sampler(None);
+                }
+            }
+        }
+        let rate = |s: &[f64]| n as f64 / median(s.to_vec()) / 1e9;
+        Ok(Some((rate(&secs[0]), (!secs[1].is_empty()).then(|| rate(&secs[1])))))
+    }
+
+    /// Seconds of one timed call of `op` (None: not on this backend).
+    fn once(&mut self, op: &str, lambda: f64) -> Result<Option<f64>> {
+        let (dim, n) = (self.dim, self.batch);
+        {
             let s = match op {
                 "find" => {
                     let k = self.existing();
@@ -233,9 +367,8 @@ impl Bench<'_> {
                 }
                 _ => return Ok(None),
             };
-            secs.push(s);
+            Ok(Some(s))
         }
-        Ok(Some(n as f64 / median(secs) / 1e9))
     }
 
     fn median_filter(&self, off: u64) -> Result<Filter> {
@@ -371,6 +504,7 @@ fn main() -> Result<()> {
             gen: KeyGen(0),
             rng: rand::rngs::StdRng::seed_from_u64(dim as u64),
         };
+        let mut sampling = SampleRun::new(a.sample_rate)?;
         for &lambda in &a.lambdas {
             b.fill_to(lambda)?;
             let achieved = t.load_factor();
@@ -378,17 +512,34 @@ fn main() -> Result<()> {
             if (achieved - lambda).abs() > 0.01 {
                 row = format!("| {lambda:.2} (got {achieved:.3})");
             }
+            let mut sampled_row = format!("{} sampled", row);
             for op in OPS {
                 if !a.ops.is_empty() && !a.ops.iter().any(|o| o == op) {
                     row += " | -";
+                    sampled_row += " | -";
                     continue;
                 }
-                match b.measure(op, lambda)? {
-                    Some(x) => row += &format!(" | {x:.5}"),
-                    None => row += " | n/a",
+                match b.measure(op, lambda, &mut sampling)? {
+                    Some((x, on)) => {
+                        row += &format!(" | {x:.5}");
+                        match on {
+                            Some(y) => sampled_row += &format!(" | {y:.5} ({:+.1} %)", 100.0 * (y / x - 1.0)),
+                            None => sampled_row += " | -",
+                        }
+                    }
+                    None => {
+                        row += " | n/a";
+                        sampled_row += " | n/a";
+                    }
                 }
             }
             println!("{row} |");
+            if sampling.is_some() {
+                println!("{sampled_row} |");
+            }
+        }
+        if let Some(sr) = &sampling {
+            println!("\n{}", sr.summary(t.capacity(), a.batch));
         }
         drop(b);
         drop(t);
@@ -558,8 +709,13 @@ mod cuda_bench {
                     ms.push(t);
                 }
             }
+            Ok(self.figure(ms))
+        }
+
+        /// The figure of a batch from its calls' times (ms).
+        fn figure(&self, ms: Vec<f64>) -> f64 {
             let unit = if self.reference_mix { (1u64 << 30) as f64 } else { 1e9 };
-            Ok(self.n as f64 / (median(ms) / 1e3) / unit)
+            self.n as f64 / (median(ms) / 1e3) / unit
         }
 
         fn fill_to(&mut self, lambda: f64) -> Result<()> {
@@ -592,9 +748,27 @@ mod cuda_bench {
             Ok(())
         }
 
-        /// Median B-KV/s of `runs` timed calls after one warm-up.
-        fn measure(&mut self, op: &str, lambda: f64) -> Result<f64> {
-            self.rate(|c| c.once(op, lambda))
+        /// Median B-KV/s of `runs` timed calls after one warm-up; with
+        /// `sampling`, also with the sampler on, the calls alternating.
+        fn measure(&mut self, op: &str, lambda: f64, sampling: &mut Option<SampleRun>) -> Result<(f64, Option<f64>)> {
+            let Some(sr) = sampling else {
+                return Ok((self.rate(|c| c.once(op, lambda))?, None));
+            };
+            let mut ms = [vec![], vec![]];
+            for run in 0..=self.runs {
+                for on in sample_order(run) {
+                    let i = on as usize;
+                    self.t.set_sampler(on.then_some(sr.sampler));
+                    let r = self.once(op, lambda);
+                    self.t.set_sampler(None);
+                    sr.drain(self.t);
+                    if run > 0 {
+                        ms[i].push(r?);
+                    }
+                }
+            }
+            let [off, on] = ms;
+            Ok((self.figure(off), Some(self.figure(on))))
         }
 
         /// One timed call of `op` at `lambda` (ms).
@@ -712,6 +886,7 @@ mod cuda_bench {
             let first_host_slot = st.fast_tier_bytes / (dim as u64 * 4);
             let mut host_exports = vec![];
             let mut hit_lines = vec![];
+            let mut sampling = SampleRun::new(a.sample_rate)?;
             for &lambda in &a.lambdas {
                 c.fill_to(lambda)?;
                 let achieved = t.load_factor();
@@ -719,13 +894,18 @@ mod cuda_bench {
                 if (achieved - lambda).abs() > 0.01 {
                     row = format!("| {lambda:.2} (got {achieved:.3})");
                 }
+                let mut sampled_row = format!("{} sampled", row);
                 let reference = reference(dim, t.capacity(), hybrid, lambda);
                 for (j, op) in OPS.iter().enumerate() {
                     if !a.ops.is_empty() && !a.ops.iter().any(|o| o == op) {
                         row += " | -";
+                        sampled_row += " | -";
                         continue;
                     }
-                    let x = c.measure(op, lambda)?;
+                    let (x, on) = c.measure(op, lambda, &mut sampling)?;
+                    if let Some(y) = on {
+                        sampled_row += &format!(" | {y:.3} ({:+.1} %)", 100.0 * (y / x - 1.0));
+                    }
                     if hybrid && op.starts_with("export") {
                         host_exports.push((lambda, *op, c.export_host_tier(op, lambda, first_host_slot)?));
                     }
@@ -738,6 +918,9 @@ mod cuda_bench {
                     }
                 }
                 println!("{row} |");
+                if sampling.is_some() {
+                    println!("{sampled_row} |");
+                }
                 if reference_mix && (a.ops.is_empty() || a.ops.iter().any(|o| o == "find")) {
                     hit_lines.push(format!(
                         "find at λ {lambda:.2}: {:.1} % of the keys found",
@@ -747,6 +930,9 @@ mod cuda_bench {
             }
             for l in hit_lines {
                 println!("{l}");
+            }
+            if let Some(sr) = &sampling {
+                println!("{}", sr.summary(t.capacity(), a.batch));
             }
             for (lambda, op, x) in host_exports {
                 let unit = if reference_mix { "2^30 keys/s" } else { "B-KV/s" };

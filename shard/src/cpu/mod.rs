@@ -51,6 +51,7 @@ use parking_lot::RwLock;
 use crate::config::{BucketMode, TableConfig};
 use crate::error::Result;
 use crate::lock::{Group, GroupLock};
+use crate::sample::HostSamples;
 use crate::score::{Clock, Scorer, SystemClock};
 use crate::{Shard, BUCKET_SLOTS};
 
@@ -75,6 +76,8 @@ pub struct CpuTable {
     epoch: AtomicU32,
     clock: Arc<dyn Clock>,
     counters: Counters,
+    /// Keys sampled for miss-ratio curves ([`Shard::set_sampler`]).
+    samples: HostSamples,
 }
 
 impl std::fmt::Debug for CpuTable {
@@ -105,6 +108,7 @@ impl CpuTable {
             epoch: AtomicU32::new(0),
             clock,
             counters: Counters::default(),
+            samples: HostSamples::default(),
         })
     }
 

@@ -10,7 +10,8 @@ use crate::check;
 use crate::config::TableConfig;
 use crate::error::{Error, Result};
 use crate::lock::Group;
-use crate::{Evictions, Export, Filter, Op, Outcome, Shard, ShardStats, Summary};
+use crate::mrc::Sampler;
+use crate::{Evictions, Export, Filter, Op, Outcome, SampleDrain, Shard, ShardStats, Summary};
 
 impl CpuTable {
     fn finish_insert(&self, acc: &Acc) {
@@ -44,6 +45,9 @@ impl CpuTable {
         )?;
         let _g = self.lock.acquire(Group::Inserter);
         self.counters.op(op, n);
+        if op != Op::Load {
+            self.samples.record(keys);
+        }
         self.grow_for(n);
         let st = self.storage.read();
         let scorer = self.scorer();
@@ -90,6 +94,7 @@ impl CpuTable {
         let n = keys.len();
         let _g = self.lock.acquire(Group::Updater);
         self.counters.op(op, n);
+        self.samples.record(keys);
         let st = self.storage.read();
         let acc = run_batch(
             n,
@@ -126,6 +131,7 @@ impl CpuTable {
         let (n, dim) = (keys.len(), self.config.dim);
         let _g = self.lock.acquire(Group::Updater);
         self.counters.op(Op::AccumOrAssign, n);
+        self.samples.record(keys);
         let st = self.storage.read();
         let scorer = self.scorer();
         let outs = Outs { outcomes, ..Outs::default() };
@@ -201,6 +207,7 @@ impl Shard for CpuTable {
         check::lookup(&self.config, keys, Some(values.len()), found.len(), scores.as_ref().map(|s| s.len()))?;
         let _g = self.lock.acquire(Group::Reader);
         self.counters.op(Op::Find, n);
+        self.samples.record(keys);
         let st = self.storage.read();
         let dim = self.config.dim;
         let outs = Outs { values: Some(values), found: Some(found), scores, outcomes: None };
@@ -230,6 +237,7 @@ impl Shard for CpuTable {
         check::rows_at(&self.config, n, at, values.len(), found.len())?;
         let _g = self.lock.acquire(Group::Reader);
         self.counters.op(Op::Find, n);
+        self.samples.record(keys);
         let st = self.storage.read();
         let hits = self.find_rows(&st, keys, at, Rows { base: 0, values, found }, grain(n));
         self.counters.lookups(hits, n);
@@ -241,6 +249,7 @@ impl Shard for CpuTable {
         check::lookup(&self.config, keys, None, found.len(), None)?;
         let _g = self.lock.acquire(Group::Reader);
         self.counters.op(Op::Contains, n);
+        self.samples.record(keys);
         let st = self.storage.read();
         let outs = Outs { found: Some(found), ..Outs::default() };
         let acc = run_batch(n, outs, self.config.dim, &|r: Range<usize>, mut outs: Outs<'_>| {
@@ -302,6 +311,7 @@ impl Shard for CpuTable {
         )?;
         let _g = self.lock.acquire(Group::Inserter);
         self.counters.op(Op::FindOrInsert, n);
+        self.samples.record(keys);
         self.grow_for(n);
         let st = self.storage.read();
         let scorer = self.scorer();
@@ -505,6 +515,14 @@ impl Shard for CpuTable {
 
     fn clock_score(&self) -> u64 {
         self.scorer().clock_floor()
+    }
+
+    fn set_sampler(&self, sampler: Option<Sampler>) {
+        self.samples.set(sampler);
+    }
+
+    fn drain_samples(&self, out: &mut Vec<u64>) -> SampleDrain {
+        self.samples.drain(out)
     }
 
     fn stats(&self) -> ShardStats {

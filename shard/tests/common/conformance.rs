@@ -542,6 +542,183 @@ pub fn keys_in_one_bucket_compete(make: Make) {
     assert_eq!(sc, (72..200).collect::<Vec<u64>>(), "the 128 highest scores survive");
 }
 
+/// Sampling for miss-ratio curves (issue 27): with a sampler of rate 1,
+/// every key of every lookup and write comes back from the drain, in the
+/// order the batches ran (each batch in index order), counted as accesses;
+/// erase, export and load are not sampled; accum_or_assign's insert phase
+/// does not count its keys twice.
+pub fn sampling_sees_every_lookup_and_write(make: Make) {
+    use hkv_shard::mrc::{sample_hash, Sampler, SAMPLE_SEED};
+    use hkv_shard::SampleDrain;
+    let dim = 4;
+    let t = make(TableConfig::new(1 << 14, dim).policy(ScorePolicy::Custom));
+    let keys: Vec<u64> = (1..=300u64).map(|i| i * 7919).collect();
+    assert!(keys.iter().all(|&k| sample_hash(k, SAMPLE_SEED) != u64::MAX));
+    let sc = |k: &[u64]| k.iter().map(|&x| x % 97 + 1).collect::<Vec<u64>>();
+    let mut out = Vec::new();
+    // No sampler: nothing, and nothing counted.
+    t.insert_or_assign(&keys, &vals(&keys, dim, 0.5), Some(&sc(&keys)), None).unwrap();
+    assert_eq!(t.drain_samples(&mut out), SampleDrain::default());
+    assert!(out.is_empty());
+
+    t.set_sampler(Some(Sampler { seed: SAMPLE_SEED, threshold: u64::MAX }));
+    let mut want: Vec<u64> = Vec::new();
+    let (a, b) = (&keys[..100], &keys[100..200]);
+    let fresh: Vec<u64> = (1..=50u64).map(|i| i * 104729 + 3).collect();
+    find_all(&*t, a);
+    want.extend(a);
+    let at: Vec<u32> = (0..b.len() as u32).map(|i| 2 * i).collect();
+    let (mut v, mut f) = (vec![0.0; 2 * b.len() * dim], vec![0u8; 2 * b.len()]);
+    t.find_at(b, &at, &mut v, &mut f).unwrap();
+    want.extend(b);
+    let rev: Vec<u64> = a.iter().rev().copied().collect();
+    t.contains(&rev, &mut vec![false; rev.len()]).unwrap();
+    want.extend(&rev);
+    t.insert_or_assign(&fresh, &vals(&fresh, dim, 1.0), Some(&sc(&fresh)), None).unwrap();
+    want.extend(&fresh);
+    t.insert_and_evict(&fresh[..10], &vals(&fresh[..10], dim, 2.0), Some(&sc(&fresh[..10])), None).unwrap();
+    want.extend(&fresh[..10]);
+    let mixed: Vec<u64> = vec![keys[5], 999_983, keys[7], 1_000_003];
+    t.find_or_insert(&mixed, &mut vals(&mixed, dim, 3.0), Some(&sc(&mixed)), None).unwrap();
+    want.extend(&mixed);
+    t.assign(&keys[10..20], &vals(&keys[10..20], dim, 4.0), Some(&sc(&keys[10..20])), None).unwrap();
+    want.extend(&keys[10..20]);
+    t.assign_scores(&keys[20..25], Some(&sc(&keys[20..25])), None).unwrap();
+    want.extend(&keys[20..25]);
+    // Present and absent keys: the insert phase is the same access.
+    let acc: Vec<u64> = vec![keys[30], 2_000_003, keys[31], 2_000_029];
+    t.accum_or_assign(&acc, &vals(&acc, dim, 5.0), Some(&sc(&acc)), None).unwrap();
+    want.extend(&acc);
+    // Not sampled: erase, export, load, erase_if.
+    t.erase(&keys[290..], None).unwrap();
+    t.export_batch(0, u64::MAX).unwrap();
+    let loaded = [3_000_017u64, 3_000_023];
+    t.load(&loaded, &vals(&loaded, dim, 0.0), &[5, 6]).unwrap();
+    t.erase_if(&Filter::score_at_least(1000)).unwrap();
+
+    let d = t.drain_samples(&mut out);
+    let n = want.len() as u64;
+    assert_eq!(d, SampleDrain { accesses: n, sampled: n, dropped: 0 });
+    assert_eq!(out, want, "every key, in the order the batches ran");
+    out.clear();
+    assert_eq!(t.drain_samples(&mut out), SampleDrain::default(), "a drain empties the buffer");
+    assert!(out.is_empty());
+
+    // Off again: nothing more.
+    t.set_sampler(None);
+    find_all(&*t, &keys);
+    assert_eq!(t.drain_samples(&mut out), SampleDrain::default());
+    assert!(out.is_empty());
+}
+
+/// With a real threshold the drained keys are exactly the batch's keys the
+/// filter keeps (`mrc::sampled`), in index order for batches of up to
+/// SEQUENTIAL_BATCH keys and as a multiset for larger ones.
+pub fn sampling_applies_the_filter(make: Make) {
+    use hkv_shard::mrc::{sampled, Sampler};
+    use hkv_shard::{SampleDrain, SEQUENTIAL_BATCH};
+    let t = make(TableConfig::new(1 << 14, 2));
+    let s = Sampler { seed: 0x1234_5678_9abc_def0, threshold: u64::MAX / 5 * 2 };
+    t.set_sampler(Some(s));
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (x >> 2) | 1
+    };
+    for n in [1usize, 31, 1000, SEQUENTIAL_BATCH, 3 * SEQUENTIAL_BATCH + 77] {
+        let keys: Vec<u64> = (0..n).map(|_| next()).collect();
+        let mut want: Vec<u64> = keys.iter().copied().filter(|&k| sampled(k, s.seed, s.threshold)).collect();
+        let mut out = Vec::new();
+        t.contains(&keys, &mut vec![false; n]).unwrap();
+        let d = t.drain_samples(&mut out);
+        assert_eq!(d, SampleDrain { accesses: n as u64, sampled: want.len() as u64, dropped: 0 }, "{n} keys");
+        if n > SEQUENTIAL_BATCH {
+            out.sort_unstable();
+            want.sort_unstable();
+        }
+        assert_eq!(out, want, "{n} keys");
+    }
+}
+
+/// A full buffer counts what it drops and keeps what it holds; the next
+/// drain starts afresh. Several threads sampling while another drains lose
+/// nothing and invent nothing.
+pub fn sampling_overflow_and_concurrent_drains(make: Make) {
+    use hkv_shard::mrc::Sampler;
+    use hkv_shard::sample::SAMPLE_BUFFER_KEYS;
+    use hkv_shard::SampleDrain;
+    let t = make(TableConfig::new(1 << 12, 1));
+    t.set_sampler(Some(Sampler { seed: 7, threshold: u64::MAX }));
+    let batch = 4000usize;
+    let batches = SAMPLE_BUFFER_KEYS / batch + 2;
+    let all: Vec<u64> = (0..(batch * batches) as u64).map(|i| i * 31 + 5).collect();
+    all.chunks(batch).for_each(|c| {
+        t.contains(c, &mut vec![false; c.len()]).unwrap();
+    });
+    let mut out = Vec::new();
+    let d = t.drain_samples(&mut out);
+    let total = all.len() as u64;
+    let kept = SAMPLE_BUFFER_KEYS as u64;
+    assert_eq!(d, SampleDrain { accesses: total, sampled: kept, dropped: total - kept });
+    assert_eq!(out, all[..SAMPLE_BUFFER_KEYS], "the first keys stay, in order");
+    out.clear();
+    t.contains(&all[..10], &mut [false; 10]).unwrap();
+    assert_eq!(t.drain_samples(&mut out), SampleDrain { accesses: 10, sampled: 10, dropped: 0 });
+    assert_eq!(out, all[..10]);
+
+    // Four threads of lookups and writes, a fifth draining meanwhile.
+    let per = 20_000u64;
+    let keys = |w: u64| -> Vec<u64> { (0..per).map(|i| (w << 40) | (i + 1)).collect() };
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let mut got: Vec<u64> = Vec::new();
+    let mut sum = SampleDrain::default();
+    std::thread::scope(|sc| {
+        let workers: Vec<_> = (0..4u64)
+            .map(|w| {
+                let t = &t;
+                sc.spawn(move || {
+                    for c in keys(w).chunks(1000) {
+                        if w % 2 == 0 {
+                            t.contains(c, &mut vec![false; c.len()]).unwrap();
+                        } else {
+                            t.insert_or_assign(c, &vec![1.0; c.len()], None, None).unwrap();
+                        }
+                    }
+                })
+            })
+            .collect();
+        let drainer = sc.spawn(|| {
+            let mut got = Vec::new();
+            let mut sum = SampleDrain::default();
+            loop {
+                let done = stop.load(std::sync::atomic::Ordering::Acquire);
+                let d = t.drain_samples(&mut got);
+                sum.accesses += d.accesses;
+                sum.sampled += d.sampled;
+                sum.dropped += d.dropped;
+                if done {
+                    return (got, sum);
+                }
+                std::thread::sleep(std::time::Duration::from_micros(300));
+            }
+        });
+        for w in workers {
+            w.join().unwrap();
+        }
+        stop.store(true, std::sync::atomic::Ordering::Release);
+        (got, sum) = drainer.join().unwrap();
+    });
+    assert_eq!(sum.accesses, 4 * per);
+    assert_eq!(sum.sampled + sum.dropped, 4 * per);
+    assert_eq!(got.len() as u64, sum.sampled);
+    // Every drained key is one a worker named, and none comes twice.
+    let mut seen = HashSet::new();
+    for &k in &got {
+        assert!(k >> 40 < 4 && (k & ((1 << 40) - 1)) >= 1 && (k & ((1 << 40) - 1)) <= per, "key {k:#x}");
+        assert!(seen.insert(k), "key {k:#x} twice");
+    }
+}
+
 #[macro_export]
 macro_rules! conformance_suite {
     ($make:expr $(, #[$attr:meta])?) => {
@@ -563,5 +740,8 @@ macro_rules! conformance_suite {
         #[test] $(#[$attr])? fn stats_count_operations() { c::stats_count_operations($make) }
         #[test] $(#[$attr])? fn keys_in_one_bucket_compete() { c::keys_in_one_bucket_compete($make) }
         #[test] $(#[$attr])? fn find_at_fills_target_rows() { c::find_at_fills_target_rows($make) }
+        #[test] $(#[$attr])? fn sampling_sees_every_lookup_and_write() { c::sampling_sees_every_lookup_and_write($make) }
+        #[test] $(#[$attr])? fn sampling_applies_the_filter() { c::sampling_applies_the_filter($make) }
+        #[test] $(#[$attr])? fn sampling_overflow_and_concurrent_drains() { c::sampling_overflow_and_concurrent_drains($make) }
     };
 }

@@ -201,6 +201,29 @@ impl GpuGroup {
         &self.tables
     }
 
+    /// Sets the miss-ratio sampler of every GPU's table
+    /// ([`Shard::set_sampler`]): the keys each route serves are sampled on
+    /// the GPU that owns them, once each.
+    pub fn set_sampler(&self, sampler: Option<crate::mrc::Sampler>) {
+        for t in &self.tables {
+            t.set_sampler(sampler);
+        }
+    }
+
+    /// Drains every GPU's table in rank order ([`Shard::drain_samples`]),
+    /// the counts summed: one GPU's keys after another's, each GPU's in the
+    /// order it ran its parts.
+    pub fn drain_samples(&self, out: &mut Vec<u64>) -> crate::SampleDrain {
+        let mut sum = crate::SampleDrain::default();
+        for t in &self.tables {
+            let d = t.drain_samples(out);
+            sum.accesses += d.accesses;
+            sum.sampled += d.sampled;
+            sum.dropped += d.dropped;
+        }
+        sum
+    }
+
     /// Entries over every GPU.
     pub fn size(&self) -> u64 {
         self.tables.iter().map(|t| t.size()).sum()

@@ -101,6 +101,12 @@ impl CudaTable {
             counters: Some(DevPtr::of(&l.counters, &s)),
             ..Ptrs::default()
         };
+        if !verbatim && only.is_none() {
+            // The keys of a client's write (not a load, nor accum_or_assign's
+            // insert phase, whose keys were sampled in its update phase).
+            // SAFETY: keys uploaded above for these n keys.
+            unsafe { self.k_sample(&s, n, p.keys, None) }?;
+        }
         if let Some(sc) = scores {
             p.scores = Some(Self::upload(&s, &mut l.stage, &mut l.scores, sc)?);
         }
@@ -172,6 +178,8 @@ impl CudaTable {
         let hits = self.with_lane(|l| {
             let s = l.stream.clone();
             let keys = Self::upload(&s, &mut l.stage, &mut l.keys, keys)?;
+            // SAFETY: keys uploaded above for these n keys.
+            unsafe { self.k_sample(&s, n, Some(keys), None) }?;
             self.zero_counters(l)?;
             let counters = Some(DevPtr::of(&l.counters, &s));
             f(st, l, Ptrs { keys: Some(keys), counters, ..Ptrs::default() })
@@ -261,6 +269,8 @@ impl CudaTable {
             counters: Some(DevPtr::of(&l.counters, &s)),
             ..Ptrs::default()
         };
+        // SAFETY: keys uploaded above for these n keys.
+        unsafe { self.k_sample(&s, n, p.keys, None) }?;
         if let Some(v) = values {
             p.values = Some(Self::upload(&s, &mut l.stage, &mut l.values, v)?);
         }

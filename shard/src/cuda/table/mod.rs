@@ -39,6 +39,8 @@
 //! - `device_batch`: [`DeviceOp`], [`DeviceBatch`], [`CudaTable::run_device`]
 //!   and the enqueue / complete pair the GPU group builds on.
 //! - `ops`: the [`Shard`] operations.
+//! - `sampling`: the ring of keys sampled for miss-ratio curves, the
+//!   `sample_keys` launch and the drain.
 
 mod abi;
 mod device_batch;
@@ -48,6 +50,7 @@ mod kernels;
 mod lane;
 mod launch;
 mod ops;
+mod sampling;
 mod storage;
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
@@ -77,6 +80,7 @@ use host_batch::*;
 use kernels::*;
 use lane::*;
 use launch::*;
+use sampling::Sampling;
 use storage::*;
 
 pub use abi::Counts;
@@ -100,6 +104,8 @@ pub struct CudaTable {
     epoch: AtomicU32,
     clock: Arc<dyn Clock>,
     counters: Counters,
+    /// The sampler and ring of miss-ratio sampling ([`Shard::set_sampler`]).
+    sampling: Sampling,
     /// Fault injection for tests ([`CudaTable::fail_next_grow`]).
     fail_grow: std::sync::atomic::AtomicBool,
 }
@@ -149,6 +155,7 @@ impl CudaTable {
             ex_count: get(KernelId::Export, "export_count")?,
             ex_scan: get(KernelId::Export, "export_scan")?,
             ex_write: get(KernelId::Export, "export_write")?,
+            sample: get(KernelId::Sample, "sample_keys")?,
         };
         let stream = dev.ctx.new_stream().map_err(dev_err("creating a stream"))?;
         let storage = Storage::new(&dev, &config, &f.clear, &stream, config.buckets())?;
@@ -163,6 +170,7 @@ impl CudaTable {
             epoch: AtomicU32::new(0),
             clock,
             counters: Counters::default(),
+            sampling: Sampling::default(),
             fail_grow: std::sync::atomic::AtomicBool::new(false),
         })
     }

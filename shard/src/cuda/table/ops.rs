@@ -433,6 +433,14 @@ impl Shard for CudaTable {
         Ok(self.upsert_batch(Op::Load, keys, values, Some(scores), true, None, false)?.0.summary)
     }
 
+    fn set_sampler(&self, sampler: Option<crate::mrc::Sampler>) {
+        self.set_sampling(sampler);
+    }
+
+    fn drain_samples(&self, out: &mut Vec<u64>) -> crate::SampleDrain {
+        self.drain_ring(out)
+    }
+
     fn stats(&self) -> ShardStats {
         let (fast, host) = {
             let s = self.storage.read();
