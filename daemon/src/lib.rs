@@ -48,7 +48,7 @@ use hkv_shard::Backend;
 use tracing::{info, warn};
 
 use crate::actor::ShardActor;
-use crate::config::Config;
+use crate::config::{BackendChoice, Config};
 use crate::router::Router;
 use crate::server::SocketFile;
 use crate::state::State;
@@ -99,17 +99,16 @@ fn backend(config: &Config) -> anyhow::Result<(Backend, Vec<usize>, String)> {
         );
         Ok((Backend::Cuda, ordinals, what))
     };
-    match config.backend.as_str() {
-        "cpu" => Ok(cpu("")),
-        "auto" => match hkv_shard::cuda::probe() {
+    match config.backend {
+        BackendChoice::Cpu => Ok(cpu("")),
+        BackendChoice::Auto => match hkv_shard::cuda::probe() {
             Ok(devices) => gpus(devices),
             Err(reason) => {
                 info!(%reason, "using the CPU backend");
                 Ok(cpu(", CUDA unavailable"))
             }
         },
-        "cuda" => gpus(hkv_shard::cuda::probe().context("--backend cuda")?),
-        b => anyhow::bail!("backend {b:?}: use auto, cpu or cuda"),
+        BackendChoice::Cuda => gpus(hkv_shard::cuda::probe().context("--backend cuda")?),
     }
 }
 
