@@ -11,10 +11,11 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use actix::prelude::*;
-use hkv_proto::{FindFrame, WriteOp};
+use hkv_proto::WriteOp;
+
+use crate::frames::AnswerFrame;
 use hkv_shard::{Backend, Evictions, Export, Filter, Outcome, Shard, ShardStats, Summary, TableConfig};
 use parking_lot::RwLock;
-use zerocopy::FromBytes;
 
 use crate::budget::Charge;
 
@@ -25,19 +26,6 @@ pub type TableId = u64;
 /// The shards of one device, by table: shared by that device's actor
 /// threads, touched by nothing else.
 type Shards = Arc<RwLock<HashMap<TableId, Arc<dyn Shard>>>>;
-
-/// The found bytes and values of `frame` as the table writes them: None
-/// unless the values are aligned for f32 (the router only builds frames
-/// whose values start at a multiple of 4 bytes, in an allocation aligned
-/// at least that much) and the host is little-endian (the wire's order), so
-/// that the bytes sent are the floats as stored.
-pub fn values_of(frame: &mut FindFrame) -> Option<(&mut [u8], &mut [f32])> {
-    if !cfg!(target_endian = "little") {
-        return None;
-    }
-    let (found, bytes) = frame.parts_mut();
-    <[f32]>::mut_from_bytes(bytes).ok().map(|v| (found, v))
-}
 
 /// The actor of one device: each of its threads (`threads_per_shard`, so
 /// that readers run in parallel in the table's own lock groups) serves
@@ -78,12 +66,12 @@ pub enum SubOp {
         scores: bool,
     },
     /// find written straight into the response frame (one shard holds
-    /// every key; see [`values_of`]).
+    /// every key; see [`AnswerFrame::rows`]).
     FindInto {
         /// Keys.
         keys: Vec<u64>,
         /// The response, laid out; its found bytes and values are filled.
-        frame: FindFrame,
+        frame: AnswerFrame,
     },
     /// find of one shard's part of a request, written straight into the
     /// response frame that every shard fills in turn (`Shard::find_at`).
@@ -93,7 +81,7 @@ pub enum SubOp {
         /// Their rows in the request (increasing).
         at: Vec<u32>,
         /// The response, laid out; this shard's found bytes and values are filled.
-        frame: FindFrame,
+        frame: AnswerFrame,
     },
     /// contains.
     Contains {
@@ -163,7 +151,7 @@ pub enum SubResult {
         scores: Option<Vec<u64>>,
     },
     /// find written into its response frame.
-    Frame(FindFrame),
+    Frame(AnswerFrame),
     /// contains / erase flags.
     Flags(Vec<bool>),
     /// Writes.
@@ -283,10 +271,11 @@ fn execute(t: &dyn Shard, op: SubOp) -> Result<SubResult, hkv_shard::Error> {
         }
         SubOp::FindInto { keys, mut frame } => {
             let mut found = vec![false; keys.len()];
-            let (flags, values) = values_of(&mut frame).expect("aligned: checked by the router");
-            t.find(&keys, values, &mut found, None)?;
+            let (flags, mut rows) = frame.rows().expect("aligned: checked by the router");
+            t.find_into(&keys, rows.reborrow(), &mut found)?;
             // The frame's buffer may hold an earlier answer: misses get zeros.
             let dim = t.config().dim;
+            let values = rows.into_values();
             for ((b, &f), row) in flags.iter_mut().zip(&found).zip(values.chunks_exact_mut(dim)) {
                 *b = u8::from(f);
                 if !f {
@@ -296,8 +285,8 @@ fn execute(t: &dyn Shard, op: SubOp) -> Result<SubResult, hkv_shard::Error> {
             SubResult::Frame(frame)
         }
         SubOp::FindAt { keys, at, mut frame } => {
-            let (flags, values) = values_of(&mut frame).expect("aligned: checked by the router");
-            t.find_at(&keys, &at, values, flags)?;
+            let (flags, rows) = frame.rows().expect("aligned: checked by the router");
+            t.find_at(&keys, &at, rows, flags)?;
             SubResult::Frame(frame)
         }
         SubOp::Contains { keys } => {

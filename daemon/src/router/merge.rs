@@ -1,7 +1,9 @@
 //! The shards' answers to one request put back into one answer, in
 //! request order.
 
-use hkv_proto::{Evicted, FindFrame, Op, ProtoError, Response, Summary};
+use hkv_proto::{Evicted, Op, ProtoError, Response, Summary};
+
+use crate::frames::AnswerFrame;
 use hkv_shard::{Filter, Outcome};
 
 use super::split::Split;
@@ -89,7 +91,7 @@ impl Router {
     }
 
     /// find without scores into `frame` (whose values
-    /// [`crate::actor::values_of`] can cast): the one shard writes its
+    /// [`AnswerFrame::rows`] can cast): the one shard writes its
     /// answers there itself, or each shard's answers are placed there in
     /// request order.
     pub(super) async fn find_framed(
@@ -97,7 +99,7 @@ impl Router {
         t: &Table,
         split: Split,
         keys: Vec<u64>,
-        mut frame: FindFrame,
+        mut frame: AnswerFrame,
     ) -> Result<Response, ProtoError> {
         let parts = match &split {
             Split::Whole => {

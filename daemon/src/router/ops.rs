@@ -12,7 +12,7 @@ use super::bounds::{export_slots, find_per_key, write_per_key};
 use super::merge::to_filter;
 use super::split::Split;
 use super::{Router, Table};
-use crate::actor::{values_of, SubOp, SubResult};
+use crate::actor::{SubOp, SubResult};
 use crate::error::{err, shard_error, unexpected};
 
 /// Runs the shard's own argument checks (`hkv_shard::check`) on a batch
@@ -78,7 +78,7 @@ impl Router {
         // writes its keys' rows in turn.
         if !scores && FindFrame::values_at(n).is_multiple_of(4) {
             let mut frame = self.frames.find_frame(n, dim);
-            if values_of(&mut frame).is_some() {
+            if frame.rows().is_some() {
                 return self.find_framed(t, split, keys, frame).await;
             }
         }

@@ -8,7 +8,9 @@ use std::collections::{HashMap, HashSet};
 
 use hkv_shard::hash::bucket1;
 use hkv_shard::score::lfu_frequency;
-use hkv_shard::{BucketMode, Error, Filter, LfuTies, Lost, Outcome, ScorePolicy, Shard, TableConfig, RESERVED_KEY_MIN};
+use hkv_shard::{
+    BucketMode, Error, Filter, LfuTies, Lost, Outcome, Rows, ScorePolicy, Shard, TableConfig, RESERVED_KEY_MIN,
+};
 
 pub type Make = fn(TableConfig) -> Box<dyn Shard>;
 
@@ -488,7 +490,7 @@ pub fn find_at_fills_target_rows(make: Make) {
         let mut out = vec![-1.0f32; rows * dim];
         let mut found = vec![7u8; rows];
         let (want, want_found, _) = find_all(&*t, &asked);
-        let hits = t.find_at(&asked, &at, &mut out, &mut found).unwrap();
+        let hits = t.find_at(&asked, &at, Rows::Host(&mut out), &mut found).unwrap();
         assert_eq!(hits, want_found.iter().filter(|&&f| f).count());
         for r in 0..rows {
             let row = &out[r * dim..(r + 1) * dim];
@@ -507,11 +509,11 @@ pub fn find_at_fills_target_rows(make: Make) {
         }
         let mut bad = at.clone();
         bad.swap(0, 1);
-        assert!(t.find_at(&asked, &bad, &mut out, &mut found).is_err());
+        assert!(t.find_at(&asked, &bad, Rows::Host(&mut out), &mut found).is_err());
         let mut past = at.clone();
         *past.last_mut().unwrap() = rows as u32;
-        assert!(t.find_at(&asked, &past, &mut out, &mut found).is_err());
-        assert!(t.find_at(&asked, &at, &mut out[dim..], &mut found).is_err());
+        assert!(t.find_at(&asked, &past, Rows::Host(&mut out), &mut found).is_err());
+        assert!(t.find_at(&asked, &at, Rows::Host(&mut out[dim..]), &mut found).is_err());
     }
 }
 
