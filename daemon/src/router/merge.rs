@@ -8,7 +8,7 @@ use hkv_shard::{Filter, Outcome};
 
 use super::split::Split;
 use super::{Router, Table};
-use crate::actor::{SubOp, SubResult};
+use crate::actor::{Keys, SubOp, SubResult};
 use crate::error::unexpected;
 
 impl Router {
@@ -98,11 +98,12 @@ impl Router {
         &self,
         t: &Table,
         split: Split,
-        keys: Vec<u64>,
+        keys: Vec<Keys>,
         mut frame: AnswerFrame,
     ) -> Result<Response, ProtoError> {
         let parts = match &split {
             Split::Whole => {
+                let keys = keys.into_iter().next().expect("one shard's keys");
                 let SubResult::Frame(frame) = self.call(t, 0, SubOp::FindInto { keys, frame }).await? else {
                     return Err(unexpected("a find"));
                 };
@@ -116,7 +117,7 @@ impl Router {
         // core by itself; a CUDA shard's kernel writes its rows straight
         // into a pinned frame. While one request's part is on one shard,
         // other requests' parts keep the other shards busy.
-        for (i, (keys, at)) in split.take(keys, 1).into_iter().zip(parts).enumerate() {
+        for (i, (keys, at)) in keys.into_iter().zip(parts).enumerate() {
             if keys.is_empty() {
                 continue;
             }
