@@ -6,9 +6,13 @@
 //! Unix-socket [`server`] speaking `proto/PROTOCOL.md`.
 //!
 //! # Layout
-//! - [`actor`] is the shard actor: the shards it owns, and its messages.
+//! - [`actor`] is the shard actor: the shards it owns, and its messages
+//!   (a split batch's keys arrive checked, [`actor::Keys`], and are not
+//!   scanned again).
 //! - [`router`] maps tables and keys to actors and merges their answers.
-//! - [`frames`] keeps sent frames for find and echo answers to reuse.
+//! - [`frames`] keeps sent frames for find and echo answers to reuse; a
+//!   find answer's frame is typed, [`frames::AnswerFrame`]: ordinary or
+//!   page-locked memory the GPU writes into.
 //! - [`features`] hashes raw features into keys (on the GPU when present).
 //! - [`budget`] counts table memory against limits before it is allocated.
 //! - [`ckpt`] takes and restores checkpoints.
@@ -18,7 +22,8 @@
 //! - [`handle`] answers one request.
 //! - [`admin`] says who may run admin operations and read the state directory.
 //! - [`stats`] renders statistics as JSON and Prometheus text.
-//! - [`config`] holds the TOML configuration and its defaults.
+//! - [`config`] holds the TOML configuration, its defaults and checks
+//!   ([`config::BackendChoice`]: auto, cpu or cuda).
 //! - [`error`] maps shard errors to wire errors.
 //! - this file: [`run`], start to finish.
 

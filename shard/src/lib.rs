@@ -63,17 +63,24 @@
 //!
 //! # Layout
 //! - [`check`] holds the argument checks every backend runs (and the daemon,
-//!   on a batch it splits over shards).
+//!   on a batch it splits over shards), and [`check::CheckedKeys`], keys
+//!   scanned once for reserved markers that a shard does not scan again.
 //! - [`config`] holds [`TableConfig`], [`ScorePolicy`], [`LfuTies`], [`BucketMode`].
 //! - [`hash`] computes bucket, digest and shard hashes.
 //! - [`score`] has the score rules per policy and the clocks.
 //! - [`lock`] is the triple-group lock and its observable state.
 //! - [`cpu`] is the CPU backend, [`cpu::CpuTable`]: buckets, storage, batch
-//!   splitting, the lookup pipeline, the write path, growth and the batch
-//!   operations, one module each; its one `unsafe` item is the prefetch hint.
+//!   splitting, the lookup pipeline, the write path, growth, counters and
+//!   the batch operations, one module each (`bucket`, `storage`, `batch`,
+//!   `pipeline`, `write`, `growth`, `counters`, `ops`); its one `unsafe`
+//!   item is the prefetch hint, alone in `cpu/prefetch.rs`.
 //! - [`cuda`] holds every `unsafe` but the CPU prefetch: it finds CUDA
 //!   devices, compiles the kernels of `hkv-kernels` (with an on-disk cache),
-//!   hashes features on the GPU, and holds the pinned staging memory.
+//!   hashes features on the GPU (`hasher`), and holds page-locked memory:
+//!   `host_frame` ([`cuda::HostFrame`], a frame the GPU writes rows into,
+//!   and [`cuda::PinnedRows`], its rows as a find's typed destination),
+//!   `staging` (each lane's pinned host arrays), `ptr` (`DevPtr<T>`, a
+//!   device address with its element type and length), `device`.
 //!   - [`cuda::table`] (also [`cuda_table`]) is the CUDA backend,
 //!     [`cuda_table::CudaTable`]: `abi`, `kernels`, `launch`, `storage`,
 //!     `lane`, `growth`, `host_batch`, `device_batch`, `ops`.
@@ -84,8 +91,14 @@
 //!   distances): the hit rate of a smaller or larger table.
 //! - [`features`] turns raw features into keys (TensorFlow-compatible).
 //! - [`error`] holds [`Error`].
-//! - this file: the [`Shard`] trait every backend implements, result types,
-//!   [`open`].
+//! - this file: the [`Shard`] trait every backend implements, [`Rows`] (a
+//!   find's destination: any memory, or a page-locked frame's rows), result
+//!   types, [`open`].
+//! - binaries (`src/bin/`): `hkv-sim` (cache quality, miss-ratio curves),
+//!   `hkv-bench`, `hkv-hash-bench`, `hkv-multi-bench`.
+//! - tests: `model` (against a reference model), `cpu` and `cuda` (one
+//!   conformance suite, `tests/common/`), `concurrency`, `features`,
+//!   `multi`, `mrc` (curves against exact simulation), `sim`.
 
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
