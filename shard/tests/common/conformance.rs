@@ -475,7 +475,8 @@ pub fn large_batches(make: Make) {
 
 /// find_at writes each key's row at its target row of a larger answer
 /// (a miss as zeros with found 0), leaves other rows alone, and refuses
-/// target rows that do not increase or fall outside the answer.
+/// target rows that do not increase or fall outside the answer; find_into
+/// answers as find does.
 pub fn find_at_fills_target_rows(make: Make) {
     for (dim, n) in [(3, 100usize), (8, 20_000)] {
         let t = make(TableConfig::new(1 << 16, dim));
@@ -514,6 +515,11 @@ pub fn find_at_fills_target_rows(make: Make) {
         *past.last_mut().unwrap() = rows as u32;
         assert!(t.find_at(&asked, &past, Rows::Host(&mut out), &mut found).is_err());
         assert!(t.find_at(&asked, &at, Rows::Host(&mut out[dim..]), &mut found).is_err());
+        // find_into answers as find does (plain memory here; a pinned
+        // frame's rows in tests/cuda.rs).
+        let (mut v2, mut f2) = (vec![0.0f32; n * dim], vec![false; n]);
+        assert_eq!(t.find_into(&asked, Rows::Host(&mut v2), &mut f2).unwrap(), hits);
+        assert_eq!((v2, f2), (want, want_found));
     }
 }
 
