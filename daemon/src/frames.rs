@@ -96,7 +96,7 @@ impl AnswerFrame {
     }
 }
 
-/// A page-locked frame that counts itself out of [`Live`] when dropped.
+/// A page-locked frame that counts itself out of `Live` when dropped.
 pub struct PinnedFrame {
     mem: hkv_shard::cuda::HostFrame,
     live: Arc<Live>,
