@@ -319,4 +319,23 @@ mod tests {
             assert_eq!((live.bytes.load(Relaxed), live.frames.load(Relaxed)), (0, 0));
         }
     }
+
+    /// A pinned frame is handed to the shard as pinned rows, and once sent
+    /// and given back it is kept with its type: the next find reuses it as
+    /// a pinned frame, with no new allocation.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn pinned_frames_come_back_typed() {
+        let f = Frames::new(1 << 30).pinned(0);
+        let mut a = f.find_frame(10_000, 32);
+        assert!(matches!(a, AnswerFrame::Pinned(_)), "a pinned frame");
+        assert!(matches!(a.rows(), Some((found, Rows::Pinned(r))) if found.len() == 10_000 && r.len() == 320_000));
+        let Response::Framed(buf) = a.into_response() else { panic!("a frame") };
+        f.put(buf);
+        assert_eq!(f.kept(), 1);
+        let b = f.find_frame(9_000, 32);
+        assert!(matches!(b, AnswerFrame::Pinned(_)), "reused with its type");
+        let live = &f.pinned.as_ref().expect("pinned").1;
+        assert_eq!(live.frames.load(Relaxed), 1, "no second allocation");
+    }
 }
