@@ -46,6 +46,7 @@ impl Shard for CudaTable {
             crate::Rows::Host(values) => return crate::find_at_by_find(self, keys, at, values, found),
         };
         let dst = rows.device();
+        self.dev.ctx.bind_to_thread().map_err(dev_err("binding the device's context"))?;
         self.read_batch(Op::Find, keys, |st, l, base| {
             let s = l.stream.clone();
             let p = Ptrs {
