@@ -11,12 +11,13 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use actix::prelude::*;
-use hkv_proto::{FindFrame, WriteOp};
+use hkv_proto::WriteOp;
+use hkv_shard::check::CheckedKeys;
 use hkv_shard::{Backend, Evictions, Export, Filter, Outcome, Shard, ShardStats, Summary, TableConfig};
 use parking_lot::RwLock;
-use zerocopy::FromBytes;
 
 use crate::budget::Charge;
+use crate::frames::AnswerFrame;
 
 /// Names a table to the actors: unique for the daemon's life (a restore
 /// builds a table of the same name beside the running one).
@@ -25,19 +26,6 @@ pub type TableId = u64;
 /// The shards of one device, by table: shared by that device's actor
 /// threads, touched by nothing else.
 type Shards = Arc<RwLock<HashMap<TableId, Arc<dyn Shard>>>>;
-
-/// The found bytes and values of `frame` as the table writes them: None
-/// unless the values are aligned for f32 (the router only builds frames
-/// whose values start at a multiple of 4 bytes, in an allocation aligned
-/// at least that much) and the host is little-endian (the wire's order), so
-/// that the bytes sent are the floats as stored.
-pub fn values_of(frame: &mut FindFrame) -> Option<(&mut [u8], &mut [f32])> {
-    if !cfg!(target_endian = "little") {
-        return None;
-    }
-    let (found, bytes) = frame.parts_mut();
-    <[f32]>::mut_from_bytes(bytes).ok().map(|v| (found, v))
-}
 
 /// The actor of one device: each of its threads (`threads_per_shard`, so
 /// that readers run in parallel in the table's own lock groups) serves
@@ -73,39 +61,39 @@ pub enum SubOp {
     /// find.
     Find {
         /// Keys.
-        keys: Vec<u64>,
+        keys: Keys,
         /// Return scores.
         scores: bool,
     },
     /// find written straight into the response frame (one shard holds
-    /// every key; see [`values_of`]).
+    /// every key; see [`AnswerFrame::rows`]).
     FindInto {
         /// Keys.
-        keys: Vec<u64>,
+        keys: Keys,
         /// The response, laid out; its found bytes and values are filled.
-        frame: FindFrame,
+        frame: AnswerFrame,
     },
     /// find of one shard's part of a request, written straight into the
     /// response frame that every shard fills in turn (`Shard::find_at`).
     FindAt {
         /// This shard's keys.
-        keys: Vec<u64>,
+        keys: Keys,
         /// Their rows in the request (increasing).
         at: Vec<u32>,
         /// The response, laid out; this shard's found bytes and values are filled.
-        frame: FindFrame,
+        frame: AnswerFrame,
     },
     /// contains.
     Contains {
         /// Keys.
-        keys: Vec<u64>,
+        keys: Keys,
     },
     /// A write.
     Write {
         /// Which.
         op: WriteOp,
         /// Keys.
-        keys: Vec<u64>,
+        keys: Keys,
         /// Values or deltas.
         values: Vec<f32>,
         /// Scores.
@@ -114,14 +102,14 @@ pub enum SubOp {
     /// assign_scores.
     AssignScores {
         /// Keys.
-        keys: Vec<u64>,
+        keys: Keys,
         /// Scores.
         scores: Option<Vec<u64>>,
     },
     /// erase.
     Erase {
         /// Keys.
-        keys: Vec<u64>,
+        keys: Keys,
     },
     /// erase_if.
     EraseIf(Filter),
@@ -163,7 +151,7 @@ pub enum SubResult {
         scores: Option<Vec<u64>>,
     },
     /// find written into its response frame.
-    Frame(FindFrame),
+    Frame(AnswerFrame),
     /// contains / erase flags.
     Flags(Vec<bool>),
     /// Writes.
@@ -270,6 +258,70 @@ fn contained<T>(what: &str, f: impl FnOnce() -> Result<T, hkv_shard::Error>) -> 
     })
 }
 
+/// A shard's keys: as sent, for the shard to check (a batch that goes
+/// whole to one shard), or part of a split batch the router checked whole
+/// (`hkv_shard::check::CheckedKeys`), which the shard does not scan again.
+#[derive(Debug)]
+pub enum Keys {
+    /// Not yet checked.
+    Sent(Vec<u64>),
+    /// Checked by the router.
+    Checked(CheckedKeys),
+}
+
+impl Keys {
+    /// Keys.
+    pub fn len(&self) -> usize {
+        match self {
+            Keys::Sent(k) => k.len(),
+            Keys::Checked(k) => k.len(),
+        }
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Runs `f` on the keys; checked ones inside their scope, so that the
+    /// shard's own check passes them without a scan.
+    fn scope<R>(&self, f: impl FnOnce(&[u64]) -> R) -> R {
+        match self {
+            Keys::Sent(k) => f(k),
+            Keys::Checked(k) => k.scope(f),
+        }
+    }
+}
+
+/// One shard's part of a write.
+fn write(
+    t: &dyn Shard,
+    op: WriteOp,
+    keys: &[u64],
+    mut values: Vec<f32>,
+    scores: Option<Vec<u64>>,
+) -> Result<SubResult, hkv_shard::Error> {
+    let mut outcomes = vec![Outcome::Absent; keys.len()];
+    let sc = scores.as_deref();
+    let o = Some(&mut outcomes[..]);
+    let (summary, values, evicted) = match op {
+        WriteOp::InsertOrAssign => (t.insert_or_assign(keys, &values, sc, o)?, None, None),
+        WriteOp::InsertAndEvict => {
+            let ev = t.insert_and_evict(keys, &values, sc, o)?;
+            (summarize(&outcomes), None, Some(ev))
+        }
+        WriteOp::FindOrInsert => {
+            let s = t.find_or_insert(keys, &mut values, sc, o)?;
+            (s, Some(values), None)
+        }
+        WriteOp::Assign => (t.assign(keys, &values, sc, o)?, None, None),
+        WriteOp::AccumOrAssign => (t.accum_or_assign(keys, &values, sc, o)?, None, None),
+        // load reports no per-key outcome: every one stays Absent.
+        WriteOp::Load => (t.load(keys, &values, sc.unwrap_or(&[]))?, None, None),
+    };
+    Ok(SubResult::Write { summary, outcomes, values, evicted })
+}
+
 /// Runs `op` on `t` (on the calling thread: an actor's).
 fn execute(t: &dyn Shard, op: SubOp) -> Result<SubResult, hkv_shard::Error> {
     let dim = t.dim();
@@ -278,15 +330,16 @@ fn execute(t: &dyn Shard, op: SubOp) -> Result<SubResult, hkv_shard::Error> {
             let mut values = vec![0.0; keys.len() * dim];
             let mut found = vec![false; keys.len()];
             let mut sc = scores.then(|| vec![0u64; keys.len()]);
-            t.find(&keys, &mut values, &mut found, sc.as_deref_mut())?;
+            keys.scope(|k| t.find(k, &mut values, &mut found, sc.as_deref_mut()))?;
             SubResult::Find { found, values, scores: sc }
         }
         SubOp::FindInto { keys, mut frame } => {
             let mut found = vec![false; keys.len()];
-            let (flags, values) = values_of(&mut frame).expect("aligned: checked by the router");
-            t.find(&keys, values, &mut found, None)?;
+            let (flags, mut rows) = frame.rows().expect("aligned: checked by the router");
+            keys.scope(|k| t.find_into(k, rows.reborrow(), &mut found))?;
             // The frame's buffer may hold an earlier answer: misses get zeros.
             let dim = t.config().dim;
+            let values = rows.into_values();
             for ((b, &f), row) in flags.iter_mut().zip(&found).zip(values.chunks_exact_mut(dim)) {
                 *b = u8::from(f);
                 if !f {
@@ -296,44 +349,24 @@ fn execute(t: &dyn Shard, op: SubOp) -> Result<SubResult, hkv_shard::Error> {
             SubResult::Frame(frame)
         }
         SubOp::FindAt { keys, at, mut frame } => {
-            let (flags, values) = values_of(&mut frame).expect("aligned: checked by the router");
-            t.find_at(&keys, &at, values, flags)?;
+            let (flags, rows) = frame.rows().expect("aligned: checked by the router");
+            keys.scope(|k| t.find_at(k, &at, rows, flags))?;
             SubResult::Frame(frame)
         }
         SubOp::Contains { keys } => {
             let mut found = vec![false; keys.len()];
-            t.contains(&keys, &mut found)?;
+            keys.scope(|k| t.contains(k, &mut found))?;
             SubResult::Flags(found)
         }
-        SubOp::Write { op, keys, mut values, scores } => {
-            let mut outcomes = vec![Outcome::Absent; keys.len()];
-            let sc = scores.as_deref();
-            let o = Some(&mut outcomes[..]);
-            let (summary, values, evicted) = match op {
-                WriteOp::InsertOrAssign => (t.insert_or_assign(&keys, &values, sc, o)?, None, None),
-                WriteOp::InsertAndEvict => {
-                    let ev = t.insert_and_evict(&keys, &values, sc, o)?;
-                    (summarize(&outcomes), None, Some(ev))
-                }
-                WriteOp::FindOrInsert => {
-                    let s = t.find_or_insert(&keys, &mut values, sc, o)?;
-                    (s, Some(values), None)
-                }
-                WriteOp::Assign => (t.assign(&keys, &values, sc, o)?, None, None),
-                WriteOp::AccumOrAssign => (t.accum_or_assign(&keys, &values, sc, o)?, None, None),
-                // load reports no per-key outcome: every one stays Absent.
-                WriteOp::Load => (t.load(&keys, &values, sc.unwrap_or(&[]))?, None, None),
-            };
-            SubResult::Write { summary, outcomes, values, evicted }
-        }
+        SubOp::Write { op, keys, values, scores } => keys.scope(|k| write(t, op, k, values, scores))?,
         SubOp::AssignScores { keys, scores } => {
             let mut outcomes = vec![Outcome::Absent; keys.len()];
-            let summary = t.assign_scores(&keys, scores.as_deref(), Some(&mut outcomes))?;
+            let summary = keys.scope(|k| t.assign_scores(k, scores.as_deref(), Some(&mut outcomes)))?;
             SubResult::Write { summary, outcomes, values: None, evicted: None }
         }
         SubOp::Erase { keys } => {
             let mut erased = vec![false; keys.len()];
-            t.erase(&keys, Some(&mut erased))?;
+            keys.scope(|k| t.erase(k, Some(&mut erased)))?;
             SubResult::Flags(erased)
         }
         SubOp::EraseIf(f) => SubResult::Count(t.erase_if(&f)?),

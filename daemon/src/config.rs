@@ -5,6 +5,50 @@ use std::path::{Path, PathBuf};
 use hkv_proto::TableSpec;
 use serde::{Deserialize, Serialize};
 
+/// Which backend the daemon runs on (`backend`, `--backend`), spelled
+/// `auto`, `cpu` or `cuda` in the TOML file and on the command line.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendChoice {
+    /// CUDA when a driver and a device answer, else the CPU.
+    #[default]
+    Auto,
+    /// Host memory, every core.
+    Cpu,
+    /// The CUDA devices (`devices`, or every visible one); refused at start
+    /// when none answers.
+    Cuda,
+}
+
+impl BackendChoice {
+    /// The spelling in the file and on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BackendChoice::Auto => "auto",
+            BackendChoice::Cpu => "cpu",
+            BackendChoice::Cuda => "cuda",
+        }
+    }
+}
+
+impl std::fmt::Display for BackendChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for BackendChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<BackendChoice, String> {
+        match s {
+            "auto" => Ok(BackendChoice::Auto),
+            "cpu" => Ok(BackendChoice::Cpu),
+            "cuda" => Ok(BackendChoice::Cuda),
+            _ => Err(format!("backend {s:?}: use auto, cpu or cuda")),
+        }
+    }
+}
+
 /// Explicit limits, all enforced before allocation.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -63,7 +107,7 @@ pub struct Config {
     /// State directory (checkpoints); default `./hkvd-state`.
     pub state_dir: Option<PathBuf>,
     /// `auto`, `cpu` or `cuda`.
-    pub backend: String,
+    pub backend: BackendChoice,
     /// Shard actors: CPU shards (default: the number of cores), or CUDA
     /// shards spread round-robin over the GPUs (default: one per GPU).
     pub shards: Option<usize>,
@@ -94,7 +138,7 @@ impl Default for Config {
         Config {
             socket: None,
             state_dir: None,
-            backend: "auto".into(),
+            backend: BackendChoice::Auto,
             shards: None,
             devices: None,
             threads_per_shard: 4,
@@ -215,10 +259,19 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.shards, Some(3));
+        assert_eq!(c.backend, BackendChoice::Cpu);
         assert_eq!(c.limits.max_frame_bytes, 1024);
         assert_eq!(c.limits.max_in_flight, 64);
         assert_eq!(c.tables[0].policy, hkv_proto::Policy::Lfu);
         assert!(toml::from_str::<Config>("sockett = 1").unwrap_err().to_string().contains("sockett"));
+        // The backend keeps its spellings; another is refused by name.
+        for b in ["auto", "cpu", "cuda"] {
+            let c: Config = toml::from_str(&format!("backend = {b:?}")).unwrap();
+            assert_eq!(c.backend.to_string(), b);
+            assert_eq!(b.parse::<BackendChoice>(), Ok(c.backend));
+        }
+        assert!(toml::from_str::<Config>("backend = \"gpu\"").unwrap_err().to_string().contains("gpu"));
+        assert_eq!("gpu".parse::<BackendChoice>().unwrap_err(), "backend \"gpu\": use auto, cpu or cuda");
     }
 
     /// Zero limits, a zero or huge shard count and a metrics address off

@@ -6,9 +6,13 @@
 //! Unix-socket [`server`] speaking `proto/PROTOCOL.md`.
 //!
 //! # Layout
-//! - [`actor`] is the shard actor: the shards it owns, and its messages.
+//! - [`actor`] is the shard actor: the shards it owns, and its messages
+//!   (a split batch's keys arrive checked, [`actor::Keys`], and are not
+//!   scanned again).
 //! - [`router`] maps tables and keys to actors and merges their answers.
-//! - [`frames`] keeps sent frames for find and echo answers to reuse.
+//! - [`frames`] keeps sent frames for find and echo answers to reuse; a
+//!   find answer's frame is typed, [`frames::AnswerFrame`]: ordinary or
+//!   page-locked memory the GPU writes into.
 //! - [`features`] hashes raw features into keys (on the GPU when present).
 //! - [`budget`] counts table memory against limits before it is allocated.
 //! - [`ckpt`] takes and restores checkpoints.
@@ -18,7 +22,8 @@
 //! - [`handle`] answers one request.
 //! - [`admin`] says who may run admin operations and read the state directory.
 //! - [`stats`] renders statistics as JSON and Prometheus text.
-//! - [`config`] holds the TOML configuration and its defaults.
+//! - [`config`] holds the TOML configuration, its defaults and checks
+//!   ([`config::BackendChoice`]: auto, cpu or cuda).
 //! - [`error`] maps shard errors to wire errors.
 //! - this file: [`run`], start to finish.
 
@@ -48,7 +53,7 @@ use hkv_shard::Backend;
 use tracing::{info, warn};
 
 use crate::actor::ShardActor;
-use crate::config::Config;
+use crate::config::{BackendChoice, Config};
 use crate::router::Router;
 use crate::server::SocketFile;
 use crate::state::State;
@@ -99,17 +104,16 @@ fn backend(config: &Config) -> anyhow::Result<(Backend, Vec<usize>, String)> {
         );
         Ok((Backend::Cuda, ordinals, what))
     };
-    match config.backend.as_str() {
-        "cpu" => Ok(cpu("")),
-        "auto" => match hkv_shard::cuda::probe() {
+    match config.backend {
+        BackendChoice::Cpu => Ok(cpu("")),
+        BackendChoice::Auto => match hkv_shard::cuda::probe() {
             Ok(devices) => gpus(devices),
             Err(reason) => {
                 info!(%reason, "using the CPU backend");
                 Ok(cpu(", CUDA unavailable"))
             }
         },
-        "cuda" => gpus(hkv_shard::cuda::probe().context("--backend cuda")?),
-        b => anyhow::bail!("backend {b:?}: use auto, cpu or cuda"),
+        BackendChoice::Cuda => gpus(hkv_shard::cuda::probe().context("--backend cuda")?),
     }
 }
 

@@ -53,7 +53,7 @@ struct Serve {
     state_dir: Option<PathBuf>,
     /// auto, cpu or cuda [default: auto].
     #[arg(long)]
-    backend: Option<String>,
+    backend: Option<hkvd::config::BackendChoice>,
     /// Shard actors: CPU shards [default: the number of cores], or CUDA
     /// shards spread round-robin over the GPUs [default: one per GPU].
     #[arg(long)]

@@ -27,6 +27,30 @@ pub trait FrameMemory: Send + Sync {
     /// bytes that come into it hold what the memory held (never anything
     /// uninitialised).
     fn set_len(&mut self, len: usize);
+    /// The memory as `Any`, so that whoever supplied it can take its own
+    /// type back when the frame is given back (the daemon keeps page-locked
+    /// frames typed for reuse).
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send>;
+}
+
+/// A frame's memory is a [`FrameMemory`] too, so that [`FindFrame`] can lay
+/// an answer out in either.
+impl FrameMemory for FrameBuf {
+    fn bytes(&self) -> &[u8] {
+        FrameBuf::bytes(self)
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        FrameBuf::bytes_mut(self)
+    }
+    fn capacity(&self) -> usize {
+        FrameBuf::capacity(self)
+    }
+    fn set_len(&mut self, len: usize) {
+        FrameBuf::set_len(self, len)
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
+        self
+    }
 }
 
 /// The bytes of a frame: a vector, or other memory ([`FrameMemory`]).
@@ -101,10 +125,12 @@ impl PartialEq for FrameBuf {
 /// `u32` count and one found byte per key, a `u32` count and `dim` f32 per
 /// key (no scores). From [`FindFrame::new`] every byte starts at zero; from
 /// [`FindFrame::reuse`] the found bytes and values hold what the buffer
-/// held, and whoever fills the frame writes every one of them.
+/// held, and whoever fills the frame writes every one of them. `B`: the
+/// memory, a [`FrameBuf`] or a type of the daemon's that it keeps typed
+/// ([`FindFrame::memory_mut`]) until it is sent.
 #[derive(Debug)]
-pub struct FindFrame {
-    frame: FrameBuf,
+pub struct FindFrame<B = FrameBuf> {
+    frame: B,
     n: usize,
     /// Set when the counts do not fit the protocol: the frame is refused
     /// by [`FindFrame::into_response`].
@@ -124,7 +150,7 @@ fn counts(n: usize, dim: usize) -> Result<(u32, u32), ProtoError> {
     }
 }
 
-impl FindFrame {
+impl FindFrame<FrameBuf> {
     /// The frame for `n` keys of `dim` floats.
     pub fn new(n: usize, dim: usize) -> FindFrame {
         let values = FindFrame::values_at(n);
@@ -135,11 +161,20 @@ impl FindFrame {
         FindFrame { frame: FrameBuf::Vec(frame), n, too_long }
     }
 
+    /// Where the values of `n` keys start in the frame.
+    pub fn values_at(n: usize) -> usize {
+        HEADER_LEN + 8 + n
+    }
+}
+
+impl<B: FrameMemory> FindFrame<B> {
     /// The frame for `n` keys of `dim` floats in the memory of `buf`, an
     /// earlier frame, without zeroing it: the found bytes and values keep
     /// whatever `buf` held up to its length (the rest is zero), so the
     /// caller must write every one of them before the frame is sent.
-    pub fn reuse(mut buf: FrameBuf, n: usize, dim: usize) -> FindFrame {
+    /// Memory other than a [`FrameBuf`] must hold the frame's length
+    /// ([`FrameMemory::capacity`]).
+    pub fn reuse(mut buf: B, n: usize, dim: usize) -> FindFrame<B> {
         let values = FindFrame::values_at(n);
         buf.set_len(values + n * dim * 4);
         // The header space is written when the frame is sent (`Response::into_frame`).
@@ -150,9 +185,28 @@ impl FindFrame {
         FindFrame { frame: buf, n, too_long }
     }
 
-    /// Where the values of `n` keys start in the frame.
-    pub fn values_at(n: usize) -> usize {
-        HEADER_LEN + 8 + n
+    /// The keys answered.
+    pub fn len(&self) -> usize {
+        self.n
+    }
+
+    /// Whether no key is.
+    pub fn is_empty(&self) -> bool {
+        self.n == 0
+    }
+
+    /// Where the found bytes lie in the frame ([`FindFrame::values_at`]:
+    /// where the values start).
+    pub fn found_range(&self) -> std::ops::Range<usize> {
+        HEADER_LEN + 4..HEADER_LEN + 4 + self.n
+    }
+
+    /// The frame's memory as its own type, for a writer that needs more
+    /// than bytes (a GPU writing into page-locked memory): the found bytes
+    /// lie at [`FindFrame::found_range`], the values from
+    /// [`FindFrame::values_at`] on.
+    pub fn memory_mut(&mut self) -> &mut B {
+        &mut self.frame
     }
 
     /// The found bytes and the values' little-endian bytes.
@@ -163,9 +217,12 @@ impl FindFrame {
 
     /// The response to send: an `oversized` error instead when the counts
     /// do not fit the protocol.
-    pub fn into_response(self) -> Response {
+    pub fn into_response(self) -> Response
+    where
+        B: Into<FrameBuf>,
+    {
         match self.too_long {
-            None => Response::Framed(self.frame),
+            None => Response::Framed(self.frame.into()),
             Some(e) => Response::Error(e),
         }
     }

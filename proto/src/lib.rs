@@ -13,9 +13,11 @@
 //!   [`Policy`], [`Mode`], [`FeatureHash`], [`Summary`], [`Filter`] ...).
 //! - [`request`]: [`Request`] and [`Control`] with encode / decode.
 //! - [`response`]: [`Response`] with encode / decode.
-//! - [`frame`]: [`FrameBuf`] and [`FrameMemory`] (a frame's memory) and
-//!   [`FindFrame`] (a find answer laid out before the table runs).
-//! - [`stats`]: the typed `stats` document.
+//! - [`frame`](mod@frame): [`FrameBuf`] and [`FrameMemory`] (a frame's memory) and
+//!   [`FindFrame`] (a find answer laid out before the table runs, in a
+//!   [`FrameBuf`] or in memory whose type the daemon keeps).
+//! - [`stats`]: the typed JSON documents (`stats`, `list_checkpoints`,
+//!   `checkpoint`, `restore`).
 //! - [`body`]: the field reader and writer (strings, little-endian arrays).
 //! - [`error`]: the [`ProtoError`] codes shared by both sides.
 //! - this file: the default socket paths.

@@ -70,7 +70,7 @@ pub enum Response {
     Text(String),
     /// An error.
     Error(ProtoError),
-    /// A response frame the server built in place ([`FindFrame`]):
+    /// A response frame the server built in place ([`crate::FindFrame`]):
     /// [`HEADER_LEN`] bytes of header space, then the encoded body. Never
     /// decoded: the client sees the op's own response.
     Framed(FrameBuf),

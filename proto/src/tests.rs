@@ -85,6 +85,9 @@ impl crate::FrameMemory for Fixed {
         assert!(len <= self.0.len());
         self.1 = len;
     }
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
+        self
+    }
 }
 
 #[test]

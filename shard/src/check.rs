@@ -1,9 +1,69 @@
 //! Argument checks shared by every backend: a batch that fails one is
 //! refused whole, before any lock is taken or anything is applied.
 
+use std::cell::Cell;
+
 use crate::config::{ScorePolicy, TableConfig};
 use crate::error::{Error, Result};
 use crate::is_reserved;
+
+thread_local! {
+    /// The address and length of the keys of the [`CheckedKeys`] whose
+    /// scope this thread is in; (0, 0) outside every scope.
+    static CHECKED: Cell<(usize, usize)> = const { Cell::new((0, 0)) };
+}
+
+/// Keys scanned once for reserved markers, so that a batch split over
+/// several shards is scanned whole by whoever splits it and not again by
+/// each shard: only [`CheckedKeys::check`] makes one (by scanning), and
+/// [`CheckedKeys::parts`] takes parts of one (which hold only its keys).
+/// Inside [`CheckedKeys::scope`], a shard's own check of exactly these keys
+/// (the same slice) passes without a scan; any other slice is scanned as
+/// ever, so the shard's checks hold for every caller.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckedKeys(Vec<u64>);
+
+impl CheckedKeys {
+    /// `keys` once scanned: the error of [`keys`] when one is reserved.
+    pub fn check(k: Vec<u64>) -> Result<CheckedKeys> {
+        keys(&k)?;
+        Ok(CheckedKeys(k))
+    }
+
+    /// Per part, the keys at its indices (each below [`CheckedKeys::len`]), in that order.
+    pub fn parts(self, parts: &[Vec<u32>]) -> Vec<CheckedKeys> {
+        parts.iter().map(|p| CheckedKeys(p.iter().map(|&i| self.0[i as usize]).collect())).collect()
+    }
+
+    /// The keys.
+    pub fn as_slice(&self) -> &[u64] {
+        &self.0
+    }
+
+    /// Keys.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Runs `f` on the keys, with this thread's shard checks of exactly
+    /// this slice passing without a scan (the scope ends with `f`, also
+    /// when it panics).
+    pub fn scope<R>(&self, f: impl FnOnce(&[u64]) -> R) -> R {
+        struct Restore((usize, usize));
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                CHECKED.with(|c| c.set(self.0));
+            }
+        }
+        let _restore = Restore(CHECKED.with(|c| c.replace((self.0.as_ptr() as usize, self.0.len()))));
+        f(&self.0)
+    }
+}
 
 /// An array must have `expected` elements.
 pub fn len(what: &'static str, got: usize, expected: usize, detail: impl FnOnce() -> String) -> Result<()> {
@@ -14,8 +74,12 @@ pub fn len(what: &'static str, got: usize, expected: usize, detail: impl FnOnce(
     }
 }
 
-/// No key may be a reserved marker.
+/// No key may be a reserved marker. Keys of a [`CheckedKeys`] inside its
+/// [`CheckedKeys::scope`] are known clean and not scanned again.
 pub fn keys(keys: &[u64]) -> Result<()> {
+    if !keys.is_empty() && CHECKED.with(|c| c.get()) == (keys.as_ptr() as usize, keys.len()) {
+        return Ok(());
+    }
     match keys.iter().position(|&k| is_reserved(k)) {
         Some(index) => Err(Error::ReservedKey { key: keys[index], index }),
         None => Ok(()),
@@ -117,5 +181,27 @@ pub fn erase(k: &[u64], erased_len: Option<usize>) -> Result<()> {
     match erased_len {
         Some(e) => per_key("erased", e, k.len()),
         None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod checked_tests {
+    use super::*;
+    use crate::RESERVED_KEY_MIN;
+
+    #[test]
+    fn checked_keys_skip_only_their_own_scan() {
+        let bad = vec![1, RESERVED_KEY_MIN, 3];
+        assert!(matches!(CheckedKeys::check(bad.clone()), Err(Error::ReservedKey { index: 1, .. })));
+        let k = CheckedKeys::check(vec![5, 6, 7, 8]).unwrap();
+        let parts = k.clone().parts(&[vec![0, 2], vec![1, 3]]);
+        assert_eq!(parts[0].as_slice(), &[5, 7]);
+        assert_eq!(parts[1].as_slice(), &[6, 8]);
+        // Inside the scope the same slice passes; any other is scanned.
+        k.scope(|s| {
+            assert!(keys(s).is_ok());
+            assert!(keys(&bad).is_err());
+        });
+        assert_eq!(CHECKED.with(|c| c.get()), (0, 0), "the scope ends");
     }
 }

@@ -63,17 +63,24 @@
 //!
 //! # Layout
 //! - [`check`] holds the argument checks every backend runs (and the daemon,
-//!   on a batch it splits over shards).
+//!   on a batch it splits over shards), and [`check::CheckedKeys`], keys
+//!   scanned once for reserved markers that a shard does not scan again.
 //! - [`config`] holds [`TableConfig`], [`ScorePolicy`], [`LfuTies`], [`BucketMode`].
 //! - [`hash`] computes bucket, digest and shard hashes.
 //! - [`score`] has the score rules per policy and the clocks.
 //! - [`lock`] is the triple-group lock and its observable state.
 //! - [`cpu`] is the CPU backend, [`cpu::CpuTable`]: buckets, storage, batch
-//!   splitting, the lookup pipeline, the write path, growth and the batch
-//!   operations, one module each; its one `unsafe` item is the prefetch hint.
+//!   splitting, the lookup pipeline, the write path, growth, counters and
+//!   the batch operations, one module each (`bucket`, `storage`, `batch`,
+//!   `pipeline`, `write`, `growth`, `counters`, `ops`); its one `unsafe`
+//!   item is the prefetch hint, alone in `cpu/prefetch.rs`.
 //! - [`cuda`] holds every `unsafe` but the CPU prefetch: it finds CUDA
 //!   devices, compiles the kernels of `hkv-kernels` (with an on-disk cache),
-//!   hashes features on the GPU, and holds the pinned staging memory.
+//!   hashes features on the GPU (`hasher`), and holds page-locked memory:
+//!   `host_frame` ([`cuda::HostFrame`], a frame the GPU writes rows into,
+//!   and [`cuda::PinnedRows`], its rows as a find's typed destination),
+//!   `staging` (each lane's pinned host arrays), `ptr` (`DevPtr<T>`, a
+//!   device address with its element type and length), `device`.
 //!   - [`cuda::table`] (also [`cuda_table`]) is the CUDA backend,
 //!     [`cuda_table::CudaTable`]: `abi`, `kernels`, `launch`, `storage`,
 //!     `lane`, `growth`, `host_batch`, `device_batch`, `ops`.
@@ -87,8 +94,14 @@
 //!   [`Shard::drain_samples`]).
 //! - [`features`] turns raw features into keys (TensorFlow-compatible).
 //! - [`error`] holds [`Error`].
-//! - this file: the [`Shard`] trait every backend implements, result types,
-//!   [`open`].
+//! - this file: the [`Shard`] trait every backend implements, [`Rows`] (a
+//!   find's destination: any memory, or a page-locked frame's rows), result
+//!   types, [`open`].
+//! - binaries (`src/bin/`): `hkv-sim` (cache quality, miss-ratio curves),
+//!   `hkv-bench`, `hkv-hash-bench`, `hkv-multi-bench`.
+//! - tests: `model` (against a reference model), `cpu` and `cuda` (one
+//!   conformance suite, `tests/common/`), `concurrency`, `features`,
+//!   `multi`, `mrc` (curves against exact simulation), `sim`.
 
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
@@ -425,16 +438,24 @@ pub trait Shard: Send + Sync {
     /// Copies the values (and scores) of present keys; misses leave the
     /// caller's values untouched. Returns the number of hits. Reader group.
     fn find(&self, keys: &[u64], values: &mut [f32], found: &mut [bool], scores: Option<&mut [u64]>) -> Result<usize>;
+    /// find without scores into `rows`, which may be page-locked memory
+    /// ([`Rows::Pinned`]) that the CUDA backend copies the rows into
+    /// straight from the device; the CPU backend treats both alike. The
+    /// same answer as [`Shard::find`].
+    fn find_into(&self, keys: &[u64], rows: Rows<'_>, found: &mut [bool]) -> Result<usize> {
+        self.find(keys, rows.into_values(), found, None)
+    }
     /// find into rows of a larger answer: key `i`'s values go to row
-    /// `at[i]` of `values` (`dim` floats a row) and `found[at[i]]` becomes 1;
+    /// `at[i]` of `rows` (`dim` floats a row) and `found[at[i]]` becomes 1;
     /// a miss writes a row of zeros and `found[at[i]] = 0`, so every target
     /// row is written (the answer's buffer may hold an earlier answer);
     /// other rows are left as they are. `at` must be strictly increasing and
-    /// below `found.len()`, and `values` must hold `found.len()` rows. For
+    /// below `found.len()`, and `rows` must hold `found.len()` rows. For
     /// answers that several shards fill in turn (the daemon's response
-    /// frame). Returns the number of hits.
-    fn find_at(&self, keys: &[u64], at: &[u32], values: &mut [f32], found: &mut [u8]) -> Result<usize> {
-        find_at_by_find(self, keys, at, values, found)
+    /// frame); into [`Rows::Pinned`] the CUDA backend's kernel writes the
+    /// rows itself. Returns the number of hits.
+    fn find_at(&self, keys: &[u64], at: &[u32], rows: Rows<'_>, found: &mut [u8]) -> Result<usize> {
+        find_at_by_find(self, keys, at, rows.into_values(), found)
     }
     /// Presence only. Returns the number present. Reader group.
     fn contains(&self, keys: &[u64], found: &mut [bool]) -> Result<usize>;
@@ -563,6 +584,41 @@ pub enum Backend {
     Cpu,
     /// One CUDA device.
     Cuda,
+}
+
+/// Where a find writes its rows: ordinary memory, or page-locked memory
+/// mapped for the GPU ([`cuda::PinnedRows`], which only a
+/// [`cuda::HostFrame`] gives out), so that whether the CUDA backend may
+/// write there directly is known from the type, not asked of the driver.
+pub enum Rows<'a> {
+    /// Any memory.
+    Host(&'a mut [f32]),
+    /// A page-locked frame's rows.
+    Pinned(cuda::PinnedRows<'a>),
+}
+
+impl<'a> Rows<'a> {
+    /// The same rows for a shorter borrow (to pass to one find and keep).
+    pub fn reborrow(&mut self) -> Rows<'_> {
+        match self {
+            Rows::Host(v) => Rows::Host(v),
+            Rows::Pinned(p) => Rows::Pinned(p.reborrow()),
+        }
+    }
+
+    /// The rows as a slice (what the CPU backend writes into).
+    pub fn into_values(self) -> &'a mut [f32] {
+        match self {
+            Rows::Host(v) => v,
+            Rows::Pinned(p) => p.into_values(),
+        }
+    }
+}
+
+impl<'a> From<&'a mut [f32]> for Rows<'a> {
+    fn from(v: &'a mut [f32]) -> Rows<'a> {
+        Rows::Host(v)
+    }
 }
 
 /// [`Shard::find_at`] through [`Shard::find`]: the rows found into a

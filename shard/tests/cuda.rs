@@ -14,7 +14,7 @@ use hkv_shard::cuda::{self, Device};
 use hkv_shard::cuda_table::{CudaTable, DeviceOp};
 use hkv_shard::hash::locate;
 use hkv_shard::score::ManualClock;
-use hkv_shard::{BucketMode, Filter, LfuTies, Outcome, ScorePolicy, Shard, TableConfig};
+use hkv_shard::{BucketMode, Filter, LfuTies, Outcome, Rows, ScorePolicy, Shard, TableConfig};
 use rand::{Rng, SeedableRng};
 
 /// The kernel cache a binary would use (the library reads no environment).
@@ -287,17 +287,13 @@ fn large_batches_conserve_entries() {
     }
 }
 
-/// The device-buffer path: find* returns addresses that read back the
-/// values; find_or_insert* hands out writable rows; the hybrid tier places
-/// rows in host memory and still serves them.
-/// A find whose values array lies in a pinned frame (`cuda::HostFrame`,
-/// as the daemon's response frames on a GPU host) gets the rows copied
-/// there straight from the device when every key hits, and keeps the
-/// contract when some miss (their rows untouched); a Vec is not pinned.
+/// A find into a page-locked frame's rows (`Rows::Pinned`, which only a
+/// HostFrame gives out) copies the rows there straight from the device when
+/// every key hits, and keeps the contract when some miss (their rows
+/// untouched): the same answer as a find into plain memory, every time.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn finds_into_pinned_frames() {
-    use zerocopy::FromBytes;
     let dim = 32;
     let t = CudaTable::new(TableConfig::new(1 << 16, dim), device()).unwrap();
     let keys: Vec<u64> = (1..=20_000u64).collect();
@@ -306,20 +302,26 @@ fn finds_into_pinned_frames() {
     let bytes = vals.len() * 4;
     // The values 64 bytes into the frame, as after a frame's header.
     let mut frame = cuda::HostFrame::new(0, 64 + bytes).unwrap();
-    let v = <[f32]>::mut_from_bytes(&mut frame.bytes_mut()[64..]).unwrap();
-    assert!(cuda::is_pinned_host(v.as_ptr() as *const u8, bytes), "a HostFrame is pinned");
+    assert!(cuda::is_pinned_host(frame.bytes().as_ptr(), 64 + bytes), "a HostFrame is pinned");
     let plain: Vec<f32> = (0..16).map(|_| 0.0).collect();
     assert!(!cuda::is_pinned_host(plain.as_ptr() as *const u8, 64), "a Vec is not");
+    assert!(frame.split_rows(62).is_none(), "rows start at a multiple of 4");
+    let (_, mut rows) = frame.split_rows(64).expect("a mapped frame");
     // Every key hits: the direct copy.
     let mut found = vec![false; keys.len()];
-    assert_eq!(t.find(&keys, v, &mut found, None).unwrap(), keys.len());
+    assert_eq!(t.find_into(&keys, Rows::Pinned(rows.reborrow()), &mut found).unwrap(), keys.len());
     assert!(found.iter().all(|&f| f));
-    assert_eq!(&v[..], &vals[..]);
-    // A third of the keys miss: their rows stay as they were.
-    v.fill(7.0);
+    assert_eq!(rows.values(), &vals[..]);
+    // A third of the keys miss: their rows stay as they were, as in plain memory.
+    rows.values().fill(7.0);
+    let mut plain = vec![7.0f32; vals.len()];
+    let mut plain_found = vec![false; keys.len()];
     let probe: Vec<u64> = keys.iter().map(|&k| if k % 3 == 0 { k + 1_000_000 } else { k }).collect();
-    assert_eq!(t.find(&probe, v, &mut found, None).unwrap(), keys.len() - keys.len() / 3);
-    for (i, row) in v.chunks(dim).enumerate() {
+    let want = keys.len() - keys.len() / 3;
+    assert_eq!(t.find_into(&probe, Rows::Pinned(rows.reborrow()), &mut found).unwrap(), want);
+    assert_eq!(t.find_into(&probe, Rows::Host(&mut plain), &mut plain_found).unwrap(), want);
+    assert_eq!((rows.values() as &[f32], &found), (&plain[..], &plain_found), "pinned = plain");
+    for (i, row) in plain.chunks(dim).enumerate() {
         if probe[i] > 1_000_000 {
             assert!(!found[i] && row.iter().all(|&x| x == 7.0), "key {i}");
         } else {
@@ -331,7 +333,6 @@ fn finds_into_pinned_frames() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn finds_at_rows_of_pinned_frames() {
-    use zerocopy::FromBytes;
     // Two shards fill one answer frame, each at its own rows, as the
     // daemon's router has them do: the kernel writes into the frame, a
     // miss as zeros; rows of neither shard keep what they held. Once with
@@ -351,13 +352,13 @@ fn finds_at_rows_of_pinned_frames() {
         };
         let (a, b) = (shard(1), shard(100_001));
         let rows = 9000usize;
-        let mut frame = cuda::HostFrame::new(0, 64 + rows * (1 + 4 * dim) + 64).unwrap();
-        let bytes = frame.bytes_mut();
-        let (flags, rest) = bytes[64..].split_at_mut(rows);
         let pad = (4 - (64 + rows) % 4) % 4;
-        let values = <[f32]>::mut_from_bytes(&mut rest[pad..pad + rows * dim * 4]).unwrap();
+        let values_at = 64 + rows + pad;
+        let mut frame = cuda::HostFrame::new(0, values_at + rows * dim * 4).unwrap();
+        let (head, mut pinned) = frame.split_rows(values_at).expect("a mapped frame");
+        let flags = &mut head[64..64 + rows];
         flags.fill(9);
-        values.fill(7.0);
+        pinned.values().fill(7.0);
         // Row r: shard a's key r + 1 (a miss where r % 5 == 0) for r % 3 == 0,
         // shard b's key 100_001 + r for r % 3 == 1, untouched for r % 3 == 2.
         let key = |r: usize| -> u64 {
@@ -370,10 +371,11 @@ fn finds_at_rows_of_pinned_frames() {
         for (t, part) in [(&a, 0), (&b, 1)] {
             let at: Vec<u32> = (0..rows as u32).filter(|r| r % 3 == part).collect();
             let keys: Vec<u64> = at.iter().map(|&r| key(r as usize)).collect();
-            let hits = t.find_at(&keys, &at, values, flags).unwrap();
+            let hits = t.find_at(&keys, &at, Rows::Pinned(pinned.reborrow()), flags).unwrap();
             let want = if part == 0 { at.iter().filter(|&&r| r % 5 != 0).count() } else { at.len() };
             assert_eq!(hits, want, "dim {dim}, shard {part}");
         }
+        let values = pinned.values();
         for r in 0..rows {
             let row = &values[r * dim..(r + 1) * dim];
             let k = key(r);
@@ -390,7 +392,7 @@ fn finds_at_rows_of_pinned_frames() {
         let (mut v2, mut f2) = (vec![7.0f32; rows * dim], vec![9u8; rows]);
         let at: Vec<u32> = (0..rows as u32).filter(|r| r % 3 == 0).collect();
         let keys: Vec<u64> = at.iter().map(|&r| key(r as usize)).collect();
-        a.find_at(&keys, &at, &mut v2, &mut f2).unwrap();
+        a.find_at(&keys, &at, Rows::Host(&mut v2), &mut f2).unwrap();
         for &r in &at {
             let r = r as usize;
             assert_eq!((&v2[r * dim..(r + 1) * dim], f2[r]), (&values[r * dim..(r + 1) * dim], flags[r]), "row {r}");

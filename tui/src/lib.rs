@@ -8,8 +8,8 @@
 //! the screen it draws on.
 //!
 //! # Layout
-//! - [`model`] turns a stats JSON document into plain numbers, tolerating
-//!   missing or unexpected fields, and computes rates between polls.
+//! - [`model`] reads the typed stats document (`hkv_proto::stats::Stats`;
+//!   one that does not read shows as empty) and computes rates between polls.
 //! - [`app`] holds the console state and handles keys.
 //! - [`ui`] draws it (tested with ratatui's `TestBackend`).
 //! - this file: [`run`], the terminal loop.

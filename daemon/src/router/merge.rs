@@ -1,12 +1,14 @@
 //! The shards' answers to one request put back into one answer, in
 //! request order.
 
-use hkv_proto::{Evicted, FindFrame, Op, ProtoError, Response, Summary};
+use hkv_proto::{Evicted, Op, ProtoError, Response, Summary};
+
+use crate::frames::AnswerFrame;
 use hkv_shard::{Filter, Outcome};
 
 use super::split::Split;
 use super::{Router, Table};
-use crate::actor::{SubOp, SubResult};
+use crate::actor::{Keys, SubOp, SubResult};
 use crate::error::unexpected;
 
 impl Router {
@@ -89,18 +91,19 @@ impl Router {
     }
 
     /// find without scores into `frame` (whose values
-    /// [`crate::actor::values_of`] can cast): the one shard writes its
+    /// [`AnswerFrame::rows`] can cast): the one shard writes its
     /// answers there itself, or each shard's answers are placed there in
     /// request order.
     pub(super) async fn find_framed(
         &self,
         t: &Table,
         split: Split,
-        keys: Vec<u64>,
-        mut frame: FindFrame,
+        keys: Vec<Keys>,
+        mut frame: AnswerFrame,
     ) -> Result<Response, ProtoError> {
         let parts = match &split {
             Split::Whole => {
+                let keys = keys.into_iter().next().expect("one shard's keys");
                 let SubResult::Frame(frame) = self.call(t, 0, SubOp::FindInto { keys, frame }).await? else {
                     return Err(unexpected("a find"));
                 };
@@ -114,7 +117,7 @@ impl Router {
         // core by itself; a CUDA shard's kernel writes its rows straight
         // into a pinned frame. While one request's part is on one shard,
         // other requests' parts keep the other shards busy.
-        for (i, (keys, at)) in split.take(keys, 1).into_iter().zip(parts).enumerate() {
+        for (i, (keys, at)) in keys.into_iter().zip(parts).enumerate() {
             if keys.is_empty() {
                 continue;
             }

@@ -6,13 +6,14 @@
 use std::sync::atomic::Ordering::Relaxed;
 
 use hkv_proto::{Cursor, ErrorCode, FindFrame, Op, ProtoError, Request, Response, Summary, WriteOp};
-use hkv_shard::{check, ScorePolicy};
+use hkv_shard::check::{self, CheckedKeys};
+use hkv_shard::ScorePolicy;
 
 use super::bounds::{export_slots, find_per_key, write_per_key};
 use super::merge::to_filter;
 use super::split::Split;
 use super::{Router, Table};
-use crate::actor::{values_of, SubOp, SubResult};
+use crate::actor::{Keys, SubOp, SubResult};
 use crate::error::{err, shard_error, unexpected};
 
 /// Runs the shard's own argument checks (`hkv_shard::check`) on a batch
@@ -24,6 +25,26 @@ fn check_split(split: &Split, f: impl FnOnce() -> hkv_shard::Result<()>) -> Resu
     match split {
         Split::Whole => Ok(()),
         Split::Parts(_) => f().map_err(shard_error),
+    }
+}
+
+/// Each shard's keys: a batch that goes whole to one shard as sent (that
+/// shard checks it); a split one checked here whole, once, then with
+/// `more` (the op's other checks, which do not scan the keys again), so
+/// that a bad batch is refused before any shard runs, and its parts are not
+/// scanned again by the shards.
+fn shard_keys(
+    split: &Split,
+    keys: Vec<u64>,
+    more: impl FnOnce(&[u64]) -> hkv_shard::Result<()>,
+) -> Result<Vec<Keys>, ProtoError> {
+    match split {
+        Split::Whole => Ok(vec![Keys::Sent(keys)]),
+        Split::Parts(parts) => {
+            let k = CheckedKeys::check(keys).map_err(shard_error)?;
+            k.scope(more).map_err(shard_error)?;
+            Ok(k.parts(parts).into_iter().map(Keys::Checked).collect())
+        }
     }
 }
 
@@ -73,30 +94,30 @@ impl Router {
         let (n, dim) = (keys.len(), t.config.dim);
         self.bound("find", n, dim, find_per_key(dim, scores), 16)?;
         let split = Split::new(&keys, t.shards());
-        check_split(&split, || check::keys(&keys))?;
+        let keys = shard_keys(&split, keys, |_| Ok(()))?;
         // By the shard itself when it holds every key; else each shard
         // writes its keys' rows in turn.
         if !scores && FindFrame::values_at(n).is_multiple_of(4) {
             let mut frame = self.frames.find_frame(n, dim);
-            if values_of(&mut frame).is_some() {
+            if frame.rows().is_some() {
                 return self.find_framed(t, split, keys, frame).await;
             }
         }
-        let ops = split.take(keys, 1).into_iter().map(|keys| SubOp::Find { keys, scores }).collect();
+        let ops = keys.into_iter().map(|keys| SubOp::Find { keys, scores }).collect();
         self.finds(t, &split, ops, n, scores).await
     }
 
     async fn contains(&self, t: &Table, keys: Vec<u64>) -> Result<Response, ProtoError> {
         let (n, split) = (keys.len(), Split::new(&keys, t.shards()));
-        check_split(&split, || check::keys(&keys))?;
-        let ops = split.take(keys, 1).into_iter().map(|keys| SubOp::Contains { keys }).collect();
+        let keys = shard_keys(&split, keys, |_| Ok(()))?;
+        let ops = keys.into_iter().map(|keys| SubOp::Contains { keys }).collect();
         Ok(Response::Contains { found: self.flags(t, &split, ops, n).await? })
     }
 
     async fn erase(&self, t: &Table, keys: Vec<u64>, outcomes: bool) -> Result<Response, ProtoError> {
         let (n, split) = (keys.len(), Split::new(&keys, t.shards()));
-        check_split(&split, || check::keys(&keys))?;
-        let ops = split.take(keys, 1).into_iter().map(|keys| SubOp::Erase { keys }).collect();
+        let keys = shard_keys(&split, keys, |_| Ok(()))?;
+        let ops = keys.into_iter().map(|keys| SubOp::Erase { keys }).collect();
         let flags = self.flags(t, &split, ops, n).await?;
         let count = flags.iter().filter(|&&f| f == 1).count() as u64;
         Ok(Response::Erased { count, flags: outcomes.then_some(flags) })
@@ -115,31 +136,30 @@ impl Router {
         let dim = t.config.dim;
         self.bound(Op::from(code).name(), keys.len(), dim, write_per_key(code, dim, outcomes), 64)?;
         let split = Split::new(&keys, t.shards());
-        if code == WriteOp::Load {
+        let n = keys.len();
+        let keys = if code == WriteOp::Load {
             let Some(s) = scores.as_deref() else {
                 return Err(err(ErrorCode::Scores, "load needs a score per key (sent with the SCORES flag)"));
             };
             // Scores are stored verbatim, whatever the policy (as `Shard::load` checks them).
-            let n = keys.len();
-            check_split(&split, || {
-                check::len("scores", s.len(), n, || format!("{n} keys"))?;
-                check::write(&t.config, &keys, Some(("values", values.len())), None, false, None)
+            check_split(&split, || check::len("scores", s.len(), n, || format!("{n} keys")))?;
+            let keys = shard_keys(&split, keys, |k| {
+                check::write(&t.config, k, Some(("values", values.len())), None, false, None)
             })?;
             // A load places entries as they were: no per-key outcome, and
             // scores an incremental checkpoint cannot tell from older ones.
             t.untracked.store(true, Relaxed);
+            keys
         } else {
             let what = if code == WriteOp::AccumOrAssign { "deltas" } else { "values" };
             let inserts = code != WriteOp::Assign;
-            check_split(&split, || {
-                check::write(&t.config, &keys, Some((what, values.len())), scores.as_deref(), inserts, None)
-            })?;
-        }
+            shard_keys(&split, keys, |k| {
+                check::write(&t.config, k, Some((what, values.len())), scores.as_deref(), inserts, None)
+            })?
+        };
         let outcomes = outcomes && code != WriteOp::Load;
-        let n = keys.len();
         let mut scores = scores.map(|s| split.take(s, 1).into_iter());
-        let ops = split
-            .take(keys, 1)
+        let ops = keys
             .into_iter()
             .zip(split.take(values, dim))
             .map(|(keys, values)| SubOp::Write {
@@ -165,10 +185,9 @@ impl Router {
             return Err(shard_error(hkv_shard::Error::ScoresRequired { policy }));
         }
         let (n, split) = (keys.len(), Split::new(&keys, t.shards()));
-        check_split(&split, || check::write(&t.config, &keys, None, scores.as_deref(), false, None))?;
+        let keys = shard_keys(&split, keys, |k| check::write(&t.config, k, None, scores.as_deref(), false, None))?;
         let mut scores = scores.map(|s| split.take(s, 1).into_iter());
-        let ops = split
-            .take(keys, 1)
+        let ops = keys
             .into_iter()
             .map(|keys| SubOp::AssignScores { keys, scores: scores.as_mut().and_then(|s| s.next()) })
             .collect();

@@ -231,7 +231,8 @@ impl Shard for CpuTable {
         Ok(acc.hits as usize)
     }
 
-    fn find_at(&self, keys: &[u64], at: &[u32], values: &mut [f32], found: &mut [u8]) -> Result<usize> {
+    fn find_at(&self, keys: &[u64], at: &[u32], rows: crate::Rows<'_>, found: &mut [u8]) -> Result<usize> {
+        let values = rows.into_values();
         let n = keys.len();
         check::keys(keys)?;
         check::rows_at(&self.config, n, at, values.len(), found.len())?;

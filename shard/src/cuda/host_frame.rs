@@ -15,6 +15,54 @@ pub struct HostFrame {
     /// `mem`'s address (fixed for its life).
     ptr: *mut u8,
     len: usize,
+    /// The address kernels reach `ptr` through, asked of the driver once
+    /// at allocation: with unified addressing (every platform CUDA runs
+    /// 64-bit code on) portable host memory has the same address in every
+    /// context, so it holds for every device's kernels. None where the
+    /// driver gives none (the frame's rows then come through staging).
+    device: Option<u64>,
+}
+
+/// Rows of f32 in a [`HostFrame`], which kernels can write directly: built
+/// only by [`HostFrame::split_rows`], so that a find knows from the type
+/// that its destination is page-locked and mapped, without asking the
+/// driver about a pointer on every request.
+pub struct PinnedRows<'a> {
+    values: &'a mut [f32],
+    /// `values`' address for kernels.
+    device: u64,
+}
+
+impl<'a> PinnedRows<'a> {
+    /// The rows, to read or write on the host.
+    pub fn values(&mut self) -> &mut [f32] {
+        self.values
+    }
+
+    /// The rows for the rest of the borrow.
+    pub fn into_values(self) -> &'a mut [f32] {
+        self.values
+    }
+
+    /// The same rows for a shorter borrow (to pass to one find and keep).
+    pub fn reborrow(&mut self) -> PinnedRows<'_> {
+        PinnedRows { values: self.values, device: self.device }
+    }
+
+    /// Floats.
+    pub fn len(&self) -> usize {
+        self.values.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.values.is_empty()
+    }
+
+    /// The rows as kernels reach them.
+    pub(crate) fn device(&self) -> DevPtr<f32> {
+        DevPtr::from_raw(self.device, self.values.len())
+    }
 }
 
 // SAFETY: the memory is owned by `mem` (itself Send + Sync) and reached
@@ -36,7 +84,38 @@ impl HostFrame {
         let ptr = mem.as_mut_ptr().map_err(dev_err("a pinned frame"))?;
         // SAFETY: ptr points to at least `bytes` bytes just allocated, owned by `mem`.
         unsafe { std::ptr::write_bytes(ptr, 0, bytes) };
-        Ok(HostFrame { mem, ptr, len: bytes })
+        dev.ctx.bind_to_thread().map_err(dev_err("binding the device's context"))?;
+        let device = device_address_of_host(ptr, bytes.max(1));
+        Ok(HostFrame { mem, ptr, len: bytes, device })
+    }
+
+    /// The frame split at byte `at`: the bytes before it, and the bytes
+    /// from it on as rows of f32 that kernels write directly. None when
+    /// `at` or the length after it is no multiple of 4, `at` lies past the
+    /// end, or the driver gave the frame no device address (the caller then
+    /// uses [`HostFrame::bytes_mut`] as ordinary memory).
+    pub fn split_rows(&mut self, at: usize) -> Option<(&mut [u8], PinnedRows<'_>)> {
+        let device = self.device?;
+        if !cfg!(target_endian = "little")
+            || at > self.len
+            || !at.is_multiple_of(4)
+            || !(self.len - at).is_multiple_of(4)
+        {
+            return None;
+        }
+        let floats = (self.len - at) / 4;
+        // SAFETY: `ptr` is page-aligned (a pinned allocation) and `at` a
+        // multiple of 4, so `ptr + at` is aligned for f32; the `len` bytes
+        // at `ptr` are allocated and initialised (see `bytes`) and every
+        // bit pattern is an f32; the two slices do not overlap, and &mut
+        // self makes them exclusive for their life.
+        let (head, rows) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(self.ptr, at),
+                std::slice::from_raw_parts_mut(self.ptr.add(at) as *mut f32, floats),
+            )
+        };
+        Some((head, PinnedRows { values: rows, device: device + at as u64 }))
     }
 
     /// The frame's bytes.
@@ -88,7 +167,7 @@ pub fn is_pinned_host(p: *const u8, bytes: usize) -> bool {
 /// The address through which kernels of the thread's current context reach
 /// the `bytes` bytes at `p`, when they lie in page-locked host memory mapped
 /// for the device (as a [`HostFrame`] is); else `None`.
-pub(crate) fn device_address_of_host(p: *const u8, bytes: usize) -> Option<u64> {
+fn device_address_of_host(p: *const u8, bytes: usize) -> Option<u64> {
     use cudarc::driver::sys::CUpointer_attribute;
     if !is_pinned_host(p, bytes) {
         return None;

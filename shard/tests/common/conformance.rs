@@ -8,7 +8,9 @@ use std::collections::{HashMap, HashSet};
 
 use hkv_shard::hash::bucket1;
 use hkv_shard::score::lfu_frequency;
-use hkv_shard::{BucketMode, Error, Filter, LfuTies, Lost, Outcome, ScorePolicy, Shard, TableConfig, RESERVED_KEY_MIN};
+use hkv_shard::{
+    BucketMode, Error, Filter, LfuTies, Lost, Outcome, Rows, ScorePolicy, Shard, TableConfig, RESERVED_KEY_MIN,
+};
 
 pub type Make = fn(TableConfig) -> Box<dyn Shard>;
 
@@ -473,7 +475,8 @@ pub fn large_batches(make: Make) {
 
 /// find_at writes each key's row at its target row of a larger answer
 /// (a miss as zeros with found 0), leaves other rows alone, and refuses
-/// target rows that do not increase or fall outside the answer.
+/// target rows that do not increase or fall outside the answer; find_into
+/// answers as find does.
 pub fn find_at_fills_target_rows(make: Make) {
     for (dim, n) in [(3, 100usize), (8, 20_000)] {
         let t = make(TableConfig::new(1 << 16, dim));
@@ -488,7 +491,7 @@ pub fn find_at_fills_target_rows(make: Make) {
         let mut out = vec![-1.0f32; rows * dim];
         let mut found = vec![7u8; rows];
         let (want, want_found, _) = find_all(&*t, &asked);
-        let hits = t.find_at(&asked, &at, &mut out, &mut found).unwrap();
+        let hits = t.find_at(&asked, &at, Rows::Host(&mut out), &mut found).unwrap();
         assert_eq!(hits, want_found.iter().filter(|&&f| f).count());
         for r in 0..rows {
             let row = &out[r * dim..(r + 1) * dim];
@@ -507,11 +510,16 @@ pub fn find_at_fills_target_rows(make: Make) {
         }
         let mut bad = at.clone();
         bad.swap(0, 1);
-        assert!(t.find_at(&asked, &bad, &mut out, &mut found).is_err());
+        assert!(t.find_at(&asked, &bad, Rows::Host(&mut out), &mut found).is_err());
         let mut past = at.clone();
         *past.last_mut().unwrap() = rows as u32;
-        assert!(t.find_at(&asked, &past, &mut out, &mut found).is_err());
-        assert!(t.find_at(&asked, &at, &mut out[dim..], &mut found).is_err());
+        assert!(t.find_at(&asked, &past, Rows::Host(&mut out), &mut found).is_err());
+        assert!(t.find_at(&asked, &at, Rows::Host(&mut out[dim..]), &mut found).is_err());
+        // find_into answers as find does (plain memory here; a pinned
+        // frame's rows in tests/cuda.rs).
+        let (mut v2, mut f2) = (vec![0.0f32; n * dim], vec![false; n]);
+        assert_eq!(t.find_into(&asked, Rows::Host(&mut v2), &mut f2).unwrap(), hits);
+        assert_eq!((v2, f2), (want, want_found));
     }
 }
 

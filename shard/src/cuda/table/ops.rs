@@ -20,83 +20,12 @@ impl Shard for CudaTable {
     }
 
     fn find(&self, keys: &[u64], values: &mut [f32], found: &mut [bool], scores: Option<&mut [u64]>) -> Result<usize> {
-        let n = keys.len();
-        check::lookup(&self.config, keys, Some(values.len()), found.len(), scores.as_ref().map(|s| s.len()))?;
-        let dim = self.config.dim;
-        self.read_batch(Op::Find, keys, |st, l, base| {
-            let s = l.stream.clone();
-            let mut p = Ptrs {
-                values: Some(Self::scratch(&s, &mut l.values, n * dim)?),
-                found: Some(Self::scratch(&s, &mut l.flags, n)?),
-                ..base
-            };
-            if scores.is_some() {
-                p.scores = Some(Self::scratch(&s, &mut l.scores, n)?);
-            }
-            // SAFETY: keys uploaded, values / flags / scores sized above for these n keys
-            unsafe { self.k_lookup(&s, st, n as u64, p) }?;
-            // Values into pinned memory (a daemon's response frame) come
-            // straight from the device once every key is known to hit: no
-            // staging copy. Else they pass through the staging memory.
-            let direct = crate::cuda::is_pinned_host(values.as_ptr() as *const u8, std::mem::size_of_val(values));
-            let f = Self::fetch(&s, &mut l.stage, &l.flags, n)?;
-            let v = if direct { None } else { Some(Self::fetch(&s, &mut l.stage, &l.values, n * dim)?) };
-            let sc = Self::fetch(&s, &mut l.stage, &l.scores, if scores.is_some() { n } else { 0 })?;
-            let c = self.read_counters(l)?;
-            for (o, x) in found.iter_mut().zip(l.stage.read(&f)) {
-                *o = *x != 0;
-            }
-            if direct && c.hits == n as u64 {
-                let bytes = std::mem::size_of_val(values);
-                // SAFETY: `values` is page-locked host memory of `bytes`
-                // bytes (checked above), borrowed mutably for this call,
-                // which waits for the copy below; the lane's values buffer
-                // holds n * dim floats written by the lookup, ordered
-                // before the copy by the stream.
-                unsafe {
-                    cudarc::driver::sys::cuMemcpyDtoHAsync_v2(
-                        values.as_mut_ptr() as *mut std::ffi::c_void,
-                        arg("values", p.values, n * dim)?,
-                        bytes,
-                        s.cu_stream(),
-                    )
-                }
-                .result()
-                .map_err(dev_err("copying rows into a pinned frame"))?;
-                s.synchronize().map_err(dev_err("synchronizing"))?;
-                if let Some(out) = scores {
-                    l.stage.read_into(&sc, out);
-                }
-                return Ok(c.hits);
-            }
-            let v = match v {
-                Some(v) => v,
-                None => {
-                    let v = Self::fetch(&s, &mut l.stage, &l.values, n * dim)?;
-                    l.stage.sync(&s)?;
-                    v
-                }
-            };
-            if c.hits == n as u64 {
-                // Every key hit: the rows (and scores) come straight back.
-                l.stage.read_into(&v, values);
-                if let Some(out) = scores {
-                    l.stage.read_into(&sc, out);
-                }
-                return Ok(c.hits);
-            }
-            // Misses leave the caller's rows untouched: copy the hits only.
-            let (v, sc) = (l.stage.read(&v), l.stage.read(&sc));
-            for i in (0..n).filter(|&i| found[i]) {
-                values[i * dim..(i + 1) * dim].copy_from_slice(&v[i * dim..(i + 1) * dim]);
-            }
-            if let Some(out) = scores {
-                for i in (0..n).filter(|&i| found[i]) {
-                    out[i] = sc[i];
-                }
-            }
-            Ok(c.hits)
-        })
+        self.find_rows(keys, values, false, found, scores)
+    }
+
+    fn find_into(&self, keys: &[u64], rows: crate::Rows<'_>, found: &mut [bool]) -> Result<usize> {
+        let pinned = matches!(rows, crate::Rows::Pinned(_));
+        self.find_rows(keys, rows.into_values(), pinned, found, None)
     }
 
     /// Into page-locked host memory mapped for the device (a daemon's
@@ -104,27 +33,32 @@ impl Shard for CudaTable {
     /// target row itself, a miss as zeros, and only the flags come back
     /// through the lane: no copy of a row on the host. Other memory gets the
     /// rows through [`Shard::find`].
-    fn find_at(&self, keys: &[u64], at: &[u32], values: &mut [f32], found: &mut [u8]) -> Result<usize> {
+    fn find_at(&self, keys: &[u64], at: &[u32], rows: crate::Rows<'_>, found: &mut [u8]) -> Result<usize> {
+        let rows_len = |r: &crate::Rows<'_>| match r {
+            crate::Rows::Host(v) => v.len(),
+            crate::Rows::Pinned(p) => p.len(),
+        };
         let n = keys.len();
         check::keys(keys)?;
-        check::rows_at(&self.config, n, at, values.len(), found.len())?;
-        self.dev.ctx.bind_to_thread().map_err(dev_err("binding the device's context"))?;
-        let bytes = std::mem::size_of_val(values);
-        let Some(rows) = crate::cuda::device_address_of_host(values.as_ptr() as *const u8, bytes) else {
-            return crate::find_at_by_find(self, keys, at, values, found);
+        check::rows_at(&self.config, n, at, rows_len(&rows), found.len())?;
+        let rows = match rows {
+            crate::Rows::Pinned(p) => p,
+            crate::Rows::Host(values) => return crate::find_at_by_find(self, keys, at, values, found),
         };
+        let dst = rows.device();
+        self.dev.ctx.bind_to_thread().map_err(dev_err("binding the device's context"))?;
         self.read_batch(Op::Find, keys, |st, l, base| {
             let s = l.stream.clone();
             let p = Ptrs {
                 at: Some(Self::upload(&s, &mut l.stage, &mut l.at, at)?),
-                values: Some(DevPtr::from_raw(rows, values.len())),
+                values: Some(dst),
                 found: Some(Self::scratch(&s, &mut l.flags, n)?),
                 ..base
             };
             // SAFETY: keys, at and the flags sized for these n keys; at is
-            // strictly increasing and below found.len() (checked), and
-            // values, mapped host memory (looked up above), holds
-            // found.len() rows (checked) and is borrowed mutably for this
+            // strictly increasing and below found.len() (checked), and the
+            // rows, mapped host memory (a HostFrame's, by their type), hold
+            // found.len() rows (checked) and are borrowed mutably for this
             // call, which waits for the kernel (read_counters synchronises
             // the stream).
             unsafe { self.k_lookup(&s, st, n as u64, p) }?;
@@ -462,5 +396,94 @@ impl Shard for CudaTable {
             lfu_ties: self.config.lfu_ties,
         }
         .clock_floor()
+    }
+}
+
+impl CudaTable {
+    /// find into `values`: `pinned` when they lie in a page-locked frame
+    /// ([`crate::Rows::Pinned`]), whose rows come straight from the device once
+    /// every key is known to hit; else they pass through the staging memory.
+    fn find_rows(
+        &self,
+        keys: &[u64],
+        values: &mut [f32],
+        pinned: bool,
+        found: &mut [bool],
+        scores: Option<&mut [u64]>,
+    ) -> Result<usize> {
+        let n = keys.len();
+        check::lookup(&self.config, keys, Some(values.len()), found.len(), scores.as_ref().map(|s| s.len()))?;
+        let dim = self.config.dim;
+        self.read_batch(Op::Find, keys, |st, l, base| {
+            let s = l.stream.clone();
+            let mut p = Ptrs {
+                values: Some(Self::scratch(&s, &mut l.values, n * dim)?),
+                found: Some(Self::scratch(&s, &mut l.flags, n)?),
+                ..base
+            };
+            if scores.is_some() {
+                p.scores = Some(Self::scratch(&s, &mut l.scores, n)?);
+            }
+            // SAFETY: keys uploaded, values / flags / scores sized above for these n keys
+            unsafe { self.k_lookup(&s, st, n as u64, p) }?;
+            let direct = pinned;
+            let f = Self::fetch(&s, &mut l.stage, &l.flags, n)?;
+            let v = if direct { None } else { Some(Self::fetch(&s, &mut l.stage, &l.values, n * dim)?) };
+            let sc = Self::fetch(&s, &mut l.stage, &l.scores, if scores.is_some() { n } else { 0 })?;
+            let c = self.read_counters(l)?;
+            for (o, x) in found.iter_mut().zip(l.stage.read(&f)) {
+                *o = *x != 0;
+            }
+            if direct && c.hits == n as u64 {
+                let bytes = std::mem::size_of_val(values);
+                // SAFETY: `values` is page-locked host memory of `bytes`
+                // bytes (a HostFrame's rows, by the caller's type), borrowed mutably for this call,
+                // which waits for the copy below; the lane's values buffer
+                // holds n * dim floats written by the lookup, ordered
+                // before the copy by the stream.
+                unsafe {
+                    cudarc::driver::sys::cuMemcpyDtoHAsync_v2(
+                        values.as_mut_ptr() as *mut std::ffi::c_void,
+                        arg("values", p.values, n * dim)?,
+                        bytes,
+                        s.cu_stream(),
+                    )
+                }
+                .result()
+                .map_err(dev_err("copying rows into a pinned frame"))?;
+                s.synchronize().map_err(dev_err("synchronizing"))?;
+                if let Some(out) = scores {
+                    l.stage.read_into(&sc, out);
+                }
+                return Ok(c.hits);
+            }
+            let v = match v {
+                Some(v) => v,
+                None => {
+                    let v = Self::fetch(&s, &mut l.stage, &l.values, n * dim)?;
+                    l.stage.sync(&s)?;
+                    v
+                }
+            };
+            if c.hits == n as u64 {
+                // Every key hit: the rows (and scores) come straight back.
+                l.stage.read_into(&v, values);
+                if let Some(out) = scores {
+                    l.stage.read_into(&sc, out);
+                }
+                return Ok(c.hits);
+            }
+            // Misses leave the caller's rows untouched: copy the hits only.
+            let (v, sc) = (l.stage.read(&v), l.stage.read(&sc));
+            for i in (0..n).filter(|&i| found[i]) {
+                values[i * dim..(i + 1) * dim].copy_from_slice(&v[i * dim..(i + 1) * dim]);
+            }
+            if let Some(out) = scores {
+                for i in (0..n).filter(|&i| found[i]) {
+                    out[i] = sc[i];
+                }
+            }
+            Ok(c.hits)
+        })
     }
 }
