@@ -577,7 +577,7 @@ pub fn sampling_sees_every_lookup_and_write(make: Make) {
     want.extend(a);
     let at: Vec<u32> = (0..b.len() as u32).map(|i| 2 * i).collect();
     let (mut v, mut f) = (vec![0.0; 2 * b.len() * dim], vec![0u8; 2 * b.len()]);
-    t.find_at(b, &at, &mut v, &mut f).unwrap();
+    t.find_at(b, &at, Rows::Host(&mut v), &mut f).unwrap();
     want.extend(b);
     let rev: Vec<u64> = a.iter().rev().copied().collect();
     t.contains(&rev, &mut vec![false; rev.len()]).unwrap();
