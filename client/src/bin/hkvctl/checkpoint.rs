@@ -151,14 +151,14 @@ pub fn restore(c: &mut Client, socket: &Path, id: &str) -> Result<()> {
             eprintln!("hkvctl: warning: table {table} could not place {n} entries of the checkpoint");
         }
     }
+    let tables: Vec<String> = r.tables.iter().map(|(t, n)| format!("{t} ({n} entries)")).collect();
     println!(
-        "restored checkpoint {} in {:.2}s ({:.0} MB/s): {} entries, tables {}, dropped {}",
+        "restored checkpoint {} in {:.2}s ({:.0} MB/s): {} entries; tables: {}",
         r.id,
         r.seconds,
         r.mb_per_s,
         r.entries,
-        serde_json::to_string(&r.tables)?,
-        serde_json::to_string(&r.dropped)?
+        if tables.is_empty() { "none".to_string() } else { tables.join(", ") }
     );
     Ok(())
 }
