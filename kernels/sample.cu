@@ -20,14 +20,9 @@
 // Memory traffic per key: one 8-byte read (and `only`'s byte where given),
 // one 8-byte write per sampled key; two atomics per run of 1024 keys.
 
-// splitmix64's finalizer of key ^ seed: mrc::sample_hash, bit for bit
-// (checked against mrc::SAMPLE_HASH_VECTORS by tests/cuda.rs).
-__device__ __forceinline__ u64 hkv_sample_hash(u64 key, u64 seed) {
-    u64 z = key ^ seed;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-}
+// hkv_sample_hash (common.cuh) is mrc::sample_hash, bit for bit (checked
+// against mrc::SAMPLE_HASH_VECTORS by tests/cuda.rs). The lookup kernels run
+// the same filter fused (hkv_sample_warp in table.cuh).
 
 // keys[0..n] (only those with only[i] != 0 where `only` is non-null) are
 // counted in counters[1]; the ones with hkv_sample_hash(key, seed) <

@@ -269,7 +269,11 @@ impl CudaTable {
         let base = Ptrs { keys: r.p.keys, counters: r.p.counters, only: r.p.only, ..Ptrs::default() };
         let p = r.p;
         let n64 = n as u64;
-        let sampled = !matches!(op, DeviceOp::Erase | DeviceOp::Load | DeviceOp::Export { .. });
+        // Lookups sample the keys they serve in their kernel (fused); the
+        // other sampled ops launch the filter before their kernel.
+        let lookup = matches!(op, DeviceOp::Find | DeviceOp::FindPtr | DeviceOp::Contains);
+        let sampled = !lookup && !matches!(op, DeviceOp::Erase | DeviceOp::Load | DeviceOp::Export { .. });
+        let look = Ptrs { sample: if lookup { self.sample_args(s) } else { SampleArgs::default() }, ..base };
         // SAFETY: the caller's contract covers every address passed on.
         unsafe {
             if sampled {
@@ -278,11 +282,11 @@ impl CudaTable {
             }
             match op {
                 DeviceOp::Find => {
-                    let p = Ptrs { values: p.values, found: p.found, scores: p.scores, ..base };
+                    let p = Ptrs { values: p.values, found: p.found, scores: p.scores, ..look };
                     self.k_lookup(s, st, n64, p)?
                 }
-                DeviceOp::FindPtr => self.k_lookup(s, st, n64, Ptrs { ptrs: p.ptrs, ..base })?,
-                DeviceOp::Contains => self.k_lookup(s, st, n64, Ptrs { found: p.found, ..base })?,
+                DeviceOp::FindPtr => self.k_lookup(s, st, n64, Ptrs { ptrs: p.ptrs, ..look })?,
+                DeviceOp::Contains => self.k_lookup(s, st, n64, Ptrs { found: p.found, ..look })?,
                 DeviceOp::InsertOrAssign | DeviceOp::InsertAndEvict | DeviceOp::FindOrInsert => {
                     let mut q = Ptrs { values: p.values, ..base };
                     if op == DeviceOp::InsertAndEvict {

@@ -73,6 +73,22 @@ impl CudaTable {
         })
     }
 
+    /// The sampler for a lookup kernel that runs the filter fused
+    /// (`hkv_sample_warp` in `kernels/table.cuh`), on stream `l`: off (all
+    /// zeros) when no sampler is set or the ring is not allocated.
+    pub(super) fn sample_args(&self, l: &CudaStream) -> SampleArgs {
+        let (Some(s), Some(ring)) = (self.sampling.switch.get(), self.sampling.ring.get()) else {
+            return SampleArgs::default();
+        };
+        SampleArgs {
+            ring: ptr(&ring.keys, l),
+            counters: ptr(&ring.counters, l),
+            cap: ring.keys.len() as u64,
+            seed: s.seed,
+            threshold: s.threshold,
+        }
+    }
+
     /// Launches `sample_keys` over the `n` keys at `keys` (those with a
     /// non-zero flag in `only`, when given) on stream `l`, when a sampler
     /// is set; else does nothing. Batches of up to [`SEQUENTIAL_BATCH`]
