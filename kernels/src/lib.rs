@@ -18,7 +18,9 @@
 //! - `route.cu`: the device-resident path of a GPU group: split a batch by
 //!   owning shard on the GPU, put rows back in request order.
 //! - `sample.cu`: the miss-ratio curves' sampling filter, appending the
-//!   sampled keys of a batch to a ring the host drains.
+//!   sampled keys of a batch to a ring the host drains (the writes'; the
+//!   lookup kernels run the same filter themselves, `hkv_sample_warp` in
+//!   `table.cuh`).
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]

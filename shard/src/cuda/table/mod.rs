@@ -40,7 +40,8 @@
 //!   and the enqueue / complete pair the GPU group builds on.
 //! - `ops`: the [`Shard`] operations.
 //! - `sampling`: the ring of keys sampled for miss-ratio curves, the
-//!   `sample_keys` launch and the drain.
+//!   sampler the lookup kernels take, the writes' `sample_keys` launch and
+//!   the drain.
 
 mod abi;
 mod device_batch;

@@ -1,23 +1,30 @@
 //! Sampling for miss-ratio curves on the device ([`crate::sample`]): the
-//! ring the `sample_keys` kernel (`kernels/sample.cu`) appends sampled keys
-//! to, its launch, and the drain.
+//! ring the lookup kernels (fused, `hkv_sample_warp` in `kernels/table.cuh`)
+//! and the `sample_keys` kernel (`kernels/sample.cu`, for the writes)
+//! append sampled keys to, the lookups' sampler argument, the writes'
+//! launch, and the drain.
 //!
 //! The ring scheme: [`SAMPLE_BUFFER_KEYS`] key slots and two counters in
 //! device memory, `counters[0]` the slots claimed since the last drain and
-//! `counters[1]` the accesses (keys filtered) since then. Each run of 1024
-//! keys of a launch claims its sampled keys' slots with one atomicAdd and
-//! writes a key only where its slot is below the capacity; claims past it
-//! are the dropped keys. Launches of several lanes (reader or updater
+//! `counters[1]` the accesses (keys filtered) since then. A lookup kernel
+//! ([`CudaTable::sample_args`], passed to `k_lookup` through
+//! [`Ptrs::sample`]) filters each key as it reads it: each warp with a
+//! sampled key claims its slots with one atomicAdd, and each block adds its
+//! keys to the accesses with one more; no launch and no second read of the
+//! keys. `sample_keys`, launched before a write's kernel, claims per run of
+//! 1024 keys. Either writes a key only where its slot is below the
+//! capacity; claims past it are the dropped keys. Launches of several lanes (reader or updater
 //! batches run on several streams at once) share the ring through those
 //! atomics. The drain takes the inserter lock group, so no batch of the
 //! table runs then and every earlier one has been synchronised (each batch
 //! waits for its streams before its group is released, [`Pending`] too):
 //! every claimed slot below the capacity is written. It reads the counters,
 //! copies slots `[0, min(claimed, capacity))`, and zeroes the counters, so
-//! the next batch claims from slot 0 again: no tail, no wrap-around. The
-//! kernel is launched on the batch's own stream right after its keys are
-//! there, before the operation's kernel, so it adds no synchronisation; with
-//! no sampler set there is no launch (one relaxed load per batch).
+//! the next batch claims from slot 0 again: no tail, no wrap-around.
+//! `sample_keys` is launched on the batch's own stream right after its keys
+//! are there, before the operation's kernel, so it adds no synchronisation;
+//! with no sampler set there is no launch and the lookups get a null ring
+//! (one relaxed load per batch).
 //!
 //! The ring is allocated when a sampler is first set and kept while the
 //! table lives (512 KiB and 16 bytes).
