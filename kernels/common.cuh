@@ -31,8 +31,7 @@ __device__ __forceinline__ u8 hkv_key_digest(u64 h) {
     return d == hkv_empty_digest() ? d ^ 1 : d;
 }
 
-// The miss-ratio sampling filter's hash (sample.cu, hkv_sample_warp in
-// table.cuh): splitmix64's finalizer of key ^ seed, mrc::sample_hash bit for
+// The miss-ratio sampling filter's hash (hkv_sample_warp in table.cuh): splitmix64's finalizer of key ^ seed, mrc::sample_hash bit for
 // bit (checked against mrc::SAMPLE_HASH_VECTORS by tests/cuda.rs).
 __device__ __forceinline__ u64 hkv_sample_hash(u64 key, u64 seed) {
     u64 z = key ^ seed;

@@ -547,14 +547,22 @@ __device__ __forceinline__ void hkv_flush_counters(u64* shared, u64* global) {
     if (threadIdx.x < HKV_NCOUNTERS) hkv_cnt[threadIdx.x] = 0;    \
     __syncthreads();
 
-// ---- fused miss-ratio sampling -----------------------------------------------
-// The sampling filter of sample.cu run inside a kernel that reads its keys
-// anyway (the lookups): no launch and no second read of the keys. The ring
-// and its counters are sample.cu's (counters[0] slots claimed, counters[1]
-// accesses, since the last drain). Keys are appended in warp order: one
-// atomicAdd on counters[0] per warp with a sampled key, the warp's keys in
-// lane order from its base. Accesses are summed per block in shared memory
-// and added with one atomicAdd per block.
+// ---- miss-ratio sampling -----------------------------------------------------
+// The miss-ratio curves' sampling filter (shard/src/mrc.rs, issue 27), run
+// by the lookup, upsert and update kernels on the keys they read anyway: no
+// launch and no second read of the keys. Each key a kernel serves is
+// counted as an access; those with hkv_sample_hash(key, seed) < threshold
+// are appended to the shard's ring (shard/src/cuda/table/sampling.rs): `cap`
+// keys and two counters, counters[0] = keys appended (claimed slots) since
+// the last drain, counters[1] = accesses since the last drain. A warp with
+// sampled keys claims their slots with one atomicAdd on counters[0] and
+// writes each key, in lane order from its base, only where its slot is
+// below cap; the claims past cap are the dropped keys (counters[0] - cap).
+// Accesses are summed per block in shared memory and added with one
+// atomicAdd per block. The host drains the ring only while no batch of the
+// table runs, reads counters[0] and slots [0, min(counters[0], cap)), and
+// zeroes both counters, so the slots restart at 0: no tail, no wrap-around.
+// A batch's keys come back a warp at a time, in the order the warps ran.
 
 // A launch's sampler (mirrors SampleArgs in shard/src/cuda/table/abi.rs);
 // ring null: sampling off.

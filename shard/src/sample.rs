@@ -7,19 +7,16 @@
 //! set, a batch costs one relaxed load of `Switch::on` and nothing per
 //! key. While one is, the CPU backend hashes each key of the batch (one
 //! mix, two multiplies) into a small local vector and takes the buffer's
-//! mutex once per batch; on the CUDA backend the lookup kernels (find,
-//! find_at, contains, find*) run the filter themselves as they read each
-//! key, and the writes launch `sample_keys` (`kernels/sample.cu`) on the
-//! batch's stream; both append to a ring in device memory
+//! mutex once per batch; on the CUDA backend the lookup and writer kernels
+//! run the filter themselves as they read each key (`hkv_sample_warp` in
+//! `kernels/table.cuh`) and append to a ring in device memory
 //! (`cuda::table::sampling`).
 //!
 //! A drain hands over the keys in the order they were appended: batch
 //! after batch, and within a batch in index order on the CPU backend; on
-//! the CUDA backend a lookup's keys a warp's at a time (each warp's in
-//! index order, the warps in the order the device ran them) and a write's
-//! in runs of 1024 keys (index order for a write of up to
-//! [`SEQUENTIAL_BATCH`](crate::SEQUENTIAL_BATCH) keys), as the batch's own
-//! keys are processed in no set order. With them come the accesses
+//! the CUDA backend a warp's keys at a time (each warp's in the order of
+//! its lanes, the warps in the order the device ran them), as the batch's
+//! own keys are processed in no set order. With them come the accesses
 //! counted since the last drain; sampled
 //! keys that found the buffer full ([`SAMPLE_BUFFER_KEYS`]) are lost and
 //! counted as dropped. Keys sampled under an earlier sampler are filtered

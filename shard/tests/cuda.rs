@@ -550,15 +550,17 @@ fn device_batches_are_sampled() {
     assert_eq!(t.drain_samples(&mut out), SampleDrain::default());
 }
 
-/// The lookups run the sampling filter in their kernel: find, find_at,
-/// contains and the device batches' find, find* and contains sample exactly
-/// the keys `mrc::sampled` keeps, as a multiset, and count every key as an
-/// access; at every kernel variant (threads per key), with the rows partly
-/// in host memory (large batches in region order), and at batch sizes of
-/// one warp, one block and many blocks.
+/// The kernels run the sampling filter themselves: find, find_at,
+/// contains, insert_or_assign, assign and the device batches' find, find*,
+/// contains, insert_or_assign and assign sample exactly the keys
+/// `mrc::sampled` keeps, as a multiset, and count every key as an access;
+/// at every lookup kernel variant (threads per key), with the rows partly
+/// in host memory (large batches in region order), at batch sizes of one
+/// warp, one block and many blocks, and with repeated keys (writes in
+/// rounds: each occurrence sampled once).
 #[test]
 #[ignore = "needs a CUDA device"]
-fn fused_lookups_sample_exactly_the_filtered_keys() {
+fn fused_sampling_keeps_exactly_the_filtered_keys() {
     use hkv_shard::config::CudaTuning;
     use hkv_shard::mrc::{sampled, Sampler};
     use hkv_shard::SampleDrain;
@@ -607,9 +609,16 @@ fn fused_lookups_sample_exactly_the_filtered_keys() {
             let at: Vec<u32> = (0..n as u32).collect();
             t.find_at(&keys, &at, Rows::Host(&mut vec![0.0; n * dim]), &mut vec![0u8; n]).unwrap();
             check("find_at", &t);
+            let rows = vec![2.0; n * dim];
+            t.insert_or_assign(&keys, &rows, None, None).unwrap();
+            check("insert_or_assign", &t);
+            t.assign(&keys, &rows, None, None).unwrap();
+            check("assign", &t);
             let mut b = t.device_batch(n).unwrap();
             b.stream.memcpy_htod(&keys, &mut b.keys).unwrap();
-            for op in [DeviceOp::Find, DeviceOp::FindPtr, DeviceOp::Contains] {
+            let ops =
+                [DeviceOp::Find, DeviceOp::FindPtr, DeviceOp::Contains, DeviceOp::InsertOrAssign, DeviceOp::Assign];
+            for op in ops {
                 t.run_device(op, &mut b, n).unwrap();
                 check(&format!("device {op:?}"), &t);
             }

@@ -266,27 +266,23 @@ impl CudaTable {
         }
         let st_guard = self.storage.read();
         let st = &*st_guard;
-        let base = Ptrs { keys: r.p.keys, counters: r.p.counters, only: r.p.only, ..Ptrs::default() };
+        // The kernel of a sampled op samples the keys this part serves
+        // (`only`) as it reads them (fused); erase, load and export are not
+        // sampled.
+        let sampled = !matches!(op, DeviceOp::Erase | DeviceOp::Load | DeviceOp::Export { .. });
+        let sample = if sampled { self.sample_args(s) } else { SampleArgs::default() };
+        let base = Ptrs { keys: r.p.keys, counters: r.p.counters, only: r.p.only, sample, ..Ptrs::default() };
         let p = r.p;
         let n64 = n as u64;
-        // Lookups sample the keys they serve in their kernel (fused); the
-        // other sampled ops launch the filter before their kernel.
-        let lookup = matches!(op, DeviceOp::Find | DeviceOp::FindPtr | DeviceOp::Contains);
-        let sampled = !lookup && !matches!(op, DeviceOp::Erase | DeviceOp::Load | DeviceOp::Export { .. });
-        let look = Ptrs { sample: if lookup { self.sample_args(s) } else { SampleArgs::default() }, ..base };
         // SAFETY: the caller's contract covers every address passed on.
         unsafe {
-            if sampled {
-                // The keys this part serves (`only`), before the op's kernel.
-                self.k_sample(s, n, base.keys, base.only)?;
-            }
             match op {
                 DeviceOp::Find => {
-                    let p = Ptrs { values: p.values, found: p.found, scores: p.scores, ..look };
+                    let p = Ptrs { values: p.values, found: p.found, scores: p.scores, ..base };
                     self.k_lookup(s, st, n64, p)?
                 }
-                DeviceOp::FindPtr => self.k_lookup(s, st, n64, Ptrs { ptrs: p.ptrs, ..look })?,
-                DeviceOp::Contains => self.k_lookup(s, st, n64, Ptrs { found: p.found, ..look })?,
+                DeviceOp::FindPtr => self.k_lookup(s, st, n64, Ptrs { ptrs: p.ptrs, ..base })?,
+                DeviceOp::Contains => self.k_lookup(s, st, n64, Ptrs { found: p.found, ..base })?,
                 DeviceOp::InsertOrAssign | DeviceOp::InsertAndEvict | DeviceOp::FindOrInsert => {
                     let mut q = Ptrs { values: p.values, ..base };
                     if op == DeviceOp::InsertAndEvict {

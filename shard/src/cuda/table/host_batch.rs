@@ -103,9 +103,9 @@ impl CudaTable {
         };
         if !verbatim && only.is_none() {
             // The keys of a client's write (not a load, nor accum_or_assign's
-            // insert phase, whose keys were sampled in its update phase).
-            // SAFETY: keys uploaded above for these n keys.
-            unsafe { self.k_sample(&s, n, p.keys, None) }?;
+            // insert phase, whose keys were sampled in its update phase): the
+            // kernel samples them (fused), each once over the rounds.
+            p.sample = self.sample_args(&s);
         }
         if let Some(sc) = scores {
             p.scores = Some(Self::upload(&s, &mut l.stage, &mut l.scores, sc)?);
@@ -270,8 +270,8 @@ impl CudaTable {
             counters: Some(DevPtr::of(&l.counters, &s)),
             ..Ptrs::default()
         };
-        // SAFETY: keys uploaded above for these n keys.
-        unsafe { self.k_sample(&s, n, p.keys, None) }?;
+        // The kernel samples the keys (fused), each once over the rounds.
+        p.sample = self.sample_args(&s);
         if let Some(v) = values {
             p.values = Some(Self::upload(&s, &mut l.stage, &mut l.values, v)?);
         }
