@@ -31,6 +31,15 @@ __device__ __forceinline__ u8 hkv_key_digest(u64 h) {
     return d == hkv_empty_digest() ? d ^ 1 : d;
 }
 
+// The miss-ratio sampling filter's hash (hkv_sample_warp in table.cuh): splitmix64's finalizer of key ^ seed, mrc::sample_hash bit for
+// bit (checked against mrc::SAMPLE_HASH_VECTORS by tests/cuda.rs).
+__device__ __forceinline__ u64 hkv_sample_hash(u64 key, u64 seed) {
+    u64 z = key ^ seed;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
 // One block of 1024 threads: offsets[j] = counts[0] + ... + counts[j - 1]
 // for j < len; returns the total of all len counts (to every thread).
 // Each thread sums a contiguous run, the runs are scanned in shared memory.

@@ -14,15 +14,18 @@
 
 template <int G, bool AT>
 __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u64 n, float* values, u8* found,
-                                           u64* scores, u64* ptrs, u64* cnt, const u8* only, const u32* at) {
+                                           u64* scores, u64* ptrs, u64* cnt, const u8* only, const u32* at,
+                                           const HkvSample& smp, u32* seen) {
     HkvGroup<G> g;
     u64 i = hkv_key_index(t, ((u64)blockIdx.x * blockDim.x + threadIdx.x) / G, n);
     bool active = i < n && !(only && !only[i]);
     u64 pos = 0;
     bool hit = false;
     u64 o = AT && active ? at[i] : i;
+    u64 key = active ? keys[i] : 0;
+    // The miss-ratio sampling filter, fused: the whole warp is here.
+    if (smp.ring) hkv_sample_warp(smp, active && g.rank == 0, key, seen);
     if (active) {
-        u64 key = keys[i];
         u64 b1, b2;
         u8 d;
         hkv_locate(t, key, &b1, &b2, &d);
@@ -71,21 +74,26 @@ __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u
 
 #define HKV_LOOKUP_KERNEL(NAME, G)                                                                              \
     extern "C" __global__ void NAME(HkvTable t, const u64* keys, u64 n, float* values, u8* found, u64* scores,     \
-                                    u64* ptrs, u64* counters, const u8* only) {                                    \
+                                    u64* ptrs, u64* counters, const u8* only, HkvSample smp) {                     \
+        HKV_SAMPLE_INIT                                                                                            \
         HKV_COUNTERS_INIT                                                                                          \
-        lookup_one<G, false>(t, keys, n, values, found, scores, ptrs, hkv_cnt, only, 0);                          \
+        lookup_one<G, false>(t, keys, n, values, found, scores, ptrs, hkv_cnt, only, 0, smp, &hkv_seen);          \
         hkv_flush_counters(hkv_cnt, counters);                                                                     \
+        hkv_flush_sample(smp, &hkv_seen);                                                                          \
     }
 
 #define HKV_LOOKUP_AT_KERNEL(NAME, G)                                                                           \
     extern "C" __global__ void NAME(HkvTable t, const u64* keys, u64 n, const u32* at, float* values, u8* found,   \
-                                    u64* counters) {                                                               \
+                                    u64* counters, HkvSample smp) {                                                \
+        HKV_SAMPLE_INIT                                                                                            \
         HKV_COUNTERS_INIT                                                                                          \
-        lookup_one<G, true>(t, keys, n, values, found, 0, 0, hkv_cnt, 0, at);                                     \
+        lookup_one<G, true>(t, keys, n, values, found, 0, 0, hkv_cnt, 0, at, smp, &hkv_seen);                     \
         hkv_flush_counters(hkv_cnt, counters);                                                                     \
+        hkv_flush_sample(smp, &hkv_seen);                                                                          \
     }
 
-// values / found / scores / ptrs may each be null. Misses leave values
+// smp: the miss-ratio sampler (table.cuh; ring null: off), which samples
+// the keys looked up. values / found / scores / ptrs may each be null. Misses leave values
 // untouched. With only (may be null), key i is looked up only where
 // only[i] != 0: nothing of the others is written. lookup_find: 8 threads per key; lookup_find_gN: N.
 HKV_LOOKUP_KERNEL(lookup_find, 8)

@@ -546,3 +546,65 @@ __device__ __forceinline__ void hkv_flush_counters(u64* shared, u64* global) {
     __shared__ u64 hkv_cnt[HKV_NCOUNTERS];                        \
     if (threadIdx.x < HKV_NCOUNTERS) hkv_cnt[threadIdx.x] = 0;    \
     __syncthreads();
+
+// ---- miss-ratio sampling -----------------------------------------------------
+// The miss-ratio curves' sampling filter (shard/src/mrc.rs, issue 27), run
+// by the lookup, upsert and update kernels on the keys they read anyway: no
+// launch and no second read of the keys. Each key a kernel serves is
+// counted as an access; those with hkv_sample_hash(key, seed) < threshold
+// are appended to the shard's ring (shard/src/cuda/table/sampling.rs): `cap`
+// keys and two counters, counters[0] = keys appended (claimed slots) since
+// the last drain, counters[1] = accesses since the last drain. A warp with
+// sampled keys claims their slots with one atomicAdd on counters[0] and
+// writes each key, in lane order from its base, only where its slot is
+// below cap; the claims past cap are the dropped keys (counters[0] - cap).
+// Accesses are summed per block in shared memory and added with one
+// atomicAdd per block. The host drains the ring only while no batch of the
+// table runs, reads counters[0] and slots [0, min(counters[0], cap)), and
+// zeroes both counters, so the slots restart at 0: no tail, no wrap-around.
+// A batch's keys come back a warp at a time, in the order the warps ran.
+
+// A launch's sampler (mirrors SampleArgs in shard/src/cuda/table/abi.rs);
+// ring null: sampling off.
+struct HkvSample {
+    u64* ring;       // cap keys
+    u64* counters;   // 2: slots claimed, accesses
+    u64 cap;
+    u64 seed;
+    u64 threshold;
+};
+
+// Declares and zeroes the block's access count; a __syncthreads must follow
+// before hkv_sample_warp (HKV_COUNTERS_INIT's).
+#define HKV_SAMPLE_INIT            \
+    __shared__ u32 hkv_seen;       \
+    if (threadIdx.x == 0) hkv_seen = 0;
+
+// Every thread of the warp calls it, converged, with sampling on (smp.ring
+// non-null); `live`: this thread stands for key `key` (one thread per key)
+// and the key is served. Counts the warp's live keys into *seen and appends
+// its sampled ones (hkv_sample_hash(key, seed) < threshold) to the ring,
+// writing only slots below cap.
+__device__ __forceinline__ void hkv_sample_warp(const HkvSample& smp, bool live, u64 key, u32* seen) {
+    u32 lane = threadIdx.x & 31;
+    bool take = live && hkv_sample_hash(key, smp.seed) < smp.threshold;
+    u32 taken = __ballot_sync(0xffffffffu, take);
+    u32 lives = __ballot_sync(0xffffffffu, live);
+    if (lane == 0 && lives) atomicAdd(seen, (u32)__popc(lives));
+    if (!taken) return;
+    int first = __ffs(taken) - 1;
+    u64 base = 0;
+    if ((int)lane == first) base = atomicAdd(smp.counters, (u64)__popc(taken));
+    base = __shfl_sync(0xffffffffu, base, first);
+    if (take) {
+        u64 slot = base + (u64)__popc(taken & ((1u << lane) - 1));
+        if (slot < smp.cap) smp.ring[slot] = key;
+    }
+}
+
+// Adds the block's accesses to the ring's counter (every thread of the block
+// calls it, after a __syncthreads that follows the last hkv_sample_warp:
+// hkv_flush_counters').
+__device__ __forceinline__ void hkv_flush_sample(const HkvSample& smp, const u32* seen) {
+    if (smp.ring && threadIdx.x == 0 && *seen) atomicAdd(smp.counters + 1, (u64)*seen);
+}

@@ -12,11 +12,14 @@
 template <int G, bool PRELOAD>
 __device__ __forceinline__ void update_one(const HkvTable& t, const HkvScoring& sc, const u64* keys, u64 n,
                                            const float* values, const u64* scores_in, const u8* only, int mode,
-                                           u8* outcomes, u8* absent, u64* cnt) {
+                                           u8* outcomes, u8* absent, u64* cnt, const HkvSample& smp, u32* seen) {
     HkvGroup<G> g;
     u64 i = hkv_key_index(t, ((u64)blockIdx.x * blockDim.x + threadIdx.x) / G, n);
-    if (i >= n || (only && !only[i])) return;
-    u64 key = keys[i];
+    bool active = i < n && !(only && !only[i]);
+    u64 key = active ? keys[i] : 0;
+    // The miss-ratio sampling filter, fused: the whole warp is here.
+    if (smp.ring) hkv_sample_warp(smp, active && g.rank == 0, key, seen);
+    if (!active) return;
     u64 b1, b2;
     u8 d;
     hkv_locate(t, key, &b1, &b2, &d);
@@ -78,14 +81,19 @@ __device__ __forceinline__ void update_one(const HkvTable& t, const HkvScoring& 
 }
 
 // values: rows (assign) or deltas (accumulate); null for assign_scores.
-// only (may be null): process key i only where only[i] != 0.
+// only (may be null): process key i only where only[i] != 0. smp: the
+// miss-ratio sampler (table.cuh; ring null: off), which samples the keys
+// processed.
 #define HKV_UPDATE_KERNEL(NAME, G, BOUNDS, PRELOAD)                                                                 \
     extern "C" __global__ void BOUNDS NAME(HkvTable t, HkvScoring sc, const u64* keys, u64 n, const float* values,  \
                                     const u64* scores_in, const u8* only, int mode, u8* outcomes, u8* absent,       \
-                                    u64* counters) {                                                                \
+                                    u64* counters, HkvSample smp) {                                                 \
+        HKV_SAMPLE_INIT                                                                                             \
         HKV_COUNTERS_INIT                                                                                           \
-        update_one<G, PRELOAD>(t, sc, keys, n, values, scores_in, only, mode, outcomes, absent, hkv_cnt);           \
+        update_one<G, PRELOAD>(t, sc, keys, n, values, scores_in, only, mode, outcomes, absent, hkv_cnt, smp,      \
+                               &hkv_seen);                                                                          \
         hkv_flush_counters(hkv_cnt, counters);                                                                      \
+        hkv_flush_sample(smp, &hkv_seen);                                                                           \
     }
 
 // update_keys: 8 threads per key; the _gN variants: N. update_keys_g2_b5:

@@ -17,11 +17,15 @@ template <int G, bool LOST>
 __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& sc, const u64* keys, u64 n,
                                            float* values, const u64* scores_in, const u8* only, int mode,
                                            u8* outcomes, u64* ptrs, u64* lost_keys, float* lost_values,
-                                           u64* lost_scores, u8* lost_kinds, u64* cnt, u64* gcnt) {
+                                           u64* lost_scores, u8* lost_kinds, u64* cnt, u64* gcnt,
+                                           const HkvSample& smp, u32* seen) {
     HkvGroup<G> g;
     u64 i = hkv_key_index(t, ((u64)blockIdx.x * blockDim.x + threadIdx.x) / G, n);
-    if (i >= n || (only && !only[i])) return;
-    u64 key = keys[i];
+    bool active = i < n && !(only && !only[i]);
+    u64 key = active ? keys[i] : 0;
+    // The miss-ratio sampling filter, fused: the whole warp is here.
+    if (smp.ring) hkv_sample_warp(smp, active && g.rank == 0, key, seen);
+    if (!active) return;
     u64 b1, b2;
     u8 d;
     hkv_locate(t, key, &b1, &b2, &d);
@@ -119,16 +123,19 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
 // values: input rows (find_or_insert: in and out; null for find_or_insert*).
 // scores_in, only, outcomes, ptrs and the lost_* outputs may be null; with
 // only, key i is processed only where only[i] != 0. Kernels built without
-// LOST ignore the lost_* outputs.
+// LOST ignore the lost_* outputs. smp: the miss-ratio sampler (table.cuh;
+// ring null: off), which samples the keys processed.
 #define HKV_UPSERT_KERNEL(NAME, G, BOUNDS, LOST)                                                                   \
     extern "C" __global__ void BOUNDS NAME(HkvTable t, HkvScoring sc, const u64* keys, u64 n, float* values,       \
                                            const u64* scores_in, const u8* only, int mode, u8* outcomes,           \
                                            u64* ptrs, u64* lost_keys, float* lost_values, u64* lost_scores,        \
-                                           u8* lost_kinds, u64* counters) {                                        \
+                                           u8* lost_kinds, u64* counters, HkvSample smp) {                         \
+        HKV_SAMPLE_INIT                                                                                            \
         HKV_COUNTERS_INIT                                                                                          \
         upsert_one<G, LOST>(t, sc, keys, n, values, scores_in, only, mode, outcomes, ptrs, lost_keys, lost_values, \
-                            lost_scores, lost_kinds, hkv_cnt, counters);                                          \
+                            lost_scores, lost_kinds, hkv_cnt, counters, smp, &hkv_seen);                          \
         hkv_flush_counters(hkv_cnt, counters);                                                                     \
+        hkv_flush_sample(smp, &hkv_seen);                                                                          \
     }
 
 // upsert_keys: 8 threads per key; the _gN variants: N. upsert_keys_g4_b5:

@@ -10,15 +10,14 @@
 //! - `common.cuh`: hashing helpers shared by every module.
 //! - `hash.cu`: bucket and digest of keys.
 //! - `features.cu`: raw features to keys (Fingerprint64, SipHash-2-4).
-//! - `table.cuh`: the table's device layout and shared per-key helpers,
+//! - `table.cuh`: the table's device layout and shared per-key helpers (the
+//!   miss-ratio sampling filter the lookup and writer kernels run among them),
 //!   prepended (after `common.cuh`) to the table families:
 //!   `lookup.cu` (find, contains, find*), `upsert.cu` (every insert path),
 //!   `update.cu` (assign, assign_scores, accumulate), `erase.cu` (erase,
 //!   erase_if, clear), `export.cu` (export_batch(_if), compacted).
 //! - `route.cu`: the device-resident path of a GPU group: split a batch by
 //!   owning shard on the GPU, put rows back in request order.
-//! - `sample.cu`: the miss-ratio curves' sampling filter, appending the
-//!   sampled keys of a batch to a ring the host drains.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -47,13 +46,11 @@ pub enum KernelId {
     Export,
     /// `route.cu`: `route_count`, `route_scan`, `route_scatter`, `route_masks`, `rows_*`.
     Route,
-    /// `sample.cu`: `sample_keys`.
-    Sample,
 }
 
 impl KernelId {
     /// Every module.
-    pub const ALL: [KernelId; 9] = [
+    pub const ALL: [KernelId; 8] = [
         KernelId::Hash,
         KernelId::Features,
         KernelId::Lookup,
@@ -62,7 +59,6 @@ impl KernelId {
         KernelId::Erase,
         KernelId::Export,
         KernelId::Route,
-        KernelId::Sample,
     ];
 
     /// The module's name (its file stem).
@@ -76,7 +72,6 @@ impl KernelId {
             KernelId::Erase => "erase",
             KernelId::Export => "export",
             KernelId::Route => "route",
-            KernelId::Sample => "sample",
         }
     }
 
@@ -91,7 +86,6 @@ impl KernelId {
             KernelId::Erase => (true, include_str!("../erase.cu")),
             KernelId::Export => (true, include_str!("../export.cu")),
             KernelId::Route => (false, include_str!("../route.cu")),
-            KernelId::Sample => (false, include_str!("../sample.cu")),
         };
         if table {
             format!("{COMMON}\n{TABLE}\n{body}")
@@ -141,7 +135,6 @@ impl KernelId {
             ],
             KernelId::Erase => &["erase_keys", "erase_if", "clear_table"],
             KernelId::Export => &["export_count", "export_scan", "export_write"],
-            KernelId::Sample => &["sample_keys"],
             KernelId::Route => &[
                 "route_count",
                 "route_scan",

@@ -548,10 +548,12 @@ pub trait Shard: Send + Sync {
         let _ = sampler;
     }
 
-    /// Appends the keys sampled since the last drain to `out`, in the
-    /// order the shard processed them (a batch in index order; on the CUDA
-    /// backend, batches above [`SEQUENTIAL_BATCH`] keys in runs of 1024 keys
-    /// in index order, see [`sample`]), and says how many keys were
+    /// Appends the keys sampled since the last drain to `out`, batch after
+    /// batch in the order the shard ran them; within a batch, index order
+    /// on the CPU backend, and no set order on the CUDA backend (the kernel
+    /// appends a warp's keys at a time, in the order the device runs the
+    /// warps, see [`sample`]): compare a batch's keys as a multiset. It
+    /// says how many keys were
     /// accessed meanwhile and how many sampled keys were lost to a full
     /// buffer ([`sample::SAMPLE_BUFFER_KEYS`]). Feed both to
     /// [`mrc::Mrc::observe_sampled`]. The default drains nothing.

@@ -4,18 +4,19 @@
 //!
 //! The filter is [`Sampler::sampled`], applied to the keys of every lookup
 //! and write a client names (not erase, export, load). While no sampler is
-//! set, a batch costs one relaxed load of [`Switch::on`] and nothing per
+//! set, a batch costs one relaxed load of `Switch::on` and nothing per
 //! key. While one is, the CPU backend hashes each key of the batch (one
 //! mix, two multiplies) into a small local vector and takes the buffer's
-//! mutex once per batch; the CUDA backend launches `sample_keys`
-//! (`kernels/sample.cu`) on the batch's stream, which appends to a ring in
-//! device memory (`cuda::table::sampling`).
+//! mutex once per batch; on the CUDA backend the lookup and writer kernels
+//! run the filter themselves as they read each key (`hkv_sample_warp` in
+//! `kernels/table.cuh`) and append to a ring in device memory
+//! (`cuda::table::sampling`).
 //!
-//! A drain hands over the keys in the order they were appended (a batch in
-//! index order; on the CUDA backend a batch above
-//! [`SEQUENTIAL_BATCH`](crate::SEQUENTIAL_BATCH) keys in runs of 1024 keys
-//! in index order, the runs in the order the device ran them, as the
-//! batch's own keys are processed in no set order) with the accesses
+//! A drain hands over the keys in the order they were appended: batch
+//! after batch, and within a batch in index order on the CPU backend; on
+//! the CUDA backend a warp's keys at a time (each warp's in the order of
+//! its lanes, the warps in the order the device ran them), as the batch's
+//! own keys are processed in no set order. With them come the accesses
 //! counted since the last drain; sampled
 //! keys that found the buffer full ([`SAMPLE_BUFFER_KEYS`]) are lost and
 //! counted as dropped. Keys sampled under an earlier sampler are filtered

@@ -11,6 +11,12 @@ fn make(cfg: TableConfig) -> Box<dyn Shard> {
 
 conformance_suite!(make);
 
+/// The CPU backend drains each batch's sampled keys in index order.
+#[test]
+fn sampling_keeps_index_order() {
+    common::conformance::sampling_sees_every_batch(make, true)
+}
+
 #[test]
 fn bad_config_is_refused() {
     for cfg in common::conformance::bad_config_is_refused() {

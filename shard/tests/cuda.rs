@@ -507,10 +507,9 @@ fn sample_kernel_equals_the_cpu_filter() {
         let mut want: Vec<u64> = keys.iter().copied().filter(|&k| sampled(k, s.seed, s.threshold)).collect();
         assert_eq!((d.accesses, d.sampled + d.dropped), (n as u64, want.len() as u64), "round {round}");
         if d.dropped == 0 {
-            if n > hkv_shard::SEQUENTIAL_BATCH {
-                out.sort_unstable();
-                want.sort_unstable();
-            }
+            // A batch's keys in warp order (lookups sample in their kernel).
+            out.sort_unstable();
+            want.sort_unstable();
             assert_eq!(out, want, "round {round}");
         }
     }
@@ -533,19 +532,96 @@ fn device_batches_are_sampled() {
     let mut want = Vec::new();
     for op in [DeviceOp::InsertOrAssign, DeviceOp::Find, DeviceOp::FindPtr, DeviceOp::Contains, DeviceOp::Assign] {
         t.run_device(op, &mut b, keys.len()).unwrap();
-        want.extend(&keys);
+        want.push(keys.clone());
     }
     t.run_device(DeviceOp::FindOrInsert, &mut b, 100).unwrap();
-    want.extend(&keys[..100]);
+    want.push(keys[..100].to_vec());
     t.run_device(DeviceOp::Export { offset: 0, filter: Filter::ALL }, &mut b, 1000).unwrap();
     t.run_device(DeviceOp::Load, &mut b, 10).unwrap();
     t.run_device(DeviceOp::Erase, &mut b, 10).unwrap();
     let d = t.drain_samples(&mut out);
-    let n = want.len() as u64;
+    let n = want.iter().map(Vec::len).sum::<usize>() as u64;
     assert_eq!(d, SampleDrain { accesses: n, sampled: n, dropped: 0 });
-    assert_eq!(out, want, "batches of up to 4096 keys in index order");
+    // Batch after batch, each batch's keys in warp order.
+    common::conformance::assert_batches(&out, &want);
     t.set_sampler(None);
     t.run_device(DeviceOp::Find, &mut b, keys.len()).unwrap();
     out.clear();
     assert_eq!(t.drain_samples(&mut out), SampleDrain::default());
+}
+
+/// The kernels run the sampling filter themselves: find, find_at,
+/// contains, insert_or_assign, assign and the device batches' find, find*,
+/// contains, insert_or_assign and assign sample exactly the keys
+/// `mrc::sampled` keeps, as a multiset, and count every key as an access;
+/// at every lookup kernel variant (threads per key), with the rows partly
+/// in host memory (large batches in region order), at batch sizes of one
+/// warp, one block and many blocks, and with repeated keys (writes in
+/// rounds: each occurrence sampled once).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn fused_sampling_keeps_exactly_the_filtered_keys() {
+    use hkv_shard::config::CudaTuning;
+    use hkv_shard::mrc::{sampled, Sampler};
+    use hkv_shard::SampleDrain;
+    let dim = 4;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(2727);
+    for (group, host_tier) in [(None, false), (None, true), (Some(1), false), (Some(2), false), (Some(4), false)]
+        .into_iter()
+        .chain([(Some(8), false), (Some(16), true), (Some(32), false)])
+    {
+        let mut cfg = TableConfig::new(1 << 16, dim);
+        if host_tier {
+            cfg.fast_tier_bytes = Some((1 << 15) * dim as u64 * 4);
+        }
+        let mut t = CudaTable::new(cfg, device()).unwrap();
+        t.set_tuning(CudaTuning { lookup_group: group, ..CudaTuning::default() }).unwrap();
+        // Half the keys present: hits and misses both sampled.
+        let present: Vec<u64> = (0..30_000).map(|_| rng.gen_range(1..u64::MAX - 4)).collect();
+        t.insert_or_assign(&present, &vec![1.0; present.len() * dim], None, None).unwrap();
+        let s = Sampler { seed: rng.gen(), threshold: u64::MAX / 10 * 3 };
+        t.set_sampler(Some(s));
+        let mut out = Vec::new();
+        t.drain_samples(&mut out);
+        for n in [1usize, 31, 1000, 5000, 50_000] {
+            let keys: Vec<u64> = (0..n)
+                .map(|i| if i % 2 == 0 { present[i % present.len()] } else { rng.gen_range(1..u64::MAX - 4) })
+                .collect();
+            let mut want: Vec<u64> = keys.iter().copied().filter(|&k| sampled(k, s.seed, s.threshold)).collect();
+            want.sort_unstable();
+            let mut check = |what: &str, t: &CudaTable| {
+                out.clear();
+                let d = t.drain_samples(&mut out);
+                let m = want.len() as u64;
+                assert_eq!(
+                    d,
+                    SampleDrain { accesses: n as u64, sampled: m, dropped: 0 },
+                    "{what}, {n} keys, {group:?}"
+                );
+                out.sort_unstable();
+                assert_eq!(out, want, "{what}, {n} keys, {group:?}, host tier {host_tier}");
+            };
+            let mut found = vec![false; n];
+            t.find(&keys, &mut vec![0.0; n * dim], &mut found, None).unwrap();
+            check("find", &t);
+            t.contains(&keys, &mut found).unwrap();
+            check("contains", &t);
+            let at: Vec<u32> = (0..n as u32).collect();
+            t.find_at(&keys, &at, Rows::Host(&mut vec![0.0; n * dim]), &mut vec![0u8; n]).unwrap();
+            check("find_at", &t);
+            let rows = vec![2.0; n * dim];
+            t.insert_or_assign(&keys, &rows, None, None).unwrap();
+            check("insert_or_assign", &t);
+            t.assign(&keys, &rows, None, None).unwrap();
+            check("assign", &t);
+            let mut b = t.device_batch(n).unwrap();
+            b.stream.memcpy_htod(&keys, &mut b.keys).unwrap();
+            let ops =
+                [DeviceOp::Find, DeviceOp::FindPtr, DeviceOp::Contains, DeviceOp::InsertOrAssign, DeviceOp::Assign];
+            for op in ops {
+                t.run_device(op, &mut b, n).unwrap();
+                check(&format!("device {op:?}"), &t);
+            }
+        }
+    }
 }

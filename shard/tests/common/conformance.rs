@@ -18,6 +18,32 @@ pub fn vals(keys: &[u64], dim: usize, salt: f32) -> Vec<f32> {
     keys.iter().flat_map(|&k| (0..dim).map(move |d| (k % 1000) as f32 + d as f32 * 0.5 + salt)).collect()
 }
 
+/// `out` holds the keys of `batches` batch after batch, each batch's keys
+/// in any order (a multiset); the last batch it reaches may be cut short
+/// (a full sample buffer), to some of that batch's keys.
+pub fn assert_batches(out: &[u64], batches: &[Vec<u64>]) {
+    let mut at = 0;
+    for (b, keys) in batches.iter().enumerate() {
+        let end = (at + keys.len()).min(out.len());
+        let mut got = out[at..end].to_vec();
+        let mut want = keys.clone();
+        got.sort_unstable();
+        want.sort_unstable();
+        if end - at == keys.len() {
+            assert_eq!(got, want, "batch {b}: its keys, as a multiset");
+        } else {
+            let mut left: HashMap<u64, usize> = HashMap::new();
+            want.iter().for_each(|&k| *left.entry(k).or_default() += 1);
+            for k in got {
+                let c = left.get_mut(&k).filter(|c| **c > 0);
+                *c.unwrap_or_else(|| panic!("batch {b}: key {k:#x} is not one of its keys")) -= 1;
+            }
+        }
+        at = end;
+    }
+    assert_eq!(at, out.len(), "no keys beyond the batches'");
+}
+
 fn find_all(t: &dyn Shard, keys: &[u64]) -> (Vec<f32>, Vec<bool>, Vec<u64>) {
     let mut v = vec![0.0; keys.len() * t.dim()];
     let mut f = vec![false; keys.len()];
@@ -552,10 +578,18 @@ pub fn keys_in_one_bucket_compete(make: Make) {
 
 /// Sampling for miss-ratio curves (issue 27): with a sampler of rate 1,
 /// every key of every lookup and write comes back from the drain, in the
-/// order the batches ran (each batch in index order), counted as accesses;
+/// order the batches ran (each batch's keys in an order of the backend's:
+/// index order on the CPU, see `Shard::drain_samples`), counted as accesses;
 /// erase, export and load are not sampled; accum_or_assign's insert phase
 /// does not count its keys twice.
 pub fn sampling_sees_every_lookup_and_write(make: Make) {
+    sampling_sees_every_batch(make, false)
+}
+
+/// [`sampling_sees_every_lookup_and_write`], with each batch's keys drained
+/// in index order when `ordered` (the CPU backend's order; the CUDA
+/// backend's lookups append in warp order).
+pub fn sampling_sees_every_batch(make: Make, ordered: bool) {
     use hkv_shard::mrc::{sample_hash, Sampler, SAMPLE_SEED};
     use hkv_shard::SampleDrain;
     let dim = 4;
@@ -570,33 +604,33 @@ pub fn sampling_sees_every_lookup_and_write(make: Make) {
     assert!(out.is_empty());
 
     t.set_sampler(Some(Sampler { seed: SAMPLE_SEED, threshold: u64::MAX }));
-    let mut want: Vec<u64> = Vec::new();
+    let mut want: Vec<Vec<u64>> = Vec::new();
     let (a, b) = (&keys[..100], &keys[100..200]);
     let fresh: Vec<u64> = (1..=50u64).map(|i| i * 104729 + 3).collect();
     find_all(&*t, a);
-    want.extend(a);
+    want.push(a.to_vec());
     let at: Vec<u32> = (0..b.len() as u32).map(|i| 2 * i).collect();
     let (mut v, mut f) = (vec![0.0; 2 * b.len() * dim], vec![0u8; 2 * b.len()]);
     t.find_at(b, &at, Rows::Host(&mut v), &mut f).unwrap();
-    want.extend(b);
+    want.push(b.to_vec());
     let rev: Vec<u64> = a.iter().rev().copied().collect();
     t.contains(&rev, &mut vec![false; rev.len()]).unwrap();
-    want.extend(&rev);
+    want.push(rev.clone());
     t.insert_or_assign(&fresh, &vals(&fresh, dim, 1.0), Some(&sc(&fresh)), None).unwrap();
-    want.extend(&fresh);
+    want.push(fresh.clone());
     t.insert_and_evict(&fresh[..10], &vals(&fresh[..10], dim, 2.0), Some(&sc(&fresh[..10])), None).unwrap();
-    want.extend(&fresh[..10]);
+    want.push(fresh[..10].to_vec());
     let mixed: Vec<u64> = vec![keys[5], 999_983, keys[7], 1_000_003];
     t.find_or_insert(&mixed, &mut vals(&mixed, dim, 3.0), Some(&sc(&mixed)), None).unwrap();
-    want.extend(&mixed);
+    want.push(mixed.clone());
     t.assign(&keys[10..20], &vals(&keys[10..20], dim, 4.0), Some(&sc(&keys[10..20])), None).unwrap();
-    want.extend(&keys[10..20]);
+    want.push(keys[10..20].to_vec());
     t.assign_scores(&keys[20..25], Some(&sc(&keys[20..25])), None).unwrap();
-    want.extend(&keys[20..25]);
+    want.push(keys[20..25].to_vec());
     // Present and absent keys: the insert phase is the same access.
     let acc: Vec<u64> = vec![keys[30], 2_000_003, keys[31], 2_000_029];
     t.accum_or_assign(&acc, &vals(&acc, dim, 5.0), Some(&sc(&acc)), None).unwrap();
-    want.extend(&acc);
+    want.push(acc.clone());
     // Not sampled: erase, export, load, erase_if.
     t.erase(&keys[290..], None).unwrap();
     t.export_batch(0, u64::MAX).unwrap();
@@ -605,9 +639,12 @@ pub fn sampling_sees_every_lookup_and_write(make: Make) {
     t.erase_if(&Filter::score_at_least(1000)).unwrap();
 
     let d = t.drain_samples(&mut out);
-    let n = want.len() as u64;
+    let n = want.iter().map(Vec::len).sum::<usize>() as u64;
     assert_eq!(d, SampleDrain { accesses: n, sampled: n, dropped: 0 });
-    assert_eq!(out, want, "every key, in the order the batches ran");
+    if ordered {
+        assert_eq!(out, want.concat(), "every key, in the order the batches ran");
+    }
+    assert_batches(&out, &want);
     out.clear();
     assert_eq!(t.drain_samples(&mut out), SampleDrain::default(), "a drain empties the buffer");
     assert!(out.is_empty());
@@ -620,8 +657,8 @@ pub fn sampling_sees_every_lookup_and_write(make: Make) {
 }
 
 /// With a real threshold the drained keys are exactly the batch's keys the
-/// filter keeps (`mrc::sampled`), in index order for batches of up to
-/// SEQUENTIAL_BATCH keys and as a multiset for larger ones.
+/// filter keeps (`mrc::sampled`), as a multiset (a batch's order is the
+/// backend's, see `Shard::drain_samples`).
 pub fn sampling_applies_the_filter(make: Make) {
     use hkv_shard::mrc::{sampled, Sampler};
     use hkv_shard::{SampleDrain, SEQUENTIAL_BATCH};
@@ -640,10 +677,8 @@ pub fn sampling_applies_the_filter(make: Make) {
         t.contains(&keys, &mut vec![false; n]).unwrap();
         let d = t.drain_samples(&mut out);
         assert_eq!(d, SampleDrain { accesses: n as u64, sampled: want.len() as u64, dropped: 0 }, "{n} keys");
-        if n > SEQUENTIAL_BATCH {
-            out.sort_unstable();
-            want.sort_unstable();
-        }
+        out.sort_unstable();
+        want.sort_unstable();
         assert_eq!(out, want, "{n} keys");
     }
 }
@@ -668,11 +703,14 @@ pub fn sampling_overflow_and_concurrent_drains(make: Make) {
     let total = all.len() as u64;
     let kept = SAMPLE_BUFFER_KEYS as u64;
     assert_eq!(d, SampleDrain { accesses: total, sampled: kept, dropped: total - kept });
-    assert_eq!(out, all[..SAMPLE_BUFFER_KEYS], "the first keys stay, in order");
+    // The first batches' keys stay, batch after batch (each batch's keys
+    // in the backend's order), the last one cut short.
+    let batches: Vec<Vec<u64>> = all.chunks(batch).map(<[u64]>::to_vec).collect();
+    assert_batches(&out, &batches);
     out.clear();
     t.contains(&all[..10], &mut [false; 10]).unwrap();
     assert_eq!(t.drain_samples(&mut out), SampleDrain { accesses: 10, sampled: 10, dropped: 0 });
-    assert_eq!(out, all[..10]);
+    assert_batches(&out, &[all[..10].to_vec()]);
 
     // Four threads of lookups and writes, a fifth draining meanwhile.
     let per = 20_000u64;

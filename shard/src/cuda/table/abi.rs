@@ -70,6 +70,19 @@ pub(super) struct FilterArgs {
     pub(super) max_score: u64,
 }
 
+/// `HkvSample` of `table.cuh`: the miss-ratio sampler a lookup kernel runs
+/// fused ([`super::sampling`]); `ring` 0 (the default): off.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct SampleArgs {
+    /// The ring's `cap` key slots and its 2 counters (slots claimed, accesses).
+    pub(super) ring: u64,
+    pub(super) counters: u64,
+    pub(super) cap: u64,
+    pub(super) seed: u64,
+    pub(super) threshold: u64,
+}
+
 // SAFETY: plain #[repr(C)] structs of integers whose layout matches the C
 // structs the kernels take by value (HkvTable, HkvScoring, HkvFilter in
 // kernels/table.cuh): same field order, types and padding.
@@ -80,6 +93,9 @@ unsafe impl DeviceRepr for ScoringArgs {}
 
 // SAFETY: as above.
 unsafe impl DeviceRepr for FilterArgs {}
+
+// SAFETY: as above (HkvSample).
+unsafe impl DeviceRepr for SampleArgs {}
 
 pub(super) fn policy_code(p: ScorePolicy) -> u32 {
     match p {
@@ -121,6 +137,8 @@ pub(crate) struct Ptrs {
     /// insert_and_evict: what lost its slot.
     pub(crate) lost: Option<LostPtrs>,
     pub(crate) counters: Option<DevPtr<u64>>,
+    /// Lookups: the sampler the kernel runs fused ([`CudaTable::sample_args`]; default: off).
+    pub(crate) sample: SampleArgs,
 }
 
 /// An export's outputs: keys, rows and scores of the matches.

@@ -266,16 +266,16 @@ impl CudaTable {
         }
         let st_guard = self.storage.read();
         let st = &*st_guard;
-        let base = Ptrs { keys: r.p.keys, counters: r.p.counters, only: r.p.only, ..Ptrs::default() };
+        // The kernel of a sampled op samples the keys this part serves
+        // (`only`) as it reads them (fused); erase, load and export are not
+        // sampled.
+        let sampled = !matches!(op, DeviceOp::Erase | DeviceOp::Load | DeviceOp::Export { .. });
+        let sample = if sampled { self.sample_args(s) } else { SampleArgs::default() };
+        let base = Ptrs { keys: r.p.keys, counters: r.p.counters, only: r.p.only, sample, ..Ptrs::default() };
         let p = r.p;
         let n64 = n as u64;
-        let sampled = !matches!(op, DeviceOp::Erase | DeviceOp::Load | DeviceOp::Export { .. });
         // SAFETY: the caller's contract covers every address passed on.
         unsafe {
-            if sampled {
-                // The keys this part serves (`only`), before the op's kernel.
-                self.k_sample(s, n, base.keys, base.only)?;
-            }
             match op {
                 DeviceOp::Find => {
                     let p = Ptrs { values: p.values, found: p.found, scores: p.scores, ..base };

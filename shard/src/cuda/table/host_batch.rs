@@ -103,9 +103,9 @@ impl CudaTable {
         };
         if !verbatim && only.is_none() {
             // The keys of a client's write (not a load, nor accum_or_assign's
-            // insert phase, whose keys were sampled in its update phase).
-            // SAFETY: keys uploaded above for these n keys.
-            unsafe { self.k_sample(&s, n, p.keys, None) }?;
+            // insert phase, whose keys were sampled in its update phase): the
+            // kernel samples them (fused), each once over the rounds.
+            p.sample = self.sample_args(&s);
         }
         if let Some(sc) = scores {
             p.scores = Some(Self::upload(&s, &mut l.stage, &mut l.scores, sc)?);
@@ -159,8 +159,9 @@ impl CudaTable {
 
     /// A reader-group batch of `keys` (`op`): takes the group and counts the
     /// op; unless the batch is empty, runs `f` on a lane with the storage
-    /// and `Ptrs` holding the uploaded keys and the lane's counters,
-    /// cleared; counts the hits `f` returns as lookups.
+    /// and `Ptrs` holding the uploaded keys, the lane's counters, cleared,
+    /// and the sampler (`f` launches one lookup over the keys, which
+    /// samples them); counts the hits `f` returns as lookups.
     pub(super) fn read_batch(
         &self,
         op: Op,
@@ -178,11 +179,11 @@ impl CudaTable {
         let hits = self.with_lane(|l| {
             let s = l.stream.clone();
             let keys = Self::upload(&s, &mut l.stage, &mut l.keys, keys)?;
-            // SAFETY: keys uploaded above for these n keys.
-            unsafe { self.k_sample(&s, n, Some(keys), None) }?;
             self.zero_counters(l)?;
             let counters = Some(DevPtr::of(&l.counters, &s));
-            f(st, l, Ptrs { keys: Some(keys), counters, ..Ptrs::default() })
+            // The lookup kernel samples the keys (fused), once per batch.
+            let sample = self.sample_args(&s);
+            f(st, l, Ptrs { keys: Some(keys), counters, sample, ..Ptrs::default() })
         })?;
         self.counters.lookups(hits, n);
         Ok(hits as usize)
@@ -269,8 +270,8 @@ impl CudaTable {
             counters: Some(DevPtr::of(&l.counters, &s)),
             ..Ptrs::default()
         };
-        // SAFETY: keys uploaded above for these n keys.
-        unsafe { self.k_sample(&s, n, p.keys, None) }?;
+        // The kernel samples the keys (fused), each once over the rounds.
+        p.sample = self.sample_args(&s);
         if let Some(v) = values {
             p.values = Some(Self::upload(&s, &mut l.stage, &mut l.values, v)?);
         }

@@ -53,8 +53,6 @@ pub(super) struct Funcs {
     pub(super) ex_count: CudaFunction,
     pub(super) ex_scan: CudaFunction,
     pub(super) ex_write: CudaFunction,
-    /// The miss-ratio sampling filter (`sample_keys`).
-    pub(super) sample: CudaFunction,
 }
 
 /// A kernel and the threads it gives each key.

@@ -144,16 +144,18 @@ impl CudaTable {
     /// holds `rows` rows, in device memory or in host memory mapped for the
     /// device, `p.found` n flags, and `p.scores`, `p.ptrs` and `p.only` are
     /// 0; `p.counters` holds 8 u64; all stay alive until `l`
-    /// is synchronised.
+    /// is synchronised. `p.sample` is off or this table's
+    /// [`CudaTable::sample_args`]: the kernel samples the keys it serves.
     pub(super) unsafe fn k_lookup(&self, l: &Arc<CudaStream>, st: &Storage, n: u64, p: Ptrs) -> Result<()> {
         let at = p.at.is_some();
+        let smp = p.sample;
         let p = p.addrs(n, self.config.dim)?;
         let c = p.counters;
         let (order, args) = self.key_order(l, st, n, p.keys, p.values != 0)?;
         let v = self.f.lookup(p.values != 0, self.config.dim, order.is_some(), at);
         let mut b = l.launch_builder(&v.f);
         if at {
-            b.arg(&args).arg(&p.keys).arg(&n).arg(&p.at).arg(&p.values).arg(&p.found).arg(&c);
+            b.arg(&args).arg(&p.keys).arg(&n).arg(&p.at).arg(&p.values).arg(&p.found).arg(&c).arg(&smp);
         } else {
             b.arg(&args)
                 .arg(&p.keys)
@@ -163,14 +165,18 @@ impl CudaTable {
                 .arg(&p.scores)
                 .arg(&p.ptrs)
                 .arg(&c)
-                .arg(&p.only);
+                .arg(&p.only)
+                .arg(&smp);
         }
         // SAFETY: lookup_find (lookup_at) reads keys[0..n], only[0..n]
         // (at[0..n]) where non-null and the table (args describe live
         // buffers of this storage), and writes, where non-null,
         // values[0..n*dim] (with at: rows at[i] < the caller's row count),
         // found[0..n], scores[0..n], ptrs[0..n] and 8 counters; every
-        // non-null buffer was sized for that by the caller.
+        // non-null buffer was sized for that by the caller. With a sampler
+        // (smp.ring non-null: sample_args), it writes ring slots below
+        // smp.cap (the ring's length) and atomically adds to the ring's 2
+        // counters; the ring lives as long as the table.
         unsafe { b.launch(blocks(n * v.g)?) }.map_err(dev_err(if at {
             "launching lookup_at"
         } else {
@@ -186,7 +192,7 @@ impl CudaTable {
     /// find_or_insert*), `p.scores`, `p.only`, `p.outcomes`, `p.ptrs` (n
     /// each) and the four `p.lost` arrays (n entries, n × dim floats) are 0
     /// or device buffers that long; `p.counters` holds 8 u64; all stay alive
-    /// until `l` is synchronised.
+    /// until `l` is synchronised. `p.sample` as [`CudaTable::k_lookup`].
     pub(super) unsafe fn k_upsert(
         &self,
         l: &Arc<CudaStream>,
@@ -197,6 +203,7 @@ impl CudaTable {
         p: Ptrs,
     ) -> Result<()> {
         let lost = p.lost.is_some();
+        let smp = p.sample;
         let p = p.addrs(n, self.config.dim)?;
         let c = p.counters;
         let (order, args) = self.key_order(l, st, n, p.keys, p.values != 0)?;
@@ -204,12 +211,14 @@ impl CudaTable {
         let v = self.f.upsert(self.load(st), p.values != 0, self.config.dim, order.is_some(), plain, lost);
         let mut b = l.launch_builder(&v.f);
         write_args(&mut b, &args, &sc, &n, &mode, &p);
-        b.arg(&p.ptrs).arg(&p.lost[0]).arg(&p.lost[1]).arg(&p.lost[2]).arg(&p.lost[3]).arg(&c);
+        b.arg(&p.ptrs).arg(&p.lost[0]).arg(&p.lost[1]).arg(&p.lost[2]).arg(&p.lost[3]).arg(&c).arg(&smp);
         // SAFETY: upsert_keys reads keys[0..n], values[0..n*dim] (or writes
         // them for find_or_insert), scores[0..n] and only[0..n] where
         // non-null, locks and writes the table described by args, and
         // writes outcomes[0..n], ptrs[0..n], at most n entries to each lost_*
-        // array (sized for n keys, n*dim values) and 8 counters.
+        // array (sized for n keys, n*dim values) and 8 counters; with a
+        // sampler, ring slots below smp.cap and the ring's 2 counters (as
+        // k_lookup).
         unsafe { b.launch(blocks(n * v.g)?) }.map_err(dev_err("launching upsert_keys"))?;
         Ok(())
     }
@@ -220,7 +229,7 @@ impl CudaTable {
     /// `p.keys` holds `n` keys; `p.values` (n × dim floats), `p.scores`,
     /// `p.only`, `p.outcomes`, `p.found` (absent flags; n each) are 0 or
     /// device buffers that long; `p.counters` holds 8 u64; all stay alive
-    /// until `l` is synchronised.
+    /// until `l` is synchronised. `p.sample` as [`CudaTable::k_lookup`].
     pub(super) unsafe fn k_update(
         &self,
         l: &Arc<CudaStream>,
@@ -230,17 +239,19 @@ impl CudaTable {
         mode: i32,
         p: Ptrs,
     ) -> Result<()> {
+        let smp = p.sample;
         let p = p.addrs(n, self.config.dim)?;
         let c = p.counters;
         let (order, args) = self.key_order(l, st, n, p.keys, p.values != 0)?;
         let v = self.f.update(self.config.dim, order.is_some());
         let mut b = l.launch_builder(&v.f);
         write_args(&mut b, &args, &sc, &n, &mode, &p);
-        b.arg(&p.found).arg(&c);
+        b.arg(&p.found).arg(&c).arg(&smp);
         // SAFETY: update_keys reads keys[0..n], values[0..n*dim] and
         // scores[0..n] where non-null, writes present entries of the table
         // under its bucket locks, and writes outcomes[0..n] and absent
-        // flags[0..n] where non-null and 8 counters.
+        // flags[0..n] where non-null and 8 counters; with a sampler, ring
+        // slots below smp.cap and the ring's 2 counters (as k_lookup).
         unsafe { b.launch(blocks(n * v.g)?) }.map_err(dev_err("launching update_keys"))?;
         Ok(())
     }

@@ -40,7 +40,7 @@
 //!   and the enqueue / complete pair the GPU group builds on.
 //! - `ops`: the [`Shard`] operations.
 //! - `sampling`: the ring of keys sampled for miss-ratio curves, the
-//!   `sample_keys` launch and the drain.
+//!   sampler argument the lookup and writer kernels take, and the drain.
 
 mod abi;
 mod device_batch;
@@ -155,7 +155,6 @@ impl CudaTable {
             ex_count: get(KernelId::Export, "export_count")?,
             ex_scan: get(KernelId::Export, "export_scan")?,
             ex_write: get(KernelId::Export, "export_write")?,
-            sample: get(KernelId::Sample, "sample_keys")?,
         };
         let stream = dev.ctx.new_stream().map_err(dev_err("creating a stream"))?;
         let storage = Storage::new(&dev, &config, &f.clear, &stream, config.buckets())?;

@@ -1,23 +1,29 @@
 //! Sampling for miss-ratio curves on the device ([`crate::sample`]): the
-//! ring the `sample_keys` kernel (`kernels/sample.cu`) appends sampled keys
-//! to, its launch, and the drain.
+//! ring the lookup and writer kernels append sampled keys to (they run the
+//! filter themselves, `hkv_sample_warp` in `kernels/table.cuh`), the
+//! sampler argument they take, and the drain.
 //!
 //! The ring scheme: [`SAMPLE_BUFFER_KEYS`] key slots and two counters in
 //! device memory, `counters[0]` the slots claimed since the last drain and
-//! `counters[1]` the accesses (keys filtered) since then. Each run of 1024
-//! keys of a launch claims its sampled keys' slots with one atomicAdd and
-//! writes a key only where its slot is below the capacity; claims past it
-//! are the dropped keys. Launches of several lanes (reader or updater
-//! batches run on several streams at once) share the ring through those
-//! atomics. The drain takes the inserter lock group, so no batch of the
-//! table runs then and every earlier one has been synchronised (each batch
-//! waits for its streams before its group is released, [`Pending`] too):
-//! every claimed slot below the capacity is written. It reads the counters,
-//! copies slots `[0, min(claimed, capacity))`, and zeroes the counters, so
-//! the next batch claims from slot 0 again: no tail, no wrap-around. The
-//! kernel is launched on the batch's own stream right after its keys are
-//! there, before the operation's kernel, so it adds no synchronisation; with
-//! no sampler set there is no launch (one relaxed load per batch).
+//! `counters[1]` the accesses (keys filtered) since then. The kernel of a
+//! sampled batch ([`CudaTable::sample_args`], passed to `k_lookup`,
+//! `k_upsert` and `k_update` through [`Ptrs::sample`]) filters each key it
+//! serves as it reads it: each warp with a sampled key claims its slots
+//! with one atomicAdd and writes a key only where its slot is below the
+//! capacity (claims past it are the dropped keys), and each block adds its
+//! keys to the accesses with one more atomicAdd; no launch of its own, no
+//! second read of the keys, and no synchronisation. A batch launched in
+//! rounds (`in_rounds`) samples each key in the one round that serves it.
+//! Launches of several lanes (reader or updater batches run on several
+//! streams at once) share the ring through those atomics. The drain takes
+//! the inserter lock group, so no batch of the table runs then and every
+//! earlier one has been synchronised (each batch waits for its streams
+//! before its group is released, [`Pending`] too): every claimed slot below
+//! the capacity is written. It reads the counters, copies slots
+//! `[0, min(claimed, capacity))`, and zeroes the counters, so the next batch
+//! claims from slot 0 again: no tail, no wrap-around. With no sampler set
+//! the kernels get a null ring and test it once (one relaxed load per
+//! batch on the host).
 //!
 //! The ring is allocated when a sampler is first set and kept while the
 //! table lives (512 KiB and 16 bytes).
@@ -28,9 +34,6 @@ use super::*;
 use crate::mrc::Sampler;
 use crate::sample::{Switch, SAMPLE_BUFFER_KEYS};
 use crate::SampleDrain;
-
-/// Keys per block of `sample_keys`, which also keep index order per claim.
-const SAMPLE_BLOCK: u32 = 1024;
 
 /// The sampled keys' ring in device memory. See the module docs.
 pub(super) struct Ring {
@@ -73,44 +76,20 @@ impl CudaTable {
         })
     }
 
-    /// Launches `sample_keys` over the `n` keys at `keys` (those with a
-    /// non-zero flag in `only`, when given) on stream `l`, when a sampler
-    /// is set; else does nothing. Batches of up to [`SEQUENTIAL_BATCH`]
-    /// keys take one block, so their keys are appended in index order.
-    ///
-    /// # Safety
-    /// `keys` holds `n` keys and `only` (when given) `n` flags on this
-    /// table's device, alive until `l` is synchronised, which happens
-    /// before the batch's lock group is released.
-    pub(super) unsafe fn k_sample(
-        &self,
-        l: &CudaStream,
-        n: usize,
-        keys: Option<DevPtr<u64>>,
-        only: Option<DevPtr<u8>>,
-    ) -> Result<()> {
-        let Some(s) = self.sampling.switch.get() else {
-            return Ok(());
+    /// The sampler for a lookup kernel that runs the filter fused
+    /// (`hkv_sample_warp` in `kernels/table.cuh`), on stream `l`: off (all
+    /// zeros) when no sampler is set or the ring is not allocated.
+    pub(super) fn sample_args(&self, l: &CudaStream) -> SampleArgs {
+        let (Some(s), Some(ring)) = (self.sampling.switch.get(), self.sampling.ring.get()) else {
+            return SampleArgs::default();
         };
-        let Some(ring) = self.sampling.ring.get() else {
-            return Ok(());
-        };
-        if n == 0 || keys.is_none() {
-            return Ok(());
+        SampleArgs {
+            ring: ptr(&ring.keys, l),
+            counters: ptr(&ring.counters, l),
+            cap: ring.keys.len() as u64,
+            seed: s.seed,
+            threshold: s.threshold,
         }
-        let k = arg("keys", keys, n)?;
-        let o = arg("key filter", only, n)?;
-        let n = n as u64;
-        let cfg = crate::cuda::grid(if n <= SEQUENTIAL_BATCH as u64 { 1 } else { n }, SAMPLE_BLOCK)?;
-        let (r, c, cap) = (ptr(&ring.keys, l), ptr(&ring.counters, l), ring.keys.len() as u64);
-        let mut b = l.launch_builder(&self.f.sample);
-        b.arg(&k).arg(&n).arg(&o).arg(&s.seed).arg(&s.threshold).arg(&r).arg(&cap).arg(&c);
-        // SAFETY: sample_keys reads keys[0..n] and only[0..n] where
-        // non-null (sized per the caller, checked above), writes ring slots
-        // below cap (the ring's length) and atomically adds to the ring's
-        // 2 counters; the ring lives as long as the table.
-        unsafe { b.launch(cfg) }.map_err(dev_err("launching sample_keys"))?;
-        Ok(())
     }
 
     /// [`Shard::drain_samples`]. A device error loses what the ring held
