@@ -120,6 +120,15 @@ pub enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// A table's live miss-ratio curve: the hit rate an LRU cache of 1/8x to
+    /// 8x its capacity would have had on its keys.
+    Mrc {
+        /// Table name.
+        table: String,
+        /// Print the curve's JSON (the stats document's `tables[].mrc`).
+        #[arg(long)]
+        json: bool,
+    },
     /// Prometheus text.
     Metrics,
     /// Throughput over the socket: find and insert_or_assign beside the raw
