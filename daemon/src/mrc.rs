@@ -23,7 +23,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use hkv_shard::mrc::{Curve, Mrc, MrcConfig};
+use hkv_shard::mrc::{Curve, Mrc, MrcConfig, Sampler};
 use hkv_shard::Shard;
 use parking_lot::Mutex;
 
@@ -76,12 +76,12 @@ pub struct ShardCurve {
 }
 
 /// One shard's trace.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct ShardTrace {
     /// Sampled keys, in access order.
     pub keys: Vec<u64>,
-    /// The rate they were sampled at (the lowest over the trace).
-    pub rate: f64,
+    /// The filter they all pass (the lowest rate over the trace).
+    pub sampler: Sampler,
     /// Whether keys were left out past the bound.
     pub truncated: bool,
 }
@@ -160,16 +160,37 @@ impl ShardMrc {
             MrcOp::TraceTake => {
                 self.drain(shard);
                 let mut g = self.inner.lock();
-                let rate = g.mrc.rate();
                 let t = g.trace.take().unwrap_or(Trace { keys: vec![], max_keys: 0, truncated: false });
                 // Keys sampled at a higher rate early on are filtered again
                 // at the last one, so the whole trace is one spatial sample.
                 let sampler = g.mrc.sampler();
                 let keys = t.keys.into_iter().filter(|&k| sampler.sampled(k)).collect();
-                MrcResult::Trace(ShardTrace { keys, rate, truncated: t.truncated })
+                MrcResult::Trace(ShardTrace { keys, sampler, truncated: t.truncated })
             }
         }
     }
+}
+
+/// A table's trace from its shards': every key filtered at the lowest
+/// rate of any shard (one spatial sample of the table), and the shards'
+/// streams merged in proportion (key `j` of a shard holding `n` goes at
+/// `j / n` of the trace). Shards see a hash-partitioned share of the same
+/// traffic at the same time, so that stands for the order the keys came in,
+/// which the shards do not record. Returns the keys, the rate and whether
+/// any shard left keys out past its bound.
+pub fn merge_traces(traces: Vec<ShardTrace>) -> (Vec<u64>, f64, bool) {
+    let Some(lowest) = traces.iter().map(|t| t.sampler).min_by_key(|s| s.threshold) else {
+        return (vec![], 1.0, false);
+    };
+    let truncated = traces.iter().any(|t| t.truncated);
+    let mut timed: Vec<(f64, u64)> = vec![];
+    for t in &traces {
+        let n = t.keys.len().max(1) as f64;
+        timed.extend(t.keys.iter().enumerate().filter(|(_, &k)| lowest.sampled(k)).map(|(j, &k)| (j as f64 / n, k)));
+    }
+    // Stable: keys of one shard keep their order.
+    timed.sort_by(|a, b| a.0.total_cmp(&b.0));
+    (timed.into_iter().map(|(_, k)| k).collect(), lowest.rate(), truncated)
 }
 
 /// A table's curve from its shards' (see the module docs): per factor, the
@@ -241,4 +262,32 @@ mod tests {
         let empty = combine(&[shard(0, 8, 0.0)], None);
         assert!(empty.points.iter().all(|p| p.hit_rate == 0.0));
     }
+}
+
+/// Answers a trace request: starts a trace on every shard of `table`,
+/// waits `seconds` (less when the daemon begins to drain), and answers the
+/// merged keys ([`merge_traces`]), at most what fits in
+/// `limits.max_frame_bytes` (the rest left out, `truncated` set).
+pub async fn trace(
+    state: &crate::state::State,
+    table: &str,
+    seconds: u32,
+) -> Result<hkv_proto::Response, hkv_proto::ProtoError> {
+    let router = &state.router;
+    if router.mrc.is_none() {
+        return Err(hkv_proto::ProtoError::bad_request(
+            "the daemon samples no keys (started with --no-mrc or [mrc] enabled = false); start it with the curves on",
+        ));
+    }
+    let t = router.table(table)?;
+    // The answer: 8 bytes of rate, 1 truncated byte, a u32 count, 8 per key.
+    let max_keys = (state.config.limits.max_frame_bytes as usize).saturating_sub(64) / 8;
+    router.trace_start(&t, max_keys).await?;
+    let mut stop = state.shutdown.subscribe();
+    tokio::select! {
+        _ = tokio::time::sleep(Duration::from_secs(seconds as u64)) => {}
+        _ = stop.changed() => {}
+    }
+    let (keys, rate, truncated) = merge_traces(router.trace_take(&t).await?);
+    Ok(hkv_proto::Response::Trace { rate, truncated, keys })
 }

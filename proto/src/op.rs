@@ -97,6 +97,8 @@ ops! {
     ListCheckpoints = 0x27, "list_checkpoints";
     /// Restore a checkpoint (admin).
     Restore = 0x28, "restore";
+    /// A table's sampled keys for some seconds (the miss-ratio curves' sample).
+    Trace = 0x29, "trace";
     /// Features to keys.
     Hash = 0x30, "hash";
     /// Features to keys, then find.

@@ -52,9 +52,9 @@ impl Router {
             .mrc_all(t, || MrcOp::TraceTake)
             .await?
             .into_iter()
-            .map(|r| match r {
-                MrcResult::Trace(tr) => tr,
-                _ => ShardTrace::default(),
+            .filter_map(|r| match r {
+                MrcResult::Trace(tr) => Some(tr),
+                _ => None,
             })
             .collect())
     }

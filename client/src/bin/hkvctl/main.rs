@@ -7,7 +7,7 @@
 //! - [`features`]: hash, find-features, find-or-insert-features; the hash
 //!   flags, `--from` input and the answer lines.
 //! - [`checkpoint`]: checkpoint, checkpoints, restore.
-//! - [`mrc`]: mrc (a table's miss-ratio curve).
+//! - [`mrc`]: mrc (a table's miss-ratio curve), trace (its sampled keys).
 //! - [`render`]: printing values, times and the stats table.
 //! - [`bench`]: `hkvctl bench`.
 //! - this file: dispatch, `top`, exit codes.
@@ -90,6 +90,7 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Cmd::Mrc { table, json } => mrc::mrc(c, &table, json)?,
+        Cmd::Trace { table, seconds, out, text } => mrc::trace(c, &table, seconds, &out, text)?,
         Cmd::Metrics => print!("{}", c.metrics()?),
         Cmd::Checkpoint { wait, full } => checkpoint::checkpoint(c, wait, full)?,
         Cmd::Checkpoints => checkpoint::checkpoints(c)?,

@@ -1,4 +1,5 @@
-//! `hkvctl mrc`: a table's live miss-ratio curve.
+//! `hkvctl mrc`: a table's live miss-ratio curve; `hkvctl trace`: its
+//! sampled keys, for `hkv-sim --trace`.
 
 use std::fmt::Write;
 
@@ -23,6 +24,44 @@ pub fn mrc(c: &mut Client, table: &str, json: bool) -> Result<()> {
         print!("{}", curve_table(table, m));
     }
     Ok(())
+}
+
+/// `hkvctl trace TABLE --seconds N --out FILE [--text]`.
+pub fn trace(c: &mut Client, table: &str, seconds: u32, out: &std::path::Path, text: bool) -> Result<()> {
+    use anyhow::Context;
+    eprintln!("collecting {table}'s sampled keys for {seconds} s ...");
+    let (keys, rate, truncated) = c.trace(table, seconds)?;
+    let bytes: Vec<u8> = if text {
+        keys.iter().map(|k| format!("{k}\n")).collect::<String>().into_bytes()
+    } else {
+        keys.iter().flat_map(|k| k.to_le_bytes()).collect()
+    };
+    std::fs::write(out, bytes).with_context(|| format!("cannot write {}", out.display()))?;
+    let capacity = stats_capacity(c, table)?;
+    println!(
+        "wrote {} keys to {} ({}), sampled at rate {rate:.6}",
+        keys.len(),
+        out.display(),
+        if text { "text" } else { "u64 LE" }
+    );
+    if truncated {
+        println!("truncated: the daemon left keys out to fit limits.max_frame_bytes; ask for fewer seconds");
+    }
+    // A spatial sample of rate r behaves as the whole stream in a cache r
+    // times the size: replay it at capacity × rate.
+    let scaled = ((capacity as f64 * rate).round() as u64).max(1);
+    println!(
+        "replay (a spatial sample: capacity {capacity} x rate): hkv-sim --trace {} --capacity {scaled} \
+         --capacities 1/8x,1/4x,1/2x,1x,2x,4x,8x --batch 1",
+        out.display()
+    );
+    Ok(())
+}
+
+/// The table's slots over all shards.
+fn stats_capacity(c: &mut Client, table: &str) -> Result<u64> {
+    let t = c.tables()?.into_iter().find(|t| t.spec.name == table);
+    Ok(t.map(|t| t.capacity).unwrap_or(0))
 }
 
 /// The curve as a table: one line per capacity factor; the table's own
