@@ -231,6 +231,34 @@ pub fn combine(shards: &[ShardCurve], measured_hit_rate: Option<f64>) -> hkv_pro
     }
 }
 
+/// Answers a trace request: starts a trace on every shard of `table`,
+/// waits `seconds` (less when the daemon begins to drain), and answers the
+/// merged keys ([`merge_traces`]), at most what fits in
+/// `limits.max_frame_bytes` (the rest left out, `truncated` set).
+pub async fn trace(
+    state: &crate::state::State,
+    table: &str,
+    seconds: u32,
+) -> Result<hkv_proto::Response, hkv_proto::ProtoError> {
+    let router = &state.router;
+    if router.mrc.is_none() {
+        return Err(hkv_proto::ProtoError::bad_request(
+            "the daemon samples no keys (started with --no-mrc or [mrc] enabled = false); start it with the curves on",
+        ));
+    }
+    let t = router.table(table)?;
+    // The answer: 8 bytes of rate, 1 truncated byte, a u32 count, 8 per key.
+    let max_keys = (state.config.limits.max_frame_bytes as usize).saturating_sub(64) / 8;
+    router.trace_start(&t, max_keys).await?;
+    let mut stop = state.shutdown.subscribe();
+    tokio::select! {
+        _ = tokio::time::sleep(Duration::from_secs(seconds as u64)) => {}
+        _ = stop.changed() => {}
+    }
+    let (keys, rate, truncated) = merge_traces(router.trace_take(&t).await?);
+    Ok(hkv_proto::Response::Trace { rate, truncated, keys })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -262,32 +290,4 @@ mod tests {
         let empty = combine(&[shard(0, 8, 0.0)], None);
         assert!(empty.points.iter().all(|p| p.hit_rate == 0.0));
     }
-}
-
-/// Answers a trace request: starts a trace on every shard of `table`,
-/// waits `seconds` (less when the daemon begins to drain), and answers the
-/// merged keys ([`merge_traces`]), at most what fits in
-/// `limits.max_frame_bytes` (the rest left out, `truncated` set).
-pub async fn trace(
-    state: &crate::state::State,
-    table: &str,
-    seconds: u32,
-) -> Result<hkv_proto::Response, hkv_proto::ProtoError> {
-    let router = &state.router;
-    if router.mrc.is_none() {
-        return Err(hkv_proto::ProtoError::bad_request(
-            "the daemon samples no keys (started with --no-mrc or [mrc] enabled = false); start it with the curves on",
-        ));
-    }
-    let t = router.table(table)?;
-    // The answer: 8 bytes of rate, 1 truncated byte, a u32 count, 8 per key.
-    let max_keys = (state.config.limits.max_frame_bytes as usize).saturating_sub(64) / 8;
-    router.trace_start(&t, max_keys).await?;
-    let mut stop = state.shutdown.subscribe();
-    tokio::select! {
-        _ = tokio::time::sleep(Duration::from_secs(seconds as u64)) => {}
-        _ = stop.changed() => {}
-    }
-    let (keys, rate, truncated) = merge_traces(router.trace_take(&t).await?);
-    Ok(hkv_proto::Response::Trace { rate, truncated, keys })
 }
