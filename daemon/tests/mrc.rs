@@ -53,8 +53,8 @@ fn zipf_keys(alpha: f64, keyspace: usize, n: usize, seed: u64) -> Vec<u64> {
 }
 
 /// Per point: the daemon's estimate and hkv-sim's table at that capacity.
-fn compare(alpha: f64, capacity: u64) -> Vec<(f64, f64, f64)> {
-    let d = Daemon::start(&[]);
+fn compare(alpha: f64, capacity: u64, daemon: &[&str]) -> Vec<(f64, f64, f64)> {
+    let d = Daemon::start(daemon);
     let mut c = d.client();
     let spec = TableSpec { mode: hkv_client::proto::Mode::Dual, ..TableSpec::new("z", 1, capacity) };
     c.create_table(spec).expect("create");
@@ -88,8 +88,8 @@ fn compare(alpha: f64, capacity: u64) -> Vec<(f64, f64, f64)> {
 }
 
 /// Mean absolute and worst error, in pp.
-fn errors(alpha: f64, capacity: u64) -> (f64, f64, Vec<(f64, f64, f64)>) {
-    let points = compare(alpha, capacity);
+fn errors(alpha: f64, capacity: u64, daemon: &[&str]) -> (f64, f64, Vec<(f64, f64, f64)>) {
+    let points = compare(alpha, capacity, daemon);
     let errors: Vec<f64> = points.iter().map(|(_, est, sim)| (est - sim).abs() * 100.0).collect();
     let mae = errors.iter().sum::<f64>() / errors.len() as f64;
     let worst = errors.iter().cloned().fold(0.0, f64::max);
@@ -104,14 +104,25 @@ fn errors(alpha: f64, capacity: u64) -> (f64, f64, Vec<(f64, f64, f64)>) {
 fn at_one_mi_slots() {
     let slots = std::env::var("HKVD_MRC_SLOTS").ok().and_then(|s| s.parse().ok()).unwrap_or(1 << 20);
     for alpha in [0.75, 0.99] {
-        errors(alpha, slots);
+        errors(alpha, slots, &[]);
     }
 }
 
 #[test]
 fn the_curve_matches_replays_of_the_same_keys() {
     for alpha in [0.75, 0.99] {
-        let (mae, worst, points) = errors(alpha, 32 << 10);
+        let (mae, worst, points) = errors(alpha, 32 << 10, &[]);
+        assert!(mae <= 1.0 && worst <= 2.0, "alpha {alpha}: MAE {mae:.3} pp, worst {worst:.3} pp: {points:?}");
+    }
+}
+
+/// The same on the CUDA backend, whose kernels apply the sampling filter
+/// and append to a device ring the actor drains.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn the_curve_matches_replays_on_cuda() {
+    for alpha in [0.75, 0.99] {
+        let (mae, worst, points) = errors(alpha, 32 << 10, &["--backend", "cuda"]);
         assert!(mae <= 1.0 && worst <= 2.0, "alpha {alpha}: MAE {mae:.3} pp, worst {worst:.3} pp: {points:?}");
     }
 }
