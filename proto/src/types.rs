@@ -200,7 +200,7 @@ pub struct TableSpec {
     /// The hash feature requests use when they name none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hash: Option<FeatureHash>,
-    /// Lfu policies: how entries of equal frequency are told apart (absent:
+    /// Policy lfu: how entries of equal frequency are told apart (absent:
     /// `lru`; a checkpoint manifest written before the field existed
     /// restores as `lowest-slot`, the rule its tables had).
     #[serde(default)]

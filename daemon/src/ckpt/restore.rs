@@ -492,7 +492,8 @@ fn check_compatible(router: &Router, target: &Manifest) -> Result<(), Failure> {
             diff.push(format!("policy {} here, {} in the checkpoint", running.spec.policy, t.policy));
         }
         // Lfu scores mean different things under the two tie rules.
-        let lfu = matches!(t.policy, hkv_proto::Policy::Lfu | hkv_proto::Policy::EpochLfu);
+        // (Lfu only: epoch-lfu scores have no bits for a stamp, its rule is fixed.)
+        let lfu = t.policy == hkv_proto::Policy::Lfu;
         let ties = manifest_spec(&t.spec).map(|s| s.lfu_ties).unwrap_or(running.spec.lfu_ties);
         if lfu && running.spec.lfu_ties != ties {
             diff.push(format!("lfu_ties {} here, {ties} in the checkpoint", running.spec.lfu_ties));

@@ -19,7 +19,7 @@ pub struct CreateTable {
     /// lru, lfu, epoch-lru, epoch-lfu or custom.
     #[arg(long, default_value = "lru", value_parser = name::<proto::Policy>)]
     pub policy: proto::Policy,
-    /// lfu policies: which of equal frequencies goes, lru (least recently
+    /// lfu: which of equal frequencies goes, lru (least recently
     /// written) or lowest-slot (the reference's rule; scores are plain
     /// frequencies).
     #[arg(long, default_value = "lru", value_parser = name::<proto::LfuTies>)]
