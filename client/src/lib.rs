@@ -403,6 +403,16 @@ impl Client {
         self.json(Control::ListCheckpoints, "checkpoints")
     }
 
+    /// The keys `table`'s miss-ratio curves sample, collected by the daemon
+    /// for `seconds`: (keys, sampling rate, whether keys were left out to
+    /// fit `limits.max_frame_bytes`).
+    pub fn trace(&mut self, table: &str, seconds: u32) -> Result<(Vec<u64>, f64, bool)> {
+        match self.call(&Request::Control(Control::Trace { table: table.into(), seconds }))? {
+            Response::Trace { rate, truncated, keys } => Ok((keys, rate, truncated)),
+            r => unexpected("trace", r),
+        }
+    }
+
     /// Restores a checkpoint (`latest` or an id) into the running daemon.
     /// An id that is neither `latest` nor hex is refused before sending.
     pub fn restore(&mut self, id: &str) -> Result<serde_json::Value> {

@@ -18,6 +18,8 @@ use parking_lot::RwLock;
 
 use crate::budget::Charge;
 use crate::frames::AnswerFrame;
+use crate::mrc::{MrcOp, MrcResult, ShardMrc};
+use hkv_shard::mrc::MrcConfig;
 
 /// Names a table to the actors: unique for the daemon's life (a restore
 /// builds a table of the same name beside the running one).
@@ -35,13 +37,16 @@ pub struct ShardActor {
     device: usize,
     /// This device's shard of every table.
     shards: Shards,
+    /// The miss-ratio estimators of those shards, by table (`crate::mrc`).
+    mrcs: Arc<RwLock<HashMap<TableId, Arc<ShardMrc>>>>,
 }
 
 impl ShardActor {
     /// Starts the actor of device (or CPU shard) `device` on `threads` threads.
     pub fn start(device: usize, threads: usize) -> Addr<ShardActor> {
         let shards = Shards::default();
-        SyncArbiter::start(threads.max(1), move || ShardActor { device, shards: shards.clone() })
+        let mrcs = Arc::<RwLock<HashMap<TableId, Arc<ShardMrc>>>>::default();
+        SyncArbiter::start(threads.max(1), move || ShardActor { device, shards: shards.clone(), mrcs: mrcs.clone() })
     }
 
     fn shard(&self, table: TableId) -> Result<Arc<dyn Shard>, hkv_shard::Error> {
@@ -136,6 +141,8 @@ pub enum SubOp {
     ClockScore,
     /// resume_after.
     ResumeAfter(u64),
+    /// The shard's miss-ratio estimator (`crate::mrc`).
+    Mrc(MrcOp),
 }
 
 /// One shard's answer.
@@ -180,6 +187,9 @@ pub enum SubResult {
     Stats(Box<ShardStats>),
     /// Nothing to return.
     Unit,
+    /// The miss-ratio estimator's answer (`MrcResult::Unit` when the
+    /// curves are off).
+    Mrc(MrcResult),
 }
 
 /// Runs a sub-batch on this device's shard of a table.
@@ -202,6 +212,8 @@ pub struct Open {
     pub config: TableConfig,
     /// Backend.
     pub backend: Backend,
+    /// Its miss-ratio estimator's config (None: the curves are off).
+    pub mrc: Option<MrcConfig>,
 }
 
 /// Drops this device's shard of a table (a call running on it finishes first).
@@ -219,7 +231,11 @@ impl Handler<Open> for ShardActor {
     type Result = Result<(), hkv_shard::Error>;
     fn handle(&mut self, msg: Open, _: &mut SyncContext<Self>) -> Self::Result {
         let device = self.device;
-        let shard = contained("create_table", || Ok(Arc::from(hkv_shard::open_on(msg.config, msg.backend, device)?)))?;
+        let shard: Arc<dyn Shard> =
+            contained("create_table", || Ok(Arc::from(hkv_shard::open_on(msg.config, msg.backend, device)?)))?;
+        if let Some(cfg) = msg.mrc {
+            self.mrcs.write().insert(msg.table, ShardMrc::open(&*shard, cfg));
+        }
         self.shards.write().insert(msg.table, shard);
         Ok(())
     }
@@ -228,6 +244,7 @@ impl Handler<Open> for ShardActor {
 impl Handler<Close> for ShardActor {
     type Result = ();
     fn handle(&mut self, msg: Close, _: &mut SyncContext<Self>) {
+        self.mrcs.write().remove(&msg.table);
         let shard = self.shards.write().remove(&msg.table);
         // Freed here, on the actor's thread (a CUDA shard binds its context).
         drop(shard);
@@ -239,6 +256,11 @@ impl Handler<Call> for ShardActor {
     type Result = Result<SubResult, hkv_shard::Error>;
     fn handle(&mut self, msg: Call, _: &mut SyncContext<Self>) -> Self::Result {
         let shard = self.shard(msg.table)?;
+        if let SubOp::Mrc(op) = msg.op {
+            let mrc = self.mrcs.read().get(&msg.table).cloned();
+            let r = contained("the miss-ratio curve", || Ok(mrc.map(|m| m.execute(&*shard, op))));
+            return Ok(SubResult::Mrc(r?.unwrap_or(MrcResult::Unit)));
+        }
         contained("a table operation", || execute(&*shard, msg.op))
     }
 }
@@ -393,6 +415,8 @@ fn execute(t: &dyn Shard, op: SubOp) -> Result<SubResult, hkv_shard::Error> {
             t.resume_after(s);
             SubResult::Unit
         }
+        // Answered by the actor, which owns the estimators.
+        SubOp::Mrc(_) => SubResult::Mrc(MrcResult::Unit),
     })
 }
 

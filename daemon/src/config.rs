@@ -126,6 +126,8 @@ pub struct Config {
     pub limits: Limits,
     /// Checkpoints.
     pub checkpoint: CheckpointConfig,
+    /// Live miss-ratio curves (`[mrc]`).
+    pub mrc: MrcSettings,
     /// What to restore at start: `latest`, a checkpoint id, or `none`.
     pub restore: String,
     /// Tables created at start.
@@ -146,6 +148,7 @@ impl Default for Config {
             metrics_listen: None,
             limits: Limits::default(),
             checkpoint: Default::default(),
+            mrc: MrcSettings::default(),
             restore: "latest".into(),
             tables: vec![],
         }
@@ -200,6 +203,15 @@ impl Config {
             );
         }
         anyhow::ensure!(l.max_frame_bytes >= 64, "limits.max_frame_bytes must be at least 64");
+        let k = self.mrc.max_keys;
+        anyhow::ensure!(
+            !self.mrc.enabled || (MrcSettings::MIN_KEYS..=MrcSettings::MAX_KEYS).contains(&k),
+            "mrc.max_keys (--mrc-max-keys) must be {} to {} sampled keys per shard, not {k} \
+             (fewer estimate nothing; more cost {} bytes each); --no-mrc turns the curves off",
+            MrcSettings::MIN_KEYS,
+            MrcSettings::MAX_KEYS,
+            hkv_shard::mrc::Mrc::BYTES_PER_KEY
+        );
         Ok(())
     }
 
@@ -211,6 +223,36 @@ impl Config {
     /// The state directory after defaults.
     pub fn state_path(&self) -> PathBuf {
         self.state_dir.clone().unwrap_or_else(|| PathBuf::from("hkvd-state"))
+    }
+}
+
+/// The `[mrc]` section: live miss-ratio curves (daemon/src/mrc.rs).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MrcSettings {
+    /// Sample every table's keys and estimate its curve (`--no-mrc`: off).
+    pub enabled: bool,
+    /// Distinct sampled keys tracked per table per shard: the memory, about
+    /// `72 × max_keys + 32 KiB` bytes per table per shard (1.2 MiB at the
+    /// default 16384); the sampling rate adapts to it.
+    pub max_keys: usize,
+}
+
+impl MrcSettings {
+    /// The fewest keys a curve is worth estimating from.
+    pub const MIN_KEYS: usize = 256;
+    /// The most (72 MiB per table per shard).
+    pub const MAX_KEYS: usize = 1 << 20;
+
+    /// The estimator's config, or None when off.
+    pub fn config(&self) -> Option<hkv_shard::mrc::MrcConfig> {
+        self.enabled.then(|| hkv_shard::mrc::MrcConfig { max_keys: self.max_keys, ..Default::default() })
+    }
+}
+
+impl Default for MrcSettings {
+    fn default() -> Self {
+        MrcSettings { enabled: true, max_keys: hkv_shard::mrc::DEFAULT_MAX_KEYS }
     }
 }
 
@@ -293,5 +335,9 @@ mod tests {
         assert!(bad(|c| c.metrics_listen = Some("0.0.0.0:9466".into())).contains("loopback"));
         assert!(bad(|c| c.limits.max_bytes_in_flight = 1 << 30).contains("twice"));
         assert!(bad(|c| c.checkpoint.chunk_bytes = 0).contains("chunk_bytes"));
+        assert!(bad(|c| c.mrc.max_keys = 0).contains("--mrc-max-keys"));
+        assert!(bad(|c| c.mrc.max_keys = usize::MAX).contains("--mrc-max-keys"));
+        let off: Config = toml::from_str("[mrc]\nenabled = false\nmax_keys = 0").unwrap();
+        assert!(off.check().is_ok() && off.mrc.config().is_none());
     }
 }

@@ -127,6 +127,7 @@ async fn control(state: &Arc<State>, c: Control, peer: &Peer) -> Result<Response
             let r = r.ok_or_else(|| ProtoError::new(ErrorCode::NotFound, "there is no checkpoint to restore"))?;
             Ok(Response::Json(serde_json::to_vec(&r).expect("serializes")))
         }
+        Control::Trace { table, seconds } => crate::mrc::trace(state, &table, seconds).await,
         Control::Shutdown => {
             info!(uid = peer.uid, "shutdown requested");
             let _ = state.shutdown.send(true);

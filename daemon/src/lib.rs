@@ -21,6 +21,7 @@
 //! - [`connection`] reads one connection's frames and writes its answers.
 //! - [`handle`] answers one request.
 //! - [`admin`] says who may run admin operations and read the state directory.
+//! - [`mrc`] keeps each shard's miss-ratio estimator and combines a table's curve.
 //! - [`stats`] renders statistics as JSON and Prometheus text.
 //! - [`config`] holds the TOML configuration, its defaults and checks
 //!   ([`config::BackendChoice`]: auto, cpu or cuda).
@@ -40,6 +41,7 @@ pub mod error;
 pub mod features;
 pub mod frames;
 pub mod handle;
+pub mod mrc;
 pub mod router;
 pub mod server;
 pub mod state;
@@ -165,6 +167,9 @@ pub fn run(config: Config) -> anyhow::Result<()> {
             });
         }
         tokio::spawn(drain_on_signal(state.clone()));
+        if config.mrc.enabled {
+            tokio::spawn(crate::router::drain_samples(state.router.clone(), state.shutdown.subscribe()));
+        }
         info!(
             socket = %socket_file.0.as_deref().map(|p| p.display().to_string()).unwrap_or_else(|| "inherited".into()),
             backend = %backend_name,
@@ -210,7 +215,8 @@ async fn start_router(config: &Config, backend: Backend, ordinals: &[usize]) -> 
         max_host_tier_bytes = limits.max_host_tier_bytes,
         "table memory budget"
     );
-    let router = Router::new(actors, backend, hash_gpu, frame_cache, budget, config.limits.max_frame_bytes);
+    let mut router = Router::new(actors, backend, hash_gpu, frame_cache, budget, config.limits.max_frame_bytes);
+    router.mrc = config.mrc.config();
     for spec in &config.tables {
         router.create_table(spec.clone()).await.map_err(|e| anyhow::anyhow!("table {:?}: {}", spec.name, e.message))?;
     }

@@ -113,6 +113,12 @@ struct Serve {
     /// Take a checkpoint after draining on SIGTERM or shutdown.
     #[arg(long)]
     checkpoint_on_shutdown: bool,
+    /// Turn the live miss-ratio curves off (no key is sampled).
+    #[arg(long)]
+    no_mrc: bool,
+    /// Distinct sampled keys per table per shard for the curves (72 bytes each) [default: 16384].
+    #[arg(long)]
+    mrc_max_keys: Option<usize>,
     /// Log filter (tracing env-filter syntax) [default: info, or $RUST_LOG].
     #[arg(long)]
     log: Option<String>,
@@ -166,6 +172,12 @@ fn config(a: Serve) -> anyhow::Result<Config> {
         c.checkpoint.full_every = k;
     }
     c.checkpoint.on_shutdown |= a.checkpoint_on_shutdown;
+    if a.no_mrc {
+        c.mrc.enabled = false;
+    }
+    if let Some(k) = a.mrc_max_keys {
+        c.mrc.max_keys = k;
+    }
     c.check()?;
     Ok(c)
 }

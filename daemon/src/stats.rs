@@ -55,13 +55,18 @@ fn shard_stats(s: hkv_shard::ShardStats) -> ShardStats {
 pub async fn collect(state: &State) -> Result<DaemonStats, hkv_proto::ProtoError> {
     let mut per_table = vec![];
     for t in state.router.tables() {
+        // Curves first: their drain counts the latest accesses too.
+        let curves = state.router.mrc_curves(&t).await?;
         let shards = state.router.shard_stats(&t).await?;
-        per_table.push((t, shards));
+        per_table.push((t, shards, curves));
     }
     let tables = per_table
         .into_iter()
-        .map(|(t, shards)| {
+        .map(|(t, shards, curves)| {
             let shards: Vec<ShardStats> = shards.into_iter().map(shard_stats).collect();
+            let (hits, misses) = shards.iter().fold((0u64, 0u64), |(h, m), s| (h + s.hits, m + s.misses));
+            let measured = (hits + misses > 0).then(|| hits as f64 / (hits + misses) as f64);
+            let mrc = curves.map(|c| crate::mrc::combine(&c, measured));
             let size: u64 = shards.iter().map(|s| s.size).sum();
             let capacity: u64 = shards.iter().map(|s| s.capacity).sum();
             let mean = size as f64 / shards.len().max(1) as f64;
@@ -73,6 +78,7 @@ pub async fn collect(state: &State) -> Result<DaemonStats, hkv_proto::ProtoError
                 load_factor: size as f64 / capacity.max(1) as f64,
                 imbalance: if mean > 0.0 { max / mean } else { 1.0 },
                 shards,
+                mrc,
             }
         })
         .collect();
@@ -164,6 +170,19 @@ pub fn prometheus(d: &DaemonStats) -> String {
                 let _ = writeln!(o, "hkvd_ops_total{l} {}", s.ops.get(k).unwrap_or(&0));
                 let _ = writeln!(o, "hkvd_keys_total{l} {}", s.keys.get(k).unwrap_or(&0));
             }
+        }
+    }
+    family(&mut o, "mrc_hit_rate", "gauge", "Estimated hit rate of an LRU cache of factor × the table's capacity.");
+    for t in &d.tables {
+        for p in t.mrc.iter().flat_map(|m| &m.points) {
+            let _ =
+                writeln!(o, "hkvd_mrc_hit_rate{{table=\"{}\",factor=\"{}\"}} {}", t.spec.name, p.factor, p.hit_rate);
+        }
+    }
+    family(&mut o, "mrc_sampling_rate", "gauge", "Share of the table's keys its miss-ratio curve samples.");
+    for t in &d.tables {
+        if let Some(m) = &t.mrc {
+            let _ = writeln!(o, "hkvd_mrc_sampling_rate{{table=\"{}\"}} {}", t.spec.name, m.rate);
         }
     }
     family(&mut o, "lock_running", "gauge", "Operations running per lock group.");

@@ -12,8 +12,32 @@ use common::{expect_error, raw_call, Daemon};
 use hkv_client::proto::{self, flags, frame, Header, Op, WriteOp, HEADER_LEN};
 use hkv_client::{Client, ClientError, Cursor, ErrorCode, Filter, Request, Response, TableSpec};
 
+/// A spec; lfu tables with the reference's tie rule, whose scores are the
+/// plain counts these tests check (`lfu_tables_default_to_packed_scores`
+/// covers the default).
 fn spec(name: &str, dim: usize, capacity: u64, policy: &str, mode: &str) -> TableSpec {
-    TableSpec { policy: policy.parse().unwrap(), mode: mode.parse().unwrap(), ..TableSpec::new(name, dim, capacity) }
+    TableSpec {
+        policy: policy.parse().unwrap(),
+        mode: mode.parse().unwrap(),
+        lfu_ties: proto::LfuTies::LowestSlot,
+        ..TableSpec::new(name, dim, capacity)
+    }
+}
+
+/// Tables created without `lfu_ties` evict the least recently written of
+/// equal frequencies (issue 27): their scores pack the frequency in the
+/// high 24 bits, which found scores show.
+#[test]
+fn lfu_tables_default_to_packed_scores() {
+    let d = Daemon::start(&[]);
+    let mut c = d.client();
+    let spec = TableSpec { policy: proto::Policy::Lfu, ..TableSpec::new("f", 1, 4096) };
+    assert_eq!(c.create_table(spec).unwrap().spec.lfu_ties, proto::LfuTies::Lru);
+    let keys: Vec<u64> = (1..=100).collect();
+    c.insert_or_assign("f", &keys, &[0.5; 100], None).unwrap();
+    c.insert_or_assign("f", &keys[..10], &[0.5; 10], None).unwrap();
+    let s = c.find_with_scores("f", &keys).unwrap().scores.unwrap();
+    assert!(s[..10].iter().all(|&x| x >> 40 == 2) && s[10..].iter().all(|&x| x >> 40 == 1), "{s:?}");
 }
 
 fn vals(keys: &[u64], dim: usize, salt: f32) -> Vec<f32> {

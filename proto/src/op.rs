@@ -97,6 +97,8 @@ ops! {
     ListCheckpoints = 0x27, "list_checkpoints";
     /// Restore a checkpoint (admin).
     Restore = 0x28, "restore";
+    /// A table's sampled keys for some seconds (the miss-ratio curves' sample).
+    Trace = 0x29, "trace";
     /// Features to keys.
     Hash = 0x30, "hash";
     /// Features to keys, then find.
@@ -201,7 +203,7 @@ mod tests {
         for &op in Op::ALL {
             assert_eq!(Op::try_from(op as u8).unwrap(), op);
         }
-        assert_eq!(Op::ALL.len(), 30);
+        assert_eq!(Op::ALL.len(), 31);
         let e = Op::try_from(0x77).unwrap_err();
         assert_eq!(e.code, ErrorCode::UnknownOp);
         assert!(e.message.contains("0x77"), "{e}");

@@ -41,6 +41,19 @@ pub enum Control {
         /// Which.
         id: CheckpointId,
     },
+    /// The keys a table's miss-ratio curves sample, collected for
+    /// `seconds` (1 to [`Control::MAX_TRACE_SECONDS`]).
+    Trace {
+        /// The table.
+        table: String,
+        /// How long to collect.
+        seconds: u32,
+    },
+}
+
+impl Control {
+    /// The longest trace a request may ask for.
+    pub const MAX_TRACE_SECONDS: u32 = 3600;
 }
 
 /// A request.
@@ -293,6 +306,7 @@ impl Request {
                 Control::Checkpoint { .. } => Op::Checkpoint,
                 Control::ListCheckpoints => Op::ListCheckpoints,
                 Control::Restore { .. } => Op::Restore,
+                Control::Trace { .. } => Op::Trace,
             },
         }
     }
@@ -452,6 +466,9 @@ impl Request {
                     w.buf.extend(json(&serde_json::json!({ "wait": wait, "full": full })))
                 }
                 Control::Restore { id } => w.buf.extend(json(&serde_json::json!({ "id": id }))),
+                Control::Trace { table, seconds } => {
+                    w.buf.extend(json(&serde_json::json!({ "table": table, "seconds": seconds })))
+                }
                 _ => {}
             },
         }
@@ -556,6 +573,23 @@ impl Request {
                 }
                 let x: Re = from_json(r.rest(), "restore body")?;
                 Request::Control(Control::Restore { id: x.id })
+            }
+            Op::Trace => {
+                #[derive(Deserialize)]
+                #[serde(deny_unknown_fields)]
+                struct Tr {
+                    table: String,
+                    seconds: u32,
+                }
+                let x: Tr = from_json(r.rest(), "trace body")?;
+                if !(1..=Control::MAX_TRACE_SECONDS).contains(&x.seconds) {
+                    return Err(ProtoError::bad_request(format!(
+                        "trace seconds {}: use 1 to {}",
+                        x.seconds,
+                        Control::MAX_TRACE_SECONDS
+                    )));
+                }
+                Request::Control(Control::Trace { table: x.table, seconds: x.seconds })
             }
             Op::ListTables => Request::Control(Control::ListTables),
             Op::Stats => Request::Control(Control::Stats),

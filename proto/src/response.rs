@@ -14,6 +14,17 @@ use crate::{flags, Header, HEADER_LEN};
 pub enum Response {
     /// No body (ping, clear, set_epoch, reserve, drop_table, shutdown).
     Empty,
+    /// trace: a table's sampled keys.
+    Trace {
+        /// The rate they were sampled at (a spatial sample: every access
+        /// of a sampled key is in it).
+        rate: f64,
+        /// Whether keys were left out to keep the answer within
+        /// `limits.max_frame_bytes`.
+        truncated: bool,
+        /// The keys, in access order per shard, shard after shard.
+        keys: Vec<u64>,
+    },
     /// echo: how many bytes came back.
     Echo {
         /// Body bytes.
@@ -153,6 +164,10 @@ impl Response {
                 w = Writer::framed(8 + k.len() * 8);
                 w.u64s(k);
             }
+            Response::Trace { rate, truncated, keys } => {
+                w = Writer::framed(16 + keys.len() * 8);
+                w.u64(rate.to_bits()).raw(&[u8::from(*truncated)]).u64s(keys);
+            }
             Response::Json(j) => w.buf.extend_from_slice(j),
             Response::Text(t) => w.buf.extend_from_slice(t.as_bytes()),
             Response::Error(e) => {
@@ -237,6 +252,11 @@ impl Response {
             Op::CreateTable | Op::ListTables | Op::Stats | Op::Checkpoint | Op::ListCheckpoints | Op::Restore => {
                 Response::Json(r.rest().to_vec())
             }
+            Op::Trace => Response::Trace {
+                rate: f64::from_bits(r.u64("rate")?),
+                truncated: r.u8("truncated")? != 0,
+                keys: r.u64s("keys")?,
+            },
             Op::Metrics => Response::Text(
                 String::from_utf8(r.rest().to_vec()).map_err(|e| ProtoError::bad_request(format!("metrics: {e}")))?,
             ),

@@ -81,6 +81,45 @@ pub struct TableStats {
     /// Per shard, in shard order.
     #[serde(default)]
     pub shards: Vec<ShardStats>,
+    /// The live miss-ratio curve; absent when the daemon runs `--no-mrc`
+    /// (or is older than the curves).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mrc: Option<MrcStats>,
+}
+
+/// A table's live miss-ratio curve (PROTOCOL.md, "Miss-ratio curves"): the
+/// hit rate a fully associative LRU cache of each size would have had on
+/// the table's keys since it was created, estimated from a spatial sample.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct MrcStats {
+    /// One point per capacity factor, 1/8× to 8×, increasing.
+    pub points: Vec<MrcPoint>,
+    /// The table's own hit rate, hits / (hits + misses) of its shards'
+    /// lookups (None before any lookup).
+    pub measured_hit_rate: Option<f64>,
+    /// Keys of lookups and writes observed.
+    pub accesses: u64,
+    /// Of them, accesses of sampled keys.
+    pub sampled_accesses: u64,
+    /// Distinct sampled keys tracked now, over all shards.
+    pub tracked_keys: u64,
+    /// The sampling rate (access-weighted mean over shards).
+    pub rate: f64,
+    /// Memory of the estimators, bytes.
+    pub memory_bytes: u64,
+}
+
+/// One point of a miss-ratio curve.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct MrcPoint {
+    /// The capacity as a factor of the table's.
+    pub factor: f64,
+    /// Slots.
+    pub capacity: u64,
+    /// Estimated hit rate, 0 to 1.
+    pub hit_rate: f64,
 }
 
 /// Counters of one shard since its table was created.

@@ -168,8 +168,21 @@ fn requests_round_trip() {
     round(Request::Control(Control::Checkpoint { wait: true, full: false }));
     round(Request::Control(Control::Restore { id: CheckpointId::Latest }));
     round(Request::Control(Control::Restore { id: CheckpointId::Id(0xff) }));
+    round(Request::Control(Control::Trace { table: "t".into(), seconds: 5 }));
     for c in [Control::ListTables, Control::Stats, Control::Metrics, Control::Shutdown, Control::ListCheckpoints] {
         round(Request::Control(c));
+    }
+}
+
+#[test]
+fn trace_bodies_are_as_specified() {
+    // PROTOCOL.md, "trace": f64 bits, a truncated byte, then u64s.
+    let f = Response::Trace { rate: 0.5, truncated: false, keys: vec![9] }.encode(Op::Trace, 1);
+    let body = &f[crate::HEADER_LEN..];
+    assert_eq!(body, [&0.5f64.to_bits().to_le_bytes()[..], &[0], &1u32.to_le_bytes(), &9u64.to_le_bytes()].concat());
+    let h = crate::Header { op: Op::Trace.into(), flags: 0, id: 1, body_len: 0 };
+    for bad in [r#"{"table":"t","seconds":0}"#, r#"{"table":"t","seconds":3601}"#, r#"{"table":"t"}"#] {
+        assert!(Request::decode(&h, bad.as_bytes()).is_err(), "{bad}");
     }
 }
 
@@ -198,6 +211,7 @@ fn responses_round_trip() {
     round_resp(Op::Export, Response::Export { next: None, keys: vec![], values: vec![], scores: vec![] });
     round_resp(Op::Stats, Response::Json(b"{\"a\":1}".to_vec()));
     round_resp(Op::Hash, Response::Keys(vec![1, 2, 3]));
+    round_resp(Op::Trace, Response::Trace { rate: 0.015625, truncated: true, keys: vec![7, 1 << 40] });
     round_resp(Op::FindFeatures, Response::Find { found: vec![1], values: vec![1.0], scores: None });
     round_resp(
         Op::FindOrInsertFeatures,

@@ -200,6 +200,11 @@ pub struct TableSpec {
     /// The hash feature requests use when they name none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hash: Option<FeatureHash>,
+    /// Policy lfu: how entries of equal frequency are told apart (absent:
+    /// `lru`; a checkpoint manifest written before the field existed
+    /// restores as `lowest-slot`, the rule its tables had).
+    #[serde(default)]
+    pub lfu_ties: LfuTies,
 }
 
 impl TableSpec {
@@ -215,6 +220,7 @@ impl TableSpec {
             fast_tier_bytes: None,
             max_load_factor: None,
             hash: None,
+            lfu_ties: LfuTies::Lru,
         }
     }
 }
@@ -306,6 +312,22 @@ pub enum Mode {
     Dual,
 }
 names!(Mode, "mode", { Single = "single", Dual = "dual", });
+
+/// How an lfu table tells entries of equal frequency apart (which one a
+/// full bucket evicts); README's "Lfu scores" says what exported scores hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum LfuTies {
+    /// The least recently written goes; scores pack the frequency (high 24
+    /// bits) and a ~ms clock (low 40 bits).
+    #[default]
+    #[serde(rename = "lru")]
+    Lru,
+    /// The reference library's rule: the lowest slot goes; scores are plain
+    /// frequencies.
+    #[serde(rename = "lowest-slot")]
+    LowestSlot,
+}
+names!(LfuTies, "lfu tie rule", { Lru = "lru", LowestSlot = "lowest-slot", });
 
 /// The hash of feature requests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]

@@ -16,7 +16,8 @@ def rows(keys, dim, salt=0.0):
 
 def test_every_table_operation(daemon):
     c = daemon.client()
-    info = c.create_table("emb", dim=4, capacity=1 << 14, policy="lfu", mode="dual")
+    # The reference's tie rule: scores are the plain counts checked below.
+    info = c.create_table("emb", dim=4, capacity=1 << 14, policy="lfu", mode="dual", lfu_ties="lowest-slot")
     assert info["shards"] == 2
     keys = np.arange(1, 3001, dtype=np.uint64) * 7919
     v = rows(keys, 4)

@@ -11,6 +11,7 @@
 //! - [`model`] reads the typed stats document (`hkv_proto::stats::Stats`;
 //!   one that does not read shows as empty) and computes rates between polls.
 //! - [`app`] holds the console state and handles keys.
+//! - [`curve`] draws the selected table's miss-ratio curve.
 //! - [`ui`] draws it (tested with ratatui's `TestBackend`).
 //! - this file: [`run`], the terminal loop.
 
@@ -18,6 +19,7 @@
 #![warn(missing_docs)]
 
 pub mod app;
+pub mod curve;
 pub mod model;
 pub mod ui;
 

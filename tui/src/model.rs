@@ -64,6 +64,9 @@ pub struct Table {
     pub mode: String,
     /// Per shard.
     pub shards: Vec<Shard>,
+    /// The live miss-ratio curve: (capacity factor, estimated hit rate)
+    /// points; empty when the daemon estimates none.
+    pub curve: Vec<(f64, f64)>,
 }
 
 impl Table {
@@ -177,6 +180,7 @@ pub fn snapshot(v: &Stats) -> Snapshot {
             dim: t.spec.dim as u64,
             policy: t.spec.policy.to_string(),
             mode: t.spec.mode.to_string(),
+            curve: t.mrc.iter().flat_map(|m| &m.points).map(|p| (p.factor, p.hit_rate)).collect(),
             shards: t
                 .shards
                 .iter()

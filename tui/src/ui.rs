@@ -243,8 +243,10 @@ fn draw_table(f: &mut Frame, app: &App, area: Rect) {
         f.render_widget(Paragraph::new("no table selected").block(Block::default().borders(Borders::ALL)), area);
         return;
     };
-    let [gauge, rest, ops] =
-        Layout::vertical([Constraint::Length(3), Constraint::Min(3), Constraint::Length(8)]).areas(area);
+    let [gauge, rest, bottom] =
+        Layout::vertical([Constraint::Length(3), Constraint::Min(3), Constraint::Length(14)]).areas(area);
+    let [ops, curve] = Layout::horizontal([Constraint::Percentage(45), Constraint::Percentage(55)]).areas(bottom);
+    crate::curve::draw(f, t, curve);
     let by_type = app.by_type.get(&t.name).cloned().unwrap_or_default();
     let op_rows = by_type
         .iter()

@@ -34,12 +34,19 @@ fn stats(evictions: u64, running_ck: bool) -> serde_json::Value {
     v
 }
 
+/// A curve of 30 % at 1/8x up to 90 % at 8x.
+fn curve() -> serde_json::Value {
+    let p = [(0.125, 0.30), (0.25, 0.42), (0.5, 0.55), (1.0, 0.70), (2.0, 0.80), (4.0, 0.86), (8.0, 0.90)];
+    p.iter().map(|&(f, h)| json!({"factor": f, "capacity": (2000.0 * f) as u64, "hit_rate": h})).collect()
+}
+
 fn stats_inner(evictions: u64, running_ck: bool) -> serde_json::Value {
     json!({
         "version": "0.1.0", "uptime_s": 3725.0, "backend": "cpu (2 shards)", "shards": 2, "connections": 3,
         "requests": 12345, "errors": 1, "in_flight": 0,
         "tables": [
             {"spec": {"name": "users", "dim": 32, "capacity": 2000, "policy": "lfu", "mode": "dual"}, "size": 0, "capacity": 0,
+             "mrc": {"points": curve(), "measured_hit_rate": 0.75, "accesses": 1000, "sampled_accesses": 100, "tracked_keys": 50, "rate": 0.1, "memory_bytes": 4096},
              "shards": [shard(600, 1000, evictions, [0, 0, 1], [2, 3, 0], Some("inserter")), shard(400, 1000, 0, [0, 0, 0], [0, 0, 0], None)]},
             {"spec": {"name": "items", "dim": 8, "capacity": 2000, "policy": "lru", "mode": "single"}, "size": 0, "capacity": 0,
              "shards": [shard(10, 1000, 0, [0; 3], [0; 3], None), shard(10, 1000, 0, [0; 3], [0; 3], None)]}
@@ -126,6 +133,18 @@ fn table_and_device_views() {
     assert!(find.contains("200 ") && find.contains("200.0k"), "{find}");
     assert!(s.lines().any(|l| l.contains("insert_or_assign") && l.contains(" 2 ")), "{s}");
     assert!(!s.lines().any(|l| l.contains("│contains")), "{s}");
+    // The curve: capacity factors on x, hit rates up to 90 % on y (scale
+    // 90 %), the measured 75 % beside the estimate at 1x.
+    assert!(s.contains("hit rate by capacity"), "{s}");
+    assert!(s.contains("measured 75.0% (est. 70.0%)"), "{s}");
+    let axis = s.lines().find(|l| l.contains("1/8x")).expect("x axis");
+    assert!(axis.contains("1x") && axis.contains("8x"), "{axis}");
+    assert!(s.contains("│90%│"), "{s}");
+    let with_curve = render(&a, 160, 45);
+    assert!(
+        with_curve.contains('⣿') || with_curve.chars().any(|c| ('\u{2801}'..='\u{28ff}').contains(&c)),
+        "{with_curve}"
+    );
     a.on_key(key(KeyCode::Tab));
     assert_eq!(a.view, View::Devices);
     let s = render(&a, 140, 30);

@@ -422,6 +422,18 @@ fn settle(
     Ok((placed_all, dropped))
 }
 
+/// A table spec as a manifest holds it. A manifest written before specs
+/// carried `lfu_ties` is of a daemon whose lfu tables used the reference's
+/// rule (plain frequencies as scores): its tables restore as `lowest-slot`,
+/// so their scores keep their meaning; a spec that names the rule keeps it.
+pub(crate) fn manifest_spec(v: &serde_json::Value) -> Result<TableSpec, serde_json::Error> {
+    let mut spec: TableSpec = serde_json::from_value(v.clone())?;
+    if v.get("lfu_ties").is_none() {
+        spec.lfu_ties = hkv_proto::LfuTies::LowestSlot;
+    }
+    Ok(spec)
+}
+
 /// Builds every table of `target` before any entry is read (invisible to
 /// clients until installed): missing ones first, from the checkpoint's
 /// specs (they must fit), then copies of the `running` ones with their
@@ -441,7 +453,7 @@ fn build_tables(
             }
             let spec: TableSpec = match &running[i] {
                 Some(r) => r.spec.clone(),
-                None => serde_json::from_value(t.spec.clone()).map_err(|e| {
+                None => manifest_spec(&t.spec).map_err(|e| {
                     Failure::Unusable(hkv_checkpoint::Error::CorruptManifest {
                         id: target.id,
                         why: format!("table {:?}: spec: {e}", t.name),
@@ -478,6 +490,13 @@ fn check_compatible(router: &Router, target: &Manifest) -> Result<(), Failure> {
         }
         if running.spec.policy != t.policy {
             diff.push(format!("policy {} here, {} in the checkpoint", running.spec.policy, t.policy));
+        }
+        // Lfu scores mean different things under the two tie rules.
+        // (Lfu only: epoch-lfu scores have no bits for a stamp, its rule is fixed.)
+        let lfu = t.policy == hkv_proto::Policy::Lfu;
+        let ties = manifest_spec(&t.spec).map(|s| s.lfu_ties).unwrap_or(running.spec.lfu_ties);
+        if lfu && running.spec.lfu_ties != ties {
+            diff.push(format!("lfu_ties {} here, {ties} in the checkpoint", running.spec.lfu_ties));
         }
         if !diff.is_empty() {
             return Err(Failure::Refused(ProtoError::bad_request(format!(
@@ -558,6 +577,24 @@ mod tests {
             chunks: vec![],
             keys: vec![],
         }
+    }
+
+    /// Lfu tables were created with the reference's tie rule before specs
+    /// named it; their manifests (no `lfu_ties`) hold plain frequencies, so
+    /// they restore as lowest-slot, while a spec that names a rule keeps it.
+    #[test]
+    fn an_old_manifest_restores_with_the_lowest_slot_rule() {
+        let old = serde_json::json!({"name":"t","dim":4,"capacity":1024,"policy":"lfu","mode":"dual"});
+        assert_eq!(manifest_spec(&old).unwrap().lfu_ties, hkv_proto::LfuTies::LowestSlot);
+        for ties in hkv_proto::LfuTies::ALL {
+            let mut spec = hkv_proto::TableSpec::new("t", 4, 1024);
+            spec.lfu_ties = *ties;
+            let v = serde_json::to_value(&spec).unwrap();
+            assert_eq!(manifest_spec(&v).unwrap().lfu_ties, *ties);
+        }
+        // A spec sent without the field (a client older than it) gets lru.
+        let sent: hkv_proto::TableSpec = serde_json::from_value(old).unwrap();
+        assert_eq!(sent.lfu_ties, hkv_proto::LfuTies::Lru);
     }
 
     /// A loaded score of 2^64 - 1 made every later write score 2^64 - 1 after

@@ -8,12 +8,14 @@
 //! - `shards`: messages to the shard actors.
 //! - `ops`: each table operation, split over the shards (and the feature requests).
 //! - `merge`: sub-batch answers put back into one.
+//! - `mrc`: the tables' miss-ratio curves and traces, from every shard.
 //! - `split`: which shard each key goes to.
 //! - `bounds`: the largest answer a request can get.
 //! - this file: [`Router`] and its tables, created, built, installed and dropped.
 
 mod bounds;
 mod merge;
+mod mrc;
 mod ops;
 mod shards;
 mod split;
@@ -29,6 +31,7 @@ use hkv_proto::{ErrorCode, ProtoError, TableInfo, TableSpec};
 use hkv_shard::Backend;
 use parking_lot::RwLock;
 
+pub use mrc::drain_samples;
 pub use table::{check_name, shard_config, Table};
 
 use crate::actor::{Open, ShardActor};
@@ -55,6 +58,9 @@ pub struct Router {
     generation: AtomicU64,
     /// The next [`TableId`].
     next_id: AtomicU64,
+    /// The miss-ratio estimators' config of tables created from now on
+    /// (None: the curves are off).
+    pub mrc: Option<hkv_shard::mrc::MrcConfig>,
 }
 
 impl Router {
@@ -84,6 +90,7 @@ impl Router {
             max_answer: (max_answer as u64).min(bounds::MAX_BODY),
             generation: AtomicU64::new(0),
             next_id: AtomicU64::new(0),
+            mrc: None,
         }
     }
 
@@ -154,10 +161,11 @@ impl Router {
         // Owned from here on: a shard some actor failed to create is closed
         // with the others when this table is dropped.
         let table = Table::new(spec, config, id, self.actors.clone(), charge);
-        let opened = join_all(
-            self.actors.iter().map(|a| a.send(Open { table: id, config: table.config.clone(), backend: self.backend })),
-        )
-        .await;
+        let opened =
+            join_all(self.actors.iter().map(|a| {
+                a.send(Open { table: id, config: table.config.clone(), backend: self.backend, mrc: self.mrc })
+            }))
+            .await;
         let mut failed = None;
         for r in opened {
             let r = r.map_err(|e| err(ErrorCode::Internal, format!("shard actor gone: {e}")));

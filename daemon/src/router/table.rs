@@ -142,12 +142,13 @@ pub fn shard_config(spec: &TableSpec, n: usize) -> Result<TableConfig, ProtoErro
         policy,
         mode,
         fast_tier_bytes: spec.fast_tier_bytes.map(per),
-        // The reference's rule (plain frequencies) until the table spec
-        // carries the choice: PROTOCOL.md and the checkpoints of existing
-        // lfu tables hold plain frequencies, and a restore into a table
-        // packing frequency and stamp would rank every restored entry below
-        // new ones (issue 27; hkv_shard::LfuTies).
-        lfu_ties: hkv_shard::LfuTies::LowestSlot,
+        // Lru (the crate's default) unless the spec asks for the reference's
+        // rule; a manifest written before `lfu_ties` existed restores as
+        // lowest-slot (ckpt::restore), since its scores are plain frequencies.
+        lfu_ties: match spec.lfu_ties {
+            hkv_proto::LfuTies::Lru => hkv_shard::LfuTies::Lru,
+            hkv_proto::LfuTies::LowestSlot => hkv_shard::LfuTies::LowestSlot,
+        },
     };
     config.validate().map_err(|e| ProtoError::bad_request(e.to_string()))?;
     Ok(config)

@@ -120,6 +120,30 @@ pub enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// A table's live miss-ratio curve: the hit rate an LRU cache of 1/8x to
+    /// 8x its capacity would have had on its keys.
+    Mrc {
+        /// Table name.
+        table: String,
+        /// Print the curve's JSON (the stats document's `tables[].mrc`).
+        #[arg(long)]
+        json: bool,
+    },
+    /// The keys a table's curves sample, collected for some seconds and
+    /// written for `hkv-sim --trace` (prints the replay command).
+    Trace {
+        /// Table name.
+        table: String,
+        /// Seconds to collect (1 to 3600).
+        #[arg(long, default_value_t = 10)]
+        seconds: u32,
+        /// Output file.
+        #[arg(long)]
+        out: PathBuf,
+        /// One decimal key per line instead of u64 little-endian.
+        #[arg(long)]
+        text: bool,
+    },
     /// Prometheus text.
     Metrics,
     /// Throughput over the socket: find and insert_or_assign beside the raw

@@ -7,6 +7,7 @@
 //! - [`features`]: hash, find-features, find-or-insert-features; the hash
 //!   flags, `--from` input and the answer lines.
 //! - [`checkpoint`]: checkpoint, checkpoints, restore.
+//! - [`mrc`]: mrc (a table's miss-ratio curve), trace (its sampled keys).
 //! - [`render`]: printing values, times and the stats table.
 //! - [`bench`]: `hkvctl bench`.
 //! - this file: dispatch, `top`, exit codes.
@@ -18,6 +19,7 @@ mod checkpoint;
 mod cmd;
 mod entries;
 mod features;
+mod mrc;
 mod render;
 mod tables;
 
@@ -87,6 +89,8 @@ fn run(cli: Cli) -> Result<()> {
                 print!("{}", render::stats_table(&render::doc(v, "stats")?));
             }
         }
+        Cmd::Mrc { table, json } => mrc::mrc(c, &table, json)?,
+        Cmd::Trace { table, seconds, out, text } => mrc::trace(c, &table, seconds, &out, text)?,
         Cmd::Metrics => print!("{}", c.metrics()?),
         Cmd::Checkpoint { wait, full } => checkpoint::checkpoint(c, wait, full)?,
         Cmd::Checkpoints => checkpoint::checkpoints(c)?,

@@ -19,6 +19,11 @@ pub struct CreateTable {
     /// lru, lfu, epoch-lru, epoch-lfu or custom.
     #[arg(long, default_value = "lru", value_parser = name::<proto::Policy>)]
     pub policy: proto::Policy,
+    /// lfu: which of equal frequencies goes, lru (least recently
+    /// written) or lowest-slot (the reference's rule; scores are plain
+    /// frequencies).
+    #[arg(long, default_value = "lru", value_parser = name::<proto::LfuTies>)]
+    pub lfu_ties: proto::LfuTies,
     /// Dual-bucket mode (fills to ~98 % before evicting).
     #[arg(long)]
     pub dual: bool,
@@ -41,8 +46,19 @@ pub struct CreateTable {
 
 /// `hkvctl create-table`.
 pub fn create(c: &mut Client, a: CreateTable) -> Result<()> {
-    let CreateTable { name, dim, capacity, policy, dual, max_capacity, fast_tier_bytes, hash, num_buckets, hash_key } =
-        a;
+    let CreateTable {
+        name,
+        dim,
+        capacity,
+        policy,
+        lfu_ties,
+        dual,
+        max_capacity,
+        fast_tier_bytes,
+        hash,
+        num_buckets,
+        hash_key,
+    } = a;
     let hash = feature_hash("--hash", &hash, num_buckets, &hash_key)?;
     let spec = TableSpec {
         max_capacity,
@@ -50,6 +66,7 @@ pub fn create(c: &mut Client, a: CreateTable) -> Result<()> {
         mode: if dual { proto::Mode::Dual } else { proto::Mode::Single },
         fast_tier_bytes,
         hash,
+        lfu_ties,
         ..TableSpec::new(&name, dim, capacity)
     };
     let info = c.create_table(spec)?;

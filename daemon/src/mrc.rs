@@ -1,0 +1,293 @@
+//! Live miss-ratio curves (issue 27): each shard of a table samples the keys
+//! of its lookups and writes (`Shard::set_sampler`: a spatial hash filter,
+//! in the kernels on CUDA), the shard's actor drains them every
+//! [`DRAIN_EVERY`] and before stats into that shard's [`hkv_shard::mrc::Mrc`]
+//! (a SHARDS estimator), and the stats combine the shards' curves into the
+//! table's.
+//!
+//! # Why a table's curve is the shards' mean
+//! A key's shard is a hash of the key (`hkv_shard::hash::shard_of`), so each
+//! shard sees every access of a hash-chosen 1/n of the keys: a spatial
+//! sample of the table's stream, as SHARDS' own filter is. A shard of `c/n`
+//! slots facing `1/n` of the keys behaves as the table of `c` slots facing
+//! all of them, so the table's hit rate at `f × capacity` is estimated by
+//! each shard's at `f × its capacity`, averaged with the shards' accesses
+//! as weights (the hit rate of the union of their streams).
+//!
+//! # Traces
+//! While a trace is being taken ([`MrcOp::TraceStart`]), each drain also
+//! appends the sampled keys (after the estimator's current filter) to the
+//! shard's trace, up to a bound; [`MrcOp::TraceTake`] hands them over with
+//! the rate they were sampled at.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use hkv_shard::mrc::{Curve, Mrc, MrcConfig, Sampler};
+use hkv_shard::Shard;
+use parking_lot::Mutex;
+
+/// How often every shard's samples are drained into its estimator. A drain
+/// takes the table's inserter lock group for a moment, so it runs on this
+/// tick and before stats, never per request.
+pub const DRAIN_EVERY: Duration = Duration::from_millis(250);
+
+/// One shard's estimator and trace, owned by its actor beside the shard.
+pub struct ShardMrc {
+    inner: Mutex<Inner>,
+}
+
+struct Inner {
+    mrc: Mrc,
+    buf: Vec<u64>,
+    trace: Option<Trace>,
+}
+
+struct Trace {
+    keys: Vec<u64>,
+    max_keys: usize,
+    truncated: bool,
+}
+
+/// What the estimator of one shard is asked.
+#[derive(Debug)]
+pub enum MrcOp {
+    /// Drain the shard's samples into its estimator.
+    Drain,
+    /// Drain, then the curve at the shard's capacity.
+    Curve,
+    /// Start collecting sampled keys (at most `max_keys`; an earlier trace
+    /// is dropped).
+    TraceStart {
+        /// The bound.
+        max_keys: usize,
+    },
+    /// Drain, then hand over the trace collected since `TraceStart`.
+    TraceTake,
+}
+
+/// One shard's curve.
+#[derive(Debug, Clone)]
+pub struct ShardCurve {
+    /// At the shard's capacity.
+    pub curve: Curve,
+    /// The estimator's memory, bytes.
+    pub memory: u64,
+}
+
+/// One shard's trace.
+#[derive(Debug, Clone)]
+pub struct ShardTrace {
+    /// Sampled keys, in access order.
+    pub keys: Vec<u64>,
+    /// The filter they all pass (the lowest rate over the trace).
+    pub sampler: Sampler,
+    /// Whether keys were left out past the bound.
+    pub truncated: bool,
+}
+
+/// What the estimator answers.
+#[derive(Debug)]
+pub enum MrcResult {
+    /// Nothing (drain, trace start, or the curves are off).
+    Unit,
+    /// A curve.
+    Curve(Box<ShardCurve>),
+    /// A trace.
+    Trace(ShardTrace),
+}
+
+impl ShardMrc {
+    /// An estimator for `shard`, whose sampler it sets.
+    pub fn open(shard: &dyn Shard, cfg: MrcConfig) -> Arc<ShardMrc> {
+        let mrc = Mrc::new(cfg);
+        shard.set_sampler(Some(mrc.sampler()));
+        Arc::new(ShardMrc { inner: Mutex::new(Inner { mrc, buf: Vec::new(), trace: None }) })
+    }
+
+    /// Moves the shard's samples into the estimator (and the trace), then
+    /// sets the shard's sampler to the estimator's current filter.
+    fn drain(&self, shard: &dyn Shard) {
+        let mut g = self.inner.lock();
+        let Inner { mrc, buf, trace } = &mut *g;
+        buf.clear();
+        let before = mrc.sampler();
+        let d = shard.drain_samples(buf);
+        // Keys the buffer dropped were a stretch of the stream the sample
+        // misses: count only the accesses the kept keys stand for, or the
+        // estimator would take the gap for hits of hot keys.
+        let seen = d.sampled + d.dropped;
+        let accesses = if d.dropped == 0 || seen == 0 {
+            d.accesses
+        } else {
+            (d.accesses as u128 * d.sampled as u128 / seen as u128) as u64
+        };
+        mrc.observe_sampled(buf, accesses);
+        let sampler = mrc.sampler();
+        if let Some(t) = trace {
+            for &k in buf.iter().filter(|&&k| sampler.sampled(k)) {
+                if t.keys.len() == t.max_keys {
+                    t.truncated = true;
+                    break;
+                }
+                t.keys.push(k);
+            }
+        }
+        // The rate only drops, when the tracked keys overflow the budget.
+        if sampler != before {
+            shard.set_sampler(Some(sampler));
+        }
+    }
+
+    /// Runs `op` on this shard's estimator.
+    pub fn execute(&self, shard: &dyn Shard, op: MrcOp) -> MrcResult {
+        match op {
+            MrcOp::Drain => {
+                self.drain(shard);
+                MrcResult::Unit
+            }
+            MrcOp::Curve => {
+                self.drain(shard);
+                let g = self.inner.lock();
+                let memory = g.mrc.memory_bytes() as u64;
+                MrcResult::Curve(Box::new(ShardCurve { curve: g.mrc.curve(shard.capacity()), memory }))
+            }
+            MrcOp::TraceStart { max_keys } => {
+                self.drain(shard);
+                self.inner.lock().trace = Some(Trace { keys: Vec::new(), max_keys, truncated: false });
+                MrcResult::Unit
+            }
+            MrcOp::TraceTake => {
+                self.drain(shard);
+                let mut g = self.inner.lock();
+                let t = g.trace.take().unwrap_or(Trace { keys: vec![], max_keys: 0, truncated: false });
+                // Keys sampled at a higher rate early on are filtered again
+                // at the last one, so the whole trace is one spatial sample.
+                let sampler = g.mrc.sampler();
+                let keys = t.keys.into_iter().filter(|&k| sampler.sampled(k)).collect();
+                MrcResult::Trace(ShardTrace { keys, sampler, truncated: t.truncated })
+            }
+        }
+    }
+}
+
+/// A table's trace from its shards': every key filtered at the lowest
+/// rate of any shard (one spatial sample of the table), and the shards'
+/// streams merged in proportion (key `j` of a shard holding `n` goes at
+/// `j / n` of the trace). Shards see a hash-partitioned share of the same
+/// traffic at the same time, so that stands for the order the keys came in,
+/// which the shards do not record. Returns the keys, the rate and whether
+/// any shard left keys out past its bound.
+pub fn merge_traces(traces: Vec<ShardTrace>) -> (Vec<u64>, f64, bool) {
+    let Some(lowest) = traces.iter().map(|t| t.sampler).min_by_key(|s| s.threshold) else {
+        return (vec![], 1.0, false);
+    };
+    let truncated = traces.iter().any(|t| t.truncated);
+    let mut timed: Vec<(f64, u64)> = vec![];
+    for t in &traces {
+        let n = t.keys.len().max(1) as f64;
+        timed.extend(t.keys.iter().enumerate().filter(|(_, &k)| lowest.sampled(k)).map(|(j, &k)| (j as f64 / n, k)));
+    }
+    // Stable: keys of one shard keep their order.
+    timed.sort_by(|a, b| a.0.total_cmp(&b.0));
+    (timed.into_iter().map(|(_, k)| k).collect(), lowest.rate(), truncated)
+}
+
+/// A table's curve from its shards' (see the module docs): per factor, the
+/// access-weighted mean of the shards' hit rates at that factor of their
+/// capacities; capacities summed.
+pub fn combine(shards: &[ShardCurve], measured_hit_rate: Option<f64>) -> hkv_proto::stats::MrcStats {
+    let accesses: u64 = shards.iter().map(|s| s.curve.accesses).sum();
+    let n = hkv_shard::mrc::FACTORS.len();
+    let points = (0..n)
+        .map(|i| {
+            let factor = hkv_shard::mrc::FACTORS[i];
+            let capacity = shards.iter().filter_map(|s| s.curve.points.get(i)).map(|p| p.capacity).sum();
+            let hit_rate = if accesses == 0 {
+                0.0
+            } else {
+                shards
+                    .iter()
+                    .filter_map(|s| s.curve.points.get(i).map(|p| p.hit_rate * s.curve.accesses as f64))
+                    .sum::<f64>()
+                    / accesses as f64
+            };
+            hkv_proto::stats::MrcPoint { factor, capacity, hit_rate }
+        })
+        .collect();
+    let rate = if accesses == 0 {
+        shards.iter().map(|s| s.curve.rate).fold(1.0, f64::min)
+    } else {
+        shards.iter().map(|s| s.curve.rate * s.curve.accesses as f64).sum::<f64>() / accesses as f64
+    };
+    hkv_proto::stats::MrcStats {
+        points,
+        measured_hit_rate,
+        accesses,
+        sampled_accesses: shards.iter().map(|s| s.curve.sampled_accesses).sum(),
+        tracked_keys: shards.iter().map(|s| s.curve.tracked_keys).sum(),
+        rate,
+        memory_bytes: shards.iter().map(|s| s.memory).sum(),
+    }
+}
+
+/// Answers a trace request: starts a trace on every shard of `table`,
+/// waits `seconds` (less when the daemon begins to drain), and answers the
+/// merged keys ([`merge_traces`]), at most what fits in
+/// `limits.max_frame_bytes` (the rest left out, `truncated` set).
+pub async fn trace(
+    state: &crate::state::State,
+    table: &str,
+    seconds: u32,
+) -> Result<hkv_proto::Response, hkv_proto::ProtoError> {
+    let router = &state.router;
+    if router.mrc.is_none() {
+        return Err(hkv_proto::ProtoError::bad_request(
+            "the daemon samples no keys (started with --no-mrc or [mrc] enabled = false); start it with the curves on",
+        ));
+    }
+    let t = router.table(table)?;
+    // The answer: 8 bytes of rate, 1 truncated byte, a u32 count, 8 per key.
+    let max_keys = (state.config.limits.max_frame_bytes as usize).saturating_sub(64) / 8;
+    router.trace_start(&t, max_keys).await?;
+    let mut stop = state.shutdown.subscribe();
+    tokio::select! {
+        _ = tokio::time::sleep(Duration::from_secs(seconds as u64)) => {}
+        _ = stop.changed() => {}
+    }
+    let (keys, rate, truncated) = merge_traces(router.trace_take(&t).await?);
+    Ok(hkv_proto::Response::Trace { rate, truncated, keys })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hkv_shard::mrc::MrcPoint;
+
+    fn shard(accesses: u64, capacity: u64, hit: f64) -> ShardCurve {
+        let points = hkv_shard::mrc::FACTORS
+            .iter()
+            .map(|&factor| MrcPoint {
+                factor,
+                capacity: (capacity as f64 * factor) as u64,
+                hit_rate: hit * factor.min(1.0),
+            })
+            .collect();
+        ShardCurve {
+            curve: Curve { points, accesses, sampled_accesses: accesses / 10, tracked_keys: 100, rate: 0.1 },
+            memory: 1000,
+        }
+    }
+
+    #[test]
+    fn the_table_curve_weighs_shards_by_their_accesses() {
+        let m = combine(&[shard(300, 800, 0.9), shard(100, 800, 0.5)], Some(0.8));
+        let one = m.points.iter().find(|p| p.factor == 1.0).unwrap();
+        assert_eq!(one.capacity, 1600);
+        assert!((one.hit_rate - 0.8).abs() < 1e-12, "{}", one.hit_rate);
+        assert_eq!((m.accesses, m.sampled_accesses, m.tracked_keys, m.memory_bytes), (400, 40, 200, 2000));
+        assert_eq!(m.measured_hit_rate, Some(0.8));
+        let empty = combine(&[shard(0, 8, 0.0)], None);
+        assert!(empty.points.iter().all(|p| p.hit_rate == 0.0));
+    }
+}
