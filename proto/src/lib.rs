@@ -10,6 +10,8 @@
 //! - [`body`] has the array reader and writer.
 //! - [`msg`] holds the typed [`Request`] and [`Response`] with encode / decode.
 //! - [`error`] holds the [`ProtoError`] codes shared by both sides.
+//! - [`region`] holds registered regions: their ops, the `REGION` flag,
+//!   requests naming arrays in them and their small answers.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -18,6 +20,7 @@
 pub mod body;
 pub mod error;
 pub mod msg;
+pub mod region;
 
 pub use error::{ErrorCode, ProtoError};
 pub use msg::{
