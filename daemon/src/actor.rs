@@ -107,6 +107,9 @@ pub enum SubOp {
     SetEpoch(u32),
     /// reserve.
     Reserve(u64),
+    /// Work given as a function of the shard: requests whose arrays live in
+    /// registered regions (`crate::region`).
+    With(crate::region::ShardFn),
 }
 
 /// One shard's answer.
@@ -276,6 +279,7 @@ pub fn execute(t: &dyn Shard, op: SubOp) -> Result<SubResult, hkv_shard::Error> 
             t.reserve(c)?;
             SubResult::Unit
         }
+        SubOp::With(f) => (f.0)(t)?,
     })
 }
 

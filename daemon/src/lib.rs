@@ -11,6 +11,7 @@
 //! - [`actor`] is the shard actor and the sub-batch messages.
 //! - [`ckpt`] takes and restores checkpoints.
 //! - [`router`] maps tables and keys to shards and merges answers.
+//! - [`region`] registers client memory (memfds) and runs requests naming arrays in it.
 //! - [`server`] accepts connections, reads frames, answers requests.
 //! - [`stats`] renders statistics as JSON and Prometheus text.
 //! - this file: [`run`], start to finish.
@@ -24,6 +25,7 @@ pub mod budget;
 pub mod ckpt;
 pub mod config;
 pub mod features;
+pub mod region;
 pub mod router;
 pub mod server;
 pub mod stats;

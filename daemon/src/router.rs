@@ -573,7 +573,7 @@ impl Router {
         removed.map(|_| ()).ok_or_else(|| err(ErrorCode::UnknownTable, format!("no table named {name:?}")))
     }
 
-    async fn call(&self, table: &Table, i: usize, op: SubOp) -> Result<SubResult, ProtoError> {
+    pub(crate) async fn call(&self, table: &Table, i: usize, op: SubOp) -> Result<SubResult, ProtoError> {
         self.actors[i]
             .send(Call { shard: table.shards[i].clone(), op })
             .await

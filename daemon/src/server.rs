@@ -42,6 +42,8 @@ pub struct ServerStats {
     /// arriving: at most 3/4 of the limit, so that uploads kept trickling
     /// cannot take what small requests and answers need.
     pub receiving_bytes: AtomicU64,
+    /// Registered regions mapped now.
+    pub regions: crate::region::Counters,
 }
 
 /// Everything the request handlers share.
@@ -196,6 +198,9 @@ async fn connection(state: Arc<State>, stream: UnixStream) {
         }
     };
     let (rd, wr) = stream.into_split();
+    // Read with recvmsg: fds sent with register_memfd frames are queued on `conn`.
+    let conn = Arc::new(crate::region::Conn::default());
+    let rd = crate::region::FdReader::new(rd, conn.clone());
     // Each answer travels with its share of the bytes in flight, given back
     // once it is written to the socket.
     let (tx, mut rx) = mpsc::channel::<(FrameBuf, Option<InFlight>)>(256);
@@ -240,6 +245,7 @@ async fn connection(state: Arc<State>, stream: UnixStream) {
     // A connection accepted as shutdown began must not wait for a change.
     let mut draining = *stop.borrow();
     loop {
+        let frame_start = rd.get_ref().offset() - rd.buffer().len() as u64;
         let header = if draining {
             // Requests still arriving are answered `shutting_down` until
             // this connection's in-flight requests are done.
@@ -319,11 +325,12 @@ async fn connection(state: Arc<State>, stream: UnixStream) {
                 continue;
             }
         };
+        let ctx = crate::region::Ctx { conn: conn.clone(), fd: conn.frame_fd(&h, frame_start) };
         let Ok(permit) = sem.clone().acquire_owned().await else { break };
         let (state2, tx2, peer) = (state.clone(), tx.clone(), peer.clone());
         tokio::spawn(async move {
             state2.stats.in_flight.fetch_add(1, Relaxed);
-            let (resp, answer) = handle(&state2, &h, &body, &peer).await;
+            let (resp, answer) = handle(&state2, &h, &body, &peer, ctx).await;
             drop(body);
             drop(charge);
             state2.stats.in_flight.fetch_sub(1, Relaxed);
@@ -459,9 +466,15 @@ fn scopeguard<F: FnMut()>(f: F) -> Guard<F> {
 /// Answers one request.
 #[tracing::instrument(level = "debug", skip_all, fields(op = hkv_proto::msg::op_name(h.op), id = h.id))]
 /// The answer, and its share of the bytes in flight (held until it is sent).
-pub async fn handle(state: &Arc<State>, h: &Header, body: &[u8], peer: &Peer) -> (Response, Option<InFlight>) {
+pub async fn handle(
+    state: &Arc<State>,
+    h: &Header,
+    body: &[u8],
+    peer: &Peer,
+    ctx: crate::region::Ctx,
+) -> (Response, Option<InFlight>) {
     let mut answer_bytes = None;
-    match answer(state, h, body, peer, &mut answer_bytes).await {
+    match answer(state, h, body, peer, &mut answer_bytes, ctx).await {
         Ok(r) => (r, answer_bytes),
         Err(e) => (Response::Error(e), None),
     }
@@ -473,6 +486,7 @@ async fn answer(
     body: &[u8],
     peer: &Peer,
     answer_bytes: &mut Option<InFlight>,
+    ctx: crate::region::Ctx,
 ) -> Result<Response, ProtoError> {
     if hkv_proto::msg::is_admin_op(h.op) && !state.is_admin(peer) {
         let group = match (&state.config.admin_group, state.admin_gid) {
@@ -488,6 +502,9 @@ async fn answer(
                 state.uid
             ),
         ));
+    }
+    if hkv_proto::region::is_region(h) {
+        return crate::region::answer(state, ctx, h, body).await;
     }
     let req = Request::decode(h, body)?;
     // Answers count against the bytes in flight before they are built: a

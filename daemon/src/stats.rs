@@ -41,6 +41,9 @@ pub struct DaemonStats {
     /// Memory limits and what is held of them.
     #[serde(default)]
     pub memory: MemoryStats,
+    /// Registered regions (memfds mapped for clients).
+    #[serde(default)]
+    pub regions: crate::region::RegionStats,
 }
 
 /// The memory budget and the request bytes in flight.
@@ -129,6 +132,7 @@ pub fn collect(state: &State) -> DaemonStats {
                 receiving_bytes: s.receiving_bytes.load(Relaxed),
             }
         },
+        regions: crate::region::stats(state),
     }
 }
 

@@ -9,8 +9,8 @@ use crate::body::{Reader, Writer};
 use crate::msg::{FeatureHash, Filter, HashSpec};
 use crate::{op, ErrorCode, Header, ProtoError, Summary};
 
-/// Frame flag: the body names arrays in registered regions ([`RegionRequest`]);
-/// set in the answers to such requests too.
+/// Frame flag: the body names arrays in registered regions ([`RegionRequest`]).
+/// Answers do not carry it (they are `RESPONSE` only).
 pub const REGION: u16 = 0x0010;
 
 /// `register_memfd`: body `u64 len`, one fd passed with the frame's bytes
@@ -400,7 +400,7 @@ fn summary_get(r: &mut Reader<'_>) -> Result<Summary, ProtoError> {
 }
 
 impl RegionAnswer {
-    /// The answer frame to request `id` of op `req_op` (flags `RESPONSE | REGION`).
+    /// The answer frame to request `id` of op `req_op` (flags `RESPONSE`).
     pub fn encode(&self, req_op: u8, id: u64) -> Vec<u8> {
         let mut w = Writer::framed_in(Vec::new(), 64);
         match self {
@@ -416,7 +416,7 @@ impl RegionAnswer {
                 w.u32(*next_shard).u64(*next_offset).u64(*count);
             }
         }
-        w.finish_frame(req_op, crate::flags::RESPONSE | REGION, id)
+        w.finish_frame(req_op, crate::flags::RESPONSE, id)
     }
 
     /// Parses the answer body to a region request of op `req_op`.
@@ -528,7 +528,7 @@ mod tests {
             };
             let f = a.encode(code, 4);
             assert_eq!(RegionAnswer::decode(code, &f[HEADER_LEN..]).unwrap(), a);
-            assert_eq!(u16::from_le_bytes([f[6], f[7]]), crate::flags::RESPONSE | REGION);
+            assert_eq!(u16::from_le_bytes([f[6], f[7]]), crate::flags::RESPONSE);
         }
     }
 }
