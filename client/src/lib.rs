@@ -8,12 +8,14 @@
 //! # Layout
 //! - this file: the blocking [`Client`], its typed helpers and [`ClientError`].
 //! - [`asynchronous`] holds [`AsyncClient`].
+//! - [`region`] holds registered memory ([`region::Region`]) and the ops naming arrays in it.
 //! - `bin/hkvctl.rs` is the command-line client.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod asynchronous;
+pub mod region;
 
 use std::io::{BufReader, Read, Write};
 use std::os::unix::net::UnixStream;

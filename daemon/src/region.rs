@@ -95,19 +95,21 @@ impl Conn {
         }
     }
 
-    /// A frame starts at stream offset `start`: fds that came before it
-    /// (with earlier frames) are closed; a `register_memfd` frame takes the
-    /// oldest one left.
-    pub fn frame_fd(&self, h: &Header, start: u64) -> Option<OwnedFd> {
+    /// What the frame with header `h`, which started at stream offset
+    /// `start`, takes from its connection, in the order frames are read:
+    /// fds that came before it (with earlier frames) are closed, and a
+    /// `register_memfd` frame takes the oldest one left; a region request
+    /// holds the connection's regions as they are now, so that an
+    /// `unregister` read after it cannot overtake it.
+    pub fn ctx(self: &Arc<Self>, h: &Header, start: u64) -> Ctx {
         let mut q = self.fds.lock();
         while q.front().is_some_and(|&(_, end)| end <= start) {
             q.pop_front();
         }
-        if h.op == wire::REGISTER_MEMFD {
-            q.pop_front().map(|(fd, _)| fd)
-        } else {
-            None
-        }
+        let fd = if h.op == wire::REGISTER_MEMFD { q.pop_front().map(|(fd, _)| fd) } else { None };
+        drop(q);
+        let regions = wire::is_region(h).then(|| self.regions.lock().clone());
+        Ctx { conn: self.clone(), fd, regions }
     }
 }
 
@@ -117,6 +119,8 @@ pub struct Ctx {
     pub conn: Arc<Conn>,
     /// The fd that came with a `register_memfd` frame.
     pub fd: Option<OwnedFd>,
+    /// The connection's regions when the frame was read (region requests).
+    regions: Option<HashMap<u32, Arc<Region>>>,
 }
 
 /// A mapped region; unmapped, and counted out, when the last holder drops it.
@@ -198,7 +202,10 @@ impl AsyncRead for FdReader {
 }
 
 /// A function run on a shard's actor thread (`SubOp::With`).
-pub struct ShardFn(pub Box<dyn FnOnce(&dyn Shard) -> Result<SubResult, hkv_shard::Error> + Send>);
+pub struct ShardFn(pub Box<ShardWork>);
+
+/// The work a [`ShardFn`] does.
+pub type ShardWork = dyn FnOnce(&dyn Shard) -> Result<SubResult, hkv_shard::Error> + Send;
 
 impl std::fmt::Debug for ShardFn {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -227,7 +234,7 @@ pub async fn answer(state: &Arc<State>, ctx: Ctx, h: &Header, body: &[u8]) -> Re
         }
         _ => {
             let req = RegionRequest::decode(h, body)?;
-            run(state, &ctx.conn, req).await?.encode(h.op, h.id)
+            run(state, ctx.regions.as_ref().unwrap_or(&HashMap::new()), req).await?.encode(h.op, h.id)
         }
     };
     Ok(Response::Framed(FrameBuf::Vec(frame)))
@@ -367,9 +374,12 @@ impl Arr {
 /// Resolves and checks every reference of `req` against its slot and
 /// region (bounds, alignment, counts); returns them with n and the output
 /// capacity.
-fn resolve(conn: &Conn, req: &RegionRequest, dim: usize) -> Result<(Vec<Arr>, usize), ProtoError> {
+fn resolve(
+    regions: &HashMap<u32, Arc<Region>>,
+    req: &RegionRequest,
+    dim: usize,
+) -> Result<(Vec<Arr>, usize), ProtoError> {
     let slots = req.slots();
-    let regions = conn.regions.lock();
     let mut arrs = Vec::with_capacity(slots.len());
     for (slot, r) in slots.into_iter().zip(&req.refs) {
         let region = regions.get(&r.region).cloned().ok_or_else(|| not_registered(r.region))?;
@@ -388,7 +398,6 @@ fn resolve(conn: &Conn, req: &RegionRequest, dim: usize) -> Result<(Vec<Arr>, us
         }
         arrs.push(Arr { slot, r: *r, region });
     }
-    drop(regions);
     // n from the keys (or features), then every count checked against it.
     let mut n = None;
     let mut cap = None;
@@ -444,10 +453,14 @@ fn need<'a>(arrs: &'a [Arr], name: &str) -> &'a Arr {
 }
 
 /// Runs one region request.
-async fn run(state: &Arc<State>, conn: &Conn, req: RegionRequest) -> Result<RegionAnswer, ProtoError> {
+async fn run(
+    state: &Arc<State>,
+    regions: &HashMap<u32, Arc<Region>>,
+    req: RegionRequest,
+) -> Result<RegionAnswer, ProtoError> {
     let t = state.router.table(&req.table)?;
     let dim = t.config.dim;
-    let (arrs, n) = resolve(conn, &req, dim)?;
+    let (arrs, n) = resolve(regions, &req, dim)?;
     // Inputs are copied in first (a client writing them meanwhile changes
     // only what it asks), then outputs claimed for the whole request.
     let keys: Vec<u64> = match (&req.head, req.op) {

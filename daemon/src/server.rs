@@ -325,7 +325,7 @@ async fn connection(state: Arc<State>, stream: UnixStream) {
                 continue;
             }
         };
-        let ctx = crate::region::Ctx { conn: conn.clone(), fd: conn.frame_fd(&h, frame_start) };
+        let ctx = conn.ctx(&h, frame_start);
         let Ok(permit) = sem.clone().acquire_owned().await else { break };
         let (state2, tx2, peer) = (state.clone(), tx.clone(), peer.clone());
         tokio::spawn(async move {

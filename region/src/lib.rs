@@ -108,7 +108,7 @@ impl Mapping {
         if end > self.len as u64 {
             return Err(ClaimError::OutOfBounds);
         }
-        if off % std::mem::align_of::<T>() as u64 != 0 {
+        if !off.is_multiple_of(std::mem::align_of::<T>() as u64) {
             return Err(ClaimError::Misaligned);
         }
         Ok((off as usize, end as usize))

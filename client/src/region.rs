@@ -1,0 +1,242 @@
+//! Registered regions (`proto/PROTOCOL.md`, "Registered regions"): memory
+//! this process shares with hkvd, so that requests name their arrays
+//! instead of sending them and answers carry only counts.
+//!
+//! ```no_run
+//! # fn main() -> hkv_client::Result<()> {
+//! let mut c = hkv_client::Client::connect_default()?;
+//! let (n, dim) = (1024u64, 32u64);
+//! // keys, then found flags, then values: one region for all three.
+//! let r = c.register_memfd(n * 8 + n + n * dim * 4)?;
+//! let keys: Vec<u64> = (1..=n).collect();
+//! r.write(0, &keys)?;
+//! let hits = c.find_in("emb", r.at::<u64>(0, n), r.at::<u8>(n * 8, n), r.at::<f32>(n * 9, n * dim))?;
+//! let mut row = vec![0f32; dim as usize];
+//! r.read(n * 9, &mut row)?; // key 1's values
+//! # Ok(()) }
+//! ```
+//!
+//! The daemon writes outputs while a call is in progress and never after
+//! its answer: reuse or read the arrays once the call returned (with
+//! [`Client::send_region`], once its answer was received).
+
+use std::io::{IoSlice, Read, Write};
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
+
+use hkv_proto::region::{self as wire, Head, RegionAnswer, RegionRef, RegionRequest};
+use hkv_proto::{op, Header, Response, Summary, HEADER_LEN};
+use hkv_region::Mapping;
+use zerocopy::{FromBytes, Immutable, IntoBytes};
+
+use crate::{io, Client, ClientError, Result};
+
+/// A memfd registered on one connection and mapped in this process.
+pub struct Region {
+    id: u32,
+    len: u64,
+    map: Arc<Mapping>,
+    _fd: OwnedFd,
+}
+
+impl std::fmt::Debug for Region {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Region").field("id", &self.id).field("len", &self.len).finish()
+    }
+}
+
+fn claim(e: hkv_region::ClaimError) -> ClientError {
+    ClientError::Protocol(format!("region access refused: {e:?} (past the end, misaligned, or in use)"))
+}
+
+impl Region {
+    /// The id the daemon gave it (valid on its connection only).
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    /// Bytes registered.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether it holds no byte (never: registration refuses 0).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// A reference to `count` elements of `T` from byte `offset`.
+    pub fn at<T>(&self, offset: u64, count: u64) -> RegionRef {
+        let _ = std::marker::PhantomData::<T>;
+        RegionRef::new(self.id, offset, count)
+    }
+
+    /// Copies `src` into the region at byte `offset`.
+    pub fn write<T: IntoBytes + Immutable>(&self, offset: u64, src: &[T]) -> Result<()> {
+        self.map.write(offset, src).map_err(claim)
+    }
+
+    /// Copies from the region at byte `offset` into `dst`.
+    pub fn read<T: FromBytes + IntoBytes>(&self, offset: u64, dst: &mut [T]) -> Result<()> {
+        self.map.read(offset, dst).map_err(claim)
+    }
+
+    /// The mapping (for claimed slices of it, see `hkv_region`).
+    pub fn mapping(&self) -> &Arc<Mapping> {
+        &self.map
+    }
+}
+
+impl Client {
+    /// Creates a sealed memfd of `len` bytes, maps it, and registers it on
+    /// this connection.
+    pub fn register_memfd(&mut self, len: u64) -> Result<Region> {
+        let fd = hkv_region::create_memfd("hkvd-region", len).map_err(io("creating a memfd"))?;
+        let map = Mapping::map(&fd, len as usize).map_err(io("mapping a memfd"))?;
+        let id = self.register_fd(fd.as_fd(), len)?;
+        Ok(Region { id, len, map, _fd: fd })
+    }
+
+    /// Sends `register_memfd` with `fd` (any fd: the daemon decides) and
+    /// returns the region id.
+    pub fn register_fd(&mut self, fd: std::os::fd::BorrowedFd<'_>, len: u64) -> Result<u32> {
+        use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+        let id = self.next_id;
+        self.next_id += 1;
+        let frame = wire::register_memfd(id, len);
+        let fds = [fd];
+        let mut space = [std::mem::MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut anc = SendAncillaryBuffer::new(&mut space);
+        anc.push(SendAncillaryMessage::ScmRights(&fds));
+        let sent = rustix::net::sendmsg(&self.w, &[IoSlice::new(&frame)], &mut anc, SendFlags::NOSIGNAL)
+            .map_err(|e| io("sending register_memfd")(e.into()))?;
+        self.w.write_all(&frame[sent..]).map_err(io("sending register_memfd"))?;
+        let (h, body) = self.recv_frame()?;
+        check_id(&h, id)?;
+        wire::decode_registered(&body).map(|(r, _)| r).map_err(|e| ClientError::Protocol(e.to_string()))
+    }
+
+    /// Unregisters a region (the daemon unmaps it once its requests in
+    /// flight are done).
+    pub fn unregister(&mut self, region: u32) -> Result<()> {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.w.write_all(&wire::unregister(id, region)).map_err(io("sending unregister"))?;
+        let (h, _) = self.recv_frame()?;
+        check_id(&h, id)
+    }
+
+    /// Reads one answer frame whole, whatever it answers (region answers
+    /// and others pipelined with them); error frames become
+    /// [`ClientError::Daemon`].
+    pub fn recv_frame(&mut self) -> Result<(Header, Vec<u8>)> {
+        let mut h = [0u8; HEADER_LEN];
+        self.r.read_exact(&mut h).map_err(io("reading a response header"))?;
+        let h = Header::decode(&h).map_err(|e| ClientError::Protocol(e.to_string()))?;
+        let mut body = vec![0u8; h.body_len as usize];
+        self.r.read_exact(&mut body).map_err(io("reading a response body"))?;
+        if h.op == op::ERROR {
+            if let Ok(Response::Error(e)) = Response::decode(&h, &body) {
+                return Err(ClientError::Daemon(e));
+            }
+            return Err(ClientError::Protocol("undecodable error frame".into()));
+        }
+        Ok((h, body))
+    }
+
+    /// Sends a region request without waiting; returns its id.
+    pub fn send_region(&mut self, req: &RegionRequest) -> Result<u64> {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.w.write_all(&req.encode(id)).map_err(io("sending a region request"))?;
+        Ok(id)
+    }
+
+    /// Receives the next answer to a region request of op `req_op`.
+    pub fn recv_region(&mut self, req_op: u8) -> Result<(u64, RegionAnswer)> {
+        let (h, body) = self.recv_frame()?;
+        let a = RegionAnswer::decode(req_op, &body).map_err(|e| ClientError::Protocol(e.to_string()))?;
+        Ok((h.id, a))
+    }
+
+    /// Sends a region request and waits for its answer.
+    pub fn region_call(&mut self, req: &RegionRequest) -> Result<RegionAnswer> {
+        let id = self.send_region(req)?;
+        let (got, a) = self.recv_region(req.op)?;
+        if got != id {
+            return Err(ClientError::Protocol(format!("answer to request {got} while waiting for {id}")));
+        }
+        Ok(a)
+    }
+
+    /// find with every array in regions: `keys` (n u64), `found` (n bytes,
+    /// 1/0), `values` (n × dim f32, misses 0.0). Returns the hits.
+    pub fn find_in(&mut self, table: &str, keys: RegionRef, found: RegionRef, values: RegionRef) -> Result<u64> {
+        let req = keyed(op::FIND, table, vec![keys, found, values], false, false);
+        count(self.region_call(&req)?)
+    }
+
+    /// contains: `found` (n bytes). Returns the keys present.
+    pub fn contains_in(&mut self, table: &str, keys: RegionRef, found: RegionRef) -> Result<u64> {
+        count(self.region_call(&keyed(op::CONTAINS, table, vec![keys, found], false, false))?)
+    }
+
+    /// A write op (insert_or_assign, find_or_insert, assign, accum_or_assign,
+    /// load) with its arrays in regions: `values` (n × dim; written back by
+    /// find_or_insert), optional `scores` (n u64) and `outcomes` (n bytes).
+    pub fn write_in(
+        &mut self,
+        code: u8,
+        table: &str,
+        keys: RegionRef,
+        values: RegionRef,
+        scores: Option<RegionRef>,
+        outcomes: Option<RegionRef>,
+    ) -> Result<Summary> {
+        let mut refs = vec![keys, values];
+        refs.extend(scores);
+        refs.extend(outcomes);
+        let req = keyed(code, table, refs, scores.is_some(), outcomes.is_some());
+        match self.region_call(&req)? {
+            RegionAnswer::Write(s) | RegionAnswer::Evict(s, _) => Ok(s),
+            a => Err(ClientError::Protocol(format!("unexpected answer {a:?}"))),
+        }
+    }
+
+    /// insert_or_assign with its arrays in regions.
+    pub fn insert_or_assign_in(
+        &mut self,
+        table: &str,
+        keys: RegionRef,
+        values: RegionRef,
+        scores: Option<RegionRef>,
+    ) -> Result<Summary> {
+        self.write_in(op::INSERT_OR_ASSIGN, table, keys, values, scores, None)
+    }
+
+    /// erase; `erased` (n bytes) when given. Returns the count erased.
+    pub fn erase_in(&mut self, table: &str, keys: RegionRef, erased: Option<RegionRef>) -> Result<u64> {
+        let mut refs = vec![keys];
+        refs.extend(erased);
+        count(self.region_call(&keyed(op::ERASE, table, refs, false, erased.is_some()))?)
+    }
+}
+
+/// A keyed region request (no head).
+pub fn keyed(code: u8, table: &str, refs: Vec<RegionRef>, scores: bool, outcomes: bool) -> RegionRequest {
+    RegionRequest { op: code, scores, outcomes, table: table.into(), head: Head::None, refs }
+}
+
+fn count(a: RegionAnswer) -> Result<u64> {
+    match a {
+        RegionAnswer::Count(c) => Ok(c),
+        a => Err(ClientError::Protocol(format!("unexpected answer {a:?}"))),
+    }
+}
+
+fn check_id(h: &Header, id: u64) -> Result<()> {
+    if h.id != id {
+        return Err(ClientError::Protocol(format!("answer to request {} while waiting for {id}", h.id)));
+    }
+    Ok(())
+}
