@@ -240,3 +240,127 @@ fn check_id(h: &Header, id: u64) -> Result<()> {
     }
     Ok(())
 }
+
+impl Client {
+    /// Keeps `pipeline` region requests in flight until `time` has passed,
+    /// then waits for those still due; returns the requests answered and
+    /// the seconds taken (`hkvctl bench --transport shm`). `make(slot)`
+    /// builds a request whose outputs lie in output area `slot` (0 to
+    /// `pipeline` − 1): a slot is given again only once the request that
+    /// used it was answered, so outputs in flight never overlap.
+    pub fn keep_busy_region(
+        &mut self,
+        pipeline: usize,
+        time: std::time::Duration,
+        make: &mut dyn FnMut(usize) -> RegionRequest,
+    ) -> Result<(u64, f64)> {
+        let start = std::time::Instant::now();
+        let pipeline = pipeline.max(1);
+        let mut slots = std::collections::HashMap::new();
+        let mut code = op::FIND;
+        for slot in 0..pipeline {
+            let req = make(slot);
+            code = req.op;
+            slots.insert(self.send_region(&req)?, slot);
+        }
+        let mut done = 0u64;
+        while !slots.is_empty() {
+            let (id, _) = self.recv_region(code)?;
+            let slot = slots.remove(&id).ok_or_else(|| ClientError::Protocol(format!("answer to unknown request {id}")))?;
+            done += 1;
+            if start.elapsed() < time {
+                slots.insert(self.send_region(&make(slot))?, slot);
+            }
+        }
+        Ok((done, start.elapsed().as_secs_f64()))
+    }
+}
+
+/// `hkvctl bench --transport shm`: find and insert_or_assign with every
+/// array in a region registered by each client connection.
+pub mod bench {
+    use std::path::Path;
+    use std::time::Duration;
+
+    use hkv_proto::op;
+    use hkv_proto::region::RegionRequest;
+    use rand::Rng;
+
+    use super::keyed;
+    use crate::{Client, Result};
+
+    /// What one figure runs.
+    #[derive(Debug, Clone)]
+    pub struct Plan {
+        /// Table (filled with keys 1..=resident).
+        pub table: String,
+        /// Its dim.
+        pub dim: usize,
+        /// Keys per request.
+        pub batch: usize,
+        /// Keys drawn from 1..=resident.
+        pub resident: u64,
+        /// Requests in flight per connection.
+        pub pipeline: usize,
+        /// Untimed seconds first.
+        pub warmup: f64,
+        /// Timed seconds.
+        pub seconds: f64,
+    }
+
+    /// Keys per second of find and of insert_or_assign over `clients`
+    /// connections at once, each with its own region: `pipeline + 1` key
+    /// sets (random resident keys), `pipeline` output areas (found and
+    /// values), one values array for the inserts.
+    pub fn measure(socket: &Path, clients: usize, p: &Plan) -> Result<(f64, f64)> {
+        let run = |insert: bool| -> Result<f64> {
+            let results: Vec<Result<(u64, f64)>> = std::thread::scope(|s| {
+                let hs: Vec<_> = (0..clients).map(|_| s.spawn(move || one(socket, p, insert))).collect();
+                hs.into_iter().map(|h| h.join().expect("bench thread")).collect()
+            });
+            let (mut keys, mut secs) = (0u64, 0f64);
+            for r in results {
+                let (k, s) = r?;
+                keys += k;
+                secs = secs.max(s);
+            }
+            Ok(keys as f64 / secs)
+        };
+        Ok((run(false)?, run(true)?))
+    }
+
+    fn one(socket: &Path, p: &Plan, insert: bool) -> Result<(u64, f64)> {
+        let mut c = Client::connect(socket)?;
+        let (n, dim) = (p.batch as u64, p.dim as u64);
+        let sets = p.pipeline.max(1) as u64 + 1;
+        let keys_bytes = n * 8;
+        // Each output area: n found bytes, padded to 8, then n × dim floats.
+        let found_bytes = n.next_multiple_of(8);
+        let area = found_bytes + n * dim * 4;
+        let outputs = sets * keys_bytes;
+        let len = outputs + p.pipeline.max(1) as u64 * area;
+        let r = c.register_memfd(len)?;
+        let mut rng = rand::thread_rng();
+        for s in 0..sets {
+            let keys: Vec<u64> = (0..n).map(|_| rng.gen_range(1..=p.resident)).collect();
+            r.write(s * keys_bytes, &keys)?;
+        }
+        // The inserts read their values from the first output area.
+        r.write(outputs + found_bytes, &vec![1.5f32; (n * dim) as usize])?;
+        let mut sent = 0u64;
+        let mut make = |slot: usize| -> RegionRequest {
+            let k = r.at::<u64>((sent % sets) * keys_bytes, n);
+            sent += 1;
+            let base = outputs + slot as u64 * area;
+            if insert {
+                keyed(op::INSERT_OR_ASSIGN, &p.table, vec![k, r.at::<f32>(outputs + found_bytes, n * dim)], false, false)
+            } else {
+                keyed(op::FIND, &p.table, vec![k, r.at::<u8>(base, n), r.at::<f32>(base + found_bytes, n * dim)], false, false)
+            }
+        };
+        c.keep_busy_region(p.pipeline, Duration::from_secs_f64(p.warmup), &mut make)?;
+        let (done, secs) = c.keep_busy_region(p.pipeline, Duration::from_secs_f64(p.seconds), &mut make)?;
+        c.unregister(r.id())?;
+        Ok((done * n, secs))
+    }
+}
