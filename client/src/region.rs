@@ -266,7 +266,8 @@ impl Client {
         let mut done = 0u64;
         while !slots.is_empty() {
             let (id, _) = self.recv_region(code)?;
-            let slot = slots.remove(&id).ok_or_else(|| ClientError::Protocol(format!("answer to unknown request {id}")))?;
+            let slot =
+                slots.remove(&id).ok_or_else(|| ClientError::Protocol(format!("answer to unknown request {id}")))?;
             done += 1;
             if start.elapsed() < time {
                 slots.insert(self.send_region(&make(slot))?, slot);
@@ -353,9 +354,21 @@ pub mod bench {
             sent += 1;
             let base = outputs + slot as u64 * area;
             if insert {
-                keyed(op::INSERT_OR_ASSIGN, &p.table, vec![k, r.at::<f32>(outputs + found_bytes, n * dim)], false, false)
+                keyed(
+                    op::INSERT_OR_ASSIGN,
+                    &p.table,
+                    vec![k, r.at::<f32>(outputs + found_bytes, n * dim)],
+                    false,
+                    false,
+                )
             } else {
-                keyed(op::FIND, &p.table, vec![k, r.at::<u8>(base, n), r.at::<f32>(base + found_bytes, n * dim)], false, false)
+                keyed(
+                    op::FIND,
+                    &p.table,
+                    vec![k, r.at::<u8>(base, n), r.at::<f32>(base + found_bytes, n * dim)],
+                    false,
+                    false,
+                )
             }
         };
         c.keep_busy_region(p.pipeline, Duration::from_secs_f64(p.warmup), &mut make)?;

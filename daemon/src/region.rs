@@ -356,7 +356,9 @@ impl Arr {
                 ),
             ),
             ClaimError::OutOfBounds => wire::bad_ref(self.slot.name, &self.r, "past the end of the region"),
-            ClaimError::Misaligned => wire::bad_ref(self.slot.name, &self.r, "offset not a multiple of the element size"),
+            ClaimError::Misaligned => {
+                wire::bad_ref(self.slot.name, &self.r, "offset not a multiple of the element size")
+            }
         }
     }
 
@@ -467,7 +469,10 @@ async fn run(
         (Head::Export { .. }, _) => Vec::new(),
         (Head::Features { hash, strings }, _) => {
             let features = if *strings {
-                hkv_proto::Features::Strings { offsets: need(&arrs, "offsets").read()?, bytes: need(&arrs, "bytes").read()? }
+                hkv_proto::Features::Strings {
+                    offsets: need(&arrs, "offsets").read()?,
+                    bytes: need(&arrs, "bytes").read()?,
+                }
             } else {
                 hkv_proto::Features::Int64(need(&arrs, "features").read()?)
             };

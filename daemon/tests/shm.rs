@@ -53,7 +53,14 @@ fn region_requests_answer_as_the_socket_does() {
         r.write(0, &keys).unwrap();
         r.write(4096, &values).unwrap();
         let s = c
-            .write_in(op::INSERT_OR_ASSIGN, "t", r.at::<u64>(0, n), r.at::<f32>(4096, n * dim), None, Some(r.at::<u8>(200000, n)))
+            .write_in(
+                op::INSERT_OR_ASSIGN,
+                "t",
+                r.at::<u64>(0, n),
+                r.at::<f32>(4096, n * dim),
+                None,
+                Some(r.at::<u8>(200000, n)),
+            )
             .unwrap();
         assert_eq!(s, Summary { inserted: n, ..Default::default() });
         let mut outcomes = vec![9u8; n as usize];
@@ -97,7 +104,8 @@ fn region_requests_answer_as_the_socket_does() {
         // find_or_insert: values read, then written back in place.
         r.write(0, &keys[..20]).unwrap();
         r.write(4096, &vec![-1.0f32; (20 * dim) as usize]).unwrap();
-        let s = c.write_in(op::FIND_OR_INSERT, "t", r.at::<u64>(0, 20), r.at::<f32>(4096, 20 * dim), None, None).unwrap();
+        let s =
+            c.write_in(op::FIND_OR_INSERT, "t", r.at::<u64>(0, 20), r.at::<f32>(4096, 20 * dim), None, None).unwrap();
         assert_eq!((s.updated, s.inserted), (20, 0));
         let mut back = vec![0f32; (20 * dim) as usize];
         r.read(4096, &mut back).unwrap();
@@ -130,7 +138,12 @@ fn region_requests_answer_as_the_socket_does() {
                 scores: false,
                 outcomes: false,
                 table: "t".into(),
-                head: Head::Export { shard: cursor.0, offset: cursor.1, max_slots: 1 << 20, filter: Default::default() },
+                head: Head::Export {
+                    shard: cursor.0,
+                    offset: cursor.1,
+                    max_slots: 1 << 20,
+                    filter: Default::default(),
+                },
                 refs: vec![r.at::<u64>(500000, 1000), r.at::<f32>(510000, 1000 * dim), r.at::<u64>(530000, 1000)],
             };
             let RegionAnswer::Export { next_shard, next_offset, count } = c.region_call(&req).unwrap() else {
@@ -233,7 +246,9 @@ fn bad_references_are_refused_and_nothing_is_written() {
         assert!(b.iter().all(|&x| x == 0xAB), "the region was written");
     };
     let id = r.id();
-    let find = |keys: RegionRef, found: RegionRef, values: RegionRef| keyed(op::FIND, "t", vec![keys, found, values], false, false);
+    let find = |keys: RegionRef, found: RegionRef, values: RegionRef| {
+        keyed(op::FIND, "t", vec![keys, found, values], false, false)
+    };
     let ok_keys = RegionRef::new(id, 0, 2);
     let ok_found = RegionRef::new(id, 1024, 2);
     let ok_values = RegionRef::new(id, 2048, 8);
@@ -258,7 +273,13 @@ fn bad_references_are_refused_and_nothing_is_written() {
     // A write op with a bad output reference applies nothing.
     let size = c.tables().unwrap()[0].size;
     r.write(0, &[7u64, 8]).unwrap();
-    let w = keyed(op::INSERT_OR_ASSIGN, "t", vec![ok_keys, RegionRef::new(id, 2048, 8), RegionRef::new(id, 70000, 2)], false, true);
+    let w = keyed(
+        op::INSERT_OR_ASSIGN,
+        "t",
+        vec![ok_keys, RegionRef::new(id, 2048, 8), RegionRef::new(id, 70000, 2)],
+        false,
+        true,
+    );
     assert_eq!(code(c.region_call(&w).unwrap_err()).0, ErrorCode::BadRequest);
     assert_eq!(c.tables().unwrap()[0].size, size);
     // Another connection cannot name this connection's region.
@@ -342,7 +363,13 @@ fn child_sends_finds_into_its_region() {
     for i in 0..8 {
         let base = n * 8 + i * (n + n * dim * 4);
         let base = base.next_multiple_of(8);
-        let req = keyed(op::FIND, "t", vec![r.at::<u64>(0, n), r.at::<u8>(base, n), r.at::<f32>(base + n, n * dim)], false, false);
+        let req = keyed(
+            op::FIND,
+            "t",
+            vec![r.at::<u64>(0, n), r.at::<u8>(base, n), r.at::<f32>(base + n, n * dim)],
+            false,
+            false,
+        );
         c.send_region(&req).unwrap();
     }
     println!("sent");
@@ -397,7 +424,13 @@ fn unregister_while_requests_are_in_flight() {
     let mut ids = vec![];
     for i in 0..4 {
         let base = n * 8 + i * per;
-        let req = keyed(op::FIND, "t", vec![r.at::<u64>(0, n), r.at::<u8>(base, n), r.at::<f32>(base + n, n * 8)], false, false);
+        let req = keyed(
+            op::FIND,
+            "t",
+            vec![r.at::<u64>(0, n), r.at::<u8>(base, n), r.at::<f32>(base + n, n * 8)],
+            false,
+            false,
+        );
         ids.push(c.send_region(&req).unwrap());
     }
     c.send_raw(&wire::unregister(99, r.id())).unwrap();

@@ -73,14 +73,7 @@ impl Mapping {
         // cannot shrink (sealed), so every page of [ptr, ptr + len) stays
         // backed for the mapping's life.
         let ptr = unsafe {
-            rustix::mm::mmap(
-                std::ptr::null_mut(),
-                len,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::SHARED,
-                fd,
-                0,
-            )?
+            rustix::mm::mmap(std::ptr::null_mut(), len, ProtFlags::READ | ProtFlags::WRITE, MapFlags::SHARED, fd, 0)?
         };
         Ok(Arc::new(Mapping { ptr: ptr.cast(), len, claims: Mutex::new(Vec::new()) }))
     }
