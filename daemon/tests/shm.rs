@@ -453,3 +453,83 @@ fn unregister_while_requests_are_in_flight() {
     assert_eq!(e, ErrorCode::NotFound);
     wait_released(&mut c, d.pid());
 }
+
+/// String features (Arrow offsets and bytes in the region),
+/// find_or_insert_features, load with scores and assign_scores through a
+/// region equal their socket forms.
+#[test]
+fn feature_and_score_ops_through_a_region() {
+    let d = Daemon::start(&[]);
+    let mut c = d.client();
+    let mut spec = TableSpec::new("t", 2, 4096);
+    spec.policy = "lfu".into();
+    spec.hash = Some(hkv_client::FeatureHash::fingerprint64(1 << 30));
+    c.create_table(spec).unwrap();
+    let r = c.register_memfd(1 << 16).unwrap();
+    let names = ["apple", "pear", "", "fig"];
+    let mut offsets = vec![0u32];
+    let mut bytes = vec![];
+    for n in names {
+        bytes.extend_from_slice(n.as_bytes());
+        offsets.push(bytes.len() as u32);
+    }
+    r.write(0, &offsets).unwrap();
+    r.write(64, &bytes).unwrap();
+    r.write(128, &[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]).unwrap();
+    let feats = |len: u64| vec![r.at::<u32>(0, 5), r.at::<u8>(64, len)];
+    let mut refs = feats(bytes.len() as u64);
+    refs.push(r.at::<f32>(128, 8));
+    refs.push(r.at::<u8>(256, 4));
+    let req = RegionRequest {
+        op: op::FIND_OR_INSERT_FEATURES,
+        scores: false,
+        outcomes: true,
+        table: "t".into(),
+        head: Head::Features { hash: HashSpec::Table, strings: true },
+        refs,
+    };
+    let RegionAnswer::Write(s) = c.region_call(&req).unwrap() else { panic!() };
+    assert_eq!(s.inserted, 4);
+    let mut o = [0u8; 4];
+    r.read(256, &mut o).unwrap();
+    assert_eq!(o, [1; 4]);
+    let keys = c.hash("t", HashSpec::Table, Features::strings(&names)).unwrap();
+    assert_eq!(c.find("t", &keys).unwrap().values, vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]);
+    // The same features found through the region.
+    let mut refs = feats(bytes.len() as u64);
+    refs.extend([r.at::<u8>(300, 4), r.at::<f32>(320, 8)]);
+    let req = RegionRequest { op: op::FIND_FEATURES, outcomes: false, refs, ..req };
+    assert_eq!(c.region_call(&req).unwrap(), RegionAnswer::Count(4));
+    let mut v = [0f32; 8];
+    r.read(320, &mut v).unwrap();
+    assert_eq!(v, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]);
+    // Offsets past the bytes: the socket's error.
+    let mut refs = feats(3);
+    refs.extend([r.at::<u8>(300, 4), r.at::<f32>(320, 8)]);
+    let (e, m) = code(c.region_call(&RegionRequest { refs, ..req }).unwrap_err());
+    assert_eq!(e, ErrorCode::BadRequest);
+    assert!(m.contains("bad features"), "{m}");
+    // load keeps scores verbatim; assign_scores adds (lfu) and reports outcomes.
+    r.write(1024, &keys).unwrap();
+    r.write(2048, &[10u64, 20, 30, 40]).unwrap();
+    let load = keyed(op::LOAD, "t", vec![r.at::<u64>(1024, 4), r.at::<f32>(128, 8), r.at::<u64>(2048, 4)], true, false);
+    assert!(matches!(c.region_call(&load).unwrap(), RegionAnswer::Write(s) if s.updated == 4));
+    let asg = keyed(
+        op::ASSIGN_SCORES,
+        "t",
+        vec![r.at::<u64>(1024, 4), r.at::<u64>(2048, 4), r.at::<u8>(3000, 4)],
+        true,
+        true,
+    );
+    assert!(matches!(c.region_call(&asg).unwrap(), RegionAnswer::Write(s) if s.updated == 4));
+    assert_eq!(c.find_with_scores("t", &keys).unwrap().scores, Some(vec![20, 40, 60, 80]));
+    // Scores on an op without SCORES: the region request is as long as the flags say.
+    let bad = keyed(op::FIND, "t", vec![r.at::<u64>(1024, 4), r.at::<u8>(300, 4), r.at::<f32>(320, 8)], false, false);
+    let mut f = bad.encode(5);
+    f.extend_from_slice(&[0u8; 20]);
+    let len = (f.len() - 20) as u32;
+    f[16..20].copy_from_slice(&len.to_le_bytes());
+    c.send_raw(&f).unwrap();
+    let e = c.recv_frame().unwrap_err();
+    assert!(e.to_string().contains("unexpected bytes"), "{e}");
+}
