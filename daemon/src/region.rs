@@ -507,6 +507,16 @@ async fn run(
         op::FIND_OR_INSERT_FEATURES => op::FIND_OR_INSERT,
         c => c,
     };
+    if code == op::INSERT_AND_EVICT && need(&arrs, "evicted_keys").r.count < n as u64 {
+        return Err(err(
+            ErrorCode::LengthMismatch,
+            format!(
+                "evicted_keys: room for {} entries, but insert_and_evict of {n} keys may evict or refuse {n}; \
+                 nothing was applied",
+                need(&arrs, "evicted_keys").r.count
+            ),
+        ));
+    }
     let table = req.table.clone();
     let router = &state.router;
     match code {
@@ -567,12 +577,13 @@ async fn run(
                 .execute(Request::Write { op: code, table, keys, values, scores: scores_in, outcomes: req.outcomes })
                 .await?;
             let Response::Write { summary, outcomes, values, evicted } = r else { return Err(unexpected()) };
+            let room = named(&arrs, "evicted_keys").map_or(0, |a| a.r.count as usize);
             put_u8(take("outcomes"), outcomes.as_deref().unwrap_or(&[]));
             if let Some(v) = values {
                 put_f32(take("values"), &v);
             }
             if let Some(e) = evicted {
-                let count = e.keys.len().min(n);
+                let count = e.keys.len().min(room);
                 put_u64(take("evicted_keys"), &e.keys[..count]);
                 put_f32(take("evicted_values"), &e.values[..count * dim]);
                 put_u64(take("evicted_scores"), &e.scores[..count]);
