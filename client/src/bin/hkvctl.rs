@@ -646,6 +646,11 @@ fn bench(socket: PathBuf, a: BenchArgs) -> Result<()> {
     if a.features {
         return bench_features(socket, a);
     }
+    for t in &a.transport {
+        if !matches!(t.as_str(), "socket" | "shm") {
+            bail!("--transport {t}: use socket or shm");
+        }
+    }
     let mut c = Client::connect(&socket)?;
     let table = format!("hkvctl-bench-{}", std::process::id());
     c.create_table(TableSpec::new(&table, a.dim, a.capacity))?;
@@ -658,28 +663,31 @@ fn bench(socket: PathBuf, a: BenchArgs) -> Result<()> {
         key += n as u64;
     }
     let resident = fill as u64;
-    println!(
+    // With --json, stdout holds the JSON lines only.
+    let info = format!(
         "hkvctl bench: table dim {}, capacity {}, {} keys resident; {} s per figure after {} s warm-up, pipeline {}",
         a.dim, a.capacity, resident, a.seconds, a.warmup, a.pipeline
     );
-    for t in &a.transport {
-        if !matches!(t.as_str(), "socket" | "shm") {
-            bail!("--transport {t}: use socket or shm");
-        }
+    if a.json {
+        eprintln!("{info}");
+    } else {
+        println!("{info}");
     }
-    println!(
-        "{:>8} {:>7} {:>9} {:>14} {:>10} {:>14} {:>10} {:>10} {:>14} {:>10}",
-        "batch",
-        "clients",
-        "transport",
-        "find keys/s",
-        "find GB/s",
-        "raw keys/s",
-        "raw GB/s",
-        "find/raw",
-        "insert keys/s",
-        "ins GB/s"
-    );
+    if !a.json {
+        println!(
+            "{:>8} {:>7} {:>9} {:>14} {:>10} {:>14} {:>10} {:>10} {:>14} {:>10}",
+            "batch",
+            "clients",
+            "transport",
+            "find keys/s",
+            "find GB/s",
+            "raw keys/s",
+            "raw GB/s",
+            "find/raw",
+            "insert keys/s",
+            "ins GB/s"
+        );
+    }
     let row_bytes = |n: usize| (n * 8 + n * (1 + 4 * a.dim)) as f64;
     let ins_bytes = (12 + 4 * a.dim) as f64;
     for &batch in &a.batches {
