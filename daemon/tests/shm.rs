@@ -322,6 +322,7 @@ fn registration_is_capped_per_connection_and_in_total() {
     assert!(m.contains("limits.max_region_bytes = 1572864"), "{m}");
     let _r2 = b.register_memfd(512 << 10).unwrap();
     let s = a.stats().unwrap();
+    assert!(a.metrics().unwrap().contains("hkvd_region_bytes 1572864"));
     assert_eq!(s["regions"]["bytes"], 1572864);
     assert_eq!(s["regions"]["max_region_bytes"], 1572864);
     a.unregister(r1.id()).unwrap();
