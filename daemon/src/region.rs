@@ -125,6 +125,9 @@ pub struct Ctx {
 
 /// A mapped region; unmapped, and counted out, when the last holder drops it.
 pub struct Region {
+    /// On the CUDA backend, the mapping page-locked (dropped first: fields
+    /// drop in order, and the pin unregisters before the mapping can go).
+    _pin: Option<hkv_shard::pin::HostPin>,
     map: Arc<Mapping>,
     len: u64,
     conn_bytes: Arc<AtomicU64>,
@@ -325,9 +328,19 @@ fn register(state: &Arc<State>, ctx: &Ctx, len: u64) -> Result<(u32, u64), Proto
             )));
         }
     };
+    // On the CUDA backend the region is page-locked, so that the device
+    // copies (or the lookup kernel writes) found rows straight into it;
+    // where that fails (a memlock limit), it works unpinned.
+    let pin = state.router.frames.pinned_ordinal().and_then(|o| match hkv_shard::pin::HostPin::new(o, map.clone()) {
+        Ok(p) => Some(p),
+        Err(e) => {
+            tracing::warn!(error = %e, len, "a registered region stays unpinned");
+            None
+        }
+    });
     // From here the Region gives the bytes back when its last holder drops it.
     state.stats.regions.regions.fetch_add(1, Relaxed);
-    let region = Region { map, len, conn_bytes: ctx.conn.bytes.clone(), state: state.clone() };
+    let region = Region { _pin: pin, map, len, conn_bytes: ctx.conn.bytes.clone(), state: state.clone() };
     let id = ctx.conn.next.fetch_add(1, Relaxed).wrapping_add(1);
     ctx.conn.regions.lock().insert(id, Arc::new(region));
     Ok((id, len))

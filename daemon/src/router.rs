@@ -132,6 +132,11 @@ impl Frames {
     /// flight of 4 clients pipelining two finds of 1 Mi keys of dim 32.
     pub const DEFAULT_TOTAL_CUDA: u64 = 2 << 30;
 
+    /// The device whose context page-locks answer memory (CUDA backend).
+    pub fn pinned_ordinal(&self) -> Option<usize> {
+        self.pinned.as_ref().map(|p| p.0)
+    }
+
     /// A cache of at most `total` bytes.
     pub fn new(total: u64) -> Frames {
         Frames { pool: Mutex::new(vec![]), total: usize::try_from(total).unwrap_or(usize::MAX), pinned: None }

@@ -71,6 +71,7 @@
 //!   (with an on-disk cache) and hashes features on the GPU.
 //! - [`cuda_table`] is the CUDA backend, [`cuda_table::CudaTable`].
 //! - `staging` is the pinned memory host arrays of CUDA batches pass through.
+//! - [`pin`] page-locks a client's registered memfd mapping (`cuMemHostRegister`).
 //! - [`features`] turns raw features into keys (TensorFlow-compatible).
 //! - [`error`] holds [`Error`].
 //! - this file: the [`Shard`] trait every backend implements, result types,
@@ -88,6 +89,7 @@ pub mod features;
 pub mod hash;
 pub mod lock;
 pub mod multi;
+pub mod pin;
 pub mod score;
 mod staging;
 
