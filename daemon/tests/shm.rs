@@ -534,3 +534,33 @@ fn feature_and_score_ops_through_a_region() {
     let e = c.recv_frame().unwrap_err();
     assert!(e.to_string().contains("unexpected bytes"), "{e}");
 }
+
+/// On the CUDA backend a region is page-locked when registered: finds into
+/// it (one shard: the device copies the rows in; two shards on one GPU: the
+/// lookup kernel writes them in place) equal the socket's answers.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn regions_on_the_cuda_backend_answer_as_the_socket_does() {
+    for shards in ["1", "2"] {
+        let d = Daemon::start(&["--backend", "cuda", "--shards", shards]);
+        let mut c = d.client();
+        c.create_table(TableSpec::new("t", 16, 1 << 16)).unwrap();
+        let n = 5000u64;
+        let keys: Vec<u64> = (1..=n).collect();
+        let values: Vec<f32> = (0..n * 16).map(|x| x as f32).collect();
+        c.insert_or_assign("t", &keys, &values, None).unwrap();
+        let r = c.register_memfd(4 << 20).unwrap();
+        let probe: Vec<u64> = (n / 2..n + n / 2).collect();
+        let m = probe.len() as u64;
+        r.write(0, &probe).unwrap();
+        r.write(1 << 20, &vec![3.5f32; (m * 16) as usize]).unwrap();
+        let hits = c.find_in("t", r.at::<u64>(0, m), r.at::<u8>(65536, m), r.at::<f32>(1 << 20, m * 16)).unwrap();
+        let want = c.find("t", &probe).unwrap();
+        assert_eq!(hits as usize, want.found.iter().filter(|&&f| f).count());
+        let mut got = vec![0f32; (m * 16) as usize];
+        r.read(1 << 20, &mut got).unwrap();
+        assert_eq!(got, want.values, "{shards} shards");
+        c.unregister(r.id()).unwrap();
+        assert_eq!(regions(&mut c), (0, 0));
+    }
+}
