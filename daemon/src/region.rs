@@ -459,6 +459,47 @@ fn resolve(
     Ok((arrs, n as usize))
 }
 
+/// The daemon's own copies of a region request: its inputs, and the answer
+/// arrays of every op but find without scores (written in place). Bounded
+/// like a socket request's body (`limits.max_frame_bytes`, else
+/// `oversized`) and counted, until the request is done, against
+/// `limits.max_bytes_in_flight` (else `resource_exhausted`), so that a
+/// client with a large region cannot make the daemon copy more than a
+/// client of the socket could send.
+fn charge(state: &Arc<State>, req: &RegionRequest, arrs: &[Arr]) -> Result<crate::server::InFlight, ProtoError> {
+    let in_place = req.op == op::FIND && !req.scores;
+    let bytes: u64 = arrs
+        .iter()
+        .filter(|a| a.slot.dir != Dir::Out || !in_place)
+        .map(|a| a.r.count.saturating_mul(a.slot.elem.size()))
+        .fold(0u64, u64::saturating_add);
+    let limits = &state.config.limits;
+    if bytes > u64::from(limits.max_frame_bytes) {
+        return Err(err(
+            ErrorCode::Oversized,
+            format!(
+                "this region request would have the daemon copy {bytes} bytes of its arrays, above \
+                 limits.max_frame_bytes = {}; send smaller batches",
+                limits.max_frame_bytes
+            ),
+        ));
+    }
+    let mut c = crate::server::InFlight::total(state);
+    if !c.add(bytes, limits.max_bytes_in_flight) {
+        state.stats.in_flight_refusals.fetch_add(1, Relaxed);
+        return Err(err(
+            ErrorCode::ResourceExhausted,
+            format!(
+                "{} bytes of requests and answers are already in flight (limits.max_bytes_in_flight = {}); \
+                 this region request's {bytes} bytes of copies were not made: retry, or send smaller batches",
+                state.stats.in_flight_bytes.load(Relaxed),
+                limits.max_bytes_in_flight
+            ),
+        ));
+    }
+    Ok(c)
+}
+
 fn named<'a>(arrs: &'a [Arr], name: &str) -> Option<&'a Arr> {
     arrs.iter().find(|a| a.slot.name == name)
 }
@@ -476,6 +517,7 @@ async fn run(
     let t = state.router.table(&req.table)?;
     let dim = t.config.dim;
     let (arrs, n) = resolve(regions, &req, dim)?;
+    let _charge = charge(state, &req, &arrs)?;
     // Inputs are copied in first (a client writing them meanwhile changes
     // only what it asks), then outputs claimed for the whole request.
     let keys: Vec<u64> = match (&req.head, req.op) {

@@ -360,7 +360,7 @@ pub struct InFlight {
 
 impl InFlight {
     /// A share of `ServerStats::in_flight_bytes`.
-    fn total(state: &Arc<State>) -> InFlight {
+    pub(crate) fn total(state: &Arc<State>) -> InFlight {
         InFlight { state: state.clone(), counter: |s| &s.in_flight_bytes, bytes: 0 }
     }
 
@@ -370,7 +370,7 @@ impl InFlight {
     }
 
     /// Counts `n` more bytes, unless the counter would then pass `cap`.
-    fn add(&mut self, n: u64, cap: u64) -> bool {
+    pub(crate) fn add(&mut self, n: u64, cap: u64) -> bool {
         let counter = (self.counter)(&self.state.stats);
         let ok = counter.fetch_update(Relaxed, Relaxed, |b| b.checked_add(n).filter(|&t| t <= cap)).is_ok();
         if ok {

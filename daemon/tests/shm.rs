@@ -564,3 +564,25 @@ fn regions_on_the_cuda_backend_answer_as_the_socket_does() {
         assert_eq!(regions(&mut c), (0, 0));
     }
 }
+
+/// The daemon's copies of a region request are bounded like a socket
+/// request's body: a write whose arrays pass `limits.max_frame_bytes` is
+/// `oversized`, while a find whose rows are written in place is not.
+#[test]
+fn region_copies_are_bounded_like_socket_bodies() {
+    let d = Daemon::start_limited(LIMIT, &["--max-frame-bytes", "65536"]);
+    let mut c = d.client();
+    c.create_table(TableSpec::new("t", 32, 1 << 14)).unwrap();
+    let r = c.register_memfd(4 << 20).unwrap();
+    let n = 4096u64;
+    r.write(0, &(1..=n).collect::<Vec<u64>>()).unwrap();
+    let (e, m) = code(c.insert_or_assign_in("t", r.at::<u64>(0, n), r.at::<f32>(65536, n * 32), None).unwrap_err());
+    assert_eq!(e, ErrorCode::Oversized);
+    assert!(m.contains("limits.max_frame_bytes = 65536"), "{m}");
+    assert_eq!(c.tables().unwrap()[0].size, 0);
+    // 4096 keys (32 KiB copied) find 4096 rows of 128 bytes in place.
+    assert_eq!(c.find_in("t", r.at::<u64>(0, n), r.at::<u8>(32768, n), r.at::<f32>(65536, n * 32)).unwrap(), 0);
+    // A smaller write passes.
+    c.insert_or_assign_in("t", r.at::<u64>(0, 64), r.at::<f32>(65536, 64 * 32), None).unwrap();
+    assert_eq!(c.find_in("t", r.at::<u64>(0, n), r.at::<u8>(32768, n), r.at::<f32>(65536, n * 32)).unwrap(), 64);
+}
