@@ -136,6 +136,9 @@ pub enum SubOp {
     ClockScore,
     /// resume_after.
     ResumeAfter(u64),
+    /// Work given as a function of the shard: requests whose arrays live in
+    /// registered regions (`crate::region`).
+    With(crate::region::ShardFn),
 }
 
 /// One shard's answer.
@@ -393,6 +396,7 @@ fn execute(t: &dyn Shard, op: SubOp) -> Result<SubResult, hkv_shard::Error> {
             t.resume_after(s);
             SubResult::Unit
         }
+        SubOp::With(f) => (f.0)(t)?,
     })
 }
 

@@ -21,6 +21,7 @@
 //! - [`connection`] reads one connection's frames and writes its answers.
 //! - [`handle`] answers one request.
 //! - [`admin`] says who may run admin operations and read the state directory.
+//! - [`region`] registers client memory (memfds) and runs requests naming arrays in it.
 //! - [`stats`] renders statistics as JSON and Prometheus text.
 //! - [`config`] holds the TOML configuration, its defaults and checks
 //!   ([`config::BackendChoice`]: auto, cpu or cuda).
@@ -40,6 +41,7 @@ pub mod error;
 pub mod features;
 pub mod frames;
 pub mod handle;
+pub mod region;
 pub mod router;
 pub mod server;
 pub mod state;
