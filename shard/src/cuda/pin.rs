@@ -79,3 +79,22 @@ impl Drop for HostPin {
         let _ = unsafe { sys::cuMemHostUnregister(self.map.addr() as *mut std::ffi::c_void) };
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rows inside a pinned region go to finds as pinned rows; memory
+    /// outside it as ordinary rows.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn rows_inside_a_pinned_region_are_pinned() {
+        let fd = hkv_region::create_memfd("hkv-pin-test", 1 << 16).unwrap();
+        let map = Mapping::map(&fd, 1 << 16).unwrap();
+        let pin = HostPin::new(0, map.clone()).unwrap();
+        let mut claim = map.claim_mut::<f32>(4096, 1024).unwrap();
+        assert!(matches!(pin.rows(claim.as_mut_slice()), Rows::Pinned(_)));
+        let mut other = vec![0f32; 16];
+        assert!(matches!(pin.rows(&mut other), Rows::Host(_)));
+    }
+}
