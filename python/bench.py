@@ -75,7 +75,8 @@ def main():
             out = subprocess.run([hkvctl, "--socket", sock, "bench", "--json", "--batches", str(batch), "--clients", "1",
                                   "--pipeline", str(a.pipeline), "--seconds", str(a.seconds)],
                                  check=True, capture_output=True, text=True).stdout
-            rust = [json.loads(l) for l in out.splitlines() if l.startswith("{")][0]["find_keys_per_s"]
+            figures = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
+            rust = next(f["keys_per_s"] for f in figures if f["transport"] == "socket" and f["op"] == "find")
             py = python_find(c, "pybench", resident, batch, a.seconds, a.pipeline)
             print(f"{batch:>8} {rust:>14.0f} {py:>14.0f} {100 * py / rust:>11.0f}%")
     finally:

@@ -12,11 +12,13 @@
 //!   codes), `cmd.rs` (the clap definitions), `tables.rs`, `entries.rs`,
 //!   `features.rs`, `checkpoint.rs` (one module per command family),
 //!   `render.rs` (printing), `bench.rs` (`hkvctl bench`).
+//! - [`region`] holds registered memory ([`region::Region`]) and the ops naming arrays in it.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod asynchronous;
+pub mod region;
 
 use std::io::{BufReader, Read, Write};
 use std::os::unix::net::UnixStream;

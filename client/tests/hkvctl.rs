@@ -140,14 +140,19 @@ fn features_from_files_and_stdin_keys_and_escapes() {
 fn bench_prints_every_figure_and_cleans_up() {
     let d = Daemon::start();
     let args = ["bench", "--json", "--capacity", "8192", "--batches", "64,256", "--clients", "1,2"];
-    let out = d.run(&[&args[..], &["--seconds", "0.2", "--warmup", "0.1"]].concat());
-    let rows: Vec<serde_json::Value> =
-        out.lines().filter(|l| l.starts_with('{')).map(|l| serde_json::from_str(l).unwrap()).collect();
-    assert_eq!(rows.len(), 4, "{out}");
+    let out = d.run(&[&args[..], &["--seconds", "0.2", "--warmup", "0.1", "--transport", "socket,shm"]].concat());
+    // Only JSON on stdout: one line per figure, the raw socket and each
+    // transport's find and insert_or_assign per batch and client count.
+    let rows: Vec<serde_json::Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(rows.len(), 4 * 5, "{out}");
     for r in &rows {
-        for f in ["find_keys_per_s", "raw_keys_per_s", "insert_keys_per_s"] {
+        for f in ["keys_per_s", "bytes_per_s"] {
             assert!(r[f].as_f64().is_some_and(|x| x > 0.0), "{f} in {r}");
         }
+        assert!(r["batch"].as_u64().is_some() && r["clients"].as_u64().is_some(), "{r}");
+    }
+    for (t, op) in [("raw_socket", "echo"), ("socket", "find"), ("shm", "find"), ("shm", "insert_or_assign")] {
+        assert_eq!(rows.iter().filter(|r| r["transport"] == t && r["op"] == op).count(), 4, "{t} {op}: {out}");
     }
     let out =
         d.run(&["bench", "--features", "--capacity", "8192", "--batches", "64", "--clients", "2", "--seconds", "0.2"]);

@@ -143,6 +143,9 @@ pub enum SubOp {
     ResumeAfter(u64),
     /// The shard's miss-ratio estimator (`crate::mrc`).
     Mrc(MrcOp),
+    /// Work given as a function of the shard: requests whose arrays live in
+    /// registered regions (`crate::region`).
+    With(crate::region::ShardFn),
 }
 
 /// One shard's answer.
@@ -417,6 +420,7 @@ fn execute(t: &dyn Shard, op: SubOp) -> Result<SubResult, hkv_shard::Error> {
         }
         // Answered by the actor, which owns the estimators.
         SubOp::Mrc(_) => SubResult::Mrc(MrcResult::Unit),
+        SubOp::With(f) => (f.0)(t)?,
     })
 }
 

@@ -80,6 +80,11 @@ pub struct Limits {
     /// Seconds a started request body may go without a byte arriving
     /// before its connection is closed (its memory is freed).
     pub body_stall_seconds: u64,
+    /// Bytes of registered regions (client memfds the daemon maps) over
+    /// every connection; a registration past it gets `resource_exhausted`.
+    pub max_region_bytes: u64,
+    /// Bytes of registered regions of one connection.
+    pub max_region_bytes_per_connection: u64,
 }
 
 impl Default for Limits {
@@ -94,6 +99,8 @@ impl Default for Limits {
             max_host_tier_bytes: None,
             max_bytes_in_flight: 4 << 30,
             body_stall_seconds: 30,
+            max_region_bytes: 64 << 30,
+            max_region_bytes_per_connection: 16 << 30,
         }
     }
 }

@@ -61,6 +61,9 @@ pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
         }
     };
     let (rd, wr) = stream.into_split();
+    // Read with recvmsg: fds sent with register_memfd frames are queued on `conn`.
+    let conn = Arc::new(crate::region::Conn::default());
+    let rd = crate::region::FdReader::new(rd, conn.clone());
     let (tx, rx) = mpsc::channel::<Answer>(256);
     let writer = tokio::spawn(write_answers(state.clone(), wr, rx));
     if open > state.config.limits.max_connections {
@@ -81,6 +84,7 @@ pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
     // A connection accepted as shutdown began must not wait for a change.
     let mut draining = *stop.borrow();
     loop {
+        let frame_start = rd.get_ref().offset() - rd.buffer().len() as u64;
         let header = if draining {
             // Requests still arriving are answered `shutting_down` until
             // this connection's in-flight requests are done.
@@ -136,10 +140,11 @@ pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
                 continue;
             }
         };
+        let ctx = conn.ctx(&h, frame_start);
         let Ok(permit) = sem.clone().acquire_owned().await else { break };
         let (state, tx, peer) = (state.clone(), tx.clone(), peer.clone());
         tokio::spawn(async move {
-            let answer = run(&state, &h, body, charge, &peer).await;
+            let answer = run(&state, &h, body, charge, &peer, ctx).await;
             let _ = tx.send(answer).await;
             drop(permit);
         });
@@ -207,9 +212,16 @@ fn admit(
 }
 
 /// Runs one request, counted among those in flight, and frames its answer.
-async fn run(state: &Arc<State>, h: &Header, body: Vec<u8>, charge: InFlight, peer: &Peer) -> Answer {
+async fn run(
+    state: &Arc<State>,
+    h: &Header,
+    body: Vec<u8>,
+    charge: InFlight,
+    peer: &Peer,
+    ctx: crate::region::Ctx,
+) -> Answer {
     state.stats.in_flight.fetch_add(1, Relaxed);
-    let (resp, answer) = handle(state, h, &body, peer).await;
+    let (resp, answer) = handle(state, h, &body, peer, ctx).await;
     drop(body);
     drop(charge);
     state.stats.in_flight.fetch_sub(1, Relaxed);

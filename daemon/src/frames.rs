@@ -171,6 +171,11 @@ impl Frames {
         self
     }
 
+    /// The device whose context page-locks answer memory (CUDA backend).
+    pub fn pinned_ordinal(&self) -> Option<usize> {
+        self.pinned.as_ref().map(|p| p.0)
+    }
+
     /// Gives a sent frame back. A page-locked frame gets its type back
     /// (other memory of a type not the daemon's is dropped).
     pub fn put(&self, frame: FrameBuf) {

@@ -15,9 +15,15 @@ use crate::state::State;
 /// Answers one request: the answer, and its share of the bytes in flight
 /// (held until it is sent).
 #[tracing::instrument(level = "debug", skip_all, fields(op = hkv_proto::op::name_of(h.op), id = h.id))]
-pub async fn handle(state: &Arc<State>, h: &Header, body: &[u8], peer: &Peer) -> (Response, Option<InFlight>) {
+pub async fn handle(
+    state: &Arc<State>,
+    h: &Header,
+    body: &[u8],
+    peer: &Peer,
+    ctx: crate::region::Ctx,
+) -> (Response, Option<InFlight>) {
     let mut answer_bytes = None;
-    match answer(state, h, body, peer, &mut answer_bytes).await {
+    match answer(state, h, body, peer, &mut answer_bytes, ctx).await {
         Ok(r) => (r, answer_bytes),
         Err(e) => (Response::Error(e), None),
     }
@@ -29,6 +35,7 @@ async fn answer(
     body: &[u8],
     peer: &Peer,
     answer_bytes: &mut Option<InFlight>,
+    ctx: crate::region::Ctx,
 ) -> Result<Response, ProtoError> {
     if hkv_proto::Op::try_from(h.op).is_ok_and(hkv_proto::Op::is_admin) && !state.is_admin(peer) {
         let group = match (&state.config.admin_group, state.admin_gid) {
@@ -44,6 +51,9 @@ async fn answer(
                 state.uid
             ),
         ));
+    }
+    if hkv_proto::region::is_region(h) {
+        return crate::region::answer(state, ctx, h, body).await;
     }
     let req = Request::decode(h, body)?;
     // Answers count against the bytes in flight before they are built: a

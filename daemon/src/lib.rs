@@ -22,6 +22,7 @@
 //! - [`handle`] answers one request.
 //! - [`admin`] says who may run admin operations and read the state directory.
 //! - [`mrc`] keeps each shard's miss-ratio estimator and combines a table's curve.
+//! - [`region`] registers client memory (memfds) and runs requests naming arrays in it.
 //! - [`stats`] renders statistics as JSON and Prometheus text.
 //! - [`config`] holds the TOML configuration, its defaults and checks
 //!   ([`config::BackendChoice`]: auto, cpu or cuda).
@@ -42,6 +43,7 @@ pub mod features;
 pub mod frames;
 pub mod handle;
 pub mod mrc;
+pub mod region;
 pub mod router;
 pub mod server;
 pub mod state;

@@ -91,6 +91,12 @@ struct Serve {
     /// its connection is closed [default: 30].
     #[arg(long)]
     body_stall_seconds: Option<u64>,
+    /// Bytes of registered regions (client memfds mapped), all connections [default: 64 GiB].
+    #[arg(long)]
+    max_region_bytes: Option<u64>,
+    /// Bytes of registered regions of one connection [default: 16 GiB].
+    #[arg(long)]
+    max_region_bytes_per_connection: Option<u64>,
     /// Group allowed to run admin operations, besides the daemon's user and
     /// root; the socket and state directory get this group.
     #[arg(long)]
@@ -158,6 +164,12 @@ fn config(a: Serve) -> anyhow::Result<Config> {
     }
     if let Some(x) = a.body_stall_seconds {
         c.limits.body_stall_seconds = x;
+    }
+    if let Some(x) = a.max_region_bytes {
+        c.limits.max_region_bytes = x;
+    }
+    if let Some(x) = a.max_region_bytes_per_connection {
+        c.limits.max_region_bytes_per_connection = x;
     }
     c.admin_group = a.admin_group.or(c.admin_group);
     c.metrics_listen = a.metrics_listen.or(c.metrics_listen);

@@ -35,6 +35,8 @@ pub struct ServerStats {
     /// arriving: at most 3/4 of the limit, so that uploads kept trickling
     /// cannot take what small requests and answers need.
     pub receiving_bytes: AtomicU64,
+    /// Registered regions mapped now.
+    pub regions: crate::region::Counters,
 }
 
 /// Everything the request handlers share.

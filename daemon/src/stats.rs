@@ -108,6 +108,7 @@ pub async fn collect(state: &State) -> Result<DaemonStats, hkv_proto::ProtoError
                 receiving_bytes: s.receiving_bytes.load(Relaxed),
             }
         },
+        regions: crate::region::stats(state),
     })
 }
 
@@ -140,6 +141,10 @@ pub fn prometheus(d: &DaemonStats) -> String {
         "Bytes of requests being received or run and answers being built or sent.",
     );
     let _ = writeln!(o, "hkvd_bytes_in_flight {}", m.bytes_in_flight);
+    family(&mut o, "regions", "gauge", "Registered regions (client memfds) mapped.");
+    let _ = writeln!(o, "hkvd_regions {}", d.regions.regions);
+    family(&mut o, "region_bytes", "gauge", "Bytes of registered regions mapped.");
+    let _ = writeln!(o, "hkvd_region_bytes {}", d.regions.bytes);
     type Get = fn(&ShardStats) -> f64;
     let gauges: [(&str, &str, &str, Get); 10] = [
         ("size", "gauge", "Entries stored.", |s| s.size as f64),

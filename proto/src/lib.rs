@@ -20,6 +20,8 @@
 //!   `checkpoint`, `restore`).
 //! - [`body`]: the field reader and writer (strings, little-endian arrays).
 //! - [`error`]: the [`ProtoError`] codes shared by both sides.
+//! - [`region`]: registered regions: their ops, the `REGION` flag,
+//!   requests naming arrays in them and their small answers.
 //! - this file: the default socket paths.
 
 #![forbid(unsafe_code)]
@@ -31,6 +33,7 @@ pub mod error;
 pub mod frame;
 pub mod header;
 pub mod op;
+pub mod region;
 pub mod request;
 pub mod response;
 pub mod stats;

@@ -105,6 +105,10 @@ ops! {
     FindFeatures = 0x31, "find_features";
     /// Features to keys, then find_or_insert.
     FindOrInsertFeatures = 0x32, "find_or_insert_features";
+    /// Register a memfd as a region of the connection (see [`crate::region`]).
+    RegisterMemfd = 0x40, "register_memfd";
+    /// Release a registered region.
+    Unregister = 0x41, "unregister";
     /// The op of every error frame.
     Error = 0xFF, "error";
 }
@@ -203,7 +207,7 @@ mod tests {
         for &op in Op::ALL {
             assert_eq!(Op::try_from(op as u8).unwrap(), op);
         }
-        assert_eq!(Op::ALL.len(), 31);
+        assert_eq!(Op::ALL.len(), 33);
         let e = Op::try_from(0x77).unwrap_err();
         assert_eq!(e.code, ErrorCode::UnknownOp);
         assert!(e.message.contains("0x77"), "{e}");

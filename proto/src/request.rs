@@ -481,6 +481,11 @@ impl Request {
         let scores = h.flags & flags::SCORES != 0;
         let outcomes = h.flags & flags::OUTCOMES != 0;
         let req = match Op::try_from(h.op)? {
+            o @ (Op::RegisterMemfd | Op::Unregister) => {
+                return Err(ProtoError::bad_request(format!(
+                    "{o} is a region op: decode it with hkv_proto::region (PROTOCOL.md, \"Registered regions\")"
+                )))
+            }
             Op::Ping => Request::Ping,
             Op::Echo => {
                 let reply_len = r.u32("reply_len")?;

@@ -194,6 +194,11 @@ impl Response {
         let op = Op::try_from(h.op)
             .map_err(|_| ProtoError::new(ErrorCode::UnknownOp, format!("response op {:#04x}", h.op)))?;
         let resp = match op {
+            o @ (Op::RegisterMemfd | Op::Unregister) => {
+                return Err(ProtoError::bad_request(format!(
+                    "the answer to {o} is decoded by hkv_proto::region (PROTOCOL.md, \"Registered regions\")"
+                )))
+            }
             Op::Error => return Ok(Response::Error(from_json(body, "error body")?)),
             Op::Ping | Op::Clear | Op::SetEpoch | Op::Reserve | Op::DropTable | Op::Shutdown => Response::Empty,
             Op::Echo => Response::Echo { len: r.rest().len() },

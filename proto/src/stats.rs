@@ -38,6 +38,23 @@ pub struct Stats {
     pub checkpoint: CheckpointStats,
     /// Memory limits and what is held of them.
     pub memory: MemoryStats,
+    /// Registered regions (client memfds the daemon maps).
+    #[serde(default)]
+    pub regions: RegionStats,
+}
+
+/// `stats.regions`: registered regions and their limits.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RegionStats {
+    /// `limits.max_region_bytes`.
+    pub max_region_bytes: u64,
+    /// `limits.max_region_bytes_per_connection`.
+    pub max_region_bytes_per_connection: u64,
+    /// Regions mapped now (registered, or unregistered with requests in flight).
+    pub regions: u64,
+    /// Their bytes.
+    pub bytes: u64,
 }
 
 /// The memory budget and the request bytes in flight.
@@ -328,5 +345,6 @@ mod tests {
         assert_eq!(s.tables[0].shards[0].lock.active, Some(LockGroup::Reader));
         assert_eq!(s.checkpoint.running.as_ref().unwrap().entries_done, 5);
         assert_eq!((s.feature_hashing.as_str(), s.memory), ("", MemoryStats::default()));
+        assert_eq!(s.regions, RegionStats::default());
     }
 }

@@ -19,6 +19,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from . import shm as _shm
+from .shm import shm_array
+
 __all__ = [
     "Client",
     "Summary",
@@ -44,6 +47,7 @@ __all__ = [
     "InternalError",
     "ProtocolError",
     "default_socket",
+    "shm_array",
 ]
 
 MAGIC = b"HKVD"
@@ -333,6 +337,8 @@ class Client:
             err = json.loads(self._read(length))
             cls = _ERRORS.get(err.get("code"), HkvdError)
             return rid, cls(err.get("code", "?"), err.get("message", ""))
+        if p is not None and p.flags & _shm.F_REGION:
+            return rid, self._read(length)  # registered regions: decoded by hkvd.shm
         if p is None:
             self._read(length)
             raise ProtocolError(f"answer to unknown request {rid}")
@@ -577,3 +583,15 @@ class Client:
             vs.append(v)
             ss.append(s)
         return np.concatenate(ks), np.concatenate(vs).reshape(-1, dim), np.concatenate(ss)
+
+    # ---- registered regions (hkvd.shm) --------------------------------
+    def find_shm(self, table: str, keys: np.ndarray, values: np.ndarray,
+                 found: Optional[np.ndarray] = None) -> int:
+        """find with its arrays in ``hkvd.shm_array`` memory: ``values`` (n, dim)
+        and ``found`` (n) are written by the daemon; returns the hits."""
+        return _shm.find(self, table, keys, values, found)
+
+    def insert_or_assign_shm(self, table: str, keys: np.ndarray, values: np.ndarray,
+                             scores: Optional[np.ndarray] = None) -> Summary:
+        """insert_or_assign with its arrays in ``hkvd.shm_array`` memory."""
+        return _shm.insert_or_assign(self, table, keys, values, scores)

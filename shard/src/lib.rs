@@ -92,6 +92,8 @@
 //! - [`sample`] is the shards' side of it: the sampler switch and the
 //!   bounded buffer of sampled keys ([`Shard::set_sampler`],
 //!   [`Shard::drain_samples`]).
+//! - [`pin`] (`cuda/pin.rs`) page-locks a client's registered memfd mapping
+//!   (`cuMemHostRegister`) and hands its rows to a find as [`Rows::Pinned`].
 //! - [`features`] turns raw features into keys (TensorFlow-compatible).
 //! - [`error`] holds [`Error`].
 //! - this file: the [`Shard`] trait every backend implements, [`Rows`] (a
@@ -114,6 +116,7 @@ pub mod cpu;
 // Every other `unsafe` of the crate: driver calls, kernel launches, pinned memory.
 #[allow(unsafe_code)]
 pub mod cuda;
+pub use cuda::pin;
 pub mod error;
 pub mod features;
 pub mod hash;

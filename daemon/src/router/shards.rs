@@ -10,7 +10,8 @@ use crate::actor::{Call, SubOp, SubResult};
 use crate::error::{err, shard_error, unexpected};
 
 impl Router {
-    pub(super) async fn call(&self, table: &Table, i: usize, op: SubOp) -> Result<SubResult, ProtoError> {
+    /// Runs `op` on shard `i` of `table` (on its actor).
+    pub(crate) async fn call(&self, table: &Table, i: usize, op: SubOp) -> Result<SubResult, ProtoError> {
         self.actors[i]
             .send(Call { table: table.id(), op })
             .await

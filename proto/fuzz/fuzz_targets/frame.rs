@@ -27,6 +27,15 @@ fuzz_target!(|data: &[u8]| {
             let again = Request::decode(&h2, &once[HEADER_LEN..]).expect("re-encoded request decodes");
             assert_eq!(again.encode(h.id), once, "request encoding is not stable");
         }
+        // Region requests (PROTOCOL.md, "Registered regions") round-trip too.
+        if hkv_proto::region::is_region(&h) {
+            if let Ok(req) = hkv_proto::region::RegionRequest::decode(&h, body) {
+                let once = req.encode(h.id);
+                let Ok(FrameCheck::Ready(h2)) = check_frame(&once, u32::MAX) else { panic!("re-encoded region request is not a frame") };
+                let again = hkv_proto::region::RegionRequest::decode(&h2, &once[HEADER_LEN..]).expect("re-encoded region request decodes");
+                assert_eq!(again, req, "region request encoding is not stable");
+            }
+        }
         if let Ok(resp) = Response::decode(&h, body) {
             let once = resp.encode(h.op, h.id);
             let Ok(FrameCheck::Ready(h2)) = check_frame(&once, u32::MAX) else { panic!("re-encoded response is not a frame") };

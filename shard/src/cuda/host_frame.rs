@@ -59,6 +59,16 @@ impl<'a> PinnedRows<'a> {
         self.values.is_empty()
     }
 
+    /// Rows of a registered mapping ([`super::pin::HostPin`]).
+    ///
+    /// # Safety
+    /// `values` must lie within host memory page-locked and device-mapped
+    /// for every context (`PORTABLE | DEVICEMAP`) for at least the borrow,
+    /// and `device` must be `values`' address for kernels.
+    pub(super) unsafe fn registered(values: &'a mut [f32], device: u64) -> PinnedRows<'a> {
+        PinnedRows { values, device }
+    }
+
     /// The rows as kernels reach them.
     pub(crate) fn device(&self) -> DevPtr<f32> {
         DevPtr::from_raw(self.device, self.values.len())
@@ -167,7 +177,7 @@ pub fn is_pinned_host(p: *const u8, bytes: usize) -> bool {
 /// The address through which kernels of the thread's current context reach
 /// the `bytes` bytes at `p`, when they lie in page-locked host memory mapped
 /// for the device (as a [`HostFrame`] is); else `None`.
-fn device_address_of_host(p: *const u8, bytes: usize) -> Option<u64> {
+pub(super) fn device_address_of_host(p: *const u8, bytes: usize) -> Option<u64> {
     use cudarc::driver::sys::CUpointer_attribute;
     if !is_pinned_host(p, bytes) {
         return None;

@@ -1,6 +1,6 @@
-//! `hkvctl bench`: throughput over the socket (find and insert_or_assign
-//! beside the raw socket moving the same bytes; with --features, the
-//! feature requests).
+//! `hkvctl bench`: throughput over the socket and, with `--transport shm`,
+//! through a registered memfd (find and insert_or_assign beside the raw
+//! socket moving the same bytes; with --features, the feature requests).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -33,9 +33,16 @@ pub struct BenchArgs {
     /// that buffers on both ends exist before the clock starts (0: none).
     #[arg(long, default_value_t = 0.5)]
     pub warmup: f64,
-    /// Print one JSON object per measurement.
+    /// Print one JSON object per line and figure: transport, op, batch,
+    /// clients, keys_per_s, bytes_per_s.
     #[arg(long)]
     pub json: bool,
+    /// Transports measured side by side, comma separated: `socket` (arrays
+    /// in the frames), `shm` (arrays in a registered memfd; find's rows
+    /// written by the table straight into it). The raw socket (echo of the
+    /// same bytes) is measured with either.
+    #[arg(long, value_delimiter = ',', default_value = "socket")]
+    pub transport: Vec<String>,
     /// Measure feature requests instead: find with precomputed keys, fused
     /// find_features, and hash then find (two round trips), int64 features.
     #[arg(long)]
@@ -239,6 +246,11 @@ pub fn bench(socket: PathBuf, a: BenchArgs) -> Result<()> {
     if a.features {
         return bench_features(socket, a);
     }
+    for t in &a.transport {
+        if !matches!(t.as_str(), "socket" | "shm") {
+            bail!("--transport {t}: use socket or shm");
+        }
+    }
     let mut c = Client::connect(&socket)?;
     let table = format!("hkvctl-bench-{}", std::process::id());
     c.create_table(TableSpec::new(&table, a.dim, a.capacity))?;
@@ -251,64 +263,96 @@ pub fn bench(socket: PathBuf, a: BenchArgs) -> Result<()> {
         key += n as u64;
     }
     let resident = fill as u64;
-    println!(
+    // With --json, stdout holds the JSON lines only.
+    let info = format!(
         "hkvctl bench: table dim {}, capacity {}, {} keys resident; {} s per figure after {} s warm-up, pipeline {}",
         a.dim, a.capacity, resident, a.seconds, a.warmup, a.pipeline
     );
-    println!(
-        "{:>8} {:>7} {:>14} {:>10} {:>14} {:>10} {:>10} {:>14} {:>10}",
-        "batch",
-        "clients",
-        "find keys/s",
-        "find GB/s",
-        "raw keys/s",
-        "raw GB/s",
-        "find/raw",
-        "insert keys/s",
-        "ins GB/s"
-    );
+    if a.json {
+        eprintln!("{info}");
+    } else {
+        println!("{info}");
+        println!(
+            "{:>8} {:>7} {:>9} {:>14} {:>10} {:>14} {:>10} {:>10} {:>14} {:>10}",
+            "batch",
+            "clients",
+            "transport",
+            "find keys/s",
+            "find GB/s",
+            "raw keys/s",
+            "raw GB/s",
+            "find/raw",
+            "insert keys/s",
+            "ins GB/s"
+        );
+    }
     let row_bytes = |n: usize| (n * 8 + n * (1 + 4 * a.dim)) as f64;
+    let ins_bytes = (12 + 4 * a.dim) as f64;
     for &batch in &a.batches {
         for &clients in &a.clients {
-            let t = table.clone();
-            let find = measure(&socket, &a, clients, &|rng| Request::Find {
-                table: t.clone(),
-                keys: (0..batch).map(|_| rng.gen_range(1..=resident)).collect(),
-                scores: false,
-            })?;
             // The same bytes each way: keys in, flags and values out.
             let reply = (batch * (1 + 4 * a.dim) + 8) as u32;
             let raw = measure(&socket, &a, clients, &|_| Request::Echo { reply_len: reply, padding: batch * 8 })?;
-            let t = table.clone();
-            let dim = a.dim;
-            let insert = measure(&socket, &a, clients, &|rng| Request::Write {
-                op: proto::WriteOp::InsertOrAssign,
-                table: t.clone(),
-                keys: (0..batch).map(|_| rng.gen_range(1..=resident)).collect(),
-                values: vec![1.5; batch * dim],
-                scores: None,
-                outcomes: false,
-            })?;
-            let gb = |kps: f64| kps * row_bytes(1) / 1e9;
-            if a.json {
+            let figure = |transport: &str, op: &str, kps: f64, per_key: f64| {
                 println!(
                     "{}",
-                    serde_json::json!({"batch": batch, "clients": clients, "dim": a.dim, "find_keys_per_s": find,
-                        "raw_keys_per_s": raw, "find_over_raw": find / raw, "insert_keys_per_s": insert})
+                    serde_json::json!({"transport": transport, "op": op, "batch": batch, "clients": clients,
+                        "dim": a.dim, "keys_per_s": kps, "bytes_per_s": kps * per_key})
                 );
-            } else {
-                println!(
-                    "{:>8} {:>7} {:>14.0} {:>10.2} {:>14.0} {:>10.2} {:>9.0}% {:>14.0} {:>10.2}",
-                    batch,
-                    clients,
-                    find,
-                    gb(find),
-                    raw,
-                    gb(raw),
-                    100.0 * find / raw,
-                    insert,
-                    insert * (12 + 4 * a.dim) as f64 / 1e9
-                );
+            };
+            if a.json {
+                figure("raw_socket", "echo", raw, row_bytes(1));
+            }
+            for transport in &a.transport {
+                let (find, insert) = if transport == "shm" {
+                    let plan = hkv_client::region::bench::Plan {
+                        table: table.clone(),
+                        dim: a.dim,
+                        batch,
+                        resident,
+                        pipeline: a.pipeline,
+                        warmup: a.warmup,
+                        seconds: a.seconds,
+                    };
+                    hkv_client::region::bench::measure(&socket, clients, &plan)?
+                } else {
+                    let t = table.clone();
+                    let find = measure(&socket, &a, clients, &|rng| Request::Find {
+                        table: t.clone(),
+                        keys: (0..batch).map(|_| rng.gen_range(1..=resident)).collect(),
+                        scores: false,
+                    })?;
+                    let t = table.clone();
+                    let dim = a.dim;
+                    let insert = measure(&socket, &a, clients, &|rng| Request::Write {
+                        op: proto::WriteOp::InsertOrAssign,
+                        table: t.clone(),
+                        keys: (0..batch).map(|_| rng.gen_range(1..=resident)).collect(),
+                        values: vec![1.5; batch * dim],
+                        scores: None,
+                        outcomes: false,
+                    })?;
+                    (find, insert)
+                };
+                let gb = |kps: f64| kps * row_bytes(1) / 1e9;
+                if a.json {
+                    figure(transport, "find", find, row_bytes(1));
+                    figure(transport, "insert_or_assign", insert, ins_bytes);
+                } else {
+                    println!(
+                        "{:>8} {:>7} {:>9} {:>14.0} {:>10.2} {:>14.0} {:>10.2} {:>9.0}% {:>14.0} {:>10.2}",
+                        batch,
+                        clients,
+                        transport,
+                        find,
+                        gb(find),
+                        raw,
+                        gb(raw),
+                        100.0 * find / raw,
+                        insert,
+                        insert * ins_bytes / 1e9
+                    );
+                }
             }
         }
     }

@@ -1,0 +1,182 @@
+//! Registered regions (`PROTOCOL.md`, "Registered regions"): memory a client
+//! shares with the daemon, so that a request's arrays are named, not sent.
+//!
+//! - [`FdReader`] reads a connection with `recvmsg`, so that file
+//!   descriptors sent with a frame's bytes (`SCM_RIGHTS`) are received and
+//!   queued on the connection ([`Conn`]) instead of being lost.
+//! - `register_memfd` takes the oldest fd queued for its frame, checks that it
+//!   is a memfd sealed against shrinking and large enough, maps it
+//!   ([`hkv_region::Mapping`]) and gives it an id on this connection only.
+//! - Region requests ([`hkv_proto::region::RegionRequest`]) check every
+//!   reference, read their inputs, claim their outputs (no other request of
+//!   this process may write or read an overlapping range meanwhile), run,
+//!   and write their outputs into the client's memory: find writes its rows
+//!   there straight from the table, other ops through their usual answer
+//!   arrays.
+//!
+//! Files: this one (the connection's regions and fds, a region's life,
+//! dispatch), `fd` ([`FdReader`]), `register` (`register_memfd`'s checks
+//! and mapping), `run` (region requests).
+//!
+//! A region is released when unregistered or when its connection closes,
+//! but each request holds its regions (an `Arc`) until it is done: the
+//! mapping, and its bytes in the counters, go with the last of them.
+
+mod fd;
+mod register;
+mod run;
+
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+
+use hkv_proto::region::{self as wire, RegionRequest};
+use hkv_proto::{ErrorCode, FrameBuf, Header, ProtoError, Response};
+use hkv_region::Mapping;
+use hkv_shard::Shard;
+use parking_lot::Mutex;
+
+use crate::actor::SubResult;
+use crate::state::State;
+
+pub use fd::FdReader;
+
+/// Region counters over every connection (in `ServerStats`).
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Regions mapped now (registered, or unregistered with requests in flight).
+    pub regions: AtomicU64,
+    /// Their bytes.
+    pub bytes: AtomicU64,
+}
+
+/// The statistics of registered regions.
+pub fn stats(state: &State) -> hkv_proto::stats::RegionStats {
+    hkv_proto::stats::RegionStats {
+        max_region_bytes: state.config.limits.max_region_bytes,
+        max_region_bytes_per_connection: state.config.limits.max_region_bytes_per_connection,
+        regions: state.stats.regions.regions.load(Relaxed),
+        bytes: state.stats.regions.bytes.load(Relaxed),
+    }
+}
+
+/// File descriptors queued on one connection at most; more are closed as
+/// they arrive (one register frame needs one).
+const MAX_QUEUED_FDS: usize = 16;
+
+/// One connection's regions and received file descriptors.
+#[derive(Default)]
+pub struct Conn {
+    /// Received fds, each with the stream offset just past the read that
+    /// brought it (it came with a byte before that offset).
+    fds: Mutex<VecDeque<(OwnedFd, u64)>>,
+    regions: Mutex<HashMap<u32, Arc<Region>>>,
+    /// Bytes of this connection's regions still mapped.
+    bytes: Arc<AtomicU64>,
+    next: AtomicU32,
+}
+
+impl Conn {
+    fn push_fd(&self, fd: OwnedFd, end: u64) {
+        let mut q = self.fds.lock();
+        if q.len() < MAX_QUEUED_FDS {
+            q.push_back((fd, end));
+        }
+    }
+
+    /// What the frame with header `h`, which started at stream offset
+    /// `start`, takes from its connection, in the order frames are read:
+    /// fds that came before it (with earlier frames) are closed, and a
+    /// `register_memfd` frame takes the oldest one left; a region request
+    /// holds the connection's regions as they are now, so that an
+    /// `unregister` read after it cannot overtake it.
+    pub fn ctx(self: &Arc<Self>, h: &Header, start: u64) -> Ctx {
+        let mut q = self.fds.lock();
+        while q.front().is_some_and(|&(_, end)| end <= start) {
+            q.pop_front();
+        }
+        let fd = if h.op == wire::REGISTER_MEMFD { q.pop_front().map(|(fd, _)| fd) } else { None };
+        drop(q);
+        let regions = wire::is_region(h).then(|| self.regions.lock().clone());
+        Ctx { conn: self.clone(), fd, regions }
+    }
+}
+
+/// What a request of a connection brings to [`answer`].
+pub struct Ctx {
+    /// Its connection.
+    pub conn: Arc<Conn>,
+    /// The fd that came with a `register_memfd` frame.
+    pub fd: Option<OwnedFd>,
+    /// The connection's regions when the frame was read (region requests).
+    regions: Option<HashMap<u32, Arc<Region>>>,
+}
+
+/// A mapped region; unmapped, and counted out, when the last holder drops it.
+pub struct Region {
+    /// On the CUDA backend, the mapping page-locked (dropped first: fields
+    /// drop in order, and the pin unregisters before the mapping can go).
+    pin: Option<hkv_shard::pin::HostPin>,
+    map: Arc<Mapping>,
+    len: u64,
+    conn_bytes: Arc<AtomicU64>,
+    state: Arc<State>,
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        self.conn_bytes.fetch_sub(self.len, Relaxed);
+        self.state.stats.regions.bytes.fetch_sub(self.len, Relaxed);
+        self.state.stats.regions.regions.fetch_sub(1, Relaxed);
+    }
+}
+
+/// A function run on a shard's actor thread (`SubOp::With`).
+pub struct ShardFn(pub Box<ShardWork>);
+
+/// The work a [`ShardFn`] does.
+pub type ShardWork = dyn FnOnce(&dyn Shard) -> Result<SubResult, hkv_shard::Error> + Send;
+
+impl std::fmt::Debug for ShardFn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ShardFn")
+    }
+}
+
+fn err(code: ErrorCode, msg: impl Into<String>) -> ProtoError {
+    ProtoError::new(code, msg)
+}
+
+/// Answers a frame that [`wire::is_region`] claims.
+pub async fn answer(state: &Arc<State>, ctx: Ctx, h: &Header, body: &[u8]) -> Result<Response, ProtoError> {
+    let frame = match h.op {
+        wire::REGISTER_MEMFD => {
+            let len = wire::decode_small(h, body)?;
+            let (id, len) = register::register(state, &ctx, len)?;
+            wire::registered(h.id, id, len)
+        }
+        wire::UNREGISTER => {
+            let id = wire::decode_small(h, body)? as u32;
+            if ctx.conn.regions.lock().remove(&id).is_none() {
+                return Err(not_registered(id));
+            }
+            hkv_proto::frame(wire::UNREGISTER, hkv_proto::flags::RESPONSE, h.id, &[])
+        }
+        _ => {
+            let req = RegionRequest::decode(h, body)?;
+            run::run(state, ctx.regions.as_ref().unwrap_or(&HashMap::new()), req).await?.encode(h.op, h.id)
+        }
+    };
+    Ok(Response::Framed(FrameBuf::Vec(frame)))
+}
+
+fn not_registered(id: u32) -> ProtoError {
+    err(
+        ErrorCode::NotFound,
+        format!(
+            "region {id} is not registered on this connection (regions belong to the connection that \
+             registered them, until unregistered or closed)"
+        ),
+    )
+}

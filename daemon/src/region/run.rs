@@ -1,0 +1,444 @@
+//! Region requests: references resolved and checked, the daemon's copies
+//! bounded and counted, inputs read, outputs claimed, the op run, outputs
+//! written; find straight into the client's memory on the shard's actor.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+
+use hkv_proto::region::{self as wire, Count, Dir, Elem, Head, RegionAnswer, RegionRef, RegionRequest, Slot};
+use hkv_proto::{ErrorCode, Op, ProtoError, Request, Response};
+use hkv_region::{ClaimError, ClaimMut, Mapping};
+use hkv_shard::Shard;
+use parking_lot::Mutex;
+
+use super::{err, not_registered, Region, ShardFn};
+use crate::actor::{SubOp, SubResult};
+use crate::error::shard_error;
+use crate::router::Table;
+use crate::state::{InFlight, State};
+
+/// One checked reference: its region and its element count.
+struct Arr {
+    slot: Slot,
+    r: RegionRef,
+    region: Arc<Region>,
+}
+
+impl Arr {
+    fn map(&self) -> &Arc<Mapping> {
+        &self.region.map
+    }
+
+    fn claim_err(&self, e: ClaimError) -> ProtoError {
+        match e {
+            ClaimError::Busy => err(
+                ErrorCode::Busy,
+                format!(
+                    "{}: region {} bytes {}.. overlap an array another request in flight writes, or another \
+                     array of this request (outputs may not overlap anything); nothing was applied",
+                    self.slot.name, self.r.region, self.r.offset
+                ),
+            ),
+            ClaimError::OutOfBounds => wire::bad_ref(self.slot.name, &self.r, "past the end of the region"),
+            ClaimError::Misaligned => {
+                wire::bad_ref(self.slot.name, &self.r, "offset not a multiple of the element size")
+            }
+        }
+    }
+
+    fn claim_mut<T>(&self) -> Result<ClaimMut<T>, ProtoError> {
+        self.map().claim_mut::<T>(self.r.offset, self.r.count).map_err(|e| self.claim_err(e))
+    }
+
+    fn read<T: zerocopy::FromBytes + zerocopy::IntoBytes + Clone + Default>(&self) -> Result<Vec<T>, ProtoError> {
+        let mut v = vec![T::default(); self.r.count as usize];
+        self.map().read(self.r.offset, &mut v).map_err(|e| self.claim_err(e))?;
+        Ok(v)
+    }
+}
+
+/// Resolves and checks every reference of `req` against its slot and
+/// region (bounds, alignment, counts); returns them with n and the output
+/// capacity.
+fn resolve(
+    regions: &HashMap<u32, Arc<Region>>,
+    req: &RegionRequest,
+    dim: usize,
+) -> Result<(Vec<Arr>, usize), ProtoError> {
+    let slots = req.slots();
+    let mut arrs = Vec::with_capacity(slots.len());
+    for (slot, r) in slots.into_iter().zip(&req.refs) {
+        let region = regions.get(&r.region).cloned().ok_or_else(|| not_registered(r.region))?;
+        let size = slot.elem.size();
+        let bytes = r.count.checked_mul(size).ok_or_else(|| wire::bad_ref(slot.name, r, "count overflows"))?;
+        let end = r.offset.checked_add(bytes).ok_or_else(|| wire::bad_ref(slot.name, r, "offset + bytes overflows"))?;
+        if end > region.len {
+            return Err(wire::bad_ref(
+                slot.name,
+                r,
+                &format!("ends at byte {end}, past the end of the {}-byte region", region.len),
+            ));
+        }
+        if r.offset % size != 0 {
+            return Err(wire::bad_ref(slot.name, r, &format!("offset is not a multiple of {size} (the element size)")));
+        }
+        arrs.push(Arr { slot, r: *r, region });
+    }
+    // n from the keys (or features), then every count checked against it.
+    let mut n = None;
+    let mut cap = None;
+    for a in &arrs {
+        match a.slot.count {
+            Count::SetsN => n = Some(a.r.count),
+            Count::Offsets => n = Some(a.r.count.saturating_sub(1)),
+            Count::Cap if cap.is_none() => cap = Some(a.r.count),
+            _ => {}
+        }
+    }
+    let n = n.unwrap_or(0);
+    if n > u32::MAX as u64 {
+        return Err(ProtoError::bad_request(format!("{n} keys in one request; send at most {} per request", u32::MAX)));
+    }
+    let cap = cap.unwrap_or(0);
+    let dim = dim as u64;
+    for a in &arrs {
+        let want = match a.slot.count {
+            Count::N => Some(n),
+            Count::NDim => n.checked_mul(dim),
+            Count::Cap => Some(cap),
+            Count::CapDim => cap.checked_mul(dim),
+            Count::SetsN | Count::Offsets | Count::Any => continue,
+        };
+        if want != Some(a.r.count) {
+            let code = if matches!(a.slot.count, Count::NDim | Count::CapDim) {
+                ErrorCode::WrongDim
+            } else {
+                ErrorCode::LengthMismatch
+            };
+            return Err(err(
+                code,
+                format!(
+                    "{}: {} elements, but {} are needed ({n} keys{}, dim {dim}); nothing was applied",
+                    a.slot.name,
+                    a.r.count,
+                    want.map_or("more than 2^64".into(), |w| w.to_string()),
+                    if cap > 0 { format!(", room for {cap} entries") } else { String::new() }
+                ),
+            ));
+        }
+    }
+    Ok((arrs, n as usize))
+}
+
+/// The daemon's own copies of a region request: its inputs, and the answer
+/// arrays of every op but find without scores (written in place). Bounded
+/// like a socket request's body (`limits.max_frame_bytes`, else
+/// `oversized`) and counted, until the request is done, against
+/// `limits.max_bytes_in_flight` (else `resource_exhausted`), so that a
+/// client with a large region cannot make the daemon copy more than a
+/// client of the socket could send.
+fn charge(state: &Arc<State>, req: &RegionRequest, arrs: &[Arr]) -> Result<InFlight, ProtoError> {
+    let in_place = req.op == u8::from(Op::Find) && !req.scores;
+    let bytes: u64 = arrs
+        .iter()
+        .filter(|a| a.slot.dir != Dir::Out || !in_place)
+        .map(|a| a.r.count.saturating_mul(a.slot.elem.size()))
+        .fold(0u64, u64::saturating_add);
+    let limits = &state.config.limits;
+    if bytes > u64::from(limits.max_frame_bytes) {
+        return Err(err(
+            ErrorCode::Oversized,
+            format!(
+                "this region request would have the daemon copy {bytes} bytes of its arrays, above \
+                 limits.max_frame_bytes = {}; send smaller batches",
+                limits.max_frame_bytes
+            ),
+        ));
+    }
+    let mut c = InFlight::total(state);
+    if !c.add(bytes, limits.max_bytes_in_flight) {
+        state.stats.in_flight_refusals.fetch_add(1, Relaxed);
+        return Err(err(
+            ErrorCode::ResourceExhausted,
+            format!(
+                "{} bytes of requests and answers are already in flight (limits.max_bytes_in_flight = {}); \
+                 this region request's {bytes} bytes of copies were not made: retry, or send smaller batches",
+                state.stats.in_flight_bytes.load(Relaxed),
+                limits.max_bytes_in_flight
+            ),
+        ));
+    }
+    Ok(c)
+}
+
+fn named<'a>(arrs: &'a [Arr], name: &str) -> Option<&'a Arr> {
+    arrs.iter().find(|a| a.slot.name == name)
+}
+
+fn need<'a>(arrs: &'a [Arr], name: &str) -> &'a Arr {
+    named(arrs, name).expect("slot of this op")
+}
+
+/// Runs one region request.
+pub(super) async fn run(
+    state: &Arc<State>,
+    regions: &HashMap<u32, Arc<Region>>,
+    req: RegionRequest,
+) -> Result<RegionAnswer, ProtoError> {
+    let t = state.router.table(&req.table)?;
+    let dim = t.config.dim;
+    let (arrs, n) = resolve(regions, &req, dim)?;
+    let _charge = charge(state, &req, &arrs)?;
+    // Inputs are copied in first (a client writing them meanwhile changes
+    // only what it asks), then outputs claimed for the whole request.
+    let keys: Vec<u64> = match (&req.head, req.op) {
+        (Head::Export { .. }, _) => Vec::new(),
+        (Head::Features { hash, strings }, _) => {
+            let features = if *strings {
+                hkv_proto::Features::Strings {
+                    offsets: need(&arrs, "offsets").read()?,
+                    bytes: need(&arrs, "bytes").read()?,
+                }
+            } else {
+                hkv_proto::Features::Int64(need(&arrs, "features").read()?)
+            };
+            hash_features(state, &t, hash.clone(), features).await?
+        }
+        _ => need(&arrs, "keys").read()?,
+    };
+    if keys.len() != n && !matches!(req.head, Head::Export { .. }) {
+        return Err(err(ErrorCode::Internal, "hashing gave a key count unlike the features'"));
+    }
+    let values_in: Option<Vec<f32>> = match named(&arrs, "values") {
+        Some(a) if a.slot.dir != Dir::Out => Some(a.read()?),
+        _ => None,
+    };
+    let scores_in: Option<Vec<u64>> = match named(&arrs, "scores") {
+        Some(a) if a.slot.dir == Dir::In => Some(a.read()?),
+        _ => None,
+    };
+    let mut out: Vec<(&str, Out)> = Vec::new();
+    for a in arrs.iter().filter(|a| a.slot.dir != Dir::In) {
+        let claim = match a.slot.elem {
+            Elem::U8 => Out::U8(a.claim_mut()?),
+            Elem::U32 => unreachable!("no u32 outputs"),
+            Elem::U64 => Out::U64(a.claim_mut()?),
+            Elem::F32 => Out::F32(a.claim_mut()?),
+        };
+        out.push((a.slot.name, claim));
+    }
+    let mut take = |name: &str| out.iter().position(|(n, _)| *n == name).map(|i| out.swap_remove(i).1);
+    let code = match Op::try_from(req.op)? {
+        Op::FindFeatures => Op::Find,
+        Op::FindOrInsertFeatures => Op::FindOrInsert,
+        c => c,
+    };
+    if code == Op::InsertAndEvict && need(&arrs, "evicted_keys").r.count < n as u64 {
+        return Err(err(
+            ErrorCode::LengthMismatch,
+            format!(
+                "evicted_keys: room for {} entries, but insert_and_evict of {n} keys may evict or refuse {n}; \
+                 nothing was applied",
+                need(&arrs, "evicted_keys").r.count
+            ),
+        ));
+    }
+    let table = req.table.clone();
+    let router = &state.router;
+    match code {
+        Op::Find if !req.scores => {
+            let (Some(Out::U8(found)), Some(Out::F32(values))) = (take("found"), take("values")) else {
+                unreachable!("find's outputs")
+            };
+            let region = need(&arrs, "values").region.clone();
+            find(state, &t, keys, found, values, region).await.map(RegionAnswer::Count)
+        }
+        Op::Find => {
+            let r = router.execute(Request::Find { table, keys, scores: true }).await?;
+            let Response::Find { found, values, scores } = r else { return Err(unexpected()) };
+            let hits = found.iter().filter(|&&f| f == 1).count() as u64;
+            put_u8(take("found"), &found);
+            put_f32(take("values"), &values);
+            put_u64(take("scores"), scores.as_deref().unwrap_or(&[]));
+            Ok(RegionAnswer::Count(hits))
+        }
+        Op::Contains => {
+            let r = router.execute(Request::Contains { table, keys }).await?;
+            let Response::Contains { found } = r else { return Err(unexpected()) };
+            put_u8(take("found"), &found);
+            Ok(RegionAnswer::Count(found.iter().filter(|&&f| f == 1).count() as u64))
+        }
+        Op::Erase => {
+            let r = router.execute(Request::Erase { table, keys, outcomes: req.outcomes }).await?;
+            let Response::Erased { count, flags } = r else { return Err(unexpected()) };
+            put_u8(take("erased"), flags.as_deref().unwrap_or(&[]));
+            Ok(RegionAnswer::Count(count))
+        }
+        Op::AssignScores => {
+            let r = router
+                .execute(Request::AssignScores { table, keys, scores: scores_in, outcomes: req.outcomes })
+                .await?;
+            let Response::Write { summary, outcomes, .. } = r else { return Err(unexpected()) };
+            put_u8(take("outcomes"), outcomes.as_deref().unwrap_or(&[]));
+            Ok(RegionAnswer::Write(summary))
+        }
+        Op::Export => {
+            let Head::Export { shard, offset, max_slots, filter } = req.head else { unreachable!() };
+            let cap = need(&arrs, "keys").r.count;
+            if cap == 0 {
+                return Err(ProtoError::bad_request("export: the output arrays have room for no entry"));
+            }
+            let cursor = hkv_proto::Cursor { shard, offset };
+            let r = router.execute(Request::Export { table, cursor, max_slots: max_slots.min(cap), filter }).await?;
+            let Response::Export { next, keys, values, scores } = r else { return Err(unexpected()) };
+            let count = keys.len().min(cap as usize);
+            put_u64(take("keys"), &keys[..count]);
+            put_f32(take("values"), &values[..count * dim]);
+            put_u64(take("scores"), &scores[..count]);
+            let (next_shard, next_offset) = next.map_or((u32::MAX, 0), |c| (c.shard, c.offset));
+            Ok(RegionAnswer::Export { next_shard, next_offset, count: count as u64 })
+        }
+        _ => {
+            let Some(op) = code.write() else { return Err(unexpected()) };
+            let values = values_in.unwrap_or_default();
+            let r = router
+                .execute(Request::Write { op, table, keys, values, scores: scores_in, outcomes: req.outcomes })
+                .await?;
+            let Response::Write { summary, outcomes, values, evicted } = r else { return Err(unexpected()) };
+            let room = named(&arrs, "evicted_keys").map_or(0, |a| a.r.count as usize);
+            put_u8(take("outcomes"), outcomes.as_deref().unwrap_or(&[]));
+            if let Some(v) = values {
+                put_f32(take("values"), &v);
+            }
+            if let Some(e) = evicted {
+                let count = e.keys.len().min(room);
+                put_u64(take("evicted_keys"), &e.keys[..count]);
+                put_f32(take("evicted_values"), &e.values[..count * dim]);
+                put_u64(take("evicted_scores"), &e.scores[..count]);
+                put_u8(take("evicted_kinds"), &e.kinds[..count]);
+                return Ok(RegionAnswer::Evict(summary, count as u64));
+            }
+            Ok(RegionAnswer::Write(summary))
+        }
+    }
+}
+
+fn unexpected() -> ProtoError {
+    err(ErrorCode::Internal, "the table answered a region request unexpectedly; please report it")
+}
+
+/// A claimed output array.
+enum Out {
+    U8(ClaimMut<u8>),
+    U64(ClaimMut<u64>),
+    F32(ClaimMut<f32>),
+}
+
+fn put_u8(o: Option<Out>, src: &[u8]) {
+    if let Some(Out::U8(mut c)) = o {
+        let d = c.as_mut_slice();
+        let k = d.len().min(src.len());
+        d[..k].copy_from_slice(&src[..k]);
+    }
+}
+
+fn put_u64(o: Option<Out>, src: &[u64]) {
+    if let Some(Out::U64(mut c)) = o {
+        let d = c.as_mut_slice();
+        let k = d.len().min(src.len());
+        d[..k].copy_from_slice(&src[..k]);
+    }
+}
+
+fn put_f32(o: Option<Out>, src: &[f32]) {
+    if let Some(Out::F32(mut c)) = o {
+        let d = c.as_mut_slice();
+        let k = d.len().min(src.len());
+        d[..k].copy_from_slice(&src[..k]);
+    }
+}
+
+/// Hashes region features as a feature request would.
+async fn hash_features(
+    state: &Arc<State>,
+    t: &Arc<Table>,
+    hash: hkv_proto::HashSpec,
+    features: hkv_proto::Features,
+) -> Result<Vec<u64>, ProtoError> {
+    let (kind, num_buckets) = crate::features::resolve(hash, Some(&t.spec))?;
+    let hasher = state.router.hasher.clone();
+    tokio::task::spawn_blocking(move || hasher.hash(&features, kind, num_buckets))
+        .await
+        .map_err(|e| err(ErrorCode::Internal, format!("hashing task failed: {e}")))?
+}
+
+/// find straight into the client's memory: the table writes each row into
+/// the claimed values, no answer array in between. One shard:
+/// `Shard::find_into`, then the flags and zeroed misses; several: each
+/// shard's keys with `Shard::find_at`, one shard after the other (the
+/// claims are one `&mut`). The values go as `Rows::Pinned` where `region`
+/// (theirs) is page-locked on the CUDA backend, else as `Rows::Host`.
+async fn find(
+    state: &Arc<State>,
+    t: &Arc<Table>,
+    keys: Vec<u64>,
+    found: ClaimMut<u8>,
+    values: ClaimMut<f32>,
+    region: Arc<Region>,
+) -> Result<u64, ProtoError> {
+    if let Some(i) = keys.iter().position(|&k| hkv_shard::is_reserved(k)) {
+        return Err(shard_error(hkv_shard::Error::ReservedKey { key: keys[i], index: i }));
+    }
+    let shards = t.shards();
+    let count = |r: SubResult| match r {
+        SubResult::Count(c) => Ok(c),
+        _ => Err(unexpected()),
+    };
+    if shards == 1 {
+        let (mut found, mut values) = (found, values);
+        let f = move |s: &dyn Shard| {
+            let (flags, values) = (found.as_mut_slice(), values.as_mut_slice());
+            let mut hit = vec![false; keys.len()];
+            let hits = s.find_into(&keys, rows(&region, values), &mut hit)?;
+            let dim = s.dim();
+            for ((b, &h), row) in flags.iter_mut().zip(&hit).zip(values.chunks_exact_mut(dim.max(1))) {
+                *b = u8::from(h);
+                if !h {
+                    row.fill(0.0);
+                }
+            }
+            Ok(SubResult::Count(hits as u64))
+        };
+        return count(state.router.call(t, 0, SubOp::With(ShardFn(Box::new(f)))).await?);
+    }
+    let mut parts: Vec<Vec<u32>> = (0..shards).map(|_| Vec::with_capacity(keys.len() / shards + 16)).collect();
+    for (i, &k) in keys.iter().enumerate() {
+        parts[hkv_shard::hash::shard_of(k, shards as u64) as usize].push(i as u32);
+    }
+    let out = Arc::new(Mutex::new((found, values)));
+    let mut hits = 0;
+    for (i, at) in parts.into_iter().enumerate() {
+        if at.is_empty() {
+            continue;
+        }
+        let ks: Vec<u64> = at.iter().map(|&j| keys[j as usize]).collect();
+        let (out, region) = (out.clone(), region.clone());
+        let f = move |s: &dyn Shard| {
+            let mut g = out.lock();
+            let (found, values) = &mut *g;
+            let h = s.find_at(&ks, &at, rows(&region, values.as_mut_slice()), found.as_mut_slice())?;
+            Ok(SubResult::Count(h as u64))
+        };
+        hits += count(state.router.call(t, i, SubOp::With(ShardFn(Box::new(f)))).await?)?;
+    }
+    Ok(hits)
+}
+
+/// A find's destination in `region`: pinned rows where it is page-locked.
+fn rows<'a>(region: &Region, values: &'a mut [f32]) -> hkv_shard::Rows<'a> {
+    match &region.pin {
+        Some(p) => p.rows(values),
+        None => hkv_shard::Rows::Host(values),
+    }
+}

@@ -1,0 +1,556 @@
+//! Registered regions (`PROTOCOL.md`, "Registered regions"): a client maps
+//! memory once, registers it on its connection, and then names arrays in it
+//! as `(region, offset, count)` instead of sending them; answers carry only
+//! counts. This module holds the op codes, the `REGION` flag, the layout of
+//! region requests (which arrays each op names, in which order, read or
+//! written) and their small answers.
+
+use crate::body::{Reader, Writer};
+use crate::{ErrorCode, FeatureHash, Filter, HashSpec, Header, Op, ProtoError, Summary};
+
+/// The op bytes this module matches on (the header carries a raw byte).
+mod op {
+    use super::Op;
+    pub const FIND: u8 = Op::Find as u8;
+    pub const CONTAINS: u8 = Op::Contains as u8;
+    pub const INSERT_OR_ASSIGN: u8 = Op::InsertOrAssign as u8;
+    pub const INSERT_AND_EVICT: u8 = Op::InsertAndEvict as u8;
+    pub const FIND_OR_INSERT: u8 = Op::FindOrInsert as u8;
+    pub const ASSIGN: u8 = Op::Assign as u8;
+    pub const ASSIGN_SCORES: u8 = Op::AssignScores as u8;
+    pub const ACCUM_OR_ASSIGN: u8 = Op::AccumOrAssign as u8;
+    pub const ERASE: u8 = Op::Erase as u8;
+    pub const EXPORT: u8 = Op::Export as u8;
+    pub const LOAD: u8 = Op::Load as u8;
+    pub const FIND_FEATURES: u8 = Op::FindFeatures as u8;
+    pub const FIND_OR_INSERT_FEATURES: u8 = Op::FindOrInsertFeatures as u8;
+}
+
+/// Frame flag: the body names arrays in registered regions ([`RegionRequest`]).
+/// Answers do not carry it (they are `RESPONSE` only).
+pub const REGION: u16 = 0x0010;
+
+/// `register_memfd`: body `u64 len`, one fd passed with the frame's bytes
+/// (`SCM_RIGHTS`); answer `u32 region`, `u64 len`.
+pub const REGISTER_MEMFD: u8 = Op::RegisterMemfd as u8;
+/// `unregister`: body `u32 region`; answer empty.
+pub const UNREGISTER: u8 = Op::Unregister as u8;
+/// `register_cuda` (reserved: CUDA IPC memory handles; answered `unknown_op`
+/// by daemons without it).
+pub const REGISTER_CUDA: u8 = 0x42;
+
+/// Whether a frame belongs to this module: a region op, or a table op with
+/// the `REGION` flag.
+pub fn is_region(h: &Header) -> bool {
+    matches!(h.op, REGISTER_MEMFD | UNREGISTER) || (h.flags & REGION != 0 && slots_known(h.op))
+}
+
+fn slots_known(code: u8) -> bool {
+    matches!(
+        code,
+        op::FIND
+            | op::CONTAINS
+            | op::INSERT_OR_ASSIGN
+            | op::INSERT_AND_EVICT
+            | op::FIND_OR_INSERT
+            | op::ASSIGN
+            | op::ASSIGN_SCORES
+            | op::ACCUM_OR_ASSIGN
+            | op::ERASE
+            | op::EXPORT
+            | op::LOAD
+            | op::FIND_FEATURES
+            | op::FIND_OR_INSERT_FEATURES
+    )
+}
+
+/// An array in a registered region: `count` elements from byte `offset`.
+/// 20 bytes on the wire: `u32 region`, `u64 offset`, `u64 count`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RegionRef {
+    /// The id `register_memfd` answered.
+    pub region: u32,
+    /// Byte offset in the region; a multiple of the element size.
+    pub offset: u64,
+    /// Elements (floats for value arrays: n × dim).
+    pub count: u64,
+}
+
+impl RegionRef {
+    /// A reference.
+    pub fn new(region: u32, offset: u64, count: u64) -> RegionRef {
+        RegionRef { region, offset, count }
+    }
+}
+
+/// Element type of an array slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Elem {
+    /// Bytes (found flags, outcomes, kinds, feature bytes).
+    U8,
+    /// u32 (string offsets).
+    U32,
+    /// u64 (keys, scores) and i64 (int64 features).
+    U64,
+    /// f32 (values, deltas).
+    F32,
+}
+
+impl Elem {
+    /// Bytes per element; offsets must be multiples of it.
+    pub fn size(self) -> u64 {
+        match self {
+            Elem::U8 => 1,
+            Elem::U32 | Elem::F32 => 4,
+            Elem::U64 => 8,
+        }
+    }
+}
+
+/// Whether the daemon reads or writes an array.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dir {
+    /// Read only.
+    In,
+    /// Written only.
+    Out,
+    /// Read, then written (find_or_insert's values).
+    InOut,
+}
+
+/// How many elements an array slot must have, given n keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Count {
+    /// Exactly n (n is the keys' count, or the features').
+    N,
+    /// Exactly n × dim.
+    NDim,
+    /// Any: this slot sets n (keys, int64 features).
+    SetsN,
+    /// n + 1 string offsets, or 0 (this slot sets n).
+    Offsets,
+    /// Any (feature bytes).
+    Any,
+    /// Capacity c of an output list (export's, insert_and_evict's evicted
+    /// entries): c, set by the first such slot.
+    Cap,
+    /// c × dim.
+    CapDim,
+}
+
+/// One array a region request names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Slot {
+    /// Its name in messages and `PROTOCOL.md`.
+    pub name: &'static str,
+    /// Element type.
+    pub elem: Elem,
+    /// Read or written.
+    pub dir: Dir,
+    /// Count rule.
+    pub count: Count,
+}
+
+const fn slot(name: &'static str, elem: Elem, dir: Dir, count: Count) -> Slot {
+    Slot { name, elem, dir, count }
+}
+
+/// The arrays a region request of `code` names, in body order. `scores` /
+/// `outcomes`: the frame's SCORES / OUTCOMES flags; `strings`: feature type
+/// 1 (features ops only).
+pub fn slots(code: u8, scores: bool, outcomes: bool, strings: bool) -> Vec<Slot> {
+    use {Count::*, Dir::*, Elem::*};
+    let keys = slot("keys", U64, In, SetsN);
+    let mut s = Vec::new();
+    let features = |s: &mut Vec<Slot>| {
+        if strings {
+            s.push(slot("offsets", U32, In, Offsets));
+            s.push(slot("bytes", U8, In, Any));
+        } else {
+            s.push(slot("features", U64, In, SetsN));
+        }
+    };
+    match code {
+        op::FIND | op::FIND_FEATURES => {
+            if code == op::FIND {
+                s.push(keys);
+            } else {
+                features(&mut s);
+            }
+            s.push(slot("found", U8, Out, N));
+            s.push(slot("values", F32, Out, NDim));
+            if scores {
+                s.push(slot("scores", U64, Out, N));
+            }
+        }
+        op::CONTAINS => {
+            s.push(keys);
+            s.push(slot("found", U8, Out, N));
+        }
+        op::ERASE => {
+            s.push(keys);
+            if outcomes {
+                s.push(slot("erased", U8, Out, N));
+            }
+        }
+        op::ASSIGN_SCORES => {
+            s.push(keys);
+            if scores {
+                s.push(slot("scores", U64, In, N));
+            }
+            if outcomes {
+                s.push(slot("outcomes", U8, Out, N));
+            }
+        }
+        op::EXPORT => {
+            s.push(slot("keys", U64, Out, Cap));
+            s.push(slot("values", F32, Out, CapDim));
+            s.push(slot("scores", U64, Out, Cap));
+        }
+        _ => {
+            // The write ops.
+            if code == op::FIND_OR_INSERT_FEATURES {
+                features(&mut s);
+            } else {
+                s.push(keys);
+            }
+            let inout = matches!(code, op::FIND_OR_INSERT | op::FIND_OR_INSERT_FEATURES);
+            s.push(slot("values", F32, if inout { InOut } else { In }, NDim));
+            if scores {
+                s.push(slot("scores", U64, In, N));
+            }
+            if outcomes && code != op::LOAD {
+                s.push(slot("outcomes", U8, Out, N));
+            }
+            if code == op::INSERT_AND_EVICT {
+                s.push(slot("evicted_keys", U64, Out, Cap));
+                s.push(slot("evicted_values", F32, Out, CapDim));
+                s.push(slot("evicted_scores", U64, Out, Cap));
+                s.push(slot("evicted_kinds", U8, Out, Cap));
+            }
+        }
+    }
+    s
+}
+
+/// What comes between `table` and the array references.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Head {
+    /// Nothing (keyed ops).
+    None,
+    /// export: `u32 shard`, `u64 offset`, `u64 max_slots`, `filter`.
+    Export {
+        /// Shard to scan.
+        shard: u32,
+        /// First slot.
+        offset: u64,
+        /// Slots to scan at most (also bounded by the output capacity).
+        max_slots: u64,
+        /// Predicate.
+        filter: Filter,
+    },
+    /// feature ops: `hash`, `u8 type` (0 int64, 1 strings).
+    Features {
+        /// The hash.
+        hash: HashSpec,
+        /// Feature type.
+        strings: bool,
+    },
+}
+
+/// A table request whose arrays live in registered regions.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RegionRequest {
+    /// The table op code.
+    pub op: u8,
+    /// SCORES flag.
+    pub scores: bool,
+    /// OUTCOMES flag.
+    pub outcomes: bool,
+    /// Table.
+    pub table: String,
+    /// Op-specific fields before the references.
+    pub head: Head,
+    /// One reference per [`slots`] entry, in that order.
+    pub refs: Vec<RegionRef>,
+}
+
+impl RegionRequest {
+    /// The slots of this request.
+    pub fn slots(&self) -> Vec<Slot> {
+        let strings = matches!(self.head, Head::Features { strings: true, .. });
+        slots(self.op, self.scores, self.outcomes, strings)
+    }
+
+    /// The whole frame with request id `id`.
+    ///
+    /// # Panics
+    /// When the table name is longer than 65535 bytes.
+    pub fn encode(&self, id: u64) -> Vec<u8> {
+        let mut w = Writer::framed_in(Vec::new(), 64 + self.table.len() + 20 * self.refs.len());
+        w.str(&self.table);
+        match &self.head {
+            Head::None => {}
+            Head::Export { shard, offset, max_slots, filter } => {
+                w.u32(*shard).u64(*offset).u64(*max_slots);
+                w.u64(filter.key_mask).u64(filter.key_pattern).u64(filter.min_score).u64(filter.max_score);
+            }
+            Head::Features { hash, strings } => {
+                match hash {
+                    HashSpec::Table => {
+                        w.raw(&[0xFF]);
+                    }
+                    HashSpec::Given(f) => {
+                        w.raw(&[f.kind.code()]).u64(f.num_buckets).u64(f.key[0]).u64(f.key[1]);
+                    }
+                }
+                w.raw(&[u8::from(*strings)]);
+            }
+        }
+        for r in &self.refs {
+            w.u32(r.region).u64(r.offset).u64(r.count);
+        }
+        let mut fl = REGION;
+        if self.scores {
+            fl |= crate::flags::SCORES;
+        }
+        if self.outcomes {
+            fl |= crate::flags::OUTCOMES;
+        }
+        w.finish_frame(self.op, fl, id)
+            .unwrap_or_else(|(e, _)| panic!("a region request that does not fit the protocol: {e}"))
+    }
+
+    /// Parses a body sent with the `REGION` flag.
+    pub fn decode(h: &Header, body: &[u8]) -> Result<RegionRequest, ProtoError> {
+        let mut r = Reader::new(body);
+        let scores = h.flags & crate::flags::SCORES != 0;
+        let outcomes = h.flags & crate::flags::OUTCOMES != 0;
+        if !slots_known(h.op) {
+            return Err(ProtoError::bad_request(format!(
+                "the REGION flag is not defined for {}",
+                crate::op::name_of(h.op)
+            )));
+        }
+        let table = r.str("table")?.to_string();
+        let head = match h.op {
+            op::EXPORT => Head::Export {
+                shard: r.u32("shard")?,
+                offset: r.u64("offset")?,
+                max_slots: r.u64("max_slots")?,
+                filter: Filter {
+                    key_mask: r.u64("filter")?,
+                    key_pattern: r.u64("filter")?,
+                    min_score: r.u64("filter")?,
+                    max_score: r.u64("filter")?,
+                },
+            },
+            op::FIND_FEATURES | op::FIND_OR_INSERT_FEATURES => {
+                let code = r.u8("hash kind")?;
+                let hash = match code {
+                    0xFF => HashSpec::Table,
+                    0 | 1 => {
+                        let kind = if code == 0 { crate::HashKind::Fingerprint64 } else { crate::HashKind::Strong };
+                        let num_buckets = r.u64("num_buckets")?;
+                        let key = [r.u64("hash key")?, r.u64("hash key")?];
+                        HashSpec::Given(FeatureHash { kind, num_buckets, key })
+                    }
+                    c => {
+                        return Err(ProtoError::bad_request(format!(
+                            "bad features: hash kind {c} is unknown: use 0 (fingerprint64), 1 (strong) or 255 (the table's)"
+                        )))
+                    }
+                };
+                let strings = match r.u8("feature type")? {
+                    0 => false,
+                    1 => true,
+                    t => {
+                        return Err(ProtoError::bad_request(format!(
+                            "feature type {t} is unknown: use 0 (int64) or 1 (strings)"
+                        )))
+                    }
+                };
+                Head::Features { hash, strings }
+            }
+            _ => Head::None,
+        };
+        let mut req = RegionRequest { op: h.op, scores, outcomes, table, head, refs: Vec::new() };
+        for s in req.slots() {
+            let what = s.name;
+            req.refs.push(RegionRef { region: r.u32(what)?, offset: r.u64(what)?, count: r.u64(what)? });
+        }
+        r.finish()?;
+        Ok(req)
+    }
+}
+
+/// The answer to a region request: the small parts only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RegionAnswer {
+    /// find, find_features, contains: `u64 hits`; erase: `u64 erased`.
+    Count(u64),
+    /// Write ops: `summary`.
+    Write(Summary),
+    /// insert_and_evict: `summary`, `u64 evicted` (entries written to the
+    /// evicted arrays, from their start).
+    Evict(Summary, u64),
+    /// export: `u32 next_shard`, `u64 next_offset`, `u64 count` (entries
+    /// written to the output arrays, from their start).
+    Export {
+        /// The next cursor's shard, or `u32::MAX` at the end.
+        next_shard: u32,
+        /// The next cursor's offset (0 at the end).
+        next_offset: u64,
+        /// Entries written.
+        count: u64,
+    },
+}
+
+fn summary_put(w: &mut Writer, s: &Summary) {
+    w.u64(s.updated).u64(s.inserted).u64(s.evicted).u64(s.rejected).u64(s.absent);
+}
+
+fn summary_get(r: &mut Reader<'_>) -> Result<Summary, ProtoError> {
+    Ok(Summary {
+        updated: r.u64("summary")?,
+        inserted: r.u64("summary")?,
+        evicted: r.u64("summary")?,
+        rejected: r.u64("summary")?,
+        absent: r.u64("summary")?,
+    })
+}
+
+impl RegionAnswer {
+    /// The answer frame to request `id` of op `req_op` (flags `RESPONSE`).
+    pub fn encode(&self, req_op: u8, id: u64) -> Vec<u8> {
+        let mut w = Writer::framed_in(Vec::new(), 64);
+        match self {
+            RegionAnswer::Count(c) => {
+                w.u64(*c);
+            }
+            RegionAnswer::Write(s) => summary_put(&mut w, s),
+            RegionAnswer::Evict(s, n) => {
+                summary_put(&mut w, s);
+                w.u64(*n);
+            }
+            RegionAnswer::Export { next_shard, next_offset, count } => {
+                w.u32(*next_shard).u64(*next_offset).u64(*count);
+            }
+        }
+        w.finish_frame(req_op, crate::flags::RESPONSE, id)
+            .unwrap_or_else(|(e, _)| crate::Response::Error(e).encode(req_op, id))
+    }
+
+    /// Parses the answer body to a region request of op `req_op`.
+    pub fn decode(req_op: u8, body: &[u8]) -> Result<RegionAnswer, ProtoError> {
+        let mut r = Reader::new(body);
+        let a = match req_op {
+            op::FIND | op::FIND_FEATURES | op::CONTAINS | op::ERASE => RegionAnswer::Count(r.u64("count")?),
+            op::INSERT_AND_EVICT => RegionAnswer::Evict(summary_get(&mut r)?, r.u64("evicted")?),
+            op::EXPORT => RegionAnswer::Export {
+                next_shard: r.u32("next_shard")?,
+                next_offset: r.u64("next_offset")?,
+                count: r.u64("count")?,
+            },
+            _ => RegionAnswer::Write(summary_get(&mut r)?),
+        };
+        r.finish()?;
+        Ok(a)
+    }
+}
+
+/// A `register_memfd` frame (the fd goes with it as `SCM_RIGHTS`).
+pub fn register_memfd(id: u64, len: u64) -> Vec<u8> {
+    crate::frame(REGISTER_MEMFD, 0, id, &len.to_le_bytes())
+}
+
+/// An `unregister` frame.
+pub fn unregister(id: u64, region: u32) -> Vec<u8> {
+    crate::frame(UNREGISTER, 0, id, &region.to_le_bytes())
+}
+
+/// The answer to `register_memfd`: region id and the length registered.
+pub fn registered(id: u64, region: u32, len: u64) -> Vec<u8> {
+    let mut b = [0u8; 12];
+    b[..4].copy_from_slice(&region.to_le_bytes());
+    b[4..].copy_from_slice(&len.to_le_bytes());
+    crate::frame(REGISTER_MEMFD, crate::flags::RESPONSE, id, &b)
+}
+
+/// Parses the body of a `register_memfd` answer: region id and length.
+pub fn decode_registered(body: &[u8]) -> Result<(u32, u64), ProtoError> {
+    let mut r = Reader::new(body);
+    let x = (r.u32("region")?, r.u64("len")?);
+    r.finish()?;
+    Ok(x)
+}
+
+/// The request body of `register_memfd` (`u64 len`) or `unregister`
+/// (`u32 region`), as a u64.
+pub fn decode_small(h: &Header, body: &[u8]) -> Result<u64, ProtoError> {
+    let mut r = Reader::new(body);
+    let x = if h.op == REGISTER_MEMFD { r.u64("len")? } else { u64::from(r.u32("region")?) };
+    r.finish()?;
+    Ok(x)
+}
+
+/// An error answer for `ErrorCode::BadRequest` about a reference.
+pub fn bad_ref(slot: &str, r: &RegionRef, why: &str) -> ProtoError {
+    ProtoError::new(
+        ErrorCode::BadRequest,
+        format!("{slot}: region {} offset {} count {}: {why}; nothing was applied", r.region, r.offset, r.count),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::HEADER_LEN;
+
+    #[test]
+    fn region_requests_and_answers_round_trip() {
+        let req = RegionRequest {
+            op: op::INSERT_AND_EVICT,
+            scores: true,
+            outcomes: true,
+            table: "t".into(),
+            head: Head::None,
+            refs: (0..8).map(|i| RegionRef::new(i, 8 * i as u64, 3)).collect(),
+        };
+        let f = req.encode(9);
+        let h = Header::decode(f[..HEADER_LEN].try_into().unwrap()).unwrap();
+        assert!(is_region(&h));
+        assert_eq!(RegionRequest::decode(&h, &f[HEADER_LEN..]).unwrap(), req);
+        // One reference short: truncated, naming the slot.
+        let e = RegionRequest::decode(&h, &f[HEADER_LEN..f.len() - 20]).unwrap_err();
+        assert_eq!(e.code, ErrorCode::Truncated);
+        assert!(e.message.contains("evicted_kinds"), "{}", e.message);
+        let feat = RegionRequest {
+            op: op::FIND_FEATURES,
+            scores: false,
+            outcomes: false,
+            table: "t".into(),
+            head: Head::Features { hash: HashSpec::Given(FeatureHash::fingerprint64(99)), strings: true },
+            refs: vec![RegionRef::new(1, 0, 4); 4],
+        };
+        let f = feat.encode(1);
+        let h = Header::decode(f[..HEADER_LEN].try_into().unwrap()).unwrap();
+        assert_eq!(RegionRequest::decode(&h, &f[HEADER_LEN..]).unwrap(), feat);
+        for a in [
+            RegionAnswer::Count(5),
+            RegionAnswer::Write(Summary { inserted: 3, ..Default::default() }),
+            RegionAnswer::Evict(Summary::default(), 2),
+            RegionAnswer::Export { next_shard: 1, next_offset: 2, count: 3 },
+        ] {
+            let code = match a {
+                RegionAnswer::Count(_) => op::FIND,
+                RegionAnswer::Write(_) => op::INSERT_OR_ASSIGN,
+                RegionAnswer::Evict(..) => op::INSERT_AND_EVICT,
+                RegionAnswer::Export { .. } => op::EXPORT,
+            };
+            let f = a.encode(code, 4);
+            assert_eq!(RegionAnswer::decode(code, &f[HEADER_LEN..]).unwrap(), a);
+            assert_eq!(u16::from_le_bytes([f[6], f[7]]), crate::flags::RESPONSE);
+        }
+    }
+}

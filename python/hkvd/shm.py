@@ -1,0 +1,154 @@
+"""Registered regions over shared memory (``proto/PROTOCOL.md``,
+"Registered regions"), with no dependency beyond numpy and the standard
+library.
+
+``shm_array(shape, dtype)`` returns a numpy array whose memory is a sealed
+memfd (``os.memfd_create``, ``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``,
+``mmap``). A :class:`hkvd.Client` registers the memfd on its connection the
+first time one of its arrays (or a contiguous view of one) is named in a
+request (``register_memfd``, the fd passed with ``SCM_RIGHTS``), and keeps
+the region id for later requests; the daemon then reads keys and writes
+rows straight into that memory, and the socket carries only the request
+and a small answer.
+
+The daemon reads and writes the arrays only while a call runs: read the
+outputs after it returned; do not change the inputs of a request still in
+flight.
+"""
+
+from __future__ import annotations
+
+import array
+import fcntl
+import mmap
+import os
+import socket as _socket
+import struct
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+OP_REGISTER_MEMFD = 0x40
+OP_UNREGISTER = 0x41
+F_REGION = 0x0010
+F_SCORES = 0x0002
+F_OUTCOMES = 0x0004
+_REF = struct.Struct("<IQQ")
+_PAGE = mmap.PAGESIZE
+
+
+class _Memfd:
+    """One sealed memfd and its shared mapping."""
+
+    def __init__(self, nbytes: int):
+        self.size = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
+        self.fd = os.memfd_create("hkvd-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(self.fd, self.size)
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        self.mm = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.base = np.frombuffer(self.mm, dtype=np.uint8).__array_interface__["data"][0]
+
+
+# Every shm array's memfd by the address of its mapping (kept for the
+# process's life: the arrays hold only the mapping).
+_MEMFDS: Dict[int, _Memfd] = {}
+
+
+def shm_array(shape, dtype=np.float32) -> np.ndarray:
+    """A zeroed numpy array of ``shape`` and ``dtype`` in a new sealed memfd."""
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    m = _Memfd(count * dtype.itemsize)
+    _MEMFDS[m.base] = m
+    return np.frombuffer(m.mm, dtype=dtype, count=count).reshape(shape)
+
+
+def _memfd_of(a: np.ndarray) -> Tuple[_Memfd, int]:
+    """The memfd holding ``a`` and the byte offset of ``a`` in it."""
+    if not isinstance(a, np.ndarray) or not a.flags.c_contiguous:
+        raise ValueError("region arrays must be C-contiguous views of an hkvd.shm_array")
+    addr = a.__array_interface__["data"][0]
+    for base, m in _MEMFDS.items():
+        if base <= addr and addr + a.nbytes <= base + m.size:
+            return m, addr - base
+    raise ValueError("this array is not in an hkvd.shm_array; make it with hkvd.shm_array(shape, dtype)")
+
+
+def register_memfd(client, fd: int, nbytes: int) -> int:
+    """Sends ``register_memfd`` with ``fd`` (any fd: the daemon checks it) and
+    returns the region id."""
+    rid = client._next
+    client._next += 1
+    frame = client_header(OP_REGISTER_MEMFD, 0, rid, 8) + struct.pack("<Q", nbytes)
+    anc = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, array.array("i", [fd]))]
+    sent = client._sock.sendmsg([frame], anc)
+    if sent < len(frame):
+        client._sock.sendall(frame[sent:])
+    client._pending[rid] = _raw_pending(client, rid)
+    body = client.result(rid)
+    region, _ = struct.unpack("<IQ", body)
+    return region
+
+
+def unregister(client, region: int) -> None:
+    """Unregisters a region id of this client."""
+    client._call(OP_UNREGISTER, F_REGION, [struct.pack("<I", region)])
+
+
+def client_header(op: int, flags: int, rid: int, length: int) -> bytes:
+    from . import HEADER, MAGIC, VERSION
+
+    return HEADER.pack(MAGIC, VERSION, op, flags, rid, length)
+
+
+def _raw_pending(client, rid):
+    from . import _Pending
+
+    return _Pending(OP_REGISTER_MEMFD, 0, 0, F_REGION)
+
+
+def ref(client, a: np.ndarray) -> bytes:
+    """The 20-byte reference to ``a``, registering its memfd on first use."""
+    m, offset = _memfd_of(a)
+    regions = client.__dict__.setdefault("_regions", {})
+    if m.base not in regions:
+        regions[m.base] = register_memfd(client, m.fd, m.size)
+    return _REF.pack(regions[m.base], offset, a.size)
+
+
+def _str(s: str) -> bytes:
+    b = s.encode()
+    return struct.pack("<H", len(b)) + b
+
+
+def region_call(client, op: int, flags: int, table: str, arrays: List[np.ndarray]) -> bytes:
+    """Sends a region request naming ``arrays`` (in the op's order) and
+    returns the answer body."""
+    body = _str(table) + b"".join(ref(client, a) for a in arrays)
+    return client._call(op, flags | F_REGION, [body])
+
+
+def find(client, table: str, keys: np.ndarray, values: np.ndarray, found: Optional[np.ndarray] = None) -> int:
+    """find with ``keys`` (n uint64), ``values`` (n × dim float32, written)
+    and ``found`` (n uint8 or bool, written) in shm arrays; returns the hits."""
+    from . import OP_FIND
+
+    n = keys.size
+    if found is None:
+        scratch = client.__dict__.get("_found")
+        if scratch is None or scratch.size < n:
+            scratch = shm_array((max(n, 1),), np.uint8)
+            client._found = scratch
+        found = scratch[:n]
+    body = region_call(client, OP_FIND, 0, table, [keys, found, values])
+    return struct.unpack("<Q", body)[0]
+
+
+def insert_or_assign(client, table: str, keys: np.ndarray, values: np.ndarray, scores: Optional[np.ndarray] = None):
+    """insert_or_assign with ``keys``, ``values`` (and ``scores``) in shm
+    arrays; returns the summary."""
+    from . import OP_INSERT_OR_ASSIGN, Summary
+
+    arrays = [keys, values] + ([scores] if scores is not None else [])
+    body = region_call(client, OP_INSERT_OR_ASSIGN, F_SCORES if scores is not None else 0, table, arrays)
+    return Summary(*struct.unpack("<5Q", body))
