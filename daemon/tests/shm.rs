@@ -466,6 +466,8 @@ fn feature_and_score_ops_through_a_region() {
     let mut c = d.client();
     let mut spec = TableSpec::new("t", 2, 4096);
     spec.policy = hkv_client::proto::Policy::Lfu;
+    // Plain counts: the reference tie rule (the default rule packs a clock into lfu scores).
+    spec.lfu_ties = hkv_client::proto::LfuTies::LowestSlot;
     spec.hash = Some(hkv_client::FeatureHash::fingerprint64(1 << 30));
     c.create_table(spec).unwrap();
     let r = c.register_memfd(1 << 16).unwrap();
