@@ -133,3 +133,35 @@ fn the_curve_matches_replays_on_cuda() {
         assert!(mae <= 1.0 && worst <= 2.0, "alpha {alpha}: MAE {mae:.3} pp, worst {worst:.3} pp: {points:?}");
     }
 }
+
+/// `trace` collects the keys the table's curves sample while clients use
+/// it: every key it answers was looked up during the window, the rate is
+/// the sampling filter's, and an unknown table or a zero window is refused.
+#[test]
+fn trace_answers_the_sampled_keys_of_the_window() {
+    let d = Daemon::start(&[]);
+    let mut c = d.client();
+    c.create_table(TableSpec::new("z", 1, 1 << 14)).expect("create");
+    let keys: Vec<u64> = (1..=200_000u64).map(|k| k * 7919).collect();
+    let socket = d.socket.clone();
+    let fed = keys.clone();
+    let feeder = std::thread::spawn(move || {
+        let mut c = hkv_client::Client::connect(&socket).expect("connect");
+        let start = std::time::Instant::now();
+        while start.elapsed() < std::time::Duration::from_millis(2500) {
+            for b in fed.chunks(4096) {
+                c.find_or_insert("z", b, &vec![0.0; b.len()], None).expect("find_or_insert");
+            }
+        }
+    });
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let (got, rate, truncated) = c.trace("z", 1).expect("trace");
+    feeder.join().expect("feeder");
+    assert!(!got.is_empty() && !truncated, "{} keys, truncated {truncated}", got.len());
+    assert!(rate > 0.0 && rate <= 1.0, "rate {rate}");
+    let fed: std::collections::HashSet<u64> = keys.into_iter().collect();
+    assert!(got.iter().all(|k| fed.contains(k)), "a traced key was never looked up");
+    let e = c.trace("nope", 1).unwrap_err();
+    assert!(e.to_string().contains("nope"), "{e}");
+    assert!(c.trace("z", 0).is_err(), "a zero-second window is refused");
+}
