@@ -44,6 +44,10 @@ pub fn trace(c: &mut Client, table: &str, seconds: u32, out: &std::path::Path, t
         out.display(),
         if text { "text" } else { "u64 LE" }
     );
+    if keys.is_empty() {
+        println!("no lookups or writes reached {table} during the window: run the trace while clients use the table");
+        return Ok(());
+    }
     if truncated {
         println!("truncated: the daemon left keys out to fit limits.max_frame_bytes; ask for fewer seconds");
     }
