@@ -314,20 +314,28 @@ pub mod bench {
     /// sets (random resident keys), `pipeline` output areas (found and
     /// values), one values array for the inserts.
     pub fn measure(socket: &Path, clients: usize, p: &Plan) -> Result<(f64, f64)> {
-        let run = |insert: bool| -> Result<f64> {
-            let results: Vec<Result<(u64, f64)>> = std::thread::scope(|s| {
-                let hs: Vec<_> = (0..clients).map(|_| s.spawn(move || one(socket, p, insert))).collect();
-                hs.into_iter().map(|h| h.join().expect("bench thread")).collect()
-            });
-            let (mut keys, mut secs) = (0u64, 0f64);
-            for r in results {
-                let (k, s) = r?;
-                keys += k;
-                secs = secs.max(s);
-            }
-            Ok(keys as f64 / secs)
-        };
+        let run = |insert: bool| across_threads(clients, &|| one(socket, p, insert));
         Ok((run(false)?, run(true)?))
+    }
+
+    /// Runs `run` on `clients` threads at once, each returning the keys it
+    /// moved and the seconds it took; keys per second over all of them (the
+    /// slowest thread's time). Shared by every transport's benchmark.
+    pub fn across_threads<E: Send>(
+        clients: usize,
+        run: &(dyn Fn() -> std::result::Result<(u64, f64), E> + Sync),
+    ) -> std::result::Result<f64, E> {
+        let results: Vec<std::result::Result<(u64, f64), E>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..clients).map(|_| s.spawn(run)).collect();
+            hs.into_iter().map(|h| h.join().expect("bench thread")).collect()
+        });
+        let (mut keys, mut secs) = (0u64, 0f64);
+        for r in results {
+            let (k, s) = r?;
+            keys += k;
+            secs = secs.max(s);
+        }
+        Ok(keys as f64 / secs)
     }
 
     fn one(socket: &Path, p: &Plan, insert: bool) -> Result<(u64, f64)> {

@@ -57,17 +57,7 @@ fn across_clients(
     clients: usize,
     run: &(dyn Fn(&mut Client) -> Result<(u64, f64)> + Sync),
 ) -> Result<f64> {
-    let results: Vec<Result<(u64, f64)>> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..clients).map(|_| s.spawn(move || run(&mut Client::connect(socket)?))).collect();
-        hs.into_iter().map(|h| h.join().expect("bench thread")).collect()
-    });
-    let (mut keys, mut secs) = (0u64, 0f64);
-    for r in results {
-        let (k, s) = r?;
-        keys += k;
-        secs = secs.max(s);
-    }
-    Ok(keys as f64 / secs)
+    hkv_client::region::bench::across_threads(clients, &|| run(&mut Client::connect(socket)?))
 }
 
 /// One measurement: `clients` connections, each keeping `pipeline` requests
