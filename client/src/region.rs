@@ -224,7 +224,7 @@ impl Client {
 
 /// A keyed region request (no head).
 pub fn keyed(code: u8, table: &str, refs: Vec<RegionRef>, scores: bool, outcomes: bool) -> RegionRequest {
-    RegionRequest { op: code, scores, outcomes, table: table.into(), head: Head::None, refs }
+    RegionRequest { op: code, scores, outcomes, table: table.into(), head: Head::None, refs, events: None }
 }
 
 fn count(a: RegionAnswer) -> Result<u64> {

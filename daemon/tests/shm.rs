@@ -147,6 +147,7 @@ fn region_requests_answer_as_the_socket_does() {
                     filter: Default::default(),
                 },
                 refs: vec![r.at::<u64>(500000, 1000), r.at::<f32>(510000, 1000 * dim), r.at::<u64>(530000, 1000)],
+                events: None,
             };
             let RegionAnswer::Export { next_shard, next_offset, count } = c.region_call(&req).unwrap() else {
                 panic!()
@@ -168,6 +169,7 @@ fn region_requests_answer_as_the_socket_does() {
             table: "t".into(),
             head: Head::Features { hash: HashSpec::Table, strings: false },
             refs: vec![r.at::<i64>(600000, 50), r.at::<u8>(65536, 50), r.at::<f32>(69632, 50 * dim)],
+        events: None,
         };
         let want = c.find_features("t", HashSpec::Table, Features::Int64(feats.clone()), false).unwrap();
         let RegionAnswer::Count(h) = c.region_call(&req).unwrap() else { panic!() };
@@ -492,6 +494,7 @@ fn feature_and_score_ops_through_a_region() {
         table: "t".into(),
         head: Head::Features { hash: HashSpec::Table, strings: true },
         refs,
+        events: None,
     };
     let RegionAnswer::Write(s) = c.region_call(&req).unwrap() else { panic!() };
     assert_eq!(s.inserted, 4);

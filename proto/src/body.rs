@@ -178,6 +178,11 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// `n` raw bytes (a fixed-size field).
+    pub fn bytes(&mut self, n: usize, what: &str) -> Result<&'a [u8], ProtoError> {
+        self.take(n, what)
+    }
+
     /// A `str` field.
     pub fn str(&mut self, what: &str) -> Result<&'a str, ProtoError> {
         let n = self.u16(what)? as usize;

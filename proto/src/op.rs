@@ -109,6 +109,10 @@ ops! {
     RegisterMemfd = 0x40, "register_memfd";
     /// Release a registered region.
     Unregister = 0x41, "unregister";
+    /// Register a CUDA IPC memory handle (device memory) as a region.
+    RegisterCuda = 0x42, "register_cuda";
+    /// Register a CUDA IPC event handle as an event of the connection.
+    RegisterCudaEvent = 0x43, "register_cuda_event";
     /// The op of every error frame.
     Error = 0xFF, "error";
 }

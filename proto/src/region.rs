@@ -35,14 +35,79 @@ pub const REGION: u16 = 0x0010;
 pub const REGISTER_MEMFD: u8 = Op::RegisterMemfd as u8;
 /// `unregister`: body `u32 region`; answer empty.
 pub const UNREGISTER: u8 = Op::Unregister as u8;
-/// `register_cuda` (reserved: CUDA IPC memory handles; answered `unknown_op`
-/// by daemons without it).
-pub const REGISTER_CUDA: u8 = 0x42;
+/// `register_cuda`: body `[u8; 16] device uuid`, `[u8; 64] CUipcMemHandle`,
+/// `u64 len`; answer `u32 region`, `u64 len`.
+pub const REGISTER_CUDA: u8 = Op::RegisterCuda as u8;
+/// `register_cuda_event`: body `[u8; 16] device uuid`, `[u8; 64]
+/// CUipcEventHandle`; answer `u32 event`.
+pub const REGISTER_CUDA_EVENT: u8 = Op::RegisterCudaEvent as u8;
+
+/// Frame flag, with [`REGION`]: the body ends with `u32 wait_event`, `u32
+/// done_event` (ids from `register_cuda_event`, 0 for none).
+pub const EVENTS: u16 = 0x0020;
+
+/// Bytes of a CUDA IPC handle (memory or event) on the wire.
+pub const IPC_HANDLE_LEN: usize = 64;
+/// Bytes of a device UUID on the wire (`cuDeviceGetUuid`).
+pub const UUID_LEN: usize = 16;
+
+/// The body of `register_cuda` / `register_cuda_event`: which GPU (its
+/// UUID), the handle, and (memory) the bytes to register from the
+/// allocation's start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaRegistration {
+    /// `cuDeviceGetUuid` of the GPU the allocation (event) belongs to.
+    pub uuid: [u8; UUID_LEN],
+    /// `cuIpcGetMemHandle` / `cuIpcGetEventHandle` bytes.
+    pub handle: [u8; IPC_HANDLE_LEN],
+    /// Bytes registered from the allocation's start (memory only; 0 for events).
+    pub len: u64,
+}
+
+impl CudaRegistration {
+    /// The request frame: `register_cuda` when `event` is false, else `register_cuda_event`.
+    pub fn encode(&self, id: u64, event: bool) -> Vec<u8> {
+        let mut b = Vec::with_capacity(UUID_LEN + IPC_HANDLE_LEN + 8);
+        b.extend_from_slice(&self.uuid);
+        b.extend_from_slice(&self.handle);
+        if !event {
+            b.extend_from_slice(&self.len.to_le_bytes());
+        }
+        crate::frame(if event { REGISTER_CUDA_EVENT } else { REGISTER_CUDA }, 0, id, &b)
+    }
+
+    /// Parses the body of a `register_cuda` (`event` false) or
+    /// `register_cuda_event` request.
+    pub fn decode(body: &[u8], event: bool) -> Result<CudaRegistration, ProtoError> {
+        let mut r = Reader::new(body);
+        let mut uuid = [0u8; UUID_LEN];
+        uuid.copy_from_slice(r.bytes(UUID_LEN, "device uuid")?);
+        let mut handle = [0u8; IPC_HANDLE_LEN];
+        handle.copy_from_slice(r.bytes(IPC_HANDLE_LEN, "ipc handle")?);
+        let len = if event { 0 } else { r.u64("len")? };
+        r.finish()?;
+        Ok(CudaRegistration { uuid, handle, len })
+    }
+}
+
+/// The answer to `register_cuda_event`: the event's id.
+pub fn registered_event(id: u64, event: u32) -> Vec<u8> {
+    crate::frame(REGISTER_CUDA_EVENT, crate::flags::RESPONSE, id, &event.to_le_bytes())
+}
+
+/// Parses the body of a `register_cuda_event` answer.
+pub fn decode_registered_event(body: &[u8]) -> Result<u32, ProtoError> {
+    let mut r = Reader::new(body);
+    let x = r.u32("event")?;
+    r.finish()?;
+    Ok(x)
+}
 
 /// Whether a frame belongs to this module: a region op, or a table op with
 /// the `REGION` flag.
 pub fn is_region(h: &Header) -> bool {
-    matches!(h.op, REGISTER_MEMFD | UNREGISTER) || (h.flags & REGION != 0 && slots_known(h.op))
+    matches!(h.op, REGISTER_MEMFD | UNREGISTER | REGISTER_CUDA | REGISTER_CUDA_EVENT)
+        || (h.flags & REGION != 0 && slots_known(h.op))
 }
 
 fn slots_known(code: u8) -> bool {
@@ -273,6 +338,9 @@ pub struct RegionRequest {
     pub head: Head,
     /// One reference per [`slots`] entry, in that order.
     pub refs: Vec<RegionRef>,
+    /// With the [`EVENTS`] flag: `(wait_event, done_event)`, each an id from
+    /// `register_cuda_event` or 0 for none.
+    pub events: Option<(u32, u32)>,
 }
 
 impl RegionRequest {
@@ -311,6 +379,10 @@ impl RegionRequest {
             w.u32(r.region).u64(r.offset).u64(r.count);
         }
         let mut fl = REGION;
+        if let Some((wait, done)) = self.events {
+            w.u32(wait).u32(done);
+            fl |= EVENTS;
+        }
         if self.scores {
             fl |= crate::flags::SCORES;
         }
@@ -374,10 +446,13 @@ impl RegionRequest {
             }
             _ => Head::None,
         };
-        let mut req = RegionRequest { op: h.op, scores, outcomes, table, head, refs: Vec::new() };
+        let mut req = RegionRequest { op: h.op, scores, outcomes, table, head, refs: Vec::new(), events: None };
         for s in req.slots() {
             let what = s.name;
             req.refs.push(RegionRef { region: r.u32(what)?, offset: r.u64(what)?, count: r.u64(what)? });
+        }
+        if h.flags & EVENTS != 0 {
+            req.events = Some((r.u32("wait_event")?, r.u32("done_event")?));
         }
         r.finish()?;
         Ok(req)
@@ -516,6 +591,7 @@ mod tests {
             table: "t".into(),
             head: Head::None,
             refs: (0..8).map(|i| RegionRef::new(i, 8 * i as u64, 3)).collect(),
+            events: None,
         };
         let f = req.encode(9);
         let h = Header::decode(f[..HEADER_LEN].try_into().unwrap()).unwrap();
@@ -532,10 +608,21 @@ mod tests {
             table: "t".into(),
             head: Head::Features { hash: HashSpec::Given(FeatureHash::fingerprint64(99)), strings: true },
             refs: vec![RegionRef::new(1, 0, 4); 4],
+            events: Some((3, 0)),
         };
         let f = feat.encode(1);
         let h = Header::decode(f[..HEADER_LEN].try_into().unwrap()).unwrap();
+        assert_eq!(h.flags & EVENTS, EVENTS);
         assert_eq!(RegionRequest::decode(&h, &f[HEADER_LEN..]).unwrap(), feat);
+        let reg = CudaRegistration { uuid: [7; UUID_LEN], handle: [9; IPC_HANDLE_LEN], len: 1 << 20 };
+        for event in [false, true] {
+            let f = reg.encode(5, event);
+            let h = Header::decode(f[..HEADER_LEN].try_into().unwrap()).unwrap();
+            assert!(is_region(&h));
+            let back = CudaRegistration::decode(&f[HEADER_LEN..], event).unwrap();
+            assert_eq!(back, CudaRegistration { len: if event { 0 } else { reg.len }, ..reg });
+            assert_eq!(f.len(), HEADER_LEN + 80 + if event { 0 } else { 8 });
+        }
         for a in [
             RegionAnswer::Count(5),
             RegionAnswer::Write(Summary { inserted: 3, ..Default::default() }),

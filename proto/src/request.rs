@@ -481,7 +481,7 @@ impl Request {
         let scores = h.flags & flags::SCORES != 0;
         let outcomes = h.flags & flags::OUTCOMES != 0;
         let req = match Op::try_from(h.op)? {
-            o @ (Op::RegisterMemfd | Op::Unregister) => {
+            o @ (Op::RegisterMemfd | Op::Unregister | Op::RegisterCuda | Op::RegisterCudaEvent) => {
                 return Err(ProtoError::bad_request(format!(
                     "{o} is a region op: decode it with hkv_proto::region (PROTOCOL.md, \"Registered regions\")"
                 )))

@@ -194,7 +194,7 @@ impl Response {
         let op = Op::try_from(h.op)
             .map_err(|_| ProtoError::new(ErrorCode::UnknownOp, format!("response op {:#04x}", h.op)))?;
         let resp = match op {
-            o @ (Op::RegisterMemfd | Op::Unregister) => {
+            o @ (Op::RegisterMemfd | Op::Unregister | Op::RegisterCuda | Op::RegisterCudaEvent) => {
                 return Err(ProtoError::bad_request(format!(
                     "the answer to {o} is decoded by hkv_proto::region (PROTOCOL.md, \"Registered regions\")"
                 )))
