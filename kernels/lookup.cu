@@ -21,7 +21,7 @@ __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u
     bool active = i < n && !(only && !only[i]);
     u64 pos = 0;
     bool hit = false;
-    u64 o = AT && active ? at[i] : i;
+    u64 o = AT && active && at ? at[i] : i;
     u64 key = active ? keys[i] : 0;
     // The miss-ratio sampling filter, fused: the whole warp is here.
     if (smp.ring) hkv_sample_warp(smp, active && g.rank == 0, key, seen);
@@ -104,8 +104,8 @@ HKV_LOOKUP_KERNEL(lookup_find_g16, 16)
 HKV_LOOKUP_KERNEL(lookup_find_g32, 32)
 
 // find_at: key i's flag into found[i], its row into row at[i] of values
-// (4-byte aligned), a miss as zeros. lookup_at: 8 threads per key;
-// lookup_at_gN: N.
+// (4-byte aligned; at null: row i), a miss as zeros. lookup_at: 8 threads
+// per key; lookup_at_gN: N.
 HKV_LOOKUP_AT_KERNEL(lookup_at, 8)
 HKV_LOOKUP_AT_KERNEL(lookup_at_g1, 1)
 HKV_LOOKUP_AT_KERNEL(lookup_at_g2, 2)
@@ -122,6 +122,15 @@ HKV_LOOKUP_AT_KERNEL(lookup_at_g32, 32)
 // buckets): order_count counts the keys per region, export_scan turns the
 // counts into offsets, order_write places each key's index at its region's
 // next offset (order within a region unspecified). One thread per key.
+
+// keys_reserved: whether keys[0..n] hold a reserved marker (>= 2^64 - 4,
+// refused as input): *out = n - (the lowest such index), left 0 when none
+// (zeroed by the caller). One thread per key.
+extern "C" __global__ void keys_reserved(const u64* keys, u64 n, u64* out) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    if (keys[i] >= 0xFFFFFFFFFFFFFFFCULL) atomicMax(out, n - i);
+}
 
 extern "C" __global__ void order_count(HkvTable t, const u64* keys, u64 n, u32 shift, u32* counts) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;

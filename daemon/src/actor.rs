@@ -193,6 +193,8 @@ pub enum SubResult {
     /// The miss-ratio estimator's answer (`MrcResult::Unit` when the
     /// curves are off).
     Mrc(MrcResult),
+    /// A request on a client's device memory (`CudaTable::run_ipc`).
+    Counts(hkv_shard::cuda::table::Counts),
 }
 
 /// Runs a sub-batch on this device's shard of a table.

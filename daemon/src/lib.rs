@@ -219,6 +219,9 @@ async fn start_router(config: &Config, backend: Backend, ordinals: &[usize]) -> 
     );
     let mut router = Router::new(actors, backend, hash_gpu, frame_cache, budget, config.limits.max_frame_bytes);
     router.mrc = config.mrc.config();
+    if backend == Backend::Cuda {
+        router.ordinals = ordinals.to_vec();
+    }
     for spec in &config.tables {
         router.create_table(spec.clone()).await.map_err(|e| anyhow::anyhow!("table {:?}: {}", spec.name, e.message))?;
     }

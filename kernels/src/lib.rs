@@ -34,7 +34,7 @@ pub enum KernelId {
     Hash,
     /// `features.cu`: `features_int64`, `features_strings`.
     Features,
-    /// `lookup.cu`: `lookup_find` (and its `_gN` variants), `order_count`, `order_write`.
+    /// `lookup.cu`: `lookup_find` (and its `_gN` variants), `order_count`, `order_write`, `keys_reserved`.
     Lookup,
     /// `upsert.cu`: `upsert_keys` (and its `_gN` variants).
     Upsert,

@@ -546,13 +546,23 @@ pub fn unregister(id: u64, region: u32) -> Vec<u8> {
 
 /// The answer to `register_memfd`: region id and the length registered.
 pub fn registered(id: u64, region: u32, len: u64) -> Vec<u8> {
+    registered_as(REGISTER_MEMFD, id, region, len)
+}
+
+fn registered_as(op: u8, id: u64, region: u32, len: u64) -> Vec<u8> {
     let mut b = [0u8; 12];
     b[..4].copy_from_slice(&region.to_le_bytes());
     b[4..].copy_from_slice(&len.to_le_bytes());
-    crate::frame(REGISTER_MEMFD, crate::flags::RESPONSE, id, &b)
+    crate::frame(op, crate::flags::RESPONSE, id, &b)
 }
 
-/// Parses the body of a `register_memfd` answer: region id and length.
+/// The answer to `register_cuda`: region id and the length registered.
+pub fn registered_cuda(id: u64, region: u32, len: u64) -> Vec<u8> {
+    registered_as(REGISTER_CUDA, id, region, len)
+}
+
+/// Parses the body of a `register_memfd` (or `register_cuda`) answer:
+/// region id and length.
 pub fn decode_registered(body: &[u8]) -> Result<(u32, u64), ProtoError> {
     let mut r = Reader::new(body);
     let x = (r.u32("region")?, r.u64("len")?);

@@ -564,6 +564,12 @@ pub trait Shard: Send + Sync {
         let _ = out;
         SampleDrain::default()
     }
+
+    /// The shard as a CUDA table, for requests on a client's device memory
+    /// ([`cuda::table::CudaTable::run_ipc`]); None on other backends.
+    fn cuda(&self) -> Option<&cuda::table::CudaTable> {
+        None
+    }
 }
 
 /// What one [`Shard::drain_samples`] handed over.

@@ -7,6 +7,10 @@
 //! - `register_memfd` takes the oldest fd queued for its frame, checks that it
 //!   is a memfd sealed against shrinking and large enough, maps it
 //!   ([`hkv_region::Mapping`]) and gives it an id on this connection only.
+//! - `register_cuda` opens a CUDA IPC handle of a client's device
+//!   allocation ([`hkv_shard::cuda::ipc::IpcMem`]) on a GPU the daemon
+//!   serves; `register_cuda_event` an interprocess event, which region
+//!   requests with the `EVENTS` flag wait on and record.
 //! - Region requests ([`hkv_proto::region::RegionRequest`]) check every
 //!   reference, read their inputs, claim their outputs (no other request of
 //!   this process may write or read an overlapping range meanwhile), run,
@@ -15,13 +19,15 @@
 //!   arrays.
 //!
 //! Files: this one (the connection's regions and fds, a region's life,
-//! dispatch), `fd` ([`FdReader`]), `register` (`register_memfd`'s checks
-//! and mapping), `run` (region requests).
+//! dispatch), `fd` ([`FdReader`]), `register` (the register ops' checks,
+//! mapping and opening), `run` (region requests), `device` (region
+//! requests served by the table's kernels in the client's device memory).
 //!
 //! A region is released when unregistered or when its connection closes,
 //! but each request holds its regions (an `Arc`) until it is done: the
 //! mapping, and its bytes in the counters, go with the last of them.
 
+mod device;
 mod fd;
 mod register;
 mod run;
@@ -34,6 +40,7 @@ use std::sync::Arc;
 use hkv_proto::region::{self as wire, RegionRequest};
 use hkv_proto::{ErrorCode, FrameBuf, Header, ProtoError, Response};
 use hkv_region::Mapping;
+use hkv_shard::cuda::ipc::{IpcEvent, IpcMem};
 use hkv_shard::Shard;
 use parking_lot::Mutex;
 
@@ -72,6 +79,8 @@ pub struct Conn {
     /// brought it (it came with a byte before that offset).
     fds: Mutex<VecDeque<(OwnedFd, u64)>>,
     regions: Mutex<HashMap<u32, Arc<Region>>>,
+    /// Interprocess events (`register_cuda_event`), numbered with the regions.
+    events: Mutex<HashMap<u32, Arc<IpcEvent>>>,
     /// Bytes of this connection's regions still mapped.
     bytes: Arc<AtomicU64>,
     next: AtomicU32,
@@ -99,7 +108,13 @@ impl Conn {
         let fd = if h.op == wire::REGISTER_MEMFD { q.pop_front().map(|(fd, _)| fd) } else { None };
         drop(q);
         let regions = wire::is_region(h).then(|| self.regions.lock().clone());
-        Ctx { conn: self.clone(), fd, regions }
+        let events = (h.flags & wire::EVENTS != 0 && regions.is_some()).then(|| self.events.lock().clone());
+        Ctx { conn: self.clone(), fd, regions, events }
+    }
+
+    /// A new id, for a region or an event.
+    fn next_id(&self) -> u32 {
+        self.next.fetch_add(1, Relaxed).wrapping_add(1)
     }
 }
 
@@ -111,17 +126,49 @@ pub struct Ctx {
     pub fd: Option<OwnedFd>,
     /// The connection's regions when the frame was read (region requests).
     regions: Option<HashMap<u32, Arc<Region>>>,
+    /// Its events then (region requests with the `EVENTS` flag).
+    events: Option<HashMap<u32, Arc<IpcEvent>>>,
 }
 
-/// A mapped region; unmapped, and counted out, when the last holder drops it.
+/// A registered region; unmapped (closed), and counted out, when the last
+/// holder drops it.
 pub struct Region {
-    /// On the CUDA backend, the mapping page-locked (dropped first: fields
-    /// drop in order, and the pin unregisters before the mapping can go).
-    pin: Option<hkv_shard::pin::HostPin>,
-    map: Arc<Mapping>,
+    mem: Mem,
     len: u64,
     conn_bytes: Arc<AtomicU64>,
     state: Arc<State>,
+}
+
+/// A region's memory.
+enum Mem {
+    /// A client's memfd, mapped.
+    Host {
+        /// On the CUDA backend, the mapping page-locked (dropped first:
+        /// fields drop in order, and the pin unregisters before the mapping
+        /// can go).
+        pin: Option<hkv_shard::pin::HostPin>,
+        map: Arc<Mapping>,
+    },
+    /// A client's device allocation, opened from its IPC handle.
+    Device(Arc<IpcMem>),
+}
+
+impl Region {
+    /// The mapping of a memfd region.
+    fn host(&self) -> Option<&Arc<Mapping>> {
+        match &self.mem {
+            Mem::Host { map, .. } => Some(map),
+            Mem::Device(_) => None,
+        }
+    }
+
+    /// The allocation of a CUDA region.
+    fn device(&self) -> Option<&Arc<IpcMem>> {
+        match &self.mem {
+            Mem::Device(m) => Some(m),
+            Mem::Host { .. } => None,
+        }
+    }
 }
 
 impl Drop for Region {
@@ -156,19 +203,44 @@ pub async fn answer(state: &Arc<State>, ctx: Ctx, h: &Header, body: &[u8]) -> Re
             let (id, len) = register::register(state, &ctx, len)?;
             wire::registered(h.id, id, len)
         }
+        wire::REGISTER_CUDA => {
+            let reg = wire::CudaRegistration::decode(body, false)?;
+            let (id, len) = register::register_cuda(state, &ctx, reg).await?;
+            wire::registered_cuda(h.id, id, len)
+        }
+        wire::REGISTER_CUDA_EVENT => {
+            let reg = wire::CudaRegistration::decode(body, true)?;
+            let id = register::register_event(state, &ctx, reg).await?;
+            wire::registered_event(h.id, id)
+        }
         wire::UNREGISTER => {
             let id = wire::decode_small(h, body)? as u32;
-            if ctx.conn.regions.lock().remove(&id).is_none() {
+            let region = ctx.conn.regions.lock().remove(&id);
+            if region.is_none() && ctx.conn.events.lock().remove(&id).is_none() {
                 return Err(not_registered(id));
+            }
+            // A device region's handle is closed off the executor (the
+            // driver may wait for work in flight on it).
+            if let Some(r) = region.filter(|r| r.device().is_some()) {
+                let _ = tokio::task::spawn_blocking(move || drop(r)).await;
             }
             hkv_proto::frame(wire::UNREGISTER, hkv_proto::flags::RESPONSE, h.id, &[])
         }
         _ => {
             let req = RegionRequest::decode(h, body)?;
-            run::run(state, ctx.regions.as_ref().unwrap_or(&HashMap::new()), req).await?.encode(h.op, h.id)
+            let none = HashMap::new();
+            let regions = ctx.regions.as_ref().unwrap_or(&none);
+            run::run(state, regions, ctx.events.as_ref(), req).await?.encode(h.op, h.id)
         }
     };
     Ok(Response::Framed(FrameBuf::Vec(frame)))
+}
+
+fn not_event(id: u32) -> ProtoError {
+    err(
+        ErrorCode::NotFound,
+        format!("event {id} is not registered on this connection (register it with register_cuda_event first)"),
+    )
 }
 
 fn not_registered(id: u32) -> ProtoError {

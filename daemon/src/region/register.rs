@@ -1,13 +1,17 @@
 //! `register_memfd`: the fd checked (a memfd, sealed against shrinking,
 //! large enough), the caps, the mapping (page-locked on the CUDA backend).
+//! `register_cuda`: the GPU named, the caps, the IPC handle opened and its
+//! allocation's size checked. `register_cuda_event`: the event opened.
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
+use hkv_proto::region::CudaRegistration;
 use hkv_proto::{ErrorCode, ProtoError};
 use hkv_region::Mapping;
+use hkv_shard::cuda::ipc::{self, IpcEvent, IpcMem};
 
-use super::{err, Ctx, Region};
+use super::{err, Ctx, Mem, Region};
 use crate::state::State;
 
 /// Checks and maps the fd of a `register_memfd` request.
@@ -47,38 +51,11 @@ pub(super) fn register(state: &Arc<State>, ctx: &Ctx, len: u64) -> Result<(u32, 
     if usize::try_from(len).is_err() {
         return Err(ProtoError::bad_request(format!("register_memfd: {len} bytes cannot be mapped here")));
     }
-    let limits = &state.config.limits;
-    let conn_cap = limits.max_region_bytes_per_connection;
-    let total_cap = limits.max_region_bytes;
-    let c = &ctx.conn.bytes;
-    if c.fetch_update(Relaxed, Relaxed, |b| b.checked_add(len).filter(|&t| t <= conn_cap)).is_err() {
-        return Err(err(
-            ErrorCode::ResourceExhausted,
-            format!(
-                "register_memfd: this connection has {} bytes of regions mapped; {len} more would pass \
-                 limits.max_region_bytes_per_connection = {conn_cap}: unregister regions (their bytes come back \
-                 once their requests in flight are done), or register less",
-                c.load(Relaxed)
-            ),
-        ));
-    }
-    let total = &state.stats.regions.bytes;
-    if total.fetch_update(Relaxed, Relaxed, |b| b.checked_add(len).filter(|&t| t <= total_cap)).is_err() {
-        c.fetch_sub(len, Relaxed);
-        return Err(err(
-            ErrorCode::ResourceExhausted,
-            format!(
-                "register_memfd: {} bytes of regions are mapped over all connections; {len} more would pass \
-                 limits.max_region_bytes = {total_cap}: try again later, or register less",
-                total.load(Relaxed)
-            ),
-        ));
-    }
+    reserve(state, ctx, len, "register_memfd")?;
     let map = match Mapping::map(fd, len as usize) {
         Ok(m) => m,
         Err(e) => {
-            c.fetch_sub(len, Relaxed);
-            total.fetch_sub(len, Relaxed);
+            unreserve(state, ctx, len);
             return Err(ProtoError::bad_request(format!(
                 "register_memfd: cannot map the memfd shared read-write ({e}); a memfd sealed with \
                  F_SEAL_WRITE or F_SEAL_FUTURE_WRITE cannot be registered"
@@ -95,10 +72,117 @@ pub(super) fn register(state: &Arc<State>, ctx: &Ctx, len: u64) -> Result<(u32, 
             None
         }
     });
-    // From here the Region gives the bytes back when its last holder drops it.
+    Ok((add(state, ctx, Mem::Host { pin, map }, len), len))
+}
+
+/// Counts `len` bytes against both caps, or says which one they pass.
+fn reserve(state: &State, ctx: &Ctx, len: u64, what: &str) -> Result<(), ProtoError> {
+    let limits = &state.config.limits;
+    let conn_cap = limits.max_region_bytes_per_connection;
+    let total_cap = limits.max_region_bytes;
+    let c = &ctx.conn.bytes;
+    if c.fetch_update(Relaxed, Relaxed, |b| b.checked_add(len).filter(|&t| t <= conn_cap)).is_err() {
+        return Err(err(
+            ErrorCode::ResourceExhausted,
+            format!(
+                "{what}: this connection has {} bytes of regions registered; {len} more would pass \
+                 limits.max_region_bytes_per_connection = {conn_cap}: unregister regions (their bytes come back \
+                 once their requests in flight are done), or register less",
+                c.load(Relaxed)
+            ),
+        ));
+    }
+    let total = &state.stats.regions.bytes;
+    if total.fetch_update(Relaxed, Relaxed, |b| b.checked_add(len).filter(|&t| t <= total_cap)).is_err() {
+        c.fetch_sub(len, Relaxed);
+        return Err(err(
+            ErrorCode::ResourceExhausted,
+            format!(
+                "{what}: {} bytes of regions are registered over all connections; {len} more would pass \
+                 limits.max_region_bytes = {total_cap}: try again later, or register less",
+                total.load(Relaxed)
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Gives back what [`reserve`] counted, for a registration that failed after it.
+fn unreserve(state: &State, ctx: &Ctx, len: u64) {
+    ctx.conn.bytes.fetch_sub(len, Relaxed);
+    state.stats.regions.bytes.fetch_sub(len, Relaxed);
+}
+
+/// Registers reserved memory under a new id; from here the [`Region`]
+/// gives its bytes back when its last holder drops it.
+fn add(state: &Arc<State>, ctx: &Ctx, mem: Mem, len: u64) -> u32 {
     state.stats.regions.regions.fetch_add(1, Relaxed);
-    let region = Region { pin, map, len, conn_bytes: ctx.conn.bytes.clone(), state: state.clone() };
-    let id = ctx.conn.next.fetch_add(1, Relaxed).wrapping_add(1);
+    let region = Region { mem, len, conn_bytes: ctx.conn.bytes.clone(), state: state.clone() };
+    let id = ctx.conn.next_id();
     ctx.conn.regions.lock().insert(id, Arc::new(region));
-    Ok((id, len))
+    id
+}
+
+/// The GPU, among those this daemon serves, that a registration names.
+fn served_gpu(state: &State, reg: &CudaRegistration, what: &str) -> Result<usize, ProtoError> {
+    let mut served = state.router.ordinals.clone();
+    served.sort_unstable();
+    served.dedup();
+    if served.is_empty() {
+        return Err(ProtoError::bad_request(format!(
+            "{what}: this daemon runs the CPU backend and serves no GPU; register host memory with register_memfd \
+             (a memfd) instead"
+        )));
+    }
+    ipc::ordinal_of_uuid(&reg.uuid, &served).ok_or_else(|| {
+        let names: Vec<String> =
+            served.iter().map(|&o| ipc::device_uuid(o).map_or(format!("{o}"), |u| ipc::uuid_string(&u))).collect();
+        ProtoError::bad_request(format!(
+            "{what}: the memory is on GPU {}, which this daemon does not serve (it serves {})",
+            ipc::uuid_string(&reg.uuid),
+            names.join(", ")
+        ))
+    })
+}
+
+/// Checks and opens the IPC handle of a `register_cuda` request.
+pub(super) async fn register_cuda(
+    state: &Arc<State>,
+    ctx: &Ctx,
+    reg: CudaRegistration,
+) -> Result<(u32, u64), ProtoError> {
+    const WHAT: &str = "register_cuda";
+    let ordinal = served_gpu(state, &reg, WHAT)?;
+    let len = reg.len;
+    if len == 0 {
+        return Err(ProtoError::bad_request("register_cuda: 0 bytes asked for: register 1 byte or more"));
+    }
+    reserve(state, ctx, len, WHAT)?;
+    // The first open in a process can take over 100 ms: off the executor.
+    let opened = tokio::task::spawn_blocking(move || IpcMem::open(ordinal, &reg.handle, len)).await;
+    let mem = match opened {
+        Ok(Ok(m)) => m,
+        Ok(Err(e)) => {
+            unreserve(state, ctx, len);
+            return Err(ProtoError::bad_request(format!("{WHAT}: {e}")));
+        }
+        Err(e) => {
+            unreserve(state, ctx, len);
+            return Err(err(ErrorCode::Internal, format!("{WHAT}: the opening task failed: {e}")));
+        }
+    };
+    Ok((add(state, ctx, Mem::Device(Arc::new(mem)), len), len))
+}
+
+/// Checks and opens the IPC handle of a `register_cuda_event` request.
+pub(super) async fn register_event(state: &Arc<State>, ctx: &Ctx, reg: CudaRegistration) -> Result<u32, ProtoError> {
+    const WHAT: &str = "register_cuda_event";
+    let ordinal = served_gpu(state, &reg, WHAT)?;
+    let ev = tokio::task::spawn_blocking(move || IpcEvent::open(ordinal, &reg.handle))
+        .await
+        .map_err(|e| err(ErrorCode::Internal, format!("{WHAT}: the opening task failed: {e}")))?
+        .map_err(|e| ProtoError::bad_request(format!("{WHAT}: {e}")))?;
+    let id = ctx.conn.next_id();
+    ctx.conn.events.lock().insert(id, Arc::new(ev));
+    Ok(id)
 }

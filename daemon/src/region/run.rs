@@ -1,6 +1,9 @@
 //! Region requests: references resolved and checked, the daemon's copies
 //! bounded and counted, inputs read, outputs claimed, the op run, outputs
 //! written; find straight into the client's memory on the shard's actor.
+//! Requests on device regions go to `device` first; those it does not
+//! serve on the GPU are staged here (inputs copied from the device, outputs
+//! copied back).
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
@@ -11,23 +14,27 @@ use hkv_proto::{ErrorCode, Op, ProtoError, Request, Response};
 use hkv_region::{ClaimError, ClaimMut, Mapping};
 use hkv_shard::Shard;
 use parking_lot::Mutex;
+use zerocopy::{Immutable, IntoBytes};
 
-use super::{err, not_registered, Region, ShardFn};
+use hkv_shard::cuda::ipc::IpcEvent;
+
+use super::{err, not_event, not_registered, Region, ShardFn};
 use crate::actor::{SubOp, SubResult};
 use crate::error::shard_error;
 use crate::router::Table;
 use crate::state::{InFlight, State};
 
 /// One checked reference: its region and its element count.
-struct Arr {
-    slot: Slot,
-    r: RegionRef,
-    region: Arc<Region>,
+pub(super) struct Arr {
+    pub(super) slot: Slot,
+    pub(super) r: RegionRef,
+    pub(super) region: Arc<Region>,
 }
 
 impl Arr {
+    /// The mapping of a memfd region (only those are claimed).
     fn map(&self) -> &Arc<Mapping> {
-        &self.region.map
+        self.region.host().expect("claims are made on memfd regions only")
     }
 
     fn claim_err(&self, e: ClaimError) -> ProtoError {
@@ -53,8 +60,23 @@ impl Arr {
 
     fn read<T: zerocopy::FromBytes + zerocopy::IntoBytes + Clone + Default>(&self) -> Result<Vec<T>, ProtoError> {
         let mut v = vec![T::default(); self.r.count as usize];
-        self.map().read(self.r.offset, &mut v).map_err(|e| self.claim_err(e))?;
+        match self.region.device() {
+            Some(m) => m.read::<u8>(self.r.offset, v.as_mut_bytes()).map_err(shard_error)?,
+            None => self.map().read(self.r.offset, &mut v).map_err(|e| self.claim_err(e))?,
+        }
         Ok(v)
+    }
+
+    /// The array as an output: claimed in a memfd region; in a device
+    /// region, where the staged answer is copied to.
+    fn out<T: zerocopy::FromBytes + zerocopy::IntoBytes>(
+        &self,
+        host: fn(ClaimMut<T>) -> Out,
+    ) -> Result<Out, ProtoError> {
+        match self.region.device() {
+            Some(m) => Ok(Out::Dev(m.clone(), self.r.offset)),
+            None => Ok(host(self.claim_mut()?)),
+        }
     }
 }
 
@@ -180,61 +202,31 @@ fn need<'a>(arrs: &'a [Arr], name: &str) -> &'a Arr {
     named(arrs, name).expect("slot of this op")
 }
 
+/// The events a request names (`EVENTS` flag), each checked.
+type Events = (Option<Arc<IpcEvent>>, Option<Arc<IpcEvent>>);
+
+fn events(known: Option<&HashMap<u32, Arc<IpcEvent>>>, req: &RegionRequest) -> Result<Events, ProtoError> {
+    let Some((wait, done)) = req.events else { return Ok((None, None)) };
+    let get = |id: u32| -> Result<Option<Arc<IpcEvent>>, ProtoError> {
+        if id == 0 {
+            return Ok(None);
+        }
+        known.and_then(|k| k.get(&id)).cloned().map(Some).ok_or_else(|| not_event(id))
+    };
+    Ok((get(wait)?, get(done)?))
+}
+
 /// Runs one region request.
 pub(super) async fn run(
     state: &Arc<State>,
     regions: &HashMap<u32, Arc<Region>>,
+    known_events: Option<&HashMap<u32, Arc<IpcEvent>>>,
     req: RegionRequest,
 ) -> Result<RegionAnswer, ProtoError> {
     let t = state.router.table(&req.table)?;
     let dim = t.config.dim;
     let (arrs, n) = resolve(regions, &req, dim)?;
-    let _charge = charge(state, &req, &arrs)?;
-    // Inputs are copied in first (a client writing them meanwhile changes
-    // only what it asks), then outputs claimed for the whole request.
-    let keys: Vec<u64> = match (&req.head, req.op) {
-        (Head::Export { .. }, _) => Vec::new(),
-        (Head::Features { hash, strings }, _) => {
-            let features = if *strings {
-                hkv_proto::Features::Strings {
-                    offsets: need(&arrs, "offsets").read()?,
-                    bytes: need(&arrs, "bytes").read()?,
-                }
-            } else {
-                hkv_proto::Features::Int64(need(&arrs, "features").read()?)
-            };
-            hash_features(state, &t, hash.clone(), features).await?
-        }
-        _ => need(&arrs, "keys").read()?,
-    };
-    if keys.len() != n && !matches!(req.head, Head::Export { .. }) {
-        return Err(err(ErrorCode::Internal, "hashing gave a key count unlike the features'"));
-    }
-    let values_in: Option<Vec<f32>> = match named(&arrs, "values") {
-        Some(a) if a.slot.dir != Dir::Out => Some(a.read()?),
-        _ => None,
-    };
-    let scores_in: Option<Vec<u64>> = match named(&arrs, "scores") {
-        Some(a) if a.slot.dir == Dir::In => Some(a.read()?),
-        _ => None,
-    };
-    let mut out: Vec<(&str, Out)> = Vec::new();
-    for a in arrs.iter().filter(|a| a.slot.dir != Dir::In) {
-        let claim = match a.slot.elem {
-            Elem::U8 => Out::U8(a.claim_mut()?),
-            Elem::U32 => unreachable!("no u32 outputs"),
-            Elem::U64 => Out::U64(a.claim_mut()?),
-            Elem::F32 => Out::F32(a.claim_mut()?),
-        };
-        out.push((a.slot.name, claim));
-    }
-    let mut take = |name: &str| out.iter().position(|(n, _)| *n == name).map(|i| out.swap_remove(i).1);
-    let code = match Op::try_from(req.op)? {
-        Op::FindFeatures => Op::Find,
-        Op::FindOrInsertFeatures => Op::FindOrInsert,
-        c => c,
-    };
-    if code == Op::InsertAndEvict && need(&arrs, "evicted_keys").r.count < n as u64 {
+    if req.op == u8::from(Op::InsertAndEvict) && need(&arrs, "evicted_keys").r.count < n as u64 {
         return Err(err(
             ErrorCode::LengthMismatch,
             format!(
@@ -244,35 +236,121 @@ pub(super) async fn run(
             ),
         ));
     }
+    let (wait, done) = events(known_events, &req)?;
+    let device = arrs.iter().any(|a| a.region.device().is_some());
+    if device && arrs.iter().any(|a| a.region.host().is_some()) {
+        return Err(ProtoError::bad_request(
+            "the arrays of one request lie all in memfd regions or all in CUDA regions; this one names both",
+        ));
+    }
+    if device {
+        if let Some(a) = super::device::run(state, &t, &req, &arrs, n, &wait, &done).await? {
+            return Ok(a);
+        }
+    }
+    let _charge = charge(state, &req, &arrs)?;
+    if let Some(w) = wait {
+        blocking(move || w.wait_host()).await?;
+    }
+    let a = staged(state, &t, req, &arrs, n, device).await?;
+    if let Some(d) = done {
+        blocking(move || d.record_now()).await?;
+    }
+    Ok(a)
+}
+
+/// Runs `f` off the executor (a wait on the GPU).
+async fn blocking(f: impl FnOnce() -> hkv_shard::Result<()> + Send + 'static) -> Result<(), ProtoError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| err(ErrorCode::Internal, format!("a waiting task failed: {e}")))?
+        .map_err(shard_error)
+}
+
+/// A region request served through the daemon's memory: inputs read,
+/// outputs claimed (memfd) or copied back (device), the op run.
+async fn staged(
+    state: &Arc<State>,
+    t: &Arc<Table>,
+    req: RegionRequest,
+    arrs: &[Arr],
+    n: usize,
+    device: bool,
+) -> Result<RegionAnswer, ProtoError> {
+    let dim = t.config.dim;
+    // Inputs are copied in first (a client writing them meanwhile changes
+    // only what it asks), then outputs claimed for the whole request.
+    let keys: Vec<u64> = match (&req.head, req.op) {
+        (Head::Export { .. }, _) => Vec::new(),
+        (Head::Features { hash, strings }, _) => {
+            let features = if *strings {
+                hkv_proto::Features::Strings {
+                    offsets: need(arrs, "offsets").read()?,
+                    bytes: need(arrs, "bytes").read()?,
+                }
+            } else {
+                hkv_proto::Features::Int64(need(arrs, "features").read()?)
+            };
+            hash_features(state, t, hash.clone(), features).await?
+        }
+        _ => need(arrs, "keys").read()?,
+    };
+    if keys.len() != n && !matches!(req.head, Head::Export { .. }) {
+        return Err(err(ErrorCode::Internal, "hashing gave a key count unlike the features'"));
+    }
+    let values_in: Option<Vec<f32>> = match named(arrs, "values") {
+        Some(a) if a.slot.dir != Dir::Out => Some(a.read()?),
+        _ => None,
+    };
+    let scores_in: Option<Vec<u64>> = match named(arrs, "scores") {
+        Some(a) if a.slot.dir == Dir::In => Some(a.read()?),
+        _ => None,
+    };
+    let mut out: Vec<(&str, Out)> = Vec::new();
+    for a in arrs.iter().filter(|a| a.slot.dir != Dir::In) {
+        let claim = match a.slot.elem {
+            Elem::U8 => a.out(Out::U8)?,
+            Elem::U32 => unreachable!("no u32 outputs"),
+            Elem::U64 => a.out(Out::U64)?,
+            Elem::F32 => a.out(Out::F32)?,
+        };
+        out.push((a.slot.name, claim));
+    }
+    let mut take = |name: &str| out.iter().position(|(n, _)| *n == name).map(|i| out.swap_remove(i).1);
+    let code = match Op::try_from(req.op)? {
+        Op::FindFeatures => Op::Find,
+        Op::FindOrInsertFeatures => Op::FindOrInsert,
+        c => c,
+    };
     let table = req.table.clone();
     let router = &state.router;
     match code {
-        Op::Find if !req.scores => {
+        Op::Find if !req.scores && !device => {
             let (Some(Out::U8(found)), Some(Out::F32(values))) = (take("found"), take("values")) else {
                 unreachable!("find's outputs")
             };
-            let region = need(&arrs, "values").region.clone();
-            find(state, &t, keys, found, values, region).await.map(RegionAnswer::Count)
+            let region = need(arrs, "values").region.clone();
+            find(state, t, keys, found, values, region).await.map(RegionAnswer::Count)
         }
         Op::Find => {
             let r = router.execute(Request::Find { table, keys, scores: true }).await?;
             let Response::Find { found, values, scores } = r else { return Err(unexpected()) };
             let hits = found.iter().filter(|&&f| f == 1).count() as u64;
-            put_u8(take("found"), &found);
-            put_f32(take("values"), &values);
-            put_u64(take("scores"), scores.as_deref().unwrap_or(&[]));
+            put(take("found"), &found)?;
+            put(take("values"), &values)?;
+            put(take("scores"), scores.as_deref().unwrap_or(&[]))?;
             Ok(RegionAnswer::Count(hits))
         }
         Op::Contains => {
             let r = router.execute(Request::Contains { table, keys }).await?;
             let Response::Contains { found } = r else { return Err(unexpected()) };
-            put_u8(take("found"), &found);
+            put(take("found"), &found)?;
             Ok(RegionAnswer::Count(found.iter().filter(|&&f| f == 1).count() as u64))
         }
         Op::Erase => {
             let r = router.execute(Request::Erase { table, keys, outcomes: req.outcomes }).await?;
             let Response::Erased { count, flags } = r else { return Err(unexpected()) };
-            put_u8(take("erased"), flags.as_deref().unwrap_or(&[]));
+            put(take("erased"), flags.as_deref().unwrap_or(&[]))?;
             Ok(RegionAnswer::Count(count))
         }
         Op::AssignScores => {
@@ -280,12 +358,12 @@ pub(super) async fn run(
                 .execute(Request::AssignScores { table, keys, scores: scores_in, outcomes: req.outcomes })
                 .await?;
             let Response::Write { summary, outcomes, .. } = r else { return Err(unexpected()) };
-            put_u8(take("outcomes"), outcomes.as_deref().unwrap_or(&[]));
+            put(take("outcomes"), outcomes.as_deref().unwrap_or(&[]))?;
             Ok(RegionAnswer::Write(summary))
         }
         Op::Export => {
             let Head::Export { shard, offset, max_slots, filter } = req.head else { unreachable!() };
-            let cap = need(&arrs, "keys").r.count;
+            let cap = need(arrs, "keys").r.count;
             if cap == 0 {
                 return Err(ProtoError::bad_request("export: the output arrays have room for no entry"));
             }
@@ -293,9 +371,9 @@ pub(super) async fn run(
             let r = router.execute(Request::Export { table, cursor, max_slots: max_slots.min(cap), filter }).await?;
             let Response::Export { next, keys, values, scores } = r else { return Err(unexpected()) };
             let count = keys.len().min(cap as usize);
-            put_u64(take("keys"), &keys[..count]);
-            put_f32(take("values"), &values[..count * dim]);
-            put_u64(take("scores"), &scores[..count]);
+            put(take("keys"), &keys[..count])?;
+            put(take("values"), &values[..count * dim])?;
+            put(take("scores"), &scores[..count])?;
             let (next_shard, next_offset) = next.map_or((u32::MAX, 0), |c| (c.shard, c.offset));
             Ok(RegionAnswer::Export { next_shard, next_offset, count: count as u64 })
         }
@@ -306,17 +384,17 @@ pub(super) async fn run(
                 .execute(Request::Write { op, table, keys, values, scores: scores_in, outcomes: req.outcomes })
                 .await?;
             let Response::Write { summary, outcomes, values, evicted } = r else { return Err(unexpected()) };
-            let room = named(&arrs, "evicted_keys").map_or(0, |a| a.r.count as usize);
-            put_u8(take("outcomes"), outcomes.as_deref().unwrap_or(&[]));
+            let room = named(arrs, "evicted_keys").map_or(0, |a| a.r.count as usize);
+            put(take("outcomes"), outcomes.as_deref().unwrap_or(&[]))?;
             if let Some(v) = values {
-                put_f32(take("values"), &v);
+                put(take("values"), &v)?;
             }
             if let Some(e) = evicted {
                 let count = e.keys.len().min(room);
-                put_u64(take("evicted_keys"), &e.keys[..count]);
-                put_f32(take("evicted_values"), &e.values[..count * dim]);
-                put_u64(take("evicted_scores"), &e.scores[..count]);
-                put_u8(take("evicted_kinds"), &e.kinds[..count]);
+                put(take("evicted_keys"), &e.keys[..count])?;
+                put(take("evicted_values"), &e.values[..count * dim])?;
+                put(take("evicted_scores"), &e.scores[..count])?;
+                put(take("evicted_kinds"), &e.kinds[..count])?;
                 return Ok(RegionAnswer::Evict(summary, count as u64));
             }
             Ok(RegionAnswer::Write(summary))
@@ -328,35 +406,30 @@ fn unexpected() -> ProtoError {
     err(ErrorCode::Internal, "the table answered a region request unexpectedly; please report it")
 }
 
-/// A claimed output array.
+/// An output array: claimed in a memfd region, or a device region and the
+/// byte offset that the answer is copied to.
 enum Out {
     U8(ClaimMut<u8>),
     U64(ClaimMut<u64>),
     F32(ClaimMut<f32>),
+    Dev(Arc<hkv_shard::cuda::ipc::IpcMem>, u64),
 }
 
-fn put_u8(o: Option<Out>, src: &[u8]) {
-    if let Some(Out::U8(mut c)) = o {
-        let d = c.as_mut_slice();
+/// Writes `src` (or as much as fits) into an output array.
+fn put<T: IntoBytes + Immutable>(o: Option<Out>, src: &[T]) -> Result<(), ProtoError> {
+    let src = src.as_bytes();
+    let copy = |d: &mut [u8]| {
         let k = d.len().min(src.len());
         d[..k].copy_from_slice(&src[..k]);
+    };
+    match o {
+        None => {}
+        Some(Out::U8(mut c)) => copy(c.as_mut_slice()),
+        Some(Out::U64(mut c)) => copy(c.as_mut_slice().as_mut_bytes()),
+        Some(Out::F32(mut c)) => copy(c.as_mut_slice().as_mut_bytes()),
+        Some(Out::Dev(m, offset)) => m.write::<u8>(offset, src).map_err(shard_error)?,
     }
-}
-
-fn put_u64(o: Option<Out>, src: &[u64]) {
-    if let Some(Out::U64(mut c)) = o {
-        let d = c.as_mut_slice();
-        let k = d.len().min(src.len());
-        d[..k].copy_from_slice(&src[..k]);
-    }
-}
-
-fn put_f32(o: Option<Out>, src: &[f32]) {
-    if let Some(Out::F32(mut c)) = o {
-        let d = c.as_mut_slice();
-        let k = d.len().min(src.len());
-        d[..k].copy_from_slice(&src[..k]);
-    }
+    Ok(())
 }
 
 /// Hashes region features as a feature request would.
@@ -437,8 +510,8 @@ async fn find(
 
 /// A find's destination in `region`: pinned rows where it is page-locked.
 fn rows<'a>(region: &Region, values: &'a mut [f32]) -> hkv_shard::Rows<'a> {
-    match &region.pin {
-        Some(p) => p.rows(values),
-        None => hkv_shard::Rows::Host(values),
+    match &region.mem {
+        super::Mem::Host { pin: Some(p), .. } => p.rows(values),
+        _ => hkv_shard::Rows::Host(values),
     }
 }

@@ -131,7 +131,7 @@ impl Router {
 }
 
 /// Shard counts as wire counts.
-fn to_wire(s: hkv_shard::Summary) -> Summary {
+pub(crate) fn to_wire(s: hkv_shard::Summary) -> Summary {
     Summary { updated: s.updated, inserted: s.inserted, evicted: s.evicted, rejected: s.rejected, absent: s.absent }
 }
 

@@ -15,6 +15,7 @@
 
 mod bounds;
 mod merge;
+pub(crate) use merge::to_wire;
 mod mrc;
 mod ops;
 mod shards;
@@ -61,6 +62,9 @@ pub struct Router {
     /// The miss-ratio estimators' config of tables created from now on
     /// (None: the curves are off).
     pub mrc: Option<hkv_shard::mrc::MrcConfig>,
+    /// On the CUDA backend, the GPU of each actor (shard i of every table
+    /// lives on GPU `ordinals[i]`); empty on the CPU backend.
+    pub ordinals: Vec<usize>,
 }
 
 impl Router {
@@ -91,6 +95,7 @@ impl Router {
             generation: AtomicU64::new(0),
             next_id: AtomicU64::new(0),
             mrc: None,
+            ordinals: Vec::new(),
         }
     }
 

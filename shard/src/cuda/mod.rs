@@ -17,6 +17,7 @@ pub mod table;
 mod device;
 mod hasher;
 mod host_frame;
+pub mod ipc;
 pub mod pin;
 mod ptr;
 

@@ -48,6 +48,11 @@ impl<T> DevPtr<T> {
         DevPtr { addr, len, _t: PhantomData }
     }
 
+    /// Elements.
+    pub(crate) fn len(self) -> usize {
+        self.len
+    }
+
     /// The address.
     pub(crate) fn addr(self) -> u64 {
         self.addr

@@ -46,6 +46,9 @@ pub(super) struct Funcs {
     /// [`CudaTuning::index_order`].
     pub(super) region_order: bool,
     pub(super) order_count: CudaFunction,
+    /// Reserved-key scan of keys the table did not check on the host
+    /// ([`CudaTable::run_ipc`]).
+    pub(super) keys_reserved: CudaFunction,
     pub(super) order_write: CudaFunction,
     pub(super) erase: CudaFunction,
     pub(super) erase_if: CudaFunction,

@@ -147,7 +147,7 @@ impl CudaTable {
     /// is synchronised. `p.sample` is off or this table's
     /// [`CudaTable::sample_args`]: the kernel samples the keys it serves.
     pub(super) unsafe fn k_lookup(&self, l: &Arc<CudaStream>, st: &Storage, n: u64, p: Ptrs) -> Result<()> {
-        let at = p.at.is_some();
+        let at = p.at.is_some() || p.zero_misses;
         let smp = p.sample;
         let p = p.addrs(n, self.config.dim)?;
         let c = p.counters;

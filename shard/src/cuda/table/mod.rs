@@ -46,6 +46,7 @@ mod abi;
 mod device_batch;
 mod growth;
 mod host_batch;
+mod ipc_batch;
 mod kernels;
 mod lane;
 mod launch;
@@ -87,6 +88,7 @@ pub use abi::Counts;
 pub(crate) use abi::{opt_ptr, ptr, ExportPtrs, LostPtrs, Ptrs};
 pub use device_batch::{DeviceBatch, DeviceOp, DeviceRun};
 pub(crate) use device_batch::{ExportArgs, Pending, Raw};
+pub use ipc_batch::{IpcArrays, IpcLost};
 pub(crate) use launch::scan_config;
 
 const S: u64 = BUCKET_SLOTS as u64;
@@ -148,6 +150,7 @@ impl CudaTable {
             forced_write: group_size(tuning.write_group, &WRITE_GROUPS),
             region_order: !tuning.index_order,
             order_count: get(KernelId::Lookup, "order_count")?,
+            keys_reserved: get(KernelId::Lookup, "keys_reserved")?,
             order_write: get(KernelId::Lookup, "order_write")?,
             erase: get(KernelId::Erase, "erase_keys")?,
             erase_if: get(KernelId::Erase, "erase_if")?,

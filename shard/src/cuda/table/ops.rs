@@ -7,6 +7,10 @@ impl Shard for CudaTable {
         &self.config
     }
 
+    fn cuda(&self) -> Option<&CudaTable> {
+        Some(self)
+    }
+
     fn capacity(&self) -> u64 {
         self.nbuckets() * S
     }

@@ -1,0 +1,102 @@
+//! Region requests on a client's device memory served by the table's
+//! kernels in place (`CudaTable::run_ipc`): find, contains, erase without
+//! OUTCOMES, and insert_or_assign, assign, find_or_insert,
+//! insert_and_evict without SCORES or OUTCOMES, on a table with one shard
+//! on the GPU of the regions. Everything else is staged by `run`.
+
+use std::sync::Arc;
+
+use hkv_proto::region::{RegionAnswer, RegionRequest};
+use hkv_proto::{ErrorCode, Op, ProtoError};
+use hkv_shard::cuda::ipc::{IpcEvent, IpcSpan};
+use hkv_shard::cuda::table::{DeviceOp, IpcArrays};
+use hkv_shard::Shard;
+
+use super::run::Arr;
+use super::{err, ShardFn};
+use crate::actor::{SubOp, SubResult};
+use crate::error::shard_error;
+use crate::router::{to_wire, Table};
+use crate::state::State;
+
+/// The device op that serves `req` in place, if any.
+fn device_op(req: &RegionRequest) -> Option<DeviceOp> {
+    let plain_write = !req.scores && !req.outcomes;
+    Some(match Op::try_from(req.op).ok()? {
+        Op::Find => DeviceOp::Find,
+        Op::Contains => DeviceOp::Contains,
+        Op::Erase if !req.outcomes => DeviceOp::Erase,
+        Op::InsertOrAssign if plain_write => DeviceOp::InsertOrAssign,
+        Op::Assign if plain_write => DeviceOp::Assign,
+        Op::FindOrInsert if plain_write => DeviceOp::FindOrInsert,
+        Op::InsertAndEvict if plain_write => DeviceOp::InsertAndEvict,
+        _ => return None,
+    })
+}
+
+/// Serves `req` on the GPU when it can (see the module); `None` when the
+/// request is to be staged.
+pub(super) async fn run(
+    state: &Arc<State>,
+    t: &Arc<Table>,
+    req: &RegionRequest,
+    arrs: &[Arr],
+    n: usize,
+    wait: &Option<Arc<IpcEvent>>,
+    done: &Option<Arc<IpcEvent>>,
+) -> Result<Option<RegionAnswer>, ProtoError> {
+    let Some(op) = device_op(req) else { return Ok(None) };
+    let gpu = match state.router.ordinals.as_slice() {
+        [g] if t.shards() == 1 => *g,
+        _ => return Ok(None),
+    };
+    if arrs.iter().any(|a| a.region.device().is_none_or(|m| m.ordinal() != gpu)) {
+        return Ok(None);
+    }
+    let dim = t.config.dim as u64;
+    let find = |name: &str| arrs.iter().find(|a| a.slot.name == name);
+    // Each span: the reference's first `count` elements (the evicted
+    // arrays hold c >= n entries; the kernel writes at most n).
+    fn span<T>(a: &Arr, count: u64) -> Result<IpcSpan<T>, ProtoError> {
+        let m = a.region.device().expect("device regions only");
+        m.span::<T>(a.r.offset, count).map_err(shard_error)
+    }
+    let n64 = n as u64;
+    let keys = span::<u64>(find("keys").expect("keyed ops name keys"), n64)?;
+    let values = find("values").map(|a| span::<f32>(a, n64 * dim)).transpose()?;
+    let found = find("found").or_else(|| find("erased")).map(|a| span::<u8>(a, n64)).transpose()?;
+    let scores = match (op, find("scores")) {
+        (DeviceOp::Find, Some(a)) => Some(span::<u64>(a, n64)?),
+        _ => None,
+    };
+    let lost = match op {
+        DeviceOp::InsertAndEvict => {
+            let get = |name: &str| find(name).ok_or_else(|| err(ErrorCode::Internal, format!("no {name}")));
+            Some((
+                span::<u64>(get("evicted_keys")?, n64)?,
+                span::<f32>(get("evicted_values")?, n64 * dim)?,
+                span::<u64>(get("evicted_scores")?, n64)?,
+                span::<u8>(get("evicted_kinds")?, n64)?,
+            ))
+        }
+        _ => None,
+    };
+    let arrays = IpcArrays { keys, values, found, scores, lost };
+    let (wait, done) = (wait.clone(), done.clone());
+    let f = move |s: &dyn Shard| {
+        let Some(c) = s.cuda() else {
+            return Err(hkv_shard::Error::Device("a CUDA region on a shard of another backend".into()));
+        };
+        c.run_ipc(op, &arrays, wait.as_deref(), done.as_deref()).map(SubResult::Counts)
+    };
+    let r = state.router.call(t, 0, SubOp::With(ShardFn(Box::new(f)))).await?;
+    let SubResult::Counts(c) = r else {
+        return Err(err(ErrorCode::Internal, "the table answered a device region request unexpectedly"));
+    };
+    Ok(Some(match op {
+        DeviceOp::Find | DeviceOp::Contains => RegionAnswer::Count(c.hits),
+        DeviceOp::Erase => RegionAnswer::Count(c.erased),
+        DeviceOp::InsertAndEvict => RegionAnswer::Evict(to_wire(c.summary), c.lost),
+        _ => RegionAnswer::Write(to_wire(c.summary)),
+    }))
+}

@@ -1,0 +1,282 @@
+//! CUDA IPC, the importing side: device memory and events of another
+//! process (a client of the daemon), opened once from their IPC handles and
+//! closed on drop.
+//!
+//! - [`IpcMem`]: `cuIpcOpenMemHandle` of a client's allocation, in the
+//!   context of the GPU it lives on; byte copies in and out for the paths
+//!   that stage, and checked [`IpcMem::span`]s that the table's kernels
+//!   read and write in place ([`crate::cuda::table::CudaTable::run_ipc`]).
+//! - [`IpcEvent`]: `cuIpcOpenEventHandle` of a client's interprocess event,
+//!   waited on by a stream (or the host) and recorded.
+//! - [`device_uuid`], [`ordinal_of_uuid`]: GPUs are named by UUID across
+//!   processes, since ordinals depend on each process's
+//!   `CUDA_VISIBLE_DEVICES`.
+
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaStream, DeviceRepr};
+
+use super::{dev_err, shared_device, DevPtr, Device};
+use crate::error::{Error, Result};
+
+/// Bytes of an IPC handle.
+pub const HANDLE_LEN: usize = 64;
+
+fn check(r: sys::CUresult, what: &str) -> Result<()> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::Device(format!("{what} failed ({r:?})")))
+    }
+}
+
+/// The UUID of device `ordinal` (`cuDeviceGetUuid`).
+pub fn device_uuid(ordinal: usize) -> Result<[u8; 16]> {
+    super::probe()?;
+    let mut dev: sys::CUdevice = 0;
+    // SAFETY: writes one CUdevice; the driver was found by `probe`.
+    check(unsafe { sys::cuDeviceGet(&mut dev, ordinal as i32) }, "cuDeviceGet")?;
+    let mut uuid = sys::CUuuid { bytes: [0; 16] };
+    // SAFETY: writes one CUuuid (16 bytes).
+    check(unsafe { sys::cuDeviceGetUuid_v2(&mut uuid, dev) }, "cuDeviceGetUuid")?;
+    Ok(uuid.bytes.map(|b| b as u8))
+}
+
+/// Which of `ordinals` has UUID `uuid`.
+pub fn ordinal_of_uuid(uuid: &[u8; 16], ordinals: &[usize]) -> Option<usize> {
+    ordinals.iter().copied().find(|&o| device_uuid(o).is_ok_and(|u| &u == uuid))
+}
+
+/// Formats a UUID as `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` (nvidia-smi's form).
+pub fn uuid_string(u: &[u8; 16]) -> String {
+    let h: String = u.iter().map(|b| format!("{b:02x}")).collect();
+    format!("GPU-{}-{}-{}-{}-{}", &h[..8], &h[8..12], &h[12..16], &h[16..20], &h[20..])
+}
+
+/// A client's device allocation opened in this process.
+pub struct IpcMem {
+    dev: Arc<Device>,
+    ordinal: usize,
+    /// The allocation's address in this process.
+    ptr: u64,
+    /// Bytes registered (at most the allocation's).
+    len: u64,
+}
+
+impl std::fmt::Debug for IpcMem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "IpcMem(gpu {}, {:#x}, {} bytes)", self.ordinal, self.ptr, self.len)
+    }
+}
+
+impl IpcMem {
+    /// Opens `handle` (a `CUipcMemHandle`) in device `ordinal`'s context and
+    /// checks that the allocation holds `len` bytes at least.
+    pub fn open(ordinal: usize, handle: &[u8; HANDLE_LEN], len: u64) -> Result<IpcMem> {
+        if len == 0 {
+            return Err(Error::Config("0 bytes to register".into()));
+        }
+        let dev = shared_device(ordinal)?;
+        dev.ctx.bind_to_thread().map_err(dev_err("binding the device's context"))?;
+        let h = sys::CUipcMemHandle { reserved: handle.map(|b| b as std::ffi::c_char) };
+        let mut ptr: sys::CUdeviceptr = 0;
+        let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
+        // SAFETY: writes one device pointer; the handle is plain bytes the
+        // driver validates (a bad one is an error result, not a fault).
+        let r = unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, h, flags) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(Error::Device(format!(
+                "the IPC handle does not open ({r:?}): it must come from cuIpcGetMemHandle of a live allocation made \
+                 with cudaMalloc / cuMemAlloc by another process on this host (memory from cuMemCreate, freed \
+                 memory and the daemon's own cannot be opened)"
+            )));
+        }
+        let mem = IpcMem { dev, ordinal, ptr, len };
+        let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+        // SAFETY: writes a base address and a size about an address the
+        // driver just mapped.
+        check(unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }, "cuMemGetAddressRange")?;
+        let avail = (base + size as u64).saturating_sub(ptr);
+        if len > avail {
+            return Err(Error::Config(format!("{len} bytes asked for, the allocation holds {avail}")));
+        }
+        Ok(mem)
+    }
+
+    /// Its address in this process.
+    pub(crate) fn addr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// The GPU it lives on.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// Bytes registered.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether no byte is registered (never: [`IpcMem::open`] refuses 0).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn range<T>(&self, offset: u64, count: u64) -> Result<u64> {
+        let size = std::mem::size_of::<T>() as u64;
+        let end = count.checked_mul(size).and_then(|b| offset.checked_add(b));
+        match end {
+            Some(e) if e <= self.len && offset.is_multiple_of(size.max(1)) => Ok(self.ptr + offset),
+            _ => Err(Error::Config(format!(
+                "{count} elements of {size} bytes at byte {offset} are not inside the {}-byte region, aligned",
+                self.len
+            ))),
+        }
+    }
+
+    /// `count` elements of `T` from byte `offset`, checked against the
+    /// region; kernels given the span reach the client's memory in place.
+    pub fn span<T>(self: &Arc<Self>, offset: u64, count: u64) -> Result<IpcSpan<T>> {
+        let addr = self.range::<T>(offset, count)?;
+        let len = usize::try_from(count).map_err(|_| Error::Config(format!("{count} elements")))?;
+        Ok(IpcSpan { mem: self.clone(), ptr: DevPtr::from_raw(addr, len) })
+    }
+
+    /// Copies `dst.len()` elements from byte `offset` into `dst` (waits).
+    pub fn read<T: DeviceRepr>(&self, offset: u64, dst: &mut [T]) -> Result<()> {
+        let src = self.range::<T>(offset, dst.len() as u64)?;
+        self.dev.ctx.bind_to_thread().map_err(dev_err("binding the device's context"))?;
+        let bytes = std::mem::size_of_val(dst);
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: `src` is `bytes` bytes inside the opened allocation
+        // (checked); `dst` is this process's memory of that size. The copy
+        // is synchronous, so `dst` is not touched after the call.
+        check(unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), src, bytes) }, "copying from a CUDA region")
+    }
+
+    /// Copies `src` to byte `offset` (waits).
+    pub fn write<T: DeviceRepr>(&self, offset: u64, src: &[T]) -> Result<()> {
+        let dst = self.range::<T>(offset, src.len() as u64)?;
+        self.dev.ctx.bind_to_thread().map_err(dev_err("binding the device's context"))?;
+        let bytes = std::mem::size_of_val(src);
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: `dst` is `bytes` bytes inside the opened allocation
+        // (checked); the copy is synchronous.
+        check(unsafe { sys::cuMemcpyHtoD_v2(dst, src.as_ptr().cast(), bytes) }, "copying to a CUDA region")
+    }
+}
+
+impl Drop for IpcMem {
+    fn drop(&mut self) {
+        let _ = self.dev.ctx.bind_to_thread();
+        // SAFETY: the address cuIpcOpenMemHandle gave, closed once; every
+        // span holds an Arc of this, so no kernel is given it afterwards
+        // (their streams were synchronised before the spans dropped).
+        let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+    }
+}
+
+/// Elements of `T` in an [`IpcMem`], bounds checked; keeps it open.
+pub struct IpcSpan<T> {
+    mem: Arc<IpcMem>,
+    ptr: DevPtr<T>,
+}
+
+impl<T> IpcSpan<T> {
+    /// The region it lies in.
+    pub fn mem(&self) -> &Arc<IpcMem> {
+        &self.mem
+    }
+
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.ptr.len()
+    }
+
+    /// Whether it holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.ptr.len() == 0
+    }
+
+    pub(crate) fn ptr(&self) -> DevPtr<T> {
+        self.ptr
+    }
+}
+
+/// A client's interprocess event opened in this process.
+pub struct IpcEvent {
+    dev: Arc<Device>,
+    ev: sys::CUevent,
+}
+
+// SAFETY: a CUevent is a driver handle usable from any thread whose
+// context is bound (every use binds it); the driver synchronises it.
+unsafe impl Send for IpcEvent {}
+// SAFETY: as for Send; no method mutates Rust state.
+unsafe impl Sync for IpcEvent {}
+
+impl std::fmt::Debug for IpcEvent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "IpcEvent(gpu {})", self.dev.info.ordinal)
+    }
+}
+
+impl IpcEvent {
+    /// Opens `handle` (a `CUipcEventHandle`) in device `ordinal`'s context.
+    pub fn open(ordinal: usize, handle: &[u8; HANDLE_LEN]) -> Result<IpcEvent> {
+        let dev = shared_device(ordinal)?;
+        dev.ctx.bind_to_thread().map_err(dev_err("binding the device's context"))?;
+        let h = sys::CUipcEventHandle { reserved: handle.map(|b| b as std::ffi::c_char) };
+        let mut ev: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: writes one event handle; the driver validates the bytes.
+        let r = unsafe { sys::cuIpcOpenEventHandle(&mut ev, h) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(Error::Device(format!(
+                "the IPC event handle does not open ({r:?}): it must come from cuIpcGetEventHandle of an event \
+                 created with CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING by another process on this host"
+            )));
+        }
+        Ok(IpcEvent { dev, ev })
+    }
+
+    /// Makes `s` wait for the event's last record (on the GPU).
+    pub fn wait_on(&self, s: &CudaStream) -> Result<()> {
+        // SAFETY: both handles are live (the event until drop, the stream borrowed).
+        check(unsafe { sys::cuStreamWaitEvent(s.cu_stream(), self.ev, 0) }, "cuStreamWaitEvent")
+    }
+
+    /// Records the event on `s`.
+    pub fn record(&self, s: &CudaStream) -> Result<()> {
+        // SAFETY: as in `wait_on`.
+        check(unsafe { sys::cuEventRecord(self.ev, s.cu_stream()) }, "cuEventRecord")
+    }
+
+    /// Waits on this thread for the event's last record.
+    pub fn wait_host(&self) -> Result<()> {
+        self.dev.ctx.bind_to_thread().map_err(dev_err("binding the device's context"))?;
+        // SAFETY: a live event.
+        check(unsafe { sys::cuEventSynchronize(self.ev) }, "cuEventSynchronize")
+    }
+
+    /// Records the event on a stream of its device once everything queued
+    /// there so far is done: after host-side copies (synchronous) it
+    /// completes at once.
+    pub fn record_now(&self) -> Result<()> {
+        self.dev.ctx.bind_to_thread().map_err(dev_err("binding the device's context"))?;
+        // SAFETY: the legacy default stream (null) of the bound context.
+        check(unsafe { sys::cuEventRecord(self.ev, std::ptr::null_mut()) }, "cuEventRecord")
+    }
+}
+
+impl Drop for IpcEvent {
+    fn drop(&mut self) {
+        let _ = self.dev.ctx.bind_to_thread();
+        // SAFETY: the event opened in `open`, destroyed once.
+        let _ = unsafe { sys::cuEventDestroy_v2(self.ev) };
+    }
+}

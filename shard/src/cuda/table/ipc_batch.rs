@@ -1,0 +1,175 @@
+//! Requests on a client's device memory (CUDA IPC regions): the table's
+//! kernels read the keys and write rows, flags and evicted entries where
+//! the client's arrays are, with no copy through host memory.
+
+use super::*;
+use crate::cuda::ipc::{IpcEvent, IpcSpan};
+
+/// The arrays of one request in a client's device memory
+/// ([`CudaTable::run_ipc`]): `keys` sets n; the others, where the op uses
+/// them, hold n elements (n × dim floats for rows).
+pub struct IpcArrays {
+    /// Keys in.
+    pub keys: IpcSpan<u64>,
+    /// Rows: out (find), in (writes), in and out (find_or_insert).
+    pub values: Option<IpcSpan<f32>>,
+    /// Found / erased flags out.
+    pub found: Option<IpcSpan<u8>>,
+    /// Scores out (find).
+    pub scores: Option<IpcSpan<u64>>,
+    /// insert_and_evict: evicted keys, rows, scores and kinds out, from
+    /// their start (the answer's count says how many).
+    pub lost: Option<IpcLost>,
+}
+
+/// insert_and_evict's outputs in client memory: keys, rows, scores, kinds.
+pub type IpcLost = (IpcSpan<u64>, IpcSpan<f32>, IpcSpan<u64>, IpcSpan<u8>);
+
+impl IpcArrays {
+    /// Keys only (contains, erase without flags).
+    pub fn keys(keys: IpcSpan<u64>) -> IpcArrays {
+        IpcArrays { keys, values: None, found: None, scores: None, lost: None }
+    }
+}
+
+impl CudaTable {
+    /// Runs `op` (find, contains, erase, insert_or_assign, assign,
+    /// find_or_insert or insert_and_evict) on the keys of `a`, in the
+    /// client's memory, under the op's lock group; a find writes misses as
+    /// rows of zeros. With `wait`, the stream waits for that event before
+    /// the first read of `a`; with `done`, it records that event after the
+    /// last write into `a`. A write first checks the keys on the device
+    /// and refuses the batch whole ([`Error::ReservedKey`]) when one is a
+    /// reserved marker; a find or contains answers such keys as misses.
+    /// Returns when the batch is done, with its counts.
+    pub fn run_ipc(
+        &self,
+        op: DeviceOp,
+        a: &IpcArrays,
+        wait: Option<&IpcEvent>,
+        done: Option<&IpcEvent>,
+    ) -> Result<Counts> {
+        let n = a.keys.len();
+        let dim = self.config.dim;
+        let writes = !matches!(op, DeviceOp::Find | DeviceOp::Contains);
+        let want = |what: &str, have: Option<usize>, need: usize| match have {
+            Some(h) if h == need => Ok(()),
+            Some(h) => Err(Error::Config(format!("{what}: {h} elements for {n} keys (need {need})"))),
+            None => Err(Error::Config(format!("{op:?} on client memory needs its {what}"))),
+        };
+        let values = a.values.as_ref().map(IpcSpan::len);
+        match op {
+            DeviceOp::Find => {
+                want("values", values, n * dim)?;
+                want("found flags", a.found.as_ref().map(IpcSpan::len), n)?;
+            }
+            DeviceOp::Contains => want("found flags", a.found.as_ref().map(IpcSpan::len), n)?,
+            DeviceOp::Erase => {}
+            DeviceOp::InsertOrAssign | DeviceOp::Assign | DeviceOp::FindOrInsert => want("values", values, n * dim)?,
+            DeviceOp::InsertAndEvict => {
+                want("values", values, n * dim)?;
+                let Some(l) = &a.lost else {
+                    return Err(Error::Config("insert_and_evict needs its evicted arrays".into()));
+                };
+                for (what, have, need) in [
+                    ("evicted keys", l.0.len(), n),
+                    ("evicted values", l.1.len(), n * dim),
+                    ("evicted scores", l.2.len(), n),
+                    ("evicted kinds", l.3.len(), n),
+                ] {
+                    want(what, Some(have), need)?;
+                }
+            }
+            _ => return Err(Error::Config(format!("{op:?} does not run on client memory"))),
+        }
+        if let Some(s) = &a.scores {
+            want("scores", Some(s.len()), n)?;
+        }
+        let ordinal = self.dev.info.ordinal;
+        let mems = [Some(a.keys.mem()), a.values.as_ref().map(IpcSpan::mem), a.found.as_ref().map(IpcSpan::mem)];
+        if let Some(m) = mems.into_iter().flatten().find(|m| m.ordinal() != ordinal) {
+            return Err(Error::Config(format!("client memory on GPU {} for a table on GPU {ordinal}", m.ordinal())));
+        }
+        self.dev.ctx.bind_to_thread().map_err(dev_err("binding the device's context"))?;
+        let mut l = self.lane()?;
+        let s = l.stream.clone();
+        if let Some(e) = wait {
+            e.wait_on(&s)?;
+        }
+        if writes && n > 0 {
+            self.refuse_reserved(&mut l, &a.keys)?;
+        }
+        if op == DeviceOp::Find && a.scores.is_some() {
+            if let Some(v) = &a.values {
+                let floats = v.len();
+                // SAFETY: `v` is n × dim floats of the client's allocation,
+                // open while `a` lives (checked span), set to 0.0 in stream order.
+                unsafe { cudarc::driver::sys::cuMemsetD32Async(v.ptr().addr(), 0, floats, s.cu_stream()) }
+                    .result()
+                    .map_err(dev_err("zeroing rows"))?;
+            }
+        }
+        self.zero_counters(&mut l)?;
+        let raw = Raw {
+            p: Ptrs {
+                keys: Some(a.keys.ptr()),
+                values: a.values.as_ref().map(IpcSpan::ptr),
+                found: a.found.as_ref().map(IpcSpan::ptr),
+                scores: a.scores.as_ref().map(IpcSpan::ptr),
+                lost: a.lost.as_ref().map(|(k, v, sc, kd)| LostPtrs {
+                    keys: k.ptr(),
+                    values: v.ptr(),
+                    scores: sc.ptr(),
+                    kinds: kd.ptr(),
+                }),
+                counters: Some(DevPtr::of(&l.counters, &s)),
+                zero_misses: true,
+                ..Ptrs::default()
+            },
+            export: None,
+        };
+        // SAFETY: every address is a checked span of an allocation opened
+        // for this process (`IpcMem`, kept open by `a` until after the
+        // stream is synchronised below) or the lane's own counters; each
+        // holds what the op's kernel needs for n keys (checked above).
+        let pending = unsafe { self.enqueue(op, &s, n, raw) }?;
+        if let Some(e) = done {
+            e.record(&s)?;
+        }
+        // SAFETY: the counters buffer holds NCOUNTERS values and lives as long as the lane.
+        let r = unsafe { l.stage.fetch(&s, ptr(&l.counters, &s), NCOUNTERS) }?;
+        l.stage.sync(&s)?;
+        let c = l.stage.read(&r).to_vec();
+        let counts = self.complete(pending, &c);
+        self.put_lane(l);
+        Ok(counts)
+    }
+
+    /// Scans `keys` on the device for reserved markers; the first one found
+    /// refuses the batch.
+    fn refuse_reserved(&self, l: &mut Lane, keys: &IpcSpan<u64>) -> Result<()> {
+        let s = l.stream.clone();
+        let n = keys.len() as u64;
+        ensure(&s, &mut l.offsets, 1)?;
+        let out = l.offsets.as_mut().expect("ensured");
+        s.memset_zeros(out).map_err(dev_err("clearing the key scan"))?;
+        let o = ptr(out, &s);
+        let k = keys.ptr().addr();
+        let mut b = s.launch_builder(&self.f.keys_reserved);
+        b.arg(&k).arg(&n).arg(&o);
+        // SAFETY: reads keys[0..n] (a checked span of an open allocation)
+        // and writes out[0], the lane's buffer of at least one u64.
+        unsafe { b.launch(blocks(n)?) }.map_err(dev_err("launching keys_reserved"))?;
+        // SAFETY: `o` holds one u64 of the lane, alive until the lane goes.
+        let r = unsafe { l.stage.fetch::<u64>(&s, o, 1) }?;
+        l.stage.sync(&s)?;
+        let found = l.stage.read(&r)[0];
+        if found == 0 {
+            return Ok(());
+        }
+        let index = (n - found) as usize;
+        let mut key = [0u64];
+        keys.mem().read(keys.ptr().addr() - keys.mem().addr() + 8 * index as u64, &mut key)?;
+        Err(Error::ReservedKey { key: key[0], index })
+    }
+}
