@@ -84,10 +84,10 @@ __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u
 
 #define HKV_LOOKUP_AT_KERNEL(NAME, G)                                                                           \
     extern "C" __global__ void NAME(HkvTable t, const u64* keys, u64 n, const u32* at, float* values, u8* found,   \
-                                    u64* counters, HkvSample smp) {                                                \
+                                    u64* counters, const u8* only, HkvSample smp) {                                \
         HKV_SAMPLE_INIT                                                                                            \
         HKV_COUNTERS_INIT                                                                                          \
-        lookup_one<G, true>(t, keys, n, values, found, 0, 0, hkv_cnt, 0, at, smp, &hkv_seen);                     \
+        lookup_one<G, true>(t, keys, n, values, found, 0, 0, hkv_cnt, only, at, smp, &hkv_seen);                  \
         hkv_flush_counters(hkv_cnt, counters);                                                                     \
         hkv_flush_sample(smp, &hkv_seen);                                                                          \
     }
@@ -104,8 +104,9 @@ HKV_LOOKUP_KERNEL(lookup_find_g16, 16)
 HKV_LOOKUP_KERNEL(lookup_find_g32, 32)
 
 // find_at: key i's flag into found[i], its row into row at[i] of values
-// (4-byte aligned; at null: row i), a miss as zeros. lookup_at: 8 threads
-// per key; lookup_at_gN: N.
+// (4-byte aligned; at null: row i), a miss as zeros; with only (may be
+// null), nothing of key i is written where only[i] == 0. lookup_at: 8
+// threads per key; lookup_at_gN: N.
 HKV_LOOKUP_AT_KERNEL(lookup_at, 8)
 HKV_LOOKUP_AT_KERNEL(lookup_at_g1, 1)
 HKV_LOOKUP_AT_KERNEL(lookup_at_g2, 2)

@@ -9,6 +9,7 @@
 // route_scatter send_keys[p] = keys[i], pos[i] = p, p stable per dest
 // rows_scatter_* dst[pos[i]] = src[i]     (rows of w words)
 // rows_gather_*  dst[i] = src[pos[i]]     (where mask, if any, is set at pos[i])
+// shard_mask    mask[i] = (shard_of(keys[i]) == d), for one shard d
 // route_masks   masks[d * n + i] = (shard_of(keys[i]) == d), keys per d
 //               added to totals: the peer path, where each owner serves its
 //               keys straight out of every GPU's batch
@@ -65,6 +66,14 @@ extern "C" __global__ void route_scan(const u32* tile_counts, u64 tiles, u32 sha
         u64 end = d + 1 < shards ? offsets[(d + 1) * tiles] : total;
         totals[d] = end - start;
     }
+}
+
+// shard_mask: mask[i] = (shard_of(keys[i]) == d), one thread per key: the
+// keys of shard d in a batch that every shard of a table reads in place
+// (a client's device memory, hkvd). Any shard count.
+extern "C" __global__ void shard_mask(const u64* keys, u64 n, u32 shards, u32 d, u8* mask) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) mask[i] = hkv_shard_of(keys[i], shards) == d;
 }
 
 // Launch: ceil(n / 1024) blocks of 1024 threads; totals (shards u64) zeroed

@@ -44,7 +44,7 @@ pub enum KernelId {
     Erase,
     /// `export.cu`: `export_count`, `export_scan`, `export_write`.
     Export,
-    /// `route.cu`: `route_count`, `route_scan`, `route_scatter`, `route_masks`, `rows_*`.
+    /// `route.cu`: `route_count`, `route_scan`, `route_scatter`, `route_masks`, `shard_mask`, `rows_*`.
     Route,
 }
 
@@ -114,6 +114,7 @@ impl KernelId {
                 "lookup_at_g32",
                 "order_count",
                 "order_write",
+                "keys_reserved",
             ],
             KernelId::Upsert => &[
                 "upsert_keys",
@@ -140,6 +141,7 @@ impl KernelId {
                 "route_scan",
                 "route_scatter",
                 "route_masks",
+                "shard_mask",
                 "rows_gather_u8",
                 "rows_scatter_u64",
                 "rows_scatter_f32",

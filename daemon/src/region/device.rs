@@ -1,15 +1,21 @@
 //! Region requests on a client's device memory served by the table's
 //! kernels in place (`CudaTable::run_ipc`): find, contains, erase without
 //! OUTCOMES, and insert_or_assign, assign, find_or_insert,
-//! insert_and_evict without SCORES or OUTCOMES, on a table with one shard
-//! on the GPU of the regions. Everything else is staged by `run`.
+//! insert_and_evict without SCORES or OUTCOMES, on a table whose shards
+//! all live on the GPU of the regions. With one shard, it serves the whole
+//! batch; with several, each shard serves its own keys of the batch in
+//! place (a mask of them made on the GPU, `IpcPart`), all at once, after
+//! one scan of the keys for reserved markers before a write (not
+//! insert_and_evict, whose compacted outputs the shards would share, nor a
+//! find with scores). Everything else is staged by `run`.
 
 use std::sync::Arc;
 
+use futures::future::join_all;
 use hkv_proto::region::{RegionAnswer, RegionRequest};
 use hkv_proto::{ErrorCode, Op, ProtoError};
 use hkv_shard::cuda::ipc::{IpcEvent, IpcSpan};
-use hkv_shard::cuda::table::{DeviceOp, IpcArrays};
+use hkv_shard::cuda::table::{Counts, DeviceOp, IpcArrays, IpcPart};
 use hkv_shard::Shard;
 
 use super::run::Arr;
@@ -18,6 +24,25 @@ use crate::actor::{SubOp, SubResult};
 use crate::error::shard_error;
 use crate::router::{to_wire, Table};
 use crate::state::State;
+
+/// Runs `f` on shard `i`'s CUDA table, on its actor.
+async fn on_shard(
+    state: &Arc<State>,
+    t: &Arc<Table>,
+    i: usize,
+    f: impl FnOnce(&hkv_shard::cuda::table::CudaTable) -> hkv_shard::Result<Counts> + Send + 'static,
+) -> Result<Counts, ProtoError> {
+    let g = move |s: &dyn Shard| {
+        let Some(c) = s.cuda() else {
+            return Err(hkv_shard::Error::Device("a CUDA region on a shard of another backend".into()));
+        };
+        f(c).map(SubResult::Counts)
+    };
+    match state.router.call(t, i, SubOp::With(ShardFn(Box::new(g)))).await? {
+        SubResult::Counts(c) => Ok(c),
+        _ => Err(err(ErrorCode::Internal, "the table answered a device region request unexpectedly")),
+    }
+}
 
 /// The device op that serves `req` in place, if any.
 fn device_op(req: &RegionRequest) -> Option<DeviceOp> {
@@ -46,10 +71,15 @@ pub(super) async fn run(
     done: &Option<Arc<IpcEvent>>,
 ) -> Result<Option<RegionAnswer>, ProtoError> {
     let Some(op) = device_op(req) else { return Ok(None) };
-    let gpu = match state.router.ordinals.as_slice() {
-        [g] if t.shards() == 1 => *g,
-        _ => return Ok(None),
-    };
+    let shards = t.shards();
+    if shards > 1 && (op == DeviceOp::InsertAndEvict || req.scores) {
+        return Ok(None);
+    }
+    let ordinals = &state.router.ordinals;
+    let Some(&gpu) = ordinals.first() else { return Ok(None) };
+    if ordinals.len() != shards || ordinals.iter().any(|&o| o != gpu) {
+        return Ok(None);
+    }
     if arrs.iter().any(|a| a.region.device().is_none_or(|m| m.ordinal() != gpu)) {
         return Ok(None);
     }
@@ -82,16 +112,31 @@ pub(super) async fn run(
         _ => None,
     };
     let arrays = IpcArrays { keys, values, found, scores, lost };
-    let (wait, done) = (wait.clone(), done.clone());
-    let f = move |s: &dyn Shard| {
-        let Some(c) = s.cuda() else {
-            return Err(hkv_shard::Error::Device("a CUDA region on a shard of another backend".into()));
-        };
-        c.run_ipc(op, &arrays, wait.as_deref(), done.as_deref()).map(SubResult::Counts)
-    };
-    let r = state.router.call(t, 0, SubOp::With(ShardFn(Box::new(f)))).await?;
-    let SubResult::Counts(c) = r else {
-        return Err(err(ErrorCode::Internal, "the table answered a device region request unexpectedly"));
+    let c = if shards == 1 {
+        let (wait, done) = (wait.clone(), done.clone());
+        on_shard(state, t, 0, move |c| c.run_ipc(op, &arrays, None, wait.as_deref(), done.as_deref())).await?
+    } else {
+        if !matches!(op, DeviceOp::Find | DeviceOp::Contains) {
+            let keys = arrays.keys.clone();
+            on_shard(state, t, 0, move |c| c.check_ipc_keys(&keys).map(|()| Counts::default())).await?;
+        }
+        let parts = (0..shards).map(|i| {
+            let (arrays, wait) = (arrays.clone(), wait.clone());
+            let part = IpcPart { shard: i as u32, shards: shards as u32 };
+            on_shard(state, t, i, move |c| c.run_ipc(op, &arrays, Some(part), wait.as_deref(), None))
+        });
+        let mut total = Counts::default();
+        for r in join_all(parts).await {
+            total = total.merge(r?);
+        }
+        // Every part is done: the event completes as soon as it is recorded.
+        if let Some(d) = done.clone() {
+            tokio::task::spawn_blocking(move || d.record_now())
+                .await
+                .map_err(|e| err(ErrorCode::Internal, format!("recording the done event: {e}")))?
+                .map_err(shard_error)?;
+        }
+        total
     };
     Ok(Some(match op {
         DeviceOp::Find | DeviceOp::Contains => RegionAnswer::Count(c.hits),

@@ -187,6 +187,12 @@ pub struct IpcSpan<T> {
     ptr: DevPtr<T>,
 }
 
+impl<T> Clone for IpcSpan<T> {
+    fn clone(&self) -> Self {
+        IpcSpan { mem: self.mem.clone(), ptr: self.ptr }
+    }
+}
+
 impl<T> IpcSpan<T> {
     /// The region it lies in.
     pub fn mem(&self) -> &Arc<IpcMem> {

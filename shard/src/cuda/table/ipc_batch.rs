@@ -8,6 +8,7 @@ use crate::cuda::ipc::{IpcEvent, IpcSpan};
 /// The arrays of one request in a client's device memory
 /// ([`CudaTable::run_ipc`]): `keys` sets n; the others, where the op uses
 /// them, hold n elements (n × dim floats for rows).
+#[derive(Clone)]
 pub struct IpcArrays {
     /// Keys in.
     pub keys: IpcSpan<u64>,
@@ -32,24 +33,42 @@ impl IpcArrays {
     }
 }
 
+/// One shard's part of a batch that every shard of a table reads in place:
+/// the keys `hash::shard_of(key, shards) == shard`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IpcPart {
+    /// This shard.
+    pub shard: u32,
+    /// The table's shards.
+    pub shards: u32,
+}
+
 impl CudaTable {
     /// Runs `op` (find, contains, erase, insert_or_assign, assign,
     /// find_or_insert or insert_and_evict) on the keys of `a`, in the
     /// client's memory, under the op's lock group; a find writes misses as
-    /// rows of zeros. With `wait`, the stream waits for that event before
-    /// the first read of `a`; with `done`, it records that event after the
-    /// last write into `a`. A write first checks the keys on the device
-    /// and refuses the batch whole ([`Error::ReservedKey`]) when one is a
-    /// reserved marker; a find or contains answers such keys as misses.
-    /// Returns when the batch is done, with its counts.
+    /// rows of zeros. With `part`, only the keys of that shard are served
+    /// and nothing of the others is written (not for insert_and_evict, whose
+    /// outputs are compacted, nor a find with scores). With `wait`, the
+    /// stream waits for that event before the first read of `a`; with
+    /// `done`, it records that event after the last write into `a`.
+    /// Without `part`, a write first checks the keys on the device and
+    /// refuses the batch whole ([`Error::ReservedKey`]) when one is a
+    /// reserved marker (with a part, the caller checks the whole batch
+    /// first: [`CudaTable::check_ipc_keys`]); a find or contains answers
+    /// such keys as misses. Returns when the batch is done, with its counts.
     pub fn run_ipc(
         &self,
         op: DeviceOp,
         a: &IpcArrays,
+        part: Option<IpcPart>,
         wait: Option<&IpcEvent>,
         done: Option<&IpcEvent>,
     ) -> Result<Counts> {
         let n = a.keys.len();
+        if part.is_some() && (op == DeviceOp::InsertAndEvict || a.scores.is_some()) {
+            return Err(Error::Config(format!("{op:?} with compacted outputs or scores is not served in parts")));
+        }
         let dim = self.config.dim;
         let writes = !matches!(op, DeviceOp::Find | DeviceOp::Contains);
         let want = |what: &str, have: Option<usize>, need: usize| match have {
@@ -96,9 +115,13 @@ impl CudaTable {
         if let Some(e) = wait {
             e.wait_on(&s)?;
         }
-        if writes && n > 0 {
+        if writes && n > 0 && part.is_none() {
             self.refuse_reserved(&mut l, &a.keys)?;
         }
+        let only = match part {
+            Some(p) if n > 0 => Some(self.shard_mask(&mut l, &a.keys, p)?),
+            _ => None,
+        };
         if op == DeviceOp::Find && a.scores.is_some() {
             if let Some(v) = &a.values {
                 let floats = v.len();
@@ -123,6 +146,7 @@ impl CudaTable {
                     kinds: kd.ptr(),
                 }),
                 counters: Some(DevPtr::of(&l.counters, &s)),
+                only,
                 zero_misses: true,
                 ..Ptrs::default()
             },
@@ -143,6 +167,35 @@ impl CudaTable {
         let counts = self.complete(pending, &c);
         self.put_lane(l);
         Ok(counts)
+    }
+
+    /// Refuses `keys` ([`Error::ReservedKey`]) when one is a reserved
+    /// marker, scanning them on the device: what [`CudaTable::run_ipc`] does
+    /// before a write, for a batch that every shard then serves in parts.
+    pub fn check_ipc_keys(&self, keys: &IpcSpan<u64>) -> Result<()> {
+        if keys.is_empty() {
+            return Ok(());
+        }
+        self.dev.ctx.bind_to_thread().map_err(dev_err("binding the device's context"))?;
+        let mut l = self.lane()?;
+        let r = self.refuse_reserved(&mut l, keys);
+        self.put_lane(l);
+        r
+    }
+
+    /// The mask of `part`'s keys, in the lane's second flag buffer.
+    fn shard_mask(&self, l: &mut Lane, keys: &IpcSpan<u64>, part: IpcPart) -> Result<DevPtr<u8>> {
+        let s = l.stream.clone();
+        let n = keys.len() as u64;
+        ensure(&s, &mut l.flags2, keys.len())?;
+        let mask = DevPtr::of(l.flags2.as_ref().expect("ensured"), &s).take(keys.len());
+        let (k, m) = (keys.ptr().addr(), mask.addr());
+        let mut b = s.launch_builder(&self.f.shard_mask);
+        b.arg(&k).arg(&n).arg(&part.shards).arg(&part.shard).arg(&m);
+        // SAFETY: reads keys[0..n] (a checked span of an open allocation),
+        // writes mask[0..n] (the lane's buffer, ensured for n).
+        unsafe { b.launch(blocks(n)?) }.map_err(dev_err("launching shard_mask"))?;
+        Ok(mask)
     }
 
     /// Scans `keys` on the device for reserved markers; the first one found

@@ -49,6 +49,9 @@ pub(super) struct Funcs {
     /// Reserved-key scan of keys the table did not check on the host
     /// ([`CudaTable::run_ipc`]).
     pub(super) keys_reserved: CudaFunction,
+    /// The keys of one shard of a batch that every shard reads in place
+    /// ([`CudaTable::run_ipc`] with a part).
+    pub(super) shard_mask: CudaFunction,
     pub(super) order_write: CudaFunction,
     pub(super) erase: CudaFunction,
     pub(super) erase_if: CudaFunction,

@@ -155,7 +155,7 @@ impl CudaTable {
         let v = self.f.lookup(p.values != 0, self.config.dim, order.is_some(), at);
         let mut b = l.launch_builder(&v.f);
         if at {
-            b.arg(&args).arg(&p.keys).arg(&n).arg(&p.at).arg(&p.values).arg(&p.found).arg(&c).arg(&smp);
+            b.arg(&args).arg(&p.keys).arg(&n).arg(&p.at).arg(&p.values).arg(&p.found).arg(&c).arg(&p.only).arg(&smp);
         } else {
             b.arg(&args)
                 .arg(&p.keys)

@@ -88,7 +88,7 @@ pub use abi::Counts;
 pub(crate) use abi::{opt_ptr, ptr, ExportPtrs, LostPtrs, Ptrs};
 pub use device_batch::{DeviceBatch, DeviceOp, DeviceRun};
 pub(crate) use device_batch::{ExportArgs, Pending, Raw};
-pub use ipc_batch::{IpcArrays, IpcLost};
+pub use ipc_batch::{IpcArrays, IpcLost, IpcPart};
 pub(crate) use launch::scan_config;
 
 const S: u64 = BUCKET_SLOTS as u64;
@@ -151,6 +151,7 @@ impl CudaTable {
             region_order: !tuning.index_order,
             order_count: get(KernelId::Lookup, "order_count")?,
             keys_reserved: get(KernelId::Lookup, "keys_reserved")?,
+            shard_mask: get(KernelId::Route, "shard_mask")?,
             order_write: get(KernelId::Lookup, "order_write")?,
             erase: get(KernelId::Erase, "erase_keys")?,
             erase_if: get(KernelId::Erase, "erase_if")?,
