@@ -169,7 +169,7 @@ fn region_requests_answer_as_the_socket_does() {
             table: "t".into(),
             head: Head::Features { hash: HashSpec::Table, strings: false },
             refs: vec![r.at::<i64>(600000, 50), r.at::<u8>(65536, 50), r.at::<f32>(69632, 50 * dim)],
-        events: None,
+            events: None,
         };
         let want = c.find_features("t", HashSpec::Table, Features::Int64(feats.clone()), false).unwrap();
         let RegionAnswer::Count(h) = c.region_call(&req).unwrap() else { panic!() };

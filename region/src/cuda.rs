@@ -277,7 +277,8 @@ impl IpcEvent {
     pub fn new(ctx: &Arc<CudaContext>) -> Result<IpcEvent> {
         init()?;
         ctx.bind_to_thread().map_err(|e| CudaError::Driver { call: "cuCtxSetCurrent", result: e.0 })?;
-        let flags = sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32 | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        let flags =
+            sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32 | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
         let mut event: sys::CUevent = std::ptr::null_mut();
         // SAFETY: writes one event handle through a valid pointer, in the
         // context bound just above.
