@@ -553,4 +553,82 @@ mod tests {
         assert_eq!(b, [7; 16]);
         ev.synchronize().unwrap();
     }
+
+    fn hex(b: &[u8]) -> String {
+        b.iter().map(|x| format!("{x:02x}")).collect()
+    }
+
+    fn unhex(s: &str) -> Vec<u8> {
+        (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+    }
+
+    /// What the daemon does with an export, in another process: the handle
+    /// opens there, the offset names the bytes written here, writes there
+    /// are seen here, and the event handle opens and records.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn exported_memory_and_events_open_in_another_process() {
+        let ctx = CudaContext::new(0).unwrap();
+        let stream = ctx.new_stream().unwrap();
+        let a = DeviceAlloc::new(&ctx, 1 << 20).unwrap();
+        a.write(&stream, 4096, &[11u64, 22, 33, 44]).unwrap();
+        let e = export_memory(a.ptr() + 4096).unwrap();
+        let ev = IpcEvent::new(&ctx).unwrap();
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "cuda::tests::child_opens_the_handles", "--ignored", "--nocapture"])
+            .env("HKV_IPC_MEM", hex(&e.handle))
+            .env("HKV_IPC_EVENT", hex(&ev.handle()))
+            .env("HKV_IPC_OFFSET", e.offset.to_string())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "child: {}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        ev.wait_on(&stream).unwrap();
+        let mut back = [0u64; 4];
+        a.read(&stream, 4096, &mut back).unwrap();
+        assert_eq!(back, [11, 22, 33, 99], "the child's write is not seen here");
+    }
+
+    /// The other process of `exported_memory_and_events_open_in_another_process`.
+    #[test]
+    #[ignore = "run as a child process by exported_memory_and_events_open_in_another_process"]
+    fn child_opens_the_handles() {
+        let Ok(mem) = std::env::var("HKV_IPC_MEM") else { return };
+        let offset: u64 = std::env::var("HKV_IPC_OFFSET").unwrap().parse().unwrap();
+        let ctx = CudaContext::new(0).unwrap();
+        let stream = ctx.new_stream().unwrap();
+        let mut h = sys::CUipcMemHandle { reserved: [0; HANDLE_LEN] };
+        for (d, s) in h.reserved.iter_mut().zip(unhex(&mem)) {
+            *d = s as _;
+        }
+        let mut base: sys::CUdeviceptr = 0;
+        let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
+        // SAFETY: writes one device address; the handle is another process's export.
+        check("cuIpcOpenMemHandle_v2", unsafe { sys::cuIpcOpenMemHandle_v2(&mut base, h, flags) }).unwrap();
+        let mut got = [0u64; 4];
+        // SAFETY: 32 bytes at `offset` of the opened allocation (the
+        // exporter wrote them) into a local array.
+        check("cuMemcpyDtoH_v2", unsafe { sys::cuMemcpyDtoH_v2(got.as_mut_ptr().cast(), base + offset, 32) })
+            .unwrap();
+        assert_eq!(got, [11, 22, 33, 44]);
+        // SAFETY: 8 bytes within the opened allocation, from a local.
+        check("cuMemcpyHtoD_v2", unsafe { sys::cuMemcpyHtoD_v2(base + offset + 24, [99u64].as_ptr().cast(), 8) })
+            .unwrap();
+        let mut eh = sys::CUipcEventHandle { reserved: [0; HANDLE_LEN] };
+        for (d, s) in eh.reserved.iter_mut().zip(unhex(&std::env::var("HKV_IPC_EVENT").unwrap())) {
+            *d = s as _;
+        }
+        let mut event: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: writes one event handle; the handle is another process's export.
+        check("cuIpcOpenEventHandle", unsafe { sys::cuIpcOpenEventHandle(&mut event, eh) }).unwrap();
+        // SAFETY: a live event and stream of the bound context.
+        check("cuEventRecord", unsafe { sys::cuEventRecord(event, stream.cu_stream()) }).unwrap();
+        stream.synchronize().unwrap();
+        // SAFETY: the mapping opened above, closed once, no copy pending.
+        check("cuIpcCloseMemHandle", unsafe { sys::cuIpcCloseMemHandle(base) }).unwrap();
+    }
 }
