@@ -612,8 +612,7 @@ mod tests {
         let mut got = [0u64; 4];
         // SAFETY: 32 bytes at `offset` of the opened allocation (the
         // exporter wrote them) into a local array.
-        check("cuMemcpyDtoH_v2", unsafe { sys::cuMemcpyDtoH_v2(got.as_mut_ptr().cast(), base + offset, 32) })
-            .unwrap();
+        check("cuMemcpyDtoH_v2", unsafe { sys::cuMemcpyDtoH_v2(got.as_mut_ptr().cast(), base + offset, 32) }).unwrap();
         assert_eq!(got, [11, 22, 33, 44]);
         // SAFETY: 8 bytes within the opened allocation, from a local.
         check("cuMemcpyHtoD_v2", unsafe { sys::cuMemcpyHtoD_v2(base + offset + 24, [99u64].as_ptr().cast(), 8) })
