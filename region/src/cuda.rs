@@ -275,7 +275,7 @@ impl IpcEvent {
     /// Creates an interprocess event in `ctx` (bound to the calling
     /// thread by this call).
     pub fn new(ctx: &Arc<CudaContext>) -> Result<IpcEvent> {
-        init()?;
+        let uuid = device_uuid(ctx.ordinal())?;
         ctx.bind_to_thread().map_err(|e| CudaError::Driver { call: "cuCtxSetCurrent", result: e.0 })?;
         let flags =
             sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32 | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
@@ -292,7 +292,6 @@ impl IpcEvent {
             unsafe { sys::cuEventDestroy_v2(event) };
             return Err(CudaError::Driver { call: "cuIpcGetEventHandle", result: r });
         }
-        let uuid = device_uuid(ctx.ordinal())?;
         Ok(IpcEvent { ctx: ctx.clone(), event, handle: h.reserved.map(|b| b as u8), uuid })
     }
 
