@@ -56,6 +56,10 @@ pub enum ClientError {
     /// body over 4 GiB − 1). Nothing was sent.
     #[error("request not sent: {}", .0.message)]
     Request(ProtoError),
+    /// A CUDA call of this process failed (exporting device memory for
+    /// `register_cuda`, or CUDA is not available here). Nothing was sent.
+    #[error("request not sent: {0}")]
+    Cuda(#[from] hkv_region::cuda::CudaError),
 }
 
 impl ClientError {

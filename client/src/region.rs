@@ -19,13 +19,22 @@
 //! The daemon writes outputs while a call is in progress and never after
 //! its answer: reuse or read the arrays once the call returned (with
 //! [`Client::send_region`], once its answer was received).
+//!
+//! Device memory registers the same way through CUDA IPC
+//! ([`Client::register_cuda`], a [`CudaRegion`]); its references are
+//! ordinary [`RegionRef`]s, so [`Client::find_in`], [`Client::write_in`]
+//! and the others take either kind (the arrays of one request must all lie
+//! in memfd regions or all in device regions). A request can carry
+//! interprocess events ([`with_events`], [`Client::register_cuda_event`])
+//! so that the daemon's stream waits for the client's writes on the GPU.
 
 use std::io::{IoSlice, Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 
-use hkv_proto::region::{self as wire, Head, RegionAnswer, RegionRef, RegionRequest};
+use hkv_proto::region::{self as wire, CudaRegistration, Head, RegionAnswer, RegionRef, RegionRequest};
 use hkv_proto::{Header, Op, Response, Summary, HEADER_LEN};
+use hkv_region::cuda::{IpcEvent, MemExport};
 use hkv_region::Mapping;
 use zerocopy::{FromBytes, Immutable, IntoBytes};
 
@@ -87,7 +96,122 @@ impl Region {
     }
 }
 
+/// Device memory registered on one connection through CUDA IPC
+/// ([`Client::register_cuda`]): the allocation holding a device pointer,
+/// registered from its base. References made with [`CudaRegion::at`] count
+/// from the pointer given at registration, not from the allocation's base.
+#[derive(Debug, Clone)]
+pub struct CudaRegion {
+    id: u32,
+    len: u64,
+    export: MemExport,
+}
+
+impl CudaRegion {
+    /// The id the daemon gave it (valid on its connection only).
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    /// Bytes registered, from the allocation's base.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether it holds no byte (never: registration refuses 0).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The allocation as exported: device UUID, IPC handle, base, size, and
+    /// the registered pointer's offset from the base.
+    pub fn export(&self) -> &MemExport {
+        &self.export
+    }
+
+    /// A reference to `count` elements of `T` from byte `offset` past the
+    /// pointer given to [`Client::register_cuda`] (its offset in the
+    /// allocation added). Not checked here: the daemon checks every
+    /// reference against the registered length.
+    pub fn at<T>(&self, offset: u64, count: u64) -> RegionRef {
+        let _ = std::marker::PhantomData::<T>;
+        RegionRef::new(self.id, self.export.offset.wrapping_add(offset), count)
+    }
+}
+
+/// `req` with the `EVENTS` flag: the daemon waits for event `wait` (0:
+/// none) before it reads the request's arrays, and records event `done`
+/// (0: none) once its writes into them are enqueued. Both are ids from
+/// [`Client::register_cuda_event`] on the same connection.
+///
+/// A stream that waits on `done` waits for the daemon's last record of it
+/// *made before the wait call* (`cuStreamWaitEvent`): wait on it once the
+/// answer arrived (or once something else told the client that the
+/// daemon recorded it), not right after sending.
+pub fn with_events(mut req: RegionRequest, wait: u32, done: u32) -> RegionRequest {
+    req.events = Some((wait, done));
+    req
+}
+
 impl Client {
+    /// Registers device memory through CUDA IPC: the allocation holding
+    /// device pointer `ptr` is exported ([`hkv_region::cuda::export_memory`],
+    /// so a CUDA context must be current on the calling thread) and
+    /// registered from its base, with `offset + len` bytes (`offset` =
+    /// `ptr` − base): exactly what reaches the end of `[ptr, ptr + len)`, so
+    /// the caps count what the client asked for, not the rest of a larger
+    /// allocation (PyTorch's caching allocator hands out tensors inside
+    /// big segments). [`CudaRegion::at`] then counts offsets from `ptr`.
+    ///
+    /// The daemon must run the CUDA backend and serve the allocation's GPU,
+    /// and must be another process (a handle does not open in the process
+    /// that exported it). `len` must be at least 1 and `[ptr, ptr + len)`
+    /// within the allocation (checked before anything is sent).
+    pub fn register_cuda(&mut self, ptr: u64, len: u64) -> Result<CudaRegion> {
+        let export = hkv_region::cuda::export_memory(ptr)?;
+        let reg = export.offset.checked_add(len).filter(|&end| len >= 1 && end <= export.size).ok_or_else(|| {
+            ClientError::Request(hkv_proto::ProtoError::bad_request(format!(
+                "register_cuda: {len} bytes from 0x{ptr:x} (offset {} in its allocation) do not fit the {}-byte allocation at 0x{:x}; register 1 to {} bytes",
+                export.offset,
+                export.size,
+                export.base,
+                export.size - export.offset
+            )))
+        })?;
+        let (id, len) =
+            self.register_cuda_raw(&CudaRegistration { uuid: export.uuid, handle: export.handle, len: reg })?;
+        Ok(CudaRegion { id, len, export })
+    }
+
+    /// Sends `register_cuda` with any UUID, handle and length (the daemon
+    /// decides); returns the region id and the length registered.
+    pub fn register_cuda_raw(&mut self, reg: &CudaRegistration) -> Result<(u32, u64)> {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.w.write_all(&reg.encode(id, false)).map_err(io("sending register_cuda"))?;
+        let (h, body) = self.recv_frame()?;
+        check_id(&h, id)?;
+        wire::decode_registered(&body).map_err(|e| ClientError::Protocol(e.to_string()))
+    }
+
+    /// Registers an interprocess event for requests [`with_events`];
+    /// returns its id (released by [`Client::unregister`] or with the
+    /// connection).
+    pub fn register_cuda_event(&mut self, event: &IpcEvent) -> Result<u32> {
+        self.register_cuda_event_raw(&CudaRegistration { uuid: event.uuid(), handle: event.handle(), len: 0 })
+    }
+
+    /// Sends `register_cuda_event` with any UUID and handle (`len` is not
+    /// sent); returns the event id.
+    pub fn register_cuda_event_raw(&mut self, reg: &CudaRegistration) -> Result<u32> {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.w.write_all(&reg.encode(id, true)).map_err(io("sending register_cuda_event"))?;
+        let (h, body) = self.recv_frame()?;
+        check_id(&h, id)?;
+        wire::decode_registered_event(&body).map_err(|e| ClientError::Protocol(e.to_string()))
+    }
+
     /// Creates a sealed memfd of `len` bytes, maps it, and registers it on
     /// this connection.
     pub fn register_memfd(&mut self, len: u64) -> Result<Region> {
@@ -117,7 +241,7 @@ impl Client {
     }
 
     /// Unregisters a region (the daemon unmaps it once its requests in
-    /// flight are done).
+    /// flight are done): a memfd or a device region, or an event.
     pub fn unregister(&mut self, region: u32) -> Result<()> {
         let id = self.next_id;
         self.next_id += 1;
@@ -277,17 +401,23 @@ impl Client {
     }
 }
 
-/// `hkvctl bench --transport shm`: find and insert_or_assign with every
-/// array in a region registered by each client connection.
+/// `hkvctl bench --transport shm,cuda-ipc`: find and insert_or_assign
+/// with every array in a region registered by each client connection: a
+/// memfd (`shm`), or device memory on GPU 0 registered through CUDA IPC
+/// (`cuda-ipc`).
 pub mod bench {
     use std::path::Path;
+    use std::sync::Arc;
     use std::time::Duration;
 
-    use hkv_proto::region::RegionRequest;
+    use hkv_proto::region::{RegionRef, RegionRequest};
     use hkv_proto::Op;
+    use hkv_region::cuda::cudarc::driver::{CudaContext, CudaStream};
+    use hkv_region::cuda::{CudaError, DeviceAlloc};
     use rand::Rng;
+    use zerocopy::{Immutable, IntoBytes};
 
-    use super::keyed;
+    use super::{keyed, CudaRegion, Region};
     use crate::{Client, Result};
 
     /// What one figure runs.
@@ -309,12 +439,33 @@ pub mod bench {
         pub seconds: f64,
     }
 
+    /// Where each connection's arrays live.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Transport {
+        /// A sealed memfd (`register_memfd`).
+        Shm,
+        /// Device memory on GPU 0 of this process, allocated with
+        /// `cuMemAlloc` ([`DeviceAlloc`]) and registered through CUDA IPC
+        /// (`register_cuda`).
+        CudaIpc,
+    }
+
+    /// Checks that `transport` can run here: for [`Transport::CudaIpc`], a
+    /// CUDA driver with a device (else the reason, one line).
+    pub fn check(transport: Transport) -> Result<()> {
+        if transport == Transport::CudaIpc {
+            hkv_region::cuda::available()?;
+        }
+        Ok(())
+    }
+
     /// Keys per second of find and of insert_or_assign over `clients`
     /// connections at once, each with its own region: `pipeline + 1` key
     /// sets (random resident keys), `pipeline` output areas (found and
     /// values), one values array for the inserts.
-    pub fn measure(socket: &Path, clients: usize, p: &Plan) -> Result<(f64, f64)> {
-        let run = |insert: bool| across_threads(clients, &|| one(socket, p, insert));
+    pub fn measure(socket: &Path, clients: usize, p: &Plan, transport: Transport) -> Result<(f64, f64)> {
+        check(transport)?;
+        let run = |insert: bool| across_threads(clients, &|| one(socket, p, insert, transport));
         Ok((run(false)?, run(true)?))
     }
 
@@ -338,7 +489,54 @@ pub mod bench {
         Ok(keys as f64 / secs)
     }
 
-    fn one(socket: &Path, p: &Plan, insert: bool) -> Result<(u64, f64)> {
+    /// One connection's registered memory.
+    enum Mem {
+        Shm(Region),
+        /// The region, then the allocation it names (dropped after the
+        /// region is unregistered) and the stream that fills it.
+        Cuda(CudaRegion, DeviceAlloc, Arc<CudaStream>),
+    }
+
+    impl Mem {
+        fn new(c: &mut Client, transport: Transport, len: u64) -> Result<Mem> {
+            Ok(match transport {
+                Transport::Shm => Mem::Shm(c.register_memfd(len)?),
+                Transport::CudaIpc => {
+                    let driver = |call| {
+                        move |e: hkv_region::cuda::cudarc::driver::DriverError| CudaError::Driver { call, result: e.0 }
+                    };
+                    let ctx = CudaContext::new(0).map_err(driver("creating a context on GPU 0"))?;
+                    let stream = ctx.new_stream().map_err(driver("cuStreamCreate"))?;
+                    let alloc = DeviceAlloc::new(&ctx, len as usize)?;
+                    let r = c.register_cuda(alloc.ptr(), len)?;
+                    Mem::Cuda(r, alloc, stream)
+                }
+            })
+        }
+
+        fn write<T: IntoBytes + Immutable>(&self, offset: u64, src: &[T]) -> Result<()> {
+            match self {
+                Mem::Shm(r) => r.write(offset, src),
+                Mem::Cuda(_, a, s) => Ok(a.write(s, offset, src)?),
+            }
+        }
+
+        fn at<T>(&self, offset: u64, count: u64) -> RegionRef {
+            match self {
+                Mem::Shm(r) => r.at::<T>(offset, count),
+                Mem::Cuda(r, ..) => r.at::<T>(offset, count),
+            }
+        }
+
+        fn id(&self) -> u32 {
+            match self {
+                Mem::Shm(r) => r.id(),
+                Mem::Cuda(r, ..) => r.id(),
+            }
+        }
+    }
+
+    fn one(socket: &Path, p: &Plan, insert: bool, transport: Transport) -> Result<(u64, f64)> {
         let mut c = Client::connect(socket)?;
         let (n, dim) = (p.batch as u64, p.dim as u64);
         let sets = p.pipeline.max(1) as u64 + 1;
@@ -348,7 +546,7 @@ pub mod bench {
         let area = found_bytes + n * dim * 4;
         let outputs = sets * keys_bytes;
         let len = outputs + p.pipeline.max(1) as u64 * area;
-        let r = c.register_memfd(len)?;
+        let r = Mem::new(&mut c, transport, len)?;
         let mut rng = rand::thread_rng();
         for s in 0..sets {
             let keys: Vec<u64> = (0..n).map(|_| rng.gen_range(1..=p.resident)).collect();

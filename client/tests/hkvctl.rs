@@ -15,12 +15,22 @@ struct Daemon {
 
 impl Daemon {
     fn start() -> Daemon {
-        let hkvd = Path::new(env!("CARGO_BIN_EXE_hkvctl")).with_file_name("hkvd");
+        Self::start_with(&["--backend", "cpu", "--shards", "2"])
+    }
+
+    /// `hkvd serve` with `flags` (backend and shards); the binary is
+    /// `$HKVD_BIN` when set (test binaries copied to a GPU host), else the
+    /// one built beside hkvctl.
+    fn start_with(flags: &[&str]) -> Daemon {
+        let hkvd = std::env::var_os("HKVD_BIN")
+            .map_or_else(|| Path::new(env!("CARGO_BIN_EXE_hkvctl")).with_file_name("hkvd"), PathBuf::from);
         assert!(hkvd.exists(), "{} is missing: run the tests with cargo test --workspace", hkvd.display());
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("hkvd.sock");
         let mut child = Command::new(hkvd)
-            .args(["serve", "--backend", "cpu", "--shards", "2", "--log", "warn", "--socket"])
+            .arg("serve")
+            .args(flags)
+            .args(["--log", "warn", "--socket"])
             .arg(&socket)
             .arg("--state-dir")
             .arg(dir.path().join("state"))
@@ -159,6 +169,48 @@ fn bench_prints_every_figure_and_cleans_up() {
     assert!(out.contains("after 0.5 s warm-up"), "{out}");
     assert_eq!(out.lines().filter(|l| l.trim_start().starts_with("64 ")).count(), 1, "{out}");
     // Each bench drops the table it made.
+    assert!(!d.run(&["tables"]).contains("hkvctl-bench"), "tables left behind");
+}
+
+/// Without CUDA in hkvctl's process, `--transport cuda-ipc` is refused
+/// before anything is measured: one line naming the transport and why,
+/// exit code 1, no panic, no table left behind.
+#[test]
+fn bench_cuda_ipc_without_cuda_is_one_clear_line() {
+    if hkv_region::cuda::available().is_ok() {
+        return;
+    }
+    let d = Daemon::start();
+    let out = d.hkvctl(&["bench", "--capacity", "8192", "--batches", "64", "--transport", "socket,cuda-ipc"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(err.contains("--transport cuda-ipc") && err.contains("CUDA is not available"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(out.stdout.is_empty(), "{}", String::from_utf8_lossy(&out.stdout));
+    assert!(!d.run(&["tables"]).contains("hkvctl-bench"), "tables left behind");
+    // The default transports are unchanged.
+    let out =
+        d.run(&["bench", "--json", "--capacity", "8192", "--batches", "64", "--clients", "1", "--seconds", "0.1"]);
+    let ts: Vec<String> =
+        out.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["transport"].to_string()).collect();
+    assert_eq!(ts, ["\"raw_socket\"", "\"socket\"", "\"socket\""], "{out}");
+}
+
+/// On a GPU host, `--transport cuda-ipc` measures find and insert_or_assign
+/// with device buffers registered through CUDA IPC, beside shm.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn bench_cuda_ipc_prints_its_figures() {
+    let d = Daemon::start_with(&["--backend", "cuda", "--shards", "1"]);
+    let args = ["bench", "--json", "--capacity", "65536", "--batches", "4096", "--clients", "1,2"];
+    let out = d.run(&[&args[..], &["--seconds", "0.3", "--warmup", "0.1", "--transport", "shm,cuda-ipc"]].concat());
+    let rows: Vec<serde_json::Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(rows.len(), 2 * 5, "{out}");
+    for op in ["find", "insert_or_assign"] {
+        let n = rows.iter().filter(|r| r["transport"] == "cuda-ipc" && r["op"] == op).count();
+        assert_eq!(n, 2, "cuda-ipc {op}: {out}");
+    }
+    assert!(rows.iter().all(|r| r["keys_per_s"].as_f64().is_some_and(|x| x > 0.0)), "{out}");
     assert!(!d.run(&["tables"]).contains("hkvctl-bench"), "tables left behind");
 }
 

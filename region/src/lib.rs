@@ -16,9 +16,14 @@
 //! # Layout
 //! - this file: [`Mapping`] (mmap / munmap, bytes copied in and out), the
 //!   claims [`Claim`] and [`ClaimMut`], [`create_memfd`] for clients.
+//! - [`cuda`]: the client's side of CUDA IPC: [`cuda::export_memory`] (the
+//!   allocation holding a device pointer, as register_cuda sends it),
+//!   [`cuda::IpcEvent`], [`cuda::DeviceAlloc`] (exportable device memory).
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
+
+pub mod cuda;
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;

@@ -1,5 +1,6 @@
 //! `hkvctl bench`: throughput over the socket and, with `--transport shm`,
-//! through a registered memfd (find and insert_or_assign beside the raw
+//! through a registered memfd, with `--transport cuda-ipc` through device
+//! memory registered with CUDA IPC (find and insert_or_assign beside the raw
 //! socket moving the same bytes; with --features, the feature requests).
 
 use std::path::PathBuf;
@@ -39,8 +40,10 @@ pub struct BenchArgs {
     pub json: bool,
     /// Transports measured side by side, comma separated: `socket` (arrays
     /// in the frames), `shm` (arrays in a registered memfd; find's rows
-    /// written by the table straight into it). The raw socket (echo of the
-    /// same bytes) is measured with either.
+    /// written by the table straight into it), `cuda-ipc` (arrays in device
+    /// memory of GPU 0 of this process, registered through CUDA IPC: needs
+    /// a CUDA daemon serving that GPU). The raw socket (echo of the same
+    /// bytes) is measured with any.
     #[arg(long, value_delimiter = ',', default_value = "socket")]
     pub transport: Vec<String>,
     /// Measure feature requests instead: find with precomputed keys, fused
@@ -237,8 +240,13 @@ pub fn bench(socket: PathBuf, a: BenchArgs) -> Result<()> {
         return bench_features(socket, a);
     }
     for t in &a.transport {
-        if !matches!(t.as_str(), "socket" | "shm") {
-            bail!("--transport {t}: use socket or shm");
+        if !matches!(t.as_str(), "socket" | "shm" | "cuda-ipc") {
+            bail!("--transport {t}: use socket, shm or cuda-ipc");
+        }
+        if t == "cuda-ipc" {
+            if let Err(e) = hkv_region::cuda::available() {
+                bail!("--transport cuda-ipc needs a CUDA device in this process: {e}");
+            }
         }
     }
     let mut c = Client::connect(&socket)?;
@@ -294,7 +302,12 @@ pub fn bench(socket: PathBuf, a: BenchArgs) -> Result<()> {
                 figure("raw_socket", "echo", raw, row_bytes(1));
             }
             for transport in &a.transport {
-                let (find, insert) = if transport == "shm" {
+                let region = match transport.as_str() {
+                    "shm" => Some(hkv_client::region::bench::Transport::Shm),
+                    "cuda-ipc" => Some(hkv_client::region::bench::Transport::CudaIpc),
+                    _ => None,
+                };
+                let (find, insert) = if let Some(region) = region {
                     let plan = hkv_client::region::bench::Plan {
                         table: table.clone(),
                         dim: a.dim,
@@ -304,7 +317,7 @@ pub fn bench(socket: PathBuf, a: BenchArgs) -> Result<()> {
                         warmup: a.warmup,
                         seconds: a.seconds,
                     };
-                    hkv_client::region::bench::measure(&socket, clients, &plan)?
+                    hkv_client::region::bench::measure(&socket, clients, &plan, region)?
                 } else {
                     let t = table.clone();
                     let find = measure(&socket, &a, clients, &|rng| Request::Find {

@@ -1,0 +1,632 @@
+//! Device regions over CUDA IPC, with a real daemon process: the test
+//! process owns the device memory (a CUDA IPC handle does not open in the
+//! process that exported it, so the daemon is always another process) and
+//! registers it with `register_cuda`; region requests through it give the
+//! socket's answers; bad handles, UUIDs, lengths and references are refused
+//! with their reason; events order the client's stream with the daemon's; a
+//! client killed mid-request leaves nothing registered.
+//!
+//! Only the CPU test runs without a GPU; the others are
+//! `#[ignore = "needs a CUDA device"]`:
+//! `cargo test --release -p hkvd --test cuda_ipc -- --ignored`.
+//!
+//! Hostile input goes to a CPU daemon under an address-space limit
+//! (`prlimit --as`), as in `shm.rs`. CUDA daemons run without one: the
+//! driver reserves address space for unified addressing far beyond any
+//! useful limit (cuInit fails under one), so a limit would test nothing.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{expect_error, raw_call, Daemon};
+use hkv_client::proto::region::{CudaRegistration, RegionAnswer, RegionRef, RegionRequest};
+use hkv_client::proto::{ErrorCode, Op, WriteOp};
+use hkv_client::region::{keyed, with_events, CudaRegion};
+use hkv_client::{Client, ClientError, TableSpec};
+use hkv_region::cuda::cudarc::driver::{CudaContext, CudaStream};
+use hkv_region::cuda::{self, DeviceAlloc, IpcEvent};
+
+const LIMIT: u64 = 6 << 30;
+
+fn code(e: ClientError) -> (ErrorCode, String) {
+    match e {
+        ClientError::Daemon(p) => (p.code, p.message),
+        e => panic!("expected a daemon error, got {e}"),
+    }
+}
+
+fn regions(c: &mut Client) -> (u64, u64) {
+    let s = c.stats().unwrap();
+    (s["regions"]["regions"].as_u64().unwrap(), s["regions"]["bytes"].as_u64().unwrap())
+}
+
+/// Polls the daemon's stats until `want` regions (count, bytes) remain.
+fn wait_regions(c: &mut Client, want: (u64, u64)) {
+    let t = Instant::now();
+    while regions(c) != want {
+        assert!(t.elapsed() < Duration::from_secs(30), "{:?}, want {want:?}", regions(c));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// GPU 0's primary context and a stream of it.
+fn gpu() -> (Arc<CudaContext>, Arc<CudaStream>) {
+    cuda::available().expect("a CUDA device");
+    let ctx = CudaContext::new(0).expect("context on GPU 0");
+    let stream = ctx.new_stream().expect("stream");
+    (ctx, stream)
+}
+
+/// `hkvd serve --backend cuda --shards S` plus `extra`.
+fn cuda_daemon(shards: &str, extra: &[&str]) -> Daemon {
+    let mut args = vec!["--backend", "cuda", "--shards", shards];
+    args.extend_from_slice(extra);
+    Daemon::start(&args)
+}
+
+/// Device memory of this process, seen through a registered region:
+/// offsets are the region's (from the registered pointer), copies go
+/// through `stream` and wait for it.
+struct Dev {
+    alloc: DeviceAlloc,
+    stream: Arc<CudaStream>,
+    /// The registered pointer's offset in the allocation.
+    at: u64,
+}
+
+impl Dev {
+    fn put<T: zerocopy::IntoBytes + zerocopy::Immutable>(&self, off: u64, src: &[T]) {
+        self.alloc.write(&self.stream, self.at + off, src).unwrap();
+    }
+    fn get<T: zerocopy::FromBytes + zerocopy::IntoBytes + Clone + Default>(&self, off: u64, n: u64) -> Vec<T> {
+        let mut v = vec![T::default(); n as usize];
+        self.alloc.read(&self.stream, self.at + off, &mut v).unwrap();
+        v
+    }
+    fn fill(&self, off: u64, bytes: u64, value: u8) {
+        self.alloc.fill(&self.stream, self.at + off, bytes as usize, value).unwrap();
+        self.stream.synchronize().unwrap();
+    }
+}
+
+/// A CPU daemon serves no GPU: register_cuda and register_cuda_event are
+/// `bad_request`, naming the CPU backend and register_memfd, and the
+/// connection and the daemon keep serving (memfd regions included).
+#[test]
+fn a_cpu_daemon_refuses_device_registrations_and_keeps_serving() {
+    let mut d = Daemon::start_limited(LIMIT, &[]);
+    let mut c = d.client();
+    c.create_table(TableSpec::new("t", 4, 1024)).unwrap();
+    let reg = CudaRegistration { uuid: [7; 16], handle: [9; 64], len: 4096 };
+    let (e, m) = code(c.register_cuda_raw(&reg).unwrap_err());
+    assert_eq!(e, ErrorCode::BadRequest, "{m}");
+    assert!(m.contains("CPU backend") && m.contains("register_memfd"), "{m}");
+    let (e, m) = code(c.register_cuda_event_raw(&reg).unwrap_err());
+    assert_eq!(e, ErrorCode::BadRequest, "{m}");
+    assert!(m.contains("CPU backend") && m.contains("register_memfd"), "{m}");
+    // The same as raw frames; a body one byte short is `truncated`.
+    let mut s = UnixStream::connect(&d.socket).unwrap();
+    expect_error(raw_call(&mut s, &reg.encode(3, false)).1, ErrorCode::BadRequest, "CPU backend");
+    expect_error(raw_call(&mut s, &reg.encode(4, true)).1, ErrorCode::BadRequest, "CPU backend");
+    let mut f = reg.encode(5, false);
+    f.pop();
+    let len = (f.len() - 20) as u32;
+    f[16..20].copy_from_slice(&len.to_le_bytes());
+    expect_error(raw_call(&mut s, &f).1, ErrorCode::Truncated, "len");
+    // Nothing was registered; the connections keep serving, memfds included.
+    assert_eq!(regions(&mut c), (0, 0));
+    c.insert_or_assign("t", &[1, 2], &[1.0; 8], None).unwrap();
+    let r = c.register_memfd(4096).unwrap();
+    r.write(0, &[1u64, 3]).unwrap();
+    assert_eq!(c.find_in("t", r.at::<u64>(0, 2), r.at::<u8>(16, 2), r.at::<f32>(32, 8)).unwrap(), 1);
+    expect_error(raw_call(&mut s, &reg.encode(6, false)).1, ErrorCode::BadRequest, "register_memfd");
+    assert!(d.alive());
+}
+
+/// Where a client that has no GPU learns so before sending anything.
+#[test]
+fn register_cuda_without_a_device_says_so_before_sending() {
+    if cuda::available().is_ok() {
+        return;
+    }
+    let d = Daemon::start(&[]);
+    let mut c = d.client();
+    let e = c.register_cuda(0x7f00_0000_0000, 4096).unwrap_err();
+    assert!(matches!(e, ClientError::Cuda(_)), "{e}");
+    assert!(e.to_string().contains("not available"), "{e}");
+    c.ping().unwrap();
+}
+
+// Region offsets (from the registered pointer) of the arrays below.
+const KEYS: u64 = 0;
+const VALUES: u64 = 64 << 10;
+const FOUND: u64 = 128 << 10;
+const OUT: u64 = 192 << 10;
+const OUTCOMES: u64 = 256 << 10;
+const SCORES: u64 = 320 << 10;
+const EV_KEYS: u64 = 384 << 10;
+const EV_VALUES: u64 = 448 << 10;
+const EV_SCORES: u64 = 512 << 10;
+const EV_KINDS: u64 = 576 << 10;
+
+/// Every op through a device region equals the same op through the socket
+/// on a twin table: one shard (find, contains, erase, insert_or_assign,
+/// assign, find_or_insert and insert_and_evict on the client's arrays in
+/// place; the others staged) and two shards (everything staged). A find's
+/// misses are rows of 0.0 over garbage.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_regions_answer_as_the_socket_does() {
+    let (ctx, stream) = gpu();
+    for shards in ["1", "2"] {
+        let d = cuda_daemon(shards, &[]);
+        let mut c = d.client();
+        let dim = 4u64;
+        for t in ["d", "s"] {
+            c.create_table(TableSpec::new(t, dim as usize, 1 << 14)).unwrap();
+        }
+        // Registered from 4 KiB into the allocation, so every reference
+        // exercises the offset CudaRegion::at adds.
+        let alloc = DeviceAlloc::new(&ctx, 8 << 20).unwrap();
+        let at = 4096u64;
+        let r: CudaRegion = c.register_cuda(alloc.ptr() + at, (8 << 20) - 2 * at).unwrap();
+        assert_eq!(r.export().offset, at);
+        assert_eq!(r.len(), (8 << 20) - at);
+        assert_eq!(regions(&mut c), (1, r.len()));
+        let m = Dev { alloc, stream: stream.clone(), at };
+        let n = 300u64;
+        let keys: Vec<u64> = (1..=n).collect();
+        let values: Vec<f32> = (0..n * dim).map(|x| x as f32 * 0.5).collect();
+
+        // insert_or_assign in place.
+        m.put(KEYS, &keys);
+        m.put(VALUES, &values);
+        let got = c.insert_or_assign_in("d", r.at::<u64>(KEYS, n), r.at::<f32>(VALUES, n * dim), None).unwrap();
+        assert_eq!(got, c.insert_or_assign("s", &keys, &values, None).unwrap(), "{shards} shards");
+
+        // find of present and absent keys over garbage outputs.
+        let probe: Vec<u64> = (n - 100..n + 100).collect();
+        let p = probe.len() as u64;
+        m.put(KEYS, &probe);
+        m.fill(FOUND, p, 7);
+        m.fill(OUT, p * dim * 4, 0x41);
+        let hits = c.find_in("d", r.at::<u64>(KEYS, p), r.at::<u8>(FOUND, p), r.at::<f32>(OUT, p * dim)).unwrap();
+        let want = c.find("s", &probe).unwrap();
+        assert_eq!(hits, 101);
+        assert_eq!(m.get::<u8>(FOUND, p), want.found.iter().map(|&f| u8::from(f)).collect::<Vec<_>>());
+        assert_eq!(m.get::<f32>(OUT, p * dim), want.values, "{shards} shards: rows (misses 0.0)");
+
+        // find with SCORES (staged): the scores of the same table's socket find.
+        m.fill(OUT, p * dim * 4, 0x41);
+        let req = keyed(
+            u8::from(Op::Find),
+            "d",
+            vec![r.at::<u64>(KEYS, p), r.at::<u8>(FOUND, p), r.at::<f32>(OUT, p * dim), r.at::<u64>(SCORES, p)],
+            true,
+            false,
+        );
+        assert_eq!(c.region_call(&req).unwrap(), RegionAnswer::Count(101));
+        let ws = c.find_with_scores("d", &probe).unwrap();
+        assert_eq!(Some(m.get::<u64>(SCORES, p)), ws.scores);
+        assert_eq!(m.get::<f32>(OUT, p * dim), ws.values);
+
+        // contains.
+        m.fill(FOUND, p, 7);
+        assert_eq!(c.contains_in("d", r.at::<u64>(KEYS, p), r.at::<u8>(FOUND, p)).unwrap(), 101);
+        let present = c.contains("s", &probe).unwrap();
+        assert_eq!(m.get::<u8>(FOUND, p), present.iter().map(|&f| u8::from(f)).collect::<Vec<_>>());
+
+        // insert_or_assign with OUTCOMES (staged): new and present keys.
+        let more: Vec<u64> = (n - 20..n + 30).collect();
+        let mv: Vec<f32> = (0..more.len() as u64 * dim).map(|x| 100.0 + x as f32).collect();
+        let k = more.len() as u64;
+        m.put(KEYS, &more);
+        m.put(VALUES, &mv);
+        let got = c
+            .write_in(
+                u8::from(Op::InsertOrAssign),
+                "d",
+                r.at::<u64>(KEYS, k),
+                r.at::<f32>(VALUES, k * dim),
+                None,
+                Some(r.at::<u8>(OUTCOMES, k)),
+            )
+            .unwrap();
+        let want = c.write(WriteOp::InsertOrAssign, "s", &more, &mv, None).unwrap();
+        assert_eq!(got, want.summary);
+        assert_eq!(m.get::<u8>(OUTCOMES, k), want.outcomes);
+
+        // find_or_insert in place: values read, then written back.
+        let foi: Vec<u64> = (n + 10..n + 60).collect();
+        let k = foi.len() as u64;
+        m.put(KEYS, &foi);
+        m.put(VALUES, &vec![-1.0f32; (k * dim) as usize]);
+        let got = c
+            .write_in(u8::from(Op::FindOrInsert), "d", r.at::<u64>(KEYS, k), r.at::<f32>(VALUES, k * dim), None, None)
+            .unwrap();
+        let (summary, back) = c.find_or_insert("s", &foi, &vec![-1.0f32; (k * dim) as usize], None).unwrap();
+        assert_eq!(got, summary);
+        assert_eq!(m.get::<f32>(VALUES, k * dim), back);
+
+        // assign in place (present and absent keys).
+        let asg: Vec<u64> = (n - 10..n + 70).step_by(2).collect();
+        let k = asg.len() as u64;
+        let av = vec![9.0f32; (k * dim) as usize];
+        m.put(KEYS, &asg);
+        m.put(VALUES, &av);
+        let got = c
+            .write_in(u8::from(Op::Assign), "d", r.at::<u64>(KEYS, k), r.at::<f32>(VALUES, k * dim), None, None)
+            .unwrap();
+        assert_eq!(got, c.assign("s", &asg, &av, None).unwrap());
+
+        // accum_or_assign (staged).
+        let deltas = vec![1.0f32; (k * dim) as usize];
+        m.put(VALUES, &deltas);
+        let got = c
+            .write_in(u8::from(Op::AccumOrAssign), "d", r.at::<u64>(KEYS, k), r.at::<f32>(VALUES, k * dim), None, None)
+            .unwrap();
+        assert_eq!(got, c.accum_or_assign("s", &asg, &deltas, None).unwrap());
+
+        // insert_and_evict in place: evicted arrays with room for every key.
+        let ins: Vec<u64> = (n + 100..n + 140).collect();
+        let k = ins.len() as u64;
+        let iv = vec![2.5f32; (k * dim) as usize];
+        m.put(KEYS, &ins);
+        m.put(VALUES, &iv);
+        let ev = keyed(
+            u8::from(Op::InsertAndEvict),
+            "d",
+            vec![
+                r.at::<u64>(KEYS, k),
+                r.at::<f32>(VALUES, k * dim),
+                r.at::<u64>(EV_KEYS, k),
+                r.at::<f32>(EV_VALUES, k * dim),
+                r.at::<u64>(EV_SCORES, k),
+                r.at::<u8>(EV_KINDS, k),
+            ],
+            false,
+            false,
+        );
+        let RegionAnswer::Evict(got, evicted) = c.region_call(&ev).unwrap() else { panic!("not an evict answer") };
+        let (summary, want) = c.insert_and_evict("s", &ins, &iv, None).unwrap();
+        assert_eq!((got, evicted), (summary, want.keys.len() as u64));
+
+        // erase in place, then with OUTCOMES (staged).
+        m.put(KEYS, &keys[..20]);
+        assert_eq!(c.erase_in("d", r.at::<u64>(KEYS, 10), None).unwrap(), c.erase("s", &keys[..10]).unwrap());
+        m.put(KEYS, &keys[10..30]);
+        m.fill(OUTCOMES, 20, 7);
+        let erased = c.erase_in("d", r.at::<u64>(KEYS, 20), Some(r.at::<u8>(OUTCOMES, 20))).unwrap();
+        assert_eq!(erased, c.erase("s", &keys[10..30]).unwrap());
+        assert_eq!(m.get::<u8>(OUTCOMES, 20), vec![1; 20]);
+
+        // Both tables hold the same entries.
+        let all: Vec<u64> = (1..=n + 200).collect();
+        let (a, b) = (c.find("d", &all).unwrap(), c.find("s", &all).unwrap());
+        assert_eq!((a.found, a.values), (b.found, b.values), "{shards} shards: the tables differ");
+
+        c.unregister(r.id()).unwrap();
+        wait_regions(&mut c, (0, 0));
+        drop(m);
+    }
+}
+
+/// Each bad registration or reference of device memory is refused with
+/// its documented code and reason, nothing is written into the client's
+/// memory, and the daemon keeps serving: a handle that does not open, a
+/// UUID the daemon does not serve, 0 bytes or more than the allocation,
+/// past the per-connection cap, references past the end, overflowing or
+/// misaligned, another connection's region, a memfd and a device region in
+/// one request, an event named as memory and memory named as an event.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn bad_device_registrations_and_references_are_refused() {
+    use rand::RngCore;
+    let (ctx, stream) = gpu();
+    let cap = 4u64 << 20;
+    let mut d = cuda_daemon("1", &["--max-region-bytes-per-connection", &cap.to_string()]);
+    let mut c = d.client();
+    c.create_table(TableSpec::new("t", 4, 1024)).unwrap();
+    c.insert_or_assign("t", &[1, 2], &[1.0; 8], None).unwrap();
+    let uuid = cuda::device_uuid(0).unwrap();
+    let alloc = DeviceAlloc::new(&ctx, 2 << 20).unwrap();
+    ctx.bind_to_thread().unwrap();
+    let export = cuda::export_memory(alloc.ptr()).unwrap();
+    assert_eq!(export.size, 2 << 20);
+
+    // Registrations.
+    let mut junk = [0u8; 64];
+    rand::thread_rng().fill_bytes(&mut junk);
+    let (e, m) = code(c.register_cuda_raw(&CudaRegistration { uuid, handle: junk, len: 4096 }).unwrap_err());
+    assert_eq!(e, ErrorCode::BadRequest, "{m}");
+    assert!(m.contains("does not open"), "{m}");
+    let (e, m) = code(
+        c.register_cuda_raw(&CudaRegistration { uuid: [0xEE; 16], handle: export.handle, len: 4096 }).unwrap_err(),
+    );
+    assert_eq!(e, ErrorCode::BadRequest, "{m}");
+    assert!(m.contains("does not serve"), "{m}");
+    let (e, m) = code(c.register_cuda_raw(&CudaRegistration { uuid, handle: export.handle, len: 0 }).unwrap_err());
+    assert_eq!(e, ErrorCode::BadRequest, "{m}");
+    let too_long = CudaRegistration { uuid, handle: export.handle, len: export.size + 1 };
+    let (e, m) = code(c.register_cuda_raw(&too_long).unwrap_err());
+    assert_eq!(e, ErrorCode::BadRequest, "{m}");
+    assert!(m.contains(&format!("the allocation holds {}", export.size)), "{m}");
+    // The client refuses the same before sending.
+    assert!(matches!(c.register_cuda(alloc.ptr() + 8, export.size), Err(ClientError::Request(_))));
+    let (e, m) = code(c.register_cuda_event_raw(&CudaRegistration { uuid, handle: junk, len: 0 }).unwrap_err());
+    assert_eq!(e, ErrorCode::BadRequest, "{m}");
+    assert_eq!(regions(&mut c), (0, 0), "a refused registration registered something");
+
+    // A good one, then past the cap.
+    let r = c.register_cuda(alloc.ptr(), export.size).unwrap();
+    let big = DeviceAlloc::new(&ctx, 3 << 20).unwrap();
+    let (e, m) = code(c.register_cuda(big.ptr(), 3 << 20).unwrap_err());
+    assert_eq!(e, ErrorCode::ResourceExhausted, "{m}");
+    assert!(m.contains(&format!("limits.max_region_bytes_per_connection = {cap}")), "{m}");
+    assert_eq!(regions(&mut c), (1, 2 << 20));
+
+    // References.
+    let m = Dev { alloc, stream: stream.clone(), at: 0 };
+    m.put(0, &[1u64, 2]);
+    m.fill(1024, 4096, 0xAB);
+    let untouched = |m: &Dev| assert!(m.get::<u8>(1024, 4096).iter().all(|&x| x == 0xAB), "the region was written");
+    let id = r.id();
+    let len = export.size;
+    let find = |keys: RegionRef, found: RegionRef, values: RegionRef| {
+        keyed(u8::from(Op::Find), "t", vec![keys, found, values], false, false)
+    };
+    let ok_keys = RegionRef::new(id, 0, 2);
+    let ok_found = RegionRef::new(id, 1024, 2);
+    let ok_values = RegionRef::new(id, 2048, 8);
+    let cases: Vec<(RegionRequest, ErrorCode, &str)> = vec![
+        (find(RegionRef::new(id, len - 8, 2), ok_found, ok_values), ErrorCode::BadRequest, "past the end"),
+        (find(ok_keys, ok_found, RegionRef::new(id, len - 16, 8)), ErrorCode::BadRequest, "past the end"),
+        (find(RegionRef::new(id, 0, u64::MAX / 4), ok_found, ok_values), ErrorCode::BadRequest, "count overflows"),
+        (find(RegionRef::new(id, u64::MAX - 7, 1), ok_found, ok_values), ErrorCode::BadRequest, "overflows"),
+        (find(RegionRef::new(id, 4, 2), ok_found, ok_values), ErrorCode::BadRequest, "multiple of 8"),
+        (find(ok_keys, ok_found, RegionRef::new(id, 2050, 8)), ErrorCode::BadRequest, "multiple of 4"),
+        (find(ok_keys, ok_found, RegionRef::new(id, 2048, 7)), ErrorCode::WrongDim, "8 are needed"),
+        (find(ok_keys, RegionRef::new(id, 1024, 3), ok_values), ErrorCode::LengthMismatch, "found"),
+        (find(ok_keys, ok_found, RegionRef::new(id + 100, 2048, 8)), ErrorCode::NotFound, "not registered"),
+    ];
+    for (req, want, needle) in cases {
+        let (e, msg) = code(c.region_call(&req).unwrap_err());
+        assert_eq!(e, want, "{msg}");
+        assert!(msg.contains(needle), "{msg} lacks {needle}");
+        untouched(&m);
+    }
+    // A write with a bad output reference applies nothing.
+    m.put(0, &[7u64, 8]);
+    let w = keyed(
+        u8::from(Op::InsertOrAssign),
+        "t",
+        vec![ok_keys, RegionRef::new(id, 2048, 8), RegionRef::new(id, len + 64, 2)],
+        false,
+        true,
+    );
+    assert_eq!(code(c.region_call(&w).unwrap_err()).0, ErrorCode::BadRequest);
+    assert_eq!(c.tables().unwrap()[0].size, 2);
+    m.put(0, &[1u64, 2]);
+
+    // Another connection cannot name this connection's region.
+    let mut other = d.client();
+    let (e, msg) = code(other.region_call(&find(ok_keys, ok_found, ok_values)).unwrap_err());
+    assert_eq!(e, ErrorCode::NotFound, "{msg}");
+    assert!(msg.contains("this connection"), "{msg}");
+    assert_eq!(code(other.unregister(id).unwrap_err()).0, ErrorCode::NotFound);
+    untouched(&m);
+
+    // A memfd and a device region in one request.
+    let host = c.register_memfd(4096).unwrap();
+    host.write(0, &[1u64, 2]).unwrap();
+    let (e, msg) = code(c.region_call(&find(host.at::<u64>(0, 2), ok_found, ok_values)).unwrap_err());
+    assert_eq!(e, ErrorCode::BadRequest, "{msg}");
+    assert!(msg.contains("all in CUDA regions"), "{msg}");
+    let (e, _) = code(c.region_call(&find(ok_keys, host.at::<u8>(64, 2), host.at::<f32>(128, 8))).unwrap_err());
+    assert_eq!(e, ErrorCode::BadRequest);
+    untouched(&m);
+
+    // An event is no memory; memory (or nothing) is no event.
+    let event = IpcEvent::new(&ctx).unwrap();
+    let ev = c.register_cuda_event(&event).unwrap();
+    let (e, msg) = code(c.region_call(&find(RegionRef::new(ev, 0, 2), ok_found, ok_values)).unwrap_err());
+    assert_eq!(e, ErrorCode::BadRequest, "{msg}");
+    for bad in [(id, 0), (0, id), (ev + 100, 0)] {
+        let (e, msg) = code(c.region_call(&with_events(find(ok_keys, ok_found, ok_values), bad.0, bad.1)).unwrap_err());
+        assert_eq!(e, ErrorCode::NotFound, "{bad:?}: {msg}");
+    }
+    untouched(&m);
+    assert_eq!(regions(&mut c).1, (2 << 20) + 4096, "events count nothing against the caps");
+
+    // Still serving: this connection, through the device region, and others.
+    assert_eq!(c.find_in("t", ok_keys, ok_found, ok_values).unwrap(), 2);
+    assert_eq!(m.get::<u8>(1024, 2), vec![1, 1]);
+    other.ping().unwrap();
+    c.unregister(ev).unwrap();
+    c.unregister(id).unwrap();
+    c.unregister(host.id()).unwrap();
+    wait_regions(&mut c, (0, 0));
+    assert!(d.alive());
+}
+
+/// Events: the daemon reads a request's keys only after the work the client
+/// recorded on the wait event (here: a busy stream, then the keys copied in
+/// on it; without the wait the daemon would read zeros and find nothing),
+/// and records the done event after its writes, so the client's stream,
+/// waiting on it, reads the rows the socket's find gives.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn events_order_the_clients_stream_with_the_daemons() {
+    let (ctx, stream) = gpu();
+    let d = cuda_daemon("1", &[]);
+    let mut c = d.client();
+    let (n, dim) = (1u64 << 16, 8u64);
+    c.create_table(TableSpec::new("t", dim as usize, 1 << 18)).unwrap();
+    let keys: Vec<u64> = (1..=n).collect();
+    let values: Vec<f32> = (0..n * dim).map(|x| x as f32).collect();
+    c.insert_or_assign("t", &keys, &values, None).unwrap();
+    let len = n * 8 + n + n * dim * 4;
+    let alloc = DeviceAlloc::new(&ctx, len as usize).unwrap();
+    let r = c.register_cuda(alloc.ptr(), len).unwrap();
+    let src = DeviceAlloc::new(&ctx, (n * 8) as usize).unwrap();
+    src.write(&stream, 0, &keys).unwrap();
+    let scratch = DeviceAlloc::new(&ctx, 512 << 20).unwrap();
+    let (wait, done) = (IpcEvent::new(&ctx).unwrap(), IpcEvent::new(&ctx).unwrap());
+    let (wait_id, done_id) = (c.register_cuda_event(&wait).unwrap(), c.register_cuda_event(&done).unwrap());
+    let m = Dev { alloc, stream: stream.clone(), at: 0 };
+    let want = c.find("t", &keys).unwrap();
+    for round in 0..3 {
+        // The region's keys are zeros until the stream, busy for tens of
+        // milliseconds first, copies them in.
+        m.fill(0, n * 8, 0);
+        m.fill(n * 8, n, 7);
+        m.fill(n * 9, n * dim * 4, 0x41);
+        stream.synchronize().unwrap();
+        for _ in 0..200 {
+            scratch.fill(&stream, 0, 512 << 20, round as u8).unwrap();
+        }
+        m.alloc.copy_from(&stream, 0, &src, 0, (n * 8) as usize).unwrap();
+        wait.record(&stream).unwrap();
+        let req = keyed(
+            u8::from(Op::Find),
+            "t",
+            vec![r.at::<u64>(0, n), r.at::<u8>(n * 8, n), r.at::<f32>(n * 9, n * dim)],
+            false,
+            false,
+        );
+        let id = c.send_region(&with_events(req, wait_id, done_id)).unwrap();
+        let (got, a) = c.recv_region(u8::from(Op::Find)).unwrap();
+        assert_eq!((got, a), (id, RegionAnswer::Count(n)), "round {round}: the daemon did not wait for the keys");
+        // The daemon recorded `done` before answering: a wait issued now
+        // waits for its writes.
+        done.wait_on(&stream).unwrap();
+        assert!(m.get::<u8>(n * 8, n).iter().all(|&f| f == 1));
+        assert_eq!(m.get::<f32>(n * 9, n * dim), want.values, "round {round}");
+        done.synchronize().unwrap();
+    }
+    c.unregister(wait_id).unwrap();
+    c.unregister(done_id).unwrap();
+    c.unregister(r.id()).unwrap();
+    wait_regions(&mut c, (0, 0));
+}
+
+/// Bytes of the child's allocation in
+/// `a_client_killed_mid_request_leaves_nothing_registered`: 8 output areas
+/// of 2^20 keys' flags and rows of dim 8, and the keys.
+const CHILD_KEYS: u64 = 1 << 20;
+const CHILD_DIM: u64 = 8;
+
+/// The child of `a_client_killed_mid_request_leaves_nothing_registered`:
+/// registers a device allocation, sends big finds writing into it without
+/// reading the answers, says so, and waits to be killed.
+#[test]
+#[ignore = "run as a child process by a_client_killed_mid_request_leaves_nothing_registered"]
+fn child_sends_device_finds() {
+    let Ok(socket) = std::env::var("HKVD_TEST_SOCKET") else { return };
+    let (ctx, stream) = gpu();
+    let mut c = Client::connect(socket).unwrap();
+    let (n, dim) = (CHILD_KEYS, CHILD_DIM);
+    let per = (n + n * dim * 4).next_multiple_of(8);
+    let len = n * 8 + 8 * per;
+    let alloc = DeviceAlloc::new(&ctx, len as usize).unwrap();
+    alloc.write(&stream, 0, &(1..=n).collect::<Vec<u64>>()).unwrap();
+    let r = c.register_cuda(alloc.ptr(), len).unwrap();
+    for i in 0..8 {
+        let base = n * 8 + i * per;
+        let req = keyed(
+            u8::from(Op::Find),
+            "t",
+            vec![r.at::<u64>(0, n), r.at::<u8>(base, n), r.at::<f32>(base + n, n * dim)],
+            false,
+            false,
+        );
+        c.send_region(&req).unwrap();
+    }
+    println!("sent");
+    std::io::stdout().flush().unwrap();
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+/// A client killed (SIGKILL) while big finds write into its device region:
+/// the daemon lives on, releases the region once those finds are done
+/// (stats), its hold on the child's memory goes (the device's free memory
+/// comes back: an IPC mapping left open would keep the child's allocation
+/// alive), and another client's device region is still served.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_client_killed_mid_request_leaves_nothing_registered() {
+    let (ctx, stream) = gpu();
+    let mut d = cuda_daemon("1", &[]);
+    let mut c = d.client();
+    c.create_table(TableSpec::new("t", CHILD_DIM as usize, 1 << 21)).unwrap();
+    let keys: Vec<u64> = (1..=CHILD_KEYS).collect();
+    for chunk in keys.chunks(1 << 18) {
+        c.insert_or_assign("t", chunk, &vec![0.5; chunk.len() * CHILD_DIM as usize], None).unwrap();
+    }
+    // This client's own device region, used between the kills.
+    let mine = DeviceAlloc::new(&ctx, 1 << 20).unwrap();
+    let r = c.register_cuda(mine.ptr(), 1 << 20).unwrap();
+    let m = Dev { alloc: mine, stream: stream.clone(), at: 0 };
+    m.put(0, &[1u64, 2, CHILD_KEYS + 1]);
+    let child_bytes = CHILD_KEYS * 8 + 8 * (CHILD_KEYS + CHILD_KEYS * CHILD_DIM * 4).next_multiple_of(8);
+    let mut baseline = None;
+    for round in 0..3 {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "child_sends_device_finds", "--ignored", "--nocapture"])
+            .env("HKVD_TEST_SOCKET", &d.socket)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        while !line.contains("sent") {
+            line.clear();
+            assert!(out.read_line(&mut line).unwrap() > 0, "the child ended without sending");
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+        wait_regions(&mut c, (1, 1 << 20));
+        assert!(d.alive(), "hkvd died");
+        assert_eq!(c.find("t", &[1, 2]).unwrap().found, vec![true, true]);
+        assert_eq!(c.find_in("t", r.at::<u64>(0, 3), r.at::<u8>(64, 3), r.at::<f32>(128, 3 * CHILD_DIM)).unwrap(), 2);
+        assert_eq!(m.get::<u8>(64, 3), vec![1, 1, 0]);
+        // The device's free memory comes back: after the first round, once
+        // it stops rising, it is the baseline (the daemon may have grown
+        // its own buffers); after the others, it returns to within half the
+        // child's allocation of it. A mapping of the child's memory left
+        // open would hold all of it, each round.
+        let free = || ctx.mem_get_info().unwrap().0 as u64;
+        let t = Instant::now();
+        match baseline {
+            None => {
+                let mut last = free();
+                loop {
+                    std::thread::sleep(Duration::from_millis(500));
+                    let now = free();
+                    if now <= last + (1 << 20) || t.elapsed() > Duration::from_secs(30) {
+                        baseline = Some(now.max(last));
+                        break;
+                    }
+                    last = now;
+                }
+            }
+            Some(base) => {
+                while free() + child_bytes / 2 < base {
+                    assert!(
+                        t.elapsed() < Duration::from_secs(30),
+                        "round {round}: {} MiB of device memory still held after the child died",
+                        (base - free()) >> 20
+                    );
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        }
+    }
+    c.unregister(r.id()).unwrap();
+    wait_regions(&mut c, (0, 0));
+}
