@@ -675,6 +675,8 @@ class Client:
         when None), ``scores`` (n uint64, written, when given). Returns the hits."""
         k = _region.ref(self, keys, "keys")
         if found is None:
+            if k.count == 0:
+                return 0
             found = self._found_scratch(k, k.count)
         arrays = [k, found, values] + ([scores] if scores is not None else [])
         body = _region.call(self, OP_FIND, table, arrays, scores is not None, False, stream, wait, done)
@@ -684,6 +686,8 @@ class Client:
         """contains: ``found`` (n uint8 or bool) written; returns the keys present."""
         k = _region.ref(self, keys, "keys")
         if found is None:
+            if k.count == 0:
+                return 0
             found = self._found_scratch(k, k.count)
         body = _region.call(self, OP_CONTAINS, table, [k, found], False, False, stream, wait, done)
         return 0 if body is None else struct.unpack("<Q", body)[0]
