@@ -132,7 +132,7 @@ def main(argv=None) -> int:
         cache.apply_gradients(keys, rows.grad, a.emb_lr)
         sync()
         t3 = time.perf_counter()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if step >= a.warmup:
             steps_t.append(t3 - t0)
             lookup_t.append(t1 - t0)

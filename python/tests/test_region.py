@@ -217,3 +217,59 @@ def test_a_daemon_without_gpus_refuses_device_memory_with_cuda_ipc_unavailable(d
         assert e.value.code in ("bad_request", "unknown_op")
         assert c._cuda_regions == {}
         c.ping()
+
+
+def test_device_path_simulated_over_a_memfd(daemon, monkeypatch):
+    # The client's whole device path (describe, allocation base and
+    # offsets, one region per allocation, checks, the request) with libcuda
+    # replaced by stand-ins and the "allocation" being an shm array, which
+    # register_cuda registers as a memfd, so a CPU daemon can serve it.
+    alloc = hkvd.shm_array((1 << 16,), np.uint8)
+    base = alloc.__array_interface__["data"][0]
+    calls = []
+    monkeypatch.setattr(cuda, "pointer_info", lambda ptr: (
+        (cuda.CU_MEMORYTYPE_DEVICE, 42, 0) if base <= ptr < base + alloc.nbytes else (0, 0, 0)))
+    monkeypatch.setattr(cuda, "allocation", lambda ptr, ordinal: (base, alloc.nbytes, bytes(64)))
+    monkeypatch.setattr(cuda, "device_uuid", lambda ordinal: bytes(16))
+    monkeypatch.setattr(cuda, "synchronize", lambda stream, ordinal: calls.append(("sync", stream)))
+    real_raw = region.raw_call
+
+    def raw_call(client, op, body, flags=0):
+        if op == cuda.OP_REGISTER_CUDA:
+            assert body[16:80] == bytes(64) and struct.unpack("<Q", body[80:])[0] == alloc.nbytes
+            calls.append("register")
+            m, _ = hkvd.shm._memfd_of(alloc)
+            return struct.pack("<IQ", hkvd.shm.register_memfd(client, m.fd, m.size), m.size)
+        return real_raw(client, op, body, flags)
+
+    monkeypatch.setattr(region, "raw_call", raw_call)
+
+    class Dev:
+        """A CUDA-array-interface view of bytes [offset, ...) of the allocation."""
+
+        def __init__(self, offset, shape, typestr):
+            self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (base + offset, False),
+                                             "version": 3, "strides": None}
+            self.np = np.frombuffer(alloc, dtype=typestr, count=int(np.prod(shape)), offset=offset).reshape(shape)
+
+    with daemon.client() as c:
+        c.create_table("t", 8, 4096)
+        keys, values, found = Dev(4096, (100,), "<i8"), Dev(8192, (100, 8), "<f4"), Dev(16, (100,), "|u1")
+        keys.np[:] = np.arange(1, 101)
+        values.np[:] = np.arange(800, dtype=np.float32).reshape(100, 8)
+        assert c.insert_or_assign_region("t", keys, values, wait=False, done=False).inserted == 100
+        probe, out = Dev(32768, (150,), "<u8"), Dev(40960, (150, 8), "<f4")
+        probe.np[:] = np.arange(51, 201)
+        found = Dev(64, (150,), "|b1")
+        assert c.find_region("t", probe, out, found, wait=False, done=False) == 50
+        want, wfound = c.find("t", np.arange(51, 201, dtype=np.uint64))
+        assert np.array_equal(out.np, want) and np.array_equal(found.np, wfound)
+        assert calls.count("register") == 1 and len(c._cuda_regions) == 1
+        assert calls.count(("sync", 0)) == 2  # wait=False: the (legacy default) stream synchronized
+        # A Ref's head names a prefix with no driver call.
+        r = c.region_ref(out)
+        assert r.offset == 40960 and r.head(10).wire() == (r.region, 40960, 80)
+        elsewhere = type("Elsewhere", (), {"__cuda_array_interface__": {
+            "shape": (1,), "typestr": "<u8", "data": (8, False), "version": 3}})()
+        with pytest.raises(ValueError, match="not memory CUDA knows"):
+            c.register_cuda(elsewhere)
