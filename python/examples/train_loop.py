@@ -102,7 +102,11 @@ def main(argv=None) -> int:
         p.error(f"table {a.table} has dim {names[a.table]['dim']}, not {a.dim}: pick another --table")
     elif a.fresh:
         c.clear(a.table)
-    cache = EmbeddingCache(c, a.table, device=device, max_batch=a.batch * FIELDS, transport=a.transport)
+    try:
+        cache = EmbeddingCache(c, a.table, device=device, max_batch=a.batch * FIELDS, transport=a.transport)
+    except (hkvd.CudaIpcUnavailable, hkvd.CudaError, hkvd.HkvdError, ValueError, OSError) as e:
+        print(f"train_loop: --transport {a.transport} is unavailable: {e}", file=sys.stderr)
+        return 2
 
     data = [tuple(torch.from_numpy(x).to(device) for x in b)
             for b in make_batches(min(a.batches, a.steps), a.batch, a.vocab, a.zipf, a.seed)]

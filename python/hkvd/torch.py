@@ -94,14 +94,17 @@ class EmbeddingCache:
             print(self.message, file=sys.stderr)
 
     # ---- transports ---------------------------------------------------
-    def _setup_cuda_ipc(self) -> None:
+    def _device_buffer(self, nbytes: int) -> torch.Tensor:
         if self.device.type != "cuda":
             raise ValueError(f"cuda-ipc needs a CUDA device, not {self.device}")
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def _setup_cuda_ipc(self) -> None:
         m, d = self.max_batch, self.dim
         kb, vb = _align(8 * m), _align(4 * m * d)
         # One allocation for the three buffers: one region, one IPC open in
         # the daemon (the first open in a process costs ~100 ms).
-        buf = torch.empty(kb + vb + _align(m), dtype=torch.uint8, device=self.device)
+        buf = self._device_buffer(kb + vb + _align(m))
         self._buf = buf
         self._keys = buf[:8 * m].view(torch.int64)
         self._values = buf[kb:kb + 4 * m * d].view(torch.float32).view(m, d)
