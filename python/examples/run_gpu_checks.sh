@@ -10,21 +10,24 @@
 # Everything goes to LOG; the last line printed (to stdout too) says how many
 # steps failed, and the exit status is non-zero when any did.
 #
-#   python/examples/run_gpu_checks.sh LOG [HKVD_BIN]     # HKVD_BIN: .gpu/bin/hkvd by default
+#   python/examples/run_gpu_checks.sh LOG [HKVD_BIN]     # HKVD_BIN: the repo's .gpu/bin/hkvd by default
+#
+# Each step has a time limit (150 s for the tests, 90 s per loop), so the
+# whole run ends within about 8 minutes even when something hangs.
 #
 # Environment: PYTHON (python3), STEPS (300), BATCH (4096), DIM (32),
 # BACKEND (cuda; cpu runs the same steps against a CPU daemon, where the GPU
 # tests skip and train_loop falls back).
 set -u
 
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 LOG=${1:?usage: run_gpu_checks.sh LOG [HKVD_BIN]}
-BIN=${2:-.gpu/bin/hkvd}
+BIN=${2:-$ROOT/.gpu/bin/hkvd}
 PY=${PYTHON:-python3}
 STEPS=${STEPS:-300}
 BATCH=${BATCH:-4096}
 DIM=${DIM:-32}
 BACKEND=${BACKEND:-cuda}
-ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 case "$BIN" in /*) ;; *) BIN="$PWD/$BIN" ;; esac
 case "$LOG" in /*) ;; *) LOG="$PWD/$LOG" ;; esac
 
@@ -89,7 +92,7 @@ echo "=== starting hkvd ($BACKEND backend, one shard) on $SOCK"
     </dev/null >"$TMP/daemon.log" 2>&1 &
 DAEMON=$!
 READY=0
-for _ in $(seq 1 120); do
+for _ in $(seq 1 100); do
     if ! kill -0 "$DAEMON" 2>/dev/null; then
         break
     fi
@@ -111,13 +114,13 @@ echo "hkvd is up (pid $DAEMON)"
 export HKVD_GPU_SOCKET="$SOCK"
 export PYTHONUNBUFFERED=1
 if "$PY" -c 'import pytest' 2>/dev/null; then
-    step "test_cuda.py (pytest)" 300 "$PY" -m pytest -v -rs -p no:cacheprovider "$ROOT/python/tests/test_cuda.py"
+    step "test_cuda.py (pytest)" 150 "$PY" -m pytest -v -rs -p no:cacheprovider "$ROOT/python/tests/test_cuda.py"
 else
-    step "test_cuda.py (script)" 300 "$PY" "$ROOT/python/tests/test_cuda.py"
+    step "test_cuda.py (script)" 150 "$PY" "$ROOT/python/tests/test_cuda.py"
 fi
 
 for t in cuda-ipc shm socket; do
-    step "train_loop.py --transport $t" 180 "$PY" "$ROOT/python/examples/train_loop.py" --socket "$SOCK" \
+    step "train_loop.py --transport $t" 90 "$PY" "$ROOT/python/examples/train_loop.py" --socket "$SOCK" \
         --table "train_${t//-/_}" --fresh --transport "$t" --steps "$STEPS" --batch "$BATCH" --dim "$DIM" --json
 done
 
