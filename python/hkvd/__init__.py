@@ -19,7 +19,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from . import region as _region
 from . import shm as _shm
+from .cuda import CudaError, CudaEvent, CudaIpcUnavailable
+from .region import Ref
 from .shm import shm_array
 
 __all__ = [
@@ -46,6 +49,10 @@ __all__ = [
     "NotFound",
     "InternalError",
     "ProtocolError",
+    "CudaIpcUnavailable",
+    "CudaError",
+    "CudaEvent",
+    "Ref",
     "default_socket",
     "shm_array",
 ]
@@ -270,10 +277,18 @@ class Client:
         self._dims: Dict[str, int] = {}
         self._hdr = bytearray(HEADER.size)
         self._lock = threading.Lock()
+        self._regions: Dict[int, int] = {}  # memfd regions: mapping address -> region id
+        self._cuda_regions: Dict[int, object] = {}  # device regions by allocation buffer id
 
     # ---- plumbing -----------------------------------------------------
     def close(self) -> None:
-        self._sock.close()
+        """Unregisters this connection's regions and events (the daemon
+        would release them with the connection anyway), destroys its CUDA
+        events, and closes the socket."""
+        try:
+            _region.release(self)
+        finally:
+            self._sock.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -584,14 +599,135 @@ class Client:
             ss.append(s)
         return np.concatenate(ks), np.concatenate(vs).reshape(-1, dim), np.concatenate(ss)
 
-    # ---- registered regions (hkvd.shm) --------------------------------
-    def find_shm(self, table: str, keys: np.ndarray, values: np.ndarray,
-                 found: Optional[np.ndarray] = None) -> int:
-        """find with its arrays in ``hkvd.shm_array`` memory: ``values`` (n, dim)
-        and ``found`` (n) are written by the daemon; returns the hits."""
-        return _shm.find(self, table, keys, values, found)
+    # ---- registered regions (hkvd.shm, hkvd.cuda) ---------------------
+    # Every *_region method takes arrays in hkvd.shm_array memory or in CUDA
+    # memory (__cuda_array_interface__, torch CUDA tensors), or Refs from
+    # region_ref; all arrays of one call lie in one kind of memory. For CUDA
+    # arrays, stream / wait / done say how the request is ordered with the
+    # caller's GPU work (hkvd.region.call); they are ignored for shm arrays.
 
-    def insert_or_assign_shm(self, table: str, keys: np.ndarray, values: np.ndarray,
-                             scores: Optional[np.ndarray] = None) -> Summary:
-        """insert_or_assign with its arrays in ``hkvd.shm_array`` memory."""
-        return _shm.insert_or_assign(self, table, keys, values, scores)
+    def region_ref(self, a) -> Ref:
+        """The region reference to ``a``, registering its memory (a memfd,
+        or the CUDA allocation holding it) on this connection the first
+        time. ``ref.head(k)`` names its first k rows without a driver call:
+        resolve a preallocated buffer once, then name prefixes of it."""
+        return _region.ref(self, a)
+
+    def register_cuda(self, a) -> Tuple[int, int]:
+        """Registers the CUDA allocation holding ``a`` (any object with
+        ``__cuda_array_interface__``, or a torch CUDA tensor) if it is not
+        yet, and returns ``(region, offset of a in it)``. Raises
+        ``CudaIpcUnavailable`` when the memory cannot be shared with this
+        daemon (fall back to shm_array or the socket), TypeError for an
+        object that is not CUDA memory."""
+        from . import cuda as _cuda
+
+        if _cuda.describe(a) is None:
+            raise TypeError(f"{type(a).__name__} is not CUDA memory: register_cuda takes an object with "
+                            "__cuda_array_interface__ (CuPy, Numba) or a torch CUDA tensor")
+        r = _region.ref(self, a, "array")
+        return r.region, r.offset
+
+    def cuda_event(self, device: int = 0) -> CudaEvent:
+        """A new interprocess CUDA event on GPU ``device``, registered on
+        this connection: pass it as ``wait`` (the client records it on the
+        stream) or ``done`` (the daemon records it; ``event.wait(stream)``
+        makes a stream wait for the outputs)."""
+        return _region.cuda_event(self, device)
+
+    def unregister(self, region: int) -> None:
+        """Unregisters a region (or event) id of this connection."""
+        self._call(_shm.OP_UNREGISTER, _shm.F_REGION, [struct.pack("<I", region)])
+        for d in (self._regions, self._cuda_regions):
+            for k, v in list(d.items()):
+                if (v if isinstance(v, int) else v.id) == region:
+                    del d[k]
+
+    def _found_scratch(self, keys, n: int):
+        """A scratch found array for ``n`` keys beside ``keys``' memory."""
+        k = _region.ref(self, keys, "keys")
+        if k.where == "shm":
+            return _shm.scratch_found(self, n)
+        cache = self.__dict__.setdefault("_device_found", {})
+        buf = cache.get(k.device)
+        if buf is None or len(buf) < n:
+            size = 1 << max(10, (n - 1).bit_length())
+            if k.lib == "torch":
+                import torch
+
+                buf = torch.empty(size, dtype=torch.uint8, device=f"cuda:{k.device}")
+            elif k.lib == "cupy":
+                import cupy
+
+                with cupy.cuda.Device(k.device):
+                    buf = cupy.empty(size, dtype=cupy.uint8)
+            else:
+                raise ValueError("pass found= (n uint8 in CUDA memory): the client makes scratch arrays with torch "
+                                 "or cupy only")
+            cache[k.device] = buf
+        return buf[:n]
+
+    def find_region(self, table: str, keys, values, found=None, scores=None, *, stream=None, wait=True,
+                    done=True) -> int:
+        """find with its arrays in registered memory: ``keys`` (n, uint64 or
+        int64), ``values`` (n × dim float32, written; misses 0.0),
+        ``found`` (n uint8 or bool, written; a scratch array of the client
+        when None), ``scores`` (n uint64, written, when given). Returns the hits."""
+        k = _region.ref(self, keys, "keys")
+        if found is None:
+            if k.count == 0:
+                return 0
+            found = self._found_scratch(k, k.count)
+        arrays = [k, found, values] + ([scores] if scores is not None else [])
+        body = _region.call(self, OP_FIND, table, arrays, scores is not None, False, stream, wait, done)
+        return 0 if body is None else struct.unpack("<Q", body)[0]
+
+    def contains_region(self, table: str, keys, found=None, *, stream=None, wait=True, done=True) -> int:
+        """contains: ``found`` (n uint8 or bool) written; returns the keys present."""
+        k = _region.ref(self, keys, "keys")
+        if found is None:
+            if k.count == 0:
+                return 0
+            found = self._found_scratch(k, k.count)
+        body = _region.call(self, OP_CONTAINS, table, [k, found], False, False, stream, wait, done)
+        return 0 if body is None else struct.unpack("<Q", body)[0]
+
+    def _write_region(self, op, table, keys, values, scores, outcomes, stream, wait, done) -> Summary:
+        arrays = [keys, values] + ([scores] if scores is not None else []) + ([outcomes] if outcomes is not None else [])
+        body = _region.call(self, op, table, arrays, scores is not None, outcomes is not None, stream, wait, done)
+        return Summary() if body is None else Summary(*struct.unpack("<5Q", body))
+
+    def insert_or_assign_region(self, table: str, keys, values, scores=None, outcomes=None, *, stream=None,
+                                wait=True, done=True) -> Summary:
+        """insert_or_assign with ``keys``, ``values`` (n × dim float32),
+        optional ``scores`` (n uint64) read and ``outcomes`` (n uint8) written."""
+        return self._write_region(OP_INSERT_OR_ASSIGN, table, keys, values, scores, outcomes, stream, wait, done)
+
+    def find_or_insert_region(self, table: str, keys, values, scores=None, outcomes=None, *, stream=None,
+                              wait=True, done=True) -> Summary:
+        """find_or_insert: ``values`` holds the rows to insert for absent
+        keys and is overwritten with every key's stored row."""
+        return self._write_region(OP_FIND_OR_INSERT, table, keys, values, scores, outcomes, stream, wait, done)
+
+    def assign_region(self, table: str, keys, values, scores=None, outcomes=None, *, stream=None, wait=True,
+                      done=True) -> Summary:
+        return self._write_region(OP_ASSIGN, table, keys, values, scores, outcomes, stream, wait, done)
+
+    def accum_or_assign_region(self, table: str, keys, deltas, scores=None, outcomes=None, *, stream=None,
+                               wait=True, done=True) -> Summary:
+        """accum_or_assign: ``deltas`` added to present keys' rows, stored for absent ones."""
+        return self._write_region(OP_ACCUM_OR_ASSIGN, table, keys, deltas, scores, outcomes, stream, wait, done)
+
+    def erase_region(self, table: str, keys, erased=None, *, stream=None, wait=True, done=True) -> int:
+        """erase; ``erased`` (n uint8) written when given. Returns the count erased."""
+        arrays = [keys] + ([erased] if erased is not None else [])
+        body = _region.call(self, OP_ERASE, table, arrays, False, erased is not None, stream, wait, done)
+        return 0 if body is None else struct.unpack("<Q", body)[0]
+
+    def find_shm(self, table: str, keys, values, found=None) -> int:
+        """find_region (the name it had when regions were memfds only)."""
+        return self.find_region(table, keys, values, found)
+
+    def insert_or_assign_shm(self, table: str, keys, values, scores=None) -> Summary:
+        """insert_or_assign_region (the name it had when regions were memfds only)."""
+        return self.insert_or_assign_region(table, keys, values, scores)

@@ -24,7 +24,7 @@ import mmap
 import os
 import socket as _socket
 import struct
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
@@ -109,46 +109,27 @@ def _raw_pending(client, rid):
 
 def ref(client, a: np.ndarray) -> bytes:
     """The 20-byte reference to ``a``, registering its memfd on first use."""
-    m, offset = _memfd_of(a)
-    regions = client.__dict__.setdefault("_regions", {})
-    if m.base not in regions:
-        regions[m.base] = register_memfd(client, m.fd, m.size)
-    return _REF.pack(regions[m.base], offset, a.size)
+    from . import region
+
+    return _REF.pack(*region.ref(client, a).wire())
 
 
-def _str(s: str) -> bytes:
-    b = s.encode()
-    return struct.pack("<H", len(b)) + b
-
-
-def region_call(client, op: int, flags: int, table: str, arrays: List[np.ndarray]) -> bytes:
-    """Sends a region request naming ``arrays`` (in the op's order) and
-    returns the answer body."""
-    body = _str(table) + b"".join(ref(client, a) for a in arrays)
-    return client._call(op, flags | F_REGION, [body])
+def scratch_found(client, n: int) -> np.ndarray:
+    """A client's scratch ``found`` array of ``n`` bytes in shm memory."""
+    scratch = client.__dict__.get("_found")
+    if scratch is None or scratch.size < n:
+        scratch = shm_array((max(n, 1),), np.uint8)
+        client._found = scratch
+    return scratch[:n]
 
 
 def find(client, table: str, keys: np.ndarray, values: np.ndarray, found: Optional[np.ndarray] = None) -> int:
     """find with ``keys`` (n uint64), ``values`` (n × dim float32, written)
     and ``found`` (n uint8 or bool, written) in shm arrays; returns the hits."""
-    from . import OP_FIND
-
-    n = keys.size
-    if found is None:
-        scratch = client.__dict__.get("_found")
-        if scratch is None or scratch.size < n:
-            scratch = shm_array((max(n, 1),), np.uint8)
-            client._found = scratch
-        found = scratch[:n]
-    body = region_call(client, OP_FIND, 0, table, [keys, found, values])
-    return struct.unpack("<Q", body)[0]
+    return client.find_region(table, keys, values, found)
 
 
 def insert_or_assign(client, table: str, keys: np.ndarray, values: np.ndarray, scores: Optional[np.ndarray] = None):
     """insert_or_assign with ``keys``, ``values`` (and ``scores``) in shm
     arrays; returns the summary."""
-    from . import OP_INSERT_OR_ASSIGN, Summary
-
-    arrays = [keys, values] + ([scores] if scores is not None else [])
-    body = region_call(client, OP_INSERT_OR_ASSIGN, F_SCORES if scores is not None else 0, table, arrays)
-    return Summary(*struct.unpack("<5Q", body))
+    return client.insert_or_assign_region(table, keys, values, scores)

@@ -1,10 +1,7 @@
 """Registered regions from Python: shm arrays registered once, find and
 insert_or_assign through them equal the socket's, bad memfds refused."""
 
-import array
 import os
-import socket
-import struct
 
 import numpy as np
 import pytest
