@@ -12,7 +12,7 @@
 // each, so that each row goes in whole-row writes (a group's own stores
 // would send 4 × G bytes at a time).
 
-template <int G, bool AT>
+template <int G, bool AT, bool ZERO = false>
 __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u64 n, float* values, u8* found,
                                            u64* scores, u64* ptrs, u64* cnt, const u8* only, const u32* at,
                                            const HkvSample& smp, u32* seen) {
@@ -65,6 +65,9 @@ __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u
     // together, in whole lines.
     bool host = hit && pos >= t.fast_slots;
     if (hit && !host) hkv_copy_row<G, false>(values + i * t.dim, hkv_row(t, pos), t.dim, g.rank);
+    // ZERO (lookup_findz): a miss's row as zeros, each group its own.
+    if (ZERO && active && !hit)
+        for (u32 e = g.rank; e < t.dim; e += G) values[i * t.dim + e] = 0.0f;
     if (t.fast_slots < t.nbuckets * 128) {
         float* dst = host ? values + i * t.dim : 0;
         const float* src = host ? hkv_row(t, pos) : 0;
@@ -72,15 +75,16 @@ __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u
     }
 }
 
-#define HKV_LOOKUP_KERNEL(NAME, G)                                                                              \
+#define HKV_LOOKUP_KERNEL_Z(NAME, G, Z)                                                                         \
     extern "C" __global__ void NAME(HkvTable t, const u64* keys, u64 n, float* values, u8* found, u64* scores,     \
                                     u64* ptrs, u64* counters, const u8* only, HkvSample smp) {                     \
         HKV_SAMPLE_INIT                                                                                            \
         HKV_COUNTERS_INIT                                                                                          \
-        lookup_one<G, false>(t, keys, n, values, found, scores, ptrs, hkv_cnt, only, 0, smp, &hkv_seen);          \
+        lookup_one<G, false, Z>(t, keys, n, values, found, scores, ptrs, hkv_cnt, only, 0, smp, &hkv_seen);       \
         hkv_flush_counters(hkv_cnt, counters);                                                                     \
         hkv_flush_sample(smp, &hkv_seen);                                                                          \
     }
+#define HKV_LOOKUP_KERNEL(NAME, G) HKV_LOOKUP_KERNEL_Z(NAME, G, false)
 
 #define HKV_LOOKUP_AT_KERNEL(NAME, G)                                                                           \
     extern "C" __global__ void NAME(HkvTable t, const u64* keys, u64 n, const u32* at, float* values, u8* found,   \
@@ -102,6 +106,16 @@ HKV_LOOKUP_KERNEL(lookup_find_g2, 2)
 HKV_LOOKUP_KERNEL(lookup_find_g4, 4)
 HKV_LOOKUP_KERNEL(lookup_find_g16, 16)
 HKV_LOOKUP_KERNEL(lookup_find_g32, 32)
+
+// lookup_findz: as lookup_find, a miss's row written as zeros (where only
+// lets the key through): a client's device arrays (hkvd), answered as the
+// socket answers.
+HKV_LOOKUP_KERNEL_Z(lookup_findz, 8, true)
+HKV_LOOKUP_KERNEL_Z(lookup_findz_g1, 1, true)
+HKV_LOOKUP_KERNEL_Z(lookup_findz_g2, 2, true)
+HKV_LOOKUP_KERNEL_Z(lookup_findz_g4, 4, true)
+HKV_LOOKUP_KERNEL_Z(lookup_findz_g16, 16, true)
+HKV_LOOKUP_KERNEL_Z(lookup_findz_g32, 32, true)
 
 // find_at: key i's flag into found[i], its row into row at[i] of values
 // (4-byte aligned; at null: row i), a miss as zeros; with only (may be

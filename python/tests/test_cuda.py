@@ -50,7 +50,7 @@ if pytest is not None:
 class _Table:
     """A fresh table on the GPU daemon, dropped afterwards."""
 
-    def __init__(self, dim=8, capacity=1 << 16):
+    def __init__(self, dim=8, capacity=1 << 18):
         self.c = hkvd.Client(SOCKET)
         self.name = "gpu_" + uuid.uuid4().hex[:12]
         self.c.create_table(self.name, dim=dim, capacity=capacity)

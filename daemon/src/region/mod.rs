@@ -108,7 +108,7 @@ impl Conn {
         let fd = if h.op == wire::REGISTER_MEMFD { q.pop_front().map(|(fd, _)| fd) } else { None };
         drop(q);
         let regions = wire::is_region(h).then(|| self.regions.lock().clone());
-        let events = (h.flags & wire::EVENTS != 0 && regions.is_some()).then(|| self.events.lock().clone());
+        let events = regions.is_some().then(|| self.events.lock().clone());
         Ctx { conn: self.clone(), fd, regions, events }
     }
 
@@ -126,7 +126,7 @@ pub struct Ctx {
     pub fd: Option<OwnedFd>,
     /// The connection's regions when the frame was read (region requests).
     regions: Option<HashMap<u32, Arc<Region>>>,
-    /// Its events then (region requests with the `EVENTS` flag).
+    /// Its events then (region requests).
     events: Option<HashMap<u32, Arc<IpcEvent>>>,
 }
 

@@ -85,13 +85,19 @@ impl Arr {
 /// capacity.
 fn resolve(
     regions: &HashMap<u32, Arc<Region>>,
+    events: Option<&HashMap<u32, Arc<IpcEvent>>>,
     req: &RegionRequest,
     dim: usize,
 ) -> Result<(Vec<Arr>, usize), ProtoError> {
     let slots = req.slots();
     let mut arrs = Vec::with_capacity(slots.len());
     for (slot, r) in slots.into_iter().zip(&req.refs) {
-        let region = regions.get(&r.region).cloned().ok_or_else(|| not_registered(r.region))?;
+        let Some(region) = regions.get(&r.region).cloned() else {
+            if events.is_some_and(|e| e.contains_key(&r.region)) {
+                return Err(wire::bad_ref(slot.name, r, "that id is an event (register_cuda_event), not memory"));
+            }
+            return Err(not_registered(r.region));
+        };
         let size = slot.elem.size();
         let bytes = r.count.checked_mul(size).ok_or_else(|| wire::bad_ref(slot.name, r, "count overflows"))?;
         let end = r.offset.checked_add(bytes).ok_or_else(|| wire::bad_ref(slot.name, r, "offset + bytes overflows"))?;
@@ -225,7 +231,7 @@ pub(super) async fn run(
 ) -> Result<RegionAnswer, ProtoError> {
     let t = state.router.table(&req.table)?;
     let dim = t.config.dim;
-    let (arrs, n) = resolve(regions, &req, dim)?;
+    let (arrs, n) = resolve(regions, known_events, &req, dim)?;
     if req.op == u8::from(Op::InsertAndEvict) && need(&arrs, "evicted_keys").r.count < n as u64 {
         return Err(err(
             ErrorCode::LengthMismatch,

@@ -139,8 +139,8 @@ pub(crate) struct Ptrs {
     pub(crate) counters: Option<DevPtr<u64>>,
     /// Lookups: the sampler the kernel runs fused ([`CudaTable::sample_args`]; default: off).
     pub(crate) sample: SampleArgs,
-    /// find: write a miss as a row of zeros (the `lookup_at` kernels, key i
-    /// to row i) instead of leaving its row as it was; no scores then.
+    /// find: write a miss as a row of zeros (the `lookup_findz` kernels)
+    /// instead of leaving its row as it was.
     pub(crate) zero_misses: bool,
 }
 

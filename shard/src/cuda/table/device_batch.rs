@@ -278,8 +278,8 @@ impl CudaTable {
         unsafe {
             match op {
                 DeviceOp::Find => {
-                    let zero_misses = p.zero_misses && p.scores.is_none();
-                    let p = Ptrs { values: p.values, found: p.found, scores: p.scores, zero_misses, ..base };
+                    let p =
+                        Ptrs { values: p.values, found: p.found, scores: p.scores, zero_misses: p.zero_misses, ..base };
                     self.k_lookup(s, st, n64, p)?
                 }
                 DeviceOp::FindPtr => self.k_lookup(s, st, n64, Ptrs { ptrs: p.ptrs, ..base })?,

@@ -122,16 +122,6 @@ impl CudaTable {
             Some(p) if n > 0 => Some(self.shard_mask(&mut l, &a.keys, p)?),
             _ => None,
         };
-        if op == DeviceOp::Find && a.scores.is_some() {
-            if let Some(v) = &a.values {
-                let floats = v.len();
-                // SAFETY: `v` is n × dim floats of the client's allocation,
-                // open while `a` lives (checked span), set to 0.0 in stream order.
-                unsafe { cudarc::driver::sys::cuMemsetD32Async(v.ptr().addr(), 0, floats, s.cu_stream()) }
-                    .result()
-                    .map_err(dev_err("zeroing rows"))?;
-            }
-        }
         self.zero_counters(&mut l)?;
         let raw = Raw {
             p: Ptrs {

@@ -28,6 +28,8 @@ pub(super) struct Funcs {
     pub(super) lookup: Vec<Variant>,
     /// The same for find_at (`lookup_at`: rows to given output rows).
     pub(super) lookup_at: Vec<Variant>,
+    /// The same writing misses as zero rows (`lookup_findz`).
+    pub(super) lookup_zero: Vec<Variant>,
     /// Upsert and update kernels with 1 to 32 threads per key ([`WRITE_GROUPS`])
     /// (see [`Funcs::upsert`], [`Funcs::update`]).
     pub(super) upsert: Vec<Variant>,
@@ -106,8 +108,9 @@ impl Funcs {
     /// The lookup kernel for a batch of rows of `dim` floats: 1 thread per
     /// key when no values are copied out (contains, find*), else 2, or one
     /// per 16 floats of a wide row; 16 for a batch in region order
-    /// (`ordered`, a table with a host tier). `at`: the find_at kernel.
-    pub(super) fn lookup(&self, values: bool, dim: usize, ordered: bool, at: bool) -> &Variant {
+    /// (`ordered`, a table with a host tier). `at`: the find_at kernel;
+    /// `zero`: the kernel that writes misses as zero rows.
+    pub(super) fn lookup(&self, values: bool, dim: usize, ordered: bool, at: bool, zero: bool) -> &Variant {
         let g = if ordered {
             HOST_TIER_LOOKUP
         } else if values {
@@ -115,7 +118,14 @@ impl Funcs {
         } else {
             1
         };
-        pick(if at { &self.lookup_at } else { &self.lookup }, self.forced_lookup.unwrap_or(g))
+        let vs = if at {
+            &self.lookup_at
+        } else if zero {
+            &self.lookup_zero
+        } else {
+            &self.lookup
+        };
+        pick(vs, self.forced_lookup.unwrap_or(g))
     }
 
     /// The upsert kernel for a table at `load`: 1 thread per key, from
@@ -193,6 +203,7 @@ mod tests {
         let asked = [
             (KernelId::Lookup, "lookup_find", &LOOKUP_GROUPS[..]),
             (KernelId::Lookup, "lookup_at", &LOOKUP_GROUPS[..]),
+            (KernelId::Lookup, "lookup_findz", &LOOKUP_GROUPS[..]),
             (KernelId::Upsert, "upsert_keys", &WRITE_GROUPS[..]),
             (KernelId::Update, "update_keys", &WRITE_GROUPS[..]),
         ];

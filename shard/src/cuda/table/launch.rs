@@ -147,12 +147,13 @@ impl CudaTable {
     /// is synchronised. `p.sample` is off or this table's
     /// [`CudaTable::sample_args`]: the kernel samples the keys it serves.
     pub(super) unsafe fn k_lookup(&self, l: &Arc<CudaStream>, st: &Storage, n: u64, p: Ptrs) -> Result<()> {
-        let at = p.at.is_some() || p.zero_misses;
+        let at = p.at.is_some();
+        let zero = p.zero_misses && !at;
         let smp = p.sample;
         let p = p.addrs(n, self.config.dim)?;
         let c = p.counters;
         let (order, args) = self.key_order(l, st, n, p.keys, p.values != 0)?;
-        let v = self.f.lookup(p.values != 0, self.config.dim, order.is_some(), at);
+        let v = self.f.lookup(p.values != 0, self.config.dim, order.is_some(), at, zero);
         let mut b = l.launch_builder(&v.f);
         if at {
             b.arg(&args).arg(&p.keys).arg(&n).arg(&p.at).arg(&p.values).arg(&p.found).arg(&c).arg(&p.only).arg(&smp);

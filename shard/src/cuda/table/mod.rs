@@ -142,6 +142,7 @@ impl CudaTable {
         let f = Funcs {
             lookup: variants(KernelId::Lookup, "lookup_find", &LOOKUP_GROUPS)?,
             lookup_at: variants(KernelId::Lookup, "lookup_at", &LOOKUP_GROUPS)?,
+            lookup_zero: variants(KernelId::Lookup, "lookup_findz", &LOOKUP_GROUPS)?,
             upsert: variants(KernelId::Upsert, "upsert_keys", &WRITE_GROUPS)?,
             update: variants(KernelId::Update, "update_keys", &WRITE_GROUPS)?,
             update_bounded: Variant { f: get(KernelId::Update, "update_keys_g2_b5")?, g: 2 },
