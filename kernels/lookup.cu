@@ -75,7 +75,7 @@ __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u
     }
 }
 
-#define HKV_LOOKUP_KERNEL_Z(NAME, G, Z)                                                                         \
+#define HKV_LOOKUP_KERNEL_T(NAME, G, Z)                                                                         \
     extern "C" __global__ void NAME(HkvTable t, const u64* keys, u64 n, float* values, u8* found, u64* scores,     \
                                     u64* ptrs, u64* counters, const u8* only, HkvSample smp) {                     \
         HKV_SAMPLE_INIT                                                                                            \
@@ -84,7 +84,8 @@ __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u
         hkv_flush_counters(hkv_cnt, counters);                                                                     \
         hkv_flush_sample(smp, &hkv_seen);                                                                          \
     }
-#define HKV_LOOKUP_KERNEL(NAME, G) HKV_LOOKUP_KERNEL_Z(NAME, G, false)
+#define HKV_LOOKUP_KERNEL(NAME, G) HKV_LOOKUP_KERNEL_T(NAME, G, false)
+#define HKV_LOOKUPZ_KERNEL(NAME, G) HKV_LOOKUP_KERNEL_T(NAME, G, true)
 
 #define HKV_LOOKUP_AT_KERNEL(NAME, G)                                                                           \
     extern "C" __global__ void NAME(HkvTable t, const u64* keys, u64 n, const u32* at, float* values, u8* found,   \
@@ -110,12 +111,12 @@ HKV_LOOKUP_KERNEL(lookup_find_g32, 32)
 // lookup_findz: as lookup_find, a miss's row written as zeros (where only
 // lets the key through): a client's device arrays (hkvd), answered as the
 // socket answers.
-HKV_LOOKUP_KERNEL_Z(lookup_findz, 8, true)
-HKV_LOOKUP_KERNEL_Z(lookup_findz_g1, 1, true)
-HKV_LOOKUP_KERNEL_Z(lookup_findz_g2, 2, true)
-HKV_LOOKUP_KERNEL_Z(lookup_findz_g4, 4, true)
-HKV_LOOKUP_KERNEL_Z(lookup_findz_g16, 16, true)
-HKV_LOOKUP_KERNEL_Z(lookup_findz_g32, 32, true)
+HKV_LOOKUPZ_KERNEL(lookup_findz, 8)
+HKV_LOOKUPZ_KERNEL(lookup_findz_g1, 1)
+HKV_LOOKUPZ_KERNEL(lookup_findz_g2, 2)
+HKV_LOOKUPZ_KERNEL(lookup_findz_g4, 4)
+HKV_LOOKUPZ_KERNEL(lookup_findz_g16, 16)
+HKV_LOOKUPZ_KERNEL(lookup_findz_g32, 32)
 
 // find_at: key i's flag into found[i], its row into row at[i] of values
 // (4-byte aligned; at null: row i), a miss as zeros; with only (may be
