@@ -1,6 +1,6 @@
 //! Region requests on a client's device memory served by the table's
 //! kernels in place (`CudaTable::run_ipc`): find, contains, erase without
-//! OUTCOMES, and insert_or_assign, assign, find_or_insert,
+//! OUTCOMES, and insert_or_assign, assign, accum_or_assign, find_or_insert,
 //! insert_and_evict without SCORES or OUTCOMES, on a table whose shards
 //! all live on the GPU of the regions. With one shard, it serves the whole
 //! batch; with several, each shard serves its own keys of the batch in
@@ -53,6 +53,7 @@ fn device_op(req: &RegionRequest) -> Option<DeviceOp> {
         Op::Erase if !req.outcomes => DeviceOp::Erase,
         Op::InsertOrAssign if plain_write => DeviceOp::InsertOrAssign,
         Op::Assign if plain_write => DeviceOp::Assign,
+        Op::AccumOrAssign if plain_write => DeviceOp::AccumOrAssign,
         Op::FindOrInsert if plain_write => DeviceOp::FindOrInsert,
         Op::InsertAndEvict if plain_write => DeviceOp::InsertAndEvict,
         _ => return None,

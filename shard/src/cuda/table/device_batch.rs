@@ -23,6 +23,9 @@ pub enum DeviceOp {
     FindOrInsertPtr,
     /// Overwrite present keys' values.
     Assign,
+    /// Add `values` (deltas) to present keys' values; insert absent keys
+    /// with the deltas as their values (one upsert launch, inserter group).
+    AccumOrAssign,
     /// Remove keys.
     Erase,
     /// Insert or overwrite `values` with the given `scores` kept verbatim
@@ -228,6 +231,7 @@ impl CudaTable {
             DeviceOp::InsertAndEvict => Op::InsertAndEvict,
             DeviceOp::FindOrInsert | DeviceOp::FindOrInsertPtr => Op::FindOrInsert,
             DeviceOp::Assign => Op::Assign,
+            DeviceOp::AccumOrAssign => Op::AccumOrAssign,
             DeviceOp::Erase => Op::Erase,
             DeviceOp::Export { .. } => Op::Export,
         };
@@ -304,6 +308,10 @@ impl CudaTable {
                     UP_FIND_OR_INSERT_PTR,
                     Ptrs { ptrs: p.ptrs, ..base },
                 )?,
+                DeviceOp::AccumOrAssign => {
+                    let q = Ptrs { values: p.values, ..base };
+                    self.k_upsert(s, st, self.scoring(false), n64, UP_ACCUM, q)?
+                }
                 DeviceOp::Assign => {
                     self.k_update(s, st, self.scoring(false), n64, UPD_ASSIGN, Ptrs { values: p.values, ..base })?
                 }

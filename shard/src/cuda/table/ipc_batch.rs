@@ -45,7 +45,7 @@ pub struct IpcPart {
 
 impl CudaTable {
     /// Runs `op` (find, contains, erase, insert_or_assign, assign,
-    /// find_or_insert or insert_and_evict) on the keys of `a`, in the
+    /// accum_or_assign, find_or_insert or insert_and_evict) on the keys of `a`, in the
     /// client's memory, under the op's lock group; a find writes misses as
     /// rows of zeros. With `part`, only the keys of that shard are served
     /// and nothing of the others is written (not for insert_and_evict, whose
@@ -84,7 +84,9 @@ impl CudaTable {
             }
             DeviceOp::Contains => want("found flags", a.found.as_ref().map(IpcSpan::len), n)?,
             DeviceOp::Erase => {}
-            DeviceOp::InsertOrAssign | DeviceOp::Assign | DeviceOp::FindOrInsert => want("values", values, n * dim)?,
+            DeviceOp::InsertOrAssign | DeviceOp::Assign | DeviceOp::FindOrInsert | DeviceOp::AccumOrAssign => {
+                want("values", values, n * dim)?
+            }
             DeviceOp::InsertAndEvict => {
                 want("values", values, n * dim)?;
                 let Some(l) = &a.lost else {
