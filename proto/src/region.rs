@@ -46,6 +46,10 @@ pub const REGISTER_CUDA_EVENT: u8 = Op::RegisterCudaEvent as u8;
 /// done_event` (ids from `register_cuda_event`, 0 for none).
 pub const EVENTS: u16 = 0x0020;
 
+/// A count in the answer to a request on device regions with a done event,
+/// answered once its kernels were queued, before they ran: not counted.
+pub const NOT_COUNTED: u64 = u64::MAX;
+
 /// Bytes of a CUDA IPC handle (memory or event) on the wire.
 pub const IPC_HANDLE_LEN: usize = 64;
 /// Bytes of a device UUID on the wire (`cuDeviceGetUuid`).

@@ -668,11 +668,13 @@ class Client:
         return buf[:n]
 
     def find_region(self, table: str, keys, values, found=None, scores=None, *, stream=None, wait=True,
-                    done=True) -> int:
+                    done=False) -> Optional[int]:
         """find with its arrays in registered memory: ``keys`` (n, uint64 or
         int64), ``values`` (n × dim float32, written; misses 0.0),
         ``found`` (n uint8 or bool, written; a scratch array of the client
-        when None), ``scores`` (n uint64, written, when given). Returns the hits."""
+        when None), ``scores`` (n uint64, written, when given). Returns the
+        hits; None with ``done`` on the GPU path, where the daemon answers
+        before the lookup ran (see ``hkvd.region.call``)."""
         k = _region.ref(self, keys, "keys")
         if found is None:
             if k.count == 0:
@@ -680,9 +682,9 @@ class Client:
             found = self._found_scratch(k, k.count)
         arrays = [k, found, values] + ([scores] if scores is not None else [])
         body = _region.call(self, OP_FIND, table, arrays, scores is not None, False, stream, wait, done)
-        return 0 if body is None else struct.unpack("<Q", body)[0]
+        return _region.count(body)
 
-    def contains_region(self, table: str, keys, found=None, *, stream=None, wait=True, done=True) -> int:
+    def contains_region(self, table: str, keys, found=None, *, stream=None, wait=True, done=False) -> Optional[int]:
         """contains: ``found`` (n uint8 or bool) written; returns the keys present."""
         k = _region.ref(self, keys, "keys")
         if found is None:
@@ -690,39 +692,42 @@ class Client:
                 return 0
             found = self._found_scratch(k, k.count)
         body = _region.call(self, OP_CONTAINS, table, [k, found], False, False, stream, wait, done)
-        return 0 if body is None else struct.unpack("<Q", body)[0]
+        return _region.count(body)
 
-    def _write_region(self, op, table, keys, values, scores, outcomes, stream, wait, done) -> Summary:
+    def _write_region(self, op, table, keys, values, scores, outcomes, stream, wait, done) -> Optional[Summary]:
         arrays = [keys, values] + ([scores] if scores is not None else []) + ([outcomes] if outcomes is not None else [])
         body = _region.call(self, op, table, arrays, scores is not None, outcomes is not None, stream, wait, done)
-        return Summary() if body is None else Summary(*struct.unpack("<5Q", body))
+        if body is None:
+            return Summary()
+        fields = struct.unpack("<5Q", body)
+        return None if fields[0] == _region.NOT_COUNTED else Summary(*fields)
 
     def insert_or_assign_region(self, table: str, keys, values, scores=None, outcomes=None, *, stream=None,
-                                wait=True, done=True) -> Summary:
+                                wait=True, done=False) -> Optional[Summary]:
         """insert_or_assign with ``keys``, ``values`` (n × dim float32),
         optional ``scores`` (n uint64) read and ``outcomes`` (n uint8) written."""
         return self._write_region(OP_INSERT_OR_ASSIGN, table, keys, values, scores, outcomes, stream, wait, done)
 
     def find_or_insert_region(self, table: str, keys, values, scores=None, outcomes=None, *, stream=None,
-                              wait=True, done=True) -> Summary:
+                              wait=True, done=False) -> Optional[Summary]:
         """find_or_insert: ``values`` holds the rows to insert for absent
         keys and is overwritten with every key's stored row."""
         return self._write_region(OP_FIND_OR_INSERT, table, keys, values, scores, outcomes, stream, wait, done)
 
     def assign_region(self, table: str, keys, values, scores=None, outcomes=None, *, stream=None, wait=True,
-                      done=True) -> Summary:
+                      done=False) -> Optional[Summary]:
         return self._write_region(OP_ASSIGN, table, keys, values, scores, outcomes, stream, wait, done)
 
     def accum_or_assign_region(self, table: str, keys, deltas, scores=None, outcomes=None, *, stream=None,
-                               wait=True, done=True) -> Summary:
+                               wait=True, done=False) -> Optional[Summary]:
         """accum_or_assign: ``deltas`` added to present keys' rows, stored for absent ones."""
         return self._write_region(OP_ACCUM_OR_ASSIGN, table, keys, deltas, scores, outcomes, stream, wait, done)
 
-    def erase_region(self, table: str, keys, erased=None, *, stream=None, wait=True, done=True) -> int:
+    def erase_region(self, table: str, keys, erased=None, *, stream=None, wait=True, done=False) -> Optional[int]:
         """erase; ``erased`` (n uint8) written when given. Returns the count erased."""
         arrays = [keys] + ([erased] if erased is not None else [])
         body = _region.call(self, OP_ERASE, table, arrays, False, erased is not None, stream, wait, done)
-        return 0 if body is None else struct.unpack("<Q", body)[0]
+        return _region.count(body)
 
     def find_shm(self, table: str, keys, values, found=None) -> int:
         """find_region (the name it had when regions were memfds only)."""

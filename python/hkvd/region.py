@@ -289,8 +289,22 @@ def check(refs: Sequence[Ref], sl: Sequence[Slot], dim: Optional[int]) -> int:
     return n
 
 
+# A count the daemon answers when it answered before the kernels ran (a done
+# event on the GPU path): not counted.
+NOT_COUNTED = (1 << 64) - 1
+
+
+def count(body: Optional[bytes]) -> Optional[int]:
+    """The u64 count of an answer body: 0 for no request, None when the
+    daemon answered before counting (``done`` event on the GPU path)."""
+    if body is None:
+        return 0
+    v = struct.unpack("<Q", body)[0]
+    return None if v == NOT_COUNTED else v
+
+
 def call(client, op: int, table: str, arrays: Sequence, scores: bool = False, outcomes: bool = False,
-         stream=None, wait=True, done=True) -> Optional[bytes]:
+         stream=None, wait=True, done=False) -> Optional[bytes]:
     """Sends a region request naming ``arrays`` (in the op's slot order) and
     returns the answer body, or None when there are no keys (nothing sent).
 
@@ -306,10 +320,13 @@ def call(client, op: int, table: str, arrays: Sequence, scores: bool = False, ou
       are written).
     - ``done``: True, the daemon records the client's done event after its
       last write and ``stream`` waits for it once the answer is read, so
-      work queued on ``stream`` afterwards sees the outputs; a CudaEvent:
+      work queued on ``stream`` afterwards sees the outputs; where the
+      request runs on the GPU in place (one shard), the daemon answers as
+      soon as its kernels are queued, before they ran, and the counts of the
+      answer are ``NOT_COUNTED`` (the methods return None); a CudaEvent:
       the daemon records that one and the caller waits for it (say with
-      ``event.wait(stream)``); False or None: no event (the outputs are
-      complete when the answer is read).
+      ``event.wait(stream)``); False or None (default): no event (the
+      outputs are complete, and counted, when the answer is read).
     """
     sl = slots(op, scores, outcomes)
     if len(arrays) != len(sl):

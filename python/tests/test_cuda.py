@@ -77,31 +77,31 @@ def test_device_tensors_give_the_socket_answers():
         with _Table() as (c, t):
             keys = torch.arange(1, 1001, dtype=torch.int64, device=dev)
             values = torch.from_numpy(rows(np.arange(1, 1001), 8)).to(dev)
-            s = c.insert_or_assign_region(t, keys, values, wait=events, done=events)
+            s = c.insert_or_assign_region(t, keys, values, wait=events, done=False)
             assert s.inserted == 1000, s
             probe = torch.arange(501, 1501, dtype=torch.int64, device=dev)
             out = torch.full((1000, 8), 7.5, device=dev)
             found = torch.zeros(1000, dtype=torch.uint8, device=dev)
-            assert c.find_region(t, probe, out, found, wait=events, done=events) == 500
+            assert c.find_region(t, probe, out, found, wait=events, done=False) == 500
             want, wfound = c.find(t, np.arange(501, 1501, dtype=np.uint64))
             assert np.array_equal(out.cpu().numpy(), want)
             assert np.array_equal(found.cpu().numpy().astype(bool), wfound)
             # bool found flags and a scratch found array.
             fb = torch.zeros(1000, dtype=torch.bool, device=dev)
-            assert c.contains_region(t, probe, fb, wait=events, done=events) == 500
+            assert c.contains_region(t, probe, fb, wait=events, done=False) == 500
             assert np.array_equal(fb.cpu().numpy(), wfound)
-            assert c.contains_region(t, probe, wait=events, done=events) == 500
+            assert c.contains_region(t, probe, wait=events, done=False) == 500
             # find_or_insert: the stored rows for hits, the given ones inserted for misses.
             fi = torch.full((1000, 8), -1.0, device=dev)
-            s = c.find_or_insert_region(t, probe, fi, wait=events, done=events)
+            s = c.find_or_insert_region(t, probe, fi, wait=events, done=False)
             assert (s.updated + s.inserted, s.inserted) == (1000, 500), s
             assert np.array_equal(fi[:500].cpu().numpy(), want[:500]) and bool((fi[500:] == -1).all())
             # accum_or_assign (staged by the daemon) and assign.
-            c.accum_or_assign_region(t, keys[:10], torch.ones((10, 8), device=dev), wait=events, done=events)
+            c.accum_or_assign_region(t, keys[:10], torch.ones((10, 8), device=dev), wait=events, done=False)
             got, _ = c.find(t, np.arange(1, 11, dtype=np.uint64))
             assert np.allclose(got, rows(np.arange(1, 11), 8) + 1)
-            assert c.assign_region(t, keys[:2], values[:2], wait=events, done=events).updated == 2
-            assert c.erase_region(t, probe[-100:], wait=events, done=events) == 100
+            assert c.assign_region(t, keys[:2], values[:2], wait=events, done=False).updated == 2
+            assert c.erase_region(t, probe[-100:], wait=events, done=False) == 100
             assert not c.contains(t, np.arange(1401, 1501, dtype=np.uint64)).any()
 
 
@@ -152,14 +152,22 @@ def test_events_order_the_request_with_a_side_stream():
             d.wait(s.cuda_stream)
             total = out.sum()
         torch.cuda.synchronize()
-        assert hits == n
+        # With a done event the daemon answers once the lookup is queued: no
+        # count; the event orders the stream after the rows are written.
+        assert hits is None
         assert abs(float(total) - float(rows(np.arange(1, n + 1), 8).sum())) < 1e-3 * float(total)
         d.synchronize()
-        # The default: the client's own events on torch's current stream.
+        # The default: the client's own wait event on torch's current
+        # stream, no done event: an answer after the lookup, counted.
         keys2 = torch.arange(1, 101, dtype=torch.int64, device=dev)
         out2 = torch.zeros((100, 8), device=dev)
         assert c.find_region(t, keys2, out2) == 100
         assert np.array_equal(out2.cpu().numpy(), rows(np.arange(1, 101), 8))
+        # done=True: the client's own done event, the answer uncounted, the
+        # current stream made to wait for the rows.
+        out3 = torch.zeros((100, 8), device=dev)
+        assert c.find_region(t, keys2, out3, done=True) is None
+        assert np.array_equal(out3.cpu().numpy(), rows(np.arange(1, 101), 8))
 
 
 def test_embedding_cache_over_cuda_ipc_equals_the_socket():

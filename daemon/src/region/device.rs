@@ -7,15 +7,17 @@
 //! place (a mask of them made on the GPU, `IpcPart`), all at once, after
 //! one scan of the keys for reserved markers before a write (not
 //! insert_and_evict, whose compacted outputs the shards would share, nor a
-//! find with scores). Everything else is staged by `run`.
+//! find with scores). With a done event on a table of one shard the answer
+//! goes as soon as the kernels are queued (`early`). Everything else is
+//! staged by `run`.
 
 use std::sync::Arc;
 
 use futures::future::join_all;
-use hkv_proto::region::{RegionAnswer, RegionRequest};
-use hkv_proto::{ErrorCode, Op, ProtoError};
+use hkv_proto::region::{RegionAnswer, RegionRequest, NOT_COUNTED};
+use hkv_proto::{ErrorCode, Op, ProtoError, Summary};
 use hkv_shard::cuda::ipc::{IpcEvent, IpcSpan};
-use hkv_shard::cuda::table::{Counts, DeviceOp, IpcArrays, IpcPart};
+use hkv_shard::cuda::table::{Counts, DeviceOp, IpcArrays, IpcOrder, IpcPart};
 use hkv_shard::Shard;
 
 use super::run::Arr;
@@ -24,6 +26,55 @@ use crate::actor::{SubOp, SubResult};
 use crate::error::shard_error;
 use crate::router::{to_wire, Table};
 use crate::state::State;
+
+/// A request with a done event on a table of one shard: answered as soon
+/// as its kernels are queued and the event recorded, before they ran, with
+/// every count [`NOT_COUNTED`] (the client's stream waits on the event for
+/// the outputs); the batch completes on the actor meanwhile, holding the
+/// regions. A request refused before it was queued answers its error.
+async fn early(
+    state: &Arc<State>,
+    t: &Arc<Table>,
+    op: DeviceOp,
+    arrays: IpcArrays,
+    wait: Option<Arc<IpcEvent>>,
+    done: Option<Arc<IpcEvent>>,
+) -> Result<RegionAnswer, ProtoError> {
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let (state, t) = (state.clone(), t.clone());
+    let run = tokio::spawn(async move {
+        let r = on_shard(&state, &t, 0, move |c| {
+            let queued: Box<dyn FnOnce() + Send> = Box::new(move || {
+                let _ = tx.send(());
+            });
+            c.run_ipc(
+                op,
+                &arrays,
+                None,
+                IpcOrder { wait: wait.as_deref(), done: done.as_deref(), queued: Some(queued) },
+            )
+        })
+        .await;
+        if let Err(e) = &r {
+            tracing::warn!(error = %e.message, "a device region request failed after it was answered");
+        }
+        r
+    });
+    if rx.await.is_ok() {
+        let n = NOT_COUNTED;
+        return Ok(match op {
+            DeviceOp::Find | DeviceOp::Contains | DeviceOp::Erase => RegionAnswer::Count(n),
+            _ => RegionAnswer::Write(Summary { updated: n, inserted: n, evicted: n, rejected: n, absent: n }),
+        });
+    }
+    // Refused before it was queued: its error (or, had it run, its counts).
+    let c = run.await.map_err(|e| err(ErrorCode::Internal, format!("the request's task failed: {e}")))??;
+    Ok(match op {
+        DeviceOp::Find | DeviceOp::Contains => RegionAnswer::Count(c.hits),
+        DeviceOp::Erase => RegionAnswer::Count(c.erased),
+        _ => RegionAnswer::Write(to_wire(c.summary)),
+    })
+}
 
 /// Runs `f` on shard `i`'s CUDA table, on its actor.
 async fn on_shard(
@@ -113,9 +164,14 @@ pub(super) async fn run(
         _ => None,
     };
     let arrays = IpcArrays { keys, values, found, scores, lost };
-    let c = if shards == 1 {
+    let c = if shards == 1 && done.is_some() && op != DeviceOp::InsertAndEvict {
+        return early(state, t, op, arrays, wait.clone(), done.clone()).await.map(Some);
+    } else if shards == 1 {
         let (wait, done) = (wait.clone(), done.clone());
-        on_shard(state, t, 0, move |c| c.run_ipc(op, &arrays, None, wait.as_deref(), done.as_deref())).await?
+        on_shard(state, t, 0, move |c| {
+            c.run_ipc(op, &arrays, None, IpcOrder { wait: wait.as_deref(), done: done.as_deref(), queued: None })
+        })
+        .await?
     } else {
         if !matches!(op, DeviceOp::Find | DeviceOp::Contains) {
             let keys = arrays.keys.clone();
@@ -124,7 +180,9 @@ pub(super) async fn run(
         let parts = (0..shards).map(|i| {
             let (arrays, wait) = (arrays.clone(), wait.clone());
             let part = IpcPart { shard: i as u32, shards: shards as u32 };
-            on_shard(state, t, i, move |c| c.run_ipc(op, &arrays, Some(part), wait.as_deref(), None))
+            on_shard(state, t, i, move |c| {
+                c.run_ipc(op, &arrays, Some(part), IpcOrder { wait: wait.as_deref(), ..IpcOrder::default() })
+            })
         });
         let mut total = Counts::default();
         for r in join_all(parts).await {

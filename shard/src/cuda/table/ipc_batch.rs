@@ -33,6 +33,19 @@ impl IpcArrays {
     }
 }
 
+/// How a request on client memory is ordered with the client's own work
+/// ([`CudaTable::run_ipc`]).
+#[derive(Default)]
+pub struct IpcOrder<'a> {
+    /// The stream waits for this event before the first read of the arrays.
+    pub wait: Option<&'a IpcEvent>,
+    /// Recorded on the stream after the last write into the arrays.
+    pub done: Option<&'a IpcEvent>,
+    /// Called once the batch is queued on the GPU (and `done` recorded),
+    /// before it has run: a caller may answer its client then.
+    pub queued: Option<Box<dyn FnOnce() + Send + 'a>>,
+}
+
 /// One shard's part of a batch that every shard of a table reads in place:
 /// the keys `hash::shard_of(key, shards) == shard`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,15 +69,10 @@ impl CudaTable {
     /// refuses the batch whole ([`Error::ReservedKey`]) when one is a
     /// reserved marker (with a part, the caller checks the whole batch
     /// first: [`CudaTable::check_ipc_keys`]); a find or contains answers
-    /// such keys as misses. Returns when the batch is done, with its counts.
-    pub fn run_ipc(
-        &self,
-        op: DeviceOp,
-        a: &IpcArrays,
-        part: Option<IpcPart>,
-        wait: Option<&IpcEvent>,
-        done: Option<&IpcEvent>,
-    ) -> Result<Counts> {
+    /// such keys as misses. `order.queued` is called once the batch is on
+    /// the GPU's queue. Returns when the batch is done, with its counts.
+    pub fn run_ipc(&self, op: DeviceOp, a: &IpcArrays, part: Option<IpcPart>, order: IpcOrder<'_>) -> Result<Counts> {
+        let IpcOrder { wait, done, queued } = order;
         let n = a.keys.len();
         if part.is_some() && (op == DeviceOp::InsertAndEvict || a.scores.is_some()) {
             return Err(Error::Config(format!("{op:?} with compacted outputs or scores is not served in parts")));
@@ -151,6 +159,9 @@ impl CudaTable {
         let pending = unsafe { self.enqueue(op, &s, n, raw) }?;
         if let Some(e) = done {
             e.record(&s)?;
+        }
+        if let Some(q) = queued {
+            q();
         }
         // SAFETY: the counters buffer holds NCOUNTERS values and lives as long as the lane.
         let r = unsafe { l.stage.fetch(&s, ptr(&l.counters, &s), NCOUNTERS) }?;

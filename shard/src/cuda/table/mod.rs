@@ -88,7 +88,7 @@ pub use abi::Counts;
 pub(crate) use abi::{opt_ptr, ptr, ExportPtrs, LostPtrs, Ptrs};
 pub use device_batch::{DeviceBatch, DeviceOp, DeviceRun};
 pub(crate) use device_batch::{ExportArgs, Pending, Raw};
-pub use ipc_batch::{IpcArrays, IpcLost, IpcPart};
+pub use ipc_batch::{IpcArrays, IpcLost, IpcOrder, IpcPart};
 pub(crate) use launch::scan_config;
 
 const S: u64 = BUCKET_SLOTS as u64;
