@@ -1,8 +1,9 @@
 //! Region requests on a client's device memory served by the table's
 //! kernels in place (`CudaTable::run_ipc`): find, contains, erase without
 //! OUTCOMES, and insert_or_assign, assign, accum_or_assign, find_or_insert,
-//! insert_and_evict without SCORES or OUTCOMES, on a table whose shards
-//! all live on the GPU of the regions. With one shard, it serves the whole
+//! insert_and_evict without SCORES or OUTCOMES, on a table whose shards'
+//! GPUs all reach the regions (the regions' own GPU, or another with peer
+//! access to it, over NVLink or PCIe). With one shard, it serves the whole
 //! batch; with several, each shard serves its own keys of the batch in
 //! place (a mask of them made on the GPU, `IpcPart`), all at once, after
 //! one scan of the keys for reserved markers before a write (not
@@ -128,11 +129,20 @@ pub(super) async fn run(
         return Ok(None);
     }
     let ordinals = &state.router.ordinals;
-    let Some(&gpu) = ordinals.first() else { return Ok(None) };
-    if ordinals.len() != shards || ordinals.iter().any(|&o| o != gpu) {
+    if ordinals.len() != shards {
         return Ok(None);
     }
-    if arrs.iter().any(|a| a.region.device().is_none_or(|m| m.ordinal() != gpu)) {
+    // Every shard's GPU must reach every array: its own GPU's memory, or
+    // another's over peer access (else the request is staged).
+    let mut mems: Vec<&Arc<hkv_shard::cuda::ipc::IpcMem>> = Vec::new();
+    for a in arrs {
+        match a.region.device() {
+            Some(m) if !mems.iter().any(|x| Arc::ptr_eq(x, m)) => mems.push(m),
+            Some(_) => {}
+            None => return Ok(None),
+        }
+    }
+    if !mems.iter().all(|m| ordinals.iter().all(|&o| m.reachable_from(o))) {
         return Ok(None);
     }
     let dim = t.config.dim as u64;

@@ -61,6 +61,9 @@ pub struct IpcMem {
     ptr: u64,
     /// Bytes registered (at most the allocation's).
     len: u64,
+    /// Whether kernels on another GPU reach it (peer access), by ordinal,
+    /// once asked.
+    peers: parking_lot::Mutex<Vec<(usize, bool)>>,
 }
 
 impl std::fmt::Debug for IpcMem {
@@ -91,7 +94,7 @@ impl IpcMem {
                  memory and the daemon's own cannot be opened)"
             )));
         }
-        let mem = IpcMem { dev, ordinal, ptr, len };
+        let mem = IpcMem { dev, ordinal, ptr, len, peers: parking_lot::Mutex::new(Vec::new()) };
         let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
         // SAFETY: writes a base address and a size about an address the
         // driver just mapped.
@@ -101,6 +104,45 @@ impl IpcMem {
             return Err(Error::Config(format!("{len} bytes asked for, the allocation holds {avail}")));
         }
         Ok(mem)
+    }
+
+    /// Whether kernels on GPU `ordinal` can read and write this memory: its
+    /// own GPU, or another with peer access to it, which this enables (in
+    /// `ordinal`'s context, towards this memory's; the handle was opened
+    /// with `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`, so the mapping follows).
+    /// Asked of the driver once per GPU.
+    pub fn reachable_from(&self, ordinal: usize) -> bool {
+        if ordinal == self.ordinal {
+            return true;
+        }
+        if let Some(&(_, ok)) = self.peers.lock().iter().find(|(o, _)| *o == ordinal) {
+            return ok;
+        }
+        let ok = self.enable_peer(ordinal).is_ok();
+        self.peers.lock().push((ordinal, ok));
+        ok
+    }
+
+    fn enable_peer(&self, ordinal: usize) -> Result<()> {
+        let other = shared_device(ordinal)?;
+        let mut can = 0;
+        // SAFETY: both are devices of an initialised driver; `can` is a
+        // local out-parameter.
+        check(
+            unsafe { sys::cuDeviceCanAccessPeer(&mut can, other.ctx.cu_device(), self.dev.ctx.cu_device()) },
+            "cuDeviceCanAccessPeer",
+        )?;
+        if can == 0 {
+            return Err(Error::Device(format!("GPU {ordinal} has no peer access to GPU {}", self.ordinal)));
+        }
+        other.ctx.bind_to_thread().map_err(dev_err("binding the device's context"))?;
+        // SAFETY: `other`'s context is current; this memory's context lives
+        // as long as its shared device (held by `self.dev`).
+        let r = unsafe { sys::cuCtxEnablePeerAccess(self.dev.ctx.cu_ctx(), 0) };
+        if r != sys::CUresult::CUDA_SUCCESS && r != sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+            return Err(Error::Device(format!("cuCtxEnablePeerAccess failed ({r:?})")));
+        }
+        Ok(())
     }
 
     /// Its address in this process.

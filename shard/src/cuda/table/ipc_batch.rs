@@ -115,9 +115,17 @@ impl CudaTable {
             want("scores", Some(s.len()), n)?;
         }
         let ordinal = self.dev.info.ordinal;
-        let mems = [Some(a.keys.mem()), a.values.as_ref().map(IpcSpan::mem), a.found.as_ref().map(IpcSpan::mem)];
-        if let Some(m) = mems.into_iter().flatten().find(|m| m.ordinal() != ordinal) {
-            return Err(Error::Config(format!("client memory on GPU {} for a table on GPU {ordinal}", m.ordinal())));
+        let mut mems = vec![a.keys.mem(), a.values.as_ref().map_or(a.keys.mem(), IpcSpan::mem)];
+        mems.extend(a.found.as_ref().map(IpcSpan::mem));
+        mems.extend(a.scores.as_ref().map(IpcSpan::mem));
+        if let Some(l) = &a.lost {
+            mems.extend([l.0.mem(), l.1.mem(), l.2.mem(), l.3.mem()]);
+        }
+        if let Some(m) = mems.into_iter().find(|m| !m.reachable_from(ordinal)) {
+            return Err(Error::Config(format!(
+                "client memory on GPU {} is out of reach of a table on GPU {ordinal} (no peer access)",
+                m.ordinal()
+            )));
         }
         self.dev.ctx.bind_to_thread().map_err(dev_err("binding the device's context"))?;
         let mut l = self.lane()?;
