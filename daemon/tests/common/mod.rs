@@ -104,9 +104,13 @@ impl Daemon {
         d
     }
 
+    /// Waits until the daemon answers a ping: up to 120 s, since a CUDA
+    /// daemon on a fresh machine compiles its kernels with NVRTC before it
+    /// serves (over 20 s with a cold kernel cache); a daemon that exits
+    /// fails at once.
     pub fn wait_ready(&mut self) {
         let t = Instant::now();
-        while t.elapsed() < Duration::from_secs(20) {
+        while t.elapsed() < Duration::from_secs(120) {
             if let Some(st) = self.child.as_mut().and_then(|c| c.try_wait().expect("try_wait")) {
                 panic!("hkvd exited before serving: {st}");
             }
@@ -117,7 +121,7 @@ impl Daemon {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        panic!("hkvd did not answer on {} within 20 s", self.socket.display());
+        panic!("hkvd did not answer on {} within 120 s", self.socket.display());
     }
 
     pub fn client(&self) -> Client {
