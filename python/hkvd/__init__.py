@@ -708,6 +708,23 @@ class Client:
         optional ``scores`` (n uint64) read and ``outcomes`` (n uint8) written."""
         return self._write_region(OP_INSERT_OR_ASSIGN, table, keys, values, scores, outcomes, stream, wait, done)
 
+    def insert_and_evict_region(self, table: str, keys, values, evicted_keys, evicted_values, evicted_scores,
+                                evicted_kinds, scores=None, outcomes=None, *, stream=None,
+                                wait=True) -> Tuple[Summary, int]:
+        """insert_and_evict with ``keys`` and ``values`` read; what lost its
+        slot (evicted entries, kind 0, and refused inputs, kind 1) written to
+        the four ``evicted_*`` arrays (room for c ≥ n entries: uint64 keys,
+        c × dim float32 rows, uint64 scores, uint8 kinds) from their start.
+        Returns the summary and how many entries were written."""
+        arrays = [keys, values] + ([scores] if scores is not None else []) + \
+            ([outcomes] if outcomes is not None else []) + [evicted_keys, evicted_values, evicted_scores, evicted_kinds]
+        body = _region.call(self, OP_INSERT_AND_EVICT, table, arrays, scores is not None, outcomes is not None,
+                            stream, wait, False)
+        if body is None:
+            return Summary(), 0
+        f = struct.unpack("<6Q", body)
+        return Summary(*f[:5]), f[5]
+
     def find_or_insert_region(self, table: str, keys, values, scores=None, outcomes=None, *, stream=None,
                               wait=True, done=False) -> Optional[Summary]:
         """find_or_insert: ``values`` holds the rows to insert for absent

@@ -30,6 +30,7 @@ OP_UNREGISTER = 0x41
 OP_FIND = 0x10
 OP_CONTAINS = 0x11
 OP_INSERT_OR_ASSIGN = 0x12
+OP_INSERT_AND_EVICT = 0x13
 OP_FIND_OR_INSERT = 0x14
 OP_ASSIGN = 0x15
 OP_ACCUM_OR_ASSIGN = 0x17
@@ -42,7 +43,8 @@ _HEADER = struct.Struct("<4sBBHQI")
 
 class Slot(NamedTuple):
     """One array of a region request: its name, element type (``u64``,
-    ``u8``, ``f32``) and count rule (``n``: sets n; ``N``: n; ``ND``: n × dim)."""
+    ``u8``, ``f32``) and count rule (``n``: sets n; ``N``: n; ``ND``: n × dim;
+    ``C``: the output capacity c ≥ n, set by the first such array; ``CD``: c × dim)."""
 
     name: str
     elem: str
@@ -60,12 +62,15 @@ def slots(op: int, scores: bool = False, outcomes: bool = False) -> List[Slot]:
         return [keys, Slot("found", "u8", "N")]
     if op == OP_ERASE:
         return [keys] + ([Slot("erased", "u8", "N")] if outcomes else [])
-    if op in (OP_INSERT_OR_ASSIGN, OP_FIND_OR_INSERT, OP_ASSIGN, OP_ACCUM_OR_ASSIGN, OP_LOAD):
+    if op in (OP_INSERT_OR_ASSIGN, OP_INSERT_AND_EVICT, OP_FIND_OR_INSERT, OP_ASSIGN, OP_ACCUM_OR_ASSIGN, OP_LOAD):
         s = [keys, Slot("deltas" if op == OP_ACCUM_OR_ASSIGN else "values", "f32", "ND")]
         if scores:
             s.append(Slot("scores", "u64", "N"))
         if outcomes and op != OP_LOAD:
             s.append(Slot("outcomes", "u8", "N"))
+        if op == OP_INSERT_AND_EVICT:
+            s += [Slot("evicted_keys", "u64", "C"), Slot("evicted_values", "f32", "CD"),
+                  Slot("evicted_scores", "u64", "C"), Slot("evicted_kinds", "u8", "C")]
         return s
     raise ValueError(f"op 0x{op:02x} has no region form in this client")
 
@@ -266,7 +271,14 @@ def _own_events(client, device: int) -> Tuple["_cuda.CudaEvent", "_cuda.CudaEven
 def check(refs: Sequence[Ref], sl: Sequence[Slot], dim: Optional[int]) -> int:
     """Checks dtypes, counts, contiguity and placement; returns n."""
     n = refs[0].count
+    cap = next((r.count for r, s in zip(refs, sl) if s.count == "C"), None)
+    if cap is not None and cap < n:
+        raise ValueError(f"the evicted arrays have room for {cap} entries; insert_and_evict of {n} keys needs {n}")
     for r, s in zip(refs, sl):
+        if s.count == "C" and r.count != cap:
+            raise ValueError(f"{s.name} has {r.count} elements, {cap} are needed (as evicted_keys)")
+        if s.count == "CD" and (r.count != cap * dim or len(r.shape) > 2):
+            raise ValueError(f"{s.name} must be float32 of shape ({cap}, {dim}), not of shape {tuple(r.shape)}")
         if r.dtype is None or np.dtype(r.dtype) not in _ELEM_DTYPES[s.elem]:
             raise TypeError(f"{s.name} must be {_ELEM_WORDS[s.elem]}, found {r.dtype}")
         if not r.contiguous:
@@ -333,7 +345,7 @@ def call(client, op: int, table: str, arrays: Sequence, scores: bool = False, ou
         raise TypeError(f"this request names {len(sl)} arrays ({', '.join(s.name for s in sl)}), "
                         f"{len(arrays)} were given")
     refs = [ref(client, a, s.name) for a, s in zip(arrays, sl)]
-    dim = client.dim(table) if any(s.count == "ND" for s in sl) else None
+    dim = client.dim(table) if any(s.count in ("ND", "CD") for s in sl) else None
     n = check(refs, sl, dim)
     if n == 0:
         return None

@@ -164,6 +164,29 @@ def test_every_keyed_op_through_shm_equals_the_socket(daemon):
         assert c.find_region("t", keys[:0], out[:0]) == 0
 
 
+def test_insert_and_evict_through_shm_writes_what_lost_its_slot(daemon):
+    with daemon.client() as c:
+        # Two shards of one bucket each, never grown: inserts past 256 keys
+        # evict or are refused.
+        c.create_table("full", 4, 256, max_capacity=256)
+        n = 600
+        keys = hkvd.shm_array((n,), np.uint64)
+        keys[:] = np.arange(1, n + 1)
+        values = hkvd.shm_array((n, 4), np.float32)
+        values[:] = np.arange(1, n + 1, dtype=np.float32)[:, None]
+        ek, es, kinds = (hkvd.shm_array((n,), t) for t in (np.uint64, np.uint64, np.uint8))
+        ev = hkvd.shm_array((n, 4), np.float32)
+        s, written = c.insert_and_evict_region("full", keys, values, ek, ev, es, kinds)
+        assert written == s.evicted + s.rejected and written >= n - 256, (s, written)
+        assert s.inserted + s.evicted + s.updated + s.rejected == n
+        # What was evicted is gone; its rows are the ones it had.
+        gone = ek[:written][kinds[:written] == 0]
+        assert not c.contains("full", gone).any()
+        assert np.array_equal(ev[:written][:, 0], ek[:written].astype(np.float32))
+        with pytest.raises(ValueError, match="room for 10 entries"):
+            c.insert_and_evict_region("full", keys[:20], values[:20], ek[:10], ev[:10], es[:10], kinds[:10])
+
+
 def test_events_of_id_zero_on_host_regions_change_nothing(daemon):
     with daemon.client() as c:
         c.create_table("t", 4, 4096)
