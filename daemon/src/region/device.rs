@@ -28,11 +28,18 @@ use crate::error::shard_error;
 use crate::router::{to_wire, Table};
 use crate::state::State;
 
+/// Requests answered early whose batches are still running, over every
+/// connection, at most (`limits.max_in_flight`): an early answer frees its
+/// connection's in-flight slot, so this keeps a client that sends them
+/// faster than the GPU serves them from queueing without bound.
+static EARLY: std::sync::OnceLock<Arc<tokio::sync::Semaphore>> = std::sync::OnceLock::new();
+
 /// A request with a done event on a table of one shard: answered as soon
 /// as its kernels are queued and the event recorded, before they ran, with
 /// every count [`NOT_COUNTED`] (the client's stream waits on the event for
 /// the outputs); the batch completes on the actor meanwhile, holding the
-/// regions. A request refused before it was queued answers its error.
+/// regions (and one of the [`EARLY`] permits). A request refused before it
+/// was queued answers its error.
 async fn early(
     state: &Arc<State>,
     t: &Arc<Table>,
@@ -41,9 +48,13 @@ async fn early(
     wait: Option<Arc<IpcEvent>>,
     done: Option<Arc<IpcEvent>>,
 ) -> Result<RegionAnswer, ProtoError> {
+    let sem = EARLY.get_or_init(|| Arc::new(tokio::sync::Semaphore::new(state.config.limits.max_in_flight.max(1))));
+    let permit =
+        sem.clone().acquire_owned().await.map_err(|e| err(ErrorCode::Internal, format!("early answers: {e}")))?;
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let (state, t) = (state.clone(), t.clone());
     let run = tokio::spawn(async move {
+        let _permit = permit;
         let r = on_shard(&state, &t, 0, move |c| {
             let queued: Box<dyn FnOnce() + Send> = Box::new(move || {
                 let _ = tx.send(());
