@@ -8,24 +8,6 @@
 use crate::body::{Reader, Writer};
 use crate::{ErrorCode, FeatureHash, Filter, HashSpec, Header, Op, ProtoError, Summary};
 
-/// The op bytes this module matches on (the header carries a raw byte).
-mod op {
-    use super::Op;
-    pub const FIND: u8 = Op::Find as u8;
-    pub const CONTAINS: u8 = Op::Contains as u8;
-    pub const INSERT_OR_ASSIGN: u8 = Op::InsertOrAssign as u8;
-    pub const INSERT_AND_EVICT: u8 = Op::InsertAndEvict as u8;
-    pub const FIND_OR_INSERT: u8 = Op::FindOrInsert as u8;
-    pub const ASSIGN: u8 = Op::Assign as u8;
-    pub const ASSIGN_SCORES: u8 = Op::AssignScores as u8;
-    pub const ACCUM_OR_ASSIGN: u8 = Op::AccumOrAssign as u8;
-    pub const ERASE: u8 = Op::Erase as u8;
-    pub const EXPORT: u8 = Op::Export as u8;
-    pub const LOAD: u8 = Op::Load as u8;
-    pub const FIND_FEATURES: u8 = Op::FindFeatures as u8;
-    pub const FIND_OR_INSERT_FEATURES: u8 = Op::FindOrInsertFeatures as u8;
-}
-
 /// Frame flag: the body names arrays in registered regions ([`RegionRequest`]).
 /// Answers do not carry it (they are `RESPONSE` only).
 pub const REGION: u16 = 0x0010;
@@ -116,20 +98,20 @@ pub fn is_region(h: &Header) -> bool {
 
 fn slots_known(code: u8) -> bool {
     matches!(
-        code,
-        op::FIND
-            | op::CONTAINS
-            | op::INSERT_OR_ASSIGN
-            | op::INSERT_AND_EVICT
-            | op::FIND_OR_INSERT
-            | op::ASSIGN
-            | op::ASSIGN_SCORES
-            | op::ACCUM_OR_ASSIGN
-            | op::ERASE
-            | op::EXPORT
-            | op::LOAD
-            | op::FIND_FEATURES
-            | op::FIND_OR_INSERT_FEATURES
+        Op::try_from(code),
+        Ok(Op::Find
+            | Op::Contains
+            | Op::InsertOrAssign
+            | Op::InsertAndEvict
+            | Op::FindOrInsert
+            | Op::Assign
+            | Op::AssignScores
+            | Op::AccumOrAssign
+            | Op::Erase
+            | Op::Export
+            | Op::Load
+            | Op::FindFeatures
+            | Op::FindOrInsertFeatures)
     )
 }
 
@@ -229,6 +211,7 @@ const fn slot(name: &'static str, elem: Elem, dir: Dir, count: Count) -> Slot {
 /// 1 (features ops only).
 pub fn slots(code: u8, scores: bool, outcomes: bool, strings: bool) -> Vec<Slot> {
     use {Count::*, Dir::*, Elem::*};
+    let Ok(code) = Op::try_from(code) else { return Vec::new() };
     let keys = slot("keys", U64, In, SetsN);
     let mut s = Vec::new();
     let features = |s: &mut Vec<Slot>| {
@@ -240,8 +223,8 @@ pub fn slots(code: u8, scores: bool, outcomes: bool, strings: bool) -> Vec<Slot>
         }
     };
     match code {
-        op::FIND | op::FIND_FEATURES => {
-            if code == op::FIND {
+        Op::Find | Op::FindFeatures => {
+            if code == Op::Find {
                 s.push(keys);
             } else {
                 features(&mut s);
@@ -252,17 +235,17 @@ pub fn slots(code: u8, scores: bool, outcomes: bool, strings: bool) -> Vec<Slot>
                 s.push(slot("scores", U64, Out, N));
             }
         }
-        op::CONTAINS => {
+        Op::Contains => {
             s.push(keys);
             s.push(slot("found", U8, Out, N));
         }
-        op::ERASE => {
+        Op::Erase => {
             s.push(keys);
             if outcomes {
                 s.push(slot("erased", U8, Out, N));
             }
         }
-        op::ASSIGN_SCORES => {
+        Op::AssignScores => {
             s.push(keys);
             if scores {
                 s.push(slot("scores", U64, In, N));
@@ -271,27 +254,27 @@ pub fn slots(code: u8, scores: bool, outcomes: bool, strings: bool) -> Vec<Slot>
                 s.push(slot("outcomes", U8, Out, N));
             }
         }
-        op::EXPORT => {
+        Op::Export => {
             s.push(slot("keys", U64, Out, Cap));
             s.push(slot("values", F32, Out, CapDim));
             s.push(slot("scores", U64, Out, Cap));
         }
         _ => {
             // The write ops.
-            if code == op::FIND_OR_INSERT_FEATURES {
+            if code == Op::FindOrInsertFeatures {
                 features(&mut s);
             } else {
                 s.push(keys);
             }
-            let inout = matches!(code, op::FIND_OR_INSERT | op::FIND_OR_INSERT_FEATURES);
+            let inout = matches!(code, Op::FindOrInsert | Op::FindOrInsertFeatures);
             s.push(slot("values", F32, if inout { InOut } else { In }, NDim));
             if scores {
                 s.push(slot("scores", U64, In, N));
             }
-            if outcomes && code != op::LOAD {
+            if outcomes && code != Op::Load {
                 s.push(slot("outcomes", U8, Out, N));
             }
-            if code == op::INSERT_AND_EVICT {
+            if code == Op::InsertAndEvict {
                 s.push(slot("evicted_keys", U64, Out, Cap));
                 s.push(slot("evicted_values", F32, Out, CapDim));
                 s.push(slot("evicted_scores", U64, Out, Cap));
@@ -409,8 +392,8 @@ impl RegionRequest {
             )));
         }
         let table = r.str("table")?.to_string();
-        let head = match h.op {
-            op::EXPORT => Head::Export {
+        let head = match Op::try_from(h.op)? {
+            Op::Export => Head::Export {
                 shard: r.u32("shard")?,
                 offset: r.u64("offset")?,
                 max_slots: r.u64("max_slots")?,
@@ -421,7 +404,7 @@ impl RegionRequest {
                     max_score: r.u64("filter")?,
                 },
             },
-            op::FIND_FEATURES | op::FIND_OR_INSERT_FEATURES => {
+            Op::FindFeatures | Op::FindOrInsertFeatures => {
                 let code = r.u8("hash kind")?;
                 let hash = match code {
                     0xFF => HashSpec::Table,
@@ -523,10 +506,10 @@ impl RegionAnswer {
     /// Parses the answer body to a region request of op `req_op`.
     pub fn decode(req_op: u8, body: &[u8]) -> Result<RegionAnswer, ProtoError> {
         let mut r = Reader::new(body);
-        let a = match req_op {
-            op::FIND | op::FIND_FEATURES | op::CONTAINS | op::ERASE => RegionAnswer::Count(r.u64("count")?),
-            op::INSERT_AND_EVICT => RegionAnswer::Evict(summary_get(&mut r)?, r.u64("evicted")?),
-            op::EXPORT => RegionAnswer::Export {
+        let a = match Op::try_from(req_op)? {
+            Op::Find | Op::FindFeatures | Op::Contains | Op::Erase => RegionAnswer::Count(r.u64("count")?),
+            Op::InsertAndEvict => RegionAnswer::Evict(summary_get(&mut r)?, r.u64("evicted")?),
+            Op::Export => RegionAnswer::Export {
                 next_shard: r.u32("next_shard")?,
                 next_offset: r.u64("next_offset")?,
                 count: r.u64("count")?,
@@ -599,7 +582,7 @@ mod tests {
     #[test]
     fn region_requests_and_answers_round_trip() {
         let req = RegionRequest {
-            op: op::INSERT_AND_EVICT,
+            op: u8::from(Op::InsertAndEvict),
             scores: true,
             outcomes: true,
             table: "t".into(),
@@ -616,7 +599,7 @@ mod tests {
         assert_eq!(e.code, ErrorCode::Truncated);
         assert!(e.message.contains("evicted_kinds"), "{}", e.message);
         let feat = RegionRequest {
-            op: op::FIND_FEATURES,
+            op: u8::from(Op::FindFeatures),
             scores: false,
             outcomes: false,
             table: "t".into(),
@@ -644,10 +627,10 @@ mod tests {
             RegionAnswer::Export { next_shard: 1, next_offset: 2, count: 3 },
         ] {
             let code = match a {
-                RegionAnswer::Count(_) => op::FIND,
-                RegionAnswer::Write(_) => op::INSERT_OR_ASSIGN,
-                RegionAnswer::Evict(..) => op::INSERT_AND_EVICT,
-                RegionAnswer::Export { .. } => op::EXPORT,
+                RegionAnswer::Count(_) => u8::from(Op::Find),
+                RegionAnswer::Write(_) => u8::from(Op::InsertOrAssign),
+                RegionAnswer::Evict(..) => u8::from(Op::InsertAndEvict),
+                RegionAnswer::Export { .. } => u8::from(Op::Export),
             };
             let f = a.encode(code, 4);
             assert_eq!(RegionAnswer::decode(code, &f[HEADER_LEN..]).unwrap(), a);
