@@ -61,7 +61,11 @@ impl Arr {
     fn read<T: zerocopy::FromBytes + zerocopy::IntoBytes + Clone + Default>(&self) -> Result<Vec<T>, ProtoError> {
         let mut v = vec![T::default(); self.r.count as usize];
         match self.region.device() {
-            Some(m) => m.read::<u8>(self.r.offset, v.as_mut_bytes()).map_err(shard_error)?,
+            // A device copy waits for the GPU: the worker says it blocks
+            // (the runtime is multi-threaded), so other tasks move on.
+            Some(m) => {
+                tokio::task::block_in_place(|| m.read::<u8>(self.r.offset, v.as_mut_bytes())).map_err(shard_error)?
+            }
             None => self.map().read(self.r.offset, &mut v).map_err(|e| self.claim_err(e))?,
         }
         Ok(v)
@@ -433,7 +437,7 @@ fn put<T: IntoBytes + Immutable>(o: Option<Out>, src: &[T]) -> Result<(), ProtoE
         Some(Out::U8(mut c)) => copy(c.as_mut_slice()),
         Some(Out::U64(mut c)) => copy(c.as_mut_slice().as_mut_bytes()),
         Some(Out::F32(mut c)) => copy(c.as_mut_slice().as_mut_bytes()),
-        Some(Out::Dev(m, offset)) => m.write::<u8>(offset, src).map_err(shard_error)?,
+        Some(Out::Dev(m, offset)) => tokio::task::block_in_place(|| m.write::<u8>(offset, src)).map_err(shard_error)?,
     }
     Ok(())
 }
