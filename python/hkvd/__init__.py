@@ -725,6 +725,25 @@ class Client:
         f = struct.unpack("<6Q", body)
         return Summary(*f[:5]), f[5]
 
+    def export_region(self, table: str, keys, values, scores, cursor=(0, 0), max_slots: Optional[int] = None,
+                      min_score: int = 0, max_score: int = 2**64 - 1, key_mask: int = 0, key_pattern: int = 0, *,
+                      stream=None, wait=True):
+        """One export step into registered memory: the matching entries of
+        up to ``max_slots`` slots (default: as many as ``keys`` has room
+        for) from ``cursor`` (``(shard, offset)``; start at ``(0, 0)``)
+        written to ``keys`` (c uint64), ``values`` (c × dim float32) and
+        ``scores`` (c uint64) from their start. Returns ``(next_cursor,
+        count)``; ``next_cursor`` is None at the end of the table."""
+        cap = _region.ref(self, keys, "keys").count
+        slots = cap if max_slots is None else max_slots
+        head = struct.pack("<IQQ4Q", cursor[0], cursor[1], slots, key_mask, key_pattern, min_score, max_score)
+        body = _region.call(self, _region.OP_EXPORT, table, [keys, values, scores], False, False, stream, wait,
+                            False, head)
+        if body is None:
+            return cursor, 0
+        shard, offset, count = struct.unpack("<IQQ", body)
+        return (None if shard == 0xFFFF_FFFF else (shard, offset)), count
+
     def find_or_insert_region(self, table: str, keys, values, scores=None, outcomes=None, *, stream=None,
                               wait=True, done=False) -> Optional[Summary]:
         """find_or_insert: ``values`` holds the rows to insert for absent

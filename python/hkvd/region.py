@@ -35,6 +35,7 @@ OP_FIND_OR_INSERT = 0x14
 OP_ASSIGN = 0x15
 OP_ACCUM_OR_ASSIGN = 0x17
 OP_ERASE = 0x18
+OP_EXPORT = 0x1B
 OP_LOAD = 0x1C
 
 _REF = struct.Struct("<IQQ")
@@ -60,6 +61,8 @@ def slots(op: int, scores: bool = False, outcomes: bool = False) -> List[Slot]:
         return s + ([Slot("scores", "u64", "N")] if scores else [])
     if op == OP_CONTAINS:
         return [keys, Slot("found", "u8", "N")]
+    if op == OP_EXPORT:
+        return [Slot("keys", "u64", "C"), Slot("values", "f32", "CD"), Slot("scores", "u64", "C")]
     if op == OP_ERASE:
         return [keys] + ([Slot("erased", "u8", "N")] if outcomes else [])
     if op in (OP_INSERT_OR_ASSIGN, OP_INSERT_AND_EVICT, OP_FIND_OR_INSERT, OP_ASSIGN, OP_ACCUM_OR_ASSIGN, OP_LOAD):
@@ -119,10 +122,11 @@ def _str(s: str) -> bytes:
     return struct.pack("<H", len(b)) + b
 
 
-def encode_body(table: str, refs: Sequence[Tuple[int, int, int]], events: Optional[Tuple[int, int]] = None) -> bytes:
+def encode_body(table: str, refs: Sequence[Tuple[int, int, int]], events: Optional[Tuple[int, int]] = None,
+                head: bytes = b"") -> bytes:
     """A region request's body: ``table``, the 20-byte references, and with
     ``events`` the ``u32 wait_event``, ``u32 done_event`` trailer."""
-    b = _str(table) + b"".join(_REF.pack(*r) for r in refs)
+    b = _str(table) + head + b"".join(_REF.pack(*r) for r in refs)
     if events is not None:
         b += struct.pack("<II", *events)
     return b
@@ -316,7 +320,7 @@ def count(body: Optional[bytes]) -> Optional[int]:
 
 
 def call(client, op: int, table: str, arrays: Sequence, scores: bool = False, outcomes: bool = False,
-         stream=None, wait=True, done=False) -> Optional[bytes]:
+         stream=None, wait=True, done=False, head: bytes = b"") -> Optional[bytes]:
     """Sends a region request naming ``arrays`` (in the op's slot order) and
     returns the answer body, or None when there are no keys (nothing sent).
 
@@ -370,7 +374,7 @@ def call(client, op: int, table: str, arrays: Sequence, scores: bool = False, ou
             events = (w, d)
     elif isinstance(wait, _cuda.CudaEvent) or isinstance(done, _cuda.CudaEvent):
         raise ValueError("events go with CUDA arrays; these arrays are in hkvd.shm_array memory")
-    body = encode_body(table, [r.wire() for r in refs], events)
+    body = encode_body(table, [r.wire() for r in refs], events, head)
     answer = client._call(op, request_flags(scores, outcomes, events is not None), [body])
     if post is not None:
         post.wait(h)

@@ -187,6 +187,22 @@ def test_insert_and_evict_through_shm_writes_what_lost_its_slot(daemon):
             c.insert_and_evict_region("full", keys[:20], values[:20], ek[:10], ev[:10], es[:10], kinds[:10])
 
 
+def test_export_through_shm_walks_the_table(daemon):
+    with daemon.client() as c:
+        c.create_table("ex", 4, 4096)
+        n = 1000
+        keys = np.arange(1, n + 1, dtype=np.uint64)
+        c.insert_or_assign("ex", keys, np.repeat(keys.astype(np.float32)[:, None], 4, axis=1))
+        k, s = hkvd.shm_array((300,), np.uint64), hkvd.shm_array((300,), np.uint64)
+        v = hkvd.shm_array((300, 4), np.float32)
+        cursor, got = (0, 0), []
+        while cursor is not None:
+            cursor, count = c.export_region("ex", k, v, s, cursor)
+            assert np.array_equal(v[:count, 0], k[:count].astype(np.float32))
+            got.extend(k[:count].tolist())
+        assert sorted(got) == keys.tolist()
+
+
 def test_events_of_id_zero_on_host_regions_change_nothing(daemon):
     with daemon.client() as c:
         c.create_table("t", 4, 4096)
