@@ -20,7 +20,7 @@ use super::{dev_err, shared_device, DevPtr, Device};
 use crate::error::{Error, Result};
 
 /// Bytes of an IPC handle.
-pub const HANDLE_LEN: usize = 64;
+pub use hkv_region::cuda::HANDLE_LEN;
 
 fn check(r: sys::CUresult, what: &str) -> Result<()> {
     if r == sys::CUresult::CUDA_SUCCESS {
@@ -30,16 +30,10 @@ fn check(r: sys::CUresult, what: &str) -> Result<()> {
     }
 }
 
-/// The UUID of device `ordinal` (`cuDeviceGetUuid`).
+/// The UUID of device `ordinal` (`cuDeviceGetUuid`), as clients name it
+/// (`hkv_region::cuda::device_uuid`, the same call both sides make).
 pub fn device_uuid(ordinal: usize) -> Result<[u8; 16]> {
-    super::probe()?;
-    let mut dev: sys::CUdevice = 0;
-    // SAFETY: writes one CUdevice; the driver was found by `probe`.
-    check(unsafe { sys::cuDeviceGet(&mut dev, ordinal as i32) }, "cuDeviceGet")?;
-    let mut uuid = sys::CUuuid { bytes: [0; 16] };
-    // SAFETY: writes one CUuuid (16 bytes).
-    check(unsafe { sys::cuDeviceGetUuid_v2(&mut uuid, dev) }, "cuDeviceGetUuid")?;
-    Ok(uuid.bytes.map(|b| b as u8))
+    hkv_region::cuda::device_uuid(ordinal).map_err(|e| Error::Device(e.to_string()))
 }
 
 /// Which of `ordinals` has UUID `uuid`.
