@@ -12,6 +12,7 @@
 //! goes as soon as the kernels are queued (`early`). Everything else is
 //! staged by `run`.
 
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 use futures::future::join_all;
@@ -28,18 +29,33 @@ use crate::error::shard_error;
 use crate::router::{to_wire, Table};
 use crate::state::State;
 
-/// Requests answered early whose batches are still running, over every
-/// connection, at most (`limits.max_in_flight`): an early answer frees its
-/// connection's in-flight slot, so this keeps a client that sends them
-/// faster than the GPU serves them from queueing without bound.
-static EARLY: std::sync::OnceLock<Arc<tokio::sync::Semaphore>> = std::sync::OnceLock::new();
+/// The answer of a batch run in place, from its counts.
+fn answer(op: DeviceOp, c: Counts) -> RegionAnswer {
+    match op {
+        DeviceOp::Find | DeviceOp::Contains => RegionAnswer::Count(c.hits),
+        DeviceOp::Erase => RegionAnswer::Count(c.erased),
+        DeviceOp::InsertAndEvict => RegionAnswer::Evict(to_wire(c.summary), c.lost),
+        _ => RegionAnswer::Write(to_wire(c.summary)),
+    }
+}
 
-/// A request with a done event on a table of one shard: answered as soon
-/// as its kernels are queued and the event recorded, before they ran, with
-/// every count [`NOT_COUNTED`] (the client's stream waits on the event for
-/// the outputs); the batch completes on the actor meanwhile, holding the
-/// regions (and one of the [`EARLY`] permits). A request refused before it
-/// was queued answers its error.
+/// Takes one of the `limits.max_in_flight` places of requests answered
+/// early whose batches still run, over every connection (an early answer
+/// frees its connection's in-flight slot, so this keeps a client that sends
+/// them faster than the GPU serves them from piling up); false when none is
+/// free, and the request is then answered once done.
+fn take_early_place(state: &State) -> bool {
+    let cap = state.config.limits.max_in_flight as u64;
+    state.stats.regions.early.fetch_update(Relaxed, Relaxed, |e| (e < cap).then_some(e + 1)).is_ok()
+}
+
+/// A request with a done event on a table of one shard, holding an early
+/// place ([`take_early_place`]): answered as soon as its kernels are
+/// queued and the event recorded, before they ran, with every count
+/// [`NOT_COUNTED`] (the client's stream waits on the event for the
+/// outputs); the batch completes on the actor meanwhile, holding the
+/// regions, and gives the place back. A request refused before it was
+/// queued answers its error.
 async fn early(
     state: &Arc<State>,
     t: &Arc<Table>,
@@ -48,13 +64,9 @@ async fn early(
     wait: Option<Arc<IpcEvent>>,
     done: Option<Arc<IpcEvent>>,
 ) -> Result<RegionAnswer, ProtoError> {
-    let sem = EARLY.get_or_init(|| Arc::new(tokio::sync::Semaphore::new(state.config.limits.max_in_flight.max(1))));
-    let permit =
-        sem.clone().acquire_owned().await.map_err(|e| err(ErrorCode::Internal, format!("early answers: {e}")))?;
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let (state, t) = (state.clone(), t.clone());
     let run = tokio::spawn(async move {
-        let _permit = permit;
         let r = on_shard(&state, &t, 0, move |c| {
             let queued: Box<dyn FnOnce() + Send> = Box::new(move || {
                 let _ = tx.send(());
@@ -67,6 +79,7 @@ async fn early(
             )
         })
         .await;
+        state.stats.regions.early.fetch_sub(1, Relaxed);
         if let Err(e) = &r {
             tracing::warn!(error = %e.message, "a device region request failed after it was answered");
         }
@@ -81,11 +94,7 @@ async fn early(
     }
     // Refused before it was queued: its error (or, had it run, its counts).
     let c = run.await.map_err(|e| err(ErrorCode::Internal, format!("the request's task failed: {e}")))??;
-    Ok(match op {
-        DeviceOp::Find | DeviceOp::Contains => RegionAnswer::Count(c.hits),
-        DeviceOp::Erase => RegionAnswer::Count(c.erased),
-        _ => RegionAnswer::Write(to_wire(c.summary)),
-    })
+    Ok(answer(op, c))
 }
 
 /// Runs `f` on shard `i`'s CUDA table, on its actor.
@@ -185,7 +194,7 @@ pub(super) async fn run(
         _ => None,
     };
     let arrays = IpcArrays { keys, values, found, scores, lost };
-    let c = if shards == 1 && done.is_some() && op != DeviceOp::InsertAndEvict {
+    let c = if shards == 1 && done.is_some() && op != DeviceOp::InsertAndEvict && take_early_place(state) {
         return early(state, t, op, arrays, wait.clone(), done.clone()).await.map(Some);
     } else if shards == 1 {
         let (wait, done) = (wait.clone(), done.clone());
@@ -218,10 +227,5 @@ pub(super) async fn run(
         }
         total
     };
-    Ok(Some(match op {
-        DeviceOp::Find | DeviceOp::Contains => RegionAnswer::Count(c.hits),
-        DeviceOp::Erase => RegionAnswer::Count(c.erased),
-        DeviceOp::InsertAndEvict => RegionAnswer::Evict(to_wire(c.summary), c.lost),
-        _ => RegionAnswer::Write(to_wire(c.summary)),
-    }))
+    Ok(Some(answer(op, c)))
 }

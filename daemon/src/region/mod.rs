@@ -56,6 +56,9 @@ pub struct Counters {
     pub regions: AtomicU64,
     /// Their bytes.
     pub bytes: AtomicU64,
+    /// Device-region requests answered early whose batches still run
+    /// (`device::early`), at most `limits.max_in_flight`.
+    pub early: AtomicU64,
 }
 
 /// The statistics of registered regions.
