@@ -271,9 +271,10 @@ async fn read_body<R: AsyncReadExt + Unpin>(
             } else if !charge.add(step as u64, limit) {
                 Some(format!(
                     "{} bytes of requests and answers are already in flight \
-                     (limits.max_bytes_in_flight = {limit}); this {len}-byte request was not run: \
+                     (limits.max_bytes_in_flight = {limit}{}); this {len}-byte request was not run: \
                      retry, or send smaller batches",
-                    state.stats.in_flight_bytes.load(Relaxed)
+                    state.stats.in_flight_bytes.load(Relaxed),
+                    state.memory.describe()
                 ))
             } else {
                 None

@@ -59,7 +59,11 @@ async fn answer(
     // Answers count against the bytes in flight before they are built: a
     // client that pipelines large finds without reading them is refused
     // instead of holding answers until memory runs out.
-    let need = state.router.answer_bytes(&req);
+    let need = match &req {
+        // Kept for as long as the trace runs.
+        Request::Control(Control::Trace { .. }) => crate::mrc::TRACE_PEAK_BYTES,
+        r => state.router.peak_bytes(r),
+    };
     if need > 0 {
         let mut c = InFlight::total(state);
         if !c.add(need, state.config.limits.max_bytes_in_flight) {
@@ -67,11 +71,12 @@ async fn answer(
             return Err(ProtoError::new(
                 ErrorCode::ResourceExhausted,
                 format!(
-                    "{} bytes of requests and answers are already in flight (limits.max_bytes_in_flight = {}); \
-                     this request's answer of up to {need} bytes was not built: read the answers already sent \
-                     for, retry, or send smaller batches",
+                    "{} bytes of requests and answers are already in flight (limits.max_bytes_in_flight = {}{}); \
+                     this request's answer, taking up to {need} bytes while it is built, was not built: read the \
+                     answers already sent for, retry, or send smaller batches",
                     state.stats.in_flight_bytes.load(Relaxed),
-                    state.config.limits.max_bytes_in_flight
+                    state.config.limits.max_bytes_in_flight,
+                    state.memory.describe(),
                 ),
             ));
         }

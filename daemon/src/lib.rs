@@ -20,6 +20,7 @@
 //! - [`server`] binds the socket, accepts connections, drains on shutdown.
 //! - [`connection`] reads one connection's frames and writes its answers.
 //! - [`handle`] answers one request.
+//! - [`memory`] checks large allocations against the address-space limit.
 //! - [`admin`] says who may run admin operations and read the state directory.
 //! - [`mrc`] keeps each shard's miss-ratio estimator and combines a table's curve.
 //! - [`region`] registers client memory (memfds) and runs requests naming arrays in it.
@@ -42,6 +43,7 @@ pub mod error;
 pub mod features;
 pub mod frames;
 pub mod handle;
+pub mod memory;
 pub mod mrc;
 pub mod region;
 pub mod router;
@@ -154,7 +156,15 @@ pub fn run(config: Config) -> anyhow::Result<()> {
             stats: Default::default(),
             backend: backend_name.clone(),
             checkpoints,
+            memory: crate::memory::AddressSpace::of_process(),
         });
+        if let Some(limit) = state.memory.limit() {
+            info!(
+                limit,
+                reserve = state.memory.reserve(),
+                "the address space is limited (RLIMIT_AS): large bodies, answers and regions are checked against it"
+            );
+        }
         if config.restore != "none" {
             restore_at_start(&state).await?;
         }

@@ -231,10 +231,19 @@ pub fn combine(shards: &[ShardCurve], measured_hit_rate: Option<f64>) -> hkv_pro
     }
 }
 
+/// The most keys a trace holds over all of a table's shards (128 MiB of
+/// keys); the bytes a trace takes while it runs and is merged, counted
+/// against the bytes in flight, are [`TRACE_PEAK_BYTES`].
+pub const TRACE_MAX_KEYS: usize = 16 << 20;
+
+/// The shards' keys, the merge's (position, key) pairs and the answer:
+/// at most 3 × 8 bytes per key alive at once, plus the frame.
+pub const TRACE_PEAK_BYTES: u64 = TRACE_MAX_KEYS as u64 * 8 * 4;
+
 /// Answers a trace request: starts a trace on every shard of `table`,
 /// waits `seconds` (less when the daemon begins to drain), and answers the
 /// merged keys ([`merge_traces`]), at most what fits in
-/// `limits.max_frame_bytes` (the rest left out, `truncated` set).
+/// `limits.max_frame_bytes` and [`TRACE_MAX_KEYS`] (the rest left out, `truncated` set).
 pub async fn trace(
     state: &crate::state::State,
     table: &str,
@@ -247,8 +256,10 @@ pub async fn trace(
         ));
     }
     let t = router.table(table)?;
-    // The answer: 8 bytes of rate, 1 truncated byte, a u32 count, 8 per key.
-    let max_keys = (state.config.limits.max_frame_bytes as usize).saturating_sub(64) / 8;
+    // The answer: 8 bytes of rate, 1 truncated byte, a u32 count, 8 per key;
+    // at most TRACE_MAX_KEYS over every shard (what `handle` counted).
+    let max_keys =
+        ((state.config.limits.max_frame_bytes as usize).saturating_sub(64) / 8).min(TRACE_MAX_KEYS) / t.shards().max(1);
     router.trace_start(&t, max_keys).await?;
     let mut stop = state.shutdown.subscribe();
     tokio::select! {

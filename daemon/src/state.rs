@@ -59,6 +59,8 @@ pub struct State {
     pub backend: String,
     /// Checkpoints.
     pub checkpoints: Arc<Checkpoints>,
+    /// The address-space limit large allocations are checked against.
+    pub memory: crate::memory::AddressSpace,
 }
 
 impl State {
@@ -90,9 +92,14 @@ impl InFlight {
         InFlight { state: state.clone(), counter: |s| &s.receiving_bytes, bytes: 0 }
     }
 
-    /// Counts `n` more bytes, unless the counter would then pass `cap`.
+    /// Counts `n` more bytes, unless the counter would then pass `cap`,
+    /// or (for a large `n`) the bytes would not fit the address space
+    /// beside what is mapped and counted ([`crate::memory`]).
     pub(crate) fn add(&mut self, n: u64, cap: u64) -> bool {
         let counter = (self.counter)(&self.state.stats);
+        if !crate::memory::fits_counted(&self.state.memory, n, &self.state.stats.in_flight_bytes) {
+            return false;
+        }
         let ok = counter.fetch_update(Relaxed, Relaxed, |b| b.checked_add(n).filter(|&t| t <= cap)).is_ok();
         if ok {
             self.bytes += n;

@@ -654,3 +654,84 @@ fn cuda_budget_refuses_with_device_sizes_and_lru_clocks_continue() {
     let new = c.find_with_scores("l", &[5000]).unwrap().scores.unwrap()[0];
     assert!(new > old, "a write after the restart ranks above restored entries: {new} <= {old}");
 }
+
+/// The address space of these tests' memory-limit cases: about twice what
+/// an idle daemon of three CPU shards maps.
+const TIGHT: u64 = 5 << 29;
+
+/// Answers counted at the size of the answer were built at two or three
+/// times it (a find with scores was an array, then a frame reserved for the
+/// rows alone, doubled when the scores came): under an 8 GiB address-space
+/// limit six connections each sending a 4 095-key find of dim 65 536
+/// without reading made the daemon ask for 2 GiB it could not have,
+/// "memory allocation failed", SIGABRT. Now every answer is counted at its
+/// peak, checked against the address space, and refused as
+/// `resource_exhausted` where it would not fit.
+#[test]
+fn answers_that_would_not_fit_the_address_space_are_refused_not_aborted() {
+    let mut d =
+        Daemon::start_limited(TIGHT, &["--max-frame-bytes", "268435456", "--max-bytes-in-flight", "1073741824"]);
+    let mut c = d.client();
+    c.create_table(spec("wide", 1 << 16, 128)).unwrap();
+    c.insert_or_assign("wide", &[1, 2, 3], &vec![1.0; 3 << 16], None).unwrap();
+    // 1 000 keys of dim 65 536 with scores: a 262 MB answer each.
+    let keys: Vec<u64> = (1..=1000).collect();
+    let mut conns: Vec<UnixStream> = (0..6).map(|_| UnixStream::connect(&d.socket).unwrap()).collect();
+    for (i, s) in conns.iter_mut().enumerate() {
+        s.write_all(&Request::Find { table: "wide".into(), keys: keys.clone(), scores: true }.encode(i as u64 + 1))
+            .unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(d.alive(), "hkvd aborted building answers it had counted at a third of their size");
+    let (mut found, mut refused) = (0, 0);
+    for s in &mut conns {
+        match read_answer(s).1 {
+            Response::Find { values, found: f, .. } => {
+                assert_eq!(values.len(), 1000 << 16);
+                assert_eq!(f.iter().filter(|&&x| x == 1).count(), 3);
+                found += 1;
+            }
+            Response::Error(e) => {
+                assert_eq!(e.code, ErrorCode::ResourceExhausted, "{}", e.message);
+                refused += 1;
+            }
+            r => panic!("{r:?}"),
+        }
+    }
+    assert!(found >= 1 && refused >= 1, "{found} answered, {refused} refused");
+    still_serves(&mut d, "x");
+}
+
+/// Registered regions take address space without costing their client
+/// anything (sparse memfds): registering them up to the address-space
+/// limit, then one large find, aborted the daemon. A registration that
+/// would not fit is now refused, and so is an answer that would not.
+#[test]
+fn regions_and_answers_share_the_address_space_and_neither_aborts() {
+    let mut d =
+        Daemon::start_limited(TIGHT, &["--max-frame-bytes", "268435456", "--max-bytes-in-flight", "1073741824"]);
+    let mut c = d.client();
+    c.create_table(spec("wide", 1 << 16, 128)).unwrap();
+    let mut owner = d.client();
+    let (mut registered, mut refused) = (0u64, 0);
+    for i in 0..12 {
+        let fd = hkv_region::create_memfd(&format!("sparse{i}"), 256 << 20).unwrap();
+        match owner.register_fd(std::os::fd::AsFd::as_fd(&fd), 256 << 20) {
+            Ok(_) => registered += 256 << 20,
+            Err(e) => {
+                assert_eq!(e.code(), Some(ErrorCode::ResourceExhausted), "{e}");
+                refused += 1;
+            }
+        }
+    }
+    assert!(registered > 0 && refused > 0, "{registered} bytes registered, {refused} refused");
+    let keys: Vec<u64> = (1..=1000).collect();
+    for _ in 0..3 {
+        match c.find_with_scores("wide", &keys) {
+            Ok(r) => assert_eq!(r.values.len(), 1000 << 16),
+            Err(e) => assert_eq!(e.code(), Some(ErrorCode::ResourceExhausted), "{e}"),
+        }
+    }
+    assert!(d.alive());
+    still_serves(&mut d, "x");
+}

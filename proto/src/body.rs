@@ -25,6 +25,16 @@ impl Writer {
         Writer { buf, too_long: None }
     }
 
+    /// [`Writer::framed`] whose memory is reserved fallibly: None where the
+    /// process cannot allocate it (an answer that cannot be allocated is
+    /// refused, never an abort).
+    pub fn try_framed(body_capacity: usize) -> Option<Writer> {
+        let mut buf = Vec::new();
+        buf.try_reserve_exact(crate::HEADER_LEN.checked_add(body_capacity)?).ok()?;
+        buf.resize(crate::HEADER_LEN, 0);
+        Some(Writer { buf, too_long: None })
+    }
+
     /// [`Writer::framed`] in `buf`, whose contents go and whose memory is
     /// reused (a sender that keeps its last frame's buffer).
     pub fn framed_in(mut buf: Vec<u8>, body_capacity: usize) -> Writer {

@@ -109,23 +109,72 @@ impl Response {
     /// op byte, echoed). An answer with a field that does not fit the
     /// protocol (an array over 2^32 − 1 elements, a body of 4 GiB or more)
     /// goes out as the error naming it instead.
+    ///
+    /// The frame's memory is reserved once, at its exact size, and
+    /// fallibly: an answer the process cannot allocate goes out as
+    /// `resource_exhausted` instead of aborting the process.
     pub fn encode(&self, req_op: impl Into<u8>, id: u64) -> Vec<u8> {
         let req_op = req_op.into();
-        let (w, code, fl) = self.writer(req_op);
+        let len = self.body_len();
+        let w = match Writer::try_framed(len) {
+            Some(w) => Some(w),
+            // An error's few bytes: allocated as usual.
+            None if matches!(self, Response::Error(_)) => Some(Writer::framed(len)),
+            None => None,
+        };
+        let Some(mut w) = w else {
+            let e = ProtoError::new(
+                ErrorCode::ResourceExhausted,
+                format!("an answer of {len} bytes could not be allocated; retry, or send smaller batches"),
+            );
+            return Response::Error(e).encode(req_op, id);
+        };
+        let (code, fl) = self.write(req_op, &mut w);
+        debug_assert!(w.buf.len() <= HEADER_LEN + len, "body_len undercounts {self:?}");
         w.finish_frame(code, fl, id).unwrap_or_else(|(e, _)| Response::Error(e).encode(req_op, id))
     }
 
-    /// The body written after room for the header, and the header's op
-    /// and flags.
-    fn writer(&self, req_op: u8) -> (Writer, u8, u16) {
-        let mut w = Writer::framed(64);
+    /// The exact length of the encoded body (the frame without its
+    /// header), computed before anything is allocated.
+    pub fn body_len(&self) -> usize {
+        // An array is a u32 count and its elements.
+        let arr = |n: usize, w: usize| 4 + n.saturating_mul(w);
+        match self {
+            Response::Empty => 0,
+            Response::Echo { len } => *len,
+            Response::Find { found, values, scores } => {
+                arr(found.len(), 1) + arr(values.len(), 4) + scores.as_ref().map_or(0, |s| arr(s.len(), 8))
+            }
+            Response::Contains { found } => arr(found.len(), 1),
+            Response::Write { outcomes, values, evicted, .. } => {
+                40 + outcomes.as_ref().map_or(0, |o| arr(o.len(), 1))
+                    + values.as_ref().map_or(0, |v| arr(v.len(), 4))
+                    + evicted.as_ref().map_or(0, |e| {
+                        arr(e.keys.len(), 8) + arr(e.values.len(), 4) + arr(e.scores.len(), 8) + arr(e.kinds.len(), 1)
+                    })
+            }
+            Response::Erased { flags: f, .. } => 8 + f.as_ref().map_or(0, |f| arr(f.len(), 1)),
+            Response::Export { keys, values, scores, .. } => {
+                12 + arr(keys.len(), 8) + arr(values.len(), 4) + arr(scores.len(), 8)
+            }
+            Response::Keys(k) => arr(k.len(), 8),
+            Response::Trace { keys, .. } => 9 + arr(keys.len(), 8),
+            Response::Json(j) => j.len(),
+            Response::Text(t) => t.len(),
+            Response::Error(e) => json(e).len(),
+            Response::Framed(frame) => frame.bytes().len().saturating_sub(HEADER_LEN),
+        }
+    }
+
+    /// Writes the body after room for the header into `w`; the header's
+    /// op and flags.
+    fn write(&self, req_op: u8, w: &mut Writer) -> (u8, u16) {
         let mut fl = flags::RESPONSE;
         let mut code = req_op;
         match self {
             Response::Empty => {}
             Response::Echo { len } => w.buf.resize(HEADER_LEN + *len, 0),
             Response::Find { found, values, scores } => {
-                w = Writer::framed(16 + found.len() + values.len() * 4);
                 w.u8s(found).f32s(values);
                 if let Some(s) = scores {
                     w.u64s(s);
@@ -161,11 +210,9 @@ impl Response {
                 w.u32(c.shard).u64(c.offset).u64s(keys).f32s(values).u64s(scores);
             }
             Response::Keys(k) => {
-                w = Writer::framed(8 + k.len() * 8);
                 w.u64s(k);
             }
             Response::Trace { rate, truncated, keys } => {
-                w = Writer::framed(16 + keys.len() * 8);
                 w.u64(rate.to_bits()).raw(&[u8::from(*truncated)]).u64s(keys);
             }
             Response::Json(j) => w.buf.extend_from_slice(j),
@@ -177,7 +224,7 @@ impl Response {
             }
             Response::Framed(frame) => w.buf.extend_from_slice(&frame.bytes()[HEADER_LEN..]),
         }
-        (w, code, fl)
+        (code, fl)
     }
 
     /// Parses a response body.
@@ -268,5 +315,51 @@ impl Response {
         };
         r.finish()?;
         Ok(resp)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::Evicted;
+
+    /// Every answer's frame is reserved once at its exact size: a find
+    /// with scores once reserved only its rows, and the scores made the
+    /// buffer double (a 1 GiB answer asked the allocator for 2 GiB, and
+    /// under an address-space limit the daemon aborted).
+    #[test]
+    fn frames_are_allocated_at_their_exact_size() {
+        let answers = [
+            Response::Find { found: vec![1; 7], values: vec![0.5; 21], scores: Some(vec![9; 7]) },
+            Response::Find { found: vec![1; 7], values: vec![0.5; 21], scores: None },
+            Response::Write {
+                summary: Summary::default(),
+                outcomes: Some(vec![1; 3]),
+                values: Some(vec![1.0; 6]),
+                evicted: Some(Evicted { keys: vec![1], values: vec![2.0; 2], scores: vec![3], kinds: vec![0] }),
+            },
+            Response::Export { next: None, keys: vec![1, 2], values: vec![0.0; 4], scores: vec![5, 6] },
+            Response::Trace { rate: 0.5, truncated: true, keys: vec![1, 2, 3] },
+            Response::Keys(vec![4; 10]),
+            Response::Erased { count: 2, flags: Some(vec![1, 0]) },
+            Response::Contains { found: vec![1, 0, 1] },
+            Response::Error(ProtoError::bad_request("no")),
+        ];
+        for r in answers {
+            let f = r.encode(Op::Find, 1);
+            assert_eq!(f.len(), HEADER_LEN + r.body_len(), "{r:?}");
+            assert_eq!(f.capacity(), f.len(), "{r:?}: reserved once, exactly");
+        }
+    }
+
+    /// An answer the process cannot allocate is an error frame, not an abort.
+    #[test]
+    fn an_answer_that_cannot_be_allocated_is_resource_exhausted() {
+        let f = Response::Echo { len: usize::MAX / 2 }.encode(Op::Echo, 7);
+        let h = Header::decode(f[..HEADER_LEN].try_into().unwrap()).unwrap();
+        match Response::decode(&h, &f[HEADER_LEN..]).unwrap() {
+            Response::Error(e) => assert_eq!(e.code, ErrorCode::ResourceExhausted),
+            other => panic!("{other:?}"),
+        }
     }
 }

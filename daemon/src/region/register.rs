@@ -92,6 +92,17 @@ fn reserve(state: &State, ctx: &Ctx, len: u64, what: &str) -> Result<(), ProtoEr
             ),
         ));
     }
+    if !crate::memory::fits_counted(&state.memory, len, &state.stats.in_flight_bytes) {
+        c.fetch_sub(len, Relaxed);
+        return Err(err(
+            ErrorCode::ResourceExhausted,
+            format!(
+                "{what}: {len} bytes more would not fit the daemon's address space beside the requests in \
+                 flight{}: unregister regions, or register less",
+                state.memory.describe()
+            ),
+        ));
+    }
     let total = &state.stats.regions.bytes;
     if total.fetch_update(Relaxed, Relaxed, |b| b.checked_add(len).filter(|&t| t <= total_cap)).is_err() {
         c.fetch_sub(len, Relaxed);

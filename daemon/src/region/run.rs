@@ -194,10 +194,11 @@ fn charge(state: &Arc<State>, req: &RegionRequest, arrs: &[Arr]) -> Result<InFli
         return Err(err(
             ErrorCode::ResourceExhausted,
             format!(
-                "{} bytes of requests and answers are already in flight (limits.max_bytes_in_flight = {}); \
+                "{} bytes of requests and answers are already in flight (limits.max_bytes_in_flight = {}{}); \
                  this region request's {bytes} bytes of copies were not made: retry, or send smaller batches",
                 state.stats.in_flight_bytes.load(Relaxed),
-                limits.max_bytes_in_flight
+                limits.max_bytes_in_flight,
+                state.memory.describe()
             ),
         ));
     }

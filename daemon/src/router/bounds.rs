@@ -34,9 +34,28 @@ pub(super) fn write_per_key(code: WriteOp, dim: usize, outcomes: bool) -> u64 {
 }
 
 impl Router {
+    /// The most memory answering `req` takes at once, counted against the
+    /// bytes in flight before anything is built: the largest answer
+    /// ([`Router::answer_bytes`]) times the copies of it alive together.
+    /// A find without scores is written by the table into its frame (one
+    /// copy); the other answers are built as arrays, then encoded into the
+    /// frame (two); find_or_insert, insert_and_evict and the feature ops
+    /// also hold the merged per-shard parts or the hashed keys while the
+    /// answer is built (three).
+    pub fn peak_bytes(&self, req: &Request) -> u64 {
+        let copies = match req {
+            Request::Find { scores: false, .. } | Request::Echo { .. } => 1,
+            Request::Write { op: WriteOp::FindOrInsert | WriteOp::InsertAndEvict, .. }
+            | Request::FindFeatures { .. }
+            | Request::FindOrInsertFeatures { .. }
+            | Request::Hash { .. } => 3,
+            _ => 2,
+        };
+        self.answer_bytes(req).saturating_mul(copies)
+    }
+
     /// The most bytes the answer to `req` can take (the bounds [`Router::bound`]
-    /// checks), counted against the bytes in flight before it is built; 0
-    /// for answers that are small whatever the request.
+    /// checks); 0 for answers that are small whatever the request.
     pub fn answer_bytes(&self, req: &Request) -> u64 {
         let dim = |name: &str| self.table(name).map_or(0, |t| t.config.dim);
         let times = |n: usize, per: u64, fixed: u64| (n as u64).saturating_mul(per).saturating_add(fixed);
