@@ -137,6 +137,8 @@ pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
                 if skipped.map(|n| n < rest).unwrap_or(true) {
                     break;
                 }
+                // The fds that came with the refused frame are closed.
+                drop(conn.ctx(&h, frame_start));
                 continue;
             }
         };

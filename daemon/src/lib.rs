@@ -125,8 +125,23 @@ fn backend(config: &Config) -> anyhow::Result<(Backend, Vec<usize>, String)> {
 
 /// Runs the daemon until SIGTERM, SIGINT or a shutdown request; returns
 /// after in-flight requests are answered.
-pub fn run(config: Config) -> anyhow::Result<()> {
+pub fn run(mut config: Config) -> anyhow::Result<()> {
     config.check()?;
+    // Connections each take descriptors: as many as the limit allows.
+    let open_files = server::raise_open_files();
+    let fit = server::connections_for(open_files);
+    if config.limits.max_connections > fit {
+        warn!(
+            open_files,
+            configured = config.limits.max_connections,
+            max_connections = fit,
+            "limits.max_connections lowered to what the open-file limit (RLIMIT_NOFILE) allows, with {} descriptors \
+             kept for checkpoints and {} per connection; raise the limit (LimitNOFILE=) for more",
+            server::FD_RESERVE,
+            server::fds_per_connection()
+        );
+        config.limits.max_connections = fit;
+    }
     // Before anything is written: no file of the daemon is readable by others.
     let admin_gid = config.admin_group.as_deref().map(admin::group_gid).transpose()?;
     let modes = admin::Modes { gid: admin_gid };

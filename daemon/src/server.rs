@@ -66,11 +66,72 @@ impl Drop for SocketFile {
     }
 }
 
+/// File descriptors kept for the daemon itself, beyond its connections:
+/// the checkpoint writer's chunk files, the catalog, the listener, the
+/// metrics listener, the kernel cache, the CUDA driver's device files.
+pub const FD_RESERVE: u64 = 256;
+
+/// The most file descriptors one connection holds: its socket and the fds
+/// queued on it ([`crate::region::MAX_QUEUED_FDS`]).
+pub fn fds_per_connection() -> u64 {
+    1 + crate::region::MAX_QUEUED_FDS as u64
+}
+
+/// Raises the soft limit of open files to the hard one (a daemon of many
+/// connections needs more than the usual 1024), and returns the soft
+/// limit in force.
+pub fn raise_open_files() -> u64 {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    let r = getrlimit(Resource::Nofile);
+    if r.current != r.maximum {
+        let raised = rustix::process::Rlimit { current: r.maximum, maximum: r.maximum };
+        if let Err(e) = setrlimit(Resource::Nofile, raised) {
+            warn!(error = %e, "cannot raise the soft limit of open files to the hard one");
+        }
+    }
+    getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX)
+}
+
+/// The connections that fit `open_files`: what is left after the
+/// daemon's own reserve, each connection taking its socket and queued fds.
+pub fn connections_for(open_files: u64) -> usize {
+    let fit = open_files.saturating_sub(FD_RESERVE) / fds_per_connection();
+    usize::try_from(fit).unwrap_or(usize::MAX).max(1)
+}
+
+/// A descriptor held in reserve, given up to accept one connection when
+/// the process is out of descriptors, so that the peer is told `busy`
+/// instead of waiting in the backlog.
+struct Spare(Option<std::fs::File>);
+
+impl Spare {
+    fn new() -> Spare {
+        Spare(std::fs::File::open("/dev/null").ok())
+    }
+
+    /// Accepts one connection on the spare descriptor, answers it `busy`
+    /// and closes it.
+    async fn refuse_one(&mut self, listener: &UnixListener) {
+        self.0 = None;
+        if let Ok(Ok((stream, _))) = tokio::time::timeout(Duration::from_millis(10), listener.accept()).await {
+            let e = hkv_proto::ProtoError::new(
+                hkv_proto::ErrorCode::Busy,
+                "the daemon is out of file descriptors (its open-file limit); try again later",
+            );
+            let frame = hkv_proto::Response::Error(e).encode(hkv_proto::Op::Error, 0);
+            let _ = stream.try_write(&frame);
+        }
+        *self = Spare::new();
+    }
+}
+
 /// Accepts until shutdown, then waits (up to `drain_seconds`) for every
 /// connection to finish its in-flight requests.
 pub async fn serve(state: Arc<State>, listener: UnixListener) {
     let mut stop = state.shutdown.subscribe();
     let mut tasks = tokio::task::JoinSet::new();
+    let mut spare = Spare::new();
+    let (mut failures, mut last_warned) = (0u64, None::<std::time::Instant>);
     loop {
         tokio::select! {
             r = listener.accept() => match r {
@@ -79,8 +140,18 @@ pub async fn serve(state: Arc<State>, listener: UnixListener) {
                     tasks.spawn(async move { connection(st, stream).await });
                 }
                 Err(e) => {
-                    warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    failures += 1;
+                    // One line every 10 s, with the count, not one per failure.
+                    if last_warned.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
+                        warn!(error = %e, failures, "accept failed");
+                        last_warned = Some(std::time::Instant::now());
+                    }
+                    let out_of_fds = matches!(e.raw_os_error(), Some(code) if code == rustix::io::Errno::MFILE.raw_os_error() || code == rustix::io::Errno::NFILE.raw_os_error());
+                    if out_of_fds {
+                        spare.refuse_one(&listener).await;
+                    } else {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
                 }
             },
             _ = stop.changed() => break,

@@ -735,3 +735,63 @@ fn regions_and_answers_share_the_address_space_and_neither_aborts() {
     assert!(d.alive());
     still_serves(&mut d, "x");
 }
+
+/// Descriptors of the daemon open now.
+fn open_fds(d: &Daemon) -> usize {
+    std::fs::read_dir(format!("/proc/{}/fd", d.pid())).map(|r| r.count()).unwrap_or(0)
+}
+
+/// A ping frame sent with `n` memfds attached (SCM_RIGHTS).
+fn ping_with_fds(s: &UnixStream, n: usize, id: u64) {
+    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+    let fds: Vec<std::os::fd::OwnedFd> =
+        (0..n).map(|i| hkv_region::create_memfd(&format!("f{i}"), 4096).unwrap()).collect();
+    let borrowed: Vec<std::os::fd::BorrowedFd> = fds.iter().map(std::os::fd::AsFd::as_fd).collect();
+    let mut space = vec![std::mem::MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(16))];
+    let mut anc = SendAncillaryBuffer::new(&mut space);
+    assert!(anc.push(SendAncillaryMessage::ScmRights(&borrowed)));
+    let frame = Request::Ping.encode(id);
+    // A peer told `busy` may have closed already: its answer is read next.
+    let _ = rustix::net::sendmsg(s, &[std::io::IoSlice::new(&frame)], &mut anc, SendFlags::empty());
+}
+
+/// With the usual limit of 1 024 open files, 1 030 idle connections, or
+/// 200 connections each sending a ping with 16 memfds attached (kept until
+/// the next frame), took every descriptor: new clients hung in the backlog
+/// with no `busy`, the log got ~20 "accept failed" lines a second, and
+/// checkpoints failed with "Too many open files". Now `max_connections` is
+/// sized from the open-file limit with a reserve for checkpoints, fds a
+/// frame does not take are closed with it, and a peer past the limit is
+/// told `busy`.
+#[test]
+fn descriptors_are_never_exhausted_by_clients() {
+    // 320 descriptors: 256 kept for the daemon, 64 for connections of 5 each.
+    let mut d = Daemon::start_under(&["--nofile=320"], &["--shards", "2"]);
+    let mut c = d.client();
+    c.create_table(spec("t", 4, 1024)).unwrap();
+    c.insert_or_assign("t", &[1], &[1.0; 4], None).unwrap();
+    let base = open_fds(&d);
+    let (mut held, mut busy) = (vec![], 0);
+    for i in 0..400u64 {
+        let mut s = UnixStream::connect(&d.socket).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        ping_with_fds(&s, 16, i + 1);
+        match read_answer(&mut s).1 {
+            Response::Empty => held.push(s),
+            Response::Error(e) => {
+                assert_eq!(e.code, ErrorCode::Busy, "{}", e.message);
+                busy += 1;
+            }
+            r => panic!("{r:?}"),
+        }
+    }
+    assert!(!held.is_empty() && busy > 0, "{} served, {busy} busy", held.len());
+    std::thread::sleep(Duration::from_millis(200));
+    let now = open_fds(&d);
+    assert!(now <= base + held.len() + 4, "{now} fds open with {} idle connections (from {base})", held.len());
+    // The reserve: a checkpoint still writes its files.
+    c.checkpoint(true, true).unwrap();
+    drop(held);
+    std::thread::sleep(Duration::from_millis(200));
+    still_serves(&mut d, "x");
+}

@@ -38,7 +38,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 use hkv_proto::region::{self as wire, RegionRequest};
-use hkv_proto::{ErrorCode, FrameBuf, Header, ProtoError, Response};
+use hkv_proto::{ErrorCode, FrameBuf, Header, ProtoError, Response, HEADER_LEN};
 use hkv_region::Mapping;
 use hkv_shard::cuda::ipc::{IpcEvent, IpcMem};
 use hkv_shard::Shard;
@@ -72,8 +72,11 @@ pub fn stats(state: &State) -> hkv_proto::stats::RegionStats {
 }
 
 /// File descriptors queued on one connection at most; more are closed as
-/// they arrive (one register frame needs one).
-const MAX_QUEUED_FDS: usize = 16;
+/// they arrive (one register frame needs one; a client pipelining
+/// registrations may have a few on the way). A connection thus holds at
+/// most this many besides its socket, which `limits.max_connections` is
+/// sized by ([`crate::server::fds_per_connection`]).
+pub const MAX_QUEUED_FDS: usize = 4;
 
 /// One connection's regions and received file descriptors.
 #[derive(Default)]
@@ -103,12 +106,20 @@ impl Conn {
     /// `register_memfd` frame takes the oldest one left; a region request
     /// holds the connection's regions as they are now, so that an
     /// `unregister` read after it cannot overtake it.
+    ///
+    /// Fds that came with this frame's bytes and that it does not take
+    /// are closed now, not when the next frame arrives: a client sending
+    /// pings with fds attached, and then nothing, held them for good.
     pub fn ctx(self: &Arc<Self>, h: &Header, start: u64) -> Ctx {
         let mut q = self.fds.lock();
         while q.front().is_some_and(|&(_, end)| end <= start) {
             q.pop_front();
         }
         let fd = if h.op == wire::REGISTER_MEMFD { q.pop_front().map(|(fd, _)| fd) } else { None };
+        let frame_end = start + HEADER_LEN as u64 + u64::from(h.body_len);
+        while q.front().is_some_and(|&(_, end)| end <= frame_end) {
+            q.pop_front();
+        }
         drop(q);
         let regions = wire::is_region(h).then(|| self.regions.lock().clone());
         let events = regions.is_some().then(|| self.events.lock().clone());

@@ -63,11 +63,17 @@ impl Daemon {
     /// taking the machine down, if a regression lets the daemon allocate
     /// what a request asks for.
     pub fn start_limited(bytes: u64, extra: &[&str]) -> Daemon {
+        Self::start_under(&[&format!("--as={bytes}")], extra)
+    }
+
+    /// [`Daemon::start`] under `prlimit` with `limits` (e.g. `--as=BYTES`,
+    /// `--nofile=N`).
+    pub fn start_under(limits: &[&str], extra: &[&str]) -> Daemon {
         let dir = tempfile::tempdir().expect("tempdir");
         let socket = dir.path().join("run").join("hkvd.sock");
         let inner = command_at(&socket, &dir.path().join("state"), extra);
         let mut cmd = Command::new("prlimit");
-        cmd.arg(format!("--as={bytes}")).arg("--").arg(inner.get_program()).args(inner.get_args());
+        cmd.args(limits).arg("--").arg(inner.get_program()).args(inner.get_args());
         cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::inherit());
         let child = cmd.spawn().expect("spawn prlimit hkvd (prlimit is in util-linux)");
         let mut d = Daemon { child: Some(child), dir, socket };
