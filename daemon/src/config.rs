@@ -77,9 +77,15 @@ pub struct Limits {
     /// built or sent, over every connection; a request past it is refused
     /// with `resource_exhausted`. At least max_frame_bytes.
     pub max_bytes_in_flight: u64,
-    /// Seconds a started request body may go without a byte arriving
-    /// before its connection is closed (its memory is freed).
+    /// Seconds a started request body, or a started frame header, may go
+    /// without a byte arriving before its connection is closed (its memory
+    /// is freed).
     pub body_stall_seconds: u64,
+    /// Seconds a connection with no request running may go without
+    /// starting a frame, while at least half of `max_connections` are
+    /// open, before it is closed (its slot, regions and events come
+    /// back); 0 keeps idle connections open.
+    pub idle_seconds: u64,
     /// Bytes of registered regions (client memfds the daemon maps) over
     /// every connection; a registration past it gets `resource_exhausted`.
     pub max_region_bytes: u64,
@@ -99,6 +105,7 @@ impl Default for Limits {
             max_host_tier_bytes: None,
             max_bytes_in_flight: 4 << 30,
             body_stall_seconds: 30,
+            idle_seconds: 300,
             max_region_bytes: 64 << 30,
             max_region_bytes_per_connection: 16 << 30,
         }

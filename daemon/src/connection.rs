@@ -12,7 +12,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::unix::OwnedWriteHalf;
 use tokio::net::UnixStream;
 use tokio::sync::{mpsc, Semaphore};
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use crate::admin::Peer;
 use crate::handle::handle;
@@ -22,12 +22,33 @@ fn error_frame(id: u64, op: u8, e: ProtoError) -> FrameBuf {
     FrameBuf::Vec(Response::Error(e).encode(op, id))
 }
 
-/// Reads one header; `Ok(None)` is a clean close between frames.
-async fn read_header<R: AsyncReadExt + Unpin>(r: &mut R) -> std::io::Result<Option<[u8; HEADER_LEN]>> {
+/// Reads one header; `Ok(None)` is a clean close between frames. Its
+/// first byte may take `idle` (None: forever) while `busy()` is false (a
+/// connection whose requests are still running is not idle); once it has
+/// begun, the rest must come within `stall`. Either wait passed is a
+/// `TimedOut` error: the connection closes, and its slot comes back.
+async fn read_header<R: AsyncReadExt + Unpin>(
+    r: &mut R,
+    idle: Option<Duration>,
+    stall: Duration,
+    busy: impl Fn() -> bool,
+) -> std::io::Result<Option<[u8; HEADER_LEN]>> {
     let mut h = [0u8; HEADER_LEN];
     let mut got = 0;
     while got < HEADER_LEN {
-        let n = r.read(&mut h[got..]).await?;
+        let wait = if got == 0 { idle } else { Some(stall) };
+        let n = match wait {
+            None => r.read(&mut h[got..]).await?,
+            // `read` is cancel-safe: a timed-out read took no byte.
+            Some(t) => match tokio::time::timeout(t, r.read(&mut h[got..])).await {
+                Ok(n) => n?,
+                Err(_) if got == 0 && busy() => continue,
+                Err(_) => {
+                    let what = if got == 0 { "no request came" } else { "a frame header stopped arriving" };
+                    return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, what));
+                }
+            },
+        };
         if n == 0 {
             return if got == 0 {
                 Ok(None)
@@ -78,7 +99,14 @@ pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
     }
     let limits = &state.config.limits;
     let stall = Duration::from_secs(limits.body_stall_seconds.max(1));
+    let idle = (limits.idle_seconds > 0).then(|| Duration::from_secs(limits.idle_seconds));
     let sem = Arc::new(Semaphore::new(limits.max_in_flight));
+    // Idle means nothing running, while at least half the slots are taken:
+    // a quiet client keeps its connection until others need the slots.
+    let busy = || {
+        sem.available_permits() < limits.max_in_flight
+            || state.stats.connections.load(Relaxed) < limits.max_connections.div_ceil(2)
+    };
     let mut rd = BufReader::with_capacity(1 << 16, rd);
     let mut stop = state.shutdown.subscribe();
     // A connection accepted as shutdown began must not wait for a change.
@@ -89,12 +117,12 @@ pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
             // Requests still arriving are answered `shutting_down` until
             // this connection's in-flight requests are done.
             tokio::select! {
-                h = read_header(&mut rd) => h,
+                h = read_header(&mut rd, None, stall, || true) => h,
                 _ = sem.acquire_many(limits.max_in_flight as u32) => break,
             }
         } else {
             tokio::select! {
-                h = read_header(&mut rd) => h,
+                h = read_header(&mut rd, idle, stall, busy) => h,
                 _ = stop.changed() => {
                     draining = true;
                     continue;
@@ -104,6 +132,10 @@ pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
         let raw = match header {
             Ok(Some(h)) => h,
             Ok(None) => break,
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+                info!(reason = %e, "closing a connection (limits.idle_seconds, limits.body_stall_seconds)");
+                break;
+            }
             Err(e) => {
                 debug!(error = %e, "connection closed mid-frame");
                 break;
@@ -151,7 +183,9 @@ pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
             drop(permit);
         });
     }
-    // Wait for this connection's in-flight requests, then let the writer finish.
+    // The peer is gone or done: its regions and events go now, its traces
+    // end; then wait for its in-flight requests and let the writer finish.
+    conn.close();
     let _ = sem.acquire_many(limits.max_in_flight as u32).await;
     drop(tx);
     let _ = writer.await;

@@ -90,7 +90,7 @@ async fn answer(
             }
             Ok(state.router.frames.echo(reply_len as usize))
         }
-        Request::Control(c) => control(state, c, peer).await,
+        Request::Control(c) => control(state, c, peer, &ctx.conn).await,
         r @ (Request::Hash { .. } | Request::FindFeatures { .. } | Request::FindOrInsertFeatures { .. }) => {
             state.router.features(r).await
         }
@@ -99,7 +99,12 @@ async fn answer(
 }
 
 /// Answers a control request (tables, stats, checkpoints, shutdown).
-async fn control(state: &Arc<State>, c: Control, peer: &Peer) -> Result<Response, ProtoError> {
+async fn control(
+    state: &Arc<State>,
+    c: Control,
+    peer: &Peer,
+    conn: &crate::region::Conn,
+) -> Result<Response, ProtoError> {
     match c {
         Control::CreateTable(spec) => {
             let info = state.router.create_table(spec).await?;
@@ -142,7 +147,7 @@ async fn control(state: &Arc<State>, c: Control, peer: &Peer) -> Result<Response
             let r = r.ok_or_else(|| ProtoError::new(ErrorCode::NotFound, "there is no checkpoint to restore"))?;
             Ok(Response::Json(serde_json::to_vec(&r).expect("serializes")))
         }
-        Control::Trace { table, seconds } => crate::mrc::trace(state, &table, seconds).await,
+        Control::Trace { table, seconds } => crate::mrc::trace(state, &table, seconds, conn.gone()).await,
         Control::Shutdown => {
             info!(uid = peer.uid, "shutdown requested");
             let _ = state.shutdown.send(true);

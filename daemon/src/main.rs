@@ -91,6 +91,15 @@ struct Serve {
     /// its connection is closed [default: 30].
     #[arg(long)]
     body_stall_seconds: Option<u64>,
+    /// Seconds a connection with no request running may go without sending,
+    /// while at least half of max-connections are open, before it is
+    /// closed; 0 = never [default: 300].
+    #[arg(long)]
+    idle_seconds: Option<u64>,
+    /// Seconds SIGTERM waits for in-flight requests before closing the
+    /// remaining connections [default: 30].
+    #[arg(long)]
+    drain_seconds: Option<u64>,
     /// Bytes of registered regions (client memfds mapped), all connections [default: 64 GiB].
     #[arg(long)]
     max_region_bytes: Option<u64>,
@@ -164,6 +173,12 @@ fn config(a: Serve) -> anyhow::Result<Config> {
     }
     if let Some(x) = a.body_stall_seconds {
         c.limits.body_stall_seconds = x;
+    }
+    if let Some(x) = a.idle_seconds {
+        c.limits.idle_seconds = x;
+    }
+    if let Some(x) = a.drain_seconds {
+        c.limits.drain_seconds = x;
     }
     if let Some(x) = a.max_region_bytes {
         c.limits.max_region_bytes = x;

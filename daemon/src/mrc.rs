@@ -241,13 +241,15 @@ pub const TRACE_MAX_KEYS: usize = 16 << 20;
 pub const TRACE_PEAK_BYTES: u64 = TRACE_MAX_KEYS as u64 * 8 * 4;
 
 /// Answers a trace request: starts a trace on every shard of `table`,
-/// waits `seconds` (less when the daemon begins to drain), and answers the
+/// waits `seconds` (less when the daemon begins to drain or the peer goes
+/// away), and answers the
 /// merged keys ([`merge_traces`]), at most what fits in
 /// `limits.max_frame_bytes` and [`TRACE_MAX_KEYS`] (the rest left out, `truncated` set).
 pub async fn trace(
     state: &crate::state::State,
     table: &str,
     seconds: u32,
+    peer_gone: impl std::future::Future<Output = ()>,
 ) -> Result<hkv_proto::Response, hkv_proto::ProtoError> {
     let router = &state.router;
     if router.mrc.is_none() {
@@ -265,6 +267,8 @@ pub async fn trace(
     tokio::select! {
         _ = tokio::time::sleep(Duration::from_secs(seconds as u64)) => {}
         _ = stop.changed() => {}
+        // Nobody to answer: the trace ends, its keys are dropped.
+        _ = peer_gone => {}
     }
     let (keys, rate, truncated) = merge_traces(router.trace_take(&t).await?);
     Ok(hkv_proto::Response::Trace { rate, truncated, keys })

@@ -795,3 +795,85 @@ fn descriptors_are_never_exhausted_by_clients() {
     std::thread::sleep(Duration::from_millis(200));
     still_serves(&mut d, "x");
 }
+
+/// Whether the daemon closed `s` (EOF or reset) within `within`.
+fn closed_within(s: &mut UnixStream, within: Duration) -> bool {
+    s.set_read_timeout(Some(within)).unwrap();
+    let mut b = [0u8; 64];
+    loop {
+        match s.read(&mut b) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
+            Err(_) => return false,
+        }
+    }
+}
+
+/// Idle connections and half-sent headers were never timed out, so one
+/// peer could hold every connection slot; a client that registered
+/// regions, started a 3 600 s trace and disconnected kept its connection
+/// and its region bytes for the hour (two such clients made another's
+/// `register_memfd` fail). Now an idle connection closes after
+/// `limits.idle_seconds`, a header that stops arriving after
+/// `limits.body_stall_seconds`, and a peer that goes away ends its traces
+/// and gives its regions back at once.
+#[test]
+fn idle_peers_and_gone_peers_give_their_slots_and_regions_back() {
+    let mut d = Daemon::start(&[
+        "--idle-seconds",
+        "2",
+        "--body-stall-seconds",
+        "1",
+        "--max-region-bytes",
+        "67108864",
+        "--max-connections",
+        "8",
+    ]);
+    d.client().create_table(spec("t", 4, 1024)).unwrap();
+    // Idle connections are closed only while half the slots are taken.
+    let mut quiet = UnixStream::connect(&d.socket).unwrap();
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(!closed_within(&mut quiet, Duration::from_millis(100)), "a quiet client among few lost its connection");
+    // Six more idle peers: the idle ones are closed until fewer than half
+    // the slots (4) are taken.
+    let mut crowd: Vec<UnixStream> = (0..6).map(|_| UnixStream::connect(&d.socket).unwrap()).collect();
+    crowd.push(quiet);
+    let mut half = UnixStream::connect(&d.socket).unwrap();
+    half.write_all(&Request::Ping.encode(1)[..7]).unwrap();
+    assert!(closed_within(&mut half, Duration::from_secs(4)), "a half-sent header holds its connection");
+    std::thread::sleep(Duration::from_secs(3));
+    let closed = crowd.iter_mut().map(|s| closed_within(s, Duration::from_millis(50))).filter(|&c| c).count();
+    assert!((4..=7).contains(&closed), "{closed} of 7 idle connections closed");
+    crowd.clear();
+
+    // Two clients each register 32 MiB (the whole cap), start an hour's
+    // trace, and go away.
+    for round in 0..2 {
+        let mut gone = d.client();
+        gone.register_memfd(32 << 20).unwrap();
+        let mut g2 = d.client();
+        g2.register_memfd(32 << 20).unwrap();
+        let mut raw = UnixStream::connect(&d.socket).unwrap();
+        raw.write_all(&Request::Control(hkv_client::Control::Trace { table: "t".into(), seconds: 3600 }).encode(5))
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        drop((gone, g2, raw));
+        let t = Instant::now();
+        loop {
+            let st = d.client().stats().unwrap();
+            let (bytes, conns) = (st["regions"]["bytes"].as_u64().unwrap(), st["connections"].as_u64().unwrap());
+            if bytes == 0 && conns == 1 {
+                break;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(3),
+                "round {round}: {bytes} region bytes, {conns} connections left"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    let mut other = d.client();
+    other.register_memfd(64 << 20).expect("the cap is free again");
+    still_serves(&mut d, "x");
+}

@@ -90,9 +90,37 @@ pub struct Conn {
     /// Bytes of this connection's regions still mapped.
     bytes: Arc<AtomicU64>,
     next: AtomicU32,
+    /// Set when the peer has gone away.
+    gone: std::sync::atomic::AtomicBool,
+    /// Wakes the requests waiting on [`Conn::gone`].
+    gone_wake: tokio::sync::Notify,
 }
 
 impl Conn {
+    /// The peer went away: its regions and events are released now (each
+    /// request still running holds its own, released when it is done),
+    /// and the requests that wait on time for it ([`Conn::gone`]: a
+    /// trace) end early.
+    pub fn close(&self) {
+        self.gone.store(true, Relaxed);
+        self.gone_wake.notify_waiters();
+        self.fds.lock().clear();
+        let regions = std::mem::take(&mut *self.regions.lock());
+        let events = std::mem::take(&mut *self.events.lock());
+        drop((regions, events));
+    }
+
+    /// Resolves once the peer has gone away ([`Conn::close`]).
+    pub async fn gone(&self) {
+        loop {
+            let woken = self.gone_wake.notified();
+            if self.gone.load(Relaxed) {
+                return;
+            }
+            woken.await;
+        }
+    }
+
     fn push_fd(&self, fd: OwnedFd, end: u64) {
         let mut q = self.fds.lock();
         if q.len() < MAX_QUEUED_FDS {
