@@ -86,6 +86,9 @@ pub struct Limits {
     /// open, before it is closed (its slot, regions and events come
     /// back); 0 keeps idle connections open.
     pub idle_seconds: u64,
+    /// Seconds a region request may wait for the client's `wait_event`
+    /// before it is answered `timeout` (and nothing of it run).
+    pub event_wait_seconds: u64,
     /// Bytes of registered regions (client memfds the daemon maps) over
     /// every connection; a registration past it gets `resource_exhausted`.
     pub max_region_bytes: u64,
@@ -106,6 +109,7 @@ impl Default for Limits {
             max_bytes_in_flight: 4 << 30,
             body_stall_seconds: 30,
             idle_seconds: 300,
+            event_wait_seconds: 60,
             max_region_bytes: 64 << 30,
             max_region_bytes_per_connection: 16 << 30,
         }

@@ -96,6 +96,10 @@ struct Serve {
     /// closed; 0 = never [default: 300].
     #[arg(long)]
     idle_seconds: Option<u64>,
+    /// Seconds a region request waits for the client's wait event before it
+    /// is answered `timeout` [default: 60].
+    #[arg(long)]
+    event_wait_seconds: Option<u64>,
     /// Seconds SIGTERM waits for in-flight requests before closing the
     /// remaining connections [default: 30].
     #[arg(long)]
@@ -176,6 +180,9 @@ fn config(a: Serve) -> anyhow::Result<Config> {
     }
     if let Some(x) = a.idle_seconds {
         c.limits.idle_seconds = x;
+    }
+    if let Some(x) = a.event_wait_seconds {
+        c.limits.event_wait_seconds = x;
     }
     if let Some(x) = a.drain_seconds {
         c.limits.drain_seconds = x;

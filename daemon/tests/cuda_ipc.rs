@@ -630,3 +630,106 @@ fn a_client_killed_mid_request_leaves_nothing_registered() {
     c.unregister(r.id()).unwrap();
     wait_regions(&mut c, (0, 0));
 }
+
+/// The child of `a_client_event_that_never_completes_costs_only_its_requests`:
+/// registers a device allocation and an event, gates its stream on a word
+/// nobody writes, records the event behind the gate, sends a find and a
+/// find_or_insert that wait on it, says so, and waits to be killed.
+#[test]
+#[ignore = "run as a child process by a_client_event_that_never_completes_costs_only_its_requests"]
+fn child_waits_on_a_stalled_event() {
+    let Ok(socket) = std::env::var("HKVD_TEST_SOCKET") else { return };
+    let (ctx, stream) = gpu();
+    let mut c = Client::connect(socket).unwrap();
+    let (n, dim) = (1u64 << 10, 8u64);
+    let len = 64 << 20;
+    let alloc = DeviceAlloc::new(&ctx, len as usize).unwrap();
+    alloc.write(&stream, 0, &(1..=n).collect::<Vec<u64>>()).unwrap();
+    let r = c.register_cuda(alloc.ptr(), len).unwrap();
+    let wait = IpcEvent::new(&ctx).unwrap();
+    let wait_id = c.register_cuda_event(&wait).unwrap();
+    let gate_at = len - 4;
+    alloc.gate(&stream, gate_at).unwrap();
+    wait.record(&stream).unwrap();
+    let refs = |base: u64| vec![r.at::<u64>(0, n), r.at::<u8>(base, n), r.at::<f32>(base + n, n * dim)];
+    c.send_region(&with_events(keyed(u8::from(Op::Find), "t", refs(8 * n), false, false), wait_id, 0)).unwrap();
+    let foi = vec![r.at::<u64>(0, n), r.at::<f32>(1 << 20, n * dim)];
+    c.send_region(&with_events(keyed(u8::from(WriteOp::FindOrInsert), "t", foi, false, false), wait_id, 0)).unwrap();
+    println!("sent");
+    std::io::stdout().flush().unwrap();
+    // Alive, and slow: the daemon answers `timeout` after its limit.
+    for _ in 0..2 {
+        let (h, _) = c.recv_frame().unwrap();
+        assert_eq!(h.op, u8::from(Op::Error), "a stalled wait is answered timeout");
+    }
+    println!("answered");
+    std::io::stdout().flush().unwrap();
+    // Two more, then the kill.
+    c.send_region(&with_events(keyed(u8::from(Op::Find), "t", refs(8 * n), false, false), wait_id, 0)).unwrap();
+    c.send_region(&with_events(keyed(u8::from(Op::Find), "t", refs(8 * n), false, false), wait_id, 0)).unwrap();
+    println!("sent again");
+    std::io::stdout().flush().unwrap();
+    std::thread::sleep(Duration::from_secs(120));
+}
+
+/// A client registered 64 MiB and an event, queued 12 s of GPU work and
+/// the event's record, sent a find and a find_or_insert waiting on it, and
+/// was SIGKILLed: from then on finds, inserts and stats on every table got
+/// no answer, ping stopped 3 s later, SIGTERM did not stop the daemon, and
+/// the dead client's allocation stayed mapped (the daemon's shared stream
+/// waited on an event that would never be recorded). While such a client
+/// was alive and slow, its waits held up other clients' requests for
+/// seconds. Now the wait is a host-side poll with a deadline: other
+/// clients are served meanwhile, the slow client's requests are answered
+/// `timeout`, and a dead client's requests end and its regions go.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_client_event_that_never_completes_costs_only_its_requests() {
+    let mut d = cuda_daemon("1", &["--event-wait-seconds", "4"]);
+    let mut c = d.client();
+    c.create_table(TableSpec::new("t", 8, 1 << 16)).unwrap();
+    c.create_table(TableSpec::new("u", 8, 1 << 16)).unwrap();
+    c.insert_or_assign("t", &[1, 2], &[0.5; 16], None).unwrap();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_waits_on_a_stalled_event", "--ignored", "--nocapture"])
+        .env("HKVD_TEST_SOCKET", &d.socket)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut wait_for = |what: &str| {
+        let mut line = String::new();
+        while !line.contains(what) {
+            line.clear();
+            assert!(out.read_line(&mut line).unwrap() > 0, "the child ended before {what:?}");
+        }
+    };
+    // Every other client's request is answered at once meanwhile.
+    let prompt = |c: &mut Client, round: &str| {
+        for i in 0..10u64 {
+            let t = Instant::now();
+            assert_eq!(c.find("t", &[1, 2]).unwrap().found, vec![true, true]);
+            c.insert_or_assign("t", &[100 + i], &[1.0; 8], None).unwrap();
+            c.insert_or_assign("u", &[100 + i], &[1.0; 8], None).unwrap();
+            c.stats().unwrap();
+            c.ping().unwrap();
+            assert!(t.elapsed() < Duration::from_secs(1), "{round}: a request took {:?}", t.elapsed());
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    wait_for("sent");
+    prompt(&mut c, "while the child is alive and stalled");
+    let t = Instant::now();
+    wait_for("answered");
+    assert!(t.elapsed() < Duration::from_secs(10), "the stalled requests were answered after {:?}", t.elapsed());
+    wait_for("sent again");
+    std::thread::sleep(Duration::from_millis(300));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    prompt(&mut c, "after the child was killed");
+    wait_regions(&mut c, (0, 0));
+    assert!(d.alive());
+    drop(c);
+    d.signal("TERM");
+    assert_eq!(d.wait(Duration::from_secs(30)), 0, "SIGTERM stops the daemon");
+}

@@ -45,6 +45,10 @@ pub enum ErrorCode {
     ResourceExhausted,
     /// A named thing that is not a table does not exist (a checkpoint id).
     NotFound,
+    /// A wait the request made ran past its limit (a client's CUDA event
+    /// not reached within `limits.event_wait_seconds`); the message names
+    /// what it waited for. Nothing of the request was applied.
+    Timeout,
 }
 
 /// An error as carried by an error frame: a code and a message for people.

@@ -452,6 +452,23 @@ impl DeviceAlloc {
         Self::sync(stream)
     }
 
+    /// Enqueues on `stream` a wait until the `u32` at byte `offset` is not
+    /// zero (`cuStreamWaitValue32`): work enqueued after it, an event
+    /// record included, waits until another stream writes the word. A
+    /// client's stall made on purpose, for tests of what a stalled or dead
+    /// client costs the daemon; does not wait.
+    pub fn gate(&self, stream: &CudaStream, offset: u64) -> Result<()> {
+        if offset % 4 != 0 {
+            return Err(CudaError::Invalid(format!("gate at byte {offset}: not a multiple of 4")));
+        }
+        let at = self.range(stream, offset, 4)?;
+        // SAFETY: a live stream of the bound context; the word lies within
+        // this allocation, which outlives the enqueued wait (drop
+        // synchronises the context before freeing). Flags 0 =
+        // CU_STREAM_WAIT_VALUE_GEQ: wait until the word is at least 1.
+        check("cuStreamWaitValue32", unsafe { sys::cuStreamWaitValue32_v2(stream.cu_stream(), at, 1, 0) })
+    }
+
     /// Enqueues on `stream` a fill of `bytes` bytes at `offset` with
     /// `value`; does not wait.
     pub fn fill(&self, stream: &CudaStream, offset: u64, bytes: usize, value: u8) -> Result<()> {

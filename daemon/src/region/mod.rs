@@ -110,6 +110,11 @@ impl Conn {
         drop((regions, events));
     }
 
+    /// Whether the peer has gone away ([`Conn::close`]).
+    pub fn is_gone(&self) -> bool {
+        self.gone.load(Relaxed)
+    }
+
     /// Resolves once the peer has gone away ([`Conn::close`]).
     pub async fn gone(&self) {
         loop {
@@ -272,7 +277,7 @@ pub async fn answer(state: &Arc<State>, ctx: Ctx, h: &Header, body: &[u8]) -> Re
             let req = RegionRequest::decode(h, body)?;
             let none = HashMap::new();
             let regions = ctx.regions.as_ref().unwrap_or(&none);
-            run::run(state, regions, ctx.events.as_ref(), req).await?.encode(h.op, h.id)
+            run::run(state, &ctx.conn, regions, ctx.events.as_ref(), req).await?.encode(h.op, h.id)
         }
     };
     Ok(Response::Framed(FrameBuf::Vec(frame)))

@@ -8,6 +8,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use hkv_proto::region::{self as wire, Count, Dir, Elem, Head, RegionAnswer, RegionRef, RegionRequest, Slot};
 use hkv_proto::{ErrorCode, Op, ProtoError, Request, Response};
@@ -230,6 +231,7 @@ fn events(known: Option<&HashMap<u32, Arc<IpcEvent>>>, req: &RegionRequest) -> R
 /// Runs one region request.
 pub(super) async fn run(
     state: &Arc<State>,
+    conn: &Arc<super::Conn>,
     regions: &HashMap<u32, Arc<Region>>,
     known_events: Option<&HashMap<u32, Arc<IpcEvent>>>,
     req: RegionRequest,
@@ -248,6 +250,12 @@ pub(super) async fn run(
         ));
     }
     let (wait, done) = events(known_events, &req)?;
+    // The wait happens here, on the host, before the request reaches a
+    // shard: the daemon's streams never wait on a client's event.
+    if let (Some(w), Some((id, _))) = (&wait, req.events) {
+        wait_for_event(state, conn, w, id).await?;
+    }
+    let wait: Option<Arc<IpcEvent>> = None;
     let device = arrs.iter().any(|a| a.region.device().is_some());
     if device && arrs.iter().any(|a| a.region.host().is_some()) {
         return Err(ProtoError::bad_request(
@@ -268,6 +276,55 @@ pub(super) async fn run(
         blocking(move || d.record_now()).await?;
     }
     Ok(a)
+}
+
+/// Waits until the work of event `id`'s last record is done, polling it
+/// from a blocking thread (a few microseconds apart at first, then up to a
+/// millisecond), for at most `limits.event_wait_seconds`, and no longer
+/// than the peer is there. A stream made to wait on a client's event
+/// instead could not be undone: a client killed before its record ran
+/// froze every table on that GPU for good, and a slow one held up the
+/// requests of every other client queued behind it.
+async fn wait_for_event(
+    state: &Arc<State>,
+    conn: &Arc<super::Conn>,
+    ev: &Arc<IpcEvent>,
+    id: u32,
+) -> Result<(), ProtoError> {
+    let limit = Duration::from_secs(state.config.limits.event_wait_seconds.max(1));
+    // Most events are done by the time their request arrives.
+    if ev.query().map_err(shard_error)? {
+        return Ok(());
+    }
+    let (ev, conn) = (ev.clone(), conn.clone());
+    let waited = tokio::task::spawn_blocking(move || -> Result<bool, ProtoError> {
+        let start = Instant::now();
+        let mut pause = Duration::from_micros(5);
+        loop {
+            if ev.query().map_err(shard_error)? {
+                return Ok(true);
+            }
+            if conn.is_gone() || start.elapsed() >= limit {
+                return Ok(false);
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(1));
+        }
+    })
+    .await
+    .map_err(|e| err(ErrorCode::Internal, format!("a waiting task failed: {e}")))??;
+    if waited {
+        return Ok(());
+    }
+    Err(err(
+        ErrorCode::Timeout,
+        format!(
+            "event {id}: the work recorded on it was not done within limits.event_wait_seconds = {} s (or the \
+             client went away); nothing of this request was run. Record the event before sending the request, \
+             on a stream whose work completes",
+            limit.as_secs()
+        ),
+    ))
 }
 
 /// Runs `f` off the executor (a wait on the GPU).

@@ -292,6 +292,21 @@ impl IpcEvent {
         check(unsafe { sys::cuStreamWaitEvent(s.cu_stream(), self.ev, 0) }, "cuStreamWaitEvent")
     }
 
+    /// Whether the work of the event's last record is done (or it was
+    /// never recorded), asked without waiting: a client that died before
+    /// its record ran leaves this false for good, so a caller polls with
+    /// a deadline instead of making a stream wait (a stream wait cannot be
+    /// undone, and it blocked every table on the device).
+    pub fn query(&self) -> Result<bool> {
+        self.dev.ctx.bind_to_thread().map_err(dev_err("binding the device's context"))?;
+        // SAFETY: a live event.
+        match unsafe { sys::cuEventQuery(self.ev) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            r => check(r, "cuEventQuery").map(|()| false),
+        }
+    }
+
     /// Records the event on `s`.
     pub fn record(&self, s: &CudaStream) -> Result<()> {
         // SAFETY: as in `wait_on`.
