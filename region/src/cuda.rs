@@ -458,7 +458,7 @@ impl DeviceAlloc {
     /// client's stall made on purpose, for tests of what a stalled or dead
     /// client costs the daemon; does not wait.
     pub fn gate(&self, stream: &CudaStream, offset: u64) -> Result<()> {
-        if offset % 4 != 0 {
+        if !offset.is_multiple_of(4) {
             return Err(CudaError::Invalid(format!("gate at byte {offset}: not a multiple of 4")));
         }
         let at = self.range(stream, offset, 4)?;
