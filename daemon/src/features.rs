@@ -85,7 +85,18 @@ pub fn resolve(spec: HashSpec, table: Option<&TableSpec>) -> Result<(HashKind, u
     Ok((kind, h.num_buckets))
 }
 
-/// Checks a hash setting (num_buckets in range; the kind is typed).
+/// Checks a hash setting: num_buckets in range (the kind is typed), and
+/// no key with `fingerprint64`, which has none (it would be ignored).
 pub fn check(h: &FeatureHash) -> Result<(), ProtoError> {
+    if h.kind == hkv_proto::HashKind::Fingerprint64 && h.key != [0, 0] {
+        return Err(ProtoError::new(
+            ErrorCode::BadRequest,
+            format!(
+                "bad features: hash key {:?} given with kind fingerprint64, which takes no key; use kind strong \
+                 for a keyed hash, or send [0, 0]",
+                h.key
+            ),
+        ));
+    }
     hkv_shard::features::check_buckets(h.num_buckets).map_err(|e| ProtoError::new(ErrorCode::BadRequest, e.to_string()))
 }

@@ -274,7 +274,41 @@ pub(crate) fn json<T: Serialize>(x: &T) -> Vec<u8> {
 }
 
 pub(crate) fn from_json<'a, T: Deserialize<'a>>(b: &'a [u8], what: &str) -> Result<T, ProtoError> {
-    serde_json::from_slice(b).map_err(|e| ProtoError::bad_request(format!("{what}: {e}")))
+    serde_json::from_slice(b).map_err(|e| ProtoError::bad_request(format!("{what}: {}", plain_types(&e.to_string()))))
+}
+
+/// serde's message with the Rust type names it expects (`expected usize`,
+/// `expected struct TableSpec`) said in JSON's words, for clients that
+/// know no Rust.
+fn plain_types(msg: &str) -> String {
+    const WORDS: [(&str, &str); 12] = [
+        ("u8", "an integer from 0 to 255"),
+        ("u16", "an integer from 0 to 65535"),
+        ("u32", "an integer from 0 to 4294967295"),
+        ("u64", "an integer from 0 to 2^64 - 1"),
+        ("usize", "an integer from 0 to 2^64 - 1"),
+        ("i32", "an integer"),
+        ("i64", "an integer"),
+        ("f32", "a number"),
+        ("f64", "a number"),
+        ("bool", "true or false"),
+        ("a string", "a string"),
+        ("char", "a one-character string"),
+    ];
+    let mut out = msg.to_string();
+    if let Some(at) = out.find("expected struct ") {
+        let end = out[at + 16..].find(|c: char| !c.is_alphanumeric() && c != '_').map_or(out.len(), |e| at + 16 + e);
+        out.replace_range(at..end, "expected a JSON object");
+    }
+    for (rust, json) in WORDS {
+        for tail in [" at ", ""] {
+            let from = format!("expected {rust}{tail}");
+            if out.contains(&from) && (!tail.is_empty() || out.ends_with(&from)) {
+                out = out.replace(&from, &format!("expected {json}{tail}"));
+            }
+        }
+    }
+    out
 }
 
 impl Request {

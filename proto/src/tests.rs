@@ -300,3 +300,22 @@ fn write_fuzz_corpus() {
         std::fs::write(dir.join(format!("seed-{i:02}")), f).unwrap();
     }
 }
+
+/// A client written from PROTOCOL.md alone got JSON errors naming Rust
+/// types ("expected usize"); they are said in JSON's words now.
+#[test]
+fn json_errors_name_no_rust_types() {
+    for body in [
+        r#"{"name":"t","dim":-1,"capacity":8}"#,
+        r#"{"name":"t","dim":1.5,"capacity":8}"#,
+        r#"{"name":"t","dim":2,"capacity":"8"}"#,
+        r#"[1,2]"#,
+    ] {
+        let h = Header { op: Op::CreateTable.into(), flags: 0, id: 1, body_len: body.len() as u32 };
+        let e = Request::decode(&h, body.as_bytes()).unwrap_err();
+        assert_eq!(e.code, ErrorCode::BadRequest);
+        for rust in ["usize", "u64", "u32", "struct ", "TableSpec"] {
+            assert!(!e.message.contains(rust), "{body}: {}", e.message);
+        }
+    }
+}
