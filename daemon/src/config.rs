@@ -138,6 +138,11 @@ pub struct Config {
     /// A group (name) whose members may run admin operations, besides the
     /// daemon's own user and root.
     pub admin_group: Option<String>,
+    /// A group (name) whose members may connect and run table operations
+    /// but not admin operations: the socket and its directory get this
+    /// group instead of the admin group (admins then connect as members of
+    /// it too). Unset: the socket's group is the admin group.
+    pub client_group: Option<String>,
     /// Loopback address for a Prometheus HTTP listener, e.g. `127.0.0.1:9466`.
     pub metrics_listen: Option<String>,
     /// Limits.
@@ -163,6 +168,7 @@ impl Default for Config {
             devices: None,
             threads_per_shard: 4,
             admin_group: None,
+            client_group: None,
             metrics_listen: None,
             limits: Limits::default(),
             checkpoint: Default::default(),

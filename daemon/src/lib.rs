@@ -157,7 +157,9 @@ pub fn run(mut config: Config) -> anyhow::Result<()> {
     });
     system.block_on(async move {
         let router = start_router(&config, backend, &ordinals).await?;
-        let (listener, socket_file) = listen(&config, admin_gid)?;
+        // Who may connect: the client group where there is one, else the admins.
+        let client_gid = config.client_group.as_deref().map(admin::group_gid).transpose()?;
+        let (listener, socket_file) = listen(&config, client_gid.or(admin_gid))?;
         let checkpoints = Arc::new(crate::ckpt::Checkpoints::open(&config.state_path(), config.checkpoint.clone())?);
         let uid = std::os::unix::fs::MetadataExt::uid(&std::fs::metadata("/proc/self")?);
         let (shutdown, _) = tokio::sync::watch::channel(false);
@@ -255,7 +257,7 @@ async fn start_router(config: &Config, backend: Backend, ordinals: &[usize]) -> 
 
 /// The listening socket: the one systemd passes (socket activation), else
 /// the configured path, bound here.
-fn listen(config: &Config, admin_gid: Option<u32>) -> anyhow::Result<(tokio::net::UnixListener, SocketFile)> {
+fn listen(config: &Config, socket_gid: Option<u32>) -> anyhow::Result<(tokio::net::UnixListener, SocketFile)> {
     let mut fds = listenfd::ListenFd::from_env();
     Ok(match fds.take_unix_listener(0)? {
         Some(l) => {
@@ -265,7 +267,7 @@ fn listen(config: &Config, admin_gid: Option<u32>) -> anyhow::Result<(tokio::net
         }
         None => {
             let path = config.socket_path();
-            (server::bind(&path, admin_gid)?, SocketFile(Some(path)))
+            (server::bind(&path, socket_gid)?, SocketFile(Some(path)))
         }
     })
 }

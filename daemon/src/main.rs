@@ -114,6 +114,11 @@ struct Serve {
     /// root; the socket and state directory get this group.
     #[arg(long)]
     admin_group: Option<String>,
+    /// Group allowed to connect and run table operations (not admin
+    /// operations); the socket and its directory get this group instead of
+    /// the admin group, whose members then need this group to connect.
+    #[arg(long)]
+    client_group: Option<String>,
     /// Serve Prometheus metrics over HTTP on this loopback address, e.g. 127.0.0.1:9466.
     #[arg(long)]
     metrics_listen: Option<String>,
@@ -194,6 +199,7 @@ fn config(a: Serve) -> anyhow::Result<Config> {
         c.limits.max_region_bytes_per_connection = x;
     }
     c.admin_group = a.admin_group.or(c.admin_group);
+    c.client_group = a.client_group.or(c.client_group);
     c.metrics_listen = a.metrics_listen.or(c.metrics_listen);
     if let Some(r) = a.restore {
         c.restore = r;

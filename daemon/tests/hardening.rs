@@ -377,11 +377,15 @@ fn state_files_are_not_readable_by_others() {
 /// The gid of group `users` (100 on Debian), which these tests use as the
 /// admin group: one that is not root's.
 fn users_gid() -> u32 {
+    gid_of("users")
+}
+
+fn gid_of(group: &str) -> u32 {
     let g = std::fs::read_to_string("/etc/group").unwrap();
     g.lines()
-        .find_map(|l| l.strip_prefix("users:x:"))
+        .find_map(|l| l.strip_prefix(&format!("{group}:x:")))
         .and_then(|r| r.split(':').next()?.parse().ok())
-        .expect("group users")
+        .unwrap_or_else(|| panic!("group {group}"))
 }
 
 /// With an admin group, the socket, its directory and the state directory
@@ -455,6 +459,31 @@ fn supplementary_admin_group_members_administer() {
     assert_eq!(d.client().tables().unwrap()[0].spec.name, "by-a-member");
 }
 
+/// With `--admin-group`, the socket's group was the admin group, so every
+/// peer that could connect could also drop tables: a training job could
+/// not be let read and write without that. `--client-group` gives the
+/// socket its own group: its members connect and run table operations,
+/// admin operations are `forbidden` to them, and admins (members of both)
+/// administer.
+#[test]
+fn client_group_members_use_tables_and_only_admins_administer() {
+    let me = std::fs::metadata("/proc/self").unwrap().uid();
+    assert!(me == 0 && Path::new("/usr/bin/setpriv").exists(), "this test needs root and setpriv (util-linux)");
+    let users = users_gid();
+    let staff = gid_of("staff");
+    let d = Daemon::start(&["--admin-group", "staff", "--client-group", "users"]);
+    std::fs::set_permissions(d.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    assert_eq!(std::fs::metadata(&d.socket).unwrap().gid(), users, "the socket belongs to the client group");
+    let child = |groups: &str, expect: &str| {
+        let ids = ["--reuid", "65534", "--regid", "65534", "--groups", groups];
+        common::run_child_as(&ids, "group_child", &d.socket, expect)
+    };
+    child(&format!("{users},{staff}"), "admin");
+    child(&users.to_string(), "client");
+    child(&staff.to_string(), "no-access");
+    child("65534", "no-access");
+}
+
 #[test]
 #[ignore = "child of supplementary_admin_group_members_administer"]
 fn group_child() {
@@ -463,6 +492,14 @@ fn group_child() {
         "admin" => {
             let mut c = Client::connect(&socket).unwrap();
             c.create_table(spec("by-a-member", 2, 1024)).unwrap();
+        }
+        "client" => {
+            let mut c = Client::connect(&socket).unwrap();
+            let e = c.create_table(spec("by-a-client", 2, 1024)).unwrap_err();
+            assert_eq!(e.code(), Some(ErrorCode::Forbidden), "{e}");
+            assert_eq!(c.drop_table("by-a-member").unwrap_err().code(), Some(ErrorCode::Forbidden));
+            c.insert_or_assign("by-a-member", &[5], &[1.0, 2.0], None).unwrap();
+            assert_eq!(c.find("by-a-member", &[5]).unwrap().values, [1.0, 2.0]);
         }
         _ => {
             let e = Client::connect(&socket).err().expect("no access without the group");
