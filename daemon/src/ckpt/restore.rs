@@ -368,14 +368,7 @@ impl Checkpoints {
                 apply(i, chunk, r)?;
             }
         }
-        let mut fresh = vec![];
-        for (i, b) in built.iter().enumerate() {
-            if let (Some(b), Some(r)) = (b, &running[i]) {
-                b.epoch.store(r.epoch.load(Relaxed), Relaxed);
-            }
-            fresh.extend(b.clone());
-        }
-        router.install(fresh);
+        router.install(built.iter().flatten().cloned().collect());
         let tables: Vec<Option<&Arc<Table>>> =
             built.iter().zip(&running).map(|(b, r)| b.as_ref().or(r.as_ref())).collect();
         let (placed_all, dropped) = settle(router, rt, target, &tables, &max_score, &lost)?;
@@ -403,8 +396,13 @@ fn settle(
         let Some(table) = tables[i] else { continue };
         let resume = resume_point(t, target, max_score[i]);
         rt.block_on(router.resume_after(table, resume)).map_err(Failure::Refused)?;
-        // What the restore wrote is the state at the checkpoint, not a change since.
-        table.untracked.store(false, Relaxed);
+        // The shards' epoch moved up to the restored one (`resume_after`): a
+        // client's epoch below it is a lowered epoch (issue 32). The table
+        // stays marked untracked by the restore's own loads; the chain ended
+        // anyway, so the next checkpoint is full.
+        if matches!(t.policy.as_str().parse(), Ok(ScorePolicy::EpochLru | ScorePolicy::EpochLfu)) {
+            table.epoch.fetch_max((resume >> 32) as u32, std::sync::atomic::Ordering::SeqCst);
+        }
         let sizes = rt.block_on(router.sizes(table)).map_err(Failure::Refused)?;
         let placed = sizes.iter().map(|s| s.0).sum();
         if lost[i] > 0 {

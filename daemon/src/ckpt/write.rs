@@ -3,7 +3,7 @@
 //! the next is asked for; incremental checkpoints keep only the entries
 //! scored at or above the previous watermark, and the live keys.
 
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::Ordering::{Relaxed, SeqCst};
 use std::time::Instant;
 
 use hkv_checkpoint::{ChunkWriter, Kind, Manifest, TableEntry};
@@ -17,10 +17,14 @@ use crate::router::{Router, Table};
 /// Whether an incremental checkpoint can find a table's changes by score:
 /// lru and epoch-lru give every write (insert, assign, accum, find_or_insert
 /// hit) the clock's score, which is at or above the watermark read before
-/// the previous export; the writes that can score lower (a client's load
-/// with verbatim scores, an epoch set lower) mark the table `untracked`.
-/// lfu, epoch-lfu (an assign without scores keeps the old score) and custom
-/// scores do not follow time: those tables are stored whole every time.
+/// the previous export. The writes that can score lower are recorded as a
+/// fact, not inferred: a client's load with verbatim scores and an epoch
+/// set below the highest the table ever had mark the table `untracked`
+/// before they start and after they end (`Table::untracked_write`), and a
+/// clock found below the previous watermark stores the table whole too.
+/// lfu, epoch-lfu (an assign without scores keeps the old score) and
+/// custom scores do not follow time: those tables are stored whole every
+/// time.
 fn tracks_changes(policy: &str) -> bool {
     matches!(policy.parse(), Ok(ScorePolicy::Lru | ScorePolicy::EpochLru))
 }
@@ -121,8 +125,14 @@ impl Checkpoints {
         incremental: bool,
     ) -> Result<TableEntry, ProtoError> {
         let dim = t.config.dim;
-        // Cleared now: writes during this export set it again for the next one.
-        let untracked = t.untracked.swap(false, Relaxed);
+        // Taken now: an untracked write that ends from here on (or starts)
+        // marks the table again, so the next checkpoint stores it whole.
+        let untracked = t.untracked.swap(false, SeqCst);
+        // Read before exporting: every later write scores at least this.
+        let mut marks = vec![];
+        for i in 0..t.shards() {
+            marks.push(x.rt.block_on(x.router.clock_score(t, i))?);
+        }
         let inc = incremental
             && tracks_changes(t.spec.policy.as_str())
             && !untracked
@@ -131,12 +141,14 @@ impl Checkpoints {
                     && p.dim == dim
                     && p.policy == t.spec.policy
                     && p.watermarks.len() == t.shards()
+                    // A clock below the previous watermark (an epoch set
+                    // lower and still in force, the epoch-lru clock's low
+                    // 32 bits wrapped): writes since may score below it.
+                    && marks.iter().zip(&p.watermarks).all(|(now, then)| now >= then)
             });
         let mut out = Parts::default();
-        let (mut marks, mut clocks) = (vec![], vec![]);
+        let mut clocks = vec![];
         for i in 0..t.shards() {
-            // Read before exporting: every later write scores at least this.
-            marks.push(x.rt.block_on(x.router.clock_score(t, i))?);
             let watermark = match (inc, prev_t) {
                 (true, Some(p)) => Some(p.watermarks[i]),
                 _ => None,
@@ -188,8 +200,18 @@ impl Checkpoints {
         loop {
             if offset >= capacity {
                 let now = capacity_now(x)?;
-                if now == capacity || attempt >= 3 {
+                if now == capacity {
                     break;
+                }
+                if attempt >= 3 {
+                    // Exported while its slots moved: entries may be missing.
+                    return Err(ProtoError::new(
+                        hkv_proto::ErrorCode::Busy,
+                        format!(
+                            "table {name:?} shard {i} grew during each of 4 exports; the checkpoint \
+                             was not taken: retry once it has stopped growing (or reserve its capacity first)"
+                        ),
+                    ));
                 }
                 warn!(table = %name, shard = i, "the shard grew during the checkpoint; exporting it again");
                 out.chunks.truncate(first_chunk);

@@ -3,7 +3,7 @@
 //! the feature requests, hashed and then run as the finds and writes they
 //! are, without a round trip through a wire request.
 
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::Ordering::SeqCst;
 
 use hkv_proto::{Cursor, ErrorCode, FindFrame, Op, ProtoError, Request, Response, Summary, WriteOp};
 use hkv_shard::check::{self, CheckedKeys};
@@ -76,9 +76,10 @@ impl Router {
                 Ok(Response::Empty)
             }
             Request::SetEpoch { epoch, .. } => {
-                if epoch < t.epoch.swap(epoch, Relaxed) {
-                    t.untracked.store(true, Relaxed);
-                }
+                // Below the highest epoch the table ever had (a restored one
+                // included): later writes may score below the last watermark.
+                let lower = epoch < t.epoch.fetch_max(epoch, SeqCst);
+                let _mark = lower.then(|| t.untracked_write());
                 self.fan_out(&t, (0..t.shards()).map(|_| SubOp::SetEpoch(epoch)).collect()).await?;
                 Ok(Response::Empty)
             }
@@ -137,6 +138,8 @@ impl Router {
         self.bound(Op::from(code).name(), keys.len(), dim, write_per_key(code, dim, outcomes), 64)?;
         let split = Split::new(&keys, t.shards());
         let n = keys.len();
+        // Held until every shard answered (or the request is dropped).
+        let mut _mark = None;
         let keys = if code == WriteOp::Load {
             let Some(s) = scores.as_deref() else {
                 return Err(err(ErrorCode::Scores, "load needs a score per key (sent with the SCORES flag)"));
@@ -148,7 +151,7 @@ impl Router {
             })?;
             // A load places entries as they were: no per-key outcome, and
             // scores an incremental checkpoint cannot tell from older ones.
-            t.untracked.store(true, Relaxed);
+            _mark = Some(t.untracked_write());
             keys
         } else {
             let what = if code == WriteOp::AccumOrAssign { "deltas" } else { "values" };
