@@ -1,7 +1,8 @@
 //! The catalog: checkpoint directories `chunks/{id:016x}/` holding chunk
-//! files `{table}.{shard:04}.{seq:08}` (written to a temporary name, fsynced
-//! and renamed by a writer thread that overlaps disk writes with the export),
-//! key lists `{table}.{shard:04}.keys{seq:08}`, and last the checksummed
+//! files `t{table:04}.{shard:04}.{seq:08}` (`table`: the table's index in
+//! the manifest; written to a temporary name, fsynced and renamed by a
+//! writer thread that overlaps disk writes with the export), key lists
+//! `t{table:04}.{shard:04}.keys{seq:08}`, and last the checksummed
 //! `MANIFEST`; and an index of them in a [`Store`] (keys `manifest/{id:016x}`
 //! and `current`; hex ids make key order id order). The directories are the
 //! truth: the index is checked against them at open and rebuilt from them
@@ -613,11 +614,13 @@ impl ChunkWriter {
         self.entries
     }
 
-    /// Stores one chunk.
+    /// Stores one chunk of the table at index `table` in the manifest's
+    /// table list (files are named by that index, never by the table's
+    /// name, whose 255 bytes would not fit a file name with the suffixes).
     #[allow(clippy::too_many_arguments)]
     pub fn write(
         &mut self,
-        table: &str,
+        table: u32,
         shard: u32,
         seq: u32,
         dim: usize,
@@ -625,18 +628,20 @@ impl ChunkWriter {
         scores: &[u64],
         values: &[f32],
     ) -> Result<ChunkRef> {
-        let key = format!("{:016x}/{table}.{shard:04}.{seq:08}", self.id);
+        let name = format!("t{table:04}.{shard:04}.{seq:08}");
+        let key = format!("{:016x}/{name}", self.id);
         let (b, checksum) = chunk::encode(dim, keys, scores, values);
         let len = b.len() as u64;
-        self.send(self.dir.join(format!("{table}.{shard:04}.{seq:08}")), b)?;
+        self.send(self.dir.join(name), b)?;
         self.bytes += len;
         self.entries += keys.len() as u64;
         Ok(ChunkRef { key, shard, entries: keys.len() as u64, bytes: len, checksum })
     }
 
-    /// Stores one key list (the live keys of a shard, or a part of them).
-    pub fn write_keys(&mut self, table: &str, shard: u32, seq: u32, keys: &[u64]) -> Result<ChunkRef> {
-        let name = format!("{table}.{shard:04}.keys{seq:08}");
+    /// Stores one key list (the live keys of a shard, or a part of them)
+    /// of the table at index `table` in the manifest.
+    pub fn write_keys(&mut self, table: u32, shard: u32, seq: u32, keys: &[u64]) -> Result<ChunkRef> {
+        let name = format!("t{table:04}.{shard:04}.keys{seq:08}");
         let key = format!("{:016x}/{name}", self.id);
         let (b, checksum) = chunk::encode_keys(keys);
         let len = b.len() as u64;
@@ -717,16 +722,16 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let cat = Catalog::open(dir.path()).unwrap();
         let mut w = cat.begin().unwrap();
-        let c = w.write("t", 0, 0, 2, &[1, 2], &[5, 6], &[0.5; 4]).unwrap();
+        let c = w.write(0, 0, 0, 2, &[1, 2], &[5, 6], &[0.5; 4]).unwrap();
         let a = w.commit(Kind::Full, vec![table("t", vec![c], true)], "test").unwrap();
         let mut w = cat.begin().unwrap();
         assert!(w.id() > a.id);
-        let c = w.write("t", 0, 0, 2, &[3], &[7], &[1.5; 2]).unwrap();
+        let c = w.write(0, 0, 0, 2, &[3], &[7], &[1.5; 2]).unwrap();
         let b = w.commit(Kind::Incremental { base: a.id }, vec![table("t", vec![c], false)], "test").unwrap();
         // An interrupted third one: chunks, no manifest.
         let mut w = cat.begin().unwrap();
         let leftover = w.id();
-        w.write("t", 0, 0, 2, &[9], &[9], &[0.0; 2]).unwrap();
+        w.write(0, 0, 0, 2, &[9], &[9], &[0.0; 2]).unwrap();
         drop(w);
         assert!(cat.chunk_dir(leftover).exists());
         assert_eq!(cat.current().unwrap(), Some(b.id));
@@ -791,12 +796,12 @@ mod tests {
                 let cat = Catalog::open(dir.path()).unwrap();
                 for i in 0..3u64 {
                     let mut w = cat.begin().unwrap();
-                    let c = w.write("t", 0, 0, 2, &[i], &[i], &[0.5; 2]).unwrap();
+                    let c = w.write(0, 0, 0, 2, &[i], &[i], &[0.5; 2]).unwrap();
                     ids.push(w.commit(Kind::Full, vec![table("t", vec![c], true)], "test").unwrap().id);
                 }
                 // An interrupted fourth: a leftover to collect.
                 let mut w = cat.begin().unwrap();
-                w.write("t", 0, 0, 2, &[9], &[9], &[0.0; 2]).unwrap();
+                w.write(0, 0, 0, 2, &[9], &[9], &[0.0; 2]).unwrap();
             }
             assert!(db(dir.path()).exists());
             damage(dir.path());
@@ -820,7 +825,7 @@ mod tests {
         let mut ids = [0; 3];
         for (i, k) in [1u64, 2, 3].into_iter().enumerate() {
             let mut w = cat.begin().unwrap();
-            let c = w.write("t", 0, 0, 2, &[k, k + 10], &[k, k], &[0.5; 4]).unwrap();
+            let c = w.write(0, 0, 0, 2, &[k, k + 10], &[k, k], &[0.5; 4]).unwrap();
             let kind = if i == 0 { Kind::Full } else { Kind::Incremental { base: ids[i - 1] } };
             ids[i] = w.commit(kind, vec![table("t", vec![c], i == 0)], "test").unwrap().id;
         }
@@ -886,7 +891,7 @@ mod tests {
         let (dir, ids) = chain_of_three();
         let i2 = dir.path().join(format!("chunks/{:016x}", ids[1]));
         std::fs::write(i2.join(MANIFEST_FILE), b"garbage").unwrap();
-        let chunk = i2.join("t.0000.00000000");
+        let chunk = i2.join("t0000.0000.00000000");
         let mut b = std::fs::read(&chunk).unwrap();
         b[25] ^= 1;
         std::fs::write(&chunk, b).unwrap();
@@ -896,7 +901,7 @@ mod tests {
         assert!(rec.moved_aside[0].2.contains("does not verify"), "{rec:?}");
         let moved = aside(dir.path(), ids[1]);
         assert_eq!(moved.len(), 1);
-        assert!(moved[0].join("t.0000.00000000").exists(), "the chunks are kept");
+        assert!(moved[0].join("t0000.0000.00000000").exists(), "the chunks are kept");
         assert_eq!(cat.collect(3, None).unwrap(), Vec::<u64>::new());
         assert!(moved[0].exists(), "collect leaves what was moved aside");
         let listed = cat.list().unwrap();
@@ -922,7 +927,53 @@ mod tests {
         let cat = Catalog::open(dir.path()).unwrap();
         std::fs::write(dir.path().join(format!("chunks/{:016x}/{MANIFEST_FILE}", ids[2])), b"x").unwrap();
         assert_eq!(cat.collect(1, None).unwrap(), Vec::<u64>::new());
-        assert!(cat.chunk_dir(ids[2]).join("t.0000.00000000").exists());
+        assert!(cat.chunk_dir(ids[2]).join("t0000.0000.00000000").exists());
+    }
+
+    /// Checkpoints written before file names held the table's index name
+    /// their files after the table (`{table}.{shard:04}.{seq:08}`): they
+    /// read unchanged, since a reader opens the path its manifest names.
+    #[test]
+    fn a_checkpoint_of_the_name_based_layout_still_reads() {
+        let dir = tempfile::tempdir().unwrap();
+        let id = 0x1a2_34c2_ece4u64;
+        let cdir = dir.path().join(format!("chunks/{id:016x}"));
+        std::fs::create_dir_all(&cdir).unwrap();
+        let (b, checksum) = chunk::encode(2, &[4, 5], &[1, 2], &[0.5, 1.5, 2.5, 3.5]);
+        std::fs::write(cdir.join("emb.0000.00000000"), &b).unwrap();
+        let (kb, ksum) = chunk::encode_keys(&[4, 5]);
+        std::fs::write(cdir.join("emb.0000.keys00000000"), &kb).unwrap();
+        let c = ChunkRef {
+            key: format!("{id:016x}/emb.0000.00000000"),
+            shard: 0,
+            entries: 2,
+            bytes: b.len() as u64,
+            checksum,
+        };
+        let k = ChunkRef {
+            key: format!("{id:016x}/emb.0000.keys00000000"),
+            shard: 0,
+            entries: 2,
+            bytes: kb.len() as u64,
+            checksum: ksum,
+        };
+        let mut t = table("emb", vec![c], true);
+        t.keys = vec![k];
+        let m = Manifest {
+            format: FORMAT_VERSION,
+            id,
+            created_unix_ms: 1,
+            finished_unix_ms: 2,
+            daemon_version: "old".into(),
+            kind: Kind::Full,
+            tables: vec![t],
+        };
+        std::fs::write(cdir.join(MANIFEST_FILE), manifest::encode(&m)).unwrap();
+        let cat = Catalog::open(dir.path()).unwrap();
+        let chain = cat.chain(id).unwrap();
+        cat.verify(&chain, |_| ()).unwrap();
+        assert_eq!(cat.read_chunk(id, &chain[0].tables[0].chunks[0]).unwrap().keys, [4, 5]);
+        assert_eq!(cat.read_keys(id, &chain[0].tables[0].keys[0]).unwrap(), [4, 5]);
     }
 
     #[test]

@@ -54,7 +54,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use hkv_shard::Backend;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use crate::actor::ShardActor;
 use crate::config::{BackendChoice, Config};
@@ -180,17 +180,30 @@ pub fn run(config: Config) -> anyhow::Result<()> {
         );
         let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
         server::serve(state.clone(), listener).await;
+        // A final checkpoint that fails is the operator's data not saved:
+        // said at ERROR and in the exit status, never a clean exit.
+        let mut failed = None;
         if config.checkpoint.on_shutdown {
             info!("final checkpoint before exit");
             if let Err(e) = state.checkpoints.take(state.router.clone(), false).await {
-                warn!(error = %e.message, "final checkpoint failed");
+                error!(
+                    error = %e.message,
+                    "the final checkpoint FAILED: writes since the last complete checkpoint are lost with this exit"
+                );
+                failed = Some(e.message);
             }
         }
         let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
         drop(socket_file);
         info!(requests = state.stats.requests.load(std::sync::atomic::Ordering::Relaxed), "stopped");
         actix_rt::System::current().stop();
-        Ok(())
+        match failed {
+            None => Ok(()),
+            Some(e) => anyhow::bail!(
+                "the final checkpoint (--checkpoint-on-shutdown) failed: {e}; \
+                 the tables' state since the last complete checkpoint (hkvctl checkpoints) was not saved"
+            ),
+        }
     })
 }
 

@@ -614,16 +614,12 @@ fn a_corrupt_chunk_found_half_way_through_a_live_restore_changes_nothing() {
     c.drop_table("b").unwrap();
     let want_a = snapshot(&mut c, "a");
     // Corrupt b's last chunk: a's chunks come first and load before it is read.
-    // The daemon holds the catalog: find the chunk file by its name.
-    let dir = d.dir.path().join("state/checkpoints/chunks").join(&id);
-    let mut b_chunks: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap()
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("b."))
-        .collect();
-    b_chunks.sort();
-    let victim = b_chunks.last().unwrap().clone();
+    // The daemon holds the catalog: find the chunk in the directory's MANIFEST.
+    let chunks = d.dir.path().join("state/checkpoints/chunks");
+    let m = std::fs::read(chunks.join(&id).join("MANIFEST")).unwrap();
+    let m = hkv_checkpoint::manifest::decode(u64::from_str_radix(&id, 16).unwrap(), &m).unwrap();
+    let b = m.tables.iter().find(|t| t.name == "b").unwrap();
+    let victim = chunks.join(&b.chunks.last().unwrap().key);
     let mut bytes = std::fs::read(&victim).unwrap();
     let mid = bytes.len() / 2;
     bytes[mid] ^= 0x04;
@@ -1130,4 +1126,58 @@ fn a_load_racing_the_start_of_a_checkpoint_is_in_the_next_one() {
     let lost = want.keys().filter(|k| !got.contains_key(k)).count();
     let stale = want.iter().filter(|(k, v)| got.get(k).is_some_and(|g| g != *v)).count();
     assert_eq!((lost, stale), (0, 0), "loaded keys lost, entries at their value before the load");
+}
+
+/// Issue 32, finding 10: table names of 238 to 255 bytes are valid, but a
+/// chunk file was named after its table (`{table}.{shard:04}.{seq:08}`),
+/// too long for the file system (ENAMETOOLONG): once such a table held an
+/// entry every checkpoint failed with `internal`, and a restart restored no
+/// table at all. File names now carry the table's index in the manifest,
+/// never its name.
+#[test]
+fn a_table_with_a_255_byte_name_is_checkpointed_and_restored() {
+    let d = Daemon::start(&["--shards", "2", "--checkpoint-full-every", "4"]);
+    let mut c = d.client();
+    let long = "n".repeat(255);
+    for name in [long.as_str(), "short"] {
+        c.create_table(spec(name, 2, 1 << 12, "lru", "single")).unwrap();
+        fill(&mut c, name, 2, 0..1000, false);
+    }
+    c.checkpoint(true, true).unwrap();
+    fill(&mut c, &long, 2, 1000..1100, false);
+    let l = c.checkpoint(true, false).unwrap();
+    assert!(l["kind"].as_str().unwrap().starts_with("incremental"), "{l}");
+    let want = (snapshot(&mut c, &long), snapshot(&mut c, "short"));
+    drop(c);
+    let mut d = d;
+    d.kill();
+    let d = d.restart(&["--shards", "2"]);
+    let mut c = d.client();
+    assert_eq!((snapshot(&mut c, &long), snapshot(&mut c, "short")), want);
+}
+
+/// Issue 32, finding 10 (second half): when the final checkpoint of
+/// `--checkpoint-on-shutdown` failed (every checkpoint did, for a table
+/// with a long name), hkvd logged a WARN and exited 0, so nothing told the
+/// operator the last writes were not saved. Now it logs at ERROR and exits 1.
+#[test]
+fn a_failed_final_checkpoint_is_an_error_and_a_non_zero_exit() {
+    let dir = tempfile::tempdir().unwrap();
+    let _fs = Tmpfs::mount(&dir.path().join("state"), 16);
+    let log = std::fs::File::create(dir.path().join("log")).unwrap();
+    let mut cmd = common::command(dir.path(), &["--checkpoint-on-shutdown"]);
+    let child = cmd.stderr(log).spawn().unwrap();
+    let socket = dir.path().join("run").join("hkvd.sock");
+    let mut d = Daemon { child: Some(child), dir, socket };
+    d.wait_ready();
+    let mut c = d.client();
+    c.create_table(spec("t", 8, 1 << 20, "lfu", "single")).unwrap();
+    // 48 bytes an entry in a chunk: 14.4 MB, more than the 16 MiB tmpfs has left.
+    fill(&mut c, "t", 8, 1..300_001, true);
+    std::fs::write(d.dir.path().join("state/filler"), vec![1u8; 4 << 20]).unwrap();
+    drop(c);
+    d.signal("TERM");
+    assert_eq!(d.wait(Duration::from_secs(60)), 1, "a failed final checkpoint is a failed exit");
+    let log = std::fs::read_to_string(d.dir.path().join("log")).unwrap();
+    assert!(log.lines().any(|l| l.contains("ERROR") && l.contains("final checkpoint")), "{log}");
 }

@@ -53,10 +53,9 @@ impl Checkpoints {
         force_full: bool,
         w: Option<ChunkWriter>,
     ) -> Result<Manifest, ProtoError> {
-        // Read before the tables: a table created or dropped from here on
+        // Read with the tables: a table created or dropped from here on
         // makes the next checkpoint full.
-        let generation = router.generation();
-        let tables = router.tables();
+        let (generation, tables) = router.tables_at();
         // The base of an incremental: the newest checkpoint whose chain restores.
         let prev = self
             .catalog
@@ -98,9 +97,9 @@ impl Checkpoints {
         });
         let mut x = Export { router, rt, w: &mut w, started: Instant::now(), total };
         let mut entries = vec![];
-        for t in &tables {
+        for (index, t) in tables.iter().enumerate() {
             let prev_t = prev.as_ref().and_then(|p| p.tables.iter().find(|e| e.name == t.spec.name));
-            entries.push(self.export_table(&mut x, t, prev_t, incremental)?);
+            entries.push(self.export_table(&mut x, t, index as u32, prev_t, incremental)?);
         }
         let m = w.commit(kind, entries, env!("CARGO_PKG_VERSION")).map_err(internal)?;
         self.chain_generation.store(generation, Relaxed);
@@ -114,13 +113,15 @@ impl Checkpoints {
         Ok(m)
     }
 
-    /// One table's part of a checkpoint: every shard exported, whole or
+    /// One table's part of a checkpoint (the `index`th of its manifest):
+    /// every shard exported, whole or
     /// (`incremental`, where the table allows it) only what changed since
     /// `prev_t`.
     fn export_table(
         &self,
         x: &mut Export,
         t: &Table,
+        index: u32,
         prev_t: Option<&TableEntry>,
         incremental: bool,
     ) -> Result<TableEntry, ProtoError> {
@@ -153,7 +154,7 @@ impl Checkpoints {
                 (true, Some(p)) => Some(p.watermarks[i]),
                 _ => None,
             };
-            self.export_shard(x, t, i, watermark, &mut out)?;
+            self.export_shard(x, (t, index), i, watermark, &mut out)?;
             // Read after exporting: every entry exported scored at most this
             // (except a client's verbatim `load`); a restore resumes from here.
             clocks.push(x.rt.block_on(x.router.clock_score(t, i))?);
@@ -181,7 +182,7 @@ impl Checkpoints {
     fn export_shard(
         &self,
         x: &mut Export,
-        t: &Table,
+        (t, index): (&Table, u32),
         i: usize,
         watermark: Option<u64>,
         out: &mut Parts,
@@ -232,7 +233,7 @@ impl Checkpoints {
                     e = changed_since(e, wm, dim);
                 }
                 if live.len() >= keys_per_list {
-                    out.key_lists.push(x.w.write_keys(name, i as u32, kseq, &live).map_err(internal)?);
+                    out.key_lists.push(x.w.write_keys(index, i as u32, kseq, &live).map_err(internal)?);
                     kseq += 1;
                     live.clear();
                 }
@@ -240,7 +241,7 @@ impl Checkpoints {
             if e.keys.is_empty() {
                 continue;
             }
-            let c = x.w.write(name, i as u32, seq, dim, &e.keys, &e.scores, &e.values).map_err(internal)?;
+            let c = x.w.write(index, i as u32, seq, dim, &e.keys, &e.scores, &e.values).map_err(internal)?;
             seq += 1;
             out.count += c.entries;
             out.chunks.push(c);
@@ -248,7 +249,7 @@ impl Checkpoints {
         }
         if watermark.is_some() {
             // Always at least one list per shard: an empty one says "no keys".
-            out.key_lists.push(x.w.write_keys(name, i as u32, kseq, &live).map_err(internal)?);
+            out.key_lists.push(x.w.write_keys(index, i as u32, kseq, &live).map_err(internal)?);
         }
         Ok(())
     }
