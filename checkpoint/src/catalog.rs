@@ -191,6 +191,21 @@ impl Catalog {
         }
     }
 
+    /// The checkpoint directories moved aside (`chunks/{id:016x}.damaged-{ms}`,
+    /// by this open or an earlier one), sorted: they are never read again,
+    /// nor deleted, until an operator repairs one and renames it back.
+    pub fn set_aside(&self) -> Vec<PathBuf> {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(&self.chunks)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|d| d.file_name().to_string_lossy().contains(".damaged-") && d.path().is_dir())
+            .map(|d| d.path())
+            .collect();
+        v.sort();
+        v
+    }
+
     /// Ids of the checkpoint directories.
     fn dir_ids(&self) -> BTreeSet<u64> {
         let mut ids = BTreeSet::new();

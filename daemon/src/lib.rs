@@ -272,6 +272,26 @@ async fn restore_at_start(state: &State) -> anyhow::Result<()> {
             Ok(())
         }
         Ok(None) => {
+            // Nothing restorable, but checkpoints that could not be read
+            // exist: serving empty tables now would pass for "no data"
+            // (issue 32). Only the operator's --restore none does that.
+            let aside = state.checkpoints.set_aside();
+            if !aside.is_empty() {
+                anyhow::bail!(
+                    "restore {which}: no checkpoint can be restored, but {} checkpoint director{} could not be \
+                     read and {} set aside (never deleted):\n  {}\n\
+                     hkvd did not start, so that empty tables do not pass for the data in them. Each holds a \
+                     checkpoint whose MANIFEST (or a file it names) is damaged (the WARN lines above say why). \
+                     To get one back, repair its files (a MANIFEST can be restored from a backup of the \
+                     catalog or the directory), rename it to chunks/<id> (the 16 hex digits before \
+                     .damaged-), and start hkvd again. To start with empty tables and keep them on disk, \
+                     use --restore none.",
+                    aside.len(),
+                    if aside.len() == 1 { "y" } else { "ies" },
+                    if aside.len() == 1 { "was" } else { "were" },
+                    aside.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join("\n  ")
+                );
+            }
             info!("no checkpoint to restore");
             Ok(())
         }

@@ -1181,3 +1181,63 @@ fn a_failed_final_checkpoint_is_an_error_and_a_non_zero_exit() {
     let log = std::fs::read_to_string(d.dir.path().join("log")).unwrap();
     assert!(log.lines().any(|l| l.contains("ERROR") && l.contains("final checkpoint")), "{log}");
 }
+
+/// Runs `hkvd serve` with `extra` on `root` until it exits (its code and
+/// stderr), or panics if it serves instead.
+fn start_expecting_exit(root: &std::path::Path, extra: &[&str]) -> (i32, String) {
+    let log = root.join("exit.log");
+    let mut child = common::command(root, extra).stderr(std::fs::File::create(&log).unwrap()).spawn().unwrap();
+    let socket = root.join("run").join("hkvd.sock");
+    let t0 = Instant::now();
+    loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            return (st.code().unwrap_or(-1), std::fs::read_to_string(&log).unwrap());
+        }
+        if Client::connect(&socket).is_ok_and(|mut c| c.ping().is_ok()) {
+            let tables = Client::connect(&socket).unwrap().tables().unwrap().len();
+            child.kill().unwrap();
+            child.wait().unwrap();
+            panic!("hkvd started serving ({tables} tables): {}", std::fs::read_to_string(&log).unwrap());
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "hkvd neither exited nor served");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Issue 32, finding 3: with every checkpoint's MANIFEST damaged and no
+/// catalog to repair them from, start-up moved every directory aside,
+/// found nothing to restore, and served empty tables with exit status 0,
+/// although the README says it refuses to. Now, while directories it set
+/// aside exist and nothing could be restored, hkvd does not start (unless
+/// `--restore none`) and names each directory and how to get it back.
+#[test]
+fn every_manifest_damaged_and_no_catalog_refuses_to_start() {
+    let (dir, ids, _, _) = chain_of_three();
+    let root = dir.path().to_path_buf();
+    for id in &ids {
+        std::fs::write(chunk_dir(&root, id).join("MANIFEST"), [0u8; 64]).unwrap();
+    }
+    std::fs::remove_dir_all(root.join("state/checkpoints/catalog")).unwrap();
+    let (code, err) = start_expecting_exit(&root, &[]);
+    assert_eq!(code, 1, "{err}");
+    let aside: Vec<String> = std::fs::read_dir(root.join("state/checkpoints/chunks"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.path().display().to_string())
+        .filter(|p| p.contains(".damaged-"))
+        .collect();
+    assert_eq!(aside.len(), 3, "{aside:?}");
+    for p in &aside {
+        assert!(err.contains(p.as_str()), "the error names {p}: {err}");
+    }
+    assert!(err.contains("--restore none"), "{err}");
+    // The second attempt refuses too: the directories are still set aside.
+    let (code, err) = start_expecting_exit(&root, &[]);
+    assert_eq!(code, 1, "{err}");
+    // The operator's word starts it empty, every directory kept.
+    let d = Daemon::start_in(dir, root.join("run").join("hkvd.sock"), &["--restore", "none"]);
+    assert!(d.client().tables().unwrap().is_empty());
+    for p in &aside {
+        assert!(std::path::Path::new(p).is_dir());
+    }
+}

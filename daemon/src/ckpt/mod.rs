@@ -118,6 +118,12 @@ impl Checkpoints {
         })
     }
 
+    /// Checkpoint directories moved aside because they could not be read
+    /// or repaired (see [`hkv_checkpoint::Catalog::set_aside`]).
+    pub fn set_aside(&self) -> Vec<std::path::PathBuf> {
+        self.catalog.set_aside()
+    }
+
     /// Status for stats.
     pub fn stats(&self) -> CheckpointStats {
         CheckpointStats {
