@@ -96,6 +96,11 @@ pub struct Catalog {
     /// Checkpoints a restore found a corrupt or missing file in (this
     /// process's knowledge, not persisted: the next restore finds it again).
     corrupt: Arc<Mutex<BTreeMap<u64, String>>>,
+    /// Checkpoints this process knows are restorable: written by it
+    /// ([`ChunkWriter::commit`]) or every file verified by it ([`Catalog::verify`],
+    /// [`Catalog::mark_verified`] after a restore). Retention counts only
+    /// these (not persisted: a restart verifies again by restoring).
+    verified: Arc<Mutex<BTreeSet<u64>>>,
 }
 
 fn io_err(what: &str, path: &Path, e: std::io::Error) -> Error {
@@ -148,7 +153,7 @@ impl Catalog {
 
     /// A catalog over any store, with checkpoint directories under `chunks`.
     pub fn new(store: Arc<dyn Store>, chunks: PathBuf) -> Catalog {
-        Catalog { store, chunks, corrupt: Arc::default() }
+        Catalog { store, chunks, corrupt: Arc::default(), verified: Arc::default() }
     }
 
     /// Records that a restore found checkpoint `id` corrupt (a chunk that
@@ -156,6 +161,12 @@ impl Catalog {
     /// and for the incrementals built on it.
     pub fn mark_corrupt(&self, id: u64, why: &str) {
         self.corrupt.lock().unwrap_or_else(|p| p.into_inner()).insert(id, why.to_string());
+    }
+
+    /// Records that every file of checkpoint `id` verified (a restore read
+    /// them all): retention may count it as restorable.
+    pub fn mark_verified(&self, id: u64) {
+        self.verified.lock().unwrap_or_else(|p| p.into_inner()).insert(id);
     }
 
     /// Forgets a corrupt mark (a restore of it verified after all).
@@ -511,19 +522,29 @@ impl Catalog {
                     progress(c.bytes);
                 }
             }
+            self.mark_verified(m.id);
         }
         Ok(())
     }
 
-    /// Removes leftovers of interrupted checkpoints and complete
-    /// checkpoints beyond the newest `keep` (keeping the bases incremental
-    /// ones need). A leftover is provably interrupted: its directory has no
-    /// `MANIFEST` file and the index has no entry for it (both are written
-    /// only once every chunk is durable), and it is not `running`. A
-    /// directory whose `MANIFEST` is damaged is never collected: the next
-    /// open repairs it or moves it aside. What is complete is read from the
-    /// directories, not the index, so a damaged index never causes a
-    /// deletion. Returns the ids removed.
+    /// Removes leftovers of interrupted checkpoints and, by retention,
+    /// complete checkpoints older than the newest `keep` *restorable* ones.
+    /// A checkpoint counts as restorable only when this process verified
+    /// every checkpoint of its chain (a restore read them, or this process
+    /// wrote them: [`Catalog::mark_verified`]); retention keeps the newest
+    /// `keep` of those with their chains, keeps every checkpoint newer than
+    /// the oldest of them (verified or not: one not yet verified is not
+    /// deleted in favour of older ones), and removes only what is older.
+    /// With fewer than `keep` restorable checkpoints it removes nothing, so
+    /// a lowered `keep` never deletes what a restore may still need.
+    ///
+    /// A leftover is provably interrupted: its directory has no `MANIFEST`
+    /// file and the index has no entry for it (both are written only once
+    /// every chunk is durable), and it is not `running`. A directory whose
+    /// `MANIFEST` is damaged is never collected: the next open repairs it
+    /// or moves it aside. What is complete is read from the directories,
+    /// not the index, so a damaged index never causes a deletion. Returns
+    /// the ids removed.
     pub fn collect(&self, keep: usize, running: Option<u64>) -> Result<Vec<u64>> {
         let mut complete: BTreeMap<u64, Manifest> = BTreeMap::new();
         let mut leftovers = vec![];
@@ -538,21 +559,42 @@ impl Catalog {
                 _ => {}
             }
         }
-        let mut retained: BTreeSet<u64> = BTreeSet::new();
-        for m in complete.values().rev().take(keep.max(1)) {
+        // Per complete checkpoint, its chain (itself first), when whole.
+        let chain_of = |m: &Manifest| -> Option<Vec<u64>> {
+            let mut ids = vec![];
             let mut next = Some(m);
             while let Some(x) = next {
-                if !retained.insert(x.id) {
-                    break;
+                if ids.contains(&x.id) {
+                    return None;
                 }
+                ids.push(x.id);
                 next = match x.kind {
-                    Kind::Incremental { base } => complete.get(&base),
+                    Kind::Incremental { base } => Some(complete.get(&base)?),
                     Kind::Full => None,
                 };
             }
+            Some(ids)
+        };
+        let verified = self.verified.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let mut retained: BTreeSet<u64> = BTreeSet::new();
+        let mut counted = 0;
+        let mut cutoff = None;
+        for m in complete.values().rev() {
+            if counted == keep.max(1) {
+                break;
+            }
+            let Some(chain) = chain_of(m) else { continue };
+            if chain.iter().all(|id| verified.contains(id)) {
+                retained.extend(chain);
+                counted += 1;
+                cutoff = Some(m.id);
+            }
         }
+        // Fewer restorable checkpoints than `keep`: nothing is expired.
+        let cutoff = if counted == keep.max(1) { cutoff } else { None };
         let mut removed = vec![];
-        for (&id, _) in complete.iter().filter(|(id, _)| !retained.contains(id)) {
+        let expired = |id: u64| cutoff.is_some_and(|c| id < c) && !retained.contains(&id);
+        for (&id, _) in complete.iter().filter(|(id, _)| expired(**id)) {
             // Index first, then the directory's manifest: from then on the
             // rest is a leftover, whatever happens next.
             self.store.remove(&manifest_key(id))?;
@@ -695,6 +737,8 @@ impl ChunkWriter {
         // The directory's manifest is the commit point; the index follows it
         // and is rebuilt from it if this process dies before the flush.
         self.cat.write_dir_manifest(self.id, &bytes)?;
+        // Every file was written and synced by this process just now.
+        self.cat.mark_verified(self.id);
         let s = &self.cat.store;
         let indexed = s
             .put(&manifest_key(self.id), &bytes)

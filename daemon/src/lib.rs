@@ -158,6 +158,7 @@ pub fn run(config: Config) -> anyhow::Result<()> {
         if config.restore != "none" {
             restore_at_start(&state).await?;
         }
+        state.checkpoints.retain().await;
         state.checkpoints.schedule(state.router.clone(), state.shutdown.subscribe());
         if let Some(addr) = &config.metrics_listen {
             let addr: std::net::SocketAddr = addr.parse().with_context(|| format!("metrics_listen {addr:?}"))?;

@@ -1241,3 +1241,49 @@ fn every_manifest_damaged_and_no_catalog_refuses_to_start() {
         assert!(std::path::Path::new(p).is_dir());
     }
 }
+
+/// Issue 32, finding 5: restarted with a lower `--checkpoint-keep` (1)
+/// while the base of the newest incremental was corrupt, retention (run as
+/// the catalog opened, before any restore) kept the newest checkpoint and
+/// its broken base and deleted the three valid older ones; the restore then
+/// found nothing usable and hkvd refused to start, saying every checkpoint
+/// was kept. Now retention counts only checkpoints verified restorable (by
+/// this process's restore, or written by it) and deletes only after the
+/// restore at start: the newest valid one is restored and kept.
+#[test]
+fn a_lower_keep_never_deletes_the_checkpoints_a_restore_needs() {
+    let d = Daemon::start(&["--checkpoint-keep", "10", "--checkpoint-full-every", "4"]);
+    let mut c = d.client();
+    c.create_table(spec("t", 4, 1 << 14, "lru", "single")).unwrap();
+    let mut ids = vec![];
+    let mut at = vec![];
+    for i in 0..5u64 {
+        fill(&mut c, "t", 4, i * 1000..i * 1000 + 1500, false);
+        let l = c.checkpoint(true, i < 4).unwrap();
+        assert_eq!(l["kind"] == "full", i < 4, "{l}");
+        ids.push(l["id"].as_str().unwrap().to_string());
+        at.push(snapshot(&mut c, "t"));
+    }
+    drop(c);
+    let dir = stop(d);
+    let root = dir.path().to_path_buf();
+    // The base of the newest incremental (ids[3]) gets a corrupt chunk.
+    let victim = chunk_files(&root, &ids[3])[0].clone();
+    let mut b = std::fs::read(&victim).unwrap();
+    let mid = b.len() / 2;
+    b[mid] ^= 0x08;
+    std::fs::write(&victim, b).unwrap();
+    let d = Daemon::start_in(dir, root.join("run").join("hkvd.sock"), &["--checkpoint-keep", "1"]);
+    let mut c = d.client();
+    assert_eq!(snapshot(&mut c, "t"), at[2], "the newest valid checkpoint is restored");
+    let kept = checkpoint_dirs(&root);
+    assert!(kept.contains(&ids[2]), "the restored checkpoint is kept: {kept:?}");
+    // Older ones may go now (keep 1), once the restore verified a newer one.
+    assert!(!kept.contains(&ids[0]) && !kept.contains(&ids[1]), "{kept:?}");
+    // A new checkpoint is full (a restore ends the chain) and then it alone
+    // is kept, its chain verified by being written.
+    fill(&mut c, "t", 4, 9000..9100, false);
+    let l = c.checkpoint(true, false).unwrap();
+    assert_eq!(l["kind"], "full", "{l}");
+    assert_eq!(checkpoint_dirs(&root), [l["id"].as_str().unwrap().to_string()]);
+}

@@ -99,9 +99,11 @@ impl Checkpoints {
                 "a checkpoint directory could not be repaired: it was moved aside (not deleted) and is no longer listed"
             );
         }
+        // Leftovers only: retention counts checkpoints verified restorable,
+        // none yet (see `retain`, after the restore at start).
         let removed = catalog.collect(config.keep, None)?;
         if !removed.is_empty() {
-            info!(removed = removed.len(), "collected leftovers of interrupted or expired checkpoints");
+            info!(removed = removed.len(), "collected leftovers of interrupted checkpoints");
         }
         let next_due = config.interval_s.map(|s| Instant::now() + Duration::from_secs(s.max(1)));
         Ok(Checkpoints {
@@ -116,6 +118,23 @@ impl Checkpoints {
             restoring: Mutex::new(None),
             last_restore: Mutex::new(None),
         })
+    }
+
+    /// Retention (`keep`) once the restore at start is done: only then is
+    /// it known which checkpoints are restorable, and retention counts
+    /// only those (`Catalog::collect`).
+    pub async fn retain(self: &Arc<Self>) {
+        let _gate = self.gate.lock().await;
+        let ck = self.clone();
+        match tokio::task::spawn_blocking(move || ck.catalog.collect(ck.config.keep, None)).await {
+            Ok(Ok(removed)) if !removed.is_empty() => info!(
+                removed = ?removed.iter().map(|i| format!("{i:016x}")).collect::<Vec<_>>(),
+                keep = self.config.keep,
+                "removed checkpoints older than the newest restorable ones (checkpoint.keep)"
+            ),
+            Ok(Err(e)) => warn!(error = %e, "removing old checkpoints failed"),
+            _ => {}
+        }
     }
 
     /// Checkpoint directories moved aside because they could not be read

@@ -119,6 +119,8 @@ impl Checkpoints {
                     *self.restoring.lock() = None;
                     for m in &chain {
                         self.catalog.clear_corrupt(m.id);
+                        // Restorable: every file it needs was just read and verified.
+                        self.catalog.mark_verified(m.id);
                     }
                     let seconds = started.elapsed().as_secs_f64();
                     let r = Restored {
