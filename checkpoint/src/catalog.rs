@@ -18,7 +18,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use crate::chunk::{self, Chunk};
 use crate::manifest::{self, ChunkRef, Kind, Manifest, TableEntry};
-use crate::{Error, Result, SledStore, Store, FORMAT_VERSION};
+use crate::{is_unwritable, Error, MemStore, Result, SledStore, Store, FORMAT_VERSION};
 
 /// The manifest's file name inside a checkpoint directory.
 pub const MANIFEST_FILE: &str = "MANIFEST";
@@ -68,6 +68,10 @@ pub struct Recovery {
     /// `MANIFEST`, or an index entry) but could not be repaired: moved aside
     /// to `chunks/{id:016x}.damaged-{ms}` (never deleted), with why.
     pub moved_aside: Vec<(u64, PathBuf, String)>,
+    /// The file system could not be written (full, over quota, read-only):
+    /// why. Nothing was moved aside or repaired; the index is held in
+    /// memory, built from the directories, and checkpoints are paused.
+    pub paused: Option<String>,
 }
 
 impl Recovery {
@@ -101,6 +105,10 @@ pub struct Catalog {
     /// [`Catalog::mark_verified`] after a restore). Retention counts only
     /// these (not persisted: a restart verifies again by restoring).
     verified: Arc<Mutex<BTreeSet<u64>>>,
+    /// Set when the catalog was opened on a file system that cannot be
+    /// written: what failed, where, and the system's error. Nothing is
+    /// written then: no checkpoint begins, nothing is collected or repaired.
+    paused: Option<Arc<(String, PathBuf, String)>>,
 }
 
 fn io_err(what: &str, path: &Path, e: std::io::Error) -> Error {
@@ -108,7 +116,13 @@ fn io_err(what: &str, path: &Path, e: std::io::Error) -> Error {
 }
 
 fn sync_dir(dir: &Path) -> Result<()> {
-    std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(|e| io_err("cannot sync", dir, e))
+    sync_dir_io(dir).map_err(|e| io_err("cannot sync", dir, e))
+}
+
+/// fsyncs a directory, so that the entries created, renamed or removed in
+/// it are durable (a file's own fsync does not make its name durable).
+fn sync_dir_io(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir).and_then(|d| d.sync_all())
 }
 
 impl Catalog {
@@ -125,9 +139,25 @@ impl Catalog {
     /// directories. Either way the index is then made to agree with the
     /// directories: every directory whose manifest verifies is indexed,
     /// entries without one are dropped, `current` names the newest.
+    ///
+    /// A file system that cannot be written (full, over quota, read-only)
+    /// is not damage: nothing is moved aside; the catalog opens *paused*
+    /// ([`Recovery::paused`]), its index held in memory and built from the
+    /// directories, so that restores read and no checkpoint is written.
     pub fn open_recovering(dir: &Path) -> Result<(Catalog, Recovery)> {
         let chunks = dir.join("chunks");
-        std::fs::create_dir_all(&chunks).map_err(|e| io_err("cannot create", &chunks, e))?;
+        // Created where missing, and the new entries made durable before
+        // anything in them counts.
+        let made = std::fs::create_dir_all(&chunks)
+            .and_then(|()| sync_dir_io(dir))
+            .and_then(|()| dir.parent().filter(|p| p.is_dir()).map_or(Ok(()), sync_dir_io));
+        if let Err(e) = made {
+            if is_unwritable(&e) {
+                let why = ("creating".into(), chunks.clone(), e.to_string());
+                return Self::open_paused(chunks, why);
+            }
+            return Err(io_err("cannot create", &chunks, e));
+        }
         let path = dir.join("catalog");
         let mut rec = Recovery::default();
         let first = SledStore::open(&path).and_then(|store| {
@@ -137,6 +167,7 @@ impl Catalog {
         match first {
             Ok(cat) => Ok((cat, rec)),
             Err(e) if SledStore::is_locked_error(&e) => Err(e),
+            Err(Error::Unwritable { what, path, why }) => Self::open_paused(chunks, (what, path, why)),
             Err(e) => {
                 // Keep the damaged files: they are evidence, and deleting is never recovery.
                 let aside = dir.join(format!("catalog.damaged-{}", now_ms()));
@@ -151,9 +182,31 @@ impl Catalog {
         }
     }
 
+    /// The catalog of a file system that cannot be written (`why`: what
+    /// failed, where, the system's error): an index in memory built from
+    /// the directories, nothing written, checkpoints paused.
+    fn open_paused(chunks: PathBuf, why: (String, PathBuf, String)) -> Result<(Catalog, Recovery)> {
+        let mut cat = Catalog::new(Arc::new(MemStore::default()), chunks);
+        let e = Error::Unwritable { what: why.0.clone(), path: why.1.clone(), why: why.2.clone() };
+        cat.paused = Some(Arc::new(why));
+        let mut rec = Recovery { paused: Some(e.to_string()), ..Recovery::default() };
+        cat.reconcile(&mut rec)?;
+        Ok((cat, rec))
+    }
+
+    /// Why checkpoints are paused (the file system cannot be written), if
+    /// they are.
+    pub fn paused(&self) -> Option<String> {
+        self.paused_error().map(|e| e.to_string())
+    }
+
+    fn paused_error(&self) -> Option<Error> {
+        self.paused.as_ref().map(|p| Error::Unwritable { what: p.0.clone(), path: p.1.clone(), why: p.2.clone() })
+    }
+
     /// A catalog over any store, with checkpoint directories under `chunks`.
     pub fn new(store: Arc<dyn Store>, chunks: PathBuf) -> Catalog {
-        Catalog { store, chunks, corrupt: Arc::default(), verified: Arc::default() }
+        Catalog { store, chunks, corrupt: Arc::default(), verified: Arc::default(), paused: None }
     }
 
     /// Records that a restore found checkpoint `id` corrupt (a chunk that
@@ -256,11 +309,16 @@ impl Catalog {
                 DirManifest::Valid(_, bytes) => {
                     if in_index != Some(&bytes) {
                         self.store.put(&manifest_key(id), &bytes)?;
-                        rec.reindexed.push(id);
+                        if self.paused.is_none() {
+                            rec.reindexed.push(id);
+                        }
                         changed = true;
                     }
                     newest = Some(id);
                 }
+                // Paused (nothing can be written): only what verifies is
+                // indexed; repairs and moves wait for a start that can write.
+                _ if self.paused.is_some() => {}
                 _ if !is_dir => {
                     // The directory is gone: nothing to restore from.
                     if in_index.is_some() {
@@ -370,11 +428,16 @@ impl Catalog {
 
     /// Starts a checkpoint: allocates an id above every existing one.
     pub fn begin(&self) -> Result<ChunkWriter> {
+        if let Some(e) = self.paused_error() {
+            return Err(e);
+        }
         let last = self.all_ids()?.into_iter().max().unwrap_or(0);
         let created = now_ms();
         let id = created.max(last + 1);
         let dir = self.chunk_dir(id);
-        std::fs::create_dir_all(&dir).map_err(|e| io_err("cannot create", &dir, e))?;
+        std::fs::create_dir(&dir).map_err(|e| io_err("cannot create", &dir, e))?;
+        // The new directory's entry is durable before anything in it counts.
+        sync_dir(&self.chunks)?;
         // The writer thread: fsync each file, rename it into place.
         let (tx, rx) = sync_channel::<(PathBuf, Vec<u8>)>(3);
         let thread = std::thread::Builder::new()
@@ -546,6 +609,9 @@ impl Catalog {
     /// not the index, so a damaged index never causes a deletion. Returns
     /// the ids removed.
     pub fn collect(&self, keep: usize, running: Option<u64>) -> Result<Vec<u64>> {
+        if self.paused.is_some() {
+            return Ok(vec![]);
+        }
         let mut complete: BTreeMap<u64, Manifest> = BTreeMap::new();
         let mut leftovers = vec![];
         let indexed: BTreeSet<u64> =

@@ -1287,3 +1287,78 @@ fn a_lower_keep_never_deletes_the_checkpoints_a_restore_needs() {
     assert_eq!(l["kind"], "full", "{l}");
     assert_eq!(checkpoint_dirs(&root), [l["id"].as_str().unwrap().to_string()]);
 }
+
+/// Fills the file system holding `dir` (a file written until ENOSPC).
+fn fill_disk(dir: &std::path::Path) {
+    use std::io::Write;
+    let mut f = std::fs::File::create(dir.join("filler")).unwrap();
+    let block = vec![7u8; 64 << 10];
+    while f.write_all(&block).is_ok() {}
+    let mut small = vec![7u8; 4096];
+    while !small.is_empty() {
+        if f.write_all(&small).is_err() {
+            small.truncate(small.len() / 2);
+        }
+    }
+    let _ = f.sync_all();
+}
+
+/// Issue 32, finding 4: with the disk full, even `hkvd serve --restore
+/// none` exited 1 ("cannot open catalog: No space left on device"), and
+/// every attempt moved the healthy catalog aside as `catalog.damaged-*`.
+/// A full disk is not damage: hkvd now starts, restores from the
+/// checkpoint directories, serves, and answers checkpoint requests with
+/// why they are paused; the catalog stays where it is.
+#[test]
+fn a_full_disk_starts_serving_with_checkpoints_paused_and_moves_nothing_aside() {
+    let dir = tempfile::tempdir().unwrap();
+    let _fs = Tmpfs::mount(&dir.path().join("state"), 8);
+    let socket = dir.path().join("run").join("hkvd.sock");
+    let d = Daemon::start_in(dir, socket.clone(), &[]);
+    let mut c = d.client();
+    c.create_table(spec("t", 4, 1 << 12, "lru", "single")).unwrap();
+    fill(&mut c, "t", 4, 0..1000, false);
+    c.checkpoint(true, true).unwrap();
+    let want = snapshot(&mut c, "t");
+    drop(c);
+    let dir = stop(d);
+    let root = dir.path().to_path_buf();
+    fill_disk(&root.join("state"));
+    let aside = |root: &std::path::Path| {
+        std::fs::read_dir(root.join("state/checkpoints"))
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().contains("damaged"))
+            .count()
+    };
+    for extra in [&["--restore", "none"][..], &[]] {
+        let (code, err) = {
+            let mut child = common::command(&root, extra).stderr(std::process::Stdio::piped()).spawn().unwrap();
+            let t0 = Instant::now();
+            loop {
+                if let Some(st) = child.try_wait().unwrap() {
+                    let mut e = String::new();
+                    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut e).unwrap();
+                    break (st.code(), e);
+                }
+                if Client::connect(&socket).is_ok_and(|mut c| c.ping().is_ok()) {
+                    let mut c = Client::connect(&socket).unwrap();
+                    if extra.is_empty() {
+                        assert_eq!(snapshot(&mut c, "t"), want, "restored from the directories");
+                    }
+                    let e = c.checkpoint(true, true).unwrap_err();
+                    assert_eq!(e.code(), Some(hkv_client::ErrorCode::ResourceExhausted), "{e}");
+                    let st = c.stats().unwrap();
+                    assert!(st["checkpoint"]["paused"].as_str().is_some_and(|p| !p.is_empty()), "{st}");
+                    child.kill().unwrap();
+                    child.wait().unwrap();
+                    break (Some(0), String::new());
+                }
+                assert!(t0.elapsed() < Duration::from_secs(60), "neither exited nor served");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        };
+        assert_eq!(code, Some(0), "{extra:?} did not start: {err}");
+        assert_eq!(aside(&root), 0, "{extra:?}: nothing moved aside");
+    }
+}

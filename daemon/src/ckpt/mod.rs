@@ -61,10 +61,26 @@ fn internal(e: impl std::fmt::Display) -> ProtoError {
     ProtoError::new(ErrorCode::Internal, e.to_string())
 }
 
+/// A checkpoint store error as a wire error: a file system that cannot be
+/// written (checkpoints paused) is `resource_exhausted`; the rest `internal`.
+fn store_error(e: hkv_checkpoint::Error) -> ProtoError {
+    match e {
+        e @ hkv_checkpoint::Error::Unwritable { .. } => ProtoError::new(ErrorCode::ResourceExhausted, e.to_string()),
+        e => internal(e),
+    }
+}
+
 impl Checkpoints {
     /// Opens the catalog in `dir` and collects leftovers of interrupted checkpoints.
     pub fn open(dir: &std::path::Path, config: CheckpointConfig) -> anyhow::Result<Checkpoints> {
         let (catalog, rec) = Catalog::open_recovering(&dir.join("checkpoints"))?;
+        if let Some(why) = &rec.paused {
+            warn!(
+                reason = %why,
+                "CHECKPOINTS ARE PAUSED: the state directory's file system cannot be written; hkvd serves, \
+                 restores from the checkpoint directories, and takes no checkpoint until restarted with space"
+            );
+        }
         if let Some((why, aside)) = &rec.damaged {
             warn!(
                 error = %why,
@@ -154,6 +170,7 @@ impl Checkpoints {
             complete: self.catalog.count().unwrap_or(0),
             restoring: self.restoring.lock().clone(),
             last_restore: self.last_restore.lock().clone(),
+            paused: self.catalog.paused(),
         }
     }
 

@@ -78,7 +78,7 @@ impl Checkpoints {
         self.incrementals.store(u32::MAX, Relaxed);
         let mut w = match w {
             Some(w) => w,
-            None => self.catalog.begin().map_err(internal)?,
+            None => self.catalog.begin().map_err(super::store_error)?,
         };
         let mut total = 0;
         for t in &tables {
