@@ -173,6 +173,7 @@ impl Catalog {
                 let aside = dir.join(format!("catalog.damaged-{}", now_ms()));
                 if path.exists() {
                     std::fs::rename(&path, &aside).map_err(|e| io_err("cannot move aside", &path, e))?;
+                    sync_dir(dir)?;
                 }
                 rec = Recovery { damaged: Some((e.to_string(), aside)), ..Recovery::default() };
                 let cat = Catalog::new(Arc::new(SledStore::open(&path)?), chunks);

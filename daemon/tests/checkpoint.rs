@@ -1362,3 +1362,56 @@ fn a_full_disk_starts_serving_with_checkpoints_paused_and_moves_nothing_aside() 
         assert_eq!(aside(&root), 0, "{extra:?}: nothing moved aside");
     }
 }
+
+/// Issue 32, finding 6: a new checkpoint directory's entry in `chunks/`
+/// was never fsynced: after a power loss the complete checkpoint (its
+/// chunks and MANIFEST synced inside it) could vanish with its name. Every
+/// create and rename a restore depends on must be followed by an fsync of
+/// its parent directory before the checkpoint counts. Checked on the real
+/// daemon's system calls, traced with strace (`-y` names each fd's path).
+#[test]
+fn every_file_and_directory_a_checkpoint_creates_is_fsynced_into_its_parent() {
+    assert!(
+        std::process::Command::new("strace").arg("-V").output().is_ok_and(|o| o.status.success()),
+        "this test needs strace (test.sh installs it)"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().to_path_buf();
+    let trace = root.join("trace");
+    let inner = common::command(&root, &[]);
+    let mut cmd = std::process::Command::new("strace");
+    cmd.args(["-f", "-y", "-qq", "-e", "trace=mkdir,mkdirat,rename,renameat,renameat2,fsync,fdatasync", "-o"])
+        .arg(&trace)
+        .arg(inner.get_program())
+        .args(inner.get_args())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null());
+    let child = cmd.spawn().unwrap();
+    let mut d = Daemon { child: Some(child), dir, socket: root.join("run").join("hkvd.sock") };
+    d.wait_ready();
+    let mut c = d.client();
+    c.create_table(spec("t", 4, 1 << 14, "lru", "single")).unwrap();
+    fill(&mut c, "t", 4, 0..5000, false);
+    let id = c.checkpoint(true, true).unwrap()["id"].as_str().unwrap().to_string();
+    c.shutdown().unwrap();
+    assert_eq!(d.wait(Duration::from_secs(60)), 0);
+    let chunks = std::fs::canonicalize(root.join("state/checkpoints/chunks")).unwrap();
+    let ck = chunks.join(&id);
+    let (chunks, ck) = (chunks.display().to_string(), ck.display().to_string());
+    let lines: Vec<String> = std::fs::read_to_string(&trace).unwrap().lines().map(str::to_string).collect();
+    let pos = |what: &str, f: &dyn Fn(&str) -> bool| {
+        lines.iter().position(|l| f(l)).unwrap_or_else(|| panic!("no {what} in the trace:\n{}", lines.join("\n")))
+    };
+    let last = |f: &dyn Fn(&str) -> bool| lines.iter().rposition(|l| f(l));
+    let fsync_of = |p: &str| format!("<{p}>)");
+    let made = pos("mkdir of the checkpoint", &|l| l.contains("mkdir") && l.contains(&format!("\"{ck}\"")));
+    let committed = pos("the MANIFEST rename", &|l| l.contains("rename") && l.contains(&format!("\"{ck}/MANIFEST\"")));
+    let chunk_renamed =
+        last(&|l| l.contains("rename") && l.contains(&format!("\"{ck}/t0000.")) && !l.contains("MANIFEST")).unwrap();
+    let synced = |p: &str, after: usize, before: usize| {
+        lines[after..before].iter().any(|l| l.contains("fsync(") && l.contains(&fsync_of(p)) && l.contains("= 0"))
+    };
+    assert!(synced(&chunks, made, committed), "chunks/ fsynced after the checkpoint's mkdir, before it counts");
+    assert!(synced(&ck, chunk_renamed, committed), "the directory fsynced after its last chunk rename");
+    assert!(synced(&ck, committed, lines.len()), "the directory fsynced after the MANIFEST rename");
+}
