@@ -1415,3 +1415,39 @@ fn every_file_and_directory_a_checkpoint_creates_is_fsynced_into_its_parent() {
     assert!(synced(&ck, chunk_renamed, committed), "the directory fsynced after its last chunk rename");
     assert!(synced(&ck, committed, lines.len()), "the directory fsynced after the MANIFEST rename");
 }
+
+/// Issue 32: `restore ID` of a checkpoint with a corrupt (or missing)
+/// chunk answered `internal`, as if the daemon had failed, so a client
+/// could not tell a damaged checkpoint from a bug. Now the answer is
+/// `corrupt_checkpoint`, naming the checkpoint and the chunk; nothing
+/// changed, and another checkpoint restores.
+#[test]
+fn restoring_a_checkpoint_with_a_corrupt_chunk_answers_corrupt_checkpoint() {
+    let d = Daemon::start(&["--checkpoint-full-every", "0"]);
+    let mut c = d.client();
+    c.create_table(spec("t", 4, 1 << 12, "custom", "single")).unwrap();
+    fill(&mut c, "t", 4, 0..1000, true);
+    let good = c.checkpoint(true, true).unwrap()["id"].as_str().unwrap().to_string();
+    fill(&mut c, "t", 4, 1000..1500, true);
+    let id = c.checkpoint(true, true).unwrap()["id"].as_str().unwrap().to_string();
+    let want = snapshot(&mut c, "t");
+    let files = chunk_files(d.dir.path(), &id);
+    for missing in [false, true] {
+        let victim = &files[0];
+        if missing {
+            std::fs::remove_file(victim).unwrap();
+        } else {
+            let mut b = std::fs::read(victim).unwrap();
+            let mid = b.len() / 2;
+            b[mid] ^= 0x20;
+            std::fs::write(victim, b).unwrap();
+        }
+        let e = c.restore(&id).unwrap_err();
+        assert_eq!(e.code(), Some(hkv_client::ErrorCode::CorruptCheckpoint), "missing {missing}: {e}");
+        let name = victim.file_name().unwrap().to_str().unwrap();
+        assert!(e.to_string().contains(&id) && e.to_string().contains(name), "{e}");
+        assert_eq!(snapshot(&mut c, "t"), want, "nothing changed");
+    }
+    c.restore(&good).unwrap();
+    assert_eq!(snapshot(&mut c, "t").len(), 1000);
+}

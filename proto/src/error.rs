@@ -45,6 +45,10 @@ pub enum ErrorCode {
     ResourceExhausted,
     /// A named thing that is not a table does not exist (a checkpoint id).
     NotFound,
+    /// A checkpoint a restore needs has a file (chunk, key list, manifest)
+    /// that is missing or fails verification: the checkpoint's data, not
+    /// the daemon, is at fault; the message names the checkpoint and file.
+    CorruptCheckpoint,
 }
 
 /// An error as carried by an error frame: a code and a message for people.

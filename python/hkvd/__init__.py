@@ -47,6 +47,7 @@ __all__ = [
     "ShuttingDown",
     "ResourceExhausted",
     "NotFound",
+    "CorruptCheckpoint",
     "InternalError",
     "ProtocolError",
     "CudaIpcUnavailable",
@@ -125,6 +126,7 @@ class ShuttingDown(HkvdError): pass  # noqa: E701
 class InternalError(HkvdError): pass  # noqa: E701
 class ResourceExhausted(HkvdError): pass  # noqa: E701
 class NotFound(HkvdError): pass  # noqa: E701
+class CorruptCheckpoint(HkvdError): pass  # noqa: E701
 
 
 class ProtocolError(Exception):
@@ -150,6 +152,7 @@ _ERRORS = {
     "internal": InternalError,
     "resource_exhausted": ResourceExhausted,
     "not_found": NotFound,
+    "corrupt_checkpoint": CorruptCheckpoint,
 }
 
 

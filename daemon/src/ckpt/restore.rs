@@ -91,6 +91,8 @@ impl Checkpoints {
         // Checkpoints found unusable by this restore, with why: a candidate
         // whose chain holds one is skipped without reading it again.
         let mut bad: Vec<u64> = vec![];
+        // Whether every failure so far was a damaged file or broken chain.
+        let mut all_damaged = true;
         let tried = candidates.len();
         for id in candidates {
             let progress = |phase: &str, id: u64, done: u64, total: u64, bytes: u64| {
@@ -147,15 +149,16 @@ impl Checkpoints {
                 }
                 Err(f) => {
                     // One line per checkpoint tried, naming it and why.
-                    let (why, broken) = match f {
+                    let (why, broken, damaged) = match f {
                         Failure::Refused(e) => {
                             *self.restoring.lock() = None;
                             return Err(e);
                         }
-                        Failure::Known(b) if b == id => ("it was found corrupt above".to_string(), false),
-                        Failure::Known(b) => (format!("its base {b:016x} was found unusable above"), false),
+                        Failure::Known(b) if b == id => ("it was found corrupt above".to_string(), false, true),
+                        Failure::Known(b) => (format!("its base {b:016x} was found unusable above"), false, true),
                         Failure::Unusable(e) => {
-                            if let Some(d) = e.damaged_checkpoint() {
+                            let damaged = e.damaged_checkpoint();
+                            if let Some(d) = damaged {
                                 self.catalog.mark_corrupt(d, &e.to_string());
                                 bad.push(d);
                             }
@@ -163,18 +166,24 @@ impl Checkpoints {
                                 e,
                                 hkv_checkpoint::Error::BrokenChain { .. } | hkv_checkpoint::Error::NotFound(_)
                             );
-                            (e.to_string(), broken)
+                            (e.to_string(), broken, damaged.is_some() || broken)
                         }
                     };
+                    all_damaged &= damaged;
                     let line = format!("checkpoint {id:016x} not restored: {why}");
                     if which != "latest" {
                         *self.restoring.lock() = None;
                         // An id the catalog does not list, or a chain whose
                         // base is gone, is the caller's to fix, not the daemon's.
                         let listed = self.catalog.list().is_ok_and(|l| l.iter().any(|l| l.id == id));
-                        let not_found = !listed || broken;
+                        let code = match (!listed || broken, damaged) {
+                            (true, _) => ErrorCode::NotFound,
+                            // The checkpoint's files, not the daemon, are at fault.
+                            (false, true) => ErrorCode::CorruptCheckpoint,
+                            (false, false) => ErrorCode::Internal,
+                        };
                         return Err(ProtoError::new(
-                            if not_found { ErrorCode::NotFound } else { ErrorCode::Internal },
+                            code,
                             if why.contains("hkvctl checkpoints") {
                                 why.clone()
                             } else {
@@ -189,7 +198,7 @@ impl Checkpoints {
         }
         *self.restoring.lock() = None;
         Err(ProtoError::new(
-            ErrorCode::Internal,
+            if all_damaged { ErrorCode::CorruptCheckpoint } else { ErrorCode::Internal },
             format!("no usable checkpoint among the {tried} tried:\n  {}", skipped.join("\n  ")),
         ))
     }
