@@ -439,18 +439,17 @@ impl Catalog {
         std::fs::create_dir(&dir).map_err(|e| io_err("cannot create", &dir, e))?;
         // The new directory's entry is durable before anything in it counts.
         sync_dir(&self.chunks)?;
-        // The writer thread: fsync each file, rename it into place.
+        // The writer thread: write and fsync each file, rename it into place.
         let (tx, rx) = sync_channel::<(PathBuf, Vec<u8>)>(3);
         let thread = std::thread::Builder::new()
             .name("hkvd-ckpt-write".into())
             .spawn(move || -> Result<()> {
+                let mut direct = Direct::default();
                 for (path, bytes) in rx {
                     let mut tmp = path.clone().into_os_string();
                     tmp.push(".tmp");
                     let tmp = PathBuf::from(tmp);
-                    let mut f = std::fs::File::create(&tmp).map_err(|e| io_err("cannot create", &tmp, e))?;
-                    f.write_all(&bytes).map_err(|e| io_err("cannot write", &tmp, e))?;
-                    f.sync_data().map_err(|e| io_err("cannot sync", &tmp, e))?;
+                    direct.write(&tmp, &bytes)?;
                     std::fs::rename(&tmp, &path).map_err(|e| io_err("cannot rename", &tmp, e))?;
                 }
                 Ok(())
@@ -689,6 +688,63 @@ impl Catalog {
         self.store.flush()?;
         removed.sort_unstable();
         Ok(removed)
+    }
+}
+
+/// Writes files as `dd oflag=direct conv=fsync` does, bypassing the page
+/// cache: measured on a 1 GiB table (4 Mi × dim 64, 2 cores), two thirds of
+/// a checkpoint's CPU time was the kernel copying buffered writes into the
+/// page cache (`copy_folio_from_iter_atomic`), which the disk never
+/// needed. The block-aligned part of a file goes through an `O_DIRECT`
+/// descriptor from an aligned buffer (one memcpy), its tail (under one
+/// block) through an ordinary one; then `fdatasync`. Where the file
+/// system refuses `O_DIRECT` (tmpfs says EINVAL), every file is written
+/// buffered from then on.
+#[derive(Default)]
+struct Direct {
+    buf: Vec<u8>,
+    refused: bool,
+}
+
+/// `O_DIRECT` alignment of addresses, lengths and offsets: the largest
+/// logical block size in common use.
+const BLOCK: usize = 4096;
+
+impl Direct {
+    fn write(&mut self, path: &Path, bytes: &[u8]) -> Result<()> {
+        let body = bytes.len() / BLOCK * BLOCK;
+        if !self.refused && body > 0 {
+            match self.write_direct(path, bytes, body) {
+                Ok(()) => return Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => self.refused = true,
+                Err(e) => return Err(io_err("cannot write", path, e)),
+            }
+        }
+        let mut f = std::fs::File::create(path).map_err(|e| io_err("cannot create", path, e))?;
+        f.write_all(bytes).map_err(|e| io_err("cannot write", path, e))?;
+        f.sync_data().map_err(|e| io_err("cannot sync", path, e))
+    }
+
+    fn write_direct(&mut self, path: &Path, bytes: &[u8], body: usize) -> std::io::Result<()> {
+        use std::os::unix::fs::{FileExt, OpenOptionsExt};
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .custom_flags(rustix::fs::OFlags::DIRECT.bits() as i32)
+            .open(path)?;
+        if self.buf.len() < body + BLOCK {
+            self.buf = vec![0; body + BLOCK];
+        }
+        let skip = (BLOCK - self.buf.as_ptr() as usize % BLOCK) % BLOCK;
+        let aligned = &mut self.buf[skip..skip + body];
+        aligned.copy_from_slice(&bytes[..body]);
+        (&f).write_all(aligned)?;
+        if body < bytes.len() {
+            let tail = std::fs::OpenOptions::new().write(true).open(path)?;
+            tail.write_all_at(&bytes[body..], body as u64)?;
+        }
+        f.sync_data()
     }
 }
 
