@@ -119,6 +119,18 @@ fn sync_dir(dir: &Path) -> Result<()> {
     sync_dir_io(dir).map_err(|e| io_err("cannot sync", dir, e))
 }
 
+/// Writes, syncs and removes 1 MiB in `dir`: whether the file system takes
+/// writes (told apart from damage before a catalog is moved aside).
+fn probe_writable(dir: &Path) -> std::io::Result<()> {
+    let probe = dir.join(".hkvd-space-probe");
+    let wrote = std::fs::File::create(&probe).and_then(|mut f| {
+        f.write_all(&vec![0u8; 1 << 20])?;
+        f.sync_data()
+    });
+    let _ = std::fs::remove_file(&probe);
+    wrote
+}
+
 /// fsyncs a directory, so that the entries created, renamed or removed in
 /// it are durable (a file's own fsync does not make its name durable).
 fn sync_dir_io(dir: &Path) -> std::io::Result<()> {
@@ -169,6 +181,14 @@ impl Catalog {
             Err(e) if SledStore::is_locked_error(&e) => Err(e),
             Err(Error::Unwritable { what, path, why }) => Self::open_paused(chunks, (what, path, why)),
             Err(e) => {
+                // sled can fail (or panic) for want of space without an I/O
+                // error that says so: a file system that cannot take a
+                // small write is full, not damaged, and the catalog stays.
+                if let Err(io) = probe_writable(dir) {
+                    if is_unwritable(&io) {
+                        return Self::open_paused(chunks, ("writing".into(), dir.to_path_buf(), io.to_string()));
+                    }
+                }
                 // Keep the damaged files: they are evidence, and deleting is never recovery.
                 let aside = dir.join(format!("catalog.damaged-{}", now_ms()));
                 if path.exists() {
@@ -176,7 +196,14 @@ impl Catalog {
                     sync_dir(dir)?;
                 }
                 rec = Recovery { damaged: Some((e.to_string(), aside)), ..Recovery::default() };
-                let cat = Catalog::new(Arc::new(SledStore::open(&path)?), chunks);
+                let store = match SledStore::open(&path) {
+                    Ok(s) => s,
+                    Err(Error::Unwritable { what, path, why }) => {
+                        return Self::open_paused(chunks, (what, path, why));
+                    }
+                    Err(e) => return Err(e),
+                };
+                let cat = Catalog::new(Arc::new(store), chunks);
                 cat.reconcile(&mut rec)?;
                 Ok((cat, rec))
             }
