@@ -11,7 +11,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::{sync_channel, SyncSender};
+use std::sync::mpsc::{channel, sync_channel, Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -466,18 +466,21 @@ impl Catalog {
         std::fs::create_dir(&dir).map_err(|e| io_err("cannot create", &dir, e))?;
         // The new directory's entry is durable before anything in it counts.
         sync_dir(&self.chunks)?;
-        // The writer thread: write and fsync each file, rename it into place.
-        let (tx, rx) = sync_channel::<(PathBuf, Vec<u8>)>(3);
+        // The writer thread: write and fsync each file, rename it into
+        // place, and hand its buffer back for the next chunk.
+        let (tx, rx) = sync_channel::<Job>(3);
+        let (spent, pool) = channel::<Vec<u8>>();
         let thread = std::thread::Builder::new()
             .name("hkvd-ckpt-write".into())
             .spawn(move || -> Result<()> {
                 let mut direct = Direct::default();
-                for (path, bytes) in rx {
+                for Job { path, buf, at } in rx {
                     let mut tmp = path.clone().into_os_string();
                     tmp.push(".tmp");
                     let tmp = PathBuf::from(tmp);
-                    direct.write(&tmp, &bytes)?;
+                    direct.write(&tmp, &buf[at])?;
                     std::fs::rename(&tmp, &path).map_err(|e| io_err("cannot rename", &tmp, e))?;
+                    let _ = spent.send(buf);
                 }
                 Ok(())
             })
@@ -489,6 +492,7 @@ impl Catalog {
             bytes: 0,
             entries: 0,
             tx: Some(tx),
+            pool,
             thread: Some(thread),
             dir,
         })
@@ -723,8 +727,9 @@ impl Catalog {
 /// a checkpoint's CPU time was the kernel copying buffered writes into the
 /// page cache (`copy_folio_from_iter_atomic`), which the disk never
 /// needed. The block-aligned part of a file goes through an `O_DIRECT`
-/// descriptor from an aligned buffer (one memcpy), its tail (under one
-/// block) through an ordinary one; then `fdatasync`. Where the file
+/// descriptor from where it lies when that is aligned (chunks are encoded
+/// so), else from a copy in an aligned buffer; its tail (under one block)
+/// through an ordinary descriptor; then `fdatasync`. Where the file
 /// system refuses `O_DIRECT` (tmpfs says EINVAL), every file is written
 /// buffered from then on.
 #[derive(Default)]
@@ -760,13 +765,18 @@ impl Direct {
             .truncate(true)
             .custom_flags(rustix::fs::OFlags::DIRECT.bits() as i32)
             .open(path)?;
-        if self.buf.len() < body + BLOCK {
-            self.buf = vec![0; body + BLOCK];
+        if (bytes.as_ptr() as usize).is_multiple_of(BLOCK) {
+            // Encoded in place at an aligned address (chunks): no copy.
+            (&f).write_all(&bytes[..body])?;
+        } else {
+            if self.buf.len() < body + BLOCK {
+                self.buf = vec![0; body + BLOCK];
+            }
+            let skip = (BLOCK - self.buf.as_ptr() as usize % BLOCK) % BLOCK;
+            let aligned = &mut self.buf[skip..skip + body];
+            aligned.copy_from_slice(&bytes[..body]);
+            (&f).write_all(aligned)?;
         }
-        let skip = (BLOCK - self.buf.as_ptr() as usize % BLOCK) % BLOCK;
-        let aligned = &mut self.buf[skip..skip + body];
-        aligned.copy_from_slice(&bytes[..body]);
-        (&f).write_all(aligned)?;
         if body < bytes.len() {
             let tail = std::fs::OpenOptions::new().write(true).open(path)?;
             tail.write_all_at(&bytes[body..], body as u64)?;
@@ -782,9 +792,19 @@ pub struct ChunkWriter {
     created: u64,
     bytes: u64,
     entries: u64,
-    tx: Option<SyncSender<(PathBuf, Vec<u8>)>>,
+    tx: Option<SyncSender<Job>>,
+    /// Buffers the writer thread is done with, reused: a fresh 8 MiB
+    /// buffer per chunk costs page faults and zeroing each time.
+    pool: Receiver<Vec<u8>>,
     thread: Option<JoinHandle<Result<()>>>,
     dir: PathBuf,
+}
+
+/// A file for the writer thread: its bytes are `buf[at]`.
+struct Job {
+    path: PathBuf,
+    buf: Vec<u8>,
+    at: std::ops::Range<usize>,
 }
 
 impl ChunkWriter {
@@ -837,9 +857,17 @@ impl ChunkWriter {
     ) -> Result<ChunkRef> {
         let name = format!("t{table:04}.{shard:04}.{seq:08}");
         let key = format!("{:016x}/{name}", self.id);
-        let (b, checksum) = chunk::encode(dim, keys, scores, values);
-        let len = b.len() as u64;
-        self.send(self.dir.join(name), b)?;
+        // Encoded straight into a block-aligned place of a reused buffer,
+        // which the writer thread writes with O_DIRECT as it is.
+        let n = chunk::encoded_len(keys.len(), values.len());
+        let mut buf = self.pool.try_recv().unwrap_or_default();
+        if buf.len() < n + BLOCK {
+            buf = vec![0; n + BLOCK];
+        }
+        let at = (BLOCK - buf.as_ptr() as usize % BLOCK) % BLOCK;
+        let checksum = chunk::encode_into(&mut buf[at..at + n], dim, keys, scores, values);
+        let len = n as u64;
+        self.send(self.dir.join(name), buf, at..at + n)?;
         self.bytes += len;
         self.entries += keys.len() as u64;
         Ok(ChunkRef { key, shard, entries: keys.len() as u64, bytes: len, checksum })
@@ -852,13 +880,14 @@ impl ChunkWriter {
         let key = format!("{:016x}/{name}", self.id);
         let (b, checksum) = chunk::encode_keys(keys);
         let len = b.len() as u64;
-        self.send(self.dir.join(name), b)?;
+        let all = 0..b.len();
+        self.send(self.dir.join(name), b, all)?;
         self.bytes += len;
         Ok(ChunkRef { key, shard, entries: keys.len() as u64, bytes: len, checksum })
     }
 
-    fn send(&mut self, path: PathBuf, b: Vec<u8>) -> Result<()> {
-        let sent = self.tx.as_ref().map(|tx| tx.send((path, b)));
+    fn send(&mut self, path: PathBuf, buf: Vec<u8>, at: std::ops::Range<usize>) -> Result<()> {
+        let sent = self.tx.as_ref().map(|tx| tx.send(Job { path, buf, at }));
         if !matches!(sent, Some(Ok(()))) {
             // The writer stopped: report its error.
             self.finish_writes()?;

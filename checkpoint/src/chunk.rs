@@ -23,12 +23,25 @@ pub struct Chunk {
 
 /// Encodes a chunk; returns the bytes and their checksum.
 pub fn encode(dim: usize, keys: &[u64], scores: &[u64], values: &[f32]) -> (Vec<u8>, u64) {
+    let mut b = vec![0u8; encoded_len(keys.len(), values.len())];
+    let sum = encode_into(&mut b, dim, keys, scores, values);
+    (b, sum)
+}
+
+/// The bytes of a chunk of `n` entries and `values` floats.
+pub fn encoded_len(n: usize, values: usize) -> usize {
+    HEAD + n * 16 + values * 4 + 8
+}
+
+/// Encodes a chunk into `b`, exactly [`encoded_len`] bytes long (a buffer
+/// the caller reuses, aligned as it needs); returns the checksum.
+pub fn encode_into(b: &mut [u8], dim: usize, keys: &[u64], scores: &[u64], values: &[f32]) -> u64 {
     let n = keys.len();
     let body = HEAD + n * 16 + values.len() * 4;
-    // Sized once and filled in place: a fixed-width copy per element into
-    // its own slot compiles to a plain copy on little-endian hosts, where
-    // pushing element by element did not (10 % of a checkpoint's CPU).
-    let mut b = vec![0u8; body + 8];
+    assert_eq!(b.len(), body + 8, "encode_into: a buffer of encoded_len bytes");
+    // Filled in place: a fixed-width copy per element into its own slot
+    // compiles to a plain copy on little-endian hosts, where pushing
+    // element by element did not (10 % of a checkpoint's CPU).
     b[..4].copy_from_slice(MAGIC);
     b[4..8].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
     b[8..12].copy_from_slice(&(dim as u32).to_le_bytes());
@@ -45,7 +58,7 @@ pub fn encode(dim: usize, keys: &[u64], scores: &[u64], values: &[f32]) -> (Vec<
     }
     let sum = xxhash_rust::xxh3::xxh3_64(&b[..body]);
     b[body..].copy_from_slice(&sum.to_le_bytes());
-    (b, sum)
+    sum
 }
 
 fn u32_at(b: &[u8], o: usize) -> u32 {
