@@ -112,6 +112,10 @@ pub struct Catalog {
 }
 
 fn io_err(what: &str, path: &Path, e: std::io::Error) -> Error {
+    if is_unwritable(&e) {
+        // A full disk is not damage: the caller tells them apart by kind.
+        return Error::Unwritable { what: what.into(), path: path.to_path_buf(), why: e.to_string() };
+    }
     Error::Store(format!("{what} {}: {e}", path.display()))
 }
 
@@ -215,9 +219,8 @@ impl Catalog {
     /// the directories, nothing written, checkpoints paused.
     fn open_paused(chunks: PathBuf, why: (String, PathBuf, String)) -> Result<(Catalog, Recovery)> {
         let mut cat = Catalog::new(Arc::new(MemStore::default()), chunks);
-        let e = Error::Unwritable { what: why.0.clone(), path: why.1.clone(), why: why.2.clone() };
         cat.paused = Some(Arc::new(why));
-        let mut rec = Recovery { paused: Some(e.to_string()), ..Recovery::default() };
+        let mut rec = Recovery { paused: cat.paused(), ..Recovery::default() };
         cat.reconcile(&mut rec)?;
         Ok((cat, rec))
     }
@@ -229,7 +232,10 @@ impl Catalog {
     }
 
     fn paused_error(&self) -> Option<Error> {
-        self.paused.as_ref().map(|p| Error::Unwritable { what: p.0.clone(), path: p.1.clone(), why: p.2.clone() })
+        self.paused.as_ref().map(|p| {
+            let why = Error::Unwritable { what: p.0.clone(), path: p.1.clone(), why: p.2.clone() };
+            Error::Paused(why.to_string())
+        })
     }
 
     /// A catalog over any store, with checkpoint directories under `chunks`.

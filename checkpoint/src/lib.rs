@@ -68,11 +68,10 @@ pub enum Error {
         chunk: String,
     },
     /// The file system holding the checkpoints cannot be written (full,
-    /// over quota, read-only): not damage. Checkpoints are paused; what is
-    /// on disk still reads.
+    /// over quota, read-only): not damage; what is on disk still reads.
     #[error(
-        "checkpoints are paused: {what} {path} failed ({why}): the file system is full, over quota or \
-         read-only; free space (or make it writable) and restart hkvd to take checkpoints again"
+        "{what} {path} failed ({why}): the file system is full, over quota or read-only; \
+         free space (or make it writable)"
     )]
     Unwritable {
         /// What was being done.
@@ -82,6 +81,11 @@ pub enum Error {
         /// The system's error.
         why: String,
     },
+    /// The catalog was opened on a file system that could not be written
+    /// ([`Error::Unwritable`], the reason): no checkpoint is taken until
+    /// the daemon opens it again.
+    #[error("checkpoints are paused since start-up: {0}; restart hkvd once there is room to take them again")]
+    Paused(String),
     /// No such checkpoint.
     #[error("no complete checkpoint {0}")]
     NotFound(String),

@@ -959,6 +959,8 @@ fn a_checkpoint_that_fills_the_disk_leaves_nothing_behind() {
     assert_eq!(dirs(), 1);
     let e = c.checkpoint(true, true).unwrap_err();
     assert!(e.to_string().contains("No space left"), "{e}");
+    // A full disk is not a failure of the daemon (issue 32): not `internal`.
+    assert_eq!(e.code(), Some(hkv_client::ErrorCode::ResourceExhausted), "{e}");
     assert_eq!(dirs(), 1, "the failed checkpoint's files are gone");
     let erased: Vec<u64> = (1..200_001).collect();
     for part in erased.chunks(1 << 16) {

@@ -62,10 +62,12 @@ fn internal(e: impl std::fmt::Display) -> ProtoError {
 }
 
 /// A checkpoint store error as a wire error: a file system that cannot be
-/// written (checkpoints paused) is `resource_exhausted`; the rest `internal`.
+/// written (full, over quota, read-only; or since start-up: checkpoints
+/// paused) is `resource_exhausted`; the rest `internal`.
 fn store_error(e: hkv_checkpoint::Error) -> ProtoError {
+    use hkv_checkpoint::Error::{Paused, Unwritable};
     match e {
-        e @ hkv_checkpoint::Error::Unwritable { .. } => ProtoError::new(ErrorCode::ResourceExhausted, e.to_string()),
+        e @ (Unwritable { .. } | Paused(_)) => ProtoError::new(ErrorCode::ResourceExhausted, e.to_string()),
         e => internal(e),
     }
 }
