@@ -126,6 +126,10 @@ impl Checkpoints {
         incremental: bool,
     ) -> Result<TableEntry, ProtoError> {
         let dim = t.config.dim;
+        // No load, clear, reserve or lowered epoch runs on the table from
+        // here until its last shard is exported: each is wholly before or
+        // wholly after this checkpoint's part of it.
+        let _whole = x.rt.block_on(t.rewrite.read());
         // Taken now: an untracked write that ends from here on (or starts)
         // marks the table again, so the next checkpoint stores it whole.
         let untracked = t.untracked.swap(false, SeqCst);

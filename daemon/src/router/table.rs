@@ -33,6 +33,12 @@ pub struct Table {
     /// resumed by a restore. An epoch set below it lets writes score below
     /// a watermark taken before.
     pub epoch: AtomicU32,
+    /// Orders the writes that rewrite the table as a whole (a client's
+    /// `load`, `clear`, `reserve`, an epoch set lower: held for writing)
+    /// against a checkpoint's export of it (held for reading, from the
+    /// first shard to the last): such a write is wholly before or wholly
+    /// after the table's part of a checkpoint, never half in it.
+    pub rewrite: tokio::sync::RwLock<()>,
     /// Its shards on the actors, closed when the last request holding the
     /// table is done.
     owner: Owner,
@@ -53,6 +59,7 @@ impl Table {
             config,
             untracked: AtomicBool::new(false),
             epoch: AtomicU32::new(0),
+            rewrite: tokio::sync::RwLock::new(()),
             owner: Owner { id, actors, charge: Some(charge) },
         }
     }
