@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command (the README's second command). Installs the
 # system tools some tests drive when they are missing (systemd-analyze and
-# systemd-socket-activate from `systemd`, setpriv and prlimit from `util-linux`, tmux, numpy and
+# systemd-socket-activate from `systemd`, setpriv and prlimit from `util-linux`, tmux, strace, numpy and
 # pytest for the Python client), checks formatting and clippy's lints, then
 # runs every Rust test of the workspace and the Python client's tests.
 set -euo pipefail
@@ -13,6 +13,7 @@ command -v systemd-socket-activate >/dev/null 2>&1 || need+=(systemd)
 command -v setpriv >/dev/null 2>&1 || need+=(util-linux)
 command -v prlimit >/dev/null 2>&1 || need+=(util-linux)
 command -v tmux >/dev/null 2>&1 || need+=(tmux)
+command -v strace >/dev/null 2>&1 || need+=(strace)
 if [ ${#need[@]} -gt 0 ]; then
     echo "test.sh: installing ${need[*]}" >&2
     SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"

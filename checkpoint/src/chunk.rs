@@ -23,24 +23,42 @@ pub struct Chunk {
 
 /// Encodes a chunk; returns the bytes and their checksum.
 pub fn encode(dim: usize, keys: &[u64], scores: &[u64], values: &[f32]) -> (Vec<u8>, u64) {
-    let n = keys.len();
-    let mut b = Vec::with_capacity(HEAD + n * 16 + values.len() * 4 + 8);
-    b.extend_from_slice(MAGIC);
-    b.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-    b.extend_from_slice(&(dim as u32).to_le_bytes());
-    b.extend_from_slice(&(n as u64).to_le_bytes());
-    for k in keys {
-        b.extend_from_slice(&k.to_le_bytes());
-    }
-    for s in scores {
-        b.extend_from_slice(&s.to_le_bytes());
-    }
-    for v in values {
-        b.extend_from_slice(&v.to_le_bytes());
-    }
-    let sum = xxhash_rust::xxh3::xxh3_64(&b);
-    b.extend_from_slice(&sum.to_le_bytes());
+    let mut b = vec![0u8; encoded_len(keys.len(), values.len())];
+    let sum = encode_into(&mut b, dim, keys, scores, values);
     (b, sum)
+}
+
+/// The bytes of a chunk of `n` entries and `values` floats.
+pub fn encoded_len(n: usize, values: usize) -> usize {
+    HEAD + n * 16 + values * 4 + 8
+}
+
+/// Encodes a chunk into `b`, exactly [`encoded_len`] bytes long (a buffer
+/// the caller reuses, aligned as it needs); returns the checksum.
+pub fn encode_into(b: &mut [u8], dim: usize, keys: &[u64], scores: &[u64], values: &[f32]) -> u64 {
+    let n = keys.len();
+    let body = HEAD + n * 16 + values.len() * 4;
+    assert_eq!(b.len(), body + 8, "encode_into: a buffer of encoded_len bytes");
+    // Filled in place: a fixed-width copy per element into its own slot
+    // compiles to a plain copy on little-endian hosts, where pushing
+    // element by element did not (10 % of a checkpoint's CPU).
+    b[..4].copy_from_slice(MAGIC);
+    b[4..8].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    b[8..12].copy_from_slice(&(dim as u32).to_le_bytes());
+    b[12..20].copy_from_slice(&(n as u64).to_le_bytes());
+    let (k_at, s_at, v_at) = (HEAD, HEAD + 8 * n, HEAD + 16 * n);
+    for (d, k) in b[k_at..s_at].chunks_exact_mut(8).zip(keys) {
+        d.copy_from_slice(&k.to_le_bytes());
+    }
+    for (d, s) in b[s_at..v_at].chunks_exact_mut(8).zip(scores) {
+        d.copy_from_slice(&s.to_le_bytes());
+    }
+    for (d, v) in b[v_at..body].chunks_exact_mut(4).zip(values) {
+        d.copy_from_slice(&v.to_le_bytes());
+    }
+    let sum = xxhash_rust::xxh3::xxh3_64(&b[..body]);
+    b[body..].copy_from_slice(&sum.to_le_bytes());
+    sum
 }
 
 fn u32_at(b: &[u8], o: usize) -> u32 {

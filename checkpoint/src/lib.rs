@@ -14,7 +14,8 @@
 //! The byte layout is in `checkpoint/FORMAT.md`.
 //!
 //! # Layout
-//! - this file: [`Store`] (the engine boundary), [`SledStore`], errors.
+//! - this file: [`Store`] (the engine boundary), [`SledStore`], [`MemStore`]
+//!   (the index while the disk cannot be written), errors.
 //! - [`chunk`] encodes and verifies chunks.
 //! - [`manifest`] holds [`Manifest`] and its checksummed encoding.
 //! - [`catalog`] writes, lists, verifies, retains and collects checkpoints.
@@ -66,6 +67,25 @@ pub enum Error {
         /// Chunk key.
         chunk: String,
     },
+    /// The file system holding the checkpoints cannot be written (full,
+    /// over quota, read-only): not damage; what is on disk still reads.
+    #[error(
+        "{what} {path} failed ({why}): the file system is full, over quota or read-only; \
+         free space (or make it writable)"
+    )]
+    Unwritable {
+        /// What was being done.
+        what: String,
+        /// The path.
+        path: std::path::PathBuf,
+        /// The system's error.
+        why: String,
+    },
+    /// The catalog was opened on a file system that could not be written
+    /// ([`Error::Unwritable`], the reason): no checkpoint is taken until
+    /// the daemon opens it again.
+    #[error("checkpoints are paused since start-up: {0}; restart hkvd once there is room to take them again")]
+    Paused(String),
     /// No such checkpoint.
     #[error("no complete checkpoint {0}")]
     NotFound(String),
@@ -98,6 +118,13 @@ impl Error {
     }
 }
 
+/// Whether an I/O error means the file system cannot take writes (full,
+/// over quota, read-only), as opposed to damage.
+pub fn is_unwritable(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::{QuotaExceeded, ReadOnlyFilesystem, StorageFull};
+    matches!(e.kind(), StorageFull | QuotaExceeded | ReadOnlyFilesystem)
+}
+
 /// Result alias.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -119,13 +146,60 @@ pub trait Store: Send + Sync {
     fn disk_bytes(&self) -> Result<u64>;
 }
 
+/// An index held in memory only: the catalog's store while the file
+/// system cannot be written (checkpoints paused), built from the
+/// directories at open so that restores still read.
+#[derive(Default)]
+pub struct MemStore {
+    map: std::sync::Mutex<std::collections::BTreeMap<String, Vec<u8>>>,
+}
+
+impl MemStore {
+    fn map(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<String, Vec<u8>>> {
+        self.map.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Store for MemStore {
+    fn put(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.map().insert(key.into(), value.to_vec());
+        Ok(())
+    }
+    fn get(&self, key: &str) -> Result<Option<Vec<u8>>> {
+        Ok(self.map().get(key).cloned())
+    }
+    fn keys(&self, prefix: &str) -> Result<Vec<String>> {
+        Ok(self.map().keys().filter(|k| k.starts_with(prefix)).cloned().collect())
+    }
+    fn remove(&self, key: &str) -> Result<()> {
+        self.map().remove(key);
+        Ok(())
+    }
+    fn flush(&self) -> Result<()> {
+        Ok(())
+    }
+    fn disk_bytes(&self) -> Result<u64> {
+        Ok(0)
+    }
+}
+
 /// sled 0.34 as the catalog store.
 pub struct SledStore {
     db: sled::Db,
+    path: std::path::PathBuf,
 }
 
-fn store_err(e: sled::Error) -> Error {
-    Error::Store(e.to_string())
+impl SledStore {
+    /// A sled error as ours: a full or read-only file system is
+    /// [`Error::Unwritable`], not damage.
+    fn err(&self, what: &str, e: sled::Error) -> Error {
+        match e {
+            sled::Error::Io(io) if is_unwritable(&io) => {
+                Error::Unwritable { what: what.into(), path: self.path.clone(), why: io.to_string() }
+            }
+            e => Error::Store(e.to_string()),
+        }
+    }
 }
 
 /// Runs a sled call so that a panic inside sled (it panics on some damaged
@@ -156,8 +230,16 @@ impl SledStore {
                 .flush_every_ms(None)
                 .cache_capacity(64 << 20)
                 .open()
-                .map_err(|e| Error::Store(format!("cannot open {}: {e}", path.display())))?;
-            Ok(SledStore { db })
+                .map_err(|e| match e {
+                    // A full or read-only file system is not damage (issue 32).
+                    sled::Error::Io(io) if is_unwritable(&io) => Error::Unwritable {
+                        what: "opening the catalog".into(),
+                        path: path.to_path_buf(),
+                        why: io.to_string(),
+                    },
+                    e => Error::Store(format!("cannot open {}: {e}", path.display())),
+                })?;
+            Ok(SledStore { db, path: path.to_path_buf() })
         })
     }
 
@@ -171,35 +253,57 @@ impl SledStore {
 impl Store for SledStore {
     fn put(&self, key: &str, value: &[u8]) -> Result<()> {
         guarded("put", || {
-            self.db.insert(key.as_bytes(), value).map_err(store_err)?;
+            self.db.insert(key.as_bytes(), value).map_err(|e| self.err("writing the catalog", e))?;
             Ok(())
         })
     }
     fn get(&self, key: &str) -> Result<Option<Vec<u8>>> {
-        guarded("get", || Ok(self.db.get(key.as_bytes()).map_err(store_err)?.map(|v| v.to_vec())))
+        guarded("get", || {
+            Ok(self.db.get(key.as_bytes()).map_err(|e| self.err("reading the catalog", e))?.map(|v| v.to_vec()))
+        })
     }
     fn keys(&self, prefix: &str) -> Result<Vec<String>> {
         guarded("scan", || {
             self.db
                 .scan_prefix(prefix.as_bytes())
                 .keys()
-                .map(|k| k.map(|k| String::from_utf8_lossy(&k).into_owned()).map_err(store_err))
+                .map(|k| {
+                    k.map(|k| String::from_utf8_lossy(&k).into_owned()).map_err(|e| self.err("reading the catalog", e))
+                })
                 .collect()
         })
     }
     fn remove(&self, key: &str) -> Result<()> {
         guarded("remove", || {
-            self.db.remove(key.as_bytes()).map_err(store_err)?;
+            self.db.remove(key.as_bytes()).map_err(|e| self.err("writing the catalog", e))?;
             Ok(())
         })
     }
     fn flush(&self) -> Result<()> {
         guarded("flush", || {
-            self.db.flush().map_err(store_err)?;
+            self.db.flush().map_err(|e| self.err("flushing the catalog", e))?;
             Ok(())
         })
     }
     fn disk_bytes(&self) -> Result<u64> {
-        guarded("size", || self.db.size_on_disk().map_err(store_err))
+        guarded("size", || self.db.size_on_disk().map_err(|e| self.err("sizing the catalog", e)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A full disk is not damage (issue 32): ENOSPC, EDQUOT and EROFS are
+    /// "cannot be written"; other errors (a garbled file) are not.
+    #[test]
+    fn a_full_or_read_only_file_system_is_unwritable_not_damaged() {
+        for errno in [28, 122, 30] {
+            assert!(is_unwritable(&std::io::Error::from_raw_os_error(errno)), "errno {errno}");
+        }
+        for errno in [2, 5, 13, 21] {
+            assert!(!is_unwritable(&std::io::Error::from_raw_os_error(errno)), "errno {errno}");
+        }
+        assert!(!is_unwritable(&std::io::Error::new(std::io::ErrorKind::InvalidData, "garbled")));
     }
 }

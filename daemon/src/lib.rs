@@ -56,7 +56,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use hkv_shard::Backend;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use crate::actor::ShardActor;
 use crate::config::{BackendChoice, Config};
@@ -185,6 +185,7 @@ pub fn run(mut config: Config) -> anyhow::Result<()> {
         if config.restore != "none" {
             restore_at_start(&state).await?;
         }
+        state.checkpoints.retain().await;
         state.checkpoints.schedule(state.router.clone(), state.shutdown.subscribe());
         if let Some(addr) = &config.metrics_listen {
             let addr: std::net::SocketAddr = addr.parse().with_context(|| format!("metrics_listen {addr:?}"))?;
@@ -207,17 +208,30 @@ pub fn run(mut config: Config) -> anyhow::Result<()> {
         );
         let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
         server::serve(state.clone(), listener).await;
+        // A final checkpoint that fails is the operator's data not saved:
+        // said at ERROR and in the exit status, never a clean exit.
+        let mut failed = None;
         if config.checkpoint.on_shutdown {
             info!("final checkpoint before exit");
             if let Err(e) = state.checkpoints.take(state.router.clone(), false).await {
-                warn!(error = %e.message, "final checkpoint failed");
+                error!(
+                    error = %e.message,
+                    "the final checkpoint FAILED: writes since the last complete checkpoint are lost with this exit"
+                );
+                failed = Some(e.message);
             }
         }
         let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
         drop(socket_file);
         info!(requests = state.stats.requests.load(std::sync::atomic::Ordering::Relaxed), "stopped");
         actix_rt::System::current().stop();
-        Ok(())
+        match failed {
+            None => Ok(()),
+            Some(e) => anyhow::bail!(
+                "the final checkpoint (--checkpoint-on-shutdown) failed: {e}; \
+                 the tables' state since the last complete checkpoint (hkvctl checkpoints) was not saved"
+            ),
+        }
     })
 }
 
@@ -286,6 +300,26 @@ async fn restore_at_start(state: &State) -> anyhow::Result<()> {
             Ok(())
         }
         Ok(None) => {
+            // Nothing restorable, but checkpoints that could not be read
+            // exist: serving empty tables now would pass for "no data"
+            // (issue 32). Only the operator's --restore none does that.
+            let aside = state.checkpoints.set_aside();
+            if !aside.is_empty() {
+                anyhow::bail!(
+                    "restore {which}: no checkpoint can be restored, but {} checkpoint director{} could not be \
+                     read and {} set aside (never deleted):\n  {}\n\
+                     hkvd did not start, so that empty tables do not pass for the data in them. Each holds a \
+                     checkpoint whose MANIFEST (or a file it names) is damaged (the WARN lines above say why). \
+                     To get one back, repair its files (a MANIFEST can be restored from a backup of the \
+                     catalog or the directory), rename it to chunks/<id> (the 16 hex digits before \
+                     .damaged-), and start hkvd again. To start with empty tables and keep them on disk, \
+                     use --restore none.",
+                    aside.len(),
+                    if aside.len() == 1 { "y" } else { "ies" },
+                    if aside.len() == 1 { "was" } else { "were" },
+                    aside.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join("\n  ")
+                );
+            }
             info!("no checkpoint to restore");
             Ok(())
         }

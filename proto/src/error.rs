@@ -49,6 +49,10 @@ pub enum ErrorCode {
     /// not reached within `limits.event_wait_seconds`); the message names
     /// what it waited for. Nothing of the request was applied.
     Timeout,
+    /// A checkpoint a restore needs has a file (chunk, key list, manifest)
+    /// that is missing or fails verification: the checkpoint's data, not
+    /// the daemon, is at fault; the message names the checkpoint and file.
+    CorruptCheckpoint,
 }
 
 /// An error as carried by an error frame: a code and a message for people.

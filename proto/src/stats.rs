@@ -223,6 +223,10 @@ pub struct CheckpointStats {
     pub restoring: Option<Progress>,
     /// The last restore, with what it could not place.
     pub last_restore: Option<Restored>,
+    /// Why checkpoints are paused (the state directory's file system is
+    /// full or read-only), if they are; restores still read.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub paused: Option<String>,
 }
 
 /// A checkpoint (or restore) in progress.

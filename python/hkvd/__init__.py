@@ -48,6 +48,7 @@ __all__ = [
     "ResourceExhausted",
     "NotFound",
     "Timeout",
+    "CorruptCheckpoint",
     "InternalError",
     "ProtocolError",
     "CudaIpcUnavailable",
@@ -127,6 +128,7 @@ class InternalError(HkvdError): pass  # noqa: E701
 class ResourceExhausted(HkvdError): pass  # noqa: E701
 class NotFound(HkvdError): pass  # noqa: E701
 class Timeout(HkvdError): pass  # noqa: E701
+class CorruptCheckpoint(HkvdError): pass  # noqa: E701
 
 
 class ProtocolError(Exception):
@@ -153,6 +155,7 @@ _ERRORS = {
     "resource_exhausted": ResourceExhausted,
     "not_found": NotFound,
     "timeout": Timeout,
+    "corrupt_checkpoint": CorruptCheckpoint,
 }
 
 

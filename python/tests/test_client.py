@@ -162,6 +162,23 @@ def test_checkpoint_and_restore(daemon, tmp_path):
     assert list(c.find("t", [1, 2, 3], scores=True)[2]) == [5, 6, 7]
 
 
+def test_restoring_a_corrupt_checkpoint_raises_corrupt_checkpoint(daemon, tmp_path):
+    # Issue 32: restoring a checkpoint whose chunk is corrupt answered
+    # `internal`; it is `corrupt_checkpoint` now, hkvd.CorruptCheckpoint here.
+    c = daemon.client()
+    c.create_table("t", dim=2, capacity=4096, policy="custom")
+    c.insert_or_assign("t", [1, 2, 3], np.ones((3, 2), np.float32), scores=[5, 6, 7])
+    listing = c.checkpoint(wait=True)
+    d = tmp_path / "state" / "checkpoints" / "chunks" / listing["id"]
+    chunk = sorted(p for p in d.iterdir() if p.name != "MANIFEST")[0]
+    b = bytearray(chunk.read_bytes())
+    b[len(b) // 2] ^= 0x10
+    chunk.write_bytes(bytes(b))
+    with pytest.raises(hkvd.CorruptCheckpoint) as e:
+        c.restore(listing["id"])
+    assert e.value.code == "corrupt_checkpoint" and chunk.name in e.value.message
+
+
 def test_torch_helper(daemon):
     torch = pytest.importorskip("torch")
     from hkvd.torch import EmbeddingCache

@@ -61,10 +61,28 @@ fn internal(e: impl std::fmt::Display) -> ProtoError {
     ProtoError::new(ErrorCode::Internal, e.to_string())
 }
 
+/// A checkpoint store error as a wire error: a file system that cannot be
+/// written (full, over quota, read-only; or since start-up: checkpoints
+/// paused) is `resource_exhausted`; the rest `internal`.
+fn store_error(e: hkv_checkpoint::Error) -> ProtoError {
+    use hkv_checkpoint::Error::{Paused, Unwritable};
+    match e {
+        e @ (Unwritable { .. } | Paused(_)) => ProtoError::new(ErrorCode::ResourceExhausted, e.to_string()),
+        e => internal(e),
+    }
+}
+
 impl Checkpoints {
     /// Opens the catalog in `dir` and collects leftovers of interrupted checkpoints.
     pub fn open(dir: &std::path::Path, config: CheckpointConfig) -> anyhow::Result<Checkpoints> {
         let (catalog, rec) = Catalog::open_recovering(&dir.join("checkpoints"))?;
+        if let Some(why) = &rec.paused {
+            warn!(
+                reason = %why,
+                "CHECKPOINTS ARE PAUSED: the state directory's file system cannot be written; hkvd serves, \
+                 restores from the checkpoint directories, and takes no checkpoint until restarted with space"
+            );
+        }
         if let Some((why, aside)) = &rec.damaged {
             warn!(
                 error = %why,
@@ -99,9 +117,11 @@ impl Checkpoints {
                 "a checkpoint directory could not be repaired: it was moved aside (not deleted) and is no longer listed"
             );
         }
+        // Leftovers only: retention counts checkpoints verified restorable,
+        // none yet (see `retain`, after the restore at start).
         let removed = catalog.collect(config.keep, None)?;
         if !removed.is_empty() {
-            info!(removed = removed.len(), "collected leftovers of interrupted or expired checkpoints");
+            info!(removed = removed.len(), "collected leftovers of interrupted checkpoints");
         }
         let next_due = config.interval_s.map(|s| Instant::now() + Duration::from_secs(s.max(1)));
         Ok(Checkpoints {
@@ -118,6 +138,29 @@ impl Checkpoints {
         })
     }
 
+    /// Retention (`keep`) once the restore at start is done: only then is
+    /// it known which checkpoints are restorable, and retention counts
+    /// only those (`Catalog::collect`).
+    pub async fn retain(self: &Arc<Self>) {
+        let _gate = self.gate.lock().await;
+        let ck = self.clone();
+        match tokio::task::spawn_blocking(move || ck.catalog.collect(ck.config.keep, None)).await {
+            Ok(Ok(removed)) if !removed.is_empty() => info!(
+                removed = ?removed.iter().map(|i| format!("{i:016x}")).collect::<Vec<_>>(),
+                keep = self.config.keep,
+                "removed checkpoints older than the newest restorable ones (checkpoint.keep)"
+            ),
+            Ok(Err(e)) => warn!(error = %e, "removing old checkpoints failed"),
+            _ => {}
+        }
+    }
+
+    /// Checkpoint directories moved aside because they could not be read
+    /// or repaired (see [`hkv_checkpoint::Catalog::set_aside`]).
+    pub fn set_aside(&self) -> Vec<std::path::PathBuf> {
+        self.catalog.set_aside()
+    }
+
     /// Status for stats.
     pub fn stats(&self) -> CheckpointStats {
         CheckpointStats {
@@ -129,6 +172,7 @@ impl Checkpoints {
             complete: self.catalog.count().unwrap_or(0),
             restoring: self.restoring.lock().clone(),
             last_restore: self.last_restore.lock().clone(),
+            paused: self.catalog.paused(),
         }
     }
 

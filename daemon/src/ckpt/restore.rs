@@ -91,6 +91,8 @@ impl Checkpoints {
         // Checkpoints found unusable by this restore, with why: a candidate
         // whose chain holds one is skipped without reading it again.
         let mut bad: Vec<u64> = vec![];
+        // Whether every failure so far was a damaged file or broken chain.
+        let mut all_damaged = true;
         let tried = candidates.len();
         for id in candidates {
             let progress = |phase: &str, id: u64, done: u64, total: u64, bytes: u64| {
@@ -119,6 +121,8 @@ impl Checkpoints {
                     *self.restoring.lock() = None;
                     for m in &chain {
                         self.catalog.clear_corrupt(m.id);
+                        // Restorable: every file it needs was just read and verified.
+                        self.catalog.mark_verified(m.id);
                     }
                     let seconds = started.elapsed().as_secs_f64();
                     let r = Restored {
@@ -145,15 +149,16 @@ impl Checkpoints {
                 }
                 Err(f) => {
                     // One line per checkpoint tried, naming it and why.
-                    let (why, broken) = match f {
+                    let (why, broken, damaged) = match f {
                         Failure::Refused(e) => {
                             *self.restoring.lock() = None;
                             return Err(e);
                         }
-                        Failure::Known(b) if b == id => ("it was found corrupt above".to_string(), false),
-                        Failure::Known(b) => (format!("its base {b:016x} was found unusable above"), false),
+                        Failure::Known(b) if b == id => ("it was found corrupt above".to_string(), false, true),
+                        Failure::Known(b) => (format!("its base {b:016x} was found unusable above"), false, true),
                         Failure::Unusable(e) => {
-                            if let Some(d) = e.damaged_checkpoint() {
+                            let damaged = e.damaged_checkpoint();
+                            if let Some(d) = damaged {
                                 self.catalog.mark_corrupt(d, &e.to_string());
                                 bad.push(d);
                             }
@@ -161,18 +166,24 @@ impl Checkpoints {
                                 e,
                                 hkv_checkpoint::Error::BrokenChain { .. } | hkv_checkpoint::Error::NotFound(_)
                             );
-                            (e.to_string(), broken)
+                            (e.to_string(), broken, damaged.is_some() || broken)
                         }
                     };
+                    all_damaged &= damaged;
                     let line = format!("checkpoint {id:016x} not restored: {why}");
                     if which != "latest" {
                         *self.restoring.lock() = None;
                         // An id the catalog does not list, or a chain whose
                         // base is gone, is the caller's to fix, not the daemon's.
                         let listed = self.catalog.list().is_ok_and(|l| l.iter().any(|l| l.id == id));
-                        let not_found = !listed || broken;
+                        let code = match (!listed || broken, damaged) {
+                            (true, _) => ErrorCode::NotFound,
+                            // The checkpoint's files, not the daemon, are at fault.
+                            (false, true) => ErrorCode::CorruptCheckpoint,
+                            (false, false) => ErrorCode::Internal,
+                        };
                         return Err(ProtoError::new(
-                            if not_found { ErrorCode::NotFound } else { ErrorCode::Internal },
+                            code,
                             if why.contains("hkvctl checkpoints") {
                                 why.clone()
                             } else {
@@ -187,7 +198,7 @@ impl Checkpoints {
         }
         *self.restoring.lock() = None;
         Err(ProtoError::new(
-            ErrorCode::Internal,
+            if all_damaged { ErrorCode::CorruptCheckpoint } else { ErrorCode::Internal },
             format!("no usable checkpoint among the {tried} tried:\n  {}", skipped.join("\n  ")),
         ))
     }
@@ -368,14 +379,7 @@ impl Checkpoints {
                 apply(i, chunk, r)?;
             }
         }
-        let mut fresh = vec![];
-        for (i, b) in built.iter().enumerate() {
-            if let (Some(b), Some(r)) = (b, &running[i]) {
-                b.epoch.store(r.epoch.load(Relaxed), Relaxed);
-            }
-            fresh.extend(b.clone());
-        }
-        router.install(fresh);
+        router.install(built.iter().flatten().cloned().collect());
         let tables: Vec<Option<&Arc<Table>>> =
             built.iter().zip(&running).map(|(b, r)| b.as_ref().or(r.as_ref())).collect();
         let (placed_all, dropped) = settle(router, rt, target, &tables, &max_score, &lost)?;
@@ -403,8 +407,13 @@ fn settle(
         let Some(table) = tables[i] else { continue };
         let resume = resume_point(t, target, max_score[i]);
         rt.block_on(router.resume_after(table, resume)).map_err(Failure::Refused)?;
-        // What the restore wrote is the state at the checkpoint, not a change since.
-        table.untracked.store(false, Relaxed);
+        // The shards' epoch moved up to the restored one (`resume_after`): a
+        // client's epoch below it is a lowered epoch (issue 32). The table
+        // stays marked untracked by the restore's own loads; the chain ended
+        // anyway, so the next checkpoint is full.
+        if matches!(t.policy.as_str().parse(), Ok(ScorePolicy::EpochLru | ScorePolicy::EpochLfu)) {
+            table.epoch.fetch_max((resume >> 32) as u32, std::sync::atomic::Ordering::SeqCst);
+        }
         let sizes = rt.block_on(router.sizes(table)).map_err(Failure::Refused)?;
         let placed = sizes.iter().map(|s| s.0).sum();
         if lost[i] > 0 {

@@ -9,7 +9,7 @@ use hkv_checkpoint::{ChunkWriter, Manifest};
 use hkv_proto::{ErrorCode, ProtoError};
 use tracing::{info, warn};
 
-use super::{internal, kind_name, now_ms, Checkpoints, Finished, Progress};
+use super::{internal, kind_name, now_ms, store_error, Checkpoints, Finished, Progress};
 use crate::router::Router;
 
 impl Checkpoints {
@@ -25,7 +25,7 @@ impl Checkpoints {
             ));
         };
         let c = ck.clone();
-        let w = tokio::task::spawn_blocking(move || c.catalog.begin()).await.map_err(internal)?.map_err(internal)?;
+        let w = tokio::task::spawn_blocking(move || c.catalog.begin()).await.map_err(internal)?.map_err(store_error)?;
         let id = format!("{:016x}", w.id());
         *ck.running.lock() = Some(Progress {
             id: id.clone(),

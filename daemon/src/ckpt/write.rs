@@ -3,7 +3,7 @@
 //! the next is asked for; incremental checkpoints keep only the entries
 //! scored at or above the previous watermark, and the live keys.
 
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::Ordering::{Relaxed, SeqCst};
 use std::time::Instant;
 
 use hkv_checkpoint::{ChunkWriter, Kind, Manifest, TableEntry};
@@ -17,10 +17,14 @@ use crate::router::{Router, Table};
 /// Whether an incremental checkpoint can find a table's changes by score:
 /// lru and epoch-lru give every write (insert, assign, accum, find_or_insert
 /// hit) the clock's score, which is at or above the watermark read before
-/// the previous export; the writes that can score lower (a client's load
-/// with verbatim scores, an epoch set lower) mark the table `untracked`.
-/// lfu, epoch-lfu (an assign without scores keeps the old score) and custom
-/// scores do not follow time: those tables are stored whole every time.
+/// the previous export. The writes that can score lower are recorded as a
+/// fact, not inferred: a client's load with verbatim scores and an epoch
+/// set below the highest the table ever had mark the table `untracked`
+/// before they start and after they end (`Table::untracked_write`), and a
+/// clock found below the previous watermark stores the table whole too.
+/// lfu, epoch-lfu (an assign without scores keeps the old score) and
+/// custom scores do not follow time: those tables are stored whole every
+/// time.
 fn tracks_changes(policy: &str) -> bool {
     matches!(policy.parse(), Ok(ScorePolicy::Lru | ScorePolicy::EpochLru))
 }
@@ -49,10 +53,9 @@ impl Checkpoints {
         force_full: bool,
         w: Option<ChunkWriter>,
     ) -> Result<Manifest, ProtoError> {
-        // Read before the tables: a table created or dropped from here on
+        // Read with the tables: a table created or dropped from here on
         // makes the next checkpoint full.
-        let generation = router.generation();
-        let tables = router.tables();
+        let (generation, tables) = router.tables_at();
         // The base of an incremental: the newest checkpoint whose chain restores.
         let prev = self
             .catalog
@@ -75,7 +78,7 @@ impl Checkpoints {
         self.incrementals.store(u32::MAX, Relaxed);
         let mut w = match w {
             Some(w) => w,
-            None => self.catalog.begin().map_err(internal)?,
+            None => self.catalog.begin().map_err(super::store_error)?,
         };
         let mut total = 0;
         for t in &tables {
@@ -94,11 +97,11 @@ impl Checkpoints {
         });
         let mut x = Export { router, rt, w: &mut w, started: Instant::now(), total };
         let mut entries = vec![];
-        for t in &tables {
+        for (index, t) in tables.iter().enumerate() {
             let prev_t = prev.as_ref().and_then(|p| p.tables.iter().find(|e| e.name == t.spec.name));
-            entries.push(self.export_table(&mut x, t, prev_t, incremental)?);
+            entries.push(self.export_table(&mut x, t, index as u32, prev_t, incremental)?);
         }
-        let m = w.commit(kind, entries, env!("CARGO_PKG_VERSION")).map_err(internal)?;
+        let m = w.commit(kind, entries, env!("CARGO_PKG_VERSION")).map_err(super::store_error)?;
         self.chain_generation.store(generation, Relaxed);
         match kind {
             Kind::Full => self.incrementals.store(0, Relaxed),
@@ -110,19 +113,31 @@ impl Checkpoints {
         Ok(m)
     }
 
-    /// One table's part of a checkpoint: every shard exported, whole or
+    /// One table's part of a checkpoint (the `index`th of its manifest):
+    /// every shard exported, whole or
     /// (`incremental`, where the table allows it) only what changed since
     /// `prev_t`.
     fn export_table(
         &self,
         x: &mut Export,
         t: &Table,
+        index: u32,
         prev_t: Option<&TableEntry>,
         incremental: bool,
     ) -> Result<TableEntry, ProtoError> {
         let dim = t.config.dim;
-        // Cleared now: writes during this export set it again for the next one.
-        let untracked = t.untracked.swap(false, Relaxed);
+        // No load, clear, reserve or lowered epoch runs on the table from
+        // here until its last shard is exported: each is wholly before or
+        // wholly after this checkpoint's part of it.
+        let _whole = x.rt.block_on(t.rewrite.read());
+        // Taken now: an untracked write that ends from here on (or starts)
+        // marks the table again, so the next checkpoint stores it whole.
+        let untracked = t.untracked.swap(false, SeqCst);
+        // Read before exporting: every later write scores at least this.
+        let mut marks = vec![];
+        for i in 0..t.shards() {
+            marks.push(x.rt.block_on(x.router.clock_score(t, i))?);
+        }
         let inc = incremental
             && tracks_changes(t.spec.policy.as_str())
             && !untracked
@@ -131,17 +146,19 @@ impl Checkpoints {
                     && p.dim == dim
                     && p.policy == t.spec.policy
                     && p.watermarks.len() == t.shards()
+                    // A clock below the previous watermark (an epoch set
+                    // lower and still in force, the epoch-lru clock's low
+                    // 32 bits wrapped): writes since may score below it.
+                    && marks.iter().zip(&p.watermarks).all(|(now, then)| now >= then)
             });
         let mut out = Parts::default();
-        let (mut marks, mut clocks) = (vec![], vec![]);
+        let mut clocks = vec![];
         for i in 0..t.shards() {
-            // Read before exporting: every later write scores at least this.
-            marks.push(x.rt.block_on(x.router.clock_score(t, i))?);
             let watermark = match (inc, prev_t) {
                 (true, Some(p)) => Some(p.watermarks[i]),
                 _ => None,
             };
-            self.export_shard(x, t, i, watermark, &mut out)?;
+            self.export_shard(x, (t, index), i, watermark, &mut out)?;
             // Read after exporting: every entry exported scored at most this
             // (except a client's verbatim `load`); a restore resumes from here.
             clocks.push(x.rt.block_on(x.router.clock_score(t, i))?);
@@ -169,7 +186,7 @@ impl Checkpoints {
     fn export_shard(
         &self,
         x: &mut Export,
-        t: &Table,
+        (t, index): (&Table, u32),
         i: usize,
         watermark: Option<u64>,
         out: &mut Parts,
@@ -188,8 +205,18 @@ impl Checkpoints {
         loop {
             if offset >= capacity {
                 let now = capacity_now(x)?;
-                if now == capacity || attempt >= 3 {
+                if now == capacity {
                     break;
+                }
+                if attempt >= 3 {
+                    // Exported while its slots moved: entries may be missing.
+                    return Err(ProtoError::new(
+                        hkv_proto::ErrorCode::Busy,
+                        format!(
+                            "table {name:?} shard {i} grew during each of 4 exports; the checkpoint \
+                             was not taken: retry once it has stopped growing (or reserve its capacity first)"
+                        ),
+                    ));
                 }
                 warn!(table = %name, shard = i, "the shard grew during the checkpoint; exporting it again");
                 out.chunks.truncate(first_chunk);
@@ -210,7 +237,7 @@ impl Checkpoints {
                     e = changed_since(e, wm, dim);
                 }
                 if live.len() >= keys_per_list {
-                    out.key_lists.push(x.w.write_keys(name, i as u32, kseq, &live).map_err(internal)?);
+                    out.key_lists.push(x.w.write_keys(index, i as u32, kseq, &live).map_err(super::store_error)?);
                     kseq += 1;
                     live.clear();
                 }
@@ -218,7 +245,7 @@ impl Checkpoints {
             if e.keys.is_empty() {
                 continue;
             }
-            let c = x.w.write(name, i as u32, seq, dim, &e.keys, &e.scores, &e.values).map_err(internal)?;
+            let c = x.w.write(index, i as u32, seq, dim, &e.keys, &e.scores, &e.values).map_err(super::store_error)?;
             seq += 1;
             out.count += c.entries;
             out.chunks.push(c);
@@ -226,7 +253,7 @@ impl Checkpoints {
         }
         if watermark.is_some() {
             // Always at least one list per shard: an empty one says "no keys".
-            out.key_lists.push(x.w.write_keys(name, i as u32, kseq, &live).map_err(internal)?);
+            out.key_lists.push(x.w.write_keys(index, i as u32, kseq, &live).map_err(super::store_error)?);
         }
         Ok(())
     }

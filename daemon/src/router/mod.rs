@@ -99,11 +99,6 @@ impl Router {
         }
     }
 
-    /// Table creations and drops so far.
-    pub fn generation(&self) -> u64 {
-        self.generation.load(Relaxed)
-    }
-
     /// Shards per table.
     pub fn shards(&self) -> usize {
         self.actors.len()
@@ -111,9 +106,20 @@ impl Router {
 
     /// Every table, by name.
     pub fn tables(&self) -> Vec<Arc<Table>> {
-        let mut v: Vec<_> = self.tables.read().values().cloned().collect();
+        self.tables_at().1
+    }
+
+    /// The table generation and every table, by name, read together (under
+    /// the lock that creations, drops and installs change both under): a
+    /// checkpoint that finds the generation it built its chain at knows
+    /// each name still names the table its previous checkpoint exported,
+    /// not one dropped and created again in between.
+    pub fn tables_at(&self) -> (u64, Vec<Arc<Table>>) {
+        let tables = self.tables.read();
+        let generation = self.generation.load(Relaxed);
+        let mut v: Vec<_> = tables.values().cloned().collect();
         v.sort_by(|a, b| a.spec.name.cmp(&b.spec.name));
-        v
+        (generation, v)
     }
 
     /// A table by name.
@@ -201,8 +207,11 @@ impl Router {
     /// none is, its shards are gone (and its memory back in the budget)
     /// when this returns.
     pub async fn drop_table(&self, name: &str) -> Result<(), ProtoError> {
-        let removed = self.tables.write().remove(name);
-        self.generation.fetch_add(1, Relaxed);
+        let removed = {
+            let mut tables = self.tables.write();
+            self.generation.fetch_add(1, Relaxed);
+            tables.remove(name)
+        };
         let t = removed.ok_or_else(|| err(ErrorCode::UnknownTable, format!("no table named {name:?}")))?;
         if let Some(t) = Arc::into_inner(t) {
             t.close().await;

@@ -3,7 +3,7 @@
 //! the feature requests, hashed and then run as the finds and writes they
 //! are, without a round trip through a wire request.
 
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::Ordering::SeqCst;
 
 use hkv_proto::{Cursor, ErrorCode, FindFrame, Op, ProtoError, Request, Response, Summary, WriteOp};
 use hkv_shard::check::{self, CheckedKeys};
@@ -72,17 +72,23 @@ impl Router {
                 Ok(Response::Erased { count, flags: None })
             }
             Request::Clear { .. } => {
+                let _whole = t.rewrite.write().await;
                 self.clear(&t).await?;
                 Ok(Response::Empty)
             }
             Request::SetEpoch { epoch, .. } => {
-                if epoch < t.epoch.swap(epoch, Relaxed) {
-                    t.untracked.store(true, Relaxed);
-                }
+                // Below the highest epoch the table ever had (a restored one
+                // included): later writes may score below the last watermark.
+                let lower = epoch < t.epoch.fetch_max(epoch, SeqCst);
+                let _whole = if lower { Some(t.rewrite.write().await) } else { None };
+                let _mark = lower.then(|| t.untracked_write());
                 self.fan_out(&t, (0..t.shards()).map(|_| SubOp::SetEpoch(epoch)).collect()).await?;
                 Ok(Response::Empty)
             }
-            Request::Reserve { capacity, .. } => self.reserve(&t, capacity).await,
+            Request::Reserve { capacity, .. } => {
+                let _whole = t.rewrite.write().await;
+                self.reserve(&t, capacity).await
+            }
             Request::Export { cursor, max_slots, filter, .. } => self.export(&t, cursor, max_slots, filter).await,
             other => Err(ProtoError::bad_request(format!("{} is not a table operation", other.op().name()))),
         }
@@ -137,6 +143,8 @@ impl Router {
         self.bound(Op::from(code).name(), keys.len(), dim, write_per_key(code, dim, outcomes), 64)?;
         let split = Split::new(&keys, t.shards());
         let n = keys.len();
+        // Held until every shard answered (or the request is dropped).
+        let (mut _whole, mut _mark) = (None, None);
         let keys = if code == WriteOp::Load {
             let Some(s) = scores.as_deref() else {
                 return Err(err(ErrorCode::Scores, "load needs a score per key (sent with the SCORES flag)"));
@@ -148,7 +156,9 @@ impl Router {
             })?;
             // A load places entries as they were: no per-key outcome, and
             // scores an incremental checkpoint cannot tell from older ones.
-            t.untracked.store(true, Relaxed);
+            // Not during the table's export by a checkpoint (`rewrite`).
+            _whole = Some(t.rewrite.write().await);
+            _mark = Some(t.untracked_write());
             keys
         } else {
             let what = if code == WriteOp::AccumOrAssign { "deltas" } else { "values" };

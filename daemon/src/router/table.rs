@@ -1,7 +1,7 @@
 //! A table as the router holds it: its spec, its per-shard config, and the
 //! id its shards go by on the actors; names and specs are checked here.
 
-use std::sync::atomic::{AtomicBool, AtomicU32};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::SeqCst};
 use std::sync::Arc;
 
 use actix::Addr;
@@ -19,12 +19,26 @@ pub struct Table {
     pub spec: TableSpec,
     /// Each shard's config.
     pub config: TableConfig,
-    /// Set by writes whose scores may fall below the clock (a client's load
-    /// with verbatim scores, an epoch set lower): the next incremental
-    /// checkpoint cannot find them by score and stores this table whole.
+    /// The daemon's record that this table was written in a way an
+    /// incremental checkpoint cannot find by score (a client's `load` with
+    /// verbatim scores, an epoch set below the highest it ever had): set
+    /// before such a write starts and again after it ends
+    /// ([`Table::untracked_write`]); a checkpoint takes it (swaps in false)
+    /// when it begins the table's export and then stores the table whole.
+    /// Set after the end as well, so that a checkpoint that began while the
+    /// write ran (and exported some slots before the write reached them) is
+    /// followed by a whole one.
     pub untracked: AtomicBool,
-    /// The last epoch set, to tell when it goes down.
+    /// The highest epoch this table's shards ever had: set by clients, or
+    /// resumed by a restore. An epoch set below it lets writes score below
+    /// a watermark taken before.
     pub epoch: AtomicU32,
+    /// Orders the writes that rewrite the table as a whole (a client's
+    /// `load`, `clear`, `reserve`, an epoch set lower: held for writing)
+    /// against a checkpoint's export of it (held for reading, from the
+    /// first shard to the last): such a write is wholly before or wholly
+    /// after the table's part of a checkpoint, never half in it.
+    pub rewrite: tokio::sync::RwLock<()>,
     /// Its shards on the actors, closed when the last request holding the
     /// table is done.
     owner: Owner,
@@ -45,8 +59,16 @@ impl Table {
             config,
             untracked: AtomicBool::new(false),
             epoch: AtomicU32::new(0),
+            rewrite: tokio::sync::RwLock::new(()),
             owner: Owner { id, actors, charge: Some(charge) },
         }
+    }
+
+    /// Marks the table untracked now and again when the returned guard is
+    /// dropped (after the write it covers ended, however it ended).
+    pub fn untracked_write(&self) -> UntrackedWrite<'_> {
+        self.untracked.store(true, SeqCst);
+        UntrackedWrite(self)
     }
 
     /// The id its shards go by on the actors.
@@ -66,6 +88,16 @@ impl Table {
         let (id, actors) = (self.owner.id, std::mem::take(&mut self.owner.actors));
         join_all(actors.iter().map(|a| a.send(Close { table: id, charge: None }))).await;
         drop(charge);
+    }
+}
+
+/// A write an incremental checkpoint cannot find by score, running: marks
+/// its table untracked again when dropped.
+pub struct UntrackedWrite<'a>(&'a Table);
+
+impl Drop for UntrackedWrite<'_> {
+    fn drop(&mut self) {
+        self.0.untracked.store(true, SeqCst);
     }
 }
 
