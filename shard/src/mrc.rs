@@ -153,20 +153,129 @@ pub struct Curve {
     pub tracked_keys: u64,
     /// The sampling rate now.
     pub rate: f64,
+    /// Sampled keys the shard's buffer lost (full) before they reached
+    /// the estimator, since it started: 0 unless the sampler fell behind.
+    #[serde(default)]
+    pub dropped: u64,
 }
 
-/// Histogram bins per octave of distance: a bin spans 1.1 % of its distance.
-const SUB: f64 = 64.0;
-/// Bin 0 holds distances below 1; bin `1 + floor(log2(d) * SUB)` the others.
-const BINS: usize = 1 + 64 * SUB as usize;
+/// What a sampled key's operation was, as the estimator reads it (issue
+/// 32: a write that follows a lookup of the same key is not another
+/// reference). The low two bits of a sample's tag ([`tag`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[repr(u8)]
+pub enum Kind {
+    /// find, find_at, contains: a reference, counted as a hit or a miss;
+    /// it moves nothing (the table's finds do not touch scores). What the
+    /// client does next with the key (writes it back, inserts it after a
+    /// miss, or nothing) decides what the cache holds.
+    Lookup = 0,
+    /// find_or_insert: a reference, then the key is written (a miss
+    /// inserted, a hit's score refreshed): a plain LRU access.
+    FindOrInsert = 1,
+    /// insert_or_assign, insert_and_evict, accum_or_assign: the key placed
+    /// or refreshed; not a reference.
+    Write = 2,
+    /// assign, assign_scores: the key refreshed where present; not a
+    /// reference.
+    Update = 3,
+}
 
-#[inline]
-fn bin_of(d: f64) -> usize {
-    if d < 1.0 {
-        0
-    } else {
-        (1 + (d.log2() * SUB) as usize).min(BINS - 1)
+impl Kind {
+    /// Whether the operation is a reference (counted in the table's hits
+    /// and misses, and in [`SampleDrain::accesses`](crate::SampleDrain)).
+    pub const fn is_lookup(self) -> bool {
+        matches!(self, Kind::Lookup | Kind::FindOrInsert)
     }
+
+    fn of(tag: u8) -> Kind {
+        match tag & 3 {
+            0 => Kind::Lookup,
+            1 => Kind::FindOrInsert,
+            2 => Kind::Write,
+            _ => Kind::Update,
+        }
+    }
+}
+
+/// A sample's tag byte: the [`Kind`] in bits 0–1 and the batch's sequence
+/// number modulo 64 in bits 2–7, so that a drain shows where one batch
+/// ends and the next begins (a change of tag). The CUDA kernels write the
+/// same byte beside each key of their ring (`HkvSample::tag`).
+pub const fn tag(kind: Kind, batch: u32) -> u8 {
+    kind as u8 | ((batch & 63) as u8) << 2
+}
+
+/// Sampled keys and their tags ([`tag`]), in the order they were drained.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Samples {
+    /// The keys.
+    pub keys: Vec<u64>,
+    /// One tag per key.
+    pub tags: Vec<u8>,
+}
+
+impl Samples {
+    /// Empties both.
+    pub fn clear(&mut self) {
+        self.keys.clear();
+        self.tags.clear();
+    }
+
+    /// Keys held.
+    pub fn len(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// Whether none is held.
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+
+    /// Appends `keys`, all with tag `t`.
+    pub fn push_batch(&mut self, keys: &[u64], t: u8) {
+        self.keys.extend_from_slice(keys);
+        self.tags.resize(self.keys.len(), t);
+    }
+
+    /// The keys of lookups (find, contains, find_or_insert) only.
+    pub fn lookups(&self) -> impl Iterator<Item = u64> + '_ {
+        self.keys.iter().zip(&self.tags).filter(|(_, &t)| Kind::of(t).is_lookup()).map(|(&k, _)| k)
+    }
+}
+
+const NIL: u32 = u32::MAX;
+const N: usize = FACTORS.len();
+/// The factor whose simulated cache stands for the table itself (1×).
+const ONE: usize = 3;
+/// The weight of one observation in the learnt client behaviour.
+const LEARN: f64 = 1.0 / 32.0;
+
+/// One tracked key: its place in each simulated cache's recency list and
+/// its lookup awaiting the client's answer.
+#[derive(Debug, Clone)]
+struct Entry {
+    /// Per simulated cache: toward the most and the least recent.
+    prev: [u32; N],
+    next: [u32; N],
+    /// Bit i: the key is in cache i.
+    member: u8,
+    /// Bit i: the key was in cache i at its last lookup, not yet answered
+    /// by a write (see [`Mrc`]); `pending_batch` the lookup's batch.
+    pending: Option<u8>,
+    pending_batch: u32,
+    /// The lookup's place in [`Mrc::pending`].
+    pending_pos: u32,
+}
+
+/// One simulated cache of sampled keys: a recency list through
+/// [`Entry::prev`] / [`Entry::next`].
+#[derive(Debug, Clone, Copy)]
+struct List {
+    head: u32,
+    tail: u32,
+    len: usize,
+    cap: usize,
 }
 
 /// The SHARDS estimator of one table's miss-ratio curve. See the module docs.
@@ -174,36 +283,65 @@ fn bin_of(d: f64) -> usize {
 pub struct Mrc {
     cfg: MrcConfig,
     threshold: u64,
-    stack: LruStack,
+    capacity: u64,
+    map: KeyMap,
+    entries: Vec<Entry>,
+    free: Vec<u32>,
     /// Tracked keys by hash, the largest first (the next to leave).
     by_hash: BinaryHeap<(u64, u64)>,
-    /// Weight of sampled accesses per distance bin.
-    hist: Vec<f64>,
-    /// Weight of sampled accesses of all kinds (with first accesses).
+    lists: [List; N],
+    /// Sampled lookup weight that hit in each simulated cache.
+    hits: [f64; N],
+    /// Weight of sampled lookups.
     weight: f64,
+    /// Keys of this lookup batch's lookups, in order, and how many of
+    /// them have been answered or settled.
+    pending: Vec<u64>,
+    answered: usize,
+    /// Lookup batches seen, and the tag of the last sample.
+    batch: u32,
+    last_tag: Option<u8>,
+    /// Learnt: how often the client writes a key after a lookup that
+    /// missed (fills) and after one that hit (refreshes).
+    fill: f64,
+    refresh: f64,
     accesses: u64,
     sampled_accesses: u64,
+    dropped: u64,
 }
 
 impl Mrc {
-    /// Bytes of memory per tracked key, about: the stack's map entry (16
-    /// bytes and a control byte, at a load of 1/2 to 7/8), its four Fenwick
-    /// cells (16) and the hash heap's entry (16).
-    pub const BYTES_PER_KEY: usize = 72;
+    /// Bytes of memory per tracked key, about: the map's entry (12 bytes
+    /// and a control byte, at a load of 1/2 to 7/8), the entry with its
+    /// seven pairs of links (80) and the hash heap's entry (16).
+    pub const BYTES_PER_KEY: usize = 120;
 
-    /// An estimator with nothing observed.
-    pub fn new(cfg: MrcConfig) -> Mrc {
+    /// An estimator for a table of `capacity` slots with nothing observed.
+    pub fn new(cfg: MrcConfig, capacity: u64) -> Mrc {
         let cfg = MrcConfig { max_keys: cfg.max_keys.max(1), ..cfg };
-        Mrc {
+        let mut m = Mrc {
             threshold: Self::initial_threshold(&cfg),
-            stack: LruStack::with_capacity(cfg.max_keys + 1),
+            capacity,
+            map: KeyMap::with_capacity_and_hasher(cfg.max_keys + 1, Default::default()),
+            entries: Vec::with_capacity(cfg.max_keys + 1),
+            free: Vec::new(),
             by_hash: BinaryHeap::with_capacity(cfg.max_keys + 1),
-            hist: vec![0.0; BINS],
+            lists: [List { head: NIL, tail: NIL, len: 0, cap: 0 }; N],
+            hits: [0.0; N],
             weight: 0.0,
+            pending: Vec::new(),
+            answered: 0,
+            batch: 0,
+            last_tag: None,
+            fill: 1.0,
+            refresh: 1.0,
             accesses: 0,
             sampled_accesses: 0,
+            dropped: 0,
             cfg,
-        }
+        };
+        m.size_lists();
+        m
     }
 
     fn initial_threshold(cfg: &MrcConfig) -> u64 {
@@ -229,13 +367,28 @@ impl Mrc {
         self.sampler().rate()
     }
 
-    /// Bytes held, about.
-    pub fn memory_bytes(&self) -> usize {
-        self.cfg.max_keys * Self::BYTES_PER_KEY + BINS * 8
+    /// The table's capacity the curve's factors apply to.
+    pub fn capacity(&self) -> u64 {
+        self.capacity
     }
 
-    /// Observes accesses of `keys`, in order. Unsampled keys cost one hash
-    /// and one comparison.
+    /// The table grew (or shrank): the simulated caches follow, keeping
+    /// what they hold (shrinking drops their least recent keys).
+    pub fn set_capacity(&mut self, capacity: u64) {
+        if capacity != self.capacity {
+            self.capacity = capacity;
+            self.size_lists();
+        }
+    }
+
+    /// Bytes held, about.
+    pub fn memory_bytes(&self) -> usize {
+        self.cfg.max_keys * Self::BYTES_PER_KEY
+    }
+
+    /// Observes plain references to `keys`, in order: each one a lookup
+    /// that leaves the key most recent (find_or_insert; an LRU cache's
+    /// accesses). Unsampled keys cost one hash and one comparison.
     #[inline]
     pub fn observe(&mut self, keys: &[u64]) {
         self.accesses += keys.len() as u64;
@@ -243,88 +396,314 @@ impl Mrc {
         for &k in keys {
             let h = sample_hash(k, seed);
             if h < self.threshold {
-                self.sample(k, h);
+                self.sample(k, h, Kind::FindOrInsert as u8);
             }
         }
     }
 
-    /// Observes `accesses` accesses of which `keys` (in order) are the ones
-    /// a filter with an earlier [`sampler`](Mrc::sampler) kept (a GPU
-    /// kernel's ring): they are filtered again at the current threshold.
-    pub fn observe_sampled(&mut self, keys: &[u64], accesses: u64) {
-        self.accesses += accesses;
-        for &k in keys {
+    /// Observes what a shard's sampler kept since the last drain: `samples`
+    /// passed an earlier [`sampler`](Mrc::sampler) (a kernel's or the CPU
+    /// buffer's) and are filtered again at the current threshold; `lookups`
+    /// is the keys of lookups the shard served meanwhile, sampled or not;
+    /// `threshold`, when the shard lowered its own filter to keep its
+    /// buffer from overflowing, that filter (this one follows it down).
+    pub fn observe_samples(&mut self, samples: &Samples, lookups: u64, threshold: Option<u64>) {
+        if let Some(t) = threshold {
+            self.lower_threshold(t);
+        }
+        self.accesses += lookups;
+        for (&k, &t) in samples.keys.iter().zip(&samples.tags) {
             let h = sample_hash(k, self.cfg.seed);
             if h < self.threshold {
-                self.sample(k, h);
+                self.sample(k, h, t);
             }
         }
     }
 
-    /// One access of a sampled key.
-    #[cold]
-    fn sample(&mut self, key: u64, h: u64) {
-        let rate = self.rate();
-        let w = 1.0 / rate;
-        self.sampled_accesses += 1;
-        self.weight += w;
-        match self.stack.access(key) {
-            Some(d) => self.hist[bin_of(d as f64 / rate)] += w,
-            None => {
-                self.by_hash.push((h, key));
-                if self.stack.len() > self.cfg.max_keys {
-                    // The largest hash leaves; the threshold drops to it so
-                    // that key (and every larger one) is no longer sampled.
-                    let (h, k) = self.by_hash.pop().expect("a tracked key");
-                    self.threshold = h;
-                    self.stack.remove(k);
+    /// Counts sampled keys a shard lost to a full buffer (shown with the curve).
+    pub fn add_dropped(&mut self, dropped: u64) {
+        self.dropped += dropped;
+    }
+
+    /// One sampled key with its tag.
+    fn sample(&mut self, key: u64, h: u64, t: u8) {
+        let kind = Kind::of(t);
+        if self.last_tag != Some(t) {
+            self.last_tag = Some(t);
+            if kind.is_lookup() {
+                // A new lookup batch: the last one's keys the client did
+                // not write meanwhile were not written at all.
+                self.settle();
+                self.batch = self.batch.wrapping_add(1);
+            }
+        }
+        let e = match self.map.get(&key) {
+            Some(&e) => e,
+            None => match self.track(key, h) {
+                Some(e) => e,
+                None => return,
+            },
+        };
+        match kind {
+            Kind::Lookup | Kind::FindOrInsert => {
+                let ent = &mut self.entries[e as usize];
+                if let (Some(was), true) = (ent.pending, ent.pending_batch != self.batch) {
+                    // An earlier batch's lookup the boundary did not settle.
+                    ent.pending = None;
+                    self.answer(e, was, false, true);
+                }
+                let w = 1.0 / self.rate();
+                self.sampled_accesses += 1;
+                self.weight += w;
+                let ent = &mut self.entries[e as usize];
+                let member = ent.member;
+                for (i, h) in self.hits.iter_mut().enumerate() {
+                    if member >> i & 1 == 1 {
+                        *h += w;
+                    }
+                }
+                if kind == Kind::FindOrInsert {
+                    self.touch_all(e, true);
+                } else if ent.pending.is_none() {
+                    // A key repeated in one batch finds the table as the
+                    // first lookup did: the answer to both is one write.
+                    ent.pending = Some(member);
+                    ent.pending_batch = self.batch;
+                    ent.pending_pos = self.pending.len() as u32;
+                    self.pending.push(key);
+                }
+            }
+            Kind::Write | Kind::Update => {
+                let insert = kind == Kind::Write;
+                let ent = &self.entries[e as usize];
+                let pos = (ent.pending.is_some() && ent.pending_batch == self.batch).then_some(ent.pending_pos);
+                if let Some(pos) = pos {
+                    // Clients write back in the order they looked up: the
+                    // lookups before this one still unanswered get no write.
+                    self.settle_until(pos as usize);
+                    self.answered = self.answered.max(pos as usize + 1);
+                }
+                match self.entries[e as usize].pending.take() {
+                    Some(was) => self.answer(e, was, true, insert),
+                    // A write no lookup asked for: the key is placed (or
+                    // refreshed) at every size.
+                    None => self.touch_all(e, insert),
                 }
             }
         }
     }
 
-    /// The estimated hit rate of a fully associative LRU cache of
-    /// `capacity` slots on the accesses observed (0 before any).
-    pub fn hit_rate(&self, capacity: u64) -> f64 {
-        if self.accesses == 0 || capacity == 0 {
-            return 0.0;
+    /// A lookup of entry `e` (in the caches `was` then) answered by a
+    /// write (`wrote`; `insert`: one that may place an absent key) or by
+    /// none. What the client did at the table's own size is learnt; at
+    /// another size, where the lookup's outcome may differ, the client is
+    /// taken to do what it does for that outcome (a client that writes
+    /// back every key, one that inserts its misses, one that only reads).
+    fn answer(&mut self, e: u32, was: u8, wrote: bool, insert: bool) {
+        let hit_one = was >> ONE & 1 == 1;
+        let learnt = if wrote { 1.0 } else { 0.0 };
+        if hit_one {
+            self.refresh += (learnt - self.refresh) * LEARN;
+        } else {
+            self.fill += (learnt - self.fill) * LEARN;
         }
-        // Accesses with a distance below `capacity`: whole bins, then the
-        // share of the bin holding `capacity`, linear in log distance.
-        let c = capacity as f64;
-        let pos = c.log2() * SUB;
-        let full = 1 + pos as usize;
-        let mut hits: f64 = self.hist[..full.min(BINS)].iter().sum();
-        if full < BINS {
-            hits += self.hist[full] * pos.fract();
+        for i in 0..N {
+            let hit = was >> i & 1 == 1;
+            let writes = if hit == hit_one {
+                wrote
+            } else if hit {
+                self.refresh > 0.5
+            } else {
+                self.fill > 0.5
+            };
+            let member = self.entries[e as usize].member >> i & 1 == 1;
+            if writes && (insert || member) {
+                self.touch(i, e);
+            }
+        }
+    }
+
+    /// Answers every lookup of the last batch still waiting: with no write.
+    fn settle(&mut self) {
+        self.settle_until(self.pending.len());
+        self.pending.clear();
+        self.answered = 0;
+    }
+
+    /// Answers this batch's lookups from the first unanswered one to
+    /// `end` (exclusive) that are still waiting: with no write.
+    fn settle_until(&mut self, end: usize) {
+        for j in self.answered..end {
+            let Some(&e) = self.map.get(&self.pending[j]) else { continue };
+            let ent = &mut self.entries[e as usize];
+            if ent.pending_pos as usize != j || ent.pending_batch != self.batch {
+                continue;
+            }
+            if let Some(was) = ent.pending.take() {
+                self.answer(e, was, false, true);
+            }
+        }
+        self.answered = self.answered.max(end);
+    }
+
+    /// Starts tracking `key` (hash `h`): None when it left at once (its
+    /// hash was the largest and the budget was full).
+    fn track(&mut self, key: u64, h: u64) -> Option<u32> {
+        let ent = Entry { prev: [NIL; N], next: [NIL; N], member: 0, pending: None, pending_batch: 0, pending_pos: 0 };
+        let e = match self.free.pop() {
+            Some(e) => {
+                self.entries[e as usize] = ent;
+                e
+            }
+            None => {
+                self.entries.push(ent);
+                (self.entries.len() - 1) as u32
+            }
+        };
+        self.map.insert(key, e);
+        self.by_hash.push((h, key));
+        if self.map.len() > self.cfg.max_keys {
+            // The largest hash leaves; the threshold drops to it so that key
+            // (and every larger one) is no longer sampled.
+            let (top, _) = *self.by_hash.peek().expect("a tracked key");
+            self.lower_threshold(top);
+        }
+        self.map.get(&key).copied()
+    }
+
+    /// Lowers the threshold to `t` (if below the current one): tracked
+    /// keys whose hash is at or above it leave, and the caches shrink.
+    fn lower_threshold(&mut self, t: u64) {
+        if t >= self.threshold {
+            return;
+        }
+        self.threshold = t;
+        while let Some(&(h, k)) = self.by_hash.peek() {
+            if h < t {
+                break;
+            }
+            self.by_hash.pop();
+            self.untrack(k);
+        }
+        self.size_lists();
+    }
+
+    fn untrack(&mut self, key: u64) {
+        let Some(e) = self.map.remove(&key) else { return };
+        for i in 0..N {
+            if self.entries[e as usize].member >> i & 1 == 1 {
+                self.unlink(i, e);
+            }
+        }
+        self.entries[e as usize].pending = None;
+        self.free.push(e);
+    }
+
+    /// Each cache holds its factor of the capacity, scaled by the rate.
+    fn size_lists(&mut self) {
+        let scaled = self.capacity as f64 * self.rate();
+        for (i, f) in FACTORS.iter().enumerate() {
+            self.lists[i].cap = (scaled * f).round() as usize;
+            self.shrink(i);
+        }
+    }
+
+    fn shrink(&mut self, i: usize) {
+        while self.lists[i].len > self.lists[i].cap {
+            let t = self.lists[i].tail;
+            self.unlink(i, t);
+        }
+    }
+
+    fn unlink(&mut self, i: usize, e: u32) {
+        let (p, n) = {
+            let ent = &mut self.entries[e as usize];
+            ent.member &= !(1 << i);
+            (std::mem::replace(&mut ent.prev[i], NIL), std::mem::replace(&mut ent.next[i], NIL))
+        };
+        match p {
+            NIL => self.lists[i].head = n,
+            p => self.entries[p as usize].next[i] = n,
+        }
+        match n {
+            NIL => self.lists[i].tail = p,
+            n => self.entries[n as usize].prev[i] = p,
+        }
+        self.lists[i].len -= 1;
+    }
+
+    /// Makes `e` the most recent of cache `i` (inserting it, evicting the
+    /// least recent past the cache's size).
+    fn touch(&mut self, i: usize, e: u32) {
+        if self.entries[e as usize].member >> i & 1 == 1 {
+            if self.lists[i].head == e {
+                return;
+            }
+            self.unlink(i, e);
+        }
+        if self.lists[i].cap == 0 {
+            return;
+        }
+        let head = self.lists[i].head;
+        {
+            let ent = &mut self.entries[e as usize];
+            ent.member |= 1 << i;
+            ent.prev[i] = NIL;
+            ent.next[i] = head;
+        }
+        match head {
+            NIL => self.lists[i].tail = e,
+            h => self.entries[h as usize].prev[i] = e,
+        }
+        self.lists[i].head = e;
+        self.lists[i].len += 1;
+        self.shrink(i);
+    }
+
+    /// [`touch`](Mrc::touch) in every cache (`insert`), or in those that hold the key.
+    fn touch_all(&mut self, e: u32, insert: bool) {
+        for i in 0..N {
+            if insert || self.entries[e as usize].member >> i & 1 == 1 {
+                self.touch(i, e);
+            }
+        }
+    }
+
+    /// The estimated hit rate at factor `FACTORS[i]` (0 before any lookup).
+    fn point(&self, i: usize) -> f64 {
+        if self.accesses == 0 {
+            return 0.0;
         }
         // SHARDS_adj: the weight the sample is missing (or has too much of)
         // belongs to hot keys, which hit at every size.
-        hits += self.accesses as f64 - self.weight;
+        let hits = self.hits[i] + self.accesses as f64 - self.weight;
         (hits / self.accesses as f64).clamp(0.0, 1.0)
     }
 
-    /// The curve at [`FACTORS`] of `capacity` slots.
-    pub fn curve(&self, capacity: u64) -> Curve {
+    /// The curve at [`FACTORS`] of the capacity.
+    pub fn curve(&self) -> Curve {
         let points = FACTORS
             .iter()
-            .map(|&factor| {
-                let c = (capacity as f64 * factor).round() as u64;
-                MrcPoint { factor, capacity: c, hit_rate: self.hit_rate(c) }
+            .enumerate()
+            .map(|(i, &factor)| MrcPoint {
+                factor,
+                capacity: (self.capacity as f64 * factor).round() as u64,
+                hit_rate: self.point(i),
             })
             .collect();
         Curve {
             points,
             accesses: self.accesses,
             sampled_accesses: self.sampled_accesses,
-            tracked_keys: self.stack.len() as u64,
+            tracked_keys: self.map.len() as u64,
             rate: self.rate(),
+            dropped: self.dropped,
         }
     }
 
     /// Forgets everything observed; the rate starts again at the initial one.
     pub fn reset(&mut self) {
-        *self = Mrc::new(self.cfg);
+        *self = Mrc::new(self.cfg, self.capacity);
     }
 }
 
@@ -497,32 +876,33 @@ mod tests {
     }
 
     /// With a budget above the distinct keys nothing is dropped: the
-    /// estimate is exact (up to binning) and the rate stays 1.
+    /// estimate is exact and the rate stays 1.
     #[test]
     fn full_sample_is_exact() {
-        let mut m = Mrc::new(MrcConfig { max_keys: 1 << 12, ..MrcConfig::default() });
+        let mut m = Mrc::new(MrcConfig { max_keys: 1 << 12, ..MrcConfig::default() }, 100);
         let keys: Vec<u64> = (0..10_000u64).map(|i| i % 100).collect();
         m.observe(&keys);
-        let c = m.curve(100);
+        let c = m.curve();
         assert!(c.rate > 0.999_999);
-        // A cycle over 100 keys: distance 99 for every repeat.
-        assert!((m.hit_rate(100) - 0.99).abs() < 1e-9, "{}", m.hit_rate(100));
-        assert!(m.hit_rate(90) < 1e-9);
+        // A cycle over 100 keys: every repeat hits at 1× and above, none below.
+        assert!((c.points[3].hit_rate - 0.99).abs() < 1e-9, "{:?}", c.points);
+        assert!(c.points[2].hit_rate < 1e-9);
         assert_eq!(c.tracked_keys, 100);
     }
 
     /// The tracked keys never pass the budget, and reset forgets all.
     #[test]
     fn budget_is_kept() {
-        let mut m = Mrc::new(MrcConfig { max_keys: 256, ..MrcConfig::default() });
+        let mut m = Mrc::new(MrcConfig { max_keys: 256, ..MrcConfig::default() }, 1000);
         let keys: Vec<u64> = (0..100_000u64).collect();
         m.observe(&keys);
-        let c = m.curve(1000);
+        let c = m.curve();
         assert!(c.tracked_keys <= 256);
         assert!(c.rate < 0.01, "{}", c.rate);
-        assert!(m.by_hash.len() == m.stack.len());
+        assert!(m.by_hash.len() == m.map.len());
+        assert!(m.lists.iter().all(|l| l.len <= l.cap));
         m.reset();
-        assert_eq!(m.curve(1000).accesses, 0);
+        assert_eq!(m.curve().accesses, 0);
         assert_eq!(m.sampler().threshold, u64::MAX);
     }
 }

@@ -596,7 +596,7 @@ fn mrc_compare(a: &Args, mut source: Source, stream: &str) -> Result<()> {
     if let Some(s) = a.mrc_seed {
         cfg.seed = s;
     }
-    let mut mrc = Mrc::new(cfg);
+    let mut mrc = Mrc::new(cfg, a.capacity);
     let mut exact = LruStack::new();
     let caps: Vec<u64> = FACTORS.iter().map(|f| (a.capacity as f64 * f).round() as u64).collect();
     let mut exact_hits = vec![0u64; caps.len()];
@@ -631,7 +631,7 @@ fn mrc_compare(a: &Args, mut source: Source, stream: &str) -> Result<()> {
     // least disturbed is the cost on an idle core).
     const BENCH_KEYS: usize = 256 * 1024;
     let tail = &all[all.len().saturating_sub(10 * BENCH_KEYS)..];
-    let curve = mrc.curve(a.capacity);
+    let curve = mrc.curve();
     let mut costs: Vec<f64> = tail
         .chunks(BENCH_KEYS)
         .map(|b| {

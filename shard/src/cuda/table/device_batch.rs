@@ -274,7 +274,13 @@ impl CudaTable {
         // (`only`) as it reads them (fused); erase, load and export are not
         // sampled.
         let sampled = !matches!(op, DeviceOp::Erase | DeviceOp::Load | DeviceOp::Export { .. });
-        let sample = if sampled { self.sample_args(s) } else { SampleArgs::default() };
+        let kind = match op {
+            DeviceOp::Find | DeviceOp::FindPtr | DeviceOp::Contains => Kind::Lookup,
+            DeviceOp::FindOrInsert | DeviceOp::FindOrInsertPtr => Kind::FindOrInsert,
+            DeviceOp::Assign => Kind::Update,
+            _ => Kind::Write,
+        };
+        let sample = if sampled { self.sample_args(s, kind) } else { SampleArgs::default() };
         let base = Ptrs { keys: r.p.keys, counters: r.p.counters, only: r.p.only, sample, ..Ptrs::default() };
         let p = r.p;
         let n64 = n as u64;
