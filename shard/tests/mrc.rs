@@ -280,6 +280,7 @@ fn drive(p: Pattern, keys: &[u64], old_semantics: bool) -> (Vec<(f64, f64)>, f64
     let mut exact: Vec<Exact> = FACTORS.iter().map(|f| Exact::new((TABLE as f64 * f) as usize)).collect();
     let batches: Vec<&[u64]> = keys.chunks(BATCH).collect();
     let mut out = Samples::default();
+    let mut written = 0u64;
     let mut v = vec![0.0f32; BATCH];
     let mut found = vec![false; BATCH];
     for (i, &b) in batches.iter().enumerate() {
@@ -293,6 +294,7 @@ fn drive(p: Pattern, keys: &[u64], old_semantics: bool) -> (Vec<(f64, f64)>, f64
                 if p == Pattern::ReadOnly {
                     let w: Vec<u64> = ahead.iter().step_by(2).copied().collect();
                     t.insert_or_assign(&w, &vec![0.0; w.len()], None, None).unwrap();
+                    written += w.len() as u64;
                 }
                 t.find(b, &mut v[..n], &mut found[..n], None).unwrap();
                 let w: Vec<u64> = match p {
@@ -302,6 +304,7 @@ fn drive(p: Pattern, keys: &[u64], old_semantics: bool) -> (Vec<(f64, f64)>, f64
                 };
                 if !w.is_empty() {
                     t.insert_or_assign(&w, &vec![0.0; w.len()], None, None).unwrap();
+                    written += w.len() as u64;
                 }
             }
         }
@@ -313,9 +316,13 @@ fn drive(p: Pattern, keys: &[u64], old_semantics: bool) -> (Vec<(f64, f64)>, f64
             m.observe_samples(&out, d.accesses, d.threshold);
             t.set_sampler(Some(m.sampler()));
             if old_semantics {
-                // What the estimator did before: every sampled key a reference.
-                old.observe(&out.keys);
+                // What the estimator did before: every sampled key a
+                // reference, every key of a lookup or a write an access.
+                let all = Samples { keys: out.keys.clone(), tags: vec![tag(Kind::FindOrInsert, 0); out.len()] };
+                old.observe_samples(&all, d.accesses + written, d.threshold);
+                old.set_capacity(TABLE);
             }
+            written = 0;
         }
     }
     let s = t.stats();
