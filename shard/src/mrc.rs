@@ -252,21 +252,26 @@ const ONE: usize = 3;
 const LEARN: f64 = 1.0 / 32.0;
 
 /// One tracked key: its place in each simulated cache's recency list and
-/// its lookup awaiting the client's answer.
+/// its lookup awaiting the client's answer. One 64-byte line: a list
+/// operation reads the entry and its neighbours, often the same entries in
+/// every list.
 #[derive(Debug, Clone)]
+#[repr(C, align(64))]
 struct Entry {
     /// Per simulated cache: toward the most and the least recent.
     prev: [u32; N],
     next: [u32; N],
+    /// The lookup's place in [`Mrc::pending`] (while `pending`).
+    pending_pos: u32,
     /// Bit i: the key is in cache i.
     member: u8,
     /// Bit i: the key was in cache i at its last lookup, not yet answered
-    /// by a write (see [`Mrc`]); `pending_batch` the lookup's batch.
+    /// by a write (see [`Mrc`]). Every lookup of a batch is answered or
+    /// settled before the next lookup batch begins.
     pending: Option<u8>,
-    pending_batch: u32,
-    /// The lookup's place in [`Mrc::pending`].
-    pending_pos: u32,
 }
+
+const _: () = assert!(std::mem::size_of::<Entry>() == 64);
 
 /// One simulated cache of sampled keys: a recency list through
 /// [`Entry::prev`] / [`Entry::next`].
@@ -294,12 +299,11 @@ pub struct Mrc {
     hits: [f64; N],
     /// Weight of sampled lookups.
     weight: f64,
-    /// Keys of this lookup batch's lookups, in order, and how many of
+    /// Entries of this lookup batch's lookups, in order, and how many of
     /// them have been answered or settled.
-    pending: Vec<u64>,
+    pending: Vec<u32>,
     answered: usize,
-    /// Lookup batches seen, and the tag of the last sample.
-    batch: u32,
+    /// The tag of the last sample.
     last_tag: Option<u8>,
     /// Learnt: how often the client writes a key after a lookup that
     /// missed (fills) and after one that hit (refreshes).
@@ -331,7 +335,6 @@ impl Mrc {
             weight: 0.0,
             pending: Vec::new(),
             answered: 0,
-            batch: 0,
             last_tag: None,
             fill: 1.0,
             refresh: 1.0,
@@ -434,7 +437,6 @@ impl Mrc {
                 // A new lookup batch: the last one's keys the client did
                 // not write meanwhile were not written at all.
                 self.settle();
-                self.batch = self.batch.wrapping_add(1);
             }
         }
         let e = match self.map.get(&key) {
@@ -446,12 +448,6 @@ impl Mrc {
         };
         match kind {
             Kind::Lookup | Kind::FindOrInsert => {
-                let ent = &mut self.entries[e as usize];
-                if let (Some(was), true) = (ent.pending, ent.pending_batch != self.batch) {
-                    // An earlier batch's lookup the boundary did not settle.
-                    ent.pending = None;
-                    self.answer(e, was, false, true);
-                }
                 let w = 1.0 / self.rate();
                 self.sampled_accesses += 1;
                 self.weight += w;
@@ -468,15 +464,14 @@ impl Mrc {
                     // A key repeated in one batch finds the table as the
                     // first lookup did: the answer to both is one write.
                     ent.pending = Some(member);
-                    ent.pending_batch = self.batch;
                     ent.pending_pos = self.pending.len() as u32;
-                    self.pending.push(key);
+                    self.pending.push(e);
                 }
             }
             Kind::Write | Kind::Update => {
                 let insert = kind == Kind::Write;
                 let ent = &self.entries[e as usize];
-                let pos = (ent.pending.is_some() && ent.pending_batch == self.batch).then_some(ent.pending_pos);
+                let pos = ent.pending.is_some().then_some(ent.pending_pos);
                 if let Some(pos) = pos {
                     // Clients write back in the order they looked up: the
                     // lookups before this one still unanswered get no write.
@@ -500,6 +495,7 @@ impl Mrc {
     /// taken to do what it does for that outcome (a client that writes
     /// back every key, one that inserts its misses, one that only reads).
     fn answer(&mut self, e: u32, was: u8, wrote: bool, insert: bool) {
+        const ALL: u8 = (1 << N) - 1;
         let hit_one = was >> ONE & 1 == 1;
         let learnt = if wrote { 1.0 } else { 0.0 };
         if hit_one {
@@ -507,19 +503,23 @@ impl Mrc {
         } else {
             self.fill += (learnt - self.fill) * LEARN;
         }
-        for i in 0..N {
-            let hit = was >> i & 1 == 1;
-            let writes = if hit == hit_one {
-                wrote
-            } else if hit {
-                self.refresh > 0.5
-            } else {
-                self.fill > 0.5
-            };
-            let member = self.entries[e as usize].member >> i & 1 == 1;
-            if writes && (insert || member) {
-                self.touch(i, e);
-            }
+        // The caches where the lookup's outcome was the table's: the client
+        // did what it did; elsewhere what it does for that outcome.
+        let same = if hit_one { was } else { !was & ALL };
+        let mut touch = if wrote { same } else { 0 };
+        if self.refresh > 0.5 {
+            touch |= was & !same;
+        }
+        if self.fill > 0.5 {
+            touch |= !was & ALL & !same;
+        }
+        if !insert {
+            touch &= self.entries[e as usize].member;
+        }
+        while touch != 0 {
+            let i = touch.trailing_zeros() as usize;
+            touch &= touch - 1;
+            self.touch(i, e);
         }
     }
 
@@ -534,9 +534,10 @@ impl Mrc {
     /// `end` (exclusive) that are still waiting: with no write.
     fn settle_until(&mut self, end: usize) {
         for j in self.answered..end {
-            let Some(&e) = self.map.get(&self.pending[j]) else { continue };
+            // An entry freed and reused meanwhile has another place, or none.
+            let e = self.pending[j];
             let ent = &mut self.entries[e as usize];
-            if ent.pending_pos as usize != j || ent.pending_batch != self.batch {
+            if ent.pending_pos as usize != j {
                 continue;
             }
             if let Some(was) = ent.pending.take() {
@@ -549,7 +550,7 @@ impl Mrc {
     /// Starts tracking `key` (hash `h`): None when it left at once (its
     /// hash was the largest and the budget was full).
     fn track(&mut self, key: u64, h: u64) -> Option<u32> {
-        let ent = Entry { prev: [NIL; N], next: [NIL; N], member: 0, pending: None, pending_batch: 0, pending_pos: 0 };
+        let ent = Entry { prev: [NIL; N], next: [NIL; N], pending_pos: 0, member: 0, pending: None };
         let e = match self.free.pop() {
             Some(e) => {
                 self.entries[e as usize] = ent;
