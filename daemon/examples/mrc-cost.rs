@@ -16,7 +16,7 @@
 //!
 //! ```text
 //! cargo build --release -p hkvd --bin hkvd --example mrc-cost
-//! target/release/examples/mrc-cost [--rounds 8] [--batches 60] [--batch 65536]
+//! target/release/examples/mrc-cost [--rounds 8] [--batches 60] [--batch 65536] [--max-keys N]
 //! ```
 //!
 //! The daemon binary is `$HKVD_BIN`, else `hkvd` beside the example's
@@ -36,10 +36,12 @@ struct Args {
     batch: usize,
     capacity: u64,
     dim: usize,
+    /// `--mrc-max-keys` for the daemon with the curves (0: its default).
+    max_keys: usize,
 }
 
 fn args() -> Result<Args> {
-    let mut a = Args { rounds: 8, batches: 60, batch: 65536, capacity: 1 << 20, dim: 32 };
+    let mut a = Args { rounds: 8, batches: 60, batch: 65536, capacity: 1 << 20, dim: 32, max_keys: 0 };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let v: usize = it.next().with_context(|| format!("{flag} needs a value"))?.parse()?;
@@ -49,7 +51,8 @@ fn args() -> Result<Args> {
             "--batch" => a.batch = v,
             "--capacity" => a.capacity = v as u64,
             "--dim" => a.dim = v,
-            f => bail!("unknown flag {f} (--rounds, --batches, --batch, --capacity, --dim)"),
+            "--max-keys" => a.max_keys = v,
+            f => bail!("unknown flag {f} (--rounds, --batches, --batch, --capacity, --dim, --max-keys)"),
         }
     }
     Ok(a)
@@ -78,7 +81,7 @@ impl Drop for Daemon {
     }
 }
 
-fn start(curves: bool) -> Result<Daemon> {
+fn start(curves: bool, max_keys: usize) -> Result<Daemon> {
     let bin = std::env::var_os("HKVD_BIN").map(PathBuf::from).unwrap_or_else(|| {
         let exe = std::env::current_exe().expect("exe");
         exe.parent().and_then(|d| d.parent()).expect("target/release").join("hkvd")
@@ -94,6 +97,8 @@ fn start(curves: bool) -> Result<Daemon> {
         .stdout(Stdio::null());
     if !curves {
         cmd.arg("--no-mrc");
+    } else if max_keys > 0 {
+        cmd.args(["--mrc-max-keys", &max_keys.to_string()]);
     }
     let child = cmd.spawn().with_context(|| format!("starting {}", bin.display()))?;
     for _ in 0..100 {
@@ -113,7 +118,7 @@ struct Side {
 
 impl Side {
     fn new(a: &Args, curves: bool) -> Result<Side> {
-        let d = start(curves)?;
+        let d = start(curves, a.max_keys)?;
         let mut c = Client::connect(&d.socket)?;
         c.create_table(TableSpec::new("t", a.dim, a.capacity))?;
         let resident = a.capacity / 2;
@@ -198,16 +203,7 @@ fn main() -> Result<()> {
     for r in 0..a.rounds {
         let res = run(&a, r as u64)?;
         let ([on, off], (f, w)) = (res, (res[0].0 / res[1].0, res[0].1 / res[1].1));
-        println!(
-            "{:>5} {:>9.1} {:>9.1} {:>7.3} {:>9.1} {:>9.1} {:>7.3}",
-            r + 1,
-            on.0,
-            off.0,
-            f,
-            on.1,
-            off.1,
-            w
-        );
+        println!("{:>5} {:>9.1} {:>9.1} {:>7.3} {:>9.1} {:>9.1} {:>7.3}", r + 1, on.0, off.0, f, on.1, off.1, w);
         fr.push(f);
         ir.push(w);
         fon.push(on.0);

@@ -638,3 +638,27 @@ fn fused_sampling_keeps_exactly_the_filtered_keys() {
         }
     }
 }
+
+/// Issue 32, item 20: find_or_insert on device memory (run_device, and
+/// run_ipc and the GPU group's parts, which book through the same
+/// `complete`) counts its hits and misses as the host batch does; it used
+/// to count neither, so a table fed only through device memory showed no
+/// hit rate.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_find_or_insert_counts_hits_as_the_host_path() {
+    let dim = 2;
+    let host = CudaTable::new(TableConfig::new(1 << 14, dim), device()).unwrap();
+    let dev = CudaTable::new(TableConfig::new(1 << 14, dim), device()).unwrap();
+    let first: Vec<u64> = (1..=3000u64).map(|i| i * 7 + 1).collect();
+    let second: Vec<u64> = (1..=3000u64).map(|i| i * 5 + 2).collect();
+    let mut b = dev.device_batch(first.len()).unwrap();
+    for keys in [&first, &second] {
+        host.find_or_insert(keys, &mut vec![0.0; keys.len() * dim], None, None).unwrap();
+        b.stream.memcpy_htod(keys.as_slice(), &mut b.keys).unwrap();
+        dev.run_device(DeviceOp::FindOrInsert, &mut b, keys.len()).unwrap();
+    }
+    let (h, d) = (host.stats(), dev.stats());
+    assert!(h.hits > 0 && h.misses > 0, "{h:?}");
+    assert_eq!((d.hits, d.misses), (h.hits, h.misses));
+}
