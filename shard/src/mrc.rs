@@ -289,7 +289,7 @@ pub struct Mrc {
     cfg: MrcConfig,
     threshold: u64,
     capacity: u64,
-    map: KeyMap,
+    map: Slots,
     entries: Vec<Entry>,
     free: Vec<u32>,
     /// Tracked keys by hash, the largest first (the next to leave).
@@ -312,7 +312,24 @@ pub struct Mrc {
     accesses: u64,
     sampled_accesses: u64,
     dropped: u64,
+    /// Keys untracked so far (an entry index found before may be stale).
+    untracked: u64,
+    /// A drain's sampled keys, their entries found ahead.
+    todo: Vec<Todo>,
 }
+
+/// A sampled key of a drain: its hash, tag and entry (`NIL`: not tracked
+/// when the drain began).
+#[derive(Debug, Clone, Copy)]
+struct Todo {
+    key: u64,
+    h: u64,
+    e: u32,
+    t: u8,
+}
+
+/// How many sampled keys ahead a drain fetches neighbours.
+const AHEAD: usize = 4;
 
 impl Mrc {
     /// Bytes of memory per tracked key, about: the map's entry (12 bytes
@@ -326,7 +343,7 @@ impl Mrc {
         let mut m = Mrc {
             threshold: Self::initial_threshold(&cfg),
             capacity,
-            map: KeyMap::with_capacity_and_hasher(cfg.max_keys + 1, Default::default()),
+            map: Slots::new(cfg.max_keys + 1),
             entries: Vec::with_capacity(cfg.max_keys + 1),
             free: Vec::new(),
             by_hash: BinaryHeap::with_capacity(cfg.max_keys + 1),
@@ -341,6 +358,8 @@ impl Mrc {
             accesses: 0,
             sampled_accesses: 0,
             dropped: 0,
+            untracked: 0,
+            todo: Vec::new(),
             cfg,
         };
         m.size_lists();
@@ -399,7 +418,7 @@ impl Mrc {
         for &k in keys {
             let h = sample_hash(k, seed);
             if h < self.threshold {
-                self.sample(k, h, Kind::FindOrInsert as u8);
+                self.sample(k, h, Kind::FindOrInsert as u8, None);
             }
         }
     }
@@ -415,10 +434,61 @@ impl Mrc {
             self.lower_threshold(t);
         }
         self.accesses += lookups;
+        // The estimator's memory is cold by the next drain (the table's
+        // traffic came between), and a sampled key costs a map probe, its
+        // entry and its neighbours in seven lists: misses, one after the
+        // other. So the entries are found first, all probes in one loop
+        // (independent, overlapping), each entry's line fetched as found;
+        // then, while one key is applied, the neighbours of a key a few
+        // places on are fetched.
+        let mut todo = std::mem::take(&mut self.todo);
+        todo.clear();
         for (&k, &t) in samples.keys.iter().zip(&samples.tags) {
             let h = sample_hash(k, self.cfg.seed);
             if h < self.threshold {
-                self.sample(k, h, t);
+                self.map.prefetch(k);
+                todo.push(Todo { key: k, h, e: NIL, t });
+            }
+        }
+        for j in 0..todo.len() {
+            if let Some(n) = todo.get(j + 8) {
+                self.map.prefetch(n.key);
+            }
+            let e = self.map.get(todo[j].key).unwrap_or(NIL);
+            if e != NIL {
+                crate::cpu::prefetch::prefetch(&self.entries[e as usize]);
+            }
+            todo[j].e = e;
+        }
+        let untracked = self.untracked;
+        for j in 0..todo.len() {
+            if let Some(n) = todo.get(j + AHEAD) {
+                self.prefetch_links(n.e);
+            }
+            let d = todo[j];
+            if d.h >= self.threshold {
+                // The threshold fell since the key was filtered.
+                continue;
+            }
+            // A key tracked or dropped meanwhile is found again.
+            let e = if d.e == NIL || self.untracked != untracked { None } else { Some(d.e) };
+            self.sample(d.key, d.h, d.t, e);
+        }
+        self.todo = todo;
+    }
+
+    /// Starts fetching the lines of `e`'s neighbours in every list it is in.
+    #[inline]
+    fn prefetch_links(&self, e: u32) {
+        let Some(ent) = self.entries.get(e as usize) else { return };
+        let mut m = ent.member;
+        while m != 0 {
+            let i = m.trailing_zeros() as usize;
+            m &= m - 1;
+            for n in [ent.prev[i], ent.next[i]] {
+                if let Some(x) = self.entries.get(n as usize) {
+                    crate::cpu::prefetch::prefetch(x);
+                }
             }
         }
     }
@@ -428,8 +498,8 @@ impl Mrc {
         self.dropped += dropped;
     }
 
-    /// One sampled key with its tag.
-    fn sample(&mut self, key: u64, h: u64, t: u8) {
+    /// One sampled key with its tag; `e`, its entry if known.
+    fn sample(&mut self, key: u64, h: u64, t: u8, e: Option<u32>) {
         let kind = Kind::of(t);
         if self.last_tag != Some(t) {
             self.last_tag = Some(t);
@@ -439,8 +509,8 @@ impl Mrc {
                 self.settle();
             }
         }
-        let e = match self.map.get(&key) {
-            Some(&e) => e,
+        let e = match e.or_else(|| self.map.get(key)) {
+            Some(e) => e,
             None => match self.track(key, h) {
                 Some(e) => e,
                 None => return,
@@ -569,7 +639,7 @@ impl Mrc {
             let (top, _) = *self.by_hash.peek().expect("a tracked key");
             self.lower_threshold(top);
         }
-        self.map.get(&key).copied()
+        self.map.get(key)
     }
 
     /// Lowers the threshold to `t` (if below the current one): tracked
@@ -590,7 +660,8 @@ impl Mrc {
     }
 
     fn untrack(&mut self, key: u64) {
-        let Some(e) = self.map.remove(&key) else { return };
+        let Some(e) = self.map.remove(key) else { return };
+        self.untracked += 1;
         for i in 0..N {
             if self.entries[e as usize].member >> i & 1 == 1 {
                 self.unlink(i, e);
@@ -732,6 +803,100 @@ impl Hasher for KeyHasher {
 
 type KeyMap = HashMap<u64, u32, BuildHasherDefault<KeyHasher>>;
 
+/// The estimator's key → entry map: open addressing with linear probing in
+/// a power-of-two table at most half full, deletions by backward shift (so
+/// no tombstones). Unlike a general map, the slot a key starts at is known
+/// before the probe, so a drain fetches it ahead ([`Slots::prefetch`]).
+#[derive(Debug, Clone)]
+struct Slots {
+    /// `(key, entry)`; entry `NIL`: empty.
+    slots: Vec<(u64, u32)>,
+    len: usize,
+    shift: u32,
+}
+
+impl Slots {
+    fn new(keys: usize) -> Slots {
+        let n = (2 * keys).next_power_of_two().max(16);
+        Slots { slots: vec![(0, NIL); n], len: 0, shift: 64 - n.trailing_zeros() }
+    }
+
+    #[inline]
+    fn home(&self, key: u64) -> usize {
+        // Fibonacci hashing: the multiply's high bits, so that sequential
+        // keys spread.
+        (key.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> self.shift) as usize
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    #[inline]
+    fn prefetch(&self, key: u64) {
+        crate::cpu::prefetch::prefetch(&self.slots[self.home(key)]);
+    }
+
+    #[inline]
+    fn get(&self, key: u64) -> Option<u32> {
+        let mask = self.slots.len() - 1;
+        let mut i = self.home(key);
+        loop {
+            let (k, e) = self.slots[i];
+            if e == NIL {
+                return None;
+            }
+            if k == key {
+                return Some(e);
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// Inserts `key` (not present) → `e`.
+    fn insert(&mut self, key: u64, e: u32) {
+        let mask = self.slots.len() - 1;
+        let mut i = self.home(key);
+        while self.slots[i].1 != NIL {
+            i = (i + 1) & mask;
+        }
+        self.slots[i] = (key, e);
+        self.len += 1;
+        debug_assert!(2 * self.len <= self.slots.len() + 2, "the table stays at most half full");
+    }
+
+    fn remove(&mut self, key: u64) -> Option<u32> {
+        let mask = self.slots.len() - 1;
+        let mut i = self.home(key);
+        loop {
+            let (k, e) = self.slots[i];
+            if e == NIL {
+                return None;
+            }
+            if k == key {
+                break;
+            }
+            i = (i + 1) & mask;
+        }
+        let e = self.slots[i].1;
+        // Backward shift: move each later key of the run into the hole if
+        // its home is not between the hole and it.
+        let mut hole = i;
+        let mut j = (i + 1) & mask;
+        while self.slots[j].1 != NIL {
+            let home = self.home(self.slots[j].0);
+            if (j.wrapping_sub(home) & mask) >= (j.wrapping_sub(hole) & mask) {
+                self.slots[hole] = self.slots[j];
+                hole = j;
+            }
+            j = (j + 1) & mask;
+        }
+        self.slots[hole] = (0, NIL);
+        self.len -= 1;
+        Some(e)
+    }
+}
+
 /// Exact LRU stack distances: for each access, how many distinct other keys
 /// were accessed since the key's previous access. A fully associative LRU
 /// cache of `c` slots hits an access exactly when its distance is below `c`.
@@ -851,6 +1016,33 @@ mod tests {
     fn sample_hash_vectors() {
         for (k, h) in SAMPLE_HASH_VECTORS {
             assert_eq!(sample_hash(k, SAMPLE_SEED), h, "key {k:#x}");
+        }
+    }
+
+    /// The entry map against a HashMap, through inserts and removals that
+    /// wrap around the table and shift runs back.
+    #[test]
+    fn slots_match_a_hash_map() {
+        let mut slots = Slots::new(300);
+        let mut model: HashMap<u64, u32> = HashMap::new();
+        let mut x = 3u64;
+        for i in 0..200_000u32 {
+            x = sample_hash(x, i as u64);
+            // Few distinct keys, some sequential: long runs.
+            let key = if i % 3 == 0 { x % 400 } else { (x % 400) * 0x9e37_79b9_7f4a_7c15 };
+            if model.len() < 300 && i % 2 == 0 {
+                if let std::collections::hash_map::Entry::Vacant(v) = model.entry(key) {
+                    v.insert(i);
+                    slots.insert(key, i);
+                }
+            } else {
+                assert_eq!(slots.remove(key), model.remove(&key), "remove {key} at {i}");
+            }
+            assert_eq!(slots.len(), model.len());
+            let probe = x.rotate_left(7) % 400;
+            for k in [key, probe, probe * 0x9e37_79b9_7f4a_7c15] {
+                assert_eq!(slots.get(k), model.get(&k).copied(), "get {k} at {i}");
+            }
         }
     }
 
