@@ -16,7 +16,7 @@
 //!
 //! ```text
 //! cargo build --release -p hkvd --bin hkvd --example mrc-cost
-//! target/release/examples/mrc-cost [--rounds 8] [--batches 60] [--batch 65536] [--max-keys N]
+//! target/release/examples/mrc-cost [--rounds 8] [--batches 60] [--batch 65536] [--max-keys N] [--aa 1]
 //! ```
 //!
 //! The daemon binary is `$HKVD_BIN`, else `hkvd` beside the example's
@@ -38,10 +38,12 @@ struct Args {
     dim: usize,
     /// `--mrc-max-keys` for the daemon with the curves (0: its default).
     max_keys: usize,
+    /// `--aa 1`: both daemons without the curves, the harness's own bias.
+    aa: bool,
 }
 
 fn args() -> Result<Args> {
-    let mut a = Args { rounds: 8, batches: 60, batch: 65536, capacity: 1 << 20, dim: 32, max_keys: 0 };
+    let mut a = Args { rounds: 8, batches: 60, batch: 65536, capacity: 1 << 20, dim: 32, max_keys: 0, aa: false };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let v: usize = it.next().with_context(|| format!("{flag} needs a value"))?.parse()?;
@@ -52,7 +54,8 @@ fn args() -> Result<Args> {
             "--capacity" => a.capacity = v as u64,
             "--dim" => a.dim = v,
             "--max-keys" => a.max_keys = v,
-            f => bail!("unknown flag {f} (--rounds, --batches, --batch, --capacity, --dim, --max-keys)"),
+            "--aa" => a.aa = v != 0,
+            f => bail!("unknown flag {f} (--rounds, --batches, --batch, --capacity, --dim, --max-keys, --aa)"),
         }
     }
     Ok(a)
@@ -136,7 +139,14 @@ impl Side {
 
 /// ((find, insert_or_assign) with the curves, the same without), daemon ns per key.
 fn run(a: &Args, seed: u64) -> Result<[(f64, f64); 2]> {
-    let mut sides = [Side::new(a, true)?, Side::new(a, false)?];
+    // Which daemon starts (and fills) first alternates with the rounds.
+    let on = !a.aa;
+    let mut sides = if seed % 2 == 0 {
+        [Side::new(a, on)?, Side::new(a, false)?]
+    } else {
+        let off = Side::new(a, false)?;
+        [Side::new(a, on)?, off]
+    };
     let resident = a.capacity / 2;
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut keys = || -> Vec<u64> { (0..a.batch).map(|_| rng.gen_range(1..=resident)).collect() };

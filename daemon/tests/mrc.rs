@@ -239,7 +239,8 @@ fn write_back_clients_get_the_tables_hit_rate() {
     let n = 16 * capacity as usize;
     // Zipf(0.9) over 8× the capacity, the ranks moved to other keys every 1/8.
     let z = zipf_keys(0.9, 8 * capacity as usize, n, 9);
-    let keys: Vec<u64> = z.iter().enumerate().map(|(i, &k)| (k ^ (i * 8 / n) as u64).wrapping_mul(0x2545_f491_4f6c_dd1d) >> 1).collect();
+    let keys: Vec<u64> =
+        z.iter().enumerate().map(|(i, &k)| (k ^ (i * 8 / n) as u64).wrapping_mul(0x2545_f491_4f6c_dd1d) >> 1).collect();
     let stats: Stats = serde_json::from_value(c.stats().expect("stats")).expect("stats");
     let cap = stats.tables[0].capacity;
     // Exact: per factor, a recency set written by the write-back.

@@ -1,32 +1,48 @@
 //! Miss-ratio curves: the hit rate a fully associative LRU cache of another
-//! size would have on the keys a table sees, estimated live at a small,
-//! fixed cost (issue 27).
+//! size would have on the lookups a table sees, estimated live at a small,
+//! fixed cost (issues 27 and 32).
 //!
 //! The estimator is SHARDS (Waldspurger et al., FAST '15) in its fixed-size
-//! variant with the SHARDS_adj correction:
+//! variant with the SHARDS_adj correction, its caches simulated in
+//! miniature (Waldspurger et al., ATC '17):
 //! - *Spatial sampling.* A key is sampled when `sample_hash(key, seed) <
-//!   threshold` ([`Sampler`]); every access of a sampled key is, so the
-//!   sample is a set of keys with all their accesses. The rate is
+//!   threshold` ([`Sampler`]); every operation on a sampled key is, so the
+//!   sample is a set of keys with all their operations. The rate is
 //!   `threshold / 2^64`.
 //! - *Fixed size.* At most `max_keys` distinct sampled keys are tracked.
 //!   When one more would be, the tracked key with the largest hash leaves
 //!   and the threshold drops to its hash: the rate adapts so that the
 //!   memory stays fixed whatever the key space.
-//! - *Reuse distances.* For each sampled access, the number of distinct
-//!   sampled keys accessed since the key's previous access ([`LruStack`]: a
-//!   Fenwick tree over access times, O(log n) per access), divided by the
-//!   rate at that access, is an estimate of its LRU stack distance. An LRU
-//!   cache of `c` slots hits exactly the accesses whose distance is below
-//!   `c`. Each sampled access weighs `1 / rate` in a histogram of distances
-//!   (64 bins per octave).
-//! - *Adjustment.* The sampled weight should sum to the accesses observed;
-//!   the difference (a hot key in or out of the sample) is added to the
-//!   shortest distance, as SHARDS_adj does: hot keys are hits at every size.
+//! - *References and writes* (issue 32). Each sample carries its
+//!   operation's [`Kind`] and its batch ([`tag`]). Lookups (find, contains,
+//!   find_or_insert) are the references: counted, as the table counts its
+//!   hits and misses. Writes are not references; they place or refresh
+//!   keys, as in the table, whose LRU score is set by writes and
+//!   find_or_insert, not by finds. A write of a key looked up in the
+//!   batch before answers that lookup (the client's write-back of a hit,
+//!   or its fill of a miss); a lookup no write answers before the next
+//!   lookup batch moves nothing. A write no lookup asked for places the
+//!   key.
+//! - *Miniature caches.* For each factor of [`FACTORS`] a cache of
+//!   `factor × capacity × rate` sampled keys, a recency list, runs the
+//!   sampled operations: a lookup hits where its key is held. At a size
+//!   where the lookup's outcome differs from the table's own (1×), the
+//!   client is taken to do what it was last seen doing for that outcome
+//!   (writing back hits or not, filling misses or not, learnt from the
+//!   writes that follow lookups), so that a client that inserts only its
+//!   misses fills a miss at 1/8× that hit the table. A stack-distance
+//!   histogram (the first version) could not: a cache whose hits are not
+//!   refreshed is not a stack algorithm. Each sampled lookup weighs
+//!   `1 / rate`.
+//! - *Adjustment.* The sampled lookup weight should sum to the lookups
+//!   observed; the difference (a hot key in or out of the sample) counts as
+//!   hits at every size, as SHARDS_adj does.
 //!
-//! Unsampled keys cost one hash and one comparison in [`Mrc::observe`], so
-//! it can sit on the request path. A GPU kernel applies the same filter with
-//! [`Sampler`] (the hash is specified byte for byte there) and hands the
-//! sampled keys to [`Mrc::observe_sampled`].
+//! Unsampled keys cost one hash and one comparison in [`Mrc::observe`] or
+//! in a shard's filter ([`crate::sample`]). A GPU kernel applies the same
+//! filter with [`Sampler`] (the hash is specified byte for byte there) and
+//! tags; drains reach [`Mrc::observe_samples`]. [`LruStack`] (exact LRU
+//! stack distances) serves `hkv-sim`'s exact curves.
 
 use std::collections::{BinaryHeap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -79,7 +95,7 @@ pub const SAMPLE_HASH_VECTORS: [(u64, u64); 4] = [
 /// `u64::MAX` samples every key but the one whose hash is `u64::MAX`).
 /// A kernel reads these two words from [`Mrc::sampler`] before a batch;
 /// keys it samples under an older threshold are filtered again by
-/// [`Mrc::observe_sampled`].
+/// [`Mrc::observe_samples`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Sampler {
     /// XORed into the key before the mix.

@@ -16,11 +16,15 @@
 //! after batch, and within a batch in index order on the CPU backend; on
 //! the CUDA backend a warp's keys at a time (each warp's in the order of
 //! its lanes, the warps in the order the device ran them), as the batch's
-//! own keys are processed in no set order. With them come the accesses
-//! counted since the last drain; sampled
-//! keys that found the buffer full ([`SAMPLE_BUFFER_KEYS`]) are lost and
-//! counted as dropped. Keys sampled under an earlier sampler are filtered
-//! again by [`crate::mrc::Mrc::observe_sampled`], so a sampler may change
+//! own keys are processed in no set order. Each key comes with its tag
+//! ([`crate::mrc::tag`]: the operation's kind and the batch's sequence
+//! number), and with them the lookups counted since the last drain (writes
+//! are sampled but are not accesses, issue 32). On the CPU backend a burst
+//! that would overflow the buffer ([`SAMPLE_BUFFER_KEYS`]) lowers the
+//! buffer's own threshold instead (nothing is dropped; the drain names the
+//! threshold); on the CUDA backend sampled keys that find the ring full are
+//! lost and counted as dropped. Keys sampled under an earlier sampler are filtered
+//! again by [`crate::mrc::Mrc::observe_samples`], so a sampler may change
 //! between drains. A drain on the CUDA backend takes the table's inserter
 //! lock group: a thread must not drain a table while it holds a device
 //! batch of that table still pending (the GPU group's enqueued parts).
