@@ -551,8 +551,9 @@ __device__ __forceinline__ void hkv_flush_counters(u64* shared, u64* global) {
 // The miss-ratio curves' sampling filter (shard/src/mrc.rs, issue 27), run
 // by the lookup, upsert and update kernels on the keys they read anyway: no
 // launch and no second read of the keys. Each key a kernel serves is
-// counted as an access; those with hkv_sample_hash(key, seed) < threshold
-// are appended to the shard's ring (shard/src/cuda/table/sampling.rs): `cap`
+// counted as an access if the kernel serves a lookup; those with
+// hkv_sample_hash(key, seed) < threshold are appended, with the batch's tag
+// byte beside each, to the shard's ring (shard/src/cuda/table/sampling.rs): `cap`
 // keys and two counters, counters[0] = keys appended (claimed slots) since
 // the last drain, counters[1] = accesses since the last drain. A warp with
 // sampled keys claims their slots with one atomicAdd on counters[0] and
@@ -572,7 +573,10 @@ struct HkvSample {
     u64 cap;
     u64 seed;
     u64 threshold;
+    u8* tags;        // cap tag bytes, one beside each key slot
+    u64 tag;         // this batch's tag (mrc::tag): kind in bits 0-1, batch sequence in 2-7
 };
+static_assert(sizeof(HkvSample) == 56, "HkvSample layout (SampleArgs in shard/src/cuda/table/abi.rs)");
 
 // Declares and zeroes the block's access count; a __syncthreads must follow
 // before hkv_sample_warp (HKV_COUNTERS_INIT's).
@@ -598,13 +602,19 @@ __device__ __forceinline__ void hkv_sample_warp(const HkvSample& smp, bool live,
     base = __shfl_sync(0xffffffffu, base, first);
     if (take) {
         u64 slot = base + (u64)__popc(taken & ((1u << lane) - 1));
-        if (slot < smp.cap) smp.ring[slot] = key;
+        if (slot < smp.cap) {
+            smp.ring[slot] = key;
+            smp.tags[slot] = (u8)smp.tag;
+        }
     }
 }
 
 // Adds the block's accesses to the ring's counter (every thread of the block
 // calls it, after a __syncthreads that follows the last hkv_sample_warp:
 // hkv_flush_counters').
+// Only lookups (tag kinds 0 and 1: find, contains, find_or_insert) are
+// accesses, the references the table's hit rate counts; writes are sampled
+// (tagged) but not counted (issue 32).
 __device__ __forceinline__ void hkv_flush_sample(const HkvSample& smp, const u32* seen) {
-    if (smp.ring && threadIdx.x == 0 && *seen) atomicAdd(smp.counters + 1, (u64)*seen);
+    if (smp.ring && (smp.tag & 3) <= 1 && threadIdx.x == 0 && *seen) atomicAdd(smp.counters + 1, (u64)*seen);
 }

@@ -230,7 +230,7 @@ impl Config {
         let k = self.mrc.max_keys;
         anyhow::ensure!(
             !self.mrc.enabled || (MrcSettings::MIN_KEYS..=MrcSettings::MAX_KEYS).contains(&k),
-            "mrc.max_keys (--mrc-max-keys) must be {} to {} sampled keys per shard, not {k} \
+            "mrc.max_keys (--mrc-max-keys) must be {} to {} sampled keys per table, not {k} \
              (fewer estimate nothing; more cost {} bytes each); --no-mrc turns the curves off",
             MrcSettings::MIN_KEYS,
             MrcSettings::MAX_KEYS,
@@ -256,16 +256,20 @@ impl Config {
 pub struct MrcSettings {
     /// Sample every table's keys and estimate its curve (`--no-mrc`: off).
     pub enabled: bool,
-    /// Distinct sampled keys tracked per table per shard: the memory, about
-    /// `72 × max_keys + 32 KiB` bytes per table per shard (1.2 MiB at the
-    /// default 16384); the sampling rate adapts to it.
+    /// Distinct sampled keys tracked per table, split evenly over its
+    /// shards (each at least [`MrcSettings::MIN_SHARD_KEYS`]): the memory,
+    /// about `120 × max_keys` bytes per table (1.9 MiB at the default
+    /// 16384), and the CPU time per key, which grow with the sampling
+    /// rate; the rate adapts to it.
     pub max_keys: usize,
 }
 
 impl MrcSettings {
     /// The fewest keys a curve is worth estimating from.
     pub const MIN_KEYS: usize = 256;
-    /// The most (72 MiB per table per shard).
+    /// The fewest keys one shard's estimator tracks.
+    pub const MIN_SHARD_KEYS: usize = 256;
+    /// The most (120 MiB per table).
     pub const MAX_KEYS: usize = 1 << 20;
 
     /// The estimator's config, or None when off.

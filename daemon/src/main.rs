@@ -140,7 +140,7 @@ struct Serve {
     /// Turn the live miss-ratio curves off (no key is sampled).
     #[arg(long)]
     no_mrc: bool,
-    /// Distinct sampled keys per table per shard for the curves (72 bytes each) [default: 16384].
+    /// Distinct sampled keys per table for the curves, split over its shards (about 120 bytes each) [default: 16384].
     #[arg(long)]
     mrc_max_keys: Option<usize>,
     /// Log filter (tracing env-filter syntax) [default: info, or $RUST_LOG].

@@ -23,7 +23,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use hkv_shard::mrc::{Curve, Mrc, MrcConfig, Sampler};
+use hkv_shard::mrc::{Curve, Mrc, MrcConfig, Sampler, Samples};
 use hkv_shard::Shard;
 use parking_lot::Mutex;
 
@@ -39,7 +39,7 @@ pub struct ShardMrc {
 
 struct Inner {
     mrc: Mrc,
-    buf: Vec<u64>,
+    buf: Samples,
     trace: Option<Trace>,
 }
 
@@ -100,9 +100,9 @@ pub enum MrcResult {
 impl ShardMrc {
     /// An estimator for `shard`, whose sampler it sets.
     pub fn open(shard: &dyn Shard, cfg: MrcConfig) -> Arc<ShardMrc> {
-        let mrc = Mrc::new(cfg);
+        let mrc = Mrc::new(cfg, shard.capacity());
         shard.set_sampler(Some(mrc.sampler()));
-        Arc::new(ShardMrc { inner: Mutex::new(Inner { mrc, buf: Vec::new(), trace: None }) })
+        Arc::new(ShardMrc { inner: Mutex::new(Inner { mrc, buf: Samples::default(), trace: None }) })
     }
 
     /// Moves the shard's samples into the estimator (and the trace), then
@@ -113,19 +113,23 @@ impl ShardMrc {
         buf.clear();
         let before = mrc.sampler();
         let d = shard.drain_samples(buf);
-        // Keys the buffer dropped were a stretch of the stream the sample
-        // misses: count only the accesses the kept keys stand for, or the
-        // estimator would take the gap for hits of hot keys.
+        mrc.set_capacity(shard.capacity());
+        // Keys a full buffer dropped (the CUDA ring at GPU rates; the CPU
+        // buffer lowers its rate instead) are a stretch of the stream the
+        // sample misses: count only the lookups the kept keys stand for, or
+        // the estimator would take the gap for hits of hot keys; and show
+        // the count beside the curve.
         let seen = d.sampled + d.dropped;
         let accesses = if d.dropped == 0 || seen == 0 {
             d.accesses
         } else {
             (d.accesses as u128 * d.sampled as u128 / seen as u128) as u64
         };
-        mrc.observe_sampled(buf, accesses);
+        mrc.observe_samples(buf, accesses, d.threshold);
+        mrc.add_dropped(d.dropped);
         let sampler = mrc.sampler();
         if let Some(t) = trace {
-            for &k in buf.iter().filter(|&&k| sampler.sampled(k)) {
+            for k in buf.lookups().filter(|&k| sampler.sampled(k)) {
                 if t.keys.len() == t.max_keys {
                     t.truncated = true;
                     break;
@@ -150,7 +154,7 @@ impl ShardMrc {
                 self.drain(shard);
                 let g = self.inner.lock();
                 let memory = g.mrc.memory_bytes() as u64;
-                MrcResult::Curve(Box::new(ShardCurve { curve: g.mrc.curve(shard.capacity()), memory }))
+                MrcResult::Curve(Box::new(ShardCurve { curve: g.mrc.curve(), memory }))
             }
             MrcOp::TraceStart { max_keys } => {
                 self.drain(shard);
@@ -226,6 +230,7 @@ pub fn combine(shards: &[ShardCurve], measured_hit_rate: Option<f64>) -> hkv_pro
         accesses,
         sampled_accesses: shards.iter().map(|s| s.curve.sampled_accesses).sum(),
         tracked_keys: shards.iter().map(|s| s.curve.tracked_keys).sum(),
+        dropped: shards.iter().map(|s| s.curve.dropped).sum(),
         rate,
         memory_bytes: shards.iter().map(|s| s.memory).sum(),
     }
@@ -289,7 +294,14 @@ mod tests {
             })
             .collect();
         ShardCurve {
-            curve: Curve { points, accesses, sampled_accesses: accesses / 10, tracked_keys: 100, rate: 0.1 },
+            curve: Curve {
+                points,
+                accesses,
+                sampled_accesses: accesses / 10,
+                tracked_keys: 100,
+                rate: 0.1,
+                dropped: 3,
+            },
             memory: 1000,
         }
     }
@@ -301,6 +313,7 @@ mod tests {
         assert_eq!(one.capacity, 1600);
         assert!((one.hit_rate - 0.8).abs() < 1e-12, "{}", one.hit_rate);
         assert_eq!((m.accesses, m.sampled_accesses, m.tracked_keys, m.memory_bytes), (400, 40, 200, 2000));
+        assert_eq!(m.dropped, 6, "the shards' dropped keys summed");
         assert_eq!(m.measured_hit_rate, Some(0.8));
         let empty = combine(&[shard(0, 8, 0.0)], None);
         assert!(empty.points.iter().all(|p| p.hit_rate == 0.0));

@@ -190,6 +190,23 @@ pub fn prometheus(d: &DaemonStats) -> String {
             let _ = writeln!(o, "hkvd_mrc_sampling_rate{{table=\"{}\"}} {}", t.spec.name, m.rate);
         }
     }
+    family(
+        &mut o,
+        "mrc_sampled_dropped_total",
+        "counter",
+        "Sampled keys lost before the miss-ratio estimator (a shard's sample buffer full).",
+    );
+    for t in &d.tables {
+        if let Some(m) = &t.mrc {
+            let _ = writeln!(o, "hkvd_mrc_sampled_dropped_total{{table=\"{}\"}} {}", t.spec.name, m.dropped);
+        }
+    }
+    family(&mut o, "mrc_lookups_total", "counter", "Lookups the table's miss-ratio curve has observed.");
+    for t in &d.tables {
+        if let Some(m) = &t.mrc {
+            let _ = writeln!(o, "hkvd_mrc_lookups_total{{table=\"{}\"}} {}", t.spec.name, m.accesses);
+        }
+    }
     family(&mut o, "lock_running", "gauge", "Operations running per lock group.");
     family(&mut o, "lock_waiting", "gauge", "Operations waiting per lock group.");
     family(&mut o, "lock_waits_total", "counter", "Acquisitions that waited, per lock group.");

@@ -106,7 +106,9 @@ pub struct TableStats {
 
 /// A table's live miss-ratio curve (PROTOCOL.md, "Miss-ratio curves"): the
 /// hit rate a fully associative LRU cache of each size would have had on
-/// the table's keys since it was created, estimated from a spatial sample.
+/// the table's lookups since it was created (the clients' writes placing
+/// and refreshing keys, not counted as lookups), estimated from a spatial
+/// sample. The curve is LRU's whatever the table's own policy.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct MrcStats {
@@ -115,10 +117,15 @@ pub struct MrcStats {
     /// The table's own hit rate, hits / (hits + misses) of its shards'
     /// lookups (None before any lookup).
     pub measured_hit_rate: Option<f64>,
-    /// Keys of lookups and writes observed.
+    /// Keys of lookups (find, contains, find_or_insert) observed: the
+    /// references the hit rates count.
     pub accesses: u64,
-    /// Of them, accesses of sampled keys.
+    /// Of them, lookups of sampled keys.
     pub sampled_accesses: u64,
+    /// Sampled keys lost before they reached the estimator (a shard's
+    /// buffer full between two drains), since the table was created; 0
+    /// unless sampling fell behind, which makes the curve less exact.
+    pub dropped: u64,
     /// Distinct sampled keys tracked now, over all shards.
     pub tracked_keys: u64,
     /// The sampling rate (access-weighted mean over shards).

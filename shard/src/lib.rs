@@ -543,24 +543,28 @@ pub trait Shard: Send + Sync {
     /// and write (find, find_at, contains, insert_or_assign,
     /// insert_and_evict, find_or_insert, assign, assign_scores,
     /// accum_or_assign and their device-batch forms; not erase, export or
-    /// load) that pass it are kept for [`Shard::drain_samples`], and those
-    /// keys counted as accesses. Off by default; while off, a batch costs
+    /// load) that pass it are kept for [`Shard::drain_samples`] with their
+    /// operation's [`mrc::Kind`], and the keys of lookups counted as
+    /// accesses. Off by default; while off, a batch costs
     /// one relaxed load more. The default does nothing (a backend that does
     /// not sample).
     fn set_sampler(&self, sampler: Option<mrc::Sampler>) {
         let _ = sampler;
     }
 
-    /// Appends the keys sampled since the last drain to `out`, batch after
+    /// Appends the keys sampled since the last drain to `out`, each with
+    /// its tag ([`mrc::tag`]: the operation's [`mrc::Kind`] and the
+    /// batch's sequence number), batch after
     /// batch in the order the shard ran them; within a batch, index order
     /// on the CPU backend, and no set order on the CUDA backend (the kernel
     /// appends a warp's keys at a time, in the order the device runs the
     /// warps, see [`sample`]): compare a batch's keys as a multiset. It
     /// says how many keys were
-    /// accessed meanwhile and how many sampled keys were lost to a full
-    /// buffer ([`sample::SAMPLE_BUFFER_KEYS`]). Feed both to
-    /// [`mrc::Mrc::observe_sampled`]. The default drains nothing.
-    fn drain_samples(&self, out: &mut Vec<u64>) -> SampleDrain {
+    /// looked up meanwhile, how many sampled keys were lost to a full
+    /// buffer ([`sample::SAMPLE_BUFFER_KEYS`]) and the buffer's own lower
+    /// threshold if it set one. Feed them to
+    /// [`mrc::Mrc::observe_samples`]. The default drains nothing.
+    fn drain_samples(&self, out: &mut mrc::Samples) -> SampleDrain {
         let _ = out;
         SampleDrain::default()
     }
@@ -575,13 +579,20 @@ pub trait Shard: Send + Sync {
 /// What one [`Shard::drain_samples`] handed over.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SampleDrain {
-    /// Keys of lookups and writes since the last drain, sampled or not
-    /// (counted only while a sampler is set).
+    /// Keys of lookups (find, find_at, contains, find_or_insert: the
+    /// references the table's hit rate counts) since the last drain,
+    /// sampled or not (counted only while a sampler is set). Writes are
+    /// sampled but not counted here (issue 32).
     pub accesses: u64,
     /// Keys appended to the output.
     pub sampled: u64,
-    /// Sampled keys lost because the buffer was full.
+    /// Sampled keys lost because the buffer was full (the CUDA ring at
+    /// GPU rates; the CPU buffer lowers its threshold instead).
     pub dropped: u64,
+    /// The filter the keys handed over passed when the shard lowered it
+    /// below the sampler's to keep its buffer from overflowing (the CPU
+    /// backend); feed it to [`mrc::Mrc::observe_samples`].
+    pub threshold: Option<u64>,
 }
 
 /// Which backend a shard runs on.

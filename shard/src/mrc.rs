@@ -1,32 +1,48 @@
 //! Miss-ratio curves: the hit rate a fully associative LRU cache of another
-//! size would have on the keys a table sees, estimated live at a small,
-//! fixed cost (issue 27).
+//! size would have on the lookups a table sees, estimated live at a small,
+//! fixed cost (issues 27 and 32).
 //!
 //! The estimator is SHARDS (Waldspurger et al., FAST '15) in its fixed-size
-//! variant with the SHARDS_adj correction:
+//! variant with the SHARDS_adj correction, its caches simulated in
+//! miniature (Waldspurger et al., ATC '17):
 //! - *Spatial sampling.* A key is sampled when `sample_hash(key, seed) <
-//!   threshold` ([`Sampler`]); every access of a sampled key is, so the
-//!   sample is a set of keys with all their accesses. The rate is
+//!   threshold` ([`Sampler`]); every operation on a sampled key is, so the
+//!   sample is a set of keys with all their operations. The rate is
 //!   `threshold / 2^64`.
 //! - *Fixed size.* At most `max_keys` distinct sampled keys are tracked.
 //!   When one more would be, the tracked key with the largest hash leaves
 //!   and the threshold drops to its hash: the rate adapts so that the
 //!   memory stays fixed whatever the key space.
-//! - *Reuse distances.* For each sampled access, the number of distinct
-//!   sampled keys accessed since the key's previous access ([`LruStack`]: a
-//!   Fenwick tree over access times, O(log n) per access), divided by the
-//!   rate at that access, is an estimate of its LRU stack distance. An LRU
-//!   cache of `c` slots hits exactly the accesses whose distance is below
-//!   `c`. Each sampled access weighs `1 / rate` in a histogram of distances
-//!   (64 bins per octave).
-//! - *Adjustment.* The sampled weight should sum to the accesses observed;
-//!   the difference (a hot key in or out of the sample) is added to the
-//!   shortest distance, as SHARDS_adj does: hot keys are hits at every size.
+//! - *References and writes* (issue 32). Each sample carries its
+//!   operation's [`Kind`] and its batch ([`tag`]). Lookups (find, contains,
+//!   find_or_insert) are the references: counted, as the table counts its
+//!   hits and misses. Writes are not references; they place or refresh
+//!   keys, as in the table, whose LRU score is set by writes and
+//!   find_or_insert, not by finds. A write of a key looked up in the
+//!   batch before answers that lookup (the client's write-back of a hit,
+//!   or its fill of a miss); a lookup no write answers before the next
+//!   lookup batch moves nothing. A write no lookup asked for places the
+//!   key.
+//! - *Miniature caches.* For each factor of [`FACTORS`] a cache of
+//!   `factor × capacity × rate` sampled keys, a recency list, runs the
+//!   sampled operations: a lookup hits where its key is held. At a size
+//!   where the lookup's outcome differs from the table's own (1×), the
+//!   client is taken to do what it was last seen doing for that outcome
+//!   (writing back hits or not, filling misses or not, learnt from the
+//!   writes that follow lookups), so that a client that inserts only its
+//!   misses fills a miss at 1/8× that hit the table. A stack-distance
+//!   histogram (the first version) could not: a cache whose hits are not
+//!   refreshed is not a stack algorithm. Each sampled lookup weighs
+//!   `1 / rate`.
+//! - *Adjustment.* The sampled lookup weight should sum to the lookups
+//!   observed; the difference (a hot key in or out of the sample) counts as
+//!   hits at every size, as SHARDS_adj does.
 //!
-//! Unsampled keys cost one hash and one comparison in [`Mrc::observe`], so
-//! it can sit on the request path. A GPU kernel applies the same filter with
-//! [`Sampler`] (the hash is specified byte for byte there) and hands the
-//! sampled keys to [`Mrc::observe_sampled`].
+//! Unsampled keys cost one hash and one comparison in [`Mrc::observe`] or
+//! in a shard's filter ([`crate::sample`]). A GPU kernel applies the same
+//! filter with [`Sampler`] (the hash is specified byte for byte there) and
+//! tags; drains reach [`Mrc::observe_samples`]. [`LruStack`] (exact LRU
+//! stack distances) serves `hkv-sim`'s exact curves.
 
 use std::collections::{BinaryHeap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -79,7 +95,7 @@ pub const SAMPLE_HASH_VECTORS: [(u64, u64); 4] = [
 /// `u64::MAX` samples every key but the one whose hash is `u64::MAX`).
 /// A kernel reads these two words from [`Mrc::sampler`] before a batch;
 /// keys it samples under an older threshold are filtered again by
-/// [`Mrc::observe_sampled`].
+/// [`Mrc::observe_samples`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Sampler {
     /// XORed into the key before the mix.
@@ -153,20 +169,134 @@ pub struct Curve {
     pub tracked_keys: u64,
     /// The sampling rate now.
     pub rate: f64,
+    /// Sampled keys the shard's buffer lost (full) before they reached
+    /// the estimator, since it started: 0 unless the sampler fell behind.
+    #[serde(default)]
+    pub dropped: u64,
 }
 
-/// Histogram bins per octave of distance: a bin spans 1.1 % of its distance.
-const SUB: f64 = 64.0;
-/// Bin 0 holds distances below 1; bin `1 + floor(log2(d) * SUB)` the others.
-const BINS: usize = 1 + 64 * SUB as usize;
+/// What a sampled key's operation was, as the estimator reads it (issue
+/// 32: a write that follows a lookup of the same key is not another
+/// reference). The low two bits of a sample's tag ([`tag`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[repr(u8)]
+pub enum Kind {
+    /// find, find_at, contains: a reference, counted as a hit or a miss;
+    /// it moves nothing (the table's finds do not touch scores). What the
+    /// client does next with the key (writes it back, inserts it after a
+    /// miss, or nothing) decides what the cache holds.
+    Lookup = 0,
+    /// find_or_insert: a reference, then the key is written (a miss
+    /// inserted, a hit's score refreshed): a plain LRU access.
+    FindOrInsert = 1,
+    /// insert_or_assign, insert_and_evict, accum_or_assign: the key placed
+    /// or refreshed; not a reference.
+    Write = 2,
+    /// assign, assign_scores: the key refreshed where present; not a
+    /// reference.
+    Update = 3,
+}
 
-#[inline]
-fn bin_of(d: f64) -> usize {
-    if d < 1.0 {
-        0
-    } else {
-        (1 + (d.log2() * SUB) as usize).min(BINS - 1)
+impl Kind {
+    /// Whether the operation is a reference (counted in the table's hits
+    /// and misses, and in [`SampleDrain::accesses`](crate::SampleDrain)).
+    pub const fn is_lookup(self) -> bool {
+        matches!(self, Kind::Lookup | Kind::FindOrInsert)
     }
+
+    fn of(tag: u8) -> Kind {
+        match tag & 3 {
+            0 => Kind::Lookup,
+            1 => Kind::FindOrInsert,
+            2 => Kind::Write,
+            _ => Kind::Update,
+        }
+    }
+}
+
+/// A sample's tag byte: the [`Kind`] in bits 0–1 and the batch's sequence
+/// number modulo 64 in bits 2–7, so that a drain shows where one batch
+/// ends and the next begins (a change of tag). The CUDA kernels write the
+/// same byte beside each key of their ring (`HkvSample::tag`).
+pub const fn tag(kind: Kind, batch: u32) -> u8 {
+    kind as u8 | ((batch & 63) as u8) << 2
+}
+
+/// Sampled keys and their tags ([`tag`]), in the order they were drained.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Samples {
+    /// The keys.
+    pub keys: Vec<u64>,
+    /// One tag per key.
+    pub tags: Vec<u8>,
+}
+
+impl Samples {
+    /// Empties both.
+    pub fn clear(&mut self) {
+        self.keys.clear();
+        self.tags.clear();
+    }
+
+    /// Keys held.
+    pub fn len(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// Whether none is held.
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+
+    /// Appends `keys`, all with tag `t`.
+    pub fn push_batch(&mut self, keys: &[u64], t: u8) {
+        self.keys.extend_from_slice(keys);
+        self.tags.resize(self.keys.len(), t);
+    }
+
+    /// The keys of lookups (find, contains, find_or_insert) only.
+    pub fn lookups(&self) -> impl Iterator<Item = u64> + '_ {
+        self.keys.iter().zip(&self.tags).filter(|(_, &t)| Kind::of(t).is_lookup()).map(|(&k, _)| k)
+    }
+}
+
+const NIL: u32 = u32::MAX;
+const N: usize = FACTORS.len();
+/// The factor whose simulated cache stands for the table itself (1×).
+const ONE: usize = 3;
+/// The weight of one observation in the learnt client behaviour.
+const LEARN: f64 = 1.0 / 32.0;
+
+/// One tracked key: its place in each simulated cache's recency list and
+/// its lookup awaiting the client's answer. One 64-byte line: a list
+/// operation reads the entry and its neighbours, often the same entries in
+/// every list.
+#[derive(Debug, Clone)]
+#[repr(C, align(64))]
+struct Entry {
+    /// Per simulated cache: toward the most and the least recent.
+    prev: [u32; N],
+    next: [u32; N],
+    /// The lookup's place in [`Mrc::pending`] (while `pending`).
+    pending_pos: u32,
+    /// Bit i: the key is in cache i.
+    member: u8,
+    /// Bit i: the key was in cache i at its last lookup, not yet answered
+    /// by a write (see [`Mrc`]). Every lookup of a batch is answered or
+    /// settled before the next lookup batch begins.
+    pending: Option<u8>,
+}
+
+const _: () = assert!(std::mem::size_of::<Entry>() == 64);
+
+/// One simulated cache of sampled keys: a recency list through
+/// [`Entry::prev`] / [`Entry::next`].
+#[derive(Debug, Clone, Copy)]
+struct List {
+    head: u32,
+    tail: u32,
+    len: usize,
+    cap: usize,
 }
 
 /// The SHARDS estimator of one table's miss-ratio curve. See the module docs.
@@ -174,36 +304,82 @@ fn bin_of(d: f64) -> usize {
 pub struct Mrc {
     cfg: MrcConfig,
     threshold: u64,
-    stack: LruStack,
+    capacity: u64,
+    map: Slots,
+    entries: Vec<Entry>,
+    free: Vec<u32>,
     /// Tracked keys by hash, the largest first (the next to leave).
     by_hash: BinaryHeap<(u64, u64)>,
-    /// Weight of sampled accesses per distance bin.
-    hist: Vec<f64>,
-    /// Weight of sampled accesses of all kinds (with first accesses).
+    lists: [List; N],
+    /// Sampled lookup weight that hit in each simulated cache.
+    hits: [f64; N],
+    /// Weight of sampled lookups.
     weight: f64,
+    /// Entries of this lookup batch's lookups, in order, and how many of
+    /// them have been answered or settled.
+    pending: Vec<u32>,
+    answered: usize,
+    /// The tag of the last sample.
+    last_tag: Option<u8>,
+    /// Learnt: how often the client writes a key after a lookup that
+    /// missed (fills) and after one that hit (refreshes).
+    fill: f64,
+    refresh: f64,
     accesses: u64,
     sampled_accesses: u64,
+    dropped: u64,
+    /// Keys untracked so far (an entry index found before may be stale).
+    untracked: u64,
+    /// A drain's sampled keys, their entries found ahead.
+    todo: Vec<Todo>,
 }
 
-impl Mrc {
-    /// Bytes of memory per tracked key, about: the stack's map entry (16
-    /// bytes and a control byte, at a load of 1/2 to 7/8), its four Fenwick
-    /// cells (16) and the hash heap's entry (16).
-    pub const BYTES_PER_KEY: usize = 72;
+/// A sampled key of a drain: its hash, tag and entry (`NIL`: not tracked
+/// when the drain began).
+#[derive(Debug, Clone, Copy)]
+struct Todo {
+    key: u64,
+    h: u64,
+    e: u32,
+    t: u8,
+}
 
-    /// An estimator with nothing observed.
-    pub fn new(cfg: MrcConfig) -> Mrc {
+/// How many sampled keys ahead a drain fetches neighbours.
+const AHEAD: usize = 4;
+
+impl Mrc {
+    /// Bytes of memory per tracked key, about: the map's entry (12 bytes
+    /// and a control byte, at a load of 1/2 to 7/8), the entry with its
+    /// seven pairs of links (80) and the hash heap's entry (16).
+    pub const BYTES_PER_KEY: usize = 120;
+
+    /// An estimator for a table of `capacity` slots with nothing observed.
+    pub fn new(cfg: MrcConfig, capacity: u64) -> Mrc {
         let cfg = MrcConfig { max_keys: cfg.max_keys.max(1), ..cfg };
-        Mrc {
+        let mut m = Mrc {
             threshold: Self::initial_threshold(&cfg),
-            stack: LruStack::with_capacity(cfg.max_keys + 1),
+            capacity,
+            map: Slots::new(cfg.max_keys + 1),
+            entries: Vec::with_capacity(cfg.max_keys + 1),
+            free: Vec::new(),
             by_hash: BinaryHeap::with_capacity(cfg.max_keys + 1),
-            hist: vec![0.0; BINS],
+            lists: [List { head: NIL, tail: NIL, len: 0, cap: 0 }; N],
+            hits: [0.0; N],
             weight: 0.0,
+            pending: Vec::new(),
+            answered: 0,
+            last_tag: None,
+            fill: 1.0,
+            refresh: 1.0,
             accesses: 0,
             sampled_accesses: 0,
+            dropped: 0,
+            untracked: 0,
+            todo: Vec::new(),
             cfg,
-        }
+        };
+        m.size_lists();
+        m
     }
 
     fn initial_threshold(cfg: &MrcConfig) -> u64 {
@@ -229,13 +405,28 @@ impl Mrc {
         self.sampler().rate()
     }
 
-    /// Bytes held, about.
-    pub fn memory_bytes(&self) -> usize {
-        self.cfg.max_keys * Self::BYTES_PER_KEY + BINS * 8
+    /// The table's capacity the curve's factors apply to.
+    pub fn capacity(&self) -> u64 {
+        self.capacity
     }
 
-    /// Observes accesses of `keys`, in order. Unsampled keys cost one hash
-    /// and one comparison.
+    /// The table grew (or shrank): the simulated caches follow, keeping
+    /// what they hold (shrinking drops their least recent keys).
+    pub fn set_capacity(&mut self, capacity: u64) {
+        if capacity != self.capacity {
+            self.capacity = capacity;
+            self.size_lists();
+        }
+    }
+
+    /// Bytes held, about.
+    pub fn memory_bytes(&self) -> usize {
+        self.cfg.max_keys * Self::BYTES_PER_KEY
+    }
+
+    /// Observes plain references to `keys`, in order: each one a lookup
+    /// that leaves the key most recent (find_or_insert; an LRU cache's
+    /// accesses). Unsampled keys cost one hash and one comparison.
     #[inline]
     pub fn observe(&mut self, keys: &[u64]) {
         self.accesses += keys.len() as u64;
@@ -243,88 +434,364 @@ impl Mrc {
         for &k in keys {
             let h = sample_hash(k, seed);
             if h < self.threshold {
-                self.sample(k, h);
+                self.sample(k, h, Kind::FindOrInsert as u8, None);
             }
         }
     }
 
-    /// Observes `accesses` accesses of which `keys` (in order) are the ones
-    /// a filter with an earlier [`sampler`](Mrc::sampler) kept (a GPU
-    /// kernel's ring): they are filtered again at the current threshold.
-    pub fn observe_sampled(&mut self, keys: &[u64], accesses: u64) {
-        self.accesses += accesses;
-        for &k in keys {
+    /// Observes what a shard's sampler kept since the last drain: `samples`
+    /// passed an earlier [`sampler`](Mrc::sampler) (a kernel's or the CPU
+    /// buffer's) and are filtered again at the current threshold; `lookups`
+    /// is the keys of lookups the shard served meanwhile, sampled or not;
+    /// `threshold`, when the shard lowered its own filter to keep its
+    /// buffer from overflowing, that filter (this one follows it down).
+    pub fn observe_samples(&mut self, samples: &Samples, lookups: u64, threshold: Option<u64>) {
+        if let Some(t) = threshold {
+            self.lower_threshold(t);
+        }
+        self.accesses += lookups;
+        // The estimator's memory is cold by the next drain (the table's
+        // traffic came between), and a sampled key costs a map probe, its
+        // entry and its neighbours in seven lists: misses, one after the
+        // other. So the entries are found first, all probes in one loop
+        // (independent, overlapping), each entry's line fetched as found;
+        // then, while one key is applied, the neighbours of a key a few
+        // places on are fetched.
+        let mut todo = std::mem::take(&mut self.todo);
+        todo.clear();
+        for (&k, &t) in samples.keys.iter().zip(&samples.tags) {
             let h = sample_hash(k, self.cfg.seed);
             if h < self.threshold {
-                self.sample(k, h);
+                self.map.prefetch(k);
+                todo.push(Todo { key: k, h, e: NIL, t });
             }
         }
+        for j in 0..todo.len() {
+            if let Some(n) = todo.get(j + 8) {
+                self.map.prefetch(n.key);
+            }
+            let e = self.map.get(todo[j].key).unwrap_or(NIL);
+            if e != NIL {
+                crate::cpu::prefetch::prefetch(&self.entries[e as usize]);
+            }
+            todo[j].e = e;
+        }
+        let untracked = self.untracked;
+        for j in 0..todo.len() {
+            if let Some(n) = todo.get(j + AHEAD) {
+                self.prefetch_links(n.e);
+            }
+            let d = todo[j];
+            if d.h >= self.threshold {
+                // The threshold fell since the key was filtered.
+                continue;
+            }
+            // A key tracked or dropped meanwhile is found again.
+            let e = if d.e == NIL || self.untracked != untracked { None } else { Some(d.e) };
+            self.sample(d.key, d.h, d.t, e);
+        }
+        self.todo = todo;
     }
 
-    /// One access of a sampled key.
-    #[cold]
-    fn sample(&mut self, key: u64, h: u64) {
-        let rate = self.rate();
-        let w = 1.0 / rate;
-        self.sampled_accesses += 1;
-        self.weight += w;
-        match self.stack.access(key) {
-            Some(d) => self.hist[bin_of(d as f64 / rate)] += w,
-            None => {
-                self.by_hash.push((h, key));
-                if self.stack.len() > self.cfg.max_keys {
-                    // The largest hash leaves; the threshold drops to it so
-                    // that key (and every larger one) is no longer sampled.
-                    let (h, k) = self.by_hash.pop().expect("a tracked key");
-                    self.threshold = h;
-                    self.stack.remove(k);
+    /// Starts fetching the lines of `e`'s neighbours in every list it is in.
+    #[inline]
+    fn prefetch_links(&self, e: u32) {
+        let Some(ent) = self.entries.get(e as usize) else { return };
+        let mut m = ent.member;
+        while m != 0 {
+            let i = m.trailing_zeros() as usize;
+            m &= m - 1;
+            for n in [ent.prev[i], ent.next[i]] {
+                if let Some(x) = self.entries.get(n as usize) {
+                    crate::cpu::prefetch::prefetch(x);
                 }
             }
         }
     }
 
-    /// The estimated hit rate of a fully associative LRU cache of
-    /// `capacity` slots on the accesses observed (0 before any).
-    pub fn hit_rate(&self, capacity: u64) -> f64 {
-        if self.accesses == 0 || capacity == 0 {
-            return 0.0;
+    /// Counts sampled keys a shard lost to a full buffer (shown with the curve).
+    pub fn add_dropped(&mut self, dropped: u64) {
+        self.dropped += dropped;
+    }
+
+    /// One sampled key with its tag; `e`, its entry if known.
+    fn sample(&mut self, key: u64, h: u64, t: u8, e: Option<u32>) {
+        let kind = Kind::of(t);
+        if self.last_tag != Some(t) {
+            self.last_tag = Some(t);
+            if kind.is_lookup() {
+                // A new lookup batch: the last one's keys the client did
+                // not write meanwhile were not written at all.
+                self.settle();
+            }
         }
-        // Accesses with a distance below `capacity`: whole bins, then the
-        // share of the bin holding `capacity`, linear in log distance.
-        let c = capacity as f64;
-        let pos = c.log2() * SUB;
-        let full = 1 + pos as usize;
-        let mut hits: f64 = self.hist[..full.min(BINS)].iter().sum();
-        if full < BINS {
-            hits += self.hist[full] * pos.fract();
+        let e = match e.or_else(|| self.map.get(key)) {
+            Some(e) => e,
+            None => match self.track(key, h) {
+                Some(e) => e,
+                None => return,
+            },
+        };
+        match kind {
+            Kind::Lookup | Kind::FindOrInsert => {
+                let w = 1.0 / self.rate();
+                self.sampled_accesses += 1;
+                self.weight += w;
+                let ent = &mut self.entries[e as usize];
+                let member = ent.member;
+                for (i, h) in self.hits.iter_mut().enumerate() {
+                    if member >> i & 1 == 1 {
+                        *h += w;
+                    }
+                }
+                if kind == Kind::FindOrInsert {
+                    self.touch_all(e, true);
+                } else if ent.pending.is_none() {
+                    // A key repeated in one batch finds the table as the
+                    // first lookup did: the answer to both is one write.
+                    ent.pending = Some(member);
+                    ent.pending_pos = self.pending.len() as u32;
+                    self.pending.push(e);
+                }
+            }
+            Kind::Write | Kind::Update => {
+                let insert = kind == Kind::Write;
+                let ent = &self.entries[e as usize];
+                let pos = ent.pending.is_some().then_some(ent.pending_pos);
+                if let Some(pos) = pos {
+                    // Clients write back in the order they looked up: the
+                    // lookups before this one still unanswered get no write.
+                    self.settle_until(pos as usize);
+                    self.answered = self.answered.max(pos as usize + 1);
+                }
+                match self.entries[e as usize].pending.take() {
+                    Some(was) => self.answer(e, was, true, insert),
+                    // A write no lookup asked for: the key is placed (or
+                    // refreshed) at every size.
+                    None => self.touch_all(e, insert),
+                }
+            }
+        }
+    }
+
+    /// A lookup of entry `e` (in the caches `was` then) answered by a
+    /// write (`wrote`; `insert`: one that may place an absent key) or by
+    /// none. What the client did at the table's own size is learnt; at
+    /// another size, where the lookup's outcome may differ, the client is
+    /// taken to do what it does for that outcome (a client that writes
+    /// back every key, one that inserts its misses, one that only reads).
+    fn answer(&mut self, e: u32, was: u8, wrote: bool, insert: bool) {
+        const ALL: u8 = (1 << N) - 1;
+        let hit_one = was >> ONE & 1 == 1;
+        let learnt = if wrote { 1.0 } else { 0.0 };
+        if hit_one {
+            self.refresh += (learnt - self.refresh) * LEARN;
+        } else {
+            self.fill += (learnt - self.fill) * LEARN;
+        }
+        // The caches where the lookup's outcome was the table's: the client
+        // did what it did; elsewhere what it does for that outcome.
+        let same = if hit_one { was } else { !was & ALL };
+        let mut touch = if wrote { same } else { 0 };
+        if self.refresh > 0.5 {
+            touch |= was & !same;
+        }
+        if self.fill > 0.5 {
+            touch |= !was & ALL & !same;
+        }
+        if !insert {
+            touch &= self.entries[e as usize].member;
+        }
+        while touch != 0 {
+            let i = touch.trailing_zeros() as usize;
+            touch &= touch - 1;
+            self.touch(i, e);
+        }
+    }
+
+    /// Answers every lookup of the last batch still waiting: with no write.
+    fn settle(&mut self) {
+        self.settle_until(self.pending.len());
+        self.pending.clear();
+        self.answered = 0;
+    }
+
+    /// Answers this batch's lookups from the first unanswered one to
+    /// `end` (exclusive) that are still waiting: with no write.
+    fn settle_until(&mut self, end: usize) {
+        for j in self.answered..end {
+            // An entry freed and reused meanwhile has another place, or none.
+            let e = self.pending[j];
+            let ent = &mut self.entries[e as usize];
+            if ent.pending_pos as usize != j {
+                continue;
+            }
+            if let Some(was) = ent.pending.take() {
+                self.answer(e, was, false, true);
+            }
+        }
+        self.answered = self.answered.max(end);
+    }
+
+    /// Starts tracking `key` (hash `h`): None when it left at once (its
+    /// hash was the largest and the budget was full).
+    fn track(&mut self, key: u64, h: u64) -> Option<u32> {
+        let ent = Entry { prev: [NIL; N], next: [NIL; N], pending_pos: 0, member: 0, pending: None };
+        let e = match self.free.pop() {
+            Some(e) => {
+                self.entries[e as usize] = ent;
+                e
+            }
+            None => {
+                self.entries.push(ent);
+                (self.entries.len() - 1) as u32
+            }
+        };
+        self.map.insert(key, e);
+        self.by_hash.push((h, key));
+        if self.map.len() > self.cfg.max_keys {
+            // The largest hash leaves; the threshold drops to it so that key
+            // (and every larger one) is no longer sampled.
+            let (top, _) = *self.by_hash.peek().expect("a tracked key");
+            self.lower_threshold(top);
+        }
+        self.map.get(key)
+    }
+
+    /// Lowers the threshold to `t` (if below the current one): tracked
+    /// keys whose hash is at or above it leave, and the caches shrink.
+    fn lower_threshold(&mut self, t: u64) {
+        if t >= self.threshold {
+            return;
+        }
+        self.threshold = t;
+        while let Some(&(h, k)) = self.by_hash.peek() {
+            if h < t {
+                break;
+            }
+            self.by_hash.pop();
+            self.untrack(k);
+        }
+        self.size_lists();
+    }
+
+    fn untrack(&mut self, key: u64) {
+        let Some(e) = self.map.remove(key) else { return };
+        self.untracked += 1;
+        for i in 0..N {
+            if self.entries[e as usize].member >> i & 1 == 1 {
+                self.unlink(i, e);
+            }
+        }
+        self.entries[e as usize].pending = None;
+        self.free.push(e);
+    }
+
+    /// Each cache holds its factor of the capacity, scaled by the rate.
+    fn size_lists(&mut self) {
+        let scaled = self.capacity as f64 * self.rate();
+        for (i, f) in FACTORS.iter().enumerate() {
+            self.lists[i].cap = (scaled * f).round() as usize;
+            self.shrink(i);
+        }
+    }
+
+    fn shrink(&mut self, i: usize) {
+        while self.lists[i].len > self.lists[i].cap {
+            let t = self.lists[i].tail;
+            self.unlink(i, t);
+        }
+    }
+
+    fn unlink(&mut self, i: usize, e: u32) {
+        let (p, n) = {
+            let ent = &mut self.entries[e as usize];
+            ent.member &= !(1 << i);
+            (std::mem::replace(&mut ent.prev[i], NIL), std::mem::replace(&mut ent.next[i], NIL))
+        };
+        match p {
+            NIL => self.lists[i].head = n,
+            p => self.entries[p as usize].next[i] = n,
+        }
+        match n {
+            NIL => self.lists[i].tail = p,
+            n => self.entries[n as usize].prev[i] = p,
+        }
+        self.lists[i].len -= 1;
+    }
+
+    /// Makes `e` the most recent of cache `i` (inserting it, evicting the
+    /// least recent past the cache's size).
+    fn touch(&mut self, i: usize, e: u32) {
+        if self.entries[e as usize].member >> i & 1 == 1 {
+            if self.lists[i].head == e {
+                return;
+            }
+            self.unlink(i, e);
+        }
+        if self.lists[i].cap == 0 {
+            return;
+        }
+        let head = self.lists[i].head;
+        {
+            let ent = &mut self.entries[e as usize];
+            ent.member |= 1 << i;
+            ent.prev[i] = NIL;
+            ent.next[i] = head;
+        }
+        match head {
+            NIL => self.lists[i].tail = e,
+            h => self.entries[h as usize].prev[i] = e,
+        }
+        self.lists[i].head = e;
+        self.lists[i].len += 1;
+        self.shrink(i);
+    }
+
+    /// [`touch`](Mrc::touch) in every cache (`insert`), or in those that hold the key.
+    fn touch_all(&mut self, e: u32, insert: bool) {
+        for i in 0..N {
+            if insert || self.entries[e as usize].member >> i & 1 == 1 {
+                self.touch(i, e);
+            }
+        }
+    }
+
+    /// The estimated hit rate at factor `FACTORS[i]` (0 before any lookup).
+    fn point(&self, i: usize) -> f64 {
+        if self.accesses == 0 {
+            return 0.0;
         }
         // SHARDS_adj: the weight the sample is missing (or has too much of)
         // belongs to hot keys, which hit at every size.
-        hits += self.accesses as f64 - self.weight;
+        let hits = self.hits[i] + self.accesses as f64 - self.weight;
         (hits / self.accesses as f64).clamp(0.0, 1.0)
     }
 
-    /// The curve at [`FACTORS`] of `capacity` slots.
-    pub fn curve(&self, capacity: u64) -> Curve {
+    /// The curve at [`FACTORS`] of the capacity.
+    pub fn curve(&self) -> Curve {
         let points = FACTORS
             .iter()
-            .map(|&factor| {
-                let c = (capacity as f64 * factor).round() as u64;
-                MrcPoint { factor, capacity: c, hit_rate: self.hit_rate(c) }
+            .enumerate()
+            .map(|(i, &factor)| MrcPoint {
+                factor,
+                capacity: (self.capacity as f64 * factor).round() as u64,
+                hit_rate: self.point(i),
             })
             .collect();
         Curve {
             points,
             accesses: self.accesses,
             sampled_accesses: self.sampled_accesses,
-            tracked_keys: self.stack.len() as u64,
+            tracked_keys: self.map.len() as u64,
             rate: self.rate(),
+            dropped: self.dropped,
         }
     }
 
     /// Forgets everything observed; the rate starts again at the initial one.
     pub fn reset(&mut self) {
-        *self = Mrc::new(self.cfg);
+        *self = Mrc::new(self.cfg, self.capacity);
     }
 }
 
@@ -351,6 +818,100 @@ impl Hasher for KeyHasher {
 }
 
 type KeyMap = HashMap<u64, u32, BuildHasherDefault<KeyHasher>>;
+
+/// The estimator's key → entry map: open addressing with linear probing in
+/// a power-of-two table at most half full, deletions by backward shift (so
+/// no tombstones). Unlike a general map, the slot a key starts at is known
+/// before the probe, so a drain fetches it ahead ([`Slots::prefetch`]).
+#[derive(Debug, Clone)]
+struct Slots {
+    /// `(key, entry)`; entry `NIL`: empty.
+    slots: Vec<(u64, u32)>,
+    len: usize,
+    shift: u32,
+}
+
+impl Slots {
+    fn new(keys: usize) -> Slots {
+        let n = (2 * keys).next_power_of_two().max(16);
+        Slots { slots: vec![(0, NIL); n], len: 0, shift: 64 - n.trailing_zeros() }
+    }
+
+    #[inline]
+    fn home(&self, key: u64) -> usize {
+        // Fibonacci hashing: the multiply's high bits, so that sequential
+        // keys spread.
+        (key.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> self.shift) as usize
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    #[inline]
+    fn prefetch(&self, key: u64) {
+        crate::cpu::prefetch::prefetch(&self.slots[self.home(key)]);
+    }
+
+    #[inline]
+    fn get(&self, key: u64) -> Option<u32> {
+        let mask = self.slots.len() - 1;
+        let mut i = self.home(key);
+        loop {
+            let (k, e) = self.slots[i];
+            if e == NIL {
+                return None;
+            }
+            if k == key {
+                return Some(e);
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// Inserts `key` (not present) → `e`.
+    fn insert(&mut self, key: u64, e: u32) {
+        let mask = self.slots.len() - 1;
+        let mut i = self.home(key);
+        while self.slots[i].1 != NIL {
+            i = (i + 1) & mask;
+        }
+        self.slots[i] = (key, e);
+        self.len += 1;
+        debug_assert!(2 * self.len <= self.slots.len() + 2, "the table stays at most half full");
+    }
+
+    fn remove(&mut self, key: u64) -> Option<u32> {
+        let mask = self.slots.len() - 1;
+        let mut i = self.home(key);
+        loop {
+            let (k, e) = self.slots[i];
+            if e == NIL {
+                return None;
+            }
+            if k == key {
+                break;
+            }
+            i = (i + 1) & mask;
+        }
+        let e = self.slots[i].1;
+        // Backward shift: move each later key of the run into the hole if
+        // its home is not between the hole and it.
+        let mut hole = i;
+        let mut j = (i + 1) & mask;
+        while self.slots[j].1 != NIL {
+            let home = self.home(self.slots[j].0);
+            if (j.wrapping_sub(home) & mask) >= (j.wrapping_sub(hole) & mask) {
+                self.slots[hole] = self.slots[j];
+                hole = j;
+            }
+            j = (j + 1) & mask;
+        }
+        self.slots[hole] = (0, NIL);
+        self.len -= 1;
+        Some(e)
+    }
+}
 
 /// Exact LRU stack distances: for each access, how many distinct other keys
 /// were accessed since the key's previous access. A fully associative LRU
@@ -474,6 +1035,33 @@ mod tests {
         }
     }
 
+    /// The entry map against a HashMap, through inserts and removals that
+    /// wrap around the table and shift runs back.
+    #[test]
+    fn slots_match_a_hash_map() {
+        let mut slots = Slots::new(300);
+        let mut model: HashMap<u64, u32> = HashMap::new();
+        let mut x = 3u64;
+        for i in 0..200_000u32 {
+            x = sample_hash(x, i as u64);
+            // Few distinct keys, some sequential: long runs.
+            let key = if i % 3 == 0 { x % 400 } else { (x % 400) * 0x9e37_79b9_7f4a_7c15 };
+            if model.len() < 300 && i % 2 == 0 {
+                if let std::collections::hash_map::Entry::Vacant(v) = model.entry(key) {
+                    v.insert(i);
+                    slots.insert(key, i);
+                }
+            } else {
+                assert_eq!(slots.remove(key), model.remove(&key), "remove {key} at {i}");
+            }
+            assert_eq!(slots.len(), model.len());
+            let probe = x.rotate_left(7) % 400;
+            for k in [key, probe, probe * 0x9e37_79b9_7f4a_7c15] {
+                assert_eq!(slots.get(k), model.get(&k).copied(), "get {k} at {i}");
+            }
+        }
+    }
+
     /// The Fenwick stack against a plain recency list, across compactions.
     #[test]
     fn stack_distances_match_a_plain_list() {
@@ -497,32 +1085,33 @@ mod tests {
     }
 
     /// With a budget above the distinct keys nothing is dropped: the
-    /// estimate is exact (up to binning) and the rate stays 1.
+    /// estimate is exact and the rate stays 1.
     #[test]
     fn full_sample_is_exact() {
-        let mut m = Mrc::new(MrcConfig { max_keys: 1 << 12, ..MrcConfig::default() });
+        let mut m = Mrc::new(MrcConfig { max_keys: 1 << 12, ..MrcConfig::default() }, 100);
         let keys: Vec<u64> = (0..10_000u64).map(|i| i % 100).collect();
         m.observe(&keys);
-        let c = m.curve(100);
+        let c = m.curve();
         assert!(c.rate > 0.999_999);
-        // A cycle over 100 keys: distance 99 for every repeat.
-        assert!((m.hit_rate(100) - 0.99).abs() < 1e-9, "{}", m.hit_rate(100));
-        assert!(m.hit_rate(90) < 1e-9);
+        // A cycle over 100 keys: every repeat hits at 1× and above, none below.
+        assert!((c.points[3].hit_rate - 0.99).abs() < 1e-9, "{:?}", c.points);
+        assert!(c.points[2].hit_rate < 1e-9);
         assert_eq!(c.tracked_keys, 100);
     }
 
     /// The tracked keys never pass the budget, and reset forgets all.
     #[test]
     fn budget_is_kept() {
-        let mut m = Mrc::new(MrcConfig { max_keys: 256, ..MrcConfig::default() });
+        let mut m = Mrc::new(MrcConfig { max_keys: 256, ..MrcConfig::default() }, 1000);
         let keys: Vec<u64> = (0..100_000u64).collect();
         m.observe(&keys);
-        let c = m.curve(1000);
+        let c = m.curve();
         assert!(c.tracked_keys <= 256);
         assert!(c.rate < 0.01, "{}", c.rate);
-        assert!(m.by_hash.len() == m.stack.len());
+        assert!(m.by_hash.len() == m.map.len());
+        assert!(m.lists.iter().all(|l| l.len <= l.cap));
         m.reset();
-        assert_eq!(m.curve(1000).accesses, 0);
+        assert_eq!(m.curve().accesses, 0);
         assert_eq!(m.sampler().threshold, u64::MAX);
     }
 }

@@ -16,11 +16,15 @@
 //! after batch, and within a batch in index order on the CPU backend; on
 //! the CUDA backend a warp's keys at a time (each warp's in the order of
 //! its lanes, the warps in the order the device ran them), as the batch's
-//! own keys are processed in no set order. With them come the accesses
-//! counted since the last drain; sampled
-//! keys that found the buffer full ([`SAMPLE_BUFFER_KEYS`]) are lost and
-//! counted as dropped. Keys sampled under an earlier sampler are filtered
-//! again by [`crate::mrc::Mrc::observe_sampled`], so a sampler may change
+//! own keys are processed in no set order. Each key comes with its tag
+//! ([`crate::mrc::tag`]: the operation's kind and the batch's sequence
+//! number), and with them the lookups counted since the last drain (writes
+//! are sampled but are not accesses, issue 32). On the CPU backend a burst
+//! that would overflow the buffer ([`SAMPLE_BUFFER_KEYS`]) lowers the
+//! buffer's own threshold instead (nothing is dropped; the drain names the
+//! threshold); on the CUDA backend sampled keys that find the ring full are
+//! lost and counted as dropped. Keys sampled under an earlier sampler are filtered
+//! again by [`crate::mrc::Mrc::observe_samples`], so a sampler may change
 //! between drains. A drain on the CUDA backend takes the table's inserter
 //! lock group: a thread must not drain a table while it holds a device
 //! batch of that table still pending (the GPU group's enqueued parts).
@@ -31,7 +35,7 @@ use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 
 use parking_lot::Mutex;
 
-use crate::mrc::Sampler;
+use crate::mrc::{sample_hash, tag, Kind, Sampler, Samples};
 use crate::SampleDrain;
 
 /// Sampled keys a shard holds between two drains (CPU buffer, CUDA ring):
@@ -64,11 +68,23 @@ impl Switch {
     }
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Buf {
-    keys: Vec<u64>,
+    samples: Samples,
+    /// Keys of lookups since the last drain, sampled or not.
     accesses: u64,
     dropped: u64,
+    /// Batches recorded (their tags' sequence numbers).
+    batches: u32,
+    /// The buffer's own filter, below the sampler's once a burst would
+    /// have overflowed it (see [`HostSamples::record`]); `u64::MAX`: none.
+    threshold: u64,
+}
+
+impl Default for Buf {
+    fn default() -> Self {
+        Buf { samples: Samples::default(), accesses: 0, dropped: 0, batches: 0, threshold: u64::MAX }
+    }
 }
 
 /// The CPU backend's sampled keys: the switch and a buffer of at most
@@ -84,16 +100,24 @@ impl HostSamples {
         self.switch.set(s);
     }
 
-    /// Filters the keys of one batch (in index order) into the buffer.
+    /// Filters the keys of one batch of `kind` (in index order) into the buffer.
     #[inline]
-    pub(crate) fn record(&self, keys: &[u64]) {
+    pub(crate) fn record(&self, keys: &[u64], kind: Kind) {
         if let Some(s) = self.switch.get() {
-            self.record_with(s, keys);
+            self.record_with(s, keys, kind);
         }
     }
 
+    /// Nothing is dropped (issue 32): when the batch's sampled keys would
+    /// overflow the buffer, the buffer halves its own threshold and keeps,
+    /// of what it holds and of the batch, only the keys below it, as often
+    /// as needed. What it hands over is then a spatial sample at the lower
+    /// rate of the whole stretch since the last drain, and the drain says
+    /// so ([`SampleDrain::threshold`]): the estimator follows the rate down
+    /// (it would have, with this many distinct keys) instead of seeing a
+    /// gap.
     #[inline(never)]
-    fn record_with(&self, s: Sampler, keys: &[u64]) {
+    fn record_with(&self, s: Sampler, keys: &[u64], kind: Kind) {
         let mut local = Vec::new();
         for &k in keys {
             if s.sampled(k) {
@@ -101,20 +125,50 @@ impl HostSamples {
             }
         }
         let mut b = self.buf.lock();
-        b.accesses += keys.len() as u64;
-        let take = (SAMPLE_BUFFER_KEYS - b.keys.len()).min(local.len());
-        b.keys.extend_from_slice(&local[..take]);
-        b.dropped += (local.len() - take) as u64;
+        if kind.is_lookup() {
+            b.accesses += keys.len() as u64;
+        }
+        let t = tag(kind, b.batches);
+        b.batches = b.batches.wrapping_add(1);
+        if b.threshold < s.threshold {
+            let th = b.threshold;
+            local.retain(|&k| sample_hash(k, s.seed) < th);
+        }
+        while b.samples.len() + local.len() > SAMPLE_BUFFER_KEYS {
+            let th = b.threshold.min(s.threshold) / 2;
+            b.threshold = th;
+            let below = |k: u64| sample_hash(k, s.seed) < th;
+            local.retain(|&k| below(k));
+            let Samples { keys, tags } = &mut b.samples;
+            let mut j = 0;
+            for i in 0..keys.len() {
+                if below(keys[i]) {
+                    keys[j] = keys[i];
+                    tags[j] = tags[i];
+                    j += 1;
+                }
+            }
+            keys.truncate(j);
+            tags.truncate(j);
+        }
+        b.samples.push_batch(&local, t);
     }
 
     /// Hands over what was sampled since the last drain.
-    pub(crate) fn drain(&self, out: &mut Vec<u64>) -> SampleDrain {
+    pub(crate) fn drain(&self, out: &mut Samples) -> SampleDrain {
         let mut b = self.buf.lock();
-        out.extend_from_slice(&b.keys);
-        let d = SampleDrain { accesses: b.accesses, sampled: b.keys.len() as u64, dropped: b.dropped };
-        b.keys.clear();
+        out.keys.extend_from_slice(&b.samples.keys);
+        out.tags.extend_from_slice(&b.samples.tags);
+        let d = SampleDrain {
+            accesses: b.accesses,
+            sampled: b.samples.len() as u64,
+            dropped: b.dropped,
+            threshold: (b.threshold != u64::MAX).then_some(b.threshold),
+        };
+        b.samples.clear();
         b.accesses = 0;
         b.dropped = 0;
+        b.threshold = u64::MAX;
         d
     }
 }
@@ -123,21 +177,30 @@ impl HostSamples {
 mod tests {
     use super::*;
 
+    /// Issue 32: a burst that would overflow the buffer lowers the
+    /// buffer's threshold instead of losing keys: nothing is dropped, what
+    /// is handed over is exactly the keys below the lower threshold, and
+    /// the drain says which threshold that was.
     #[test]
-    fn a_full_buffer_counts_what_it_drops() {
+    fn a_full_buffer_lowers_its_rate_and_drops_nothing() {
         let h = HostSamples::default();
         let keys: Vec<u64> = (0..SAMPLE_BUFFER_KEYS as u64 + 10).collect();
-        h.record(&keys);
-        let mut out = vec![];
+        h.record(&keys, Kind::Lookup);
+        let mut out = Samples::default();
         assert_eq!(h.drain(&mut out), SampleDrain::default(), "off: nothing");
-        h.set(Some(Sampler { seed: 1, threshold: u64::MAX }));
-        h.record(&keys[..5]);
-        h.record(&keys);
+        let s = Sampler { seed: 1, threshold: u64::MAX };
+        h.set(Some(s));
+        h.record(&keys[..5], Kind::Lookup);
+        h.record(&keys, Kind::Write);
         let d = h.drain(&mut out);
-        let all = SAMPLE_BUFFER_KEYS as u64 + 15;
-        assert_eq!(d, SampleDrain { accesses: all, sampled: SAMPLE_BUFFER_KEYS as u64, dropped: 15 });
-        assert_eq!(&out[..5], &keys[..5]);
-        assert_eq!(&out[5..], &keys[..SAMPLE_BUFFER_KEYS - 5]);
+        let th = d.threshold.expect("the buffer lowered its threshold");
+        assert_eq!(th, u64::MAX / 2, "halved once");
+        let want: Vec<u64> = keys[..5].iter().chain(&keys).copied().filter(|&k| sample_hash(k, 1) < th).collect();
+        assert_eq!(out.keys, want);
+        assert_eq!(d, SampleDrain { accesses: 5, sampled: want.len() as u64, dropped: 0, threshold: Some(th) });
+        let first = keys[..5].iter().filter(|&&k| sample_hash(k, 1) < th).count();
+        assert!(out.tags[..first].iter().all(|&t| t == tag(Kind::Lookup, 0)));
+        assert!(out.tags[first..].iter().all(|&t| t == tag(Kind::Write, 1)));
         out.clear();
         assert_eq!(h.drain(&mut out), SampleDrain::default());
         assert!(out.is_empty());

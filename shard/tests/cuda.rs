@@ -481,18 +481,18 @@ fn a_failed_grow_leaves_the_table_as_it_was() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn sample_kernel_equals_the_cpu_filter() {
-    use hkv_shard::mrc::{sampled, Sampler, SAMPLE_HASH_VECTORS, SAMPLE_SEED};
+    use hkv_shard::mrc::{sampled, Sampler, Samples, SAMPLE_HASH_VECTORS, SAMPLE_SEED};
     use hkv_shard::SampleDrain;
     let t = CudaTable::new(TableConfig::new(1 << 12, 1), device()).unwrap();
-    let mut out = Vec::new();
+    let mut out = Samples::default();
     for (k, h) in SAMPLE_HASH_VECTORS {
         for (threshold, kept) in [(h, false), (h + 1, true)] {
             t.set_sampler(Some(Sampler { seed: SAMPLE_SEED, threshold }));
             t.contains(&[k], &mut [false]).unwrap();
             out.clear();
             let d = t.drain_samples(&mut out);
-            assert_eq!(d, SampleDrain { accesses: 1, sampled: kept as u64, dropped: 0 }, "key {k:#x}");
-            assert_eq!(out, if kept { vec![k] } else { vec![] }, "key {k:#x}");
+            assert_eq!(d, SampleDrain { accesses: 1, sampled: kept as u64, dropped: 0, threshold: None }, "key {k:#x}");
+            assert_eq!(out.keys, if kept { vec![k] } else { vec![] }, "key {k:#x}");
         }
     }
     let mut rng = rand::rngs::StdRng::seed_from_u64(27);
@@ -508,19 +508,21 @@ fn sample_kernel_equals_the_cpu_filter() {
         assert_eq!((d.accesses, d.sampled + d.dropped), (n as u64, want.len() as u64), "round {round}");
         if d.dropped == 0 {
             // A batch's keys in warp order (lookups sample in their kernel).
-            out.sort_unstable();
+            let mut got = out.keys.clone();
+            got.sort_unstable();
             want.sort_unstable();
-            assert_eq!(out, want, "round {round}");
+            assert_eq!(got, want, "round {round}");
         }
     }
 }
 
 /// Device batches are sampled like host batches (find, contains, writes),
-/// erase, load and export are not.
+/// erase, load and export are not; each batch's keys carry its kind, and
+/// only lookups count as accesses (issue 32).
 #[test]
 #[ignore = "needs a CUDA device"]
 fn device_batches_are_sampled() {
-    use hkv_shard::mrc::Sampler;
+    use hkv_shard::mrc::{Kind, Sampler, Samples};
     use hkv_shard::SampleDrain;
     let dim = 4;
     let t = CudaTable::new(TableConfig::new(1 << 14, dim), device()).unwrap();
@@ -528,7 +530,7 @@ fn device_batches_are_sampled() {
     let mut b = t.device_batch(keys.len()).unwrap();
     b.stream.memcpy_htod(&keys, &mut b.keys).unwrap();
     t.set_sampler(Some(Sampler { seed: 1, threshold: u64::MAX }));
-    let mut out = Vec::new();
+    let mut out = Samples::default();
     let mut want = Vec::new();
     for op in [DeviceOp::InsertOrAssign, DeviceOp::Find, DeviceOp::FindPtr, DeviceOp::Contains, DeviceOp::Assign] {
         t.run_device(op, &mut b, keys.len()).unwrap();
@@ -536,14 +538,21 @@ fn device_batches_are_sampled() {
     }
     t.run_device(DeviceOp::FindOrInsert, &mut b, 100).unwrap();
     want.push(keys[..100].to_vec());
+    let kinds = [Kind::Write, Kind::Lookup, Kind::Lookup, Kind::Lookup, Kind::Update, Kind::FindOrInsert];
     t.run_device(DeviceOp::Export { offset: 0, filter: Filter::ALL }, &mut b, 1000).unwrap();
     t.run_device(DeviceOp::Load, &mut b, 10).unwrap();
     t.run_device(DeviceOp::Erase, &mut b, 10).unwrap();
     let d = t.drain_samples(&mut out);
     let n = want.iter().map(Vec::len).sum::<usize>() as u64;
-    assert_eq!(d, SampleDrain { accesses: n, sampled: n, dropped: 0 });
-    // Batch after batch, each batch's keys in warp order.
-    common::conformance::assert_batches(&out, &want);
+    let lookups = 3 * keys.len() as u64 + 100;
+    assert_eq!(d, SampleDrain { accesses: lookups, sampled: n, dropped: 0, threshold: None });
+    // Batch after batch, each batch's keys in warp order, with its kind.
+    common::conformance::assert_batches(&out.keys, &want);
+    let mut at = 0;
+    for (w, kind) in want.iter().zip(kinds) {
+        assert!(out.tags[at..at + w.len()].iter().all(|&t| t & 3 == kind as u8), "{kind:?}");
+        at += w.len();
+    }
     t.set_sampler(None);
     t.run_device(DeviceOp::Find, &mut b, keys.len()).unwrap();
     out.clear();
@@ -553,7 +562,8 @@ fn device_batches_are_sampled() {
 /// The kernels run the sampling filter themselves: find, find_at,
 /// contains, insert_or_assign, assign and the device batches' find, find*,
 /// contains, insert_or_assign and assign sample exactly the keys
-/// `mrc::sampled` keeps, as a multiset, and count every key as an access;
+/// `mrc::sampled` keeps, as a multiset, and count every key of a lookup as
+/// an access (writes none, issue 32);
 /// at every lookup kernel variant (threads per key), with the rows partly
 /// in host memory (large batches in region order), at batch sizes of one
 /// warp, one block and many blocks, and with repeated keys (writes in
@@ -562,7 +572,7 @@ fn device_batches_are_sampled() {
 #[ignore = "needs a CUDA device"]
 fn fused_sampling_keeps_exactly_the_filtered_keys() {
     use hkv_shard::config::CudaTuning;
-    use hkv_shard::mrc::{sampled, Sampler};
+    use hkv_shard::mrc::{sampled, Sampler, Samples};
     use hkv_shard::SampleDrain;
     let dim = 4;
     let mut rng = rand::rngs::StdRng::seed_from_u64(2727);
@@ -581,7 +591,7 @@ fn fused_sampling_keeps_exactly_the_filtered_keys() {
         t.insert_or_assign(&present, &vec![1.0; present.len() * dim], None, None).unwrap();
         let s = Sampler { seed: rng.gen(), threshold: u64::MAX / 10 * 3 };
         t.set_sampler(Some(s));
-        let mut out = Vec::new();
+        let mut out = Samples::default();
         t.drain_samples(&mut out);
         for n in [1usize, 31, 1000, 5000, 50_000] {
             let keys: Vec<u64> = (0..n)
@@ -593,13 +603,16 @@ fn fused_sampling_keeps_exactly_the_filtered_keys() {
                 out.clear();
                 let d = t.drain_samples(&mut out);
                 let m = want.len() as u64;
+                let lookup = ["find", "contains", "find_at", "device Find", "device FindPtr", "device Contains"];
+                let accesses = if lookup.contains(&what) { n as u64 } else { 0 };
                 assert_eq!(
                     d,
-                    SampleDrain { accesses: n as u64, sampled: m, dropped: 0 },
+                    SampleDrain { accesses, sampled: m, dropped: 0, threshold: None },
                     "{what}, {n} keys, {group:?}"
                 );
-                out.sort_unstable();
-                assert_eq!(out, want, "{what}, {n} keys, {group:?}, host tier {host_tier}");
+                let mut got = out.keys.clone();
+                got.sort_unstable();
+                assert_eq!(got, want, "{what}, {n} keys, {group:?}, host tier {host_tier}");
             };
             let mut found = vec![false; n];
             t.find(&keys, &mut vec![0.0; n * dim], &mut found, None).unwrap();
@@ -624,4 +637,28 @@ fn fused_sampling_keeps_exactly_the_filtered_keys() {
             }
         }
     }
+}
+
+/// Issue 32, item 20: find_or_insert on device memory (run_device, and
+/// run_ipc and the GPU group's parts, which book through the same
+/// `complete`) counts its hits and misses as the host batch does; it used
+/// to count neither, so a table fed only through device memory showed no
+/// hit rate.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_find_or_insert_counts_hits_as_the_host_path() {
+    let dim = 2;
+    let host = CudaTable::new(TableConfig::new(1 << 14, dim), device()).unwrap();
+    let dev = CudaTable::new(TableConfig::new(1 << 14, dim), device()).unwrap();
+    let first: Vec<u64> = (1..=3000u64).map(|i| i * 7 + 1).collect();
+    let second: Vec<u64> = (1..=3000u64).map(|i| i * 5 + 2).collect();
+    let mut b = dev.device_batch(first.len()).unwrap();
+    for keys in [&first, &second] {
+        host.find_or_insert(keys, &mut vec![0.0; keys.len() * dim], None, None).unwrap();
+        b.stream.memcpy_htod(keys.as_slice(), &mut b.keys).unwrap();
+        dev.run_device(DeviceOp::FindOrInsert, &mut b, keys.len()).unwrap();
+    }
+    let (h, d) = (host.stats(), dev.stats());
+    assert!(h.hits > 0 && h.misses > 0, "{h:?}");
+    assert_eq!((d.hits, d.misses), (h.hits, h.misses));
 }

@@ -1,6 +1,9 @@
 //! The selected table's live miss-ratio curve, drawn as a chart: capacity
 //! factor (1/8× to 8×, a log scale) on x, estimated hit rate on y, and the
-//! table's measured hit rate marked at 1×.
+//! table's measured hit rate marked at 1×. The curve is an LRU cache's
+//! whatever the table's policy: on a table of another policy the title and
+//! the legend say so (issue 32), and sampled keys the estimator lost are
+//! counted in the legend.
 
 use ratatui::layout::{Constraint, Rect};
 use ratatui::style::{Color, Style};
@@ -13,7 +16,13 @@ use crate::model::Table;
 
 /// Draws `t`'s curve into `area` (a note when it has none).
 pub fn draw(f: &mut Frame, t: &Table, area: Rect) {
-    let block = Block::default().borders(Borders::ALL).title(" hit rate by capacity (LRU, estimated) ");
+    let lru = t.policy == "lru";
+    let title = if lru {
+        " hit rate by capacity (LRU, estimated) ".to_string()
+    } else {
+        format!(" hit rate by capacity (LRU estimate; table evicts by {}) ", t.policy)
+    };
+    let block = Block::default().borders(Borders::ALL).title(title);
     if t.curve.is_empty() {
         f.render_widget(Paragraph::new("no curve: the daemon runs with --no-mrc").block(block), area);
         return;
@@ -22,7 +31,8 @@ pub fn draw(f: &mut Frame, t: &Table, area: Rect) {
     let at_one = t.curve.iter().find(|p| p.0 == 1.0).map(|p| p.1);
     let measured: Vec<(f64, f64)> = t.hit_rate().map(|h| vec![(0.0, h * 100.0)]).unwrap_or_default();
     let legend = match (t.hit_rate(), at_one) {
-        (Some(h), Some(e)) => format!("measured {:.1}% (est. {:.1}%)", h * 100.0, e * 100.0),
+        (Some(h), Some(e)) if lru => format!("measured {:.1}% (est. {:.1}%)", h * 100.0, e * 100.0),
+        (Some(h), Some(e)) => format!("measured {:.1}% ({}; LRU est. {:.1}%)", h * 100.0, t.policy, e * 100.0),
         (Some(h), None) => format!("measured {:.1}%", h * 100.0),
         (None, _) => "measured: no lookups yet".into(),
     };
@@ -30,7 +40,10 @@ pub fn draw(f: &mut Frame, t: &Table, area: Rect) {
     let y_max = ((top / 10.0).ceil() * 10.0).clamp(10.0, 100.0);
     let datasets = vec![
         Dataset::default()
-            .name("estimated")
+            .name(match t.curve_dropped {
+                0 => "LRU estimate".to_string(),
+                n => format!("LRU estimate ({n} samples dropped)"),
+            })
             .marker(Marker::Braille)
             .graph_type(GraphType::Line)
             .style(Style::default().fg(Color::Cyan))

@@ -67,6 +67,9 @@ pub struct Table {
     /// The live miss-ratio curve: (capacity factor, estimated hit rate)
     /// points; empty when the daemon estimates none.
     pub curve: Vec<(f64, f64)>,
+    /// Sampled keys lost before the curve's estimator (issue 32): the
+    /// curve is less exact when this is not 0.
+    pub curve_dropped: u64,
 }
 
 impl Table {
@@ -181,6 +184,7 @@ pub fn snapshot(v: &Stats) -> Snapshot {
             policy: t.spec.policy.to_string(),
             mode: t.spec.mode.to_string(),
             curve: t.mrc.iter().flat_map(|m| &m.points).map(|p| (p.factor, p.hit_rate)).collect(),
+            curve_dropped: t.mrc.as_ref().map_or(0, |m| m.dropped),
             shards: t
                 .shards
                 .iter()

@@ -46,7 +46,7 @@ fn stats_inner(evictions: u64, running_ck: bool) -> serde_json::Value {
         "requests": 12345, "errors": 1, "in_flight": 0,
         "tables": [
             {"spec": {"name": "users", "dim": 32, "capacity": 2000, "policy": "lfu", "mode": "dual"}, "size": 0, "capacity": 0,
-             "mrc": {"points": curve(), "measured_hit_rate": 0.75, "accesses": 1000, "sampled_accesses": 100, "tracked_keys": 50, "rate": 0.1, "memory_bytes": 4096},
+             "mrc": {"points": curve(), "measured_hit_rate": 0.75, "accesses": 1000, "sampled_accesses": 100, "tracked_keys": 50, "rate": 0.1, "memory_bytes": 4096, "dropped": 7},
              "shards": [shard(600, 1000, evictions, [0, 0, 1], [2, 3, 0], Some("inserter")), shard(400, 1000, 0, [0, 0, 0], [0, 0, 0], None)]},
             {"spec": {"name": "items", "dim": 8, "capacity": 2000, "policy": "lru", "mode": "single"}, "size": 0, "capacity": 0,
              "shards": [shard(10, 1000, 0, [0; 3], [0; 3], None), shard(10, 1000, 0, [0; 3], [0; 3], None)]}
@@ -134,9 +134,12 @@ fn table_and_device_views() {
     assert!(s.lines().any(|l| l.contains("insert_or_assign") && l.contains(" 2 ")), "{s}");
     assert!(!s.lines().any(|l| l.contains("│contains")), "{s}");
     // The curve: capacity factors on x, hit rates up to 90 % on y (scale
-    // 90 %), the measured 75 % beside the estimate at 1x.
-    assert!(s.contains("hit rate by capacity"), "{s}");
-    assert!(s.contains("measured 75.0% (est. 70.0%)"), "{s}");
+    // 90 %), the measured 75 % beside the estimate at 1x. The table evicts
+    // by LFU: title and legend say the curve is LRU's (issue 32), and the
+    // legend counts the samples the estimator lost.
+    assert!(s.contains("hit rate by capacity (LRU estimate; table evicts by lfu)"), "{s}");
+    assert!(s.contains("measured 75.0% (lfu; LRU est. 70.0%)"), "{s}");
+    assert!(s.contains("LRU estimate (7 samples dropped)"), "{s}");
     let axis = s.lines().find(|l| l.contains("1/8x")).expect("x axis");
     assert!(axis.contains("1x") && axis.contains("8x"), "{axis}");
     assert!(s.contains("│90%│"), "{s}");

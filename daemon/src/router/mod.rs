@@ -172,11 +172,22 @@ impl Router {
         // Owned from here on: a shard some actor failed to create is closed
         // with the others when this table is dropped.
         let table = Table::new(spec, config, id, self.actors.clone(), charge);
-        let opened =
-            join_all(self.actors.iter().map(|a| {
-                a.send(Open { table: id, config: table.config.clone(), backend: self.backend, mrc: self.mrc })
-            }))
-            .await;
+        // The curves' budget is the table's, split over its shards: each
+        // shard's estimator samples a hash-chosen share of the keys, and the
+        // table's curve is their mean, as accurate as one estimator of the
+        // whole budget, at the same cost per key whatever the shard count
+        // (issue 32: a budget per shard multiplied the sampled keys, and
+        // the CPU time per key, by the shards).
+        let mrc = self.mrc.map(|c| hkv_shard::mrc::MrcConfig {
+            max_keys: (c.max_keys / n).max(crate::config::MrcSettings::MIN_SHARD_KEYS),
+            ..c
+        });
+        let opened = join_all(
+            self.actors
+                .iter()
+                .map(|a| a.send(Open { table: id, config: table.config.clone(), backend: self.backend, mrc })),
+        )
+        .await;
         let mut failed = None;
         for r in opened {
             let r = r.map_err(|e| err(ErrorCode::Internal, format!("shard actor gone: {e}")));

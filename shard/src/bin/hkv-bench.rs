@@ -43,7 +43,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use hkv_shard::mrc::{Mrc, MrcConfig, Sampler, SAMPLE_SEED};
+use hkv_shard::mrc::{Mrc, MrcConfig, Sampler, Samples, SAMPLE_SEED};
 use hkv_shard::{Backend, BucketMode, Filter, LfuTies, SampleDrain, ScorePolicy, Shard, TableConfig};
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
@@ -123,7 +123,7 @@ fn sample_order(run: usize) -> [bool; 2] {
 struct SampleRun {
     sampler: Sampler,
     mrc: Mrc,
-    buf: Vec<u64>,
+    buf: Samples,
     total: SampleDrain,
 }
 
@@ -138,8 +138,8 @@ impl SampleRun {
         let cfg = MrcConfig { max_keys: 1 << 22, seed: SAMPLE_SEED, initial_rate: r };
         Ok(Some(SampleRun {
             sampler: Sampler { seed: SAMPLE_SEED, threshold },
-            mrc: Mrc::new(cfg),
-            buf: vec![],
+            mrc: Mrc::new(cfg, 0),
+            buf: Samples::default(),
             total: SampleDrain::default(),
         }))
     }
@@ -147,8 +147,9 @@ impl SampleRun {
     /// Drains the table into the estimator (untimed).
     fn drain(&mut self, t: &dyn Shard) {
         self.buf.clear();
+        self.mrc.set_capacity(t.capacity());
         let d = t.drain_samples(&mut self.buf);
-        self.mrc.observe_sampled(&self.buf, d.accesses);
+        self.mrc.observe_samples(&self.buf, d.accesses, d.threshold);
         self.total.accesses += d.accesses;
         self.total.sampled += d.sampled;
         self.total.dropped += d.dropped;
@@ -176,8 +177,8 @@ impl SampleRun {
         best * 1e9 / n as f64
     }
 
-    fn summary(&self, capacity: u64, batch: usize) -> String {
-        let c = self.mrc.curve(capacity);
+    fn summary(&self, batch: usize) -> String {
+        let c = self.mrc.curve();
         format!(
             "sampling at rate {:.4}: the CPU filter {:.2} ns/key (least of 20 passes over {batch} keys); {} accesses, {} keys sampled, {} dropped (buffer full); estimated LRU hit rate at 1× / 2× capacity: {:.3} / {:.3}",
             self.sampler.rate(),
@@ -539,7 +540,7 @@ fn main() -> Result<()> {
             }
         }
         if let Some(sr) = &sampling {
-            println!("\n{}", sr.summary(t.capacity(), a.batch));
+            println!("\n{}", sr.summary(a.batch));
         }
         drop(b);
         drop(t);
@@ -932,7 +933,7 @@ mod cuda_bench {
                 println!("{l}");
             }
             if let Some(sr) = &sampling {
-                println!("{}", sr.summary(t.capacity(), a.batch));
+                println!("{}", sr.summary(a.batch));
             }
             for (lambda, op, x) in host_exports {
                 let unit = if reference_mix { "2^30 keys/s" } else { "B-KV/s" };

@@ -39,7 +39,7 @@ mod counters;
 mod growth;
 mod ops;
 mod pipeline;
-mod prefetch;
+pub(crate) mod prefetch;
 mod storage;
 mod write;
 

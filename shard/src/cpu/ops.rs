@@ -10,7 +10,7 @@ use crate::check;
 use crate::config::TableConfig;
 use crate::error::{Error, Result};
 use crate::lock::Group;
-use crate::mrc::Sampler;
+use crate::mrc::{Kind, Sampler, Samples};
 use crate::{Evictions, Export, Filter, Op, Outcome, SampleDrain, Shard, ShardStats, Summary};
 
 impl CpuTable {
@@ -46,7 +46,7 @@ impl CpuTable {
         let _g = self.lock.acquire(Group::Inserter);
         self.counters.op(op, n);
         if op != Op::Load {
-            self.samples.record(keys);
+            self.samples.record(keys, Kind::Write);
         }
         self.grow_for(n);
         let st = self.storage.read();
@@ -94,7 +94,7 @@ impl CpuTable {
         let n = keys.len();
         let _g = self.lock.acquire(Group::Updater);
         self.counters.op(op, n);
-        self.samples.record(keys);
+        self.samples.record(keys, Kind::Update);
         let st = self.storage.read();
         let acc = run_batch(
             n,
@@ -131,7 +131,7 @@ impl CpuTable {
         let (n, dim) = (keys.len(), self.config.dim);
         let _g = self.lock.acquire(Group::Updater);
         self.counters.op(Op::AccumOrAssign, n);
-        self.samples.record(keys);
+        self.samples.record(keys, Kind::Write);
         let st = self.storage.read();
         let scorer = self.scorer();
         let outs = Outs { outcomes, ..Outs::default() };
@@ -207,7 +207,7 @@ impl Shard for CpuTable {
         check::lookup(&self.config, keys, Some(values.len()), found.len(), scores.as_ref().map(|s| s.len()))?;
         let _g = self.lock.acquire(Group::Reader);
         self.counters.op(Op::Find, n);
-        self.samples.record(keys);
+        self.samples.record(keys, Kind::Lookup);
         let st = self.storage.read();
         let dim = self.config.dim;
         let outs = Outs { values: Some(values), found: Some(found), scores, outcomes: None };
@@ -238,7 +238,7 @@ impl Shard for CpuTable {
         check::rows_at(&self.config, n, at, values.len(), found.len())?;
         let _g = self.lock.acquire(Group::Reader);
         self.counters.op(Op::Find, n);
-        self.samples.record(keys);
+        self.samples.record(keys, Kind::Lookup);
         let st = self.storage.read();
         let hits = self.find_rows(&st, keys, at, Rows { base: 0, values, found }, grain(n));
         self.counters.lookups(hits, n);
@@ -250,7 +250,7 @@ impl Shard for CpuTable {
         check::lookup(&self.config, keys, None, found.len(), None)?;
         let _g = self.lock.acquire(Group::Reader);
         self.counters.op(Op::Contains, n);
-        self.samples.record(keys);
+        self.samples.record(keys, Kind::Lookup);
         let st = self.storage.read();
         let outs = Outs { found: Some(found), ..Outs::default() };
         let acc = run_batch(n, outs, self.config.dim, &|r: Range<usize>, mut outs: Outs<'_>| {
@@ -312,7 +312,7 @@ impl Shard for CpuTable {
         )?;
         let _g = self.lock.acquire(Group::Inserter);
         self.counters.op(Op::FindOrInsert, n);
-        self.samples.record(keys);
+        self.samples.record(keys, Kind::FindOrInsert);
         self.grow_for(n);
         let st = self.storage.read();
         let scorer = self.scorer();
@@ -522,7 +522,7 @@ impl Shard for CpuTable {
         self.samples.set(sampler);
     }
 
-    fn drain_samples(&self, out: &mut Vec<u64>) -> SampleDrain {
+    fn drain_samples(&self, out: &mut Samples) -> SampleDrain {
         self.samples.drain(out)
     }
 

@@ -1,4 +1,5 @@
-//! The CPU backend's one `unsafe` call: the prefetch hint. Plain loads in
+//! The CPU backend's one `unsafe` call: the prefetch hint (also used by
+//! the miss-ratio estimator, `crate::mrc`, whose drains run on cold memory). Plain loads in
 //! its place (results fed to `black_box`) must complete before they retire
 //! and so keep far fewer misses in flight; through hkvd on two cores finds
 //! ran 25–60 % faster with the instruction (`daemon/BENCHMARKS.md`).
@@ -18,7 +19,7 @@ pub(super) fn prefetch_row<T>(row: &[T]) {
 /// The one item of the CPU backend allowed `unsafe` (the backend denies it).
 #[allow(unsafe_code)]
 #[inline(always)]
-pub(super) fn prefetch<T>(x: &T) {
+pub(crate) fn prefetch<T>(x: &T) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: PREFETCHT0 is a hint: it reads nothing architecturally and
     // never faults (and `x` is a live reference). The intrinsic is unsafe

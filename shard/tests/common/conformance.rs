@@ -579,9 +579,10 @@ pub fn keys_in_one_bucket_compete(make: Make) {
 /// Sampling for miss-ratio curves (issue 27): with a sampler of rate 1,
 /// every key of every lookup and write comes back from the drain, in the
 /// order the batches ran (each batch's keys in an order of the backend's:
-/// index order on the CPU, see `Shard::drain_samples`), counted as accesses;
-/// erase, export and load are not sampled; accum_or_assign's insert phase
-/// does not count its keys twice.
+/// index order on the CPU, see `Shard::drain_samples`), tagged with its
+/// operation's kind, one tag per batch; only lookups count as accesses
+/// (issue 32); erase, export and load are not sampled; accum_or_assign's
+/// insert phase does not sample its keys twice.
 pub fn sampling_sees_every_lookup_and_write(make: Make) {
     sampling_sees_every_batch(make, false)
 }
@@ -590,14 +591,14 @@ pub fn sampling_sees_every_lookup_and_write(make: Make) {
 /// in index order when `ordered` (the CPU backend's order; the CUDA
 /// backend's lookups append in warp order).
 pub fn sampling_sees_every_batch(make: Make, ordered: bool) {
-    use hkv_shard::mrc::{sample_hash, Sampler, SAMPLE_SEED};
+    use hkv_shard::mrc::{sample_hash, Kind, Sampler, Samples, SAMPLE_SEED};
     use hkv_shard::SampleDrain;
     let dim = 4;
     let t = make(TableConfig::new(1 << 14, dim).policy(ScorePolicy::Custom));
     let keys: Vec<u64> = (1..=300u64).map(|i| i * 7919).collect();
     assert!(keys.iter().all(|&k| sample_hash(k, SAMPLE_SEED) != u64::MAX));
     let sc = |k: &[u64]| k.iter().map(|&x| x % 97 + 1).collect::<Vec<u64>>();
-    let mut out = Vec::new();
+    let mut out = Samples::default();
     // No sampler: nothing, and nothing counted.
     t.insert_or_assign(&keys, &vals(&keys, dim, 0.5), Some(&sc(&keys)), None).unwrap();
     assert_eq!(t.drain_samples(&mut out), SampleDrain::default());
@@ -640,11 +641,25 @@ pub fn sampling_sees_every_batch(make: Make, ordered: bool) {
 
     let d = t.drain_samples(&mut out);
     let n = want.iter().map(Vec::len).sum::<usize>() as u64;
-    assert_eq!(d, SampleDrain { accesses: n, sampled: n, dropped: 0 });
+    // Lookups: find, find_at, contains and find_or_insert.
+    let lookups = (a.len() + b.len() + rev.len() + mixed.len()) as u64;
+    assert_eq!(d, SampleDrain { accesses: lookups, sampled: n, dropped: 0, threshold: None });
     if ordered {
-        assert_eq!(out, want.concat(), "every key, in the order the batches ran");
+        assert_eq!(out.keys, want.concat(), "every key, in the order the batches ran");
     }
-    assert_batches(&out, &want);
+    assert_batches(&out.keys, &want);
+    // One tag per batch, the batch's kind in it.
+    use Kind::*;
+    let kinds = [Lookup, Lookup, Lookup, Write, Write, FindOrInsert, Update, Update, Write];
+    let mut at = 0;
+    let mut tags = std::collections::HashSet::new();
+    for (w, kind) in want.iter().zip(kinds) {
+        let t0 = out.tags[at];
+        assert_eq!(t0 & 3, kind as u8, "batch at {at}");
+        assert!(out.tags[at..at + w.len()].iter().all(|&t| t == t0), "one tag for the batch at {at}");
+        assert!(tags.insert(t0), "a new tag for each batch");
+        at += w.len();
+    }
     out.clear();
     assert_eq!(t.drain_samples(&mut out), SampleDrain::default(), "a drain empties the buffer");
     assert!(out.is_empty());
@@ -660,7 +675,7 @@ pub fn sampling_sees_every_batch(make: Make, ordered: bool) {
 /// filter keeps (`mrc::sampled`), as a multiset (a batch's order is the
 /// backend's, see `Shard::drain_samples`).
 pub fn sampling_applies_the_filter(make: Make) {
-    use hkv_shard::mrc::{sampled, Sampler};
+    use hkv_shard::mrc::{sampled, Sampler, Samples};
     use hkv_shard::{SampleDrain, SEQUENTIAL_BATCH};
     let t = make(TableConfig::new(1 << 14, 2));
     let s = Sampler { seed: 0x1234_5678_9abc_def0, threshold: u64::MAX / 5 * 2 };
@@ -673,21 +688,26 @@ pub fn sampling_applies_the_filter(make: Make) {
     for n in [1usize, 31, 1000, SEQUENTIAL_BATCH, 3 * SEQUENTIAL_BATCH + 77] {
         let keys: Vec<u64> = (0..n).map(|_| next()).collect();
         let mut want: Vec<u64> = keys.iter().copied().filter(|&k| sampled(k, s.seed, s.threshold)).collect();
-        let mut out = Vec::new();
+        let mut out = Samples::default();
         t.contains(&keys, &mut vec![false; n]).unwrap();
         let d = t.drain_samples(&mut out);
-        assert_eq!(d, SampleDrain { accesses: n as u64, sampled: want.len() as u64, dropped: 0 }, "{n} keys");
+        let want_d = SampleDrain { accesses: n as u64, sampled: want.len() as u64, dropped: 0, threshold: None };
+        assert_eq!(d, want_d, "{n} keys");
+        let mut out = out.keys;
         out.sort_unstable();
         want.sort_unstable();
         assert_eq!(out, want, "{n} keys");
     }
 }
 
-/// A full buffer counts what it drops and keeps what it holds; the next
-/// drain starts afresh. Several threads sampling while another drains lose
-/// nothing and invent nothing.
+/// A burst past the buffer either lowers the buffer's own rate (the CPU
+/// backend, issue 32: nothing dropped, exactly the keys below the lower
+/// threshold kept, the drain naming it) or is cut at the buffer's end and
+/// counted as dropped (the CUDA ring); the next drain starts afresh.
+/// Several threads sampling while another drains lose nothing and invent
+/// nothing.
 pub fn sampling_overflow_and_concurrent_drains(make: Make) {
-    use hkv_shard::mrc::Sampler;
+    use hkv_shard::mrc::{sample_hash, Sampler, Samples};
     use hkv_shard::sample::SAMPLE_BUFFER_KEYS;
     use hkv_shard::SampleDrain;
     let t = make(TableConfig::new(1 << 12, 1));
@@ -698,19 +718,31 @@ pub fn sampling_overflow_and_concurrent_drains(make: Make) {
     all.chunks(batch).for_each(|c| {
         t.contains(c, &mut vec![false; c.len()]).unwrap();
     });
-    let mut out = Vec::new();
+    let mut out = Samples::default();
     let d = t.drain_samples(&mut out);
     let total = all.len() as u64;
-    let kept = SAMPLE_BUFFER_KEYS as u64;
-    assert_eq!(d, SampleDrain { accesses: total, sampled: kept, dropped: total - kept });
-    // The first batches' keys stay, batch after batch (each batch's keys
-    // in the backend's order), the last one cut short.
     let batches: Vec<Vec<u64>> = all.chunks(batch).map(<[u64]>::to_vec).collect();
-    assert_batches(&out, &batches);
+    match d.threshold {
+        Some(th) => {
+            let below: Vec<Vec<u64>> =
+                batches.iter().map(|b| b.iter().copied().filter(|&k| sample_hash(k, 7) < th).collect()).collect();
+            let n = below.iter().map(Vec::len).sum::<usize>() as u64;
+            assert!(n <= SAMPLE_BUFFER_KEYS as u64 && n > SAMPLE_BUFFER_KEYS as u64 / 4, "{n} kept");
+            assert_eq!(d, SampleDrain { accesses: total, sampled: n, dropped: 0, threshold: Some(th) });
+            assert_batches(&out.keys, &below);
+        }
+        None => {
+            let kept = SAMPLE_BUFFER_KEYS as u64;
+            assert_eq!(d, SampleDrain { accesses: total, sampled: kept, dropped: total - kept, threshold: None });
+            // The first batches' keys stay, batch after batch (each batch's
+            // keys in the backend's order), the last one cut short.
+            assert_batches(&out.keys, &batches);
+        }
+    }
     out.clear();
     t.contains(&all[..10], &mut [false; 10]).unwrap();
-    assert_eq!(t.drain_samples(&mut out), SampleDrain { accesses: 10, sampled: 10, dropped: 0 });
-    assert_batches(&out, &[all[..10].to_vec()]);
+    assert_eq!(t.drain_samples(&mut out), SampleDrain { accesses: 10, sampled: 10, dropped: 0, threshold: None });
+    assert_batches(&out.keys, &[all[..10].to_vec()]);
 
     // Four threads of lookups and writes, a fifth draining meanwhile.
     let per = 20_000u64;
@@ -734,7 +766,7 @@ pub fn sampling_overflow_and_concurrent_drains(make: Make) {
             })
             .collect();
         let drainer = sc.spawn(|| {
-            let mut got = Vec::new();
+            let mut got = Samples::default();
             let mut sum = SampleDrain::default();
             loop {
                 let done = stop.load(std::sync::atomic::Ordering::Acquire);
@@ -742,8 +774,9 @@ pub fn sampling_overflow_and_concurrent_drains(make: Make) {
                 sum.accesses += d.accesses;
                 sum.sampled += d.sampled;
                 sum.dropped += d.dropped;
+                sum.threshold = sum.threshold.or(d.threshold);
                 if done {
-                    return (got, sum);
+                    return (got.keys, sum);
                 }
                 std::thread::sleep(std::time::Duration::from_micros(300));
             }
@@ -754,8 +787,13 @@ pub fn sampling_overflow_and_concurrent_drains(make: Make) {
         stop.store(true, std::sync::atomic::Ordering::Release);
         (got, sum) = drainer.join().unwrap();
     });
-    assert_eq!(sum.accesses, 4 * per);
-    assert_eq!(sum.sampled + sum.dropped, 4 * per);
+    // Two of the four threads look up; the others write.
+    assert_eq!(sum.accesses, 2 * per);
+    if sum.threshold.is_none() {
+        assert_eq!(sum.sampled + sum.dropped, 4 * per);
+    } else {
+        assert_eq!(sum.dropped, 0);
+    }
     assert_eq!(got.len() as u64, sum.sampled);
     // Every drained key is one a worker named, and none comes twice.
     let mut seen = HashSet::new();

@@ -5,6 +5,7 @@ use std::fmt::Write;
 
 use anyhow::{bail, Result};
 use hkv_client::proto::stats::{MrcStats, Stats};
+use hkv_client::proto::Policy;
 use hkv_client::Client;
 
 use crate::render;
@@ -21,7 +22,7 @@ pub fn mrc(c: &mut Client, table: &str, json: bool) -> Result<()> {
     if json {
         println!("{}", serde_json::to_string_pretty(m)?);
     } else {
-        print!("{}", curve_table(table, m));
+        print!("{}", curve_table(table, t.spec.policy, m));
     }
     Ok(())
 }
@@ -45,7 +46,7 @@ pub fn trace(c: &mut Client, table: &str, seconds: u32, out: &std::path::Path, t
         if text { "text" } else { "u64 LE" }
     );
     if keys.is_empty() {
-        println!("no lookups or writes reached {table} during the window: run the trace while clients use the table");
+        println!("no lookups reached {table} during the window: run the trace while clients use the table");
         return Ok(());
     }
     if truncated {
@@ -69,26 +70,43 @@ fn stats_capacity(c: &mut Client, table: &str) -> Result<u64> {
 }
 
 /// The curve as a table: one line per capacity factor; the table's own
-/// capacity (factor 1) is marked with its measured hit rate.
-pub fn curve_table(table: &str, m: &MrcStats) -> String {
+/// capacity (factor 1) is marked with its measured hit rate. The curve is
+/// an LRU cache's whatever the table's `policy`; on a table of another
+/// policy the header says so and the mark names the policy measured
+/// (issue 32), so that the two figures are not read as one model's.
+pub fn curve_table(table: &str, policy: Policy, m: &MrcStats) -> String {
     let mut o = String::new();
     let _ = writeln!(
         o,
-        "{table}: {} accesses, {} sampled ({} keys tracked, rate {:.4} %, {} KiB)",
+        "{table}: {} lookups, {} sampled ({} keys tracked, rate {:.4} %, {} KiB)",
         m.accesses,
         m.sampled_accesses,
         m.tracked_keys,
         m.rate * 100.0,
         m.memory_bytes >> 10
     );
-    let _ = writeln!(o, "{:>7} {:>12} {:>10}", "factor", "capacity", "est. hit");
+    if m.dropped > 0 {
+        let _ = writeln!(
+            o,
+            "{} sampled keys dropped before the estimator (sampling fell behind): the curve is less exact",
+            m.dropped
+        );
+    }
+    if policy != Policy::Lru {
+        let _ = writeln!(
+            o,
+            "estimates are an LRU cache's hit rates; this table evicts by {policy}, its measured hit rate is {policy}'s"
+        );
+    }
+    let _ = writeln!(o, "{:>7} {:>12} {:>12}", "factor", "capacity", "LRU est. hit");
     for p in &m.points {
         let mark = match (p.factor == 1.0, m.measured_hit_rate) {
-            (true, Some(h)) => format!("  <- this table: measured {:.2} %", h * 100.0),
+            (true, Some(h)) if policy == Policy::Lru => format!("  <- this table: measured {:.2} %", h * 100.0),
+            (true, Some(h)) => format!("  <- this table ({policy}): measured {:.2} %", h * 100.0),
             (true, None) => "  <- this table (no lookups yet)".into(),
             _ => String::new(),
         };
-        let _ = writeln!(o, "{:>7} {:>12} {:>9.2}%{mark}", factor(p.factor), p.capacity, p.hit_rate * 100.0);
+        let _ = writeln!(o, "{:>7} {:>12} {:>11.2}%{mark}", factor(p.factor), p.capacity, p.hit_rate * 100.0);
     }
     o
 }
@@ -114,8 +132,22 @@ mod tests {
             .map(|&factor| MrcPoint { factor, capacity: (1024.0 * factor) as u64, hit_rate: factor / 4.0 })
             .collect();
         let m = MrcStats { points, measured_hit_rate: Some(0.2512), accesses: 10, ..Default::default() };
-        let s = curve_table("t", &m);
-        assert!(s.contains("  1/2x          512     12.50%\n"), "{s}");
-        assert!(s.contains("     1x         1024     25.00%  <- this table: measured 25.12 %\n"), "{s}");
+        let s = curve_table("t", Policy::Lru, &m);
+        assert!(s.contains("  1/2x          512       12.50%\n"), "{s}");
+        assert!(s.contains("     1x         1024       25.00%  <- this table: measured 25.12 %\n"), "{s}");
+        assert!(s.contains("LRU est. hit"), "{s}");
+        assert!(!s.contains("evicts by") && !s.contains("dropped"), "{s}");
+    }
+
+    /// Issue 32: on an LFU table the LRU estimate stood next to the LFU
+    /// table's measured hit rate with nothing saying they are two models.
+    #[test]
+    fn a_non_lru_table_says_the_curve_is_lru() {
+        let points = vec![MrcPoint { factor: 1.0, capacity: 1024, hit_rate: 0.25 }];
+        let m = MrcStats { points, measured_hit_rate: Some(0.3), accesses: 10, dropped: 4, ..Default::default() };
+        let s = curve_table("t", Policy::Lfu, &m);
+        assert!(s.contains("estimates are an LRU cache's hit rates; this table evicts by lfu"), "{s}");
+        assert!(s.contains("<- this table (lfu): measured 30.00 %"), "{s}");
+        assert!(s.contains("4 sampled keys dropped"), "{s}");
     }
 }

@@ -213,7 +213,7 @@ impl GpuGroup {
     /// Drains every GPU's table in rank order ([`Shard::drain_samples`]),
     /// the counts summed: one GPU's keys after another's, each GPU's in the
     /// order it ran its parts.
-    pub fn drain_samples(&self, out: &mut Vec<u64>) -> crate::SampleDrain {
+    pub fn drain_samples(&self, out: &mut crate::mrc::Samples) -> crate::SampleDrain {
         let mut sum = crate::SampleDrain::default();
         for t in &self.tables {
             let d = t.drain_samples(out);

@@ -81,7 +81,18 @@ pub(crate) struct SampleArgs {
     pub(super) cap: u64,
     pub(super) seed: u64,
     pub(super) threshold: u64,
+    /// The ring's `cap` tag bytes, one beside each key slot (issue 32).
+    pub(super) tags: u64,
+    /// This batch's tag (`mrc::tag`: the op's `mrc::Kind`, the batch's
+    /// sequence number); only kinds 0 and 1 (lookups) count accesses.
+    pub(super) tag: u64,
 }
+
+const _: () = {
+    assert!(std::mem::size_of::<SampleArgs>() == 56);
+    assert!(std::mem::offset_of!(SampleArgs, tags) == 40);
+    assert!(std::mem::offset_of!(SampleArgs, tag) == 48);
+};
 
 // SAFETY: plain #[repr(C)] structs of integers whose layout matches the C
 // structs the kernels take by value (HkvTable, HkvScoring, HkvFilter in

@@ -274,7 +274,13 @@ impl CudaTable {
         // (`only`) as it reads them (fused); erase, load and export are not
         // sampled.
         let sampled = !matches!(op, DeviceOp::Erase | DeviceOp::Load | DeviceOp::Export { .. });
-        let sample = if sampled { self.sample_args(s) } else { SampleArgs::default() };
+        let kind = match op {
+            DeviceOp::Find | DeviceOp::FindPtr | DeviceOp::Contains => Kind::Lookup,
+            DeviceOp::FindOrInsert | DeviceOp::FindOrInsertPtr => Kind::FindOrInsert,
+            DeviceOp::Assign => Kind::Update,
+            _ => Kind::Write,
+        };
+        let sample = if sampled { self.sample_args(s, kind) } else { SampleArgs::default() };
         let base = Ptrs { keys: r.p.keys, counters: r.p.counters, only: r.p.only, sample, ..Ptrs::default() };
         let p = r.p;
         let n64 = n as u64;
@@ -342,6 +348,18 @@ impl CudaTable {
                 self.size.fetch_sub(counts.erased, Relaxed);
             }
             DeviceOp::Export { .. } | DeviceOp::Assign => {}
+            DeviceOp::FindOrInsert | DeviceOp::FindOrInsertPtr => {
+                // A lookup as well as a write, counted as the host batch
+                // counts it (`Shard::find_or_insert`): its hits are the
+                // keys found (updated), its lookups every key it served,
+                // found or placed or refused (with a part's mask, only that
+                // part's keys), so run_device, run_ipc and the GPU group's
+                // parts report the same hit rate (issue 32).
+                let s = counts.summary;
+                self.size.fetch_add(s.inserted, Relaxed);
+                self.counters.summary(&s);
+                self.counters.lookups(s.updated, (s.updated + s.inserted + s.evicted + s.rejected) as usize);
+            }
             DeviceOp::Load => {
                 self.size.fetch_add(counts.summary.inserted, Relaxed);
                 self.counters.evictions.fetch_add(counts.summary.evicted + counts.summary.rejected, Relaxed);

@@ -105,7 +105,12 @@ impl CudaTable {
             // The keys of a client's write (not a load, nor accum_or_assign's
             // insert phase, whose keys were sampled in its update phase): the
             // kernel samples them (fused), each once over the rounds.
-            p.sample = self.sample_args(&s);
+            let kind = if matches!(mode, UP_FIND_OR_INSERT | UP_FIND_OR_INSERT_PTR) {
+                Kind::FindOrInsert
+            } else {
+                Kind::Write
+            };
+            p.sample = self.sample_args(&s, kind);
         }
         if let Some(sc) = scores {
             p.scores = Some(Self::upload(&s, &mut l.stage, &mut l.scores, sc)?);
@@ -182,7 +187,7 @@ impl CudaTable {
             self.zero_counters(l)?;
             let counters = Some(DevPtr::of(&l.counters, &s));
             // The lookup kernel samples the keys (fused), once per batch.
-            let sample = self.sample_args(&s);
+            let sample = self.sample_args(&s, Kind::Lookup);
             f(st, l, Ptrs { keys: Some(keys), counters, sample, ..Ptrs::default() })
         })?;
         self.counters.lookups(hits, n);
@@ -270,8 +275,10 @@ impl CudaTable {
             counters: Some(DevPtr::of(&l.counters, &s)),
             ..Ptrs::default()
         };
-        // The kernel samples the keys (fused), each once over the rounds.
-        p.sample = self.sample_args(&s);
+        // The kernel samples the keys (fused), each once over the rounds:
+        // accum_or_assign's update phase (`flag_absent`) is a write that
+        // may insert, assign and assign_scores refresh present keys only.
+        p.sample = self.sample_args(&s, if flag_absent { Kind::Write } else { Kind::Update });
         if let Some(v) = values {
             p.values = Some(Self::upload(&s, &mut l.stage, &mut l.values, v)?);
         }

@@ -71,6 +71,7 @@ use crate::cuda::staging::{Region, Staging};
 use crate::cuda::{arg, dev_err, ensure, DevPtr, Device};
 use crate::error::{Error, Result};
 use crate::lock::{Group, GroupLock};
+use crate::mrc::Kind;
 use crate::score::{Clock, Scorer, SystemClock};
 use std::collections::HashMap;
 

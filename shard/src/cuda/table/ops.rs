@@ -375,7 +375,7 @@ impl Shard for CudaTable {
         self.set_sampling(sampler);
     }
 
-    fn drain_samples(&self, out: &mut Vec<u64>) -> crate::SampleDrain {
+    fn drain_samples(&self, out: &mut crate::mrc::Samples) -> crate::SampleDrain {
         self.drain_ring(out)
     }
 

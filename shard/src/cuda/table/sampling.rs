@@ -25,19 +25,30 @@
 //! the kernels get a null ring and test it once (one relaxed load per
 //! batch on the host).
 //!
+//! Beside each key slot a tag byte ([`crate::mrc::tag`]: the batch's
+//! operation kind and sequence number, `HkvSample::tag`) is written to a
+//! second ring of the same length, so that the estimator tells lookups
+//! from writes and one batch from the next (issue 32); only lookups
+//! (kinds 0 and 1) add to the accesses counter. The ring does not lower
+//! its own rate as the CPU buffer does: sampled keys past its capacity
+//! are dropped and counted (`counters[0] - cap`), and the daemon shows
+//! the count with the curve.
+//!
 //! The ring is allocated when a sampler is first set and kept while the
-//! table lives (512 KiB and 16 bytes).
+//! table lives (576 KiB and 16 bytes).
 
 use std::sync::OnceLock;
 
 use super::*;
-use crate::mrc::Sampler;
+use crate::mrc::{tag, Sampler, Samples};
 use crate::sample::{Switch, SAMPLE_BUFFER_KEYS};
 use crate::SampleDrain;
 
 /// The sampled keys' ring in device memory. See the module docs.
 pub(super) struct Ring {
     keys: CudaSlice<u64>,
+    /// One tag byte per key slot ([`crate::mrc::tag`]).
+    tags: CudaSlice<u8>,
     /// Slots claimed and accesses, since the last drain.
     counters: CudaSlice<u64>,
 }
@@ -47,6 +58,8 @@ pub(super) struct Ring {
 pub(super) struct Sampling {
     switch: Switch,
     ring: OnceLock<Ring>,
+    /// Sampled batches launched: the tags' sequence numbers.
+    batches: AtomicU32,
 }
 
 impl CudaTable {
@@ -68,18 +81,20 @@ impl CudaTable {
         self.with_lane(|l| {
             let a = |e| dev_err("allocating the sample ring")(e);
             let keys = l.stream.alloc_zeros::<u64>(SAMPLE_BUFFER_KEYS).map_err(a)?;
+            let tags = l.stream.alloc_zeros::<u8>(SAMPLE_BUFFER_KEYS).map_err(a)?;
             let counters = l.stream.alloc_zeros::<u64>(2).map_err(a)?;
             // Zeroed before any other stream's kernel can use them.
             l.stream.synchronize().map_err(dev_err("synchronizing"))?;
-            let _ = self.sampling.ring.set(Ring { keys, counters });
+            let _ = self.sampling.ring.set(Ring { keys, tags, counters });
             Ok(())
         })
     }
 
     /// The sampler for a lookup kernel that runs the filter fused
     /// (`hkv_sample_warp` in `kernels/table.cuh`), on stream `l`: off (all
-    /// zeros) when no sampler is set or the ring is not allocated.
-    pub(super) fn sample_args(&self, l: &CudaStream) -> SampleArgs {
+    /// zeros) when no sampler is set or the ring is not allocated. `kind`:
+    /// the batch's operation, written as a tag beside each sampled key.
+    pub(super) fn sample_args(&self, l: &CudaStream, kind: Kind) -> SampleArgs {
         let (Some(s), Some(ring)) = (self.sampling.switch.get(), self.sampling.ring.get()) else {
             return SampleArgs::default();
         };
@@ -89,12 +104,14 @@ impl CudaTable {
             cap: ring.keys.len() as u64,
             seed: s.seed,
             threshold: s.threshold,
+            tags: ptr(&ring.tags, l),
+            tag: tag(kind, self.sampling.batches.fetch_add(1, Relaxed)) as u64,
         }
     }
 
     /// [`Shard::drain_samples`]. A device error loses what the ring held
     /// (the table's next batch reports the error).
-    pub(super) fn drain_ring(&self, out: &mut Vec<u64>) -> SampleDrain {
+    pub(super) fn drain_ring(&self, out: &mut Samples) -> SampleDrain {
         let Some(ring) = self.sampling.ring.get() else {
             return SampleDrain::default();
         };
@@ -113,13 +130,16 @@ impl CudaTable {
             let m = claimed.min(cap);
             // SAFETY: the ring holds cap >= m keys and lives as long as the table.
             let keys = unsafe { l.stage.fetch::<u64>(&s, ptr(&ring.keys, &s), m as usize) }?;
+            // SAFETY: the tag ring holds cap >= m bytes and lives as long as the table.
+            let tags = unsafe { l.stage.fetch::<u8>(&s, ptr(&ring.tags, &s), m as usize) }?;
             // SAFETY: the counters hold 2 u64; no other stream uses them
             // while the inserter group is held, and this stream orders the
             // copy after the fetches above.
             unsafe { l.stage.upload(&s, &[0u64; 2], ptr(&ring.counters, &s)) }?;
             l.stage.sync(&s)?;
-            out.extend_from_slice(l.stage.read(&keys));
-            Ok(SampleDrain { accesses, sampled: m, dropped: claimed - m })
+            out.keys.extend_from_slice(l.stage.read(&keys));
+            out.tags.extend_from_slice(l.stage.read(&tags));
+            Ok(SampleDrain { accesses, sampled: m, dropped: claimed - m, threshold: None })
         })
         .unwrap_or_default()
     }
