@@ -47,22 +47,58 @@ pub fn uuid_string(u: &[u8; 16]) -> String {
     format!("GPU-{}-{}-{}-{}-{}", &h[..8], &h[8..12], &h[12..16], &h[16..20], &h[20..])
 }
 
-/// A client's device allocation opened in this process.
-pub struct IpcMem {
+/// A client's allocation as this process has it mapped: opened once per
+/// distinct handle, shared by every registration of that handle, closed
+/// when the last goes.
+struct Opened {
     dev: Arc<Device>,
     ordinal: usize,
     /// The allocation's address in this process.
     ptr: u64,
-    /// Bytes registered (at most the allocation's).
-    len: u64,
+    /// The handle it was opened from.
+    handle: [u8; HANDLE_LEN],
     /// Whether kernels on another GPU reach it (peer access), by ordinal,
     /// once asked.
     peers: parking_lot::Mutex<Vec<(usize, bool)>>,
 }
 
+/// Every allocation this process has open, by (GPU, handle bytes) and by
+/// (GPU, address). The lock is held around each open and close: one
+/// allocation registered through many copies of its handle (fuzzed ones
+/// among them) from several connections at once corrupted the daemon's
+/// heap ("malloc(): unsorted double linked list corrupted") when each
+/// registration opened and closed the handle by itself, concurrently. Now a
+/// handle already open is shared, not opened again; a different handle
+/// that maps to an address already open shares that mapping too, and its
+/// extra open is never closed (a leaked reference at worst, never a second
+/// close of one mapping).
+static OPEN: parking_lot::Mutex<Vec<std::sync::Weak<Opened>>> = parking_lot::Mutex::new(Vec::new());
+
+impl Drop for Opened {
+    fn drop(&mut self) {
+        let mut open = OPEN.lock();
+        open.retain(|w| w.strong_count() > 0);
+        let _ = self.dev.ctx.bind_to_thread();
+        // SAFETY: the address cuIpcOpenMemHandle gave, closed once (the last
+        // holder of the one `Opened` for it); every span holds an Arc of its
+        // IpcMem, so no kernel is given it afterwards (their streams were
+        // synchronised before the spans dropped).
+        let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+        drop(open);
+    }
+}
+
+/// A client's device allocation registered in this process: its mapping
+/// (shared with every other registration of it) and the bytes registered.
+pub struct IpcMem {
+    map: Arc<Opened>,
+    /// Bytes registered (at most the allocation's).
+    len: u64,
+}
+
 impl std::fmt::Debug for IpcMem {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "IpcMem(gpu {}, {:#x}, {} bytes)", self.ordinal, self.ptr, self.len)
+        write!(f, "IpcMem(gpu {}, {:#x}, {} bytes)", self.map.ordinal, self.map.ptr, self.len)
     }
 }
 
@@ -74,26 +110,61 @@ impl IpcMem {
             return Err(Error::Config("0 bytes to register".into()));
         }
         let dev = shared_device(ordinal)?;
-        dev.ctx.bind_to_thread().map_err(dev_err("binding the device's context"))?;
-        let h = sys::CUipcMemHandle { reserved: handle.map(|b| b as std::ffi::c_char) };
-        let mut ptr: sys::CUdeviceptr = 0;
-        let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
-        // SAFETY: writes one device pointer; the handle is plain bytes the
-        // driver validates (a bad one is an error result, not a fault).
-        let r = unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, h, flags) };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(Error::Device(format!(
-                "the IPC handle does not open ({r:?}): it must come from cuIpcGetMemHandle of a live allocation made \
-                 with cudaMalloc / cuMemAlloc by another process on this host (memory from cuMemCreate, freed \
-                 memory and the daemon's own cannot be opened)"
-            )));
-        }
-        let mem = IpcMem { dev, ordinal, ptr, len, peers: parking_lot::Mutex::new(Vec::new()) };
+        // Declared before the lock, so dropped after it on every path (see below).
+        let live: Vec<Arc<Opened>>;
+        let mut open = OPEN.lock();
+        open.retain(|w| w.strong_count() > 0);
+        let same = |o: &Opened, ptr: Option<u64>| o.ordinal == ordinal && ptr.map_or(o.handle == *handle, |p| o.ptr == p);
+        // Upgraded into a list dropped only after the lock is released: the
+        // last holder of one of them dropping it here would close it under
+        // the lock, which its drop takes again.
+        live = open.iter().filter_map(std::sync::Weak::upgrade).collect();
+        let known = live.iter().find(|o| same(o, None)).cloned();
+        let map = match known {
+            Some(m) => m,
+            None => {
+                dev.ctx.bind_to_thread().map_err(dev_err("binding the device's context"))?;
+                let h = sys::CUipcMemHandle { reserved: handle.map(|b| b as std::ffi::c_char) };
+                let mut ptr: sys::CUdeviceptr = 0;
+                let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
+                // SAFETY: writes one device pointer; the handle is plain bytes
+                // the driver validates (a bad one is an error result); no other
+                // open or close of this process runs meanwhile (`OPEN` held).
+                let r = unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, h, flags) };
+                if r != sys::CUresult::CUDA_SUCCESS {
+                    return Err(Error::Device(format!(
+                        "the IPC handle does not open ({r:?}): it must come from cuIpcGetMemHandle of a live \
+                         allocation made with cudaMalloc / cuMemAlloc by another process on this host (memory from \
+                         cuMemCreate, freed memory and the daemon's own cannot be opened)"
+                    )));
+                }
+                match live.iter().find(|o| same(o, Some(ptr))) {
+                    // Another handle of an allocation already open: share
+                    // that mapping; this open's reference is left open.
+                    Some(m) => m.clone(),
+                    None => {
+                        let m = Arc::new(Opened {
+                            dev: dev.clone(),
+                            ordinal,
+                            ptr,
+                            handle: *handle,
+                            peers: parking_lot::Mutex::new(Vec::new()),
+                        });
+                        open.push(Arc::downgrade(&m));
+                        m
+                    }
+                }
+            }
+        };
+        drop(open);
+        drop(live);
+        let mem = IpcMem { map, len };
         let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
-        // SAFETY: writes a base address and a size about an address the
-        // driver just mapped.
-        check(unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }, "cuMemGetAddressRange")?;
-        let avail = (base + size as u64).saturating_sub(ptr);
+        mem.map.dev.ctx.bind_to_thread().map_err(dev_err("binding the device's context"))?;
+        // SAFETY: writes a base address and a size about an address that is
+        // mapped while `mem` holds it.
+        check(unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, mem.map.ptr) }, "cuMemGetAddressRange")?;
+        let avail = (base + size as u64).saturating_sub(mem.map.ptr);
         if len > avail {
             return Err(Error::Config(format!("{len} bytes asked for, the allocation holds {avail}")));
         }
@@ -106,14 +177,14 @@ impl IpcMem {
     /// with `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`, so the mapping follows).
     /// Asked of the driver once per GPU.
     pub fn reachable_from(&self, ordinal: usize) -> bool {
-        if ordinal == self.ordinal {
+        if ordinal == self.map.ordinal {
             return true;
         }
-        if let Some(&(_, ok)) = self.peers.lock().iter().find(|(o, _)| *o == ordinal) {
+        if let Some(&(_, ok)) = self.map.peers.lock().iter().find(|(o, _)| *o == ordinal) {
             return ok;
         }
         let ok = self.enable_peer(ordinal).is_ok();
-        self.peers.lock().push((ordinal, ok));
+        self.map.peers.lock().push((ordinal, ok));
         ok
     }
 
@@ -123,16 +194,16 @@ impl IpcMem {
         // SAFETY: both are devices of an initialised driver; `can` is a
         // local out-parameter.
         check(
-            unsafe { sys::cuDeviceCanAccessPeer(&mut can, other.ctx.cu_device(), self.dev.ctx.cu_device()) },
+            unsafe { sys::cuDeviceCanAccessPeer(&mut can, other.ctx.cu_device(), self.map.dev.ctx.cu_device()) },
             "cuDeviceCanAccessPeer",
         )?;
         if can == 0 {
-            return Err(Error::Device(format!("GPU {ordinal} has no peer access to GPU {}", self.ordinal)));
+            return Err(Error::Device(format!("GPU {ordinal} has no peer access to GPU {}", self.map.ordinal)));
         }
         other.ctx.bind_to_thread().map_err(dev_err("binding the device's context"))?;
         // SAFETY: `other`'s context is current; this memory's context lives
-        // as long as its shared device (held by `self.dev`).
-        let r = unsafe { sys::cuCtxEnablePeerAccess(self.dev.ctx.cu_ctx(), 0) };
+        // as long as its shared device (held by `self.map.dev`).
+        let r = unsafe { sys::cuCtxEnablePeerAccess(self.map.dev.ctx.cu_ctx(), 0) };
         if r != sys::CUresult::CUDA_SUCCESS && r != sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
             return Err(Error::Device(format!("cuCtxEnablePeerAccess failed ({r:?})")));
         }
@@ -141,12 +212,12 @@ impl IpcMem {
 
     /// Its address in this process.
     pub(crate) fn addr(&self) -> u64 {
-        self.ptr
+        self.map.ptr
     }
 
     /// The GPU it lives on.
     pub fn ordinal(&self) -> usize {
-        self.ordinal
+        self.map.ordinal
     }
 
     /// Bytes registered.
@@ -163,7 +234,7 @@ impl IpcMem {
         let size = std::mem::size_of::<T>() as u64;
         let end = count.checked_mul(size).and_then(|b| offset.checked_add(b));
         match end {
-            Some(e) if e <= self.len && offset.is_multiple_of(size.max(1)) => Ok(self.ptr + offset),
+            Some(e) if e <= self.len && offset.is_multiple_of(size.max(1)) => Ok(self.map.ptr + offset),
             _ => Err(Error::Config(format!(
                 "{count} elements of {size} bytes at byte {offset} are not inside the {}-byte region, aligned",
                 self.len
@@ -182,7 +253,7 @@ impl IpcMem {
     /// Copies `dst.len()` elements from byte `offset` into `dst` (waits).
     pub fn read<T: DeviceRepr>(&self, offset: u64, dst: &mut [T]) -> Result<()> {
         let src = self.range::<T>(offset, dst.len() as u64)?;
-        self.dev.ctx.bind_to_thread().map_err(dev_err("binding the device's context"))?;
+        self.map.dev.ctx.bind_to_thread().map_err(dev_err("binding the device's context"))?;
         let bytes = std::mem::size_of_val(dst);
         if bytes == 0 {
             return Ok(());
@@ -196,7 +267,7 @@ impl IpcMem {
     /// Copies `src` to byte `offset` (waits).
     pub fn write<T: DeviceRepr>(&self, offset: u64, src: &[T]) -> Result<()> {
         let dst = self.range::<T>(offset, src.len() as u64)?;
-        self.dev.ctx.bind_to_thread().map_err(dev_err("binding the device's context"))?;
+        self.map.dev.ctx.bind_to_thread().map_err(dev_err("binding the device's context"))?;
         let bytes = std::mem::size_of_val(src);
         if bytes == 0 {
             return Ok(());
@@ -204,16 +275,6 @@ impl IpcMem {
         // SAFETY: `dst` is `bytes` bytes inside the opened allocation
         // (checked); the copy is synchronous.
         check(unsafe { sys::cuMemcpyHtoD_v2(dst, src.as_ptr().cast(), bytes) }, "copying to a CUDA region")
-    }
-}
-
-impl Drop for IpcMem {
-    fn drop(&mut self) {
-        let _ = self.dev.ctx.bind_to_thread();
-        // SAFETY: the address cuIpcOpenMemHandle gave, closed once; every
-        // span holds an Arc of this, so no kernel is given it afterwards
-        // (their streams were synchronised before the spans dropped).
-        let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
     }
 }
 
