@@ -147,12 +147,17 @@ impl Side {
     }
 }
 
-/// ((find, insert_or_assign) with the curves, the same without), daemon ns
-/// per key, and each daemon's memory in huge pages (MiB).
-fn run(a: &Args, seed: u64) -> Result<([(f64, f64); 2], [u64; 2])> {
+/// One round: per daemon (with the curves, without), (find, insert_or_assign)
+/// daemon ns per key, and its memory in huge pages (MiB).
+struct Round {
+    ns: [(f64, f64); 2],
+    huge: [u64; 2],
+}
+
+fn run(a: &Args, seed: u64) -> Result<Round> {
     // Which daemon starts (and fills) first alternates with the rounds.
     let on = !a.aa;
-    let mut sides = if seed % 2 == 0 {
+    let mut sides = if seed.is_multiple_of(2) {
         [Side::new(a, on)?, Side::new(a, false)?]
     } else {
         let off = Side::new(a, false)?;
@@ -196,7 +201,7 @@ fn run(a: &Args, seed: u64) -> Result<([(f64, f64); 2], [u64; 2])> {
             }
         }
     }
-    Ok((out, [sides[0].huge_mib(), sides[1].huge_mib()]))
+    Ok(Round { ns: out, huge: [sides[0].huge_mib(), sides[1].huge_mib()] })
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -222,7 +227,7 @@ fn main() -> Result<()> {
     let (mut fr, mut ir) = (vec![], vec![]);
     let (mut fon, mut foff, mut ion, mut ioff) = (vec![], vec![], vec![], vec![]);
     for r in 0..a.rounds {
-        let (res, huge) = run(&a, r as u64)?;
+        let Round { ns: res, huge } = run(&a, r as u64)?;
         let ([on, off], (f, w)) = (res, (res[0].0 / res[1].0, res[0].1 / res[1].1));
         // The table's memory in huge pages or not moves a find by 30-80 %
         // (shard/BENCHMARKS.md), and a busy machine's kernel does not always
