@@ -12,7 +12,9 @@
 //! `/proc/PID/task/*/schedstat`, ns) over each phase, divided by the keys,
 //! is the figure: it includes the curves' every cost (the per-batch
 //! filter, the 250 ms drains into the estimator). Prints one row per round
-//! and the medians.
+//! and the medians; a round where only one daemon's memory got transparent
+//! huge pages is printed as left out (it would measure the pages, not the
+//! curves).
 //!
 //! ```text
 //! cargo build --release -p hkvd --bin hkvd --example mrc-cost
@@ -135,13 +137,27 @@ impl Side {
     fn cpu(&self) -> Result<u64> {
         cpu_ns(self.d.child.id())
     }
+
+    /// The daemon's memory in transparent huge pages, MiB (AnonHugePages).
+    fn huge_mib(&self) -> u64 {
+        let r = std::fs::read_to_string(format!("/proc/{}/smaps_rollup", self.d.child.id())).unwrap_or_default();
+        let kb =
+            r.lines().find(|l| l.starts_with("AnonHugePages:")).and_then(|l| l.split_whitespace().nth(1)?.parse().ok());
+        kb.unwrap_or(0u64) >> 10
+    }
 }
 
-/// ((find, insert_or_assign) with the curves, the same without), daemon ns per key.
-fn run(a: &Args, seed: u64) -> Result<[(f64, f64); 2]> {
+/// One round: per daemon (with the curves, without), (find, insert_or_assign)
+/// daemon ns per key, and its memory in huge pages (MiB).
+struct Round {
+    ns: [(f64, f64); 2],
+    huge: [u64; 2],
+}
+
+fn run(a: &Args, seed: u64) -> Result<Round> {
     // Which daemon starts (and fills) first alternates with the rounds.
     let on = !a.aa;
-    let mut sides = if seed % 2 == 0 {
+    let mut sides = if seed.is_multiple_of(2) {
         [Side::new(a, on)?, Side::new(a, false)?]
     } else {
         let off = Side::new(a, false)?;
@@ -185,7 +201,7 @@ fn run(a: &Args, seed: u64) -> Result<[(f64, f64); 2]> {
             }
         }
     }
-    Ok(out)
+    Ok(Round { ns: out, huge: [sides[0].huge_mib(), sides[1].huge_mib()] })
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -211,8 +227,16 @@ fn main() -> Result<()> {
     let (mut fr, mut ir) = (vec![], vec![]);
     let (mut fon, mut foff, mut ion, mut ioff) = (vec![], vec![], vec![], vec![]);
     for r in 0..a.rounds {
-        let res = run(&a, r as u64)?;
+        let Round { ns: res, huge } = run(&a, r as u64)?;
         let ([on, off], (f, w)) = (res, (res[0].0 / res[1].0, res[0].1 / res[1].1));
+        // The table's memory in huge pages or not moves a find by 30-80 %
+        // (shard/BENCHMARKS.md), and a busy machine's kernel does not always
+        // give them: a round where one daemon got them and the other did not
+        // measures the pages, not the curves, and is left out of the medians.
+        if (huge[0] > 64) != (huge[1] > 64) {
+            println!("{:>5} left out: huge pages {} MiB with the curves, {} MiB without", r + 1, huge[0], huge[1]);
+            continue;
+        }
         println!("{:>5} {:>9.1} {:>9.1} {:>7.3} {:>9.1} {:>9.1} {:>7.3}", r + 1, on.0, off.0, f, on.1, off.1, w);
         fr.push(f);
         ir.push(w);

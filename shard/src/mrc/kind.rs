@@ -1,0 +1,89 @@
+//! What a sample was: the operation's [`Kind`], the batch's [`tag`], and
+//! a drain's [`Samples`].
+
+use serde::{Deserialize, Serialize};
+
+/// What a sampled key's operation was, as the estimator reads it (issue
+/// 32: a write that follows a lookup of the same key is not another
+/// reference). The low two bits of a sample's tag ([`tag`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[repr(u8)]
+pub enum Kind {
+    /// find, find_at, contains: a reference, counted as a hit or a miss;
+    /// it moves nothing (the table's finds do not touch scores). What the
+    /// client does next with the key (writes it back, inserts it after a
+    /// miss, or nothing) decides what the cache holds.
+    Lookup = 0,
+    /// find_or_insert: a reference, then the key is written (a miss
+    /// inserted, a hit's score refreshed): a plain LRU access.
+    FindOrInsert = 1,
+    /// insert_or_assign, insert_and_evict, accum_or_assign: the key placed
+    /// or refreshed; not a reference.
+    Write = 2,
+    /// assign, assign_scores: the key refreshed where present; not a
+    /// reference.
+    Update = 3,
+}
+
+impl Kind {
+    /// Whether the operation is a reference (counted in the table's hits
+    /// and misses, and in [`SampleDrain::accesses`](crate::SampleDrain)).
+    pub const fn is_lookup(self) -> bool {
+        matches!(self, Kind::Lookup | Kind::FindOrInsert)
+    }
+
+    pub(super) fn of(tag: u8) -> Kind {
+        match tag & 3 {
+            0 => Kind::Lookup,
+            1 => Kind::FindOrInsert,
+            2 => Kind::Write,
+            _ => Kind::Update,
+        }
+    }
+}
+
+/// A sample's tag byte: the [`Kind`] in bits 0–1 and the batch's sequence
+/// number modulo 64 in bits 2–7, so that a drain shows where one batch
+/// ends and the next begins (a change of tag). The CUDA kernels write the
+/// same byte beside each key of their ring (`HkvSample::tag`).
+pub const fn tag(kind: Kind, batch: u32) -> u8 {
+    kind as u8 | ((batch & 63) as u8) << 2
+}
+
+/// Sampled keys and their tags ([`tag`]), in the order they were drained.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Samples {
+    /// The keys.
+    pub keys: Vec<u64>,
+    /// One tag per key.
+    pub tags: Vec<u8>,
+}
+
+impl Samples {
+    /// Empties both.
+    pub fn clear(&mut self) {
+        self.keys.clear();
+        self.tags.clear();
+    }
+
+    /// Keys held.
+    pub fn len(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// Whether none is held.
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+
+    /// Appends `keys`, all with tag `t`.
+    pub fn push_batch(&mut self, keys: &[u64], t: u8) {
+        self.keys.extend_from_slice(keys);
+        self.tags.resize(self.keys.len(), t);
+    }
+
+    /// The keys of lookups (find, contains, find_or_insert) only.
+    pub fn lookups(&self) -> impl Iterator<Item = u64> + '_ {
+        self.keys.iter().zip(&self.tags).filter(|(_, &t)| Kind::of(t).is_lookup()).map(|(&k, _)| k)
+    }
+}
