@@ -114,7 +114,8 @@ impl IpcMem {
         let live: Vec<Arc<Opened>>;
         let mut open = OPEN.lock();
         open.retain(|w| w.strong_count() > 0);
-        let same = |o: &Opened, ptr: Option<u64>| o.ordinal == ordinal && ptr.map_or(o.handle == *handle, |p| o.ptr == p);
+        let same =
+            |o: &Opened, ptr: Option<u64>| o.ordinal == ordinal && ptr.map_or(o.handle == *handle, |p| o.ptr == p);
         // Upgraded into a list dropped only after the lock is released: the
         // last holder of one of them dropping it here would close it under
         // the lock, which its drop takes again.
