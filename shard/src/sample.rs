@@ -23,7 +23,8 @@
 //! that would overflow the buffer ([`SAMPLE_BUFFER_KEYS`]) lowers the
 //! buffer's own threshold instead (nothing is dropped; the drain names the
 //! threshold); on the CUDA backend sampled keys that find the ring full are
-//! lost and counted as dropped. Keys sampled under an earlier sampler are filtered
+//! lost and counted as dropped, and the drain lowers the ring's own
+//! threshold so that the next intervals fit. Keys sampled under an earlier sampler are filtered
 //! again by [`crate::mrc::Mrc::observe_samples`], so a sampler may change
 //! between drains. A drain on the CUDA backend takes the table's inserter
 //! lock group: a thread must not drain a table while it holds a device

@@ -29,10 +29,11 @@
 //! operation kind and sequence number, `HkvSample::tag`) is written to a
 //! second ring of the same length, so that the estimator tells lookups
 //! from writes and one batch from the next (issue 32); only lookups
-//! (kinds 0 and 1) add to the accesses counter. The ring does not lower
-//! its own rate as the CPU buffer does: sampled keys past its capacity
-//! are dropped and counted (`counters[0] - cap`), and the daemon shows
-//! the count with the curve.
+//! (kinds 0 and 1) add to the accesses counter. A kernel cannot lower the
+//! rate mid-batch as the CPU buffer does: sampled keys past the ring's
+//! capacity are dropped and counted (`counters[0] - cap`, shown with the
+//! curve), and the drain that finds them lowers the ring's own threshold
+//! so that the next intervals fit (the estimator follows it down).
 //!
 //! The ring is allocated when a sampler is first set and kept while the
 //! table lives (576 KiB and 16 bytes).
@@ -54,12 +55,25 @@ pub(super) struct Ring {
 }
 
 /// The sampler in force and the ring, once allocated.
-#[derive(Default)]
 pub(super) struct Sampling {
     switch: Switch,
     ring: OnceLock<Ring>,
     /// Sampled batches launched: the tags' sequence numbers.
     batches: AtomicU32,
+    /// The ring's own threshold, below the sampler's once a drain found
+    /// the ring overflowed (`u64::MAX`: none yet; see [`CudaTable::drain_ring`]).
+    own: std::sync::atomic::AtomicU64,
+}
+
+impl Default for Sampling {
+    fn default() -> Self {
+        Sampling {
+            switch: Switch::default(),
+            ring: OnceLock::new(),
+            batches: AtomicU32::new(0),
+            own: std::sync::atomic::AtomicU64::new(u64::MAX),
+        }
+    }
 }
 
 impl CudaTable {
@@ -103,7 +117,7 @@ impl CudaTable {
             counters: ptr(&ring.counters, l),
             cap: ring.keys.len() as u64,
             seed: s.seed,
-            threshold: s.threshold,
+            threshold: s.threshold.min(self.sampling.own.load(Relaxed)),
             tags: ptr(&ring.tags, l),
             tag: tag(kind, self.sampling.batches.fetch_add(1, Relaxed)) as u64,
         }
@@ -139,7 +153,20 @@ impl CudaTable {
             l.stage.sync(&s)?;
             out.keys.extend_from_slice(l.stage.read(&keys));
             out.tags.extend_from_slice(l.stage.read(&tags));
-            Ok(SampleDrain { accesses, sampled: m, dropped: claimed - m, threshold: None })
+            // The ring overflowed: the next batches sample at a rate that
+            // would have fit this interval's claims in half the ring, and
+            // the estimator follows it down (it filters these keys at the
+            // new threshold and lowers its sampler to it). At 1.2 G keys/s
+            // the 64 Ki slots held under 2 % of one interval's claims at
+            // the first rate; from the next interval on they fit.
+            let own = &self.sampling.own;
+            if claimed > cap {
+                let now = self.sampling.switch.get().map_or(u64::MAX, |s| s.threshold).min(own.load(Relaxed));
+                let lower = (u128::from(now) * u128::from(cap) / u128::from(claimed) / 2) as u64;
+                own.store(lower.max(1), Relaxed);
+            }
+            let t = own.load(Relaxed);
+            Ok(SampleDrain { accesses, sampled: m, dropped: claimed - m, threshold: (t != u64::MAX).then_some(t) })
         })
         .unwrap_or_default()
     }
