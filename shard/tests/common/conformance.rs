@@ -703,7 +703,9 @@ pub fn sampling_applies_the_filter(make: Make) {
 /// A burst past the buffer either lowers the buffer's own rate (the CPU
 /// backend, issue 32: nothing dropped, exactly the keys below the lower
 /// threshold kept, the drain naming it) or is cut at the buffer's end and
-/// counted as dropped (the CUDA ring); the next drain starts afresh.
+/// counted as dropped (the CUDA ring, whose drain then lowers the ring's
+/// own rate for the batches after it, until a sampler is set again); the
+/// next drain starts afresh.
 /// Several threads sampling while another drains lose nothing and invent
 /// nothing.
 pub fn sampling_overflow_and_concurrent_drains(make: Make) {
@@ -722,22 +724,35 @@ pub fn sampling_overflow_and_concurrent_drains(make: Make) {
     let d = t.drain_samples(&mut out);
     let total = all.len() as u64;
     let batches: Vec<Vec<u64>> = all.chunks(batch).map(<[u64]>::to_vec).collect();
-    match d.threshold {
-        Some(th) => {
-            let below: Vec<Vec<u64>> =
-                batches.iter().map(|b| b.iter().copied().filter(|&k| sample_hash(k, 7) < th).collect()).collect();
-            let n = below.iter().map(Vec::len).sum::<usize>() as u64;
-            assert!(n <= SAMPLE_BUFFER_KEYS as u64 && n > SAMPLE_BUFFER_KEYS as u64 / 4, "{n} kept");
-            assert_eq!(d, SampleDrain { accesses: total, sampled: n, dropped: 0, threshold: Some(th) });
-            assert_batches(&out.keys, &below);
-        }
-        None => {
-            let kept = SAMPLE_BUFFER_KEYS as u64;
-            assert_eq!(d, SampleDrain { accesses: total, sampled: kept, dropped: total - kept, threshold: None });
-            // The first batches' keys stay, batch after batch (each batch's
-            // keys in the backend's order), the last one cut short.
-            assert_batches(&out.keys, &batches);
-        }
+    if d.dropped == 0 {
+        // The CPU buffer: its own rate lowered, nothing dropped.
+        let th = d.threshold.expect("the buffer lowered its threshold");
+        let below: Vec<Vec<u64>> =
+            batches.iter().map(|b| b.iter().copied().filter(|&k| sample_hash(k, 7) < th).collect()).collect();
+        let n = below.iter().map(Vec::len).sum::<usize>() as u64;
+        assert!(n <= SAMPLE_BUFFER_KEYS as u64 && n > SAMPLE_BUFFER_KEYS as u64 / 4, "{n} kept");
+        assert_eq!(d, SampleDrain { accesses: total, sampled: n, dropped: 0, threshold: Some(th) });
+        assert_batches(&out.keys, &below);
+    } else {
+        // The CUDA ring: cut at its end and counted; the drain names the
+        // lower threshold its next batches sample at, which would have fit
+        // this burst in half the ring (the estimator follows it down).
+        let kept = SAMPLE_BUFFER_KEYS as u64;
+        let th = d.threshold.expect("the ring lowered its threshold");
+        let want_th = (u128::from(u64::MAX) * u128::from(kept) / u128::from(total) / 2) as u64;
+        assert_eq!(d, SampleDrain { accesses: total, sampled: kept, dropped: total - kept, threshold: Some(want_th) });
+        assert!(th < u64::MAX / 2);
+        // The first batches' keys stay, batch after batch (each batch's
+        // keys in the backend's order), the last one cut short.
+        assert_batches(&out.keys, &batches);
+        // Until a sampler is set again (the estimator sets the rate it
+        // followed down to), batches sample below the ring's threshold.
+        out.clear();
+        t.contains(&all[..1000], &mut vec![false; 1000]).unwrap();
+        let d = t.drain_samples(&mut out);
+        let below: Vec<u64> = all[..1000].iter().copied().filter(|&k| sample_hash(k, 7) < th).collect();
+        assert_eq!(d, SampleDrain { accesses: 1000, sampled: below.len() as u64, dropped: 0, threshold: Some(th) });
+        t.set_sampler(Some(Sampler { seed: 7, threshold: u64::MAX }));
     }
     out.clear();
     t.contains(&all[..10], &mut [false; 10]).unwrap();

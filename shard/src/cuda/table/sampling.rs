@@ -79,7 +79,10 @@ impl Default for Sampling {
 impl CudaTable {
     /// [`Shard::set_sampler`]: allocates the ring on first use. A ring that
     /// cannot be allocated leaves sampling off (drains stay empty).
+    /// Setting a sampler drops the ring's own lowered threshold (the
+    /// estimator sets the rate it followed down to, at most that).
     pub(super) fn set_sampling(&self, sampler: Option<Sampler>) {
+        self.sampling.own.store(u64::MAX, Relaxed);
         if sampler.is_some() && self.sampling.ring.get().is_none() && self.alloc_ring().is_err() {
             self.sampling.switch.set(None);
             return;
