@@ -220,8 +220,24 @@ fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
 
 impl SledStore {
     /// Opens (or creates) the database directory. A damaged database gives
-    /// an error (sled's panics included), never a crash.
+    /// an error (sled's panics included), never a crash. The database's
+    /// lock is asked for again for up to 2 s: a store of this process
+    /// just dropped, or of a process that just exited, can still hold it
+    /// for a moment after the last handle went (seen as an intermittent
+    /// "could not acquire lock" when a test reopened a catalog at once).
     pub fn open(path: &std::path::Path) -> Result<SledStore> {
+        let start = std::time::Instant::now();
+        loop {
+            match Self::open_once(path) {
+                Err(e) if Self::is_locked_error(&e) && start.elapsed() < std::time::Duration::from_secs(2) => {
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                r => return r,
+            }
+        }
+    }
+
+    fn open_once(path: &std::path::Path) -> Result<SledStore> {
         guarded("open", || {
             let db = sled::Config::new()
                 .path(path)

@@ -59,11 +59,7 @@ async fn answer(
     // Answers count against the bytes in flight before they are built: a
     // client that pipelines large finds without reading them is refused
     // instead of holding answers until memory runs out.
-    let need = match &req {
-        // Kept for as long as the trace runs.
-        Request::Control(Control::Trace { .. }) => crate::mrc::TRACE_PEAK_BYTES,
-        r => state.router.peak_bytes(r),
-    };
+    let need = state.router.peak_bytes(&req);
     if need > 0 {
         let mut c = InFlight::total(state);
         if !c.add(need, state.config.limits.max_bytes_in_flight) {

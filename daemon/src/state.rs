@@ -79,25 +79,29 @@ pub struct InFlight {
     state: Arc<State>,
     counter: fn(&ServerStats) -> &AtomicU64,
     bytes: u64,
+    /// Whether large amounts are checked against the address space: the
+    /// total's shares are; a share of `receiving_bytes` is also counted in
+    /// the total, which checks it once.
+    space: bool,
 }
 
 impl InFlight {
     /// A share of `ServerStats::in_flight_bytes`.
     pub(crate) fn total(state: &Arc<State>) -> InFlight {
-        InFlight { state: state.clone(), counter: |s| &s.in_flight_bytes, bytes: 0 }
+        InFlight { state: state.clone(), counter: |s| &s.in_flight_bytes, bytes: 0, space: true }
     }
 
     /// A share of `ServerStats::receiving_bytes`.
     pub(crate) fn receiving(state: &Arc<State>) -> InFlight {
-        InFlight { state: state.clone(), counter: |s| &s.receiving_bytes, bytes: 0 }
+        InFlight { state: state.clone(), counter: |s| &s.receiving_bytes, bytes: 0, space: false }
     }
 
     /// Counts `n` more bytes, unless the counter would then pass `cap`,
-    /// or (for a large `n`) the bytes would not fit the address space
-    /// beside what is mapped and counted ([`crate::memory`]).
+    /// or (a large `n` in the total) the bytes would not fit the address
+    /// space beside what is mapped and counted ([`crate::memory`]).
     pub(crate) fn add(&mut self, n: u64, cap: u64) -> bool {
         let counter = (self.counter)(&self.state.stats);
-        if !crate::memory::fits_counted(&self.state.memory, n, &self.state.stats.in_flight_bytes) {
+        if self.space && !crate::memory::fits_counted(&self.state.memory, n, &self.state.stats.in_flight_bytes) {
             return false;
         }
         let ok = counter.fetch_update(Relaxed, Relaxed, |b| b.checked_add(n).filter(|&t| t <= cap)).is_ok();

@@ -61,7 +61,6 @@ async fn early(
     t: &Arc<Table>,
     op: DeviceOp,
     arrays: IpcArrays,
-    wait: Option<Arc<IpcEvent>>,
     done: Option<Arc<IpcEvent>>,
 ) -> Result<RegionAnswer, ProtoError> {
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
@@ -71,12 +70,7 @@ async fn early(
             let queued: Box<dyn FnOnce() + Send> = Box::new(move || {
                 let _ = tx.send(());
             });
-            c.run_ipc(
-                op,
-                &arrays,
-                None,
-                IpcOrder { wait: wait.as_deref(), done: done.as_deref(), queued: Some(queued) },
-            )
+            c.run_ipc(op, &arrays, None, IpcOrder { wait: None, done: done.as_deref(), queued: Some(queued) })
         })
         .await;
         state.stats.regions.early.fetch_sub(1, Relaxed);
@@ -140,7 +134,6 @@ pub(super) async fn run(
     req: &RegionRequest,
     arrs: &[Arr],
     n: usize,
-    wait: &Option<Arc<IpcEvent>>,
     done: &Option<Arc<IpcEvent>>,
 ) -> Result<Option<RegionAnswer>, ProtoError> {
     let Some(op) = device_op(req) else { return Ok(None) };
@@ -195,11 +188,11 @@ pub(super) async fn run(
     };
     let arrays = IpcArrays { keys, values, found, scores, lost };
     let c = if shards == 1 && done.is_some() && op != DeviceOp::InsertAndEvict && take_early_place(state) {
-        return early(state, t, op, arrays, wait.clone(), done.clone()).await.map(Some);
+        return early(state, t, op, arrays, done.clone()).await.map(Some);
     } else if shards == 1 {
-        let (wait, done) = (wait.clone(), done.clone());
+        let done = done.clone();
         on_shard(state, t, 0, move |c| {
-            c.run_ipc(op, &arrays, None, IpcOrder { wait: wait.as_deref(), done: done.as_deref(), queued: None })
+            c.run_ipc(op, &arrays, None, IpcOrder { wait: None, done: done.as_deref(), queued: None })
         })
         .await?
     } else {
@@ -208,11 +201,9 @@ pub(super) async fn run(
             on_shard(state, t, 0, move |c| c.check_ipc_keys(&keys).map(|()| Counts::default())).await?;
         }
         let parts = (0..shards).map(|i| {
-            let (arrays, wait) = (arrays.clone(), wait.clone());
+            let arrays = arrays.clone();
             let part = IpcPart { shard: i as u32, shards: shards as u32 };
-            on_shard(state, t, i, move |c| {
-                c.run_ipc(op, &arrays, Some(part), IpcOrder { wait: wait.as_deref(), ..IpcOrder::default() })
-            })
+            on_shard(state, t, i, move |c| c.run_ipc(op, &arrays, Some(part), IpcOrder::default()))
         });
         let mut total = Counts::default();
         for r in join_all(parts).await {

@@ -251,11 +251,11 @@ pub(super) async fn run(
     }
     let (wait, done) = events(known_events, &req)?;
     // The wait happens here, on the host, before the request reaches a
-    // shard: the daemon's streams never wait on a client's event.
+    // shard: the daemon's streams never wait on a client's event, and no
+    // path after this one waits again.
     if let (Some(w), Some((id, _))) = (&wait, req.events) {
         wait_for_event(state, conn, w, id).await?;
     }
-    let wait: Option<Arc<IpcEvent>> = None;
     let device = arrs.iter().any(|a| a.region.device().is_some());
     if device && arrs.iter().any(|a| a.region.host().is_some()) {
         return Err(ProtoError::bad_request(
@@ -263,14 +263,11 @@ pub(super) async fn run(
         ));
     }
     if device {
-        if let Some(a) = super::device::run(state, &t, &req, &arrs, n, &wait, &done).await? {
+        if let Some(a) = super::device::run(state, &t, &req, &arrs, n, &done).await? {
             return Ok(a);
         }
     }
     let _charge = charge(state, &req, &arrs)?;
-    if let Some(w) = wait {
-        blocking(move || w.wait_host()).await?;
-    }
     let a = staged(state, &t, req, &arrs, n, device).await?;
     if let Some(d) = done {
         blocking(move || d.record_now()).await?;

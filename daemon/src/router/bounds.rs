@@ -41,8 +41,13 @@ impl Router {
     /// copy); the other answers are built as arrays, then encoded into the
     /// frame (two); find_or_insert, insert_and_evict and the feature ops
     /// also hold the merged per-shard parts or the hashed keys while the
-    /// answer is built (three).
+    /// answer is built (three). A trace holds its shards' keys, their
+    /// merge and the answer, for as long as it runs
+    /// ([`crate::mrc::TRACE_PEAK_BYTES`]).
     pub fn peak_bytes(&self, req: &Request) -> u64 {
+        if let Request::Control(hkv_proto::Control::Trace { .. }) = req {
+            return crate::mrc::TRACE_PEAK_BYTES;
+        }
         let copies = match req {
             Request::Find { scores: false, .. } | Request::Echo { .. } => 1,
             Request::Write { op: WriteOp::FindOrInsert | WriteOp::InsertAndEvict, .. }

@@ -36,8 +36,9 @@ impl Slots {
         crate::cpu::prefetch::prefetch(&self.slots[self.home(key)]);
     }
 
+    /// The slot holding `key`, probing linearly from its home.
     #[inline]
-    pub(super) fn get(&self, key: u64) -> Option<u32> {
+    fn position(&self, key: u64) -> Option<usize> {
         let mask = self.slots.len() - 1;
         let mut i = self.home(key);
         loop {
@@ -46,10 +47,15 @@ impl Slots {
                 return None;
             }
             if k == key {
-                return Some(e);
+                return Some(i);
             }
             i = (i + 1) & mask;
         }
+    }
+
+    #[inline]
+    pub(super) fn get(&self, key: u64) -> Option<u32> {
+        self.position(key).map(|i| self.slots[i].1)
     }
 
     /// Inserts `key` (not present) → `e`.
@@ -66,17 +72,7 @@ impl Slots {
 
     pub(super) fn remove(&mut self, key: u64) -> Option<u32> {
         let mask = self.slots.len() - 1;
-        let mut i = self.home(key);
-        loop {
-            let (k, e) = self.slots[i];
-            if e == NIL {
-                return None;
-            }
-            if k == key {
-                break;
-            }
-            i = (i + 1) & mask;
-        }
+        let i = self.position(key)?;
         let e = self.slots[i].1;
         // Backward shift: move each later key of the run into the hole if
         // its home is not between the hole and it.
