@@ -22,8 +22,3 @@ pub fn shard_error(e: ShardError) -> ProtoError {
 pub(crate) fn err(code: ErrorCode, msg: impl Into<String>) -> ProtoError {
     ProtoError::new(code, msg)
 }
-
-/// A shard actor answered a message with the result of another kind.
-pub(crate) fn unexpected(what: &str) -> ProtoError {
-    err(ErrorCode::Internal, format!("a shard actor answered {what} with another kind of result"))
-}

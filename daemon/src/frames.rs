@@ -10,6 +10,8 @@ use hkv_shard::Rows;
 use parking_lot::Mutex;
 use zerocopy::FromBytes;
 
+use crate::shard_ops::Destination;
+
 /// Frames given back once sent, whose memory find and echo answers reuse
 /// instead of a fresh allocation each time (a find of 64 Ki keys of dim 32
 /// answers 8.4 MB, of 1 Mi keys 135 MB). Keeps at most [`Frames::KEEP`]
@@ -87,12 +89,36 @@ impl AnswerFrame {
         }
     }
 
+    /// The frame as a find's destination, when the table can write its
+    /// rows there ([`AnswerFrame::rows`]).
+    pub fn framed(mut self) -> Option<Framed> {
+        self.rows().is_some().then_some(Framed(self))
+    }
+
     /// The response to send (see [`FindFrame::into_response`]).
     pub fn into_response(self) -> Response {
         match self {
             AnswerFrame::Plain(f) => f.into_response(),
             AnswerFrame::Pinned(f) => f.into_response(),
         }
+    }
+}
+
+/// A response frame whose rows a table writes ([`AnswerFrame::framed`]).
+pub struct Framed(AnswerFrame);
+
+impl Framed {
+    /// The response to send.
+    pub fn into_response(self) -> Response {
+        self.0.into_response()
+    }
+}
+
+impl Destination for Framed {
+    fn answer(&mut self) -> (&mut [u8], Rows<'_>) {
+        // Whether a frame takes rows depends on its alignment alone, which
+        // `framed` checked and nothing changes.
+        self.0.rows().expect("a framed frame takes rows")
     }
 }
 

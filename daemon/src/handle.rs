@@ -143,11 +143,46 @@ async fn control(
             let r = r.ok_or_else(|| ProtoError::new(ErrorCode::NotFound, "there is no checkpoint to restore"))?;
             Ok(Response::Json(serde_json::to_vec(&r).expect("serializes")))
         }
-        Control::Trace { table, seconds } => crate::mrc::trace(state, &table, seconds, conn.gone()).await,
+        Control::Trace { table, seconds } => trace(state, &table, seconds, conn.gone()).await,
         Control::Shutdown => {
             info!(uid = peer.uid, "shutdown requested");
             let _ = state.shutdown.send(true);
             Ok(Response::Empty)
         }
     }
+}
+
+/// Answers a trace request: starts a trace on every shard of `table`,
+/// waits `seconds` (less when the daemon begins to drain or the peer goes
+/// away), and answers the
+/// merged keys ([`crate::mrc::merge_traces`]), at most what fits in
+/// `limits.max_frame_bytes` and [`crate::mrc::TRACE_MAX_KEYS`] (the rest left out, `truncated` set).
+async fn trace(
+    state: &State,
+    table: &str,
+    seconds: u32,
+    peer_gone: impl std::future::Future<Output = ()>,
+) -> Result<hkv_proto::Response, hkv_proto::ProtoError> {
+    let router = &state.router;
+    if router.mrc.is_none() {
+        return Err(hkv_proto::ProtoError::bad_request(
+            "the daemon samples no keys (started with --no-mrc or [mrc] enabled = false); start it with the curves on",
+        ));
+    }
+    let t = router.table(table)?;
+    // The answer: 8 bytes of rate, 1 truncated byte, a u32 count, 8 per key;
+    // at most TRACE_MAX_KEYS over every shard (what `handle` counted).
+    let max_keys = ((state.config.limits.max_frame_bytes as usize).saturating_sub(64) / 8)
+        .min(crate::mrc::TRACE_MAX_KEYS)
+        / t.shards().max(1);
+    router.trace_start(&t, max_keys).await?;
+    let mut stop = state.shutdown.subscribe();
+    tokio::select! {
+        _ = tokio::time::sleep(std::time::Duration::from_secs(seconds as u64)) => {}
+        _ = stop.changed() => {}
+        // Nobody to answer: the trace ends, its keys are dropped.
+        _ = peer_gone => {}
+    }
+    let (keys, rate, truncated) = crate::mrc::merge_traces(router.trace_take(&t).await?);
+    Ok(hkv_proto::Response::Trace { rate, truncated, keys })
 }

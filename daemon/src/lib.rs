@@ -48,6 +48,7 @@ pub mod mrc;
 pub mod region;
 pub mod router;
 pub mod server;
+pub mod shard_ops;
 pub mod state;
 pub mod stats;
 

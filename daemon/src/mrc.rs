@@ -15,9 +15,9 @@
 //! as weights (the hit rate of the union of their streams).
 //!
 //! # Traces
-//! While a trace is being taken ([`MrcOp::TraceStart`]), each drain also
+//! While a trace is being taken ([`ShardMrc::trace_start`]), each drain also
 //! appends the sampled keys (after the estimator's current filter) to the
-//! shard's trace, up to a bound; [`MrcOp::TraceTake`] hands them over with
+//! shard's trace, up to a bound; [`ShardMrc::trace_take`] hands them over with
 //! the rate they were sampled at.
 
 use std::sync::Arc;
@@ -49,23 +49,6 @@ struct Trace {
     truncated: bool,
 }
 
-/// What the estimator of one shard is asked.
-#[derive(Debug)]
-pub enum MrcOp {
-    /// Drain the shard's samples into its estimator.
-    Drain,
-    /// Drain, then the curve at the shard's capacity.
-    Curve,
-    /// Start collecting sampled keys (at most `max_keys`; an earlier trace
-    /// is dropped).
-    TraceStart {
-        /// The bound.
-        max_keys: usize,
-    },
-    /// Drain, then hand over the trace collected since `TraceStart`.
-    TraceTake,
-}
-
 /// One shard's curve.
 #[derive(Debug, Clone)]
 pub struct ShardCurve {
@@ -86,17 +69,6 @@ pub struct ShardTrace {
     pub truncated: bool,
 }
 
-/// What the estimator answers.
-#[derive(Debug)]
-pub enum MrcResult {
-    /// Nothing (drain, trace start, or the curves are off).
-    Unit,
-    /// A curve.
-    Curve(Box<ShardCurve>),
-    /// A trace.
-    Trace(ShardTrace),
-}
-
 impl ShardMrc {
     /// An estimator for `shard`, whose sampler it sets.
     pub fn open(shard: &dyn Shard, cfg: MrcConfig) -> Arc<ShardMrc> {
@@ -107,7 +79,7 @@ impl ShardMrc {
 
     /// Moves the shard's samples into the estimator (and the trace), then
     /// sets the shard's sampler to the estimator's current filter.
-    fn drain(&self, shard: &dyn Shard) {
+    pub fn drain(&self, shard: &dyn Shard) {
         let mut g = self.inner.lock();
         let Inner { mrc, buf, trace } = &mut *g;
         buf.clear();
@@ -143,35 +115,30 @@ impl ShardMrc {
         }
     }
 
-    /// Runs `op` on this shard's estimator.
-    pub fn execute(&self, shard: &dyn Shard, op: MrcOp) -> MrcResult {
-        match op {
-            MrcOp::Drain => {
-                self.drain(shard);
-                MrcResult::Unit
-            }
-            MrcOp::Curve => {
-                self.drain(shard);
-                let g = self.inner.lock();
-                let memory = g.mrc.memory_bytes() as u64;
-                MrcResult::Curve(Box::new(ShardCurve { curve: g.mrc.curve(), memory }))
-            }
-            MrcOp::TraceStart { max_keys } => {
-                self.drain(shard);
-                self.inner.lock().trace = Some(Trace { keys: Vec::new(), max_keys, truncated: false });
-                MrcResult::Unit
-            }
-            MrcOp::TraceTake => {
-                self.drain(shard);
-                let mut g = self.inner.lock();
-                let t = g.trace.take().unwrap_or(Trace { keys: vec![], max_keys: 0, truncated: false });
-                // Keys sampled at a higher rate early on are filtered again
-                // at the last one, so the whole trace is one spatial sample.
-                let sampler = g.mrc.sampler();
-                let keys = t.keys.into_iter().filter(|&k| sampler.sampled(k)).collect();
-                MrcResult::Trace(ShardTrace { keys, sampler, truncated: t.truncated })
-            }
-        }
+    /// Drains, then the curve at the shard's capacity.
+    pub fn curve(&self, shard: &dyn Shard) -> ShardCurve {
+        self.drain(shard);
+        let g = self.inner.lock();
+        ShardCurve { curve: g.mrc.curve(), memory: g.mrc.memory_bytes() as u64 }
+    }
+
+    /// Drains, then starts collecting sampled keys (at most `max_keys`;
+    /// an earlier trace is dropped).
+    pub fn trace_start(&self, shard: &dyn Shard, max_keys: usize) {
+        self.drain(shard);
+        self.inner.lock().trace = Some(Trace { keys: Vec::new(), max_keys, truncated: false });
+    }
+
+    /// Drains, then hands over the trace collected since [`ShardMrc::trace_start`].
+    pub fn trace_take(&self, shard: &dyn Shard) -> ShardTrace {
+        self.drain(shard);
+        let mut g = self.inner.lock();
+        let t = g.trace.take().unwrap_or(Trace { keys: vec![], max_keys: 0, truncated: false });
+        // Keys sampled at a higher rate early on are filtered again
+        // at the last one, so the whole trace is one spatial sample.
+        let sampler = g.mrc.sampler();
+        let keys = t.keys.into_iter().filter(|&k| sampler.sampled(k)).collect();
+        ShardTrace { keys, sampler, truncated: t.truncated }
     }
 }
 
@@ -244,40 +211,6 @@ pub const TRACE_MAX_KEYS: usize = 16 << 20;
 /// The shards' keys, the merge's (position, key) pairs and the answer:
 /// at most 3 × 8 bytes per key alive at once, plus the frame.
 pub const TRACE_PEAK_BYTES: u64 = TRACE_MAX_KEYS as u64 * 8 * 4;
-
-/// Answers a trace request: starts a trace on every shard of `table`,
-/// waits `seconds` (less when the daemon begins to drain or the peer goes
-/// away), and answers the
-/// merged keys ([`merge_traces`]), at most what fits in
-/// `limits.max_frame_bytes` and [`TRACE_MAX_KEYS`] (the rest left out, `truncated` set).
-pub async fn trace(
-    state: &crate::state::State,
-    table: &str,
-    seconds: u32,
-    peer_gone: impl std::future::Future<Output = ()>,
-) -> Result<hkv_proto::Response, hkv_proto::ProtoError> {
-    let router = &state.router;
-    if router.mrc.is_none() {
-        return Err(hkv_proto::ProtoError::bad_request(
-            "the daemon samples no keys (started with --no-mrc or [mrc] enabled = false); start it with the curves on",
-        ));
-    }
-    let t = router.table(table)?;
-    // The answer: 8 bytes of rate, 1 truncated byte, a u32 count, 8 per key;
-    // at most TRACE_MAX_KEYS over every shard (what `handle` counted).
-    let max_keys =
-        ((state.config.limits.max_frame_bytes as usize).saturating_sub(64) / 8).min(TRACE_MAX_KEYS) / t.shards().max(1);
-    router.trace_start(&t, max_keys).await?;
-    let mut stop = state.shutdown.subscribe();
-    tokio::select! {
-        _ = tokio::time::sleep(Duration::from_secs(seconds as u64)) => {}
-        _ = stop.changed() => {}
-        // Nobody to answer: the trace ends, its keys are dropped.
-        _ = peer_gone => {}
-    }
-    let (keys, rate, truncated) = merge_traces(router.trace_take(&t).await?);
-    Ok(hkv_proto::Response::Trace { rate, truncated, keys })
-}
 
 #[cfg(test)]
 mod tests {

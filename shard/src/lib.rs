@@ -569,11 +569,56 @@ pub trait Shard: Send + Sync {
         SampleDrain::default()
     }
 
-    /// The shard as a CUDA table, for requests on a client's device memory
-    /// ([`cuda::table::CudaTable::run_ipc`]); None on other backends.
-    fn cuda(&self) -> Option<&cuda::table::CudaTable> {
-        None
+    /// An operation on a client's device memory in place
+    /// ([`cuda::table::CudaTable::run_ipc`]): only a backend whose table
+    /// lies in device memory serves it; the default refuses it.
+    fn run_ipc(
+        &self,
+        op: cuda::table::DeviceOp,
+        arrays: &cuda::table::IpcArrays,
+        part: Option<cuda::table::IpcPart>,
+        order: cuda::table::IpcOrder<'_>,
+    ) -> Result<cuda::table::Counts> {
+        let _ = (arrays, part, order);
+        Err(Error::Device(format!("{op:?} on a client's device memory needs a table on the CUDA backend")))
     }
+
+    /// Refuses a batch in a client's device memory that holds a reserved
+    /// key ([`cuda::table::CudaTable::check_ipc_keys`]); the default
+    /// refuses every such batch, as [`Shard::run_ipc`] does.
+    fn check_ipc_keys(&self, keys: &cuda::ipc::IpcSpan<u64>) -> Result<()> {
+        let _ = keys;
+        Err(Error::Device("keys in a client's device memory need a table on the CUDA backend".into()))
+    }
+}
+
+/// A find's answer written in place: the flags (one byte per row of the
+/// answer, 1 for a hit) and the rows of `keys`, at rows `at` of the answer
+/// when several shards fill it in turn ([`Shard::find_at`]), else at rows
+/// `0..keys.len()` ([`Shard::find_into`]). Every target row is written:
+/// a miss gets zeros (the answer's memory may hold an earlier answer).
+/// Returns the number of hits.
+pub fn find_answer(
+    s: &dyn Shard,
+    keys: &[u64],
+    at: Option<&[u32]>,
+    mut rows: Rows<'_>,
+    flags: &mut [u8],
+) -> Result<usize> {
+    if let Some(at) = at {
+        return s.find_at(keys, at, rows, flags);
+    }
+    check::len("found flags", flags.len(), keys.len(), || format!("{} keys", keys.len()))?;
+    let mut hit = vec![false; keys.len()];
+    let hits = s.find_into(keys, rows.reborrow(), &mut hit)?;
+    let dim = s.dim().max(1);
+    for ((b, &h), row) in flags.iter_mut().zip(&hit).zip(rows.into_values().chunks_exact_mut(dim)) {
+        *b = u8::from(h);
+        if !h {
+            row.fill(0.0);
+        }
+    }
+    Ok(hits)
 }
 
 /// What one [`Shard::drain_samples`] handed over.

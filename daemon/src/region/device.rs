@@ -19,14 +19,13 @@ use futures::future::join_all;
 use hkv_proto::region::{RegionAnswer, RegionRequest, NOT_COUNTED};
 use hkv_proto::{ErrorCode, Op, ProtoError, Summary};
 use hkv_shard::cuda::ipc::{IpcEvent, IpcSpan};
-use hkv_shard::cuda::table::{Counts, DeviceOp, IpcArrays, IpcOrder, IpcPart};
-use hkv_shard::Shard;
+use hkv_shard::cuda::table::{Counts, DeviceOp, IpcArrays, IpcPart};
 
-use super::run::Arr;
-use super::{err, ShardFn};
-use crate::actor::{SubOp, SubResult};
+use super::arrays::Arr;
+use super::err;
 use crate::error::shard_error;
 use crate::router::{to_wire, Table};
+use crate::shard_ops::{CheckIpcKeys, RunIpc};
 use crate::state::State;
 
 /// The answer of a batch run in place, from its counts.
@@ -66,13 +65,10 @@ async fn early(
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     let (state, t) = (state.clone(), t.clone());
     let run = tokio::spawn(async move {
-        let r = on_shard(&state, &t, 0, move |c| {
-            let queued: Box<dyn FnOnce() + Send> = Box::new(move || {
-                let _ = tx.send(());
-            });
-            c.run_ipc(op, &arrays, None, IpcOrder { wait: None, done: done.as_deref(), queued: Some(queued) })
-        })
-        .await;
+        let queued: Box<dyn FnOnce() + Send> = Box::new(move || {
+            let _ = tx.send(());
+        });
+        let r = state.router.call(&t, 0, RunIpc { op, arrays, part: None, done, queued: Some(queued) }).await;
         state.stats.regions.early.fetch_sub(1, Relaxed);
         if let Err(e) = &r {
             tracing::warn!(error = %e.message, "a device region request failed after it was answered");
@@ -89,25 +85,6 @@ async fn early(
     // Refused before it was queued: its error (or, had it run, its counts).
     let c = run.await.map_err(|e| err(ErrorCode::Internal, format!("the request's task failed: {e}")))??;
     Ok(answer(op, c))
-}
-
-/// Runs `f` on shard `i`'s CUDA table, on its actor.
-async fn on_shard(
-    state: &Arc<State>,
-    t: &Arc<Table>,
-    i: usize,
-    f: impl FnOnce(&hkv_shard::cuda::table::CudaTable) -> hkv_shard::Result<Counts> + Send + 'static,
-) -> Result<Counts, ProtoError> {
-    let g = move |s: &dyn Shard| {
-        let Some(c) = s.cuda() else {
-            return Err(hkv_shard::Error::Device("a CUDA region on a shard of another backend".into()));
-        };
-        f(c).map(SubResult::Counts)
-    };
-    match state.router.call(t, i, SubOp::With(ShardFn(Box::new(g)))).await? {
-        SubResult::Counts(c) => Ok(c),
-        _ => Err(err(ErrorCode::Internal, "the table answered a device region request unexpectedly")),
-    }
 }
 
 /// The device op that serves `req` in place, if any.
@@ -190,20 +167,15 @@ pub(super) async fn run(
     let c = if shards == 1 && done.is_some() && op != DeviceOp::InsertAndEvict && take_early_place(state) {
         return early(state, t, op, arrays, done.clone()).await.map(Some);
     } else if shards == 1 {
-        let done = done.clone();
-        on_shard(state, t, 0, move |c| {
-            c.run_ipc(op, &arrays, None, IpcOrder { wait: None, done: done.as_deref(), queued: None })
-        })
-        .await?
+        state.router.call(t, 0, RunIpc { op, arrays, part: None, done: done.clone(), queued: None }).await?
     } else {
         if !matches!(op, DeviceOp::Find | DeviceOp::Contains) {
-            let keys = arrays.keys.clone();
-            on_shard(state, t, 0, move |c| c.check_ipc_keys(&keys).map(|()| Counts::default())).await?;
+            state.router.call(t, 0, CheckIpcKeys(arrays.keys.clone())).await?;
         }
         let parts = (0..shards).map(|i| {
             let arrays = arrays.clone();
             let part = IpcPart { shard: i as u32, shards: shards as u32 };
-            on_shard(state, t, i, move |c| c.run_ipc(op, &arrays, Some(part), IpcOrder::default()))
+            state.router.call(t, i, RunIpc { op, arrays, part: Some(part), done: None, queued: None })
         });
         let mut total = Counts::default();
         for r in join_all(parts).await {

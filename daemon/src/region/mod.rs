@@ -27,6 +27,7 @@
 //! but each request holds its regions (an `Arc`) until it is done: the
 //! mapping, and its bytes in the counters, go with the last of them.
 
+mod arrays;
 mod device;
 mod fd;
 mod register;
@@ -41,10 +42,8 @@ use hkv_proto::region::{self as wire, RegionRequest};
 use hkv_proto::{ErrorCode, FrameBuf, Header, ProtoError, Response, HEADER_LEN};
 use hkv_region::Mapping;
 use hkv_shard::cuda::ipc::{IpcEvent, IpcMem};
-use hkv_shard::Shard;
 use parking_lot::Mutex;
 
-use crate::actor::SubResult;
 use crate::state::State;
 
 pub use fd::FdReader;
@@ -223,18 +222,6 @@ impl Drop for Region {
         self.conn_bytes.fetch_sub(self.len, Relaxed);
         self.state.stats.regions.bytes.fetch_sub(self.len, Relaxed);
         self.state.stats.regions.regions.fetch_sub(1, Relaxed);
-    }
-}
-
-/// A function run on a shard's actor thread (`SubOp::With`).
-pub struct ShardFn(pub Box<ShardWork>);
-
-/// The work a [`ShardFn`] does.
-pub type ShardWork = dyn FnOnce(&dyn Shard) -> Result<SubResult, hkv_shard::Error> + Send;
-
-impl std::fmt::Debug for ShardFn {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("ShardFn")
     }
 }
 

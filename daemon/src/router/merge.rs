@@ -1,132 +1,172 @@
 //! The shards' answers to one request put back into one answer, in
-//! request order.
+//! request order, each of its own type.
 
-use hkv_proto::{Evicted, Op, ProtoError, Response, Summary};
+use hkv_proto::{Cursor, Evicted, Op, ProtoError, Response, Summary};
 
-use crate::frames::AnswerFrame;
 use hkv_shard::{Filter, Outcome};
 
 use super::split::Split;
 use super::{Router, Table};
-use crate::actor::{Keys, SubOp, SubResult};
-use crate::error::unexpected;
+use crate::actor::ShardOp;
+use crate::shard_ops::{Destination, Find, FindTo, Keys, Written};
+
+/// A find's answer in arrays of the daemon, in request order.
+pub struct FindAnswer {
+    /// 1 where found.
+    pub found: Vec<u8>,
+    /// `dim` per key; zeros for a miss.
+    pub values: Vec<f32>,
+    /// Per key, when asked for.
+    pub scores: Option<Vec<u64>>,
+}
+
+impl From<FindAnswer> for Response {
+    fn from(a: FindAnswer) -> Response {
+        Response::Find { found: a.found, values: a.values, scores: a.scores }
+    }
+}
+
+/// A write's answer: summaries added, outcomes and find_or_insert values
+/// in request order, evictions appended.
+pub struct WriteAnswer {
+    /// Counts.
+    pub summary: Summary,
+    /// Per key, when asked for.
+    pub outcomes: Option<Vec<u8>>,
+    /// find_or_insert's values.
+    pub values: Option<Vec<f32>>,
+    /// insert_and_evict's output.
+    pub evicted: Option<Evicted>,
+}
+
+impl From<WriteAnswer> for Response {
+    fn from(a: WriteAnswer) -> Response {
+        Response::Write { summary: a.summary, outcomes: a.outcomes, values: a.values, evicted: a.evicted }
+    }
+}
+
+/// One export step's answer.
+pub struct ExportAnswer {
+    /// Where the next step starts; None after the last shard's last slot.
+    pub next: Option<Cursor>,
+    /// Keys.
+    pub keys: Vec<u64>,
+    /// `dim` per key.
+    pub values: Vec<f32>,
+    /// Per key.
+    pub scores: Vec<u64>,
+}
+
+impl From<ExportAnswer> for Response {
+    fn from(a: ExportAnswer) -> Response {
+        Response::Export { next: a.next, keys: a.keys, values: a.values, scores: a.scores }
+    }
+}
 
 impl Router {
     /// Flags (contains, erase) of every shard in request order.
-    pub(super) async fn flags(
+    pub(super) async fn flags<O: ShardOp<Output = Vec<bool>>>(
         &self,
         t: &Table,
         split: &Split,
-        ops: Vec<SubOp>,
+        ops: Vec<O>,
         n: usize,
     ) -> Result<Vec<u8>, ProtoError> {
         let mut out = split.out(n, 1, 0u8);
-        for (j, r) in self.fan_out(t, ops).await?.into_iter().enumerate() {
-            let SubResult::Flags(f) = r else { return Err(unexpected("a flags op")) };
+        for (j, f) in self.fan_out(t, ops).await?.into_iter().enumerate() {
             split.place(&mut out, j, f.into_iter().map(u8::from).collect(), 1);
         }
         Ok(out)
     }
 
-    /// The answer to a write op: summaries added, outcomes and
-    /// find_or_insert values in request order, evictions appended.
-    pub(super) async fn writes(
+    /// The answer to a write op.
+    pub(super) async fn writes<O: ShardOp<Output = Written>>(
         &self,
         t: &Table,
         split: &Split,
-        ops: Vec<SubOp>,
+        ops: Vec<O>,
         n: usize,
         want_outcomes: bool,
         code: Op,
-    ) -> Result<Response, ProtoError> {
+    ) -> Result<WriteAnswer, ProtoError> {
         let dim = t.config.dim;
         let mut summary = Summary::default();
         let mut outcomes = want_outcomes.then(|| split.out(n, 1, Outcome::Absent as u8));
         let mut values = (code == Op::FindOrInsert).then(|| split.out(n, dim, 0.0f32));
         let mut evicted = (code == Op::InsertAndEvict).then(Evicted::default);
-        for (j, r) in self.fan_out(t, ops).await?.into_iter().enumerate() {
-            let SubResult::Write { summary: s, outcomes: o, values: v, evicted: e } = r else {
-                return Err(unexpected("a write"));
-            };
-            summary += to_wire(s);
+        for (j, w) in self.fan_out(t, ops).await?.into_iter().enumerate() {
+            summary += to_wire(w.summary);
             if let Some(dst) = outcomes.as_mut() {
-                split.place(dst, j, o.into_iter().map(|o| o as u8).collect(), 1);
+                split.place(dst, j, w.outcomes.into_iter().map(|o| o as u8).collect(), 1);
             }
-            if let (Some(dst), Some(v)) = (values.as_mut(), v) {
+            if let (Some(dst), Some(v)) = (values.as_mut(), w.values) {
                 split.place(dst, j, v, dim);
             }
-            if let (Some(dst), Some(e)) = (evicted.as_mut(), e) {
+            if let (Some(dst), Some(e)) = (evicted.as_mut(), w.evicted) {
                 dst.keys.extend_from_slice(&e.keys);
                 dst.values.extend_from_slice(&e.values);
                 dst.scores.extend_from_slice(&e.scores);
                 dst.kinds.extend(e.kinds.iter().map(|k| *k as u8));
             }
         }
-        Ok(Response::Write { summary, outcomes, values, evicted })
+        Ok(WriteAnswer { summary, outcomes, values, evicted })
     }
 
-    /// The answer to a find with scores, or into an array the frame could
-    /// not take: found flags, rows and scores in request order.
+    /// A find into arrays: found flags, rows and scores in request order.
     pub(super) async fn finds(
         &self,
         t: &Table,
         split: &Split,
-        ops: Vec<SubOp>,
+        ops: Vec<Find>,
         n: usize,
         scores: bool,
-    ) -> Result<Response, ProtoError> {
+    ) -> Result<FindAnswer, ProtoError> {
         let dim = t.config.dim;
         let mut found = split.out(n, 1, 0u8);
         let mut values = split.out(n, dim, 0.0f32);
         let mut sc = scores.then(|| split.out(n, 1, 0u64));
-        for (j, r) in self.fan_out(t, ops).await?.into_iter().enumerate() {
-            let SubResult::Find { found: f, values: v, scores: s } = r else { return Err(unexpected("a find")) };
-            split.place(&mut found, j, f.into_iter().map(u8::from).collect(), 1);
-            split.place(&mut values, j, v, dim);
-            if let (Some(dst), Some(s)) = (sc.as_mut(), s) {
+        for (j, f) in self.fan_out(t, ops).await?.into_iter().enumerate() {
+            split.place(&mut found, j, f.found.into_iter().map(u8::from).collect(), 1);
+            split.place(&mut values, j, f.values, dim);
+            if let (Some(dst), Some(s)) = (sc.as_mut(), f.scores) {
                 split.place(dst, j, s, 1);
             }
         }
-        Ok(Response::Find { found, values, scores: sc })
+        Ok(FindAnswer { found, values, scores: sc })
     }
 
-    /// find without scores into `frame` (whose values
-    /// [`AnswerFrame::rows`] can cast): the one shard writes its
-    /// answers there itself, or each shard's answers are placed there in
-    /// request order.
-    pub(super) async fn find_framed(
+    /// find into `dest`: the one shard writes its answers there itself,
+    /// or the shards fill it one after the other, each writing its keys'
+    /// rows in place (`Shard::find_at`): no answer array per shard, no copy
+    /// on the router. A CPU shard spreads its part over every core by
+    /// itself; a CUDA shard's kernel writes its rows straight into pinned
+    /// memory. While one request's part is on one shard, other requests'
+    /// parts keep the other shards busy. Answers the destination and the hits.
+    pub(super) async fn find_into<D: Destination>(
         &self,
         t: &Table,
         split: Split,
         keys: Vec<Keys>,
-        mut frame: AnswerFrame,
-    ) -> Result<Response, ProtoError> {
-        let parts = match &split {
+        mut dest: D,
+    ) -> Result<(D, u64), ProtoError> {
+        let parts = match split {
             Split::Whole => {
-                let keys = keys.into_iter().next().expect("one shard's keys");
-                let SubResult::Frame(frame) = self.call(t, 0, SubOp::FindInto { keys, frame }).await? else {
-                    return Err(unexpected("a find"));
-                };
-                return Ok(frame.into_response());
+                let Some(keys) = keys.into_iter().next() else { return Ok((dest, 0)) };
+                let (dest, hits) = self.call(t, 0, FindTo { keys, at: None, dest }).await?;
+                return Ok((dest, hits as u64));
             }
             Split::Parts(parts) => parts,
         };
-        // The shards fill the frame one after the other, each writing its
-        // keys' rows in place (`Shard::find_at`): no answer array per shard,
-        // no copy on the router. A CPU shard spreads its part over every
-        // core by itself; a CUDA shard's kernel writes its rows straight
-        // into a pinned frame. While one request's part is on one shard,
-        // other requests' parts keep the other shards busy.
+        let mut hits = 0;
         for (i, (keys, at)) in keys.into_iter().zip(parts).enumerate() {
             if keys.is_empty() {
                 continue;
             }
-            let SubResult::Frame(f) = self.call(t, i, SubOp::FindAt { keys, at: at.clone(), frame }).await? else {
-                return Err(unexpected("a find"));
-            };
-            frame = f;
+            let (d, h) = self.call(t, i, FindTo { keys, at: Some(at), dest }).await?;
+            dest = d;
+            hits += h as u64;
         }
-        Ok(frame.into_response())
+        Ok((dest, hits))
     }
 }
 

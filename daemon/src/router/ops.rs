@@ -10,11 +10,11 @@ use hkv_shard::check::{self, CheckedKeys};
 use hkv_shard::ScorePolicy;
 
 use super::bounds::{export_slots, find_per_key, write_per_key};
-use super::merge::to_filter;
+use super::merge::{to_filter, ExportAnswer, FindAnswer, WriteAnswer};
 use super::split::Split;
 use super::{Router, Table};
-use crate::actor::{Keys, SubOp, SubResult};
-use crate::error::{err, shard_error, unexpected};
+use crate::error::{err, shard_error};
+use crate::shard_ops::{self as op, Destination, Keys};
 
 /// Runs the shard's own argument checks (`hkv_shard::check`) on a batch
 /// that is split over several shards, so that no shard applies its part of
@@ -54,21 +54,20 @@ impl Router {
         let t = self.table(req.table().unwrap_or_default())?;
         match req {
             Request::Find { keys, scores, .. } => self.find(&t, keys, scores).await,
-            Request::Contains { keys, .. } => self.contains(&t, keys).await,
-            Request::Erase { keys, outcomes, .. } => self.erase(&t, keys, outcomes).await,
+            Request::Contains { keys, .. } => Ok(Response::Contains { found: self.contains(&t, keys).await? }),
+            Request::Erase { keys, outcomes, .. } => {
+                let (count, flags) = self.erase(&t, keys, outcomes).await?;
+                Ok(Response::Erased { count, flags })
+            }
             Request::Write { op: code, keys, values, scores, outcomes, .. } => {
-                self.write(&t, code, keys, values, scores, outcomes).await
+                self.write(&t, code, keys, values, scores, outcomes).await.map(Into::into)
             }
             Request::AssignScores { keys, scores, outcomes, .. } => {
-                self.assign_scores(&t, keys, scores, outcomes).await
+                self.assign_scores(&t, keys, scores, outcomes).await.map(Into::into)
             }
             Request::EraseIf { filter, .. } => {
                 let f = to_filter(filter);
-                let mut count = 0;
-                for r in self.fan_out(&t, (0..t.shards()).map(|_| SubOp::EraseIf(f)).collect()).await? {
-                    let SubResult::Count(c) = r else { return Err(unexpected("erase_if")) };
-                    count += c;
-                }
+                let count = self.on_each(&t, || op::EraseIf(f)).await?.into_iter().sum();
                 Ok(Response::Erased { count, flags: None })
             }
             Request::Clear { .. } => {
@@ -82,55 +81,70 @@ impl Router {
                 let lower = epoch < t.epoch.fetch_max(epoch, SeqCst);
                 let _whole = if lower { Some(t.rewrite.write().await) } else { None };
                 let _mark = lower.then(|| t.untracked_write());
-                self.fan_out(&t, (0..t.shards()).map(|_| SubOp::SetEpoch(epoch)).collect()).await?;
+                self.on_each(&t, || op::SetEpoch(epoch)).await?;
                 Ok(Response::Empty)
             }
             Request::Reserve { capacity, .. } => {
                 let _whole = t.rewrite.write().await;
                 self.reserve(&t, capacity).await
             }
-            Request::Export { cursor, max_slots, filter, .. } => self.export(&t, cursor, max_slots, filter).await,
+            Request::Export { cursor, max_slots, filter, .. } => {
+                self.export(&t, cursor, max_slots, filter).await.map(Into::into)
+            }
             other => Err(ProtoError::bad_request(format!("{} is not a table operation", other.op().name()))),
         }
     }
 
     /// find: without scores, the answers are written where they are sent
-    /// from (see [`Router::find_framed`]).
+    /// from, the response frame (see [`Router::find_into`]).
     async fn find(&self, t: &Table, keys: Vec<u64>, scores: bool) -> Result<Response, ProtoError> {
         let (n, dim) = (keys.len(), t.config.dim);
         self.bound("find", n, dim, find_per_key(dim, scores), 16)?;
-        let split = Split::new(&keys, t.shards());
-        let keys = shard_keys(&split, keys, |_| Ok(()))?;
-        // By the shard itself when it holds every key; else each shard
-        // writes its keys' rows in turn.
         if !scores && FindFrame::values_at(n).is_multiple_of(4) {
-            let mut frame = self.frames.find_frame(n, dim);
-            if frame.rows().is_some() {
-                return self.find_framed(t, split, keys, frame).await;
+            if let Some(frame) = self.frames.find_frame(n, dim).framed() {
+                let split = Split::new(&keys, t.shards());
+                let keys = shard_keys(&split, keys, |_| Ok(()))?;
+                let (frame, _) = self.find_into(t, split, keys, frame).await?;
+                return Ok(frame.into_response());
             }
         }
-        let ops = keys.into_iter().map(|keys| SubOp::Find { keys, scores }).collect();
+        self.find_rows(t, keys, scores).await.map(Into::into)
+    }
+
+    /// find into arrays of the daemon.
+    pub async fn find_rows(&self, t: &Table, keys: Vec<u64>, scores: bool) -> Result<FindAnswer, ProtoError> {
+        let n = keys.len();
+        let split = Split::new(&keys, t.shards());
+        let keys = shard_keys(&split, keys, |_| Ok(()))?;
+        let ops = keys.into_iter().map(|keys| op::Find { keys, scores }).collect();
         self.finds(t, &split, ops, n, scores).await
     }
 
-    async fn contains(&self, t: &Table, keys: Vec<u64>) -> Result<Response, ProtoError> {
-        let (n, split) = (keys.len(), Split::new(&keys, t.shards()));
+    /// find written in place into `dest` (a client's region); answers it and the hits.
+    pub async fn find_to<D: Destination>(&self, t: &Table, keys: Vec<u64>, dest: D) -> Result<(D, u64), ProtoError> {
+        let split = Split::new(&keys, t.shards());
         let keys = shard_keys(&split, keys, |_| Ok(()))?;
-        let ops = keys.into_iter().map(|keys| SubOp::Contains { keys }).collect();
-        Ok(Response::Contains { found: self.flags(t, &split, ops, n).await? })
+        self.find_into(t, split, keys, dest).await
     }
 
-    async fn erase(&self, t: &Table, keys: Vec<u64>, outcomes: bool) -> Result<Response, ProtoError> {
+    /// contains: 1 per key present, in request order.
+    pub async fn contains(&self, t: &Table, keys: Vec<u64>) -> Result<Vec<u8>, ProtoError> {
         let (n, split) = (keys.len(), Split::new(&keys, t.shards()));
         let keys = shard_keys(&split, keys, |_| Ok(()))?;
-        let ops = keys.into_iter().map(|keys| SubOp::Erase { keys }).collect();
-        let flags = self.flags(t, &split, ops, n).await?;
+        self.flags(t, &split, keys.into_iter().map(op::Contains).collect(), n).await
+    }
+
+    /// erase: the count erased, and a flag per key when asked for.
+    pub async fn erase(&self, t: &Table, keys: Vec<u64>, outcomes: bool) -> Result<(u64, Option<Vec<u8>>), ProtoError> {
+        let (n, split) = (keys.len(), Split::new(&keys, t.shards()));
+        let keys = shard_keys(&split, keys, |_| Ok(()))?;
+        let flags = self.flags(t, &split, keys.into_iter().map(op::Erase).collect(), n).await?;
         let count = flags.iter().filter(|&&f| f == 1).count() as u64;
-        Ok(Response::Erased { count, flags: outcomes.then_some(flags) })
+        Ok((count, outcomes.then_some(flags)))
     }
 
     /// A write op ([`WriteOp`]).
-    async fn write(
+    pub async fn write(
         &self,
         t: &Table,
         code: WriteOp,
@@ -138,7 +152,7 @@ impl Router {
         values: Vec<f32>,
         scores: Option<Vec<u64>>,
         outcomes: bool,
-    ) -> Result<Response, ProtoError> {
+    ) -> Result<WriteAnswer, ProtoError> {
         let dim = t.config.dim;
         self.bound(Op::from(code).name(), keys.len(), dim, write_per_key(code, dim, outcomes), 64)?;
         let split = Split::new(&keys, t.shards());
@@ -172,23 +186,19 @@ impl Router {
         let ops = keys
             .into_iter()
             .zip(split.take(values, dim))
-            .map(|(keys, values)| SubOp::Write {
-                op: code,
-                keys,
-                values,
-                scores: scores.as_mut().and_then(|s| s.next()),
-            })
+            .map(|(keys, values)| op::Write { op: code, keys, values, scores: scores.as_mut().and_then(|s| s.next()) })
             .collect();
         self.writes(t, &split, ops, n, outcomes, code.into()).await
     }
 
-    async fn assign_scores(
+    /// assign_scores.
+    pub async fn assign_scores(
         &self,
         t: &Table,
         keys: Vec<u64>,
         scores: Option<Vec<u64>>,
         outcomes: bool,
-    ) -> Result<Response, ProtoError> {
+    ) -> Result<WriteAnswer, ProtoError> {
         // A custom table's scores are the caller's: without them there is nothing to assign.
         let policy = t.config.policy;
         if policy == ScorePolicy::Custom && scores.is_none() {
@@ -199,7 +209,7 @@ impl Router {
         let mut scores = scores.map(|s| split.take(s, 1).into_iter());
         let ops = keys
             .into_iter()
-            .map(|keys| SubOp::AssignScores { keys, scores: scores.as_mut().and_then(|s| s.next()) })
+            .map(|keys| op::AssignScores { keys, scores: scores.as_mut().and_then(|s| s.next()) })
             .collect();
         self.writes(t, &split, ops, n, outcomes, Op::AssignScores).await
     }
@@ -215,17 +225,18 @@ impl Router {
             )));
         }
         let per = capacity.div_ceil(n_shards as u64);
-        self.fan_out(t, (0..n_shards).map(|_| SubOp::Reserve(per)).collect()).await?;
+        self.on_each(t, || op::Reserve(per)).await?;
         Ok(Response::Empty)
     }
 
-    async fn export(
+    /// One export step from `cursor`.
+    pub async fn export(
         &self,
         t: &Table,
         cursor: Cursor,
         max_slots: u64,
         filter: hkv_proto::Filter,
-    ) -> Result<Response, ProtoError> {
+    ) -> Result<ExportAnswer, ProtoError> {
         let (i, n_shards, dim) = (cursor.shard as usize, t.shards(), t.config.dim);
         if i >= n_shards {
             return Err(ProtoError::bad_request(format!("export cursor shard {i}: the table has {n_shards} shards")));
@@ -251,7 +262,7 @@ impl Router {
         } else {
             None
         };
-        Ok(Response::Export { next, keys: e.keys, values: e.values, scores: e.scores })
+        Ok(ExportAnswer { next, keys: e.keys, values: e.values, scores: e.scores })
     }
 
     /// Loads entries with their scores verbatim into `t` (registered or
@@ -263,10 +274,7 @@ impl Router {
         values: Vec<f32>,
         scores: Vec<u64>,
     ) -> Result<Summary, ProtoError> {
-        match self.write(t, WriteOp::Load, keys, values, Some(scores), false).await? {
-            Response::Write { summary, .. } => Ok(summary),
-            _ => Err(err(ErrorCode::Internal, "load answered something else than a write summary")),
-        }
+        Ok(self.write(t, WriteOp::Load, keys, values, Some(scores), false).await?.summary)
     }
 
     /// Executes a feature request: hash (on the GPU when present), then,
@@ -302,7 +310,7 @@ impl Router {
             (Request::Hash { .. }, _) => Ok(Response::Keys(keys)),
             (Request::FindFeatures { scores, .. }, Some(t)) => self.find(&t, keys, scores).await,
             (Request::FindOrInsertFeatures { values, scores, outcomes, .. }, Some(t)) => {
-                self.write(&t, WriteOp::FindOrInsert, keys, values, scores, outcomes).await
+                self.write(&t, WriteOp::FindOrInsert, keys, values, scores, outcomes).await.map(Into::into)
             }
             _ => unreachable!("checked above"),
         }

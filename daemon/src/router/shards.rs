@@ -6,14 +6,15 @@ use hkv_proto::{ErrorCode, ProtoError, TableInfo};
 use hkv_shard::{Error as ShardError, Filter};
 
 use super::{Router, Table};
-use crate::actor::{Call, SubOp, SubResult};
-use crate::error::{err, shard_error, unexpected};
+use crate::actor::{On, ShardOp};
+use crate::error::{err, shard_error};
+use crate::shard_ops::{Clear, ClockScore, ExportPart, ResumeAfter, Size, Stats};
 
 impl Router {
     /// Runs `op` on shard `i` of `table` (on its actor).
-    pub(crate) async fn call(&self, table: &Table, i: usize, op: SubOp) -> Result<SubResult, ProtoError> {
+    pub(crate) async fn call<O: ShardOp>(&self, table: &Table, i: usize, op: O) -> Result<O::Output, ProtoError> {
         self.actors[i]
-            .send(Call { table: table.id(), op })
+            .send(On { table: table.id(), op })
             .await
             .map_err(|e| err(ErrorCode::Internal, format!("shard {i} actor gone: {e}")))?
             .map_err(|e| {
@@ -28,9 +29,18 @@ impl Router {
             })
     }
 
-    /// Runs one sub-op per shard (in parallel) and returns the results in shard order.
-    pub(super) async fn fan_out(&self, table: &Table, ops: Vec<SubOp>) -> Result<Vec<SubResult>, ProtoError> {
+    /// Runs one op per shard (in parallel) and returns the answers in shard order.
+    pub(super) async fn fan_out<O: ShardOp>(&self, table: &Table, ops: Vec<O>) -> Result<Vec<O::Output>, ProtoError> {
         join_all(ops.into_iter().enumerate().map(|(i, op)| self.call(table, i, op))).await.into_iter().collect()
+    }
+
+    /// Runs `op()` on every shard (in parallel); the answers in shard order.
+    pub(crate) async fn on_each<O: ShardOp>(
+        &self,
+        t: &Table,
+        op: impl Fn() -> O,
+    ) -> Result<Vec<O::Output>, ProtoError> {
+        self.fan_out(t, (0..t.shards()).map(|_| op()).collect()).await
     }
 
     /// The listing of a table.
@@ -46,30 +56,17 @@ impl Router {
 
     /// Each shard's entries and slots.
     pub async fn sizes(&self, t: &Table) -> Result<Vec<(u64, u64)>, ProtoError> {
-        let ops = (0..t.shards()).map(|_| SubOp::Size).collect();
-        let sizes = self.fan_out(t, ops).await?.into_iter().map(|r| match r {
-            SubResult::Size { size, capacity } => Ok((size, capacity)),
-            _ => Err(unexpected("size")),
-        });
-        sizes.collect()
+        self.on_each(t, || Size).await
     }
 
     /// Each shard's counters and lock state.
     pub async fn shard_stats(&self, t: &Table) -> Result<Vec<hkv_shard::ShardStats>, ProtoError> {
-        let ops = (0..t.shards()).map(|_| SubOp::Stats).collect();
-        let stats = self.fan_out(t, ops).await?.into_iter().map(|r| match r {
-            SubResult::Stats(s) => Ok(*s),
-            _ => Err(unexpected("stats")),
-        });
-        stats.collect()
+        self.on_each(t, || Stats).await
     }
 
     /// Shard `i`'s `clock_score` (the lowest score a write made from now on can get).
     pub async fn clock_score(&self, t: &Table, i: usize) -> Result<u64, ProtoError> {
-        match self.call(t, i, SubOp::ClockScore).await? {
-            SubResult::Count(c) => Ok(c),
-            _ => Err(unexpected("clock_score")),
-        }
+        self.call(t, i, ClockScore).await
     }
 
     /// Entries of shard `i` in slots `[offset, offset + n)` matching
@@ -82,19 +79,16 @@ impl Router {
         n: u64,
         filter: Filter,
     ) -> Result<(hkv_shard::Export, u64), ProtoError> {
-        match self.call(t, i, SubOp::Export { offset, n, filter }).await? {
-            SubResult::Export(e, capacity) => Ok((e, capacity)),
-            _ => Err(unexpected("export")),
-        }
+        self.call(t, i, ExportPart { offset, n, filter }).await
     }
 
     /// Moves every shard's clock and epoch past a restore's scores (`Shard::resume_after`).
     pub async fn resume_after(&self, t: &Table, score: u64) -> Result<(), ProtoError> {
-        self.fan_out(t, (0..t.shards()).map(|_| SubOp::ResumeAfter(score)).collect()).await.map(drop)
+        self.on_each(t, || ResumeAfter(score)).await.map(drop)
     }
 
     /// Empties every shard of `t`.
     pub async fn clear(&self, t: &Table) -> Result<(), ProtoError> {
-        self.fan_out(t, (0..t.shards()).map(|_| SubOp::Clear).collect()).await.map(drop)
+        self.on_each(t, || Clear).await.map(drop)
     }
 }

@@ -7,10 +7,6 @@ impl Shard for CudaTable {
         &self.config
     }
 
-    fn cuda(&self) -> Option<&CudaTable> {
-        Some(self)
-    }
-
     fn capacity(&self) -> u64 {
         self.nbuckets() * S
     }
@@ -400,6 +396,14 @@ impl Shard for CudaTable {
             lfu_ties: self.config.lfu_ties,
         }
         .clock_floor()
+    }
+
+    fn run_ipc(&self, op: DeviceOp, arrays: &IpcArrays, part: Option<IpcPart>, order: IpcOrder<'_>) -> Result<Counts> {
+        CudaTable::run_ipc(self, op, arrays, part, order)
+    }
+
+    fn check_ipc_keys(&self, keys: &crate::cuda::ipc::IpcSpan<u64>) -> Result<()> {
+        CudaTable::check_ipc_keys(self, keys)
     }
 }
 
