@@ -36,7 +36,7 @@ pub struct ServerStats {
     /// cannot take what small requests and answers need.
     pub receiving_bytes: AtomicU64,
     /// Registered regions mapped now.
-    pub regions: crate::region::Counters,
+    pub regions: RegionCounters,
 }
 
 /// Everything the request handlers share.
@@ -116,4 +116,16 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         (self.counter)(&self.state.stats).fetch_sub(self.bytes, Relaxed);
     }
+}
+
+/// Region counters over every connection (in `ServerStats`).
+#[derive(Debug, Default)]
+pub struct RegionCounters {
+    /// Regions mapped now (registered, or unregistered with requests in flight).
+    pub regions: AtomicU64,
+    /// Their bytes.
+    pub bytes: AtomicU64,
+    /// Device-region requests answered early whose batches still run
+    /// (`crate::region`'s early answers), at most `limits.max_in_flight`.
+    pub early: AtomicU64,
 }

@@ -3,7 +3,6 @@
 //! table runs.
 
 use crate::error::{ErrorCode, ProtoError};
-use crate::response::Response;
 use crate::HEADER_LEN;
 
 /// The counts to write (zero when they do not fit) and the error then.
@@ -133,7 +132,7 @@ pub struct FindFrame<B = FrameBuf> {
     frame: B,
     n: usize,
     /// Set when the counts do not fit the protocol: the frame is refused
-    /// by [`FindFrame::into_response`].
+    /// by [`FindFrame::into_parts`].
     too_long: Option<ProtoError>,
 }
 
@@ -215,15 +214,12 @@ impl<B: FrameMemory> FindFrame<B> {
         (&mut head[HEADER_LEN + 4..HEADER_LEN + 4 + self.n], values)
     }
 
-    /// The response to send: an `oversized` error instead when the counts
-    /// do not fit the protocol.
-    pub fn into_response(self) -> Response
-    where
-        B: Into<FrameBuf>,
-    {
+    /// The frame to send, or the `oversized` error to send instead when
+    /// the counts do not fit the protocol (see `FindFrame::into_response`).
+    pub fn into_parts(self) -> Result<B, ProtoError> {
         match self.too_long {
-            None => Response::Framed(self.frame.into()),
-            Some(e) => Response::Error(e),
+            None => Ok(self.frame),
+            Some(e) => Err(e),
         }
     }
 }
@@ -231,6 +227,7 @@ impl<B: FrameMemory> FindFrame<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::response::Response;
 
     /// The counts used to be `as u32` casts: n × dim past 2^32 − 1 went out
     /// modulo 2^32. They are checked, and such an answer is refused.

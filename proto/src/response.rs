@@ -3,7 +3,7 @@
 
 use crate::body::{Reader, Writer};
 use crate::error::{ErrorCode, ProtoError};
-use crate::frame::FrameBuf;
+use crate::frame::{FindFrame, FrameBuf, FrameMemory};
 use crate::op::Op;
 use crate::request::{from_json, json};
 use crate::types::{Cursor, Evicted, Summary};
@@ -360,6 +360,17 @@ mod tests {
         match Response::decode(&h, &f[HEADER_LEN..]).unwrap() {
             Response::Error(e) => assert_eq!(e.code, ErrorCode::ResourceExhausted),
             other => panic!("{other:?}"),
+        }
+    }
+}
+
+impl<B: FrameMemory + Into<FrameBuf>> FindFrame<B> {
+    /// The response to send: the frame, or an `oversized` error instead
+    /// when the counts do not fit the protocol.
+    pub fn into_response(self) -> Response {
+        match self.into_parts() {
+            Ok(frame) => Response::Framed(frame.into()),
+            Err(e) => Response::Error(e),
         }
     }
 }

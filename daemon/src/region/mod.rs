@@ -48,18 +48,6 @@ use crate::state::State;
 
 pub use fd::FdReader;
 
-/// Region counters over every connection (in `ServerStats`).
-#[derive(Debug, Default)]
-pub struct Counters {
-    /// Regions mapped now (registered, or unregistered with requests in flight).
-    pub regions: AtomicU64,
-    /// Their bytes.
-    pub bytes: AtomicU64,
-    /// Device-region requests answered early whose batches still run
-    /// (`device::early`), at most `limits.max_in_flight`.
-    pub early: AtomicU64,
-}
-
 /// The statistics of registered regions.
 pub fn stats(state: &State) -> hkv_proto::stats::RegionStats {
     hkv_proto::stats::RegionStats {
