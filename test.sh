@@ -26,6 +26,8 @@ for c in rustfmt clippy; do
     cargo "${c/rustfmt/fmt}" --version >/dev/null 2>&1 || rustup component add "$c"
 done
 cargo fmt --all -- --check
+# No import circles among the modules of these crates (ARCHITECTURE.md).
+for c in daemon proto; do python3 daemon/bench/import_cycles.py "$c/src"; done
 cargo clippy --workspace --all-targets --release -- -D warnings
 cargo test --workspace --release
 

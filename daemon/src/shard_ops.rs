@@ -6,7 +6,6 @@
 use std::sync::Arc;
 
 use hkv_proto::WriteOp;
-use hkv_shard::check::CheckedKeys;
 use hkv_shard::cuda::ipc::{IpcEvent, IpcSpan};
 use hkv_shard::cuda::table::{Counts, DeviceOp, IpcArrays, IpcOrder, IpcPart};
 use hkv_shard::{Evictions, Export, Filter, Outcome, Rows, Shard, ShardStats, Summary};
@@ -16,40 +15,10 @@ use crate::mrc::{ShardCurve, ShardMrc, ShardTrace};
 
 type Result<T> = std::result::Result<T, hkv_shard::Error>;
 
-/// A shard's keys: as sent, for the shard to check (a batch that goes
-/// whole to one shard), or part of a split batch the router checked whole
-/// (`hkv_shard::check::CheckedKeys`), which the shard does not scan again.
-#[derive(Debug)]
-pub enum Keys {
-    /// Not yet checked.
-    Sent(Vec<u64>),
-    /// Checked by the router.
-    Checked(CheckedKeys),
-}
-
-impl Keys {
-    /// Keys.
-    pub fn len(&self) -> usize {
-        match self {
-            Keys::Sent(k) => k.len(),
-            Keys::Checked(k) => k.len(),
-        }
-    }
-
-    /// Whether there are none.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Runs `f` on the keys; checked ones inside their scope, so that the
-    /// shard's own check passes them without a scan.
-    fn scope<R>(&self, f: impl FnOnce(&[u64]) -> R) -> R {
-        match self {
-            Keys::Sent(k) => f(k),
-            Keys::Checked(k) => k.scope(f),
-        }
-    }
-}
+/// A shard's keys: a whole batch as sent, or this shard's part of a batch
+/// the router split (and checked whole first, `hkv_shard::check::CheckedKeys`);
+/// the shard checks them as it checks any caller's.
+pub type Keys = Vec<u64>;
 
 /// Where a find writes its answer in place: one found byte per row of the
 /// answer and the rows (`Rows::Pinned` where the memory is page-locked for
@@ -78,7 +47,7 @@ impl<D: Destination> ShardOp for FindTo<D> {
     const WHAT: &'static str = "a find";
     fn run(mut self, s: &dyn Shard, _: Option<&ShardMrc>) -> Result<(D, usize)> {
         let (flags, rows) = self.dest.answer();
-        let hits = self.keys.scope(|k| hkv_shard::find_answer(s, k, self.at.as_deref(), rows, flags))?;
+        let hits = hkv_shard::find_answer(s, &self.keys, self.at.as_deref(), rows, flags)?;
         Ok((self.dest, hits))
     }
 }
@@ -109,7 +78,7 @@ impl ShardOp for Find {
         let mut values = vec![0.0; n * s.dim()];
         let mut found = vec![false; n];
         let mut scores = self.scores.then(|| vec![0u64; n]);
-        self.keys.scope(|k| s.find(k, &mut values, &mut found, scores.as_deref_mut()))?;
+        s.find(&self.keys, &mut values, &mut found, scores.as_deref_mut())?;
         Ok(Found { found, values, scores })
     }
 }
@@ -122,7 +91,7 @@ impl ShardOp for Contains {
     const WHAT: &'static str = "contains";
     fn run(self, s: &dyn Shard, _: Option<&ShardMrc>) -> Result<Vec<bool>> {
         let mut found = vec![false; self.0.len()];
-        self.0.scope(|k| s.contains(k, &mut found))?;
+        s.contains(&self.0, &mut found)?;
         Ok(found)
     }
 }
@@ -135,7 +104,7 @@ impl ShardOp for Erase {
     const WHAT: &'static str = "erase";
     fn run(self, s: &dyn Shard, _: Option<&ShardMrc>) -> Result<Vec<bool>> {
         let mut erased = vec![false; self.0.len()];
-        self.0.scope(|k| s.erase(k, Some(&mut erased)))?;
+        s.erase(&self.0, Some(&mut erased))?;
         Ok(erased)
     }
 }
@@ -169,7 +138,8 @@ impl ShardOp for Write {
     const WHAT: &'static str = "a write";
     fn run(self, t: &dyn Shard, _: Option<&ShardMrc>) -> Result<Written> {
         let Write { op, keys, mut values, scores } = self;
-        keys.scope(|keys| {
+        {
+            let keys = &keys[..];
             let mut outcomes = vec![Outcome::Absent; keys.len()];
             let sc = scores.as_deref();
             let o = Some(&mut outcomes[..]);
@@ -189,7 +159,7 @@ impl ShardOp for Write {
                 WriteOp::Load => (t.load(keys, &values, sc.unwrap_or(&[]))?, None, None),
             };
             Ok(Written { summary, outcomes, values, evicted })
-        })
+        }
     }
 }
 
@@ -214,7 +184,7 @@ impl ShardOp for AssignScores {
     const WHAT: &'static str = "assign_scores";
     fn run(self, t: &dyn Shard, _: Option<&ShardMrc>) -> Result<Written> {
         let mut outcomes = vec![Outcome::Absent; self.keys.len()];
-        let summary = self.keys.scope(|k| t.assign_scores(k, self.scores.as_deref(), Some(&mut outcomes)))?;
+        let summary = t.assign_scores(&self.keys, self.scores.as_deref(), Some(&mut outcomes))?;
         Ok(Written { summary, outcomes, values: None, evicted: None })
     }
 }

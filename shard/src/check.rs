@@ -1,25 +1,16 @@
 //! Argument checks shared by every backend: a batch that fails one is
 //! refused whole, before any lock is taken or anything is applied.
 
-use std::cell::Cell;
-
 use crate::config::{ScorePolicy, TableConfig};
 use crate::error::{Error, Result};
 use crate::is_reserved;
 
-thread_local! {
-    /// The address and length of the keys of the [`CheckedKeys`] whose
-    /// scope this thread is in; (0, 0) outside every scope.
-    static CHECKED: Cell<(usize, usize)> = const { Cell::new((0, 0)) };
-}
-
-/// Keys scanned once for reserved markers, so that a batch split over
-/// several shards is scanned whole by whoever splits it and not again by
-/// each shard: only [`CheckedKeys::check`] makes one (by scanning), and
-/// [`CheckedKeys::parts`] takes parts of one (which hold only its keys).
-/// Inside [`CheckedKeys::scope`], a shard's own check of exactly these keys
-/// (the same slice) passes without a scan; any other slice is scanned as
-/// ever, so the shard's checks hold for every caller.
+/// Keys scanned once for reserved markers: only [`CheckedKeys::check`]
+/// makes one (by scanning), and [`CheckedKeys::parts`] takes parts of one
+/// (which hold only its keys). Whoever splits a batch over several shards
+/// checks it whole this way first, so that no shard applies its part of a
+/// batch another would refuse; each shard still checks its own part, as it
+/// checks every caller's keys.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CheckedKeys(Vec<u64>);
 
@@ -33,6 +24,11 @@ impl CheckedKeys {
     /// Per part, the keys at its indices (each below [`CheckedKeys::len`]), in that order.
     pub fn parts(self, parts: &[Vec<u32>]) -> Vec<CheckedKeys> {
         parts.iter().map(|p| CheckedKeys(p.iter().map(|&i| self.0[i as usize]).collect())).collect()
+    }
+
+    /// The keys, as a vector.
+    pub fn into_vec(self) -> Vec<u64> {
+        self.0
     }
 
     /// The keys.
@@ -49,20 +45,6 @@ impl CheckedKeys {
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
-
-    /// Runs `f` on the keys, with this thread's shard checks of exactly
-    /// this slice passing without a scan (the scope ends with `f`, also
-    /// when it panics).
-    pub fn scope<R>(&self, f: impl FnOnce(&[u64]) -> R) -> R {
-        struct Restore((usize, usize));
-        impl Drop for Restore {
-            fn drop(&mut self) {
-                CHECKED.with(|c| c.set(self.0));
-            }
-        }
-        let _restore = Restore(CHECKED.with(|c| c.replace((self.0.as_ptr() as usize, self.0.len()))));
-        f(&self.0)
-    }
 }
 
 /// An array must have `expected` elements.
@@ -74,12 +56,8 @@ pub fn len(what: &'static str, got: usize, expected: usize, detail: impl FnOnce(
     }
 }
 
-/// No key may be a reserved marker. Keys of a [`CheckedKeys`] inside its
-/// [`CheckedKeys::scope`] are known clean and not scanned again.
+/// No key may be a reserved marker.
 pub fn keys(keys: &[u64]) -> Result<()> {
-    if !keys.is_empty() && CHECKED.with(|c| c.get()) == (keys.as_ptr() as usize, keys.len()) {
-        return Ok(());
-    }
     match keys.iter().position(|&k| is_reserved(k)) {
         Some(index) => Err(Error::ReservedKey { key: keys[index], index }),
         None => Ok(()),
@@ -163,8 +141,20 @@ pub fn write(
     inserts: bool,
     outcome_len: Option<usize>,
 ) -> Result<()> {
-    let n = k.len();
     keys(k)?;
+    write_arrays(config, k.len(), value_array, s, inserts, outcome_len)
+}
+
+/// [`write`]'s checks but the keys' scan, for `n` keys (checked already,
+/// [`CheckedKeys`]).
+pub fn write_arrays(
+    config: &TableConfig,
+    n: usize,
+    value_array: Option<(&'static str, usize)>,
+    s: Option<&[u64]>,
+    inserts: bool,
+    outcome_len: Option<usize>,
+) -> Result<()> {
     if let Some((what, got)) = value_array {
         values(config, what, n, got)?;
     }
@@ -190,18 +180,12 @@ mod checked_tests {
     use crate::RESERVED_KEY_MIN;
 
     #[test]
-    fn checked_keys_skip_only_their_own_scan() {
+    fn checked_keys_refuse_a_reserved_key_and_split_into_parts() {
         let bad = vec![1, RESERVED_KEY_MIN, 3];
-        assert!(matches!(CheckedKeys::check(bad.clone()), Err(Error::ReservedKey { index: 1, .. })));
+        assert!(matches!(CheckedKeys::check(bad), Err(Error::ReservedKey { index: 1, .. })));
         let k = CheckedKeys::check(vec![5, 6, 7, 8]).unwrap();
-        let parts = k.clone().parts(&[vec![0, 2], vec![1, 3]]);
+        let parts = k.parts(&[vec![0, 2], vec![1, 3]]);
         assert_eq!(parts[0].as_slice(), &[5, 7]);
         assert_eq!(parts[1].as_slice(), &[6, 8]);
-        // Inside the scope the same slice passes; any other is scanned.
-        k.scope(|s| {
-            assert!(keys(s).is_ok());
-            assert!(keys(&bad).is_err());
-        });
-        assert_eq!(CHECKED.with(|c| c.get()), (0, 0), "the scope ends");
     }
 }

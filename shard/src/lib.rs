@@ -63,8 +63,8 @@
 //!
 //! # Layout
 //! - [`check`] holds the argument checks every backend runs (and the daemon,
-//!   on a batch it splits over shards), and [`check::CheckedKeys`], keys
-//!   scanned once for reserved markers that a shard does not scan again.
+//!   on a batch it splits over shards), and [`check::CheckedKeys`], a
+//!   batch scanned whole for reserved markers before it is split.
 //! - [`config`] holds [`TableConfig`], [`ScorePolicy`], [`LfuTies`], [`BucketMode`].
 //! - [`hash`] computes bucket, digest and shard hashes.
 //! - [`score`] has the score rules per policy and the clocks.

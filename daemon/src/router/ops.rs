@@ -30,20 +30,20 @@ fn check_split(split: &Split, f: impl FnOnce() -> hkv_shard::Result<()>) -> Resu
 
 /// Each shard's keys: a batch that goes whole to one shard as sent (that
 /// shard checks it); a split one checked here whole, once, then with
-/// `more` (the op's other checks, which do not scan the keys again), so
-/// that a bad batch is refused before any shard runs, and its parts are not
-/// scanned again by the shards.
+/// `more` (the op's other checks, given the key count), so that a bad batch
+/// is refused before any shard runs.
 fn shard_keys(
     split: &Split,
     keys: Vec<u64>,
-    more: impl FnOnce(&[u64]) -> hkv_shard::Result<()>,
+    more: impl FnOnce(usize) -> hkv_shard::Result<()>,
 ) -> Result<Vec<Keys>, ProtoError> {
     match split {
-        Split::Whole => Ok(vec![Keys::Sent(keys)]),
+        Split::Whole => Ok(vec![keys]),
         Split::Parts(parts) => {
+            let n = keys.len();
             let k = CheckedKeys::check(keys).map_err(shard_error)?;
-            k.scope(more).map_err(shard_error)?;
-            Ok(k.parts(parts).into_iter().map(Keys::Checked).collect())
+            more(n).map_err(shard_error)?;
+            Ok(k.parts(parts).into_iter().map(CheckedKeys::into_vec).collect())
         }
     }
 }
@@ -165,8 +165,8 @@ impl Router {
             };
             // Scores are stored verbatim, whatever the policy (as `Shard::load` checks them).
             check_split(&split, || check::len("scores", s.len(), n, || format!("{n} keys")))?;
-            let keys = shard_keys(&split, keys, |k| {
-                check::write(&t.config, k, Some(("values", values.len())), None, false, None)
+            let keys = shard_keys(&split, keys, |n| {
+                check::write_arrays(&t.config, n, Some(("values", values.len())), None, false, None)
             })?;
             // A load places entries as they were: no per-key outcome, and
             // scores an incremental checkpoint cannot tell from older ones.
@@ -177,8 +177,8 @@ impl Router {
         } else {
             let what = if code == WriteOp::AccumOrAssign { "deltas" } else { "values" };
             let inserts = code != WriteOp::Assign;
-            shard_keys(&split, keys, |k| {
-                check::write(&t.config, k, Some((what, values.len())), scores.as_deref(), inserts, None)
+            shard_keys(&split, keys, |n| {
+                check::write_arrays(&t.config, n, Some((what, values.len())), scores.as_deref(), inserts, None)
             })?
         };
         let outcomes = outcomes && code != WriteOp::Load;
@@ -205,7 +205,7 @@ impl Router {
             return Err(shard_error(hkv_shard::Error::ScoresRequired { policy }));
         }
         let (n, split) = (keys.len(), Split::new(&keys, t.shards()));
-        let keys = shard_keys(&split, keys, |k| check::write(&t.config, k, None, scores.as_deref(), false, None))?;
+        let keys = shard_keys(&split, keys, |n| check::write_arrays(&t.config, n, None, scores.as_deref(), false, None))?;
         let mut scores = scores.map(|s| split.take(s, 1).into_iter());
         let ops = keys
             .into_iter()
