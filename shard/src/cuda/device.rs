@@ -86,7 +86,9 @@ pub(super) fn arch_name(cc: (i32, i32)) -> Result<&'static str> {
 pub struct Device {
     /// What it is.
     pub info: DeviceInfo,
-    /// Its context (bound to the threads that use it).
+    /// Its context (bound to the threads that use it), with cudarc's event
+    /// tracking off: whoever allocates on it orders its own streams (see
+    /// [`Device::open`]).
     pub ctx: Arc<CudaContext>,
     modules: Vec<(KernelId, Arc<CudaModule>)>,
     /// Modules NVRTC compiled when this device was opened (0 with a warm cache).
@@ -102,6 +104,27 @@ impl Device {
             .find(|d| d.ordinal == ordinal)
             .ok_or_else(|| Error::Unavailable(format!("no CUDA device {ordinal}")))?;
         let ctx = CudaContext::new(ordinal).map_err(dev_err("creating a context"))?;
+        // Event tracking is a flag of this `CudaContext`, which every user
+        // of the device shares (`shared_device`: each table, the GPU group's
+        // nodes, the feature hasher, a device batch), so it is switched off
+        // here, once, before any of them allocates, and this argument
+        // covers them all.
+        // SAFETY: cudarc asks that no buffer be freed before a use on
+        // another stream finishes, used on another stream before its
+        // allocation finishes, or written by two streams at once. Tracking
+        // never ordered a kernel of this crate anyway: kernels get raw
+        // device addresses (`table::ptr`, `DevPtr::of`), whose tracking
+        // guard is dropped before the launch. Instead each user orders its
+        // streams itself: a table uses each buffer on one lane's stream at
+        // a time and synchronises a batch's stream before its lane returns
+        // to the pool or a buffer is regrown, and replaces its storage only
+        // under the inserter group, every lane idle; a group node allocates
+        // on its main stream, its serve stream waits for an event of the
+        // main stream before it touches those buffers and is joined back
+        // before the batch ends and is synchronised; the feature hasher and
+        // a device batch use one stream of their own; `hash_locate` uses
+        // the default stream with blocking copies.
+        unsafe { ctx.disable_event_tracking() };
         let arch = arch_name(info.compute_capability)?;
         let mut modules = vec![];
         let mut nvrtc_compiles = 0;

@@ -155,7 +155,7 @@ impl CudaTable {
             lost.values = l.stage.read(&v).to_vec();
             lost.scores = l.stage.read(&sc).to_vec();
             lost.kinds =
-                l.stage.read(&kinds).iter().map(|&k| if k == 0 { Lost::Evicted } else { Lost::Rejected }).collect();
+                l.stage.read(&kinds).iter().map(|&k| if k == Lost::Evicted as u8 { Lost::Evicted } else { Lost::Rejected }).collect();
         }
         self.size.fetch_add(c.summary.inserted, Relaxed);
         self.counters.summary(&c.summary);
