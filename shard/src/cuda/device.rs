@@ -121,9 +121,12 @@ impl Device {
         // under the inserter group, every lane idle; a group node allocates
         // on its main stream, its serve stream waits for an event of the
         // main stream before it touches those buffers and is joined back
-        // before the batch ends and is synchronised; the feature hasher and
-        // a device batch use one stream of their own; `hash_locate` uses
-        // the default stream with blocking copies.
+        // before the batch ends and is synchronised; a group's batch
+        // buffers are synchronised once allocated, before the feature
+        // hasher's stream writes keys into them (and the hasher waits for
+        // its writes); the hasher and a device batch otherwise use one
+        // stream of their own; `hash_locate` uses the default stream with
+        // blocking copies.
         unsafe { ctx.disable_event_tracking() };
         let arch = arch_name(info.compute_capability)?;
         let mut modules = vec![];
