@@ -189,3 +189,40 @@ pub fn rust(list: &List) -> String {
     o += "        };\n    };\n}\n";
     o
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_list() {
+        let l = parse(crate::ABI).expect("abi.h reads");
+        let lru = l.codes.iter().find(|c| c.name == "HKV_LRU").expect("HKV_LRU");
+        assert_eq!((lru.value, lru.wide), (0, false));
+        let seed = l.codes.iter().find(|c| c.name == "HKV_DUAL_SEED").expect("HKV_DUAL_SEED");
+        assert_eq!((seed.value, seed.wide), (0x9e37_79b9_7f4a_7c15, true));
+        let t = l.structs.iter().find(|s| s.name == "HkvTable").expect("HkvTable");
+        assert_eq!(t.size, 96);
+        assert_eq!(t.fields.last(), Some(&("order".to_string(), 88)));
+    }
+
+    // A list build.rs cannot read fails the build, naming the line that is
+    // wrong, rather than leaving a code or a field out.
+    #[test]
+    fn refuses_what_it_cannot_read() {
+        let layout = "#define HKV_ABI_LAYOUT(SIZE, AT) \\\n    SIZE(A, 8) \\\n    AT(A, x, 0)\n";
+        assert!(parse(layout).is_ok());
+        for (bad, line) in [
+            ("#define HKV_X (1 << 3)\n", 1),
+            ("#define HKV_X 3000000000\n", 1),
+            ("#define OTHER 1\n", 1),
+            ("#define HKV_X 1\n#define HKV_X 2\n", 2),
+            ("#define HKV_ABI_LAYOUT(SIZE, AT) \\\n    AT(A, x, 0)\n", 2),
+            ("#define HKV_ABI_LAYOUT(SIZE, AT) \\\n    SIZE(A, 8) \\\n    AT(A, x)\n", 3),
+        ] {
+            let text = if bad.contains("LAYOUT") { bad.to_string() } else { format!("{bad}{layout}") };
+            assert_eq!(parse(&text).err().map(|e| e.line), Some(line), "{bad}");
+        }
+        assert_eq!(parse("#define HKV_X 1\n").err().map(|e| e.line), Some(0), "no layout");
+    }
+}
