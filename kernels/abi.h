@@ -192,7 +192,18 @@ struct HkvSample {
     AT(HkvSample, tags, 40)           \
     AT(HkvSample, tag, 48)
 
+// offsetof without <cstddef>, which NVRTC does not have. NVRTC has
+// __builtin_offsetof from 13.4 on; before, its EDG front end's __INTADDR__
+// turns the address of a member of a null object into a constant (the
+// fallback NVIDIA's libcu++ uses for NVRTC). The host compiler of the tests
+// (kernels/tests/abi.rs) takes the second branch.
+#if defined(__CUDACC_RTC__) && (__CUDACC_VER_MAJOR__ < 13 || (__CUDACC_VER_MAJOR__ == 13 && __CUDACC_VER_MINOR__ < 4))
+#define HKV_OFFSETOF(T, f) ((u64)__INTADDR__(&(((T*)0)->f)))
+#else
+#define HKV_OFFSETOF(T, f) __builtin_offsetof(T, f)
+#endif
+
 #define HKV_ABI_SIZE(T, n) static_assert(sizeof(T) == n, "sizeof(" #T ") is not the " #n " of kernels/abi.h");
 #define HKV_ABI_AT(T, f, o) \
-    static_assert(__builtin_offsetof(T, f) == o, #T "." #f " is not at the offset " #o " of kernels/abi.h");
+    static_assert(HKV_OFFSETOF(T, f) == o, #T "." #f " is not at the offset " #o " of kernels/abi.h");
 HKV_ABI_LAYOUT(HKV_ABI_SIZE, HKV_ABI_AT)

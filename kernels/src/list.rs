@@ -146,7 +146,8 @@ fn entry(list: &mut List, l: &str) -> Result<(), String> {
         }
         ("AT", [name, field, offset]) => {
             let s = list.structs.last_mut().filter(|s| s.name == *name);
-            let s = s.ok_or_else(|| format!("AT({name}, {field}, ..) does not follow SIZE({name}, ..) and its fields"))?;
+            let s =
+                s.ok_or_else(|| format!("AT({name}, {field}, ..) does not follow SIZE({name}, ..) and its fields"))?;
             s.fields.push((field.to_string(), number(offset)?));
         }
         _ => return Err(bad()),
@@ -163,7 +164,8 @@ pub fn rust(list: &List) -> String {
         let doc = if c.doc.is_empty() { String::new() } else { format!("{} ", c.doc) };
         o += &format!("/// {doc}(kernels/abi.h)\npub const {}: {ty} = {value};\n", c.name);
     }
-    let pattern: Vec<String> = list.structs.iter().enumerate().map(|(i, s)| format!("{} => $t{i}:ty", s.name)).collect();
+    let pattern: Vec<String> =
+        list.structs.iter().enumerate().map(|(i, s)| format!("{} => $t{i}:ty", s.name)).collect();
     let names: Vec<&str> = list.structs.iter().map(|s| s.name.as_str()).collect();
     o += &format!(
         "\n/// Asserts at compile time that each Rust struct named has the size and\n\

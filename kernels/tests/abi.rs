@@ -43,7 +43,7 @@ fn list() -> List {
 fn c_structs_match_the_list() {
     // The device's pointers are 64-bit, as this host's must be for the
     // host compile to stand for NVRTC's.
-    assert!(cfg!(target_pointer_width = "64"));
+    const { assert!(cfg!(target_pointer_width = "64")) };
     compile(ABI).expect("abi.h compiles, every assert holding");
 }
 
@@ -55,7 +55,9 @@ fn c_side_refuses_every_altered_list_entry() {
     let mut checked = 0;
     for s in &list.structs {
         let entries = std::iter::once((format!("SIZE({}, {})", s.name, s.size), format!("sizeof({})", s.name), s.size))
-            .chain(s.fields.iter().map(|(f, at)| (format!("AT({}, {f}, {at})", s.name), format!("{}.{f}", s.name), *at)));
+            .chain(
+                s.fields.iter().map(|(f, at)| (format!("AT({}, {f}, {at})", s.name), format!("{}.{f}", s.name), *at)),
+            );
         for (line, names, value) in entries {
             let altered = alter(ABI, &line, &line.replace(&format!("{value})"), &format!("{})", value + 8)));
             let err = compile(&altered).expect_err(&format!("abi.h with `{line}` altered compiles"));
@@ -75,11 +77,7 @@ fn c_side_refuses_an_altered_struct() {
     let added = alter(ABI, "    u32 epoch;\n", "    u32 epoch;\n    u32 added;\n");
     let err = compile(&added).expect_err("HkvScoring with a field added compiles");
     assert!(err.contains("static assertion failed"), "{err}");
-    let swapped = alter(
-        ABI,
-        "    u64 min_score;\n    u64 max_score;\n",
-        "    u64 max_score;\n    u64 min_score;\n",
-    );
+    let swapped = alter(ABI, "    u64 min_score;\n    u64 max_score;\n", "    u64 max_score;\n    u64 min_score;\n");
     let err = compile(&swapped).expect_err("HkvFilter with two fields swapped compiles");
     assert!(err.contains("HkvFilter.min_score is not"), "{err}");
 }

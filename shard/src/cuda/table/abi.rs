@@ -72,6 +72,15 @@ unsafe impl DeviceRepr for FilterArgs {}
 // SAFETY: as above (HkvSample).
 unsafe impl DeviceRepr for SampleArgs {}
 
+/// What a kind byte of insert_and_evict's output says.
+pub(super) fn lost_kind(k: u8) -> Lost {
+    if u32::from(k) == abi::HKV_LOST_EVICTED {
+        Lost::Evicted
+    } else {
+        Lost::Rejected
+    }
+}
+
 /// The kernels' code of a policy (`HkvScoring::policy`).
 pub(super) fn policy_code(p: ScorePolicy) -> u32 {
     match p {

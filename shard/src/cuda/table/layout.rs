@@ -158,7 +158,8 @@ mod tests {
     // swapped.
     #[test]
     fn rust_side_refuses_an_altered_struct() {
-        let added = alter(SELF, "    pub(super) epoch: u32,\n", "    pub(super) epoch: u32,\n    pub(super) added: u32,\n");
+        let added =
+            alter(SELF, "    pub(super) epoch: u32,\n", "    pub(super) epoch: u32,\n    pub(super) added: u32,\n");
         let err = build("added", ABI, &added).expect_err("ScoringArgs with a field added builds");
         assert!(err.contains("error[E0080]"), "{err}");
         let swapped = alter(
