@@ -15,8 +15,9 @@
 //! - `common.cuh`: hashing helpers shared by every module.
 //! - `hash.cu`: bucket and digest of keys.
 //! - `features.cu`: raw features to keys (Fingerprint64, SipHash-2-4).
-//! - `table.cuh`: the table's device layout and shared per-key helpers (the
-//!   miss-ratio sampling filter the lookup and writer kernels run among them),
+//! - `table.cuh`: the table's per-key helpers over its device state (the
+//!   `HkvTable` of `abi.h`; among the helpers, the
+//!   miss-ratio sampling filter the lookup and writer kernels run),
 //!   prepended (after `common.cuh`) to the table families:
 //!   `lookup.cu` (find, contains, find*), `upsert.cu` (every insert path),
 //!   `update.cu` (assign, assign_scores, accumulate), `erase.cu` (erase,

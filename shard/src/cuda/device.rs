@@ -243,3 +243,37 @@ pub fn memory(ordinal: usize) -> Result<(u64, u64)> {
     let (free, total) = d.ctx.mem_get_info().map_err(dev_err("cuMemGetInfo"))?;
     Ok((free as u64, total as u64))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// NVRTC's log of `src`, compiled for its default architecture, if it
+    /// refuses it.
+    fn nvrtc(src: &str) -> std::result::Result<(), String> {
+        match cudarc::nvrtc::compile_ptx_with_opts(src, CompileOptions::default()) {
+            Ok(_) => Ok(()),
+            Err(cudarc::nvrtc::CompileError::CompileError { log, .. }) => Err(log.to_string_lossy().into_owned()),
+            Err(e) => panic!("NVRTC failed before compiling: {e:?}"),
+        }
+    }
+
+    // The CUDA side of the ABI check where it runs: NVRTC itself refuses a
+    // module whose struct differs from the list (kernels/abi.h), as a device
+    // opens. kernels/tests/abi.rs shows the same with the host compiler on
+    // every list entry; this shows that NVRTC evaluates the asserts (and
+    // their offsetof) at all.
+    #[test]
+    #[ignore = "needs NVRTC (libnvrtc.so, a CUDA host)"]
+    fn nvrtc_refuses_a_struct_that_differs_from_the_list() {
+        assert!(nvrtc_present(), "no libnvrtc.so");
+        let src = KernelId::Hash.source();
+        nvrtc(&src).expect("the hash module compiles with the ABI asserts");
+        let field = src.replacen("    u32 epoch;\n", "    u32 epoch;\n    u32 added;\n", 1);
+        let log = nvrtc(&field).expect_err("HkvScoring with a field added compiles");
+        assert!(log.contains("sizeof(HkvScoring) is not the 24"), "{log}");
+        let entry = src.replacen("SIZE(HkvFilter, 32)", "SIZE(HkvFilter, 40)", 1);
+        let log = nvrtc(&entry).expect_err("a list with HkvFilter's size altered compiles");
+        assert!(log.contains("sizeof(HkvFilter) is not the 40"), "{log}");
+    }
+}
