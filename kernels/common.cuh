@@ -1,15 +1,10 @@
 // Shared device helpers of the HKV kernels. NVRTC receives this text
-// prepended to each module (cudarc passes no in-memory headers).
+// prepended to each module (cudarc passes no in-memory headers), after
+// abi.h (u64 / u32 / u8, the codes and seeds).
 // The hashing mirrors shard/src/hash.rs bit for bit: bucket from the low 56
 // bits of fmix64(key), digest from the top byte.
 
-typedef unsigned long long u64;
-typedef unsigned int u32;
-typedef unsigned char u8;
-
-#define HKV_BUCKET_SLOTS 128ULL
 #define HKV_LOW56 0x00FFFFFFFFFFFFFFULL
-#define HKV_DUAL_SEED 0x9e3779b97f4a7c15ULL
 
 // Murmur3's 64-bit finalizer.
 __device__ __forceinline__ u64 hkv_fmix64(u64 k) {

@@ -2,8 +2,9 @@
 // shard/src/features.rs (TensorFlow's to_hash_bucket_fast / _strong).
 // Thread mapping: one thread per feature. int64 features are formatted as
 // %lld decimal into a 20-byte per-thread scratch; strings are read in place
-// from one byte buffer plus n + 1 offsets. Kind 0 = FarmHash Fingerprint64,
-// kind 1 = SipHash-2-4 keyed by (k0, k1). key = hash % num_buckets (u64).
+// from one byte buffer plus n + 1 offsets. Kind HKV_HASH_FINGERPRINT64 =
+// FarmHash Fingerprint64, HKV_HASH_SIPHASH = SipHash-2-4 keyed by (k0, k1)
+// (abi.h). key = hash % num_buckets (u64).
 
 #define FH_K0 0xc3a5c85c97cb3127ULL
 #define FH_K1 0xb492b66fbe98f273ULL
@@ -161,7 +162,7 @@ __device__ u64 fh_siphash24(u64 k0, u64 k1, const unsigned char* s, u64 n) {
 }
 
 __device__ __forceinline__ u64 fh_hash(int kind, u64 k0, u64 k1, const unsigned char* s, u64 n) {
-    return kind == 0 ? fh_fingerprint64(s, n) : fh_siphash24(k0, k1, s, n);
+    return kind == HKV_HASH_FINGERPRINT64 ? fh_fingerprint64(s, n) : fh_siphash24(k0, k1, s, n);
 }
 
 // %lld text of x into buf (at most 20 bytes); returns the length. Eight

@@ -15,10 +15,8 @@
 //               keys straight out of every GPU's batch
 //
 // The shard mix mirrors shard/src/hash.rs::shard_of bit for bit.
-
-#define HKV_SHARD_SEED 0xd6e8feb86659fd93ULL
-#define HKV_ROUTE_MAX 8
-#define HKV_TILE 1024
+// HKV_SHARD_SEED, HKV_ROUTE_MAX (shards at most) and HKV_TILE (keys per
+// tile) are in abi.h.
 
 __device__ __forceinline__ u32 hkv_shard_of(u64 key, u32 shards) {
     return (u32)__umul64hi(hkv_fmix64(key ^ HKV_SHARD_SEED), (u64)shards);

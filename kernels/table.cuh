@@ -19,72 +19,15 @@
 // groups guarantee it) and take no lock. Writer kernels read bucket state
 // with ld.cg (L2), so that an entry written by another SM is seen.
 
-#define HKV_EMPTY_KEY 0xFFFFFFFFFFFFFFFFULL
-
-// Policies, in the order of ScorePolicy.
-#define HKV_LRU 0
-#define HKV_LFU 1
-#define HKV_EPOCH_LRU 2
-#define HKV_EPOCH_LFU 3
-#define HKV_CUSTOM 4
-
-// Outcomes, as shard::Outcome.
-#define HKV_UPDATED 0
-#define HKV_INSERTED 1
-#define HKV_EVICTED 2
-#define HKV_REJECTED 3
-#define HKV_ABSENT 4
-
-// Per-batch counters (u64 each).
-#define HKV_C_HITS 0
-#define HKV_C_UPDATED 1
-#define HKV_C_INSERTED 2
-#define HKV_C_EVICTED 3
-#define HKV_C_REJECTED 4
-#define HKV_C_ABSENT 5
-#define HKV_C_LOST 6
-#define HKV_C_ERASED 7
-#define HKV_NCOUNTERS 8
-
-// The table's device state, passed by value (mirrors TableArgs in shard/src/cuda/table/abi.rs).
-struct HkvTable {
-    u8* digests;       // nbuckets * 128
-    u64* keys;         // nbuckets * 128
-    u64* scores;       // nbuckets * 128
-    int* sizes;        // nbuckets: occupied slots
-    int* locks;        // nbuckets: writer spin locks
-    float* fast;       // values of positions < fast_slots, dim floats each
-    float** slices;    // host-tier slices (device-mapped pointers)
-    u64 fast_slots;
-    u64 nbuckets;
-    u32 slice_shift;   // slots per host slice = 1 << slice_shift
-    u32 dim;
-    u32 dual;
-    u32 pad;
-    const u32* order;  // per launch: thread slot j serves key order[j] (null: key j)
-};
+// The structs the kernels take by value (HkvTable, HkvScoring, HkvFilter,
+// HkvSample), the policies (HKV_LRU ...), outcomes (HKV_UPDATED ...) and
+// counters (HKV_C_*) are in abi.h, prepended before this file and checked
+// against the Rust side at build and load time.
 
 // The key index served by thread slot j of an n-key launch (see HkvTable::order).
 __device__ __forceinline__ u64 hkv_key_index(const HkvTable& t, u64 j, u64 n) {
     return t.order && j < n ? t.order[j] : j;
 }
-
-// How written keys are scored (mirrors ScoringArgs in shard/src/cuda/table/abi.rs).
-struct HkvScoring {
-    u64 now_ns;
-    u32 policy;
-    u32 epoch;
-    u32 verbatim;  // load: scores as given
-    u32 lfu_lru;   // Lfu: 1 = frequency << 40 | stamp (LfuTies::Lru), 0 = plain frequency
-};
-
-// A key and score predicate (mirrors shard::Filter).
-struct HkvFilter {
-    u64 key_mask;
-    u64 key_pattern;
-    u64 min_score;
-    u64 max_score;
-};
 
 __device__ __forceinline__ bool hkv_matches(const HkvFilter& f, u64 key, u64 score) {
     return (key & f.key_mask) == f.key_pattern && score >= f.min_score && score <= f.max_score;
@@ -119,8 +62,8 @@ __device__ __forceinline__ float* hkv_row(const HkvTable& t, u64 pos) {
 // Lfu with LRU ties (score::LFU_STAMP_BITS, score::LFU_MAX_FREQUENCY): the
 // frequency in the high 24 bits, the batch's clock in ~ms in the low 40, so
 // that hkv_min_slot's "minimum score" evicts the least frequent entry and,
-// among equal frequencies, the least recently written.
-#define HKV_LFU_STAMP_BITS 40
+// among equal frequencies, the least recently written. HKV_LFU_STAMP_BITS
+// is in abi.h.
 #define HKV_LFU_MAX_FREQ ((1ULL << (64 - HKV_LFU_STAMP_BITS)) - 1)
 #define HKV_LFU_STAMP_MASK ((1ULL << HKV_LFU_STAMP_BITS) - 1)
 
@@ -565,18 +508,7 @@ __device__ __forceinline__ void hkv_flush_counters(u64* shared, u64* global) {
 // zeroes both counters, so the slots restart at 0: no tail, no wrap-around.
 // A batch's keys come back a warp at a time, in the order the warps ran.
 
-// A launch's sampler (mirrors SampleArgs in shard/src/cuda/table/abi.rs);
-// ring null: sampling off.
-struct HkvSample {
-    u64* ring;       // cap keys
-    u64* counters;   // 2: slots claimed, accesses
-    u64 cap;
-    u64 seed;
-    u64 threshold;
-    u8* tags;        // cap tag bytes, one beside each key slot
-    u64 tag;         // this batch's tag (mrc::tag): kind in bits 0-1, batch sequence in 2-7
-};
-static_assert(sizeof(HkvSample) == 56, "HkvSample layout (SampleArgs in shard/src/cuda/table/abi.rs)");
+// A launch's sampler is an HkvSample (abi.h); ring null: sampling off.
 
 // Declares and zeroes the block's access count; a __syncthreads must follow
 // before hkv_sample_warp (HKV_COUNTERS_INIT's).
@@ -612,9 +544,10 @@ __device__ __forceinline__ void hkv_sample_warp(const HkvSample& smp, bool live,
 // Adds the block's accesses to the ring's counter (every thread of the block
 // calls it, after a __syncthreads that follows the last hkv_sample_warp:
 // hkv_flush_counters').
-// Only lookups (tag kinds 0 and 1: find, contains, find_or_insert) are
-// accesses, the references the table's hit rate counts; writes are sampled
-// (tagged) but not counted (issue 32).
+// Only lookups (tag kinds HKV_TAG_LOOKUP and HKV_TAG_FIND_OR_INSERT: find,
+// contains, find_or_insert) are accesses, the references the table's hit
+// rate counts; writes are sampled (tagged) but not counted (issue 32).
 __device__ __forceinline__ void hkv_flush_sample(const HkvSample& smp, const u32* seen) {
-    if (smp.ring && (smp.tag & 3) <= 1 && threadIdx.x == 0 && *seen) atomicAdd(smp.counters + 1, (u64)*seen);
+    if (smp.ring && (smp.tag & 3) <= HKV_TAG_FIND_OR_INSERT && threadIdx.x == 0 && *seen)
+        atomicAdd(smp.counters + 1, (u64)*seen);
 }

@@ -4,10 +4,7 @@
 // and row writes; no key moves meanwhile, so the slot is looked up without
 // the lock (update_keys*).
 // Thread mapping: G = 1, 2, 4, 8, 16 or 32 threads per key, picked by the host.
-
-#define HKV_UPD_ASSIGN 0
-#define HKV_UPD_SCORES 1
-#define HKV_UPD_ACCUM 2
+// mode: HKV_UPD_ASSIGN, _SCORES or _ACCUM (abi.h).
 
 template <int G, bool PRELOAD>
 __device__ __forceinline__ void update_one(const HkvTable& t, const HkvScoring& sc, const u64* keys, u64 n,

@@ -5,11 +5,7 @@
 // host per batch, 256 / G keys per 256-thread block; the key's candidate
 // buckets are locked for the whole operation.
 // insert_and_evict compacts what lost its slot on the GPU (order unspecified).
-
-#define HKV_UP_INSERT 0
-#define HKV_UP_FIND_OR_INSERT 1
-#define HKV_UP_ACCUM 2
-#define HKV_UP_FIND_OR_INSERT_PTR 3
+// mode: HKV_UP_INSERT, _FIND_OR_INSERT, _ACCUM or _FIND_OR_INSERT_PTR (abi.h).
 
 // LOST: whether the lost_* outputs may be given (insert_and_evict); the
 // variants without them are smaller.
@@ -96,7 +92,7 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
             if (g.rank == 0) {
                 lost_keys[at] = out == HKV_EVICTED ? __ldcg(t.keys + pos) : key;
                 lost_scores[at] = out == HKV_EVICTED ? __ldcg(t.scores + pos) : score;
-                lost_kinds[at] = out == HKV_EVICTED ? 0 : 1;
+                lost_kinds[at] = out == HKV_EVICTED ? HKV_LOST_EVICTED : HKV_LOST_REJECTED;
             }
             hkv_copy_row<G, true>(lost_values + at * t.dim, out == HKV_EVICTED ? row : vin, t.dim, g.rank);
             g.sync();

@@ -86,7 +86,9 @@ pub(super) fn arch_name(cc: (i32, i32)) -> Result<&'static str> {
 pub struct Device {
     /// What it is.
     pub info: DeviceInfo,
-    /// Its context (bound to the threads that use it).
+    /// Its context (bound to the threads that use it), with cudarc's event
+    /// tracking off: whoever allocates on it orders its own streams (see
+    /// [`Device::open`]).
     pub ctx: Arc<CudaContext>,
     modules: Vec<(KernelId, Arc<CudaModule>)>,
     /// Modules NVRTC compiled when this device was opened (0 with a warm cache).
@@ -102,6 +104,30 @@ impl Device {
             .find(|d| d.ordinal == ordinal)
             .ok_or_else(|| Error::Unavailable(format!("no CUDA device {ordinal}")))?;
         let ctx = CudaContext::new(ordinal).map_err(dev_err("creating a context"))?;
+        // Event tracking is a flag of this `CudaContext`, which every user
+        // of the device shares (`shared_device`: each table, the GPU group's
+        // nodes, the feature hasher, a device batch), so it is switched off
+        // here, once, before any of them allocates, and this argument
+        // covers them all.
+        // SAFETY: cudarc asks that no buffer be freed before a use on
+        // another stream finishes, used on another stream before its
+        // allocation finishes, or written by two streams at once. Tracking
+        // never ordered a kernel of this crate anyway: kernels get raw
+        // device addresses (`table::ptr`, `DevPtr::of`), whose tracking
+        // guard is dropped before the launch. Instead each user orders its
+        // streams itself: a table uses each buffer on one lane's stream at
+        // a time and synchronises a batch's stream before its lane returns
+        // to the pool or a buffer is regrown, and replaces its storage only
+        // under the inserter group, every lane idle; a group node allocates
+        // on its main stream, its serve stream waits for an event of the
+        // main stream before it touches those buffers and is joined back
+        // before the batch ends and is synchronised; a group's batch
+        // buffers are synchronised once allocated, before the feature
+        // hasher's stream writes keys into them (and the hasher waits for
+        // its writes); the hasher and a device batch otherwise use one
+        // stream of their own; `hash_locate` uses the default stream with
+        // blocking copies.
+        unsafe { ctx.disable_event_tracking() };
         let arch = arch_name(info.compute_capability)?;
         let mut modules = vec![];
         let mut nvrtc_compiles = 0;
@@ -216,4 +242,38 @@ pub fn memory(ordinal: usize) -> Result<(u64, u64)> {
     let d = shared_device(ordinal)?;
     let (free, total) = d.ctx.mem_get_info().map_err(dev_err("cuMemGetInfo"))?;
     Ok((free as u64, total as u64))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// NVRTC's log of `src`, compiled for its default architecture, if it
+    /// refuses it.
+    fn nvrtc(src: &str) -> std::result::Result<(), String> {
+        match cudarc::nvrtc::compile_ptx_with_opts(src, CompileOptions::default()) {
+            Ok(_) => Ok(()),
+            Err(cudarc::nvrtc::CompileError::CompileError { log, .. }) => Err(log.to_string_lossy().into_owned()),
+            Err(e) => panic!("NVRTC failed before compiling: {e:?}"),
+        }
+    }
+
+    // The CUDA side of the ABI check where it runs: NVRTC itself refuses a
+    // module whose struct differs from the list (kernels/abi.h), as a device
+    // opens. kernels/tests/abi.rs shows the same with the host compiler on
+    // every list entry; this shows that NVRTC evaluates the asserts (and
+    // their offsetof) at all.
+    #[test]
+    #[ignore = "needs NVRTC (libnvrtc.so, a CUDA host)"]
+    fn nvrtc_refuses_a_struct_that_differs_from_the_list() {
+        assert!(nvrtc_present(), "no libnvrtc.so");
+        let src = KernelId::Hash.source();
+        nvrtc(&src).expect("the hash module compiles with the ABI asserts");
+        let field = src.replacen("    u32 epoch;\n", "    u32 epoch;\n    u32 added;\n", 1);
+        let log = nvrtc(&field).expect_err("HkvScoring with a field added compiles");
+        assert!(log.contains("sizeof(HkvScoring) is not the 24"), "{log}");
+        let entry = src.replacen("SIZE(HkvFilter, 32)", "SIZE(HkvFilter, 40)", 1);
+        let log = nvrtc(&entry).expect_err("a list with HkvFilter's size altered compiles");
+        assert!(log.contains("sizeof(HkvFilter) is not the 40"), "{log}");
+    }
 }

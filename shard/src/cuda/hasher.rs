@@ -98,7 +98,11 @@ impl FeatureHasher {
             HashKind::Fingerprint64 => (0u64, 0u64),
             HashKind::Strong { k0, k1 } => (k0, k1),
         };
-        let code = kind.code() as i32;
+        // The kernels' kind (kernels/abi.h).
+        let code = match kind {
+            HashKind::Fingerprint64 => hkv_kernels::abi::HKV_HASH_FINGERPRINT64,
+            HashKind::Strong { .. } => hkv_kernels::abi::HKV_HASH_SIPHASH,
+        } as i32;
         let (s, n64) = (self.stream.clone(), n as u64);
         let out = match dst {
             Some(d) => d,

@@ -271,12 +271,17 @@ impl GpuGroup {
             .map(|node| {
                 let s = &node.stream;
                 let a = |e| dev_err("allocating a group batch")(e);
-                Ok(RankBatch {
+                let b = RankBatch {
                     n,
                     keys: s.alloc_zeros(n.max(1)).map_err(a)?,
                     values: s.alloc_zeros((n * dim).max(1)).map_err(a)?,
                     found: s.alloc_zeros(n.max(1)).map_err(a)?,
-                })
+                };
+                // Allocated and zeroed before any other stream touches them
+                // (hash_features writes keys on the hasher's stream): the
+                // context tracks no events (Device::open).
+                s.synchronize().map_err(a)?;
+                Ok(b)
             })
             .collect()
     }

@@ -3,7 +3,11 @@
 
 use super::*;
 
-pub(super) const TILE: u64 = 1024;
+/// Keys per tile of the route kernels (`HKV_TILE` of kernels/abi.h).
+pub(super) const TILE: u64 = hkv_kernels::abi::HKV_TILE as u64;
+
+// The route kernels count a tile's keys per shard in HKV_ROUTE_MAX slots.
+const _: () = assert!(MAX_GPUS <= hkv_kernels::abi::HKV_ROUTE_MAX as usize);
 
 pub(super) struct RouteFns {
     pub(super) count: CudaFunction,

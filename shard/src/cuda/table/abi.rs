@@ -1,102 +1,66 @@
-//! The C structs the kernels take by value, their codes, the counters
-//! they write and the raw device pointers of one launch.
+//! The codes the kernels take (from the ABI list, `kernels/abi.h`), the
+//! counters they write and the raw device pointers of one launch; the C
+//! structs they take by value are in `layout`.
 
 use super::*;
 
-pub(super) const C_HITS: usize = 0;
+use hkv_kernels::abi;
 
-pub(super) const C_UPDATED: usize = 1;
+pub(super) const C_HITS: usize = abi::HKV_C_HITS as usize;
 
-pub(super) const C_LOST: usize = 6;
+pub(super) const C_UPDATED: usize = abi::HKV_C_UPDATED as usize;
 
-pub(super) const C_ERASED: usize = 7;
+pub(super) const C_LOST: usize = abi::HKV_C_LOST as usize;
 
-pub(super) const NCOUNTERS: usize = 8;
+pub(super) const C_ERASED: usize = abi::HKV_C_ERASED as usize;
 
-pub(super) const UP_INSERT: i32 = 0;
+pub(super) const NCOUNTERS: usize = abi::HKV_NCOUNTERS as usize;
 
-pub(super) const UP_FIND_OR_INSERT: i32 = 1;
+pub(super) const UP_INSERT: i32 = abi::HKV_UP_INSERT as i32;
 
-pub(super) const UP_ACCUM: i32 = 2;
+pub(super) const UP_FIND_OR_INSERT: i32 = abi::HKV_UP_FIND_OR_INSERT as i32;
 
-pub(super) const UP_FIND_OR_INSERT_PTR: i32 = 3;
+pub(super) const UP_ACCUM: i32 = abi::HKV_UP_ACCUM as i32;
 
-pub(super) const UPD_ASSIGN: i32 = 0;
+pub(super) const UP_FIND_OR_INSERT_PTR: i32 = abi::HKV_UP_FIND_OR_INSERT_PTR as i32;
 
-pub(super) const UPD_SCORES: i32 = 1;
+pub(super) const UPD_ASSIGN: i32 = abi::HKV_UPD_ASSIGN as i32;
 
-pub(super) const UPD_ACCUM: i32 = 2;
+pub(super) const UPD_SCORES: i32 = abi::HKV_UPD_SCORES as i32;
 
-/// `HkvTable` of `table.cuh`, field for field.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub(super) struct TableArgs {
-    pub(super) digests: u64,
-    pub(super) keys: u64,
-    pub(super) scores: u64,
-    pub(super) sizes: u64,
-    pub(super) locks: u64,
-    pub(super) fast: u64,
-    pub(super) slices: u64,
-    pub(super) fast_slots: u64,
-    pub(super) nbuckets: u64,
-    pub(super) slice_shift: u32,
-    pub(super) dim: u32,
-    pub(super) dual: u32,
-    pub(super) pad: u32,
-    /// Per launch: the key order of [`CudaTable::key_order`] (0: index order).
-    pub(super) order: u64,
-}
+pub(super) const UPD_ACCUM: i32 = abi::HKV_UPD_ACCUM as i32;
 
-/// `HkvScoring` of `table.cuh`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub(super) struct ScoringArgs {
-    pub(super) now_ns: u64,
-    pub(super) policy: u32,
-    pub(super) epoch: u32,
-    pub(super) verbatim: u32,
-    /// Lfu: 1 for [`LfuTies::Lru`] (packed frequency and stamp), 0 for plain frequencies.
-    pub(super) lfu_lru: u32,
-}
-
-/// `HkvFilter` of `table.cuh`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub(super) struct FilterArgs {
-    pub(super) key_mask: u64,
-    pub(super) key_pattern: u64,
-    pub(super) min_score: u64,
-    pub(super) max_score: u64,
-}
-
-/// `HkvSample` of `table.cuh`: the miss-ratio sampler a lookup kernel runs
-/// fused ([`super::sampling`]); `ring` 0 (the default): off.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct SampleArgs {
-    /// The ring's `cap` key slots and its 2 counters (slots claimed, accesses).
-    pub(super) ring: u64,
-    pub(super) counters: u64,
-    pub(super) cap: u64,
-    pub(super) seed: u64,
-    pub(super) threshold: u64,
-    /// The ring's `cap` tag bytes, one beside each key slot (issue 32).
-    pub(super) tags: u64,
-    /// This batch's tag (`mrc::tag`: the op's `mrc::Kind`, the batch's
-    /// sequence number); only kinds 0 and 1 (lookups) count accesses.
-    pub(super) tag: u64,
-}
-
+// The Rust enums and constants whose values the kernels also use, tied to
+// the ABI list (kernels/abi.h): a value that differs fails the build. (The
+// codes above, and policy_code's, are the list's own consts.)
 const _: () = {
-    assert!(std::mem::size_of::<SampleArgs>() == 56);
-    assert!(std::mem::offset_of!(SampleArgs, tags) == 40);
-    assert!(std::mem::offset_of!(SampleArgs, tag) == 48);
+    assert!(Outcome::Updated as u32 == abi::HKV_UPDATED);
+    assert!(Outcome::Inserted as u32 == abi::HKV_INSERTED);
+    assert!(Outcome::Evicted as u32 == abi::HKV_EVICTED);
+    assert!(Outcome::Rejected as u32 == abi::HKV_REJECTED);
+    assert!(Outcome::Absent as u32 == abi::HKV_ABSENT);
+    // The counters of the outcomes are C_UPDATED + the outcome (counts()).
+    assert!(abi::HKV_C_INSERTED == abi::HKV_C_UPDATED + abi::HKV_INSERTED);
+    assert!(abi::HKV_C_EVICTED == abi::HKV_C_UPDATED + abi::HKV_EVICTED);
+    assert!(abi::HKV_C_REJECTED == abi::HKV_C_UPDATED + abi::HKV_REJECTED);
+    assert!(abi::HKV_C_ABSENT == abi::HKV_C_UPDATED + abi::HKV_ABSENT);
+    assert!(Lost::Evicted as u32 == abi::HKV_LOST_EVICTED);
+    assert!(Lost::Rejected as u32 == abi::HKV_LOST_REJECTED);
+    assert!(Kind::Lookup as u32 == abi::HKV_TAG_LOOKUP);
+    assert!(Kind::FindOrInsert as u32 == abi::HKV_TAG_FIND_OR_INSERT);
+    assert!(Kind::Write as u32 == abi::HKV_TAG_WRITE);
+    assert!(Kind::Update as u32 == abi::HKV_TAG_UPDATE);
+    assert!(BUCKET_SLOTS as u64 == abi::HKV_BUCKET_SLOTS);
+    assert!(crate::EMPTY_KEY == abi::HKV_EMPTY_KEY);
+    assert!(crate::hash::DUAL_SEED == abi::HKV_DUAL_SEED);
+    assert!(crate::hash::SHARD_SEED == abi::HKV_SHARD_SEED);
+    assert!(crate::score::LFU_STAMP_BITS == abi::HKV_LFU_STAMP_BITS);
 };
 
-// SAFETY: plain #[repr(C)] structs of integers whose layout matches the C
-// structs the kernels take by value (HkvTable, HkvScoring, HkvFilter in
-// kernels/table.cuh): same field order, types and padding.
+// SAFETY: plain #[repr(C)] structs of integers (layout.rs) whose size and
+// field offsets equal those of the C structs the kernels take by value
+// (HkvTable, HkvScoring, HkvFilter in kernels/abi.h): both are asserted
+// against the ABI list, at build time here and by NVRTC on the C side.
 unsafe impl DeviceRepr for TableArgs {}
 
 // SAFETY: as above.
@@ -108,13 +72,23 @@ unsafe impl DeviceRepr for FilterArgs {}
 // SAFETY: as above (HkvSample).
 unsafe impl DeviceRepr for SampleArgs {}
 
+/// What a kind byte of insert_and_evict's output says.
+pub(super) fn lost_kind(k: u8) -> Lost {
+    if u32::from(k) == abi::HKV_LOST_EVICTED {
+        Lost::Evicted
+    } else {
+        Lost::Rejected
+    }
+}
+
+/// The kernels' code of a policy (`HkvScoring::policy`).
 pub(super) fn policy_code(p: ScorePolicy) -> u32 {
     match p {
-        ScorePolicy::Lru => 0,
-        ScorePolicy::Lfu => 1,
-        ScorePolicy::EpochLru => 2,
-        ScorePolicy::EpochLfu => 3,
-        ScorePolicy::Custom => 4,
+        ScorePolicy::Lru => abi::HKV_LRU,
+        ScorePolicy::Lfu => abi::HKV_LFU,
+        ScorePolicy::EpochLru => abi::HKV_EPOCH_LRU,
+        ScorePolicy::EpochLfu => abi::HKV_EPOCH_LFU,
+        ScorePolicy::Custom => abi::HKV_CUSTOM,
     }
 }
 

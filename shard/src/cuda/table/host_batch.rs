@@ -154,8 +154,7 @@ impl CudaTable {
             lost.keys = l.stage.read(&k).to_vec();
             lost.values = l.stage.read(&v).to_vec();
             lost.scores = l.stage.read(&sc).to_vec();
-            lost.kinds =
-                l.stage.read(&kinds).iter().map(|&k| if k == 0 { Lost::Evicted } else { Lost::Rejected }).collect();
+            lost.kinds = l.stage.read(&kinds).iter().map(|&k| lost_kind(k)).collect();
         }
         self.size.fetch_add(c.summary.inserted, Relaxed);
         self.counters.summary(&c.summary);

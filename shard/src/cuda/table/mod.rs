@@ -29,7 +29,9 @@
 //!
 //! # Layout
 //! - this file: [`CudaTable`], its construction and tuning.
-//! - `abi`: the C structs the kernels take, counters, raw pointers of a launch.
+//! - `abi`: the codes the kernels take, counters, raw pointers of a launch.
+//! - `layout`: the C structs the kernels take by value, asserted against
+//!   the ABI list `kernels/abi.h`.
 //! - `kernels`: which kernel variant (threads per key) serves a batch.
 //! - `launch`: one typed wrapper per kernel launch, with its safety contract.
 //! - `storage`: device buffers and the pinned host tier.
@@ -50,6 +52,7 @@ mod ipc_batch;
 mod kernels;
 mod lane;
 mod launch;
+mod layout;
 mod ops;
 mod sampling;
 mod storage;
@@ -82,6 +85,7 @@ use host_batch::*;
 use kernels::*;
 use lane::*;
 use launch::*;
+use layout::*;
 use sampling::Sampling;
 use storage::*;
 
@@ -128,11 +132,12 @@ impl CudaTable {
     /// A table reading Lru / EpochLru time from `clock`.
     pub fn with_clock(config: TableConfig, dev: Arc<Device>, clock: Arc<dyn Clock>) -> Result<CudaTable> {
         config.validate()?;
-        // SAFETY: every buffer the table uses is used on one lane's stream
-        // at a time, and each batch synchronises its stream before its lane
-        // is returned to the pool or its buffers are reallocated; storage is
-        // replaced only under the inserter group, after every lane is idle.
-        unsafe { dev.ctx.disable_event_tracking() };
+        // The device's context has no event tracking (Device::open, whose
+        // SAFETY argument this table keeps): every buffer the table uses is
+        // used on one lane's stream at a time, and each batch synchronises
+        // its stream before its lane is returned to the pool or its buffers
+        // are reallocated; storage is replaced only under the inserter
+        // group, after every lane is idle.
         let get = |id: KernelId, name: &str| {
             dev.module(id).load_function(name).map_err(|e| Error::Device(format!("kernel {name}: {e:?}")))
         };
