@@ -6,6 +6,11 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::{Backend, BUCKET_SLOTS};
 
+
+/// Bytes of one bucket of the CPU backend in host memory (128 digests,
+/// keys and scores, the occupancy bitmap and the writers' mutex, in a
+/// 128-byte aligned struct; `cpu::storage` asserts it).
+pub const CPU_BUCKET_BYTES: u64 = 2304;
 /// How scores are computed. Larger score = more valuable; eviction removes the
 /// minimum and admission refuses a newcomer whose score is below it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
@@ -296,7 +301,7 @@ impl TableConfig {
         let row = (self.dim as u64).checked_mul(4)?;
         match backend {
             Backend::Cpu | Backend::Auto => {
-                let meta = buckets.checked_mul(crate::cpu::BUCKET_BYTES)?;
+                let meta = buckets.checked_mul(CPU_BUCKET_BYTES)?;
                 Some(Footprint { device: 0, host: meta.checked_add(slots.checked_mul(row)?)?.checked_add(64)? })
             }
             Backend::Cuda => {

@@ -23,8 +23,10 @@ pub(super) struct Storage {
     pub(super) dim: usize,
 }
 
-/// Bytes of one bucket in host memory (digests, keys, scores, bitmap, mutex).
-pub const BUCKET_BYTES: u64 = std::mem::size_of::<Bucket>() as u64;
+/// Bytes of one bucket in host memory (digests, keys, scores, bitmap,
+/// mutex), which the config's footprint counts.
+pub use crate::config::CPU_BUCKET_BYTES as BUCKET_BYTES;
+const _: () = assert!(std::mem::size_of::<Bucket>() as u64 == BUCKET_BYTES, "config::CPU_BUCKET_BYTES is a bucket's size");
 
 /// A vector of `n` elements made by `f`, or an error naming the bytes when
 /// the allocation fails (the size may come from a client: never abort).
