@@ -153,9 +153,24 @@ fn anchors(text: &str) -> Vec<String> {
     out
 }
 
+/// Every Markdown file of the repository (the other pages link into docs/).
+fn markdown(dir: &Path, out: &mut Vec<PathBuf>) {
+    for e in std::fs::read_dir(dir).expect("read dir") {
+        let p = e.expect("dir entry").path();
+        let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if p.is_dir() && !name.starts_with('.') && name != "target" {
+            markdown(&p, out);
+        } else if name.ends_with(".md") {
+            out.push(p);
+        }
+    }
+}
+
 #[test]
 fn links_between_pages_resolve() {
-    for page in pages() {
+    let mut all = vec![];
+    markdown(&root(), &mut all);
+    for page in all {
         let text = std::fs::read_to_string(&page).expect("read page");
         let dir = page.parent().expect("page dir");
         for (i, line) in text.lines().enumerate() {
@@ -170,7 +185,11 @@ fn links_between_pages_resolve() {
                 assert!(path.exists(), "{at}: link to {target}: {} does not exist", path.display());
                 if !anchor.is_empty() && path.extension().is_some_and(|e| e == "md") {
                     let there = std::fs::read_to_string(&path).expect("read link target");
-                    assert!(anchors(&there).iter().any(|a| a == anchor), "{at}: no heading #{anchor} in {}", rel(&path));
+                    assert!(
+                        anchors(&there).iter().any(|a| a == anchor),
+                        "{at}: no heading #{anchor} in {}",
+                        rel(&path)
+                    );
                 }
             }
         }

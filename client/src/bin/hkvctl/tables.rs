@@ -87,7 +87,9 @@ pub fn list(c: &mut Client) -> Result<()> {
             t.spec.dim,
             t.spec.policy.as_str(),
             t.spec.mode.as_str(),
-            t.size, t.capacity, t.shards
+            t.size,
+            t.capacity,
+            t.shards
         );
     }
     Ok(())
