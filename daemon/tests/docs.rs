@@ -197,13 +197,13 @@ fn links_between_pages_resolve() {
 }
 
 /// Where the binaries are: beside `$HKVD_BIN` when set, else beside the
-/// `hkvd` cargo built for this test. `hkvctl` and `hkv-sim` are other
+/// `hkvd` cargo built for this test. `hkvctl`, `hkv-sim` and `hkv-bench` are other
 /// packages' binaries, built by `cargo test --workspace` (as ./test.sh runs
 /// it) or `cargo build --release -p hkv-client -p hkv-shard --bins`.
 fn bin_dir() -> PathBuf {
     let hkvd = std::env::var_os("HKVD_BIN").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_hkvd")), PathBuf::from);
     let dir = hkvd.parent().expect("bin dir").to_path_buf();
-    for b in ["hkvd", "hkvctl", "hkv-sim"] {
+    for b in ["hkvd", "hkvctl", "hkv-sim", "hkv-bench"] {
         assert!(
             dir.join(b).exists(),
             "{} is missing: build it (cargo build --release -p hkv-client -p hkv-shard --bins, or cargo test --workspace)",
