@@ -1209,7 +1209,7 @@ fn start_expecting_exit(root: &std::path::Path, extra: &[&str]) -> (i32, String)
 /// Issue 32, finding 3: with every checkpoint's MANIFEST damaged and no
 /// catalog to repair them from, start-up moved every directory aside,
 /// found nothing to restore, and served empty tables with exit status 0,
-/// although the README says it refuses to. Now, while directories it set
+/// although the README (now docs/checkpoints.md) says it refuses to. Now, while directories it set
 /// aside exist and nothing could be restored, hkvd does not start (unless
 /// `--restore none`) and names each directory and how to get it back.
 #[test]

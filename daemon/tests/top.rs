@@ -137,3 +137,21 @@ fn top_under_tmux_shows_rising_load_evictions_and_exits_cleanly() {
     // The daemon never noticed anything wrong.
     assert_eq!(c.stats().unwrap()["errors"], 0);
 }
+
+/// `hkvd top` with no terminal (a pipe, cron, CI) panicked inside
+/// ratatui's `init` with a backtrace; it now exits 1 with a message, and
+/// leaves the daemon alone.
+#[test]
+fn without_a_terminal_top_exits_1_without_a_panic() {
+    let d = Daemon::start(&[]);
+    let out = Command::new(env!("CARGO_BIN_EXE_hkvd"))
+        .args(["top", "--socket"])
+        .arg(&d.socket)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run hkvd top");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    d.client().ping().expect("the daemon still serves");
+}

@@ -314,7 +314,7 @@ pub enum Mode {
 names!(Mode, "mode", { Single = "single", Dual = "dual", });
 
 /// How an lfu table tells entries of equal frequency apart (which one a
-/// full bucket evicts); README's "Lfu scores" says what exported scores hold.
+/// full bucket evicts); docs/tables.md, "Lfu scores", says what exported scores hold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 pub enum LfuTies {
     /// The least recently written goes; scores pack the frequency (high 24

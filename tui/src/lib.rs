@@ -23,11 +23,12 @@ pub mod curve;
 pub mod model;
 pub mod ui;
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
 use crossterm::event::{self, Event, KeyEventKind};
 
 use crate::app::{Action, App};
@@ -41,6 +42,13 @@ enum Update {
 
 /// Runs the console against the daemon at `socket` until the user quits.
 pub fn run(socket: PathBuf, interval: Duration, log: Option<PathBuf>) -> anyhow::Result<()> {
+    // ratatui::init panics without a terminal (hkvd top under a pipe, cron
+    // or CI did): say so instead.
+    anyhow::ensure!(
+        std::io::stdin().is_terminal() && std::io::stdout().is_terminal(),
+        "needs a terminal, and stdin or stdout is not one \
+         (hkvctl stats, hkvctl stats --json and hkvctl metrics print the same figures)"
+    );
     let mut logf = match &log {
         Some(p) => Some(std::fs::OpenOptions::new().create(true).append(true).open(p)?),
         None => None,
@@ -78,7 +86,7 @@ pub fn run(socket: PathBuf, interval: Duration, log: Option<PathBuf>) -> anyhow:
         }
     })?;
 
-    let mut terminal = ratatui::init();
+    let mut terminal = ratatui::try_init().context("setting up the terminal")?;
     let mut app = App::new(socket.display().to_string());
     let result = (|| -> anyhow::Result<()> {
         let mut last_draw = Instant::now() - Duration::from_secs(1);

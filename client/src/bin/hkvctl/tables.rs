@@ -83,7 +83,13 @@ pub fn list(c: &mut Client) -> Result<()> {
     for t in c.tables()? {
         println!(
             "{:<20} {:>5} {:<9} {:<6} {:>12} {:>12} {:>6}",
-            t.spec.name, t.spec.dim, t.spec.policy, t.spec.mode, t.size, t.capacity, t.shards
+            t.spec.name,
+            t.spec.dim,
+            t.spec.policy.as_str(),
+            t.spec.mode.as_str(),
+            t.size,
+            t.capacity,
+            t.shards
         );
     }
     Ok(())
