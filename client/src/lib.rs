@@ -259,11 +259,6 @@ impl Client {
         Ok(Client { w: s, r, next_id: 1, spare: Spare::default() })
     }
 
-    /// Connects to `$HKVD_SOCKET` or the default socket.
-    pub fn connect_default() -> Result<Client> {
-        Client::connect(proto::client_socket_path())
-    }
-
     /// Sends a request without waiting; returns its id.
     pub fn send(&mut self, req: &Request) -> Result<u64> {
         let id = self.next_id;
@@ -419,10 +414,10 @@ impl Client {
         }
     }
 
-    /// Restores a checkpoint (`latest` or an id) into the running daemon.
-    /// An id that is neither `latest` nor hex is refused before sending.
-    pub fn restore(&mut self, id: &str) -> Result<serde_json::Value> {
-        let id = id.parse().map_err(ClientError::Request)?;
+    /// Restores a checkpoint (the newest complete one or one by id) into
+    /// the running daemon; text (`latest` or a hex id) becomes a
+    /// [`proto::CheckpointId`] with `parse`.
+    pub fn restore(&mut self, id: proto::CheckpointId) -> Result<serde_json::Value> {
         self.json(Control::Restore { id }, "restore")
     }
 

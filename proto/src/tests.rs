@@ -234,11 +234,12 @@ fn unknown_op_and_trailing_bytes_are_named() {
 }
 
 /// Writes the fuzzer's seed corpus: one encoded frame of every request and
-/// response shape. `HKV_WRITE_CORPUS=proto/fuzz/corpus/frame cargo test -p hkv-proto -- --ignored corpus`
+/// response shape, into `proto/fuzz/corpus/frame`:
+/// `cargo test -p hkv-proto -- --ignored corpus`
 #[test]
 #[ignore = "writes the fuzz seed corpus"]
 fn write_fuzz_corpus() {
-    let dir = std::path::PathBuf::from(std::env::var("HKV_WRITE_CORPUS").expect("HKV_WRITE_CORPUS=dir"));
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz").join("corpus").join("frame");
     std::fs::create_dir_all(&dir).unwrap();
     let t = "emb".to_string();
     let mut frames: Vec<Vec<u8>> = vec![

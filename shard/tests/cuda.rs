@@ -19,7 +19,7 @@ use rand::{Rng, SeedableRng};
 
 /// The kernel cache a binary would use (the library reads no environment).
 fn init() {
-    if let Some(dir) = cuda::default_kernel_cache_dir(None) {
+    if let Some(dir) = cuda::default_kernel_cache_dir(None, |k| std::env::var_os(k)) {
         cuda::set_cache_dir(dir);
     }
 }

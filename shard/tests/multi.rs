@@ -25,7 +25,7 @@ fn gpus() -> Vec<usize> {
                 std::env::set_var(k, v);
             }
         }
-        if let Some(dir) = cuda::default_kernel_cache_dir(None) {
+        if let Some(dir) = cuda::default_kernel_cache_dir(None, |k| std::env::var_os(k)) {
             cuda::set_cache_dir(dir);
         }
     });

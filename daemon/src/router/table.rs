@@ -181,6 +181,8 @@ pub fn shard_config(spec: &TableSpec, n: usize) -> Result<TableConfig, ProtoErro
             hkv_proto::LfuTies::Lru => hkv_shard::LfuTies::Lru,
             hkv_proto::LfuTies::LowestSlot => hkv_shard::LfuTies::LowestSlot,
         },
+        // The process's, which the router gives every table (Router::tuning).
+        tuning: Default::default(),
     };
     config.validate().map_err(|e| ProtoError::bad_request(e.to_string()))?;
     Ok(config)

@@ -28,7 +28,6 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStrea
 use cudarc::nvrtc::{CompileOptions, Ptx};
 use hkv_kernels::KernelId;
 
-use crate::config::CudaTuning;
 use crate::error::{Error, Result};
 use crate::features::{Features, HashKind};
 pub use device::*;
@@ -65,20 +64,6 @@ pub(crate) fn ensure<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZero
         *buf = Some(stream.alloc_zeros::<T>(n.max(1).next_power_of_two()).map_err(dev_err("allocating"))?);
     }
     Ok(())
-}
-
-static TUNING: std::sync::OnceLock<CudaTuning> = std::sync::OnceLock::new();
-
-/// Sets the kernel tuning of the CUDA tables this process opens from now
-/// on (a binary's way in for `HKV_*` variables, [`CudaTuning::from_vars`]).
-/// Only the first call counts.
-pub fn set_tuning(t: CudaTuning) {
-    let _ = TUNING.set(t);
-}
-
-/// The process's kernel tuning ([`set_tuning`], else the default).
-pub fn tuning() -> CudaTuning {
-    TUNING.get().copied().unwrap_or_default()
 }
 
 #[cfg(test)]
