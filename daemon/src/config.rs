@@ -463,7 +463,7 @@ mod tests {
             assert_eq!(b.parse::<BackendChoice>(), Ok(c.backend));
         }
         assert!(toml::from_str::<Config>("backend = \"gpu\"").unwrap_err().to_string().contains("gpu"));
-        assert_eq!("gpu".parse::<BackendChoice>().unwrap_err(), "backend \"gpu\": use auto, cpu or cuda");
+        assert!("gpu".parse::<BackendChoice>().unwrap_err().contains("\"gpu\""));
     }
 
     /// Zero limits, a zero or huge shard count and a metrics address off

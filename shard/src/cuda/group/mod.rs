@@ -423,8 +423,8 @@ mod tests {
         ] {
             assert!(moves(op).is_ok(), "{op:?}");
         }
-        let e = moves(DeviceOp::FindPtr).err().expect("refused").to_string();
-        assert!(e.contains("not offered on a GPU group"), "{e}");
+        let e = moves(DeviceOp::FindPtr).err().expect("refused");
+        assert!(matches!(e, Error::Config(_)), "{e}");
     }
 
     #[test]
@@ -438,7 +438,7 @@ mod tests {
             let e = GpuGroup::new(TableConfig::new(1024, 4), &[0]).expect_err("no GPU here").to_string();
             assert!(!e.is_empty());
         }
-        let e = GpuGroup::new(TableConfig::new(1024, 4), &[0, 0]).expect_err("duplicate").to_string();
-        assert!(e.contains("once"), "{e}");
+        let e = GpuGroup::new(TableConfig::new(1024, 4), &[0, 0]).expect_err("duplicate");
+        assert!(matches!(e, Error::Config(_)), "{e}");
     }
 }
