@@ -415,7 +415,7 @@ mod tests {
         }
         assert_eq!(Policy::EpochLfu.to_string(), "epoch-lfu");
         let e = "fifo".parse::<Policy>().unwrap_err();
-        assert_eq!(e.code, ErrorCode::BadRequest, "{e}");
+        assert_eq!(e.code, crate::ErrorCode::BadRequest, "{e}");
         assert!(e.message.contains("\"fifo\""), "{e}");
         assert_eq!("dual".parse::<Mode>().unwrap(), Mode::Dual);
         assert_eq!(serde_json::to_string(&HashKind::Strong).unwrap(), "\"strong\"");
