@@ -286,6 +286,9 @@ impl Config {
     /// the others keep the file's (or, missing there, the default).
     pub fn layered(flags: Config, given: &ArgMatches, file: Option<&Path>) -> anyhow::Result<Config> {
         let Some(path) = file else { return Ok(flags) };
+        // The two meet as documents: each option's TOML key is its field's
+        // name, which is also its clap id, in the section (struct) that
+        // declares it, so a flag given replaces exactly its key.
         let from_file = Config::from_file(path)?;
         let mut doc = serde_json::to_value(&from_file)?;
         let ours = serde_json::to_value(&flags)?;

@@ -432,7 +432,7 @@ mod tests {
         // On a host without NCCL this is a clear error; with it, a version.
         match nccl_version() {
             Ok(v) => assert!(v >= 20000, "{v}"),
-            Err(e) => assert!(e.to_string().contains("NCCL"), "{e}"),
+            Err(e) => assert!(matches!(e, Error::Unavailable(_) | Error::Device(_)), "{e}"),
         }
         if crate::cuda_unavailable().is_some() {
             let e = GpuGroup::new(TableConfig::new(1024, 4), &[0]).expect_err("no GPU here").to_string();
