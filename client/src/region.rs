@@ -4,7 +4,7 @@
 //!
 //! ```no_run
 //! # fn main() -> hkv_client::Result<()> {
-//! let mut c = hkv_client::Client::connect_default()?;
+//! let mut c = hkv_client::Client::connect("/run/user/1000/hkvd/hkvd.sock")?;
 //! let (n, dim) = (1024u64, 32u64);
 //! // keys, then found flags, then values: one region for all three.
 //! let r = c.register_memfd(n * 8 + n + n * dim * 4)?;

@@ -242,7 +242,7 @@ mod tests {
         let b = Budget::new(Backend::Cpu, vec![0], 1 << 30, 0);
         let e = b.charge("big", "big", &cfg(1 << 40, 0, 4)).unwrap_err();
         assert_eq!(e.code, ErrorCode::ResourceExhausted);
-        assert!(e.message.contains("limits.max_table_bytes is 1.00 GiB"), "{}", e.message);
+        assert!(e.message.contains("limits.max_table_bytes"), "{}", e.message);
         let e = b.charge("huge", "huge", &cfg(1 << 62, 0, 4)).unwrap_err();
         assert_eq!(e.code, ErrorCode::ResourceExhausted, "{}", e.message);
         let e = b.charge("grows", "grows", &cfg(128, 1 << 62, 4)).unwrap_err();

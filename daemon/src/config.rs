@@ -1,8 +1,12 @@
 //! Daemon configuration: a TOML file (`--config`) and flags; flags win.
+//! Each option is declared once, in [`Config`] and its sections.
 
 use std::path::{Path, PathBuf};
 
-use hkv_proto::TableSpec;
+use clap::parser::ValueSource;
+use clap::{ArgAction, ArgMatches, Args, Command, FromArgMatches};
+use hkv_proto::{CheckpointId, TableSpec};
+use hkv_shard::CudaTuning;
 use serde::{Deserialize, Serialize};
 
 /// Which backend the daemon runs on (`backend`, `--backend`), spelled
@@ -49,133 +53,221 @@ impl std::str::FromStr for BackendChoice {
     }
 }
 
-/// Explicit limits, all enforced before allocation.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// Explicit limits, all enforced before allocation (`[limits]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Args)]
 #[serde(default, deny_unknown_fields)]
+#[command(next_help_heading = "Limits ([limits] in the config file)")]
 pub struct Limits {
     /// Largest frame body accepted, bytes.
+    #[arg(long, default_value_t = 1 << 30)]
     pub max_frame_bytes: u32,
     /// Requests of one connection executed at once; more wait (backpressure).
+    #[arg(long, default_value_t = 64)]
     pub max_in_flight: usize,
     /// Connections served at once; more are refused with `busy`.
+    #[arg(long, default_value_t = 1024)]
     pub max_connections: usize,
-    /// Seconds to wait for in-flight requests on shutdown.
+    /// Seconds SIGTERM waits for in-flight requests before closing the
+    /// remaining connections.
+    #[arg(long, default_value_t = 30)]
     pub drain_seconds: u64,
     /// Bytes of sent answer frames kept for later find and echo answers to
     /// reuse (buffers of 1 MiB to 256 MiB, at most 16); 0 keeps none.
     /// Unset: 512 MiB on the CPU backend, 2 GiB on CUDA (page-locked there).
+    #[arg(long)]
     pub frame_cache_bytes: Option<u64>,
     /// Bytes all tables may hold at their peak (their storage at
     /// max_capacity): device memory on CUDA, host memory on the CPU backend.
     /// Unset: 7/8 of the devices' memory on CUDA, 3/4 of host memory (or of
     /// the cgroup's limit) on the CPU backend.
+    #[arg(long)]
     pub max_table_bytes: Option<u64>,
     /// Bytes of pinned host memory CUDA tables' host tiers may hold.
     /// Unset: half of host memory.
+    #[arg(long)]
     pub max_host_tier_bytes: Option<u64>,
     /// Bytes of request bodies being received or run and of answers being
     /// built or sent, over every connection; a request past it is refused
-    /// with `resource_exhausted`. At least max_frame_bytes.
+    /// with `resource_exhausted`. At least twice max_frame_bytes.
+    #[arg(long, default_value_t = 4 << 30)]
     pub max_bytes_in_flight: u64,
     /// Seconds a started request body, or a started frame header, may go
     /// without a byte arriving before its connection is closed (its memory
     /// is freed).
+    #[arg(long, default_value_t = 30)]
     pub body_stall_seconds: u64,
     /// Seconds a connection with no request running may go without
-    /// starting a frame, while at least half of `max_connections` are
+    /// starting a frame, while at least half of max_connections are
     /// open, before it is closed (its slot, regions and events come
     /// back); 0 keeps idle connections open.
+    #[arg(long, default_value_t = 300)]
     pub idle_seconds: u64,
     /// Seconds a region request may wait for the client's `wait_event`
     /// before it is answered `timeout` (and nothing of it run).
+    #[arg(long, default_value_t = 60)]
     pub event_wait_seconds: u64,
     /// Bytes of registered regions (client memfds the daemon maps) over
     /// every connection; a registration past it gets `resource_exhausted`.
+    #[arg(long, default_value_t = 64 << 30)]
     pub max_region_bytes: u64,
     /// Bytes of registered regions of one connection.
+    #[arg(long, default_value_t = 16 << 30)]
     pub max_region_bytes_per_connection: u64,
 }
 
-impl Default for Limits {
-    fn default() -> Self {
-        Limits {
-            max_frame_bytes: 1 << 30,
-            max_in_flight: 64,
-            max_connections: 1024,
-            drain_seconds: 30,
-            frame_cache_bytes: None,
-            max_table_bytes: None,
-            max_host_tier_bytes: None,
-            max_bytes_in_flight: 4 << 30,
-            body_stall_seconds: 30,
-            idle_seconds: 300,
-            event_wait_seconds: 60,
-            max_region_bytes: 64 << 30,
-            max_region_bytes_per_connection: 16 << 30,
+/// What to restore at start (`restore`, `--restore`): `latest`, a
+/// checkpoint id (hex, as `hkvctl checkpoints` lists them), or `none`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum Restore {
+    /// Start with empty tables (every checkpoint stays on disk).
+    None,
+    /// This checkpoint, or the newest complete one.
+    Checkpoint(CheckpointId),
+}
+
+impl std::fmt::Display for Restore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Restore::None => f.write_str("none"),
+            Restore::Checkpoint(id) => id.fmt(f),
         }
     }
 }
 
-/// The whole configuration.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+impl std::str::FromStr for Restore {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Restore, String> {
+        match s {
+            "none" => Ok(Restore::None),
+            _ => s.parse().map(Restore::Checkpoint).map_err(|e: hkv_proto::ProtoError| format!("{e}; or none")),
+        }
+    }
+}
+
+impl TryFrom<String> for Restore {
+    type Error = String;
+    fn try_from(s: String) -> Result<Restore, String> {
+        s.parse()
+    }
+}
+
+impl From<Restore> for String {
+    fn from(r: Restore) -> String {
+        r.to_string()
+    }
+}
+
+/// The whole configuration of `hkvd serve`, declared once: each field is
+/// one option, with its TOML key (the field's name, in its section), its
+/// flag (`#[arg]`), its default (`default_value_t`, which the TOML file's
+/// defaults come from too, through [`Default`]) and its help (the doc
+/// comment). [`Config::layered`] puts the flags given over a file's values.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Args)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
-    /// Socket path; default `$XDG_RUNTIME_DIR/hkvd/hkvd.sock` or `./hkvd-run/hkvd.sock`.
+    /// Socket path. Unset: `$XDG_RUNTIME_DIR/hkvd/hkvd.sock` when that
+    /// directory exists, else `./hkvd-run/hkvd.sock`.
+    #[arg(long)]
     pub socket: Option<PathBuf>,
-    /// State directory (checkpoints); default `./hkvd-state`.
+    /// State directory (checkpoints). Unset: `./hkvd-state`.
+    #[arg(long)]
     pub state_dir: Option<PathBuf>,
-    /// `auto`, `cpu` or `cuda`.
+    /// Directory of the CUDA kernels compiled for this host's GPUs (a cache:
+    /// without it every start compiles). Unset: `$HKV_KERNEL_CACHE`, else
+    /// `kernels` in the state directory.
+    #[arg(long)]
+    pub kernel_cache_dir: Option<PathBuf>,
+    /// `auto` (CUDA when a driver and a device answer, else the CPU), `cpu`
+    /// or `cuda`.
+    #[arg(long, default_value_t = BackendChoice::Auto)]
     pub backend: BackendChoice,
-    /// Shard actors: CPU shards (default: the number of cores), or CUDA
-    /// shards spread round-robin over the GPUs (default: one per GPU).
+    /// Shard actors: CPU shards (unset: the number of cores), or CUDA
+    /// shards spread round-robin over the GPUs (unset: one per GPU).
+    #[arg(long)]
     pub shards: Option<usize>,
-    /// CUDA devices to use (ordinals as CUDA numbers them after
-    /// `CUDA_VISIBLE_DEVICES`); none = every visible device.
+    /// CUDA devices to use, comma separated (ordinals as CUDA numbers them
+    /// after `CUDA_VISIBLE_DEVICES`). Unset: every visible device.
+    #[arg(long, value_delimiter = ',')]
     pub devices: Option<Vec<usize>>,
     /// Threads per shard actor, so that readers and updaters of one shard can
     /// run together.
+    #[arg(long, default_value_t = 4)]
     pub threads_per_shard: usize,
     /// A group (name) whose members may run admin operations, besides the
-    /// daemon's own user and root.
+    /// daemon's own user and root; the socket and state directory get this
+    /// group.
+    #[arg(long)]
     pub admin_group: Option<String>,
     /// A group (name) whose members may connect and run table operations
     /// but not admin operations: the socket and its directory get this
     /// group instead of the admin group (admins then connect as members of
     /// it too). Unset: the socket's group is the admin group.
+    #[arg(long)]
     pub client_group: Option<String>,
     /// Loopback address for a Prometheus HTTP listener, e.g. `127.0.0.1:9466`.
+    #[arg(long)]
     pub metrics_listen: Option<String>,
+    /// What to restore at start: `latest`, a checkpoint id, or `none`.
+    #[arg(long, default_value_t = Restore::Checkpoint(CheckpointId::Latest))]
+    pub restore: Restore,
     /// Limits.
+    #[command(flatten)]
     pub limits: Limits,
     /// Checkpoints.
+    #[command(flatten)]
     pub checkpoint: CheckpointConfig,
     /// Live miss-ratio curves (`[mrc]`).
+    #[command(flatten)]
     pub mrc: MrcSettings,
-    /// What to restore at start: `latest`, a checkpoint id, or `none`.
-    pub restore: String,
-    /// Tables created at start.
+    /// The CUDA kernel tuning every table gets: no option of its own, but
+    /// the `HKV_LOOKUP_GROUP`, `HKV_WRITE_GROUP` and `HKV_KEY_ORDER`
+    /// variables, which `hkvd` reads ([`hkv_shard::CudaTuning::from_vars`]);
+    /// the default is what measured fastest.
+    #[arg(skip)]
+    #[serde(skip)]
+    pub cuda_tuning: CudaTuning,
+    /// Tables created at start (`[[table]]`, the file only).
+    #[arg(skip)]
     #[serde(rename = "table")]
     pub tables: Vec<TableSpec>,
 }
 
+/// The defaults of an options struct: what its flags give when none is
+/// passed. The `default_value_t`s are the one place each default is
+/// written; a TOML file's missing keys get the same values through this.
+fn defaults<T: Args + FromArgMatches>() -> T {
+    let cmd = T::augment_args(Command::new("defaults").no_binary_name(true));
+    let m = cmd.try_get_matches_from(std::iter::empty::<&str>()).expect("the options parse with no flag");
+    T::from_arg_matches(&m).expect("the defaults are values of their options")
+}
+
+/// The ids (= field names = TOML keys) of an options struct's flags.
+fn ids<T: Args>() -> Vec<String> {
+    T::augment_args(Command::new("ids")).get_arguments().map(|a| a.get_id().to_string()).collect()
+}
+
 impl Default for Config {
     fn default() -> Self {
-        Config {
-            socket: None,
-            state_dir: None,
-            backend: BackendChoice::Auto,
-            shards: None,
-            devices: None,
-            threads_per_shard: 4,
-            admin_group: None,
-            client_group: None,
-            metrics_listen: None,
-            limits: Limits::default(),
-            checkpoint: Default::default(),
-            mrc: MrcSettings::default(),
-            restore: "latest".into(),
-            tables: vec![],
-        }
+        defaults()
+    }
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        defaults()
+    }
+}
+
+impl Default for MrcSettings {
+    fn default() -> Self {
+        defaults()
+    }
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        defaults()
     }
 }
 
@@ -185,6 +277,37 @@ impl Config {
         let text =
             std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("cannot read config {}: {e}", path.display()))?;
         toml::from_str(&text).map_err(|e| anyhow::anyhow!("config {}: {e}", path.display()))
+    }
+
+    /// The configuration from the command line: `flags` (what
+    /// [`FromArgMatches`] made of `given`, the matches of a command that
+    /// flattens [`Config`]) over the TOML file `file`, if any. Flags win:
+    /// each option given on the command line replaces the file's value;
+    /// the others keep the file's (or, missing there, the default).
+    pub fn layered(flags: Config, given: &ArgMatches, file: Option<&Path>) -> anyhow::Result<Config> {
+        let Some(path) = file else { return Ok(flags) };
+        // The two meet as documents: each option's TOML key is its field's
+        // name, which is also its clap id, in the section (struct) that
+        // declares it, so a flag given replaces exactly its key.
+        let from_file = Config::from_file(path)?;
+        let mut doc = serde_json::to_value(&from_file)?;
+        let ours = serde_json::to_value(&flags)?;
+        let sections =
+            [("limits", ids::<Limits>()), ("checkpoint", ids::<CheckpointConfig>()), ("mrc", ids::<MrcSettings>())];
+        for id in ids::<Config>() {
+            if given.value_source(&id) != Some(ValueSource::CommandLine) {
+                continue;
+            }
+            let section = sections.iter().find(|(_, ids)| ids.contains(&id)).map(|(s, _)| *s);
+            let (to, from) = match section {
+                Some(s) => (&mut doc[s], &ours[s]),
+                None => (&mut doc, &ours),
+            };
+            to[&id] = from[&id].clone();
+        }
+        let mut c: Config = serde_json::from_value(doc)?;
+        c.cuda_tuning = flags.cuda_tuning;
+        Ok(c)
     }
 
     /// Checks values that flags and files cannot get wrong one by one.
@@ -241,26 +364,34 @@ impl Config {
 
     /// The socket path after defaults.
     pub fn socket_path(&self) -> PathBuf {
-        self.socket.clone().unwrap_or_else(hkv_proto::default_socket_path)
+        self.socket.clone().unwrap_or_else(|| hkv_proto::default_socket_path(None))
     }
 
     /// The state directory after defaults.
     pub fn state_path(&self) -> PathBuf {
         self.state_dir.clone().unwrap_or_else(|| PathBuf::from("hkvd-state"))
     }
+
+    /// The kernel cache directory after defaults.
+    pub fn kernel_cache_path(&self) -> PathBuf {
+        self.kernel_cache_dir.clone().unwrap_or_else(|| self.state_path().join("kernels"))
+    }
 }
 
 /// The `[mrc]` section: live miss-ratio curves (daemon/src/mrc.rs).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Args)]
 #[serde(default, deny_unknown_fields)]
+#[command(next_help_heading = "Miss-ratio curves ([mrc] in the config file)")]
 pub struct MrcSettings {
-    /// Sample every table's keys and estimate its curve (`--no-mrc`: off).
+    /// Turn the live miss-ratio curves off: no key is sampled (in the file,
+    /// `enabled = false`; by default every table's curve is estimated).
+    #[arg(long = "no-mrc", action = ArgAction::SetFalse)]
     pub enabled: bool,
     /// Distinct sampled keys tracked per table, split evenly over its
-    /// shards (each at least [`MrcSettings::MIN_SHARD_KEYS`]): the memory,
-    /// about `120 × max_keys` bytes per table (1.9 MiB at the default
-    /// 16384), and the CPU time per key, which grow with the sampling
-    /// rate; the rate adapts to it.
+    /// shards (each at least 256): the memory, about `120 × max_keys`
+    /// bytes per table (1.9 MiB at the default 16384), and the CPU time
+    /// per key, which grow with the sampling rate; the rate adapts to it.
+    #[arg(long = "mrc-max-keys", value_name = "KEYS", default_value_t = hkv_shard::mrc::DEFAULT_MAX_KEYS)]
     pub max_keys: usize,
 }
 
@@ -278,32 +409,26 @@ impl MrcSettings {
     }
 }
 
-impl Default for MrcSettings {
-    fn default() -> Self {
-        MrcSettings { enabled: true, max_keys: hkv_shard::mrc::DEFAULT_MAX_KEYS }
-    }
-}
-
 /// The `[checkpoint]` section of the config.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Args)]
 #[serde(default, deny_unknown_fields)]
+#[command(next_help_heading = "Checkpoints ([checkpoint] in the config file)")]
 pub struct CheckpointConfig {
-    /// Seconds between scheduled checkpoints; none = only on demand.
+    /// Seconds between scheduled checkpoints. Unset: only on demand.
+    #[arg(long = "checkpoint-interval", value_name = "SECONDS")]
     pub interval_s: Option<u64>,
     /// Complete checkpoints kept (plus the bases incremental ones need).
+    #[arg(long = "checkpoint-keep", value_name = "N", default_value_t = 3)]
     pub keep: usize,
     /// Incremental checkpoints between two full ones; 0 = always full.
+    #[arg(long = "checkpoint-full-every", value_name = "N", default_value_t = 4)]
     pub full_every: u32,
-    /// Target bytes per chunk.
+    /// Target bytes per chunk file (at least 64 KiB).
+    #[arg(long = "checkpoint-chunk-bytes", value_name = "BYTES", default_value_t = 8 << 20)]
     pub chunk_bytes: u64,
     /// Take a checkpoint after draining on SIGTERM / shutdown.
+    #[arg(long = "checkpoint-on-shutdown")]
     pub on_shutdown: bool,
-}
-
-impl Default for CheckpointConfig {
-    fn default() -> Self {
-        CheckpointConfig { interval_s: None, keep: 3, full_every: 4, chunk_bytes: 8 << 20, on_shutdown: false }
-    }
 }
 
 #[cfg(test)]
@@ -341,7 +466,7 @@ mod tests {
             assert_eq!(b.parse::<BackendChoice>(), Ok(c.backend));
         }
         assert!(toml::from_str::<Config>("backend = \"gpu\"").unwrap_err().to_string().contains("gpu"));
-        assert_eq!("gpu".parse::<BackendChoice>().unwrap_err(), "backend \"gpu\": use auto, cpu or cuda");
+        assert!("gpu".parse::<BackendChoice>().unwrap_err().contains("\"gpu\""));
     }
 
     /// Zero limits, a zero or huge shard count and a metrics address off
@@ -367,5 +492,57 @@ mod tests {
         assert!(bad(|c| c.mrc.max_keys = usize::MAX).contains("--mrc-max-keys"));
         let off: Config = toml::from_str("[mrc]\nenabled = false\nmax_keys = 0").unwrap();
         assert!(off.check().is_ok() && off.mrc.config().is_none());
+    }
+
+    /// The options used to be written three times (this file, then twice
+    /// in main.rs); now each is declared once. The defaults stay what the
+    /// docs say, a flag given wins over the file, a key in the file wins
+    /// over the default, and a flag not given leaves the file's value.
+    #[test]
+    fn each_option_is_declared_once_and_flags_win_over_the_file() {
+        let d = Config::default();
+        assert_eq!(
+            (d.backend, d.threads_per_shard, d.restore),
+            (BackendChoice::Auto, 4, Restore::Checkpoint(CheckpointId::Latest))
+        );
+        let l = &d.limits;
+        assert_eq!((l.max_frame_bytes, l.max_in_flight, l.max_connections, l.drain_seconds), (1 << 30, 64, 1024, 30));
+        assert_eq!((l.frame_cache_bytes, l.max_table_bytes, l.max_host_tier_bytes), (None, None, None));
+        assert_eq!(
+            (l.max_bytes_in_flight, l.body_stall_seconds, l.idle_seconds, l.event_wait_seconds),
+            (4 << 30, 30, 300, 60)
+        );
+        assert_eq!((l.max_region_bytes, l.max_region_bytes_per_connection), (64 << 30, 16 << 30));
+        let k = &d.checkpoint;
+        assert_eq!((k.interval_s, k.keep, k.full_every, k.chunk_bytes, k.on_shutdown), (None, 3, 4, 8 << 20, false));
+        assert_eq!((d.mrc.enabled, d.mrc.max_keys), (true, hkv_shard::mrc::DEFAULT_MAX_KEYS));
+        assert_eq!(toml::from_str::<Config>("").unwrap(), d, "an empty file is the defaults");
+
+        let dir = std::env::temp_dir().join(format!("hkvd-config-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("hkvd.toml");
+        std::fs::write(
+            &file,
+            "threads_per_shard = 7\nrestore = \"none\"\n[limits]\nmax_in_flight = 9\nmax_connections = 11\n\
+             [checkpoint]\non_shutdown = true\nkeep = 5\n[mrc]\nenabled = false\n",
+        )
+        .unwrap();
+        let parse = |args: &[&str], file: Option<&Path>| {
+            let cmd = Config::augment_args(Command::new("serve"));
+            let m = cmd.try_get_matches_from(std::iter::once("serve").chain(args.iter().copied())).unwrap();
+            Config::layered(Config::from_arg_matches(&m).unwrap(), &m, file).unwrap()
+        };
+        let args = ["--max-in-flight", "3", "--checkpoint-keep", "2", "--backend", "cpu", "--restore", "00ff"];
+        let c = parse(&args, Some(&file));
+        assert_eq!((c.limits.max_in_flight, c.checkpoint.keep, c.backend), (3, 2, BackendChoice::Cpu), "flags");
+        assert_eq!(c.restore, Restore::Checkpoint(CheckpointId::Id(0xff)), "flag");
+        assert_eq!((c.limits.max_connections, c.threads_per_shard, c.checkpoint.on_shutdown), (11, 7, true), "file");
+        assert!(!c.mrc.enabled, "file");
+        assert_eq!((c.limits.drain_seconds, c.checkpoint.full_every), (30, 4), "defaults");
+        let c = parse(&["--no-mrc", "--checkpoint-on-shutdown", "--devices", "0,2"], None);
+        assert!(!c.mrc.enabled && c.checkpoint.on_shutdown);
+        assert_eq!((c.devices, c.limits.max_in_flight), (Some(vec![0, 2]), 64));
+        assert_eq!(parse(&[], Some(&file)).restore, Restore::None);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

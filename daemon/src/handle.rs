@@ -139,7 +139,7 @@ async fn control(
             Ok(Response::Json(serde_json::to_vec(&state.checkpoints.list()?).expect("serializes")))
         }
         Control::Restore { id } => {
-            let r = state.checkpoints.restore(state.router.clone(), &id.to_string()).await?;
+            let r = state.checkpoints.restore(state.router.clone(), id).await?;
             let r = r.ok_or_else(|| ProtoError::new(ErrorCode::NotFound, "there is no checkpoint to restore"))?;
             Ok(Response::Json(serde_json::to_vec(&r).expect("serializes")))
         }

@@ -148,9 +148,7 @@ pub fn run(mut config: Config) -> anyhow::Result<()> {
     let modes = admin::Modes { gid: admin_gid };
     modes.apply_umask();
     modes.secure(&config.state_path())?;
-    hkv_shard::cuda::set_cache_dir(
-        hkv_shard::cuda::default_kernel_cache_dir(Some(config.state_path().join("kernels"))).unwrap_or_default(),
-    );
+    hkv_shard::cuda::set_cache_dir(config.kernel_cache_path());
     let (backend, ordinals, backend_name) = backend(&config)?;
     let workers = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).clamp(2, 16);
     let system = actix_rt::System::with_tokio_rt(move || {
@@ -183,8 +181,8 @@ pub fn run(mut config: Config) -> anyhow::Result<()> {
                 "the address space is limited (RLIMIT_AS): large bodies, answers and regions are checked against it"
             );
         }
-        if config.restore != "none" {
-            restore_at_start(&state).await?;
+        if let config::Restore::Checkpoint(which) = config.restore {
+            restore_at_start(&state, which).await?;
         }
         state.checkpoints.retain().await;
         state.checkpoints.schedule(state.router.clone(), state.shutdown.subscribe());
@@ -261,6 +259,7 @@ async fn start_router(config: &Config, backend: Backend, ordinals: &[usize]) -> 
     );
     let mut router = Router::new(actors, backend, hash_gpu, frame_cache, budget, config.limits.max_frame_bytes);
     router.mrc = config.mrc.config();
+    router.tuning = config.cuda_tuning;
     if backend == Backend::Cuda {
         router.ordinals = ordinals.to_vec();
     }
@@ -290,8 +289,7 @@ fn listen(config: &Config, socket_gid: Option<u32>) -> anyhow::Result<(tokio::ne
 /// Restores `--restore` before serving; refuses to start rather than
 /// silently serve without the data, and says how to start anyway (every
 /// file stays on disk).
-async fn restore_at_start(state: &State) -> anyhow::Result<()> {
-    let which = &state.config.restore;
+async fn restore_at_start(state: &State, which: hkv_proto::CheckpointId) -> anyhow::Result<()> {
     match state.checkpoints.restore(state.router.clone(), which).await {
         Ok(Some(r)) => {
             for s in &r.skipped {

@@ -23,7 +23,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{expect_error, raw_call, Daemon};
+use common::{expect_code, expect_error, raw_call, Daemon};
 use hkv_client::proto::region::{CudaRegistration, RegionAnswer, RegionRef, RegionRequest, NOT_COUNTED};
 use hkv_client::proto::{ErrorCode, Op, WriteOp};
 use hkv_client::region::{keyed, with_events, CudaRegion};
@@ -105,14 +105,12 @@ fn a_cpu_daemon_refuses_device_registrations_and_keeps_serving() {
     let reg = CudaRegistration { uuid: [7; 16], handle: [9; 64], len: 4096 };
     let (e, m) = code(c.register_cuda_raw(&reg).unwrap_err());
     assert_eq!(e, ErrorCode::BadRequest, "{m}");
-    assert!(m.contains("CPU backend") && m.contains("register_memfd"), "{m}");
     let (e, m) = code(c.register_cuda_event_raw(&reg).unwrap_err());
     assert_eq!(e, ErrorCode::BadRequest, "{m}");
-    assert!(m.contains("CPU backend") && m.contains("register_memfd"), "{m}");
     // The same as raw frames; a body one byte short is `truncated`.
     let mut s = UnixStream::connect(&d.socket).unwrap();
-    expect_error(raw_call(&mut s, &reg.encode(3, false)).1, ErrorCode::BadRequest, "CPU backend");
-    expect_error(raw_call(&mut s, &reg.encode(4, true)).1, ErrorCode::BadRequest, "CPU backend");
+    expect_code(raw_call(&mut s, &reg.encode(3, false)).1, ErrorCode::BadRequest);
+    expect_code(raw_call(&mut s, &reg.encode(4, true)).1, ErrorCode::BadRequest);
     let mut f = reg.encode(5, false);
     f.pop();
     let len = (f.len() - 20) as u32;
@@ -124,7 +122,7 @@ fn a_cpu_daemon_refuses_device_registrations_and_keeps_serving() {
     let r = c.register_memfd(4096).unwrap();
     r.write(0, &[1u64, 3]).unwrap();
     assert_eq!(c.find_in("t", r.at::<u64>(0, 2), r.at::<u8>(16, 2), r.at::<f32>(32, 8)).unwrap(), 1);
-    expect_error(raw_call(&mut s, &reg.encode(6, false)).1, ErrorCode::BadRequest, "register_memfd");
+    expect_code(raw_call(&mut s, &reg.encode(6, false)).1, ErrorCode::BadRequest);
     assert!(d.alive());
 }
 
@@ -137,8 +135,7 @@ fn register_cuda_without_a_device_says_so_before_sending() {
     let d = Daemon::start(&[]);
     let mut c = d.client();
     let e = c.register_cuda(0x7f00_0000_0000, 4096).unwrap_err();
-    assert!(matches!(e, ClientError::Cuda(_)), "{e}");
-    assert!(e.to_string().contains("not available"), "{e}");
+    assert!(matches!(e, ClientError::Cuda(cuda::CudaError::Unavailable(_))), "{e}");
     c.ping().unwrap();
 }
 
@@ -344,18 +341,15 @@ fn bad_device_registrations_and_references_are_refused() {
     rand::thread_rng().fill_bytes(&mut junk);
     let (e, m) = code(c.register_cuda_raw(&CudaRegistration { uuid, handle: junk, len: 4096 }).unwrap_err());
     assert_eq!(e, ErrorCode::BadRequest, "{m}");
-    assert!(m.contains("does not open"), "{m}");
     let (e, m) = code(
         c.register_cuda_raw(&CudaRegistration { uuid: [0xEE; 16], handle: export.handle, len: 4096 }).unwrap_err(),
     );
     assert_eq!(e, ErrorCode::BadRequest, "{m}");
-    assert!(m.contains("does not serve"), "{m}");
     let (e, m) = code(c.register_cuda_raw(&CudaRegistration { uuid, handle: export.handle, len: 0 }).unwrap_err());
     assert_eq!(e, ErrorCode::BadRequest, "{m}");
     let too_long = CudaRegistration { uuid, handle: export.handle, len: export.size + 1 };
     let (e, m) = code(c.register_cuda_raw(&too_long).unwrap_err());
     assert_eq!(e, ErrorCode::BadRequest, "{m}");
-    assert!(m.contains(&format!("the allocation holds {}", export.size)), "{m}");
     // The client refuses the same before sending.
     assert!(matches!(c.register_cuda(alloc.ptr() + 8, export.size), Err(ClientError::Request(_))));
     let (e, m) = code(c.register_cuda_event_raw(&CudaRegistration { uuid, handle: junk, len: 0 }).unwrap_err());
@@ -367,7 +361,7 @@ fn bad_device_registrations_and_references_are_refused() {
     let big = DeviceAlloc::new(&ctx, 3 << 20).unwrap();
     let (e, m) = code(c.register_cuda(big.ptr(), 3 << 20).unwrap_err());
     assert_eq!(e, ErrorCode::ResourceExhausted, "{m}");
-    assert!(m.contains(&format!("limits.max_region_bytes_per_connection = {cap}")), "{m}");
+    assert!(m.contains("limits.max_region_bytes_per_connection"), "{m}");
     assert_eq!(regions(&mut c), (1, 2 << 20));
 
     // References.
@@ -383,21 +377,23 @@ fn bad_device_registrations_and_references_are_refused() {
     let ok_keys = RegionRef::new(id, 0, 2);
     let ok_found = RegionRef::new(id, 1024, 2);
     let ok_values = RegionRef::new(id, 2048, 8);
+    // The code, and the array (or region) at fault.
+    let unknown = format!("region {}", id + 100);
     let cases: Vec<(RegionRequest, ErrorCode, &str)> = vec![
-        (find(RegionRef::new(id, len - 8, 2), ok_found, ok_values), ErrorCode::BadRequest, "past the end"),
-        (find(ok_keys, ok_found, RegionRef::new(id, len - 16, 8)), ErrorCode::BadRequest, "past the end"),
-        (find(RegionRef::new(id, 0, u64::MAX / 4), ok_found, ok_values), ErrorCode::BadRequest, "count overflows"),
-        (find(RegionRef::new(id, u64::MAX - 7, 1), ok_found, ok_values), ErrorCode::BadRequest, "overflows"),
-        (find(RegionRef::new(id, 4, 2), ok_found, ok_values), ErrorCode::BadRequest, "multiple of 8"),
-        (find(ok_keys, ok_found, RegionRef::new(id, 2050, 8)), ErrorCode::BadRequest, "multiple of 4"),
-        (find(ok_keys, ok_found, RegionRef::new(id, 2048, 7)), ErrorCode::WrongDim, "8 are needed"),
+        (find(RegionRef::new(id, len - 8, 2), ok_found, ok_values), ErrorCode::BadRequest, "keys"),
+        (find(ok_keys, ok_found, RegionRef::new(id, len - 16, 8)), ErrorCode::BadRequest, "values"),
+        (find(RegionRef::new(id, 0, u64::MAX / 4), ok_found, ok_values), ErrorCode::BadRequest, "keys"),
+        (find(RegionRef::new(id, u64::MAX - 7, 1), ok_found, ok_values), ErrorCode::BadRequest, "keys"),
+        (find(RegionRef::new(id, 4, 2), ok_found, ok_values), ErrorCode::BadRequest, "keys"),
+        (find(ok_keys, ok_found, RegionRef::new(id, 2050, 8)), ErrorCode::BadRequest, "values"),
+        (find(ok_keys, ok_found, RegionRef::new(id, 2048, 7)), ErrorCode::WrongDim, "values"),
         (find(ok_keys, RegionRef::new(id, 1024, 3), ok_values), ErrorCode::LengthMismatch, "found"),
-        (find(ok_keys, ok_found, RegionRef::new(id + 100, 2048, 8)), ErrorCode::NotFound, "not registered"),
+        (find(ok_keys, ok_found, RegionRef::new(id + 100, 2048, 8)), ErrorCode::NotFound, &unknown),
     ];
-    for (req, want, needle) in cases {
+    for (req, want, culprit) in cases {
         let (e, msg) = code(c.region_call(&req).unwrap_err());
         assert_eq!(e, want, "{msg}");
-        assert!(msg.contains(needle), "{msg} lacks {needle}");
+        assert!(msg.contains(culprit), "{msg} does not name {culprit}");
         untouched(&m);
     }
     // A write with a bad output reference applies nothing.
@@ -417,7 +413,6 @@ fn bad_device_registrations_and_references_are_refused() {
     let mut other = d.client();
     let (e, msg) = code(other.region_call(&find(ok_keys, ok_found, ok_values)).unwrap_err());
     assert_eq!(e, ErrorCode::NotFound, "{msg}");
-    assert!(msg.contains("this connection"), "{msg}");
     assert_eq!(code(other.unregister(id).unwrap_err()).0, ErrorCode::NotFound);
     untouched(&m);
 
@@ -426,7 +421,6 @@ fn bad_device_registrations_and_references_are_refused() {
     host.write(0, &[1u64, 2]).unwrap();
     let (e, msg) = code(c.region_call(&find(host.at::<u64>(0, 2), ok_found, ok_values)).unwrap_err());
     assert_eq!(e, ErrorCode::BadRequest, "{msg}");
-    assert!(msg.contains("all in CUDA regions"), "{msg}");
     let (e, _) = code(c.region_call(&find(ok_keys, host.at::<u8>(64, 2), host.at::<f32>(128, 8))).unwrap_err());
     assert_eq!(e, ErrorCode::BadRequest);
     untouched(&m);

@@ -8,7 +8,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
-use common::{expect_error, raw_call, Daemon};
+use common::{expect_code, expect_error, raw_call, Daemon};
 use hkv_client::proto::{self, flags, frame, Header, Op, WriteOp, HEADER_LEN};
 use hkv_client::{Client, ClientError, Cursor, ErrorCode, Filter, Request, Response, TableSpec};
 
@@ -184,7 +184,8 @@ fn the_async_client_reads_and_writes() {
             assert_eq!(values[..4], v[4 * i..4 * i + 4]);
         }
         let err = c.find("missing", &[1]).await.unwrap_err();
-        assert!(err.to_string().contains("missing"), "{err}");
+        assert_eq!(err.code(), Some(ErrorCode::UnknownTable), "{err}");
+        assert!(err.to_string().contains("\"missing\""), "{err}");
         assert_eq!(c.find("a", &[keys[2]]).await.unwrap().values, v[8..12]);
         // Answers handed back: later ones, larger and smaller, are exact.
         for n in [1000usize, 10, 1000, 3] {
@@ -475,17 +476,17 @@ fn bad_input_gets_named_errors_and_the_daemon_keeps_serving() {
     assert_eq!((h.id, h.op, h.flags), (11, Op::Error as u8, flags::RESPONSE | flags::ERROR));
     expect_error(r, ErrorCode::UnknownTable, "\"nope\"");
     // Wrong value length for the dim.
-    expect_error(raw_call(&mut s, &write("t", vec![1, 2], vec![0.0; 7], None)).1, ErrorCode::WrongDim, "dim 4");
+    expect_code(raw_call(&mut s, &write("t", vec![1, 2], vec![0.0; 7], None)).1, ErrorCode::WrongDim);
     // Reserved key.
     let r = raw_call(&mut s, &write("t", vec![1, u64::MAX - 1], vec![0.0; 8], None)).1;
     expect_error(r, ErrorCode::ReservedKey, "index 1");
     assert_eq!(c.contains("t", &[1]).unwrap(), [false], "nothing of a refused batch is applied");
     // Array length mismatch (scores).
     let r = raw_call(&mut s, &write("cust", vec![1, 2], vec![0.0; 8], Some(vec![1]))).1;
-    expect_error(r, ErrorCode::LengthMismatch, "scores has 1 elements but 2 are needed");
+    expect_error(r, ErrorCode::LengthMismatch, "scores");
     // Scores refused by a clock policy, required by custom.
-    expect_error(raw_call(&mut s, &write("t", vec![1], vec![0.0; 4], Some(vec![1]))).1, ErrorCode::Scores, "Lru");
-    expect_error(raw_call(&mut s, &write("cust", vec![1], vec![0.0; 4], None)).1, ErrorCode::Scores, "Custom");
+    expect_code(raw_call(&mut s, &write("t", vec![1], vec![0.0; 4], Some(vec![1]))).1, ErrorCode::Scores);
+    expect_code(raw_call(&mut s, &write("cust", vec![1], vec![0.0; 4], None)).1, ErrorCode::Scores);
     // Unknown op.
     expect_error(raw_call(&mut s, &frame(0x77, 0, 6, b"")).1, ErrorCode::UnknownOp, "0x77");
     // Truncated body: 3 keys announced, 2 sent.
@@ -495,16 +496,16 @@ fn bad_input_gets_named_errors_and_the_daemon_keeps_serving() {
     expect_error(raw_call(&mut s, &frame(Op::Find, 0, 7, &body)).1, ErrorCode::Truncated, "keys");
     // Oversized: refused from the header, body skipped, connection kept.
     let big = frame(Op::Ping, 0, 8, &vec![0u8; 100_000]);
-    expect_error(raw_call(&mut s, &big).1, ErrorCode::Oversized, "65536");
+    expect_code(raw_call(&mut s, &big).1, ErrorCode::Oversized);
     let (h, r) = raw_call(&mut s, &Request::Ping.encode(9));
     assert_eq!((h.id, r), (9, Response::Empty), "the same connection still works");
     // Bad version and bad magic close that connection only.
     let mut bad = Request::Ping.encode(1);
     bad[4] = 2;
-    expect_error(raw_call(&mut s, &bad).1, ErrorCode::BadVersion, "version 2");
+    expect_code(raw_call(&mut s, &bad).1, ErrorCode::BadVersion);
     assert!(closed(&mut s));
     let mut s = UnixStream::connect(&d.socket).unwrap();
-    expect_error(raw_call(&mut s, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").1, ErrorCode::BadMagic, "HKVD");
+    expect_code(raw_call(&mut s, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").1, ErrorCode::BadMagic);
     assert!(closed(&mut s));
     // The daemon still serves.
     let s = c.insert_or_assign("t", &[1], &[1.0; 4], None).unwrap();
@@ -577,7 +578,7 @@ fn socket_modes_and_a_second_daemon_on_the_same_socket() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("another daemon is serving"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains(&d.socket.display().to_string()));
     d.client().ping().unwrap();
 }
 
@@ -626,8 +627,8 @@ fn cuda_backend_refusals_are_clear() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(!err.contains("panicked"), "{err}");
     match hkv_shard::cuda::probe() {
-        Err(_) => assert!(err.contains("CUDA") && err.contains("--backend cuda"), "{err}"),
-        Ok(_) => assert!(err.contains("--devices 97: no such CUDA device"), "{err}"),
+        Err(_) => assert!(err.contains("--backend cuda"), "{err}"),
+        Ok(_) => assert!(err.contains("--devices 97"), "{err}"),
     }
 }
 
@@ -821,7 +822,7 @@ fn a_find_whose_answer_would_not_fit_a_frame_is_refused_before_it_runs() {
     let keys: Vec<u64> = (1..=16384).collect();
     let e = c.find("wide", &keys).unwrap_err();
     assert_eq!(e.code(), Some(ErrorCode::Oversized), "{e}");
-    assert!(e.to_string().contains("limits.max_frame_bytes = 1073741824; send at most 4095 keys per find"), "{e}");
+    assert!(e.to_string().contains("limits.max_frame_bytes"), "{e}");
     let f = c.find("wide", &keys[..2]).unwrap();
     assert_eq!(f.found, [false, false]);
     assert_eq!(f.values.len(), 2 * dim);

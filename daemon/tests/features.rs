@@ -51,20 +51,20 @@ fn feature_ops_equal_hash_then_keyed_ops() {
     let size = || c_size(&d);
     let before = size();
     let bad = [
-        (Features::Strings { bytes: b"abc".to_vec(), offsets: vec![0, 2, 1] }, HashSpec::Table, "decrease"),
-        (Features::Strings { bytes: b"abc".to_vec(), offsets: vec![0, 2, 9] }, HashSpec::Table, "past the"),
-        (Features::Int64(vec![1, 2]), HashSpec::Given(FeatureHash::fingerprint64(0)), "at least 1"),
+        (Features::Strings { bytes: b"abc".to_vec(), offsets: vec![0, 2, 1] }, HashSpec::Table),
+        (Features::Strings { bytes: b"abc".to_vec(), offsets: vec![0, 2, 9] }, HashSpec::Table),
+        (Features::Int64(vec![1, 2]), HashSpec::Given(FeatureHash::fingerprint64(0))),
     ];
-    for (features, hash, says) in bad {
+    for (features, hash) in bad {
         let e = c.find_or_insert_features("ads", hash, features, &[0.0; 4], None).unwrap_err();
         assert_eq!(e.code(), Some(ErrorCode::BadRequest), "{e}");
-        assert!(e.to_string().contains(says), "{e} should say {says:?}");
     }
     let e = c.find_or_insert_features("ads", HashSpec::Table, Features::Int64(vec![1, 2]), &[0.0; 3], None);
     assert_eq!(e.unwrap_err().code(), Some(ErrorCode::WrongDim));
     c.create_table(TableSpec::new("plain", 2, 1024)).unwrap();
     let e = c.find_features("plain", HashSpec::Table, Features::Int64(vec![1]), false).unwrap_err();
-    assert!(e.to_string().contains("no hash setting"), "{e}");
+    assert_eq!(e.code(), Some(ErrorCode::BadRequest), "{e}");
+    assert!(e.to_string().contains("\"plain\""), "{e}");
     let bad_spec = TableSpec { hash: Some(FeatureHash::fingerprint64(0)), ..TableSpec::new("bad", 2, 1024) };
     assert_eq!(c.create_table(bad_spec).unwrap_err().code(), Some(ErrorCode::BadRequest));
     assert_eq!(size(), before, "refused requests changed nothing");

@@ -162,7 +162,8 @@ fn trace_answers_the_sampled_keys_of_the_window() {
     let fed: std::collections::HashSet<u64> = keys.into_iter().collect();
     assert!(got.iter().all(|k| fed.contains(k)), "a traced key was never looked up");
     let e = c.trace("nope", 1).unwrap_err();
-    assert!(e.to_string().contains("nope"), "{e}");
+    assert_eq!(e.code(), Some(hkv_client::ErrorCode::UnknownTable), "{e}");
+    assert!(e.to_string().contains("\"nope\""), "{e}");
     assert!(c.trace("z", 0).is_err(), "a zero-second window is refused");
 }
 

@@ -13,7 +13,7 @@ use std::os::unix::net::UnixStream;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{expect_error, raw_call, Daemon};
+use common::{expect_code, expect_error, raw_call, Daemon};
 use hkv_client::proto::region::{self as wire, Head, RegionAnswer, RegionRef, RegionRequest};
 use hkv_client::proto::{ErrorCode, Op};
 use hkv_client::region::keyed;
@@ -189,32 +189,30 @@ fn bad_memfds_are_refused_with_their_reason() {
     let mut c = d.client();
     // No fd with the frame.
     let mut s = UnixStream::connect(&d.socket).unwrap();
-    expect_error(raw_call(&mut s, &wire::register_memfd(5, 4096)).1, ErrorCode::BadRequest, "none came");
+    expect_code(raw_call(&mut s, &wire::register_memfd(5, 4096)).1, ErrorCode::BadRequest);
     // Unsealed.
     let fd = rustix::fs::memfd_create("x", rustix::fs::MemfdFlags::ALLOW_SEALING).unwrap();
     rustix::fs::ftruncate(&fd, 8192).unwrap();
     let (e, m) = code(c.register_fd(fd.as_fd(), 4096).unwrap_err());
     assert_eq!(e, ErrorCode::BadRequest);
-    assert!(m.contains("F_SEAL_SHRINK") && m.contains("SIGBUS"), "{m}");
+    assert!(m.contains("F_SEAL_SHRINK"), "{m}");
     // Sealed, but too small; and 0 bytes.
     rustix::fs::fcntl_add_seals(&fd, rustix::fs::SealFlags::SHRINK).unwrap();
-    let (_, m) = code(c.register_fd(fd.as_fd(), 8193).unwrap_err());
-    assert!(m.contains("8193 bytes asked for, the memfd holds 8192"), "{m}");
-    assert!(code(c.register_fd(fd.as_fd(), 0).unwrap_err()).1.contains("register 1 to 8192"));
+    assert_eq!(code(c.register_fd(fd.as_fd(), 8193).unwrap_err()).0, ErrorCode::BadRequest);
+    assert_eq!(code(c.register_fd(fd.as_fd(), 0).unwrap_err()).0, ErrorCode::BadRequest);
     assert!(c.register_fd(fd.as_fd(), 8192).is_ok());
     // A pipe and a regular file are not memfds.
     let (rd, _wr) = std::io::pipe().unwrap();
-    let (_, m) = code(c.register_fd(rd.as_fd(), 4096).unwrap_err());
-    assert!(m.contains("not a memfd"), "{m}");
+    assert_eq!(code(c.register_fd(rd.as_fd(), 4096).unwrap_err()).0, ErrorCode::BadRequest);
     let f = tempfile::tempfile().unwrap();
     f.set_len(1 << 16).unwrap();
-    assert!(code(c.register_fd(f.as_fd(), 4096).unwrap_err()).1.contains("not a memfd"));
+    assert_eq!(code(c.register_fd(f.as_fd(), 4096).unwrap_err()).0, ErrorCode::BadRequest);
     // Write-sealed: cannot be mapped writable.
     let w = hkv_region::create_memfd("w", 4096).unwrap();
     let w2 = rustix::fs::memfd_create("w2", rustix::fs::MemfdFlags::ALLOW_SEALING).unwrap();
     rustix::fs::ftruncate(&w2, 4096).unwrap();
     rustix::fs::fcntl_add_seals(&w2, rustix::fs::SealFlags::SHRINK | rustix::fs::SealFlags::WRITE).unwrap();
-    assert!(code(c.register_fd(w2.as_fd(), 4096).unwrap_err()).1.contains("cannot map"));
+    assert_eq!(code(c.register_fd(w2.as_fd(), 4096).unwrap_err()).0, ErrorCode::BadRequest);
     assert!(c.register_fd(w.as_fd(), 4096).is_ok());
     assert_eq!(regions(&mut c), (2, 8192 + 4096));
     // An fd sent with a ping is closed, not taken by the register after it.
@@ -226,7 +224,7 @@ fn bad_memfds_are_refused_with_their_reason() {
     let io = [std::io::IoSlice::new(&ping)];
     assert_eq!(rustix::net::sendmsg(&s, &io, &mut anc, rustix::net::SendFlags::empty()).unwrap(), ping.len());
     assert_eq!(common::read_answer(&mut s).0.id, 7);
-    expect_error(raw_call(&mut s, &wire::register_memfd(8, 4096)).1, ErrorCode::BadRequest, "none came");
+    expect_code(raw_call(&mut s, &wire::register_memfd(8, 4096)).1, ErrorCode::BadRequest);
     c.ping().unwrap();
     let mut d = d;
     assert!(d.alive());
@@ -256,22 +254,24 @@ fn bad_references_are_refused_and_nothing_is_written() {
     let ok_keys = RegionRef::new(id, 0, 2);
     let ok_found = RegionRef::new(id, 1024, 2);
     let ok_values = RegionRef::new(id, 2048, 8);
+    // The code, and the array (or region) at fault.
+    let unknown = format!("region {}", id + 1);
     let cases: Vec<(RegionRequest, ErrorCode, &str)> = vec![
-        (find(RegionRef::new(id, 65536 - 8, 2), ok_found, ok_values), ErrorCode::BadRequest, "past the end"),
-        (find(RegionRef::new(id, 0, u64::MAX / 4), ok_found, ok_values), ErrorCode::BadRequest, "count overflows"),
-        (find(RegionRef::new(id, u64::MAX - 7, 1), ok_found, ok_values), ErrorCode::BadRequest, "overflows"),
-        (find(RegionRef::new(id, 4, 2), ok_found, ok_values), ErrorCode::BadRequest, "multiple of 8"),
-        (find(ok_keys, ok_found, RegionRef::new(id, 2050, 8)), ErrorCode::BadRequest, "multiple of 4"),
-        (find(ok_keys, ok_found, RegionRef::new(id, 2048, 7)), ErrorCode::WrongDim, "8 are needed"),
+        (find(RegionRef::new(id, 65536 - 8, 2), ok_found, ok_values), ErrorCode::BadRequest, "keys"),
+        (find(RegionRef::new(id, 0, u64::MAX / 4), ok_found, ok_values), ErrorCode::BadRequest, "keys"),
+        (find(RegionRef::new(id, u64::MAX - 7, 1), ok_found, ok_values), ErrorCode::BadRequest, "keys"),
+        (find(RegionRef::new(id, 4, 2), ok_found, ok_values), ErrorCode::BadRequest, "keys"),
+        (find(ok_keys, ok_found, RegionRef::new(id, 2050, 8)), ErrorCode::BadRequest, "values"),
+        (find(ok_keys, ok_found, RegionRef::new(id, 2048, 7)), ErrorCode::WrongDim, "values"),
         (find(ok_keys, RegionRef::new(id, 1024, 3), ok_values), ErrorCode::LengthMismatch, "found"),
-        (find(ok_keys, ok_found, RegionRef::new(id + 1, 2048, 8)), ErrorCode::NotFound, "not registered"),
+        (find(ok_keys, ok_found, RegionRef::new(id + 1, 2048, 8)), ErrorCode::NotFound, &unknown),
         // Outputs overlapping each other.
-        (find(ok_keys, ok_found, RegionRef::new(id, 1024, 8)), ErrorCode::Busy, "overlap"),
+        (find(ok_keys, ok_found, RegionRef::new(id, 1024, 8)), ErrorCode::Busy, "values"),
     ];
-    for (req, want, needle) in cases {
+    for (req, want, culprit) in cases {
         let (e, m) = code(c.region_call(&req).unwrap_err());
         assert_eq!(e, want, "{m}");
-        assert!(m.contains(needle), "{m} lacks {needle}");
+        assert!(m.contains(culprit), "{m} does not name {culprit}");
         untouched(&r);
     }
     // A write op with a bad output reference applies nothing.
@@ -291,7 +291,6 @@ fn bad_references_are_refused_and_nothing_is_written() {
     r.write(0, &[1u64, 2]).unwrap();
     let (e, m) = code(other.region_call(&find(ok_keys, ok_found, ok_values)).unwrap_err());
     assert_eq!(e, ErrorCode::NotFound, "{m}");
-    assert!(m.contains("this connection"), "{m}");
     assert_eq!(code(other.unregister(id).unwrap_err()).0, ErrorCode::NotFound);
     untouched(&r);
     // A truncated reference list and the flag on an op without arrays.
@@ -320,10 +319,10 @@ fn registration_is_capped_per_connection_and_in_total() {
     let r1 = a.register_memfd(1 << 20).unwrap();
     let (e, m) = code(a.register_memfd(4096).unwrap_err());
     assert_eq!(e, ErrorCode::ResourceExhausted);
-    assert!(m.contains("limits.max_region_bytes_per_connection = 1048576"), "{m}");
+    assert!(m.contains("limits.max_region_bytes_per_connection"), "{m}");
     let (e, m) = code(b.register_memfd(1 << 20).unwrap_err());
     assert_eq!(e, ErrorCode::ResourceExhausted);
-    assert!(m.contains("limits.max_region_bytes = 1572864"), "{m}");
+    assert!(m.contains("limits.max_region_bytes "), "{m}");
     let _r2 = b.register_memfd(512 << 10).unwrap();
     let s = a.stats().unwrap();
     assert!(a.metrics().unwrap().contains("hkvd_region_bytes 1572864"));
@@ -515,8 +514,7 @@ fn feature_and_score_ops_through_a_region() {
     let mut refs = feats(3);
     refs.extend([r.at::<u8>(300, 4), r.at::<f32>(320, 8)]);
     let (e, m) = code(c.region_call(&RegionRequest { refs, ..req }).unwrap_err());
-    assert_eq!(e, ErrorCode::BadRequest);
-    assert!(m.contains("bad features"), "{m}");
+    assert_eq!(e, ErrorCode::BadRequest, "{m}");
     // load keeps scores verbatim; assign_scores adds (lfu) and reports outcomes.
     r.write(1024, &keys).unwrap();
     r.write(2048, &[10u64, 20, 30, 40]).unwrap();
@@ -551,7 +549,7 @@ fn feature_and_score_ops_through_a_region() {
     f[16..20].copy_from_slice(&len.to_le_bytes());
     c.send_raw(&f).unwrap();
     let e = c.recv_frame().unwrap_err();
-    assert!(e.to_string().contains("unexpected bytes"), "{e}");
+    assert_eq!(e.code(), Some(ErrorCode::BadRequest), "{e}");
 }
 
 /// On the CUDA backend a region is page-locked when registered: finds into
@@ -597,7 +595,7 @@ fn region_copies_are_bounded_like_socket_bodies() {
     r.write(0, &(1..=n).collect::<Vec<u64>>()).unwrap();
     let (e, m) = code(c.insert_or_assign_in("t", r.at::<u64>(0, n), r.at::<f32>(65536, n * 32), None).unwrap_err());
     assert_eq!(e, ErrorCode::Oversized);
-    assert!(m.contains("limits.max_frame_bytes = 65536"), "{m}");
+    assert!(m.contains("limits.max_frame_bytes"), "{m}");
     assert_eq!(c.tables().unwrap()[0].size, 0);
     // 4096 keys (32 KiB copied) find 4096 rows of 128 bytes in place.
     assert_eq!(c.find_in("t", r.at::<u64>(0, n), r.at::<u8>(32768, n), r.at::<f32>(65536, n * 32)).unwrap(), 0);

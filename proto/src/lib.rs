@@ -53,18 +53,21 @@ pub use types::{
 };
 
 /// Where clients and the daemon look for the socket when none is given:
-/// `$HKVD_SOCKET` (clients only, see [`client_socket_path`]), else
-/// `$XDG_RUNTIME_DIR/hkvd/hkvd.sock` when that directory exists, else
-/// `./hkvd-run/hkvd.sock`.
-pub fn default_socket_path() -> std::path::PathBuf {
-    match std::env::var_os("XDG_RUNTIME_DIR") {
-        Some(d) if std::path::Path::new(&d).is_dir() => std::path::Path::new(&d).join("hkvd").join("hkvd.sock"),
+/// `runtime_dir/hkvd/hkvd.sock` when `runtime_dir` (a binary passes
+/// `$XDG_RUNTIME_DIR`) is a directory, else `./hkvd-run/hkvd.sock`. The
+/// library reads no environment: binaries read the variables and pass them.
+pub fn default_socket_path(runtime_dir: Option<&std::path::Path>) -> std::path::PathBuf {
+    match runtime_dir {
+        Some(d) if d.is_dir() => d.join("hkvd").join("hkvd.sock"),
         _ => std::path::PathBuf::from("hkvd-run").join("hkvd.sock"),
     }
 }
 
-/// The socket a client uses without `--socket`: `$HKVD_SOCKET`, else
-/// [`default_socket_path`].
-pub fn client_socket_path() -> std::path::PathBuf {
-    std::env::var_os("HKVD_SOCKET").map(Into::into).unwrap_or_else(default_socket_path)
+/// The socket a client uses without `--socket`: `named` (a binary passes
+/// `$HKVD_SOCKET`), else [`default_socket_path`] of `runtime_dir`.
+pub fn client_socket_path(
+    named: Option<std::path::PathBuf>,
+    runtime_dir: Option<&std::path::Path>,
+) -> std::path::PathBuf {
+    named.unwrap_or_else(|| default_socket_path(runtime_dir))
 }

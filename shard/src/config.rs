@@ -151,14 +151,20 @@ pub struct TableConfig {
     /// fixed Lfu is what they should get. `lowest-slot` is for users who
     /// need the reference library's scores and victims.
     pub lfu_ties: LfuTies,
+    /// CUDA backend only: the kernel choice forced for benchmarks (see
+    /// [`CudaTuning`]); the default is what measured fastest. A value the
+    /// process gives each table it opens, not part of a table's shape, so
+    /// not serialized.
+    #[serde(skip)]
+    pub tuning: CudaTuning,
 }
 
 /// Tuning of the CUDA backend's kernel choice, for benchmarks: the
 /// default is what was measured fastest on the H200 (`shard/BENCHMARKS.md`).
 /// The library reads no environment variable: binaries fill it from flags
 /// or from the `HKV_*` variables with [`CudaTuning::from_vars`] and give it
-/// to a table (`CudaTable::set_tuning`, `GpuGroup::set_tuning`) or to the
-/// process (`cuda::set_tuning`, for tables opened later).
+/// to each table they open ([`TableConfig::tuning`]), or change it on an
+/// open one (`CudaTable::set_tuning`, `GpuGroup::set_tuning`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct CudaTuning {
     /// Threads per key of every lookup kernel (one of [`CudaTuning::GROUPS`]);
@@ -216,6 +222,7 @@ impl Default for TableConfig {
             mode: BucketMode::Single,
             fast_tier_bytes: None,
             lfu_ties: LfuTies::Lru,
+            tuning: CudaTuning::default(),
         }
     }
 }
@@ -252,6 +259,7 @@ impl TableConfig {
 
     /// Checks the config; every problem is named.
     pub fn validate(&self) -> Result<()> {
+        self.tuning.validate()?;
         if self.dim == 0 {
             return Err(Error::Config("dim must be at least 1".into()));
         }

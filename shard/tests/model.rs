@@ -93,6 +93,7 @@ fn config() -> impl Strategy<Value = TableConfig> {
             mode,
             fast_tier_bytes: None,
             lfu_ties,
+            tuning: Default::default(),
         })
 }
 

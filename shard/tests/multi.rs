@@ -25,7 +25,7 @@ fn gpus() -> Vec<usize> {
                 std::env::set_var(k, v);
             }
         }
-        if let Some(dir) = cuda::default_kernel_cache_dir(None) {
+        if let Some(dir) = cuda::default_kernel_cache_dir(None, |k| std::env::var_os(k)) {
             cuda::set_cache_dir(dir);
         }
     });
@@ -122,7 +122,7 @@ fn download(group: &GpuGroup, b: &[RankBatch], n: &[usize]) -> (Vec<Vec<f32>>, V
 fn nccl_loads_or_says_why() {
     match nccl_version() {
         Ok(v) => assert!(v >= 20000, "{v}"),
-        Err(e) => assert!(e.to_string().contains("libnccl"), "{e}"),
+        Err(e) => assert!(matches!(e, hkv_shard::Error::Unavailable(_) | hkv_shard::Error::Device(_)), "{e}"),
     }
 }
 
@@ -300,9 +300,9 @@ fn features_hashed_on_the_gpus_take_the_device_route() {
     }
     // Bad input is refused before any key is written.
     let e = group.hash_features(0, Features::Int64(&[1]), HashKind::Fingerprint64, 0, &mut b[0]).unwrap_err();
-    assert!(e.to_string().contains("bucket"), "{e}");
+    assert!(matches!(e, hkv_shard::Error::Features(_)), "{e}");
     let e = group.hash_features(nr, Features::Int64(&[1]), HashKind::Fingerprint64, 8, &mut b[0]).unwrap_err();
-    assert!(e.to_string().contains("rank"), "{e}");
+    assert!(matches!(e, hkv_shard::Error::Config(_)), "{e}");
 }
 
 // On an error part-way through the device and peer routes (here a GPU's
@@ -339,7 +339,7 @@ fn an_error_part_way_through_a_route_leaves_every_table_whole() {
         upload(&group, &mut b, &more, &rows(&more));
         group.tables()[nr - 1].fail_next_grow();
         let e = group.run(DeviceOp::InsertOrAssign, route, &mut b, &vec![8000; nr]).unwrap_err();
-        assert!(e.to_string().contains("injected"), "{route:?}: {e}");
+        assert!(matches!(e, hkv_shard::Error::Device(_)), "{route:?}: {e}");
         // Grow every table at once, right after the error.
         for t in group.tables() {
             t.reserve(t.capacity() * 2).unwrap();

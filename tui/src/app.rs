@@ -5,6 +5,8 @@ use std::time::Instant;
 
 use crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
 
+use hkv_client::proto::stats::Stats;
+
 use crate::model::{self, Rates, Snapshot};
 
 /// Samples kept per sparkline: 10 minutes at 4 polls a second.
@@ -107,8 +109,8 @@ impl App {
     }
 
     /// Takes a stats document polled at `now`.
-    pub fn on_stats(&mut self, v: &serde_json::Value, now: Instant) {
-        let snap = model::parse(v);
+    pub fn on_stats(&mut self, v: &Stats, now: Instant) {
+        let snap = model::snapshot(v);
         if let Some((prev, at)) = &self.prev {
             let secs = now.duration_since(*at).as_secs_f64();
             // A restarted daemon (uptime went back) starts the rates afresh.

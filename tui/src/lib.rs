@@ -9,7 +9,8 @@
 //!
 //! # Layout
 //! - [`model`] reads the typed stats document (`hkv_proto::stats::Stats`;
-//!   one that does not read shows as empty) and computes rates between polls.
+//!   an answer that does not read is an error the console shows) and
+//!   computes rates between polls.
 //! - [`app`] holds the console state and handles keys.
 //! - [`curve`] draws the selected table's miss-ratio curve.
 //! - [`ui`] draws it (tested with ratatui's `TestBackend`).
@@ -35,7 +36,7 @@ use crate::app::{Action, App};
 
 /// What the poller thread reports.
 enum Update {
-    Stats(serde_json::Value),
+    Stats(Box<hkv_client::proto::stats::Stats>),
     Down(String),
     CheckpointStarted(Result<(), String>),
 }
@@ -62,8 +63,8 @@ pub fn run(socket: PathBuf, interval: Duration, log: Option<PathBuf>) -> anyhow:
             if client.is_none() {
                 client = hkv_client::Client::connect(&sock).ok();
             }
-            let update = match client.as_mut().map(|c| c.stats()) {
-                Some(Ok(v)) => Update::Stats(v),
+            let update = match client.as_mut().map(|c| c.stats_doc()) {
+                Some(Ok(v)) => Update::Stats(Box::new(v)),
                 Some(Err(e)) => {
                     client = None;
                     Update::Down(e.to_string())

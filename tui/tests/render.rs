@@ -3,10 +3,11 @@
 use std::time::{Duration, Instant};
 
 use crossterm::event::{KeyCode, KeyEvent, KeyModifiers};
+use hkv_client::proto::stats::Stats;
 use hkv_tui::app::{Action, App, Mode, View};
 use ratatui::backend::TestBackend;
 use ratatui::Terminal;
-use serde_json::json;
+use serde_json::{json, Value};
 
 fn shard(
     size: u64,
@@ -21,7 +22,40 @@ fn shard(
            "lock": {"active": active, "running": running, "waiting": waiting, "waits": [4, 5, 6], "wait_ns": [1_000_000_000u64, 0, 0]}})
 }
 
-fn stats(evictions: u64, running_ck: bool) -> serde_json::Value {
+/// The fixture read as the typed document the daemon sends. Every key it
+/// names must be a field of that document: the fixtures used to be fed to
+/// the console as JSON, so a key renamed on either side read as zero and
+/// every test still passed.
+fn typed(v: &Value) -> Stats {
+    let s: Stats = serde_json::from_value(v.clone()).expect("the fixture reads as a stats document");
+    covered(v, &serde_json::to_value(&s).unwrap(), "stats");
+    s
+}
+
+/// Every key of `want` is in `got`, recursively.
+fn covered(want: &Value, got: &Value, at: &str) {
+    match (want, got) {
+        (Value::Object(w), Value::Object(g)) => {
+            for (k, x) in w.iter().filter(|(_, x)| !x.is_null()) {
+                let y = g.get(k).unwrap_or_else(|| panic!("{at}.{k} is not a field of the stats document"));
+                covered(x, y, &format!("{at}.{k}"));
+            }
+        }
+        (Value::Array(w), Value::Array(g)) => {
+            assert_eq!(w.len(), g.len(), "{at}");
+            for (i, (x, y)) in w.iter().zip(g).enumerate() {
+                covered(x, y, &format!("{at}[{i}]"));
+            }
+        }
+        _ => {}
+    }
+}
+
+fn stats(evictions: u64, running_ck: bool) -> Stats {
+    typed(&stats_json(evictions, running_ck))
+}
+
+fn stats_json(evictions: u64, running_ck: bool) -> Value {
     let mut v = stats_inner(evictions, running_ck);
     v["op_names"] = json!(["find", "contains", "insert_or_assign"]);
     // Op counters grow with `evictions`, so rates exist between two polls.
@@ -202,10 +236,12 @@ fn tiny_terminals_and_odd_stats_do_not_panic() {
         render(&a, w, h);
     }
     let mut b = App::new("s".into());
-    for v in
-        [json!(null), json!({"tables": [{"shards": "x"}]}), json!({"checkpoint": {"running": {"entries_total": 0}}})]
-    {
-        b.on_stats(&v, Instant::now());
+    for v in [
+        json!({}),
+        json!({"tables": [{"spec": {"name": "x", "dim": 1, "capacity": 0}, "shards": []}]}),
+        json!({"checkpoint": {"running": {"entries_total": 0}}}),
+    ] {
+        b.on_stats(&typed(&v), Instant::now());
         render(&b, 80, 24);
         render(&b, 40, 10);
     }

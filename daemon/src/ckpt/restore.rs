@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hkv_checkpoint::{Manifest, TableEntry};
-use hkv_proto::{ErrorCode, ProtoError, TableSpec};
+use hkv_proto::{CheckpointId, ErrorCode, ProtoError, TableSpec};
 use hkv_shard::ScorePolicy;
 use tracing::{info, warn};
 
@@ -55,34 +55,38 @@ fn resume_point(t: &TableEntry, m: &Manifest, max_restored: u64) -> u64 {
 }
 
 impl Checkpoints {
-    /// Restores `which` (`latest` or a hex id). With `latest`, a corrupt
+    /// Restores `which` (the newest or one by id). With `latest`, a corrupt
     /// checkpoint is skipped with a warning and the previous complete one is
     /// tried. Nothing a client can see changes before every chunk of the
     /// chosen chain verified (see [`Checkpoints::load_chain`]).
-    pub async fn restore(self: &Arc<Self>, router: Arc<Router>, which: &str) -> Result<Option<Restored>, ProtoError> {
+    pub async fn restore(
+        self: &Arc<Self>,
+        router: Arc<Router>,
+        which: CheckpointId,
+    ) -> Result<Option<Restored>, ProtoError> {
         let _gate = self.gate.lock().await;
-        let which = which.to_string();
         let ck = self.clone();
         let handle = tokio::runtime::Handle::current();
-        tokio::task::spawn_blocking(move || ck.restore_blocking(&router, &which, &handle)).await.map_err(internal)?
+        tokio::task::spawn_blocking(move || ck.restore_blocking(&router, which, &handle)).await.map_err(internal)?
     }
 
     fn restore_blocking(
         &self,
         router: &Router,
-        which: &str,
+        which: CheckpointId,
         rt: &tokio::runtime::Handle,
     ) -> Result<Option<Restored>, ProtoError> {
         let started = Instant::now();
-        let candidates: Vec<u64> = if which == "latest" {
-            self.catalog.list().map_err(internal)?.into_iter().filter(|l| l.manifest.is_some()).map(|l| l.id).collect()
-        } else {
-            let id = u64::from_str_radix(which, 16).map_err(|_| {
-                ProtoError::bad_request(format!(
-                    "checkpoint id {which:?}: use `latest` or an id from `hkvctl checkpoints`"
-                ))
-            })?;
-            vec![id]
+        let candidates: Vec<u64> = match which {
+            CheckpointId::Latest => self
+                .catalog
+                .list()
+                .map_err(internal)?
+                .into_iter()
+                .filter(|l| l.manifest.is_some())
+                .map(|l| l.id)
+                .collect(),
+            CheckpointId::Id(id) => vec![id],
         };
         if candidates.is_empty() {
             return Ok(None);
@@ -171,7 +175,7 @@ impl Checkpoints {
                     };
                     all_damaged &= damaged;
                     let line = format!("checkpoint {id:016x} not restored: {why}");
-                    if which != "latest" {
+                    if which != CheckpointId::Latest {
                         *self.restoring.lock() = None;
                         // An id the catalog does not list, or a chain whose
                         // base is gone, is the caller's to fix, not the daemon's.

@@ -65,6 +65,9 @@ pub struct Router {
     /// On the CUDA backend, the GPU of each actor (shard i of every table
     /// lives on GPU `ordinals[i]`); empty on the CPU backend.
     pub ordinals: Vec<usize>,
+    /// The CUDA kernel tuning every table created from now on gets (the
+    /// `HKV_*` variables `hkvd` reads; the default otherwise).
+    pub tuning: hkv_shard::CudaTuning,
 }
 
 impl Router {
@@ -96,6 +99,7 @@ impl Router {
             next_id: AtomicU64::new(0),
             mrc: None,
             ordinals: Vec::new(),
+            tuning: hkv_shard::CudaTuning::default(),
         }
     }
 
@@ -158,7 +162,7 @@ impl Router {
         if let Some(h) = &spec.hash {
             crate::features::check(h)?;
         }
-        let config = shard_config(&spec, self.actors.len())?;
+        let config = hkv_shard::TableConfig { tuning: self.tuning, ..shard_config(&spec, self.actors.len())? };
         let n = self.actors.len();
         let shape = format!(
             "capacity {}, max_capacity {}, dim {}, {n} shard{}",

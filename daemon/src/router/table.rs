@@ -181,6 +181,8 @@ pub fn shard_config(spec: &TableSpec, n: usize) -> Result<TableConfig, ProtoErro
             hkv_proto::LfuTies::Lru => hkv_shard::LfuTies::Lru,
             hkv_proto::LfuTies::LowestSlot => hkv_shard::LfuTies::LowestSlot,
         },
+        // The process's, which the router gives every table (Router::tuning).
+        tuning: Default::default(),
     };
     config.validate().map_err(|e| ProtoError::bad_request(e.to_string()))?;
     Ok(config)
@@ -204,7 +206,8 @@ mod tests {
             assert_eq!(e.code, ErrorCode::ResourceExhausted, "{shards}: {}", e.message);
         }
         let e = shard_config(&TableSpec::new("t", 1 << 20, 1 << 62), 1).unwrap_err();
-        assert!(e.message.contains("dim 1048576 is above the limit"), "{}", e.message);
+        assert_eq!(e.code, ErrorCode::BadRequest, "{}", e.message);
+        assert!(e.message.contains("dim"), "{}", e.message);
         let c = shard_config(&TableSpec::new("t", 8, 1000), 4).unwrap();
         assert_eq!(c.capacity, 250);
         let bad = serde_json::from_str::<TableSpec>(r#"{"name":"t","dim":8,"capacity":1000,"policy":"fifo"}"#);

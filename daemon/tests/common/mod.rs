@@ -210,13 +210,24 @@ pub fn read_answer(s: &mut UnixStream) -> (Header, Response) {
     (h, Response::decode(&h, &body).unwrap())
 }
 
-/// Asserts an error answer with `code` whose message holds `needle`.
-pub fn expect_error(r: Response, code: ErrorCode, needle: &str) {
+/// Asserts an error answer with `code` whose message names `culprit` (the
+/// table, field, limit, index or id at fault), never its English wording.
+#[allow(dead_code)]
+pub fn expect_error(r: Response, code: ErrorCode, culprit: &str) {
     match r {
         Response::Error(e) => {
             assert_eq!(e.code, code, "{e:?}");
-            assert!(e.message.contains(needle), "message {:?} lacks {needle:?}", e.message);
+            assert!(e.message.contains(culprit), "message {:?} does not name {culprit:?}", e.message);
         }
+        r => panic!("expected {code:?}, got {r:?}"),
+    }
+}
+
+/// Asserts an error answer with `code`.
+#[allow(dead_code)]
+pub fn expect_code(r: Response, code: ErrorCode) {
+    match r {
+        Response::Error(e) => assert_eq!(e.code, code, "{e:?}"),
         r => panic!("expected {code:?}, got {r:?}"),
     }
 }

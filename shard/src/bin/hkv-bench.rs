@@ -51,6 +51,9 @@ use rayon::prelude::*;
 #[derive(Parser, Debug)]
 #[command(name = "hkv-bench", about = "Throughput of every table operation (B-KV/s), shard/TARGETS.md protocol")]
 struct Args {
+    /// The kernel tuning of the CUDA tables, from the `HKV_*` variables.
+    #[arg(skip)]
+    tuning: hkv_shard::CudaTuning,
     /// Backend: cpu, cuda or auto.
     #[arg(long, default_value = "auto")]
     backend: String,
@@ -435,13 +438,13 @@ fn moka_row(cap: u64, dim: usize, batch: usize, runs: usize, lambdas: &[f64]) ->
 }
 
 fn main() -> Result<()> {
-    let a = Args::parse();
+    let mut a = Args::parse();
     // The library reads no environment: the kernel cache and the tuning
     // knobs (HKV_LOOKUP_GROUP, HKV_WRITE_GROUP, HKV_KEY_ORDER) come in here.
-    if let Some(dir) = hkv_shard::cuda::default_kernel_cache_dir(None) {
+    if let Some(dir) = hkv_shard::cuda::default_kernel_cache_dir(None, |k| std::env::var_os(k)) {
         hkv_shard::cuda::set_cache_dir(dir);
     }
-    hkv_shard::cuda::set_tuning(hkv_shard::CudaTuning::from_vars(|k| std::env::var(k).ok())?);
+    a.tuning = hkv_shard::CudaTuning::from_vars(|k| std::env::var(k).ok())?;
     let backend = match a.backend.as_str() {
         // Auto: the CUDA protocol (device buffers, event timing) on a GPU host.
         "auto" if hkv_shard::cuda::probe().is_ok() => Backend::Cuda,
@@ -488,6 +491,7 @@ fn main() -> Result<()> {
     for &dim in &a.dims {
         let mut cfg = TableConfig::new(a.capacity, dim).mode(mode).policy(a.policy).lfu_ties(a.lfu_ties);
         cfg.fast_tier_bytes = a.fast_tier_bytes;
+        cfg.tuning = a.tuning;
         let t = hkv_shard::open(cfg, backend).context("opening the table")?;
         println!(
             "\ndim = {dim}, capacity {}, {:.1} GB values\n",
@@ -854,6 +858,8 @@ mod cuda_bench {
         for &dim in &a.dims {
             let mut cfg = TableConfig::new(a.capacity, dim).mode(mode).policy(a.policy).lfu_ties(a.lfu_ties);
             cfg.fast_tier_bytes = a.fast_tier_bytes;
+            cfg.tuning = a.tuning;
+            cfg.tuning = a.tuning;
             let t = CudaTable::new(cfg, dev.clone()).context("creating the table")?;
             let st = t.stats();
             let hybrid = st.host_tier_bytes > 0;

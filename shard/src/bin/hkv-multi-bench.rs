@@ -81,10 +81,12 @@ fn main() -> Result<()> {
         }
     }
     let a = Args::parse();
-    if let Some(dir) = hkv_shard::cuda::default_kernel_cache_dir(None) {
+    if let Some(dir) = hkv_shard::cuda::default_kernel_cache_dir(None, |k| std::env::var_os(k)) {
         hkv_shard::cuda::set_cache_dir(dir);
     }
-    hkv_shard::cuda::set_tuning(hkv_shard::CudaTuning::from_vars(|k| std::env::var(k).ok())?);
+    // The library reads no environment: the tuning knobs (HKV_LOOKUP_GROUP,
+    // HKV_WRITE_GROUP, HKV_KEY_ORDER) come in here, into each table's config.
+    let tuning = hkv_shard::CudaTuning::from_vars(|k| std::env::var(k).ok())?;
     let devices = hkv_shard::cuda::probe().map_err(|e| anyhow::anyhow!("{e}"))?;
     println!("GPUs: {} x {} (driver {})", devices.len(), devices[0].name, devices[0].driver_version);
     match hkv_shard::multi::nccl_version() {
@@ -102,7 +104,7 @@ fn main() -> Result<()> {
             bail!("{k} GPUs asked for, {} present", devices.len());
         }
         let ordinals: Vec<usize> = (0..k).collect();
-        let cfg = TableConfig::new(a.capacity, a.dim).policy(ScorePolicy::Lru);
+        let cfg = TableConfig { tuning, ..TableConfig::new(a.capacity, a.dim).policy(ScorePolicy::Lru) };
         let g = GpuGroup::new(cfg, &ordinals)?;
         let mut b = g.batch(a.batch)?;
         for (r, rb) in b.iter_mut().enumerate() {

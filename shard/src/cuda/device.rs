@@ -207,20 +207,23 @@ pub fn set_cache_dir(dir: PathBuf) {
 
 /// The kernel cache directory a binary should give [`set_cache_dir`]:
 /// `$HKV_KERNEL_CACHE`, else `preferred` (the daemon's state directory),
-/// else `$XDG_CACHE_HOME/hkvd/kernels`, else `$HOME/.cache/hkvd/kernels`.
-/// The one function of the library that reads the environment; only
-/// binaries (and tests) call it.
-pub fn default_kernel_cache_dir(preferred: Option<PathBuf>) -> Option<PathBuf> {
-    if let Some(d) = std::env::var_os("HKV_KERNEL_CACHE") {
+/// else `$XDG_CACHE_HOME/hkvd/kernels`, else `$HOME/.cache/hkvd/kernels`,
+/// the variables read through `var` (a binary passes
+/// `|k| std::env::var_os(k)`): the library reads no environment.
+pub fn default_kernel_cache_dir(
+    preferred: Option<PathBuf>,
+    var: impl Fn(&str) -> Option<std::ffi::OsString>,
+) -> Option<PathBuf> {
+    if let Some(d) = var("HKV_KERNEL_CACHE") {
         return Some(d.into());
     }
     if preferred.is_some() {
         return preferred;
     }
-    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
+    if let Some(d) = var("XDG_CACHE_HOME") {
         return Some(Path::new(&d).join("hkvd").join("kernels"));
     }
-    std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache").join("hkvd").join("kernels"))
+    var("HOME").map(|h| Path::new(&h).join(".cache").join("hkvd").join("kernels"))
 }
 
 /// Device `ordinal`, opened (and its kernels loaded) once per process.

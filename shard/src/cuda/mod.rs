@@ -28,7 +28,6 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStrea
 use cudarc::nvrtc::{CompileOptions, Ptx};
 use hkv_kernels::KernelId;
 
-use crate::config::CudaTuning;
 use crate::error::{Error, Result};
 use crate::features::{Features, HashKind};
 pub use device::*;
@@ -67,20 +66,6 @@ pub(crate) fn ensure<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZero
     Ok(())
 }
 
-static TUNING: std::sync::OnceLock<CudaTuning> = std::sync::OnceLock::new();
-
-/// Sets the kernel tuning of the CUDA tables this process opens from now
-/// on (a binary's way in for `HKV_*` variables, [`CudaTuning::from_vars`]).
-/// Only the first call counts.
-pub fn set_tuning(t: CudaTuning) {
-    let _ = TUNING.set(t);
-}
-
-/// The process's kernel tuning ([`set_tuning`], else the default).
-pub fn tuning() -> CudaTuning {
-    TUNING.get().copied().unwrap_or_default()
-}
-
 #[cfg(test)]
 mod launch_tests {
     use super::grid;
@@ -95,8 +80,8 @@ mod launch_tests {
         let most = i32::MAX as u64 * 256;
         assert_eq!(grid(most, 256).unwrap().grid_dim, (i32::MAX as u32, 1, 1));
         for too_many in [most + 1, (1u64 << 32) * 256 + 1, u64::MAX] {
-            let e = grid(too_many, 256).unwrap_err().to_string();
-            assert!(e.contains("blocks"), "{e}");
+            let e = grid(too_many, 256).unwrap_err();
+            assert!(matches!(e, crate::Error::Config(_)), "{e}");
         }
     }
 }

@@ -107,7 +107,7 @@ pub fn checkpoints(c: &mut Client) -> Result<()> {
 }
 
 /// `hkvctl restore ID`; a second connection shows its progress on a terminal.
-pub fn restore(c: &mut Client, socket: &Path, id: &str) -> Result<()> {
+pub fn restore(c: &mut Client, socket: &Path, id: proto::CheckpointId) -> Result<()> {
     // The restore answers when done; a second connection shows its progress meanwhile.
     let socket = socket.to_path_buf();
     let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));

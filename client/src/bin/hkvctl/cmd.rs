@@ -163,7 +163,7 @@ pub enum Cmd {
     /// Restore a checkpoint (an id from `checkpoints`, or latest) into the running daemon.
     Restore {
         /// Checkpoint id or `latest`.
-        id: String,
+        id: hkv_client::proto::CheckpointId,
     },
     /// Ask the daemon to finish in-flight requests and exit.
     Shutdown,

@@ -51,7 +51,10 @@ fn top(socket: &Path, args: &[String]) -> Result<()> {
 }
 
 fn run(cli: Cli) -> Result<()> {
-    let socket = cli.socket.clone().unwrap_or_else(proto::client_socket_path);
+    let socket = cli.socket.clone().unwrap_or_else(|| {
+        let runtime_dir = std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from);
+        proto::client_socket_path(std::env::var_os("HKVD_SOCKET").map(Into::into), runtime_dir.as_deref())
+    });
     let cmd = match cli.cmd {
         Cmd::Bench(a) => return bench::bench(socket, a),
         Cmd::Top { args } => return top(&socket, &args),
@@ -94,7 +97,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Metrics => print!("{}", c.metrics()?),
         Cmd::Checkpoint { wait, full } => checkpoint::checkpoint(c, wait, full)?,
         Cmd::Checkpoints => checkpoint::checkpoints(c)?,
-        Cmd::Restore { id } => checkpoint::restore(c, &socket, &id)?,
+        Cmd::Restore { id } => checkpoint::restore(c, &socket, id)?,
         Cmd::Shutdown => {
             c.shutdown()?;
             println!("hkvd is draining and will exit");

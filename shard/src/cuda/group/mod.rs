@@ -428,8 +428,8 @@ mod tests {
         ] {
             assert!(moves(op).is_ok(), "{op:?}");
         }
-        let e = moves(DeviceOp::FindPtr).err().expect("refused").to_string();
-        assert!(e.contains("not offered on a GPU group"), "{e}");
+        let e = moves(DeviceOp::FindPtr).err().expect("refused");
+        assert!(matches!(e, Error::Config(_)), "{e}");
     }
 
     #[test]
@@ -437,13 +437,13 @@ mod tests {
         // On a host without NCCL this is a clear error; with it, a version.
         match nccl_version() {
             Ok(v) => assert!(v >= 20000, "{v}"),
-            Err(e) => assert!(e.to_string().contains("NCCL"), "{e}"),
+            Err(e) => assert!(matches!(e, Error::Unavailable(_) | Error::Device(_)), "{e}"),
         }
         if crate::cuda_unavailable().is_some() {
             let e = GpuGroup::new(TableConfig::new(1024, 4), &[0]).expect_err("no GPU here").to_string();
             assert!(!e.is_empty());
         }
-        let e = GpuGroup::new(TableConfig::new(1024, 4), &[0, 0]).expect_err("duplicate").to_string();
-        assert!(e.contains("once"), "{e}");
+        let e = GpuGroup::new(TableConfig::new(1024, 4), &[0, 0]).expect_err("duplicate");
+        assert!(matches!(e, Error::Config(_)), "{e}");
     }
 }

@@ -141,7 +141,7 @@ impl CudaTable {
         let get = |id: KernelId, name: &str| {
             dev.module(id).load_function(name).map_err(|e| Error::Device(format!("kernel {name}: {e:?}")))
         };
-        let tuning = crate::cuda::tuning();
+        let tuning = config.tuning;
         let variants = |id: KernelId, base: &str, gs: &[u64]| -> Result<Vec<Variant>> {
             gs.iter().map(|&g| Ok(Variant { f: get(id, &kernel_name(base, g))?, g })).collect()
         };
@@ -188,6 +188,7 @@ impl CudaTable {
     /// Forces (or frees) the kernel choice of later batches (benchmarks).
     pub fn set_tuning(&mut self, t: CudaTuning) -> Result<()> {
         t.validate()?;
+        self.config.tuning = t;
         self.f.forced_lookup = group_size(t.lookup_group, &LOOKUP_GROUPS);
         self.f.forced_write = group_size(t.write_group, &WRITE_GROUPS);
         self.f.region_order = !t.index_order;
