@@ -318,6 +318,17 @@ impl Response {
     }
 }
 
+impl<B: FrameMemory + Into<FrameBuf>> FindFrame<B> {
+    /// The response to send: the frame, or an `oversized` error instead
+    /// when the counts do not fit the protocol.
+    pub fn into_response(self) -> Response {
+        match self.into_parts() {
+            Ok(frame) => Response::Framed(frame.into()),
+            Err(e) => Response::Error(e),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -360,17 +371,6 @@ mod tests {
         match Response::decode(&h, &f[HEADER_LEN..]).unwrap() {
             Response::Error(e) => assert_eq!(e.code, ErrorCode::ResourceExhausted),
             other => panic!("{other:?}"),
-        }
-    }
-}
-
-impl<B: FrameMemory + Into<FrameBuf>> FindFrame<B> {
-    /// The response to send: the frame, or an `oversized` error instead
-    /// when the counts do not fit the protocol.
-    pub fn into_response(self) -> Response {
-        match self.into_parts() {
-            Ok(frame) => Response::Framed(frame.into()),
-            Err(e) => Response::Error(e),
         }
     }
 }

@@ -6,7 +6,6 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::{Backend, BUCKET_SLOTS};
 
-
 /// Bytes of one bucket of the CPU backend in host memory (128 digests,
 /// keys and scores, the occupancy bitmap and the writers' mutex, in a
 /// 128-byte aligned struct; `cpu::storage` asserts it).

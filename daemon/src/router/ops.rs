@@ -205,7 +205,8 @@ impl Router {
             return Err(shard_error(hkv_shard::Error::ScoresRequired { policy }));
         }
         let (n, split) = (keys.len(), Split::new(&keys, t.shards()));
-        let keys = shard_keys(&split, keys, |n| check::write_arrays(&t.config, n, None, scores.as_deref(), false, None))?;
+        let keys =
+            shard_keys(&split, keys, |n| check::write_arrays(&t.config, n, None, scores.as_deref(), false, None))?;
         let mut scores = scores.map(|s| split.take(s, 1).into_iter());
         let ops = keys
             .into_iter()

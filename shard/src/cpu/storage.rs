@@ -26,7 +26,8 @@ pub(super) struct Storage {
 /// Bytes of one bucket in host memory (digests, keys, scores, bitmap,
 /// mutex), which the config's footprint counts.
 pub use crate::config::CPU_BUCKET_BYTES as BUCKET_BYTES;
-const _: () = assert!(std::mem::size_of::<Bucket>() as u64 == BUCKET_BYTES, "config::CPU_BUCKET_BYTES is a bucket's size");
+const _: () =
+    assert!(std::mem::size_of::<Bucket>() as u64 == BUCKET_BYTES, "config::CPU_BUCKET_BYTES is a bucket's size");
 
 /// A vector of `n` elements made by `f`, or an error naming the bytes when
 /// the allocation fails (the size may come from a client: never abort).
