@@ -1,20 +1,23 @@
 //! The connection to the cluster: seeds checked one by one (so that a bad
 //! URL, a dead seed and a non-cluster server each get their own error), the
-//! crate's cluster connection, and our own copy of the slot map, used only
-//! to name the node behind a failed slot.
+//! slot map, one connection per node, and [`Cluster::run`], which sends a
+//! batch of single-slot commands as one pipeline per node and follows the
+//! cluster's redirections.
 
 use std::time::{Duration, Instant};
 
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use futures_util::future::join_all;
 use parking_lot::{Mutex, RwLock};
-use redis::cluster::{ClusterClient, ClusterClientBuilder};
-use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
-use redis::{ConnectionAddr, ConnectionInfo, IntoConnectionInfo, Value};
+use redis::aio::{ConnectionLike, MultiplexedConnection};
+use redis::{Cmd, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, Value};
 
 use crate::error::Error;
 use crate::layout::SLOTS;
 
-/// Timeouts and retries of the cluster connection.
+/// Timeouts and retries of the node connections.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Net {
     pub connect: Duration,
@@ -62,7 +65,8 @@ async fn probe(seeds: &[ConnectionInfo], net: Net) -> Result<(), Error> {
     let mut last = String::from("no seed");
     for info in seeds {
         let node = name(info);
-        let client = redis::Client::open(info.clone()).map_err(|e| Error::BadUrl { url: node.clone(), detail: e.to_string() })?;
+        let client = redis::Client::open(info.clone())
+            .map_err(|e| Error::BadUrl { url: node.clone(), detail: e.to_string() })?;
         let cfg = redis::AsyncConnectionConfig::new()
             .set_connection_timeout(Some(net.connect))
             .set_response_timeout(Some(net.response));
@@ -83,75 +87,254 @@ async fn probe(seeds: &[ConnectionInfo], net: Net) -> Result<(), Error> {
     Err(Error::Unreachable { seeds: seeds.iter().map(name).collect::<Vec<_>>().join(","), detail: last })
 }
 
-/// Which node serves which slots, as `CLUSTER SLOTS` said last.
-#[derive(Debug, Default)]
+/// A failed command.
+#[derive(Debug, Clone)]
+pub(crate) enum Failure {
+    /// Its node had not answered by the deadline.
+    Late,
+    /// Its node failed (or it was redirected more often than retries allow).
+    Node { node: String, detail: String },
+}
+
+/// Which node serves each slot, from `CLUSTER SLOTS`, patched by `MOVED`.
+#[derive(Debug)]
 struct Topology {
-    /// `(first, last, "host:port")`, sorted.
-    ranges: Vec<(u16, u16, String)>,
+    slots: Vec<Option<Arc<str>>>,
 }
 
-impl Topology {
-    fn node(&self, slot: u16) -> Option<&str> {
-        let i = self.ranges.partition_point(|r| r.1 < slot);
-        self.ranges.get(i).filter(|r| r.0 <= slot).map(|r| r.2.as_str())
-    }
-
-    fn masters(&self) -> usize {
-        let mut m: Vec<&str> = self.ranges.iter().map(|r| r.2.as_str()).collect();
-        m.sort_unstable();
-        m.dedup();
-        m.len()
-    }
-}
-
-/// A connected cluster.
+/// A connected cluster: our own slot map and one multiplexed connection
+/// per node.
+///
+/// Why not the crate's `ClusterConnection`: while it recovers from one dead
+/// node it holds up the commands of every node (measured on a 3-master
+/// cluster with one master killed: every read of the live masters timed
+/// out, rounds of 4 s, until the node came back). Routing here keeps a dead
+/// node's slots failing fast and the others served.
 pub(crate) struct Cluster {
-    pub conn: ClusterConnection,
-    client: ClusterClient,
+    seeds: Vec<ConnectionInfo>,
+    net: Net,
     topo: RwLock<Topology>,
+    conns: Mutex<HashMap<Arc<str>, MultiplexedConnection>>,
+    /// Nodes whose last connection attempt failed, and when to try again:
+    /// a dead node costs each request nothing until then.
+    down: Mutex<HashMap<Arc<str>, Instant>>,
     refreshed: Mutex<Option<Instant>>,
 }
 
 impl Cluster {
-    /// Checks the seeds and connects.
+    /// Checks the seeds and reads the slot map.
     pub async fn open(seeds: &[String], net: Net) -> Result<Cluster, Error> {
         let infos = parse_seeds(seeds)?;
         probe(&infos, net).await?;
-        let client = builder(&infos, net).build().map_err(|e| Error::BadUrl { url: seeds.join(","), detail: e.to_string() })?;
-        let conn = client
-            .get_async_connection()
-            .await
-            .map_err(|e| Error::Unreachable { seeds: seeds.join(","), detail: e.to_string() })?;
-        let cluster = Cluster { conn, client, topo: RwLock::new(Topology::default()), refreshed: Mutex::new(None) };
+        let cluster = Cluster {
+            seeds: infos,
+            net,
+            topo: RwLock::new(Topology { slots: vec![None; SLOTS as usize] }),
+            conns: Mutex::new(HashMap::new()),
+            down: Mutex::new(HashMap::new()),
+            refreshed: Mutex::new(None),
+        };
         cluster.refresh().await?;
+        if cluster.masters() == 0 {
+            return Err(Error::Unreachable {
+                seeds: seeds.join(","),
+                detail: "the cluster serves no slots yet".into(),
+            });
+        }
         Ok(cluster)
-    }
-
-    /// A second connection, for blocking reads (the stream consumer) that
-    /// must not hold up the table's reads and writes.
-    pub async fn second_connection(&self) -> Result<ClusterConnection, Error> {
-        self.client
-            .get_async_connection()
-            .await
-            .map_err(|e| Error::Unavailable { node: "cluster".into(), detail: e.to_string() })
     }
 
     /// Masters serving slots.
     pub fn masters(&self) -> usize {
-        self.topo.read().masters()
+        let t = self.topo.read();
+        let mut m: Vec<&str> = t.slots.iter().flatten().map(|s| &**s).collect();
+        m.sort_unstable();
+        m.dedup();
+        m.len()
     }
 
     /// The node serving `slot`, as last seen, or `cluster`.
     pub fn node_of(&self, slot: u16) -> String {
-        self.topo.read().node(slot).unwrap_or("cluster").to_string()
+        self.topo.read().slots[slot as usize].as_deref().unwrap_or("cluster").to_string()
     }
 
-    /// Re-reads the slot map, at most every 500 ms (a storm of failed
+    fn node_arc(&self, slot: u16) -> Option<Arc<str>> {
+        self.topo.read().slots[slot as usize].clone()
+    }
+
+    /// A connection to `node`, made on first use.
+    async fn conn(&self, node: &Arc<str>, response: Duration) -> Result<MultiplexedConnection, String> {
+        if let Some(c) = self.conns.lock().get(node) {
+            return Ok(c.clone());
+        }
+        if let Some(until) = self.down.lock().get(node) {
+            if Instant::now() < *until {
+                return Err("down (its last connection attempt failed)".into());
+            }
+        }
+        let c = self.connect(node, response).await.inspect_err(|_| {
+            self.down.lock().insert(node.clone(), Instant::now() + Duration::from_millis(200));
+        })?;
+        self.down.lock().remove(node);
+        self.conns.lock().insert(node.clone(), c.clone());
+        Ok(c)
+    }
+
+    async fn connect(&self, node: &str, response: Duration) -> Result<MultiplexedConnection, String> {
+        let client = redis::Client::open(format!("redis://{node}")).map_err(|e| e.to_string())?;
+        let cfg = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.net.connect))
+            .set_response_timeout(Some(response));
+        client.get_multiplexed_async_connection_with_config(&cfg).await.map_err(|e| e.to_string())
+    }
+
+    /// A connection of its own to the node serving `slot`, for blocking
+    /// reads (the stream consumer) that must not hold up other commands.
+    pub async fn dedicated(&self, slot: u16, block: Duration) -> Result<MultiplexedConnection, Error> {
+        let node = self.node_of(slot);
+        self.connect(&node, block + self.net.response).await.map_err(|detail| Error::Unavailable { node, detail })
+    }
+
+    fn forget(&self, node: &Arc<str>) {
+        self.conns.lock().remove(node);
+    }
+
+    /// Runs one command per entry, each on the node serving its slot: one
+    /// pipeline per node, all nodes at once, so a batch costs one round
+    /// trip per node. `MOVED` patches the slot map and resends, `ASK`
+    /// resends to the importing node behind `ASKING`, `TRYAGAIN` /
+    /// `CLUSTERDOWN` / `LOADING` resend after 25 ms, a failed connection
+    /// resends when a fresh slot map names another node (a failover);
+    /// all within `retries` rounds and the deadline.
+    pub async fn run(&self, cmds: &[(u16, Cmd)], deadline: tokio::time::Instant) -> Vec<Result<Value, Failure>> {
+        let mut out: Vec<Option<Result<Value, Failure>>> = vec![None; cmds.len()];
+        let mut todo: Vec<(usize, Option<Arc<str>>)> = (0..cmds.len()).map(|i| (i, None)).collect();
+        for round in 0..=self.net.retries + 1 {
+            if todo.is_empty() {
+                break;
+            }
+            let last = round == self.net.retries + 1;
+            let mut by_node: HashMap<Arc<str>, Vec<(usize, bool)>> = HashMap::new();
+            for (i, ask) in todo.drain(..) {
+                let asking = ask.is_some();
+                match ask.or_else(|| self.node_arc(cmds[i].0)) {
+                    Some(node) => by_node.entry(node).or_default().push((i, asking)),
+                    None => {
+                        out[i] = Some(Err(Failure::Node {
+                            node: "cluster".into(),
+                            detail: format!("no node serves slot {}", cmds[i].0),
+                        }))
+                    }
+                }
+            }
+            let sends = by_node.into_iter().map(|(node, ix)| {
+                let mut pipe = redis::pipe();
+                let mut count = 0;
+                for &(i, asking) in &ix {
+                    if asking {
+                        pipe.cmd("ASKING");
+                        count += 1;
+                    }
+                    pipe.add_command(cmds[i].1.clone());
+                    count += 1;
+                }
+                async move {
+                    let r = tokio::time::timeout_at(deadline, async {
+                        let mut c = self.conn(&node, self.net.response).await?;
+                        c.req_packed_commands(&pipe, 0, count).await.map_err(|e| {
+                            self.forget(&node);
+                            e.to_string()
+                        })
+                    })
+                    .await;
+                    (node, ix, r)
+                }
+            });
+            let (mut refresh, mut pause) = (false, false);
+            let mut dead: Vec<(usize, Arc<str>)> = Vec::new();
+            for (node, ix, r) in join_all(sends).await {
+                let values = match r {
+                    Err(_) => {
+                        ix.iter().for_each(|&(i, _)| out[i] = Some(Err(Failure::Late)));
+                        continue;
+                    }
+                    Ok(Err(detail)) => {
+                        refresh = true;
+                        for &(i, _) in &ix {
+                            out[i] = Some(Err(Failure::Node { node: node.to_string(), detail: detail.clone() }));
+                            dead.push((i, node.clone()));
+                        }
+                        continue;
+                    }
+                    Ok(Ok(v)) => v,
+                };
+                let mut values = values.into_iter();
+                for &(i, asking) in &ix {
+                    if asking {
+                        values.next();
+                    }
+                    let v = values.next().unwrap_or(Value::Nil);
+                    let Value::ServerError(e) = &v else {
+                        out[i] = Some(Ok(v));
+                        continue;
+                    };
+                    let detail = e.details().unwrap_or("").to_string();
+                    out[i] =
+                        Some(Err(Failure::Node { node: node.to_string(), detail: format!("{} {detail}", e.code()) }));
+                    if last {
+                        continue;
+                    }
+                    let target = detail.split(' ').nth(1).map(Arc::<str>::from);
+                    match e.code() {
+                        "MOVED" => {
+                            if let Some(t) = target {
+                                self.topo.write().slots[cmds[i].0 as usize] = Some(t);
+                            }
+                            refresh = true;
+                            todo.push((i, None));
+                        }
+                        "ASK" => todo.push((i, target)),
+                        "TRYAGAIN" | "CLUSTERDOWN" | "LOADING" | "MASTERDOWN" => {
+                            pause = true;
+                            todo.push((i, None));
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            if refresh {
+                self.refresh_soon().await;
+            }
+            if !last {
+                for (i, node) in dead {
+                    if self.node_arc(cmds[i].0).is_some_and(|n| n != node) {
+                        todo.push((i, None));
+                    }
+                }
+            }
+            if pause && !todo.is_empty() {
+                tokio::time::sleep_until(deadline.min(tokio::time::Instant::now() + Duration::from_millis(25))).await;
+            }
+        }
+        out.into_iter().map(|o| o.unwrap_or(Err(Failure::Late))).collect()
+    }
+
+    /// Runs one command on the node serving `slot`.
+    pub async fn one(&self, slot: u16, cmd: Cmd) -> Result<Value, Error> {
+        let deadline = tokio::time::Instant::now() + self.net.response * (self.net.retries + 2);
+        match self.run(&[(slot, cmd)], deadline).await.pop() {
+            Some(Ok(v)) => Ok(v),
+            Some(Err(Failure::Node { node, detail })) => Err(Error::Unavailable { node, detail }),
+            _ => Err(Error::Unavailable { node: self.node_of(slot), detail: "timed out".into() }),
+        }
+    }
+
+    /// Re-reads the slot map, at most every 250 ms (a storm of failed
     /// slots asks once).
     pub async fn refresh_soon(&self) {
         {
             let mut last = self.refreshed.lock();
-            if last.is_some_and(|t| t.elapsed() < Duration::from_millis(500)) {
+            if last.is_some_and(|t| t.elapsed() < Duration::from_millis(250)) {
                 return;
             }
             *last = Some(Instant::now());
@@ -159,48 +342,69 @@ impl Cluster {
         let _ = self.refresh().await;
     }
 
+    /// Asks the known nodes, then the seeds, for `CLUSTER SLOTS`; the first
+    /// answer wins.
     async fn refresh(&self) -> Result<(), Error> {
-        let mut conn = self.conn.clone();
-        let v = conn
-            .route_command(redis::cmd("CLUSTER").arg("SLOTS").clone(), RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random))
-            .await
-            .map_err(|e| Error::Unavailable { node: "cluster".into(), detail: format!("CLUSTER SLOTS: {e}") })?;
-        let mut ranges = Vec::new();
-        if let Value::Array(items) = v {
-            for item in items {
-                let Value::Array(f) = item else { continue };
-                let (Some(Value::Int(a)), Some(Value::Int(b)), Some(Value::Array(master))) = (f.first(), f.get(1), f.get(2)) else {
+        let mut nodes: Vec<Arc<str>> = {
+            let t = self.topo.read();
+            let mut n: Vec<Arc<str>> = t.slots.iter().flatten().cloned().collect();
+            n.sort_unstable();
+            n.dedup();
+            n
+        };
+        nodes.extend(self.seeds.iter().map(|s| Arc::<str>::from(name(s))));
+        let mut last = String::from("no node");
+        for node in nodes {
+            let mut c = match self.conn(&node, self.net.response).await {
+                Ok(c) => c,
+                Err(e) => {
+                    last = format!("{node}: {e}");
                     continue;
-                };
-                let host = match master.first() {
-                    Some(Value::BulkString(h)) => String::from_utf8_lossy(h).into_owned(),
-                    Some(Value::SimpleString(h)) => h.clone(),
-                    _ => continue,
-                };
-                let Some(Value::Int(port)) = master.get(1) else { continue };
-                let (Ok(a), Ok(b)) = (u16::try_from(*a), u16::try_from(*b)) else { continue };
-                if a < SLOTS && b < SLOTS {
-                    ranges.push((a, b, format!("{host}:{port}")));
+                }
+            };
+            match redis::cmd("CLUSTER").arg("SLOTS").query_async::<Value>(&mut c).await {
+                Ok(v) => {
+                    let slots = parse_slots(v);
+                    if slots.iter().any(Option::is_some) {
+                        *self.topo.write() = Topology { slots };
+                        *self.refreshed.lock() = Some(Instant::now());
+                        return Ok(());
+                    }
+                    last = format!("{node}: serves no slots");
+                }
+                Err(e) => {
+                    self.forget(&node);
+                    last = format!("{node}: {e}");
                 }
             }
         }
-        ranges.sort();
-        *self.refreshed.lock() = Some(Instant::now());
-        *self.topo.write() = Topology { ranges };
-        Ok(())
+        Err(Error::Unavailable { node: "cluster".into(), detail: format!("CLUSTER SLOTS: {last}") })
     }
 }
 
-fn builder(infos: &[ConnectionInfo], net: Net) -> ClusterClientBuilder {
-    // Retries follow MOVED / ASK during migrations and reconnect after a
-    // reset; few, with short waits, so that a dead node shows as an error
-    // well inside a request's deadline instead of after many seconds.
-    ClusterClientBuilder::new(infos.to_vec())
-        .connection_timeout(net.connect)
-        .response_timeout(net.response)
-        .retries(net.retries)
-        .min_retry_wait(10)
-        .max_retry_wait(200)
+/// `CLUSTER SLOTS`' answer as a slot → master table.
+fn parse_slots(v: Value) -> Vec<Option<Arc<str>>> {
+    let mut slots = vec![None; SLOTS as usize];
+    let Value::Array(items) = v else { return slots };
+    for item in items {
+        let Value::Array(f) = item else { continue };
+        let (Some(Value::Int(a)), Some(Value::Int(b)), Some(Value::Array(master))) = (f.first(), f.get(1), f.get(2))
+        else {
+            continue;
+        };
+        let host = match master.first() {
+            Some(Value::BulkString(h)) => String::from_utf8_lossy(h).into_owned(),
+            Some(Value::SimpleString(h)) => h.clone(),
+            _ => continue,
+        };
+        let Some(Value::Int(port)) = master.get(1) else { continue };
+        let node: Arc<str> = format!("{host}:{port}").into();
+        let (a, b) = ((*a).clamp(0, SLOTS as i64 - 1) as usize, (*b).clamp(0, SLOTS as i64 - 1) as usize);
+        for s in &mut slots[a..=b] {
+            *s = Some(node.clone());
+        }
+    }
+    slots
 }
 
 #[cfg(test)]

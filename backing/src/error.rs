@@ -46,7 +46,9 @@ pub enum Error {
         detail: String,
     },
     /// A node could not serve a command (down, unreachable, failing over).
-    #[error("backing_unavailable: node {node}: {detail}; the cache keeps serving its hits, retry when the node is back")]
+    #[error(
+        "backing_unavailable: node {node}: {detail}; the cache keeps serving its hits, retry when the node is back"
+    )]
     Unavailable {
         /// The node (`host:port`), or `cluster` when none can be named.
         node: String,
@@ -64,7 +66,9 @@ pub enum Error {
         waited_ms: u64,
     },
     /// A flush did not empty the queue in time.
-    #[error("flush timed out with {rows} rows still queued; the cluster is not accepting writes (see errors per node)")]
+    #[error(
+        "flush timed out with {rows} rows still queued; the cluster is not accepting writes (see errors per node)"
+    )]
     FlushTimeout {
         /// Rows left in the queue.
         rows: u64,
@@ -93,8 +97,13 @@ impl Error {
     /// The protocol's error code name this error travels under.
     pub fn code(&self) -> &'static str {
         match self {
-            Error::BadUrl { .. } | Error::BadOption { .. } | Error::Mismatch { .. } | Error::NotCluster { .. } => "invalid_argument",
-            Error::Unreachable { .. } | Error::Unavailable { .. } | Error::FlushTimeout { .. } | Error::BadRow { .. } => "backing_unavailable",
+            Error::BadUrl { .. } | Error::BadOption { .. } | Error::Mismatch { .. } | Error::NotCluster { .. } => {
+                "invalid_argument"
+            }
+            Error::Unreachable { .. }
+            | Error::Unavailable { .. }
+            | Error::FlushTimeout { .. }
+            | Error::BadRow { .. } => "backing_unavailable",
             Error::QueueFull { .. } => "resource_exhausted",
             Error::ReadOnly { .. } => "invalid_argument",
         }

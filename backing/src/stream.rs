@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
 
-use redis::cluster_async::ClusterConnection;
+use redis::aio::MultiplexedConnection;
 use redis::Value;
 
 use crate::error::Error;
@@ -36,32 +36,34 @@ pub struct Invalidation {
 /// reads never hold up the table's).
 pub struct Invalidations {
     core: Arc<Core>,
-    conn: ClusterConnection,
+    /// A connection of its own to the stream's node; dropped on an error
+    /// and made again (to the node the slot map names then) on next use.
+    conn: Option<MultiplexedConnection>,
     key: String,
     last: String,
 }
 
 impl Invalidations {
     pub(crate) async fn open(core: Arc<Core>) -> Result<Invalidations, Error> {
-        let mut conn = core.cluster.second_connection().await?;
         let key = core.layout.stream_key();
-        let last: Value = redis::cmd("XREVRANGE")
-            .arg(&key)
-            .arg("+")
-            .arg("-")
-            .arg("COUNT")
-            .arg(1)
-            .query_async(&mut conn)
-            .await
-            .map_err(|e| unavailable(&core, e))?;
+        let slot = crate::layout::slot(core.layout.table().as_bytes());
+        let last = core
+            .cluster
+            .one(slot, redis::cmd("XREVRANGE").arg(&key).arg("+").arg("-").arg("COUNT").arg(1).clone())
+            .await?;
         let last = entries(&last).first().map(|(id, _)| id.clone()).unwrap_or_else(|| "0-0".into());
-        Ok(Invalidations { core, conn, key, last })
+        Ok(Invalidations { core, conn: None, key, last })
     }
 
     /// The next entries of other writers, waiting up to 100 ms for one;
     /// empty when none came. Records each entry's staleness.
     pub async fn next(&mut self) -> Result<Vec<Invalidation>, Error> {
-        let v: Value = redis::cmd("XREAD")
+        let slot = crate::layout::slot(self.core.layout.table().as_bytes());
+        let mut conn = match self.conn.take() {
+            Some(c) => c,
+            None => self.core.cluster.dedicated(slot, BLOCK).await?,
+        };
+        let v: Value = match redis::cmd("XREAD")
             .arg("COUNT")
             .arg(COUNT)
             .arg("BLOCK")
@@ -69,9 +71,17 @@ impl Invalidations {
             .arg("STREAMS")
             .arg(&self.key)
             .arg(&self.last)
-            .query_async(&mut self.conn)
+            .query_async(&mut conn)
             .await
-            .map_err(|e| unavailable(&self.core, e))?;
+        {
+            Ok(v) => v,
+            Err(e) => {
+                // The stream's slot may have moved (failover, migration).
+                self.core.cluster.refresh_soon().await;
+                return Err(unavailable(&self.core, e));
+            }
+        };
+        self.conn = Some(conn);
         let mut out = Vec::new();
         // XREAD answers [[stream, [[id, [field, value, ...]], ...]]] (or a
         // map of stream to entries under RESP3).
@@ -90,7 +100,10 @@ impl Invalidations {
                         b"v" => version = parse(&val),
                         b"t" => acked_us = parse(&val),
                         b"k" => {
-                            keys = val.chunks_exact(8).map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])).collect()
+                            keys = val
+                                .chunks_exact(8)
+                                .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+                                .collect()
                         }
                         _ => {}
                     }

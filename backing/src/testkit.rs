@@ -47,11 +47,17 @@ impl Node {
             cmd.args(["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"])
                 .args(["--cluster-node-timeout", "1000"])
                 .args(["--cluster-require-full-coverage", "no"])
-                .args(["--cluster-allow-reads-when-down", "no"]);
+                .args(["--cluster-allow-reads-when-down", "no"])
+                // Replicas sync at once (the default waits 5 s), so that a
+                // failover test can kill a master soon after forming.
+                .args(["--repl-diskless-sync-delay", "0"]);
         }
         cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
         self.child = Some(cmd.spawn().map_err(|e| {
-            io::Error::new(e.kind(), format!("starting redis-server (install the redis-server package; test.sh does): {e}"))
+            io::Error::new(
+                e.kind(),
+                format!("starting redis-server (install the redis-server package; test.sh does): {e}"),
+            )
         })?);
         wait_until(Duration::from_secs(10), &format!("redis-server on port {} to answer PING", self.port), || {
             cli_output(self.port, &["ping"]).map(|o| o.contains("PONG")).unwrap_or(false)
@@ -151,14 +157,17 @@ impl TestCluster {
         self.cli(i, &["role"]).map(|o| o.starts_with("master")).unwrap_or(false)
     }
 
-    /// Waits until every live node says `cluster_state:ok` and agrees on
-    /// who serves all 16384 slots.
+    /// Waits until every live node says `cluster_state:ok`, they agree on
+    /// who serves all 16384 slots, and every live replica's link to its
+    /// master is up (a replica that never synced cannot take over).
     pub fn wait_healthy(&self) -> io::Result<()> {
-        wait_until(FORM_TIMEOUT, "every live node to report cluster_state:ok", || {
+        wait_until(FORM_TIMEOUT, "every live node to report cluster_state:ok and synced replicas", || {
             self.nodes.iter().filter(|n| n.child.is_some()).all(|n| {
-                cli_output(n.port, &["cluster", "info"])
-                    .map(|o| o.contains("cluster_state:ok") && o.contains("cluster_slots_assigned:16384"))
-                    .unwrap_or(false)
+                let info = cli_output(n.port, &["cluster", "info"]).unwrap_or_default();
+                let repl = cli_output(n.port, &["info", "replication"]).unwrap_or_default();
+                info.contains("cluster_state:ok")
+                    && info.contains("cluster_slots_assigned:16384")
+                    && (repl.contains("role:master") || repl.contains("master_link_status:up"))
             }) && self.check_all_agree()
         })
     }
@@ -172,7 +181,8 @@ impl TestCluster {
             .output()
             .map(|o| {
                 let s = String::from_utf8_lossy(&o.stdout);
-                s.contains("[OK] All nodes agree about slots configuration.") && s.contains("[OK] All 16384 slots covered.")
+                s.contains("[OK] All nodes agree about slots configuration.")
+                    && s.contains("[OK] All 16384 slots covered.")
             })
             .unwrap_or(false)
     }

@@ -4,10 +4,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use futures_util::future::join_all;
-use redis::Value;
-
-use crate::cluster::{Cluster, Net};
+use crate::cluster::{Cluster, Failure, Net};
 use crate::error::Error;
 use crate::layout::{decode_row, encode_row, Layout, GROUPS_PER_MASTER, LAYOUT};
 use crate::queue::{Batch, Queue};
@@ -102,7 +99,10 @@ impl Options {
         }
         let entry = (16 + 4 * dim + 8) as u64;
         if self.queue_bytes < 4 * entry || self.queue_bytes > 64 << 30 {
-            return bad("queue_bytes", format!("{}: use at least 4 rows ({} bytes) and at most 64 GiB", self.queue_bytes, 4 * entry));
+            return bad(
+                "queue_bytes",
+                format!("{}: use at least 4 rows ({} bytes) and at most 64 GiB", self.queue_bytes, 4 * entry),
+            );
         }
         if ms(self.queue_wait) > 600_000 {
             return bad("queue_wait", format!("{:?}: use at most 10 minutes", self.queue_wait));
@@ -205,9 +205,13 @@ impl Backing {
     pub async fn open(table: &str, dim: usize, options: Options) -> Result<Backing, Error> {
         options.check(dim)?;
         if table.is_empty() || table.contains(['{', '}']) {
-            return Err(Error::BadOption { name: "table", detail: format!("{table:?}: a backed table's name is non-empty without braces") });
+            return Err(Error::BadOption {
+                name: "table",
+                detail: format!("{table:?}: a backed table's name is non-empty without braces"),
+            });
         }
-        let net = Net { connect: options.connect_timeout, response: options.response_timeout, retries: options.retries };
+        let net =
+            Net { connect: options.connect_timeout, response: options.response_timeout, retries: options.retries };
         let cluster = Cluster::open(&options.seeds, net).await?;
         let groups = meta(&cluster, table, dim).await?;
         let layout = Layout::new(table, dim, groups);
@@ -275,47 +279,35 @@ impl Backing {
             by_group[core.layout.group(k) as usize].push(i);
         }
         let deadline = tokio::time::Instant::from_std(deadline);
-        let fetches = by_group.iter().enumerate().filter(|(_, ix)| !ix.is_empty()).map(|(g, ix)| {
-            let mut cmd = redis::cmd("MGET");
-            for &i in ix {
-                cmd.arg(core.layout.row_key(keys[i]));
-            }
-            let mut conn = core.cluster.conn.clone();
-            async move {
-                let r = tokio::time::timeout_at(deadline, cmd.query_async::<Vec<Option<Vec<u8>>>>(&mut conn)).await;
-                (g as u32, ix, r)
-            }
-        });
+        let groups: Vec<(u32, &Vec<usize>)> =
+            by_group.iter().enumerate().filter(|(_, ix)| !ix.is_empty()).map(|(g, ix)| (g as u32, ix)).collect();
+        let cmds: Vec<(u16, redis::Cmd)> = groups
+            .iter()
+            .map(|&(g, ix)| {
+                let mut cmd = redis::cmd("MGET");
+                ix.iter().for_each(|&i| {
+                    cmd.arg(core.layout.row_key(keys[i]));
+                });
+                (core.layout.slot_of_group(g), cmd)
+            })
+            .collect();
+        let results = core.cluster.run(&cmds, deadline).await;
         let mut failed_nodes: Vec<String> = Vec::new();
-        for (g, ix, r) in join_all(fetches).await {
-            match r {
-                Ok(Ok(rows)) if rows.len() == ix.len() => {
-                    for (&i, row) in ix.iter().zip(rows) {
-                        let Some(row) = row else { continue };
-                        Counters::add(&core.counters.bytes_in, row.len());
-                        match decode_row(&row, &mut out.values[i * dim..(i + 1) * dim]) {
-                            Some((version, score)) => {
-                                out.fetched[i] = Fetched::Found;
-                                out.versions[i] = version;
-                                out.scores[i] = score;
-                            }
-                            None => {
-                                out.fetched[i] = Fetched::Unavailable;
-                                out.errors.push(Error::BadRow {
-                                    table: core.layout.table().into(),
-                                    key: keys[i],
-                                    len: row.len(),
-                                    want: core.layout.row_bytes(),
-                                });
-                            }
-                        }
-                    }
+        for (&(g, ix), r) in groups.iter().zip(results) {
+            let rows = match r.map(|v| <Vec<Option<Vec<u8>>> as redis::FromRedisValue>::from_redis_value(v)) {
+                Ok(Ok(rows)) if rows.len() == ix.len() => rows,
+                Err(Failure::Late) => {
+                    ix.iter().for_each(|&i| out.fetched[i] = Fetched::Late);
+                    continue;
                 }
-                Ok(r) => {
-                    let node = core.cluster.node_of(core.layout.slot_of_group(g));
-                    let detail = match r {
-                        Err(e) => e.to_string(),
-                        Ok(rows) => format!("MGET answered {} rows for {} keys", rows.len(), ix.len()),
+                other => {
+                    let (node, detail) = match other {
+                        Err(Failure::Node { node, detail }) => (node, detail),
+                        Ok(Err(e)) => (core.cluster.node_of(core.layout.slot_of_group(g)), format!("MGET answer: {e}")),
+                        _ => (
+                            core.cluster.node_of(core.layout.slot_of_group(g)),
+                            "MGET answered another count of rows".into(),
+                        ),
                     };
                     ix.iter().for_each(|&i| out.fetched[i] = Fetched::Unavailable);
                     core.counters.node_error(&node);
@@ -323,12 +315,29 @@ impl Backing {
                         failed_nodes.push(node.clone());
                         out.errors.push(Error::Unavailable { node, detail });
                     }
+                    continue;
                 }
-                Err(_elapsed) => ix.iter().for_each(|&i| out.fetched[i] = Fetched::Late),
+            };
+            for (&i, row) in ix.iter().zip(rows) {
+                let Some(row) = row else { continue };
+                Counters::add(&core.counters.bytes_in, row.len());
+                match decode_row(&row, &mut out.values[i * dim..(i + 1) * dim]) {
+                    Some((version, score)) => {
+                        out.fetched[i] = Fetched::Found;
+                        out.versions[i] = version;
+                        out.scores[i] = score;
+                    }
+                    None => {
+                        out.fetched[i] = Fetched::Unavailable;
+                        out.errors.push(Error::BadRow {
+                            table: core.layout.table().into(),
+                            key: keys[i],
+                            len: row.len(),
+                            want: core.layout.row_bytes(),
+                        });
+                    }
+                }
             }
-        }
-        if !failed_nodes.is_empty() {
-            core.cluster.refresh_soon().await;
         }
         let c = &core.counters;
         Counters::add(&c.keys_read, keys.len());
@@ -456,32 +465,42 @@ impl Core {
         for (i, &k) in keys.iter().enumerate() {
             by_group[self.layout.group(k) as usize].push(i);
         }
+        let groups: Vec<(u32, &Vec<usize>)> =
+            by_group.iter().enumerate().filter(|(_, ix)| !ix.is_empty()).map(|(g, ix)| (g as u32, ix)).collect();
         let mut buf = Vec::new();
-        let sends = by_group.iter().enumerate().filter(|(_, ix)| !ix.is_empty()).map(|(g, ix)| {
-            let mut cmd = redis::cmd("MSET");
-            for &i in ix {
-                buf.clear();
-                encode_row(version, scores.get(i).copied().unwrap_or(0), &values[i * dim..(i + 1) * dim], &mut buf);
-                cmd.arg(self.layout.row_key(keys[i])).arg(&buf[..]);
-            }
-            let mut conn = self.cluster.conn.clone();
-            async move { (g as u32, ix, cmd.query_async::<()>(&mut conn).await) }
-        });
-        let results = join_all(sends.collect::<Vec<_>>()).await;
+        let cmds: Vec<(u16, redis::Cmd)> = groups
+            .iter()
+            .map(|&(g, ix)| {
+                let mut cmd = redis::cmd("MSET");
+                for &i in ix {
+                    buf.clear();
+                    encode_row(version, scores.get(i).copied().unwrap_or(0), &values[i * dim..(i + 1) * dim], &mut buf);
+                    cmd.arg(self.layout.row_key(keys[i])).arg(&buf[..]);
+                }
+                (self.layout.slot_of_group(g), cmd)
+            })
+            .collect();
+        // Writes wait for the cluster as long as a command may take (the
+        // read deadline is for reads); a row not acknowledged is failed.
+        let deadline = tokio::time::Instant::now() + self.options.response_timeout * (self.options.retries + 2);
+        let results = self.cluster.run(&cmds, deadline).await;
         let mut failed = vec![false; keys.len()];
         let mut errors = Vec::new();
         let mut nodes: Vec<String> = Vec::new();
         let mut acked: Vec<u8> = Vec::with_capacity(keys.len() * 8);
-        for (g, ix, r) in results {
+        for (&(g, ix), r) in groups.iter().zip(results) {
             match r {
-                Ok(()) => ix.iter().for_each(|&i| acked.extend_from_slice(&keys[i].to_le_bytes())),
-                Err(e) => {
+                Ok(_) => ix.iter().for_each(|&i| acked.extend_from_slice(&keys[i].to_le_bytes())),
+                Err(f) => {
                     ix.iter().for_each(|&i| failed[i] = true);
-                    let node = self.cluster.node_of(self.layout.slot_of_group(g));
+                    let (node, detail) = match f {
+                        Failure::Node { node, detail } => (node, detail),
+                        Failure::Late => (self.cluster.node_of(self.layout.slot_of_group(g)), "timed out".into()),
+                    };
                     self.counters.node_error(&node);
                     if !nodes.contains(&node) {
                         nodes.push(node.clone());
-                        errors.push(Error::Unavailable { node, detail: e.to_string() });
+                        errors.push(Error::Unavailable { node, detail });
                     }
                 }
             }
@@ -495,9 +514,6 @@ impl Core {
                 errors.push(e);
             }
         }
-        if !errors.is_empty() {
-            self.cluster.refresh_soon().await;
-        }
         self.counters.write.record(start.elapsed());
         (failed, errors)
     }
@@ -509,11 +525,12 @@ impl Core {
         let mut cmd = redis::cmd("XADD");
         cmd.arg(&key).arg("MAXLEN").arg("~").arg(self.options.stream_len).arg("*");
         cmd.arg("o").arg(self.origin).arg("v").arg(version).arg("t").arg(now_us()).arg("k").arg(keys);
-        let mut conn = self.cluster.conn.clone();
-        cmd.query_async::<Value>(&mut conn).await.map(drop).map_err(|e| {
-            let node = self.cluster.node_of(crate::layout::slot(self.layout.table().as_bytes()));
-            self.counters.node_error(&node);
-            Error::Unavailable { node, detail: format!("stream {key}: {e}") }
+        let r = self.cluster.one(crate::layout::slot(self.layout.table().as_bytes()), cmd).await;
+        r.map(drop).map_err(|e| {
+            if let Error::Unavailable { node, .. } = &e {
+                self.counters.node_error(node);
+            }
+            e
         })
     }
 }
@@ -521,25 +538,19 @@ impl Core {
 /// Reads the table's meta hash, writing it first if the table is new.
 async fn meta(cluster: &Cluster, table: &str, dim: usize) -> Result<u32, Error> {
     let key = Layout::meta_key(table);
-    let mut conn = cluster.conn.clone();
-    let unavailable = |e: redis::RedisError| Error::Unavailable {
-        node: cluster.node_of(crate::layout::slot(table.as_bytes())),
-        detail: format!("meta {key}: {e}"),
-    };
+    let slot = crate::layout::slot(table.as_bytes());
     let groups = GROUPS_PER_MASTER * cluster.masters().max(1) as u32;
     // HSETNX per field: two hosts creating the table at once both end up
     // reading the same fields back, whichever wrote each first.
     for (f, v) in [("layout", LAYOUT as u64), ("dim", dim as u64), ("groups", u64::from(groups))] {
-        redis::cmd("HSETNX").arg(&key).arg(f).arg(v).query_async::<()>(&mut conn).await.map_err(unavailable)?;
+        cluster.one(slot, redis::cmd("HSETNX").arg(&key).arg(f).arg(v).clone()).await?;
     }
-    let (layout, stored_dim, groups): (Option<u64>, Option<u64>, Option<u64>) = redis::cmd("HMGET")
-        .arg(&key)
-        .arg("layout")
-        .arg("dim")
-        .arg("groups")
-        .query_async(&mut conn)
-        .await
-        .map_err(unavailable)?;
+    let v = cluster.one(slot, redis::cmd("HMGET").arg(&key).arg("layout").arg("dim").arg("groups").clone()).await?;
+    let (layout, stored_dim, groups): (Option<u64>, Option<u64>, Option<u64>) =
+        redis::FromRedisValue::from_redis_value(v).map_err(|e| Error::Mismatch {
+            table: table.into(),
+            detail: format!("a meta hash {key} that does not parse ({e})"),
+        })?;
     let mismatch = |detail: String| Error::Mismatch { table: table.into(), detail };
     if layout != Some(u64::from(LAYOUT)) {
         return Err(mismatch(format!("layout {layout:?}, this daemon writes layout {LAYOUT}")));
