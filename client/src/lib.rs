@@ -26,6 +26,7 @@ use std::path::Path;
 
 pub use asynchronous::AsyncClient;
 pub use hkv_proto::{
+    BackingMode, BackingSpec,
     self as proto, Control, Cursor, ErrorCode, Evicted, FeatureHash, Features, Filter, HashKind, HashSpec, Mode, Op,
     Policy, ProtoError, Request, Response, Summary, TableInfo, TableSpec, WriteOp,
 };

@@ -48,7 +48,7 @@ pub use op::{Op, WriteOp};
 pub use request::{Control, Request};
 pub use response::Response;
 pub use types::{
-    CheckpointId, Cursor, Evicted, FeatureHash, Features, Filter, HashKind, HashSpec, LfuTies, Mode, Policy, Summary,
+    BackingMode, BackingSpec, CheckpointId, Cursor, Evicted, FeatureHash, Features, Filter, HashKind, HashSpec, LfuTies, Mode, Policy, Summary,
     TableInfo, TableSpec,
 };
 

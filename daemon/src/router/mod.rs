@@ -65,6 +65,8 @@ pub struct Router {
     /// On the CUDA backend, the GPU of each actor (shard i of every table
     /// lives on GPU `ordinals[i]`); empty on the CPU backend.
     pub ordinals: Vec<usize>,
+    /// HOOK(backing): each backed table's Redis Cluster tier.
+    pub backing: crate::backing::Tiers,
 }
 
 impl Router {
@@ -96,6 +98,7 @@ impl Router {
             next_id: AtomicU64::new(0),
             mrc: None,
             ordinals: Vec::new(),
+            backing: crate::backing::Tiers::default(),
         }
     }
 
@@ -138,7 +141,17 @@ impl Router {
         if self.tables.read().contains_key(&spec.name) {
             return Err(err(ErrorCode::TableExists, format!("table {:?} exists; drop it first", spec.name)));
         }
-        let table = self.build_table(spec).await?;
+        // HOOK(backing): a table naming a cluster is refused when it cannot
+        // be opened, before any memory is charged.
+        self.backing.open(&spec).await?;
+        let name = spec.name.clone();
+        let table = match self.build_table(spec).await {
+            Ok(t) => t,
+            Err(e) => {
+                let _ = self.backing.close(&name).await;
+                return Err(e);
+            }
+        };
         {
             let mut tables = self.tables.write();
             if tables.contains_key(&table.spec.name) {
@@ -227,6 +240,8 @@ impl Router {
         if let Some(t) = Arc::into_inner(t) {
             t.close().await;
         }
-        Ok(())
+        // HOOK(backing): the table's write-back queue drains before the
+        // drop is answered.
+        self.backing.close(name).await
     }
 }
