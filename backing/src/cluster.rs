@@ -206,7 +206,10 @@ impl Cluster {
     /// `CLUSTERDOWN` / `LOADING` resend after 25 ms, a failed connection
     /// resends when a fresh slot map names another node (a failover);
     /// all within `retries` rounds and the deadline.
-    pub async fn run(&self, cmds: &[(u16, Cmd)], deadline: tokio::time::Instant) -> Vec<Result<Value, Failure>> {
+    pub async fn run(&self, cmds: Vec<(u16, Cmd)>, deadline: tokio::time::Instant) -> Vec<Result<Value, Failure>> {
+        // Commands move into the pipelines; the few a round resends are
+        // cloned back out of them (a batch's rows are not copied per send).
+        let (slots, mut cmds): (Vec<u16>, Vec<Cmd>) = cmds.into_iter().unzip();
         let mut out: Vec<Option<Result<Value, Failure>>> = vec![None; cmds.len()];
         let mut todo: Vec<(usize, Option<Arc<str>>)> = (0..cmds.len()).map(|i| (i, None)).collect();
         for round in 0..=self.net.retries + 1 {
@@ -217,12 +220,12 @@ impl Cluster {
             let mut by_node: HashMap<Arc<str>, Vec<(usize, bool)>> = HashMap::new();
             for (i, ask) in todo.drain(..) {
                 let asking = ask.is_some();
-                match ask.or_else(|| self.node_arc(cmds[i].0)) {
+                match ask.or_else(|| self.node_arc(slots[i])) {
                     Some(node) => by_node.entry(node).or_default().push((i, asking)),
                     None => {
                         out[i] = Some(Err(Failure::Node {
                             node: "cluster".into(),
-                            detail: format!("no node serves slot {}", cmds[i].0),
+                            detail: format!("no node serves slot {}", slots[i]),
                         }))
                     }
                 }
@@ -235,7 +238,7 @@ impl Cluster {
                         pipe.cmd("ASKING");
                         count += 1;
                     }
-                    pipe.add_command(cmds[i].1.clone());
+                    pipe.add_command(std::mem::take(&mut cmds[i]));
                     count += 1;
                 }
                 async move {
@@ -247,12 +250,21 @@ impl Cluster {
                         })
                     })
                     .await;
-                    (node, ix, r)
+                    (node, ix, r, pipe)
                 }
             });
             let (mut refresh, mut pause) = (false, false);
             let mut dead: Vec<(usize, Arc<str>)> = Vec::new();
-            for (node, ix, r) in join_all(sends).await {
+            let results = join_all(sends).await;
+            for (node, ix, r, pipe) in results {
+                // What a failed or redirected command is resent as: its
+                // copy in the pipeline (ASKING skipped), cloned only then.
+                let sent: Vec<&Cmd> = pipe.cmd_iter().filter(|c| !is_asking(c)).collect();
+                let mut resend = |p: usize, i: usize| {
+                    if let Some(c) = sent.get(p) {
+                        cmds[i] = (*c).clone();
+                    }
+                };
                 let values = match r {
                     Err(_) => {
                         ix.iter().for_each(|&(i, _)| out[i] = Some(Err(Failure::Late)));
@@ -260,16 +272,17 @@ impl Cluster {
                     }
                     Ok(Err(detail)) => {
                         refresh = true;
-                        for &(i, _) in &ix {
+                        for (p, &(i, _)) in ix.iter().enumerate() {
                             out[i] = Some(Err(Failure::Node { node: node.to_string(), detail: detail.clone() }));
                             dead.push((i, node.clone()));
+                            resend(p, i);
                         }
                         continue;
                     }
                     Ok(Ok(v)) => v,
                 };
                 let mut values = values.into_iter();
-                for &(i, asking) in &ix {
+                for (p, &(i, asking)) in ix.iter().enumerate() {
                     if asking {
                         values.next();
                     }
@@ -285,10 +298,13 @@ impl Cluster {
                         continue;
                     }
                     let target = detail.split(' ').nth(1).map(Arc::<str>::from);
+                    if matches!(e.code(), "MOVED" | "ASK" | "TRYAGAIN" | "CLUSTERDOWN" | "LOADING" | "MASTERDOWN") {
+                        resend(p, i);
+                    }
                     match e.code() {
                         "MOVED" => {
                             if let Some(t) = target {
-                                self.topo.write().slots[cmds[i].0 as usize] = Some(t);
+                                self.topo.write().slots[slots[i] as usize] = Some(t);
                             }
                             refresh = true;
                             todo.push((i, None));
@@ -307,7 +323,7 @@ impl Cluster {
             }
             if !last {
                 for (i, node) in dead {
-                    if self.node_arc(cmds[i].0).is_some_and(|n| n != node) {
+                    if self.node_arc(slots[i]).is_some_and(|n| n != node) {
                         todo.push((i, None));
                     }
                 }
@@ -322,7 +338,7 @@ impl Cluster {
     /// Runs one command on the node serving `slot`.
     pub async fn one(&self, slot: u16, cmd: Cmd) -> Result<Value, Error> {
         let deadline = tokio::time::Instant::now() + self.net.response * (self.net.retries + 2);
-        match self.run(&[(slot, cmd)], deadline).await.pop() {
+        match self.run(vec![(slot, cmd)], deadline).await.pop() {
             Some(Ok(v)) => Ok(v),
             Some(Err(Failure::Node { node, detail })) => Err(Error::Unavailable { node, detail }),
             _ => Err(Error::Unavailable { node: self.node_of(slot), detail: "timed out".into() }),
@@ -380,6 +396,10 @@ impl Cluster {
         }
         Err(Error::Unavailable { node: "cluster".into(), detail: format!("CLUSTER SLOTS: {last}") })
     }
+}
+
+fn is_asking(c: &Cmd) -> bool {
+    c.args_iter().next().is_some_and(|a| matches!(a, redis::Arg::Simple(b) if b.eq_ignore_ascii_case(b"ASKING")))
 }
 
 /// `CLUSTER SLOTS`' answer as a slot → master table.

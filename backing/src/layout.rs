@@ -85,11 +85,17 @@ impl Layout {
 
     /// The cluster key of `key`'s row.
     pub fn row_key(&self, key: u64) -> Vec<u8> {
-        let p = &self.prefixes[self.group(key) as usize];
-        let mut k = Vec::with_capacity(p.len() + 8);
-        k.extend_from_slice(p);
-        k.extend_from_slice(&key.to_le_bytes());
+        let mut k = Vec::new();
+        self.write_row_key(key, &mut k);
         k
+    }
+
+    /// Writes the cluster key of `key`'s row into `out` (cleared first):
+    /// a batch builds its keys in one buffer.
+    pub fn write_row_key(&self, key: u64, out: &mut Vec<u8>) {
+        out.clear();
+        out.extend_from_slice(&self.prefixes[self.group(key) as usize]);
+        out.extend_from_slice(&key.to_le_bytes());
     }
 
     /// The meta hash's key.

@@ -6,6 +6,8 @@
 //! older row while a newer one waits here. A row whose batch failed goes
 //! back to `pending` unless a newer write of its key arrived meanwhile;
 //! nothing leaves the queue except by the cluster's acknowledgement.
+//! Bytes: a row costs its value and key once while pending and once more
+//! while a newer write of its key waits behind the batch sending it.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -134,10 +136,14 @@ impl Queue {
         s.pending.is_empty() && s.sending.is_empty()
     }
 
-    /// Moves up to `max` pending rows, oldest first, to `sending`.
+    /// Moves up to `max` pending rows, oldest first, to `sending`. A key
+    /// already being sent stays pending until its batch settles: a key is
+    /// in one batch at a time, so its writes reach the cluster in order
+    /// however many batches are in flight.
     pub fn take(&self, max: usize) -> Batch {
         let mut s = self.state.lock();
-        let mut keys: Vec<(Instant, u64)> = s.pending.iter().map(|(k, e)| (e.since, *k)).collect();
+        let mut keys: Vec<(Instant, u64)> =
+            s.pending.iter().filter(|(k, _)| !s.sending.contains_key(k)).map(|(k, e)| (e.since, *k)).collect();
         if keys.len() > max {
             keys.select_nth_unstable(max);
             keys.truncate(max);
@@ -145,12 +151,7 @@ impl Queue {
         let mut batch = Vec::with_capacity(keys.len());
         for (_, k) in keys {
             if let Some(e) = s.pending.remove(&k) {
-                // A key still being sent from an earlier batch: its bytes
-                // are already counted once for `sending`; the newer row
-                // replaces it there when that batch settles.
-                if s.sending.insert(k, e.clone()).is_some() {
-                    s.bytes -= self.entry_bytes;
-                }
+                s.sending.insert(k, e.clone());
                 batch.push((k, e));
             }
         }

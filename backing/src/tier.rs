@@ -281,17 +281,19 @@ impl Backing {
         let deadline = tokio::time::Instant::from_std(deadline);
         let groups: Vec<(u32, &Vec<usize>)> =
             by_group.iter().enumerate().filter(|(_, ix)| !ix.is_empty()).map(|(g, ix)| (g as u32, ix)).collect();
+        let mut key = Vec::new();
         let cmds: Vec<(u16, redis::Cmd)> = groups
             .iter()
             .map(|&(g, ix)| {
                 let mut cmd = redis::cmd("MGET");
-                ix.iter().for_each(|&i| {
-                    cmd.arg(core.layout.row_key(keys[i]));
-                });
+                for &i in ix {
+                    core.layout.write_row_key(keys[i], &mut key);
+                    cmd.arg(&key[..]);
+                }
                 (core.layout.slot_of_group(g), cmd)
             })
             .collect();
-        let results = core.cluster.run(&cmds, deadline).await;
+        let results = core.cluster.run(cmds, deadline).await;
         let mut failed_nodes: Vec<String> = Vec::new();
         for (&(g, ix), r) in groups.iter().zip(results) {
             let rows = match r.map(|v| <Vec<Option<Vec<u8>>> as redis::FromRedisValue>::from_redis_value(v)) {
@@ -467,7 +469,7 @@ impl Core {
         }
         let groups: Vec<(u32, &Vec<usize>)> =
             by_group.iter().enumerate().filter(|(_, ix)| !ix.is_empty()).map(|(g, ix)| (g as u32, ix)).collect();
-        let mut buf = Vec::new();
+        let (mut buf, mut key) = (Vec::new(), Vec::new());
         let cmds: Vec<(u16, redis::Cmd)> = groups
             .iter()
             .map(|&(g, ix)| {
@@ -475,7 +477,8 @@ impl Core {
                 for &i in ix {
                     buf.clear();
                     encode_row(version, scores.get(i).copied().unwrap_or(0), &values[i * dim..(i + 1) * dim], &mut buf);
-                    cmd.arg(self.layout.row_key(keys[i])).arg(&buf[..]);
+                    self.layout.write_row_key(keys[i], &mut key);
+                    cmd.arg(&key[..]).arg(&buf[..]);
                 }
                 (self.layout.slot_of_group(g), cmd)
             })
@@ -483,7 +486,7 @@ impl Core {
         // Writes wait for the cluster as long as a command may take (the
         // read deadline is for reads); a row not acknowledged is failed.
         let deadline = tokio::time::Instant::now() + self.options.response_timeout * (self.options.retries + 2);
-        let results = self.cluster.run(&cmds, deadline).await;
+        let results = self.cluster.run(cmds, deadline).await;
         let mut failed = vec![false; keys.len()];
         let mut errors = Vec::new();
         let mut nodes: Vec<String> = Vec::new();
@@ -564,32 +567,51 @@ async fn meta(cluster: &Cluster, table: &str, dim: usize) -> Result<u32, Error> 
     }
 }
 
-/// Sends the write-back queue, a batch at a time, until the queue is closed
-/// and empty. A failed batch goes back to the queue and is retried after a
-/// pause that doubles to 1 s.
+/// Batches of the write-back queue in flight at once: enough to keep every
+/// node's connection busy while one batch waits for its slowest node.
+const FLUSH_DEPTH: usize = 4;
+
+/// Sends the write-back queue, up to [`FLUSH_DEPTH`] batches at a time,
+/// until the queue is closed and empty. A failed batch goes back to the
+/// queue and is retried after a pause that doubles to 1 s.
 async fn flusher(core: Arc<Core>) {
+    use futures_util::stream::{FuturesUnordered, StreamExt};
     let mut pause = Duration::from_millis(20);
+    let mut inflight = FuturesUnordered::new();
     loop {
-        let batch: Batch = core.queue.take(core.options.batch_rows);
-        if batch.is_empty() {
+        while inflight.len() < FLUSH_DEPTH {
+            let batch: Batch = core.queue.take(core.options.batch_rows);
+            if batch.is_empty() {
+                break;
+            }
+            inflight.push(send_batch(core.clone(), batch));
+        }
+        if inflight.is_empty() {
             if core.queue.closed() {
                 return;
             }
             let _ = tokio::time::timeout(Duration::from_millis(100), core.queue.work.notified()).await;
             continue;
         }
-        let dim = core.layout.dim();
-        let keys: Vec<u64> = batch.iter().map(|(k, _)| *k).collect();
-        let scores: Vec<u64> = batch.iter().map(|(_, e)| e.score).collect();
-        let mut values = Vec::with_capacity(keys.len() * dim);
-        batch.iter().for_each(|(_, e)| values.extend_from_slice(&e.values));
-        let (failed, errors) = core.send(&keys, &values, &scores).await;
-        core.queue.settle(batch, &failed);
-        if failed.iter().any(|f| *f) || !errors.is_empty() {
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_secs(1));
-        } else {
-            pause = Duration::from_millis(20);
+        if let Some(ok) = inflight.next().await {
+            if ok {
+                pause = Duration::from_millis(20);
+            } else {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(1));
+            }
         }
     }
+}
+
+/// Sends one batch and settles it; whether it all went.
+async fn send_batch(core: Arc<Core>, batch: Batch) -> bool {
+    let dim = core.layout.dim();
+    let keys: Vec<u64> = batch.iter().map(|(k, _)| *k).collect();
+    let scores: Vec<u64> = batch.iter().map(|(_, e)| e.score).collect();
+    let mut values = Vec::with_capacity(keys.len() * dim);
+    batch.iter().for_each(|(_, e)| values.extend_from_slice(&e.values));
+    let (failed, errors) = core.send(&keys, &values, &scores).await;
+    core.queue.settle(batch, &failed);
+    !failed.iter().any(|f| *f) && errors.is_empty()
 }

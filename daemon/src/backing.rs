@@ -165,14 +165,18 @@ impl Tiers {
                 Some(e) => wire(e.clone()),
                 None => ProtoError::new(
                     ErrorCode::Timeout,
-                    format!("{} keys of table {table:?} were not fetched from its cluster within the deadline", out.unanswered()),
+                    format!(
+                        "{} keys of table {table:?} were not fetched from its cluster within the deadline",
+                        out.unanswered()
+                    ),
                 ),
             });
         }
         let d = t.config.dim;
         let filled: Vec<usize> = (0..miss.len()).filter(|&j| out.fetched[j] == Fetched::Found).collect();
         if !filled.is_empty() {
-            let scores = (t.config.policy == ScorePolicy::Custom).then(|| filled.iter().map(|&j| out.scores[j]).collect());
+            let scores =
+                (t.config.policy == ScorePolicy::Custom).then(|| filled.iter().map(|&j| out.scores[j]).collect());
             let fill = Request::Write {
                 op: WriteOp::InsertOrAssign,
                 table: table.into(),
@@ -187,7 +191,13 @@ impl Tiers {
     }
 
     /// Writes rows to the table's tier as its mode says.
-    async fn write(&self, tier: &Backing, keys: Vec<u64>, values: Vec<f32>, scores: Vec<u64>) -> Result<(), ProtoError> {
+    async fn write(
+        &self,
+        tier: &Backing,
+        keys: Vec<u64>,
+        values: Vec<f32>,
+        scores: Vec<u64>,
+    ) -> Result<(), ProtoError> {
         if keys.is_empty() {
             return Ok(());
         }
@@ -204,7 +214,8 @@ impl Tiers {
     /// SIGTERM: drains every table's queue; the error names the tables
     /// whose rows did not all reach the cluster.
     pub async fn flush_all(&self, timeout: Duration) -> Result<(), ProtoError> {
-        let all: Vec<(String, Backing)> = self.tables.read().iter().map(|(n, e)| (n.clone(), e.backing.clone())).collect();
+        let all: Vec<(String, Backing)> =
+            self.tables.read().iter().map(|(n, e)| (n.clone(), e.backing.clone())).collect();
         let mut failed = Vec::new();
         for (name, b) in all {
             if let Err(e) = self.on_rt(async move { b.flush(timeout).await }).await? {
@@ -241,7 +252,8 @@ pub async fn execute(router: &Router, tier: Backing, req: Request) -> Result<Res
             let t = router.table(&table)?;
             // With scores the answer is a plain `Response::Find` the misses
             // can be written into (the framed form is written in place).
-            let r = router.execute_local(Request::Find { table: table.clone(), keys: keys.clone(), scores: true }).await?;
+            let r =
+                router.execute_local(Request::Find { table: table.clone(), keys: keys.clone(), scores: true }).await?;
             let Response::Find { mut found, mut values, scores: got } = r else {
                 return Err(ProtoError::new(ErrorCode::Internal, "a find answered another kind"));
             };
@@ -294,8 +306,9 @@ pub async fn execute(router: &Router, tier: Backing, req: Request) -> Result<Res
                     // Rows the cluster has win over the request's initial
                     // values: fill the misses first, then insert the rest
                     // here and in the cluster.
-                    let Response::Find { found, .. } =
-                        router.execute_local(Request::Find { table: table.clone(), keys: keys.clone(), scores: true }).await?
+                    let Response::Find { found, .. } = router
+                        .execute_local(Request::Find { table: table.clone(), keys: keys.clone(), scores: true })
+                        .await?
                     else {
                         return Err(ProtoError::new(ErrorCode::Internal, "a find answered another kind"));
                     };
@@ -303,8 +316,12 @@ pub async fn execute(router: &Router, tier: Backing, req: Request) -> Result<Res
                     tiers.count_hits(&table, keys.len() - miss.len());
                     let rows = tiers.fill(router, &t, &tier, &table, &keys, &miss).await?;
                     let d = t.config.dim;
-                    let new: Vec<usize> =
-                        miss.iter().zip(&rows.fetched).filter(|(_, f)| **f == Fetched::Absent).map(|(&i, _)| i).collect();
+                    let new: Vec<usize> = miss
+                        .iter()
+                        .zip(&rows.fetched)
+                        .filter(|(_, f)| **f == Fetched::Absent)
+                        .map(|(&i, _)| i)
+                        .collect();
                     let nk: Vec<u64> = new.iter().map(|&i| keys[i]).collect();
                     let nv: Vec<f32> = new.iter().flat_map(|&i| values[i * d..(i + 1) * d].iter().copied()).collect();
                     let ns: Vec<u64> = scores.as_ref().map(|s| new.iter().map(|&i| s[i]).collect()).unwrap_or_default();
@@ -314,8 +331,9 @@ pub async fn execute(router: &Router, tier: Backing, req: Request) -> Result<Res
                 WriteOp::AccumOrAssign => {
                     // The cluster gets the rows as they are after the deltas.
                     let r = router.execute_local(write(keys.clone(), values, scores)).await?;
-                    let Response::Find { found, values, scores: got } =
-                        router.execute_local(Request::Find { table: table.clone(), keys: keys.clone(), scores: true }).await?
+                    let Response::Find { found, values, scores: got } = router
+                        .execute_local(Request::Find { table: table.clone(), keys: keys.clone(), scores: true })
+                        .await?
                     else {
                         return Err(ProtoError::new(ErrorCode::Internal, "a find answered another kind"));
                     };
@@ -358,7 +376,10 @@ async fn refresh(router: &Router, t: &Table, table: &str, keys: &[u64], found: &
     if hits.is_empty() {
         return Ok(());
     }
-    router.execute_local(Request::AssignScores { table: table.into(), keys: hits, scores: None, outcomes: false }).await.map(drop)
+    router
+        .execute_local(Request::AssignScores { table: table.into(), keys: hits, scores: None, outcomes: false })
+        .await
+        .map(drop)
 }
 
 /// A table's stats as the stats document carries them.
@@ -413,7 +434,10 @@ pub fn prometheus(o: &mut String, d: &hkv_proto::stats::Stats) {
             }
         }
     }
-    let _ = writeln!(o, "# HELP hkvd_backing_node_errors_total Errors per cluster node.\n# TYPE hkvd_backing_node_errors_total counter");
+    let _ = writeln!(
+        o,
+        "# HELP hkvd_backing_node_errors_total Errors per cluster node.\n# TYPE hkvd_backing_node_errors_total counter"
+    );
     for t in &d.tables {
         for (node, n) in t.backing.iter().flat_map(|b| &b.node_errors) {
             let _ = writeln!(o, "hkvd_backing_node_errors_total{{table=\"{}\",node=\"{node}\"}} {n}", t.spec.name);

@@ -39,7 +39,10 @@ fn create_table_opens_the_cluster_or_says_why_not() {
     assert!(meta.contains("groups") && meta.contains("dim"), "{meta}");
     // Same name, other dim in the cluster: refused by the tier.
     c.drop_table("a").unwrap();
-    let other_dim = TableSpec { backing: Some(BackingSpec::from_list(&cluster.seed_arg(), BackingMode::ReadOnly)), ..TableSpec::new("a", 8, 4096) };
+    let other_dim = TableSpec {
+        backing: Some(BackingSpec::from_list(&cluster.seed_arg(), BackingMode::ReadOnly)),
+        ..TableSpec::new("a", 8, 4096)
+    };
     assert_eq!(refused(&mut c, other_dim), Some(ErrorCode::BadRequest));
 
     // A table without backing behaves as today.
@@ -57,7 +60,11 @@ fn two_daemons_share_a_table_through_the_cluster() {
     let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
     let (mut ca, mut cb) = (a.client(), b.client());
     // A small cache on A: 3 shards × 128 slots, so most of 5000 rows are evicted.
-    ca.create_table(TableSpec { backing: Some(BackingSpec::from_list(&cluster.seed_arg(), BackingMode::WriteThrough)), ..TableSpec::new("emb", 4, 384) }).unwrap();
+    ca.create_table(TableSpec {
+        backing: Some(BackingSpec::from_list(&cluster.seed_arg(), BackingMode::WriteThrough)),
+        ..TableSpec::new("emb", 4, 384)
+    })
+    .unwrap();
     cb.create_table(backed("emb", &cluster.seed_arg(), BackingMode::ReadOnly)).unwrap();
     let keys: Vec<u64> = (1..=5000u64).collect();
     let values: Vec<f32> = keys.iter().flat_map(|&k| [k as f32, -(k as f32), f32::from_bits(k as u32), 0.25]).collect();

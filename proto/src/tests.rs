@@ -332,7 +332,10 @@ fn table_specs_carry_their_backing() {
         ..TableSpec::new("t", 4, 1024)
     };
     let json = serde_json::to_string(&spec).unwrap();
-    assert!(json.contains(r#""backing":{"seeds":["redis://127.0.0.1:7001","127.0.0.1:7002"],"mode":"write-through"}"#), "{json}");
+    assert!(
+        json.contains(r#""backing":{"seeds":["redis://127.0.0.1:7001","127.0.0.1:7002"],"mode":"write-through"}"#),
+        "{json}"
+    );
     assert_eq!(serde_json::from_str::<TableSpec>(&json).unwrap(), spec);
     let bad = r#"{"name":"t","dim":1,"capacity":1,"backing":{"seeds":["h:1"],"mode":"sideways"}}"#;
     assert!(serde_json::from_str::<TableSpec>(bad).unwrap_err().to_string().contains("sideways"));

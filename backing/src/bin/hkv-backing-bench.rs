@@ -43,7 +43,11 @@ impl Plain {
         let mut conns = HashMap::new();
         for node in slots.iter().filter(|n| !n.is_empty()) {
             if !conns.contains_key(node) {
-                let c = redis::Client::open(format!("redis://{node}")).unwrap().get_multiplexed_async_connection().await.unwrap();
+                let c = redis::Client::open(format!("redis://{node}"))
+                    .unwrap()
+                    .get_multiplexed_async_connection()
+                    .await
+                    .unwrap();
                 conns.insert(node.clone(), c);
             }
         }
