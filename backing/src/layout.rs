@@ -169,7 +169,7 @@ mod tests {
         assert!(k.starts_with(format!("hkv:{{t:{g}}}:").as_bytes()));
         assert_eq!(&k[k.len() - 8..], &42u64.to_le_bytes());
         // Groups spread: 10 000 keys touch every one of 96 groups.
-        let mut seen = vec![false; 96];
+        let mut seen = [false; 96];
         (0..10_000u64).for_each(|k| seen[l.group(k) as usize] = true);
         assert!(seen.iter().all(|s| *s));
     }

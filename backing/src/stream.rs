@@ -143,8 +143,11 @@ fn bytes(v: &Value) -> Option<Vec<u8>> {
     }
 }
 
+/// A stream entry: its id and its (field, value) pairs.
+type Entry = (String, Vec<(Vec<u8>, Vec<u8>)>);
+
 /// `[[id, [f, v, ...]], ...]` → `(id, [(f, v)])`.
-fn entries(v: &Value) -> Vec<(String, Vec<(Vec<u8>, Vec<u8>)>)> {
+fn entries(v: &Value) -> Vec<Entry> {
     let Value::Array(items) = v else { return Vec::new() };
     items
         .iter()

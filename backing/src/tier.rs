@@ -296,7 +296,7 @@ impl Backing {
         let results = core.cluster.run(cmds, deadline).await;
         let mut failed_nodes: Vec<String> = Vec::new();
         for (&(g, ix), r) in groups.iter().zip(results) {
-            let rows = match r.map(|v| <Vec<Option<Vec<u8>>> as redis::FromRedisValue>::from_redis_value(v)) {
+            let rows = match r.map(<Vec<Option<Vec<u8>>> as redis::FromRedisValue>::from_redis_value) {
                 Ok(Ok(rows)) if rows.len() == ix.len() => rows,
                 Err(Failure::Late) => {
                     ix.iter().for_each(|&i| out.fetched[i] = Fetched::Late);
@@ -529,11 +529,10 @@ impl Core {
         cmd.arg(&key).arg("MAXLEN").arg("~").arg(self.options.stream_len).arg("*");
         cmd.arg("o").arg(self.origin).arg("v").arg(version).arg("t").arg(now_us()).arg("k").arg(keys);
         let r = self.cluster.one(crate::layout::slot(self.layout.table().as_bytes()), cmd).await;
-        r.map(drop).map_err(|e| {
-            if let Error::Unavailable { node, .. } = &e {
+        r.map(drop).inspect_err(|e| {
+            if let Error::Unavailable { node, .. } = e {
                 self.counters.node_error(node);
             }
-            e
         })
     }
 }

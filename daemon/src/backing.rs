@@ -291,7 +291,11 @@ pub async fn execute(router: &Router, tier: Backing, req: Request) -> Result<Res
             }
             Ok(Response::Contains { found })
         }
-        Request::Write { op, table, keys, values, scores, outcomes } if tier.mode() != Mode::ReadOnly => {
+        // find_or_insert reads through on every backed table; other
+        // writes reach the cluster unless the table is read-only.
+        Request::Write { op, table, keys, values, scores, outcomes }
+            if op == WriteOp::FindOrInsert || tier.mode() != Mode::ReadOnly =>
+        {
             let t = router.table(&table)?;
             let write = |keys: Vec<u64>, values: Vec<f32>, scores: Option<Vec<u64>>| Request::Write {
                 op,
@@ -325,7 +329,9 @@ pub async fn execute(router: &Router, tier: Backing, req: Request) -> Result<Res
                     let nk: Vec<u64> = new.iter().map(|&i| keys[i]).collect();
                     let nv: Vec<f32> = new.iter().flat_map(|&i| values[i * d..(i + 1) * d].iter().copied()).collect();
                     let ns: Vec<u64> = scores.as_ref().map(|s| new.iter().map(|&i| s[i]).collect()).unwrap_or_default();
-                    tiers.write(&tier, nk, nv, ns).await?;
+                    if tier.mode() != Mode::ReadOnly {
+                        tiers.write(&tier, nk, nv, ns).await?;
+                    }
                     router.execute_local(write(keys, values, scores)).await
                 }
                 WriteOp::AccumOrAssign => {

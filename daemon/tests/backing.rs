@@ -85,7 +85,39 @@ fn two_daemons_share_a_table_through_the_cluster() {
     let b = s.tables.iter().find(|t| t.spec.name == "emb").and_then(|t| t.backing.clone()).unwrap();
     assert_eq!((b.mode.as_str(), b.absent), ("read-only", 3), "{b:?}");
     assert!(b.filled >= 5000 && b.hits > 0 && b.bytes_in > 0, "{b:?}");
+    // find_or_insert on B: a key the cluster has comes back with the
+    // cluster's row, not the request's initial value.
+    let (_, got) = cb.find_or_insert("emb", &[4999, 8_000_000], &[9.0; 8], None).unwrap();
+    assert_eq!(&got[..4], &values[4998 * 4..4999 * 4]);
+    assert_eq!(&got[4..], &[9.0; 4]);
     // B is read-only: its writes stay in its cache.
     cb.insert_or_assign("emb", &[7_000_000], &[1.0; 4], None).unwrap();
     assert_eq!(ca.find("emb", &[7_000_000]).unwrap().found, vec![false]);
+}
+
+/// A write-back table: writes are answered before the cluster has them,
+/// read back from the queue meanwhile, and dropping the table drains the
+/// queue, so another daemon then reads every row.
+#[test]
+fn write_back_rows_reach_the_cluster_by_drop_table() {
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
+    let (mut ca, mut cb) = (a.client(), b.client());
+    ca.create_table(TableSpec {
+        backing: Some(BackingSpec::from_list(&cluster.seed_arg(), BackingMode::WriteBack)),
+        ..TableSpec::new("wb", 4, 384)
+    })
+    .unwrap();
+    let keys: Vec<u64> = (1..=3000u64).collect();
+    let values: Vec<f32> = keys.iter().flat_map(|&k| [k as f32, 1.0, 2.0, 3.0]).collect();
+    for (kc, vc) in keys.chunks(300).zip(values.chunks(300 * 4)) {
+        ca.insert_or_assign("wb", kc, vc, None).unwrap();
+    }
+    // Most rows were evicted from A's 384 slots; none is lost.
+    let f = ca.find("wb", &keys).unwrap();
+    assert!(f.found.iter().all(|x| *x) && f.values == values);
+    ca.drop_table("wb").unwrap();
+    cb.create_table(backed("wb", &cluster.seed_arg(), BackingMode::ReadOnly)).unwrap();
+    let f = cb.find("wb", &keys).unwrap();
+    assert!(f.found.iter().all(|x| *x) && f.values == values);
 }
