@@ -33,10 +33,42 @@ pub struct Tiers {
     tables: RwLock<HashMap<String, Arc<Entry>>>,
 }
 
-/// One backed table: its tier and the keys its cache answered itself.
+/// One backed table: its tier, the keys its cache answered itself, and
+/// the keys other hosts wrote since its last request.
 struct Entry {
     backing: Backing,
     hits: AtomicU64,
+    /// Filled by the table's stream consumer, emptied (erased from the
+    /// cache) at the start of the table's next request: a read never sees
+    /// a row another host's acknowledged write replaced, once this host
+    /// has received the write.
+    invalid: Arc<parking_lot::Mutex<Vec<u64>>>,
+    consumer: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Entry {
+    fn drop(&mut self) {
+        self.consumer.abort();
+    }
+}
+
+/// Reads the table's stream for as long as the table lives, retrying
+/// every 200 ms while its node is down.
+async fn consume(backing: Backing, invalid: Arc<parking_lot::Mutex<Vec<u64>>>) {
+    let mut inv = None;
+    loop {
+        if inv.is_none() {
+            inv = backing.subscribe().await.ok();
+        }
+        let Some(i) = inv.as_mut() else {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        };
+        match i.next().await {
+            Ok(batches) => batches.into_iter().for_each(|b| invalid.lock().extend(b.keys)),
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
 }
 
 /// A backed table's stats: the cache's hits beside the tier's own.
@@ -118,7 +150,10 @@ impl Tiers {
         let Some(b) = &spec.backing else { return Ok(()) };
         let (name, dim, o) = (spec.name.clone(), spec.dim, options(b));
         let backing = self.on_rt(async move { Backing::open(&name, dim, o).await }).await?.map_err(wire)?;
-        self.tables.write().insert(spec.name.clone(), Arc::new(Entry { backing, hits: AtomicU64::new(0) }));
+        let invalid = Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let consumer = self.rt()?.spawn(consume(backing.clone(), invalid.clone()));
+        let entry = Entry { backing, hits: AtomicU64::new(0), invalid, consumer };
+        self.tables.write().insert(spec.name.clone(), Arc::new(entry));
         Ok(())
     }
 
@@ -133,6 +168,11 @@ impl Tiers {
     /// The tier of `name`, if it is backed.
     pub fn get(&self, name: &str) -> Option<Backing> {
         self.tables.read().get(name).map(|e| e.backing.clone())
+    }
+
+    /// Keys other hosts wrote since the table's last request.
+    fn take_invalid(&self, name: &str) -> Vec<u64> {
+        self.tables.read().get(name).map(|e| std::mem::take(&mut *e.invalid.lock())).unwrap_or_default()
     }
 
     fn count_hits(&self, name: &str, n: usize) {
@@ -247,6 +287,14 @@ impl Tiers {
 /// cluster as the table's mode says, the rest runs as on any table.
 pub async fn execute(router: &Router, tier: Backing, req: Request) -> Result<Response, ProtoError> {
     let tiers = &router.backing;
+    if let Some(table) = req.table() {
+        let mut stale = tiers.take_invalid(table);
+        if !stale.is_empty() {
+            stale.sort_unstable();
+            stale.dedup();
+            router.execute_local(Request::Erase { table: table.into(), keys: stale, outcomes: false }).await?;
+        }
+    }
     match req {
         Request::Find { table, keys, scores } => {
             let t = router.table(&table)?;

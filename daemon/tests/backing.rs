@@ -85,6 +85,18 @@ fn two_daemons_share_a_table_through_the_cluster() {
     let b = s.tables.iter().find(|t| t.spec.name == "emb").and_then(|t| t.backing.clone()).unwrap();
     assert_eq!((b.mode.as_str(), b.absent), ("read-only", 3), "{b:?}");
     assert!(b.filled >= 5000 && b.hits > 0 && b.bytes_in > 0, "{b:?}");
+    // A writes again: B, which caches those rows now, drops them when A's
+    // stream entry arrives and reads the new rows through.
+    ca.insert_or_assign("emb", &keys[..100], &vec![0.5; 400], None).unwrap();
+    let start = std::time::Instant::now();
+    loop {
+        let f = cb.find("emb", &keys[..100]).unwrap();
+        if f.values.iter().all(|v| *v == 0.5) {
+            break;
+        }
+        assert!(start.elapsed() < std::time::Duration::from_secs(5), "B still serves A's old rows");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
     // find_or_insert on B: a key the cluster has comes back with the
     // cluster's row, not the request's initial value.
     let (_, got) = cb.find_or_insert("emb", &[4999, 8_000_000], &[9.0; 8], None).unwrap();
