@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The project's test command (the README's second command). Installs the
 # system tools some tests drive when they are missing (systemd-analyze and
-# systemd-socket-activate from `systemd`, setpriv and prlimit from `util-linux`, tmux, strace, numpy and
+# systemd-socket-activate from `systemd`, setpriv and prlimit from `util-linux`, tmux, strace,
+# redis-server and redis-cli for the backing tier's clusters, numpy and
 # pytest for the Python client), checks formatting and clippy's lints, then
 # runs every Rust test of the workspace and the Python client's tests.
 set -euo pipefail
@@ -14,6 +15,8 @@ command -v setpriv >/dev/null 2>&1 || need+=(util-linux)
 command -v prlimit >/dev/null 2>&1 || need+=(util-linux)
 command -v tmux >/dev/null 2>&1 || need+=(tmux)
 command -v strace >/dev/null 2>&1 || need+=(strace)
+command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+command -v redis-cli >/dev/null 2>&1 || need+=(redis-tools)
 if [ ${#need[@]} -gt 0 ]; then
     echo "test.sh: installing ${need[*]}" >&2
     SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"

@@ -26,8 +26,8 @@ use std::path::Path;
 
 pub use asynchronous::AsyncClient;
 pub use hkv_proto::{
-    self as proto, Control, Cursor, ErrorCode, Evicted, FeatureHash, Features, Filter, HashKind, HashSpec, Mode, Op,
-    Policy, ProtoError, Request, Response, Summary, TableInfo, TableSpec, WriteOp,
+    self as proto, BackingMode, BackingSpec, Control, Cursor, ErrorCode, Evicted, FeatureHash, Features, Filter,
+    HashKind, HashSpec, Mode, Op, Policy, ProtoError, Request, Response, Summary, TableInfo, TableSpec, WriteOp,
 };
 use hkv_proto::{Header, HEADER_LEN};
 

@@ -22,6 +22,8 @@
 //! - [`handle`] answers one request.
 //! - [`memory`] checks large allocations against the address-space limit.
 //! - [`admin`] says who may run admin operations and read the state directory.
+//! - [`backing`] is the glue to each backed table's Redis Cluster tier
+//!   (`hkv-backing`), reached from the router's `HOOK(backing)` calls.
 //! - [`mrc`] keeps each shard's miss-ratio estimator and combines a table's curve.
 //! - [`region`] registers client memory (memfds) and runs requests naming arrays in it.
 //! - [`stats`] renders statistics as JSON and Prometheus text.
@@ -35,6 +37,7 @@
 
 pub mod actor;
 pub mod admin;
+pub mod backing;
 pub mod budget;
 pub mod ckpt;
 pub mod config;
@@ -207,6 +210,11 @@ pub fn run(mut config: Config) -> anyhow::Result<()> {
         );
         let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
         server::serve(state.clone(), listener).await;
+        // HOOK(backing): every backed table's write-back queue drains
+        // before exit; rows that could not reach the cluster are named.
+        if let Err(e) = state.router.backing.flush_all(crate::backing::DRAIN).await {
+            error!(error = %e.message, "backing: queued writes did not all reach the cluster");
+        }
         // A final checkpoint that fails is the operator's data not saved:
         // said at ERROR and in the exit status, never a clean exit.
         let mut failed = None;

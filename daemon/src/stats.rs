@@ -60,6 +60,7 @@ pub async fn collect(state: &State) -> Result<DaemonStats, hkv_proto::ProtoError
         let shards = state.router.shard_stats(&t).await?;
         per_table.push((t, shards, curves));
     }
+    let backed = state.router.backing.stats();
     let tables = per_table
         .into_iter()
         .map(|(t, shards, curves)| {
@@ -79,6 +80,8 @@ pub async fn collect(state: &State) -> Result<DaemonStats, hkv_proto::ProtoError
                 imbalance: if mean > 0.0 { max / mean } else { 1.0 },
                 shards,
                 mrc,
+                // HOOK(backing): the table's tier, when it has one.
+                backing: backed.iter().find(|(n, _)| *n == t.spec.name).map(|(_, b)| crate::backing::wire_stats(b)),
             }
         })
         .collect();
@@ -207,6 +210,8 @@ pub fn prometheus(d: &DaemonStats) -> String {
             let _ = writeln!(o, "hkvd_mrc_lookups_total{{table=\"{}\"}} {}", t.spec.name, m.accesses);
         }
     }
+    // HOOK(backing): each backed table's tier.
+    crate::backing::prometheus(&mut o, d);
     family(&mut o, "lock_running", "gauge", "Operations running per lock group.");
     family(&mut o, "lock_waiting", "gauge", "Operations waiting per lock group.");
     family(&mut o, "lock_waits_total", "counter", "Acquisitions that waited, per lock group.");

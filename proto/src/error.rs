@@ -53,6 +53,10 @@ pub enum ErrorCode {
     /// that is missing or fails verification: the checkpoint's data, not
     /// the daemon, is at fault; the message names the checkpoint and file.
     CorruptCheckpoint,
+    /// A backed table's cluster could not serve the request (a node down,
+    /// unreachable seeds, a queue that could not drain in time); the
+    /// message names the node (`host:port`). Cache hits are still served.
+    BackingUnavailable,
 }
 
 /// An error as carried by an error frame: a code and a message for people.

@@ -102,6 +102,58 @@ pub struct TableStats {
     /// (or is older than the curves).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mrc: Option<MrcStats>,
+    /// The table's Redis Cluster tier; absent on a table without one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backing: Option<BackingStats>,
+}
+
+/// A backed table's tier (PROTOCOL.md, "Backing tier"): what its reads
+/// found where, what its writes sent, the write-back window, errors per
+/// node, latencies and staleness (quantiles within a factor of two: the
+/// tier's histograms have power-of-two buckets).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct BackingStats {
+    /// `read-only`, `write-through` or `write-back`.
+    pub mode: String,
+    /// Keys of reads the cache answered.
+    pub hits: u64,
+    /// Keys missed by the cache and filled from the cluster (or the queue).
+    pub filled: u64,
+    /// Keys missed by the cache and absent from the cluster.
+    pub absent: u64,
+    /// Keys not fetched within the deadline.
+    pub late: u64,
+    /// Keys whose node failed.
+    pub unavailable: u64,
+    /// Rows written to the cluster.
+    pub rows_written: u64,
+    /// Row bytes read from the cluster.
+    pub bytes_in: u64,
+    /// Row bytes written to the cluster.
+    pub bytes_out: u64,
+    /// Rows in the write-back queue (the window a crash would lose).
+    pub queue_rows: u64,
+    /// Their bytes.
+    pub queue_bytes: u64,
+    /// The queue's bound.
+    pub queue_limit_bytes: u64,
+    /// Age of the oldest queued row, ms.
+    pub queue_oldest_ms: u64,
+    /// Writers refused with `resource_exhausted`.
+    pub queue_full: u64,
+    /// Keys invalidated by other hosts' writes.
+    pub invalidations: u64,
+    /// Errors per node (`host:port`).
+    pub node_errors: std::collections::BTreeMap<String, u64>,
+    /// Fetch latency per batch, median and 99th percentile, µs.
+    pub fetch_p50_us: u64,
+    /// See `fetch_p50_us`.
+    pub fetch_p99_us: u64,
+    /// Time from another host's acknowledged write to its invalidation
+    /// here, median and 99th percentile, µs.
+    pub staleness_p50_us: u64,
+    /// See `staleness_p50_us`.
+    pub staleness_p99_us: u64,
 }
 
 /// A table's live miss-ratio curve (PROTOCOL.md, "Miss-ratio curves"): the

@@ -320,3 +320,27 @@ fn json_errors_name_no_rust_types() {
         }
     }
 }
+
+/// A table spec names its backing tier in JSON; a spec without one is
+/// encoded exactly as before the field existed.
+#[test]
+fn table_specs_carry_their_backing() {
+    use crate::{BackingMode, BackingSpec, TableSpec};
+    let plain = serde_json::to_string(&TableSpec::new("t", 4, 1024)).unwrap();
+    assert!(!plain.contains("backing"));
+    let spec = TableSpec {
+        backing: Some(BackingSpec::from_list("redis://127.0.0.1:7001, 127.0.0.1:7002", BackingMode::WriteThrough)),
+        ..TableSpec::new("t", 4, 1024)
+    };
+    let json = serde_json::to_string(&spec).unwrap();
+    assert!(
+        json.contains(r#""backing":{"seeds":["redis://127.0.0.1:7001","127.0.0.1:7002"],"mode":"write-through"}"#),
+        "{json}"
+    );
+    assert_eq!(serde_json::from_str::<TableSpec>(&json).unwrap(), spec);
+    let bad = r#"{"name":"t","dim":1,"capacity":1,"backing":{"seeds":["h:1"],"mode":"sideways"}}"#;
+    assert!(serde_json::from_str::<TableSpec>(bad).unwrap_err().to_string().contains("sideways"));
+    let unknown = r#"{"name":"t","dim":1,"capacity":1,"backing":{"seeds":["h:1"],"colour":"red"}}"#;
+    assert!(serde_json::from_str::<TableSpec>(unknown).is_err());
+    assert_eq!("write-back".parse::<BackingMode>().unwrap(), BackingMode::WriteBack);
+}

@@ -205,6 +205,56 @@ pub struct TableSpec {
     /// restores as `lowest-slot`, the rule its tables had).
     #[serde(default)]
     pub lfu_ties: LfuTies,
+    /// The Redis Cluster behind the table (absent: none, the table is the
+    /// cache alone).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backing: Option<BackingSpec>,
+}
+
+/// A table's backing tier: seed nodes of a Redis Cluster and how writes
+/// reach it (`PROTOCOL.md`, "Backing tier").
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackingSpec {
+    /// Seed nodes, `redis://HOST:PORT` or `HOST:PORT`.
+    pub seeds: Vec<String>,
+    /// How writes reach the cluster.
+    #[serde(default)]
+    pub mode: BackingMode,
+    /// How long a read of cache misses waits for the cluster, ms
+    /// (absent: 250).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline_ms: Option<u64>,
+    /// The write-back queue's bound in bytes (absent: 64 MiB).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue_bytes: Option<u64>,
+}
+
+impl BackingSpec {
+    /// Seeds from `--backing`'s comma-separated list.
+    pub fn from_list(list: &str, mode: BackingMode) -> BackingSpec {
+        BackingSpec {
+            seeds: list.split(',').map(|s| s.trim().to_string()).collect(),
+            mode,
+            deadline_ms: None,
+            queue_bytes: None,
+        }
+    }
+}
+
+/// How a backed table writes to its cluster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub enum BackingMode {
+    /// The cache never writes to the cluster (inference).
+    #[default]
+    #[serde(rename = "read-only")]
+    ReadOnly,
+    /// A write is acknowledged after the cluster acknowledged it.
+    #[serde(rename = "write-through")]
+    WriteThrough,
+    /// Writes and evictions are queued and sent in batches.
+    #[serde(rename = "write-back")]
+    WriteBack,
 }
 
 impl TableSpec {
@@ -221,6 +271,7 @@ impl TableSpec {
             max_load_factor: None,
             hash: None,
             lfu_ties: LfuTies::Lru,
+            backing: None,
         }
     }
 }
@@ -328,6 +379,7 @@ pub enum LfuTies {
     LowestSlot,
 }
 names!(LfuTies, "lfu tie rule", { Lru = "lru", LowestSlot = "lowest-slot", });
+names!(BackingMode, "backing mode", { ReadOnly = "read-only", WriteThrough = "write-through", WriteBack = "write-back", });
 
 /// The hash of feature requests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]

@@ -15,7 +15,7 @@ import socket as _socket
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -49,6 +49,7 @@ __all__ = [
     "NotFound",
     "Timeout",
     "CorruptCheckpoint",
+    "BackingUnavailable",
     "InternalError",
     "ProtocolError",
     "CudaIpcUnavailable",
@@ -129,6 +130,7 @@ class ResourceExhausted(HkvdError): pass  # noqa: E701
 class NotFound(HkvdError): pass  # noqa: E701
 class Timeout(HkvdError): pass  # noqa: E701
 class CorruptCheckpoint(HkvdError): pass  # noqa: E701
+class BackingUnavailable(HkvdError): pass  # noqa: E701
 
 
 class ProtocolError(Exception):
@@ -156,6 +158,7 @@ _ERRORS = {
     "not_found": NotFound,
     "timeout": Timeout,
     "corrupt_checkpoint": CorruptCheckpoint,
+    "backing_unavailable": BackingUnavailable,
 }
 
 
@@ -435,16 +438,24 @@ class Client:
     def create_table(self, name: str, dim: int, capacity: int, policy: str = "lru", mode: str = "single",
                      max_capacity: int = 0, fast_tier_bytes: Optional[int] = None,
                      num_buckets: Optional[int] = None, hash_kind: str = "fingerprint64",
-                     hash_key=(0, 0), lfu_ties: Optional[str] = None) -> dict:
+                     hash_key=(0, 0), lfu_ties: Optional[str] = None,
+                     backing: Optional[Union[str, Sequence[str]]] = None,
+                     backing_mode: str = "read-only") -> dict:
         """Creates a table; ``num_buckets`` (with ``hash_kind``) sets the hash
         feature requests use when they name none; ``lfu_ties`` ("lru", the
-        daemon's default, or "lowest-slot") the lfu tie rule."""
+        daemon's default, or "lowest-slot") the lfu tie rule; ``backing``
+        (seed URLs of a Redis Cluster, a list or "URL,URL") puts the cluster
+        behind the table, ``backing_mode`` ("read-only", "write-through" or
+        "write-back") says how writes reach it."""
         spec = {"name": name, "dim": dim, "capacity": capacity, "max_capacity": max_capacity,
                 "policy": policy, "mode": mode, "fast_tier_bytes": fast_tier_bytes}
         if num_buckets is not None:
             spec["hash"] = {"kind": hash_kind, "num_buckets": num_buckets, "key": list(hash_key)}
         if lfu_ties is not None:
             spec["lfu_ties"] = lfu_ties
+        if backing is not None:
+            seeds = backing.split(",") if isinstance(backing, str) else list(backing)
+            spec["backing"] = {"seeds": [s.strip() for s in seeds], "mode": backing_mode}
         info = self._json(OP_CREATE_TABLE, spec)
         self._dims[name] = dim
         return info

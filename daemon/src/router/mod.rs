@@ -16,6 +16,7 @@
 mod bounds;
 mod merge;
 pub(crate) use merge::to_wire;
+pub use merge::{ExportAnswer, FindAnswer, WriteAnswer};
 mod mrc;
 mod ops;
 mod shards;
@@ -68,6 +69,8 @@ pub struct Router {
     /// The CUDA kernel tuning every table created from now on gets (the
     /// `HKV_*` variables `hkvd` reads; the default otherwise).
     pub tuning: hkv_shard::CudaTuning,
+    /// HOOK(backing): each backed table's Redis Cluster tier.
+    pub backing: crate::backing::Tiers,
 }
 
 impl Router {
@@ -100,6 +103,7 @@ impl Router {
             mrc: None,
             ordinals: Vec::new(),
             tuning: hkv_shard::CudaTuning::default(),
+            backing: crate::backing::Tiers::default(),
         }
     }
 
@@ -142,7 +146,17 @@ impl Router {
         if self.tables.read().contains_key(&spec.name) {
             return Err(err(ErrorCode::TableExists, format!("table {:?} exists; drop it first", spec.name)));
         }
-        let table = self.build_table(spec).await?;
+        // HOOK(backing): a table naming a cluster is refused when it cannot
+        // be opened, before any memory is charged.
+        self.backing.open(&spec).await?;
+        let name = spec.name.clone();
+        let table = match self.build_table(spec).await {
+            Ok(t) => t,
+            Err(e) => {
+                let _ = self.backing.close(&name).await;
+                return Err(e);
+            }
+        };
         {
             let mut tables = self.tables.write();
             if tables.contains_key(&table.spec.name) {
@@ -231,6 +245,8 @@ impl Router {
         if let Some(t) = Arc::into_inner(t) {
             t.close().await;
         }
-        Ok(())
+        // HOOK(backing): the table's write-back queue drains before the
+        // drop is answered.
+        self.backing.close(name).await
     }
 }

@@ -42,6 +42,14 @@ pub struct CreateTable {
     /// SipHash key of the strong hash: K0,K1 (needs --hash strong).
     #[arg(long, value_delimiter = ',')]
     pub hash_key: Option<Vec<u64>>,
+    /// Seed nodes of a Redis Cluster behind the table: URL[,URL...]
+    /// (redis://HOST:PORT or HOST:PORT); misses are read from it.
+    #[arg(long)]
+    pub backing: Option<String>,
+    /// How writes reach the cluster: read-only, write-through or
+    /// write-back (needs --backing).
+    #[arg(long, requires = "backing", value_parser = name::<proto::BackingMode>)]
+    pub backing_mode: Option<proto::BackingMode>,
 }
 
 /// `hkvctl create-table`.
@@ -58,6 +66,8 @@ pub fn create(c: &mut Client, a: CreateTable) -> Result<()> {
         hash,
         num_buckets,
         hash_key,
+        backing,
+        backing_mode,
     } = a;
     let hash = feature_hash("--hash", &hash, num_buckets, &hash_key)?;
     let spec = TableSpec {
@@ -67,6 +77,7 @@ pub fn create(c: &mut Client, a: CreateTable) -> Result<()> {
         fast_tier_bytes,
         hash,
         lfu_ties,
+        backing: backing.map(|list| proto::BackingSpec::from_list(&list, backing_mode.unwrap_or_default())),
         ..TableSpec::new(&name, dim, capacity)
     };
     let info = c.create_table(spec)?;

@@ -1,0 +1,177 @@
+//! The tier against a plain client of the same `redis` crate on a real
+//! 3-master cluster started here (loopback, `redis-server`): cold reads
+//! (every key present in the cluster) through `Backing::read` against
+//! pipelined slot-grouped `MGET`s sent one pipeline per node; writes
+//! through the write-back queue (write, then flush) against pipelined
+//! `MSET`s. Runs alternate, A B A B …; the table prints medians.
+//!
+//! `hkv-backing-bench [KEYS] [DIM] [BATCH] [ROUNDS]` (defaults 200000 32
+//! 8192 5).
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use hkv_backing::layout::{encode_row, Layout};
+use hkv_backing::testkit::TestCluster;
+use hkv_backing::{Backing, Fetched, Mode, Options};
+use redis::aio::{ConnectionLike, MultiplexedConnection};
+use redis::Value;
+
+fn arg(i: usize, default: usize) -> usize {
+    std::env::args().nth(i).and_then(|a| a.parse().ok()).unwrap_or(default)
+}
+
+/// The plain client: a connection per master and the slot map.
+struct Plain {
+    conns: HashMap<String, MultiplexedConnection>,
+    slots: Vec<String>,
+}
+
+impl Plain {
+    async fn connect(seed: &str) -> Plain {
+        let mut c = redis::Client::open(seed).unwrap().get_multiplexed_async_connection().await.unwrap();
+        let v: Value = redis::cmd("CLUSTER").arg("SLOTS").query_async(&mut c).await.unwrap();
+        let mut slots = vec![String::new(); 16384];
+        let Value::Array(items) = v else { panic!("CLUSTER SLOTS: {v:?}") };
+        for item in items {
+            let Value::Array(f) = item else { continue };
+            let (Value::Int(a), Value::Int(b), Value::Array(m)) = (&f[0], &f[1], &f[2]) else { continue };
+            let (Value::BulkString(h), Value::Int(p)) = (&m[0], &m[1]) else { continue };
+            let node = format!("{}:{p}", String::from_utf8_lossy(h));
+            (*a as usize..=*b as usize).for_each(|s| slots[s] = node.clone());
+        }
+        let mut conns = HashMap::new();
+        for node in slots.iter().filter(|n| !n.is_empty()) {
+            if !conns.contains_key(node) {
+                let c = redis::Client::open(format!("redis://{node}"))
+                    .unwrap()
+                    .get_multiplexed_async_connection()
+                    .await
+                    .unwrap();
+                conns.insert(node.clone(), c);
+            }
+        }
+        Plain { conns, slots }
+    }
+
+    /// One pipeline per node of one command per group, all nodes at once.
+    async fn run(&self, cmds: Vec<(u16, redis::Cmd)>) -> Vec<Value> {
+        let mut by_node: HashMap<&str, redis::Pipeline> = HashMap::new();
+        for (slot, cmd) in cmds {
+            by_node.entry(&self.slots[slot as usize]).or_insert_with(redis::pipe).add_command(cmd);
+        }
+        let futs = by_node.into_iter().map(|(node, pipe)| {
+            let mut c = self.conns[node].clone();
+            async move {
+                let n = pipe.cmd_iter().count();
+                c.req_packed_commands(&pipe, 0, n).await.unwrap()
+            }
+        });
+        futures_util::future::join_all(futs).await.into_iter().flatten().collect()
+    }
+
+    fn mget(layout: &Layout, keys: &[u64]) -> Vec<(u16, redis::Cmd)> {
+        group(layout, keys)
+            .into_iter()
+            .map(|(g, ks)| {
+                let mut c = redis::cmd("MGET");
+                ks.iter().for_each(|&k| {
+                    c.arg(layout.row_key(k));
+                });
+                (layout.slot_of_group(g), c)
+            })
+            .collect()
+    }
+
+    fn mset(layout: &Layout, keys: &[u64], row: &[f32]) -> Vec<(u16, redis::Cmd)> {
+        let mut buf = Vec::new();
+        group(layout, keys)
+            .into_iter()
+            .map(|(g, ks)| {
+                let mut c = redis::cmd("MSET");
+                for k in ks {
+                    buf.clear();
+                    encode_row(1, 0, row, &mut buf);
+                    c.arg(layout.row_key(k)).arg(&buf[..]);
+                }
+                (layout.slot_of_group(g), c)
+            })
+            .collect()
+    }
+}
+
+fn group(layout: &Layout, keys: &[u64]) -> Vec<(u32, Vec<u64>)> {
+    let mut g: HashMap<u32, Vec<u64>> = HashMap::new();
+    keys.iter().for_each(|&k| g.entry(layout.group(k)).or_default().push(k));
+    g.into_iter().collect()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let (n, dim, batch, rounds) = (arg(1, 200_000), arg(2, 32), arg(3, 8192), arg(4, 5));
+    let cluster = tokio::task::block_in_place(|| TestCluster::start(3, 0)).expect("start redis-server cluster");
+    let mut o = Options::new(cluster.seeds(), Mode::WriteBack);
+    o.deadline = Duration::from_secs(10);
+    o.queue_bytes = 1 << 30;
+    let tier = Backing::open("bench", dim, o).await.unwrap();
+    let layout = tier.layout().clone();
+    let plain = Plain::connect(&cluster.seeds()[0]).await;
+    let keys: Vec<u64> = (0..n as u64).map(|k| k.wrapping_mul(0x9e37_79b9_7f4a_7c15)).collect();
+    let row: Vec<f32> = (0..dim).map(|i| i as f32).collect();
+    let rows: Vec<f32> = keys.iter().flat_map(|_| row.iter().copied()).collect();
+
+    // Fill the cluster once with the plain client.
+    for c in keys.chunks(batch) {
+        plain.run(Plain::mset(&layout, c, &row)).await;
+    }
+
+    let (mut plain_read, mut tier_read, mut plain_write, mut tier_write) = (vec![], vec![], vec![], vec![]);
+    for _ in 0..rounds {
+        let t = Instant::now();
+        for c in keys.chunks(batch) {
+            let v = plain.run(Plain::mget(&layout, c)).await;
+            assert!(!v.is_empty());
+        }
+        plain_read.push(n as f64 / t.elapsed().as_secs_f64());
+
+        let t = Instant::now();
+        for c in keys.chunks(batch) {
+            let out = tier.read(c).await;
+            assert!(out.fetched.iter().all(|f| *f == Fetched::Found));
+        }
+        tier_read.push(n as f64 / t.elapsed().as_secs_f64());
+
+        let t = Instant::now();
+        for c in keys.chunks(batch) {
+            plain.run(Plain::mset(&layout, c, &row)).await;
+        }
+        plain_write.push(n as f64 / t.elapsed().as_secs_f64());
+
+        let t = Instant::now();
+        for (i, c) in keys.chunks(batch).enumerate() {
+            tier.write(c, &rows[i * batch * dim..][..c.len() * dim], &[]).await.unwrap();
+        }
+        tier.flush(Duration::from_secs(120)).await.unwrap();
+        tier_write.push(n as f64 / t.elapsed().as_secs_f64());
+    }
+    let s = tier.stats();
+    println!("{n} keys, dim {dim}, batches of {batch}, 3 masters on loopback, {rounds} alternated rounds (medians)");
+    println!("{:<44} {:>14} {:>8}", "", "keys/s", "ratio");
+    let (pr, tr, pw, tw) = (median(plain_read), median(tier_read), median(plain_write), median(tier_write));
+    println!("{:<44} {:>14.0} {:>8}", "plain client: pipelined slot-grouped MGET", pr, "1.00");
+    println!("{:<44} {:>14.0} {:>8.2}", "hkv-backing read (cold, every key found)", tr, tr / pr);
+    println!("{:<44} {:>14.0} {:>8}", "plain client: pipelined slot-grouped MSET", pw, "1.00");
+    println!("{:<44} {:>14.0} {:>8.2}", "hkv-backing write-back (write + flush)", tw, tw / pw);
+    println!(
+        "tier: fetch p50 {} µs p99 {} µs per batch; write p50 {} µs per batch; {} rows written",
+        s.fetch_us.quantile_us(0.5),
+        s.fetch_us.quantile_us(0.99),
+        s.write_us.quantile_us(0.5),
+        s.rows_written
+    );
+}

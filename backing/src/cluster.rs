@@ -1,0 +1,444 @@
+//! The connection to the cluster: seeds checked one by one (so that a bad
+//! URL, a dead seed and a non-cluster server each get their own error), the
+//! slot map, one connection per node, and [`Cluster::run`], which sends a
+//! batch of single-slot commands as one pipeline per node and follows the
+//! cluster's redirections.
+
+use std::time::{Duration, Instant};
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use futures_util::future::join_all;
+use parking_lot::{Mutex, RwLock};
+use redis::aio::{ConnectionLike, MultiplexedConnection};
+use redis::{Cmd, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, Value};
+
+use crate::error::Error;
+use crate::layout::SLOTS;
+
+/// Timeouts and retries of the node connections.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Net {
+    pub connect: Duration,
+    pub response: Duration,
+    pub retries: u32,
+}
+
+/// Parses `--backing`'s seeds: `redis://HOST:PORT` or `HOST:PORT`, TCP only.
+pub fn parse_seeds(seeds: &[String]) -> Result<Vec<ConnectionInfo>, Error> {
+    if seeds.is_empty() {
+        return Err(Error::BadUrl { url: String::new(), detail: "no seed given".into() });
+    }
+    seeds
+        .iter()
+        .map(|s| {
+            let s = s.trim();
+            let bad = |detail: String| Error::BadUrl { url: s.to_string(), detail };
+            if s.is_empty() {
+                return Err(bad("empty seed".into()));
+            }
+            let url = if s.contains("://") { s.to_string() } else { format!("redis://{s}") };
+            if !url.starts_with("redis://") {
+                return Err(bad("only redis:// (TCP) seeds name cluster nodes".into()));
+            }
+            let info = url.as_str().into_connection_info().map_err(|e| bad(e.to_string()))?;
+            match info.addr() {
+                ConnectionAddr::Tcp(host, port) if !host.is_empty() && *port != 0 => Ok(info),
+                _ => Err(bad("a seed needs a host and a port".into())),
+            }
+        })
+        .collect()
+}
+
+fn name(info: &ConnectionInfo) -> String {
+    match info.addr() {
+        ConnectionAddr::Tcp(h, p) => format!("{h}:{p}"),
+        other => other.to_string(),
+    }
+}
+
+/// Probes each seed with a plain connection: the first that answers
+/// `CLUSTER INFO` as a cluster node wins; a non-cluster server is refused
+/// by name; none answering is `Unreachable`.
+async fn probe(seeds: &[ConnectionInfo], net: Net) -> Result<(), Error> {
+    let mut last = String::from("no seed");
+    for info in seeds {
+        let node = name(info);
+        let client = redis::Client::open(info.clone())
+            .map_err(|e| Error::BadUrl { url: node.clone(), detail: e.to_string() })?;
+        let cfg = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(net.connect))
+            .set_response_timeout(Some(net.response));
+        let mut conn = match client.get_multiplexed_async_connection_with_config(&cfg).await {
+            Ok(c) => c,
+            Err(e) => {
+                last = format!("{node}: {e}");
+                continue;
+            }
+        };
+        let info: Result<String, _> = redis::cmd("CLUSTER").arg("INFO").query_async(&mut conn).await;
+        return match info {
+            Ok(text) if text.contains("cluster_state:") => Ok(()),
+            Ok(text) => Err(Error::NotCluster { node, detail: text.lines().next().unwrap_or("").to_string() }),
+            Err(e) => Err(Error::NotCluster { node, detail: e.to_string() }),
+        };
+    }
+    Err(Error::Unreachable { seeds: seeds.iter().map(name).collect::<Vec<_>>().join(","), detail: last })
+}
+
+/// A failed command.
+#[derive(Debug, Clone)]
+pub(crate) enum Failure {
+    /// Its node had not answered by the deadline.
+    Late,
+    /// Its node failed (or it was redirected more often than retries allow).
+    Node { node: String, detail: String },
+}
+
+/// Which node serves each slot, from `CLUSTER SLOTS`, patched by `MOVED`.
+#[derive(Debug)]
+struct Topology {
+    slots: Vec<Option<Arc<str>>>,
+}
+
+/// A connected cluster: our own slot map and one multiplexed connection
+/// per node.
+///
+/// Why not the crate's `ClusterConnection`: while it recovers from one dead
+/// node it holds up the commands of every node (measured on a 3-master
+/// cluster with one master killed: every read of the live masters timed
+/// out, rounds of 4 s, until the node came back). Routing here keeps a dead
+/// node's slots failing fast and the others served.
+pub(crate) struct Cluster {
+    seeds: Vec<ConnectionInfo>,
+    net: Net,
+    topo: RwLock<Topology>,
+    conns: Mutex<HashMap<Arc<str>, MultiplexedConnection>>,
+    /// Nodes whose last connection attempt failed, and when to try again:
+    /// a dead node costs each request nothing until then.
+    down: Mutex<HashMap<Arc<str>, Instant>>,
+    refreshed: Mutex<Option<Instant>>,
+}
+
+impl Cluster {
+    /// Checks the seeds and reads the slot map.
+    pub async fn open(seeds: &[String], net: Net) -> Result<Cluster, Error> {
+        let infos = parse_seeds(seeds)?;
+        probe(&infos, net).await?;
+        let cluster = Cluster {
+            seeds: infos,
+            net,
+            topo: RwLock::new(Topology { slots: vec![None; SLOTS as usize] }),
+            conns: Mutex::new(HashMap::new()),
+            down: Mutex::new(HashMap::new()),
+            refreshed: Mutex::new(None),
+        };
+        cluster.refresh().await?;
+        if cluster.masters() == 0 {
+            return Err(Error::Unreachable {
+                seeds: seeds.join(","),
+                detail: "the cluster serves no slots yet".into(),
+            });
+        }
+        Ok(cluster)
+    }
+
+    /// Masters serving slots.
+    pub fn masters(&self) -> usize {
+        let t = self.topo.read();
+        let mut m: Vec<&str> = t.slots.iter().flatten().map(|s| &**s).collect();
+        m.sort_unstable();
+        m.dedup();
+        m.len()
+    }
+
+    /// The node serving `slot`, as last seen, or `cluster`.
+    pub fn node_of(&self, slot: u16) -> String {
+        self.topo.read().slots[slot as usize].as_deref().unwrap_or("cluster").to_string()
+    }
+
+    fn node_arc(&self, slot: u16) -> Option<Arc<str>> {
+        self.topo.read().slots[slot as usize].clone()
+    }
+
+    /// A connection to `node`, made on first use.
+    async fn conn(&self, node: &Arc<str>, response: Duration) -> Result<MultiplexedConnection, String> {
+        if let Some(c) = self.conns.lock().get(node) {
+            return Ok(c.clone());
+        }
+        if let Some(until) = self.down.lock().get(node) {
+            if Instant::now() < *until {
+                return Err("down (its last connection attempt failed)".into());
+            }
+        }
+        let c = self.connect(node, response).await.inspect_err(|_| {
+            self.down.lock().insert(node.clone(), Instant::now() + Duration::from_millis(200));
+        })?;
+        self.down.lock().remove(node);
+        self.conns.lock().insert(node.clone(), c.clone());
+        Ok(c)
+    }
+
+    async fn connect(&self, node: &str, response: Duration) -> Result<MultiplexedConnection, String> {
+        let client = redis::Client::open(format!("redis://{node}")).map_err(|e| e.to_string())?;
+        let cfg = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.net.connect))
+            .set_response_timeout(Some(response));
+        client.get_multiplexed_async_connection_with_config(&cfg).await.map_err(|e| e.to_string())
+    }
+
+    /// A connection of its own to the node serving `slot`, for blocking
+    /// reads (the stream consumer) that must not hold up other commands.
+    pub async fn dedicated(&self, slot: u16, block: Duration) -> Result<MultiplexedConnection, Error> {
+        let node = self.node_of(slot);
+        self.connect(&node, block + self.net.response).await.map_err(|detail| Error::Unavailable { node, detail })
+    }
+
+    fn forget(&self, node: &Arc<str>) {
+        self.conns.lock().remove(node);
+    }
+
+    /// Runs one command per entry, each on the node serving its slot: one
+    /// pipeline per node, all nodes at once, so a batch costs one round
+    /// trip per node. `MOVED` patches the slot map and resends, `ASK`
+    /// resends to the importing node behind `ASKING`, `TRYAGAIN` /
+    /// `CLUSTERDOWN` / `LOADING` resend after 25 ms, a failed connection
+    /// resends when a fresh slot map names another node (a failover);
+    /// all within `retries` rounds and the deadline.
+    pub async fn run(&self, cmds: Vec<(u16, Cmd)>, deadline: tokio::time::Instant) -> Vec<Result<Value, Failure>> {
+        // Commands move into the pipelines; the few a round resends are
+        // cloned back out of them (a batch's rows are not copied per send).
+        let (slots, mut cmds): (Vec<u16>, Vec<Cmd>) = cmds.into_iter().unzip();
+        let mut out: Vec<Option<Result<Value, Failure>>> = vec![None; cmds.len()];
+        let mut todo: Vec<(usize, Option<Arc<str>>)> = (0..cmds.len()).map(|i| (i, None)).collect();
+        for round in 0..=self.net.retries + 1 {
+            if todo.is_empty() {
+                break;
+            }
+            let last = round == self.net.retries + 1;
+            let mut by_node: HashMap<Arc<str>, Vec<(usize, bool)>> = HashMap::new();
+            for (i, ask) in todo.drain(..) {
+                let asking = ask.is_some();
+                match ask.or_else(|| self.node_arc(slots[i])) {
+                    Some(node) => by_node.entry(node).or_default().push((i, asking)),
+                    None => {
+                        out[i] = Some(Err(Failure::Node {
+                            node: "cluster".into(),
+                            detail: format!("no node serves slot {}", slots[i]),
+                        }))
+                    }
+                }
+            }
+            let sends = by_node.into_iter().map(|(node, ix)| {
+                let mut pipe = redis::pipe();
+                let mut count = 0;
+                for &(i, asking) in &ix {
+                    if asking {
+                        pipe.cmd("ASKING");
+                        count += 1;
+                    }
+                    pipe.add_command(std::mem::take(&mut cmds[i]));
+                    count += 1;
+                }
+                async move {
+                    let r = tokio::time::timeout_at(deadline, async {
+                        let mut c = self.conn(&node, self.net.response).await?;
+                        c.req_packed_commands(&pipe, 0, count).await.map_err(|e| {
+                            self.forget(&node);
+                            e.to_string()
+                        })
+                    })
+                    .await;
+                    (node, ix, r, pipe)
+                }
+            });
+            let (mut refresh, mut pause) = (false, false);
+            let mut dead: Vec<(usize, Arc<str>)> = Vec::new();
+            let results = join_all(sends).await;
+            for (node, ix, r, pipe) in results {
+                // What a failed or redirected command is resent as: its
+                // copy in the pipeline (ASKING skipped), cloned only then.
+                let sent: Vec<&Cmd> = pipe.cmd_iter().filter(|c| !is_asking(c)).collect();
+                let mut resend = |p: usize, i: usize| {
+                    if let Some(c) = sent.get(p) {
+                        cmds[i] = (*c).clone();
+                    }
+                };
+                let values = match r {
+                    Err(_) => {
+                        ix.iter().for_each(|&(i, _)| out[i] = Some(Err(Failure::Late)));
+                        continue;
+                    }
+                    Ok(Err(detail)) => {
+                        refresh = true;
+                        for (p, &(i, _)) in ix.iter().enumerate() {
+                            out[i] = Some(Err(Failure::Node { node: node.to_string(), detail: detail.clone() }));
+                            dead.push((i, node.clone()));
+                            resend(p, i);
+                        }
+                        continue;
+                    }
+                    Ok(Ok(v)) => v,
+                };
+                let mut values = values.into_iter();
+                for (p, &(i, asking)) in ix.iter().enumerate() {
+                    if asking {
+                        values.next();
+                    }
+                    let v = values.next().unwrap_or(Value::Nil);
+                    let Value::ServerError(e) = &v else {
+                        out[i] = Some(Ok(v));
+                        continue;
+                    };
+                    let detail = e.details().unwrap_or("").to_string();
+                    out[i] =
+                        Some(Err(Failure::Node { node: node.to_string(), detail: format!("{} {detail}", e.code()) }));
+                    if last {
+                        continue;
+                    }
+                    let target = detail.split(' ').nth(1).map(Arc::<str>::from);
+                    if matches!(e.code(), "MOVED" | "ASK" | "TRYAGAIN" | "CLUSTERDOWN" | "LOADING" | "MASTERDOWN") {
+                        resend(p, i);
+                    }
+                    match e.code() {
+                        "MOVED" => {
+                            if let Some(t) = target {
+                                self.topo.write().slots[slots[i] as usize] = Some(t);
+                            }
+                            refresh = true;
+                            todo.push((i, None));
+                        }
+                        "ASK" => todo.push((i, target)),
+                        "TRYAGAIN" | "CLUSTERDOWN" | "LOADING" | "MASTERDOWN" => {
+                            pause = true;
+                            todo.push((i, None));
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            if refresh {
+                self.refresh_soon().await;
+            }
+            if !last {
+                for (i, node) in dead {
+                    if self.node_arc(slots[i]).is_some_and(|n| n != node) {
+                        todo.push((i, None));
+                    }
+                }
+            }
+            if pause && !todo.is_empty() {
+                tokio::time::sleep_until(deadline.min(tokio::time::Instant::now() + Duration::from_millis(25))).await;
+            }
+        }
+        out.into_iter().map(|o| o.unwrap_or(Err(Failure::Late))).collect()
+    }
+
+    /// Runs one command on the node serving `slot`.
+    pub async fn one(&self, slot: u16, cmd: Cmd) -> Result<Value, Error> {
+        let deadline = tokio::time::Instant::now() + self.net.response * (self.net.retries + 2);
+        match self.run(vec![(slot, cmd)], deadline).await.pop() {
+            Some(Ok(v)) => Ok(v),
+            Some(Err(Failure::Node { node, detail })) => Err(Error::Unavailable { node, detail }),
+            _ => Err(Error::Unavailable { node: self.node_of(slot), detail: "timed out".into() }),
+        }
+    }
+
+    /// Re-reads the slot map, at most every 250 ms (a storm of failed
+    /// slots asks once).
+    pub async fn refresh_soon(&self) {
+        {
+            let mut last = self.refreshed.lock();
+            if last.is_some_and(|t| t.elapsed() < Duration::from_millis(250)) {
+                return;
+            }
+            *last = Some(Instant::now());
+        }
+        let _ = self.refresh().await;
+    }
+
+    /// Asks the known nodes, then the seeds, for `CLUSTER SLOTS`; the first
+    /// answer wins.
+    async fn refresh(&self) -> Result<(), Error> {
+        let mut nodes: Vec<Arc<str>> = {
+            let t = self.topo.read();
+            let mut n: Vec<Arc<str>> = t.slots.iter().flatten().cloned().collect();
+            n.sort_unstable();
+            n.dedup();
+            n
+        };
+        nodes.extend(self.seeds.iter().map(|s| Arc::<str>::from(name(s))));
+        let mut last = String::from("no node");
+        for node in nodes {
+            let mut c = match self.conn(&node, self.net.response).await {
+                Ok(c) => c,
+                Err(e) => {
+                    last = format!("{node}: {e}");
+                    continue;
+                }
+            };
+            match redis::cmd("CLUSTER").arg("SLOTS").query_async::<Value>(&mut c).await {
+                Ok(v) => {
+                    let slots = parse_slots(v);
+                    if slots.iter().any(Option::is_some) {
+                        *self.topo.write() = Topology { slots };
+                        *self.refreshed.lock() = Some(Instant::now());
+                        return Ok(());
+                    }
+                    last = format!("{node}: serves no slots");
+                }
+                Err(e) => {
+                    self.forget(&node);
+                    last = format!("{node}: {e}");
+                }
+            }
+        }
+        Err(Error::Unavailable { node: "cluster".into(), detail: format!("CLUSTER SLOTS: {last}") })
+    }
+}
+
+fn is_asking(c: &Cmd) -> bool {
+    c.args_iter().next().is_some_and(|a| matches!(a, redis::Arg::Simple(b) if b.eq_ignore_ascii_case(b"ASKING")))
+}
+
+/// `CLUSTER SLOTS`' answer as a slot → master table.
+fn parse_slots(v: Value) -> Vec<Option<Arc<str>>> {
+    let mut slots = vec![None; SLOTS as usize];
+    let Value::Array(items) = v else { return slots };
+    for item in items {
+        let Value::Array(f) = item else { continue };
+        let (Some(Value::Int(a)), Some(Value::Int(b)), Some(Value::Array(master))) = (f.first(), f.get(1), f.get(2))
+        else {
+            continue;
+        };
+        let host = match master.first() {
+            Some(Value::BulkString(h)) => String::from_utf8_lossy(h).into_owned(),
+            Some(Value::SimpleString(h)) => h.clone(),
+            _ => continue,
+        };
+        let Some(Value::Int(port)) = master.get(1) else { continue };
+        let node: Arc<str> = format!("{host}:{port}").into();
+        let (a, b) = ((*a).clamp(0, SLOTS as i64 - 1) as usize, (*b).clamp(0, SLOTS as i64 - 1) as usize);
+        for s in &mut slots[a..=b] {
+            *s = Some(node.clone());
+        }
+    }
+    slots
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seeds_are_checked() {
+        let ok = parse_seeds(&["redis://127.0.0.1:7001".into(), "127.0.0.1:7002".into()]).unwrap();
+        assert_eq!(ok.len(), 2);
+        for bad in ["", "http://x:1", "unix:///tmp/s", "redis://", "redis://h:notaport", "rediss://h:1"] {
+            let e = parse_seeds(&[bad.to_string()]).unwrap_err();
+            assert!(matches!(e, Error::BadUrl { .. }), "{bad:?} gave {e:?}");
+        }
+        assert!(matches!(parse_seeds(&[]), Err(Error::BadUrl { .. })));
+    }
+}

@@ -1,0 +1,111 @@
+//! The tier's errors. Each says what went wrong and what to do about it,
+//! and keeps the foreign detail (the URL, the node, the server's words).
+
+/// An error of the backing tier.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A seed is not a Redis URL this tier accepts.
+    #[error("backing seed {url:?} is not a usable Redis URL ({detail}); write redis://HOST:PORT or HOST:PORT, comma-separated")]
+    BadUrl {
+        /// The seed as given.
+        url: String,
+        /// Why it was refused.
+        detail: String,
+    },
+    /// An option is out of its range.
+    #[error("backing option {name}: {detail}")]
+    BadOption {
+        /// The option's name.
+        name: &'static str,
+        /// What is wrong and what is allowed.
+        detail: String,
+    },
+    /// No seed answered.
+    #[error("no backing seed answered ({seeds}): {detail}; check that the cluster runs and the addresses are right")]
+    Unreachable {
+        /// The seeds tried, comma-separated.
+        seeds: String,
+        /// The last connection error.
+        detail: String,
+    },
+    /// A seed answered but is not a cluster node.
+    #[error("backing seed {node} is a Redis server without cluster mode ({detail}); name the nodes of a Redis Cluster (cluster-enabled yes)")]
+    NotCluster {
+        /// The seed that answered.
+        node: String,
+        /// The server's answer.
+        detail: String,
+    },
+    /// The table's metadata in the cluster disagrees with this table.
+    #[error("backing table {table:?} in the cluster has {detail}; use another table name or the same dim")]
+    Mismatch {
+        /// The table.
+        table: String,
+        /// What differs.
+        detail: String,
+    },
+    /// A node could not serve a command (down, unreachable, failing over).
+    #[error(
+        "backing_unavailable: node {node}: {detail}; the cache keeps serving its hits, retry when the node is back"
+    )]
+    Unavailable {
+        /// The node (`host:port`), or `cluster` when none can be named.
+        node: String,
+        /// The client's or the server's words.
+        detail: String,
+    },
+    /// The write-back queue stayed full past the writer's wait.
+    #[error("resource_exhausted: the write-back queue held {queued_bytes} of {limit_bytes} bytes for {waited_ms} ms; the cluster is not keeping up (see the table's backing stats)")]
+    QueueFull {
+        /// Bytes queued when the writer gave up.
+        queued_bytes: u64,
+        /// The queue's bound.
+        limit_bytes: u64,
+        /// How long the writer waited.
+        waited_ms: u64,
+    },
+    /// A flush did not empty the queue in time.
+    #[error(
+        "flush timed out with {rows} rows still queued; the cluster is not accepting writes (see errors per node)"
+    )]
+    FlushTimeout {
+        /// Rows left in the queue.
+        rows: u64,
+    },
+    /// The table is read-only in the tier.
+    #[error("backing table {table:?} is read-only; create it with --backing-mode write-through or write-back to write to the cluster")]
+    ReadOnly {
+        /// The table.
+        table: String,
+    },
+    /// A row in the cluster does not decode.
+    #[error("backing row {key} of table {table:?} is {len} bytes, the layout wants {want}; another program wrote it wrongly")]
+    BadRow {
+        /// The table.
+        table: String,
+        /// The row's key.
+        key: u64,
+        /// Its length.
+        len: usize,
+        /// The length the layout wants.
+        want: usize,
+    },
+}
+
+impl Error {
+    /// The protocol's error code name this error travels under.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Error::BadUrl { .. } | Error::BadOption { .. } | Error::Mismatch { .. } | Error::NotCluster { .. } => {
+                "invalid_argument"
+            }
+            Error::Unreachable { .. }
+            | Error::Unavailable { .. }
+            | Error::FlushTimeout { .. }
+            | Error::BadRow { .. } => "backing_unavailable",
+            Error::QueueFull { .. } => "resource_exhausted",
+            Error::ReadOnly { .. } => "invalid_argument",
+        }
+    }
+}

@@ -1,0 +1,165 @@
+//! Invalidations: the table's stream read from where it stood at
+//! subscription, other writers' entries turned into keys to drop.
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::aio::MultiplexedConnection;
+use redis::Value;
+
+use crate::error::Error;
+use crate::stats::Counters;
+use crate::tier::{now_us, Core};
+
+/// Entries per `XREAD`.
+const COUNT: usize = 512;
+/// How long one `XREAD` blocks: short, so that a consumer's owner can stop
+/// it promptly, and under the connection's answer timeout.
+const BLOCK: Duration = Duration::from_millis(100);
+
+/// One write batch of another host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Invalidation {
+    /// The keys it wrote.
+    pub keys: Vec<u64>,
+    /// Its rows' version.
+    pub version: u64,
+    /// The writer's id.
+    pub origin: u64,
+    /// When the cluster acknowledged it, µs since the Unix epoch (the
+    /// writer's clock).
+    pub acked_us: u64,
+}
+
+/// A consumer of one table's stream, on its own connection (its blocking
+/// reads never hold up the table's).
+pub struct Invalidations {
+    core: Arc<Core>,
+    /// A connection of its own to the stream's node; dropped on an error
+    /// and made again (to the node the slot map names then) on next use.
+    conn: Option<MultiplexedConnection>,
+    key: String,
+    last: String,
+}
+
+impl Invalidations {
+    pub(crate) async fn open(core: Arc<Core>) -> Result<Invalidations, Error> {
+        let key = core.layout.stream_key();
+        let slot = crate::layout::slot(core.layout.table().as_bytes());
+        let last = core
+            .cluster
+            .one(slot, redis::cmd("XREVRANGE").arg(&key).arg("+").arg("-").arg("COUNT").arg(1).clone())
+            .await?;
+        let last = entries(&last).first().map(|(id, _)| id.clone()).unwrap_or_else(|| "0-0".into());
+        Ok(Invalidations { core, conn: None, key, last })
+    }
+
+    /// The next entries of other writers, waiting up to 100 ms for one;
+    /// empty when none came. Records each entry's staleness.
+    pub async fn next(&mut self) -> Result<Vec<Invalidation>, Error> {
+        let slot = crate::layout::slot(self.core.layout.table().as_bytes());
+        let mut conn = match self.conn.take() {
+            Some(c) => c,
+            None => self.core.cluster.dedicated(slot, BLOCK).await?,
+        };
+        let v: Value = match redis::cmd("XREAD")
+            .arg("COUNT")
+            .arg(COUNT)
+            .arg("BLOCK")
+            .arg(BLOCK.as_millis() as u64)
+            .arg("STREAMS")
+            .arg(&self.key)
+            .arg(&self.last)
+            .query_async(&mut conn)
+            .await
+        {
+            Ok(v) => v,
+            Err(e) => {
+                // The stream's slot may have moved (failover, migration).
+                self.core.cluster.refresh_soon().await;
+                return Err(unavailable(&self.core, e));
+            }
+        };
+        self.conn = Some(conn);
+        let mut out = Vec::new();
+        // XREAD answers [[stream, [[id, [field, value, ...]], ...]]] (or a
+        // map of stream to entries under RESP3).
+        let streams: Vec<&Value> = match &v {
+            Value::Array(s) => s.iter().filter_map(|x| if let Value::Array(p) = x { p.get(1) } else { None }).collect(),
+            Value::Map(m) => m.iter().map(|(_, e)| e).collect(),
+            _ => Vec::new(),
+        };
+        for s in streams {
+            for (id, fields) in entries(s) {
+                self.last = id;
+                let (mut origin, mut version, mut acked_us, mut keys) = (0u64, 0u64, 0u64, Vec::new());
+                for (f, val) in fields {
+                    match f.as_slice() {
+                        b"o" => origin = parse(&val),
+                        b"v" => version = parse(&val),
+                        b"t" => acked_us = parse(&val),
+                        b"k" => {
+                            keys = val
+                                .chunks_exact(8)
+                                .map(|c| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+                                .collect()
+                        }
+                        _ => {}
+                    }
+                }
+                if origin == self.core.origin {
+                    continue;
+                }
+                self.core.counters.staleness.record(Duration::from_micros(now_us().saturating_sub(acked_us)));
+                Counters::add(&self.core.counters.invalidations, keys.len());
+                out.push(Invalidation { keys, version, origin, acked_us });
+            }
+        }
+        Ok(out)
+    }
+
+    /// Invalidations counted so far (keys).
+    pub fn count(&self) -> u64 {
+        self.core.counters.invalidations.load(Relaxed)
+    }
+}
+
+fn unavailable(core: &Core, e: redis::RedisError) -> Error {
+    let node = core.cluster.node_of(crate::layout::slot(core.layout.table().as_bytes()));
+    core.counters.node_error(&node);
+    Error::Unavailable { node, detail: format!("stream {}: {e}", core.layout.stream_key()) }
+}
+
+fn parse(v: &[u8]) -> u64 {
+    std::str::from_utf8(v).ok().and_then(|s| s.parse().ok()).unwrap_or(0)
+}
+
+fn bytes(v: &Value) -> Option<Vec<u8>> {
+    match v {
+        Value::BulkString(b) => Some(b.clone()),
+        Value::SimpleString(s) => Some(s.clone().into_bytes()),
+        _ => None,
+    }
+}
+
+/// A stream entry: its id and its (field, value) pairs.
+type Entry = (String, Vec<(Vec<u8>, Vec<u8>)>);
+
+/// `[[id, [f, v, ...]], ...]` → `(id, [(f, v)])`.
+fn entries(v: &Value) -> Vec<Entry> {
+    let Value::Array(items) = v else { return Vec::new() };
+    items
+        .iter()
+        .filter_map(|e| {
+            let Value::Array(pair) = e else { return None };
+            let id = String::from_utf8(bytes(pair.first()?)?).ok()?;
+            let fields = match pair.get(1)? {
+                Value::Array(f) => f.chunks_exact(2).filter_map(|c| Some((bytes(&c[0])?, bytes(&c[1])?))).collect(),
+                Value::Map(m) => m.iter().filter_map(|(a, b)| Some((bytes(a)?, bytes(b)?))).collect(),
+                _ => Vec::new(),
+            };
+            Some((id, fields))
+        })
+        .collect()
+}

@@ -1,0 +1,300 @@
+//! Real `redis-server` clusters for tests and benchmarks (feature `testkit`).
+//!
+//! [`TestCluster::start`] runs `masters × (1 + replicas)` `redis-server`
+//! processes on loopback ports, each in its own folder of one temporary
+//! directory, joins them with `redis-cli --cluster create … --cluster-yes`
+//! and waits until every node reports `cluster_state:ok`. Dropping the value
+//! kills every process and removes the directory. Nodes persist with an
+//! append-only file fsynced on every write, so a node killed with SIGKILL
+//! and restarted still holds every write it acknowledged: a test can then
+//! tell a lost write from the tier's own fault.
+//!
+//! Every wait here is bounded in time and says what it waited for.
+
+use std::io;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// How long a cluster may take to form or heal before a test gives up.
+const FORM_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// One `redis-server` process, alive or killed.
+struct Node {
+    port: u16,
+    dir: PathBuf,
+    child: Option<Child>,
+    cluster: bool,
+}
+
+impl Node {
+    fn spawn(&mut self) -> io::Result<()> {
+        let mut cmd = Command::new("redis-server");
+        cmd.arg("--port")
+            .arg(self.port.to_string())
+            .args(["--bind", "127.0.0.1", "--save", "", "--daemonize", "no"])
+            .args(["--appendonly", "yes", "--appendfsync", "always"])
+            .arg("--dir")
+            .arg(&self.dir)
+            .arg("--logfile")
+            .arg(self.dir.join("log"));
+        if self.cluster {
+            // A 1 s node timeout so that failover tests finish in seconds;
+            // partial coverage so that the other nodes keep serving their
+            // slots while one master is down (the daemon then reports that
+            // node, not a cluster-wide CLUSTERDOWN).
+            cmd.args(["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"])
+                .args(["--cluster-node-timeout", "1000"])
+                .args(["--cluster-require-full-coverage", "no"])
+                .args(["--cluster-allow-reads-when-down", "no"])
+                // Replicas sync at once (the default waits 5 s), so that a
+                // failover test can kill a master soon after forming.
+                .args(["--repl-diskless-sync-delay", "0"]);
+        }
+        cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null());
+        self.child = Some(cmd.spawn().map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("starting redis-server (install the redis-server package; test.sh does): {e}"),
+            )
+        })?);
+        wait_until(Duration::from_secs(10), &format!("redis-server on port {} to answer PING", self.port), || {
+            cli_output(self.port, &["ping"]).map(|o| o.contains("PONG")).unwrap_or(false)
+        })
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// A Redis Cluster of real `redis-server` processes on 127.0.0.1.
+pub struct TestCluster {
+    nodes: Vec<Node>,
+    // Declared last: dropped after the processes are killed.
+    _dir: tempfile::TempDir,
+}
+
+impl TestCluster {
+    /// Starts `masters` masters, each with `replicas` replicas, and forms
+    /// the cluster. Node `i < masters` starts as a master.
+    pub fn start(masters: usize, replicas: usize) -> io::Result<TestCluster> {
+        let dir = tempfile::Builder::new().prefix("hkv-redis-").tempdir()?;
+        let count = masters * (1 + replicas);
+        let ports = free_ports(count)?;
+        let mut nodes = Vec::with_capacity(count);
+        for (i, port) in ports.into_iter().enumerate() {
+            let node_dir = dir.path().join(format!("n{i}"));
+            std::fs::create_dir_all(&node_dir)?;
+            nodes.push(Node { port, dir: node_dir, child: None, cluster: true });
+        }
+        let mut cluster = TestCluster { nodes, _dir: dir };
+        for node in &mut cluster.nodes {
+            node.spawn()?;
+        }
+        let mut args: Vec<String> = vec!["--cluster".into(), "create".into()];
+        args.extend(cluster.nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)));
+        args.extend(["--cluster-replicas".into(), replicas.to_string(), "--cluster-yes".into()]);
+        let out = Command::new("redis-cli").args(&args).stdin(Stdio::null()).output()?;
+        if !out.status.success() {
+            return Err(io::Error::other(format!(
+                "redis-cli --cluster create failed: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            )));
+        }
+        cluster.wait_healthy()?;
+        Ok(cluster)
+    }
+
+    /// The seed URLs, `redis://127.0.0.1:PORT`, one per node.
+    pub fn seeds(&self) -> Vec<String> {
+        self.nodes.iter().map(|n| format!("redis://127.0.0.1:{}", n.port)).collect()
+    }
+
+    /// The seeds as `--backing` takes them, comma-separated.
+    pub fn seed_arg(&self) -> String {
+        self.seeds().join(",")
+    }
+
+    /// Every node's port, in start order.
+    pub fn ports(&self) -> Vec<u16> {
+        self.nodes.iter().map(|n| n.port).collect()
+    }
+
+    /// Kills node `i` with SIGKILL.
+    pub fn kill(&mut self, i: usize) {
+        self.nodes[i].kill();
+    }
+
+    /// Restarts node `i` from its folder (its `nodes.conf` and append-only
+    /// file), so it rejoins with its data.
+    pub fn restart(&mut self, i: usize) -> io::Result<()> {
+        self.nodes[i].spawn()
+    }
+
+    /// Whether node `i`'s process runs.
+    pub fn alive(&self, i: usize) -> bool {
+        self.nodes[i].child.is_some()
+    }
+
+    /// Runs `redis-cli -p PORT-of-node-i ARGS` and returns its stdout.
+    pub fn cli(&self, i: usize, args: &[&str]) -> io::Result<String> {
+        cli_output(self.nodes[i].port, args)
+    }
+
+    /// Node `i`'s cluster id.
+    pub fn node_id(&self, i: usize) -> io::Result<String> {
+        Ok(self.cli(i, &["cluster", "myid"])?.trim().to_string())
+    }
+
+    /// Whether node `i` is a master now (replicas are promoted on failover).
+    pub fn is_master(&self, i: usize) -> bool {
+        self.cli(i, &["role"]).map(|o| o.starts_with("master")).unwrap_or(false)
+    }
+
+    /// Waits until every live node says `cluster_state:ok`, they agree on
+    /// who serves all 16384 slots, and every live replica's link to its
+    /// master is up (a replica that never synced cannot take over).
+    pub fn wait_healthy(&self) -> io::Result<()> {
+        wait_until(FORM_TIMEOUT, "every live node to report cluster_state:ok and synced replicas", || {
+            self.nodes.iter().filter(|n| n.child.is_some()).all(|n| {
+                let info = cli_output(n.port, &["cluster", "info"]).unwrap_or_default();
+                let repl = cli_output(n.port, &["info", "replication"]).unwrap_or_default();
+                info.contains("cluster_state:ok")
+                    && info.contains("cluster_slots_assigned:16384")
+                    && (repl.contains("role:master") || repl.contains("master_link_status:up"))
+            }) && self.check_all_agree()
+        })
+    }
+
+    fn check_all_agree(&self) -> bool {
+        let live: Vec<&Node> = self.nodes.iter().filter(|n| n.child.is_some()).collect();
+        let Some(first) = live.first() else { return false };
+        Command::new("redis-cli")
+            .args(["--cluster", "check", &format!("127.0.0.1:{}", first.port)])
+            .stdin(Stdio::null())
+            .output()
+            .map(|o| {
+                let s = String::from_utf8_lossy(&o.stdout);
+                s.contains("[OK] All nodes agree about slots configuration.")
+                    && s.contains("[OK] All 16384 slots covered.")
+            })
+            .unwrap_or(false)
+    }
+
+    /// Moves `slots` hash slots from node `from` to node `to` with
+    /// `redis-cli --cluster reshard` (live migration, keys moved with
+    /// MIGRATE while clients keep running).
+    pub fn reshard(&self, from: usize, to: usize, slots: u32) -> io::Result<Output> {
+        let (from_id, to_id) = (self.node_id(from)?, self.node_id(to)?);
+        Command::new("redis-cli")
+            .args(["--cluster", "reshard", &format!("127.0.0.1:{}", self.nodes[from].port)])
+            .args(["--cluster-from", &from_id, "--cluster-to", &to_id])
+            .args(["--cluster-slots", &slots.to_string(), "--cluster-yes"])
+            .args(["--cluster-pipeline", "100"])
+            .stdin(Stdio::null())
+            .output()
+    }
+}
+
+impl Drop for TestCluster {
+    fn drop(&mut self) {
+        for node in &mut self.nodes {
+            node.kill();
+        }
+    }
+}
+
+/// A plain (non-cluster) `redis-server`, for tests of what a tier refuses.
+pub struct TestServer {
+    node: Node,
+    _dir: tempfile::TempDir,
+}
+
+impl TestServer {
+    /// Starts one standalone server on a free loopback port.
+    pub fn start() -> io::Result<TestServer> {
+        let dir = tempfile::Builder::new().prefix("hkv-redis-").tempdir()?;
+        let port = free_ports(1)?[0];
+        let mut node = Node { port, dir: dir.path().to_path_buf(), child: None, cluster: false };
+        node.spawn()?;
+        Ok(TestServer { node, _dir: dir })
+    }
+
+    /// `redis://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.node.port)
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        self.node.kill();
+    }
+}
+
+/// A loopback port nobody listens on (for "unreachable seed" tests).
+pub fn dead_port() -> io::Result<u16> {
+    Ok(free_ports(1)?[0])
+}
+
+/// `count` ports whose cluster bus ports (port + 10000) are free as well.
+/// The kernel picks them (bind to port 0); a port taken by someone else
+/// between this check and redis-server's bind fails that start loudly.
+fn free_ports(count: usize) -> io::Result<Vec<u16>> {
+    let mut ports = Vec::with_capacity(count);
+    let mut held = Vec::new();
+    for _ in 0..count * 50 {
+        if ports.len() == count {
+            break;
+        }
+        let l = TcpListener::bind("127.0.0.1:0")?;
+        let port = l.local_addr()?.port();
+        if port > 55_000 || ports.contains(&port) {
+            held.push(l);
+            continue;
+        }
+        if let Ok(bus) = TcpListener::bind(("127.0.0.1", port + 10_000)) {
+            ports.push(port);
+            held.push(bus);
+        }
+        held.push(l);
+    }
+    if ports.len() < count {
+        return Err(io::Error::other("no free loopback ports below 55000"));
+    }
+    Ok(ports)
+}
+
+fn cli_output(port: u16, args: &[&str]) -> io::Result<String> {
+    let out = Command::new("redis-cli")
+        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()?;
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Polls `ok` every 50 ms until it holds or `limit` has passed.
+pub fn wait_until(limit: Duration, what: &str, mut ok: impl FnMut() -> bool) -> io::Result<()> {
+    let start = Instant::now();
+    loop {
+        if ok() {
+            return Ok(());
+        }
+        if start.elapsed() > limit {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, format!("waited {limit:?} for {what}")));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Where a node keeps its files (for a test that reads a node's log).
+pub fn node_dir(cluster: &TestCluster, i: usize) -> &Path {
+    &cluster.nodes[i].dir
+}

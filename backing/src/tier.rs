@@ -1,0 +1,616 @@
+//! [`Backing`]: one table's tier in the cluster.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use crate::cluster::{Cluster, Failure, Net};
+use crate::error::Error;
+use crate::layout::{decode_row, encode_row, Layout, GROUPS_PER_MASTER, LAYOUT};
+use crate::queue::{Batch, Queue};
+use crate::stats::{Counters, Stats};
+use crate::stream::Invalidations;
+
+/// How a table writes to its tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Mode {
+    /// The cache never writes to the cluster (inference).
+    #[default]
+    ReadOnly,
+    /// A write is acknowledged after the cluster acknowledged it.
+    WriteThrough,
+    /// Writes and evictions are queued and sent in batches.
+    WriteBack,
+}
+
+impl Mode {
+    /// Every mode.
+    pub const ALL: [Mode; 3] = [Mode::ReadOnly, Mode::WriteThrough, Mode::WriteBack];
+
+    /// The mode's name as flags and configs spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::ReadOnly => "read-only",
+            Mode::WriteThrough => "write-through",
+            Mode::WriteBack => "write-back",
+        }
+    }
+}
+
+impl std::str::FromStr for Mode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Mode, Error> {
+        Mode::ALL.into_iter().find(|m| m.as_str() == s).ok_or_else(|| Error::BadOption {
+            name: "backing-mode",
+            detail: format!("{s:?} is not a mode; use read-only, write-through or write-back"),
+        })
+    }
+}
+
+/// A tier's options. [`Options::new`] gives the defaults.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Seed nodes, `redis://HOST:PORT` or `HOST:PORT`.
+    pub seeds: Vec<String>,
+    /// How writes reach the cluster.
+    pub mode: Mode,
+    /// How long a read waits for the cluster before it reports keys as not
+    /// fetched in time.
+    pub deadline: Duration,
+    /// The write-back queue's bound in bytes (row values and keys).
+    pub queue_bytes: u64,
+    /// How long a writer waits for room in a full queue.
+    pub queue_wait: Duration,
+    /// Rows per write-back batch.
+    pub batch_rows: usize,
+    /// Connecting to a node.
+    pub connect_timeout: Duration,
+    /// One command's answer.
+    pub response_timeout: Duration,
+    /// Retries of a command (redirections, reconnections).
+    pub retries: u32,
+    /// Entries the table's stream keeps (approximately).
+    pub stream_len: u64,
+}
+
+impl Options {
+    /// Defaults: 250 ms deadline, a 64 MiB queue with a 2 s wait, batches of
+    /// 4096 rows, 1 s connect, 1 s answer, 3 retries, 100 000 stream entries.
+    pub fn new(seeds: Vec<String>, mode: Mode) -> Options {
+        Options {
+            seeds,
+            mode,
+            deadline: Duration::from_millis(250),
+            queue_bytes: 64 << 20,
+            queue_wait: Duration::from_secs(2),
+            batch_rows: 4096,
+            connect_timeout: Duration::from_secs(1),
+            response_timeout: Duration::from_secs(1),
+            retries: 3,
+            stream_len: 100_000,
+        }
+    }
+
+    fn check(&self, dim: usize) -> Result<(), Error> {
+        let bad = |name, detail: String| Err(Error::BadOption { name, detail });
+        let ms = |d: Duration| d.as_millis();
+        if !(1..=60_000).contains(&ms(self.deadline)) {
+            return bad("deadline", format!("{:?}: use 1 ms to 60 s", self.deadline));
+        }
+        let entry = (16 + 4 * dim + 8) as u64;
+        if self.queue_bytes < 4 * entry || self.queue_bytes > 64 << 30 {
+            return bad(
+                "queue_bytes",
+                format!("{}: use at least 4 rows ({} bytes) and at most 64 GiB", self.queue_bytes, 4 * entry),
+            );
+        }
+        if ms(self.queue_wait) > 600_000 {
+            return bad("queue_wait", format!("{:?}: use at most 10 minutes", self.queue_wait));
+        }
+        if !(1..=1 << 20).contains(&self.batch_rows) {
+            return bad("batch_rows", format!("{}: use 1 to 1048576", self.batch_rows));
+        }
+        for (name, d) in [("connect_timeout", self.connect_timeout), ("response_timeout", self.response_timeout)] {
+            if !(1..=60_000).contains(&ms(d)) {
+                return bad(name, format!("{d:?}: use 1 ms to 60 s"));
+            }
+        }
+        if self.retries > 16 {
+            return bad("retries", format!("{}: use at most 16", self.retries));
+        }
+        if !(1..=1 << 32).contains(&dim) {
+            return bad("dim", format!("{dim}: a backed table needs dim 1 to 2^32"));
+        }
+        Ok(())
+    }
+}
+
+/// What a read found for one key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fetched {
+    /// The row, from the cluster or the write-back queue.
+    Found,
+    /// The cluster has no row for the key.
+    Absent,
+    /// Not fetched before the deadline.
+    Late,
+    /// Its node failed; the read's `errors` name it.
+    Unavailable,
+}
+
+/// A read's answer, in the order of the keys asked.
+#[derive(Debug, Clone, Default)]
+pub struct ReadOut {
+    /// Per key.
+    pub fetched: Vec<Fetched>,
+    /// `dim` floats per key, written where `Found`.
+    pub values: Vec<f32>,
+    /// Scores where `Found`.
+    pub scores: Vec<u64>,
+    /// Versions where `Found` (0 for rows still in the queue).
+    pub versions: Vec<u64>,
+    /// One error per failed node (`Error::Unavailable`), or a bad row.
+    pub errors: Vec<Error>,
+}
+
+impl ReadOut {
+    /// Keys not answered (late or unavailable).
+    pub fn unanswered(&self) -> usize {
+        self.fetched.iter().filter(|f| matches!(f, Fetched::Late | Fetched::Unavailable)).count()
+    }
+}
+
+/// The shared part of a tier: what the flusher and the handles use.
+pub(crate) struct Core {
+    pub cluster: Cluster,
+    pub layout: Layout,
+    pub mode: Mode,
+    pub options: Options,
+    pub counters: Counters,
+    pub queue: Queue,
+    /// This handle's id on the stream, so a reader skips its own writes.
+    pub origin: u64,
+    clock: AtomicU64,
+}
+
+/// Closes the queue when the last handle goes: the flusher then sends
+/// what is queued and stops.
+struct CloseOnDrop(Arc<Core>);
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        self.0.queue.close();
+    }
+}
+
+/// One table's tier in a Redis Cluster. Cheap to clone; every method runs
+/// on the tokio runtime it was opened on.
+#[derive(Clone)]
+pub struct Backing {
+    core: Arc<Core>,
+    _close: Arc<CloseOnDrop>,
+}
+
+impl std::fmt::Debug for Backing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Backing").field("table", &self.core.layout.table()).field("mode", &self.core.mode).finish()
+    }
+}
+
+impl Backing {
+    /// Connects to the cluster and opens `table` (rows of `dim` floats):
+    /// checks the seeds and options, reads the table's meta hash or writes
+    /// it (groups = 32 × masters), and in write-back mode starts the
+    /// flusher. Needs a tokio runtime with the time driver.
+    pub async fn open(table: &str, dim: usize, options: Options) -> Result<Backing, Error> {
+        options.check(dim)?;
+        if table.is_empty() || table.contains(['{', '}']) {
+            return Err(Error::BadOption {
+                name: "table",
+                detail: format!("{table:?}: a backed table's name is non-empty without braces"),
+            });
+        }
+        let net =
+            Net { connect: options.connect_timeout, response: options.response_timeout, retries: options.retries };
+        let cluster = Cluster::open(&options.seeds, net).await?;
+        let groups = meta(&cluster, table, dim).await?;
+        let layout = Layout::new(table, dim, groups);
+        let queue = Queue::new(layout.row_bytes(), options.queue_bytes, options.queue_wait);
+        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_nanos() as u64;
+        let origin = (u64::from(std::process::id()) << 40) ^ nanos;
+        let core = Arc::new(Core {
+            cluster,
+            layout,
+            mode: options.mode,
+            options,
+            counters: Counters::default(),
+            queue,
+            origin,
+            clock: AtomicU64::new(0),
+        });
+        if core.mode == Mode::WriteBack {
+            tokio::spawn(flusher(core.clone()));
+        }
+        Ok(Backing { _close: Arc::new(CloseOnDrop(core.clone())), core })
+    }
+
+    /// The table's layout in the cluster.
+    pub fn layout(&self) -> &Layout {
+        &self.core.layout
+    }
+
+    /// The table's mode.
+    pub fn mode(&self) -> Mode {
+        self.core.mode
+    }
+
+    /// Reads `keys` with the table's deadline.
+    pub async fn read(&self, keys: &[u64]) -> ReadOut {
+        self.read_by(keys, Instant::now() + self.core.options.deadline).await
+    }
+
+    /// Reads `keys`: queued rows first, the rest with one `MGET` per group,
+    /// all sent at once (the cluster connection writes the commands bound
+    /// for one node together, so a batch costs about one round trip per
+    /// node); keys whose group did not answer by `deadline` are `Late`.
+    pub async fn read_by(&self, keys: &[u64], deadline: Instant) -> ReadOut {
+        let core = &self.core;
+        let dim = core.layout.dim();
+        let start = Instant::now();
+        let mut out = ReadOut {
+            fetched: vec![Fetched::Absent; keys.len()],
+            values: vec![0.0; keys.len() * dim],
+            scores: vec![0; keys.len()],
+            versions: vec![0; keys.len()],
+            errors: Vec::new(),
+        };
+        let mut by_group: Vec<Vec<usize>> = vec![Vec::new(); core.layout.groups() as usize];
+        let queued = !core.queue.is_empty();
+        for (i, &k) in keys.iter().enumerate() {
+            if queued {
+                if let Some(e) = core.queue.lookup(k) {
+                    out.fetched[i] = Fetched::Found;
+                    out.values[i * dim..(i + 1) * dim].copy_from_slice(&e.values);
+                    out.scores[i] = e.score;
+                    Counters::add(&core.counters.found_queued, 1);
+                    continue;
+                }
+            }
+            by_group[core.layout.group(k) as usize].push(i);
+        }
+        let deadline = tokio::time::Instant::from_std(deadline);
+        let groups: Vec<(u32, &Vec<usize>)> =
+            by_group.iter().enumerate().filter(|(_, ix)| !ix.is_empty()).map(|(g, ix)| (g as u32, ix)).collect();
+        let mut key = Vec::new();
+        let cmds: Vec<(u16, redis::Cmd)> = groups
+            .iter()
+            .map(|&(g, ix)| {
+                let mut cmd = redis::cmd("MGET");
+                for &i in ix {
+                    core.layout.write_row_key(keys[i], &mut key);
+                    cmd.arg(&key[..]);
+                }
+                (core.layout.slot_of_group(g), cmd)
+            })
+            .collect();
+        let results = core.cluster.run(cmds, deadline).await;
+        let mut failed_nodes: Vec<String> = Vec::new();
+        for (&(g, ix), r) in groups.iter().zip(results) {
+            let rows = match r.map(<Vec<Option<Vec<u8>>> as redis::FromRedisValue>::from_redis_value) {
+                Ok(Ok(rows)) if rows.len() == ix.len() => rows,
+                Err(Failure::Late) => {
+                    ix.iter().for_each(|&i| out.fetched[i] = Fetched::Late);
+                    continue;
+                }
+                other => {
+                    let (node, detail) = match other {
+                        Err(Failure::Node { node, detail }) => (node, detail),
+                        Ok(Err(e)) => (core.cluster.node_of(core.layout.slot_of_group(g)), format!("MGET answer: {e}")),
+                        _ => (
+                            core.cluster.node_of(core.layout.slot_of_group(g)),
+                            "MGET answered another count of rows".into(),
+                        ),
+                    };
+                    ix.iter().for_each(|&i| out.fetched[i] = Fetched::Unavailable);
+                    core.counters.node_error(&node);
+                    if !failed_nodes.contains(&node) {
+                        failed_nodes.push(node.clone());
+                        out.errors.push(Error::Unavailable { node, detail });
+                    }
+                    continue;
+                }
+            };
+            for (&i, row) in ix.iter().zip(rows) {
+                let Some(row) = row else { continue };
+                Counters::add(&core.counters.bytes_in, row.len());
+                match decode_row(&row, &mut out.values[i * dim..(i + 1) * dim]) {
+                    Some((version, score)) => {
+                        out.fetched[i] = Fetched::Found;
+                        out.versions[i] = version;
+                        out.scores[i] = score;
+                    }
+                    None => {
+                        out.fetched[i] = Fetched::Unavailable;
+                        out.errors.push(Error::BadRow {
+                            table: core.layout.table().into(),
+                            key: keys[i],
+                            len: row.len(),
+                            want: core.layout.row_bytes(),
+                        });
+                    }
+                }
+            }
+        }
+        let c = &core.counters;
+        Counters::add(&c.keys_read, keys.len());
+        for f in &out.fetched {
+            Counters::add(
+                match f {
+                    Fetched::Found => &c.found,
+                    Fetched::Absent => &c.absent,
+                    Fetched::Late => &c.late,
+                    Fetched::Unavailable => &c.unavailable,
+                },
+                1,
+            );
+        }
+        c.fetch.record(start.elapsed());
+        out
+    }
+
+    /// Writes rows as the mode says: write-through sends them and returns
+    /// after the cluster acknowledged them (and their stream entry);
+    /// write-back queues them (waiting for room, `QueueFull` after the
+    /// queue's wait); read-only refuses. `scores` may be empty (score 0).
+    pub async fn write(&self, keys: &[u64], values: &[f32], scores: &[u64]) -> Result<(), Error> {
+        let dim = self.core.layout.dim();
+        if values.len() != keys.len() * dim || !(scores.is_empty() || scores.len() == keys.len()) {
+            return Err(Error::BadOption {
+                name: "rows",
+                detail: format!("{} keys need {} values and 0 or {} scores", keys.len(), keys.len() * dim, keys.len()),
+            });
+        }
+        match self.core.mode {
+            Mode::ReadOnly => Err(Error::ReadOnly { table: self.core.layout.table().into() }),
+            Mode::WriteThrough => {
+                let (_, mut errors) = self.core.send(keys, values, scores).await;
+                if errors.is_empty() {
+                    Ok(())
+                } else {
+                    Err(errors.swap_remove(0))
+                }
+            }
+            Mode::WriteBack => {
+                Counters::add(&self.core.counters.queued_total, keys.len());
+                let r = self.core.queue.push(keys, values, scores, dim).await;
+                if r.is_err() {
+                    Counters::add(&self.core.counters.queue_full, 1);
+                }
+                r
+            }
+        }
+    }
+
+    /// Waits until the write-back queue is empty (`FlushTimeout` naming
+    /// the rows left after `timeout`). Immediate in other modes.
+    pub async fn flush(&self, timeout: Duration) -> Result<(), Error> {
+        self.core.queue.drain(timeout).await
+    }
+
+    /// Starts reading the table's stream from its current end: what other
+    /// hosts write from now on comes back as invalidations.
+    pub async fn subscribe(&self) -> Result<Invalidations, Error> {
+        Invalidations::open(self.core.clone()).await
+    }
+
+    /// The tier's stats now.
+    pub fn stats(&self) -> Stats {
+        let c = &self.core.counters;
+        let (queue_rows, queue_bytes, oldest) = self.core.queue.window();
+        let l = |a: &AtomicU64| a.load(Relaxed);
+        Stats {
+            mode: self.core.mode.as_str().into(),
+            groups: self.core.layout.groups(),
+            keys_read: l(&c.keys_read),
+            found: l(&c.found) + l(&c.found_queued),
+            found_queued: l(&c.found_queued),
+            absent: l(&c.absent),
+            late: l(&c.late),
+            unavailable: l(&c.unavailable),
+            rows_written: l(&c.rows_written),
+            write_batches: l(&c.write_batches),
+            bytes_in: l(&c.bytes_in),
+            bytes_out: l(&c.bytes_out),
+            queue_rows,
+            queue_bytes,
+            queue_limit_bytes: if self.core.mode == Mode::WriteBack { self.core.queue.limit } else { 0 },
+            queue_oldest_ms: oldest.as_millis() as u64,
+            queued_total: l(&c.queued_total),
+            queue_full: l(&c.queue_full),
+            invalidations: l(&c.invalidations),
+            node_errors: c.node_errors.lock().clone(),
+            fetch_us: c.fetch.snapshot(),
+            write_us: c.write.snapshot(),
+            staleness_us: c.staleness.snapshot(),
+        }
+    }
+}
+
+/// Microseconds since the Unix epoch.
+pub(crate) fn now_us() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_micros() as u64
+}
+
+impl Core {
+    /// The next version: microseconds since the epoch, strictly above the
+    /// last one this handle gave.
+    fn version(&self) -> u64 {
+        let now = now_us();
+        let mut last = self.clock.load(Relaxed);
+        loop {
+            let v = now.max(last + 1);
+            match self.clock.compare_exchange_weak(last, v, Relaxed, Relaxed) {
+                Ok(_) => return v,
+                Err(l) => last = l,
+            }
+        }
+    }
+
+    /// Sends rows: one `MSET` per group, all at once, then one stream entry
+    /// naming the keys the cluster acknowledged. Returns which rows failed
+    /// and one error per failed node.
+    pub(crate) async fn send(&self, keys: &[u64], values: &[f32], scores: &[u64]) -> (Vec<bool>, Vec<Error>) {
+        let dim = self.layout.dim();
+        let start = Instant::now();
+        let version = self.version();
+        let mut by_group: Vec<Vec<usize>> = vec![Vec::new(); self.layout.groups() as usize];
+        for (i, &k) in keys.iter().enumerate() {
+            by_group[self.layout.group(k) as usize].push(i);
+        }
+        let groups: Vec<(u32, &Vec<usize>)> =
+            by_group.iter().enumerate().filter(|(_, ix)| !ix.is_empty()).map(|(g, ix)| (g as u32, ix)).collect();
+        let (mut buf, mut key) = (Vec::new(), Vec::new());
+        let cmds: Vec<(u16, redis::Cmd)> = groups
+            .iter()
+            .map(|&(g, ix)| {
+                let mut cmd = redis::cmd("MSET");
+                for &i in ix {
+                    buf.clear();
+                    encode_row(version, scores.get(i).copied().unwrap_or(0), &values[i * dim..(i + 1) * dim], &mut buf);
+                    self.layout.write_row_key(keys[i], &mut key);
+                    cmd.arg(&key[..]).arg(&buf[..]);
+                }
+                (self.layout.slot_of_group(g), cmd)
+            })
+            .collect();
+        // Writes wait for the cluster as long as a command may take (the
+        // read deadline is for reads); a row not acknowledged is failed.
+        let deadline = tokio::time::Instant::now() + self.options.response_timeout * (self.options.retries + 2);
+        let results = self.cluster.run(cmds, deadline).await;
+        let mut failed = vec![false; keys.len()];
+        let mut errors = Vec::new();
+        let mut nodes: Vec<String> = Vec::new();
+        let mut acked: Vec<u8> = Vec::with_capacity(keys.len() * 8);
+        for (&(g, ix), r) in groups.iter().zip(results) {
+            match r {
+                Ok(_) => ix.iter().for_each(|&i| acked.extend_from_slice(&keys[i].to_le_bytes())),
+                Err(f) => {
+                    ix.iter().for_each(|&i| failed[i] = true);
+                    let (node, detail) = match f {
+                        Failure::Node { node, detail } => (node, detail),
+                        Failure::Late => (self.cluster.node_of(self.layout.slot_of_group(g)), "timed out".into()),
+                    };
+                    self.counters.node_error(&node);
+                    if !nodes.contains(&node) {
+                        nodes.push(node.clone());
+                        errors.push(Error::Unavailable { node, detail });
+                    }
+                }
+            }
+        }
+        let sent = acked.len() / 8;
+        Counters::add(&self.counters.rows_written, sent);
+        Counters::add(&self.counters.bytes_out, sent * self.layout.row_bytes());
+        Counters::add(&self.counters.write_batches, 1);
+        if sent > 0 {
+            if let Err(e) = self.publish(version, &acked).await {
+                errors.push(e);
+            }
+        }
+        self.counters.write.record(start.elapsed());
+        (failed, errors)
+    }
+
+    /// Appends `{o: origin, v: version, t: ack µs, k: keys (u64 LE)}` to
+    /// the table's stream, trimmed to about `stream_len` entries.
+    async fn publish(&self, version: u64, keys: &[u8]) -> Result<(), Error> {
+        let key = self.layout.stream_key();
+        let mut cmd = redis::cmd("XADD");
+        cmd.arg(&key).arg("MAXLEN").arg("~").arg(self.options.stream_len).arg("*");
+        cmd.arg("o").arg(self.origin).arg("v").arg(version).arg("t").arg(now_us()).arg("k").arg(keys);
+        let r = self.cluster.one(crate::layout::slot(self.layout.table().as_bytes()), cmd).await;
+        r.map(drop).inspect_err(|e| {
+            if let Error::Unavailable { node, .. } = e {
+                self.counters.node_error(node);
+            }
+        })
+    }
+}
+
+/// Reads the table's meta hash, writing it first if the table is new.
+async fn meta(cluster: &Cluster, table: &str, dim: usize) -> Result<u32, Error> {
+    let key = Layout::meta_key(table);
+    let slot = crate::layout::slot(table.as_bytes());
+    let groups = GROUPS_PER_MASTER * cluster.masters().max(1) as u32;
+    // HSETNX per field: two hosts creating the table at once both end up
+    // reading the same fields back, whichever wrote each first.
+    for (f, v) in [("layout", LAYOUT as u64), ("dim", dim as u64), ("groups", u64::from(groups))] {
+        cluster.one(slot, redis::cmd("HSETNX").arg(&key).arg(f).arg(v).clone()).await?;
+    }
+    let v = cluster.one(slot, redis::cmd("HMGET").arg(&key).arg("layout").arg("dim").arg("groups").clone()).await?;
+    let (layout, stored_dim, groups): (Option<u64>, Option<u64>, Option<u64>) =
+        redis::FromRedisValue::from_redis_value(v).map_err(|e| Error::Mismatch {
+            table: table.into(),
+            detail: format!("a meta hash {key} that does not parse ({e})"),
+        })?;
+    let mismatch = |detail: String| Error::Mismatch { table: table.into(), detail };
+    if layout != Some(u64::from(LAYOUT)) {
+        return Err(mismatch(format!("layout {layout:?}, this daemon writes layout {LAYOUT}")));
+    }
+    if stored_dim != Some(dim as u64) {
+        return Err(mismatch(format!("dim {stored_dim:?}, this table has dim {dim}")));
+    }
+    match groups {
+        Some(g @ 1..=65_536) => Ok(g as u32),
+        g => Err(mismatch(format!("groups {g:?}, not 1 to 65536"))),
+    }
+}
+
+/// Batches of the write-back queue in flight at once: enough to keep every
+/// node's connection busy while one batch waits for its slowest node.
+const FLUSH_DEPTH: usize = 4;
+
+/// Sends the write-back queue, up to [`FLUSH_DEPTH`] batches at a time,
+/// until the queue is closed and empty. A failed batch goes back to the
+/// queue and is retried after a pause that doubles to 1 s.
+async fn flusher(core: Arc<Core>) {
+    use futures_util::stream::{FuturesUnordered, StreamExt};
+    let mut pause = Duration::from_millis(20);
+    let mut inflight = FuturesUnordered::new();
+    loop {
+        while inflight.len() < FLUSH_DEPTH {
+            let batch: Batch = core.queue.take(core.options.batch_rows);
+            if batch.is_empty() {
+                break;
+            }
+            inflight.push(send_batch(core.clone(), batch));
+        }
+        if inflight.is_empty() {
+            if core.queue.closed() {
+                return;
+            }
+            let _ = tokio::time::timeout(Duration::from_millis(100), core.queue.work.notified()).await;
+            continue;
+        }
+        if let Some(ok) = inflight.next().await {
+            if ok {
+                pause = Duration::from_millis(20);
+            } else {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(1));
+            }
+        }
+    }
+}
+
+/// Sends one batch and settles it; whether it all went.
+async fn send_batch(core: Arc<Core>, batch: Batch) -> bool {
+    let dim = core.layout.dim();
+    let keys: Vec<u64> = batch.iter().map(|(k, _)| *k).collect();
+    let scores: Vec<u64> = batch.iter().map(|(_, e)| e.score).collect();
+    let mut values = Vec::with_capacity(keys.len() * dim);
+    batch.iter().for_each(|(_, e)| values.extend_from_slice(&e.values));
+    let (failed, errors) = core.send(&keys, &values, &scores).await;
+    core.queue.settle(batch, &failed);
+    !failed.iter().any(|f| *f) && errors.is_empty()
+}

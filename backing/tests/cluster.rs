@@ -1,0 +1,371 @@
+//! The tier against real `redis-server` clusters on loopback ports: what
+//! is written reads back bit for bit, the write-back queue drains, a node
+//! killed mid-load, a failover, a live slot migration, a deadline, and
+//! hostile options. Every loop is bounded in count and time.
+
+use std::time::{Duration, Instant};
+
+use hkv_backing::testkit::{dead_port, TestCluster, TestServer};
+use hkv_backing::{Backing, Error, Fetched, Mode, Options};
+
+const DIM: usize = 8;
+
+/// A row's values, a function of key and generation, with awkward bit
+/// patterns (negative zero, subnormals, NaN payloads) that must survive.
+fn row(key: u64, gen: u32) -> Vec<f32> {
+    (0..DIM as u64)
+        .map(|j| match (key + j) % 5 {
+            0 => -0.0,
+            1 => f32::from_bits(1 + (key as u32 ^ gen)),
+            2 => f32::from_bits(0x7fc0_0000 | (key as u32 & 0xffff)),
+            _ => (key as f32) * 0.5 + j as f32 + gen as f32,
+        })
+        .collect()
+}
+
+fn rows(keys: &[u64], gen: u32) -> Vec<f32> {
+    keys.iter().flat_map(|&k| row(k, gen)).collect()
+}
+
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+fn options(c: &TestCluster, mode: Mode) -> Options {
+    Options::new(c.seeds(), mode)
+}
+
+/// Runs blocking test-kit work (processes, sleeps) off the async workers.
+fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    tokio::task::block_in_place(f)
+}
+
+fn cluster(masters: usize, replicas: usize) -> TestCluster {
+    TestCluster::start(masters, replicas)
+        .expect("start a redis-server cluster (is redis-server installed? test.sh installs it)")
+}
+
+/// Reads `keys` until every one is answered or `limit` passes.
+async fn read_all(b: &Backing, keys: &[u64], limit: Duration) -> hkv_backing::ReadOut {
+    let start = Instant::now();
+    loop {
+        let out = b.read(keys).await;
+        if out.unanswered() == 0 || start.elapsed() > limit {
+            return out;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_returns_what_was_written_bit_for_bit() {
+    let c = cluster(3, 0);
+    let b = Backing::open("emb", DIM, options(&c, Mode::WriteThrough)).await.unwrap();
+    assert_eq!(b.layout().groups(), 96, "32 groups per master");
+    let keys: Vec<u64> = (0..5000u64).map(|i| i * 7919 + 3).collect();
+    let scores: Vec<u64> = keys.iter().map(|k| k ^ 0xabcd).collect();
+    b.write(&keys, &rows(&keys, 1), &scores).await.unwrap();
+
+    let mut asked = keys.clone();
+    asked.extend([1u64, 2, u64::MAX - 9]); // never written
+    let out = b.read(&asked).await;
+    assert!(out.errors.is_empty(), "{:?}", out.errors);
+    for (i, &k) in asked.iter().enumerate() {
+        if i < keys.len() {
+            assert_eq!(out.fetched[i], Fetched::Found, "key {k}");
+            assert!(same_bits(&out.values[i * DIM..(i + 1) * DIM], &row(k, 1)), "key {k}");
+            assert_eq!(out.scores[i], scores[i]);
+            assert!(out.versions[i] > 0);
+        } else {
+            assert_eq!(out.fetched[i], Fetched::Absent, "key {k}");
+        }
+    }
+    // The rows are spread: every node holds some of the table.
+    for i in 0..3 {
+        let n: u64 = c.cli(i, &["dbsize"]).unwrap().trim().parse().unwrap();
+        assert!(n > 1000, "node {i} holds {n} keys");
+    }
+    let s = b.stats();
+    assert_eq!((s.found, s.absent, s.rows_written), (5000, 3, 5000));
+    assert!(s.fetch_us.count() >= 1 && s.bytes_in == 5000 * (16 + 4 * DIM as u64));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_back_is_visible_while_queued_and_drains() {
+    let c = cluster(3, 0);
+    let b = Backing::open("wb", DIM, options(&c, Mode::WriteBack)).await.unwrap();
+    let keys: Vec<u64> = (1..=20_000u64).collect();
+    for chunk in keys.chunks(2000) {
+        b.write(chunk, &rows(chunk, 2), &[]).await.unwrap();
+    }
+    // Whatever has or has not been sent yet, reads see the newest rows.
+    let out = b.read(&keys[..3000]).await;
+    assert!(out.fetched.iter().all(|f| *f == Fetched::Found));
+    assert!(same_bits(&out.values, &rows(&keys[..3000], 2)));
+    b.flush(Duration::from_secs(20)).await.unwrap();
+    let s = b.stats();
+    assert_eq!((s.queue_rows, s.queue_bytes, s.rows_written), (0, 0, 20_000));
+    assert!(s.queue_limit_bytes > 0);
+    // A fresh handle (nothing queued) reads the same rows from the cluster.
+    let fresh = Backing::open("wb", DIM, options(&c, Mode::ReadOnly)).await.unwrap();
+    let out = fresh.read(&keys).await;
+    assert!(out.fetched.iter().all(|f| *f == Fetched::Found));
+    assert!(same_bits(&out.values, &rows(&keys, 2)));
+    assert!(matches!(fresh.write(&keys[..1], &row(1, 0), &[]).await, Err(Error::ReadOnly { .. })));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_killed_and_restarted_mid_load() {
+    let mut c = cluster(3, 0);
+    let mut o = options(&c, Mode::WriteThrough);
+    o.deadline = Duration::from_secs(2);
+    let wt = Backing::open("crash", DIM, o.clone()).await.unwrap();
+    let mut wbo = o.clone();
+    wbo.mode = Mode::WriteBack;
+    wbo.queue_bytes = 256 << 10;
+    wbo.queue_wait = Duration::from_millis(300);
+    let wb = Backing::open("crash_wb", DIM, wbo).await.unwrap();
+    let victim = format!("127.0.0.1:{}", c.ports()[1]);
+
+    let mut acked: Vec<u64> = Vec::new();
+    let mut named_victim = false;
+    let mut refused = 0;
+    let (mut wb_acked, mut queue_full) = (Vec::new(), false);
+    for round in 0..40u64 {
+        if round == 10 {
+            blocking(|| c.kill(1));
+        }
+        if round == 30 {
+            blocking(|| c.restart(1)).unwrap();
+        }
+        let keys: Vec<u64> = (round * 500..(round + 1) * 500).collect();
+        match wt.write(&keys, &rows(&keys, 3), &[]).await {
+            Ok(()) => acked.extend(&keys),
+            Err(Error::Unavailable { node, .. }) => {
+                named_victim |= node == victim;
+                refused += 1;
+            }
+            Err(e) => panic!("write-through gave {e:?}"),
+        }
+        match wb.write(&keys, &rows(&keys, 4), &[]).await {
+            Ok(()) => wb_acked.extend(&keys),
+            Err(Error::QueueFull { .. }) => queue_full = true,
+            Err(e) => panic!("write-back gave {e:?}"),
+        }
+        // The live nodes keep serving reads meanwhile.
+        let out = wt.read(&acked[acked.len().saturating_sub(200)..]).await;
+        assert!(out.fetched.iter().all(|f| matches!(f, Fetched::Found | Fetched::Unavailable | Fetched::Late)));
+        for e in &out.errors {
+            assert!(matches!(e, Error::Unavailable { node, .. } if *node == victim), "round {round}: {e:?}");
+        }
+    }
+    assert!(refused > 0 && named_victim, "writes to the dead node were refused naming it ({refused} refused)");
+    assert!(queue_full, "the write-back queue filled while a node was down and refused with resource_exhausted");
+    blocking(|| c.wait_healthy()).unwrap();
+    // Nothing acknowledged is lost: the node persisted every write it
+    // acknowledged (appendfsync always), the queue kept what it could not send.
+    wb.flush(Duration::from_secs(30)).await.unwrap();
+    let out = read_all(&wt, &acked, Duration::from_secs(10)).await;
+    assert!(out.fetched.iter().all(|f| *f == Fetched::Found), "{:?}", out.errors);
+    assert!(same_bits(&out.values, &rows(&acked, 3)));
+    let out = read_all(&wb, &wb_acked, Duration::from_secs(10)).await;
+    assert!(out.fetched.iter().all(|f| *f == Fetched::Found), "{:?}", out.errors);
+    assert!(same_bits(&out.values, &rows(&wb_acked, 4)));
+    let s = wt.stats();
+    assert!(s.node_errors.get(&victim).copied().unwrap_or(0) > 0, "{:?}", s.node_errors);
+    assert_eq!(wb.stats().queue_rows, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn master_failover_with_replicas() {
+    let mut c = cluster(3, 1);
+    let b = Backing::open("fo", DIM, options(&c, Mode::WriteThrough)).await.unwrap();
+    let keys: Vec<u64> = (0..6000u64).collect();
+    b.write(&keys, &rows(&keys, 5), &[]).await.unwrap();
+    // Replication is asynchronous: give the replicas the rows before the
+    // master dies (the tier does not ask for WAIT).
+    blocking(|| std::thread::sleep(Duration::from_millis(500)));
+    let replicas: Vec<usize> = (0..6).filter(|&i| !c.is_master(i)).collect();
+    assert_eq!(replicas.len(), 3, "3 masters, 3 replicas");
+    let victim = (0..6).find(|&i| c.is_master(i)).unwrap();
+    blocking(|| c.kill(victim));
+    blocking(|| {
+        hkv_backing::testkit::wait_until(Duration::from_secs(30), "a replica to take over", || {
+            replicas.iter().any(|&i| c.is_master(i))
+        })
+    })
+    .unwrap();
+    let out = read_all(&b, &keys, Duration::from_secs(20)).await;
+    assert!(out.fetched.iter().all(|f| *f == Fetched::Found), "{:?}", out.errors);
+    assert!(same_bits(&out.values, &rows(&keys, 5)));
+    // Writes go to the new master.
+    let mut ok = false;
+    for _ in 0..50 {
+        if b.write(&keys, &rows(&keys, 6), &[]).await.is_ok() {
+            ok = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(ok, "writes resume after the failover");
+    let out = read_all(&b, &keys, Duration::from_secs(10)).await;
+    assert!(same_bits(&out.values, &rows(&keys, 6)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slot_migration_during_reads_and_writes() {
+    let c = cluster(3, 0);
+    let b = Backing::open("mig", DIM, options(&c, Mode::WriteThrough)).await.unwrap();
+    let keys: Vec<u64> = (0..8000u64).collect();
+    b.write(&keys, &rows(&keys, 7), &[]).await.unwrap();
+    let seeds = c.ports();
+    let resharding = std::thread::spawn(move || {
+        // A second handle on the same processes: reshard 2000 slots live.
+        let out = std::process::Command::new("redis-cli")
+            .args(["--cluster", "reshard", &format!("127.0.0.1:{}", seeds[0])])
+            .args(["--cluster-from", &node_id(seeds[0]), "--cluster-to", &node_id(seeds[1])])
+            .args(["--cluster-slots", "2000", "--cluster-yes", "--cluster-pipeline", "50"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+    });
+    let start = Instant::now();
+    let (mut rounds, mut hiccups) = (0u32, 0u32);
+    let mut gen = 7;
+    while !resharding.is_finished() && start.elapsed() < Duration::from_secs(120) && rounds < 10_000 {
+        let chunk = &keys[(rounds as usize * 400) % 8000..][..400];
+        // Never a wrong row: each read is the row of the current or the
+        // previous generation (a write may fail mid-migration).
+        let out = b.read(chunk).await;
+        for (i, &k) in chunk.iter().enumerate() {
+            if out.fetched[i] == Fetched::Found {
+                let v = &out.values[i * DIM..(i + 1) * DIM];
+                assert!((7..=gen).any(|g| same_bits(v, &row(k, g))), "key {k} read a row it was never given");
+            }
+        }
+        hiccups += out.unanswered() as u32;
+        gen += 1;
+        if b.write(&keys, &rows(&keys, gen), &[]).await.is_err() {
+            hiccups += 1;
+        }
+        rounds += 1;
+    }
+    resharding.join().unwrap();
+    blocking(|| c.wait_healthy()).unwrap();
+    b.write(&keys, &rows(&keys, gen + 1), &[]).await.unwrap();
+    let out = read_all(&b, &keys, Duration::from_secs(10)).await;
+    assert!(out.fetched.iter().all(|f| *f == Fetched::Found));
+    assert!(same_bits(&out.values, &rows(&keys, gen + 1)));
+    eprintln!("migration: {rounds} rounds of reads and writes, {hiccups} keys or writes retried");
+    assert!(rounds > 0);
+}
+
+fn node_id(port: u16) -> String {
+    let out =
+        std::process::Command::new("redis-cli").args(["-p", &port.to_string(), "cluster", "myid"]).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_reports_late_keys_and_serves_the_rest() {
+    let c = cluster(3, 0);
+    let mut o = options(&c, Mode::WriteThrough);
+    o.deadline = Duration::from_millis(150);
+    o.response_timeout = Duration::from_secs(5);
+    let b = Backing::open("slow", DIM, o).await.unwrap();
+    let keys: Vec<u64> = (0..3000u64).collect();
+    b.write(&keys, &rows(&keys, 8), &[]).await.unwrap();
+    // Node 2 stops answering clients for 1.5 s.
+    blocking(|| c.cli(2, &["client", "pause", "1500", "ALL"])).unwrap();
+    let t = Instant::now();
+    let out = b.read(&keys).await;
+    assert!(t.elapsed() < Duration::from_millis(1000), "the read returned at its deadline, not when the node woke");
+    let late = out.fetched.iter().filter(|f| **f == Fetched::Late).count();
+    let found = out.fetched.iter().filter(|f| **f == Fetched::Found).count();
+    assert!(late > 300 && found > 1000 && late + found == keys.len(), "late {late} found {found}");
+    for (i, f) in out.fetched.iter().enumerate() {
+        if *f == Fetched::Found {
+            assert!(same_bits(&out.values[i * DIM..(i + 1) * DIM], &row(keys[i], 8)));
+        }
+    }
+    assert_eq!(b.stats().late, late as u64);
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    assert_eq!(read_all(&b, &keys, Duration::from_secs(5)).await.unanswered(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalidations_reach_other_handles_with_their_staleness() {
+    let c = cluster(3, 0);
+    let a = Backing::open("shared", DIM, options(&c, Mode::WriteThrough)).await.unwrap();
+    let b = Backing::open("shared", DIM, options(&c, Mode::ReadOnly)).await.unwrap();
+    let mut on_a = a.subscribe().await.unwrap();
+    let mut on_b = b.subscribe().await.unwrap();
+    let mut written = Vec::new();
+    for round in 0..20u64 {
+        let keys: Vec<u64> = (round * 50..round * 50 + 50).collect();
+        a.write(&keys, &rows(&keys, 9), &[]).await.unwrap();
+        written.extend(keys);
+    }
+    let mut seen = Vec::new();
+    let start = Instant::now();
+    while seen.len() < written.len() && start.elapsed() < Duration::from_secs(10) {
+        for inv in on_b.next().await.unwrap() {
+            assert!(inv.version > 0 && inv.acked_us > 0);
+            seen.extend(inv.keys);
+        }
+    }
+    // Within a batch keys come in group order; batches come in order.
+    assert_eq!(seen.len(), written.len());
+    for (s, w) in seen.chunks(50).zip(written.chunks(50)) {
+        let mut s = s.to_vec();
+        s.sort_unstable();
+        assert_eq!(s, w, "every acknowledged write reached the other handle, batch by batch");
+    }
+    assert!(on_a.next().await.unwrap().is_empty(), "a handle skips its own writes");
+    let s = b.stats();
+    assert_eq!(s.invalidations, written.len() as u64);
+    assert_eq!(s.staleness_us.count(), 20);
+    assert!(s.staleness_us.quantile_us(0.99) < 1_000_000, "{:?}", s.staleness_us);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_options_get_clear_errors() {
+    let open = |seeds: Vec<String>| Backing::open("h", DIM, Options::new(seeds, Mode::WriteThrough));
+    for bad in ["", "http://127.0.0.1:1", "redis://", "127.0.0.1:notaport", "unix:///tmp/x"] {
+        assert!(matches!(open(vec![bad.into()]).await, Err(Error::BadUrl { .. })), "{bad:?}");
+    }
+    let dead = format!("127.0.0.1:{}", dead_port().unwrap());
+    match open(vec![dead.clone()]).await {
+        Err(e @ Error::Unreachable { .. }) => assert_eq!(e.code(), "backing_unavailable"),
+        other => panic!("{other:?}"),
+    }
+    let plain = blocking(TestServer::start).unwrap();
+    match open(vec![plain.url()]).await {
+        Err(Error::NotCluster { node, .. }) => assert!(plain.url().ends_with(&node), "{node}"),
+        other => panic!("{other:?}"),
+    }
+    let c = cluster(3, 0);
+    // A dead seed before a live one: the live one serves.
+    let mut seeds = vec![dead];
+    seeds.extend(c.seeds());
+    Backing::open("h", DIM, Options::new(seeds, Mode::WriteThrough)).await.unwrap();
+    assert!(matches!(Backing::open("h", DIM + 1, options(&c, Mode::ReadOnly)).await, Err(Error::Mismatch { .. })));
+    assert!(matches!("write-sideways".parse::<Mode>(), Err(Error::BadOption { name: "backing-mode", .. })));
+    for tweak in [
+        (|o: &mut Options| o.deadline = Duration::ZERO) as fn(&mut Options),
+        |o| o.queue_bytes = 10,
+        |o| o.batch_rows = 0,
+        |o| o.retries = 1000,
+        |o| o.response_timeout = Duration::from_secs(3600),
+    ] {
+        let mut o = options(&c, Mode::WriteBack);
+        tweak(&mut o);
+        assert!(matches!(Backing::open("h2", DIM, o).await, Err(Error::BadOption { .. })));
+    }
+    assert!(matches!(
+        Backing::open("a{b}", DIM, options(&c, Mode::ReadOnly)).await,
+        Err(Error::BadOption { name: "table", .. })
+    ));
+    let b = Backing::open("h", DIM, options(&c, Mode::WriteThrough)).await.unwrap();
+    assert!(matches!(b.write(&[1, 2], &[0.0; DIM], &[]).await, Err(Error::BadOption { .. })));
+}

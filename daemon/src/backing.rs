@@ -1,0 +1,499 @@
+//! Glue between the daemon and `hkv-backing` (issue 34): each backed
+//! table's tier, opened when the table is created (so that a bad URL, dead
+//! seeds or a non-cluster server refuse `create-table`), drained when it is
+//! dropped or the daemon stops, its stats for the stats document.
+//!
+//! The tiers run on a runtime of their own (one worker thread, made on the
+//! first backed table): their connections and the write-back flusher never
+//! run on the request executor, and a request awaits a tier through a
+//! `JoinHandle`. The request path reaches this module only through the
+//! calls marked `HOOK(backing)` in `router/mod.rs`; when the request path
+//! becomes one typed pipeline they move to its create / drop steps.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use hkv_backing::{Backing, Fetched, Mode, Options, ReadOut};
+use hkv_proto::{BackingMode, BackingSpec, ErrorCode, ProtoError, Request, Response, TableSpec, WriteOp};
+use hkv_shard::ScorePolicy;
+use parking_lot::RwLock;
+
+use crate::router::{FindAnswer, Router, Table};
+
+/// How long dropping a table or stopping the daemon waits for a table's
+/// write-back queue to drain.
+pub const DRAIN: Duration = Duration::from_secs(10);
+
+/// Every backed table's tier, by table name.
+#[derive(Default)]
+pub struct Tiers {
+    rt: OnceLock<tokio::runtime::Runtime>,
+    tables: RwLock<HashMap<String, Arc<Entry>>>,
+}
+
+/// One backed table: its tier, the keys its cache answered itself, and
+/// the keys other hosts wrote since its last request.
+struct Entry {
+    backing: Backing,
+    hits: AtomicU64,
+    /// Filled by the table's stream consumer, emptied (erased from the
+    /// cache) at the start of the table's next request: a read never sees
+    /// a row another host's acknowledged write replaced, once this host
+    /// has received the write.
+    invalid: Arc<parking_lot::Mutex<Vec<u64>>>,
+    consumer: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Entry {
+    fn drop(&mut self) {
+        self.consumer.abort();
+    }
+}
+
+/// Reads the table's stream for as long as the table lives, retrying
+/// every 200 ms while its node is down.
+async fn consume(backing: Backing, invalid: Arc<parking_lot::Mutex<Vec<u64>>>) {
+    let mut inv = None;
+    loop {
+        if inv.is_none() {
+            inv = backing.subscribe().await.ok();
+        }
+        let Some(i) = inv.as_mut() else {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        };
+        match i.next().await {
+            Ok(batches) => batches.into_iter().for_each(|b| invalid.lock().extend(b.keys)),
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+}
+
+/// A backed table's stats: the cache's hits beside the tier's own.
+#[derive(Debug, Clone)]
+pub struct TableStats {
+    /// Keys of reads the cache answered (hits).
+    pub hits: u64,
+    /// The tier's counters (`found` = filled from the cluster).
+    pub tier: hkv_backing::Stats,
+}
+
+impl Drop for Tiers {
+    fn drop(&mut self) {
+        // Dropped on the executor at exit: a runtime may not block there.
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// The tier's options from a table's spec.
+pub fn options(spec: &BackingSpec) -> Options {
+    let mode = match spec.mode {
+        BackingMode::ReadOnly => Mode::ReadOnly,
+        BackingMode::WriteThrough => Mode::WriteThrough,
+        BackingMode::WriteBack => Mode::WriteBack,
+    };
+    let mut o = Options::new(spec.seeds.clone(), mode);
+    if let Some(ms) = spec.deadline_ms {
+        o.deadline = Duration::from_millis(ms);
+    }
+    if let Some(b) = spec.queue_bytes {
+        o.queue_bytes = b;
+    }
+    o
+}
+
+/// A tier's error as a wire error: the user's mistakes are `bad_request`,
+/// the cluster's faults `backing_unavailable`, a full queue
+/// `resource_exhausted`.
+pub fn wire(e: hkv_backing::Error) -> ProtoError {
+    let code = match e.code() {
+        "resource_exhausted" => ErrorCode::ResourceExhausted,
+        "backing_unavailable" => ErrorCode::BackingUnavailable,
+        _ => ErrorCode::BadRequest,
+    };
+    ProtoError::new(code, e.to_string())
+}
+
+impl Tiers {
+    fn rt(&self) -> Result<&tokio::runtime::Runtime, ProtoError> {
+        if let Some(rt) = self.rt.get() {
+            return Ok(rt);
+        }
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("hkvd-backing")
+            .enable_all()
+            .build()
+            .map_err(|e| ProtoError::new(ErrorCode::Internal, format!("starting the backing tier's runtime: {e}")))?;
+        Ok(self.rt.get_or_init(|| rt))
+    }
+
+    /// Runs `f` on the tiers' runtime and waits for it.
+    async fn on_rt<T: Send + 'static>(
+        &self,
+        f: impl std::future::Future<Output = T> + Send + 'static,
+    ) -> Result<T, ProtoError> {
+        self.rt()?
+            .spawn(f)
+            .await
+            .map_err(|e| ProtoError::new(ErrorCode::Internal, format!("the backing tier's task failed: {e}")))
+    }
+
+    /// HOOK(backing) of create-table: opens the tier of a spec that names
+    /// one (nothing for one that does not). Refuses the table when the
+    /// cluster cannot be opened.
+    pub async fn open(&self, spec: &TableSpec) -> Result<(), ProtoError> {
+        let Some(b) = &spec.backing else { return Ok(()) };
+        let (name, dim, o) = (spec.name.clone(), spec.dim, options(b));
+        let backing = self.on_rt(async move { Backing::open(&name, dim, o).await }).await?.map_err(wire)?;
+        let invalid = Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let consumer = self.rt()?.spawn(consume(backing.clone(), invalid.clone()));
+        let entry = Entry { backing, hits: AtomicU64::new(0), invalid, consumer };
+        self.tables.write().insert(spec.name.clone(), Arc::new(entry));
+        Ok(())
+    }
+
+    /// HOOK(backing) of drop-table (and of a create that failed after
+    /// `open`): drains the table's queue, then forgets the tier.
+    pub async fn close(&self, name: &str) -> Result<(), ProtoError> {
+        let Some(e) = self.tables.write().remove(name) else { return Ok(()) };
+        let b = e.backing.clone();
+        self.on_rt(async move { b.flush(DRAIN).await }).await?.map_err(wire)
+    }
+
+    /// The tier of `name`, if it is backed.
+    pub fn get(&self, name: &str) -> Option<Backing> {
+        self.tables.read().get(name).map(|e| e.backing.clone())
+    }
+
+    /// Keys other hosts wrote since the table's last request.
+    fn take_invalid(&self, name: &str) -> Vec<u64> {
+        self.tables.read().get(name).map(|e| std::mem::take(&mut *e.invalid.lock())).unwrap_or_default()
+    }
+
+    fn count_hits(&self, name: &str, n: usize) {
+        if let Some(e) = self.tables.read().get(name) {
+            e.hits.fetch_add(n as u64, Relaxed);
+        }
+    }
+
+    /// Fetches the keys `miss` indexes from the cluster and inserts the
+    /// rows found into the cache (under its admission rules); the answer
+    /// is per missed key. Keys not answered (a node down, the deadline)
+    /// fail the request by name: never a made-up row.
+    async fn fill(
+        &self,
+        router: &Router,
+        t: &Table,
+        tier: &Backing,
+        table: &str,
+        keys: &[u64],
+        miss: &[usize],
+    ) -> Result<ReadOut, ProtoError> {
+        if miss.is_empty() {
+            return Ok(ReadOut::default());
+        }
+        let mk: Vec<u64> = miss.iter().map(|&i| keys[i]).collect();
+        let b = tier.clone();
+        let out = self.on_rt(async move { b.read(&mk).await }).await?;
+        if out.unanswered() > 0 {
+            return Err(match out.errors.first() {
+                Some(e) => wire(e.clone()),
+                None => ProtoError::new(
+                    ErrorCode::Timeout,
+                    format!(
+                        "{} keys of table {table:?} were not fetched from its cluster within the deadline",
+                        out.unanswered()
+                    ),
+                ),
+            });
+        }
+        let d = t.config.dim;
+        let filled: Vec<usize> = (0..miss.len()).filter(|&j| out.fetched[j] == Fetched::Found).collect();
+        if !filled.is_empty() {
+            let scores =
+                (t.config.policy == ScorePolicy::Custom).then(|| filled.iter().map(|&j| out.scores[j]).collect());
+            let fill_keys = filled.iter().map(|&j| keys[miss[j]]).collect();
+            let fill_values = filled.iter().flat_map(|&j| out.values[j * d..(j + 1) * d].iter().copied()).collect();
+            router.write(t, WriteOp::InsertOrAssign, fill_keys, fill_values, scores, false).await?;
+        }
+        Ok(out)
+    }
+
+    /// Writes rows to the table's tier as its mode says.
+    async fn write(
+        &self,
+        tier: &Backing,
+        keys: Vec<u64>,
+        values: Vec<f32>,
+        scores: Vec<u64>,
+    ) -> Result<(), ProtoError> {
+        if keys.is_empty() {
+            return Ok(());
+        }
+        let b = tier.clone();
+        self.on_rt(async move { b.write(&keys, &values, &scores).await }).await?.map_err(wire)
+    }
+
+    /// `hkvctl flush TABLE`: waits until the table's write-back queue is empty.
+    pub async fn flush(&self, name: &str, timeout: Duration) -> Result<(), ProtoError> {
+        let Some(b) = self.get(name) else { return Ok(()) };
+        self.on_rt(async move { b.flush(timeout).await }).await?.map_err(wire)
+    }
+
+    /// SIGTERM: drains every table's queue; the error names the tables
+    /// whose rows did not all reach the cluster.
+    pub async fn flush_all(&self, timeout: Duration) -> Result<(), ProtoError> {
+        let all: Vec<(String, Backing)> =
+            self.tables.read().iter().map(|(n, e)| (n.clone(), e.backing.clone())).collect();
+        let mut failed = Vec::new();
+        for (name, b) in all {
+            if let Err(e) = self.on_rt(async move { b.flush(timeout).await }).await? {
+                failed.push(format!("{name}: {e}"));
+            }
+        }
+        if failed.is_empty() {
+            Ok(())
+        } else {
+            Err(ProtoError::new(ErrorCode::BackingUnavailable, failed.join("; ")))
+        }
+    }
+
+    /// Each backed table's stats.
+    pub fn stats(&self) -> Vec<(String, TableStats)> {
+        let mut v: Vec<_> = self
+            .tables
+            .read()
+            .iter()
+            .map(|(n, e)| (n.clone(), TableStats { hits: e.hits.load(Relaxed), tier: e.backing.stats() }))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    }
+}
+
+/// HOOK(backing) of every table request on a backed table: reads fill
+/// their misses from the cluster in the same request, writes reach the
+/// cluster as the table's mode says, the rest runs as on any table.
+pub async fn execute(router: &Router, tier: Backing, req: Request) -> Result<Response, ProtoError> {
+    let tiers = &router.backing;
+    if let Some(table) = req.table() {
+        let mut stale = tiers.take_invalid(table);
+        if !stale.is_empty() {
+            stale.sort_unstable();
+            stale.dedup();
+            router.erase(&*router.table(table)?, stale, false).await?;
+        }
+    }
+    match req {
+        Request::Find { table, keys, scores } => {
+            let t = router.table(&table)?;
+            // With scores the answer is a plain `Response::Find` the misses
+            // can be written into (the framed form is written in place).
+            let FindAnswer { mut found, mut values, scores: got } = router.find_rows(&t, keys.clone(), true).await?;
+            let mut got = got.unwrap_or_default();
+            refresh(router, &t, &keys, &found).await?;
+            let miss: Vec<usize> = (0..keys.len()).filter(|&i| found[i] == 0).collect();
+            tiers.count_hits(&table, keys.len() - miss.len());
+            let rows = tiers.fill(router, &t, &tier, &table, &keys, &miss).await?;
+            for (j, &i) in miss.iter().enumerate() {
+                if rows.fetched[j] == Fetched::Found {
+                    found[i] = 1;
+                    let d = t.config.dim;
+                    values[i * d..(i + 1) * d].copy_from_slice(&rows.values[j * d..(j + 1) * d]);
+                    if let Some(s) = got.get_mut(i) {
+                        *s = rows.scores[j];
+                    }
+                }
+            }
+            Ok(Response::Find { found, values, scores: scores.then_some(std::mem::take(&mut got)) })
+        }
+        Request::Contains { table, keys } => {
+            let t = router.table(&table)?;
+            let mut found = router.contains(&t, keys.clone()).await?;
+            let miss: Vec<usize> = (0..keys.len()).filter(|&i| found[i] == 0).collect();
+            tiers.count_hits(&table, keys.len() - miss.len());
+            let rows = tiers.fill(router, &t, &tier, &table, &keys, &miss).await?;
+            for (j, &i) in miss.iter().enumerate() {
+                if rows.fetched[j] == Fetched::Found {
+                    found[i] = 1;
+                }
+            }
+            Ok(Response::Contains { found })
+        }
+        // find_or_insert reads through on every backed table; other
+        // writes reach the cluster unless the table is read-only.
+        Request::Write { op, table, keys, values, scores, outcomes }
+            if op == WriteOp::FindOrInsert || tier.mode() != Mode::ReadOnly =>
+        {
+            let t = router.table(&table)?;
+            match op {
+                WriteOp::FindOrInsert => {
+                    // Rows the cluster has win over the request's initial
+                    // values: fill the misses first, then insert the rest
+                    // here and in the cluster.
+                    let found = router.find_rows(&t, keys.clone(), true).await?.found;
+                    let miss: Vec<usize> = (0..keys.len()).filter(|&i| found[i] == 0).collect();
+                    tiers.count_hits(&table, keys.len() - miss.len());
+                    let rows = tiers.fill(router, &t, &tier, &table, &keys, &miss).await?;
+                    let d = t.config.dim;
+                    let new: Vec<usize> = miss
+                        .iter()
+                        .zip(&rows.fetched)
+                        .filter(|(_, f)| **f == Fetched::Absent)
+                        .map(|(&i, _)| i)
+                        .collect();
+                    let nk: Vec<u64> = new.iter().map(|&i| keys[i]).collect();
+                    let nv: Vec<f32> = new.iter().flat_map(|&i| values[i * d..(i + 1) * d].iter().copied()).collect();
+                    let ns: Vec<u64> = scores.as_ref().map(|s| new.iter().map(|&i| s[i]).collect()).unwrap_or_default();
+                    if tier.mode() != Mode::ReadOnly {
+                        tiers.write(&tier, nk, nv, ns).await?;
+                    }
+                    router.write(&t, op, keys, values, scores, outcomes).await.map(Into::into)
+                }
+                WriteOp::AccumOrAssign => {
+                    // The cluster gets the rows as they are after the deltas.
+                    let r = router.write(&t, op, keys.clone(), values, scores, outcomes).await?;
+                    let FindAnswer { found, values, scores: got } = router.find_rows(&t, keys.clone(), true).await?;
+                    let d = t.config.dim;
+                    let have: Vec<usize> = (0..keys.len()).filter(|&i| found[i] == 1).collect();
+                    let got = got.unwrap_or_default();
+                    tiers
+                        .write(
+                            &tier,
+                            have.iter().map(|&i| keys[i]).collect(),
+                            have.iter().flat_map(|&i| values[i * d..(i + 1) * d].iter().copied()).collect(),
+                            have.iter().map(|&i| got.get(i).copied().unwrap_or(0)).collect(),
+                        )
+                        .await?;
+                    Ok(r.into())
+                }
+                _ => {
+                    // The cluster first: a write it refuses is not applied
+                    // here either (write-through), or waits in the queue
+                    // (write-back). Every row the cache holds is then also
+                    // in the cluster or the queue, so what the cache evicts
+                    // is never lost.
+                    tiers.write(&tier, keys.clone(), values.clone(), scores.clone().unwrap_or_default()).await?;
+                    router.write(&t, op, keys, values, scores, outcomes).await.map(Into::into)
+                }
+            }
+        }
+        other => router.execute_local(other).await,
+    }
+}
+
+/// On a backed table a find hit refreshes its row's score (lru and lfu
+/// tables; today only writes do elsewhere), so an inference cache keeps its
+/// hot rows.
+async fn refresh(router: &Router, t: &Table, keys: &[u64], found: &[u8]) -> Result<(), ProtoError> {
+    if t.config.policy == ScorePolicy::Custom {
+        return Ok(());
+    }
+    let hits: Vec<u64> = keys.iter().zip(found).filter(|(_, f)| **f == 1).map(|(k, _)| *k).collect();
+    if hits.is_empty() {
+        return Ok(());
+    }
+    router.assign_scores(t, hits, None, false).await.map(drop)
+}
+
+/// A table's stats as the stats document carries them.
+pub fn wire_stats(s: &TableStats) -> hkv_proto::stats::BackingStats {
+    let t = &s.tier;
+    hkv_proto::stats::BackingStats {
+        mode: t.mode.clone(),
+        hits: s.hits,
+        filled: t.found,
+        absent: t.absent,
+        late: t.late,
+        unavailable: t.unavailable,
+        rows_written: t.rows_written,
+        bytes_in: t.bytes_in,
+        bytes_out: t.bytes_out,
+        queue_rows: t.queue_rows,
+        queue_bytes: t.queue_bytes,
+        queue_limit_bytes: t.queue_limit_bytes,
+        queue_oldest_ms: t.queue_oldest_ms,
+        queue_full: t.queue_full,
+        invalidations: t.invalidations,
+        node_errors: t.node_errors.clone(),
+        fetch_p50_us: t.fetch_us.quantile_us(0.5),
+        fetch_p99_us: t.fetch_us.quantile_us(0.99),
+        staleness_p50_us: t.staleness_us.quantile_us(0.5),
+        staleness_p99_us: t.staleness_us.quantile_us(0.99),
+    }
+}
+
+/// The backed tables' lines of the Prometheus text.
+pub fn prometheus(o: &mut String, d: &hkv_proto::stats::Stats) {
+    use std::fmt::Write;
+    type Get = fn(&hkv_proto::stats::BackingStats) -> u64;
+    let series: [(&str, &str, &str, Get); 11] = [
+        ("backing_hits_total", "counter", "Read keys the cache answered.", |b| b.hits),
+        ("backing_filled_total", "counter", "Read keys filled from the cluster.", |b| b.filled),
+        ("backing_absent_total", "counter", "Read keys absent from cache and cluster.", |b| b.absent),
+        ("backing_late_total", "counter", "Read keys not fetched within the deadline.", |b| b.late),
+        ("backing_unavailable_total", "counter", "Read keys whose node failed.", |b| b.unavailable),
+        ("backing_rows_written_total", "counter", "Rows written to the cluster.", |b| b.rows_written),
+        ("backing_bytes_in_total", "counter", "Row bytes read from the cluster.", |b| b.bytes_in),
+        ("backing_bytes_out_total", "counter", "Row bytes written to the cluster.", |b| b.bytes_out),
+        ("backing_queue_rows", "gauge", "Rows in the write-back queue.", |b| b.queue_rows),
+        ("backing_queue_bytes", "gauge", "Bytes in the write-back queue.", |b| b.queue_bytes),
+        ("backing_queue_oldest_ms", "gauge", "Age of the oldest queued row.", |b| b.queue_oldest_ms),
+    ];
+    for (name, kind, help, get) in series {
+        let _ = writeln!(o, "# HELP hkvd_{name} {help}\n# TYPE hkvd_{name} {kind}");
+        for t in &d.tables {
+            if let Some(b) = &t.backing {
+                let _ = writeln!(o, "hkvd_{name}{{table=\"{}\"}} {}", t.spec.name, get(b));
+            }
+        }
+    }
+    let _ = writeln!(
+        o,
+        "# HELP hkvd_backing_node_errors_total Errors per cluster node.\n# TYPE hkvd_backing_node_errors_total counter"
+    );
+    for t in &d.tables {
+        for (node, n) in t.backing.iter().flat_map(|b| &b.node_errors) {
+            let _ = writeln!(o, "hkvd_backing_node_errors_total{{table=\"{}\",node=\"{node}\"}} {n}", t.spec.name);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The daemon's TOML names a table's backing as the protocol does.
+    #[test]
+    fn toml_tables_name_their_backing() {
+        let c: crate::config::Config = toml::from_str(
+            r#"
+            [[table]]
+            name = "emb"
+            dim = 16
+            capacity = 4096
+            backing = { seeds = ["redis://127.0.0.1:7001", "127.0.0.1:7002"], mode = "write-back", queue_bytes = 1048576 }
+            [[table]]
+            name = "plain"
+            dim = 4
+            capacity = 1024
+            "#,
+        )
+        .unwrap();
+        let b = c.tables[0].backing.as_ref().unwrap();
+        assert_eq!(b.mode, BackingMode::WriteBack);
+        assert_eq!(b.seeds.len(), 2);
+        let o = options(b);
+        assert_eq!((o.mode, o.queue_bytes), (Mode::WriteBack, 1 << 20));
+        assert!(c.tables[1].backing.is_none());
+        let bad = toml::from_str::<crate::config::Config>(
+            "[[table]]\nname = \"x\"\ndim = 1\ncapacity = 1\nbacking = { seeds = [], mode = \"sideways\" }",
+        );
+        assert!(bad.unwrap_err().to_string().contains("sideways"));
+    }
+}

@@ -1,0 +1,135 @@
+//! Tables backed by a real Redis Cluster (issue 34): create-table opens the
+//! tier and refuses what cannot be opened, with an error code per cause;
+//! a table without backing behaves as before.
+
+mod common;
+
+use common::Daemon;
+use hkv_backing::testkit::{dead_port, TestCluster, TestServer};
+use hkv_client::{BackingMode, BackingSpec, ErrorCode, TableSpec};
+
+fn backed(name: &str, seeds: &str, mode: BackingMode) -> TableSpec {
+    TableSpec { backing: Some(BackingSpec::from_list(seeds, mode)), ..TableSpec::new(name, 4, 4096) }
+}
+
+#[test]
+fn create_table_opens_the_cluster_or_says_why_not() {
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let plain = TestServer::start().unwrap();
+    let d = Daemon::start(&[]);
+    let mut c = d.client();
+    let refused = |c: &mut hkv_client::Client, spec: TableSpec| c.create_table(spec).unwrap_err().code();
+
+    assert_eq!(refused(&mut c, backed("a", "http://127.0.0.1:1", BackingMode::ReadOnly)), Some(ErrorCode::BadRequest));
+    assert_eq!(refused(&mut c, backed("a", "", BackingMode::ReadOnly)), Some(ErrorCode::BadRequest));
+    let dead = format!("127.0.0.1:{}", dead_port().unwrap());
+    assert_eq!(refused(&mut c, backed("a", &dead, BackingMode::WriteThrough)), Some(ErrorCode::BackingUnavailable));
+    assert_eq!(refused(&mut c, backed("a", &plain.url(), BackingMode::WriteThrough)), Some(ErrorCode::BadRequest));
+    let mut tiny = backed("a", &cluster.seed_arg(), BackingMode::WriteBack);
+    tiny.backing.as_mut().unwrap().queue_bytes = Some(1);
+    assert_eq!(refused(&mut c, tiny), Some(ErrorCode::BadRequest));
+    // Nothing refused was created.
+    assert!(c.tables().unwrap().is_empty());
+
+    let info = c.create_table(backed("a", &cluster.seed_arg(), BackingMode::WriteBack)).unwrap();
+    assert_eq!(info.spec.backing.as_ref().map(|b| b.mode), Some(BackingMode::WriteBack));
+    // The table's meta hash is in the cluster now: another program can
+    // find the table's layout.
+    let meta = (0..3).map(|i| cluster.cli(i, &["hgetall", "hkv:{a}:meta"]).unwrap()).collect::<String>();
+    assert!(meta.contains("groups") && meta.contains("dim"), "{meta}");
+    // Same name, other dim in the cluster: refused by the tier.
+    c.drop_table("a").unwrap();
+    let other_dim = TableSpec {
+        backing: Some(BackingSpec::from_list(&cluster.seed_arg(), BackingMode::ReadOnly)),
+        ..TableSpec::new("a", 8, 4096)
+    };
+    assert_eq!(refused(&mut c, other_dim), Some(ErrorCode::BadRequest));
+
+    // A table without backing behaves as today.
+    c.create_table(TableSpec::new("plain", 2, 1024)).unwrap();
+    c.insert_or_assign("plain", &[1, 2], &[1.0, 2.0, 3.0, 4.0], None).unwrap();
+    assert!(c.tables().unwrap().iter().all(|t| t.spec.name != "plain" || t.spec.backing.is_none()));
+}
+
+/// Two daemons share one cluster: what A writes (write-through) B reads
+/// through on a miss, bit for bit; a key in neither is absent; an
+/// eviction on A loses nothing (the row comes back from the cluster).
+#[test]
+fn two_daemons_share_a_table_through_the_cluster() {
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
+    let (mut ca, mut cb) = (a.client(), b.client());
+    // A small cache on A: 3 shards × 128 slots, so most of 5000 rows are evicted.
+    ca.create_table(TableSpec {
+        backing: Some(BackingSpec::from_list(&cluster.seed_arg(), BackingMode::WriteThrough)),
+        ..TableSpec::new("emb", 4, 384)
+    })
+    .unwrap();
+    cb.create_table(backed("emb", &cluster.seed_arg(), BackingMode::ReadOnly)).unwrap();
+    let keys: Vec<u64> = (1..=5000u64).collect();
+    let values: Vec<f32> = keys.iter().flat_map(|&k| [k as f32, -(k as f32), f32::from_bits(k as u32), 0.25]).collect();
+    for (kc, vc) in keys.chunks(500).zip(values.chunks(500 * 4)) {
+        ca.insert_or_assign("emb", kc, vc, None).unwrap();
+    }
+    for c in [&mut ca, &mut cb] {
+        let f = c.find("emb", &keys).unwrap();
+        assert!(f.found.iter().all(|f| *f), "every written key is found (cache or cluster)");
+        assert!(f.values.iter().zip(&values).all(|(x, y)| x.to_bits() == y.to_bits()), "rows bit for bit");
+    }
+    // Filled rows are now in B's cache: a second find hits.
+    assert!(cb.find("emb", &keys[..100]).unwrap().found.iter().all(|f| *f));
+    assert_eq!(cb.find("emb", &[900_000, 900_001]).unwrap().found, vec![false, false], "absent in both");
+    assert_eq!(cb.contains("emb", &[1, 900_002]).unwrap(), vec![true, false]);
+    // The stats document says where B's reads were answered.
+    let s: hkv_client::proto::stats::Stats = serde_json::from_value(cb.stats().unwrap()).unwrap();
+    let b = s.tables.iter().find(|t| t.spec.name == "emb").and_then(|t| t.backing.clone()).unwrap();
+    assert_eq!((b.mode.as_str(), b.absent), ("read-only", 3), "{b:?}");
+    assert!(b.filled >= 5000 && b.hits > 0 && b.bytes_in > 0, "{b:?}");
+    // A writes again: B, which caches those rows now, drops them when A's
+    // stream entry arrives and reads the new rows through.
+    ca.insert_or_assign("emb", &keys[..100], &vec![0.5; 400], None).unwrap();
+    let start = std::time::Instant::now();
+    loop {
+        let f = cb.find("emb", &keys[..100]).unwrap();
+        if f.values.iter().all(|v| *v == 0.5) {
+            break;
+        }
+        assert!(start.elapsed() < std::time::Duration::from_secs(5), "B still serves A's old rows");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // find_or_insert on B: a key the cluster has comes back with the
+    // cluster's row, not the request's initial value.
+    let (_, got) = cb.find_or_insert("emb", &[4999, 8_000_000], &[9.0; 8], None).unwrap();
+    assert_eq!(&got[..4], &values[4998 * 4..4999 * 4]);
+    assert_eq!(&got[4..], &[9.0; 4]);
+    // B is read-only: its writes stay in its cache.
+    cb.insert_or_assign("emb", &[7_000_000], &[1.0; 4], None).unwrap();
+    assert_eq!(ca.find("emb", &[7_000_000]).unwrap().found, vec![false]);
+}
+
+/// A write-back table: writes are answered before the cluster has them,
+/// read back from the queue meanwhile, and dropping the table drains the
+/// queue, so another daemon then reads every row.
+#[test]
+fn write_back_rows_reach_the_cluster_by_drop_table() {
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
+    let (mut ca, mut cb) = (a.client(), b.client());
+    ca.create_table(TableSpec {
+        backing: Some(BackingSpec::from_list(&cluster.seed_arg(), BackingMode::WriteBack)),
+        ..TableSpec::new("wb", 4, 384)
+    })
+    .unwrap();
+    let keys: Vec<u64> = (1..=3000u64).collect();
+    let values: Vec<f32> = keys.iter().flat_map(|&k| [k as f32, 1.0, 2.0, 3.0]).collect();
+    for (kc, vc) in keys.chunks(300).zip(values.chunks(300 * 4)) {
+        ca.insert_or_assign("wb", kc, vc, None).unwrap();
+    }
+    // Most rows were evicted from A's 384 slots; none is lost.
+    let f = ca.find("wb", &keys).unwrap();
+    assert!(f.found.iter().all(|x| *x) && f.values == values);
+    ca.drop_table("wb").unwrap();
+    cb.create_table(backed("wb", &cluster.seed_arg(), BackingMode::ReadOnly)).unwrap();
+    let f = cb.find("wb", &keys).unwrap();
+    assert!(f.found.iter().all(|x| *x) && f.values == values);
+}
