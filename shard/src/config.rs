@@ -23,16 +23,36 @@ pub enum ScorePolicy {
     EpochLfu,
     /// Score = the caller's value, verbatim.
     Custom,
+    /// A window-TinyLFU inside each bucket with an adaptive window (issue
+    /// 36): score = tier bit (63: main, clear: window) over the clock in
+    /// ns. Newcomers enter the window; when a full bucket's window is over
+    /// its share, its oldest entry must beat the oldest main entry in a
+    /// count-min frequency sketch to move to the main part, else it goes.
+    /// The window's share follows ghost hits (ARC's rule). See `cpu::adapt`.
+    Adaptive,
 }
 
 impl ScorePolicy {
     /// Every policy, in a fixed order (tests, CLIs).
-    pub const ALL: [ScorePolicy; 5] =
-        [ScorePolicy::Lru, ScorePolicy::Lfu, ScorePolicy::EpochLru, ScorePolicy::EpochLfu, ScorePolicy::Custom];
+    pub const ALL: [ScorePolicy; 6] = [
+        ScorePolicy::Lru,
+        ScorePolicy::Lfu,
+        ScorePolicy::EpochLru,
+        ScorePolicy::EpochLfu,
+        ScorePolicy::Custom,
+        ScorePolicy::Adaptive,
+    ];
 
     /// Whether callers may pass scores to insert-like operations.
     pub fn takes_scores(self) -> bool {
-        !matches!(self, ScorePolicy::Lru | ScorePolicy::EpochLru)
+        !matches!(self, ScorePolicy::Lru | ScorePolicy::EpochLru | ScorePolicy::Adaptive)
+    }
+
+    /// Whether `find` hits refresh scores when the table does not say
+    /// (`TableConfig::reads_refresh`): only for Adaptive, so that the
+    /// paper's policies keep HKV's semantics (a find touches no score).
+    pub fn reads_refresh_default(self) -> bool {
+        self == ScorePolicy::Adaptive
     }
 
     /// The name used in configs and on the command line.
@@ -43,6 +63,7 @@ impl ScorePolicy {
             ScorePolicy::EpochLru => "epoch-lru",
             ScorePolicy::EpochLfu => "epoch-lfu",
             ScorePolicy::Custom => "custom",
+            ScorePolicy::Adaptive => "adaptive",
         }
     }
 }
@@ -53,7 +74,7 @@ impl std::str::FromStr for ScorePolicy {
         ScorePolicy::ALL
             .into_iter()
             .find(|p| p.name() == s)
-            .ok_or_else(|| Error::Config(format!("unknown policy {s:?}; use lru, lfu, epoch-lru, epoch-lfu or custom")))
+            .ok_or_else(|| Error::Config(format!("unknown policy {s:?}; use lru, lfu, epoch-lru, epoch-lfu, custom or adaptive")))
     }
 }
 
@@ -146,6 +167,11 @@ pub struct TableConfig {
     /// fixed Lfu is what they should get. `lowest-slot` is for users who
     /// need the reference library's scores and victims.
     pub lfu_ties: LfuTies,
+    /// Whether `find` hits refresh the found entries' scores as a write
+    /// would (Lru, EpochLru, Adaptive: the clock; Lfu, EpochLfu: one more
+    /// access) and, for Adaptive, count in its frequency sketch. `None`:
+    /// the policy's default ([`ScorePolicy::reads_refresh_default`]).
+    pub reads_refresh: Option<bool>,
 }
 
 /// Tuning of the CUDA backend's kernel choice, for benchmarks: the
@@ -211,6 +237,7 @@ impl Default for TableConfig {
             mode: BucketMode::Single,
             fast_tier_bytes: None,
             lfu_ties: LfuTies::Lru,
+            reads_refresh: None,
         }
     }
 }
@@ -237,6 +264,17 @@ impl TableConfig {
     pub fn lfu_ties(mut self, ties: LfuTies) -> Self {
         self.lfu_ties = ties;
         self
+    }
+
+    /// Builder: whether find hits refresh scores (`None`: the policy's default).
+    pub fn reads_refresh(mut self, on: Option<bool>) -> Self {
+        self.reads_refresh = on;
+        self
+    }
+
+    /// Whether find hits refresh scores in this table.
+    pub fn refreshes_reads(&self) -> bool {
+        self.reads_refresh.unwrap_or_else(|| self.policy.reads_refresh_default())
     }
 
     /// Builder: set the maximum capacity (enables growth when above capacity).

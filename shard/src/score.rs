@@ -8,6 +8,7 @@
 //! | EpochLru | epoch << 32 \| (now >> 20) as u32 | same | score >= bucket minimum |
 //! | EpochLfu | epoch << 32 \| increment as u32 | epoch << 32 \| sat32(low + increment) | score >= bucket minimum |
 //! | Custom | caller's score | caller's score | score >= bucket minimum |
+//! | Adaptive | now (ns), window tier | tier kept, now | always into the window; the window's oldest entry is admitted to the main tier by the frequency sketch (`cpu::adapt`) |
 //!
 //! Update-only operations (`assign`, `assign_scores`) without scores keep the
 //! stored score for Lfu, EpochLfu and Custom, and refresh it for Lru and EpochLru.
@@ -47,6 +48,9 @@ pub fn lfu_frequency(score: u64, ties: LfuTies) -> u64 {
 pub fn lfu_stamp(score: u64) -> u64 {
     score & STAMP_MASK
 }
+
+/// Adaptive: the bit that marks an entry of the main tier (clear: window).
+pub const ADAPTIVE_MAIN: u64 = 1 << 63;
 
 /// A source of nanoseconds for Lru and EpochLru scores.
 pub trait Clock: Send + Sync + std::fmt::Debug {
@@ -124,6 +128,7 @@ pub fn resume_after(policy: ScorePolicy, ties: LfuTies, max_score: u64, clock: &
     match policy {
         ScorePolicy::Lfu if ties == LfuTies::Lru => clock.advance_to((lfu_stamp(max_score) + 1) << 20),
         ScorePolicy::Lru => clock.advance_to(max_score.saturating_add(1)),
+        ScorePolicy::Adaptive => clock.advance_to((max_score & !ADAPTIVE_MAIN).saturating_add(1)),
         ScorePolicy::EpochLru => {
             epoch.fetch_max((max_score >> 32) as u32, Ordering::Relaxed);
             clock.advance_to(((max_score & 0xffff_ffff) + 1) << 20);
@@ -168,6 +173,7 @@ impl Scorer {
     pub fn on_insert(&self, input: Option<u64>) -> u64 {
         match self.policy {
             ScorePolicy::Lru => self.now_ns,
+            ScorePolicy::Adaptive => self.now_ns & !ADAPTIVE_MAIN,
             ScorePolicy::Lfu => self.lfu(input.unwrap_or(1)),
             ScorePolicy::EpochLru => self.epoch_hi() | ((self.now_ns >> 20) & 0xffff_ffff),
             ScorePolicy::EpochLfu => self.epoch_hi() | (input.unwrap_or(1) & 0xffff_ffff),
@@ -181,7 +187,7 @@ impl Scorer {
     #[inline]
     pub fn admission(&self, insert_score: u64) -> u64 {
         match self.policy {
-            ScorePolicy::Lfu | ScorePolicy::Lru => u64::MAX,
+            ScorePolicy::Lfu | ScorePolicy::Lru | ScorePolicy::Adaptive => u64::MAX,
             _ => insert_score,
         }
     }
@@ -192,6 +198,7 @@ impl Scorer {
     pub fn on_upsert(&self, old: u64, input: Option<u64>) -> u64 {
         match self.policy {
             ScorePolicy::Lru | ScorePolicy::EpochLru | ScorePolicy::Custom => self.on_insert(input),
+            ScorePolicy::Adaptive => (old & ADAPTIVE_MAIN) | self.on_insert(None),
             ScorePolicy::Lfu => self.lfu(lfu_frequency(old, self.lfu_ties).saturating_add(input.unwrap_or(1))),
             ScorePolicy::EpochLfu => self.epoch_lfu_add(old, input.unwrap_or(1)),
         }
@@ -207,11 +214,23 @@ impl Scorer {
         }
     }
 
+    /// Score of an entry a `find` hit in a table whose reads refresh
+    /// (`TableConfig::refreshes_reads`): what a write without input would
+    /// give it (the clock; one more access for the counting policies);
+    /// Custom scores belong to the caller and stay.
+    #[inline]
+    pub fn on_read(&self, old: u64) -> u64 {
+        match self.policy {
+            ScorePolicy::Custom => old,
+            _ => self.on_upsert(old, None),
+        }
+    }
+
     /// The lowest score a write made from now on can get, for policies whose
     /// scores grow with time; 0 for Lfu and Custom (see `Shard::clock_score`).
     pub fn clock_floor(&self) -> u64 {
         match self.policy {
-            ScorePolicy::Lru | ScorePolicy::EpochLru => self.on_insert(None),
+            ScorePolicy::Lru | ScorePolicy::EpochLru | ScorePolicy::Adaptive => self.on_insert(None),
             ScorePolicy::EpochLfu => self.epoch_hi(),
             ScorePolicy::Lfu | ScorePolicy::Custom => 0,
         }

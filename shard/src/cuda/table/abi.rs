@@ -115,6 +115,7 @@ pub(super) fn policy_code(p: ScorePolicy) -> u32 {
         ScorePolicy::EpochLru => 2,
         ScorePolicy::EpochLfu => 3,
         ScorePolicy::Custom => 4,
+        ScorePolicy::Adaptive => 5,
     }
 }
 
