@@ -237,11 +237,6 @@ impl Adapt {
         }
     }
 
-    /// The window's share, in slots of the whole table (export, tests).
-    pub(crate) fn target(&self) -> i64 {
-        self.target.load(Relaxed)
-    }
-
     /// How a full bucket with tiers `t` makes room for a newcomer; `key_of`
     /// reads a slot's key.
     #[inline]
@@ -259,5 +254,63 @@ impl Adapt {
             (Some((c, _)), None) => Room::Evict { slot: c, window: true },
             (None, None) => unreachable!("a full bucket has entries"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The sketch counts, saturates at 15 and halves at the period's end.
+    #[test]
+    fn sketch_counts_saturates_and_ages() {
+        let a = Adapt::new(128, 128);
+        for _ in 0..20 {
+            a.count(7);
+        }
+        assert_eq!(a.frequency(7), COUNTER_MAX);
+        assert_eq!(a.frequency(8), 0);
+        for k in 0..(10 * 128) {
+            a.count(1_000_000 + k);
+        }
+        a.age();
+        assert_eq!(a.frequency(7), COUNTER_MAX / 2);
+    }
+
+    /// Ghost hits move the window's share: a window ghost grows it, a main
+    /// ghost shrinks it; a key without a ghost moves nothing.
+    #[test]
+    fn ghosts_move_the_window_share() {
+        let a = Adapt::new(128 * 64, 128 * 64);
+        let w0 = a.target.load(Relaxed);
+        a.on_miss(5);
+        assert_eq!(a.target.load(Relaxed), w0);
+        a.on_evict(5, true);
+        a.on_miss(5);
+        assert!(a.target.load(Relaxed) > w0);
+        let w1 = a.target.load(Relaxed);
+        a.on_miss(5);
+        assert_eq!(a.target.load(Relaxed), w1, "a ghost counts once");
+        a.on_evict(6, false);
+        a.on_miss(6);
+        assert!(a.target.load(Relaxed) < w1);
+        assert_eq!(a.window_slots(), 64);
+    }
+
+    /// A full bucket's choice: the window candidate must beat the oldest
+    /// main entry; under its share the window grows at main's cost.
+    #[test]
+    fn room_follows_the_window_rule() {
+        let a = Adapt::new(128, 128);
+        let scores: Vec<(usize, u64)> =
+            (0..128).map(|s| (s, if s < 64 { 100 + s as u64 } else { ADAPTIVE_MAIN | s as u64 })).collect();
+        let t = Tiers::of(scores.iter().copied());
+        assert_eq!((t.window, t.oldest_window, t.oldest_main), (64, Some((0, 100)), Some((64, ADAPTIVE_MAIN | 64))));
+        let key = |s: usize| s as u64 + 1;
+        assert_eq!(a.room(&t, key), Room::Evict { slot: 0, window: true }, "ties keep the main entry");
+        a.count(1);
+        assert_eq!(a.room(&t, key), Room::Promote { promote: 0, slot: 64 });
+        let small = Tiers { window: 3, ..t };
+        assert_eq!(a.room(&small, key), Room::Evict { slot: 64, window: false });
     }
 }
