@@ -205,6 +205,11 @@ pub struct TableSpec {
     /// restores as `lowest-slot`, the rule its tables had).
     #[serde(default)]
     pub lfu_ties: LfuTies,
+    /// Whether `find` hits refresh scores (and count in the adaptive
+    /// policy's sketch); absent: the policy's default (on for `adaptive`,
+    /// off for the others, whose finds touch no score as in HKV).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reads_refresh: Option<bool>,
 }
 
 impl TableSpec {
@@ -221,6 +226,7 @@ impl TableSpec {
             max_load_factor: None,
             hash: None,
             lfu_ties: LfuTies::Lru,
+            reads_refresh: None,
         }
     }
 }
@@ -297,8 +303,12 @@ pub enum Policy {
     /// Scores given by the client.
     #[serde(rename = "custom")]
     Custom,
+    /// A window-TinyLFU per bucket whose window share adapts (issue 36):
+    /// frequent keys survive scans, recent ones survive bursts.
+    #[serde(rename = "adaptive")]
+    Adaptive,
 }
-names!(Policy, "policy", { Lru = "lru", Lfu = "lfu", EpochLru = "epoch-lru", EpochLfu = "epoch-lfu", Custom = "custom", });
+names!(Policy, "policy", { Lru = "lru", Lfu = "lfu", EpochLru = "epoch-lru", EpochLfu = "epoch-lfu", Custom = "custom", Adaptive = "adaptive", });
 
 /// A table's bucket mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]

@@ -435,16 +435,21 @@ class Client:
     def create_table(self, name: str, dim: int, capacity: int, policy: str = "lru", mode: str = "single",
                      max_capacity: int = 0, fast_tier_bytes: Optional[int] = None,
                      num_buckets: Optional[int] = None, hash_kind: str = "fingerprint64",
-                     hash_key=(0, 0), lfu_ties: Optional[str] = None) -> dict:
+                     hash_key=(0, 0), lfu_ties: Optional[str] = None,
+                     reads_refresh: Optional[bool] = None) -> dict:
         """Creates a table; ``num_buckets`` (with ``hash_kind``) sets the hash
         feature requests use when they name none; ``lfu_ties`` ("lru", the
-        daemon's default, or "lowest-slot") the lfu tie rule."""
+        daemon's default, or "lowest-slot") the lfu tie rule;
+        ``reads_refresh`` whether find hits refresh scores (None: the
+        policy's default, on for "adaptive" only)."""
         spec = {"name": name, "dim": dim, "capacity": capacity, "max_capacity": max_capacity,
                 "policy": policy, "mode": mode, "fast_tier_bytes": fast_tier_bytes}
         if num_buckets is not None:
             spec["hash"] = {"kind": hash_kind, "num_buckets": num_buckets, "key": list(hash_key)}
         if lfu_ties is not None:
             spec["lfu_ties"] = lfu_ties
+        if reads_refresh is not None:
+            spec["reads_refresh"] = bool(reads_refresh)
         info = self._json(OP_CREATE_TABLE, spec)
         self._dims[name] = dim
         return info

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Replays every trace of traces.py through hkv-sim at the capacities of
 # reference.py (1-50 % of distinct keys, whole buckets) for lru, lfu and
-# adaptive; prints CSV rows trace,percent,capacity,policy,hit_percent.
+# adaptive (or $POLICIES); prints CSV rows trace,percent,capacity,policy,hit_percent.
 #   shard/bench/run-hkv-sim.sh TRACE_DIR [trace ...] > hkvd.csv
 set -euo pipefail
 dir=$1; shift
@@ -15,7 +15,7 @@ d = len(np.unique(np.fromfile(sys.argv[1], dtype="<u8")))
 print(",".join(str(max(128, -(-int(d * p / 100) // 128) * 128)) for p in [1, 2, 5, 10, 25, 50]))
 PY
 )
-  "$sim" --trace "$dir/$t.bin" --policy lru,lfu,adaptive --capacities "$caps" --batch 64 --json | tail -1 |
+  "$sim" --trace "$dir/$t.bin" --policy "${POLICIES:-lru,lfu,adaptive}" --capacities "$caps" --batch 64 --json | tail -1 |
     python3 -c "
 import json, sys
 runs = json.load(sys.stdin)['runs']

@@ -181,6 +181,7 @@ pub fn shard_config(spec: &TableSpec, n: usize) -> Result<TableConfig, ProtoErro
             hkv_proto::LfuTies::Lru => hkv_shard::LfuTies::Lru,
             hkv_proto::LfuTies::LowestSlot => hkv_shard::LfuTies::LowestSlot,
         },
+        reads_refresh: spec.reads_refresh,
     };
     config.validate().map_err(|e| ProtoError::bad_request(e.to_string()))?;
     Ok(config)
