@@ -71,10 +71,9 @@ impl ScorePolicy {
 impl std::str::FromStr for ScorePolicy {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
-        ScorePolicy::ALL
-            .into_iter()
-            .find(|p| p.name() == s)
-            .ok_or_else(|| Error::Config(format!("unknown policy {s:?}; use lru, lfu, epoch-lru, epoch-lfu, custom or adaptive")))
+        ScorePolicy::ALL.into_iter().find(|p| p.name() == s).ok_or_else(|| {
+            Error::Config(format!("unknown policy {s:?}; use lru, lfu, epoch-lru, epoch-lfu, custom or adaptive"))
+        })
     }
 }
 

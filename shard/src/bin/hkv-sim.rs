@@ -328,11 +328,19 @@ impl Source {
                     match got {
                         0 => break,
                         24 => {}
-                        _ => bail!("trace {} ends with {got} bytes, not a whole 24-byte oracleGeneral record", path.display()),
+                        _ => bail!(
+                            "trace {} ends with {got} bytes, not a whole 24-byte oracleGeneral record",
+                            path.display()
+                        ),
                     }
                     let k = u64::from_le_bytes(b[4..12].try_into().expect("8 bytes"));
                     if is_reserved(k) {
-                        bail!("trace {}: key {} (record {}) is one of the table's reserved keys", path.display(), k, *read);
+                        bail!(
+                            "trace {}: key {} (record {}) is one of the table's reserved keys",
+                            path.display(),
+                            k,
+                            *read
+                        );
                     }
                     keys.push(k);
                     *read += 1;
@@ -464,7 +472,9 @@ fn replay(a: &Args, cfg: &TableConfig, mut source: Source) -> Result<Run> {
     let table = CpuTable::with_clock(cfg.clone(), clock.clone() as Arc<_>)?;
     let capacity = table.capacity();
     let mut ideal: Box<dyn Ideal> = match policy {
-        ScorePolicy::Lru | ScorePolicy::Adaptive => Box::new(IdealLru { cap: capacity as usize, last: HashMap::new(), order: BTreeSet::new() }),
+        ScorePolicy::Lru | ScorePolicy::Adaptive => {
+            Box::new(IdealLru { cap: capacity as usize, last: HashMap::new(), order: BTreeSet::new() })
+        }
         _ => Box::new(IdealLfu { cap: capacity as usize, entry: HashMap::new(), order: BTreeSet::new() }),
     };
     // Per key: (latest access, accesses) — the ideal scores for top-N.
@@ -589,7 +599,8 @@ fn main() -> Result<()> {
     let a = Args::parse();
     let policies: Vec<ScorePolicy> =
         a.policy.split(',').map(|p| p.trim().parse().context("--policy")).collect::<Result<_>>()?;
-    if let Some(p) = policies.iter().find(|p| !matches!(p, ScorePolicy::Lru | ScorePolicy::Lfu | ScorePolicy::Adaptive)) {
+    if let Some(p) = policies.iter().find(|p| !matches!(p, ScorePolicy::Lru | ScorePolicy::Lfu | ScorePolicy::Adaptive))
+    {
         bail!("--policy {}: use lru, lfu or adaptive (the ideal cache is defined for those)", p.name());
     }
     let lfu_ties: LfuTies = a.lfu_ties.parse().context("--lfu-ties")?;

@@ -229,7 +229,8 @@ impl Adapt {
         let h = ghost_hash(key);
         let tag = if window { GHOST_WINDOW } else { 0 };
         self.ghosts[(h % self.ghosts.len() as u64) as usize].store(((h >> 34) as u32) << 2 | 2 | tag, Relaxed);
-        let (mine, other) = if window { (&self.from_window, &self.from_main) } else { (&self.from_main, &self.from_window) };
+        let (mine, other) =
+            if window { (&self.from_window, &self.from_main) } else { (&self.from_main, &self.from_window) };
         let n = mine.fetch_add(1, Relaxed) + 1;
         if n + other.load(Relaxed) > self.slots.load(Relaxed) {
             mine.store(n / 2, Relaxed);
