@@ -11,6 +11,7 @@
 //!   other is evicted; ties evict the candidate (TinyLFU's rule, which
 //!   keeps a scan from flushing the main tier);
 //! - window under its share: the oldest main entry is evicted.
+//!
 //! While a bucket fills, each newcomer that finds the window at its share
 //! moves the window's oldest entry to the main tier, so that a bucket
 //! reaches its first eviction already split.
