@@ -80,9 +80,7 @@ impl CpuTable {
             if let Some(a) = adapt {
                 // Filling: keep the window at its share (see `adapt`).
                 let bk = &st.buckets[target];
-                let mut slots = Vec::with_capacity(S);
-                bk.each(|s| slots.push((s, bk.score(s))));
-                let t = Tiers::of(slots.into_iter());
+                let t = Tiers::of(bk.slots().map(|s| (s, bk.score(s))));
                 if let Some((c, sc)) = t.oldest_window.filter(|_| t.window >= a.window_slots()) {
                     bk.set_score(c, sc | ADAPTIVE_MAIN);
                 }
