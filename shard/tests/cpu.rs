@@ -19,6 +19,11 @@ fn adaptive_keeps_frequent_keys_through_a_scan() {
 }
 
 #[test]
+fn adaptive_insert_and_evict_conserves_entries() {
+    common::conformance::adaptive_insert_and_evict_conserves_entries(make)
+}
+
+#[test]
 fn reads_refresh_keeps_read_keys() {
     common::conformance::reads_refresh_keeps_read_keys(make)
 }
