@@ -30,7 +30,7 @@ for c in rustfmt clippy; do
 done
 cargo fmt --all -- --check
 # No import circles among the modules of these crates (ARCHITECTURE.md).
-for c in daemon proto; do python3 daemon/bench/import_cycles.py "$c/src"; done
+for c in daemon proto shard; do python3 daemon/bench/import_cycles.py "$c/src"; done
 cargo clippy --workspace --all-targets --release -- -D warnings
 cargo test --workspace --release
 

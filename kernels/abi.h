@@ -52,6 +52,8 @@ typedef unsigned char u8;
 #define HKV_EPOCH_LRU 2
 #define HKV_EPOCH_LFU 3
 #define HKV_CUSTOM 4
+// The adaptive policy: the CUDA backend refuses it for now (no kernel implements it).
+#define HKV_ADAPTIVE 5
 
 // Lfu with LRU ties: the stamp's bits below the frequency (score::LFU_STAMP_BITS).
 #define HKV_LFU_STAMP_BITS 40

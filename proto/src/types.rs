@@ -209,6 +209,11 @@ pub struct TableSpec {
     /// cache alone).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backing: Option<BackingSpec>,
+    /// Whether `find` hits refresh scores (and count in the adaptive
+    /// policy's sketch); absent: the policy's default (on for `adaptive`,
+    /// off for the others, whose finds touch no score as in HKV).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reads_refresh: Option<bool>,
 }
 
 /// A table's backing tier: seed nodes of a Redis Cluster and how writes
@@ -272,6 +277,7 @@ impl TableSpec {
             hash: None,
             lfu_ties: LfuTies::Lru,
             backing: None,
+            reads_refresh: None,
         }
     }
 }
@@ -348,8 +354,12 @@ pub enum Policy {
     /// Scores given by the client.
     #[serde(rename = "custom")]
     Custom,
+    /// A window-TinyLFU per bucket whose window share adapts (issue 36):
+    /// frequent keys survive scans, recent ones survive bursts.
+    #[serde(rename = "adaptive")]
+    Adaptive,
 }
-names!(Policy, "policy", { Lru = "lru", Lfu = "lfu", EpochLru = "epoch-lru", EpochLfu = "epoch-lfu", Custom = "custom", });
+names!(Policy, "policy", { Lru = "lru", Lfu = "lfu", EpochLru = "epoch-lru", EpochLfu = "epoch-lfu", Custom = "custom", Adaptive = "adaptive", });
 
 /// A table's bucket mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]

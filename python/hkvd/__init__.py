@@ -440,13 +440,16 @@ class Client:
                      num_buckets: Optional[int] = None, hash_kind: str = "fingerprint64",
                      hash_key=(0, 0), lfu_ties: Optional[str] = None,
                      backing: Optional[Union[str, Sequence[str]]] = None,
-                     backing_mode: str = "read-only") -> dict:
+                     backing_mode: str = "read-only",
+                     reads_refresh: Optional[bool] = None) -> dict:
         """Creates a table; ``num_buckets`` (with ``hash_kind``) sets the hash
         feature requests use when they name none; ``lfu_ties`` ("lru", the
         daemon's default, or "lowest-slot") the lfu tie rule; ``backing``
         (seed URLs of a Redis Cluster, a list or "URL,URL") puts the cluster
         behind the table, ``backing_mode`` ("read-only", "write-through" or
-        "write-back") says how writes reach it."""
+        "write-back") says how writes reach it; ``reads_refresh`` whether
+        find hits refresh scores (None: the policy's default, on for
+        "adaptive" only)."""
         spec = {"name": name, "dim": dim, "capacity": capacity, "max_capacity": max_capacity,
                 "policy": policy, "mode": mode, "fast_tier_bytes": fast_tier_bytes}
         if num_buckets is not None:
@@ -456,6 +459,8 @@ class Client:
         if backing is not None:
             seeds = backing.split(",") if isinstance(backing, str) else list(backing)
             spec["backing"] = {"seeds": [s.strip() for s in seeds], "mode": backing_mode}
+        if reads_refresh is not None:
+            spec["reads_refresh"] = bool(reads_refresh)
         info = self._json(OP_CREATE_TABLE, spec)
         self._dims[name] = dim
         return info

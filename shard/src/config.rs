@@ -4,100 +4,19 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+pub use crate::score::{LfuTies, ScorePolicy};
 use crate::{Backend, BUCKET_SLOTS};
 
 /// Bytes of one bucket of the CPU backend in host memory (128 digests,
 /// keys and scores, the occupancy bitmap and the writers' mutex, in a
 /// 128-byte aligned struct; `cpu::storage` asserts it).
 pub const CPU_BUCKET_BYTES: u64 = 2304;
-/// How scores are computed. Larger score = more valuable; eviction removes the
-/// minimum and admission refuses a newcomer whose score is below it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
-#[serde(rename_all = "kebab-case")]
-pub enum ScorePolicy {
-    /// Score = a monotonic clock in ns, set on insert and on every write.
-    #[default]
-    Lru,
-    /// Score = accumulated caller increments (default increment 1); how
-    /// equal frequencies are told apart is the `lfu_ties` of [`TableConfig`].
-    Lfu,
-    /// Score = caller epoch in the high 32 bits, clock in ~ms (ns >> 20) in the low 32.
-    EpochLru,
-    /// Score = caller epoch in the high 32 bits, saturating frequency in the low 32.
-    EpochLfu,
-    /// Score = the caller's value, verbatim.
-    Custom,
-}
-
-impl ScorePolicy {
-    /// Every policy, in a fixed order (tests, CLIs).
-    pub const ALL: [ScorePolicy; 5] =
-        [ScorePolicy::Lru, ScorePolicy::Lfu, ScorePolicy::EpochLru, ScorePolicy::EpochLfu, ScorePolicy::Custom];
-
-    /// Whether callers may pass scores to insert-like operations.
-    pub fn takes_scores(self) -> bool {
-        !matches!(self, ScorePolicy::Lru | ScorePolicy::EpochLru)
-    }
-
-    /// The name used in configs and on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            ScorePolicy::Lru => "lru",
-            ScorePolicy::Lfu => "lfu",
-            ScorePolicy::EpochLru => "epoch-lru",
-            ScorePolicy::EpochLfu => "epoch-lfu",
-            ScorePolicy::Custom => "custom",
-        }
-    }
-}
-
 impl std::str::FromStr for ScorePolicy {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
-        ScorePolicy::ALL
-            .into_iter()
-            .find(|p| p.name() == s)
-            .ok_or_else(|| Error::Config(format!("unknown policy {s:?}; use lru, lfu, epoch-lru, epoch-lfu or custom")))
-    }
-}
-
-/// Which of several Lfu entries of equal frequency a full bucket evicts.
-///
-/// The reference library scores an Lfu entry with its frequency alone and
-/// evicts the lowest slot among equal minimum scores, so in a full bucket of
-/// frequency-1 entries every newcomer takes the same slot and is evicted by
-/// the next one before it can be counted twice (hkv-sim at 1 Mi slots,
-/// dual mode: 1.06 pp below the ideal Lfu at Zipf α 0.5, top-N retention
-/// 0.77 at α 0.99; issue 27). [`LfuTies::Lru`] evicts the least recently
-/// written of them instead, as the ideal Lfu does.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
-#[serde(rename_all = "kebab-case")]
-pub enum LfuTies {
-    /// The least recently written entry goes. The score carries the
-    /// frequency in its high 24 bits (saturating at 2^24 − 1) and the batch's
-    /// clock in ~ms (ns >> 20, 40 bits: 36 years) in its low 40, so the one
-    /// minimum-score rule of every policy picks the least frequent entry and,
-    /// among equals, the oldest; in dual mode the candidate bucket holding
-    /// the older one is chosen. Exported and found scores are these packed
-    /// values: [`crate::score::lfu_frequency`] recovers the frequency.
-    #[default]
-    Lru,
-    /// The reference library's rule: score = frequency (saturating at
-    /// u64::MAX), lowest slot among equal scores. Exported scores are plain
-    /// frequencies, as a reference table's.
-    LowestSlot,
-}
-
-impl LfuTies {
-    /// Every rule, in a fixed order (tests, CLIs).
-    pub const ALL: [LfuTies; 2] = [LfuTies::Lru, LfuTies::LowestSlot];
-
-    /// The name used in configs and on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            LfuTies::Lru => "lru",
-            LfuTies::LowestSlot => "lowest-slot",
-        }
+        ScorePolicy::ALL.into_iter().find(|p| p.name() == s).ok_or_else(|| {
+            Error::Config(format!("unknown policy {s:?}; use lru, lfu, epoch-lru, epoch-lfu, custom or adaptive"))
+        })
     }
 }
 
@@ -156,6 +75,11 @@ pub struct TableConfig {
     /// not serialized.
     #[serde(skip)]
     pub tuning: CudaTuning,
+    /// Whether `find` hits refresh the found entries' scores as a write
+    /// would (Lru, EpochLru, Adaptive: the clock; Lfu, EpochLfu: one more
+    /// access) and, for Adaptive, count in its frequency sketch. `None`:
+    /// the policy's default ([`ScorePolicy::reads_refresh_default`]).
+    pub reads_refresh: Option<bool>,
 }
 
 /// Tuning of the CUDA backend's kernel choice, for benchmarks: the
@@ -222,6 +146,7 @@ impl Default for TableConfig {
             fast_tier_bytes: None,
             lfu_ties: LfuTies::Lru,
             tuning: CudaTuning::default(),
+            reads_refresh: None,
         }
     }
 }
@@ -248,6 +173,17 @@ impl TableConfig {
     pub fn lfu_ties(mut self, ties: LfuTies) -> Self {
         self.lfu_ties = ties;
         self
+    }
+
+    /// Builder: whether find hits refresh scores (`None`: the policy's default).
+    pub fn reads_refresh(mut self, on: Option<bool>) -> Self {
+        self.reads_refresh = on;
+        self
+    }
+
+    /// Whether find hits refresh scores in this table.
+    pub fn refreshes_reads(&self) -> bool {
+        self.reads_refresh.unwrap_or_else(|| self.policy.reads_refresh_default())
     }
 
     /// Builder: set the maximum capacity (enables growth when above capacity).

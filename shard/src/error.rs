@@ -1,6 +1,6 @@
 //! The crate's error type.
 
-use crate::config::ScorePolicy;
+use crate::score::ScorePolicy;
 
 /// Everything a table operation can refuse. Every variant names the input
 /// that caused it, so the caller can fix the request; no operation applies

@@ -8,6 +8,7 @@
 //! | EpochLru | epoch << 32 \| (now >> 20) as u32 | same | score >= bucket minimum |
 //! | EpochLfu | epoch << 32 \| increment as u32 | epoch << 32 \| sat32(low + increment) | score >= bucket minimum |
 //! | Custom | caller's score | caller's score | score >= bucket minimum |
+//! | Adaptive | now (ns), window tier | tier kept, now | always into the window; the window's oldest entry is admitted to the main tier by the frequency sketch (`cpu::adapt`) |
 //!
 //! Update-only operations (`assign`, `assign_scores`) without scores keep the
 //! stored score for Lfu, EpochLfu and Custom, and refresh it for Lru and EpochLru.
@@ -25,7 +26,109 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::config::{LfuTies, ScorePolicy};
+use serde::{Deserialize, Serialize};
+
+/// How scores are computed. Larger score = more valuable; eviction removes the
+/// minimum and admission refuses a newcomer whose score is below it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum ScorePolicy {
+    /// Score = a monotonic clock in ns, set on insert and on every write.
+    #[default]
+    Lru,
+    /// Score = accumulated caller increments (default increment 1); how
+    /// equal frequencies are told apart is the `lfu_ties` of [`TableConfig`].
+    Lfu,
+    /// Score = caller epoch in the high 32 bits, clock in ~ms (ns >> 20) in the low 32.
+    EpochLru,
+    /// Score = caller epoch in the high 32 bits, saturating frequency in the low 32.
+    EpochLfu,
+    /// Score = the caller's value, verbatim.
+    Custom,
+    /// A window-TinyLFU inside each bucket with an adaptive window (issue
+    /// 36): score = tier bit (63: main, clear: window) over the clock in
+    /// ns. Newcomers enter the window; when a full bucket's window is over
+    /// its share, its oldest entry must beat the oldest main entry in a
+    /// count-min frequency sketch to move to the main part, else it goes.
+    /// The window's share follows ghost hits (ARC's rule). See `cpu::adapt`.
+    Adaptive,
+}
+
+impl ScorePolicy {
+    /// Every policy, in a fixed order (tests, CLIs).
+    pub const ALL: [ScorePolicy; 6] = [
+        ScorePolicy::Lru,
+        ScorePolicy::Lfu,
+        ScorePolicy::EpochLru,
+        ScorePolicy::EpochLfu,
+        ScorePolicy::Custom,
+        ScorePolicy::Adaptive,
+    ];
+
+    /// Whether callers may pass scores to insert-like operations.
+    pub fn takes_scores(self) -> bool {
+        !matches!(self, ScorePolicy::Lru | ScorePolicy::EpochLru | ScorePolicy::Adaptive)
+    }
+
+    /// Whether `find` hits refresh scores when the table does not say
+    /// (`TableConfig::reads_refresh`): only for Adaptive, so that the
+    /// paper's policies keep HKV's semantics (a find touches no score).
+    pub fn reads_refresh_default(self) -> bool {
+        self == ScorePolicy::Adaptive
+    }
+
+    /// The name used in configs and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            ScorePolicy::Lru => "lru",
+            ScorePolicy::Lfu => "lfu",
+            ScorePolicy::EpochLru => "epoch-lru",
+            ScorePolicy::EpochLfu => "epoch-lfu",
+            ScorePolicy::Custom => "custom",
+            ScorePolicy::Adaptive => "adaptive",
+        }
+    }
+}
+
+/// Which of several Lfu entries of equal frequency a full bucket evicts.
+///
+/// The reference library scores an Lfu entry with its frequency alone and
+/// evicts the lowest slot among equal minimum scores, so in a full bucket of
+/// frequency-1 entries every newcomer takes the same slot and is evicted by
+/// the next one before it can be counted twice (hkv-sim at 1 Mi slots,
+/// dual mode: 1.06 pp below the ideal Lfu at Zipf α 0.5, top-N retention
+/// 0.77 at α 0.99; issue 27). [`LfuTies::Lru`] evicts the least recently
+/// written of them instead, as the ideal Lfu does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum LfuTies {
+    /// The least recently written entry goes. The score carries the
+    /// frequency in its high 24 bits (saturating at 2^24 − 1) and the batch's
+    /// clock in ~ms (ns >> 20, 40 bits: 36 years) in its low 40, so the one
+    /// minimum-score rule of every policy picks the least frequent entry and,
+    /// among equals, the oldest; in dual mode the candidate bucket holding
+    /// the older one is chosen. Exported and found scores are these packed
+    /// values: [`crate::score::lfu_frequency`] recovers the frequency.
+    #[default]
+    Lru,
+    /// The reference library's rule: score = frequency (saturating at
+    /// u64::MAX), lowest slot among equal scores. Exported scores are plain
+    /// frequencies, as a reference table's.
+    LowestSlot,
+}
+
+impl LfuTies {
+    /// Every rule, in a fixed order (tests, CLIs).
+    pub const ALL: [LfuTies; 2] = [LfuTies::Lru, LfuTies::LowestSlot];
+
+    /// The name used in configs and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            LfuTies::Lru => "lru",
+            LfuTies::LowestSlot => "lowest-slot",
+        }
+    }
+}
 
 /// Lfu with [`LfuTies::Lru`]: bits of the stamp (low) in a packed score.
 pub const LFU_STAMP_BITS: u32 = 40;
@@ -47,6 +150,9 @@ pub fn lfu_frequency(score: u64, ties: LfuTies) -> u64 {
 pub fn lfu_stamp(score: u64) -> u64 {
     score & STAMP_MASK
 }
+
+/// Adaptive: the bit that marks an entry of the main tier (clear: window).
+pub const ADAPTIVE_MAIN: u64 = 1 << 63;
 
 /// A source of nanoseconds for Lru and EpochLru scores.
 pub trait Clock: Send + Sync + std::fmt::Debug {
@@ -124,6 +230,7 @@ pub fn resume_after(policy: ScorePolicy, ties: LfuTies, max_score: u64, clock: &
     match policy {
         ScorePolicy::Lfu if ties == LfuTies::Lru => clock.advance_to((lfu_stamp(max_score) + 1) << 20),
         ScorePolicy::Lru => clock.advance_to(max_score.saturating_add(1)),
+        ScorePolicy::Adaptive => clock.advance_to((max_score & !ADAPTIVE_MAIN).saturating_add(1)),
         ScorePolicy::EpochLru => {
             epoch.fetch_max((max_score >> 32) as u32, Ordering::Relaxed);
             clock.advance_to(((max_score & 0xffff_ffff) + 1) << 20);
@@ -168,6 +275,7 @@ impl Scorer {
     pub fn on_insert(&self, input: Option<u64>) -> u64 {
         match self.policy {
             ScorePolicy::Lru => self.now_ns,
+            ScorePolicy::Adaptive => self.now_ns & !ADAPTIVE_MAIN,
             ScorePolicy::Lfu => self.lfu(input.unwrap_or(1)),
             ScorePolicy::EpochLru => self.epoch_hi() | ((self.now_ns >> 20) & 0xffff_ffff),
             ScorePolicy::EpochLfu => self.epoch_hi() | (input.unwrap_or(1) & 0xffff_ffff),
@@ -181,7 +289,7 @@ impl Scorer {
     #[inline]
     pub fn admission(&self, insert_score: u64) -> u64 {
         match self.policy {
-            ScorePolicy::Lfu | ScorePolicy::Lru => u64::MAX,
+            ScorePolicy::Lfu | ScorePolicy::Lru | ScorePolicy::Adaptive => u64::MAX,
             _ => insert_score,
         }
     }
@@ -192,6 +300,7 @@ impl Scorer {
     pub fn on_upsert(&self, old: u64, input: Option<u64>) -> u64 {
         match self.policy {
             ScorePolicy::Lru | ScorePolicy::EpochLru | ScorePolicy::Custom => self.on_insert(input),
+            ScorePolicy::Adaptive => (old & ADAPTIVE_MAIN) | self.on_insert(None),
             ScorePolicy::Lfu => self.lfu(lfu_frequency(old, self.lfu_ties).saturating_add(input.unwrap_or(1))),
             ScorePolicy::EpochLfu => self.epoch_lfu_add(old, input.unwrap_or(1)),
         }
@@ -207,11 +316,23 @@ impl Scorer {
         }
     }
 
+    /// Score of an entry a `find` hit in a table whose reads refresh
+    /// (`TableConfig::refreshes_reads`): what a write without input would
+    /// give it (the clock; one more access for the counting policies);
+    /// Custom scores belong to the caller and stay.
+    #[inline]
+    pub fn on_read(&self, old: u64) -> u64 {
+        match self.policy {
+            ScorePolicy::Custom => old,
+            _ => self.on_upsert(old, None),
+        }
+    }
+
     /// The lowest score a write made from now on can get, for policies whose
     /// scores grow with time; 0 for Lfu and Custom (see `Shard::clock_score`).
     pub fn clock_floor(&self) -> u64 {
         match self.policy {
-            ScorePolicy::Lru | ScorePolicy::EpochLru => self.on_insert(None),
+            ScorePolicy::Lru | ScorePolicy::EpochLru | ScorePolicy::Adaptive => self.on_insert(None),
             ScorePolicy::EpochLfu => self.epoch_hi(),
             ScorePolicy::Lfu | ScorePolicy::Custom => 0,
         }

@@ -38,6 +38,21 @@ mod conformance {
     conformance_suite!(make, #[ignore = "needs a CUDA device"]);
 }
 
+/// Issue 36: until the kernels implement them, a CUDA table refuses the
+/// adaptive policy and reads_refresh with a config error (rather than
+/// serving another policy than the one asked for); the CPU backend has both.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn adaptive_and_reads_refresh_are_refused_until_implemented() {
+    for cfg in
+        [TableConfig::new(1024, 4).policy(ScorePolicy::Adaptive), TableConfig::new(1024, 4).reads_refresh(Some(true))]
+    {
+        let err = CudaTable::new(cfg.clone(), device()).expect_err("refused");
+        assert!(matches!(err, hkv_shard::Error::Config(_)), "{cfg:?}: {err}");
+    }
+    assert!(CudaTable::new(TableConfig::new(1024, 4).reads_refresh(Some(false)), device()).is_ok());
+}
+
 #[test]
 fn probe_never_panics_and_says_why() {
     init();

@@ -195,3 +195,37 @@ fn hit_rates_are_per_access_whatever_the_batch() {
     assert!(h1 - hb > 0.2, "per batch lookup {hb} against per access {h1}");
     assert_eq!(one["batch_hit_rate"], one["hit_rate"]);
 }
+
+/// Issue 36: libCacheSim's oracleGeneral records and CSV columns replay the
+/// same keys as the plain trace, and `--policy` runs each policy in turn.
+#[test]
+fn oracle_and_csv_traces_and_a_policy_list() {
+    let keys = cycle(100, 10);
+    let bin = Trace::bin("p.bin", &keys);
+    let mut oracle = Vec::new();
+    for (i, k) in keys.iter().enumerate() {
+        oracle.extend_from_slice(&(i as u32).to_le_bytes());
+        oracle.extend_from_slice(&k.to_le_bytes());
+        oracle.extend_from_slice(&1u32.to_le_bytes());
+        oracle.extend_from_slice(&(-1i64).to_le_bytes());
+    }
+    let oracle = Trace::raw("p.oracleGeneral.bin", &oracle);
+    let csv: String = std::iter::once("time,key\n".to_string())
+        .chain(keys.iter().enumerate().map(|(i, k)| format!("{i},{k}\n")))
+        .collect();
+    let csv = Trace::raw("p.csv", csv.as_bytes());
+    let args = ["--capacity", "128", "--batch", "10", "--policy", "lru,adaptive"];
+    let base = sim_json(&bin, &args);
+    let oj = sim_json(&oracle, &args);
+    let cj = sim_json(&csv, &[&args[..], &["--csv-column", "1"]].concat());
+    for j in [&oj, &cj] {
+        for (a, b) in j["runs"].as_array().unwrap().iter().zip(base["runs"].as_array().unwrap()) {
+            assert_eq!((a["hits"].as_u64(), a["accesses"].as_u64()), (b["hits"].as_u64(), Some(1000)));
+        }
+    }
+    assert_eq!(oj["runs"][0]["trace_format"], "oracle");
+    assert_eq!(cj["runs"][0]["trace_format"], "csv");
+    let policies: Vec<&str> = base["runs"].as_array().unwrap().iter().map(|r| r["policy"].as_str().unwrap()).collect();
+    assert_eq!(policies, ["lru", "adaptive"]);
+    assert!(base["runs"].as_array().unwrap().iter().all(|r| r["hits"].as_u64() == Some(900)), "100 keys fit");
+}

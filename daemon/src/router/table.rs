@@ -183,6 +183,7 @@ pub fn shard_config(spec: &TableSpec, n: usize) -> Result<TableConfig, ProtoErro
         },
         // The process's, which the router gives every table (Router::tuning).
         tuning: Default::default(),
+        reads_refresh: spec.reads_refresh,
     };
     config.validate().map_err(|e| ProtoError::bad_request(e.to_string()))?;
     Ok(config)

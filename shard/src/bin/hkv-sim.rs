@@ -26,6 +26,18 @@
 //! stream each time, so that a user can see what a smaller or larger table
 //! would hit before buying it.
 //!
+//! `--policy` takes a list (`lru,lfu,adaptive`): each policy replays the
+//! same stream at every capacity, and a last table lists the per-access
+//! hit rates side by side. A policy whose reads refresh scores (Adaptive
+//! by default) is driven as a read-through cache: each batch is looked up
+//! and only the keys it missed are written (`find`'s hits are its
+//! accesses), so that each access counts once in its sketch; the others
+//! write the whole batch, as before (their finds touch no score). The
+//! ideal cache beside Adaptive is the exact LRU. Traces may also be
+//! libCacheSim's `oracle` format (oracleGeneral: 24-byte records, the
+//! u64 object id at byte 4) or `csv` (the key in column `--csv-column`,
+//! a first line that does not parse is a header).
+//!
 //! `--mrc` instead measures the miss-ratio-curve estimator
 //! (`hkv_shard::mrc`): the stream is fed once to the SHARDS estimate and to
 //! an exact LRU stack, and the estimated hit rate is printed beside the
@@ -72,11 +84,18 @@ struct Args {
     #[arg(long)]
     trace: Option<PathBuf>,
     /// Trace format: `bin` (u64 little-endian keys, 8 bytes each), `text`
-    /// (one decimal key per line, blank lines skipped) or `auto` (text when
-    /// the first 4 KiB are printable ASCII and white space, else bin).
+    /// (one decimal key per line, blank lines skipped), `oracle`
+    /// (libCacheSim's oracleGeneral: u32 time, u64 id, u32 size, i64
+    /// next access; the id is the key), `csv` (the key in column
+    /// --csv-column) or `auto` (oracle for a name containing
+    /// `oracleGeneral`, csv for a name ending in `.csv`, else text when the
+    /// first 4 KiB are printable ASCII and white space, else bin).
     #[arg(long, default_value = "auto")]
     trace_format: String,
-    /// Score policy: lru or lfu.
+    /// With --trace-format csv: the 0-based column holding the key.
+    #[arg(long, default_value_t = 0)]
+    csv_column: usize,
+    /// Score policies, comma separated: lru, lfu, adaptive.
     #[arg(long, default_value = "lru")]
     policy: String,
     /// Lfu tie rule: lru (the least recently written of equal frequencies
@@ -197,6 +216,10 @@ enum TraceFormat {
     Bin,
     /// One decimal key per line.
     Text,
+    /// libCacheSim's oracleGeneral records (24 bytes, id at byte 4).
+    Oracle,
+    /// Comma-separated values, the key in one column.
+    Csv,
 }
 
 impl TraceFormat {
@@ -204,6 +227,8 @@ impl TraceFormat {
         match self {
             TraceFormat::Bin => "bin",
             TraceFormat::Text => "text",
+            TraceFormat::Oracle => "oracle",
+            TraceFormat::Csv => "csv",
         }
     }
 
@@ -215,6 +240,10 @@ impl TraceFormat {
         match asked {
             "bin" => Ok(TraceFormat::Bin),
             "text" => Ok(TraceFormat::Text),
+            "oracle" => Ok(TraceFormat::Oracle),
+            "csv" => Ok(TraceFormat::Csv),
+            "auto" if path.to_string_lossy().contains("oracleGeneral") => Ok(TraceFormat::Oracle),
+            "auto" if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("csv")) => Ok(TraceFormat::Csv),
             "auto" => {
                 let mut head = Vec::with_capacity(4096);
                 File::open(path)
@@ -228,7 +257,7 @@ impl TraceFormat {
                 let text = head.iter().all(|b| b.is_ascii_graphic() || b.is_ascii_whitespace());
                 Ok(if text { TraceFormat::Text } else { TraceFormat::Bin })
             }
-            f => bail!("--trace-format must be bin, text or auto, not {f:?}"),
+            f => bail!("--trace-format must be bin, text, oracle, csv or auto, not {f:?}"),
         }
     }
 }
@@ -239,7 +268,7 @@ impl TraceFormat {
 #[allow(clippy::large_enum_variant)]
 enum Source {
     Zipf { zipf: Zipf<f64>, rng: rand::rngs::StdRng, seed: u64, left: u64 },
-    Trace { path: PathBuf, format: TraceFormat, reader: BufReader<File>, read: u64, line: String },
+    Trace { path: PathBuf, format: TraceFormat, reader: BufReader<File>, read: u64, line: String, column: usize },
 }
 
 impl Source {
@@ -248,7 +277,7 @@ impl Source {
         Ok(Source::Zipf { zipf, rng: rand::rngs::StdRng::seed_from_u64(seed), seed, left: total })
     }
 
-    fn trace(path: &Path, format: TraceFormat) -> Result<Source> {
+    fn trace(path: &Path, format: TraceFormat, column: usize) -> Result<Source> {
         let f = File::open(path).with_context(|| format!("opening trace {}", path.display()))?;
         Ok(Source::Trace {
             path: path.to_path_buf(),
@@ -256,6 +285,7 @@ impl Source {
             reader: BufReader::with_capacity(1 << 20, f),
             read: 0,
             line: String::new(),
+            column,
         })
     }
 
@@ -291,7 +321,60 @@ impl Source {
                     *read += 1;
                 }
             }
-            Source::Trace { path, format: TraceFormat::Text, reader, read, line } => {
+            Source::Trace { path, format: TraceFormat::Oracle, reader, read, .. } => {
+                let mut b = [0u8; 24];
+                while keys.len() < n {
+                    let got = read_full(reader, &mut b).with_context(|| format!("reading trace {}", path.display()))?;
+                    match got {
+                        0 => break,
+                        24 => {}
+                        _ => bail!(
+                            "trace {} ends with {got} bytes, not a whole 24-byte oracleGeneral record",
+                            path.display()
+                        ),
+                    }
+                    let k = u64::from_le_bytes(b[4..12].try_into().expect("8 bytes"));
+                    if is_reserved(k) {
+                        bail!(
+                            "trace {}: key {} (record {}) is one of the table's reserved keys",
+                            path.display(),
+                            k,
+                            *read
+                        );
+                    }
+                    keys.push(k);
+                    *read += 1;
+                }
+            }
+            Source::Trace { path, format: TraceFormat::Csv, reader, read, line, column } => {
+                while keys.len() < n {
+                    line.clear();
+                    if reader.read_line(line).with_context(|| format!("reading trace {}", path.display()))? == 0 {
+                        break;
+                    }
+                    *read += 1;
+                    let t = line.trim();
+                    if t.is_empty() {
+                        continue;
+                    }
+                    let field = t.split(',').nth(*column).map(str::trim).unwrap_or("");
+                    let k = match field.parse::<u64>() {
+                        Ok(k) => k,
+                        Err(_) if *read == 1 => continue, // a header
+                        Err(_) => bail!(
+                            "trace {} line {}: column {} ({field:?}) is not a decimal u64 key",
+                            path.display(),
+                            *read,
+                            *column
+                        ),
+                    };
+                    if is_reserved(k) {
+                        bail!("trace {} line {}: key {k} is one of the table's reserved keys", path.display(), *read);
+                    }
+                    keys.push(k);
+                }
+            }
+            Source::Trace { path, format: TraceFormat::Text, reader, read, line, .. } => {
                 while keys.len() < n {
                     line.clear();
                     if reader.read_line(line).with_context(|| format!("reading trace {}", path.display()))? == 0 {
@@ -384,11 +467,14 @@ struct Run {
 fn replay(a: &Args, cfg: &TableConfig, mut source: Source) -> Result<Run> {
     let started = Instant::now();
     let policy = cfg.policy;
+    let read_through = cfg.refreshes_reads();
     let clock = ManualClock::new(1 << 20);
     let table = CpuTable::with_clock(cfg.clone(), clock.clone() as Arc<_>)?;
     let capacity = table.capacity();
     let mut ideal: Box<dyn Ideal> = match policy {
-        ScorePolicy::Lru => Box::new(IdealLru { cap: capacity as usize, last: HashMap::new(), order: BTreeSet::new() }),
+        ScorePolicy::Lru | ScorePolicy::Adaptive => {
+            Box::new(IdealLru { cap: capacity as usize, last: HashMap::new(), order: BTreeSet::new() })
+        }
         _ => Box::new(IdealLfu { cap: capacity as usize, entry: HashMap::new(), order: BTreeSet::new() }),
     };
     // Per key: (latest access, accesses) — the ideal scores for top-N.
@@ -402,6 +488,7 @@ fn replay(a: &Args, cfg: &TableConfig, mut source: Source) -> Result<Run> {
     let mut vals = vec![0.0f32; a.batch];
     let mut outcomes = vec![Outcome::Absent; a.batch];
     let ones = vec![1u64; a.batch];
+    let mut missed = Vec::with_capacity(a.batch);
     let mut step = 1u64;
     loop {
         source.next_batch(&mut keys, a.batch)?;
@@ -433,7 +520,16 @@ fn replay(a: &Args, cfg: &TableConfig, mut source: Source) -> Result<Run> {
         clock.set(step << 20);
         let size0 = table.size();
         let scores = (policy == ScorePolicy::Lfu).then(|| &ones[..n]);
-        table.insert_or_assign(&keys, &vals[..n], scores, Some(&mut outcomes[..n]))?;
+        if read_through {
+            // Only the misses are written (a read-through fill).
+            missed.clear();
+            missed.extend(keys.iter().zip(&found[..n]).filter(|(_, &f)| !f).map(|(&k, _)| k));
+            let m = missed.len();
+            table.insert_or_assign(&missed, &vals[..m], scores.map(|s| &s[..m]), Some(&mut outcomes[..m]))?;
+            outcomes[m..n].fill(Outcome::Updated);
+        } else {
+            table.insert_or_assign(&keys, &vals[..n], scores, Some(&mut outcomes[..n]))?;
+        }
         if first_eviction.is_none() {
             if let Some(i) = outcomes[..n].iter().position(|o| matches!(o, Outcome::Evicted | Outcome::Rejected)) {
                 let placed = outcomes[..i].iter().filter(|o| **o == Outcome::Inserted).count() as u64;
@@ -501,9 +597,11 @@ fn pct(x: Option<f64>) -> String {
 
 fn main() -> Result<()> {
     let a = Args::parse();
-    let policy: ScorePolicy = a.policy.parse().context("--policy")?;
-    if !matches!(policy, ScorePolicy::Lru | ScorePolicy::Lfu) {
-        bail!("--policy must be lru or lfu (the ideal cache is defined for those)");
+    let policies: Vec<ScorePolicy> =
+        a.policy.split(',').map(|p| p.trim().parse().context("--policy")).collect::<Result<_>>()?;
+    if let Some(p) = policies.iter().find(|p| !matches!(p, ScorePolicy::Lru | ScorePolicy::Lfu | ScorePolicy::Adaptive))
+    {
+        bail!("--policy {}: use lru, lfu or adaptive (the ideal cache is defined for those)", p.name());
     }
     let lfu_ties: LfuTies = a.lfu_ties.parse().context("--lfu-ties")?;
     let mode = match a.mode.as_str() {
@@ -528,7 +626,7 @@ fn main() -> Result<()> {
     let format = a.trace.as_deref().map(|p| TraceFormat::pick(&a.trace_format, p)).transpose()?;
     if a.mrc {
         let source = match (&a.trace, format) {
-            (Some(p), Some(f)) => Source::trace(p, f)?,
+            (Some(p), Some(f)) => Source::trace(p, f, a.csv_column)?,
             _ => Source::zipf(keyspace, a.alpha, a.seed, total)?,
         };
         let stream = match &a.trace {
@@ -539,10 +637,10 @@ fn main() -> Result<()> {
     }
 
     let mut runs = Vec::new();
-    for &cap in &capacities {
+    for (policy, cap) in policies.iter().flat_map(|&p| capacities.iter().map(move |&c| (p, c))) {
         let cfg = TableConfig::new(cap, 1).policy(policy).mode(mode).lfu_ties(lfu_ties);
         let source = match (&a.trace, format) {
-            (Some(p), Some(f)) => Source::trace(p, f)?,
+            (Some(p), Some(f)) => Source::trace(p, f, a.csv_column)?,
             _ => Source::zipf(keyspace, a.alpha, a.seed, total)?,
         };
         let r = replay(&a, &cfg, source)?;
@@ -553,7 +651,7 @@ fn main() -> Result<()> {
         println!(
             "hkv-sim: {} mode, {} policy{}, capacity {}, {stream}, {} accesses in batches of {}",
             a.mode,
-            a.policy,
+            policy.name(),
             if policy == ScorePolicy::Lfu { format!(" ({} ties)", lfu_ties.name()) } else { String::new() },
             r.capacity,
             r.accesses,
@@ -575,9 +673,28 @@ fn main() -> Result<()> {
         println!("{:<36} {:>9.3}%", "popular-N retention (ideal)", r.ideal_popular * 100.0);
         println!("{:<36} {:>10.4}", "final load factor", r.final_load_factor);
         println!("{:<36} {:>9.1}s", "wall time", r.seconds);
-        runs.push(r);
+        runs.push((policy, r));
     }
-    if runs.len() > 1 {
+    if policies.len() > 1 {
+        println!("hit rates per access (%), by policy:");
+        print!("{:>12}", "capacity");
+        for p in &policies {
+            print!(" {:>9}", p.name());
+        }
+        println!(" {:>9}", "exact-lru");
+        for (i, &cap) in capacities.iter().enumerate() {
+            let _ = cap;
+            let row: Vec<&Run> = (0..policies.len()).map(|j| &runs[j * capacities.len() + i].1).collect();
+            print!("{:>12}", row[0].capacity);
+            for r in &row {
+                print!(" {:>9.3}", r.hit_rate * 100.0);
+            }
+            let lru = row.iter().zip(&policies).find(|(_, p)| **p != ScorePolicy::Lfu).map(|(r, _)| r.ideal_hit_rate);
+            println!(" {:>9}", lru.map_or("-".into(), |h| format!("{:.3}", h * 100.0)));
+        }
+    }
+    let runs: Vec<Run> = runs.into_iter().map(|(_, r)| r).collect();
+    if runs.len() > 1 && policies.len() == 1 {
         println!("hit rates per access:");
         println!(
             "{:>12} {:>8} {:>10} {:>10} {:>10} {:>10}",
@@ -596,9 +713,10 @@ fn main() -> Result<()> {
         }
     }
     if a.json {
-        let obj = |r: &Run| {
+        let obj = |(i, r): (usize, &Run)| {
+            let policy = policies[i / capacities.len()];
             serde_json::json!({
-                "mode": a.mode, "policy": a.policy,
+                "mode": a.mode, "policy": policy.name(),
                 "lfu_ties": (policy == ScorePolicy::Lfu).then(|| lfu_ties.name()), "capacity": r.capacity,
                 "keyspace": if a.trace.is_some() { None } else { Some(keyspace) },
                 "trace": a.trace.as_ref().map(|p| p.display().to_string()), "trace_format": format.map(|f| f.name()),
@@ -614,8 +732,8 @@ fn main() -> Result<()> {
             })
         };
         let j = match runs.as_slice() {
-            [r] => obj(r),
-            rs => serde_json::json!({ "runs": rs.iter().map(obj).collect::<Vec<_>>() }),
+            [r] => obj((0, r)),
+            rs => serde_json::json!({ "runs": rs.iter().enumerate().map(obj).collect::<Vec<_>>() }),
         };
         println!("{j}");
     }

@@ -144,6 +144,19 @@ impl Bucket {
         self.set_occupied(self.occupied() & !(1u128 << s));
     }
 
+    /// The occupied slots, lowest first.
+    #[inline]
+    pub(super) fn slots(&self) -> impl Iterator<Item = usize> {
+        let mut occ = self.occupied();
+        std::iter::from_fn(move || {
+            (occ != 0).then(|| {
+                let s = occ.trailing_zeros() as usize;
+                occ &= occ - 1;
+                s
+            })
+        })
+    }
+
     /// Calls `f` for every occupied slot.
     #[inline]
     pub(super) fn each(&self, mut f: impl FnMut(usize)) {

@@ -19,6 +19,7 @@
 //! instead of a 64-bit division.
 //!
 //! # Layout
+//! - `adapt`: the Adaptive policy's sketch, ghosts and window share.
 //! - `bucket`: one bucket (digests, keys, scores, occupancy, writer mutex)
 //!   and its SWAR digest scan.
 //! - `storage`: the buckets and the value array of one table size.
@@ -33,6 +34,7 @@
 
 #![deny(unsafe_code)]
 
+pub(crate) mod adapt;
 mod batch;
 mod bucket;
 mod counters;
@@ -78,6 +80,8 @@ pub struct CpuTable {
     counters: Counters,
     /// Keys sampled for miss-ratio curves ([`Shard::set_sampler`]).
     samples: HostSamples,
+    /// The Adaptive policy's side state; `None` for every other policy.
+    adapt: Option<adapt::Adapt>,
 }
 
 impl std::fmt::Debug for CpuTable {
@@ -100,6 +104,8 @@ impl CpuTable {
     pub fn with_clock(config: TableConfig, clock: Arc<dyn Clock>) -> Result<CpuTable> {
         config.validate()?;
         let storage = Storage::new(config.buckets(), config.dim)?;
+        let adapt = (config.policy == crate::ScorePolicy::Adaptive)
+            .then(|| adapt::Adapt::new(config.buckets() * S as u64, config.max_buckets() * S as u64));
         Ok(CpuTable {
             config,
             storage: RwLock::new(storage),
@@ -109,6 +115,7 @@ impl CpuTable {
             clock,
             counters: Counters::default(),
             samples: HostSamples::default(),
+            adapt,
         })
     }
 

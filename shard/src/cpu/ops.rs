@@ -17,6 +17,22 @@ impl CpuTable {
     fn finish_insert(&self, acc: &Acc) {
         self.size.fetch_add(acc.summary.inserted, Relaxed);
         self.counters.summary(&acc.summary);
+        if let Some(a) = &self.adapt {
+            a.age();
+        }
+    }
+
+    /// A find hit in a table whose reads refresh: the score a write
+    /// without input would give (relaxed stores; readers that race on one
+    /// entry write the same clock reading), and, for Adaptive, one access
+    /// in the sketch.
+    #[inline]
+    pub(super) fn refresh_read(&self, st: &Storage, b: usize, s: usize, key: u64, scorer: &crate::score::Scorer) {
+        let bk = &st.buckets[b];
+        bk.set_score(s, scorer.on_read(bk.score(s)));
+        if let Some(a) = &self.adapt {
+            a.count(key);
+        }
     }
 
     /// The shared body of insert_or_assign, insert_and_evict and load.
@@ -210,16 +226,21 @@ impl Shard for CpuTable {
         self.samples.record(keys, Kind::Lookup);
         let st = self.storage.read();
         let dim = self.config.dim;
+        let refresh = self.config.refreshes_reads().then(|| self.scorer());
         let outs = Outs { values: Some(values), found: Some(found), scores, outcomes: None };
         let acc = run_batch(n, outs, dim, &|r: Range<usize>, mut outs: Outs<'_>| {
             let mut acc = Acc::default();
-            self.lookup_pipelined(&st, &keys[r], outs.values.is_some(), |j, hit| {
+            let part = &keys[r];
+            self.lookup_pipelined(&st, part, outs.values.is_some(), |j, hit| {
                 if let Some((b, s)) = hit {
                     if let Some(v) = outs.values.as_deref_mut() {
                         st.read_row(b, s, &mut v[j * dim..(j + 1) * dim]);
                     }
                     if let Some(sc) = outs.scores.as_deref_mut() {
                         sc[j] = st.buckets[b].score(s);
+                    }
+                    if let Some(sc) = &refresh {
+                        self.refresh_read(&st, b, s, part[j], sc);
                     }
                     acc.hits += 1;
                 }

@@ -59,6 +59,7 @@ impl CpuTable {
             return a + b;
         }
         let (dim, Rows { base, values, found }) = (st.dim, rows);
+        let refresh = self.config.refreshes_reads().then(|| self.scorer());
         let mut hits = 0;
         self.lookup_pipelined(st, keys, true, |j, hit| {
             // The answer row a group ahead: its lines arrive before they
@@ -73,6 +74,9 @@ impl CpuTable {
                 st.read_row(b, s, row);
                 found[r] = 1;
                 hits += 1;
+                if let Some(sc) = &refresh {
+                    self.refresh_read(st, b, s, keys[j], sc);
+                }
             } else {
                 row.fill(0.0);
                 found[r] = 0;

@@ -1,10 +1,11 @@
 //! The write path of one key: bucket locks, placement, eviction and
 //! admission (paper Algorithms 2 and 3), and the relocation of a restore.
 
+use super::adapt::{Room, Tiers};
 use super::batch::Scoring;
 use super::storage::Storage;
-use super::CpuTable;
-use crate::score::Scorer;
+use super::{CpuTable, S};
+use crate::score::{Scorer, ADAPTIVE_MAIN};
 use crate::{Evictions, Lost, Outcome};
 
 impl CpuTable {
@@ -50,10 +51,18 @@ impl CpuTable {
         on_present: impl FnOnce(usize, usize),
     ) -> Outcome {
         let (b1, b2, d) = self.buckets_of(st, key);
+        // Adaptive, policy scores: every write is an access for the sketch.
+        let adapt = self.adapt.as_ref().filter(|_| matches!(scoring, Scoring::Policy));
+        if let Some(a) = adapt {
+            a.count(key);
+        }
         let _w = Self::lock_pair(st, b1, b2);
         if let Some((b, s)) = self.locate_entry(st, key) {
             on_present(b, s);
             return Outcome::Updated;
+        }
+        if let Some(a) = adapt {
+            a.on_miss(key);
         }
         let (score, admission) = match scoring {
             Scoring::Verbatim => {
@@ -68,6 +77,14 @@ impl CpuTable {
         // Phase D1 / Algorithm 2 line 8: a free slot in the less loaded bucket.
         let target = if b2 != b1 && st.buckets[b2].len() < st.buckets[b1].len() { b2 } else { b1 };
         if let Some(s) = st.buckets[target].free_slot() {
+            if let Some(a) = adapt {
+                // Filling: keep the window at its share (see `adapt`).
+                let bk = &st.buckets[target];
+                let t = Tiers::of(bk.slots().map(|s| (s, bk.score(s))));
+                if let Some((c, sc)) = t.oldest_window.filter(|_| t.window >= a.window_slots()) {
+                    bk.set_score(c, sc | ADAPTIVE_MAIN);
+                }
+            }
             st.buckets[target].put_meta(s, key, d, score);
             st.write_row(target, s, value);
             return Outcome::Inserted;
@@ -90,6 +107,21 @@ impl CpuTable {
             if m2 < min {
                 (b, s, min) = (b2, s2, m2);
             }
+        }
+        if let Some(a) = adapt {
+            // The bucket with the older minimum, then its window rule.
+            let bk = &st.buckets[b];
+            let t = Tiers::of((0..S).map(|s| (s, bk.score(s))));
+            let (slot, window) = match a.room(&t, |s| bk.key(s)) {
+                Room::Evict { slot, window } => (slot, window),
+                Room::Promote { promote, slot } => {
+                    bk.set_score(promote, bk.score(promote) | ADAPTIVE_MAIN);
+                    (slot, false)
+                }
+            };
+            a.on_evict(bk.key(slot), window);
+            s = slot;
+            min = 0;
         }
         if admission < min {
             if let Some(lost) = lost {

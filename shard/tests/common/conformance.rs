@@ -254,8 +254,18 @@ pub fn lfu_ties_evict_the_least_recently_written(make: Make) {
 /// insert_and_evict under heavy eviction: inserted = size + evicted, and
 /// the union of evicted and exported entries is every key with its own value.
 pub fn insert_and_evict_conserves_entries(make: Make) {
+    conservation(make, &[ScorePolicy::Lru, ScorePolicy::Custom, ScorePolicy::Lfu]);
+}
+
+/// Issue 36: the same for Adaptive, whose evictions come from its window
+/// rule (a promoted candidate, a main victim) rather than the minimum score.
+pub fn adaptive_insert_and_evict_conserves_entries(make: Make) {
+    conservation(make, &[ScorePolicy::Adaptive]);
+}
+
+fn conservation(make: Make, policies: &[ScorePolicy]) {
     for mode in [BucketMode::Single, BucketMode::Dual] {
-        for policy in [ScorePolicy::Lru, ScorePolicy::Custom, ScorePolicy::Lfu] {
+        for &policy in policies {
             let dim = 3;
             let t = make(TableConfig::new(1024, dim).mode(mode).policy(policy));
             let mut all: HashMap<u64, Vec<f32>> = HashMap::new();
@@ -815,6 +825,62 @@ pub fn sampling_overflow_and_concurrent_drains(make: Make) {
     for &k in &got {
         assert!(k >> 40 < 4 && (k & ((1 << 40) - 1)) >= 1 && (k & ((1 << 40) - 1)) <= per, "key {k:#x}");
         assert!(seen.insert(k), "key {k:#x} twice");
+    }
+}
+
+/// Issue 36, Adaptive: keys read often survive a scan of newcomers that
+/// would flush an LRU bucket (the window takes the scan; each window
+/// candidate then loses to the more frequent main entry), and the tier
+/// bit travels in the exported scores, so a restore keeps it.
+pub fn adaptive_keeps_frequent_keys_through_a_scan(make: Make) {
+    let t = make(TableConfig::new(128, 1).policy(ScorePolicy::Adaptive));
+    let hot: Vec<u64> = (1..=64).collect();
+    t.insert_or_assign(&hot, &vals(&hot, 1, 0.0), None, None).unwrap();
+    for _ in 0..4 {
+        let (_, f, _) = find_all(&*t, &hot);
+        assert!(f.iter().all(|&x| x));
+    }
+    let mut inserted = 0;
+    for k in 10_000..12_000u64 {
+        let out = t.insert_and_evict(&[k], &[k as f32], None, None).unwrap();
+        inserted += 1;
+        assert!(out.len() <= 1, "one newcomer, at most one entry out");
+        assert!(out.kinds.iter().all(|k| *k == Lost::Evicted), "the newcomer enters the window");
+    }
+    assert_eq!(inserted, 2000);
+    let (_, f, _) = find_all(&*t, &hot);
+    let kept = f.iter().filter(|&&x| x).count();
+    assert!(kept >= 56, "only {kept} of 64 frequent keys survived a scan of 2000 once-seen keys");
+    assert_eq!(t.size(), 128);
+    let exp = t.export_batch(0, t.capacity()).unwrap();
+    assert!(exp.scores.iter().any(|s| s & hkv_shard::score::ADAPTIVE_MAIN != 0), "main-tier entries");
+    let u = make(TableConfig::new(128, 1).policy(ScorePolicy::Adaptive));
+    u.load(&exp.keys, &exp.values, &exp.scores).unwrap();
+    let back = u.export_batch(0, u.capacity()).unwrap();
+    let mut a: Vec<(u64, u64)> = exp.keys.iter().copied().zip(exp.scores.iter().copied()).collect();
+    let mut b: Vec<(u64, u64)> = back.keys.iter().copied().zip(back.scores.iter().copied()).collect();
+    a.sort_unstable();
+    b.sort_unstable();
+    assert_eq!(a, b, "a load restores keys and scores (tiers) as exported");
+}
+
+/// Issue 36, `reads_refresh`: off (the default of the paper's policies), a
+/// find touches no score and an LRU bucket evicts the keys it read; on, a
+/// find hit refreshes the score as a write would.
+pub fn reads_refresh_keeps_read_keys(make: Make) {
+    let keys: Vec<u64> = (1..=128).collect();
+    for refresh in [None, Some(true)] {
+        let t = make(TableConfig::new(128, 1).policy(ScorePolicy::Lru).reads_refresh(refresh));
+        t.insert_or_assign(&keys, &vals(&keys, 1, 0.0), None, None).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        let (_, _, before) = find_all(&*t, &keys[..10]);
+        let (_, _, after) = find_all(&*t, &keys[..10]);
+        assert_eq!(before == after, refresh.is_none(), "{refresh:?}: a find refreshes only when asked");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        let new: Vec<u64> = (2000..2100).collect();
+        t.insert_or_assign(&new, &vals(&new, 1, 0.0), None, None).unwrap();
+        let (_, f, _) = find_all(&*t, &keys[..10]);
+        assert_eq!(f.iter().all(|&x| x), refresh.is_some(), "{refresh:?}");
     }
 }
 

@@ -16,7 +16,7 @@ pub struct CreateTable {
     /// Slots over all shards.
     #[arg(long)]
     pub capacity: u64,
-    /// lru, lfu, epoch-lru, epoch-lfu or custom.
+    /// lru, lfu, epoch-lru, epoch-lfu, custom or adaptive.
     #[arg(long, default_value = "lru", value_parser = name::<proto::Policy>)]
     pub policy: proto::Policy,
     /// lfu: which of equal frequencies goes, lru (least recently
@@ -24,6 +24,10 @@ pub struct CreateTable {
     /// frequencies).
     #[arg(long, default_value = "lru", value_parser = name::<proto::LfuTies>)]
     pub lfu_ties: proto::LfuTies,
+    /// Whether find hits refresh scores (true or false); default: the
+    /// policy's (on for adaptive, off for the others).
+    #[arg(long)]
+    pub reads_refresh: Option<bool>,
     /// Dual-bucket mode (fills to ~98 % before evicting).
     #[arg(long)]
     pub dual: bool,
@@ -60,6 +64,7 @@ pub fn create(c: &mut Client, a: CreateTable) -> Result<()> {
         capacity,
         policy,
         lfu_ties,
+        reads_refresh,
         dual,
         max_capacity,
         fast_tier_bytes,
@@ -78,6 +83,7 @@ pub fn create(c: &mut Client, a: CreateTable) -> Result<()> {
         hash,
         lfu_ties,
         backing: backing.map(|list| proto::BackingSpec::from_list(&list, backing_mode.unwrap_or_default())),
+        reads_refresh,
         ..TableSpec::new(&name, dim, capacity)
     };
     let info = c.create_table(spec)?;

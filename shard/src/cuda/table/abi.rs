@@ -89,6 +89,7 @@ pub(super) fn policy_code(p: ScorePolicy) -> u32 {
         ScorePolicy::EpochLru => abi::HKV_EPOCH_LRU,
         ScorePolicy::EpochLfu => abi::HKV_EPOCH_LFU,
         ScorePolicy::Custom => abi::HKV_CUSTOM,
+        ScorePolicy::Adaptive => abi::HKV_ADAPTIVE,
     }
 }
 

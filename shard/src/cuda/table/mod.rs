@@ -132,6 +132,14 @@ impl CudaTable {
     /// A table reading Lru / EpochLru time from `clock`.
     pub fn with_clock(config: TableConfig, dev: Arc<Device>, clock: Arc<dyn Clock>) -> Result<CudaTable> {
         config.validate()?;
+        if config.policy == crate::ScorePolicy::Adaptive || config.reads_refresh == Some(true) {
+            // Issue 36: the kernels do not implement them yet; refuse
+            // rather than serve a different policy than the one asked for.
+            return Err(crate::error::Error::Config(
+                "the CUDA backend does not implement the adaptive policy or reads_refresh yet; use the CPU backend"
+                    .into(),
+            ));
+        }
         // The device's context has no event tracking (Device::open, whose
         // SAFETY argument this table keeps): every buffer the table uses is
         // used on one lane's stream at a time, and each batch synchronises
