@@ -746,12 +746,15 @@ fn huge_pages_are_asked_for_unless_turned_off() {
         let keys: Vec<u64> = (0..50_000u64).map(|k| k.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 8).collect();
         c.insert_or_assign("hp", &keys, &vec![1.0; keys.len() * 32], None).unwrap();
         let environ = std::fs::read(format!("/proc/{}/environ", d.pid())).expect("environ of hkvd");
-        let tunables = environ
+        // glibc may split GLIBC_TUNABLES in place at its ':'s while it
+        // parses it, so the tunables are looked for in the whole block.
+        let tunables: Vec<String> = environ
             .split(|&b| b == 0)
-            .filter_map(|v| v.strip_prefix(b"GLIBC_TUNABLES="))
-            .map(|v| String::from_utf8_lossy(v).into_owned())
-            .next()
-            .unwrap_or_default();
+            .map(|v| String::from_utf8_lossy(v.strip_prefix(b"GLIBC_TUNABLES=").unwrap_or(v)).into_owned())
+            .filter(|v| v.starts_with("glibc."))
+            .flat_map(|v| v.split(':').map(str::to_string).collect::<Vec<_>>())
+            .collect();
+        let tunables = tunables.join(":");
         let smaps = std::fs::read_to_string(format!("/proc/{}/smaps", d.pid())).expect("smaps of hkvd");
         let kb = |l: &str| l.split_whitespace().nth(1).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
         let (mut marked, mut in_huge, mut size) = (0, 0, 0);
