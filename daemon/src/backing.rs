@@ -6,9 +6,11 @@
 //! The tiers run on a runtime of their own (one worker thread, made on the
 //! first backed table): their connections and the write-back flusher never
 //! run on the request executor, and a request awaits a tier through a
-//! `JoinHandle`. The request path reaches this module only through the
-//! calls marked `HOOK(backing)` in `router/mod.rs`; when the request path
-//! becomes one typed pipeline they move to its create / drop steps.
+//! `JoinHandle`. The tiers sit in front of the router (`State::backing`;
+//! the router knows nothing of them): `handle` sends a backed table's
+//! requests here and opens / closes a tier with its table, the stats read
+//! them, and shutdown drains them (the calls marked `HOOK(backing)`). This
+//! module runs the cache's part through the router's typed operations.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -279,8 +281,7 @@ impl Tiers {
 /// HOOK(backing) of every table request on a backed table: reads fill
 /// their misses from the cluster in the same request, writes reach the
 /// cluster as the table's mode says, the rest runs as on any table.
-pub async fn execute(router: &Router, tier: Backing, req: Request) -> Result<Response, ProtoError> {
-    let tiers = &router.backing;
+pub async fn execute(router: &Router, tiers: &Tiers, tier: Backing, req: Request) -> Result<Response, ProtoError> {
     if let Some(table) = req.table() {
         let mut stale = tiers.take_invalid(table);
         if !stale.is_empty() {
@@ -383,7 +384,7 @@ pub async fn execute(router: &Router, tier: Backing, req: Request) -> Result<Res
                 }
             }
         }
-        other => router.execute_local(other).await,
+        other => router.execute(other).await,
     }
 }
 

@@ -90,7 +90,12 @@ async fn answer(
         r @ (Request::Hash { .. } | Request::FindFeatures { .. } | Request::FindOrInsertFeatures { .. }) => {
             state.router.features(r).await
         }
-        table_op => state.router.execute(table_op).await,
+        // A backed table's reads fill misses from its cluster and its
+        // writes reach it (`crate::backing`); the rest is the cache's.
+        table_op => match table_op.table().and_then(|name| state.backing.get(name)) {
+            Some(tier) => crate::backing::execute(&state.router, &state.backing, tier, table_op).await,
+            None => state.router.execute(table_op).await,
+        },
     }
 }
 
@@ -103,12 +108,24 @@ async fn control(
 ) -> Result<Response, ProtoError> {
     match c {
         Control::CreateTable(spec) => {
-            let info = state.router.create_table(spec).await?;
+            // A table naming a cluster is refused when it cannot be opened,
+            // before any memory is charged.
+            state.backing.open(&spec).await?;
+            let name = spec.name.clone();
+            let info = match state.router.create_table(spec).await {
+                Ok(info) => info,
+                Err(e) => {
+                    let _ = state.backing.close(&name).await;
+                    return Err(e);
+                }
+            };
             info!(table = %info.spec.name, dim = info.spec.dim, capacity = info.capacity, "table created");
             Ok(Response::Json(serde_json::to_vec(&info).expect("serializes")))
         }
         Control::DropTable { name } => {
             state.router.drop_table(&name).await?;
+            // The table's write-back queue drains before the drop is answered.
+            state.backing.close(&name).await?;
             info!(table = %name, "table dropped");
             Ok(Response::Empty)
         }

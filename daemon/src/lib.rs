@@ -23,7 +23,7 @@
 //! - [`memory`] checks large allocations against the address-space limit.
 //! - [`admin`] says who may run admin operations and read the state directory.
 //! - [`backing`] is the glue to each backed table's Redis Cluster tier
-//!   (`hkv-backing`), reached from the router's `HOOK(backing)` calls.
+//!   (`hkv-backing`), in front of the router, reached from `handle`.
 //! - [`mrc`] keeps each shard's miss-ratio estimator and combines a table's curve.
 //! - [`region`] registers client memory (memfds) and runs requests naming arrays in it.
 //! - [`stats`] renders statistics as JSON and Prometheus text.
@@ -176,6 +176,7 @@ pub fn run(mut config: Config) -> anyhow::Result<()> {
             backend: backend_name.clone(),
             checkpoints,
             memory: crate::memory::AddressSpace::of_process(),
+            backing: crate::backing::Tiers::default(),
         });
         if let Some(limit) = state.memory.limit() {
             info!(
@@ -212,7 +213,7 @@ pub fn run(mut config: Config) -> anyhow::Result<()> {
         server::serve(state.clone(), listener).await;
         // HOOK(backing): every backed table's write-back queue drains
         // before exit; rows that could not reach the cluster are named.
-        if let Err(e) = state.router.backing.flush_all(crate::backing::DRAIN).await {
+        if let Err(e) = state.backing.flush_all(crate::backing::DRAIN).await {
             error!(error = %e.message, "backing: queued writes did not all reach the cluster");
         }
         // A final checkpoint that fails is the operator's data not saved:

@@ -61,6 +61,9 @@ pub struct State {
     pub checkpoints: Arc<Checkpoints>,
     /// The address-space limit large allocations are checked against.
     pub memory: crate::memory::AddressSpace,
+    /// Each backed table's Redis Cluster tier (`crate::backing`), in front
+    /// of the router: the router knows nothing of it.
+    pub backing: crate::backing::Tiers,
 }
 
 impl State {

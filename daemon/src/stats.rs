@@ -60,7 +60,7 @@ pub async fn collect(state: &State) -> Result<DaemonStats, hkv_proto::ProtoError
         let shards = state.router.shard_stats(&t).await?;
         per_table.push((t, shards, curves));
     }
-    let backed = state.router.backing.stats();
+    let backed = state.backing.stats();
     let tables = per_table
         .into_iter()
         .map(|(t, shards, curves)| {

@@ -69,8 +69,6 @@ pub struct Router {
     /// The CUDA kernel tuning every table created from now on gets (the
     /// `HKV_*` variables `hkvd` reads; the default otherwise).
     pub tuning: hkv_shard::CudaTuning,
-    /// HOOK(backing): each backed table's Redis Cluster tier.
-    pub backing: crate::backing::Tiers,
 }
 
 impl Router {
@@ -103,7 +101,6 @@ impl Router {
             mrc: None,
             ordinals: Vec::new(),
             tuning: hkv_shard::CudaTuning::default(),
-            backing: crate::backing::Tiers::default(),
         }
     }
 
@@ -146,17 +143,7 @@ impl Router {
         if self.tables.read().contains_key(&spec.name) {
             return Err(err(ErrorCode::TableExists, format!("table {:?} exists; drop it first", spec.name)));
         }
-        // HOOK(backing): a table naming a cluster is refused when it cannot
-        // be opened, before any memory is charged.
-        self.backing.open(&spec).await?;
-        let name = spec.name.clone();
-        let table = match self.build_table(spec).await {
-            Ok(t) => t,
-            Err(e) => {
-                let _ = self.backing.close(&name).await;
-                return Err(e);
-            }
-        };
+        let table = self.build_table(spec).await?;
         {
             let mut tables = self.tables.write();
             if tables.contains_key(&table.spec.name) {
@@ -245,8 +232,6 @@ impl Router {
         if let Some(t) = Arc::into_inner(t) {
             t.close().await;
         }
-        // HOOK(backing): the table's write-back queue drains before the
-        // drop is answered.
-        self.backing.close(name).await
+        Ok(())
     }
 }

@@ -49,18 +49,9 @@ fn shard_keys(
 }
 
 impl Router {
-    /// Executes a table request.
+    /// Executes a table request (on the cache alone: a backed table's
+    /// requests reach it through `crate::backing`, which calls this).
     pub async fn execute(&self, req: Request) -> Result<Response, ProtoError> {
-        // HOOK(backing): a backed table's reads fill misses from its
-        // cluster and its writes reach it (crate::backing::execute).
-        if let Some(tier) = req.table().and_then(|name| self.backing.get(name)) {
-            return crate::backing::execute(self, tier, req).await;
-        }
-        self.execute_local(req).await
-    }
-
-    /// Executes a table request on the cache alone.
-    pub async fn execute_local(&self, req: Request) -> Result<Response, ProtoError> {
         let t = self.table(req.table().unwrap_or_default())?;
         match req {
             Request::Find { keys, scores, .. } => self.find(&t, keys, scores).await,
