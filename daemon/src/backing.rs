@@ -22,7 +22,7 @@ use hkv_proto::{BackingMode, BackingSpec, ErrorCode, ProtoError, Request, Respon
 use hkv_shard::ScorePolicy;
 use parking_lot::RwLock;
 
-use crate::router::{FindAnswer, Router, Table};
+use crate::router::{FindAnswer, Router, Table, WriteAnswer};
 
 /// How long dropping a table or stopping the daemon waits for a table's
 /// write-back queue to drain.
@@ -280,111 +280,165 @@ impl Tiers {
 
 /// HOOK(backing) of every table request on a backed table: reads fill
 /// their misses from the cluster in the same request, writes reach the
-/// cluster as the table's mode says, the rest runs as on any table.
+/// cluster as the table's mode says, the rest runs as on any table. The
+/// socket's requests come here; region requests call [`find`],
+/// [`contains`] and [`write`] themselves.
 pub async fn execute(router: &Router, tiers: &Tiers, tier: Backing, req: Request) -> Result<Response, ProtoError> {
-    if let Some(table) = req.table() {
-        let mut stale = tiers.take_invalid(table);
-        if !stale.is_empty() {
-            stale.sort_unstable();
-            stale.dedup();
-            router.erase(&*router.table(table)?, stale, false).await?;
-        }
-    }
     match req {
         Request::Find { table, keys, scores } => {
             let t = router.table(&table)?;
-            // With scores the answer is a plain `Response::Find` the misses
-            // can be written into (the framed form is written in place).
-            let FindAnswer { mut found, mut values, scores: got } = router.find_rows(&t, keys.clone(), true).await?;
-            let mut got = got.unwrap_or_default();
-            refresh(router, &t, &keys, &found).await?;
-            let miss: Vec<usize> = (0..keys.len()).filter(|&i| found[i] == 0).collect();
-            tiers.count_hits(&table, keys.len() - miss.len());
-            let rows = tiers.fill(router, &t, &tier, &table, &keys, &miss).await?;
-            for (j, &i) in miss.iter().enumerate() {
-                if rows.fetched[j] == Fetched::Found {
-                    found[i] = 1;
-                    let d = t.config.dim;
-                    values[i * d..(i + 1) * d].copy_from_slice(&rows.values[j * d..(j + 1) * d]);
-                    if let Some(s) = got.get_mut(i) {
-                        *s = rows.scores[j];
-                    }
-                }
-            }
-            Ok(Response::Find { found, values, scores: scores.then_some(std::mem::take(&mut got)) })
+            find(router, tiers, &tier, &t, keys, scores).await.map(Into::into)
         }
         Request::Contains { table, keys } => {
             let t = router.table(&table)?;
-            let mut found = router.contains(&t, keys.clone()).await?;
-            let miss: Vec<usize> = (0..keys.len()).filter(|&i| found[i] == 0).collect();
-            tiers.count_hits(&table, keys.len() - miss.len());
-            let rows = tiers.fill(router, &t, &tier, &table, &keys, &miss).await?;
-            for (j, &i) in miss.iter().enumerate() {
-                if rows.fetched[j] == Fetched::Found {
-                    found[i] = 1;
-                }
-            }
-            Ok(Response::Contains { found })
+            Ok(Response::Contains { found: contains(router, tiers, &tier, &t, keys).await? })
         }
-        // find_or_insert reads through on every backed table; other
-        // writes reach the cluster unless the table is read-only.
-        Request::Write { op, table, keys, values, scores, outcomes }
-            if op == WriteOp::FindOrInsert || tier.mode() != Mode::ReadOnly =>
-        {
+        Request::Write { op, table, keys, values, scores, outcomes } => {
             let t = router.table(&table)?;
-            match op {
-                WriteOp::FindOrInsert => {
-                    // Rows the cluster has win over the request's initial
-                    // values: fill the misses first, then insert the rest
-                    // here and in the cluster.
-                    let found = router.find_rows(&t, keys.clone(), true).await?.found;
-                    let miss: Vec<usize> = (0..keys.len()).filter(|&i| found[i] == 0).collect();
-                    tiers.count_hits(&table, keys.len() - miss.len());
-                    let rows = tiers.fill(router, &t, &tier, &table, &keys, &miss).await?;
-                    let d = t.config.dim;
-                    let new: Vec<usize> = miss
-                        .iter()
-                        .zip(&rows.fetched)
-                        .filter(|(_, f)| **f == Fetched::Absent)
-                        .map(|(&i, _)| i)
-                        .collect();
-                    let nk: Vec<u64> = new.iter().map(|&i| keys[i]).collect();
-                    let nv: Vec<f32> = new.iter().flat_map(|&i| values[i * d..(i + 1) * d].iter().copied()).collect();
-                    let ns: Vec<u64> = scores.as_ref().map(|s| new.iter().map(|&i| s[i]).collect()).unwrap_or_default();
-                    if tier.mode() != Mode::ReadOnly {
-                        tiers.write(&tier, nk, nv, ns).await?;
-                    }
-                    router.write(&t, op, keys, values, scores, outcomes).await.map(Into::into)
-                }
-                WriteOp::AccumOrAssign => {
-                    // The cluster gets the rows as they are after the deltas.
-                    let r = router.write(&t, op, keys.clone(), values, scores, outcomes).await?;
-                    let FindAnswer { found, values, scores: got } = router.find_rows(&t, keys.clone(), true).await?;
-                    let d = t.config.dim;
-                    let have: Vec<usize> = (0..keys.len()).filter(|&i| found[i] == 1).collect();
-                    let got = got.unwrap_or_default();
-                    tiers
-                        .write(
-                            &tier,
-                            have.iter().map(|&i| keys[i]).collect(),
-                            have.iter().flat_map(|&i| values[i * d..(i + 1) * d].iter().copied()).collect(),
-                            have.iter().map(|&i| got.get(i).copied().unwrap_or(0)).collect(),
-                        )
-                        .await?;
-                    Ok(r.into())
-                }
-                _ => {
-                    // The cluster first: a write it refuses is not applied
-                    // here either (write-through), or waits in the queue
-                    // (write-back). Every row the cache holds is then also
-                    // in the cluster or the queue, so what the cache evicts
-                    // is never lost.
-                    tiers.write(&tier, keys.clone(), values.clone(), scores.clone().unwrap_or_default()).await?;
-                    router.write(&t, op, keys, values, scores, outcomes).await.map(Into::into)
-                }
+            write(router, tiers, &tier, &t, op, keys, values, scores, outcomes).await.map(Into::into)
+        }
+        other => {
+            if let Some(table) = other.table() {
+                invalidate(router, tiers, &*router.table(table)?).await?;
+            }
+            router.execute(other).await
+        }
+    }
+}
+
+/// Erases the rows other hosts wrote since the last request (the table's
+/// stream), so that this request reads them from the cluster again.
+async fn invalidate(router: &Router, tiers: &Tiers, t: &Table) -> Result<(), ProtoError> {
+    let mut stale = tiers.take_invalid(&t.spec.name);
+    if !stale.is_empty() {
+        stale.sort_unstable();
+        stale.dedup();
+        router.erase(t, stale, false).await?;
+    }
+    Ok(())
+}
+
+/// find on a backed table: hits refresh their scores, misses are read
+/// from the cluster, inserted and returned, in the same request.
+pub async fn find(
+    router: &Router,
+    tiers: &Tiers,
+    tier: &Backing,
+    t: &Table,
+    keys: Vec<u64>,
+    scores: bool,
+) -> Result<FindAnswer, ProtoError> {
+    invalidate(router, tiers, t).await?;
+    let table = &t.spec.name;
+    // With scores: the misses' scores are written into them too.
+    let FindAnswer { mut found, mut values, scores: got } = router.find_rows(t, keys.clone(), true).await?;
+    let mut got = got.unwrap_or_default();
+    refresh(router, t, &keys, &found).await?;
+    let miss: Vec<usize> = (0..keys.len()).filter(|&i| found[i] == 0).collect();
+    tiers.count_hits(table, keys.len() - miss.len());
+    let rows = tiers.fill(router, t, tier, table, &keys, &miss).await?;
+    for (j, &i) in miss.iter().enumerate() {
+        if rows.fetched[j] == Fetched::Found {
+            found[i] = 1;
+            let d = t.config.dim;
+            values[i * d..(i + 1) * d].copy_from_slice(&rows.values[j * d..(j + 1) * d]);
+            if let Some(s) = got.get_mut(i) {
+                *s = rows.scores[j];
             }
         }
-        other => router.execute(other).await,
+    }
+    Ok(FindAnswer { found, values, scores: scores.then_some(got) })
+}
+
+/// contains on a backed table: a key the cluster has is present (and now cached).
+pub async fn contains(
+    router: &Router,
+    tiers: &Tiers,
+    tier: &Backing,
+    t: &Table,
+    keys: Vec<u64>,
+) -> Result<Vec<u8>, ProtoError> {
+    invalidate(router, tiers, t).await?;
+    let table = &t.spec.name;
+    let mut found = router.contains(t, keys.clone()).await?;
+    let miss: Vec<usize> = (0..keys.len()).filter(|&i| found[i] == 0).collect();
+    tiers.count_hits(table, keys.len() - miss.len());
+    let rows = tiers.fill(router, t, tier, table, &keys, &miss).await?;
+    for (j, &i) in miss.iter().enumerate() {
+        if rows.fetched[j] == Fetched::Found {
+            found[i] = 1;
+        }
+    }
+    Ok(found)
+}
+
+/// A write on a backed table: find_or_insert reads through on every
+/// backed table; other writes reach the cluster unless the table is
+/// read-only.
+#[allow(clippy::too_many_arguments)]
+pub async fn write(
+    router: &Router,
+    tiers: &Tiers,
+    tier: &Backing,
+    t: &Table,
+    op: WriteOp,
+    keys: Vec<u64>,
+    values: Vec<f32>,
+    scores: Option<Vec<u64>>,
+    outcomes: bool,
+) -> Result<WriteAnswer, ProtoError> {
+    invalidate(router, tiers, t).await?;
+    if op != WriteOp::FindOrInsert && tier.mode() == Mode::ReadOnly {
+        return router.write(t, op, keys, values, scores, outcomes).await;
+    }
+    let table = &t.spec.name;
+    let tier = tier.clone();
+    match op {
+        WriteOp::FindOrInsert => {
+            // Rows the cluster has win over the request's initial
+            // values: fill the misses first, then insert the rest
+            // here and in the cluster.
+            let found = router.find_rows(t, keys.clone(), true).await?.found;
+            let miss: Vec<usize> = (0..keys.len()).filter(|&i| found[i] == 0).collect();
+            tiers.count_hits(table, keys.len() - miss.len());
+            let rows = tiers.fill(router, t, &tier, table, &keys, &miss).await?;
+            let d = t.config.dim;
+            let new: Vec<usize> =
+                miss.iter().zip(&rows.fetched).filter(|(_, f)| **f == Fetched::Absent).map(|(&i, _)| i).collect();
+            let nk: Vec<u64> = new.iter().map(|&i| keys[i]).collect();
+            let nv: Vec<f32> = new.iter().flat_map(|&i| values[i * d..(i + 1) * d].iter().copied()).collect();
+            let ns: Vec<u64> = scores.as_ref().map(|s| new.iter().map(|&i| s[i]).collect()).unwrap_or_default();
+            if tier.mode() != Mode::ReadOnly {
+                tiers.write(&tier, nk, nv, ns).await?;
+            }
+            router.write(t, op, keys, values, scores, outcomes).await
+        }
+        WriteOp::AccumOrAssign => {
+            // The cluster gets the rows as they are after the deltas.
+            let r = router.write(t, op, keys.clone(), values, scores, outcomes).await?;
+            let FindAnswer { found, values, scores: got } = router.find_rows(t, keys.clone(), true).await?;
+            let d = t.config.dim;
+            let have: Vec<usize> = (0..keys.len()).filter(|&i| found[i] == 1).collect();
+            let got = got.unwrap_or_default();
+            tiers
+                .write(
+                    &tier,
+                    have.iter().map(|&i| keys[i]).collect(),
+                    have.iter().flat_map(|&i| values[i * d..(i + 1) * d].iter().copied()).collect(),
+                    have.iter().map(|&i| got.get(i).copied().unwrap_or(0)).collect(),
+                )
+                .await?;
+            Ok(r)
+        }
+        _ => {
+            // The cluster first: a write it refuses is not applied
+            // here either (write-through), or waits in the queue
+            // (write-back). Every row the cache holds is then also
+            // in the cluster or the queue, so what the cache evicts
+            // is never lost.
+            tiers.write(&tier, keys.clone(), values.clone(), scores.clone().unwrap_or_default()).await?;
+            router.write(t, op, keys, values, scores, outcomes).await
+        }
     }
 }
 

@@ -133,3 +133,43 @@ fn write_back_rows_reach_the_cluster_by_drop_table() {
     let f = cb.find("wb", &keys).unwrap();
     assert!(f.found.iter().all(|x| *x) && f.values == values);
 }
+
+/// Region requests take the same road as the socket's on a backed table: a
+/// find whose arrays lie in a registered memfd reads the cache's misses
+/// from the cluster (written there by another daemon), bit for bit, and
+/// contains sees them too.
+#[test]
+fn region_finds_read_through_the_cluster() {
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
+    let (mut ca, mut cb) = (a.client(), b.client());
+    let seeds = cluster.seed_arg();
+    ca.create_table(backed("r", &seeds, BackingMode::WriteThrough)).unwrap();
+    cb.create_table(backed("r", &seeds, BackingMode::ReadOnly)).unwrap();
+    let n = 300u64;
+    let keys: Vec<u64> = (1..=n).map(|k| k * 7919).collect();
+    let values: Vec<f32> = keys.iter().flat_map(|&k| (0..4).map(move |j| k as f32 + 0.25 * j as f32)).collect();
+    ca.insert_or_assign("r", &keys, &values, None).unwrap();
+    // B has cached none of them; half the probe is in the cluster, half in neither.
+    let probe: Vec<u64> = keys.iter().copied().take(150).chain((1..=150).map(|k| k * 7919 + 1)).collect();
+    let m = probe.len() as u64;
+    let r = cb.register_memfd(1 << 16).unwrap();
+    r.write(0, &probe).unwrap();
+    r.write(8192, &vec![7u8; m as usize]).unwrap();
+    r.write(16384, &vec![9.5f32; (m * 4) as usize]).unwrap();
+    let hits = cb.find_in("r", r.at::<u64>(0, m), r.at::<u8>(8192, m), r.at::<f32>(16384, m * 4)).unwrap();
+    assert_eq!(hits, 150, "the cluster's rows count as found");
+    let mut found = vec![0u8; m as usize];
+    let mut got = vec![0f32; (m * 4) as usize];
+    r.read(8192, &mut found).unwrap();
+    r.read(16384, &mut got).unwrap();
+    assert!(found[..150].iter().all(|&f| f == 1) && found[150..].iter().all(|&f| f == 0), "{found:?}");
+    assert_eq!(
+        got[..600].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        values[..600].iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+    );
+    assert!(got[600..].iter().all(|&v| v == 0.0), "misses in both are zeros");
+    // Now cached on B: contains through the region agrees.
+    r.write(8192, &vec![7u8; m as usize]).unwrap();
+    assert_eq!(cb.contains_in("r", r.at::<u64>(0, m), r.at::<u8>(8192, m)).unwrap(), 150);
+}

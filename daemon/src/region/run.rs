@@ -123,13 +123,16 @@ pub(super) async fn run(
             "the arrays of one request lie all in memfd regions or all in CUDA regions; this one names both",
         ));
     }
-    if device {
+    // A backed table's requests are staged: their misses are read from
+    // its cluster (`crate::backing`) before the answer is written.
+    let backed = state.backing.get(&req.table);
+    if device && backed.is_none() {
         if let Some(a) = super::device::run(state, &t, &req, &arrs, n, &done).await? {
             return Ok(a);
         }
     }
     let _charge = charge(state, &req, &arrs)?;
-    let a = staged(state, &t, req, &arrs, n, device).await?;
+    let a = staged(state, &t, req, &arrs, n, device, backed).await?;
     if let Some(d) = done {
         blocking(move || d.record_now()).await?;
     }
@@ -202,6 +205,7 @@ async fn staged(
     arrs: &[Arr],
     n: usize,
     device: bool,
+    backed: Option<hkv_backing::Backing>,
 ) -> Result<RegionAnswer, ProtoError> {
     let dim = t.config.dim;
     // Inputs are copied in first (a client writing them meanwhile changes
@@ -250,7 +254,7 @@ async fn staged(
     };
     let router = &state.router;
     match (code, req.head) {
-        (Op::Find, _) if !req.scores && !device => {
+        (Op::Find, _) if !req.scores && !device && backed.is_none() => {
             let (Some(Out::U8(found)), Some(Out::F32(values))) = (take("found"), take("values")) else {
                 return Err(err(ErrorCode::Internal, "find's outputs are its found flags and values"));
             };
@@ -259,7 +263,10 @@ async fn staged(
             Ok(RegionAnswer::Count(hits))
         }
         (Op::Find, _) => {
-            let r = router.find_rows(t, keys, true).await?;
+            let r = match &backed {
+                Some(b) => crate::backing::find(router, &state.backing, b, t, keys, true).await?,
+                None => router.find_rows(t, keys, true).await?,
+            };
             let hits = r.found.iter().filter(|&&f| f == 1).count() as u64;
             put(take("found"), &r.found)?;
             put(take("values"), &r.values)?;
@@ -267,7 +274,10 @@ async fn staged(
             Ok(RegionAnswer::Count(hits))
         }
         (Op::Contains, _) => {
-            let found = router.contains(t, keys).await?;
+            let found = match &backed {
+                Some(b) => crate::backing::contains(router, &state.backing, b, t, keys).await?,
+                None => router.contains(t, keys).await?,
+            };
             put(take("found"), &found)?;
             Ok(RegionAnswer::Count(found.iter().filter(|&&f| f == 1).count() as u64))
         }
@@ -300,7 +310,13 @@ async fn staged(
                 return Err(ProtoError::bad_request(format!("{} is not served through regions", code.name())));
             };
             let values = values_in.unwrap_or_default();
-            let r = router.write(t, op, keys, values, scores_in, req.outcomes).await?;
+            let r = match &backed {
+                Some(b) => {
+                    crate::backing::write(router, &state.backing, b, t, op, keys, values, scores_in, req.outcomes)
+                        .await?
+                }
+                None => router.write(t, op, keys, values, scores_in, req.outcomes).await?,
+            };
             let room = named(arrs, "evicted_keys").map_or(0, |a| a.r.count as usize);
             put(take("outcomes"), r.outcomes.as_deref().unwrap_or(&[]))?;
             if let Some(v) = r.values {
