@@ -376,6 +376,12 @@ impl Client {
         self.call(&Request::Control(Control::DropTable { name: name.into() })).map(|_| ())
     }
 
+    /// Drains a backed table's write-back queue into its cluster: returns
+    /// once every queued row is there (at once for other tables).
+    pub fn flush(&mut self, table: &str) -> Result<()> {
+        self.call(&Request::Control(Control::Flush { table: table.into() })).map(|_| ())
+    }
+
     /// Lists tables.
     pub fn tables(&mut self) -> Result<Vec<TableInfo>> {
         self.json(Control::ListTables, "tables")

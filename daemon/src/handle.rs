@@ -161,6 +161,12 @@ async fn control(
             Ok(Response::Json(serde_json::to_vec(&r).expect("serializes")))
         }
         Control::Trace { table, seconds } => trace(state, &table, seconds, conn.gone()).await,
+        Control::Flush { table } => {
+            // A table without a cluster has nothing queued.
+            state.router.table(&table)?;
+            state.backing.flush(&table, crate::backing::DRAIN).await?;
+            Ok(Response::Empty)
+        }
         Control::Shutdown => {
             info!(uid = peer.uid, "shutdown requested");
             let _ = state.shutdown.send(true);

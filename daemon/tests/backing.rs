@@ -173,3 +173,29 @@ fn region_finds_read_through_the_cluster() {
     r.write(8192, &vec![7u8; m as usize]).unwrap();
     assert_eq!(cb.contains_in("r", r.at::<u64>(0, m), r.at::<u8>(8192, m)).unwrap(), 150);
 }
+
+/// `flush` drains a write-back table's queue: once it answered, another
+/// daemon reads every row from the cluster; on a table without a cluster
+/// it answers at once, and an unknown table is named.
+#[test]
+fn flush_drains_the_write_back_queue() {
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
+    let (mut ca, mut cb) = (a.client(), b.client());
+    let seeds = cluster.seed_arg();
+    ca.create_table(backed("w", &seeds, BackingMode::WriteBack)).unwrap();
+    cb.create_table(backed("w", &seeds, BackingMode::ReadOnly)).unwrap();
+    let keys: Vec<u64> = (1..=2000u64).map(|k| k * 104_729).collect();
+    let values: Vec<f32> = keys.iter().flat_map(|&k| (0..4).map(move |j| (k % 1000) as f32 + j as f32)).collect();
+    ca.insert_or_assign("w", &keys, &values, None).unwrap();
+    ca.flush("w").unwrap();
+    let f = cb.find("w", &keys).unwrap();
+    assert!(f.found.iter().all(|&x| x), "every flushed row is in the cluster");
+    assert_eq!(
+        f.values.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        values.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+    );
+    ca.create_table(TableSpec::new("plain", 4, 1024)).unwrap();
+    ca.flush("plain").unwrap();
+    assert_eq!(ca.flush("nope").unwrap_err().code(), Some(ErrorCode::UnknownTable));
+}

@@ -99,6 +99,8 @@ ops! {
     Restore = 0x28, "restore";
     /// A table's sampled keys for some seconds (the miss-ratio curves' sample).
     Trace = 0x29, "trace";
+    /// Drain a backed table's write-back queue into its cluster.
+    Flush = 0x2A, "flush";
     /// Features to keys.
     Hash = 0x30, "hash";
     /// Features to keys, then find.

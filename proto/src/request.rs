@@ -49,6 +49,12 @@ pub enum Control {
         /// How long to collect.
         seconds: u32,
     },
+    /// Drains a backed table's write-back queue into its cluster; answers
+    /// once every queued row is there (nothing to do on other tables).
+    Flush {
+        /// The table.
+        table: String,
+    },
 }
 
 impl Control {
@@ -341,6 +347,7 @@ impl Request {
                 Control::ListCheckpoints => Op::ListCheckpoints,
                 Control::Restore { .. } => Op::Restore,
                 Control::Trace { .. } => Op::Trace,
+                Control::Flush { .. } => Op::Flush,
             },
         }
     }
@@ -503,6 +510,7 @@ impl Request {
                 Control::Trace { table, seconds } => {
                     w.buf.extend(json(&serde_json::json!({ "table": table, "seconds": seconds })))
                 }
+                Control::Flush { table } => w.buf.extend(json(&serde_json::json!({ "table": table }))),
                 _ => {}
             },
         }
@@ -629,6 +637,15 @@ impl Request {
                     )));
                 }
                 Request::Control(Control::Trace { table: x.table, seconds: x.seconds })
+            }
+            Op::Flush => {
+                #[derive(Deserialize)]
+                #[serde(deny_unknown_fields)]
+                struct Fl {
+                    table: String,
+                }
+                let x: Fl = from_json(r.rest(), "flush body")?;
+                Request::Control(Control::Flush { table: x.table })
             }
             Op::ListTables => Request::Control(Control::ListTables),
             Op::Stats => Request::Control(Control::Stats),

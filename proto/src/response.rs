@@ -247,7 +247,9 @@ impl Response {
                 )))
             }
             Op::Error => return Ok(Response::Error(from_json(body, "error body")?)),
-            Op::Ping | Op::Clear | Op::SetEpoch | Op::Reserve | Op::DropTable | Op::Shutdown => Response::Empty,
+            Op::Ping | Op::Clear | Op::SetEpoch | Op::Reserve | Op::DropTable | Op::Shutdown | Op::Flush => {
+                Response::Empty
+            }
             Op::Echo => Response::Echo { len: r.rest().len() },
             Op::Hash => Response::Keys(r.u64s("keys")?),
             Op::Find | Op::FindFeatures => {

@@ -165,6 +165,7 @@ fn requests_round_trip() {
     });
     round(Request::Control(Control::CreateTable(TableSpec::new("x", 8, 1024))));
     round(Request::Control(Control::DropTable { name: "x".into() }));
+    round(Request::Control(Control::Flush { table: "x".into() }));
     round(Request::Control(Control::Checkpoint { wait: true, full: false }));
     round(Request::Control(Control::Restore { id: CheckpointId::Latest }));
     round(Request::Control(Control::Restore { id: CheckpointId::Id(0xff) }));

@@ -84,6 +84,7 @@ OP_SET_EPOCH = 0x1D
 OP_RESERVE = 0x1E
 OP_CREATE_TABLE = 0x20
 OP_DROP_TABLE = 0x21
+OP_FLUSH = 0x2A
 OP_LIST_TABLES = 0x22
 OP_STATS = 0x23
 OP_METRICS = 0x24
@@ -468,6 +469,11 @@ class Client:
     def drop_table(self, name: str) -> None:
         self._json(OP_DROP_TABLE, {"name": name})
         self._dims.pop(name, None)
+
+    def flush(self, table: str) -> None:
+        """Drains a backed table's write-back queue into its cluster; returns
+        once every queued row is there (at once for other tables)."""
+        self._json(OP_FLUSH, {"table": table})
 
     def tables(self) -> List[dict]:
         return self._call(OP_LIST_TABLES)

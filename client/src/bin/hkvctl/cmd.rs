@@ -71,6 +71,11 @@ pub enum Cmd {
         /// Table name.
         name: String,
     },
+    /// Drain a backed table's write-back queue into its cluster (returns once every queued row is there).
+    Flush {
+        /// Table name.
+        table: String,
+    },
     /// List tables.
     Tables,
     /// Write values: KEY=V1,V2,... (dim values each).

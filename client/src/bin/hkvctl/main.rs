@@ -72,6 +72,10 @@ fn run(cli: Cli) -> Result<()> {
             c.drop_table(&name)?;
             println!("dropped {name}");
         }
+        Cmd::Flush { table } => {
+            c.flush(&table)?;
+            println!("flushed {table}");
+        }
         Cmd::Tables => tables::list(c)?,
         Cmd::Put { table, entries, scores } => entries::put(c, &table, &entries, scores)?,
         Cmd::Get { table, keys } => entries::get(c, &table, &keys)?,
