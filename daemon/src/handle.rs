@@ -9,6 +9,7 @@ use hkv_proto::{Control, ErrorCode, Header, ProtoError, Request, Response};
 use tracing::info;
 
 use crate::admin::Peer;
+use crate::router::Hashed;
 use crate::state::InFlight;
 use crate::state::State;
 
@@ -88,7 +89,26 @@ async fn answer(
         }
         Request::Control(c) => control(state, c, peer, &ctx.conn).await,
         r @ (Request::Hash { .. } | Request::FindFeatures { .. } | Request::FindOrInsertFeatures { .. }) => {
-            state.router.features(r).await
+            // The keys a backed table's fused ops hash to read through its
+            // cluster as a find's or a find_or_insert's do.
+            let hashed = state.router.hash_request(r).await?;
+            let tier = match &hashed {
+                Hashed::Find { t, .. } | Hashed::FindOrInsert { t, .. } => state.backing.get(&t.spec.name),
+                Hashed::Keys(_) => None,
+            };
+            let (router, tiers) = (&state.router, &state.backing);
+            match (hashed, tier) {
+                (Hashed::Find { t, keys, scores }, Some(b)) => {
+                    crate::backing::find(router, tiers, &b, &t, keys, scores).await.map(Into::into)
+                }
+                (Hashed::FindOrInsert { t, keys, values, scores, outcomes }, Some(b)) => {
+                    let op = hkv_proto::WriteOp::FindOrInsert;
+                    crate::backing::write(router, tiers, &b, &t, op, keys, values, scores, outcomes)
+                        .await
+                        .map(Into::into)
+                }
+                (h, _) => router.answer_hashed(h).await,
+            }
         }
         // A backed table's reads fill misses from its cluster and its
         // writes reach it (`crate::backing`); the rest is the cache's.

@@ -248,3 +248,32 @@ fn sigkill_loses_nothing_acknowledged_under_write_through_and_at_most_the_window
         }
     }
 }
+
+/// The fused feature ops take the same road on a backed table: the keys a
+/// find_features hashes to are read through the cluster (written there by
+/// another daemon), and find_or_insert_features takes the cluster's rows
+/// over its own initial values.
+#[test]
+fn feature_ops_read_through_the_cluster() {
+    use hkv_client::{FeatureHash, Features, HashSpec};
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
+    let (mut ca, mut cb) = (a.client(), b.client());
+    let seeds = cluster.seed_arg();
+    ca.create_table(backed("f", &seeds, BackingMode::WriteThrough)).unwrap();
+    cb.create_table(backed("f", &seeds, BackingMode::ReadOnly)).unwrap();
+    let hash = HashSpec::Given(FeatureHash::fingerprint64(1 << 40));
+    let features: Vec<i64> = (1..=200).map(|i| i * 31).collect();
+    let keys = ca.hash("", hash.clone(), Features::Int64(features.clone())).unwrap();
+    let values: Vec<f32> = (0..keys.len() * 4).map(|i| i as f32 * 0.125).collect();
+    ca.insert_or_assign("f", &keys, &values, None).unwrap();
+    let f = cb.find_features("f", hash.clone(), Features::Int64(features.clone()), false).unwrap();
+    assert!(f.found.iter().all(|&x| x), "every hashed key is read from the cluster");
+    assert_eq!(f.values, values);
+    // The table made again on B, nothing cached: find_or_insert_features
+    // returns the cluster's rows, not the initial ones it sent.
+    cb.drop_table("f").unwrap();
+    cb.create_table(backed("f", &seeds, BackingMode::ReadOnly)).unwrap();
+    let w = cb.find_or_insert_features("f", hash, Features::Int64(features), &vec![-1.0; values.len()], None).unwrap();
+    assert_eq!(w.values.as_deref(), Some(&values[..]));
+}

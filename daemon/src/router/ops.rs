@@ -282,39 +282,87 @@ impl Router {
     /// Executes a feature request: hash (on the GPU when present), then,
     /// for the fused ops, find or find_or_insert with the keys.
     pub async fn features(&self, req: Request) -> Result<Response, ProtoError> {
-        let (table, hash) = match &req {
-            Request::Hash { table, hash, .. }
-            | Request::FindFeatures { table, hash, .. }
-            | Request::FindOrInsertFeatures { table, hash, .. } => (table, hash),
-            _ => return Err(err(ErrorCode::Internal, "not a feature request")),
+        let hashed = self.hash_request(req).await?;
+        self.answer_hashed(hashed).await
+    }
+
+    /// A feature request's keys, hashed (on the GPU when present), with
+    /// what the fused ops do with them.
+    pub async fn hash_request(&self, req: Request) -> Result<Hashed, ProtoError> {
+        let (table, hash, features, then) = match req {
+            Request::Hash { table, hash, features } => (table, hash, features, Then::Keys),
+            Request::FindFeatures { table, hash, features, scores } => (table, hash, features, Then::Find { scores }),
+            Request::FindOrInsertFeatures { table, hash, features, values, scores, outcomes } => {
+                (table, hash, features, Then::FindOrInsert { values, scores, outcomes })
+            }
+            other => return Err(ProtoError::bad_request(format!("{} is not a feature request", other.op().name()))),
         };
-        let t = if table.is_empty() && matches!(req, Request::Hash { .. }) { None } else { Some(self.table(table)?) };
-        let (kind, num_buckets) = crate::features::resolve(hash.clone(), t.as_deref().map(|t| &t.spec))?;
-        if let Request::Hash { features, .. } = &req {
+        let t = match then {
+            Then::Keys if table.is_empty() => None,
+            _ => Some(self.table(&table)?),
+        };
+        let (kind, num_buckets) = crate::features::resolve(hash, t.as_deref().map(|t| &t.spec))?;
+        if matches!(then, Then::Keys) {
             self.bound("hash", features.len(), 0, 8, 8)?;
         }
-        // Values, scores and dim are checked by find / find_or_insert below,
+        // Values, scores and dim are checked by find / find_or_insert,
         // before anything is applied; hashing changes nothing.
         let hasher = self.hasher.clone();
-        let (keys, req) = tokio::task::spawn_blocking(move || {
-            let r = match &req {
-                Request::Hash { features, .. }
-                | Request::FindFeatures { features, .. }
-                | Request::FindOrInsertFeatures { features, .. } => hasher.hash(features, kind, num_buckets),
-                _ => unreachable!("checked above"),
-            };
-            (r, req)
+        let keys = tokio::task::spawn_blocking(move || hasher.hash(&features, kind, num_buckets))
+            .await
+            .map_err(|e| err(ErrorCode::Internal, format!("hashing task failed: {e}")))??;
+        Ok(match (then, t) {
+            (Then::Find { scores }, Some(t)) => Hashed::Find { t, keys, scores },
+            (Then::FindOrInsert { values, scores, outcomes }, Some(t)) => {
+                Hashed::FindOrInsert { t, keys, values, scores, outcomes }
+            }
+            _ => Hashed::Keys(keys),
         })
-        .await
-        .map_err(|e| err(ErrorCode::Internal, format!("hashing task failed: {e}")))?;
-        let keys = keys?;
-        match (req, t) {
-            (Request::Hash { .. }, _) => Ok(Response::Keys(keys)),
-            (Request::FindFeatures { scores, .. }, Some(t)) => self.find(&t, keys, scores).await,
-            (Request::FindOrInsertFeatures { values, scores, outcomes, .. }, Some(t)) => {
+    }
+
+    /// Answers a hashed feature request on the cache.
+    pub async fn answer_hashed(&self, h: Hashed) -> Result<Response, ProtoError> {
+        match h {
+            Hashed::Keys(keys) => Ok(Response::Keys(keys)),
+            Hashed::Find { t, keys, scores } => self.find(&t, keys, scores).await,
+            Hashed::FindOrInsert { t, keys, values, scores, outcomes } => {
                 self.write(&t, WriteOp::FindOrInsert, keys, values, scores, outcomes).await.map(Into::into)
             }
-            _ => unreachable!("checked above"),
         }
     }
+}
+
+/// What a feature request does with its hashed keys.
+enum Then {
+    Keys,
+    Find { scores: bool },
+    FindOrInsert { values: Vec<f32>, scores: Option<Vec<u64>>, outcomes: bool },
+}
+
+/// A feature request after hashing ([`Router::hash_request`]).
+pub enum Hashed {
+    /// hash: the keys are the answer.
+    Keys(Vec<u64>),
+    /// find_features: find them.
+    Find {
+        /// The table.
+        t: std::sync::Arc<Table>,
+        /// Hashed keys.
+        keys: Vec<u64>,
+        /// Return scores.
+        scores: bool,
+    },
+    /// find_or_insert_features: find_or_insert them.
+    FindOrInsert {
+        /// The table.
+        t: std::sync::Arc<Table>,
+        /// Hashed keys.
+        keys: Vec<u64>,
+        /// Values to insert.
+        values: Vec<f32>,
+        /// Scores.
+        scores: Option<Vec<u64>>,
+        /// Per-key outcomes asked for.
+        outcomes: bool,
+    },
 }
