@@ -247,6 +247,23 @@ impl Tiers {
         self.on_rt(async move { b.flush(timeout).await }).await?.map_err(wire)
     }
 
+    /// After a restore: opens the tier of every table whose spec names a
+    /// cluster and has none open (a restored table comes back with the
+    /// backing it was checkpointed with). Returns the tables whose cluster
+    /// could not be opened, with why: they serve their cache alone until
+    /// they are made again.
+    pub async fn sync(&self, router: &Router) -> Vec<String> {
+        let mut failed = Vec::new();
+        for t in router.tables() {
+            if t.spec.backing.is_some() && self.get(&t.spec.name).is_none() {
+                if let Err(e) = self.open(&t.spec).await {
+                    failed.push(format!("{}: {}", t.spec.name, e.message));
+                }
+            }
+        }
+        failed
+    }
+
     /// SIGTERM: drains every table's queue; the error names the tables
     /// whose rows did not all reach the cluster.
     pub async fn flush_all(&self, timeout: Duration) -> Result<(), ProtoError> {

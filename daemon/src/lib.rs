@@ -305,6 +305,9 @@ async fn restore_at_start(state: &State, which: hkv_proto::CheckpointId) -> anyh
                 warn!("skipped an unusable checkpoint: {s}");
             }
             info!(id = %r.id, tables = ?r.tables, entries = r.entries, dropped = ?r.dropped, "restored");
+            for f in state.backing.sync(&state.router).await {
+                error!("a restored table's cluster could not be opened; it serves its cache alone: {f}");
+            }
             Ok(())
         }
         Ok(None) => {

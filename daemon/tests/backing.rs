@@ -277,3 +277,30 @@ fn feature_ops_read_through_the_cluster() {
     let w = cb.find_or_insert_features("f", hash, Features::Int64(features), &vec![-1.0; values.len()], None).unwrap();
     assert_eq!(w.values.as_deref(), Some(&values[..]));
 }
+
+/// A backed table checkpointed and restored at start comes back backed:
+/// its cache warm from the checkpoint, and keys written to the cluster
+/// since (by another daemon) read through.
+#[test]
+fn a_restored_backed_table_reads_through_again() {
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let seeds = cluster.seed_arg();
+    let a = Daemon::start(&[]);
+    let mut ca = a.client();
+    ca.create_table(backed("k", &seeds, BackingMode::WriteThrough)).unwrap();
+    ca.insert_or_assign("k", &[1, 2, 3], &[1.0; 12], None).unwrap();
+    ca.checkpoint(true, true).unwrap();
+    let b = Daemon::start(&[]);
+    let mut cb = b.client();
+    cb.create_table(backed("k", &seeds, BackingMode::WriteThrough)).unwrap();
+    cb.insert_or_assign("k", &[4], &[4.0; 4], None).unwrap();
+    drop(ca);
+    let a = a.restart(&["--restore", "latest"]);
+    let mut ca = a.client();
+    let t = ca.tables().unwrap();
+    assert_eq!(t[0].spec.backing.as_ref().map(|b| b.mode), Some(BackingMode::WriteThrough));
+    assert_eq!(t[0].size, 3, "the cache comes back from the checkpoint");
+    let f = ca.find("k", &[1, 4]).unwrap();
+    assert_eq!(f.found, vec![true, true], "key 4 is read from the cluster");
+    assert_eq!(&f.values[4..], &[4.0; 4]);
+}
