@@ -213,7 +213,7 @@ mod tests {
         for &op in Op::ALL {
             assert_eq!(Op::try_from(op as u8).unwrap(), op);
         }
-        assert_eq!(Op::ALL.len(), 35);
+        assert_eq!(Op::ALL.len(), 36);
         let e = Op::try_from(0x77).unwrap_err();
         assert_eq!(e.code, ErrorCode::UnknownOp);
         assert!(e.message.contains("0x77"), "{e}");
