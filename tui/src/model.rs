@@ -70,6 +70,8 @@ pub struct Table {
     /// Sampled keys lost before the curve's estimator (issue 32): the
     /// curve is less exact when this is not 0.
     pub curve_dropped: u64,
+    /// The table's Redis Cluster tier, when it has one.
+    pub backing: Option<hkv_client::proto::stats::BackingStats>,
 }
 
 impl Table {
@@ -179,6 +181,7 @@ pub fn snapshot(v: &Stats) -> Snapshot {
             mode: t.spec.mode.to_string(),
             curve: t.mrc.iter().flat_map(|m| &m.points).map(|p| (p.factor, p.hit_rate)).collect(),
             curve_dropped: t.mrc.as_ref().map_or(0, |m| m.dropped),
+            backing: t.backing.clone(),
             shards: t
                 .shards
                 .iter()

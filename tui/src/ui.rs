@@ -316,9 +316,57 @@ fn draw_table(f: &mut Frame, app: &App, area: Rect) {
         Constraint::Length(9),
         Constraint::Length(9),
     ];
+    let rest = match &t.backing {
+        Some(b) => {
+            let [shards, tier] = Layout::vertical([Constraint::Min(3), Constraint::Length(5)]).areas(rest);
+            draw_backing(f, b, tier);
+            shards
+        }
+        None => rest,
+    };
     f.render_widget(
         Table::new(rows, widths).header(header).block(Block::default().borders(Borders::ALL).title(" shards ")),
         rest,
+    );
+}
+
+/// A backed table's tier: where its reads were answered, the write-back
+/// queue (the window a crash would lose), bytes each way, latency and
+/// staleness, errors by node.
+fn draw_backing(f: &mut Frame, b: &hkv_client::proto::stats::BackingStats, area: Rect) {
+    let reads = b.hits + b.filled + b.absent + b.late + b.unavailable;
+    let pct = |n: u64| if reads == 0 { "-".to_string() } else { format!("{:.1}%", 100.0 * n as f64 / reads as f64) };
+    let errors: u64 = b.node_errors.values().sum();
+    let lines = vec![
+        Line::from(format!(
+            "reads: cache {}  filled {}  absent {}  late {}  unavailable {}   fetch p50 {} µs, p99 {} µs",
+            pct(b.hits),
+            pct(b.filled),
+            pct(b.absent),
+            pct(b.late),
+            pct(b.unavailable),
+            b.fetch_p50_us,
+            b.fetch_p99_us
+        )),
+        Line::from(format!(
+            "queue: {} rows, {} of {}, oldest {} ms, {} writers refused   in {} out {}   rows written {}",
+            b.queue_rows,
+            bytes(b.queue_bytes),
+            bytes(b.queue_limit_bytes),
+            b.queue_oldest_ms,
+            b.queue_full,
+            bytes(b.bytes_in),
+            bytes(b.bytes_out),
+            b.rows_written
+        )),
+        Line::from(format!(
+            "other hosts: {} invalidations, staleness p50 {} µs, p99 {} µs   node errors {}",
+            b.invalidations, b.staleness_p50_us, b.staleness_p99_us, errors
+        )),
+    ];
+    f.render_widget(
+        Paragraph::new(lines).block(Block::default().borders(Borders::ALL).title(format!(" cluster ({}) ", b.mode))),
+        area,
     );
 }
 

@@ -246,3 +246,33 @@ fn tiny_terminals_and_odd_stats_do_not_panic() {
         render(&b, 40, 10);
     }
 }
+
+/// A backed table's view shows its cluster: where reads were answered,
+/// the write-back queue (the window a crash would lose), staleness.
+#[test]
+fn a_backed_tables_view_shows_its_cluster() {
+    let mut v = stats_json(100, false);
+    v["tables"][0]["backing"] = json!({
+        "mode": "write-back", "hits": 900, "filled": 80, "absent": 20, "late": 0, "unavailable": 0,
+        "rows_written": 5000, "bytes_in": 10240, "bytes_out": 655360, "queue_rows": 12, "queue_bytes": 1536,
+        "queue_limit_bytes": 67108864, "queue_oldest_ms": 35, "queue_full": 0, "invalidations": 7,
+        "node_errors": {"127.0.0.1:7001": 2}, "fetch_p50_us": 410, "fetch_p99_us": 1900,
+        "staleness_p50_us": 3000, "staleness_p99_us": 21000
+    });
+    let mut a = App::new("/tmp/hkvd.sock".into());
+    a.on_stats(&typed(&v), Instant::now());
+    a.on_key(key(KeyCode::Down));
+    a.on_key(key(KeyCode::Tab));
+    assert_eq!(a.view, View::Table);
+    let s = render(&a, 160, 40);
+    assert!(s.contains("cluster (write-back)"), "{s}");
+    assert!(s.contains("cache 90.0%") && s.contains("filled 8.0%") && s.contains("absent 2.0%"), "{s}");
+    assert!(s.contains("queue: 12 rows") && s.contains("oldest 35 ms"), "{s}");
+    assert!(s.contains("staleness p50 3000 µs, p99 21000 µs") && s.contains("node errors 2"), "{s}");
+    // A table without a cluster shows no such panel.
+    let mut b = App::new("/tmp/hkvd.sock".into());
+    b.on_stats(&stats(100, false), Instant::now());
+    b.on_key(key(KeyCode::Down));
+    b.on_key(key(KeyCode::Tab));
+    assert!(!render(&b, 160, 40).contains("cluster ("));
+}
