@@ -183,21 +183,24 @@ impl Tiers {
         }
     }
 
-    /// Fetches the keys `miss` indexes from the cluster and inserts the
-    /// rows found into the cache (under its admission rules); the answer
-    /// is per missed key. Keys not answered (a node down, the deadline)
-    /// fail the request by name: never a made-up row.
+    /// The keys the cache missed (`found[i] == 0`), fetched from the
+    /// cluster and the rows found inserted into the cache (under its
+    /// admission rules), the cache's hits counted: the misses' indices and
+    /// the answer per missed key. Keys not answered (a node down, the
+    /// deadline) fail the request by name: never a made-up row.
     async fn fill(
         &self,
         router: &Router,
         t: &Table,
         tier: &Backing,
-        table: &str,
         keys: &[u64],
-        miss: &[usize],
-    ) -> Result<ReadOut, ProtoError> {
+        found: &[u8],
+    ) -> Result<(Vec<usize>, ReadOut), ProtoError> {
+        let table = t.spec.name.as_str();
+        let miss: Vec<usize> = (0..keys.len()).filter(|&i| found[i] == 0).collect();
+        self.count_hits(table, keys.len() - miss.len());
         if miss.is_empty() {
-            return Ok(ReadOut::default());
+            return Ok((miss, ReadOut::default()));
         }
         let mk: Vec<u64> = miss.iter().map(|&i| keys[i]).collect();
         let b = tier.clone();
@@ -223,7 +226,7 @@ impl Tiers {
             let fill_values = filled.iter().flat_map(|&j| out.values[j * d..(j + 1) * d].iter().copied()).collect();
             router.write(t, WriteOp::InsertOrAssign, fill_keys, fill_values, scores, false).await?;
         }
-        Ok(out)
+        Ok((miss, out))
     }
 
     /// Writes rows to the table's tier as its mode says.
@@ -346,14 +349,11 @@ pub async fn find(
     scores: bool,
 ) -> Result<FindAnswer, ProtoError> {
     invalidate(router, tiers, t).await?;
-    let table = &t.spec.name;
     // With scores: the misses' scores are written into them too.
     let FindAnswer { mut found, mut values, scores: got } = router.find_rows(t, keys.clone(), true).await?;
     let mut got = got.unwrap_or_default();
     refresh(router, t, &keys, &found).await?;
-    let miss: Vec<usize> = (0..keys.len()).filter(|&i| found[i] == 0).collect();
-    tiers.count_hits(table, keys.len() - miss.len());
-    let rows = tiers.fill(router, t, tier, table, &keys, &miss).await?;
+    let (miss, rows) = tiers.fill(router, t, tier, &keys, &found).await?;
     for (j, &i) in miss.iter().enumerate() {
         if rows.fetched[j] == Fetched::Found {
             found[i] = 1;
@@ -376,11 +376,8 @@ pub async fn contains(
     keys: Vec<u64>,
 ) -> Result<Vec<u8>, ProtoError> {
     invalidate(router, tiers, t).await?;
-    let table = &t.spec.name;
     let mut found = router.contains(t, keys.clone()).await?;
-    let miss: Vec<usize> = (0..keys.len()).filter(|&i| found[i] == 0).collect();
-    tiers.count_hits(table, keys.len() - miss.len());
-    let rows = tiers.fill(router, t, tier, table, &keys, &miss).await?;
+    let (miss, rows) = tiers.fill(router, t, tier, &keys, &found).await?;
     for (j, &i) in miss.iter().enumerate() {
         if rows.fetched[j] == Fetched::Found {
             found[i] = 1;
@@ -408,7 +405,6 @@ pub async fn write(
     if op != WriteOp::FindOrInsert && tier.mode() == Mode::ReadOnly {
         return router.write(t, op, keys, values, scores, outcomes).await;
     }
-    let table = &t.spec.name;
     let tier = tier.clone();
     match op {
         WriteOp::FindOrInsert => {
@@ -416,9 +412,7 @@ pub async fn write(
             // values: fill the misses first, then insert the rest
             // here and in the cluster.
             let found = router.find_rows(t, keys.clone(), true).await?.found;
-            let miss: Vec<usize> = (0..keys.len()).filter(|&i| found[i] == 0).collect();
-            tiers.count_hits(table, keys.len() - miss.len());
-            let rows = tiers.fill(router, t, &tier, table, &keys, &miss).await?;
+            let (miss, rows) = tiers.fill(router, t, &tier, &keys, &found).await?;
             let d = t.config.dim;
             let new: Vec<usize> =
                 miss.iter().zip(&rows.fetched).filter(|(_, f)| **f == Fetched::Absent).map(|(&i, _)| i).collect();
