@@ -9,6 +9,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Instant;
 
 use actix::prelude::*;
 use hkv_shard::mrc::MrcConfig;
@@ -17,6 +18,7 @@ use parking_lot::RwLock;
 
 use crate::budget::Charge;
 use crate::mrc::ShardMrc;
+use crate::path::Ran;
 
 /// Names a table to the actors: unique for the daemon's life (a restore
 /// builds a table of the same name beside the running one).
@@ -79,15 +81,18 @@ pub struct On<O> {
 }
 
 impl<O: ShardOp> Message for On<O> {
-    type Result = Result<O::Output, hkv_shard::Error>;
+    type Result = (Result<O::Output, hkv_shard::Error>, Ran);
 }
 
 impl<O: ShardOp> Handler<On<O>> for ShardActor {
-    type Result = Result<O::Output, hkv_shard::Error>;
+    type Result = MessageResult<On<O>>;
     fn handle(&mut self, msg: On<O>, _: &mut SyncContext<Self>) -> Self::Result {
-        let shard = self.shard(msg.table)?;
-        let mrc = self.mrcs.read().get(&msg.table).cloned();
-        contained(O::WHAT, || msg.op.run(&*shard, mrc.as_deref()))
+        let began = Instant::now();
+        let r = self.shard(msg.table).and_then(|shard| {
+            let mrc = self.mrcs.read().get(&msg.table).cloned();
+            contained(O::WHAT, || msg.op.run(&*shard, mrc.as_deref()))
+        });
+        MessageResult((r, Ran { began, ended: Instant::now() }))
     }
 }
 

@@ -5,7 +5,7 @@
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use hkv_proto::{check_frame, ErrorCode, FrameBuf, FrameCheck, Header, ProtoError, Response, HEADER_LEN};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
@@ -16,6 +16,7 @@ use tracing::{debug, info, warn};
 
 use crate::admin::Peer;
 use crate::handle::handle;
+use crate::path::Stamps;
 use crate::state::{InFlight, State};
 
 fn error_frame(id: u64, op: u8, e: ProtoError) -> FrameBuf {
@@ -62,8 +63,9 @@ async fn read_header<R: AsyncReadExt + Unpin>(
 }
 
 /// An answer to send, with its share of the bytes in flight (given back
-/// once it is written to the socket).
-type Answer = (FrameBuf, Option<InFlight>);
+/// once it is written to the socket) and, for a request that ran, when it
+/// passed each stage (`crate::path`).
+type Answer = (FrameBuf, Option<InFlight>, Option<Stamps>);
 
 /// Serves one connection until the peer closes it, or until shutdown once
 /// its in-flight requests are answered.
@@ -92,7 +94,7 @@ pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
             ErrorCode::Busy,
             format!("{} connections are open (limits.max_connections); try again later", open - 1),
         );
-        let _ = tx.send((error_frame(0, hkv_proto::Op::Error.into(), e), None)).await;
+        let _ = tx.send((error_frame(0, hkv_proto::Op::Error.into(), e), None, None)).await;
         drop(tx);
         let _ = writer.await;
         return;
@@ -145,7 +147,7 @@ pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
             Ok(admitted) => admitted,
             Err(e) => {
                 st.errors.fetch_add(1, Relaxed);
-                let _ = tx.send((error_frame(0, hkv_proto::Op::Error.into(), e), None)).await;
+                let _ = tx.send((error_frame(0, hkv_proto::Op::Error.into(), e), None, None)).await;
                 break;
             }
         };
@@ -163,7 +165,7 @@ pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
             Ok(b) => b,
             Err((e, read)) => {
                 st.errors.fetch_add(1, Relaxed);
-                let _ = tx.send((error_frame(h.id, h.op, e), None)).await;
+                let _ = tx.send((error_frame(h.id, h.op, e), None, None)).await;
                 let rest = h.body_len as u64 - read as u64;
                 let skipped = tokio::io::copy(&mut (&mut rd).take(rest), &mut tokio::io::sink()).await;
                 if skipped.map(|n| n < rest).unwrap_or(true) {
@@ -174,11 +176,12 @@ pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
                 continue;
             }
         };
+        let read = Instant::now();
         let ctx = conn.ctx(&h, frame_start);
         let Ok(permit) = sem.clone().acquire_owned().await else { break };
         let (state, tx, peer) = (state.clone(), tx.clone(), peer.clone());
         tokio::spawn(async move {
-            let answer = run(&state, &h, body, charge, &peer, ctx).await;
+            let answer = run(&state, &h, body, charge, &peer, ctx, read).await;
             let _ = tx.send(answer).await;
             drop(permit);
         });
@@ -196,6 +199,7 @@ pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
 /// reuse.
 async fn write_answers(state: Arc<State>, wr: OwnedWriteHalf, mut rx: mpsc::Receiver<Answer>) {
     let mut w = BufWriter::with_capacity(1 << 16, wr);
+    let mut timed: Vec<Stamps> = Vec::new();
     while let Some(mut f) = rx.recv().await {
         loop {
             if w.write_all(f.0.bytes()).await.is_err() {
@@ -203,6 +207,7 @@ async fn write_answers(state: Arc<State>, wr: OwnedWriteHalf, mut rx: mpsc::Rece
             }
             state.router.frames.put(f.0);
             drop(f.1);
+            timed.extend(f.2);
             match rx.try_recv() {
                 Ok(next) => f = next,
                 Err(_) => break,
@@ -210,6 +215,10 @@ async fn write_answers(state: Arc<State>, wr: OwnedWriteHalf, mut rx: mpsc::Rece
         }
         if w.flush().await.is_err() {
             return;
+        }
+        let written = Instant::now();
+        for s in timed.drain(..) {
+            state.stats.path.request(&s, written);
         }
     }
     let _ = w.flush().await;
@@ -255,7 +264,9 @@ async fn run(
     charge: InFlight,
     peer: &Peer,
     ctx: crate::region::Ctx,
+    read: Instant,
 ) -> Answer {
+    let began = Instant::now();
     state.stats.in_flight.fetch_add(1, Relaxed);
     let (resp, answer) = handle(state, h, &body, peer, ctx).await;
     drop(body);
@@ -265,7 +276,8 @@ async fn run(
     if matches!(resp, Response::Error(_)) {
         state.stats.errors.fetch_add(1, Relaxed);
     }
-    (resp.into_frame(h.op, h.id), answer)
+    let frame = resp.into_frame(h.op, h.id);
+    (frame, answer, Some(Stamps { read, began, answered: Instant::now() }))
 }
 
 /// Bodies up to this size are not counted among those still arriving (each

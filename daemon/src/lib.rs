@@ -48,6 +48,7 @@ pub mod frames;
 pub mod handle;
 pub mod memory;
 pub mod mrc;
+pub mod path;
 pub mod region;
 pub mod router;
 pub mod server;

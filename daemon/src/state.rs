@@ -37,6 +37,8 @@ pub struct ServerStats {
     pub receiving_bytes: AtomicU64,
     /// Registered regions mapped now.
     pub regions: RegionCounters,
+    /// Where requests' time goes (`stats.path`).
+    pub path: crate::path::PathTimes,
 }
 
 /// Everything the request handlers share.

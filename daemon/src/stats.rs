@@ -112,6 +112,13 @@ pub async fn collect(state: &State) -> Result<DaemonStats, hkv_proto::ProtoError
             }
         },
         regions: crate::region::stats(state),
+        path: {
+            let mut p = s.path.stats();
+            let calls = state.router.path.stats();
+            (p.shard_calls, p.mailbox_ns, p.shard_ns, p.wake_ns) =
+                (calls.shard_calls, calls.mailbox_ns, calls.shard_ns, calls.wake_ns);
+            p
+        },
     })
 }
 

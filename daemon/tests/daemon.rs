@@ -871,3 +871,26 @@ fn a_miss_reads_zeros_after_finds_that_hit() {
         }
     }
 }
+
+/// `stats.path` times every answered request and every shard call, and
+/// its stages add up: a request's handle stage holds its shard calls.
+#[test]
+fn stats_path_times_requests_and_shard_calls() {
+    let d = Daemon::start(&["--shards", "2"]);
+    let mut c = d.client();
+    c.create_table(spec("p", 8, 1 << 14, "lru", "dual")).unwrap();
+    let before = c.stats_doc().unwrap().path;
+    let keys: Vec<u64> = (1..=4000).collect();
+    for _ in 0..20 {
+        c.insert_or_assign("p", &keys, &vals(&keys, 8, 0.5), None).unwrap();
+        c.find("p", &keys).unwrap();
+    }
+    let p = c.stats_doc().unwrap().path;
+    // The stats request before these is counted once written; the one
+    // after, not yet.
+    assert!(p.requests >= before.requests + 40, "{before:?} -> {p:?}");
+    // Each insert and find called both shards.
+    assert!(p.shard_calls >= before.shard_calls + 80, "{before:?} -> {p:?}");
+    assert!(p.total_ns >= p.spawn_ns + p.handle_ns + p.write_ns - 1000 * p.requests, "{p:?}");
+    assert!(p.shard_ns > 0 && p.handle_ns > 0 && p.mailbox_ns > 0, "{p:?}");
+}

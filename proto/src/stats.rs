@@ -41,6 +41,42 @@ pub struct Stats {
     /// Registered regions (client memfds the daemon maps).
     #[serde(default)]
     pub regions: RegionStats,
+    /// Where requests' time went since start (`hkvctl stats --path`).
+    #[serde(default)]
+    pub path: PathStats,
+}
+
+/// `stats.path`: the time requests spent in each stage of the daemon,
+/// summed since start, in nanoseconds (divide by the count beside it for a
+/// mean). A request's stages, in order: `spawn` (its body read, to its
+/// task running), `handle` (its task, until its answer frame is built;
+/// this includes every shard call the request made), `write` (the answer
+/// queued, to written and flushed to the socket); `total` is all three.
+/// Each shard call inside `handle`: `mailbox` (sent, to its actor thread
+/// starting it), `shard` (the operation on the shard, kernels and their
+/// synchronisation included), `wake` (the operation done, to the request's
+/// task running again).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PathStats {
+    /// Requests timed (every request answered).
+    pub requests: u64,
+    /// Sum of their `spawn` stages.
+    pub spawn_ns: u64,
+    /// Sum of their `handle` stages.
+    pub handle_ns: u64,
+    /// Sum of their `write` stages.
+    pub write_ns: u64,
+    /// Sum of their whole times in the daemon.
+    pub total_ns: u64,
+    /// Shard calls timed.
+    pub shard_calls: u64,
+    /// Sum of their `mailbox` stages.
+    pub mailbox_ns: u64,
+    /// Sum of their `shard` stages.
+    pub shard_ns: u64,
+    /// Sum of their `wake` stages.
+    pub wake_ns: u64,
 }
 
 /// `stats.regions`: registered regions and their limits.

@@ -52,6 +52,8 @@ pub struct Router {
     pub hasher: Arc<Hasher>,
     /// Sent frames given back for find answers to reuse.
     pub frames: Frames,
+    /// Where shard calls' time goes (`stats.path`).
+    pub path: crate::path::PathTimes,
     /// Table memory.
     pub budget: Arc<Budget>,
     /// The largest answer body (`limits.max_frame_bytes`).
@@ -95,6 +97,7 @@ impl Router {
             tables: RwLock::new(HashMap::new()),
             hasher,
             frames,
+            path: Default::default(),
             budget,
             max_answer: (max_answer as u64).min(bounds::MAX_BODY),
             generation: AtomicU64::new(0),

@@ -1,6 +1,8 @@
 //! The router's messages to the shard actors: one shard's call, a call on
 //! every shard, and the queries a table's listing, stats and checkpoints need.
 
+use std::time::Instant;
+
 use futures::future::join_all;
 use hkv_proto::{ErrorCode, ProtoError, TableInfo};
 use hkv_shard::{Error as ShardError, Filter};
@@ -13,20 +15,22 @@ use crate::shard_ops::{Clear, ClockScore, ExportPart, ResumeAfter, Size, Stats};
 impl Router {
     /// Runs `op` on shard `i` of `table` (on its actor).
     pub(crate) async fn call<O: ShardOp>(&self, table: &Table, i: usize, op: O) -> Result<O::Output, ProtoError> {
-        self.actors[i]
+        let sent = Instant::now();
+        let (r, ran) = self.actors[i]
             .send(On { table: table.id(), op })
             .await
-            .map_err(|e| err(ErrorCode::Internal, format!("shard {i} actor gone: {e}")))?
-            .map_err(|e| {
-                // A device failure (out of memory, a lost GPU) fails the
-                // requests that touched that shard, and says which one.
-                let device = matches!(e, ShardError::Device(_));
-                let mut pe = shard_error(e);
-                if device {
-                    pe.message = format!("shard {i}: {}", pe.message);
-                }
-                pe
-            })
+            .map_err(|e| err(ErrorCode::Internal, format!("shard {i} actor gone: {e}")))?;
+        self.path.call(sent, ran, Instant::now());
+        r.map_err(|e| {
+            // A device failure (out of memory, a lost GPU) fails the
+            // requests that touched that shard, and says which one.
+            let device = matches!(e, ShardError::Device(_));
+            let mut pe = shard_error(e);
+            if device {
+                pe.message = format!("shard {i}: {}", pe.message);
+            }
+            pe
+        })
     }
 
     /// Runs one op per shard (in parallel) and returns the answers in shard order.

@@ -1,7 +1,7 @@
 //! How answers are printed: values, found rows, times, the stats table.
 
 use anyhow::{Context, Result};
-use hkv_client::proto::stats::{ShardStats, Stats};
+use hkv_client::proto::stats::{PathStats, ShardStats, Stats};
 
 /// `YYYY-MM-DD HH:MM:SS` (UTC) of a Unix time in ms.
 pub fn fmt_time(ms: u64) -> String {
@@ -71,5 +71,58 @@ pub fn stats_table(v: &Stats) -> String {
             sum(|s| s.rejections)
         );
     }
+    out += &path_line(&v.path);
     out
+}
+
+/// Where requests' time went in the daemon (`stats.path`), as means in
+/// microseconds: per request, then per shard call.
+fn path_line(p: &PathStats) -> String {
+    if p.requests == 0 {
+        return String::new();
+    }
+    let us = |ns: u64, n: u64| ns as f64 / n.max(1) as f64 / 1e3;
+    let r = p.requests;
+    let mut line = format!(
+        "request path, mean us over {r} requests: spawn {:.1}  handle {:.1}  write {:.1}  total {:.1}",
+        us(p.spawn_ns, r),
+        us(p.handle_ns, r),
+        us(p.write_ns, r),
+        us(p.total_ns, r)
+    );
+    if p.shard_calls > 0 {
+        let c = p.shard_calls;
+        line += &format!(
+            "; over {c} shard calls: mailbox {:.1}  shard {:.1}  wake {:.1}",
+            us(p.mailbox_ns, c),
+            us(p.shard_ns, c),
+            us(p.wake_ns, c)
+        );
+    }
+    line + "\n"
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stats_table_shows_the_request_path_in_microseconds() {
+        let mut s = Stats::default();
+        assert!(!stats_table(&s).contains("request path"));
+        s.path = PathStats {
+            requests: 4,
+            spawn_ns: 8_000,
+            handle_ns: 400_000,
+            write_ns: 20_000,
+            total_ns: 428_000,
+            shard_calls: 2,
+            mailbox_ns: 10_000,
+            shard_ns: 300_000,
+            wake_ns: 6_000,
+        };
+        let t = stats_table(&s);
+        assert!(t.contains("over 4 requests: spawn 2.0  handle 100.0  write 5.0  total 107.0"), "{t}");
+        assert!(t.contains("over 2 shard calls: mailbox 5.0  shard 150.0  wake 3.0"), "{t}");
+    }
 }
