@@ -32,6 +32,17 @@ type Shards = Arc<RwLock<HashMap<TableId, Arc<dyn Shard>>>>;
 /// that readers run in parallel in the table's own lock groups) serves
 /// messages on the shards they own together.
 pub struct ShardActor {
+    /// Its shards, which its threads share with [`Direct`] calls.
+    own: Direct,
+}
+
+/// One device's shards, for running an operation on the calling thread
+/// instead of the actor's ([`Direct::run`]): what the router does for a
+/// request whose wait for an actor thread would cost more than its work
+/// (a request on a client's device memory). Creations and drops still go
+/// through the actor ([`Open`], [`Close`]).
+#[derive(Clone)]
+pub struct Direct {
     /// Device (or CPU shard) index.
     device: usize,
     /// This device's shard of every table.
@@ -41,17 +52,33 @@ pub struct ShardActor {
 }
 
 impl ShardActor {
-    /// Starts the actor of device (or CPU shard) `device` on `threads` threads.
-    pub fn start(device: usize, threads: usize) -> Addr<ShardActor> {
-        let shards = Shards::default();
-        let mrcs = Arc::<RwLock<HashMap<TableId, Arc<ShardMrc>>>>::default();
-        SyncArbiter::start(threads.max(1), move || ShardActor { device, shards: shards.clone(), mrcs: mrcs.clone() })
+    /// Starts the actor of device (or CPU shard) `device` on `threads`
+    /// threads; also returns the direct line to its shards.
+    pub fn start(device: usize, threads: usize) -> (Addr<ShardActor>, Direct) {
+        let own = Direct { device, shards: Shards::default(), mrcs: Arc::default() };
+        let line = own.clone();
+        (SyncArbiter::start(threads.max(1), move || ShardActor { own: own.clone() }), line)
     }
+}
 
+impl Direct {
     fn shard(&self, table: TableId) -> Result<Arc<dyn Shard>, hkv_shard::Error> {
         self.shards.read().get(&table).cloned().ok_or_else(|| {
             hkv_shard::Error::Device(format!("table {table} has no shard on device {}; it was dropped", self.device))
         })
+    }
+
+    /// Runs `op` on this device's shard of `table`, on the calling thread
+    /// (a panic inside it is this call's error), and says when it ran.
+    /// The caller must be a thread that may block (an actor thread, or
+    /// the executor's inside `block_in_place`).
+    pub fn run<O: ShardOp>(&self, table: TableId, op: O) -> (Result<O::Output, hkv_shard::Error>, Ran) {
+        let began = Instant::now();
+        let r = self.shard(table).and_then(|shard| {
+            let mrc = self.mrcs.read().get(&table).cloned();
+            contained(O::WHAT, || op.run(&*shard, mrc.as_deref()))
+        });
+        (r, Ran { began, ended: Instant::now() })
     }
 }
 
@@ -87,12 +114,7 @@ impl<O: ShardOp> Message for On<O> {
 impl<O: ShardOp> Handler<On<O>> for ShardActor {
     type Result = MessageResult<On<O>>;
     fn handle(&mut self, msg: On<O>, _: &mut SyncContext<Self>) -> Self::Result {
-        let began = Instant::now();
-        let r = self.shard(msg.table).and_then(|shard| {
-            let mrc = self.mrcs.read().get(&msg.table).cloned();
-            contained(O::WHAT, || msg.op.run(&*shard, mrc.as_deref()))
-        });
-        MessageResult((r, Ran { began, ended: Instant::now() }))
+        MessageResult(self.own.run(msg.table, msg.op))
     }
 }
 
@@ -124,13 +146,14 @@ pub struct Close {
 impl Handler<Open> for ShardActor {
     type Result = Result<(), hkv_shard::Error>;
     fn handle(&mut self, msg: Open, _: &mut SyncContext<Self>) -> Self::Result {
-        let device = self.device;
+        let own = &self.own;
+        let device = own.device;
         let shard: Arc<dyn Shard> =
             contained("create_table", || Ok(Arc::from(hkv_shard::open_on(msg.config, msg.backend, device)?)))?;
         if let Some(cfg) = msg.mrc {
-            self.mrcs.write().insert(msg.table, ShardMrc::open(&*shard, cfg));
+            own.mrcs.write().insert(msg.table, ShardMrc::open(&*shard, cfg));
         }
-        self.shards.write().insert(msg.table, shard);
+        own.shards.write().insert(msg.table, shard);
         Ok(())
     }
 }
@@ -138,8 +161,8 @@ impl Handler<Open> for ShardActor {
 impl Handler<Close> for ShardActor {
     type Result = ();
     fn handle(&mut self, msg: Close, _: &mut SyncContext<Self>) {
-        self.mrcs.write().remove(&msg.table);
-        let shard = self.shards.write().remove(&msg.table);
+        self.own.mrcs.write().remove(&msg.table);
+        let shard = self.own.shards.write().remove(&msg.table);
         // Freed here, on the actor's thread (a CUDA shard binds its context).
         drop(shard);
         drop(msg.charge);

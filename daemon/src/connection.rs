@@ -88,7 +88,8 @@ pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
     let conn = Arc::new(crate::region::Conn::default());
     let rd = crate::region::FdReader::new(rd, conn.clone());
     let (tx, rx) = mpsc::channel::<Answer>(256);
-    let writer = tokio::spawn(write_answers(state.clone(), wr, rx));
+    let out: Out = Arc::new(tokio::sync::Mutex::new(BufWriter::with_capacity(1 << 16, wr)));
+    let writer = tokio::spawn(write_answers(state.clone(), out.clone(), rx));
     if open > state.config.limits.max_connections {
         let e = ProtoError::new(
             ErrorCode::Busy,
@@ -179,10 +180,19 @@ pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
         let read = Instant::now();
         let ctx = conn.ctx(&h, frame_start);
         let Ok(permit) = sem.clone().acquire_owned().await else { break };
-        let (state, tx, peer) = (state.clone(), tx.clone(), peer.clone());
+        let (state, tx, peer, out) = (state.clone(), tx.clone(), peer.clone(), out.clone());
         tokio::spawn(async move {
             let answer = run(&state, &h, body, charge, &peer, ctx, read).await;
-            let _ = tx.send(answer).await;
+            // Written here when no other answer is being written (one
+            // hand-off fewer), else queued for the writer task.
+            match out.try_lock() {
+                Ok(mut w) => {
+                    let _ = write_now(&state, &mut w, answer).await;
+                }
+                Err(_) => {
+                    let _ = tx.send(answer).await;
+                }
+            }
             drop(permit);
         });
     }
@@ -194,13 +204,30 @@ pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
     let _ = writer.await;
 }
 
-/// Writes answers as they come: everything queued, then a flush when
-/// nothing else is, so answers never linger; each sent frame goes back for
-/// reuse.
-async fn write_answers(state: Arc<State>, wr: OwnedWriteHalf, mut rx: mpsc::Receiver<Answer>) {
-    let mut w = BufWriter::with_capacity(1 << 16, wr);
+/// The connection's writing half: an answer is written by its request's
+/// task when no other is being written (`write_now`), else by the writer
+/// task (`write_answers`).
+type Out = Arc<tokio::sync::Mutex<BufWriter<OwnedWriteHalf>>>;
+
+/// Writes and flushes one answer; its frame goes back for reuse.
+async fn write_now(state: &State, w: &mut BufWriter<OwnedWriteHalf>, f: Answer) -> std::io::Result<()> {
+    w.write_all(f.0.bytes()).await?;
+    state.router.frames.put(f.0);
+    drop(f.1);
+    w.flush().await?;
+    if let Some(s) = f.2 {
+        state.stats.path.request(&s, Instant::now());
+    }
+    Ok(())
+}
+
+/// Writes the answers queued for it as they come: everything queued, then
+/// a flush when nothing else is, so answers never linger; each sent frame
+/// goes back for reuse.
+async fn write_answers(state: Arc<State>, out: Out, mut rx: mpsc::Receiver<Answer>) {
     let mut timed: Vec<Stamps> = Vec::new();
     while let Some(mut f) = rx.recv().await {
+        let mut w = out.lock().await;
         loop {
             if w.write_all(f.0.bytes()).await.is_err() {
                 return;
@@ -221,7 +248,7 @@ async fn write_answers(state: Arc<State>, wr: OwnedWriteHalf, mut rx: mpsc::Rece
             state.stats.path.request(&s, written);
         }
     }
-    let _ = w.flush().await;
+    let _ = out.lock().await.flush().await;
 }
 
 /// The header of a frame whose body may be read, or of one to refuse

@@ -167,7 +167,9 @@ pub(super) async fn run(
     let c = if shards == 1 && done.is_some() && op != DeviceOp::InsertAndEvict && take_early_place(state) {
         return early(state, t, op, arrays, done.clone()).await.map(Some);
     } else if shards == 1 {
-        state.router.call(t, 0, RunIpc { op, arrays, part: None, done: done.clone(), queued: None }).await?
+        // On this thread: the batch's kernels take tens of microseconds,
+        // and the hand-offs to the actor's thread and back cost as much.
+        state.router.call_here(t, 0, RunIpc { op, arrays, part: None, done: done.clone(), queued: None })?
     } else {
         if !matches!(op, DeviceOp::Find | DeviceOp::Contains) {
             state.router.call(t, 0, CheckIpcKeys(arrays.keys.clone())).await?;

@@ -37,7 +37,7 @@ use parking_lot::RwLock;
 pub use mrc::drain_samples;
 pub use table::{check_name, shard_config, Table};
 
-use crate::actor::{Open, ShardActor};
+use crate::actor::{Direct, Open, ShardActor};
 use crate::budget::Budget;
 use crate::error::{err, shard_error};
 use crate::features::Hasher;
@@ -46,6 +46,8 @@ use crate::frames::Frames;
 /// Maps tables and keys to shard actors.
 pub struct Router {
     actors: Vec<Addr<ShardActor>>,
+    /// The same shards, for operations run on the calling thread (`Router::call_here`).
+    direct: Vec<Direct>,
     backend: Backend,
     tables: RwLock<HashMap<String, Arc<Table>>>,
     /// Feature hashing (GPU when present).
@@ -79,7 +81,7 @@ impl Router {
     /// batches are hashed on GPU `hash_gpu` when given.
     /// Answers are at most `max_answer` bytes (`limits.max_frame_bytes`).
     pub fn new(
-        actors: Vec<Addr<ShardActor>>,
+        actors: Vec<(Addr<ShardActor>, Direct)>,
         backend: Backend,
         hash_gpu: Option<usize>,
         frame_cache: u64,
@@ -91,8 +93,10 @@ impl Router {
             (Backend::Cuda, Some(ordinal)) => Frames::new(frame_cache).pinned(ordinal),
             _ => Frames::new(frame_cache),
         };
+        let (actors, direct) = actors.into_iter().unzip();
         Router {
             actors,
+            direct,
             backend,
             tables: RwLock::new(HashMap::new()),
             hasher,

@@ -21,16 +21,21 @@ impl Router {
             .await
             .map_err(|e| err(ErrorCode::Internal, format!("shard {i} actor gone: {e}")))?;
         self.path.call(sent, ran, Instant::now());
-        r.map_err(|e| {
-            // A device failure (out of memory, a lost GPU) fails the
-            // requests that touched that shard, and says which one.
-            let device = matches!(e, ShardError::Device(_));
-            let mut pe = shard_error(e);
-            if device {
-                pe.message = format!("shard {i}: {}", pe.message);
-            }
-            pe
-        })
+        answer(i, r)
+    }
+
+    /// Runs `op` on shard `i` of `table` on this thread, in
+    /// `block_in_place`, instead of on the shard's actor: for a short
+    /// operation whose two thread hand-offs (to the actor's thread and
+    /// back) would cost more than it does, such as a request on a client's
+    /// device memory (`crate::region::device`). The table's own lock groups
+    /// order it against the actor's calls as they order those among
+    /// themselves.
+    pub(crate) fn call_here<O: ShardOp>(&self, table: &Table, i: usize, op: O) -> Result<O::Output, ProtoError> {
+        let sent = Instant::now();
+        let (r, ran) = tokio::task::block_in_place(|| self.direct[i].run(table.id(), op));
+        self.path.call(sent, ran, Instant::now());
+        answer(i, r)
     }
 
     /// Runs one op per shard (in parallel) and returns the answers in shard order.
@@ -95,4 +100,18 @@ impl Router {
     pub async fn clear(&self, t: &Table) -> Result<(), ProtoError> {
         self.on_each(t, || Clear).await.map(drop)
     }
+}
+
+/// A shard call's answer as the request's: a device failure (out of
+/// memory, a lost GPU) fails the requests that touched that shard, and
+/// says which one.
+fn answer<T>(i: usize, r: Result<T, ShardError>) -> Result<T, ProtoError> {
+    r.map_err(|e| {
+        let device = matches!(e, ShardError::Device(_));
+        let mut pe = shard_error(e);
+        if device {
+            pe.message = format!("shard {i}: {}", pe.message);
+        }
+        pe
+    })
 }
