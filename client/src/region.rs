@@ -254,6 +254,7 @@ impl Client {
     /// and others pipelined with them); error frames become
     /// [`ClientError::Daemon`].
     pub fn recv_frame(&mut self) -> Result<(Header, Vec<u8>)> {
+        self.spin_until_readable();
         let mut h = [0u8; HEADER_LEN];
         self.r.read_exact(&mut h).map_err(io("reading a response header"))?;
         let h = Header::decode(&h).map_err(|e| ClientError::Protocol(e.to_string()))?;
@@ -437,6 +438,8 @@ pub mod bench {
         pub warmup: f64,
         /// Timed seconds.
         pub seconds: f64,
+        /// Each connection's [`Client::set_spin`].
+        pub spin: Option<Duration>,
     }
 
     /// Where each connection's arrays live.
@@ -464,9 +467,22 @@ pub mod bench {
     /// sets (random resident keys), `pipeline` output areas (found and
     /// values), one values array for the inserts.
     pub fn measure(socket: &Path, clients: usize, p: &Plan, transport: Transport) -> Result<(f64, f64)> {
+        let (find, insert) = measure_ops(socket, clients, p, transport, true, true)?;
+        Ok((find.unwrap_or(f64::NAN), insert.unwrap_or(f64::NAN)))
+    }
+
+    /// [`measure`] of the ops asked for only (`None` for one not measured).
+    pub fn measure_ops(
+        socket: &Path,
+        clients: usize,
+        p: &Plan,
+        transport: Transport,
+        find: bool,
+        insert: bool,
+    ) -> Result<(Option<f64>, Option<f64>)> {
         check(transport)?;
         let run = |insert: bool| across_threads(clients, &|| one(socket, p, insert, transport));
-        Ok((run(false)?, run(true)?))
+        Ok((find.then(|| run(false)).transpose()?, insert.then(|| run(true)).transpose()?))
     }
 
     /// Runs `run` on `clients` threads at once, each returning the keys it
@@ -538,6 +554,7 @@ pub mod bench {
 
     fn one(socket: &Path, p: &Plan, insert: bool, transport: Transport) -> Result<(u64, f64)> {
         let mut c = Client::connect(socket)?;
+        c.set_spin(p.spin);
         let (n, dim) = (p.batch as u64, p.dim as u64);
         let sets = p.pipeline.max(1) as u64 + 1;
         let keys_bytes = n * 8;

@@ -46,6 +46,16 @@ pub struct BenchArgs {
     /// bytes) is measured with any.
     #[arg(long, value_delimiter = ',', default_value = "socket")]
     pub transport: Vec<String>,
+    /// What is measured, comma separated: `raw` (the socket echoing the
+    /// bytes a find moves), `find`, `insert` (insert_or_assign). With fewer
+    /// than all three, the daemon's `stats.path` holds only those requests
+    /// (and the table's filling).
+    #[arg(long, value_delimiter = ',', default_value = "raw,find,insert")]
+    pub ops: Vec<String>,
+    /// Microseconds each wait for an answer polls the socket before it
+    /// sleeps (`Client::set_spin`; 0: sleep at once).
+    #[arg(long, default_value_t = 0)]
+    pub spin_us: u64,
     /// Measure feature requests instead: find with precomputed keys, fused
     /// find_features, and hash then find (two round trips), int64 features.
     #[arg(long)]
@@ -57,10 +67,20 @@ pub struct BenchArgs {
 /// longest time one took.
 fn across_clients(
     socket: &PathBuf,
+    a: &BenchArgs,
     clients: usize,
     run: &(dyn Fn(&mut Client) -> Result<(u64, f64)> + Sync),
 ) -> Result<f64> {
-    hkv_client::region::bench::across_threads(clients, &|| run(&mut Client::connect(socket)?))
+    hkv_client::region::bench::across_threads(clients, &|| {
+        let mut c = Client::connect(socket)?;
+        c.set_spin(spin(a));
+        run(&mut c)
+    })
+}
+
+/// `--spin-us` as [`Client::set_spin`] takes it.
+fn spin(a: &BenchArgs) -> Option<Duration> {
+    (a.spin_us > 0).then(|| Duration::from_micros(a.spin_us))
 }
 
 /// One measurement: `clients` connections, each keeping `pipeline` requests
@@ -72,7 +92,7 @@ fn measure(
     clients: usize,
     make: &(dyn Fn(&mut rand::rngs::ThreadRng) -> Request + Sync),
 ) -> Result<f64> {
-    across_clients(socket, clients, &|c| {
+    across_clients(socket, a, clients, &|c| {
         let mut rng = rand::thread_rng();
         let reqs: Vec<Request> = (0..a.pipeline.max(1) + 1).map(|_| make(&mut rng)).collect();
         // The first large answers of a kind make the daemon allocate (and on
@@ -194,7 +214,7 @@ fn hash_then_find(
     batch: usize,
     fill: i64,
 ) -> Result<f64> {
-    across_clients(socket, clients, &|c| {
+    across_clients(socket, a, clients, &|c| {
         let mut rng = rand::thread_rng();
         let reqs: Vec<Request> = (0..a.pipeline.max(1) + 1)
             .map(|_| Request::Hash {
@@ -238,6 +258,11 @@ fn hash_then_find(
 pub fn bench(socket: PathBuf, a: BenchArgs) -> Result<()> {
     if a.features {
         return bench_features(socket, a);
+    }
+    for o in &a.ops {
+        if !matches!(o.as_str(), "raw" | "find" | "insert") {
+            bail!("--ops {o}: use raw, find or insert");
+        }
     }
     for t in &a.transport {
         if !matches!(t.as_str(), "socket" | "shm" | "cuda-ipc") {
@@ -290,7 +315,12 @@ pub fn bench(socket: PathBuf, a: BenchArgs) -> Result<()> {
         for &clients in &a.clients {
             // The same bytes each way: keys in, flags and values out.
             let reply = (batch * (1 + 4 * a.dim) + 8) as u32;
-            let raw = measure(&socket, &a, clients, &|_| Request::Echo { reply_len: reply, padding: batch * 8 })?;
+            let want = |op: &str| a.ops.iter().any(|o| o == op);
+            let raw = if want("raw") {
+                measure(&socket, &a, clients, &|_| Request::Echo { reply_len: reply, padding: batch * 8 })?
+            } else {
+                f64::NAN
+            };
             let figure = |transport: &str, op: &str, kps: f64, per_key: f64| {
                 println!(
                     "{}",
@@ -298,7 +328,7 @@ pub fn bench(socket: PathBuf, a: BenchArgs) -> Result<()> {
                         "dim": a.dim, "keys_per_s": kps, "bytes_per_s": kps * per_key})
                 );
             };
-            if a.json {
+            if a.json && want("raw") {
                 figure("raw_socket", "echo", raw, row_bytes(1));
             }
             for transport in &a.transport {
@@ -316,31 +346,52 @@ pub fn bench(socket: PathBuf, a: BenchArgs) -> Result<()> {
                         pipeline: a.pipeline,
                         warmup: a.warmup,
                         seconds: a.seconds,
+                        spin: spin(&a),
                     };
-                    hkv_client::region::bench::measure(&socket, clients, &plan, region)?
+                    let (f, i) = hkv_client::region::bench::measure_ops(
+                        &socket,
+                        clients,
+                        &plan,
+                        region,
+                        want("find"),
+                        want("insert"),
+                    )?;
+                    (f.unwrap_or(f64::NAN), i.unwrap_or(f64::NAN))
                 } else {
                     let t = table.clone();
-                    let find = measure(&socket, &a, clients, &|rng| Request::Find {
-                        table: t.clone(),
-                        keys: (0..batch).map(|_| rng.gen_range(1..=resident)).collect(),
-                        scores: false,
-                    })?;
+                    let find = if want("find") {
+                        measure(&socket, &a, clients, &|rng| Request::Find {
+                            table: t.clone(),
+                            keys: (0..batch).map(|_| rng.gen_range(1..=resident)).collect(),
+                            scores: false,
+                        })?
+                    } else {
+                        f64::NAN
+                    };
                     let t = table.clone();
                     let dim = a.dim;
-                    let insert = measure(&socket, &a, clients, &|rng| Request::Write {
-                        op: proto::WriteOp::InsertOrAssign,
-                        table: t.clone(),
-                        keys: (0..batch).map(|_| rng.gen_range(1..=resident)).collect(),
-                        values: vec![1.5; batch * dim],
-                        scores: None,
-                        outcomes: false,
-                    })?;
+                    let insert = if want("insert") {
+                        measure(&socket, &a, clients, &|rng| Request::Write {
+                            op: proto::WriteOp::InsertOrAssign,
+                            table: t.clone(),
+                            keys: (0..batch).map(|_| rng.gen_range(1..=resident)).collect(),
+                            values: vec![1.5; batch * dim],
+                            scores: None,
+                            outcomes: false,
+                        })?
+                    } else {
+                        f64::NAN
+                    };
                     (find, insert)
                 };
                 let gb = |kps: f64| kps * row_bytes(1) / 1e9;
                 if a.json {
-                    figure(transport, "find", find, row_bytes(1));
-                    figure(transport, "insert_or_assign", insert, ins_bytes);
+                    if want("find") {
+                        figure(transport, "find", find, row_bytes(1));
+                    }
+                    if want("insert") {
+                        figure(transport, "insert_or_assign", insert, ins_bytes);
+                    }
                 } else {
                     println!(
                         "{:>8} {:>7} {:>9} {:>14.0} {:>10.2} {:>14.0} {:>10.2} {:>9.0}% {:>14.0} {:>10.2}",
