@@ -248,9 +248,6 @@ pub struct Client {
     r: BufReader<UnixStream>,
     next_id: u64,
     spare: Spare,
-    /// How long a wait for an answer polls the socket before it sleeps
-    /// ([`Client::set_spin`]).
-    spin: Option<std::time::Duration>,
 }
 
 impl Client {
@@ -259,37 +256,7 @@ impl Client {
         let p = path.as_ref();
         let s = UnixStream::connect(p).map_err(io(connect_context(p)))?;
         let r = BufReader::with_capacity(1 << 16, s.try_clone().map_err(io("socket"))?);
-        Ok(Client { w: s, r, next_id: 1, spare: Spare::default(), spin: None })
-    }
-
-    /// Makes each wait for an answer poll the socket for up to `spin`
-    /// before sleeping in `read` (None, the default: sleep at once). A
-    /// thread woken by the kernel when an answer arrives starts tens of
-    /// microseconds later on some hosts (virtual machines most); polling
-    /// spends this thread's core to see the answer as it lands, which
-    /// pays when answers come within that time (requests on device
-    /// memory, small finds).
-    pub fn set_spin(&mut self, spin: Option<std::time::Duration>) {
-        self.spin = spin;
-    }
-
-    /// Waits, polling, until an answer's first byte is here or the spin
-    /// time has passed (then the caller's read sleeps as usual).
-    fn spin_until_readable(&mut self) {
-        let Some(limit) = self.spin else { return };
-        if !self.r.buffer().is_empty() {
-            return;
-        }
-        let start = std::time::Instant::now();
-        let mut probe = [0u8; 1];
-        let flags = rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT;
-        while start.elapsed() < limit {
-            match rustix::net::recv(&self.w, &mut probe[..], flags) {
-                Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => std::hint::spin_loop(),
-                // A byte, the peer gone or an error: the read says which.
-                _ => return,
-            }
-        }
+        Ok(Client { w: s, r, next_id: 1, spare: Spare::default() })
     }
 
     /// Sends a request without waiting; returns its id.
@@ -315,7 +282,6 @@ impl Client {
 
     /// Receives the next response, whichever request it answers.
     pub fn recv(&mut self) -> Result<(u64, Response)> {
-        self.spin_until_readable();
         let mut h = [0u8; HEADER_LEN];
         self.r.read_exact(&mut h).map_err(io("reading a response header"))?;
         let h = Header::decode(&h).map_err(|e| ClientError::Protocol(e.to_string()))?;

@@ -254,7 +254,6 @@ impl Client {
     /// and others pipelined with them); error frames become
     /// [`ClientError::Daemon`].
     pub fn recv_frame(&mut self) -> Result<(Header, Vec<u8>)> {
-        self.spin_until_readable();
         let mut h = [0u8; HEADER_LEN];
         self.r.read_exact(&mut h).map_err(io("reading a response header"))?;
         let h = Header::decode(&h).map_err(|e| ClientError::Protocol(e.to_string()))?;
@@ -438,8 +437,6 @@ pub mod bench {
         pub warmup: f64,
         /// Timed seconds.
         pub seconds: f64,
-        /// Each connection's [`Client::set_spin`].
-        pub spin: Option<Duration>,
     }
 
     /// Where each connection's arrays live.
@@ -554,7 +551,6 @@ pub mod bench {
 
     fn one(socket: &Path, p: &Plan, insert: bool, transport: Transport) -> Result<(u64, f64)> {
         let mut c = Client::connect(socket)?;
-        c.set_spin(p.spin);
         let (n, dim) = (p.batch as u64, p.dim as u64);
         let sets = p.pipeline.max(1) as u64 + 1;
         let keys_bytes = n * 8;

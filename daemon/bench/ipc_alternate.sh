@@ -16,8 +16,7 @@
 # without it says so): the mean time of each stage over that figure's
 # requests (the table's filling included). Prints the medians per (build,
 # op, batch, pipeline), each over the in-process find at that batch, and
-# the stage means. SPINS="0 100" measures each figure also with the
-# client polling for its answers (`--spin-us 100`). BACKEND=cpu TRANSPORT=shm runs the same on the CPU backend.
+# the stage means. BACKEND=cpu TRANSPORT=shm runs the same on the CPU backend.
 set -euo pipefail
 rounds=${1:?usage: ipc_alternate.sh ROUNDS LABEL=DIR [LABEL=DIR ...]}
 shift
@@ -47,14 +46,12 @@ for r in $(seq "$rounds"); do
         hp=$!
         for _ in $(seq 600); do "$dir/hkvctl" --socket "$tmp/run/hkvd.sock" ping >/dev/null 2>&1 && break; sleep 0.1; done
         ctl=${HKVCTL_BIN:-$dir/hkvctl}
-        for spin in ${SPINS:-0}; do
-        lab=$label; [ "$spin" = 0 ] || lab="$label+spin$spin"
+        lab=$label
         for p in $pipelines; do
             for b in 262144 1048576; do
                 "$ctl" --socket "$tmp/run/hkvd.sock" stats --json > "$tmp/before"
                 "$ctl" --socket "$tmp/run/hkvd.sock" bench --capacity 4194304 --batches "$b" --clients 1 \
                     --pipeline "$p" --seconds "$secs" --warmup 0.5 --transport "${TRANSPORT:-cuda-ipc}" --json ${OPS:+--ops $OPS} \
-                    $([ "$spin" = 0 ] || echo --spin-us "$spin") \
                     | grep '^{' | sed "s/^{/{\"build\": \"$lab\", \"pipeline\": $p, /" | tee -a "$tmp/figs"
                 "$ctl" --socket "$tmp/run/hkvd.sock" stats --json > "$tmp/after"
                 python3 - "$tmp/before" "$tmp/after" "$lab" "$b" "$p" >> "$tmp/paths" <<'PY'
@@ -71,7 +68,6 @@ m.update({k: d[k + "_ns"] / c / 1e3 for k in ("mailbox", "shard", "wake")})
 print(json.dumps({"build": label, "batch": int(batch), "pipeline": int(pipe), "requests": d["requests"], "us": m}))
 PY
             done
-        done
         done
         kill "$hp"; wait "$hp" 2>/dev/null || true; hp=
     done

@@ -52,10 +52,6 @@ pub struct BenchArgs {
     /// (and the table's filling).
     #[arg(long, value_delimiter = ',', default_value = "raw,find,insert")]
     pub ops: Vec<String>,
-    /// Microseconds each wait for an answer polls the socket before it
-    /// sleeps (`Client::set_spin`; 0: sleep at once).
-    #[arg(long, default_value_t = 0)]
-    pub spin_us: u64,
     /// Measure feature requests instead: find with precomputed keys, fused
     /// find_features, and hash then find (two round trips), int64 features.
     #[arg(long)]
@@ -67,20 +63,10 @@ pub struct BenchArgs {
 /// longest time one took.
 fn across_clients(
     socket: &PathBuf,
-    a: &BenchArgs,
     clients: usize,
     run: &(dyn Fn(&mut Client) -> Result<(u64, f64)> + Sync),
 ) -> Result<f64> {
-    hkv_client::region::bench::across_threads(clients, &|| {
-        let mut c = Client::connect(socket)?;
-        c.set_spin(spin(a));
-        run(&mut c)
-    })
-}
-
-/// `--spin-us` as [`Client::set_spin`] takes it.
-fn spin(a: &BenchArgs) -> Option<Duration> {
-    (a.spin_us > 0).then(|| Duration::from_micros(a.spin_us))
+    hkv_client::region::bench::across_threads(clients, &|| run(&mut Client::connect(socket)?))
 }
 
 /// One measurement: `clients` connections, each keeping `pipeline` requests
@@ -92,7 +78,7 @@ fn measure(
     clients: usize,
     make: &(dyn Fn(&mut rand::rngs::ThreadRng) -> Request + Sync),
 ) -> Result<f64> {
-    across_clients(socket, a, clients, &|c| {
+    across_clients(socket, clients, &|c| {
         let mut rng = rand::thread_rng();
         let reqs: Vec<Request> = (0..a.pipeline.max(1) + 1).map(|_| make(&mut rng)).collect();
         // The first large answers of a kind make the daemon allocate (and on
@@ -214,7 +200,7 @@ fn hash_then_find(
     batch: usize,
     fill: i64,
 ) -> Result<f64> {
-    across_clients(socket, a, clients, &|c| {
+    across_clients(socket, clients, &|c| {
         let mut rng = rand::thread_rng();
         let reqs: Vec<Request> = (0..a.pipeline.max(1) + 1)
             .map(|_| Request::Hash {
@@ -346,7 +332,6 @@ pub fn bench(socket: PathBuf, a: BenchArgs) -> Result<()> {
                         pipeline: a.pipeline,
                         warmup: a.warmup,
                         seconds: a.seconds,
-                        spin: spin(&a),
                     };
                     let (f, i) = hkv_client::region::bench::measure_ops(
                         &socket,
