@@ -61,7 +61,8 @@ struct Serve {
 /// The environment variables `hkvd serve` reads (the libraries read none).
 const ENVIRONMENT: &str = "\
 Environment:
-  XDG_RUNTIME_DIR    the socket's directory when neither --socket nor the file names one
+  HKVD_SOCKET        the socket when neither --socket nor the file names one (the path hkvctl and the clients use)
+  XDG_RUNTIME_DIR    the socket's directory when none of those names one
   HKV_KERNEL_CACHE   the kernel cache directory when neither --kernel-cache-dir nor the file names one
   HKV_LOOKUP_GROUP   CUDA: threads per key of every lookup kernel (1|2|4|8|16|32; default: chosen per batch)
   HKV_WRITE_GROUP    CUDA: threads per key of every writer kernel (1|2|4|8|16|32)
@@ -75,8 +76,11 @@ Environment:
 fn config(a: Serve, given: &clap::ArgMatches) -> anyhow::Result<Config> {
     let mut c = Config::layered(a.options, given, a.config.as_deref())?;
     if c.socket.is_none() {
+        // The path the clients take from the same variables, so that one
+        // `export HKVD_SOCKET=...` points the daemon and its clients at one socket.
         let runtime_dir = std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from);
-        c.socket = Some(hkv_proto::default_socket_path(runtime_dir.as_deref()));
+        let named = std::env::var_os("HKVD_SOCKET").filter(|s| !s.is_empty()).map(PathBuf::from);
+        c.socket = Some(hkv_proto::client_socket_path(named, runtime_dir.as_deref()));
     }
     if c.kernel_cache_dir.is_none() {
         c.kernel_cache_dir = std::env::var_os("HKV_KERNEL_CACHE").map(PathBuf::from);

@@ -894,3 +894,32 @@ fn stats_path_times_requests_and_shard_calls() {
     assert!(p.total_ns >= p.spawn_ns + p.handle_ns + p.write_ns - 1000 * p.requests, "{p:?}");
     assert!(p.shard_ns > 0 && p.handle_ns > 0 && p.mailbox_ns > 0, "{p:?}");
 }
+
+/// Without `--socket`, `hkvd serve` binds `$HKVD_SOCKET`, the path hkvctl
+/// and the clients take from the same variable.
+#[test]
+fn serve_binds_hkvd_socket_when_no_socket_is_given() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("from-env.sock");
+    let hkvd = std::env::var_os("HKVD_BIN")
+        .map_or_else(|| std::path::PathBuf::from(env!("CARGO_BIN_EXE_hkvd")), std::path::PathBuf::from);
+    let mut child = std::process::Command::new(hkvd)
+        .args(["serve", "--backend", "cpu", "--shards", "1", "--restore", "none", "--log", "warn", "--state-dir"])
+        .arg(dir.path().join("state"))
+        .env("HKVD_SOCKET", &socket)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut pinged = false;
+    for _ in 0..200 {
+        if let Ok(mut c) = Client::connect(&socket) {
+            pinged = c.ping().is_ok();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(pinged, "no daemon answered at $HKVD_SOCKET = {}", socket.display());
+}
