@@ -585,6 +585,34 @@ impl Client {
         }
     }
 
+    /// One step of the table's optimizer (a table created with
+    /// `optimizer`) on the present keys' rows, given a gradient row of the
+    /// table's value dim (`spec.dim`) per key. Returns the count of keys
+    /// absent and, with `values`, a flag per key (true: updated) and the
+    /// values after the step (value dim a key; zeros where absent).
+    pub fn apply_gradients(
+        &mut self,
+        table: &str,
+        hyper: proto::Hyper,
+        keys: &[u64],
+        grads: &[f32],
+        values: bool,
+    ) -> Result<(u64, Option<(Vec<bool>, Vec<f32>)>)> {
+        let req = Request::ApplyGradients {
+            table: table.into(),
+            hyper,
+            keys: keys.to_vec(),
+            grads: grads.to_vec(),
+            outcomes: values,
+        };
+        match self.call(&req)? {
+            Response::Applied { missing, found, values } => {
+                Ok((missing, found.zip(values).map(|(f, v)| (f.into_iter().map(|x| x == 1).collect(), v))))
+            }
+            r => unexpected("apply_gradients", r),
+        }
+    }
+
     /// Remove keys; returns how many were present.
     pub fn erase(&mut self, table: &str, keys: &[u64]) -> Result<u64> {
         match self.call(&Request::Erase { table: table.into(), keys: keys.to_vec(), outcomes: false })? {
