@@ -174,11 +174,14 @@ class EmbeddingCache:
             raise ValueError(f"init({n}, {self.dim}) returned shape {tuple(rows.shape)}")
         return rows.to(self.device)
 
-    def _send(self, op: int, keys: torch.Tensor, rows: Optional[torch.Tensor]):
+    def _send(self, op: int, keys: torch.Tensor, rows: Optional[torch.Tensor], done_event: bool = True):
         """Sends one chunk of at most max_batch keys (``rows``: values or
         deltas, ``dim`` wide, the state columns sent as zeros; None: zeros)
         without waiting; :meth:`_recv` reads the answer. One request per
-        cache is in flight at a time (its buffers are the request's)."""
+        cache is in flight at a time (its buffers are the request's).
+        ``done_event`` False: on cuda-ipc the request is answered once its
+        outputs are written, with no done event (a request left in flight
+        while others go out must not share the connection's done event)."""
         m = keys.numel()
         c = self.client
         d, w = self.dim, self.row_dim
@@ -192,7 +195,10 @@ class EmbeddingCache:
                 if w > d:
                     v[:, d:].zero_()
             k, vr = self._refs[0].head(m), self._refs[1].head(m)
-            return ("region", region.send(c, op, self.table, [k, vr], **self._sync_args()), m)
+            sync = self._sync_args()
+            if not done_event:
+                sync["done"] = False
+            return ("region", region.send(c, op, self.table, [k, vr], **sync), m)
         if self.transport == "shm":
             np.copyto(self._keys_np[:m], keys.cpu().numpy())
             v = self._values_np[:m]
@@ -450,7 +456,7 @@ class _Sparse(torch.nn.Module):
             self._drop(self._pending.pop(0))
         cache = self._spare.pop() if self._spare else EmbeddingCache(self.client, self.table, **self._kw)
         t0 = time.perf_counter()
-        token = cache._send(region.OP_FIND_OR_INSERT, uniq, self._init_rows(uniq))
+        token = cache._send(region.OP_FIND_OR_INSERT, uniq, self._init_rows(uniq), done_event=False)
         self.timings["lookup"] += time.perf_counter() - t0
         self._pending.append(_Prefetched(flat, uniq, inv, cache, token))
 

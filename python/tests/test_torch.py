@@ -364,3 +364,84 @@ def test_a_prefetch_for_other_ids_is_dropped(daemon):
     out.sum().backward()
     assert c.find("d", [5])[0][0].tolist() == [-1.0, -1.0]
     c.close()
+
+
+def _simulate_cuda(monkeypatch):
+    """libcuda replaced by stand-ins: each "device buffer" EmbeddingCache
+    allocates is an shm array that register_cuda registers as a memfd, so
+    the cuda-ipc code path runs against a CPU daemon."""
+    import struct
+
+    import hkvd
+    from hkvd import cuda, region
+    from hkvd.torch import EmbeddingCache as EC
+
+    allocs = []
+
+    def device_buffer(self, nbytes):
+        allocs.append(hkvd.shm_array((nbytes,), np.uint8))
+        return torch.from_numpy(allocs[-1])
+
+    def owner(ptr):
+        for i, a in enumerate(allocs):
+            base = a.__array_interface__["data"][0]
+            if base <= ptr < base + a.nbytes:
+                return i, base, a.nbytes
+        return None
+
+    real_describe = cuda.describe
+
+    def describe(x):
+        if isinstance(x, torch.Tensor) and owner(x.data_ptr()) is not None:
+            return cuda.DeviceArray(x.data_ptr(), x.numel() * x.element_size(), tuple(x.shape),
+                                    np.dtype(str(x.dtype).replace("torch.", "")), x.is_contiguous(), 0, "torch", x)
+        return real_describe(x)
+
+    monkeypatch.setattr(EC, "_device_buffer", device_buffer)
+    monkeypatch.setattr(cuda, "describe", describe)
+    monkeypatch.setattr(cuda, "pointer_info", lambda ptr: (cuda.CU_MEMORYTYPE_DEVICE, 100 + owner(ptr)[0], 0))
+    monkeypatch.setattr(cuda, "allocation", lambda ptr, ordinal: (*owner(ptr)[1:], bytes([owner(ptr)[0]]) + bytes(63)))
+    monkeypatch.setattr(cuda, "device_uuid", lambda ordinal: bytes(16))
+    monkeypatch.setattr(cuda, "synchronize", lambda stream, ordinal: None)
+    monkeypatch.setattr(cuda, "stream_handle", lambda stream, lib, ordinal: 0)
+    real_raw = region.raw_call
+
+    def raw_call(client, op, body, flags=0):
+        if op == cuda.OP_REGISTER_CUDA:
+            m, _ = hkvd.shm._memfd_of(allocs[body[16]])
+            return struct.pack("<IQ", hkvd.shm.register_memfd(client, m.fd, m.size), m.size)
+        return real_raw(client, op, body, flags)
+
+    monkeypatch.setattr(region, "raw_call", raw_call)
+    return allocs
+
+
+def test_modules_over_simulated_cuda_ipc(daemon, monkeypatch):
+    """Embedding's cuda-ipc path (keys, rows, gradients and found in one
+    registered allocation per cache, apply_gradients staged by the daemon,
+    prefetch with its own buffers) trains exactly as over shm."""
+    from hkvd.torch import Embedding, Prefetcher
+
+    allocs = _simulate_cuda(monkeypatch)
+    c = daemon.client()
+    fields, vocab, dim = 3, 50, 4
+    losses = {}
+    for name, transport in (("ipc", "cuda-ipc"), ("shm", "shm")):
+        c.create_table(name, dim=dim, capacity=1 << 12, optimizer="rowwise_adagrad")
+        emb = Embedding(c, name, lr=0.1, transport=transport, events=False, verbose=False, max_batch=256)
+        assert emb.cache.transport == transport
+        model = _Model(emb, fields, dim, 3)
+        bce = torch.nn.BCEWithLogitsLoss()
+        out = []
+        for ids, y in Prefetcher(_data(8, 16, fields, vocab, 4), emb):
+            loss = bce(model(ids), y)
+            loss.backward()
+            out.append(loss.detach())
+        losses[name] = torch.stack(out)
+        assert emb.prefetch_hits == 8
+    assert len(allocs) >= 2, "the prefetch has buffers of its own"
+    assert torch.equal(losses["ipc"], losses["shm"])
+    ka, va, _ = c.export("ipc")
+    kb, vb, _ = c.export("shm")
+    assert np.array_equal(va[np.argsort(ka)].view(np.uint32), vb[np.argsort(kb)].view(np.uint32))
+    c.close()
