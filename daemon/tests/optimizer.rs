@@ -27,8 +27,7 @@ fn noise(seed: u64) -> f32 {
 /// The reference: one step of `o` on a row of f64 (values then state),
 /// written from the formulas of PROTOCOL.md, independently of the shard's code.
 fn reference(o: Optimizer, row: &mut [f64], grad: &[f64], h: &Hyper) {
-    let (lr, eps, b1, b2, wd) =
-        (h.lr as f64, h.eps as f64, h.beta1 as f64, h.beta2 as f64, h.weight_decay as f64);
+    let (lr, eps, b1, b2, wd) = (h.lr as f64, h.eps as f64, h.beta1 as f64, h.beta2 as f64, h.weight_decay as f64);
     let g: Vec<f64> = (0..DIM).map(|i| grad[i] + wd * row[i]).collect();
     match o {
         Optimizer::Sgd => (0..DIM).for_each(|i| row[i] -= lr * g[i]),
@@ -100,8 +99,7 @@ fn every_optimizer_matches_the_reference() {
                     which.push(Some(at));
                 }
             }
-            let grads: Vec<f32> =
-                (0..batch.len() * DIM).map(|j| noise(step * 100_003 + j as u64) * 0.5).collect();
+            let grads: Vec<f32> = (0..batch.len() * DIM).map(|j| noise(step * 100_003 + j as u64) * 0.5).collect();
             let (missing, got) = c.apply_gradients(name, h, &batch, &grads, true).unwrap();
             assert_eq!(missing, which.iter().filter(|w| w.is_none()).count() as u64, "{name} step {step}");
             let (found, values) = got.expect("values asked for");

@@ -314,11 +314,8 @@ impl Response {
             }
             Op::ApplyGradients => {
                 let missing = r.u64("missing")?;
-                let (found, values) = if has_outcomes {
-                    (Some(r.u8s("found")?), Some(r.f32s("values")?))
-                } else {
-                    (None, None)
-                };
+                let (found, values) =
+                    if has_outcomes { (Some(r.u8s("found")?), Some(r.f32s("values")?)) } else { (None, None) };
                 Response::Applied { missing, found, values }
             }
             Op::Erase | Op::EraseIf => {

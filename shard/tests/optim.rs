@@ -24,9 +24,11 @@ fn in_place_equals_find_and_assign() {
         a.insert_or_assign(&keys, &rows, None, None).unwrap();
         b.insert_or_assign(&keys, &rows, None, None).unwrap();
         // 8000 present keys (distinct) and 1000 absent.
-        let batch: Vec<u64> = (0..9_000u64).map(|i| if i % 9 == 8 { 1_000_000 + i } else { 1 + (i * 7) % 10_000 }).collect();
+        let batch: Vec<u64> =
+            (0..9_000u64).map(|i| if i % 9 == 8 { 1_000_000 + i } else { 1 + (i * 7) % 10_000 }).collect();
         for t in 1..=3u64 {
-            let step = Step { optimizer: o, dim, hyper: Hyper { lr: 0.1, step: t, weight_decay: 0.01, ..Hyper::default() } };
+            let step =
+                Step { optimizer: o, dim, hyper: Hyper { lr: 0.1, step: t, weight_decay: 0.01, ..Hyper::default() } };
             let grads: Vec<f32> = (0..batch.len() * dim).map(|i| noise(t * 1_000_003 + i as u64)).collect();
             let (mut fa, mut fb) = (vec![false; batch.len()], vec![false; batch.len()]);
             let (mut ua, mut ub) = (vec![1.0f32; batch.len() * dim], vec![1.0f32; batch.len() * dim]);
@@ -34,13 +36,21 @@ fn in_place_equals_find_and_assign() {
             let mb = apply_gradients_by_find(&*b, &batch, &grads, &step, &mut fb, Some(&mut ub)).unwrap();
             assert_eq!((ma, mb), (1000, 1000), "{o:?}");
             assert_eq!(fa, fb);
-            assert_eq!(ua.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), ub.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), "{o:?} step {t}");
+            assert_eq!(
+                ua.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                ub.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "{o:?} step {t}"
+            );
         }
         let (mut va, mut vb) = (vec![0.0; keys.len() * w], vec![0.0; keys.len() * w]);
         let (mut fa, mut fb) = (vec![false; keys.len()], vec![false; keys.len()]);
         a.find(&keys, &mut va, &mut fa, None).unwrap();
         b.find(&keys, &mut vb, &mut fb, None).unwrap();
-        assert_eq!(va.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), vb.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), "{o:?}");
+        assert_eq!(
+            va.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            vb.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            "{o:?}"
+        );
         assert!(va != rows, "{o:?}: the rows moved");
         assert_eq!(a.size(), 10_000, "absent keys are not inserted");
         assert_eq!(a.stats().ops[14], 3, "counted as apply_gradients");

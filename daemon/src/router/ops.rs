@@ -242,9 +242,7 @@ impl Router {
         }
         let split = Split::new(&keys, t.shards());
         let rows = t.config.dim;
-        let keys = shard_keys(&split, keys, |n| {
-            hkv_shard::optim::check_batch(rows, &step, n, grads.len(), n, None)
-        })?;
+        let keys = shard_keys(&split, keys, |n| hkv_shard::optim::check_batch(rows, &step, n, grads.len(), n, None))?;
         let ops = keys
             .into_iter()
             .zip(split.take(grads, d))
