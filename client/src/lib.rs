@@ -72,6 +72,10 @@ impl ClientError {
     }
 }
 
+/// apply_gradients' per-key answer: a flag per key (true: updated) and
+/// the values after the step (the value dim a key; zeros where absent).
+pub type Updated = (Vec<bool>, Vec<f32>);
+
 /// Result alias.
 pub type Result<T, E = ClientError> = std::result::Result<T, E>;
 
@@ -597,7 +601,7 @@ impl Client {
         keys: &[u64],
         grads: &[f32],
         values: bool,
-    ) -> Result<(u64, Option<(Vec<bool>, Vec<f32>)>)> {
+    ) -> Result<(u64, Option<Updated>)> {
         let req = Request::ApplyGradients {
             table: table.into(),
             hyper,

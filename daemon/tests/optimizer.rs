@@ -124,8 +124,8 @@ fn every_optimizer_matches_the_reference() {
         let f = c.find(name, &keys).unwrap();
         assert!(f.found.iter().all(|&x| x));
         for (i, row) in rows.iter().enumerate() {
-            for j in 0..row_dim {
-                let (a, b) = (f.values[i * row_dim + j] as f64, row[j]);
+            for (j, &b) in row.iter().enumerate() {
+                let a = f.values[i * row_dim + j] as f64;
                 assert!((a - b).abs() < 2e-5 * (1.0 + b.abs()), "{name} stored key {i} column {j}: {a} vs {b}");
             }
         }

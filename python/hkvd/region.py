@@ -354,8 +354,14 @@ def call(client, op: int, table: str, arrays: Sequence, scores: bool = False, ou
       ``event.wait(stream)``); False or None (default): no event (the
       outputs are complete, and counted, when the answer is read).
     """
-    p = send(client, op, table, arrays, scores, outcomes, stream, wait, done, head)
-    return None if p is None else finish(client, p)
+    f = _frame(client, op, table, arrays, scores, outcomes, stream, wait, done, head)
+    if f is None:
+        return None
+    flags, body, post, h = f
+    answer = client._call(op, flags, [body])
+    if post is not None:
+        post.wait(h)
+    return answer
 
 
 class Pending(NamedTuple):
@@ -374,6 +380,17 @@ def send(client, op: int, table: str, arrays: Sequence, scores: bool = False, ou
     client neither writes the inputs nor reads the outputs, and other
     requests may go out on the connection (the daemon runs them
     concurrently, in no set order)."""
+    f = _frame(client, op, table, arrays, scores, outcomes, stream, wait, done, head)
+    if f is None:
+        return None
+    flags, body, post, h = f
+    return Pending(client._send(op, flags, [body]), post, h if post is not None else None)
+
+
+def _frame(client, op, table, arrays, scores, outcomes, stream, wait, done, head):
+    """The checked request of :func:`call` / :func:`send`: ``(flags, body,
+    done event to wait for or None, stream)``, its events recorded; None
+    when there are no keys."""
     sl = slots(op, scores, outcomes)
     if len(arrays) != len(sl):
         raise TypeError(f"this request names {len(sl)} arrays ({', '.join(s.name for s in sl)}), "
@@ -406,8 +423,7 @@ def send(client, op: int, table: str, arrays: Sequence, scores: bool = False, ou
     elif isinstance(wait, _cuda.CudaEvent) or isinstance(done, _cuda.CudaEvent):
         raise ValueError("events go with CUDA arrays; these arrays are in hkvd.shm_array memory")
     body = encode_body(table, [r.wire() for r in refs], events, head)
-    rid = client._send(op, request_flags(scores, outcomes, events is not None), [body])
-    return Pending(rid, post, h if post is not None else None)
+    return request_flags(scores, outcomes, events is not None), body, post, (h if post is not None else None)
 
 
 def finish(client, p: Pending) -> bytes:
