@@ -202,3 +202,66 @@ fn state_survives_a_checkpoint_and_a_restart() {
     let after = c.find("ada", &keys).unwrap().values;
     assert!((after[DIM] - (0.5 + 2.0 * 0.0625)).abs() < 1e-6, "{}", after[DIM]);
 }
+
+/// Hostile apply_gradients frames, to a daemon under an address-space
+/// limit: counts past the body, gradients of the wrong width, a body over
+/// the frame limit, bad hyperparameters and the region form without its
+/// arrays are refused by code, and the daemon keeps serving.
+#[test]
+fn hostile_frames_are_refused_under_a_memory_limit() {
+    use common::{expect_code, raw_call};
+    use hkv_client::{Request, Response};
+    use std::os::unix::net::UnixStream;
+
+    let mut d = Daemon::start_limited(6 << 30, &["--max-frame-bytes", "65536"]);
+    let mut c = d.client();
+    c.create_table(table("adam", Optimizer::Adam)).unwrap();
+    c.insert_or_assign("adam", &[1], &[0.5; 3 * DIM], None).unwrap();
+    let mut s = UnixStream::connect(&d.socket).unwrap();
+    let req = |keys: Vec<u64>, grads: Vec<f32>, hyper: Hyper| Request::ApplyGradients {
+        table: "adam".into(),
+        hyper,
+        keys,
+        grads,
+        outcomes: true,
+    };
+    let good = req(vec![1], vec![0.1; DIM], Hyper::default()).encode(7);
+    // The keys' count says 2^32 − 1 (offset: header 20, table 2 + 4, hyper 28).
+    let mut huge = good.clone();
+    huge[54..58].copy_from_slice(&u32::MAX.to_le_bytes());
+    expect_code(raw_call(&mut s, &huge).1, ErrorCode::Truncated);
+    // The gradients' count past the body.
+    let mut past = good.clone();
+    past[66..70].copy_from_slice(&1_000_000u32.to_le_bytes());
+    expect_code(raw_call(&mut s, &past).1, ErrorCode::Truncated);
+    // Gradients one float short of n × dim.
+    expect_code(raw_call(&mut s, &req(vec![1], vec![0.1; DIM - 1], Hyper::default()).encode(8)).1, ErrorCode::WrongDim);
+    // A body over --max-frame-bytes.
+    let big = req((1..=4000).collect(), vec![0.0; 4000 * DIM], Hyper::default()).encode(9);
+    expect_code(raw_call(&mut s, &big).1, ErrorCode::Oversized);
+    // Infinite weight decay, Adam's step 0.
+    for h in [Hyper { weight_decay: f32::INFINITY, ..Hyper::default() }, Hyper { step: 0, ..Hyper::default() }] {
+        expect_code(raw_call(&mut s, &req(vec![1], vec![0.1; DIM], h).encode(10)).1, ErrorCode::BadRequest);
+    }
+    // The region form naming a region that was never registered.
+    let region = hkv_client::proto::region::RegionRequest {
+        op: hkv_client::proto::Op::ApplyGradients as u8,
+        scores: false,
+        outcomes: false,
+        table: "adam".into(),
+        head: hkv_client::proto::region::Head::Apply(Hyper::default()),
+        refs: vec![hkv_client::proto::region::RegionRef::new(77, 0, 1); 2],
+        events: None,
+    };
+    expect_code(raw_call(&mut s, &region.encode(11)).1, ErrorCode::NotFound);
+    assert!(d.alive(), "the daemon is still running");
+    match raw_call(&mut s, &good).1 {
+        Response::Applied { missing: 0, found: Some(f), values: Some(v) } => {
+            assert_eq!((f, v.len()), (vec![1], DIM));
+        }
+        r => panic!("{r:?}"),
+    }
+    // Only the last request stepped the row: m = 0.9 · 0.5 + 0.1 · 0.1.
+    let m = c.find("adam", &[1]).unwrap().values[DIM];
+    assert!((m - 0.46).abs() < 1e-6, "first moment {m}: the refused requests applied nothing");
+}

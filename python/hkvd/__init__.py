@@ -521,6 +521,7 @@ class Client:
     def drop_table(self, name: str) -> None:
         self._json(OP_DROP_TABLE, {"name": name})
         self._dims.pop(name, None)
+        self.__dict__.get("_specs", {}).pop(name, None)
 
     def flush(self, table: str) -> None:
         """Drains a backed table's write-back queue into its cluster; returns
