@@ -118,19 +118,22 @@ class EmbeddingCache:
 
     def _setup_cuda_ipc(self) -> None:
         m, w, d = self.max_batch, self.row_dim, self.dim
-        kb, vb, gb = _align(8 * m), _align(4 * m * w), _align(4 * m * d)
+        # Gradient rows only for a table with an optimizer (apply_gradients).
+        g = m if self.optimizer is not None else 0
+        kb, vb, gb = _align(8 * m), _align(4 * m * w), _align(4 * g * d)
         # One allocation for the buffers: one region, one IPC open in the
         # daemon (the first open in a process costs ~100 ms).
         buf = self._device_buffer(kb + vb + gb + _align(m))
         self._buf = buf
         self._keys = buf[:8 * m].view(torch.int64)
         self._values = buf[kb:kb + 4 * m * w].view(torch.float32).view(m, w)
-        self._grads = buf[kb + vb:kb + vb + 4 * m * d].view(torch.float32).view(m, d)
         self._found = buf[kb + vb + gb:kb + vb + gb + m]
         self._refs = [self.client.region_ref(x) for x in (self._keys, self._values, self._found)]
-        self._grad_ref = self.client.region_ref(self._grads)
-        # apply_gradients' updated values: the first m × dim floats of the values buffer.
-        self._out_ref = self.client.region_ref(self._values.reshape(-1)[:m * d].view(m, d))
+        if g:
+            self._grads = buf[kb + vb:kb + vb + 4 * m * d].view(torch.float32).view(m, d)
+            self._grad_ref = self.client.region_ref(self._grads)
+            # apply_gradients' updated values: the first m × dim floats of the values buffer.
+            self._out_ref = self.client.region_ref(self._values.reshape(-1)[:m * d].view(m, d))
         if self.events:
             try:
                 region._own_events(self.client, self._refs[0].device)
@@ -143,11 +146,12 @@ class EmbeddingCache:
         m, w, d = self.max_batch, self.row_dim, self.dim
         self._keys_np = shm_array((m,), np.int64)
         self._values_np = shm_array((m, w), np.float32)
-        self._grads_np = shm_array((m, d), np.float32)
         self._found_np = shm_array((m,), np.uint8)
         self._refs = [self.client.region_ref(x) for x in (self._keys_np, self._values_np, self._found_np)]
-        self._grad_ref = self.client.region_ref(self._grads_np)
-        self._out_ref = self.client.region_ref(self._values_np.reshape(-1)[:m * d].reshape(m, d))
+        if self.optimizer is not None:
+            self._grads_np = shm_array((m, d), np.float32)
+            self._grad_ref = self.client.region_ref(self._grads_np)
+            self._out_ref = self.client.region_ref(self._values_np.reshape(-1)[:m * d].reshape(m, d))
 
     def _setup_socket(self) -> None:
         self._refs = []
