@@ -27,8 +27,10 @@ batches, one after the other in each round (``--rounds``):
   daemon serves) is skipped, saying why.
 
 Prints per variant the steps/s (median over rounds of steps / seconds of
-the timed steps, after ``--warmup``), the mean time per phase (lookup:
-embedding forward, or the hkvd module's sending and receiving of lookups;
+the timed steps, after ``--warmup``; a step runs from the end of the
+previous one, so the loader's and Prefetcher's work is in it), the mean
+time per phase (lookup: embedding forward, or the hkvd module's sending
+and receiving of lookups, the prefetch sent between steps included;
 apply: the sparse optimizer step, or the module's apply_gradients; compute:
 the rest of the step), the loss curve of the first round (the mean loss of
 each tenth of the steps), and the largest difference between the rows it
@@ -134,7 +136,10 @@ def run(variant, a, c, data, w0, device, round_no):
     it = batches if (variant == "native" or not a.prefetch) else ht.Prefetcher(batches, [(emb, flat_ids)])
     steps, phases, losses = [], [], []
     sync()
+    end = time.perf_counter()
     for step, (ids, y) in enumerate(it):
+        # A step runs from the end of the previous one: the iterator's
+        # work (Prefetcher sending the next lookup) is part of it.
         t0 = time.perf_counter()
         before = dict(emb.timings) if table else None
         rows = model.embed(ids)
@@ -154,15 +159,17 @@ def run(variant, a, c, data, w0, device, round_no):
         sync()
         t3 = time.perf_counter()
         losses.append(float(loss.detach()))
+        start, end = end, t3
         if step < a.warmup:
             continue
-        steps.append(t3 - t0)
+        steps.append(t3 - start)
         if variant == "native":
             lookup, apply = t1 - t0, t3 - t2
         else:
-            lookup = emb.timings["lookup"] - before["lookup"]
+            # The prefetch sent for the next step (before t0) counts as lookup.
+            lookup = emb.timings["lookup"] - before["lookup"] + (t0 - start)
             apply = emb.timings["apply"] - before["apply"]
-        phases.append((lookup, t3 - t0 - lookup - apply, apply))
+        phases.append((lookup, t3 - start - lookup - apply, apply))
     return steps, phases, losses, emb, table
 
 

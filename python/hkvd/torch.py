@@ -367,6 +367,23 @@ class _Prefetched:
     def __init__(self, ids, uniq, inv, cache, token):
         self.ids, self.uniq, self.inv, self.cache, self.token = ids, uniq, inv, cache, token
         self.patches: List[tuple] = []
+        self.mark = _mark(ids)
+
+    def matches(self, flat: torch.Tensor) -> bool:
+        """Whether ``flat`` holds the prefetched ids: the same memory,
+        unchanged since (no device sync), else compared element by element."""
+        if self.mark is not None and _mark(flat) == self.mark:
+            return True
+        return self.ids.shape == flat.shape and bool(torch.equal(self.ids, flat))
+
+
+def _mark(t: torch.Tensor):
+    """What identifies a tensor's contents without reading them: its
+    memory, shape, strides and the version counter that in-place writes bump."""
+    try:
+        return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t._version)
+    except (RuntimeError, AttributeError):
+        return None
 
 
 class _Gather(torch.autograd.Function):
@@ -475,7 +492,7 @@ class _Sparse(torch.nn.Module):
         hit = None
         while self._pending:
             p = self._pending.pop(0)
-            if p.ids.shape == flat.shape and torch.equal(p.ids, flat):
+            if p.matches(flat):
                 hit = p
                 break
             self._drop(p)

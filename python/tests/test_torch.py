@@ -358,8 +358,12 @@ def test_a_prefetch_for_other_ids_is_dropped(daemon):
     emb.prefetch(torch.tensor([1, 2]))
     out = emb(torch.tensor([3, 4]))  # not the prefetched ids: looked up now
     assert out.shape == (2, 2) and emb.prefetch_hits == 0
+    ids = torch.tensor([6, 7])
+    emb.prefetch(ids)
+    ids[0] = 3  # changed in place after the prefetch: not the ids it fetched
+    assert emb(ids).shape == (2, 2) and emb.prefetch_hits == 0
     emb.prefetch(torch.tensor([5]))
-    out = emb(torch.tensor([5]))
+    out = emb(torch.tensor([5]))  # equal ids in other memory: compared, taken
     assert emb.prefetch_hits == 1
     out.sum().backward()
     assert c.find("d", [5])[0][0].tolist() == [-1.0, -1.0]
