@@ -365,9 +365,12 @@ class _Prefetched:
     request token, and the updates made since it was sent."""
 
     def __init__(self, ids, uniq, inv, cache, token):
-        self.ids, self.uniq, self.inv, self.cache, self.token = ids, uniq, inv, cache, token
-        self.patches: List[tuple] = []
+        # The ids as they were (a copy: the caller's tensor may change in
+        # place), and the mark of the caller's memory for the fast match.
         self.mark = _mark(ids)
+        self.ids = ids.clone()
+        self.uniq, self.inv, self.cache, self.token = uniq, inv, cache, token
+        self.patches: List[tuple] = []
 
     def matches(self, flat: torch.Tensor) -> bool:
         """Whether ``flat`` holds the prefetched ids: the same memory,
@@ -468,7 +471,11 @@ class _Sparse(torch.nn.Module):
         unprefetched lookup would have read (bit for bit). A prefetch that
         no forward uses is dropped at the next forward. At most two are
         kept; batches of more than ``max_batch`` distinct ids are looked up
-        at the forward instead."""
+        at the forward instead. The forward's ids match when they are the
+        same tensor memory, unchanged since (torch's version counter: no
+        device sync), or else equal element by element; a change made
+        behind torch's back (through a numpy array sharing the memory) is
+        not noticed: give the forward a new tensor then."""
         flat = self._flat(ids)
         uniq, inv = torch.unique(flat, return_inverse=True)
         if uniq.numel() > self.cache.max_batch or uniq.numel() == 0:
