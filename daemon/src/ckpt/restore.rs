@@ -499,10 +499,16 @@ fn check_compatible(router: &Router, target: &Manifest) -> Result<(), Failure> {
     for t in &target.tables {
         let Ok(running) = router.table(&t.name) else { continue };
         let mut diff = vec![];
-        if running.config.dim != t.dim {
-            diff.push(format!("rows of {} floats here, {} in the checkpoint", running.config.dim, t.dim));
-        }
         let optimizer = manifest_spec(&t.spec).map(|s| s.optimizer).unwrap_or(running.spec.optimizer);
+        if running.config.dim != t.dim {
+            // Rows hold an optimizer's state after the values: their width
+            // is what must match.
+            diff.push(if running.spec.optimizer.is_none() && optimizer.is_none() {
+                format!("dim {} here, {} in the checkpoint", running.config.dim, t.dim)
+            } else {
+                format!("rows of {} floats here, {} in the checkpoint", running.config.dim, t.dim)
+            });
+        }
         if running.spec.optimizer != optimizer {
             let name = |o: Option<hkv_proto::Optimizer>| o.map_or("none", |o| o.as_str());
             diff.push(format!(
