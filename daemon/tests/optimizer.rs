@@ -265,3 +265,41 @@ fn hostile_frames_are_refused_under_a_memory_limit() {
     let m = c.find("adam", &[1]).unwrap().values[DIM];
     assert!((m - 0.46).abs() < 1e-6, "first moment {m}: the refused requests applied nothing");
 }
+
+/// A write-through backed table with an optimizer: apply_gradients steps a
+/// row only the cluster had (read into A's cache first) and a row A had,
+/// and sends the stepped rows, state included, to the cluster: a second
+/// daemon B reads them through, bit for bit.
+#[test]
+fn a_backed_table_sends_stepped_rows_and_state_to_its_cluster() {
+    use hkv_backing::testkit::TestCluster;
+    use hkv_client::{BackingMode, BackingSpec};
+
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
+    let (mut ca, mut cb) = (a.client(), b.client());
+    let spec = |mode| TableSpec {
+        backing: Some(BackingSpec::from_list(&cluster.seed_arg(), mode)),
+        ..table("ada", Optimizer::Adagrad)
+    };
+    ca.create_table(spec(BackingMode::WriteThrough)).unwrap();
+    cb.create_table(spec(BackingMode::WriteThrough)).unwrap();
+    // Key 1 written by B (in the cluster, not in A's cache), key 2 by A.
+    cb.insert_or_assign("ada", &[1], &[1.0; 2 * DIM], None).unwrap();
+    ca.insert_or_assign("ada", &[2], &[2.0; 2 * DIM], None).unwrap();
+    let h = Hyper { lr: 0.5, ..Hyper::default() };
+    let (missing, got) = ca.apply_gradients("ada", h, &[1, 2, 3], &[1.0; 3 * DIM], true).unwrap();
+    assert_eq!(missing, 1, "key 3 is nowhere");
+    assert_eq!(got.unwrap().0, vec![true, true, false]);
+    let here = ca.find("ada", &[1, 2]).unwrap().values;
+    // Key 1: state 1 + 1 = 2, value 1 − 0.5 / (√2 + eps).
+    assert!((here[DIM] - 2.0).abs() < 1e-6 && (here[0] - (1.0 - 0.5 / 2f32.sqrt())).abs() < 1e-6, "{here:?}");
+    cb.erase("ada", &[1, 2]).unwrap(); // B's cache forgets: the next find reads the cluster
+    let there = cb.find("ada", &[1, 2]).unwrap();
+    assert!(there.found.iter().all(|&f| f));
+    assert_eq!(
+        there.values.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        here.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        "values and state through the cluster, bit for bit"
+    );
+}
