@@ -727,7 +727,7 @@ pub fn apply_gradients_by_find<S: Shard + ?Sized>(
     grads: &[f32],
     step: &optim::Step,
     found: &mut [bool],
-    mut updated: Option<&mut [f32]>,
+    updated: Option<&mut [f32]>,
 ) -> Result<u64> {
     let (n, d, w) = (keys.len(), step.dim, s.dim());
     optim::check_batch(w, step, n, grads.len(), found.len(), updated.as_ref().map(|u| u.len()))?;
@@ -740,10 +740,53 @@ pub fn apply_gradients_by_find<S: Shard + ?Sized>(
     for (i, &k) in keys.iter().enumerate() {
         own.push(*first.entry(k).or_insert(i));
     }
-    let mut missing = 0;
-    for i in 0..n {
+    let missing = found.iter().filter(|&&f| !f).count() as u64;
+    if own.iter().enumerate().all(|(i, &o)| o == i) {
+        // Distinct keys (what clients that reduce duplicates send): every
+        // row stepped on its own, on every core.
+        use rayon::prelude::*;
+        let each = rows.par_chunks_mut(w).zip(grads.par_chunks(d)).zip(found.par_iter());
+        match updated {
+            Some(u) => each.zip(u.par_chunks_mut(d)).with_min_len(1024).for_each(|(((row, g), &f), u)| {
+                if f {
+                    step.apply(row, g);
+                    u.copy_from_slice(&row[..d]);
+                } else {
+                    u.fill(0.0);
+                }
+            }),
+            None => each.with_min_len(1024).for_each(|((row, g), &f)| {
+                if f {
+                    step.apply(row, g);
+                }
+            }),
+        }
+    } else {
+        step_in_order(step, &own, &mut rows, grads, found, updated, w);
+    }
+    let write: Vec<usize> = (0..n).filter(|&i| found[i] && own[i] == i).collect();
+    if !write.is_empty() {
+        let k: Vec<u64> = write.iter().map(|&i| keys[i]).collect();
+        let v: Vec<f32> = write.iter().flat_map(|&i| rows[i * w..(i + 1) * w].iter().copied()).collect();
+        s.assign(&k, &v, None, None)?;
+    }
+    Ok(missing)
+}
+
+/// The default's step with duplicate keys: each occurrence steps the row
+/// of its key's first occurrence, in index order.
+fn step_in_order(
+    step: &optim::Step,
+    own: &[usize],
+    rows: &mut [f32],
+    grads: &[f32],
+    found: &[bool],
+    mut updated: Option<&mut [f32]>,
+    w: usize,
+) {
+    let d = step.dim;
+    for i in 0..own.len() {
         if !found[i] {
-            missing += 1;
             if let Some(u) = updated.as_deref_mut() {
                 u[i * d..(i + 1) * d].fill(0.0);
             }
@@ -756,13 +799,6 @@ pub fn apply_gradients_by_find<S: Shard + ?Sized>(
             u[i * d..(i + 1) * d].copy_from_slice(&row[..d]);
         }
     }
-    let write: Vec<usize> = (0..n).filter(|&i| found[i] && own[i] == i).collect();
-    if !write.is_empty() {
-        let k: Vec<u64> = write.iter().map(|&i| keys[i]).collect();
-        let v: Vec<f32> = write.iter().flat_map(|&i| rows[i * w..(i + 1) * w].iter().copied()).collect();
-        s.assign(&k, &v, None, None)?;
-    }
-    Ok(missing)
 }
 
 pub(crate) fn find_at_by_find<S: Shard + ?Sized>(
