@@ -449,3 +449,35 @@ def test_modules_over_simulated_cuda_ipc(daemon, monkeypatch):
     kb, vb, _ = c.export("shm")
     assert np.array_equal(va[np.argsort(ka)].view(np.uint32), vb[np.argsort(kb)].view(np.uint32))
     c.close()
+
+
+def test_embedding_bag_options_match_native(daemon):
+    """include_last_offset and per_sample_weights (sum) as nn.EmbeddingBag
+    takes them, outputs and gradients through the table (SGD, 1e-5), and a
+    prefetch of the bag values."""
+    from hkvd.torch import EmbeddingBag
+
+    c = daemon.client()
+    c.create_table("o", dim=3, capacity=1 << 10, optimizer="sgd")
+    native = torch.nn.EmbeddingBag(50, 3, mode="sum", sparse=True, include_last_offset=True)
+    w0 = native.weight.detach().clone()
+    ours = EmbeddingBag(c, "o", mode="sum", include_last_offset=True, lr=0.3, init=lambda ids: w0[ids],
+                        verbose=False)
+    o = torch.optim.SGD(native.parameters(), lr=0.3)
+    values = torch.tensor([1, 2, 3, 4, 5, 1, 2])
+    offsets = torch.tensor([0, 2, 2, 7])  # 3 bags, the second empty
+    weights = torch.tensor([0.5, 2.0, 1.0, -1.0, 0.25, 3.0, 1.5])
+    ours.prefetch(values)
+    got = ours(values, offsets, per_sample_weights=weights)
+    want = native(values, offsets, per_sample_weights=weights)
+    assert got.shape == (3, 3) and torch.allclose(got, want, atol=1e-6)
+    assert ours.prefetch_hits == 1
+    target = torch.randn(3, 3)
+    (got * target).sum().backward()
+    (want * target).sum().backward()
+    o.step()
+    v, found = c.find("o", np.arange(1, 6, dtype=np.uint64))
+    assert found.all() and torch.allclose(torch.from_numpy(v), native.weight.detach()[1:6], atol=1e-5)
+    with pytest.raises(ValueError, match="need mode sum"):
+        EmbeddingBag(c, "o", mode="mean", verbose=False)(values, offsets, per_sample_weights=weights)
+    c.close()
