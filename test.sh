@@ -2,8 +2,8 @@
 # The project's test command (the README's second command). Installs the
 # system tools some tests drive when they are missing (systemd-analyze and
 # systemd-socket-activate from `systemd`, setpriv and prlimit from `util-linux`, tmux, strace,
-# redis-server and redis-cli for the backing tier's clusters, numpy and
-# pytest for the Python client), checks formatting and clippy's lints, then
+# redis-server and redis-cli for the backing tier's clusters, numpy,
+# pytest and torch for the Python client), checks formatting and clippy's lints, then
 # runs every Rust test of the workspace and the Python client's tests.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -36,4 +36,8 @@ cargo test --workspace --release
 
 # The Python client's tests run against the hkvd binary the step above built.
 python3 -c "import numpy, pytest, farmhash" 2>/dev/null || python3 -m pip install -q numpy pytest pyfarmhash
+# torch for hkvd.torch's tests: the CPU build from PyTorch's own index where
+# it is reachable, else PyPI's (which also runs on hosts without a GPU).
+python3 -c "import torch" 2>/dev/null || python3 -m pip install -q --timeout 20 --retries 1 torch \
+    --index-url https://download.pytorch.org/whl/cpu 2>/dev/null || python3 -m pip install -q torch
 HKVD_BIN="$PWD/target/release/hkvd" python3 -m pytest -q python/tests

@@ -72,6 +72,10 @@ impl ClientError {
     }
 }
 
+/// apply_gradients' per-key answer: a flag per key (true: updated) and
+/// the values after the step (the value dim a key; zeros where absent).
+pub type Updated = (Vec<bool>, Vec<f32>);
+
 /// Result alias.
 pub type Result<T, E = ClientError> = std::result::Result<T, E>;
 
@@ -582,6 +586,34 @@ impl Client {
         match self.call(&req)? {
             Response::Write { summary, .. } => Ok(summary),
             r => unexpected("assign_scores", r),
+        }
+    }
+
+    /// One step of the table's optimizer (a table created with
+    /// `optimizer`) on the present keys' rows, given a gradient row of the
+    /// table's value dim (`spec.dim`) per key. Returns the count of keys
+    /// absent and, with `values`, a flag per key (true: updated) and the
+    /// values after the step (value dim a key; zeros where absent).
+    pub fn apply_gradients(
+        &mut self,
+        table: &str,
+        hyper: proto::Hyper,
+        keys: &[u64],
+        grads: &[f32],
+        values: bool,
+    ) -> Result<(u64, Option<Updated>)> {
+        let req = Request::ApplyGradients {
+            table: table.into(),
+            hyper,
+            keys: keys.to_vec(),
+            grads: grads.to_vec(),
+            outcomes: values,
+        };
+        match self.call(&req)? {
+            Response::Applied { missing, found, values } => {
+                Ok((missing, found.zip(values).map(|(f, v)| (f.into_iter().map(|x| x == 1).collect(), v))))
+            }
+            r => unexpected("apply_gradients", r),
         }
     }
 

@@ -22,7 +22,7 @@ use hkv_proto::{BackingMode, BackingSpec, ErrorCode, ProtoError, Request, Respon
 use hkv_shard::ScorePolicy;
 use parking_lot::RwLock;
 
-use crate::router::{FindAnswer, Router, Table, WriteAnswer};
+use crate::router::{ApplyAnswer, FindAnswer, Router, Table, WriteAnswer};
 
 /// How long dropping a table or stopping the daemon waits for a table's
 /// write-back queue to drain.
@@ -150,7 +150,8 @@ impl Tiers {
     /// cluster cannot be opened.
     pub async fn open(&self, spec: &TableSpec) -> Result<(), ProtoError> {
         let Some(b) = &spec.backing else { return Ok(()) };
-        let (name, dim, o) = (spec.name.clone(), spec.dim, options(b));
+        // Rows in the cluster are whole stored rows: values and optimizer state.
+        let (name, dim, o) = (spec.name.clone(), spec.row_dim(), options(b));
         let backing = self.on_rt(async move { Backing::open(&name, dim, o).await }).await?.map_err(wire)?;
         let invalid = Arc::new(parking_lot::Mutex::new(Vec::new()));
         let consumer = self.rt()?.spawn(consume(backing.clone(), invalid.clone()));
@@ -317,6 +318,10 @@ pub async fn execute(router: &Router, tiers: &Tiers, tier: Backing, req: Request
             let t = router.table(&table)?;
             write(router, tiers, &tier, &t, op, keys, values, scores, outcomes).await.map(Into::into)
         }
+        Request::ApplyGradients { table, hyper, keys, grads, outcomes } => {
+            let t = router.table(&table)?;
+            apply_gradients(router, tiers, &tier, &t, hyper, keys, grads, outcomes).await.map(Into::into)
+        }
         other => {
             if let Some(table) = other.table() {
                 invalidate(router, tiers, &*router.table(table)?).await?;
@@ -451,6 +456,42 @@ pub async fn write(
             router.write(t, op, keys, values, scores, outcomes).await
         }
     }
+}
+
+/// apply_gradients on a backed table: the step runs on the rows the cache
+/// holds (a key only the cluster has is read into the cache first, as a
+/// find would), then, unless the table is read-only, the cluster gets the
+/// stepped rows (values and optimizer state) as accum_or_assign's are sent.
+#[allow(clippy::too_many_arguments)]
+pub async fn apply_gradients(
+    router: &Router,
+    tiers: &Tiers,
+    tier: &Backing,
+    t: &Table,
+    hyper: hkv_proto::Hyper,
+    keys: Vec<u64>,
+    grads: Vec<f32>,
+    outcomes: bool,
+) -> Result<ApplyAnswer, ProtoError> {
+    invalidate(router, tiers, t).await?;
+    let found = router.find_rows(t, keys.clone(), false).await?.found;
+    tiers.fill(router, t, tier, &keys, &found).await?;
+    let r = router.apply_gradients(t, hyper, keys.clone(), grads, outcomes).await?;
+    if tier.mode() != Mode::ReadOnly {
+        let FindAnswer { found, values, scores: got } = router.find_rows(t, keys.clone(), true).await?;
+        let d = t.config.dim;
+        let have: Vec<usize> = (0..keys.len()).filter(|&i| found[i] == 1).collect();
+        let got = got.unwrap_or_default();
+        tiers
+            .write(
+                tier,
+                have.iter().map(|&i| keys[i]).collect(),
+                have.iter().flat_map(|&i| values[i * d..(i + 1) * d].iter().copied()).collect(),
+                have.iter().map(|&i| got.get(i).copied().unwrap_or(0)).collect(),
+            )
+            .await?;
+    }
+    Ok(r)
 }
 
 /// On a backed table a find hit refreshes its row's score (lru and lfu

@@ -7,10 +7,10 @@ use hkv_shard::Error as ShardError;
 pub fn shard_error(e: ShardError) -> ProtoError {
     let code = match &e {
         ShardError::ReservedKey { .. } => ErrorCode::ReservedKey,
-        ShardError::Length { what: "values" | "deltas", .. } => ErrorCode::WrongDim,
+        ShardError::Length { what: "values" | "deltas" | "grads" | "updated values", .. } => ErrorCode::WrongDim,
         ShardError::Length { .. } => ErrorCode::LengthMismatch,
         ShardError::ScoresNotAccepted { .. } | ShardError::ScoresRequired { .. } => ErrorCode::Scores,
-        ShardError::Config(_) | ShardError::Capacity { .. } => ErrorCode::BadRequest,
+        ShardError::Config(_) | ShardError::Capacity { .. } | ShardError::Optimizer(_) => ErrorCode::BadRequest,
         ShardError::OutOfMemory(_) => ErrorCode::ResourceExhausted,
         ShardError::Features(_) => ErrorCode::BadRequest,
         _ => ErrorCode::Internal,

@@ -171,6 +171,42 @@ fn summarize(outcomes: &[Outcome]) -> Summary {
     s
 }
 
+/// apply_gradients: one optimizer step on the rows of present keys
+/// (`Shard::apply_gradients`).
+pub struct ApplyGradients {
+    /// Keys.
+    pub keys: Keys,
+    /// Gradient rows, the value dim a key.
+    pub grads: Vec<f32>,
+    /// The optimizer, value dim and hyperparameters.
+    pub step: hkv_shard::optim::Step,
+    /// Return the updated values.
+    pub values: bool,
+}
+
+/// The answer of [`ApplyGradients`].
+pub struct Applied {
+    /// Keys absent.
+    pub missing: u64,
+    /// Per key: present (updated).
+    pub found: Vec<bool>,
+    /// The values after the step, the value dim a key (zeros where
+    /// absent), when asked for.
+    pub values: Option<Vec<f32>>,
+}
+
+impl ShardOp for ApplyGradients {
+    type Output = Applied;
+    const WHAT: &'static str = "apply_gradients";
+    fn run(self, t: &dyn Shard, _: Option<&ShardMrc>) -> Result<Applied> {
+        let n = self.keys.len();
+        let mut found = vec![false; n];
+        let mut values = self.values.then(|| vec![0.0f32; n * self.step.dim]);
+        let missing = t.apply_gradients(&self.keys, &self.grads, &self.step, &mut found, values.as_deref_mut())?;
+        Ok(Applied { missing, found, values })
+    }
+}
+
 /// assign_scores.
 pub struct AssignScores {
     /// Keys.

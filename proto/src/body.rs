@@ -100,6 +100,10 @@ impl Writer {
         self.buf.extend_from_slice(&x.to_le_bytes());
         self
     }
+    /// One `f32` (its bits, little-endian).
+    pub fn f32(&mut self, x: f32) -> &mut Self {
+        self.u32(x.to_bits())
+    }
     /// `u32` count + raw `u64`s.
     pub fn u64s(&mut self, xs: &[u64]) -> &mut Self {
         self.le_array(xs, u64::to_le_bytes)
@@ -229,6 +233,10 @@ impl<'a> Reader<'a> {
         let n = self.u32(what)? as usize;
         let bytes = n.checked_mul(width).ok_or_else(|| ProtoError::bad_request(format!("{what}: count overflows")))?;
         self.take(bytes, what)
+    }
+    /// One `f32` (its bits, little-endian).
+    pub fn f32(&mut self, what: &str) -> Result<f32, ProtoError> {
+        Ok(f32::from_bits(self.u32(what)?))
     }
     /// A `u64s` array.
     pub fn u64s(&mut self, what: &str) -> Result<Vec<u64>, ProtoError> {

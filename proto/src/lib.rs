@@ -48,8 +48,8 @@ pub use op::{Op, WriteOp};
 pub use request::{Control, Request};
 pub use response::Response;
 pub use types::{
-    BackingMode, BackingSpec, CheckpointId, Cursor, Evicted, FeatureHash, Features, Filter, HashKind, HashSpec,
-    LfuTies, Mode, Policy, Summary, TableInfo, TableSpec,
+    BackingMode, BackingSpec, CheckpointId, Cursor, Evicted, FeatureHash, Features, Filter, HashKind, HashSpec, Hyper,
+    LfuTies, Mode, Optimizer, Policy, Summary, TableInfo, TableSpec,
 };
 
 /// Where clients and the daemon look for the socket when none is given:

@@ -79,6 +79,8 @@ ops! {
     SetEpoch = 0x1D, "set_epoch";
     /// Grow a table.
     Reserve = 0x1E, "reserve";
+    /// One optimizer step in the table for the keys' gradient rows.
+    ApplyGradients = 0x1F, "apply_gradients";
     /// Create a table (admin).
     CreateTable = 0x20, "create_table";
     /// Drop a table (admin).
@@ -213,7 +215,7 @@ mod tests {
         for &op in Op::ALL {
             assert_eq!(Op::try_from(op as u8).unwrap(), op);
         }
-        assert_eq!(Op::ALL.len(), 36);
+        assert_eq!(Op::ALL.len(), 37);
         let e = Op::try_from(0x77).unwrap_err();
         assert_eq!(e.code, ErrorCode::UnknownOp);
         assert!(e.message.contains("0x77"), "{e}");

@@ -6,7 +6,7 @@
 //! written) and their small answers.
 
 use crate::body::{Reader, Writer};
-use crate::{ErrorCode, FeatureHash, Filter, HashSpec, Header, Op, ProtoError, Summary};
+use crate::{ErrorCode, FeatureHash, Filter, HashSpec, Header, Hyper, Op, ProtoError, Summary};
 
 /// Frame flag: the body names arrays in registered regions ([`RegionRequest`]).
 /// Answers do not carry it (they are `RESPONSE` only).
@@ -111,7 +111,8 @@ fn slots_known(code: u8) -> bool {
             | Op::Export
             | Op::Load
             | Op::FindFeatures
-            | Op::FindOrInsertFeatures)
+            | Op::FindOrInsertFeatures
+            | Op::ApplyGradients)
     )
 }
 
@@ -176,6 +177,9 @@ pub enum Count {
     N,
     /// Exactly n × dim.
     NDim,
+    /// Exactly n × the table's value dim (`spec.dim`, without the
+    /// optimizer's state columns): apply_gradients' gradients and values.
+    NValues,
     /// Any: this slot sets n (keys, int64 features).
     SetsN,
     /// n + 1 string offsets, or 0 (this slot sets n).
@@ -254,6 +258,14 @@ pub fn slots(code: u8, scores: bool, outcomes: bool, strings: bool) -> Vec<Slot>
                 s.push(slot("outcomes", U8, Out, N));
             }
         }
+        Op::ApplyGradients => {
+            s.push(keys);
+            s.push(slot("grads", F32, In, NValues));
+            if outcomes {
+                s.push(slot("found", U8, Out, N));
+                s.push(slot("values", F32, Out, NValues));
+            }
+        }
         Op::Export => {
             s.push(slot("keys", U64, Out, Cap));
             s.push(slot("values", F32, Out, CapDim));
@@ -301,6 +313,8 @@ pub enum Head {
         /// Predicate.
         filter: Filter,
     },
+    /// apply_gradients: the hyperparameters (28 bytes).
+    Apply(Hyper),
     /// feature ops: `hash`, `u8 type` (0 int64, 1 strings).
     Features {
         /// The hash.
@@ -346,6 +360,7 @@ impl RegionRequest {
         w.str(&self.table);
         match &self.head {
             Head::None => {}
+            Head::Apply(h) => crate::request::hyper_put(&mut w, h),
             Head::Export { shard, offset, max_slots, filter } => {
                 w.u32(*shard).u64(*offset).u64(*max_slots);
                 w.u64(filter.key_mask).u64(filter.key_pattern).u64(filter.min_score).u64(filter.max_score);
@@ -404,6 +419,7 @@ impl RegionRequest {
                     max_score: r.u64("filter")?,
                 },
             },
+            Op::ApplyGradients => Head::Apply(crate::request::hyper_get(&mut r)?),
             Op::FindFeatures | Op::FindOrInsertFeatures => {
                 let code = r.u8("hash kind")?;
                 let hash = match code {
@@ -449,7 +465,8 @@ impl RegionRequest {
 /// The answer to a region request: the small parts only.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RegionAnswer {
-    /// find, find_features, contains: `u64 hits`; erase: `u64 erased`.
+    /// find, find_features, contains: `u64 hits`; erase: `u64 erased`;
+    /// apply_gradients: `u64 missing`.
     Count(u64),
     /// Write ops: `summary`.
     Write(Summary),
@@ -507,7 +524,9 @@ impl RegionAnswer {
     pub fn decode(req_op: u8, body: &[u8]) -> Result<RegionAnswer, ProtoError> {
         let mut r = Reader::new(body);
         let a = match Op::try_from(req_op)? {
-            Op::Find | Op::FindFeatures | Op::Contains | Op::Erase => RegionAnswer::Count(r.u64("count")?),
+            Op::Find | Op::FindFeatures | Op::Contains | Op::Erase | Op::ApplyGradients => {
+                RegionAnswer::Count(r.u64("count")?)
+            }
             Op::InsertAndEvict => RegionAnswer::Evict(summary_get(&mut r)?, r.u64("evicted")?),
             Op::Export => RegionAnswer::Export {
                 next_shard: r.u32("next_shard")?,
@@ -611,6 +630,20 @@ mod tests {
         let h = Header::decode(f[..HEADER_LEN].try_into().unwrap()).unwrap();
         assert_eq!(h.flags & EVENTS, EVENTS);
         assert_eq!(RegionRequest::decode(&h, &f[HEADER_LEN..]).unwrap(), feat);
+        let apply = RegionRequest {
+            op: u8::from(Op::ApplyGradients),
+            scores: false,
+            outcomes: true,
+            table: "t".into(),
+            head: Head::Apply(Hyper { lr: 0.25, step: 7, ..Hyper::default() }),
+            refs: vec![RegionRef::new(1, 0, 4); 4],
+            events: None,
+        };
+        assert_eq!(apply.slots().iter().map(|s| s.name).collect::<Vec<_>>(), ["keys", "grads", "found", "values"]);
+        let f = apply.encode(2);
+        let h = Header::decode(f[..HEADER_LEN].try_into().unwrap()).unwrap();
+        assert!(is_region(&h));
+        assert_eq!(RegionRequest::decode(&h, &f[HEADER_LEN..]).unwrap(), apply);
         let reg = CudaRegistration { uuid: [7; UUID_LEN], handle: [9; IPC_HANDLE_LEN], len: 1 << 20 };
         for event in [false, true] {
             let f = reg.encode(5, event);

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use crate::body::{Reader, Writer};
 use crate::error::{ErrorCode, ProtoError};
 use crate::op::{Op, WriteOp};
-use crate::types::{CheckpointId, Cursor, FeatureHash, Features, Filter, HashKind, HashSpec, TableSpec};
+use crate::types::{CheckpointId, Cursor, FeatureHash, Features, Filter, HashKind, HashSpec, Hyper, TableSpec};
 use crate::{flags, Header, HEADER_LEN};
 
 /// Control requests (JSON bodies where they have one).
@@ -199,8 +199,40 @@ pub enum Request {
         /// Return per-key outcomes.
         outcomes: bool,
     },
+    /// One optimizer step in a table created with an optimizer: for each
+    /// present key, its values and optimizer state updated from its
+    /// gradient row.
+    ApplyGradients {
+        /// Table.
+        table: String,
+        /// The step's hyperparameters.
+        hyper: Hyper,
+        /// Keys.
+        keys: Vec<u64>,
+        /// Gradient rows: the table's value dim (`spec.dim`) per key.
+        grads: Vec<f32>,
+        /// Return per-key found flags and the updated values (OUTCOMES).
+        outcomes: bool,
+    },
     /// A control request.
     Control(Control),
+}
+
+/// Writes the hyperparameters (28 bytes).
+pub(crate) fn hyper_put(w: &mut Writer, h: &Hyper) {
+    w.f32(h.lr).f32(h.eps).f32(h.beta1).f32(h.beta2).f32(h.weight_decay).u64(h.step);
+}
+
+/// Reads the hyperparameters.
+pub(crate) fn hyper_get(r: &mut Reader<'_>) -> Result<Hyper, ProtoError> {
+    Ok(Hyper {
+        lr: r.f32("lr")?,
+        eps: r.f32("eps")?,
+        beta1: r.f32("beta1")?,
+        beta2: r.f32("beta2")?,
+        weight_decay: r.f32("weight_decay")?,
+        step: r.u64("step")?,
+    })
 }
 
 fn hash_put(w: &mut Writer, h: &HashSpec) {
@@ -336,6 +368,7 @@ impl Request {
             Request::Hash { .. } => Op::Hash,
             Request::FindFeatures { .. } => Op::FindFeatures,
             Request::FindOrInsertFeatures { .. } => Op::FindOrInsertFeatures,
+            Request::ApplyGradients { .. } => Op::ApplyGradients,
             Request::Control(c) => match c {
                 Control::CreateTable(_) => Op::CreateTable,
                 Control::DropTable { .. } => Op::DropTable,
@@ -367,7 +400,8 @@ impl Request {
             | Request::Reserve { table, .. }
             | Request::Hash { table, .. }
             | Request::FindFeatures { table, .. }
-            | Request::FindOrInsertFeatures { table, .. } => Some(table),
+            | Request::FindOrInsertFeatures { table, .. }
+            | Request::ApplyGradients { table, .. } => Some(table),
             _ => None,
         }
     }
@@ -500,6 +534,15 @@ impl Request {
                     fl |= flags::OUTCOMES;
                 }
             }
+            Request::ApplyGradients { table, hyper, keys, grads, outcomes } => {
+                w.buf.reserve(64 + table.len() + keys.len() * 8 + grads.len() * 4);
+                w.str(table);
+                hyper_put(&mut w, hyper);
+                w.u64s(keys).f32s(grads);
+                if *outcomes {
+                    fl |= flags::OUTCOMES;
+                }
+            }
             Request::Control(c) => match c {
                 Control::CreateTable(spec) => w.buf.extend(json(spec)),
                 Control::DropTable { name } => w.buf.extend(json(&serde_json::json!({ "name": name }))),
@@ -584,6 +627,13 @@ impl Request {
                 let values = r.f32s("values")?;
                 let scores = if scores { Some(r.u64s("scores")?) } else { None };
                 Request::FindOrInsertFeatures { table, hash, features, values, scores, outcomes }
+            }
+            Op::ApplyGradients => {
+                let table = r.str("table")?.into();
+                let hyper = hyper_get(&mut r)?;
+                let keys = r.u64s("keys")?;
+                let grads = r.f32s("grads")?;
+                Request::ApplyGradients { table, hyper, keys, grads, outcomes }
             }
             Op::CreateTable => Request::Control(Control::CreateTable(from_json(r.rest(), "create_table body")?)),
             Op::DropTable => {

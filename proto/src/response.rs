@@ -55,6 +55,16 @@ pub enum Response {
         /// insert_and_evict: what lost its slot.
         evicted: Option<Evicted>,
     },
+    /// apply_gradients.
+    Applied {
+        /// Keys absent (not updated).
+        missing: u64,
+        /// With OUTCOMES: 1 per key updated, 0 per key absent.
+        found: Option<Vec<u8>>,
+        /// With OUTCOMES: the values after the step, the value dim per key
+        /// (0.0 for absent keys).
+        values: Option<Vec<f32>>,
+    },
     /// erase and erase_if.
     Erased {
         /// Entries removed.
@@ -154,6 +164,9 @@ impl Response {
                     })
             }
             Response::Erased { flags: f, .. } => 8 + f.as_ref().map_or(0, |f| arr(f.len(), 1)),
+            Response::Applied { found, values, .. } => {
+                8 + found.as_ref().map_or(0, |f| arr(f.len(), 1)) + values.as_ref().map_or(0, |v| arr(v.len(), 4))
+            }
             Response::Export { keys, values, scores, .. } => {
                 12 + arr(keys.len(), 8) + arr(values.len(), 4) + arr(scores.len(), 8)
             }
@@ -202,6 +215,13 @@ impl Response {
                 w.u64(*count);
                 if let Some(f) = f {
                     w.u8s(f);
+                    fl |= flags::OUTCOMES;
+                }
+            }
+            Response::Applied { missing, found, values } => {
+                w.u64(*missing);
+                if let (Some(f), Some(v)) = (found, values) {
+                    w.u8s(f).f32s(v);
                     fl |= flags::OUTCOMES;
                 }
             }
@@ -292,6 +312,12 @@ impl Response {
                 };
                 Response::Write { summary, outcomes, values, evicted }
             }
+            Op::ApplyGradients => {
+                let missing = r.u64("missing")?;
+                let (found, values) =
+                    if has_outcomes { (Some(r.u8s("found")?), Some(r.f32s("values")?)) } else { (None, None) };
+                Response::Applied { missing, found, values }
+            }
             Op::Erase | Op::EraseIf => {
                 let count = r.u64("count")?;
                 let flags = if has_outcomes { Some(r.u8s("erased")?) } else { None };
@@ -355,6 +381,8 @@ mod tests {
             Response::Trace { rate: 0.5, truncated: true, keys: vec![1, 2, 3] },
             Response::Keys(vec![4; 10]),
             Response::Erased { count: 2, flags: Some(vec![1, 0]) },
+            Response::Applied { missing: 1, found: Some(vec![1, 0]), values: Some(vec![0.5; 4]) },
+            Response::Applied { missing: 0, found: None, values: None },
             Response::Contains { found: vec![1, 0, 1] },
             Response::Error(ProtoError::bad_request("no")),
         ];

@@ -214,6 +214,68 @@ pub struct TableSpec {
     /// off for the others, whose finds touch no score as in HKV).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reads_refresh: Option<bool>,
+    /// The optimizer `apply_gradients` runs in the table (absent: none):
+    /// each stored row is then `dim` values followed by its state columns
+    /// ([`Optimizer::state_cols`]), and every other op reads and writes
+    /// whole rows of [`TableSpec::row_dim`] floats.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer: Option<Optimizer>,
+}
+
+/// The optimizer a table runs for `apply_gradients` (PROTOCOL.md,
+/// "apply_gradients").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Optimizer {
+    /// Plain SGD (no state).
+    #[serde(rename = "sgd")]
+    Sgd,
+    /// Adagrad (a sum of squares per value).
+    #[serde(rename = "adagrad")]
+    Adagrad,
+    /// Row-wise Adagrad (one accumulator per row).
+    #[serde(rename = "rowwise_adagrad")]
+    RowwiseAdagrad,
+    /// Adam (two moments per value).
+    #[serde(rename = "adam")]
+    Adam,
+}
+
+impl Optimizer {
+    /// State columns stored after `dim` values: sgd 0, adagrad dim,
+    /// rowwise_adagrad 1, adam 2 × dim.
+    pub fn state_cols(self, dim: usize) -> usize {
+        match self {
+            Optimizer::Sgd => 0,
+            Optimizer::Adagrad => dim,
+            Optimizer::RowwiseAdagrad => 1,
+            Optimizer::Adam => 2 * dim,
+        }
+    }
+}
+
+/// The hyperparameters of one `apply_gradients` request: `f32 lr`, `f32
+/// eps`, `f32 beta1`, `f32 beta2`, `f32 weight_decay`, `u64 step` on the
+/// wire (28 bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Hyper {
+    /// Learning rate.
+    pub lr: f32,
+    /// Added to the denominator (adagrad, rowwise_adagrad, adam).
+    pub eps: f32,
+    /// Adam's first-moment decay.
+    pub beta1: f32,
+    /// Adam's second-moment decay.
+    pub beta2: f32,
+    /// L2 penalty: the step uses `grad + weight_decay × value`.
+    pub weight_decay: f32,
+    /// The step number from 1 (Adam's bias correction).
+    pub step: u64,
+}
+
+impl Default for Hyper {
+    fn default() -> Hyper {
+        Hyper { lr: 0.01, eps: 1e-8, beta1: 0.9, beta2: 0.999, weight_decay: 0.0, step: 1 }
+    }
 }
 
 /// A table's backing tier: seed nodes of a Redis Cluster and how writes
@@ -278,7 +340,15 @@ impl TableSpec {
             lfu_ties: LfuTies::Lru,
             backing: None,
             reads_refresh: None,
+            optimizer: None,
         }
+    }
+
+    /// Floats of one stored row: `dim`, plus the optimizer's state
+    /// columns. Every op but apply_gradients reads and writes rows of this
+    /// width (the wire's "dim" of value arrays).
+    pub fn row_dim(&self) -> usize {
+        self.dim + self.optimizer.map_or(0, |o| o.state_cols(self.dim))
     }
 }
 
@@ -293,6 +363,22 @@ pub struct TableInfo {
     pub capacity: u64,
     /// Shards it is spread over.
     pub shards: u32,
+    /// Floats of a stored row ([`TableSpec::row_dim`]): the width of the
+    /// value arrays of every op but apply_gradients. Absent from daemons
+    /// older than the field: then `spec.dim`.
+    #[serde(default)]
+    pub row_dim: usize,
+}
+
+impl TableInfo {
+    /// The width of the table's value arrays on the wire.
+    pub fn row_dim(&self) -> usize {
+        if self.row_dim == 0 {
+            self.spec.row_dim()
+        } else {
+            self.row_dim
+        }
+    }
 }
 
 /// `as_str`, `Display`, `FromStr` (whose error lists the names) and `ALL`
@@ -390,6 +476,7 @@ pub enum LfuTies {
 }
 names!(LfuTies, "lfu tie rule", { Lru = "lru", LowestSlot = "lowest-slot", });
 names!(BackingMode, "backing mode", { ReadOnly = "read-only", WriteThrough = "write-through", WriteBack = "write-back", });
+names!(Optimizer, "optimizer", { Sgd = "sgd", Adagrad = "adagrad", RowwiseAdagrad = "rowwise_adagrad", Adam = "adam", });
 
 /// The hash of feature requests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]

@@ -6,16 +6,21 @@
 #      script where pytest is missing),
 #   3. runs python/examples/train_loop.py with --transport cuda-ipc, shm and
 #      socket (STEPS steps each, 300 by default; ~1 min in all),
-#   4. stops the daemon (also on failure or Ctrl-C).
+#   4. runs python/examples/train_bench.py (native embeddings against
+#      hkvd.torch.Embedding over each transport, SGD then row-wise Adagrad,
+#      BENCH_STEPS steps, 2 rounds; --device cuda unless BACKEND=cpu),
+#   5. stops the daemon (also on failure or Ctrl-C).
 # Everything goes to LOG; the last line printed (to stdout too) says how many
 # steps failed, and the exit status is non-zero when any did.
 #
 #   python/examples/run_gpu_checks.sh LOG [HKVD_BIN]     # HKVD_BIN: the repo's .gpu/bin/hkvd by default
 #
-# Each step has a time limit (150 s for the tests, 90 s per loop), so the
-# whole run ends within about 8 minutes even when something hangs.
+# Each step has a time limit (150 s for the tests, 90 s per loop, 300 s per
+# benchmark), so the whole run ends within about 18 minutes even when
+# something hangs.
 #
 # Environment: PYTHON (python3), STEPS (300), BATCH (4096), DIM (32),
+# BENCH_STEPS (120), VOCAB (ids per field in the benchmark, 200000),
 # BACKEND (cuda; cpu runs the same steps against a CPU daemon, where the GPU
 # tests skip and train_loop falls back).
 set -u
@@ -122,6 +127,14 @@ fi
 for t in cuda-ipc shm socket; do
     step "train_loop.py --transport $t" 90 "$PY" "$ROOT/python/examples/train_loop.py" --socket "$SOCK" \
         --table "train_${t//-/_}" --fresh --transport "$t" --steps "$STEPS" --batch "$BATCH" --dim "$DIM" --json
+done
+
+BENCH_DEVICE=cuda
+[ "$BACKEND" = cpu ] && BENCH_DEVICE=cpu
+for opt in sgd rowwise_adagrad; do
+    step "train_bench.py --optimizer $opt" 300 "$PY" "$ROOT/python/examples/train_bench.py" --socket "$SOCK" \
+        --device "$BENCH_DEVICE" --optimizer "$opt" --steps "${BENCH_STEPS:-120}" --warmup 20 --rounds 2 \
+        --batch "$BATCH" --dim "$DIM" --vocab "${VOCAB:-200000}"
 done
 
 stop_daemon

@@ -56,6 +56,7 @@ __all__ = [
     "CudaError",
     "CudaEvent",
     "Ref",
+    "OPTIMIZERS",
     "default_socket",
     "shm_array",
 ]
@@ -82,6 +83,7 @@ OP_EXPORT = 0x1B
 OP_LOAD = 0x1C
 OP_SET_EPOCH = 0x1D
 OP_RESERVE = 0x1E
+OP_APPLY_GRADIENTS = 0x1F
 OP_CREATE_TABLE = 0x20
 OP_DROP_TABLE = 0x21
 OP_FLUSH = 0x2A
@@ -96,6 +98,21 @@ OP_HASH = 0x30
 OP_FIND_FEATURES = 0x31
 OP_FIND_OR_INSERT_FEATURES = 0x32
 OP_ERROR = 0xFF
+
+# The optimizers a table can run in place (create_table's ``optimizer``) and
+# the state columns each stores after the values.
+OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+
+
+def state_cols(optimizer: Optional[str], dim: int) -> int:
+    """Floats of optimizer state a row stores after its ``dim`` values."""
+    return {None: 0, "sgd": 0, "adagrad": dim, "rowwise_adagrad": 1, "adam": 2 * dim}[optimizer]
+
+
+def hyper_bytes(lr: float, eps: float, beta1: float, beta2: float, weight_decay: float, step: int) -> bytes:
+    """apply_gradients' hyperparameters as the wire carries them (28 bytes)."""
+    return struct.pack("<5fQ", lr, eps, beta1, beta2, weight_decay, step)
+
 
 _WRITE_OPS = (OP_INSERT_OR_ASSIGN, OP_INSERT_AND_EVICT, OP_FIND_OR_INSERT, OP_ASSIGN, OP_ACCUM_OR_ASSIGN, OP_LOAD)
 
@@ -377,6 +394,13 @@ class Client:
             return rid, (values, found, scores)
         if op == OP_CONTAINS:
             return rid, self._array("u1", p.n).astype(bool)
+        if op == OP_APPLY_GRADIENTS:
+            missing = struct.unpack("<Q", self._read(8))[0]
+            if not flags & F_OUTCOMES:
+                return rid, (missing, None, None)
+            found = self._array("u1", p.n).astype(bool)
+            values = self._array("<f4", p.n * p.dim, p.out)
+            return rid, (missing, found, p.out if p.out is not None else values.reshape(p.n, p.dim))
         if op in _WRITE_OPS or op in (OP_ASSIGN_SCORES, OP_FIND_OR_INSERT_FEATURES):
             s = self._summary()
             outcomes = self._array("u1", p.n) if flags & F_OUTCOMES else None
@@ -423,14 +447,34 @@ class Client:
         parts = [json.dumps(obj).encode()] if obj is not None else []
         return self._call(op, 0, parts)
 
+    def _learn(self, info: dict) -> None:
+        spec = info["spec"]
+        opt = spec.get("optimizer")
+        self._dims[spec["name"]] = info.get("row_dim") or spec["dim"] + state_cols(opt, spec["dim"])
+        self.__dict__.setdefault("_specs", {})[spec["name"]] = (spec["dim"], opt)
+
     def dim(self, table: str) -> int:
-        """The table's dim (cached after the first lookup)."""
+        """The width of the table's value arrays on the wire: ``spec.dim``,
+        plus the optimizer's state columns for a table created with one
+        (every op but apply_gradients reads and writes whole rows).
+        Cached after the first lookup."""
         if table not in self._dims:
             for t in self.tables():
-                self._dims[t["spec"]["name"]] = t["spec"]["dim"]
+                self._learn(t)
         if table not in self._dims:
             raise UnknownTable("unknown_table", f"no table named {table!r}")
         return self._dims[table]
+
+    def value_dim(self, table: str) -> int:
+        """The table's ``spec.dim``: values per row, without optimizer state
+        (the width of apply_gradients' gradient and value rows)."""
+        self.dim(table)
+        return self.__dict__["_specs"][table][0]
+
+    def optimizer(self, table: str) -> Optional[str]:
+        """The optimizer the table was created with, or None."""
+        self.dim(table)
+        return self.__dict__["_specs"][table][1]
 
     # ---- admin --------------------------------------------------------
     def ping(self) -> None:
@@ -442,7 +486,7 @@ class Client:
                      hash_key=(0, 0), lfu_ties: Optional[str] = None,
                      backing: Optional[Union[str, Sequence[str]]] = None,
                      backing_mode: str = "read-only",
-                     reads_refresh: Optional[bool] = None) -> dict:
+                     reads_refresh: Optional[bool] = None, optimizer: Optional[str] = None) -> dict:
         """Creates a table; ``num_buckets`` (with ``hash_kind``) sets the hash
         feature requests use when they name none; ``lfu_ties`` ("lru", the
         daemon's default, or "lowest-slot") the lfu tie rule; ``backing``
@@ -450,7 +494,13 @@ class Client:
         behind the table, ``backing_mode`` ("read-only", "write-through" or
         "write-back") says how writes reach it; ``reads_refresh`` whether
         find hits refresh scores (None: the policy's default, on for
-        "adaptive" only)."""
+        "adaptive" only); ``optimizer`` (one of ``OPTIMIZERS``) makes each row
+        ``dim`` values followed by that optimizer's state (sgd: none,
+        adagrad: dim, rowwise_adagrad: 1, adam: 2 × dim columns) for
+        ``apply_gradients``; the other ops then read and write whole rows
+        (``dim(name)`` floats)."""
+        if optimizer is not None and optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}; not {optimizer!r}")
         spec = {"name": name, "dim": dim, "capacity": capacity, "max_capacity": max_capacity,
                 "policy": policy, "mode": mode, "fast_tier_bytes": fast_tier_bytes}
         if num_buckets is not None:
@@ -462,13 +512,16 @@ class Client:
             spec["backing"] = {"seeds": [s.strip() for s in seeds], "mode": backing_mode}
         if reads_refresh is not None:
             spec["reads_refresh"] = bool(reads_refresh)
+        if optimizer is not None:
+            spec["optimizer"] = optimizer
         info = self._json(OP_CREATE_TABLE, spec)
-        self._dims[name] = dim
+        self._learn(info)
         return info
 
     def drop_table(self, name: str) -> None:
         self._json(OP_DROP_TABLE, {"name": name})
         self._dims.pop(name, None)
+        self.__dict__.get("_specs", {}).pop(name, None)
 
     def flush(self, table: str) -> None:
         """Drains a backed table's write-back queue into its cluster; returns
@@ -594,6 +647,31 @@ class Client:
             parts += _arr(_u64(scores))
             flags |= F_SCORES
         return self._call(OP_ASSIGN_SCORES, flags, parts, 0, k.size)["summary"]
+
+    def send_apply_gradients(self, table: str, keys, grads, lr: float, eps: float = 1e-8, beta1: float = 0.9,
+                             beta2: float = 0.999, weight_decay: float = 0.0, step: int = 1, values: bool = False,
+                             out: Optional[np.ndarray] = None) -> int:
+        k = _keys(keys)
+        d = self.value_dim(table)
+        g = _f32(grads)
+        if out is not None:
+            _check_out(out, k.size, d)
+        parts = [_str(table), hyper_bytes(lr, eps, beta1, beta2, weight_decay, step), *_arr(k), *_arr(g)]
+        return self._send(OP_APPLY_GRADIENTS, F_OUTCOMES if values else 0, parts, d, k.size, out)
+
+    def apply_gradients(self, table: str, keys, grads, lr: float, eps: float = 1e-8, beta1: float = 0.9,
+                        beta2: float = 0.999, weight_decay: float = 0.0, step: int = 1, values: bool = False,
+                        out: Optional[np.ndarray] = None):
+        """One step of the table's optimizer (the table was created with
+        ``optimizer``) on the rows of present ``keys``, given ``grads``
+        (n × ``value_dim(table)`` float32); ``step`` counts from 1 (Adam's
+        bias correction). Returns the count of keys absent (not updated);
+        with ``values``, ``(missing, found (n,) bool, values (n, value_dim))``:
+        each key's values after its step (zeros where absent), received into
+        ``out`` when given."""
+        r = self.result(self.send_apply_gradients(table, keys, grads, lr, eps, beta1, beta2, weight_decay, step,
+                                                  values, out))
+        return r if values else r[0]
 
     def erase(self, table: str, keys) -> int:
         k = _keys(keys)
@@ -786,6 +864,23 @@ class Client:
                                wait=True, done=False) -> Optional[Summary]:
         """accum_or_assign: ``deltas`` added to present keys' rows, stored for absent ones."""
         return self._write_region(OP_ACCUM_OR_ASSIGN, table, keys, deltas, scores, outcomes, stream, wait, done)
+
+    def apply_gradients_region(self, table: str, keys, grads, found=None, values=None, *, lr: float,
+                               eps: float = 1e-8, beta1: float = 0.9, beta2: float = 0.999, weight_decay: float = 0.0,
+                               step: int = 1, stream=None, wait=True, done=False) -> int:
+        """apply_gradients with ``keys`` (n) and ``grads`` (n × value_dim
+        float32) read from registered memory and, when both are given,
+        ``found`` (n uint8, written: 1 updated, 0 absent) and ``values``
+        (n × value_dim float32, written: the values after the step).
+        Returns the count of keys absent. On device memory it is staged
+        (the daemon copies the arrays through its memory)."""
+        outcomes = found is not None or values is not None
+        if outcomes and (found is None or values is None):
+            raise ValueError("give both found and values, or neither")
+        arrays = [keys, grads] + ([found, values] if outcomes else [])
+        head = hyper_bytes(lr, eps, beta1, beta2, weight_decay, step)
+        body = _region.call(self, OP_APPLY_GRADIENTS, table, arrays, False, outcomes, stream, wait, done, head)
+        return _region.count(body)
 
     def erase_region(self, table: str, keys, erased=None, *, stream=None, wait=True, done=False) -> Optional[int]:
         """erase; ``erased`` (n uint8) written when given. Returns the count erased."""

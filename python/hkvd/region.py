@@ -37,6 +37,7 @@ OP_ACCUM_OR_ASSIGN = 0x17
 OP_ERASE = 0x18
 OP_EXPORT = 0x1B
 OP_LOAD = 0x1C
+OP_APPLY_GRADIENTS = 0x1F
 
 _REF = struct.Struct("<IQQ")
 _HEADER = struct.Struct("<4sBBHQI")
@@ -45,6 +46,7 @@ _HEADER = struct.Struct("<4sBBHQI")
 class Slot(NamedTuple):
     """One array of a region request: its name, element type (``u64``,
     ``u8``, ``f32``) and count rule (``n``: sets n; ``N``: n; ``ND``: n × dim;
+    ``NV``: n × the table's value dim, without optimizer state;
     ``C``: the output capacity c ≥ n, set by the first such array; ``CD``: c × dim)."""
 
     name: str
@@ -65,6 +67,9 @@ def slots(op: int, scores: bool = False, outcomes: bool = False) -> List[Slot]:
         return [Slot("keys", "u64", "C"), Slot("values", "f32", "CD"), Slot("scores", "u64", "C")]
     if op == OP_ERASE:
         return [keys] + ([Slot("erased", "u8", "N")] if outcomes else [])
+    if op == OP_APPLY_GRADIENTS:
+        s = [keys, Slot("grads", "f32", "NV")]
+        return s + ([Slot("found", "u8", "N"), Slot("values", "f32", "NV")] if outcomes else [])
     if op in (OP_INSERT_OR_ASSIGN, OP_INSERT_AND_EVICT, OP_FIND_OR_INSERT, OP_ASSIGN, OP_ACCUM_OR_ASSIGN, OP_LOAD):
         s = [keys, Slot("deltas" if op == OP_ACCUM_OR_ASSIGN else "values", "f32", "ND")]
         if scores:
@@ -272,8 +277,9 @@ def _own_events(client, device: int) -> Tuple["_cuda.CudaEvent", "_cuda.CudaEven
 
 # ---- checks and the call ------------------------------------------------
 
-def check(refs: Sequence[Ref], sl: Sequence[Slot], dim: Optional[int]) -> int:
-    """Checks dtypes, counts, contiguity and placement; returns n."""
+def check(refs: Sequence[Ref], sl: Sequence[Slot], dim: Optional[int], vdim: Optional[int] = None) -> int:
+    """Checks dtypes, counts, contiguity and placement; returns n (``vdim``:
+    the table's value dim, for ``NV`` slots)."""
     n = refs[0].count
     cap = next((r.count for r, s in zip(refs, sl) if s.count == "C"), None)
     if cap is not None and cap < n:
@@ -289,6 +295,10 @@ def check(refs: Sequence[Ref], sl: Sequence[Slot], dim: Optional[int]) -> int:
             raise ValueError(f"{s.name} must be C-contiguous (copy it into a contiguous buffer first)")
         if s.count == "N" and r.count != n:
             raise ValueError(f"{s.name} has {r.count} elements, {n} are needed (one per key)")
+        if s.count == "NV":
+            if r.count != n * vdim or (len(r.shape) == 2 and tuple(r.shape) != (n, vdim)) or len(r.shape) > 2:
+                raise ValueError(f"{s.name} must be float32 of shape ({n}, {vdim}) ({n} keys, value dim {vdim}), "
+                                 f"not of shape {tuple(r.shape)}")
         if s.count == "ND":
             if r.count != n * dim or (len(r.shape) == 2 and tuple(r.shape) != (n, dim)) or len(r.shape) > 2:
                 raise ValueError(f"{s.name} must be float32 of shape ({n}, {dim}) ({n} keys, dim {dim}), "
@@ -344,13 +354,51 @@ def call(client, op: int, table: str, arrays: Sequence, scores: bool = False, ou
       ``event.wait(stream)``); False or None (default): no event (the
       outputs are complete, and counted, when the answer is read).
     """
+    f = _frame(client, op, table, arrays, scores, outcomes, stream, wait, done, head)
+    if f is None:
+        return None
+    flags, body, post, h = f
+    answer = client._call(op, flags, [body])
+    if post is not None:
+        post.wait(h)
+    return answer
+
+
+class Pending(NamedTuple):
+    """A region request sent and not yet answered (:func:`send`)."""
+
+    rid: int
+    post: Optional[object]
+    stream: Optional[int]
+
+
+def send(client, op: int, table: str, arrays: Sequence, scores: bool = False, outcomes: bool = False,
+         stream=None, wait=True, done=False, head: bytes = b"") -> Optional[Pending]:
+    """:func:`call`'s first half: checks and sends the request and returns
+    at once (None when there are no keys: nothing sent); :func:`finish`
+    reads its answer. Meanwhile the arrays belong to the daemon: the
+    client neither writes the inputs nor reads the outputs, and other
+    requests may go out on the connection (the daemon runs them
+    concurrently, in no set order)."""
+    f = _frame(client, op, table, arrays, scores, outcomes, stream, wait, done, head)
+    if f is None:
+        return None
+    flags, body, post, h = f
+    return Pending(client._send(op, flags, [body]), post, h if post is not None else None)
+
+
+def _frame(client, op, table, arrays, scores, outcomes, stream, wait, done, head):
+    """The checked request of :func:`call` / :func:`send`: ``(flags, body,
+    done event to wait for or None, stream)``, its events recorded; None
+    when there are no keys."""
     sl = slots(op, scores, outcomes)
     if len(arrays) != len(sl):
         raise TypeError(f"this request names {len(sl)} arrays ({', '.join(s.name for s in sl)}), "
                         f"{len(arrays)} were given")
     refs = [ref(client, a, s.name) for a, s in zip(arrays, sl)]
     dim = client.dim(table) if any(s.count in ("ND", "CD") for s in sl) else None
-    n = check(refs, sl, dim)
+    vdim = client.value_dim(table) if any(s.count == "NV" for s in sl) else None
+    n = check(refs, sl, dim, vdim)
     if n == 0:
         return None
     events = None
@@ -375,9 +423,15 @@ def call(client, op: int, table: str, arrays: Sequence, scores: bool = False, ou
     elif isinstance(wait, _cuda.CudaEvent) or isinstance(done, _cuda.CudaEvent):
         raise ValueError("events go with CUDA arrays; these arrays are in hkvd.shm_array memory")
     body = encode_body(table, [r.wire() for r in refs], events, head)
-    answer = client._call(op, request_flags(scores, outcomes, events is not None), [body])
-    if post is not None:
-        post.wait(h)
+    return request_flags(scores, outcomes, events is not None), body, post, (h if post is not None else None)
+
+
+def finish(client, p: Pending) -> bytes:
+    """The answer body of a request :func:`send` sent (raises its error);
+    with a done event, the stream it followed then waits for the outputs."""
+    answer = client.result(p.rid)
+    if p.post is not None:
+        p.post.wait(p.stream)
     return answer
 
 

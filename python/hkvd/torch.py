@@ -1,5 +1,10 @@
 """Rows of an hkvd table as torch tensors, over the fastest transport the
-daemon and the tensors allow.
+daemon and the tensors allow (:class:`EmbeddingCache`), and the modules a
+training loop uses in place of ``torch.nn.Embedding`` /
+``torch.nn.EmbeddingBag`` (:class:`Embedding`, :class:`EmbeddingBag`),
+whose backward runs the optimizer in the table (``apply_gradients``), with
+the next step's lookup prefetched while the current one computes
+(:meth:`Embedding.prefetch`, :class:`Prefetcher`).
 
 Needs torch; importing this module without it raises ImportError.
 """
@@ -7,7 +12,8 @@ Needs torch; importing this module without it raises ImportError.
 from __future__ import annotations
 
 import sys
-from typing import Callable, List, Optional
+import time
+from typing import Callable, Iterable, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -36,14 +42,23 @@ class EmbeddingCache:
     (insert_or_assign). Batches of more than ``max_batch`` distinct ids are
     split.
 
+    On a table created with an ``optimizer``, ``dim`` is the table's value
+    dim (``spec.dim``): lookups return the values only, rows are inserted
+    with zero optimizer state, ``write_back`` resets the state to zero, and
+    :meth:`optimizer_step` runs the table's optimizer (apply_gradients).
+    ``row_dim`` is the stored row's width (values and state), which the
+    buffers hold.
+
     ``transport`` picks how the arrays reach the daemon:
 
     - ``cuda-ipc``: preallocated device buffers for ``max_batch`` keys
-      (keys, values, found: one allocation) registered once with CUDA IPC;
-      ids are copied into them on the GPU and the daemon reads and writes
-      them in place, ordered with torch's current stream through
+      (keys, values, gradients, found: one allocation) registered once with
+      CUDA IPC; ids are copied into them on the GPU and the daemon reads and
+      writes them in place, ordered with torch's current stream through
       interprocess events (``events=False``: the stream is synchronized
       instead). Needs ``device`` to be a GPU the daemon serves.
+      apply_gradients on device memory is staged by the daemon (copied
+      through its memory).
     - ``shm``: the same buffers in ``hkvd.shm_array`` memory.
     - ``socket``: arrays sent and received through the socket.
     - ``auto`` (default): the first of these that works, in that order
@@ -62,7 +77,9 @@ class EmbeddingCache:
             raise ValueError("max_batch must be at least 1")
         self.client = client
         self.table = table
-        self.dim = client.dim(table)
+        self.row_dim = client.dim(table)
+        self.dim = client.value_dim(table)
+        self.optimizer = client.optimizer(table)
         self.init = init
         self.max_batch = max_batch
         self.events = events
@@ -100,16 +117,23 @@ class EmbeddingCache:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def _setup_cuda_ipc(self) -> None:
-        m, d = self.max_batch, self.dim
-        kb, vb = _align(8 * m), _align(4 * m * d)
-        # One allocation for the three buffers: one region, one IPC open in
-        # the daemon (the first open in a process costs ~100 ms).
-        buf = self._device_buffer(kb + vb + _align(m))
+        m, w, d = self.max_batch, self.row_dim, self.dim
+        # Gradient rows only for a table with an optimizer (apply_gradients).
+        g = m if self.optimizer is not None else 0
+        kb, vb, gb = _align(8 * m), _align(4 * m * w), _align(4 * g * d)
+        # One allocation for the buffers: one region, one IPC open in the
+        # daemon (the first open in a process costs ~100 ms).
+        buf = self._device_buffer(kb + vb + gb + _align(m))
         self._buf = buf
         self._keys = buf[:8 * m].view(torch.int64)
-        self._values = buf[kb:kb + 4 * m * d].view(torch.float32).view(m, d)
-        self._found = buf[kb + vb:kb + vb + m]
+        self._values = buf[kb:kb + 4 * m * w].view(torch.float32).view(m, w)
+        self._found = buf[kb + vb + gb:kb + vb + gb + m]
         self._refs = [self.client.region_ref(x) for x in (self._keys, self._values, self._found)]
+        if g:
+            self._grads = buf[kb + vb:kb + vb + 4 * m * d].view(torch.float32).view(m, d)
+            self._grad_ref = self.client.region_ref(self._grads)
+            # apply_gradients' updated values: the first m × dim floats of the values buffer.
+            self._out_ref = self.client.region_ref(self._values.reshape(-1)[:m * d].view(m, d))
         if self.events:
             try:
                 region._own_events(self.client, self._refs[0].device)
@@ -119,11 +143,15 @@ class EmbeddingCache:
                 self.events = False
 
     def _setup_shm(self) -> None:
-        m, d = self.max_batch, self.dim
+        m, w, d = self.max_batch, self.row_dim, self.dim
         self._keys_np = shm_array((m,), np.int64)
-        self._values_np = shm_array((m, d), np.float32)
+        self._values_np = shm_array((m, w), np.float32)
         self._found_np = shm_array((m,), np.uint8)
         self._refs = [self.client.region_ref(x) for x in (self._keys_np, self._values_np, self._found_np)]
+        if self.optimizer is not None:
+            self._grads_np = shm_array((m, d), np.float32)
+            self._grad_ref = self.client.region_ref(self._grads_np)
+            self._out_ref = self.client.region_ref(self._values_np.reshape(-1)[:m * d].reshape(m, d))
 
     def _setup_socket(self) -> None:
         self._refs = []
@@ -150,48 +178,106 @@ class EmbeddingCache:
             raise ValueError(f"init({n}, {self.dim}) returned shape {tuple(rows.shape)}")
         return rows.to(self.device)
 
-    def _op(self, op: int, keys: torch.Tensor, rows: Optional[torch.Tensor], out: Optional[torch.Tensor]) -> None:
-        """One chunk of at most max_batch keys: ``rows`` sent (values or
-        deltas; None: zeros), the stored rows written to ``out`` for
-        find_or_insert."""
+    def _send(self, op: int, keys: torch.Tensor, rows: Optional[torch.Tensor], done_event: bool = True):
+        """Sends one chunk of at most max_batch keys (``rows``: values or
+        deltas, ``dim`` wide, the state columns sent as zeros; None: zeros)
+        without waiting; :meth:`_recv` reads the answer. One request per
+        cache is in flight at a time (its buffers are the request's).
+        ``done_event`` False: on cuda-ipc the request is answered once its
+        outputs are written, with no done event (a request left in flight
+        while others go out must not share the connection's done event)."""
         m = keys.numel()
         c = self.client
+        d, w = self.dim, self.row_dim
         if self.transport == "cuda-ipc":
             self._keys[:m].copy_(keys, non_blocking=True)
+            v = self._values[:m]
             if rows is None:
-                self._values[:m].zero_()
+                v.zero_()
             else:
-                self._values[:m].copy_(rows, non_blocking=True)
-            k, v = self._refs[0].head(m), self._refs[1].head(m)
-            region.call(c, op, self.table, [k, v], **self._sync_args())
-            if out is not None:
-                out.copy_(self._values[:m])
-        elif self.transport == "shm":
+                v[:, :d].copy_(rows, non_blocking=True)
+                if w > d:
+                    v[:, d:].zero_()
+            k, vr = self._refs[0].head(m), self._refs[1].head(m)
+            sync = self._sync_args()
+            if not done_event:
+                sync["done"] = False
+            return ("region", region.send(c, op, self.table, [k, vr], **sync), m)
+        if self.transport == "shm":
             np.copyto(self._keys_np[:m], keys.cpu().numpy())
+            v = self._values_np[:m]
             if rows is None:
-                self._values_np[:m] = 0.0
+                v[...] = 0.0
             else:
-                np.copyto(self._values_np[:m], rows.detach().cpu().numpy())
-            region.call(c, op, self.table, [self._refs[0].head(m), self._refs[1].head(m)])
+                np.copyto(v[:, :d], rows.detach().cpu().numpy())
+                if w > d:
+                    v[:, d:] = 0.0
+            return ("region", region.send(c, op, self.table, [self._refs[0].head(m), self._refs[1].head(m)]), m)
+        k = keys.cpu().numpy().view(np.uint64)
+        v = np.zeros((m, w), dtype=np.float32)
+        if rows is not None:
+            v[:, :d] = rows.detach().cpu().numpy()
+        return ("socket", c.send_write(op, self.table, k, v), m)
+
+    def _recv(self, token, out: Optional[torch.Tensor]) -> None:
+        """The answer of :meth:`_send`'s request; find_or_insert's rows
+        (their values) copied to ``out``."""
+        kind, p, m = token
+        d = self.dim
+        if kind == "region":
+            if p is not None:
+                region.finish(self.client, p)
             if out is not None:
-                out.copy_(torch.from_numpy(self._values_np[:m]))
-        else:
-            k = keys.cpu().numpy().view(np.uint64)
-            if rows is None:
-                v = np.zeros((m, self.dim), dtype=np.float32)
-            else:
-                v = np.ascontiguousarray(rows.detach().cpu().numpy(), dtype=np.float32)
-            if op == region.OP_FIND_OR_INSERT:
-                out.copy_(torch.from_numpy(c.find_or_insert(self.table, k, v)))
-            elif op == region.OP_ACCUM_OR_ASSIGN:
-                c.accum_or_assign(self.table, k, v)
-            else:
-                c.insert_or_assign(self.table, k, v)
+                src = self._values[:m, :d] if self.transport == "cuda-ipc" else torch.from_numpy(self._values_np[:m, :d])
+                out.copy_(src)
+            return
+        r = self.client.result(p)
+        if out is not None:
+            out.copy_(torch.from_numpy(r["values"][:, :d]))
+
+    def _op(self, op: int, keys: torch.Tensor, rows: Optional[torch.Tensor], out: Optional[torch.Tensor]) -> None:
+        self._recv(self._send(op, keys, rows), out)
 
     def _chunks(self, op: int, keys: torch.Tensor, rows: Optional[torch.Tensor], out: Optional[torch.Tensor]) -> None:
         for s in range(0, keys.numel(), self.max_batch):
             e = min(s + self.max_batch, keys.numel())
             self._op(op, keys[s:e], None if rows is None else rows[s:e], None if out is None else out[s:e])
+
+    def _step_chunk(self, keys: torch.Tensor, grads: torch.Tensor, hyper: dict, out: Optional[torch.Tensor],
+                    found: Optional[torch.Tensor]) -> int:
+        m = keys.numel()
+        c = self.client
+        want = out is not None
+        if self.transport == "socket":
+            k = keys.cpu().numpy().view(np.uint64)
+            r = c.apply_gradients(self.table, k, grads.detach().cpu().numpy(), values=want, **hyper)
+            if not want:
+                return r
+            missing, f, v = r
+            out.copy_(torch.from_numpy(v))
+            found.copy_(torch.from_numpy(f))
+            return missing
+        if self.transport == "cuda-ipc":
+            self._keys[:m].copy_(keys, non_blocking=True)
+            self._grads[:m].copy_(grads, non_blocking=True)
+        else:
+            np.copyto(self._keys_np[:m], keys.cpu().numpy())
+            np.copyto(self._grads_np[:m], grads.detach().cpu().numpy())
+        arrays = [self._refs[0].head(m), self._grad_ref.head(m)]
+        if want:
+            arrays += [self._refs[2].head(m), self._out_ref.head(m)]
+        sync = self._sync_args() if self.transport == "cuda-ipc" else {}
+        body = region.call(c, region.OP_APPLY_GRADIENTS, self.table, arrays, False, want,
+                           head=_hyper_bytes(**hyper), **sync)
+        missing = region.count(body)
+        if want:
+            if self.transport == "cuda-ipc":
+                out.copy_(self._values.reshape(-1)[:m * self.dim].view(m, self.dim))
+                found.copy_(self._found[:m].bool())
+            else:
+                out.copy_(torch.from_numpy(self._values_np.reshape(-1)[:m * self.dim].reshape(m, self.dim)))
+                found.copy_(torch.from_numpy(self._found_np[:m].astype(bool)))
+        return missing or 0
 
     # ---- API ----------------------------------------------------------
     def lookup(self, ids) -> torch.Tensor:
@@ -206,6 +292,14 @@ class EmbeddingCache:
         out = torch.empty((uniq.numel(), self.dim), dtype=torch.float32, device=self.device)
         self._chunks(region.OP_FIND_OR_INSERT, uniq, rows, out)
         return out[inv.to(self.device)].reshape(shape + (self.dim,))
+
+    def lookup_unique(self, uniq: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Rows of distinct ids ``uniq`` (1-D int64 on ``device``): find_or_insert,
+        with ``rows`` (``(n, dim)``; None: zeros) inserted for unknown ids."""
+        out = torch.empty((uniq.numel(), self.dim), dtype=torch.float32, device=self.device)
+        if uniq.numel():
+            self._chunks(region.OP_FIND_OR_INSERT, uniq, rows, out)
+        return out
 
     def apply_gradients(self, ids, grads: torch.Tensor, lr: float) -> None:
         """Adds ``-lr * grads`` to the rows of ``ids`` (``grads``: shape
@@ -223,10 +317,366 @@ class EmbeddingCache:
         summed.mul_(-float(lr))
         self._chunks(region.OP_ACCUM_OR_ASSIGN, uniq, summed, None)
 
+    def optimizer_step(self, uniq: torch.Tensor, grads: torch.Tensor, lr: float, eps: float = 1e-8,
+                       beta1: float = 0.9, beta2: float = 0.999, weight_decay: float = 0.0, step: int = 1,
+                       values: bool = False):
+        """One step of the table's optimizer (apply_gradients) for distinct
+        ids ``uniq`` (1-D) with their gradient rows ``grads`` (``(n, dim)``;
+        reduce repeated ids first). Returns the count of ids absent from the
+        table (not updated) and, with ``values``, ``(missing, found (n,)
+        bool, rows (n, dim))``: the values after the step, on ``device``."""
+        if self.optimizer is None:
+            raise ValueError(f"table {self.table!r} has no optimizer: create it with optimizer= "
+                             "(sgd, adagrad, rowwise_adagrad or adam)")
+        n = uniq.numel()
+        g = grads.detach().reshape(n, self.dim).to(device=self.device, dtype=torch.float32)
+        hyper = dict(lr=float(lr), eps=float(eps), beta1=float(beta1), beta2=float(beta2),
+                     weight_decay=float(weight_decay), step=int(step))
+        out = torch.empty((n, self.dim), dtype=torch.float32, device=self.device) if values else None
+        found = torch.empty(n, dtype=torch.bool, device=self.device) if values else None
+        missing = 0
+        for s in range(0, n, self.max_batch):
+            e = min(s + self.max_batch, n)
+            missing += self._step_chunk(uniq[s:e], g[s:e], hyper, None if out is None else out[s:e],
+                                        None if found is None else found[s:e])
+        return (missing, found, out) if values else missing
+
     def write_back(self, ids, rows: torch.Tensor) -> None:
-        """Stores ``rows`` for ``ids`` (insert_or_assign)."""
+        """Stores ``rows`` for ``ids`` (insert_or_assign; an optimizer's
+        state columns are stored as zeros)."""
         flat = self._ids(ids).to(self.device)
         r = rows.detach().reshape(-1, self.dim).to(device=self.device, dtype=torch.float32)
         if r.shape[0] != flat.numel():
             raise ValueError(f"{flat.numel()} ids but {r.shape[0]} rows")
         self._chunks(region.OP_INSERT_OR_ASSIGN, flat, r, None)
+
+
+def _hyper_bytes(lr: float, eps: float, beta1: float, beta2: float, weight_decay: float, step: int) -> bytes:
+    from . import hyper_bytes
+
+    return hyper_bytes(lr, eps, beta1, beta2, weight_decay, step)
+
+
+# ---- modules --------------------------------------------------------------
+
+class _Prefetched:
+    """A lookup sent ahead (:meth:`_Sparse.prefetch`): the ids it is for,
+    their distinct ids and inverse, the cache whose buffers it uses, the
+    request token, and the updates made since it was sent."""
+
+    def __init__(self, ids, uniq, inv, cache, token):
+        # The ids as they were (a copy: the caller's tensor may change in
+        # place), and the mark of the caller's memory for the fast match.
+        self.mark = _mark(ids)
+        self.ids = ids.clone()
+        self.uniq, self.inv, self.cache, self.token = uniq, inv, cache, token
+        self.patches: List[tuple] = []
+
+    def matches(self, flat: torch.Tensor) -> bool:
+        """Whether ``flat`` holds the prefetched ids: the same memory,
+        unchanged since (no device sync), else compared element by element."""
+        if self.mark is not None and _mark(flat) == self.mark:
+            return True
+        return self.ids.shape == flat.shape and bool(torch.equal(self.ids, flat))
+
+
+def _mark(t: torch.Tensor):
+    """What identifies a tensor's contents without reading them: its
+    memory, shape, strides and the version counter that in-place writes bump."""
+    try:
+        return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t._version)
+    except (RuntimeError, AttributeError):
+        return None
+
+
+class _Gather(torch.autograd.Function):
+    """rows[inv] forward; backward sums the gradient per distinct id
+    (index_add_ on the gradient's device) and hands it to the module's
+    table (one apply_gradients), so after ``loss.backward()`` the table is
+    updated. ``anchor`` is a 0-d tensor that requires grad, so that
+    autograd calls this backward."""
+
+    @staticmethod
+    def forward(ctx, anchor, rows, inv, uniq, module):
+        ctx.module = module
+        ctx.n = rows.shape[0]
+        ctx.save_for_backward(inv, uniq)
+        return rows.index_select(0, inv)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inv, uniq = ctx.saved_tensors
+        g = torch.zeros((ctx.n, grad.shape[-1]), dtype=torch.float32, device=grad.device)
+        g.index_add_(0, inv, grad.reshape(-1, grad.shape[-1]).to(torch.float32))
+        ctx.module._apply_step(uniq, g)
+        return None, None, None, None, None
+
+
+class _Sparse(torch.nn.Module):
+    """What :class:`Embedding` and :class:`EmbeddingBag` share: the table,
+    its transport, the optimizer's hyperparameters and step count,
+    lookups (prefetched or not) and the step of the backward."""
+
+    def __init__(self, client: Client, table: str, *, lr: float = 0.01, eps: float = 1e-8,
+                 betas: Sequence[float] = (0.9, 0.999), weight_decay: float = 0.0,
+                 init: Optional[Callable] = None, device=None, transport: str = "auto", max_batch: int = 1 << 16,
+                 events: bool = True, verbose: bool = True):
+        super().__init__()
+        self.cache = EmbeddingCache(client, table, device=device, max_batch=max_batch, transport=transport,
+                                    events=events, verbose=verbose)
+        if self.cache.optimizer is None:
+            raise ValueError(f"table {table!r} has no optimizer: create it with optimizer= (sgd, adagrad, "
+                             "rowwise_adagrad or adam), e.g. client.create_table(name, dim, capacity, "
+                             "optimizer='rowwise_adagrad')")
+        self.client, self.table = client, table
+        self.dim = self.cache.dim
+        self.device = self.cache.device
+        self.optimizer = self.cache.optimizer
+        self.lr, self.eps, self.weight_decay = float(lr), float(eps), float(weight_decay)
+        self.betas = (float(betas[0]), float(betas[1]))
+        self.init = init
+        self.step = 0
+        self.missing = 0
+        self._anchor = torch.zeros((), requires_grad=True)
+        self._pending: List[_Prefetched] = []
+        self._spare: List[EmbeddingCache] = []
+        self._kw = dict(device=self.device, max_batch=max_batch, transport=self.cache.transport, events=events,
+                        verbose=False)
+        self.timings = {"lookup": 0.0, "apply": 0.0}
+        # Forwards served by a prefetch, and prefetched rows patched with
+        # the values a later step's apply_gradients returned.
+        self.prefetch_hits = 0
+        self._patched = 0
+
+    # ---- lookups ------------------------------------------------------
+    def _flat(self, ids) -> torch.Tensor:
+        t = ids if isinstance(ids, torch.Tensor) else torch.as_tensor(np.asarray(ids))
+        return t.reshape(-1).to(device=self.device, dtype=torch.int64)
+
+    def _init_rows(self, uniq: torch.Tensor) -> Optional[torch.Tensor]:
+        if self.init is None:
+            return None
+        rows = torch.as_tensor(self.init(uniq), dtype=torch.float32, device=self.device)
+        if rows.shape != (uniq.numel(), self.dim):
+            raise ValueError(f"init(ids) returned shape {tuple(rows.shape)} for {uniq.numel()} ids, "
+                             f"not ({uniq.numel()}, {self.dim})")
+        return rows
+
+    def prefetch(self, ids) -> None:
+        """Sends the lookup of ``ids`` (the next step's) now, without
+        waiting: the daemon runs it while this step computes, and the
+        forward called with equal ids uses its rows. Rows that this step's
+        backward updates meanwhile are patched with the values
+        apply_gradients returns, so the rows the forward sees are those an
+        unprefetched lookup would have read (bit for bit). A prefetch that
+        no forward uses is dropped at the next forward. At most two are
+        kept; batches of more than ``max_batch`` distinct ids are looked up
+        at the forward instead. The forward's ids match when they are the
+        same tensor memory, unchanged since (torch's version counter: no
+        device sync), or else equal element by element; a change made
+        behind torch's back (through a numpy array sharing the memory) is
+        not noticed: give the forward a new tensor then."""
+        flat = self._flat(ids)
+        uniq, inv = torch.unique(flat, return_inverse=True)
+        if uniq.numel() > self.cache.max_batch or uniq.numel() == 0:
+            return
+        while len(self._pending) >= 2:
+            self._drop(self._pending.pop(0))
+        cache = self._spare.pop() if self._spare else EmbeddingCache(self.client, self.table, **self._kw)
+        t0 = time.perf_counter()
+        token = cache._send(region.OP_FIND_OR_INSERT, uniq, self._init_rows(uniq), done_event=False)
+        self.timings["lookup"] += time.perf_counter() - t0
+        self._pending.append(_Prefetched(flat, uniq, inv, cache, token))
+
+    def _drop(self, p: _Prefetched) -> None:
+        p.cache._recv(p.token, None)
+        self._spare.append(p.cache)
+
+    def _lookup(self, flat: torch.Tensor):
+        """(uniq, inv, rows) of flat ids: a matching prefetch's rows
+        (patched), else a lookup now."""
+        t0 = time.perf_counter()
+        hit = None
+        while self._pending:
+            p = self._pending.pop(0)
+            if p.matches(flat):
+                hit = p
+                break
+            self._drop(p)
+        if hit is None:
+            uniq, inv = torch.unique(flat, return_inverse=True)
+            rows = self.cache.lookup_unique(uniq, self._init_rows(uniq))
+        else:
+            uniq, inv = hit.uniq, hit.inv
+            rows = torch.empty((uniq.numel(), self.dim), dtype=torch.float32, device=self.device)
+            hit.cache._recv(hit.token, rows)
+            self._spare.append(hit.cache)
+            self.prefetch_hits += 1
+            for upd_uniq, found, values in hit.patches:
+                self._patched = self._patched + _patch(rows, uniq, upd_uniq, found, values)
+        self.timings["lookup"] += time.perf_counter() - t0
+        return uniq, inv, rows
+
+    # ---- the step -----------------------------------------------------
+    def _apply_step(self, uniq: torch.Tensor, grads: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        self.step += 1
+        want = bool(self._pending)  # updated rows are needed to patch prefetched ones
+        r = self.cache.optimizer_step(uniq, grads, self.lr, self.eps, self.betas[0], self.betas[1],
+                                      self.weight_decay, self.step, values=want)
+        if want:
+            missing, found, values = r
+            for p in self._pending:
+                p.patches.append((uniq, found, values))
+        else:
+            missing = r
+        self.missing += missing
+        self.timings["apply"] += time.perf_counter() - t0
+
+    def _gathered(self, ids):
+        flat = self._flat(ids)
+        uniq, inv, rows = self._lookup(flat)
+        return _Gather.apply(self._anchor, rows, inv, uniq, self)
+
+    @property
+    def patched_rows(self) -> int:
+        """Prefetched rows patched with a later step's updated values."""
+        return int(self._patched)
+
+    def extra_repr(self) -> str:
+        return (f"table={self.table!r}, dim={self.dim}, optimizer={self.optimizer}, lr={self.lr}, "
+                f"transport={self.cache.transport}")
+
+
+def _patch(rows: torch.Tensor, uniq: torch.Tensor, upd: torch.Tensor, found: torch.Tensor,
+           values: torch.Tensor):
+    """rows[i] = values[j] where uniq[i] == upd[j] and found[j] (both
+    sorted); returns how many rows were patched (a tensor: no sync)."""
+    if upd.numel() == 0 or uniq.numel() == 0:
+        return 0
+    j = torch.searchsorted(upd, uniq).clamp_(max=upd.numel() - 1)
+    hit = (upd[j] == uniq) & found[j]
+    rows[hit] = values[j[hit]]
+    return hit.sum()
+
+
+class Embedding(_Sparse):
+    """``torch.nn.Embedding`` over an hkvd table created with an optimizer,
+    the optimizer running in the table.
+
+    ``forward(ids)`` (int64 ids of any shape, on any device) returns float32
+    rows of shape ``ids.shape + (dim,)`` on ``device``: the ids are
+    deduplicated on ``device`` (``torch.unique``), looked up once each
+    (find_or_insert: unknown ids are inserted with ``init(ids)`` rows, a
+    function of the distinct ids returning ``(n, dim)``, zeros when None,
+    and zero optimizer state) and gathered. The backward sums the gradient
+    per distinct id on ``device`` and sends it to the table in one
+    apply_gradients request with ``lr``, ``eps``, ``betas``,
+    ``weight_decay`` and the step count: after ``loss.backward()`` the
+    table is updated, so no optimizer is needed for these rows (the
+    module has no parameters). The backward of each forward is one
+    optimizer step (Adam's step count advances with it).
+
+    :meth:`prefetch` (``prefetch(next_ids)``) starts the next step's
+    lookup while this one computes. Transports are EmbeddingCache's
+    (``transport``, ``max_batch``, ``events``). ``timings`` sums the
+    seconds spent in lookups and in apply_gradients; ``missing`` counts
+    the ids whose row was gone when their step came (evicted meanwhile:
+    their gradient was dropped).
+    """
+
+    def forward(self, ids) -> torch.Tensor:
+        shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else np.shape(ids)
+        return self._gathered(ids).reshape(shape + (self.dim,))
+
+
+class EmbeddingBag(_Sparse):
+    """``torch.nn.EmbeddingBag`` over an hkvd table created with an
+    optimizer (see :class:`Embedding` for the table, the step and
+    prefetch): ``forward(input, offsets=None)`` pools the rows of each bag
+    with ``mode`` ``sum`` or ``mean``: ``input`` 2-D ``(B, L)`` (bags of L
+    ids, ``offsets`` None) or 1-D with ``offsets`` (B starts, as
+    ``nn.EmbeddingBag``; ``include_last_offset`` as there). An empty bag
+    gives zeros. ``per_sample_weights`` (mode ``sum`` only) scales each id's
+    row. ``prefetch(next_input)`` takes the next step's ``input``."""
+
+    def __init__(self, client: Client, table: str, mode: str = "mean", include_last_offset: bool = False, **kw):
+        if mode not in ("sum", "mean"):
+            raise ValueError(f"mode must be sum or mean, not {mode!r}")
+        super().__init__(client, table, **kw)
+        self.mode = mode
+        self.include_last_offset = include_last_offset
+
+    def forward(self, input, offsets=None, per_sample_weights=None) -> torch.Tensor:
+        ids = input if isinstance(input, torch.Tensor) else torch.as_tensor(np.asarray(input))
+        if ids.dim() == 2:
+            if offsets is not None:
+                raise ValueError("offsets go with 1-D input; 2-D input is one bag per row")
+            b, L = ids.shape
+            bag = torch.arange(b, device=self.device).repeat_interleave(L)
+            counts = torch.full((b,), L, device=self.device, dtype=torch.int64)
+        elif ids.dim() == 1:
+            if offsets is None:
+                raise ValueError("1-D input needs offsets (the start of each bag)")
+            off = offsets.to(device=self.device, dtype=torch.int64)
+            n = ids.numel()
+            if self.include_last_offset:
+                starts, ends = off[:-1], off[1:]
+            else:
+                starts, ends = off, torch.cat([off[1:], torch.tensor([n], device=self.device)])
+            b = starts.numel()
+            counts = ends - starts
+            bag = torch.arange(b, device=self.device).repeat_interleave(counts)
+        else:
+            raise ValueError(f"input must be 1-D or 2-D, not {ids.dim()}-D")
+        rows = self._gathered(ids)
+        if per_sample_weights is not None:
+            if self.mode != "sum":
+                raise ValueError("per_sample_weights need mode sum")
+            rows = rows * per_sample_weights.reshape(-1, 1).to(device=self.device, dtype=torch.float32)
+        out = torch.zeros((b, self.dim), dtype=torch.float32, device=self.device).index_add(0, bag, rows)
+        if self.mode == "mean":
+            out = out / counts.clamp(min=1).to(torch.float32).unsqueeze(1)
+        return out
+
+    def prefetch(self, input) -> None:  # noqa: D102 - Embedding.prefetch, on the ids of the bags
+        super().prefetch(input)
+
+
+class Prefetcher:
+    """Iterates ``loader`` one batch ahead: before batch t is yielded, the
+    lookup of batch t + 1's ids is sent (``module.prefetch(ids(batch))``
+    for each ``(module, ids)`` pair), so the forward of step t + 1 finds its
+    rows fetched while step t computed. ``ids`` picks the ids a module takes
+    from a batch (default: the batch's first element)::
+
+        for x, y in hkvd.torch.Prefetcher(loader, [(emb, lambda b: b[0])]):
+            loss = loss_fn(model(x), y)
+            loss.backward()        # the table is updated here
+    """
+
+    def __init__(self, loader: Iterable, modules):
+        if isinstance(modules, _Sparse):
+            modules = [(modules, lambda b: b[0])]
+        self.loader = loader
+        self.modules = [(m, f) for m, f in modules]
+
+    def _prefetch(self, batch) -> None:
+        for m, f in self.modules:
+            m.prefetch(f(batch))
+
+    def __iter__(self):
+        it = iter(self.loader)
+        try:
+            cur = next(it)
+        except StopIteration:
+            return
+        self._prefetch(cur)
+        for nxt in it:
+            self._prefetch(nxt)
+            yield cur
+            cur = nxt
+        yield cur
+
+    def __len__(self) -> int:
+        return len(self.loader)

@@ -111,3 +111,373 @@ def test_cuda_ipc_transport_simulated_over_a_memfd(daemon, monkeypatch):
     assert torch.allclose(sock.lookup(torch.arange(1000)), want - 0.5 * counts[:, None])
     assert len(c._cuda_regions) == 1
     c.close()
+
+
+# ---- optimizers in the table, hkvd.torch.Embedding / EmbeddingBag -------
+
+def _rows(c, table, ids, dim):
+    """The stored values of ``ids`` (the state columns left out)."""
+    v, found = c.find(table, np.asarray(ids, dtype=np.uint64))
+    assert found.all()
+    return torch.from_numpy(v[:, :dim].copy())
+
+
+@pytest.mark.parametrize("transport", ["shm", "socket"])
+@pytest.mark.parametrize("opt", ["sgd", "adagrad", "adam", "rowwise_adagrad"])
+def test_each_optimizer_matches_torch(daemon, opt, transport):
+    """apply_gradients through Embedding's backward against torch.optim on
+    one dense parameter (every row gets a gradient at every step, so
+    torch's dense Adam and Adagrad are the reference), and row-wise Adagrad
+    against its formula. Tolerance: 1e-6 absolute (sgd), 2e-5 (others:
+    the same float32 formulas, evaluated in another order)."""
+    from hkvd.torch import Embedding
+
+    c = daemon.client()
+    n, dim = 50, 4
+    c.create_table("t", dim=dim, capacity=1 << 12, optimizer=opt)
+    assert c.dim("t") == dim + {"sgd": 0, "adagrad": dim, "adam": 2 * dim, "rowwise_adagrad": 1}[opt]
+    assert c.value_dim("t") == dim and c.optimizer("t") == opt
+    g = torch.Generator().manual_seed(1)
+    w0 = torch.randn((n, dim), generator=g)
+    hp = dict(lr=0.05, weight_decay=0.01)
+    emb = Embedding(c, "t", init=lambda ids: w0[ids], eps=1e-6, betas=(0.8, 0.95), transport=transport,
+                    verbose=False, **hp)
+    assert emb.cache.transport == transport
+    ref = torch.nn.Parameter(w0.clone())
+    if opt == "sgd":
+        o = torch.optim.SGD([ref], **hp)
+    elif opt == "adagrad":
+        o = torch.optim.Adagrad([ref], eps=1e-6, **hp)
+    elif opt == "adam":
+        o = torch.optim.Adam([ref], eps=1e-6, betas=(0.8, 0.95), **hp)
+    acc = torch.zeros(n)
+    for step in range(6):
+        ids = torch.cat([torch.randperm(n, generator=g), torch.randint(0, n, (20,), generator=g)])
+        target = torch.randn((ids.numel(), dim), generator=g)
+        (emb(ids) * target).sum().backward()
+        if opt == "rowwise_adagrad":
+            with torch.no_grad():
+                grad = torch.zeros((n, dim)).index_add_(0, ids, target) + 0.01 * ref
+                acc += (grad * grad).mean(dim=1)
+                ref -= 0.05 * grad / (acc.sqrt() + 1e-6)[:, None]
+        else:
+            o.zero_grad()
+            (ref[ids] * target).sum().backward()
+            o.step()
+    got = _rows(c, "t", np.arange(n), dim)
+    tol = 1e-6 if opt == "sgd" else 2e-5
+    assert torch.allclose(got, ref.detach(), atol=tol, rtol=0), (got - ref.detach()).abs().max()
+    assert emb.step == 6 and emb.missing == 0
+    # The stored state: adagrad's sum of squares is torch's state_sum.
+    if opt == "adagrad":
+        v, _ = c.find("t", np.arange(n, dtype=np.uint64))
+        assert torch.allclose(torch.from_numpy(v[:, dim:].copy()), o.state[ref]["sum"], rtol=1e-5)
+    c.close()
+
+
+def test_apply_gradients_on_the_client_and_its_refusals(daemon):
+    import hkvd
+
+    c = daemon.client()
+    c.create_table("p", dim=2, capacity=1024)
+    c.create_table("s", dim=2, capacity=1024, optimizer="sgd")
+    c.insert_or_assign("s", [1, 2], np.array([[1, 1], [2, 2]], np.float32))
+    missing, found, values = c.apply_gradients("s", [1, 3, 2], np.ones((3, 2), np.float32), lr=0.5, values=True)
+    assert missing == 1 and found.tolist() == [True, False, True]
+    assert values.tolist() == [[0.5, 0.5], [0.0, 0.0], [1.5, 1.5]]
+    assert c.apply_gradients("s", [1], np.ones((1, 2), np.float32), lr=0.5) == 0
+    with pytest.raises(hkvd.BadRequest):
+        c.apply_gradients("p", [1], np.ones((1, 2), np.float32), lr=0.5)
+    with pytest.raises(hkvd.WrongDim):
+        c.apply_gradients("s", [1], np.ones((1, 3), np.float32), lr=0.5)
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        c.create_table("x", dim=2, capacity=1024, optimizer="lion")
+    # The region form over shm, with found and values written.
+    keys, grads = hkvd.shm_array((2,), np.uint64), hkvd.shm_array((2, 2), np.float32)
+    found, out = hkvd.shm_array((2,), np.uint8), hkvd.shm_array((2, 2), np.float32)
+    keys[:] = [2, 9]
+    grads[:] = 1.0
+    assert c.apply_gradients_region("s", keys, grads, found, out, lr=1.0) == 1
+    assert found.tolist() == [1, 0] and out.tolist() == [[0.5, 0.5], [0.0, 0.0]]
+    with pytest.raises(ValueError, match="value dim 2"):
+        c.apply_gradients_region("s", keys, hkvd.shm_array((2, 3), np.float32), lr=1.0)
+    from hkvd.torch import Embedding
+
+    with pytest.raises(ValueError, match="has no optimizer"):
+        Embedding(c, "p", verbose=False)
+    c.close()
+
+
+class _Model(torch.nn.Module):
+    """A few sparse fields, an MLP, one logit."""
+
+    def __init__(self, emb, fields, dim, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = emb
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(fields * dim, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+    def forward(self, ids):
+        return self.mlp(self.emb(ids).flatten(1)).squeeze(1)
+
+
+def _data(steps, batch, fields, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        # Zipf-like ids: most of a batch on a few hot ids per field.
+        u = torch.rand((batch, fields), generator=g)
+        ids = (vocab * u ** 3).long() + torch.arange(fields) * vocab
+        y = (ids[:, 0] % 2).float()  # learnable from the first field's rows
+        out.append((ids, y))
+    return out
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adagrad"])
+def test_training_matches_native_sparse_embeddings(daemon, opt):
+    """The same model trained with hkvd.torch.Embedding (optimizer in the
+    table, over shm) and with torch.nn.Embedding(sparse=True) and the
+    matching torch optimizer reaches the same losses. Tolerance: 1e-5
+    (sgd) and 1e-4 (adagrad) on every step's loss, and on the final rows."""
+    from hkvd.torch import Embedding
+
+    fields, vocab, dim, lr = 3, 100, 8, 0.1
+    c = daemon.client()
+    c.create_table("m", dim=dim, capacity=1 << 12, optimizer=opt)
+    native = torch.nn.Embedding(fields * vocab, dim, sparse=True)
+    w0 = native.weight.detach().clone()
+    ours = Embedding(c, "m", lr=lr, eps=1e-10, init=lambda ids: w0[ids], verbose=False)
+    a, b = _Model(native, fields, dim, 7), _Model(ours, fields, dim, 7)
+    sparse = torch.optim.SGD(native.parameters(), lr=lr) if opt == "sgd" else \
+        torch.optim.Adagrad(native.parameters(), lr=lr, eps=1e-10)
+    dense_a = torch.optim.SGD(a.mlp.parameters(), lr=lr)
+    dense_b = torch.optim.SGD(b.mlp.parameters(), lr=lr)
+    bce = torch.nn.BCEWithLogitsLoss()
+    la, lb = [], []
+    for ids, y in _data(40, 64, fields, vocab, 3):
+        for m, opts, losses in ((a, (sparse, dense_a), la), (b, (dense_b,), lb)):
+            for o in opts:
+                o.zero_grad()
+            loss = bce(m(ids), y)
+            loss.backward()
+            for o in opts:
+                o.step()
+            losses.append(float(loss.detach()))
+    tol = 1e-5 if opt == "sgd" else 1e-4
+    assert np.allclose(la, lb, atol=tol, rtol=0), max(abs(x - y) for x, y in zip(la, lb))
+    assert np.mean(la[-5:]) < np.mean(la[:5]), "the model learned"
+    seen = torch.unique(torch.cat([ids.reshape(-1) for ids, _ in _data(40, 64, fields, vocab, 3)]))
+    assert torch.allclose(_rows(c, "m", seen.numpy(), dim), native.weight.detach()[seen], atol=tol, rtol=0)
+    assert list(b.parameters()) == list(b.mlp.parameters()), "the table's rows are not module parameters"
+    c.close()
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_embedding_bag_matches_native(daemon, mode):
+    """EmbeddingBag over (values, offsets), empty bag included, and over a
+    2-D batch, against nn.EmbeddingBag(sparse=True) with SGD: same outputs
+    and rows after 5 steps (1e-5)."""
+    from hkvd.torch import EmbeddingBag
+
+    c = daemon.client()
+    c.create_table("b", dim=4, capacity=1 << 12, optimizer="sgd")
+    native = torch.nn.EmbeddingBag(300, 4, mode=mode, sparse=True)
+    w0 = native.weight.detach().clone()
+    ours = EmbeddingBag(c, "b", mode=mode, lr=0.2, init=lambda ids: w0[ids], verbose=False)
+    o = torch.optim.SGD(native.parameters(), lr=0.2)
+    g = torch.Generator().manual_seed(5)
+    for step in range(5):
+        values = torch.randint(0, 300, (40,), generator=g)
+        offsets = torch.tensor([0, 3, 3, 10, 25])  # bag 1 is empty
+        target = torch.randn((5, 4), generator=g)
+        got, want = ours(values, offsets), native(values, offsets)
+        assert torch.allclose(got, want, atol=1e-5), step
+        assert float(got[1].abs().sum()) == 0.0
+        o.zero_grad()
+        (want * target).sum().backward()
+        o.step()
+        (got * target).sum().backward()
+        two_d = torch.randint(0, 300, (6, 5), generator=g)
+        assert torch.allclose(ours(two_d), native(two_d), atol=1e-5)
+    v, found = c.find("b", np.arange(300, dtype=np.uint64))
+    found = torch.from_numpy(found)
+    assert torch.allclose(torch.from_numpy(v)[found], native.weight.detach()[found], atol=1e-5)
+    assert torch.equal(native.weight.detach()[~found], w0[~found]), "ids never seen: untouched in both"
+    with pytest.raises(ValueError, match="needs offsets"):
+        ours(torch.tensor([1, 2]))
+    c.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "socket"])
+def test_prefetched_training_is_bit_identical(daemon, transport):
+    """Two tables trained on the same batches, one looking up at each
+    forward, the other one batch ahead through Prefetcher (the next
+    step's lookup sent before this step's backward updates rows that both
+    batches share): every loss and every stored row (values and Adam's
+    state) equal bit for bit after 25 steps; the prefetch path was taken
+    and rows were patched."""
+    from hkvd.torch import Embedding, Prefetcher
+
+    fields, vocab, dim = 3, 50, 8
+    c = daemon.client()
+    runs = {}
+    for name, ahead in (("plain", False), ("ahead", True)):
+        c.create_table(name, dim=dim, capacity=1 << 14, optimizer="adam")
+        emb = Embedding(c, name, lr=0.01, init=lambda ids: (ids % 13).float()[:, None].expand(-1, dim) / 13,
+                        transport=transport, verbose=False)
+        model = _Model(emb, fields, dim, 11)
+        dense = torch.optim.SGD(model.mlp.parameters(), lr=0.05)
+        bce = torch.nn.BCEWithLogitsLoss()
+        data = _data(25, 32, fields, vocab, 9)
+        losses = []
+        for ids, y in (Prefetcher(data, emb) if ahead else data):
+            dense.zero_grad()
+            loss = bce(model(ids), y)
+            loss.backward()
+            dense.step()
+            losses.append(loss.detach())
+        runs[name] = (torch.stack(losses), emb)
+    assert torch.equal(runs["plain"][0], runs["ahead"][0])
+    ka, va, _ = c.export("plain")
+    kb, vb, _ = c.export("ahead")
+    oa, ob = np.argsort(ka), np.argsort(kb)
+    assert np.array_equal(ka[oa], kb[ob]) and ka.size > 0
+    assert np.array_equal(va[oa].view(np.uint32), vb[ob].view(np.uint32)), "rows (values and state) bit for bit"
+    ahead = runs["ahead"][1]
+    assert ahead.prefetch_hits == 25 and runs["plain"][1].prefetch_hits == 0
+    assert ahead.patched_rows > 0, "consecutive batches share ids: the patch path ran"
+    c.close()
+
+
+def test_a_prefetch_for_other_ids_is_dropped(daemon):
+    from hkvd.torch import Embedding
+
+    c = daemon.client()
+    c.create_table("d", dim=2, capacity=1024, optimizer="sgd")
+    emb = Embedding(c, "d", lr=1.0, verbose=False)
+    emb.prefetch(torch.tensor([1, 2]))
+    out = emb(torch.tensor([3, 4]))  # not the prefetched ids: looked up now
+    assert out.shape == (2, 2) and emb.prefetch_hits == 0
+    ids = torch.tensor([6, 7])
+    emb.prefetch(ids)
+    ids[0] = 3  # changed in place after the prefetch: not the ids it fetched
+    assert emb(ids).shape == (2, 2) and emb.prefetch_hits == 0
+    emb.prefetch(torch.tensor([5]))
+    out = emb(torch.tensor([5]))  # equal ids in other memory: compared, taken
+    assert emb.prefetch_hits == 1
+    out.sum().backward()
+    assert c.find("d", [5])[0][0].tolist() == [-1.0, -1.0]
+    c.close()
+
+
+def _simulate_cuda(monkeypatch):
+    """libcuda replaced by stand-ins: each "device buffer" EmbeddingCache
+    allocates is an shm array that register_cuda registers as a memfd, so
+    the cuda-ipc code path runs against a CPU daemon."""
+    import struct
+
+    import hkvd
+    from hkvd import cuda, region
+    from hkvd.torch import EmbeddingCache as EC
+
+    allocs = []
+
+    def device_buffer(self, nbytes):
+        allocs.append(hkvd.shm_array((nbytes,), np.uint8))
+        return torch.from_numpy(allocs[-1])
+
+    def owner(ptr):
+        for i, a in enumerate(allocs):
+            base = a.__array_interface__["data"][0]
+            if base <= ptr < base + a.nbytes:
+                return i, base, a.nbytes
+        return None
+
+    real_describe = cuda.describe
+
+    def describe(x):
+        if isinstance(x, torch.Tensor) and owner(x.data_ptr()) is not None:
+            return cuda.DeviceArray(x.data_ptr(), x.numel() * x.element_size(), tuple(x.shape),
+                                    np.dtype(str(x.dtype).replace("torch.", "")), x.is_contiguous(), 0, "torch", x)
+        return real_describe(x)
+
+    monkeypatch.setattr(EC, "_device_buffer", device_buffer)
+    monkeypatch.setattr(cuda, "describe", describe)
+    monkeypatch.setattr(cuda, "pointer_info", lambda ptr: (cuda.CU_MEMORYTYPE_DEVICE, 100 + owner(ptr)[0], 0))
+    monkeypatch.setattr(cuda, "allocation", lambda ptr, ordinal: (*owner(ptr)[1:], bytes([owner(ptr)[0]]) + bytes(63)))
+    monkeypatch.setattr(cuda, "device_uuid", lambda ordinal: bytes(16))
+    monkeypatch.setattr(cuda, "synchronize", lambda stream, ordinal: None)
+    monkeypatch.setattr(cuda, "stream_handle", lambda stream, lib, ordinal: 0)
+    real_raw = region.raw_call
+
+    def raw_call(client, op, body, flags=0):
+        if op == cuda.OP_REGISTER_CUDA:
+            m, _ = hkvd.shm._memfd_of(allocs[body[16]])
+            return struct.pack("<IQ", hkvd.shm.register_memfd(client, m.fd, m.size), m.size)
+        return real_raw(client, op, body, flags)
+
+    monkeypatch.setattr(region, "raw_call", raw_call)
+    return allocs
+
+
+def test_modules_over_simulated_cuda_ipc(daemon, monkeypatch):
+    """Embedding's cuda-ipc path (keys, rows, gradients and found in one
+    registered allocation per cache, apply_gradients staged by the daemon,
+    prefetch with its own buffers) trains exactly as over shm."""
+    from hkvd.torch import Embedding, Prefetcher
+
+    allocs = _simulate_cuda(monkeypatch)
+    c = daemon.client()
+    fields, vocab, dim = 3, 50, 4
+    losses = {}
+    for name, transport in (("ipc", "cuda-ipc"), ("shm", "shm")):
+        c.create_table(name, dim=dim, capacity=1 << 12, optimizer="rowwise_adagrad")
+        emb = Embedding(c, name, lr=0.1, transport=transport, events=False, verbose=False, max_batch=256)
+        assert emb.cache.transport == transport
+        model = _Model(emb, fields, dim, 3)
+        bce = torch.nn.BCEWithLogitsLoss()
+        out = []
+        for ids, y in Prefetcher(_data(8, 16, fields, vocab, 4), emb):
+            loss = bce(model(ids), y)
+            loss.backward()
+            out.append(loss.detach())
+        losses[name] = torch.stack(out)
+        assert emb.prefetch_hits == 8
+    assert len(allocs) >= 2, "the prefetch has buffers of its own"
+    assert torch.equal(losses["ipc"], losses["shm"])
+    ka, va, _ = c.export("ipc")
+    kb, vb, _ = c.export("shm")
+    assert np.array_equal(va[np.argsort(ka)].view(np.uint32), vb[np.argsort(kb)].view(np.uint32))
+    c.close()
+
+
+def test_embedding_bag_options_match_native(daemon):
+    """include_last_offset and per_sample_weights (sum) as nn.EmbeddingBag
+    takes them, outputs and gradients through the table (SGD, 1e-5), and a
+    prefetch of the bag values."""
+    from hkvd.torch import EmbeddingBag
+
+    c = daemon.client()
+    c.create_table("o", dim=3, capacity=1 << 10, optimizer="sgd")
+    native = torch.nn.EmbeddingBag(50, 3, mode="sum", sparse=True, include_last_offset=True)
+    w0 = native.weight.detach().clone()
+    ours = EmbeddingBag(c, "o", mode="sum", include_last_offset=True, lr=0.3, init=lambda ids: w0[ids],
+                        verbose=False)
+    o = torch.optim.SGD(native.parameters(), lr=0.3)
+    values = torch.tensor([1, 2, 3, 4, 5, 1, 2])
+    offsets = torch.tensor([0, 2, 2, 7])  # 3 bags, the second empty
+    weights = torch.tensor([0.5, 2.0, 1.0, -1.0, 0.25, 3.0, 1.5])
+    ours.prefetch(values)
+    got = ours(values, offsets, per_sample_weights=weights)
+    want = native(values, offsets, per_sample_weights=weights)
+    assert got.shape == (3, 3) and torch.allclose(got, want, atol=1e-6)
+    assert ours.prefetch_hits == 1
+    target = torch.randn(3, 3)
+    (got * target).sum().backward()
+    (want * target).sum().backward()
+    o.step()
+    v, found = c.find("o", np.arange(1, 6, dtype=np.uint64))
+    assert found.all() and torch.allclose(torch.from_numpy(v), native.weight.detach()[1:6], atol=1e-5)
+    with pytest.raises(ValueError, match="need mode sum"):
+        EmbeddingBag(c, "o", mode="mean", verbose=False)(values, offsets, per_sample_weights=weights)
+    c.close()

@@ -68,6 +68,10 @@ pub enum Error {
     /// or run past the buffer, `num_buckets` 0); nothing was hashed.
     #[error("bad features: {0}")]
     Features(String),
+    /// An apply_gradients batch the table's optimizer cannot run: hyperparameters
+    /// out of range, or rows of another width; nothing was changed.
+    #[error("apply_gradients: {0}")]
+    Optimizer(String),
     /// Host memory for the table could not be allocated; nothing was changed.
     #[error("out of host memory: {0}")]
     OutOfMemory(String),

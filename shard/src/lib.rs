@@ -122,6 +122,7 @@ pub mod features;
 pub mod hash;
 pub mod lock;
 pub mod mrc;
+pub mod optim;
 pub mod sample;
 pub mod score;
 
@@ -365,11 +366,12 @@ pub enum Op {
     Export,
     Reserve,
     Load,
+    ApplyGradients,
 }
 
 impl Op {
     /// Every op, in stats order.
-    pub const ALL: [Op; 14] = [
+    pub const ALL: [Op; 15] = [
         Op::Find,
         Op::Contains,
         Op::InsertOrAssign,
@@ -384,6 +386,7 @@ impl Op {
         Op::Export,
         Op::Reserve,
         Op::Load,
+        Op::ApplyGradients,
     ];
 
     /// The snake_case name.
@@ -403,6 +406,7 @@ impl Op {
             Op::Export => "export",
             Op::Reserve => "reserve",
             Op::Load => "load",
+            Op::ApplyGradients => "apply_gradients",
         }
     }
 
@@ -410,7 +414,7 @@ impl Op {
     pub fn group(self) -> Group {
         match self {
             Op::Find | Op::Contains | Op::Export => Group::Reader,
-            Op::Assign | Op::AssignScores => Group::Updater,
+            Op::Assign | Op::AssignScores | Op::ApplyGradients => Group::Updater,
             _ => Group::Inserter,
         }
     }
@@ -509,6 +513,31 @@ pub trait Shard: Send + Sync {
         scores: Option<&[u64]>,
         outcomes: Option<&mut [Outcome]>,
     ) -> Result<Summary>;
+    /// One optimizer step in the table ([`optim`]): for each present key,
+    /// `step` applied to its stored row (values and optimizer state,
+    /// `step.row_dim()` floats: the table's dim) with its gradient row
+    /// (`step.dim` floats of `grads`); absent keys are left absent. `found`
+    /// gets a flag per key; `updated`, when given, the key's values
+    /// (`step.dim` floats) as its step left them (zeros for an absent key).
+    /// Duplicate keys are stepped one after the other. Returns the count of
+    /// keys absent. Scores as `assign` gives them (the policy's update rule
+    /// without caller scores).
+    ///
+    /// The default reads the rows with [`Shard::find`], steps them on the
+    /// host and writes them back with [`Shard::assign`]: correct for a
+    /// batch alone, but a write to the same keys between the two is
+    /// overwritten (a backend serves it in place to be atomic per row, as
+    /// the CPU backend does).
+    fn apply_gradients(
+        &self,
+        keys: &[u64],
+        grads: &[f32],
+        step: &optim::Step,
+        found: &mut [bool],
+        updated: Option<&mut [f32]>,
+    ) -> Result<u64> {
+        apply_gradients_by_find(self, keys, grads, step, found, updated)
+    }
     /// Removes keys; returns how many were present. Inserter group.
     fn erase(&self, keys: &[u64], erased: Option<&mut [bool]>) -> Result<usize>;
     /// Removes every entry matching the filter; returns the count. Inserter group.
@@ -690,6 +719,88 @@ impl<'a> From<&'a mut [f32]> for Rows<'a> {
 
 /// [`Shard::find_at`] through [`Shard::find`]: the rows found into a
 /// batch-sized array, then each placed at its target row.
+/// [`Shard::apply_gradients`] through the trait's own find and assign
+/// (its default).
+pub fn apply_gradients_by_find<S: Shard + ?Sized>(
+    s: &S,
+    keys: &[u64],
+    grads: &[f32],
+    step: &optim::Step,
+    found: &mut [bool],
+    updated: Option<&mut [f32]>,
+) -> Result<u64> {
+    let (n, d, w) = (keys.len(), step.dim, s.dim());
+    optim::check_batch(w, step, n, grads.len(), found.len(), updated.as_ref().map(|u| u.len()))?;
+    check::keys(keys)?;
+    let mut rows = vec![0.0f32; n * w];
+    s.find(keys, &mut rows, found, None)?;
+    // Duplicates step the row their first occurrence holds, in index order.
+    let mut first: std::collections::HashMap<u64, usize> = std::collections::HashMap::with_capacity(n);
+    let mut own: Vec<usize> = Vec::with_capacity(n);
+    for (i, &k) in keys.iter().enumerate() {
+        own.push(*first.entry(k).or_insert(i));
+    }
+    let missing = found.iter().filter(|&&f| !f).count() as u64;
+    if own.iter().enumerate().all(|(i, &o)| o == i) {
+        // Distinct keys (what clients that reduce duplicates send): every
+        // row stepped on its own, on every core.
+        use rayon::prelude::*;
+        let each = rows.par_chunks_mut(w).zip(grads.par_chunks(d)).zip(found.par_iter());
+        match updated {
+            Some(u) => each.zip(u.par_chunks_mut(d)).with_min_len(1024).for_each(|(((row, g), &f), u)| {
+                if f {
+                    step.apply(row, g);
+                    u.copy_from_slice(&row[..d]);
+                } else {
+                    u.fill(0.0);
+                }
+            }),
+            None => each.with_min_len(1024).for_each(|((row, g), &f)| {
+                if f {
+                    step.apply(row, g);
+                }
+            }),
+        }
+    } else {
+        step_in_order(step, &own, &mut rows, grads, found, updated, w);
+    }
+    let write: Vec<usize> = (0..n).filter(|&i| found[i] && own[i] == i).collect();
+    if !write.is_empty() {
+        let k: Vec<u64> = write.iter().map(|&i| keys[i]).collect();
+        let v: Vec<f32> = write.iter().flat_map(|&i| rows[i * w..(i + 1) * w].iter().copied()).collect();
+        s.assign(&k, &v, None, None)?;
+    }
+    Ok(missing)
+}
+
+/// The default's step with duplicate keys: each occurrence steps the row
+/// of its key's first occurrence, in index order.
+fn step_in_order(
+    step: &optim::Step,
+    own: &[usize],
+    rows: &mut [f32],
+    grads: &[f32],
+    found: &[bool],
+    mut updated: Option<&mut [f32]>,
+    w: usize,
+) {
+    let d = step.dim;
+    for i in 0..own.len() {
+        if !found[i] {
+            if let Some(u) = updated.as_deref_mut() {
+                u[i * d..(i + 1) * d].fill(0.0);
+            }
+            continue;
+        }
+        let o = own[i];
+        let row = &mut rows[o * w..(o + 1) * w];
+        step.apply(row, &grads[i * d..(i + 1) * d]);
+        if let Some(u) = updated.as_deref_mut() {
+            u[i * d..(i + 1) * d].copy_from_slice(&row[..d]);
+        }
+    }
+}
+
 pub(crate) fn find_at_by_find<S: Shard + ?Sized>(
     s: &S,
     keys: &[u64],

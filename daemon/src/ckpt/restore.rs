@@ -493,13 +493,29 @@ fn build_tables(
 }
 
 /// Refuses a checkpoint whose tables differ from running tables of the
-/// same names in dim or policy.
+/// same names in dim (the stored row's width, optimizer state included),
+/// optimizer or policy.
 fn check_compatible(router: &Router, target: &Manifest) -> Result<(), Failure> {
     for t in &target.tables {
         let Ok(running) = router.table(&t.name) else { continue };
         let mut diff = vec![];
-        if running.spec.dim != t.dim {
-            diff.push(format!("dim {} here, {} in the checkpoint", running.spec.dim, t.dim));
+        let optimizer = manifest_spec(&t.spec).map(|s| s.optimizer).unwrap_or(running.spec.optimizer);
+        if running.config.dim != t.dim {
+            // Rows hold an optimizer's state after the values: their width
+            // is what must match.
+            diff.push(if running.spec.optimizer.is_none() && optimizer.is_none() {
+                format!("dim {} here, {} in the checkpoint", running.config.dim, t.dim)
+            } else {
+                format!("rows of {} floats here, {} in the checkpoint", running.config.dim, t.dim)
+            });
+        }
+        if running.spec.optimizer != optimizer {
+            let name = |o: Option<hkv_proto::Optimizer>| o.map_or("none", |o| o.as_str());
+            diff.push(format!(
+                "optimizer {} here, {} in the checkpoint",
+                name(running.spec.optimizer),
+                name(optimizer)
+            ));
         }
         if running.spec.policy != t.policy {
             diff.push(format!("policy {} here, {} in the checkpoint", running.spec.policy, t.policy));

@@ -78,13 +78,14 @@ impl Arr {
 }
 
 /// Resolves and checks every reference of `req` against its slot and
-/// region (bounds, alignment, counts); returns them with n and the output
-/// capacity.
+/// region (bounds, alignment, counts; `dim` the table's row width,
+/// `values_dim` its value dim without optimizer state); returns them with n.
 pub(super) fn resolve(
     regions: &HashMap<u32, Arc<Region>>,
     events: Option<&HashMap<u32, Arc<IpcEvent>>>,
     req: &RegionRequest,
     dim: usize,
+    values_dim: usize,
 ) -> Result<(Vec<Arr>, usize), ProtoError> {
     let slots = req.slots();
     let mut arrs = Vec::with_capacity(slots.len());
@@ -131,12 +132,13 @@ pub(super) fn resolve(
         let want = match a.slot.count {
             Count::N => Some(n),
             Count::NDim => n.checked_mul(dim),
+            Count::NValues => n.checked_mul(values_dim as u64),
             Count::Cap => Some(cap),
             Count::CapDim => cap.checked_mul(dim),
             Count::SetsN | Count::Offsets | Count::Any => continue,
         };
         if want != Some(a.r.count) {
-            let code = if matches!(a.slot.count, Count::NDim | Count::CapDim) {
+            let code = if matches!(a.slot.count, Count::NDim | Count::CapDim | Count::NValues) {
                 ErrorCode::WrongDim
             } else {
                 ErrorCode::LengthMismatch
@@ -144,11 +146,12 @@ pub(super) fn resolve(
             return Err(err(
                 code,
                 format!(
-                    "{}: {} elements, but {} are needed ({n} keys{}, dim {dim}); nothing was applied",
+                    "{}: {} elements, but {} are needed ({n} keys{}, dim {}); nothing was applied",
                     a.slot.name,
                     a.r.count,
                     want.map_or("more than 2^64".into(), |w| w.to_string()),
-                    if cap > 0 { format!(", room for {cap} entries") } else { String::new() }
+                    if cap > 0 { format!(", room for {cap} entries") } else { String::new() },
+                    if a.slot.count == Count::NValues { values_dim as u64 } else { dim }
                 ),
             ));
         }

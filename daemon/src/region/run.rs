@@ -99,7 +99,7 @@ pub(super) async fn run(
 ) -> Result<RegionAnswer, ProtoError> {
     let t = state.router.table(&req.table)?;
     let dim = t.config.dim;
-    let (arrs, n) = resolve(regions, known_events, &req, dim)?;
+    let (arrs, n) = resolve(regions, known_events, &req, dim, t.spec.dim)?;
     if req.op == u8::from(Op::InsertAndEvict) && need(&arrs, "evicted_keys")?.r.count < n as u64 {
         return Err(err(
             ErrorCode::LengthMismatch,
@@ -228,6 +228,7 @@ async fn staged(
     if keys.len() != n && !matches!(req.head, Head::Export { .. }) {
         return Err(err(ErrorCode::Internal, "hashing gave a key count unlike the features'"));
     }
+    let grads: Option<Vec<f32>> = named(arrs, "grads").map(|a| a.read()).transpose()?;
     let values_in: Option<Vec<f32>> = match named(arrs, "values") {
         Some(a) if a.slot.dir != Dir::Out => Some(a.read()?),
         _ => None,
@@ -290,6 +291,19 @@ async fn staged(
             let r = router.assign_scores(t, keys, scores_in, req.outcomes).await?;
             put(take("outcomes"), r.outcomes.as_deref().unwrap_or(&[]))?;
             Ok(RegionAnswer::Write(r.summary))
+        }
+        (Op::ApplyGradients, Head::Apply(hyper)) => {
+            let grads = grads.unwrap_or_default();
+            let r = match &backed {
+                Some(b) => {
+                    crate::backing::apply_gradients(router, &state.backing, b, t, hyper, keys, grads, req.outcomes)
+                        .await?
+                }
+                None => router.apply_gradients(t, hyper, keys, grads, req.outcomes).await?,
+            };
+            put(take("found"), r.found.as_deref().unwrap_or(&[]))?;
+            put(take("values"), r.values.as_deref().unwrap_or(&[]))?;
+            Ok(RegionAnswer::Count(r.missing))
         }
         (Op::Export, Head::Export { shard, offset, max_slots, filter }) => {
             let cap = need(arrs, "keys")?.r.count;

@@ -82,6 +82,10 @@ impl Router {
             Request::Contains { keys, .. } | Request::Erase { keys, .. } | Request::AssignScores { keys, .. } => {
                 times(keys.len(), 1, 64)
             }
+            Request::ApplyGradients { table, keys, outcomes: true, .. } => {
+                let d = self.table(table).map_or(0, |t| t.spec.dim);
+                times(keys.len(), 1 + 4 * d as u64, 64)
+            }
             Request::Export { table, max_slots, .. } => {
                 let d = dim(table);
                 let slots = (*max_slots).clamp(1, export_slots(d, self.max_answer).max(1));

@@ -8,7 +8,7 @@ use hkv_shard::{Filter, Outcome};
 use super::split::Split;
 use super::{Router, Table};
 use crate::actor::ShardOp;
-use crate::shard_ops::{Destination, Find, FindTo, Keys, Written};
+use crate::shard_ops::{Applied, Destination, Find, FindTo, Keys, Written};
 
 /// A find's answer in arrays of the daemon, in request order.
 pub struct FindAnswer {
@@ -42,6 +42,22 @@ pub struct WriteAnswer {
 impl From<WriteAnswer> for Response {
     fn from(a: WriteAnswer) -> Response {
         Response::Write { summary: a.summary, outcomes: a.outcomes, values: a.values, evicted: a.evicted }
+    }
+}
+
+/// apply_gradients' answer, in request order.
+pub struct ApplyAnswer {
+    /// Keys absent (not updated).
+    pub missing: u64,
+    /// 1 per key updated, when asked for.
+    pub found: Option<Vec<u8>>,
+    /// The values after the step (value dim a key), when asked for.
+    pub values: Option<Vec<f32>>,
+}
+
+impl From<ApplyAnswer> for Response {
+    fn from(a: ApplyAnswer) -> Response {
+        Response::Applied { missing: a.missing, found: a.found, values: a.values }
     }
 }
 
@@ -110,6 +126,32 @@ impl Router {
             }
         }
         Ok(WriteAnswer { summary, outcomes, values, evicted })
+    }
+
+    /// apply_gradients' answers merged: counts added, flags and values in
+    /// request order (`dim`: the value dim).
+    pub(super) async fn applied<O: ShardOp<Output = Applied>>(
+        &self,
+        t: &Table,
+        split: &Split,
+        ops: Vec<O>,
+        n: usize,
+        dim: usize,
+        want: bool,
+    ) -> Result<ApplyAnswer, ProtoError> {
+        let mut missing = 0;
+        let mut found = want.then(|| split.out(n, 1, 0u8));
+        let mut values = want.then(|| split.out(n, dim, 0.0f32));
+        for (j, a) in self.fan_out(t, ops).await?.into_iter().enumerate() {
+            missing += a.missing;
+            if let Some(dst) = found.as_mut() {
+                split.place(dst, j, a.found.into_iter().map(u8::from).collect(), 1);
+            }
+            if let (Some(dst), Some(v)) = (values.as_mut(), a.values) {
+                split.place(dst, j, v, dim);
+            }
+        }
+        Ok(ApplyAnswer { missing, found, values })
     }
 
     /// A find into arrays: found flags, rows and scores in request order.

@@ -16,7 +16,7 @@
 mod bounds;
 mod merge;
 pub(crate) use merge::to_wire;
-pub use merge::{ExportAnswer, FindAnswer, WriteAnswer};
+pub use merge::{ApplyAnswer, ExportAnswer, FindAnswer, WriteAnswer};
 pub use ops::Hashed;
 mod mrc;
 mod ops;

@@ -10,7 +10,7 @@ use hkv_shard::check::{self, CheckedKeys};
 use hkv_shard::ScorePolicy;
 
 use super::bounds::{export_slots, find_per_key, write_per_key};
-use super::merge::{to_filter, ExportAnswer, FindAnswer, WriteAnswer};
+use super::merge::{to_filter, ApplyAnswer, ExportAnswer, FindAnswer, WriteAnswer};
 use super::split::Split;
 use super::{Router, Table};
 use crate::error::{err, shard_error};
@@ -46,6 +46,36 @@ fn shard_keys(
             Ok(k.parts(parts).into_iter().map(CheckedKeys::into_vec).collect())
         }
     }
+}
+
+/// The optimizer step of a request on `t`, which must have been created
+/// with an optimizer (else `bad_request`).
+pub(crate) fn step_of(t: &Table, hyper: hkv_proto::Hyper) -> Result<hkv_shard::optim::Step, ProtoError> {
+    use hkv_shard::optim::Optimizer as O;
+    let Some(o) = t.spec.optimizer else {
+        return Err(ProtoError::bad_request(format!(
+            "apply_gradients: table {:?} has no optimizer; create it with \"optimizer\" (sgd, adagrad, \
+             rowwise_adagrad or adam) to keep the optimizer's state in its rows",
+            t.spec.name
+        )));
+    };
+    let optimizer = match o {
+        hkv_proto::Optimizer::Sgd => O::Sgd,
+        hkv_proto::Optimizer::Adagrad => O::Adagrad,
+        hkv_proto::Optimizer::RowwiseAdagrad => O::RowwiseAdagrad,
+        hkv_proto::Optimizer::Adam => O::Adam,
+    };
+    let h = hkv_shard::optim::Hyper {
+        lr: hyper.lr,
+        eps: hyper.eps,
+        beta1: hyper.beta1,
+        beta2: hyper.beta2,
+        weight_decay: hyper.weight_decay,
+        step: hyper.step,
+    };
+    let step = hkv_shard::optim::Step { optimizer, dim: t.spec.dim, hyper: h };
+    step.check().map_err(shard_error)?;
+    Ok(step)
 }
 
 impl Router {
@@ -91,6 +121,9 @@ impl Router {
             }
             Request::Export { cursor, max_slots, filter, .. } => {
                 self.export(&t, cursor, max_slots, filter).await.map(Into::into)
+            }
+            Request::ApplyGradients { hyper, keys, grads, outcomes, .. } => {
+                self.apply_gradients(&t, hyper, keys, grads, outcomes).await.map(Into::into)
             }
             other => Err(ProtoError::bad_request(format!("{} is not a table operation", other.op().name()))),
         }
@@ -190,6 +223,32 @@ impl Router {
             .map(|(keys, values)| op::Write { op: code, keys, values, scores: scores.as_mut().and_then(|s| s.next()) })
             .collect();
         self.writes(t, &split, ops, n, outcomes, code.into()).await
+    }
+
+    /// apply_gradients: one step of the table's optimizer on the rows of
+    /// the present keys; with `values`, their flags and values after it.
+    pub async fn apply_gradients(
+        &self,
+        t: &Table,
+        hyper: hkv_proto::Hyper,
+        keys: Vec<u64>,
+        grads: Vec<f32>,
+        values: bool,
+    ) -> Result<ApplyAnswer, ProtoError> {
+        let step = step_of(t, hyper)?;
+        let (n, d) = (keys.len(), step.dim);
+        if values {
+            self.bound("apply_gradients", n, d, 1 + 4 * d as u64, 64)?;
+        }
+        let split = Split::new(&keys, t.shards());
+        let rows = t.config.dim;
+        let keys = shard_keys(&split, keys, |n| hkv_shard::optim::check_batch(rows, &step, n, grads.len(), n, None))?;
+        let ops = keys
+            .into_iter()
+            .zip(split.take(grads, d))
+            .map(|(keys, grads)| op::ApplyGradients { keys, grads, step, values })
+            .collect();
+        self.applied(t, &split, ops, n, d, values).await
     }
 
     /// assign_scores.

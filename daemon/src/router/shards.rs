@@ -60,6 +60,7 @@ impl Router {
             size: sizes.iter().map(|s| s.0).sum(),
             capacity: sizes.iter().map(|s| s.1).sum(),
             shards: t.shards() as u32,
+            row_dim: t.config.dim,
         })
     }
 

@@ -154,7 +154,18 @@ pub fn shard_config(spec: &TableSpec, n: usize) -> Result<TableConfig, ProtoErro
     }
     // Sizes that cannot even be counted in bytes are memory no host has,
     // whatever the shard count: the same answer as the budget's refusals.
-    let slot_bytes = (spec.dim as u64).saturating_mul(4).saturating_add(145);
+    // A table with an optimizer stores its state beside the values: its
+    // shards' rows are `row_dim` floats, and so are its value arrays on
+    // the wire (every op but apply_gradients).
+    let row_dim = spec.row_dim();
+    if spec.optimizer.is_some() && row_dim > 1 << 16 {
+        return Err(ProtoError::bad_request(format!(
+            "invalid table config: dim {} with optimizer {} makes rows of {row_dim} floats; rows hold 65536 at most",
+            spec.dim,
+            spec.optimizer.map_or("", |o| o.as_str())
+        )));
+    }
+    let slot_bytes = (row_dim as u64).saturating_mul(4).saturating_add(145);
     let dim_ok = (1..=1 << 16).contains(&spec.dim); // else the config check below names the dim
     if dim_ok && spec.capacity.max(spec.max_capacity).checked_mul(slot_bytes).is_none() {
         return Err(ProtoError::new(
@@ -170,7 +181,7 @@ pub fn shard_config(spec: &TableSpec, n: usize) -> Result<TableConfig, ProtoErro
         capacity: per(spec.capacity),
         max_capacity: per(spec.max_capacity),
         max_load_factor: spec.max_load_factor.unwrap_or(0.5),
-        dim: spec.dim,
+        dim: row_dim,
         policy,
         mode,
         fast_tier_bytes: spec.fast_tier_bytes.map(per),

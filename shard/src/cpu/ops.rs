@@ -431,6 +431,55 @@ impl Shard for CpuTable {
         Ok(first.summary.merge(acc.summary))
     }
 
+    fn apply_gradients(
+        &self,
+        keys: &[u64],
+        grads: &[f32],
+        step: &crate::optim::Step,
+        found: &mut [bool],
+        updated: Option<&mut [f32]>,
+    ) -> Result<u64> {
+        let (n, d, w) = (keys.len(), step.dim, self.config.dim);
+        crate::optim::check_batch(w, step, n, grads.len(), found.len(), updated.as_ref().map(|u| u.len()))?;
+        check::keys(keys)?;
+        // In place, in the updater group as accum_or_assign's first phase:
+        // each row read, stepped and written under its bucket's mutex.
+        let _g = self.lock.acquire(Group::Updater);
+        self.counters.op(Op::ApplyGradients, n);
+        self.samples.record(keys, Kind::Update);
+        let st = self.storage.read();
+        let scorer = self.scorer();
+        // `values` of the split outputs carries the updated values (d a key).
+        let outs = Outs { values: updated, found: Some(found), ..Outs::default() };
+        let acc = run_batch(n, outs, d, &|r: Range<usize>, mut outs: Outs<'_>| {
+            let mut acc = Acc::default();
+            let mut row = vec![0.0f32; w];
+            for (j, i) in r.clone().enumerate() {
+                if j % PIPE == 0 {
+                    self.touch(&st, &keys[i..r.end.min(i + PIPE)]);
+                }
+                let hit = self.with_entry_mut(&st, keys[i], |b, s| {
+                    st.read_row(b, s, &mut row);
+                    step.apply(&mut row, &grads[i * d..(i + 1) * d]);
+                    st.write_row(b, s, &row);
+                    let bk = &st.buckets[b];
+                    bk.set_score(s, scorer.on_update(bk.score(s), None));
+                });
+                if let Some(u) = outs.values.as_deref_mut() {
+                    let dst = &mut u[j * d..(j + 1) * d];
+                    match hit {
+                        Some(()) => dst.copy_from_slice(&row[..d]),
+                        None => dst.fill(0.0),
+                    }
+                }
+                outs.found(j, hit.is_some());
+                acc.hits += hit.is_some() as u64;
+            }
+            acc
+        });
+        Ok(n as u64 - acc.hits)
+    }
+
     fn erase(&self, keys: &[u64], erased: Option<&mut [bool]>) -> Result<usize> {
         let n = keys.len();
         check::erase(keys, erased.as_ref().map(|e| e.len()))?;

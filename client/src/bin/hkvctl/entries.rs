@@ -17,11 +17,12 @@ pub fn parse_entry(s: &str) -> Result<(u64, Vec<f32>)> {
     Ok((key, vals))
 }
 
-/// The dim of table `table`.
+/// The width of table `table`'s rows on the wire (its dim, plus an
+/// optimizer's state columns).
 pub fn table_dim(c: &mut Client, table: &str) -> Result<usize> {
     let t =
         c.tables()?.into_iter().find(|t| t.spec.name == table).with_context(|| format!("no table named {table:?}"))?;
-    Ok(t.spec.dim)
+    Ok(t.row_dim())
 }
 
 /// `hkvctl put TABLE KEY=V1,V2,...`.

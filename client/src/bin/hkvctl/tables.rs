@@ -24,6 +24,10 @@ pub struct CreateTable {
     /// frequencies).
     #[arg(long, default_value = "lru", value_parser = name::<proto::LfuTies>)]
     pub lfu_ties: proto::LfuTies,
+    /// The optimizer apply_gradients runs in the table (sgd, adagrad,
+    /// rowwise_adagrad or adam): each row stores its state after the values.
+    #[arg(long, value_parser = name::<proto::Optimizer>)]
+    pub optimizer: Option<proto::Optimizer>,
     /// Whether find hits refresh scores (true or false); default: the
     /// policy's (on for adaptive, off for the others).
     #[arg(long)]
@@ -64,6 +68,7 @@ pub fn create(c: &mut Client, a: CreateTable) -> Result<()> {
         capacity,
         policy,
         lfu_ties,
+        optimizer,
         reads_refresh,
         dual,
         max_capacity,
@@ -84,10 +89,19 @@ pub fn create(c: &mut Client, a: CreateTable) -> Result<()> {
         lfu_ties,
         backing: backing.map(|list| proto::BackingSpec::from_list(&list, backing_mode.unwrap_or_default())),
         reads_refresh,
+        optimizer,
         ..TableSpec::new(&name, dim, capacity)
     };
     let info = c.create_table(spec)?;
-    println!("created {name}: dim {dim}, capacity {} over {} shards", info.capacity, info.shards);
+    match optimizer {
+        Some(o) => println!(
+            "created {name}: dim {dim} with {o} state (rows of {}), capacity {} over {} shards",
+            info.row_dim(),
+            info.capacity,
+            info.shards
+        ),
+        None => println!("created {name}: dim {dim}, capacity {} over {} shards", info.capacity, info.shards),
+    }
     Ok(())
 }
 
