@@ -199,6 +199,56 @@ def test_embedding_cache_over_cuda_ipc_equals_the_socket():
         assert torch.allclose(shm.lookup(ids), cache.lookup(ids))
 
 
+def test_prefetched_training_over_cuda_ipc_is_bit_identical():
+    """The issue's bar on the GPU: two tables (Adam in the table) trained
+    over CUDA IPC on the same 300 batches of device ids, one looking up at
+    each forward, the other one batch ahead through Prefetcher; every loss
+    and every stored row (values and Adam's state) equal bit for bit."""
+    from hkvd.torch import Embedding, Prefetcher
+
+    fields, vocab, dim, batch, steps = 4, 2000, 16, 512, 300
+    dev = torch.device("cuda", 0)
+    c = hkvd.Client(SOCKET)
+    g = torch.Generator().manual_seed(35)
+    data = []
+    for _ in range(steps):
+        u = torch.rand((batch, fields), generator=g)
+        ids = ((vocab * u ** 3).long() + torch.arange(fields) * vocab).to(dev)
+        data.append((ids, (ids[:, 0] % 2).float()))
+    runs = {}
+    names = {}
+    for kind, ahead in (("plain", False), ("ahead", True)):
+        name = names[kind] = "gpu_pf_" + uuid.uuid4().hex[:10]
+        c.create_table(name, dim=dim, capacity=1 << 16, optimizer="adam")
+        emb = Embedding(c, name, lr=0.01, init=lambda i: (i % 13).float()[:, None].expand(-1, dim) / 13,
+                        transport="cuda-ipc", device=dev, verbose=False)
+        torch.manual_seed(7)
+        mlp = torch.nn.Sequential(torch.nn.Linear(fields * dim, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)).to(dev)
+        opt = torch.optim.SGD(mlp.parameters(), lr=0.05)
+        bce = torch.nn.BCEWithLogitsLoss()
+        losses = []
+        for ids, y in (Prefetcher(data, emb) if ahead else data):
+            opt.zero_grad()
+            loss = bce(mlp(emb(ids).flatten(1)).squeeze(1), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        torch.cuda.synchronize()
+        runs[kind] = (torch.stack(losses).cpu(), emb)
+    try:
+        assert torch.equal(runs["plain"][0], runs["ahead"][0]), "losses bit for bit"
+        ka, va, _ = c.export(names["plain"])
+        kb, vb, _ = c.export(names["ahead"])
+        oa, ob = np.argsort(ka), np.argsort(kb)
+        assert ka.size > 0 and np.array_equal(ka[oa], kb[ob])
+        assert np.array_equal(va[oa].view(np.uint32), vb[ob].view(np.uint32)), "rows (values and state) bit for bit"
+        assert runs["ahead"][1].prefetch_hits == steps and runs["ahead"][1].patched_rows > 0
+    finally:
+        for n in names.values():
+            c.drop_table(n)
+        c.close()
+
+
 def test_cupy_arrays():
     if cupy is None:
         if pytest is not None:
