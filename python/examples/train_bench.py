@@ -238,8 +238,13 @@ def main(argv=None) -> int:
                 if v == "native":
                     native_rows = emb.weight.detach()[touched].clone()
                 else:
-                    vals, found = c.find(table, touched.cpu().numpy().astype(np.uint64))
-                    rows = torch.from_numpy(vals[:, :a.dim].copy())
+                    # In finds of at most 1 Mi keys: every touched row may
+                    # not fit one answer (limits.max_frame_bytes).
+                    keys = touched.cpu().numpy().astype(np.uint64)
+                    parts = [c.find(table, keys[s:s + (1 << 20)]) for s in range(0, keys.size, 1 << 20)]
+                    vals = np.concatenate([p[0][:, :a.dim] for p in parts]) if parts else np.zeros((0, a.dim), np.float32)
+                    found = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, bool)
+                    rows = torch.from_numpy(vals)
                     if native_rows is not None and a.optimizer != "rowwise_adagrad" and found.all():
                         res["rows_diff"] = float((rows - native_rows.cpu()).abs().max())
             if table is not None:

@@ -199,12 +199,31 @@ def test_embedding_cache_over_cuda_ipc_equals_the_socket():
         assert torch.allclose(shm.lookup(ids), cache.lookup(ids))
 
 
+# The table optimizers the prefetch test trains with ($HKVD_GPU_OPTIMIZERS, comma separated, to pick).
+OPTIMIZERS_ON_GPU = tuple(os.environ.get("HKVD_GPU_OPTIMIZERS", "adam,sgd").split(","))
+
+
 def test_prefetched_training_over_cuda_ipc_is_bit_identical():
-    """The issue's bar on the GPU: two tables (Adam in the table) trained
+    """The issue's bar on the GPU: two tables (Adam, then SGD, in the table) trained
     over CUDA IPC on the same 300 batches of device ids, one looking up at
     each forward, the other one batch ahead through Prefetcher; every loss
-    and every stored row (values and Adam's state) equal bit for bit."""
+    and every stored row (values and Adam's state) equal bit for bit. Under
+    torch's deterministic algorithms: its own sums on the GPU (the sparse
+    gradient's per-id sums with index_add_, the MLP's) otherwise vary in
+    their last bits from one run to the next, prefetched or not."""
     from hkvd.torch import Embedding, Prefetcher
+
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        # Adam: apply_gradients (staged by the daemon); SGD: accum_or_assign in place.
+        for opt in OPTIMIZERS_ON_GPU:
+            _prefetched_training_bit_identical(Embedding, Prefetcher, opt)
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
+def _prefetched_training_bit_identical(Embedding, Prefetcher, opt):
 
     fields, vocab, dim, batch, steps = 4, 2000, 16, 512, 300
     dev = torch.device("cuda", 0)
@@ -219,19 +238,19 @@ def test_prefetched_training_over_cuda_ipc_is_bit_identical():
     names = {}
     for kind, ahead in (("plain", False), ("ahead", True)):
         name = names[kind] = "gpu_pf_" + uuid.uuid4().hex[:10]
-        c.create_table(name, dim=dim, capacity=1 << 16, optimizer="adam")
+        c.create_table(name, dim=dim, capacity=1 << 16, optimizer=opt)
         emb = Embedding(c, name, lr=0.01, init=lambda i: (i % 13).float()[:, None].expand(-1, dim) / 13,
                         transport="cuda-ipc", device=dev, verbose=False)
         torch.manual_seed(7)
         mlp = torch.nn.Sequential(torch.nn.Linear(fields * dim, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)).to(dev)
-        opt = torch.optim.SGD(mlp.parameters(), lr=0.05)
+        dense = torch.optim.SGD(mlp.parameters(), lr=0.05)
         bce = torch.nn.BCEWithLogitsLoss()
         losses = []
         for ids, y in (Prefetcher(data, emb) if ahead else data):
-            opt.zero_grad()
+            dense.zero_grad()
             loss = bce(mlp(emb(ids).flatten(1)).squeeze(1), y)
             loss.backward()
-            opt.step()
+            dense.step()
             losses.append(loss.detach())
         torch.cuda.synchronize()
         runs[kind] = (torch.stack(losses).cpu(), emb)

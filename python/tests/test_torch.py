@@ -420,10 +420,13 @@ def _simulate_cuda(monkeypatch):
     return allocs
 
 
-def test_modules_over_simulated_cuda_ipc(daemon, monkeypatch):
+@pytest.mark.parametrize("opt", ["rowwise_adagrad", "sgd"])
+def test_modules_over_simulated_cuda_ipc(daemon, monkeypatch, opt):
     """Embedding's cuda-ipc path (keys, rows, gradients and found in one
     registered allocation per cache, apply_gradients staged by the daemon,
-    prefetch with its own buffers) trains exactly as over shm."""
+    prefetch with its own buffers; plain SGD as accum_or_assign of -lr * g,
+    prefetched rows patched with the forward's rows plus that delta) trains
+    exactly as over shm (apply_gradients), bit for bit."""
     from hkvd.torch import Embedding, Prefetcher
 
     allocs = _simulate_cuda(monkeypatch)
@@ -431,7 +434,7 @@ def test_modules_over_simulated_cuda_ipc(daemon, monkeypatch):
     fields, vocab, dim = 3, 50, 4
     losses = {}
     for name, transport in (("ipc", "cuda-ipc"), ("shm", "shm")):
-        c.create_table(name, dim=dim, capacity=1 << 12, optimizer="rowwise_adagrad")
+        c.create_table(name, dim=dim, capacity=1 << 12, optimizer=opt)
         emb = Embedding(c, name, lr=0.1, transport=transport, events=False, verbose=False, max_batch=256)
         assert emb.cache.transport == transport
         model = _Model(emb, fields, dim, 3)
@@ -443,6 +446,9 @@ def test_modules_over_simulated_cuda_ipc(daemon, monkeypatch):
             out.append(loss.detach())
         losses[name] = torch.stack(out)
         assert emb.prefetch_hits == 8
+        assert emb._in_place_sgd() == (opt == "sgd" and transport == "cuda-ipc")
+        if emb._in_place_sgd():
+            assert emb.patched_rows > 0, "consecutive batches share ids: the patch path ran"
     assert len(allocs) >= 2, "the prefetch has buffers of its own"
     assert torch.equal(losses["ipc"], losses["shm"])
     ka, va, _ = c.export("ipc")
