@@ -160,6 +160,14 @@ impl ReadOut {
     }
 }
 
+/// One row to send: borrowed from a request or from a queued batch (no
+/// copy of its values before they are encoded into the command).
+pub(crate) struct Row<'a> {
+    pub key: u64,
+    pub score: u64,
+    pub values: &'a [f32],
+}
+
 /// The shared part of a tier: what the flusher and the handles use.
 pub(crate) struct Core {
     pub cluster: Cluster,
@@ -265,18 +273,20 @@ impl Backing {
             errors: Vec::new(),
         };
         let mut by_group: Vec<Vec<usize>> = vec![Vec::new(); core.layout.groups() as usize];
-        let queued = !core.queue.is_empty();
+        if !core.queue.is_empty() {
+            let mut n = 0;
+            core.queue.lookup_many(keys, |i, e| {
+                out.fetched[i] = Fetched::Found;
+                out.values[i * dim..(i + 1) * dim].copy_from_slice(&e.values);
+                out.scores[i] = e.score;
+                n += 1;
+            });
+            Counters::add(&core.counters.found_queued, n);
+        }
         for (i, &k) in keys.iter().enumerate() {
-            if queued {
-                if let Some(e) = core.queue.lookup(k) {
-                    out.fetched[i] = Fetched::Found;
-                    out.values[i * dim..(i + 1) * dim].copy_from_slice(&e.values);
-                    out.scores[i] = e.score;
-                    Counters::add(&core.counters.found_queued, 1);
-                    continue;
-                }
+            if out.fetched[i] != Fetched::Found {
+                by_group[core.layout.group(k) as usize].push(i);
             }
-            by_group[core.layout.group(k) as usize].push(i);
         }
         let deadline = tokio::time::Instant::from_std(deadline);
         let groups: Vec<(u32, &Vec<usize>)> =
@@ -373,7 +383,16 @@ impl Backing {
         match self.core.mode {
             Mode::ReadOnly => Err(Error::ReadOnly { table: self.core.layout.table().into() }),
             Mode::WriteThrough => {
-                let (_, mut errors) = self.core.send(keys, values, scores).await;
+                let rows: Vec<Row> = keys
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &key)| Row {
+                        key,
+                        score: scores.get(i).copied().unwrap_or(0),
+                        values: &values[i * dim..(i + 1) * dim],
+                    })
+                    .collect();
+                let (_, mut errors) = self.core.send(&rows).await;
                 if errors.is_empty() {
                     Ok(())
                 } else {
@@ -459,13 +478,12 @@ impl Core {
     /// Sends rows: one `MSET` per group, all at once, then one stream entry
     /// naming the keys the cluster acknowledged. Returns which rows failed
     /// and one error per failed node.
-    pub(crate) async fn send(&self, keys: &[u64], values: &[f32], scores: &[u64]) -> (Vec<bool>, Vec<Error>) {
-        let dim = self.layout.dim();
+    pub(crate) async fn send(&self, rows: &[Row<'_>]) -> (Vec<bool>, Vec<Error>) {
         let start = Instant::now();
         let version = self.version();
         let mut by_group: Vec<Vec<usize>> = vec![Vec::new(); self.layout.groups() as usize];
-        for (i, &k) in keys.iter().enumerate() {
-            by_group[self.layout.group(k) as usize].push(i);
+        for (i, r) in rows.iter().enumerate() {
+            by_group[self.layout.group(r.key) as usize].push(i);
         }
         let groups: Vec<(u32, &Vec<usize>)> =
             by_group.iter().enumerate().filter(|(_, ix)| !ix.is_empty()).map(|(g, ix)| (g as u32, ix)).collect();
@@ -476,8 +494,8 @@ impl Core {
                 let mut cmd = redis::cmd("MSET");
                 for &i in ix {
                     buf.clear();
-                    encode_row(version, scores.get(i).copied().unwrap_or(0), &values[i * dim..(i + 1) * dim], &mut buf);
-                    self.layout.write_row_key(keys[i], &mut key);
+                    encode_row(version, rows[i].score, rows[i].values, &mut buf);
+                    self.layout.write_row_key(rows[i].key, &mut key);
                     cmd.arg(&key[..]).arg(&buf[..]);
                 }
                 (self.layout.slot_of_group(g), cmd)
@@ -487,13 +505,13 @@ impl Core {
         // read deadline is for reads); a row not acknowledged is failed.
         let deadline = tokio::time::Instant::now() + self.options.response_timeout * (self.options.retries + 2);
         let results = self.cluster.run(cmds, deadline).await;
-        let mut failed = vec![false; keys.len()];
+        let mut failed = vec![false; rows.len()];
         let mut errors = Vec::new();
         let mut nodes: Vec<String> = Vec::new();
-        let mut acked: Vec<u8> = Vec::with_capacity(keys.len() * 8);
+        let mut acked: Vec<u8> = Vec::with_capacity(rows.len() * 8);
         for (&(g, ix), r) in groups.iter().zip(results) {
             match r {
-                Ok(_) => ix.iter().for_each(|&i| acked.extend_from_slice(&keys[i].to_le_bytes())),
+                Ok(_) => ix.iter().for_each(|&i| acked.extend_from_slice(&rows[i].key.to_le_bytes())),
                 Err(f) => {
                     ix.iter().for_each(|&i| failed[i] = true);
                     let (node, detail) = match f {
@@ -605,12 +623,9 @@ async fn flusher(core: Arc<Core>) {
 
 /// Sends one batch and settles it; whether it all went.
 async fn send_batch(core: Arc<Core>, batch: Batch) -> bool {
-    let dim = core.layout.dim();
-    let keys: Vec<u64> = batch.iter().map(|(k, _)| *k).collect();
-    let scores: Vec<u64> = batch.iter().map(|(_, e)| e.score).collect();
-    let mut values = Vec::with_capacity(keys.len() * dim);
-    batch.iter().for_each(|(_, e)| values.extend_from_slice(&e.values));
-    let (failed, errors) = core.send(&keys, &values, &scores).await;
+    let rows: Vec<Row> = batch.iter().map(|(k, e)| Row { key: *k, score: e.score, values: &e.values }).collect();
+    let (failed, errors) = core.send(&rows).await;
+    drop(rows);
     core.queue.settle(batch, &failed);
     !failed.iter().any(|f| *f) && errors.is_empty()
 }

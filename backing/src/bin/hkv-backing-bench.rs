@@ -6,7 +6,7 @@
 //! `MSET`s. Runs alternate, A B A B …; the table prints medians.
 //!
 //! `hkv-backing-bench [KEYS] [DIM] [BATCH] [ROUNDS]` (defaults 200000 32
-//! 8192 5).
+//! 8192 5); `HKV_BENCH_BATCH_ROWS=N` sets the tier's write-back batch size.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -118,6 +118,10 @@ async fn main() {
     let mut o = Options::new(cluster.seeds(), Mode::WriteBack);
     o.deadline = Duration::from_secs(10);
     o.queue_bytes = 1 << 30;
+    // HKV_BENCH_BATCH_ROWS: the write-back batch size to try (default the tier's).
+    if let Some(b) = std::env::var("HKV_BENCH_BATCH_ROWS").ok().and_then(|v| v.parse().ok()) {
+        o.batch_rows = b;
+    }
     let tier = Backing::open("bench", dim, o).await.unwrap();
     let layout = tier.layout().clone();
     let plain = Plain::connect(&cluster.seeds()[0]).await;
@@ -159,6 +163,8 @@ async fn main() {
         tier.flush(Duration::from_secs(120)).await.unwrap();
         tier_write.push(n as f64 / t.elapsed().as_secs_f64());
     }
+    let ratios = |a: &[f64], b: &[f64]| median(a.iter().zip(b).map(|(t, p)| t / p).collect());
+    let (read_ratio, write_ratio) = (ratios(&tier_read, &plain_read), ratios(&tier_write, &plain_write));
     let s = tier.stats();
     println!("{n} keys, dim {dim}, batches of {batch}, 3 masters on loopback, {rounds} alternated rounds (medians)");
     println!("{:<44} {:>14} {:>8}", "", "keys/s", "ratio");
@@ -167,6 +173,7 @@ async fn main() {
     println!("{:<44} {:>14.0} {:>8.2}", "hkv-backing read (cold, every key found)", tr, tr / pr);
     println!("{:<44} {:>14.0} {:>8}", "plain client: pipelined slot-grouped MSET", pw, "1.00");
     println!("{:<44} {:>14.0} {:>8.2}", "hkv-backing write-back (write + flush)", tw, tw / pw);
+    println!("median of the rounds' ratios: read {read_ratio:.2}, write-back {write_ratio:.2}");
     println!(
         "tier: fetch p50 {} µs p99 {} µs per batch; write p50 {} µs per batch; {} rows written",
         s.fetch_us.quantile_us(0.5),
