@@ -25,7 +25,23 @@ pub(crate) struct Net {
     pub retries: u32,
 }
 
-/// Parses `--backing`'s seeds: `redis://HOST:PORT` or `HOST:PORT`, TCP only.
+/// A seed as errors and logs show it: a password (`redis://:pw@…`,
+/// `redis://user:pw@…`) replaced by `***`.
+pub fn redact(seed: &str) -> String {
+    match (seed.find("://"), seed.rfind('@')) {
+        (Some(a), Some(b)) if b > a + 3 => {
+            let user = seed[a + 3..b].split(':').next().unwrap_or("");
+            format!("{}{user}:***{}", &seed[..a + 3], &seed[b..])
+        }
+        (None, Some(b)) => format!("***{}", &seed[b..]),
+        _ => seed.to_string(),
+    }
+}
+
+/// Parses `--backing`'s seeds: `redis://HOST:PORT` or `HOST:PORT`, TCP only,
+/// with an optional password (`redis://:PASSWORD@HOST:PORT`) or ACL user
+/// and password (`redis://USER:PASSWORD@HOST:PORT`): the first seed's are
+/// used for every node of the cluster.
 pub fn parse_seeds(seeds: &[String]) -> Result<Vec<ConnectionInfo>, Error> {
     if seeds.is_empty() {
         return Err(Error::BadUrl { url: String::new(), detail: "no seed given".into() });
@@ -34,7 +50,7 @@ pub fn parse_seeds(seeds: &[String]) -> Result<Vec<ConnectionInfo>, Error> {
         .iter()
         .map(|s| {
             let s = s.trim();
-            let bad = |detail: String| Error::BadUrl { url: s.to_string(), detail };
+            let bad = |detail: String| Error::BadUrl { url: redact(s), detail };
             if s.is_empty() {
                 return Err(bad("empty seed".into()));
             }
@@ -137,7 +153,7 @@ impl Cluster {
         cluster.refresh().await?;
         if cluster.masters() == 0 {
             return Err(Error::Unreachable {
-                seeds: seeds.join(","),
+                seeds: seeds.iter().map(|s| redact(s)).collect::<Vec<_>>().join(","),
                 detail: "the cluster serves no slots yet".into(),
             });
         }
@@ -181,7 +197,11 @@ impl Cluster {
     }
 
     async fn connect(&self, node: &str, response: Duration) -> Result<MultiplexedConnection, String> {
-        let client = redis::Client::open(format!("redis://{node}")).map_err(|e| e.to_string())?;
+        // The node's address with the first seed's credentials.
+        let (host, port) = node.rsplit_once(':').ok_or_else(|| format!("{node}: not HOST:PORT"))?;
+        let port: u16 = port.parse().map_err(|_| format!("{node}: not HOST:PORT"))?;
+        let info = self.seeds[0].clone().set_addr(ConnectionAddr::Tcp(host.to_string(), port));
+        let client = redis::Client::open(info).map_err(|e| e.to_string())?;
         let cfg = redis::AsyncConnectionConfig::new()
             .set_connection_timeout(Some(self.net.connect))
             .set_response_timeout(Some(response));

@@ -11,11 +11,17 @@
 //!
 //! Every wait here is bounded in time and says what it waited for.
 
+use std::collections::HashMap;
 use std::io;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
+
+use redis::aio::{ConnectionLike, MultiplexedConnection};
+use redis::Value;
+
+use crate::layout::{encode_row, Layout};
 
 /// How long a cluster may take to form or heal before a test gives up.
 const FORM_TIMEOUT: Duration = Duration::from_secs(60);
@@ -297,4 +303,95 @@ pub fn wait_until(limit: Duration, what: &str, mut ok: impl FnMut() -> bool) -> 
 /// Where a node keeps its files (for a test that reads a node's log).
 pub fn node_dir(cluster: &TestCluster, i: usize) -> &Path {
     &cluster.nodes[i].dir
+}
+
+/// The benchmarks' yardstick: a plain client of the same `redis` crate
+/// with its own slot map and one multiplexed connection per master, which
+/// sends one pipeline of slot-grouped commands per master, every master at
+/// once (what the tier does, without a cache, a queue or a stream).
+pub struct PlainClient {
+    conns: HashMap<String, MultiplexedConnection>,
+    slots: Vec<String>,
+}
+
+impl PlainClient {
+    /// Connects to the cluster that `seed` (a `redis://` URL) belongs to.
+    pub async fn connect(seed: &str) -> PlainClient {
+        let mut c = redis::Client::open(seed).unwrap().get_multiplexed_async_connection().await.unwrap();
+        let v: Value = redis::cmd("CLUSTER").arg("SLOTS").query_async(&mut c).await.unwrap();
+        let mut slots = vec![String::new(); 16384];
+        let Value::Array(items) = v else { panic!("CLUSTER SLOTS: {v:?}") };
+        for item in items {
+            let Value::Array(f) = item else { continue };
+            let (Value::Int(a), Value::Int(b), Value::Array(m)) = (&f[0], &f[1], &f[2]) else { continue };
+            let (Value::BulkString(h), Value::Int(p)) = (&m[0], &m[1]) else { continue };
+            let node = format!("{}:{p}", String::from_utf8_lossy(h));
+            (*a as usize..=*b as usize).for_each(|s| slots[s] = node.clone());
+        }
+        let mut conns = HashMap::new();
+        for node in slots.iter().filter(|n| !n.is_empty()) {
+            if !conns.contains_key(node) {
+                let c = redis::Client::open(format!("redis://{node}"))
+                    .unwrap()
+                    .get_multiplexed_async_connection()
+                    .await
+                    .unwrap();
+                conns.insert(node.clone(), c);
+            }
+        }
+        PlainClient { conns, slots }
+    }
+
+    /// One pipeline per node of one command per group, all nodes at once.
+    pub async fn run(&self, cmds: Vec<(u16, redis::Cmd)>) -> Vec<Value> {
+        let mut by_node: HashMap<&str, redis::Pipeline> = HashMap::new();
+        for (slot, cmd) in cmds {
+            by_node.entry(&self.slots[slot as usize]).or_insert_with(redis::pipe).add_command(cmd);
+        }
+        let futs = by_node.into_iter().map(|(node, pipe)| {
+            let mut c = self.conns[node].clone();
+            async move {
+                let n = pipe.cmd_iter().count();
+                c.req_packed_commands(&pipe, 0, n).await.unwrap()
+            }
+        });
+        futures_util::future::join_all(futs).await.into_iter().flatten().collect()
+    }
+
+    /// One `MGET` per group of `keys`.
+    pub fn mget(layout: &Layout, keys: &[u64]) -> Vec<(u16, redis::Cmd)> {
+        group(layout, keys)
+            .into_iter()
+            .map(|(g, ks)| {
+                let mut c = redis::cmd("MGET");
+                ks.iter().for_each(|&k| {
+                    c.arg(layout.row_key(k));
+                });
+                (layout.slot_of_group(g), c)
+            })
+            .collect()
+    }
+
+    /// One `MSET` per group of `keys`, each row `row` (version 1, score 0).
+    pub fn mset(layout: &Layout, keys: &[u64], row: &[f32]) -> Vec<(u16, redis::Cmd)> {
+        let mut buf = Vec::new();
+        group(layout, keys)
+            .into_iter()
+            .map(|(g, ks)| {
+                let mut c = redis::cmd("MSET");
+                for k in ks {
+                    buf.clear();
+                    encode_row(1, 0, row, &mut buf);
+                    c.arg(layout.row_key(k)).arg(&buf[..]);
+                }
+                (layout.slot_of_group(g), c)
+            })
+            .collect()
+    }
+}
+
+fn group(layout: &Layout, keys: &[u64]) -> Vec<(u32, Vec<u64>)> {
+    let mut g: HashMap<u32, Vec<u64>> = HashMap::new();
+    keys.iter().for_each(|&k| g.entry(layout.group(k)).or_default().push(k));
+    g.into_iter().collect()
 }
