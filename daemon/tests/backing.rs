@@ -304,3 +304,66 @@ fn a_restored_backed_table_reads_through_again() {
     assert_eq!(f.found, vec![true, true], "key 4 is read from the cluster");
     assert_eq!(&f.values[4..], &[4.0; 4]);
 }
+
+/// A backed table's find and contains answer, when asked (OUTCOMES), where
+/// each key came from: the cache, the cluster, neither, or not fetched by
+/// the deadline (the request then succeeds; without the ask it fails with
+/// `timeout`). A table without a cluster ignores the ask: its answer is
+/// the same as without it.
+#[test]
+fn answers_say_where_each_key_came_from() {
+    use hkv_client::proto::{flags, origin};
+    use hkv_client::{Request, Response};
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
+    let (mut ca, mut cb) = (a.client(), b.client());
+    let seeds = cluster.seed_arg();
+    ca.create_table(backed("o", &seeds, BackingMode::WriteThrough)).unwrap();
+    let mut slow = backed("o", &seeds, BackingMode::ReadOnly);
+    slow.backing.as_mut().unwrap().deadline_ms = Some(150);
+    cb.create_table(slow).unwrap();
+    let keys: Vec<u64> = (1..=3000u64).collect();
+    let values: Vec<f32> = keys.iter().flat_map(|&k| [k as f32, 0.5, -1.0, 2.0]).collect();
+    ca.insert_or_assign("o", &keys, &values, None).unwrap();
+
+    let f = cb.find_with_origins("o", &[1, 2, 900_000]).unwrap();
+    assert_eq!(f.origins, Some(vec![origin::FILLED, origin::FILLED, origin::ABSENT]));
+    assert_eq!(f.found, vec![true, true, false]);
+    assert_eq!(&f.values[..8], &values[..8]);
+    let f = cb.find_with_origins("o", &[2, 3, 1]).unwrap();
+    assert_eq!(f.origins, Some(vec![origin::HIT, origin::FILLED, origin::HIT]));
+    let (found, o) = cb.contains_with_origins("o", &[3, 4, 900_001]).unwrap();
+    assert_eq!((found, o), (vec![true, true, false], Some(vec![origin::HIT, origin::FILLED, origin::ABSENT])));
+    // A plain find is unchanged: no origins.
+    assert_eq!(cb.find("o", &[1]).unwrap().origins, None);
+
+    // One master stops answering for 1.5 s: with the ask, the keys it
+    // holds come back late (not found), the others found; without it the
+    // request fails with `timeout`.
+    cluster.cli(2, &["client", "pause", "1500", "ALL"]).unwrap();
+    let cold: Vec<u64> = (100..3000u64).collect();
+    let f = cb.find_with_origins("o", &cold).unwrap();
+    let o = f.origins.unwrap();
+    let late = o.iter().filter(|&&x| x == origin::LATE).count();
+    let filled = o.iter().filter(|&&x| x == origin::FILLED).count();
+    assert!(late > 300 && filled > 1000 && late + filled == cold.len(), "late {late} filled {filled}");
+    for (i, &x) in o.iter().enumerate() {
+        assert_eq!(f.found[i], x == origin::FILLED, "key {}: origin {x}", cold[i]);
+    }
+    let late_keys: Vec<u64> = cold.iter().zip(&o).filter(|(_, &x)| x == origin::LATE).map(|(k, _)| *k).collect();
+    assert_eq!(cb.find("o", &late_keys).unwrap_err().code(), Some(ErrorCode::Timeout));
+    // Once the node answers again the late keys are filled.
+    std::thread::sleep(std::time::Duration::from_millis(1600));
+    let f = cb.find_with_origins("o", &late_keys).unwrap();
+    assert!(f.origins.unwrap().iter().all(|&x| x == origin::FILLED) && f.found.iter().all(|&x| x));
+
+    // A table without a cluster: the same answer with and without the ask.
+    cb.create_table(TableSpec::new("plain", 4, 1024)).unwrap();
+    cb.insert_or_assign("plain", &[5], &[1.0; 4], None).unwrap();
+    let req = Request::Find { table: "plain".into(), keys: vec![5, 6], scores: false };
+    let asked = cb.call_flagged(&req, flags::OUTCOMES).unwrap();
+    assert!(matches!(asked, Response::Find { .. }), "{asked:?}");
+    assert_eq!(asked, cb.call(&req).unwrap());
+    let req = Request::Contains { table: "plain".into(), keys: vec![5, 6] };
+    assert_eq!(cb.call_flagged(&req, flags::OUTCOMES).unwrap(), Response::Contains { found: vec![1, 0] });
+}
