@@ -88,6 +88,9 @@ async fn probe(seeds: &[ConnectionInfo], net: Net) -> Result<(), Error> {
             .set_response_timeout(Some(net.response));
         let mut conn = match client.get_multiplexed_async_connection_with_config(&cfg).await {
             Ok(c) => c,
+            Err(e) if e.kind() == redis::ErrorKind::AuthenticationFailed => {
+                return Err(Error::Auth { node, detail: e.to_string() })
+            }
             Err(e) => {
                 last = format!("{node}: {e}");
                 continue;
@@ -97,6 +100,9 @@ async fn probe(seeds: &[ConnectionInfo], net: Net) -> Result<(), Error> {
         return match info {
             Ok(text) if text.contains("cluster_state:") => Ok(()),
             Ok(text) => Err(Error::NotCluster { node, detail: text.lines().next().unwrap_or("").to_string() }),
+            Err(e) if e.code() == Some("NOAUTH") || e.kind() == redis::ErrorKind::AuthenticationFailed => {
+                Err(Error::Auth { node, detail: e.to_string() })
+            }
             Err(e) => Err(Error::NotCluster { node, detail: e.to_string() }),
         };
     }
@@ -353,6 +359,17 @@ impl Cluster {
             }
         }
         out.into_iter().map(|o| o.unwrap_or(Err(Failure::Late))).collect()
+    }
+
+    /// Runs one command on `node` (`HOST:PORT`) itself, on its shared
+    /// connection (`WAIT` counts the writes sent on that connection).
+    pub async fn on_node(&self, node: &str, cmd: Cmd) -> Result<Value, String> {
+        let node: Arc<str> = node.into();
+        let mut c = self.conn(&node, self.net.response).await?;
+        c.req_packed_command(&cmd).await.map_err(|e| {
+            self.forget(&node);
+            e.to_string()
+        })
     }
 
     /// Runs one command on the node serving `slot`.

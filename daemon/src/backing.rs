@@ -110,6 +110,9 @@ pub fn options(spec: &BackingSpec) -> Options {
     if let Some(b) = spec.queue_bytes {
         o.queue_bytes = b;
     }
+    if let Some(n) = spec.wait_replicas {
+        o.wait_replicas = n;
+    }
     o
 }
 
@@ -377,9 +380,14 @@ pub async fn execute(
             let t = router.table(&table)?;
             write(router, tiers, &tier, &t, op, keys, values, scores, outcomes).await.map(Into::into)
         }
+        Request::Erase { table, keys, outcomes } => {
+            let t = router.table(&table)?;
+            let (count, flags) = erase(router, tiers, &tier, &t, keys, outcomes).await?;
+            Ok(Response::Erased { count, flags })
+        }
         other => {
             if let Some(table) = other.table() {
-                invalidate(router, tiers, &*router.table(table)?, true).await?;
+                invalidate(router, tiers, &*router.table(table)?).await?;
             }
             router.execute(other).await
         }
@@ -390,21 +398,13 @@ pub async fn execute(
 /// stream), so that this request reads them from the cluster again.
 ///
 /// Rows that earlier reads filled are put in the cache after their answers
-/// (and hits' scores refreshed so): a request that changes the cache
-/// (`changes`: writes, erases, every op but find and contains) first waits
-/// for them, so that no such insert lands after it; so does one that
-/// erases rows other hosts wrote (an insert of the row it replaced must
-/// not land after the erase). A read needs no such wait: a row not yet
-/// inserted is read from the cluster again.
-async fn invalidate(router: &Router, tiers: &Tiers, t: &Table, changes: bool) -> Result<(), ProtoError> {
-    if changes {
-        tiers.settle_fills(&t.spec.name).await;
-    }
+/// (and hits' scores refreshed so): every request first waits for them,
+/// so that it sees them (a key an answered read filled is a hit, not a
+/// second fetch) and no such insert lands after a write or an erase.
+async fn invalidate(router: &Router, tiers: &Tiers, t: &Table) -> Result<(), ProtoError> {
+    tiers.settle_fills(&t.spec.name).await;
     let mut stale = tiers.take_invalid(&t.spec.name);
     if !stale.is_empty() {
-        if !changes {
-            tiers.settle_fills(&t.spec.name).await;
-        }
         stale.sort_unstable();
         stale.dedup();
         router.erase(t, stale, false).await?;
@@ -460,7 +460,7 @@ pub async fn find_with_origins(
     scores: bool,
     origins: bool,
 ) -> Result<(FindAnswer, Option<Vec<u8>>), ProtoError> {
-    invalidate(router, tiers, t, false).await?;
+    invalidate(router, tiers, t).await?;
     // With scores: the misses' scores are written into them too.
     let FindAnswer { mut found, mut values, scores: got } = router.find_rows(t, keys.clone(), true).await?;
     let mut got = got.unwrap_or_default();
@@ -501,7 +501,7 @@ pub async fn contains_with_origins(
     keys: Vec<u64>,
     origins: bool,
 ) -> Result<(Vec<u8>, Option<Vec<u8>>), ProtoError> {
-    invalidate(router, tiers, t, false).await?;
+    invalidate(router, tiers, t).await?;
     let mut found = router.contains(t, keys.clone()).await?;
     let (miss, rows) = tiers.fill(router, t, tier, &keys, &found, origins, false).await?;
     let codes = origins.then(|| origin_codes(&found, &miss, &rows));
@@ -528,7 +528,7 @@ pub async fn write(
     scores: Option<Vec<u64>>,
     outcomes: bool,
 ) -> Result<WriteAnswer, ProtoError> {
-    invalidate(router, tiers, t, true).await?;
+    invalidate(router, tiers, t).await?;
     if op != WriteOp::FindOrInsert && tier.mode() == Mode::ReadOnly {
         return router.write(t, op, keys, values, scores, outcomes).await;
     }
@@ -578,6 +578,26 @@ pub async fn write(
             router.write(t, op, keys, values, scores, outcomes).await
         }
     }
+}
+
+/// erase on a backed table: the cluster first (write-through: deleted
+/// there and announced to other hosts; write-back: queued), then the
+/// cache, so that a read after it never fills the erased row back. A
+/// read-only table erases from its cache only.
+pub async fn erase(
+    router: &Arc<Router>,
+    tiers: &Tiers,
+    tier: &Backing,
+    t: &Arc<Table>,
+    keys: Vec<u64>,
+    outcomes: bool,
+) -> Result<(u64, Option<Vec<u8>>), ProtoError> {
+    invalidate(router, tiers, t).await?;
+    if tier.mode() != Mode::ReadOnly && !keys.is_empty() {
+        let (b, k) = (tier.clone(), keys.clone());
+        tiers.on_rt(async move { b.erase(&k).await }).await?.map_err(wire)?;
+    }
+    router.erase(t, keys, outcomes).await
 }
 
 /// On a backed table a find hit refreshes its row's score (lru and lfu

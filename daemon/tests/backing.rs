@@ -367,3 +367,45 @@ fn answers_say_where_each_key_came_from() {
     let req = Request::Contains { table: "plain".into(), keys: vec![5, 6] };
     assert_eq!(cb.call_flagged(&req, flags::OUTCOMES).unwrap(), Response::Contains { found: vec![1, 0] });
 }
+
+/// An erase on a backed table reaches the cluster: under write-through at
+/// once (another daemon no longer reads the rows, and the erasing daemon
+/// does not fill them back), under write-back once flushed; a read-only
+/// table erases its cache only. `wait_replicas` travels with the spec: on
+/// a cluster without replicas, a table that asks for one cannot write.
+#[test]
+fn erases_reach_the_cluster_and_writes_can_wait_for_replicas() {
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
+    let (mut ca, mut cb) = (a.client(), b.client());
+    let seeds = cluster.seed_arg();
+    let keys: Vec<u64> = (1..=600u64).map(|k| k * 31).collect();
+    let values: Vec<f32> = keys.iter().flat_map(|&k| [k as f32; 4]).collect();
+    for (name, mode) in [("ewt", BackingMode::WriteThrough), ("ewb", BackingMode::WriteBack)] {
+        ca.create_table(backed(name, &seeds, mode)).unwrap();
+        cb.create_table(backed(name, &seeds, BackingMode::ReadOnly)).unwrap();
+        ca.insert_or_assign(name, &keys, &values, None).unwrap();
+        ca.flush(name).unwrap();
+        assert!(cb.find(name, &keys).unwrap().found.iter().all(|&f| f), "{name}: B reads every row");
+        cb.drop_table(name).unwrap();
+        cb.create_table(backed(name, &seeds, BackingMode::ReadOnly)).unwrap();
+        assert_eq!(ca.erase(name, &keys[..200]).unwrap(), 200);
+        let f = ca.find(name, &keys[..200]).unwrap();
+        assert!(f.found.iter().all(|&x| !x), "{name}: A does not fill erased rows back");
+        ca.flush(name).unwrap();
+        let f = cb.find(name, &keys).unwrap();
+        assert!(f.found[..200].iter().all(|&x| !x), "{name}: the cluster lost the erased rows");
+        assert!(f.found[200..].iter().all(|&x| x) && f.values[800..] == values[800..], "{name}: and kept the rest");
+    }
+    // B is read-only: its erase leaves the cluster's rows.
+    assert_eq!(cb.erase("ewt", &keys[200..210]).unwrap(), 10);
+    assert!(ca.find("ewt", &keys[200..210]).unwrap().found.iter().all(|&x| x));
+
+    let mut spec = backed("w1", &seeds, BackingMode::WriteThrough);
+    spec.backing.as_mut().unwrap().wait_replicas = Some(1);
+    let info = ca.create_table(spec).unwrap();
+    assert_eq!(info.spec.backing.and_then(|b| b.wait_replicas), Some(1));
+    let e = ca.insert_or_assign("w1", &[1], &[1.0; 4], None).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::BackingUnavailable), "{e}");
+    assert!(e.to_string().contains("WAIT"), "{e}");
+}

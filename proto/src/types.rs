@@ -233,6 +233,11 @@ pub struct BackingSpec {
     /// The write-back queue's bound in bytes (absent: 64 MiB).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queue_bytes: Option<u64>,
+    /// Replicas of each master that must acknowledge a write (`WAIT`)
+    /// before it counts as written (absent or 0: the master's
+    /// acknowledgement).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait_replicas: Option<u32>,
 }
 
 impl BackingSpec {
@@ -243,6 +248,7 @@ impl BackingSpec {
             mode,
             deadline_ms: None,
             queue_bytes: None,
+            wait_replicas: None,
         }
     }
 }

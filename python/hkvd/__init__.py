@@ -453,13 +453,16 @@ class Client:
                      hash_key=(0, 0), lfu_ties: Optional[str] = None,
                      backing: Optional[Union[str, Sequence[str]]] = None,
                      backing_mode: str = "read-only",
-                     reads_refresh: Optional[bool] = None) -> dict:
+                     reads_refresh: Optional[bool] = None,
+                     backing_wait_replicas: Optional[int] = None) -> dict:
         """Creates a table; ``num_buckets`` (with ``hash_kind``) sets the hash
         feature requests use when they name none; ``lfu_ties`` ("lru", the
         daemon's default, or "lowest-slot") the lfu tie rule; ``backing``
         (seed URLs of a Redis Cluster, a list or "URL,URL") puts the cluster
         behind the table, ``backing_mode`` ("read-only", "write-through" or
-        "write-back") says how writes reach it; ``reads_refresh`` whether
+        "write-back") says how writes reach it, ``backing_wait_replicas``
+        how many replicas of each master must acknowledge a write (Redis
+        WAIT; None: the master's acknowledgement); ``reads_refresh`` whether
         find hits refresh scores (None: the policy's default, on for
         "adaptive" only)."""
         spec = {"name": name, "dim": dim, "capacity": capacity, "max_capacity": max_capacity,
@@ -471,6 +474,8 @@ class Client:
         if backing is not None:
             seeds = backing.split(",") if isinstance(backing, str) else list(backing)
             spec["backing"] = {"seeds": [s.strip() for s in seeds], "mode": backing_mode}
+            if backing_wait_replicas is not None:
+                spec["backing"]["wait_replicas"] = int(backing_wait_replicas)
         if reads_refresh is not None:
             spec["reads_refresh"] = bool(reads_refresh)
         info = self._json(OP_CREATE_TABLE, spec)
