@@ -409,3 +409,30 @@ fn erases_reach_the_cluster_and_writes_can_wait_for_replicas() {
     assert_eq!(e.code(), Some(ErrorCode::BackingUnavailable), "{e}");
     assert!(e.to_string().contains("WAIT"), "{e}");
 }
+
+/// A cluster that asks for a password (`requirepass`, replicas with
+/// `masterauth`): create-table without it or with a wrong one is
+/// `bad_request` (the message does not show the password given); with it
+/// in the seed URL the table reads and writes through every master.
+#[test]
+fn a_password_in_the_seed_url_reaches_every_node() {
+    let cluster = TestCluster::start_with_password(3, 1, "daemon-pw").expect("start a redis-server cluster");
+    let port = cluster.ports()[0];
+    let d = Daemon::start(&[]);
+    let mut c = d.client();
+    let spec = |seed: String| backed("p", &seed, BackingMode::WriteThrough);
+    let e = c.create_table(spec(format!("redis://127.0.0.1:{port}"))).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::BadRequest), "{e}");
+    let e = c.create_table(spec(format!("redis://:not-it@127.0.0.1:{port}"))).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::BadRequest), "{e}");
+    assert!(!e.to_string().contains("not-it"), "{e}");
+    c.create_table(spec(format!("redis://:daemon-pw@127.0.0.1:{port}"))).unwrap();
+    let keys: Vec<u64> = (1..=1000u64).collect();
+    let values: Vec<f32> = keys.iter().flat_map(|&k| [k as f32; 4]).collect();
+    c.insert_or_assign("p", &keys, &values, None).unwrap();
+    c.drop_table("p").unwrap();
+    c.create_table(backed("p", &format!("redis://:daemon-pw@127.0.0.1:{port}"), BackingMode::ReadOnly)).unwrap();
+    let f = c.find_with_origins("p", &keys).unwrap();
+    assert!(f.origins.unwrap().iter().all(|&o| o == hkv_client::proto::origin::FILLED));
+    assert_eq!(f.values, values);
+}
