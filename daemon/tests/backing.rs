@@ -426,7 +426,10 @@ fn a_password_in_the_seed_url_reaches_every_node() {
     let e = c.create_table(spec(format!("redis://:not-it@127.0.0.1:{port}"))).unwrap_err();
     assert_eq!(e.code(), Some(ErrorCode::BadRequest), "{e}");
     assert!(!e.to_string().contains("not-it"), "{e}");
-    c.create_table(spec(format!("redis://:daemon-pw@127.0.0.1:{port}"))).unwrap();
+    let info = c.create_table(spec(format!("redis://:daemon-pw@127.0.0.1:{port}"))).unwrap();
+    // Listings and stats do not show the password.
+    let shown = format!("{:?}{:?}{}", info.spec, c.tables().unwrap(), c.stats().unwrap());
+    assert!(!shown.contains("daemon-pw") && shown.contains(&format!("redis://:***@127.0.0.1:{port}")), "{shown}");
     let keys: Vec<u64> = (1..=1000u64).collect();
     let values: Vec<f32> = keys.iter().flat_map(|&k| [k as f32; 4]).collect();
     c.insert_or_assign("p", &keys, &values, None).unwrap();

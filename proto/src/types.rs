@@ -241,6 +241,19 @@ pub struct BackingSpec {
 }
 
 impl BackingSpec {
+    /// The spec as listings show it: each seed's password replaced by
+    /// `***` (`redis://:***@HOST:PORT`, `redis://USER:***@HOST:PORT`).
+    pub fn redacted(&self) -> BackingSpec {
+        let hide = |seed: &String| match (seed.find("://"), seed.rfind('@')) {
+            (Some(a), Some(b)) if b > a + 3 => {
+                let user = seed[a + 3..b].split(':').next().unwrap_or("");
+                format!("{}{user}:***{}", &seed[..a + 3], &seed[b..])
+            }
+            _ => seed.clone(),
+        };
+        BackingSpec { seeds: self.seeds.iter().map(hide).collect(), ..self.clone() }
+    }
+
     /// Seeds from `--backing`'s comma-separated list.
     pub fn from_list(list: &str, mode: BackingMode) -> BackingSpec {
         BackingSpec {
@@ -269,6 +282,12 @@ pub enum BackingMode {
 }
 
 impl TableSpec {
+    /// The spec as listings and stats show it: a backing's passwords
+    /// hidden ([`BackingSpec::redacted`]); the table keeps the real one.
+    pub fn redacted(&self) -> TableSpec {
+        TableSpec { backing: self.backing.as_ref().map(BackingSpec::redacted), ..self.clone() }
+    }
+
     /// A spec with defaults for everything but name, dim and capacity.
     pub fn new(name: &str, dim: usize, capacity: u64) -> TableSpec {
         TableSpec {
