@@ -439,3 +439,50 @@ fn a_password_in_the_seed_url_reaches_every_node() {
     assert!(f.origins.unwrap().iter().all(|&o| o == hkv_client::proto::origin::FILLED));
     assert_eq!(f.values, values);
 }
+
+/// Rows a find filled from the cluster are put in the cache after its
+/// answer; the table's next request waits for that: a write right after
+/// the find is never overwritten by the fill, and a find right after it
+/// hits. (B first waits until it has heard of A's writes on the stream,
+/// so that their invalidations do not drop what it filled.)
+#[test]
+fn a_fill_never_lands_after_the_next_request() {
+    use hkv_client::proto::origin;
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
+    let (mut ca, mut cb) = (a.client(), b.client());
+    let seeds = cluster.seed_arg();
+    ca.create_table(backed("fl", &seeds, BackingMode::WriteThrough)).unwrap();
+    cb.create_table(backed("fl", &seeds, BackingMode::WriteThrough)).unwrap();
+    let mut heard = 0u64;
+    let mut hear = |c: &mut hkv_client::Client, n: u64| {
+        heard += n;
+        let start = std::time::Instant::now();
+        loop {
+            let s = c.stats_doc().unwrap();
+            let got = s.tables.iter().find_map(|t| t.backing.as_ref()).map_or(0, |b| b.invalidations);
+            if got >= heard {
+                return;
+            }
+            assert!(start.elapsed() < std::time::Duration::from_secs(5), "B heard {got} of {heard} invalidations");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    };
+    for round in 0..40u64 {
+        let keys: Vec<u64> = (0..256u64).map(|k| round * 1000 + k + 1).collect();
+        let more: Vec<u64> = keys.iter().map(|k| k + 500).collect();
+        ca.insert_or_assign("fl", &keys, &vec![1.0; keys.len() * 4], None).unwrap();
+        ca.insert_or_assign("fl", &more, &vec![3.0; more.len() * 4], None).unwrap();
+        hear(&mut cb, 512);
+        // B has none of them: filled from the cluster, then written at once.
+        assert!(cb.find("fl", &keys).unwrap().found.iter().all(|&f| f));
+        cb.insert_or_assign("fl", &keys, &vec![2.0; keys.len() * 4], None).unwrap();
+        let f = cb.find_with_origins("fl", &keys).unwrap();
+        assert!(f.values.iter().all(|&v| v == 2.0), "round {round}: a fill overwrote the write after it");
+        assert!(f.origins.unwrap().iter().all(|&o| o == origin::HIT), "round {round}");
+        // And a find right after a fill hits.
+        cb.find("fl", &more).unwrap();
+        let f = cb.find_with_origins("fl", &more).unwrap();
+        assert!(f.origins.unwrap().iter().all(|&o| o == origin::HIT), "round {round}: filled rows are hits next");
+    }
+}
