@@ -25,7 +25,23 @@ pub(crate) struct Net {
     pub retries: u32,
 }
 
-/// Parses `--backing`'s seeds: `redis://HOST:PORT` or `HOST:PORT`, TCP only.
+/// A seed as errors and logs show it: a password (`redis://:pw@…`,
+/// `redis://user:pw@…`) replaced by `***`.
+pub fn redact(seed: &str) -> String {
+    match (seed.find("://"), seed.rfind('@')) {
+        (Some(a), Some(b)) if b > a + 3 => {
+            let user = seed[a + 3..b].split(':').next().unwrap_or("");
+            format!("{}{user}:***{}", &seed[..a + 3], &seed[b..])
+        }
+        (None, Some(b)) => format!("***{}", &seed[b..]),
+        _ => seed.to_string(),
+    }
+}
+
+/// Parses `--backing`'s seeds: `redis://HOST:PORT` or `HOST:PORT`, TCP only,
+/// with an optional password (`redis://:PASSWORD@HOST:PORT`) or ACL user
+/// and password (`redis://USER:PASSWORD@HOST:PORT`): the first seed's are
+/// used for every node of the cluster.
 pub fn parse_seeds(seeds: &[String]) -> Result<Vec<ConnectionInfo>, Error> {
     if seeds.is_empty() {
         return Err(Error::BadUrl { url: String::new(), detail: "no seed given".into() });
@@ -34,7 +50,7 @@ pub fn parse_seeds(seeds: &[String]) -> Result<Vec<ConnectionInfo>, Error> {
         .iter()
         .map(|s| {
             let s = s.trim();
-            let bad = |detail: String| Error::BadUrl { url: s.to_string(), detail };
+            let bad = |detail: String| Error::BadUrl { url: redact(s), detail };
             if s.is_empty() {
                 return Err(bad("empty seed".into()));
             }
@@ -72,6 +88,9 @@ async fn probe(seeds: &[ConnectionInfo], net: Net) -> Result<(), Error> {
             .set_response_timeout(Some(net.response));
         let mut conn = match client.get_multiplexed_async_connection_with_config(&cfg).await {
             Ok(c) => c,
+            Err(e) if e.kind() == redis::ErrorKind::AuthenticationFailed => {
+                return Err(Error::Auth { node, detail: e.to_string() })
+            }
             Err(e) => {
                 last = format!("{node}: {e}");
                 continue;
@@ -81,6 +100,9 @@ async fn probe(seeds: &[ConnectionInfo], net: Net) -> Result<(), Error> {
         return match info {
             Ok(text) if text.contains("cluster_state:") => Ok(()),
             Ok(text) => Err(Error::NotCluster { node, detail: text.lines().next().unwrap_or("").to_string() }),
+            Err(e) if e.code() == Some("NOAUTH") || e.kind() == redis::ErrorKind::AuthenticationFailed => {
+                Err(Error::Auth { node, detail: e.to_string() })
+            }
             Err(e) => Err(Error::NotCluster { node, detail: e.to_string() }),
         };
     }
@@ -137,7 +159,7 @@ impl Cluster {
         cluster.refresh().await?;
         if cluster.masters() == 0 {
             return Err(Error::Unreachable {
-                seeds: seeds.join(","),
+                seeds: seeds.iter().map(|s| redact(s)).collect::<Vec<_>>().join(","),
                 detail: "the cluster serves no slots yet".into(),
             });
         }
@@ -181,7 +203,11 @@ impl Cluster {
     }
 
     async fn connect(&self, node: &str, response: Duration) -> Result<MultiplexedConnection, String> {
-        let client = redis::Client::open(format!("redis://{node}")).map_err(|e| e.to_string())?;
+        // The node's address with the first seed's credentials.
+        let (host, port) = node.rsplit_once(':').ok_or_else(|| format!("{node}: not HOST:PORT"))?;
+        let port: u16 = port.parse().map_err(|_| format!("{node}: not HOST:PORT"))?;
+        let info = self.seeds[0].clone().set_addr(ConnectionAddr::Tcp(host.to_string(), port));
+        let client = redis::Client::open(info).map_err(|e| e.to_string())?;
         let cfg = redis::AsyncConnectionConfig::new()
             .set_connection_timeout(Some(self.net.connect))
             .set_response_timeout(Some(response));
@@ -333,6 +359,17 @@ impl Cluster {
             }
         }
         out.into_iter().map(|o| o.unwrap_or(Err(Failure::Late))).collect()
+    }
+
+    /// Runs one command on `node` (`HOST:PORT`) itself, on its shared
+    /// connection (`WAIT` counts the writes sent on that connection).
+    pub async fn on_node(&self, node: &str, cmd: Cmd) -> Result<Value, String> {
+        let node: Arc<str> = node.into();
+        let mut c = self.conn(&node, self.net.response).await?;
+        c.req_packed_command(&cmd).await.map_err(|e| {
+            self.forget(&node);
+            e.to_string()
+        })
     }
 
     /// Runs one command on the node serving `slot`.

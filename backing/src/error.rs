@@ -29,6 +29,14 @@ pub enum Error {
         /// The last connection error.
         detail: String,
     },
+    /// A seed refused the credentials of the seed URL (none, or wrong).
+    #[error("backing seed {node} refused the credentials ({detail}); give them in the URL: redis://:PASSWORD@HOST:PORT or redis://USER:PASSWORD@HOST:PORT")]
+    Auth {
+        /// The seed that refused.
+        node: String,
+        /// The server's or the client's words.
+        detail: String,
+    },
     /// A seed answered but is not a cluster node.
     #[error("backing seed {node} is a Redis server without cluster mode ({detail}); name the nodes of a Redis Cluster (cluster-enabled yes)")]
     NotCluster {
@@ -97,9 +105,11 @@ impl Error {
     /// The protocol's error code name this error travels under.
     pub fn code(&self) -> &'static str {
         match self {
-            Error::BadUrl { .. } | Error::BadOption { .. } | Error::Mismatch { .. } | Error::NotCluster { .. } => {
-                "invalid_argument"
-            }
+            Error::BadUrl { .. }
+            | Error::BadOption { .. }
+            | Error::Mismatch { .. }
+            | Error::NotCluster { .. }
+            | Error::Auth { .. } => "invalid_argument",
             Error::Unreachable { .. }
             | Error::Unavailable { .. }
             | Error::FlushTimeout { .. }

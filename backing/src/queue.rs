@@ -8,8 +8,16 @@
 //! nothing leaves the queue except by the cluster's acknowledgement.
 //! Bytes: a row costs its value and key once while pending and once more
 //! while a newer write of its key waits behind the batch sending it.
+//!
+//! Costs: pending keys also sit in a FIFO of first-queued order, so taking
+//! a batch costs its own rows (not a scan of everything queued); a row's
+//! values are shared (`Arc`) between `pending`, `sending` and the batch, so
+//! moving a row to a batch copies no floats; the maps hash a key with the
+//! layout's `mix` instead of SipHash.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -21,14 +29,36 @@ use crate::error::Error;
 #[derive(Debug, Clone)]
 pub(crate) struct Entry {
     pub score: u64,
-    pub values: Box<[f32]>,
+    pub values: Arc<[f32]>,
     pub since: Instant,
 }
 
+/// Hashes a `u64` key with the SplitMix64 finaliser (keys only).
+#[derive(Default)]
+pub(crate) struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        crate::layout::mix(self.0)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 << 8) ^ u64::from(*b) ^ (self.0 >> 56);
+        }
+    }
+    fn write_u64(&mut self, k: u64) {
+        self.0 = k;
+    }
+}
+
+type Map = HashMap<u64, Entry, BuildHasherDefault<KeyHasher>>;
+
 #[derive(Debug, Default)]
 struct State {
-    pending: HashMap<u64, Entry>,
-    sending: HashMap<u64, Entry>,
+    pending: Map,
+    /// Every pending key once, in first-queued order (the flusher's order).
+    order: VecDeque<u64>,
+    sending: Map,
     bytes: u64,
     closed: bool,
 }
@@ -86,21 +116,21 @@ impl Queue {
                     let need = new * self.entry_bytes;
                     if s.bytes + need <= self.limit {
                         let now = Instant::now();
+                        s.pending.reserve(end - done);
                         for (i, &k) in keys.iter().enumerate().take(end).skip(done) {
-                            let e = Entry {
-                                score: scores.get(i).copied().unwrap_or(0),
-                                values: values[i * dim..(i + 1) * dim].into(),
-                                since: now,
-                            };
-                            // A replaced row keeps its age: the window is
-                            // how long the oldest unsent write has waited.
+                            let score = scores.get(i).copied().unwrap_or(0);
+                            let row: Arc<[f32]> = values[i * dim..(i + 1) * dim].into();
+                            // A replaced row keeps its age and its place:
+                            // the window is how long the oldest unsent
+                            // write has waited.
                             match s.pending.get_mut(&k) {
                                 Some(old) => {
-                                    old.score = e.score;
-                                    old.values = e.values;
+                                    old.score = score;
+                                    old.values = row;
                                 }
                                 None => {
-                                    s.pending.insert(k, e);
+                                    s.pending.insert(k, Entry { score, values: row, since: now });
+                                    s.order.push_back(k);
                                 }
                             }
                         }
@@ -124,10 +154,15 @@ impl Queue {
         Ok(())
     }
 
-    /// The newest queued row of `key`, pending before sending.
-    pub fn lookup(&self, key: u64) -> Option<Entry> {
+    /// The newest queued row of each key (pending before sending), under
+    /// one lock: `f(i, entry)` for each `keys[i]` queued.
+    pub fn lookup_many(&self, keys: &[u64], mut f: impl FnMut(usize, &Entry)) {
         let s = self.state.lock();
-        s.pending.get(&key).or_else(|| s.sending.get(&key)).cloned()
+        for (i, k) in keys.iter().enumerate() {
+            if let Some(e) = s.pending.get(k).or_else(|| s.sending.get(k)) {
+                f(i, e);
+            }
+        }
     }
 
     /// Whether nothing is queued (a cheap check before per-key lookups).
@@ -141,19 +176,25 @@ impl Queue {
     /// in one batch at a time, so its writes reach the cluster in order
     /// however many batches are in flight.
     pub fn take(&self, max: usize) -> Batch {
-        let mut s = self.state.lock();
-        let mut keys: Vec<(Instant, u64)> =
-            s.pending.iter().filter(|(k, _)| !s.sending.contains_key(k)).map(|(k, e)| (e.since, *k)).collect();
-        if keys.len() > max {
-            keys.select_nth_unstable(max);
-            keys.truncate(max);
-        }
-        let mut batch = Vec::with_capacity(keys.len());
-        for (_, k) in keys {
+        let mut guard = self.state.lock();
+        let s = &mut *guard;
+        let mut batch = Vec::with_capacity(max.min(s.order.len()));
+        // Keys passed over because a batch is sending them: at most the
+        // rows in flight, put back in front in their order.
+        let mut held = Vec::new();
+        while batch.len() < max {
+            let Some(k) = s.order.pop_front() else { break };
+            if s.sending.contains_key(&k) {
+                held.push(k);
+                continue;
+            }
             if let Some(e) = s.pending.remove(&k) {
                 s.sending.insert(k, e.clone());
                 batch.push((k, e));
             }
+        }
+        for k in held.into_iter().rev() {
+            s.order.push_front(k);
         }
         batch
     }
@@ -162,10 +203,12 @@ impl Queue {
     /// to `pending` unless a newer write of the key is pending.
     pub fn settle(&self, batch: Batch, failed: &[bool]) {
         let mut s = self.state.lock();
-        for ((k, e), failed) in batch.into_iter().zip(failed) {
+        // Failed rows go back in front (they are the oldest), in order.
+        for ((k, e), failed) in batch.into_iter().zip(failed).rev() {
             s.sending.remove(&k);
             if *failed && !s.pending.contains_key(&k) {
                 s.pending.insert(k, e);
+                s.order.push_front(k);
             } else {
                 s.bytes -= self.entry_bytes;
             }
@@ -178,7 +221,11 @@ impl Queue {
     /// Rows and bytes queued, the age of the oldest.
     pub fn window(&self) -> (u64, u64, Duration) {
         let s = self.state.lock();
-        let oldest = s.pending.values().chain(s.sending.values()).map(|e| e.since).min();
+        // The front of `order` is the oldest pending row (rows keep their
+        // place when replaced, failed ones go back in front); `sending`
+        // holds at most the rows in flight.
+        let front = s.order.front().and_then(|k| s.pending.get(k)).map(|e| e.since);
+        let oldest = s.sending.values().map(|e| e.since).chain(front).min();
         ((s.pending.len() + s.sending.len()) as u64, s.bytes, oldest.map(|t| t.elapsed()).unwrap_or_default())
     }
 
@@ -211,5 +258,42 @@ impl Queue {
 
     pub fn closed(&self) -> bool {
         self.state.lock().closed
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(b: &Batch) -> Vec<u64> {
+        b.iter().map(|(k, _)| *k).collect()
+    }
+
+    /// Batches come oldest first; a key being sent is held back (its newer
+    /// write waits for the batch); a failed batch's rows come back in front
+    /// unless a newer write of the key is pending; bytes return to zero.
+    #[test]
+    fn take_is_fifo_and_holds_keys_in_flight() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+        let q = Queue::new(8, 1 << 20, Duration::from_secs(1));
+        rt.block_on(q.push(&[1, 2, 3, 4], &[1.0, 2.0, 3.0, 4.0], &[], 1)).unwrap();
+        let a = q.take(2);
+        assert_eq!(keys(&a), vec![1, 2]);
+        // A newer write of key 1 while its batch is out; key 5 is new.
+        rt.block_on(q.push(&[1, 5], &[10.0, 5.0], &[], 1)).unwrap();
+        let b = q.take(10);
+        assert_eq!(keys(&b), vec![3, 4, 5], "key 1 waits for the batch sending it");
+        let mut seen = Vec::new();
+        q.lookup_many(&[1, 2, 9], |i, e| seen.push((i, e.values[0])));
+        assert_eq!(seen, vec![(0, 10.0), (1, 2.0)], "reads see the newest queued row");
+        // Batch a fails: key 2 returns in front, key 1's newer row stays.
+        q.settle(a, &[true, true]);
+        q.settle(b, &[false, false, false]);
+        let c = q.take(10);
+        assert_eq!(keys(&c), vec![2, 1]);
+        assert_eq!(c[1].1.values[0], 10.0);
+        q.settle(c, &[false, false]);
+        assert_eq!(q.window().0, 0);
+        assert_eq!(q.window().1, 0, "every byte counted is returned");
     }
 }

@@ -11,11 +11,17 @@
 //!
 //! Every wait here is bounded in time and says what it waited for.
 
+use std::collections::HashMap;
 use std::io;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
+
+use redis::aio::{ConnectionLike, MultiplexedConnection};
+use redis::Value;
+
+use crate::layout::{encode_row, Layout};
 
 /// How long a cluster may take to form or heal before a test gives up.
 const FORM_TIMEOUT: Duration = Duration::from_secs(60);
@@ -26,6 +32,8 @@ struct Node {
     dir: PathBuf,
     child: Option<Child>,
     cluster: bool,
+    /// `requirepass` and `masterauth` when set.
+    password: Option<String>,
 }
 
 impl Node {
@@ -39,6 +47,9 @@ impl Node {
             .arg(&self.dir)
             .arg("--logfile")
             .arg(self.dir.join("log"));
+        if let Some(pw) = &self.password {
+            cmd.args(["--requirepass", pw, "--masterauth", pw]);
+        }
         if self.cluster {
             // A 1 s node timeout so that failover tests finish in seconds;
             // partial coverage so that the other nodes keep serving their
@@ -60,7 +71,7 @@ impl Node {
             )
         })?);
         wait_until(Duration::from_secs(10), &format!("redis-server on port {} to answer PING", self.port), || {
-            cli_output(self.port, &["ping"]).map(|o| o.contains("PONG")).unwrap_or(false)
+            cli_output(self.port, self.password.as_deref(), &["ping"]).map(|o| o.contains("PONG")).unwrap_or(false)
         })
     }
 
@@ -83,6 +94,17 @@ impl TestCluster {
     /// Starts `masters` masters, each with `replicas` replicas, and forms
     /// the cluster. Node `i < masters` starts as a master.
     pub fn start(masters: usize, replicas: usize) -> io::Result<TestCluster> {
+        Self::start_with(masters, replicas, None)
+    }
+
+    /// [`TestCluster::start`] with every node asking clients for
+    /// `password` (`requirepass`) and replicas giving it to their master
+    /// (`masterauth`); `redis-cli` here authenticates with it.
+    pub fn start_with_password(masters: usize, replicas: usize, password: &str) -> io::Result<TestCluster> {
+        Self::start_with(masters, replicas, Some(password))
+    }
+
+    fn start_with(masters: usize, replicas: usize, password: Option<&str>) -> io::Result<TestCluster> {
         let dir = tempfile::Builder::new().prefix("hkv-redis-").tempdir()?;
         let count = masters * (1 + replicas);
         let ports = free_ports(count)?;
@@ -90,7 +112,7 @@ impl TestCluster {
         for (i, port) in ports.into_iter().enumerate() {
             let node_dir = dir.path().join(format!("n{i}"));
             std::fs::create_dir_all(&node_dir)?;
-            nodes.push(Node { port, dir: node_dir, child: None, cluster: true });
+            nodes.push(Node { port, dir: node_dir, child: None, cluster: true, password: password.map(String::from) });
         }
         let mut cluster = TestCluster { nodes, _dir: dir };
         for node in &mut cluster.nodes {
@@ -99,7 +121,7 @@ impl TestCluster {
         let mut args: Vec<String> = vec!["--cluster".into(), "create".into()];
         args.extend(cluster.nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)));
         args.extend(["--cluster-replicas".into(), replicas.to_string(), "--cluster-yes".into()]);
-        let out = Command::new("redis-cli").args(&args).stdin(Stdio::null()).output()?;
+        let out = cli(password).args(&args).stdin(Stdio::null()).output()?;
         if !out.status.success() {
             return Err(io::Error::other(format!(
                 "redis-cli --cluster create failed: {}{}",
@@ -144,7 +166,11 @@ impl TestCluster {
 
     /// Runs `redis-cli -p PORT-of-node-i ARGS` and returns its stdout.
     pub fn cli(&self, i: usize, args: &[&str]) -> io::Result<String> {
-        cli_output(self.nodes[i].port, args)
+        cli_output(self.nodes[i].port, self.password(), args)
+    }
+
+    fn password(&self) -> Option<&str> {
+        self.nodes.first().and_then(|n| n.password.as_deref())
     }
 
     /// Node `i`'s cluster id.
@@ -163,8 +189,8 @@ impl TestCluster {
     pub fn wait_healthy(&self) -> io::Result<()> {
         wait_until(FORM_TIMEOUT, "every live node to report cluster_state:ok and synced replicas", || {
             self.nodes.iter().filter(|n| n.child.is_some()).all(|n| {
-                let info = cli_output(n.port, &["cluster", "info"]).unwrap_or_default();
-                let repl = cli_output(n.port, &["info", "replication"]).unwrap_or_default();
+                let info = cli_output(n.port, self.password(), &["cluster", "info"]).unwrap_or_default();
+                let repl = cli_output(n.port, self.password(), &["info", "replication"]).unwrap_or_default();
                 info.contains("cluster_state:ok")
                     && info.contains("cluster_slots_assigned:16384")
                     && (repl.contains("role:master") || repl.contains("master_link_status:up"))
@@ -175,7 +201,7 @@ impl TestCluster {
     fn check_all_agree(&self) -> bool {
         let live: Vec<&Node> = self.nodes.iter().filter(|n| n.child.is_some()).collect();
         let Some(first) = live.first() else { return false };
-        Command::new("redis-cli")
+        cli(self.password())
             .args(["--cluster", "check", &format!("127.0.0.1:{}", first.port)])
             .stdin(Stdio::null())
             .output()
@@ -192,7 +218,7 @@ impl TestCluster {
     /// MIGRATE while clients keep running).
     pub fn reshard(&self, from: usize, to: usize, slots: u32) -> io::Result<Output> {
         let (from_id, to_id) = (self.node_id(from)?, self.node_id(to)?);
-        Command::new("redis-cli")
+        cli(self.password())
             .args(["--cluster", "reshard", &format!("127.0.0.1:{}", self.nodes[from].port)])
             .args(["--cluster-from", &from_id, "--cluster-to", &to_id])
             .args(["--cluster-slots", &slots.to_string(), "--cluster-yes"])
@@ -221,7 +247,7 @@ impl TestServer {
     pub fn start() -> io::Result<TestServer> {
         let dir = tempfile::Builder::new().prefix("hkv-redis-").tempdir()?;
         let port = free_ports(1)?[0];
-        let mut node = Node { port, dir: dir.path().to_path_buf(), child: None, cluster: false };
+        let mut node = Node { port, dir: dir.path().to_path_buf(), child: None, cluster: false, password: None };
         node.spawn()?;
         Ok(TestServer { node, _dir: dir })
     }
@@ -271,12 +297,19 @@ fn free_ports(count: usize) -> io::Result<Vec<u16>> {
     Ok(ports)
 }
 
-fn cli_output(port: u16, args: &[&str]) -> io::Result<String> {
-    let out = Command::new("redis-cli")
-        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
-        .args(args)
-        .stdin(Stdio::null())
-        .output()?;
+/// `redis-cli`, authenticating with `password` when given (through
+/// `REDISCLI_AUTH`, so it is not on the command line).
+fn cli(password: Option<&str>) -> Command {
+    let mut c = Command::new("redis-cli");
+    if let Some(pw) = password {
+        c.env("REDISCLI_AUTH", pw);
+    }
+    c
+}
+
+fn cli_output(port: u16, password: Option<&str>, args: &[&str]) -> io::Result<String> {
+    let out =
+        cli(password).args(["-h", "127.0.0.1", "-p", &port.to_string()]).args(args).stdin(Stdio::null()).output()?;
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
@@ -297,4 +330,95 @@ pub fn wait_until(limit: Duration, what: &str, mut ok: impl FnMut() -> bool) -> 
 /// Where a node keeps its files (for a test that reads a node's log).
 pub fn node_dir(cluster: &TestCluster, i: usize) -> &Path {
     &cluster.nodes[i].dir
+}
+
+/// The benchmarks' yardstick: a plain client of the same `redis` crate
+/// with its own slot map and one multiplexed connection per master, which
+/// sends one pipeline of slot-grouped commands per master, every master at
+/// once (what the tier does, without a cache, a queue or a stream).
+pub struct PlainClient {
+    conns: HashMap<String, MultiplexedConnection>,
+    slots: Vec<String>,
+}
+
+impl PlainClient {
+    /// Connects to the cluster that `seed` (a `redis://` URL) belongs to.
+    pub async fn connect(seed: &str) -> PlainClient {
+        let mut c = redis::Client::open(seed).unwrap().get_multiplexed_async_connection().await.unwrap();
+        let v: Value = redis::cmd("CLUSTER").arg("SLOTS").query_async(&mut c).await.unwrap();
+        let mut slots = vec![String::new(); 16384];
+        let Value::Array(items) = v else { panic!("CLUSTER SLOTS: {v:?}") };
+        for item in items {
+            let Value::Array(f) = item else { continue };
+            let (Value::Int(a), Value::Int(b), Value::Array(m)) = (&f[0], &f[1], &f[2]) else { continue };
+            let (Value::BulkString(h), Value::Int(p)) = (&m[0], &m[1]) else { continue };
+            let node = format!("{}:{p}", String::from_utf8_lossy(h));
+            (*a as usize..=*b as usize).for_each(|s| slots[s] = node.clone());
+        }
+        let mut conns = HashMap::new();
+        for node in slots.iter().filter(|n| !n.is_empty()) {
+            if !conns.contains_key(node) {
+                let c = redis::Client::open(format!("redis://{node}"))
+                    .unwrap()
+                    .get_multiplexed_async_connection()
+                    .await
+                    .unwrap();
+                conns.insert(node.clone(), c);
+            }
+        }
+        PlainClient { conns, slots }
+    }
+
+    /// One pipeline per node of one command per group, all nodes at once.
+    pub async fn run(&self, cmds: Vec<(u16, redis::Cmd)>) -> Vec<Value> {
+        let mut by_node: HashMap<&str, redis::Pipeline> = HashMap::new();
+        for (slot, cmd) in cmds {
+            by_node.entry(&self.slots[slot as usize]).or_insert_with(redis::pipe).add_command(cmd);
+        }
+        let futs = by_node.into_iter().map(|(node, pipe)| {
+            let mut c = self.conns[node].clone();
+            async move {
+                let n = pipe.cmd_iter().count();
+                c.req_packed_commands(&pipe, 0, n).await.unwrap()
+            }
+        });
+        futures_util::future::join_all(futs).await.into_iter().flatten().collect()
+    }
+
+    /// One `MGET` per group of `keys`.
+    pub fn mget(layout: &Layout, keys: &[u64]) -> Vec<(u16, redis::Cmd)> {
+        group(layout, keys)
+            .into_iter()
+            .map(|(g, ks)| {
+                let mut c = redis::cmd("MGET");
+                ks.iter().for_each(|&k| {
+                    c.arg(layout.row_key(k));
+                });
+                (layout.slot_of_group(g), c)
+            })
+            .collect()
+    }
+
+    /// One `MSET` per group of `keys`, each row `row` (version 1, score 0).
+    pub fn mset(layout: &Layout, keys: &[u64], row: &[f32]) -> Vec<(u16, redis::Cmd)> {
+        let mut buf = Vec::new();
+        group(layout, keys)
+            .into_iter()
+            .map(|(g, ks)| {
+                let mut c = redis::cmd("MSET");
+                for k in ks {
+                    buf.clear();
+                    encode_row(1, 0, row, &mut buf);
+                    c.arg(layout.row_key(k)).arg(&buf[..]);
+                }
+                (layout.slot_of_group(g), c)
+            })
+            .collect()
+    }
+}
+
+fn group(layout: &Layout, keys: &[u64]) -> Vec<(u32, Vec<u64>)> {
+    let mut g: HashMap<u32, Vec<u64>> = HashMap::new();
+    keys.iter().for_each(|&k| g.entry(layout.group(k)).or_default().push(k));
+    g.into_iter().collect()
 }

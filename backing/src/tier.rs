@@ -71,6 +71,11 @@ pub struct Options {
     pub retries: u32,
     /// Entries the table's stream keeps (approximately).
     pub stream_len: u64,
+    /// Replicas each master must have acknowledged a write to (`WAIT`)
+    /// before it counts as written; 0: the master's acknowledgement.
+    pub wait_replicas: u32,
+    /// How long `WAIT` waits for them (below `response_timeout`).
+    pub wait_timeout: Duration,
 }
 
 impl Options {
@@ -88,6 +93,8 @@ impl Options {
             response_timeout: Duration::from_secs(1),
             retries: 3,
             stream_len: 100_000,
+            wait_replicas: 0,
+            wait_timeout: Duration::from_millis(500),
         }
     }
 
@@ -114,6 +121,18 @@ impl Options {
             if !(1..=60_000).contains(&ms(d)) {
                 return bad(name, format!("{d:?}: use 1 ms to 60 s"));
             }
+        }
+        if self.wait_replicas > 64 {
+            return bad("wait_replicas", format!("{}: use 0 to 64", self.wait_replicas));
+        }
+        if self.wait_replicas > 0 && (self.wait_timeout.is_zero() || self.wait_timeout >= self.response_timeout) {
+            return bad(
+                "wait_timeout",
+                format!(
+                    "{:?}: use 1 ms to less than response_timeout ({:?})",
+                    self.wait_timeout, self.response_timeout
+                ),
+            );
         }
         if self.retries > 16 {
             return bad("retries", format!("{}: use at most 16", self.retries));
@@ -158,6 +177,15 @@ impl ReadOut {
     pub fn unanswered(&self) -> usize {
         self.fetched.iter().filter(|f| matches!(f, Fetched::Late | Fetched::Unavailable)).count()
     }
+}
+
+/// One row to send: borrowed from a request or from a queued batch (no
+/// copy of its values before they are encoded into the command). Empty
+/// values (a row has at least one float): the key is erased.
+pub(crate) struct Row<'a> {
+    pub key: u64,
+    pub score: u64,
+    pub values: &'a [f32],
 }
 
 /// The shared part of a tier: what the flusher and the handles use.
@@ -265,18 +293,27 @@ impl Backing {
             errors: Vec::new(),
         };
         let mut by_group: Vec<Vec<usize>> = vec![Vec::new(); core.layout.groups() as usize];
-        let queued = !core.queue.is_empty();
-        for (i, &k) in keys.iter().enumerate() {
-            if queued {
-                if let Some(e) = core.queue.lookup(k) {
-                    out.fetched[i] = Fetched::Found;
-                    out.values[i * dim..(i + 1) * dim].copy_from_slice(&e.values);
-                    out.scores[i] = e.score;
-                    Counters::add(&core.counters.found_queued, 1);
-                    continue;
+        // Keys answered by the queue: its rows, or its erasures (absent).
+        let mut queued = Vec::new();
+        if !core.queue.is_empty() {
+            queued = vec![false; keys.len()];
+            let mut n = 0;
+            core.queue.lookup_many(keys, |i, e| {
+                queued[i] = true;
+                if e.values.is_empty() {
+                    return;
                 }
+                out.fetched[i] = Fetched::Found;
+                out.values[i * dim..(i + 1) * dim].copy_from_slice(&e.values);
+                out.scores[i] = e.score;
+                n += 1;
+            });
+            Counters::add(&core.counters.found_queued, n);
+        }
+        for (i, &k) in keys.iter().enumerate() {
+            if !queued.get(i).copied().unwrap_or(false) {
+                by_group[core.layout.group(k) as usize].push(i);
             }
-            by_group[core.layout.group(k) as usize].push(i);
         }
         let deadline = tokio::time::Instant::from_std(deadline);
         let groups: Vec<(u32, &Vec<usize>)> =
@@ -373,7 +410,16 @@ impl Backing {
         match self.core.mode {
             Mode::ReadOnly => Err(Error::ReadOnly { table: self.core.layout.table().into() }),
             Mode::WriteThrough => {
-                let (_, mut errors) = self.core.send(keys, values, scores).await;
+                let rows: Vec<Row> = keys
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &key)| Row {
+                        key,
+                        score: scores.get(i).copied().unwrap_or(0),
+                        values: &values[i * dim..(i + 1) * dim],
+                    })
+                    .collect();
+                let (_, mut errors) = self.core.send(&rows).await;
                 if errors.is_empty() {
                     Ok(())
                 } else {
@@ -383,6 +429,34 @@ impl Backing {
             Mode::WriteBack => {
                 Counters::add(&self.core.counters.queued_total, keys.len());
                 let r = self.core.queue.push(keys, values, scores, dim).await;
+                if r.is_err() {
+                    Counters::add(&self.core.counters.queue_full, 1);
+                }
+                r
+            }
+        }
+    }
+
+    /// Erases `keys` from the cluster as the mode says: write-through
+    /// deletes them (`DEL` per group, then their stream entry, so that
+    /// other hosts drop them) before returning; write-back queues the
+    /// erasures (a read of a queued erasure finds the key absent);
+    /// read-only refuses.
+    pub async fn erase(&self, keys: &[u64]) -> Result<(), Error> {
+        match self.core.mode {
+            Mode::ReadOnly => Err(Error::ReadOnly { table: self.core.layout.table().into() }),
+            Mode::WriteThrough => {
+                let rows: Vec<Row> = keys.iter().map(|&key| Row { key, score: 0, values: &[] }).collect();
+                let (_, mut errors) = self.core.send(&rows).await;
+                if errors.is_empty() {
+                    Ok(())
+                } else {
+                    Err(errors.swap_remove(0))
+                }
+            }
+            Mode::WriteBack => {
+                Counters::add(&self.core.counters.queued_total, keys.len());
+                let r = self.core.queue.push(keys, &[], &[], 0).await;
                 if r.is_err() {
                     Counters::add(&self.core.counters.queue_full, 1);
                 }
@@ -459,26 +533,34 @@ impl Core {
     /// Sends rows: one `MSET` per group, all at once, then one stream entry
     /// naming the keys the cluster acknowledged. Returns which rows failed
     /// and one error per failed node.
-    pub(crate) async fn send(&self, keys: &[u64], values: &[f32], scores: &[u64]) -> (Vec<bool>, Vec<Error>) {
-        let dim = self.layout.dim();
+    pub(crate) async fn send(&self, rows: &[Row<'_>]) -> (Vec<bool>, Vec<Error>) {
         let start = Instant::now();
         let version = self.version();
         let mut by_group: Vec<Vec<usize>> = vec![Vec::new(); self.layout.groups() as usize];
-        for (i, &k) in keys.iter().enumerate() {
-            by_group[self.layout.group(k) as usize].push(i);
+        for (i, r) in rows.iter().enumerate() {
+            by_group[self.layout.group(r.key) as usize].push(i);
         }
-        let groups: Vec<(u32, &Vec<usize>)> =
-            by_group.iter().enumerate().filter(|(_, ix)| !ix.is_empty()).map(|(g, ix)| (g as u32, ix)).collect();
+        // Per group: one MSET of its rows, one DEL of its erasures.
+        let mut parts: Vec<(u32, Vec<usize>)> = Vec::new();
+        for (g, ix) in by_group.into_iter().enumerate() {
+            let (dels, sets): (Vec<usize>, Vec<usize>) = ix.into_iter().partition(|&i| rows[i].values.is_empty());
+            parts.extend([sets, dels].into_iter().filter(|p| !p.is_empty()).map(|p| (g as u32, p)));
+        }
+        let groups: Vec<(u32, &Vec<usize>)> = parts.iter().map(|(g, ix)| (*g, ix)).collect();
         let (mut buf, mut key) = (Vec::new(), Vec::new());
         let cmds: Vec<(u16, redis::Cmd)> = groups
             .iter()
             .map(|&(g, ix)| {
-                let mut cmd = redis::cmd("MSET");
+                let erase = rows[ix[0]].values.is_empty();
+                let mut cmd = redis::cmd(if erase { "DEL" } else { "MSET" });
                 for &i in ix {
-                    buf.clear();
-                    encode_row(version, scores.get(i).copied().unwrap_or(0), &values[i * dim..(i + 1) * dim], &mut buf);
-                    self.layout.write_row_key(keys[i], &mut key);
-                    cmd.arg(&key[..]).arg(&buf[..]);
+                    self.layout.write_row_key(rows[i].key, &mut key);
+                    cmd.arg(&key[..]);
+                    if !erase {
+                        buf.clear();
+                        encode_row(version, rows[i].score, rows[i].values, &mut buf);
+                        cmd.arg(&buf[..]);
+                    }
                 }
                 (self.layout.slot_of_group(g), cmd)
             })
@@ -486,14 +568,17 @@ impl Core {
         // Writes wait for the cluster as long as a command may take (the
         // read deadline is for reads); a row not acknowledged is failed.
         let deadline = tokio::time::Instant::now() + self.options.response_timeout * (self.options.retries + 2);
-        let results = self.cluster.run(cmds, deadline).await;
-        let mut failed = vec![false; keys.len()];
+        let mut results = self.cluster.run(cmds, deadline).await;
+        if self.options.wait_replicas > 0 {
+            self.wait_replicas(&groups, &mut results).await;
+        }
+        let mut failed = vec![false; rows.len()];
         let mut errors = Vec::new();
         let mut nodes: Vec<String> = Vec::new();
-        let mut acked: Vec<u8> = Vec::with_capacity(keys.len() * 8);
+        let mut acked: Vec<u8> = Vec::with_capacity(rows.len() * 8);
         for (&(g, ix), r) in groups.iter().zip(results) {
             match r {
-                Ok(_) => ix.iter().for_each(|&i| acked.extend_from_slice(&keys[i].to_le_bytes())),
+                Ok(_) => ix.iter().for_each(|&i| acked.extend_from_slice(&rows[i].key.to_le_bytes())),
                 Err(f) => {
                     ix.iter().for_each(|&i| failed[i] = true);
                     let (node, detail) = match f {
@@ -519,6 +604,34 @@ impl Core {
         }
         self.counters.write.record(start.elapsed());
         (failed, errors)
+    }
+
+    /// `WAIT`s on every master that acknowledged a part of the batch for
+    /// `wait_replicas` replicas to have it; the parts of a master whose
+    /// replicas did not all acknowledge within `wait_timeout` fail.
+    async fn wait_replicas(&self, groups: &[(u32, &Vec<usize>)], results: &mut [Result<redis::Value, Failure>]) {
+        let mut nodes: Vec<String> = Vec::new();
+        for (&(g, _), r) in groups.iter().zip(results.iter()) {
+            let node = self.cluster.node_of(self.layout.slot_of_group(g));
+            if r.is_ok() && !nodes.contains(&node) {
+                nodes.push(node);
+            }
+        }
+        let (want, ms) = (self.options.wait_replicas, self.options.wait_timeout.as_millis() as u64);
+        let waits = nodes.iter().map(|n| self.cluster.on_node(n, redis::cmd("WAIT").arg(want).arg(ms).clone()));
+        let answers = futures_util::future::join_all(waits).await;
+        for (node, a) in nodes.iter().zip(answers) {
+            let detail = match a {
+                Ok(redis::Value::Int(got)) if got >= i64::from(want) => continue,
+                Ok(v) => format!("WAIT: {v:?} of {want} replicas acknowledged within {ms} ms"),
+                Err(e) => format!("WAIT: {e}"),
+            };
+            for (&(g, _), r) in groups.iter().zip(results.iter_mut()) {
+                if r.is_ok() && self.cluster.node_of(self.layout.slot_of_group(g)) == *node {
+                    *r = Err(Failure::Node { node: node.clone(), detail: detail.clone() });
+                }
+            }
+        }
     }
 
     /// Appends `{o: origin, v: version, t: ack µs, k: keys (u64 LE)}` to
@@ -605,12 +718,9 @@ async fn flusher(core: Arc<Core>) {
 
 /// Sends one batch and settles it; whether it all went.
 async fn send_batch(core: Arc<Core>, batch: Batch) -> bool {
-    let dim = core.layout.dim();
-    let keys: Vec<u64> = batch.iter().map(|(k, _)| *k).collect();
-    let scores: Vec<u64> = batch.iter().map(|(_, e)| e.score).collect();
-    let mut values = Vec::with_capacity(keys.len() * dim);
-    batch.iter().for_each(|(_, e)| values.extend_from_slice(&e.values));
-    let (failed, errors) = core.send(&keys, &values, &scores).await;
+    let rows: Vec<Row> = batch.iter().map(|(k, e)| Row { key: *k, score: e.score, values: &e.values }).collect();
+    let (failed, errors) = core.send(&rows).await;
+    drop(rows);
     core.queue.settle(batch, &failed);
     !failed.iter().any(|f| *f) && errors.is_empty()
 }

@@ -369,3 +369,106 @@ async fn hostile_options_get_clear_errors() {
     let b = Backing::open("h", DIM, options(&c, Mode::WriteThrough)).await.unwrap();
     assert!(matches!(b.write(&[1, 2], &[0.0; DIM], &[]).await, Err(Error::BadOption { .. })));
 }
+
+/// A password in the seed URL is passed on to every node: a cluster
+/// started with `requirepass` / `masterauth` (replicas authenticate to
+/// their masters) is refused without it or with a wrong one (the error
+/// does not show the password), served with `redis://:PW@…`, and with an
+/// ACL user's `redis://USER:PW@…`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_password_in_the_seed_url_is_passed_on() {
+    let c = blocking(|| TestCluster::start_with_password(3, 1, "s3cret-pw"))
+        .expect("start a redis-server cluster with requirepass");
+    let port = c.ports()[0];
+    let open = |seed: String, mode| Backing::open("pw", DIM, Options::new(vec![seed], mode));
+    let e = open(format!("redis://127.0.0.1:{port}"), Mode::WriteThrough).await.unwrap_err();
+    assert!(matches!(e, Error::Auth { .. }), "{e:?}");
+    let e = open(format!("redis://:wrong-pw@127.0.0.1:{port}"), Mode::WriteThrough).await.unwrap_err();
+    assert!(matches!(e, Error::Auth { .. }) && e.code() == "invalid_argument", "{e:?}");
+    assert!(!e.to_string().contains("wrong-pw"), "{e}");
+    let e = open("redis://:bad-pw@127.0.0.1:notaport".into(), Mode::WriteThrough).await.unwrap_err();
+    assert!(matches!(e, Error::BadUrl { .. }) && !e.to_string().contains("bad-pw"), "{e}");
+
+    let b = open(format!("redis://:s3cret-pw@127.0.0.1:{port}"), Mode::WriteThrough).await.unwrap();
+    let keys: Vec<u64> = (0..2000u64).collect();
+    b.write(&keys, &rows(&keys, 4), &[]).await.unwrap();
+    let out = b.read(&keys).await;
+    assert!(out.errors.is_empty() && out.fetched.iter().all(|f| *f == Fetched::Found), "{:?}", out.errors);
+    assert!(same_bits(&out.values, &rows(&keys, 4)), "rows from all three masters");
+
+    // An ACL user on every node (ACLs are per node).
+    for i in 0..c.ports().len() {
+        let ok = blocking(|| c.cli(i, &["acl", "setuser", "hkv", "on", ">user-pw", "~*", "&*", "+@all"])).unwrap();
+        assert!(ok.contains("OK"), "{ok}");
+    }
+    let u = open(format!("redis://hkv:user-pw@127.0.0.1:{port}"), Mode::ReadOnly).await.unwrap();
+    assert!(same_bits(&u.read(&keys).await.values, &rows(&keys, 4)));
+}
+
+/// An erase reaches the cluster: write-through deletes the rows before it
+/// returns (and other hosts are told); write-back queues the erasure, a
+/// read of a queued erasure finds the key absent, and after the flush the
+/// cluster has no row; read-only refuses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn erases_reach_the_cluster() {
+    let c = cluster(3, 0);
+    let wt = Backing::open("er", DIM, options(&c, Mode::WriteThrough)).await.unwrap();
+    let wb = Backing::open("er", DIM, options(&c, Mode::WriteBack)).await.unwrap();
+    let ro = Backing::open("er", DIM, options(&c, Mode::ReadOnly)).await.unwrap();
+    let mut inv = ro.subscribe().await.unwrap();
+    let keys: Vec<u64> = (1..=1000u64).collect();
+    wt.write(&keys, &rows(&keys, 1), &[]).await.unwrap();
+    wt.erase(&keys[..400]).await.unwrap();
+    let out = ro.read(&keys).await;
+    assert!(out.fetched[..400].iter().all(|f| *f == Fetched::Absent));
+    assert!(out.fetched[400..].iter().all(|f| *f == Fetched::Found));
+    // The other handle hears of the erasures on the stream.
+    let mut heard = std::collections::HashSet::new();
+    let start = Instant::now();
+    while heard.len() < 1400 && start.elapsed() < Duration::from_secs(5) {
+        for i in inv.next().await.unwrap() {
+            heard.extend(i.keys);
+        }
+    }
+    assert!(keys[..400].iter().all(|k| heard.contains(k)), "erased keys announced");
+
+    wb.erase(&keys[400..700]).await.unwrap();
+    let out = wb.read(&keys[400..]).await;
+    assert!(out.fetched[..300].iter().all(|f| *f == Fetched::Absent), "a queued erasure reads as absent");
+    assert!(out.fetched[300..].iter().all(|f| *f == Fetched::Found));
+    wb.flush(Duration::from_secs(10)).await.unwrap();
+    let out = ro.read(&keys).await;
+    assert_eq!(out.fetched.iter().filter(|f| **f == Fetched::Found).count(), 300);
+    assert!(same_bits(&out.values[700 * DIM..], &rows(&keys[700..], 1)));
+    assert!(matches!(ro.erase(&keys).await, Err(Error::ReadOnly { .. })));
+}
+
+/// `wait_replicas`: a write counts once that many replicas of each master
+/// have it (`WAIT`); asking for more replicas than there are fails the
+/// write by node (`backing_unavailable`), and a write-back queue keeps
+/// such rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_wait_for_replicas() {
+    let c = cluster(3, 1);
+    let mut one = options(&c, Mode::WriteThrough);
+    one.wait_replicas = 1;
+    let b = Backing::open("wr", DIM, one).await.unwrap();
+    let keys: Vec<u64> = (0..500u64).collect();
+    b.write(&keys, &rows(&keys, 2), &[]).await.unwrap();
+    let mut two = options(&c, Mode::WriteThrough);
+    two.wait_replicas = 2;
+    two.wait_timeout = Duration::from_millis(200);
+    let b2 = Backing::open("wr", DIM, two.clone()).await.unwrap();
+    let e = b2.write(&keys, &rows(&keys, 3), &[]).await.unwrap_err();
+    assert_eq!(e.code(), "backing_unavailable", "{e:?}");
+    assert!(e.to_string().contains("WAIT"), "{e}");
+    two.mode = Mode::WriteBack;
+    let q = Backing::open("wr", DIM, two).await.unwrap();
+    q.write(&keys[..10], &rows(&keys[..10], 5), &[]).await.unwrap();
+    assert!(q.flush(Duration::from_millis(800)).await.is_err(), "rows without their replicas stay queued");
+    assert_eq!(q.stats().queue_rows, 10);
+    let mut bad = options(&c, Mode::WriteThrough);
+    bad.wait_replicas = 1;
+    bad.wait_timeout = bad.response_timeout;
+    assert!(matches!(Backing::open("wr", DIM, bad).await, Err(Error::BadOption { name: "wait_timeout", .. })));
+}

@@ -114,6 +114,11 @@ pub struct Found {
     pub values: Vec<f32>,
     /// Scores, when asked for.
     pub scores: Option<Vec<u64>>,
+    /// Per key, where its answer came from ([`proto::origin`] codes: cache
+    /// hit, filled from the cluster, absent in both, not fetched by the
+    /// deadline), when asked for ([`Client::find_with_origins`]) of a
+    /// table backed by a cluster; `None` for other tables.
+    pub origins: Option<Vec<u8>>,
 }
 
 /// What a write op returned.
@@ -170,7 +175,19 @@ impl Found {
     pub(crate) fn from_response(what: &str, r: Response) -> Result<Found> {
         match r {
             Response::Find { found, values, scores } => {
-                Ok(Found { found: found.iter().map(|&f| f != 0).collect(), values, scores })
+                Ok(Found { found: found.iter().map(|&f| f != 0).collect(), values, scores, origins: None })
+            }
+            Response::Origins { answer, origins } => {
+                let mut f = Found::from_response(what, *answer)?;
+                if origins.len() != f.found.len() {
+                    return Err(ClientError::Protocol(format!(
+                        "{what}: {} origins for {} keys",
+                        origins.len(),
+                        f.found.len()
+                    )));
+                }
+                f.origins = Some(origins);
+                Ok(f)
             }
             r => unexpected(what, r),
         }
@@ -223,7 +240,7 @@ impl Spare {
 /// wire's order is then the floats' own).
 pub(crate) fn plain_find(h: &Header) -> bool {
     matches!(proto::Op::try_from(h.op), Ok(proto::Op::Find | proto::Op::FindFeatures))
-        && h.flags & (proto::flags::ERROR | proto::flags::SCORES) == 0
+        && h.flags & (proto::flags::ERROR | proto::flags::SCORES | proto::flags::OUTCOMES) == 0
         && cfg!(target_endian = "little")
 }
 
@@ -265,10 +282,20 @@ impl Client {
 
     /// Sends a request without waiting; returns its id.
     pub fn send(&mut self, req: &Request) -> Result<u64> {
+        self.send_flagged(req, 0)
+    }
+
+    /// [`Client::send`] with `extra` header flags set besides the ones the
+    /// request's fields set (OUTCOMES on find / contains: per-key origins).
+    pub fn send_flagged(&mut self, req: &Request, extra: u16) -> Result<u64> {
         let id = self.next_id;
         self.next_id += 1;
         let frame = match req.try_encode_into(id, std::mem::take(&mut self.spare.send)) {
-            Ok(f) => f,
+            Ok(mut f) => {
+                let fl = u16::from_le_bytes([f[6], f[7]]) | extra;
+                f[6..8].copy_from_slice(&fl.to_le_bytes());
+                f
+            }
             Err((e, buf)) => {
                 self.spare.send = keep(buf);
                 return Err(ClientError::Request(e));
@@ -349,7 +376,12 @@ impl Client {
 
     /// Sends a request and waits for its answer (no other request in flight).
     pub fn call(&mut self, req: &Request) -> Result<Response> {
-        let id = self.send(req)?;
+        self.call_flagged(req, 0)
+    }
+
+    /// [`Client::call`] with `extra` header flags ([`Client::send_flagged`]).
+    pub fn call_flagged(&mut self, req: &Request, extra: u16) -> Result<Response> {
+        let id = self.send_flagged(req, extra)?;
         let (got, r) = self.recv()?;
         if got != id && got != 0 {
             return Err(ClientError::Protocol(format!("answer to request {got} while waiting for {id}")));
@@ -450,6 +482,32 @@ impl Client {
     /// Values and scores of keys.
     pub fn find_with_scores(&mut self, table: &str, keys: &[u64]) -> Result<Found> {
         self.find_inner(table, keys, true)
+    }
+
+    /// Values of keys and, on a table backed by a cluster, where each
+    /// key's answer came from (`origins`, [`proto::origin`] codes). A key
+    /// the cluster did not answer by the table's deadline is then not
+    /// found with origin `LATE` instead of failing the request. On a table
+    /// without a cluster `origins` is `None` (the daemon ignores the ask).
+    pub fn find_with_origins(&mut self, table: &str, keys: &[u64]) -> Result<Found> {
+        let req = Request::Find { table: table.into(), keys: keys.to_vec(), scores: false };
+        Found::from_response("find", self.call_flagged(&req, proto::flags::OUTCOMES)?)
+    }
+
+    /// [`Client::contains`] with each key's origin on a backed table (as
+    /// [`Client::find_with_origins`]); `None` on other tables.
+    pub fn contains_with_origins(&mut self, table: &str, keys: &[u64]) -> Result<(Vec<bool>, Option<Vec<u8>>)> {
+        let req = Request::Contains { table: table.into(), keys: keys.to_vec() };
+        match self.call_flagged(&req, proto::flags::OUTCOMES)? {
+            Response::Contains { found } => Ok((found.iter().map(|&f| f != 0).collect(), None)),
+            Response::Origins { answer, origins } => match *answer {
+                Response::Contains { found } if found.len() == origins.len() => {
+                    Ok((found.iter().map(|&f| f != 0).collect(), Some(origins)))
+                }
+                r => unexpected("contains", r),
+            },
+            r => unexpected("contains", r),
+        }
     }
 
     fn find_inner(&mut self, table: &str, keys: &[u64], scores: bool) -> Result<Found> {

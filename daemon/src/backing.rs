@@ -46,6 +46,11 @@ struct Entry {
     /// has received the write.
     invalid: Arc<parking_lot::Mutex<Vec<u64>>>,
     consumer: tokio::task::JoinHandle<()>,
+    /// Held shared by each read's background insert of the rows it filled
+    /// from the cluster; every request of the table starts by taking it
+    /// exclusively (and letting it go), so it sees every fill that a read
+    /// answered before it began.
+    fills: Arc<tokio::sync::RwLock<()>>,
 }
 
 impl Drop for Entry {
@@ -105,6 +110,9 @@ pub fn options(spec: &BackingSpec) -> Options {
     if let Some(b) = spec.queue_bytes {
         o.queue_bytes = b;
     }
+    if let Some(n) = spec.wait_replicas {
+        o.wait_replicas = n;
+    }
     o
 }
 
@@ -155,7 +163,13 @@ impl Tiers {
         let backing = self.on_rt(async move { Backing::open(&name, dim, o).await }).await?.map_err(wire)?;
         let invalid = Arc::new(parking_lot::Mutex::new(Vec::new()));
         let consumer = self.rt()?.spawn(consume(backing.clone(), invalid.clone()));
-        let entry = Entry { backing, hits: AtomicU64::new(0), invalid, consumer };
+        let entry = Entry {
+            backing,
+            hits: AtomicU64::new(0),
+            invalid,
+            consumer,
+            fills: Arc::new(tokio::sync::RwLock::new(())),
+        };
         self.tables.write().insert(spec.name.clone(), Arc::new(entry));
         Ok(())
     }
@@ -178,6 +192,14 @@ impl Tiers {
         self.tables.read().get(name).map(|e| std::mem::take(&mut *e.invalid.lock())).unwrap_or_default()
     }
 
+    /// Waits until the inserts of fills answered before now are done.
+    async fn settle_fills(&self, name: &str) {
+        let fills = self.tables.read().get(name).map(|e| e.fills.clone());
+        if let Some(f) = fills {
+            drop(f.write().await);
+        }
+    }
+
     fn count_hits(&self, name: &str, n: usize) {
         if let Some(e) = self.tables.read().get(name) {
             e.hits.fetch_add(n as u64, Relaxed);
@@ -188,14 +210,26 @@ impl Tiers {
     /// cluster and the rows found inserted into the cache (under its
     /// admission rules), the cache's hits counted: the misses' indices and
     /// the answer per missed key. Keys not answered (a node down, the
-    /// deadline) fail the request by name: never a made-up row.
+    /// deadline) fail the request by name: never a made-up row. With
+    /// `late_ok` (a request that asked for per-key origins) keys not
+    /// fetched by the deadline are left `Late` for the answer to say so;
+    /// a failed node still fails the request.
+    ///
+    /// Without `wait` the rows are inserted after the answer, on a task of
+    /// their own (the answer does not wait for the cache's insert; the
+    /// table's next request does, [`Tiers::settle_fills`]); with `wait`
+    /// (find_or_insert, which then writes the keys the cluster lacks)
+    /// they are in the cache when this returns.
+    #[allow(clippy::too_many_arguments)]
     async fn fill(
         &self,
-        router: &Router,
-        t: &Table,
+        router: &Arc<Router>,
+        t: &Arc<Table>,
         tier: &Backing,
         keys: &[u64],
         found: &[u8],
+        late_ok: bool,
+        wait: bool,
     ) -> Result<(Vec<usize>, ReadOut), ProtoError> {
         let table = t.spec.name.as_str();
         let miss: Vec<usize> = (0..keys.len()).filter(|&i| found[i] == 0).collect();
@@ -206,7 +240,9 @@ impl Tiers {
         let mk: Vec<u64> = miss.iter().map(|&i| keys[i]).collect();
         let b = tier.clone();
         let out = self.on_rt(async move { b.read(&mk).await }).await?;
-        if out.unanswered() > 0 {
+        let unanswered =
+            if late_ok { out.fetched.iter().filter(|f| **f == Fetched::Unavailable).count() } else { out.unanswered() };
+        if unanswered > 0 {
             return Err(match out.errors.first() {
                 Some(e) => wire(e.clone()),
                 None => ProtoError::new(
@@ -225,7 +261,25 @@ impl Tiers {
                 (t.config.policy == ScorePolicy::Custom).then(|| filled.iter().map(|&j| out.scores[j]).collect());
             let fill_keys = filled.iter().map(|&j| keys[miss[j]]).collect();
             let fill_values = filled.iter().flat_map(|&j| out.values[j * d..(j + 1) * d].iter().copied()).collect();
-            router.write(t, WriteOp::InsertOrAssign, fill_keys, fill_values, scores, false).await?;
+            let fills = self.tables.read().get(table).map(|e| e.fills.clone());
+            match fills {
+                Some(f) if !wait => {
+                    let guard = f.read_owned().await;
+                    let (router, t) = (router.clone(), t.clone());
+                    tokio::spawn(async move {
+                        // A row the cache refuses (admission) is still
+                        // in the answer and in the cluster.
+                        let r = router.write(&t, WriteOp::InsertOrAssign, fill_keys, fill_values, scores, false).await;
+                        if let Err(e) = r {
+                            tracing::debug!(table = %t.spec.name, "caching filled rows: {}", e.message);
+                        }
+                        drop(guard);
+                    });
+                }
+                _ => {
+                    router.write(t, WriteOp::InsertOrAssign, fill_keys, fill_values, scores, false).await?;
+                }
+            }
         }
         Ok((miss, out))
     }
@@ -303,16 +357,25 @@ impl Tiers {
 /// their misses from the cluster in the same request, writes reach the
 /// cluster as the table's mode says, the rest runs as on any table. The
 /// socket's requests come here; region requests call [`find`],
-/// [`contains`] and [`write`] themselves.
-pub async fn execute(router: &Router, tiers: &Tiers, tier: Backing, req: Request) -> Result<Response, ProtoError> {
+/// [`contains`] and [`write`] themselves. With `origins` (the request's
+/// OUTCOMES flag) a find's or contains' answer carries each key's origin.
+pub async fn execute(
+    router: &Arc<Router>,
+    tiers: &Tiers,
+    tier: Backing,
+    req: Request,
+    origins: bool,
+) -> Result<Response, ProtoError> {
     match req {
         Request::Find { table, keys, scores } => {
             let t = router.table(&table)?;
-            find(router, tiers, &tier, &t, keys, scores).await.map(Into::into)
+            let (a, o) = find_with_origins(router, tiers, &tier, &t, keys, scores, origins).await?;
+            Ok(with_origins(a.into(), o))
         }
         Request::Contains { table, keys } => {
             let t = router.table(&table)?;
-            Ok(Response::Contains { found: contains(router, tiers, &tier, &t, keys).await? })
+            let (found, o) = contains_with_origins(router, tiers, &tier, &t, keys, origins).await?;
+            Ok(with_origins(Response::Contains { found }, o))
         }
         Request::Write { op, table, keys, values, scores, outcomes } => {
             let t = router.table(&table)?;
@@ -321,6 +384,11 @@ pub async fn execute(router: &Router, tiers: &Tiers, tier: Backing, req: Request
         Request::ApplyGradients { table, hyper, keys, grads, outcomes } => {
             let t = router.table(&table)?;
             apply_gradients(router, tiers, &tier, &t, hyper, keys, grads, outcomes).await.map(Into::into)
+        }
+        Request::Erase { table, keys, outcomes } => {
+            let t = router.table(&table)?;
+            let (count, flags) = erase(router, tiers, &tier, &t, keys, outcomes).await?;
+            Ok(Response::Erased { count, flags })
         }
         other => {
             if let Some(table) = other.table() {
@@ -333,7 +401,13 @@ pub async fn execute(router: &Router, tiers: &Tiers, tier: Backing, req: Request
 
 /// Erases the rows other hosts wrote since the last request (the table's
 /// stream), so that this request reads them from the cluster again.
+///
+/// Rows that earlier reads filled are put in the cache after their answers
+/// (and hits' scores refreshed so): every request first waits for them,
+/// so that it sees them (a key an answered read filled is a hit, not a
+/// second fetch) and no such insert lands after a write or an erase.
 async fn invalidate(router: &Router, tiers: &Tiers, t: &Table) -> Result<(), ProtoError> {
+    tiers.settle_fills(&t.spec.name).await;
     let mut stale = tiers.take_invalid(&t.spec.name);
     if !stale.is_empty() {
         stale.sort_unstable();
@@ -343,22 +417,61 @@ async fn invalidate(router: &Router, tiers: &Tiers, t: &Table) -> Result<(), Pro
     Ok(())
 }
 
+/// An answer with its origins array, when asked for.
+pub fn with_origins(answer: Response, origins: Option<Vec<u8>>) -> Response {
+    match origins {
+        Some(origins) => Response::Origins { answer: Box::new(answer), origins },
+        None => answer,
+    }
+}
+
+/// Each key's origin code (`hkv_proto::origin`): the cache's hits, then
+/// what the cluster said of each miss.
+fn origin_codes(found: &[u8], miss: &[usize], rows: &ReadOut) -> Vec<u8> {
+    use hkv_proto::origin;
+    let mut o: Vec<u8> = found.iter().map(|&f| if f == 1 { origin::HIT } else { origin::ABSENT }).collect();
+    for (j, &i) in miss.iter().enumerate() {
+        o[i] = match rows.fetched[j] {
+            Fetched::Found => origin::FILLED,
+            Fetched::Absent => origin::ABSENT,
+            Fetched::Late | Fetched::Unavailable => origin::LATE,
+        };
+    }
+    o
+}
+
 /// find on a backed table: hits refresh their scores, misses are read
 /// from the cluster, inserted and returned, in the same request.
 pub async fn find(
-    router: &Router,
+    router: &Arc<Router>,
     tiers: &Tiers,
     tier: &Backing,
-    t: &Table,
+    t: &Arc<Table>,
     keys: Vec<u64>,
     scores: bool,
 ) -> Result<FindAnswer, ProtoError> {
+    Ok(find_with_origins(router, tiers, tier, t, keys, scores, false).await?.0)
+}
+
+/// [`find`], and with `origins` each key's origin (keys not fetched by the
+/// deadline are then answered as not found, origin `LATE`, instead of
+/// failing the request).
+pub async fn find_with_origins(
+    router: &Arc<Router>,
+    tiers: &Tiers,
+    tier: &Backing,
+    t: &Arc<Table>,
+    keys: Vec<u64>,
+    scores: bool,
+    origins: bool,
+) -> Result<(FindAnswer, Option<Vec<u8>>), ProtoError> {
     invalidate(router, tiers, t).await?;
     // With scores: the misses' scores are written into them too.
     let FindAnswer { mut found, mut values, scores: got } = router.find_rows(t, keys.clone(), true).await?;
     let mut got = got.unwrap_or_default();
-    refresh(router, t, &keys, &found).await?;
-    let (miss, rows) = tiers.fill(router, t, tier, &keys, &found).await?;
+    refresh(router, tiers, t, &keys, &found).await;
+    let (miss, rows) = tiers.fill(router, t, tier, &keys, &found, origins, false).await?;
+    let codes = origins.then(|| origin_codes(&found, &miss, &rows));
     for (j, &i) in miss.iter().enumerate() {
         if rows.fetched[j] == Fetched::Found {
             found[i] = 1;
@@ -369,26 +482,40 @@ pub async fn find(
             }
         }
     }
-    Ok(FindAnswer { found, values, scores: scores.then_some(got) })
+    Ok((FindAnswer { found, values, scores: scores.then_some(got) }, codes))
 }
 
 /// contains on a backed table: a key the cluster has is present (and now cached).
 pub async fn contains(
-    router: &Router,
+    router: &Arc<Router>,
     tiers: &Tiers,
     tier: &Backing,
-    t: &Table,
+    t: &Arc<Table>,
     keys: Vec<u64>,
 ) -> Result<Vec<u8>, ProtoError> {
+    Ok(contains_with_origins(router, tiers, tier, t, keys, false).await?.0)
+}
+
+/// [`contains`], and with `origins` each key's origin (as
+/// [`find_with_origins`]).
+pub async fn contains_with_origins(
+    router: &Arc<Router>,
+    tiers: &Tiers,
+    tier: &Backing,
+    t: &Arc<Table>,
+    keys: Vec<u64>,
+    origins: bool,
+) -> Result<(Vec<u8>, Option<Vec<u8>>), ProtoError> {
     invalidate(router, tiers, t).await?;
     let mut found = router.contains(t, keys.clone()).await?;
-    let (miss, rows) = tiers.fill(router, t, tier, &keys, &found).await?;
+    let (miss, rows) = tiers.fill(router, t, tier, &keys, &found, origins, false).await?;
+    let codes = origins.then(|| origin_codes(&found, &miss, &rows));
     for (j, &i) in miss.iter().enumerate() {
         if rows.fetched[j] == Fetched::Found {
             found[i] = 1;
         }
     }
-    Ok(found)
+    Ok((found, codes))
 }
 
 /// A write on a backed table: find_or_insert reads through on every
@@ -396,10 +523,10 @@ pub async fn contains(
 /// read-only.
 #[allow(clippy::too_many_arguments)]
 pub async fn write(
-    router: &Router,
+    router: &Arc<Router>,
     tiers: &Tiers,
     tier: &Backing,
-    t: &Table,
+    t: &Arc<Table>,
     op: WriteOp,
     keys: Vec<u64>,
     values: Vec<f32>,
@@ -417,7 +544,7 @@ pub async fn write(
             // values: fill the misses first, then insert the rest
             // here and in the cluster.
             let found = router.find_rows(t, keys.clone(), true).await?.found;
-            let (miss, rows) = tiers.fill(router, t, &tier, &keys, &found).await?;
+            let (miss, rows) = tiers.fill(router, t, &tier, &keys, &found, false, true).await?;
             let d = t.config.dim;
             let new: Vec<usize> =
                 miss.iter().zip(&rows.fetched).filter(|(_, f)| **f == Fetched::Absent).map(|(&i, _)| i).collect();
@@ -464,10 +591,10 @@ pub async fn write(
 /// stepped rows (values and optimizer state) as accum_or_assign's are sent.
 #[allow(clippy::too_many_arguments)]
 pub async fn apply_gradients(
-    router: &Router,
+    router: &Arc<Router>,
     tiers: &Tiers,
     tier: &Backing,
-    t: &Table,
+    t: &Arc<Table>,
     hyper: hkv_proto::Hyper,
     keys: Vec<u64>,
     grads: Vec<f32>,
@@ -475,7 +602,8 @@ pub async fn apply_gradients(
 ) -> Result<ApplyAnswer, ProtoError> {
     invalidate(router, tiers, t).await?;
     let found = router.find_rows(t, keys.clone(), false).await?.found;
-    tiers.fill(router, t, tier, &keys, &found).await?;
+    // Waited for: the step needs the filled rows in the cache.
+    tiers.fill(router, t, tier, &keys, &found, false, true).await?;
     let r = router.apply_gradients(t, hyper, keys.clone(), grads, outcomes).await?;
     if tier.mode() != Mode::ReadOnly {
         let FindAnswer { found, values, scores: got } = router.find_rows(t, keys.clone(), true).await?;
@@ -494,18 +622,48 @@ pub async fn apply_gradients(
     Ok(r)
 }
 
+/// erase on a backed table: the cluster first (write-through: deleted
+/// there and announced to other hosts; write-back: queued), then the
+/// cache, so that a read after it never fills the erased row back. A
+/// read-only table erases from its cache only.
+pub async fn erase(
+    router: &Arc<Router>,
+    tiers: &Tiers,
+    tier: &Backing,
+    t: &Arc<Table>,
+    keys: Vec<u64>,
+    outcomes: bool,
+) -> Result<(u64, Option<Vec<u8>>), ProtoError> {
+    invalidate(router, tiers, t).await?;
+    if tier.mode() != Mode::ReadOnly && !keys.is_empty() {
+        let (b, k) = (tier.clone(), keys.clone());
+        tiers.on_rt(async move { b.erase(&k).await }).await?.map_err(wire)?;
+    }
+    router.erase(t, keys, outcomes).await
+}
+
 /// On a backed table a find hit refreshes its row's score (lru and lfu
 /// tables; today only writes do elsewhere), so an inference cache keeps its
-/// hot rows.
-async fn refresh(router: &Router, t: &Table, keys: &[u64], found: &[u8]) -> Result<(), ProtoError> {
+/// hot rows. After the answer, on a task of its own (the table's next
+/// request waits for it, as for a fill's insert): the answer's rows do not
+/// depend on it.
+async fn refresh(router: &Arc<Router>, tiers: &Tiers, t: &Arc<Table>, keys: &[u64], found: &[u8]) {
     if t.config.policy == ScorePolicy::Custom {
-        return Ok(());
+        return;
     }
     let hits: Vec<u64> = keys.iter().zip(found).filter(|(_, f)| **f == 1).map(|(k, _)| *k).collect();
     if hits.is_empty() {
-        return Ok(());
+        return;
     }
-    router.assign_scores(t, hits, None, false).await.map(drop)
+    let Some(fills) = tiers.tables.read().get(&t.spec.name).map(|e| e.fills.clone()) else { return };
+    let guard = fills.read_owned().await;
+    let (router, t) = (router.clone(), t.clone());
+    tokio::spawn(async move {
+        if let Err(e) = router.assign_scores(&t, hits, None, false).await {
+            tracing::debug!(table = %t.spec.name, "refreshing the scores of hits: {}", e.message);
+        }
+        drop(guard);
+    });
 }
 
 /// A table's stats as the stats document carries them.

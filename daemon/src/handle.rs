@@ -57,6 +57,9 @@ async fn answer(
         return crate::region::answer(state, ctx, h, body).await;
     }
     let req = Request::decode(h, body)?;
+    // OUTCOMES on a read asks a backed table for each key's origin (other
+    // tables ignore it, as PROTOCOL.md says).
+    let origins = h.flags & hkv_proto::flags::OUTCOMES != 0;
     // Answers count against the bytes in flight before they are built: a
     // client that pipelines large finds without reading them is refused
     // instead of holding answers until memory runs out.
@@ -99,7 +102,9 @@ async fn answer(
             let (router, tiers) = (&state.router, &state.backing);
             match (hashed, tier) {
                 (Hashed::Find { t, keys, scores }, Some(b)) => {
-                    crate::backing::find(router, tiers, &b, &t, keys, scores).await.map(Into::into)
+                    let (a, o) =
+                        crate::backing::find_with_origins(router, tiers, &b, &t, keys, scores, origins).await?;
+                    Ok(crate::backing::with_origins(a.into(), o))
                 }
                 (Hashed::FindOrInsert { t, keys, values, scores, outcomes }, Some(b)) => {
                     let op = hkv_proto::WriteOp::FindOrInsert;
@@ -113,7 +118,7 @@ async fn answer(
         // A backed table's reads fill misses from its cluster and its
         // writes reach it (`crate::backing`); the rest is the cache's.
         table_op => match table_op.table().and_then(|name| state.backing.get(name)) {
-            Some(tier) => crate::backing::execute(&state.router, &state.backing, tier, table_op).await,
+            Some(tier) => crate::backing::execute(&state.router, &state.backing, tier, table_op, origins).await,
             None => state.router.execute(table_op).await,
         },
     }

@@ -73,7 +73,7 @@ pub async fn collect(state: &State) -> Result<DaemonStats, hkv_proto::ProtoError
             let mean = size as f64 / shards.len().max(1) as f64;
             let max = shards.iter().map(|s| s.size).max().unwrap_or(0) as f64;
             TableStats {
-                spec: t.spec.clone(),
+                spec: t.spec.redacted(),
                 size,
                 capacity,
                 load_factor: size as f64 / capacity.max(1) as f64,

@@ -304,3 +304,185 @@ fn a_restored_backed_table_reads_through_again() {
     assert_eq!(f.found, vec![true, true], "key 4 is read from the cluster");
     assert_eq!(&f.values[4..], &[4.0; 4]);
 }
+
+/// A backed table's find and contains answer, when asked (OUTCOMES), where
+/// each key came from: the cache, the cluster, neither, or not fetched by
+/// the deadline (the request then succeeds; without the ask it fails with
+/// `timeout`). A table without a cluster ignores the ask: its answer is
+/// the same as without it.
+#[test]
+fn answers_say_where_each_key_came_from() {
+    use hkv_client::proto::{flags, origin};
+    use hkv_client::{Request, Response};
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
+    let (mut ca, mut cb) = (a.client(), b.client());
+    let seeds = cluster.seed_arg();
+    ca.create_table(backed("o", &seeds, BackingMode::WriteThrough)).unwrap();
+    let mut slow = backed("o", &seeds, BackingMode::ReadOnly);
+    slow.backing.as_mut().unwrap().deadline_ms = Some(150);
+    cb.create_table(slow).unwrap();
+    let keys: Vec<u64> = (1..=3000u64).collect();
+    let values: Vec<f32> = keys.iter().flat_map(|&k| [k as f32, 0.5, -1.0, 2.0]).collect();
+    ca.insert_or_assign("o", &keys, &values, None).unwrap();
+
+    let f = cb.find_with_origins("o", &[1, 2, 900_000]).unwrap();
+    assert_eq!(f.origins, Some(vec![origin::FILLED, origin::FILLED, origin::ABSENT]));
+    assert_eq!(f.found, vec![true, true, false]);
+    assert_eq!(&f.values[..8], &values[..8]);
+    let f = cb.find_with_origins("o", &[2, 3, 1]).unwrap();
+    assert_eq!(f.origins, Some(vec![origin::HIT, origin::FILLED, origin::HIT]));
+    let (found, o) = cb.contains_with_origins("o", &[3, 4, 900_001]).unwrap();
+    assert_eq!((found, o), (vec![true, true, false], Some(vec![origin::HIT, origin::FILLED, origin::ABSENT])));
+    // A plain find is unchanged: no origins.
+    assert_eq!(cb.find("o", &[1]).unwrap().origins, None);
+
+    // One master stops answering for 1.5 s: with the ask, the keys it
+    // holds come back late (not found), the others found; without it the
+    // request fails with `timeout`.
+    cluster.cli(2, &["client", "pause", "1500", "ALL"]).unwrap();
+    let cold: Vec<u64> = (100..3000u64).collect();
+    let f = cb.find_with_origins("o", &cold).unwrap();
+    let o = f.origins.unwrap();
+    let late = o.iter().filter(|&&x| x == origin::LATE).count();
+    let filled = o.iter().filter(|&&x| x == origin::FILLED).count();
+    assert!(late > 300 && filled > 1000 && late + filled == cold.len(), "late {late} filled {filled}");
+    for (i, &x) in o.iter().enumerate() {
+        assert_eq!(f.found[i], x == origin::FILLED, "key {}: origin {x}", cold[i]);
+    }
+    let late_keys: Vec<u64> = cold.iter().zip(&o).filter(|(_, &x)| x == origin::LATE).map(|(k, _)| *k).collect();
+    assert_eq!(cb.find("o", &late_keys).unwrap_err().code(), Some(ErrorCode::Timeout));
+    // Once the node answers again the late keys are filled.
+    std::thread::sleep(std::time::Duration::from_millis(1600));
+    let f = cb.find_with_origins("o", &late_keys).unwrap();
+    assert!(f.origins.unwrap().iter().all(|&x| x == origin::FILLED) && f.found.iter().all(|&x| x));
+
+    // A table without a cluster: the same answer with and without the ask.
+    cb.create_table(TableSpec::new("plain", 4, 1024)).unwrap();
+    cb.insert_or_assign("plain", &[5], &[1.0; 4], None).unwrap();
+    let req = Request::Find { table: "plain".into(), keys: vec![5, 6], scores: false };
+    let asked = cb.call_flagged(&req, flags::OUTCOMES).unwrap();
+    assert!(matches!(asked, Response::Find { .. }), "{asked:?}");
+    assert_eq!(asked, cb.call(&req).unwrap());
+    let req = Request::Contains { table: "plain".into(), keys: vec![5, 6] };
+    assert_eq!(cb.call_flagged(&req, flags::OUTCOMES).unwrap(), Response::Contains { found: vec![1, 0] });
+}
+
+/// An erase on a backed table reaches the cluster: under write-through at
+/// once (another daemon no longer reads the rows, and the erasing daemon
+/// does not fill them back), under write-back once flushed; a read-only
+/// table erases its cache only. `wait_replicas` travels with the spec: on
+/// a cluster without replicas, a table that asks for one cannot write.
+#[test]
+fn erases_reach_the_cluster_and_writes_can_wait_for_replicas() {
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
+    let (mut ca, mut cb) = (a.client(), b.client());
+    let seeds = cluster.seed_arg();
+    let keys: Vec<u64> = (1..=600u64).map(|k| k * 31).collect();
+    let values: Vec<f32> = keys.iter().flat_map(|&k| [k as f32; 4]).collect();
+    for (name, mode) in [("ewt", BackingMode::WriteThrough), ("ewb", BackingMode::WriteBack)] {
+        ca.create_table(backed(name, &seeds, mode)).unwrap();
+        cb.create_table(backed(name, &seeds, BackingMode::ReadOnly)).unwrap();
+        ca.insert_or_assign(name, &keys, &values, None).unwrap();
+        ca.flush(name).unwrap();
+        assert!(cb.find(name, &keys).unwrap().found.iter().all(|&f| f), "{name}: B reads every row");
+        cb.drop_table(name).unwrap();
+        cb.create_table(backed(name, &seeds, BackingMode::ReadOnly)).unwrap();
+        assert_eq!(ca.erase(name, &keys[..200]).unwrap(), 200);
+        let f = ca.find(name, &keys[..200]).unwrap();
+        assert!(f.found.iter().all(|&x| !x), "{name}: A does not fill erased rows back");
+        ca.flush(name).unwrap();
+        let f = cb.find(name, &keys).unwrap();
+        assert!(f.found[..200].iter().all(|&x| !x), "{name}: the cluster lost the erased rows");
+        assert!(f.found[200..].iter().all(|&x| x) && f.values[800..] == values[800..], "{name}: and kept the rest");
+    }
+    // B is read-only: its erase leaves the cluster's rows.
+    assert_eq!(cb.erase("ewt", &keys[200..210]).unwrap(), 10);
+    assert!(ca.find("ewt", &keys[200..210]).unwrap().found.iter().all(|&x| x));
+
+    let mut spec = backed("w1", &seeds, BackingMode::WriteThrough);
+    spec.backing.as_mut().unwrap().wait_replicas = Some(1);
+    let info = ca.create_table(spec).unwrap();
+    assert_eq!(info.spec.backing.and_then(|b| b.wait_replicas), Some(1));
+    let e = ca.insert_or_assign("w1", &[1], &[1.0; 4], None).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::BackingUnavailable), "{e}");
+    assert!(e.to_string().contains("WAIT"), "{e}");
+}
+
+/// A cluster that asks for a password (`requirepass`, replicas with
+/// `masterauth`): create-table without it or with a wrong one is
+/// `bad_request` (the message does not show the password given); with it
+/// in the seed URL the table reads and writes through every master.
+#[test]
+fn a_password_in_the_seed_url_reaches_every_node() {
+    let cluster = TestCluster::start_with_password(3, 1, "daemon-pw").expect("start a redis-server cluster");
+    let port = cluster.ports()[0];
+    let d = Daemon::start(&[]);
+    let mut c = d.client();
+    let spec = |seed: String| backed("p", &seed, BackingMode::WriteThrough);
+    let e = c.create_table(spec(format!("redis://127.0.0.1:{port}"))).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::BadRequest), "{e}");
+    let e = c.create_table(spec(format!("redis://:not-it@127.0.0.1:{port}"))).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::BadRequest), "{e}");
+    assert!(!e.to_string().contains("not-it"), "{e}");
+    let info = c.create_table(spec(format!("redis://:daemon-pw@127.0.0.1:{port}"))).unwrap();
+    // Listings and stats do not show the password.
+    let shown = format!("{:?}{:?}{}", info.spec, c.tables().unwrap(), c.stats().unwrap());
+    assert!(!shown.contains("daemon-pw") && shown.contains(&format!("redis://:***@127.0.0.1:{port}")), "{shown}");
+    let keys: Vec<u64> = (1..=1000u64).collect();
+    let values: Vec<f32> = keys.iter().flat_map(|&k| [k as f32; 4]).collect();
+    c.insert_or_assign("p", &keys, &values, None).unwrap();
+    c.drop_table("p").unwrap();
+    c.create_table(backed("p", &format!("redis://:daemon-pw@127.0.0.1:{port}"), BackingMode::ReadOnly)).unwrap();
+    let f = c.find_with_origins("p", &keys).unwrap();
+    assert!(f.origins.unwrap().iter().all(|&o| o == hkv_client::proto::origin::FILLED));
+    assert_eq!(f.values, values);
+}
+
+/// Rows a find filled from the cluster are put in the cache after its
+/// answer; the table's next request waits for that: a write right after
+/// the find is never overwritten by the fill, and a find right after it
+/// hits. (B first waits until it has heard of A's writes on the stream,
+/// so that their invalidations do not drop what it filled.)
+#[test]
+fn a_fill_never_lands_after_the_next_request() {
+    use hkv_client::proto::origin;
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
+    let (mut ca, mut cb) = (a.client(), b.client());
+    let seeds = cluster.seed_arg();
+    ca.create_table(backed("fl", &seeds, BackingMode::WriteThrough)).unwrap();
+    cb.create_table(backed("fl", &seeds, BackingMode::WriteThrough)).unwrap();
+    let mut heard = 0u64;
+    let mut hear = |c: &mut hkv_client::Client, n: u64| {
+        heard += n;
+        let start = std::time::Instant::now();
+        loop {
+            let s = c.stats_doc().unwrap();
+            let got = s.tables.iter().find_map(|t| t.backing.as_ref()).map_or(0, |b| b.invalidations);
+            if got >= heard {
+                return;
+            }
+            assert!(start.elapsed() < std::time::Duration::from_secs(5), "B heard {got} of {heard} invalidations");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    };
+    for round in 0..40u64 {
+        let keys: Vec<u64> = (0..256u64).map(|k| round * 1000 + k + 1).collect();
+        let more: Vec<u64> = keys.iter().map(|k| k + 500).collect();
+        ca.insert_or_assign("fl", &keys, &vec![1.0; keys.len() * 4], None).unwrap();
+        ca.insert_or_assign("fl", &more, &vec![3.0; more.len() * 4], None).unwrap();
+        hear(&mut cb, 512);
+        // B has none of them: filled from the cluster, then written at once.
+        assert!(cb.find("fl", &keys).unwrap().found.iter().all(|&f| f));
+        cb.insert_or_assign("fl", &keys, &vec![2.0; keys.len() * 4], None).unwrap();
+        let f = cb.find_with_origins("fl", &keys).unwrap();
+        assert!(f.values.iter().all(|&v| v == 2.0), "round {round}: a fill overwrote the write after it");
+        assert!(f.origins.unwrap().iter().all(|&o| o == origin::HIT), "round {round}");
+        // And a find right after a fill hits.
+        cb.find("fl", &more).unwrap();
+        let f = cb.find_with_origins("fl", &more).unwrap();
+        assert!(f.origins.unwrap().iter().all(|&o| o == origin::HIT), "round {round}: filled rows are hits next");
+    }
+}

@@ -46,7 +46,7 @@ pub use frame::{FindFrame, FrameBuf, FrameMemory};
 pub use header::{check_frame, flags, frame, FrameCheck, Header, HEADER_LEN, MAGIC, VERSION};
 pub use op::{Op, WriteOp};
 pub use request::{Control, Request};
-pub use response::Response;
+pub use response::{origin, Response};
 pub use types::{
     BackingMode, BackingSpec, CheckpointId, Cursor, Evicted, FeatureHash, Features, Filter, HashKind, HashSpec, Hyper,
     LfuTies, Mode, Optimizer, Policy, Summary, TableInfo, TableSpec,

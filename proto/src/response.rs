@@ -91,6 +91,17 @@ pub enum Response {
     Text(String),
     /// An error.
     Error(ProtoError),
+    /// A backed table's find, find_features or contains answer with the
+    /// per-key origins its request asked for (OUTCOMES): the answer's own
+    /// fields, then `origins: u8s` ([`origin`] codes). Only a backed table
+    /// answers so; any other table ignores the flag (PROTOCOL.md,
+    /// "Backing tier: origins").
+    Origins {
+        /// A `Find` or `Contains` answer.
+        answer: Box<Response>,
+        /// One [`origin`] code per key.
+        origins: Vec<u8>,
+    },
     /// A response frame the server built in place ([`crate::FindFrame`]):
     /// [`HEADER_LEN`] bytes of header space, then the encoded body. Never
     /// decoded: the client sees the op's own response.
@@ -176,6 +187,7 @@ impl Response {
             Response::Text(t) => t.len(),
             Response::Error(e) => json(e).len(),
             Response::Framed(frame) => frame.bytes().len().saturating_sub(HEADER_LEN),
+            Response::Origins { answer, origins } => answer.body_len() + arr(origins.len(), 1),
         }
     }
 
@@ -243,6 +255,11 @@ impl Response {
                 w.buf.extend(json(e));
             }
             Response::Framed(frame) => w.buf.extend_from_slice(&frame.bytes()[HEADER_LEN..]),
+            Response::Origins { answer, origins } => {
+                let (c, f) = answer.write(req_op, w);
+                w.u8s(origins);
+                (code, fl) = (c, f | flags::OUTCOMES);
+            }
         }
         (code, fl)
     }
@@ -276,9 +293,9 @@ impl Response {
                 let found = r.u8s_into("found", found)?;
                 let values = r.f32s_into("values", values)?;
                 let scores = if h.flags & flags::SCORES != 0 { Some(r.u64s("scores")?) } else { None };
-                Response::Find { found, values, scores }
+                with_origins(Response::Find { found, values, scores }, has_outcomes, &mut r)?
             }
-            Op::Contains => Response::Contains { found: r.u8s("found")? },
+            Op::Contains => with_origins(Response::Contains { found: r.u8s("found")? }, has_outcomes, &mut r)?,
             o @ (Op::InsertOrAssign
             | Op::InsertAndEvict
             | Op::FindOrInsert
@@ -346,6 +363,29 @@ impl Response {
     }
 }
 
+/// A find or contains answer, wrapped with the `origins` array that
+/// follows it when the answer's OUTCOMES flag says it is there.
+fn with_origins(answer: Response, has: bool, r: &mut Reader) -> Result<Response, ProtoError> {
+    if !has {
+        return Ok(answer);
+    }
+    Ok(Response::Origins { answer: Box::new(answer), origins: r.u8s("origins")? })
+}
+
+/// The per-key origin codes of a backed table's read answer (the
+/// `origins` array): where each key's answer came from.
+pub mod origin {
+    /// The table's cache held the key.
+    pub const HIT: u8 = 0;
+    /// The cache missed; the row was read from the cluster (and cached).
+    pub const FILLED: u8 = 1;
+    /// Neither the cache nor the cluster has the key.
+    pub const ABSENT: u8 = 2;
+    /// The cache missed and the cluster did not answer within the table's
+    /// deadline: the key is reported as not found, not as absent.
+    pub const LATE: u8 = 3;
+}
+
 impl<B: FrameMemory + Into<FrameBuf>> FindFrame<B> {
     /// The response to send: the frame, or an `oversized` error instead
     /// when the counts do not fit the protocol.
@@ -384,12 +424,44 @@ mod tests {
             Response::Applied { missing: 1, found: Some(vec![1, 0]), values: Some(vec![0.5; 4]) },
             Response::Applied { missing: 0, found: None, values: None },
             Response::Contains { found: vec![1, 0, 1] },
+            Response::Origins {
+                answer: Box::new(Response::Find { found: vec![1, 0], values: vec![0.5; 6], scores: Some(vec![4, 0]) }),
+                origins: vec![origin::HIT, origin::ABSENT],
+            },
             Response::Error(ProtoError::bad_request("no")),
         ];
         for r in answers {
             let f = r.encode(Op::Find, 1);
             assert_eq!(f.len(), HEADER_LEN + r.body_len(), "{r:?}");
             assert_eq!(f.capacity(), f.len(), "{r:?}: reserved once, exactly");
+        }
+    }
+
+    /// A backed table's answers with origins: OUTCOMES set, the array after
+    /// the answer's own fields, decoded back; without the flag the same
+    /// answer has not a byte more.
+    #[test]
+    fn origins_follow_find_and_contains_answers() {
+        let find = Response::Find { found: vec![1, 0, 1], values: vec![1.0; 6], scores: None };
+        for (op, answer) in [
+            (Op::Find, find.clone()),
+            (Op::FindFeatures, find),
+            (Op::Contains, Response::Contains { found: vec![0, 1] }),
+        ] {
+            let n = match &answer {
+                Response::Find { found, .. } | Response::Contains { found } => found.len(),
+                _ => unreachable!(),
+            };
+            let with = Response::Origins { answer: Box::new(answer.clone()), origins: vec![origin::LATE; n] };
+            let (plain, flagged) = (answer.encode(op, 7), with.encode(op, 7));
+            assert_eq!(flagged.len(), plain.len() + 4 + n);
+            assert_eq!(&flagged[HEADER_LEN..plain.len()], &plain[HEADER_LEN..], "the answer's own fields first");
+            let h = Header::decode(flagged[..HEADER_LEN].try_into().unwrap()).unwrap();
+            assert_eq!(h.flags, flags::RESPONSE | flags::OUTCOMES);
+            assert_eq!(Response::decode(&h, &flagged[HEADER_LEN..]).unwrap(), with);
+            let h = Header::decode(plain[..HEADER_LEN].try_into().unwrap()).unwrap();
+            assert_eq!(h.flags, flags::RESPONSE);
+            assert_eq!(Response::decode(&h, &plain[HEADER_LEN..]).unwrap(), answer);
         }
     }
 

@@ -295,9 +295,27 @@ pub struct BackingSpec {
     /// The write-back queue's bound in bytes (absent: 64 MiB).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queue_bytes: Option<u64>,
+    /// Replicas of each master that must acknowledge a write (`WAIT`)
+    /// before it counts as written (absent or 0: the master's
+    /// acknowledgement).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait_replicas: Option<u32>,
 }
 
 impl BackingSpec {
+    /// The spec as listings show it: each seed's password replaced by
+    /// `***` (`redis://:***@HOST:PORT`, `redis://USER:***@HOST:PORT`).
+    pub fn redacted(&self) -> BackingSpec {
+        let hide = |seed: &String| match (seed.find("://"), seed.rfind('@')) {
+            (Some(a), Some(b)) if b > a + 3 => {
+                let user = seed[a + 3..b].split(':').next().unwrap_or("");
+                format!("{}{user}:***{}", &seed[..a + 3], &seed[b..])
+            }
+            _ => seed.clone(),
+        };
+        BackingSpec { seeds: self.seeds.iter().map(hide).collect(), ..self.clone() }
+    }
+
     /// Seeds from `--backing`'s comma-separated list.
     pub fn from_list(list: &str, mode: BackingMode) -> BackingSpec {
         BackingSpec {
@@ -305,6 +323,7 @@ impl BackingSpec {
             mode,
             deadline_ms: None,
             queue_bytes: None,
+            wait_replicas: None,
         }
     }
 }
@@ -325,6 +344,12 @@ pub enum BackingMode {
 }
 
 impl TableSpec {
+    /// The spec as listings and stats show it: a backing's passwords
+    /// hidden ([`BackingSpec::redacted`]); the table keeps the real one.
+    pub fn redacted(&self) -> TableSpec {
+        TableSpec { backing: self.backing.as_ref().map(BackingSpec::redacted), ..self.clone() }
+    }
+
     /// A spec with defaults for everything but name, dim and capacity.
     pub fn new(name: &str, dim: usize, capacity: u64) -> TableSpec {
         TableSpec {

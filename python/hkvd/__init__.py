@@ -58,6 +58,10 @@ __all__ = [
     "Ref",
     "OPTIMIZERS",
     "default_socket",
+    "ORIGIN_HIT",
+    "ORIGIN_FILLED",
+    "ORIGIN_ABSENT",
+    "ORIGIN_LATE",
     "shm_array",
 ]
 
@@ -66,6 +70,8 @@ VERSION = 1
 HEADER = struct.Struct("<4sBBHQI")
 
 F_RESPONSE, F_SCORES, F_OUTCOMES, F_ERROR = 0x1, 0x2, 0x4, 0x8
+# Per-key origins of a backed table's find / contains (find_with_origins).
+ORIGIN_HIT, ORIGIN_FILLED, ORIGIN_ABSENT, ORIGIN_LATE = 0, 1, 2, 3
 
 OP_PING = 0x01
 OP_FIND = 0x10
@@ -391,9 +397,14 @@ class Client:
             flat = self._array("<f4", p.n * p.dim, p.out)
             values = p.out if p.out is not None else flat.reshape(p.n, p.dim)
             scores = self._array("<u8", p.n) if flags & F_SCORES else None
+            if flags & F_OUTCOMES:  # a backed table's per-key origins, asked for
+                return rid, (values, found, scores, self._array("u1", p.n))
             return rid, (values, found, scores)
         if op == OP_CONTAINS:
-            return rid, self._array("u1", p.n).astype(bool)
+            found = self._array("u1", p.n).astype(bool)
+            if flags & F_OUTCOMES:
+                return rid, (found, self._array("u1", p.n))
+            return rid, found
         if op == OP_APPLY_GRADIENTS:
             missing = struct.unpack("<Q", self._read(8))[0]
             if not flags & F_OUTCOMES:
@@ -486,13 +497,16 @@ class Client:
                      hash_key=(0, 0), lfu_ties: Optional[str] = None,
                      backing: Optional[Union[str, Sequence[str]]] = None,
                      backing_mode: str = "read-only",
-                     reads_refresh: Optional[bool] = None, optimizer: Optional[str] = None) -> dict:
+                     reads_refresh: Optional[bool] = None, optimizer: Optional[str] = None,
+                     backing_wait_replicas: Optional[int] = None) -> dict:
         """Creates a table; ``num_buckets`` (with ``hash_kind``) sets the hash
         feature requests use when they name none; ``lfu_ties`` ("lru", the
         daemon's default, or "lowest-slot") the lfu tie rule; ``backing``
         (seed URLs of a Redis Cluster, a list or "URL,URL") puts the cluster
         behind the table, ``backing_mode`` ("read-only", "write-through" or
-        "write-back") says how writes reach it; ``reads_refresh`` whether
+        "write-back") says how writes reach it, ``backing_wait_replicas``
+        how many replicas of each master must acknowledge a write (Redis
+        WAIT; None: the master's acknowledgement); ``reads_refresh`` whether
         find hits refresh scores (None: the policy's default, on for
         "adaptive" only); ``optimizer`` (one of ``OPTIMIZERS``) makes each row
         ``dim`` values followed by that optimizer's state (sgd: none,
@@ -510,6 +524,8 @@ class Client:
         if backing is not None:
             seeds = backing.split(",") if isinstance(backing, str) else list(backing)
             spec["backing"] = {"seeds": [s.strip() for s in seeds], "mode": backing_mode}
+            if backing_wait_replicas is not None:
+                spec["backing"]["wait_replicas"] = int(backing_wait_replicas)
         if reads_refresh is not None:
             spec["reads_refresh"] = bool(reads_refresh)
         if optimizer is not None:
@@ -565,6 +581,24 @@ class Client:
         loop of finds then reuses one array instead of a fresh one each time."""
         values, found, sc = self.result(self.send_find(table, keys, scores, out))
         return (values, found, sc) if scores else (values, found)
+
+    def find_with_origins(self, table: str, keys):
+        """``(values, found, origins)``: ``find`` and, on a table backed by a
+        cluster, where each key's answer came from (``origins``, uint8 per
+        key: ``ORIGIN_HIT`` the cache, ``ORIGIN_FILLED`` read from the
+        cluster, ``ORIGIN_ABSENT`` in neither, ``ORIGIN_LATE`` not fetched
+        within the table's deadline, then not found instead of an error).
+        ``origins`` is None on a table without a cluster."""
+        k = _keys(keys)
+        r = self.result(self._send(OP_FIND, F_OUTCOMES, [_str(table), *_arr(k)], self.dim(table), k.size))
+        return r[0], r[1], (r[3] if len(r) == 4 else None)
+
+    def contains_with_origins(self, table: str, keys):
+        """``(found, origins)``: ``contains`` with each key's origin on a
+        backed table (as ``find_with_origins``); origins None elsewhere."""
+        k = _keys(keys)
+        r = self._call(OP_CONTAINS, F_OUTCOMES, [_str(table), *_arr(k)], 0, k.size)
+        return r if isinstance(r, tuple) else (r, None)
 
     # ---- feature hashing ---------------------------------------------
     def hash(self, features, num_buckets: Optional[int] = None, kind: str = "fingerprint64", key=(0, 0),

@@ -193,3 +193,32 @@ def test_torch_helper(daemon):
     cache.write_back(ids, first + torch.tensor([1.0, 2.0, 3.0]))
     again = cache.lookup(ids)
     assert torch.equal(again[:, 1], torch.full((3,), 2.0))
+
+
+def test_find_with_origins_says_where_each_key_came_from(daemon, redis_cluster, tmp_path):
+    # Issue 34: a backed table's answer says per key whether the cache had
+    # it, the cluster had it, or neither; a table without a cluster gives
+    # no origins (its answers are as before).
+    from conftest import Daemon
+
+    (tmp_path / "b").mkdir()
+    other = Daemon(tmp_path / "b")
+    try:
+        a, b = daemon.client(), other.client()
+        a.create_table("e", dim=2, capacity=4096, backing=redis_cluster.seeds(), backing_mode="write-through")
+        b.create_table("e", dim=2, capacity=4096, backing=redis_cluster.seeds())
+        a.insert_or_assign("e", [1, 2], np.array([[1, 2], [3, 4]], np.float32))
+        values, found, origins = b.find_with_origins("e", [1, 2, 99])
+        assert found.tolist() == [True, True, False]
+        assert origins.tolist() == [hkvd.ORIGIN_FILLED, hkvd.ORIGIN_FILLED, hkvd.ORIGIN_ABSENT]
+        assert values.tolist() == [[1, 2], [3, 4], [0, 0]]
+        _, found, origins = b.find_with_origins("e", [2, 1, 99])
+        assert origins.tolist() == [hkvd.ORIGIN_HIT, hkvd.ORIGIN_HIT, hkvd.ORIGIN_ABSENT]
+        found, origins = b.contains_with_origins("e", [1, 98])
+        assert found.tolist() == [True, False] and origins.tolist() == [hkvd.ORIGIN_HIT, hkvd.ORIGIN_ABSENT]
+        b.create_table("plain", dim=2, capacity=1024)
+        b.insert_or_assign("plain", [5], np.ones((1, 2), np.float32))
+        _, found, origins = b.find_with_origins("plain", [5, 6])
+        assert found.tolist() == [True, False] and origins is None
+    finally:
+        other.stop()

@@ -6,104 +6,15 @@
 //! `MSET`s. Runs alternate, A B A B …; the table prints medians.
 //!
 //! `hkv-backing-bench [KEYS] [DIM] [BATCH] [ROUNDS]` (defaults 200000 32
-//! 8192 5).
+//! 8192 5); `HKV_BENCH_BATCH_ROWS=N` sets the tier's write-back batch size.
 
-use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use hkv_backing::layout::{encode_row, Layout};
-use hkv_backing::testkit::TestCluster;
+use hkv_backing::testkit::{PlainClient as Plain, TestCluster};
 use hkv_backing::{Backing, Fetched, Mode, Options};
-use redis::aio::{ConnectionLike, MultiplexedConnection};
-use redis::Value;
 
 fn arg(i: usize, default: usize) -> usize {
     std::env::args().nth(i).and_then(|a| a.parse().ok()).unwrap_or(default)
-}
-
-/// The plain client: a connection per master and the slot map.
-struct Plain {
-    conns: HashMap<String, MultiplexedConnection>,
-    slots: Vec<String>,
-}
-
-impl Plain {
-    async fn connect(seed: &str) -> Plain {
-        let mut c = redis::Client::open(seed).unwrap().get_multiplexed_async_connection().await.unwrap();
-        let v: Value = redis::cmd("CLUSTER").arg("SLOTS").query_async(&mut c).await.unwrap();
-        let mut slots = vec![String::new(); 16384];
-        let Value::Array(items) = v else { panic!("CLUSTER SLOTS: {v:?}") };
-        for item in items {
-            let Value::Array(f) = item else { continue };
-            let (Value::Int(a), Value::Int(b), Value::Array(m)) = (&f[0], &f[1], &f[2]) else { continue };
-            let (Value::BulkString(h), Value::Int(p)) = (&m[0], &m[1]) else { continue };
-            let node = format!("{}:{p}", String::from_utf8_lossy(h));
-            (*a as usize..=*b as usize).for_each(|s| slots[s] = node.clone());
-        }
-        let mut conns = HashMap::new();
-        for node in slots.iter().filter(|n| !n.is_empty()) {
-            if !conns.contains_key(node) {
-                let c = redis::Client::open(format!("redis://{node}"))
-                    .unwrap()
-                    .get_multiplexed_async_connection()
-                    .await
-                    .unwrap();
-                conns.insert(node.clone(), c);
-            }
-        }
-        Plain { conns, slots }
-    }
-
-    /// One pipeline per node of one command per group, all nodes at once.
-    async fn run(&self, cmds: Vec<(u16, redis::Cmd)>) -> Vec<Value> {
-        let mut by_node: HashMap<&str, redis::Pipeline> = HashMap::new();
-        for (slot, cmd) in cmds {
-            by_node.entry(&self.slots[slot as usize]).or_insert_with(redis::pipe).add_command(cmd);
-        }
-        let futs = by_node.into_iter().map(|(node, pipe)| {
-            let mut c = self.conns[node].clone();
-            async move {
-                let n = pipe.cmd_iter().count();
-                c.req_packed_commands(&pipe, 0, n).await.unwrap()
-            }
-        });
-        futures_util::future::join_all(futs).await.into_iter().flatten().collect()
-    }
-
-    fn mget(layout: &Layout, keys: &[u64]) -> Vec<(u16, redis::Cmd)> {
-        group(layout, keys)
-            .into_iter()
-            .map(|(g, ks)| {
-                let mut c = redis::cmd("MGET");
-                ks.iter().for_each(|&k| {
-                    c.arg(layout.row_key(k));
-                });
-                (layout.slot_of_group(g), c)
-            })
-            .collect()
-    }
-
-    fn mset(layout: &Layout, keys: &[u64], row: &[f32]) -> Vec<(u16, redis::Cmd)> {
-        let mut buf = Vec::new();
-        group(layout, keys)
-            .into_iter()
-            .map(|(g, ks)| {
-                let mut c = redis::cmd("MSET");
-                for k in ks {
-                    buf.clear();
-                    encode_row(1, 0, row, &mut buf);
-                    c.arg(layout.row_key(k)).arg(&buf[..]);
-                }
-                (layout.slot_of_group(g), c)
-            })
-            .collect()
-    }
-}
-
-fn group(layout: &Layout, keys: &[u64]) -> Vec<(u32, Vec<u64>)> {
-    let mut g: HashMap<u32, Vec<u64>> = HashMap::new();
-    keys.iter().for_each(|&k| g.entry(layout.group(k)).or_default().push(k));
-    g.into_iter().collect()
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -118,6 +29,10 @@ async fn main() {
     let mut o = Options::new(cluster.seeds(), Mode::WriteBack);
     o.deadline = Duration::from_secs(10);
     o.queue_bytes = 1 << 30;
+    // HKV_BENCH_BATCH_ROWS: the write-back batch size to try (default the tier's).
+    if let Some(b) = std::env::var("HKV_BENCH_BATCH_ROWS").ok().and_then(|v| v.parse().ok()) {
+        o.batch_rows = b;
+    }
     let tier = Backing::open("bench", dim, o).await.unwrap();
     let layout = tier.layout().clone();
     let plain = Plain::connect(&cluster.seeds()[0]).await;
@@ -159,6 +74,8 @@ async fn main() {
         tier.flush(Duration::from_secs(120)).await.unwrap();
         tier_write.push(n as f64 / t.elapsed().as_secs_f64());
     }
+    let ratios = |a: &[f64], b: &[f64]| median(a.iter().zip(b).map(|(t, p)| t / p).collect());
+    let (read_ratio, write_ratio) = (ratios(&tier_read, &plain_read), ratios(&tier_write, &plain_write));
     let s = tier.stats();
     println!("{n} keys, dim {dim}, batches of {batch}, 3 masters on loopback, {rounds} alternated rounds (medians)");
     println!("{:<44} {:>14} {:>8}", "", "keys/s", "ratio");
@@ -167,6 +84,7 @@ async fn main() {
     println!("{:<44} {:>14.0} {:>8.2}", "hkv-backing read (cold, every key found)", tr, tr / pr);
     println!("{:<44} {:>14.0} {:>8}", "plain client: pipelined slot-grouped MSET", pw, "1.00");
     println!("{:<44} {:>14.0} {:>8.2}", "hkv-backing write-back (write + flush)", tw, tw / pw);
+    println!("median of the rounds' ratios: read {read_ratio:.2}, write-back {write_ratio:.2}");
     println!(
         "tier: fetch p50 {} µs p99 {} µs per batch; write p50 {} µs per batch; {} rows written",
         s.fetch_us.quantile_us(0.5),

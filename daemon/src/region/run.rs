@@ -283,7 +283,10 @@ async fn staged(
             Ok(RegionAnswer::Count(found.iter().filter(|&&f| f == 1).count() as u64))
         }
         (Op::Erase, _) => {
-            let (count, flags) = router.erase(t, keys, req.outcomes).await?;
+            let (count, flags) = match &backed {
+                Some(b) => crate::backing::erase(router, &state.backing, b, t, keys, req.outcomes).await?,
+                None => router.erase(t, keys, req.outcomes).await?,
+            };
             put(take("erased"), flags.as_deref().unwrap_or(&[]))?;
             Ok(RegionAnswer::Count(count))
         }

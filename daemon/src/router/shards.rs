@@ -56,7 +56,8 @@ impl Router {
     pub async fn info(&self, t: &Table) -> Result<TableInfo, ProtoError> {
         let sizes = self.sizes(t).await?;
         Ok(TableInfo {
-            spec: t.spec.clone(),
+            // A backing's password stays in the daemon.
+            spec: t.spec.redacted(),
             size: sizes.iter().map(|s| s.0).sum(),
             capacity: sizes.iter().map(|s| s.1).sum(),
             shards: t.shards() as u32,

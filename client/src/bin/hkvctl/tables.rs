@@ -58,6 +58,10 @@ pub struct CreateTable {
     /// write-back (needs --backing).
     #[arg(long, requires = "backing", value_parser = name::<proto::BackingMode>)]
     pub backing_mode: Option<proto::BackingMode>,
+    /// Replicas of each master that must acknowledge a write (Redis
+    /// `WAIT`) before it counts as written (needs --backing).
+    #[arg(long, requires = "backing")]
+    pub backing_wait_replicas: Option<u32>,
 }
 
 /// `hkvctl create-table`.
@@ -78,6 +82,7 @@ pub fn create(c: &mut Client, a: CreateTable) -> Result<()> {
         hash_key,
         backing,
         backing_mode,
+        backing_wait_replicas,
     } = a;
     let hash = feature_hash("--hash", &hash, num_buckets, &hash_key)?;
     let spec = TableSpec {
@@ -87,7 +92,10 @@ pub fn create(c: &mut Client, a: CreateTable) -> Result<()> {
         fast_tier_bytes,
         hash,
         lfu_ties,
-        backing: backing.map(|list| proto::BackingSpec::from_list(&list, backing_mode.unwrap_or_default())),
+        backing: backing.map(|list| proto::BackingSpec {
+            wait_replicas: backing_wait_replicas,
+            ..proto::BackingSpec::from_list(&list, backing_mode.unwrap_or_default())
+        }),
         reads_refresh,
         optimizer,
         ..TableSpec::new(&name, dim, capacity)

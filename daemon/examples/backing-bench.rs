@@ -1,0 +1,326 @@
+//! hkvd in front of a Redis Cluster against a plain client of the same
+//! `redis` crate (issue 34's bars), end to end: a real 3-master
+//! `redis-server` cluster on loopback (`hkv_backing::testkit`), real `hkvd`
+//! processes on Unix sockets, the Rust client. Prints one table.
+//!
+//! - cold: `find` of keys every one of which the cache misses and the
+//!   cluster has, against pipelined slot-grouped `MGET`s of the same keys
+//!   (the table is made again before each hkvd round, so every key is a
+//!   miss);
+//! - warm: a Zipf stream over the same keys through a cache smaller than
+//!   them (the hit ratio printed is measured from the daemon's stats)
+//!   against `MGET`s of the same stream;
+//! - write-back: `insert_or_assign` into a write-back table far smaller
+//!   than the rows written (most are evicted), then `flush`, against
+//!   pipelined `MSET`s of the same rows;
+//! - staleness: daemon A writes (write-through) at a paced rate, daemon B
+//!   backed by the same table reports the time from each write's
+//!   acknowledgement to its invalidation (B's stats).
+//!
+//! Rounds alternate plain, hkvd, plain, hkvd …; medians are printed, and
+//! the median of the rounds' ratios.
+//!
+//! ```text
+//! cargo build --release -p hkvd
+//! cargo run --release -p hkvd --example backing-bench -- [KEYS] [BATCH] [ROUNDS] [WARM_CAPACITY] [WRITES_PER_S]
+//! ```
+//! Defaults 200000 8192 5 49152 10000; dim 32. `HKV_BENCH_ONLY=cold,warm,wb,stale`
+//! runs some of the four. `HKVD_BIN` names the
+//! daemon binary (default: `hkvd` beside the example's directory).
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use hkv_backing::testkit::{PlainClient, TestCluster};
+use hkv_backing::{Backing, Mode, Options};
+use hkv_client::{BackingMode, BackingSpec, Client, TableSpec};
+use rand::SeedableRng;
+use rand_distr::Distribution;
+
+const DIM: usize = 32;
+
+fn arg(i: usize, default: usize) -> usize {
+    std::env::args().nth(i).and_then(|a| a.parse().ok()).unwrap_or(default)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// One `hkvd serve --backend cpu --shards 2` on a socket in a temporary
+/// directory; killed on drop.
+struct Daemon {
+    child: Child,
+    socket: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Daemon {
+    fn start() -> Daemon {
+        let bin = std::env::var_os("HKVD_BIN").map(PathBuf::from).unwrap_or_else(|| {
+            let exe = std::env::current_exe().expect("current_exe");
+            exe.parent().and_then(|d| d.parent()).expect("target dir").join("hkvd")
+        });
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("hkvd.sock");
+        let child = Command::new(&bin)
+            .arg("serve")
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--state-dir")
+            .arg(dir.path().join("state"))
+            .args(["--log", "warn", "--backend", "cpu", "--shards", "2"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {} (cargo build --release -p hkvd): {e}", bin.display()));
+        let t = Instant::now();
+        while Client::connect(&socket).and_then(|mut c| c.ping()).is_err() {
+            assert!(t.elapsed() < Duration::from_secs(60), "hkvd did not answer within 60 s");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Daemon { child, socket, _dir: dir }
+    }
+
+    fn client(&self) -> Client {
+        Client::connect(&self.socket).expect("connect")
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn spec(name: &str, capacity: u64, seeds: &str, mode: BackingMode) -> TableSpec {
+    TableSpec { backing: Some(BackingSpec::from_list(seeds, mode)), ..TableSpec::new(name, DIM, capacity) }
+}
+
+fn remake(c: &mut Client, s: TableSpec) {
+    let _ = c.drop_table(&s.name);
+    c.create_table(s).expect("create the backed table");
+}
+
+fn backing(c: &mut Client, table: &str) -> hkv_client::proto::stats::BackingStats {
+    let s = c.stats_doc().expect("stats");
+    s.tables.into_iter().find(|t| t.spec.name == table).and_then(|t| t.backing).expect("a backed table's stats")
+}
+
+struct Row {
+    what: &'static str,
+    plain: f64,
+    hkvd: f64,
+    ratio: f64,
+    bar: &'static str,
+    note: String,
+}
+
+fn main() {
+    let (n, batch, rounds) = (arg(1, 200_000), arg(2, 8192), arg(3, 5));
+    let (warm_cap, rate) = (arg(4, 49_152) as u64, arg(5, 10_000));
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster");
+    let seeds = cluster.seed_arg();
+    let a = Daemon::start();
+    let mut ca = a.client();
+    let plain = rt.block_on(PlainClient::connect(&cluster.seeds()[0]));
+    // The layout of a table is fixed by its name, dim and group count; a
+    // read-only tier opened here names it for the plain client.
+    let layout_of = |table: &str| {
+        let o = Options::new(cluster.seeds(), Mode::ReadOnly);
+        rt.block_on(Backing::open(table, DIM, o)).expect("open the tier").layout().clone()
+    };
+    let keys: Vec<u64> = (1..=n as u64).map(|k| k.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 2).collect();
+    let row: Vec<f32> = (0..DIM).map(|i| i as f32 * 0.5).collect();
+    let mut rows = Vec::new();
+
+    // Cold: the cluster holds every key (written by the plain client).
+    let cold = layout_of("cold");
+    for c in keys.chunks(batch) {
+        rt.block_on(plain.run(PlainClient::mset(&cold, c, &row)));
+    }
+    let want = |what: &str| std::env::var("HKV_BENCH_ONLY").map_or(true, |o| o.split(',').any(|w| w == what));
+    let (mut p, mut h) = (vec![], vec![]);
+    for _ in 0..if want("cold") { rounds } else { 0 } {
+        let t = Instant::now();
+        for c in keys.chunks(batch) {
+            assert!(!rt.block_on(plain.run(PlainClient::mget(&cold, c))).is_empty());
+        }
+        p.push(n as f64 / t.elapsed().as_secs_f64());
+        remake(&mut ca, spec("cold", 2 * n as u64, &seeds, BackingMode::ReadOnly));
+        let t = Instant::now();
+        for c in keys.chunks(batch) {
+            let f = ca.find("cold", c).expect("find");
+            assert!(f.found.iter().all(|x| *x), "every key is in the cluster");
+        }
+        h.push(n as f64 / t.elapsed().as_secs_f64());
+    }
+    if want("cold") {
+        let b = backing(&mut ca, "cold");
+        let ratio = median(h.iter().zip(&p).map(|(h, p)| h / p).collect());
+        rows.push(Row {
+            what: "cold read-through (find, every key a miss)",
+            plain: median(p),
+            hkvd: median(h),
+            ratio,
+            bar: ">= 0.80",
+            note: format!(
+                "last round: {} filled, {} hits; fetch p50 <= {} us per request of {batch}",
+                b.filled, b.hits, b.fetch_p50_us
+            ),
+        });
+    }
+
+    // Warm: a Zipf stream over the same keys (rank 1 the hottest); the
+    // cache holds fewer rows than the keys.
+    if want("warm") {
+        let zipf = rand_distr::Zipf::new(n as u64, 1.05).unwrap();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(34);
+        let stream: Vec<u64> = (0..2 * n).map(|_| keys[zipf.sample(&mut rng) as usize - 1]).collect();
+        let warm = cold.clone();
+        remake(&mut ca, spec("cold", warm_cap, &seeds, BackingMode::ReadOnly));
+        for c in stream.chunks(batch) {
+            ca.find("cold", c).expect("warm-up find");
+        }
+        let (mut p, mut h, mut hit) = (vec![], vec![], vec![]);
+        for _ in 0..rounds {
+            let t = Instant::now();
+            for c in stream.chunks(batch) {
+                assert!(!rt.block_on(plain.run(PlainClient::mget(&warm, c))).is_empty());
+            }
+            p.push(stream.len() as f64 / t.elapsed().as_secs_f64());
+            let before = backing(&mut ca, "cold");
+            let t = Instant::now();
+            for c in stream.chunks(batch) {
+                let f = ca.find("cold", c).expect("find");
+                assert!(f.found.iter().all(|x| *x));
+            }
+            h.push(stream.len() as f64 / t.elapsed().as_secs_f64());
+            let after = backing(&mut ca, "cold");
+            let (hits, filled) = (after.hits - before.hits, after.filled - before.filled);
+            hit.push(hits as f64 / (hits + filled).max(1) as f64);
+        }
+        // The ceiling of a warm find here: the same stream from a table
+        // without a cluster that holds every key (no fills, no refresh).
+        let mut local = vec![];
+        ca.create_table(TableSpec::new("local", DIM, 2 * n as u64)).unwrap();
+        let values: Vec<f32> = keys.iter().flat_map(|_| row.iter().copied()).collect();
+        for (k, v) in keys.chunks(batch).zip(values.chunks(batch * DIM)) {
+            ca.insert_or_assign("local", k, v, None).unwrap();
+        }
+        for _ in 0..rounds {
+            let t = Instant::now();
+            for c in stream.chunks(batch) {
+                assert!(ca.find("local", c).expect("find").found.iter().all(|x| *x));
+            }
+            local.push(stream.len() as f64 / t.elapsed().as_secs_f64());
+        }
+        ca.drop_table("local").unwrap();
+        let pm = median(p.clone());
+        let ratio = median(h.iter().zip(&p).map(|(h, p)| h / p).collect());
+        rows.push(Row {
+            what: "warm (Zipf 1.05, find)",
+            plain: median(p),
+            hkvd: median(h),
+            ratio,
+            bar: ">= 5",
+            note: format!("cache hits {:.1} % (capacity {warm_cap} of {n} keys)", 100.0 * median(hit)),
+        });
+        let lm = median(local);
+        rows.push(Row {
+            what: "  same stream, table without cluster",
+            plain: pm,
+            hkvd: lm,
+            ratio: lm / pm,
+            bar: "",
+            note: "every key cached: the ceiling of a find here".into(),
+        });
+        ca.drop_table("cold").unwrap();
+    }
+
+    // Write-back of evictions: a table of 16384 rows takes n rows.
+    if want("wb") {
+        let wkeys: Vec<u64> = keys.iter().map(|k| k ^ (1 << 62)).collect();
+        let values: Vec<f32> = wkeys.iter().flat_map(|_| row.iter().copied()).collect();
+        let wb = layout_of("wb");
+        let (mut p, mut h, mut evicted) = (vec![], vec![], vec![]);
+        for _ in 0..rounds {
+            let t = Instant::now();
+            for c in wkeys.chunks(batch) {
+                rt.block_on(plain.run(PlainClient::mset(&wb, c, &row)));
+            }
+            p.push(n as f64 / t.elapsed().as_secs_f64());
+            remake(&mut ca, spec("wb", 16_384, &seeds, BackingMode::WriteBack));
+            let t = Instant::now();
+            let mut ev = 0;
+            for (i, c) in wkeys.chunks(batch).enumerate() {
+                let w = ca.insert_or_assign("wb", c, &values[i * batch * DIM..][..c.len() * DIM], None).expect("write");
+                ev += w.evicted;
+            }
+            ca.flush("wb").expect("flush");
+            h.push(n as f64 / t.elapsed().as_secs_f64());
+            evicted.push(ev as f64);
+        }
+        let b = backing(&mut ca, "wb");
+        let ratio = median(h.iter().zip(&p).map(|(h, p)| h / p).collect());
+        rows.push(Row {
+            what: "write-back (insert_or_assign + flush)",
+            plain: median(p),
+            hkvd: median(h),
+            ratio,
+            bar: ">= 0.80",
+            note: format!("{:.0} evicted per round, last round {} rows written", median(evicted), b.rows_written),
+        });
+        ca.drop_table("wb").unwrap();
+    }
+
+    // Staleness: A writes at `rate` keys/s in batches of 100 for 10 s; B
+    // (another daemon, read-only on the same table) drops what A wrote.
+    if !want("stale") {
+        return print(&rows, n, batch, rounds);
+    }
+    let bd = Daemon::start();
+    let mut cb = bd.client();
+    ca.create_table(spec("st", 1 << 16, &seeds, BackingMode::WriteThrough)).unwrap();
+    cb.create_table(spec("st", 1 << 16, &seeds, BackingMode::ReadOnly)).unwrap();
+    let per = 100usize;
+    let period = Duration::from_secs_f64(per as f64 / rate as f64);
+    let start = Instant::now();
+    let mut sent = 0usize;
+    let mut i = 0u64;
+    while start.elapsed() < Duration::from_secs(10) {
+        let ks: Vec<u64> = (0..per as u64).map(|j| (i * per as u64 + j) % 50_000 + 1).collect();
+        ca.insert_or_assign("st", &ks, &vec![1.0; per * DIM], None).expect("write");
+        sent += per;
+        i += 1;
+        let next = period * i as u32;
+        if let Some(d) = next.checked_sub(start.elapsed()) {
+            std::thread::sleep(d);
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    std::thread::sleep(Duration::from_millis(500));
+    let s = backing(&mut cb, "st");
+    print(&rows, n, batch, rounds);
+    println!(
+        "staleness A -> B at {:.0} writes/s for {secs:.1} s: p50 <= {} us, p99 <= {} us (bar p99 <= 50 ms); {} invalidated keys",
+        sent as f64 / secs,
+        s.staleness_p50_us,
+        s.staleness_p99_us,
+        s.invalidations
+    );
+}
+
+fn print(rows: &[Row], n: usize, batch: usize, rounds: usize) {
+    println!(
+        "{n} keys, dim {DIM}, batches of {batch}, {rounds} alternated rounds, 3 redis-server masters and hkvd (cpu, 2 shards) on loopback"
+    );
+    println!("{:<42} {:>12} {:>12} {:>7} {:>8}  notes", "", "plain keys/s", "hkvd keys/s", "ratio", "bar");
+    for r in rows {
+        println!("{:<42} {:>12.0} {:>12.0} {:>7.2} {:>8}  {}", r.what, r.plain, r.hkvd, r.ratio, r.bar, r.note);
+    }
+}
