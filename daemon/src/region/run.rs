@@ -140,9 +140,9 @@ pub(super) async fn run(
 }
 
 /// Waits until the work of event `id`'s last record is done, polling it
-/// from a blocking thread (a few microseconds apart at first, then up to a
-/// millisecond), for at most `limits.event_wait_seconds`, and no longer
-/// than the peer is there. A stream made to wait on a client's event
+/// from a blocking thread (a few microseconds apart at first, at most
+/// 50 µs apart for the first 10 ms, then up to a millisecond), for at
+/// most `limits.event_wait_seconds`, and no longer than the peer is there. A stream made to wait on a client's event
 /// instead could not be undone: a client killed before its record ran
 /// froze every table on that GPU for good, and a slow one held up the
 /// requests of every other client queued behind it.
@@ -169,7 +169,16 @@ async fn wait_for_event(
                 return Ok(false);
             }
             std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(1));
+            // Short pauses while the wait is short (an event recorded after
+            // a step's queued kernels is typically done within a few
+            // milliseconds, and every microsecond slept past it is the
+            // request's latency); up to 1 ms once it has lasted 10 ms.
+            let cap = if start.elapsed() < Duration::from_millis(10) {
+                Duration::from_micros(50)
+            } else {
+                Duration::from_millis(1)
+            };
+            pause = (pause * 2).min(cap);
         }
     })
     .await
