@@ -2,7 +2,7 @@
 //! one) verified and loaded into tables built beside the running ones,
 //! which are swapped in only once every chunk verified.
 
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -16,6 +16,9 @@ use crate::router::{Part, Router, Table};
 
 /// Chunk buffers a restore reads ahead into (8 MiB chunks by default: 64 MiB).
 const BUFFERS: usize = 8;
+
+/// Threads reading a restore's chunks.
+const READERS: usize = 2;
 
 /// Where a restore's time went (the "restore stages" log line).
 #[derive(Default)]
@@ -348,19 +351,44 @@ impl Checkpoints {
             }
             let (tx, rx) = std::sync::mpsc::sync_channel(BUFFERS);
             let (work, catalog) = (&work, &self.catalog);
-            let reader = s.spawn(move || {
-                let mut busy = Duration::ZERO;
-                for (j, (_, id, c)) in work.iter().enumerate() {
-                    let Ok(buf) = pool_rx.recv() else { break };
-                    let t0 = Instant::now();
-                    let r = catalog.read_chunk_in(*id, c, buf);
-                    busy += t0.elapsed();
-                    let failed = r.is_err();
-                    if tx.send((j, r)).is_err() || failed {
-                        break;
-                    }
+            // READERS threads, so that one reads while another verifies
+            // (and the disk has a read queued while a thread waits for a
+            // core): each takes a buffer, then the next chunk, so the
+            // lowest chunk not yet read always has a buffer.
+            let (pool, next) = (Arc::new(std::sync::Mutex::new(pool_rx)), Arc::new(AtomicUsize::new(0)));
+            let readers: Vec<_> = (0..READERS)
+                .map(|_| {
+                    let (tx, pool, next) = (tx.clone(), pool.clone(), next.clone());
+                    s.spawn(move || {
+                        let mut busy = Duration::ZERO;
+                        // Bounded: one chunk of `work` per turn.
+                        loop {
+                            let Ok(buf) = pool.lock().map_err(drop).and_then(|p| p.recv().map_err(drop)) else { break };
+                            let j = next.fetch_add(1, Relaxed);
+                            let Some((_, id, c)) = work.get(j) else { break };
+                            let t0 = Instant::now();
+                            let r = catalog.read_chunk_in(*id, c, buf);
+                            busy += t0.elapsed();
+                            let failed = r.is_err();
+                            if tx.send((j, r)).is_err() || failed {
+                                break;
+                            }
+                        }
+                        busy
+                    })
+                })
+                .collect();
+            drop(tx);
+            // The chunks in order, however the readers finish them.
+            let mut ahead = std::collections::BTreeMap::new();
+            let mut due = 0;
+            let rx = std::iter::from_fn(move || loop {
+                if let Some(r) = ahead.remove(&due) {
+                    due += 1;
+                    return Some((due - 1, r));
                 }
-                busy
+                let (j, r) = rx.recv().ok()?;
+                ahead.insert(j, r);
             });
             let (load_tx, load_rx) = std::sync::mpsc::sync_channel::<(usize, Arc<Table>, Vec<Part>)>(1);
             let tables = plan.len();
@@ -430,7 +458,7 @@ impl Checkpoints {
             drop((load_tx, pool_tx));
             let loaded =
                 loader.join().map_err(|_| Failure::Refused(internal("the restore's loader thread panicked")))?;
-            stages.read = reader.join().unwrap_or_default();
+            stages.read = readers.into_iter().map(|r| r.join().unwrap_or_default()).sum();
             split_result?;
             let (lost, busy) = loaded?;
             stages.load = busy;
