@@ -30,6 +30,63 @@ struct Stages {
     load: Duration,
 }
 
+/// A chunk to read: the index of its table in the plan, its checkpoint,
+/// and where it is.
+type Work<'a> = (usize, u64, &'a hkv_checkpoint::ChunkRef);
+
+/// Starts [`READERS`] threads in `s` that read and verify the chunks of
+/// `work`, each into a buffer taken from `pool` (so at most as many ahead
+/// as the pool holds), one reading while another verifies (and the disk
+/// has a read queued while a thread waits for a core). Each takes a
+/// buffer, then the next chunk, so the lowest chunk not yet read always has
+/// a buffer. Returns the chunks in `work`'s order, however the readers
+/// finish them, and the readers (each answering how long it was busy).
+#[allow(clippy::type_complexity)]
+fn spawn_readers<'scope, 'env>(
+    s: &'scope std::thread::Scope<'scope, 'env>,
+    catalog: &'env hkv_checkpoint::Catalog,
+    work: &'env [Work<'env>],
+    pool: std::sync::mpsc::Receiver<Vec<u8>>,
+) -> (
+    impl Iterator<Item = (usize, Result<hkv_checkpoint::chunk::Read, hkv_checkpoint::Error>)>,
+    Vec<std::thread::ScopedJoinHandle<'scope, Duration>>,
+) {
+    let (tx, rx) = std::sync::mpsc::sync_channel(BUFFERS);
+    let (pool, next) = (Arc::new(std::sync::Mutex::new(pool)), Arc::new(AtomicUsize::new(0)));
+    let readers = (0..READERS)
+        .map(|_| {
+            let (tx, pool, next) = (tx.clone(), pool.clone(), next.clone());
+            s.spawn(move || {
+                let mut busy = Duration::ZERO;
+                // Bounded: one chunk of `work` per turn.
+                while let Ok(buf) = pool.lock().map_err(drop).and_then(|p| p.recv().map_err(drop)) {
+                    let j = next.fetch_add(1, Relaxed);
+                    let Some((_, id, c)) = work.get(j) else { break };
+                    let t0 = Instant::now();
+                    let r = catalog.read_chunk_in(*id, c, buf);
+                    busy += t0.elapsed();
+                    let failed = r.is_err();
+                    if tx.send((j, r)).is_err() || failed {
+                        break;
+                    }
+                }
+                busy
+            })
+        })
+        .collect();
+    let mut ahead = std::collections::BTreeMap::new();
+    let mut due = 0;
+    let in_order = std::iter::from_fn(move || loop {
+        if let Some(r) = ahead.remove(&due) {
+            due += 1;
+            return Some((due - 1, r));
+        }
+        let (j, r) = rx.recv().ok()?;
+        ahead.insert(j, r);
+    });
+    (in_order, readers)
+}
+
 /// The entries of a verified chunk for `into`, decoded straight into one
 /// part per shard of it: only those live (in the sorted `live`, when a key
 /// list decides) and not yet loaded from a newer part of the chain, which
@@ -307,7 +364,7 @@ impl Checkpoints {
         // Every chunk, in the order it is applied: per table, newest part
         // first when a key list decides (the first version of a key seen wins).
         let has_live: Vec<bool> = plan.iter().map(|(t, _)| !t.full && !t.keys.is_empty()).collect();
-        let work: Vec<(usize, u64, &hkv_checkpoint::ChunkRef)> = plan
+        let work: Vec<Work> = plan
             .iter()
             .enumerate()
             .flat_map(|(i, (_, parts))| {
@@ -338,8 +395,8 @@ impl Checkpoints {
         let running: Vec<Option<Arc<Table>>> = plan.iter().map(|(t, _)| router.table(&t.name).ok()).collect();
         let mut stages = Stages::default();
         let lost = std::thread::scope(|s| -> Result<Vec<u64>, Failure> {
-            // The reader: reads each chunk with O_DIRECT into one of
-            // BUFFERS reused buffers and verifies it, up to BUFFERS ahead of
+            // The readers read each chunk with O_DIRECT into one of
+            // BUFFERS reused buffers and verify it, up to BUFFERS ahead of
             // the splitter (this thread), which hands the buffer back once
             // it decoded the entries into per-shard arrays; the loader
             // thread sends those to the shards while the next chunk splits.
@@ -349,47 +406,7 @@ impl Checkpoints {
             for _ in 0..BUFFERS {
                 let _ = pool_tx.send(vec![]);
             }
-            let (tx, rx) = std::sync::mpsc::sync_channel(BUFFERS);
-            let (work, catalog) = (&work, &self.catalog);
-            // READERS threads, so that one reads while another verifies
-            // (and the disk has a read queued while a thread waits for a
-            // core): each takes a buffer, then the next chunk, so the
-            // lowest chunk not yet read always has a buffer.
-            let (pool, next) = (Arc::new(std::sync::Mutex::new(pool_rx)), Arc::new(AtomicUsize::new(0)));
-            let readers: Vec<_> = (0..READERS)
-                .map(|_| {
-                    let (tx, pool, next) = (tx.clone(), pool.clone(), next.clone());
-                    s.spawn(move || {
-                        let mut busy = Duration::ZERO;
-                        // Bounded: one chunk of `work` per turn.
-                        loop {
-                            let Ok(buf) = pool.lock().map_err(drop).and_then(|p| p.recv().map_err(drop)) else { break };
-                            let j = next.fetch_add(1, Relaxed);
-                            let Some((_, id, c)) = work.get(j) else { break };
-                            let t0 = Instant::now();
-                            let r = catalog.read_chunk_in(*id, c, buf);
-                            busy += t0.elapsed();
-                            let failed = r.is_err();
-                            if tx.send((j, r)).is_err() || failed {
-                                break;
-                            }
-                        }
-                        busy
-                    })
-                })
-                .collect();
-            drop(tx);
-            // The chunks in order, however the readers finish them.
-            let mut ahead = std::collections::BTreeMap::new();
-            let mut due = 0;
-            let rx = std::iter::from_fn(move || loop {
-                if let Some(r) = ahead.remove(&due) {
-                    due += 1;
-                    return Some((due - 1, r));
-                }
-                let (j, r) = rx.recv().ok()?;
-                ahead.insert(j, r);
-            });
+            let (rx, readers) = spawn_readers(s, &self.catalog, &work, pool_rx);
             let (load_tx, load_rx) = std::sync::mpsc::sync_channel::<(usize, Arc<Table>, Vec<Part>)>(1);
             let tables = plan.len();
             let loader = s.spawn(move || -> Result<(Vec<u64>, Duration), Failure> {
