@@ -69,9 +69,22 @@ fn u64_at(b: &[u8], o: usize) -> u64 {
     u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"))
 }
 
-/// Verifies and decodes a chunk; `expected` is the checksum the manifest
-/// recorded. Errors name checkpoint `id` and chunk `key`.
-pub fn decode(id: u64, key: &str, b: &[u8], expected: u64) -> Result<Chunk> {
+/// A verified chunk, read in place: its entries are decoded only as they
+/// are taken ([`View::split`]), straight into the arrays they go to.
+#[derive(Debug, Clone, Copy)]
+pub struct View<'a> {
+    /// f32 per value.
+    pub dim: usize,
+    /// Entries.
+    pub n: usize,
+    /// Every byte before the checksum.
+    body: &'a [u8],
+}
+
+/// Verifies a chunk (checksum, version, length) without decoding it;
+/// `expected` is the checksum the manifest recorded. Errors name checkpoint
+/// `id` and chunk `key`.
+pub fn verify<'a>(id: u64, key: &str, b: &'a [u8], expected: u64) -> Result<View<'a>> {
     let corrupt = |why: String| Error::CorruptChunk { id, chunk: key.to_string(), why };
     if b.len() < HEAD + 8 || &b[..4] != MAGIC {
         return Err(corrupt(format!("{} bytes, no chunk header", b.len())));
@@ -94,17 +107,95 @@ pub fn decode(id: u64, key: &str, b: &[u8], expected: u64) -> Result<Chunk> {
     if need != body.len() {
         return Err(corrupt(format!("{n} entries of dim {dim} need {need} bytes, the chunk has {}", body.len())));
     }
-    let mut o = HEAD;
-    let mut take_u64 = |count: usize| {
-        let v: Vec<u64> =
-            body[o..o + count * 8].chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8"))).collect();
-        o += count * 8;
-        v
-    };
-    let keys = take_u64(n);
-    let scores = take_u64(n);
-    let values = body[HEAD + n * 16..].chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4"))).collect();
-    Ok(Chunk { dim, keys, scores, values })
+    Ok(View { dim, n, body })
+}
+
+/// A chunk read into a buffer and verified ([`crate::Catalog::read_chunk_in`]):
+/// its [`View`], and the buffer back for the next read.
+#[derive(Debug)]
+pub struct Read {
+    buf: Vec<u8>,
+    body: std::ops::Range<usize>,
+    dim: usize,
+    n: usize,
+}
+
+impl Read {
+    /// Verifies the chunk at `at` in `buf` ([`verify`]) and keeps both.
+    pub fn verify(id: u64, key: &str, buf: Vec<u8>, at: std::ops::Range<usize>, expected: u64) -> Result<Read> {
+        let (dim, n) = {
+            let v = verify(id, key, &buf[at.clone()], expected)?;
+            (v.dim, v.n)
+        };
+        Ok(Read { buf, body: at.start..at.end - 8, dim, n })
+    }
+
+    /// The verified entries.
+    pub fn view(&self) -> View<'_> {
+        View { dim: self.dim, n: self.n, body: &self.buf[self.body.clone()] }
+    }
+
+    /// The buffer, for the next read.
+    pub fn into_buf(self) -> Vec<u8> {
+        self.buf
+    }
+}
+
+impl View<'_> {
+    /// The key of entry `i`.
+    pub fn key(&self, i: usize) -> u64 {
+        u64_at(self.body, HEAD + 8 * i)
+    }
+
+    /// Decodes the entries `keep` accepts (given each key, in chunk order)
+    /// into `parts` chunks, each entry into the one `part` names (below
+    /// `parts`): one pass and one copy of each entry, from the file's bytes
+    /// to the arrays a table shard takes.
+    pub fn split(&self, parts: usize, part: impl Fn(u64) -> usize, mut keep: impl FnMut(u64) -> bool) -> Vec<Chunk> {
+        let (n, dim) = (self.n, self.dim);
+        let guess = n / parts.max(1) + n / (8 * parts.max(1)) + 16;
+        let mut out: Vec<Chunk> = (0..parts)
+            .map(|_| Chunk {
+                dim,
+                keys: Vec::with_capacity(guess),
+                scores: Vec::with_capacity(guess),
+                values: Vec::with_capacity(guess * dim),
+            })
+            .collect();
+        let keys = &self.body[HEAD..HEAD + 8 * n];
+        let scores = &self.body[HEAD + 8 * n..HEAD + 16 * n];
+        let values = &self.body[HEAD + 16 * n..];
+        let rows = values.chunks_exact(4 * dim.max(1));
+        for ((k, s), row) in keys.chunks_exact(8).zip(scores.chunks_exact(8)).zip(rows) {
+            let k = u64::from_le_bytes(k.try_into().expect("8"));
+            if !keep(k) {
+                continue;
+            }
+            let c = &mut out[part(k)];
+            c.keys.push(k);
+            c.scores.push(u64::from_le_bytes(s.try_into().expect("8")));
+            c.values.extend(row.chunks_exact(4).map(|v| f32::from_le_bytes(v.try_into().expect("4"))));
+        }
+        if dim == 0 {
+            // No rows to zip with: the keys and scores alone.
+            for (k, s) in keys.chunks_exact(8).zip(scores.chunks_exact(8)) {
+                let k = u64::from_le_bytes(k.try_into().expect("8"));
+                if keep(k) {
+                    let c = &mut out[part(k)];
+                    c.keys.push(k);
+                    c.scores.push(u64::from_le_bytes(s.try_into().expect("8")));
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Verifies and decodes a chunk; `expected` is the checksum the manifest
+/// recorded. Errors name checkpoint `id` and chunk `key`.
+pub fn decode(id: u64, key: &str, b: &[u8], expected: u64) -> Result<Chunk> {
+    let v = verify(id, key, b, expected)?;
+    Ok(v.split(1, |_| 0, |_| true).pop().expect("one part"))
 }
 
 const KEYS_MAGIC: &[u8; 4] = b"HKVK";
@@ -169,6 +260,30 @@ mod tests {
             assert!(e.to_string().contains("chunk k"), "{e}");
         }
         assert!(decode(7, "k", &b[..b.len() - 1], sum).is_err());
+    }
+
+    /// A view split by key parity, one key left out: each entry whole in
+    /// its part, in chunk order.
+    #[test]
+    fn a_view_splits_entries_whole_into_parts() {
+        let keys: Vec<u64> = (0..9).collect();
+        let scores: Vec<u64> = keys.iter().map(|k| 100 + k).collect();
+        let values: Vec<f32> = (0..27).map(|v| v as f32 * 0.5).collect();
+        let (b, sum) = encode(3, &keys, &scores, &values);
+        let v = verify(1, "k", &b, sum).unwrap();
+        assert_eq!((v.n, v.dim, v.key(4)), (9, 3, 4));
+        let parts = v.split(2, |k| (k % 2) as usize, |k| k != 5);
+        assert_eq!(parts[0].keys, [0, 2, 4, 6, 8]);
+        assert_eq!(parts[1].keys, [1, 3, 7]);
+        for p in &parts {
+            for (i, &k) in p.keys.iter().enumerate() {
+                assert_eq!(p.scores[i], 100 + k);
+                assert_eq!(p.values[i * 3..i * 3 + 3], values[k as usize * 3..k as usize * 3 + 3]);
+            }
+        }
+        let (b, sum) = encode(0, &[4, 2], &[1, 2], &[]);
+        let parts = verify(1, "k", &b, sum).unwrap().split(1, |_| 0, |_| true);
+        assert_eq!((parts[0].keys.clone(), parts[0].scores.clone()), (vec![4, 2], vec![1, 2]));
     }
 
     #[test]

@@ -290,6 +290,29 @@ impl ShardOp for Reserve {
     }
 }
 
+/// prepare_reserve: what a reserve needs allocated, the table unchanged.
+pub struct PrepareReserve(pub u64);
+
+impl ShardOp for PrepareReserve {
+    type Output = ();
+    const WHAT: &'static str = "reserve";
+    fn run(self, t: &dyn Shard, _: Option<&ShardMrc>) -> Result<()> {
+        t.prepare_reserve(self.0)
+    }
+}
+
+/// cancel_reserve: what a prepare kept, freed.
+pub struct CancelReserve;
+
+impl ShardOp for CancelReserve {
+    type Output = ();
+    const WHAT: &'static str = "reserve";
+    fn run(self, t: &dyn Shard, _: Option<&ShardMrc>) -> Result<()> {
+        t.cancel_reserve();
+        Ok(())
+    }
+}
+
 /// Entries and slots.
 pub struct Size;
 
@@ -320,6 +343,19 @@ impl ShardOp for ClockScore {
     const WHAT: &'static str = "clock_score";
     fn run(self, t: &dyn Shard, _: Option<&ShardMrc>) -> Result<u64> {
         Ok(t.clock_score())
+    }
+}
+
+/// prefault: a restore's new table's pages touched while its chunks are
+/// read, until the flag is set (`Shard::prefault`).
+pub struct Prefault(pub std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl ShardOp for Prefault {
+    type Output = ();
+    const WHAT: &'static str = "prefault";
+    fn run(self, t: &dyn Shard, _: Option<&ShardMrc>) -> Result<()> {
+        t.prefault(&self.0);
+        Ok(())
     }
 }
 

@@ -915,3 +915,72 @@ fn idle_peers_and_gone_peers_give_their_slots_and_regions_back() {
     other.register_memfd(64 << 20).expect("the cap is free again");
     still_serves(&mut d, "x");
 }
+
+/// The daemon's address space now, from /proc.
+fn vm_size(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmSize:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .expect("VmSize");
+    kb * 1024
+}
+
+/// Sets the soft address-space limit of process `pid` (the hard one stays,
+/// so that it can be raised again).
+fn set_as_limit(pid: u32, limit: &str) {
+    let ok = std::process::Command::new("prlimit")
+        .args([&format!("--pid={pid}"), &format!("--as={limit}:")])
+        .status()
+        .expect("prlimit (util-linux)")
+        .success();
+    assert!(ok, "prlimit --pid {pid} --as={limit}");
+}
+
+/// Issue 32: a `reserve` that failed part-way (one shard could not
+/// allocate its larger storage, the other could) left the second shard
+/// grown. Now every shard allocates first and grows only once all could:
+/// under an address-space limit with room for one shard's growth and not
+/// two, the reserve answers `resource_exhausted` and the table is as it
+/// was (capacity, size, every value); with the limit lifted it grows.
+#[test]
+fn a_reserve_that_cannot_grow_every_shard_grows_none() {
+    let mut d = Daemon::start(&["--backend", "cpu", "--shards", "2"]);
+    let mut c = d.client();
+    let dim = 1024;
+    let mut s = spec("r", dim, 1 << 12);
+    s.max_capacity = 1 << 20;
+    c.create_table(s).unwrap();
+    let keys: Vec<u64> = (1..=1000).collect();
+    let values: Vec<f32> = (0..keys.len() * dim).map(|i| i as f32).collect();
+    c.insert_or_assign("r", &keys, &values, None).unwrap();
+    let info = |c: &mut Client| {
+        let t = c.tables().unwrap().into_iter().find(|t| t.spec.name == "r").unwrap();
+        (t.capacity, t.size)
+    };
+    let before = info(&mut c);
+    assert_eq!(before.1, 1000);
+    // Each shard grows to 2^18 slots of 4 KiB: 1 GiB of values apiece.
+    // Room for 1.5 GiB more than the daemon maps now: one shard's growth fits, two do not.
+    let want = 1u64 << 19;
+    let pid = d.pid();
+    set_as_limit(pid, &(vm_size(pid) + (3 << 29)).to_string());
+    let e = c.reserve("r", want).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::ResourceExhausted), "{e}");
+    assert_eq!(info(&mut c), before, "no shard grew");
+    let found = c.find("r", &keys).unwrap();
+    assert!(found.found.iter().all(|f| *f));
+    assert_eq!(found.values, values, "every value as it was");
+    // The memory held for the failed reserve was given back: a second try fails the same way.
+    let e = c.reserve("r", want).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::ResourceExhausted), "{e}");
+    assert_eq!(info(&mut c), before);
+    set_as_limit(pid, "unlimited");
+    c.reserve("r", want).unwrap();
+    let (capacity, size) = info(&mut c);
+    assert!(capacity >= want, "grown to {capacity}");
+    assert_eq!(size, 1000);
+    assert_eq!(c.find("r", &keys).unwrap().values, values);
+    assert!(d.alive());
+}

@@ -551,7 +551,29 @@ pub trait Shard: Send + Sync {
     /// export_batch restricted to entries matching the filter. Reader group.
     fn export_batch_if(&self, offset: u64, n: u64, filter: &Filter) -> Result<Export>;
     /// Grows (by doubling buckets) to at least `capacity` slots. Inserter group.
+    /// On the CPU backend a shard grows wholly or not at all, and after a
+    /// successful [`Shard::prepare_reserve`] of the same capacity (the
+    /// table not grown since) it allocates nothing and cannot fail.
     fn reserve(&self, capacity: u64) -> Result<()>;
+    /// Allocates (and keeps) what `reserve(capacity)` will need, without
+    /// changing the table, so that a table of several shards grows all of
+    /// them or none: the daemon prepares every shard, then reserves, or
+    /// cancels all when one could not prepare. Backends that cannot
+    /// allocate in advance do nothing here.
+    fn prepare_reserve(&self, capacity: u64) -> Result<()> {
+        let _ = capacity;
+        Ok(())
+    }
+    /// Frees what [`Shard::prepare_reserve`] kept.
+    fn cancel_reserve(&self) {}
+    /// Touches every page of the table's memory, without changing it,
+    /// until done or `stop` is set: a table built for a restore then pays
+    /// for the kernel's zeroing of fresh pages while its loads still wait
+    /// for the disk, not in the loads. No lock group; never blocks writes.
+    /// Backends whose memory comes touched do nothing.
+    fn prefault(&self, stop: &std::sync::atomic::AtomicBool) {
+        let _ = stop;
+    }
     /// Inserts entries with their scores verbatim, whatever the policy
     /// (restore from a checkpoint). Inserter group.
     fn load(&self, keys: &[u64], values: &[f32], scores: &[u64]) -> Result<Summary>;

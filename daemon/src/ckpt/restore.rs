@@ -2,7 +2,7 @@
 //! one) verified and loaded into tables built beside the running ones,
 //! which are swapped in only once every chunk verified.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -12,23 +12,107 @@ use hkv_shard::ScorePolicy;
 use tracing::{info, warn};
 
 use super::{internal, Checkpoints, Progress, Restored};
-use crate::router::{Router, Table};
+use crate::router::{Part, Router, Table};
 
-/// The entries of `c` that are live (in the sorted `live`) and not yet
-/// loaded from a newer part of the chain; marks them loaded.
-fn keep_newest(c: hkv_checkpoint::Chunk, live: &[u64], seen: &mut [bool]) -> hkv_checkpoint::Chunk {
-    let dim = c.dim;
-    let mut out = hkv_checkpoint::Chunk { dim, ..Default::default() };
-    for (i, (&k, &s)) in c.keys.iter().zip(&c.scores).enumerate() {
-        if let Ok(pos) = live.binary_search(&k) {
-            if !std::mem::replace(&mut seen[pos], true) {
-                out.keys.push(k);
-                out.scores.push(s);
-                out.values.extend_from_slice(&c.values[i * dim..(i + 1) * dim]);
-            }
+/// Chunk buffers a restore reads ahead into (8 MiB chunks by default: 64 MiB).
+const BUFFERS: usize = 8;
+
+/// Threads reading a restore's chunks.
+const READERS: usize = 2;
+
+/// Where a restore's time went (the "restore stages" log line).
+#[derive(Default)]
+struct Stages {
+    build: Duration,
+    read: Duration,
+    wait: Duration,
+    split: Duration,
+    load: Duration,
+}
+
+/// A chunk to read: the index of its table in the plan, its checkpoint,
+/// and where it is.
+type Work<'a> = (usize, u64, &'a hkv_checkpoint::ChunkRef);
+
+/// Starts [`READERS`] threads in `s` that read and verify the chunks of
+/// `work`, each into a buffer taken from `pool` (so at most as many ahead
+/// as the pool holds), one reading while another verifies (and the disk
+/// has a read queued while a thread waits for a core). Each takes a
+/// buffer, then the next chunk, so the lowest chunk not yet read always has
+/// a buffer. Returns the chunks in `work`'s order, however the readers
+/// finish them, and the readers (each answering how long it was busy).
+#[allow(clippy::type_complexity)]
+fn spawn_readers<'scope, 'env>(
+    s: &'scope std::thread::Scope<'scope, 'env>,
+    catalog: &'env hkv_checkpoint::Catalog,
+    work: &'env [Work<'env>],
+    pool: std::sync::mpsc::Receiver<Vec<u8>>,
+) -> (
+    impl Iterator<Item = (usize, Result<hkv_checkpoint::chunk::Read, hkv_checkpoint::Error>)>,
+    Vec<std::thread::ScopedJoinHandle<'scope, Duration>>,
+) {
+    let (tx, rx) = std::sync::mpsc::sync_channel(BUFFERS);
+    let (pool, next) = (Arc::new(std::sync::Mutex::new(pool)), Arc::new(AtomicUsize::new(0)));
+    let readers = (0..READERS)
+        .map(|_| {
+            let (tx, pool, next) = (tx.clone(), pool.clone(), next.clone());
+            s.spawn(move || {
+                let mut busy = Duration::ZERO;
+                // Bounded: one chunk of `work` per turn.
+                while let Ok(buf) = pool.lock().map_err(drop).and_then(|p| p.recv().map_err(drop)) {
+                    let j = next.fetch_add(1, Relaxed);
+                    let Some((_, id, c)) = work.get(j) else { break };
+                    let t0 = Instant::now();
+                    let r = catalog.read_chunk_in(*id, c, buf);
+                    busy += t0.elapsed();
+                    let failed = r.is_err();
+                    if tx.send((j, r)).is_err() || failed {
+                        break;
+                    }
+                }
+                busy
+            })
+        })
+        .collect();
+    let mut ahead = std::collections::BTreeMap::new();
+    let mut due = 0;
+    let in_order = std::iter::from_fn(move || loop {
+        if let Some(r) = ahead.remove(&due) {
+            due += 1;
+            return Some((due - 1, r));
         }
-    }
-    out
+        let (j, r) = rx.recv().ok()?;
+        ahead.insert(j, r);
+    });
+    (in_order, readers)
+}
+
+/// The entries of a verified chunk for `into`, decoded straight into one
+/// part per shard of it: only those live (in the sorted `live`, when a key
+/// list decides) and not yet loaded from a newer part of the chain, which
+/// are marked loaded in `seen`; `max_score` raised to their highest score.
+fn split(
+    v: hkv_checkpoint::chunk::View<'_>,
+    into: &Table,
+    live: Option<&[u64]>,
+    seen: &mut [bool],
+    max_score: &mut u64,
+) -> Vec<Part> {
+    let parts = v.split(
+        into.shards(),
+        |k| Router::shard_of(into, k),
+        |k| match live {
+            None => true,
+            Some(live) => live.binary_search(&k).is_ok_and(|pos| !std::mem::replace(&mut seen[pos], true)),
+        },
+    );
+    parts
+        .into_iter()
+        .map(|c| {
+            *max_score = c.scores.iter().copied().fold(*max_score, u64::max);
+            (c.keys, c.values, c.scores)
+        })
+        .collect()
 }
 
 /// The score a restored table's clock and epoch resume after
@@ -280,7 +364,7 @@ impl Checkpoints {
         // Every chunk, in the order it is applied: per table, newest part
         // first when a key list decides (the first version of a key seen wins).
         let has_live: Vec<bool> = plan.iter().map(|(t, _)| !t.full && !t.keys.is_empty()).collect();
-        let work: Vec<(usize, u64, &hkv_checkpoint::ChunkRef)> = plan
+        let work: Vec<Work> = plan
             .iter()
             .enumerate()
             .flat_map(|(i, (_, parts))| {
@@ -296,91 +380,133 @@ impl Checkpoints {
         let lives = self.live_keys(target, &plan.iter().map(|(t, _)| *t).collect::<Vec<_>>(), &has_live)?;
         let mut seen: Vec<Vec<bool>> = lives.iter().map(|l| vec![false; l.as_ref().map_or(0, |k| k.len())]).collect();
         let mut max_score = vec![0u64; plan.len()];
-        let mut lost = vec![0u64; plan.len()];
         let (mut done, mut bytes) = (0u64, 0u64);
-        // Loads one verified chunk into `into`.
-        let mut apply = |i: usize, mut chunk: hkv_checkpoint::Chunk, into: &Table| {
-            if let Some(live) = &lives[i] {
-                chunk = keep_newest(chunk, live, &mut seen[i]);
-            }
-            if chunk.keys.is_empty() {
-                return Ok(());
-            }
-            max_score[i] = chunk.scores.iter().copied().fold(max_score[i], u64::max);
-            let s = rt
-                .block_on(router.load_into(into, chunk.keys, chunk.values, chunk.scores))
-                .map_err(Failure::Refused)?;
-            // Evicted: a restored entry lost its slot to another; rejected: one never placed.
-            lost[i] += s.evicted + s.rejected;
-            Ok(())
-        };
-        let check_dim = |i: usize, id: u64, c: &hkv_checkpoint::ChunkRef, chunk: &hkv_checkpoint::Chunk| {
-            if chunk.dim == plan[i].0.dim {
+        let check_dim = |i: usize, id: u64, c: &hkv_checkpoint::ChunkRef, dim: usize| {
+            if dim == plan[i].0.dim {
                 return Ok(());
             }
             Err(Failure::Unusable(hkv_checkpoint::Error::CorruptChunk {
                 id,
                 chunk: c.key.clone(),
-                why: format!("dim {}, the manifest says {}", chunk.dim, plan[i].0.dim),
+                why: format!("dim {dim}, the manifest says {}", plan[i].0.dim),
             }))
         };
         let mut built: Vec<Option<Arc<Table>>> = vec![None; plan.len()];
         let running: Vec<Option<Arc<Table>>> = plan.iter().map(|(t, _)| router.table(&t.name).ok()).collect();
-        let consumed = AtomicU64::new(0);
-        let stop = AtomicBool::new(false);
-        std::thread::scope(|s| -> Result<(), Failure> {
-            // Tells the prefetcher to stop however this scope is left.
-            struct Stop<'a>(&'a AtomicBool);
-            impl Drop for Stop<'_> {
+        let mut stages = Stages::default();
+        let lost = std::thread::scope(|s| -> Result<Vec<u64>, Failure> {
+            // The readers read each chunk with O_DIRECT into one of
+            // BUFFERS reused buffers and verify it, up to BUFFERS ahead of
+            // the splitter (this thread), which hands the buffer back once
+            // it decoded the entries into per-shard arrays; the loader
+            // thread sends those to the shards while the next chunk splits.
+            // The disk reads from the first moment, while the tables are
+            // built (see `build_tables`), the shards load, and this thread splits.
+            let (pool_tx, pool_rx) = std::sync::mpsc::sync_channel::<Vec<u8>>(BUFFERS);
+            for _ in 0..BUFFERS {
+                let _ = pool_tx.send(vec![]);
+            }
+            let (rx, readers) = spawn_readers(s, &self.catalog, &work, pool_rx);
+            let (load_tx, load_rx) = std::sync::mpsc::sync_channel::<(usize, Arc<Table>, Vec<Part>)>(1);
+            let tables = plan.len();
+            let loader = s.spawn(move || -> Result<(Vec<u64>, Duration), Failure> {
+                let mut lost = vec![0u64; tables];
+                let mut busy = Duration::ZERO;
+                for (i, table, parts) in load_rx {
+                    let t0 = Instant::now();
+                    let s = rt.block_on(router.load_parts(&table, parts)).map_err(Failure::Refused)?;
+                    busy += t0.elapsed();
+                    // Evicted: a restored entry lost its slot to another; rejected: one never placed.
+                    lost[i] += s.evicted + s.rejected;
+                }
+                Ok((lost, busy))
+            });
+            let entries: Vec<&TableEntry> = plan.iter().map(|(t, _)| *t).collect();
+            let t0 = Instant::now();
+            built = build_tables(router, rt, target, &entries, &running)?;
+            stages.build = t0.elapsed();
+            // The built tables' memory faulted in beside the loads, on the
+            // shards' spare actor threads, until the loads end: the
+            // kernel's zeroing of fresh pages (most of a restore's CPU, all
+            // of a table's pages with huge pages) then runs while the
+            // loads wait for the disk, not only in them.
+            struct Stop(Arc<AtomicBool>);
+            impl Drop for Stop {
                 fn drop(&mut self) {
                     self.0.store(true, Relaxed);
                 }
             }
-            let _stop = Stop(&stop);
-            // From before the tables are built (see `prefetch`).
-            let (work, catalog, consumed, stop) = (&work, &self.catalog, &consumed, &stop);
-            s.spawn(move || prefetch(catalog, work, consumed, stop));
-            let entries: Vec<&TableEntry> = plan.iter().map(|(t, _)| *t).collect();
-            built = build_tables(router, rt, target, &entries, &running)?;
-            // The reader: reads and verifies each chunk while the previous
-            // one loads; four in flight (32 MiB by default).
-            let (tx, rx) = std::sync::mpsc::sync_channel(4);
+            let stop = Stop(Arc::new(AtomicBool::new(false)));
+            let fresh: Vec<Arc<Table>> = built.iter().flatten().cloned().collect();
+            let flag = stop.0.clone();
             s.spawn(move || {
-                for (j, (_, id, c)) in work.iter().enumerate() {
-                    let r = catalog.read_chunk(*id, c);
-                    let failed = r.is_err();
-                    if tx.send((j, r)).is_err() || failed {
-                        return;
-                    }
+                for t in fresh {
+                    // A prefault is only ever a head start: its failure changes nothing.
+                    let _ = rt.block_on(router.on_each(&t, || crate::shard_ops::Prefault(flag.clone())));
                 }
             });
-            for (j, r) in rx {
-                let (i, id, c) = work[j];
-                let chunk = r.map_err(Failure::Unusable)?;
-                check_dim(i, id, c, &chunk)?;
-                done += chunk.keys.len() as u64;
-                bytes += c.bytes;
-                consumed.store(bytes, Relaxed);
-                if let Some(b) = &built[i] {
-                    apply(i, chunk, b)?;
+            let split_all = || -> Result<(), Failure> {
+                let mut waited = Instant::now();
+                for (j, r) in rx {
+                    stages.wait += waited.elapsed();
+                    let (i, id, c) = work[j];
+                    let read = r.map_err(Failure::Unusable)?;
+                    check_dim(i, id, c, read.view().dim)?;
+                    done += read.view().n as u64;
+                    bytes += c.bytes;
+                    if let Some(b) = &built[i] {
+                        let t0 = Instant::now();
+                        let parts = split(read.view(), b, lives[i].as_deref(), &mut seen[i], &mut max_score[i]);
+                        stages.split += t0.elapsed();
+                        if parts.iter().any(|p| !p.0.is_empty()) && load_tx.send((i, b.clone(), parts)).is_err() {
+                            // The loader stopped on an error, which it returns.
+                            break;
+                        }
+                    }
+                    let _ = pool_tx.send(read.into_buf());
+                    progress("load", target.id, done, total, bytes);
+                    waited = Instant::now();
                 }
-                progress("load", target.id, done, total, bytes);
-            }
-            Ok(())
+                Ok(())
+            };
+            let split_result = split_all();
+            drop(stop);
+            // Ends the loader's loop, and the reader's wait for a buffer.
+            drop((load_tx, pool_tx));
+            let loaded =
+                loader.join().map_err(|_| Failure::Refused(internal("the restore's loader thread panicked")))?;
+            stages.read = readers.into_iter().map(|r| r.join().unwrap_or_default()).sum();
+            split_result?;
+            let (lost, busy) = loaded?;
+            stages.load = busy;
+            Ok(lost)
         })?;
+        let mut lost = lost;
         if done < total {
             // The reader stopped without an error: cannot happen, but never install a partial table.
             return Err(Failure::Refused(internal("the chunk reader stopped early")));
         }
+        info!(
+            build_s = stages.build.as_secs_f64(),
+            read_s = stages.read.as_secs_f64(),
+            wait_for_reads_s = stages.wait.as_secs_f64(),
+            split_s = stages.split.as_secs_f64(),
+            load_s = stages.load.as_secs_f64(),
+            "restore stages (read: the reader busy reading and verifying; load: the shards busy loading)"
+        );
         // Every chunk verified: from here on the restore changes what clients see.
         // A restore ends the chain: the next checkpoint is full.
         self.incrementals.store(u32::MAX, Relaxed);
         for i in 0..plan.len() {
             let (Some(r), None) = (&running[i], &built[i]) else { continue };
             rt.block_on(router.clear(r)).map_err(Failure::Refused)?;
+            let mut buf = vec![];
             for &(_, id, c) in work.iter().filter(|w| w.0 == i) {
-                let chunk = self.catalog.read_chunk(id, c).map_err(|e| Failure::Refused(internal(e)))?;
-                apply(i, chunk, r)?;
+                let read = self.catalog.read_chunk_in(id, c, buf).map_err(|e| Failure::Refused(internal(e)))?;
+                let parts = split(read.view(), r, lives[i].as_deref(), &mut seen[i], &mut max_score[i]);
+                let s = rt.block_on(router.load_parts(r, parts)).map_err(Failure::Refused)?;
+                lost[i] += s.evicted + s.rejected;
+                buf = read.into_buf();
             }
         }
         router.install(built.iter().flatten().cloned().collect());
@@ -537,39 +663,6 @@ fn check_compatible(router: &Router, target: &Manifest) -> Result<(), Failure> {
         }
     }
     Ok(())
-}
-
-/// Reads the chunk files of `work` in order into the page cache, up to
-/// 512 MB ahead of what the loader `consumed`, until done or `stop`:
-/// zeroing a large table's memory takes seconds of CPU, during which the
-/// disk would otherwise sit idle. Correctness never depends on it (the
-/// reader verifies what it reads itself).
-fn prefetch(
-    catalog: &hkv_checkpoint::Catalog,
-    work: &[(usize, u64, &hkv_checkpoint::ChunkRef)],
-    consumed: &AtomicU64,
-    stop: &AtomicBool,
-) {
-    let mut buf = vec![];
-    let mut ahead = 0u64;
-    for (_, _, c) in work {
-        while ahead.saturating_sub(consumed.load(Relaxed)) > 512 << 20 {
-            if stop.load(Relaxed) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        if stop.load(Relaxed) {
-            return;
-        }
-        buf.clear();
-        let read =
-            std::fs::File::open(catalog.chunk_path(c)).and_then(|mut f| std::io::Read::read_to_end(&mut f, &mut buf));
-        if read.is_err() {
-            return;
-        }
-        ahead += c.bytes;
-    }
 }
 
 type Loaded = (Vec<(String, u64)>, Vec<(String, u64)>, u64);

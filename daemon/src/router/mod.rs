@@ -17,7 +17,7 @@ mod bounds;
 mod merge;
 pub(crate) use merge::to_wire;
 pub use merge::{ApplyAnswer, ExportAnswer, FindAnswer, WriteAnswer};
-pub use ops::Hashed;
+pub use ops::{Hashed, Part};
 mod mrc;
 mod ops;
 mod shards;

@@ -16,6 +16,9 @@ use super::{Router, Table};
 use crate::error::{err, shard_error};
 use crate::shard_ops::{self as op, Destination, Keys};
 
+/// One shard's part of a load: keys, values (dim per key), scores.
+pub type Part = (Vec<u64>, Vec<f32>, Vec<u64>);
+
 /// Runs the shard's own argument checks (`hkv_shard::check`) on a batch
 /// that is split over several shards, so that no shard applies its part of
 /// a batch another would refuse. A batch that goes whole to one shard is
@@ -286,6 +289,14 @@ impl Router {
             )));
         }
         let per = capacity.div_ceil(n_shards as u64);
+        // All or nothing: every shard first allocates what it will need
+        // (the table unchanged); if one cannot, every shard frees what it
+        // allocated and the table stays as it was. Then each grows into
+        // what it allocated, which cannot fail on the CPU backend.
+        if let Err(e) = self.on_each(t, || op::PrepareReserve(per)).await {
+            let _ = self.on_each(t, || op::CancelReserve).await;
+            return Err(e);
+        }
         self.on_each(t, || op::Reserve(per)).await?;
         Ok(Response::Empty)
     }
@@ -336,6 +347,40 @@ impl Router {
         scores: Vec<u64>,
     ) -> Result<Summary, ProtoError> {
         Ok(self.write(t, WriteOp::Load, keys, values, Some(scores), false).await?.summary)
+    }
+
+    /// Loads entries already split by shard (`parts[i]`: the keys, values
+    /// and scores of the keys [`Router::shard_of`] gives shard `i`, as a
+    /// restore decodes them), scores verbatim, each shard checking its own
+    /// part. Ordered against checkpoints as [`Router::load_into`] is.
+    pub async fn load_parts(&self, t: &Table, parts: Vec<Part>) -> Result<Summary, ProtoError> {
+        if parts.len() != t.shards() {
+            return Err(err(
+                ErrorCode::Internal,
+                format!("{} parts for the {} shards of table {:?}", parts.len(), t.shards(), t.spec.name),
+            ));
+        }
+        let n: usize = parts.iter().map(|p| p.0.len()).sum();
+        self.bound(Op::Load.name(), n, t.config.dim, write_per_key(WriteOp::Load, t.config.dim, false), 64)?;
+        let _whole = t.rewrite.write().await;
+        let _mark = t.untracked_write();
+        let ops: Vec<op::Write> = parts
+            .into_iter()
+            .map(|(keys, values, scores)| op::Write { op: WriteOp::Load, keys, values, scores: Some(scores) })
+            .collect();
+        let mut summary = Summary::default();
+        for w in self.fan_out(t, ops).await? {
+            summary += super::merge::to_wire(w.summary);
+        }
+        Ok(summary)
+    }
+
+    /// The shard of `t` that `key` goes to.
+    pub fn shard_of(t: &Table, key: u64) -> usize {
+        match t.shards() {
+            1 => 0,
+            n => hkv_shard::hash::shard_of(key, n as u64) as usize,
+        }
     }
 
     /// Executes a feature request: hash (on the GPU when present), then,

@@ -34,9 +34,45 @@ impl CpuTable {
     /// single mode doubling never overflows: `(h mod 2B) mod B = h mod B`, so
     /// bucket b's entries move to b or b + B only.
     pub(super) fn rehash(&self, nbuckets: u64) -> Result<()> {
+        self.rehash_with(nbuckets, None)
+    }
+
+    /// The bucket count a reserve of `capacity` slots grows to (doubling
+    /// up to the config's maximum), or `None` when the table has enough.
+    pub(super) fn reserve_target(&self, capacity: u64) -> Option<u64> {
+        let now = self.storage.read().nbuckets();
+        let mut nb = now;
+        // Bounded: doubles up to max_buckets.
+        while nb * (S as u64) < capacity && nb * 2 <= self.config.max_buckets() {
+            nb *= 2;
+        }
+        (nb > now).then_some(nb)
+    }
+
+    /// Allocates what a rehash to `nbuckets` needs (the storage, and an
+    /// entry list long enough for every slot before it), without changing
+    /// the table.
+    pub(super) fn prepare(&self, nbuckets: u64) -> Result<Prepared> {
+        let storage = Storage::new(nbuckets, self.config.dim)?;
+        let mut entries = Vec::new();
+        let slots = usize::try_from(nbuckets * S as u64).unwrap_or(usize::MAX);
+        entries
+            .try_reserve_exact(slots)
+            .map_err(|_| Error::OutOfMemory("the entry list of a table's growth".into()))?;
+        Ok(Prepared { nbuckets, storage, entries })
+    }
+
+    /// [`CpuTable::rehash`] into what `prepared` allocated (when it is for
+    /// `nbuckets`): then it allocates nothing and cannot fail, since the
+    /// table holds at most as many entries as it has slots, fewer than
+    /// `nbuckets` give.
+    pub(super) fn rehash_with(&self, nbuckets: u64, prepared: Option<Prepared>) -> Result<()> {
         let mut st = self.storage.write();
-        let new = Storage::new(nbuckets, self.config.dim)?;
-        let mut entries: Vec<(u64, u64, usize, usize)> = Vec::new();
+        let (new, mut entries) = match prepared.filter(|p| p.nbuckets == nbuckets) {
+            Some(p) => (p.storage, p.entries),
+            None => (Storage::new(nbuckets, self.config.dim)?, Vec::new()),
+        };
+        entries.clear();
         entries
             .try_reserve_exact(self.size.load(Relaxed) as usize)
             .map_err(|_| Error::OutOfMemory("the entry list of a table's growth".into()))?;
@@ -61,4 +97,11 @@ impl CpuTable {
         }
         Ok(())
     }
+}
+
+/// What a reserve allocated before growing ([`CpuTable::prepare`]).
+pub(super) struct Prepared {
+    nbuckets: u64,
+    storage: Storage,
+    entries: Vec<(u64, u64, usize, usize)>,
 }

@@ -82,6 +82,8 @@ pub struct CpuTable {
     samples: HostSamples,
     /// The Adaptive policy's side state; `None` for every other policy.
     adapt: Option<adapt::Adapt>,
+    /// What a reserve allocated in advance ([`Shard::prepare_reserve`]).
+    prepared: parking_lot::Mutex<Option<growth::Prepared>>,
 }
 
 impl std::fmt::Debug for CpuTable {
@@ -109,6 +111,7 @@ impl CpuTable {
         Ok(CpuTable {
             config,
             storage: RwLock::new(storage),
+            prepared: parking_lot::Mutex::new(None),
             lock: GroupLock::new(),
             size: AtomicU64::new(0),
             epoch: AtomicU32::new(0),

@@ -571,12 +571,51 @@ impl Shard for CpuTable {
         }
         let _g = self.lock.acquire(Group::Inserter);
         self.counters.op(Op::Reserve, 0);
+        let prepared = self.prepared.lock().take();
+        // One rehash to the final size (its bucket count a power-of-two
+        // multiple of today's, as doubling gave): a shard grows wholly or
+        // not at all. With a prepared allocation for that size it cannot fail.
+        match self.reserve_target(capacity) {
+            Some(nb) => self.rehash_with(nb, prepared),
+            None => Ok(()),
+        }
+    }
+
+    fn prepare_reserve(&self, capacity: u64) -> Result<()> {
+        let max = self.config.max_buckets() * S as u64;
+        if capacity > max {
+            return Err(Error::Capacity { requested: capacity, max });
+        }
+        // Dropped first: never two prepared storages at once.
+        *self.prepared.lock() = None;
+        if let Some(nb) = self.reserve_target(capacity) {
+            *self.prepared.lock() = Some(self.prepare(nb)?);
+        }
+        Ok(())
+    }
+
+    fn cancel_reserve(&self) {
+        *self.prepared.lock() = None;
+    }
+
+    fn prefault(&self, stop: &std::sync::atomic::AtomicBool) {
+        // One atomic no-op write per 4 KiB page (`fetch_or(0)` faults the
+        // page in writable and leaves a concurrent load's value as it is),
+        // the storage lock taken per 2 MiB so that a growth never waits long.
+        const PAGE: usize = 4096 / 4;
+        const STEP: usize = 512 * PAGE;
+        let mut at = 0;
+        // Bounded: `at` rises by STEP each turn up to the values' length.
         loop {
-            let nb = self.storage.read().nbuckets();
-            if nb * S as u64 >= capacity || nb * 2 > self.config.max_buckets() {
-                return Ok(());
+            if stop.load(Relaxed) {
+                return;
             }
-            self.rehash(nb * 2)?;
+            let st = self.storage.read();
+            let Some(part) = st.values.get(at..) else { return };
+            for v in part.iter().take(STEP).step_by(PAGE) {
+                v.fetch_or(0, Relaxed);
+            }
+            at += STEP;
         }
     }
 
