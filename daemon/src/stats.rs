@@ -155,6 +155,24 @@ pub fn prometheus(d: &DaemonStats) -> String {
     let _ = writeln!(o, "hkvd_regions {}", d.regions.regions);
     family(&mut o, "region_bytes", "gauge", "Bytes of registered regions mapped.");
     let _ = writeln!(o, "hkvd_region_bytes {}", d.regions.bytes);
+    let p = &d.path;
+    family(&mut o, "requests_timed_total", "counter", "Requests whose stages stats.path sums.");
+    let _ = writeln!(o, "hkvd_requests_timed_total {}", p.requests);
+    family(&mut o, "request_stage_seconds_total", "counter", "Seconds requests spent in each stage (stats.path).");
+    for (stage, ns) in [("spawn", p.spawn_ns), ("handle", p.handle_ns), ("write", p.write_ns), ("total", p.total_ns)] {
+        let _ = writeln!(o, "hkvd_request_stage_seconds_total{{stage=\"{stage}\"}} {}", ns as f64 / 1e9);
+    }
+    family(&mut o, "shard_calls_timed_total", "counter", "Shard calls whose stages stats.path sums.");
+    let _ = writeln!(o, "hkvd_shard_calls_timed_total {}", p.shard_calls);
+    family(
+        &mut o,
+        "shard_call_stage_seconds_total",
+        "counter",
+        "Seconds shard calls spent in each stage (stats.path).",
+    );
+    for (stage, ns) in [("mailbox", p.mailbox_ns), ("shard", p.shard_ns), ("wake", p.wake_ns)] {
+        let _ = writeln!(o, "hkvd_shard_call_stage_seconds_total{{stage=\"{stage}\"}} {}", ns as f64 / 1e9);
+    }
     type Get = fn(&ShardStats) -> f64;
     let gauges: [(&str, &str, &str, Get); 10] = [
         ("size", "gauge", "Entries stored.", |s| s.size as f64),
