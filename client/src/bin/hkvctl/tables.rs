@@ -116,19 +116,20 @@ pub fn create(c: &mut Client, a: CreateTable) -> Result<()> {
 /// `hkvctl tables`: one line per table.
 pub fn list(c: &mut Client) -> Result<()> {
     println!(
-        "{:<20} {:>5} {:<9} {:<6} {:>12} {:>12} {:>6}",
-        "table", "dim", "policy", "mode", "size", "capacity", "shards"
+        "{:<20} {:>5} {:<9} {:<6} {:>12} {:>12} {:>6} {}",
+        "table", "dim", "policy", "mode", "size", "capacity", "shards", "optimizer"
     );
     for t in c.tables()? {
         println!(
-            "{:<20} {:>5} {:<9} {:<6} {:>12} {:>12} {:>6}",
+            "{:<20} {:>5} {:<9} {:<6} {:>12} {:>12} {:>6} {}",
             t.spec.name,
             t.spec.dim,
             t.spec.policy.as_str(),
             t.spec.mode.as_str(),
             t.size,
             t.capacity,
-            t.shards
+            t.shards,
+            t.spec.optimizer.map_or_else(|| "-".to_string(), |o| o.to_string())
         );
     }
     Ok(())
