@@ -116,8 +116,8 @@ pub fn create(c: &mut Client, a: CreateTable) -> Result<()> {
 /// `hkvctl tables`: one line per table.
 pub fn list(c: &mut Client) -> Result<()> {
     println!(
-        "{:<20} {:>5} {:<9} {:<6} {:>12} {:>12} {:>6} {}",
-        "table", "dim", "policy", "mode", "size", "capacity", "shards", "optimizer"
+        "{:<20} {:>5} {:<9} {:<6} {:>12} {:>12} {:>6} optimizer",
+        "table", "dim", "policy", "mode", "size", "capacity", "shards"
     );
     for t in c.tables()? {
         println!(
