@@ -419,21 +419,9 @@ impl Backing {
                         values: &values[i * dim..(i + 1) * dim],
                     })
                     .collect();
-                let (_, mut errors) = self.core.send(&rows).await;
-                if errors.is_empty() {
-                    Ok(())
-                } else {
-                    Err(errors.swap_remove(0))
-                }
+                self.send_now(&rows).await
             }
-            Mode::WriteBack => {
-                Counters::add(&self.core.counters.queued_total, keys.len());
-                let r = self.core.queue.push(keys, values, scores, dim).await;
-                if r.is_err() {
-                    Counters::add(&self.core.counters.queue_full, 1);
-                }
-                r
-            }
+            Mode::WriteBack => self.enqueue(keys, values, scores, dim).await,
         }
     }
 
@@ -447,22 +435,32 @@ impl Backing {
             Mode::ReadOnly => Err(Error::ReadOnly { table: self.core.layout.table().into() }),
             Mode::WriteThrough => {
                 let rows: Vec<Row> = keys.iter().map(|&key| Row { key, score: 0, values: &[] }).collect();
-                let (_, mut errors) = self.core.send(&rows).await;
-                if errors.is_empty() {
-                    Ok(())
-                } else {
-                    Err(errors.swap_remove(0))
-                }
+                self.send_now(&rows).await
             }
-            Mode::WriteBack => {
-                Counters::add(&self.core.counters.queued_total, keys.len());
-                let r = self.core.queue.push(keys, &[], &[], 0).await;
-                if r.is_err() {
-                    Counters::add(&self.core.counters.queue_full, 1);
-                }
-                r
-            }
+            Mode::WriteBack => self.enqueue(keys, &[], &[], 0).await,
         }
+    }
+
+    /// Write-through's half of `write` and `erase`: `rows` sent, the first
+    /// error (if any) answered once every node has answered.
+    async fn send_now(&self, rows: &[Row<'_>]) -> Result<(), Error> {
+        let (_, mut errors) = self.core.send(rows).await;
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors.swap_remove(0))
+        }
+    }
+
+    /// Write-back's half of `write` and `erase` (an erasure: no values,
+    /// `dim` 0): queued and counted, `QueueFull` counted too.
+    async fn enqueue(&self, keys: &[u64], values: &[f32], scores: &[u64], dim: usize) -> Result<(), Error> {
+        Counters::add(&self.core.counters.queued_total, keys.len());
+        let r = self.core.queue.push(keys, values, scores, dim).await;
+        if r.is_err() {
+            Counters::add(&self.core.counters.queue_full, 1);
+        }
+        r
     }
 
     /// Waits until the write-back queue is empty (`FlushTimeout` naming

@@ -209,43 +209,61 @@ pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
 /// task (`write_answers`).
 type Out = Arc<tokio::sync::Mutex<BufWriter<OwnedWriteHalf>>>;
 
-/// Writes and flushes one answer; its frame goes back for reuse.
-async fn write_now(state: &State, w: &mut BufWriter<OwnedWriteHalf>, f: Answer) -> std::io::Result<()> {
+/// Writes one answer into `w` (unflushed): its frame goes back for reuse,
+/// its bytes in flight are given back, its stamps kept in `timed` until
+/// the flush.
+async fn put(
+    state: &State,
+    w: &mut BufWriter<OwnedWriteHalf>,
+    f: Answer,
+    timed: &mut Vec<Stamps>,
+) -> std::io::Result<()> {
     w.write_all(f.0.bytes()).await?;
     state.router.frames.put(f.0);
     drop(f.1);
+    timed.extend(f.2);
+    Ok(())
+}
+
+/// Flushes `w`, then records the flushed answers' times (`stats.path`).
+async fn flush(state: &State, w: &mut BufWriter<OwnedWriteHalf>, timed: &mut Vec<Stamps>) -> std::io::Result<()> {
     w.flush().await?;
-    if let Some(s) = f.2 {
+    let written = Instant::now();
+    for s in timed.drain(..) {
+        state.stats.path.request(&s, written);
+    }
+    Ok(())
+}
+
+/// Writes and flushes one answer (its stamps kept aside: no list to
+/// allocate for one request).
+async fn write_now(state: &State, w: &mut BufWriter<OwnedWriteHalf>, f: Answer) -> std::io::Result<()> {
+    let (frame, charge, stamps) = f;
+    put(state, w, (frame, charge, None), &mut Vec::new()).await?;
+    flush(state, w, &mut Vec::new()).await?;
+    if let Some(s) = stamps {
         state.stats.path.request(&s, Instant::now());
     }
     Ok(())
 }
 
 /// Writes the answers queued for it as they come: everything queued, then
-/// a flush when nothing else is, so answers never linger; each sent frame
-/// goes back for reuse.
+/// a flush when nothing else is, so answers never linger.
 async fn write_answers(state: Arc<State>, out: Out, mut rx: mpsc::Receiver<Answer>) {
     let mut timed: Vec<Stamps> = Vec::new();
     while let Some(mut f) = rx.recv().await {
         let mut w = out.lock().await;
         loop {
-            if w.write_all(f.0.bytes()).await.is_err() {
+            if put(&state, &mut w, f, &mut timed).await.is_err() {
                 return;
             }
-            state.router.frames.put(f.0);
-            drop(f.1);
-            timed.extend(f.2);
             match rx.try_recv() {
                 Ok(next) => f = next,
                 Err(_) => break,
             }
         }
-        if w.flush().await.is_err() {
+        if flush(&state, &mut w, &mut timed).await.is_err() {
             return;
-        }
-        let written = Instant::now();
-        for s in timed.drain(..) {
-            state.stats.path.request(&s, written);
         }
     }
     let _ = out.lock().await.flush().await;
