@@ -261,6 +261,26 @@ mod tests {
         }
     }
 
+    /// Every kernel module compiles for the H200's architecture (sm_90), as
+    /// a device opens. Needs only NVRTC, not a GPU: a machine without one
+    /// runs it with the library of the `nvidia-cuda-nvrtc` wheel on
+    /// `LD_LIBRARY_PATH` (docs/developing.md, "Kernels without a GPU").
+    #[test]
+    #[ignore = "needs NVRTC (libnvrtc.so, a CUDA host)"]
+    fn every_module_compiles_with_nvrtc() {
+        assert!(nvrtc_present(), "no libnvrtc.so");
+        for id in KernelId::ALL {
+            let opts = CompileOptions { arch: Some("sm_90"), ..Default::default() };
+            if let Err(e) = cudarc::nvrtc::compile_ptx_with_opts(id.source(), opts) {
+                let log = match e {
+                    cudarc::nvrtc::CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
+                    e => format!("{e:?}"),
+                };
+                panic!("{}.cu does not compile:\n{log}", id.name());
+            }
+        }
+    }
+
     // The CUDA side of the ABI check where it runs: NVRTC itself refuses a
     // module whose struct differs from the list (kernels/abi.h), as a device
     // opens. kernels/tests/abi.rs shows the same with the host compiler on
