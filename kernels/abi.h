@@ -87,6 +87,12 @@ typedef unsigned char u8;
 #define HKV_UPD_SCORES 1
 #define HKV_UPD_ACCUM 2
 
+// step_keys' optimizer (update.cu; shard::optim::Optimizer, optimizer_code).
+#define HKV_OPT_SGD 0
+#define HKV_OPT_ADAGRAD 1
+#define HKV_OPT_ROWWISE_ADAGRAD 2
+#define HKV_OPT_ADAM 3
+
 // insert_and_evict's lost kind byte (shard::Lost).
 #define HKV_LOST_EVICTED 0
 #define HKV_LOST_REJECTED 1
@@ -156,6 +162,21 @@ struct HkvSample {
     u64 tag;         // this batch's tag (mrc::tag): kind in bits 0-1, batch sequence in 2-7
 };
 
+// One optimizer step (step_keys in update.cu; shard::optim::Step): a row
+// holds `dim` values, then the optimizer's state (optim.rs's table).
+struct HkvStep {
+    u32 optimizer;     // HKV_OPT_SGD ...
+    u32 dim;           // values per row: the gradients' width
+    float lr;
+    float eps;
+    float beta1;
+    float beta2;
+    float weight_decay;
+    float step_size;   // Adam: lr / (1 - beta1^t), as the host computes it
+    float bias2_sqrt;  // Adam: sqrt(1 - beta2^t), as the host computes it
+    u32 pad;
+};
+
 // ---- the layout list, and its asserts ------------------------------------------
 
 #define HKV_ABI_LAYOUT(SIZE, AT)      \
@@ -192,7 +213,18 @@ struct HkvSample {
     AT(HkvSample, seed, 24)           \
     AT(HkvSample, threshold, 32)      \
     AT(HkvSample, tags, 40)           \
-    AT(HkvSample, tag, 48)
+    AT(HkvSample, tag, 48)            \
+    SIZE(HkvStep, 40)                 \
+    AT(HkvStep, optimizer, 0)         \
+    AT(HkvStep, dim, 4)               \
+    AT(HkvStep, lr, 8)                \
+    AT(HkvStep, eps, 12)              \
+    AT(HkvStep, beta1, 16)            \
+    AT(HkvStep, beta2, 20)            \
+    AT(HkvStep, weight_decay, 24)     \
+    AT(HkvStep, step_size, 28)        \
+    AT(HkvStep, bias2_sqrt, 32)       \
+    AT(HkvStep, pad, 36)
 
 // offsetof without <cstddef>, which NVRTC does not have. NVRTC has
 // __builtin_offsetof from 13.4 on; before, its EDG front end's __INTADDR__

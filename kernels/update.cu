@@ -104,3 +104,154 @@ HKV_UPDATE_KERNEL(update_keys_g4, 4, , true)
 HKV_UPDATE_KERNEL(update_keys_g16, 16, , true)
 HKV_UPDATE_KERNEL(update_keys_g32, 32, , true)
 HKV_UPDATE_KERNEL(update_keys_g2_b5, 2, __launch_bounds__(256, 5), false)
+
+// ---- apply_gradients: an optimizer step in place -----------------------------
+// One step of the table's optimizer (shard/src/optim.rs) on each present
+// key's row, under both bucket locks like the update family above (updater
+// group): the step reads the row's values and state from L2 and writes them
+// back before the unlock, so a row is stepped whole, and two occurrences of
+// one key in a launch are stepped one after the other (the host runs
+// duplicates in rounds, in index order). Every operation is the CPU's, in
+// its order, rounded as the CPU rounds it (explicit _rn intrinsics: no
+// contraction into fused multiply-adds), so both backends step a row to the
+// same bits; the row-wise mean is summed by one thread, in index order, for
+// the same reason. Adam's bias terms come from the host (HkvStep), computed
+// as optim.rs computes them. A present key's score is refreshed as assign
+// refreshes it. found (may be null): 1 for a present key. updated (may be
+// null): the key's values after its step, or zeros for an absent key.
+
+// The gradient of value e: grad + weight_decay * w.
+__device__ __forceinline__ float hkv_grad(const HkvStep& st, float grad, float w) {
+    return __fadd_rn(grad, __fmul_rn(st.weight_decay, w));
+}
+
+template <int G>
+__device__ __forceinline__ void step_row(const HkvGroup<G>& g, const HkvStep& st, float* row, const float* grad,
+                                         float* out) {
+    const u32 d = st.dim;
+    float* state = row + d;
+    switch (st.optimizer) {
+        case HKV_OPT_SGD:
+            for (u32 e = g.rank; e < d; e += G) {
+                float w = __ldcg(row + e);
+                float x = hkv_grad(st, grad[e], w);
+                w = __fsub_rn(w, __fmul_rn(st.lr, x));
+                row[e] = w;
+                if (out) out[e] = w;
+            }
+            break;
+        case HKV_OPT_ADAGRAD:
+            for (u32 e = g.rank; e < d; e += G) {
+                float w = __ldcg(row + e);
+                float x = hkv_grad(st, grad[e], w);
+                float s = __fadd_rn(__ldcg(state + e), __fmul_rn(x, x));
+                w = __fsub_rn(w, __fmul_rn(st.lr, __fdiv_rn(x, __fadd_rn(__fsqrt_rn(s), st.eps))));
+                state[e] = s;
+                row[e] = w;
+                if (out) out[e] = w;
+            }
+            break;
+        case HKV_OPT_ROWWISE_ADAGRAD: {
+            float a = 0.0f;
+            if (g.rank == 0) {
+                float sum = 0.0f;
+                for (u32 e = 0; e < d; ++e) {
+                    float x = hkv_grad(st, grad[e], __ldcg(row + e));
+                    sum = __fadd_rn(sum, __fmul_rn(x, x));
+                }
+                a = __fadd_rn(__ldcg(state), __fdiv_rn(sum, (float)d));
+                state[0] = a;
+            }
+            a = __shfl_sync(g.mask, a, 0, G);
+            float scale = __fdiv_rn(st.lr, __fadd_rn(__fsqrt_rn(a), st.eps));
+            for (u32 e = g.rank; e < d; e += G) {
+                float w = __ldcg(row + e);
+                float x = hkv_grad(st, grad[e], w);
+                w = __fsub_rn(w, __fmul_rn(scale, x));
+                row[e] = w;
+                if (out) out[e] = w;
+            }
+            break;
+        }
+        default: {  // HKV_OPT_ADAM: m, then v, after the values
+            float* m = state;
+            float* v = state + d;
+            const float c1 = __fsub_rn(1.0f, st.beta1), c2 = __fsub_rn(1.0f, st.beta2);
+            for (u32 e = g.rank; e < d; e += G) {
+                float w = __ldcg(row + e);
+                float x = hkv_grad(st, grad[e], w);
+                float me = __ldcg(m + e), ve = __ldcg(v + e);
+                me = __fadd_rn(me, __fmul_rn(__fsub_rn(x, me), c1));
+                ve = __fadd_rn(__fmul_rn(ve, st.beta2), __fmul_rn(__fmul_rn(c2, x), x));
+                float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(ve), st.bias2_sqrt), st.eps);
+                w = __fsub_rn(w, __fmul_rn(st.step_size, __fdiv_rn(me, denom)));
+                m[e] = me;
+                v[e] = ve;
+                row[e] = w;
+                if (out) out[e] = w;
+            }
+            break;
+        }
+    }
+}
+
+template <int G>
+__device__ __forceinline__ void step_one(const HkvTable& t, const HkvScoring& sc, const HkvStep& st, const u64* keys,
+                                         u64 n, const float* grads, const u8* only, u8* found, float* updated,
+                                         u64* cnt, const HkvSample& smp, u32* seen) {
+    HkvGroup<G> g;
+    u64 i = hkv_key_index(t, ((u64)blockIdx.x * blockDim.x + threadIdx.x) / G, n);
+    bool active = i < n && !(only && !only[i]);
+    u64 key = active ? keys[i] : 0;
+    if (smp.ring) hkv_sample_warp(smp, active && g.rank == 0, key, seen);
+    if (!active) return;
+    u64 b1, b2;
+    u8 d;
+    hkv_locate(t, key, &b1, &b2, &d);
+    const float* grad = grads + i * st.dim;
+    hkv_prefetch_row<G>(g, grad, st.dim);
+    int first = hkv_lock2_start(t, g, b1, b2);
+    u64 b = b1;
+    int s = hkv_find_in<G, false>(t, g, b1, key, d);
+    if (s < 0 && b2 != b1) {
+        b = b2;
+        s = hkv_find_in<G, false>(t, g, b2, key, d);
+    }
+    float* out = updated ? updated + i * st.dim : 0;
+    hkv_lock2_wait(t, g, b1, b2, first);
+    if (s >= 0) {
+        u64 pos = b * 128 + s;
+        step_row<G>(g, st, hkv_row(t, pos), grad, out);
+        u64 old = hkv_needs_old(sc, false, true) ? __ldcg(t.scores + pos) : 0;
+        if (g.rank == 0) t.scores[pos] = hkv_on_update(sc, old, false, 0);
+    }
+    hkv_unlock2(t, g, b1, b2);
+    if (s < 0 && out)
+        for (u32 e = g.rank; e < st.dim; e += G) out[e] = 0.0f;
+    if (g.rank == 0) {
+        int o = s >= 0 ? HKV_UPDATED : HKV_ABSENT;
+        if (found) found[i] = s >= 0;
+        atomicAdd(cnt + HKV_C_UPDATED + o, 1ULL);
+    }
+}
+
+// grads: n x st.dim gradients; only (may be null): process key i only where
+// only[i] != 0; smp: the miss-ratio sampler, which samples the keys stepped.
+#define HKV_STEP_KERNEL(NAME, G)                                                                                    \
+    extern "C" __global__ void NAME(HkvTable t, HkvScoring sc, HkvStep st, const u64* keys, u64 n,                  \
+                                    const float* grads, const u8* only, u8* found, float* updated, u64* counters,   \
+                                    HkvSample smp) {                                                                \
+        HKV_SAMPLE_INIT                                                                                             \
+        HKV_COUNTERS_INIT                                                                                           \
+        step_one<G>(t, sc, st, keys, n, grads, only, found, updated, hkv_cnt, smp, &hkv_seen);                      \
+        hkv_flush_counters(hkv_cnt, counters);                                                                      \
+        hkv_flush_sample(smp, &hkv_seen);                                                                           \
+    }
+
+// step_keys: 8 threads per key; the _gN variants: N.
+HKV_STEP_KERNEL(step_keys, 8)
+HKV_STEP_KERNEL(step_keys_g1, 1)
+HKV_STEP_KERNEL(step_keys_g2, 2)
+HKV_STEP_KERNEL(step_keys_g4, 4)
+HKV_STEP_KERNEL(step_keys_g16, 16)
+HKV_STEP_KERNEL(step_keys_g32, 32)

@@ -55,7 +55,7 @@ pub enum KernelId {
     Lookup,
     /// `upsert.cu`: `upsert_keys` (and its `_gN` variants).
     Upsert,
-    /// `update.cu`: `update_keys` (and its `_gN` variants).
+    /// `update.cu`: `update_keys` and `step_keys` (and their `_gN` variants).
     Update,
     /// `erase.cu`: `erase_keys`, `erase_if`, `clear_table`.
     Erase,
@@ -157,6 +157,12 @@ impl KernelId {
                 "update_keys_g16",
                 "update_keys_g32",
                 "update_keys_g2_b5",
+                "step_keys",
+                "step_keys_g1",
+                "step_keys_g2",
+                "step_keys_g4",
+                "step_keys_g16",
+                "step_keys_g32",
             ],
             KernelId::Erase => &["erase_keys", "erase_if", "clear_table"],
             KernelId::Export => &["export_count", "export_scan", "export_write"],

@@ -57,8 +57,8 @@ class EmbeddingCache:
       writes them in place, ordered with torch's current stream through
       interprocess events (``events=False``: the stream is synchronized
       instead). Needs ``device`` to be a GPU the daemon serves.
-      apply_gradients on device memory is staged by the daemon (copied
-      through its memory).
+      apply_gradients on device memory runs in place too: the table's
+      optimizer step is a kernel on the daemon's GPU.
     - ``shm``: the same buffers in ``hkvd.shm_array`` memory.
     - ``socket``: arrays sent and received through the socket.
     - ``auto`` (default): the first of these that works, in that order
@@ -317,13 +317,6 @@ class EmbeddingCache:
         summed.mul_(-float(lr))
         self._chunks(region.OP_ACCUM_OR_ASSIGN, uniq, summed, None)
 
-    def accumulate(self, uniq: torch.Tensor, deltas: torch.Tensor) -> None:
-        """Adds ``deltas`` (``(n, dim)``) to the rows of distinct ids
-        ``uniq`` in place (accum_or_assign; an absent id is inserted holding
-        its delta)."""
-        if uniq.numel():
-            self._chunks(region.OP_ACCUM_OR_ASSIGN, uniq, deltas.detach().to(torch.float32), None)
-
     def optimizer_step(self, uniq: torch.Tensor, grads: torch.Tensor, lr: float, eps: float = 1e-8,
                        beta1: float = 0.9, beta2: float = 0.999, weight_decay: float = 0.0, step: int = 1,
                        values: bool = False):
@@ -407,15 +400,15 @@ class _Gather(torch.autograd.Function):
     def forward(ctx, anchor, rows, inv, uniq, module):
         ctx.module = module
         ctx.n = rows.shape[0]
-        ctx.save_for_backward(inv, uniq, rows)
+        ctx.save_for_backward(inv, uniq)
         return rows.index_select(0, inv)
 
     @staticmethod
     def backward(ctx, grad):
-        inv, uniq, rows = ctx.saved_tensors
+        inv, uniq = ctx.saved_tensors
         g = torch.zeros((ctx.n, grad.shape[-1]), dtype=torch.float32, device=grad.device)
         g.index_add_(0, inv, grad.reshape(-1, grad.shape[-1]).to(torch.float32))
-        ctx.module._apply_step(uniq, g, rows)
+        ctx.module._apply_step(uniq, g)
         return None, None, None, None, None
 
 
@@ -525,28 +518,10 @@ class _Sparse(torch.nn.Module):
         return uniq, inv, rows
 
     # ---- the step -----------------------------------------------------
-    def _in_place_sgd(self) -> bool:
-        """Whether a step goes as accum_or_assign of ``-lr * g``, which the
-        daemon serves in place on the GPU for device memory (apply_gradients
-        there is staged through host memory): plain SGD over CUDA IPC."""
-        return self.optimizer == "sgd" and self.weight_decay == 0.0 and self.cache.transport == "cuda-ipc"
-
-    def _apply_step(self, uniq: torch.Tensor, grads: torch.Tensor, rows: Optional[torch.Tensor] = None) -> None:
+    def _apply_step(self, uniq: torch.Tensor, grads: torch.Tensor) -> None:
         t0 = time.perf_counter()
         self.step += 1
         want = bool(self._pending)  # updated rows are needed to patch prefetched ones
-        if rows is not None and self._in_place_sgd():
-            # w + (-lr * g): the table adds the delta as apply_gradients'
-            # w - lr * g would (negation is exact), and the rows after the
-            # step are the forward's rows plus the same delta, bit for bit.
-            delta = grads * (-self.lr)
-            self.cache.accumulate(uniq, delta)
-            if want:
-                found = torch.ones(uniq.numel(), dtype=torch.bool, device=uniq.device)
-                for p in self._pending:
-                    p.patches.append((uniq, found, rows + delta))
-            self.timings["apply"] += time.perf_counter() - t0
-            return
         r = self.cache.optimizer_step(uniq, grads, self.lr, self.eps, self.betas[0], self.betas[1],
                                       self.weight_decay, self.step, values=want)
         if want:

@@ -200,7 +200,7 @@ def test_embedding_cache_over_cuda_ipc_equals_the_socket():
 
 
 # The table optimizers the prefetch test trains with ($HKVD_GPU_OPTIMIZERS, comma separated, to pick).
-OPTIMIZERS_ON_GPU = tuple(os.environ.get("HKVD_GPU_OPTIMIZERS", "adam,sgd").split(","))
+OPTIMIZERS_ON_GPU = tuple(os.environ.get("HKVD_GPU_OPTIMIZERS", "adam,sgd,rowwise_adagrad,adagrad").split(","))
 
 
 def test_prefetched_training_over_cuda_ipc_is_bit_identical():
@@ -216,7 +216,7 @@ def test_prefetched_training_over_cuda_ipc_is_bit_identical():
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        # Adam: apply_gradients (staged by the daemon); SGD: accum_or_assign in place.
+        # apply_gradients in place on the GPU: the table's step kernel.
         for opt in OPTIMIZERS_ON_GPU:
             _prefetched_training_bit_identical(Embedding, Prefetcher, opt)
     finally:

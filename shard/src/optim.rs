@@ -120,6 +120,17 @@ impl Step {
         Ok(())
     }
 
+    /// Adam's step size `lr / (1 − β1^t)` and `√(1 − β2^t)`, in f32 as
+    /// [`Step::apply`] uses them (the CUDA backend's kernel takes them
+    /// from here, so that both backends step a row to the same bits).
+    pub fn adam_terms(&self) -> (f32, f32) {
+        let h = &self.hyper;
+        let t = h.step.min(i32::MAX as u64) as i32;
+        let bias1 = 1.0 - h.beta1.powi(t);
+        let bias2_sqrt = (1.0 - h.beta2.powi(t)).sqrt();
+        (h.lr / bias1, bias2_sqrt)
+    }
+
     /// Applies the step to one stored `row` (`row_dim()` floats) given its
     /// `grad` (`dim` floats).
     pub fn apply(&self, row: &mut [f32], grad: &[f32]) {
@@ -156,10 +167,7 @@ impl Step {
             }
             Optimizer::Adam => {
                 let (m, v) = state.split_at_mut(d);
-                let t = h.step.min(i32::MAX as u64) as i32;
-                let bias1 = 1.0 - h.beta1.powi(t);
-                let bias2_sqrt = (1.0 - h.beta2.powi(t)).sqrt();
-                let step_size = h.lr / bias1;
+                let (step_size, bias2_sqrt) = self.adam_terms();
                 for i in 0..d {
                     let gi = g(i, w);
                     m[i] += (gi - m[i]) * (1.0 - h.beta1);
@@ -170,6 +178,21 @@ impl Step {
             }
         }
     }
+}
+
+/// Checks a step for a table whose rows hold `row_dim` floats: usable
+/// hyperparameters, and rows of the values and the optimizer's state.
+pub fn check_step(row_dim: usize, step: &Step) -> Result<()> {
+    step.check()?;
+    if step.dim == 0 || step.row_dim() != row_dim {
+        return Err(Error::Optimizer(format!(
+            "{:?} over {} values needs rows of {} floats; this table's rows hold {row_dim}",
+            step.optimizer,
+            step.dim,
+            step.row_dim()
+        )));
+    }
+    Ok(())
 }
 
 /// Checks an apply_gradients batch: the table has rows of `step.row_dim()`
@@ -183,15 +206,7 @@ pub fn check_batch(
     found: usize,
     updated: Option<usize>,
 ) -> Result<()> {
-    step.check()?;
-    if step.dim == 0 || step.row_dim() != row_dim {
-        return Err(Error::Optimizer(format!(
-            "{:?} over {} values needs rows of {} floats; this table's rows hold {row_dim}",
-            step.optimizer,
-            step.dim,
-            step.row_dim()
-        )));
-    }
+    check_step(row_dim, step)?;
     crate::check::len("grads", grads, n * step.dim, || format!("{n} keys, dim {}", step.dim))?;
     crate::check::len("found", found, n, || format!("{n} keys"))?;
     if let Some(u) = updated {

@@ -677,3 +677,83 @@ fn device_find_or_insert_counts_hits_as_the_host_path() {
     assert!(h.hits > 0 && h.misses > 0, "{h:?}");
     assert_eq!((d.hits, d.misses), (h.hits, h.misses));
 }
+
+/// apply_gradients on the device (`step_keys`) steps each row to the same
+/// bits as the CPU backend: every optimizer, with and without weight decay,
+/// rows of 3 and 32 values, absent keys, duplicates in a small batch (run
+/// in index order) and batches above the sequential size; the found flags,
+/// the updated values and every stored row (values, state and score) agree.
+/// A step whose rows do not fit the table is refused on both.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn apply_gradients_steps_rows_as_the_cpu_backend() {
+    use hkv_shard::optim::{Hyper, Optimizer, Step};
+    let dev = device();
+    for optimizer in [Optimizer::Sgd, Optimizer::Adagrad, Optimizer::RowwiseAdagrad, Optimizer::Adam] {
+        for dim in [3usize, 32] {
+            for weight_decay in [0.0f32, 0.01] {
+                let row = optimizer.row_dim(dim);
+                let cfg = TableConfig::new(128 * 64, row).mode(BucketMode::Dual);
+                let clock = ManualClock::new(1 << 20);
+                let cpu = CpuTable::with_clock(cfg.clone(), clock.clone()).unwrap();
+                let gpu = CudaTable::with_clock(cfg, dev.clone(), clock.clone()).unwrap();
+                let mut rng = rand::rngs::StdRng::seed_from_u64(35);
+                let keys: Vec<u64> = (1..=6000).collect();
+                let mut init: Vec<f32> = (0..keys.len() * row).map(|_| rng.gen_range(-1.0..1.0)).collect();
+                // Optimizer state starts at zero, as the modules insert it.
+                for r in init.chunks_mut(row) {
+                    r[dim..].fill(0.0);
+                }
+                cpu.insert_or_assign(&keys, &init, None, None).unwrap();
+                gpu.insert_or_assign(&keys, &init, None, None).unwrap();
+                for t in 1..=6u64 {
+                    clock.advance(1 << 20);
+                    // Small batches with duplicates and absent keys; then a
+                    // batch above SEQUENTIAL_BATCH of distinct keys.
+                    let n = if t % 3 == 0 { 5000 } else { 700 };
+                    let batch: Vec<u64> = if n == 5000 {
+                        (1..=5000).map(|k| k + (t % 2) * 900).collect()
+                    } else {
+                        (0..n).map(|_| rng.gen_range(1..=6400)).collect()
+                    };
+                    let grads: Vec<f32> = (0..n * dim).map(|_| rng.gen_range(-2.0..2.0)).collect();
+                    let hyper = Hyper { lr: 0.05, eps: 1e-6, beta1: 0.9, beta2: 0.99, weight_decay, step: t };
+                    let step = Step { optimizer, dim, hyper };
+                    let run = |s: &dyn Shard| {
+                        let mut found = vec![false; n];
+                        let mut out = vec![0.0f32; n * dim];
+                        let missing = s.apply_gradients(&batch, &grads, &step, &mut found, Some(&mut out)).unwrap();
+                        (missing, found, out.iter().map(|x| x.to_bits()).collect::<Vec<u32>>())
+                    };
+                    let (a, b) = (run(&cpu), run(&gpu));
+                    let what = format!("{optimizer:?} dim {dim} weight decay {weight_decay} step {t}");
+                    assert!(a.0 > 0 || n == 5000, "{what}: the batch has absent keys");
+                    assert_eq!(a.0, b.0, "{what}: missing");
+                    assert_eq!(a.1, b.1, "{what}: found flags");
+                    assert_eq!(a.2, b.2, "{what}: updated values, bit for bit");
+                    // By key: a batch above SEQUENTIAL_BATCH places keys in no set slots.
+                    let all = |s: &dyn Shard| {
+                        let e = s.export_batch(0, u64::MAX).unwrap();
+                        let mut rows: Vec<(u64, Vec<u32>, u64)> = (0..e.keys.len())
+                            .map(|i| {
+                                let r = e.values[i * row..(i + 1) * row].iter().map(|x| x.to_bits()).collect();
+                                (e.keys[i], r, e.scores[i])
+                            })
+                            .collect();
+                        rows.sort_unstable_by_key(|r| r.0);
+                        rows
+                    };
+                    let (x, y) = (all(&cpu), all(&gpu));
+                    assert_eq!(x.len(), keys.len(), "{what}: every key stays");
+                    assert!(x == y, "{what}: every stored row (values, state, score), bit for bit");
+                }
+                let wrong = Step { optimizer, dim: dim + 1, hyper: Hyper::default() };
+                let (mut f, g) = (vec![false; 1], vec![0.0f32; dim + 1]);
+                for s in [&cpu as &dyn Shard, &gpu] {
+                    let e = s.apply_gradients(&[1], &g, &wrong, &mut f, None).expect_err("rows that do not fit");
+                    assert!(matches!(e, hkv_shard::Error::Optimizer(_)), "{e}");
+                }
+            }
+        }
+    }
+}

@@ -1,7 +1,8 @@
 //! Region requests on a client's device memory served by the table's
 //! kernels in place (`CudaTable::run_ipc`): find, contains, erase without
-//! OUTCOMES, and insert_or_assign, assign, accum_or_assign, find_or_insert,
-//! insert_and_evict without SCORES or OUTCOMES, on a table whose shards'
+//! OUTCOMES, insert_or_assign, assign, accum_or_assign, find_or_insert,
+//! insert_and_evict without SCORES or OUTCOMES, and apply_gradients (its
+//! optimizer step a kernel, with or without OUTCOMES), on a table whose shards'
 //! GPUs all reach the regions (the regions' own GPU, or another with peer
 //! access to it, over NVLink or PCIe). With one shard, it serves the whole
 //! batch; with several, each shard serves its own keys of the batch in
@@ -16,7 +17,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 use futures::future::join_all;
-use hkv_proto::region::{RegionAnswer, RegionRequest, NOT_COUNTED};
+use hkv_proto::region::{Head, RegionAnswer, RegionRequest, NOT_COUNTED};
 use hkv_proto::{ErrorCode, Op, ProtoError, Summary};
 use hkv_shard::cuda::ipc::{IpcEvent, IpcSpan};
 use hkv_shard::cuda::table::{Counts, DeviceOp, IpcArrays, IpcPart};
@@ -33,6 +34,7 @@ fn answer(op: DeviceOp, c: Counts) -> RegionAnswer {
     match op {
         DeviceOp::Find | DeviceOp::Contains => RegionAnswer::Count(c.hits),
         DeviceOp::Erase => RegionAnswer::Count(c.erased),
+        DeviceOp::ApplyGradients(_) => RegionAnswer::Count(c.summary.absent),
         DeviceOp::InsertAndEvict => RegionAnswer::Evict(to_wire(c.summary), c.lost),
         _ => RegionAnswer::Write(to_wire(c.summary)),
     }
@@ -78,7 +80,9 @@ async fn early(
     if rx.await.is_ok() {
         let n = NOT_COUNTED;
         return Ok(match op {
-            DeviceOp::Find | DeviceOp::Contains | DeviceOp::Erase => RegionAnswer::Count(n),
+            DeviceOp::Find | DeviceOp::Contains | DeviceOp::Erase | DeviceOp::ApplyGradients(_) => {
+                RegionAnswer::Count(n)
+            }
             _ => RegionAnswer::Write(Summary { updated: n, inserted: n, evicted: n, rejected: n, absent: n }),
         });
     }
@@ -87,10 +91,11 @@ async fn early(
     Ok(answer(op, c))
 }
 
-/// The device op that serves `req` in place, if any.
-fn device_op(req: &RegionRequest) -> Option<DeviceOp> {
+/// The device op that serves `req` on `t` in place, if any.
+fn device_op(t: &Table, req: &RegionRequest) -> Result<Option<DeviceOp>, ProtoError> {
     let plain_write = !req.scores && !req.outcomes;
-    Some(match Op::try_from(req.op).ok()? {
+    let Ok(op) = Op::try_from(req.op) else { return Ok(None) };
+    Ok(Some(match op {
         Op::Find => DeviceOp::Find,
         Op::Contains => DeviceOp::Contains,
         Op::Erase if !req.outcomes => DeviceOp::Erase,
@@ -99,8 +104,12 @@ fn device_op(req: &RegionRequest) -> Option<DeviceOp> {
         Op::AccumOrAssign if plain_write => DeviceOp::AccumOrAssign,
         Op::FindOrInsert if plain_write => DeviceOp::FindOrInsert,
         Op::InsertAndEvict if plain_write => DeviceOp::InsertAndEvict,
-        _ => return None,
-    })
+        Op::ApplyGradients => match req.head {
+            Head::Apply(hyper) => DeviceOp::ApplyGradients(crate::router::step_of(t, hyper)?),
+            _ => return Ok(None),
+        },
+        _ => return Ok(None),
+    }))
 }
 
 /// Serves `req` on the GPU when it can (see the module); `None` when the
@@ -113,7 +122,7 @@ pub(super) async fn run(
     n: usize,
     done: &Option<Arc<IpcEvent>>,
 ) -> Result<Option<RegionAnswer>, ProtoError> {
-    let Some(op) = device_op(req) else { return Ok(None) };
+    let Some(op) = device_op(t, req)? else { return Ok(None) };
     let shards = t.shards();
     if shards > 1 && (op == DeviceOp::InsertAndEvict || req.scores) {
         return Ok(None);
@@ -135,7 +144,12 @@ pub(super) async fn run(
     if !mems.iter().all(|m| ordinals.iter().all(|&o| m.reachable_from(o))) {
         return Ok(None);
     }
-    let dim = t.config.dim as u64;
+    // Rows of the op: apply_gradients' gradients and values hold the
+    // table's values only (its rows also hold the optimizer's state).
+    let dim = match op {
+        DeviceOp::ApplyGradients(step) => step.dim as u64,
+        _ => t.config.dim as u64,
+    };
     let find = |name: &str| arrs.iter().find(|a| a.slot.name == name);
     // Each span: the reference's first `count` elements (the evicted
     // arrays hold c >= n entries; the kernel writes at most n).
@@ -163,7 +177,8 @@ pub(super) async fn run(
         }
         _ => None,
     };
-    let arrays = IpcArrays { keys, values, found, scores, lost };
+    let grads = find("grads").map(|a| span::<f32>(a, n64 * dim)).transpose()?;
+    let arrays = IpcArrays { keys, values, grads, found, scores, lost };
     let c = if shards == 1 && done.is_some() && op != DeviceOp::InsertAndEvict && take_early_place(state) {
         return early(state, t, op, arrays, done.clone()).await.map(Some);
     } else if shards == 1 {

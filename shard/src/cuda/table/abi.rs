@@ -72,6 +72,34 @@ unsafe impl DeviceRepr for FilterArgs {}
 // SAFETY: as above (HkvSample).
 unsafe impl DeviceRepr for SampleArgs {}
 
+// SAFETY: as above (HkvStep; u32 and f32 fields).
+unsafe impl DeviceRepr for StepArgs {}
+
+/// The kernels' arguments of an optimizer step (`step_keys`): Adam's bias
+/// terms computed as the CPU backend computes them ([`crate::optim::Step::adam_terms`]).
+pub(super) fn step_args(step: &crate::optim::Step) -> StepArgs {
+    use crate::optim::Optimizer;
+    let h = &step.hyper;
+    let (step_size, bias2_sqrt) = step.adam_terms();
+    StepArgs {
+        optimizer: match step.optimizer {
+            Optimizer::Sgd => abi::HKV_OPT_SGD,
+            Optimizer::Adagrad => abi::HKV_OPT_ADAGRAD,
+            Optimizer::RowwiseAdagrad => abi::HKV_OPT_ROWWISE_ADAGRAD,
+            Optimizer::Adam => abi::HKV_OPT_ADAM,
+        },
+        dim: step.dim as u32,
+        lr: h.lr,
+        eps: h.eps,
+        beta1: h.beta1,
+        beta2: h.beta2,
+        weight_decay: h.weight_decay,
+        step_size,
+        bias2_sqrt,
+        pad: 0,
+    }
+}
+
 /// What a kind byte of insert_and_evict's output says.
 pub(super) fn lost_kind(k: u8) -> Lost {
     if u32::from(k) == abi::HKV_LOST_EVICTED {
@@ -122,6 +150,8 @@ pub(crate) struct Ptrs {
     pub(crate) at: Option<DevPtr<u32>>,
     /// insert_and_evict: what lost its slot.
     pub(crate) lost: Option<LostPtrs>,
+    /// apply_gradients: each key's values after its step (zeros if absent).
+    pub(crate) updated: Option<DevPtr<f32>>,
     pub(crate) counters: Option<DevPtr<u64>>,
     /// Lookups: the sampler the kernel runs fused ([`CudaTable::sample_args`]; default: off).
     pub(crate) sample: SampleArgs,

@@ -6,6 +6,11 @@ use super::*;
 /// An operation on device-resident buffers ([`CudaTable::run_device`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum DeviceOp {
+    /// One optimizer step on present keys' rows in place
+    /// ([`crate::Shard::apply_gradients`]): `values` holds the gradients,
+    /// n × the step's dim; the found flags and, where given, each key's
+    /// values after the step are written.
+    ApplyGradients(crate::optim::Step),
     /// Values, found flags and scores of `keys`.
     Find,
     /// Device addresses of the values of `keys` (0 for misses), into `ptrs`.
@@ -232,6 +237,7 @@ impl CudaTable {
             DeviceOp::FindOrInsert | DeviceOp::FindOrInsertPtr => Op::FindOrInsert,
             DeviceOp::Assign => Op::Assign,
             DeviceOp::AccumOrAssign => Op::AccumOrAssign,
+            DeviceOp::ApplyGradients(_) => Op::ApplyGradients,
             DeviceOp::Erase => Op::Erase,
             DeviceOp::Export { .. } => Op::Export,
         };
@@ -251,7 +257,7 @@ impl CudaTable {
     ) -> Result<Pending<'_>> {
         let group = match op {
             DeviceOp::Find | DeviceOp::FindPtr | DeviceOp::Contains | DeviceOp::Export { .. } => Group::Reader,
-            DeviceOp::Assign => Group::Updater,
+            DeviceOp::Assign | DeviceOp::ApplyGradients(_) => Group::Updater,
             _ => Group::Inserter,
         };
         // From here on, an early return drops `pending`, which waits for
@@ -277,7 +283,7 @@ impl CudaTable {
         let kind = match op {
             DeviceOp::Find | DeviceOp::FindPtr | DeviceOp::Contains => Kind::Lookup,
             DeviceOp::FindOrInsert | DeviceOp::FindOrInsertPtr => Kind::FindOrInsert,
-            DeviceOp::Assign => Kind::Update,
+            DeviceOp::Assign | DeviceOp::ApplyGradients(_) => Kind::Update,
             _ => Kind::Write,
         };
         let sample = if sampled { self.sample_args(s, kind) } else { SampleArgs::default() };
@@ -320,6 +326,11 @@ impl CudaTable {
                 }
                 DeviceOp::Assign => {
                     self.k_update(s, st, self.scoring(false), n64, UPD_ASSIGN, Ptrs { values: p.values, ..base })?
+                }
+                DeviceOp::ApplyGradients(step) => {
+                    crate::optim::check_step(self.config.dim, &step)?;
+                    let q = Ptrs { values: p.values, found: p.found, updated: p.updated, ..base };
+                    self.k_step(s, st, self.scoring(false), n64, &step, q)?
                 }
                 DeviceOp::Erase => self.k_erase(s, st, n64, Ptrs { found: p.found, ..base })?,
                 DeviceOp::Export { offset, filter } => {

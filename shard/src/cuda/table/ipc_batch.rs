@@ -12,8 +12,12 @@ use crate::cuda::ipc::{IpcEvent, IpcSpan};
 pub struct IpcArrays {
     /// Keys in.
     pub keys: IpcSpan<u64>,
-    /// Rows: out (find), in (writes), in and out (find_or_insert).
+    /// Rows: out (find), in (writes), in and out (find_or_insert); out
+    /// (apply_gradients, optional): each key's values after its step, n ×
+    /// the step's dim.
     pub values: Option<IpcSpan<f32>>,
+    /// apply_gradients: the gradients in, n × the step's dim.
+    pub grads: Option<IpcSpan<f32>>,
     /// Found / erased flags out.
     pub found: Option<IpcSpan<u8>>,
     /// Scores out (find).
@@ -29,7 +33,7 @@ pub type IpcLost = (IpcSpan<u64>, IpcSpan<f32>, IpcSpan<u64>, IpcSpan<u8>);
 impl IpcArrays {
     /// Keys only (contains, erase without flags).
     pub fn keys(keys: IpcSpan<u64>) -> IpcArrays {
-        IpcArrays { keys, values: None, found: None, scores: None, lost: None }
+        IpcArrays { keys, values: None, grads: None, found: None, scores: None, lost: None }
     }
 }
 
@@ -58,7 +62,8 @@ pub struct IpcPart {
 
 impl CudaTable {
     /// Runs `op` (find, contains, erase, insert_or_assign, assign,
-    /// accum_or_assign, find_or_insert or insert_and_evict) on the keys of `a`, in the
+    /// accum_or_assign, find_or_insert, insert_and_evict or
+    /// apply_gradients) on the keys of `a`, in the
     /// client's memory, under the op's lock group; a find writes misses as
     /// rows of zeros. With `part`, only the keys of that shard are served
     /// and nothing of the others is written (not for insert_and_evict, whose
@@ -95,6 +100,16 @@ impl CudaTable {
             DeviceOp::InsertOrAssign | DeviceOp::Assign | DeviceOp::FindOrInsert | DeviceOp::AccumOrAssign => {
                 want("values", values, n * dim)?
             }
+            DeviceOp::ApplyGradients(step) => {
+                crate::optim::check_step(dim, &step)?;
+                want("gradients", a.grads.as_ref().map(IpcSpan::len), n * step.dim)?;
+                if values.is_some() {
+                    want("updated values", values, n * step.dim)?;
+                }
+                if let Some(f) = &a.found {
+                    want("found flags", Some(f.len()), n)?;
+                }
+            }
             DeviceOp::InsertAndEvict => {
                 want("values", values, n * dim)?;
                 let Some(l) = &a.lost else {
@@ -116,6 +131,7 @@ impl CudaTable {
         }
         let ordinal = self.dev.info.ordinal;
         let mut mems = vec![a.keys.mem(), a.values.as_ref().map_or(a.keys.mem(), IpcSpan::mem)];
+        mems.extend(a.grads.as_ref().map(IpcSpan::mem));
         mems.extend(a.found.as_ref().map(IpcSpan::mem));
         mems.extend(a.scores.as_ref().map(IpcSpan::mem));
         if let Some(l) = &a.lost {
@@ -141,10 +157,17 @@ impl CudaTable {
             _ => None,
         };
         self.zero_counters(&mut l)?;
+        // apply_gradients reads its gradients where other writes read
+        // their rows, and writes the updated values as its own output.
+        let (values, updated) = match op {
+            DeviceOp::ApplyGradients(_) => (a.grads.as_ref().map(IpcSpan::ptr), a.values.as_ref().map(IpcSpan::ptr)),
+            _ => (a.values.as_ref().map(IpcSpan::ptr), None),
+        };
         let raw = Raw {
             p: Ptrs {
                 keys: Some(a.keys.ptr()),
-                values: a.values.as_ref().map(IpcSpan::ptr),
+                values,
+                updated,
                 found: a.found.as_ref().map(IpcSpan::ptr),
                 scores: a.scores.as_ref().map(IpcSpan::ptr),
                 lost: a.lost.as_ref().map(|(k, v, sc, kd)| LostPtrs {

@@ -36,6 +36,8 @@ pub(super) struct Funcs {
     pub(super) update: Vec<Variant>,
     /// The 2-thread update kernel held to 48 registers (`update_keys_g2_b5`).
     pub(super) update_bounded: Variant,
+    /// Optimizer step kernels with 1 to 32 threads per key ([`WRITE_GROUPS`]) (see [`Funcs::step`]).
+    pub(super) step: Vec<Variant>,
     /// The 4-thread upsert kernel without lost outputs, held to 48
     /// registers (`upsert_keys_g4_b5`).
     pub(super) upsert_bounded: Variant,
@@ -172,6 +174,20 @@ impl Funcs {
             forced => pick(&self.update, forced.unwrap_or(g)),
         }
     }
+
+    /// The optimizer step kernel for rows of `dim` values ([`step_threads`];
+    /// 8 for a batch in region order).
+    pub(super) fn step(&self, dim: usize, ordered: bool) -> &Variant {
+        let g = if ordered { HOST_TIER_WRITE } else { step_threads(dim) };
+        pick(&self.step, self.forced_write.unwrap_or(g))
+    }
+}
+
+/// Threads per key of an optimizer step over rows of `dim` values: one
+/// per 8 values, at least 2 and at most 32 (a step reads and writes the
+/// values, the state and the gradient, several times the work of a copy).
+pub(super) fn step_threads(dim: usize) -> u64 {
+    (dim.div_ceil(8) as u64).next_power_of_two().clamp(2, 32)
 }
 
 #[cfg(test)]
@@ -206,6 +222,7 @@ mod tests {
             (KernelId::Lookup, "lookup_findz", &LOOKUP_GROUPS[..]),
             (KernelId::Upsert, "upsert_keys", &WRITE_GROUPS[..]),
             (KernelId::Update, "update_keys", &WRITE_GROUPS[..]),
+            (KernelId::Update, "step_keys", &WRITE_GROUPS[..]),
         ];
         for (id, name) in [(KernelId::Upsert, "upsert_keys_g4_b5"), (KernelId::Update, "update_keys_g2_b5")] {
             assert!(id.symbols().contains(&name), "{name} is not built in {id:?}");

@@ -257,6 +257,45 @@ impl CudaTable {
         Ok(())
     }
 
+    /// Launches `step_keys` on stream `l`: one optimizer step on the rows
+    /// of the present keys of `p.keys`.
+    ///
+    /// # Safety
+    /// `p.keys` holds `n` keys; `p.values` holds the n × `step.dim`
+    /// gradients; `p.only`, `p.found` (n each) and `p.updated` (n ×
+    /// `step.dim` floats) are 0 or device buffers that long; `p.counters`
+    /// holds 8 u64; all stay alive until `l` is synchronised. The table's
+    /// rows hold `step.row_dim()` floats (the caller checked). `p.sample` as
+    /// [`CudaTable::k_lookup`].
+    pub(super) unsafe fn k_step(
+        &self,
+        l: &Arc<CudaStream>,
+        st: &Storage,
+        sc: ScoringArgs,
+        n: u64,
+        step: &crate::optim::Step,
+        p: Ptrs,
+    ) -> Result<()> {
+        let smp = p.sample;
+        let updated = p.updated;
+        let p = p.addrs(n, step.dim)?;
+        let out = arg("updated values", updated, n as usize * step.dim)?;
+        let c = p.counters;
+        let (order, args) = self.key_order(l, st, n, p.keys, true)?;
+        let v = self.f.step(step.dim, order.is_some());
+        let sa = step_args(step);
+        let mut b = l.launch_builder(&v.f);
+        b.arg(&args).arg(&sc).arg(&sa).arg(&p.keys).arg(&n).arg(&p.values).arg(&p.only).arg(&p.found).arg(&out);
+        b.arg(&c).arg(&smp);
+        // SAFETY: step_keys reads keys[0..n], grads[0..n*dim] and
+        // only[0..n] where non-null, steps present rows of the table (of
+        // row_dim floats) under their bucket locks, and writes found[0..n]
+        // and updated[0..n*dim] where non-null and 8 counters; with a
+        // sampler, ring slots below smp.cap and its 2 counters (as k_lookup).
+        unsafe { b.launch(blocks(n * v.g)?) }.map_err(dev_err("launching step_keys"))?;
+        Ok(())
+    }
+
     /// Launches `erase_keys` on stream `l`.
     ///
     /// # Safety

@@ -72,11 +72,28 @@ pub(crate) struct SampleArgs {
     pub(super) tag: u64,
 }
 
+/// One optimizer step (HkvStep): [`crate::optim::Step`] as `step_keys` takes it.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(super) struct StepArgs {
+    pub(super) optimizer: u32,
+    pub(super) dim: u32,
+    pub(super) lr: f32,
+    pub(super) eps: f32,
+    pub(super) beta1: f32,
+    pub(super) beta2: f32,
+    pub(super) weight_decay: f32,
+    pub(super) step_size: f32,
+    pub(super) bias2_sqrt: f32,
+    pub(super) pad: u32,
+}
+
 hkv_kernels::assert_abi_layout!(
     HkvTable => TableArgs,
     HkvScoring => ScoringArgs,
     HkvFilter => FilterArgs,
     HkvSample => SampleArgs,
+    HkvStep => StepArgs,
 );
 
 /// The Rust side of the ABI check, shown: this file is compiled on its own

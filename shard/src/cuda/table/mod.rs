@@ -160,6 +160,7 @@ impl CudaTable {
             upsert: variants(KernelId::Upsert, "upsert_keys", &WRITE_GROUPS)?,
             update: variants(KernelId::Update, "update_keys", &WRITE_GROUPS)?,
             update_bounded: Variant { f: get(KernelId::Update, "update_keys_g2_b5")?, g: 2 },
+            step: variants(KernelId::Update, "step_keys", &WRITE_GROUPS)?,
             upsert_bounded: Variant { f: get(KernelId::Upsert, "upsert_keys_g4_b5")?, g: 4 },
             forced_lookup: group_size(tuning.lookup_group, &LOOKUP_GROUPS),
             forced_write: group_size(tuning.write_group, &WRITE_GROUPS),

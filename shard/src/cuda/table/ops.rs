@@ -161,6 +161,72 @@ impl Shard for CudaTable {
         self.update_batch(Op::AssignScores, UPD_SCORES, keys, None, scores, outcomes)
     }
 
+    /// In place on the device (`step_keys`), in the updater group: each
+    /// present row's values and state are read and written under its
+    /// buckets' locks, bit for bit the CPU backend's step. Duplicates are
+    /// stepped one after the other: in index order up to
+    /// [`SEQUENTIAL_BATCH`] keys (rounds), in no set order above.
+    fn apply_gradients(
+        &self,
+        keys: &[u64],
+        grads: &[f32],
+        step: &crate::optim::Step,
+        found: &mut [bool],
+        updated: Option<&mut [f32]>,
+    ) -> Result<u64> {
+        let (n, d) = (keys.len(), step.dim);
+        crate::optim::check_batch(
+            self.config.dim,
+            step,
+            n,
+            grads.len(),
+            found.len(),
+            updated.as_ref().map(|u| u.len()),
+        )?;
+        check::keys(keys)?;
+        let _g = self.lock.acquire(Group::Updater);
+        self.counters.op(Op::ApplyGradients, n);
+        if n == 0 {
+            return Ok(0);
+        }
+        let guard = self.storage.read();
+        let st = &*guard;
+        let want = updated.is_some();
+        let (summary, flags, rows) = self.with_lane(|l| {
+            let s = l.stream.clone();
+            let mut p = Ptrs {
+                keys: Some(Self::upload(&s, &mut l.stage, &mut l.keys, keys)?),
+                values: Some(Self::upload(&s, &mut l.stage, &mut l.values, grads)?),
+                found: Some(Self::scratch(&s, &mut l.flags, n)?),
+                counters: Some(DevPtr::of(&l.counters, &s)),
+                sample: self.sample_args(&s, Kind::Update),
+                ..Ptrs::default()
+            };
+            if want {
+                p.updated = Some(Self::scratch(&s, &mut l.lost_values, n * d)?);
+            }
+            self.zero_counters(l)?;
+            let sc = self.scoring(false);
+            self.in_rounds(l, keys, st.nbuckets, None, |_, o| {
+                // SAFETY: keys and grads uploaded, flags and updated rows
+                // sized above for these n keys; the table's rows hold
+                // step.row_dim() floats (check_batch); flags2 by in_rounds.
+                unsafe { self.k_step(&s, st, sc, n as u64, step, Ptrs { only: o, ..p }) }
+            })?;
+            let f = Self::fetch(&s, &mut l.stage, &l.flags, n)?;
+            let r = Self::fetch(&s, &mut l.stage, &l.lost_values, if want { n * d } else { 0 })?;
+            let c = self.read_counters(l)?;
+            Ok((c.summary, l.stage.read(&f).to_vec(), l.stage.read(&r).to_vec()))
+        })?;
+        for (o, &x) in found.iter_mut().zip(&flags) {
+            *o = x != 0;
+        }
+        if let Some(u) = updated {
+            u.copy_from_slice(&rows);
+        }
+        Ok(summary.absent)
+    }
+
     fn accum_or_assign(
         &self,
         keys: &[u64],
