@@ -146,3 +146,93 @@ HKV_UPSERT_KERNEL(upsert_keys_g4, 4, , true)
 HKV_UPSERT_KERNEL(upsert_keys_g16, 16, , true)
 HKV_UPSERT_KERNEL(upsert_keys_g32, 32, , true)
 HKV_UPSERT_KERNEL(upsert_keys_g4_b5, 4, __launch_bounds__(256, 5), false)
+
+// ---- find_or_insert of a large batch: the hits first, without locks ----------
+// A batch whose keys repeat (Zipf traffic: the hottest key of a 1 Mi-key
+// batch may come tens of thousands of times) serialised in upsert_one on
+// its buckets' locks, one occurrence after another. So a large
+// find_or_insert (above SEQUENTIAL_BATCH keys, whose order is unspecified)
+// runs in two launches: probe_keys serves every key present when the batch
+// starts with no lock (no other kernel of the table runs meanwhile: the
+// batch holds the inserter group, and the probe is a launch of its own),
+// copying its row out (find_or_insert*: its row's address) and refreshing
+// its score as upsert_one would, and flags the others in `miss`; then
+// upsert_keys runs with only = miss. A score whose new value does not
+// depend on the old one is stored (the occurrences of a key in a batch
+// store the same value); one that does (lfu, epoch-lfu) is updated with a
+// compare-and-swap loop, so each occurrence counts.
+template <int G>
+__device__ __forceinline__ void probe_one(const HkvTable& t, const HkvScoring& sc, const u64* keys, u64 n,
+                                          float* values, const u64* scores_in, const u8* only, u8* outcomes,
+                                          u64* ptrs, u8* miss, u64* cnt, const HkvSample& smp, u32* seen) {
+    HkvGroup<G> g;
+    u64 i = hkv_key_index(t, ((u64)blockIdx.x * blockDim.x + threadIdx.x) / G, n);
+    bool active = i < n && !(only && !only[i]);
+    u64 key = active ? keys[i] : 0;
+    int s = -1;
+    u64 b = 0;
+    if (active) {
+        u64 b1, b2;
+        u8 d;
+        hkv_locate(t, key, &b1, &b2, &d);
+        b = b1;
+        s = hkv_find_in<G, true>(t, g, b1, key, d);
+        if (s < 0 && b2 != b1) {
+            b = b2;
+            s = hkv_find_in<G, true>(t, g, b2, key, d);
+        }
+    }
+    // The sampler counts the hits here and upsert_keys the others: the
+    // whole warp calls it, converged.
+    __syncwarp();
+    if (smp.ring) hkv_sample_warp(smp, active && s >= 0 && g.rank == 0, key, seen);
+    if (!active) return;
+    if (s < 0) {
+        if (g.rank == 0) miss[i] = 1;
+        return;
+    }
+    u64 pos = b * 128 + s;
+    float* row = hkv_row(t, pos);
+    if (values) hkv_copy_row<G, true>(values + i * t.dim, row, t.dim, g.rank);
+    if (g.rank == 0) {
+        bool has = scores_in != 0;
+        u64 in = has ? scores_in[i] : 0;
+        if (hkv_needs_old(sc, has, false)) {
+            u64 old = __ldcg(t.scores + pos);
+            for (;;) {
+                u64 seen_old = atomicCAS(t.scores + pos, old, hkv_on_upsert(sc, old, has, in));
+                if (seen_old == old) break;
+                old = seen_old;
+            }
+        } else {
+            t.scores[pos] = hkv_on_upsert(sc, 0, has, in);
+        }
+        miss[i] = 0;
+        if (outcomes) outcomes[i] = HKV_UPDATED;
+        if (ptrs) ptrs[i] = (u64)row;
+        atomicAdd(cnt + HKV_C_UPDATED, 1ULL);
+    }
+}
+
+// values: out (find_or_insert's rows of the hits), null for find_or_insert*;
+// scores_in, only, outcomes and ptrs may be null; miss: n flags out, 1
+// where key i is served and absent (upsert_keys' only), 0 elsewhere it is
+// served.
+#define HKV_PROBE_KERNEL(NAME, G)                                                                                   \
+    extern "C" __global__ void NAME(HkvTable t, HkvScoring sc, const u64* keys, u64 n, float* values,               \
+                                    const u64* scores_in, const u8* only, u8* outcomes, u64* ptrs, u8* miss,        \
+                                    u64* counters, HkvSample smp) {                                                 \
+        HKV_SAMPLE_INIT                                                                                             \
+        HKV_COUNTERS_INIT                                                                                           \
+        probe_one<G>(t, sc, keys, n, values, scores_in, only, outcomes, ptrs, miss, hkv_cnt, smp, &hkv_seen);       \
+        hkv_flush_counters(hkv_cnt, counters);                                                                      \
+        hkv_flush_sample(smp, &hkv_seen);                                                                           \
+    }
+
+// probe_keys: 8 threads per key; the _gN variants: N.
+HKV_PROBE_KERNEL(probe_keys, 8)
+HKV_PROBE_KERNEL(probe_keys_g1, 1)
+HKV_PROBE_KERNEL(probe_keys_g2, 2)
+HKV_PROBE_KERNEL(probe_keys_g4, 4)
+HKV_PROBE_KERNEL(probe_keys_g16, 16)
+HKV_PROBE_KERNEL(probe_keys_g32, 32)

@@ -53,7 +53,7 @@ pub enum KernelId {
     Features,
     /// `lookup.cu`: `lookup_find` (and its `_gN` variants), `order_count`, `order_write`, `keys_reserved`.
     Lookup,
-    /// `upsert.cu`: `upsert_keys` (and its `_gN` variants).
+    /// `upsert.cu`: `upsert_keys` and `probe_keys` (and their `_gN` variants).
     Upsert,
     /// `update.cu`: `update_keys` and `step_keys` (and their `_gN` variants).
     Update,
@@ -148,6 +148,12 @@ impl KernelId {
                 "upsert_keys_g16",
                 "upsert_keys_g32",
                 "upsert_keys_g4_b5",
+                "probe_keys",
+                "probe_keys_g1",
+                "probe_keys_g2",
+                "probe_keys_g4",
+                "probe_keys_g16",
+                "probe_keys_g32",
             ],
             KernelId::Update => &[
                 "update_keys",

@@ -98,6 +98,9 @@ pub struct CudaTuning {
     /// Serve large host-tier batches in index order instead of grouped by
     /// bucket region.
     pub index_order: bool,
+    /// Serve large find_or_insert batches in one locked launch, as before
+    /// the lock-free probe of their hits (`probe_keys`), for comparisons.
+    pub locked_find_or_insert: bool,
 }
 
 impl CudaTuning {
@@ -105,7 +108,8 @@ impl CudaTuning {
     pub const GROUPS: [u32; 6] = [1, 2, 4, 8, 16, 32];
 
     /// Tuning from the variables `HKV_LOOKUP_GROUP`, `HKV_WRITE_GROUP`
-    /// (1|2|4|8|16|32) and `HKV_KEY_ORDER` (`index` or `region`), read
+    /// (1|2|4|8|16|32), `HKV_KEY_ORDER` (`index` or `region`) and
+    /// `HKV_FIND_OR_INSERT` (`probe`, the default, or `locked`), read
     /// through `get` (a binary passes `|k| std::env::var(k).ok()`).
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<CudaTuning> {
         let group = |var: &str| -> Result<Option<u32>> {
@@ -120,7 +124,17 @@ impl CudaTuning {
             Some("index") => true,
             Some(v) => return Err(Error::Config(format!("HKV_KEY_ORDER={v:?}: use index or region"))),
         };
-        Ok(CudaTuning { lookup_group: group("HKV_LOOKUP_GROUP")?, write_group: group("HKV_WRITE_GROUP")?, index_order })
+        let locked_find_or_insert = match get("HKV_FIND_OR_INSERT").as_deref().map(str::trim) {
+            None | Some("probe") => false,
+            Some("locked") => true,
+            Some(v) => return Err(Error::Config(format!("HKV_FIND_OR_INSERT={v:?}: use probe or locked"))),
+        };
+        Ok(CudaTuning {
+            lookup_group: group("HKV_LOOKUP_GROUP")?,
+            write_group: group("HKV_WRITE_GROUP")?,
+            index_order,
+            locked_find_or_insert,
+        })
     }
 
     /// Checks the forced group sizes.
@@ -300,7 +314,10 @@ mod tuning_tests {
     fn tuning_comes_from_the_variables_a_binary_passes() {
         assert_eq!(CudaTuning::from_vars(vars(&[])).unwrap(), CudaTuning::default());
         let t = CudaTuning::from_vars(vars(&[("HKV_LOOKUP_GROUP", "16"), ("HKV_KEY_ORDER", "index")])).unwrap();
-        assert_eq!(t, CudaTuning { lookup_group: Some(16), write_group: None, index_order: true });
+        assert_eq!(
+            t,
+            CudaTuning { lookup_group: Some(16), write_group: None, index_order: true, locked_find_or_insert: false }
+        );
         for bad in [("HKV_WRITE_GROUP", "3"), ("HKV_LOOKUP_GROUP", "x"), ("HKV_KEY_ORDER", "random")] {
             let e = CudaTuning::from_vars(vars(&[bad])).unwrap_err().to_string();
             assert!(e.contains(bad.0), "{e}");

@@ -108,6 +108,14 @@ struct Args {
     /// call by call (two rows per λ).
     #[arg(long)]
     sample_rate: Option<f64>,
+    /// CUDA device batches, find_or_insert: each timed call draws its keys
+    /// Zipf(ALPHA) over `--key-space` keys, with repeats (a training
+    /// loop's ids before deduplication); at λ 1.0 the table stays full.
+    #[arg(long)]
+    zipf: Option<f64>,
+    /// The keys `--zipf` draws from.
+    #[arg(long, default_value_t = 1 << 24)]
+    key_space: u64,
 }
 
 /// Whether sampling is on for each of the two calls of run `run`: off
@@ -471,6 +479,9 @@ fn main() -> Result<()> {
             "--policy custom needs caller scores, which hkv-bench does not pass; use lru, lfu, epoch-lru or epoch-lfu"
         );
     }
+    if a.zipf.is_some() && (backend != Backend::Cuda || a.host_buffers || reference_mix) {
+        bail!("--zipf draws the keys of device batches: CUDA backend, without --host-buffers or --key-mix reference");
+    }
     if backend == Backend::Cuda && !a.host_buffers {
         return cuda_bench::run(&a, mode, reference_mix);
     }
@@ -617,6 +628,8 @@ mod cuda_bench {
         reference_mix: bool,
         /// Hits of the last find.
         find_hits: u64,
+        /// `--zipf`: find_or_insert's key ranks.
+        zipf: Option<rand_distr::Zipf<f64>>,
     }
 
     impl Ctx<'_> {
@@ -657,6 +670,12 @@ mod cuda_bench {
             match op {
                 "insert_or_assign" | "insert_and_evict" => {
                     let k = self.gen.take(n);
+                    (k.clone(), k)
+                }
+                "find_or_insert" | "find_or_insert*" if self.zipf.is_some() => {
+                    use rand_distr::Distribution;
+                    let z = self.zipf.expect("checked");
+                    let k: Vec<u64> = (0..n).map(|_| splitmix64(z.sample(&mut self.rng) as u64) >> 1).collect();
                     (k.clone(), k)
                 }
                 "find_or_insert" | "find_or_insert*" => {
@@ -888,6 +907,7 @@ mod cuda_bench {
                 xb: None,
                 reference_mix,
                 find_hits: 0,
+                zipf: a.zipf.map(|s| rand_distr::Zipf::new(a.key_space, s)).transpose()?,
             };
             let mut find32 = None;
             let first_host_slot = st.fast_tier_bytes / (dim as u64 * 4);

@@ -300,6 +300,22 @@ impl CudaTable {
                 }
                 DeviceOp::FindPtr => self.k_lookup(s, st, n64, Ptrs { ptrs: p.ptrs, ..base })?,
                 DeviceOp::Contains => self.k_lookup(s, st, n64, Ptrs { found: p.found, ..base })?,
+                DeviceOp::FindOrInsert | DeviceOp::FindOrInsertPtr
+                    if n > SEQUENTIAL_BATCH && !self.config.tuning.locked_find_or_insert =>
+                {
+                    // Hits without locks first, then the misses (probe_keys
+                    // in upsert.cu): repeated keys no longer wait on each
+                    // other's bucket locks. The flags are freed in stream order.
+                    let miss = s.alloc_zeros::<u8>(n).map_err(dev_err("allocating the miss flags"))?;
+                    let m = DevPtr::of(&miss, s);
+                    let (q, mode) = match op {
+                        DeviceOp::FindOrInsert => (Ptrs { values: p.values, ..base }, UP_FIND_OR_INSERT),
+                        _ => (Ptrs { ptrs: p.ptrs, ..base }, UP_FIND_OR_INSERT_PTR),
+                    };
+                    let sc = self.scoring(false);
+                    self.k_probe(s, st, sc, n64, q, m)?;
+                    self.k_upsert(s, st, sc, n64, mode, Ptrs { only: Some(m), ..q })?
+                }
                 DeviceOp::InsertOrAssign | DeviceOp::InsertAndEvict | DeviceOp::FindOrInsert => {
                     let mut q = Ptrs { values: p.values, ..base };
                     if op == DeviceOp::InsertAndEvict {

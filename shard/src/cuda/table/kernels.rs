@@ -36,6 +36,9 @@ pub(super) struct Funcs {
     pub(super) update: Vec<Variant>,
     /// The 2-thread update kernel held to 48 registers (`update_keys_g2_b5`).
     pub(super) update_bounded: Variant,
+    /// The lock-free first launch of a large find_or_insert with 1 to 32
+    /// threads per key ([`LOOKUP_GROUPS`]) (see [`Funcs::probe`]).
+    pub(super) probe: Vec<Variant>,
     /// Optimizer step kernels with 1 to 32 threads per key ([`WRITE_GROUPS`]) (see [`Funcs::step`]).
     pub(super) step: Vec<Variant>,
     /// The 4-thread upsert kernel without lost outputs, held to 48
@@ -175,6 +178,13 @@ impl Funcs {
         }
     }
 
+    /// The probe kernel of a large find_or_insert: the lookup's choice
+    /// ([`Funcs::lookup`]), as it copies rows out as a find does.
+    pub(super) fn probe(&self, values: bool, dim: usize, ordered: bool) -> &Variant {
+        let g = self.lookup(values, dim, ordered, false, false).g;
+        pick(&self.probe, g)
+    }
+
     /// The optimizer step kernel for rows of `dim` values ([`step_threads`];
     /// 8 for a batch in region order).
     pub(super) fn step(&self, dim: usize, ordered: bool) -> &Variant {
@@ -223,6 +233,7 @@ mod tests {
             (KernelId::Upsert, "upsert_keys", &WRITE_GROUPS[..]),
             (KernelId::Update, "update_keys", &WRITE_GROUPS[..]),
             (KernelId::Update, "step_keys", &WRITE_GROUPS[..]),
+            (KernelId::Upsert, "probe_keys", &LOOKUP_GROUPS[..]),
         ];
         for (id, name) in [(KernelId::Upsert, "upsert_keys_g4_b5"), (KernelId::Update, "update_keys_g2_b5")] {
             assert!(id.symbols().contains(&name), "{name} is not built in {id:?}");

@@ -257,6 +257,42 @@ impl CudaTable {
         Ok(())
     }
 
+    /// Launches `probe_keys` on stream `l`: the first launch of a large
+    /// find_or_insert (find_or_insert* without values), which serves the
+    /// keys present without locks and writes 1 into `miss` for the others.
+    ///
+    /// # Safety
+    /// As [`CudaTable::k_upsert`] for find_or_insert (no lost outputs);
+    /// `miss` holds `n` bytes, zero where the launch does not write (keys
+    /// outside `p.only`), alive until `l` is synchronised.
+    pub(super) unsafe fn k_probe(
+        &self,
+        l: &Arc<CudaStream>,
+        st: &Storage,
+        sc: ScoringArgs,
+        n: u64,
+        p: Ptrs,
+        miss: DevPtr<u8>,
+    ) -> Result<()> {
+        let smp = p.sample;
+        let p = p.addrs(n, self.config.dim)?;
+        let miss = arg("miss flags", Some(miss), n as usize)?;
+        let c = p.counters;
+        let (order, args) = self.key_order(l, st, n, p.keys, p.values != 0)?;
+        let v = self.f.probe(p.values != 0, self.config.dim, order.is_some());
+        let mut b = l.launch_builder(&v.f);
+        b.arg(&args).arg(&sc).arg(&p.keys).arg(&n).arg(&p.values).arg(&p.scores).arg(&p.only).arg(&p.outcomes);
+        b.arg(&p.ptrs).arg(&miss).arg(&c).arg(&smp);
+        // SAFETY: probe_keys reads keys[0..n], scores[0..n] and only[0..n]
+        // where non-null and the table (no writer runs on it meanwhile: the
+        // caller holds the inserter group and launches on one stream), and
+        // writes present keys' scores, values[0..n*dim], outcomes[0..n],
+        // ptrs[0..n] where non-null, miss[0..n] and 8 counters; with a
+        // sampler, ring slots below smp.cap and its 2 counters (as k_lookup).
+        unsafe { b.launch(blocks(n * v.g)?) }.map_err(dev_err("launching probe_keys"))?;
+        Ok(())
+    }
+
     /// Launches `step_keys` on stream `l`: one optimizer step on the rows
     /// of the present keys of `p.keys`.
     ///

@@ -161,6 +161,7 @@ impl CudaTable {
             update: variants(KernelId::Update, "update_keys", &WRITE_GROUPS)?,
             update_bounded: Variant { f: get(KernelId::Update, "update_keys_g2_b5")?, g: 2 },
             step: variants(KernelId::Update, "step_keys", &WRITE_GROUPS)?,
+            probe: variants(KernelId::Upsert, "probe_keys", &LOOKUP_GROUPS)?,
             upsert_bounded: Variant { f: get(KernelId::Upsert, "upsert_keys_g4_b5")?, g: 4 },
             forced_lookup: group_size(tuning.lookup_group, &LOOKUP_GROUPS),
             forced_write: group_size(tuning.write_group, &WRITE_GROUPS),
