@@ -797,7 +797,7 @@ fn large_find_or_insert_with_repeated_keys() {
             let mut distinct = keys.clone();
             distinct.sort_unstable();
             distinct.dedup();
-            let new = distinct.iter().filter(|&&k| k % 3 != 0 || k > 60_000).count() as u64;
+            let new = distinct.iter().filter(|&&k| !k.is_multiple_of(3) || k > 60_000).count() as u64;
             assert_eq!(s.inserted, new, "{what}: one insert per new key");
             assert_eq!(t.size(), 20_000 + new, "{what}");
             let got = b.stream.clone_dtoh(&b.values).unwrap();
@@ -805,7 +805,7 @@ fn large_find_or_insert_with_repeated_keys() {
             for (i, &k) in keys.iter().enumerate() {
                 let v = got[i * dim];
                 assert!(got[i * dim..(i + 1) * dim].iter().all(|&x| x == v), "{what}: a whole row");
-                if k % 3 == 0 && k <= 60_000 {
+                if k.is_multiple_of(3) && k <= 60_000 {
                     assert_eq!(v, k as f32, "{what}: key {k} present before gets its stored row");
                 } else {
                     assert!(v <= 0.0 && keys[(-v) as usize] == k, "{what}: key {k} gets a row given for it");
@@ -825,7 +825,7 @@ fn large_find_or_insert_with_repeated_keys() {
                 let hot = distinct[0];
                 let occurrences = keys.iter().filter(|&&k| k == hot).count() as u64;
                 let freq = scores[0] >> hkv_shard::score::LFU_STAMP_BITS;
-                let base = u64::from(hot % 3 == 0);
+                let base = u64::from(hot.is_multiple_of(3));
                 assert_eq!(freq, base + occurrences, "{what}: key {hot} counted once per occurrence");
             }
             let r = t.run_device(DeviceOp::FindOrInsertPtr, &mut b, n).unwrap();
