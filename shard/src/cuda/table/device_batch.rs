@@ -284,12 +284,37 @@ impl CudaTable {
         let base = Ptrs { keys: r.p.keys, counters: r.p.counters, only: r.p.only, sample, ..Ptrs::default() };
         let p = r.p;
         let n64 = n as u64;
+        // Adaptive: a write's keys into the sketch before the kernel places
+        // them; a find's hits count in it as the kernel refreshes them. The
+        // hits of a device batch are not known here: the halving period
+        // counts its keys (those of a part included) instead.
+        let writes = matches!(
+            op,
+            DeviceOp::InsertOrAssign
+                | DeviceOp::InsertAndEvict
+                | DeviceOp::FindOrInsert
+                | DeviceOp::FindOrInsertPtr
+                | DeviceOp::AccumOrAssign
+        );
+        if let (true, Some(k)) = (writes, p.keys) {
+            // SAFETY: the caller's contract: keys and only hold n entries.
+            unsafe { self.k_adapt_count(s, k, n64, p.only, n64) }?;
+        }
+        if op == DeviceOp::Find && self.config.refreshes_reads() {
+            self.adapt_counted(n64);
+        }
         // SAFETY: the caller's contract covers every address passed on.
         unsafe {
             match op {
                 DeviceOp::Find => {
-                    let p =
-                        Ptrs { values: p.values, found: p.found, scores: p.scores, zero_misses: p.zero_misses, ..base };
+                    let p = Ptrs {
+                        values: p.values,
+                        found: p.found,
+                        scores: p.scores,
+                        zero_misses: p.zero_misses,
+                        find: true,
+                        ..base
+                    };
                     self.k_lookup(s, st, n64, p)?
                 }
                 DeviceOp::FindPtr => self.k_lookup(s, st, n64, Ptrs { ptrs: p.ptrs, ..base })?,
@@ -333,6 +358,9 @@ impl CudaTable {
                     }
                 }
             }
+        }
+        if writes || op == DeviceOp::Load {
+            self.k_adapt_age(s, st)?;
         }
         Ok(pending)
     }
