@@ -53,7 +53,7 @@ pub enum KernelId {
     Features,
     /// `lookup.cu`: `lookup_find` (and its `_gN` variants), `order_count`, `order_write`, `keys_reserved`.
     Lookup,
-    /// `upsert.cu`: `upsert_keys` (and its `_gN` variants).
+    /// `upsert.cu`: `upsert_keys` (and its `_gN` variants), `adapt_count`, `adapt_halve`.
     Upsert,
     /// `update.cu`: `update_keys` (and its `_gN` variants).
     Update,
