@@ -657,11 +657,15 @@ __device__ __forceinline__ u64 hkv_meta_on_evict(u64 m, bool window, u32* ghost)
     return (counts & ~0xffff00ULL) | (w << 8) | (mm << 16);
 }
 
+// The adaptive paths of the writer kernels below are calls (__noinline__),
+// so that the registers they need are not reserved in every policy's
+// writer kernels (upsert_keys_g4_b5 is held to 48).
+
 // A newcomer to candidate buckets b1, b2 (locked): if its ghost is in one
 // of them (b1 first), that bucket's share moves and the ghost goes
 // (Adapt::on_miss). The group's first thread does it; the others wait.
 template <int G>
-__device__ __forceinline__ void hkv_adapt_miss(const HkvScoring& s, const HkvGroup<G>& g, u64 b1, u64 b2, u64 key) {
+__device__ __noinline__ void hkv_adapt_miss(const HkvScoring& s, const HkvGroup<G>& g, u64 b1, u64 b2, u64 key) {
     if (g.rank == 0) {
         u32 slot, fp;
         hkv_ghost_of(key, &slot, &fp);
@@ -738,7 +742,7 @@ __device__ __forceinline__ HkvTiers hkv_tiers(const HkvTable& t, const HkvGroup<
 // Filling bucket b (locked; a newcomer takes a free slot): if the window is
 // at its share, its oldest entry moves to the main tier.
 template <int G>
-__device__ __forceinline__ void hkv_adapt_fill(const HkvTable& t, const HkvScoring& s, const HkvGroup<G>& g, u64 b) {
+__device__ __noinline__ void hkv_adapt_fill(const HkvTable& t, const HkvScoring& s, const HkvGroup<G>& g, u64 b) {
     HkvTiers r = hkv_tiers<G>(t, g, b);
     if (g.rank == 0 && r.ow >= 0 && (u32)r.window >= hkv_meta_window(__ldcg(s.meta + b)))
         t.scores[b * 128 + r.ow] = r.ows | HKV_ADAPTIVE_MAIN;
@@ -750,7 +754,7 @@ __device__ __forceinline__ void hkv_adapt_fill(const HkvTable& t, const HkvScori
 // evict; a candidate that wins moves to the main tier; the evicted entry
 // leaves its ghost.
 template <int G>
-__device__ __forceinline__ void hkv_adapt_room(const HkvTable& t, const HkvScoring& s, const HkvGroup<G>& g, u64 b1,
+__device__ __noinline__ void hkv_adapt_room(const HkvTable& t, const HkvScoring& s, const HkvGroup<G>& g, u64 b1,
                                                u64 b2, u64* b, int* slot) {
     HkvTiers r = hkv_tiers<G>(t, g, b1);
     *b = b1;
