@@ -40,6 +40,10 @@
 //! not change the result): every key an insert-like batch writes, before
 //! the batch places any, and each key a `find` hits when reads refresh.
 //!
+//! Ghosts and shares are kept for the table's largest bucket count and stay
+//! where they are when the table grows: a bucket keeps its number's share,
+//! and a ghost whose key moved to another bucket is not found again.
+//!
 //! Determinism: within a batch the sketch only grows by order-free
 //! increments and is read only while no increments run (inserts after
 //! their batch's counts; finds do not read it); a bucket's ghosts and
