@@ -52,8 +52,12 @@ typedef unsigned char u8;
 #define HKV_EPOCH_LRU 2
 #define HKV_EPOCH_LFU 3
 #define HKV_CUSTOM 4
-// The adaptive policy: the CUDA backend refuses it for now (no kernel implements it).
+// The adaptive policy (table.cuh, "adaptive policy"; shard/src/cpu/adapt.rs).
 #define HKV_ADAPTIVE 5
+// Adaptive: a bucket's window share before its first ghost hit (adapt::INITIAL_WINDOW).
+#define HKV_ADAPT_INITIAL_WINDOW 1
+// Adaptive: slots a ghost hit moves the share, times ARC's ratio (adapt::STEP).
+#define HKV_ADAPT_STEP 1
 
 // Lfu with LRU ties: the stamp's bits below the frequency (score::LFU_STAMP_BITS).
 #define HKV_LFU_STAMP_BITS 40
@@ -140,6 +144,12 @@ struct HkvScoring {
     u32 epoch;
     u32 verbatim;  // load: scores as given
     u32 lfu_lru;   // Lfu: 1 = frequency << 40 | stamp (LfuTies::Lru), 0 = plain frequency
+    u32 refresh;   // lookups: a hit's score becomes what a write without input gives it (reads_refresh)
+    u32 pad;
+    u8* sketch;    // adaptive: the frequency sketch, sketch_lines lines of 64 counters (else null)
+    u32* ghosts;   // adaptive: 128 ghosts per bucket
+    u64* meta;     // adaptive: a state word per bucket (the window share, tallies)
+    u64 sketch_lines;  // a power of two
 };
 
 // A key and score predicate (shard::Filter).
@@ -195,12 +205,18 @@ struct HkvStep {
     AT(HkvTable, dual, 80)            \
     AT(HkvTable, pad, 84)             \
     AT(HkvTable, order, 88)           \
-    SIZE(HkvScoring, 24)              \
+    SIZE(HkvScoring, 64)              \
     AT(HkvScoring, now_ns, 0)         \
     AT(HkvScoring, policy, 8)         \
     AT(HkvScoring, epoch, 12)         \
     AT(HkvScoring, verbatim, 16)      \
     AT(HkvScoring, lfu_lru, 20)       \
+    AT(HkvScoring, refresh, 24)       \
+    AT(HkvScoring, pad, 28)           \
+    AT(HkvScoring, sketch, 32)        \
+    AT(HkvScoring, ghosts, 40)        \
+    AT(HkvScoring, meta, 48)          \
+    AT(HkvScoring, sketch_lines, 56)  \
     SIZE(HkvFilter, 32)               \
     AT(HkvFilter, key_mask, 0)        \
     AT(HkvFilter, key_pattern, 8)     \

@@ -12,10 +12,29 @@
 // each, so that each row goes in whole-row writes (a group's own stores
 // would send 4 × G bytes at a time).
 
+// A find hit in a table whose reads refresh (rs->refresh): its score
+// becomes hkv_on_read of it, by CAS (hits of one key in a batch compose),
+// and, adaptive, one access in the sketch (order-free increments); returns
+// the score written. The group's first thread. A call (__noinline__), so
+// that finds of tables whose reads do not refresh keep their registers.
+__device__ __noinline__ u64 hkv_refresh_hit(const HkvTable& t, const HkvScoring& rs, u64 pos, u64 key) {
+    unsigned long long* p = reinterpret_cast<unsigned long long*>(t.scores + pos);
+    u64 old = __ldcg(t.scores + pos), nw = hkv_on_read(rs, old);
+    while (nw != old) {
+        u64 seen = atomicCAS(p, old, nw);
+        if (seen == old) break;
+        old = seen;
+        nw = hkv_on_read(rs, old);
+    }
+    if (rs.sketch) hkv_sketch_count(rs, key);
+    return nw;
+}
+
+// rs: the refresh of find hits (null or rs->refresh 0: none; find_at does not refresh, as on the CPU backend).
 template <int G, bool AT, bool ZERO = false>
 __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u64 n, float* values, u8* found,
                                            u64* scores, u64* ptrs, u64* cnt, const u8* only, const u32* at,
-                                           const HkvSample& smp, u32* seen) {
+                                           const HkvSample& smp, u32* seen, const HkvScoring* rs) {
     HkvGroup<G> g;
     u64 i = hkv_key_index(t, ((u64)blockIdx.x * blockDim.x + threadIdx.x) / G, n);
     bool active = i < n && !(only && !only[i]);
@@ -39,7 +58,12 @@ __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u
         pos = b * 128 + s;
         if (g.rank == 0) {
             if (found) found[i] = hit;
-            if (hit && scores) scores[i] = __ldg(t.scores + pos);
+            if (hit && rs && rs->refresh) {
+                u64 now = hkv_refresh_hit(t, *rs, pos, key);
+                if (scores) scores[i] = now;
+            } else if (hit && scores) {
+                scores[i] = __ldg(t.scores + pos);
+            }
             if (ptrs) ptrs[i] = hit ? (u64)hkv_row(t, pos) : 0;
             if (hit) atomicAdd(cnt + HKV_C_HITS, 1ULL);
         }
@@ -77,10 +101,10 @@ __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u
 
 #define HKV_LOOKUP_KERNEL_T(NAME, G, Z)                                                                         \
     extern "C" __global__ void NAME(HkvTable t, const u64* keys, u64 n, float* values, u8* found, u64* scores,     \
-                                    u64* ptrs, u64* counters, const u8* only, HkvSample smp) {                     \
+                                    u64* ptrs, u64* counters, const u8* only, HkvSample smp, HkvScoring rs) {      \
         HKV_SAMPLE_INIT                                                                                            \
         HKV_COUNTERS_INIT                                                                                          \
-        lookup_one<G, false, Z>(t, keys, n, values, found, scores, ptrs, hkv_cnt, only, 0, smp, &hkv_seen);       \
+        lookup_one<G, false, Z>(t, keys, n, values, found, scores, ptrs, hkv_cnt, only, 0, smp, &hkv_seen, &rs);  \
         hkv_flush_counters(hkv_cnt, counters);                                                                     \
         hkv_flush_sample(smp, &hkv_seen);                                                                          \
     }
@@ -92,13 +116,14 @@ __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u
                                     u64* counters, const u8* only, HkvSample smp) {                                \
         HKV_SAMPLE_INIT                                                                                            \
         HKV_COUNTERS_INIT                                                                                          \
-        lookup_one<G, true>(t, keys, n, values, found, 0, 0, hkv_cnt, only, at, smp, &hkv_seen);                  \
+        lookup_one<G, true>(t, keys, n, values, found, 0, 0, hkv_cnt, only, at, smp, &hkv_seen, 0);               \
         hkv_flush_counters(hkv_cnt, counters);                                                                     \
         hkv_flush_sample(smp, &hkv_seen);                                                                          \
     }
 
 // smp: the miss-ratio sampler (table.cuh; ring null: off), which samples
-// the keys looked up. values / found / scores / ptrs may each be null. Misses leave values
+// the keys looked up; rs.refresh: hits refresh their scores (reads_refresh,
+// hkv_refresh_hit). values / found / scores / ptrs may each be null. Misses leave values
 // untouched. With only (may be null), key i is looked up only where
 // only[i] != 0: nothing of the others is written. lookup_find: 8 threads per key; lookup_find_gN: N.
 HKV_LOOKUP_KERNEL(lookup_find, 8)

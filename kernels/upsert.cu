@@ -6,6 +6,8 @@
 // buckets are locked for the whole operation.
 // insert_and_evict compacts what lost its slot on the GPU (order unspecified).
 // mode: HKV_UP_INSERT, _FIND_OR_INSERT, _ACCUM or _FIND_OR_INSERT_PTR (abi.h).
+// Adaptive (sc.sketch non-null): a newcomer follows the window rule of
+// table.cuh ("adaptive policy"); adapt_count has counted the batch's keys.
 
 // LOST: whether the lost_* outputs may be given (insert_and_evict); the
 // variants without them are smaller.
@@ -57,13 +59,20 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
     } else {
         u64 score = sc.verbatim ? in : hkv_on_insert(sc, has, in);
         u64 adm = sc.verbatim ? score : hkv_admission(sc, score);
+        // Adaptive, policy scores (the batch's keys are in the sketch: adapt_count).
+        bool adapt = !sc.verbatim && sc.sketch;
+        if (adapt) hkv_adapt_miss<G>(sc, g, b1, b2, key);
         u64 tb = b1;
         if (b2 != b1 && __ldcg(t.sizes + b2) < __ldcg(t.sizes + b1)) tb = b2;
         int fs = hkv_free_slot<G>(g, tb == b1 ? free1 : free2);
         if (fs >= 0) {
+            if (adapt) hkv_adapt_fill<G>(t, sc, g, tb);
             b = tb;
             s = fs;
             out = HKV_INSERTED;
+        } else if (adapt) {
+            hkv_adapt_room<G>(t, sc, g, b1, b2, &b, &s);
+            out = HKV_EVICTED;
         } else {
             int ms;
             u64 mv;
@@ -236,3 +245,21 @@ HKV_PROBE_KERNEL(probe_keys_g2, 2)
 HKV_PROBE_KERNEL(probe_keys_g4, 4)
 HKV_PROBE_KERNEL(probe_keys_g16, 16)
 HKV_PROBE_KERNEL(probe_keys_g32, 32)
+
+// Adaptive: counts keys[0..n] (where only, when given, is non-zero) in the
+// sketch, each one access (hkv_sketch_count), before a writer batch's
+// rounds. One thread per key.
+extern "C" __global__ void adapt_count(HkvScoring sc, const u64* keys, u64 n, const u8* only) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n || (only && !only[i])) return;
+    hkv_sketch_count(sc, keys[i]);
+}
+
+// Adaptive: halves every sketch counter (TinyLFU's reset, Adapt::age). One
+// thread per 4-byte word of the sketch's sketch_lines * 64 bytes.
+extern "C" __global__ void adapt_halve(HkvScoring sc) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= sc.sketch_lines * 16) return;
+    u32* w = reinterpret_cast<u32*>(sc.sketch) + i;
+    *w = (*w >> 1) & 0x7f7f7f7fu;
+}

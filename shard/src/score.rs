@@ -50,7 +50,8 @@ pub enum ScorePolicy {
     /// ns. Newcomers enter the window; when a full bucket's window is over
     /// its share, its oldest entry must beat the oldest main entry in a
     /// count-min frequency sketch to move to the main part, else it goes.
-    /// The window's share follows ghost hits (ARC's rule). See `cpu::adapt`.
+    /// Each bucket's window share follows ghost hits (ARC's rule). See
+    /// `cpu::adapt`; the CUDA backend follows the same rules.
     Adaptive,
 }
 

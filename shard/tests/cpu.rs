@@ -11,23 +11,6 @@ fn make(cfg: TableConfig) -> Box<dyn Shard> {
 
 conformance_suite!(make);
 
-// Issue 36: on the CPU backend only until the kernels implement them (the
-// CUDA backend refuses the adaptive policy and reads_refresh).
-#[test]
-fn adaptive_keeps_frequent_keys_through_a_scan() {
-    common::conformance::adaptive_keeps_frequent_keys_through_a_scan(make)
-}
-
-#[test]
-fn adaptive_insert_and_evict_conserves_entries() {
-    common::conformance::adaptive_insert_and_evict_conserves_entries(make)
-}
-
-#[test]
-fn reads_refresh_keeps_read_keys() {
-    common::conformance::reads_refresh_keeps_read_keys(make)
-}
-
 /// The CPU backend drains each batch's sampled keys in index order.
 #[test]
 fn sampling_keeps_index_order() {

@@ -38,21 +38,6 @@ mod conformance {
     conformance_suite!(make, #[ignore = "needs a CUDA device"]);
 }
 
-/// Issue 36: until the kernels implement them, a CUDA table refuses the
-/// adaptive policy and reads_refresh with a config error (rather than
-/// serving another policy than the one asked for); the CPU backend has both.
-#[test]
-#[ignore = "needs a CUDA device"]
-fn adaptive_and_reads_refresh_are_refused_until_implemented() {
-    for cfg in
-        [TableConfig::new(1024, 4).policy(ScorePolicy::Adaptive), TableConfig::new(1024, 4).reads_refresh(Some(true))]
-    {
-        let err = CudaTable::new(cfg.clone(), device()).expect_err("refused");
-        assert!(matches!(err, hkv_shard::Error::Config(_)), "{cfg:?}: {err}");
-    }
-    assert!(CudaTable::new(TableConfig::new(1024, 4).reads_refresh(Some(false)), device()).is_ok());
-}
-
 #[test]
 fn probe_never_panics_and_says_why() {
     init();
@@ -107,11 +92,14 @@ fn differential_step(
     let n = rng.gen_range(1..=1500usize);
     let keys: Vec<u64> = (0..n).map(|_| rng.gen_range(0..key_space) * 0x9E37_79B9 + 1).collect();
     let vals: Vec<f32> = (0..n * dim).map(|_| rng.gen_range(-100..100) as f32 * 0.25).collect();
-    // Custom: few distinct scores (ties); Lfu: small increments or none.
+    // Custom: few distinct scores (ties); Lfu: small increments or none;
+    // Adaptive takes none (the draw stays, so the operations stay those of
+    // every policy's run).
     let scores: Option<Vec<u64>> = match policy {
         ScorePolicy::Custom => Some((0..n).map(|_| rng.gen_range(0..50)).collect()),
         _ => rng.gen_bool(0.5).then(|| (0..n).map(|_| rng.gen_range(1..4)).collect()),
-    };
+    }
+    .filter(|_| policy.takes_scores());
     let sc = scores.as_deref();
     let op = rng.gen_range(0..12);
     let (mut oc, mut og) = (vec![Outcome::Absent; n], vec![Outcome::Absent; n]);
@@ -196,10 +184,13 @@ fn differential_step(
 #[ignore = "needs a CUDA device"]
 fn differential_against_the_cpu_backend() {
     let dev = device();
+    // Adaptive (issue 36): its window rule, sketch, ghosts and window
+    // shares, and its finds' refresh (reads_refresh, on by default) too.
     let policies = [
         (ScorePolicy::Custom, LfuTies::Lru),
         (ScorePolicy::Lfu, LfuTies::Lru),
         (ScorePolicy::Lfu, LfuTies::LowestSlot),
+        (ScorePolicy::Adaptive, LfuTies::Lru),
     ];
     for mode in [BucketMode::Single, BucketMode::Dual] {
         for (policy, ties) in policies {
@@ -299,6 +290,68 @@ fn large_batches_conserve_entries() {
         t.find(&keys, &mut v, &mut f, None).unwrap();
         assert_eq!(v, twice, "{mode:?}: assign wrote each key's own row");
         println!("{mode:?} {fast_tier:?}: size {}, load factor {:.3}", t.size(), t.load_factor());
+    }
+}
+
+/// Issue 36, Adaptive in unrestricted (parallel) batches: every newcomer
+/// is placed (never refused), what leaves comes back with its own row, the
+/// table holds exactly the keys placed and not evicted, both tiers are
+/// used, and finds of every resident key refresh their scores in parallel
+/// (a later clock, the tier bit kept). Small tables, so that the sketch is
+/// halved several times (every 10 × slots counted accesses).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn adaptive_large_batches_conserve_entries() {
+    let dev = device();
+    let dim = 2;
+    for mode in [BucketMode::Single, BucketMode::Dual] {
+        let cfg = TableConfig::new(1 << 12, dim).policy(ScorePolicy::Adaptive).mode(mode);
+        let clock = ManualClock::new(1 << 20);
+        let t = CudaTable::with_clock(cfg, dev.clone(), clock.clone()).unwrap();
+        let mut resident = std::collections::HashSet::new();
+        for round in 0..12u64 {
+            clock.advance(1 << 20);
+            // A hot set of 2000 keys in every batch, 8000 new keys: both tiers
+            // fill. Keys are distinct within a batch, so that what leaves a
+            // batch was not placed again later in it.
+            let keys: Vec<u64> =
+                (0..10_000u64).map(|i| if i < 2000 { i * 7 + 3 } else { (round * 10_000 + i) * 7 + 5 }).collect();
+            let vals: Vec<f32> = keys.iter().flat_map(|&k| [k as f32, -(k as f32)]).collect();
+            let before = t.size();
+            let mut out = vec![Outcome::Absent; keys.len()];
+            let lost = t.insert_and_evict(&keys, &vals, None, Some(&mut out)).unwrap();
+            assert!(out.iter().all(|o| *o != Outcome::Rejected), "{mode:?}: adaptive admits every newcomer");
+            assert!(lost.kinds.iter().all(|k| *k == hkv_shard::Lost::Evicted));
+            let placed = out.iter().filter(|o| matches!(o, Outcome::Inserted | Outcome::Evicted)).count() as u64;
+            assert_eq!(t.size(), before + placed - lost.len() as u64, "{mode:?}: size = before + placed - evicted");
+            for (i, k) in lost.keys.iter().enumerate() {
+                assert_eq!(lost.values[i * dim], *k as f32, "an evicted entry keeps its own value");
+                resident.remove(k);
+            }
+            resident.extend(keys.iter().zip(&out).filter(|(_, o)| **o != Outcome::Updated).map(|(k, _)| *k));
+            for k in lost.keys.iter() {
+                resident.remove(k);
+            }
+        }
+        let e = t.export_batch(0, u64::MAX).unwrap();
+        let got: std::collections::HashSet<u64> = e.keys.iter().copied().collect();
+        assert_eq!(got, resident, "{mode:?}: the table holds exactly the keys placed and not evicted");
+        for (i, k) in e.keys.iter().enumerate() {
+            assert_eq!(e.values[i * dim], *k as f32);
+        }
+        let main = e.scores.iter().filter(|s| **s & hkv_shard::score::ADAPTIVE_MAIN != 0).count();
+        assert!(main > 0 && main < e.keys.len(), "{mode:?}: both tiers hold entries ({main} of {})", e.keys.len());
+        clock.advance(1 << 20);
+        let (mut v, mut f, mut sc) = (vec![0.0; e.keys.len() * dim], vec![false; e.keys.len()], vec![0; e.keys.len()]);
+        t.find(&e.keys, &mut v, &mut f, Some(&mut sc)).unwrap();
+        assert!(f.iter().all(|&x| x));
+        assert_eq!(v, e.values, "{mode:?}: find returns each key's own row");
+        for (i, &s) in sc.iter().enumerate() {
+            let old = e.scores[i];
+            assert_eq!(s & hkv_shard::score::ADAPTIVE_MAIN, old & hkv_shard::score::ADAPTIVE_MAIN, "tier kept");
+            assert!(s & !hkv_shard::score::ADAPTIVE_MAIN > old & !hkv_shard::score::ADAPTIVE_MAIN, "refreshed");
+        }
+        println!("{mode:?}: size {}, {main} main-tier entries", t.size());
     }
 }
 

@@ -75,8 +75,8 @@ struct Args {
     /// Bucket mode: single or dual.
     #[arg(long, default_value = "single")]
     mode: String,
-    /// Score policy: lru, lfu, epoch-lru or epoch-lfu (custom needs caller
-    /// scores, which the benchmark does not pass).
+    /// Score policy: lru, lfu, epoch-lru, epoch-lfu or adaptive (custom
+    /// needs caller scores, which the benchmark does not pass).
     #[arg(long, default_value = "lru")]
     policy: ScorePolicy,
     /// Lfu tie rule: lru (least recently written of equal frequencies goes)
@@ -476,7 +476,7 @@ fn main() -> Result<()> {
     };
     if a.policy == ScorePolicy::Custom {
         bail!(
-            "--policy custom needs caller scores, which hkv-bench does not pass; use lru, lfu, epoch-lru or epoch-lfu"
+            "--policy custom needs caller scores, which hkv-bench does not pass; use lru, lfu, epoch-lru, epoch-lfu or adaptive"
         );
     }
     if a.zipf.is_some() && (backend != Backend::Cuda || a.host_buffers || reference_mix) {

@@ -1,10 +1,12 @@
 //! The Adaptive policy's side state (issue 36): a count-min frequency
-//! sketch, a ghost array of recently evicted keys and the window's share.
+//! sketch of the table, and per bucket a ghost array of recently evicted
+//! keys and the window's share.
 //!
 //! Each bucket is a small window-TinyLFU cache. An entry's score is the
 //! clock (ns) with bit 63 set for the main tier ([`ADAPTIVE_MAIN`]);
 //! newcomers enter the window (bit clear). A full bucket makes room for a
-//! newcomer this way, `win` being the window's share of its 128 slots:
+//! newcomer this way, `win` being the bucket's window share of its 128
+//! slots:
 //! - window at or over its share: its oldest entry (the candidate) is
 //!   compared with the oldest main entry (the victim) in the sketch; the
 //!   more frequent one stays (the candidate moving to the main tier), the
@@ -16,42 +18,58 @@
 //! moves the window's oldest entry to the main tier, so that a bucket
 //! reaches its first eviction already split.
 //!
-//! The share adapts as ARC's target does: every eviction leaves a ghost
-//! (a 32-bit fingerprint tagged window/main) in a direct-mapped array of
-//! one ghost per slot; a newcomer that finds its ghost was evicted too
-//! early: from the window, the window grows; from the main tier, it
-//! shrinks, each step weighted by how much rarer that tier's evictions are
-//! (ARC's |B2|/|B1|). Measured with the prototype behind shard/bench
-//! (shard/BENCHMARKS.md, "Adaptive policy"): a fixed 1 % window loses
-//! 15 pp to LRU on bursty traffic, a fixed large one 20 pp to TinyLFU on
-//! scans; hill climbing on the hit rate and set dueling between leader
-//! buckets were both noisier than the ghosts.
+//! The share adapts per bucket as ARC's target does, from ghosts: every
+//! eviction leaves one (a 16-bit fingerprint, the tier, and the tier's
+//! eviction count then) in one of the bucket's 128 ghost slots; a newcomer
+//! that finds its ghost in a candidate bucket was evicted too early: from
+//! the window, that bucket's window grows; from the main tier, it shrinks,
+//! each step weighted by how much rarer that tier's evictions are (ARC's
+//! |B2|/|B1|). A ghost counts only if a share the bucket can reach would
+//! have kept the key: evicted from the window fewer window evictions ago
+//! than the main tier's slots (from the main tier: than the window's), so
+//! that a loop or scan longer than the bucket, which no share serves,
+//! moves nothing (shard/BENCHMARKS.md, "Adaptive policy").
 //!
-//! The sketch: 4 rows of 8-bit counters saturating at 15, each row 8 × the
-//! table's largest slot count rounded to a power of two (a narrower sketch
-//! counted noise as frequency on the scan trace: 5 pp lost at 10 %); every
-//! 10 × slots counted accesses all counters halve (TinyLFU's reset), at
-//! the end of the batch that crossed the mark, so that a frequency is an
-//! estimate of the recent past only. Counted: every key an insert-like
-//! operation writes, and each key a `find` hits when reads refresh.
+//! The sketch: 64-byte lines of 8-bit counters saturating at 15, a line
+//! per key, one counter of each row in its own 16-byte quarter of it (one
+//! cache line per key touched, as Caffeine's blocked sketch), 32 counters
+//! per slot of the table's largest size. Once the accesses counted reach
+//! 10 × the table's slots all counters halve (TinyLFU's reset), at the end
+//! of the batch that crossed the mark, so that a frequency is an estimate
+//! of the recent past only. Counted, as plain increments (their order does
+//! not change the result): every key an insert-like batch writes, before
+//! the batch places any, and each key a `find` hits when reads refresh.
 //!
-//! Concurrency: all fields are relaxed atomics. Inserts run in the
-//! inserter group with the key's buckets locked; parallel tasks of one
-//! batch race on the sketch, ghosts and share only as approximate
-//! counters do (a lost increment, a ghost overwritten), never on a
-//! bucket's entries.
+//! Ghosts and shares are kept for the table's largest bucket count and stay
+//! where they are when the table grows: a bucket keeps its number's share,
+//! and a ghost whose key moved to another bucket is not found again.
+//!
+//! Determinism: within a batch the sketch only grows by order-free
+//! increments and is read only while no increments run (inserts after
+//! their batch's counts; finds do not read it); a bucket's ghosts and
+//! share are read and written only with the bucket locked, by keys that
+//! reach it in index order (small batches on either backend). So the CUDA
+//! backend (`kernels/table.cuh`, "adaptive policy") makes the same choices
+//! as this one, key for key.
 
-use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};
 
 use crate::score::ADAPTIVE_MAIN;
 use crate::BUCKET_SLOTS;
 
-const ROWS: usize = 4;
+/// Sketch rows (counters per key).
+pub(crate) const ROWS: usize = 4;
 const COUNTER_MAX: u8 = 15;
-/// Sketch counters per row, per slot of the table's largest size.
-const WIDTH_PER_SLOT: u64 = 8;
+/// Sketch bytes (counters) per slot of the table's largest size.
+pub(crate) const SKETCH_BYTES_PER_SLOT: u64 = 32;
 /// Counted accesses between halvings, per slot.
-const PERIOD_PER_SLOT: u64 = 10;
+pub(crate) const PERIOD_PER_SLOT: u64 = 10;
+/// A bucket's window share before its first ghost hit (slots).
+pub(crate) const INITIAL_WINDOW: u64 = 1;
+/// Slots a ghost hit moves the share (times ARC's ratio).
+pub(crate) const STEP: u64 = 1;
+
+const S: u64 = BUCKET_SLOTS as u64;
 
 /// A 64-bit mix (murmur3's finaliser) of `x`.
 #[inline]
@@ -63,39 +81,98 @@ fn mix(mut x: u64) -> u64 {
     x ^ (x >> 33)
 }
 
-/// Row `i`'s counter index of `key`.
+/// The sketch counters of `key` (one per row) in a sketch of `lines`
+/// 64-byte lines (a power of two).
 #[inline]
-pub(crate) fn sketch_index(key: u64, row: usize, mask: u64) -> usize {
-    let h = mix(key ^ 0x9e37_79b9_7f4a_7c15u64.wrapping_mul(row as u64 + 1));
-    row * (mask as usize + 1) + (h & mask) as usize
+pub(crate) fn sketch_indices(key: u64, lines: u64) -> [usize; ROWS] {
+    let h = mix(key ^ 0x9e37_79b9_7f4a_7c15);
+    let line = ((h >> 16) & (lines - 1)) as usize * 64;
+    std::array::from_fn(|r| line + r * 16 + ((h >> (4 * r)) & 15) as usize)
 }
 
-/// The ghost hash of a key: slot = `h % ghosts`, fingerprint = the high
-/// 32 bits with bit 0 replaced by the tier tag and bit 1 set (so that a
-/// ghost is never 0, the empty value).
+/// A key's ghost: its slot among a bucket's 128, and its fingerprint (16
+/// bits, never 0).
 #[inline]
-pub(crate) fn ghost_hash(key: u64) -> u64 {
-    mix(key ^ 0x0123_4567)
+pub(crate) fn ghost_of(key: u64) -> (usize, u32) {
+    let h = mix(key ^ 0x0123_4567);
+    ((h % S) as usize, ((h >> 48) as u32) | 1)
 }
 
-/// The tag of a ghost: evicted from the window.
-const GHOST_WINDOW: u32 = 1;
+/// A ghost's tier bit (set: evicted from the window); the low 15 bits
+/// hold the tier's eviction count at its eviction.
+const GHOST_WINDOW: u32 = 1 << 15;
+const STAMP: u32 = GHOST_WINDOW - 1;
+
+/// A bucket's state word: the window share (bits 0-7, 0 ..= 128 slots),
+/// evictions from the window and the main tier since they were last
+/// halved (bits 8-15, 16-23: ARC's ghost list sizes), and each tier's
+/// eviction count, wrapping (bits 32-47, 48-63: the ghosts' stamps).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Meta(pub u64);
+
+impl Meta {
+    pub(crate) const INITIAL: Meta = Meta(INITIAL_WINDOW);
+
+    fn share(self) -> u64 {
+        self.0 & 0xff
+    }
+    fn tally(self, window: bool) -> u64 {
+        (self.0 >> if window { 8 } else { 16 }) & 0xff
+    }
+    fn count(self, window: bool) -> u32 {
+        ((self.0 >> if window { 32 } else { 48 }) & 0xffff) as u32
+    }
+
+    /// The window's share of the bucket's slots (1 ..= 127).
+    pub(crate) fn window_slots(self) -> u32 {
+        self.share().clamp(1, S - 1) as u32
+    }
+
+    /// A ghost hit (ghost value `g`): the new state, or `None` when no
+    /// reachable share would have kept the key.
+    pub(crate) fn on_ghost(self, g: u32) -> Option<Meta> {
+        let window = g & GHOST_WINDOW != 0;
+        let age = self.count(window).wrapping_sub(g & STAMP) & STAMP;
+        let ws = self.window_slots();
+        if age >= if window { S as u32 - ws } else { ws } {
+            return None;
+        }
+        let (mine, other) = (self.tally(window).max(1), self.tally(!window).max(1));
+        let step = STEP * (other / mine).max(1);
+        let share = if window { (self.share() + step).min(S) } else { self.share().saturating_sub(step) };
+        Some(Meta(self.0 & !0xff | share))
+    }
+
+    /// An eviction from the window (or the main tier): the ghost it
+    /// leaves (without fingerprint) and the new state.
+    pub(crate) fn on_evict(self, window: bool) -> (u32, Meta) {
+        let c = self.count(window);
+        let ghost = (c & STAMP) | if window { GHOST_WINDOW } else { 0 };
+        let (mut w, mut m) = (self.tally(true), self.tally(false));
+        if window {
+            w += 1;
+        } else {
+            m += 1;
+        }
+        if w + m > S {
+            (w, m) = (w / 2, m / 2);
+        }
+        let shift = if window { 32 } else { 48 };
+        let counts = (self.0 & !(0xffff << shift)) | (u64::from(c.wrapping_add(1) & 0xffff) << shift);
+        (ghost, Meta(counts & !0xff_ff00 | w << 8 | m << 16))
+    }
+}
 
 /// The Adaptive policy's state of one table.
 #[derive(Debug)]
 pub(crate) struct Adapt {
     sketch: Vec<AtomicU8>,
-    mask: u64,
+    lines: u64,
     counted: AtomicU64,
-    period: AtomicU64,
+    /// 128 per bucket of the table's largest size.
     ghosts: Vec<AtomicU32>,
-    /// The window's share of the table, in slots (0 ..= slots).
-    target: AtomicI64,
-    /// Evictions from the window and from the main tier, halved together
-    /// when their sum passes the slot count (ARC's ghost list sizes).
-    from_window: AtomicU64,
-    from_main: AtomicU64,
-    slots: AtomicU64,
+    /// A [`Meta`] per bucket of the table's largest size.
+    meta: Vec<AtomicU64>,
 }
 
 /// One full bucket's tiers: count of window entries and the oldest entry
@@ -137,47 +214,45 @@ pub(crate) enum Room {
     Promote { promote: usize, slot: usize },
 }
 
+/// The sketch's 64-byte lines for a table of at most `max_slots` slots.
+pub(crate) fn sketch_lines(max_slots: u64) -> u64 {
+    (max_slots.max(1) * SKETCH_BYTES_PER_SLOT / 64).next_power_of_two()
+}
+
 impl Adapt {
-    /// State for a table of at most `max_slots` slots, starting at `slots`.
-    pub(crate) fn new(slots: u64, max_slots: u64) -> Adapt {
-        let width = (max_slots.max(1) * WIDTH_PER_SLOT).next_power_of_two();
+    /// State for a table of at most `max_buckets` buckets.
+    pub(crate) fn new(max_buckets: u64) -> Adapt {
+        let lines = sketch_lines(max_buckets * S);
         Adapt {
-            sketch: (0..width as usize * ROWS).map(|_| AtomicU8::new(0)).collect(),
-            mask: width - 1,
+            sketch: (0..lines * 64).map(|_| AtomicU8::new(0)).collect(),
+            lines,
             counted: AtomicU64::new(0),
-            period: AtomicU64::new(slots.max(1) * PERIOD_PER_SLOT),
-            ghosts: (0..max_slots.max(1)).map(|_| AtomicU32::new(0)).collect(),
-            target: AtomicI64::new(slots as i64 / 2),
-            from_window: AtomicU64::new(1),
-            from_main: AtomicU64::new(1),
-            slots: AtomicU64::new(slots.max(1)),
+            ghosts: (0..max_buckets * S).map(|_| AtomicU32::new(0)).collect(),
+            meta: (0..max_buckets).map(|_| AtomicU64::new(Meta::INITIAL.0)).collect(),
         }
     }
 
     /// The sketch's estimate of `key`'s recent accesses (0 ..= 15).
     #[inline]
     pub(crate) fn frequency(&self, key: u64) -> u8 {
-        (0..ROWS).map(|r| self.sketch[sketch_index(key, r, self.mask)].load(Relaxed)).min().unwrap_or(0)
+        sketch_indices(key, self.lines).iter().map(|&i| self.sketch[i].load(Relaxed)).min().unwrap_or(0)
     }
 
-    /// Counts one access of `key` (conservative update: only the rows at
-    /// the minimum grow).
+    /// Counts one access of `key`: each of its counters one more,
+    /// saturating.
     #[inline]
     pub(crate) fn count(&self, key: u64) {
-        let f = self.frequency(key);
-        if f < COUNTER_MAX {
-            for r in 0..ROWS {
-                let c = &self.sketch[sketch_index(key, r, self.mask)];
-                let _ = c.compare_exchange(f, f + 1, Relaxed, Relaxed);
-            }
+        for i in sketch_indices(key, self.lines) {
+            let _ = self.sketch[i].fetch_update(Relaxed, Relaxed, |c| (c < COUNTER_MAX).then_some(c + 1));
         }
         self.counted.fetch_add(1, Relaxed);
     }
 
     /// At a batch's end (its group still held): halves every counter once
-    /// the accesses counted since the last halving reach the period.
-    pub(crate) fn age(&self) {
-        if self.counted.load(Relaxed) < self.period.load(Relaxed) {
+    /// the accesses counted since the last halving reach the period of a
+    /// table of `slots` slots.
+    pub(crate) fn age(&self, slots: u64) {
+        if self.counted.load(Relaxed) < slots * PERIOD_PER_SLOT {
             return;
         }
         self.counted.store(0, Relaxed);
@@ -186,64 +261,45 @@ impl Adapt {
         }
     }
 
-    /// After growth to `slots`: the period and the share scale with it.
-    pub(crate) fn resize(&self, slots: u64) {
-        let old = self.slots.swap(slots.max(1), Relaxed) as i64;
-        let t = self.target.load(Relaxed);
-        self.target.store(t * slots as i64 / old.max(1), Relaxed);
-        self.period.store(slots.max(1) * PERIOD_PER_SLOT, Relaxed);
+    /// Bucket `b`'s state (its lock held).
+    #[inline]
+    pub(crate) fn meta(&self, b: usize) -> Meta {
+        Meta(self.meta[b].load(Relaxed))
     }
 
-    /// The window's share of one bucket's slots (1 ..= 127).
+    /// A newcomer to candidate buckets `b1`, `b2` (locked): if its ghost is
+    /// in one of them (b1 first), that bucket's share moves and the ghost
+    /// is forgotten.
     #[inline]
-    pub(crate) fn window_slots(&self) -> u32 {
-        let slots = self.slots.load(Relaxed) as i64;
-        let t = self.target.load(Relaxed).clamp(0, slots);
-        ((t * BUCKET_SLOTS as i64 / slots) as u32).clamp(1, BUCKET_SLOTS as u32 - 1)
-    }
-
-    /// A newcomer: if its ghost is there, moves the window's share (ARC's
-    /// adaptation) and forgets the ghost.
-    #[inline]
-    pub(crate) fn on_miss(&self, key: u64) {
-        let h = ghost_hash(key);
-        let g = &self.ghosts[(h % self.ghosts.len() as u64) as usize];
-        let v = g.load(Relaxed);
-        if v == 0 || v >> 2 != (h >> 34) as u32 {
-            return;
-        }
-        g.store(0, Relaxed);
-        let (w, m) = (self.from_window.load(Relaxed).max(1), self.from_main.load(Relaxed).max(1));
-        let slots = self.slots.load(Relaxed) as i64;
-        if v & GHOST_WINDOW != 0 {
-            let step = (m / w).max(1) as i64;
-            let _ = self.target.fetch_update(Relaxed, Relaxed, |t| Some((t + step).min(slots)));
-        } else {
-            let step = (w / m).max(1) as i64;
-            let _ = self.target.fetch_update(Relaxed, Relaxed, |t| Some((t - step).max(0)));
+    pub(crate) fn on_miss(&self, b1: usize, b2: usize, key: u64) {
+        let (slot, fp) = ghost_of(key);
+        for b in [b1, b2].into_iter().take(if b1 == b2 { 1 } else { 2 }) {
+            let g = &self.ghosts[b * BUCKET_SLOTS + slot];
+            let v = g.load(Relaxed);
+            if v >> 16 == fp {
+                g.store(0, Relaxed);
+                if let Some(m) = self.meta(b).on_ghost(v) {
+                    self.meta[b].store(m.0, Relaxed);
+                }
+                return;
+            }
         }
     }
 
-    /// Records the eviction of `key` from the window or the main tier.
+    /// Records the eviction of `key` from bucket `b`'s window or main tier.
     #[inline]
-    pub(crate) fn on_evict(&self, key: u64, window: bool) {
-        let h = ghost_hash(key);
-        let tag = if window { GHOST_WINDOW } else { 0 };
-        self.ghosts[(h % self.ghosts.len() as u64) as usize].store(((h >> 34) as u32) << 2 | 2 | tag, Relaxed);
-        let (mine, other) =
-            if window { (&self.from_window, &self.from_main) } else { (&self.from_main, &self.from_window) };
-        let n = mine.fetch_add(1, Relaxed) + 1;
-        if n + other.load(Relaxed) > self.slots.load(Relaxed) {
-            mine.store(n / 2, Relaxed);
-            other.store(other.load(Relaxed) / 2, Relaxed);
-        }
+    pub(crate) fn on_evict(&self, b: usize, key: u64, window: bool) {
+        let (slot, fp) = ghost_of(key);
+        let (ghost, m) = self.meta(b).on_evict(window);
+        self.ghosts[b * BUCKET_SLOTS + slot].store(fp << 16 | ghost, Relaxed);
+        self.meta[b].store(m.0, Relaxed);
     }
 
-    /// How a full bucket with tiers `t` makes room for a newcomer; `key_of`
-    /// reads a slot's key.
+    /// How full bucket `b` with tiers `t` makes room for a newcomer;
+    /// `key_of` reads a slot's key.
     #[inline]
-    pub(crate) fn room(&self, t: &Tiers, key_of: impl Fn(usize) -> u64) -> Room {
-        let win = self.window_slots();
+    pub(crate) fn room(&self, b: usize, t: &Tiers, key_of: impl Fn(usize) -> u64) -> Room {
+        let win = self.meta(b).window_slots();
         match (t.oldest_window, t.oldest_main) {
             (Some((c, _)), Some((v, _))) if t.window >= win => {
                 if self.frequency(key_of(c)) > self.frequency(key_of(v)) {
@@ -266,7 +322,7 @@ mod tests {
     /// The sketch counts, saturates at 15 and halves at the period's end.
     #[test]
     fn sketch_counts_saturates_and_ages() {
-        let a = Adapt::new(128, 128);
+        let a = Adapt::new(1);
         for _ in 0..20 {
             a.count(7);
         }
@@ -275,44 +331,65 @@ mod tests {
         for k in 0..(10 * 128) {
             a.count(1_000_000 + k);
         }
-        a.age();
+        a.age(128);
         assert_eq!(a.frequency(7), COUNTER_MAX / 2);
     }
 
+    /// A key's counters lie in one 64-byte line, one in each quarter.
+    #[test]
+    fn a_key_touches_one_line() {
+        for k in 0..1000u64 {
+            let ix = sketch_indices(k, 1 << 10);
+            assert!(ix.iter().all(|&i| i / 64 == ix[0] / 64 && i < 64 << 10));
+            assert!(ix.iter().enumerate().all(|(r, &i)| (i % 64) / 16 == r));
+        }
+    }
+
     /// Ghost hits move the window's share: a window ghost grows it, a main
-    /// ghost shrinks it; a key without a ghost moves nothing.
+    /// ghost shrinks it; a ghost counts once; a key without a ghost moves
+    /// nothing; a ghost older than any share could serve moves nothing.
     #[test]
     fn ghosts_move_the_window_share() {
-        let a = Adapt::new(128 * 64, 128 * 64);
-        let w0 = a.target.load(Relaxed);
-        a.on_miss(5);
-        assert_eq!(a.target.load(Relaxed), w0);
-        a.on_evict(5, true);
-        a.on_miss(5);
-        assert!(a.target.load(Relaxed) > w0);
-        let w1 = a.target.load(Relaxed);
-        a.on_miss(5);
-        assert_eq!(a.target.load(Relaxed), w1, "a ghost counts once");
-        a.on_evict(6, false);
-        a.on_miss(6);
-        assert!(a.target.load(Relaxed) < w1);
-        assert_eq!(a.window_slots(), 64);
+        let a = Adapt::new(2);
+        let w0 = a.meta(1).window_slots();
+        a.on_miss(1, 1, 5);
+        assert_eq!(a.meta(1).window_slots(), w0);
+        a.on_evict(1, 5, true);
+        a.on_miss(1, 1, 5);
+        assert!(a.meta(1).window_slots() > w0);
+        let w1 = a.meta(1).window_slots();
+        a.on_miss(1, 1, 5);
+        assert_eq!(a.meta(1).window_slots(), w1, "a ghost counts once");
+        a.on_evict(1, 6, false);
+        a.on_miss(0, 1, 6);
+        assert!(a.meta(1).window_slots() < w1, "found in the second candidate");
+        assert_eq!(a.meta(0), Meta::INITIAL);
+        let w2 = a.meta(1).window_slots();
+        a.on_evict(1, 9, true);
+        for k in 1000..1000 + 128 {
+            a.on_evict(1, k, true);
+        }
+        let (slot, fp) = ghost_of(9);
+        a.ghosts[128 + slot].store(fp << 16 | GHOST_WINDOW, Relaxed);
+        a.on_miss(1, 1, 9);
+        assert_eq!(a.meta(1).window_slots(), w2, "older than the main tier's slots");
     }
 
     /// A full bucket's choice: the window candidate must beat the oldest
     /// main entry; under its share the window grows at main's cost.
     #[test]
     fn room_follows_the_window_rule() {
-        let a = Adapt::new(128, 128);
+        let a = Adapt::new(1);
         let scores: Vec<(usize, u64)> =
             (0..128).map(|s| (s, if s < 64 { 100 + s as u64 } else { ADAPTIVE_MAIN | s as u64 })).collect();
         let t = Tiers::of(scores.iter().copied());
         assert_eq!((t.window, t.oldest_window, t.oldest_main), (64, Some((0, 100)), Some((64, ADAPTIVE_MAIN | 64))));
         let key = |s: usize| s as u64 + 1;
-        assert_eq!(a.room(&t, key), Room::Evict { slot: 0, window: true }, "ties keep the main entry");
+        assert_eq!(a.room(0, &t, key), Room::Evict { slot: 0, window: true }, "ties keep the main entry");
         a.count(1);
-        assert_eq!(a.room(&t, key), Room::Promote { promote: 0, slot: 64 });
+        assert_eq!(a.room(0, &t, key), Room::Promote { promote: 0, slot: 64 });
+        a.meta[0].store(Meta(64).0, Relaxed);
         let small = Tiers { window: 3, ..t };
-        assert_eq!(a.room(&small, key), Room::Evict { slot: 64, window: false });
+        assert_eq!(a.room(0, &small, key), Room::Evict { slot: 64, window: false });
     }
 }

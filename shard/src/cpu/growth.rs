@@ -92,9 +92,6 @@ impl CpuTable {
         self.size.store(summary.inserted, Relaxed);
         self.counters.evictions.fetch_add(summary.evicted + summary.rejected, Relaxed);
         *st = new;
-        if let Some(a) = &self.adapt {
-            a.resize(nbuckets * super::S as u64);
-        }
         Ok(())
     }
 }

@@ -106,8 +106,7 @@ impl CpuTable {
     pub fn with_clock(config: TableConfig, clock: Arc<dyn Clock>) -> Result<CpuTable> {
         config.validate()?;
         let storage = Storage::new(config.buckets(), config.dim)?;
-        let adapt = (config.policy == crate::ScorePolicy::Adaptive)
-            .then(|| adapt::Adapt::new(config.buckets() * S as u64, config.max_buckets() * S as u64));
+        let adapt = (config.policy == crate::ScorePolicy::Adaptive).then(|| adapt::Adapt::new(config.max_buckets()));
         Ok(CpuTable {
             config,
             storage: RwLock::new(storage),

@@ -14,18 +14,30 @@ use crate::mrc::{Kind, Sampler, Samples};
 use crate::{Evictions, Export, Filter, Op, Outcome, SampleDrain, Shard, ShardStats, Summary};
 
 impl CpuTable {
-    fn finish_insert(&self, acc: &Acc) {
+    fn finish_insert(&self, st: &Storage, acc: &Acc) {
         self.size.fetch_add(acc.summary.inserted, Relaxed);
         self.counters.summary(&acc.summary);
         if let Some(a) = &self.adapt {
-            a.age();
+            a.age(st.nbuckets() * S as u64);
+        }
+    }
+
+    /// Adaptive: counts the keys an insert-like batch writes (`idx`: only
+    /// those) in the sketch, before the batch places any of them
+    /// (`adapt`: the counts of a batch do not depend on their order).
+    fn count_writes(&self, keys: &[u64], idx: Option<&[usize]>) {
+        if let Some(a) = &self.adapt {
+            match idx {
+                Some(idx) => idx.iter().for_each(|&i| a.count(keys[i])),
+                None => keys.iter().for_each(|&k| a.count(k)),
+            }
         }
     }
 
     /// A find hit in a table whose reads refresh: the score a write
     /// without input would give (relaxed stores; readers that race on one
     /// entry write the same clock reading), and, for Adaptive, one access
-    /// in the sketch.
+    /// in the sketch. The find returns the refreshed score.
     #[inline]
     pub(super) fn refresh_read(&self, st: &Storage, b: usize, s: usize, key: u64, scorer: &crate::score::Scorer) {
         let bk = &st.buckets[b];
@@ -68,6 +80,9 @@ impl CpuTable {
         let st = self.storage.read();
         let scorer = self.scorer();
         let dim = self.config.dim;
+        if policy {
+            self.count_writes(keys, None);
+        }
         let acc = run_batch(n, Outs { outcomes, ..Outs::default() }, dim, &|r: Range<usize>, mut outs: Outs<'_>| {
             let mut acc = Acc::default();
             let mut lost = keep_lost.then(Evictions::default);
@@ -94,7 +109,7 @@ impl CpuTable {
             acc.lost = lost.unwrap_or_default();
             acc
         });
-        self.finish_insert(&acc);
+        self.finish_insert(&st, &acc);
         Ok(acc)
     }
 
@@ -184,7 +199,8 @@ impl CpuTable {
         self.grow_for(idx.len());
         let st = self.storage.read();
         let scorer = self.scorer();
-        run_batch(idx.len(), Outs::default(), dim, &|r: Range<usize>, _outs: Outs<'_>| {
+        self.count_writes(keys, Some(idx));
+        let acc = run_batch(idx.len(), Outs::default(), dim, &|r: Range<usize>, _outs: Outs<'_>| {
             let mut acc = Acc::default();
             for &i in &idx[r] {
                 let input = scores.map(|s| s[i]);
@@ -197,7 +213,9 @@ impl CpuTable {
                 acc.placed.push((i, o));
             }
             acc
-        })
+        });
+        self.finish_insert(&st, &acc);
+        acc
     }
 }
 
@@ -236,11 +254,11 @@ impl Shard for CpuTable {
                     if let Some(v) = outs.values.as_deref_mut() {
                         st.read_row(b, s, &mut v[j * dim..(j + 1) * dim]);
                     }
-                    if let Some(sc) = outs.scores.as_deref_mut() {
-                        sc[j] = st.buckets[b].score(s);
-                    }
                     if let Some(sc) = &refresh {
                         self.refresh_read(&st, b, s, part[j], sc);
+                    }
+                    if let Some(sc) = outs.scores.as_deref_mut() {
+                        sc[j] = st.buckets[b].score(s);
                     }
                     acc.hits += 1;
                 }
@@ -338,6 +356,7 @@ impl Shard for CpuTable {
         let st = self.storage.read();
         let scorer = self.scorer();
         let dim = self.config.dim;
+        self.count_writes(keys, None);
         let outs = Outs { values: Some(values), outcomes, ..Outs::default() };
         let acc = run_batch(n, outs, dim, &|r: Range<usize>, mut outs: Outs<'_>| {
             let mut acc = Acc::default();
@@ -360,7 +379,7 @@ impl Shard for CpuTable {
             }
             acc
         });
-        self.finish_insert(&acc);
+        self.finish_insert(&st, &acc);
         self.counters.lookups(acc.hits, n);
         Ok(acc.summary)
     }
@@ -427,7 +446,6 @@ impl Shard for CpuTable {
                 out[i] = o;
             }
         }
-        self.finish_insert(&acc);
         Ok(first.summary.merge(acc.summary))
     }
 

@@ -51,18 +51,15 @@ impl CpuTable {
         on_present: impl FnOnce(usize, usize),
     ) -> Outcome {
         let (b1, b2, d) = self.buckets_of(st, key);
-        // Adaptive, policy scores: every write is an access for the sketch.
+        // Adaptive, policy scores (the batch counted its keys in the sketch).
         let adapt = self.adapt.as_ref().filter(|_| matches!(scoring, Scoring::Policy));
-        if let Some(a) = adapt {
-            a.count(key);
-        }
         let _w = Self::lock_pair(st, b1, b2);
         if let Some((b, s)) = self.locate_entry(st, key) {
             on_present(b, s);
             return Outcome::Updated;
         }
         if let Some(a) = adapt {
-            a.on_miss(key);
+            a.on_miss(b1, b2, key);
         }
         let (score, admission) = match scoring {
             Scoring::Verbatim => {
@@ -81,7 +78,7 @@ impl CpuTable {
                 // Filling: keep the window at its share (see `adapt`).
                 let bk = &st.buckets[target];
                 let t = Tiers::of(bk.slots().map(|s| (s, bk.score(s))));
-                if let Some((c, sc)) = t.oldest_window.filter(|_| t.window >= a.window_slots()) {
+                if let Some((c, sc)) = t.oldest_window.filter(|_| t.window >= a.meta(target).window_slots()) {
                     bk.set_score(c, sc | ADAPTIVE_MAIN);
                 }
             }
@@ -112,14 +109,14 @@ impl CpuTable {
             // The bucket with the older minimum, then its window rule.
             let bk = &st.buckets[b];
             let t = Tiers::of((0..S).map(|s| (s, bk.score(s))));
-            let (slot, window) = match a.room(&t, |s| bk.key(s)) {
+            let (slot, window) = match a.room(b, &t, |s| bk.key(s)) {
                 Room::Evict { slot, window } => (slot, window),
                 Room::Promote { promote, slot } => {
                     bk.set_score(promote, bk.score(promote) | ADAPTIVE_MAIN);
                     (slot, false)
                 }
             };
-            a.on_evict(bk.key(slot), window);
+            a.on_evict(b, bk.key(slot), window);
             s = slot;
             min = 0;
         }

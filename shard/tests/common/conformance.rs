@@ -908,5 +908,8 @@ macro_rules! conformance_suite {
         #[test] $(#[$attr])? fn sampling_sees_every_lookup_and_write() { c::sampling_sees_every_lookup_and_write($make) }
         #[test] $(#[$attr])? fn sampling_applies_the_filter() { c::sampling_applies_the_filter($make) }
         #[test] $(#[$attr])? fn sampling_overflow_and_concurrent_drains() { c::sampling_overflow_and_concurrent_drains($make) }
+        #[test] $(#[$attr])? fn adaptive_keeps_frequent_keys_through_a_scan() { c::adaptive_keeps_frequent_keys_through_a_scan($make) }
+        #[test] $(#[$attr])? fn adaptive_insert_and_evict_conserves_entries() { c::adaptive_insert_and_evict_conserves_entries($make) }
+        #[test] $(#[$attr])? fn reads_refresh_keeps_read_keys() { c::reads_refresh_keeps_read_keys($make) }
     };
 }

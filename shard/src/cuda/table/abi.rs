@@ -158,6 +158,9 @@ pub(crate) struct Ptrs {
     /// find: write a miss as a row of zeros (the `lookup_findz` kernels)
     /// instead of leaving its row as it was.
     pub(crate) zero_misses: bool,
+    /// Lookups: a find, whose hits refresh their scores when the table's
+    /// reads refresh ([`CudaTable::read_scoring`]).
+    pub(crate) find: bool,
 }
 
 /// An export's outputs: keys, rows and scores of the matches.

@@ -290,22 +290,51 @@ impl CudaTable {
         let base = Ptrs { keys: r.p.keys, counters: r.p.counters, only: r.p.only, sample, ..Ptrs::default() };
         let p = r.p;
         let n64 = n as u64;
+        // Adaptive: a write's keys into the sketch before the kernel places
+        // them; a find's hits count in it as the kernel refreshes them. The
+        // hits of a device batch are not known here: the halving period
+        // counts its keys (those of a part included) instead.
+        let writes = matches!(
+            op,
+            DeviceOp::InsertOrAssign
+                | DeviceOp::InsertAndEvict
+                | DeviceOp::FindOrInsert
+                | DeviceOp::FindOrInsertPtr
+                | DeviceOp::AccumOrAssign
+        );
+        if let (true, Some(k)) = (writes, p.keys) {
+            // SAFETY: the caller's contract: keys and only hold n entries.
+            unsafe { self.k_adapt_count(s, k, n64, p.only, n64) }?;
+        }
+        if op == DeviceOp::Find && self.config.refreshes_reads() {
+            self.adapt_counted(n64);
+        }
         // SAFETY: the caller's contract covers every address passed on.
         unsafe {
             match op {
                 DeviceOp::Find => {
-                    let p =
-                        Ptrs { values: p.values, found: p.found, scores: p.scores, zero_misses: p.zero_misses, ..base };
+                    let p = Ptrs {
+                        values: p.values,
+                        found: p.found,
+                        scores: p.scores,
+                        zero_misses: p.zero_misses,
+                        find: true,
+                        ..base
+                    };
                     self.k_lookup(s, st, n64, p)?
                 }
                 DeviceOp::FindPtr => self.k_lookup(s, st, n64, Ptrs { ptrs: p.ptrs, ..base })?,
                 DeviceOp::Contains => self.k_lookup(s, st, n64, Ptrs { found: p.found, ..base })?,
                 DeviceOp::FindOrInsert | DeviceOp::FindOrInsertPtr
-                    if n > SEQUENTIAL_BATCH && !self.config.tuning.locked_find_or_insert =>
+                    if n > SEQUENTIAL_BATCH
+                        && !self.config.tuning.locked_find_or_insert
+                        && self.config.policy != ScorePolicy::Adaptive =>
                 {
                     // Hits without locks first, then the misses (probe_keys
                     // in upsert.cu): repeated keys no longer wait on each
-                    // other's bucket locks. The flags are freed in stream order.
+                    // other's bucket locks. The flags are freed in stream
+                    // order. Not for adaptive, whose hits move keys between
+                    // a bucket's tiers under its lock.
                     let miss = s.alloc_zeros::<u8>(n).map_err(dev_err("allocating the miss flags"))?;
                     let m = DevPtr::of(&miss, s);
                     let (q, mode) = match op {
@@ -360,6 +389,9 @@ impl CudaTable {
                     }
                 }
             }
+        }
+        if writes || op == DeviceOp::Load {
+            self.k_adapt_age(s, st)?;
         }
         Ok(pending)
     }

@@ -128,11 +128,23 @@ impl CudaTable {
         }
         self.zero_counters(l)?;
         let sc = self.scoring(verbatim);
+        if !verbatim && self.adapt.is_some() {
+            // Adaptive: the batch's keys into the sketch before any is placed.
+            let counted = only.map_or(n, |o| o.iter().filter(|&&x| x != 0).count()) as u64;
+            let o = match only {
+                Some(o) => Some(Self::upload(&s, &mut l.stage, &mut l.flags2, o)?),
+                None => None,
+            };
+            let k = p.keys.expect("keys uploaded");
+            // SAFETY: keys uploaded above and the flags here, n each.
+            unsafe { self.k_adapt_count(&s, k, n as u64, o, counted) }?;
+        }
         self.in_rounds(l, keys, st.nbuckets, only, |_, o| {
             // SAFETY: keys, values, scores, outcomes and the lost buffers were uploaded or sized above for
             // these n keys, flags2 by in_rounds
             unsafe { self.k_upsert(&s, st, sc, n as u64, mode, Ptrs { only: o, ..p }) }
         })?;
+        self.k_adapt_age(&s, st)?;
         let rows = match values {
             Rows::InOut(_) => Some(Self::fetch(&s, &mut l.stage, &l.values, n * dim)?),
             Rows::In(_) => None,

@@ -66,6 +66,9 @@ pub(super) struct Funcs {
     pub(super) ex_count: CudaFunction,
     pub(super) ex_scan: CudaFunction,
     pub(super) ex_write: CudaFunction,
+    /// Adaptive: a writer batch's keys into the sketch, and its halving (`super::adapt`).
+    pub(super) adapt_count: CudaFunction,
+    pub(super) adapt_halve: CudaFunction,
 }
 
 /// A kernel and the threads it gives each key.

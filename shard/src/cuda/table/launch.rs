@@ -150,6 +150,7 @@ impl CudaTable {
         let at = p.at.is_some();
         let zero = p.zero_misses && !at;
         let smp = p.sample;
+        let rs = self.read_scoring(p.find && !at);
         let p = p.addrs(n, self.config.dim)?;
         let c = p.counters;
         let (order, args) = self.key_order(l, st, n, p.keys, p.values != 0)?;
@@ -167,7 +168,8 @@ impl CudaTable {
                 .arg(&p.ptrs)
                 .arg(&c)
                 .arg(&p.only)
-                .arg(&smp);
+                .arg(&smp)
+                .arg(&rs);
         }
         // SAFETY: lookup_find (lookup_at) reads keys[0..n], only[0..n]
         // (at[0..n]) where non-null and the table (args describe live
@@ -177,7 +179,9 @@ impl CudaTable {
         // non-null buffer was sized for that by the caller. With a sampler
         // (smp.ring non-null: sample_args), it writes ring slots below
         // smp.cap (the ring's length) and atomically adds to the ring's 2
-        // counters; the ring lives as long as the table.
+        // counters; the ring lives as long as the table. With rs.refresh
+        // it rewrites the scores of hit entries of the table and (adaptive)
+        // increments sketch counters, inside buffers rs describes.
         unsafe { b.launch(blocks(n * v.g)?) }.map_err(dev_err(if at {
             "launching lookup_at"
         } else {

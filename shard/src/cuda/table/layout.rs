@@ -42,6 +42,15 @@ pub(super) struct ScoringArgs {
     pub(super) verbatim: u32,
     /// Lfu: 1 for `LfuTies::Lru` (packed frequency and stamp), 0 for plain frequencies.
     pub(super) lfu_lru: u32,
+    /// Lookups: 1 when find hits refresh their scores (`reads_refresh`).
+    pub(super) refresh: u32,
+    pub(super) pad: u32,
+    /// Adaptive: the sketch, the ghosts and the buckets' state words
+    /// (`super::adapt`); 0 for other policies.
+    pub(super) sketch: u64,
+    pub(super) ghosts: u64,
+    pub(super) meta: u64,
+    pub(super) sketch_lines: u64,
 }
 
 /// `HkvFilter` of `kernels/abi.h`.

@@ -41,10 +41,13 @@
 //! - `device_batch`: [`DeviceOp`], [`DeviceBatch`], [`CudaTable::run_device`]
 //!   and the enqueue / complete pair the GPU group builds on.
 //! - `ops`: the [`Shard`] operations.
+//! - `adapt`: the Adaptive policy's device state (sketch, ghosts, window
+//!   shares) and its count and halving launches.
 //! - `sampling`: the ring of keys sampled for miss-ratio curves, the
 //!   sampler argument the lookup and writer kernels take, and the drain.
 
 mod abi;
+mod adapt;
 mod device_batch;
 mod growth;
 mod host_batch;
@@ -115,6 +118,8 @@ pub struct CudaTable {
     sampling: Sampling,
     /// Fault injection for tests ([`CudaTable::fail_next_grow`]).
     fail_grow: std::sync::atomic::AtomicBool,
+    /// The Adaptive policy's device state; `None` for every other policy.
+    adapt: Option<adapt::DeviceAdapt>,
 }
 
 impl std::fmt::Debug for CudaTable {
@@ -132,14 +137,6 @@ impl CudaTable {
     /// A table reading Lru / EpochLru time from `clock`.
     pub fn with_clock(config: TableConfig, dev: Arc<Device>, clock: Arc<dyn Clock>) -> Result<CudaTable> {
         config.validate()?;
-        if config.policy == crate::ScorePolicy::Adaptive || config.reads_refresh == Some(true) {
-            // Issue 36: the kernels do not implement them yet; refuse
-            // rather than serve a different policy than the one asked for.
-            return Err(crate::error::Error::Config(
-                "the CUDA backend does not implement the adaptive policy or reads_refresh yet; use the CPU backend"
-                    .into(),
-            ));
-        }
         // The device's context has no event tracking (Device::open, whose
         // SAFETY argument this table keeps): every buffer the table uses is
         // used on one lane's stream at a time, and each batch synchronises
@@ -176,9 +173,15 @@ impl CudaTable {
             ex_count: get(KernelId::Export, "export_count")?,
             ex_scan: get(KernelId::Export, "export_scan")?,
             ex_write: get(KernelId::Export, "export_write")?,
+            adapt_count: get(KernelId::Upsert, "adapt_count")?,
+            adapt_halve: get(KernelId::Upsert, "adapt_halve")?,
         };
         let stream = dev.ctx.new_stream().map_err(dev_err("creating a stream"))?;
         let storage = Storage::new(&dev, &config, &f.clear, &stream, config.buckets())?;
+        let adapt = match config.policy {
+            ScorePolicy::Adaptive => Some(adapt::DeviceAdapt::new(&stream, config.max_buckets())?),
+            _ => None,
+        };
         Ok(CudaTable {
             config,
             dev,
@@ -192,6 +195,7 @@ impl CudaTable {
             counters: Counters::default(),
             sampling: Sampling::default(),
             fail_grow: std::sync::atomic::AtomicBool::new(false),
+            adapt,
         })
     }
 
@@ -216,12 +220,29 @@ impl CudaTable {
     }
 
     fn scoring(&self, verbatim: bool) -> ScoringArgs {
-        ScoringArgs {
+        let sc = ScoringArgs {
             now_ns: self.clock.now_ns(),
             policy: policy_code(self.config.policy),
             epoch: self.epoch.load(Relaxed),
             verbatim: verbatim as u32,
             lfu_lru: (self.config.lfu_ties == LfuTies::Lru) as u32,
+            refresh: 0,
+            pad: 0,
+            sketch: 0,
+            ghosts: 0,
+            meta: 0,
+            sketch_lines: 0,
+        };
+        match &self.adapt {
+            Some(a) => a.args(sc),
+            None => sc,
         }
+    }
+
+    /// The scoring a lookup takes: for a find (`find`) in a table whose
+    /// reads refresh, hits get the score a write without input gives them
+    /// (the CPU backend's `find`; `find_at` and `contains` refresh nothing).
+    fn read_scoring(&self, find: bool) -> ScoringArgs {
+        ScoringArgs { refresh: (find && self.config.refreshes_reads()) as u32, ..self.scoring(false) }
     }
 }

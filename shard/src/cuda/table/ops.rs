@@ -493,6 +493,7 @@ impl CudaTable {
             let mut p = Ptrs {
                 values: Some(Self::scratch(&s, &mut l.values, n * dim)?),
                 found: Some(Self::scratch(&s, &mut l.flags, n)?),
+                find: true,
                 ..base
             };
             if scores.is_some() {
@@ -505,6 +506,9 @@ impl CudaTable {
             let v = if direct { None } else { Some(Self::fetch(&s, &mut l.stage, &l.values, n * dim)?) };
             let sc = Self::fetch(&s, &mut l.stage, &l.scores, if scores.is_some() { n } else { 0 })?;
             let c = self.read_counters(l)?;
+            if self.config.refreshes_reads() {
+                self.adapt_counted(c.hits);
+            }
             for (o, x) in found.iter_mut().zip(l.stage.read(&f)) {
                 *o = *x != 0;
             }
