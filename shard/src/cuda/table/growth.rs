@@ -72,18 +72,20 @@ impl CudaTable {
             scores: Some(out.scores.take(size)),
             ..Ptrs::default()
         };
-        // SAFETY: keys, values and scores hold the `size` exported entries; the counters are the lane's
-        unsafe {
-            self.k_upsert(
-                &s,
-                &new,
-                self.scoring(true),
-                size as u64,
-                UP_INSERT,
-                Ptrs { counters: Some(DevPtr::of(&l.counters, &s)), ..p },
-            )
-        }?;
-        let c = self.read_counters(&mut l)?;
+        let p = Ptrs { counters: Some(DevPtr::of(&l.counters, &s)), ..p };
+        // Loaded in passes (dual mode): a key that finds both its buckets
+        // full is placed after the rest, by relocation, before any entry is evicted.
+        let deferrals = self.in_passes(&mut l, size, None, |l, sc, only, out| {
+            let only = match only {
+                Some(m) => Some(Self::upload(&s, &mut l.stage, &mut l.flags2, m)?),
+                None => None,
+            };
+            // SAFETY: keys, values and scores hold the `size` exported entries; the counters are the lane's,
+            // outcomes sized by in_passes, only uploaded above for `size` keys
+            unsafe { self.k_upsert(&s, &new, sc, size as u64, UP_INSERT, Ptrs { only, outcomes: Some(out), ..p }) }
+        })?;
+        let mut c = self.read_counters(&mut l)?;
+        c.summary.absent -= deferrals;
         if self.fail_grow.swap(false, Relaxed) {
             return Err(Error::Device("growing the table: injected failure".into()));
         }
