@@ -78,7 +78,7 @@ use crate::check;
 use crate::config::{BucketMode, CudaTuning, LfuTies, ScorePolicy, TableConfig};
 use crate::cpu::Counters;
 use crate::cuda::staging::{Region, Staging};
-use crate::cuda::{arg, dev_err, ensure, DevPtr, Device};
+use crate::cuda::{alloc_err, arg, dev_err, ensure, DevPtr, Device};
 use crate::error::{Error, Result};
 use crate::lock::{Group, GroupLock};
 use crate::mrc::Kind;
@@ -122,6 +122,8 @@ pub struct CudaTable {
     sampling: Sampling,
     /// Fault injection for tests ([`CudaTable::fail_next_grow`]).
     fail_grow: std::sync::atomic::AtomicBool,
+    /// What a reserve allocated in advance ([`Shard::prepare_reserve`]).
+    prepared: Mutex<Option<growth::Prepared>>,
 }
 
 impl std::fmt::Debug for CudaTable {
@@ -197,6 +199,7 @@ impl CudaTable {
             counters: Counters::default(),
             sampling: Sampling::default(),
             fail_grow: std::sync::atomic::AtomicBool::new(false),
+            prepared: Mutex::new(None),
         })
     }
 
