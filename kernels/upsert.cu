@@ -74,8 +74,8 @@ __device__ __forceinline__ u64 hkv_other_bucket(const HkvTable& t, u64 b, u64 po
 
 // Frees a slot of the full, locked bucket b (one of the writer's
 // candidates b1, b2) by moving a resident to its other bucket: one with a
-// free slot (one step), or, with `deep`, one that frees a slot the same
-// way first (two steps, DEEP). Residents are tried slot by slot, the group's
+// free slot (one step), or, with DEEP, one that frees a slot the same way
+// first (two steps). Residents are tried slot by slot, the group's
 // threads taking interleaved slots; in one step the other bucket's size
 // skips full ones before a lock is tried. b1 and b2 are never moved into
 // (the writer holds them: a try-lock of them would fail anyway). Returns
