@@ -10,12 +10,13 @@
 //! `#[ignore = "needs a CUDA device"]`:
 //! `cargo test --release -p hkvd --test cuda_ipc -- --ignored`.
 //!
-//! Hostile input goes to a CPU daemon under an address-space limit
-//! (`prlimit --as`), as in `shm.rs`. A CUDA daemon cannot start under one:
-//! the driver reserves address space for unified addressing far beyond any
-//! useful limit (cuInit fails under one); the fuzzing test bounds it once
-//! started instead (its address space then, the driver's reservation
-//! included, plus headroom, with `prlimit --pid`).
+//! Hostile input goes to a daemon under an address-space limit (`prlimit
+//! --as`), as in `shm.rs`: a CPU daemon under 6 GiB, the CUDA daemon that
+//! `register_cuda` is fuzzed on under 64 GiB, since the driver maps its
+//! context and every device allocation
+//! into the process's address space (on the H200: 13 GiB once a context is
+//! open, then each allocation's size; a context opens under 16 GiB, an
+//! 8 GiB allocation then fails).
 
 mod common;
 
@@ -25,7 +26,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{expect_code, expect_error, raw_call, set_as_limit, vm_size, Daemon};
+use common::{expect_code, expect_error, raw_call, Daemon};
 use hkv_client::proto::region::{CudaRegistration, RegionAnswer, RegionRef, RegionRequest, NOT_COUNTED};
 use hkv_client::proto::{ErrorCode, Op, WriteOp};
 use hkv_client::region::{keyed, with_events, CudaRegion};
@@ -34,6 +35,8 @@ use hkv_region::cuda::cudarc::driver::{CudaContext, CudaStream};
 use hkv_region::cuda::{self, DeviceAlloc, IpcEvent};
 
 const LIMIT: u64 = 6 << 30;
+/// A CUDA daemon's limit (module docs).
+const CUDA_LIMIT: u64 = 64 << 30;
 
 fn code(e: ClientError) -> (ErrorCode, String) {
     match e {
@@ -738,9 +741,9 @@ fn a_client_event_that_never_completes_costs_only_its_requests() {
 /// later connects were refused, nothing in the log) after an allocation
 /// had been registered through eight byte-flipped copies of its handle on
 /// two connections; the replay did not reproduce it. This fuzzes
-/// `register_cuda` harder than that, with the daemon's address space
-/// bounded (a runaway allocation fails instead of taking the machine
-/// down): four connections at once, each 150 registrations of one
+/// `register_cuda` harder than that, with the daemon under an
+/// address-space limit (a runaway allocation fails instead of taking the
+/// machine down): four connections at once, each 150 registrations of one
 /// allocation through its handle with 1 to 8 random bytes flipped (or
 /// none), through its UUID flipped, and with bad lengths, while a fifth
 /// connection keeps finding through its own registration of the same
@@ -749,12 +752,21 @@ fn a_client_event_that_never_completes_costs_only_its_requests() {
 /// bytes flipped, opens the same allocation (a contains through it finds
 /// the keys stored there); the daemon answers pings and the finds
 /// throughout, and ends with only the fifth connection's region.
+///
+/// What is known now: outside the daemon (a Python ctypes harness on the
+/// H200), `cuIpcOpenMemHandle` itself kills the process that opens some
+/// byte-flipped handles (SIGSEGV; with opens on several threads at once
+/// also glibc's "malloc(): unsorted double linked list corrupted" abort,
+/// the daemon's lost run), in about one run in 16 of 4 800 flipped opens,
+/// opens serialised on one thread and nothing ever closed included. So
+/// this test can fail, rarely, until the daemon stops opening handles it
+/// has not checked in its own process.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn fuzzed_cuda_registrations_from_several_connections_never_take_the_daemon_down() {
     use rand::{Rng, SeedableRng};
     let (ctx, stream) = gpu();
-    let mut d = cuda_daemon("1", &[]);
+    let mut d = Daemon::start_limited(CUDA_LIMIT, &["--backend", "cuda", "--shards", "1"]);
     let mut c = d.client();
     c.create_table(TableSpec::new("t", 4, 1024)).unwrap();
     let n = 64u64;
@@ -767,11 +779,6 @@ fn fuzzed_cuda_registrations_from_several_connections_never_take_the_daemon_down
     let r = c.register_cuda(alloc.ptr(), export.size).unwrap();
     let m = Dev { alloc, stream, at: 0 };
     m.put(KEYS, &keys);
-    // The driver reserved its address space when the daemon opened the
-    // GPU (a limit set before start makes cuInit fail): bound what the
-    // daemon may map from here on.
-    let pid = d.pid();
-    set_as_limit(pid, &(vm_size(pid) + (16 << 30)).to_string());
     let socket = d.socket.clone();
     let threads: Vec<_> = (0..4u64)
         .map(|t| {
