@@ -80,6 +80,14 @@ typedef unsigned char u8;
 #define HKV_C_ERASED 7
 #define HKV_NCOUNTERS 8
 
+// HkvScoring::verbatim: scores by the policy's rules; as given (a load, a
+// rehash); or as given, and a key whose candidate buckets stay full after
+// relocation (upsert.cu) is left out, with outcome HKV_ABSENT, for a later
+// launch to place (CudaTable's load in passes) instead of evicting.
+#define HKV_SCORES_POLICY 0
+#define HKV_SCORES_VERBATIM 1
+#define HKV_SCORES_DEFER 2
+
 // upsert_keys' mode (upsert.cu).
 #define HKV_UP_INSERT 0
 #define HKV_UP_FIND_OR_INSERT 1
@@ -142,7 +150,7 @@ struct HkvScoring {
     u64 now_ns;
     u32 policy;    // HKV_LRU ...
     u32 epoch;
-    u32 verbatim;  // load: scores as given
+    u32 verbatim;  // HKV_SCORES_POLICY, _VERBATIM or _DEFER
     u32 lfu_lru;   // Lfu: 1 = frequency << 40 | stamp (LfuTies::Lru), 0 = plain frequency
     u32 refresh;   // lookups: a hit's score becomes what a write without input gives it (reads_refresh)
     u32 pad;

@@ -5,9 +5,125 @@
 // host per batch, 256 / G keys per 256-thread block; the key's candidate
 // buckets are locked for the whole operation.
 // insert_and_evict compacts what lost its slot on the GPU (order unspecified).
+// A verbatim write (load, rehash) in dual mode whose two buckets are full
+// relocates a resident before it evicts (below); with HKV_SCORES_DEFER it
+// then leaves a key it still cannot place to a later launch.
 // mode: HKV_UP_INSERT, _FIND_OR_INSERT, _ACCUM or _FIND_OR_INSERT_PTR (abi.h).
 // Adaptive (sc.sketch non-null): a newcomer follows the window rule of
 // table.cuh ("adaptive policy"); adapt_count has counted the batch's keys.
+
+// ---- relocation (verbatim writes in dual mode) -------------------------------
+// A restore or a rehash places entries that all fit the table, but which
+// bucket of its two a key took depends on the order keys arrive, and in one
+// launch thousands of keys race: a key can find both its buckets full while
+// the table still has room (issue 32: 1 384 entries of a 95 %-full lfu
+// table dropped by a restore). As CpuTable::make_room does, a verbatim
+// write whose candidates are both full first moves a resident of one of
+// them to that resident's other bucket (one step), or a resident of that
+// bucket on to its own other bucket first (two steps). The buckets moved
+// into are only try-locked (a lock already held is passed over), so two
+// groups never wait on each other; every key moved has both its buckets
+// locked meanwhile, so no other group looks for it in between.
+
+// Takes bucket b's lock if it is free; whether it did (to every thread).
+template <int G>
+__device__ __forceinline__ bool hkv_try_lock(const HkvTable& t, const HkvGroup<G>& g, u64 b) {
+    int got = 0;
+    if (g.rank == 0) got = hkv_cas_acquire(t.locks + b) == 0;
+    return g.bcast(got, 0) != 0;
+}
+
+template <int G>
+__device__ __forceinline__ void hkv_unlock1(const HkvTable& t, const HkvGroup<G>& g, u64 b) {
+    g.sync();
+    if (g.rank == 0) hkv_store_release(t.locks + b);
+}
+
+// Lowest free slot of locked bucket b from its digest line, or -1.
+template <int G>
+__device__ __forceinline__ int hkv_free_in(const HkvTable& t, const HkvGroup<G>& g, u64 b) {
+    HkvBits<128 / G> f;
+    hkv_match<G, true>(t.digests + b * 128, g.rank, hkv_empty_digest(), f, 0, (HkvBits<128 / G>*)0);
+    return hkv_free_slot<G>(g, f);
+}
+
+// Moves the entry at position `from` to the free position `to` (both
+// buckets locked) and frees `from`.
+template <int G>
+__device__ __forceinline__ void hkv_move(const HkvTable& t, const HkvGroup<G>& g, u64 from, u64 to) {
+    hkv_copy_row<G, true>(hkv_row(t, to), hkv_row(t, from), t.dim, g.rank);
+    if (g.rank == 0) {
+        u64 bf = from / 128, bt = to / 128;
+        t.keys[to] = __ldcg(t.keys + from);
+        t.digests[to] = __ldcg(t.digests + from);
+        t.scores[to] = __ldcg(t.scores + from);
+        t.sizes[bt] = __ldcg(t.sizes + bt) + 1;
+        t.keys[from] = HKV_EMPTY_KEY;
+        t.digests[from] = hkv_empty_digest();
+        t.scores[from] = 0;
+        t.sizes[bf] = __ldcg(t.sizes + bf) - 1;
+    }
+    g.sync();
+}
+
+// The other candidate bucket of the key at position `pos` of bucket b.
+__device__ __forceinline__ u64 hkv_other_bucket(const HkvTable& t, u64 b, u64 pos) {
+    u64 c1, c2;
+    u8 d;
+    hkv_locate(t, __ldcg(t.keys + pos), &c1, &c2, &d);
+    return c1 == b ? c2 : c1;
+}
+
+// Frees a slot of the full, locked bucket b (one of the writer's
+// candidates b1, b2) by moving a resident to its other bucket: one with a
+// free slot (one step), or, with DEEP, one that frees a slot the same way
+// first (two steps). Residents are tried slot by slot, the group's
+// threads taking interleaved slots; in one step the other bucket's size
+// skips full ones before a lock is tried. b1 and b2 are never moved into
+// (the writer holds them: a try-lock of them would fail anyway). Returns
+// the freed slot of b, or -1.
+template <int G, bool DEEP>
+__device__ int hkv_make_room(const HkvTable& t, const HkvGroup<G>& g, u64 b, u64 b1, u64 b2) {
+    for (int j = 0; j < 128 / G; ++j) {
+        int s = j * G + (int)g.rank;
+        u64 alt = hkv_other_bucket(t, b, b * 128 + s);
+        bool cand = alt != b1 && alt != b2 && (DEEP || __ldcg(t.sizes + alt) < 128);
+        for (u32 m = g.ballot(cand); m; m &= m - 1) {
+            int r = __ffs(m) - 1;
+            u64 a = g.bcast(alt, r);
+            int from = j * G + r;
+            if (!hkv_try_lock(t, g, a)) continue;
+            int to = hkv_free_in<G>(t, g, a);
+            if (DEEP && to < 0) to = hkv_make_room<G, false>(t, g, a, b1, b2);
+            if (to >= 0) hkv_move<G>(t, g, b * 128 + from, a * 128 + to);
+            hkv_unlock1<G>(t, g, a);
+            if (to >= 0) return from;
+        }
+    }
+    return -1;
+}
+
+// A slot freed by relocation for a verbatim write whose candidates b1, b2
+// are both full: one step from b1, then from b2, then two steps from each.
+// Sets *b to the bucket; returns the slot, or -1.
+template <int G>
+__device__ int hkv_relocate(const HkvTable& t, const HkvGroup<G>& g, u64 b1, u64 b2, u64* b) {
+    *b = b1;
+    int s = hkv_make_room<G, false>(t, g, b1, b1, b2);
+    if (s < 0) {
+        *b = b2;
+        s = hkv_make_room<G, false>(t, g, b2, b1, b2);
+    }
+    if (s < 0) {
+        *b = b1;
+        s = hkv_make_room<G, true>(t, g, b1, b1, b2);
+    }
+    if (s < 0) {
+        *b = b2;
+        s = hkv_make_room<G, true>(t, g, b2, b1, b2);
+    }
+    return s;
+}
 
 // LOST: whether the lost_* outputs may be given (insert_and_evict); the
 // variants without them are smaller.
@@ -65,11 +181,15 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
         u64 tb = b1;
         if (b2 != b1 && __ldcg(t.sizes + b2) < __ldcg(t.sizes + b1)) tb = b2;
         int fs = hkv_free_slot<G>(g, tb == b1 ? free1 : free2);
+        // Both candidates full: a verbatim write relocates before it evicts.
+        if (fs < 0 && sc.verbatim && b2 != b1) fs = hkv_relocate<G>(t, g, b1, b2, &tb);
         if (fs >= 0) {
             if (adapt) hkv_adapt_fill<G>(t, sc, g, tb);
             b = tb;
             s = fs;
             out = HKV_INSERTED;
+        } else if (sc.verbatim == HKV_SCORES_DEFER) {
+            out = HKV_ABSENT;
         } else if (adapt) {
             hkv_adapt_room<G>(t, sc, g, b1, b2, &b, &s);
             out = HKV_EVICTED;
@@ -92,8 +212,8 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
             out = adm < mv ? HKV_REJECTED : HKV_EVICTED;
         }
         u64 pos = b * 128 + s;
-        float* row = hkv_row(t, pos);
-        if (LOST && out != HKV_INSERTED && lost_keys) {
+        float* row = out == HKV_ABSENT ? 0 : hkv_row(t, pos);
+        if (LOST && (out == HKV_EVICTED || out == HKV_REJECTED) && lost_keys) {
             // The entry that leaves: the resident one, or the refused input.
             u64 at = 0;
             if (g.rank == 0) at = atomicAdd(gcnt + HKV_C_LOST, 1ULL);
@@ -106,7 +226,7 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
             hkv_copy_row<G, true>(lost_values + at * t.dim, out == HKV_EVICTED ? row : vin, t.dim, g.rank);
             g.sync();
         }
-        if (out != HKV_REJECTED) {
+        if (out == HKV_INSERTED || out == HKV_EVICTED) {
             if (g.rank == 0) {
                 t.keys[pos] = key;
                 t.digests[pos] = d;

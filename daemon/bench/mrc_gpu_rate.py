@@ -1,7 +1,8 @@
 """Sampler drops at GPU rates: find_or_insert, then find, over CUDA IPC as
 fast as one client sends them (1 Mi keys a request, Zipf 1.1 over 16 Mi
 keys, dim 32, a dual table of 4 Mi slots), each for 4 s; after each, the
-table's mrc stats (accesses, sampled, dropped), its measured hit rate and
+table's mrc stats (accesses, sampled, dropped, dropped_lookups: accesses
+plus dropped_lookups are every lookup served), its measured hit rate and
 the curve at 1x. Needs a GPU, PyTorch, and a CUDA daemon of one shard:
 
     hkvd serve --backend cuda --shards 1 --socket S --restore none &
@@ -38,6 +39,7 @@ def run(what, f, secs):
     m = [x for x in c.stats()["tables"] if x["spec"]["name"] == "r"][0].get("mrc") or {}
     print(json.dumps({"phase": what, "batches": k, "keys_per_s": round(k * n / el), "accesses": m.get("accesses"),
                       "sampled": m.get("sampled_accesses"), "dropped": m.get("dropped"),
+                      "dropped_lookups": m.get("dropped_lookups"),
                       "measured_hit_rate": m.get("measured_hit_rate"),
                       "curve_at_1x": [p for p in m.get("points", []) if abs(p["factor"] - 1) < 1e-9]}), flush=True)
 

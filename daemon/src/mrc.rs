@@ -98,7 +98,7 @@ impl ShardMrc {
             (d.accesses as u128 * d.sampled as u128 / seen as u128) as u64
         };
         mrc.observe_samples(buf, accesses, d.threshold);
-        mrc.add_dropped(d.dropped);
+        mrc.add_dropped(d.dropped, d.accesses - accesses);
         let sampler = mrc.sampler();
         if let Some(t) = trace {
             for k in buf.lookups().filter(|&k| sampler.sampled(k)) {
@@ -198,6 +198,7 @@ pub fn combine(shards: &[ShardCurve], measured_hit_rate: Option<f64>) -> hkv_pro
         sampled_accesses: shards.iter().map(|s| s.curve.sampled_accesses).sum(),
         tracked_keys: shards.iter().map(|s| s.curve.tracked_keys).sum(),
         dropped: shards.iter().map(|s| s.curve.dropped).sum(),
+        dropped_lookups: shards.iter().map(|s| s.curve.dropped_lookups).sum(),
         rate,
         memory_bytes: shards.iter().map(|s| s.memory).sum(),
     }
@@ -234,6 +235,7 @@ mod tests {
                 tracked_keys: 100,
                 rate: 0.1,
                 dropped: 3,
+                dropped_lookups: 30,
             },
             memory: 1000,
         }
@@ -246,7 +248,7 @@ mod tests {
         assert_eq!(one.capacity, 1600);
         assert!((one.hit_rate - 0.8).abs() < 1e-12, "{}", one.hit_rate);
         assert_eq!((m.accesses, m.sampled_accesses, m.tracked_keys, m.memory_bytes), (400, 40, 200, 2000));
-        assert_eq!(m.dropped, 6, "the shards' dropped keys summed");
+        assert_eq!((m.dropped, m.dropped_lookups), (6, 60), "the shards' dropped keys and lookups summed");
         assert_eq!(m.measured_hit_rate, Some(0.8));
         let empty = combine(&[shard(0, 8, 0.0)], None);
         assert!(empty.points.iter().all(|p| p.hit_rate == 0.0));

@@ -229,6 +229,17 @@ pub fn prometheus(d: &DaemonStats) -> String {
             let _ = writeln!(o, "hkvd_mrc_sampled_dropped_total{{table=\"{}\"}} {}", t.spec.name, m.dropped);
         }
     }
+    family(
+        &mut o,
+        "mrc_lookups_dropped_total",
+        "counter",
+        "Lookups left out of the miss-ratio curve with the sampled keys dropped.",
+    );
+    for t in &d.tables {
+        if let Some(m) = &t.mrc {
+            let _ = writeln!(o, "hkvd_mrc_lookups_dropped_total{{table=\"{}\"}} {}", t.spec.name, m.dropped_lookups);
+        }
+    }
     family(&mut o, "mrc_lookups_total", "counter", "Lookups the table's miss-ratio curve has observed.");
     for t in &d.tables {
         if let Some(m) = &t.mrc {

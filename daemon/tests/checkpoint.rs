@@ -448,7 +448,23 @@ fn incrementals_restore_exactly_the_last_checkpoint_for_every_policy() {
 /// be is counted per table in the answer, the stats and the log.
 #[test]
 fn a_restore_places_every_entry_or_says_how_many_it_dropped() {
-    let d = Daemon::start(&["--shards", "2"]);
+    restore_places_every_entry("cpu");
+}
+
+/// Issue 32, item 22: the same on the CUDA backend, where the H200 campaign
+/// dropped 1 384 entries of a 95 %-full lfu dual table in restores after
+/// SIGKILLs and 1 145 in live restores ("buckets overflowed"): the upsert
+/// kernel evicted as soon as a key's two buckets were full, without the
+/// CPU backend's relocation, while thousands of keys of one launch raced
+/// for the same buckets.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_restore_on_the_gpu_places_every_entry() {
+    restore_places_every_entry("cuda");
+}
+
+fn restore_places_every_entry(backend: &str) {
+    let d = Daemon::start(&["--backend", backend, "--shards", "2"]);
     let mut c = d.client();
     let cap = 1u64 << 16;
     c.create_table(spec("d", 1, cap, "lfu", "dual")).unwrap();
@@ -489,7 +505,7 @@ fn a_restore_places_every_entry_or_says_how_many_it_dropped() {
     let st = c.stats().unwrap();
     assert_eq!(st["checkpoint"]["last_restore"]["dropped"], r["dropped"]);
     // Onto 3 shards of the same total capacity.
-    let d = d.restart(&["--shards", "3"]);
+    let d = d.restart(&["--backend", backend, "--shards", "3"]);
     let mut c = d.client();
     let r = c.stats().unwrap()["checkpoint"]["last_restore"].clone();
     assert_eq!(placed(&r, "d") + dropped(&r, "d"), nd, "{r}");

@@ -10,10 +10,13 @@
 //! `#[ignore = "needs a CUDA device"]`:
 //! `cargo test --release -p hkvd --test cuda_ipc -- --ignored`.
 //!
-//! Hostile input goes to a CPU daemon under an address-space limit
-//! (`prlimit --as`), as in `shm.rs`. CUDA daemons run without one: the
-//! driver reserves address space for unified addressing far beyond any
-//! useful limit (cuInit fails under one), so a limit would test nothing.
+//! Hostile input goes to a daemon under an address-space limit (`prlimit
+//! --as`), as in `shm.rs`: a CPU daemon under 6 GiB, the CUDA daemon that
+//! `register_cuda` is fuzzed on under 64 GiB, since the driver maps its
+//! context and every device allocation
+//! into the process's address space (on the H200: 13 GiB once a context is
+//! open, then each allocation's size; a context opens under 16 GiB, an
+//! 8 GiB allocation then fails).
 
 mod common;
 
@@ -32,6 +35,8 @@ use hkv_region::cuda::cudarc::driver::{CudaContext, CudaStream};
 use hkv_region::cuda::{self, DeviceAlloc, IpcEvent};
 
 const LIMIT: u64 = 6 << 30;
+/// A CUDA daemon's limit (module docs).
+const CUDA_LIMIT: u64 = 64 << 30;
 
 fn code(e: ClientError) -> (ErrorCode, String) {
     match e {
@@ -732,22 +737,48 @@ fn a_client_event_that_never_completes_costs_only_its_requests() {
     assert_eq!(d.wait(Duration::from_secs(30)), 0, "SIGTERM stops the daemon");
 }
 
-/// One run lost the daemon (the connection closed, later connects were
-/// refused, nothing in the log) after an allocation had been registered
-/// through eight byte-flipped copies of its handle on two connections; the
-/// replay did not reproduce it. This fuzzes `register_cuda` harder than
-/// that: four connections at once, each 150 registrations of the handle
-/// with 1 to 8 random bytes flipped (or none), of the UUID flipped, and of
-/// bad lengths, each answered (a region or `bad_request`) and unregistered;
-/// the daemon serves throughout and ends with nothing registered.
+/// Issue 32, finding 23: one run lost the daemon (the connection closed,
+/// later connects were refused, nothing in the log) after an allocation
+/// had been registered through eight byte-flipped copies of its handle on
+/// two connections; the replay did not reproduce it. This fuzzes
+/// `register_cuda` harder than that, with the daemon under an
+/// address-space limit (a runaway allocation fails instead of taking the
+/// machine down): four connections at once, each 150 registrations of one
+/// allocation through its handle with 1 to 8 random bytes flipped (or
+/// none), through its UUID flipped, and with bad lengths, while a fifth
+/// connection keeps finding through its own registration of the same
+/// allocation. A flipped UUID or a bad length is refused (`bad_request`);
+/// a flipped handle is refused or, where the driver does not read the
+/// bytes flipped, opens the same allocation (a contains through it finds
+/// the keys stored there); the daemon answers pings and the finds
+/// throughout, and ends with only the fifth connection's region.
+///
+/// What is known now: outside the daemon (a Python ctypes harness on the
+/// H200), `cuIpcOpenMemHandle` itself kills the process that opens some
+/// byte-flipped handles (SIGSEGV; with opens on several threads at once
+/// also glibc's "malloc(): unsorted double linked list corrupted" abort,
+/// the daemon's lost run), in about one run in 16 of 4 800 flipped opens,
+/// opens serialised on one thread and nothing ever closed included. So
+/// this test can fail, rarely, until the daemon stops opening handles it
+/// has not checked in its own process.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn fuzzed_cuda_registrations_from_several_connections_never_take_the_daemon_down() {
     use rand::{Rng, SeedableRng};
-    let (ctx, _stream) = gpu();
-    let mut d = cuda_daemon("1", &[]);
+    let (ctx, stream) = gpu();
+    let mut d = Daemon::start_limited(CUDA_LIMIT, &["--backend", "cuda", "--shards", "1"]);
+    let mut c = d.client();
+    c.create_table(TableSpec::new("t", 4, 1024)).unwrap();
+    let n = 64u64;
+    let keys: Vec<u64> = (1..=n).collect();
+    let values: Vec<f32> = (0..n * 4).map(|x| x as f32).collect();
+    c.insert_or_assign("t", &keys, &values, None).unwrap();
     let alloc = DeviceAlloc::new(&ctx, 64 << 20).unwrap();
+    ctx.bind_to_thread().unwrap();
     let export = cuda::export_memory(alloc.ptr()).unwrap();
+    let r = c.register_cuda(alloc.ptr(), export.size).unwrap();
+    let m = Dev { alloc, stream, at: 0 };
+    m.put(KEYS, &keys);
     let socket = d.socket.clone();
     let threads: Vec<_> = (0..4u64)
         .map(|t| {
@@ -755,7 +786,7 @@ fn fuzzed_cuda_registrations_from_several_connections_never_take_the_daemon_down
             std::thread::spawn(move || {
                 let mut rng = rand::rngs::StdRng::seed_from_u64(0x5eed + t);
                 let mut c = Client::connect(&socket).unwrap();
-                let (mut ok, mut refused) = (0, 0);
+                let (mut ok, mut opened_flipped, mut refused) = (0, 0, 0);
                 for i in 0..150 {
                     let mut reg = CudaRegistration { uuid: export.uuid, handle: export.handle, len: export.size };
                     match i % 5 {
@@ -768,34 +799,111 @@ fn fuzzed_cuda_registrations_from_several_connections_never_take_the_daemon_down
                             }
                         }
                     }
+                    let flipped = reg.handle != export.handle;
                     match c.register_cuda_raw(&reg) {
                         Ok((id, _)) => {
+                            assert!(i % 5 == 0 || flipped, "registration {i}: a bad UUID or length was accepted");
+                            // The same allocation: its keys are found through the region.
+                            let found = RegionRef::new(id, FOUND + 4096 * (t + 1), n);
+                            let hits = c.contains_in("t", RegionRef::new(id, KEYS, n), found).unwrap();
+                            assert_eq!(hits, n, "registration {i} (handle flipped: {flipped}) maps other memory");
                             ok += 1;
+                            opened_flipped += u32::from(flipped);
                             c.unregister(id).unwrap();
                         }
                         Err(e) => {
                             let (code, msg) = code(e);
-                            assert!(
-                                matches!(code, ErrorCode::BadRequest | ErrorCode::ResourceExhausted),
-                                "{code:?}: {msg}"
-                            );
+                            assert_ne!(i % 5, 0, "the valid handle was refused: {code:?}: {msg}");
+                            assert_eq!(code, ErrorCode::BadRequest, "registration {i}: {msg}");
                             refused += 1;
                         }
                     }
                 }
                 c.ping().unwrap();
-                (ok, refused)
+                (ok, opened_flipped, refused)
             })
         })
         .collect();
-    let mut c = d.client();
-    let mut total = (0, 0);
-    for t in threads {
-        let (ok, refused) = t.join().expect("a fuzzing connection failed");
-        total = (total.0 + ok, total.1 + refused);
+    // Meanwhile: pings and finds through the fifth connection's region
+    // (bounded: at most 20 000 rounds and 120 s, the fuzzers done first).
+    let start = Instant::now();
+    let mut rounds = 0;
+    while threads.iter().any(|t| !t.is_finished()) && rounds < 20_000 && start.elapsed() < Duration::from_secs(120) {
+        c.ping().unwrap();
+        m.fill(OUT, n * 16, 0x41);
+        assert_eq!(c.find_in("t", r.at::<u64>(KEYS, n), r.at::<u8>(FOUND, n), r.at::<f32>(OUT, n * 4)).unwrap(), n);
+        assert_eq!(m.get::<f32>(OUT, n * 4), values, "round {rounds}: the rows");
+        rounds += 1;
     }
-    assert!(total.0 >= 120 && total.1 >= 240, "{total:?} registered / refused");
+    let mut total = (0, 0, 0);
+    for t in threads {
+        let (ok, flipped, refused) = t.join().expect("a fuzzing connection failed");
+        total = (total.0 + ok, total.1 + flipped, total.2 + refused);
+    }
+    eprintln!("{total:?} registered / of them through flipped handles / refused; {rounds} finds meanwhile");
+    assert_eq!(total.0 + total.2, 4 * 150, "every registration answered: {total:?}");
+    assert!(total.0 - total.1 == 120 && total.2 >= 120, "{total:?} registered / flipped / refused");
     assert!(d.alive(), "hkvd died");
     c.ping().unwrap();
+    assert_eq!(c.find_in("t", r.at::<u64>(KEYS, n), r.at::<u8>(FOUND, n), r.at::<f32>(OUT, n * 4)).unwrap(), n);
+    wait_regions(&mut c, (1, export.size));
+    c.unregister(r.id()).unwrap();
     wait_regions(&mut c, (0, 0));
+}
+
+/// Issue 32, items 14 and 21: finds over CUDA IPC at 3.3 G keys/s had 3.6 %
+/// of their lookups reach the miss-ratio curve, and nothing said so. Finds
+/// of 4 Mi keys through a device region, as fast as one client sends them,
+/// for a second: the ring overflows in the first 250 ms, and the stats say
+/// how many sampled keys and how many lookups the curve left out
+/// (`dropped`, `dropped_lookups`, the same in Prometheus); the lookups
+/// counted and those left out are every lookup served.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn finds_at_gpu_rates_account_for_every_lookup() {
+    let (ctx, stream) = gpu();
+    let d = cuda_daemon("1", &[]);
+    let mut c = d.client();
+    c.create_table(TableSpec::new("t", 4, 1 << 20)).unwrap();
+    let stored: Vec<u64> = (1..=1u64 << 19).collect();
+    for part in stored.chunks(1 << 16) {
+        c.insert_or_assign("t", part, &vec![1.0; part.len() * 4], None).unwrap();
+    }
+    let n = 4u64 << 20;
+    let bytes = n * (8 + 1 + 16);
+    let alloc = DeviceAlloc::new(&ctx, bytes as usize).unwrap();
+    let r = c.register_cuda(alloc.ptr(), bytes).unwrap();
+    let m = Dev { alloc, stream, at: 0 };
+    let keys: Vec<u64> = (0..n).map(|i| stored[(i.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 45) as usize]).collect();
+    m.put(0, &keys);
+    let (k, f, v) = (r.at::<u64>(0, n), r.at::<u8>(n * 8, n), r.at::<f32>(n * 9, n * 4));
+    let start = Instant::now();
+    let mut finds = 0u64;
+    // Bounded: one second, at most 10 000 finds.
+    while start.elapsed() < Duration::from_secs(1) && finds < 10_000 {
+        assert_eq!(c.find_in("t", k, f, v).unwrap(), n);
+        finds += 1;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let served = finds * n;
+    let stats = c.stats_doc().unwrap();
+    let mrc = stats.tables[0].mrc.as_ref().expect("curves are on by default");
+    eprintln!(
+        "{served} lookups in {secs:.2} s ({:.2} G keys/s): {} counted, {} left out, {} sampled, {} samples dropped",
+        served as f64 / secs / 1e9,
+        mrc.accesses,
+        mrc.dropped_lookups,
+        mrc.sampled_accesses,
+        mrc.dropped
+    );
+    assert!(mrc.dropped > 0 && mrc.dropped_lookups > 0, "the first interval overflows the ring");
+    assert_eq!(mrc.accesses + mrc.dropped_lookups, served, "every lookup counted or counted as left out");
+    let metrics = c.metrics().unwrap();
+    for (name, want) in
+        [("hkvd_mrc_sampled_dropped_total", mrc.dropped), ("hkvd_mrc_lookups_dropped_total", mrc.dropped_lookups)]
+    {
+        let line = format!("{name}{{table=\"t\"}} {want}");
+        assert!(metrics.lines().any(|l| l == line), "{line} not in the metrics");
+    }
+    c.unregister(r.id()).unwrap();
 }

@@ -216,6 +216,7 @@ fn full_speed_drops_no_samples() {
     );
     assert_eq!(m.dropped, 0, "sampled keys dropped at full speed");
     assert_eq!(m.accesses, sent.len() as u64, "every lookup counted");
+    assert_eq!(m.dropped_lookups, 0);
     assert!(m.sampled_accesses >= below, "{} sampled, {below} below the final threshold", m.sampled_accesses);
     assert!(m.rate < 0.5, "the rate fell under the load: {}", m.rate);
 }

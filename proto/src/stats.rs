@@ -214,6 +214,9 @@ pub struct MrcStats {
     /// buffer full between two drains), since the table was created; 0
     /// unless sampling fell behind, which makes the curve less exact.
     pub dropped: u64,
+    /// Lookups those dropped keys stood for, left out of `accesses` (the
+    /// curve covers `accesses` of the `accesses + dropped_lookups` served).
+    pub dropped_lookups: u64,
     /// Distinct sampled keys tracked now, over all shards.
     pub tracked_keys: u64,
     /// The sampling rate (access-weighted mean over shards).

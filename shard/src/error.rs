@@ -72,8 +72,10 @@ pub enum Error {
     /// out of range, or rows of another width; nothing was changed.
     #[error("apply_gradients: {0}")]
     Optimizer(String),
-    /// Host memory for the table could not be allocated; nothing was changed.
-    #[error("out of host memory: {0}")]
+    /// Memory for the table (host memory, or on the CUDA backend device
+    /// memory and the pinned host tier) could not be allocated; nothing was
+    /// changed.
+    #[error("out of memory: {0}")]
     OutOfMemory(String),
 }
 

@@ -551,9 +551,10 @@ pub trait Shard: Send + Sync {
     /// export_batch restricted to entries matching the filter. Reader group.
     fn export_batch_if(&self, offset: u64, n: u64, filter: &Filter) -> Result<Export>;
     /// Grows (by doubling buckets) to at least `capacity` slots. Inserter group.
-    /// On the CPU backend a shard grows wholly or not at all, and after a
-    /// successful [`Shard::prepare_reserve`] of the same capacity (the
-    /// table not grown since) it allocates nothing and cannot fail.
+    /// A shard grows wholly or not at all, and after a successful
+    /// [`Shard::prepare_reserve`] of the same capacity (the table not grown
+    /// since) it allocates nothing large: on the CPU backend nothing, and
+    /// it cannot fail; on the CUDA backend a lane's per-key outcome bytes.
     fn reserve(&self, capacity: u64) -> Result<()>;
     /// Allocates (and keeps) what `reserve(capacity)` will need, without
     /// changing the table, so that a table of several shards grows all of

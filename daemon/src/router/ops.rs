@@ -292,7 +292,7 @@ impl Router {
         // All or nothing: every shard first allocates what it will need
         // (the table unchanged); if one cannot, every shard frees what it
         // allocated and the table stays as it was. Then each grows into
-        // what it allocated, which cannot fail on the CPU backend.
+        // what it allocated (no large allocation left on either backend).
         if let Err(e) = self.on_each(t, || op::PrepareReserve(per)).await {
             let _ = self.on_each(t, || op::CancelReserve).await;
             return Err(e);

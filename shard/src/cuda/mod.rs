@@ -53,6 +53,16 @@ pub(crate) fn dev_err(what: &str) -> impl FnOnce(cudarc::driver::DriverError) ->
     move |e| Error::Device(format!("{what}: {e:?}"))
 }
 
+/// [`dev_err`] for an allocation: the device (or the pinned host memory it
+/// maps) out of memory is [`Error::OutOfMemory`], which a client is told
+/// as a lack of resources, not as a failure of the device.
+pub(crate) fn alloc_err(what: &str) -> impl FnOnce(cudarc::driver::DriverError) -> Error + '_ {
+    move |e| match e.0 {
+        cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Error::OutOfMemory(format!("{what}: {e:?}")),
+        _ => Error::Device(format!("{what}: {e:?}")),
+    }
+}
+
 /// Grows a reusable device buffer to at least `n` elements (never empty).
 pub(crate) fn ensure<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
     stream: &Arc<CudaStream>,

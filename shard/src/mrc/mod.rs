@@ -182,6 +182,10 @@ pub struct Curve {
     /// the estimator, since it started: 0 unless the sampler fell behind.
     #[serde(default)]
     pub dropped: u64,
+    /// Lookups those dropped keys stood for, left out of `accesses`: the
+    /// lookups the shard served while sampling are `accesses` plus these.
+    #[serde(default)]
+    pub dropped_lookups: u64,
 }
 
 const NIL: u32 = u32::MAX;
@@ -252,6 +256,7 @@ pub struct Mrc {
     accesses: u64,
     sampled_accesses: u64,
     dropped: u64,
+    dropped_lookups: u64,
     /// Keys untracked so far (an entry index found before may be stale).
     untracked: u64,
     /// A drain's sampled keys, their entries found ahead.
@@ -298,6 +303,7 @@ impl Mrc {
             accesses: 0,
             sampled_accesses: 0,
             dropped: 0,
+            dropped_lookups: 0,
             untracked: 0,
             todo: Vec::new(),
             cfg,
@@ -433,9 +439,11 @@ impl Mrc {
         }
     }
 
-    /// Counts sampled keys a shard lost to a full buffer (shown with the curve).
-    pub fn add_dropped(&mut self, dropped: u64) {
+    /// Counts sampled keys a shard lost to a full buffer, and the lookups
+    /// left out of the curve with them (both shown with the curve).
+    pub fn add_dropped(&mut self, dropped: u64, lookups: u64) {
         self.dropped += dropped;
+        self.dropped_lookups += lookups;
     }
 
     /// One sampled key with its tag; `e`, its entry if known.
@@ -710,6 +718,7 @@ impl Mrc {
             tracked_keys: self.map.len() as u64,
             rate: self.rate(),
             dropped: self.dropped,
+            dropped_lookups: self.dropped_lookups,
         }
     }
 

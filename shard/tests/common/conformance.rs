@@ -463,6 +463,64 @@ pub fn dual_mode_fills_before_evicting(make: Make) {
     assert!(dual > 0.95, "dual {dual}");
 }
 
+/// Issue 32, item 22: restores of a 95 %-full dual-mode lfu table onto the
+/// same capacity dropped entries on the CUDA backend (1 384 in a campaign
+/// on the H200, "buckets overflowed"), never on the CPU backend: the upsert
+/// kernel evicted as soon as both of a key's buckets were full, where the
+/// CPU backend first moves a resident to its other bucket, and in one launch
+/// thousands of keys race for the same buckets. Every entry must come back
+/// with its value and score, into a table that has the capacity from the
+/// start and into one that grows to it while loading (a rehash in dual
+/// mode has the same race).
+pub fn a_full_dual_table_restores_every_entry(make: Make) {
+    let (cap, dim) = (1u64 << 16, 4);
+    let cfg =
+        |initial| TableConfig::new(initial, dim).max_capacity(cap).policy(ScorePolicy::Lfu).mode(BucketMode::Dual);
+    let t = make(cfg(cap));
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    // Bounded: 64 rounds of 8 Ki new keys; 95 % of 64 Ki slots takes about 8.
+    for _ in 0..64 {
+        if t.size() >= cap * 95 / 100 {
+            break;
+        }
+        let keys: Vec<u64> = (0..8192)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x >> 2
+            })
+            .collect();
+        let sc: Vec<u64> = keys.iter().map(|k| k % 1000 + 1).collect();
+        t.insert_or_assign(&keys, &vals(&keys, dim, 0.0), Some(&sc), None).unwrap();
+    }
+    assert!(t.size() >= cap * 95 / 100, "filled to {} of {cap}", t.size());
+    let entries = |t: &dyn Shard| {
+        let e = t.export_batch(0, t.capacity()).unwrap();
+        let mut v: Vec<(u64, u64, Vec<f32>)> =
+            (0..e.keys.len()).map(|i| (e.keys[i], e.scores[i], e.values[i * dim..(i + 1) * dim].to_vec())).collect();
+        v.sort_unstable_by_key(|e| e.0);
+        (e, v)
+    };
+    let (exp, want) = entries(&*t);
+    assert_eq!(want.len() as u64, t.size());
+    for initial in [cap, cap / 4] {
+        let r = make(cfg(initial));
+        let mut placed = hkv_shard::Summary::default();
+        let chunk = 1 << 15;
+        for (i, keys) in exp.keys.chunks(chunk).enumerate() {
+            let at = i * chunk;
+            let values = &exp.values[at * dim..(at + keys.len()) * dim];
+            placed = placed.merge(r.load(keys, values, &exp.scores[at..at + keys.len()]).unwrap());
+        }
+        assert_eq!(placed.evicted + placed.rejected, 0, "initial capacity {initial}: nothing evicted or refused");
+        assert_eq!(placed.inserted, want.len() as u64, "initial capacity {initial}");
+        assert_eq!(r.capacity(), cap);
+        assert_eq!(r.size(), want.len() as u64, "initial capacity {initial}: every entry placed, growth included");
+        assert!(entries(&*r).1 == want, "initial capacity {initial}: every key back with its value and score");
+    }
+}
+
 /// Duplicate keys in a batch: applied one after the other, never stored twice.
 pub fn duplicate_keys_in_a_batch(make: Make) {
     for mode in [BucketMode::Single, BucketMode::Dual] {
@@ -900,6 +958,7 @@ macro_rules! conformance_suite {
         #[test] $(#[$attr])? fn export_in_ranges() { c::export_in_ranges($make) }
         #[test] $(#[$attr])? fn growth_doubles_up_to_max() { c::growth_doubles_up_to_max($make) }
         #[test] $(#[$attr])? fn dual_mode_fills_before_evicting() { c::dual_mode_fills_before_evicting($make) }
+        #[test] $(#[$attr])? fn a_full_dual_table_restores_every_entry() { c::a_full_dual_table_restores_every_entry($make) }
         #[test] $(#[$attr])? fn duplicate_keys_in_a_batch() { c::duplicate_keys_in_a_batch($make) }
         #[test] $(#[$attr])? fn large_batches() { c::large_batches($make) }
         #[test] $(#[$attr])? fn stats_count_operations() { c::stats_count_operations($make) }

@@ -24,6 +24,18 @@ pub(super) const UP_ACCUM: i32 = abi::HKV_UP_ACCUM as i32;
 
 pub(super) const UP_FIND_OR_INSERT_PTR: i32 = abi::HKV_UP_FIND_OR_INSERT_PTR as i32;
 
+pub(super) const SCORES_POLICY: u32 = abi::HKV_SCORES_POLICY;
+
+pub(super) const SCORES_VERBATIM: u32 = abi::HKV_SCORES_VERBATIM;
+
+pub(super) const SCORES_DEFER: u32 = abi::HKV_SCORES_DEFER;
+
+/// Passes of a verbatim write that leave keys they cannot place for the
+/// next ([`CudaTable::in_passes`]): the keys a pass defers are a small
+/// share of its batch, and each later pass runs them alone, so two or
+/// three passes place them wherever the table has room for them.
+pub(super) const DEFER_PASSES: usize = 4;
+
 pub(super) const UPD_ASSIGN: i32 = abi::HKV_UPD_ASSIGN as i32;
 
 pub(super) const UPD_SCORES: i32 = abi::HKV_UPD_SCORES as i32;

@@ -70,6 +70,64 @@ impl CudaTable {
         }
     }
 
+    /// Runs a verbatim write (a load, a rehash) of `n` keys in passes,
+    /// `launch(lane, scoring, only)` launching it over the keys `only`
+    /// flags (all when `None`; the caller's `first` mask in the first pass)
+    /// with outcomes into `outcomes` (the lane's flags buffer, sized here
+    /// and handed to `launch`). Dual mode: the kernel relocates a resident
+    /// before it gives up on a key whose two buckets are full, but in one
+    /// launch thousands of keys hold and try-lock buckets at once, so a
+    /// relocation can fail for want of a lock that is free a moment later;
+    /// each pass but the last leaves such keys in place (`HKV_SCORES_DEFER`,
+    /// outcome absent) and the next runs them alone, with nothing racing
+    /// them; the last pass (after [`DEFER_PASSES`], or once a pass placed
+    /// none of them) evicts or refuses as the policy says. Single mode: one
+    /// pass (a key has no other bucket). Returns the deferrals the counters
+    /// hold as `absent` (every deferred key was run again after).
+    pub(super) fn in_passes(
+        &self,
+        l: &mut Lane,
+        n: usize,
+        first: Option<&[u8]>,
+        mut launch: impl FnMut(&mut Lane, ScoringArgs, Option<&[u8]>, DevPtr<u8>) -> Result<()>,
+    ) -> Result<u64> {
+        let s = l.stream.clone();
+        let outcomes = Self::scratch(&s, &mut l.flags, n)?;
+        if self.config.mode != BucketMode::Dual {
+            launch(l, self.scoring(true), first, outcomes)?;
+            return Ok(0);
+        }
+        let mut mask = first.map(<[u8]>::to_vec);
+        let (mut deferrals, mut left, mut defer) = (0u64, u64::MAX, true);
+        // Bounded: DEFER_PASSES deferring passes at most, then the last.
+        for pass in 1.. {
+            let sc = if defer { self.scoring_deferred() } else { self.scoring(true) };
+            launch(l, sc, mask.as_deref(), outcomes)?;
+            if !defer {
+                break;
+            }
+            let absent = self.read_counters(l)?.summary.absent;
+            let now = absent - deferrals;
+            deferrals = absent;
+            if now == 0 {
+                break;
+            }
+            // Another deferring pass only while the last one placed some.
+            defer = pass < DEFER_PASSES && now < left;
+            left = now;
+            let f = Self::fetch(&s, &mut l.stage, &l.flags, n)?;
+            l.stage.sync(&s)?;
+            // A key the caller left out has no outcome written: its byte is stale.
+            let absent = Outcome::Absent as u8;
+            let out = l.stage.read(&f);
+            mask = Some(match first {
+                Some(m) => out.iter().zip(m).map(|(&o, &m)| u8::from(o == absent && m != 0)).collect(),
+                None => out.iter().map(|&o| u8::from(o == absent)).collect(),
+            });
+        }
+        Ok(deferrals)
+    }
+
     /// The shared body of insert_or_assign, insert_and_evict, load,
     /// find_or_insert and the insert phase of accum_or_assign. Caller holds
     /// the inserter group and has checked the arguments. `only`: the keys to
@@ -127,7 +185,6 @@ impl CudaTable {
             });
         }
         self.zero_counters(l)?;
-        let sc = self.scoring(verbatim);
         if !verbatim && self.adapt.is_some() {
             // Adaptive: the batch's keys into the sketch before any is placed.
             let counted = only.map_or(n, |o| o.iter().filter(|&&x| x != 0).count()) as u64;
@@ -139,18 +196,32 @@ impl CudaTable {
             // SAFETY: keys uploaded above and the flags here, n each.
             unsafe { self.k_adapt_count(&s, k, n as u64, o, counted) }?;
         }
-        self.in_rounds(l, keys, st.nbuckets, only, |_, o| {
-            // SAFETY: keys, values, scores, outcomes and the lost buffers were uploaded or sized above for
-            // these n keys, flags2 by in_rounds
-            unsafe { self.k_upsert(&s, st, sc, n as u64, mode, Ptrs { only: o, ..p }) }
-        })?;
+        let nb = st.nbuckets;
+        let deferrals = if verbatim {
+            self.in_passes(l, n, only, |l, sc, only, out| {
+                self.in_rounds(l, keys, nb, only, |_, o| {
+                    // SAFETY: keys, values, scores and the lost buffers were uploaded or sized above for these
+                    // n keys, outcomes by in_passes, flags2 by in_rounds
+                    unsafe { self.k_upsert(&s, st, sc, n as u64, mode, Ptrs { only: o, outcomes: Some(out), ..p }) }
+                })
+            })?
+        } else {
+            let sc = self.scoring(false);
+            self.in_rounds(l, keys, nb, only, |_, o| {
+                // SAFETY: keys, values, scores, outcomes and the lost buffers were uploaded or sized above for
+                // these n keys, flags2 by in_rounds
+                unsafe { self.k_upsert(&s, st, sc, n as u64, mode, Ptrs { only: o, ..p }) }
+            })?;
+            0
+        };
         self.k_adapt_age(&s, st)?;
         let rows = match values {
             Rows::InOut(_) => Some(Self::fetch(&s, &mut l.stage, &l.values, n * dim)?),
             Rows::In(_) => None,
         };
         let flags = Self::fetch(&s, &mut l.stage, &l.flags, if want_outcomes { n } else { 0 })?;
-        let c = self.read_counters(l)?;
+        let mut c = self.read_counters(l)?;
+        c.summary.absent -= deferrals;
         if let (Some(r), Rows::InOut(out)) = (&rows, values) {
             l.stage.read_into(r, out);
         }

@@ -22,10 +22,17 @@
 //! results per key equal the CPU backend's whenever no two keys of a batch
 //! share a bucket.
 //!
+//! Verbatim writes (load, and the re-insert of a growth) in dual mode move a
+//! resident of a full candidate bucket to its other bucket before they
+//! evict, as the CPU backend does (`kernels/upsert.cu`), and run in passes
+//! ([`CudaTable::in_passes`]): a key that finds no room while the rest of its
+//! launch holds the buckets it could move residents into is placed by a
+//! later pass, so a table loaded onto its own layout gets every entry back.
+//!
 //! Deliberate difference from the CPU backend: growth re-inserts entries in
 //! parallel, not in descending score order; in dual mode, where a rehash can
-//! overflow a bucket pair, which entry is dropped may differ. A grow that
-//! fails leaves the table as it was.
+//! still overflow a bucket pair that relocation cannot relieve, which entry
+//! is dropped may differ. A grow that fails leaves the table as it was.
 //!
 //! # Layout
 //! - this file: [`CudaTable`], its construction and tuning.
@@ -74,7 +81,7 @@ use crate::check;
 use crate::config::{BucketMode, CudaTuning, LfuTies, ScorePolicy, TableConfig};
 use crate::cpu::Counters;
 use crate::cuda::staging::{Region, Staging};
-use crate::cuda::{arg, dev_err, ensure, DevPtr, Device};
+use crate::cuda::{alloc_err, arg, dev_err, ensure, DevPtr, Device};
 use crate::error::{Error, Result};
 use crate::lock::{Group, GroupLock};
 use crate::mrc::Kind;
@@ -120,6 +127,8 @@ pub struct CudaTable {
     fail_grow: std::sync::atomic::AtomicBool,
     /// The Adaptive policy's device state; `None` for every other policy.
     adapt: Option<adapt::DeviceAdapt>,
+    /// What a reserve allocated in advance ([`Shard::prepare_reserve`]).
+    prepared: Mutex<Option<growth::Prepared>>,
 }
 
 impl std::fmt::Debug for CudaTable {
@@ -196,6 +205,7 @@ impl CudaTable {
             sampling: Sampling::default(),
             fail_grow: std::sync::atomic::AtomicBool::new(false),
             adapt,
+            prepared: Mutex::new(None),
         })
     }
 
@@ -224,7 +234,7 @@ impl CudaTable {
             now_ns: self.clock.now_ns(),
             policy: policy_code(self.config.policy),
             epoch: self.epoch.load(Relaxed),
-            verbatim: verbatim as u32,
+            verbatim: if verbatim { SCORES_VERBATIM } else { SCORES_POLICY },
             lfu_lru: (self.config.lfu_ties == LfuTies::Lru) as u32,
             refresh: 0,
             pad: 0,
@@ -244,5 +254,11 @@ impl CudaTable {
     /// (the CPU backend's `find`; `find_at` and `contains` refresh nothing).
     fn read_scoring(&self, find: bool) -> ScoringArgs {
         ScoringArgs { refresh: (find && self.config.refreshes_reads()) as u32, ..self.scoring(false) }
+    }
+
+    /// Verbatim scores, and a key the kernel cannot place without evicting
+    /// left for a later pass ([`CudaTable::in_passes`]).
+    fn scoring_deferred(&self) -> ScoringArgs {
+        ScoringArgs { verbatim: SCORES_DEFER, ..self.scoring(true) }
     }
 }

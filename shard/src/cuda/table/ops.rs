@@ -418,13 +418,19 @@ impl Shard for CudaTable {
         }
         let _g = self.lock.acquire(Group::Inserter);
         self.counters.op(Op::Reserve, 0);
-        loop {
-            let nb = self.nbuckets();
-            if nb * S >= capacity || nb * 2 > self.config.max_buckets() {
-                return Ok(());
-            }
-            self.rehash(nb * 2)?;
+        self.grow_to(capacity)
+    }
+
+    fn prepare_reserve(&self, capacity: u64) -> Result<()> {
+        let max = self.config.max_buckets() * S;
+        if capacity > max {
+            return Err(Error::Capacity { requested: capacity, max });
         }
+        self.prepare_growth(capacity)
+    }
+
+    fn cancel_reserve(&self) {
+        *self.prepared.lock() = None;
     }
 
     fn load(&self, keys: &[u64], values: &[f32], scores: &[u64]) -> Result<Summary> {

@@ -42,7 +42,7 @@ impl Storage {
             None => slots,
         };
         let host_slots = slots - fast_slots;
-        let al = |what: &'static str| dev_err(what);
+        let al = |what: &'static str| alloc_err(what);
         let digests = stream.alloc_zeros::<u8>(slots as usize).map_err(al("allocating digests"))?;
         let keys = stream.alloc_zeros::<u64>(slots as usize).map_err(al("allocating keys"))?;
         let scores = stream.alloc_zeros::<u64>(slots as usize).map_err(al("allocating scores"))?;
@@ -118,7 +118,7 @@ impl Storage {
 /// into the device's address space, and its device address.
 pub(super) fn host_slice(dev: &Device, len: usize) -> Result<(PinnedHostSlice<f32>, u64)> {
     use cudarc::driver::sys;
-    let al = |e| dev_err("allocating pinned host values")(e);
+    let al = |e| alloc_err("allocating pinned host values")(e);
     let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
     // SAFETY: the memory is zeroed right below before any use.
     let mut h = unsafe { dev.ctx.alloc_pinned_with_flags::<f32>(len, flags) }.map_err(al)?;
