@@ -200,6 +200,8 @@ impl Tiers {
 
     /// Runs `work`, which touches `keys`, on a task of its own after the
     /// answer; the table's later requests on any of those keys wait for it.
+    /// A table whose tier is gone (dropped meanwhile) skips the work:
+    /// nothing reads that cache through any more.
     fn after_answer(
         &self,
         name: &str,
