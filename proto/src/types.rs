@@ -211,7 +211,9 @@ pub struct TableSpec {
     pub backing: Option<BackingSpec>,
     /// Whether `find` hits refresh scores (and count in the adaptive
     /// policy's sketch); absent: the policy's default (on for `adaptive`,
-    /// off for the others, whose finds touch no score as in HKV).
+    /// off for the others, whose finds touch no score as in HKV), except
+    /// on a table with `backing` on the CPU backend, where it is on (a
+    /// backed table's find hits refresh their rows, `docs/backing.md`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reads_refresh: Option<bool>,
     /// The optimizer `apply_gradients` runs in the table (absent: none):
