@@ -168,11 +168,16 @@ impl Cluster {
 
     /// Masters serving slots.
     pub fn masters(&self) -> usize {
+        self.master_nodes().len()
+    }
+
+    /// The masters serving slots (`HOST:PORT`), as last seen, sorted.
+    pub fn master_nodes(&self) -> Vec<String> {
         let t = self.topo.read();
         let mut m: Vec<&str> = t.slots.iter().flatten().map(|s| &**s).collect();
         m.sort_unstable();
         m.dedup();
-        m.len()
+        m.into_iter().map(String::from).collect()
     }
 
     /// The node serving `slot`, as last seen, or `cluster`.

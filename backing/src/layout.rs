@@ -98,6 +98,32 @@ impl Layout {
         out.extend_from_slice(&key.to_le_bytes());
     }
 
+    /// The key whose row `bytes` names, when `bytes` is a row key of this
+    /// table (its own prefix for the key's group, then 8 bytes): a walk of
+    /// the cluster's keys tells the table's rows from other tables' (a
+    /// table `T:x` shares the prefix `hkv:{T:`).
+    pub fn parse_row_key(&self, bytes: &[u8]) -> Option<u64> {
+        let split = bytes.len().checked_sub(8)?;
+        let key = u64::from_le_bytes(bytes[split..].try_into().ok()?);
+        (self.prefixes[self.group(key) as usize] == bytes[..split]).then_some(key)
+    }
+
+    /// A `SCAN … MATCH` pattern of every row key of the table (and of
+    /// tables whose name continues with `:`, which [`Layout::parse_row_key`]
+    /// tells apart): `hkv:{T:*`, the glob's special characters of `T`
+    /// escaped.
+    pub fn scan_pattern(&self) -> Vec<u8> {
+        let mut p = b"hkv:{".to_vec();
+        for &b in self.table.as_bytes() {
+            if matches!(b, b'*' | b'?' | b'[' | b']' | b'\\') {
+                p.push(b'\\');
+            }
+            p.push(b);
+        }
+        p.extend_from_slice(b":*");
+        p
+    }
+
     /// The meta hash's key.
     pub fn meta_key(table: &str) -> String {
         format!("hkv:{{{table}}}:meta")
@@ -172,5 +198,23 @@ mod tests {
         let mut seen = [false; 96];
         (0..10_000u64).for_each(|k| seen[l.group(k) as usize] = true);
         assert!(seen.iter().all(|s| *s));
+    }
+
+    #[test]
+    fn row_keys_parse_back_and_other_tables_do_not() {
+        let l = Layout::new("t", 2, 96);
+        for k in [0, 42, u64::MAX] {
+            assert_eq!(l.parse_row_key(&l.row_key(k)), Some(k));
+        }
+        // `t:x`'s rows match `hkv:{t:*` but are not `t`'s.
+        let other = Layout::new("t:x", 2, 96);
+        assert_eq!(l.parse_row_key(&other.row_key(42)), None);
+        // Another group's prefix, a short key, the meta hash: not rows.
+        let mut wrong = Layout::new("t", 2, 96).row_key(42);
+        wrong[6] ^= 1;
+        assert_eq!(l.parse_row_key(&wrong), None);
+        assert_eq!(l.parse_row_key(b"hkv:"), None);
+        assert_eq!(l.parse_row_key(Layout::meta_key("t").as_bytes()), None);
+        assert_eq!(Layout::new("a*[b]", 1, 3).scan_pattern(), br"hkv:{a\*\[b\]:*".to_vec());
     }
 }

@@ -11,8 +11,8 @@
 //! `redis` crate's cluster connection (no hand-written RESP).
 //!
 //! # Layout
-//! - `tier`: [`Backing`] (open, read, write, flush, subscribe, stats),
-//!   [`Options`], [`Mode`], [`Fetched`], [`ReadOut`].
+//! - `tier`: [`Backing`] (open, read, write, erase, scan, flush, subscribe,
+//!   stats), [`Options`], [`Mode`], [`Fetched`], [`ReadOut`], [`Scan`].
 //! - `cluster`: seeds checked, the cluster connection, the slot map that
 //!   names a failed node.
 //! - `layout`: keys, groups, hash slots and the row encoding.
@@ -37,4 +37,4 @@ pub use cluster::parse_seeds;
 pub use error::Error;
 pub use stats::{HistogramSnapshot, Stats};
 pub use stream::{Invalidation, Invalidations};
-pub use tier::{Backing, Fetched, Mode, Options, ReadOut};
+pub use tier::{Backing, Fetched, Mode, Options, ReadOut, Scan};

@@ -179,6 +179,19 @@ impl ReadOut {
     }
 }
 
+/// Keys a `SCAN` page looks at (its `COUNT`): a node's keyspace holds
+/// other tables' rows too, so a page is many keys per round trip.
+const SCAN_COUNT: u64 = 1000;
+
+/// A walk over a table's rows in the cluster: the masters to walk, the
+/// one being walked and its `SCAN` cursor.
+#[derive(Debug, Clone)]
+pub struct Scan {
+    nodes: Vec<String>,
+    node: usize,
+    cursor: u64,
+}
+
 /// One row to send: borrowed from a request or from a queued batch (no
 /// copy of its values before they are encoded into the command). Empty
 /// values (a row has at least one float): the key is erased.
@@ -433,12 +446,58 @@ impl Backing {
     pub async fn erase(&self, keys: &[u64]) -> Result<(), Error> {
         match self.core.mode {
             Mode::ReadOnly => Err(Error::ReadOnly { table: self.core.layout.table().into() }),
-            Mode::WriteThrough => {
-                let rows: Vec<Row> = keys.iter().map(|&key| Row { key, score: 0, values: &[] }).collect();
-                self.send_now(&rows).await
-            }
+            Mode::WriteThrough => self.erase_now(keys).await,
             Mode::WriteBack => self.enqueue(keys, &[], &[], 0).await,
         }
+    }
+
+    /// Erases `keys` from the cluster now, whatever the writing mode: the
+    /// `DEL`s and their stream entry are acknowledged before it returns,
+    /// as write-through's erase. For erase_if and clear, which walk the
+    /// cluster (a write-back table's queue flushed first). Read-only
+    /// refuses.
+    pub async fn erase_now(&self, keys: &[u64]) -> Result<(), Error> {
+        if self.core.mode == Mode::ReadOnly {
+            return Err(Error::ReadOnly { table: self.core.layout.table().into() });
+        }
+        let rows: Vec<Row> = keys.iter().map(|&key| Row { key, score: 0, values: &[] }).collect();
+        self.send_now(&rows).await
+    }
+
+    /// Starts a walk of the table's rows in the cluster, over the masters
+    /// that serve slots now ([`Backing::scan_next`]).
+    pub fn scan(&self) -> Scan {
+        Scan { nodes: self.core.cluster.master_nodes(), node: 0, cursor: 0 }
+    }
+
+    /// The walk's next keys of the table's rows (about `count`, at least
+    /// one), `None` once every master has been walked: `SCAN` with the
+    /// table's `MATCH` pattern on one master after the other, the keys of
+    /// other tables dropped. As `SCAN` guarantees, a row present for the
+    /// whole walk is seen (maybe twice); rows written during it, or in
+    /// slots that migrate during it, may be missed. A master that fails
+    /// ends the walk with `Unavailable`, naming it.
+    pub async fn scan_next(&self, scan: &mut Scan, count: usize) -> Result<Option<Vec<u64>>, Error> {
+        let (core, mut keys) = (&self.core, Vec::new());
+        let pattern = core.layout.scan_pattern();
+        while keys.len() < count {
+            let Some(node) = scan.nodes.get(scan.node) else { break };
+            let mut cmd = redis::cmd("SCAN");
+            cmd.arg(scan.cursor).arg("MATCH").arg(&pattern[..]).arg("COUNT").arg(SCAN_COUNT);
+            let failed = |detail: String| {
+                core.counters.node_error(node);
+                Error::Unavailable { node: node.clone(), detail: format!("SCAN: {detail}") }
+            };
+            let v = core.cluster.on_node(node, cmd).await.map_err(failed)?;
+            let (cursor, page): (u64, Vec<Vec<u8>>) =
+                redis::FromRedisValue::from_redis_value(v).map_err(|e| failed(e.to_string()))?;
+            keys.extend(page.iter().filter_map(|k| core.layout.parse_row_key(k)));
+            scan.cursor = cursor;
+            if cursor == 0 {
+                scan.node += 1;
+            }
+        }
+        Ok((!keys.is_empty()).then_some(keys))
     }
 
     /// Write-through's half of `write` and `erase`: `rows` sent, the first

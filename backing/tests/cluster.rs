@@ -472,3 +472,60 @@ async fn writes_wait_for_replicas() {
     bad.wait_timeout = bad.response_timeout;
     assert!(matches!(Backing::open("wr", DIM, bad).await, Err(Error::BadOption { name: "wait_timeout", .. })));
 }
+
+/// A walk of the table's rows (`scan`, `scan_next`) sees every row of the
+/// table on every master and no row of another table (`w2` shares the
+/// prefix `hkv:{w`); `erase_now` deletes rows under write-back without the
+/// queue; with a master down the walk stops with `Unavailable` naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_walk_sees_every_row_of_its_table_only() {
+    let mut c = cluster(3, 0);
+    let w = Backing::open("w", DIM, options(&c, Mode::WriteBack)).await.unwrap();
+    let other = Backing::open("w2", DIM, options(&c, Mode::WriteThrough)).await.unwrap();
+    let keys: Vec<u64> = (1..=5000u64).map(|k| k * 7919).collect();
+    w.write(&keys, &rows(&keys, 1), &[]).await.unwrap();
+    w.flush(Duration::from_secs(10)).await.unwrap();
+    other.write(&keys[..100], &rows(&keys[..100], 1), &[]).await.unwrap();
+    let walk = |b: Backing| async move {
+        let (mut scan, mut seen, mut pages) = (b.scan(), std::collections::BTreeSet::new(), 0);
+        while let Some(page) = b.scan_next(&mut scan, 1000).await.unwrap() {
+            assert!(!page.is_empty());
+            seen.extend(page);
+            pages += 1;
+            assert!(pages < 1000, "the walk ends");
+        }
+        seen
+    };
+    let seen = walk(w.clone()).await;
+    assert_eq!(seen, keys.iter().copied().collect(), "every row of w, none of w2");
+    assert_eq!(walk(other.clone()).await.len(), 100);
+
+    // erase_now: gone from the cluster at once, though the table writes back.
+    w.erase_now(&keys[..1000]).await.unwrap();
+    assert_eq!(w.stats().queue_rows, 0);
+    let ro = Backing::open("w", DIM, options(&c, Mode::ReadOnly)).await.unwrap();
+    let out = ro.read(&keys).await;
+    assert!(out.fetched[..1000].iter().all(|f| *f == Fetched::Absent));
+    assert!(out.fetched[1000..].iter().all(|f| *f == Fetched::Found));
+    assert_eq!(walk(w.clone()).await.len(), 4000);
+    assert!(matches!(ro.erase_now(&keys).await, Err(Error::ReadOnly { .. })));
+
+    // A master down: the walk fails by node instead of passing it by.
+    let port = c.ports()[1];
+    blocking(|| c.kill(1));
+    let (mut scan, mut failed) = (w.scan(), None);
+    for _ in 0..100 {
+        match w.scan_next(&mut scan, 1000).await {
+            Ok(Some(_)) => continue,
+            Ok(None) => break,
+            Err(e) => {
+                failed = Some(e);
+                break;
+            }
+        }
+    }
+    match failed {
+        Some(Error::Unavailable { node, .. }) => assert!(node.ends_with(&format!(":{port}")), "{node}"),
+        other => panic!("a walk past a dead master gave {other:?}"),
+    }
+}

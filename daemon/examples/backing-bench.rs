@@ -26,7 +26,9 @@
 //! ```
 //! Defaults 200000 8192 5 49152 10000; dim 32. `HKV_BENCH_ONLY=cold,warm,wb,stale`
 //! runs some of the four. `HKVD_BIN` names the
-//! daemon binary (default: `hkvd` beside the example's directory).
+//! daemon binary (default: `hkvd` beside the example's directory);
+//! `HKV_BENCH_DAEMON_ARGS` adds options to its `hkvd serve` (e.g.
+//! `--no-mrc`).
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -72,6 +74,7 @@ impl Daemon {
             .arg("--state-dir")
             .arg(dir.path().join("state"))
             .args(["--log", "warn", "--backend", "cpu", "--shards", "2"])
+            .args(std::env::var("HKV_BENCH_DAEMON_ARGS").unwrap_or_default().split_whitespace())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .spawn()

@@ -17,12 +17,13 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use hkv_backing::{Backing, Fetched, Mode, Options, ReadOut};
+use hkv_backing::{Backing, Fetched, Mode, Options, ReadOut, Scan};
 use hkv_proto::{BackingMode, BackingSpec, ErrorCode, ProtoError, Request, Response, TableSpec, WriteOp};
-use hkv_shard::ScorePolicy;
+use hkv_shard::{Rows, ScorePolicy};
 use parking_lot::RwLock;
 
 use crate::router::{ApplyAnswer, FindAnswer, Router, Table, WriteAnswer};
+use crate::shard_ops::Destination;
 
 /// How long dropping a table or stopping the daemon waits for a table's
 /// write-back queue to drain.
@@ -46,11 +47,21 @@ struct Entry {
     /// has received the write.
     invalid: Arc<parking_lot::Mutex<Vec<u64>>>,
     consumer: tokio::task::JoinHandle<()>,
-    /// Held shared by each read's background insert of the rows it filled
-    /// from the cluster; every request of the table starts by taking it
-    /// exclusively (and letting it go), so it sees every fill that a read
-    /// answered before it began.
-    fills: Arc<tokio::sync::RwLock<()>>,
+    /// Work that answered reads left to run after their answers (the
+    /// insert of the rows they filled from the cluster, the refresh of
+    /// their hits' scores). A request of the table first waits for the
+    /// work that touches its keys ([`Tiers::settle`]), so it sees every
+    /// fill that a read answered before it began, and no such insert
+    /// lands after it; the cache's work of one request runs beside the
+    /// next request's on other keys.
+    after: parking_lot::Mutex<Vec<Arc<After>>>,
+}
+
+/// One read's work after its answer: the keys it touches, sorted, and a
+/// lock its task holds until the work is done.
+struct After {
+    keys: Vec<u64>,
+    done: Arc<tokio::sync::RwLock<()>>,
 }
 
 impl Drop for Entry {
@@ -163,13 +174,8 @@ impl Tiers {
         let backing = self.on_rt(async move { Backing::open(&name, dim, o).await }).await?.map_err(wire)?;
         let invalid = Arc::new(parking_lot::Mutex::new(Vec::new()));
         let consumer = self.rt()?.spawn(consume(backing.clone(), invalid.clone()));
-        let entry = Entry {
-            backing,
-            hits: AtomicU64::new(0),
-            invalid,
-            consumer,
-            fills: Arc::new(tokio::sync::RwLock::new(())),
-        };
+        let entry =
+            Entry { backing, hits: AtomicU64::new(0), invalid, consumer, after: parking_lot::Mutex::new(Vec::new()) };
         self.tables.write().insert(spec.name.clone(), Arc::new(entry));
         Ok(())
     }
@@ -192,11 +198,38 @@ impl Tiers {
         self.tables.read().get(name).map(|e| std::mem::take(&mut *e.invalid.lock())).unwrap_or_default()
     }
 
-    /// Waits until the inserts of fills answered before now are done.
-    async fn settle_fills(&self, name: &str) {
-        let fills = self.tables.read().get(name).map(|e| e.fills.clone());
-        if let Some(f) = fills {
-            drop(f.write().await);
+    /// Runs `work`, which touches `keys`, on a task of its own after the
+    /// answer; the table's later requests on any of those keys wait for it.
+    /// A table whose tier is gone (dropped meanwhile) skips the work:
+    /// nothing reads that cache through any more.
+    fn after_answer(
+        &self,
+        name: &str,
+        mut keys: Vec<u64>,
+        work: impl std::future::Future<Output = ()> + Send + 'static,
+    ) {
+        let Some(entry) = self.tables.read().get(name).cloned() else { return };
+        keys.sort_unstable();
+        let done = Arc::new(tokio::sync::RwLock::new(()));
+        let Ok(guard) = done.clone().try_write_owned() else { return };
+        let after = Arc::new(After { keys, done });
+        entry.after.lock().push(after.clone());
+        tokio::spawn(async move {
+            work.await;
+            entry.after.lock().retain(|a| !Arc::ptr_eq(a, &after));
+            drop(guard);
+        });
+    }
+
+    /// Waits until the work that reads answered before now left after
+    /// their answers ([`Tiers::after_answer`]) is done, where it touches
+    /// any of `keys` (all of it for `None`: a request without keys).
+    async fn settle(&self, name: &str, keys: Option<&[u64]>) {
+        let Some(entry) = self.tables.read().get(name).cloned() else { return };
+        let touches = |a: &After| keys.is_none_or(|ks| ks.iter().any(|k| a.keys.binary_search(k).is_ok()));
+        let waits: Vec<_> = entry.after.lock().iter().filter(|a| touches(a)).map(|a| a.done.clone()).collect();
+        for w in waits {
+            drop(w.read().await);
         }
     }
 
@@ -215,11 +248,16 @@ impl Tiers {
     /// fetched by the deadline are left `Late` for the answer to say so;
     /// a failed node still fails the request.
     ///
+    /// With `answer` (a find's values, `dim` per key) the rows found are
+    /// written there; the returned `ReadOut`'s values are not kept (the
+    /// insert takes the fetched rows, without a copy when every miss was
+    /// filled).
+    ///
     /// Without `wait` the rows are inserted after the answer, on a task of
     /// their own (the answer does not wait for the cache's insert; the
-    /// table's next request does, [`Tiers::settle_fills`]); with `wait`
-    /// (find_or_insert, which then writes the keys the cluster lacks)
-    /// they are in the cache when this returns.
+    /// table's next request on those keys does, [`Tiers::settle`]); with
+    /// `wait` (find_or_insert, which then writes the keys the cluster
+    /// lacks) they are in the cache when this returns.
     #[allow(clippy::too_many_arguments)]
     async fn fill(
         &self,
@@ -230,6 +268,7 @@ impl Tiers {
         found: &[u8],
         late_ok: bool,
         wait: bool,
+        answer: Option<&mut [f32]>,
     ) -> Result<(Vec<usize>, ReadOut), ProtoError> {
         let table = t.spec.name.as_str();
         let miss: Vec<usize> = (0..keys.len()).filter(|&i| found[i] == 0).collect();
@@ -239,49 +278,75 @@ impl Tiers {
         }
         let mk: Vec<u64> = miss.iter().map(|&i| keys[i]).collect();
         let b = tier.clone();
-        let out = self.on_rt(async move { b.read(&mk).await }).await?;
-        let unanswered =
-            if late_ok { out.fetched.iter().filter(|f| **f == Fetched::Unavailable).count() } else { out.unanswered() };
-        if unanswered > 0 {
-            return Err(match out.errors.first() {
-                Some(e) => wire(e.clone()),
-                None => ProtoError::new(
-                    ErrorCode::Timeout,
-                    format!(
-                        "{} keys of table {table:?} were not fetched from its cluster within the deadline",
-                        out.unanswered()
-                    ),
-                ),
-            });
-        }
+        let mut out = self.on_rt(async move { b.read(&mk).await }).await?;
+        unanswered(table, &out, late_ok)?;
         let d = t.config.dim;
         let filled: Vec<usize> = (0..miss.len()).filter(|&j| out.fetched[j] == Fetched::Found).collect();
+        if let Some(v) = answer {
+            for &j in &filled {
+                let i = miss[j];
+                v[i * d..(i + 1) * d].copy_from_slice(&out.values[j * d..(j + 1) * d]);
+            }
+        }
         if !filled.is_empty() {
             let scores =
                 (t.config.policy == ScorePolicy::Custom).then(|| filled.iter().map(|&j| out.scores[j]).collect());
-            let fill_keys = filled.iter().map(|&j| keys[miss[j]]).collect();
-            let fill_values = filled.iter().flat_map(|&j| out.values[j * d..(j + 1) * d].iter().copied()).collect();
-            let fills = self.tables.read().get(table).map(|e| e.fills.clone());
-            match fills {
-                Some(f) if !wait => {
-                    let guard = f.read_owned().await;
-                    let (router, t) = (router.clone(), t.clone());
-                    tokio::spawn(async move {
-                        // A row the cache refuses (admission) is still
-                        // in the answer and in the cluster.
-                        let r = router.write(&t, WriteOp::InsertOrAssign, fill_keys, fill_values, scores, false).await;
-                        if let Err(e) = r {
-                            tracing::debug!(table = %t.spec.name, "caching filled rows: {}", e.message);
-                        }
-                        drop(guard);
-                    });
-                }
-                _ => {
-                    router.write(t, WriteOp::InsertOrAssign, fill_keys, fill_values, scores, false).await?;
-                }
+            let fill_keys: Vec<u64> = filled.iter().map(|&j| keys[miss[j]]).collect();
+            // Every miss filled (a cold read): the fetched rows are the
+            // insert's, in order, with no copy.
+            let fill_values = if filled.len() == miss.len() {
+                std::mem::take(&mut out.values)
+            } else {
+                let mut v = Vec::with_capacity(filled.len() * d);
+                filled.iter().for_each(|&j| v.extend_from_slice(&out.values[j * d..(j + 1) * d]));
+                v
+            };
+            let after_keys = if wait { Vec::new() } else { fill_keys.clone() };
+            let insert = {
+                let (router, t) = (router.clone(), t.clone());
+                async move { router.write(&t, WriteOp::InsertOrAssign, fill_keys, fill_values, scores, false).await }
+            };
+            if wait {
+                insert.await?;
+            } else {
+                let name = t.spec.name.clone();
+                self.after_answer(table, after_keys, async move {
+                    // A row the cache refuses (admission) is still in
+                    // the answer and in the cluster.
+                    if let Err(e) = insert.await {
+                        tracing::debug!(table = %name, "caching filled rows: {}", e.message);
+                    }
+                });
             }
         }
         Ok((miss, out))
+    }
+
+    /// Flushes a write-back table's queue and starts a walk of the table's
+    /// rows in the cluster (erase_if, clear): the walk then sees every row
+    /// written before it began.
+    async fn walk(&self, tier: &Backing) -> Result<Scan, ProtoError> {
+        let b = tier.clone();
+        self.on_rt(async move { b.flush(DRAIN).await.map(|()| b.scan()) }).await?.map_err(wire)
+    }
+
+    /// The walk's next keys, `None` at its end.
+    async fn walk_next(&self, tier: &Backing, scan: &mut Scan) -> Result<Option<Vec<u64>>, ProtoError> {
+        let (b, mut s) = (tier.clone(), scan.clone());
+        let (r, s) = self
+            .on_rt(async move {
+                let r = b.scan_next(&mut s, WALK_BATCH).await;
+                (r, s)
+            })
+            .await?;
+        *scan = s;
+        r.map_err(wire)
+    }
+
+    /// Erases `keys` from the cluster now (erase_if, clear).
+    async fn erase_now(&self, tier: &Backing, keys: Vec<u64>) -> Result<(), ProtoError> {
+        let b = tier.clone();
+        self.on_rt(async move { b.erase_now(&keys).await }).await?.map_err(wire)
     }
 
     /// Writes rows to the table's tier as its mode says.
@@ -369,8 +434,7 @@ pub async fn execute(
     match req {
         Request::Find { table, keys, scores } => {
             let t = router.table(&table)?;
-            let (a, o) = find_with_origins(router, tiers, &tier, &t, keys, scores, origins).await?;
-            Ok(with_origins(a.into(), o))
+            find_response(router, tiers, &tier, &t, keys, scores, origins).await
         }
         Request::Contains { table, keys } => {
             let t = router.table(&table)?;
@@ -390,9 +454,19 @@ pub async fn execute(
             let (count, flags) = erase(router, tiers, &tier, &t, keys, outcomes).await?;
             Ok(Response::Erased { count, flags })
         }
+        Request::EraseIf { table, filter } => {
+            let t = router.table(&table)?;
+            let count = erase_if(router, tiers, &tier, &t, filter).await?;
+            Ok(Response::Erased { count, flags: None })
+        }
+        Request::Clear { table } => {
+            let t = router.table(&table)?;
+            clear(router, tiers, &tier, &t).await?;
+            Ok(Response::Empty)
+        }
         other => {
             if let Some(table) = other.table() {
-                invalidate(router, tiers, &*router.table(table)?).await?;
+                invalidate(router, tiers, &*router.table(table)?, None).await?;
             }
             router.execute(other).await
         }
@@ -403,18 +477,40 @@ pub async fn execute(
 /// stream), so that this request reads them from the cluster again.
 ///
 /// Rows that earlier reads filled are put in the cache after their answers
-/// (and hits' scores refreshed so): every request first waits for them,
-/// so that it sees them (a key an answered read filled is a hit, not a
-/// second fetch) and no such insert lands after a write or an erase.
-async fn invalidate(router: &Router, tiers: &Tiers, t: &Table) -> Result<(), ProtoError> {
-    tiers.settle_fills(&t.spec.name).await;
+/// (and hits' scores refreshed so): every request first waits for those
+/// of its `keys` (all of them for `None`) and of the stale keys, so that
+/// it sees them (a key an answered read filled is a hit, not a second
+/// fetch) and no such insert lands after a write or an erase.
+async fn invalidate(router: &Router, tiers: &Tiers, t: &Table, keys: Option<&[u64]>) -> Result<(), ProtoError> {
+    tiers.settle(&t.spec.name, keys).await;
     let mut stale = tiers.take_invalid(&t.spec.name);
     if !stale.is_empty() {
         stale.sort_unstable();
         stale.dedup();
+        tiers.settle(&t.spec.name, Some(&stale)).await;
         router.erase(t, stale, false).await?;
     }
     Ok(())
+}
+
+/// A read whose keys were not all answered fails the request by name:
+/// the first failed node (`backing_unavailable`), else `timeout`. With
+/// `late_ok` (origins asked for) late keys are left for the answer to say.
+fn unanswered(table: &str, out: &ReadOut, late_ok: bool) -> Result<(), ProtoError> {
+    let n = if late_ok { out.fetched.iter().filter(|f| **f == Fetched::Unavailable).count() } else { out.unanswered() };
+    if n == 0 {
+        return Ok(());
+    }
+    Err(match out.errors.first() {
+        Some(e) => wire(e.clone()),
+        None => ProtoError::new(
+            ErrorCode::Timeout,
+            format!(
+                "{} keys of table {table:?} were not fetched from its cluster within the deadline",
+                out.unanswered()
+            ),
+        ),
+    })
 }
 
 /// An answer with its origins array, when asked for.
@@ -453,6 +549,43 @@ pub async fn find(
     Ok(find_with_origins(router, tiers, tier, t, keys, scores, false).await?.0)
 }
 
+/// A backed table's find as the socket answers it. Without scores or
+/// origins the cache writes its hits straight into the response frame and
+/// the rows filled from the cluster are written beside them, as a table
+/// without a cluster answers (no answer arrays, no copy of the rows on the
+/// way out); else [`find_with_origins`].
+pub async fn find_response(
+    router: &Arc<Router>,
+    tiers: &Tiers,
+    tier: &Backing,
+    t: &Arc<Table>,
+    keys: Vec<u64>,
+    scores: bool,
+    origins: bool,
+) -> Result<Response, ProtoError> {
+    let frame = if scores || origins { None } else { router.answer_frame(keys.len(), t.config.dim) };
+    let Some(frame) = frame else {
+        let (a, o) = find_with_origins(router, tiers, tier, t, keys, scores, origins).await?;
+        return Ok(with_origins(a.into(), o));
+    };
+    invalidate(router, tiers, t, Some(&keys)).await?;
+    let mut frame = router.find_framed(t, keys.clone(), frame).await?;
+    let (found, rows) = frame.answer();
+    let values = match rows {
+        Rows::Host(v) => v,
+        Rows::Pinned(p) => p.into_values(),
+    };
+    let hits = found.to_vec();
+    refresh(router, tiers, t, &keys, &hits);
+    let (miss, rows) = tiers.fill(router, t, tier, &keys, &hits, false, false, Some(values)).await?;
+    for (j, &i) in miss.iter().enumerate() {
+        if rows.fetched[j] == Fetched::Found {
+            found[i] = 1;
+        }
+    }
+    Ok(frame.into_response())
+}
+
 /// [`find`], and with `origins` each key's origin (keys not fetched by the
 /// deadline are then answered as not found, origin `LATE`, instead of
 /// failing the request).
@@ -465,18 +598,16 @@ pub async fn find_with_origins(
     scores: bool,
     origins: bool,
 ) -> Result<(FindAnswer, Option<Vec<u8>>), ProtoError> {
-    invalidate(router, tiers, t).await?;
-    // With scores: the misses' scores are written into them too.
-    let FindAnswer { mut found, mut values, scores: got } = router.find_rows(t, keys.clone(), true).await?;
+    invalidate(router, tiers, t, Some(&keys)).await?;
+    // Scores when asked: the misses' are written into them too.
+    let FindAnswer { mut found, mut values, scores: got } = router.find_rows(t, keys.clone(), scores).await?;
     let mut got = got.unwrap_or_default();
-    refresh(router, tiers, t, &keys, &found).await;
-    let (miss, rows) = tiers.fill(router, t, tier, &keys, &found, origins, false).await?;
+    refresh(router, tiers, t, &keys, &found);
+    let (miss, rows) = tiers.fill(router, t, tier, &keys, &found, origins, false, Some(&mut values)).await?;
     let codes = origins.then(|| origin_codes(&found, &miss, &rows));
     for (j, &i) in miss.iter().enumerate() {
         if rows.fetched[j] == Fetched::Found {
             found[i] = 1;
-            let d = t.config.dim;
-            values[i * d..(i + 1) * d].copy_from_slice(&rows.values[j * d..(j + 1) * d]);
             if let Some(s) = got.get_mut(i) {
                 *s = rows.scores[j];
             }
@@ -506,9 +637,9 @@ pub async fn contains_with_origins(
     keys: Vec<u64>,
     origins: bool,
 ) -> Result<(Vec<u8>, Option<Vec<u8>>), ProtoError> {
-    invalidate(router, tiers, t).await?;
+    invalidate(router, tiers, t, Some(&keys)).await?;
     let mut found = router.contains(t, keys.clone()).await?;
-    let (miss, rows) = tiers.fill(router, t, tier, &keys, &found, origins, false).await?;
+    let (miss, rows) = tiers.fill(router, t, tier, &keys, &found, origins, false, None).await?;
     let codes = origins.then(|| origin_codes(&found, &miss, &rows));
     for (j, &i) in miss.iter().enumerate() {
         if rows.fetched[j] == Fetched::Found {
@@ -533,7 +664,7 @@ pub async fn write(
     scores: Option<Vec<u64>>,
     outcomes: bool,
 ) -> Result<WriteAnswer, ProtoError> {
-    invalidate(router, tiers, t).await?;
+    invalidate(router, tiers, t, Some(&keys)).await?;
     if op != WriteOp::FindOrInsert && tier.mode() == Mode::ReadOnly {
         return router.write(t, op, keys, values, scores, outcomes).await;
     }
@@ -543,8 +674,8 @@ pub async fn write(
             // Rows the cluster has win over the request's initial
             // values: fill the misses first, then insert the rest
             // here and in the cluster.
-            let found = router.find_rows(t, keys.clone(), true).await?.found;
-            let (miss, rows) = tiers.fill(router, t, &tier, &keys, &found, false, true).await?;
+            let found = router.contains(t, keys.clone()).await?;
+            let (miss, rows) = tiers.fill(router, t, &tier, &keys, &found, false, true, None).await?;
             let d = t.config.dim;
             let new: Vec<usize> =
                 miss.iter().zip(&rows.fetched).filter(|(_, f)| **f == Fetched::Absent).map(|(&i, _)| i).collect();
@@ -600,10 +731,10 @@ pub async fn apply_gradients(
     grads: Vec<f32>,
     outcomes: bool,
 ) -> Result<ApplyAnswer, ProtoError> {
-    invalidate(router, tiers, t).await?;
+    invalidate(router, tiers, t, Some(&keys)).await?;
     let found = router.find_rows(t, keys.clone(), false).await?.found;
     // Waited for: the step needs the filled rows in the cache.
-    tiers.fill(router, t, tier, &keys, &found, false, true).await?;
+    tiers.fill(router, t, tier, &keys, &found, false, true, None).await?;
     let r = router.apply_gradients(t, hyper, keys.clone(), grads, outcomes).await?;
     if tier.mode() != Mode::ReadOnly {
         let FindAnswer { found, values, scores: got } = router.find_rows(t, keys.clone(), true).await?;
@@ -634,7 +765,7 @@ pub async fn erase(
     keys: Vec<u64>,
     outcomes: bool,
 ) -> Result<(u64, Option<Vec<u8>>), ProtoError> {
-    invalidate(router, tiers, t).await?;
+    invalidate(router, tiers, t, Some(&keys)).await?;
     if tier.mode() != Mode::ReadOnly && !keys.is_empty() {
         let (b, k) = (tier.clone(), keys.clone());
         tiers.on_rt(async move { b.erase(&k).await }).await?.map_err(wire)?;
@@ -642,27 +773,110 @@ pub async fn erase(
     router.erase(t, keys, outcomes).await
 }
 
+/// Keys of a walk of the cluster handled at once (erase_if, clear).
+const WALK_BATCH: usize = 4096;
+
+/// erase_if on a backed table. Unless the table is read-only (a
+/// write-back table's queue flushed first): the rows the cache holds that
+/// match, by their scores in the cache, are erased from the cluster
+/// (announced to other hosts, as an erase) and then from the cache; then
+/// a walk of the cluster's rows erases those the cache does not hold that
+/// match by the score they were written with. Answers the keys erased,
+/// each once (the walk may see a key twice: the second time the cluster
+/// no longer has it). A read-only table erases from its cache only (the
+/// rows read through again).
+pub async fn erase_if(
+    router: &Arc<Router>,
+    tiers: &Tiers,
+    tier: &Backing,
+    t: &Arc<Table>,
+    filter: hkv_proto::Filter,
+) -> Result<u64, ProtoError> {
+    invalidate(router, tiers, t, None).await?;
+    if tier.mode() == Mode::ReadOnly {
+        return match router.execute(Request::EraseIf { table: t.spec.name.clone(), filter }).await? {
+            Response::Erased { count, .. } => Ok(count),
+            _ => Ok(0),
+        };
+    }
+    let mut scan = tiers.walk(tier).await?;
+    let mut erased = 0u64;
+    let mut cursor = Some(hkv_proto::Cursor::default());
+    while let Some(c) = cursor {
+        // Erasing frees slots and moves none: the export's cursor stays valid.
+        let e = router.export(t, c, WALK_BATCH as u64, filter).await?;
+        cursor = e.next;
+        if !e.keys.is_empty() {
+            erased += e.keys.len() as u64;
+            tiers.erase_now(tier, e.keys.clone()).await?;
+            router.erase(t, e.keys, false).await?;
+        }
+    }
+    let scored = |s: u64| (filter.min_score..=filter.max_score).contains(&s);
+    while let Some(mut keys) = tiers.walk_next(tier, &mut scan).await? {
+        keys.retain(|&k| k & filter.key_mask == filter.key_pattern);
+        if keys.is_empty() {
+            continue;
+        }
+        let cached = router.contains(t, keys.clone()).await?;
+        let ask: Vec<u64> = keys.iter().zip(&cached).filter(|(_, &c)| c == 0).map(|(&k, _)| k).collect();
+        if ask.is_empty() {
+            continue;
+        }
+        let (b, k) = (tier.clone(), ask.clone());
+        let out = tiers.on_rt(async move { b.read(&k).await }).await?;
+        unanswered(&t.spec.name, &out, false)?;
+        let hit: Vec<u64> = ask
+            .iter()
+            .zip(&out.fetched)
+            .zip(&out.scores)
+            .filter_map(|((&k, f), &s)| (*f == Fetched::Found && scored(s)).then_some(k))
+            .collect();
+        if !hit.is_empty() {
+            erased += hit.len() as u64;
+            tiers.erase_now(tier, hit).await?;
+        }
+    }
+    Ok(erased)
+}
+
+/// clear on a backed table. Unless the table is read-only, every row of
+/// the table in the cluster is erased first (a write-back table's queue
+/// flushed, then a walk of the cluster, each batch's keys announced to
+/// other hosts, as an erase), then the cache; the table's meta hash stays,
+/// so the table keeps its layout. A read-only table clears its cache only.
+pub async fn clear(router: &Arc<Router>, tiers: &Tiers, tier: &Backing, t: &Arc<Table>) -> Result<(), ProtoError> {
+    invalidate(router, tiers, t, None).await?;
+    if tier.mode() != Mode::ReadOnly {
+        let mut scan = tiers.walk(tier).await?;
+        while let Some(keys) = tiers.walk_next(tier, &mut scan).await? {
+            tiers.erase_now(tier, keys).await?;
+        }
+    }
+    router.execute(Request::Clear { table: t.spec.name.clone() }).await.map(drop)
+}
+
 /// On a backed table a find hit refreshes its row's score (lru and lfu
 /// tables; today only writes do elsewhere), so an inference cache keeps its
 /// hot rows. After the answer, on a task of its own (the table's next
 /// request waits for it, as for a fill's insert): the answer's rows do not
 /// depend on it.
-async fn refresh(router: &Arc<Router>, tiers: &Tiers, t: &Arc<Table>, keys: &[u64], found: &[u8]) {
-    if t.config.policy == ScorePolicy::Custom {
+///
+/// A table whose finds refresh scores themselves (`reads_refresh`: every
+/// backed table on the CPU backend, `Router::build_table`) needs none of this.
+fn refresh(router: &Arc<Router>, tiers: &Tiers, t: &Arc<Table>, keys: &[u64], found: &[u8]) {
+    if t.config.policy == ScorePolicy::Custom || t.config.refreshes_reads() {
         return;
     }
     let hits: Vec<u64> = keys.iter().zip(found).filter(|(_, f)| **f == 1).map(|(k, _)| *k).collect();
     if hits.is_empty() {
         return;
     }
-    let Some(fills) = tiers.tables.read().get(&t.spec.name).map(|e| e.fills.clone()) else { return };
-    let guard = fills.read_owned().await;
-    let (router, t) = (router.clone(), t.clone());
-    tokio::spawn(async move {
-        if let Err(e) = router.assign_scores(&t, hits, None, false).await {
-            tracing::debug!(table = %t.spec.name, "refreshing the scores of hits: {}", e.message);
+    let (router, t2) = (router.clone(), t.clone());
+    tiers.after_answer(&t.spec.name, hits.clone(), async move {
+        if let Err(e) = router.assign_scores(&t2, hits, None, false).await {
+            tracing::debug!(table = %t2.spec.name, "refreshing the scores of hits: {}", e.message);
         }
-        drop(guard);
     });
 }
 

@@ -429,6 +429,12 @@ pub struct CheckpointConfig {
     /// Take a checkpoint after draining on SIGTERM / shutdown.
     #[arg(long = "checkpoint-on-shutdown")]
     pub on_shutdown: bool,
+    /// A file of `TABLE PASSWORD` lines, readable by its owner only, that
+    /// a restore takes backed tables' cluster passwords from: checkpoints
+    /// keep seed URLs with `***` for the password. Unset: a backed table
+    /// whose seeds had one is not restored (the restore is refused).
+    #[arg(long = "backing-passwords", value_name = "FILE")]
+    pub backing_passwords: Option<PathBuf>,
 }
 
 #[cfg(test)]

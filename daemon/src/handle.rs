@@ -102,9 +102,7 @@ async fn answer(
             let (router, tiers) = (&state.router, &state.backing);
             match (hashed, tier) {
                 (Hashed::Find { t, keys, scores }, Some(b)) => {
-                    let (a, o) =
-                        crate::backing::find_with_origins(router, tiers, &b, &t, keys, scores, origins).await?;
-                    Ok(crate::backing::with_origins(a.into(), o))
+                    crate::backing::find_response(router, tiers, &b, &t, keys, scores, origins).await
                 }
                 (Hashed::FindOrInsert { t, keys, values, scores, outcomes }, Some(b)) => {
                     let op = hkv_proto::WriteOp::FindOrInsert;

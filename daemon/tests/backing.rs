@@ -486,3 +486,161 @@ fn a_fill_never_lands_after_the_next_request() {
         assert!(f.origins.unwrap().iter().all(|&o| o == origin::HIT), "round {round}: filled rows are hits next");
     }
 }
+
+/// erase_if and clear on a backed table reach the cluster. Rows of a
+/// custom-scored table: some in A's cache, the rest only in the cluster
+/// (A's table made again, so its cache starts empty), and under
+/// write-back still queued. erase_if erases each matching row once
+/// (cached ones by their cache score, the others by the score they were
+/// written with) from the cluster too: A does not fill them back and a
+/// fresh reader B does not find them, while every other row stays, bit for
+/// bit. clear empties the cluster's rows of the table and no other
+/// table's. A read-only table's erase_if and clear act on its cache only.
+#[test]
+fn erase_if_and_clear_reach_the_cluster() {
+    use hkv_client::{Filter, Policy};
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
+    let (mut ca, mut cb) = (a.client(), b.client());
+    let seeds = cluster.seed_arg();
+    let spec = |name: &str, mode| TableSpec { policy: Policy::Custom, ..backed(name, &seeds, mode) };
+    let keys: Vec<u64> = (1..=3000u64).collect();
+    let values: Vec<f32> = keys.iter().flat_map(|&k| [k as f32, -(k as f32), 0.5, f32::from_bits(k as u32)]).collect();
+    // Even keys scored 1000..=1999: 500 of them.
+    let filter = Filter { key_mask: 1, key_pattern: 0, min_score: 1000, max_score: 1999 };
+    let matched = |k: u64| k.is_multiple_of(2) && (1000..=1999).contains(&k);
+    for (name, mode) in [("eiwt", BackingMode::WriteThrough), ("eiwb", BackingMode::WriteBack)] {
+        ca.create_table(spec(name, mode)).unwrap();
+        ca.create_table(spec(&format!("{name}x"), mode)).unwrap();
+        ca.insert_or_assign(&format!("{name}x"), &keys[..100], &values[..400], Some(&keys[..100])).unwrap();
+        ca.insert_or_assign(name, &keys, &values, Some(&keys)).unwrap();
+        if mode == BackingMode::WriteThrough {
+            // A's cache holds keys 1..=1500 only; the rest are the cluster's.
+            ca.drop_table(name).unwrap();
+            ca.create_table(spec(name, mode)).unwrap();
+            assert!(ca.find(name, &keys[..1500]).unwrap().found.iter().all(|&f| f));
+        }
+        // Under write-back the rows may still be queued: erase_if sees them.
+        assert_eq!(ca.erase_if(name, filter).unwrap(), 500, "{name}");
+        let f = ca.find(name, &keys).unwrap();
+        for (i, &k) in keys.iter().enumerate() {
+            assert_eq!(f.found[i], !matched(k), "{name}: key {k} on A");
+        }
+        cb.create_table(spec(name, BackingMode::ReadOnly)).unwrap();
+        let f = cb.find(name, &keys).unwrap();
+        for (i, &k) in keys.iter().enumerate() {
+            assert_eq!(f.found[i], !matched(k), "{name}: key {k} in the cluster");
+            if !matched(k) {
+                let (got, want) = (&f.values[i * 4..i * 4 + 4], &values[i * 4..i * 4 + 4]);
+                assert!(got.iter().zip(want).all(|(x, y)| x.to_bits() == y.to_bits()), "{name}: key {k}");
+            }
+        }
+        // B is read-only: its clear leaves the cluster's rows, which read through again.
+        cb.clear(name).unwrap();
+        assert_eq!(cb.erase_if(name, Filter::default()).unwrap(), 0);
+        assert!(cb.find(name, &keys[..10]).unwrap().found.iter().all(|&f| f), "{name}");
+        cb.drop_table(name).unwrap();
+
+        ca.clear(name).unwrap();
+        assert!(ca.find(name, &keys).unwrap().found.iter().all(|&f| !f), "{name}: A fills nothing back");
+        cb.create_table(spec(name, BackingMode::ReadOnly)).unwrap();
+        assert!(cb.find(name, &keys).unwrap().found.iter().all(|&f| !f), "{name}: the cluster has no row left");
+        cb.drop_table(name).unwrap();
+        // The other table's rows stay.
+        cb.create_table(spec(&format!("{name}x"), BackingMode::ReadOnly)).unwrap();
+        assert!(cb.find(&format!("{name}x"), &keys[..100]).unwrap().found.iter().all(|&f| f), "{name}x");
+    }
+}
+
+/// Every file of a directory tree, read whole.
+fn files_under(dir: &std::path::Path) -> Vec<(std::path::PathBuf, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                todo.push(p);
+            } else if let Ok(bytes) = std::fs::read(&p) {
+                out.push((p, bytes));
+            }
+        }
+    }
+    out
+}
+
+/// A checkpoint of a table whose cluster asks for a password keeps the
+/// seeds with `***` for it: no file of the state directory holds the
+/// password. A restore takes it from the `--backing-passwords` file and
+/// refuses the table (`bad_request`) while that file is missing, readable
+/// by others, or without the table's line; a daemon started with
+/// `--restore latest` and no such file refuses to start, naming the
+/// option. Given the password, the restored table's cache is warm and
+/// reads the cluster's rows through again.
+#[test]
+fn checkpoints_keep_no_cluster_password() {
+    use std::os::unix::fs::PermissionsExt;
+    let cluster = TestCluster::start_with_password(3, 0, "ckpt-secret-pw").expect("start a redis-server cluster");
+    let seed = format!("redis://:ckpt-secret-pw@127.0.0.1:{}", cluster.ports()[0]);
+    let pwfile = tempfile::tempdir().unwrap();
+    let pw = pwfile.path().join("backing-passwords");
+    let a = Daemon::start(&["--backing-passwords", pw.to_str().unwrap()]);
+    let mut c = a.client();
+    c.create_table(backed("pk", &seed, BackingMode::WriteThrough)).unwrap();
+    let keys: Vec<u64> = (1..=200u64).collect();
+    let values: Vec<f32> = keys.iter().flat_map(|&k| [k as f32; 4]).collect();
+    c.insert_or_assign("pk", &keys[..100], &values[..400], None).unwrap();
+    c.checkpoint(true, true).unwrap();
+    // Written after the checkpoint: only the cluster has these.
+    c.insert_or_assign("pk", &keys[100..], &values[400..], None).unwrap();
+    let files = files_under(&a.dir.path().join("state"));
+    assert!(files.iter().any(|(_, b)| b.windows(3).any(|w| w == b"***")), "a manifest names the hidden password");
+    for (p, b) in &files {
+        assert!(!b.windows(14).any(|w| w == b"ckpt-secret-pw"), "{} holds the password", p.display());
+    }
+
+    // A restore of the dropped table needs the password.
+    c.drop_table("pk").unwrap();
+    let refused = |c: &mut hkv_client::Client| c.restore(hkv_client::proto::CheckpointId::Latest).unwrap_err().code();
+    assert_eq!(refused(&mut c), Some(ErrorCode::BadRequest), "no file");
+    std::fs::write(&pw, "# table password\nother ckpt-secret-pw\n").unwrap();
+    std::fs::set_permissions(&pw, std::fs::Permissions::from_mode(0o600)).unwrap();
+    assert_eq!(refused(&mut c), Some(ErrorCode::BadRequest), "no line for the table");
+    std::fs::write(&pw, "# table password\nother x\npk ckpt-secret-pw\n").unwrap();
+    std::fs::set_permissions(&pw, std::fs::Permissions::from_mode(0o644)).unwrap();
+    assert_eq!(refused(&mut c), Some(ErrorCode::BadRequest), "a file others may read");
+    assert!(c.tables().unwrap().is_empty(), "a refused restore changes nothing");
+    std::fs::set_permissions(&pw, std::fs::Permissions::from_mode(0o600)).unwrap();
+    c.restore(hkv_client::proto::CheckpointId::Latest).unwrap();
+    let t = c.tables().unwrap();
+    assert_eq!(t[0].size, 100, "the cache comes back from the checkpoint");
+    assert!(format!("{:?}", t[0].spec).contains("redis://:***@"), "{:?}", t[0].spec);
+    let f = c.find_with_origins("pk", &keys).unwrap();
+    assert_eq!(f.values, values);
+    assert!(f.origins.unwrap()[100..].iter().all(|&o| o == hkv_client::proto::origin::FILLED));
+
+    // At start, without the option: hkvd does not start, and says why.
+    drop(c);
+    let mut a = a;
+    a.signal("TERM");
+    assert_eq!(a.wait(std::time::Duration::from_secs(60)), 0);
+    let mut child = common::command(a.dir.path(), &["--restore", "latest"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn hkvd");
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if start.elapsed() > std::time::Duration::from_secs(60) {
+            let _ = child.kill();
+            panic!("hkvd started without the table's password");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+    assert!(!status.success());
+    assert!(err.contains("--backing-passwords") && err.contains("\"pk\""), "{err}");
+}

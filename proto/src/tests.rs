@@ -345,3 +345,26 @@ fn table_specs_carry_their_backing() {
     assert!(serde_json::from_str::<TableSpec>(unknown).is_err());
     assert_eq!("write-back".parse::<BackingMode>().unwrap(), BackingMode::WriteBack);
 }
+
+/// Checkpoints keep a backing's seeds redacted: a password becomes `***`
+/// (a user name stays, a seed without a password is left alone), which
+/// says that a restore needs the password again; `with_password` puts one
+/// back, percent-encoded, in every seed that had one.
+#[test]
+fn backing_passwords_are_hidden_and_given_back() {
+    use crate::{BackingMode, BackingSpec};
+    let spec = BackingSpec::from_list(
+        "redis://:pw@h:1,redis://bob:pw@h:2,redis://bob@h:3,h:4,redis://h:5",
+        BackingMode::WriteThrough,
+    );
+    assert!(!spec.password_hidden());
+    let hidden = spec.redacted();
+    assert_eq!(hidden.seeds, ["redis://:***@h:1", "redis://bob:***@h:2", "redis://bob@h:3", "h:4", "redis://h:5"]);
+    assert!(hidden.password_hidden());
+    assert!(!BackingSpec::from_list("redis://bob@h:3,h:4", BackingMode::ReadOnly).redacted().password_hidden());
+    let back = hidden.with_password("p@ss:w/rd é");
+    assert_eq!(back.seeds[0], "redis://:p%40ss%3Aw%2Frd%20%C3%A9@h:1");
+    assert_eq!(back.seeds[1], "redis://bob:p%40ss%3Aw%2Frd%20%C3%A9@h:2");
+    assert_eq!(back.seeds[2..], spec.seeds[2..]);
+    assert!(!back.password_hidden());
+}

@@ -211,7 +211,9 @@ pub struct TableSpec {
     pub backing: Option<BackingSpec>,
     /// Whether `find` hits refresh scores (and count in the adaptive
     /// policy's sketch); absent: the policy's default (on for `adaptive`,
-    /// off for the others, whose finds touch no score as in HKV).
+    /// off for the others, whose finds touch no score as in HKV), except
+    /// on a table with `backing` on the CPU backend, where it is on (a
+    /// backed table's find hits refresh their rows, `docs/backing.md`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reads_refresh: Option<bool>,
     /// The optimizer `apply_gradients` runs in the table (absent: none):
@@ -303,17 +305,51 @@ pub struct BackingSpec {
 }
 
 impl BackingSpec {
-    /// The spec as listings show it: each seed's password replaced by
-    /// `***` (`redis://:***@HOST:PORT`, `redis://USER:***@HOST:PORT`).
+    /// The spec as listings show it and checkpoints keep it: each seed's
+    /// password replaced by [`BackingSpec::HIDDEN`]
+    /// (`redis://:***@HOST:PORT`, `redis://USER:***@HOST:PORT`).
     pub fn redacted(&self) -> BackingSpec {
-        let hide = |seed: &String| match (seed.find("://"), seed.rfind('@')) {
-            (Some(a), Some(b)) if b > a + 3 => {
-                let user = seed[a + 3..b].split(':').next().unwrap_or("");
-                format!("{}{user}:***{}", &seed[..a + 3], &seed[b..])
-            }
-            _ => seed.clone(),
+        let hide = |seed: &String| match userinfo(seed).and_then(|(a, b)| Some((a, b, seed[a..b].split_once(':')?))) {
+            Some((a, b, (user, _))) => format!("{}{user}:{}{}", &seed[..a], BackingSpec::HIDDEN, &seed[b..]),
+            None => seed.clone(),
         };
         BackingSpec { seeds: self.seeds.iter().map(hide).collect(), ..self.clone() }
+    }
+
+    /// What [`BackingSpec::redacted`] puts where a seed's password was.
+    pub const HIDDEN: &'static str = "***";
+
+    /// Whether a seed's password is [`BackingSpec::HIDDEN`]: a spec read
+    /// back from a checkpoint, which needs the password again before its
+    /// cluster can be opened ([`BackingSpec::with_password`]).
+    pub fn password_hidden(&self) -> bool {
+        self.seeds.iter().any(|s| {
+            userinfo(s).is_some_and(|(a, b)| s[a..b].split_once(':').is_some_and(|(_, pw)| pw == BackingSpec::HIDDEN))
+        })
+    }
+
+    /// The spec with each hidden password replaced by `password`
+    /// (percent-encoded into the URL as RFC 3986 wants, so any byte may be
+    /// in it).
+    pub fn with_password(&self, password: &str) -> BackingSpec {
+        let mut encoded = String::new();
+        for b in password.bytes() {
+            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+                encoded.push(b as char);
+            } else {
+                encoded.push_str(&format!("%{b:02X}"));
+            }
+        }
+        let fill = |seed: &String| match userinfo(seed) {
+            Some((a, b)) => match seed[a..b].split_once(':') {
+                Some((user, pw)) if pw == BackingSpec::HIDDEN => {
+                    format!("{}{user}:{encoded}{}", &seed[..a], &seed[b..])
+                }
+                _ => seed.clone(),
+            },
+            None => seed.clone(),
+        };
+        BackingSpec { seeds: self.seeds.iter().map(fill).collect(), ..self.clone() }
     }
 
     /// Seeds from `--backing`'s comma-separated list.
@@ -325,6 +361,15 @@ impl BackingSpec {
             queue_bytes: None,
             wait_replicas: None,
         }
+    }
+}
+
+/// Where a seed URL's user information (`USER:PASSWORD`, before the `@`)
+/// starts and ends, when it has some.
+fn userinfo(seed: &str) -> Option<(usize, usize)> {
+    match (seed.find("://"), seed.rfind('@')) {
+        (Some(a), Some(b)) if b > a + 3 => Some((a + 3, b)),
+        _ => None,
     }
 }
 

@@ -508,7 +508,8 @@ class Client:
         how many replicas of each master must acknowledge a write (Redis
         WAIT; None: the master's acknowledgement); ``reads_refresh`` whether
         find hits refresh scores (None: the policy's default, on for
-        "adaptive" only); ``optimizer`` (one of ``OPTIMIZERS``) makes each row
+        "adaptive" only, and for every backed table on the CPU backend);
+        ``optimizer`` (one of ``OPTIMIZERS``) makes each row
         ``dim`` values followed by that optimizer's state (sgd: none,
         adagrad: dim, rowwise_adagrad: 1, adam: 2 × dim columns) for
         ``apply_gradients``; the other ops then read and write whole rows

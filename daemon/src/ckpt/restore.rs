@@ -2,6 +2,7 @@
 //! one) verified and loaded into tables built beside the running ones,
 //! which are swapped in only once every chunk verified.
 
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -423,7 +424,7 @@ impl Checkpoints {
             });
             let entries: Vec<&TableEntry> = plan.iter().map(|(t, _)| *t).collect();
             let t0 = Instant::now();
-            built = build_tables(router, rt, target, &entries, &running)?;
+            built = build_tables(router, rt, target, &entries, &running, self.config.backing_passwords.as_deref())?;
             stages.build = t0.elapsed();
             // The built tables' memory faulted in beside the loads, on the
             // shards' spare actor threads, until the loads end: the
@@ -576,13 +577,16 @@ pub(crate) fn manifest_spec(v: &serde_json::Value) -> Result<TableSpec, serde_js
 /// Builds every table of `target` before any entry is read (invisible to
 /// clients until installed): missing ones first, from the checkpoint's
 /// specs (they must fit), then copies of the `running` ones with their
-/// running specs (None: no room for a copy, restored in place).
+/// running specs (None: no room for a copy, restored in place). A backed
+/// table's cluster password, which checkpoints do not keep, comes from the
+/// `passwords` file ([`with_password`]).
 fn build_tables(
     router: &Router,
     rt: &tokio::runtime::Handle,
     target: &Manifest,
     tables: &[&TableEntry],
     running: &[Option<Arc<Table>>],
+    passwords: Option<&Path>,
 ) -> Result<Vec<Option<Arc<Table>>>, Failure> {
     let mut built = vec![None; tables.len()];
     for pass in [false, true] {
@@ -592,12 +596,19 @@ fn build_tables(
             }
             let spec: TableSpec = match &running[i] {
                 Some(r) => r.spec.clone(),
-                None => manifest_spec(&t.spec).map_err(|e| {
-                    Failure::Unusable(hkv_checkpoint::Error::CorruptManifest {
-                        id: target.id,
-                        why: format!("table {:?}: spec: {e}", t.name),
-                    })
-                })?,
+                None => {
+                    let spec = manifest_spec(&t.spec).map_err(|e| {
+                        Failure::Unusable(hkv_checkpoint::Error::CorruptManifest {
+                            id: target.id,
+                            why: format!("table {:?}: spec: {e}", t.name),
+                        })
+                    })?;
+                    with_password(spec, passwords).map_err(|mut e| {
+                        e.message =
+                            format!("checkpoint {:016x} not restored (nothing was changed): {}", target.id, e.message);
+                        Failure::Refused(e)
+                    })?
+                }
             };
             match rt.block_on(router.build_table(spec)) {
                 Ok(b) => built[i] = Some(b),
@@ -616,6 +627,53 @@ fn build_tables(
         }
     }
     Ok(built)
+}
+
+/// A restored spec whose backing's password was hidden when it was
+/// checkpointed (seeds keep `***`, so that no password lies in clear in
+/// the state directory), with the password the operator gave: the line
+/// `TABLE PASSWORD` of the `passwords` file (`--backing-passwords`; `#`
+/// starts a comment line; the password is the rest of the line after the
+/// blanks that follow the name). The file must be readable by its owner
+/// only. Without it, or without the table's line, the restore is refused
+/// (`bad_request`, naming the table and what to do).
+fn with_password(spec: TableSpec, passwords: Option<&Path>) -> Result<TableSpec, ProtoError> {
+    let Some(backing) = spec.backing.as_ref().filter(|b| b.password_hidden()) else { return Ok(spec) };
+    let refuse = |why: String| {
+        ProtoError::new(
+            ErrorCode::BadRequest,
+            format!(
+                "table {:?} is backed by a cluster that asks for a password, which checkpoints do not keep: {why}",
+                spec.name
+            ),
+        )
+    };
+    let Some(path) = passwords else {
+        return Err(refuse(format!(
+            "start hkvd with --backing-passwords FILE (checkpoint.backing_passwords), FILE holding the line `{} PASSWORD`",
+            spec.name
+        )));
+    };
+    let meta = std::fs::metadata(path).map_err(|e| refuse(format!("{}: {e}", path.display())))?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        if meta.permissions().mode() & 0o077 != 0 {
+            return Err(refuse(format!(
+                "{} may be read by others than its owner (mode {:o}): chmod 600 it",
+                path.display(),
+                meta.permissions().mode() & 0o777
+            )));
+        }
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| refuse(format!("{}: {e}", path.display())))?;
+    let password = text.lines().filter(|l| !l.trim_start().starts_with('#')).find_map(|l| {
+        let (name, rest) = l.trim().split_once(char::is_whitespace)?;
+        (name == spec.name).then(|| rest.trim_start().to_string())
+    });
+    match password {
+        Some(pw) if !pw.is_empty() => Ok(TableSpec { backing: Some(backing.with_password(&pw)), ..spec }),
+        _ => Err(refuse(format!("{} has no line `{} PASSWORD`", path.display(), spec.name))),
+    }
 }
 
 /// Refuses a checkpoint whose tables differ from running tables of the

@@ -168,7 +168,9 @@ impl Checkpoints {
             dim,
             policy: t.spec.policy,
             mode: t.spec.mode,
-            spec: serde_json::to_value(&t.spec).map_err(internal)?,
+            // Passwords of a backing's seeds stay out of the state
+            // directory: a restore takes them from `backing_passwords`.
+            spec: serde_json::to_value(t.spec.redacted()).map_err(internal)?,
             shards: t.shards() as u32,
             entries: out.count,
             full: !inc,

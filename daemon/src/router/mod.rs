@@ -172,7 +172,15 @@ impl Router {
         if let Some(h) = &spec.hash {
             crate::features::check(h)?;
         }
-        let config = hkv_shard::TableConfig { tuning: self.tuning, ..shard_config(&spec, self.actors.len())? };
+        let mut config = hkv_shard::TableConfig { tuning: self.tuning, ..shard_config(&spec, self.actors.len())? };
+        // A backed table's find hits refresh their scores (issue 34). On
+        // the CPU backend the find does it as it reads the row
+        // (`reads_refresh`), instead of a second lookup of every hit
+        // (`assign_scores`) after the answer; the CUDA backend has no
+        // `reads_refresh` (`crate::backing` refreshes there).
+        if spec.backing.is_some() && spec.reads_refresh.is_none() && self.backend == Backend::Cpu {
+            config.reads_refresh = Some(true);
+        }
         let n = self.actors.len();
         let shape = format!(
             "capacity {}, max_capacity {}, dim {}, {n} shard{}",

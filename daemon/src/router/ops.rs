@@ -14,6 +14,7 @@ use super::merge::{to_filter, ApplyAnswer, ExportAnswer, FindAnswer, WriteAnswer
 use super::split::Split;
 use super::{Router, Table};
 use crate::error::{err, shard_error};
+use crate::frames::Framed;
 use crate::shard_ops::{self as op, Destination, Keys};
 
 /// One shard's part of a load: keys, values (dim per key), scores.
@@ -137,15 +138,30 @@ impl Router {
     async fn find(&self, t: &Table, keys: Vec<u64>, scores: bool) -> Result<Response, ProtoError> {
         let (n, dim) = (keys.len(), t.config.dim);
         self.bound("find", n, dim, find_per_key(dim, scores), 16)?;
-        if !scores && FindFrame::values_at(n).is_multiple_of(4) {
-            if let Some(frame) = self.frames.find_frame(n, dim).framed() {
-                let split = Split::new(&keys, t.shards());
-                let keys = shard_keys(&split, keys, |_| Ok(()))?;
-                let (frame, _) = self.find_into(t, split, keys, frame).await?;
-                return Ok(frame.into_response());
+        if !scores {
+            if let Some(frame) = self.answer_frame(n, dim) {
+                return Ok(self.find_framed(t, keys, frame).await?.into_response());
             }
         }
         self.find_rows(t, keys, scores).await.map(Into::into)
+    }
+
+    /// A find answer's frame for `n` keys of `dim` floats that tables
+    /// write their rows into, when the frames give one that takes rows.
+    pub fn answer_frame(&self, n: usize, dim: usize) -> Option<Framed> {
+        if !FindFrame::values_at(n).is_multiple_of(4) {
+            return None;
+        }
+        self.frames.find_frame(n, dim).framed()
+    }
+
+    /// find written into `frame` ([`Router::answer_frame`]), whose found
+    /// bytes and rows the caller may complete before it is sent (the
+    /// backing tier writes there the rows it fills).
+    pub async fn find_framed(&self, t: &Table, keys: Vec<u64>, frame: Framed) -> Result<Framed, ProtoError> {
+        let split = Split::new(&keys, t.shards());
+        let keys = shard_keys(&split, keys, |_| Ok(()))?;
+        Ok(self.find_into(t, split, keys, frame).await?.0)
     }
 
     /// find into arrays of the daemon.
