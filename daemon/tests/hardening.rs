@@ -14,7 +14,7 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::{expect_code, expect_error, raw_call, read_answer, Daemon};
+use common::{expect_code, expect_error, raw_call, read_answer, set_as_limit, vm_size, Daemon};
 use hkv_client::proto::{frame, Header, Op, WriteOp, HEADER_LEN};
 use hkv_client::{Client, ClientError, ErrorCode, Filter, Request, Response, TableSpec};
 use rand::{Rng, SeedableRng};
@@ -914,28 +914,6 @@ fn idle_peers_and_gone_peers_give_their_slots_and_regions_back() {
     let mut other = d.client();
     other.register_memfd(64 << 20).expect("the cap is free again");
     still_serves(&mut d, "x");
-}
-
-/// The daemon's address space now, from /proc.
-fn vm_size(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
-    let kb: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmSize:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .expect("VmSize");
-    kb * 1024
-}
-
-/// Sets the soft address-space limit of process `pid` (the hard one stays,
-/// so that it can be raised again).
-fn set_as_limit(pid: u32, limit: &str) {
-    let ok = std::process::Command::new("prlimit")
-        .args([&format!("--pid={pid}"), &format!("--as={limit}:")])
-        .status()
-        .expect("prlimit (util-linux)")
-        .success();
-    assert!(ok, "prlimit --pid {pid} --as={limit}");
 }
 
 /// Issue 32: a `reserve` that failed part-way (one shard could not

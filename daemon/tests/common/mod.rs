@@ -251,3 +251,25 @@ pub fn run_child_as(ids: &[&str], child: &str, socket: &Path, expect: &str) {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// The daemon's address space now, from /proc.
+pub fn vm_size(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmSize:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .expect("VmSize");
+    kb * 1024
+}
+
+/// Sets the soft address-space limit of process `pid` (the hard one stays,
+/// so that it can be raised again).
+pub fn set_as_limit(pid: u32, limit: &str) {
+    let ok = std::process::Command::new("prlimit")
+        .args([&format!("--pid={pid}"), &format!("--as={limit}:")])
+        .status()
+        .expect("prlimit (util-linux)")
+        .success();
+    assert!(ok, "prlimit --pid {pid} --as={limit}");
+}
