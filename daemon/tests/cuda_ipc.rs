@@ -818,7 +818,10 @@ fn fuzzed_cuda_registrations_from_several_connections_never_take_the_daemon_down
                         Err(e) => {
                             let (code, msg) = code(e);
                             assert_ne!(i % 5, 0, "the valid handle was refused: {code:?}: {msg}");
-                            assert_eq!(code, ErrorCode::BadRequest, "registration {i}: {msg}");
+                            // A flipped length past the connection's region
+                            // limit is refused by the limit, before any open.
+                            let over = code == ErrorCode::ResourceExhausted && msg.contains("max_region_bytes");
+                            assert!(code == ErrorCode::BadRequest || over, "registration {i}: {code:?}: {msg}");
                             refused += 1;
                         }
                     }
