@@ -25,6 +25,10 @@ enum Cmd {
     Serve(Box<Serve>),
     /// The operator console: tables, shards, lock groups, checkpoints, live.
     Top(Top),
+    /// Internal: the process a serving daemon starts to open CUDA IPC
+    /// handles before it opens them itself (lines on stdin, answers on stdout).
+    #[command(name = "check-ipc-handles", hide = true)]
+    CheckIpcHandles,
 }
 
 #[derive(Args)]
@@ -139,6 +143,13 @@ fn main() -> ExitCode {
         Err(e) => e.exit(),
     };
     match cli.cmd {
+        Cmd::CheckIpcHandles => match hkvd::region::vet::serve_checks() {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("hkvd {}: {e}", hkvd::region::vet::SUBCOMMAND);
+                ExitCode::from(1)
+            }
+        },
         Cmd::Top(t) => {
             let socket = t.socket.unwrap_or_else(|| {
                 let runtime_dir = std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from);

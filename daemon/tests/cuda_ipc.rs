@@ -740,6 +740,42 @@ fn a_client_event_that_never_completes_costs_only_its_requests() {
     assert_eq!(d.wait(Duration::from_secs(30)), 0, "SIGTERM stops the daemon");
 }
 
+/// The process that opens CUDA IPC handles before the daemon does
+/// (`hkvd check-ipc-handles`, `region::vet`): it answers every line, one
+/// answer each, in order; a handle that does not open (all zeros here, on
+/// any host) and a malformed line are errors, not deaths; it exits when
+/// its input closes. Runs with or without a GPU.
+#[test]
+fn the_handle_checker_answers_each_line_and_ends_with_its_input() {
+    let mut child = Command::new(common::hkvd_bin())
+        .arg("check-ipc-handles")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut input = child.stdin.take().unwrap();
+    let zeros = "00".repeat(64);
+    write!(input, "mem 0 64 {zeros}\nevent 0 {zeros}\nopen sesame\nmem 0 x {zeros}\n").unwrap();
+    input.flush().unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    for what in ["a zero memory handle", "a zero event handle", "an unknown line", "a bad length"] {
+        let mut line = String::new();
+        out.read_line(&mut line).unwrap();
+        assert!(line.starts_with("err "), "{what}: {line:?}");
+    }
+    drop(input);
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(start.elapsed() < Duration::from_secs(20), "the checker did not exit when its input closed");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "{status}");
+}
+
 /// Issue 32, finding 23: one run lost the daemon (the connection closed,
 /// later connects were refused, nothing in the log) after an allocation
 /// had been registered through eight byte-flipped copies of its handle on
@@ -762,8 +798,9 @@ fn a_client_event_that_never_completes_costs_only_its_requests() {
 /// also glibc's "malloc(): unsorted double linked list corrupted" abort,
 /// the daemon's lost run), in about one run in 16 of 4 800 flipped opens,
 /// opens serialised on one thread and nothing ever closed included. So
-/// this test can fail, rarely, until the daemon stops opening handles it
-/// has not checked in its own process.
+/// the daemon no longer opens a handle first: a separate process
+/// (`region::vet`) opens and closes it, and a handle that kills that
+/// process is refused (`bad_request`).
 #[test]
 #[ignore = "needs a CUDA device"]
 fn fuzzed_cuda_registrations_from_several_connections_never_take_the_daemon_down() {

@@ -20,7 +20,8 @@
 //!
 //! Files: this one (the connection's regions and fds, a region's life,
 //! dispatch), `fd` ([`FdReader`]), `register` (the register ops' checks,
-//! mapping and opening), `run` (region requests), `device` (region
+//! mapping and opening), `vet` (IPC handles opened first by a separate
+//! process, since the driver's open can kill the process on bad ones), `run` (region requests), `device` (region
 //! requests served by the table's kernels in the client's device memory).
 //!
 //! A region is released when unregistered or when its connection closes,
@@ -32,6 +33,7 @@ mod device;
 mod fd;
 mod register;
 mod run;
+pub mod vet;
 
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::OwnedFd;

@@ -11,7 +11,7 @@ use hkv_proto::{ErrorCode, ProtoError};
 use hkv_region::Mapping;
 use hkv_shard::cuda::ipc::{self, IpcEvent, IpcMem};
 
-use super::{err, Ctx, Mem, Region};
+use super::{err, vet, Ctx, Mem, Region};
 use crate::state::State;
 
 /// Checks and maps the fd of a `register_memfd` request.
@@ -156,7 +156,13 @@ fn served_gpu(state: &State, reg: &CudaRegistration, what: &str) -> Result<usize
     })
 }
 
-/// Checks and opens the IPC handle of a `register_cuda` request.
+/// Why a handle the checking process would not open is refused.
+fn refused(why: String) -> String {
+    format!("the IPC handle is refused before the daemon opens it: {why}")
+}
+
+/// Checks and opens the IPC handle of a `register_cuda` request: first in
+/// the checking process ([`vet`]), then here.
 pub(super) async fn register_cuda(
     state: &Arc<State>,
     ctx: &Ctx,
@@ -169,8 +175,13 @@ pub(super) async fn register_cuda(
         return Err(ProtoError::bad_request("register_cuda: 0 bytes asked for: register 1 byte or more"));
     }
     reserve(state, ctx, len, WHAT)?;
-    // The first open in a process can take over 100 ms: off the executor.
-    let opened = tokio::task::spawn_blocking(move || IpcMem::open(ordinal, &reg.handle, len)).await;
+    // The first open in a process can take over 100 ms, and the check
+    // starts a process: off the executor.
+    let opened = tokio::task::spawn_blocking(move || {
+        vet::check(&vet::Handle::Mem { ordinal, handle: reg.handle, len }).map_err(refused)?;
+        IpcMem::open(ordinal, &reg.handle, len).map_err(|e| e.to_string())
+    })
+    .await;
     let mem = match opened {
         Ok(Ok(m)) => m,
         Ok(Err(e)) => {
@@ -189,10 +200,13 @@ pub(super) async fn register_cuda(
 pub(super) async fn register_event(state: &Arc<State>, ctx: &Ctx, reg: CudaRegistration) -> Result<u32, ProtoError> {
     const WHAT: &str = "register_cuda_event";
     let ordinal = served_gpu(state, &reg, WHAT)?;
-    let ev = tokio::task::spawn_blocking(move || IpcEvent::open(ordinal, &reg.handle))
-        .await
-        .map_err(|e| err(ErrorCode::Internal, format!("{WHAT}: the opening task failed: {e}")))?
-        .map_err(|e| ProtoError::bad_request(format!("{WHAT}: {e}")))?;
+    let ev = tokio::task::spawn_blocking(move || {
+        vet::check(&vet::Handle::Event { ordinal, handle: reg.handle }).map_err(refused)?;
+        IpcEvent::open(ordinal, &reg.handle).map_err(|e| e.to_string())
+    })
+    .await
+    .map_err(|e| err(ErrorCode::Internal, format!("{WHAT}: the opening task failed: {e}")))?
+    .map_err(|e| ProtoError::bad_request(format!("{WHAT}: {e}")))?;
     let id = ctx.conn.next_id();
     ctx.conn.events.lock().insert(id, Arc::new(ev));
     Ok(id)

@@ -18,6 +18,12 @@ pub struct Daemon {
     pub socket: PathBuf,
 }
 
+/// The hkvd binary: `$HKVD_BIN` when set, else the one cargo built.
+#[allow(dead_code)]
+pub fn hkvd_bin() -> PathBuf {
+    std::env::var_os("HKVD_BIN").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_hkvd")), PathBuf::from)
+}
+
 /// The command line `Daemon` runs, for tests that need the process itself.
 pub fn command(root: &Path, extra: &[&str]) -> Command {
     command_at(&root.join("run").join("hkvd.sock"), &root.join("state"), extra)
@@ -28,8 +34,7 @@ pub fn command(root: &Path, extra: &[&str]) -> Command {
 /// `$HKVD_BIN` when set (a GPU host that runs test binaries built
 /// elsewhere), else the one cargo built beside the tests.
 fn command_at(socket: &Path, state: &Path, extra: &[&str]) -> Command {
-    let hkvd = std::env::var_os("HKVD_BIN").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_hkvd")), PathBuf::from);
-    let mut cmd = Command::new(hkvd);
+    let mut cmd = Command::new(hkvd_bin());
     cmd.arg("serve")
         .arg("--socket")
         .arg(socket)

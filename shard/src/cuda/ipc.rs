@@ -47,6 +47,60 @@ pub fn uuid_string(u: &[u8; 16]) -> String {
     format!("GPU-{}-{}-{}-{}-{}", &h[..8], &h[8..12], &h[12..16], &h[16..20], &h[20..])
 }
 
+/// A bare context of device `ordinal` for [`check_handle`] (no kernels
+/// loaded), made once per process.
+fn bare_context(ordinal: usize) -> Result<Arc<cudarc::driver::CudaContext>> {
+    static CONTEXTS: parking_lot::Mutex<Vec<(usize, Arc<cudarc::driver::CudaContext>)>> =
+        parking_lot::Mutex::new(Vec::new());
+    let mut all = CONTEXTS.lock();
+    if let Some((_, c)) = all.iter().find(|(o, _)| *o == ordinal) {
+        return Ok(c.clone());
+    }
+    if !super::device::driver_present() {
+        return Err(Error::Unavailable("no CUDA driver library (libcuda.so) on this host".into()));
+    }
+    let c = cudarc::driver::CudaContext::new(ordinal).map_err(dev_err("creating a context"))?;
+    all.push((ordinal, c.clone()));
+    Ok(c)
+}
+
+/// Opens `handle` on device `ordinal` and closes it again: a memory handle
+/// (`len: Some`, whose allocation must hold `len` bytes from its mapped
+/// address) or an event handle (`len: None`). For a process whose only job
+/// is this check (the daemon's handle checker): the driver's open itself
+/// can kill the process on some altered handles, and no check before it
+/// can tell. Uses a bare context, no kernels, and none of this module's
+/// shared mappings.
+pub fn check_handle(ordinal: usize, handle: &[u8; HANDLE_LEN], len: Option<u64>) -> Result<()> {
+    let ctx = bare_context(ordinal)?;
+    ctx.bind_to_thread().map_err(dev_err("binding the device's context"))?;
+    let Some(len) = len else {
+        let h = sys::CUipcEventHandle { reserved: handle.map(|b| b as std::ffi::c_char) };
+        let mut ev: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: writes one event handle; the driver reads the bytes.
+        check(unsafe { sys::cuIpcOpenEventHandle(&mut ev, h) }, "cuIpcOpenEventHandle")?;
+        // SAFETY: the event just opened, destroyed once.
+        return check(unsafe { sys::cuEventDestroy_v2(ev) }, "cuEventDestroy");
+    };
+    let h = sys::CUipcMemHandle { reserved: handle.map(|b| b as std::ffi::c_char) };
+    let mut ptr: sys::CUdeviceptr = 0;
+    let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
+    // SAFETY: writes one device pointer; the driver reads the bytes.
+    check(unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, h, flags) }, "cuIpcOpenMemHandle")?;
+    let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+    // SAFETY: writes a base address and a size about the address just mapped.
+    let range = check(unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }, "cuMemGetAddressRange");
+    // SAFETY: the mapping opened above, closed once; nothing used it.
+    let closed = check(unsafe { sys::cuIpcCloseMemHandle(ptr) }, "cuIpcCloseMemHandle");
+    range?;
+    closed?;
+    let avail = (base + size as u64).saturating_sub(ptr);
+    if len > avail {
+        return Err(Error::Config(format!("{len} bytes asked for, the allocation holds {avail}")));
+    }
+    Ok(())
+}
+
 /// A client's allocation as this process has it mapped: opened once per
 /// distinct handle, shared by every registration of that handle, closed
 /// when the last goes.
