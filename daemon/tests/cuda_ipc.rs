@@ -507,7 +507,16 @@ fn events_order_the_clients_stream_with_the_daemons() {
         // uncounted; the event orders the client's stream after it.
         assert_eq!((got, a), (id, RegionAnswer::Count(NOT_COUNTED)), "round {round}");
         done.wait_on(&stream).unwrap();
-        assert!(m.get::<u8>(n * 8, n).iter().all(|&f| f == 1));
+        let flags = m.get::<u8>(n * 8, n);
+        let count = |v: u8| flags.iter().filter(|&&f| f == v).count();
+        assert!(
+            flags.iter().all(|&f| f == 1),
+            "round {round}: found flags: {} ones, {} zeros, {} still 7 (not written), first bad at {:?}",
+            count(1),
+            count(0),
+            count(7),
+            flags.iter().position(|&f| f != 1)
+        );
         assert_eq!(m.get::<f32>(n * 9, n * dim), want.values, "round {round}");
         done.synchronize().unwrap();
     }
@@ -860,6 +869,9 @@ fn fuzzed_cuda_registrations_from_several_connections_never_take_the_daemon_down
                             let over = code == ErrorCode::ResourceExhausted && msg.contains("max_region_bytes");
                             assert!(code == ErrorCode::BadRequest || over, "registration {i}: {code:?}: {msg}");
                             refused += 1;
+                            if msg.contains("killed the process") || msg.contains("reading the") {
+                                eprintln!("registration {i} of connection {t}: {msg}");
+                            }
                         }
                     }
                 }

@@ -339,10 +339,41 @@ fn adaptive_large_batches_conserve_entries() {
             for k in lost.keys.iter() {
                 resident.remove(k);
             }
+            // Each round: the table's keys against the bookkeeping, with
+            // what this batch said of every key that differs.
+            let held: std::collections::HashSet<u64> = t.export_batch(0, u64::MAX).unwrap().keys.into_iter().collect();
+            let twice = lost.keys.len() - lost.keys.iter().collect::<std::collections::HashSet<_>>().len();
+            let say = |k: &u64| {
+                let at = keys.iter().position(|x| x == k);
+                let times = lost.keys.iter().filter(|x| *x == k).count();
+                format!("{k}: outcome {:?}, reported evicted {times}×", at.map(|i| out[i]))
+            };
+            let extra: Vec<String> = held.difference(&resident).take(6).map(say).collect();
+            let missing: Vec<String> = resident.difference(&held).take(6).map(say).collect();
+            assert!(
+                extra.is_empty() && missing.is_empty() && t.size() == held.len() as u64,
+                "{mode:?} round {round}: size {} , {} held, {} expected ({} keys reported evicted twice); held, not \
+                 expected: {extra:?}; expected, not held: {missing:?}",
+                t.size(),
+                held.len(),
+                resident.len(),
+                twice
+            );
         }
         let e = t.export_batch(0, u64::MAX).unwrap();
         let got: std::collections::HashSet<u64> = e.keys.iter().copied().collect();
-        assert_eq!(got, resident, "{mode:?}: the table holds exactly the keys placed and not evicted");
+        let extra: Vec<u64> = got.difference(&resident).copied().take(8).collect();
+        let missing: Vec<u64> = resident.difference(&got).copied().take(8).collect();
+        assert!(
+            extra.is_empty() && missing.is_empty(),
+            "{mode:?}: the table holds exactly the keys placed and not evicted: {} held, {} expected; {} held but \
+             not expected (e.g. {extra:?}), {} expected but not held (e.g. {missing:?}); export {} keys",
+            got.len(),
+            resident.len(),
+            got.difference(&resident).count(),
+            resident.difference(&got).count(),
+            e.keys.len()
+        );
         for (i, k) in e.keys.iter().enumerate() {
             assert_eq!(e.values[i * dim], *k as f32);
         }

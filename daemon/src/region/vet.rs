@@ -5,10 +5,14 @@
 //! 4 800 flipped opens, serialised or not, and heap corruption with opens
 //! on several threads), and nothing the daemon could check first tells
 //! such a handle from a valid one. So before the daemon opens a handle it
-//! has not opened before, a checking process (this executable, run as
-//! `hkvd check-ipc-handles`) opens and closes it; a handle that kills the
-//! checker, or that it cannot open, is refused without the daemon ever
-//! touching it.
+//! is asked to, a checking process (this executable, run as
+//! `hkvd check-ipc-handles`) opens it, reads every byte to be registered
+//! (on the device) and closes it; a handle that kills the checker, that it
+//! cannot open, or whose memory faults when read (on the H200 some altered
+//! handles open to such a mapping, and a fault loses the context of every
+//! table on that GPU in the process that takes it) is refused without the
+//! daemon ever touching it. A checker whose context a fault lost exits
+//! after answering.
 //!
 //! The checker is started on the first registration and kept while
 //! registrations come (its CUDA context costs some GPU memory and about
@@ -19,7 +23,8 @@
 //!
 //! The protocol on the checker's stdin and stdout is one line each way:
 //! `mem ORDINAL LEN HEX` or `event ORDINAL HEX` (HEX: the 64 handle bytes),
-//! answered by `ok` or `err MESSAGE`.
+//! answered by `ok`, `err MESSAGE`, or `lost MESSAGE` (refused, and the
+//! checker's context is lost: it exits).
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::process::CommandExt;
@@ -80,13 +85,12 @@ impl Handle {
         }
     }
 
-    /// Opens and closes the handle in this process.
-    fn open_and_close(&self) -> Result<(), String> {
+    /// Opens, reads and closes the handle in this process.
+    fn open_and_close(&self) -> Result<(), ipc::Refused> {
         match *self {
             Handle::Mem { ordinal, handle, len } => ipc::check_handle(ordinal, &handle, Some(len)),
             Handle::Event { ordinal, handle } => ipc::check_handle(ordinal, &handle, None),
         }
-        .map_err(|e| e.to_string())
     }
 }
 
@@ -108,12 +112,22 @@ pub fn serve_checks() -> std::io::Result<()> {
             Ok(l) => l,
             Err(_) => return Ok(()),
         };
-        let answer = match Handle::parse(&line).and_then(|h| h.open_and_close()) {
-            Ok(()) => "ok".to_string(),
-            Err(e) => format!("err {}", e.replace('\n', " ")),
+        let (answer, lost) = match Handle::parse(&line) {
+            Err(e) => (format!("err {e}"), false),
+            Ok(h) => match h.open_and_close() {
+                Ok(()) => ("ok".to_string(), false),
+                Err(r) => {
+                    let kind = if r.context_lost { "lost" } else { "err" };
+                    (format!("{kind} {}", r.why.replace('\n', " ")), r.context_lost)
+                }
+            },
         };
         writeln!(out, "{answer}")?;
         out.flush()?;
+        if lost {
+            // The context cannot check more: the daemon starts a new checker.
+            return Ok(());
+        }
     }
 }
 
@@ -182,6 +196,11 @@ pub(crate) fn check(h: &Handle) -> Result<(), String> {
     match c.answers.recv_timeout(CHECK_DEADLINE) {
         Ok(a) => {
             c.used = Instant::now();
+            if let Some(e) = a.strip_prefix("lost ") {
+                // The checker exits: its context is gone.
+                slot.take().expect("present").end();
+                return Err(e.to_string());
+            }
             match a.strip_prefix("err ") {
                 None if a == "ok" => Ok(()),
                 Some(e) => Err(e.to_string()),

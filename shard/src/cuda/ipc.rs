@@ -64,41 +64,90 @@ fn bare_context(ordinal: usize) -> Result<Arc<cudarc::driver::CudaContext>> {
     Ok(c)
 }
 
-/// Opens `handle` on device `ordinal` and closes it again: a memory handle
-/// (`len: Some`, whose allocation must hold `len` bytes from its mapped
-/// address) or an event handle (`len: None`). For a process whose only job
-/// is this check (the daemon's handle checker): the driver's open itself
-/// can kill the process on some altered handles, and no check before it
-/// can tell. Uses a bare context, no kernels, and none of this module's
-/// shared mappings.
-pub fn check_handle(ordinal: usize, handle: &[u8; HANDLE_LEN], len: Option<u64>) -> Result<()> {
-    let ctx = bare_context(ordinal)?;
-    ctx.bind_to_thread().map_err(dev_err("binding the device's context"))?;
+/// Why [`check_handle`] refused a handle.
+#[derive(Debug)]
+pub struct Refused {
+    /// In words, for the client.
+    pub why: String,
+    /// Whether this process's context on that device is lost (an access
+    /// through the mapping faulted, which the driver does not undo): the
+    /// process should check no more handles.
+    pub context_lost: bool,
+}
+
+/// Opens `handle` on device `ordinal`, proves the memory readable, and
+/// closes it again: a memory handle (`len: Some`: the allocation must hold
+/// `len` bytes from its mapped address, and every one of them is read, on
+/// the device, into a scratch buffer) or an event handle (`len: None`).
+/// For a process whose only job is this check (the daemon's handle
+/// checker): the driver's open itself can kill the process on some altered
+/// handles, and some altered handles open to a mapping whose access faults,
+/// which loses the context of every user of that device in the process;
+/// no check short of these can tell. Uses a bare context, no kernels, and
+/// none of this module's shared mappings.
+pub fn check_handle(ordinal: usize, handle: &[u8; HANDLE_LEN], len: Option<u64>) -> std::result::Result<(), Refused> {
+    let refused = |why: String| Refused { why, context_lost: false };
+    let ctx = bare_context(ordinal).map_err(|e| refused(e.to_string()))?;
+    ctx.bind_to_thread().map_err(|e| refused(format!("binding the device's context: {e:?}")))?;
     let Some(len) = len else {
         let h = sys::CUipcEventHandle { reserved: handle.map(|b| b as std::ffi::c_char) };
         let mut ev: sys::CUevent = std::ptr::null_mut();
         // SAFETY: writes one event handle; the driver reads the bytes.
-        check(unsafe { sys::cuIpcOpenEventHandle(&mut ev, h) }, "cuIpcOpenEventHandle")?;
+        check(unsafe { sys::cuIpcOpenEventHandle(&mut ev, h) }, "cuIpcOpenEventHandle")
+            .map_err(|e| refused(e.to_string()))?;
         // SAFETY: the event just opened, destroyed once.
-        return check(unsafe { sys::cuEventDestroy_v2(ev) }, "cuEventDestroy");
+        return check(unsafe { sys::cuEventDestroy_v2(ev) }, "cuEventDestroy").map_err(|e| refused(e.to_string()));
     };
     let h = sys::CUipcMemHandle { reserved: handle.map(|b| b as std::ffi::c_char) };
     let mut ptr: sys::CUdeviceptr = 0;
     let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
     // SAFETY: writes one device pointer; the driver reads the bytes.
-    check(unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, h, flags) }, "cuIpcOpenMemHandle")?;
+    check(unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, h, flags) }, "cuIpcOpenMemHandle")
+        .map_err(|e| refused(e.to_string()))?;
     let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
     // SAFETY: writes a base address and a size about the address just mapped.
-    let range = check(unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }, "cuMemGetAddressRange");
-    // SAFETY: the mapping opened above, closed once; nothing used it.
-    let closed = check(unsafe { sys::cuIpcCloseMemHandle(ptr) }, "cuIpcCloseMemHandle");
-    range?;
-    closed?;
-    let avail = (base + size as u64).saturating_sub(ptr);
-    if len > avail {
-        return Err(Error::Config(format!("{len} bytes asked for, the allocation holds {avail}")));
+    let mut verdict = check(unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }, "cuMemGetAddressRange")
+        .map_err(|e| refused(e.to_string()));
+    if verdict.is_ok() {
+        let avail = (base + size as u64).saturating_sub(ptr);
+        if ptr < base || len > avail {
+            verdict = Err(refused(format!("{len} bytes asked for, the allocation holds {avail}")));
+        }
     }
-    Ok(())
+    if verdict.is_ok() {
+        verdict = read_through(ptr, len).map_err(|e| Refused {
+            why: format!("reading the {len} bytes through the handle failed ({e}): it maps no memory of that size"),
+            context_lost: true,
+        });
+    }
+    // SAFETY: the mapping opened above, closed once; every copy from it
+    // was synchronised (or the context is lost).
+    let closed = check(unsafe { sys::cuIpcCloseMemHandle(ptr) }, "cuIpcCloseMemHandle");
+    verdict?;
+    closed.map_err(|e| refused(e.to_string()))
+}
+
+/// Copies `len` bytes from `ptr` into a scratch buffer on the device, piece
+/// by piece, and waits for the copies (the bound context's).
+fn read_through(ptr: sys::CUdeviceptr, len: u64) -> Result<()> {
+    const PIECE: u64 = 64 << 20;
+    let mut scratch: sys::CUdeviceptr = 0;
+    // SAFETY: writes one device address.
+    check(unsafe { sys::cuMemAlloc_v2(&mut scratch, PIECE.min(len) as usize) }, "cuMemAlloc")?;
+    let mut at = 0;
+    let mut r = Ok(());
+    while at < len && r.is_ok() {
+        let n = PIECE.min(len - at);
+        // SAFETY: `scratch` holds PIECE.min(len) ≥ n bytes; the source
+        // range lies in the mapping, within the size the driver reported.
+        r = check(unsafe { sys::cuMemcpyDtoDAsync_v2(scratch, ptr + at, n as usize, std::ptr::null_mut()) }, "cuMemcpyDtoD");
+        at += n;
+    }
+    // SAFETY: no arguments; waits for the context's work.
+    let synced = check(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize");
+    // SAFETY: the scratch buffer allocated above, no copy pending.
+    let _ = unsafe { sys::cuMemFree_v2(scratch) };
+    r.and(synced)
 }
 
 /// A client's allocation as this process has it mapped: opened once per
