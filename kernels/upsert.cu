@@ -306,9 +306,10 @@ __device__ __forceinline__ void probe_one(const HkvTable& t, const HkvScoring& s
     // whole warp calls it, converged.
     __syncwarp();
     if (smp.ring) hkv_sample_warp(smp, active && s >= 0 && g.rank == 0, key, seen);
-    if (!active) return;
-    if (s < 0) {
-        if (g.rank == 0) miss[i] = 1;
+    // Every key of the launch gets its flag, 0 where `only` leaves it out,
+    // so that the flags need no clearing (they are a lane's reused buffer).
+    if (!active || s < 0) {
+        if (i < n && g.rank == 0) miss[i] = (u8)active;
         return;
     }
     u64 pos = b * 128 + s;
@@ -336,8 +337,7 @@ __device__ __forceinline__ void probe_one(const HkvTable& t, const HkvScoring& s
 
 // values: out (find_or_insert's rows of the hits), null for find_or_insert*;
 // scores_in, only, outcomes and ptrs may be null; miss: n flags out, 1
-// where key i is served and absent (upsert_keys' only), 0 elsewhere it is
-// served.
+// where key i is served and absent (upsert_keys' only), 0 elsewhere.
 #define HKV_PROBE_KERNEL(NAME, G)                                                                                   \
     extern "C" __global__ void NAME(HkvTable t, HkvScoring sc, const u64* keys, u64 n, float* values,               \
                                     const u64* scores_in, const u8* only, u8* outcomes, u64* ptrs, u8* miss,        \
