@@ -638,7 +638,8 @@ fn device_batches_are_sampled() {
 /// contains, insert_or_assign, assign and the device batches' find, find*,
 /// contains, insert_or_assign and assign sample exactly the keys
 /// `mrc::sampled` keeps, as a multiset, and count every key of a lookup as
-/// an access (writes none, issue 32);
+/// an access (writes none, issue 32; find_or_insert is a lookup, large
+/// ones served by the probe and then the upsert of the misses);
 /// at every lookup kernel variant (threads per key), with the rows partly
 /// in host memory (large batches in region order), at batch sizes of one
 /// warp, one block and many blocks, and with repeated keys (writes in
@@ -678,7 +679,16 @@ fn fused_sampling_keeps_exactly_the_filtered_keys() {
                 out.clear();
                 let d = t.drain_samples(&mut out);
                 let m = want.len() as u64;
-                let lookup = ["find", "contains", "find_at", "device Find", "device FindPtr", "device Contains"];
+                let lookup = [
+                    "find",
+                    "contains",
+                    "find_at",
+                    "find_or_insert",
+                    "device Find",
+                    "device FindPtr",
+                    "device Contains",
+                    "device FindOrInsert",
+                ];
                 let accesses = if lookup.contains(&what) { n as u64 } else { 0 };
                 assert_eq!(
                     d,
@@ -702,10 +712,20 @@ fn fused_sampling_keeps_exactly_the_filtered_keys() {
             check("insert_or_assign", &t);
             t.assign(&keys, &rows, None, None).unwrap();
             check("assign", &t);
+            // Above SEQUENTIAL_BATCH keys the probe samples the hits and
+            // the upsert the misses: each occurrence once.
+            t.find_or_insert(&keys, &mut rows.clone(), None, None).unwrap();
+            check("find_or_insert", &t);
             let mut b = t.device_batch(n).unwrap();
             b.stream.memcpy_htod(&keys, &mut b.keys).unwrap();
-            let ops =
-                [DeviceOp::Find, DeviceOp::FindPtr, DeviceOp::Contains, DeviceOp::InsertOrAssign, DeviceOp::Assign];
+            let ops = [
+                DeviceOp::Find,
+                DeviceOp::FindPtr,
+                DeviceOp::Contains,
+                DeviceOp::InsertOrAssign,
+                DeviceOp::Assign,
+                DeviceOp::FindOrInsert,
+            ];
             for op in ops {
                 t.run_device(op, &mut b, n).unwrap();
                 check(&format!("device {op:?}"), &t);
