@@ -411,7 +411,7 @@ __device__ __forceinline__ void hkv_prefetch_bucket(const HkvTable& t, u64 b) {
 // ---- a writer's key, found under its buckets' locks ------------------------
 // The prologue of every writer kernel (upsert_one, update_one, step_one):
 // the key's candidate buckets located and both locked, and its slot found
-// in them, b1 first. Unlock with hkv_unlock2(t, g, k.b1, k.b2).
+// in them, b1 first. Unlock with hkv_unlock2 of the result's b1 and b2.
 // Inserters (INSERTER): keys move under the inserter group, so the key is
 // looked up only once the locks are held (ld.cg), and the free-slot
 // candidates of each bucket searched come from the same read of its digest

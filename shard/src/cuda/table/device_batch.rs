@@ -379,7 +379,8 @@ impl CudaTable {
     }
 
     /// Books a finished [`CudaTable::enqueue`]: `c` are its 8 counters,
-    /// read after its stream was synchronised. Releases the lock group.
+    /// read after its stream was synchronised. Returns the lanes it held
+    /// to the pool and releases the lock group.
     pub(crate) fn complete(&self, mut pending: Pending<'_>, c: &[u64]) -> Counts {
         pending.synchronized = true;
         for l in pending.lanes.drain(..) {
