@@ -408,6 +408,66 @@ __device__ __forceinline__ void hkv_prefetch_bucket(const HkvTable& t, u64 b) {
     hkv_prefetch_l2(t.sizes + b);
 }
 
+// ---- a writer's key, found under its buckets' locks ------------------------
+// The prologue of every writer kernel (upsert_one, update_one, step_one):
+// the key's candidate buckets located and both locked, and its slot found
+// in them, b1 first. Unlock with hkv_unlock2 of the result's b1 and b2.
+// Inserters (INSERTER): keys move under the inserter group, so the key is
+// looked up only once the locks are held (ld.cg), and the free-slot
+// candidates of each bucket searched come from the same read of its digest
+// line, into *free1 and *free2 (free2 only when b2 was searched: the key
+// is not in b1 and b2 != b1); the buckets' lines are prefetched while the
+// locks are taken.
+// Updaters (!INSERTER): no key moves under the updater group, so the
+// lookup overlaps the lock's first attempt (hkv_lock2_start) and may take
+// the read-only path; overlap(b, s) runs once the key is found and before
+// the wait for the lock, for work that needs no lock (update_one's
+// preload of a row into registers). free1 and free2 are not used (null).
+// (The free bits are out-parameters rather than fields of HkvLocked: as
+// fields they cost upsert_keys_g1 32 more bytes of stack, ptxas for sm_90.)
+struct HkvLocked {
+    u64 b1, b2;  // the candidate buckets, both locked (b2 == b1 when the key has one)
+    u64 b;       // the bucket holding the key; when absent, the last one searched
+    int s;       // the key's slot in b, or -1
+    u8 d;        // the key's digest
+};
+
+struct HkvNoOverlap {
+    __device__ __forceinline__ void operator()(u64, int) const {}
+};
+
+template <int G, bool INSERTER, class Overlap = HkvNoOverlap>
+__device__ __forceinline__ HkvLocked hkv_find_locked(const HkvTable& t, const HkvGroup<G>& g, u64 key,
+                                                     HkvBits<128 / G>* free1, HkvBits<128 / G>* free2,
+                                                     Overlap overlap = Overlap()) {
+    HkvLocked k;
+    hkv_locate(t, key, &k.b1, &k.b2, &k.d);
+    if constexpr (INSERTER) {
+        if (g.rank == 0) {
+            hkv_prefetch_bucket(t, k.b1);
+            if (k.b2 != k.b1) hkv_prefetch_bucket(t, k.b2);
+        }
+        hkv_lock2(t, g, k.b1, k.b2);
+        k.b = k.b1;
+        k.s = hkv_find_write<G>(t, g, k.b1, key, k.d, free1);
+        if (k.s < 0 && k.b2 != k.b1) {
+            k.b = k.b2;
+            k.s = hkv_find_write<G>(t, g, k.b2, key, k.d, free2);
+        }
+    } else {
+        int first = hkv_lock2_start(t, g, k.b1, k.b2);
+        k.b = k.b1;
+        k.s = hkv_find_in<G, false>(t, g, k.b1, key, k.d);
+        if (k.s < 0 && k.b2 != k.b1) {
+            k.b = k.b2;
+            k.s = hkv_find_in<G, false>(t, g, k.b2, key, k.d);
+        }
+        overlap(k.b, k.s);
+        hkv_lock2_wait(t, g, k.b1, k.b2, first);
+    }
+    return k;
+}
+
 // ---- value rows, copied by the group ---------------------------------------
 
 // Each thread loads up to four 16-byte pieces before storing them, so that

@@ -17,37 +17,31 @@ __device__ __forceinline__ void update_one(const HkvTable& t, const HkvScoring& 
     // The miss-ratio sampling filter, fused: the whole warp is here.
     if (smp.ring) hkv_sample_warp(smp, active && g.rank == 0, key, seen);
     if (!active) return;
-    u64 b1, b2;
-    u8 d;
-    hkv_locate(t, key, &b1, &b2, &d);
     bool has = scores_in != 0;
     u64 in = has ? scores_in[i] : 0;
     if (values) hkv_prefetch_row<G>(g, values + i * t.dim, t.dim);
-    // The lock's first attempt overlaps the lookup (keys are stable under
-    // the updater group, see hkv_lock2_start).
-    int first = hkv_lock2_start(t, g, b1, b2);
-    u64 b = b1;
-    int s = hkv_find_in<G, false>(t, g, b1, key, d);
-    if (s < 0 && b2 != b1) {
-        b = b2;
-        s = hkv_find_in<G, false>(t, g, b2, key, d);
-    }
     // PRELOAD: assign loads a row of up to 32 G floats into registers
     // before it waits for the lock, so that only its stores happen under the
     // lock (dim 64: 3-5 % faster on the H200). Not in update_keys_g2_b5,
     // held to 48 registers: dims 8 and 32 ran 12 % slower with it.
     const u32 n4 = t.dim / 4;
-    const bool pre = PRELOAD && s >= 0 && mode == HKV_UPD_ASSIGN && (t.dim & 3) == 0 && n4 <= 8 * G;
+    bool pre = false;
     float4 r[8];
-    if (pre) {
-        const float4* src = reinterpret_cast<const float4*>(values + i * t.dim);
+    // The lock's first attempt overlaps the lookup, and the preload the
+    // wait for it (keys are stable under the updater group, see
+    // hkv_lock2_start).
+    const HkvLocked loc = hkv_find_locked<G, false>(t, g, key, nullptr, nullptr, [&](u64, int s) {
+        pre = PRELOAD && s >= 0 && mode == HKV_UPD_ASSIGN && (t.dim & 3) == 0 && n4 <= 8 * G;
+        if (pre) {
+            const float4* src = reinterpret_cast<const float4*>(values + i * t.dim);
 #pragma unroll
-        for (int k = 0; k < 8; ++k)
-            if (g.rank + k * G < n4) r[k] = __ldg(src + g.rank + k * G);
-    }
-    hkv_lock2_wait(t, g, b1, b2, first);
+            for (int k = 0; k < 8; ++k)
+                if (g.rank + k * G < n4) r[k] = __ldg(src + g.rank + k * G);
+        }
+    });
+    const int s = loc.s;
     if (s >= 0) {
-        u64 pos = b * 128 + s;
+        u64 pos = loc.b * 128 + s;
         float* row = hkv_row(t, pos);
         u64 old = hkv_needs_old(sc, has, mode != HKV_UPD_ACCUM) ? __ldcg(t.scores + pos) : 0;
         u64 ns;
@@ -68,7 +62,7 @@ __device__ __forceinline__ void update_one(const HkvTable& t, const HkvScoring& 
         }
         if (g.rank == 0) t.scores[pos] = ns;
     }
-    hkv_unlock2(t, g, b1, b2);
+    hkv_unlock2(t, g, loc.b1, loc.b2);
     if (g.rank == 0) {
         int out = s >= 0 ? HKV_UPDATED : HKV_ABSENT;
         if (outcomes) outcomes[i] = (u8)out;
@@ -205,27 +199,18 @@ __device__ __forceinline__ void step_one(const HkvTable& t, const HkvScoring& sc
     u64 key = active ? keys[i] : 0;
     if (smp.ring) hkv_sample_warp(smp, active && g.rank == 0, key, seen);
     if (!active) return;
-    u64 b1, b2;
-    u8 d;
-    hkv_locate(t, key, &b1, &b2, &d);
     const float* grad = grads + i * st.dim;
     hkv_prefetch_row<G>(g, grad, st.dim);
-    int first = hkv_lock2_start(t, g, b1, b2);
-    u64 b = b1;
-    int s = hkv_find_in<G, false>(t, g, b1, key, d);
-    if (s < 0 && b2 != b1) {
-        b = b2;
-        s = hkv_find_in<G, false>(t, g, b2, key, d);
-    }
     float* out = updated ? updated + i * st.dim : 0;
-    hkv_lock2_wait(t, g, b1, b2, first);
+    const HkvLocked loc = hkv_find_locked<G, false>(t, g, key, nullptr, nullptr);
+    const int s = loc.s;
     if (s >= 0) {
-        u64 pos = b * 128 + s;
+        u64 pos = loc.b * 128 + s;
         step_row<G>(g, st, hkv_row(t, pos), grad, out);
         u64 old = hkv_needs_old(sc, false, true) ? __ldcg(t.scores + pos) : 0;
         if (g.rank == 0) t.scores[pos] = hkv_on_update(sc, old, false, 0);
     }
-    hkv_unlock2(t, g, b1, b2);
+    hkv_unlock2(t, g, loc.b1, loc.b2);
     if (s < 0 && out)
         for (u32 e = g.rank; e < st.dim; e += G) out[e] = 0.0f;
     if (g.rank == 0) {

@@ -140,27 +140,18 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
     // The miss-ratio sampling filter, fused: the whole warp is here.
     if (smp.ring) hkv_sample_warp(smp, active && g.rank == 0, key, seen);
     if (!active) return;
-    u64 b1, b2;
-    u8 d;
-    hkv_locate(t, key, &b1, &b2, &d);
-    if (g.rank == 0) {
-        hkv_prefetch_bucket(t, b1);
-        if (b2 != b1) hkv_prefetch_bucket(t, b2);
-    }
     bool has = scores_in != 0;
     u64 in = has ? scores_in[i] : 0;
     float* vin = values ? values + i * t.dim : 0;
     hkv_prefetch_row<G>(g, vin, t.dim);
     u64 ptr = 0;
     int out;
-    hkv_lock2(t, g, b1, b2);
-    u64 b = b1;
     HkvBits<128 / G> free1, free2;
-    int s = hkv_find_write<G>(t, g, b1, key, d, &free1);
-    if (s < 0 && b2 != b1) {
-        b = b2;
-        s = hkv_find_write<G>(t, g, b2, key, d, &free2);
-    }
+    const HkvLocked loc = hkv_find_locked<G, true>(t, g, key, &free1, &free2);
+    const u64 b1 = loc.b1, b2 = loc.b2;
+    const u8 d = loc.d;
+    u64 b = loc.b;
+    int s = loc.s;
     if (s >= 0) {
         u64 pos = b * 128 + s;
         float* row = hkv_row(t, pos);
@@ -315,9 +306,10 @@ __device__ __forceinline__ void probe_one(const HkvTable& t, const HkvScoring& s
     // whole warp calls it, converged.
     __syncwarp();
     if (smp.ring) hkv_sample_warp(smp, active && s >= 0 && g.rank == 0, key, seen);
-    if (!active) return;
-    if (s < 0) {
-        if (g.rank == 0) miss[i] = 1;
+    // Every key of the launch gets its flag, 0 where `only` leaves it out,
+    // so that the flags need no clearing (they are a lane's reused buffer).
+    if (!active || s < 0) {
+        if (i < n && g.rank == 0) miss[i] = (u8)active;
         return;
     }
     u64 pos = b * 128 + s;
@@ -345,8 +337,7 @@ __device__ __forceinline__ void probe_one(const HkvTable& t, const HkvScoring& s
 
 // values: out (find_or_insert's rows of the hits), null for find_or_insert*;
 // scores_in, only, outcomes and ptrs may be null; miss: n flags out, 1
-// where key i is served and absent (upsert_keys' only), 0 elsewhere it is
-// served.
+// where key i is served and absent (upsert_keys' only), 0 elsewhere.
 #define HKV_PROBE_KERNEL(NAME, G)                                                                                   \
     extern "C" __global__ void NAME(HkvTable t, HkvScoring sc, const u64* keys, u64 n, float* values,               \
                                     const u64* scores_in, const u8* only, u8* outcomes, u64* ptrs, u8* miss,        \

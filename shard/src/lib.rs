@@ -753,8 +753,7 @@ pub fn apply_gradients_by_find<S: Shard + ?Sized>(
     updated: Option<&mut [f32]>,
 ) -> Result<u64> {
     let (n, d, w) = (keys.len(), step.dim, s.dim());
-    optim::check_batch(w, step, n, grads.len(), found.len(), updated.as_ref().map(|u| u.len()))?;
-    check::keys(keys)?;
+    optim::check_apply(w, step, keys, grads, found, updated.as_deref())?;
     let mut rows = vec![0.0f32; n * w];
     s.find(keys, &mut rows, found, None)?;
     // Duplicates step the row their first occurrence holds, in index order.

@@ -215,6 +215,22 @@ pub fn check_batch(
     Ok(())
 }
 
+/// Checks an apply_gradients call on a table whose rows hold `row_dim`
+/// floats, before anything is locked: the batch ([`check_batch`]: the
+/// step, and gradients and outputs sized for the keys) and the keys (no
+/// reserved marker). Every backend's `apply_gradients` opens with it.
+pub fn check_apply(
+    row_dim: usize,
+    step: &Step,
+    keys: &[u64],
+    grads: &[f32],
+    found: &[bool],
+    updated: Option<&[f32]>,
+) -> Result<()> {
+    check_batch(row_dim, step, keys.len(), grads.len(), found.len(), updated.map(<[f32]>::len))?;
+    crate::check::keys(keys)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -275,5 +291,12 @@ mod tests {
         assert!(check_batch(12, &ok, 1, 4, 1, None).is_ok());
         assert!(check_batch(8, &ok, 1, 4, 1, None).is_err());
         assert!(check_batch(12, &ok, 1, 3, 1, None).is_err());
+        let (grads, found) = ([0.0f32; 4], [false]);
+        assert!(check_apply(12, &ok, &[7], &grads, &found, None).is_ok());
+        assert!(check_apply(12, &ok, &[7], &grads, &found, Some(&[0.0; 3])).is_err());
+        assert!(matches!(
+            check_apply(12, &ok, &[crate::RESERVED_KEY_MIN], &grads, &found, None),
+            Err(Error::ReservedKey { index: 0, .. })
+        ));
     }
 }

@@ -669,7 +669,8 @@ fn device_batches_are_sampled() {
 /// contains, insert_or_assign, assign and the device batches' find, find*,
 /// contains, insert_or_assign and assign sample exactly the keys
 /// `mrc::sampled` keeps, as a multiset, and count every key of a lookup as
-/// an access (writes none, issue 32);
+/// an access (writes none, issue 32; find_or_insert is a lookup, large
+/// ones served by the probe and then the upsert of the misses);
 /// at every lookup kernel variant (threads per key), with the rows partly
 /// in host memory (large batches in region order), at batch sizes of one
 /// warp, one block and many blocks, and with repeated keys (writes in
@@ -709,7 +710,16 @@ fn fused_sampling_keeps_exactly_the_filtered_keys() {
                 out.clear();
                 let d = t.drain_samples(&mut out);
                 let m = want.len() as u64;
-                let lookup = ["find", "contains", "find_at", "device Find", "device FindPtr", "device Contains"];
+                let lookup = [
+                    "find",
+                    "contains",
+                    "find_at",
+                    "find_or_insert",
+                    "device Find",
+                    "device FindPtr",
+                    "device Contains",
+                    "device FindOrInsert",
+                ];
                 let accesses = if lookup.contains(&what) { n as u64 } else { 0 };
                 assert_eq!(
                     d,
@@ -733,10 +743,20 @@ fn fused_sampling_keeps_exactly_the_filtered_keys() {
             check("insert_or_assign", &t);
             t.assign(&keys, &rows, None, None).unwrap();
             check("assign", &t);
+            // Above SEQUENTIAL_BATCH keys the probe samples the hits and
+            // the upsert the misses: each occurrence once.
+            t.find_or_insert(&keys, &mut rows.clone(), None, None).unwrap();
+            check("find_or_insert", &t);
             let mut b = t.device_batch(n).unwrap();
             b.stream.memcpy_htod(&keys, &mut b.keys).unwrap();
-            let ops =
-                [DeviceOp::Find, DeviceOp::FindPtr, DeviceOp::Contains, DeviceOp::InsertOrAssign, DeviceOp::Assign];
+            let ops = [
+                DeviceOp::Find,
+                DeviceOp::FindPtr,
+                DeviceOp::Contains,
+                DeviceOp::InsertOrAssign,
+                DeviceOp::Assign,
+                DeviceOp::FindOrInsert,
+            ];
             for op in ops {
                 t.run_device(op, &mut b, n).unwrap();
                 check(&format!("device {op:?}"), &t);
@@ -852,81 +872,108 @@ fn apply_gradients_steps_rows_as_the_cpu_backend() {
 /// A large find_or_insert (above SEQUENTIAL_BATCH) whose keys repeat, as a
 /// training loop's do before deduplication, served by the lock-free probe
 /// of its hits and then the locked upsert of its misses (and, for
-/// comparison, in one locked launch): every occurrence of a key gets the
-/// same row, a key present before gets its stored row, a new key the row
-/// given for its first placement, every key is in the table afterwards
-/// (half full: nothing evicted), the counts add up, and lfu counts every
-/// occurrence. find_or_insert* hands out one row address per key.
+/// comparison, in one locked launch), from a device batch and from host
+/// arrays (the socket's way in, `Shard::find_or_insert`): every occurrence
+/// of a key gets the same row, a key present before gets its stored row, a
+/// new key the row given for its first placement, every key is in the
+/// table afterwards (half full: nothing evicted), the counts add up, and
+/// lfu counts every occurrence. find_or_insert* hands out one row address
+/// per key; the host path's outcomes name one insert per new key, and its
+/// second batch (the lane's miss flags reused) finds every key.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn large_find_or_insert_with_repeated_keys() {
     use hkv_shard::CudaTuning;
     use rand_distr::Distribution;
     let dim = 4;
-    for locked in [false, true] {
-        for policy in [ScorePolicy::Lru, ScorePolicy::Lfu] {
-            let mut cfg = TableConfig::new(1 << 17, dim).policy(policy).mode(BucketMode::Dual);
-            cfg.tuning = CudaTuning { locked_find_or_insert: locked, ..CudaTuning::default() };
-            let t = CudaTable::new(cfg, device()).unwrap();
-            let before: Vec<u64> = (1..=20_000u64).map(|k| k * 3).collect();
-            let rows: Vec<f32> = before.iter().flat_map(|&k| [k as f32; 4]).collect();
-            t.insert_or_assign(&before, &rows, None, None).unwrap();
-            let z = rand_distr::Zipf::new(60_000, 0.9).unwrap();
-            let mut rng = rand::rngs::StdRng::seed_from_u64(9);
-            let n = 50_000;
-            let keys: Vec<u64> = (0..n).map(|_| z.sample(&mut rng) as u64).collect();
-            // Input rows: -(the occurrence's index), so a new key's row names the occurrence that placed it.
-            let input: Vec<f32> = (0..n).flat_map(|i| [-(i as f32); 4]).collect();
-            let mut b = t.device_batch(n).unwrap();
+    for host in [false, true] {
+        for locked in [false, true] {
+            for policy in [ScorePolicy::Lru, ScorePolicy::Lfu] {
+                let what = format!("host {host} locked {locked} {policy:?}");
+                repeated_find_or_insert(&what, host, locked, policy, dim);
+            }
+        }
+    }
+
+    fn repeated_find_or_insert(what: &str, host: bool, locked: bool, policy: ScorePolicy, dim: usize) {
+        let mut cfg = TableConfig::new(1 << 17, dim).policy(policy).mode(BucketMode::Dual);
+        cfg.tuning = CudaTuning { locked_find_or_insert: locked, ..CudaTuning::default() };
+        let t = CudaTable::new(cfg, device()).unwrap();
+        let before: Vec<u64> = (1..=20_000u64).map(|k| k * 3).collect();
+        let rows: Vec<f32> = before.iter().flat_map(|&k| [k as f32; 4]).collect();
+        t.insert_or_assign(&before, &rows, None, None).unwrap();
+        let z = rand_distr::Zipf::new(60_000, 0.9).unwrap();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        let n = 50_000;
+        let keys: Vec<u64> = (0..n).map(|_| z.sample(&mut rng) as u64).collect();
+        // Input rows: -(the occurrence's index), so a new key's row names the occurrence that placed it.
+        let input: Vec<f32> = (0..n).flat_map(|i| [-(i as f32); 4]).collect();
+        let mut b = t.device_batch(n).unwrap();
+        let mut outcomes = vec![Outcome::Absent; n];
+        let (s, got) = if host {
+            let mut got = input.clone();
+            let s = t.find_or_insert(&keys, &mut got, None, Some(&mut outcomes)).unwrap();
+            (s, got)
+        } else {
             b.stream.memcpy_htod(&keys, &mut b.keys.slice_mut(..n)).unwrap();
             b.stream.memcpy_htod(&input, &mut b.values.slice_mut(..n * dim)).unwrap();
-            let what = format!("locked {locked} {policy:?}");
             let r = t.run_device(DeviceOp::FindOrInsert, &mut b, n).unwrap();
-            let s = r.counts.summary;
-            assert_eq!(s.updated + s.inserted + s.evicted + s.rejected, n as u64, "{what}: {s:?}");
-            assert_eq!(s.evicted + s.rejected, 0, "{what}: a half-full table");
-            let mut distinct = keys.clone();
-            distinct.sort_unstable();
-            distinct.dedup();
-            let new = distinct.iter().filter(|&&k| !k.is_multiple_of(3) || k > 60_000).count() as u64;
-            assert_eq!(s.inserted, new, "{what}: one insert per new key");
-            assert_eq!(t.size(), 20_000 + new, "{what}");
-            let got = b.stream.clone_dtoh(&b.values).unwrap();
-            let mut seen: HashMap<u64, f32> = HashMap::new();
-            for (i, &k) in keys.iter().enumerate() {
-                let v = got[i * dim];
-                assert!(got[i * dim..(i + 1) * dim].iter().all(|&x| x == v), "{what}: a whole row");
-                if k.is_multiple_of(3) && k <= 60_000 {
-                    assert_eq!(v, k as f32, "{what}: key {k} present before gets its stored row");
-                } else {
-                    assert!(v <= 0.0 && keys[(-v) as usize] == k, "{what}: key {k} gets a row given for it");
-                }
-                assert_eq!(*seen.entry(k).or_insert(v), v, "{what}: key {k}: every occurrence the same row");
+            (r.counts.summary, b.stream.clone_dtoh(&b.values).unwrap())
+        };
+        assert_eq!(s.updated + s.inserted + s.evicted + s.rejected, n as u64, "{what}: {s:?}");
+        assert_eq!(s.evicted + s.rejected, 0, "{what}: a half-full table");
+        let mut distinct = keys.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        let new = distinct.iter().filter(|&&k| !k.is_multiple_of(3) || k > 60_000).count() as u64;
+        assert_eq!(s.inserted, new, "{what}: one insert per new key");
+        assert_eq!(t.size(), 20_000 + new, "{what}");
+        if host {
+            let inserted = outcomes.iter().filter(|&&o| o == Outcome::Inserted).count() as u64;
+            let updated = outcomes.iter().filter(|&&o| o == Outcome::Updated).count() as u64;
+            assert_eq!((inserted, updated), (s.inserted, s.updated), "{what}: outcomes");
+        }
+        let mut seen: HashMap<u64, f32> = HashMap::new();
+        for (i, &k) in keys.iter().enumerate() {
+            let v = got[i * dim];
+            assert!(got[i * dim..(i + 1) * dim].iter().all(|&x| x == v), "{what}: a whole row");
+            if k.is_multiple_of(3) && k <= 60_000 {
+                assert_eq!(v, k as f32, "{what}: key {k} present before gets its stored row");
+            } else {
+                assert!(v <= 0.0 && keys[(-v) as usize] == k, "{what}: key {k} gets a row given for it");
             }
-            let mut stored = vec![0.0f32; distinct.len() * dim];
-            let mut found = vec![false; distinct.len()];
-            let mut scores = vec![0u64; distinct.len()];
-            assert_eq!(t.find(&distinct, &mut stored, &mut found, Some(&mut scores)).unwrap(), distinct.len());
-            for (j, &k) in distinct.iter().enumerate() {
-                assert_eq!(stored[j * dim], seen[&k], "{what}: key {k}'s stored row is the one handed out");
-            }
-            if policy == ScorePolicy::Lfu {
-                // lfu: frequency in the high bits (LRU ties); a key present
-                // before had 1 and gained one per occurrence.
-                let hot = distinct[0];
-                let occurrences = keys.iter().filter(|&&k| k == hot).count() as u64;
-                let freq = scores[0] >> hkv_shard::score::LFU_STAMP_BITS;
-                let base = u64::from(hot.is_multiple_of(3));
-                assert_eq!(freq, base + occurrences, "{what}: key {hot} counted once per occurrence");
-            }
-            let r = t.run_device(DeviceOp::FindOrInsertPtr, &mut b, n).unwrap();
-            assert_eq!(r.counts.summary.updated, n as u64, "{what}: every key is present now");
-            let ptrs = b.stream.clone_dtoh(&b.ptrs).unwrap();
-            let mut at: HashMap<u64, u64> = HashMap::new();
-            for (i, &k) in keys.iter().enumerate() {
-                assert!(ptrs[i] != 0);
-                assert_eq!(*at.entry(k).or_insert(ptrs[i]), ptrs[i], "{what}: key {k}: one row address");
-            }
+            assert_eq!(*seen.entry(k).or_insert(v), v, "{what}: key {k}: every occurrence the same row");
+        }
+        let mut stored = vec![0.0f32; distinct.len() * dim];
+        let mut found = vec![false; distinct.len()];
+        let mut scores = vec![0u64; distinct.len()];
+        assert_eq!(t.find(&distinct, &mut stored, &mut found, Some(&mut scores)).unwrap(), distinct.len());
+        for (j, &k) in distinct.iter().enumerate() {
+            assert_eq!(stored[j * dim], seen[&k], "{what}: key {k}'s stored row is the one handed out");
+        }
+        if policy == ScorePolicy::Lfu {
+            // lfu: frequency in the high bits (LRU ties); a key present
+            // before had 1 and gained one per occurrence.
+            let hot = distinct[0];
+            let occurrences = keys.iter().filter(|&&k| k == hot).count() as u64;
+            let freq = scores[0] >> hkv_shard::score::LFU_STAMP_BITS;
+            let base = u64::from(hot.is_multiple_of(3));
+            assert_eq!(freq, base + occurrences, "{what}: key {hot} counted once per occurrence");
+        }
+        if host {
+            let mut again = input.clone();
+            let s = t.find_or_insert(&keys, &mut again, None, None).unwrap();
+            assert_eq!(s.updated, n as u64, "{what}: every key is present now");
+            assert_eq!(again, got, "{what}: the same rows again");
+            return;
+        }
+        let r = t.run_device(DeviceOp::FindOrInsertPtr, &mut b, n).unwrap();
+        assert_eq!(r.counts.summary.updated, n as u64, "{what}: every key is present now");
+        let ptrs = b.stream.clone_dtoh(&b.ptrs).unwrap();
+        let mut at: HashMap<u64, u64> = HashMap::new();
+        for (i, &k) in keys.iter().enumerate() {
+            assert!(ptrs[i] != 0);
+            assert_eq!(*at.entry(k).or_insert(ptrs[i]), ptrs[i], "{what}: key {k}: one row address");
         }
     }
 }

@@ -458,8 +458,7 @@ impl Shard for CpuTable {
         updated: Option<&mut [f32]>,
     ) -> Result<u64> {
         let (n, d, w) = (keys.len(), step.dim, self.config.dim);
-        crate::optim::check_batch(w, step, n, grads.len(), found.len(), updated.as_ref().map(|u| u.len()))?;
-        check::keys(keys)?;
+        crate::optim::check_apply(w, step, keys, grads, found, updated.as_deref())?;
         // In place, in the updater group as accum_or_assign's first phase:
         // each row read, stepped and written under its bucket's mutex.
         let _g = self.lock.acquire(Group::Updater);

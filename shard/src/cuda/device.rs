@@ -116,8 +116,10 @@ impl Device {
         // device addresses (`table::ptr`, `DevPtr::of`), whose tracking
         // guard is dropped before the launch. Instead each user orders its
         // streams itself: a table uses each buffer on one lane's stream at
-        // a time and synchronises a batch's stream before its lane returns
-        // to the pool or a buffer is regrown, and replaces its storage only
+        // a time (or, for a large find_or_insert's miss flags, on the
+        // stream of the device batch that holds the lane, `Pending`) and
+        // synchronises a batch's stream before its lane returns to the
+        // pool or a buffer is regrown, and replaces its storage only
         // under the inserter group, every lane idle; a group node allocates
         // on its main stream, its serve stream waits for an event of the
         // main stream before it touches those buffers and is joined back

@@ -262,10 +262,11 @@ impl CudaTable {
         };
         // From here on, an early return drops `pending`, which waits for
         // `s` before it lets the lock group go.
-        let pending = Pending {
+        let mut pending = Pending {
             op,
             n,
             streams: vec![s.clone()],
+            lanes: Vec::new(),
             synchronized: false,
             _guard: incoming.map(|_| self.lock.acquire(group)),
         };
@@ -325,46 +326,27 @@ impl CudaTable {
                 }
                 DeviceOp::FindPtr => self.k_lookup(s, st, n64, Ptrs { ptrs: p.ptrs, ..base })?,
                 DeviceOp::Contains => self.k_lookup(s, st, n64, Ptrs { found: p.found, ..base })?,
-                DeviceOp::FindOrInsert | DeviceOp::FindOrInsertPtr
-                    if n > SEQUENTIAL_BATCH
-                        && !self.config.tuning.locked_find_or_insert
-                        && self.config.policy != ScorePolicy::Adaptive =>
-                {
-                    // Hits without locks first, then the misses (probe_keys
-                    // in upsert.cu): repeated keys no longer wait on each
-                    // other's bucket locks. The flags are freed in stream
-                    // order. Not for adaptive, whose hits move keys between
-                    // a bucket's tiers under its lock.
-                    let miss = s.alloc_zeros::<u8>(n).map_err(dev_err("allocating the miss flags"))?;
-                    let m = DevPtr::of(&miss, s);
+                DeviceOp::FindOrInsert | DeviceOp::FindOrInsertPtr => {
                     let (q, mode) = match op {
                         DeviceOp::FindOrInsert => (Ptrs { values: p.values, ..base }, UP_FIND_OR_INSERT),
                         _ => (Ptrs { ptrs: p.ptrs, ..base }, UP_FIND_OR_INSERT_PTR),
                     };
-                    let sc = self.scoring(false);
-                    self.k_probe(s, st, sc, n64, q, m)?;
-                    self.k_upsert(s, st, sc, n64, mode, Ptrs { only: Some(m), ..q })?
+                    // A large batch's miss flags are a lane's buffer, the
+                    // lane held by `pending` until `s` is synchronised.
+                    let miss = if self.probes(n64) { Some(&mut pending.hold(self.lane()?).miss) } else { None };
+                    self.k_find_or_insert(s, st, self.scoring(false), n64, mode, q, miss)?
                 }
-                DeviceOp::InsertOrAssign | DeviceOp::InsertAndEvict | DeviceOp::FindOrInsert => {
+                DeviceOp::InsertOrAssign | DeviceOp::InsertAndEvict => {
                     let mut q = Ptrs { values: p.values, ..base };
                     if op == DeviceOp::InsertAndEvict {
                         q.lost = p.lost;
                     }
-                    let mode = if op == DeviceOp::FindOrInsert { UP_FIND_OR_INSERT } else { UP_INSERT };
-                    self.k_upsert(s, st, self.scoring(false), n64, mode, q)?
+                    self.k_upsert(s, st, self.scoring(false), n64, UP_INSERT, q)?
                 }
                 DeviceOp::Load => {
                     let q = Ptrs { values: p.values, scores: p.scores, ..base };
                     self.k_upsert(s, st, self.scoring(true), n64, UP_INSERT, q)?
                 }
-                DeviceOp::FindOrInsertPtr => self.k_upsert(
-                    s,
-                    st,
-                    self.scoring(false),
-                    n64,
-                    UP_FIND_OR_INSERT_PTR,
-                    Ptrs { ptrs: p.ptrs, ..base },
-                )?,
                 DeviceOp::AccumOrAssign => {
                     let q = Ptrs { values: p.values, ..base };
                     self.k_upsert(s, st, self.scoring(false), n64, UP_ACCUM, q)?
@@ -397,9 +379,13 @@ impl CudaTable {
     }
 
     /// Books a finished [`CudaTable::enqueue`]: `c` are its 8 counters,
-    /// read after its stream was synchronised. Releases the lock group.
+    /// read after its stream was synchronised. Returns the lanes it held
+    /// to the pool and releases the lock group.
     pub(crate) fn complete(&self, mut pending: Pending<'_>, c: &[u64]) -> Counts {
         pending.synchronized = true;
+        for l in pending.lanes.drain(..) {
+            self.put_lane(l);
+        }
         let counts = counts(c);
         match pending.op {
             DeviceOp::Find | DeviceOp::FindPtr | DeviceOp::Contains => self.counters.lookups(counts.hits, pending.n),
@@ -459,6 +445,11 @@ pub(crate) struct Pending<'a> {
     n: usize,
     /// The streams the batch's kernels run on.
     streams: Vec<Arc<CudaStream>>,
+    /// Lanes of this table whose buffers the kernels use (a large
+    /// find_or_insert's miss flags), back to its pool once the streams are
+    /// synchronised; dropped with their buffers on an error path, after
+    /// the wait.
+    lanes: Vec<Lane>,
     /// Set by [`CudaTable::complete`], whose caller synchronised them.
     synchronized: bool,
     /// Declared last: dropped after [`Pending::drop`] has synchronised.
@@ -475,6 +466,13 @@ impl Pending<'_> {
                 self.streams.push(s);
             }
         }
+        self.lanes.append(&mut part.lanes);
+    }
+
+    /// Holds `l` until the batch's streams are synchronised; returns it for use.
+    fn hold(&mut self, l: Lane) -> &mut Lane {
+        self.lanes.push(l);
+        self.lanes.last_mut().expect("just pushed")
     }
 
     /// Sets the keys the batch is booked with (its parts may have launched

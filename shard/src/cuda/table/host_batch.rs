@@ -39,7 +39,7 @@ impl CudaTable {
         keys: &[u64],
         nbuckets: u64,
         only: Option<&[u8]>,
-        mut launch: impl FnMut(&Lane, Option<DevPtr<u8>>) -> Result<()>,
+        mut launch: impl FnMut(&mut Lane, Option<DevPtr<u8>>) -> Result<()>,
     ) -> Result<()> {
         let s = l.stream.clone();
         match self.rounds(keys, nbuckets) {
@@ -207,10 +207,18 @@ impl CudaTable {
             })?
         } else {
             let sc = self.scoring(false);
-            self.in_rounds(l, keys, nb, only, |_, o| {
+            let find_or_insert = matches!(mode, UP_FIND_OR_INSERT | UP_FIND_OR_INSERT_PTR);
+            self.in_rounds(l, keys, nb, only, |l, o| {
+                let q = Ptrs { only: o, ..p };
                 // SAFETY: keys, values, scores, outcomes and the lost buffers were uploaded or sized above for
-                // these n keys, flags2 by in_rounds
-                unsafe { self.k_upsert(&s, st, sc, n as u64, mode, Ptrs { only: o, ..p }) }
+                // these n keys, flags2 by in_rounds; the miss flags are the lane's, synchronised with it
+                unsafe {
+                    if find_or_insert {
+                        self.k_find_or_insert(&s, st, sc, n as u64, mode, q, Some(&mut l.miss))
+                    } else {
+                        self.k_upsert(&s, st, sc, n as u64, mode, q)
+                    }
+                }
             })?;
             0
         };

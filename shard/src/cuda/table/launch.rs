@@ -261,14 +261,66 @@ impl CudaTable {
         Ok(())
     }
 
-    /// Launches `probe_keys` on stream `l`: the first launch of a large
-    /// find_or_insert (find_or_insert* without values), which serves the
-    /// keys present without locks and writes 1 into `miss` for the others.
+    /// Whether a find_or_insert (or find_or_insert*) of `n` keys serves
+    /// its hits first without locks ([`CudaTable::k_find_or_insert`]):
+    /// above [`SEQUENTIAL_BATCH`] keys, whose order is unspecified, unless
+    /// the tuning keeps one locked launch
+    /// ([`CudaTuning::locked_find_or_insert`]); never for adaptive, whose
+    /// hits move keys between a bucket's tiers under its lock.
+    pub(super) fn probes(&self, n: u64) -> bool {
+        n > SEQUENTIAL_BATCH as u64
+            && !self.config.tuning.locked_find_or_insert
+            && self.config.policy != ScorePolicy::Adaptive
+    }
+
+    /// A find_or_insert (`mode` [`UP_FIND_OR_INSERT`], or
+    /// [`UP_FIND_OR_INSERT_PTR`] with `p.ptrs` and no values) of `n` keys
+    /// on stream `l`, for every way into the table (host arrays, device
+    /// batches, CUDA IPC): one `upsert_keys` launch, or, where
+    /// [`CudaTable::probes`] and `miss` is given, `probe_keys` first (the
+    /// keys present, without locks: repeated keys no longer wait on each
+    /// other's bucket locks) and then `upsert_keys` over the misses, whose
+    /// flags go into `miss`, a lane's reusable buffer (grown here).
     ///
     /// # Safety
     /// As [`CudaTable::k_upsert`] for find_or_insert (no lost outputs);
-    /// `miss` holds `n` bytes, zero where the launch does not write (keys
-    /// outside `p.only`), alive until `l` is synchronised.
+    /// `miss` is not in use on another stream, and stays alive and
+    /// untouched until `l` is synchronised.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn k_find_or_insert(
+        &self,
+        l: &Arc<CudaStream>,
+        st: &Storage,
+        sc: ScoringArgs,
+        n: u64,
+        mode: i32,
+        p: Ptrs,
+        miss: Option<&mut Option<CudaSlice<u8>>>,
+    ) -> Result<()> {
+        debug_assert!(matches!(mode, UP_FIND_OR_INSERT | UP_FIND_OR_INSERT_PTR) && p.lost.is_none());
+        match miss {
+            Some(buf) if self.probes(n) => {
+                let m = CudaTable::scratch(l, buf, n as usize)?;
+                // SAFETY: the caller's contract; `m` holds n bytes, which
+                // probe_keys writes for every key, before upsert_keys reads them.
+                unsafe {
+                    self.k_probe(l, st, sc, n, p, m)?;
+                    self.k_upsert(l, st, sc, n, mode, Ptrs { only: Some(m), ..p })
+                }
+            }
+            // SAFETY: the caller's contract.
+            _ => unsafe { self.k_upsert(l, st, sc, n, mode, p) },
+        }
+    }
+
+    /// Launches `probe_keys` on stream `l`: the first launch of a large
+    /// find_or_insert (find_or_insert* without values), which serves the
+    /// keys present without locks and writes into `miss` 1 for the others
+    /// and 0 for each key it serves or `p.only` leaves out.
+    ///
+    /// # Safety
+    /// As [`CudaTable::k_upsert`] for find_or_insert (no lost outputs);
+    /// `miss` holds `n` bytes, alive until `l` is synchronised.
     pub(super) unsafe fn k_probe(
         &self,
         l: &Arc<CudaStream>,

@@ -175,15 +175,7 @@ impl Shard for CudaTable {
         updated: Option<&mut [f32]>,
     ) -> Result<u64> {
         let (n, d) = (keys.len(), step.dim);
-        crate::optim::check_batch(
-            self.config.dim,
-            step,
-            n,
-            grads.len(),
-            found.len(),
-            updated.as_ref().map(|u| u.len()),
-        )?;
-        check::keys(keys)?;
+        crate::optim::check_apply(self.config.dim, step, keys, grads, found, updated.as_deref())?;
         let _g = self.lock.acquire(Group::Updater);
         self.counters.op(Op::ApplyGradients, n);
         if n == 0 {
@@ -210,7 +202,7 @@ impl Shard for CudaTable {
             self.in_rounds(l, keys, st.nbuckets, None, |_, o| {
                 // SAFETY: keys and grads uploaded, flags and updated rows
                 // sized above for these n keys; the table's rows hold
-                // step.row_dim() floats (check_batch); flags2 by in_rounds.
+                // step.row_dim() floats (check_apply); flags2 by in_rounds.
                 unsafe { self.k_step(&s, st, sc, n as u64, step, Ptrs { only: o, ..p }) }
             })?;
             let f = Self::fetch(&s, &mut l.stage, &l.flags, n)?;
