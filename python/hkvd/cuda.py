@@ -40,6 +40,7 @@ OP_REGISTER_CUDA = 0x42
 OP_REGISTER_CUDA_EVENT = 0x43
 
 CUDA_SUCCESS = 0
+CUDA_ERROR_NOT_READY = 600
 CUDA_ERROR_INVALID_CONTEXT = 201
 # CUpointer_attribute (cuda.h).
 CU_POINTER_ATTRIBUTE_CONTEXT = 1
@@ -131,6 +132,7 @@ class _Driver:
         self.cuEventSynchronize = fn(["cuEventSynchronize"], c_void_p)
         self.cuStreamWaitEvent = fn(["cuStreamWaitEvent"], c_void_p, c_void_p, c_uint)
         self.cuStreamSynchronize = fn(["cuStreamSynchronize"], c_void_p)
+        self.cuStreamQuery = fn(["cuStreamQuery"], c_void_p)
 
     def error_name(self, result: int) -> str:
         s = ctypes.c_char_p()
@@ -372,10 +374,16 @@ class CudaEvent:
         self.uuid = device_uuid(ordinal)
 
     def record(self, stream: int = 0) -> None:
-        """Records the event on ``stream`` (a CUstream; 0 the legacy default)."""
+        """Records the event on ``stream`` (a CUstream; 0 the legacy default),
+        then submits the stream's pending work (``cuStreamQuery``): the daemon
+        asks the event from the host, and a record still queued in this
+        process, not yet submitted, read there as complete."""
         d = driver()
         with current(self.device):
             d.check(d.cuEventRecord, ctypes.c_void_p(self._ev), ctypes.c_void_p(stream))
+            r = d.cuStreamQuery(ctypes.c_void_p(stream))
+            if r not in (CUDA_SUCCESS, CUDA_ERROR_NOT_READY):
+                raise CudaError("cuStreamQuery", r, d.error_name(r))
 
     def wait(self, stream: int = 0) -> None:
         """Makes ``stream`` wait (on the GPU) for the event's last record."""

@@ -319,11 +319,21 @@ impl IpcEvent {
 
     /// Records the work enqueued on `stream` so far (`cuEventRecord`): a
     /// wait on the event, in this process or the daemon, waits for it.
+    /// Then submits the stream's pending work (`cuStreamQuery`): the
+    /// daemon asks the event from the host (`cuEventQuery`), and on the
+    /// H200 it found a record still in this process's queue, not yet
+    /// submitted, complete, and read a request's keys before they were
+    /// written.
     pub fn record(&self, stream: &CudaStream) -> Result<()> {
         self.same_context(stream)?;
         // SAFETY: the event and the stream are live handles of the context
         // bound just above.
-        check("cuEventRecord", unsafe { sys::cuEventRecord(self.event, stream.cu_stream()) })
+        check("cuEventRecord", unsafe { sys::cuEventRecord(self.event, stream.cu_stream()) })?;
+        // SAFETY: a live stream of the bound context; only asks.
+        match unsafe { sys::cuStreamQuery(stream.cu_stream()) } {
+            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_NOT_READY => Ok(()),
+            r => check("cuStreamQuery", r),
+        }
     }
 
     /// Makes `stream` wait, on the GPU, for the last record of the event

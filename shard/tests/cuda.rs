@@ -319,8 +319,10 @@ fn adaptive_large_batches_conserve_entries() {
         for round in 0..12u64 {
             clock.advance(1 << 20);
             // A hot set of 2000 keys in every batch, 8000 new keys: both tiers
-            // fill. Keys are distinct within a batch, so that what leaves a
-            // batch was not placed again later in it.
+            // fill. Keys are distinct within a batch, but its keys run in
+            // parallel: a hot key's resident copy can be evicted by a
+            // newcomer before the hot key's own insert runs, which then
+            // places it again (and that copy can be evicted in turn).
             let keys: Vec<u64> =
                 (0..10_000u64).map(|i| if i < 2000 { i * 7 + 3 } else { (round * 10_000 + i) * 7 + 5 }).collect();
             let vals: Vec<f32> = keys.iter().flat_map(|&k| [k as f32, -(k as f32)]).collect();
@@ -331,13 +333,28 @@ fn adaptive_large_batches_conserve_entries() {
             assert!(lost.kinds.iter().all(|k| *k == hkv_shard::Lost::Evicted));
             let placed = out.iter().filter(|o| matches!(o, Outcome::Inserted | Outcome::Evicted)).count() as u64;
             assert_eq!(t.size(), before + placed - lost.len() as u64, "{mode:?}: size = before + placed - evicted");
+            // Per key: resident after = resident before + placed by this
+            // batch (inserted, or inserted by evicting) − times evicted,
+            // which must come to 0 or 1.
+            let mut evicted: std::collections::HashMap<u64, i64> = std::collections::HashMap::new();
             for (i, k) in lost.keys.iter().enumerate() {
                 assert_eq!(lost.values[i * dim], *k as f32, "an evicted entry keeps its own value");
-                resident.remove(k);
+                *evicted.entry(*k).or_default() += 1;
             }
-            resident.extend(keys.iter().zip(&out).filter(|(_, o)| **o != Outcome::Updated).map(|(k, _)| *k));
-            for k in lost.keys.iter() {
-                resident.remove(k);
+            let placed_now: std::collections::HashMap<u64, i64> = keys
+                .iter()
+                .zip(&out)
+                .map(|(k, o)| (*k, i64::from(matches!(o, Outcome::Inserted | Outcome::Evicted))))
+                .collect();
+            for k in placed_now.keys().chain(evicted.keys()).copied().collect::<std::collections::HashSet<u64>>() {
+                let after = i64::from(resident.contains(&k)) + placed_now.get(&k).copied().unwrap_or(0)
+                    - evicted.get(&k).copied().unwrap_or(0);
+                assert!((0..=1).contains(&after), "{mode:?} round {round}: key {k} would be resident {after} times");
+                if after == 1 {
+                    resident.insert(k);
+                } else {
+                    resident.remove(&k);
+                }
             }
             // Each round: the table's keys against the bookkeeping, with
             // what this batch said of every key that differs.
