@@ -833,10 +833,13 @@ fn race_row(k: u64, v: f32) -> [f32; 4] {
     [k as f32, v, -(k as f32), 0.5]
 }
 
+/// One round's keys of the race tests: all, then those of master Y.
+type RaceRound = (Vec<u64>, Vec<u64>);
+
 /// Keys for the race tests on `table` (dim 4, opened already): a master X
 /// that holds neither the table's stream nor its meta hash, and per round
 /// 48 fresh keys of X then 48 of another master Y (the second list).
-fn race_keys(cluster: &TestCluster, table: &str, rounds: u64) -> (usize, Vec<(Vec<u64>, Vec<u64>)>) {
+fn race_keys(cluster: &TestCluster, table: &str, rounds: u64) -> (usize, Vec<RaceRound>) {
     use hkv_backing::layout::{slot, Layout};
     // Which master holds each slot (`CLUSTER NODES`), and so each key.
     let ports = cluster.ports();
@@ -871,12 +874,7 @@ fn race_keys(cluster: &TestCluster, table: &str, rounds: u64) -> (usize, Vec<(Ve
 /// whose table is then made again as `read_only` (so that it caches
 /// none of them), and waits until A has heard B's writes on the stream,
 /// so that their invalidations do not arrive in the middle of a round.
-fn prefill(
-    ca: &mut hkv_client::Client,
-    cb: &mut hkv_client::Client,
-    read_only: &TableSpec,
-    rounds: &[(Vec<u64>, Vec<u64>)],
-) {
+fn prefill(ca: &mut hkv_client::Client, cb: &mut hkv_client::Client, read_only: &TableSpec, rounds: &[RaceRound]) {
     use std::time::{Duration, Instant};
     let all: Vec<u64> = rounds.iter().flat_map(|(k, _)| k.iter().copied()).collect();
     for chunk in all.chunks(4096) {
