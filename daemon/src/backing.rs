@@ -15,7 +15,7 @@
 mod order;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -44,6 +44,15 @@ pub struct Tiers {
 struct Entry {
     backing: Backing,
     hits: AtomicU64,
+    /// Keys of reads the cache missed that the cluster had (filled) and
+    /// had not (absent): counted here, since a prefetch also reads keys
+    /// the cache then answers, and erase_if reads keys it does not fill.
+    filled: AtomicU64,
+    absent: AtomicU64,
+    /// The table's last read with misses missed nearly every key (a cold
+    /// stream): the next find fetches its keys beside the cache's find
+    /// ([`Prefetch`]).
+    cold: AtomicBool,
     /// Filled by the table's stream consumer, emptied (erased from the
     /// cache) at the start of the table's next request: a read never sees
     /// a row another host's acknowledged write replaced, once this host
@@ -88,7 +97,12 @@ async fn consume(backing: Backing, invalid: Arc<parking_lot::Mutex<Vec<u64>>>) {
 pub struct TableStats {
     /// Keys of reads the cache answered (hits).
     pub hits: u64,
-    /// The tier's counters (`found` = filled from the cluster).
+    /// Keys of reads the cache missed, filled from the cluster.
+    pub filled: u64,
+    /// Keys of reads the cache missed that the cluster has not either.
+    pub absent: u64,
+    /// The tier's counters (of every key read from the cluster: a
+    /// prefetch also reads keys the cache then answers).
     pub tier: hkv_backing::Stats,
 }
 
@@ -168,7 +182,16 @@ impl Tiers {
         let backing = self.on_rt(async move { Backing::open(&name, dim, o).await }).await?.map_err(wire)?;
         let invalid = Arc::new(parking_lot::Mutex::new(Vec::new()));
         let consumer = self.rt()?.spawn(consume(backing.clone(), invalid.clone()));
-        let entry = Entry { backing, hits: AtomicU64::new(0), invalid, consumer, order: Order::new() };
+        let entry = Entry {
+            backing,
+            hits: AtomicU64::new(0),
+            filled: AtomicU64::new(0),
+            absent: AtomicU64::new(0),
+            cold: AtomicBool::new(false),
+            invalid,
+            consumer,
+            order: Order::new(),
+        };
         self.tables.write().insert(spec.name.clone(), Arc::new(entry));
         Ok(())
     }
@@ -232,10 +255,35 @@ impl Tiers {
         Some((entry.order.clone(), snap))
     }
 
-    fn count_hits(&self, name: &str, n: usize) {
+    /// Counts a read's `hits` of `n` keys; a read that missed more than
+    /// 15 of 16 keys makes the table's next find prefetch.
+    fn count_hits(&self, name: &str, hits: usize, n: usize) {
         if let Some(e) = self.tables.read().get(name) {
-            e.hits.fetch_add(n as u64, Relaxed);
+            e.hits.fetch_add(hits as u64, Relaxed);
+            e.cold.store(hits * 16 < n, Relaxed);
         }
+    }
+
+    fn count_misses(&self, name: &str, filled: usize, absent: usize) {
+        if let Some(e) = self.tables.read().get(name) {
+            e.filled.fetch_add(filled as u64, Relaxed);
+            e.absent.fetch_add(absent as u64, Relaxed);
+        }
+    }
+
+    /// On a table whose last read was cold: a fetch of all `keys`,
+    /// noted ([`order`]) and begun now, beside the cache's find. Begun
+    /// after the request's invalidations were taken, so its rows are no
+    /// older than a fetch after the find would read.
+    fn prefetch(&self, name: &str, tier: &Backing, keys: &[u64]) -> Option<Prefetch> {
+        let entry = self.tables.read().get(name).cloned()?;
+        if !entry.cold.load(Relaxed) {
+            return None;
+        }
+        let snap = entry.order.lock().snapshot(keys);
+        let (b, k) = (tier.clone(), keys.to_vec());
+        let out = self.rt().ok()?.spawn(async move { b.read(&k).await });
+        Some(Prefetch { order: entry.order.clone(), snap, out })
     }
 
     /// The keys the cache missed (`found[i] == 0`), fetched from the
@@ -270,28 +318,48 @@ impl Tiers {
         found: &[u8],
         late_ok: bool,
         held: Option<&Hold>,
+        pre: Option<Prefetch>,
         answer: Option<&mut [f32]>,
     ) -> Result<(Vec<usize>, ReadOut), ProtoError> {
         let table = t.spec.name.as_str();
         let miss: Vec<usize> = (0..keys.len()).filter(|&i| found[i] == 0).collect();
-        self.count_hits(table, keys.len() - miss.len());
+        self.count_hits(table, keys.len() - miss.len(), keys.len());
         if miss.is_empty() {
+            if let Some(p) = pre {
+                p.out.abort();
+            }
             return Ok((miss, ReadOut::default()));
         }
         let mk: Vec<u64> = miss.iter().map(|&i| keys[i]).collect();
-        // Noted before the fetch: a write of these keys that begins from
-        // here on makes the fill drop them ([`order`]).
-        let snap = if held.is_some() { None } else { self.snapshot(table, &mk) };
-        let b = tier.clone();
-        let (mut out, mk) = self
-            .on_rt(async move {
-                let out = b.read(&mk).await;
-                (out, mk)
-            })
-            .await?;
+        let (snap, mut out, mk) = match pre {
+            // Fetched beside the find: the misses' part of it.
+            Some(p) => {
+                let all = p.out.await.map_err(|e| {
+                    ProtoError::new(ErrorCode::Internal, format!("the backing tier's task failed: {e}"))
+                })?;
+                let all_missed = miss.len() == keys.len();
+                let snap = if all_missed { p.snap } else { p.snap.select(&miss) };
+                let out = if all_missed { all } else { select(&all, &miss, t.config.dim) };
+                (Some((p.order, snap)), out, mk)
+            }
+            None => {
+                // Noted before the fetch: a write of these keys that begins
+                // from here on makes the fill drop them ([`order`]).
+                let snap = if held.is_some() { None } else { self.snapshot(table, &mk) };
+                let b = tier.clone();
+                let (out, mk) = self
+                    .on_rt(async move {
+                        let out = b.read(&mk).await;
+                        (out, mk)
+                    })
+                    .await?;
+                (snap, out, mk)
+            }
+        };
         unanswered(table, &out, late_ok)?;
         let d = t.config.dim;
         let mut filled: Vec<usize> = (0..miss.len()).filter(|&j| out.fetched[j] == Fetched::Found).collect();
+        self.count_misses(table, filled.len(), out.fetched.iter().filter(|&&f| f == Fetched::Absent).count());
         if let Some(v) = answer {
             for &j in &filled {
                 let i = miss[j];
@@ -430,7 +498,15 @@ impl Tiers {
             .tables
             .read()
             .iter()
-            .map(|(n, e)| (n.clone(), TableStats { hits: e.hits.load(Relaxed), tier: e.backing.stats() }))
+            .map(|(n, e)| {
+                let s = TableStats {
+                    hits: e.hits.load(Relaxed),
+                    filled: e.filled.load(Relaxed),
+                    absent: e.absent.load(Relaxed),
+                    tier: e.backing.stats(),
+                };
+                (n.clone(), s)
+            })
             .collect();
         v.sort_by(|a, b| a.0.cmp(&b.0));
         v
@@ -514,6 +590,28 @@ async fn invalidate(router: &Router, tiers: &Tiers, t: &Table, keys: Option<&[u6
     Ok(())
 }
 
+/// A fetch of a find's keys begun beside the cache's find
+/// ([`Tiers::prefetch`]): the note of the keys' groups taken before it,
+/// and its task.
+struct Prefetch {
+    order: Arc<parking_lot::Mutex<Order>>,
+    snap: Snapshot,
+    out: tokio::task::JoinHandle<ReadOut>,
+}
+
+/// The part of a read's answer for the keys at `idx`.
+fn select(all: &ReadOut, idx: &[usize], dim: usize) -> ReadOut {
+    let mut values = Vec::with_capacity(idx.len() * dim);
+    idx.iter().for_each(|&i| values.extend_from_slice(&all.values[i * dim..(i + 1) * dim]));
+    ReadOut {
+        fetched: idx.iter().map(|&i| all.fetched[i]).collect(),
+        values,
+        scores: idx.iter().map(|&i| all.scores[i]).collect(),
+        versions: idx.iter().map(|&i| all.versions[i]).collect(),
+        errors: all.errors.clone(),
+    }
+}
+
 /// A read whose keys were not all answered fails the request by name:
 /// the first failed node (`backing_unavailable`), else `timeout`. With
 /// `late_ok` (origins asked for) late keys are left for the answer to say.
@@ -590,6 +688,7 @@ pub async fn find_response(
         return Ok(with_origins(a.into(), o));
     };
     invalidate(router, tiers, t, Some(&keys)).await?;
+    let pre = tiers.prefetch(&t.spec.name, tier, &keys);
     let mut frame = router.find_framed(t, keys.clone(), frame).await?;
     let (found, rows) = frame.answer();
     let values = match rows {
@@ -598,7 +697,7 @@ pub async fn find_response(
     };
     let hits = found.to_vec();
     refresh(router, tiers, t, &keys, &hits);
-    let (miss, rows) = tiers.fill(router, t, tier, &keys, &hits, false, None, Some(values)).await?;
+    let (miss, rows) = tiers.fill(router, t, tier, &keys, &hits, false, None, pre, Some(values)).await?;
     for (j, &i) in miss.iter().enumerate() {
         if rows.fetched[j] == Fetched::Found {
             found[i] = 1;
@@ -624,7 +723,7 @@ pub async fn find_with_origins(
     let FindAnswer { mut found, mut values, scores: got } = router.find_rows(t, keys.clone(), scores).await?;
     let mut got = got.unwrap_or_default();
     refresh(router, tiers, t, &keys, &found);
-    let (miss, rows) = tiers.fill(router, t, tier, &keys, &found, origins, None, Some(&mut values)).await?;
+    let (miss, rows) = tiers.fill(router, t, tier, &keys, &found, origins, None, None, Some(&mut values)).await?;
     let codes = origins.then(|| origin_codes(&found, &miss, &rows));
     for (j, &i) in miss.iter().enumerate() {
         if rows.fetched[j] == Fetched::Found {
@@ -660,7 +759,7 @@ pub async fn contains_with_origins(
 ) -> Result<(Vec<u8>, Option<Vec<u8>>), ProtoError> {
     invalidate(router, tiers, t, Some(&keys)).await?;
     let mut found = router.contains(t, keys.clone()).await?;
-    let (miss, rows) = tiers.fill(router, t, tier, &keys, &found, origins, None, None).await?;
+    let (miss, rows) = tiers.fill(router, t, tier, &keys, &found, origins, None, None, None).await?;
     let codes = origins.then(|| origin_codes(&found, &miss, &rows));
     for (j, &i) in miss.iter().enumerate() {
         if rows.fetched[j] == Fetched::Found {
@@ -698,7 +797,7 @@ pub async fn write(
             // values: fill the misses first, then insert the rest
             // here and in the cluster.
             let found = router.contains(t, keys.clone()).await?;
-            let (miss, rows) = tiers.fill(router, t, &tier, &keys, &found, false, held.as_ref(), None).await?;
+            let (miss, rows) = tiers.fill(router, t, &tier, &keys, &found, false, held.as_ref(), None, None).await?;
             let d = t.config.dim;
             let new: Vec<usize> =
                 miss.iter().zip(&rows.fetched).filter(|(_, f)| **f == Fetched::Absent).map(|(&i, _)| i).collect();
@@ -759,7 +858,7 @@ pub async fn apply_gradients(
     let held = tiers.begin_write(&t.spec.name, Some(&keys)).await;
     let found = router.find_rows(t, keys.clone(), false).await?.found;
     // Waited for: the step needs the filled rows in the cache.
-    tiers.fill(router, t, tier, &keys, &found, false, held.as_ref(), None).await?;
+    tiers.fill(router, t, tier, &keys, &found, false, held.as_ref(), None, None).await?;
     let r = router.apply_gradients(t, hyper, keys.clone(), grads, outcomes).await?;
     if tier.mode() != Mode::ReadOnly {
         let FindAnswer { found, values, scores: got } = router.find_rows(t, keys.clone(), true).await?;
@@ -914,8 +1013,8 @@ pub fn wire_stats(s: &TableStats) -> hkv_proto::stats::BackingStats {
     hkv_proto::stats::BackingStats {
         mode: t.mode.clone(),
         hits: s.hits,
-        filled: t.found,
-        absent: t.absent,
+        filled: s.filled,
+        absent: s.absent,
         late: t.late,
         unavailable: t.unavailable,
         rows_written: t.rows_written,

@@ -827,6 +827,49 @@ fn a_fill_racing_another_hosts_write_never_keeps_the_old_row() {
     assert!(overlapped >= ROUNDS / 2, "only {overlapped} of {ROUNDS} rounds raced: the test did not test");
 }
 
+/// A table whose last read missed nearly every key fetches the next
+/// find's keys from the cluster beside the cache's find: the cache's hits
+/// still answer for themselves (rows B wrote to its read-only cache only,
+/// unlike the cluster's), the misses come from the cluster bit for bit,
+/// and each key is counted filled once.
+#[test]
+fn a_cold_tables_prefetch_answers_hits_from_the_cache() {
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
+    let (mut ca, mut cb) = (a.client(), b.client());
+    let seeds = cluster.seed_arg();
+    ca.create_table(backed("pf", &seeds, BackingMode::WriteThrough)).unwrap();
+    cb.create_table(backed("pf", &seeds, BackingMode::ReadOnly)).unwrap();
+    let keys: Vec<u64> = (1..=2000u64).collect();
+    let values: Vec<f32> = keys.iter().flat_map(|&k| [k as f32, 0.25, -(k as f32), 1.5]).collect();
+    ca.insert_or_assign("pf", &keys, &values, None).unwrap();
+    // B hears A's writes first, so that their invalidations do not erase
+    // what it then caches.
+    let start = std::time::Instant::now();
+    while cb.stats_doc().unwrap().tables.iter().find_map(|t| t.backing.as_ref()).map_or(0, |b| b.invalidations) < 2000 {
+        assert!(start.elapsed() < std::time::Duration::from_secs(5), "B did not hear A's writes");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    // Cold: every key a miss.
+    assert_eq!(cb.find("pf", &keys[..1000]).unwrap().values, values[..4000]);
+    // B's own rows for keys 501..=600, in its cache only.
+    cb.insert_or_assign("pf", &keys[500..600], &[7.0; 400], None).unwrap();
+    // Keys 501..=1000 cached, 1001..=1500 not: the find prefetches all.
+    let f = cb.find("pf", &keys[500..1500]).unwrap();
+    assert!(f.found.iter().all(|&x| x));
+    assert!(f.values[..400].iter().all(|&v| v == 7.0), "hits answer from the cache");
+    assert_eq!(
+        f.values[400..].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        values[2400..6000].iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+    );
+    let s = cb.stats_doc().unwrap();
+    let bs = s.tables.iter().find_map(|t| t.backing.clone()).unwrap();
+    assert_eq!((bs.filled, bs.hits), (1500, 500), "{bs:?}");
+    // The filled rows are cached: a find of them all hits.
+    let f = cb.find_with_origins("pf", &keys[..1500]).unwrap();
+    assert!(f.origins.unwrap().iter().all(|&o| o == hkv_client::proto::origin::HIT));
+}
+
 /// The rows of [`a_fill_racing_a_write_or_erase_never_leaves_a_stale_row`]
 /// and its neighbour: version `v` of key `k`.
 fn race_row(k: u64, v: f32) -> [f32; 4] {

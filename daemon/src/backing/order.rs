@@ -93,6 +93,13 @@ impl Work {
 /// or [`RUNNING`].
 pub(super) struct Snapshot(Vec<u64>);
 
+impl Snapshot {
+    /// The note of the keys at `idx` of those noted.
+    pub(super) fn select(&self, idx: &[usize]) -> Snapshot {
+        Snapshot(idx.iter().map(|&i| self.0[i]).collect())
+    }
+}
+
 /// Registered work; dropping it ends the work (under the lock) and then
 /// wakes whoever waits for it.
 pub(super) struct Hold {
