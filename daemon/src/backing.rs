@@ -12,8 +12,10 @@
 //! them, and shutdown drains them (the calls marked `HOOK(backing)`). This
 //! module runs the cache's part through the router's typed operations.
 
+mod order;
+
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -22,6 +24,7 @@ use hkv_proto::{BackingMode, BackingSpec, ErrorCode, ProtoError, Request, Respon
 use hkv_shard::{Rows, ScorePolicy};
 use parking_lot::RwLock;
 
+use self::order::{Hold, Order, Snapshot};
 use crate::router::{ApplyAnswer, FindAnswer, Router, Table, WriteAnswer};
 use crate::shard_ops::Destination;
 
@@ -41,27 +44,27 @@ pub struct Tiers {
 struct Entry {
     backing: Backing,
     hits: AtomicU64,
+    /// Keys of reads the cache missed that the cluster had (filled) and
+    /// had not (absent): counted here, since a prefetch also reads keys
+    /// the cache then answers, and erase_if reads keys it does not fill.
+    filled: AtomicU64,
+    absent: AtomicU64,
+    /// The table's last read with misses missed nearly every key (a cold
+    /// stream): the next find fetches its keys beside the cache's find
+    /// ([`Prefetch`]).
+    cold: AtomicBool,
     /// Filled by the table's stream consumer, emptied (erased from the
     /// cache) at the start of the table's next request: a read never sees
     /// a row another host's acknowledged write replaced, once this host
     /// has received the write.
     invalid: Arc<parking_lot::Mutex<Vec<u64>>>,
     consumer: tokio::task::JoinHandle<()>,
-    /// Work that answered reads left to run after their answers (the
-    /// insert of the rows they filled from the cluster, the refresh of
-    /// their hits' scores). A request of the table first waits for the
-    /// work that touches its keys ([`Tiers::settle`]), so it sees every
-    /// fill that a read answered before it began, and no such insert
-    /// lands after it; the cache's work of one request runs beside the
-    /// next request's on other keys.
-    after: parking_lot::Mutex<Vec<Arc<After>>>,
-}
-
-/// One read's work after its answer: the keys it touches, sorted, and a
-/// lock its task holds until the work is done.
-struct After {
-    keys: Vec<u64>,
-    done: Arc<tokio::sync::RwLock<()>>,
+    /// The cache's changes in flight and its key groups' write counts
+    /// ([`order`]): a request first waits for the work on its keys
+    /// ([`Tiers::settle`]), so it sees every fill a read answered before it
+    /// began; writes and fills are ordered so that no fill lands after a
+    /// write it raced.
+    order: Arc<parking_lot::Mutex<Order>>,
 }
 
 impl Drop for Entry {
@@ -94,7 +97,12 @@ async fn consume(backing: Backing, invalid: Arc<parking_lot::Mutex<Vec<u64>>>) {
 pub struct TableStats {
     /// Keys of reads the cache answered (hits).
     pub hits: u64,
-    /// The tier's counters (`found` = filled from the cluster).
+    /// Keys of reads the cache missed, filled from the cluster.
+    pub filled: u64,
+    /// Keys of reads the cache missed that the cluster has not either.
+    pub absent: u64,
+    /// The tier's counters (of every key read from the cluster: a
+    /// prefetch also reads keys the cache then answers).
     pub tier: hkv_backing::Stats,
 }
 
@@ -174,8 +182,16 @@ impl Tiers {
         let backing = self.on_rt(async move { Backing::open(&name, dim, o).await }).await?.map_err(wire)?;
         let invalid = Arc::new(parking_lot::Mutex::new(Vec::new()));
         let consumer = self.rt()?.spawn(consume(backing.clone(), invalid.clone()));
-        let entry =
-            Entry { backing, hits: AtomicU64::new(0), invalid, consumer, after: parking_lot::Mutex::new(Vec::new()) };
+        let entry = Entry {
+            backing,
+            hits: AtomicU64::new(0),
+            filled: AtomicU64::new(0),
+            absent: AtomicU64::new(0),
+            cold: AtomicBool::new(false),
+            invalid,
+            consumer,
+            order: Order::new(),
+        };
         self.tables.write().insert(spec.name.clone(), Arc::new(entry));
         Ok(())
     }
@@ -202,41 +218,72 @@ impl Tiers {
     /// answer; the table's later requests on any of those keys wait for it.
     /// A table whose tier is gone (dropped meanwhile) skips the work:
     /// nothing reads that cache through any more.
-    fn after_answer(
-        &self,
-        name: &str,
-        mut keys: Vec<u64>,
-        work: impl std::future::Future<Output = ()> + Send + 'static,
-    ) {
+    fn after_answer(&self, name: &str, keys: Vec<u64>, work: impl std::future::Future<Output = ()> + Send + 'static) {
         let Some(entry) = self.tables.read().get(name).cloned() else { return };
-        keys.sort_unstable();
-        let done = Arc::new(tokio::sync::RwLock::new(()));
-        let Ok(guard) = done.clone().try_write_owned() else { return };
-        let after = Arc::new(After { keys, done });
-        entry.after.lock().push(after.clone());
+        let (hold, _) = Order::register(&entry.order, Some(keys), false);
         tokio::spawn(async move {
             work.await;
-            entry.after.lock().retain(|a| !Arc::ptr_eq(a, &after));
-            drop(guard);
+            drop(hold);
         });
     }
 
-    /// Waits until the work that reads answered before now left after
-    /// their answers ([`Tiers::after_answer`]) is done, where it touches
-    /// any of `keys` (all of it for `None`: a request without keys).
+    /// Waits until the work on the cache registered before now (inserts
+    /// of fills, writes, work after answers) is done, where it touches any
+    /// of `keys` (all of it for `None`: a request without keys).
     async fn settle(&self, name: &str, keys: Option<&[u64]>) {
         let Some(entry) = self.tables.read().get(name).cloned() else { return };
-        let touches = |a: &After| keys.is_none_or(|ks| ks.iter().any(|k| a.keys.binary_search(k).is_ok()));
-        let waits: Vec<_> = entry.after.lock().iter().filter(|a| touches(a)).map(|a| a.done.clone()).collect();
-        for w in waits {
-            drop(w.read().await);
+        let waits = entry.order.lock().waits(keys);
+        order::wait_all(waits).await;
+    }
+
+    /// A write of `keys` (`None`: every key) begins ([`order`]): counted
+    /// in its keys' groups, so that fills racing it drop those keys, and
+    /// started once the earlier work on its keys is done. Hold the answer
+    /// until both the cluster and the cache are updated. `None` for a
+    /// table whose tier is gone.
+    async fn begin_write(&self, name: &str, keys: Option<&[u64]>) -> Option<Hold> {
+        let entry = self.tables.read().get(name).cloned()?;
+        let (hold, waits) = Order::register(&entry.order, keys.map(<[u64]>::to_vec), true);
+        order::wait_all(waits).await;
+        Some(hold)
+    }
+
+    /// A fill's note of `keys`' groups before its fetch ([`order`]).
+    fn snapshot(&self, name: &str, keys: &[u64]) -> Option<(Arc<parking_lot::Mutex<Order>>, Snapshot)> {
+        let entry = self.tables.read().get(name).cloned()?;
+        let snap = entry.order.lock().snapshot(keys);
+        Some((entry.order.clone(), snap))
+    }
+
+    /// Counts a read's `hits` of `n` keys; a read that missed more than
+    /// 15 of 16 keys makes the table's next find prefetch.
+    fn count_hits(&self, name: &str, hits: usize, n: usize) {
+        if let Some(e) = self.tables.read().get(name) {
+            e.hits.fetch_add(hits as u64, Relaxed);
+            e.cold.store(hits * 16 < n, Relaxed);
         }
     }
 
-    fn count_hits(&self, name: &str, n: usize) {
+    fn count_misses(&self, name: &str, filled: usize, absent: usize) {
         if let Some(e) = self.tables.read().get(name) {
-            e.hits.fetch_add(n as u64, Relaxed);
+            e.filled.fetch_add(filled as u64, Relaxed);
+            e.absent.fetch_add(absent as u64, Relaxed);
         }
+    }
+
+    /// On a table whose last read was cold: a fetch of all `keys`,
+    /// noted ([`order`]) and begun now, beside the cache's find. Begun
+    /// after the request's invalidations were taken, so its rows are no
+    /// older than a fetch after the find would read.
+    fn prefetch(&self, name: &str, tier: &Backing, keys: &[u64]) -> Option<Prefetch> {
+        let entry = self.tables.read().get(name).cloned()?;
+        if !entry.cold.load(Relaxed) {
+            return None;
+        }
+        let snap = entry.order.lock().snapshot(keys);
+        let (b, k) = (tier.clone(), keys.to_vec());
+        let out = self.rt().ok()?.spawn(async move { b.read(&k).await });
+        Some(Prefetch { order: entry.order.clone(), snap, out })
     }
 
     /// The keys the cache missed (`found[i] == 0`), fetched from the
@@ -253,11 +300,14 @@ impl Tiers {
     /// insert takes the fetched rows, without a copy when every miss was
     /// filled).
     ///
-    /// Without `wait` the rows are inserted after the answer, on a task of
+    /// Without `held` the rows are inserted after the answer, on a task of
     /// their own (the answer does not wait for the cache's insert; the
-    /// table's next request on those keys does, [`Tiers::settle`]); with
-    /// `wait` (find_or_insert, which then writes the keys the cluster
-    /// lacks) they are in the cache when this returns.
+    /// table's next request on those keys does, [`Tiers::settle`]), and
+    /// only those no write raced ([`order`]: noted before the fetch,
+    /// checked after it). With `held`, a write of `keys` the caller holds
+    /// (find_or_insert, apply_gradients, which then write them), no other
+    /// write of them runs: every row found is in the cache when this
+    /// returns.
     #[allow(clippy::too_many_arguments)]
     async fn fill(
         &self,
@@ -267,33 +317,68 @@ impl Tiers {
         keys: &[u64],
         found: &[u8],
         late_ok: bool,
-        wait: bool,
+        held: Option<&Hold>,
+        pre: Option<Prefetch>,
         answer: Option<&mut [f32]>,
     ) -> Result<(Vec<usize>, ReadOut), ProtoError> {
         let table = t.spec.name.as_str();
         let miss: Vec<usize> = (0..keys.len()).filter(|&i| found[i] == 0).collect();
-        self.count_hits(table, keys.len() - miss.len());
+        self.count_hits(table, keys.len() - miss.len(), keys.len());
         if miss.is_empty() {
+            if let Some(p) = pre {
+                p.out.abort();
+            }
             return Ok((miss, ReadOut::default()));
         }
         let mk: Vec<u64> = miss.iter().map(|&i| keys[i]).collect();
-        let b = tier.clone();
-        let mut out = self.on_rt(async move { b.read(&mk).await }).await?;
+        let (snap, mut out, mk) = match pre {
+            // Fetched beside the find: the misses' part of it.
+            Some(p) => {
+                let all = p.out.await.map_err(|e| {
+                    ProtoError::new(ErrorCode::Internal, format!("the backing tier's task failed: {e}"))
+                })?;
+                let all_missed = miss.len() == keys.len();
+                let snap = if all_missed { p.snap } else { p.snap.select(&miss) };
+                let out = if all_missed { all } else { select(&all, &miss, t.config.dim) };
+                (Some((p.order, snap)), out, mk)
+            }
+            None => {
+                // Noted before the fetch: a write of these keys that begins
+                // from here on makes the fill drop them ([`order`]).
+                let snap = if held.is_some() { None } else { self.snapshot(table, &mk) };
+                let b = tier.clone();
+                let (out, mk) = self
+                    .on_rt(async move {
+                        let out = b.read(&mk).await;
+                        (out, mk)
+                    })
+                    .await?;
+                (snap, out, mk)
+            }
+        };
         unanswered(table, &out, late_ok)?;
         let d = t.config.dim;
-        let filled: Vec<usize> = (0..miss.len()).filter(|&j| out.fetched[j] == Fetched::Found).collect();
+        let mut filled: Vec<usize> = (0..miss.len()).filter(|&j| out.fetched[j] == Fetched::Found).collect();
+        self.count_misses(table, filled.len(), out.fetched.iter().filter(|&&f| f == Fetched::Absent).count());
         if let Some(v) = answer {
             for &j in &filled {
                 let i = miss[j];
                 v[i * d..(i + 1) * d].copy_from_slice(&out.values[j * d..(j + 1) * d]);
             }
         }
+        // The answer has every fetched row; the cache only those no write
+        // raced. A table whose tier is gone caches none.
+        let hold = match (held, snap) {
+            (Some(_), _) => None,
+            (None, Some((order, snap))) => Some(Order::admit(&order, &mk, &snap, &mut filled)),
+            (None, None) => return Ok((miss, out)),
+        };
         if !filled.is_empty() {
             let scores =
                 (t.config.policy == ScorePolicy::Custom).then(|| filled.iter().map(|&j| out.scores[j]).collect());
-            let fill_keys: Vec<u64> = filled.iter().map(|&j| keys[miss[j]]).collect();
-            // Every miss filled (a cold read): the fetched rows are the
-            // insert's, in order, with no copy.
+            let fill_keys: Vec<u64> = filled.iter().map(|&j| mk[j]).collect();
+            // Every miss filled and kept (a cold read): the fetched rows
+            // are the insert's, in order, with no copy.
             let fill_values = if filled.len() == miss.len() {
                 std::mem::take(&mut out.values)
             } else {
@@ -301,24 +386,26 @@ impl Tiers {
                 filled.iter().for_each(|&j| v.extend_from_slice(&out.values[j * d..(j + 1) * d]));
                 v
             };
-            let after_keys = if wait { Vec::new() } else { fill_keys.clone() };
             let insert = {
                 let (router, t) = (router.clone(), t.clone());
                 async move { router.write(&t, WriteOp::InsertOrAssign, fill_keys, fill_values, scores, false).await }
             };
-            if wait {
+            if held.is_some() {
                 insert.await?;
             } else {
                 let name = t.spec.name.clone();
-                self.after_answer(table, after_keys, async move {
+                tokio::spawn(async move {
                     // A row the cache refuses (admission) is still in
                     // the answer and in the cluster.
                     if let Err(e) = insert.await {
                         tracing::debug!(table = %name, "caching filled rows: {}", e.message);
                     }
+                    drop(hold);
                 });
+                return Ok((miss, out));
             }
         }
+        drop(hold);
         Ok((miss, out))
     }
 
@@ -411,7 +498,15 @@ impl Tiers {
             .tables
             .read()
             .iter()
-            .map(|(n, e)| (n.clone(), TableStats { hits: e.hits.load(Relaxed), tier: e.backing.stats() }))
+            .map(|(n, e)| {
+                let s = TableStats {
+                    hits: e.hits.load(Relaxed),
+                    filled: e.filled.load(Relaxed),
+                    absent: e.absent.load(Relaxed),
+                    tier: e.backing.stats(),
+                };
+                (n.clone(), s)
+            })
             .collect();
         v.sort_by(|a, b| a.0.cmp(&b.0));
         v
@@ -487,10 +582,34 @@ async fn invalidate(router: &Router, tiers: &Tiers, t: &Table, keys: Option<&[u6
     if !stale.is_empty() {
         stale.sort_unstable();
         stale.dedup();
-        tiers.settle(&t.spec.name, Some(&stale)).await;
+        // Another host's write: its erase here is a write of this order,
+        // so that a fill that fetched the old rows does not keep them.
+        let _held = tiers.begin_write(&t.spec.name, Some(&stale)).await;
         router.erase(t, stale, false).await?;
     }
     Ok(())
+}
+
+/// A fetch of a find's keys begun beside the cache's find
+/// ([`Tiers::prefetch`]): the note of the keys' groups taken before it,
+/// and its task.
+struct Prefetch {
+    order: Arc<parking_lot::Mutex<Order>>,
+    snap: Snapshot,
+    out: tokio::task::JoinHandle<ReadOut>,
+}
+
+/// The part of a read's answer for the keys at `idx`.
+fn select(all: &ReadOut, idx: &[usize], dim: usize) -> ReadOut {
+    let mut values = Vec::with_capacity(idx.len() * dim);
+    idx.iter().for_each(|&i| values.extend_from_slice(&all.values[i * dim..(i + 1) * dim]));
+    ReadOut {
+        fetched: idx.iter().map(|&i| all.fetched[i]).collect(),
+        values,
+        scores: idx.iter().map(|&i| all.scores[i]).collect(),
+        versions: idx.iter().map(|&i| all.versions[i]).collect(),
+        errors: all.errors.clone(),
+    }
 }
 
 /// A read whose keys were not all answered fails the request by name:
@@ -569,6 +688,7 @@ pub async fn find_response(
         return Ok(with_origins(a.into(), o));
     };
     invalidate(router, tiers, t, Some(&keys)).await?;
+    let pre = tiers.prefetch(&t.spec.name, tier, &keys);
     let mut frame = router.find_framed(t, keys.clone(), frame).await?;
     let (found, rows) = frame.answer();
     let values = match rows {
@@ -577,7 +697,7 @@ pub async fn find_response(
     };
     let hits = found.to_vec();
     refresh(router, tiers, t, &keys, &hits);
-    let (miss, rows) = tiers.fill(router, t, tier, &keys, &hits, false, false, Some(values)).await?;
+    let (miss, rows) = tiers.fill(router, t, tier, &keys, &hits, false, None, pre, Some(values)).await?;
     for (j, &i) in miss.iter().enumerate() {
         if rows.fetched[j] == Fetched::Found {
             found[i] = 1;
@@ -603,7 +723,7 @@ pub async fn find_with_origins(
     let FindAnswer { mut found, mut values, scores: got } = router.find_rows(t, keys.clone(), scores).await?;
     let mut got = got.unwrap_or_default();
     refresh(router, tiers, t, &keys, &found);
-    let (miss, rows) = tiers.fill(router, t, tier, &keys, &found, origins, false, Some(&mut values)).await?;
+    let (miss, rows) = tiers.fill(router, t, tier, &keys, &found, origins, None, None, Some(&mut values)).await?;
     let codes = origins.then(|| origin_codes(&found, &miss, &rows));
     for (j, &i) in miss.iter().enumerate() {
         if rows.fetched[j] == Fetched::Found {
@@ -639,7 +759,7 @@ pub async fn contains_with_origins(
 ) -> Result<(Vec<u8>, Option<Vec<u8>>), ProtoError> {
     invalidate(router, tiers, t, Some(&keys)).await?;
     let mut found = router.contains(t, keys.clone()).await?;
-    let (miss, rows) = tiers.fill(router, t, tier, &keys, &found, origins, false, None).await?;
+    let (miss, rows) = tiers.fill(router, t, tier, &keys, &found, origins, None, None, None).await?;
     let codes = origins.then(|| origin_codes(&found, &miss, &rows));
     for (j, &i) in miss.iter().enumerate() {
         if rows.fetched[j] == Fetched::Found {
@@ -665,6 +785,8 @@ pub async fn write(
     outcomes: bool,
 ) -> Result<WriteAnswer, ProtoError> {
     invalidate(router, tiers, t, Some(&keys)).await?;
+    // Held until the cluster and the cache have the rows ([`order`]).
+    let held = tiers.begin_write(&t.spec.name, Some(&keys)).await;
     if op != WriteOp::FindOrInsert && tier.mode() == Mode::ReadOnly {
         return router.write(t, op, keys, values, scores, outcomes).await;
     }
@@ -675,7 +797,7 @@ pub async fn write(
             // values: fill the misses first, then insert the rest
             // here and in the cluster.
             let found = router.contains(t, keys.clone()).await?;
-            let (miss, rows) = tiers.fill(router, t, &tier, &keys, &found, false, true, None).await?;
+            let (miss, rows) = tiers.fill(router, t, &tier, &keys, &found, false, held.as_ref(), None, None).await?;
             let d = t.config.dim;
             let new: Vec<usize> =
                 miss.iter().zip(&rows.fetched).filter(|(_, f)| **f == Fetched::Absent).map(|(&i, _)| i).collect();
@@ -732,9 +854,11 @@ pub async fn apply_gradients(
     outcomes: bool,
 ) -> Result<ApplyAnswer, ProtoError> {
     invalidate(router, tiers, t, Some(&keys)).await?;
+    // Held until the cluster has the stepped rows ([`order`]).
+    let held = tiers.begin_write(&t.spec.name, Some(&keys)).await;
     let found = router.find_rows(t, keys.clone(), false).await?.found;
     // Waited for: the step needs the filled rows in the cache.
-    tiers.fill(router, t, tier, &keys, &found, false, true, None).await?;
+    tiers.fill(router, t, tier, &keys, &found, false, held.as_ref(), None, None).await?;
     let r = router.apply_gradients(t, hyper, keys.clone(), grads, outcomes).await?;
     if tier.mode() != Mode::ReadOnly {
         let FindAnswer { found, values, scores: got } = router.find_rows(t, keys.clone(), true).await?;
@@ -766,6 +890,7 @@ pub async fn erase(
     outcomes: bool,
 ) -> Result<(u64, Option<Vec<u8>>), ProtoError> {
     invalidate(router, tiers, t, Some(&keys)).await?;
+    let _held = tiers.begin_write(&t.spec.name, Some(&keys)).await;
     if tier.mode() != Mode::ReadOnly && !keys.is_empty() {
         let (b, k) = (tier.clone(), keys.clone());
         tiers.on_rt(async move { b.erase(&k).await }).await?.map_err(wire)?;
@@ -793,6 +918,7 @@ pub async fn erase_if(
     filter: hkv_proto::Filter,
 ) -> Result<u64, ProtoError> {
     invalidate(router, tiers, t, None).await?;
+    let _held = tiers.begin_write(&t.spec.name, None).await;
     if tier.mode() == Mode::ReadOnly {
         return match router.execute(Request::EraseIf { table: t.spec.name.clone(), filter }).await? {
             Response::Erased { count, .. } => Ok(count),
@@ -847,6 +973,7 @@ pub async fn erase_if(
 /// so the table keeps its layout. A read-only table clears its cache only.
 pub async fn clear(router: &Arc<Router>, tiers: &Tiers, tier: &Backing, t: &Arc<Table>) -> Result<(), ProtoError> {
     invalidate(router, tiers, t, None).await?;
+    let _held = tiers.begin_write(&t.spec.name, None).await;
     if tier.mode() != Mode::ReadOnly {
         let mut scan = tiers.walk(tier).await?;
         while let Some(keys) = tiers.walk_next(tier, &mut scan).await? {
@@ -886,8 +1013,8 @@ pub fn wire_stats(s: &TableStats) -> hkv_proto::stats::BackingStats {
     hkv_proto::stats::BackingStats {
         mode: t.mode.clone(),
         hits: s.hits,
-        filled: t.found,
-        absent: t.absent,
+        filled: s.filled,
+        absent: s.absent,
         late: t.late,
         unavailable: t.unavailable,
         rows_written: t.rows_written,

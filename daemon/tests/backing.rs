@@ -644,3 +644,335 @@ fn checkpoints_keep_no_cluster_password() {
     assert!(!status.success());
     assert!(err.contains("--backing-passwords") && err.contains("\"pk\""), "{err}");
 }
+
+/// Issue 34's race: a read-through fill of a key whose cluster fetch began
+/// before a concurrent write (or erase) of that key could land in the
+/// cache after the write's own cache update: the cache then kept the old
+/// row (or a row of an erased key) while the cluster held the new one (or
+/// none), until the row was evicted. It needs two requests on one key at
+/// once, so this test makes them: two connections to one daemon, fresh
+/// keys every round. The reader finds keys of two masters, X and Y (each
+/// key a miss); X is paused for 30 ms (`CLIENT PAUSE`), so the reader's
+/// fetch, which has read Y's old rows at once, ends only when X answers.
+/// Meanwhile the writer writes new rows (even rounds) or erases (odd
+/// rounds) the keys on Y, which are not delayed (nor is the table's
+/// stream, on another master than X), its start shifted a little each
+/// round. Before the fix the reader's insert of Y's old rows landed after
+/// the write in nearly every round. After each round the daemon's answer
+/// for the keys must be the cluster's, as a second daemon that never
+/// cached them reads it, bit for bit.
+#[test]
+fn a_fill_racing_a_write_or_erase_never_leaves_a_stale_row() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Barrier};
+    use std::time::{Duration, Instant};
+    const ROUNDS: u64 = 60;
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let seeds = cluster.seed_arg();
+    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
+    let (mut ca, mut cb) = (a.client(), b.client());
+    let spec =
+        |mode| TableSpec { backing: Some(BackingSpec::from_list(&seeds, mode)), ..TableSpec::new("race", 4, 1 << 16) };
+    ca.create_table(spec(BackingMode::WriteThrough)).unwrap();
+    cb.create_table(spec(BackingMode::WriteThrough)).unwrap();
+
+    let (x, rounds) = race_keys(&cluster, "race", ROUNDS);
+    let rounds = Arc::new(rounds);
+    let row = race_row;
+    prefill(&mut ca, &mut cb, &spec(BackingMode::ReadOnly), &rounds);
+
+    let go = Arc::new(Barrier::new(3));
+    let stop = Arc::new(AtomicBool::new(false));
+    // The reader: one find of the round's keys, all misses. Counts the
+    // rounds whose answer had old rows of Y's keys (fetched before the
+    // write reached the cluster): the fetch and the write overlapped.
+    // Errors are kept, not raised: the other threads wait at the barrier.
+    let reader = {
+        let (go, stop, rounds, mut c) = (go.clone(), stop.clone(), rounds.clone(), a.client());
+        std::thread::spawn(move || {
+            let (mut overlapped, mut errors) = (0u64, Vec::new());
+            for (r, (keys, ys)) in rounds.iter().enumerate() {
+                go.wait();
+                if stop.load(Ordering::SeqCst) {
+                    break;
+                }
+                match c.find("race", keys) {
+                    Ok(f) => {
+                        let old = (keys.len() - ys.len()..keys.len()).any(|i| f.found[i] && f.values[i * 4 + 1] == 0.0);
+                        overlapped += u64::from(old);
+                    }
+                    Err(e) => errors.push(format!("round {r}: find: {e}")),
+                }
+                go.wait();
+            }
+            (overlapped, errors)
+        })
+    };
+    let writer = {
+        let (go, stop, rounds, mut c) = (go.clone(), stop.clone(), rounds.clone(), a.client());
+        std::thread::spawn(move || {
+            let mut errors = Vec::new();
+            for (r, (_, ys)) in rounds.iter().enumerate() {
+                go.wait();
+                if stop.load(Ordering::SeqCst) {
+                    break;
+                }
+                std::thread::sleep(Duration::from_micros((r as u64 / 2 % 8) * 250));
+                let done = if r % 2 == 0 {
+                    let v: Vec<f32> = ys.iter().flat_map(|&k| row(k, 1.0)).collect();
+                    c.insert_or_assign("race", ys, &v, None).map(drop)
+                } else {
+                    c.erase("race", ys).map(drop)
+                };
+                if let Err(e) = done {
+                    errors.push(format!("round {r}: write: {e}"));
+                }
+                go.wait();
+            }
+            errors
+        })
+    };
+    let start = Instant::now();
+    let mut ran = 0;
+    for (r, (keys, _)) in rounds.iter().enumerate() {
+        if start.elapsed() > Duration::from_secs(60) {
+            stop.store(true, Ordering::SeqCst);
+            go.wait();
+            break;
+        }
+        cluster.cli(x, &["client", "pause", "30", "ALL"]).unwrap();
+        go.wait();
+        go.wait();
+        ran += 1;
+        let ys = keys.len() - 48..keys.len();
+        check_round(&mut ca, &mut cb, r, keys, ys, r % 2 == 0);
+    }
+    let mut errors = writer.join().unwrap();
+    let (overlapped, read_errors) = reader.join().unwrap();
+    errors.extend(read_errors);
+    assert!(errors.is_empty(), "{errors:?}");
+    eprintln!("{ran} rounds, {overlapped} with a fill fetched before the write");
+    assert!(overlapped >= 10, "only {overlapped} of {ran} rounds raced: the test did not test");
+}
+
+/// The same race with the write made on another host: daemon C writes
+/// (write-through) the keys of Y while A's reader is fetching them (X,
+/// paused for 150 ms, holds the fetch); A hears C's write on the stream
+/// and erases those keys from its cache at its next request, another
+/// connection's, made while the fetch is still held. Before the fix the
+/// fill's insert of the old rows landed after that erase, and A served
+/// them from then on (the invalidation was spent).
+#[test]
+fn a_fill_racing_another_hosts_write_never_keeps_the_old_row() {
+    use std::sync::{Arc, Barrier};
+    use std::time::{Duration, Instant};
+    const ROUNDS: u64 = 12;
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let seeds = cluster.seed_arg();
+    let (a, b, c) = (Daemon::start(&[]), Daemon::start(&[]), Daemon::start(&[]));
+    let (mut ca, mut cb, mut cc) = (a.client(), b.client(), c.client());
+    let spec =
+        |mode| TableSpec { backing: Some(BackingSpec::from_list(&seeds, mode)), ..TableSpec::new("race", 4, 1 << 16) };
+    for cl in [&mut ca, &mut cb, &mut cc] {
+        cl.create_table(spec(BackingMode::WriteThrough)).unwrap();
+    }
+    let (x, rounds) = race_keys(&cluster, "race", ROUNDS);
+    let rounds = Arc::new(rounds);
+    prefill(&mut ca, &mut cb, &spec(BackingMode::ReadOnly), &rounds);
+    let heard = |c: &mut hkv_client::Client| {
+        let s = c.stats_doc().unwrap();
+        s.tables.iter().find_map(|t| t.backing.as_ref()).map_or(0, |b| b.invalidations)
+    };
+
+    let go = Arc::new(Barrier::new(2));
+    // The reader: one find of the round's keys, all misses; its answer's
+    // rows of Y are the old ones when its fetch read Y before C's write.
+    let reader = {
+        let (go, rounds, mut c) = (go.clone(), rounds.clone(), a.client());
+        std::thread::spawn(move || {
+            let (mut overlapped, mut errors) = (0u64, Vec::new());
+            for (r, (keys, ys)) in rounds.iter().enumerate() {
+                go.wait();
+                match c.find("race", keys) {
+                    Ok(f) => {
+                        let old = (keys.len() - ys.len()..keys.len()).any(|i| f.found[i] && f.values[i * 4 + 1] == 0.0);
+                        overlapped += u64::from(old);
+                    }
+                    Err(e) => errors.push(format!("round {r}: find: {e}")),
+                }
+                go.wait();
+            }
+            (overlapped, errors)
+        })
+    };
+    for (r, (keys, ys)) in rounds.iter().enumerate() {
+        let before = heard(&mut ca);
+        cluster.cli(x, &["client", "pause", "150", "ALL"]).unwrap();
+        go.wait();
+        std::thread::sleep(Duration::from_millis(10));
+        let v: Vec<f32> = ys.iter().flat_map(|&k| race_row(k, 1.0)).collect();
+        cc.insert_or_assign("race", ys, &v, None).unwrap();
+        let start = Instant::now();
+        while heard(&mut ca) < before + ys.len() as u64 && start.elapsed() < Duration::from_secs(2) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // Another request of A's (a key in neither): it erases what A heard.
+        ca.contains("race", &[(1 << 60) + r as u64]).unwrap();
+        go.wait();
+        check_round(&mut ca, &mut cb, r, keys, keys.len() - ys.len()..keys.len(), true);
+    }
+    let (overlapped, errors) = reader.join().unwrap();
+    assert!(errors.is_empty(), "{errors:?}");
+    eprintln!("{ROUNDS} rounds, {overlapped} with a fill fetched before the write");
+    assert!(overlapped >= ROUNDS / 2, "only {overlapped} of {ROUNDS} rounds raced: the test did not test");
+}
+
+/// A table whose last read missed nearly every key fetches the next
+/// find's keys from the cluster beside the cache's find: the cache's hits
+/// still answer for themselves (rows B wrote to its read-only cache only,
+/// unlike the cluster's), the misses come from the cluster bit for bit,
+/// and each key is counted filled once.
+#[test]
+fn a_cold_tables_prefetch_answers_hits_from_the_cache() {
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
+    let (mut ca, mut cb) = (a.client(), b.client());
+    let seeds = cluster.seed_arg();
+    ca.create_table(backed("pf", &seeds, BackingMode::WriteThrough)).unwrap();
+    cb.create_table(backed("pf", &seeds, BackingMode::ReadOnly)).unwrap();
+    let keys: Vec<u64> = (1..=2000u64).collect();
+    let values: Vec<f32> = keys.iter().flat_map(|&k| [k as f32, 0.25, -(k as f32), 1.5]).collect();
+    ca.insert_or_assign("pf", &keys, &values, None).unwrap();
+    // B hears A's writes first, so that their invalidations do not erase
+    // what it then caches.
+    let start = std::time::Instant::now();
+    while cb.stats_doc().unwrap().tables.iter().find_map(|t| t.backing.as_ref()).map_or(0, |b| b.invalidations) < 2000 {
+        assert!(start.elapsed() < std::time::Duration::from_secs(5), "B did not hear A's writes");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    // Cold: every key a miss.
+    assert_eq!(cb.find("pf", &keys[..1000]).unwrap().values, values[..4000]);
+    // B's own rows for keys 501..=600, in its cache only.
+    cb.insert_or_assign("pf", &keys[500..600], &[7.0; 400], None).unwrap();
+    // Keys 501..=1000 cached, 1001..=1500 not: the find prefetches all.
+    let f = cb.find("pf", &keys[500..1500]).unwrap();
+    assert!(f.found.iter().all(|&x| x));
+    assert!(f.values[..400].iter().all(|&v| v == 7.0), "hits answer from the cache");
+    assert_eq!(
+        f.values[400..].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        values[2400..6000].iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+    );
+    let s = cb.stats_doc().unwrap();
+    let bs = s.tables.iter().find_map(|t| t.backing.clone()).unwrap();
+    assert_eq!((bs.filled, bs.hits), (1500, 500), "{bs:?}");
+    // The filled rows are cached: a find of them all hits.
+    let f = cb.find_with_origins("pf", &keys[..1500]).unwrap();
+    assert!(f.origins.unwrap().iter().all(|&o| o == hkv_client::proto::origin::HIT));
+}
+
+/// The rows of [`a_fill_racing_a_write_or_erase_never_leaves_a_stale_row`]
+/// and its neighbour: version `v` of key `k`.
+fn race_row(k: u64, v: f32) -> [f32; 4] {
+    [k as f32, v, -(k as f32), 0.5]
+}
+
+/// One round's keys of the race tests: all, then those of master Y.
+type RaceRound = (Vec<u64>, Vec<u64>);
+
+/// Keys for the race tests on `table` (dim 4, opened already): a master X
+/// that holds neither the table's stream nor its meta hash, and per round
+/// 48 fresh keys of X then 48 of another master Y (the second list).
+fn race_keys(cluster: &TestCluster, table: &str, rounds: u64) -> (usize, Vec<RaceRound>) {
+    use hkv_backing::layout::{slot, Layout};
+    // Which master holds each slot (`CLUSTER NODES`), and so each key.
+    let ports = cluster.ports();
+    let mut owner = vec![usize::MAX; 16384];
+    for line in cluster.cli(0, &["cluster", "nodes"]).unwrap().lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let port: u16 = f[1].split(['@', ':']).nth(1).unwrap().parse().unwrap();
+        let node = ports.iter().position(|&p| p == port).unwrap();
+        for range in f.iter().skip(8).filter(|r| !r.starts_with('[')) {
+            let (lo, hi) = range.split_once('-').unwrap_or((range, range));
+            (lo.parse::<usize>().unwrap()..=hi.parse().unwrap()).for_each(|s| owner[s] = node);
+        }
+    }
+    let meta_key = format!("hkv:{{{table}}}:meta");
+    let meta: Vec<String> = (0..3).map(|i| cluster.cli(i, &["hget", &meta_key, "groups"]).unwrap()).collect();
+    let groups: u32 = meta.iter().find_map(|m| m.trim().parse().ok()).expect("the table's group count");
+    let layout = Layout::new(table, 4, groups);
+    let node_of = |k: u64| owner[layout.slot_of_group(layout.group(k)) as usize];
+    let x = (owner[slot(table.as_bytes()) as usize] + 1) % 3;
+    let y = (x + 1) % 3;
+    let keys = (0..rounds)
+        .map(|r| {
+            let on = |n: usize| (r * 100_000..).filter(move |&k| node_of(k) == n).take(48);
+            let ys: Vec<u64> = on(y).collect();
+            (on(x).chain(ys.iter().copied()).collect(), ys)
+        })
+        .collect();
+    (x, keys)
+}
+
+/// Writes every round's keys with version 0 into the cluster through B,
+/// whose table is then made again as `read_only` (so that it caches
+/// none of them), and waits until A has heard B's writes on the stream,
+/// so that their invalidations do not arrive in the middle of a round.
+fn prefill(ca: &mut hkv_client::Client, cb: &mut hkv_client::Client, read_only: &TableSpec, rounds: &[RaceRound]) {
+    use std::time::{Duration, Instant};
+    let all: Vec<u64> = rounds.iter().flat_map(|(k, _)| k.iter().copied()).collect();
+    for chunk in all.chunks(4096) {
+        let v: Vec<f32> = chunk.iter().flat_map(|&k| race_row(k, 0.0)).collect();
+        cb.insert_or_assign(&read_only.name, chunk, &v, None).unwrap();
+    }
+    cb.drop_table(&read_only.name).unwrap();
+    cb.create_table(read_only.clone()).unwrap();
+    let start = Instant::now();
+    loop {
+        let s = ca.stats_doc().unwrap();
+        let heard = s.tables.iter().find_map(|t| t.backing.as_ref()).map_or(0, |b| b.invalidations);
+        if heard >= all.len() as u64 {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "A heard {heard} of {} invalidations", all.len());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// After a race round: the cluster's rows of `keys` (B's read-only table
+/// never cached them) carry the write to `ys` (version 1 after a write,
+/// no row after an erase), and A's answer is the cluster's, bit for bit:
+/// a stale row would be a hit of version 0, or a hit where the cluster
+/// has none.
+fn check_round(
+    ca: &mut hkv_client::Client,
+    cb: &mut hkv_client::Client,
+    r: usize,
+    keys: &[u64],
+    ys: std::ops::Range<usize>,
+    wrote: bool,
+) {
+    use hkv_client::proto::origin;
+    let truth = cb.find_with_origins("race", keys).unwrap();
+    assert!(truth.origins.unwrap().iter().all(|&o| o != origin::HIT), "round {r}: B cached nothing");
+    assert!(
+        ys.clone().all(|i| if wrote { truth.values[i * 4 + 1] == 1.0 } else { !truth.found[i] }),
+        "round {r}: the write reached the cluster"
+    );
+    let got = ca.find("race", keys).unwrap();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let stale: Vec<u64> = (0..keys.len())
+        .filter(|&i| {
+            got.found[i] != truth.found[i]
+                || bits(&got.values[i * 4..i * 4 + 4]) != bits(&truth.values[i * 4..i * 4 + 4])
+        })
+        .map(|i| keys[i])
+        .collect();
+    assert!(
+        stale.is_empty(),
+        "round {r} ({}): A's cache disagrees with the cluster on {} of {} keys, e.g. {:?}",
+        if wrote { "write" } else { "erase" },
+        stale.len(),
+        keys.len(),
+        &stale[..stale.len().min(4)]
+    );
+}
