@@ -101,13 +101,6 @@ pub struct CudaTuning {
     /// Serve large find_or_insert batches in one locked launch, as before
     /// the lock-free probe of their hits (`probe_keys`), for comparisons.
     pub locked_find_or_insert: bool,
-    /// Serve the adaptive policy on the CUDA backend, which otherwise
-    /// refuses it: its kernels agree with the CPU backend batch for batch
-    /// (the differential test), but a GPU test of large parallel batches
-    /// (`adaptive_large_batches_conserve_entries`) found the table holding
-    /// other keys than those placed and not evicted (issue 36). For tests
-    /// and benchmarks until that passes.
-    pub adaptive: bool,
 }
 
 impl CudaTuning {
@@ -116,8 +109,7 @@ impl CudaTuning {
 
     /// Tuning from the variables `HKV_LOOKUP_GROUP`, `HKV_WRITE_GROUP`
     /// (1|2|4|8|16|32), `HKV_KEY_ORDER` (`index` or `region`) and
-    /// `HKV_FIND_OR_INSERT` (`probe`, the default, or `locked`) and
-    /// `HKV_CUDA_ADAPTIVE` (`on`: [`CudaTuning::adaptive`]), read
+    /// `HKV_FIND_OR_INSERT` (`probe`, the default, or `locked`), read
     /// through `get` (a binary passes `|k| std::env::var(k).ok()`).
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<CudaTuning> {
         let group = |var: &str| -> Result<Option<u32>> {
@@ -137,17 +129,11 @@ impl CudaTuning {
             Some("locked") => true,
             Some(v) => return Err(Error::Config(format!("HKV_FIND_OR_INSERT={v:?}: use probe or locked"))),
         };
-        let adaptive = match get("HKV_CUDA_ADAPTIVE").as_deref().map(str::trim) {
-            None | Some("off") => false,
-            Some("on") => true,
-            Some(v) => return Err(Error::Config(format!("HKV_CUDA_ADAPTIVE={v:?}: use on or off"))),
-        };
         Ok(CudaTuning {
             lookup_group: group("HKV_LOOKUP_GROUP")?,
             write_group: group("HKV_WRITE_GROUP")?,
             index_order,
             locked_find_or_insert,
-            adaptive,
         })
     }
 

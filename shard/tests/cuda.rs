@@ -29,9 +29,7 @@ fn device() -> std::sync::Arc<Device> {
     cuda::shared_device(0).expect("CUDA device 0")
 }
 
-fn make(mut cfg: TableConfig) -> Box<dyn Shard> {
-    // The adaptive cases of the suite run on the GPU too (CudaTuning::adaptive).
-    cfg.tuning.adaptive = true;
+fn make(cfg: TableConfig) -> Box<dyn Shard> {
     Box::new(CudaTable::new(cfg, device()).expect("valid config"))
 }
 
@@ -196,8 +194,7 @@ fn differential_against_the_cpu_backend() {
     ];
     for mode in [BucketMode::Single, BucketMode::Dual] {
         for (policy, ties) in policies {
-            let mut cfg = TableConfig::new(128 * 32, 3).policy(policy).mode(mode).lfu_ties(ties);
-            cfg.tuning.adaptive = true;
+            let cfg = TableConfig::new(128 * 32, 3).policy(policy).mode(mode).lfu_ties(ties);
             // One clock for both, a ~ms stamp further each step: Lfu with
             // LRU ties packs the batch's clock into the score.
             let clock = ManualClock::new(1 << 20);
@@ -311,8 +308,7 @@ fn adaptive_large_batches_conserve_entries() {
     let dev = device();
     let dim = 2;
     for mode in [BucketMode::Single, BucketMode::Dual] {
-        let mut cfg = TableConfig::new(1 << 12, dim).policy(ScorePolicy::Adaptive).mode(mode);
-        cfg.tuning.adaptive = true;
+        let cfg = TableConfig::new(1 << 12, dim).policy(ScorePolicy::Adaptive).mode(mode);
         let clock = ManualClock::new(1 << 20);
         let t = CudaTable::with_clock(cfg, dev.clone(), clock.clone()).unwrap();
         let mut resident = std::collections::HashSet::new();
@@ -1053,20 +1049,12 @@ fn full_speed_finds_count_every_access_and_every_dropped_sample() {
     }
 }
 
-/// The CUDA backend refuses the adaptive policy with a config error unless
-/// `CudaTuning::adaptive` lets it serve it (a GPU test of large batches
-/// found entries not conserved); reads_refresh it serves.
+/// The CUDA backend serves the adaptive policy and reads_refresh (it
+/// refused adaptive until `adaptive_large_batches_conserve_entries`
+/// passed).
 #[test]
 #[ignore = "needs a CUDA device"]
-fn adaptive_is_refused_unless_asked_for() {
-    let cfg = TableConfig::new(1 << 12, 4).policy(ScorePolicy::Adaptive);
-    match CudaTable::new(cfg.clone(), device()) {
-        Err(hkv_shard::Error::Config(m)) => assert!(m.contains("adaptive") && m.contains("HKV_CUDA_ADAPTIVE"), "{m}"),
-        Err(e) => panic!("another error: {e}"),
-        Ok(_) => panic!("an adaptive CUDA table without CudaTuning::adaptive"),
-    }
-    let mut on = cfg;
-    on.tuning.adaptive = true;
-    CudaTable::new(on, device()).expect("served when asked for");
+fn adaptive_and_reads_refresh_are_served() {
+    CudaTable::new(TableConfig::new(1 << 12, 4).policy(ScorePolicy::Adaptive), device()).expect("adaptive is served");
     CudaTable::new(TableConfig::new(1 << 12, 4).reads_refresh(Some(true)), device()).expect("reads_refresh is served");
 }

@@ -140,7 +140,10 @@ fn read_through(ptr: sys::CUdeviceptr, len: u64) -> Result<()> {
         let n = PIECE.min(len - at);
         // SAFETY: `scratch` holds PIECE.min(len) ≥ n bytes; the source
         // range lies in the mapping, within the size the driver reported.
-        r = check(unsafe { sys::cuMemcpyDtoDAsync_v2(scratch, ptr + at, n as usize, std::ptr::null_mut()) }, "cuMemcpyDtoD");
+        r = check(
+            unsafe { sys::cuMemcpyDtoDAsync_v2(scratch, ptr + at, n as usize, std::ptr::null_mut()) },
+            "cuMemcpyDtoD",
+        );
         at += n;
     }
     // SAFETY: no arguments; waits for the context's work.

@@ -146,15 +146,6 @@ impl CudaTable {
     /// A table reading Lru / EpochLru time from `clock`.
     pub fn with_clock(config: TableConfig, dev: Arc<Device>, clock: Arc<dyn Clock>) -> Result<CudaTable> {
         config.validate()?;
-        if config.policy == ScorePolicy::Adaptive && !config.tuning.adaptive {
-            // Refused rather than served with entries that may go missing
-            // (CudaTuning::adaptive says what a GPU test found).
-            return Err(Error::Config(
-                "the CUDA backend does not serve the adaptive policy yet (a GPU test of large batches found \
-                 entries not conserved); use the CPU backend, or HKV_CUDA_ADAPTIVE=on to try it"
-                    .into(),
-            ));
-        }
         // The device's context has no event tracking (Device::open, whose
         // SAFETY argument this table keeps): every buffer the table uses is
         // used on one lane's stream at a time, and each batch synchronises
