@@ -8,7 +8,8 @@
 # alternated with `dd if=F of=/dev/null bs=1M iflag=direct` (raw read).
 # Quote medians. HKVD_BIN=PATH runs that hkvd binary (one built earlier, for
 # a before / after comparison) instead of building this tree's; hkvctl is
-# target/release's either way. HKVD_HUGE_PAGES=0 reaches the daemon (see
+# target/release's either way. HKVD_SERVE_ARGS adds `hkvd serve` flags
+# (e.g. "--shards 4 --restore-readers 8"). HKVD_HUGE_PAGES=0 reaches the daemon (see
 # `hkvd --help`). Each restore's "restore stages" log line is printed.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -21,7 +22,7 @@ trap 'kill $hp 2>/dev/null || true; rm -rf "$root"' EXIT
 sock="$root/hkvd.sock"
 start() {
     "$hkvd" serve --backend "${HKVD_BACKEND:-cpu}" --socket "$sock" --state-dir "$root/state" \
-        --checkpoint-full-every 0 --log info 2>>"$root/log" &
+        --checkpoint-full-every 0 --log info ${HKVD_SERVE_ARGS:-} 2>>"$root/log" &
     hp=$!
     for _ in $(seq 6000); do "$bin/hkvctl" --socket "$sock" ping >/dev/null 2>&1 && return; sleep 0.05; done
     echo "hkvd did not start" >&2; exit 1

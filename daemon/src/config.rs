@@ -335,6 +335,9 @@ impl Config {
             "checkpoint.chunk_bytes must be at least 65536 (64 KiB), not {}: smaller chunks make one file per bucket",
             self.checkpoint.chunk_bytes
         );
+        if let Some(n) = self.checkpoint.restore_readers {
+            anyhow::ensure!((1..=64).contains(&n), "checkpoint.restore_readers (--restore-readers) must be 1 to 64, not {n}");
+        }
         if let Some(n) = self.shards {
             anyhow::ensure!((1..=1024).contains(&n), "shards (--shards) must be 1 to 1024, not {n}");
         }
@@ -429,6 +432,10 @@ pub struct CheckpointConfig {
     /// Take a checkpoint after draining on SIGTERM / shutdown.
     #[arg(long = "checkpoint-on-shutdown")]
     pub on_shutdown: bool,
+    /// Threads reading (and verifying) a restore's chunks, 1 to 64. Unset:
+    /// a quarter of the cores, 2 to 6.
+    #[arg(long = "restore-readers", value_name = "N")]
+    pub restore_readers: Option<usize>,
     /// A file of `TABLE PASSWORD` lines, readable by its owner only, that
     /// a restore takes backed tables' cluster passwords from: checkpoints
     /// keep seed URLs with `***` for the password. Unset: a backed table

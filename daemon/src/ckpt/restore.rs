@@ -19,8 +19,8 @@ use crate::router::{Part, Router, Table};
 /// cores, 2 to 6. Verifying costs about as much as reading: on the H200
 /// host (16 cores, an NVMe-backed disk) two readers were busy the whole of
 /// a 1 GiB restore, at 0.77 of `dd iflag=direct`.
-fn readers() -> usize {
-    std::thread::available_parallelism().map_or(2, |n| n.get() / 4).clamp(2, 6)
+fn readers(config: &crate::config::CheckpointConfig) -> usize {
+    config.restore_readers.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get() / 4).clamp(2, 6))
 }
 
 /// Chunk buffers a restore reads ahead into (8 MiB chunks by default: 64
@@ -57,11 +57,12 @@ fn spawn_readers<'scope, 'env>(
     catalog: &'env hkv_checkpoint::Catalog,
     work: &'env [Work<'env>],
     pool: std::sync::mpsc::Receiver<Vec<u8>>,
+    readers: usize,
 ) -> (
     impl Iterator<Item = (usize, Result<hkv_checkpoint::chunk::Read, hkv_checkpoint::Error>)>,
     Vec<std::thread::ScopedJoinHandle<'scope, Duration>>,
 ) {
-    let n = readers();
+    let n = readers;
     let (tx, rx) = std::sync::mpsc::sync_channel(buffers(n));
     let (pool, next) = (Arc::new(std::sync::Mutex::new(pool)), Arc::new(AtomicUsize::new(0)));
     let readers = (0..n)
@@ -413,12 +414,13 @@ impl Checkpoints {
             // thread sends those to the shards while the next chunk splits.
             // The disk reads from the first moment, while the tables are
             // built (see `build_tables`), the shards load, and this thread splits.
-            let buffers = buffers(readers());
+            let readers = readers(&self.config);
+            let buffers = buffers(readers);
             let (pool_tx, pool_rx) = std::sync::mpsc::sync_channel::<Vec<u8>>(buffers);
             for _ in 0..buffers {
                 let _ = pool_tx.send(vec![]);
             }
-            let (rx, readers) = spawn_readers(s, &self.catalog, &work, pool_rx);
+            let (rx, readers) = spawn_readers(s, &self.catalog, &work, pool_rx, readers);
             let (load_tx, load_rx) = std::sync::mpsc::sync_channel::<(usize, Arc<Table>, Vec<Part>)>(1);
             let tables = plan.len();
             let loader = s.spawn(move || -> Result<(Vec<u64>, Duration), Failure> {
