@@ -105,14 +105,7 @@ impl Queue {
     /// replaced in place (its bytes are counted once). With `nx` the rows
     /// are to be sent set-if-absent, unless the key is already queued
     /// (then they are plain writes, see the module's docs).
-    pub async fn push(
-        &self,
-        keys: &[u64],
-        values: &[f32],
-        scores: &[u64],
-        dim: usize,
-        nx: bool,
-    ) -> Result<(), Error> {
+    pub async fn push(&self, keys: &[u64], values: &[f32], scores: &[u64], dim: usize, nx: bool) -> Result<(), Error> {
         // Chunks of at most half the bound, so that one large write never
         // needs more room than the queue has.
         let per_chunk = ((self.limit / 2) / self.entry_bytes).max(1) as usize;
@@ -312,5 +305,29 @@ mod tests {
         q.settle(c, &[false, false]);
         assert_eq!(q.window().0, 0);
         assert_eq!(q.window().1, 0, "every byte counted is returned");
+    }
+
+    /// A set-if-absent row stays so only while nothing else of its key is
+    /// queued: a later write replaces it with a plain one, and one queued
+    /// while its key is being sent is plain (it follows this host's own
+    /// write or erasure of the key).
+    #[test]
+    fn set_if_absent_rows_yield_to_other_writes_of_their_key() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+        let q = Queue::new(8, 1 << 20, Duration::from_secs(1));
+        rt.block_on(q.push(&[1, 2], &[1.0, 2.0], &[], 1, true)).unwrap();
+        rt.block_on(q.push(&[3], &[], &[], 0, false)).unwrap();
+        rt.block_on(q.push(&[2], &[20.0], &[], 1, false)).unwrap();
+        let a = q.take(10);
+        let nx: Vec<(u64, bool)> = a.iter().map(|(k, e)| (*k, e.nx)).collect();
+        assert_eq!(nx, vec![(1, true), (2, false), (3, false)]);
+        // Key 3's erasure is being sent: an insert of it is plain.
+        rt.block_on(q.push(&[3, 4], &[3.0, 4.0], &[], 1, true)).unwrap();
+        q.settle(a, &[false, false, false]);
+        let b = q.take(10);
+        let nx: Vec<(u64, bool)> = b.iter().map(|(k, e)| (*k, e.nx)).collect();
+        assert_eq!(nx, vec![(3, false), (4, true)]);
+        q.settle(b, &[false, false]);
+        assert_eq!(q.window().1, 0);
     }
 }

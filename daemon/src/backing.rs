@@ -817,8 +817,10 @@ pub async fn contains_with_origins(
 }
 
 /// A write on a backed table: find_or_insert reads through on every
-/// backed table; other writes reach the cluster unless the table is
-/// read-only.
+/// backed table, and unless the table is read-only writes its new rows
+/// set-if-absent (a row another host wrote first wins, and is answered and
+/// cached under write-through); other writes reach the cluster unless the
+/// table is read-only.
 #[allow(clippy::too_many_arguments)]
 pub async fn write(
     router: &Arc<Router>,
