@@ -1002,8 +1002,13 @@ fn backing_stats(c: &mut hkv_client::Client, table: &str) -> hkv_client::proto::
 /// hosts that find_or_inserted the same fresh keys at once both missed,
 /// both wrote, and each answered (and cached) its own initial row while
 /// the cluster kept whichever came last: the hosts trained different rows
-/// of one key. New rows now go set-if-absent (`SET … NX GET`) and a host
-/// whose row the cluster refused answers and caches the cluster's.
+/// of one key. New rows now go set-if-absent (`SET … NX GET`): under
+/// write-through a host whose row the cluster refused answers and caches
+/// the cluster's; under write-back (answered before the cluster is asked)
+/// it drops its row once its queue is flushed, and reads the cluster's.
+/// (The write-back half held before too, through each host's stream
+/// entry; [`a_queued_find_or_insert_never_overwrites_another_hosts_row`]
+/// is its regression test.)
 #[test]
 fn concurrent_find_or_insert_on_two_hosts_agrees_on_one_row() {
     use std::sync::{Arc, Barrier};
@@ -1012,50 +1017,59 @@ fn concurrent_find_or_insert_on_two_hosts_agrees_on_one_row() {
     let (a, b, c) = (Daemon::start(&[]), Daemon::start(&[]), Daemon::start(&[]));
     let seeds = cluster.seed_arg();
     let (mut ca, mut cb, mut cc) = (a.client(), b.client(), c.client());
-    ca.create_table(backed("foi", &seeds, BackingMode::WriteThrough)).unwrap();
-    cb.create_table(backed("foi", &seeds, BackingMode::WriteThrough)).unwrap();
-    // C only reads the cluster, each round's keys once both hosts are done.
-    cc.create_table(backed("foi", &seeds, BackingMode::ReadOnly)).unwrap();
+    for (table, mode) in [("foi", BackingMode::WriteThrough), ("foiwb", BackingMode::WriteBack)] {
+        ca.create_table(backed(table, &seeds, mode)).unwrap();
+        cb.create_table(backed(table, &seeds, mode)).unwrap();
+        // C only reads the cluster, each round's keys once both hosts are done.
+        cc.create_table(backed(table, &seeds, BackingMode::ReadOnly)).unwrap();
+    }
     const ROUNDS: u64 = 40;
     let start = Instant::now();
-    let (mut won, mut clients) = ([0usize; 2], [ca, cb]);
-    for r in 0..ROUNDS {
-        if start.elapsed() > Duration::from_secs(30) {
-            break;
-        }
-        let keys: Vec<u64> = (1..=64).map(|i| r * 1000 + i).collect();
-        let barrier = Arc::new(Barrier::new(2));
-        let runs: Vec<_> = clients
-            .into_iter()
-            .enumerate()
-            .map(|(h, mut c)| {
-                let (keys, barrier) = (keys.clone(), barrier.clone());
-                std::thread::spawn(move || {
-                    let init: Vec<f32> = keys.iter().flat_map(|&k| host_row(k, h as f32 + 1.0)).collect();
-                    barrier.wait();
-                    let (_, got) = c.find_or_insert("foi", &keys, &init, None).unwrap();
-                    (c, got)
+    let mut clients = [ca, cb];
+    for (table, mode) in [("foi", BackingMode::WriteThrough), ("foiwb", BackingMode::WriteBack)] {
+        let mut won = [0usize; 2];
+        for r in 0..ROUNDS {
+            assert!(start.elapsed() < Duration::from_secs(60), "{table}: round {r} after a minute");
+            let keys: Vec<u64> = (1..=64).map(|i| r * 1000 + i).collect();
+            let barrier = Arc::new(Barrier::new(2));
+            let runs: Vec<_> = clients
+                .into_iter()
+                .enumerate()
+                .map(|(h, mut c)| {
+                    let (keys, barrier) = (keys.clone(), barrier.clone());
+                    std::thread::spawn(move || {
+                        let init: Vec<f32> = keys.iter().flat_map(|&k| host_row(k, h as f32 + 1.0)).collect();
+                        barrier.wait();
+                        let (_, got) = c.find_or_insert(table, &keys, &init, None).unwrap();
+                        c.flush(table).unwrap();
+                        (c, got)
+                    })
                 })
-            })
-            .collect();
-        let [(ca, got_a), (cb, got_b)]: [(hkv_client::Client, Vec<f32>); 2] =
-            runs.into_iter().map(|t| t.join().unwrap()).collect::<Vec<_>>().try_into().ok().unwrap();
-        clients = [ca, cb];
-        let truth = cc.find("foi", &keys).unwrap();
-        assert!(truth.found.iter().all(|&f| f), "round {r}: the cluster has every key");
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        for (i, &k) in keys.iter().enumerate() {
-            let row = |v: &[f32]| bits(&v[i * 4..i * 4 + 4]);
-            assert_eq!(row(&got_a), row(&got_b), "round {r}, key {k}: A and B answered different rows");
-            assert_eq!(row(&got_a), row(&truth.values), "round {r}, key {k}: the answers are not the cluster's row");
-            won[if got_a[i * 4 + 1] == 1.0 { 0 } else { 1 }] += 1;
+                .collect();
+            let [(ca, got_a), (cb, got_b)]: [(hkv_client::Client, Vec<f32>); 2] =
+                runs.into_iter().map(|t| t.join().unwrap()).collect::<Vec<_>>().try_into().ok().unwrap();
+            clients = [ca, cb];
+            let truth = cc.find(table, &keys).unwrap();
+            assert!(truth.found.iter().all(|&f| f), "{table}, round {r}: the cluster has every key");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            for (i, &k) in keys.iter().enumerate() {
+                won[if truth.values[i * 4 + 1] == 1.0 { 0 } else { 1 }] += 1;
+                if mode == BackingMode::WriteBack {
+                    continue;
+                }
+                let row = |v: &[f32]| bits(&v[i * 4..i * 4 + 4]);
+                assert_eq!(row(&got_a), row(&got_b), "{table}, round {r}, key {k}: A and B answered different rows");
+                assert_eq!(row(&got_a), row(&truth.values), "{table}, round {r}, key {k}: not the cluster's row");
+            }
+            // Each host's cache holds the cluster's row (write-back: once
+            // both queues were flushed, at the host's next request).
+            for (h, c) in clients.iter_mut().enumerate() {
+                let got = c.find(table, &keys).unwrap();
+                assert_eq!(bits(&got.values), bits(&truth.values), "{table}, round {r}: host {h}'s cache");
+            }
         }
-        // Each host's cache holds the agreed row too.
-        for c in &mut clients {
-            assert_eq!(bits(&c.find("foi", &keys).unwrap().values), bits(&truth.values), "round {r}: a cache");
-        }
+        eprintln!("{table}: keys whose row is A's: {}, B's: {}", won[0], won[1]);
     }
-    eprintln!("keys whose row is A's: {}, B's: {}", won[0], won[1]);
 }
 
 /// Issue 34, write-back: a find_or_insert's new row waits in the queue
