@@ -11,8 +11,8 @@
 //! `redis` crate's cluster connection (no hand-written RESP).
 //!
 //! # Layout
-//! - `tier`: [`Backing`] (open, read, write, erase, scan, flush, subscribe,
-//!   stats), [`Options`], [`Mode`], [`Fetched`], [`ReadOut`], [`Scan`].
+//! - `tier`: [`Backing`] (open, read, write, insert_absent, erase, scan,
+//!   flush, subscribe, stats), [`Options`], [`Mode`], [`Fetched`], [`ReadOut`], [`Scan`].
 //! - `cluster`: seeds checked, the cluster connection, the slot map that
 //!   names a failed node.
 //! - `layout`: keys, groups, hash slots and the row encoding.

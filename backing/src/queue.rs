@@ -6,6 +6,10 @@
 //! older row while a newer one waits here. A row whose batch failed goes
 //! back to `pending` unless a newer write of its key arrived meanwhile;
 //! nothing leaves the queue except by the cluster's acknowledgement.
+//! A row queued set-if-absent (`nx`, a find_or_insert's new row) is sent
+//! so; any later write of its key queued before it is sent replaces it
+//! with a plain write, and a row queued while its key is being sent is
+//! plain too (it follows this host's own write or erasure of the key).
 //! Bytes: a row costs its value and key once while pending and once more
 //! while a newer write of its key waits behind the batch sending it.
 //!
@@ -31,6 +35,8 @@ pub(crate) struct Entry {
     pub score: u64,
     pub values: Arc<[f32]>,
     pub since: Instant,
+    /// Sent set-if-absent: written only where the cluster has no row.
+    pub nx: bool,
 }
 
 /// Hashes a `u64` key with the SplitMix64 finaliser (keys only).
@@ -96,8 +102,10 @@ impl Queue {
     }
 
     /// Queues rows, waiting up to `wait` for room; a key already pending is
-    /// replaced in place (its bytes are counted once).
-    pub async fn push(&self, keys: &[u64], values: &[f32], scores: &[u64], dim: usize) -> Result<(), Error> {
+    /// replaced in place (its bytes are counted once). With `nx` the rows
+    /// are to be sent set-if-absent, unless the key is already queued
+    /// (then they are plain writes, see the module's docs).
+    pub async fn push(&self, keys: &[u64], values: &[f32], scores: &[u64], dim: usize, nx: bool) -> Result<(), Error> {
         // Chunks of at most half the bound, so that one large write never
         // needs more room than the queue has.
         let per_chunk = ((self.limit / 2) / self.entry_bytes).max(1) as usize;
@@ -127,9 +135,11 @@ impl Queue {
                                 Some(old) => {
                                     old.score = score;
                                     old.values = row;
+                                    old.nx = false;
                                 }
                                 None => {
-                                    s.pending.insert(k, Entry { score, values: row, since: now });
+                                    let nx = nx && !s.sending.contains_key(&k);
+                                    s.pending.insert(k, Entry { score, values: row, since: now, nx });
                                     s.order.push_back(k);
                                 }
                             }
@@ -276,11 +286,11 @@ mod tests {
     fn take_is_fifo_and_holds_keys_in_flight() {
         let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
         let q = Queue::new(8, 1 << 20, Duration::from_secs(1));
-        rt.block_on(q.push(&[1, 2, 3, 4], &[1.0, 2.0, 3.0, 4.0], &[], 1)).unwrap();
+        rt.block_on(q.push(&[1, 2, 3, 4], &[1.0, 2.0, 3.0, 4.0], &[], 1, false)).unwrap();
         let a = q.take(2);
         assert_eq!(keys(&a), vec![1, 2]);
         // A newer write of key 1 while its batch is out; key 5 is new.
-        rt.block_on(q.push(&[1, 5], &[10.0, 5.0], &[], 1)).unwrap();
+        rt.block_on(q.push(&[1, 5], &[10.0, 5.0], &[], 1, false)).unwrap();
         let b = q.take(10);
         assert_eq!(keys(&b), vec![3, 4, 5], "key 1 waits for the batch sending it");
         let mut seen = Vec::new();
@@ -295,5 +305,29 @@ mod tests {
         q.settle(c, &[false, false]);
         assert_eq!(q.window().0, 0);
         assert_eq!(q.window().1, 0, "every byte counted is returned");
+    }
+
+    /// A set-if-absent row stays so only while nothing else of its key is
+    /// queued: a later write replaces it with a plain one, and one queued
+    /// while its key is being sent is plain (it follows this host's own
+    /// write or erasure of the key).
+    #[test]
+    fn set_if_absent_rows_yield_to_other_writes_of_their_key() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+        let q = Queue::new(8, 1 << 20, Duration::from_secs(1));
+        rt.block_on(q.push(&[1, 2], &[1.0, 2.0], &[], 1, true)).unwrap();
+        rt.block_on(q.push(&[3], &[], &[], 0, false)).unwrap();
+        rt.block_on(q.push(&[2], &[20.0], &[], 1, false)).unwrap();
+        let a = q.take(10);
+        let nx: Vec<(u64, bool)> = a.iter().map(|(k, e)| (*k, e.nx)).collect();
+        assert_eq!(nx, vec![(1, true), (2, false), (3, false)]);
+        // Key 3's erasure is being sent: an insert of it is plain.
+        rt.block_on(q.push(&[3, 4], &[3.0, 4.0], &[], 1, true)).unwrap();
+        q.settle(a, &[false, false, false]);
+        let b = q.take(10);
+        let nx: Vec<(u64, bool)> = b.iter().map(|(k, e)| (*k, e.nx)).collect();
+        assert_eq!(nx, vec![(3, false), (4, true)]);
+        q.settle(b, &[false, false]);
+        assert_eq!(q.window().1, 0);
     }
 }

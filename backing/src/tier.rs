@@ -194,11 +194,26 @@ pub struct Scan {
 
 /// One row to send: borrowed from a request or from a queued batch (no
 /// copy of its values before they are encoded into the command). Empty
-/// values (a row has at least one float): the key is erased.
+/// values (a row has at least one float): the key is erased. `nx`: set
+/// only where the cluster has no row of the key (find_or_insert's new
+/// rows).
 pub(crate) struct Row<'a> {
     pub key: u64,
     pub score: u64,
     pub values: &'a [f32],
+    pub nx: bool,
+}
+
+/// What [`Core::send`] made of a batch of rows.
+pub(crate) struct Sent {
+    /// Per row: not acknowledged (to be retried, or failed).
+    pub failed: Vec<bool>,
+    /// Rows sent set-if-absent whose key the cluster already had: the
+    /// row's index and the cluster's row (encoded), which stays. Such a
+    /// row is done (never retried): the cluster's row is the key's.
+    pub kept: Vec<(usize, Vec<u8>)>,
+    /// One per failed node.
+    pub errors: Vec<Error>,
 }
 
 /// The shared part of a tier: what the flusher and the handles use.
@@ -212,6 +227,9 @@ pub(crate) struct Core {
     /// This handle's id on the stream, so a reader skips its own writes.
     pub origin: u64,
     clock: AtomicU64,
+    /// Keys whose queued set-if-absent row the cluster refused (it had a
+    /// row already), for the cache to drop ([`Backing::take_conflicts`]).
+    conflicts: parking_lot::Mutex<Vec<u64>>,
 }
 
 /// Closes the queue when the last handle goes: the flusher then sends
@@ -268,6 +286,7 @@ impl Backing {
             queue,
             origin,
             clock: AtomicU64::new(0),
+            conflicts: parking_lot::Mutex::new(Vec::new()),
         });
         if core.mode == Mode::WriteBack {
             tokio::spawn(flusher(core.clone()));
@@ -430,12 +449,95 @@ impl Backing {
                         key,
                         score: scores.get(i).copied().unwrap_or(0),
                         values: &values[i * dim..(i + 1) * dim],
+                        nx: false,
                     })
                     .collect();
                 self.send_now(&rows).await
             }
-            Mode::WriteBack => self.enqueue(keys, values, scores, dim).await,
+            Mode::WriteBack => self.enqueue(keys, values, scores, dim, false).await,
         }
+    }
+
+    /// find_or_insert's write of the rows the cluster did not have when
+    /// it was read: each row is set only where the cluster still has no
+    /// row of its key (`SET key row NX GET`, one per key, pipelined per
+    /// node as a batch's other commands), so that of several hosts that
+    /// insert a key at once one row wins and none overwrites another's
+    /// (or a later write).
+    ///
+    /// Write-through: answers, per key, `Found` with the cluster's row
+    /// where it had one already (that row, not the one given, is the
+    /// key's now) and `Absent` where the given row was written; rows not
+    /// acknowledged fail it, as [`Backing::write`]. Write-back: the rows
+    /// are queued to be sent so, and all are answered `Absent`; a key
+    /// whose row the cluster then refuses is reported by
+    /// [`Backing::take_conflicts`]. Read-only refuses.
+    pub async fn insert_absent(&self, keys: &[u64], values: &[f32], scores: &[u64]) -> Result<ReadOut, Error> {
+        let dim = self.core.layout.dim();
+        if values.len() != keys.len() * dim || !(scores.is_empty() || scores.len() == keys.len()) {
+            return Err(Error::BadOption {
+                name: "rows",
+                detail: format!("{} keys need {} values and 0 or {} scores", keys.len(), keys.len() * dim, keys.len()),
+            });
+        }
+        let mut out = ReadOut {
+            fetched: vec![Fetched::Absent; keys.len()],
+            values: Vec::new(),
+            scores: vec![0; keys.len()],
+            versions: vec![0; keys.len()],
+            errors: Vec::new(),
+        };
+        match self.core.mode {
+            Mode::ReadOnly => return Err(Error::ReadOnly { table: self.core.layout.table().into() }),
+            Mode::WriteBack => {
+                self.enqueue(keys, values, scores, dim, true).await?;
+                return Ok(out);
+            }
+            Mode::WriteThrough => {}
+        }
+        let rows: Vec<Row> = keys
+            .iter()
+            .enumerate()
+            .map(|(i, &key)| Row {
+                key,
+                score: scores.get(i).copied().unwrap_or(0),
+                values: &values[i * dim..(i + 1) * dim],
+                nx: true,
+            })
+            .collect();
+        let Sent { kept, mut errors, .. } = self.core.send(&rows).await;
+        if !errors.is_empty() {
+            return Err(errors.swap_remove(0));
+        }
+        if !kept.is_empty() {
+            out.values = vec![0.0; keys.len() * dim];
+        }
+        for (i, row) in kept {
+            match decode_row(&row, &mut out.values[i * dim..(i + 1) * dim]) {
+                Some((version, score)) => {
+                    out.fetched[i] = Fetched::Found;
+                    out.versions[i] = version;
+                    out.scores[i] = score;
+                }
+                None => {
+                    return Err(Error::BadRow {
+                        table: self.core.layout.table().into(),
+                        key: keys[i],
+                        len: row.len(),
+                        want: self.core.layout.row_bytes(),
+                    })
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Keys whose queued find_or_insert row (write-back) the cluster
+    /// refused since the last call, because it had a row of the key
+    /// already: the cache's row of such a key is not the cluster's, so
+    /// the caller drops it (its next read fetches the cluster's).
+    pub fn take_conflicts(&self) -> Vec<u64> {
+        std::mem::take(&mut *self.core.conflicts.lock())
     }
 
     /// Erases `keys` from the cluster as the mode says: write-through
@@ -447,7 +549,7 @@ impl Backing {
         match self.core.mode {
             Mode::ReadOnly => Err(Error::ReadOnly { table: self.core.layout.table().into() }),
             Mode::WriteThrough => self.erase_now(keys).await,
-            Mode::WriteBack => self.enqueue(keys, &[], &[], 0).await,
+            Mode::WriteBack => self.enqueue(keys, &[], &[], 0, false).await,
         }
     }
 
@@ -460,7 +562,7 @@ impl Backing {
         if self.core.mode == Mode::ReadOnly {
             return Err(Error::ReadOnly { table: self.core.layout.table().into() });
         }
-        let rows: Vec<Row> = keys.iter().map(|&key| Row { key, score: 0, values: &[] }).collect();
+        let rows: Vec<Row> = keys.iter().map(|&key| Row { key, score: 0, values: &[], nx: false }).collect();
         self.send_now(&rows).await
     }
 
@@ -503,7 +605,7 @@ impl Backing {
     /// Write-through's half of `write` and `erase`: `rows` sent, the first
     /// error (if any) answered once every node has answered.
     async fn send_now(&self, rows: &[Row<'_>]) -> Result<(), Error> {
-        let (_, mut errors) = self.core.send(rows).await;
+        let Sent { mut errors, .. } = self.core.send(rows).await;
         if errors.is_empty() {
             Ok(())
         } else {
@@ -513,9 +615,9 @@ impl Backing {
 
     /// Write-back's half of `write` and `erase` (an erasure: no values,
     /// `dim` 0): queued and counted, `QueueFull` counted too.
-    async fn enqueue(&self, keys: &[u64], values: &[f32], scores: &[u64], dim: usize) -> Result<(), Error> {
+    async fn enqueue(&self, keys: &[u64], values: &[f32], scores: &[u64], dim: usize, nx: bool) -> Result<(), Error> {
         Counters::add(&self.core.counters.queued_total, keys.len());
-        let r = self.core.queue.push(keys, values, scores, dim).await;
+        let r = self.core.queue.push(keys, values, scores, dim, nx).await;
         if r.is_err() {
             Counters::add(&self.core.counters.queue_full, 1);
         }
@@ -587,29 +689,42 @@ impl Core {
         }
     }
 
-    /// Sends rows: one `MSET` per group, all at once, then one stream entry
-    /// naming the keys the cluster acknowledged. Returns which rows failed
-    /// and one error per failed node.
-    pub(crate) async fn send(&self, rows: &[Row<'_>]) -> (Vec<bool>, Vec<Error>) {
+    /// Sends rows: one `MSET` per group, one `DEL` per group of the
+    /// erasures and one `SET key row NX GET` per set-if-absent row, all at
+    /// once (one pipeline per node), then one stream entry naming the keys
+    /// the cluster acknowledged writing. Returns which rows failed, the
+    /// set-if-absent rows whose key the cluster had already (with its
+    /// row), and one error per failed node.
+    pub(crate) async fn send(&self, rows: &[Row<'_>]) -> Sent {
         let start = Instant::now();
         let version = self.version();
         let mut by_group: Vec<Vec<usize>> = vec![Vec::new(); self.layout.groups() as usize];
         for (i, r) in rows.iter().enumerate() {
             by_group[self.layout.group(r.key) as usize].push(i);
         }
-        // Per group: one MSET of its rows, one DEL of its erasures.
+        // Per group: one MSET of its rows, one DEL of its erasures; one
+        // SET NX per set-if-absent row (Redis has no multi-key form).
         let mut parts: Vec<(u32, Vec<usize>)> = Vec::new();
         for (g, ix) in by_group.into_iter().enumerate() {
+            let (nx, ix): (Vec<usize>, Vec<usize>) = ix.into_iter().partition(|&i| rows[i].nx);
             let (dels, sets): (Vec<usize>, Vec<usize>) = ix.into_iter().partition(|&i| rows[i].values.is_empty());
             parts.extend([sets, dels].into_iter().filter(|p| !p.is_empty()).map(|p| (g as u32, p)));
+            parts.extend(nx.into_iter().map(|i| (g as u32, vec![i])));
         }
         let groups: Vec<(u32, &Vec<usize>)> = parts.iter().map(|(g, ix)| (*g, ix)).collect();
         let (mut buf, mut key) = (Vec::new(), Vec::new());
         let cmds: Vec<(u16, redis::Cmd)> = groups
             .iter()
             .map(|&(g, ix)| {
-                let erase = rows[ix[0]].values.is_empty();
-                let mut cmd = redis::cmd(if erase { "DEL" } else { "MSET" });
+                let first = &rows[ix[0]];
+                let erase = first.values.is_empty();
+                let mut cmd = redis::cmd(if first.nx {
+                    "SET"
+                } else if erase {
+                    "DEL"
+                } else {
+                    "MSET"
+                });
                 for &i in ix {
                     self.layout.write_row_key(rows[i].key, &mut key);
                     cmd.arg(&key[..]);
@@ -619,6 +734,11 @@ impl Core {
                         cmd.arg(&buf[..]);
                     }
                 }
+                if first.nx {
+                    // Redis 7: NX with GET answers the row it kept, or nil
+                    // where it set ours.
+                    cmd.arg("NX").arg("GET");
+                }
                 (self.layout.slot_of_group(g), cmd)
             })
             .collect();
@@ -626,6 +746,28 @@ impl Core {
         // read deadline is for reads); a row not acknowledged is failed.
         let deadline = tokio::time::Instant::now() + self.options.response_timeout * (self.options.retries + 2);
         let mut results = self.cluster.run(cmds, deadline).await;
+        // A set-if-absent row the cluster refused is done whatever `WAIT`
+        // says: nothing of ours was written.
+        let mut kept = Vec::new();
+        let mut refused = vec![false; groups.len()];
+        for (p, (&(_, ix), r)) in groups.iter().zip(&mut results).enumerate() {
+            if !rows[ix[0]].nx {
+                continue;
+            }
+            match r {
+                Ok(redis::Value::Nil) => {}
+                Ok(redis::Value::BulkString(row)) => {
+                    Counters::add(&self.counters.bytes_in, row.len());
+                    kept.push((ix[0], std::mem::take(row)));
+                    refused[p] = true;
+                }
+                Ok(other) => {
+                    let node = self.cluster.node_of(self.layout.slot_of_group(groups[p].0));
+                    *r = Err(Failure::Node { node, detail: format!("SET NX GET answered {other:?}") });
+                }
+                Err(_) => {}
+            }
+        }
         if self.options.wait_replicas > 0 {
             self.wait_replicas(&groups, &mut results).await;
         }
@@ -633,7 +775,10 @@ impl Core {
         let mut errors = Vec::new();
         let mut nodes: Vec<String> = Vec::new();
         let mut acked: Vec<u8> = Vec::with_capacity(rows.len() * 8);
-        for (&(g, ix), r) in groups.iter().zip(results) {
+        for ((&(g, ix), r), refused) in groups.iter().zip(results).zip(refused) {
+            if refused {
+                continue;
+            }
             match r {
                 Ok(_) => ix.iter().for_each(|&i| acked.extend_from_slice(&rows[i].key.to_le_bytes())),
                 Err(f) => {
@@ -660,7 +805,7 @@ impl Core {
             }
         }
         self.counters.write.record(start.elapsed());
-        (failed, errors)
+        Sent { failed, kept, errors }
     }
 
     /// `WAIT`s on every master that acknowledged a part of the batch for
@@ -775,9 +920,15 @@ async fn flusher(core: Arc<Core>) {
 
 /// Sends one batch and settles it; whether it all went.
 async fn send_batch(core: Arc<Core>, batch: Batch) -> bool {
-    let rows: Vec<Row> = batch.iter().map(|(k, e)| Row { key: *k, score: e.score, values: &e.values }).collect();
-    let (failed, errors) = core.send(&rows).await;
+    let rows: Vec<Row> =
+        batch.iter().map(|(k, e)| Row { key: *k, score: e.score, values: &e.values, nx: e.nx }).collect();
+    let Sent { failed, kept, errors } = core.send(&rows).await;
     drop(rows);
+    // Before the rows leave the queue: once `flush` returns, the cache's
+    // rows the cluster refused are known.
+    if !kept.is_empty() {
+        core.conflicts.lock().extend(kept.iter().map(|&(i, _)| batch[i].0));
+    }
     core.queue.settle(batch, &failed);
     !failed.iter().any(|f| *f) && errors.is_empty()
 }

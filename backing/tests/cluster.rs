@@ -529,3 +529,61 @@ async fn a_walk_sees_every_row_of_its_table_only() {
         other => panic!("a walk past a dead master gave {other:?}"),
     }
 }
+
+/// `insert_absent` (find_or_insert's new rows) never overwrites a row:
+/// two handles (two hosts) inserting the same keys at once each get, per
+/// key, either "written" or the other's row, and exactly one wins; a key
+/// already written keeps its row. Under write-back the refused keys are
+/// reported by `take_conflicts` once the queue is flushed, and a later
+/// write of a queued key is sent as a plain write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn insert_absent_sets_only_where_the_cluster_has_no_row() {
+    let c = cluster(3, 0);
+    let a = Backing::open("nx", DIM, options(&c, Mode::WriteThrough)).await.unwrap();
+    let b = Backing::open("nx", DIM, options(&c, Mode::WriteThrough)).await.unwrap();
+    let keys: Vec<u64> = (1..=3000u64).collect();
+    let (ra, rb) = (rows(&keys, 1), rows(&keys, 2));
+    let (oa, ob) = tokio::join!(a.insert_absent(&keys, &ra, &[]), b.insert_absent(&keys, &rb, &[]));
+    let (oa, ob) = (oa.unwrap(), ob.unwrap());
+    let truth = b.read(&keys).await;
+    for (i, &k) in keys.iter().enumerate() {
+        let at = i * DIM..(i + 1) * DIM;
+        let (wa, wb) = (oa.fetched[i] == Fetched::Absent, ob.fetched[i] == Fetched::Absent);
+        assert!(wa != wb, "key {k}: exactly one handle writes it (a {:?}, b {:?})", oa.fetched[i], ob.fetched[i]);
+        let winner = if wa { &ra[at.clone()] } else { &rb[at.clone()] };
+        assert!(same_bits(&truth.values[at.clone()], winner), "key {k}: the cluster has the winner's row");
+        let loser = if wa { &ob.values } else { &oa.values };
+        assert!(same_bits(&loser[at], winner), "key {k}: the other handle is answered the winner's row");
+    }
+    // A trained row is never overwritten by an insert of the key.
+    a.write(&keys[..10], &rows(&keys[..10], 7), &[]).await.unwrap();
+    let o = b.insert_absent(&keys[..10], &rows(&keys[..10], 3), &[]).await.unwrap();
+    assert!(o.fetched.iter().all(|&f| f == Fetched::Found) && same_bits(&o.values, &rows(&keys[..10], 7)));
+
+    // Write-back: queued, then refused where the cluster has a row.
+    let w = Backing::open("nx", DIM, options(&c, Mode::WriteBack)).await.unwrap();
+    let fresh: Vec<u64> = (10_001..=10_010u64).collect();
+    let o = w.insert_absent(&keys[..20], &rows(&keys[..20], 4), &[]).await.unwrap();
+    assert!(o.fetched.iter().all(|&f| f == Fetched::Absent), "queued: answered later");
+    w.insert_absent(&fresh, &rows(&fresh, 4), &[]).await.unwrap();
+    // A plain write of a queued key replaces its set-if-absent row.
+    w.write(&keys[10..20], &rows(&keys[10..20], 5), &[]).await.unwrap();
+    w.flush(Duration::from_secs(5)).await.unwrap();
+    let mut refused = w.take_conflicts();
+    refused.sort_unstable();
+    assert_eq!(refused, keys[..10].to_vec(), "the queued rows the cluster refused");
+    assert!(w.take_conflicts().is_empty());
+    let out = a.read(&keys[..20]).await;
+    assert!(same_bits(&out.values[..10 * DIM], &rows(&keys[..10], 7)), "the trained rows stay");
+    assert!(same_bits(&out.values[10 * DIM..], &rows(&keys[10..20], 5)), "the plain write went");
+    let out = a.read(&fresh).await;
+    assert!(same_bits(&out.values, &rows(&fresh, 4)), "fresh keys are written");
+    assert!(matches!(
+        Backing::open("nx", DIM, options(&c, Mode::ReadOnly))
+            .await
+            .unwrap()
+            .insert_absent(&fresh, &rows(&fresh, 4), &[])
+            .await,
+        Err(Error::ReadOnly { .. })
+    ));
+}

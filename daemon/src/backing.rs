@@ -44,11 +44,14 @@ pub struct Tiers {
 struct Entry {
     backing: Backing,
     hits: AtomicU64,
-    /// Keys of reads the cache missed that the cluster had (filled) and
-    /// had not (absent): counted here, since a prefetch also reads keys
-    /// the cache then answers, and erase_if reads keys it does not fill.
+    /// Keys of reads the cache missed that the cluster had (filled), had
+    /// not (absent), did not answer in time (late) or failed to answer
+    /// (unavailable): counted here, since a prefetch also reads keys the
+    /// cache then answers, and erase_if reads keys it does not fill.
     filled: AtomicU64,
     absent: AtomicU64,
+    late: AtomicU64,
+    unavailable: AtomicU64,
     /// The table's last read with misses missed nearly every key (a cold
     /// stream): the next find fetches its keys beside the cache's find
     /// ([`Prefetch`]).
@@ -101,8 +104,14 @@ pub struct TableStats {
     pub filled: u64,
     /// Keys of reads the cache missed that the cluster has not either.
     pub absent: u64,
+    /// Keys of reads the cache missed that the cluster did not answer
+    /// within the deadline.
+    pub late: u64,
+    /// Keys of reads the cache missed whose node failed.
+    pub unavailable: u64,
     /// The tier's counters (of every key read from the cluster: a
-    /// prefetch also reads keys the cache then answers).
+    /// prefetch also reads keys the cache then answers; use the counts
+    /// above for reads).
     pub tier: hkv_backing::Stats,
 }
 
@@ -187,6 +196,8 @@ impl Tiers {
             hits: AtomicU64::new(0),
             filled: AtomicU64::new(0),
             absent: AtomicU64::new(0),
+            late: AtomicU64::new(0),
+            unavailable: AtomicU64::new(0),
             cold: AtomicBool::new(false),
             invalid,
             consumer,
@@ -209,9 +220,14 @@ impl Tiers {
         self.tables.read().get(name).map(|e| e.backing.clone())
     }
 
-    /// Keys other hosts wrote since the table's last request.
+    /// Keys other hosts wrote since the table's last request, and keys
+    /// whose queued find_or_insert row the cluster refused (write-back:
+    /// it had another host's row, which the cache must not hide).
     fn take_invalid(&self, name: &str) -> Vec<u64> {
-        self.tables.read().get(name).map(|e| std::mem::take(&mut *e.invalid.lock())).unwrap_or_default()
+        let Some(e) = self.tables.read().get(name).cloned() else { return Vec::new() };
+        let mut keys = std::mem::take(&mut *e.invalid.lock());
+        keys.extend(e.backing.take_conflicts());
+        keys
     }
 
     /// Runs `work`, which touches `keys`, on a task of its own after the
@@ -264,10 +280,20 @@ impl Tiers {
         }
     }
 
-    fn count_misses(&self, name: &str, filled: usize, absent: usize) {
+    /// Counts what the cluster said of a read's misses (`out`: the
+    /// misses' part only, never the keys a prefetch read that the cache
+    /// answered).
+    fn count_misses(&self, name: &str, out: &ReadOut) {
         if let Some(e) = self.tables.read().get(name) {
-            e.filled.fetch_add(filled as u64, Relaxed);
-            e.absent.fetch_add(absent as u64, Relaxed);
+            for f in &out.fetched {
+                let c = match f {
+                    Fetched::Found => &e.filled,
+                    Fetched::Absent => &e.absent,
+                    Fetched::Late => &e.late,
+                    Fetched::Unavailable => &e.unavailable,
+                };
+                c.fetch_add(1, Relaxed);
+            }
         }
     }
 
@@ -356,10 +382,12 @@ impl Tiers {
                 (snap, out, mk)
             }
         };
+        // Counted before a late or failed key fails the request: the
+        // stats show why it failed.
+        self.count_misses(table, &out);
         unanswered(table, &out, late_ok)?;
         let d = t.config.dim;
         let mut filled: Vec<usize> = (0..miss.len()).filter(|&j| out.fetched[j] == Fetched::Found).collect();
-        self.count_misses(table, filled.len(), out.fetched.iter().filter(|&&f| f == Fetched::Absent).count());
         if let Some(v) = answer {
             for &j in &filled {
                 let i = miss[j];
@@ -451,6 +479,23 @@ impl Tiers {
         self.on_rt(async move { b.write(&keys, &values, &scores).await }).await?.map_err(wire)
     }
 
+    /// find_or_insert's new rows, written to the cluster where it has none
+    /// ([`Backing::insert_absent`]): per key, the cluster's row where it
+    /// had one (write-through; write-back answers every key absent).
+    async fn insert_absent(
+        &self,
+        tier: &Backing,
+        keys: Vec<u64>,
+        values: Vec<f32>,
+        scores: Vec<u64>,
+    ) -> Result<ReadOut, ProtoError> {
+        if keys.is_empty() {
+            return Ok(ReadOut::default());
+        }
+        let b = tier.clone();
+        self.on_rt(async move { b.insert_absent(&keys, &values, &scores).await }).await?.map_err(wire)
+    }
+
     /// `hkvctl flush TABLE`: waits until the table's write-back queue is empty.
     pub async fn flush(&self, name: &str, timeout: Duration) -> Result<(), ProtoError> {
         let Some(b) = self.get(name) else { return Ok(()) };
@@ -503,6 +548,8 @@ impl Tiers {
                     hits: e.hits.load(Relaxed),
                     filled: e.filled.load(Relaxed),
                     absent: e.absent.load(Relaxed),
+                    late: e.late.load(Relaxed),
+                    unavailable: e.unavailable.load(Relaxed),
                     tier: e.backing.stats(),
                 };
                 (n.clone(), s)
@@ -770,8 +817,10 @@ pub async fn contains_with_origins(
 }
 
 /// A write on a backed table: find_or_insert reads through on every
-/// backed table; other writes reach the cluster unless the table is
-/// read-only.
+/// backed table, and unless the table is read-only writes its new rows
+/// set-if-absent (a row another host wrote first wins, and is answered and
+/// cached under write-through); other writes reach the cluster unless the
+/// table is read-only.
 #[allow(clippy::too_many_arguments)]
 pub async fn write(
     router: &Arc<Router>,
@@ -780,8 +829,8 @@ pub async fn write(
     t: &Arc<Table>,
     op: WriteOp,
     keys: Vec<u64>,
-    values: Vec<f32>,
-    scores: Option<Vec<u64>>,
+    mut values: Vec<f32>,
+    mut scores: Option<Vec<u64>>,
     outcomes: bool,
 ) -> Result<WriteAnswer, ProtoError> {
     invalidate(router, tiers, t, Some(&keys)).await?;
@@ -795,7 +844,9 @@ pub async fn write(
         WriteOp::FindOrInsert => {
             // Rows the cluster has win over the request's initial
             // values: fill the misses first, then insert the rest
-            // here and in the cluster.
+            // in the cluster where it still has none (another host may
+            // insert the same keys meanwhile), and here: the request's
+            // rows, or the cluster's where another host's won.
             let found = router.contains(t, keys.clone()).await?;
             let (miss, rows) = tiers.fill(router, t, &tier, &keys, &found, false, held.as_ref(), None, None).await?;
             let d = t.config.dim;
@@ -805,7 +856,17 @@ pub async fn write(
             let nv: Vec<f32> = new.iter().flat_map(|&i| values[i * d..(i + 1) * d].iter().copied()).collect();
             let ns: Vec<u64> = scores.as_ref().map(|s| new.iter().map(|&i| s[i]).collect()).unwrap_or_default();
             if tier.mode() != Mode::ReadOnly {
-                tiers.write(&tier, nk, nv, ns).await?;
+                let theirs = tiers.insert_absent(&tier, nk, nv, ns).await?;
+                let custom = t.config.policy == ScorePolicy::Custom;
+                for (j, &i) in new.iter().enumerate() {
+                    if theirs.fetched[j] != Fetched::Found {
+                        continue;
+                    }
+                    values[i * d..(i + 1) * d].copy_from_slice(&theirs.values[j * d..(j + 1) * d]);
+                    if let Some(s) = scores.as_mut().filter(|_| custom) {
+                        s[i] = theirs.scores[j];
+                    }
+                }
             }
             router.write(t, op, keys, values, scores, outcomes).await
         }
@@ -1015,8 +1076,8 @@ pub fn wire_stats(s: &TableStats) -> hkv_proto::stats::BackingStats {
         hits: s.hits,
         filled: s.filled,
         absent: s.absent,
-        late: t.late,
-        unavailable: t.unavailable,
+        late: s.late,
+        unavailable: s.unavailable,
         rows_written: t.rows_written,
         bytes_in: t.bytes_in,
         bytes_out: t.bytes_out,

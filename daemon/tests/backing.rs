@@ -883,7 +883,24 @@ type RaceRound = (Vec<u64>, Vec<u64>);
 /// that holds neither the table's stream nor its meta hash, and per round
 /// 48 fresh keys of X then 48 of another master Y (the second list).
 fn race_keys(cluster: &TestCluster, table: &str, rounds: u64) -> (usize, Vec<RaceRound>) {
-    use hkv_backing::layout::{slot, Layout};
+    let (owner, node_of) = owners(cluster, table);
+    let node_of = &node_of;
+    let x = (owner[hkv_backing::layout::slot(table.as_bytes()) as usize] + 1) % 3;
+    let y = (x + 1) % 3;
+    let keys = (0..rounds)
+        .map(|r| {
+            let on = |n: usize| (r * 100_000..).filter(move |&k| node_of(k) == n).take(48);
+            let ys: Vec<u64> = on(y).collect();
+            (on(x).chain(ys.iter().copied()).collect(), ys)
+        })
+        .collect();
+    (x, keys)
+}
+
+/// Which master (index in `cluster`) holds each hash slot, and a key of
+/// `table` (dim 4, opened already).
+fn owners(cluster: &TestCluster, table: &str) -> (Vec<usize>, impl Fn(u64) -> usize) {
+    use hkv_backing::layout::Layout;
     // Which master holds each slot (`CLUSTER NODES`), and so each key.
     let ports = cluster.ports();
     let mut owner = vec![usize::MAX; 16384];
@@ -900,17 +917,8 @@ fn race_keys(cluster: &TestCluster, table: &str, rounds: u64) -> (usize, Vec<Rac
     let meta: Vec<String> = (0..3).map(|i| cluster.cli(i, &["hget", &meta_key, "groups"]).unwrap()).collect();
     let groups: u32 = meta.iter().find_map(|m| m.trim().parse().ok()).expect("the table's group count");
     let layout = Layout::new(table, 4, groups);
-    let node_of = |k: u64| owner[layout.slot_of_group(layout.group(k)) as usize];
-    let x = (owner[slot(table.as_bytes()) as usize] + 1) % 3;
-    let y = (x + 1) % 3;
-    let keys = (0..rounds)
-        .map(|r| {
-            let on = |n: usize| (r * 100_000..).filter(move |&k| node_of(k) == n).take(48);
-            let ys: Vec<u64> = on(y).collect();
-            (on(x).chain(ys.iter().copied()).collect(), ys)
-        })
-        .collect();
-    (x, keys)
+    let by_slot = owner.clone();
+    (owner, move |k: u64| by_slot[layout.slot_of_group(layout.group(k)) as usize])
 }
 
 /// Writes every round's keys with version 0 into the cluster through B,
@@ -975,4 +983,195 @@ fn check_round(
         keys.len(),
         &stale[..stale.len().min(4)]
     );
+}
+
+/// The row of key `k` that host `h` initialises (find_or_insert) or
+/// trains to (`h` + 10).
+fn host_row(k: u64, h: f32) -> [f32; 4] {
+    [k as f32, h, -(k as f32), 0.25]
+}
+
+/// A table's backing stats in `c`'s stats document.
+fn backing_stats(c: &mut hkv_client::Client, table: &str) -> hkv_client::proto::stats::BackingStats {
+    let s = c.stats_doc().unwrap();
+    s.tables.into_iter().find(|t| t.spec.name == table).and_then(|t| t.backing).unwrap()
+}
+
+/// Issue 34: find_or_insert of a key that neither the cache nor the
+/// cluster had wrote its new row to the cluster with a plain `MSET`. Two
+/// hosts that find_or_inserted the same fresh keys at once both missed,
+/// both wrote, and each answered (and cached) its own initial row while
+/// the cluster kept whichever came last: the hosts trained different rows
+/// of one key. New rows now go set-if-absent (`SET … NX GET`): under
+/// write-through a host whose row the cluster refused answers and caches
+/// the cluster's; under write-back (answered before the cluster is asked)
+/// it drops its row once its queue is flushed, and reads the cluster's.
+/// (The write-back half held before too, through each host's stream
+/// entry; [`a_queued_find_or_insert_never_overwrites_another_hosts_row`]
+/// is its regression test.)
+#[test]
+fn concurrent_find_or_insert_on_two_hosts_agrees_on_one_row() {
+    use std::sync::{Arc, Barrier};
+    use std::time::{Duration, Instant};
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let (a, b, c) = (Daemon::start(&[]), Daemon::start(&[]), Daemon::start(&[]));
+    let seeds = cluster.seed_arg();
+    let (mut ca, mut cb, mut cc) = (a.client(), b.client(), c.client());
+    for (table, mode) in [("foi", BackingMode::WriteThrough), ("foiwb", BackingMode::WriteBack)] {
+        ca.create_table(backed(table, &seeds, mode)).unwrap();
+        cb.create_table(backed(table, &seeds, mode)).unwrap();
+        // C only reads the cluster, each round's keys once both hosts are done.
+        cc.create_table(backed(table, &seeds, BackingMode::ReadOnly)).unwrap();
+    }
+    const ROUNDS: u64 = 40;
+    let start = Instant::now();
+    let mut clients = [ca, cb];
+    for (table, mode) in [("foi", BackingMode::WriteThrough), ("foiwb", BackingMode::WriteBack)] {
+        let mut won = [0usize; 2];
+        for r in 0..ROUNDS {
+            assert!(start.elapsed() < Duration::from_secs(60), "{table}: round {r} after a minute");
+            let keys: Vec<u64> = (1..=64).map(|i| r * 1000 + i).collect();
+            let barrier = Arc::new(Barrier::new(2));
+            let runs: Vec<_> = clients
+                .into_iter()
+                .enumerate()
+                .map(|(h, mut c)| {
+                    let (keys, barrier) = (keys.clone(), barrier.clone());
+                    std::thread::spawn(move || {
+                        let init: Vec<f32> = keys.iter().flat_map(|&k| host_row(k, h as f32 + 1.0)).collect();
+                        barrier.wait();
+                        let (_, got) = c.find_or_insert(table, &keys, &init, None).unwrap();
+                        c.flush(table).unwrap();
+                        (c, got)
+                    })
+                })
+                .collect();
+            let [(ca, got_a), (cb, got_b)]: [(hkv_client::Client, Vec<f32>); 2] =
+                runs.into_iter().map(|t| t.join().unwrap()).collect::<Vec<_>>().try_into().ok().unwrap();
+            clients = [ca, cb];
+            let truth = cc.find(table, &keys).unwrap();
+            assert!(truth.found.iter().all(|&f| f), "{table}, round {r}: the cluster has every key");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            for (i, &k) in keys.iter().enumerate() {
+                won[if truth.values[i * 4 + 1] == 1.0 { 0 } else { 1 }] += 1;
+                if mode == BackingMode::WriteBack {
+                    continue;
+                }
+                let row = |v: &[f32]| bits(&v[i * 4..i * 4 + 4]);
+                assert_eq!(row(&got_a), row(&got_b), "{table}, round {r}, key {k}: A and B answered different rows");
+                assert_eq!(row(&got_a), row(&truth.values), "{table}, round {r}, key {k}: not the cluster's row");
+            }
+            // Each host's cache holds the cluster's row (write-back: once
+            // both queues were flushed, at the host's next request).
+            for (h, c) in clients.iter_mut().enumerate() {
+                let got = c.find(table, &keys).unwrap();
+                assert_eq!(bits(&got.values), bits(&truth.values), "{table}, round {r}: host {h}'s cache");
+            }
+        }
+        eprintln!("{table}: keys whose row is A's: {}, B's: {}", won[0], won[1]);
+    }
+}
+
+/// Issue 34, write-back: a find_or_insert's new row waits in the queue
+/// and was sent with a plain `MSET`, so it overwrote whatever another host
+/// wrote meanwhile; a batch retried after the cluster had taken it (here
+/// `WAIT` fails on a cluster without replicas, as a lost acknowledgement
+/// would) kept overwriting, so B's trained rows went back to A's initial
+/// ones and A kept serving its own. The queued row now goes
+/// set-if-absent: once the cluster has B's row A's row is dropped from
+/// the queue and from A's cache, and A reads B's trained row.
+#[test]
+fn a_queued_find_or_insert_never_overwrites_another_hosts_row() {
+    use std::time::{Duration, Instant};
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let (a, b, c) = (Daemon::start(&[]), Daemon::start(&[]), Daemon::start(&[]));
+    let seeds = cluster.seed_arg();
+    let (mut ca, mut cb, mut cc) = (a.client(), b.client(), c.client());
+    let mut retried = backed("wbi", &seeds, BackingMode::WriteBack);
+    retried.backing.as_mut().unwrap().wait_replicas = Some(1);
+    ca.create_table(retried).unwrap();
+    cb.create_table(backed("wbi", &seeds, BackingMode::WriteThrough)).unwrap();
+    cc.create_table(backed("wbi", &seeds, BackingMode::ReadOnly)).unwrap();
+    let keys: Vec<u64> = (1..=200u64).map(|k| k * 7).collect();
+    let rows = |h: f32| keys.iter().flat_map(|&k| host_row(k, h)).collect::<Vec<f32>>();
+    // A inserts first: queued, and sent at once (its `WAIT` then fails).
+    let (_, got) = ca.find_or_insert("wbi", &keys, &rows(1.0), None).unwrap();
+    assert_eq!(got, rows(1.0));
+    // Its first try is over once its `WAIT` failed: the rows are in the
+    // cluster (`WAIT` follows the writes), and the batch is queued again.
+    let start = Instant::now();
+    while backing_stats(&mut ca, "wbi").node_errors.is_empty() {
+        assert!(start.elapsed() < Duration::from_secs(5), "A's batch was not tried");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // B reads A's rows, trains them, and writes them through.
+    let (_, got) = cb.find_or_insert("wbi", &keys, &rows(2.0), None).unwrap();
+    assert_eq!(got, rows(1.0), "B's find_or_insert answers the cluster's rows");
+    cb.insert_or_assign("wbi", &keys, &rows(11.0), None).unwrap();
+    // A's batch is retried (20 ms, then 40 ms, …): long enough for two tries.
+    let start = Instant::now();
+    while backing_stats(&mut ca, "wbi").queue_rows > 0 && start.elapsed() < Duration::from_secs(3) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let truth = cc.find("wbi", &keys).unwrap();
+    let overwritten = (0..keys.len()).filter(|&i| truth.values[i * 4 + 1] != 11.0).count();
+    assert_eq!(overwritten, 0, "A's queued initial rows overwrote B's trained rows in the cluster");
+    assert_eq!(backing_stats(&mut ca, "wbi").queue_rows, 0, "A's refused rows left its queue");
+    assert_eq!(ca.find("wbi", &keys).unwrap().values, rows(11.0), "A dropped its own rows for the cluster's");
+}
+
+/// The cold-table prefetch reads every key of a find from the cluster,
+/// beside the cache's find. Its `late` and `unavailable` stats were the
+/// tier's own counters, so keys the cache answered but the prefetch could
+/// not fetch in time counted as late. They now count the cache's misses
+/// only, as `filled` and `absent` do.
+#[test]
+fn a_prefetch_counts_only_the_caches_misses_late() {
+    use std::time::{Duration, Instant};
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
+    let (mut ca, mut cb) = (a.client(), b.client());
+    let seeds = cluster.seed_arg();
+    ca.create_table(backed("pl", &seeds, BackingMode::WriteThrough)).unwrap();
+    let mut slow = backed("pl", &seeds, BackingMode::ReadOnly);
+    slow.backing.as_mut().unwrap().deadline_ms = Some(150);
+    cb.create_table(slow).unwrap();
+    let keys: Vec<u64> = (1..=2000u64).collect();
+    let values: Vec<f32> = keys.iter().flat_map(|&k| [k as f32, 0.5, -1.0, 2.0]).collect();
+    ca.insert_or_assign("pl", &keys, &values, None).unwrap();
+    let start = Instant::now();
+    while backing_stats(&mut cb, "pl").invalidations < 2000 {
+        assert!(start.elapsed() < Duration::from_secs(5), "B did not hear A's writes");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Cold: keys 1..=1000 all missed, now cached.
+    assert!(cb.find("pl", &keys[..1000]).unwrap().found.iter().all(|&f| f));
+    let (_, node_of) = owners(&cluster, "pl");
+    let paused = 2;
+    // Misses: 40 keys the answering masters hold, 8 the paused one holds.
+    let answering: Vec<u64> = keys[1000..].iter().copied().filter(|&k| node_of(k) != paused).take(40).collect();
+    let stuck: Vec<u64> = keys[1000..].iter().copied().filter(|&k| node_of(k) == paused).take(8).collect();
+    let hits_on_paused = keys[..1000].iter().filter(|&&k| node_of(k) == paused).count();
+    assert!(hits_on_paused > 100, "{hits_on_paused}");
+    let before = backing_stats(&mut cb, "pl");
+    assert_eq!((before.late, before.unavailable), (0, 0), "{before:?}");
+    cluster.cli(paused, &["client", "pause", "2000", "ALL"]).unwrap();
+    // Prefetched: every key read beside the cache; the hits answer
+    // themselves, the answering misses are filled.
+    let probe: Vec<u64> = keys[..1000].iter().chain(&answering).copied().collect();
+    assert!(cb.find("pl", &probe).unwrap().found.iter().all(|&f| f));
+    let s = backing_stats(&mut cb, "pl");
+    assert_eq!((s.late, s.unavailable), (0, 0), "hits on the paused master are not late: {s:?}");
+    assert_eq!(s.filled, 1040, "{s:?}");
+    // Cold again (keys of the answering masters, all missed); then a
+    // find whose misses are on the paused master: they are late (the
+    // find fails with `timeout`), and only they count.
+    let cold: Vec<u64> =
+        keys[1000..].iter().copied().filter(|&k| node_of(k) != paused).skip(answering.len()).take(100).collect();
+    assert!(cb.find("pl", &cold).unwrap().found.iter().all(|&f| f));
+    let probe: Vec<u64> = keys[..1000].iter().chain(&stuck).copied().collect();
+    assert_eq!(cb.find("pl", &probe).unwrap_err().code(), Some(ErrorCode::Timeout));
+    let s = backing_stats(&mut cb, "pl");
+    assert_eq!((s.late, s.unavailable), (stuck.len() as u64, 0), "{s:?}");
 }
