@@ -336,7 +336,10 @@ impl Config {
             self.checkpoint.chunk_bytes
         );
         if let Some(n) = self.checkpoint.restore_readers {
-            anyhow::ensure!((1..=64).contains(&n), "checkpoint.restore_readers (--restore-readers) must be 1 to 64, not {n}");
+            anyhow::ensure!(
+                (1..=64).contains(&n),
+                "checkpoint.restore_readers (--restore-readers) must be 1 to 64, not {n}"
+            );
         }
         if let Some(n) = self.shards {
             anyhow::ensure!((1..=1024).contains(&n), "shards (--shards) must be 1 to 1024, not {n}");

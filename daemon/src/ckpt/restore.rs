@@ -20,7 +20,9 @@ use crate::router::{Part, Router, Table};
 /// host (16 cores, an NVMe-backed disk) two readers were busy the whole of
 /// a 1 GiB restore, at 0.77 of `dd iflag=direct`.
 fn readers(config: &crate::config::CheckpointConfig) -> usize {
-    config.restore_readers.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get() / 4).clamp(2, 6))
+    config
+        .restore_readers
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get() / 4).clamp(2, 6))
 }
 
 /// Chunk buffers a restore reads ahead into (8 MiB chunks by default: 64
