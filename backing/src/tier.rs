@@ -256,6 +256,32 @@ impl std::fmt::Debug for Backing {
     }
 }
 
+/// Checks that `values` holds `dim` floats per key and `scores` none or
+/// one per key.
+fn check_rows(keys: &[u64], values: &[f32], scores: &[u64], dim: usize) -> Result<(), Error> {
+    if values.len() != keys.len() * dim || !(scores.is_empty() || scores.len() == keys.len()) {
+        return Err(Error::BadOption {
+            name: "rows",
+            detail: format!("{} keys need {} values and 0 or {} scores", keys.len(), keys.len() * dim, keys.len()),
+        });
+    }
+    Ok(())
+}
+
+/// The rows to send for `keys` (checked by [`check_rows`]; a missing score
+/// is 0), set-if-absent when `nx`.
+fn rows<'a>(keys: &[u64], values: &'a [f32], scores: &[u64], dim: usize, nx: bool) -> Vec<Row<'a>> {
+    keys.iter()
+        .enumerate()
+        .map(|(i, &key)| Row {
+            key,
+            score: scores.get(i).copied().unwrap_or(0),
+            values: &values[i * dim..(i + 1) * dim],
+            nx,
+        })
+        .collect()
+}
+
 impl Backing {
     /// Connects to the cluster and opens `table` (rows of `dim` floats):
     /// checks the seeds and options, reads the table's meta hash or writes
@@ -433,27 +459,10 @@ impl Backing {
     /// queue's wait); read-only refuses. `scores` may be empty (score 0).
     pub async fn write(&self, keys: &[u64], values: &[f32], scores: &[u64]) -> Result<(), Error> {
         let dim = self.core.layout.dim();
-        if values.len() != keys.len() * dim || !(scores.is_empty() || scores.len() == keys.len()) {
-            return Err(Error::BadOption {
-                name: "rows",
-                detail: format!("{} keys need {} values and 0 or {} scores", keys.len(), keys.len() * dim, keys.len()),
-            });
-        }
+        check_rows(keys, values, scores, dim)?;
         match self.core.mode {
             Mode::ReadOnly => Err(Error::ReadOnly { table: self.core.layout.table().into() }),
-            Mode::WriteThrough => {
-                let rows: Vec<Row> = keys
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &key)| Row {
-                        key,
-                        score: scores.get(i).copied().unwrap_or(0),
-                        values: &values[i * dim..(i + 1) * dim],
-                        nx: false,
-                    })
-                    .collect();
-                self.send_now(&rows).await
-            }
+            Mode::WriteThrough => self.send_now(&rows(keys, values, scores, dim, false)).await,
             Mode::WriteBack => self.enqueue(keys, values, scores, dim, false).await,
         }
     }
@@ -474,12 +483,7 @@ impl Backing {
     /// [`Backing::take_conflicts`]. Read-only refuses.
     pub async fn insert_absent(&self, keys: &[u64], values: &[f32], scores: &[u64]) -> Result<ReadOut, Error> {
         let dim = self.core.layout.dim();
-        if values.len() != keys.len() * dim || !(scores.is_empty() || scores.len() == keys.len()) {
-            return Err(Error::BadOption {
-                name: "rows",
-                detail: format!("{} keys need {} values and 0 or {} scores", keys.len(), keys.len() * dim, keys.len()),
-            });
-        }
+        check_rows(keys, values, scores, dim)?;
         let mut out = ReadOut {
             fetched: vec![Fetched::Absent; keys.len()],
             values: Vec::new(),
@@ -495,17 +499,7 @@ impl Backing {
             }
             Mode::WriteThrough => {}
         }
-        let rows: Vec<Row> = keys
-            .iter()
-            .enumerate()
-            .map(|(i, &key)| Row {
-                key,
-                score: scores.get(i).copied().unwrap_or(0),
-                values: &values[i * dim..(i + 1) * dim],
-                nx: true,
-            })
-            .collect();
-        let Sent { kept, mut errors, .. } = self.core.send(&rows).await;
+        let Sent { kept, mut errors, .. } = self.core.send(&rows(keys, values, scores, dim, true)).await;
         if !errors.is_empty() {
             return Err(errors.swap_remove(0));
         }

@@ -12,6 +12,28 @@ fn backed(name: &str, seeds: &str, mode: BackingMode) -> TableSpec {
     TableSpec { backing: Some(BackingSpec::from_list(seeds, mode)), ..TableSpec::new(name, 4, 4096) }
 }
 
+/// Two daemons on `cluster`: A's table `name` written through, B's read
+/// only with a 150 ms fetch deadline; A has written keys 1..=n (rows
+/// `[k, 0.5, -1, 2]`). Returns the daemons (kept alive by the caller),
+/// their clients, the keys and the values.
+fn writer_and_slow_reader(
+    cluster: &TestCluster,
+    name: &str,
+    n: u64,
+) -> (Daemon, Daemon, hkv_client::Client, hkv_client::Client, Vec<u64>, Vec<f32>) {
+    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
+    let (mut ca, mut cb) = (a.client(), b.client());
+    let seeds = cluster.seed_arg();
+    ca.create_table(backed(name, &seeds, BackingMode::WriteThrough)).unwrap();
+    let mut slow = backed(name, &seeds, BackingMode::ReadOnly);
+    slow.backing.as_mut().unwrap().deadline_ms = Some(150);
+    cb.create_table(slow).unwrap();
+    let keys: Vec<u64> = (1..=n).collect();
+    let values: Vec<f32> = keys.iter().flat_map(|&k| [k as f32, 0.5, -1.0, 2.0]).collect();
+    ca.insert_or_assign(name, &keys, &values, None).unwrap();
+    (a, b, ca, cb, keys, values)
+}
+
 #[test]
 fn create_table_opens_the_cluster_or_says_why_not() {
     let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
@@ -315,16 +337,7 @@ fn answers_say_where_each_key_came_from() {
     use hkv_client::proto::{flags, origin};
     use hkv_client::{Request, Response};
     let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
-    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
-    let (mut ca, mut cb) = (a.client(), b.client());
-    let seeds = cluster.seed_arg();
-    ca.create_table(backed("o", &seeds, BackingMode::WriteThrough)).unwrap();
-    let mut slow = backed("o", &seeds, BackingMode::ReadOnly);
-    slow.backing.as_mut().unwrap().deadline_ms = Some(150);
-    cb.create_table(slow).unwrap();
-    let keys: Vec<u64> = (1..=3000u64).collect();
-    let values: Vec<f32> = keys.iter().flat_map(|&k| [k as f32, 0.5, -1.0, 2.0]).collect();
-    ca.insert_or_assign("o", &keys, &values, None).unwrap();
+    let (_a, _b, _ca, mut cb, _keys, values) = writer_and_slow_reader(&cluster, "o", 3000);
 
     let f = cb.find_with_origins("o", &[1, 2, 900_000]).unwrap();
     assert_eq!(f.origins, Some(vec![origin::FILLED, origin::FILLED, origin::ABSENT]));
@@ -1130,16 +1143,7 @@ fn a_queued_find_or_insert_never_overwrites_another_hosts_row() {
 fn a_prefetch_counts_only_the_caches_misses_late() {
     use std::time::{Duration, Instant};
     let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
-    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
-    let (mut ca, mut cb) = (a.client(), b.client());
-    let seeds = cluster.seed_arg();
-    ca.create_table(backed("pl", &seeds, BackingMode::WriteThrough)).unwrap();
-    let mut slow = backed("pl", &seeds, BackingMode::ReadOnly);
-    slow.backing.as_mut().unwrap().deadline_ms = Some(150);
-    cb.create_table(slow).unwrap();
-    let keys: Vec<u64> = (1..=2000u64).collect();
-    let values: Vec<f32> = keys.iter().flat_map(|&k| [k as f32, 0.5, -1.0, 2.0]).collect();
-    ca.insert_or_assign("pl", &keys, &values, None).unwrap();
+    let (_a, _b, _ca, mut cb, keys, _values) = writer_and_slow_reader(&cluster, "pl", 2000);
     let start = Instant::now();
     while backing_stats(&mut cb, "pl").invalidations < 2000 {
         assert!(start.elapsed() < Duration::from_secs(5), "B did not hear A's writes");

@@ -64,6 +64,37 @@ fn bare_context(ordinal: usize) -> Result<Arc<cudarc::driver::CudaContext>> {
     Ok(c)
 }
 
+/// `cuIpcOpenMemHandle` of `handle` in the bound context, with lazy peer
+/// access: the mapped address, or the driver's result.
+///
+/// # Safety
+/// A context is bound to this thread; the caller closes the mapping once.
+unsafe fn open_mem_handle(handle: &[u8; HANDLE_LEN]) -> std::result::Result<sys::CUdeviceptr, sys::CUresult> {
+    let h = sys::CUipcMemHandle { reserved: handle.map(|b| b as std::ffi::c_char) };
+    let mut ptr: sys::CUdeviceptr = 0;
+    let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
+    // SAFETY: writes one device pointer; the driver reads the bytes (a bad
+    // handle is an error result, or worse: see `check_handle`).
+    match unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, h, flags) } {
+        sys::CUresult::CUDA_SUCCESS => Ok(ptr),
+        r => Err(r),
+    }
+}
+
+/// Checks that the allocation mapped at `ptr` (in the bound context) holds
+/// `len` bytes from there.
+fn check_holds(ptr: sys::CUdeviceptr, len: u64) -> Result<()> {
+    let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+    // SAFETY: writes a base address and a size about an address mapped
+    // while the caller holds it.
+    check(unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }, "cuMemGetAddressRange")?;
+    let avail = (base + size as u64).saturating_sub(ptr);
+    if ptr < base || len > avail {
+        return Err(Error::Config(format!("{len} bytes asked for, the allocation holds {avail}")));
+    }
+    Ok(())
+}
+
 /// Why [`check_handle`] refused a handle.
 #[derive(Debug)]
 pub struct Refused {
@@ -98,22 +129,9 @@ pub fn check_handle(ordinal: usize, handle: &[u8; HANDLE_LEN], len: Option<u64>)
         // SAFETY: the event just opened, destroyed once.
         return check(unsafe { sys::cuEventDestroy_v2(ev) }, "cuEventDestroy").map_err(|e| refused(e.to_string()));
     };
-    let h = sys::CUipcMemHandle { reserved: handle.map(|b| b as std::ffi::c_char) };
-    let mut ptr: sys::CUdeviceptr = 0;
-    let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
-    // SAFETY: writes one device pointer; the driver reads the bytes.
-    check(unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, h, flags) }, "cuIpcOpenMemHandle")
-        .map_err(|e| refused(e.to_string()))?;
-    let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
-    // SAFETY: writes a base address and a size about the address just mapped.
-    let mut verdict = check(unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }, "cuMemGetAddressRange")
-        .map_err(|e| refused(e.to_string()));
-    if verdict.is_ok() {
-        let avail = (base + size as u64).saturating_sub(ptr);
-        if ptr < base || len > avail {
-            verdict = Err(refused(format!("{len} bytes asked for, the allocation holds {avail}")));
-        }
-    }
+    // SAFETY: the bare context is bound above; closed once below.
+    let ptr = unsafe { open_mem_handle(handle) }.map_err(|r| refused(format!("cuIpcOpenMemHandle failed ({r:?})")))?;
+    let mut verdict = check_holds(ptr, len).map_err(|e| refused(e.to_string()));
     if verdict.is_ok() {
         verdict = read_through(ptr, len).map_err(|e| Refused {
             why: format!("reading the {len} bytes through the handle failed ({e}): it maps no memory of that size"),
@@ -231,20 +249,19 @@ impl IpcMem {
             Some(m) => m,
             None => {
                 dev.ctx.bind_to_thread().map_err(dev_err("binding the device's context"))?;
-                let h = sys::CUipcMemHandle { reserved: handle.map(|b| b as std::ffi::c_char) };
-                let mut ptr: sys::CUdeviceptr = 0;
-                let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
-                // SAFETY: writes one device pointer; the handle is plain bytes
-                // the driver validates (a bad one is an error result); no other
-                // open or close of this process runs meanwhile (`OPEN` held).
-                let r = unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, h, flags) };
-                if r != sys::CUresult::CUDA_SUCCESS {
-                    return Err(Error::Device(format!(
-                        "the IPC handle does not open ({r:?}): it must come from cuIpcGetMemHandle of a live \
+                // SAFETY: the device's context is bound above; no other open
+                // or close of this process runs meanwhile (`OPEN` held); the
+                // mapping is closed once, by the last holder of its `Opened`.
+                let ptr = match unsafe { open_mem_handle(handle) } {
+                    Ok(p) => p,
+                    Err(r) => {
+                        return Err(Error::Device(format!(
+                            "the IPC handle does not open ({r:?}): it must come from cuIpcGetMemHandle of a live \
                          allocation made with cudaMalloc / cuMemAlloc by another process on this host (memory from \
                          cuMemCreate, freed memory and the daemon's own cannot be opened)"
-                    )));
-                }
+                        )))
+                    }
+                };
                 match live.iter().find(|o| same(o, Some(ptr))) {
                     // Another handle of an allocation already open: share
                     // that mapping; this open's reference is left open.
@@ -266,15 +283,8 @@ impl IpcMem {
         drop(open);
         drop(live);
         let mem = IpcMem { map, len };
-        let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
         mem.map.dev.ctx.bind_to_thread().map_err(dev_err("binding the device's context"))?;
-        // SAFETY: writes a base address and a size about an address that is
-        // mapped while `mem` holds it.
-        check(unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, mem.map.ptr) }, "cuMemGetAddressRange")?;
-        let avail = (base + size as u64).saturating_sub(mem.map.ptr);
-        if len > avail {
-            return Err(Error::Config(format!("{len} bytes asked for, the allocation holds {avail}")));
-        }
+        check_holds(mem.map.ptr, len)?;
         Ok(mem)
     }
 
