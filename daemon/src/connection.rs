@@ -210,27 +210,34 @@ pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
 type Out = Arc<tokio::sync::Mutex<BufWriter<OwnedWriteHalf>>>;
 
 /// Writes one answer into `w` (unflushed): its frame goes back for reuse,
-/// its bytes in flight are given back, its stamps kept in `timed` until
-/// the flush.
+/// its bytes in flight are given back, its stamps (with when its write
+/// began) kept in `timed` until the flush.
 async fn put(
     state: &State,
     w: &mut BufWriter<OwnedWriteHalf>,
     f: Answer,
-    timed: &mut Vec<Stamps>,
+    timed: &mut Vec<(Stamps, Instant)>,
 ) -> std::io::Result<()> {
+    let writing = Instant::now();
     w.write_all(f.0.bytes()).await?;
     state.router.frames.put(f.0);
     drop(f.1);
-    timed.extend(f.2);
+    timed.extend(f.2.map(|s| (s, writing)));
     Ok(())
 }
 
-/// Flushes `w`, then records the flushed answers' times (`stats.path`).
-async fn flush(state: &State, w: &mut BufWriter<OwnedWriteHalf>, timed: &mut Vec<Stamps>) -> std::io::Result<()> {
+/// Flushes `w`, then records the flushed answers' times (`stats.path`;
+/// `queued`: they went through the writer task).
+async fn flush(
+    state: &State,
+    w: &mut BufWriter<OwnedWriteHalf>,
+    timed: &mut Vec<(Stamps, Instant)>,
+    queued: bool,
+) -> std::io::Result<()> {
     w.flush().await?;
     let written = Instant::now();
-    for s in timed.drain(..) {
-        state.stats.path.request(&s, written);
+    for (s, writing) in timed.drain(..) {
+        state.stats.path.request(&s, writing, written, queued);
     }
     Ok(())
 }
@@ -239,10 +246,11 @@ async fn flush(state: &State, w: &mut BufWriter<OwnedWriteHalf>, timed: &mut Vec
 /// allocate for one request).
 async fn write_now(state: &State, w: &mut BufWriter<OwnedWriteHalf>, f: Answer) -> std::io::Result<()> {
     let (frame, charge, stamps) = f;
+    let writing = Instant::now();
     put(state, w, (frame, charge, None), &mut Vec::new()).await?;
-    flush(state, w, &mut Vec::new()).await?;
+    flush(state, w, &mut Vec::new(), false).await?;
     if let Some(s) = stamps {
-        state.stats.path.request(&s, Instant::now());
+        state.stats.path.request(&s, writing, Instant::now(), false);
     }
     Ok(())
 }
@@ -250,7 +258,7 @@ async fn write_now(state: &State, w: &mut BufWriter<OwnedWriteHalf>, f: Answer) 
 /// Writes the answers queued for it as they come: everything queued, then
 /// a flush when nothing else is, so answers never linger.
 async fn write_answers(state: Arc<State>, out: Out, mut rx: mpsc::Receiver<Answer>) {
-    let mut timed: Vec<Stamps> = Vec::new();
+    let mut timed: Vec<(Stamps, Instant)> = Vec::new();
     while let Some(mut f) = rx.recv().await {
         let mut w = out.lock().await;
         loop {
@@ -262,7 +270,7 @@ async fn write_answers(state: Arc<State>, out: Out, mut rx: mpsc::Receiver<Answe
                 Err(_) => break,
             }
         }
-        if flush(&state, &mut w, &mut timed).await.is_err() {
+        if flush(&state, &mut w, &mut timed, true).await.is_err() {
             return;
         }
     }

@@ -15,6 +15,10 @@ pub struct PathTimes {
     spawn: AtomicU64,
     handle: AtomicU64,
     write: AtomicU64,
+    queue: AtomicU64,
+    queued: AtomicU64,
+    event_waits: AtomicU64,
+    event_wait: AtomicU64,
     total: AtomicU64,
     calls: AtomicU64,
     mailbox: AtomicU64,
@@ -48,13 +52,22 @@ fn ns(from: Instant, to: Instant) -> u64 {
 }
 
 impl PathTimes {
-    /// A request whose answer was written and flushed at `written`.
-    pub fn request(&self, s: &Stamps, written: Instant) {
+    /// A request whose answer began to be written at `writing` and was
+    /// flushed at `written`; `queued`: it went through the writer task.
+    pub fn request(&self, s: &Stamps, writing: Instant, written: Instant, queued: bool) {
         self.requests.fetch_add(1, Relaxed);
         self.spawn.fetch_add(ns(s.read, s.began), Relaxed);
         self.handle.fetch_add(ns(s.began, s.answered), Relaxed);
         self.write.fetch_add(ns(s.answered, written), Relaxed);
+        self.queue.fetch_add(ns(s.answered, writing), Relaxed);
+        self.queued.fetch_add(queued as u64, Relaxed);
         self.total.fetch_add(ns(s.read, written), Relaxed);
+    }
+
+    /// A wait for a client's CUDA event, from `from` until now.
+    pub fn event_wait(&self, from: Instant) {
+        self.event_waits.fetch_add(1, Relaxed);
+        self.event_wait.fetch_add(ns(from, Instant::now()), Relaxed);
     }
 
     /// A shard call sent at `sent`, run as `ran`, its caller running again at `back`.
@@ -72,6 +85,10 @@ impl PathTimes {
             spawn_ns: self.spawn.load(Relaxed),
             handle_ns: self.handle.load(Relaxed),
             write_ns: self.write.load(Relaxed),
+            queue_ns: self.queue.load(Relaxed),
+            queued: self.queued.load(Relaxed),
+            event_waits: self.event_waits.load(Relaxed),
+            event_wait_ns: self.event_wait.load(Relaxed),
             total_ns: self.total.load(Relaxed),
             shard_calls: self.calls.load(Relaxed),
             mailbox_ns: self.mailbox.load(Relaxed),

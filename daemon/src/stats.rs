@@ -159,9 +159,30 @@ pub fn prometheus(d: &DaemonStats) -> String {
     family(&mut o, "requests_timed_total", "counter", "Requests whose stages stats.path sums.");
     let _ = writeln!(o, "hkvd_requests_timed_total {}", p.requests);
     family(&mut o, "request_stage_seconds_total", "counter", "Seconds requests spent in each stage (stats.path).");
-    for (stage, ns) in [("spawn", p.spawn_ns), ("handle", p.handle_ns), ("write", p.write_ns), ("total", p.total_ns)] {
+    for (stage, ns) in [
+        ("spawn", p.spawn_ns),
+        ("handle", p.handle_ns),
+        ("write", p.write_ns),
+        ("queue", p.queue_ns),
+        ("event_wait", p.event_wait_ns),
+        ("total", p.total_ns),
+    ] {
         let _ = writeln!(o, "hkvd_request_stage_seconds_total{{stage=\"{stage}\"}} {}", ns as f64 / 1e9);
     }
+    family(
+        &mut o,
+        "answers_queued_total",
+        "counter",
+        "Answers that waited for the connection's writer (stats.path queued).",
+    );
+    let _ = writeln!(o, "hkvd_answers_queued_total {}", p.queued);
+    family(
+        &mut o,
+        "event_waits_total",
+        "counter",
+        "Waits for clients' CUDA events not complete on arrival (stats.path).",
+    );
+    let _ = writeln!(o, "hkvd_event_waits_total {}", p.event_waits);
     family(&mut o, "shard_calls_timed_total", "counter", "Shard calls whose stages stats.path sums.");
     let _ = writeln!(o, "hkvd_shard_calls_timed_total {}", p.shard_calls);
     family(

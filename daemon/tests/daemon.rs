@@ -893,9 +893,15 @@ fn stats_path_times_requests_and_shard_calls() {
     assert!(p.shard_calls >= before.shard_calls + 80, "{before:?} -> {p:?}");
     assert!(p.total_ns >= p.spawn_ns + p.handle_ns + p.write_ns - 1000 * p.requests, "{p:?}");
     assert!(p.shard_ns > 0 && p.handle_ns > 0 && p.mailbox_ns > 0, "{p:?}");
+    // The queued part of a write is part of it; one request at a time
+    // never finds another answer being written, nor waits for an event.
+    assert!(p.queue_ns <= p.write_ns && p.queued <= p.requests, "{p:?}");
+    assert_eq!((p.event_waits, p.event_wait_ns), (0, 0), "{p:?}");
     let m = c.metrics().unwrap();
     assert!(m.contains("hkvd_request_stage_seconds_total{stage=\"handle\"}"), "{m}");
     assert!(m.contains("hkvd_shard_call_stage_seconds_total{stage=\"wake\"}"), "{m}");
+    assert!(m.contains("hkvd_request_stage_seconds_total{stage=\"queue\"}"), "{m}");
+    assert!(m.contains("hkvd_answers_queued_total"), "{m}");
 }
 
 /// Without `--socket`, `hkvd serve` binds `$HKVD_SOCKET`, the path hkvctl

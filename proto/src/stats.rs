@@ -55,7 +55,11 @@ pub struct Stats {
 /// Each shard call inside `handle`: `mailbox` (sent, to its actor thread
 /// starting it), `shard` (the operation on the shard, kernels and their
 /// synchronisation included), `wake` (the operation done, to the request's
-/// task running again).
+/// task running again). Inside `write`, `queue` is the part before the
+/// answer's bytes began to go out (waiting for the connection's writer,
+/// for the `queued` answers that another answer's write held up). Inside
+/// `handle`, `event_wait` sums the waits for clients' CUDA wait events
+/// (`event_waits` of them: those not already complete when looked at).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct PathStats {
@@ -67,6 +71,17 @@ pub struct PathStats {
     pub handle_ns: u64,
     /// Sum of their `write` stages.
     pub write_ns: u64,
+    /// Sum of the part of their `write` stages before the answer's bytes
+    /// began to go out.
+    pub queue_ns: u64,
+    /// Answers handed to the connection's writer task (another answer
+    /// was being written when theirs was built).
+    pub queued: u64,
+    /// Waits for a client's CUDA wait event that was not complete when
+    /// its request arrived.
+    pub event_waits: u64,
+    /// Sum of those waits (part of `handle`).
+    pub event_wait_ns: u64,
     /// Sum of their whole times in the daemon.
     pub total_ns: u64,
     /// Shard calls timed.

@@ -4,7 +4,7 @@ hkvd's (optimizer in the table), alternated in one process.
     python3 python/examples/train_bench.py --socket PATH [--device cpu|cuda]
         [--variants native,cuda-ipc,shm,socket] [--optimizer sgd|adagrad|rowwise_adagrad|adam]
         [--fields 26] [--batch 512] [--dim 16] [--vocab 20000] [--zipf 1.05] [--pooling 1]
-        [--steps 60] [--warmup 10] [--rounds 3] [--no-prefetch] [--json]
+        [--steps 60] [--warmup 10] [--rounds 3] [--no-prefetch] [--profile] [--json]
 
 Synthetic click data: ``--fields`` categorical fields, ``--pooling`` ids per
 field and example (1: ``Embedding``; more: ``EmbeddingBag`` with sum
@@ -38,6 +38,15 @@ trained and native's (the ids the batches touched), then ``agree`` when it
 is within ``--tolerance``. ``--json`` prints one JSON document instead.
 Times are host wall-clock with the device synchronized at the end of each
 step.
+
+``--profile`` also prints, per hkvd variant and per timed step, where the
+training thread waited: the milliseconds spent inside ``torch.unique``,
+the region requests' sending (``region.send``/``region.call`` up to the
+send) and answer waits (``region.finish``, the answer part of
+``region.call``), the stream waits on done events, and the patching of
+prefetched rows; and the daemon's own means over the variant's requests
+(``stats.path``: spawn, handle, write and its queued part, CUDA event
+waits, shard calls).
 """
 
 from __future__ import annotations
@@ -57,6 +66,69 @@ import hkvd  # noqa: E402
 import hkvd.torch as ht  # noqa: E402
 
 TRANSPORTS = ("cuda-ipc", "shm", "socket")
+
+
+class Profile:
+    """Wall time (and calls) the training thread spent in a few library
+    functions, by name; wraps them while enabled."""
+
+    def __init__(self):
+        self.t, self.n = {}, {}
+        self._undo = []
+
+    def wrap(self, owner, attr, name):
+        f = getattr(owner, attr)
+
+        def timed(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return f(*args, **kw)
+            finally:
+                self.t[name] = self.t.get(name, 0.0) + time.perf_counter() - t0
+                self.n[name] = self.n.get(name, 0) + 1
+
+        setattr(owner, attr, timed)
+        self._undo.append((owner, attr, f))
+
+    def enable(self):
+        from hkvd import cuda as hcuda
+        from hkvd import region as hregion
+
+        self.wrap(torch, "unique", "torch.unique")
+        self.wrap(hregion, "send", "region.send")
+        self.wrap(hregion, "finish", "region.finish")
+        self.wrap(hregion, "call", "region.call")
+        self.wrap(hcuda.CudaEvent, "wait", "event.wait")
+        self.wrap(hcuda.CudaEvent, "record", "event.record")
+        self.wrap(ht, "_patch", "patch")
+
+    def disable(self):
+        while self._undo:
+            owner, attr, f = self._undo.pop()
+            setattr(owner, attr, f)
+
+    def snapshot(self):
+        return dict(self.t), dict(self.n)
+
+
+def path_means(before, after):
+    """The daemon's stats.path means (µs) over the requests between two stats documents."""
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    r, c, w = max(1, d.get("requests", 0)), max(1, d.get("shard_calls", 0)), max(1, d.get("event_waits", 0))
+    return {
+        "requests": d.get("requests", 0),
+        "spawn_us": d.get("spawn_ns", 0) / r / 1e3,
+        "handle_us": d.get("handle_ns", 0) / r / 1e3,
+        "write_us": d.get("write_ns", 0) / r / 1e3,
+        "queue_us": d.get("queue_ns", 0) / r / 1e3,
+        "queued": d.get("queued", 0),
+        "event_waits": d.get("event_waits", 0),
+        "event_wait_us": d.get("event_wait_ns", 0) / w / 1e3,
+        "shard_calls": d.get("shard_calls", 0),
+        "mailbox_us": d.get("mailbox_ns", 0) / c / 1e3,
+        "shard_us": d.get("shard_ns", 0) / c / 1e3,
+        "wake_us": d.get("wake_ns", 0) / c / 1e3,
+    }
 
 
 def make_batches(count, batch, fields, vocab, pooling, zipf, seed):
@@ -102,8 +174,10 @@ def native_optimizer(name, params, a):
     return torch.optim.SparseAdam(params, lr=a.emb_lr, eps=a.eps)
 
 
-def run(variant, a, c, data, w0, device, round_no):
-    """One variant's training run: per-step times and phases, losses, and the module."""
+def run(variant, a, c, data, w0, device, round_no, prof=None):
+    """One variant's training run: per-step times and phases, losses, and
+    the module; with ``prof``, the profile of the timed steps (library
+    waits and the daemon's path means)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     pooled = a.pooling > 1
     if variant == "native":
@@ -135,9 +209,13 @@ def run(variant, a, c, data, w0, device, round_no):
 
     it = batches if (variant == "native" or not a.prefetch) else ht.Prefetcher(batches, [(emb, flat_ids)])
     steps, phases, losses = [], [], []
+    profiled = None
     sync()
     end = time.perf_counter()
     for step, (ids, y) in enumerate(it):
+        if prof is not None and table and step == a.warmup:
+            prof.enable()
+            path0 = c.stats().get("path", {})
         # A step runs from the end of the previous one: the iterator's
         # work (Prefetcher sending the next lookup) is part of it.
         t0 = time.perf_counter()
@@ -163,6 +241,13 @@ def run(variant, a, c, data, w0, device, round_no):
         if step < a.warmup:
             continue
         steps.append(t3 - start)
+        if prof is not None and table and step == a.steps - 1:
+            prof.disable()
+            t, n = prof.snapshot()
+            profiled = {"waits_ms": {k: t[k] * 1e3 / len(steps) for k in t},
+                        "calls": {k: n[k] / len(steps) for k in n},
+                        "path": path_means(path0, c.stats().get("path", {}))}
+            prof.t, prof.n = {}, {}
         if variant == "native":
             lookup, apply = t1 - t0, t3 - t2
         else:
@@ -170,7 +255,7 @@ def run(variant, a, c, data, w0, device, round_no):
             lookup = emb.timings["lookup"] - before["lookup"] + (t0 - start)
             apply = emb.timings["apply"] - before["apply"]
         phases.append((lookup, t3 - start - lookup - apply, apply))
-    return steps, phases, losses, emb, table
+    return steps, phases, losses, emb, table, profiled
 
 
 def main(argv=None) -> int:
@@ -196,6 +281,7 @@ def main(argv=None) -> int:
     p.add_argument("--tolerance", type=float, default=1e-3, help="rows within this of native's agree")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_false")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--profile", action="store_true", help="where the training thread and the daemon spent a step")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     if a.steps <= a.warmup:
@@ -218,14 +304,15 @@ def main(argv=None) -> int:
     touched = torch.unique(torch.cat([ids.reshape(-1) for ids, _ in data])).to(device)
 
     skipped = {}
-    results = {v: {"rates": [], "phases": [], "losses": None, "rows_diff": None} for v in variants}
+    results = {v: {"rates": [], "phases": [], "losses": None, "rows_diff": None, "profiles": []} for v in variants}
+    prof = Profile() if a.profile else None
     native_rows = None
     for r in range(a.rounds):
         for v in list(variants):
             if v in skipped:
                 continue
             try:
-                steps, phases, losses, emb, table = run(v, a, c, data, w0, device, r)
+                steps, phases, losses, emb, table, profiled = run(v, a, c, data, w0, device, r, prof)
             except (hkvd.CudaIpcUnavailable, hkvd.CudaError, hkvd.HkvdError, ValueError, OSError) as e:
                 skipped[v] = str(e)
                 print(f"train_bench: {v} skipped: {e}", file=sys.stderr)
@@ -233,6 +320,8 @@ def main(argv=None) -> int:
             res = results[v]
             res["rates"].append(len(steps) / sum(steps))
             res["phases"].extend(phases)
+            if profiled is not None:
+                res["profiles"].append(profiled)
             if r == 0:
                 res["losses"] = losses
                 if v == "native":
@@ -273,6 +362,8 @@ def main(argv=None) -> int:
             "rows_max_diff": res["rows_diff"],
             "rows_agree": None if res["rows_diff"] is None else res["rows_diff"] <= a.tolerance,
         }
+        if res["profiles"]:
+            out["variants"][v]["profile"] = res["profiles"][len(res["profiles"]) // 2]
     if a.json:
         print(json.dumps(out))
         return 0
@@ -289,6 +380,18 @@ def main(argv=None) -> int:
               f"{r['apply_ms']:>9.2f}  {rows}")
     for v, r in out["variants"].items():
         print(f"loss {v:<9} " + " ".join(f"{x:.4f}" for x in r["loss_curve"]))
+    for v, r in out["variants"].items():
+        pr = r.get("profile")
+        if not pr:
+            continue
+        waits = "  ".join(f"{k} {ms:.3f} ({pr['calls'][k]:.1f}x)" for k, ms in sorted(pr["waits_ms"].items()))
+        print(f"profile {v} (ms per step, the middle round): {waits}")
+        pm = pr["path"]
+        print(f"profile {v} daemon, mean us over {pm['requests']} requests: spawn {pm['spawn_us']:.1f} "
+              f"handle {pm['handle_us']:.1f} write {pm['write_us']:.1f} (queued {pm['queue_us']:.1f}, "
+              f"{pm['queued']} answers); {pm['event_waits']} event waits, mean {pm['event_wait_us']:.1f}; "
+              f"{pm['shard_calls']} shard calls: mailbox {pm['mailbox_us']:.1f} shard {pm['shard_us']:.1f} "
+              f"wake {pm['wake_us']:.1f}")
     for v, why in skipped.items():
         print(f"skipped {v}: {why}")
     return 0

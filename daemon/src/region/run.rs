@@ -158,6 +158,7 @@ async fn wait_for_event(
         return Ok(());
     }
     let (ev, conn) = (ev.clone(), conn.clone());
+    let from = Instant::now();
     let waited = tokio::task::spawn_blocking(move || -> Result<bool, ProtoError> {
         let start = Instant::now();
         let mut pause = Duration::from_micros(5);
@@ -183,6 +184,7 @@ async fn wait_for_event(
     })
     .await
     .map_err(|e| err(ErrorCode::Internal, format!("a waiting task failed: {e}")))??;
+    state.stats.path.event_wait(from);
     if waited {
         return Ok(());
     }

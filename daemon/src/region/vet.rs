@@ -19,7 +19,8 @@
 //! a tenth of a second to create); it exits by itself after
 //! [`CHECKER_IDLE`] without work, and the daemon starts a new one for the
 //! next registration after [`REUSE_WITHIN`], so an idle exit never meets a
-//! request. One check runs at a time.
+//! request. One check runs at a time. The thread that reads a checker's
+//! answers reaps it when it exits, so an idle exit leaves no zombie.
 //!
 //! The protocol on the checker's stdin and stdout is one line each way:
 //! `mem ORDINAL LEN HEX` or `event ORDINAL HEX` (HEX: the 64 handle bytes),
@@ -30,6 +31,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::os::unix::process::CommandExt;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hkv_shard::cuda::ipc::{self, HANDLE_LEN};
@@ -131,10 +133,10 @@ pub fn serve_checks() -> std::io::Result<()> {
     }
 }
 
-/// A running checker: its stdin, its answers (read by a thread) and when
-/// it last answered.
+/// A running checker: its stdin, its answers (read by a thread, which
+/// reaps the process once its stdout closes) and when it last answered.
 struct Checker {
-    child: Child,
+    child: Arc<parking_lot::Mutex<Child>>,
     stdin: ChildStdin,
     answers: Receiver<String>,
     used: Instant,
@@ -156,23 +158,37 @@ impl Checker {
         let stdin = child.stdin.take().expect("piped");
         let stdout = child.stdout.take().expect("piped");
         let (tx, answers) = mpsc::channel();
-        std::thread::Builder::new()
-            .name("ipc-checker".into())
-            .spawn(move || {
-                for line in BufReader::new(stdout).lines() {
-                    let Ok(line) = line else { break };
-                    if tx.send(line).is_err() {
-                        break;
-                    }
-                }
-            })
-            .map_err(|e| format!("cannot start a thread ({e})"))?;
+        let child = Arc::new(parking_lot::Mutex::new(child));
+        let reaped = child.clone();
+        let reader = std::thread::Builder::new().name("ipc-checker".into()).spawn(move || {
+            let mut out = BufReader::new(stdout);
+            let mut line = String::new();
+            // Until end of file: the checker exited (or was killed).
+            while matches!(out.read_line(&mut line), Ok(n) if n > 0) {
+                let _ = tx.send(line.trim_end().to_string());
+                line.clear();
+            }
+            // Reaped here, whoever ended it; the status stays in `Child`.
+            let _ = reaped.lock().wait();
+        });
+        if let Err(e) = reader {
+            let mut c = child.lock();
+            let _ = c.kill();
+            let _ = c.wait();
+            return Err(format!("cannot start a thread ({e})"));
+        }
         Ok(Checker { child, stdin, answers, used: Instant::now() })
     }
 
-    fn end(mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+    /// Whether the process is still running.
+    fn running(&self) -> bool {
+        matches!(self.child.lock().try_wait(), Ok(None))
+    }
+
+    /// Ends the process (its reader thread reaps it; a process already
+    /// reaped is not signalled).
+    fn end(self) {
+        let _ = self.child.lock().kill();
     }
 }
 
@@ -182,7 +198,7 @@ static CHECKER: parking_lot::Mutex<Option<Checker>> = parking_lot::Mutex::new(No
 /// refused. Blocking (up to [`CHECK_DEADLINE`]): call it off the executor.
 pub(crate) fn check(h: &Handle) -> Result<(), String> {
     let mut slot = CHECKER.lock();
-    if let Some(c) = slot.take_if(|c| c.used.elapsed() > REUSE_WITHIN || !matches!(c.child.try_wait(), Ok(None))) {
+    if let Some(c) = slot.take_if(|c| c.used.elapsed() > REUSE_WITHIN || !c.running()) {
         c.end();
     }
     if slot.is_none() {
@@ -215,8 +231,9 @@ pub(crate) fn check(h: &Handle) -> Result<(), String> {
             ))
         }
         Err(RecvTimeoutError::Disconnected) => {
-            let mut c = slot.take().expect("present");
-            let status = c.child.wait().map(|s| s.to_string()).unwrap_or_else(|e| e.to_string());
+            // The reader reaped it before its channel closed.
+            let c = slot.take().expect("present");
+            let status = c.child.lock().wait().map(|s| s.to_string()).unwrap_or_else(|e| e.to_string());
             tracing::warn!(%status, "an IPC handle killed the process that checks handles; refused");
             Err(format!(
                 "opening it killed the process that checks handles before the daemon opens them ({status}); the \

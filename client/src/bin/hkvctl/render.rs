@@ -84,12 +84,18 @@ fn path_line(p: &PathStats) -> String {
     let us = |ns: u64, n: u64| ns as f64 / n.max(1) as f64 / 1e3;
     let r = p.requests;
     let mut line = format!(
-        "request path, mean us over {r} requests: spawn {:.1}  handle {:.1}  write {:.1}  total {:.1}",
+        "request path, mean us over {r} requests: spawn {:.1}  handle {:.1}  write {:.1} (queued {:.1}, {} answers)  \
+         total {:.1}",
         us(p.spawn_ns, r),
         us(p.handle_ns, r),
         us(p.write_ns, r),
+        us(p.queue_ns, r),
+        p.queued,
         us(p.total_ns, r)
     );
+    if p.event_waits > 0 {
+        line += &format!("; {} CUDA event waits: mean {:.1}", p.event_waits, us(p.event_wait_ns, p.event_waits));
+    }
     if p.shard_calls > 0 {
         let c = p.shard_calls;
         line += &format!(
@@ -115,6 +121,10 @@ mod tests {
             spawn_ns: 8_000,
             handle_ns: 400_000,
             write_ns: 20_000,
+            queue_ns: 4_000,
+            queued: 1,
+            event_waits: 2,
+            event_wait_ns: 50_000,
             total_ns: 428_000,
             shard_calls: 2,
             mailbox_ns: 10_000,
@@ -122,7 +132,11 @@ mod tests {
             wake_ns: 6_000,
         };
         let t = stats_table(&s);
-        assert!(t.contains("over 4 requests: spawn 2.0  handle 100.0  write 5.0  total 107.0"), "{t}");
+        assert!(
+            t.contains("over 4 requests: spawn 2.0  handle 100.0  write 5.0 (queued 1.0, 1 answers)  total 107.0"),
+            "{t}"
+        );
+        assert!(t.contains("2 CUDA event waits: mean 25.0"), "{t}");
         assert!(t.contains("over 2 shard calls: mailbox 5.0  shard 150.0  wake 3.0"), "{t}");
     }
 }
