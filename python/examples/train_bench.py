@@ -44,7 +44,10 @@ training thread waited: the milliseconds spent inside ``torch.unique``,
 the region requests' sending (``region.send``/``region.call`` up to the
 send) and answer waits (``region.finish``, the answer part of
 ``region.call``), the stream waits on done events, and the patching of
-prefetched rows; and the daemon's own means over the variant's requests
+prefetched rows; nested in those: ``region.frame`` (checking the arrays and
+recording the wait event), ``client.call`` (a request's socket round trip),
+``apply.chunk`` (one apply_gradients request, copies included) and
+``lookup.recv`` (a prefetched lookup's answer and copy); and the daemon's own means over the variant's requests
 (``stats.path``: spawn, handle, write and its queued part, CUDA event
 waits, shard calls).
 """
@@ -101,6 +104,10 @@ class Profile:
         self.wrap(hcuda.CudaEvent, "wait", "event.wait")
         self.wrap(hcuda.CudaEvent, "record", "event.record")
         self.wrap(ht, "_patch", "patch")
+        self.wrap(hregion, "_frame", "region.frame")
+        self.wrap(hkvd.Client, "_call", "client.call")
+        self.wrap(ht.EmbeddingCache, "_step_chunk", "apply.chunk")
+        self.wrap(ht.EmbeddingCache, "_recv", "lookup.recv")
 
     def disable(self):
         while self._undo:

@@ -551,12 +551,18 @@ class _Sparse(torch.nn.Module):
 def _patch(rows: torch.Tensor, uniq: torch.Tensor, upd: torch.Tensor, found: torch.Tensor,
            values: torch.Tensor):
     """rows[i] = values[j] where uniq[i] == upd[j] and found[j] (both
-    sorted); returns how many rows were patched (a tensor: no sync)."""
+    sorted); returns how many rows were patched (a tensor). On a GPU
+    nothing here waits for the device (no boolean indexing, whose size the
+    host would have to read: a select of every row instead); on the CPU
+    the indexing is the cheaper."""
     if upd.numel() == 0 or uniq.numel() == 0:
         return 0
     j = torch.searchsorted(upd, uniq).clamp_(max=upd.numel() - 1)
     hit = (upd[j] == uniq) & found[j]
-    rows[hit] = values[j[hit]]
+    if rows.is_cuda:
+        rows.copy_(torch.where(hit.unsqueeze(1), values[j], rows))
+    else:
+        rows[hit] = values[j[hit]]
     return hit.sum()
 
 
