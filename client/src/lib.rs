@@ -510,6 +510,20 @@ impl Client {
         }
     }
 
+    /// Sends a find of `keys` without waiting for its answer (to keep
+    /// several requests in flight on one connection); returns its id.
+    /// [`Client::recv_found`] reads the answers, in the order they come.
+    pub fn send_find(&mut self, table: &str, keys: &[u64]) -> Result<u64> {
+        self.send(&Request::Find { table: table.into(), keys: keys.to_vec(), scores: false })
+    }
+
+    /// The next answer on the connection as a find's: `(request id, Found)`
+    /// (a daemon error is `Err`). Goes with [`Client::send_find`].
+    pub fn recv_found(&mut self) -> Result<(u64, Found)> {
+        let (id, r) = self.recv()?;
+        Ok((id, Found::from_response("find", ok(r)?)?))
+    }
+
     fn find_inner(&mut self, table: &str, keys: &[u64], scores: bool) -> Result<Found> {
         Found::from_response("find", self.call(&Request::Find { table: table.into(), keys: keys.to_vec(), scores })?)
     }

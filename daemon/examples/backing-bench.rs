@@ -24,8 +24,11 @@
 //! cargo build --release -p hkvd
 //! cargo run --release -p hkvd --example backing-bench -- [KEYS] [BATCH] [ROUNDS] [WARM_CAPACITY] [WRITES_PER_S]
 //! ```
-//! Defaults 200000 8192 5 49152 10000; dim 32. `HKV_BENCH_ONLY=cold,warm,wb,stale`
-//! runs some of the four. `HKVD_BIN` names the
+//! Defaults 200000 8192 5 49152 10000; dim 32. `HKV_BENCH_ONLY=cold,cold2,warm,warm2,wb,stale`
+//! runs some of them (`cold2`, `warm2`: the cold and warm streams with two
+//! requests in flight on both sides, hkvd's through `send_find` /
+//! `recv_found`, the plain client's as two batches of `MGET`s at once;
+//! `warm2` needs `warm`). `HKVD_BIN` names the
 //! daemon binary (default: `hkvd` beside the example's directory);
 //! `HKV_BENCH_DAEMON_ARGS` adds options to its `hkvd serve` (e.g.
 //! `--no-mrc`).
@@ -34,6 +37,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use hkv_backing::layout::Layout;
 use hkv_backing::testkit::{PlainClient, TestCluster};
 use hkv_backing::{Backing, Mode, Options};
 use hkv_client::{BackingMode, BackingSpec, Client, TableSpec};
@@ -96,6 +100,32 @@ impl Drop for Daemon {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// Finds of `chunks` on `table` with `depth` requests in flight on the
+/// connection (each answer must find every key).
+fn hkvd_finds(c: &mut Client, table: &str, chunks: std::slice::Chunks<'_, u64>, depth: usize) {
+    let mut in_flight = 0;
+    for ch in chunks {
+        if in_flight == depth {
+            assert!(c.recv_found().expect("find").1.found.iter().all(|x| *x));
+            in_flight -= 1;
+        }
+        c.send_find(table, ch).expect("send a find");
+        in_flight += 1;
+    }
+    for _ in 0..in_flight {
+        assert!(c.recv_found().expect("find").1.found.iter().all(|x| *x));
+    }
+}
+
+/// The plain client's `MGET`s of `chunks` with `depth` batches in flight.
+async fn plain_gets(plain: &PlainClient, layout: &Layout, chunks: std::slice::Chunks<'_, u64>, depth: usize) {
+    use futures::StreamExt;
+    let mut s = futures::stream::iter(chunks).map(|c| plain.run(PlainClient::mget(layout, c))).buffered(depth);
+    while let Some(v) = s.next().await {
+        assert!(!v.is_empty());
     }
 }
 
@@ -178,6 +208,28 @@ fn main() {
         });
     }
 
+    // Cold with two requests in flight on both sides.
+    let (mut p2, mut h2) = (vec![], vec![]);
+    for _ in 0..if want("cold2") { rounds } else { 0 } {
+        let t = Instant::now();
+        rt.block_on(plain_gets(&plain, &cold, keys.chunks(batch), 2));
+        p2.push(n as f64 / t.elapsed().as_secs_f64());
+        remake(&mut ca, spec("cold", 2 * n as u64, &seeds, BackingMode::ReadOnly));
+        let t = Instant::now();
+        hkvd_finds(&mut ca, "cold", keys.chunks(batch), 2);
+        h2.push(n as f64 / t.elapsed().as_secs_f64());
+    }
+    if want("cold2") {
+        rows.push(Row {
+            what: "cold, 2 requests in flight on both sides",
+            plain: median(p2.clone()),
+            hkvd: median(h2.clone()),
+            ratio: median(h2.iter().zip(&p2).map(|(h, p)| h / p).collect()),
+            bar: ">= 0.80",
+            note: String::new(),
+        });
+    }
+
     // Warm: a Zipf stream over the same keys (rank 1 the hottest); the
     // cache holds fewer rows than the keys.
     if want("warm") {
@@ -227,7 +279,7 @@ fn main() {
         let ratio = median(h.iter().zip(&p).map(|(h, p)| h / p).collect());
         rows.push(Row {
             what: "warm (Zipf 1.05, find)",
-            plain: median(p),
+            plain: pm,
             hkvd: median(h),
             ratio,
             bar: ">= 5",
@@ -242,6 +294,30 @@ fn main() {
             bar: "",
             note: "every key cached: the ceiling of a find here".into(),
         });
+        // Both clients with two requests in flight: one request's misses
+        // are fetched while the other's hits are answered (the plain
+        // client's two batches go to the cluster at once).
+        let (mut p2, mut h2) = (vec![], vec![]);
+        for _ in 0..if want("warm2") { rounds } else { 0 } {
+            let t = Instant::now();
+            rt.block_on(plain_gets(&plain, &warm, stream.chunks(batch), 2));
+            p2.push(stream.len() as f64 / t.elapsed().as_secs_f64());
+            let t = Instant::now();
+            hkvd_finds(&mut ca, "cold", stream.chunks(batch), 2);
+            h2.push(stream.len() as f64 / t.elapsed().as_secs_f64());
+        }
+        if want("warm2") {
+            let ratio = median(h2.iter().zip(&p2).map(|(h, p)| h / p).collect());
+            let ratio1 = median(h2.iter().zip(&p).map(|(h, p)| h / p).collect());
+            rows.push(Row {
+                what: "warm, 2 requests in flight on both sides",
+                plain: median(p2),
+                hkvd: median(h2),
+                ratio,
+                bar: ">= 5",
+                note: format!("hkvd (2 in flight) / plain (1 in flight): {ratio1:.2}"),
+            });
+        }
         ca.drop_table("cold").unwrap();
     }
 
