@@ -509,13 +509,18 @@ fn events_order_the_clients_stream_with_the_daemons() {
         done.wait_on(&stream).unwrap();
         let flags = m.get::<u8>(n * 8, n);
         let count = |v: u8| flags.iter().filter(|&&f| f == v).count();
+        let keys_now = m.get::<u64>(0, 4);
+        let path = c.stats_doc().unwrap().path;
         assert!(
             flags.iter().all(|&f| f == 1),
-            "round {round}: found flags: {} ones, {} zeros, {} still 7 (not written), first bad at {:?}",
+            "round {round}: found flags: {} ones, {} zeros, {} still 7 (not written), first bad at {:?}; \
+             the region's first keys now {keys_now:?}; the daemon waited on {} events ({} us in all)",
             count(1),
             count(0),
             count(7),
-            flags.iter().position(|&f| f != 1)
+            flags.iter().position(|&f| f != 1),
+            path.event_waits,
+            path.event_wait_ns / 1000
         );
         assert_eq!(m.get::<f32>(n * 9, n * dim), want.values, "round {round}");
         done.synchronize().unwrap();

@@ -83,6 +83,7 @@ class EmbeddingCache:
         self.init = init
         self.max_batch = max_batch
         self.events = events
+        self._done = None  # this cache's own done event (cuda-ipc, made on first use)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -183,9 +184,12 @@ class EmbeddingCache:
         deltas, ``dim`` wide, the state columns sent as zeros; None: zeros)
         without waiting; :meth:`_recv` reads the answer. One request per
         cache is in flight at a time (its buffers are the request's).
-        ``done_event`` False: on cuda-ipc the request is answered once its
-        outputs are written, with no done event (a request left in flight
-        while others go out must not share the connection's done event)."""
+        ``done_event`` False: the request may stay in flight while others
+        go out on the connection, so on cuda-ipc it does not use the
+        connection's done event but this cache's own (made on first use):
+        the daemon answers as soon as its kernels are queued, and
+        :meth:`_recv` makes the current stream wait for that event (without
+        events, the request is answered once its outputs are written)."""
         m = keys.numel()
         c = self.client
         d, w = self.dim, self.row_dim
@@ -200,8 +204,10 @@ class EmbeddingCache:
                     v[:, d:].zero_()
             k, vr = self._refs[0].head(m), self._refs[1].head(m)
             sync = self._sync_args()
-            if not done_event:
-                sync["done"] = False
+            if not done_event and self.events:
+                if self._done is None:
+                    self._done = region.cuda_event(c, self._refs[0].device)
+                sync["done"] = self._done
             return ("region", region.send(c, op, self.table, [k, vr], **sync), m)
         if self.transport == "shm":
             np.copyto(self._keys_np[:m], keys.cpu().numpy())
@@ -227,6 +233,9 @@ class EmbeddingCache:
         if kind == "region":
             if p is not None:
                 region.finish(self.client, p)
+                if self.transport == "cuda-ipc" and p.post is None and self._done is not None:
+                    # Sent with this cache's own done event (``_send``).
+                    self._done.wait(torch.cuda.current_stream(self.device).cuda_stream)
             if out is not None:
                 src = self._values[:m, :d] if self.transport == "cuda-ipc" else torch.from_numpy(self._values_np[:m, :d])
                 out.copy_(src)
