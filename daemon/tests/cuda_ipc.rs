@@ -482,6 +482,11 @@ fn events_order_the_clients_stream_with_the_daemons() {
     let (wait_id, done_id) = (c.register_cuda_event(&wait).unwrap(), c.register_cuda_event(&done).unwrap());
     let m = Dev { alloc, stream: stream.clone(), at: 0 };
     let want = c.find("t", &keys).unwrap();
+    // The stream's copy itself, waited for on the host: the keys land.
+    m.fill(0, n * 8, 0);
+    m.alloc.copy_from(&stream, 0, &src, 0, (n * 8) as usize).unwrap();
+    stream.synchronize().unwrap();
+    assert_eq!(m.get::<u64>(0, 4), vec![1, 2, 3, 4], "the test's own copy of the keys");
     for round in 0..3 {
         // The region's keys are zeros until the stream, busy for tens of
         // milliseconds first, copies them in.

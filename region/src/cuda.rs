@@ -387,9 +387,15 @@ impl DeviceAlloc {
         // context bound above.
         check("cuMemAlloc_v2", unsafe { sys::cuMemAlloc_v2(&mut ptr, len.max(1)) })?;
         let a = DeviceAlloc { ctx: ctx.clone(), ptr, len: len.max(1) };
-        // SAFETY: [ptr, ptr + len) is the allocation just made; a
-        // synchronous memset writes nothing else.
+        // SAFETY: [ptr, ptr + len) is the allocation just made; the memset
+        // writes nothing else.
         check("cuMemsetD8_v2", unsafe { sys::cuMemsetD8_v2(ptr, 0, a.len) })?;
+        // A memset of device memory returns before it ran (it is queued on
+        // the legacy stream, which a non-blocking stream does not wait
+        // for): without this, a copy into the allocation on such a stream
+        // could run first and be zeroed after.
+        // SAFETY: no arguments; waits for the bound context's work.
+        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })?;
         Ok(a)
     }
 
