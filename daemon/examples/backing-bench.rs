@@ -129,6 +129,31 @@ async fn plain_gets(plain: &PlainClient, layout: &Layout, chunks: std::slice::Ch
     }
 }
 
+/// User plus system CPU seconds of the processes `pids` so far.
+fn cpu_secs(pids: &[u32]) -> f64 {
+    let tick = 100.0; // USER_HZ on Linux
+    pids.iter()
+        .filter_map(|p| std::fs::read_to_string(format!("/proc/{p}/stat")).ok())
+        .map(|s| {
+            // Fields after the parenthesised name: state is field 3, utime 14, stime 15.
+            let rest: Vec<&str> = s[s.rfind(')').map_or(0, |i| i + 2)..].split_whitespace().collect();
+            let f = |i: usize| rest.get(i - 3).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+            (f(14) + f(15)) / tick
+        })
+        .sum()
+}
+
+/// The processes whose command name is `name`.
+fn pids_named(name: &str) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|p| std::fs::read_to_string(format!("/proc/{p}/comm")).is_ok_and(|c| c.trim() == name))
+        .collect()
+}
+
 fn spec(name: &str, capacity: u64, seeds: &str, mode: BackingMode) -> TableSpec {
     TableSpec { backing: Some(BackingSpec::from_list(seeds, mode)), ..TableSpec::new(name, DIM, capacity) }
 }
@@ -242,19 +267,32 @@ fn main() {
             ca.find("cold", c).expect("warm-up find");
         }
         let (mut p, mut h, mut hit) = (vec![], vec![], vec![]);
+        // CPU seconds of (this client, the cluster, the daemon) over the
+        // plain rounds and over hkvd's.
+        let (mut cpu_p, mut cpu_h) = ([0.0; 3], [0.0; 3]);
+        let cpu =
+            || [cpu_secs(&[std::process::id()]), cpu_secs(&pids_named("redis-server")), cpu_secs(&[a.child.id()])];
         for _ in 0..rounds {
+            let c0 = cpu();
             let t = Instant::now();
             for c in stream.chunks(batch) {
                 assert!(!rt.block_on(plain.run(PlainClient::mget(&warm, c))).is_empty());
             }
             p.push(stream.len() as f64 / t.elapsed().as_secs_f64());
+            let c1 = cpu();
             let before = backing(&mut ca, "cold");
+            let c2 = cpu();
             let t = Instant::now();
             for c in stream.chunks(batch) {
                 let f = ca.find("cold", c).expect("find");
                 assert!(f.found.iter().all(|x| *x));
             }
             h.push(stream.len() as f64 / t.elapsed().as_secs_f64());
+            let c3 = cpu();
+            for i in 0..3 {
+                cpu_p[i] += c1[i] - c0[i];
+                cpu_h[i] += c3[i] - c2[i];
+            }
             let after = backing(&mut ca, "cold");
             let (hits, filled) = (after.hits - before.hits, after.filled - before.filled);
             hit.push(hits as f64 / (hits + filled).max(1) as f64);
@@ -285,6 +323,11 @@ fn main() {
             bar: ">= 5",
             note: format!("cache hits {:.1} % (capacity {warm_cap} of {n} keys)", 100.0 * median(hit)),
         });
+        let per = |c: [f64; 3]| {
+            let k = (rounds * stream.len()) as f64 / batch as f64;
+            format!("client {:.2}, cluster {:.2}, daemon {:.2}", 1e3 * c[0] / k, 1e3 * c[1] / k, 1e3 * c[2] / k)
+        };
+        println!("warm, CPU ms per request of {batch} keys: plain rounds {}; hkvd rounds {}", per(cpu_p), per(cpu_h));
         let lm = median(local);
         rows.push(Row {
             what: "  same stream, table without cluster",
