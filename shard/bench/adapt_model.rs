@@ -21,14 +21,14 @@
 //! The second design (issue 36, on top of the committed one): SLRU=1 a
 //! segmented main tier (bit 62 PROTECTED: a hit on a main entry protects
 //! it; a full bucket first demotes its oldest protected entries while
-//! more than PF (default 0.8) of the main tier is protected; the victim is
+//! more than PF tenths (default 8) of the main tier is protected; the victim is
 //! the oldest unprotected main entry; a promoted window entry starts
 //! unprotected); WS=1 an insert first moves the window's oldest entries to
 //! the main tier while the window is over its share; MS=1 the share of
 //! every bucket is the table-wide choice of the miniature simulations of
 //! `shard/src/cpu/minisim.rs` (included below: the same code as the
-//! policy's), fed each batch's sampled keys after the batch, ghosts
-//! unused. The second design is SLRU=1 WS=1 MS=1 on top of the committed
+//! policy's), fed as the table feeds them: a find's hits after the find,
+//! the inserted misses after the insert; ghosts unused. The second design is SLRU=1 WS=1 MS=1 on top of the committed
 //! variables.
 //! shard/bench/model_eval.py runs it over the traces and prints each
 //! size's margin to the issue's bar.
@@ -68,7 +68,7 @@ struct P {
     gf: u8,
     gfm: bool,
     slru: bool,
-    pf: f64,
+    pf10: usize,
     shrink: bool,
     ms: bool,
 }
@@ -335,7 +335,7 @@ impl Sim {
         let r = b * S..b * S + S;
         let main = self.scores[r.clone()].iter().zip(&self.keys[r.clone()]).filter(|(&s, &k)| k != EMPTY && s & MAIN != 0).count();
         let mut prot = self.scores[r.clone()].iter().zip(&self.keys[r.clone()]).filter(|(&s, &k)| k != EMPTY && s & PROT != 0).count();
-        while prot as f64 > self.p.pf * main as f64 {
+        while prot * 10 > self.p.pf10 * main {
             let (i, _) = r
                 .clone()
                 .filter(|&i| self.keys[i] != EMPTY && self.scores[i] & PROT != 0)
@@ -427,6 +427,11 @@ fn run(p: &P, trace: &[u64], slots: u64) -> f64 {
                 missed.push(k);
             }
         }
+        if let Some(c) = &mut sim.chooser {
+            // As the table feeds them: a find's hits after the find, the
+            // written keys after the insert (cpu::adapt::Window::observe).
+            c.batch(batch.iter().zip(&found).filter(|(_, &f)| f).map(|(&k, _)| k));
+        }
         if p.plain {
             for &k in &missed {
                 sim.count(k);
@@ -437,7 +442,7 @@ fn run(p: &P, trace: &[u64], slots: u64) -> f64 {
         }
         sim.age();
         if let Some(c) = &mut sim.chooser {
-            c.batch(batch.iter().copied());
+            c.batch(missed.iter().copied());
         }
     }
     if env::var("DBG").is_ok() {
@@ -471,7 +476,7 @@ fn main() {
         gf: e("GF", "99").parse().unwrap(),
         gfm: e("GFM", "0") == "1",
         slru: e("SLRU", "0") == "1",
-        pf: e("PF", "0.8").parse().unwrap(),
+        pf10: e("PF", "8").parse().unwrap(),
         shrink: e("WS", "0") == "1",
         ms: e("MS", "0") == "1",
     };

@@ -194,6 +194,7 @@ impl Mini {
 /// the chosen window.
 #[derive(Debug, Clone)]
 pub struct Chooser {
+    slots: u64,
     rate: u64,
     cap: u64,
     minis: Vec<Mini>,
@@ -210,6 +211,7 @@ impl Chooser {
         let rate = sample_rate(slots);
         let cap = (slots / rate).max(1);
         Chooser {
+            slots,
             rate,
             cap,
             minis: WINDOWS_PERCENT.iter().map(|&p| Mini::new(cap, p)).collect(),
@@ -219,6 +221,23 @@ impl Chooser {
             since_hits: 0,
             chosen: 0,
         }
+    }
+
+    /// The table size this chooser was made for.
+    pub fn slots(&self) -> u64 {
+        self.slots
+    }
+
+    /// A fresh chooser for a table of `slots` slots that starts at this
+    /// one's choice (after the table grew: the sampling divisor and the
+    /// miniatures' capacity follow the size).
+    pub fn resized(&self, slots: u64) -> Chooser {
+        Chooser { chosen: self.chosen, ..Chooser::new(slots) }
+    }
+
+    /// The index of the chosen window in [`WINDOWS_PERCENT`].
+    pub fn chosen(&self) -> usize {
+        self.chosen
     }
 
     /// The sampling divisor.

@@ -34,6 +34,14 @@ impl CpuTable {
         }
     }
 
+    /// Adaptive, after a batch: its accesses (the keys the sketch counted,
+    /// in index order) to the window share's miniatures (`adapt::Window`).
+    fn observe(&self, st: &Storage, keys: impl IntoIterator<Item = u64>) {
+        if let Some(a) = &self.adapt {
+            a.window.observe(st.nbuckets() * S as u64, keys);
+        }
+    }
+
     /// A find hit in a table whose reads refresh: the score a write
     /// without input would give (relaxed stores; readers that race on one
     /// entry write the same clock reading), and, for Adaptive, one access
@@ -110,6 +118,9 @@ impl CpuTable {
             acc
         });
         self.finish_insert(&st, &acc);
+        if policy {
+            self.observe(&st, keys.iter().copied());
+        }
         Ok(acc)
     }
 
@@ -215,6 +226,7 @@ impl CpuTable {
             acc
         });
         self.finish_insert(&st, &acc);
+        self.observe(&st, idx.iter().map(|&i| keys[i]));
         acc
     }
 }
@@ -245,7 +257,7 @@ impl Shard for CpuTable {
         let st = self.storage.read();
         let dim = self.config.dim;
         let refresh = self.config.refreshes_reads().then(|| self.scorer());
-        let outs = Outs { values: Some(values), found: Some(found), scores, outcomes: None };
+        let outs = Outs { values: Some(values), found: Some(&mut *found), scores, outcomes: None };
         let acc = run_batch(n, outs, dim, &|r: Range<usize>, mut outs: Outs<'_>| {
             let mut acc = Acc::default();
             let part = &keys[r];
@@ -266,6 +278,9 @@ impl Shard for CpuTable {
             });
             acc
         });
+        if refresh.is_some() {
+            self.observe(&st, keys.iter().zip(found.iter()).filter(|(_, &f)| f).map(|(&k, _)| k));
+        }
         self.counters.lookups(acc.hits, n);
         Ok(acc.hits as usize)
     }
@@ -279,7 +294,10 @@ impl Shard for CpuTable {
         self.counters.op(Op::Find, n);
         self.samples.record(keys, Kind::Lookup);
         let st = self.storage.read();
-        let hits = self.find_rows(&st, keys, at, Rows { base: 0, values, found }, grain(n));
+        let hits = self.find_rows(&st, keys, at, Rows { base: 0, values, found: &mut *found }, grain(n));
+        if self.config.refreshes_reads() {
+            self.observe(&st, keys.iter().zip(at).filter(|(_, &r)| found[r as usize] != 0).map(|(&k, _)| k));
+        }
         self.counters.lookups(hits, n);
         Ok(hits as usize)
     }
@@ -380,6 +398,7 @@ impl Shard for CpuTable {
             acc
         });
         self.finish_insert(&st, &acc);
+        self.observe(&st, keys.iter().copied());
         self.counters.lookups(acc.hits, n);
         Ok(acc.summary)
     }
