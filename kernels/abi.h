@@ -56,6 +56,8 @@ typedef unsigned char u8;
 #define HKV_ADAPTIVE 5
 // Adaptive: the most of a bucket's main tier that is protected, in tenths (adapt::PROTECTED_TENTHS).
 #define HKV_ADAPT_PROTECTED_TENTHS 8
+// Adaptive: how much more frequent than the victim a window candidate must be to join the main tier (adapt::ADMIT_MARGIN).
+#define HKV_ADAPT_ADMIT_MARGIN 1
 
 // Lfu with LRU ties: the stamp's bits below the frequency (score::LFU_STAMP_BITS).
 #define HKV_LFU_STAMP_BITS 40

@@ -779,7 +779,8 @@ __device__ __noinline__ void hkv_adapt_room(const HkvTable& t, const HkvScoring&
     int victim = 0;
     if (g.rank == 0) {
         if (r.ow >= 0 && r.om >= 0 && r.window >= win) {
-            if (hkv_frequency(s, __ldcg(t.keys + base + r.ow)) > hkv_frequency(s, __ldcg(t.keys + base + r.om))) {
+            if (hkv_frequency(s, __ldcg(t.keys + base + r.ow)) >
+                hkv_frequency(s, __ldcg(t.keys + base + r.om)) + HKV_ADAPT_ADMIT_MARGIN) {
                 t.scores[base + r.ow] = r.ows | HKV_ADAPTIVE_MAIN;
                 victim = r.om;
             } else {

@@ -28,8 +28,17 @@
 //! every bucket is the table-wide choice of the miniature simulations of
 //! `shard/src/cpu/minisim.rs` (included below: the same code as the
 //! policy's), fed as the table feeds them: a find's hits after the find,
-//! the inserted misses after the insert; ghosts unused. The second design is SLRU=1 WS=1 MS=1 on top of the committed
-//! variables.
+//! the inserted misses after the insert; ghosts unused. The second
+//! design is SLRU=1 WS=1 MS=1 on top of the committed variables. The
+//! miniatures' constants (`minisim::Params`): MSW windows (percent,
+//! comma-separated, ascending), MSS table slots per miniature slot, MSF /
+//! MSH frequency / hit halving periods per miniature slot, MSM how far
+//! ahead (1/1000) another miniature must be to take over. ADM=k: a
+//! candidate joins the main tier only if more than k more frequent than
+//! the victim (default 0, TinyLFU's rule); MSA=k the same in the
+//! miniatures (default: the policy's, `minisim::ADMIT_MARGIN`, 1). The
+//! policy as committed now: SLRU=1 WS=1 MS=1 ADM=1 on top of the first
+//! design's variables; the rule before the margin: add MSA=0, ADM=0.
 //! shard/bench/model_eval.py runs it over the traces and prints each
 //! size's margin to the bar.
 use std::collections::HashSet;
@@ -71,6 +80,8 @@ struct P {
     pf10: usize,
     shrink: bool,
     ms: bool,
+    msp: minisim::Params,
+    adm: u8,
 }
 
 struct Sim {
@@ -133,7 +144,7 @@ impl Sim {
             bm: vec![1.0; nb],
             bevw: vec![0; nb],
             bevm: vec![0; nb],
-            chooser: p.ms.then(|| minisim::Chooser::new(slots)),
+            chooser: p.ms.then(|| minisim::Chooser::with(slots, p.msp.clone())),
             slots,
             p,
         }
@@ -378,7 +389,7 @@ impl Sim {
         let (slot, window) = match (ow, om) {
             (Some((c, _)), Some((v, _))) if w >= win => {
                 let (fc, fv) = (self.freq(self.keys[b * S + c]), self.freq(self.keys[b * S + v]));
-                if fc > fv {
+                if fc > fv.saturating_add(self.p.adm) {
                     self.scores[b * S + c] |= MAIN;
                     (v, false)
                 } else {
@@ -479,6 +490,18 @@ fn main() {
         pf10: e("PF", "8").parse().unwrap(),
         shrink: e("WS", "0") == "1",
         ms: e("MS", "0") == "1",
+        adm: e("ADM", "0").parse().unwrap(),
+        msp: {
+            let d = minisim::Params::default();
+            minisim::Params {
+                windows: env::var("MSW").map(|w| w.split(',').map(|x| x.parse().unwrap()).collect()).unwrap_or(d.windows),
+                sampled_slots: e("MSS", &d.sampled_slots.to_string()).parse().unwrap(),
+                freq_period: e("MSF", &d.freq_period.to_string()).parse().unwrap(),
+                hit_period: e("MSH", &d.hit_period.to_string()).parse().unwrap(),
+                margin: e("MSM", &d.margin.to_string()).parse().unwrap(),
+                admit_margin: e("MSA", &d.admit_margin.to_string()).parse().unwrap(),
+            }
+        },
     };
     let out: Vec<String> = caps.iter().map(|&c| format!("{:.2}", run(&p, &trace, c))).collect();
     println!("{}", out.join(" "));

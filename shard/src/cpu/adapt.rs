@@ -21,10 +21,12 @@
 //!   share, its oldest entry (the candidate) is compared with the main
 //!   tier's lowest score (the victim: the oldest unprotected entry, or the
 //!   oldest protected one when none is unprotected) in the sketch; the
-//!   more frequent one stays (the candidate moving to the main tier,
-//!   unprotected), the other is evicted; ties evict the candidate
-//!   (TinyLFU's rule, which keeps a scan from flushing the main tier). The
-//!   window under its share: the victim is evicted.
+//!   candidate moves to the main tier (unprotected) and the victim is
+//!   evicted only if the candidate was counted at least 2 more times
+//!   ([`ADMIT_MARGIN`]), else the candidate is evicted (TinyLFU's rule,
+//!   which keeps a scan from flushing the main tier, with a margin that
+//!   keeps the retained part of a scan or loop from churning). The window
+//!   under its share: the victim is evicted.
 //!
 //! The window share is one for the whole table, chosen between batches by
 //! five miniature W-TinyLFU caches (`minisim`) fed a hash-sampled part of
@@ -80,6 +82,10 @@ pub(crate) const SKETCH_BYTES_PER_SLOT: u64 = 32;
 pub(crate) const PERIOD_PER_SLOT: u64 = 10;
 /// The most of a bucket's main tier that is protected, in tenths.
 pub(crate) const PROTECTED_TENTHS: u32 = 8;
+/// How much more frequent than the victim a window candidate must be to
+/// join a full main tier (0: TinyLFU's "more frequent"); the miniatures
+/// use the same (`minisim::ADMIT_MARGIN`).
+pub(crate) const ADMIT_MARGIN: u8 = super::minisim::ADMIT_MARGIN;
 
 /// A 64-bit mix (murmur3's finaliser) of `x`.
 #[inline]
@@ -214,7 +220,7 @@ pub(crate) fn plan(mut e: Vec<(usize, u64)>, win: u32, full: bool, freq: impl Fn
     let (c, v) = (oldest(&e, is_window), oldest(&e, |sc| !is_window(sc)));
     p.evict = Some(match (c, v) {
         (Some(c), Some(v)) if window >= win => {
-            if freq(e[c].0) > freq(e[v].0) {
+            if freq(e[c].0) > freq(e[v].0).saturating_add(ADMIT_MARGIN) {
                 e[c].1 |= ADAPTIVE_MAIN;
                 p.marks.push(e[c]);
                 (e[v].0, false)
@@ -328,9 +334,10 @@ mod tests {
         // oldest protected (slot 2) is demoted; 5 ≤ 5.6 stops.
         assert_eq!(p.marks, vec![(0, M | 20), (2, M | 1)]);
         // Window 1 at its share; candidate 1 (frequency 0) against the
-        // victim, slot 2 (the oldest unprotected): ties evict the candidate.
+        // victim, slot 2 (the oldest unprotected): ties evict the candidate;
+        // it must be more than ADMIT_MARGIN more frequent to stay.
         assert_eq!(p.evict, Some((1, true)));
-        let p = plan(e, 1, true, |s| (s == 1) as u8);
+        let p = plan(e, 1, true, |s| if s == 1 { 1 + ADMIT_MARGIN } else { 0 });
         assert_eq!(p.marks, vec![(0, M | 20), (2, M | 1), (1, M | 21)], "the candidate wins, unprotected");
         assert_eq!(p.evict, Some((2, false)));
     }

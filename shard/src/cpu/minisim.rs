@@ -11,7 +11,8 @@
 //! 20) % R == 0`. Each miniature is a window LRU plus a segmented LRU main
 //! (probation, protected ≤ 80 % of the main), TinyLFU admission from the
 //! window's oldest into a full main against the main's oldest (probation
-//! first): admitted only if strictly more frequent. Frequencies are exact
+//! first): admitted only if more frequent by more than [`ADMIT_MARGIN`],
+//! as in the table's buckets. Frequencies are exact
 //! (a map, capped at 15), halved every 10 × capacity sampled accesses;
 //! hits halved every 4 × capacity, so the choice follows the recent past.
 //! The share moves to another miniature's window only when that one is
@@ -32,6 +33,48 @@ const FREQ_MAX: u8 = 15;
 const FREQ_PERIOD: u64 = 10;
 /// Sampled accesses between hit-count halvings, per miniature slot.
 const HIT_PERIOD: u64 = 4;
+/// Admission margin, the buckets' too (`adapt::ADMIT_MARGIN`): a window's
+/// oldest joins a full main tier only if counted at least 2 more times
+/// than the main tier's oldest. With TinyLFU's margin 0, a scan key
+/// (counted just now) beat the retained scan key about to be read again
+/// (counted a cycle ago) and the retained part of a scan churned:
+/// `scan-hot` at 25 / 50 % lost 1.1 / 3.1 pp to the bar, loop-mix at 10 %
+/// 0.9 (`shard/BENCHMARKS.md`, "Adaptive policy", second design).
+pub const ADMIT_MARGIN: u8 = 1;
+
+/// The chooser's constants, as a value so that the model
+/// (`shard/bench/adapt_model.rs`) can try others; the policy uses
+/// [`Params::default`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Params {
+    /// The miniatures' windows, percent of their capacity, ascending.
+    pub windows: Vec<u64>,
+    /// Table slots per miniature slot (the sampling divisor's unit).
+    pub sampled_slots: u64,
+    /// Sampled accesses between frequency halvings, per miniature slot.
+    pub freq_period: u64,
+    /// Sampled accesses between hit-count halvings, per miniature slot.
+    pub hit_period: u64,
+    /// How far (in 1/1000 of the current one's hits) another miniature
+    /// must be ahead to take over; 0: strictly ahead.
+    pub margin: u64,
+    /// A window's oldest joins a full main tier only if its frequency is
+    /// more than this much above the main tier's oldest's (0: TinyLFU).
+    pub admit_margin: u8,
+}
+
+impl Default for Params {
+    fn default() -> Params {
+        Params {
+            windows: WINDOWS_PERCENT.to_vec(),
+            sampled_slots: SAMPLED_SLOTS,
+            freq_period: FREQ_PERIOD,
+            hit_period: HIT_PERIOD,
+            margin: 0,
+            admit_margin: ADMIT_MARGIN,
+        }
+    }
+}
 /// Slots of a bucket.
 const BUCKET: u64 = 128;
 
@@ -147,7 +190,7 @@ impl Mini {
     }
 
     /// One access of `key` (its frequency already counted in `freq`).
-    fn access(&mut self, key: u64, freq: &HashMap<u64, u8>) {
+    fn access(&mut self, key: u64, freq: &HashMap<u64, u8>, admit_margin: u8) {
         if let Some(&i) = self.at.get(&key) {
             self.hits += 1;
             let list = self.nodes[i as usize].list;
@@ -180,7 +223,7 @@ impl Mini {
         }
         let v = if self.tail[PROBATION as usize] != NIL { self.tail[PROBATION as usize] } else { self.tail[PROTECTED as usize] };
         let f = |i: u32| freq.get(&self.nodes[i as usize].key).copied().unwrap_or(0);
-        if v != NIL && f(c) > f(v) {
+        if v != NIL && f(c) > f(v).saturating_add(admit_margin) {
             self.drop_node(v);
             self.unlink(c);
             self.push_front(c, PROBATION);
@@ -194,6 +237,7 @@ impl Mini {
 /// the chosen window.
 #[derive(Debug, Clone)]
 pub struct Chooser {
+    params: Params,
     slots: u64,
     rate: u64,
     cap: u64,
@@ -208,13 +252,19 @@ pub struct Chooser {
 impl Chooser {
     /// The chooser of a table of `slots` slots.
     pub fn new(slots: u64) -> Chooser {
-        let rate = sample_rate(slots);
+        Chooser::with(slots, Params::default())
+    }
+
+    /// The chooser of a table of `slots` slots with constants `params`.
+    pub fn with(slots: u64, params: Params) -> Chooser {
+        let rate = (slots / params.sampled_slots).max(1);
         let cap = (slots / rate).max(1);
         Chooser {
             slots,
             rate,
             cap,
-            minis: WINDOWS_PERCENT.iter().map(|&p| Mini::new(cap, p)).collect(),
+            minis: params.windows.iter().map(|&p| Mini::new(cap, p)).collect(),
+            params,
             freq: HashMap::new(),
             accesses: 0,
             since_freq: 0,
@@ -232,10 +282,10 @@ impl Chooser {
     /// one's choice (after the table grew: the sampling divisor and the
     /// miniatures' capacity follow the size).
     pub fn resized(&self, slots: u64) -> Chooser {
-        Chooser { chosen: self.chosen, ..Chooser::new(slots) }
+        Chooser { chosen: self.chosen, ..Chooser::with(slots, self.params.clone()) }
     }
 
-    /// The index of the chosen window in [`WINDOWS_PERCENT`].
+    /// The index of the chosen window among the windows.
     pub fn chosen(&self) -> usize {
         self.chosen
     }
@@ -247,7 +297,7 @@ impl Chooser {
 
     /// The chosen window, in percent of the capacity.
     pub fn window_percent(&self) -> u64 {
-        WINDOWS_PERCENT[self.chosen]
+        self.params.windows[self.chosen]
     }
 
     /// The chosen window share of a bucket (slots, 1 ..= 127).
@@ -265,19 +315,19 @@ impl Chooser {
         let f = self.freq.entry(key).or_insert(0);
         *f = (*f + 1).min(FREQ_MAX);
         for m in &mut self.minis {
-            m.access(key, &self.freq);
+            m.access(key, &self.freq, self.params.admit_margin);
         }
         self.accesses += 1;
         self.since_freq += 1;
         self.since_hits += 1;
-        if self.since_freq >= FREQ_PERIOD * self.cap {
+        if self.since_freq >= self.params.freq_period * self.cap {
             self.since_freq = 0;
             self.freq.retain(|_, f| {
                 *f >>= 1;
                 *f > 0
             });
         }
-        if self.since_hits >= HIT_PERIOD * self.cap {
+        if self.since_hits >= self.params.hit_period * self.cap {
             self.since_hits = 0;
             for m in &mut self.minis {
                 m.hits /= 2;
@@ -313,7 +363,8 @@ impl Chooser {
                 best = i;
             }
         }
-        if self.minis[best].hits > self.minis[self.chosen].hits {
+        let now = self.minis[self.chosen].hits;
+        if self.minis[best].hits > now + now * self.params.margin / 1000 {
             self.chosen = best;
         }
     }

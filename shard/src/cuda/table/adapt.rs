@@ -8,7 +8,7 @@
 //! batch. The kernels take the share as a launch argument.
 
 use super::*;
-use crate::cpu::adapt::{sketch_lines, Window, PERIOD_PER_SLOT, PROTECTED_TENTHS};
+use crate::cpu::adapt::{sketch_lines, Window, ADMIT_MARGIN, PERIOD_PER_SLOT, PROTECTED_TENTHS};
 
 /// The Adaptive policy's buffers, the raw address the kernels take, and
 /// the window share.
@@ -24,6 +24,7 @@ pub(super) struct DeviceAdapt {
 
 const _: () = {
     assert!(PROTECTED_TENTHS as u64 == hkv_kernels::abi::HKV_ADAPT_PROTECTED_TENTHS as u64);
+    assert!(ADMIT_MARGIN as u64 == hkv_kernels::abi::HKV_ADAPT_ADMIT_MARGIN as u64);
 };
 
 impl DeviceAdapt {
