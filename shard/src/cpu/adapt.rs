@@ -164,16 +164,6 @@ pub(crate) struct Adapt {
     pub(crate) window: Window,
 }
 
-/// What a bucket does for a newcomer: `marks` lists the score changes of
-/// entries that stay (tier moves, demotions) as (slot, new score), at most
-/// one per slot, in the order made; `evict` the slot to empty (a full
-/// bucket), with its tier (`true`: window).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct Plan {
-    pub marks: Vec<(usize, u64)>,
-    pub evict: Option<(usize, bool)>,
-}
-
 /// Index of the lowest score among `e`'s entries that `pick` accepts
 /// (lowest slot on ties: `e` is in slot order).
 #[inline]
@@ -192,37 +182,46 @@ fn is_window(sc: u64) -> bool {
 }
 
 /// The window rule (module docs) for a newcomer to a bucket whose occupied
-/// slots and scores are `e` (slot order), window share `win`; `full`: no
-/// free slot; `freq(slot)` the sketch's frequency of a slot's key.
-pub(crate) fn plan(mut e: Vec<(usize, u64)>, win: u32, full: bool, freq: impl Fn(usize) -> u8) -> Plan {
-    let mut p = Plan::default();
+/// slots and scores are `e` (slot order; used as scratch), window share
+/// `win`; `full`: no free slot; `freq(slot)` the sketch's frequency of a
+/// slot's key. `mark(slot, score)` gets the new score of each entry that
+/// stays but changes (tier moves, demotions), at most one per slot, in the
+/// order made; returns, for a full bucket, the slot to empty and its tier
+/// (`true`: window).
+pub(crate) fn plan(
+    e: &mut [(usize, u64)],
+    win: u32,
+    full: bool,
+    freq: impl Fn(usize) -> u8,
+    mut mark: impl FnMut(usize, u64),
+) -> Option<(usize, bool)> {
     let mut window = e.iter().filter(|x| is_window(x.1)).count() as u32;
     // A free slot: the window keeps under its share for the newcomer; a
     // full bucket: the window at most at its share.
     let bound = if full { win } else { win - 1 };
     while window > bound {
-        let i = oldest(&e, is_window).expect("window entries");
+        let i = oldest(e, is_window).expect("window entries");
         e[i].1 |= ADAPTIVE_MAIN;
-        p.marks.push(e[i]);
+        mark(e[i].0, e[i].1);
         window -= 1;
     }
     if !full {
-        return p;
+        return None;
     }
     let main = e.len() as u32 - window;
     let mut protected = e.iter().filter(|x| x.1 & ADAPTIVE_PROTECTED != 0).count() as u32;
     while protected * 10 > PROTECTED_TENTHS * main {
-        let i = oldest(&e, |sc| sc & ADAPTIVE_PROTECTED != 0).expect("protected entries");
+        let i = oldest(e, |sc| sc & ADAPTIVE_PROTECTED != 0).expect("protected entries");
         e[i].1 &= !ADAPTIVE_PROTECTED;
-        p.marks.push(e[i]);
+        mark(e[i].0, e[i].1);
         protected -= 1;
     }
-    let (c, v) = (oldest(&e, is_window), oldest(&e, |sc| !is_window(sc)));
-    p.evict = Some(match (c, v) {
+    let (c, v) = (oldest(e, is_window), oldest(e, |sc| !is_window(sc)));
+    Some(match (c, v) {
         (Some(c), Some(v)) if window >= win => {
             if freq(e[c].0) > freq(e[v].0).saturating_add(ADMIT_MARGIN) {
                 e[c].1 |= ADAPTIVE_MAIN;
-                p.marks.push(e[c]);
+                mark(e[c].0, e[c].1);
                 (e[v].0, false)
             } else {
                 (e[c].0, true)
@@ -231,8 +230,7 @@ pub(crate) fn plan(mut e: Vec<(usize, u64)>, win: u32, full: bool, freq: impl Fn
         (_, Some(v)) => (e[v].0, false),
         (Some(c), None) => (e[c].0, true),
         (None, None) => unreachable!("a full bucket has entries"),
-    });
-    p
+    })
 }
 
 impl Adapt {
@@ -311,14 +309,24 @@ mod tests {
     const M: u64 = ADAPTIVE_MAIN;
     const P: u64 = ADAPTIVE_PROTECTED;
 
+    /// `plan`'s answer: the slot to empty and its tier.
+    type Evict = Option<(usize, bool)>;
+
+    /// `plan`'s score changes and eviction.
+    fn run(mut e: Vec<(usize, u64)>, win: u32, full: bool, freq: impl Fn(usize) -> u8) -> (Vec<(usize, u64)>, Evict) {
+        let mut marks = Vec::new();
+        let evict = plan(&mut e, win, full, freq, |s, sc| marks.push((s, sc)));
+        (marks, evict)
+    }
+
     /// Filling: the window keeps under its share for the newcomer, its
     /// oldest entries (lowest slot on ties) moving to the main tier.
     #[test]
     fn filling_keeps_the_window_under_its_share() {
         let e = vec![(0, 5), (1, 3), (2, M | 1), (3, 3)];
-        assert_eq!(plan(e.clone(), 3, false, |_| 0).marks, vec![(1, M | 3)]);
-        assert_eq!(plan(e.clone(), 4, false, |_| 0), Plan::default());
-        assert_eq!(plan(e, 1, false, |_| 0).marks, vec![(1, M | 3), (3, M | 3), (0, M | 5)]);
+        assert_eq!(run(e.clone(), 3, false, |_| 0), (vec![(1, M | 3)], None));
+        assert_eq!(run(e.clone(), 4, false, |_| 0), (vec![], None));
+        assert_eq!(run(e, 1, false, |_| 0).0, vec![(1, M | 3), (3, M | 3), (0, M | 5)]);
     }
 
     /// A full bucket: the window shrinks to its share, more than 80 % of
@@ -329,17 +337,19 @@ mod tests {
         // Window 0, 1 (share 1); main: 2-7 protected (stamps 1-6).
         let e: Vec<(usize, u64)> =
             [(0, 20), (1, 21)].into_iter().chain((2..8).map(|s| (s, M | P | (s as u64 - 1)))).collect();
-        let p = plan(e.clone(), 1, true, |_| 0);
+        let (marks, evict) = run(e.clone(), 1, true, |_| 0);
         // 0 to the main tier (unprotected); main 7, protected 6 > 5.6: the
         // oldest protected (slot 2) is demoted; 5 ≤ 5.6 stops.
-        assert_eq!(p.marks, vec![(0, M | 20), (2, M | 1)]);
+        assert_eq!(marks, vec![(0, M | 20), (2, M | 1)]);
         // Window 1 at its share; candidate 1 (frequency 0) against the
         // victim, slot 2 (the oldest unprotected): ties evict the candidate;
         // it must be more than ADMIT_MARGIN more frequent to stay.
-        assert_eq!(p.evict, Some((1, true)));
-        let p = plan(e, 1, true, |s| if s == 1 { 1 + ADMIT_MARGIN } else { 0 });
-        assert_eq!(p.marks, vec![(0, M | 20), (2, M | 1), (1, M | 21)], "the candidate wins, unprotected");
-        assert_eq!(p.evict, Some((2, false)));
+        assert_eq!(evict, Some((1, true)));
+        let (marks, evict) = run(e.clone(), 1, true, |s| if s == 1 { ADMIT_MARGIN } else { 0 });
+        assert_eq!((marks.len(), evict), (2, Some((1, true))), "within the margin: the candidate goes");
+        let (marks, evict) = run(e, 1, true, |s| if s == 1 { 1 + ADMIT_MARGIN } else { 0 });
+        assert_eq!(marks, vec![(0, M | 20), (2, M | 1), (1, M | 21)], "the candidate wins, unprotected");
+        assert_eq!(evict, Some((2, false)));
     }
 
     /// Under its share the window grows at the main tier's cost; with no
@@ -347,9 +357,9 @@ mod tests {
     #[test]
     fn under_its_share_the_main_tier_pays() {
         let e = vec![(0, 20), (1, M | P | 30), (2, M | 40)];
-        assert_eq!(plan(e, 2, true, |_| 9).evict, Some((2, false)));
+        assert_eq!(run(e, 2, true, |_| 9).1, Some((2, false)));
         let e = vec![(0, 20), (1, 10)];
-        assert_eq!(plan(e, 5, true, |_| 0).evict, Some((1, true)));
+        assert_eq!(run(e, 5, true, |_| 0).1, Some((1, true)));
     }
 
     /// The miniatures widen the window for a stream that only recency
@@ -360,7 +370,8 @@ mod tests {
     fn the_share_follows_the_stream() {
         let w = Window::new(4096);
         assert_eq!(w.bucket_slots(), 1);
-        let keys: Vec<u64> = (0..200_000u64).map(|i| if i % 2 == 0 { i / 2 } else { (i / 2).wrapping_sub(1000) }).collect();
+        let keys: Vec<u64> =
+            (0..200_000u64).map(|i| if i % 2 == 0 { i / 2 } else { (i / 2).wrapping_sub(1000) }).collect();
         for b in keys.chunks(64) {
             w.observe(4096, b.iter().copied());
         }

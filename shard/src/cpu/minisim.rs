@@ -98,7 +98,7 @@ pub fn sample_rate(slots: u64) -> u64 {
 /// Whether `key` is sampled at divisor `rate`.
 #[inline]
 pub fn sampled(key: u64, rate: u64) -> bool {
-    rate <= 1 || (mix(key ^ 0x5bd1_e995) >> 20) % rate == 0
+    rate <= 1 || (mix(key ^ 0x5bd1_e995) >> 20).is_multiple_of(rate)
 }
 
 /// A bucket's window share (slots, 1 ..= 127) for a share in percent.
@@ -155,8 +155,16 @@ impl Mini {
     fn unlink(&mut self, i: u32) {
         let n = self.nodes[i as usize];
         let l = n.list as usize;
-        if n.prev == NIL { self.head[l] = n.next } else { self.nodes[n.prev as usize].next = n.next }
-        if n.next == NIL { self.tail[l] = n.prev } else { self.nodes[n.next as usize].prev = n.prev }
+        if n.prev == NIL {
+            self.head[l] = n.next
+        } else {
+            self.nodes[n.prev as usize].next = n.next
+        }
+        if n.next == NIL {
+            self.tail[l] = n.prev
+        } else {
+            self.nodes[n.next as usize].prev = n.prev
+        }
         self.len[l] -= 1;
     }
 
@@ -164,7 +172,11 @@ impl Mini {
         let l = list as usize;
         let h = self.head[l];
         self.nodes[i as usize] = Node { key: self.nodes[i as usize].key, prev: NIL, next: h, list };
-        if h == NIL { self.tail[l] = i } else { self.nodes[h as usize].prev = i }
+        if h == NIL {
+            self.tail[l] = i
+        } else {
+            self.nodes[h as usize].prev = i
+        }
         self.head[l] = i;
         self.len[l] += 1;
     }
@@ -221,7 +233,11 @@ impl Mini {
             self.push_front(c, PROBATION);
             return;
         }
-        let v = if self.tail[PROBATION as usize] != NIL { self.tail[PROBATION as usize] } else { self.tail[PROTECTED as usize] };
+        let v = if self.tail[PROBATION as usize] != NIL {
+            self.tail[PROBATION as usize]
+        } else {
+            self.tail[PROTECTED as usize]
+        };
         let f = |i: u32| freq.get(&self.nodes[i as usize].key).copied().unwrap_or(0);
         if v != NIL && f(c) > f(v).saturating_add(admit_margin) {
             self.drop_node(v);

@@ -74,10 +74,13 @@ impl CpuTable {
             if let Some(a) = adapt {
                 // Filling: keep the window under its share (see `adapt`).
                 let bk = &st.buckets[target];
-                let e = bk.slots().map(|s| (s, bk.score(s))).collect();
-                for (s, sc) in plan(e, a.window.bucket_slots(), false, |_| 0).marks {
-                    bk.set_score(s, sc);
+                let mut e = [(0, 0); S];
+                let mut n = 0;
+                for s in bk.slots() {
+                    e[n] = (s, bk.score(s));
+                    n += 1;
                 }
+                plan(&mut e[..n], a.window.bucket_slots(), false, |_| 0, |s, sc| bk.set_score(s, sc));
             }
             st.buckets[target].put_meta(s, key, d, score);
             st.write_row(target, s, value);
@@ -105,12 +108,10 @@ impl CpuTable {
         if let Some(a) = adapt {
             // The bucket with the older minimum, then its window rule.
             let bk = &st.buckets[b];
-            let e = (0..S).map(|s| (s, bk.score(s))).collect();
-            let p = plan(e, a.window.bucket_slots(), true, |s| a.frequency(bk.key(s)));
-            for &(s, sc) in &p.marks {
-                bk.set_score(s, sc);
-            }
-            (s, _) = p.evict.expect("a full bucket evicts");
+            let mut e: [(usize, u64); S] = std::array::from_fn(|s| (s, bk.score(s)));
+            let win = a.window.bucket_slots();
+            let evict = plan(&mut e, win, true, |s| a.frequency(bk.key(s)), |s, sc| bk.set_score(s, sc));
+            (s, _) = evict.expect("a full bucket evicts");
             min = 0;
         }
         if admission < min {

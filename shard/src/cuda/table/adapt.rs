@@ -94,17 +94,17 @@ impl CudaTable {
         }
     }
 
-    /// Adaptive, a device batch (its keys in device memory): once stream
-    /// `l` has run the batch, copies its `n` keys (and `only`, and for a
-    /// find the `found` flags) to the host and feeds the accesses the
-    /// sketch counted to the miniatures ([`CudaTable::adapt_observe`]).
-    /// Synchronises `l`: a device batch of an adaptive table waits for its
-    /// kernels before it returns (the share of the next batch depends on
-    /// this one's keys). No-op for other policies.
+    /// Adaptive, a device batch (its keys in device memory): waits for
+    /// stream `l` to run the batch, copies its `n` keys (and `only`, and
+    /// for a find the `found` flags) to the host and feeds the accesses the
+    /// sketch counted to the miniatures ([`CudaTable::adapt_observe`]): a
+    /// device batch of an adaptive table waits for its kernels before it
+    /// returns (the share of the next batch depends on this one's keys).
+    /// No-op for other policies.
     ///
     /// # Safety
-    /// `keys` holds `n` keys, `only` and `found`, when given, `n` flags,
-    /// alive until `l` is synchronised.
+    /// `keys` holds `n` keys, `only` and `found`, when given, `n` flags of
+    /// device memory of this table's context, alive until this returns.
     pub(super) unsafe fn adapt_observe_device(
         &self,
         l: &CudaStream,
@@ -117,25 +117,28 @@ impl CudaTable {
         if self.adapt.is_none() || n == 0 {
             return Ok(());
         }
-        let copy = |what: &str, src: u64, dst: *mut std::ffi::c_void, bytes: usize| -> Result<()> {
+        // The batch's kernels first; then plain (synchronous) copies, so
+        // that no copy into these vectors is in flight when one fails.
+        l.synchronize().map_err(dev_err("synchronizing"))?;
+        let copy = |src: u64, dst: *mut std::ffi::c_void, bytes: usize| -> Result<()> {
             // SAFETY: `src` holds `bytes` bytes of live device memory (the
-            // caller's contract, lengths checked by `arg`); `dst` is a host
-            // buffer of `bytes` bytes that outlives the synchronisation below.
-            unsafe { cudarc::driver::sys::cuMemcpyDtoHAsync_v2(dst, src, bytes, l.cu_stream()) }
+            // caller's contract, lengths checked by `arg`), written by
+            // kernels `l` has finished; `dst` is a host buffer of `bytes`
+            // bytes; the copy is done when the call returns.
+            unsafe { cudarc::driver::sys::cuMemcpyDtoH_v2(dst, src, bytes) }
                 .result()
-                .map_err(dev_err(if what == "keys" { "copying a batch's keys to the host" } else { "copying a batch's flags to the host" }))
+                .map_err(dev_err("copying a device batch's keys or flags to the host"))
         };
         let mut k = vec![0u64; n];
-        copy("keys", arg("keys", Some(keys), n)?, k.as_mut_ptr().cast(), n * 8)?;
+        copy(arg("keys", Some(keys), n)?, k.as_mut_ptr().cast(), n * 8)?;
         let flags = |p: Option<DevPtr<u8>>, what: &str| -> Result<Option<Vec<u8>>> {
             let Some(p) = p else { return Ok(None) };
             let mut v = vec![0u8; n];
-            copy("flags", arg(what, Some(p), n)?, v.as_mut_ptr().cast(), n)?;
+            copy(arg(what, Some(p), n)?, v.as_mut_ptr().cast(), n)?;
             Ok(Some(v))
         };
         let o = flags(only, "key filter")?;
         let f = flags(found, "found flags")?;
-        l.synchronize().map_err(dev_err("synchronizing"))?;
         let pass = |i: usize| o.as_ref().is_none_or(|o| o[i] != 0) && f.as_ref().is_none_or(|f| f[i] != 0);
         self.adapt_observe(st, (0..n).filter(|&i| pass(i)).map(|i| k[i]));
         Ok(())

@@ -189,7 +189,9 @@ impl CudaTable {
         let stream = dev.ctx.new_stream().map_err(dev_err("creating a stream"))?;
         let storage = Storage::new(&dev, &config, &f.clear, &stream, config.buckets())?;
         let adapt = match config.policy {
-            ScorePolicy::Adaptive => Some(adapt::DeviceAdapt::new(&stream, config.max_buckets(), config.buckets() * S)?),
+            ScorePolicy::Adaptive => {
+                Some(adapt::DeviceAdapt::new(&stream, config.max_buckets(), config.buckets() * S)?)
+            }
             _ => None,
         };
         Ok(CudaTable {
