@@ -36,9 +36,10 @@ impl CpuTable {
 
     /// Adaptive, after a batch: its accesses (the keys the sketch counted,
     /// in index order) to the window share's miniatures (`adapt::Window`).
-    fn observe(&self, st: &Storage, keys: impl IntoIterator<Item = u64>) {
+    /// `key(i)`: key `i` of the batch's `n` if it counts.
+    fn observe(&self, st: &Storage, n: usize, key: impl Fn(usize) -> Option<u64> + Sync) {
         if let Some(a) = &self.adapt {
-            a.window.observe(st.nbuckets() * S as u64, keys);
+            a.window.observe(st.nbuckets() * S as u64, n, key);
         }
     }
 
@@ -119,7 +120,7 @@ impl CpuTable {
         });
         self.finish_insert(&st, &acc);
         if policy {
-            self.observe(&st, keys.iter().copied());
+            self.observe(&st, keys.len(), |i| Some(keys[i]));
         }
         Ok(acc)
     }
@@ -226,7 +227,7 @@ impl CpuTable {
             acc
         });
         self.finish_insert(&st, &acc);
-        self.observe(&st, idx.iter().map(|&i| keys[i]));
+        self.observe(&st, idx.len(), |j| Some(keys[idx[j]]));
         acc
     }
 }
@@ -279,7 +280,8 @@ impl Shard for CpuTable {
             acc
         });
         if refresh.is_some() {
-            self.observe(&st, keys.iter().zip(found.iter()).filter(|(_, &f)| f).map(|(&k, _)| k));
+            let found = &*found;
+            self.observe(&st, n, |i| found[i].then_some(keys[i]));
         }
         self.counters.lookups(acc.hits, n);
         Ok(acc.hits as usize)
@@ -296,7 +298,8 @@ impl Shard for CpuTable {
         let st = self.storage.read();
         let hits = self.find_rows(&st, keys, at, Rows { base: 0, values, found: &mut *found }, grain(n));
         if self.config.refreshes_reads() {
-            self.observe(&st, keys.iter().zip(at).filter(|(_, &r)| found[r as usize] != 0).map(|(&k, _)| k));
+            let found = &*found;
+            self.observe(&st, n, |i| (found[at[i] as usize] != 0).then_some(keys[i]));
         }
         self.counters.lookups(hits, n);
         Ok(hits as usize)
@@ -398,7 +401,7 @@ impl Shard for CpuTable {
             acc
         });
         self.finish_insert(&st, &acc);
-        self.observe(&st, keys.iter().copied());
+        self.observe(&st, n, |i| Some(keys[i]));
         self.counters.lookups(acc.hits, n);
         Ok(acc.summary)
     }

@@ -88,9 +88,10 @@ impl CudaTable {
     /// Adaptive, after a batch of a table of `st`'s size: its accesses
     /// (the keys the sketch counted, in index order) to the window share's
     /// miniatures. No-op for other policies.
-    pub(super) fn adapt_observe(&self, st: &Storage, keys: impl IntoIterator<Item = u64>) {
+    /// `key(i)`: key `i` of the batch's `n` if it counts.
+    pub(super) fn adapt_observe(&self, st: &Storage, n: usize, key: impl Fn(usize) -> Option<u64> + Sync) {
         if let Some(a) = &self.adapt {
-            a.window.observe(st.nbuckets * S, keys);
+            a.window.observe(st.nbuckets * S, n, key);
         }
     }
 
@@ -140,7 +141,7 @@ impl CudaTable {
         let o = flags(only, "key filter")?;
         let f = flags(found, "found flags")?;
         let pass = |i: usize| o.as_ref().is_none_or(|o| o[i] != 0) && f.as_ref().is_none_or(|f| f[i] != 0);
-        self.adapt_observe(st, (0..n).filter(|&i| pass(i)).map(|i| k[i]));
+        self.adapt_observe(st, n, |i| pass(i).then_some(k[i]));
         Ok(())
     }
 

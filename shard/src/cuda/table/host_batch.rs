@@ -225,7 +225,7 @@ impl CudaTable {
         self.k_adapt_age(&s, st)?;
         if !verbatim {
             let pass = |i: usize| only.is_none_or(|o| o[i] != 0);
-            self.adapt_observe(st, (0..n).filter(|&i| pass(i)).map(|i| keys[i]));
+            self.adapt_observe(st, n, |i| pass(i).then_some(keys[i]));
         }
         let rows = match values {
             Rows::InOut(_) => Some(Self::fetch(&s, &mut l.stage, &l.values, n * dim)?),

@@ -512,7 +512,8 @@ impl CudaTable {
             }
             if self.config.refreshes_reads() {
                 // Adaptive: the hits the sketch counted, to the window share's miniatures.
-                self.adapt_observe(st, keys.iter().zip(found.iter()).filter(|(_, &h)| h).map(|(&k, _)| k));
+                let found = &*found;
+                self.adapt_observe(st, n, |i| found[i].then_some(keys[i]));
             }
             if direct && c.hits == n as u64 {
                 let bytes = std::mem::size_of_val(values);
