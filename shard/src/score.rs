@@ -46,12 +46,14 @@ pub enum ScorePolicy {
     /// Score = the caller's value, verbatim.
     Custom,
     /// A window-TinyLFU inside each bucket with an adaptive window (issue
-    /// 36): score = tier bit (63: main, clear: window) over the clock in
-    /// ns. Newcomers enter the window; when a full bucket's window is over
-    /// its share, its oldest entry must beat the oldest main entry in a
-    /// count-min frequency sketch to move to the main part, else it goes.
-    /// Each bucket's window share follows ghost hits (ARC's rule). See
-    /// `cpu::adapt`; the CUDA backend follows the same rules.
+    /// 36): score = tier bits (63: main, 62: protected; both clear:
+    /// window) over the clock in ns. Newcomers enter the window; when a
+    /// full bucket's window is at its share, its oldest entry must beat the
+    /// oldest unprotected main entry in a count-min frequency sketch (by 2
+    /// counts) to move to the main part, else it goes. The window share is
+    /// one for the table, chosen between batches by miniature simulations
+    /// of sampled accesses. See `cpu::adapt`; the CUDA backend follows the
+    /// same rules.
     Adaptive,
 }
 
