@@ -220,7 +220,9 @@ fn differential_against_the_cpu_backend() {
                 cpu.stats().evictions
             );
             // Adaptive keeps a little more room under this mix of writes and
-            // erases (0.888 in single mode on the H200).
+            // erases (first design: 0.888 in single mode on the H200; second
+            // design: 0.866 in both modes, the CPU half run against a
+            // second CPU table, which agreed slot for slot).
             let full = if policy == ScorePolicy::Adaptive { 0.85 } else { 0.9 };
             assert!(cpu.load_factor() > full, "the test must reach a full table");
         }
