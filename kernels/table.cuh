@@ -638,12 +638,12 @@ __device__ __forceinline__ void hkv_flush_sample(const HkvSample& smp, const u32
 // a writer batch by increments whose order does not matter (adapt_count,
 // before the batch's rounds; hits of refreshing finds), the share is fixed
 // for the batch, and a bucket's scores change only under its lock.
-// Memory traffic of a newcomer to a full bucket: the group reads the
-// bucket's 128 digests and scores once to choose, and once more per window
-// entry moved by a shrink (only after the share fell) and per protected
-// entry demoted (about one per insert once the main tier is 80 %
-// protected); the two keys the frequency test reads; one score written per
-// change.
+// Memory traffic of a newcomer to full candidates: the group reads 128
+// digests and scores of each candidate to choose the bucket, of the chosen
+// one again, and once more per window entry moved by a shrink (only after
+// the share fell) and per protected entry demoted (about one per insert
+// once the main tier is 80 % protected); the two keys the frequency test
+// reads; one score written per change. Mostly L2 hits after the first read.
 
 // A key's 4 sketch counters: one 64-byte line, a counter in each quarter
 // (adapt::sketch_indices).
