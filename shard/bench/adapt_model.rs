@@ -31,8 +31,9 @@
 //! the inserted misses after the insert; ghosts unused. The second
 //! design is SLRU=1 WS=1 MS=1 on top of the committed variables. The
 //! miniatures' constants (`minisim::Params`): MSW windows (percent,
-//! comma-separated, ascending), MSS table slots per miniature slot, MSF /
-//! MSH frequency / hit halving periods per miniature slot, MSM how far
+//! comma-separated, ascending), MSS table slots per miniature slot, MSF
+//! the frequency halving period per miniature slot, MSH the hit halving
+//! period in percent of a miniature's capacity, MSM how far
 //! ahead (1/1000) another miniature must be to take over. ADM=k: a
 //! candidate joins the main tier only if more than k more frequent than
 //! the victim (default 0, TinyLFU's rule); MSA=k the same in the
@@ -497,7 +498,7 @@ fn main() {
                 windows: env::var("MSW").map(|w| w.split(',').map(|x| x.parse().unwrap()).collect()).unwrap_or(d.windows),
                 sampled_slots: e("MSS", &d.sampled_slots.to_string()).parse().unwrap(),
                 freq_period: e("MSF", &d.freq_period.to_string()).parse().unwrap(),
-                hit_period: e("MSH", &d.hit_period.to_string()).parse().unwrap(),
+                hit_period_percent: e("MSH", &d.hit_period_percent.to_string()).parse().unwrap(),
                 margin: e("MSM", &d.margin.to_string()).parse().unwrap(),
                 admit_margin: e("MSA", &d.admit_margin.to_string()).parse().unwrap(),
             }
