@@ -54,10 +54,10 @@ typedef unsigned char u8;
 #define HKV_CUSTOM 4
 // The adaptive policy (table.cuh, "adaptive policy"; shard/src/cpu/adapt.rs).
 #define HKV_ADAPTIVE 5
-// Adaptive: a bucket's window share before its first ghost hit (adapt::INITIAL_WINDOW).
-#define HKV_ADAPT_INITIAL_WINDOW 1
-// Adaptive: slots a ghost hit moves the share, times ARC's ratio (adapt::STEP).
-#define HKV_ADAPT_STEP 1
+// Adaptive: the most of a bucket's main tier that is protected, in tenths (adapt::PROTECTED_TENTHS).
+#define HKV_ADAPT_PROTECTED_TENTHS 8
+// Adaptive: how much more frequent than the victim a window candidate must be to join the main tier (adapt::ADMIT_MARGIN).
+#define HKV_ADAPT_ADMIT_MARGIN 1
 
 // Lfu with LRU ties: the stamp's bits below the frequency (score::LFU_STAMP_BITS).
 #define HKV_LFU_STAMP_BITS 40
@@ -153,10 +153,8 @@ struct HkvScoring {
     u32 verbatim;  // HKV_SCORES_POLICY, _VERBATIM or _DEFER
     u32 lfu_lru;   // Lfu: 1 = frequency << 40 | stamp (LfuTies::Lru), 0 = plain frequency
     u32 refresh;   // lookups: a hit's score becomes what a write without input gives it (reads_refresh)
-    u32 pad;
+    u32 window;    // adaptive: every bucket's window share for this batch, 1..127 slots (adapt::Window)
     u8* sketch;    // adaptive: the frequency sketch, sketch_lines lines of 64 counters (else null)
-    u32* ghosts;   // adaptive: 128 ghosts per bucket
-    u64* meta;     // adaptive: a state word per bucket (the window share, tallies)
     u64 sketch_lines;  // a power of two
 };
 
@@ -213,18 +211,16 @@ struct HkvStep {
     AT(HkvTable, dual, 80)            \
     AT(HkvTable, pad, 84)             \
     AT(HkvTable, order, 88)           \
-    SIZE(HkvScoring, 64)              \
+    SIZE(HkvScoring, 48)              \
     AT(HkvScoring, now_ns, 0)         \
     AT(HkvScoring, policy, 8)         \
     AT(HkvScoring, epoch, 12)         \
     AT(HkvScoring, verbatim, 16)      \
     AT(HkvScoring, lfu_lru, 20)       \
     AT(HkvScoring, refresh, 24)       \
-    AT(HkvScoring, pad, 28)           \
+    AT(HkvScoring, window, 28)        \
     AT(HkvScoring, sketch, 32)        \
-    AT(HkvScoring, ghosts, 40)        \
-    AT(HkvScoring, meta, 48)          \
-    AT(HkvScoring, sketch_lines, 56)  \
+    AT(HkvScoring, sketch_lines, 40)  \
     SIZE(HkvFilter, 32)               \
     AT(HkvFilter, key_mask, 0)        \
     AT(HkvFilter, key_pattern, 8)     \

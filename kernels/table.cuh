@@ -77,12 +77,14 @@ __device__ __forceinline__ u64 hkv_lfu(const HkvScoring& s, u64 f) {
 
 // Adaptive: the bit of a main-tier entry's score (score::ADAPTIVE_MAIN); clear: window.
 #define HKV_ADAPTIVE_MAIN (1ULL << 63)
+// Adaptive: the bit of a protected main-tier entry (score::ADAPTIVE_PROTECTED); clear: probation.
+#define HKV_ADAPTIVE_PROTECTED (1ULL << 62)
 
 __device__ __forceinline__ u64 hkv_on_insert(const HkvScoring& s, bool has, u64 input) {
     u64 hi = (u64)s.epoch << 32;
     switch (s.policy) {
         case HKV_LRU: return s.now_ns;
-        case HKV_ADAPTIVE: return s.now_ns & ~HKV_ADAPTIVE_MAIN;
+        case HKV_ADAPTIVE: return s.now_ns & ~(HKV_ADAPTIVE_MAIN | HKV_ADAPTIVE_PROTECTED);
         case HKV_LFU: return hkv_lfu(s, has ? input : 1);
         case HKV_EPOCH_LRU: return hi | ((s.now_ns >> 20) & 0xffffffffULL);
         case HKV_EPOCH_LFU: return hi | ((has ? input : 1) & 0xffffffffULL);
@@ -107,7 +109,10 @@ __device__ __forceinline__ u64 hkv_on_upsert(const HkvScoring& s, u64 old, bool 
             if (low > 0xffffffffULL) low = 0xffffffffULL;
             return ((u64)s.epoch << 32) | low;
         }
-        case HKV_ADAPTIVE: return (old & HKV_ADAPTIVE_MAIN) | hkv_on_insert(s, false, 0);
+        // A main-tier entry written or read again is protected (SLRU).
+        case HKV_ADAPTIVE:
+            return ((old & HKV_ADAPTIVE_MAIN) ? (HKV_ADAPTIVE_MAIN | HKV_ADAPTIVE_PROTECTED) : 0) |
+                   hkv_on_insert(s, false, 0);
         default: return hkv_on_insert(s, has, input);
     }
 }
@@ -626,12 +631,19 @@ __device__ __forceinline__ void hkv_flush_sample(const HkvSample& smp, const u32
 
 // ---- adaptive policy ---------------------------------------------------------
 // shard/src/cpu/adapt.rs rule for rule (its module docs say why): a
-// window-TinyLFU in each bucket, the window's share per bucket following
-// ghost hits. The state is in HkvScoring (sketch, ghosts, meta; null sketch:
-// not adaptive). Choices equal the CPU backend's key for key: the sketch only
-// grows during a writer batch by increments whose order does not matter
-// (adapt_count, before the batch's rounds; hits of refreshing finds), and a
-// bucket's ghosts and state word are used only under its lock.
+// window-TinyLFU in each bucket with a segmented main tier, the window's
+// share one for the table, chosen between batches on the host and passed in
+// HkvScoring::window. The sketch is in HkvScoring (null: not adaptive).
+// Choices equal the CPU backend's key for key: the sketch only grows during
+// a writer batch by increments whose order does not matter (adapt_count,
+// before the batch's rounds; hits of refreshing finds), the share is fixed
+// for the batch, and a bucket's scores change only under its lock.
+// Memory traffic of a newcomer to full candidates: the group reads 128
+// digests and scores of each candidate to choose the bucket, of the chosen
+// one again, and once more per window entry moved by a shrink (only after
+// the share fell) and per protected entry demoted (about one per insert
+// once the main tier is 80 % protected); the two keys the frequency test
+// reads; one score written per change. Mostly L2 hits after the first read.
 
 // A key's 4 sketch counters: one 64-byte line, a counter in each quarter
 // (adapt::sketch_indices).
@@ -666,153 +678,92 @@ __device__ __forceinline__ void hkv_sketch_count(const HkvScoring& s, u64 key) {
     }
 }
 
-// A key's ghost: slot among its bucket's 128 and 16-bit fingerprint, never 0 (adapt::ghost_of).
-__device__ __forceinline__ void hkv_ghost_of(u64 key, u32* slot, u32* fp) {
-    u64 h = hkv_fmix64(key ^ 0x01234567ULL);
-    *slot = (u32)(h % 128);
-    *fp = (u32)(h >> 48) | 1;
-}
-
-#define HKV_GHOST_WINDOW (1u << 15)
-#define HKV_GHOST_STAMP (HKV_GHOST_WINDOW - 1)
-
-// A bucket's state word (adapt::Meta): share bits 0-7, window / main
-// eviction tallies bits 8-15 / 16-23, window / main eviction counts bits
-// 32-47 / 48-63.
-__device__ __forceinline__ u32 hkv_meta_window(u64 m) {
-    u32 w = (u32)(m & 0xff);
-    return w < 1 ? 1 : (w > 127 ? 127 : w);
-}
-
-// A ghost hit (ghost value g): the new state word (m itself when no reachable share would have kept the key).
-__device__ __forceinline__ u64 hkv_meta_on_ghost(u64 m, u32 g) {
-    bool window = (g & HKV_GHOST_WINDOW) != 0;
-    u32 count = (u32)(m >> (window ? 32 : 48)) & 0xffff;
-    u32 age = (count - (g & HKV_GHOST_STAMP)) & HKV_GHOST_STAMP;
-    u32 ws = hkv_meta_window(m);
-    if (age >= (window ? 128 - ws : ws)) return m;
-    u64 mine = (m >> (window ? 8 : 16)) & 0xff, other = (m >> (window ? 16 : 8)) & 0xff;
-    mine = mine < 1 ? 1 : mine;
-    other = other < 1 ? 1 : other;
-    u64 ratio = other / mine;
-    u64 step = HKV_ADAPT_STEP * (ratio < 1 ? 1 : ratio);
-    u64 share = m & 0xff;
-    share = window ? (share + step > 128 ? 128 : share + step) : (share > step ? share - step : 0);
-    return (m & ~0xffULL) | share;
-}
-
-// An eviction from the window (or the main tier): the ghost's tier and stamp into *ghost, the new state word.
-__device__ __forceinline__ u64 hkv_meta_on_evict(u64 m, bool window, u32* ghost) {
-    u32 shift = window ? 32 : 48;
-    u32 c = (u32)(m >> shift) & 0xffff;
-    *ghost = (c & HKV_GHOST_STAMP) | (window ? HKV_GHOST_WINDOW : 0);
-    u64 w = (m >> 8) & 0xff, mm = (m >> 16) & 0xff;
-    if (window) ++w;
-    else ++mm;
-    if (w + mm > 128) {
-        w /= 2;
-        mm /= 2;
-    }
-    u64 counts = (m & ~(0xffffULL << shift)) | ((u64)((c + 1) & 0xffff) << shift);
-    return (counts & ~0xffff00ULL) | (w << 8) | (mm << 16);
-}
-
 // The adaptive paths of the writer kernels below are calls (__noinline__),
 // so that the registers they need are not reserved in every policy's
 // writer kernels (upsert_keys_g4_b5 is held to 48).
 
-// A newcomer to candidate buckets b1, b2 (locked): if its ghost is in one
-// of them (b1 first), that bucket's share moves and the ghost goes
-// (Adapt::on_miss). The group's first thread does it; the others wait.
-template <int G>
-__device__ __noinline__ void hkv_adapt_miss(const HkvScoring& s, const HkvGroup<G>& g, u64 b1, u64 b2, u64 key) {
-    if (g.rank == 0) {
-        u32 slot, fp;
-        hkv_ghost_of(key, &slot, &fp);
-        for (int k = 0; k < (b1 == b2 ? 1 : 2); ++k) {
-            u64 b = k == 0 ? b1 : b2;
-            u32* gp = s.ghosts + b * 128 + slot;
-            u32 v = __ldcg(gp);
-            if ((v >> 16) == fp) {
-                *gp = 0;
-                s.meta[b] = hkv_meta_on_ghost(__ldcg(s.meta + b), v);
-                break;
-            }
-        }
-    }
-    g.sync();
-}
-
-// Records the eviction of key from bucket b's window or main tier (group's first thread).
-__device__ __forceinline__ void hkv_adapt_evict(const HkvScoring& s, u64 b, u64 key, bool window) {
-    u32 slot, fp, ghost;
-    hkv_ghost_of(key, &slot, &fp);
-    s.meta[b] = hkv_meta_on_evict(__ldcg(s.meta + b), window, &ghost);
-    s.ghosts[b * 128 + slot] = (fp << 16) | ghost;
-}
-
-// A bucket's tiers (adapt::Tiers): window entries among its occupied slots,
-// and the oldest entry (minimum score, lowest slot on ties) of each tier;
-// slot -1: the tier is empty. Every thread of the group gets the answer.
+// A bucket's tiers: window entries and protected entries among its occupied
+// slots, and the oldest entry (minimum score, lowest slot on ties) of the
+// window, the main tier and its protected part (adapt::plan's `oldest`);
+// slot -1: none. Every thread of the group gets the answer.
 struct HkvTiers {
-    int window;
-    int ow, om;
-    u64 ows, oms;
+    int window, occupied, prot;
+    int ow, om, op;
+    u64 ows, oms, ops;
 };
+
+__device__ __forceinline__ void hkv_tiers_min(u64* v, int* o, u64 v2, int o2) {
+    if (o2 >= 0 && (*o < 0 || v2 < *v || (v2 == *v && o2 < *o))) {
+        *v = v2;
+        *o = o2;
+    }
+}
 
 template <int G>
 __device__ __forceinline__ HkvTiers hkv_tiers(const HkvTable& t, const HkvGroup<G>& g, u64 b) {
-    HkvTiers r = {0, -1, -1, 0xFFFFFFFFFFFFFFFFULL, 0xFFFFFFFFFFFFFFFFULL};
+    const u64 none = 0xFFFFFFFFFFFFFFFFULL;
+    HkvTiers r = {0, 0, 0, -1, -1, -1, none, none, none};
     u8 empty = hkv_empty_digest();
     for (int s = g.rank; s < 128; s += G) {
         if (__ldcg(t.digests + b * 128 + s) == empty) continue;
         u64 sc = __ldcg(t.scores + b * 128 + s);
+        ++r.occupied;
         if (sc & HKV_ADAPTIVE_MAIN) {
-            if (sc < r.oms) {
-                r.oms = sc;
-                r.om = s;
+            hkv_tiers_min(&r.oms, &r.om, sc, s);
+            if (sc & HKV_ADAPTIVE_PROTECTED) {
+                ++r.prot;
+                hkv_tiers_min(&r.ops, &r.op, sc, s);
             }
         } else {
             ++r.window;
-            if (sc < r.ows) {
-                r.ows = sc;
-                r.ow = s;
-            }
+            hkv_tiers_min(&r.ows, &r.ow, sc, s);
         }
     }
 #pragma unroll
     for (int off = G / 2; off > 0; off >>= 1) {
         r.window += __shfl_xor_sync(g.mask, r.window, off, G);
+        r.occupied += __shfl_xor_sync(g.mask, r.occupied, off, G);
+        r.prot += __shfl_xor_sync(g.mask, r.prot, off, G);
         u64 v = __shfl_xor_sync(g.mask, r.ows, off, G);
         int o = __shfl_xor_sync(g.mask, r.ow, off, G);
-        if (o >= 0 && (r.ow < 0 || v < r.ows || (v == r.ows && o < r.ow))) {
-            r.ows = v;
-            r.ow = o;
-        }
+        hkv_tiers_min(&r.ows, &r.ow, v, o);
         v = __shfl_xor_sync(g.mask, r.oms, off, G);
         o = __shfl_xor_sync(g.mask, r.om, off, G);
-        if (o >= 0 && (r.om < 0 || v < r.oms || (v == r.oms && o < r.om))) {
-            r.oms = v;
-            r.om = o;
-        }
+        hkv_tiers_min(&r.oms, &r.om, v, o);
+        v = __shfl_xor_sync(g.mask, r.ops, off, G);
+        o = __shfl_xor_sync(g.mask, r.op, off, G);
+        hkv_tiers_min(&r.ops, &r.op, v, o);
     }
     return r;
 }
 
-// Filling bucket b (locked; a newcomer takes a free slot): if the window is
-// at its share, its oldest entry moves to the main tier.
+// Bucket b (locked) before a newcomer: while the window holds more than
+// `bound` entries, its oldest moves to the main tier (unprotected). Returns
+// the tiers after. A few rescans at most: the share moves between batches.
+template <int G>
+__device__ __forceinline__ HkvTiers hkv_adapt_shrink(const HkvTable& t, const HkvGroup<G>& g, u64 b, int bound) {
+    HkvTiers r = hkv_tiers<G>(t, g, b);
+    while (r.window > bound && r.ow >= 0) {
+        if (g.rank == 0) t.scores[b * 128 + r.ow] = r.ows | HKV_ADAPTIVE_MAIN;
+        g.sync();
+        r = hkv_tiers<G>(t, g, b);
+    }
+    return r;
+}
+
+// Filling bucket b (locked; a newcomer takes a free slot): the window is
+// kept under its share, its oldest entries moving to the main tier.
 template <int G>
 __device__ __noinline__ void hkv_adapt_fill(const HkvTable& t, const HkvScoring& s, const HkvGroup<G>& g, u64 b) {
-    HkvTiers r = hkv_tiers<G>(t, g, b);
-    if (g.rank == 0 && r.ow >= 0 && (u32)r.window >= hkv_meta_window(__ldcg(s.meta + b)))
-        t.scores[b * 128 + r.ow] = r.ows | HKV_ADAPTIVE_MAIN;
+    hkv_adapt_shrink<G>(t, g, b, (int)s.window - 1);
     g.sync();
 }
 
 // Full candidates b1, b2 (locked): the bucket with the older minimum (b1 on
-// ties), then its window rule (Adapt::room): into *b and *slot the slot to
-// evict; a candidate that wins moves to the main tier; the evicted entry
-// leaves its ghost.
+// ties), then its window rule (adapt::plan): the window shrinks to its
+// share, the oldest protected entries lose protection while more than 80 %
+// of the main tier is protected, then into *b and *slot the slot to evict
+// (a candidate that wins moves to the main tier, unprotected).
 template <int G>
 __device__ __noinline__ void hkv_adapt_room(const HkvTable& t, const HkvScoring& s, const HkvGroup<G>& g, u64 b1,
                                                u64 b2, u64* b, int* slot) {
@@ -821,32 +772,31 @@ __device__ __noinline__ void hkv_adapt_room(const HkvTable& t, const HkvScoring&
     if (b2 != b1) {
         HkvTiers r2 = hkv_tiers<G>(t, g, b2);
         u64 m1 = r.ow >= 0 ? r.ows : r.oms, m2 = r2.ow >= 0 ? r2.ows : r2.oms;
-        if (m2 < m1) {
-            r = r2;
-            *b = b2;
-        }
+        if (m2 < m1) *b = b2;
+    }
+    u64 base = *b * 128;
+    int win = (int)s.window;
+    r = hkv_adapt_shrink<G>(t, g, *b, win);
+    while (r.prot * 10 > HKV_ADAPT_PROTECTED_TENTHS * (r.occupied - r.window) && r.op >= 0) {
+        if (g.rank == 0) t.scores[base + r.op] = r.ops & ~HKV_ADAPTIVE_PROTECTED;
+        g.sync();
+        r = hkv_tiers<G>(t, g, *b);
     }
     int victim = 0;
     if (g.rank == 0) {
-        u64 base = *b * 128;
-        bool window;
-        if (r.ow >= 0 && r.om >= 0 && (u32)r.window >= hkv_meta_window(__ldcg(s.meta + *b))) {
-            if (hkv_frequency(s, __ldcg(t.keys + base + r.ow)) > hkv_frequency(s, __ldcg(t.keys + base + r.om))) {
+        if (r.ow >= 0 && r.om >= 0 && r.window >= win) {
+            if (hkv_frequency(s, __ldcg(t.keys + base + r.ow)) >
+                hkv_frequency(s, __ldcg(t.keys + base + r.om)) + HKV_ADAPT_ADMIT_MARGIN) {
                 t.scores[base + r.ow] = r.ows | HKV_ADAPTIVE_MAIN;
                 victim = r.om;
-                window = false;
             } else {
                 victim = r.ow;
-                window = true;
             }
         } else if (r.om >= 0) {
             victim = r.om;
-            window = false;
         } else {
             victim = r.ow;
-            window = true;
         }
-        hkv_adapt_evict(s, *b, __ldcg(t.keys + base + victim), window);
     }
     *slot = g.bcast(victim, 0);
 }

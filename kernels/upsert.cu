@@ -168,7 +168,6 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
         u64 adm = sc.verbatim ? score : hkv_admission(sc, score);
         // Adaptive, policy scores (the batch's keys are in the sketch: adapt_count).
         bool adapt = !sc.verbatim && sc.sketch;
-        if (adapt) hkv_adapt_miss<G>(sc, g, b1, b2, key);
         u64 tb = b1;
         if (b2 != b1 && __ldcg(t.sizes + b2) < __ldcg(t.sizes + b1)) tb = b2;
         int fs = hkv_free_slot<G>(g, tb == b1 ? free1 : free2);

@@ -17,13 +17,41 @@
 //! GF / GFM (window ghosts of keys at least GF frequent do not grow the
 //! window; GFM=1: they shrink it), DBG=1 prints the mean final window.
 //! The committed policy is PLAIN=1 GB=1 TB=1 AB=1 BLOCKED=1 INIT=0.01.
+//!
+//! The second design (issue 36, on top of the committed one): SLRU=1 a
+//! segmented main tier (bit 62 PROTECTED: a hit on a main entry protects
+//! it; a full bucket first demotes its oldest protected entries while
+//! more than PF tenths (default 8) of the main tier is protected; the victim is
+//! the oldest unprotected main entry; a promoted window entry starts
+//! unprotected); WS=1 an insert first moves the window's oldest entries to
+//! the main tier while the window is over its share; MS=1 the share of
+//! every bucket is the table-wide choice of the miniature simulations of
+//! `shard/src/cpu/minisim.rs` (included below: the same code as the
+//! policy's), fed as the table feeds them: a find's hits after the find,
+//! the inserted misses after the insert; ghosts unused. The second
+//! design is SLRU=1 WS=1 MS=1 on top of the committed variables. The
+//! miniatures' constants (`minisim::Params`): MSW windows (percent,
+//! comma-separated, ascending), MSS table slots per miniature slot, MSF
+//! the frequency halving period per miniature slot, MSH the hit halving
+//! period in percent of a miniature's capacity, MSM how far
+//! ahead (1/1000) another miniature must be to take over. ADM=k: a
+//! candidate joins the main tier only if more than k more frequent than
+//! the victim (default 0, TinyLFU's rule); MSA=k the same in the
+//! miniatures (default: the policy's, `minisim::ADMIT_MARGIN`, 1). The
+//! policy as committed now: SLRU=1 WS=1 MS=1 ADM=1 on top of the first
+//! design's variables; the rule before the margin: add MSA=0, ADM=0.
 //! shard/bench/model_eval.py runs it over the traces and prints each
 //! size's margin to the issue's bar.
 use std::collections::HashSet;
 use std::env;
 
+#[path = "../src/cpu/minisim.rs"]
+#[allow(dead_code)]
+mod minisim;
+
 const S: usize = 128;
 const MAIN: u64 = 1 << 63;
+const PROT: u64 = 1 << 62;
 const EMPTY: u64 = u64::MAX;
 
 static BLOCKED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -49,6 +77,12 @@ struct P {
     fixed: Option<u32>,
     gf: u8,
     gfm: bool,
+    slru: bool,
+    pf10: usize,
+    shrink: bool,
+    ms: bool,
+    msp: minisim::Params,
+    adm: u8,
 }
 
 struct Sim {
@@ -73,6 +107,7 @@ struct Sim {
     bevw: Vec<u32>,
     bevm: Vec<u32>,
     slots: u64,
+    chooser: Option<minisim::Chooser>,
 }
 
 fn sidx(key: u64, row: usize, mask: u64) -> usize {
@@ -110,6 +145,7 @@ impl Sim {
             bm: vec![1.0; nb],
             bevw: vec![0; nb],
             bevm: vec![0; nb],
+            chooser: p.ms.then(|| minisim::Chooser::with(slots, p.msp.clone())),
             slots,
             p,
         }
@@ -156,6 +192,9 @@ impl Sim {
         if let Some(f) = self.p.fixed {
             return f;
         }
+        if let Some(c) = &self.chooser {
+            return c.bucket_window();
+        }
         let w = if self.p.target_bucket {
             self.bt[b]
         } else {
@@ -184,6 +223,9 @@ impl Sim {
         (w, ow, om)
     }
     fn on_miss(&mut self, b: usize, k: u64) {
+        if self.p.ms {
+            return;
+        }
         let h = fmix(k ^ 0x0123_4567);
         if self.p.ghost_bucket {
             let gi = b * S + (h % S as u64) as usize;
@@ -241,6 +283,9 @@ impl Sim {
         }
     }
     fn on_evict(&mut self, b: usize, k: u64, window: bool) {
+        if self.p.ms {
+            return;
+        }
         let h = fmix(k ^ 0x0123_4567);
         if self.p.ghost_bucket {
             let gi = b * S + (h % S as u64) as usize;
@@ -278,6 +323,41 @@ impl Sim {
             }
         }
     }
+    fn refresh(&self, sc: u64, now: u64) -> u64 {
+        if self.p.slru && sc & MAIN != 0 {
+            MAIN | PROT | now
+        } else {
+            (sc & MAIN) | now
+        }
+    }
+    // WS: the window's oldest entries to the main tier (unprotected) while
+    // the window is over its share.
+    fn shrink(&mut self, b: usize) {
+        loop {
+            let (w, ow, _) = self.tiers(b);
+            match ow {
+                Some((c, sc)) if w > self.win_slots(b) => self.scores[b * S + c] = sc | MAIN,
+                _ => return,
+            }
+        }
+    }
+    // SLRU: the oldest protected entries lose protection while more than
+    // PF of the main tier is protected.
+    fn demote(&mut self, b: usize) {
+        let r = b * S..b * S + S;
+        let main = self.scores[r.clone()].iter().zip(&self.keys[r.clone()]).filter(|(&s, &k)| k != EMPTY && s & MAIN != 0).count();
+        let mut prot = self.scores[r.clone()].iter().zip(&self.keys[r.clone()]).filter(|(&s, &k)| k != EMPTY && s & PROT != 0).count();
+        while prot * 10 > self.p.pf10 * main {
+            let (i, _) = r
+                .clone()
+                .filter(|&i| self.keys[i] != EMPTY && self.scores[i] & PROT != 0)
+                .map(|i| (i, self.scores[i]))
+                .min_by_key(|&(_, s)| s)
+                .unwrap();
+            self.scores[i] &= !PROT;
+            prot -= 1;
+        }
+    }
     fn insert(&mut self, k: u64, now: u64, counted: bool) {
         if !counted {
             self.count(k);
@@ -285,10 +365,13 @@ impl Sim {
         let b = self.bucket(k);
         if let Some(s) = self.find(b, k) {
             let i = b * S + s;
-            self.scores[i] = (self.scores[i] & MAIN) | now;
+            self.scores[i] = self.refresh(self.scores[i], now);
             return;
         }
         self.on_miss(b, k);
+        if self.p.shrink {
+            self.shrink(b);
+        }
         if let Some(s) = (0..S).find(|&s| self.keys[b * S + s] == EMPTY) {
             let (w, ow, _) = self.tiers(b);
             if let Some((c, sc)) = ow.filter(|_| w >= self.win_slots(b)) {
@@ -299,12 +382,15 @@ impl Sim {
             self.scores[b * S + s] = now;
             return;
         }
+        if self.p.slru {
+            self.demote(b);
+        }
         let (w, ow, om) = self.tiers(b);
         let win = self.win_slots(b);
         let (slot, window) = match (ow, om) {
             (Some((c, _)), Some((v, _))) if w >= win => {
                 let (fc, fv) = (self.freq(self.keys[b * S + c]), self.freq(self.keys[b * S + v]));
-                if fc > fv {
+                if fc > fv.saturating_add(self.p.adm) {
                     self.scores[b * S + c] |= MAIN;
                     (v, false)
                 } else {
@@ -341,7 +427,7 @@ fn run(p: &P, trace: &[u64], slots: u64) -> f64 {
                 found[i] = true;
                 hits += 1;
                 let j = b * S + s;
-                sim.scores[j] = (sim.scores[j] & MAIN) | now;
+                sim.scores[j] = sim.refresh(sim.scores[j], now);
                 sim.count(k);
             }
         }
@@ -353,6 +439,11 @@ fn run(p: &P, trace: &[u64], slots: u64) -> f64 {
                 missed.push(k);
             }
         }
+        if let Some(c) = &mut sim.chooser {
+            // As the table feeds them: a find's hits after the find, the
+            // written keys after the insert (cpu::adapt::Window::observe).
+            c.batch(batch.iter().zip(&found).filter(|(_, &f)| f).map(|(&k, _)| k));
+        }
         if p.plain {
             for &k in &missed {
                 sim.count(k);
@@ -362,8 +453,14 @@ fn run(p: &P, trace: &[u64], slots: u64) -> f64 {
             sim.insert(k, now, p.plain);
         }
         sim.age();
+        if let Some(c) = &mut sim.chooser {
+            c.batch(missed.iter().copied());
+        }
     }
     if env::var("DBG").is_ok() {
+        if let Some(c) = &sim.chooser {
+            eprintln!("slots {} rate {} sampled accesses {} final window {} %", slots, c.rate(), c.accesses(), c.window_percent());
+        }
         let avg: f64 = (0..sim.nb).map(|b| sim.win_slots(b) as f64).sum::<f64>() / sim.nb as f64;
         eprintln!("slots {} avg window {:.1}", slots, avg);
     }
@@ -390,6 +487,22 @@ fn main() {
         fixed: env::var("FIXED").ok().map(|s| s.parse().unwrap()),
         gf: e("GF", "99").parse().unwrap(),
         gfm: e("GFM", "0") == "1",
+        slru: e("SLRU", "0") == "1",
+        pf10: e("PF", "8").parse().unwrap(),
+        shrink: e("WS", "0") == "1",
+        ms: e("MS", "0") == "1",
+        adm: e("ADM", "0").parse().unwrap(),
+        msp: {
+            let d = minisim::Params::default();
+            minisim::Params {
+                windows: env::var("MSW").map(|w| w.split(',').map(|x| x.parse().unwrap()).collect()).unwrap_or(d.windows),
+                sampled_slots: e("MSS", &d.sampled_slots.to_string()).parse().unwrap(),
+                freq_period: e("MSF", &d.freq_period.to_string()).parse().unwrap(),
+                hit_period_percent: e("MSH", &d.hit_period_percent.to_string()).parse().unwrap(),
+                margin: e("MSM", &d.margin.to_string()).parse().unwrap(),
+                admit_margin: e("MSA", &d.admit_margin.to_string()).parse().unwrap(),
+            }
+        },
     };
     let out: Vec<String> = caps.iter().map(|&c| format!("{:.2}", run(&p, &trace, c))).collect();
     println!("{}", out.join(" "));

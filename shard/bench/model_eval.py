@@ -4,14 +4,15 @@ traces of traces.py in $TRACES (default /tmp/traces) at reference.py's
 sizes; prints per trace the model's hit % and its margin to the issue's
 bar (best of exact LRU, ARC, S3-FIFO, W-TinyLFU, LIRS − 1 pp; IID Zipf:
 hkvd lru − 0.3 pp), from the CSVs in shard/bench/results/. Variants: the
-model's environment variables; J: runs at once (default 2).
+model's environment variables; J: runs at once (default 2); REF: another
+reference CSV (a held-out trace seed's, say; default results/reference.csv).
 
     VAR=... python3 shard/bench/model_eval.py [trace ...]
 """
 import csv, collections, subprocess, sys, os, concurrent.futures as cf
 R=os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results') + '/'
 caps=collections.defaultdict(set); best=collections.defaultdict(float); lru={}
-for r in csv.DictReader(open(R+'reference.csv')):
+for r in csv.DictReader(open(os.environ.get('REF',R+'reference.csv'))):
     caps[r['trace']].add(int(r['capacity']))
     if r['policy'] in ('exact-lru','arc','s3fifo','w-tinylfu','lirs'):
         k=(r['trace'],int(r['capacity'])); best[k]=max(best[k],float(r['hit_percent']))

@@ -8,7 +8,7 @@
 //! | EpochLru | epoch << 32 \| (now >> 20) as u32 | same | score >= bucket minimum |
 //! | EpochLfu | epoch << 32 \| increment as u32 | epoch << 32 \| sat32(low + increment) | score >= bucket minimum |
 //! | Custom | caller's score | caller's score | score >= bucket minimum |
-//! | Adaptive | now (ns), window tier | tier kept, now | always into the window; the window's oldest entry is admitted to the main tier by the frequency sketch (`cpu::adapt`) |
+//! | Adaptive | now (ns), window tier | window: now; main tier: now, protected (bit 62) | always into the window; the window's oldest entry is admitted to the main tier by the frequency sketch (`cpu::adapt`) |
 //!
 //! Update-only operations (`assign`, `assign_scores`) without scores keep the
 //! stored score for Lfu, EpochLfu and Custom, and refresh it for Lru and EpochLru.
@@ -46,12 +46,14 @@ pub enum ScorePolicy {
     /// Score = the caller's value, verbatim.
     Custom,
     /// A window-TinyLFU inside each bucket with an adaptive window (issue
-    /// 36): score = tier bit (63: main, clear: window) over the clock in
-    /// ns. Newcomers enter the window; when a full bucket's window is over
-    /// its share, its oldest entry must beat the oldest main entry in a
-    /// count-min frequency sketch to move to the main part, else it goes.
-    /// Each bucket's window share follows ghost hits (ARC's rule). See
-    /// `cpu::adapt`; the CUDA backend follows the same rules.
+    /// 36): score = tier bits (63: main, 62: protected; both clear:
+    /// window) over the clock in ns. Newcomers enter the window; when a
+    /// full bucket's window is at its share, its oldest entry must beat the
+    /// oldest unprotected main entry in a count-min frequency sketch (by 2
+    /// counts) to move to the main part, else it goes. The window share is
+    /// one for the table, chosen between batches by miniature simulations
+    /// of sampled accesses. See `cpu::adapt`; the CUDA backend follows the
+    /// same rules.
     Adaptive,
 }
 
@@ -155,6 +157,13 @@ pub fn lfu_stamp(score: u64) -> u64 {
 /// Adaptive: the bit that marks an entry of the main tier (clear: window).
 pub const ADAPTIVE_MAIN: u64 = 1 << 63;
 
+/// Adaptive: the bit that marks a main-tier entry as protected (a hit
+/// since it entered the main tier; clear: probation, evicted first).
+pub const ADAPTIVE_PROTECTED: u64 = 1 << 62;
+
+/// Adaptive: the tier bits of a score (the rest is the clock).
+pub const ADAPTIVE_TIERS: u64 = ADAPTIVE_MAIN | ADAPTIVE_PROTECTED;
+
 /// A source of nanoseconds for Lru and EpochLru scores.
 pub trait Clock: Send + Sync + std::fmt::Debug {
     /// Nanoseconds on a clock that never goes back.
@@ -231,7 +240,7 @@ pub fn resume_after(policy: ScorePolicy, ties: LfuTies, max_score: u64, clock: &
     match policy {
         ScorePolicy::Lfu if ties == LfuTies::Lru => clock.advance_to((lfu_stamp(max_score) + 1) << 20),
         ScorePolicy::Lru => clock.advance_to(max_score.saturating_add(1)),
-        ScorePolicy::Adaptive => clock.advance_to((max_score & !ADAPTIVE_MAIN).saturating_add(1)),
+        ScorePolicy::Adaptive => clock.advance_to((max_score & !ADAPTIVE_TIERS).saturating_add(1)),
         ScorePolicy::EpochLru => {
             epoch.fetch_max((max_score >> 32) as u32, Ordering::Relaxed);
             clock.advance_to(((max_score & 0xffff_ffff) + 1) << 20);
@@ -276,7 +285,7 @@ impl Scorer {
     pub fn on_insert(&self, input: Option<u64>) -> u64 {
         match self.policy {
             ScorePolicy::Lru => self.now_ns,
-            ScorePolicy::Adaptive => self.now_ns & !ADAPTIVE_MAIN,
+            ScorePolicy::Adaptive => self.now_ns & !ADAPTIVE_TIERS,
             ScorePolicy::Lfu => self.lfu(input.unwrap_or(1)),
             ScorePolicy::EpochLru => self.epoch_hi() | ((self.now_ns >> 20) & 0xffff_ffff),
             ScorePolicy::EpochLfu => self.epoch_hi() | (input.unwrap_or(1) & 0xffff_ffff),
@@ -301,7 +310,9 @@ impl Scorer {
     pub fn on_upsert(&self, old: u64, input: Option<u64>) -> u64 {
         match self.policy {
             ScorePolicy::Lru | ScorePolicy::EpochLru | ScorePolicy::Custom => self.on_insert(input),
-            ScorePolicy::Adaptive => (old & ADAPTIVE_MAIN) | self.on_insert(None),
+            // A main-tier entry written or read again is protected (SLRU).
+            ScorePolicy::Adaptive if old & ADAPTIVE_MAIN != 0 => ADAPTIVE_TIERS | self.on_insert(None),
+            ScorePolicy::Adaptive => self.on_insert(None),
             ScorePolicy::Lfu => self.lfu(lfu_frequency(old, self.lfu_ties).saturating_add(input.unwrap_or(1))),
             ScorePolicy::EpochLfu => self.epoch_lfu_add(old, input.unwrap_or(1)),
         }

@@ -1,34 +1,43 @@
 //! The Adaptive policy's side state (issue 36): a count-min frequency
-//! sketch of the table, and per bucket a ghost array of recently evicted
-//! keys and the window's share.
+//! sketch of the table, and the table's window share, chosen between
+//! batches by miniature simulations (`minisim`).
 //!
-//! Each bucket is a small window-TinyLFU cache. An entry's score is the
-//! clock (ns) with bit 63 set for the main tier ([`ADAPTIVE_MAIN`]);
-//! newcomers enter the window (bit clear). A full bucket makes room for a
-//! newcomer this way, `win` being the bucket's window share of its 128
-//! slots:
-//! - window at or over its share: its oldest entry (the candidate) is
-//!   compared with the oldest main entry (the victim) in the sketch; the
-//!   more frequent one stays (the candidate moving to the main tier), the
-//!   other is evicted; ties evict the candidate (TinyLFU's rule, which
-//!   keeps a scan from flushing the main tier);
-//! - window under its share: the oldest main entry is evicted.
+//! Each bucket is a small window-TinyLFU cache with a segmented main tier.
+//! An entry's score is the clock (ns) with bit 63 set for the main tier
+//! ([`ADAPTIVE_MAIN`]) and bit 62 for its protected part
+//! ([`ADAPTIVE_PROTECTED`]); newcomers enter the window (both clear). A
+//! refresh (a find hit when reads refresh, or a write of a present key)
+//! of a main entry protects it; a window entry stays in the window. `win`
+//! being the window's share of a bucket's 128 slots (the same for every
+//! bucket during a batch), a newcomer to a bucket makes room this way:
+//! - the window over its share: its oldest entries move to the main tier
+//!   (unprotected, "probation") until it is not (the share shrank);
+//! - a bucket with a free slot: while the window holds `win` entries or
+//!   more, its oldest moves to the main tier (so that a bucket reaches its
+//!   first eviction already split); the newcomer takes the free slot;
+//! - a full bucket: first, while more than 80 % of the main tier is
+//!   protected, the oldest protected entry loses its protection (keeping
+//!   its stamp: SLRU's demotion to probation). Then, the window at its
+//!   share, its oldest entry (the candidate) is compared with the main
+//!   tier's lowest score (the victim: the oldest unprotected entry, or the
+//!   oldest protected one when none is unprotected) in the sketch; the
+//!   candidate moves to the main tier (unprotected) and the victim is
+//!   evicted only if the candidate was counted at least 2 more times
+//!   ([`ADMIT_MARGIN`]), else the candidate is evicted (TinyLFU's rule,
+//!   which keeps a scan from flushing the main tier, with a margin that
+//!   keeps the retained part of a scan or loop from churning). The window
+//!   under its share: the victim is evicted.
 //!
-//! While a bucket fills, each newcomer that finds the window at its share
-//! moves the window's oldest entry to the main tier, so that a bucket
-//! reaches its first eviction already split.
-//!
-//! The share adapts per bucket as ARC's target does, from ghosts: every
-//! eviction leaves one (a 16-bit fingerprint, the tier, and the tier's
-//! eviction count then) in one of the bucket's 128 ghost slots; a newcomer
-//! that finds its ghost in a candidate bucket was evicted too early: from
-//! the window, that bucket's window grows; from the main tier, it shrinks,
-//! each step weighted by how much rarer that tier's evictions are (ARC's
-//! |B2|/|B1|). A ghost counts only if a share the bucket can reach would
-//! have kept the key: evicted from the window fewer window evictions ago
-//! than the main tier's slots (from the main tier: than the window's), so
-//! that a loop or scan longer than the bucket, which no share serves,
-//! moves nothing (shard/BENCHMARKS.md, "Adaptive policy").
+//! The window share is one for the whole table, chosen between batches by
+//! five miniature W-TinyLFU caches (`minisim`) fed a hash-sampled part of
+//! the table's accesses: the keys of a refreshing find's hits and the keys
+//! an insert-like batch writes with policy scores, the same keys the sketch
+//! counts, in batch order, after the batch. The next batch's share is the
+//! window of the miniature with the most recent hits
+//! (`shard/BENCHMARKS.md`, "Adaptive policy": per-bucket ghosts moved it
+//! too slowly for drifting traces). The miniatures live on the host, one
+//! [`Window`] per table for either backend; the CUDA kernels take the share
+//! as a launch argument.
 //!
 //! The sketch: 64-byte lines of 8-bit counters saturating at 15, a line
 //! per key, one counter of each row in its own 16-byte quarter of it (one
@@ -40,21 +49,30 @@
 //! not change the result): every key an insert-like batch writes, before
 //! the batch places any, and each key a `find` hits when reads refresh.
 //!
-//! Ghosts and shares are kept for the table's largest bucket count and stay
-//! where they are when the table grows: a bucket keeps its number's share,
-//! and a ghost whose key moved to another bucket is not found again.
-//!
 //! Determinism: within a batch the sketch only grows by order-free
 //! increments and is read only while no increments run (inserts after
-//! their batch's counts; finds do not read it); a bucket's ghosts and
-//! share are read and written only with the bucket locked, by keys that
-//! reach it in index order (small batches on either backend). So the CUDA
-//! backend (`kernels/table.cuh`, "adaptive policy") makes the same choices
-//! as this one, key for key.
+//! their batch's counts; finds do not read it); the window share is fixed
+//! for the batch; a bucket's scores are read and written only with the
+//! bucket locked, by keys that reach it in index order (small batches on
+//! either backend). So the CUDA backend (`kernels/table.cuh`, "adaptive
+//! policy") makes the same choices as this one, key for key. The
+//! miniatures are fed after each batch in index order; read batches that
+//! run at the same time feed them in the order they finish.
+//!
+//! What a checkpoint or export keeps: the entries' scores, tier bits
+//! included, so a restored table has its window, probation and protected
+//! entries where they were. Not kept: the sketch (frequencies start at 0)
+//! and the miniatures (the share starts again at 1 %, then follows the
+//! restored table's accesses).
 
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};
 
-use crate::score::ADAPTIVE_MAIN;
+use parking_lot::Mutex;
+
+use rayon::prelude::*;
+
+use super::minisim::{sample_rate, sampled, Chooser};
+use crate::score::{ADAPTIVE_MAIN, ADAPTIVE_PROTECTED};
 use crate::BUCKET_SLOTS;
 
 /// Sketch rows (counters per key).
@@ -64,12 +82,12 @@ const COUNTER_MAX: u8 = 15;
 pub(crate) const SKETCH_BYTES_PER_SLOT: u64 = 32;
 /// Counted accesses between halvings, per slot.
 pub(crate) const PERIOD_PER_SLOT: u64 = 10;
-/// A bucket's window share before its first ghost hit (slots).
-pub(crate) const INITIAL_WINDOW: u64 = 1;
-/// Slots a ghost hit moves the share (times ARC's ratio).
-pub(crate) const STEP: u64 = 1;
-
-const S: u64 = BUCKET_SLOTS as u64;
+/// The most of a bucket's main tier that is protected, in tenths.
+pub(crate) const PROTECTED_TENTHS: u32 = 8;
+/// How much more frequent than the victim a window candidate must be to
+/// join a full main tier (0: TinyLFU's "more frequent"); the miniatures
+/// use the same (`minisim::ADMIT_MARGIN`).
+pub(crate) const ADMIT_MARGIN: u8 = super::minisim::ADMIT_MARGIN;
 
 /// A 64-bit mix (murmur3's finaliser) of `x`.
 #[inline]
@@ -90,76 +108,65 @@ pub(crate) fn sketch_indices(key: u64, lines: u64) -> [usize; ROWS] {
     std::array::from_fn(|r| line + r * 16 + ((h >> (4 * r)) & 15) as usize)
 }
 
-/// A key's ghost: its slot among a bucket's 128, and its fingerprint (16
-/// bits, never 0).
-#[inline]
-pub(crate) fn ghost_of(key: u64) -> (usize, u32) {
-    let h = mix(key ^ 0x0123_4567);
-    ((h % S) as usize, ((h >> 48) as u32) | 1)
+/// The sketch's 64-byte lines for a table of at most `max_slots` slots.
+pub(crate) fn sketch_lines(max_slots: u64) -> u64 {
+    (max_slots.max(1) * SKETCH_BYTES_PER_SLOT / 64).next_power_of_two()
 }
 
-/// A ghost's tier bit (set: evicted from the window); the low 15 bits
-/// hold the tier's eviction count at its eviction.
-const GHOST_WINDOW: u32 = 1 << 15;
-const STAMP: u32 = GHOST_WINDOW - 1;
+/// Batches from this many keys filter their sampled keys on the rayon
+/// pool (one mix per key: about 2 ns, so 2 ms for 1 Mi keys on one core).
+const PARALLEL_FILTER: usize = 1 << 16;
 
-/// A bucket's state word: the window share (bits 0-7, 0 ..= 128 slots),
-/// evictions from the window and the main tier since they were last
-/// halved (bits 8-15, 16-23: ARC's ghost list sizes), and each tier's
-/// eviction count, wrapping (bits 32-47, 48-63: the ghosts' stamps).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Meta(pub u64);
+/// The table's window share and the miniatures that choose it; on the
+/// host for both backends.
+#[derive(Debug)]
+pub(crate) struct Window {
+    chooser: Mutex<Chooser>,
+    /// The share of every bucket's window for the next batch (slots).
+    slots: AtomicU32,
+}
 
-impl Meta {
-    pub(crate) const INITIAL: Meta = Meta(INITIAL_WINDOW);
-
-    fn share(self) -> u64 {
-        self.0 & 0xff
-    }
-    fn tally(self, window: bool) -> u64 {
-        (self.0 >> if window { 8 } else { 16 }) & 0xff
-    }
-    fn count(self, window: bool) -> u32 {
-        ((self.0 >> if window { 32 } else { 48 }) & 0xffff) as u32
+impl Window {
+    /// The chooser of a table of `slots` slots, at its first choice.
+    pub(crate) fn new(slots: u64) -> Window {
+        let c = Chooser::new(slots);
+        Window { slots: AtomicU32::new(c.bucket_window()), chooser: Mutex::new(c) }
     }
 
-    /// The window's share of the bucket's slots (1 ..= 127).
-    pub(crate) fn window_slots(self) -> u32 {
-        self.share().clamp(1, S - 1) as u32
+    /// A bucket's window share for the batch about to run (1 ..= 127 slots).
+    #[inline]
+    pub(crate) fn bucket_slots(&self) -> u32 {
+        self.slots.load(Relaxed)
     }
 
-    /// A ghost hit (ghost value `g`): the new state, or `None` when no
-    /// reachable share would have kept the key.
-    pub(crate) fn on_ghost(self, g: u32) -> Option<Meta> {
-        let window = g & GHOST_WINDOW != 0;
-        let age = self.count(window).wrapping_sub(g & STAMP) & STAMP;
-        let ws = self.window_slots();
-        if age >= if window { S as u32 - ws } else { ws } {
-            return None;
-        }
-        let (mine, other) = (self.tally(window).max(1), self.tally(!window).max(1));
-        let step = STEP * (other / mine).max(1);
-        let share = if window { (self.share() + step).min(S) } else { self.share().saturating_sub(step) };
-        Some(Meta(self.0 & !0xff | share))
-    }
-
-    /// An eviction from the window (or the main tier): the ghost it
-    /// leaves (without fingerprint) and the new state.
-    pub(crate) fn on_evict(self, window: bool) -> (u32, Meta) {
-        let c = self.count(window);
-        let ghost = (c & STAMP) | if window { GHOST_WINDOW } else { 0 };
-        let (mut w, mut m) = (self.tally(true), self.tally(false));
-        if window {
-            w += 1;
+    /// After a batch of `n` keys of a table now of `slots` slots: feeds
+    /// the batch's accesses (`key(i)`: key `i`, if it counts) to the
+    /// miniatures, the sampled ones in index order, and sets the next
+    /// batch's share. The sampling filter runs on the rayon pool for large
+    /// batches (the order kept); the miniatures, on this thread under the
+    /// mutex. A table that grew since gets miniatures of its size, starting
+    /// at the current choice.
+    pub(crate) fn observe(&self, slots: u64, n: usize, key: impl Fn(usize) -> Option<u64> + Sync) {
+        let rate = sample_rate(slots);
+        let pick = |i: usize| key(i).filter(|&k| sampled(k, rate));
+        let keys: Vec<u64> = if n >= PARALLEL_FILTER {
+            (0..n).into_par_iter().filter_map(pick).collect()
         } else {
-            m += 1;
+            (0..n).filter_map(pick).collect()
+        };
+        let mut c = self.chooser.lock();
+        if c.slots() != slots {
+            *c = c.resized(slots);
         }
-        if w + m > S {
-            (w, m) = (w / 2, m / 2);
-        }
-        let shift = if window { 32 } else { 48 };
-        let counts = (self.0 & !(0xffff << shift)) | (u64::from(c.wrapping_add(1) & 0xffff) << shift);
-        (ghost, Meta(counts & !0xff_ff00 | w << 8 | m << 16))
+        debug_assert_eq!(c.rate(), rate);
+        c.batch_sampled(keys);
+        self.slots.store(c.bucket_window(), Relaxed);
+    }
+
+    /// The chosen window, in percent of a miniature's capacity.
+    #[cfg(test)]
+    pub(crate) fn percent(&self) -> u64 {
+        self.chooser.lock().window_percent()
     }
 }
 
@@ -169,66 +176,89 @@ pub(crate) struct Adapt {
     sketch: Vec<AtomicU8>,
     lines: u64,
     counted: AtomicU64,
-    /// 128 per bucket of the table's largest size.
-    ghosts: Vec<AtomicU32>,
-    /// A [`Meta`] per bucket of the table's largest size.
-    meta: Vec<AtomicU64>,
+    /// The window share.
+    pub(crate) window: Window,
 }
 
-/// One full bucket's tiers: count of window entries and the oldest entry
-/// of each tier (slot, score), `None` when the tier is empty.
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct Tiers {
-    pub window: u32,
-    pub oldest_window: Option<(usize, u64)>,
-    pub oldest_main: Option<(usize, u64)>,
+/// Index of the lowest score among `e`'s entries that `pick` accepts
+/// (lowest slot on ties: `e` is in slot order).
+#[inline]
+fn oldest(e: &[(usize, u64)], pick: impl Fn(u64) -> bool) -> Option<usize> {
+    let mut best: Option<usize> = None;
+    for (i, &(_, sc)) in e.iter().enumerate() {
+        if pick(sc) && best.is_none_or(|b| sc < e[b].1) {
+            best = Some(i);
+        }
+    }
+    best
 }
 
-impl Tiers {
-    /// The tiers of a bucket's scores (`score(s)` for every occupied `s`).
-    #[inline]
-    pub(crate) fn of(slots: impl Iterator<Item = (usize, u64)>) -> Tiers {
-        let mut t = Tiers::default();
-        for (s, sc) in slots {
-            let oldest = if sc & ADAPTIVE_MAIN == 0 {
-                t.window += 1;
-                &mut t.oldest_window
+fn is_window(sc: u64) -> bool {
+    sc & ADAPTIVE_MAIN == 0
+}
+
+/// The window rule (module docs) for a newcomer to a bucket whose occupied
+/// slots and scores are `e` (slot order; used as scratch), window share
+/// `win`; `full`: no free slot; `freq(slot)` the sketch's frequency of a
+/// slot's key. `mark(slot, score)` gets the new score of each entry that
+/// stays but changes (tier moves, demotions), at most one per slot, in the
+/// order made; returns, for a full bucket, the slot to empty and its tier
+/// (`true`: window).
+pub(crate) fn plan(
+    e: &mut [(usize, u64)],
+    win: u32,
+    full: bool,
+    freq: impl Fn(usize) -> u8,
+    mut mark: impl FnMut(usize, u64),
+) -> Option<(usize, bool)> {
+    let mut window = e.iter().filter(|x| is_window(x.1)).count() as u32;
+    // A free slot: the window keeps under its share for the newcomer; a
+    // full bucket: the window at most at its share.
+    let bound = if full { win } else { win - 1 };
+    while window > bound {
+        let i = oldest(e, is_window).expect("window entries");
+        e[i].1 |= ADAPTIVE_MAIN;
+        mark(e[i].0, e[i].1);
+        window -= 1;
+    }
+    if !full {
+        return None;
+    }
+    let main = e.len() as u32 - window;
+    let mut protected = e.iter().filter(|x| x.1 & ADAPTIVE_PROTECTED != 0).count() as u32;
+    while protected * 10 > PROTECTED_TENTHS * main {
+        let i = oldest(e, |sc| sc & ADAPTIVE_PROTECTED != 0).expect("protected entries");
+        e[i].1 &= !ADAPTIVE_PROTECTED;
+        mark(e[i].0, e[i].1);
+        protected -= 1;
+    }
+    let (c, v) = (oldest(e, is_window), oldest(e, |sc| !is_window(sc)));
+    Some(match (c, v) {
+        (Some(c), Some(v)) if window >= win => {
+            if freq(e[c].0) > freq(e[v].0).saturating_add(ADMIT_MARGIN) {
+                e[c].1 |= ADAPTIVE_MAIN;
+                mark(e[c].0, e[c].1);
+                (e[v].0, false)
             } else {
-                &mut t.oldest_main
-            };
-            if oldest.is_none_or(|(_, o)| sc < o) {
-                *oldest = Some((s, sc));
+                (e[c].0, true)
             }
         }
-        t
-    }
-}
-
-/// What a full bucket does for a newcomer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Room {
-    /// Evict the entry of this slot (its tier: `true` = window).
-    Evict { slot: usize, window: bool },
-    /// Move the window entry of `promote` to the main tier and evict the
-    /// main entry of `slot`.
-    Promote { promote: usize, slot: usize },
-}
-
-/// The sketch's 64-byte lines for a table of at most `max_slots` slots.
-pub(crate) fn sketch_lines(max_slots: u64) -> u64 {
-    (max_slots.max(1) * SKETCH_BYTES_PER_SLOT / 64).next_power_of_two()
+        (_, Some(v)) => (e[v].0, false),
+        (Some(c), None) => (e[c].0, true),
+        (None, None) => unreachable!("a full bucket has entries"),
+    })
 }
 
 impl Adapt {
-    /// State for a table of at most `max_buckets` buckets.
-    pub(crate) fn new(max_buckets: u64) -> Adapt {
-        let lines = sketch_lines(max_buckets * S);
+    /// State for a table of at most `max_buckets` buckets, now of `slots`
+    /// slots.
+    pub(crate) fn new(max_buckets: u64, slots: u64) -> Adapt {
+        let lines = sketch_lines(max_buckets * BUCKET_SLOTS as u64);
         Adapt {
             sketch: (0..lines * 64).map(|_| AtomicU8::new(0)).collect(),
             lines,
             counted: AtomicU64::new(0),
-            ghosts: (0..max_buckets * S).map(|_| AtomicU32::new(0)).collect(),
-            meta: (0..max_buckets).map(|_| AtomicU64::new(Meta::INITIAL.0)).collect(),
+            window: Window::new(slots),
         }
     }
 
@@ -260,59 +290,6 @@ impl Adapt {
             c.store(c.load(Relaxed) >> 1, Relaxed);
         }
     }
-
-    /// Bucket `b`'s state (its lock held).
-    #[inline]
-    pub(crate) fn meta(&self, b: usize) -> Meta {
-        Meta(self.meta[b].load(Relaxed))
-    }
-
-    /// A newcomer to candidate buckets `b1`, `b2` (locked): if its ghost is
-    /// in one of them (b1 first), that bucket's share moves and the ghost
-    /// is forgotten.
-    #[inline]
-    pub(crate) fn on_miss(&self, b1: usize, b2: usize, key: u64) {
-        let (slot, fp) = ghost_of(key);
-        for b in [b1, b2].into_iter().take(if b1 == b2 { 1 } else { 2 }) {
-            let g = &self.ghosts[b * BUCKET_SLOTS + slot];
-            let v = g.load(Relaxed);
-            if v >> 16 == fp {
-                g.store(0, Relaxed);
-                if let Some(m) = self.meta(b).on_ghost(v) {
-                    self.meta[b].store(m.0, Relaxed);
-                }
-                return;
-            }
-        }
-    }
-
-    /// Records the eviction of `key` from bucket `b`'s window or main tier.
-    #[inline]
-    pub(crate) fn on_evict(&self, b: usize, key: u64, window: bool) {
-        let (slot, fp) = ghost_of(key);
-        let (ghost, m) = self.meta(b).on_evict(window);
-        self.ghosts[b * BUCKET_SLOTS + slot].store(fp << 16 | ghost, Relaxed);
-        self.meta[b].store(m.0, Relaxed);
-    }
-
-    /// How full bucket `b` with tiers `t` makes room for a newcomer;
-    /// `key_of` reads a slot's key.
-    #[inline]
-    pub(crate) fn room(&self, b: usize, t: &Tiers, key_of: impl Fn(usize) -> u64) -> Room {
-        let win = self.meta(b).window_slots();
-        match (t.oldest_window, t.oldest_main) {
-            (Some((c, _)), Some((v, _))) if t.window >= win => {
-                if self.frequency(key_of(c)) > self.frequency(key_of(v)) {
-                    Room::Promote { promote: c, slot: v }
-                } else {
-                    Room::Evict { slot: c, window: true }
-                }
-            }
-            (_, Some((v, _))) => Room::Evict { slot: v, window: false },
-            (Some((c, _)), None) => Room::Evict { slot: c, window: true },
-            (None, None) => unreachable!("a full bucket has entries"),
-        }
-    }
 }
 
 #[cfg(test)]
@@ -322,7 +299,7 @@ mod tests {
     /// The sketch counts, saturates at 15 and halves at the period's end.
     #[test]
     fn sketch_counts_saturates_and_ages() {
-        let a = Adapt::new(1);
+        let a = Adapt::new(1, 128);
         for _ in 0..20 {
             a.count(7);
         }
@@ -345,51 +322,81 @@ mod tests {
         }
     }
 
-    /// Ghost hits move the window's share: a window ghost grows it, a main
-    /// ghost shrinks it; a ghost counts once; a key without a ghost moves
-    /// nothing; a ghost older than any share could serve moves nothing.
-    #[test]
-    fn ghosts_move_the_window_share() {
-        let a = Adapt::new(2);
-        let w0 = a.meta(1).window_slots();
-        a.on_miss(1, 1, 5);
-        assert_eq!(a.meta(1).window_slots(), w0);
-        a.on_evict(1, 5, true);
-        a.on_miss(1, 1, 5);
-        assert!(a.meta(1).window_slots() > w0);
-        let w1 = a.meta(1).window_slots();
-        a.on_miss(1, 1, 5);
-        assert_eq!(a.meta(1).window_slots(), w1, "a ghost counts once");
-        a.on_evict(1, 6, false);
-        a.on_miss(0, 1, 6);
-        assert!(a.meta(1).window_slots() < w1, "found in the second candidate");
-        assert_eq!(a.meta(0), Meta::INITIAL);
-        let w2 = a.meta(1).window_slots();
-        a.on_evict(1, 9, true);
-        for k in 1000..1000 + 128 {
-            a.on_evict(1, k, true);
-        }
-        let (slot, fp) = ghost_of(9);
-        a.ghosts[128 + slot].store(fp << 16 | GHOST_WINDOW, Relaxed);
-        a.on_miss(1, 1, 9);
-        assert_eq!(a.meta(1).window_slots(), w2, "older than the main tier's slots");
+    const M: u64 = ADAPTIVE_MAIN;
+    const P: u64 = ADAPTIVE_PROTECTED;
+
+    /// `plan`'s answer: the slot to empty and its tier.
+    type Evict = Option<(usize, bool)>;
+
+    /// `plan`'s score changes and eviction.
+    fn run(mut e: Vec<(usize, u64)>, win: u32, full: bool, freq: impl Fn(usize) -> u8) -> (Vec<(usize, u64)>, Evict) {
+        let mut marks = Vec::new();
+        let evict = plan(&mut e, win, full, freq, |s, sc| marks.push((s, sc)));
+        (marks, evict)
     }
 
-    /// A full bucket's choice: the window candidate must beat the oldest
-    /// main entry; under its share the window grows at main's cost.
+    /// Filling: the window keeps under its share for the newcomer, its
+    /// oldest entries (lowest slot on ties) moving to the main tier.
     #[test]
-    fn room_follows_the_window_rule() {
-        let a = Adapt::new(1);
-        let scores: Vec<(usize, u64)> =
-            (0..128).map(|s| (s, if s < 64 { 100 + s as u64 } else { ADAPTIVE_MAIN | s as u64 })).collect();
-        let t = Tiers::of(scores.iter().copied());
-        assert_eq!((t.window, t.oldest_window, t.oldest_main), (64, Some((0, 100)), Some((64, ADAPTIVE_MAIN | 64))));
-        let key = |s: usize| s as u64 + 1;
-        assert_eq!(a.room(0, &t, key), Room::Evict { slot: 0, window: true }, "ties keep the main entry");
-        a.count(1);
-        assert_eq!(a.room(0, &t, key), Room::Promote { promote: 0, slot: 64 });
-        a.meta[0].store(Meta(64).0, Relaxed);
-        let small = Tiers { window: 3, ..t };
-        assert_eq!(a.room(0, &small, key), Room::Evict { slot: 64, window: false });
+    fn filling_keeps_the_window_under_its_share() {
+        let e = vec![(0, 5), (1, 3), (2, M | 1), (3, 3)];
+        assert_eq!(run(e.clone(), 3, false, |_| 0), (vec![(1, M | 3)], None));
+        assert_eq!(run(e.clone(), 4, false, |_| 0), (vec![], None));
+        assert_eq!(run(e, 1, false, |_| 0).0, vec![(1, M | 3), (3, M | 3), (0, M | 5)]);
+    }
+
+    /// A full bucket: the window shrinks to its share, more than 80 % of
+    /// the main tier protected loses its oldest protection, and the
+    /// victim is the oldest unprotected main entry.
+    #[test]
+    fn full_bucket_shrinks_demotes_and_evicts_probation_first() {
+        // Window 0, 1 (share 1); main: 2-7 protected (stamps 1-6).
+        let e: Vec<(usize, u64)> =
+            [(0, 20), (1, 21)].into_iter().chain((2..8).map(|s| (s, M | P | (s as u64 - 1)))).collect();
+        let (marks, evict) = run(e.clone(), 1, true, |_| 0);
+        // 0 to the main tier (unprotected); main 7, protected 6 > 5.6: the
+        // oldest protected (slot 2) is demoted; 5 ≤ 5.6 stops.
+        assert_eq!(marks, vec![(0, M | 20), (2, M | 1)]);
+        // Window 1 at its share; candidate 1 (frequency 0) against the
+        // victim, slot 2 (the oldest unprotected): ties evict the candidate;
+        // it must be more than ADMIT_MARGIN more frequent to stay.
+        assert_eq!(evict, Some((1, true)));
+        let (marks, evict) = run(e.clone(), 1, true, |s| if s == 1 { ADMIT_MARGIN } else { 0 });
+        assert_eq!((marks.len(), evict), (2, Some((1, true))), "within the margin: the candidate goes");
+        let (marks, evict) = run(e, 1, true, |s| if s == 1 { 1 + ADMIT_MARGIN } else { 0 });
+        assert_eq!(marks, vec![(0, M | 20), (2, M | 1), (1, M | 21)], "the candidate wins, unprotected");
+        assert_eq!(evict, Some((2, false)));
+    }
+
+    /// Under its share the window grows at the main tier's cost; with no
+    /// main entries the window's oldest goes.
+    #[test]
+    fn under_its_share_the_main_tier_pays() {
+        let e = vec![(0, 20), (1, M | P | 30), (2, M | 40)];
+        assert_eq!(run(e, 2, true, |_| 9).1, Some((2, false)));
+        let e = vec![(0, 20), (1, 10)];
+        assert_eq!(run(e, 5, true, |_| 0).1, Some((1, true)));
+    }
+
+    /// The miniatures widen the window for a stream that only recency
+    /// serves (each key read twice, half a capacity apart, never again),
+    /// and keep it at 1 % for a frequency-served one (a hot set under a
+    /// scan).
+    #[test]
+    fn the_share_follows_the_stream() {
+        let w = Window::new(4096);
+        assert_eq!(w.bucket_slots(), 1);
+        let keys: Vec<u64> =
+            (0..200_000u64).map(|i| if i % 2 == 0 { i / 2 } else { (i / 2).wrapping_sub(1000) }).collect();
+        for b in keys.chunks(64) {
+            w.observe(4096, b.len(), |i| Some(b[i]));
+        }
+        assert!(w.percent() > 1, "recency: {} %", w.percent());
+        let w = Window::new(4096);
+        let keys: Vec<u64> = (0..200_000u64).map(|i| if i % 2 == 0 { i % 1000 } else { 1_000_000 + i }).collect();
+        for b in keys.chunks(64) {
+            w.observe(4096, b.len(), |i| Some(b[i]));
+        }
+        assert_eq!(w.percent(), 1);
     }
 }

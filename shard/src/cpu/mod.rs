@@ -19,7 +19,9 @@
 //! instead of a 64-bit division.
 //!
 //! # Layout
-//! - `adapt`: the Adaptive policy's sketch, ghosts and window share.
+//! - `adapt`: the Adaptive policy's rules, sketch and window share.
+//! - `minisim`: the miniature caches that choose Adaptive's window share
+//!   (std only: `shard/bench/adapt_model.rs` includes it).
 //! - `bucket`: one bucket (digests, keys, scores, occupancy, writer mutex)
 //!   and its SWAR digest scan.
 //! - `storage`: the buckets and the value array of one table size.
@@ -39,6 +41,9 @@ mod batch;
 mod bucket;
 mod counters;
 mod growth;
+// Some of its methods serve only `shard/bench/adapt_model.rs`.
+#[allow(dead_code)]
+pub(crate) mod minisim;
 mod ops;
 mod pipeline;
 pub(crate) mod prefetch;
@@ -106,7 +111,8 @@ impl CpuTable {
     pub fn with_clock(config: TableConfig, clock: Arc<dyn Clock>) -> Result<CpuTable> {
         config.validate()?;
         let storage = Storage::new(config.buckets(), config.dim)?;
-        let adapt = (config.policy == crate::ScorePolicy::Adaptive).then(|| adapt::Adapt::new(config.max_buckets()));
+        let adapt = (config.policy == crate::ScorePolicy::Adaptive)
+            .then(|| adapt::Adapt::new(config.max_buckets(), storage.nbuckets() * S as u64));
         Ok(CpuTable {
             config,
             storage: RwLock::new(storage),

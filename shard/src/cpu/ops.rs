@@ -34,6 +34,15 @@ impl CpuTable {
         }
     }
 
+    /// Adaptive, after a batch: its accesses (the keys the sketch counted,
+    /// in index order) to the window share's miniatures (`adapt::Window`).
+    /// `key(i)`: key `i` of the batch's `n` if it counts.
+    fn observe(&self, st: &Storage, n: usize, key: impl Fn(usize) -> Option<u64> + Sync) {
+        if let Some(a) = &self.adapt {
+            a.window.observe(st.nbuckets() * S as u64, n, key);
+        }
+    }
+
     /// A find hit in a table whose reads refresh: the score a write
     /// without input would give (relaxed stores; readers that race on one
     /// entry write the same clock reading), and, for Adaptive, one access
@@ -110,6 +119,9 @@ impl CpuTable {
             acc
         });
         self.finish_insert(&st, &acc);
+        if policy {
+            self.observe(&st, keys.len(), |i| Some(keys[i]));
+        }
         Ok(acc)
     }
 
@@ -215,6 +227,7 @@ impl CpuTable {
             acc
         });
         self.finish_insert(&st, &acc);
+        self.observe(&st, idx.len(), |j| Some(keys[idx[j]]));
         acc
     }
 }
@@ -245,7 +258,7 @@ impl Shard for CpuTable {
         let st = self.storage.read();
         let dim = self.config.dim;
         let refresh = self.config.refreshes_reads().then(|| self.scorer());
-        let outs = Outs { values: Some(values), found: Some(found), scores, outcomes: None };
+        let outs = Outs { values: Some(values), found: Some(&mut *found), scores, outcomes: None };
         let acc = run_batch(n, outs, dim, &|r: Range<usize>, mut outs: Outs<'_>| {
             let mut acc = Acc::default();
             let part = &keys[r];
@@ -266,6 +279,10 @@ impl Shard for CpuTable {
             });
             acc
         });
+        if refresh.is_some() {
+            let found = &*found;
+            self.observe(&st, n, |i| found[i].then_some(keys[i]));
+        }
         self.counters.lookups(acc.hits, n);
         Ok(acc.hits as usize)
     }
@@ -279,7 +296,11 @@ impl Shard for CpuTable {
         self.counters.op(Op::Find, n);
         self.samples.record(keys, Kind::Lookup);
         let st = self.storage.read();
-        let hits = self.find_rows(&st, keys, at, Rows { base: 0, values, found }, grain(n));
+        let hits = self.find_rows(&st, keys, at, Rows { base: 0, values, found: &mut *found }, grain(n));
+        if self.config.refreshes_reads() {
+            let found = &*found;
+            self.observe(&st, n, |i| (found[at[i] as usize] != 0).then_some(keys[i]));
+        }
         self.counters.lookups(hits, n);
         Ok(hits as usize)
     }
@@ -380,6 +401,7 @@ impl Shard for CpuTable {
             acc
         });
         self.finish_insert(&st, &acc);
+        self.observe(&st, n, |i| Some(keys[i]));
         self.counters.lookups(acc.hits, n);
         Ok(acc.summary)
     }

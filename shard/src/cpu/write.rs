@@ -1,11 +1,11 @@
 //! The write path of one key: bucket locks, placement, eviction and
 //! admission (paper Algorithms 2 and 3), and the relocation of a restore.
 
-use super::adapt::{Room, Tiers};
+use super::adapt::plan;
 use super::batch::Scoring;
 use super::storage::Storage;
 use super::{CpuTable, S};
-use crate::score::{Scorer, ADAPTIVE_MAIN};
+use crate::score::Scorer;
 use crate::{Evictions, Lost, Outcome};
 
 impl CpuTable {
@@ -58,9 +58,6 @@ impl CpuTable {
             on_present(b, s);
             return Outcome::Updated;
         }
-        if let Some(a) = adapt {
-            a.on_miss(b1, b2, key);
-        }
         let (score, admission) = match scoring {
             Scoring::Verbatim => {
                 let s = input.unwrap_or(0);
@@ -75,12 +72,15 @@ impl CpuTable {
         let target = if b2 != b1 && st.buckets[b2].len() < st.buckets[b1].len() { b2 } else { b1 };
         if let Some(s) = st.buckets[target].free_slot() {
             if let Some(a) = adapt {
-                // Filling: keep the window at its share (see `adapt`).
+                // Filling: keep the window under its share (see `adapt`).
                 let bk = &st.buckets[target];
-                let t = Tiers::of(bk.slots().map(|s| (s, bk.score(s))));
-                if let Some((c, sc)) = t.oldest_window.filter(|_| t.window >= a.meta(target).window_slots()) {
-                    bk.set_score(c, sc | ADAPTIVE_MAIN);
+                let mut e = [(0, 0); S];
+                let mut n = 0;
+                for s in bk.slots() {
+                    e[n] = (s, bk.score(s));
+                    n += 1;
                 }
+                plan(&mut e[..n], a.window.bucket_slots(), false, |_| 0, |s, sc| bk.set_score(s, sc));
             }
             st.buckets[target].put_meta(s, key, d, score);
             st.write_row(target, s, value);
@@ -108,16 +108,10 @@ impl CpuTable {
         if let Some(a) = adapt {
             // The bucket with the older minimum, then its window rule.
             let bk = &st.buckets[b];
-            let t = Tiers::of((0..S).map(|s| (s, bk.score(s))));
-            let (slot, window) = match a.room(b, &t, |s| bk.key(s)) {
-                Room::Evict { slot, window } => (slot, window),
-                Room::Promote { promote, slot } => {
-                    bk.set_score(promote, bk.score(promote) | ADAPTIVE_MAIN);
-                    (slot, false)
-                }
-            };
-            a.on_evict(b, bk.key(slot), window);
-            s = slot;
+            let mut e: [(usize, u64); S] = std::array::from_fn(|s| (s, bk.score(s)));
+            let win = a.window.bucket_slots();
+            let evict = plan(&mut e, win, true, |s| a.frequency(bk.key(s)), |s, sc| bk.set_score(s, sc));
+            (s, _) = evict.expect("a full bucket evicts");
             min = 0;
         }
         if admission < min {

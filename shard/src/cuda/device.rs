@@ -296,7 +296,7 @@ mod tests {
         nvrtc(&src).expect("the hash module compiles with the ABI asserts");
         let field = src.replacen("    u32 epoch;\n", "    u32 epoch;\n    u32 added;\n", 1);
         let log = nvrtc(&field).expect_err("HkvScoring with a field added compiles");
-        assert!(log.contains("sizeof(HkvScoring) is not the 64"), "{log}");
+        assert!(log.contains("sizeof(HkvScoring) is not the 48"), "{log}");
         let entry = src.replacen("SIZE(HkvFilter, 32)", "SIZE(HkvFilter, 40)", 1);
         let log = nvrtc(&entry).expect_err("a list with HkvFilter's size altered compiles");
         assert!(log.contains("sizeof(HkvFilter) is not the 40"), "{log}");

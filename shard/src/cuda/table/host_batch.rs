@@ -223,6 +223,10 @@ impl CudaTable {
             0
         };
         self.k_adapt_age(&s, st)?;
+        if !verbatim {
+            let pass = |i: usize| only.is_none_or(|o| o[i] != 0);
+            self.adapt_observe(st, n, |i| pass(i).then_some(keys[i]));
+        }
         let rows = match values {
             Rows::InOut(_) => Some(Self::fetch(&s, &mut l.stage, &l.values, n * dim)?),
             Rows::In(_) => None,

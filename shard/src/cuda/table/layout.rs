@@ -44,12 +44,12 @@ pub(super) struct ScoringArgs {
     pub(super) lfu_lru: u32,
     /// Lookups: 1 when find hits refresh their scores (`reads_refresh`).
     pub(super) refresh: u32,
-    pub(super) pad: u32,
-    /// Adaptive: the sketch, the ghosts and the buckets' state words
-    /// (`super::adapt`); 0 for other policies.
+    /// Adaptive: every bucket's window share for this batch (slots,
+    /// `crate::cpu::adapt::Window`); 0 for other policies.
+    pub(super) window: u32,
+    /// Adaptive: the sketch and its 64-byte lines (`super::adapt`); 0 for
+    /// other policies.
     pub(super) sketch: u64,
-    pub(super) ghosts: u64,
-    pub(super) meta: u64,
     pub(super) sketch_lines: u64,
 }
 

@@ -48,8 +48,9 @@
 //! - `device_batch`: [`DeviceOp`], [`DeviceBatch`], [`CudaTable::run_device`]
 //!   and the enqueue / complete pair the GPU group builds on.
 //! - `ops`: the [`Shard`] operations.
-//! - `adapt`: the Adaptive policy's device state (sketch, ghosts, window
-//!   shares) and its count and halving launches.
+//! - `adapt`: the Adaptive policy's state (the sketch on the device, the
+//!   window share's miniatures on the host) and its count and halving
+//!   launches.
 //! - `sampling`: the ring of keys sampled for miss-ratio curves, the
 //!   sampler argument the lookup and writer kernels take, and the drain.
 
@@ -188,7 +189,9 @@ impl CudaTable {
         let stream = dev.ctx.new_stream().map_err(dev_err("creating a stream"))?;
         let storage = Storage::new(&dev, &config, &f.clear, &stream, config.buckets())?;
         let adapt = match config.policy {
-            ScorePolicy::Adaptive => Some(adapt::DeviceAdapt::new(&stream, config.max_buckets())?),
+            ScorePolicy::Adaptive => {
+                Some(adapt::DeviceAdapt::new(&stream, config.max_buckets(), config.buckets() * S)?)
+            }
             _ => None,
         };
         Ok(CudaTable {
@@ -237,10 +240,8 @@ impl CudaTable {
             verbatim: if verbatim { SCORES_VERBATIM } else { SCORES_POLICY },
             lfu_lru: (self.config.lfu_ties == LfuTies::Lru) as u32,
             refresh: 0,
-            pad: 0,
+            window: 0,
             sketch: 0,
-            ghosts: 0,
-            meta: 0,
             sketch_lines: 0,
         };
         match &self.adapt {

@@ -510,6 +510,11 @@ impl CudaTable {
             for (o, x) in found.iter_mut().zip(l.stage.read(&f)) {
                 *o = *x != 0;
             }
+            if self.config.refreshes_reads() {
+                // Adaptive: the hits the sketch counted, to the window share's miniatures.
+                let found = &*found;
+                self.adapt_observe(st, n, |i| found[i].then_some(keys[i]));
+            }
             if direct && c.hits == n as u64 {
                 let bytes = std::mem::size_of_val(values);
                 // SAFETY: `values` is page-locked host memory of `bytes`

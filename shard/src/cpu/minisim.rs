@@ -1,0 +1,393 @@
+//! The Adaptive policy's window chooser (issue 36): five miniature,
+//! fully associative W-TinyLFU caches fed a hash-sampled part of the
+//! table's accesses, with windows of 1, 5, 20, 50 and 100 % of their
+//! capacity; the table's window share is the window of the one with the
+//! most (decayed) hits. It runs on the host, between batches, for both
+//! backends, so both get the same share for every batch.
+//!
+//! Sampling (SHARDS-style, so that a miniature of `slots / R` entries
+//! fed one key in R behaves as the full-size cache): `R = max(1,
+//! floor(slots / 2048))`; a key is sampled when `(mix(k ^ 0x5bd1e995) >>
+//! 20) % R == 0`. Each miniature is a window LRU plus a segmented LRU main
+//! (probation, protected ≤ 80 % of the main), TinyLFU admission from the
+//! window's oldest into a full main against the main's oldest (probation
+//! first): admitted only if more frequent by more than [`ADMIT_MARGIN`],
+//! as in the table's buckets. Frequencies are exact
+//! (a map, capped at 15), halved every 10 × capacity sampled accesses;
+//! hits halved every ½ capacity, so the choice follows the recent past.
+//! The share moves to another miniature's window only when that one is
+//! strictly ahead (ties: the smaller window); it starts at 1 %.
+//!
+//! This file has no dependencies beyond `std`: `shard/bench/adapt_model.rs`
+//! includes it (`#[path]`), so the model and the policy run the same code.
+
+use std::collections::HashMap;
+
+/// The miniatures' windows, in percent of their capacity.
+pub const WINDOWS_PERCENT: [u64; 5] = [1, 5, 20, 50, 100];
+/// Slots of the table per tracked slot of a miniature, at least.
+pub const SAMPLED_SLOTS: u64 = 2048;
+/// Frequency cap (as the sketch's counters).
+const FREQ_MAX: u8 = 15;
+/// Sampled accesses between frequency halvings, per miniature slot.
+const FREQ_PERIOD: u64 = 10;
+/// Sampled accesses between hit-count halvings, in percent of a
+/// miniature's capacity: a choice follows about the last capacity's worth
+/// of accesses. Measured (model, 36 non-IID points of two trace seeds):
+/// every 4 capacities −3.82 / −4.57 pp below the bar in all, 2: −2.77 /
+/// −3.18, 1: −1.69 / −1.99, ½: −1.18 / −1.53, ¼: −4.29 / −4.46 (scan and
+/// loop traces flip between windows).
+const HIT_PERIOD_PERCENT: u64 = 50;
+/// Admission margin, the buckets' too (`adapt::ADMIT_MARGIN`): a window's
+/// oldest joins a full main tier only if counted at least 2 more times
+/// than the main tier's oldest. With TinyLFU's margin 0, a scan key
+/// (counted just now) beat the retained scan key about to be read again
+/// (counted a cycle ago) and the retained part of a scan churned:
+/// `scan-hot` at 25 / 50 % lost 1.1 / 3.1 pp to the bar, loop-mix at 10 %
+/// 0.9 (`shard/BENCHMARKS.md`, "Adaptive policy", second design).
+pub const ADMIT_MARGIN: u8 = 1;
+
+/// The chooser's constants, as a value so that the model
+/// (`shard/bench/adapt_model.rs`) can try others; the policy uses
+/// [`Params::default`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Params {
+    /// The miniatures' windows, percent of their capacity, ascending.
+    pub windows: Vec<u64>,
+    /// Table slots per miniature slot (the sampling divisor's unit).
+    pub sampled_slots: u64,
+    /// Sampled accesses between frequency halvings, per miniature slot.
+    pub freq_period: u64,
+    /// Sampled accesses between hit-count halvings, percent of a
+    /// miniature's capacity.
+    pub hit_period_percent: u64,
+    /// How far (in 1/1000 of the current one's hits) another miniature
+    /// must be ahead to take over; 0: strictly ahead.
+    pub margin: u64,
+    /// A window's oldest joins a full main tier only if its frequency is
+    /// more than this much above the main tier's oldest's (0: TinyLFU).
+    pub admit_margin: u8,
+}
+
+impl Default for Params {
+    fn default() -> Params {
+        Params {
+            windows: WINDOWS_PERCENT.to_vec(),
+            sampled_slots: SAMPLED_SLOTS,
+            freq_period: FREQ_PERIOD,
+            hit_period_percent: HIT_PERIOD_PERCENT,
+            margin: 0,
+            admit_margin: ADMIT_MARGIN,
+        }
+    }
+}
+/// Slots of a bucket.
+const BUCKET: u64 = 128;
+
+const NIL: u32 = u32::MAX;
+
+/// A 64-bit mix (murmur3's finaliser).
+#[inline]
+fn mix(mut x: u64) -> u64 {
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    x ^ (x >> 33)
+}
+
+/// The sampling divisor of a table of `slots` slots.
+pub fn sample_rate(slots: u64) -> u64 {
+    (slots / SAMPLED_SLOTS).max(1)
+}
+
+/// Whether `key` is sampled at divisor `rate`.
+#[inline]
+pub fn sampled(key: u64, rate: u64) -> bool {
+    rate <= 1 || (mix(key ^ 0x5bd1_e995) >> 20).is_multiple_of(rate)
+}
+
+/// A bucket's window share (slots, 1 ..= 127) for a share in percent.
+pub fn bucket_window(percent: u64) -> u32 {
+    (percent * BUCKET / 100).clamp(1, BUCKET - 1) as u32
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Node {
+    key: u64,
+    prev: u32,
+    next: u32,
+    list: u8,
+}
+
+const WINDOW: u8 = 0;
+const PROBATION: u8 = 1;
+const PROTECTED: u8 = 2;
+
+/// One miniature W-TinyLFU cache (intrusive LRU lists in a slab; head =
+/// most recent).
+#[derive(Debug, Clone)]
+struct Mini {
+    window_cap: u64,
+    main_cap: u64,
+    protected_cap: u64,
+    nodes: Vec<Node>,
+    free: Vec<u32>,
+    head: [u32; 3],
+    tail: [u32; 3],
+    len: [u64; 3],
+    at: HashMap<u64, u32>,
+    hits: u64,
+}
+
+impl Mini {
+    fn new(cap: u64, percent: u64) -> Mini {
+        let window_cap = (cap * percent / 100).clamp(1, cap);
+        let main_cap = cap - window_cap;
+        Mini {
+            window_cap,
+            main_cap,
+            protected_cap: main_cap * 8 / 10,
+            nodes: Vec::with_capacity(cap as usize + 1),
+            free: Vec::new(),
+            head: [NIL; 3],
+            tail: [NIL; 3],
+            len: [0; 3],
+            at: HashMap::new(),
+            hits: 0,
+        }
+    }
+
+    fn unlink(&mut self, i: u32) {
+        let n = self.nodes[i as usize];
+        let l = n.list as usize;
+        if n.prev == NIL {
+            self.head[l] = n.next
+        } else {
+            self.nodes[n.prev as usize].next = n.next
+        }
+        if n.next == NIL {
+            self.tail[l] = n.prev
+        } else {
+            self.nodes[n.next as usize].prev = n.prev
+        }
+        self.len[l] -= 1;
+    }
+
+    fn push_front(&mut self, i: u32, list: u8) {
+        let l = list as usize;
+        let h = self.head[l];
+        self.nodes[i as usize] = Node { key: self.nodes[i as usize].key, prev: NIL, next: h, list };
+        if h == NIL {
+            self.tail[l] = i
+        } else {
+            self.nodes[h as usize].prev = i
+        }
+        self.head[l] = i;
+        self.len[l] += 1;
+    }
+
+    fn alloc(&mut self, key: u64) -> u32 {
+        let n = Node { key, prev: NIL, next: NIL, list: WINDOW };
+        match self.free.pop() {
+            Some(i) => {
+                self.nodes[i as usize] = n;
+                i
+            }
+            None => {
+                self.nodes.push(n);
+                (self.nodes.len() - 1) as u32
+            }
+        }
+    }
+
+    fn drop_node(&mut self, i: u32) {
+        self.unlink(i);
+        self.at.remove(&self.nodes[i as usize].key);
+        self.free.push(i);
+    }
+
+    /// One access of `key` (its frequency already counted in `freq`).
+    fn access(&mut self, key: u64, freq: &HashMap<u64, u8>, admit_margin: u8) {
+        if let Some(&i) = self.at.get(&key) {
+            self.hits += 1;
+            let list = self.nodes[i as usize].list;
+            self.unlink(i);
+            if list == WINDOW {
+                self.push_front(i, WINDOW);
+            } else {
+                self.push_front(i, PROTECTED);
+                while self.len[PROTECTED as usize] > self.protected_cap {
+                    let t = self.tail[PROTECTED as usize];
+                    self.unlink(t);
+                    self.push_front(t, PROBATION);
+                }
+            }
+            return;
+        }
+        let i = self.alloc(key);
+        self.at.insert(key, i);
+        self.push_front(i, WINDOW);
+        if self.len[WINDOW as usize] <= self.window_cap {
+            return;
+        }
+        // The window's oldest leaves it: into the main tier if it has room
+        // or beats the main tier's oldest, else out.
+        let c = self.tail[WINDOW as usize];
+        if self.len[PROBATION as usize] + self.len[PROTECTED as usize] < self.main_cap {
+            self.unlink(c);
+            self.push_front(c, PROBATION);
+            return;
+        }
+        let v = if self.tail[PROBATION as usize] != NIL {
+            self.tail[PROBATION as usize]
+        } else {
+            self.tail[PROTECTED as usize]
+        };
+        let f = |i: u32| freq.get(&self.nodes[i as usize].key).copied().unwrap_or(0);
+        if v != NIL && f(c) > f(v).saturating_add(admit_margin) {
+            self.drop_node(v);
+            self.unlink(c);
+            self.push_front(c, PROBATION);
+        } else {
+            self.drop_node(c);
+        }
+    }
+}
+
+/// The five miniatures of one table, their shared frequency counts, and
+/// the chosen window.
+#[derive(Debug, Clone)]
+pub struct Chooser {
+    params: Params,
+    slots: u64,
+    rate: u64,
+    cap: u64,
+    minis: Vec<Mini>,
+    freq: HashMap<u64, u8>,
+    accesses: u64,
+    since_freq: u64,
+    since_hits: u64,
+    chosen: usize,
+}
+
+impl Chooser {
+    /// The chooser of a table of `slots` slots.
+    pub fn new(slots: u64) -> Chooser {
+        Chooser::with(slots, Params::default())
+    }
+
+    /// The chooser of a table of `slots` slots with constants `params`.
+    pub fn with(slots: u64, params: Params) -> Chooser {
+        let rate = (slots / params.sampled_slots).max(1);
+        let cap = (slots / rate).max(1);
+        Chooser {
+            slots,
+            rate,
+            cap,
+            minis: params.windows.iter().map(|&p| Mini::new(cap, p)).collect(),
+            params,
+            freq: HashMap::new(),
+            accesses: 0,
+            since_freq: 0,
+            since_hits: 0,
+            chosen: 0,
+        }
+    }
+
+    /// The table size this chooser was made for.
+    pub fn slots(&self) -> u64 {
+        self.slots
+    }
+
+    /// A fresh chooser for a table of `slots` slots that starts at this
+    /// one's choice (after the table grew: the sampling divisor and the
+    /// miniatures' capacity follow the size).
+    pub fn resized(&self, slots: u64) -> Chooser {
+        Chooser { chosen: self.chosen, ..Chooser::with(slots, self.params.clone()) }
+    }
+
+    /// The index of the chosen window among the windows.
+    pub fn chosen(&self) -> usize {
+        self.chosen
+    }
+
+    /// The sampling divisor.
+    pub fn rate(&self) -> u64 {
+        self.rate
+    }
+
+    /// The chosen window, in percent of the capacity.
+    pub fn window_percent(&self) -> u64 {
+        self.params.windows[self.chosen]
+    }
+
+    /// The chosen window share of a bucket (slots, 1 ..= 127).
+    pub fn bucket_window(&self) -> u32 {
+        bucket_window(self.window_percent())
+    }
+
+    /// Sampled accesses fed so far.
+    pub fn accesses(&self) -> u64 {
+        self.accesses
+    }
+
+    /// One access of a sampled key.
+    fn access(&mut self, key: u64) {
+        let f = self.freq.entry(key).or_insert(0);
+        *f = (*f + 1).min(FREQ_MAX);
+        for m in &mut self.minis {
+            m.access(key, &self.freq, self.params.admit_margin);
+        }
+        self.accesses += 1;
+        self.since_freq += 1;
+        self.since_hits += 1;
+        if self.since_freq >= self.params.freq_period * self.cap {
+            self.since_freq = 0;
+            self.freq.retain(|_, f| {
+                *f >>= 1;
+                *f > 0
+            });
+        }
+        if self.since_hits >= (self.params.hit_period_percent * self.cap / 100).max(1) {
+            self.since_hits = 0;
+            for m in &mut self.minis {
+                m.hits /= 2;
+            }
+        }
+    }
+
+    /// Feeds a batch's accesses in order (only the sampled keys count),
+    /// then moves the choice to the miniature with the most hits if it
+    /// is strictly ahead of the current one (ties: the smaller window).
+    pub fn batch(&mut self, keys: impl IntoIterator<Item = u64>) {
+        for k in keys {
+            if sampled(k, self.rate) {
+                self.access(k);
+            }
+        }
+        self.choose();
+    }
+
+    /// Feeds already sampled keys (the caller filtered them with
+    /// [`sampled`] at [`Chooser::rate`]), then chooses as [`Chooser::batch`].
+    pub fn batch_sampled(&mut self, keys: impl IntoIterator<Item = u64>) {
+        for k in keys {
+            self.access(k);
+        }
+        self.choose();
+    }
+
+    fn choose(&mut self) {
+        let mut best = 0;
+        for (i, m) in self.minis.iter().enumerate() {
+            if m.hits > self.minis[best].hits {
+                best = i;
+            }
+        }
+        let now = self.minis[self.chosen].hits;
+        if self.minis[best].hits > now + now * self.params.margin / 1000 {
+            self.chosen = best;
+        }
+    }
+}
