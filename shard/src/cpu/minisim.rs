@@ -14,7 +14,7 @@
 //! first): admitted only if more frequent by more than [`ADMIT_MARGIN`],
 //! as in the table's buckets. Frequencies are exact
 //! (a map, capped at 15), halved every 10 × capacity sampled accesses;
-//! hits halved every ½ capacity, so the choice follows the recent past.
+//! hits halved every capacity, so the choice follows the recent past.
 //! The share moves to another miniature's window only when that one is
 //! strictly ahead (ties: the smaller window); it starts at 1 %.
 //!
@@ -32,12 +32,13 @@ const FREQ_MAX: u8 = 15;
 /// Sampled accesses between frequency halvings, per miniature slot.
 const FREQ_PERIOD: u64 = 10;
 /// Sampled accesses between hit-count halvings, in percent of a
-/// miniature's capacity: a choice follows about the last capacity's worth
-/// of accesses. Measured (model, 36 non-IID points of two trace seeds):
-/// every 4 capacities −3.82 / −4.57 pp below the bar in all, 2: −2.77 /
-/// −3.18, 1: −1.69 / −1.99, ½: −1.18 / −1.53, ¼: −4.29 / −4.46 (scan and
-/// loop traces flip between windows).
-const HIT_PERIOD_PERCENT: u64 = 50;
+/// miniature's capacity: a choice follows about the last cache's worth of
+/// accesses. Measured with hkv-sim over the 36 non-IID points of two trace
+/// seeds (36 / 37; points within 1 pp of the best reference, sum of the
+/// shortfalls): every 4 capacities 30 / 30, −3.91 / −4.66; every capacity
+/// 31 / 30, −1.69 / −2.11; every ½ capacity 28 / 30, −1.27 / −1.51 (the
+/// model: ¼ capacity worse again, scan and loop traces flip windows).
+const HIT_PERIOD_PERCENT: u64 = 100;
 /// Admission margin, the buckets' too (`adapt::ADMIT_MARGIN`): a window's
 /// oldest joins a full main tier only if counted at least 2 more times
 /// than the main tier's oldest. With TinyLFU's margin 0, a scan key
