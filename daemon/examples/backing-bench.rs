@@ -143,6 +143,16 @@ fn cpu_secs(pids: &[u32]) -> f64 {
         .sum()
 }
 
+/// Prints CPU ms per request (of `requests` over the rounds) of the
+/// client, the cluster and the daemon over the plain and the hkvd rounds.
+fn print_cpu(what: &str, batch: usize, requests: f64, plain: [f64; 3], hkvd: [f64; 3]) {
+    let per = |c: [f64; 3]| {
+        let ms = |x: f64| 1e3 * x / requests;
+        format!("client {:.2}, cluster {:.2}, daemon {:.2}", ms(c[0]), ms(c[1]), ms(c[2]))
+    };
+    println!("{what}, CPU ms per request of {batch} keys: plain rounds {}; hkvd rounds {}", per(plain), per(hkvd));
+}
+
 /// The processes whose command name is `name`.
 fn pids_named(name: &str) -> Vec<u32> {
     std::fs::read_dir("/proc")
@@ -203,19 +213,33 @@ fn main() {
     }
     let want = |what: &str| std::env::var("HKV_BENCH_ONLY").map_or(true, |o| o.split(',').any(|w| w == what));
     let (mut p, mut h) = (vec![], vec![]);
+    // CPU seconds of (this client, the cluster, the daemon), as in warm.
+    let cpu = || [cpu_secs(&[std::process::id()]), cpu_secs(&pids_named("redis-server")), cpu_secs(&[a.child.id()])];
+    let (mut cpu_p, mut cpu_h) = ([0.0; 3], [0.0; 3]);
     for _ in 0..if want("cold") { rounds } else { 0 } {
+        let c0 = cpu();
         let t = Instant::now();
         for c in keys.chunks(batch) {
             assert!(!rt.block_on(plain.run(PlainClient::mget(&cold, c))).is_empty());
         }
         p.push(n as f64 / t.elapsed().as_secs_f64());
+        let c1 = cpu();
         remake(&mut ca, spec("cold", 2 * n as u64, &seeds, BackingMode::ReadOnly));
+        let c2 = cpu();
         let t = Instant::now();
         for c in keys.chunks(batch) {
             let f = ca.find("cold", c).expect("find");
             assert!(f.found.iter().all(|x| *x), "every key is in the cluster");
         }
         h.push(n as f64 / t.elapsed().as_secs_f64());
+        let c3 = cpu();
+        for i in 0..3 {
+            cpu_p[i] += c1[i] - c0[i];
+            cpu_h[i] += c3[i] - c2[i];
+        }
+    }
+    if want("cold") {
+        print_cpu("cold", batch, (rounds * n) as f64 / batch as f64, cpu_p, cpu_h);
     }
     if want("cold") {
         let b = backing(&mut ca, "cold");
@@ -270,8 +294,6 @@ fn main() {
         // CPU seconds of (this client, the cluster, the daemon) over the
         // plain rounds and over hkvd's.
         let (mut cpu_p, mut cpu_h) = ([0.0; 3], [0.0; 3]);
-        let cpu =
-            || [cpu_secs(&[std::process::id()]), cpu_secs(&pids_named("redis-server")), cpu_secs(&[a.child.id()])];
         for _ in 0..rounds {
             let c0 = cpu();
             let t = Instant::now();
@@ -323,11 +345,7 @@ fn main() {
             bar: ">= 5",
             note: format!("cache hits {:.1} % (capacity {warm_cap} of {n} keys)", 100.0 * median(hit)),
         });
-        let per = |c: [f64; 3]| {
-            let k = (rounds * stream.len()) as f64 / batch as f64;
-            format!("client {:.2}, cluster {:.2}, daemon {:.2}", 1e3 * c[0] / k, 1e3 * c[1] / k, 1e3 * c[2] / k)
-        };
-        println!("warm, CPU ms per request of {batch} keys: plain rounds {}; hkvd rounds {}", per(cpu_p), per(cpu_h));
+        print_cpu("warm", batch, (rounds * stream.len()) as f64 / batch as f64, cpu_p, cpu_h);
         let lm = median(local);
         rows.push(Row {
             what: "  same stream, table without cluster",
