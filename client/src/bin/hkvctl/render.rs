@@ -84,7 +84,7 @@ fn path_line(p: &PathStats) -> String {
     let us = |ns: u64, n: u64| ns as f64 / n.max(1) as f64 / 1e3;
     let r = p.requests;
     let mut line = format!(
-        "request path, mean us over {r} requests: spawn {:.1}  handle {:.1}  write {:.1} (queued {:.1}, {} answers)  \
+        "request path, mean us over {r} requests: spawn {:.1}  handle {:.1}  write {:.1} (of it {:.1} behind other answers; {} answers queued)  \
          total {:.1}",
         us(p.spawn_ns, r),
         us(p.handle_ns, r),
@@ -133,7 +133,7 @@ mod tests {
         };
         let t = stats_table(&s);
         assert!(
-            t.contains("over 4 requests: spawn 2.0  handle 100.0  write 5.0 (queued 1.0, 1 answers)  total 107.0"),
+            t.contains("over 4 requests: spawn 2.0  handle 100.0  write 5.0 (of it 1.0 behind other answers; 1 answers queued)  total 107.0"),
             "{t}"
         );
         assert!(t.contains("2 CUDA event waits: mean 25.0"), "{t}");
