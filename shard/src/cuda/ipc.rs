@@ -485,19 +485,10 @@ impl IpcEvent {
         }
     }
 
-    /// Records the event on `s`, then submits the stream's pending work
-    /// (`cuStreamQuery`): another process asks the event from its host
-    /// ([`IpcEvent::query`]), and there a record still queued in this
-    /// process, not yet submitted, reads as complete (the Python client's
-    /// `CudaEvent.record` does the same).
+    /// Records the event on `s`.
     pub fn record(&self, s: &CudaStream) -> Result<()> {
         // SAFETY: as in `wait_on`.
-        check(unsafe { sys::cuEventRecord(self.ev, s.cu_stream()) }, "cuEventRecord")?;
-        // SAFETY: a live stream; NOT_READY only says its work still runs.
-        match unsafe { sys::cuStreamQuery(s.cu_stream()) } {
-            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_NOT_READY => Ok(()),
-            r => check(r, "cuStreamQuery"),
-        }
+        check(unsafe { sys::cuEventRecord(self.ev, s.cu_stream()) }, "cuEventRecord")
     }
 
     /// Waits on this thread for the event's last record.
