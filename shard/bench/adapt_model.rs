@@ -56,6 +56,13 @@ const EMPTY: u64 = u64::MAX;
 
 static BLOCKED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
+/// `crate::hash` of the shard crate, for `minisim.rs`: its mix.
+mod hash {
+    pub fn fmix64(x: u64) -> u64 {
+        super::fmix(x)
+    }
+}
+
 fn fmix(mut x: u64) -> u64 {
     x ^= x >> 33;
     x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);

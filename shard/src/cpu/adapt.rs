@@ -72,6 +72,7 @@ use parking_lot::Mutex;
 use rayon::prelude::*;
 
 use super::minisim::{sample_rate, sampled, Chooser};
+use crate::hash::fmix64;
 use crate::score::{ADAPTIVE_MAIN, ADAPTIVE_PROTECTED};
 use crate::BUCKET_SLOTS;
 
@@ -89,21 +90,11 @@ pub(crate) const PROTECTED_TENTHS: u32 = 8;
 /// use the same (`minisim::ADMIT_MARGIN`).
 pub(crate) const ADMIT_MARGIN: u8 = super::minisim::ADMIT_MARGIN;
 
-/// A 64-bit mix (murmur3's finaliser) of `x`.
-#[inline]
-fn mix(mut x: u64) -> u64 {
-    x ^= x >> 33;
-    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
-    x ^= x >> 33;
-    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-    x ^ (x >> 33)
-}
-
 /// The sketch counters of `key` (one per row) in a sketch of `lines`
 /// 64-byte lines (a power of two).
 #[inline]
 pub(crate) fn sketch_indices(key: u64, lines: u64) -> [usize; ROWS] {
-    let h = mix(key ^ 0x9e37_79b9_7f4a_7c15);
+    let h = fmix64(key ^ 0x9e37_79b9_7f4a_7c15);
     let line = ((h >> 16) & (lines - 1)) as usize * 64;
     std::array::from_fn(|r| line + r * 16 + ((h >> (4 * r)) & 15) as usize)
 }

@@ -7,7 +7,7 @@
 //!
 //! Sampling (SHARDS-style, so that a miniature of `slots / R` entries
 //! fed one key in R behaves as the full-size cache): `R = max(1,
-//! floor(slots / 2048))`; a key is sampled when `(mix(k ^ 0x5bd1e995) >>
+//! floor(slots / 2048))`; a key is sampled when `(fmix64(k ^ 0x5bd1e995) >>
 //! 20) % R == 0`. Each miniature is a window LRU plus a segmented LRU main
 //! (probation, protected ≤ 80 % of the main), TinyLFU admission from the
 //! window's oldest into a full main against the main's oldest (probation
@@ -22,6 +22,8 @@
 //! includes it (`#[path]`), so the model and the policy run the same code.
 
 use std::collections::HashMap;
+
+use crate::hash::fmix64;
 
 /// The miniatures' windows, in percent of their capacity.
 pub const WINDOWS_PERCENT: [u64; 5] = [1, 5, 20, 50, 100];
@@ -87,16 +89,6 @@ const BUCKET: u64 = 128;
 
 const NIL: u32 = u32::MAX;
 
-/// A 64-bit mix (murmur3's finaliser).
-#[inline]
-fn mix(mut x: u64) -> u64 {
-    x ^= x >> 33;
-    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
-    x ^= x >> 33;
-    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-    x ^ (x >> 33)
-}
-
 /// The sampling divisor of a table of `slots` slots.
 pub fn sample_rate(slots: u64) -> u64 {
     (slots / SAMPLED_SLOTS).max(1)
@@ -105,7 +97,7 @@ pub fn sample_rate(slots: u64) -> u64 {
 /// Whether `key` is sampled at divisor `rate`.
 #[inline]
 pub fn sampled(key: u64, rate: u64) -> bool {
-    rate <= 1 || (mix(key ^ 0x5bd1_e995) >> 20).is_multiple_of(rate)
+    rate <= 1 || (fmix64(key ^ 0x5bd1_e995) >> 20).is_multiple_of(rate)
 }
 
 /// A bucket's window share (slots, 1 ..= 127) for a share in percent.

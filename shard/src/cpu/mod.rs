@@ -21,7 +21,8 @@
 //! # Layout
 //! - `adapt`: the Adaptive policy's rules, sketch and window share.
 //! - `minisim`: the miniature caches that choose Adaptive's window share
-//!   (std only: `shard/bench/adapt_model.rs` includes it).
+//!   (std and `crate::hash` only: `shard/bench/adapt_model.rs` includes
+//!   it, with a `hash` module of its own).
 //! - `bucket`: one bucket (digests, keys, scores, occupancy, writer mutex)
 //!   and its SWAR digest scan.
 //! - `storage`: the buckets and the value array of one table size.
