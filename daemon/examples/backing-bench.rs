@@ -143,6 +143,20 @@ fn cpu_secs(pids: &[u32]) -> f64 {
         .sum()
 }
 
+/// Keys per second of `keys` keys read by `f`; the CPU seconds `cpu`
+/// measures over it are added to `acc`.
+fn timed(keys: usize, cpu: &impl Fn() -> [f64; 3], acc: &mut [f64; 3], f: impl FnOnce()) -> f64 {
+    let c0 = cpu();
+    let t = Instant::now();
+    f();
+    let rate = keys as f64 / t.elapsed().as_secs_f64();
+    let c1 = cpu();
+    for i in 0..3 {
+        acc[i] += c1[i] - c0[i];
+    }
+    rate
+}
+
 /// Prints CPU ms per request (of `requests` over the rounds) of the
 /// client, the cluster and the daemon over the plain and the hkvd rounds.
 fn print_cpu(what: &str, batch: usize, requests: f64, plain: [f64; 3], hkvd: [f64; 3]) {
@@ -212,40 +226,28 @@ fn main() {
         rt.block_on(plain.run(PlainClient::mset(&cold, c, &row)));
     }
     let want = |what: &str| std::env::var("HKV_BENCH_ONLY").map_or(true, |o| o.split(',').any(|w| w == what));
-    let (mut p, mut h) = (vec![], vec![]);
-    // CPU seconds of (this client, the cluster, the daemon), as in warm.
+    // CPU seconds of (this client, the cluster, the daemon).
     let cpu = || [cpu_secs(&[std::process::id()]), cpu_secs(&pids_named("redis-server")), cpu_secs(&[a.child.id()])];
-    let (mut cpu_p, mut cpu_h) = ([0.0; 3], [0.0; 3]);
-    for _ in 0..if want("cold") { rounds } else { 0 } {
-        let c0 = cpu();
-        let t = Instant::now();
-        for c in keys.chunks(batch) {
-            assert!(!rt.block_on(plain.run(PlainClient::mget(&cold, c))).is_empty());
+    // With one request in flight (`cold`), then two on both sides (`cold2`).
+    for (what, depth) in [("cold", 1), ("cold2", 2)] {
+        if !want(what) {
+            continue;
         }
-        p.push(n as f64 / t.elapsed().as_secs_f64());
-        let c1 = cpu();
-        remake(&mut ca, spec("cold", 2 * n as u64, &seeds, BackingMode::ReadOnly));
-        let c2 = cpu();
-        let t = Instant::now();
-        for c in keys.chunks(batch) {
-            let f = ca.find("cold", c).expect("find");
-            assert!(f.found.iter().all(|x| *x), "every key is in the cluster");
+        let (mut p, mut h, mut cpu_p, mut cpu_h) = (vec![], vec![], [0.0; 3], [0.0; 3]);
+        for _ in 0..rounds {
+            p.push(timed(n, &cpu, &mut cpu_p, || rt.block_on(plain_gets(&plain, &cold, keys.chunks(batch), depth))));
+            remake(&mut ca, spec("cold", 2 * n as u64, &seeds, BackingMode::ReadOnly));
+            h.push(timed(n, &cpu, &mut cpu_h, || hkvd_finds(&mut ca, "cold", keys.chunks(batch), depth)));
         }
-        h.push(n as f64 / t.elapsed().as_secs_f64());
-        let c3 = cpu();
-        for i in 0..3 {
-            cpu_p[i] += c1[i] - c0[i];
-            cpu_h[i] += c3[i] - c2[i];
-        }
-    }
-    if want("cold") {
-        print_cpu("cold", batch, (rounds * n) as f64 / batch as f64, cpu_p, cpu_h);
-    }
-    if want("cold") {
+        print_cpu(what, batch, (rounds * n) as f64 / batch as f64, cpu_p, cpu_h);
         let b = backing(&mut ca, "cold");
         let ratio = median(h.iter().zip(&p).map(|(h, p)| h / p).collect());
         rows.push(Row {
-            what: "cold read-through (find, every key a miss)",
+            what: if depth == 1 {
+                "cold read-through (find, every key a miss)"
+            } else {
+                "cold, 2 requests in flight on both sides"
+            },
             plain: median(p),
             hkvd: median(h),
             ratio,
@@ -254,28 +256,6 @@ fn main() {
                 "last round: {} filled, {} hits; fetch p50 <= {} us per request of {batch}",
                 b.filled, b.hits, b.fetch_p50_us
             ),
-        });
-    }
-
-    // Cold with two requests in flight on both sides.
-    let (mut p2, mut h2) = (vec![], vec![]);
-    for _ in 0..if want("cold2") { rounds } else { 0 } {
-        let t = Instant::now();
-        rt.block_on(plain_gets(&plain, &cold, keys.chunks(batch), 2));
-        p2.push(n as f64 / t.elapsed().as_secs_f64());
-        remake(&mut ca, spec("cold", 2 * n as u64, &seeds, BackingMode::ReadOnly));
-        let t = Instant::now();
-        hkvd_finds(&mut ca, "cold", keys.chunks(batch), 2);
-        h2.push(n as f64 / t.elapsed().as_secs_f64());
-    }
-    if want("cold2") {
-        rows.push(Row {
-            what: "cold, 2 requests in flight on both sides",
-            plain: median(p2.clone()),
-            hkvd: median(h2.clone()),
-            ratio: median(h2.iter().zip(&p2).map(|(h, p)| h / p).collect()),
-            bar: ">= 0.80",
-            note: String::new(),
         });
     }
 
@@ -290,31 +270,12 @@ fn main() {
         for c in stream.chunks(batch) {
             ca.find("cold", c).expect("warm-up find");
         }
-        let (mut p, mut h, mut hit) = (vec![], vec![], vec![]);
-        // CPU seconds of (this client, the cluster, the daemon) over the
-        // plain rounds and over hkvd's.
-        let (mut cpu_p, mut cpu_h) = ([0.0; 3], [0.0; 3]);
+        let (mut p, mut h, mut hit, mut cpu_p, mut cpu_h) = (vec![], vec![], vec![], [0.0; 3], [0.0; 3]);
         for _ in 0..rounds {
-            let c0 = cpu();
-            let t = Instant::now();
-            for c in stream.chunks(batch) {
-                assert!(!rt.block_on(plain.run(PlainClient::mget(&warm, c))).is_empty());
-            }
-            p.push(stream.len() as f64 / t.elapsed().as_secs_f64());
-            let c1 = cpu();
+            let k = stream.len();
+            p.push(timed(k, &cpu, &mut cpu_p, || rt.block_on(plain_gets(&plain, &warm, stream.chunks(batch), 1))));
             let before = backing(&mut ca, "cold");
-            let c2 = cpu();
-            let t = Instant::now();
-            for c in stream.chunks(batch) {
-                let f = ca.find("cold", c).expect("find");
-                assert!(f.found.iter().all(|x| *x));
-            }
-            h.push(stream.len() as f64 / t.elapsed().as_secs_f64());
-            let c3 = cpu();
-            for i in 0..3 {
-                cpu_p[i] += c1[i] - c0[i];
-                cpu_h[i] += c3[i] - c2[i];
-            }
+            h.push(timed(k, &cpu, &mut cpu_h, || hkvd_finds(&mut ca, "cold", stream.chunks(batch), 1)));
             let after = backing(&mut ca, "cold");
             let (hits, filled) = (after.hits - before.hits, after.filled - before.filled);
             hit.push(hits as f64 / (hits + filled).max(1) as f64);
@@ -360,12 +321,9 @@ fn main() {
         // client's two batches go to the cluster at once).
         let (mut p2, mut h2) = (vec![], vec![]);
         for _ in 0..if want("warm2") { rounds } else { 0 } {
-            let t = Instant::now();
-            rt.block_on(plain_gets(&plain, &warm, stream.chunks(batch), 2));
-            p2.push(stream.len() as f64 / t.elapsed().as_secs_f64());
-            let t = Instant::now();
-            hkvd_finds(&mut ca, "cold", stream.chunks(batch), 2);
-            h2.push(stream.len() as f64 / t.elapsed().as_secs_f64());
+            let k = stream.len();
+            p2.push(timed(k, &cpu, &mut [0.0; 3], || rt.block_on(plain_gets(&plain, &warm, stream.chunks(batch), 2))));
+            h2.push(timed(k, &cpu, &mut [0.0; 3], || hkvd_finds(&mut ca, "cold", stream.chunks(batch), 2)));
         }
         if want("warm2") {
             let ratio = median(h2.iter().zip(&p2).map(|(h, p)| h / p).collect());
