@@ -365,6 +365,23 @@ extern "C" __global__ void adapt_count(HkvScoring sc, const u64* keys, u64 n, co
     hkv_sketch_count(sc, keys[i]);
 }
 
+// Adaptive: the accesses of a device batch that the window share's
+// miniatures sample (minisim::sampled at divisor `rate`): key i, where
+// only[i] and found[i] are set (each where non-null), whose hash falls on
+// the divisor goes to out as the pair (i, key), at a place taken from the
+// count in out[0] (pairs from out[1]). The host restores index order. One
+// thread per key; reads the keys and flags, writes about n / rate pairs.
+extern "C" __global__ void adapt_sample(const u64* keys, u64 n, const u8* only, const u8* found, u64 rate,
+                                        u64* out) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n || (only && !only[i]) || (found && !found[i])) return;
+    u64 key = keys[i];
+    if (rate > 1 && ((hkv_fmix64(key ^ 0x5bd1e995ULL) >> 20) % rate) != 0) return;
+    u64 j = atomicAdd(reinterpret_cast<unsigned long long*>(out), 1ULL);
+    out[1 + 2 * j] = i;
+    out[2 + 2 * j] = key;
+}
+
 // Adaptive: halves every sketch counter (TinyLFU's reset, Adapt::age). One
 // thread per 4-byte word of the sketch's sketch_lines * 64 bytes.
 extern "C" __global__ void adapt_halve(HkvScoring sc) {

@@ -53,7 +53,7 @@ pub enum KernelId {
     Features,
     /// `lookup.cu`: `lookup_find` (and its `_gN` variants), `order_count`, `order_write`, `keys_reserved`.
     Lookup,
-    /// `upsert.cu`: `upsert_keys` and `probe_keys` (and their `_gN` variants), `adapt_count`, `adapt_halve`.
+    /// `upsert.cu`: `upsert_keys` and `probe_keys` (and their `_gN` variants), `adapt_count`, `adapt_sample`, `adapt_halve`.
     Upsert,
     /// `update.cu`: `update_keys` and `step_keys` (and their `_gN` variants).
     Update,
@@ -155,6 +155,7 @@ impl KernelId {
                 "probe_keys_g16",
                 "probe_keys_g32",
                 "adapt_count",
+                "adapt_sample",
                 "adapt_halve",
             ],
             KernelId::Update => &[

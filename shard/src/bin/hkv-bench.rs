@@ -83,6 +83,10 @@ struct Args {
     /// or lowest-slot (the reference's rule).
     #[arg(long, default_value = "lru")]
     lfu_ties: LfuTies,
+    /// Whether find hits refresh scores: on or off; default the policy's
+    /// (on for adaptive only).
+    #[arg(long, value_parser = parse_on_off)]
+    reads_refresh: Option<bool>,
     /// Skip the moka comparison.
     #[arg(long)]
     no_moka: bool,
@@ -218,9 +222,21 @@ const OPS: [&str; 10] = [
 
 /// The policy as printed: Lfu with its tie rule.
 fn policy_name(a: &Args) -> String {
-    match a.policy {
+    let p = match a.policy {
         ScorePolicy::Lfu => format!("lfu ({} ties)", a.lfu_ties.name()),
         p => p.name().to_string(),
+    };
+    match a.reads_refresh {
+        Some(on) => format!("{p}, reads refresh {}", if on { "on" } else { "off" }),
+        None => p,
+    }
+}
+
+fn parse_on_off(s: &str) -> std::result::Result<bool, String> {
+    match s {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err(format!("{s:?}: on or off")),
     }
 }
 
@@ -500,7 +516,11 @@ fn main() -> Result<()> {
         rayon::current_num_threads()
     );
     for &dim in &a.dims {
-        let mut cfg = TableConfig::new(a.capacity, dim).mode(mode).policy(a.policy).lfu_ties(a.lfu_ties);
+        let mut cfg = TableConfig::new(a.capacity, dim)
+            .mode(mode)
+            .policy(a.policy)
+            .lfu_ties(a.lfu_ties)
+            .reads_refresh(a.reads_refresh);
         cfg.fast_tier_bytes = a.fast_tier_bytes;
         cfg.tuning = a.tuning;
         let t = hkv_shard::open(cfg, backend).context("opening the table")?;
@@ -875,9 +895,12 @@ mod cuda_bench {
         );
         let mut copy_bw = None;
         for &dim in &a.dims {
-            let mut cfg = TableConfig::new(a.capacity, dim).mode(mode).policy(a.policy).lfu_ties(a.lfu_ties);
+            let mut cfg = TableConfig::new(a.capacity, dim)
+                .mode(mode)
+                .policy(a.policy)
+                .lfu_ties(a.lfu_ties)
+                .reads_refresh(a.reads_refresh);
             cfg.fast_tier_bytes = a.fast_tier_bytes;
-            cfg.tuning = a.tuning;
             cfg.tuning = a.tuning;
             let t = CudaTable::new(cfg, dev.clone()).context("creating the table")?;
             let st = t.stats();

@@ -145,11 +145,17 @@ impl Window {
         } else {
             (0..n).filter_map(pick).collect()
         };
+        self.observe_sampled(slots, keys);
+    }
+
+    /// [`Window::observe`] of a batch whose accesses were sampled already
+    /// (`keys`: those `minisim::sampled` at the divisor of `slots`, in
+    /// index order; the CUDA backend samples on the device).
+    pub(crate) fn observe_sampled(&self, slots: u64, keys: Vec<u64>) {
         let mut c = self.chooser.lock();
         if c.slots() != slots {
             *c = c.resized(slots);
         }
-        debug_assert_eq!(c.rate(), rate);
         c.batch_sampled(keys);
         self.slots.store(c.bucket_window(), Relaxed);
     }

@@ -4,11 +4,26 @@
 //! `kernels/table.cuh`, "adaptive policy"), so that growth leaves it where
 //! it is; on the host, the counted accesses and the halving of the sketch,
 //! and the window share's miniatures (`crate::cpu::adapt::Window`, the CPU
-//! backend's own type), fed each batch's keys from the host after the
-//! batch. The kernels take the share as a launch argument.
+//! backend's own type). The kernels take the share as a launch argument.
+//!
+//! A host batch feeds the miniatures from its host keys after it ran. A
+//! device batch samples its accesses on the device (`adapt_sample`, the
+//! miniatures' hash filter: about n / 16 384 keys of a 32 Mi-slot table)
+//! and queues the copy of the sample to pinned memory behind its kernels
+//! without waiting for them ([`Samples`]); the queue is settled (the
+//! samples fed in the order their batches were queued) before any batch
+//! that places keys reads the share, waiting for what is not done, and
+//! without waiting whenever a batch's scoring is built. An inserter batch
+//! runs alone, so every batch before it has finished and fed its sample:
+//! the share it gets is the one the CPU backend computes after the same
+//! batches.
+
+use std::collections::VecDeque;
 
 use super::*;
 use crate::cpu::adapt::{sketch_lines, Window, ADMIT_MARGIN, PERIOD_PER_SLOT, PROTECTED_TENTHS};
+use crate::cpu::minisim::sample_rate;
+use cudarc::driver::{CudaEvent, PinnedHostSlice};
 
 /// The Adaptive policy's buffers, the raw address the kernels take, and
 /// the window share.
@@ -20,6 +35,46 @@ pub(super) struct DeviceAdapt {
     counted: AtomicU64,
     /// The window share and its miniatures.
     pub(super) window: Window,
+    /// Device batches' samples on their way to the miniatures.
+    samples: Mutex<Samples>,
+}
+
+/// A device batch's sampled accesses: the count and (index, key) pairs the
+/// kernel writes on the device, the part copied back with the count into
+/// pinned memory, and the event after that copy.
+struct SampleBuf {
+    /// The count, then room for `pairs` pairs; and its address.
+    _dev: CudaSlice<u64>,
+    dev_addr: u64,
+    pairs: usize,
+    _host: PinnedHostSlice<u64>,
+    /// Its address (the copy's destination).
+    host_addr: u64,
+    /// Pairs the host buffer holds after the count.
+    host_pairs: usize,
+    done: CudaEvent,
+}
+
+/// A sample queued behind its batch: its buffer, the pairs copied with the
+/// count, and the table size the batch ran at.
+struct Queued {
+    buf: SampleBuf,
+    copied: usize,
+    slots: u64,
+}
+
+/// The queue of samples, in the order their batches were queued, and the
+/// buffers free for the next.
+#[derive(Default)]
+struct Samples {
+    queue: VecDeque<Queued>,
+    free: Vec<SampleBuf>,
+}
+
+/// Pairs copied back with a sample's count: the expected sample and room
+/// for its spread (more are fetched in a second, waited copy).
+fn expected_pairs(n: usize, rate: u64) -> usize {
+    (n.div_ceil(rate as usize) * 2 + 256).min(n)
 }
 
 const _: () = {
@@ -41,12 +96,61 @@ impl DeviceAdapt {
             lines,
             counted: AtomicU64::new(0),
             window: Window::new(slots),
+            samples: Mutex::new(Samples::default()),
         })
     }
 
-    /// `sc` with this state's address and the next batch's window share.
+    /// `sc` with this state's address and the next batch's window share
+    /// (the samples of finished device batches fed first, without waiting).
     pub(super) fn args(&self, sc: ScoringArgs) -> ScoringArgs {
+        // A failed copy leaves the share where it was; the batch that
+        // places keys next settles with a wait and reports it.
+        let _ = self.settle(false);
         ScoringArgs { sketch: self.sketch, sketch_lines: self.lines, window: self.window.bucket_slots(), ..sc }
+    }
+
+    /// Feeds the queued samples to the miniatures in queue order: every
+    /// one (`wait`: waiting for its batch), or those whose batches are done.
+    fn settle(&self, wait: bool) -> Result<()> {
+        let mut q = self.samples.lock();
+        while let Some(front) = q.queue.front() {
+            if !wait && !front.buf.done.is_complete() {
+                break;
+            }
+            let Queued { buf, copied, slots } = q.queue.pop_front().expect("the front");
+            let fed = Self::feed(&self.window, &buf, copied, slots);
+            q.free.push(buf);
+            fed?;
+        }
+        Ok(())
+    }
+
+    /// One sample's keys, in index order, to the miniatures.
+    fn feed(window: &Window, buf: &SampleBuf, copied: usize, slots: u64) -> Result<()> {
+        buf.done.synchronize().map_err(dev_err("waiting for a batch's sampled accesses"))?;
+        // SAFETY: the copy into `host` is done (its event above); nothing
+        // writes it until the buffer is queued again.
+        let host = unsafe { std::slice::from_raw_parts(buf.host_addr as *const u64, 1 + 2 * buf.host_pairs) };
+        let count = host[0] as usize;
+        if count > buf.pairs {
+            return Err(Error::Config(format!("{count} sampled accesses for room of {}", buf.pairs)));
+        }
+        let mut pairs: Vec<(u64, u64)> =
+            host[1..1 + 2 * count.min(copied)].chunks_exact(2).map(|p| (p[0], p[1])).collect();
+        if count > copied {
+            let mut rest = vec![0u64; 2 * (count - copied)];
+            let src = buf.dev_addr + (1 + 2 * copied as u64) * 8;
+            // SAFETY: `src` holds the pairs past those copied, written by
+            // the kernel that the event above followed; `rest` has room for
+            // them; the copy is done when the call returns.
+            unsafe { cudarc::driver::sys::cuMemcpyDtoH_v2(rest.as_mut_ptr().cast(), src, rest.len() * 8) }
+                .result()
+                .map_err(dev_err("copying a batch's sampled accesses to the host"))?;
+            pairs.extend(rest.chunks_exact(2).map(|p| (p[0], p[1])));
+        }
+        pairs.sort_unstable_by_key(|p| p.0);
+        window.observe_sampled(slots, pairs.into_iter().map(|p| p.1).collect());
+        Ok(())
     }
 }
 
@@ -69,6 +173,9 @@ impl CudaTable {
         counted: u64,
     ) -> Result<()> {
         let Some(a) = &self.adapt else { return Ok(()) };
+        // The share this batch reads (its scoring, after this) follows
+        // every device batch before it.
+        a.settle(true)?;
         if n == 0 {
             return Ok(());
         }
@@ -95,54 +202,92 @@ impl CudaTable {
         }
     }
 
-    /// Adaptive, a device batch (its keys in device memory): waits for
-    /// stream `l` to run the batch, copies its `n` keys (and `only`, and
-    /// for a find the `found` flags) to the host and feeds the accesses the
-    /// sketch counted to the miniatures ([`CudaTable::adapt_observe`]): a
-    /// device batch of an adaptive table waits for its kernels before it
-    /// returns (the share of the next batch depends on this one's keys).
-    /// No-op for other policies.
+    /// Adaptive, a device batch (its keys in device memory), queued on
+    /// stream `l` after its kernels: samples the accesses the sketch counted
+    /// (its `n` keys that `only` and, for a find, `found` let through) on
+    /// the device and queues their copy to the host, for the miniatures
+    /// (module docs: fed when the queue is settled). No-op for other
+    /// policies.
     ///
     /// # Safety
     /// `keys` holds `n` keys, `only` and `found`, when given, `n` flags of
-    /// device memory of this table's context, alive until this returns.
-    pub(super) unsafe fn adapt_observe_device(
+    /// device memory of this table's context, alive until `l` has run the
+    /// work queued here.
+    pub(super) unsafe fn adapt_sample_device(
         &self,
-        l: &CudaStream,
+        l: &Arc<CudaStream>,
         st: &Storage,
         keys: DevPtr<u64>,
         n: usize,
         only: Option<DevPtr<u8>>,
         found: Option<DevPtr<u8>>,
     ) -> Result<()> {
-        if self.adapt.is_none() || n == 0 {
+        let Some(a) = &self.adapt else { return Ok(()) };
+        if n == 0 {
             return Ok(());
         }
-        // The batch's kernels first; then plain (synchronous) copies, so
-        // that no copy into these vectors is in flight when one fails.
-        l.synchronize().map_err(dev_err("synchronizing"))?;
-        let copy = |src: u64, dst: *mut std::ffi::c_void, bytes: usize| -> Result<()> {
-            // SAFETY: `src` holds `bytes` bytes of live device memory (the
-            // caller's contract, lengths checked by `arg`), written by
-            // kernels `l` has finished; `dst` is a host buffer of `bytes`
-            // bytes; the copy is done when the call returns.
-            unsafe { cudarc::driver::sys::cuMemcpyDtoH_v2(dst, src, bytes) }
+        let slots = st.nbuckets * S;
+        let rate = sample_rate(slots);
+        let want = expected_pairs(n, rate);
+        let mut q = a.samples.lock();
+        let at = q.free.iter().position(|b| b.pairs >= n && b.host_pairs >= want);
+        let buf = match at {
+            Some(i) => q.free.swap_remove(i),
+            None => {
+                let al = |what: &'static str| dev_err(what);
+                let dev = l.alloc_zeros::<u64>(1 + 2 * n).map_err(al("allocating a sample buffer"))?;
+                let host_pairs = want.max(4096).min(n.max(1));
+                // SAFETY: read only after a copy into it finished (`feed`).
+                let mut host = unsafe { l.context().alloc_pinned::<u64>(1 + 2 * host_pairs) }
+                    .map_err(al("allocating a pinned sample buffer"))?;
+                let host_addr = host.as_mut_ptr().map_err(al("allocating a pinned sample buffer"))? as u64;
+                let done = l.context().new_event(None).map_err(al("creating an event"))?;
+                SampleBuf { dev_addr: ptr(&dev, l), _dev: dev, pairs: n, _host: host, host_addr, host_pairs, done }
+            }
+        };
+        let out = buf.dev_addr;
+        let k = arg("keys", Some(keys), n)?;
+        let o = arg("key filter", only, n)?;
+        let f = arg("found flags", found, n)?;
+        let n64 = n as u64;
+        let copied = want.min(buf.host_pairs);
+        let queued = (|| -> Result<()> {
+            // SAFETY: `out` is the buffer's first word, its count.
+            unsafe { cudarc::driver::sys::cuMemsetD8Async(out, 0, 8, l.cu_stream()) }
                 .result()
-                .map_err(dev_err("copying a device batch's keys or flags to the host"))
-        };
-        let mut k = vec![0u64; n];
-        copy(arg("keys", Some(keys), n)?, k.as_mut_ptr().cast(), n * 8)?;
-        let flags = |p: Option<DevPtr<u8>>, what: &str| -> Result<Option<Vec<u8>>> {
-            let Some(p) = p else { return Ok(None) };
-            let mut v = vec![0u8; n];
-            copy(arg(what, Some(p), n)?, v.as_mut_ptr().cast(), n)?;
-            Ok(Some(v))
-        };
-        let o = flags(only, "key filter")?;
-        let f = flags(found, "found flags")?;
-        let pass = |i: usize| o.as_ref().is_none_or(|o| o[i] != 0) && f.as_ref().is_none_or(|f| f[i] != 0);
-        self.adapt_observe(st, n, |i| pass(i).then_some(k[i]));
-        Ok(())
+                .map_err(dev_err("clearing a sample's count"))?;
+            let mut b = l.launch_builder(&self.f.adapt_sample);
+            b.arg(&k).arg(&n64).arg(&o).arg(&f).arg(&rate).arg(&out);
+            // SAFETY: adapt_sample reads keys[0..n], only[0..n] and
+            // found[0..n] where non-null (lengths checked by `arg`) and
+            // writes the count and at most n pairs: the buffer holds
+            // 1 + 2 × pairs words, pairs >= n.
+            unsafe { b.launch(blocks(n64)?) }.map_err(dev_err("launching adapt_sample"))?;
+            // SAFETY: the host buffer holds 1 + 2 × host_pairs words, at
+            // least the 1 + 2 × copied copied; read after `done`.
+            unsafe {
+                cudarc::driver::sys::cuMemcpyDtoHAsync_v2(
+                    buf.host_addr as *mut std::ffi::c_void,
+                    out,
+                    (1 + 2 * copied) * 8,
+                    l.cu_stream(),
+                )
+            }
+            .result()
+            .map_err(dev_err("copying a batch's sampled accesses to the host"))?;
+            buf.done.record(l).map_err(dev_err("recording an event"))
+        })();
+        match queued {
+            Ok(()) => {
+                q.queue.push_back(Queued { buf, copied, slots });
+                Ok(())
+            }
+            Err(e) => {
+                // Not queued: the buffer may still be written by the stream.
+                drop(buf);
+                Err(e)
+            }
+        }
     }
 
     /// Adaptive: `hits` accesses counted by a refreshing find's kernel.

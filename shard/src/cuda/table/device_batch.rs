@@ -376,12 +376,14 @@ impl CudaTable {
             self.k_adapt_age(s, st)?;
         }
         // Adaptive: the accesses the sketch counted (a write's keys, a
-        // refreshing find's hits) to the window share's miniatures. A find
-        // without found flags leaves its hits unknown and feeds nothing.
+        // refreshing find's hits), sampled for the window share's
+        // miniatures. A find without found flags leaves its hits unknown
+        // and feeds nothing.
         let read = op == DeviceOp::Find && self.config.refreshes_reads() && p.found.is_some();
         if let (true, Some(k)) = (writes || read, p.keys) {
-            // SAFETY: the caller's contract: keys, only and found hold n entries.
-            unsafe { self.adapt_observe_device(s, st, k, n, p.only, if read { p.found } else { None }) }?;
+            // SAFETY: the caller's contract: keys, only and found hold n
+            // entries, alive until `s` is synchronised.
+            unsafe { self.adapt_sample_device(s, st, k, n, p.only, if read { p.found } else { None }) }?;
         }
         Ok(pending)
     }

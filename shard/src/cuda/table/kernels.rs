@@ -66,8 +66,10 @@ pub(super) struct Funcs {
     pub(super) ex_count: CudaFunction,
     pub(super) ex_scan: CudaFunction,
     pub(super) ex_write: CudaFunction,
-    /// Adaptive: a writer batch's keys into the sketch, and its halving (`super::adapt`).
+    /// Adaptive: a writer batch's keys into the sketch, a device batch's
+    /// sampled accesses, and the sketch's halving (`super::adapt`).
     pub(super) adapt_count: CudaFunction,
+    pub(super) adapt_sample: CudaFunction,
     pub(super) adapt_halve: CudaFunction,
 }
 

@@ -265,12 +265,12 @@ impl CudaTable {
     /// its hits first without locks ([`CudaTable::k_find_or_insert`]):
     /// above [`SEQUENTIAL_BATCH`] keys, whose order is unspecified, unless
     /// the tuning keeps one locked launch
-    /// ([`CudaTuning::locked_find_or_insert`]); never for adaptive, whose
-    /// hits move keys between a bucket's tiers under its lock.
+    /// ([`CudaTuning::locked_find_or_insert`]). Adaptive too: a hit only
+    /// changes its own score (a main-tier entry becomes protected), by the
+    /// probe's compare-and-swap; the tier moves that other entries make
+    /// happen when a newcomer is placed, in the locked launch after.
     pub(super) fn probes(&self, n: u64) -> bool {
-        n > SEQUENTIAL_BATCH as u64
-            && !self.config.tuning.locked_find_or_insert
-            && self.config.policy != ScorePolicy::Adaptive
+        n > SEQUENTIAL_BATCH as u64 && !self.config.tuning.locked_find_or_insert
     }
 
     /// A find_or_insert (`mode` [`UP_FIND_OR_INSERT`], or

@@ -184,6 +184,7 @@ impl CudaTable {
             ex_scan: get(KernelId::Export, "export_scan")?,
             ex_write: get(KernelId::Export, "export_write")?,
             adapt_count: get(KernelId::Upsert, "adapt_count")?,
+            adapt_sample: get(KernelId::Upsert, "adapt_sample")?,
             adapt_halve: get(KernelId::Upsert, "adapt_halve")?,
         };
         let stream = dev.ctx.new_stream().map_err(dev_err("creating a stream"))?;
