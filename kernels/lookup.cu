@@ -173,6 +173,16 @@ extern "C" __global__ void keys_reserved(const u64* keys, u64 n, u64* out) {
     if (keys[i] >= 0xFFFFFFFFFFFFFFFCULL) atomicMax(out, n - i);
 }
 
+// keys_gate: after keys_reserved, the batch's key filter: only[i] = 1 when
+// no key of the batch is reserved (*found, keys_reserved's output, 0), else
+// 0, so that a write refused for a reserved key changes nothing without the
+// host waiting for the scan first. One thread per key.
+extern "C" __global__ void keys_gate(const u64* found, u64 n, u8* only) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    only[i] = __ldcg(found) == 0;
+}
+
 extern "C" __global__ void order_count(HkvTable t, const u64* keys, u64 n, u32 shift, u32* counts) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;

@@ -536,6 +536,64 @@ fn events_order_the_clients_stream_with_the_daemons() {
     wait_regions(&mut c, (0, 0));
 }
 
+/// A write with a done event is answered once queued, before the device
+/// has scanned its keys for reserved markers; a batch holding one writes
+/// nothing, and its refusal is the answer of the connection's next region
+/// request (which does not run), naming the key; the request after that
+/// runs as usual.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_write_refused_after_its_early_answer_is_told_on_the_next_request() {
+    let (ctx, stream) = gpu();
+    let d = cuda_daemon("1", &[]);
+    let mut c = d.client();
+    let (n, dim) = (4096u64, 8u64);
+    c.create_table(TableSpec::new("t", dim as usize, 1 << 16)).unwrap();
+    let mut keys: Vec<u64> = (1..=n).collect();
+    keys[100] = u64::MAX;
+    let values: Vec<f32> = (0..n * dim).map(|x| x as f32).collect();
+    let len = n * 8 + n * dim * 4 + n;
+    let alloc = DeviceAlloc::new(&ctx, len as usize).unwrap();
+    let r = c.register_cuda(alloc.ptr(), len).unwrap();
+    let done = IpcEvent::new(&ctx).unwrap();
+    let done_id = c.register_cuda_event(&done).unwrap();
+    let m = Dev { alloc, stream: stream.clone(), at: 0 };
+    m.put(0, &keys);
+    m.put(n * 8, &values);
+    let (k, v, f) = (r.at::<u64>(0, n), r.at::<f32>(n * 8, n * dim), r.at::<u8>(n * 8 + n * dim * 4, n));
+    let write = with_events(keyed(u8::from(Op::InsertOrAssign), "t", vec![k, v], false, false), 0, done_id);
+    let id = c.send_region(&write).unwrap();
+    match c.recv_region(u8::from(Op::InsertOrAssign)) {
+        // Answered once queued: the refusal comes with the next request.
+        Ok((got, RegionAnswer::Write(s))) => {
+            assert_eq!((got, s.inserted), (id, NOT_COUNTED), "an early answer");
+            done.synchronize().unwrap();
+            let find = keyed(u8::from(Op::Find), "t", vec![k, f, v], false, false);
+            let (code, msg) = code(c.region_call(&find).unwrap_err());
+            assert_eq!(code, ErrorCode::ReservedKey, "{msg}");
+            assert!(msg.contains("was refused when it ran") && msg.contains("not run"), "{msg}");
+            assert!(msg.contains(&u64::MAX.to_string()) || msg.contains("index 100"), "names the key: {msg}");
+        }
+        // Refused before it was answered (no early place): the same error.
+        Err(e) => assert_eq!(code(e).0, ErrorCode::ReservedKey),
+        Ok(a) => panic!("unexpected answer {a:?}"),
+    }
+    // Nothing of the batch was written.
+    let none = c.find("t", &keys[..100]).unwrap();
+    assert!(none.found.iter().all(|&x| !x), "a refused batch writes nothing");
+    // The next request runs: the same batch without the marker.
+    keys[100] = 101;
+    m.put(0, &keys);
+    let write = keyed(u8::from(Op::InsertOrAssign), "t", vec![k, v], false, false);
+    assert!(matches!(c.region_call(&write).unwrap(), RegionAnswer::Write(s) if s.inserted == n));
+    let all = c.find("t", &keys).unwrap();
+    assert!(all.found.iter().all(|&x| x));
+    assert_eq!(all.values, values);
+    c.unregister(done_id).unwrap();
+    c.unregister(r.id()).unwrap();
+    wait_regions(&mut c, (0, 0));
+}
+
 /// Bytes of the child's allocation in
 /// `a_client_killed_mid_request_leaves_nothing_registered`: 8 output areas
 /// of 2^20 keys' flags and rows of dim 8, and the keys.

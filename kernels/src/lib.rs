@@ -51,7 +51,7 @@ pub enum KernelId {
     Hash,
     /// `features.cu`: `features_int64`, `features_strings`.
     Features,
-    /// `lookup.cu`: `lookup_find` (and its `_gN` variants), `order_count`, `order_write`, `keys_reserved`.
+    /// `lookup.cu`: `lookup_find` (and its `_gN` variants), `order_count`, `order_write`, `keys_reserved`, `keys_gate`.
     Lookup,
     /// `upsert.cu`: `upsert_keys` and `probe_keys` (and their `_gN` variants), `adapt_count`, `adapt_sample`, `adapt_halve`.
     Upsert,
@@ -139,6 +139,7 @@ impl KernelId {
                 "order_count",
                 "order_write",
                 "keys_reserved",
+                "keys_gate",
             ],
             KernelId::Upsert => &[
                 "upsert_keys",

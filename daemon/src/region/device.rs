@@ -56,24 +56,44 @@ fn take_early_place(state: &State) -> bool {
 /// [`NOT_COUNTED`] (the client's stream waits on the event for the
 /// outputs); the batch completes on the actor meanwhile, holding the
 /// regions, and gives the place back. A request refused before it was
-/// queued answers its error.
+/// queued answers its error; one refused once it ran (a write with a
+/// reserved key: nothing of it written) leaves its error for the
+/// connection's next region request, which answers it instead of running.
 async fn early(
     state: &Arc<State>,
+    conn: &Arc<super::Conn>,
     t: &Arc<Table>,
     op: DeviceOp,
     arrays: IpcArrays,
     done: Option<Arc<IpcEvent>>,
 ) -> Result<RegionAnswer, ProtoError> {
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let (state, t) = (state.clone(), t.clone());
+    let told = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (state, t, conn, answered) = (state.clone(), t.clone(), conn.clone(), told.clone());
     let run = tokio::spawn(async move {
+        // Queued: the request is answered early (below), so an error after
+        // this is the connection's to report.
         let queued: Box<dyn FnOnce() + Send> = Box::new(move || {
+            answered.store(true, Relaxed);
             let _ = tx.send(());
         });
         let r = state.router.call(&t, 0, RunIpc { op, arrays, part: None, done, queued: Some(queued) }).await;
         state.stats.regions.early.fetch_sub(1, Relaxed);
         if let Err(e) = &r {
             tracing::warn!(error = %e.message, "a device region request failed after it was answered");
+            if told.load(Relaxed) {
+                let mut slot = conn.refused.lock();
+                if slot.is_none() {
+                    *slot = Some(err(
+                        e.code,
+                        format!(
+                            "an earlier {op:?} request on table {:?}, answered once queued, was refused when it \
+                             ran: {}; this request was not run",
+                            t.spec.name, e.message
+                        ),
+                    ));
+                }
+            }
         }
         r
     });
@@ -116,6 +136,7 @@ fn device_op(t: &Table, req: &RegionRequest) -> Result<Option<DeviceOp>, ProtoEr
 /// request is to be staged.
 pub(super) async fn run(
     state: &Arc<State>,
+    conn: &Arc<super::Conn>,
     t: &Arc<Table>,
     req: &RegionRequest,
     arrs: &[Arr],
@@ -180,7 +201,7 @@ pub(super) async fn run(
     let grads = find("grads").map(|a| span::<f32>(a, n64 * dim)).transpose()?;
     let arrays = IpcArrays { keys, values, grads, found, scores, lost };
     let c = if shards == 1 && done.is_some() && op != DeviceOp::InsertAndEvict && take_early_place(state) {
-        return early(state, t, op, arrays, done.clone()).await.map(Some);
+        return early(state, conn, t, op, arrays, done.clone()).await.map(Some);
     } else if shards == 1 {
         // On this thread: the batch's kernels take tens of microseconds,
         // and the hand-offs to the actor's thread and back cost as much.

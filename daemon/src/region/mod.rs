@@ -83,6 +83,9 @@ pub struct Conn {
     gone: std::sync::atomic::AtomicBool,
     /// Wakes the requests waiting on [`Conn::gone`].
     gone_wake: tokio::sync::Notify,
+    /// A request answered once queued (`device::early`) and refused when
+    /// it ran: the error of this connection's next region request.
+    refused: Mutex<Option<ProtoError>>,
 }
 
 impl Conn {

@@ -97,6 +97,9 @@ pub(super) async fn run(
     known_events: Option<&HashMap<u32, Arc<IpcEvent>>>,
     req: RegionRequest,
 ) -> Result<RegionAnswer, ProtoError> {
+    if let Some(e) = conn.refused.lock().take() {
+        return Err(e);
+    }
     let t = state.router.table(&req.table)?;
     let dim = t.config.dim;
     let (arrs, n) = resolve(regions, known_events, &req, dim, t.spec.dim)?;
@@ -127,7 +130,7 @@ pub(super) async fn run(
     // its cluster (`crate::backing`) before the answer is written.
     let backed = state.backing.get(&req.table);
     if device && backed.is_none() {
-        if let Some(a) = super::device::run(state, &t, &req, &arrs, n, &done).await? {
+        if let Some(a) = super::device::run(state, conn, &t, &req, &arrs, n, &done).await? {
             return Ok(a);
         }
     }

@@ -70,9 +70,10 @@ impl CudaTable {
     /// outputs are compacted, nor a find with scores). With `wait`, the
     /// stream waits for that event before the first read of `a`; with
     /// `done`, it records that event after the last write into `a`.
-    /// Without `part`, a write first checks the keys on the device and
-    /// refuses the batch whole ([`Error::ReservedKey`]) when one is a
-    /// reserved marker (with a part, the caller checks the whole batch
+    /// Without `part`, a write checks the keys on the device and refuses
+    /// the batch whole ([`Error::ReservedKey`], nothing written) when one
+    /// is a reserved marker: a refusal known only once the batch ran, after
+    /// `order.queued` was called (with a part, the caller checks the whole batch
     /// first: [`CudaTable::check_ipc_keys`]); a find or contains answers
     /// such keys as misses. `order.queued` is called once the batch is on
     /// the GPU's queue. Returns when the batch is done, with its counts.
@@ -149,11 +150,14 @@ impl CudaTable {
         if let Some(e) = wait {
             e.wait_on(&s)?;
         }
-        if writes && n > 0 && part.is_none() {
-            self.refuse_reserved(&mut l, &a.keys)?;
-        }
+        // A write of the whole batch: its keys scanned for reserved markers
+        // on the device, and the batch's key filter made from the scan, so
+        // that a refused batch changes nothing and nothing waits for the
+        // scan (the refusal is reported when the batch is done).
+        let gate = writes && n > 0 && part.is_none();
         let only = match part {
             Some(p) if n > 0 => Some(self.shard_mask(&mut l, &a.keys, p)?),
+            _ if gate => Some(self.reserved_gate(&mut l, &a.keys)?),
             _ => None,
         };
         self.zero_counters(&mut l)?;
@@ -196,10 +200,19 @@ impl CudaTable {
         }
         // SAFETY: the counters buffer holds NCOUNTERS values and lives as long as the lane.
         let r = unsafe { l.stage.fetch(&s, ptr(&l.counters, &s), NCOUNTERS) }?;
+        let scan = match gate {
+            // SAFETY: the scan's word, the lane's offsets buffer (reserved_gate).
+            true => Some(unsafe { l.stage.fetch::<u64>(&s, opt_ptr(&l.offsets, &s), 1) }?),
+            false => None,
+        };
         l.stage.sync(&s)?;
         let c = l.stage.read(&r).to_vec();
+        let found = scan.map_or(0, |r| l.stage.read(&r)[0]);
         let counts = self.complete(pending, &c);
         self.put_lane(l);
+        if found != 0 {
+            return Err(self.reserved_key(&a.keys, found)?);
+        }
         Ok(counts)
     }
 
@@ -236,6 +249,21 @@ impl CudaTable {
     /// refuses the batch.
     fn refuse_reserved(&self, l: &mut Lane, keys: &IpcSpan<u64>) -> Result<()> {
         let s = l.stream.clone();
+        let o = self.k_keys_reserved(l, keys)?;
+        // SAFETY: `o` holds one u64 of the lane, alive until the lane goes.
+        let r = unsafe { l.stage.fetch::<u64>(&s, o, 1) }?;
+        l.stage.sync(&s)?;
+        match l.stage.read(&r)[0] {
+            0 => Ok(()),
+            found => Err(self.reserved_key(keys, found)?),
+        }
+    }
+
+    /// Queues the scan of `keys` for reserved markers into the lane's
+    /// offsets word (`keys_reserved`: n − the first one's index, 0 when
+    /// none); returns the word's address.
+    fn k_keys_reserved(&self, l: &mut Lane, keys: &IpcSpan<u64>) -> Result<u64> {
+        let s = l.stream.clone();
         let n = keys.len() as u64;
         ensure(&s, &mut l.offsets, 1)?;
         let out = l.offsets.as_mut().expect("ensured");
@@ -247,16 +275,33 @@ impl CudaTable {
         // SAFETY: reads keys[0..n] (a checked span of an open allocation)
         // and writes out[0], the lane's buffer of at least one u64.
         unsafe { b.launch(blocks(n)?) }.map_err(dev_err("launching keys_reserved"))?;
-        // SAFETY: `o` holds one u64 of the lane, alive until the lane goes.
-        let r = unsafe { l.stage.fetch::<u64>(&s, o, 1) }?;
-        l.stage.sync(&s)?;
-        let found = l.stage.read(&r)[0];
-        if found == 0 {
-            return Ok(());
-        }
-        let index = (n - found) as usize;
+        Ok(o)
+    }
+
+    /// The scan of `keys` ([`CudaTable::k_keys_reserved`]) and, after it,
+    /// the batch's key filter in the lane's second flag buffer: every key
+    /// when none is reserved, none when one is. Nothing waits.
+    fn reserved_gate(&self, l: &mut Lane, keys: &IpcSpan<u64>) -> Result<DevPtr<u8>> {
+        let s = l.stream.clone();
+        let n = keys.len() as u64;
+        let o = self.k_keys_reserved(l, keys)?;
+        ensure(&s, &mut l.flags2, keys.len())?;
+        let mask = DevPtr::of(l.flags2.as_ref().expect("ensured"), &s).take(keys.len());
+        let m = mask.addr();
+        let mut b = s.launch_builder(&self.f.keys_gate);
+        b.arg(&o).arg(&n).arg(&m);
+        // SAFETY: reads the scan's word (the lane's, written before on this
+        // stream) and writes mask[0..n] (the lane's buffer, ensured for n).
+        unsafe { b.launch(blocks(n)?) }.map_err(dev_err("launching keys_gate"))?;
+        Ok(mask)
+    }
+
+    /// The refusal of `keys` whose scan found `found` (n − the first
+    /// reserved key's index): that key, read from the client's memory.
+    fn reserved_key(&self, keys: &IpcSpan<u64>, found: u64) -> Result<Error> {
+        let index = (keys.len() as u64 - found) as usize;
         let mut key = [0u64];
         keys.mem().read(keys.ptr().addr() - keys.mem().addr() + 8 * index as u64, &mut key)?;
-        Err(Error::ReservedKey { key: key[0], index })
+        Ok(Error::ReservedKey { key: key[0], index })
     }
 }

@@ -56,6 +56,7 @@ pub(super) struct Funcs {
     /// Reserved-key scan of keys the table did not check on the host
     /// ([`CudaTable::run_ipc`]).
     pub(super) keys_reserved: CudaFunction,
+    pub(super) keys_gate: CudaFunction,
     /// The keys of one shard of a batch that every shard reads in place
     /// ([`CudaTable::run_ipc`] with a part).
     pub(super) shard_mask: CudaFunction,

@@ -175,6 +175,7 @@ impl CudaTable {
             region_order: !tuning.index_order,
             order_count: get(KernelId::Lookup, "order_count")?,
             keys_reserved: get(KernelId::Lookup, "keys_reserved")?,
+            keys_gate: get(KernelId::Lookup, "keys_gate")?,
             shard_mask: get(KernelId::Route, "shard_mask")?,
             order_write: get(KernelId::Lookup, "order_write")?,
             erase: get(KernelId::Erase, "erase_keys")?,
