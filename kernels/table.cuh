@@ -663,17 +663,29 @@ __device__ __forceinline__ u32 hkv_frequency(const HkvScoring& s, u64 key) {
 }
 
 // One access of key: each of its counters one more, saturating at 15
-// (Adapt::count). A CAS on the counter's aligned word.
+// (Adapt::count). A CAS on each counter's aligned word (the 4 lie in 4
+// words of one line); the 4 reads, then the 4 CASes, go out together, so
+// that an access waits about two round trips to L2 instead of eight.
 __device__ __forceinline__ void hkv_sketch_count(const HkvScoring& s, u64 key) {
+    u32* w[4];
+    u32 sh[4], old[4];
+    bool todo[4];
+#pragma unroll
     for (int r = 0; r < 4; ++r) {
         u64 at = hkv_sketch_at(key, s.sketch_lines, r);
-        u32* w = reinterpret_cast<u32*>(s.sketch + (at & ~3ULL));
-        u32 shift = (u32)(at & 3) * 8;
-        u32 old = __ldcg(w);
-        while (((old >> shift) & 0xff) < 15) {
-            u32 seen = atomicCAS(w, old, old + (1u << shift));
-            if (seen == old) break;
-            old = seen;
+        w[r] = reinterpret_cast<u32*>(s.sketch + (at & ~3ULL));
+        sh[r] = (u32)(at & 3) * 8;
+        old[r] = __ldcg(w[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) todo[r] = ((old[r] >> sh[r]) & 0xff) < 15;
+    while (todo[0] || todo[1] || todo[2] || todo[3]) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            if (!todo[r]) continue;
+            u32 seen = atomicCAS(w[r], old[r], old[r] + (1u << sh[r]));
+            todo[r] = seen != old[r] && ((seen >> sh[r]) & 0xff) < 15;
+            old[r] = seen;
         }
     }
 }
@@ -699,24 +711,42 @@ __device__ __forceinline__ void hkv_tiers_min(u64* v, int* o, u64 v2, int o2) {
     }
 }
 
+// Each thread of the group reads its own 128 / G contiguous slots: the
+// digests a word (4 slots) at a time, and the 4 slots' scores at once, so
+// that the loads of a scan are independent and few (a scan runs with the
+// bucket locked: its length is what other keys of the bucket wait for).
+// The minima take the lowest slot on ties whatever the order of visits.
 template <int G>
 __device__ __forceinline__ HkvTiers hkv_tiers(const HkvTable& t, const HkvGroup<G>& g, u64 b) {
     const u64 none = 0xFFFFFFFFFFFFFFFFULL;
     HkvTiers r = {0, 0, 0, -1, -1, -1, none, none, none};
-    u8 empty = hkv_empty_digest();
-    for (int s = g.rank; s < 128; s += G) {
-        if (__ldcg(t.digests + b * 128 + s) == empty) continue;
-        u64 sc = __ldcg(t.scores + b * 128 + s);
-        ++r.occupied;
-        if (sc & HKV_ADAPTIVE_MAIN) {
-            hkv_tiers_min(&r.oms, &r.om, sc, s);
-            if (sc & HKV_ADAPTIVE_PROTECTED) {
-                ++r.prot;
-                hkv_tiers_min(&r.ops, &r.op, sc, s);
+    const u32 empty = hkv_empty_digest();
+    constexpr int P = 128 / G;
+    const int first = (int)g.rank * P;
+    const u32* dw = reinterpret_cast<const u32*>(t.digests + b * 128 + first);
+    const u64* sp = t.scores + b * 128 + first;
+#pragma unroll 2
+    for (int c = 0; c < P; c += 4) {
+        u32 w = __ldcg(dw + c / 4);
+        u64 sc4[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) sc4[k] = __ldcg(sp + c + k);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            if (((w >> (8 * k)) & 0xff) == empty) continue;
+            u64 sc = sc4[k];
+            int s = first + c + k;
+            ++r.occupied;
+            if (sc & HKV_ADAPTIVE_MAIN) {
+                hkv_tiers_min(&r.oms, &r.om, sc, s);
+                if (sc & HKV_ADAPTIVE_PROTECTED) {
+                    ++r.prot;
+                    hkv_tiers_min(&r.ops, &r.op, sc, s);
+                }
+            } else {
+                ++r.window;
+                hkv_tiers_min(&r.ows, &r.ow, sc, s);
             }
-        } else {
-            ++r.window;
-            hkv_tiers_min(&r.ows, &r.ow, sc, s);
         }
     }
 #pragma unroll
@@ -737,15 +767,21 @@ __device__ __forceinline__ HkvTiers hkv_tiers(const HkvTable& t, const HkvGroup<
     return r;
 }
 
-// Bucket b (locked) before a newcomer: while the window holds more than
-// `bound` entries, its oldest moves to the main tier (unprotected). Returns
-// the tiers after. A few rescans at most: the share moves between batches.
+// Bucket b (locked), whose tiers are r, before a newcomer: while the window
+// holds more than `bound` entries, its oldest moves to the main tier
+// (unprotected). Returns the tiers after when `after`; else only the
+// window count is kept up to date (the last move needs no rescan). A
+// rescan per further move: the share moves between batches only.
 template <int G>
-__device__ __forceinline__ HkvTiers hkv_adapt_shrink(const HkvTable& t, const HkvGroup<G>& g, u64 b, int bound) {
-    HkvTiers r = hkv_tiers<G>(t, g, b);
+__device__ __forceinline__ HkvTiers hkv_adapt_shrink(const HkvTable& t, const HkvGroup<G>& g, u64 b, int bound,
+                                                     HkvTiers r, bool after) {
     while (r.window > bound && r.ow >= 0) {
         if (g.rank == 0) t.scores[b * 128 + r.ow] = r.ows | HKV_ADAPTIVE_MAIN;
         g.sync();
+        if (!after && r.window - 1 <= bound) {
+            --r.window;
+            break;
+        }
         r = hkv_tiers<G>(t, g, b);
     }
     return r;
@@ -755,7 +791,7 @@ __device__ __forceinline__ HkvTiers hkv_adapt_shrink(const HkvTable& t, const Hk
 // kept under its share, its oldest entries moving to the main tier.
 template <int G>
 __device__ __noinline__ void hkv_adapt_fill(const HkvTable& t, const HkvScoring& s, const HkvGroup<G>& g, u64 b) {
-    hkv_adapt_shrink<G>(t, g, b, (int)s.window - 1);
+    hkv_adapt_shrink<G>(t, g, b, (int)s.window - 1, hkv_tiers<G>(t, g, b), false);
     g.sync();
 }
 
@@ -763,7 +799,9 @@ __device__ __noinline__ void hkv_adapt_fill(const HkvTable& t, const HkvScoring&
 // ties), then its window rule (adapt::plan): the window shrinks to its
 // share, the oldest protected entries lose protection while more than 80 %
 // of the main tier is protected, then into *b and *slot the slot to evict
-// (a candidate that wins moves to the main tier, unprotected).
+// (a candidate that wins moves to the main tier, unprotected). The scan
+// that chose the bucket serves the rule; a single demotion (the steady
+// state) updates the tiers without a rescan.
 template <int G>
 __device__ __noinline__ void hkv_adapt_room(const HkvTable& t, const HkvScoring& s, const HkvGroup<G>& g, u64 b1,
                                                u64 b2, u64* b, int* slot) {
@@ -772,15 +810,26 @@ __device__ __noinline__ void hkv_adapt_room(const HkvTable& t, const HkvScoring&
     if (b2 != b1) {
         HkvTiers r2 = hkv_tiers<G>(t, g, b2);
         u64 m1 = r.ow >= 0 ? r.ows : r.oms, m2 = r2.ow >= 0 ? r2.ows : r2.oms;
-        if (m2 < m1) *b = b2;
+        if (m2 < m1) {
+            *b = b2;
+            r = r2;
+        }
     }
     u64 base = *b * 128;
     int win = (int)s.window;
-    r = hkv_adapt_shrink<G>(t, g, *b, win);
+    r = hkv_adapt_shrink<G>(t, g, *b, win, r, true);
     while (r.prot * 10 > HKV_ADAPT_PROTECTED_TENTHS * (r.occupied - r.window) && r.op >= 0) {
-        if (g.rank == 0) t.scores[base + r.op] = r.ops & ~HKV_ADAPTIVE_PROTECTED;
+        u64 demoted = r.ops & ~HKV_ADAPTIVE_PROTECTED;
+        if (g.rank == 0) t.scores[base + r.op] = demoted;
         g.sync();
-        r = hkv_tiers<G>(t, g, *b);
+        if ((r.prot - 1) * 10 > HKV_ADAPT_PROTECTED_TENTHS * (r.occupied - r.window)) {
+            r = hkv_tiers<G>(t, g, *b);
+            continue;
+        }
+        // The last demotion: the main tier's minimum may now be this entry.
+        --r.prot;
+        hkv_tiers_min(&r.oms, &r.om, demoted, r.op);
+        break;
     }
     int victim = 0;
     if (g.rank == 0) {

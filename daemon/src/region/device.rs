@@ -57,8 +57,9 @@ fn take_early_place(state: &State) -> bool {
 /// outputs); the batch completes on the actor meanwhile, holding the
 /// regions, and gives the place back. A request refused before it was
 /// queued answers its error; one refused once it ran (a write with a
-/// reserved key: nothing of it written) leaves its error for the
-/// connection's next region request, which answers it instead of running.
+/// reserved key: nothing of it written) leaves its error for the first
+/// region request of the connection after that, which answers it instead
+/// of running.
 async fn early(
     state: &Arc<State>,
     conn: &Arc<super::Conn>,

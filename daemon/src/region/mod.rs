@@ -84,7 +84,7 @@ pub struct Conn {
     /// Wakes the requests waiting on [`Conn::gone`].
     gone_wake: tokio::sync::Notify,
     /// A request answered once queued (`device::early`) and refused when
-    /// it ran: the error of this connection's next region request.
+    /// it ran: the error of the connection's first region request after.
     refused: Mutex<Option<ProtoError>>,
 }
 
