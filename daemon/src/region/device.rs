@@ -78,7 +78,12 @@ async fn early(
             answered.store(true, Relaxed);
             let _ = tx.send(());
         });
-        let r = state.router.call(&t, 0, RunIpc { op, arrays, part: None, done, queued: Some(queued) }).await;
+        // On this task's thread (moved off the executor), not the shard's
+        // actor: the batch holds it until the GPU has run it, and the
+        // actor's next request (the client's next one, answered early or
+        // not) would wait behind that in its mailbox. Requests still meet
+        // in the table's lock groups, in the order they took them.
+        let r = state.router.call_here(&t, 0, RunIpc { op, arrays, part: None, done, queued: Some(queued) });
         state.stats.regions.early.fetch_sub(1, Relaxed);
         if let Err(e) = &r {
             tracing::warn!(error = %e.message, "a device region request failed after it was answered");
