@@ -163,9 +163,9 @@ impl Tiers {
         }
         let rt = tokio::runtime::Builder::new_multi_thread()
             // Two: each node's connection parses its answers on its own
-            // task, and a cold read's three answers (about 3 ms of parsing
-            // per 8192 rows on this crate's parser) are parsed side by side
-            // instead of one after the other (`backing/BENCHMARKS.md`).
+            // task, and a cold read's three answers (about 1.6 ms of
+            // parsing per 8192 rows on this crate's parser) are parsed side
+            // by side instead of one after the other (`backing/BENCHMARKS.md`).
             .worker_threads(2)
             .thread_name("hkvd-backing")
             .enable_all()

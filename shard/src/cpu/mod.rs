@@ -81,8 +81,8 @@ const PIPE: usize = 16;
 /// thread. For a process that already runs as many shards side by side as
 /// there are cores (the daemon's CPU backend by default), splitting
 /// only adds work for the pool, whose idle workers then spin in
-/// `sched_yield`: about a sixth of the daemon's CPU in a warm run and a
-/// tenth in a cold one on two cores (`backing/BENCHMARKS.md`).
+/// `sched_yield`: about a sixth of the daemon's CPU in a warm run and
+/// 8 % in a cold one on two cores (`backing/BENCHMARKS.md`).
 pub fn set_parallel_batches(on: bool) {
     batch::set_parallel(on);
 }
