@@ -392,6 +392,7 @@ impl Backing {
             .collect();
         let results = core.cluster.run(cmds, deadline).await;
         let mut failed_nodes: Vec<String> = Vec::new();
+        let mut spent: Vec<Vec<Value>> = Vec::new();
         for (&(g, ix), r) in groups.iter().zip(results) {
             // An `MGET` answers an array of bulk strings and nils: its rows
             // are decoded where the parser left them (no conversion of the
@@ -426,10 +427,10 @@ impl Backing {
                 }
             };
             let mut bytes_in = 0;
-            for (&i, row) in ix.iter().zip(rows) {
+            for (&i, row) in ix.iter().zip(&rows) {
                 let Value::BulkString(row) = row else { continue };
                 bytes_in += row.len();
-                match decode_row(&row, &mut out.values[i * dim..(i + 1) * dim]) {
+                match decode_row(row, &mut out.values[i * dim..(i + 1) * dim]) {
                     Some((version, score)) => {
                         out.fetched[i] = Fetched::Found;
                         out.versions[i] = version;
@@ -447,6 +448,14 @@ impl Backing {
                 }
             }
             Counters::add(&core.counters.bytes_in, bytes_in);
+            spent.push(rows);
+        }
+        // The parser's row buffers are freed on a task of their own, after
+        // the rows are answered (inline outside a runtime): one free per
+        // row (a 144-byte row takes glibc's slow path) is about a sixth of
+        // the tier's thread in a cold read (`BENCHMARKS.md`).
+        if let (false, Ok(rt)) = (spent.is_empty(), tokio::runtime::Handle::try_current()) {
+            rt.spawn(async move { drop(spent) });
         }
         let c = &core.counters;
         Counters::add(&c.keys_read, keys.len());
