@@ -4,6 +4,8 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use redis::Value;
+
 use crate::cluster::{Cluster, Failure, Net};
 use crate::error::Error;
 use crate::layout::{decode_row, encode_row, Layout, GROUPS_PER_MASTER, LAYOUT};
@@ -390,8 +392,17 @@ impl Backing {
             .collect();
         let results = core.cluster.run(cmds, deadline).await;
         let mut failed_nodes: Vec<String> = Vec::new();
+        let mut spent: Vec<Vec<Value>> = Vec::new();
         for (&(g, ix), r) in groups.iter().zip(results) {
-            let rows = match r.map(<Vec<Option<Vec<u8>>> as redis::FromRedisValue>::from_redis_value) {
+            // An `MGET` answers an array of bulk strings and nils: its rows
+            // are decoded where the parser left them (no conversion of the
+            // array into a vector of options first); any other answer
+            // goes through the crate's conversion (its result, or its error).
+            let rows = match r.map(|v| match v {
+                Value::Array(rows) if rows.iter().all(|r| matches!(r, Value::BulkString(_) | Value::Nil)) => Ok(rows),
+                v => <Vec<Option<Vec<u8>>> as redis::FromRedisValue>::from_redis_value(v)
+                    .map(|rows| rows.into_iter().map(|r| r.map_or(Value::Nil, Value::BulkString)).collect()),
+            }) {
                 Ok(Ok(rows)) if rows.len() == ix.len() => rows,
                 Err(Failure::Late) => {
                     ix.iter().for_each(|&i| out.fetched[i] = Fetched::Late);
@@ -415,10 +426,11 @@ impl Backing {
                     continue;
                 }
             };
-            for (&i, row) in ix.iter().zip(rows) {
-                let Some(row) = row else { continue };
-                Counters::add(&core.counters.bytes_in, row.len());
-                match decode_row(&row, &mut out.values[i * dim..(i + 1) * dim]) {
+            let mut bytes_in = 0;
+            for (&i, row) in ix.iter().zip(&rows) {
+                let Value::BulkString(row) = row else { continue };
+                bytes_in += row.len();
+                match decode_row(row, &mut out.values[i * dim..(i + 1) * dim]) {
                     Some((version, score)) => {
                         out.fetched[i] = Fetched::Found;
                         out.versions[i] = version;
@@ -435,6 +447,15 @@ impl Backing {
                     }
                 }
             }
+            Counters::add(&core.counters.bytes_in, bytes_in);
+            spent.push(rows);
+        }
+        // The parser's row buffers are freed on a task of their own, after
+        // the rows are answered (inline outside a runtime): one free per
+        // row (a 144-byte row takes glibc's slow path) is about a sixth of
+        // the tier's thread in a cold read (`BENCHMARKS.md`).
+        if let (false, Ok(rt)) = (spent.is_empty(), tokio::runtime::Handle::try_current()) {
+            rt.spawn(async move { drop(spent) });
         }
         let c = &core.counters;
         Counters::add(&c.keys_read, keys.len());

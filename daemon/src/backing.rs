@@ -3,7 +3,7 @@
 //! seeds or a non-cluster server refuse `create-table`), drained when it is
 //! dropped or the daemon stops, its stats for the stats document.
 //!
-//! The tiers run on a runtime of their own (one worker thread, made on the
+//! The tiers run on a runtime of their own (two worker threads, made on the
 //! first backed table): their connections and the write-back flusher never
 //! run on the request executor, and a request awaits a tier through a
 //! `JoinHandle`. The tiers sit in front of the router (`State::backing`;
@@ -162,7 +162,11 @@ impl Tiers {
             return Ok(rt);
         }
         let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
+            // Two: each node's connection parses its answers on its own
+            // task, and a cold read's three answers (about 1.6 ms of
+            // parsing per 8192 rows on this crate's parser) are parsed side
+            // by side instead of one after the other (`backing/BENCHMARKS.md`).
+            .worker_threads(2)
             .thread_name("hkvd-backing")
             .enable_all()
             .build()

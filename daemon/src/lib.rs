@@ -154,6 +154,12 @@ pub fn run(mut config: Config) -> anyhow::Result<()> {
     modes.secure(&config.state_path())?;
     hkv_shard::cuda::set_cache_dir(config.kernel_cache_path());
     let (backend, ordinals, backend_name) = backend(&config)?;
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    if matches!(backend, Backend::Cpu) && ordinals.len() >= cores {
+        // The shards' actors already keep every core busy: a batch split
+        // over the rayon pool inside a shard only adds its spinning workers.
+        hkv_shard::cpu::set_parallel_batches(false);
+    }
     let workers = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).clamp(2, 16);
     let system = actix_rt::System::with_tokio_rt(move || {
         tokio::runtime::Builder::new_multi_thread().worker_threads(workers).enable_all().build().expect("tokio runtime")

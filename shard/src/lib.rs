@@ -41,7 +41,8 @@
 //! and inserters (anything that may allocate, evict or erase) alone. Inside a
 //! batch, keys are processed in parallel across cores under per-bucket
 //! locks. Batches of up to [`SEQUENTIAL_BATCH`] keys are processed in index
-//! order, so their per-key outcomes are deterministic.
+//! order, so their per-key outcomes are deterministic (on the CPU backend,
+//! every batch is after [`cpu::set_parallel_batches`]`(false)`).
 //!
 //! ## Deliberate differences from the reference library
 //! - Lfu scores saturate at `u64::MAX` instead of wrapping.

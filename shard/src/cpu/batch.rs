@@ -2,6 +2,7 @@
 //! piece accumulates, and the recursive halving on the rayon pool.
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 
 use super::GRAIN;
 use crate::{Evictions, Outcome, Summary, SEQUENTIAL_BATCH};
@@ -95,11 +96,19 @@ impl<'a> Rows<'a> {
     }
 }
 
+/// Whether batches above [`SEQUENTIAL_BATCH`] keys are halved on the rayon
+/// pool ([`super::set_parallel_batches`]).
+static PARALLEL: AtomicBool = AtomicBool::new(true);
+
+pub(super) fn set_parallel(on: bool) {
+    PARALLEL.store(on, Relaxed);
+}
+
 /// The most keys a batch of `n` runs in one piece on the calling thread:
-/// all of a small batch, else [`GRAIN`] (larger ones are halved on the
-/// rayon pool).
+/// all of a small batch (or of any batch, parallel batches off), else
+/// [`GRAIN`] (larger ones are halved on the rayon pool).
 pub(super) fn grain(n: usize) -> usize {
-    if n <= SEQUENTIAL_BATCH {
+    if n <= SEQUENTIAL_BATCH || !PARALLEL.load(Relaxed) {
         n
     } else {
         GRAIN

@@ -75,6 +75,18 @@ const GRAIN: usize = 2048;
 /// Keys whose memory accesses are overlapped by the lookup pipeline.
 const PIPE: usize = 16;
 
+/// Whether this process's CPU tables split a batch of more than
+/// [`SEQUENTIAL_BATCH`](crate::SEQUENTIAL_BATCH) keys over the rayon pool
+/// (the default), or run every batch in index order on the calling
+/// thread. For a process that already runs as many shards side by side as
+/// there are cores (the daemon's CPU backend by default), splitting
+/// only adds work for the pool, whose idle workers then spin in
+/// `sched_yield`: about a sixth of the daemon's CPU in a warm run and
+/// 8 % in a cold one on two cores (`backing/BENCHMARKS.md`).
+pub fn set_parallel_batches(on: bool) {
+    batch::set_parallel(on);
+}
+
 /// The table in host memory. See the crate docs for the semantics.
 pub struct CpuTable {
     config: TableConfig,

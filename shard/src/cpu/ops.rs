@@ -95,9 +95,16 @@ impl CpuTable {
         let acc = run_batch(n, Outs { outcomes, ..Outs::default() }, dim, &|r: Range<usize>, mut outs: Outs<'_>| {
             let mut acc = Acc::default();
             let mut lost = keep_lost.then(Evictions::default);
+            // Two groups of keys ahead, their buckets' lines; one group
+            // ahead (lines arrived), the slots they will likely take.
+            let group = |i: usize| &keys[i.min(r.end)..r.end.min(i + PIPE)];
+            self.touch(&st, group(r.start));
+            self.touch(&st, group(r.start + PIPE));
+            self.touch_rows(&st, group(r.start));
             for (j, i) in r.clone().enumerate() {
                 if j % PIPE == 0 {
-                    self.touch(&st, &keys[i..r.end.min(i + PIPE)]);
+                    self.touch(&st, group(i + 2 * PIPE));
+                    self.touch_rows(&st, group(i + PIPE));
                 }
                 let input = scores.map(|s| s[i]);
                 let v = &values[i * dim..(i + 1) * dim];

@@ -98,6 +98,33 @@ impl CpuTable {
             prefetch(&bk.occupied[0]);
         }
     }
+
+    /// Prefetches, for each of an inserter's next `keys` whose buckets
+    /// [`CpuTable::touch`] fetched a group earlier, the slot a new key
+    /// would take (the bucket's first free one, single-bucket mode): its
+    /// value row and its key and score lines. Without it, each insert
+    /// into memory not in cache stores its row under the bucket's mutex
+    /// and the unlock waits for those lines, one key after another (about
+    /// half of an insert's time in a cold fill through hkvd,
+    /// `backing/BENCHMARKS.md`). A guess: a key already present, a full
+    /// bucket or a slot taken meanwhile costs a few useless prefetches.
+    #[inline]
+    pub(super) fn touch_rows(&self, st: &Storage, keys: &[u64]) {
+        if self.dual() {
+            // The target is the less loaded of two buckets, and the second
+            // one's lines were not fetched: no cheap guess.
+            return;
+        }
+        for &k in keys {
+            let (b, _) = st.div.locate(k);
+            let (b, bk) = (b as usize, &st.buckets[b as usize]);
+            if let Some(s) = bk.free_slot() {
+                prefetch_row(st.row(b, s));
+                prefetch(&bk.keys[s]);
+                prefetch(&bk.scores[s]);
+            }
+        }
+    }
 }
 
 /// Where a key may sit: first bucket, second bucket (the first in single
