@@ -543,7 +543,7 @@ fn events_order_the_clients_stream_with_the_daemons() {
 /// does not run), naming the key; the requests after that run as usual.
 #[test]
 #[ignore = "needs a CUDA device"]
-fn a_write_refused_after_its_early_answer_is_told_on_the_next_request() {
+fn a_write_refused_after_its_early_answer_is_told_on_a_later_request() {
     let (ctx, stream) = gpu();
     let d = cuda_daemon("1", &[]);
     let mut c = d.client();
