@@ -349,7 +349,10 @@ def call(client, op: int, table: str, arrays: Sequence, scores: bool = False, ou
       work queued on ``stream`` afterwards sees the outputs; where the
       request runs on the GPU in place (one shard), the daemon answers as
       soon as its kernels are queued, before they ran, and the counts of the
-      answer are ``NOT_COUNTED`` (the methods return None); a CudaEvent:
+      answer are ``NOT_COUNTED`` (the methods return None); a write so
+      answered that turns out to hold a reserved key writes nothing, and
+      its ``reserved_key`` error is raised by a later request of this
+      client, which the daemon did not run (PROTOCOL.md); a CudaEvent:
       the daemon records that one and the caller waits for it (say with
       ``event.wait(stream)``); False or None (default): no event (the
       outputs are complete, and counted, when the answer is read).
