@@ -76,13 +76,15 @@ fn top_under_tmux_shows_rising_load_evictions_and_exits_cleanly() {
     let mut c = d.client();
     c.create_table(TableSpec::new("emb", 4, 3 * 256)).unwrap();
     let tmux = Tmux { server: format!("hkvd-top-test-{}", std::process::id()), session: "top".into() };
-    // The shell records the exit status (tmux 3.3's pane_dead_status is empty here).
+    // The shell records the exit status (tmux 3.3's pane_dead_status is
+    // empty here), written aside and renamed: the file appears whole (a
+    // redirection creates it empty before the status is written).
     let status_file = d.dir.path().join("top.status");
     let cmd = format!(
-        "{} top --socket {} --interval-ms 100; echo $? > {}",
+        "{} top --socket {} --interval-ms 100; echo $? > {f}.tmp; mv {f}.tmp {f}",
         env!("CARGO_BIN_EXE_hkvd"),
         d.socket.display(),
-        status_file.display()
+        f = status_file.display()
     );
     tmux.run(&["new-session", "-d", "-s", &tmux.session, "-x", "150", "-y", "40", &cmd]);
     tmux.run(&["set-option", "-t", &tmux.session, "remain-on-exit", "on"]);
