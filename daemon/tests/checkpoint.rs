@@ -1096,7 +1096,7 @@ fn an_epoch_set_below_the_restored_one_is_in_the_next_incremental() {
 fn a_load_racing_the_start_of_a_checkpoint_is_in_the_next_one() {
     let d = Daemon::start(&["--shards", "2", "--checkpoint-full-every", "100"]);
     let mut c = d.client();
-    c.create_table(spec("t", 4, 1 << 21, "lru", "single")).unwrap();
+    c.create_table(spec("t", 4, 1 << 22, "lru", "single")).unwrap();
     fill(&mut c, "t", 4, 0..20_000, false);
     c.checkpoint(true, true).unwrap();
     // Shard lock states of "t": (running, waiting) inserters per shard.
@@ -1120,9 +1120,12 @@ fn a_load_racing_the_start_of_a_checkpoint_is_in_the_next_one() {
     };
     let socket = d.socket.clone();
     std::thread::scope(|s| {
-        // A long insert of new keys: every shard's inserter lock, for a while.
+        // A long insert of new keys: every shard's inserter lock, for a
+        // while (long enough that the load below reaches the lock before it
+        // ends even on two cores busy with other tests: 1.5 M keys once
+        // were not, after the CPU backend's inserts got faster).
         let long = s.spawn(|| {
-            let keys: Vec<u64> = (1 << 30..(1 << 30) + 1_500_000).collect();
+            let keys: Vec<u64> = (1 << 30..(1 << 30) + 3_000_000).collect();
             Client::connect(&socket).unwrap().insert_or_assign("t", &keys, &vec![1.0; keys.len() * 4], None).unwrap()
         });
         until(&mut c, "the long insert running", &|l| l.iter().all(|&(r, _)| r == 1));
