@@ -70,9 +70,24 @@ impl Node {
                 format!("starting redis-server (install the redis-server package; test.sh does): {e}"),
             )
         })?);
-        wait_until(Duration::from_secs(10), &format!("redis-server on port {} to answer PING", self.port), || {
-            cli_output(self.port, self.password.as_deref(), &["ping"]).map(|o| o.contains("PONG")).unwrap_or(false)
-        })
+        let r =
+            wait_until(Duration::from_secs(10), &format!("redis-server on port {} to answer PING", self.port), || {
+                cli_output(self.port, self.password.as_deref(), &["ping"]).map(|o| o.contains("PONG")).unwrap_or(false)
+            });
+        // The port is free when picked, not held: another test's server may
+        // have taken it first, and then answers the PING while this one
+        // exited. The server that answers must be this process.
+        let pid = self.child.as_ref().map(Child::id).unwrap_or(0);
+        let info = cli_output(self.port, self.password.as_deref(), &["info", "server"]).unwrap_or_default();
+        let ours = info.lines().any(|l| l.trim() == format!("process_id:{pid}"));
+        if r.is_err() || !ours {
+            self.kill();
+            return Err(io::Error::new(
+                io::ErrorKind::AddrInUse,
+                format!("redis-server on port {} did not start as this cluster's node (port taken?)", self.port),
+            ));
+        }
+        Ok(())
     }
 
     fn kill(&mut self) {
@@ -104,7 +119,23 @@ impl TestCluster {
         Self::start_with(masters, replicas, Some(password))
     }
 
+    /// Forms a cluster on fresh ports, trying again (up to three times)
+    /// when a port was taken by another process or `redis-cli --cluster
+    /// create` did not finish in time (it waits for ever on a node that
+    /// went away).
     fn start_with(masters: usize, replicas: usize, password: Option<&str>) -> io::Result<TestCluster> {
+        let mut last = None;
+        for _ in 0..3 {
+            match Self::try_start(masters, replicas, password) {
+                Ok(c) => return Ok(c),
+                Err(e) if matches!(e.kind(), io::ErrorKind::AddrInUse | io::ErrorKind::TimedOut) => last = Some(e),
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| io::Error::other("no cluster formed")))
+    }
+
+    fn try_start(masters: usize, replicas: usize, password: Option<&str>) -> io::Result<TestCluster> {
         let dir = tempfile::Builder::new().prefix("hkv-redis-").tempdir()?;
         let count = masters * (1 + replicas);
         let ports = free_ports(count)?;
@@ -121,12 +152,27 @@ impl TestCluster {
         let mut args: Vec<String> = vec!["--cluster".into(), "create".into()];
         args.extend(cluster.nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)));
         args.extend(["--cluster-replicas".into(), replicas.to_string(), "--cluster-yes".into()]);
-        let out = cli(password).args(&args).stdin(Stdio::null()).output()?;
-        if !out.status.success() {
+        // Its output to a file (a pipe could fill while it waits), and a
+        // deadline: it waits for ever for a node that went away.
+        let log_path = cluster._dir.path().join("create.log");
+        let log = std::fs::File::create(&log_path)?;
+        let mut create = cli(password).args(&args).stdin(Stdio::null()).stdout(log.try_clone()?).stderr(log).spawn()?;
+        let start = Instant::now();
+        let status = loop {
+            if let Some(st) = create.try_wait()? {
+                break st;
+            }
+            if start.elapsed() > FORM_TIMEOUT {
+                let _ = create.kill();
+                let _ = create.wait();
+                return Err(io::Error::new(io::ErrorKind::TimedOut, "redis-cli --cluster create did not finish"));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        if !status.success() {
             return Err(io::Error::other(format!(
-                "redis-cli --cluster create failed: {}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
+                "redis-cli --cluster create failed: {}",
+                std::fs::read_to_string(&log_path).unwrap_or_default()
             )));
         }
         cluster.wait_healthy()?;
