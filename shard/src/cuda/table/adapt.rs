@@ -234,6 +234,9 @@ impl CudaTable {
         let buf = match at {
             Some(i) => q.free.swap_remove(i),
             None => {
+                // Free buffers too small for this batch would only pile up
+                // as batches grow: they go (none is in use).
+                q.free.clear();
                 let al = |what: &'static str| dev_err(what);
                 let dev = l.alloc_zeros::<u64>(1 + 2 * n).map_err(al("allocating a sample buffer"))?;
                 let host_pairs = want.max(4096).min(n.max(1));
