@@ -289,14 +289,19 @@ impl Tiers {
     /// answered).
     fn count_misses(&self, name: &str, out: &ReadOut) {
         if let Some(e) = self.tables.read().get(name) {
+            let mut n = [0u64; 4];
             for f in &out.fetched {
-                let c = match f {
-                    Fetched::Found => &e.filled,
-                    Fetched::Absent => &e.absent,
-                    Fetched::Late => &e.late,
-                    Fetched::Unavailable => &e.unavailable,
-                };
-                c.fetch_add(1, Relaxed);
+                n[match f {
+                    Fetched::Found => 0,
+                    Fetched::Absent => 1,
+                    Fetched::Late => 2,
+                    Fetched::Unavailable => 3,
+                }] += 1;
+            }
+            for (c, n) in [&e.filled, &e.absent, &e.late, &e.unavailable].into_iter().zip(n) {
+                if n > 0 {
+                    c.fetch_add(n, Relaxed);
+                }
             }
         }
     }

@@ -1,4 +1,5 @@
-//! The CPU backend's one `unsafe` call: the prefetch hint (also used by
+//! One of the CPU backend's two `unsafe` calls (the other commits a
+//! table's pages, `storage::commit`): the prefetch hint (also used by
 //! the miss-ratio estimator, `crate::mrc`, whose drains run on cold memory). Plain loads in
 //! its place (results fed to `black_box`) must complete before they retire
 //! and so keep far fewer misses in flight; through hkvd on two cores finds
@@ -16,7 +17,8 @@ pub(super) fn prefetch_row<T>(row: &[T]) {
 }
 
 /// Starts fetching the cache line that holds `x` into every cache level.
-/// The one item of the CPU backend allowed `unsafe` (the backend denies it).
+/// One of the two items of the CPU backend allowed `unsafe` (the backend
+/// denies it).
 #[allow(unsafe_code)]
 #[inline(always)]
 pub(crate) fn prefetch<T>(x: &T) {

@@ -43,6 +43,35 @@ fn try_vec<T>(n: usize, what: &str, f: impl FnMut() -> T) -> Result<Vec<T>> {
     Ok(v)
 }
 
+/// Faults in the pages of a large value array now, in one call, so that
+/// the table's memory is taken when the table is made: a host short of
+/// memory refuses the table (`out_of_memory`) instead of the daemon
+/// failing at some later insert, and the first batches into a fresh
+/// table do not pay a page fault per 4 KiB row range (on a virtual
+/// machine that hands freed pages back to its host, each such fault is
+/// also one on the host). Kernels before 5.14 lack the call: their
+/// pages are faulted in on first touch, as before.
+#[allow(unsafe_code)]
+fn commit(values: &[AtomicU32]) -> Result<()> {
+    const PAGE: usize = 4096;
+    let (start, len) = (values.as_ptr() as usize, std::mem::size_of_val(values));
+    let first = start.next_multiple_of(PAGE);
+    let end = (start + len) / PAGE * PAGE;
+    if end <= first {
+        return Ok(());
+    }
+    // SAFETY: the range lies inside `values`' allocation, which this
+    // process owns; populating pages changes no byte of it (fresh pages
+    // read zero, and pages already present are left as they are).
+    let r = unsafe { rustix::mm::madvise(first as *mut _, end - first, rustix::mm::Advice::LinuxPopulateWrite) };
+    match r {
+        Err(rustix::io::Errno::NOMEM) => {
+            Err(Error::OutOfMemory(format!("table values: {len} bytes could not be taken from this host's memory")))
+        }
+        _ => Ok(()),
+    }
+}
+
 impl Storage {
     pub(super) fn new(nbuckets: u64, dim: usize) -> Result<Storage> {
         let too_big = || Error::Config(format!("{nbuckets} buckets of dim {dim} do not fit this host's address space"));
@@ -57,6 +86,7 @@ impl Storage {
                 (floats as u128) * std::mem::size_of::<AtomicU32>() as u128
             ))
         })?;
+        commit(&values)?;
         let skew = (values.as_ptr() as usize).wrapping_neg() % 64 / 4;
         let buckets = try_vec(n, "table buckets", Bucket::new)?;
         Ok(Storage { buckets, values, skew, div: Buckets::new(nbuckets), dim })
