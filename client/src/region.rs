@@ -378,6 +378,20 @@ impl Client {
         time: std::time::Duration,
         make: &mut dyn FnMut(usize) -> RegionRequest,
     ) -> Result<(u64, f64)> {
+        self.keep_busy_region_then(pipeline, time, make, &mut || Ok(()))
+    }
+
+    /// [`Client::keep_busy_region`], running `answered` after each answer
+    /// before the request counts as done and its slot is reused (such as a
+    /// wait for the request's done event, when the daemon answers before
+    /// its kernels ran).
+    pub fn keep_busy_region_then(
+        &mut self,
+        pipeline: usize,
+        time: std::time::Duration,
+        make: &mut dyn FnMut(usize) -> RegionRequest,
+        answered: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<(u64, f64)> {
         let start = std::time::Instant::now();
         let pipeline = pipeline.max(1);
         let mut slots = std::collections::HashMap::new();
@@ -392,6 +406,7 @@ impl Client {
             let (id, _) = self.recv_region(code)?;
             let slot =
                 slots.remove(&id).ok_or_else(|| ClientError::Protocol(format!("answer to unknown request {id}")))?;
+            answered()?;
             done += 1;
             if start.elapsed() < time {
                 slots.insert(self.send_region(&make(slot))?, slot);
@@ -413,11 +428,11 @@ pub mod bench {
     use hkv_proto::region::{RegionRef, RegionRequest};
     use hkv_proto::Op;
     use hkv_region::cuda::cudarc::driver::{CudaContext, CudaStream};
-    use hkv_region::cuda::{CudaError, DeviceAlloc};
+    use hkv_region::cuda::{CudaError, DeviceAlloc, IpcEvent};
     use rand::Rng;
     use zerocopy::{Immutable, IntoBytes};
 
-    use super::{keyed, CudaRegion, Region};
+    use super::{keyed, with_events, CudaRegion, Region};
     use crate::{Client, Result};
 
     /// What one figure runs.
@@ -437,6 +452,13 @@ pub mod bench {
         pub warmup: f64,
         /// Timed seconds.
         pub seconds: f64,
+        /// With [`Transport::CudaIpc`]: each request names a done event
+        /// (`EVENTS`), which the daemon records after the request's work
+        /// and, on a table of one shard, answers before that work ran; a
+        /// request then counts as done once its answer arrived and the
+        /// event completed (`cuEventSynchronize`), as a client that reads
+        /// the outputs on the host would wait.
+        pub done_event: bool,
     }
 
     /// Where each connection's arrays live.
@@ -590,8 +612,25 @@ pub mod bench {
                 )
             }
         };
-        c.keep_busy_region(p.pipeline, Duration::from_secs_f64(p.warmup), &mut make)?;
-        let (done, secs) = c.keep_busy_region(p.pipeline, Duration::from_secs_f64(p.seconds), &mut make)?;
+        let event = match (&r, p.done_event) {
+            (Mem::Cuda(_, _, stream), true) => {
+                let e = IpcEvent::new(stream.context())?;
+                let id = c.register_cuda_event(&e)?;
+                Some((e, id))
+            }
+            _ => None,
+        };
+        let mut make = |slot: usize| match &event {
+            Some((_, id)) => with_events(make(slot), 0, *id),
+            None => make(slot),
+        };
+        let mut answered = || match &event {
+            Some((e, _)) => Ok(e.synchronize()?),
+            None => Ok(()),
+        };
+        c.keep_busy_region_then(p.pipeline, Duration::from_secs_f64(p.warmup), &mut make, &mut answered)?;
+        let (done, secs) =
+            c.keep_busy_region_then(p.pipeline, Duration::from_secs_f64(p.seconds), &mut make, &mut answered)?;
         c.unregister(r.id())?;
         Ok((done * n, secs))
     }

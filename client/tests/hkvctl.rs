@@ -195,6 +195,12 @@ fn bench_cuda_ipc_without_cuda_is_one_clear_line() {
     let ts: Vec<String> =
         out.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["transport"].to_string()).collect();
     assert_eq!(ts, ["\"raw_socket\"", "\"socket\"", "\"socket\""], "{out}");
+    // A done event without CUDA IPC: refused the same way.
+    let out = d.hkvctl(&["bench", "--capacity", "8192", "--batches", "64", "--transport", "shm", "--done-event"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(err.contains("--done-event") && err.contains("cuda-ipc"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
 }
 
 /// On a GPU host, `--transport cuda-ipc` measures find and insert_or_assign
@@ -213,6 +219,14 @@ fn bench_cuda_ipc_prints_its_figures() {
     }
     assert!(rows.iter().all(|r| r["keys_per_s"].as_f64().is_some_and(|x| x > 0.0)), "{out}");
     assert!(!d.run(&["tables"]).contains("hkvctl-bench"), "tables left behind");
+    // With a done event per request (answered early on this one-shard
+    // table, done when the event completed).
+    let ev = ["--seconds", "0.3", "--warmup", "0.1", "--transport", "cuda-ipc", "--done-event", "--clients", "1"];
+    let out = d.run(&[&args[..6], &ev[..]].concat());
+    let rows: Vec<serde_json::Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let ipc: Vec<_> = rows.iter().filter(|r| r["transport"] == "cuda-ipc").collect();
+    assert_eq!(ipc.len(), 2, "{out}");
+    assert!(ipc.iter().all(|r| r["keys_per_s"].as_f64().is_some_and(|x| x > 0.0)), "{out}");
 }
 
 #[test]

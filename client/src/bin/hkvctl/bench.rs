@@ -52,6 +52,12 @@ pub struct BenchArgs {
     /// (and the table's filling).
     #[arg(long, value_delimiter = ',', default_value = "raw,find,insert")]
     pub ops: Vec<String>,
+    /// With `cuda-ipc`: each request names a done event, which the daemon
+    /// records after the request's work and, on a table of one shard,
+    /// answers before that work ran (PROTOCOL.md, "Events"); a request
+    /// counts as done once its answer arrived and the event completed.
+    #[arg(long)]
+    pub done_event: bool,
     /// Measure feature requests instead: find with precomputed keys, fused
     /// find_features, and hash then find (two round trips), int64 features.
     #[arg(long)]
@@ -250,6 +256,9 @@ pub fn bench(socket: PathBuf, a: BenchArgs) -> Result<()> {
             bail!("--ops {o}: use raw, find or insert");
         }
     }
+    if a.done_event && !a.transport.iter().any(|t| t == "cuda-ipc") {
+        bail!("--done-event is for --transport cuda-ipc (events order device work; other transports have none)");
+    }
     for t in &a.transport {
         if !matches!(t.as_str(), "socket" | "shm" | "cuda-ipc") {
             bail!("--transport {t}: use socket, shm or cuda-ipc");
@@ -332,6 +341,7 @@ pub fn bench(socket: PathBuf, a: BenchArgs) -> Result<()> {
                         pipeline: a.pipeline,
                         warmup: a.warmup,
                         seconds: a.seconds,
+                        done_event: a.done_event,
                     };
                     let (f, i) = hkv_client::region::bench::measure_ops(
                         &socket,
