@@ -195,6 +195,7 @@ impl CudaTable {
         if let Some(e) = done {
             e.record(&s)?;
         }
+        let early = queued.is_some();
         if let Some(q) = queued {
             q();
         }
@@ -209,6 +210,11 @@ impl CudaTable {
         let c = l.stage.read(&r).to_vec();
         let found = scan.map_or(0, |r| l.stage.read(&r)[0]);
         let counts = self.complete(pending, &c);
+        if early {
+            // The client has its answer: the next batch on this lane need
+            // not clear the counters before its kernels.
+            self.clear_counters_behind(&mut l);
+        }
         self.put_lane(l);
         if found != 0 {
             return Err(self.reserved_key(&a.keys, found)?);

@@ -12,6 +12,11 @@ pub(super) struct Lane {
     pub(super) flags: Option<CudaSlice<u8>>,
     pub(super) flags2: Option<CudaSlice<u8>>,
     pub(super) counters: CudaSlice<u64>,
+    /// Whether `counters` are zero once the stream's work so far is done
+    /// (cleared behind a batch answered before it ran, off the next
+    /// batch's path to its kernels): [`CudaTable::zero_counters`] then
+    /// queues nothing.
+    pub(super) counters_zero: bool,
     pub(super) lost_keys: Option<CudaSlice<u64>>,
     pub(super) lost_values: Option<CudaSlice<f32>>,
     pub(super) lost_scores: Option<CudaSlice<u64>>,
@@ -42,6 +47,7 @@ impl CudaTable {
             flags: None,
             flags2: None,
             counters,
+            counters_zero: true,
             lost_keys: None,
             lost_values: None,
             lost_scores: None,
@@ -62,8 +68,20 @@ impl CudaTable {
         }
     }
 
+    /// Counters zero for the work queued next on the lane's stream (which
+    /// the caller then counts into).
     pub(super) fn zero_counters(&self, l: &mut Lane) -> Result<()> {
+        if std::mem::replace(&mut l.counters_zero, false) {
+            return Ok(());
+        }
         l.stream.memset_zeros(&mut l.counters).map_err(dev_err("clearing counters"))
+    }
+
+    /// Queues the clearing of the lane's counters now, after the work
+    /// that counted into them, so that the next batch on the lane finds
+    /// them zero (a failure leaves that batch to clear them).
+    pub(super) fn clear_counters_behind(&self, l: &mut Lane) {
+        l.counters_zero = l.stream.memset_zeros(&mut l.counters).is_ok();
     }
 
     /// Waits for the lane and reads its counters (with whatever else was
