@@ -43,18 +43,27 @@ fn try_vec<T>(n: usize, what: &str, f: impl FnMut() -> T) -> Result<Vec<T>> {
     Ok(v)
 }
 
-/// Faults in the pages of a large value array now, in one call, so that
-/// the table's memory is taken when the table is made: a host short of
-/// memory refuses the table (`out_of_memory`) instead of the daemon
-/// failing at some later insert, and the first batches into a fresh
-/// table do not pay a page fault per 4 KiB row range (on a virtual
-/// machine that hands freed pages back to its host, each such fault is
-/// also one on the host). Kernels before 5.14 lack the call: their
-/// pages are faulted in on first touch, as before.
+/// Value arrays up to this size are faulted in when the table is made
+/// ([`commit`]); larger ones on first touch. On the 2-core development
+/// machine (a virtual machine) faulting in 2.4 GB took 5.9 s, too long for
+/// a create-table answered at once; 128 MiB take about 0.3 s.
+const COMMIT_MAX: usize = 128 << 20;
+
+/// Faults in the pages of a value array of at most [`COMMIT_MAX`] bytes
+/// now, in one call, so that the table's memory is taken when the table
+/// is made: a host short of memory refuses the table (`out_of_memory`)
+/// instead of the daemon failing at some later insert, and the first
+/// batches into a fresh table do not pay a page fault per 4 KiB of rows
+/// (on a virtual machine that hands freed pages back to its host, each
+/// such fault is also one on the host). Kernels before 5.14 lack the call:
+/// their pages are faulted in on first touch, as larger arrays' are.
 #[allow(unsafe_code)]
 fn commit(values: &[AtomicU32]) -> Result<()> {
     const PAGE: usize = 4096;
     let (start, len) = (values.as_ptr() as usize, std::mem::size_of_val(values));
+    if len > COMMIT_MAX {
+        return Ok(());
+    }
     let first = start.next_multiple_of(PAGE);
     let end = (start + len) / PAGE * PAGE;
     if end <= first {
