@@ -1,7 +1,7 @@
 //! Feature requests through the real daemon: hash, find_features and
 //! find_or_insert_features equal hashing on the client and then the keyed
 //! ops; bad input is refused with nothing applied (hkvctl's feature
-//! commands: client/tests/hkvctl.rs).
+//! commands: client/tests/cli.rs).
 
 mod common;
 

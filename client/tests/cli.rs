@@ -38,8 +38,12 @@ impl Daemon {
             .stdout(Stdio::null())
             .spawn()
             .expect("spawn hkvd");
+        // A CUDA daemon on a fresh GPU host first compiles its kernels:
+        // on the H200 it had not answered after 20 s without a kernel
+        // cache, and answered in 6 s with one.
+        let wait = Duration::from_secs(if flags.contains(&"cuda") { 180 } else { 20 });
         let t = Instant::now();
-        while t.elapsed() < Duration::from_secs(20) {
+        while t.elapsed() < wait {
             if Client::connect(&socket).and_then(|mut c| c.ping()).is_ok() {
                 return Daemon { child, socket, _dir: dir };
             }
