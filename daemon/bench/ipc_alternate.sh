@@ -6,7 +6,8 @@
 #   daemon/bench/ipc_alternate.sh ROUNDS LABEL=DIR [LABEL=DIR ...]
 # DIR holds that build's `hkvd` (and `hkvctl`, used unless $HKVCTL_BIN
 # names one for every build); the in-process figure comes from
-# $HKV_BENCH_BIN (default: the first DIR's hkv-bench). Each round, for each
+# $HKV_BENCH_BIN (default: the first DIR's hkv-bench; $INPROC_RUNS timed
+# batches, default 5, the median). Each round, for each
 # build in turn: a fresh `hkvd serve --backend "${BACKEND:-cuda}" --shards 1`, then for
 # each B in 262144 1048576 and P in $PIPELINES (default "1 2": 1 is one
 # request strictly in flight)
@@ -33,7 +34,7 @@ trap cleanup EXIT
 echo "== $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1); $(nproc) cores"
 for r in $(seq "$rounds"); do
     for b in 262144 1048576; do
-        table=$("$hkv_bench" --backend "${BACKEND:-cuda}" --key-mix hits --capacity 4194304 --dims 32 --batch "$b" --ops find --lambdas 0.5 --no-moka)
+        table=$("$hkv_bench" --backend "${BACKEND:-cuda}" --key-mix hits --capacity 4194304 --dims 32 --batch "$b" --ops find --lambdas 0.5 --no-moka --runs "${INPROC_RUNS:-5}")
         kps=$(echo "$table" | awk '/find/ && !f { for (i = 1; i <= NF; i++) if ($i == "find") c = i; f = 1; next } f && c && $c ~ /^[0-9.]+$/ { print $c * 1e9; exit }')
         echo "round $r: in-process find, batch $b: $kps keys/s"
         echo "$b $kps" >> "$tmp/inproc"
