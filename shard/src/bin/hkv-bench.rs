@@ -83,9 +83,9 @@ struct Args {
     /// or lowest-slot (the reference's rule).
     #[arg(long, default_value = "lru")]
     lfu_ties: LfuTies,
-    /// Whether find hits refresh scores: on or off; default the policy's
-    /// (on for adaptive only).
-    #[arg(long, value_parser = parse_on_off)]
+    /// Whether find hits refresh scores (true or false, as hkvctl's
+    /// create-table takes it); default the policy's (on for adaptive only).
+    #[arg(long)]
     reads_refresh: Option<bool>,
     /// Skip the moka comparison.
     #[arg(long)]
@@ -227,17 +227,22 @@ fn policy_name(a: &Args) -> String {
         p => p.name().to_string(),
     };
     match a.reads_refresh {
-        Some(on) => format!("{p}, reads refresh {}", if on { "on" } else { "off" }),
+        Some(on) => format!("{p} (reads refresh {})", if on { "on" } else { "off" }),
         None => p,
     }
 }
 
-fn parse_on_off(s: &str) -> std::result::Result<bool, String> {
-    match s {
-        "on" => Ok(true),
-        "off" => Ok(false),
-        _ => Err(format!("{s:?}: on or off")),
-    }
+/// The table of one figure: the options' capacity, mode, policy, tie
+/// rule, reads refresh, fast tier and tuning, at `dim`.
+fn table_config(a: &Args, mode: BucketMode, dim: usize) -> TableConfig {
+    let mut cfg = TableConfig::new(a.capacity, dim)
+        .mode(mode)
+        .policy(a.policy)
+        .lfu_ties(a.lfu_ties)
+        .reads_refresh(a.reads_refresh);
+    cfg.fast_tier_bytes = a.fast_tier_bytes;
+    cfg.tuning = a.tuning;
+    cfg
 }
 
 fn splitmix64(mut z: u64) -> u64 {
@@ -516,14 +521,7 @@ fn main() -> Result<()> {
         rayon::current_num_threads()
     );
     for &dim in &a.dims {
-        let mut cfg = TableConfig::new(a.capacity, dim)
-            .mode(mode)
-            .policy(a.policy)
-            .lfu_ties(a.lfu_ties)
-            .reads_refresh(a.reads_refresh);
-        cfg.fast_tier_bytes = a.fast_tier_bytes;
-        cfg.tuning = a.tuning;
-        let t = hkv_shard::open(cfg, backend).context("opening the table")?;
+        let t = hkv_shard::open(table_config(&a, mode, dim), backend).context("opening the table")?;
         println!(
             "\ndim = {dim}, capacity {}, {:.1} GB values\n",
             t.capacity(),
@@ -895,14 +893,7 @@ mod cuda_bench {
         );
         let mut copy_bw = None;
         for &dim in &a.dims {
-            let mut cfg = TableConfig::new(a.capacity, dim)
-                .mode(mode)
-                .policy(a.policy)
-                .lfu_ties(a.lfu_ties)
-                .reads_refresh(a.reads_refresh);
-            cfg.fast_tier_bytes = a.fast_tier_bytes;
-            cfg.tuning = a.tuning;
-            let t = CudaTable::new(cfg, dev.clone()).context("creating the table")?;
+            let t = CudaTable::new(super::table_config(a, mode, dim), dev.clone()).context("creating the table")?;
             let st = t.stats();
             let hybrid = st.host_tier_bytes > 0;
             println!(
