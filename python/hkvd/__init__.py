@@ -15,7 +15,7 @@ import socket as _socket
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -312,6 +312,9 @@ class Client:
         self._lock = threading.Lock()
         self._regions: Dict[int, int] = {}  # memfd regions: mapping address -> region id
         self._cuda_regions: Dict[int, object] = {}  # device regions by allocation buffer id
+        # Requests sent without waiting whose answer must be read before any
+        # later request (hkvd.torch's optimizer steps): callables that read it.
+        self._deferred: List[Callable[[], None]] = []
 
     # ---- plumbing -----------------------------------------------------
     def close(self) -> None:
@@ -329,8 +332,19 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def settle(self) -> None:
+        """Reads the answers of requests sent without waiting that must
+        come before any later request (an ``hkvd.torch`` module's last
+        optimizer step): runs at the start of every request of this client,
+        so a later request sees their writes; call it to have their errors
+        raised now."""
+        while self._deferred:
+            self._deferred.pop(0)()
+
     def _send(self, op: int, flags: int, parts: Sequence, dim: int = 0, n: int = 0,
               out: Optional[np.ndarray] = None) -> int:
+        if self._deferred:
+            self.settle()
         rid = self._next
         self._next += 1
         body = sum(len(p) if not isinstance(p, memoryview) else p.nbytes for p in parts)

@@ -394,6 +394,10 @@ def _frame(client, op, table, arrays, scores, outcomes, stream, wait, done, head
     """The checked request of :func:`call` / :func:`send`: ``(flags, body,
     done event to wait for or None, stream)``, its events recorded; None
     when there are no keys."""
+    if client._deferred:
+        # Answers that must come first: read before this request's wait
+        # event is recorded, so its stream follows their done events.
+        client.settle()
     sl = slots(op, scores, outcomes)
     if len(arrays) != len(sl):
         raise TypeError(f"this request names {len(sl)} arrays ({', '.join(s.name for s in sl)}), "

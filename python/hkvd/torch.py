@@ -84,6 +84,11 @@ class EmbeddingCache:
         self.max_batch = max_batch
         self.events = events
         self._done = None  # this cache's own done event (cuda-ipc, made on first use)
+        # An optimizer step sent without waiting (optimizer_step(wait=False)):
+        # (pending request, rows, values out, found out) until :meth:`settle`.
+        self._inflight = None
+        # Ids absent from the table in the steps read by settle (not updated).
+        self.missing = 0
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -190,6 +195,7 @@ class EmbeddingCache:
         the daemon answers as soon as its kernels are queued, and
         :meth:`_recv` makes the current stream wait for that event (without
         events, the request is answered once its outputs are written)."""
+        self.settle()
         m = keys.numel()
         c = self.client
         d, w = self.dim, self.row_dim
@@ -252,8 +258,21 @@ class EmbeddingCache:
             e = min(s + self.max_batch, keys.numel())
             self._op(op, keys[s:e], None if rows is None else rows[s:e], None if out is None else out[s:e])
 
+    def _done_sync(self) -> dict:
+        """The events of a request that may stay in flight while others go
+        out on the connection: on cuda-ipc this cache's own done event
+        (made on first use), which :meth:`_recv` / :meth:`settle` make the
+        current stream wait for."""
+        sync = self._sync_args()
+        if self.events:
+            if self._done is None:
+                self._done = region.cuda_event(self.client, self._refs[0].device)
+            sync["done"] = self._done
+        return sync
+
     def _step_chunk(self, keys: torch.Tensor, grads: torch.Tensor, hyper: dict, out: Optional[torch.Tensor],
-                    found: Optional[torch.Tensor]) -> int:
+                    found: Optional[torch.Tensor], wait: bool = True) -> int:
+        self.settle()
         m = keys.numel()
         c = self.client
         want = out is not None
@@ -275,18 +294,49 @@ class EmbeddingCache:
         arrays = [self._refs[0].head(m), self._grad_ref.head(m)]
         if want:
             arrays += [self._refs[2].head(m), self._out_ref.head(m)]
+        if not wait:
+            sync = self._done_sync() if self.transport == "cuda-ipc" else {}
+            p = region.send(c, region.OP_APPLY_GRADIENTS, self.table, arrays, False, want,
+                            head=_hyper_bytes(**hyper), **sync)
+            if p is not None:
+                self._inflight = (p, m, out, found)
+                if self.settle not in c._deferred:
+                    c._deferred.append(self.settle)
+            return 0
         sync = self._sync_args() if self.transport == "cuda-ipc" else {}
         body = region.call(c, region.OP_APPLY_GRADIENTS, self.table, arrays, False, want,
                            head=_hyper_bytes(**hyper), **sync)
         missing = region.count(body)
         if want:
-            if self.transport == "cuda-ipc":
-                out.copy_(self._values.reshape(-1)[:m * self.dim].view(m, self.dim))
-                found.copy_(self._found[:m].bool())
-            else:
-                out.copy_(torch.from_numpy(self._values_np.reshape(-1)[:m * self.dim].reshape(m, self.dim)))
-                found.copy_(torch.from_numpy(self._found_np[:m].astype(bool)))
+            self._copy_out(m, out, found)
         return missing or 0
+
+    def settle(self) -> None:
+        """Reads the answer of the optimizer step sent without waiting
+        (``optimizer_step(wait=False)``), if one is in flight: its count of
+        absent ids is added to ``missing``, its updated values copied to
+        the ``values`` it returned, and on cuda-ipc the current stream then
+        follows its writes. Every request of this cache, and every later
+        request of its client, does this first."""
+        f = self._inflight
+        if f is None:
+            return
+        self._inflight = None
+        p, m, out, found = f
+        body = region.finish(self.client, p)
+        if self.transport == "cuda-ipc" and p.post is None and self._done is not None:
+            self._done.wait(torch.cuda.current_stream(self.device).cuda_stream)
+        self.missing += region.count(body) or 0
+        if out is not None:
+            self._copy_out(m, out, found)
+
+    def _copy_out(self, m: int, out: torch.Tensor, found: torch.Tensor) -> None:
+        if self.transport == "cuda-ipc":
+            out.copy_(self._values.reshape(-1)[:m * self.dim].view(m, self.dim))
+            found.copy_(self._found[:m].bool())
+        else:
+            out.copy_(torch.from_numpy(self._values_np.reshape(-1)[:m * self.dim].reshape(m, self.dim)))
+            found.copy_(torch.from_numpy(self._found_np[:m].astype(bool)))
 
     # ---- API ----------------------------------------------------------
     def lookup(self, ids) -> torch.Tensor:
@@ -328,12 +378,20 @@ class EmbeddingCache:
 
     def optimizer_step(self, uniq: torch.Tensor, grads: torch.Tensor, lr: float, eps: float = 1e-8,
                        beta1: float = 0.9, beta2: float = 0.999, weight_decay: float = 0.0, step: int = 1,
-                       values: bool = False):
+                       values: bool = False, wait: bool = True):
         """One step of the table's optimizer (apply_gradients) for distinct
         ids ``uniq`` (1-D) with their gradient rows ``grads`` (``(n, dim)``;
         reduce repeated ids first). Returns the count of ids absent from the
         table (not updated) and, with ``values``, ``(missing, found (n,)
-        bool, rows (n, dim))``: the values after the step, on ``device``."""
+        bool, rows (n, dim))``: the values after the step, on ``device``.
+
+        ``wait`` False: the (last) request is sent without waiting for its
+        answer, which :meth:`settle` reads: the next request of this cache
+        or of its client, whichever comes first, so that request sees the
+        step's writes. The count returned is then 0 (the absent ids are
+        added to ``self.missing`` when read), and ``found`` and ``rows`` are
+        written when read (on cuda-ipc: queued on the stream current then).
+        An error of the step is raised by the request that reads it."""
         if self.optimizer is None:
             raise ValueError(f"table {self.table!r} has no optimizer: create it with optimizer= "
                              "(sgd, adagrad, rowwise_adagrad or adam)")
@@ -347,7 +405,7 @@ class EmbeddingCache:
         for s in range(0, n, self.max_batch):
             e = min(s + self.max_batch, n)
             missing += self._step_chunk(uniq[s:e], g[s:e], hyper, None if out is None else out[s:e],
-                                        None if found is None else found[s:e])
+                                        None if found is None else found[s:e], wait=wait or e < n)
         return (missing, found, out) if values else missing
 
     def write_back(self, ids, rows: torch.Tensor) -> None:
@@ -445,7 +503,7 @@ class _Sparse(torch.nn.Module):
         self.betas = (float(betas[0]), float(betas[1]))
         self.init = init
         self.step = 0
-        self.missing = 0
+        self._missing = 0
         self._anchor = torch.zeros((), requires_grad=True)
         self._pending: List[_Prefetched] = []
         self._spare: List[EmbeddingCache] = []
@@ -489,6 +547,9 @@ class _Sparse(torch.nn.Module):
         uniq, inv = torch.unique(flat, return_inverse=True)
         if uniq.numel() > self.cache.max_batch or uniq.numel() == 0:
             return
+        # The last step's answer first: its done event then orders this
+        # lookup after its writes on the GPU.
+        self.cache.settle()
         while len(self._pending) >= 2:
             self._drop(self._pending.pop(0))
         cache = self._spare.pop() if self._spare else EmbeddingCache(self.client, self.table, **self._kw)
@@ -496,6 +557,19 @@ class _Sparse(torch.nn.Module):
         token = cache._send(region.OP_FIND_OR_INSERT, uniq, self._init_rows(uniq), done_event=False)
         self.timings["lookup"] += time.perf_counter() - t0
         self._pending.append(_Prefetched(flat, uniq, inv, cache, token))
+
+    @property
+    def missing(self) -> int:
+        """Ids whose row was gone when their step came (their gradient was
+        dropped), over the steps whose answers were read."""
+        return self._missing + self.cache.missing
+
+    def flush(self) -> None:
+        """Waits for the last optimizer step's answer (the backward sends it
+        without waiting) and raises its error, if any. Any later request of
+        the module or of its client reads it first anyway, so only a reader
+        on another connection needs this before it sees the step's rows."""
+        self.cache.settle()
 
     def _drop(self, p: _Prefetched) -> None:
         p.cache._recv(p.token, None)
@@ -505,6 +579,7 @@ class _Sparse(torch.nn.Module):
         """(uniq, inv, rows) of flat ids: a matching prefetch's rows
         (patched), else a lookup now."""
         t0 = time.perf_counter()
+        self.cache.settle()  # the last step's updated values, for the patch
         hit = None
         while self._pending:
             p = self._pending.pop(0)
@@ -532,14 +607,14 @@ class _Sparse(torch.nn.Module):
         self.step += 1
         want = bool(self._pending)  # updated rows are needed to patch prefetched ones
         r = self.cache.optimizer_step(uniq, grads, self.lr, self.eps, self.betas[0], self.betas[1],
-                                      self.weight_decay, self.step, values=want)
+                                      self.weight_decay, self.step, values=want, wait=False)
         if want:
             missing, found, values = r
             for p in self._pending:
                 p.patches.append((uniq, found, values))
         else:
             missing = r
-        self.missing += missing
+        self._missing += missing
         self.timings["apply"] += time.perf_counter() - t0
 
     def _gathered(self, ids):
