@@ -46,8 +46,10 @@ send) and answer waits (``region.finish``, the answer part of
 ``region.call``), the stream waits on done events, and the patching of
 prefetched rows; nested in those: ``region.frame`` (checking the arrays and
 recording the wait event), ``client.call`` (a request's socket round trip),
-``apply.chunk`` (one apply_gradients request, copies included) and
-``lookup.recv`` (a prefetched lookup's answer and copy); and the daemon's own means over the variant's requests
+``apply.chunk`` (one apply_gradients request sent, copies included),
+``apply.settle`` (reading its answer, which the step did not wait for,
+at the next request) and ``lookup.recv`` (a prefetched lookup's answer
+and copy); and the daemon's own means over the variant's requests
 (``stats.path``: spawn, handle, write and its queued part, CUDA event
 waits, shard calls).
 """
@@ -108,6 +110,8 @@ class Profile:
         self.wrap(hkvd.Client, "_call", "client.call")
         self.wrap(ht.EmbeddingCache, "_step_chunk", "apply.chunk")
         self.wrap(ht.EmbeddingCache, "_recv", "lookup.recv")
+        if hasattr(ht.EmbeddingCache, "settle"):
+            self.wrap(ht.EmbeddingCache, "settle", "apply.settle")
 
     def disable(self):
         while self._undo:

@@ -271,11 +271,11 @@ class EmbeddingCache:
         return sync
 
     def _step_chunk(self, keys: torch.Tensor, grads: torch.Tensor, hyper: dict, out: Optional[torch.Tensor],
-                    found: Optional[torch.Tensor], wait: bool = True) -> int:
+                    found: Optional[torch.Tensor], wait: bool = True, views: bool = False) -> int:
         self.settle()
         m = keys.numel()
         c = self.client
-        want = out is not None
+        want = out is not None or views
         if self.transport == "socket":
             k = keys.cpu().numpy().view(np.uint64)
             r = c.apply_gradients(self.table, k, grads.detach().cpu().numpy(), values=want, **hyper)
@@ -329,6 +329,23 @@ class EmbeddingCache:
         self.missing += region.count(body) or 0
         if out is not None:
             self._copy_out(m, out, found)
+
+    def step_views(self, uniq: torch.Tensor, grads: torch.Tensor, **hyper):
+        """:meth:`optimizer_step` of at most ``max_batch`` distinct ids, sent
+        without waiting, its outputs left where the daemon writes them:
+        returns ``(found, rows)``, a uint8 ``(n,)`` and a float32 ``(n,
+        dim)`` view of this cache's buffers, written once :meth:`settle` ran
+        and valid until this cache's next request (copy them to keep them).
+        Not on the socket transport (its answers are read at once)."""
+        n = uniq.numel()
+        if self.transport == "socket" or n > self.max_batch:
+            raise ValueError("step_views needs a region transport and at most max_batch ids")
+        g = grads.detach().reshape(n, self.dim).to(device=self.device, dtype=torch.float32)
+        self._step_chunk(uniq, g, hyper, None, None, wait=False, views=True)
+        if self.transport == "cuda-ipc":
+            return self._found[:n], self._values.reshape(-1)[:n * self.dim].view(n, self.dim)
+        return (torch.from_numpy(self._found_np[:n]),
+                torch.from_numpy(self._values_np.reshape(-1)[:n * self.dim].reshape(n, self.dim)))
 
     def _copy_out(self, m: int, out: torch.Tensor, found: torch.Tensor) -> None:
         if self.transport == "cuda-ipc":
@@ -513,7 +530,7 @@ class _Sparse(torch.nn.Module):
         # Forwards served by a prefetch, and prefetched rows patched with
         # the values a later step's apply_gradients returned.
         self.prefetch_hits = 0
-        self._patched = 0
+        self._patched: list = []  # the count of each patch (0-d tensors or ints), summed when asked
 
     # ---- lookups ------------------------------------------------------
     def _flat(self, ids) -> torch.Tensor:
@@ -596,8 +613,10 @@ class _Sparse(torch.nn.Module):
             hit.cache._recv(hit.token, rows)
             self._spare.append(hit.cache)
             self.prefetch_hits += 1
-            for upd_uniq, found, values in hit.patches:
-                self._patched = self._patched + _patch(rows, uniq, upd_uniq, found, values)
+            for upd_uniq, found, values, _ in hit.patches:
+                self._patched.append(_patch(rows, uniq, upd_uniq, found, values))
+                if len(self._patched) >= 1024:  # folded on the device: no wait
+                    self._patched = [torch.stack([torch.as_tensor(x, device=rows.device) for x in self._patched]).sum()]
         self.timings["lookup"] += time.perf_counter() - t0
         return uniq, inv, rows
 
@@ -606,15 +625,23 @@ class _Sparse(torch.nn.Module):
         t0 = time.perf_counter()
         self.step += 1
         want = bool(self._pending)  # updated rows are needed to patch prefetched ones
-        r = self.cache.optimizer_step(uniq, grads, self.lr, self.eps, self.betas[0], self.betas[1],
-                                      self.weight_decay, self.step, values=want, wait=False)
-        if want:
-            missing, found, values = r
+        hyper = dict(lr=self.lr, eps=self.eps, beta1=self.betas[0], beta2=self.betas[1],
+                     weight_decay=self.weight_decay, step=self.step)
+        # Patches that still read the main cache's buffers keep a copy: its
+        # next request (this step) writes them.
+        for p in self._pending:
+            p.patches = [(u, f.clone(), v.clone(), False) if view else (u, f, v, view) for u, f, v, view in p.patches]
+        if want and self.cache.transport != "socket" and uniq.numel() <= self.cache.max_batch:
+            found, values = self.cache.step_views(uniq, grads, **hyper)
             for p in self._pending:
-                p.patches.append((uniq, found, values))
+                p.patches.append((uniq, found, values, True))
+        elif want:
+            missing, found, values = self.cache.optimizer_step(uniq, grads, values=True, wait=False, **hyper)
+            for p in self._pending:
+                p.patches.append((uniq, found, values, False))
+            self._missing += missing
         else:
-            missing = r
-        self._missing += missing
+            self._missing += self.cache.optimizer_step(uniq, grads, wait=False, **hyper)
         self.timings["apply"] += time.perf_counter() - t0
 
     def _gathered(self, ids):
@@ -625,7 +652,9 @@ class _Sparse(torch.nn.Module):
     @property
     def patched_rows(self) -> int:
         """Prefetched rows patched with a later step's updated values."""
-        return int(self._patched)
+        if len(self._patched) > 1:
+            self._patched = [sum(int(x) for x in self._patched)]
+        return int(self._patched[0]) if self._patched else 0
 
     def extra_repr(self) -> str:
         return (f"table={self.table!r}, dim={self.dim}, optimizer={self.optimizer}, lr={self.lr}, "
@@ -635,16 +664,16 @@ class _Sparse(torch.nn.Module):
 def _patch(rows: torch.Tensor, uniq: torch.Tensor, upd: torch.Tensor, found: torch.Tensor,
            values: torch.Tensor):
     """rows[i] = values[j] where uniq[i] == upd[j] and found[j] (both
-    sorted); returns how many rows were patched (a tensor). On a GPU
-    nothing here waits for the device (no boolean indexing, whose size the
-    host would have to read: a select of every row instead); on the CPU
-    the indexing is the cheaper."""
+    sorted; ``found`` bool or uint8); returns how many rows were patched
+    (a tensor). On a GPU nothing here waits for the device (no boolean
+    indexing, whose size the host would have to read: a select of every
+    row instead); on the CPU the indexing is the cheaper."""
     if upd.numel() == 0 or uniq.numel() == 0:
         return 0
     j = torch.searchsorted(upd, uniq).clamp_(max=upd.numel() - 1)
-    hit = (upd[j] == uniq) & found[j]
+    hit = (upd[j] == uniq).logical_and_(found[j])
     if rows.is_cuda:
-        rows.copy_(torch.where(hit.unsqueeze(1), values[j], rows))
+        torch.where(hit.unsqueeze(1), values[j], rows, out=rows)
     else:
         rows[hit] = values[j[hit]]
     return hit.sum()
