@@ -23,8 +23,6 @@ batches, one after the other in each round (``--rounds``):
   ``EmbeddingBag`` over a fresh table created with ``--optimizer``, over
   that transport, each batch's lookup prefetched one step ahead
   (``hkvd.torch.Prefetcher``; ``--no-prefetch``: looked up at the forward).
-  ``cuda-ipc:thread``, ``shm:thread``: the same with ``prefetch_thread``
-  (the prefetch's dedupe, request and answer on the module's own thread).
   A transport that is not available (cuda-ipc without a CUDA device the
   daemon serves) is skipped, saying why.
 
@@ -202,15 +200,13 @@ def run(variant, a, c, data, w0, device, round_no, prof=None):
         sparse = native_optimizer(a.optimizer, emb.parameters(), a)
         table = None
     else:
-        transport, _, opt = variant.partition(":")
-        table = f"bench_{variant.replace('-', '_').replace(':', '_')}_{round_no}"
+        table = f"bench_{variant.replace('-', '_')}_{round_no}"
         if table in {t["spec"]["name"] for t in c.tables()}:
             c.drop_table(table)
         c.create_table(table, dim=a.dim, capacity=a.capacity, optimizer=a.optimizer)
         cls = ht.EmbeddingBag if pooled else ht.Embedding
         kw = {"mode": "sum"} if pooled else {}
-        emb = cls(c, table, lr=a.emb_lr, eps=a.eps, init=lambda ids: w0[ids], device=device, transport=transport,
-                  prefetch_thread=(opt == "thread"),
+        emb = cls(c, table, lr=a.emb_lr, eps=a.eps, init=lambda ids: w0[ids], device=device, transport=variant,
                   max_batch=a.batch * a.fields * a.pooling, verbose=False, **kw)
         sparse = None
     model = Model(emb, a.fields, a.dim, a.pooling, a.seed).to(device)
@@ -307,9 +303,8 @@ def main(argv=None) -> int:
     a.capacity = a.capacity or 2 * a.fields * a.vocab
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
     for v in variants:
-        t, _, opt = v.partition(":")
-        if v != "native" and (t not in TRANSPORTS or opt not in ("", "thread") or (opt and t == "socket")):
-            p.error(f"unknown variant {v!r}: use native, {', '.join(TRANSPORTS)}, cuda-ipc:thread or shm:thread")
+        if v != "native" and v not in TRANSPORTS:
+            p.error(f"unknown variant {v!r}: use native, {', '.join(TRANSPORTS)}")
 
     c = hkvd.Client(a.socket)
     g = torch.Generator().manual_seed(a.seed)
@@ -353,7 +348,6 @@ def main(argv=None) -> int:
                     if native_rows is not None and a.optimizer != "rowwise_adagrad" and found.all():
                         res["rows_diff"] = float((rows - native_rows.cpu()).abs().max())
             if table is not None:
-                emb.close()
                 c.drop_table(table)
 
     out = {"config": {k: getattr(a, k) for k in ("device", "optimizer", "fields", "batch", "dim", "vocab", "zipf",
@@ -388,15 +382,15 @@ def main(argv=None) -> int:
     print(f"train_bench on {device}: {a.fields} fields x {a.pooling} ids, batch {a.batch}, dim {a.dim}, "
           f"vocab {a.vocab}/field, Zipf {a.zipf}, optimizer {a.optimizer}, {a.steps} steps "
           f"({a.warmup} warm-up) x {a.rounds} rounds, prefetch {'on' if cfg['prefetch'] else 'off'}")
-    print(f"{'variant':<15} {'steps/s':>9} {'vs native':>9} {'lookup ms':>10} {'compute ms':>11} {'apply ms':>9}  rows")
+    print(f"{'variant':<9} {'steps/s':>9} {'vs native':>9} {'lookup ms':>10} {'compute ms':>11} {'apply ms':>9}  rows")
     for v, r in out["variants"].items():
         rows = "-" if r["rows_max_diff"] is None else \
             f"max diff {r['rows_max_diff']:.2e} {'agree' if r['rows_agree'] else 'DIFFER'}"
         vs = "-" if r["vs_native"] is None else f"{r['vs_native']:.3f}"
-        print(f"{v:<15} {r['steps_per_s']:>9.1f} {vs:>9} {r['lookup_ms']:>10.2f} {r['compute_ms']:>11.2f} "
+        print(f"{v:<9} {r['steps_per_s']:>9.1f} {vs:>9} {r['lookup_ms']:>10.2f} {r['compute_ms']:>11.2f} "
               f"{r['apply_ms']:>9.2f}  {rows}")
     for v, r in out["variants"].items():
-        print(f"loss {v:<15} " + " ".join(f"{x:.4f}" for x in r["loss_curve"]))
+        print(f"loss {v:<9} " + " ".join(f"{x:.4f}" for x in r["loss_curve"]))
     for v, r in out["variants"].items():
         pr = r.get("profile")
         if not pr:

@@ -231,17 +231,14 @@ class EmbeddingCache:
             v[:, :d] = rows.detach().cpu().numpy()
         return ("socket", c.send_write(op, self.table, k, v), m)
 
-    def _recv(self, token, out: Optional[torch.Tensor], answered: bool = False) -> None:
+    def _recv(self, token, out: Optional[torch.Tensor]) -> None:
         """The answer of :meth:`_send`'s request; find_or_insert's rows
-        (their values) copied to ``out``. ``answered``: the answer was read
-        already (by another thread, :class:`_Worker`); only the stream's
-        wait and the copy are left."""
+        (their values) copied to ``out``."""
         kind, p, m = token
         d = self.dim
         if kind == "region":
             if p is not None:
-                if not answered:
-                    region.finish(self.client, p)
+                region.finish(self.client, p)
                 if self.transport == "cuda-ipc" and p.post is None and self._done is not None:
                     # Sent with this cache's own done event (``_send``).
                     self._done.wait(torch.cuda.current_stream(self.device).cuda_stream)
@@ -507,14 +504,10 @@ class _Sparse(torch.nn.Module):
     def __init__(self, client: Client, table: str, *, lr: float = 0.01, eps: float = 1e-8,
                  betas: Sequence[float] = (0.9, 0.999), weight_decay: float = 0.0,
                  init: Optional[Callable] = None, device=None, transport: str = "auto", max_batch: int = 1 << 16,
-                 events: bool = True, verbose: bool = True, prefetch_thread: bool = False):
+                 events: bool = True, verbose: bool = True):
         super().__init__()
         self.cache = EmbeddingCache(client, table, device=device, max_batch=max_batch, transport=transport,
                                     events=events, verbose=verbose)
-        if prefetch_thread and self.cache.transport == "socket":
-            raise ValueError("prefetch_thread needs the cuda-ipc or shm transport")
-        self.prefetch_thread = bool(prefetch_thread)
-        self._worker: Optional[_Worker] = None
         if self.cache.optimizer is None:
             raise ValueError(f"table {table!r} has no optimizer: create it with optimizer= (sgd, adagrad, "
                              "rowwise_adagrad or adam), e.g. client.create_table(name, dim, capacity, "
@@ -568,9 +561,6 @@ class _Sparse(torch.nn.Module):
         behind torch's back (through a numpy array sharing the memory) is
         not noticed: give the forward a new tensor then."""
         flat = self._flat(ids)
-        if self.prefetch_thread:
-            self._prefetch_on_thread(flat)
-            return
         uniq, inv = torch.unique(flat, return_inverse=True)
         if uniq.numel() > self.cache.max_batch or uniq.numel() == 0:
             return
@@ -584,33 +574,6 @@ class _Sparse(torch.nn.Module):
         token = cache._send(region.OP_FIND_OR_INSERT, uniq, self._init_rows(uniq), done_event=False)
         self.timings["lookup"] += time.perf_counter() - t0
         self._pending.append(_Prefetched(flat, uniq, inv, cache, token))
-
-    def _prefetch_on_thread(self, flat: torch.Tensor) -> None:
-        """:meth:`prefetch` with its host work (dedupe, init rows, send,
-        answer) on the module's :class:`_Worker` thread, beside this one."""
-        t0 = time.perf_counter()
-        self.cache.settle()  # the worker's stream follows the last step's writes (``ready``)
-        while len(self._pending) >= 2:
-            self._drop(self._pending.pop(0))
-        if self._worker is None:
-            self._worker = _Worker(self)
-        p = _Prefetched(flat, None, None, None, None)
-        ready = main = None
-        if self.device.type == "cuda":
-            main = torch.cuda.current_stream(self.device)
-            ready = torch.cuda.Event()
-            ready.record(main)
-        p.token = self._worker.submit(p.ids, ready, main)
-        p.threaded = True
-        self._pending.append(p)
-        self.timings["lookup"] += time.perf_counter() - t0
-
-    def close(self) -> None:
-        """Stops the prefetch thread and closes its connection (if
-        ``prefetch_thread``); the module's own client stays open."""
-        w, self._worker = self._worker, None
-        if w is not None:
-            w.close()
 
     @property
     def missing(self) -> int:
@@ -626,13 +589,6 @@ class _Sparse(torch.nn.Module):
         self.cache.settle()
 
     def _drop(self, p: _Prefetched) -> None:
-        if getattr(p, "threaded", False):
-            r = p.token.result()
-            if r is not None:
-                _, _, cache, token = r
-                cache._recv(token, None, answered=True)
-                self._worker.release(cache)
-            return
         p.cache._recv(p.token, None)
         self._spare.append(p.cache)
 
@@ -648,24 +604,14 @@ class _Sparse(torch.nn.Module):
                 hit = p
                 break
             self._drop(p)
-        if hit is not None and getattr(hit, "threaded", False):
-            r = hit.token.result()
-            if r is None:
-                hit = None  # the worker did not send it (too many distinct ids)
-            else:
-                hit.uniq, hit.inv, cache, token = r
-                rows = torch.empty((hit.uniq.numel(), self.dim), dtype=torch.float32, device=self.device)
-                cache._recv(token, rows, answered=True)
-                self._worker.release(cache)
-        elif hit is not None:
-            rows = torch.empty((hit.uniq.numel(), self.dim), dtype=torch.float32, device=self.device)
-            hit.cache._recv(hit.token, rows)
-            self._spare.append(hit.cache)
         if hit is None:
             uniq, inv = torch.unique(flat, return_inverse=True)
             rows = self.cache.lookup_unique(uniq, self._init_rows(uniq))
         else:
             uniq, inv = hit.uniq, hit.inv
+            rows = torch.empty((uniq.numel(), self.dim), dtype=torch.float32, device=self.device)
+            hit.cache._recv(hit.token, rows)
+            self._spare.append(hit.cache)
             self.prefetch_hits += 1
             for upd_uniq, found, values, _ in hit.patches:
                 self._patched.append(_patch(rows, uniq, upd_uniq, found, values))
@@ -713,91 +659,6 @@ class _Sparse(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"table={self.table!r}, dim={self.dim}, optimizer={self.optimizer}, lr={self.lr}, "
                 f"transport={self.cache.transport}")
-
-
-class _Worker:
-    """The thread of a module with ``prefetch_thread``: it runs each
-    prefetch's host work (the dedupe, the init rows, the request and its
-    answer) on its own connection and, on a GPU, its own CUDA stream, so
-    that the training thread only hands it the ids and later copies the
-    rows. Ordering: its stream waits for ``ready``, recorded on the
-    training thread's stream after the last step's answer was read (so the
-    lookup follows that step's writes, as :meth:`_Sparse.prefetch`'s own
-    does); a cache handed back waits on an event recorded where its rows
-    were copied before the worker writes its buffers again."""
-
-    def __init__(self, module: "_Sparse"):
-        import queue
-        import threading
-
-        self.client = Client(module.client.path)
-        self.table, self.kw, self.device = module.table, dict(module._kw), module.device
-        self.init_rows = module._init_rows
-        self.max_batch = module.cache.max_batch
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.jobs: "queue.Queue" = queue.Queue()
-        self.spare: List[tuple] = []
-        self.lock = threading.Lock()
-        self.thread = threading.Thread(target=self._run, name="hkvd-prefetch", daemon=True)
-        self.thread.start()
-
-    def submit(self, ids: torch.Tensor, ready, main):
-        from concurrent.futures import Future
-
-        f: Future = Future()
-        self.jobs.put((ids, ready, main, f))
-        return f
-
-    def release(self, cache: EmbeddingCache) -> None:
-        """Hands back ``cache`` once the training thread queued its last read of it."""
-        ev = None
-        if self.stream is not None:
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(self.device))
-        with self.lock:
-            self.spare.append((cache, ev))
-
-    def close(self) -> None:
-        self.jobs.put(None)
-        self.thread.join(timeout=30)
-        self.client.close()
-
-    def _run(self) -> None:
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            ids, ready, main, f = job
-            try:
-                if self.stream is not None:
-                    with torch.cuda.stream(self.stream):
-                        f.set_result(self._prefetch(ids, ready, main))
-                else:
-                    f.set_result(self._prefetch(ids, None, None))
-            except BaseException as e:  # noqa: BLE001 - raised on the training thread, at its forward
-                f.set_exception(e)
-
-    def _prefetch(self, ids: torch.Tensor, ready, main):
-        if ready is not None:
-            self.stream.wait_event(ready)
-        uniq, inv = torch.unique(ids, return_inverse=True)
-        if uniq.numel() > self.max_batch or uniq.numel() == 0:
-            return None
-        with self.lock:
-            cache, ev = self.spare.pop() if self.spare else (None, None)
-        if cache is None:
-            cache = EmbeddingCache(self.client, self.table, **self.kw)
-        if ev is not None:
-            self.stream.wait_event(ev)
-        rows = self.init_rows(uniq)
-        token = cache._send(region.OP_FIND_OR_INSERT, uniq, rows, done_event=False)
-        if token[1] is not None:
-            region.finish(self.client, token[1])
-        if main is not None:
-            # Used on the training thread's stream from now on.
-            uniq.record_stream(main)
-            inv.record_stream(main)
-        return uniq, inv, cache, token
 
 
 def _patch(rows: torch.Tensor, uniq: torch.Tensor, upd: torch.Tensor, found: torch.Tensor,

@@ -308,25 +308,23 @@ def test_embedding_bag_matches_native(daemon, mode):
     c.close()
 
 
-@pytest.mark.parametrize("transport", ["shm", "socket", "shm:thread"])
+@pytest.mark.parametrize("transport", ["shm", "socket"])
 def test_prefetched_training_is_bit_identical(daemon, transport):
     """Two tables trained on the same batches, one looking up at each
     forward, the other one batch ahead through Prefetcher (the next
     step's lookup sent before this step's backward updates rows that both
     batches share): every loss and every stored row (values and Adam's
     state) equal bit for bit after 25 steps; the prefetch path was taken
-    and rows were patched. ``shm:thread``: the prefetch's work on the
-    module's own thread (``prefetch_thread``)."""
+    and rows were patched."""
     from hkvd.torch import Embedding, Prefetcher
 
     fields, vocab, dim = 3, 50, 8
     c = daemon.client()
     runs = {}
-    transport, _, thread = transport.partition(":")
     for name, ahead in (("plain", False), ("ahead", True)):
         c.create_table(name, dim=dim, capacity=1 << 14, optimizer="adam")
         emb = Embedding(c, name, lr=0.01, init=lambda ids: (ids % 13).float()[:, None].expand(-1, dim) / 13,
-                        transport=transport, verbose=False, prefetch_thread=bool(thread) and ahead)
+                        transport=transport, verbose=False)
         model = _Model(emb, fields, dim, 11)
         dense = torch.optim.SGD(model.mlp.parameters(), lr=0.05)
         bce = torch.nn.BCEWithLogitsLoss()
@@ -348,8 +346,6 @@ def test_prefetched_training_is_bit_identical(daemon, transport):
     ahead = runs["ahead"][1]
     assert ahead.prefetch_hits == 25 and runs["plain"][1].prefetch_hits == 0
     assert ahead.patched_rows > 0, "consecutive batches share ids: the patch path ran"
-    assert (ahead._worker is not None) == bool(thread)
-    ahead.close()
     c.close()
 
 
