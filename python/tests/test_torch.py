@@ -484,3 +484,29 @@ def test_embedding_bag_options_match_native(daemon):
     with pytest.raises(ValueError, match="need mode sum"):
         EmbeddingBag(c, "o", mode="mean", verbose=False)(values, offsets, per_sample_weights=weights)
     c.close()
+
+
+def test_a_step_sent_without_waiting_is_read_before_the_next_request(daemon):
+    """The backward sends its apply_gradients without waiting; the next
+    request of the same client (here a plain find) reads that answer first
+    and sees the step's rows; ``flush`` makes them visible to another
+    connection."""
+    from hkvd.torch import Embedding
+
+    c = daemon.client()
+    c.create_table("deferred", dim=4, capacity=1 << 10, optimizer="sgd")
+    emb = Embedding(c, "deferred", lr=0.5, transport="shm", verbose=False)
+    keys = np.array([1, 2, 3], dtype=np.uint64)
+    emb(torch.tensor([1, 2, 3])).sum().backward()
+    assert emb.cache._inflight is not None, "sent, its answer not read yet"
+    v, found = c.find("deferred", keys)
+    assert emb.cache._inflight is None and found.all()
+    assert np.array_equal(v[:, :4], np.full((3, 4), -0.5, np.float32))
+    emb(torch.tensor([1, 2, 3])).sum().backward()
+    emb.flush()
+    other = daemon.client()
+    v, _ = other.find("deferred", keys)
+    assert np.array_equal(v[:, :4], np.full((3, 4), -1.0, np.float32))
+    assert emb.step == 2 and emb.missing == 0
+    other.close()
+    c.close()
