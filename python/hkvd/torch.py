@@ -287,7 +287,8 @@ class EmbeddingCache:
             return missing
         if self.transport == "cuda-ipc":
             self._keys[:m].copy_(keys, non_blocking=True)
-            self._grads[:m].copy_(grads, non_blocking=True)
+            if grads.data_ptr() != self._grads.data_ptr():  # else summed in place (_Sparse._grad_rows)
+                self._grads[:m].copy_(grads, non_blocking=True)
         else:
             np.copyto(self._keys_np[:m], keys.cpu().numpy())
             np.copyto(self._grads_np[:m], grads.detach().cpu().numpy())
@@ -449,18 +450,22 @@ class _Prefetched:
     request token, and the updates made since it was sent."""
 
     def __init__(self, ids, uniq, inv, cache, token):
-        # The ids as they were (a copy: the caller's tensor may change in
-        # place), and the mark of the caller's memory for the fast match.
+        # The caller's ids (not copied) with the mark of their memory and
+        # version: what they held is known while the version is unchanged.
         self.mark = _mark(ids)
-        self.ids = ids.clone()
+        self.ids, self.version = ids, ids._version
         self.uniq, self.inv, self.cache, self.token = uniq, inv, cache, token
         self.patches: List[tuple] = []
 
     def matches(self, flat: torch.Tensor) -> bool:
         """Whether ``flat`` holds the prefetched ids: the same memory,
-        unchanged since (no device sync), else compared element by element."""
+        unchanged since (no device sync), else compared element by element
+        with the prefetched tensor while that is unchanged (once written in
+        place, what it held is not known: no match, the forward looks up)."""
         if self.mark is not None and _mark(flat) == self.mark:
             return True
+        if self.ids._version != self.version:
+            return False
         return self.ids.shape == flat.shape and bool(torch.equal(self.ids, flat))
 
 
@@ -490,7 +495,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         inv, uniq = ctx.saved_tensors
-        g = torch.zeros((ctx.n, grad.shape[-1]), dtype=torch.float32, device=grad.device)
+        g = ctx.module._grad_rows(ctx.n, grad.device)
         g.index_add_(0, inv, grad.reshape(-1, grad.shape[-1]).to(torch.float32))
         ctx.module._apply_step(uniq, g)
         return None, None, None, None, None
@@ -621,6 +626,16 @@ class _Sparse(torch.nn.Module):
         return uniq, inv, rows
 
     # ---- the step -----------------------------------------------------
+    def _grad_rows(self, n: int, device) -> torch.Tensor:
+        """Zeroed ``(n, dim)`` rows for a step's summed gradients: the
+        cache's own gradient buffer when the step goes there whole (no copy
+        into it later), else a new tensor."""
+        c = self.cache
+        if c.transport == "cuda-ipc" and n <= c.max_batch and torch.device(device) == c.device:
+            c.settle()  # the buffer may still be the last step's
+            return c._grads[:n].zero_()
+        return torch.zeros((n, self.dim), dtype=torch.float32, device=device)
+
     def _apply_step(self, uniq: torch.Tensor, grads: torch.Tensor) -> None:
         t0 = time.perf_counter()
         self.step += 1
