@@ -14,8 +14,9 @@ fn backed(name: &str, seeds: &str, mode: BackingMode) -> TableSpec {
 
 /// Two daemons on `cluster`: A's table `name` written through, B's read
 /// only with a 150 ms fetch deadline; A has written keys 1..=n (rows
-/// `[k, 0.5, -1, 2]`). Returns the daemons (kept alive by the caller),
-/// their clients, the keys and the values.
+/// `[k, 0.5, -1, 2]`) and B has heard their invalidations. Returns the
+/// daemons (kept alive by the caller), their clients, the keys and the
+/// values.
 fn writer_and_slow_reader(
     cluster: &TestCluster,
     name: &str,
@@ -31,6 +32,13 @@ fn writer_and_slow_reader(
     let keys: Vec<u64> = (1..=n).collect();
     let values: Vec<f32> = keys.iter().flat_map(|&k| [k as f32, 0.5, -1.0, 2.0]).collect();
     ca.insert_or_assign(name, &keys, &values, None).unwrap();
+    // B hears A's writes first: an invalidation arriving after B filled a
+    // key would erase it again (B cannot tell that the write came first).
+    let start = std::time::Instant::now();
+    while backing_stats(&mut cb, name).invalidations < n {
+        assert!(start.elapsed() < std::time::Duration::from_secs(10), "B did not hear A's writes");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
     (a, b, ca, cb, keys, values)
 }
 
@@ -1141,14 +1149,8 @@ fn a_queued_find_or_insert_never_overwrites_another_hosts_row() {
 /// only, as `filled` and `absent` do.
 #[test]
 fn a_prefetch_counts_only_the_caches_misses_late() {
-    use std::time::{Duration, Instant};
     let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
     let (_a, _b, _ca, mut cb, keys, _values) = writer_and_slow_reader(&cluster, "pl", 2000);
-    let start = Instant::now();
-    while backing_stats(&mut cb, "pl").invalidations < 2000 {
-        assert!(start.elapsed() < Duration::from_secs(5), "B did not hear A's writes");
-        std::thread::sleep(Duration::from_millis(5));
-    }
     // Cold: keys 1..=1000 all missed, now cached.
     assert!(cb.find("pl", &keys[..1000]).unwrap().found.iter().all(|&f| f));
     let (_, node_of) = owners(&cluster, "pl");
