@@ -394,7 +394,7 @@ def _frame(client, op, table, arrays, scores, outcomes, stream, wait, done, head
     """The checked request of :func:`call` / :func:`send`: ``(flags, body,
     done event to wait for or None, stream)``, its events recorded; None
     when there are no keys."""
-    if client._deferred:
+    if getattr(client, "_deferred", None):
         # Answers that must come first: read before this request's wait
         # event is recorded, so its stream follows their done events.
         client.settle()
