@@ -219,15 +219,31 @@ class Evicted:
     kinds: np.ndarray
 
 
+def _integers(a: np.ndarray, what: str) -> None:
+    """Refuses an array that is not of integers (an empty one is fine):
+    floats would be truncated silently (7.9 read as key 7, ids above 2**53
+    rounded), strings parsed."""
+    if a.size and a.dtype.kind not in "iu":
+        raise TypeError(f"{what} must be integers (uint64, or int64 read as their two's complement), "
+                        f"not {a.dtype}: convert them first, e.g. np.asarray(x, dtype=np.uint64)")
+
+
 def _keys(keys) -> np.ndarray:
     a = np.asarray(keys)
+    if a.dtype.kind == "f" and isinstance(keys, (list, tuple)) and all(
+            isinstance(k, (int, np.integer)) and not isinstance(k, bool) for k in keys):
+        # Python ints beside numpy uint64 scalars: numpy makes them float64.
+        a = np.array([int(k) % (1 << 64) for k in keys], dtype=np.uint64)
+    _integers(a, "keys")
     if a.dtype == np.int64:
         a = a.view(np.uint64)
     return np.ascontiguousarray(a, dtype="<u8").reshape(-1)
 
 
-def _u64(x) -> np.ndarray:
-    return np.ascontiguousarray(np.asarray(x), dtype="<u8").reshape(-1)
+def _u64(x, what: str = "scores") -> np.ndarray:
+    a = np.asarray(x)
+    _integers(a, what)
+    return np.ascontiguousarray(a, dtype="<u8").reshape(-1)
 
 
 def _f32(x) -> np.ndarray:

@@ -18,12 +18,20 @@ from typing import Callable, Iterable, List, NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
-from . import Client, HkvdError, region
+from . import Client, HkvdError, _integers, region
 from .cuda import CudaError, CudaIpcUnavailable
 from .shm import shm_array
 
 TRANSPORTS = ("cuda-ipc", "shm", "socket")
 _NAMES = {"cuda-ipc": "CUDA IPC", "shm": "shared memory", "socket": "the socket"}
+
+
+def _integer_ids(t: torch.Tensor) -> torch.Tensor:
+    """``t`` when it holds integers (ids), else TypeError: float ids would
+    be truncated silently (1.5 read as id 1)."""
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"ids must be an integer tensor (int64 preferred), not {t.dtype}")
+    return t
 
 
 def _align(n: int, to: int = 256) -> int:
@@ -170,9 +178,10 @@ class EmbeddingCache:
 
     def _ids(self, ids) -> torch.Tensor:
         if isinstance(ids, torch.Tensor):
-            t = ids
+            t = _integer_ids(ids)
         else:
             a = np.asarray(ids)
+            _integers(a, "ids")
             t = torch.from_numpy(np.ascontiguousarray(a.view(np.int64) if a.dtype == np.uint64 else a.astype(np.int64)))
         if t.dtype != torch.int64:
             t = t.to(torch.int64)
@@ -539,7 +548,7 @@ class _Sparse(torch.nn.Module):
 
     # ---- lookups ------------------------------------------------------
     def _flat(self, ids) -> torch.Tensor:
-        t = ids if isinstance(ids, torch.Tensor) else torch.as_tensor(np.asarray(ids))
+        t = _integer_ids(ids if isinstance(ids, torch.Tensor) else torch.as_tensor(np.asarray(ids)))
         return t.reshape(-1).to(device=self.device, dtype=torch.int64)
 
     def _init_rows(self, uniq: torch.Tensor) -> Optional[torch.Tensor]:

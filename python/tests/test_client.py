@@ -222,3 +222,21 @@ def test_find_with_origins_says_where_each_key_came_from(daemon, redis_cluster, 
         assert found.tolist() == [True, False] and origins is None
     finally:
         other.stop()
+
+
+def test_keys_that_are_not_integers_are_refused(daemon):
+    """Float keys would be truncated (7.9 read as key 7, ids above 2**53
+    rounded) and strings parsed: the client refuses them, naming the dtype;
+    int64 keys are the uint64 keys of the same bits."""
+    c = daemon.client()
+    c.create_table("ints", dim=2, capacity=1024)
+    c.insert_or_assign("ints", np.array([7, -5], dtype=np.int64), np.ones((2, 2), np.float32))
+    for bad in (np.array([7.9]), np.array([7.0], np.float32), np.array(["7"]), [True]):
+        with pytest.raises(TypeError, match="keys must be integers"):
+            c.find("ints", bad)
+    _, found = c.find("ints", np.array([7, 2**64 - 5], dtype=np.uint64))
+    assert found.tolist() == [True, True]
+    assert c.find("ints", [])[1].size == 0
+    # A list of numpy uint64 and Python ints (which numpy makes float64) is taken as integers.
+    assert c.find("ints", [np.uint64(7), 5])[1].tolist() == [True, False]
+    c.close()

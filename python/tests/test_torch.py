@@ -510,3 +510,18 @@ def test_a_step_sent_without_waiting_is_read_before_the_next_request(daemon):
     assert emb.step == 2 and emb.missing == 0
     other.close()
     c.close()
+
+
+def test_float_ids_are_refused(daemon):
+    """A float tensor of ids is refused (1.5 would be read as id 1)."""
+    from hkvd.torch import Embedding
+
+    c = daemon.client()
+    c.create_table("fl", dim=2, capacity=1024, optimizer="sgd")
+    emb = Embedding(c, "fl", verbose=False)
+    with pytest.raises(TypeError, match="integer tensor"):
+        emb(torch.tensor([1.5]))
+    with pytest.raises(TypeError, match="integer"):
+        EmbeddingCache(c, "fl", verbose=False).lookup(np.array([1.5]))
+    assert emb(torch.tensor([1, 2])).shape == (2, 2)
+    c.close()
