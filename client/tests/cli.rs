@@ -89,6 +89,38 @@ fn tables_put_get_erase() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("\"1=1,2,3\""), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
+/// A reader that closes the pipe early (`hkvctl get ... | head -1`) ends
+/// hkvctl quietly with status 141, as SIGPIPE ends other tools, without a
+/// panic on stderr.
+#[test]
+fn a_closed_pipe_ends_hkvctl_quietly() {
+    use std::io::{BufRead, BufReader};
+    use std::os::unix::process::ExitStatusExt;
+    let d = Daemon::start();
+    d.run(&["create-table", "p", "--dim", "4", "--capacity", "65536"]);
+    d.run(&["fill", "p", "--count", "20000"]);
+    let keys: Vec<String> = (1..=20000).map(|k| k.to_string()).collect();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_hkvctl"))
+        .arg("--socket")
+        .arg(&d.socket)
+        .arg("get")
+        .arg("p")
+        .args(&keys)
+        .env("RUST_BACKTRACE", "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut first).unwrap();
+    assert!(first.starts_with("1: "), "{first}");
+    // The reader is gone (stdout dropped above); hkvctl's next writes fail.
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!((out.status.code(), out.status.signal()), (Some(141), None), "{err}");
+}
+
 #[test]
 fn feature_commands_hash_and_look_up() {
     let d = Daemon::start();
