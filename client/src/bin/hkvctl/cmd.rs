@@ -140,7 +140,7 @@ pub enum Cmd {
         /// Table name.
         table: String,
         /// Seconds to collect (1 to 3600).
-        #[arg(long, default_value_t = 10)]
+        #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=3600))]
         seconds: u32,
         /// Output file.
         #[arg(long)]

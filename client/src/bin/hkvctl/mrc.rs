@@ -30,14 +30,34 @@ pub fn mrc(c: &mut Client, table: &str, json: bool) -> Result<()> {
 /// `hkvctl trace TABLE --seconds N --out FILE [--text]`.
 pub fn trace(c: &mut Client, table: &str, seconds: u32, out: &std::path::Path, text: bool) -> Result<()> {
     use anyhow::Context;
+    use std::io::Write;
+    // The file is opened before the window, so that a path that cannot be
+    // written fails now, not after `seconds` of collecting; it is emptied
+    // only once the keys came (a failed trace leaves a file as it was).
+    let existed = out.exists();
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(out)
+        .with_context(|| format!("cannot write {}", out.display()))?;
     eprintln!("collecting {table}'s sampled keys for {seconds} s ...");
-    let (keys, rate, truncated) = c.trace(table, seconds)?;
+    let (keys, rate, truncated) = match c.trace(table, seconds) {
+        Ok(got) => got,
+        Err(e) => {
+            if !existed {
+                let _ = std::fs::remove_file(out);
+            }
+            return Err(e.into());
+        }
+    };
+    file.set_len(0).with_context(|| format!("cannot write {}", out.display()))?;
     let bytes: Vec<u8> = if text {
         keys.iter().map(|k| format!("{k}\n")).collect::<String>().into_bytes()
     } else {
         keys.iter().flat_map(|k| k.to_le_bytes()).collect()
     };
-    std::fs::write(out, bytes).with_context(|| format!("cannot write {}", out.display()))?;
+    file.write_all(&bytes).with_context(|| format!("cannot write {}", out.display()))?;
     let capacity = stats_capacity(c, table)?;
     println!(
         "wrote {} keys to {} ({}), sampled at rate {rate:.6}",
