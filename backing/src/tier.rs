@@ -884,15 +884,16 @@ async fn meta(cluster: &Cluster, table: &str, dim: usize) -> Result<u32, Error> 
             detail: format!("a meta hash {key} that does not parse ({e})"),
         })?;
     let mismatch = |detail: String| Error::Mismatch { table: table.into(), detail };
+    let shown = |v: Option<u64>| v.map_or_else(|| "none".to_string(), |v| v.to_string());
     if layout != Some(u64::from(LAYOUT)) {
-        return Err(mismatch(format!("layout {layout:?}, this daemon writes layout {LAYOUT}")));
+        return Err(mismatch(format!("layout {}, this daemon writes layout {LAYOUT}", shown(layout))));
     }
     if stored_dim != Some(dim as u64) {
-        return Err(mismatch(format!("dim {stored_dim:?}, this table has dim {dim}")));
+        return Err(mismatch(format!("dim {}, this table has dim {dim}", shown(stored_dim))));
     }
     match groups {
         Some(g @ 1..=65_536) => Ok(g as u32),
-        g => Err(mismatch(format!("groups {g:?}, not 1 to 65536"))),
+        g => Err(mismatch(format!("groups {}, not 1 to 65536", shown(g)))),
     }
 }
 

@@ -232,6 +232,14 @@ impl SledStore {
                 Err(e) if Self::is_locked_error(&e) && start.elapsed() < std::time::Duration::from_secs(2) => {
                     std::thread::sleep(std::time::Duration::from_millis(10));
                 }
+                // Said for an operator (the substring keeps `is_locked_error` true).
+                Err(e) if Self::is_locked_error(&e) => {
+                    return Err(Error::Store(format!(
+                        "{} is held by another process (could not acquire lock): is another hkvd running \
+                         with this state directory? Give each daemon its own --state-dir",
+                        path.display()
+                    )))
+                }
                 r => return r,
             }
         }

@@ -99,7 +99,9 @@ pub fn run(socket: PathBuf, interval: Duration, log: Option<PathBuf>) -> anyhow:
                     Update::CheckpointStarted(r) => app.on_checkpoint_started(r),
                 }
                 if let Some(f) = logf.as_mut() {
-                    let _ = writeln!(f, "{:?} {}", std::time::SystemTime::now(), app.status_line());
+                    // Unix time in seconds (ms precision), then the status line.
+                    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+                    let _ = writeln!(f, "{:.3} {}", t.as_secs_f64(), app.status_line());
                 }
             }
             if last_draw.elapsed() >= Duration::from_millis(100) || app.dirty {
