@@ -23,7 +23,7 @@ impl AsyncClient {
     /// Connects to the socket at `path`.
     pub async fn connect(path: impl AsRef<Path>) -> Result<AsyncClient> {
         let p = path.as_ref();
-        let s = UnixStream::connect(p).await.map_err(io(connect_context(p)))?;
+        let s = UnixStream::connect(p).await.map_err(|e| io(connect_context(p, &e))(e))?;
         let (r, w) = s.into_split();
         Ok(AsyncClient { w, r: BufReader::with_capacity(1 << 16, r), next_id: 1, spare: Spare::default() })
     }

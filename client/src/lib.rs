@@ -94,13 +94,18 @@ pub(crate) fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> C
     }
 }
 
-/// What a failed connect to `path` says.
-pub(crate) fn connect_context(path: &Path) -> String {
+/// What a failed connect to `path` says, for its error `e`.
+pub(crate) fn connect_context(path: &Path, e: &std::io::Error) -> String {
     use std::os::unix::fs::FileTypeExt;
     match std::fs::metadata(path) {
         Ok(m) if !m.file_type().is_socket() => {
             format!("cannot connect to hkvd at {}: it is not a socket (check --socket / $HKVD_SOCKET)", path.display())
         }
+        _ if e.kind() == std::io::ErrorKind::PermissionDenied => format!(
+            "cannot connect to hkvd at {}: this user may not use its socket (a member of the daemon's \
+             --client-group or --admin-group may)",
+            path.display()
+        ),
         _ => format!("cannot connect to hkvd at {} (is it running?)", path.display()),
     }
 }
@@ -275,7 +280,7 @@ impl Client {
     /// Connects to the socket at `path`.
     pub fn connect(path: impl AsRef<Path>) -> Result<Client> {
         let p = path.as_ref();
-        let s = UnixStream::connect(p).map_err(io(connect_context(p)))?;
+        let s = UnixStream::connect(p).map_err(|e| io(connect_context(p, &e))(e))?;
         let r = BufReader::with_capacity(1 << 16, s.try_clone().map_err(io("socket"))?);
         Ok(Client { w: s, r, next_id: 1, spare: Spare::default() })
     }

@@ -319,6 +319,9 @@ class Client:
         try:
             self._sock.connect(self.path)
         except OSError as e:
+            if isinstance(e, PermissionError):
+                raise ConnectionError(f"cannot connect to hkvd at {self.path}: this user may not use its socket "
+                                      "(a member of the daemon's --client-group or --admin-group may)") from e
             raise ConnectionError(f"cannot connect to hkvd at {self.path} (is it running?): {e}") from e
         self._next = 1
         self._pending: Dict[int, _Pending] = {}
