@@ -87,6 +87,18 @@ fn tables_put_get_erase() {
     assert!(!out.status.success());
     // Refused before sending: the error names the argument at fault.
     assert!(String::from_utf8_lossy(&out.stderr).contains("\"1=1,2,3\""), "{}", String::from_utf8_lossy(&out.stderr));
+    // On a table with an optimizer a row is the values and the state: the
+    // error says so, with the dim `tables` shows.
+    d.run(&["create-table", "opt", "--dim", "2", "--capacity", "4096", "--optimizer", "adam"]);
+    let out = d.hkvctl(&["put", "opt", "1=1,2"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("its dim 2 and 4 columns of its optimizer's state"), "{err}");
+    d.run(&["put", "opt", "1=1,2,0,0,0,0"]);
+    // fill gives no scores: a custom-policy table is refused before sending.
+    d.run(&["create-table", "cu", "--dim", "2", "--capacity", "4096", "--policy", "custom"]);
+    let out = d.hkvctl(&["fill", "cu", "--count", "2"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("use put --scores"), "{err}");
 }
 
 /// A reader that closes the pipe early (`hkvctl get ... | head -1`) ends

@@ -17,24 +17,38 @@ pub fn parse_entry(s: &str) -> Result<(u64, Vec<f32>)> {
     Ok((key, vals))
 }
 
-/// The width of table `table`'s rows on the wire (its dim, plus an
-/// optimizer's state columns).
-pub fn table_dim(c: &mut Client, table: &str) -> Result<usize> {
-    let t =
-        c.tables()?.into_iter().find(|t| t.spec.name == table).with_context(|| format!("no table named {table:?}"))?;
-    Ok(t.row_dim())
+/// Table `table` as the daemon lists it.
+pub fn table_info(c: &mut Client, table: &str) -> Result<proto::TableInfo> {
+    c.tables()?.into_iter().find(|t| t.spec.name == table).with_context(|| format!("no table named {table:?}"))
+}
+
+/// Refuses an entry of `got` values for table `t`'s rows, saying what a
+/// row holds (an optimizer's state columns after the dim's values).
+pub fn check_width(entry: &str, got: usize, t: &proto::TableInfo) -> Result<()> {
+    let w = t.row_dim();
+    if got == w {
+        return Ok(());
+    }
+    let name = &t.spec.name;
+    if w == t.spec.dim {
+        bail!("{entry:?} has {got} values; table {name} has dim {w}");
+    }
+    bail!(
+        "{entry:?} has {got} values; a row of table {name} has {w}: its dim {} and {} columns of its optimizer's \
+         state (give them as 0 for a new row)",
+        t.spec.dim,
+        w - t.spec.dim
+    );
 }
 
 /// `hkvctl put TABLE KEY=V1,V2,...`.
 pub fn put(c: &mut Client, table: &str, entries: &[String], scores: Option<Vec<u64>>) -> Result<()> {
-    let dim = table_dim(c, table)?;
+    let info = table_info(c, table)?;
     let mut keys = vec![];
     let mut values = vec![];
     for e in entries {
         let (k, v) = parse_entry(e)?;
-        if v.len() != dim {
-            bail!("{e:?} has {} values; table {table} has dim {dim}", v.len());
-        }
+        check_width(e, v.len(), &info)?;
         keys.push(k);
         values.extend(v);
     }
@@ -51,7 +65,11 @@ pub fn get(c: &mut Client, table: &str, keys: &[u64]) -> Result<()> {
 
 /// `hkvctl fill`: keys `start..start + count`, values derived from the key.
 pub fn fill(c: &mut Client, table: &str, count: u64, start: u64, batch: u64) -> Result<()> {
-    let dim = table_dim(c, table)?;
+    let info = table_info(c, table)?;
+    if info.spec.policy == proto::Policy::Custom {
+        bail!("table {table} has policy custom: each key needs a score, which fill does not give (use put --scores)");
+    }
+    let dim = info.row_dim();
     let t = Instant::now();
     let mut s = proto::Summary::default();
     let mut k = start;

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use hkv_client::{proto, Client};
 
-use crate::entries::table_dim;
+use crate::entries::table_info;
 use crate::render::fmt_values;
 
 /// How features become keys; without --kind and --num-buckets the table's setting applies.
@@ -192,7 +192,8 @@ pub fn find_or_insert_features(
     scores: Option<Vec<u64>>,
 ) -> Result<()> {
     let entries = input.items(entries)?;
-    let dim = table_dim(c, table)?;
+    let info = table_info(c, table)?;
+    let dim = info.row_dim();
     let mut names = vec![];
     let mut values = vec![];
     for e in &entries {
@@ -201,9 +202,7 @@ pub fn find_or_insert_features(
             .split(',')
             .map(|x| x.trim().parse::<f32>().with_context(|| format!("{x:?} is not a number")))
             .collect::<Result<Vec<_>>>()?;
-        if v.len() != dim {
-            bail!("{e:?} has {} values; table {table} has dim {dim}", v.len());
-        }
+        crate::entries::check_width(e, v.len(), &info)?;
         names.push(f.to_string());
         values.extend(v);
     }
