@@ -195,6 +195,7 @@ pub fn run(mut config: Config) -> anyhow::Result<()> {
         if let config::Restore::Checkpoint(which) = config.restore {
             restore_at_start(&state, which).await?;
         }
+        open_configured_tiers(&state).await?;
         state.checkpoints.retain().await;
         state.checkpoints.schedule(state.router.clone(), state.shutdown.subscribe());
         if let Some(addr) = &config.metrics_listen {
@@ -300,6 +301,28 @@ fn listen(config: &Config, socket_gid: Option<u32>) -> anyhow::Result<(tokio::ne
             (server::bind(&path, socket_gid)?, SocketFile(Some(path)))
         }
     })
+}
+
+/// Opens the cluster of each table the config file declares with one
+/// (`[[table]] backing`), as `create_table` does, unless a restore opened
+/// it already. One that cannot be opened stops the start, naming the
+/// table: serving it would acknowledge writes that never reach its
+/// cluster.
+async fn open_configured_tiers(state: &State) -> anyhow::Result<()> {
+    for t in state.router.tables() {
+        let declared = state.config.tables.iter().any(|s| s.name == t.spec.name && s.backing.is_some());
+        if declared && t.spec.backing.is_some() && state.backing.get(&t.spec.name).is_none() {
+            state.backing.open(&t.spec).await.map_err(|e| {
+                anyhow::anyhow!(
+                    "table {:?} of the config file: its cluster cannot be opened ({}); hkvd did not start, so \
+                     that the table does not acknowledge writes its cluster never gets",
+                    t.spec.name,
+                    e.message
+                )
+            })?;
+        }
+    }
+    Ok(())
 }
 
 /// Restores `--restore` before serving; refuses to start rather than

@@ -23,7 +23,7 @@ struct Cli {
 enum Cmd {
     /// Start the daemon (CUDA shards when a GPU exists, else CPU shards).
     Serve(Box<Serve>),
-    /// The operator console: tables, shards, lock groups, checkpoints, live.
+    /// The operator console: a live view of tables, shards, lock groups and checkpoints.
     Top(Top),
     /// Internal: the process a serving daemon starts to open CUDA IPC
     /// handles before it opens them itself (lines on stdin, answers on stdout).
@@ -71,6 +71,7 @@ Environment:
   HKV_LOOKUP_GROUP   CUDA: threads per key of every lookup kernel (1|2|4|8|16|32; default: chosen per batch)
   HKV_WRITE_GROUP    CUDA: threads per key of every writer kernel (1|2|4|8|16|32)
   HKV_KEY_ORDER      CUDA: large host-tier batches in `index` or `region` order (default region)
+  HKV_FIND_OR_INSERT CUDA: `locked` runs a find_or_insert of more than 4096 keys in one locked launch (default probe)
   HKVD_HUGE_PAGES    0: do not re-execute with glibc.malloc.hugetlb=1 for huge pages
   GLIBC_TUNABLES     kept; glibc.malloc.hugetlb=1 is added to it (see HKVD_HUGE_PAGES)
   RUST_LOG           the log filter when --log is not given";

@@ -1181,3 +1181,53 @@ fn a_prefetch_counts_only_the_caches_misses_late() {
     let s = backing_stats(&mut cb, "pl");
     assert_eq!((s.late, s.unavailable), (stuck.len() as u64, 0), "{s:?}");
 }
+
+/// A table the config file declares with a cluster (`[[table]] backing`)
+/// is backed from the start: a row written to it reaches the cluster,
+/// where another daemon reads it through. One whose cluster cannot be
+/// opened stops the start, naming the table (it used to start unbacked:
+/// write-through writes acknowledged, none reaching the cluster).
+#[test]
+fn a_table_of_the_config_file_is_backed_from_the_start() {
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let dir = tempfile::tempdir().unwrap();
+    let config = |seeds: &[String]| {
+        let list = seeds.iter().map(|s| format!("{s:?}")).collect::<Vec<_>>().join(", ");
+        let path = dir.path().join("hkvd.toml");
+        std::fs::write(
+            &path,
+            format!(
+                "[[table]]\nname = \"declared\"\ndim = 4\ncapacity = 4096\n\
+                 backing = {{ seeds = [{list}], mode = \"write-through\" }}\n"
+            ),
+        )
+        .unwrap();
+        path.to_str().unwrap().to_string()
+    };
+    let path = config(&cluster.seeds());
+    let a = Daemon::start(&["--config", &path]);
+    let mut ca = a.client();
+    ca.insert_or_assign("declared", &[7], &[1.0, 2.0, 3.0, 4.0], None).unwrap();
+    let b = Daemon::start(&[]);
+    let mut cb = b.client();
+    cb.create_table(backed("declared", &cluster.seed_arg(), BackingMode::ReadOnly)).unwrap();
+    let f = cb.find("declared", &[7]).unwrap();
+    assert_eq!((f.found, f.values), (vec![true], vec![1.0, 2.0, 3.0, 4.0]), "the row reached the cluster");
+
+    let path = config(&[format!("127.0.0.1:{}", dead_port().unwrap())]);
+    let root = tempfile::tempdir().unwrap();
+    let mut child =
+        common::command(root.path(), &["--config", &path]).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let start = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > std::time::Duration::from_secs(30) {
+            let _ = child.kill();
+            panic!("hkvd started with a table whose cluster cannot be opened");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("table \"declared\" of the config file: its cluster cannot be opened"), "{err}");
+}
