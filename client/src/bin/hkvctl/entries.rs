@@ -10,11 +10,20 @@ use crate::render::print_found;
 pub fn parse_entry(s: &str) -> Result<(u64, Vec<f32>)> {
     let (k, v) = s.split_once('=').with_context(|| format!("{s:?}: expected KEY=V1,V2,..."))?;
     let key = k.trim().parse().with_context(|| format!("{k:?} is not a u64 key"))?;
-    let vals = v
-        .split(',')
-        .map(|x| x.trim().parse::<f32>().with_context(|| format!("{x:?} is not a number")))
-        .collect::<Result<Vec<_>>>()?;
+    let vals = v.split(',').map(parse_value).collect::<Result<Vec<_>>>()?;
     Ok((key, vals))
+}
+
+/// One float32 value of an entry: a number, `nan`, `inf` or `-inf`; a
+/// finite number beyond float32's range is refused (it would be stored as
+/// an infinity).
+pub fn parse_value(x: &str) -> Result<f32> {
+    let x = x.trim();
+    let v = x.parse::<f32>().with_context(|| format!("{x:?} is not a number"))?;
+    if v.is_infinite() && !x.trim_start_matches(['+', '-']).to_ascii_lowercase().starts_with("inf") {
+        bail!("{x:?} does not fit a float32 (at most about 3.4e38 in magnitude; write inf for an infinity)");
+    }
+    Ok(v)
 }
 
 /// Table `table` as the daemon lists it.
@@ -90,4 +99,22 @@ pub fn erase(c: &mut Client, table: &str, keys: &[u64]) -> Result<()> {
     let n = c.erase(table, keys)?;
     println!("erased {n} of {} keys", keys.len());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_beyond_float32_are_refused_and_infinities_taken() {
+        assert_eq!(
+            parse_entry("7=1.5,-2,inf,-Infinity").unwrap(),
+            (7, vec![1.5, -2.0, f32::INFINITY, f32::NEG_INFINITY])
+        );
+        assert!(parse_entry("7=nan").unwrap().1[0].is_nan());
+        let e = parse_entry("7=1e40").unwrap_err().to_string();
+        assert!(e.contains("does not fit a float32"), "{e}");
+        assert!(parse_entry("7=-1e39").is_err());
+        assert!(parse_entry("7=x").unwrap_err().to_string().contains("is not a number"));
+    }
 }

@@ -161,8 +161,12 @@ pub fn hash(
     hash: &HashArgs,
     table: Option<String>,
 ) -> Result<()> {
+    let spec = hash.spec()?;
+    if table.is_none() && spec == proto::HashSpec::Table {
+        bail!("which hash? give --num-buckets N (with --kind and --key as needed), or --table T for a table's own");
+    }
     let features = input.items(features)?;
-    let keys = c.hash(table.as_deref().unwrap_or(""), hash.spec()?, hash.features(&features)?)?;
+    let keys = c.hash(table.as_deref().unwrap_or(""), spec, hash.features(&features)?)?;
     for (f, k) in features.iter().zip(keys) {
         input.line(f, Answer::Key(k));
     }
@@ -198,10 +202,7 @@ pub fn find_or_insert_features(
     let mut values = vec![];
     for e in &entries {
         let (f, v) = e.rsplit_once('=').with_context(|| format!("{e:?}: expected FEATURE=V1,V2,..."))?;
-        let v = v
-            .split(',')
-            .map(|x| x.trim().parse::<f32>().with_context(|| format!("{x:?} is not a number")))
-            .collect::<Result<Vec<_>>>()?;
+        let v = v.split(',').map(crate::entries::parse_value).collect::<Result<Vec<_>>>()?;
         crate::entries::check_width(e, v.len(), &info)?;
         names.push(f.to_string());
         values.extend(v);
