@@ -123,6 +123,10 @@ def hyper_bytes(lr: float, eps: float, beta1: float, beta2: float, weight_decay:
 _WRITE_OPS = (OP_INSERT_OR_ASSIGN, OP_INSERT_AND_EVICT, OP_FIND_OR_INSERT, OP_ASSIGN, OP_ACCUM_OR_ASSIGN, OP_LOAD)
 
 
+class _SizeMismatch(Exception):
+    """An answer's array of another size than its request implies."""
+
+
 class HkvdError(Exception):
     """The daemon refused a request; ``code`` and ``message`` are its own."""
 
@@ -328,6 +332,7 @@ class Client:
         self._done: Dict[int, object] = {}
         self._dims: Dict[str, int] = {}
         self._hdr = bytearray(HEADER.size)
+        self._body_read = 0  # bytes of the current answer's body read so far
         self._lock = threading.Lock()
         self._regions: Dict[int, int] = {}  # memfd regions: mapping address -> region id
         self._cuda_regions: Dict[int, object] = {}  # device regions by allocation buffer id
@@ -385,6 +390,7 @@ class Client:
             if k == 0:
                 raise ConnectionError("hkvd closed the connection")
             got += k
+        self._body_read += n
 
     def _read(self, n: int) -> bytes:
         b = bytearray(n)
@@ -398,7 +404,7 @@ class Client:
         """The next array; into ``out`` (of ``expect`` elements) when given."""
         n = self._u32()
         if expect is not None and n != expect:
-            raise ProtocolError(f"array of {n} elements where {expect} were expected")
+            raise _SizeMismatch(f"array of {n} elements where {expect} were expected")
         a = out.reshape(-1) if out is not None else np.empty(n, dtype=dtype)
         if n:
             self._recv_exact(memoryview(a).cast("B"))
@@ -408,11 +414,28 @@ class Client:
         return Summary(*struct.unpack("<5Q", self._read(40)))
 
     def _recv_one(self) -> Tuple[int, object]:
-        """Reads one answer, parsing it by the op of the request it answers."""
+        """Reads one answer, parsing it by the op of the request it answers.
+        An answer whose arrays do not have the sizes the request implies
+        (the table was dropped and made again with another dim since this
+        client learned it) is read to its end, so the connection stays in
+        step, and answered as ``WrongDim``; the dims learned are forgotten."""
         self._recv_exact(memoryview(self._hdr))
         magic, version, op, flags, rid, length = HEADER.unpack(self._hdr)
         if magic != MAGIC or version != VERSION:
             raise ProtocolError(f"bad frame header {bytes(self._hdr)!r}")
+        self._body_read = 0
+        try:
+            return self._parse_answer(op, flags, rid, length)
+        except _SizeMismatch as e:
+            if self._body_read > length:
+                raise ProtocolError(f"an answer longer than its frame ({e})") from None
+            self._read(length - self._body_read)
+            self._dims.clear()
+            self.__dict__.pop("_specs", None)
+            return rid, WrongDim("wrong_dim", f"the answer does not fit the table as this client knew it ({e}): "
+                                             "was it made again with another dim? Its dims are read again next time")
+
+    def _parse_answer(self, op: int, flags: int, rid: int, length: int) -> Tuple[int, object]:
         p = self._pending.pop(rid, None)
         if op == OP_ERROR:
             err = json.loads(self._read(length))

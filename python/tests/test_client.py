@@ -240,3 +240,22 @@ def test_keys_that_are_not_integers_are_refused(daemon):
     # A list of numpy uint64 and Python ints (which numpy makes float64) is taken as integers.
     assert c.find("ints", [np.uint64(7), 5])[1].tolist() == [True, False]
     c.close()
+
+
+def test_a_table_made_again_with_another_dim_leaves_the_client_usable(daemon):
+    """A client that learned a table's dim, then finds in it after another
+    client made it again with another dim, gets WrongDim (not a broken
+    connection), and its next requests work with the new dim."""
+    c, c2 = daemon.client(), daemon.client()
+    c.create_table("redim", dim=4, capacity=1024)
+    c.find("redim", np.array([1], np.uint64))
+    c2.drop_table("redim")
+    c2.create_table("redim", dim=8, capacity=1024)
+    c2.insert_or_assign("redim", np.array([1], np.uint64), np.ones((1, 8), np.float32))
+    with pytest.raises(hkvd.WrongDim, match="made again with another dim"):
+        c.find("redim", np.array([1], np.uint64))
+    c.ping()
+    v, found = c.find("redim", np.array([1], np.uint64))
+    assert found.tolist() == [True] and v.shape == (1, 8)
+    c.close()
+    c2.close()
