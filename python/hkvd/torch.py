@@ -333,7 +333,14 @@ class EmbeddingCache:
             return
         self._inflight = None
         p, m, out, found = f
-        body = region.finish(self.client, p)
+        try:
+            body = region.finish(self.client, p)
+        except BaseException:
+            # The step wrote nothing: its found flags say so (zeros), so
+            # that no prefetched row is patched from its buffers.
+            if found is None:
+                self._found_flags(m).zero_()
+            raise
         if self.transport == "cuda-ipc" and p.post is None and self._done is not None:
             self._done.wait(torch.cuda.current_stream(self.device).cuda_stream)
         self.missing += region.count(body) or 0
@@ -353,9 +360,12 @@ class EmbeddingCache:
         g = grads.detach().reshape(n, self.dim).to(device=self.device, dtype=torch.float32)
         self._step_chunk(uniq, g, hyper, None, None, wait=False, views=True)
         if self.transport == "cuda-ipc":
-            return self._found[:n], self._values.reshape(-1)[:n * self.dim].view(n, self.dim)
-        return (torch.from_numpy(self._found_np[:n]),
-                torch.from_numpy(self._values_np.reshape(-1)[:n * self.dim].reshape(n, self.dim)))
+            return self._found_flags(n), self._values.reshape(-1)[:n * self.dim].view(n, self.dim)
+        return self._found_flags(n), torch.from_numpy(self._values_np.reshape(-1)[:n * self.dim].reshape(n, self.dim))
+
+    def _found_flags(self, m: int) -> torch.Tensor:
+        """The first ``m`` found flags of this cache's buffer (uint8)."""
+        return self._found[:m] if self.transport == "cuda-ipc" else torch.from_numpy(self._found_np[:m])
 
     def _copy_out(self, m: int, out: torch.Tensor, found: torch.Tensor) -> None:
         if self.transport == "cuda-ipc":
@@ -427,7 +437,8 @@ class EmbeddingCache:
         hyper = dict(lr=float(lr), eps=float(eps), beta1=float(beta1), beta2=float(beta2),
                      weight_decay=float(weight_decay), step=int(step))
         out = torch.empty((n, self.dim), dtype=torch.float32, device=self.device) if values else None
-        found = torch.empty(n, dtype=torch.bool, device=self.device) if values else None
+        # Zeros until the answer is read: a step that fails found no row.
+        found = torch.zeros(n, dtype=torch.bool, device=self.device) if values else None
         missing = 0
         for s in range(0, n, self.max_batch):
             e = min(s + self.max_batch, n)

@@ -5,6 +5,8 @@ same rows; apply_gradients sums repeated ids; batches are split."""
 import numpy as np
 import pytest
 
+import hkvd
+
 torch = pytest.importorskip("torch")
 
 from hkvd.torch import EmbeddingCache  # noqa: E402
@@ -524,4 +526,34 @@ def test_float_ids_are_refused(daemon):
     with pytest.raises(TypeError, match="integer"):
         EmbeddingCache(c, "fl", verbose=False).lookup(np.array([1.5]))
     assert emb(torch.tensor([1, 2])).shape == (2, 2)
+    c.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "socket"])
+def test_a_failed_step_patches_no_prefetched_row(daemon, transport):
+    """A step the daemon refuses (here a negative learning rate) wrote
+    nothing: the prefetch pending meanwhile keeps the rows it read, so the
+    forward after it sees the stored rows, not what the step's buffers
+    held from an earlier step."""
+    from hkvd.torch import Embedding
+
+    c = daemon.client()
+    c.create_table("failed", dim=4, capacity=1 << 12, optimizer="adam")
+    m = Embedding(c, "failed", lr=0.1, init=lambda i: (i % 7).float()[:, None].expand(-1, 4) / 7,
+                  transport=transport, verbose=False)
+    a1, a2, a3 = torch.tensor([10, 11, 12]), torch.tensor([20, 21, 22]), torch.tensor([20, 21, 22, 30])
+    m.prefetch(a1)
+    m.prefetch(a2)
+    m(a1).sum().backward()
+    m.prefetch(a3)
+    out = m(a2)
+    m.lr = -1.0
+    with pytest.raises(hkvd.BadRequest, match="lr"):
+        out.sum().backward()
+        m.flush()
+    m.lr = 0.1
+    rows = m(a3).detach()
+    stored, found = c.find("failed", a3.numpy().astype(np.uint64))
+    assert found.all()
+    assert torch.equal(rows, torch.from_numpy(stored[:, :4])), "the forward's rows are the stored rows"
     c.close()
