@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import time
+import weakref
 from typing import Callable, Iterable, List, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -24,6 +25,10 @@ from .shm import shm_array
 
 TRANSPORTS = ("cuda-ipc", "shm", "socket")
 _NAMES = {"cuda-ipc": "CUDA IPC", "shm": "shared memory", "socket": "the socket"}
+
+
+# The modules of each (socket, table), for steps that patch every module's prefetches.
+_SHARING: dict = {}
 
 
 def _integer_ids(t: torch.Tensor) -> torch.Tensor:
@@ -556,6 +561,16 @@ class _Sparse(torch.nn.Module):
         # the values a later step's apply_gradients returned.
         self.prefetch_hits = 0
         self._patched: list = []  # the count of each patch (0-d tensors or ints), summed when asked
+        # The modules of this table (this one among them): a step of any
+        # patches the prefetches pending in all.
+        self._sharing = _SHARING.setdefault((client.path, table), weakref.WeakSet())
+        self._sharing.add(self)
+
+    def _settle_sharing(self) -> None:
+        """Reads the answers of the steps in flight of every module of this
+        table (each module's last step), so that what follows sees them."""
+        for m in list(self._sharing):
+            m.cache.settle()
 
     # ---- lookups ------------------------------------------------------
     def _flat(self, ids) -> torch.Tensor:
@@ -589,9 +604,9 @@ class _Sparse(torch.nn.Module):
         uniq, inv = torch.unique(flat, return_inverse=True)
         if uniq.numel() > self.cache.max_batch or uniq.numel() == 0:
             return
-        # The last step's answer first: its done event then orders this
-        # lookup after its writes on the GPU.
-        self.cache.settle()
+        # The last steps' answers first (this table's, by any module): their
+        # done events then order this lookup after their writes on the GPU.
+        self._settle_sharing()
         while len(self._pending) >= 2:
             self._drop(self._pending.pop(0))
         cache = self._spare.pop() if self._spare else EmbeddingCache(self.client, self.table, **self._kw)
@@ -621,14 +636,17 @@ class _Sparse(torch.nn.Module):
         """(uniq, inv, rows) of flat ids: a matching prefetch's rows
         (patched), else a lookup now."""
         t0 = time.perf_counter()
-        self.cache.settle()  # the last step's updated values, for the patch
+        self._settle_sharing()  # the last steps' updated values, for the patch
         hit = None
-        while self._pending:
-            p = self._pending.pop(0)
-            if p.matches(flat):
-                hit = p
-                break
-            self._drop(p)
+        # The first pending prefetch of these ids; those sent before it are
+        # dropped. None matching: all stay (they are for later forwards:
+        # a batch too large to prefetch comes between).
+        at = next((i for i, p in enumerate(self._pending) if p.matches(flat)), None)
+        if at is not None:
+            for p in self._pending[:at]:
+                self._drop(p)
+            hit = self._pending[at]
+            del self._pending[:at + 1]
         if hit is None:
             uniq, inv = torch.unique(flat, return_inverse=True)
             rows = self.cache.lookup_unique(uniq, self._init_rows(uniq))
@@ -659,21 +677,26 @@ class _Sparse(torch.nn.Module):
     def _apply_step(self, uniq: torch.Tensor, grads: torch.Tensor) -> None:
         t0 = time.perf_counter()
         self.step += 1
-        want = bool(self._pending)  # updated rows are needed to patch prefetched ones
+        # Updated rows are needed to patch the prefetches pending, this
+        # module's and those of other modules of the table.
+        pending = [p for m in list(self._sharing) for p in m._pending]
+        want = bool(pending)
         hyper = dict(lr=self.lr, eps=self.eps, beta1=self.betas[0], beta2=self.betas[1],
                      weight_decay=self.weight_decay, step=self.step)
-        # Patches that still read the main cache's buffers keep a copy: its
-        # next request (this step) writes them.
-        for p in self._pending:
-            p.patches = [(u, f.clone(), v.clone(), False) if view else (u, f, v, view) for u, f, v, view in p.patches]
-        if want and self.cache.transport != "socket" and uniq.numel() <= self.cache.max_batch:
-            found, values = self.cache.step_views(uniq, grads, **hyper)
-            for p in self._pending:
-                p.patches.append((uniq, found, values, True))
+        # Patches that still read this module's cache buffers keep a copy:
+        # its next request (this step) writes them.
+        c = self.cache
+        for p in pending:
+            p.patches = [(u, f.clone(), v.clone(), None) if owner is c else (u, f, v, owner)
+                         for u, f, v, owner in p.patches]
+        if want and c.transport != "socket" and uniq.numel() <= c.max_batch:
+            found, values = c.step_views(uniq, grads, **hyper)
+            for p in pending:
+                p.patches.append((uniq, found, values, c))
         elif want:
-            missing, found, values = self.cache.optimizer_step(uniq, grads, values=True, wait=False, **hyper)
-            for p in self._pending:
-                p.patches.append((uniq, found, values, False))
+            missing, found, values = c.optimizer_step(uniq, grads, values=True, wait=False, **hyper)
+            for p in pending:
+                p.patches.append((uniq, found, values, None))
             self._missing += missing
         else:
             self._missing += self.cache.optimizer_step(uniq, grads, wait=False, **hyper)

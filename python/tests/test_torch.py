@@ -557,3 +557,55 @@ def test_a_failed_step_patches_no_prefetched_row(daemon, transport):
     assert found.all()
     assert torch.equal(rows, torch.from_numpy(stored[:, :4])), "the forward's rows are the stored rows"
     c.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "socket"])
+def test_modules_sharing_a_table_train_prefetched_bit_identical(daemon, transport):
+    """Two modules over one table (an Embedding for two fields, an
+    EmbeddingBag for a third, the same ids in all), one of them a step
+    behind the other: prefetched through Prefetcher, every loss and every
+    stored row equal an unprefetched run's bit for bit (a step of either
+    module patches the prefetches pending in both); and a batch too large to
+    prefetch leaves the next batch's prefetch in place."""
+    from hkvd.torch import Embedding, EmbeddingBag, Prefetcher
+
+    dim, vocab = 4, 40
+    c = daemon.client()
+    runs = {}
+    for name, ahead in (("share_plain", False), ("share_ahead", True)):
+        c.create_table(name, dim=dim, capacity=1 << 12, optimizer="adam")
+        init = lambda i: (i % 11).float()[:, None].expand(-1, dim) / 11  # noqa: E731
+        a = Embedding(c, name, lr=0.05, init=init, transport=transport, verbose=False, max_batch=16)
+        b = EmbeddingBag(c, name, mode="sum", lr=0.05, init=init, transport=transport, verbose=False, max_batch=16)
+        torch.manual_seed(3)
+        mlp = torch.nn.Sequential(torch.nn.Linear(3 * dim, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        dense = torch.optim.SGD(mlp.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(5)
+        data = []
+        for step in range(30):
+            n = 40 if step % 7 == 3 else 4  # now and then a batch of more distinct ids than max_batch
+            ids = (vocab * torch.rand((n, 4), generator=g) ** 2).long()
+            data.append((ids, (ids[:, 0] % 2).float()))
+        it = Prefetcher(data, [(a, lambda d: d[0][:, :2]), (b, lambda d: d[0][:, 2:])]) if ahead else data
+        losses = []
+        for ids, y in it:
+            x = torch.cat([a(ids[:, :2]).flatten(1), b(ids[:, 2:])], 1)
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(mlp(x).squeeze(1), y)
+            dense.zero_grad()
+            loss.backward()
+            dense.step()
+            losses.append(loss.detach())
+        runs[name] = (torch.stack(losses), a, b)
+    assert torch.equal(runs["share_plain"][0], runs["share_ahead"][0]), "losses bit for bit"
+    ka, va, _ = c.export("share_plain")
+    kb, vb, _ = c.export("share_ahead")
+    oa, ob = np.argsort(ka), np.argsort(kb)
+    assert ka.size > 0 and np.array_equal(ka[oa], kb[ob])
+    assert np.array_equal(va[oa].view(np.uint32), vb[ob].view(np.uint32)), "rows (values and state) bit for bit"
+    _, a, b = runs["share_ahead"]
+    small_a = sum(1 for ids, _ in data if ids[:, :2].unique().numel() <= 16)
+    small_b = sum(1 for ids, _ in data if ids[:, 2:].unique().numel() <= 16)
+    assert 0 < small_a < 30, "some batches too large to prefetch"
+    assert (a.prefetch_hits, b.prefetch_hits) == (small_a, small_b), "every batch prefetched was used"
+    assert a.patched_rows > 0 and b.patched_rows > 0
+    c.close()
