@@ -477,8 +477,13 @@ class _Prefetched:
     def __init__(self, ids, uniq, inv, cache, token):
         # The caller's ids (not copied) with the mark of their memory and
         # version: what they held is known while the version is unchanged.
+        # A tensor without a version counter (made in inference mode) is
+        # copied: the copy is what it held.
         self.mark = _mark(ids)
-        self.ids, self.version = ids, ids._version
+        try:
+            self.ids, self.version = ids, ids._version
+        except RuntimeError:
+            self.ids, self.version = ids.clone(), None
         self.uniq, self.inv, self.cache, self.token = uniq, inv, cache, token
         self.patches: List[tuple] = []
 
@@ -489,7 +494,7 @@ class _Prefetched:
         place, what it held is not known: no match, the forward looks up)."""
         if self.mark is not None and _mark(flat) == self.mark:
             return True
-        if self.ids._version != self.version:
+        if self.version is not None and self.ids._version != self.version:
             return False
         return self.ids.shape == flat.shape and bool(torch.equal(self.ids, flat))
 
@@ -609,11 +614,16 @@ class _Sparse(torch.nn.Module):
         self._settle_sharing()
         while len(self._pending) >= 2:
             self._drop(self._pending.pop(0))
-        cache = self._spare.pop() if self._spare else EmbeddingCache(self.client, self.table, **self._kw)
+        p = _Prefetched(flat, uniq, inv, None, None)
+        p.cache = self._spare.pop() if self._spare else EmbeddingCache(self.client, self.table, **self._kw)
         t0 = time.perf_counter()
-        token = cache._send(region.OP_FIND_OR_INSERT, uniq, self._init_rows(uniq), done_event=False)
+        try:
+            p.token = p.cache._send(region.OP_FIND_OR_INSERT, uniq, self._init_rows(uniq), done_event=False)
+        except BaseException:
+            self._spare.append(p.cache)
+            raise
         self.timings["lookup"] += time.perf_counter() - t0
-        self._pending.append(_Prefetched(flat, uniq, inv, cache, token))
+        self._pending.append(p)
 
     @property
     def missing(self) -> int:

@@ -369,6 +369,11 @@ def test_a_prefetch_for_other_ids_is_dropped(daemon):
     assert emb.prefetch_hits == 1
     out.sum().backward()
     assert c.find("d", [5])[0][0].tolist() == [-1.0, -1.0]
+    with torch.inference_mode():  # ids without a version counter: kept as a copy
+        frozen = torch.tensor([8, 9])
+    emb.prefetch(frozen)
+    with torch.inference_mode():
+        assert emb(frozen).shape == (2, 2) and emb.prefetch_hits == 2
     c.close()
 
 
