@@ -594,17 +594,21 @@ class _Sparse(torch.nn.Module):
     def prefetch(self, ids) -> None:
         """Sends the lookup of ``ids`` (the next step's) now, without
         waiting: the daemon runs it while this step computes, and the
-        forward called with equal ids uses its rows. Rows that this step's
-        backward updates meanwhile are patched with the values
-        apply_gradients returns, so the rows the forward sees are those an
-        unprefetched lookup would have read (bit for bit). A prefetch that
-        no forward uses is dropped at the next forward. At most two are
-        kept; batches of more than ``max_batch`` distinct ids are looked up
-        at the forward instead. The forward's ids match when they are the
-        same tensor memory, unchanged since (torch's version counter: no
-        device sync), or else equal element by element; a change made
-        behind torch's back (through a numpy array sharing the memory) is
-        not noticed: give the forward a new tensor then."""
+        forward called with equal ids uses its rows. Rows that a step
+        updates meanwhile (this module's, or another module's of the same
+        table) are patched with the values apply_gradients returns, so the
+        rows the forward sees are those an unprefetched lookup would have
+        read (bit for bit). A forward uses the first pending prefetch of
+        its ids and drops those sent before it; one whose ids none holds
+        leaves them pending. At most two are kept (a third drops the
+        oldest); batches of more than ``max_batch`` distinct ids are looked
+        up at the forward instead. A prefetch inserts the ids the table
+        lacks (find_or_insert) when it is sent, used or not. The forward's
+        ids match when they are the same tensor memory, unchanged since
+        (torch's version counter: no device sync), or else equal element
+        by element; a change made behind torch's back (through a numpy
+        array sharing the memory, or ``.data``) is not noticed: give the
+        forward a new tensor then."""
         flat = self._flat(ids)
         uniq, inv = torch.unique(flat, return_inverse=True)
         if uniq.numel() > self.cache.max_batch or uniq.numel() == 0:
