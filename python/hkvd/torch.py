@@ -340,11 +340,15 @@ class EmbeddingCache:
         p, m, out, found = f
         try:
             body = region.finish(self.client, p)
-        except BaseException:
+        except BaseException as e:
             # The step wrote nothing: its found flags say so (zeros), so
             # that no prefetched row is patched from its buffers.
             if found is None:
                 self._found_flags(m).zero_()
+            if isinstance(e, HkvdError):
+                # Raised by whatever request came next: say whose it is.
+                raise type(e)(e.code, f"the optimizer step of table {self.table!r} that the last backward sent "
+                                      f"(read before this request, which was not sent): {e.message}") from e
             raise
         if self.transport == "cuda-ipc" and p.post is None and self._done is not None:
             self._done.wait(torch.cuda.current_stream(self.device).cuda_stream)
