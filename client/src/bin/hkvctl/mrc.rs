@@ -51,7 +51,10 @@ pub fn trace(c: &mut Client, table: &str, seconds: u32, out: &std::path::Path, t
             return Err(e.into());
         }
     };
-    file.set_len(0).with_context(|| format!("cannot write {}", out.display()))?;
+    if file.metadata().is_ok_and(|m| m.is_file()) {
+        // (Not a pipe or a device such as /dev/stdout, which take no length.)
+        file.set_len(0).with_context(|| format!("cannot write {}", out.display()))?;
+    }
     let bytes: Vec<u8> = if text {
         keys.iter().map(|k| format!("{k}\n")).collect::<String>().into_bytes()
     } else {
