@@ -697,7 +697,8 @@ class _Sparse(torch.nn.Module):
         self.step += 1
         # Updated rows are needed to patch the prefetches pending, this
         # module's and those of other modules of the table.
-        pending = [p for m in list(self._sharing) for p in m._pending]
+        # (Modules on another device are left out: their rows live there.)
+        pending = [p for m in list(self._sharing) if m.device == self.device for p in m._pending]
         want = bool(pending)
         hyper = dict(lr=self.lr, eps=self.eps, beta1=self.betas[0], beta2=self.betas[1],
                      weight_decay=self.weight_decay, step=self.step)
