@@ -37,7 +37,16 @@ pub const DRAIN: Duration = Duration::from_secs(10);
 pub struct Tiers {
     rt: OnceLock<tokio::runtime::Runtime>,
     tables: RwLock<HashMap<String, Arc<Entry>>>,
+    /// Restored tables whose cluster could not be opened yet: their spec,
+    /// the last attempt and why it failed. Their requests are refused
+    /// (`backing_unavailable`) and the open is tried again by a request at
+    /// most every [`REOPEN_EVERY`].
+    waiting: parking_lot::Mutex<HashMap<String, (TableSpec, std::time::Instant, String)>>,
 }
+
+/// How often a request of a restored table whose cluster is not open yet
+/// tries to open it again.
+const REOPEN_EVERY: Duration = Duration::from_secs(5);
 
 /// One backed table: its tier, the keys its cache answered itself, and
 /// the keys other hosts wrote since its last request.
@@ -217,6 +226,7 @@ impl Tiers {
     /// HOOK(backing) of drop-table (and of a create that failed after
     /// `open`): drains the table's queue, then forgets the tier.
     pub async fn close(&self, name: &str) -> Result<(), ProtoError> {
+        self.waiting.lock().remove(name);
         let Some(e) = self.tables.write().remove(name) else { return Ok(()) };
         let b = e.backing.clone();
         self.on_rt(async move { b.flush(DRAIN).await }).await?.map_err(wire)
@@ -225,6 +235,49 @@ impl Tiers {
     /// The tier of `name`, if it is backed.
     pub fn get(&self, name: &str) -> Option<Backing> {
         self.tables.read().get(name).map(|e| e.backing.clone())
+    }
+
+    /// The tier of `name` for a request: as [`Tiers::get`], but a restored
+    /// table whose cluster could not be opened refuses the request
+    /// (`backing_unavailable`), trying the open again first when the last
+    /// try is [`REOPEN_EVERY`] old: serving it as a plain cache would
+    /// acknowledge writes its cluster never gets.
+    pub async fn backed(&self, name: &str) -> Result<Option<Backing>, ProtoError> {
+        if let Some(b) = self.get(name) {
+            return Ok(Some(b));
+        }
+        let due = match self.waiting.lock().get_mut(name) {
+            None => return Ok(None),
+            Some((spec, last, _)) if last.elapsed() >= REOPEN_EVERY => {
+                *last = std::time::Instant::now();
+                Some(spec.clone())
+            }
+            Some(_) => None,
+        };
+        if let Some(spec) = due {
+            match self.open(&spec).await {
+                Ok(()) => {
+                    self.waiting.lock().remove(name);
+                    tracing::info!(table = name, "a restored table's cluster is open now");
+                    return Ok(self.get(name));
+                }
+                Err(e) => {
+                    if let Some(w) = self.waiting.lock().get_mut(name) {
+                        w.2 = e.message;
+                    }
+                }
+            }
+        }
+        let why = self.waiting.lock().get(name).map(|w| w.2.clone()).unwrap_or_default();
+        Err(ProtoError::new(
+            ErrorCode::BackingUnavailable,
+            format!(
+                "table {name:?} was restored but its cluster could not be opened ({why}); its requests are \
+                 refused until it can be (tried again at most every {} s), so that nothing is acknowledged that \
+                 the cluster never gets",
+                REOPEN_EVERY.as_secs()
+            ),
+        ))
     }
 
     /// Keys other hosts wrote since the table's last request, and keys
@@ -510,21 +563,23 @@ impl Tiers {
 
     /// `hkvctl flush TABLE`: waits until the table's write-back queue is empty.
     pub async fn flush(&self, name: &str, timeout: Duration) -> Result<(), ProtoError> {
-        let Some(b) = self.get(name) else { return Ok(()) };
+        let Some(b) = self.backed(name).await? else { return Ok(()) };
         self.on_rt(async move { b.flush(timeout).await }).await?.map_err(wire)
     }
 
     /// After a restore: opens the tier of every table whose spec names a
     /// cluster and has none open (a restored table comes back with the
     /// backing it was checkpointed with). Returns the tables whose cluster
-    /// could not be opened, with why: they serve their cache alone until
-    /// they are made again.
+    /// could not be opened, with why: their requests are refused
+    /// ([`Tiers::backed`]) until a later try opens it.
     pub async fn sync(&self, router: &Router) -> Vec<String> {
         let mut failed = Vec::new();
         for t in router.tables() {
             if t.spec.backing.is_some() && self.get(&t.spec.name).is_none() {
                 if let Err(e) = self.open(&t.spec).await {
                     failed.push(format!("{}: {}", t.spec.name, e.message));
+                    let entry = (t.spec.clone(), std::time::Instant::now(), e.message);
+                    self.waiting.lock().insert(t.spec.name.clone(), entry);
                 }
             }
         }

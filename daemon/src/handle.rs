@@ -96,7 +96,7 @@ async fn answer(
             // cluster as a find's or a find_or_insert's do.
             let hashed = state.router.hash_request(r).await?;
             let tier = match &hashed {
-                Hashed::Find { t, .. } | Hashed::FindOrInsert { t, .. } => state.backing.get(&t.spec.name),
+                Hashed::Find { t, .. } | Hashed::FindOrInsert { t, .. } => state.backing.backed(&t.spec.name).await?,
                 Hashed::Keys(_) => None,
             };
             let (router, tiers) = (&state.router, &state.backing);
@@ -115,10 +115,16 @@ async fn answer(
         }
         // A backed table's reads fill misses from its cluster and its
         // writes reach it (`crate::backing`); the rest is the cache's.
-        table_op => match table_op.table().and_then(|name| state.backing.get(name)) {
-            Some(tier) => crate::backing::execute(&state.router, &state.backing, tier, table_op, origins).await,
-            None => state.router.execute(table_op).await,
-        },
+        table_op => {
+            let tier = match table_op.table() {
+                Some(name) => state.backing.backed(name).await?,
+                None => None,
+            };
+            match tier {
+                Some(tier) => crate::backing::execute(&state.router, &state.backing, tier, table_op, origins).await,
+                None => state.router.execute(table_op).await,
+            }
+        }
     }
 }
 

@@ -336,7 +336,7 @@ async fn restore_at_start(state: &State, which: hkv_proto::CheckpointId) -> anyh
             }
             info!(id = %r.id, tables = ?r.tables, entries = r.entries, dropped = ?r.dropped, "restored");
             for f in state.backing.sync(&state.router).await {
-                error!("a restored table's cluster could not be opened; it serves its cache alone: {f}");
+                error!("a restored table's cluster could not be opened; its requests are refused until it can be: {f}");
             }
             Ok(())
         }

@@ -1231,3 +1231,45 @@ fn a_table_of_the_config_file_is_backed_from_the_start() {
     assert!(!out.status.success(), "{err}");
     assert!(err.contains("table \"declared\" of the config file: its cluster cannot be opened"), "{err}");
 }
+
+/// A backed table restored while its cluster is down is not served as a
+/// plain cache (it acknowledged writes its cluster never got, and stayed
+/// so after the cluster came back): its requests are refused with
+/// `backing_unavailable` until a later request opens the cluster, and then
+/// its writes reach the cluster again.
+#[test]
+fn a_restored_table_whose_cluster_is_down_refuses_requests_until_it_is_back() {
+    use std::time::{Duration, Instant};
+    let mut cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let seeds = cluster.seed_arg();
+    let a = Daemon::start(&[]);
+    let mut ca = a.client();
+    ca.create_table(backed("down", &seeds, BackingMode::WriteThrough)).unwrap();
+    ca.insert_or_assign("down", &[1], &[1.0; 4], None).unwrap();
+    ca.checkpoint(true, true).unwrap();
+    drop(ca);
+    for i in 0..3 {
+        cluster.kill(i);
+    }
+    let a = a.restart(&["--restore", "latest"]);
+    let mut ca = a.client();
+    assert_eq!(ca.tables().unwrap().len(), 1, "the table is restored");
+    let e = ca.insert_or_assign("down", &[2], &[2.0; 4], None).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::BackingUnavailable), "{e}");
+    assert_eq!(ca.find("down", &[1]).unwrap_err().code(), Some(ErrorCode::BackingUnavailable));
+    for i in 0..3 {
+        cluster.restart(i).unwrap();
+    }
+    cluster.wait_healthy().unwrap();
+    let start = Instant::now();
+    while let Err(e) = ca.insert_or_assign("down", &[2], &[2.0; 4], None) {
+        assert_eq!(e.code(), Some(ErrorCode::BackingUnavailable), "{e}");
+        assert!(start.elapsed() < Duration::from_secs(30), "the cluster was not opened again: {e}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let b = Daemon::start(&[]);
+    let mut cb = b.client();
+    cb.create_table(backed("down", &seeds, BackingMode::ReadOnly)).unwrap();
+    let f = cb.find("down", &[2]).unwrap();
+    assert_eq!((f.found, f.values), (vec![true], vec![2.0; 4]), "the write reached the cluster");
+}

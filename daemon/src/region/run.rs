@@ -128,7 +128,7 @@ pub(super) async fn run(
     }
     // A backed table's requests are staged: their misses are read from
     // its cluster (`crate::backing`) before the answer is written.
-    let backed = state.backing.get(&req.table);
+    let backed = state.backing.backed(&req.table).await?;
     if device && backed.is_none() {
         if let Some(a) = super::device::run(state, conn, &t, &req, &arrs, n, &done).await? {
             return Ok(a);
