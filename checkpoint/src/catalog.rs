@@ -109,6 +109,9 @@ pub struct Catalog {
     /// written: what failed, where, and the system's error. Nothing is
     /// written then: no checkpoint begins, nothing is collected or repaired.
     paused: Option<Arc<(String, PathBuf, String)>>,
+    /// Checkpoints up to this id are never removed by retention
+    /// ([`Catalog::keep_existing`]: a daemon started without restoring).
+    kept_upto: Arc<Mutex<Option<u64>>>,
 }
 
 fn io_err(what: &str, path: &Path, e: std::io::Error) -> Error {
@@ -240,7 +243,14 @@ impl Catalog {
 
     /// A catalog over any store, with checkpoint directories under `chunks`.
     pub fn new(store: Arc<dyn Store>, chunks: PathBuf) -> Catalog {
-        Catalog { store, chunks, corrupt: Arc::default(), verified: Arc::default(), paused: None }
+        Catalog {
+            store,
+            chunks,
+            corrupt: Arc::default(),
+            verified: Arc::default(),
+            paused: None,
+            kept_upto: Arc::default(),
+        }
     }
 
     /// Records that a restore found checkpoint `id` corrupt (a chunk that
@@ -657,6 +667,14 @@ impl Catalog {
         Ok(())
     }
 
+    /// Keeps every checkpoint that exists now out of retention's reach:
+    /// [`Catalog::collect`] removes none of them, however many newer ones
+    /// are taken (a daemon started with empty tables, `--restore none`,
+    /// keeps the data it did not restore on disk).
+    pub fn keep_existing(&self) {
+        *self.kept_upto.lock().unwrap_or_else(|p| p.into_inner()) = self.dir_ids().last().copied();
+    }
+
     /// Removes leftovers of interrupted checkpoints and, by retention,
     /// complete checkpoints older than the newest `keep` *restorable* ones.
     /// A checkpoint counts as restorable only when this process verified
@@ -726,7 +744,9 @@ impl Catalog {
         // Fewer restorable checkpoints than `keep`: nothing is expired.
         let cutoff = if counted == keep.max(1) { cutoff } else { None };
         let mut removed = vec![];
-        let expired = |id: u64| cutoff.is_some_and(|c| id < c) && !retained.contains(&id);
+        let kept_upto = *self.kept_upto.lock().unwrap_or_else(|p| p.into_inner());
+        let expired =
+            |id: u64| cutoff.is_some_and(|c| id < c) && !retained.contains(&id) && kept_upto.is_none_or(|k| id > k);
         for (&id, _) in complete.iter().filter(|(id, _)| expired(**id)) {
             // Index first, then the directory's manifest: from then on the
             // rest is a leftover, whatever happens next.

@@ -192,8 +192,9 @@ pub fn run(mut config: Config) -> anyhow::Result<()> {
                 "the address space is limited (RLIMIT_AS): large bodies, answers and regions are checked against it"
             );
         }
-        if let config::Restore::Checkpoint(which) = config.restore {
-            restore_at_start(&state, which).await?;
+        match config.restore {
+            config::Restore::Checkpoint(which) => restore_at_start(&state, which).await?,
+            config::Restore::None => state.checkpoints.keep_existing(),
         }
         open_configured_tiers(&state).await?;
         state.checkpoints.retain().await;

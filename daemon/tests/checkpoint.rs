@@ -1513,3 +1513,30 @@ fn a_clear_during_a_checkpoint_is_wholly_before_or_after_it() {
     let held = r["tables"][0][1].as_u64().unwrap();
     assert!(held == 0 || held == 600_000, "the checkpoint holds {held} of 600000 entries: half a clear");
 }
+
+/// A daemon started with `--restore none` keeps the checkpoints it did not
+/// restore (docs/checkpoints.md): the checkpoints it takes afterwards, past
+/// `checkpoint.keep`, do not remove them, and a later start restores one.
+#[test]
+fn restore_none_keeps_the_checkpoints_it_did_not_restore() {
+    let d = Daemon::start(&["--checkpoint-keep", "1"]);
+    let mut c = d.client();
+    c.create_table(TableSpec::new("kept", 4, 1024)).unwrap();
+    c.insert_or_assign("kept", &[1, 2, 3], &[1.0; 12], None).unwrap();
+    c.checkpoint(true, true).unwrap();
+    let old = c.checkpoints().unwrap()[0]["id"].as_str().unwrap().to_string();
+    drop(c);
+    let d = d.restart(&["--checkpoint-keep", "1", "--restore", "none"]);
+    let mut c = d.client();
+    assert!(c.tables().unwrap().is_empty(), "started empty");
+    for _ in 0..3 {
+        c.checkpoint(true, true).unwrap();
+    }
+    let ids: Vec<String> =
+        c.checkpoints().unwrap().as_array().unwrap().iter().map(|x| x["id"].as_str().unwrap().to_string()).collect();
+    assert!(ids.contains(&old), "the checkpoint not restored is still there: {ids:?}");
+    drop(c);
+    let d = d.restart(&["--checkpoint-keep", "1", "--restore", &old]);
+    let mut c = d.client();
+    assert_eq!(c.find("kept", &[1, 2, 3]).unwrap().found, vec![true; 3]);
+}

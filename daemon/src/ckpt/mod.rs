@@ -138,6 +138,13 @@ impl Checkpoints {
         })
     }
 
+    /// Started without a restore (`--restore none`): every checkpoint on
+    /// disk now stays there, whatever retention would say once newer ones
+    /// are taken (docs/checkpoints.md).
+    pub fn keep_existing(&self) {
+        self.catalog.keep_existing();
+    }
+
     /// Retention (`keep`) once the restore at start is done: only then is
     /// it known which checkpoints are restorable, and retention counts
     /// only those (`Catalog::collect`).
