@@ -42,6 +42,9 @@ pub struct Tiers {
     /// (`backing_unavailable`) and the open is tried again by a request at
     /// most every [`REOPEN_EVERY`].
     waiting: parking_lot::Mutex<HashMap<String, (TableSpec, std::time::Instant, String)>>,
+    /// Whether `waiting` has any table: a request of a table without a
+    /// tier reads only this (no lock) in the common case of none.
+    any_waiting: AtomicBool,
 }
 
 /// How often a request of a restored table whose cluster is not open yet
@@ -226,10 +229,17 @@ impl Tiers {
     /// HOOK(backing) of drop-table (and of a create that failed after
     /// `open`): drains the table's queue, then forgets the tier.
     pub async fn close(&self, name: &str) -> Result<(), ProtoError> {
-        self.waiting.lock().remove(name);
+        self.unwait(name);
         let Some(e) = self.tables.write().remove(name) else { return Ok(()) };
         let b = e.backing.clone();
         self.on_rt(async move { b.flush(DRAIN).await }).await?.map_err(wire)
+    }
+
+    /// Forgets that `name` waits for its cluster.
+    fn unwait(&self, name: &str) {
+        let mut w = self.waiting.lock();
+        w.remove(name);
+        self.any_waiting.store(!w.is_empty(), Relaxed);
     }
 
     /// The tier of `name`, if it is backed.
@@ -246,6 +256,9 @@ impl Tiers {
         if let Some(b) = self.get(name) {
             return Ok(Some(b));
         }
+        if !self.any_waiting.load(Relaxed) {
+            return Ok(None);
+        }
         let due = match self.waiting.lock().get_mut(name) {
             None => return Ok(None),
             Some((spec, last, _)) if last.elapsed() >= REOPEN_EVERY => {
@@ -257,7 +270,7 @@ impl Tiers {
         if let Some(spec) = due {
             match self.open(&spec).await {
                 Ok(()) => {
-                    self.waiting.lock().remove(name);
+                    self.unwait(name);
                     tracing::info!(table = name, "a restored table's cluster is open now");
                     return Ok(self.get(name));
                 }
@@ -567,23 +580,36 @@ impl Tiers {
         self.on_rt(async move { b.flush(timeout).await }).await?.map_err(wire)
     }
 
-    /// After a restore: opens the tier of every table whose spec names a
-    /// cluster and has none open (a restored table comes back with the
-    /// backing it was checkpointed with). Returns the tables whose cluster
+    /// At start and after a restore: opens the tier of every table whose
+    /// spec names a cluster and has none open (a restored table comes back
+    /// with the backing it was checkpointed with, a table of the config
+    /// file with the one it declares). Returns the tables whose cluster
     /// could not be opened, with why: their requests are refused
     /// ([`Tiers::backed`]) until a later try opens it.
-    pub async fn sync(&self, router: &Router) -> Vec<String> {
+    pub async fn sync(&self, router: &Router) -> Vec<(String, String)> {
         let mut failed = Vec::new();
         for t in router.tables() {
             if t.spec.backing.is_some() && self.get(&t.spec.name).is_none() {
                 if let Err(e) = self.open(&t.spec).await {
-                    failed.push(format!("{}: {}", t.spec.name, e.message));
-                    let entry = (t.spec.clone(), std::time::Instant::now(), e.message);
-                    self.waiting.lock().insert(t.spec.name.clone(), entry);
+                    let mut w = self.waiting.lock();
+                    w.insert(t.spec.name.clone(), (t.spec.clone(), std::time::Instant::now(), e.message.clone()));
+                    self.any_waiting.store(true, Relaxed);
+                    failed.push((t.spec.name.clone(), e.message));
                 }
             }
         }
         failed
+    }
+
+    /// Logs [`Tiers::sync`]'s failures.
+    pub fn log_unopened(failed: &[(String, String)]) {
+        for (name, why) in failed {
+            tracing::error!(
+                table = %name,
+                "a restored table's cluster could not be opened ({why}); its requests are refused \
+                 (backing_unavailable) until a later request opens it"
+            );
+        }
     }
 
     /// SIGTERM: drains every table's queue; the error names the tables

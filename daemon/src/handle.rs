@@ -187,9 +187,7 @@ async fn control(
         Control::Restore { id } => {
             let r = state.checkpoints.restore(state.router.clone(), id).await?;
             let r = r.ok_or_else(|| ProtoError::new(ErrorCode::NotFound, "there is no checkpoint to restore"))?;
-            for f in state.backing.sync(&state.router).await {
-                tracing::error!("a restored table's cluster could not be opened; it serves its cache alone: {f}");
-            }
+            crate::backing::Tiers::log_unopened(&state.backing.sync(&state.router).await);
             Ok(Response::Json(serde_json::to_vec(&r).expect("serializes")))
         }
         Control::Trace { table, seconds } => trace(state, &table, seconds, conn.gone()).await,

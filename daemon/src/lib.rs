@@ -196,7 +196,7 @@ pub fn run(mut config: Config) -> anyhow::Result<()> {
             config::Restore::Checkpoint(which) => restore_at_start(&state, which).await?,
             config::Restore::None => state.checkpoints.keep_existing(),
         }
-        open_configured_tiers(&state).await?;
+        open_tiers_at_start(&state).await?;
         state.checkpoints.retain().await;
         state.checkpoints.schedule(state.router.clone(), state.shutdown.subscribe());
         if let Some(addr) = &config.metrics_listen {
@@ -304,25 +304,21 @@ fn listen(config: &Config, socket_gid: Option<u32>) -> anyhow::Result<(tokio::ne
     })
 }
 
-/// Opens the cluster of each table the config file declares with one
-/// (`[[table]] backing`), as `create_table` does, unless a restore opened
-/// it already. One that cannot be opened stops the start, naming the
-/// table: serving it would acknowledge writes that never reach its
-/// cluster.
-async fn open_configured_tiers(state: &State) -> anyhow::Result<()> {
-    for t in state.router.tables() {
-        let declared = state.config.tables.iter().any(|s| s.name == t.spec.name && s.backing.is_some());
-        if declared && t.spec.backing.is_some() && state.backing.get(&t.spec.name).is_none() {
-            state.backing.open(&t.spec).await.map_err(|e| {
-                anyhow::anyhow!(
-                    "table {:?} of the config file: its cluster cannot be opened ({}); hkvd did not start, so \
-                     that the table does not acknowledge writes its cluster never gets",
-                    t.spec.name,
-                    e.message
-                )
-            })?;
-        }
+/// Opens the clusters of the tables that name one, restored or declared
+/// by the config file ([`crate::backing::Tiers::sync`]). A table the config
+/// declares with a cluster that cannot be opened stops the start, naming
+/// it, as `create_table` refuses one; a restored one waits for its
+/// cluster, its requests refused meanwhile.
+async fn open_tiers_at_start(state: &State) -> anyhow::Result<()> {
+    let failed = state.backing.sync(&state.router).await;
+    let declared = |name: &str| state.config.tables.iter().any(|s| s.name == name && s.backing.is_some());
+    if let Some((name, why)) = failed.iter().find(|(n, _)| declared(n)) {
+        anyhow::bail!(
+            "table {name:?} of the config file: its cluster cannot be opened ({why}); hkvd did not start, so \
+             that the table does not acknowledge writes its cluster never gets"
+        );
     }
+    crate::backing::Tiers::log_unopened(&failed);
     Ok(())
 }
 
@@ -336,9 +332,6 @@ async fn restore_at_start(state: &State, which: hkv_proto::CheckpointId) -> anyh
                 warn!("skipped an unusable checkpoint: {s}");
             }
             info!(id = %r.id, tables = ?r.tables, entries = r.entries, dropped = ?r.dropped, "restored");
-            for f in state.backing.sync(&state.router).await {
-                error!("a restored table's cluster could not be opened; its requests are refused until it can be: {f}");
-            }
             Ok(())
         }
         Ok(None) => {

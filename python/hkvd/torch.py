@@ -569,7 +569,7 @@ class _Sparse(torch.nn.Module):
         # Forwards served by a prefetch, and prefetched rows patched with
         # the values a later step's apply_gradients returned.
         self.prefetch_hits = 0
-        self._patched: list = []  # the count of each patch (0-d tensors or ints), summed when asked
+        self._patched: list = []  # each patch's count (0-d tensors on the device), summed when asked
         # The modules of this table (this one among them): a step of any
         # patches the prefetches pending in all.
         self._sharing = _SHARING.setdefault((client.path, table), weakref.WeakSet())
@@ -675,9 +675,11 @@ class _Sparse(torch.nn.Module):
             self._spare.append(hit.cache)
             self.prefetch_hits += 1
             for upd_uniq, found, values, _ in hit.patches:
-                self._patched.append(_patch(rows, uniq, upd_uniq, found, values))
-                if len(self._patched) >= 1024:  # folded on the device: no wait
-                    self._patched = [torch.stack([torch.as_tensor(x, device=rows.device) for x in self._patched]).sum()]
+                n = _patch(rows, uniq, upd_uniq, found, values)
+                if n is not None:
+                    self._patched.append(n)
+            if len(self._patched) >= 1024:  # folded on the device: no wait
+                self._patched = [torch.stack(self._patched).sum()]
         self.timings["lookup"] += time.perf_counter() - t0
         return uniq, inv, rows
 
@@ -729,9 +731,7 @@ class _Sparse(torch.nn.Module):
     @property
     def patched_rows(self) -> int:
         """Prefetched rows patched with a later step's updated values."""
-        if len(self._patched) > 1:
-            self._patched = [sum(int(x) for x in self._patched)]
-        return int(self._patched[0]) if self._patched else 0
+        return int(torch.stack(self._patched).sum()) if self._patched else 0
 
     def extra_repr(self) -> str:
         return (f"table={self.table!r}, dim={self.dim}, optimizer={self.optimizer}, lr={self.lr}, "
@@ -742,11 +742,11 @@ def _patch(rows: torch.Tensor, uniq: torch.Tensor, upd: torch.Tensor, found: tor
            values: torch.Tensor):
     """rows[i] = values[j] where uniq[i] == upd[j] and found[j] (both
     sorted; ``found`` bool or uint8); returns how many rows were patched
-    (a tensor). On a GPU nothing here waits for the device (no boolean
+    (a 0-d tensor; None when either side is empty). On a GPU nothing here waits for the device (no boolean
     indexing, whose size the host would have to read: a select of every
     row instead); on the CPU the indexing is the cheaper."""
     if upd.numel() == 0 or uniq.numel() == 0:
-        return 0
+        return None
     j = torch.searchsorted(upd, uniq).clamp_(max=upd.numel() - 1)
     hit = (upd[j] == uniq).logical_and_(found[j])
     if rows.is_cuda:
