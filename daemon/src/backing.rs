@@ -617,9 +617,13 @@ impl Tiers {
     pub async fn flush_all(&self, timeout: Duration) -> Result<(), ProtoError> {
         let all: Vec<(String, Backing)> =
             self.tables.read().iter().map(|(n, e)| (n.clone(), e.backing.clone())).collect();
+        // All at once: one deadline for every table, not one each.
+        let drains = all
+            .into_iter()
+            .map(|(name, b)| async move { (name, self.on_rt(async move { b.flush(timeout).await }).await) });
         let mut failed = Vec::new();
-        for (name, b) in all {
-            if let Err(e) = self.on_rt(async move { b.flush(timeout).await }).await? {
+        for (name, drained) in futures::future::join_all(drains).await {
+            if let Err(e) = drained? {
                 failed.push(format!("{name}: {e}"));
             }
         }

@@ -68,7 +68,8 @@ pub struct Limits {
     #[arg(long, default_value_t = 1024)]
     pub max_connections: usize,
     /// Seconds SIGTERM waits for in-flight requests before closing the
-    /// remaining connections.
+    /// remaining connections, then as long for write-back queues to reach
+    /// their clusters (rows left queued fail the exit).
     #[arg(long, default_value_t = 30)]
     pub drain_seconds: u64,
     /// Bytes of sent answer frames kept for later find and echo answers to

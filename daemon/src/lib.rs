@@ -221,13 +221,25 @@ pub fn run(mut config: Config) -> anyhow::Result<()> {
         let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
         server::serve(state.clone(), listener).await;
         // HOOK(backing): every backed table's write-back queue drains
-        // before exit; rows that could not reach the cluster are named.
-        if let Err(e) = state.backing.flush_all(crate::backing::DRAIN).await {
-            error!(error = %e.message, "backing: queued writes did not all reach the cluster");
+        // before exit (for up to drain_seconds); rows that could not reach
+        // the cluster are named, at ERROR and in the exit status.
+        let mut failed = None;
+        let drain = std::time::Duration::from_secs(config.limits.drain_seconds.max(1));
+        if let Err(e) = state.backing.flush_all(drain).await {
+            error!(
+                error = %e.message,
+                "backing: queued write-back rows did NOT all reach the cluster within drain_seconds; \
+                 they are lost with this exit"
+            );
+            failed = Some(format!(
+                "write-back rows did not reach the cluster within {}s ({}); raise --drain-seconds \
+                 or bring the cluster back before stopping",
+                drain.as_secs(),
+                e.message
+            ));
         }
         // A final checkpoint that fails is the operator's data not saved:
         // said at ERROR and in the exit status, never a clean exit.
-        let mut failed = None;
         if config.checkpoint.on_shutdown {
             info!("final checkpoint before exit");
             if let Err(e) = state.checkpoints.take(state.router.clone(), false).await {
@@ -235,7 +247,12 @@ pub fn run(mut config: Config) -> anyhow::Result<()> {
                     error = %e.message,
                     "the final checkpoint FAILED: writes since the last complete checkpoint are lost with this exit"
                 );
-                failed = Some(e.message);
+                let what = format!(
+                    "the final checkpoint (--checkpoint-on-shutdown) failed: {}; the tables' state since the \
+                     last complete checkpoint (hkvctl checkpoints) was not saved",
+                    e.message
+                );
+                failed = Some(failed.map_or(what.clone(), |f| format!("{f}; {what}")));
             }
         }
         let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
@@ -244,10 +261,7 @@ pub fn run(mut config: Config) -> anyhow::Result<()> {
         actix_rt::System::current().stop();
         match failed {
             None => Ok(()),
-            Some(e) => anyhow::bail!(
-                "the final checkpoint (--checkpoint-on-shutdown) failed: {e}; \
-                 the tables' state since the last complete checkpoint (hkvctl checkpoints) was not saved"
-            ),
+            Some(e) => anyhow::bail!("{e}"),
         }
     })
 }

@@ -7,6 +7,7 @@ mod common;
 use common::Daemon;
 use hkv_backing::testkit::{dead_port, TestCluster, TestServer};
 use hkv_client::{BackingMode, BackingSpec, ErrorCode, TableSpec};
+use std::time::{Duration, Instant};
 
 fn backed(name: &str, seeds: &str, mode: BackingMode) -> TableSpec {
     TableSpec { backing: Some(BackingSpec::from_list(seeds, mode)), ..TableSpec::new(name, 4, 4096) }
@@ -1272,4 +1273,49 @@ fn a_restored_table_whose_cluster_is_down_refuses_requests_until_it_is_back() {
     cb.create_table(backed("down", &seeds, BackingMode::ReadOnly)).unwrap();
     let f = cb.find("down", &[2]).unwrap();
     assert_eq!((f.found, f.values), (vec![true], vec![2.0; 4]), "the write reached the cluster");
+}
+
+/// SIGTERM drains a write-back table's queue before exit: with the cluster
+/// up every queued row reaches it and the exit is clean; with the cluster
+/// down the daemon waits `--drain-seconds`, then exits with a failure that
+/// says the rows are lost (never a clean exit over dropped rows).
+#[test]
+fn sigterm_drains_the_write_back_queue_or_fails_the_exit() {
+    let mut cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let seeds = cluster.seed_arg();
+    let keys: Vec<u64> = (1..=3000u64).map(|k| k * 7_919).collect();
+    let values: Vec<f32> = keys.iter().flat_map(|&k| (0..4).map(move |j| (k % 991) as f32 - j as f32)).collect();
+
+    let mut a = Daemon::start(&["--drain-seconds", "2"]);
+    let mut ca = a.client();
+    ca.create_table(backed("drained", &seeds, BackingMode::WriteBack)).unwrap();
+    for (k, v) in keys.chunks(300).zip(values.chunks(300 * 4)) {
+        ca.insert_or_assign("drained", k, v, None).unwrap();
+    }
+    a.signal("TERM");
+    assert_eq!(a.wait(Duration::from_secs(30)), 0, "a drained exit is clean");
+    let reader = Daemon::start(&[]);
+    let mut cr = reader.client();
+    cr.create_table(backed("drained", &seeds, BackingMode::ReadOnly)).unwrap();
+    let f = cr.find("drained", &keys).unwrap();
+    assert!(f.found.iter().all(|&x| x), "every row queued at SIGTERM reached the cluster");
+    assert_eq!(
+        f.values.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        values.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+    );
+
+    // The cluster down: rows are queued (write-back answers before the
+    // cluster has them) and cannot drain.
+    let mut b = Daemon::start(&["--drain-seconds", "2"]);
+    let mut cb = b.client();
+    cb.create_table(backed("stuck", &seeds, BackingMode::WriteBack)).unwrap();
+    for i in 0..3 {
+        cluster.kill(i);
+    }
+    cb.insert_or_assign("stuck", &keys[..100], &values[..400], None).unwrap();
+    let t = Instant::now();
+    b.signal("TERM");
+    let code = b.wait(Duration::from_secs(30));
+    assert_ne!(code, 0, "rows that never reached the cluster fail the exit");
+    assert!(t.elapsed() >= Duration::from_secs(2), "the drain waited --drain-seconds: {:?}", t.elapsed());
 }
