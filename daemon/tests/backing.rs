@@ -1319,3 +1319,32 @@ fn sigterm_drains_the_write_back_queue_or_fails_the_exit() {
     assert_ne!(code, 0, "rows that never reached the cluster fail the exit");
     assert!(t.elapsed() >= Duration::from_secs(2), "the drain waited --drain-seconds: {:?}", t.elapsed());
 }
+
+/// A checkpoint restored into a running table of another spec (here the
+/// config file's: no backing, another capacity) keeps the running spec,
+/// and the log says what differs, never silently dropping the backing.
+#[test]
+fn a_restore_into_a_table_without_its_backing_says_so() {
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let mut a = Daemon::start(&[]);
+    let mut ca = a.client();
+    ca.create_table(backed("kept", &cluster.seed_arg(), BackingMode::WriteThrough)).unwrap();
+    ca.insert_or_assign("kept", &[1, 2], &[1.0; 8], None).unwrap();
+    ca.checkpoint(true, false).unwrap();
+    a.signal("TERM");
+    assert_eq!(a.wait(Duration::from_secs(30)), 0);
+    let dir = std::mem::replace(&mut a.dir, tempfile::tempdir().unwrap());
+    let cfg = dir.path().join("plain.toml");
+    std::fs::write(&cfg, "[[table]]\nname = \"kept\"\ndim = 4\ncapacity = 8192\n").unwrap();
+    let log = dir.path().join("log");
+    let mut cmd = common::command(dir.path(), &["--config", cfg.to_str().unwrap()]);
+    cmd.stderr(std::fs::File::create(&log).unwrap());
+    let socket = dir.path().join("run").join("hkvd.sock");
+    let mut b = Daemon { child: Some(cmd.spawn().unwrap()), dir, socket };
+    b.wait_ready();
+    let f = b.client().find("kept", &[1, 2]).unwrap();
+    assert_eq!(f.found, vec![true, true], "the rows were restored");
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("backing is kept: none here, write-through"), "{text}");
+    assert!(text.contains("capacity is kept: 8192 here, 4096 in the checkpoint"), "{text}");
+}

@@ -726,6 +726,35 @@ fn check_compatible(router: &Router, target: &Manifest) -> Result<(), Failure> {
         if lfu && running.spec.lfu_ties != ties {
             diff.push(format!("lfu_ties {} here, {ties} in the checkpoint", running.spec.lfu_ties));
         }
+        // Differences the rows survive: the running spec (create-table's
+        // or the config file's) is kept, and said so, never silently.
+        if let Ok(saved) = manifest_spec(&t.spec) {
+            let shown = |b: &Option<hkv_proto::BackingSpec>| {
+                b.as_ref().map_or("none".to_string(), |b| {
+                    let b = b.redacted();
+                    format!("{} {}", b.mode.as_str(), b.seeds.join(","))
+                })
+            };
+            let (here, there) = (shown(&running.spec.backing), shown(&saved.backing));
+            if here != there {
+                warn!(
+                    table = %t.name,
+                    checkpoint = %format!("{:016x}", target.id),
+                    "the running table's backing is kept: {here} here, {there} in the checkpoint \
+                     (a table made by create-table or the config file keeps its own spec)"
+                );
+            }
+            if running.spec.capacity != saved.capacity {
+                warn!(
+                    table = %t.name,
+                    checkpoint = %format!("{:016x}", target.id),
+                    "the running table's capacity is kept: {} here, {} in the checkpoint; \
+                     entries that do not fit are evicted and counted as dropped",
+                    running.spec.capacity,
+                    saved.capacity
+                );
+            }
+        }
         if !diff.is_empty() {
             return Err(Failure::Refused(ProtoError::bad_request(format!(
                 "checkpoint {:016x} cannot be restored into table {:?}: {}; drop the table or restore elsewhere",
