@@ -56,11 +56,14 @@ __device__ __forceinline__ void hkv_move(const HkvTable& t, const HkvGroup<G>& g
         u64 bf = from / 128, bt = to / 128;
         t.keys[to] = __ldcg(t.keys + from);
         t.digests[to] = __ldcg(t.digests + from);
-        t.scores[to] = __ldcg(t.scores + from);
+        u64 sc = __ldcg(t.scores + from);
+        t.scores[to] = sc;
+        hkv_window_bit(t, to, !(sc & HKV_ADAPTIVE_MAIN));
         t.sizes[bt] = __ldcg(t.sizes + bt) + 1;
         t.keys[from] = HKV_EMPTY_KEY;
         t.digests[from] = hkv_empty_digest();
         t.scores[from] = 0;
+        hkv_window_bit(t, from, false);
         t.sizes[bf] = __ldcg(t.sizes + bf) - 1;
     }
     g.sync();
@@ -161,7 +164,11 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
         else if (mode == HKV_UP_FIND_OR_INSERT) hkv_copy_row<G, true>(vin, row, t.dim, g.rank);
         else if (mode == HKV_UP_ACCUM) hkv_add_row<G>(row, vin, t.dim, g.rank);
         ptr = (u64)row;
-        if (g.rank == 0) t.scores[pos] = ns;
+        if (g.rank == 0) {
+            t.scores[pos] = ns;
+            // A verbatim score may move the entry between tiers.
+            if (sc.verbatim) hkv_window_bit(t, pos, !(ns & HKV_ADAPTIVE_MAIN));
+        }
         out = HKV_UPDATED;
     } else {
         u64 score = sc.verbatim ? in : hkv_on_insert(sc, has, in);
@@ -221,6 +228,7 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
                 t.keys[pos] = key;
                 t.digests[pos] = d;
                 t.scores[pos] = score;
+                hkv_window_bit(t, pos, !(score & HKV_ADAPTIVE_MAIN));
                 if (out == HKV_INSERTED) t.sizes[b] += 1;
             }
             if (mode != HKV_UP_FIND_OR_INSERT_PTR) hkv_copy_row<G, false>(row, vin, t.dim, g.rank);

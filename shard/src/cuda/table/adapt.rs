@@ -318,3 +318,41 @@ impl CudaTable {
         Ok(())
     }
 }
+
+impl CudaTable {
+    /// Adaptive: checks that every bucket's window bits (which the writer
+    /// kernels keep beside the scores, so that a fill reads the window's
+    /// scores only) name exactly its window entries: the occupied slots
+    /// whose score has [`crate::score::ADAPTIVE_MAIN`] clear. The first
+    /// bucket that differs is the error. Nothing to check on another
+    /// policy. For tests; waits for the table's work.
+    #[doc(hidden)]
+    pub fn check_window_bits(&self) -> Result<()> {
+        let st = self.storage.read();
+        let Some(bits) = &st.window_bits else { return Ok(()) };
+        self.with_lane(|l| {
+            let s = &l.stream;
+            self.dev.ctx.synchronize().map_err(dev_err("waiting for the table"))?;
+            let digests = s.clone_dtoh(&st.digests).map_err(dev_err("copying digests"))?;
+            let scores = s.clone_dtoh(&st.scores).map_err(dev_err("copying scores"))?;
+            let bits = s.clone_dtoh(bits).map_err(dev_err("copying window bits"))?;
+            s.synchronize().map_err(dev_err("copying the buckets"))?;
+            for b in 0..st.nbuckets as usize {
+                let mut want = [0u32; 4];
+                for slot in 0..128 {
+                    let pos = b * 128 + slot;
+                    if digests[pos] != crate::hash::EMPTY_DIGEST && scores[pos] & crate::score::ADAPTIVE_MAIN == 0 {
+                        want[slot / 32] |= 1 << (slot % 32);
+                    }
+                }
+                if bits[b * 4..b * 4 + 4] != want {
+                    return Err(Error::Device(format!(
+                        "bucket {b}: window bits {:08x?}, its window slots {want:08x?}",
+                        &bits[b * 4..b * 4 + 4]
+                    )));
+                }
+            }
+            Ok(())
+        })
+    }
+}
