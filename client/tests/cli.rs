@@ -81,7 +81,11 @@ fn tables_put_get_erase() {
     assert_eq!(d.run(&["get", "emb", "7", "9", "8"]), "7: 1.5,2\n9: 3,4\n8: not found\n");
     d.run(&["erase", "emb", "7"]);
     assert_eq!(d.run(&["get", "emb", "7"]), "7: not found\n");
-    assert!(d.run(&["tables"]).contains("emb"));
+    let tables = d.run(&["tables"]);
+    assert!(tables.contains("emb"), "{tables}");
+    // A table without a cluster says so in the last column.
+    assert!(tables.lines().next().is_some_and(|h| h.trim_end().ends_with("backing")), "{tables}");
+    assert!(tables.lines().any(|l| l.starts_with("emb ") && l.trim_end().ends_with(" -")), "{tables}");
     // A wrong dim is refused with what the table needs.
     let out = d.hkvctl(&["put", "emb", "1=1,2,3"]);
     assert!(!out.status.success());

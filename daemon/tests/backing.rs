@@ -64,6 +64,14 @@ fn create_table_opens_the_cluster_or_says_why_not() {
 
     let info = c.create_table(backed("a", &cluster.seed_arg(), BackingMode::WriteBack)).unwrap();
     assert_eq!(info.spec.backing.as_ref().map(|b| b.mode), Some(BackingMode::WriteBack));
+    // hkvctl tables shows the table's cluster (beside hkvd, as ./test.sh builds them).
+    let hkvctl = common::hkvd_bin().with_file_name("hkvctl");
+    if hkvctl.exists() {
+        let out = std::process::Command::new(&hkvctl).arg("--socket").arg(&d.socket).arg("tables").output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        let row = text.lines().find(|l| l.starts_with("a ")).unwrap_or_else(|| panic!("{text}"));
+        assert!(row.ends_with(&format!("write-back {}", cluster.seed_arg())), "{text}");
+    }
     // The table's meta hash is in the cluster now: another program can
     // find the table's layout.
     let meta = (0..3).map(|i| cluster.cli(i, &["hgetall", "hkv:{a}:meta"]).unwrap()).collect::<String>();

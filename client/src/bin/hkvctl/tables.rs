@@ -116,12 +116,21 @@ pub fn create(c: &mut Client, a: CreateTable) -> Result<()> {
 /// `hkvctl tables`: one line per table.
 pub fn list(c: &mut Client) -> Result<()> {
     println!(
-        "{:<20} {:>5} {:<9} {:<6} {:>12} {:>12} {:>6} optimizer",
-        "table", "dim", "policy", "mode", "size", "capacity", "shards"
+        "{:<20} {:>5} {:<9} {:<6} {:>12} {:>12} {:>6} {:<14} backing",
+        "table", "dim", "policy", "mode", "size", "capacity", "shards", "optimizer"
     );
     for t in c.tables()? {
+        // The cluster a table is backed by, its password hidden (as the
+        // daemon lists it): the mode, then the seeds.
+        let backing = t.spec.backing.as_ref().map_or_else(
+            || "-".to_string(),
+            |b| {
+                let b = b.redacted();
+                format!("{} {}", b.mode.as_str(), b.seeds.join(","))
+            },
+        );
         println!(
-            "{:<20} {:>5} {:<9} {:<6} {:>12} {:>12} {:>6} {}",
+            "{:<20} {:>5} {:<9} {:<6} {:>12} {:>12} {:>6} {:<14} {}",
             t.spec.name,
             t.spec.dim,
             t.spec.policy.as_str(),
@@ -129,7 +138,8 @@ pub fn list(c: &mut Client) -> Result<()> {
             t.size,
             t.capacity,
             t.shards,
-            t.spec.optimizer.map_or_else(|| "-".to_string(), |o| o.to_string())
+            t.spec.optimizer.map_or_else(|| "-".to_string(), |o| o.to_string()),
+            backing
         );
     }
     Ok(())
