@@ -67,6 +67,8 @@ struct State {
     sending: Map,
     bytes: u64,
     closed: bool,
+    /// Given up ([`Queue::discard`]): failed rows are not sent again.
+    discarded: bool,
 }
 
 /// The queue and its wake-ups.
@@ -216,7 +218,7 @@ impl Queue {
         // Failed rows go back in front (they are the oldest), in order.
         for ((k, e), failed) in batch.into_iter().zip(failed).rev() {
             s.sending.remove(&k);
-            if *failed && !s.pending.contains_key(&k) {
+            if *failed && !s.discarded && !s.pending.contains_key(&k) {
                 s.pending.insert(k, e);
                 s.order.push_front(k);
             } else {
@@ -258,6 +260,25 @@ impl Queue {
                 return Err(Error::FlushTimeout { rows: self.window().0 });
             }
         }
+    }
+
+    /// Gives the queue up: its pending rows are dropped and a batch in
+    /// flight that fails is not sent again, so that nothing of it can land
+    /// in the cluster later (over a newer write of another table of the
+    /// same name). Returns the rows dropped (not counting those in flight).
+    pub fn discard(&self) -> u64 {
+        let mut s = self.state.lock();
+        let rows = s.pending.len() as u64;
+        s.bytes -= rows * self.entry_bytes;
+        s.pending.clear();
+        s.order.clear();
+        s.closed = true;
+        s.discarded = true;
+        drop(s);
+        self.work.notify_one();
+        self.room.notify_waiters();
+        self.idle.notify_waiters();
+        rows
     }
 
     /// Marks the queue closed: the flusher empties it and stops.

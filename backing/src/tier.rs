@@ -645,6 +645,12 @@ impl Backing {
         self.core.queue.drain(timeout).await
     }
 
+    /// Gives the write-back queue up ([`Queue::discard`]); the rows
+    /// dropped. For a table that is gone: its rows must not land later.
+    pub fn discard(&self) -> u64 {
+        self.core.queue.discard()
+    }
+
     /// Starts reading the table's stream from its current end: what other
     /// hosts write from now on comes back as invalidations.
     pub async fn subscribe(&self) -> Result<Invalidations, Error> {

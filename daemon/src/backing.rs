@@ -226,13 +226,29 @@ impl Tiers {
         Ok(())
     }
 
-    /// HOOK(backing) of drop-table (and of a create that failed after
-    /// `open`): drains the table's queue, then forgets the tier.
+    /// HOOK(backing) of drop-table (after the table is gone; drop-table
+    /// drained the queue before, [`Tiers::flush`]) and of a create that
+    /// failed after `open`: drains what was queued since, then forgets the
+    /// tier. Rows that still cannot reach the cluster are given up (never
+    /// sent later, where they could land over a newer write of a table of
+    /// the same name), logged at ERROR, and named in the error.
     pub async fn close(&self, name: &str) -> Result<(), ProtoError> {
         self.unwait(name);
         let Some(e) = self.tables.write().remove(name) else { return Ok(()) };
         let b = e.backing.clone();
-        self.on_rt(async move { b.flush(DRAIN).await }).await?.map_err(wire)
+        let drained = self.on_rt(async move { b.flush(DRAIN).await }).await?;
+        if let Err(err) = drained {
+            let rows = e.backing.discard();
+            tracing::error!(table = %name, rows, error = %err, "the dropped table's queued rows could not reach the cluster and were given up");
+            return Err(ProtoError::new(
+                ErrorCode::BackingUnavailable,
+                format!(
+                    "table {name:?} was dropped, but {rows} row(s) written while it was being dropped could not \
+                     reach the cluster and were given up ({err})"
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Forgets that `name` waits for its cluster.
@@ -578,6 +594,14 @@ impl Tiers {
     pub async fn flush(&self, name: &str, timeout: Duration) -> Result<(), ProtoError> {
         let Some(b) = self.backed(name).await? else { return Ok(()) };
         self.on_rt(async move { b.flush(timeout).await }).await?.map_err(wire)
+    }
+
+    /// Drains `name`'s queue before drop-table: as [`Tiers::flush`], but a
+    /// table still waiting for its cluster (which has queued nothing)
+    /// passes without trying it.
+    pub async fn drain_before_drop(&self, name: &str) -> Result<(), ProtoError> {
+        let Some(b) = self.get(name) else { return Ok(()) };
+        self.on_rt(async move { b.flush(DRAIN).await }).await?.map_err(wire)
     }
 
     /// At start and after a restore: opens the tier of every table whose

@@ -152,8 +152,15 @@ async fn control(
             Ok(Response::Json(serde_json::to_vec(&info).expect("serializes")))
         }
         Control::DropTable { name } => {
+            // The table's write-back queue drains before the table goes: a
+            // queue that cannot drain refuses the drop (nothing changes; the
+            // table and its queue stay, to drain once the cluster is back).
+            state.router.table(&name)?;
+            state.backing.drain_before_drop(&name).await.map_err(|mut e| {
+                e.message = format!("table {name:?} was not dropped: {}", e.message);
+                e
+            })?;
             state.router.drop_table(&name).await?;
-            // The table's write-back queue drains before the drop is answered.
             state.backing.close(&name).await?;
             info!(table = %name, "table dropped");
             Ok(Response::Empty)

@@ -1356,3 +1356,40 @@ fn a_restore_into_a_table_without_its_backing_says_so() {
     assert!(text.contains("backing is kept: none here, write-through"), "{text}");
     assert!(text.contains("capacity is kept: 8192 here, 4096 in the checkpoint"), "{text}");
 }
+
+/// drop-table of a write-back table whose queue cannot drain is refused
+/// and changes nothing (the table and its queued rows stay; a dropped
+/// table's queue used to keep retrying and could land its old rows over a
+/// newer table of the same name); once the cluster is back the drop
+/// drains the rows into it.
+#[test]
+fn drop_table_with_rows_that_cannot_drain_is_refused() {
+    let mut cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let seeds = cluster.seed_arg();
+    let d = Daemon::start(&[]);
+    let mut c = d.client();
+    c.create_table(backed("dq", &seeds, BackingMode::WriteBack)).unwrap();
+    for i in 0..3 {
+        cluster.kill(i);
+    }
+    c.insert_or_assign("dq", &[41, 42], &[1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0], None).unwrap();
+    let e = c.drop_table("dq").unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::BackingUnavailable), "{e}");
+    assert!(e.to_string().contains("not dropped"), "{e}");
+    assert!(c.tables().unwrap().iter().any(|t| t.spec.name == "dq"), "a refused drop keeps the table");
+    assert_eq!(c.find("dq", &[41]).unwrap().values, vec![1.0; 4], "and its rows");
+    for i in 0..3 {
+        cluster.restart(i).unwrap();
+    }
+    cluster.wait_healthy().unwrap();
+    let start = Instant::now();
+    while let Err(e) = c.drop_table("dq") {
+        assert!(start.elapsed() < Duration::from_secs(60), "the drop never went through: {e}");
+    }
+    let reader = Daemon::start(&[]);
+    let mut cr = reader.client();
+    cr.create_table(backed("dq", &seeds, BackingMode::ReadOnly)).unwrap();
+    let f = cr.find("dq", &[41, 42]).unwrap();
+    assert_eq!(f.found, vec![true, true], "the queued rows reached the cluster with the drop");
+    assert_eq!(f.values, vec![1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0]);
+}
