@@ -992,20 +992,77 @@ pub async fn write(
             router.write(t, op, keys, values, scores, outcomes).await
         }
         WriteOp::AccumOrAssign => {
-            // The cluster gets the rows as they are after the deltas.
+            // A key only the cluster has is read into the cache first (as
+            // apply_gradients does), so that its delta adds to the
+            // cluster's row instead of replacing it; the cluster then gets
+            // the rows as they are after the deltas.
+            let found = router.contains(t, keys.clone()).await?;
+            let d = t.config.dim;
+            let mut fetched = vec![0f32; keys.len() * d];
+            let (miss, rows) =
+                tiers.fill(router, t, &tier, &keys, &found, false, held.as_ref(), None, Some(&mut fetched)).await?;
+            // A row the cluster has that the cache did not keep (the fill
+            // evicted it again in a small cache, or admission refused it):
+            // its delta adds to the fetched row here (once per key), so
+            // that the cache's assign of an absent key writes the sum.
+            let now = router.contains(t, keys.clone()).await?;
+            let mut added = std::collections::HashSet::new();
+            for (j, &i) in miss.iter().enumerate() {
+                if rows.fetched[j] == Fetched::Found && now[i] == 0 && added.insert(keys[i]) {
+                    for e in i * d..(i + 1) * d {
+                        values[e] += fetched[e];
+                    }
+                }
+            }
             let r = router.write(t, op, keys.clone(), values, scores, outcomes).await?;
             let FindAnswer { found, values, scores: got } = router.find_rows(t, keys.clone(), true).await?;
             let d = t.config.dim;
             let have: Vec<usize> = (0..keys.len()).filter(|&i| found[i] == 1).collect();
             let got = got.unwrap_or_default();
-            tiers
+            let sent = tiers
                 .write(
                     &tier,
                     have.iter().map(|&i| keys[i]).collect(),
                     have.iter().flat_map(|&i| values[i * d..(i + 1) * d].iter().copied()).collect(),
                     have.iter().map(|&i| got.get(i).copied().unwrap_or(0)).collect(),
                 )
-                .await?;
+                .await;
+            refused_write(router, t, &keys, sent).await?;
+            Ok(r)
+        }
+        WriteOp::Assign => {
+            // Assign changes rows that exist: on a backed table, those the
+            // cluster has count too (read into the cache first); a key in
+            // neither is absent, and nothing of it is written anywhere.
+            let found = router.contains(t, keys.clone()).await?;
+            let (miss, rows) = tiers.fill(router, t, &tier, &keys, &found, false, held.as_ref(), None, None).await?;
+            let mut exist: Vec<bool> = found.iter().map(|&f| f == 1).collect();
+            for (j, &i) in miss.iter().enumerate() {
+                exist[i] |= rows.fetched[j] == Fetched::Found;
+            }
+            let d = t.config.dim;
+            let have: Vec<usize> = (0..keys.len()).filter(|&i| exist[i]).collect();
+            let sent = tiers
+                .write(
+                    &tier,
+                    have.iter().map(|&i| keys[i]).collect(),
+                    have.iter().flat_map(|&i| values[i * d..(i + 1) * d].iter().copied()).collect(),
+                    scores.as_ref().map(|s| have.iter().map(|&i| s[i]).collect()).unwrap_or_default(),
+                )
+                .await;
+            refused_write(router, t, &keys, sent).await?;
+            let mut r = router.write(t, op, keys, values, scores, true).await?;
+            // A row the cluster has that the cache did not keep was
+            // assigned there: updated, not absent.
+            let mut out = r.outcomes.take().unwrap_or_default();
+            for (o, &e) in out.iter_mut().zip(&exist) {
+                if e && *o == hkv_shard::Outcome::Absent as u8 {
+                    *o = hkv_shard::Outcome::Updated as u8;
+                    r.summary.absent -= 1;
+                    r.summary.updated += 1;
+                }
+            }
+            r.outcomes = outcomes.then_some(out);
             Ok(r)
         }
         _ => {
@@ -1014,10 +1071,34 @@ pub async fn write(
             // (write-back). Every row the cache holds is then also
             // in the cluster or the queue, so what the cache evicts
             // is never lost.
-            tiers.write(&tier, keys.clone(), values.clone(), scores.clone().unwrap_or_default()).await?;
+            let sent = tiers.write(&tier, keys.clone(), values.clone(), scores.clone().unwrap_or_default()).await;
+            refused_write(router, t, &keys, sent).await?;
             router.write(t, op, keys, values, scores, outcomes).await
         }
     }
+}
+
+/// A write the cluster refused (`sent`: its answer) may still have
+/// reached some of its nodes (a write spans nodes; there is no
+/// transaction across them): the request's keys leave the cache, so that
+/// it never serves a row that differs from the cluster's (a later read
+/// fetches whichever row the cluster kept), and the error says so.
+async fn refused_write(
+    router: &Arc<Router>,
+    t: &Arc<Table>,
+    keys: &[u64],
+    sent: Result<(), ProtoError>,
+) -> Result<(), ProtoError> {
+    let Err(mut e) = sent else { return Ok(()) };
+    if e.code == ErrorCode::BackingUnavailable {
+        router.erase(t, keys.to_vec(), false).await?;
+        e.message = format!(
+            "{}; the write may have reached some of the cluster's nodes: its keys were dropped from this cache, \
+             so that reads return whichever rows the cluster kept",
+            e.message
+        );
+    }
+    Err(e)
 }
 
 /// apply_gradients on a backed table: the step runs on the rows the cache
@@ -1047,14 +1128,15 @@ pub async fn apply_gradients(
         let d = t.config.dim;
         let have: Vec<usize> = (0..keys.len()).filter(|&i| found[i] == 1).collect();
         let got = got.unwrap_or_default();
-        tiers
+        let sent = tiers
             .write(
                 tier,
                 have.iter().map(|&i| keys[i]).collect(),
                 have.iter().flat_map(|&i| values[i * d..(i + 1) * d].iter().copied()).collect(),
                 have.iter().map(|&i| got.get(i).copied().unwrap_or(0)).collect(),
             )
-            .await?;
+            .await;
+        refused_write(router, t, &keys, sent).await?;
     }
     Ok(r)
 }

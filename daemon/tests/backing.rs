@@ -1393,3 +1393,84 @@ fn drop_table_with_rows_that_cannot_drain_is_refused() {
     assert_eq!(f.found, vec![true, true], "the queued rows reached the cluster with the drop");
     assert_eq!(f.values, vec![1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0]);
 }
+
+/// accum_or_assign and assign on rows the cluster has but the cache
+/// evicted (a small cache): the delta adds to the cluster's row (it
+/// replaced it), and assign updates it and says so (it answered `absent`
+/// while writing the cluster); a key in neither stays absent everywhere.
+#[test]
+fn accum_and_assign_reach_rows_only_the_cluster_has() {
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let seeds = cluster.seed_arg();
+    for mode in [BackingMode::WriteThrough, BackingMode::WriteBack] {
+        let name = format!("acc-{}", mode.as_str());
+        let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
+        let (mut ca, mut cb) = (a.client(), b.client());
+        // 3 shards × 128 slots: most of 3000 rows leave the cache.
+        ca.create_table(TableSpec {
+            backing: Some(BackingSpec::from_list(&seeds, mode)),
+            ..TableSpec::new(&name, 4, 384)
+        })
+        .unwrap();
+        let keys: Vec<u64> = (1..=3000u64).map(|k| k * 31).collect();
+        let row = |k: u64| [k as f32, 1.0, -2.0, 0.5];
+        let values: Vec<f32> = keys.iter().flat_map(|&k| row(k)).collect();
+        for (k, v) in keys.chunks(300).zip(values.chunks(1200)) {
+            ca.insert_or_assign(&name, k, v, None).unwrap();
+        }
+        let deltas: Vec<f32> = keys.iter().flat_map(|_| [5.0, 0.0, 1.0, 0.0]).collect();
+        for (k, v) in keys.chunks(300).zip(deltas.chunks(1200)) {
+            ca.accum_or_assign(&name, k, v, None).unwrap();
+        }
+        ca.flush(&name).unwrap();
+        cb.create_table(backed(&name, &seeds, BackingMode::ReadOnly)).unwrap();
+        let want: Vec<f32> = keys.iter().flat_map(|&k| [k as f32 + 5.0, 1.0, -1.0, 0.5]).collect();
+        for (who, c) in [("A", &mut ca), ("B", &mut cb)] {
+            let f = c.find(&name, &keys).unwrap();
+            assert!(f.found.iter().all(|&x| x), "{name}: {who} finds every row");
+            let wrong = f.values.chunks(4).zip(want.chunks(4)).filter(|(x, y)| x != y).count();
+            assert_eq!(wrong, 0, "{name}: {who} reads every row plus its delta");
+        }
+        // assign: every row the cluster has is updated; a key in neither is absent.
+        let mut ak = keys[..600].to_vec();
+        ak.push(9_000_001);
+        let av: Vec<f32> = ak.iter().flat_map(|_| [7.0; 4]).collect();
+        let s = ca.assign(&name, &ak, &av, None).unwrap();
+        assert_eq!((s.updated, s.absent), (600, 1), "{name}: {s:?}");
+        ca.flush(&name).unwrap();
+        let b2 = Daemon::start(&[]);
+        let mut c2 = b2.client();
+        c2.create_table(backed(&name, &seeds, BackingMode::ReadOnly)).unwrap();
+        let f = c2.find(&name, &ak).unwrap();
+        assert!(f.found[..600].iter().all(|&x| x) && !f.found[600], "{name}: nothing written for the absent key");
+        assert!(f.values[..2400].iter().all(|&v| v == 7.0), "{name}: assigned rows reached the cluster");
+    }
+}
+
+/// A write-through write that the cluster refuses on one node may have
+/// reached the others (there is no transaction across nodes): the cache
+/// then drops the request's keys, so that this host reads whichever rows
+/// the cluster kept, as every other host does (it served its old rows
+/// while other hosts read the new ones).
+#[test]
+fn a_write_refused_by_one_node_leaves_no_row_that_differs_from_the_cluster() {
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let seeds = cluster.seed_arg();
+    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
+    let (mut ca, mut cb) = (a.client(), b.client());
+    ca.create_table(backed("pf", &seeds, BackingMode::WriteThrough)).unwrap();
+    let keys: Vec<u64> = (1..=200u64).collect();
+    ca.insert_or_assign("pf", &keys, &vec![1.0; 800], None).unwrap();
+    // One master refuses writes (it has no replica to satisfy this).
+    cluster.cli(1, &["config", "set", "min-replicas-to-write", "1"]).unwrap();
+    let e = ca.insert_or_assign("pf", &keys, &vec![777.0; 800], None).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::BackingUnavailable), "{e}");
+    cluster.cli(1, &["config", "set", "min-replicas-to-write", "0"]).unwrap();
+    cb.create_table(backed("pf", &seeds, BackingMode::ReadOnly)).unwrap();
+    let (fa, fb) = (ca.find("pf", &keys).unwrap(), cb.find("pf", &keys).unwrap());
+    assert!(fa.found.iter().all(|&x| x) && fb.found.iter().all(|&x| x));
+    let differ = fa.values.chunks(4).zip(fb.values.chunks(4)).filter(|(x, y)| x != y).count();
+    assert_eq!(differ, 0, "A serves the rows the cluster kept");
+    let new = fb.values.chunks(4).filter(|r| r[0] == 777.0).count();
+    assert!(new > 0 && new < 200, "the write reached some nodes and not others: {new} of 200");
+}
