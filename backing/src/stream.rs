@@ -41,18 +41,24 @@ pub struct Invalidations {
     conn: Option<MultiplexedConnection>,
     key: String,
     last: String,
+    /// Entries ever added to the stream up to `last` (its place in the
+    /// stream's count, `XINFO STREAM`'s `entries-added`).
+    read_to: u64,
+    /// Entries this consumer had not read were trimmed from the stream
+    /// (`MAXLEN`) before it read them: their keys are unknown.
+    gap: bool,
 }
 
 impl Invalidations {
     pub(crate) async fn open(core: Arc<Core>) -> Result<Invalidations, Error> {
         let key = core.layout.stream_key();
-        let slot = crate::layout::slot(core.layout.table().as_bytes());
-        let last = core
-            .cluster
-            .one(slot, redis::cmd("XREVRANGE").arg(&key).arg("+").arg("-").arg("COUNT").arg(1).clone())
-            .await?;
-        let last = entries(&last).first().map(|(id, _)| id.clone()).unwrap_or_else(|| "0-0".into());
-        Ok(Invalidations { core, conn: None, key, last })
+        // Where the stream stands: its last id and how many entries it
+        // ever had (both 0 when it does not exist yet), in one answer.
+        let (last, read_to) = match stream_info(&core, &key).await? {
+            Some(i) => (i.last_id, i.added),
+            None => ("0-0".into(), 0),
+        };
+        Ok(Invalidations { core, conn: None, key, last, read_to, gap: false })
     }
 
     /// The next entries of other writers, waiting up to 100 ms for one;
@@ -82,6 +88,7 @@ impl Invalidations {
             }
         };
         self.conn = Some(conn);
+        let mut read = 0usize;
         let mut out = Vec::new();
         // XREAD answers [[stream, [[id, [field, value, ...]], ...]]] (or a
         // map of stream to entries under RESP3).
@@ -92,6 +99,7 @@ impl Invalidations {
         };
         for s in streams {
             for (id, fields) in entries(s) {
+                read += 1;
                 self.last = id;
                 let (mut origin, mut version, mut acked_us, mut keys) = (0u64, 0u64, 0u64, Vec::new());
                 for (f, val) in fields {
@@ -116,7 +124,28 @@ impl Invalidations {
                 out.push(Invalidation { keys, version, origin, acked_us });
             }
         }
+        // Entries trimmed from the stream's head (ever added less those
+        // kept) beyond where this consumer stood were never read by it (a
+        // pause longer than the stream's length of writes): say so, their
+        // keys are lost. Trimming only ever grows, so a check after each
+        // read that got entries sees every such loss.
+        let before = self.read_to;
+        self.read_to += read as u64;
+        if read > 0 {
+            if let Some(i) = stream_info(&self.core, &self.key).await? {
+                if i.added.saturating_sub(i.length) > before {
+                    self.gap = true;
+                }
+            }
+        }
         Ok(out)
+    }
+
+    /// Whether entries this consumer never read were trimmed from the
+    /// stream since the last call (then every row cached from the table
+    /// may be stale); clears it.
+    pub fn take_gap(&mut self) -> bool {
+        std::mem::take(&mut self.gap)
     }
 
     /// Invalidations counted so far (keys).
@@ -129,6 +158,55 @@ fn unavailable(core: &Core, e: redis::RedisError) -> Error {
     let node = core.cluster.node_of(crate::layout::slot(core.layout.table().as_bytes()));
     core.counters.node_error(&node);
     Error::Unavailable { node, detail: format!("stream {}: {e}", core.layout.stream_key()) }
+}
+
+/// What `XINFO STREAM` says of a stream: entries kept, entries ever
+/// added, the last id.
+struct StreamInfo {
+    length: u64,
+    added: u64,
+    last_id: String,
+}
+
+/// `XINFO STREAM key`; `None` when the stream does not exist.
+async fn stream_info(core: &Core, key: &str) -> Result<Option<StreamInfo>, Error> {
+    let slot = crate::layout::slot(core.layout.table().as_bytes());
+    let v = match core.cluster.one(slot, redis::cmd("XINFO").arg("STREAM").arg(key).clone()).await {
+        Ok(v) => v,
+        Err(Error::Unavailable { detail, .. }) if detail.contains("no such key") => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    // RESP2: [field, value, ...]; RESP3: a map.
+    let pairs: Vec<(&Value, &Value)> = match &v {
+        Value::Array(a) => a.chunks_exact(2).map(|c| (&c[0], &c[1])).collect(),
+        Value::Map(m) => m.iter().map(|(a, b)| (a, b)).collect(),
+        _ => Vec::new(),
+    };
+    let (mut info, mut seen) = (StreamInfo { length: 0, added: 0, last_id: "0-0".into() }, 0);
+    for (f, val) in pairs {
+        let int = || match val {
+            Value::Int(n) => Some(*n as u64),
+            other => bytes(other).and_then(|b| std::str::from_utf8(&b).ok()?.parse().ok()),
+        };
+        match bytes(f).as_deref() {
+            Some(b"length") => info.length = int().unwrap_or(0),
+            Some(b"entries-added") => {
+                info.added = int().unwrap_or(0);
+                seen += 1;
+            }
+            Some(b"last-generated-id") => {
+                info.last_id = bytes(val).and_then(|b| String::from_utf8(b).ok()).unwrap_or_else(|| "0-0".into())
+            }
+            _ => {}
+        }
+    }
+    if seen == 0 {
+        return Err(Error::Unavailable {
+            node: core.cluster.node_of(slot),
+            detail: format!("XINFO STREAM {key}: no entries-added field (the stream needs Redis 7.0 or later)"),
+        });
+    }
+    Ok(Some(info))
 }
 
 fn parse(v: &[u8]) -> u64 {

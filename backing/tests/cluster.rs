@@ -328,6 +328,40 @@ async fn invalidations_reach_other_handles_with_their_staleness() {
     assert!(s.staleness_us.quantile_us(0.99) < 1_000_000, "{:?}", s.staleness_us);
 }
 
+/// A consumer that falls behind by more than the stream's length (the
+/// stream trimmed entries it never read) is told so (`take_gap`): those
+/// writes' keys are unknown. One that keeps up is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_behind_a_trimmed_stream_is_told_of_the_gap() {
+    let c = cluster(3, 0);
+    let writer =
+        Backing::open("trim", DIM, Options { stream_len: 300, ..options(&c, Mode::WriteThrough) }).await.unwrap();
+    let reader = Backing::open("trim", DIM, options(&c, Mode::ReadOnly)).await.unwrap();
+    // One consumer from before the stream existed, one from its first entry.
+    let (mut behind, mut along) = (reader.subscribe().await.unwrap(), reader.subscribe().await.unwrap());
+    writer.write(&[0], &row(0, 1), &[]).await.unwrap();
+    let mut later = reader.subscribe().await.unwrap();
+    let mut heard = along.next().await.unwrap().len() as u64;
+    for k in 1..2500u64 {
+        writer.write(&[k], &row(k, 1), &[]).await.unwrap();
+        if k % 100 == 99 {
+            while heard < k + 1 {
+                heard += along.next().await.unwrap().len() as u64;
+                assert!(!along.take_gap(), "a consumer that keeps up misses nothing");
+            }
+        }
+    }
+    for (who, c) in [("from the start", &mut behind), ("from the first entry", &mut later)] {
+        let mut got = c.next().await.unwrap();
+        let mut gap = c.take_gap();
+        while !got.is_empty() && !gap {
+            got = c.next().await.unwrap();
+            gap |= c.take_gap();
+        }
+        assert!(gap, "2500 entries written, about 300 kept: the consumer {who} that read none was not told");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_options_get_clear_errors() {
     let open = |seeds: Vec<String>| Backing::open("h", DIM, Options::new(seeds, Mode::WriteThrough));

@@ -73,6 +73,11 @@ struct Entry {
     /// a row another host's acknowledged write replaced, once this host
     /// has received the write.
     invalid: Arc<parking_lot::Mutex<Vec<u64>>>,
+    /// Set by the consumer when other hosts' writes may have been missed
+    /// (the stream trimmed entries it had not read, or it subscribed late
+    /// after failing at first): the table's next request drops its whole
+    /// cache, whose rows may be stale in ways no key list says.
+    all_stale: Arc<AtomicBool>,
     consumer: tokio::task::JoinHandle<()>,
     /// The cache's changes in flight and its key groups' write counts
     /// ([`order`]): a request first waits for the work on its keys
@@ -89,12 +94,25 @@ impl Drop for Entry {
 }
 
 /// Reads the table's stream for as long as the table lives, retrying
-/// every 200 ms while its node is down.
-async fn consume(backing: Backing, invalid: Arc<parking_lot::Mutex<Vec<u64>>>) {
-    let mut inv = None;
+/// every 200 ms while its node is down. A subscription that only succeeds
+/// after a failed one starts from the stream's end then, and a stream
+/// trimmed past what was read loses entries: either way other hosts'
+/// writes may have been missed, and `all_stale` says so.
+async fn consume(
+    name: String,
+    backing: Backing,
+    invalid: Arc<parking_lot::Mutex<Vec<u64>>>,
+    all_stale: Arc<AtomicBool>,
+) {
+    let (mut inv, mut failed) = (None, false);
     loop {
         if inv.is_none() {
             inv = backing.subscribe().await.ok();
+            if inv.is_some() && failed {
+                tracing::warn!(table = %name, "the table's stream was read again only after a failure: other hosts' writes meanwhile are unknown, so its cache is dropped");
+                all_stale.store(true, Relaxed);
+            }
+            failed = inv.is_none();
         }
         let Some(i) = inv.as_mut() else {
             tokio::time::sleep(Duration::from_millis(200)).await;
@@ -103,6 +121,10 @@ async fn consume(backing: Backing, invalid: Arc<parking_lot::Mutex<Vec<u64>>>) {
         match i.next().await {
             Ok(batches) => batches.into_iter().for_each(|b| invalid.lock().extend(b.keys)),
             Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+        if i.take_gap() {
+            tracing::warn!(table = %name, "the table's stream was trimmed past entries this host had not read (it fell behind by more than the stream's length): their keys are unknown, so its cache is dropped");
+            all_stale.store(true, Relaxed);
         }
     }
 }
@@ -209,7 +231,9 @@ impl Tiers {
         let (name, dim, o) = (spec.name.clone(), spec.row_dim(), options(b));
         let backing = self.on_rt(async move { Backing::open(&name, dim, o).await }).await?.map_err(wire)?;
         let invalid = Arc::new(parking_lot::Mutex::new(Vec::new()));
-        let consumer = self.rt()?.spawn(consume(backing.clone(), invalid.clone()));
+        let all_stale = Arc::new(AtomicBool::new(false));
+        let consumer =
+            self.rt()?.spawn(consume(spec.name.clone(), backing.clone(), invalid.clone(), all_stale.clone()));
         let entry = Entry {
             backing,
             hits: AtomicU64::new(0),
@@ -219,6 +243,7 @@ impl Tiers {
             unavailable: AtomicU64::new(0),
             cold: AtomicBool::new(false),
             invalid,
+            all_stale,
             consumer,
             order: Order::new(),
         };
@@ -312,6 +337,11 @@ impl Tiers {
     /// Keys other hosts wrote since the table's last request, and keys
     /// whose queued find_or_insert row the cluster refused (write-back:
     /// it had another host's row, which the cache must not hide).
+    /// Whether the table's whole cache must go ([`Entry::all_stale`]); clears it.
+    fn take_all_stale(&self, name: &str) -> bool {
+        self.tables.read().get(name).is_some_and(|e| e.all_stale.swap(false, Relaxed))
+    }
+
     fn take_invalid(&self, name: &str) -> Vec<u64> {
         let Some(e) = self.tables.read().get(name).cloned() else { return Vec::new() };
         let mut keys = std::mem::take(&mut *e.invalid.lock());
@@ -746,6 +776,13 @@ pub async fn execute(
 /// fetch) and no such insert lands after a write or an erase.
 async fn invalidate(router: &Router, tiers: &Tiers, t: &Table, keys: Option<&[u64]>) -> Result<(), ProtoError> {
     tiers.settle(&t.spec.name, keys).await;
+    if tiers.take_all_stale(&t.spec.name) {
+        // Every row the cache holds is also in the cluster or the write-back
+        // queue (reads see the queue): dropping them all loses nothing but
+        // a read-only table's own writes, which live in its cache only.
+        let _held = tiers.begin_write(&t.spec.name, None).await;
+        router.execute(Request::Clear { table: t.spec.name.clone() }).await?;
+    }
     let mut stale = tiers.take_invalid(&t.spec.name);
     if !stale.is_empty() {
         stale.sort_unstable();

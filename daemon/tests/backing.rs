@@ -1474,3 +1474,36 @@ fn a_write_refused_by_one_node_leaves_no_row_that_differs_from_the_cluster() {
     let new = fb.values.chunks(4).filter(|r| r[0] == 777.0).count();
     assert!(new > 0 && new < 200, "the write reached some nodes and not others: {new} of 200");
 }
+
+/// A host whose stream consumer fell behind past the stream's trimming
+/// (paused while other hosts wrote more than the stream keeps) does not
+/// know which rows those writes replaced: it drops its cache and reads
+/// the cluster's rows again (it served the old rows for good).
+#[test]
+fn a_host_that_missed_trimmed_stream_entries_drops_its_cache() {
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let seeds = cluster.seed_arg();
+    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
+    let (mut ca, mut cb) = (a.client(), b.client());
+    ca.create_table(backed("st", &seeds, BackingMode::WriteThrough)).unwrap();
+    cb.create_table(backed("st", &seeds, BackingMode::ReadOnly)).unwrap();
+    ca.insert_or_assign("st", &[1], &[1.0; 4], None).unwrap();
+    assert_eq!(cb.find("st", &[1]).unwrap().values, vec![1.0; 4]);
+    b.signal("STOP");
+    // B's blocked stream read (100 ms) ends while it is stopped: A's write
+    // below waits in the stream, unread.
+    std::thread::sleep(Duration::from_millis(400));
+    ca.insert_or_assign("st", &[1], &[5.0; 4], None).unwrap();
+    // The stream's entries trimmed before B read them (as MAXLEN does
+    // after enough writes); then one more write that B reads.
+    let owner =
+        (0..3).find(|&i| cluster.cli(i, &["exists", "hkv:{st}:stream"]).is_ok_and(|o| o.trim() == "1")).unwrap();
+    cluster.cli(owner, &["xtrim", "hkv:{st}:stream", "MAXLEN", "0"]).unwrap();
+    b.signal("CONT");
+    ca.insert_or_assign("st", &[2], &[2.0; 4], None).unwrap();
+    let start = Instant::now();
+    while cb.find("st", &[1]).unwrap().values != vec![5.0; 4] {
+        assert!(start.elapsed() < Duration::from_secs(10), "B still serves the row A's trimmed write replaced");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
