@@ -312,7 +312,10 @@ impl Tiers {
             match self.open(&spec).await {
                 Ok(()) => {
                     self.unwait(name);
-                    tracing::info!(table = name, "a restored table's cluster is open now");
+                    // Its restored rows were never checked against the
+                    // cluster: the cache starts again from the cluster.
+                    self.mark_all_stale(name);
+                    tracing::info!(table = name, "a restored table's cluster is open now; its restored cache is dropped, its rows read from the cluster again");
                     return Ok(self.get(name));
                 }
                 Err(e) => {
@@ -337,6 +340,40 @@ impl Tiers {
     /// Keys other hosts wrote since the table's last request, and keys
     /// whose queued find_or_insert row the cluster refused (write-back:
     /// it had another host's row, which the cache must not hide).
+    /// Marks `name`'s whole cache stale: its next request drops it.
+    fn mark_all_stale(&self, name: &str) {
+        if let Some(e) = self.tables.read().get(name) {
+            e.all_stale.store(true, Relaxed);
+        }
+    }
+
+    /// After a restore: the backed tables among `names` whose cluster is
+    /// open have their restored rows checked against the cluster
+    /// ([`reconcile`]); one whose check fails has its cache dropped at its
+    /// next request instead. A restored row is older than the cluster's
+    /// when another host wrote or erased it since the checkpoint, or when
+    /// this host's write-back queue lost it (SIGKILL): served as it was,
+    /// it would differ from every other host's for good.
+    pub async fn reconcile_restored(&self, router: &Arc<Router>, names: &[String]) {
+        for name in names {
+            let Some(tier) = self.get(name) else { continue };
+            let Ok(t) = router.table(name) else { continue };
+            match reconcile(router, self, &tier, &t).await {
+                Ok((checked, replaced, erased)) => tracing::info!(
+                    table = %name,
+                    checked,
+                    replaced,
+                    erased,
+                    "restored rows checked against the cluster: rows it has newer were replaced, rows it no longer has erased"
+                ),
+                Err(e) => {
+                    tracing::warn!(table = %name, error = %e.message, "restored rows could not be checked against the cluster: the table's cache is dropped at its next request");
+                    self.mark_all_stale(name);
+                }
+            }
+        }
+    }
+
     /// Whether the table's whole cache must go ([`Entry::all_stale`]); clears it.
     fn take_all_stale(&self, name: &str) -> bool {
         self.tables.read().get(name).is_some_and(|e| e.all_stale.swap(false, Relaxed))
@@ -1197,6 +1234,58 @@ pub async fn erase(
         tiers.on_rt(async move { b.erase(&k).await }).await?.map_err(wire)?;
     }
     router.erase(t, keys, outcomes).await
+}
+
+/// Checks every row `t`'s cache holds against the cluster (the table's
+/// requests wait meanwhile): a row the cluster (or the write-back queue)
+/// has otherwise replaces it, one the cluster does not have is erased.
+/// Answers the rows checked, replaced and erased.
+async fn reconcile(
+    router: &Arc<Router>,
+    tiers: &Tiers,
+    tier: &Backing,
+    t: &Arc<Table>,
+) -> Result<(u64, u64, u64), ProtoError> {
+    let _held = tiers.begin_write(&t.spec.name, None).await;
+    let d = t.config.dim;
+    let (mut checked, mut replaced, mut erased) = (0u64, 0u64, 0u64);
+    let mut cursor = Some(hkv_proto::Cursor::default());
+    while let Some(c) = cursor {
+        // Writes of present keys and erases move no entry: the cursor stays valid.
+        let e = router.export(t, c, WALK_BATCH as u64, hkv_proto::Filter::default()).await?;
+        cursor = e.next;
+        if e.keys.is_empty() {
+            continue;
+        }
+        checked += e.keys.len() as u64;
+        let (b, k) = (tier.clone(), e.keys.clone());
+        let out = tiers.on_rt(async move { b.read(&k).await }).await?;
+        unanswered(&t.spec.name, &out, false)?;
+        let (mut gone, mut newer, mut rows, mut scores) = (vec![], vec![], vec![], vec![]);
+        for (i, &k) in e.keys.iter().enumerate() {
+            match out.fetched[i] {
+                Fetched::Found => {
+                    let (have, want) = (&e.values[i * d..(i + 1) * d], &out.values[i * d..(i + 1) * d]);
+                    if have.iter().zip(want).any(|(x, y)| x.to_bits() != y.to_bits()) {
+                        newer.push(k);
+                        rows.extend_from_slice(want);
+                        scores.push(out.scores[i]);
+                    }
+                }
+                _ => gone.push(k),
+            }
+        }
+        if !newer.is_empty() {
+            replaced += newer.len() as u64;
+            let scores = (t.config.policy == ScorePolicy::Custom).then_some(scores);
+            router.write(t, WriteOp::InsertOrAssign, newer, rows, scores, false).await?;
+        }
+        if !gone.is_empty() {
+            erased += gone.len() as u64;
+            router.erase(t, gone, false).await?;
+        }
+    }
+    Ok((checked, replaced, erased))
 }
 
 /// Keys of a walk of the cluster handled at once (erase_if, clear).

@@ -195,6 +195,8 @@ async fn control(
             let r = state.checkpoints.restore(state.router.clone(), id).await?;
             let r = r.ok_or_else(|| ProtoError::new(ErrorCode::NotFound, "there is no checkpoint to restore"))?;
             crate::backing::Tiers::log_unopened(&state.backing.sync(&state.router).await);
+            let names: Vec<String> = r.tables.iter().map(|(n, _)| n.clone()).collect();
+            state.backing.reconcile_restored(&state.router, &names).await;
             Ok(Response::Json(serde_json::to_vec(&r).expect("serializes")))
         }
         Control::Trace { table, seconds } => trace(state, &table, seconds, conn.gone()).await,

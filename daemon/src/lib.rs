@@ -333,6 +333,9 @@ async fn open_tiers_at_start(state: &State) -> anyhow::Result<()> {
         );
     }
     crate::backing::Tiers::log_unopened(&failed);
+    // Restored rows the cluster has since replaced or erased.
+    let names: Vec<String> = state.router.tables().iter().map(|t| t.spec.name.clone()).collect();
+    state.backing.reconcile_restored(&state.router, &names).await;
     Ok(())
 }
 

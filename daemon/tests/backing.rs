@@ -1507,3 +1507,46 @@ fn a_host_that_missed_trimmed_stream_entries_drops_its_cache() {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// A restored backed table's rows are checked against the cluster: a row
+/// another host wrote since the checkpoint is the cluster's, a row erased
+/// since is gone (a restore served the checkpoint's rows for good, erased
+/// ones included), at a runtime restore and at start; under write-back,
+/// rows the queue lost with a SIGKILL give way to the cluster's.
+#[test]
+fn a_restored_backed_table_serves_the_clusters_rows_not_older_ones() {
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let seeds = cluster.seed_arg();
+    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
+    let (mut ca, mut cb) = (a.client(), b.client());
+    ca.create_table(backed("rs", &seeds, BackingMode::WriteThrough)).unwrap();
+    cb.create_table(backed("rs", &seeds, BackingMode::WriteThrough)).unwrap();
+    ca.insert_or_assign("rs", &[1, 2, 3], &[1.0; 12], None).unwrap();
+    ca.checkpoint(true, false).unwrap();
+    cb.insert_or_assign("rs", &[1], &[2.0; 4], None).unwrap();
+    ca.erase("rs", &[2]).unwrap();
+    ca.restore(hkv_client::proto::CheckpointId::Latest).unwrap();
+    let f = ca.find("rs", &[1, 2, 3]).unwrap();
+    assert_eq!(f.found, vec![true, false, true], "the erased row stays erased");
+    assert_eq!(f.values, [[2.0; 4], [0.0; 4], [1.0; 4]].concat(), "the other host's row, then the unchanged one");
+
+    // Write-back, killed with rows queued that the cluster refused; a
+    // checkpoint holds them.
+    let mut w = Daemon::start(&[]);
+    let mut cw = w.client();
+    cw.create_table(backed("wb", &seeds, BackingMode::WriteBack)).unwrap();
+    cw.insert_or_assign("wb", &[1], &[1.0; 4], None).unwrap();
+    cw.flush("wb").unwrap();
+    let refuse = |n: &str| (0..3).for_each(|i| drop(cluster.cli(i, &["config", "set", "min-replicas-to-write", n])));
+    refuse("1");
+    cw.insert_or_assign("wb", &[1, 2], &[[100.0; 4], [200.0; 4]].concat(), None).unwrap();
+    cw.checkpoint(true, false).unwrap();
+    w.kill();
+    refuse("0");
+    let dir = std::mem::replace(&mut w.dir, tempfile::tempdir().unwrap());
+    let socket = w.socket.clone();
+    let w = Daemon::start_in(dir, socket, &[]);
+    let f = w.client().find("wb", &[1, 2]).unwrap();
+    assert_eq!(f.found, vec![true, false], "the lost window's row 2 is not served");
+    assert_eq!(f.values[..4], [1.0; 4], "row 1 is the cluster's");
+}
