@@ -59,6 +59,12 @@ pub fn parse_seeds(seeds: &[String]) -> Result<Vec<ConnectionInfo>, Error> {
                 return Err(bad("only redis:// (TCP) seeds name cluster nodes".into()));
             }
             let info = url.as_str().into_connection_info().map_err(|e| bad(e.to_string()))?;
+            if info.redis_settings().db() != 0 {
+                return Err(bad(format!(
+                    "database {}: a cluster has database 0 only (leave the path out)",
+                    info.redis_settings().db()
+                )));
+            }
             match info.addr() {
                 ConnectionAddr::Tcp(host, port) if !host.is_empty() && *port != 0 => Ok(info),
                 _ => Err(bad("a seed needs a host and a port".into())),
@@ -477,7 +483,9 @@ mod tests {
     fn seeds_are_checked() {
         let ok = parse_seeds(&["redis://127.0.0.1:7001".into(), "127.0.0.1:7002".into()]).unwrap();
         assert_eq!(ok.len(), 2);
-        for bad in ["", "http://x:1", "unix:///tmp/s", "redis://", "redis://h:notaport", "rediss://h:1"] {
+        for bad in
+            ["", "http://x:1", "unix:///tmp/s", "redis://", "redis://h:notaport", "rediss://h:1", "redis://h:1/5"]
+        {
             let e = parse_seeds(&[bad.to_string()]).unwrap_err();
             assert!(matches!(e, Error::BadUrl { .. }), "{bad:?} gave {e:?}");
         }

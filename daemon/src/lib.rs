@@ -228,12 +228,12 @@ pub fn run(mut config: Config) -> anyhow::Result<()> {
         if let Err(e) = state.backing.flush_all(drain).await {
             error!(
                 error = %e.message,
-                "backing: queued write-back rows did NOT all reach the cluster within drain_seconds; \
-                 they are lost with this exit"
+                "backing: queued write-back rows were NOT all acknowledged by the cluster within drain_seconds; \
+                 those not acknowledged are lost with this exit (rows still in flight may have landed)"
             );
             failed = Some(format!(
-                "write-back rows did not reach the cluster within {}s ({}); raise --drain-seconds \
-                 or bring the cluster back before stopping",
+                "write-back rows were not all acknowledged by the cluster within {}s ({}); raise \
+                 --drain-seconds or bring the cluster back before stopping",
                 drain.as_secs(),
                 e.message
             ));
