@@ -93,6 +93,12 @@ __device__ __forceinline__ void hkv_window_bit(const HkvTable& t, u64 pos, bool 
     *w = window ? (v | m) : (v & ~m);
 }
 
+// hkv_window_bit by a score's tier, as a call (__noinline__): the writer
+// kernels of every policy keep their registers (verbatim writes only).
+__device__ __noinline__ void hkv_window_bit_of(const HkvTable& t, u64 pos, u64 score) {
+    hkv_window_bit(t, pos, !(score & HKV_ADAPTIVE_MAIN));
+}
+
 __device__ __forceinline__ u64 hkv_on_insert(const HkvScoring& s, bool has, u64 input) {
     u64 hi = (u64)s.epoch << 32;
     switch (s.policy) {
@@ -833,12 +839,14 @@ __device__ __forceinline__ void hkv_window_oldest(const HkvTable& t, const HkvGr
     }
 }
 
-// Filling bucket b (locked; a newcomer takes a free slot): the window is
+// Filling bucket b (locked; a newcomer takes free slot fs): the window is
 // kept under its share, its oldest entries moving to the main tier. With
 // window bits (always, on an adaptive table) the count is their popcount
 // and only the window's scores are read; without, a scan of the bucket.
+// The newcomer's bit is set here (it enters the window).
 template <int G>
-__device__ __noinline__ void hkv_adapt_fill(const HkvTable& t, const HkvScoring& s, const HkvGroup<G>& g, u64 b) {
+__device__ __noinline__ void hkv_adapt_fill(const HkvTable& t, const HkvScoring& s, const HkvGroup<G>& g, u64 b,
+                                            int fs) {
     const int bound = (int)s.window - 1;
     if (!t.window_bits) {
         hkv_adapt_shrink<G>(t, g, b, bound, hkv_tiers<G>(t, g, b), false);
@@ -861,6 +869,7 @@ __device__ __noinline__ void hkv_adapt_fill(const HkvTable& t, const HkvScoring&
         w[o >> 5] &= ~(1u << (o & 31));
         --window;
     }
+    if (g.rank == 0) hkv_window_bit(t, b * 128 + fs, true);
     g.sync();
 }
 
@@ -916,6 +925,8 @@ __device__ __noinline__ void hkv_adapt_room(const HkvTable& t, const HkvScoring&
         } else {
             victim = r.ow;
         }
+        // The newcomer takes the victim's slot, in the window.
+        hkv_window_bit(t, base + victim, true);
     }
     *slot = g.bcast(victim, 0);
 }

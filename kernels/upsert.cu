@@ -167,7 +167,7 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
         if (g.rank == 0) {
             t.scores[pos] = ns;
             // A verbatim score may move the entry between tiers.
-            if (sc.verbatim) hkv_window_bit(t, pos, !(ns & HKV_ADAPTIVE_MAIN));
+            if (sc.verbatim && t.window_bits) hkv_window_bit_of(t, pos, ns);
         }
         out = HKV_UPDATED;
     } else {
@@ -181,7 +181,7 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
         // Both candidates full: a verbatim write relocates before it evicts.
         if (fs < 0 && sc.verbatim && b2 != b1) fs = hkv_relocate<G>(t, g, b1, b2, &tb);
         if (fs >= 0) {
-            if (adapt) hkv_adapt_fill<G>(t, sc, g, tb);
+            if (adapt) hkv_adapt_fill<G>(t, sc, g, tb, fs);
             b = tb;
             s = fs;
             out = HKV_INSERTED;
@@ -228,7 +228,9 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
                 t.keys[pos] = key;
                 t.digests[pos] = d;
                 t.scores[pos] = score;
-                hkv_window_bit(t, pos, !(score & HKV_ADAPTIVE_MAIN));
+                // Adaptive: hkv_adapt_fill / hkv_adapt_room set a policy
+                // newcomer's bit; a verbatim score may be either tier.
+                if (sc.verbatim && t.window_bits) hkv_window_bit_of(t, pos, score);
                 if (out == HKV_INSERTED) t.sizes[b] += 1;
             }
             if (mode != HKV_UP_FIND_OR_INSERT_PTR) hkv_copy_row<G, false>(row, vin, t.dim, g.rank);

@@ -64,6 +64,11 @@ impl Invalidations {
     /// The next entries of other writers, waiting up to 100 ms for one;
     /// empty when none came. Records each entry's staleness.
     pub async fn next(&mut self) -> Result<Vec<Invalidation>, Error> {
+        // This host's writes whose entries could not be appended: tried
+        // again here, as long as the table lives (its consumer's loop).
+        if self.core.has_unpublished() {
+            let _ = self.core.republish().await;
+        }
         let slot = crate::layout::slot(self.core.layout.table().as_bytes());
         let mut conn = match self.conn.take() {
             Some(c) => c,

@@ -232,6 +232,13 @@ pub(crate) struct Core {
     /// Keys whose queued set-if-absent row the cluster refused (it had a
     /// row already), for the cache to drop ([`Backing::take_conflicts`]).
     conflicts: parking_lot::Mutex<Vec<u64>>,
+    /// Stream entries of acknowledged writes that could not be appended
+    /// (the stream's node refused or was down), oldest first: appended
+    /// before the next entry, and retried by the table's stream consumer
+    /// ([`Core::republish`]), so that other hosts hear every write, late
+    /// rather than never.
+    /// Each: version, keys, acknowledgement time (µs).
+    unpublished: parking_lot::Mutex<std::collections::VecDeque<(u64, Vec<u8>, u64)>>,
 }
 
 /// Closes the queue when the last handle goes: the flusher then sends
@@ -315,6 +322,7 @@ impl Backing {
             origin,
             clock: AtomicU64::new(0),
             conflicts: parking_lot::Mutex::new(Vec::new()),
+            unpublished: parking_lot::Mutex::new(std::collections::VecDeque::new()),
         });
         if core.mode == Mode::WriteBack {
             tokio::spawn(flusher(core.clone()));
@@ -857,13 +865,37 @@ impl Core {
         }
     }
 
+    /// Publishes a write's entry after the entries still unpublished; one
+    /// that cannot be appended waits with them ([`Core::unpublished`]).
+    async fn publish(&self, version: u64, keys: &[u8]) -> Result<(), Error> {
+        self.unpublished.lock().push_back((version, keys.to_vec(), now_us()));
+        self.republish().await
+    }
+
+    /// Appends the unpublished entries, oldest first, stopping at the first
+    /// that fails (it and those after it wait for the next try).
+    pub(crate) async fn republish(&self) -> Result<(), Error> {
+        loop {
+            let Some((version, keys, acked)) = self.unpublished.lock().pop_front() else { return Ok(()) };
+            if let Err(e) = self.append(version, &keys, acked).await {
+                self.unpublished.lock().push_front((version, keys, acked));
+                return Err(e);
+            }
+        }
+    }
+
+    /// Whether entries wait to be appended.
+    pub(crate) fn has_unpublished(&self) -> bool {
+        !self.unpublished.lock().is_empty()
+    }
+
     /// Appends `{o: origin, v: version, t: ack µs, k: keys (u64 LE)}` to
     /// the table's stream, trimmed to about `stream_len` entries.
-    async fn publish(&self, version: u64, keys: &[u8]) -> Result<(), Error> {
+    async fn append(&self, version: u64, keys: &[u8], acked_us: u64) -> Result<(), Error> {
         let key = self.layout.stream_key();
         let mut cmd = redis::cmd("XADD");
         cmd.arg(&key).arg("MAXLEN").arg("~").arg(self.options.stream_len).arg("*");
-        cmd.arg("o").arg(self.origin).arg("v").arg(version).arg("t").arg(now_us()).arg("k").arg(keys);
+        cmd.arg("o").arg(self.origin).arg("v").arg(version).arg("t").arg(acked_us).arg("k").arg(keys);
         let r = self.cluster.one(crate::layout::slot(self.layout.table().as_bytes()), cmd).await;
         r.map(drop).inspect_err(|e| {
             if let Error::Unavailable { node, .. } = e {

@@ -1042,9 +1042,26 @@ pub async fn write(
             // in the cluster where it still has none (another host may
             // insert the same keys meanwhile), and here: the request's
             // rows, or the cluster's where another host's won.
-            let found = router.contains(t, keys.clone()).await?;
-            let (miss, rows) = tiers.fill(router, t, &tier, &keys, &found, false, held.as_ref(), None, None).await?;
             let d = t.config.dim;
+            let FindAnswer { found, values: mut have, .. } = router.find_rows(t, keys.clone(), false).await?;
+            let (miss, rows) =
+                tiers.fill(router, t, &tier, &keys, &found, false, held.as_ref(), None, Some(&mut have)).await?;
+            // The row a key has now (the cache's, else the cluster's) is its
+            // initial row too: the cache may not keep it through the batch
+            // (admission, or a batch larger than the cache evicting its own
+            // keys), and its find_or_insert then inserts or answers this.
+            let custom = t.config.policy == ScorePolicy::Custom;
+            for i in (0..keys.len()).filter(|&i| found[i] == 1) {
+                values[i * d..(i + 1) * d].copy_from_slice(&have[i * d..(i + 1) * d]);
+            }
+            for (j, &i) in miss.iter().enumerate() {
+                if rows.fetched[j] == Fetched::Found {
+                    values[i * d..(i + 1) * d].copy_from_slice(&have[i * d..(i + 1) * d]);
+                    if let (Some(s), Some(&got)) = (scores.as_mut().filter(|_| custom), rows.scores.get(j)) {
+                        s[i] = got;
+                    }
+                }
+            }
             let new: Vec<usize> =
                 miss.iter().zip(&rows.fetched).filter(|(_, f)| **f == Fetched::Absent).map(|(&i, _)| i).collect();
             let nk: Vec<u64> = new.iter().map(|&i| keys[i]).collect();
@@ -1052,7 +1069,6 @@ pub async fn write(
             let ns: Vec<u64> = scores.as_ref().map(|s| new.iter().map(|&i| s[i]).collect()).unwrap_or_default();
             if tier.mode() != Mode::ReadOnly {
                 let theirs = tiers.insert_absent(&tier, nk, nv, ns).await?;
-                let custom = t.config.policy == ScorePolicy::Custom;
                 for (j, &i) in new.iter().enumerate() {
                     if theirs.fetched[j] != Fetched::Found {
                         continue;
@@ -1066,43 +1082,75 @@ pub async fn write(
             router.write(t, op, keys, values, scores, outcomes).await
         }
         WriteOp::AccumOrAssign => {
-            // A key only the cluster has is read into the cache first (as
-            // apply_gradients does), so that its delta adds to the
-            // cluster's row instead of replacing it; the cluster then gets
-            // the rows as they are after the deltas.
-            let found = router.contains(t, keys.clone()).await?;
+            // Read, add, write: each key's row now is the cache's, else
+            // the cluster's (a row only the cluster has counts as
+            // present); the request's deltas add to it in order (a key
+            // given twice adds both), an absent key takes its delta as its
+            // row. The rows go to the cluster first, then into the cache,
+            // so a row the cache cannot keep (admission, or a batch larger
+            // than the cache) is still in the cluster with its deltas.
+            let n = keys.len();
             let d = t.config.dim;
-            let mut fetched = vec![0f32; keys.len() * d];
+            let FindAnswer { found, values: mut base, .. } = router.find_rows(t, keys.clone(), false).await?;
             let (miss, rows) =
-                tiers.fill(router, t, &tier, &keys, &found, false, held.as_ref(), None, Some(&mut fetched)).await?;
-            // A row the cluster has that the cache did not keep (the fill
-            // evicted it again in a small cache, or admission refused it):
-            // its delta adds to the fetched row here (once per key), so
-            // that the cache's assign of an absent key writes the sum.
-            let now = router.contains(t, keys.clone()).await?;
-            let mut added = std::collections::HashSet::new();
+                tiers.fill(router, t, &tier, &keys, &found, false, held.as_ref(), None, Some(&mut base)).await?;
+            let mut exists: Vec<bool> = found.iter().map(|&f| f == 1).collect();
             for (j, &i) in miss.iter().enumerate() {
-                if rows.fetched[j] == Fetched::Found && now[i] == 0 && added.insert(keys[i]) {
-                    for e in i * d..(i + 1) * d {
-                        values[e] += fetched[e];
+                exists[i] |= rows.fetched[j] == Fetched::Found;
+            }
+            let (mut uk, mut urows, mut uscores) = (Vec::new(), Vec::new(), Vec::new());
+            let mut at: HashMap<u64, usize> = HashMap::with_capacity(n);
+            let mut first = vec![false; n];
+            for i in 0..n {
+                let delta = &values[i * d..(i + 1) * d];
+                match at.get(&keys[i]) {
+                    Some(&u) => {
+                        urows[u * d..(u + 1) * d].iter_mut().zip(delta).for_each(|(r, x)| *r += x);
+                        if let Some(s) = &scores {
+                            uscores[u] = s[i];
+                        }
+                    }
+                    None => {
+                        at.insert(keys[i], uk.len());
+                        first[i] = true;
+                        uk.push(keys[i]);
+                        if exists[i] {
+                            urows.extend(base[i * d..(i + 1) * d].iter().zip(delta).map(|(r, x)| r + x));
+                        } else {
+                            urows.extend_from_slice(delta);
+                        }
+                        uscores.push(scores.as_ref().map_or(0, |s| s[i]));
                     }
                 }
             }
-            let r = router.write(t, op, keys.clone(), values, scores, outcomes).await?;
-            let FindAnswer { found, values, scores: got } = router.find_rows(t, keys.clone(), true).await?;
-            let d = t.config.dim;
-            let have: Vec<usize> = (0..keys.len()).filter(|&i| found[i] == 1).collect();
-            let got = got.unwrap_or_default();
             let sent = tiers
-                .write(
-                    &tier,
-                    have.iter().map(|&i| keys[i]).collect(),
-                    have.iter().flat_map(|&i| values[i * d..(i + 1) * d].iter().copied()).collect(),
-                    have.iter().map(|&i| got.get(i).copied().unwrap_or(0)).collect(),
-                )
+                .write(&tier, uk.clone(), urows.clone(), if scores.is_some() { uscores.clone() } else { Vec::new() })
                 .await;
             refused_write(router, t, &keys, sent).await?;
-            Ok(r)
+            let w =
+                router.write(t, WriteOp::InsertOrAssign, uk, urows, scores.is_some().then_some(uscores), true).await?;
+            let placed = w.outcomes.unwrap_or_default();
+            // Per request key: present before (here or in the cluster), or
+            // a repeat of a key, is updated; else what the cache did.
+            let mut summary = hkv_proto::Summary::default();
+            let per: Vec<u8> = (0..n)
+                .map(|i| {
+                    let o = if exists[i] || !first[i] {
+                        hkv_shard::Outcome::Updated as u8
+                    } else {
+                        placed.get(at[&keys[i]]).copied().unwrap_or(hkv_shard::Outcome::Inserted as u8)
+                    };
+                    match o {
+                        x if x == hkv_shard::Outcome::Updated as u8 => summary.updated += 1,
+                        x if x == hkv_shard::Outcome::Inserted as u8 => summary.inserted += 1,
+                        x if x == hkv_shard::Outcome::Evicted as u8 => summary.evicted += 1,
+                        x if x == hkv_shard::Outcome::Rejected as u8 => summary.rejected += 1,
+                        _ => summary.absent += 1,
+                    }
+                    o
+                })
+                .collect();
+            Ok(WriteAnswer { summary, outcomes: outcomes.then_some(per), values: None, evicted: None })
         }
         WriteOp::Assign => {
             // Assign changes rows that exist: on a backed table, those the
@@ -1231,7 +1279,9 @@ pub async fn erase(
     let _held = tiers.begin_write(&t.spec.name, Some(&keys)).await;
     if tier.mode() != Mode::ReadOnly && !keys.is_empty() {
         let (b, k) = (tier.clone(), keys.clone());
-        tiers.on_rt(async move { b.erase(&k).await }).await?.map_err(wire)?;
+        let sent = tiers.on_rt(async move { b.erase(&k).await }).await?.map_err(wire);
+        // Refused by some node: others may have erased their rows.
+        refused_write(router, t, &keys, sent).await?;
     }
     router.erase(t, keys, outcomes).await
 }
@@ -1315,6 +1365,31 @@ pub async fn erase_if(
             _ => Ok(0),
         };
     }
+    let walked = erase_if_walk(router, tiers, tier, t, filter).await;
+    if let Err(mut e) = walked {
+        if e.code == ErrorCode::BackingUnavailable {
+            // Some nodes may have erased their matching rows: the cache's
+            // go too, so that reads return whichever rows the cluster kept.
+            router.execute(Request::EraseIf { table: t.spec.name.clone(), filter }).await?;
+            e.message = format!(
+                "{}; the erase may have reached some of the cluster's nodes: the matching rows were dropped from \
+                 this cache, so that reads return whichever rows the cluster kept",
+                e.message
+            );
+        }
+        return Err(e);
+    }
+    walked
+}
+
+/// erase_if's erases in the cluster and the cache (the table held).
+async fn erase_if_walk(
+    router: &Arc<Router>,
+    tiers: &Tiers,
+    tier: &Backing,
+    t: &Arc<Table>,
+    filter: hkv_proto::Filter,
+) -> Result<u64, ProtoError> {
     let mut scan = tiers.walk(tier).await?;
     let mut erased = 0u64;
     let mut cursor = Some(hkv_proto::Cursor::default());
@@ -1365,9 +1440,26 @@ pub async fn clear(router: &Arc<Router>, tiers: &Tiers, tier: &Backing, t: &Arc<
     invalidate(router, tiers, t, None).await?;
     let _held = tiers.begin_write(&t.spec.name, None).await;
     if tier.mode() != Mode::ReadOnly {
-        let mut scan = tiers.walk(tier).await?;
-        while let Some(keys) = tiers.walk_next(tier, &mut scan).await? {
-            tiers.erase_now(tier, keys).await?;
+        let walked = async {
+            let mut scan = tiers.walk(tier).await?;
+            while let Some(keys) = tiers.walk_next(tier, &mut scan).await? {
+                tiers.erase_now(tier, keys).await?;
+            }
+            Ok::<(), ProtoError>(())
+        }
+        .await;
+        if let Err(mut e) = walked {
+            if e.code == ErrorCode::BackingUnavailable {
+                // Some rows may be gone from the cluster: the cache clears
+                // too, so that reads return whichever rows the cluster kept.
+                router.execute(Request::Clear { table: t.spec.name.clone() }).await?;
+                e.message = format!(
+                    "{}; the clear may have erased part of the cluster's rows: this cache was cleared, so that \
+                     reads return whichever rows the cluster kept",
+                    e.message
+                );
+            }
+            return Err(e);
         }
     }
     router.execute(Request::Clear { table: t.spec.name.clone() }).await.map(drop)

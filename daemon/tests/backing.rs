@@ -1431,6 +1431,30 @@ fn accum_and_assign_reach_rows_only_the_cluster_has() {
             let wrong = f.values.chunks(4).zip(want.chunks(4)).filter(|(x, y)| x != y).count();
             assert_eq!(wrong, 0, "{name}: {who} reads every row plus its delta");
         }
+        // One request of every key, 8 times the cache: each row still gets its delta.
+        let twice: Vec<f32> = keys.iter().flat_map(|_| [1.0, 0.0, 0.0, 0.0]).collect();
+        let s = ca.accum_or_assign(&name, &keys, &twice, None).unwrap();
+        assert_eq!(s.updated, 3000, "{name}: {s:?}");
+        ca.flush(&name).unwrap();
+        let want2: Vec<f32> = keys.iter().flat_map(|&k| [k as f32 + 6.0, 1.0, -1.0, 0.5]).collect();
+        // B cached the rows above: it reads the new ones once A's stream entries reach it.
+        let start = Instant::now();
+        loop {
+            let f = cb.find(&name, &keys).unwrap();
+            let wrong = f.values.chunks(4).zip(want2.chunks(4)).filter(|(x, y)| x != y).count();
+            if wrong == 0 {
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "{name}: a request larger than the cache lost {wrong} deltas"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // find_or_insert of keys the cluster has, 8 times the cache: the cluster's rows, never the defaults.
+        let (_, got) = ca.find_or_insert(&name, &keys, &vec![-5.0; keys.len() * 4], None).unwrap();
+        let wrong = got.chunks(4).zip(want2.chunks(4)).filter(|(x, y)| x != y).count();
+        assert_eq!(wrong, 0, "{name}: find_or_insert answered rows that are not the cluster's");
         // assign: every row the cluster has is updated; a key in neither is absent.
         let mut ak = keys[..600].to_vec();
         ak.push(9_000_001);
@@ -1445,6 +1469,27 @@ fn accum_and_assign_reach_rows_only_the_cluster_has() {
         assert!(f.found[..600].iter().all(|&x| x) && !f.found[600], "{name}: nothing written for the absent key");
         assert!(f.values[..2400].iter().all(|&v| v == 7.0), "{name}: assigned rows reached the cluster");
     }
+    // An lfu cache full of frequent rows refuses newcomers (admission):
+    // find_or_insert and accum_or_assign of rows only the cluster has
+    // still answer and keep the cluster's rows.
+    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
+    let (mut ca, mut cb) = (a.client(), b.client());
+    let mut lfu = backed("acc-lfu", &seeds, BackingMode::WriteThrough);
+    lfu.capacity = 384;
+    lfu.policy = "lfu".parse().unwrap();
+    ca.create_table(lfu).unwrap();
+    cb.create_table(backed("acc-lfu", &seeds, BackingMode::WriteThrough)).unwrap();
+    let hot: Vec<u64> = (1..=2000u64).collect();
+    ca.insert_or_assign("acc-lfu", &hot, &vec![0.0; 8000], Some(&vec![1000; 2000])).unwrap();
+    let cold: Vec<u64> = (10_000..10_010u64).collect();
+    let rows: Vec<f32> = cold.iter().flat_map(|&k| [k as f32, 0.0, 0.0, 0.0]).collect();
+    cb.insert_or_assign("acc-lfu", &cold, &rows, None).unwrap();
+    let (_, got) = ca.find_or_insert("acc-lfu", &cold, &vec![-5.0; 40], None).unwrap();
+    assert_eq!(got, rows, "lfu: find_or_insert answered the defaults, not the cluster's rows");
+    let s = ca.accum_or_assign("acc-lfu", &cold, &vec![1.0; 40], None).unwrap();
+    assert_eq!(s.updated, 10, "{s:?}");
+    let plus: Vec<f32> = rows.iter().map(|x| x + 1.0).collect();
+    assert_eq!(cb.find("acc-lfu", &cold).unwrap().values, plus, "lfu: every delta reached the cluster");
 }
 
 /// A write-through write that the cluster refuses on one node may have
@@ -1473,6 +1518,15 @@ fn a_write_refused_by_one_node_leaves_no_row_that_differs_from_the_cluster() {
     assert_eq!(differ, 0, "A serves the rows the cluster kept");
     let new = fb.values.chunks(4).filter(|r| r[0] == 777.0).count();
     assert!(new > 0 && new < 200, "the write reached some nodes and not others: {new} of 200");
+    // The same for an erase: the keys leave this cache too.
+    cluster.cli(1, &["config", "set", "min-replicas-to-write", "1"]).unwrap();
+    let e = ca.erase("pf", &keys).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::BackingUnavailable), "{e}");
+    cluster.cli(1, &["config", "set", "min-replicas-to-write", "0"]).unwrap();
+    let (fa, fb) = (ca.find("pf", &keys).unwrap(), cb.find("pf", &keys).unwrap());
+    assert_eq!(fa.found, fb.found, "A finds exactly the rows the cluster kept");
+    let kept = fa.found.iter().filter(|&&x| x).count();
+    assert!(kept > 0 && kept < 200, "the erase reached some nodes and not others: {kept} of 200 kept");
 }
 
 /// A host whose stream consumer fell behind past the stream's trimming
@@ -1549,4 +1603,36 @@ fn a_restored_backed_table_serves_the_clusters_rows_not_older_ones() {
     let f = w.client().find("wb", &[1, 2]).unwrap();
     assert_eq!(f.found, vec![true, false], "the lost window's row 2 is not served");
     assert_eq!(f.values[..4], [1.0; 4], "row 1 is the cluster's");
+}
+
+/// A write whose rows landed while the stream's node refused its entry
+/// (the request failed) is still heard by other hosts once the node
+/// accepts again: the entry is appended late rather than never (other
+/// hosts served the replaced rows for good).
+#[test]
+fn a_write_whose_stream_entry_was_refused_is_heard_later() {
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let seeds = cluster.seed_arg();
+    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
+    let (mut ca, mut cb) = (a.client(), b.client());
+    ca.create_table(backed("sn", &seeds, BackingMode::WriteThrough)).unwrap();
+    cb.create_table(backed("sn", &seeds, BackingMode::ReadOnly)).unwrap();
+    let keys: Vec<u64> = (1..=200u64).collect();
+    ca.insert_or_assign("sn", &keys, &vec![1.0; 800], None).unwrap();
+    assert_eq!(cb.find("sn", &keys).unwrap().values, vec![1.0; 800], "B caches the rows");
+    let owner =
+        (0..3).find(|&i| cluster.cli(i, &["exists", "hkv:{sn}:stream"]).is_ok_and(|o| o.trim() == "1")).unwrap();
+    cluster.cli(owner, &["config", "set", "min-replicas-to-write", "1"]).unwrap();
+    assert!(ca.insert_or_assign("sn", &keys, &vec![4.0; 800], None).is_err(), "the stream's node refused");
+    cluster.cli(owner, &["config", "set", "min-replicas-to-write", "0"]).unwrap();
+    let c = Daemon::start(&[]);
+    let mut cc = c.client();
+    cc.create_table(backed("sn", &seeds, BackingMode::ReadOnly)).unwrap();
+    let truth = cc.find("sn", &keys).unwrap().values;
+    assert!(truth.contains(&4.0), "some rows landed on the nodes that accepted");
+    let start = Instant::now();
+    while cb.find("sn", &keys).unwrap().values != truth {
+        assert!(start.elapsed() < Duration::from_secs(10), "B never heard the write whose stream entry was refused");
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }

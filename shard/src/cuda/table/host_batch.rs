@@ -224,8 +224,16 @@ impl CudaTable {
         };
         self.k_adapt_age(&s, st)?;
         if !verbatim {
-            let pass = |i: usize| only.is_none_or(|o| o[i] != 0);
-            self.adapt_observe(st, n, |i| pass(i).then_some(keys[i]));
+            match only {
+                // Sampled on the device from the uploaded keys, behind the
+                // batch (a filter of every key on the host took longer than
+                // the batch's kernels on the H200).
+                // SAFETY: the keys were uploaded above, n of them, into the
+                // lane's buffer, which stays until the stream has run this.
+                None => unsafe { self.adapt_sample_device(&s, st, p.keys.expect("keys uploaded"), n, None, None) }?,
+                // (The lane's flag buffer went to the rounds: filtered here.)
+                Some(o) => self.adapt_observe(st, n, |i| (o[i] != 0).then_some(keys[i])),
+            }
         }
         let rows = match values {
             Rows::InOut(_) => Some(Self::fetch(&s, &mut l.stage, &l.values, n * dim)?),

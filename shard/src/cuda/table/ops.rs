@@ -499,6 +499,13 @@ impl CudaTable {
             }
             // SAFETY: keys uploaded, values / flags / scores sized above for these n keys
             unsafe { self.k_lookup(&s, st, n as u64, p) }?;
+            if self.config.refreshes_reads() {
+                // Adaptive: the hits the sketch counted, to the window
+                // share's miniatures, sampled on the device behind the find.
+                // SAFETY: keys and found flags are the lane's, n each, kept
+                // until the stream has run this.
+                unsafe { self.adapt_sample_device(&s, st, base.keys.expect("keys uploaded"), n, None, p.found) }?;
+            }
             let direct = pinned;
             let f = Self::fetch(&s, &mut l.stage, &l.flags, n)?;
             let v = if direct { None } else { Some(Self::fetch(&s, &mut l.stage, &l.values, n * dim)?) };
@@ -509,11 +516,6 @@ impl CudaTable {
             }
             for (o, x) in found.iter_mut().zip(l.stage.read(&f)) {
                 *o = *x != 0;
-            }
-            if self.config.refreshes_reads() {
-                // Adaptive: the hits the sketch counted, to the window share's miniatures.
-                let found = &*found;
-                self.adapt_observe(st, n, |i| found[i].then_some(keys[i]));
             }
             if direct && c.hits == n as u64 {
                 let bytes = std::mem::size_of_val(values);
