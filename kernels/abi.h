@@ -143,7 +143,6 @@ struct HkvTable {
     u32 dual;
     u32 pad;
     const u32* order;  // per launch: thread slot j serves key order[j] (null: key j)
-    u32* window_bits;  // adaptive: 4 words per bucket, bit s: slot s is a window entry (else null)
 };
 
 // How written keys are scored.
@@ -197,7 +196,7 @@ struct HkvStep {
 // ---- the layout list, and its asserts ------------------------------------------
 
 #define HKV_ABI_LAYOUT(SIZE, AT)      \
-    SIZE(HkvTable, 104)               \
+    SIZE(HkvTable, 96)                \
     AT(HkvTable, digests, 0)          \
     AT(HkvTable, keys, 8)             \
     AT(HkvTable, scores, 16)          \
@@ -212,7 +211,6 @@ struct HkvStep {
     AT(HkvTable, dual, 80)            \
     AT(HkvTable, pad, 84)             \
     AT(HkvTable, order, 88)           \
-    AT(HkvTable, window_bits, 96)     \
     SIZE(HkvScoring, 48)              \
     AT(HkvScoring, now_ns, 0)         \
     AT(HkvScoring, policy, 8)         \

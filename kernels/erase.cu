@@ -25,7 +25,6 @@ __device__ __forceinline__ void erase_one(const HkvTable& t, const u64* keys, u6
         t.keys[pos] = HKV_EMPTY_KEY;
         t.digests[pos] = hkv_empty_digest();
         t.scores[pos] = 0;
-        hkv_window_bit(t, pos, false);
         t.sizes[b] -= 1;
     }
     hkv_unlock2(t, g, b1, b2);
@@ -57,8 +56,6 @@ extern "C" __global__ void erase_if(HkvTable t, HkvFilter f, u64* counters) {
                 t.keys[pos] = HKV_EMPTY_KEY;
                 t.digests[pos] = hkv_empty_digest();
                 t.scores[pos] = 0;
-                // Lanes share a bucket's words: an atomic clear.
-                if (t.window_bits) atomicAnd(t.window_bits + (pos >> 5), ~(1u << (pos & 31)));
                 removed++;
             }
         }
@@ -71,14 +68,13 @@ extern "C" __global__ void erase_if(HkvTable t, HkvFilter f, u64* counters) {
     hkv_flush_counters(hkv_cnt, counters);
 }
 
-// Every slot free, sizes, locks and window bits zero.
+// Every slot free, sizes and locks zero.
 extern "C" __global__ void clear_table(HkvTable t) {
     u64 pos = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (pos >= t.nbuckets * 128) return;
     t.keys[pos] = HKV_EMPTY_KEY;
     t.digests[pos] = hkv_empty_digest();
     t.scores[pos] = 0;
-    if (t.window_bits && (pos & 31) == 0) t.window_bits[pos >> 5] = 0;
     if ((pos & 127) == 0) {
         t.sizes[pos >> 7] = 0;
         t.locks[pos >> 7] = 0;

@@ -80,25 +80,6 @@ __device__ __forceinline__ u64 hkv_lfu(const HkvScoring& s, u64 f) {
 // Adaptive: the bit of a protected main-tier entry (score::ADAPTIVE_PROTECTED); clear: probation.
 #define HKV_ADAPTIVE_PROTECTED (1ULL << 62)
 
-// Adaptive: records whether position pos holds a window entry (occupied,
-// HKV_ADAPTIVE_MAIN clear) in t.window_bits; nothing for other policies
-// (null). Every write that fills or empties a slot, or sets or clears its
-// main bit, calls it, under the bucket's lock (a plain read-modify-write:
-// a bucket's 4 words are its own), so that the bits equal the scores.
-__device__ __forceinline__ void hkv_window_bit(const HkvTable& t, u64 pos, bool window) {
-    if (!t.window_bits) return;
-    u32* w = t.window_bits + (pos >> 5);
-    u32 m = 1u << (pos & 31);
-    u32 v = __ldcg(w);
-    *w = window ? (v | m) : (v & ~m);
-}
-
-// hkv_window_bit by a score's tier, as a call (__noinline__): the writer
-// kernels of every policy keep their registers (verbatim writes only).
-__device__ __noinline__ void hkv_window_bit_of(const HkvTable& t, u64 pos, u64 score) {
-    hkv_window_bit(t, pos, !(score & HKV_ADAPTIVE_MAIN));
-}
-
 __device__ __forceinline__ u64 hkv_on_insert(const HkvScoring& s, bool has, u64 input) {
     u64 hi = (u64)s.epoch << 32;
     switch (s.policy) {
@@ -795,10 +776,7 @@ template <int G>
 __device__ __forceinline__ HkvTiers hkv_adapt_shrink(const HkvTable& t, const HkvGroup<G>& g, u64 b, int bound,
                                                      HkvTiers r, bool after) {
     while (r.window > bound && r.ow >= 0) {
-        if (g.rank == 0) {
-            t.scores[b * 128 + r.ow] = r.ows | HKV_ADAPTIVE_MAIN;
-            hkv_window_bit(t, b * 128 + r.ow, false);
-        }
+        if (g.rank == 0) t.scores[b * 128 + r.ow] = r.ows | HKV_ADAPTIVE_MAIN;
         g.sync();
         if (!after && r.window - 1 <= bound) {
             --r.window;
@@ -809,67 +787,11 @@ __device__ __forceinline__ HkvTiers hkv_adapt_shrink(const HkvTable& t, const Hk
     return r;
 }
 
-// The oldest window entry of bucket b (minimum score, lowest slot on
-// ties, as hkv_tiers' ow / ows), from its window bits w (4 words): each
-// thread of the group reads the scores of the window slots among its own
-// 128 / G, so that only the window's scores are read, not the bucket's.
+// Filling bucket b (locked; a newcomer takes a free slot): the window is
+// kept under its share, its oldest entries moving to the main tier.
 template <int G>
-__device__ __forceinline__ void hkv_window_oldest(const HkvTable& t, const HkvGroup<G>& g, u64 b, const u32* w,
-                                                  u64* v, int* o) {
-    constexpr int P = 128 / G;
-    const int first = (int)g.rank * P;
-    *v = 0xFFFFFFFFFFFFFFFFULL;
-    *o = -1;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        int lo = first > 32 * k ? first - 32 * k : 0;
-        int hi = first + P < 32 * (k + 1) ? first + P - 32 * k : 32;
-        if (lo >= hi) continue;
-        u32 m = w[k] & ((hi - lo == 32 ? 0xFFFFFFFFu : ((1u << (hi - lo)) - 1)) << lo);
-        for (; m; m &= m - 1) {
-            int s = 32 * k + __ffs(m) - 1;
-            hkv_tiers_min(v, o, __ldcg(t.scores + b * 128 + s), s);
-        }
-    }
-#pragma unroll
-    for (int off = G / 2; off > 0; off >>= 1) {
-        u64 v2 = __shfl_xor_sync(g.mask, *v, off, G);
-        int o2 = __shfl_xor_sync(g.mask, *o, off, G);
-        hkv_tiers_min(v, o, v2, o2);
-    }
-}
-
-// Filling bucket b (locked; a newcomer takes free slot fs): the window is
-// kept under its share, its oldest entries moving to the main tier. With
-// window bits (always, on an adaptive table) the count is their popcount
-// and only the window's scores are read; without, a scan of the bucket.
-// The newcomer's bit is set here (it enters the window).
-template <int G>
-__device__ __noinline__ void hkv_adapt_fill(const HkvTable& t, const HkvScoring& s, const HkvGroup<G>& g, u64 b,
-                                            int fs) {
-    const int bound = (int)s.window - 1;
-    if (!t.window_bits) {
-        hkv_adapt_shrink<G>(t, g, b, bound, hkv_tiers<G>(t, g, b), false);
-        g.sync();
-        return;
-    }
-    u32 w[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) w[k] = __ldcg(t.window_bits + b * 4 + k);
-    int window = __popc(w[0]) + __popc(w[1]) + __popc(w[2]) + __popc(w[3]);
-    while (window > bound) {
-        u64 v;
-        int o;
-        hkv_window_oldest<G>(t, g, b, w, &v, &o);
-        if (o < 0) break;
-        if (g.rank == 0) {
-            t.scores[b * 128 + o] = v | HKV_ADAPTIVE_MAIN;
-            hkv_window_bit(t, b * 128 + o, false);
-        }
-        w[o >> 5] &= ~(1u << (o & 31));
-        --window;
-    }
-    if (g.rank == 0) hkv_window_bit(t, b * 128 + fs, true);
+__device__ __noinline__ void hkv_adapt_fill(const HkvTable& t, const HkvScoring& s, const HkvGroup<G>& g, u64 b) {
+    hkv_adapt_shrink<G>(t, g, b, (int)s.window - 1, hkv_tiers<G>(t, g, b), false);
     g.sync();
 }
 
@@ -915,7 +837,6 @@ __device__ __noinline__ void hkv_adapt_room(const HkvTable& t, const HkvScoring&
             if (hkv_frequency(s, __ldcg(t.keys + base + r.ow)) >
                 hkv_frequency(s, __ldcg(t.keys + base + r.om)) + HKV_ADAPT_ADMIT_MARGIN) {
                 t.scores[base + r.ow] = r.ows | HKV_ADAPTIVE_MAIN;
-                hkv_window_bit(t, base + r.ow, false);
                 victim = r.om;
             } else {
                 victim = r.ow;
@@ -925,8 +846,6 @@ __device__ __noinline__ void hkv_adapt_room(const HkvTable& t, const HkvScoring&
         } else {
             victim = r.ow;
         }
-        // The newcomer takes the victim's slot, in the window.
-        hkv_window_bit(t, base + victim, true);
     }
     *slot = g.bcast(victim, 0);
 }

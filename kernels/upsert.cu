@@ -56,14 +56,11 @@ __device__ __forceinline__ void hkv_move(const HkvTable& t, const HkvGroup<G>& g
         u64 bf = from / 128, bt = to / 128;
         t.keys[to] = __ldcg(t.keys + from);
         t.digests[to] = __ldcg(t.digests + from);
-        u64 sc = __ldcg(t.scores + from);
-        t.scores[to] = sc;
-        hkv_window_bit(t, to, !(sc & HKV_ADAPTIVE_MAIN));
+        t.scores[to] = __ldcg(t.scores + from);
         t.sizes[bt] = __ldcg(t.sizes + bt) + 1;
         t.keys[from] = HKV_EMPTY_KEY;
         t.digests[from] = hkv_empty_digest();
         t.scores[from] = 0;
-        hkv_window_bit(t, from, false);
         t.sizes[bf] = __ldcg(t.sizes + bf) - 1;
     }
     g.sync();
@@ -164,11 +161,7 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
         else if (mode == HKV_UP_FIND_OR_INSERT) hkv_copy_row<G, true>(vin, row, t.dim, g.rank);
         else if (mode == HKV_UP_ACCUM) hkv_add_row<G>(row, vin, t.dim, g.rank);
         ptr = (u64)row;
-        if (g.rank == 0) {
-            t.scores[pos] = ns;
-            // A verbatim score may move the entry between tiers.
-            if (sc.verbatim && t.window_bits) hkv_window_bit_of(t, pos, ns);
-        }
+        if (g.rank == 0) t.scores[pos] = ns;
         out = HKV_UPDATED;
     } else {
         u64 score = sc.verbatim ? in : hkv_on_insert(sc, has, in);
@@ -181,7 +174,7 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
         // Both candidates full: a verbatim write relocates before it evicts.
         if (fs < 0 && sc.verbatim && b2 != b1) fs = hkv_relocate<G>(t, g, b1, b2, &tb);
         if (fs >= 0) {
-            if (adapt) hkv_adapt_fill<G>(t, sc, g, tb, fs);
+            if (adapt) hkv_adapt_fill<G>(t, sc, g, tb);
             b = tb;
             s = fs;
             out = HKV_INSERTED;
@@ -228,9 +221,6 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
                 t.keys[pos] = key;
                 t.digests[pos] = d;
                 t.scores[pos] = score;
-                // Adaptive: hkv_adapt_fill / hkv_adapt_room set a policy
-                // newcomer's bit; a verbatim score may be either tier.
-                if (sc.verbatim && t.window_bits) hkv_window_bit_of(t, pos, score);
                 if (out == HKV_INSERTED) t.sizes[b] += 1;
             }
             if (mode != HKV_UP_FIND_OR_INSERT_PTR) hkv_copy_row<G, false>(row, vin, t.dim, g.rank);

@@ -29,8 +29,6 @@ pub(super) struct TableArgs {
     ///
     /// [`CudaTable::key_order`]: super::CudaTable::key_order
     pub(super) order: u64,
-    /// Adaptive: the buckets' window-slot bits (0 for other policies).
-    pub(super) window_bits: u64,
 }
 
 /// `HkvScoring` of `kernels/abi.h`.

@@ -15,8 +15,6 @@ pub(super) struct Storage {
     pub(super) scores: CudaSlice<u64>,
     pub(super) sizes: CudaSlice<i32>,
     pub(super) locks: CudaSlice<i32>,
-    /// Adaptive: 4 words per bucket, a bit per window slot (`HkvTable::window_bits`).
-    pub(super) window_bits: Option<CudaSlice<u32>>,
     pub(super) fast: Option<CudaSlice<f32>>,
     pub(super) host: Vec<PinnedHostSlice<f32>>,
     pub(super) _slice_ptrs: CudaSlice<u64>,
@@ -50,13 +48,6 @@ impl Storage {
         let scores = stream.alloc_zeros::<u64>(slots as usize).map_err(al("allocating scores"))?;
         let sizes = stream.alloc_zeros::<i32>(nbuckets as usize).map_err(al("allocating bucket sizes"))?;
         let locks = stream.alloc_zeros::<i32>(nbuckets as usize).map_err(al("allocating bucket locks"))?;
-        // Adaptive: which slots hold window entries, so that an insert
-        // finds the window's oldest without scanning the bucket's scores.
-        let window_bits = if config.policy == ScorePolicy::Adaptive {
-            Some(stream.alloc_zeros::<u32>(nbuckets as usize * 4).map_err(al("allocating window bits"))?)
-        } else {
-            None
-        };
         let fast = if fast_slots > 0 {
             Some(stream.alloc_zeros::<f32>((fast_slots * dim) as usize).map_err(al("allocating device values"))?)
         } else {
@@ -97,7 +88,6 @@ impl Storage {
             dual: (config.mode == BucketMode::Dual) as u32,
             pad: 0,
             order: 0,
-            window_bits: opt_ptr(&window_bits, stream),
         };
         let st = Storage {
             digests,
@@ -105,7 +95,6 @@ impl Storage {
             scores,
             sizes,
             locks,
-            window_bits,
             fast,
             host,
             _slice_ptrs: dslices,
@@ -117,8 +106,7 @@ impl Storage {
         let mut l = stream.launch_builder(clear);
         l.arg(&st.args);
         // SAFETY: clear_table(t) writes keys, digests and scores of positions
-        // < nbuckets * 128, sizes / locks of buckets < nbuckets and (when
-        // non-null) window bits of words < nbuckets * 4, all inside
+        // < nbuckets * 128 and sizes / locks of buckets < nbuckets, all inside
         // the buffers just allocated with exactly those lengths.
         unsafe { l.launch(blocks(slots)?) }.map_err(dev_err("launching clear_table"))?;
         stream.synchronize().map_err(dev_err("initialising the table"))?;
