@@ -1484,9 +1484,9 @@ fn accum_and_assign_reach_rows_only_the_cluster_has() {
     let cold: Vec<u64> = (10_000..10_010u64).collect();
     let rows: Vec<f32> = cold.iter().flat_map(|&k| [k as f32, 0.0, 0.0, 0.0]).collect();
     cb.insert_or_assign("acc-lfu", &cold, &rows, None).unwrap();
-    let (_, got) = ca.find_or_insert("acc-lfu", &cold, &vec![-5.0; 40], None).unwrap();
+    let (_, got) = ca.find_or_insert("acc-lfu", &cold, &[-5.0; 40], None).unwrap();
     assert_eq!(got, rows, "lfu: find_or_insert answered the defaults, not the cluster's rows");
-    let s = ca.accum_or_assign("acc-lfu", &cold, &vec![1.0; 40], None).unwrap();
+    let s = ca.accum_or_assign("acc-lfu", &cold, &[1.0; 40], None).unwrap();
     assert_eq!(s.updated, 10, "{s:?}");
     let plus: Vec<f32> = rows.iter().map(|x| x + 1.0).collect();
     assert_eq!(cb.find("acc-lfu", &cold).unwrap().values, plus, "lfu: every delta reached the cluster");
