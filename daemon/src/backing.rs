@@ -1211,16 +1211,23 @@ async fn refused_write(
     keys: &[u64],
     sent: Result<(), ProtoError>,
 ) -> Result<(), ProtoError> {
-    let Err(mut e) = sent else { return Ok(()) };
-    if e.code == ErrorCode::BackingUnavailable {
-        router.erase(t, keys.to_vec(), false).await?;
-        e.message = format!(
-            "{}; the write may have reached some of the cluster's nodes: its keys were dropped from this cache, \
-             so that reads return whichever rows the cluster kept",
-            e.message
-        );
+    let Err(e) = sent else { return Ok(()) };
+    if e.code != ErrorCode::BackingUnavailable {
+        return Err(e);
     }
-    Err(e)
+    router.erase(t, keys.to_vec(), false).await?;
+    Err(partly_applied(e, "the write", "its keys were dropped from this cache"))
+}
+
+/// `e` (a cluster's refusal) saying that `what` may have reached some of
+/// the cluster's nodes and what this cache did about it (`done`).
+fn partly_applied(mut e: ProtoError, what: &str, done: &str) -> ProtoError {
+    e.message = format!(
+        "{}; {what} may have reached some of the cluster's nodes: {done}, so that reads return whichever rows \
+         the cluster kept",
+        e.message
+    );
+    e
 }
 
 /// apply_gradients on a backed table: the step runs on the rows the cache
@@ -1365,21 +1372,14 @@ pub async fn erase_if(
             _ => Ok(0),
         };
     }
-    let walked = erase_if_walk(router, tiers, tier, t, filter).await;
-    if let Err(mut e) = walked {
-        if e.code == ErrorCode::BackingUnavailable {
-            // Some nodes may have erased their matching rows: the cache's
-            // go too, so that reads return whichever rows the cluster kept.
+    match erase_if_walk(router, tiers, tier, t, filter).await {
+        Err(e) if e.code == ErrorCode::BackingUnavailable => {
+            // Some nodes may have erased their matching rows: the cache's go too.
             router.execute(Request::EraseIf { table: t.spec.name.clone(), filter }).await?;
-            e.message = format!(
-                "{}; the erase may have reached some of the cluster's nodes: the matching rows were dropped from \
-                 this cache, so that reads return whichever rows the cluster kept",
-                e.message
-            );
+            Err(partly_applied(e, "the erase", "the matching rows were dropped from this cache"))
         }
-        return Err(e);
+        walked => walked,
     }
-    walked
 }
 
 /// erase_if's erases in the cluster and the cache (the table held).
@@ -1448,18 +1448,13 @@ pub async fn clear(router: &Arc<Router>, tiers: &Tiers, tier: &Backing, t: &Arc<
             Ok::<(), ProtoError>(())
         }
         .await;
-        if let Err(mut e) = walked {
-            if e.code == ErrorCode::BackingUnavailable {
-                // Some rows may be gone from the cluster: the cache clears
-                // too, so that reads return whichever rows the cluster kept.
-                router.execute(Request::Clear { table: t.spec.name.clone() }).await?;
-                e.message = format!(
-                    "{}; the clear may have erased part of the cluster's rows: this cache was cleared, so that \
-                     reads return whichever rows the cluster kept",
-                    e.message
-                );
+        if let Err(e) = walked {
+            if e.code != ErrorCode::BackingUnavailable {
+                return Err(e);
             }
-            return Err(e);
+            // Some rows may be gone from the cluster: the cache clears too.
+            router.execute(Request::Clear { table: t.spec.name.clone() }).await?;
+            return Err(partly_applied(e, "the clear", "this cache was cleared"));
         }
     }
     router.execute(Request::Clear { table: t.spec.name.clone() }).await.map(drop)
