@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use hkv_backing::{Backing, Fetched, Mode, Options, ReadOut, Scan};
 use hkv_proto::{BackingMode, BackingSpec, ErrorCode, ProtoError, Request, Response, TableSpec, WriteOp};
-use hkv_shard::{Rows, ScorePolicy};
+use hkv_shard::{Outcome, Rows, ScorePolicy};
 use parking_lot::RwLock;
 
 use self::order::{Hold, Order, Snapshot};
@@ -337,9 +337,6 @@ impl Tiers {
         ))
     }
 
-    /// Keys other hosts wrote since the table's last request, and keys
-    /// whose queued find_or_insert row the cluster refused (write-back:
-    /// it had another host's row, which the cache must not hide).
     /// Marks `name`'s whole cache stale: its next request drops it.
     fn mark_all_stale(&self, name: &str) {
         if let Some(e) = self.tables.read().get(name) {
@@ -374,16 +371,16 @@ impl Tiers {
         }
     }
 
-    /// Whether the table's whole cache must go ([`Entry::all_stale`]); clears it.
-    fn take_all_stale(&self, name: &str) -> bool {
-        self.tables.read().get(name).is_some_and(|e| e.all_stale.swap(false, Relaxed))
-    }
-
-    fn take_invalid(&self, name: &str) -> Vec<u64> {
-        let Some(e) = self.tables.read().get(name).cloned() else { return Vec::new() };
+    /// Whether the table's whole cache must go ([`Entry::all_stale`],
+    /// cleared by this), then the keys other hosts wrote since the table's
+    /// last request and the keys whose queued find_or_insert row the
+    /// cluster refused (write-back: it had another host's row, which the
+    /// cache must not hide).
+    fn take_invalid(&self, name: &str) -> (bool, Vec<u64>) {
+        let Some(e) = self.tables.read().get(name).cloned() else { return (false, Vec::new()) };
         let mut keys = std::mem::take(&mut *e.invalid.lock());
         keys.extend(e.backing.take_conflicts());
-        keys
+        (e.all_stale.swap(false, Relaxed), keys)
     }
 
     /// Runs `work`, which touches `keys`, on a task of its own after the
@@ -813,14 +810,14 @@ pub async fn execute(
 /// fetch) and no such insert lands after a write or an erase.
 async fn invalidate(router: &Router, tiers: &Tiers, t: &Table, keys: Option<&[u64]>) -> Result<(), ProtoError> {
     tiers.settle(&t.spec.name, keys).await;
-    if tiers.take_all_stale(&t.spec.name) {
+    let (all_stale, mut stale) = tiers.take_invalid(&t.spec.name);
+    if all_stale {
         // Every row the cache holds is also in the cluster or the write-back
         // queue (reads see the queue): dropping them all loses nothing but
         // a read-only table's own writes, which live in its cache only.
         let _held = tiers.begin_write(&t.spec.name, None).await;
         router.execute(Request::Clear { table: t.spec.name.clone() }).await?;
     }
-    let mut stale = tiers.take_invalid(&t.spec.name);
     if !stale.is_empty() {
         stale.sort_unstable();
         stale.dedup();
@@ -1043,27 +1040,27 @@ pub async fn write(
             // insert the same keys meanwhile), and here: the request's
             // rows, or the cluster's where another host's won.
             let d = t.config.dim;
-            let FindAnswer { found, values: mut have, .. } = router.find_rows(t, keys.clone(), false).await?;
-            let (miss, rows) =
-                tiers.fill(router, t, &tier, &keys, &found, false, held.as_ref(), None, Some(&mut have)).await?;
+            let now = rows_now(router, tiers, &tier, t, &keys, held.as_ref(), true).await?;
             // The row a key has now (the cache's, else the cluster's) is its
             // initial row too: the cache may not keep it through the batch
             // (admission, or a batch larger than the cache evicting its own
             // keys), and its find_or_insert then inserts or answers this.
             let custom = t.config.policy == ScorePolicy::Custom;
-            for i in (0..keys.len()).filter(|&i| found[i] == 1) {
-                values[i * d..(i + 1) * d].copy_from_slice(&have[i * d..(i + 1) * d]);
+            for i in (0..keys.len()).filter(|&i| now.exists[i]) {
+                values[i * d..(i + 1) * d].copy_from_slice(&now.rows[i * d..(i + 1) * d]);
             }
-            for (j, &i) in miss.iter().enumerate() {
-                if rows.fetched[j] == Fetched::Found {
-                    values[i * d..(i + 1) * d].copy_from_slice(&have[i * d..(i + 1) * d]);
-                    if let (Some(s), Some(&got)) = (scores.as_mut().filter(|_| custom), rows.scores.get(j)) {
-                        s[i] = got;
-                    }
+            for (j, &i) in now.miss.iter().enumerate() {
+                if let (Some(s), true) = (scores.as_mut().filter(|_| custom), now.read.fetched[j] == Fetched::Found) {
+                    s[i] = now.read.scores[j];
                 }
             }
-            let new: Vec<usize> =
-                miss.iter().zip(&rows.fetched).filter(|(_, f)| **f == Fetched::Absent).map(|(&i, _)| i).collect();
+            let new: Vec<usize> = now
+                .miss
+                .iter()
+                .zip(&now.read.fetched)
+                .filter(|(_, f)| **f == Fetched::Absent)
+                .map(|(&i, _)| i)
+                .collect();
             let nk: Vec<u64> = new.iter().map(|&i| keys[i]).collect();
             let nv: Vec<f32> = new.iter().flat_map(|&i| values[i * d..(i + 1) * d].iter().copied()).collect();
             let ns: Vec<u64> = scores.as_ref().map(|s| new.iter().map(|&i| s[i]).collect()).unwrap_or_default();
@@ -1091,13 +1088,8 @@ pub async fn write(
             // than the cache) is still in the cluster with its deltas.
             let n = keys.len();
             let d = t.config.dim;
-            let FindAnswer { found, values: mut base, .. } = router.find_rows(t, keys.clone(), false).await?;
-            let (miss, rows) =
-                tiers.fill(router, t, &tier, &keys, &found, false, held.as_ref(), None, Some(&mut base)).await?;
-            let mut exists: Vec<bool> = found.iter().map(|&f| f == 1).collect();
-            for (j, &i) in miss.iter().enumerate() {
-                exists[i] |= rows.fetched[j] == Fetched::Found;
-            }
+            let RowsNow { rows: base, exists, .. } =
+                rows_now(router, tiers, &tier, t, &keys, held.as_ref(), true).await?;
             let (mut uk, mut urows, mut uscores) = (Vec::new(), Vec::new(), Vec::new());
             let mut at: HashMap<u64, usize> = HashMap::with_capacity(n);
             let mut first = vec![false; n];
@@ -1132,36 +1124,26 @@ pub async fn write(
             let placed = w.outcomes.unwrap_or_default();
             // Per request key: present before (here or in the cluster), or
             // a repeat of a key, is updated; else what the cache did.
-            let mut summary = hkv_proto::Summary::default();
+            let mut summary = hkv_shard::Summary::default();
             let per: Vec<u8> = (0..n)
                 .map(|i| {
                     let o = if exists[i] || !first[i] {
-                        hkv_shard::Outcome::Updated as u8
+                        Outcome::Updated
                     } else {
-                        placed.get(at[&keys[i]]).copied().unwrap_or(hkv_shard::Outcome::Inserted as u8)
+                        placed.get(at[&keys[i]]).copied().and_then(Outcome::from_u8).unwrap_or(Outcome::Inserted)
                     };
-                    match o {
-                        x if x == hkv_shard::Outcome::Updated as u8 => summary.updated += 1,
-                        x if x == hkv_shard::Outcome::Inserted as u8 => summary.inserted += 1,
-                        x if x == hkv_shard::Outcome::Evicted as u8 => summary.evicted += 1,
-                        x if x == hkv_shard::Outcome::Rejected as u8 => summary.rejected += 1,
-                        _ => summary.absent += 1,
-                    }
-                    o
+                    summary.add(o);
+                    o as u8
                 })
                 .collect();
+            let summary = crate::router::to_wire(summary);
             Ok(WriteAnswer { summary, outcomes: outcomes.then_some(per), values: None, evicted: None })
         }
         WriteOp::Assign => {
             // Assign changes rows that exist: on a backed table, those the
             // cluster has count too (read into the cache first); a key in
             // neither is absent, and nothing of it is written anywhere.
-            let found = router.contains(t, keys.clone()).await?;
-            let (miss, rows) = tiers.fill(router, t, &tier, &keys, &found, false, held.as_ref(), None, None).await?;
-            let mut exist: Vec<bool> = found.iter().map(|&f| f == 1).collect();
-            for (j, &i) in miss.iter().enumerate() {
-                exist[i] |= rows.fetched[j] == Fetched::Found;
-            }
+            let exist = rows_now(router, tiers, &tier, t, &keys, held.as_ref(), false).await?.exists;
             let d = t.config.dim;
             let have: Vec<usize> = (0..keys.len()).filter(|&i| exist[i]).collect();
             let sent = tiers
@@ -1178,8 +1160,8 @@ pub async fn write(
             // assigned there: updated, not absent.
             let mut out = r.outcomes.take().unwrap_or_default();
             for (o, &e) in out.iter_mut().zip(&exist) {
-                if e && *o == hkv_shard::Outcome::Absent as u8 {
-                    *o = hkv_shard::Outcome::Updated as u8;
+                if e && *o == Outcome::Absent as u8 {
+                    *o = Outcome::Updated as u8;
                     r.summary.absent -= 1;
                     r.summary.updated += 1;
                 }
@@ -1198,6 +1180,43 @@ pub async fn write(
             router.write(t, op, keys, values, scores, outcomes).await
         }
     }
+}
+
+/// What `keys` have now, for a write that builds on it: the cache's rows,
+/// else the cluster's (the cache's misses read through and filled into it,
+/// as a find would, waited for).
+struct RowsNow {
+    /// The cache's misses (indices into `keys`) and what the cluster said of them.
+    miss: Vec<usize>,
+    read: ReadOut,
+    /// `dim` per key, the row each has now (zeros for none); empty unless asked for.
+    rows: Vec<f32>,
+    /// Per key: the cache or the cluster has a row.
+    exists: Vec<bool>,
+}
+
+async fn rows_now(
+    router: &Arc<Router>,
+    tiers: &Tiers,
+    tier: &Backing,
+    t: &Arc<Table>,
+    keys: &[u64],
+    held: Option<&Hold>,
+    want_rows: bool,
+) -> Result<RowsNow, ProtoError> {
+    let (found, mut rows) = if want_rows {
+        let a = router.find_rows(t, keys.to_vec(), false).await?;
+        (a.found, a.values)
+    } else {
+        (router.contains(t, keys.to_vec()).await?, Vec::new())
+    };
+    let answer = if want_rows { Some(&mut rows[..]) } else { None };
+    let (miss, read) = tiers.fill(router, t, tier, keys, &found, false, held, None, answer).await?;
+    let mut exists: Vec<bool> = found.iter().map(|&f| f == 1).collect();
+    for (j, &i) in miss.iter().enumerate() {
+        exists[i] |= read.fetched[j] == Fetched::Found;
+    }
+    Ok(RowsNow { miss, read, rows, exists })
 }
 
 /// A write the cluster refused (`sent`: its answer) may still have
@@ -1248,9 +1267,8 @@ pub async fn apply_gradients(
     invalidate(router, tiers, t, Some(&keys)).await?;
     // Held until the cluster has the stepped rows ([`order`]).
     let held = tiers.begin_write(&t.spec.name, Some(&keys)).await;
-    let found = router.find_rows(t, keys.clone(), false).await?.found;
     // Waited for: the step needs the filled rows in the cache.
-    tiers.fill(router, t, tier, &keys, &found, false, held.as_ref(), None, None).await?;
+    rows_now(router, tiers, tier, t, &keys, held.as_ref(), false).await?;
     let r = router.apply_gradients(t, hyper, keys.clone(), grads, outcomes).await?;
     if tier.mode() != Mode::ReadOnly {
         let FindAnswer { found, values, scores: got } = router.find_rows(t, keys.clone(), true).await?;

@@ -192,11 +192,14 @@ pub fn run(mut config: Config) -> anyhow::Result<()> {
                 "the address space is limited (RLIMIT_AS): large bodies, answers and regions are checked against it"
             );
         }
-        match config.restore {
+        let restored = match config.restore {
             config::Restore::Checkpoint(which) => restore_at_start(&state, which).await?,
-            config::Restore::None => state.checkpoints.keep_existing(),
-        }
-        open_tiers_at_start(&state).await?;
+            config::Restore::None => {
+                state.checkpoints.keep_existing();
+                Vec::new()
+            }
+        };
+        open_tiers_at_start(&state, &restored).await?;
         state.checkpoints.retain().await;
         state.checkpoints.schedule(state.router.clone(), state.shutdown.subscribe());
         if let Some(addr) = &config.metrics_listen {
@@ -323,7 +326,7 @@ fn listen(config: &Config, socket_gid: Option<u32>) -> anyhow::Result<(tokio::ne
 /// declares with a cluster that cannot be opened stops the start, naming
 /// it, as `create_table` refuses one; a restored one waits for its
 /// cluster, its requests refused meanwhile.
-async fn open_tiers_at_start(state: &State) -> anyhow::Result<()> {
+async fn open_tiers_at_start(state: &State, restored: &[String]) -> anyhow::Result<()> {
     let failed = state.backing.sync(&state.router).await;
     let declared = |name: &str| state.config.tables.iter().any(|s| s.name == name && s.backing.is_some());
     if let Some((name, why)) = failed.iter().find(|(n, _)| declared(n)) {
@@ -334,22 +337,21 @@ async fn open_tiers_at_start(state: &State) -> anyhow::Result<()> {
     }
     crate::backing::Tiers::log_unopened(&failed);
     // Restored rows the cluster has since replaced or erased.
-    let names: Vec<String> = state.router.tables().iter().map(|t| t.spec.name.clone()).collect();
-    state.backing.reconcile_restored(&state.router, &names).await;
+    state.backing.reconcile_restored(&state.router, restored).await;
     Ok(())
 }
 
 /// Restores `--restore` before serving; refuses to start rather than
 /// silently serve without the data, and says how to start anyway (every
-/// file stays on disk).
-async fn restore_at_start(state: &State, which: hkv_proto::CheckpointId) -> anyhow::Result<()> {
+/// file stays on disk). Returns the tables restored.
+async fn restore_at_start(state: &State, which: hkv_proto::CheckpointId) -> anyhow::Result<Vec<String>> {
     match state.checkpoints.restore(state.router.clone(), which).await {
         Ok(Some(r)) => {
             for s in &r.skipped {
                 warn!("skipped an unusable checkpoint: {s}");
             }
             info!(id = %r.id, tables = ?r.tables, entries = r.entries, dropped = ?r.dropped, "restored");
-            Ok(())
+            Ok(r.tables.into_iter().map(|(name, _)| name).collect())
         }
         Ok(None) => {
             // Nothing restorable, but checkpoints that could not be read
@@ -373,7 +375,7 @@ async fn restore_at_start(state: &State, which: hkv_proto::CheckpointId) -> anyh
                 );
             }
             info!("no checkpoint to restore");
-            Ok(())
+            Ok(Vec::new())
         }
         Err(e) => anyhow::bail!(
             "restore {which}: {}\n\
