@@ -80,6 +80,30 @@ __device__ __forceinline__ u64 hkv_lfu(const HkvScoring& s, u64 f) {
 // Adaptive: the bit of a protected main-tier entry (score::ADAPTIVE_PROTECTED); clear: probation.
 #define HKV_ADAPTIVE_PROTECTED (1ULL << 62)
 
+// Adaptive: the window bits, 4 words a bucket after the sketch's lines (one
+// allocation, sized for the table's largest size): bit s of bucket b is set
+// for every slot that holds a window entry (occupied, HKV_ADAPTIVE_MAIN
+// clear), so that a fill reads the window's scores only (hkv_adapt_fill).
+// A superset: a write that empties a slot (erase, erase_if, clear, a
+// rehash's old storage) leaves its bit, which a fill checks against the
+// slot and clears. Every write that makes a window entry sets its bit: the
+// adaptive fill and room paths (a newcomer), a verbatim write (a load, a
+// rehash) and a relocation's move. Bits change only under the bucket's lock,
+// by atomics (a group's threads may share a word).
+__device__ __forceinline__ u32* hkv_window_bits(const HkvScoring& s) {
+    return reinterpret_cast<u32*>(s.sketch + s.sketch_lines * 64);
+}
+
+// Adaptive (s.sketch non-null): position pos holds a window entry
+// (`window`) or not; nothing for other policies.
+__device__ __forceinline__ void hkv_window_mark(const HkvScoring& s, u64 pos, bool window) {
+    if (!s.sketch) return;
+    u32* w = hkv_window_bits(s) + (pos >> 5);
+    const u32 m = 1u << (pos & 31);
+    if (window) atomicOr(w, m);
+    else atomicAnd(w, ~m);
+}
+
 __device__ __forceinline__ u64 hkv_on_insert(const HkvScoring& s, bool has, u64 input) {
     u64 hi = (u64)s.epoch << 32;
     switch (s.policy) {
@@ -773,10 +797,13 @@ __device__ __forceinline__ HkvTiers hkv_tiers(const HkvTable& t, const HkvGroup<
 // window count is kept up to date (the last move needs no rescan). A
 // rescan per further move: the share moves between batches only.
 template <int G>
-__device__ __forceinline__ HkvTiers hkv_adapt_shrink(const HkvTable& t, const HkvGroup<G>& g, u64 b, int bound,
-                                                     HkvTiers r, bool after) {
+__device__ __forceinline__ HkvTiers hkv_adapt_shrink(const HkvTable& t, const HkvScoring& s, const HkvGroup<G>& g,
+                                                     u64 b, int bound, HkvTiers r, bool after) {
     while (r.window > bound && r.ow >= 0) {
-        if (g.rank == 0) t.scores[b * 128 + r.ow] = r.ows | HKV_ADAPTIVE_MAIN;
+        if (g.rank == 0) {
+            t.scores[b * 128 + r.ow] = r.ows | HKV_ADAPTIVE_MAIN;
+            hkv_window_mark(s, b * 128 + r.ow, false);
+        }
         g.sync();
         if (!after && r.window - 1 <= bound) {
             --r.window;
@@ -787,11 +814,86 @@ __device__ __forceinline__ HkvTiers hkv_adapt_shrink(const HkvTable& t, const Hk
     return r;
 }
 
-// Filling bucket b (locked; a newcomer takes a free slot): the window is
-// kept under its share, its oldest entries moving to the main tier.
+// Filling bucket b (locked): a newcomer takes free slot fs. The window is
+// kept under its share, its oldest entries moving to the main tier. The
+// window's slots come from the bucket's window bits, each checked against
+// its digest and score (a bit whose slot was emptied or holds a main-tier
+// entry is stale: cleared here), so that only the window's scores are read,
+// not the bucket's 128. Each thread of the group takes the bits of its own
+// 128 / G slots.
 template <int G>
-__device__ __noinline__ void hkv_adapt_fill(const HkvTable& t, const HkvScoring& s, const HkvGroup<G>& g, u64 b) {
-    hkv_adapt_shrink<G>(t, g, b, (int)s.window - 1, hkv_tiers<G>(t, g, b), false);
+__device__ __noinline__ void hkv_adapt_fill(const HkvTable& t, const HkvScoring& s, const HkvGroup<G>& g, u64 b,
+                                            int fs) {
+    constexpr int P = 128 / G;
+    const int first = (int)g.rank * P;
+    u32* bits = hkv_window_bits(s) + b * 4;
+    const u64* sp = t.scores + b * 128;
+    const u8* dp = t.digests + b * 128;
+    const u32 empty = hkv_empty_digest();
+    u32 mine[4];
+    int window = 0;
+    u64 ows = 0xFFFFFFFFFFFFFFFFULL;
+    int ow = -1;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const int lo = first > 32 * k ? first - 32 * k : 0;
+        const int hi = first + P < 32 * (k + 1) ? first + P - 32 * k : 32;
+        mine[k] = 0;
+        if (lo >= hi) continue;
+        const u32 range = (hi - lo == 32 ? 0xFFFFFFFFu : ((1u << (hi - lo)) - 1)) << lo;
+        u32 m = __ldcg(bits + k) & range, stale = 0;
+        for (u32 x = m; x; x &= x - 1) {
+            const int slot = 32 * k + __ffs(x) - 1;
+            const u64 sc = __ldcg(sp + slot);
+            if (slot == fs) {
+                // The newcomer's free slot: its bit stays (set below).
+                m &= ~(1u << (slot & 31));
+            } else if ((u32)__ldcg(dp + slot) == empty || (sc & HKV_ADAPTIVE_MAIN)) {
+                stale |= 1u << (slot & 31);
+            } else {
+                hkv_tiers_min(&ows, &ow, sc, slot);
+            }
+        }
+        if (stale) atomicAnd(bits + k, ~stale);
+        mine[k] = m & ~stale;
+        window += __popc(mine[k]);
+    }
+#pragma unroll
+    for (int off = G / 2; off > 0; off >>= 1) {
+        window += __shfl_xor_sync(g.mask, window, off, G);
+        u64 v = __shfl_xor_sync(g.mask, ows, off, G);
+        int o = __shfl_xor_sync(g.mask, ow, off, G);
+        hkv_tiers_min(&ows, &ow, v, o);
+    }
+    const int bound = (int)s.window - 1;
+    while (window > bound && ow >= 0) {
+        if (g.rank == 0) {
+            t.scores[b * 128 + ow] = ows | HKV_ADAPTIVE_MAIN;
+            atomicAnd(bits + (ow >> 5), ~(1u << (ow & 31)));
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+            if (k == ow >> 5) mine[k] &= ~(1u << (ow & 31));
+        if (--window <= bound) break;
+        // A further move (the share fell since the last batch): the oldest
+        // of the window's remaining slots.
+        ows = 0xFFFFFFFFFFFFFFFFULL;
+        ow = -1;
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+            for (u32 x = mine[k]; x; x &= x - 1) {
+                const int slot = 32 * k + __ffs(x) - 1;
+                hkv_tiers_min(&ows, &ow, __ldcg(sp + slot), slot);
+            }
+#pragma unroll
+        for (int off = G / 2; off > 0; off >>= 1) {
+            u64 v = __shfl_xor_sync(g.mask, ows, off, G);
+            int o = __shfl_xor_sync(g.mask, ow, off, G);
+            hkv_tiers_min(&ows, &ow, v, o);
+        }
+    }
+    // The newcomer is a window entry.
+    if (g.rank == 0) atomicOr(bits + (fs >> 5), 1u << (fs & 31));
     g.sync();
 }
 
@@ -817,7 +919,7 @@ __device__ __noinline__ void hkv_adapt_room(const HkvTable& t, const HkvScoring&
     }
     u64 base = *b * 128;
     int win = (int)s.window;
-    r = hkv_adapt_shrink<G>(t, g, *b, win, r, true);
+    r = hkv_adapt_shrink<G>(t, s, g, *b, win, r, true);
     while (r.prot * 10 > HKV_ADAPT_PROTECTED_TENTHS * (r.occupied - r.window) && r.op >= 0) {
         u64 demoted = r.ops & ~HKV_ADAPTIVE_PROTECTED;
         if (g.rank == 0) t.scores[base + r.op] = demoted;
@@ -837,6 +939,7 @@ __device__ __noinline__ void hkv_adapt_room(const HkvTable& t, const HkvScoring&
             if (hkv_frequency(s, __ldcg(t.keys + base + r.ow)) >
                 hkv_frequency(s, __ldcg(t.keys + base + r.om)) + HKV_ADAPT_ADMIT_MARGIN) {
                 t.scores[base + r.ow] = r.ows | HKV_ADAPTIVE_MAIN;
+                hkv_window_mark(s, base + r.ow, false);
                 victim = r.om;
             } else {
                 victim = r.ow;
@@ -847,5 +950,7 @@ __device__ __noinline__ void hkv_adapt_room(const HkvTable& t, const HkvScoring&
             victim = r.ow;
         }
     }
+    // The newcomer, a window entry, takes the victim's slot.
+    if (g.rank == 0) hkv_window_mark(s, base + victim, true);
     *slot = g.bcast(victim, 0);
 }

@@ -48,15 +48,20 @@ __device__ __forceinline__ int hkv_free_in(const HkvTable& t, const HkvGroup<G>&
 }
 
 // Moves the entry at position `from` to the free position `to` (both
-// buckets locked) and frees `from`.
+// buckets locked) and frees `from`; on an adaptive table (sc.sketch), with
+// its window bit.
 template <int G>
-__device__ __forceinline__ void hkv_move(const HkvTable& t, const HkvGroup<G>& g, u64 from, u64 to) {
+__device__ __forceinline__ void hkv_move(const HkvTable& t, const HkvScoring& sc, const HkvGroup<G>& g, u64 from,
+                                         u64 to) {
     hkv_copy_row<G, true>(hkv_row(t, to), hkv_row(t, from), t.dim, g.rank);
     if (g.rank == 0) {
         u64 bf = from / 128, bt = to / 128;
         t.keys[to] = __ldcg(t.keys + from);
         t.digests[to] = __ldcg(t.digests + from);
-        t.scores[to] = __ldcg(t.scores + from);
+        const u64 score = __ldcg(t.scores + from);
+        t.scores[to] = score;
+        hkv_window_mark(sc, to, !(score & HKV_ADAPTIVE_MAIN));
+        hkv_window_mark(sc, from, false);
         t.sizes[bt] = __ldcg(t.sizes + bt) + 1;
         t.keys[from] = HKV_EMPTY_KEY;
         t.digests[from] = hkv_empty_digest();
@@ -83,7 +88,7 @@ __device__ __forceinline__ u64 hkv_other_bucket(const HkvTable& t, u64 b, u64 po
 // (the writer holds them: a try-lock of them would fail anyway). Returns
 // the freed slot of b, or -1.
 template <int G, bool DEEP>
-__device__ int hkv_make_room(const HkvTable& t, const HkvGroup<G>& g, u64 b, u64 b1, u64 b2) {
+__device__ int hkv_make_room(const HkvTable& t, const HkvScoring& sc, const HkvGroup<G>& g, u64 b, u64 b1, u64 b2) {
     for (int j = 0; j < 128 / G; ++j) {
         int s = j * G + (int)g.rank;
         u64 alt = hkv_other_bucket(t, b, b * 128 + s);
@@ -94,8 +99,8 @@ __device__ int hkv_make_room(const HkvTable& t, const HkvGroup<G>& g, u64 b, u64
             int from = j * G + r;
             if (!hkv_try_lock(t, g, a)) continue;
             int to = hkv_free_in<G>(t, g, a);
-            if (DEEP && to < 0) to = hkv_make_room<G, false>(t, g, a, b1, b2);
-            if (to >= 0) hkv_move<G>(t, g, b * 128 + from, a * 128 + to);
+            if (DEEP && to < 0) to = hkv_make_room<G, false>(t, sc, g, a, b1, b2);
+            if (to >= 0) hkv_move<G>(t, sc, g, b * 128 + from, a * 128 + to);
             hkv_unlock1<G>(t, g, a);
             if (to >= 0) return from;
         }
@@ -107,20 +112,20 @@ __device__ int hkv_make_room(const HkvTable& t, const HkvGroup<G>& g, u64 b, u64
 // are both full: one step from b1, then from b2, then two steps from each.
 // Sets *b to the bucket; returns the slot, or -1.
 template <int G>
-__device__ int hkv_relocate(const HkvTable& t, const HkvGroup<G>& g, u64 b1, u64 b2, u64* b) {
+__device__ int hkv_relocate(const HkvTable& t, const HkvScoring& sc, const HkvGroup<G>& g, u64 b1, u64 b2, u64* b) {
     *b = b1;
-    int s = hkv_make_room<G, false>(t, g, b1, b1, b2);
+    int s = hkv_make_room<G, false>(t, sc, g, b1, b1, b2);
     if (s < 0) {
         *b = b2;
-        s = hkv_make_room<G, false>(t, g, b2, b1, b2);
+        s = hkv_make_room<G, false>(t, sc, g, b2, b1, b2);
     }
     if (s < 0) {
         *b = b1;
-        s = hkv_make_room<G, true>(t, g, b1, b1, b2);
+        s = hkv_make_room<G, true>(t, sc, g, b1, b1, b2);
     }
     if (s < 0) {
         *b = b2;
-        s = hkv_make_room<G, true>(t, g, b2, b1, b2);
+        s = hkv_make_room<G, true>(t, sc, g, b2, b1, b2);
     }
     return s;
 }
@@ -161,7 +166,11 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
         else if (mode == HKV_UP_FIND_OR_INSERT) hkv_copy_row<G, true>(vin, row, t.dim, g.rank);
         else if (mode == HKV_UP_ACCUM) hkv_add_row<G>(row, vin, t.dim, g.rank);
         ptr = (u64)row;
-        if (g.rank == 0) t.scores[pos] = ns;
+        if (g.rank == 0) {
+            t.scores[pos] = ns;
+            // A verbatim score may move an adaptive entry between tiers.
+            if (sc.verbatim) hkv_window_mark(sc, pos, !(ns & HKV_ADAPTIVE_MAIN));
+        }
         out = HKV_UPDATED;
     } else {
         u64 score = sc.verbatim ? in : hkv_on_insert(sc, has, in);
@@ -172,9 +181,9 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
         if (b2 != b1 && __ldcg(t.sizes + b2) < __ldcg(t.sizes + b1)) tb = b2;
         int fs = hkv_free_slot<G>(g, tb == b1 ? free1 : free2);
         // Both candidates full: a verbatim write relocates before it evicts.
-        if (fs < 0 && sc.verbatim && b2 != b1) fs = hkv_relocate<G>(t, g, b1, b2, &tb);
+        if (fs < 0 && sc.verbatim && b2 != b1) fs = hkv_relocate<G>(t, sc, g, b1, b2, &tb);
         if (fs >= 0) {
-            if (adapt) hkv_adapt_fill<G>(t, sc, g, tb);
+            if (adapt) hkv_adapt_fill<G>(t, sc, g, tb, fs);
             b = tb;
             s = fs;
             out = HKV_INSERTED;
@@ -221,6 +230,8 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
                 t.keys[pos] = key;
                 t.digests[pos] = d;
                 t.scores[pos] = score;
+                // (A policy's newcomer got its window bit in the adaptive paths.)
+                if (sc.verbatim) hkv_window_mark(sc, pos, !(score & HKV_ADAPTIVE_MAIN));
                 if (out == HKV_INSERTED) t.sizes[b] += 1;
             }
             if (mode != HKV_UP_FIND_OR_INSERT_PTR) hkv_copy_row<G, false>(row, vin, t.dim, g.rank);

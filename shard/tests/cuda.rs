@@ -212,6 +212,7 @@ fn differential_against_the_cpu_backend() {
                     // Every slot agrees, in slot order.
                     let all = |t: &dyn Shard| t.export_batch(0, u64::MAX).unwrap();
                     assert_eq!(all(&cpu), all(&gpu), "{mode:?} {policy:?} {ties:?}: whole table after step {step}");
+                    gpu.check_window_bits().unwrap();
                 }
             }
             println!(
@@ -300,6 +301,60 @@ fn large_batches_conserve_entries() {
     }
 }
 
+/// Adaptive: the window bits the writer kernels keep after the sketch (a
+/// fill reads the window's scores through them, not the bucket's) name
+/// every window entry after every kind of write: parallel inserts that
+/// fill and evict, erases by key and by predicate, a verbatim load whose
+/// scores move entries between tiers (over keys present and absent), a
+/// growth (rehash), a clear, and inserts over the bits a clear left.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn adaptive_window_bits_follow_every_write() {
+    let dev = device();
+    for mode in [BucketMode::Single, BucketMode::Dual] {
+        let cfg = TableConfig::new(1 << 12, 2).policy(ScorePolicy::Adaptive).mode(mode).max_capacity(1 << 14);
+        let clock = ManualClock::new(1 << 20);
+        let t = CudaTable::with_clock(cfg, dev.clone(), clock.clone()).unwrap();
+        let check = |what: &str| t.check_window_bits().unwrap_or_else(|e| panic!("{mode:?} after {what}: {e}"));
+        check("creation");
+        for round in 0..6u64 {
+            clock.advance(1 << 20);
+            let keys: Vec<u64> =
+                (0..6000u64).map(|i| if i < 1500 { i * 11 + 1 } else { (round * 6000 + i) * 13 + 2 }).collect();
+            let vals: Vec<f32> = keys.iter().flat_map(|&k| [k as f32, 1.0]).collect();
+            t.insert_and_evict(&keys, &vals, None, None).unwrap();
+            check("insert_and_evict");
+            let mut v = vals.clone();
+            t.find_or_insert(&keys[..3000], &mut v[..6000], None, None).unwrap();
+            check("find_or_insert");
+        }
+        let e = t.export_batch(0, u64::MAX).unwrap();
+        assert!(e.scores.iter().any(|s| s & hkv_shard::score::ADAPTIVE_MAIN != 0), "{mode:?}: a main tier exists");
+        t.erase(&e.keys[..e.keys.len() / 3], None).unwrap();
+        check("erase");
+        t.erase_if(&Filter { key_mask: 3, key_pattern: 1, ..Filter::ALL }).unwrap();
+        check("erase_if");
+        // Verbatim: every exported entry with its tier bit flipped (present
+        // ones change tiers, erased ones come back in the other tier).
+        let flipped: Vec<u64> = e.scores.iter().map(|s| s ^ hkv_shard::score::ADAPTIVE_MAIN).collect();
+        t.load(&e.keys, &e.values, &flipped).unwrap();
+        check("load");
+        t.reserve(1 << 14).unwrap();
+        assert!(t.capacity() >= 1 << 14);
+        check("growth");
+        t.clear().unwrap();
+        check("clear");
+        assert_eq!(t.size(), 0);
+        let keys: Vec<u64> = (0..5000u64).map(|i| i * 7 + 3).collect();
+        let vals: Vec<f32> = keys.iter().flat_map(|&k| [k as f32, 2.0]).collect();
+        t.insert_or_assign(&keys, &vals, None, None).unwrap();
+        check("inserts after the clear");
+        let (mut got, mut found) = (vec![0f32; vals.len()], vec![false; keys.len()]);
+        t.find(&keys, &mut got, &mut found, None).unwrap();
+        assert!(found.iter().all(|&f| f) && got == vals, "{mode:?}: every row inserted after the clear is found");
+    }
+}
+
 /// Issue 36, Adaptive in unrestricted (parallel) batches: every newcomer
 /// is placed (never refused), what leaves comes back with its own row, the
 /// table holds exactly the keys placed and not evicted, both tiers are
@@ -333,6 +388,7 @@ fn adaptive_large_batches_conserve_entries() {
             assert!(lost.kinds.iter().all(|k| *k == hkv_shard::Lost::Evicted));
             let placed = out.iter().filter(|o| matches!(o, Outcome::Inserted | Outcome::Evicted)).count() as u64;
             assert_eq!(t.size(), before + placed - lost.len() as u64, "{mode:?}: size = before + placed - evicted");
+            t.check_window_bits().unwrap_or_else(|e| panic!("{mode:?} round {round}: {e}"));
             // Per key: resident after = resident before + placed by this
             // batch (inserted, or inserted by evicting) − times evicted,
             // which must come to 0 or 1.

@@ -28,7 +28,10 @@ use cudarc::driver::{CudaEvent, PinnedHostSlice};
 /// The Adaptive policy's buffers, the raw address the kernels take, and
 /// the window share.
 pub(super) struct DeviceAdapt {
-    _sketch: CudaSlice<u8>,
+    /// The sketch's `lines` lines of 64 counters, then the window bits: 4
+    /// words a bucket of the table's largest size (`hkv_window_bits` in
+    /// `kernels/table.cuh`).
+    buf: CudaSlice<u8>,
     sketch: u64,
     lines: u64,
     /// Accesses counted in the sketch since it was last halved.
@@ -88,11 +91,12 @@ impl DeviceAdapt {
     pub(super) fn new(stream: &Arc<CudaStream>, max_buckets: u64, slots: u64) -> Result<DeviceAdapt> {
         let lines = sketch_lines(max_buckets * S);
         let al = |what: &'static str| dev_err(what);
-        let sketch = stream.alloc_zeros::<u8>((lines * 64) as usize).map_err(al("allocating the sketch"))?;
+        let bytes = lines * 64 + max_buckets * 16;
+        let buf = stream.alloc_zeros::<u8>(bytes as usize).map_err(al("allocating the sketch"))?;
         stream.synchronize().map_err(al("initialising the adaptive policy's state"))?;
         Ok(DeviceAdapt {
-            sketch: ptr(&sketch, stream),
-            _sketch: sketch,
+            sketch: ptr(&buf, stream),
+            buf,
             lines,
             counted: AtomicU64::new(0),
             window: Window::new(slots),
@@ -316,5 +320,41 @@ impl CudaTable {
         // buffer's whole length.
         unsafe { b.launch(blocks(a.lines * 16)?) }.map_err(dev_err("launching adapt_halve"))?;
         Ok(())
+    }
+}
+
+impl CudaTable {
+    /// Adaptive: checks that every window entry of the table (an occupied
+    /// slot whose score has [`crate::score::ADAPTIVE_MAIN`] clear) has its
+    /// window bit, which the writer kernels keep so that a fill reads the
+    /// window's scores only. The bits may name more slots (emptied ones,
+    /// checked and cleared by the next fill of their bucket). The first
+    /// bucket missing a bit is the error; nothing to check on another
+    /// policy. For tests; waits for the table's work.
+    #[doc(hidden)]
+    pub fn check_window_bits(&self) -> Result<()> {
+        let Some(a) = &self.adapt else { return Ok(()) };
+        let st = self.storage.read();
+        self.with_lane(|l| {
+            let s = &l.stream;
+            self.dev.ctx.synchronize().map_err(dev_err("waiting for the table"))?;
+            let digests = s.clone_dtoh(&st.digests).map_err(dev_err("copying digests"))?;
+            let scores = s.clone_dtoh(&st.scores).map_err(dev_err("copying scores"))?;
+            let buf = s.clone_dtoh(&a.buf).map_err(dev_err("copying window bits"))?;
+            s.synchronize().map_err(dev_err("copying the buckets"))?;
+            let bits = &buf[(a.lines * 64) as usize..];
+            for b in 0..st.nbuckets as usize {
+                for slot in 0..128 {
+                    let pos = b * 128 + slot;
+                    let window =
+                        digests[pos] != crate::hash::EMPTY_DIGEST && scores[pos] & crate::score::ADAPTIVE_MAIN == 0;
+                    let bit = bits[pos / 8] >> (pos % 8) & 1 == 1;
+                    if window && !bit {
+                        return Err(Error::Device(format!("bucket {b}: window slot {slot} without its bit")));
+                    }
+                }
+            }
+            Ok(())
+        })
     }
 }
