@@ -714,9 +714,10 @@ __device__ __forceinline__ void hkv_sketch_count(const HkvScoring& s, u64 key) {
     }
 }
 
-// The adaptive paths of the writer kernels below are calls (__noinline__),
-// so that the registers they need are not reserved in every policy's
-// writer kernels (upsert_keys_g4_b5 is held to 48).
+// How the adaptive paths of the writer kernels below are compiled was
+// measured (H200, 1 Mi-key batches, shard/BENCHMARKS.md): a fill inlined
+// everywhere; the room path inlined in the kernel held to 48 registers
+// (upsert_keys_g4_b5, where a call spills around it) and a call elsewhere.
 
 // A bucket's tiers: window entries and protected entries among its occupied
 // slots, and the oldest entry (minimum score, lowest slot on ties) of the
@@ -822,11 +823,37 @@ __device__ __forceinline__ HkvTiers hkv_adapt_shrink(const HkvTable& t, const Hk
 // not the bucket's 128. Each thread of the group takes the bits of its own
 // 128 / G slots.
 template <int G>
-__device__ __noinline__ void hkv_adapt_fill(const HkvTable& t, const HkvScoring& s, const HkvGroup<G>& g, u64 b,
+__device__ __forceinline__ void hkv_adapt_fill(const HkvTable& t, const HkvScoring& s, const HkvGroup<G>& g, u64 b,
                                             int fs) {
     constexpr int P = 128 / G;
     const int first = (int)g.rank * P;
     u32* bits = hkv_window_bits(s) + b * 4;
+    const int bound = (int)s.window - 1;
+    // Without reading a score: no more bits than the bound (the window,
+    // at most as many entries, stays), or one bit where the bound is none
+    // (at most that entry, which moves to the main tier: setting the main
+    // bit of a stale bit's slot changes nothing, an emptied slot's score
+    // being ignored until a write replaces it).
+    {
+        u32 w[4];
+        // (The newcomer's free slot is not the window's, whatever its bit.)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) w[k] = __ldcg(bits + k) & (k == fs >> 5 ? ~(1u << (fs & 31)) : ~0u);
+        const int n = __popc(w[0]) + __popc(w[1]) + __popc(w[2]) + __popc(w[3]);
+        if (n <= bound || (n == 1 && bound == 0)) {
+            if (g.rank == 0) {
+                if (n > bound) {
+                    const int k = w[0] ? 0 : w[1] ? 1 : w[2] ? 2 : 3;
+                    const int o = 32 * k + __ffs(w[k]) - 1;
+                    atomicOr(reinterpret_cast<unsigned long long*>(t.scores + b * 128 + o), HKV_ADAPTIVE_MAIN);
+                    atomicAnd(bits + k, ~(1u << (o & 31)));
+                }
+                atomicOr(bits + (fs >> 5), 1u << (fs & 31));
+            }
+            g.sync();
+            return;
+        }
+    }
     const u64* sp = t.scores + b * 128;
     const u8* dp = t.digests + b * 128;
     const u32 empty = hkv_empty_digest();
@@ -865,7 +892,6 @@ __device__ __noinline__ void hkv_adapt_fill(const HkvTable& t, const HkvScoring&
         int o = __shfl_xor_sync(g.mask, ow, off, G);
         hkv_tiers_min(&ows, &ow, v, o);
     }
-    const int bound = (int)s.window - 1;
     while (window > bound && ow >= 0) {
         if (g.rank == 0) {
             t.scores[b * 128 + ow] = ows | HKV_ADAPTIVE_MAIN;
@@ -905,8 +931,8 @@ __device__ __noinline__ void hkv_adapt_fill(const HkvTable& t, const HkvScoring&
 // that chose the bucket serves the rule; a single demotion (the steady
 // state) updates the tiers without a rescan.
 template <int G>
-__device__ __noinline__ void hkv_adapt_room(const HkvTable& t, const HkvScoring& s, const HkvGroup<G>& g, u64 b1,
-                                               u64 b2, u64* b, int* slot) {
+__device__ __forceinline__ void hkv_adapt_room_in(const HkvTable& t, const HkvScoring& s, const HkvGroup<G>& g,
+                                                  u64 b1, u64 b2, u64* b, int* slot) {
     HkvTiers r = hkv_tiers<G>(t, g, b1);
     *b = b1;
     if (b2 != b1) {
@@ -953,4 +979,12 @@ __device__ __noinline__ void hkv_adapt_room(const HkvTable& t, const HkvScoring&
     // The newcomer, a window entry, takes the victim's slot.
     if (g.rank == 0) hkv_window_mark(s, base + victim, true);
     *slot = g.bcast(victim, 0);
+}
+
+// hkv_adapt_room as a call, for the writer kernels without a register
+// bound (inlined, it cost find_or_insert at λ 1.0 9 % on the H200).
+template <int G>
+__device__ __noinline__ void hkv_adapt_room(const HkvTable& t, const HkvScoring& s, const HkvGroup<G>& g, u64 b1,
+                                               u64 b2, u64* b, int* slot) {
+    hkv_adapt_room_in<G>(t, s, g, b1, b2, b, slot);
 }

@@ -190,7 +190,10 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
         } else if (sc.verbatim == HKV_SCORES_DEFER) {
             out = HKV_ABSENT;
         } else if (adapt) {
-            hkv_adapt_room<G>(t, sc, g, b1, b2, &b, &s);
+            // Inlined in the kernel held to 48 registers (a call there
+            // spills around it: +16 % insert_or_assign at λ 1.0, H200).
+            if (LOST) hkv_adapt_room<G>(t, sc, g, b1, b2, &b, &s);
+            else hkv_adapt_room_in<G>(t, sc, g, b1, b2, &b, &s);
             out = HKV_EVICTED;
         } else {
             int ms;
