@@ -131,8 +131,9 @@ __device__ int hkv_relocate(const HkvTable& t, const HkvScoring& sc, const HkvGr
 }
 
 // LOST: whether the lost_* outputs may be given (insert_and_evict); the
-// variants without them are smaller.
-template <int G, bool LOST>
+// variants without them are smaller. ADAPT: the kernels of adaptive tables
+// (the window rule and bits); the others carry none of its code.
+template <int G, bool LOST, bool ADAPT>
 __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& sc, const u64* keys, u64 n,
                                            float* values, const u64* scores_in, const u8* only, int mode,
                                            u8* outcomes, u64* ptrs, u64* lost_keys, float* lost_values,
@@ -169,14 +170,14 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
         if (g.rank == 0) {
             t.scores[pos] = ns;
             // A verbatim score may move an adaptive entry between tiers.
-            if (sc.verbatim) hkv_window_mark(sc, pos, !(ns & HKV_ADAPTIVE_MAIN));
+            if (ADAPT && sc.verbatim) hkv_window_mark(sc, pos, !(ns & HKV_ADAPTIVE_MAIN));
         }
         out = HKV_UPDATED;
     } else {
         u64 score = sc.verbatim ? in : hkv_on_insert(sc, has, in);
         u64 adm = sc.verbatim ? score : hkv_admission(sc, score);
         // Adaptive, policy scores (the batch's keys are in the sketch: adapt_count).
-        bool adapt = !sc.verbatim && sc.sketch;
+        const bool adapt = ADAPT && !sc.verbatim && sc.sketch;
         u64 tb = b1;
         if (b2 != b1 && __ldcg(t.sizes + b2) < __ldcg(t.sizes + b1)) tb = b2;
         int fs = hkv_free_slot<G>(g, tb == b1 ? free1 : free2);
@@ -234,7 +235,7 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
                 t.digests[pos] = d;
                 t.scores[pos] = score;
                 // (A policy's newcomer got its window bit in the adaptive paths.)
-                if (sc.verbatim) hkv_window_mark(sc, pos, !(score & HKV_ADAPTIVE_MAIN));
+                if (ADAPT && sc.verbatim) hkv_window_mark(sc, pos, !(score & HKV_ADAPTIVE_MAIN));
                 if (out == HKV_INSERTED) t.sizes[b] += 1;
             }
             if (mode != HKV_UP_FIND_OR_INSERT_PTR) hkv_copy_row<G, false>(row, vin, t.dim, g.rank);
@@ -254,15 +255,15 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
 // only, key i is processed only where only[i] != 0. Kernels built without
 // LOST ignore the lost_* outputs. smp: the miss-ratio sampler (table.cuh;
 // ring null: off), which samples the keys processed.
-#define HKV_UPSERT_KERNEL(NAME, G, BOUNDS, LOST)                                                                   \
+#define HKV_UPSERT_KERNEL(NAME, G, BOUNDS, LOST, ADAPT)                                                                 \
     extern "C" __global__ void BOUNDS NAME(HkvTable t, HkvScoring sc, const u64* keys, u64 n, float* values,       \
                                            const u64* scores_in, const u8* only, int mode, u8* outcomes,           \
                                            u64* ptrs, u64* lost_keys, float* lost_values, u64* lost_scores,        \
                                            u8* lost_kinds, u64* counters, HkvSample smp) {                         \
         HKV_SAMPLE_INIT                                                                                            \
         HKV_COUNTERS_INIT                                                                                          \
-        upsert_one<G, LOST>(t, sc, keys, n, values, scores_in, only, mode, outcomes, ptrs, lost_keys, lost_values, \
-                            lost_scores, lost_kinds, hkv_cnt, counters, smp, &hkv_seen);                          \
+        upsert_one<G, LOST, ADAPT>(t, sc, keys, n, values, scores_in, only, mode, outcomes, ptrs, lost_keys,        \
+                                   lost_values, lost_scores, lost_kinds, hkv_cnt, counters, smp, &hkv_seen);       \
         hkv_flush_counters(hkv_cnt, counters);                                                                     \
         hkv_flush_sample(smp, &hkv_seen);                                                                          \
     }
@@ -272,13 +273,21 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
 // at most 48 registers so that 5 blocks of 256 fit an SM (the compiler's
 // own choice, 64, fits 4; a few bytes spill): at dim 64 2-4 % faster up to
 // λ 0.75, level at 1.0 (measured on the H200, shard/BENCHMARKS.md).
-HKV_UPSERT_KERNEL(upsert_keys, 8, , true)
-HKV_UPSERT_KERNEL(upsert_keys_g1, 1, , true)
-HKV_UPSERT_KERNEL(upsert_keys_g2, 2, , true)
-HKV_UPSERT_KERNEL(upsert_keys_g4, 4, , true)
-HKV_UPSERT_KERNEL(upsert_keys_g16, 16, , true)
-HKV_UPSERT_KERNEL(upsert_keys_g32, 32, , true)
-HKV_UPSERT_KERNEL(upsert_keys_g4_b5, 4, __launch_bounds__(256, 5), false)
+HKV_UPSERT_KERNEL(upsert_keys, 8, , true, false)
+HKV_UPSERT_KERNEL(upsert_keys_g1, 1, , true, false)
+HKV_UPSERT_KERNEL(upsert_keys_g2, 2, , true, false)
+HKV_UPSERT_KERNEL(upsert_keys_g4, 4, , true, false)
+HKV_UPSERT_KERNEL(upsert_keys_g16, 16, , true, false)
+HKV_UPSERT_KERNEL(upsert_keys_g32, 32, , true, false)
+HKV_UPSERT_KERNEL(upsert_keys_g4_b5, 4, __launch_bounds__(256, 5), false, false)
+// The same for adaptive tables: upsert_keys_a, upsert_keys_a_gN.
+HKV_UPSERT_KERNEL(upsert_keys_a, 8, , true, true)
+HKV_UPSERT_KERNEL(upsert_keys_a_g1, 1, , true, true)
+HKV_UPSERT_KERNEL(upsert_keys_a_g2, 2, , true, true)
+HKV_UPSERT_KERNEL(upsert_keys_a_g4, 4, , true, true)
+HKV_UPSERT_KERNEL(upsert_keys_a_g16, 16, , true, true)
+HKV_UPSERT_KERNEL(upsert_keys_a_g32, 32, , true, true)
+HKV_UPSERT_KERNEL(upsert_keys_a_g4_b5, 4, __launch_bounds__(256, 5), false, true)
 
 // ---- find_or_insert of a large batch: the hits first, without locks ----------
 // A batch whose keys repeat (Zipf traffic: the hottest key of a 1 Mi-key

@@ -53,7 +53,7 @@ pub enum KernelId {
     Features,
     /// `lookup.cu`: `lookup_find` (and its `_gN` variants), `order_count`, `order_write`, `keys_reserved`, `keys_gate`.
     Lookup,
-    /// `upsert.cu`: `upsert_keys` and `probe_keys` (and their `_gN` variants), `adapt_count`, `adapt_sample`, `adapt_halve`.
+    /// `upsert.cu`: `upsert_keys`, `upsert_keys_a` (adaptive tables) and `probe_keys` (and their `_gN` variants), `adapt_count`, `adapt_sample`, `adapt_halve`.
     Upsert,
     /// `update.cu`: `update_keys` and `step_keys` (and their `_gN` variants).
     Update,
@@ -149,6 +149,13 @@ impl KernelId {
                 "upsert_keys_g16",
                 "upsert_keys_g32",
                 "upsert_keys_g4_b5",
+                "upsert_keys_a",
+                "upsert_keys_a_g1",
+                "upsert_keys_a_g2",
+                "upsert_keys_a_g4",
+                "upsert_keys_a_g16",
+                "upsert_keys_a_g32",
+                "upsert_keys_a_g4_b5",
                 "probe_keys",
                 "probe_keys_g1",
                 "probe_keys_g2",

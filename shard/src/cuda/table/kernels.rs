@@ -33,6 +33,9 @@ pub(super) struct Funcs {
     /// Upsert and update kernels with 1 to 32 threads per key ([`WRITE_GROUPS`])
     /// (see [`Funcs::upsert`], [`Funcs::update`]).
     pub(super) upsert: Vec<Variant>,
+    /// The upsert kernels of adaptive tables (`upsert_keys_a`), the only
+    /// ones with the window rule's code.
+    pub(super) upsert_adaptive: Vec<Variant>,
     pub(super) update: Vec<Variant>,
     /// The 2-thread update kernel held to 48 registers (`update_keys_g2_b5`).
     pub(super) update_bounded: Variant,
@@ -42,8 +45,9 @@ pub(super) struct Funcs {
     /// Optimizer step kernels with 1 to 32 threads per key ([`WRITE_GROUPS`]) (see [`Funcs::step`]).
     pub(super) step: Vec<Variant>,
     /// The 4-thread upsert kernel without lost outputs, held to 48
-    /// registers (`upsert_keys_g4_b5`).
+    /// registers (`upsert_keys_g4_b5`), and the adaptive tables' one.
     pub(super) upsert_bounded: Variant,
+    pub(super) upsert_adaptive_bounded: Variant,
     /// Threads per key forced by the [`CudaTuning`] (the process's, or
     /// [`CudaTable::set_tuning`]) instead of the choice below.
     pub(super) forced_lookup: Option<u64>,
@@ -145,6 +149,8 @@ impl Funcs {
     /// copied row ([`upsert_copy_threads`]); 8 for a batch in region order
     /// (BENCHMARKS.md, "Kernel choice"). Four threads without lost outputs
     /// (`lost`: insert_and_evict) take the variant held to 48 registers.
+    /// An `adaptive` table's kernels are its own (`upsert_keys_a`).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn upsert(
         &self,
         load: f64,
@@ -153,6 +159,7 @@ impl Funcs {
         ordered: bool,
         plain: bool,
         lost: bool,
+        adaptive: bool,
     ) -> &Variant {
         let scan = match (load >= WRITER_PAIR_FROM, plain) {
             (false, _) => 1,
@@ -166,8 +173,12 @@ impl Funcs {
         } else {
             scan
         };
-        match pick(&self.upsert, self.forced_write.unwrap_or(g)) {
-            v if v.g == 4 && !lost => &self.upsert_bounded,
+        let (all, bounded) = match adaptive {
+            false => (&self.upsert, &self.upsert_bounded),
+            true => (&self.upsert_adaptive, &self.upsert_adaptive_bounded),
+        };
+        match pick(all, self.forced_write.unwrap_or(g)) {
+            v if v.g == 4 && !lost => bounded,
             v => v,
         }
     }
@@ -237,11 +248,17 @@ mod tests {
             (KernelId::Lookup, "lookup_at", &LOOKUP_GROUPS[..]),
             (KernelId::Lookup, "lookup_findz", &LOOKUP_GROUPS[..]),
             (KernelId::Upsert, "upsert_keys", &WRITE_GROUPS[..]),
+            (KernelId::Upsert, "upsert_keys_a", &WRITE_GROUPS[..]),
             (KernelId::Update, "update_keys", &WRITE_GROUPS[..]),
             (KernelId::Update, "step_keys", &WRITE_GROUPS[..]),
             (KernelId::Upsert, "probe_keys", &LOOKUP_GROUPS[..]),
         ];
-        for (id, name) in [(KernelId::Upsert, "upsert_keys_g4_b5"), (KernelId::Update, "update_keys_g2_b5")] {
+        let bounded = [
+            (KernelId::Upsert, "upsert_keys_g4_b5"),
+            (KernelId::Upsert, "upsert_keys_a_g4_b5"),
+            (KernelId::Update, "update_keys_g2_b5"),
+        ];
+        for (id, name) in bounded {
             assert!(id.symbols().contains(&name), "{name} is not built in {id:?}");
         }
         for (id, base, gs) in asked {
