@@ -36,5 +36,5 @@ mod tier;
 pub use cluster::parse_seeds;
 pub use error::Error;
 pub use stats::{HistogramSnapshot, Stats};
-pub use stream::{Invalidation, Invalidations};
+pub use stream::{Gap, Invalidation, Invalidations};
 pub use tier::{Backing, Fetched, Mode, Options, ReadOut, Scan};

@@ -32,6 +32,20 @@ pub struct Invalidation {
     pub acked_us: u64,
 }
 
+/// Why a consumer cannot know every key other hosts wrote since it read
+/// last ([`Invalidations::take_gap`]): then every row cached from the
+/// table may be stale.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gap {
+    /// Entries it had not read were trimmed from the stream (`MAXLEN`):
+    /// it fell behind by more than the stream keeps.
+    Trimmed,
+    /// The stream holds fewer entries than it read: the stream was
+    /// deleted, or a failover promoted a replica that had not received
+    /// them (entries, and maybe rows, the old master had acknowledged).
+    WentBack,
+}
+
 /// A consumer of one table's stream, on its own connection (its blocking
 /// reads never hold up the table's).
 pub struct Invalidations {
@@ -44,9 +58,12 @@ pub struct Invalidations {
     /// Entries ever added to the stream up to `last` (its place in the
     /// stream's count, `XINFO STREAM`'s `entries-added`).
     read_to: u64,
-    /// Entries this consumer had not read were trimmed from the stream
-    /// (`MAXLEN`) before it read them: their keys are unknown.
-    gap: bool,
+    /// Entries this consumer had not read are unknown ([`Gap`]).
+    gap: Option<Gap>,
+    /// A read failed (the stream's node down, a failover, a migration):
+    /// the stream's count is checked at the next read that succeeds,
+    /// whether or not it brings entries.
+    check: bool,
 }
 
 impl Invalidations {
@@ -58,7 +75,7 @@ impl Invalidations {
             Some(i) => (i.last_id, i.added),
             None => ("0-0".into(), 0),
         };
-        Ok(Invalidations { core, conn: None, key, last, read_to, gap: false })
+        Ok(Invalidations { core, conn: None, key, last, read_to, gap: None, check: false })
     }
 
     /// The next entries of other writers, waiting up to 100 ms for one;
@@ -88,6 +105,7 @@ impl Invalidations {
             Ok(v) => v,
             Err(e) => {
                 // The stream's slot may have moved (failover, migration).
+                self.check = true;
                 self.core.cluster.refresh_soon().await;
                 return Err(unavailable(&self.core, e));
             }
@@ -133,24 +151,39 @@ impl Invalidations {
         // kept) beyond where this consumer stood were never read by it (a
         // pause longer than the stream's length of writes): say so, their
         // keys are lost. Trimming only ever grows, so a check after each
-        // read that got entries sees every such loss.
+        // read that got entries sees every such loss. A stream that counts
+        // fewer entries ever added than this consumer read went back (it
+        // was deleted, or a failover promoted a replica behind the old
+        // master): what it lost is unknown too. A failover fails a read
+        // first, so the read after a failure checks even without entries.
         let before = self.read_to;
         self.read_to += read as u64;
-        if read > 0 {
-            if let Some(i) = stream_info(&self.core, &self.key).await? {
-                if i.added.saturating_sub(i.length) > before {
-                    self.gap = true;
-                }
+        if read > 0 || self.check {
+            let info = stream_info(&self.core, &self.key).await?;
+            self.check = false;
+            match info {
+                None if self.read_to > 0 => self.went_back("0-0".into(), 0),
+                Some(i) if i.added < self.read_to => self.went_back(i.last_id, i.added),
+                Some(i) if i.added.saturating_sub(i.length) > before => self.gap = Some(Gap::Trimmed),
+                _ => {}
             }
         }
         Ok(out)
     }
 
-    /// Whether entries this consumer never read were trimmed from the
-    /// stream since the last call (then every row cached from the table
+    /// Whether, and why, entries of other hosts were lost to this
+    /// consumer since the last call (then every row cached from the table
     /// may be stale); clears it.
-    pub fn take_gap(&mut self) -> bool {
-        std::mem::take(&mut self.gap)
+    pub fn take_gap(&mut self) -> Option<Gap> {
+        self.gap.take()
+    }
+
+    /// The stream went back: read on from where it stands now (`last`,
+    /// `added` entries ever), the loss noted.
+    fn went_back(&mut self, last: String, added: u64) {
+        self.last = last;
+        self.read_to = added;
+        self.gap = Some(Gap::WentBack);
     }
 
     /// Invalidations counted so far (keys).

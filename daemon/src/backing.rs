@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use hkv_backing::{Backing, Fetched, Mode, Options, ReadOut, Scan};
+use hkv_backing::{Backing, Fetched, Gap, Mode, Options, ReadOut, Scan};
 use hkv_proto::{BackingMode, BackingSpec, ErrorCode, ProtoError, Request, Response, TableSpec, WriteOp};
 use hkv_shard::{Outcome, Rows, ScorePolicy};
 use parking_lot::RwLock;
@@ -122,9 +122,16 @@ async fn consume(
             Ok(batches) => batches.into_iter().for_each(|b| invalid.lock().extend(b.keys)),
             Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
         }
-        if i.take_gap() {
-            tracing::warn!(table = %name, "the table's stream was trimmed past entries this host had not read (it fell behind by more than the stream's length): their keys are unknown, so its cache is dropped");
-            all_stale.store(true, Relaxed);
+        match i.take_gap() {
+            Some(Gap::Trimmed) => {
+                tracing::warn!(table = %name, "the table's stream was trimmed past entries this host had not read (it fell behind by more than the stream's length): their keys are unknown, so its cache is dropped");
+                all_stale.store(true, Relaxed);
+            }
+            Some(Gap::WentBack) => {
+                tracing::warn!(table = %name, "the table's stream holds fewer entries than this host read (it was deleted, or a failover promoted a replica that had not received them): other hosts' writes may be unknown, so its cache is dropped");
+                all_stale.store(true, Relaxed);
+            }
+            None => {}
         }
     }
 }

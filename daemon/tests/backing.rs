@@ -1571,6 +1571,39 @@ fn a_host_that_missed_trimmed_stream_entries_drops_its_cache() {
     }
 }
 
+/// A host whose stream went back (deleted, or a failover onto a replica
+/// that had not received the last entries) while it held rows those
+/// entries replaced drops its cache, as after a trim: it counted on
+/// entries it would never read (it served the old row for good).
+#[test]
+fn a_host_whose_stream_went_back_drops_its_cache() {
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let seeds = cluster.seed_arg();
+    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
+    let (mut ca, mut cb) = (a.client(), b.client());
+    ca.create_table(backed("sb", &seeds, BackingMode::WriteThrough)).unwrap();
+    cb.create_table(backed("sb", &seeds, BackingMode::ReadOnly)).unwrap();
+    ca.insert_or_assign("sb", &[1], &[1.0; 4], None).unwrap();
+    assert_eq!(cb.find("sb", &[1]).unwrap().values, vec![1.0; 4]);
+    // B has read A's entry: its consumer stands after it.
+    let owner =
+        (0..3).find(|&i| cluster.cli(i, &["exists", "hkv:{sb}:stream"]).is_ok_and(|o| o.trim() == "1")).unwrap();
+    let added = || cluster.cli(owner, &["xinfo", "stream", "hkv:{sb}:stream"]).unwrap();
+    assert!(added().contains("entries-added"), "{}", added());
+    b.signal("STOP");
+    std::thread::sleep(Duration::from_millis(400));
+    ca.insert_or_assign("sb", &[1], &[5.0; 4], None).unwrap();
+    // The stream goes back: its entries gone before B read A's second.
+    cluster.cli(owner, &["del", "hkv:{sb}:stream"]).unwrap();
+    b.signal("CONT");
+    ca.insert_or_assign("sb", &[2], &[2.0; 4], None).unwrap();
+    let start = Instant::now();
+    while cb.find("sb", &[1]).unwrap().values != vec![5.0; 4] {
+        assert!(start.elapsed() < Duration::from_secs(10), "B still serves the row a lost stream entry replaced");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// A restored backed table's rows are checked against the cluster: a row
 /// another host wrote since the checkpoint is the cluster's, a row erased
 /// since is gone (a restore served the checkpoint's rows for good, erased
