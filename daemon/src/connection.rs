@@ -23,6 +23,27 @@ fn error_frame(id: u64, op: u8, e: ProtoError) -> FrameBuf {
     FrameBuf::Vec(Response::Error(e).encode(op, id))
 }
 
+/// How long a refused connection is kept to read what its peer sent.
+pub(crate) const REFUSE_LINGER: Duration = Duration::from_millis(250);
+
+/// Tells a peer that cannot be served why (`e`, a frame of id 0), then
+/// reads and drops what it sent until it closes, for at most `linger`,
+/// before closing. A socket closed with bytes unread resets its peer,
+/// whose read then fails before it reaches the answer: clients over the
+/// connection limit saw "connection reset" (or a broken pipe on their
+/// request), not `busy`.
+pub(crate) async fn refuse(mut stream: UnixStream, e: ProtoError, linger: Duration) {
+    let frame = Response::Error(e).encode(hkv_proto::Op::Error, 0);
+    let _ = tokio::time::timeout(linger, async {
+        stream.write_all(&frame).await?;
+        stream.shutdown().await?;
+        let mut drop = [0u8; 4096];
+        while stream.read(&mut drop).await? > 0 {}
+        Ok::<(), std::io::Error>(())
+    })
+    .await;
+}
+
 /// Reads one header; `Ok(None)` is a clean close between frames. Its
 /// first byte may take `idle` (None: forever) while `busy()` is false (a
 /// connection whose requests are still running is not idle); once it has
@@ -73,6 +94,17 @@ pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
     let st = &state.stats;
     st.accepted.fetch_add(1, Relaxed);
     let open = st.connections.fetch_add(1, Relaxed) + 1;
+    if open > state.config.limits.max_connections {
+        // Refused: not counted as open while it lingers (its slot is not
+        // taken from a client that comes once one frees).
+        st.connections.fetch_sub(1, Relaxed);
+        let e = ProtoError::new(
+            ErrorCode::Busy,
+            format!("{} connections are open (limits.max_connections); try again later", open - 1),
+        );
+        refuse(stream, e, REFUSE_LINGER).await;
+        return;
+    }
     let _open = scopeguard(|| {
         state.stats.connections.fetch_sub(1, Relaxed);
     });
@@ -90,16 +122,6 @@ pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
     let (tx, rx) = mpsc::channel::<Answer>(256);
     let out: Out = Arc::new(tokio::sync::Mutex::new(BufWriter::with_capacity(1 << 16, wr)));
     let writer = tokio::spawn(write_answers(state.clone(), out.clone(), rx));
-    if open > state.config.limits.max_connections {
-        let e = ProtoError::new(
-            ErrorCode::Busy,
-            format!("{} connections are open (limits.max_connections); try again later", open - 1),
-        );
-        let _ = tx.send((error_frame(0, hkv_proto::Op::Error.into(), e), None, None)).await;
-        drop(tx);
-        let _ = writer.await;
-        return;
-    }
     let limits = &state.config.limits;
     let stall = Duration::from_secs(limits.body_stall_seconds.max(1));
     let idle = (limits.idle_seconds > 0).then(|| Duration::from_secs(limits.idle_seconds));

@@ -118,8 +118,9 @@ impl Spare {
                 hkv_proto::ErrorCode::Busy,
                 "the daemon is out of file descriptors (its open-file limit); try again later",
             );
-            let frame = hkv_proto::Response::Error(e).encode(hkv_proto::Op::Error, 0);
-            let _ = stream.try_write(&frame);
+            // Inline (the spare is the only descriptor to spare): the
+            // accept loop waits at most this long.
+            crate::connection::refuse(stream, e, Duration::from_millis(50)).await;
         }
         *self = Spare::new();
     }

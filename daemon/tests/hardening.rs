@@ -834,6 +834,53 @@ fn descriptors_are_never_exhausted_by_clients() {
     still_serves(&mut d, "x");
 }
 
+/// A client past `limits.max_connections` is told `busy`, every time:
+/// the daemon closed such a connection with the client's request unread,
+/// and the kernel then reset the client's socket, so that its read failed
+/// before it reached the answer (200 of 200 Python clients saw "connection
+/// reset" or a broken pipe, the Rust client about 1 in 5). A refused
+/// connection is not counted as open while it lingers: a slot that frees
+/// goes to the next client.
+#[test]
+fn clients_past_the_connection_limit_are_told_busy() {
+    let mut d = Daemon::start_limited(LIMIT, &["--max-connections", "2"]);
+    let mut held = vec![d.client(), d.client()];
+    held.iter_mut().for_each(|c| c.ping().unwrap());
+    let (mut busy, mut other) = (0, vec![]);
+    for i in 0..100 {
+        let sent = Client::connect(&d.socket).and_then(|mut c| {
+            // Every other client sends its request a moment after it
+            // connected (the daemon had closed by then: a broken pipe).
+            if i % 2 == 1 {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            c.ping()
+        });
+        match sent {
+            Err(e) if e.code() == Some(ErrorCode::Busy) => busy += 1,
+            r => other.push(format!("{r:?}")),
+        }
+    }
+    assert_eq!(busy, 100, "{} of 100 not told busy, e.g. {:?}", other.len(), other.first());
+    // A raw peer whose request is sent in pieces reads the frame too.
+    let mut s = UnixStream::connect(&d.socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let ping = Request::Ping.encode(9);
+    s.write_all(&ping[..5]).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    let _ = s.write_all(&ping[5..]);
+    match read_answer(&mut s).1 {
+        Response::Error(e) => assert_eq!(e.code, ErrorCode::Busy, "{}", e.message),
+        r => panic!("{r:?}"),
+    }
+    // A slot that frees is the next client's, refused ones lingering or not.
+    held.pop();
+    std::thread::sleep(Duration::from_millis(100));
+    d.client().ping().unwrap();
+    drop(held);
+    still_serves(&mut d, "x");
+}
+
 /// Whether the daemon closed `s` (EOF or reset) within `within`.
 fn closed_within(s: &mut UnixStream, within: Duration) -> bool {
     s.set_read_timeout(Some(within)).unwrap();

@@ -501,6 +501,15 @@ class Client:
         """The answer to a request sent with a ``send_*`` method (raises its error)."""
         while rid not in self._done:
             got, value = self._recv_one()
+            if got == 0 and isinstance(value, HkvdError):
+                # A connection-level error (`busy`, a bad frame): the
+                # daemon closes the connection; it answers every request
+                # still outstanding (PROTOCOL.md, "Connection").
+                for r in self._pending:
+                    self._done[r] = value
+                self._pending.clear()
+                self._done.setdefault(rid, value)
+                continue
             self._done[got] = value
         value = self._done.pop(rid)
         if isinstance(value, HkvdError):

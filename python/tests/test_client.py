@@ -259,3 +259,21 @@ def test_a_table_made_again_with_another_dim_leaves_the_client_usable(daemon):
     assert found.tolist() == [True] and v.shape == (1, 8)
     c.close()
     c2.close()
+
+
+def test_a_client_past_the_connection_limit_is_told_busy(tmp_path):
+    # The daemon's `busy` carries id 0 (a connection-level error): the
+    # client raised "hkvd closed the connection" instead of Busy, waiting
+    # for an answer with its own request's id.
+    from conftest import Daemon
+    d = Daemon(tmp_path, "--max-connections", "1")
+    try:
+        with d.client() as held:
+            held.ping()
+            for _ in range(20):
+                with pytest.raises(hkvd.Busy, match="limits.max_connections"):
+                    with d.client() as c:
+                        c.ping()
+            held.ping()
+    finally:
+        d.stop()
