@@ -271,16 +271,57 @@ mod tests {
     #[ignore = "needs NVRTC (libnvrtc.so, a CUDA host)"]
     fn every_module_compiles_with_nvrtc() {
         assert!(nvrtc_present(), "no libnvrtc.so");
+        // With `HKV_PTXAS` (a ptxas, e.g. the `nvidia-cuda-nvcc` wheel's):
+        // each kernel's registers and spills for sm_90 are printed too
+        // (docs/developing.md), before any device time is spent.
+        let ptxas = std::env::var_os("HKV_PTXAS");
         for id in KernelId::ALL {
             let opts = CompileOptions { arch: Some("sm_90"), ..Default::default() };
-            if let Err(e) = cudarc::nvrtc::compile_ptx_with_opts(id.source(), opts) {
-                let log = match e {
-                    cudarc::nvrtc::CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
-                    e => format!("{e:?}"),
-                };
-                panic!("{}.cu does not compile:\n{log}", id.name());
+            match cudarc::nvrtc::compile_ptx_with_opts(id.source(), opts) {
+                Ok(ptx) => {
+                    if let Some(p) = &ptxas {
+                        print!("{}", ptxas_report(p, id.name(), &ptx.to_src()));
+                    }
+                }
+                Err(e) => {
+                    let log = match e {
+                        cudarc::nvrtc::CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
+                        e => format!("{e:?}"),
+                    };
+                    panic!("{}.cu does not compile:\n{log}", id.name());
+                }
             }
         }
+    }
+
+    /// `ptxas -v` of one module's PTX: a line per kernel with its
+    /// registers, and its spills where it has any.
+    fn ptxas_report(ptxas: &std::ffi::OsStr, module: &str, ptx: &str) -> String {
+        let dir = std::env::temp_dir().join(format!("hkv-ptxas-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a temporary directory");
+        let file = dir.join(format!("{module}.ptx"));
+        std::fs::write(&file, ptx).expect("writing the PTX");
+        let out = std::process::Command::new(ptxas)
+            .args(["-arch=sm_90", "-v", "-o"])
+            .arg(dir.join(format!("{module}.cubin")))
+            .arg(&file)
+            .output()
+            .expect("running ptxas");
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(out.status.success(), "ptxas refused {module}: {}", String::from_utf8_lossy(&out.stderr));
+        let (mut report, mut kernel) = (String::new(), String::new());
+        for line in String::from_utf8_lossy(&out.stderr).lines() {
+            if let Some(k) = line.split("entry function '").nth(1) {
+                kernel = k.trim_end_matches('\'').to_string();
+            } else if let Some(k) = line.split("Function properties for ").nth(1) {
+                kernel = k.trim().to_string();
+            } else if line.contains("spill") && !line.contains(" 0 bytes spill stores") {
+                report += &format!("{module} {kernel}: {}\n", line.trim());
+            } else if let Some(r) = line.split("Used ").nth(1) {
+                report += &format!("{module} {kernel}: {}\n", r.split(',').next().unwrap_or(r).trim());
+            }
+        }
+        report
     }
 
     // The CUDA side of the ABI check where it runs: NVRTC itself refuses a
