@@ -1544,31 +1544,9 @@ fn a_write_refused_by_one_node_leaves_no_row_that_differs_from_the_cluster() {
 /// the cluster's rows again (it served the old rows for good).
 #[test]
 fn a_host_that_missed_trimmed_stream_entries_drops_its_cache() {
-    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
-    let seeds = cluster.seed_arg();
-    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
-    let (mut ca, mut cb) = (a.client(), b.client());
-    ca.create_table(backed("st", &seeds, BackingMode::WriteThrough)).unwrap();
-    cb.create_table(backed("st", &seeds, BackingMode::ReadOnly)).unwrap();
-    ca.insert_or_assign("st", &[1], &[1.0; 4], None).unwrap();
-    assert_eq!(cb.find("st", &[1]).unwrap().values, vec![1.0; 4]);
-    b.signal("STOP");
-    // B's blocked stream read (100 ms) ends while it is stopped: A's write
-    // below waits in the stream, unread.
-    std::thread::sleep(Duration::from_millis(400));
-    ca.insert_or_assign("st", &[1], &[5.0; 4], None).unwrap();
     // The stream's entries trimmed before B read them (as MAXLEN does
-    // after enough writes); then one more write that B reads.
-    let owner =
-        (0..3).find(|&i| cluster.cli(i, &["exists", "hkv:{st}:stream"]).is_ok_and(|o| o.trim() == "1")).unwrap();
-    cluster.cli(owner, &["xtrim", "hkv:{st}:stream", "MAXLEN", "0"]).unwrap();
-    b.signal("CONT");
-    ca.insert_or_assign("st", &[2], &[2.0; 4], None).unwrap();
-    let start = Instant::now();
-    while cb.find("st", &[1]).unwrap().values != vec![5.0; 4] {
-        assert!(start.elapsed() < Duration::from_secs(10), "B still serves the row A's trimmed write replaced");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    // after enough writes).
+    lost_stream_entries_drop_the_cache("st", &["xtrim", "hkv:{st}:stream", "MAXLEN", "0"]);
 }
 
 /// A host whose stream went back (deleted, or a failover onto a replica
@@ -1577,28 +1555,34 @@ fn a_host_that_missed_trimmed_stream_entries_drops_its_cache() {
 /// entries it would never read (it served the old row for good).
 #[test]
 fn a_host_whose_stream_went_back_drops_its_cache() {
+    lost_stream_entries_drop_the_cache("sb", &["del", "hkv:{sb}:stream"]);
+}
+
+/// Host B caches key 1 of `table`; while B is stopped, A writes it again
+/// and `lose` (a redis-cli command on the stream's node) takes the
+/// entry from the stream before B read it; A's next write is one B
+/// reads. B must serve A's row of key 1 within 10 s.
+fn lost_stream_entries_drop_the_cache(table: &str, lose: &[&str]) {
     let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
     let seeds = cluster.seed_arg();
     let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
     let (mut ca, mut cb) = (a.client(), b.client());
-    ca.create_table(backed("sb", &seeds, BackingMode::WriteThrough)).unwrap();
-    cb.create_table(backed("sb", &seeds, BackingMode::ReadOnly)).unwrap();
-    ca.insert_or_assign("sb", &[1], &[1.0; 4], None).unwrap();
-    assert_eq!(cb.find("sb", &[1]).unwrap().values, vec![1.0; 4]);
-    // B has read A's entry: its consumer stands after it.
-    let owner =
-        (0..3).find(|&i| cluster.cli(i, &["exists", "hkv:{sb}:stream"]).is_ok_and(|o| o.trim() == "1")).unwrap();
-    let added = || cluster.cli(owner, &["xinfo", "stream", "hkv:{sb}:stream"]).unwrap();
-    assert!(added().contains("entries-added"), "{}", added());
+    ca.create_table(backed(table, &seeds, BackingMode::WriteThrough)).unwrap();
+    cb.create_table(backed(table, &seeds, BackingMode::ReadOnly)).unwrap();
+    ca.insert_or_assign(table, &[1], &[1.0; 4], None).unwrap();
+    assert_eq!(cb.find(table, &[1]).unwrap().values, vec![1.0; 4]);
     b.signal("STOP");
+    // B's blocked stream read (100 ms) ends while it is stopped: A's write
+    // below waits in the stream, unread.
     std::thread::sleep(Duration::from_millis(400));
-    ca.insert_or_assign("sb", &[1], &[5.0; 4], None).unwrap();
-    // The stream goes back: its entries gone before B read A's second.
-    cluster.cli(owner, &["del", "hkv:{sb}:stream"]).unwrap();
+    ca.insert_or_assign(table, &[1], &[5.0; 4], None).unwrap();
+    let stream = format!("hkv:{{{table}}}:stream");
+    let owner = (0..3).find(|&i| cluster.cli(i, &["exists", stream.as_str()]).is_ok_and(|o| o.trim() == "1")).unwrap();
+    cluster.cli(owner, lose).unwrap();
     b.signal("CONT");
-    ca.insert_or_assign("sb", &[2], &[2.0; 4], None).unwrap();
+    ca.insert_or_assign(table, &[2], &[2.0; 4], None).unwrap();
     let start = Instant::now();
-    while cb.find("sb", &[1]).unwrap().values != vec![5.0; 4] {
+    while cb.find(table, &[1]).unwrap().values != vec![5.0; 4] {
         assert!(start.elapsed() < Duration::from_secs(10), "B still serves the row a lost stream entry replaced");
         std::thread::sleep(Duration::from_millis(50));
     }
