@@ -386,7 +386,18 @@ impl Client {
 
     /// [`Client::call`] with `extra` header flags ([`Client::send_flagged`]).
     pub fn call_flagged(&mut self, req: &Request, extra: u16) -> Result<Response> {
-        let id = self.send_flagged(req, extra)?;
+        let id = match self.send_flagged(req, extra) {
+            Ok(id) => id,
+            // The daemon closed before the request went out: it may have
+            // said why first (`busy` past its connection limit, id 0).
+            Err(e @ ClientError::Io { .. }) => {
+                return match self.recv() {
+                    Ok((0, r @ Response::Error(_))) => ok(r),
+                    _ => Err(e),
+                }
+            }
+            Err(e) => return Err(e),
+        };
         let (got, r) = self.recv()?;
         if got != id && got != 0 {
             return Err(ClientError::Protocol(format!("answer to request {got} while waiting for {id}")));

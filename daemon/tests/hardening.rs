@@ -875,6 +875,14 @@ fn clients_past_the_connection_limit_are_told_busy() {
         }
     }
     assert_eq!(busy, 100, "{} of 100 not told busy, e.g. {:?}", other.len(), other.first());
+    // One that sends after the daemon closed (past its 250 ms) still
+    // reads why: the client looks for an answer when its send fails.
+    for _ in 0..3 {
+        let mut c = Client::connect(&d.socket).unwrap();
+        std::thread::sleep(Duration::from_millis(400));
+        let e = c.ping().unwrap_err();
+        assert_eq!(e.code(), Some(ErrorCode::Busy), "{e}");
+    }
     // A raw peer whose request is sent in pieces reads the frame too.
     let mut s = UnixStream::connect(&d.socket).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();

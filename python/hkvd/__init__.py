@@ -374,11 +374,22 @@ class Client:
         body = sum(len(p) if not isinstance(p, memoryview) else p.nbytes for p in parts)
         bufs = [HEADER.pack(MAGIC, VERSION, op, flags, rid, body)] + list(parts)
         total = sum(len(b) if not isinstance(b, memoryview) else b.nbytes for b in bufs)
-        sent = self._sock.sendmsg(bufs)
-        if sent < total:
-            # Rare: the kernel took part of it; send the rest as one buffer.
-            rest = b"".join(bytes(b) for b in bufs)[sent:]
-            self._sock.sendall(rest)
+        try:
+            sent = self._sock.sendmsg(bufs)
+            if sent < total:
+                # Rare: the kernel took part of it; send the rest as one buffer.
+                rest = b"".join(bytes(b) for b in bufs)[sent:]
+                self._sock.sendall(rest)
+        except (BrokenPipeError, ConnectionResetError) as e:
+            # The daemon closed before the request went out: it may have
+            # said why first (`busy` past its connection limit, id 0).
+            try:
+                got, value = self._recv_one()
+            except Exception:
+                raise e from None
+            if got == 0 and isinstance(value, HkvdError):
+                raise value from None
+            raise
         self._pending[rid] = _Pending(op, dim, n, flags, out)
         return rid
 
