@@ -60,10 +60,11 @@ pub struct Invalidations {
     read_to: u64,
     /// Entries this consumer had not read are unknown ([`Gap`]).
     gap: Option<Gap>,
-    /// A read failed (the stream's node down, a failover, a migration):
-    /// the stream's count is checked at the next read that succeeds,
-    /// whether or not it brings entries.
-    check: bool,
+    /// The stream's count is to be checked at the next read that
+    /// succeeds, whether or not it brings entries, against this place of
+    /// the consumer's (`read_to` then): a read failed (the stream's node
+    /// down, a failover, a migration), or the check after a read did.
+    check: Option<u64>,
 }
 
 impl Invalidations {
@@ -75,7 +76,7 @@ impl Invalidations {
             Some(i) => (i.last_id, i.added),
             None => ("0-0".into(), 0),
         };
-        Ok(Invalidations { core, conn: None, key, last, read_to, gap: None, check: false })
+        Ok(Invalidations { core, conn: None, key, last, read_to, gap: None, check: None })
     }
 
     /// The next entries of other writers, waiting up to 100 ms for one;
@@ -105,7 +106,7 @@ impl Invalidations {
             Ok(v) => v,
             Err(e) => {
                 // The stream's slot may have moved (failover, migration).
-                self.check = true;
+                self.check = Some(self.check.unwrap_or(self.read_to));
                 self.core.cluster.refresh_soon().await;
                 return Err(unavailable(&self.core, e));
             }
@@ -156,16 +157,22 @@ impl Invalidations {
         // was deleted, or a failover promoted a replica behind the old
         // master): what it lost is unknown too. A failover fails a read
         // first, so the read after a failure checks even without entries.
-        let before = self.read_to;
+        // A check that fails is made at the next read: the entries read
+        // are returned (their keys are invalidated) either way.
+        let before = self.check.unwrap_or(self.read_to);
         self.read_to += read as u64;
-        if read > 0 || self.check {
-            let info = stream_info(&self.core, &self.key).await?;
-            self.check = false;
-            match info {
-                None if self.read_to > 0 => self.went_back("0-0".into(), 0),
-                Some(i) if i.added < self.read_to => self.went_back(i.last_id, i.added),
-                Some(i) if i.added.saturating_sub(i.length) > before => self.gap = Some(Gap::Trimmed),
-                _ => {}
+        if read > 0 || self.check.is_some() {
+            match stream_info(&self.core, &self.key).await {
+                Ok(info) => {
+                    self.check = None;
+                    match info {
+                        None if self.read_to > 0 => self.went_back("0-0".into(), 0),
+                        Some(i) if i.added < self.read_to => self.went_back(i.last_id, i.added),
+                        Some(i) if i.added.saturating_sub(i.length) > before => self.gap = Some(Gap::Trimmed),
+                        _ => {}
+                    }
+                }
+                Err(_) => self.check = Some(before),
             }
         }
         Ok(out)
