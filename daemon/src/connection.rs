@@ -26,6 +26,13 @@ fn error_frame(id: u64, op: u8, e: ProtoError) -> FrameBuf {
 /// How long a refused connection is kept to read what its peer sent.
 pub(crate) const REFUSE_LINGER: Duration = Duration::from_millis(250);
 
+/// Refused connections kept at once; past them one is closed as soon as
+/// its answer is written, so that peers that never close cannot hold
+/// descriptors beyond `limits.max_connections` (the daemon's reserve).
+const REFUSE_LINGERING: usize = 32;
+
+static LINGERING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 /// Tells a peer that cannot be served why (`e`, a frame of id 0), then
 /// reads and drops what it sent until it closes, for at most `linger`,
 /// before closing. A socket closed with bytes unread resets its peer,
@@ -34,14 +41,16 @@ pub(crate) const REFUSE_LINGER: Duration = Duration::from_millis(250);
 /// request), not `busy`.
 pub(crate) async fn refuse(mut stream: UnixStream, e: ProtoError, linger: Duration) {
     let frame = Response::Error(e).encode(hkv_proto::Op::Error, 0);
+    let lingering = LINGERING.fetch_add(1, Relaxed) < REFUSE_LINGERING;
     let _ = tokio::time::timeout(linger, async {
         stream.write_all(&frame).await?;
         stream.shutdown().await?;
         let mut drop = [0u8; 4096];
-        while stream.read(&mut drop).await? > 0 {}
+        while lingering && stream.read(&mut drop).await? > 0 {}
         Ok::<(), std::io::Error>(())
     })
     .await;
+    LINGERING.fetch_sub(1, Relaxed);
 }
 
 /// Reads one header; `Ok(None)` is a clean close between frames. Its

@@ -894,6 +894,19 @@ fn clients_past_the_connection_limit_are_told_busy() {
         Response::Error(e) => assert_eq!(e.code, ErrorCode::Busy, "{}", e.message),
         r => panic!("{r:?}"),
     }
+    // Peers that connect and never close are kept at most 32 at a time
+    // (to read their requests), the rest closed once told: descriptors
+    // past max_connections stay few.
+    std::thread::sleep(Duration::from_millis(300));
+    let base = open_fds(&d);
+    let idle: Vec<UnixStream> = (0..100).map(|_| UnixStream::connect(&d.socket).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(100));
+    let during = open_fds(&d);
+    assert!(during <= base + 32 + 4, "{during} fds open with 100 refused peers (from {base})");
+    std::thread::sleep(Duration::from_millis(400));
+    let after = open_fds(&d);
+    assert!(after <= base + 4, "{after} fds open after the refused peers' 250 ms (from {base})");
+    drop(idle);
     // A slot that frees is the next client's, refused ones lingering or not.
     held.pop();
     held.push(take());
