@@ -16,8 +16,10 @@
 // becomes hkv_on_read of it, by CAS (hits of one key in a batch compose),
 // and, adaptive, one access in the sketch (order-free increments); returns
 // the score written. The group's first thread. A call (__noinline__), so
-// that finds of tables whose reads do not refresh keep their registers.
-__device__ __noinline__ u64 hkv_refresh_hit(const HkvTable& t, const HkvScoring& rs, u64 pos, u64 key) {
+// that finds of tables whose reads do not refresh keep their registers; rs
+// by value, so that it is copied for the call only (taken by reference,
+// every find thread stored the 48-byte struct to local memory at start).
+__device__ __noinline__ u64 hkv_refresh_hit(const HkvTable& t, const HkvScoring rs, u64 pos, u64 key) {
     unsigned long long* p = reinterpret_cast<unsigned long long*>(t.scores + pos);
     u64 old = __ldcg(t.scores + pos), nw = hkv_on_read(rs, old);
     while (nw != old) {

@@ -132,8 +132,12 @@ __device__ int hkv_relocate(const HkvTable& t, const HkvScoring& sc, const HkvGr
 
 // LOST: whether the lost_* outputs may be given (insert_and_evict); the
 // variants without them are smaller. ADAPT: the kernels of adaptive tables
-// (the window rule and bits); the others carry none of its code.
-template <int G, bool LOST, bool ADAPT>
+// (the window rule and bits); the others carry none of its code. RELOC:
+// the kernels of verbatim writes (loads, rehashes), the only ones with the
+// relocation above: compiled into every writer it took 32 more registers
+// (64 -> 96: 2 blocks of 256 an SM instead of 4) and 432 bytes of spills
+// in the 48-register kernel, for a path only verbatim writes take.
+template <int G, bool LOST, bool ADAPT, bool RELOC>
 __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& sc, const u64* keys, u64 n,
                                            float* values, const u64* scores_in, const u8* only, int mode,
                                            u8* outcomes, u64* ptrs, u64* lost_keys, float* lost_values,
@@ -182,7 +186,7 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
         if (b2 != b1 && __ldcg(t.sizes + b2) < __ldcg(t.sizes + b1)) tb = b2;
         int fs = hkv_free_slot<G>(g, tb == b1 ? free1 : free2);
         // Both candidates full: a verbatim write relocates before it evicts.
-        if (fs < 0 && sc.verbatim && b2 != b1) fs = hkv_relocate<G>(t, sc, g, b1, b2, &tb);
+        if (RELOC && fs < 0 && sc.verbatim && b2 != b1) fs = hkv_relocate<G>(t, sc, g, b1, b2, &tb);
         if (fs >= 0) {
             if (adapt) hkv_adapt_fill<G>(t, sc, g, tb, fs);
             b = tb;
@@ -255,15 +259,15 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
 // only, key i is processed only where only[i] != 0. Kernels built without
 // LOST ignore the lost_* outputs. smp: the miss-ratio sampler (table.cuh;
 // ring null: off), which samples the keys processed.
-#define HKV_UPSERT_KERNEL(NAME, G, BOUNDS, LOST, ADAPT)                                                                 \
+#define HKV_UPSERT_KERNEL(NAME, G, BOUNDS, LOST, ADAPT, RELOC)                                                     \
     extern "C" __global__ void BOUNDS NAME(HkvTable t, HkvScoring sc, const u64* keys, u64 n, float* values,       \
                                            const u64* scores_in, const u8* only, int mode, u8* outcomes,           \
                                            u64* ptrs, u64* lost_keys, float* lost_values, u64* lost_scores,        \
                                            u8* lost_kinds, u64* counters, HkvSample smp) {                         \
         HKV_SAMPLE_INIT                                                                                            \
         HKV_COUNTERS_INIT                                                                                          \
-        upsert_one<G, LOST, ADAPT>(t, sc, keys, n, values, scores_in, only, mode, outcomes, ptrs, lost_keys,        \
-                                   lost_values, lost_scores, lost_kinds, hkv_cnt, counters, smp, &hkv_seen);       \
+        upsert_one<G, LOST, ADAPT, RELOC>(t, sc, keys, n, values, scores_in, only, mode, outcomes, ptrs, lost_keys, \
+                                          lost_values, lost_scores, lost_kinds, hkv_cnt, counters, smp, &hkv_seen); \
         hkv_flush_counters(hkv_cnt, counters);                                                                     \
         hkv_flush_sample(smp, &hkv_seen);                                                                          \
     }
@@ -273,21 +277,30 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
 // at most 48 registers so that 5 blocks of 256 fit an SM (the compiler's
 // own choice, 64, fits 4; a few bytes spill): at dim 64 2-4 % faster up to
 // λ 0.75, level at 1.0 (measured on the H200, shard/BENCHMARKS.md).
-HKV_UPSERT_KERNEL(upsert_keys, 8, , true, false)
-HKV_UPSERT_KERNEL(upsert_keys_g1, 1, , true, false)
-HKV_UPSERT_KERNEL(upsert_keys_g2, 2, , true, false)
-HKV_UPSERT_KERNEL(upsert_keys_g4, 4, , true, false)
-HKV_UPSERT_KERNEL(upsert_keys_g16, 16, , true, false)
-HKV_UPSERT_KERNEL(upsert_keys_g32, 32, , true, false)
-HKV_UPSERT_KERNEL(upsert_keys_g4_b5, 4, __launch_bounds__(256, 5), false, false)
+HKV_UPSERT_KERNEL(upsert_keys, 8, , true, false, false)
+HKV_UPSERT_KERNEL(upsert_keys_g1, 1, , true, false, false)
+HKV_UPSERT_KERNEL(upsert_keys_g2, 2, , true, false, false)
+HKV_UPSERT_KERNEL(upsert_keys_g4, 4, , true, false, false)
+HKV_UPSERT_KERNEL(upsert_keys_g16, 16, , true, false, false)
+HKV_UPSERT_KERNEL(upsert_keys_g32, 32, , true, false, false)
+HKV_UPSERT_KERNEL(upsert_keys_g4_b5, 4, __launch_bounds__(256, 5), false, false, false)
 // The same for adaptive tables: upsert_keys_a, upsert_keys_a_gN.
-HKV_UPSERT_KERNEL(upsert_keys_a, 8, , true, true)
-HKV_UPSERT_KERNEL(upsert_keys_a_g1, 1, , true, true)
-HKV_UPSERT_KERNEL(upsert_keys_a_g2, 2, , true, true)
-HKV_UPSERT_KERNEL(upsert_keys_a_g4, 4, , true, true)
-HKV_UPSERT_KERNEL(upsert_keys_a_g16, 16, , true, true)
-HKV_UPSERT_KERNEL(upsert_keys_a_g32, 32, , true, true)
-HKV_UPSERT_KERNEL(upsert_keys_a_g4_b5, 4, __launch_bounds__(256, 5), false, true)
+HKV_UPSERT_KERNEL(upsert_keys_a, 8, , true, true, false)
+HKV_UPSERT_KERNEL(upsert_keys_a_g1, 1, , true, true, false)
+HKV_UPSERT_KERNEL(upsert_keys_a_g2, 2, , true, true, false)
+HKV_UPSERT_KERNEL(upsert_keys_a_g4, 4, , true, true, false)
+HKV_UPSERT_KERNEL(upsert_keys_a_g16, 16, , true, true, false)
+HKV_UPSERT_KERNEL(upsert_keys_a_g32, 32, , true, true, false)
+HKV_UPSERT_KERNEL(upsert_keys_a_g4_b5, 4, __launch_bounds__(256, 5), false, true, false)
+// Verbatim writes (sc.verbatim: loads, rehashes) of every policy:
+// upsert_keys_v, upsert_keys_v_gN, the only kernels that relocate. Built
+// with the adaptive tables' window marks, which do nothing without a sketch.
+HKV_UPSERT_KERNEL(upsert_keys_v, 8, , true, true, true)
+HKV_UPSERT_KERNEL(upsert_keys_v_g1, 1, , true, true, true)
+HKV_UPSERT_KERNEL(upsert_keys_v_g2, 2, , true, true, true)
+HKV_UPSERT_KERNEL(upsert_keys_v_g4, 4, , true, true, true)
+HKV_UPSERT_KERNEL(upsert_keys_v_g16, 16, , true, true, true)
+HKV_UPSERT_KERNEL(upsert_keys_v_g32, 32, , true, true, true)
 
 // ---- find_or_insert of a large batch: the hits first, without locks ----------
 // A batch whose keys repeat (Zipf traffic: the hottest key of a 1 Mi-key

@@ -36,6 +36,9 @@ pub(super) struct Funcs {
     /// The upsert kernels of adaptive tables (`upsert_keys_a`), the only
     /// ones with the window rule's code.
     pub(super) upsert_adaptive: Vec<Variant>,
+    /// The upsert kernels of verbatim writes (`upsert_keys_v`: loads and
+    /// rehashes of every policy), the only ones that relocate.
+    pub(super) upsert_verbatim: Vec<Variant>,
     pub(super) update: Vec<Variant>,
     /// The 2-thread update kernel held to 48 registers (`update_keys_g2_b5`).
     pub(super) update_bounded: Variant,
@@ -149,7 +152,9 @@ impl Funcs {
     /// copied row ([`upsert_copy_threads`]); 8 for a batch in region order
     /// (BENCHMARKS.md, "Kernel choice"). Four threads without lost outputs
     /// (`lost`: insert_and_evict) take the variant held to 48 registers.
-    /// An `adaptive` table's kernels are its own (`upsert_keys_a`).
+    /// An `adaptive` table's kernels are its own (`upsert_keys_a`), and a
+    /// `verbatim` write's (scores kept as given: a load, a rehash) are
+    /// `upsert_keys_v`, whatever the policy.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn upsert(
         &self,
@@ -160,6 +165,7 @@ impl Funcs {
         plain: bool,
         lost: bool,
         adaptive: bool,
+        verbatim: bool,
     ) -> &Variant {
         let scan = match (load >= WRITER_PAIR_FROM, plain) {
             (false, _) => 1,
@@ -173,13 +179,14 @@ impl Funcs {
         } else {
             scan
         };
-        let (all, bounded) = match adaptive {
-            false => (&self.upsert, &self.upsert_bounded),
-            true => (&self.upsert_adaptive, &self.upsert_adaptive_bounded),
+        let (all, bounded) = match (verbatim, adaptive) {
+            (true, _) => (&self.upsert_verbatim, None),
+            (false, false) => (&self.upsert, Some(&self.upsert_bounded)),
+            (false, true) => (&self.upsert_adaptive, Some(&self.upsert_adaptive_bounded)),
         };
-        match pick(all, self.forced_write.unwrap_or(g)) {
-            v if v.g == 4 && !lost => bounded,
-            v => v,
+        match (pick(all, self.forced_write.unwrap_or(g)), bounded) {
+            (v, Some(b)) if v.g == 4 && !lost => b,
+            (v, _) => v,
         }
     }
 
@@ -249,6 +256,7 @@ mod tests {
             (KernelId::Lookup, "lookup_findz", &LOOKUP_GROUPS[..]),
             (KernelId::Upsert, "upsert_keys", &WRITE_GROUPS[..]),
             (KernelId::Upsert, "upsert_keys_a", &WRITE_GROUPS[..]),
+            (KernelId::Upsert, "upsert_keys_v", &WRITE_GROUPS[..]),
             (KernelId::Update, "update_keys", &WRITE_GROUPS[..]),
             (KernelId::Update, "step_keys", &WRITE_GROUPS[..]),
             (KernelId::Upsert, "probe_keys", &LOOKUP_GROUPS[..]),

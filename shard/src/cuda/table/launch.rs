@@ -214,7 +214,17 @@ impl CudaTable {
         let (order, args) = self.key_order(l, st, n, p.keys, p.values != 0)?;
         let plain = mode == UP_INSERT && !lost;
         let adaptive = self.adapt.is_some();
-        let v = self.f.upsert(self.load(st), p.values != 0, self.config.dim, order.is_some(), plain, lost, adaptive);
+        let verbatim = sc.verbatim != SCORES_POLICY;
+        let v = self.f.upsert(
+            self.load(st),
+            p.values != 0,
+            self.config.dim,
+            order.is_some(),
+            plain,
+            lost,
+            adaptive,
+            verbatim,
+        );
         let mut b = l.launch_builder(&v.f);
         write_args(&mut b, &args, &sc, &n, &mode, &p);
         b.arg(&p.ptrs).arg(&p.lost[0]).arg(&p.lost[1]).arg(&p.lost[2]).arg(&p.lost[3]).arg(&c).arg(&smp);

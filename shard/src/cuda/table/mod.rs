@@ -166,6 +166,7 @@ impl CudaTable {
             lookup_zero: variants(KernelId::Lookup, "lookup_findz", &LOOKUP_GROUPS)?,
             upsert: variants(KernelId::Upsert, "upsert_keys", &WRITE_GROUPS)?,
             upsert_adaptive: variants(KernelId::Upsert, "upsert_keys_a", &WRITE_GROUPS)?,
+            upsert_verbatim: variants(KernelId::Upsert, "upsert_keys_v", &WRITE_GROUPS)?,
             update: variants(KernelId::Update, "update_keys", &WRITE_GROUPS)?,
             update_bounded: Variant { f: get(KernelId::Update, "update_keys_g2_b5")?, g: 2 },
             step: variants(KernelId::Update, "step_keys", &WRITE_GROUPS)?,
