@@ -25,6 +25,7 @@ use hkv_shard::{Outcome, Rows, ScorePolicy};
 use parking_lot::RwLock;
 
 use self::order::{Hold, Order, Snapshot};
+use crate::error::shard_error;
 use crate::router::{ApplyAnswer, FindAnswer, Router, Table, WriteAnswer};
 use crate::shard_ops::Destination;
 
@@ -1256,10 +1257,16 @@ fn partly_applied(mut e: ProtoError, what: &str, done: &str) -> ProtoError {
     e
 }
 
-/// apply_gradients on a backed table: the step runs on the rows the cache
-/// holds (a key only the cluster has is read into the cache first, as a
-/// find would), then, unless the table is read-only, the cluster gets the
-/// stepped rows (values and optimizer state) as accum_or_assign's are sent.
+/// apply_gradients on a backed table. Each key's row now (the cache's,
+/// else the cluster's, read through as a find would) is stepped here with
+/// the shards' own arithmetic ([`hkv_shard::optim::Step::apply`], bit for
+/// bit what either backend computes), a key given twice stepped twice in
+/// request order. The stepped rows (values and optimizer state) go to the
+/// cluster first, then into the cache, as accum_or_assign's sums do: a row
+/// the cache cannot hold is stepped all the same, and one the cache evicts
+/// meanwhile was never ahead of the cluster. A key in neither is missing.
+/// A read-only table never writes its cluster: the step is its cache's
+/// alone, on the rows the cache holds once its misses are read through.
 #[allow(clippy::too_many_arguments)]
 pub async fn apply_gradients(
     router: &Arc<Router>,
@@ -1272,27 +1279,46 @@ pub async fn apply_gradients(
     outcomes: bool,
 ) -> Result<ApplyAnswer, ProtoError> {
     invalidate(router, tiers, t, Some(&keys)).await?;
+    if tier.mode() == Mode::ReadOnly {
+        let held = tiers.begin_write(&t.spec.name, Some(&keys)).await;
+        rows_now(router, tiers, tier, t, &keys, held.as_ref(), false).await?;
+        return router.apply_gradients(t, hyper, keys, grads, outcomes).await;
+    }
+    let step = crate::router::step_of(t, hyper)?;
+    let (n, d, w) = (keys.len(), step.dim, t.config.dim);
+    // The checks the shards open with, before anything is read or written.
+    hkv_shard::optim::check_batch(w, &step, n, grads.len(), n, None).map_err(shard_error)?;
+    hkv_shard::check::keys(&keys).map_err(shard_error)?;
+    if outcomes {
+        router.bound("apply_gradients", n, d, 1 + 4 * d as u64, 64)?;
+    }
     // Held until the cluster has the stepped rows ([`order`]).
     let held = tiers.begin_write(&t.spec.name, Some(&keys)).await;
-    // Waited for: the step needs the filled rows in the cache.
-    rows_now(router, tiers, tier, t, &keys, held.as_ref(), false).await?;
-    let r = router.apply_gradients(t, hyper, keys.clone(), grads, outcomes).await?;
-    if tier.mode() != Mode::ReadOnly {
-        let FindAnswer { found, values, scores: got } = router.find_rows(t, keys.clone(), true).await?;
-        let d = t.config.dim;
-        let have: Vec<usize> = (0..keys.len()).filter(|&i| found[i] == 1).collect();
-        let got = got.unwrap_or_default();
-        let sent = tiers
-            .write(
-                tier,
-                have.iter().map(|&i| keys[i]).collect(),
-                have.iter().flat_map(|&i| values[i * d..(i + 1) * d].iter().copied()).collect(),
-                have.iter().map(|&i| got.get(i).copied().unwrap_or(0)).collect(),
-            )
-            .await;
-        refused_write(router, t, &keys, sent).await?;
+    let RowsNow { rows, exists, .. } = rows_now(router, tiers, tier, t, &keys, held.as_ref(), true).await?;
+    let (mut uk, mut urows) = (Vec::new(), Vec::new());
+    let mut at: HashMap<u64, usize> = HashMap::with_capacity(n);
+    let mut found = vec![0u8; n];
+    let mut after = if outcomes { vec![0.0f32; n * d] } else { Vec::new() };
+    for i in (0..n).filter(|&i| exists[i]) {
+        let u = *at.entry(keys[i]).or_insert_with(|| {
+            uk.push(keys[i]);
+            urows.extend_from_slice(&rows[i * w..(i + 1) * w]);
+            uk.len() - 1
+        });
+        let row = &mut urows[u * w..(u + 1) * w];
+        step.apply(row, &grads[i * d..(i + 1) * d]);
+        found[i] = 1;
+        if outcomes {
+            after[i * d..(i + 1) * d].copy_from_slice(&row[..d]);
+        }
     }
-    Ok(r)
+    let missing = found.iter().filter(|&&f| f == 0).count() as u64;
+    if !uk.is_empty() {
+        let sent = tiers.write(tier, uk.clone(), urows.clone(), Vec::new()).await;
+        refused_write(router, t, &keys, sent).await?;
+        router.write(t, WriteOp::InsertOrAssign, uk, urows, None, false).await?;
+    }
+    Ok(ApplyAnswer { missing, found: outcomes.then_some(found), values: outcomes.then_some(after) })
 }
 
 /// erase on a backed table: the cluster first (write-through: deleted

@@ -307,3 +307,54 @@ fn a_backed_table_sends_stepped_rows_and_state_to_its_cluster() {
         "values and state through the cluster, bit for bit"
     );
 }
+
+/// A backed table whose cache holds fewer rows than one step: every row
+/// the cluster has is stepped all the same (the step runs on the rows
+/// read through, and the cluster gets them first), a key given twice is
+/// stepped twice, and another daemon reads the stepped rows and state.
+#[test]
+fn a_backed_step_larger_than_the_cache_steps_every_row() {
+    use hkv_backing::testkit::TestCluster;
+    use hkv_client::{BackingMode, BackingSpec};
+
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
+    let (mut ca, mut cb) = (a.client(), b.client());
+    let spec = |mode, capacity| TableSpec {
+        backing: Some(BackingSpec::from_list(&cluster.seed_arg(), mode)),
+        optimizer: Some(Optimizer::Adagrad),
+        ..TableSpec::new("small", DIM, capacity)
+    };
+    // A's cache: 128 slots. B writes 2000 rows into the cluster.
+    ca.create_table(spec(BackingMode::WriteThrough, 128)).unwrap();
+    cb.create_table(spec(BackingMode::WriteThrough, 1 << 13)).unwrap();
+    let n = 2000u64;
+    let keys: Vec<u64> = (1..=n).collect();
+    cb.insert_or_assign("small", &keys, &vec![1.0; keys.len() * 2 * DIM], None).unwrap();
+    // Key 1 twice, at both ends.
+    let mut step_keys = keys.clone();
+    step_keys.push(1);
+    let h = Hyper { lr: 0.5, ..Hyper::default() };
+    let grads = vec![1.0; step_keys.len() * DIM];
+    let (missing, got) = ca.apply_gradients("small", h, &step_keys, &grads, true).unwrap();
+    assert_eq!(missing, 0, "every key is in the cluster");
+    let (found, values) = got.unwrap();
+    assert!(found.iter().all(|&f| f));
+    // Adagrad from value 1, state 1, gradient 1: state 2, value 1 − 0.5/√2;
+    // key 1's second step: state 3, value 1 − 0.5/√2 − 0.5/√3.
+    let once = values[DIM];
+    assert!((once - (1.0 - 0.5 / 2f32.sqrt())).abs() < 1e-6, "{once}");
+    let twice = values[n as usize * DIM];
+    assert!((twice - (once - 0.5 / 3f32.sqrt())).abs() < 1e-6, "{twice}");
+    // A fresh daemon reads every stepped row from the cluster.
+    let c3 = Daemon::start(&[]);
+    let mut cc = c3.client();
+    cc.create_table(spec(BackingMode::ReadOnly, 1 << 13)).unwrap();
+    let there = cc.find("small", &keys).unwrap();
+    assert!(there.found.iter().all(|&f| f), "every row in the cluster");
+    for (i, row) in there.values.chunks(2 * DIM).enumerate() {
+        let (value, state) = if i == 0 { (twice, 3.0) } else { (once, 2.0) };
+        assert!(row[..DIM].iter().all(|x| x.to_bits() == value.to_bits()), "key {}: {row:?}", i + 1);
+        assert!(row[DIM..].iter().all(|&x| x == state), "key {}: {row:?}", i + 1);
+    }
+}

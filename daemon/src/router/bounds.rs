@@ -98,7 +98,7 @@ impl Router {
 
     /// Refuses, before it runs, a request of `n` keys whose answer would take
     /// `per_key` bytes a key plus `fixed` bytes, beyond the largest answer.
-    pub(super) fn bound(&self, what: &str, n: usize, dim: usize, per_key: u64, fixed: u64) -> Result<(), ProtoError> {
+    pub(crate) fn bound(&self, what: &str, n: usize, dim: usize, per_key: u64, fixed: u64) -> Result<(), ProtoError> {
         let size = (n as u64).saturating_mul(per_key).saturating_add(fixed);
         if size <= self.max_answer {
             return Ok(());
