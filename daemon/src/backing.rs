@@ -1262,9 +1262,10 @@ fn partly_applied(mut e: ProtoError, what: &str, done: &str) -> ProtoError {
 /// the shards' own arithmetic ([`hkv_shard::optim::Step::apply`], bit for
 /// bit what either backend computes), a key given twice stepped twice in
 /// request order. The stepped rows (values and optimizer state) go to the
-/// cluster first, then into the cache, as accum_or_assign's sums do: a row
-/// the cache cannot hold is stepped all the same, and one the cache evicts
-/// meanwhile was never ahead of the cluster. A key in neither is missing.
+/// cluster first, then the cache steps the rows it holds (the same rows,
+/// so the same bits): a row the cache cannot hold is stepped all the same,
+/// and one the cache evicts was never ahead of the cluster. A key in
+/// neither is missing.
 /// A read-only table never writes its cluster: the step is its cache's
 /// alone, on the rows the cache holds once its misses are read through.
 #[allow(clippy::too_many_arguments)]
@@ -1314,9 +1315,13 @@ pub async fn apply_gradients(
     }
     let missing = found.iter().filter(|&&f| f == 0).count() as u64;
     if !uk.is_empty() {
-        let sent = tiers.write(tier, uk.clone(), urows.clone(), Vec::new()).await;
+        let sent = tiers.write(tier, uk, urows, Vec::new()).await;
         refused_write(router, t, &keys, sent).await?;
-        router.write(t, WriteOp::InsertOrAssign, uk, urows, None, false).await?;
+        // The cache steps the rows it holds itself, from the same rows to
+        // the same bits, and scores them as any apply_gradients does (a
+        // custom score stays, lfu counts no access); a row it no longer
+        // holds is in the cluster, stepped.
+        router.apply_gradients(t, hyper, keys, grads, false).await?;
     }
     Ok(ApplyAnswer { missing, found: outcomes.then_some(found), values: outcomes.then_some(after) })
 }
