@@ -35,11 +35,7 @@ fn writer_and_slow_reader(
     ca.insert_or_assign(name, &keys, &values, None).unwrap();
     // B hears A's writes first: an invalidation arriving after B filled a
     // key would erase it again (B cannot tell that the write came first).
-    let start = std::time::Instant::now();
-    while backing_stats(&mut cb, name).invalidations < n {
-        assert!(start.elapsed() < std::time::Duration::from_secs(10), "B did not hear A's writes");
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
+    until(10, "B did not hear A's writes", || backing_stats(&mut cb, name).invalidations >= n);
     (a, b, ca, cb, keys, values)
 }
 
@@ -127,15 +123,7 @@ fn two_daemons_share_a_table_through_the_cluster() {
     // A writes again: B, which caches those rows now, drops them when A's
     // stream entry arrives and reads the new rows through.
     ca.insert_or_assign("emb", &keys[..100], &vec![0.5; 400], None).unwrap();
-    let start = std::time::Instant::now();
-    loop {
-        let f = cb.find("emb", &keys[..100]).unwrap();
-        if f.values.iter().all(|v| *v == 0.5) {
-            break;
-        }
-        assert!(start.elapsed() < std::time::Duration::from_secs(5), "B still serves A's old rows");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    until(5, "B still serves A's old rows", || cb.find("emb", &keys[..100]).unwrap().values.iter().all(|v| *v == 0.5));
     // find_or_insert on B: a key the cluster has comes back with the
     // cluster's row, not the request's initial value.
     let (_, got) = cb.find_or_insert("emb", &[4999, 8_000_000], &[9.0; 8], None).unwrap();
@@ -875,11 +863,7 @@ fn a_cold_tables_prefetch_answers_hits_from_the_cache() {
     ca.insert_or_assign("pf", &keys, &values, None).unwrap();
     // B hears A's writes first, so that their invalidations do not erase
     // what it then caches.
-    let start = std::time::Instant::now();
-    while cb.stats_doc().unwrap().tables.iter().find_map(|t| t.backing.as_ref()).map_or(0, |b| b.invalidations) < 2000 {
-        assert!(start.elapsed() < std::time::Duration::from_secs(5), "B did not hear A's writes");
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
+    until(5, "B did not hear A's writes", || backing_stats(&mut cb, "pf").invalidations >= 2000);
     // Cold: every key a miss.
     assert_eq!(cb.find("pf", &keys[..1000]).unwrap().values, values[..4000]);
     // B's own rows for keys 501..=600, in its cache only.
@@ -1021,6 +1005,16 @@ fn host_row(k: u64, h: f32) -> [f32; 4] {
     [k as f32, h, -(k as f32), 0.25]
 }
 
+/// Polls `done` every 20 ms until it holds; fails with `what` after
+/// `seconds`.
+fn until(seconds: u64, what: &str, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < Duration::from_secs(seconds), "{what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// A table's backing stats in `c`'s stats document.
 fn backing_stats(c: &mut hkv_client::Client, table: &str) -> hkv_client::proto::stats::BackingStats {
     let s = c.stats_doc().unwrap();
@@ -1129,11 +1123,7 @@ fn a_queued_find_or_insert_never_overwrites_another_hosts_row() {
     assert_eq!(got, rows(1.0));
     // Its first try is over once its `WAIT` failed: the rows are in the
     // cluster (`WAIT` follows the writes), and the batch is queued again.
-    let start = Instant::now();
-    while backing_stats(&mut ca, "wbi").node_errors.is_empty() {
-        assert!(start.elapsed() < Duration::from_secs(5), "A's batch was not tried");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    until(5, "A's batch was not tried", || !backing_stats(&mut ca, "wbi").node_errors.is_empty());
     // B reads A's rows, trains them, and writes them through.
     let (_, got) = cb.find_or_insert("wbi", &keys, &rows(2.0), None).unwrap();
     assert_eq!(got, rows(1.0), "B's find_or_insert answers the cluster's rows");
@@ -1438,19 +1428,9 @@ fn accum_and_assign_reach_rows_only_the_cluster_has() {
         ca.flush(&name).unwrap();
         let want2: Vec<f32> = keys.iter().flat_map(|&k| [k as f32 + 6.0, 1.0, -1.0, 0.5]).collect();
         // B cached the rows above: it reads the new ones once A's stream entries reach it.
-        let start = Instant::now();
-        loop {
-            let f = cb.find(&name, &keys).unwrap();
-            let wrong = f.values.chunks(4).zip(want2.chunks(4)).filter(|(x, y)| x != y).count();
-            if wrong == 0 {
-                break;
-            }
-            assert!(
-                start.elapsed() < Duration::from_secs(10),
-                "{name}: a request larger than the cache lost {wrong} deltas"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        until(10, &format!("{name}: a request larger than the cache lost deltas"), || {
+            cb.find(&name, &keys).unwrap().values == want2
+        });
         // find_or_insert of keys the cluster has, 8 times the cache: the cluster's rows, never the defaults.
         let (_, got) = ca.find_or_insert(&name, &keys, &vec![-5.0; keys.len() * 4], None).unwrap();
         let wrong = got.chunks(4).zip(want2.chunks(4)).filter(|(x, y)| x != y).count();
@@ -1490,11 +1470,7 @@ fn accum_and_assign_reach_rows_only_the_cluster_has() {
     assert_eq!(s.updated, 10, "{s:?}");
     let plus: Vec<f32> = rows.iter().map(|x| x + 1.0).collect();
     // B cached the rows it wrote: it reads the sums once A's stream entries reach it.
-    let start = Instant::now();
-    while cb.find("acc-lfu", &cold).unwrap().values != plus {
-        assert!(start.elapsed() < Duration::from_secs(10), "lfu: the deltas did not all reach the cluster");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    until(10, "lfu: the deltas did not all reach the cluster", || cb.find("acc-lfu", &cold).unwrap().values == plus);
 }
 
 /// A write-through write that the cluster refuses on one node may have
@@ -1581,11 +1557,9 @@ fn lost_stream_entries_drop_the_cache(table: &str, lose: &[&str]) {
     cluster.cli(owner, lose).unwrap();
     b.signal("CONT");
     ca.insert_or_assign(table, &[2], &[2.0; 4], None).unwrap();
-    let start = Instant::now();
-    while cb.find(table, &[1]).unwrap().values != vec![5.0; 4] {
-        assert!(start.elapsed() < Duration::from_secs(10), "B still serves the row a lost stream entry replaced");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    until(10, "B still serves the row a lost stream entry replaced", || {
+        cb.find(table, &[1]).unwrap().values == vec![5.0; 4]
+    });
 }
 
 /// A restored backed table's rows are checked against the cluster: a row
@@ -1656,9 +1630,7 @@ fn a_write_whose_stream_entry_was_refused_is_heard_later() {
     cc.create_table(backed("sn", &seeds, BackingMode::ReadOnly)).unwrap();
     let truth = cc.find("sn", &keys).unwrap().values;
     assert!(truth.contains(&4.0), "some rows landed on the nodes that accepted");
-    let start = Instant::now();
-    while cb.find("sn", &keys).unwrap().values != truth {
-        assert!(start.elapsed() < Duration::from_secs(10), "B never heard the write whose stream entry was refused");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    until(10, "B never heard the write whose stream entry was refused", || {
+        cb.find("sn", &keys).unwrap().values == truth
+    });
 }
