@@ -169,16 +169,20 @@ impl Handler<Close> for ShardActor {
     }
 }
 
+/// What a caught panic said.
+pub(crate) fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown".into())
+}
+
 /// Runs `f`, turning a panic into an error: a bug hit by one request fails
 /// that request, and the actor's thread lives on to serve the next one
 /// (a thread that died would leave every later request without an answer).
 fn contained<T>(what: &str, f: impl FnOnce() -> Result<T, hkv_shard::Error>) -> Result<T, hkv_shard::Error> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|p| {
-        let why = p
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| p.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "unknown".into());
+        let why = panic_text(p.as_ref());
         tracing::error!(panic = %why, "{what} panicked; the request failed, the shard actor goes on");
         Err(hkv_shard::Error::Device(format!("{what} failed inside the daemon ({why}); please report it")))
     })

@@ -1033,6 +1033,9 @@ pub async fn write(
     mut scores: Option<Vec<u64>>,
     outcomes: bool,
 ) -> Result<WriteAnswer, ProtoError> {
+    // The cache's own checks, first: the arrays are read below (and sent
+    // to the cluster) before the cache sees them.
+    router.check_write(t, op, &keys, values.len(), scores.as_deref(), outcomes)?;
     invalidate(router, tiers, t, Some(&keys)).await?;
     // Held until the cluster and the cache have the rows ([`order`]).
     let held = tiers.begin_write(&t.spec.name, Some(&keys)).await;
@@ -1338,6 +1341,7 @@ pub async fn erase(
     keys: Vec<u64>,
     outcomes: bool,
 ) -> Result<(u64, Option<Vec<u8>>), ProtoError> {
+    hkv_shard::check::keys(&keys).map_err(shard_error)?;
     invalidate(router, tiers, t, Some(&keys)).await?;
     let _held = tiers.begin_write(&t.spec.name, Some(&keys)).await;
     if tier.mode() != Mode::ReadOnly && !keys.is_empty() {

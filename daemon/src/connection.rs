@@ -3,10 +3,12 @@
 //! against `max_bytes_in_flight`, a writer task sending answers as they
 //! complete.
 
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures::FutureExt;
 use hkv_proto::{check_frame, ErrorCode, FrameBuf, FrameCheck, Header, ProtoError, Response, HEADER_LEN};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::unix::OwnedWriteHalf;
@@ -213,7 +215,19 @@ pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
         let Ok(permit) = sem.clone().acquire_owned().await else { break };
         let (state, tx, peer, out) = (state.clone(), tx.clone(), peer.clone(), out.clone());
         tokio::spawn(async move {
-            let answer = run(&state, &h, body, charge, &peer, ctx, read).await;
+            // A bug hit by one request fails that request, with an answer:
+            // its client is not left waiting, and the connection goes on.
+            let served = AssertUnwindSafe(run(&state, &h, body, charge, &peer, ctx, read)).catch_unwind().await;
+            let answer = served.unwrap_or_else(|p| {
+                let why = crate::actor::panic_text(p.as_ref());
+                tracing::error!(panic = %why, op = h.op, "a request's task panicked; it is answered internal");
+                state.stats.errors.fetch_add(1, Relaxed);
+                let e = ProtoError::new(
+                    ErrorCode::Internal,
+                    format!("the daemon failed serving this request ({why}); please report it"),
+                );
+                (error_frame(h.id, h.op, e), None, None)
+            });
             // Written here when no other answer is being written (one
             // hand-off fewer), else queued for the writer task.
             match out.try_lock() {

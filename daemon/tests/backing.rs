@@ -1634,3 +1634,57 @@ fn a_write_whose_stream_entry_was_refused_is_heard_later() {
         cb.find("sn", &keys).unwrap().values == truth
     });
 }
+
+/// A backed table checks a write's arrays before it reads them or writes
+/// the cluster: too few or too many floats for the keys is `wrong_dim`,
+/// as on a table without backing, and nothing of the request is applied
+/// here or in the cluster (too few deltas once took down the request's
+/// task and left the client waiting; too many were applied in part).
+#[test]
+fn a_backed_write_with_the_wrong_width_is_refused_whole() {
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let seeds = cluster.seed_arg();
+    let d = Daemon::start(&[]);
+    let socket = d.socket.clone();
+    // A request the daemon never answers fails the test instead of hanging it.
+    let (done, finished) = std::sync::mpsc::channel();
+    let body = std::thread::spawn(move || {
+        wrong_widths(&socket, &seeds);
+        done.send(()).unwrap();
+    });
+    let r = finished.recv_timeout(Duration::from_secs(60));
+    assert!(!matches!(r, Err(std::sync::mpsc::RecvTimeoutError::Timeout)), "a request was never answered");
+    if let Err(e) = body.join() {
+        std::panic::resume_unwind(e);
+    }
+}
+
+fn wrong_widths(socket: &std::path::Path, seeds: &str) {
+    let mut c = hkv_client::Client::connect(socket).unwrap();
+    for (name, mode) in
+        [("wt", BackingMode::WriteThrough), ("wb", BackingMode::WriteBack), ("ro", BackingMode::ReadOnly)]
+    {
+        c.create_table(backed(name, seeds, mode)).unwrap();
+        c.insert_or_assign(name, &[1, 2], &[1.0; 8], None).unwrap();
+        let code = |r: hkv_client::Result<hkv_client::Summary>| r.unwrap_err().code();
+        for n in [6, 10] {
+            let v = vec![7.0; n];
+            assert_eq!(code(c.accum_or_assign(name, &[1, 2], &v, None)), Some(ErrorCode::WrongDim), "{name} {n}");
+            assert_eq!(code(c.insert_or_assign(name, &[1, 2], &v, None)), Some(ErrorCode::WrongDim), "{name} {n}");
+            assert_eq!(code(c.assign(name, &[1, 2], &v, None)), Some(ErrorCode::WrongDim), "{name} {n}");
+            let e = c.find_or_insert(name, &[1, 3], &v, None).unwrap_err();
+            assert_eq!(e.code(), Some(ErrorCode::WrongDim), "{name} {n}: {e}");
+        }
+        let f = c.find(name, &[1, 2, 3]).unwrap();
+        assert_eq!((f.found, f.values[..8].to_vec()), (vec![true, true, false], vec![1.0; 8]), "{name}");
+    }
+    // The cluster has the rows as written, nothing of the refused requests.
+    c.flush("wb").unwrap();
+    let r = Daemon::start(&[]);
+    let mut cr = r.client();
+    for name in ["wt", "wb"] {
+        cr.create_table(backed(name, seeds, BackingMode::ReadOnly)).unwrap();
+        let f = cr.find(name, &[1, 2, 3]).unwrap();
+        assert_eq!((f.found, f.values[..8].to_vec()), (vec![true, true, false], vec![1.0; 8]), "{name}");
+    }
+}

@@ -20,18 +20,6 @@ use crate::shard_ops::{self as op, Destination, Keys};
 /// One shard's part of a load: keys, values (dim per key), scores.
 pub type Part = (Vec<u64>, Vec<f32>, Vec<u64>);
 
-/// Runs the shard's own argument checks (`hkv_shard::check`) on a batch
-/// that is split over several shards, so that no shard applies its part of
-/// a batch another would refuse. A batch that goes whole to one shard is
-/// checked there, before anything is applied: each key is scanned for
-/// reserved values once by the daemon either way.
-fn check_split(split: &Split, f: impl FnOnce() -> hkv_shard::Result<()>) -> Result<(), ProtoError> {
-    match split {
-        Split::Whole => Ok(()),
-        Split::Parts(_) => f().map_err(shard_error),
-    }
-}
-
 /// Each shard's keys: a batch that goes whole to one shard as sent (that
 /// shard checks it); a split one checked here whole, once, then with
 /// `more` (the op's other checks, given the key count), so that a bad batch
@@ -50,6 +38,26 @@ fn shard_keys(
             Ok(k.parts(parts).into_iter().map(CheckedKeys::into_vec).collect())
         }
     }
+}
+
+/// A load's scores: one per key, stored verbatim whatever the policy.
+fn load_scores(scores: Option<&[u64]>) -> Result<(), ProtoError> {
+    match scores {
+        Some(_) => Ok(()),
+        None => Err(err(ErrorCode::Scores, "load needs a score per key (sent with the SCORES flag)")),
+    }
+}
+
+/// The arrays of a write `code` of `n` keys: `values` floats (deltas for
+/// accum_or_assign), and scores as the policy takes them (a load's, one a
+/// key, whatever the policy: as `Shard::load` checks them).
+fn write_arrays(t: &Table, code: WriteOp, n: usize, values: usize, scores: Option<&[u64]>) -> hkv_shard::Result<()> {
+    if code == WriteOp::Load {
+        check::len("scores", scores.map_or(0, <[u64]>::len), n, || format!("{n} keys"))?;
+        return check::write_arrays(&t.config, n, Some(("values", values)), None, false, None);
+    }
+    let what = if code == WriteOp::AccumOrAssign { "deltas" } else { "values" };
+    check::write_arrays(&t.config, n, Some((what, values)), scores, code != WriteOp::Assign, None)
 }
 
 /// The optimizer step of a request on `t`, which must have been created
@@ -212,28 +220,17 @@ impl Router {
         let n = keys.len();
         // Held until every shard answered (or the request is dropped).
         let (mut _whole, mut _mark) = (None, None);
-        let keys = if code == WriteOp::Load {
-            let Some(s) = scores.as_deref() else {
-                return Err(err(ErrorCode::Scores, "load needs a score per key (sent with the SCORES flag)"));
-            };
-            // Scores are stored verbatim, whatever the policy (as `Shard::load` checks them).
-            check_split(&split, || check::len("scores", s.len(), n, || format!("{n} keys")))?;
-            let keys = shard_keys(&split, keys, |n| {
-                check::write_arrays(&t.config, n, Some(("values", values.len())), None, false, None)
-            })?;
+        if code == WriteOp::Load {
+            load_scores(scores.as_deref())?;
+        }
+        let keys = shard_keys(&split, keys, |n| write_arrays(t, code, n, values.len(), scores.as_deref()))?;
+        if code == WriteOp::Load {
             // A load places entries as they were: no per-key outcome, and
             // scores an incremental checkpoint cannot tell from older ones.
             // Not during the table's export by a checkpoint (`rewrite`).
             _whole = Some(t.rewrite.write().await);
             _mark = Some(t.untracked_write());
-            keys
-        } else {
-            let what = if code == WriteOp::AccumOrAssign { "deltas" } else { "values" };
-            let inserts = code != WriteOp::Assign;
-            shard_keys(&split, keys, |n| {
-                check::write_arrays(&t.config, n, Some((what, values.len())), scores.as_deref(), inserts, None)
-            })?
-        };
+        }
         let outcomes = outcomes && code != WriteOp::Load;
         let mut scores = scores.map(|s| split.take(s, 1).into_iter());
         let ops = keys
@@ -242,6 +239,27 @@ impl Router {
             .map(|(keys, values)| op::Write { op: code, keys, values, scores: scores.as_mut().and_then(|s| s.next()) })
             .collect();
         self.writes(t, &split, ops, n, outcomes, code.into()).await
+    }
+
+    /// Every check [`Router::write`] makes of a request, on the whole
+    /// batch, before anything is read or written: for a backed table's
+    /// writes, which work on the arrays before the cache sees them.
+    pub(crate) fn check_write(
+        &self,
+        t: &Table,
+        code: WriteOp,
+        keys: &[u64],
+        values: usize,
+        scores: Option<&[u64]>,
+        outcomes: bool,
+    ) -> Result<(), ProtoError> {
+        let (n, dim) = (keys.len(), t.config.dim);
+        self.bound(Op::from(code).name(), n, dim, write_per_key(code, dim, outcomes), 64)?;
+        if code == WriteOp::Load {
+            load_scores(scores)?;
+        }
+        check::keys(keys).map_err(shard_error)?;
+        write_arrays(t, code, n, values, scores).map_err(shard_error)
     }
 
     /// apply_gradients: one step of the table's optimizer on the rows of
