@@ -2,9 +2,10 @@
 //! other programs in `proto/PROTOCOL.md`, "Backing tier: key layout").
 //!
 //! - Meta: `hkv:{T}:meta`, a hash with `layout` (= `1`), `dim` (f32 per
-//!   row) and `groups` (G), set once by the first daemon that opens the
-//!   table; later openers read G from it, so every host agrees where a
-//!   key lives.
+//!   row), `groups` (G) and `row` (what the floats are: `values`, or
+//!   `OPTIMIZER over N values`), set once by the first daemon that opens
+//!   the table; later openers read G from it, so every host agrees where a
+//!   key lives, and are refused when `dim` or `row` differs.
 //! - Row of key `k`: `hkv:{T:g}:` followed by `k` as 8 little-endian
 //!   bytes, where `g = mix(k) % G` in decimal and `mix` is the SplitMix64
 //!   finaliser. The hash tag `{T:g}` puts the whole group in one hash slot,

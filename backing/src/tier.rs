@@ -78,6 +78,12 @@ pub struct Options {
     pub wait_replicas: u32,
     /// How long `WAIT` waits for them (below `response_timeout`).
     pub wait_timeout: Duration,
+    /// What a row's floats are (hkvd's: `values`, or `OPTIMIZER over N
+    /// values` for a table with an optimizer), kept in the table's meta
+    /// hash by the first host: a host whose rows mean something else
+    /// (another optimizer, another value width) is refused, as one with
+    /// another row width is.
+    pub row: String,
 }
 
 impl Options {
@@ -97,6 +103,7 @@ impl Options {
             stream_len: 100_000,
             wait_replicas: 0,
             wait_timeout: Duration::from_millis(500),
+            row: "values".into(),
         }
     }
 
@@ -307,7 +314,7 @@ impl Backing {
         let net =
             Net { connect: options.connect_timeout, response: options.response_timeout, retries: options.retries };
         let cluster = Cluster::open(&options.seeds, net).await?;
-        let groups = meta(&cluster, table, dim).await?;
+        let groups = meta(&cluster, table, dim, &options.row).await?;
         let layout = Layout::new(table, dim, groups);
         let queue = Queue::new(layout.row_bytes(), options.queue_bytes, options.queue_wait);
         let nanos = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_nanos() as u64;
@@ -906,28 +913,35 @@ impl Core {
 }
 
 /// Reads the table's meta hash, writing it first if the table is new.
-async fn meta(cluster: &Cluster, table: &str, dim: usize) -> Result<u32, Error> {
+async fn meta(cluster: &Cluster, table: &str, dim: usize, row: &str) -> Result<u32, Error> {
     let key = Layout::meta_key(table);
     let slot = crate::layout::slot(table.as_bytes());
     let groups = GROUPS_PER_MASTER * cluster.masters().max(1) as u32;
     // HSETNX per field: two hosts creating the table at once both end up
-    // reading the same fields back, whichever wrote each first.
-    for (f, v) in [("layout", LAYOUT as u64), ("dim", dim as u64), ("groups", u64::from(groups))] {
+    // reading the same fields back, whichever wrote each first. (A meta
+    // hash written before `row` existed takes this host's.)
+    let fields = [("layout", LAYOUT.to_string()), ("dim", dim.to_string()), ("groups", groups.to_string())];
+    for (f, v) in fields.iter().map(|(f, v)| (*f, v.as_str())).chain([("row", row)]) {
         cluster.one(slot, redis::cmd("HSETNX").arg(&key).arg(f).arg(v).clone()).await?;
     }
-    let v = cluster.one(slot, redis::cmd("HMGET").arg(&key).arg("layout").arg("dim").arg("groups").clone()).await?;
-    let (layout, stored_dim, groups): (Option<u64>, Option<u64>, Option<u64>) =
-        redis::FromRedisValue::from_redis_value(v).map_err(|e| Error::Mismatch {
-            table: table.into(),
-            detail: format!("a meta hash {key} that does not parse ({e})"),
-        })?;
+    let v = cluster
+        .one(slot, redis::cmd("HMGET").arg(&key).arg("layout").arg("dim").arg("groups").arg("row").clone())
+        .await?;
+    type Meta = (Option<u64>, Option<u64>, Option<u64>, Option<String>);
+    let (layout, stored_dim, groups, stored_row): Meta = redis::FromRedisValue::from_redis_value(v).map_err(|e| {
+        Error::Mismatch { table: table.into(), detail: format!("a meta hash {key} that does not parse ({e})") }
+    })?;
     let mismatch = |detail: String| Error::Mismatch { table: table.into(), detail };
     let shown = |v: Option<u64>| v.map_or_else(|| "none".to_string(), |v| v.to_string());
     if layout != Some(u64::from(LAYOUT)) {
         return Err(mismatch(format!("layout {}, this daemon writes layout {LAYOUT}", shown(layout))));
     }
-    if stored_dim != Some(dim as u64) {
-        return Err(mismatch(format!("dim {}, this table has dim {dim}", shown(stored_dim))));
+    let stored_row = stored_row.unwrap_or_else(|| "none".into());
+    if stored_dim != Some(dim as u64) || stored_row != row {
+        return Err(mismatch(format!(
+            "rows of {} floats ({stored_row}), this table's rows are {dim} floats ({row})",
+            shown(stored_dim)
+        )));
     }
     match groups {
         Some(g @ 1..=65_536) => Ok(g as u32),

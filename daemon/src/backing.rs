@@ -186,6 +186,17 @@ pub fn options(spec: &BackingSpec) -> Options {
     o
 }
 
+/// What a table's stored rows are, as its cluster's meta hash keeps it:
+/// `values`, or `OPTIMIZER over N values` (the optimizer's state after
+/// the values), so that hosts whose rows mean different things never
+/// share a table.
+fn row_meaning(spec: &TableSpec) -> String {
+    match spec.optimizer {
+        None => "values".into(),
+        Some(o) => format!("{o} over {} values", spec.dim),
+    }
+}
+
 /// A tier's error as a wire error: the user's mistakes are `bad_request`,
 /// the cluster's faults `backing_unavailable`, a full queue
 /// `resource_exhausted`.
@@ -236,7 +247,8 @@ impl Tiers {
     pub async fn open(&self, spec: &TableSpec) -> Result<(), ProtoError> {
         let Some(b) = &spec.backing else { return Ok(()) };
         // Rows in the cluster are whole stored rows: values and optimizer state.
-        let (name, dim, o) = (spec.name.clone(), spec.row_dim(), options(b));
+        let (name, dim, mut o) = (spec.name.clone(), spec.row_dim(), options(b));
+        o.row = row_meaning(spec);
         let backing = self.on_rt(async move { Backing::open(&name, dim, o).await }).await?.map_err(wire)?;
         let invalid = Arc::new(parking_lot::Mutex::new(Vec::new()));
         let all_stale = Arc::new(AtomicBool::new(false));

@@ -358,3 +358,33 @@ fn a_backed_step_larger_than_the_cache_steps_every_row() {
         assert!(row[DIM..].iter().all(|&x| x == state), "key {}: {row:?}", i + 1);
     }
 }
+
+/// Two hosts never share a cluster table whose rows mean different
+/// things: the first host's optimizer and value width are kept in the
+/// table's meta hash, and a host that opens the name with another
+/// optimizer, another value width (the same row width) or none is
+/// refused by name (each would have stepped the other's state as values).
+#[test]
+fn a_backed_table_is_refused_when_its_rows_mean_something_else() {
+    use hkv_backing::testkit::TestCluster;
+    use hkv_client::{BackingMode, BackingSpec};
+
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
+    let (mut ca, mut cb) = (a.client(), b.client());
+    let spec = |optimizer, dim| TableSpec {
+        backing: Some(BackingSpec::from_list(&cluster.seed_arg(), BackingMode::WriteThrough)),
+        optimizer,
+        ..TableSpec::new("m", dim, 1 << 10)
+    };
+    // Adagrad over 2 values: rows of 4 floats.
+    ca.create_table(spec(Some(Optimizer::Adagrad), 2)).unwrap();
+    for (optimizer, dim) in [(Some(Optimizer::Sgd), 4), (None, 4), (Some(Optimizer::RowwiseAdagrad), 3)] {
+        let e = cb.create_table(spec(optimizer, dim)).unwrap_err();
+        assert_eq!(e.code(), Some(ErrorCode::BadRequest), "{optimizer:?} {dim}: {e}");
+        assert!(e.to_string().contains("adagrad over 2 values"), "{e}");
+    }
+    // The same rows are shared.
+    cb.create_table(spec(Some(Optimizer::Adagrad), 2)).unwrap();
+    assert!(cb.tables().unwrap().iter().any(|t| t.spec.name == "m"));
+}
