@@ -46,7 +46,9 @@ pub enum Error {
         detail: String,
     },
     /// The table's metadata in the cluster disagrees with this table.
-    #[error("backing table {table:?} in the cluster has {detail}; use another table name or the same dim")]
+    #[error(
+        "backing table {table:?} in the cluster has {detail}; use another table name, or the same dim and optimizer"
+    )]
     Mismatch {
         /// The table.
         table: String,
@@ -54,9 +56,7 @@ pub enum Error {
         detail: String,
     },
     /// A node could not serve a command (down, unreachable, failing over).
-    #[error(
-        "backing_unavailable: node {node}: {detail}; the cache keeps serving its hits, retry when the node is back"
-    )]
+    #[error("node {node}: {detail}; the cache keeps serving its hits, retry when the node is back")]
     Unavailable {
         /// The node (`host:port`), or `cluster` when none can be named.
         node: String,
@@ -64,7 +64,7 @@ pub enum Error {
         detail: String,
     },
     /// The write-back queue stayed full past the writer's wait.
-    #[error("resource_exhausted: the write-back queue held {queued_bytes} of {limit_bytes} bytes for {waited_ms} ms; the cluster is not keeping up (see the table's backing stats)")]
+    #[error("the write-back queue held {queued_bytes} of {limit_bytes} bytes for {waited_ms} ms; the cluster is not keeping up (see the table's backing stats)")]
     QueueFull {
         /// Bytes queued when the writer gave up.
         queued_bytes: u64,

@@ -381,7 +381,7 @@ impl Tiers {
                     checked,
                     replaced,
                     erased,
-                    "restored rows checked against the cluster: rows it has newer were replaced, rows it no longer has erased"
+                    "restored rows checked against the cluster: rows it holds in another version were replaced by its, rows it does not have erased"
                 ),
                 Err(e) => {
                     tracing::warn!(table = %name, error = %e.message, "restored rows could not be checked against the cluster: the table's cache is dropped at its next request");

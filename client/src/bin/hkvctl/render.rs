@@ -42,14 +42,21 @@ pub fn doc<T: serde::de::DeserializeOwned>(v: serde_json::Value, what: &str) -> 
     serde_json::from_value(v).with_context(|| format!("the daemon's {what} answer does not read"))
 }
 
+/// The width of a column of table names: 20, or the longest name's, so
+/// that the columns after it line up.
+pub fn name_width<'a>(names: impl Iterator<Item = &'a str>) -> usize {
+    names.map(|n| n.chars().count()).max().unwrap_or(0).max(20)
+}
+
 /// The table `hkvctl stats` prints.
 pub fn stats_table(v: &Stats) -> String {
+    let w = name_width(v.tables.iter().map(|t| t.spec.name.as_str()));
     let mut out = format!(
         "hkvd {}  backend {}  hashing on {}  up {:.0}s  connections {}  requests {}  errors {}\n",
         v.version, v.backend, v.feature_hashing, v.uptime_s, v.connections, v.requests, v.errors
     );
     out += &format!(
-        "{:<20} {:>5} {:<9} {:<6} {:>12} {:>12} {:>6} {:>8} {:>12} {:>12}\n",
+        "{:<w$} {:>5} {:<9} {:<6} {:>12} {:>12} {:>6} {:>8} {:>12} {:>12}\n",
         "table", "dim", "policy", "mode", "size", "capacity", "load", "hit %", "evictions", "rejections"
     );
     for t in &v.tables {
@@ -58,7 +65,7 @@ pub fn stats_table(v: &Stats) -> String {
         let rate =
             if hits + misses > 0 { format!("{:.2}", 100.0 * hits as f64 / (hits + misses) as f64) } else { "-".into() };
         out += &format!(
-            "{:<20} {:>5} {:<9} {:<6} {:>12} {:>12} {:>6.3} {:>8} {:>12} {:>12}\n",
+            "{:<w$} {:>5} {:<9} {:<6} {:>12} {:>12} {:>6.3} {:>8} {:>12} {:>12}\n",
             t.spec.name,
             t.spec.dim,
             t.spec.policy.as_str(),
@@ -111,6 +118,14 @@ fn path_line(p: &PathStats) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_long_table_name_widens_its_column() {
+        assert_eq!(name_width(["t"].into_iter()), 20);
+        assert_eq!(name_width(std::iter::empty()), 20);
+        let long = "a_rather_long_table_name_for_embeddings";
+        assert_eq!(name_width(["t", long].into_iter()), long.len());
+    }
 
     #[test]
     fn stats_table_shows_the_request_path_in_microseconds() {

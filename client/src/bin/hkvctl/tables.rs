@@ -115,11 +115,13 @@ pub fn create(c: &mut Client, a: CreateTable) -> Result<()> {
 
 /// `hkvctl tables`: one line per table.
 pub fn list(c: &mut Client) -> Result<()> {
+    let tables = c.tables()?;
+    let w = crate::render::name_width(tables.iter().map(|t| t.spec.name.as_str()));
     println!(
-        "{:<20} {:>5} {:<9} {:<6} {:>12} {:>12} {:>6} {:<14} backing",
+        "{:<w$} {:>5} {:<9} {:<6} {:>12} {:>12} {:>6} {:<14} backing",
         "table", "dim", "policy", "mode", "size", "capacity", "shards", "optimizer"
     );
-    for t in c.tables()? {
+    for t in tables {
         // The cluster a table is backed by, its password hidden (as the
         // daemon lists it): the mode, then the seeds.
         let backing = t.spec.backing.as_ref().map_or_else(
@@ -130,7 +132,7 @@ pub fn list(c: &mut Client) -> Result<()> {
             },
         );
         println!(
-            "{:<20} {:>5} {:<9} {:<6} {:>12} {:>12} {:>6} {:<14} {}",
+            "{:<w$} {:>5} {:<9} {:<6} {:>12} {:>12} {:>6} {:<14} {}",
             t.spec.name,
             t.spec.dim,
             t.spec.policy.as_str(),
