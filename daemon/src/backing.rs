@@ -1216,6 +1216,9 @@ struct RowsNow {
     rows: Vec<f32>,
     /// Per key: the cache or the cluster has a row.
     exists: Vec<bool>,
+    /// On a custom table, with the rows: the score each key's row has now
+    /// (0 for none); else empty.
+    scores: Vec<u64>,
 }
 
 async fn rows_now(
@@ -1227,19 +1230,26 @@ async fn rows_now(
     held: Option<&Hold>,
     want_rows: bool,
 ) -> Result<RowsNow, ProtoError> {
-    let (found, mut rows) = if want_rows {
-        let a = router.find_rows(t, keys.to_vec(), false).await?;
-        (a.found, a.values)
+    // A custom table's scores are the caller's: a write that builds on a
+    // row keeps its score.
+    let custom = want_rows && t.config.policy == ScorePolicy::Custom;
+    let (found, mut rows, mut scores) = if want_rows {
+        let a = router.find_rows(t, keys.to_vec(), custom).await?;
+        (a.found, a.values, a.scores.unwrap_or_default())
     } else {
-        (router.contains(t, keys.to_vec()).await?, Vec::new())
+        (router.contains(t, keys.to_vec()).await?, Vec::new(), Vec::new())
     };
     let answer = if want_rows { Some(&mut rows[..]) } else { None };
     let (miss, read) = tiers.fill(router, t, tier, keys, &found, false, held, None, answer).await?;
     let mut exists: Vec<bool> = found.iter().map(|&f| f == 1).collect();
     for (j, &i) in miss.iter().enumerate() {
-        exists[i] |= read.fetched[j] == Fetched::Found;
+        let got = read.fetched[j] == Fetched::Found;
+        exists[i] |= got;
+        if let (true, Some(s)) = (got, scores.get_mut(i)) {
+            *s = read.scores[j];
+        }
     }
-    Ok(RowsNow { miss, read, rows, exists })
+    Ok(RowsNow { miss, read, rows, exists, scores })
 }
 
 /// A write the cluster refused (`sent`: its answer) may still have
@@ -1310,8 +1320,8 @@ pub async fn apply_gradients(
     }
     // Held until the cluster has the stepped rows ([`order`]).
     let held = tiers.begin_write(&t.spec.name, Some(&keys)).await;
-    let RowsNow { rows, exists, .. } = rows_now(router, tiers, tier, t, &keys, held.as_ref(), true).await?;
-    let (mut uk, mut urows) = (Vec::new(), Vec::new());
+    let RowsNow { rows, exists, scores, .. } = rows_now(router, tiers, tier, t, &keys, held.as_ref(), true).await?;
+    let (mut uk, mut urows, mut uscores) = (Vec::new(), Vec::new(), Vec::new());
     let mut at: HashMap<u64, usize> = HashMap::with_capacity(n);
     let mut found = vec![0u8; n];
     let mut after = if outcomes { vec![0.0f32; n * d] } else { Vec::new() };
@@ -1319,6 +1329,8 @@ pub async fn apply_gradients(
         let u = *at.entry(keys[i]).or_insert_with(|| {
             uk.push(keys[i]);
             urows.extend_from_slice(&rows[i * w..(i + 1) * w]);
+            // A custom row keeps its score (a step does not change it).
+            uscores.extend(scores.get(i));
             uk.len() - 1
         });
         let row = &mut urows[u * w..(u + 1) * w];
@@ -1330,7 +1342,7 @@ pub async fn apply_gradients(
     }
     let missing = found.iter().filter(|&&f| f == 0).count() as u64;
     if !uk.is_empty() {
-        let sent = tiers.write(tier, uk, urows, Vec::new()).await;
+        let sent = tiers.write(tier, uk, urows, uscores).await;
         refused_write(router, t, &keys, sent).await?;
         // The cache steps the rows it holds itself, from the same rows to
         // the same bits, and scores them as any apply_gradients does (a

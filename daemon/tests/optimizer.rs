@@ -388,3 +388,37 @@ fn a_backed_table_is_refused_when_its_rows_mean_something_else() {
     cb.create_table(spec(Some(Optimizer::Adagrad), 2)).unwrap();
     assert!(cb.tables().unwrap().iter().any(|t| t.spec.name == "m"));
 }
+
+/// A backed custom-policy table: a step keeps each row's own score, in
+/// the cache and in the cluster (another host fills the row with it),
+/// whether the row was cached or only in the cluster.
+#[test]
+fn a_backed_step_keeps_custom_scores() {
+    use hkv_backing::testkit::TestCluster;
+    use hkv_client::{BackingMode, BackingSpec, Policy};
+
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
+    let (mut ca, mut cb) = (a.client(), b.client());
+    let spec = |mode| TableSpec {
+        backing: Some(BackingSpec::from_list(&cluster.seed_arg(), mode)),
+        policy: Policy::Custom,
+        ..table("cs", Optimizer::Sgd)
+    };
+    ca.create_table(spec(BackingMode::WriteThrough)).unwrap();
+    cb.create_table(spec(BackingMode::WriteThrough)).unwrap();
+    // Key 1 in A's cache (score 777), key 2 only in the cluster (B wrote it, score 555).
+    ca.insert_or_assign("cs", &[1], &[1.0; DIM], Some(&[777])).unwrap();
+    cb.insert_or_assign("cs", &[2], &[2.0; DIM], Some(&[555])).unwrap();
+    let h = Hyper { lr: 0.5, ..Hyper::default() };
+    let (missing, _) = ca.apply_gradients("cs", h, &[1, 2], &[1.0; 2 * DIM], false).unwrap();
+    assert_eq!(missing, 0);
+    let here = ca.find_with_scores("cs", &[1, 2]).unwrap();
+    assert_eq!(here.scores, Some(vec![777, 555]), "A's cache");
+    let c3 = Daemon::start(&[]);
+    let mut cc = c3.client();
+    cc.create_table(spec(BackingMode::ReadOnly)).unwrap();
+    let there = cc.find_with_scores("cs", &[1, 2]).unwrap();
+    assert_eq!(there.values, vec![0.5, 0.5, 0.5, 0.5, 1.5, 1.5, 1.5, 1.5], "stepped rows in the cluster");
+    assert_eq!(there.scores, Some(vec![777, 555]), "scores in the cluster");
+}
