@@ -6,8 +6,9 @@
 mod common;
 
 use common::Daemon;
+use hkv_backing::testkit::TestCluster;
 use hkv_client::proto::{Hyper, Optimizer};
-use hkv_client::{ErrorCode, TableSpec};
+use hkv_client::{BackingMode, BackingSpec, Client, ErrorCode, TableSpec};
 
 const DIM: usize = 4;
 
@@ -266,18 +267,21 @@ fn hostile_frames_are_refused_under_a_memory_limit() {
     assert!((m - 0.46).abs() < 1e-6, "first moment {m}: the refused requests applied nothing");
 }
 
+/// A 3-master cluster and two daemons (kept alive with it), a client of each.
+fn two_hosts() -> (TestCluster, [Daemon; 2], Client, Client) {
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let hosts = [Daemon::start(&[]), Daemon::start(&[])];
+    let (ca, cb) = (hosts[0].client(), hosts[1].client());
+    (cluster, hosts, ca, cb)
+}
+
 /// A write-through backed table with an optimizer: apply_gradients steps a
 /// row only the cluster had (read into A's cache first) and a row A had,
 /// and sends the stepped rows, state included, to the cluster: a third
 /// daemon reads them through, bit for bit.
 #[test]
 fn a_backed_table_sends_stepped_rows_and_state_to_its_cluster() {
-    use hkv_backing::testkit::TestCluster;
-    use hkv_client::{BackingMode, BackingSpec};
-
-    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
-    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
-    let (mut ca, mut cb) = (a.client(), b.client());
+    let (cluster, _hosts, mut ca, mut cb) = two_hosts();
     let spec = |mode| TableSpec {
         backing: Some(BackingSpec::from_list(&cluster.seed_arg(), mode)),
         ..table("ada", Optimizer::Adagrad)
@@ -314,12 +318,7 @@ fn a_backed_table_sends_stepped_rows_and_state_to_its_cluster() {
 /// stepped twice, and another daemon reads the stepped rows and state.
 #[test]
 fn a_backed_step_larger_than_the_cache_steps_every_row() {
-    use hkv_backing::testkit::TestCluster;
-    use hkv_client::{BackingMode, BackingSpec};
-
-    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
-    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
-    let (mut ca, mut cb) = (a.client(), b.client());
+    let (cluster, _hosts, mut ca, mut cb) = two_hosts();
     let spec = |mode, capacity| TableSpec {
         backing: Some(BackingSpec::from_list(&cluster.seed_arg(), mode)),
         optimizer: Some(Optimizer::Adagrad),
@@ -366,12 +365,7 @@ fn a_backed_step_larger_than_the_cache_steps_every_row() {
 /// refused by name (each would have stepped the other's state as values).
 #[test]
 fn a_backed_table_is_refused_when_its_rows_mean_something_else() {
-    use hkv_backing::testkit::TestCluster;
-    use hkv_client::{BackingMode, BackingSpec};
-
-    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
-    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
-    let (mut ca, mut cb) = (a.client(), b.client());
+    let (cluster, _hosts, mut ca, mut cb) = two_hosts();
     let spec = |optimizer, dim| TableSpec {
         backing: Some(BackingSpec::from_list(&cluster.seed_arg(), BackingMode::WriteThrough)),
         optimizer,
@@ -394,12 +388,9 @@ fn a_backed_table_is_refused_when_its_rows_mean_something_else() {
 /// whether the row was cached or only in the cluster.
 #[test]
 fn a_backed_step_keeps_custom_scores() {
-    use hkv_backing::testkit::TestCluster;
-    use hkv_client::{BackingMode, BackingSpec, Policy};
+    use hkv_client::Policy;
 
-    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
-    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
-    let (mut ca, mut cb) = (a.client(), b.client());
+    let (cluster, _hosts, mut ca, mut cb) = two_hosts();
     let spec = |mode| TableSpec {
         backing: Some(BackingSpec::from_list(&cluster.seed_arg(), mode)),
         policy: Policy::Custom,

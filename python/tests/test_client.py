@@ -209,6 +209,17 @@ def test_find_with_origins_says_where_each_key_came_from(daemon, redis_cluster, 
         a.create_table("e", dim=2, capacity=4096, backing=redis_cluster.seeds(), backing_mode="write-through")
         b.create_table("e", dim=2, capacity=4096, backing=redis_cluster.seeds())
         a.insert_or_assign("e", [1, 2], np.array([[1, 2], [3, 4]], np.float32))
+        # B hears A's write first: its invalidation, arriving after B
+        # filled the keys, would erase them again (B cannot tell that the
+        # write came first), and the second read below would fetch again.
+        def heard():
+            table = next(t for t in b.stats()["tables"] if t["spec"]["name"] == "e")
+            return table["backing"]["invalidations"]
+
+        deadline = time.monotonic() + 10
+        while heard() < 2:
+            assert time.monotonic() < deadline, "B did not hear A's write"
+            time.sleep(0.01)
         values, found, origins = b.find_with_origins("e", [1, 2, 99])
         assert found.tolist() == [True, True, False]
         assert origins.tolist() == [hkvd.ORIGIN_FILLED, hkvd.ORIGIN_FILLED, hkvd.ORIGIN_ABSENT]
