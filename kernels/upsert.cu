@@ -392,6 +392,95 @@ HKV_PROBE_KERNEL(probe_keys_g4, 4)
 HKV_PROBE_KERNEL(probe_keys_g16, 16)
 HKV_PROBE_KERNEL(probe_keys_g32, 32)
 
+// ---- find_or_insert of a large batch: each key placed once --------------------
+// A key that comes many times in a batch and is absent serialised in
+// upsert_one on its buckets' locks, one occurrence after another (2 M keys/s
+// for Zipf keys new to the table), and on a table with a host tier the
+// probe above costs 30 %: its hits read host rows in a launch of their own,
+// the misses' inserts write them in the next, so the link's two directions
+// never run together. So where a repeat does not change what its first
+// occurrence stores (lru, epoch_lru, custom scores), the keys of a large
+// find_or_insert (or the probe's misses) are deduplicated first:
+// dedupe_claim and dedupe_lead pick each key's first occurrence (the
+// lowest index), upsert_keys places only those, and dedupe_fill gives
+// every repeat its first occurrence's answer.
+
+#define HKV_NO_LEAD 0xFFFFFFFFu
+
+// One thread per key: key i (where only, when given, is set) finds or
+// claims its key's slot of the open-addressed set `slots` (mask + 1 u32,
+// at least twice the keys, all 0 before: a slot holds an occurrence's
+// index + 1), lowers the slot's index to its own if smaller, and leaves
+// the slot in lead[i] (HKV_NO_LEAD for keys left out).
+extern "C" __global__ void dedupe_claim(const u64* keys, u64 n, const u8* only, u32* slots, u64 mask, u32* lead) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    if (only && !only[i]) {
+        lead[i] = HKV_NO_LEAD;
+        return;
+    }
+    u64 key = keys[i];
+    const u32 me = (u32)i + 1;
+    u64 h = hkv_fmix64(key ^ 0x2545f4914f6cdd1dULL) & mask;
+    for (;;) {
+        u32 c = __ldcg(slots + h);
+        if (c == 0) {
+            c = atomicCAS(slots + h, 0u, me);
+            if (c == 0) break;
+        }
+        // A claimed slot's index only ever moves to another occurrence of its key.
+        if (__ldg(keys + c - 1) == key) {
+            atomicMin(slots + h, me);
+            break;
+        }
+        h = (h + 1) & mask;
+    }
+    lead[i] = (u32)h;
+}
+
+// One thread per key, after dedupe_claim: first[i] = 1 where key i is its
+// key's first occurrence (upsert_keys' only), else 0; lead[i] becomes the
+// first occurrence's index for a repeat, HKV_NO_LEAD for the others.
+extern "C" __global__ void dedupe_lead(u64 n, const u8* only, const u32* slots, u32* lead, u8* first) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    if (only && !only[i]) {
+        first[i] = 0;
+        return;
+    }
+    const u32 l = __ldcg(slots + lead[i]) - 1;
+    first[i] = l == (u32)i;
+    lead[i] = l == (u32)i ? HKV_NO_LEAD : l;
+}
+
+// 8 threads per key, after upsert_keys placed the first occurrences: a
+// repeat (lead[i] set) takes its first occurrence's row (values, where
+// given: find_or_insert's rows out) and address (ptrs, where given), and
+// the outcome updated (rejected where its first occurrence was: the same
+// input against the same bucket), counted and sampled as upsert_keys
+// counts and samples the keys it serves.
+extern "C" __global__ void dedupe_fill(const u64* keys, u64 n, const u32* lead, float* values, u64 dim,
+                                       u8* outcomes, u64* ptrs, u64* counters, HkvSample smp) {
+    HKV_SAMPLE_INIT
+    HKV_COUNTERS_INIT
+    HkvGroup<8> g;
+    u64 i = ((u64)blockIdx.x * blockDim.x + threadIdx.x) / 8;
+    u32 j = i < n ? lead[i] : HKV_NO_LEAD;
+    bool rep = j != HKV_NO_LEAD;
+    if (smp.ring) hkv_sample_warp(smp, rep && g.rank == 0, rep ? keys[i] : 0, &hkv_seen);
+    if (rep) {
+        const int o = outcomes[j] == HKV_REJECTED ? HKV_REJECTED : HKV_UPDATED;
+        if (o == HKV_UPDATED && values) hkv_copy_row<8, true>(values + i * dim, values + (u64)j * dim, (u32)dim, g.rank);
+        if (g.rank == 0) {
+            outcomes[i] = (u8)o;
+            if (ptrs) ptrs[i] = o == HKV_UPDATED ? ptrs[j] : 0;
+            atomicAdd(hkv_cnt + HKV_C_UPDATED + o, 1ULL);
+        }
+    }
+    hkv_flush_counters(hkv_cnt, counters);
+    hkv_flush_sample(smp, &hkv_seen);
+}
+
 // Adaptive: counts keys[0..n] (where only, when given, is non-zero) in the
 // sketch, each one access (hkv_sketch_count), before a writer batch's
 // rounds. One thread per key.

@@ -71,7 +71,7 @@ Environment:
   HKV_LOOKUP_GROUP   CUDA: threads per key of every lookup kernel (1|2|4|8|16|32; default: chosen per batch)
   HKV_WRITE_GROUP    CUDA: threads per key of every writer kernel (1|2|4|8|16|32)
   HKV_KEY_ORDER      CUDA: large host-tier batches in `index` or `region` order (default region)
-  HKV_FIND_OR_INSERT CUDA: `locked` runs a find_or_insert of more than 4096 keys in one locked launch (default probe)
+  HKV_FIND_OR_INSERT CUDA: a find_or_insert of more than 4096 keys: `dedupe` (default), `probe` or `locked`
   HKVD_HUGE_PAGES    0: do not re-execute with glibc.malloc.hugetlb=1 for huge pages
   GLIBC_TUNABLES     kept; glibc.malloc.hugetlb=1 is added to it (see HKVD_HUGE_PAGES)
   RUST_LOG           the log filter when --log is not given";

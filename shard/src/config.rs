@@ -98,9 +98,28 @@ pub struct CudaTuning {
     /// Serve large host-tier batches in index order instead of grouped by
     /// bucket region.
     pub index_order: bool,
-    /// Serve large find_or_insert batches in one locked launch, as before
-    /// the lock-free probe of their hits (`probe_keys`), for comparisons.
-    pub locked_find_or_insert: bool,
+    /// How a large find_or_insert batch (above `SEQUENTIAL_BATCH` keys) is
+    /// served; the other ways are kept for comparisons.
+    pub find_or_insert: FindOrInsert,
+}
+
+/// How the CUDA backend serves a find_or_insert of more than
+/// `SEQUENTIAL_BATCH` keys (`HKV_FIND_OR_INSERT`; `shard/BENCHMARKS.md`,
+/// "Repeated keys placed once").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FindOrInsert {
+    /// The default: repeated keys placed once. Where a repeat stores
+    /// nothing its first occurrence did not (lru, epoch_lru, custom), each
+    /// key's first occurrence is placed and the repeats take its answer: on
+    /// a table with a host tier every key so, else the misses of the
+    /// lock-free probe of the hits. Other policies: as `Probe`.
+    #[default]
+    Dedupe,
+    /// The hits first, without locks (`probe_keys`), then one locked
+    /// launch over the misses, repeats and all.
+    Probe,
+    /// One locked launch over every key.
+    Locked,
 }
 
 impl CudaTuning {
@@ -109,7 +128,7 @@ impl CudaTuning {
 
     /// Tuning from the variables `HKV_LOOKUP_GROUP`, `HKV_WRITE_GROUP`
     /// (1|2|4|8|16|32), `HKV_KEY_ORDER` (`index` or `region`) and
-    /// `HKV_FIND_OR_INSERT` (`probe`, the default, or `locked`), read
+    /// `HKV_FIND_OR_INSERT` (`dedupe`, the default, `probe` or `locked`), read
     /// through `get` (a binary passes `|k| std::env::var(k).ok()`).
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<CudaTuning> {
         let group = |var: &str| -> Result<Option<u32>> {
@@ -124,16 +143,17 @@ impl CudaTuning {
             Some("index") => true,
             Some(v) => return Err(Error::Config(format!("HKV_KEY_ORDER={v:?}: use index or region"))),
         };
-        let locked_find_or_insert = match get("HKV_FIND_OR_INSERT").as_deref().map(str::trim) {
-            None | Some("probe") => false,
-            Some("locked") => true,
-            Some(v) => return Err(Error::Config(format!("HKV_FIND_OR_INSERT={v:?}: use probe or locked"))),
+        let find_or_insert = match get("HKV_FIND_OR_INSERT").as_deref().map(str::trim) {
+            None | Some("dedupe") => FindOrInsert::Dedupe,
+            Some("probe") => FindOrInsert::Probe,
+            Some("locked") => FindOrInsert::Locked,
+            Some(v) => return Err(Error::Config(format!("HKV_FIND_OR_INSERT={v:?}: use dedupe, probe or locked"))),
         };
         Ok(CudaTuning {
             lookup_group: group("HKV_LOOKUP_GROUP")?,
             write_group: group("HKV_WRITE_GROUP")?,
             index_order,
-            locked_find_or_insert,
+            find_or_insert,
         })
     }
 
@@ -304,7 +324,7 @@ impl Footprint {
 
 #[cfg(test)]
 mod tuning_tests {
-    use super::CudaTuning;
+    use super::{CudaTuning, FindOrInsert};
 
     fn vars<'a>(v: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
         move |k| v.iter().find(|(n, _)| *n == k).map(|(_, x)| x.to_string())
@@ -315,7 +335,20 @@ mod tuning_tests {
         assert_eq!(CudaTuning::from_vars(vars(&[])).unwrap(), CudaTuning::default());
         let t = CudaTuning::from_vars(vars(&[("HKV_LOOKUP_GROUP", "16"), ("HKV_KEY_ORDER", "index")])).unwrap();
         assert_eq!(t, CudaTuning { lookup_group: Some(16), index_order: true, ..CudaTuning::default() });
-        for bad in [("HKV_WRITE_GROUP", "3"), ("HKV_LOOKUP_GROUP", "x"), ("HKV_KEY_ORDER", "random")] {
+        assert_eq!(CudaTuning::default().find_or_insert, FindOrInsert::Dedupe);
+        for (v, way) in
+            [("dedupe", FindOrInsert::Dedupe), ("probe", FindOrInsert::Probe), ("locked", FindOrInsert::Locked)]
+        {
+            let t = CudaTuning::from_vars(vars(&[("HKV_FIND_OR_INSERT", v)])).unwrap();
+            assert_eq!(t.find_or_insert, way, "{v}");
+        }
+        let bad = [
+            ("HKV_WRITE_GROUP", "3"),
+            ("HKV_LOOKUP_GROUP", "x"),
+            ("HKV_KEY_ORDER", "random"),
+            ("HKV_FIND_OR_INSERT", "x"),
+        ];
+        for bad in bad {
             let e = CudaTuning::from_vars(vars(&[bad])).unwrap_err().to_string();
             assert!(e.contains(bad.0), "{e}");
         }

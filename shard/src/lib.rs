@@ -134,7 +134,7 @@ pub use cuda::table as cuda_table;
 
 use serde::{Deserialize, Serialize};
 
-pub use config::{BucketMode, CudaTuning, Footprint, LfuTies, ScorePolicy, TableConfig};
+pub use config::{BucketMode, CudaTuning, FindOrInsert, Footprint, LfuTies, ScorePolicy, TableConfig};
 pub use error::{Error, Result};
 pub use lock::{Group, LockState};
 

@@ -946,34 +946,43 @@ fn apply_gradients_steps_rows_as_the_cpu_backend() {
 }
 
 /// A large find_or_insert (above SEQUENTIAL_BATCH) whose keys repeat, as a
-/// training loop's do before deduplication, served by the lock-free probe
-/// of its hits and then the locked upsert of its misses (and, for
-/// comparison, in one locked launch), from a device batch and from host
-/// arrays (the socket's way in, `Shard::find_or_insert`): every occurrence
-/// of a key gets the same row, a key present before gets its stored row, a
-/// new key the row given for its first placement, every key is in the
-/// table afterwards (half full: nothing evicted), the counts add up, and
-/// lfu counts every occurrence. find_or_insert* hands out one row address
-/// per key; the host path's outcomes name one insert per new key, and its
-/// second batch (the lane's miss flags reused) finds every key.
+/// training loop's do before deduplication, served each way
+/// (`FindOrInsert`): by default each key placed once (lru: on the table
+/// with a host tier every key deduplicated, elsewhere the misses of the
+/// lock-free probe of the hits; lfu counts every occurrence, so it takes
+/// the probe), the probe then the locked upsert of its misses, and one
+/// locked launch; in device memory and with half the values in a host
+/// tier, from a device batch and from host arrays (the socket's way in,
+/// `Shard::find_or_insert`): every occurrence of a key gets the same row,
+/// a key present before gets its stored row, a new key the row given for
+/// its first placement (deduplicated: its first occurrence's), every key
+/// is in the table afterwards (half full: nothing evicted), the counts add
+/// up, and lfu counts every occurrence. find_or_insert* hands out one row
+/// address per key; the host path's outcomes name one insert per new key,
+/// and its second batch (the lane's scratch reused) finds every key.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn large_find_or_insert_with_repeated_keys() {
-    use hkv_shard::CudaTuning;
+    use hkv_shard::{CudaTuning, FindOrInsert};
     use rand_distr::Distribution;
     let dim = 4;
-    for host in [false, true] {
-        for locked in [false, true] {
-            for policy in [ScorePolicy::Lru, ScorePolicy::Lfu] {
-                let what = format!("host {host} locked {locked} {policy:?}");
-                repeated_find_or_insert(&what, host, locked, policy, dim);
+    for tier in [false, true] {
+        for host in [false, true] {
+            for way in [FindOrInsert::Dedupe, FindOrInsert::Probe, FindOrInsert::Locked] {
+                for policy in [ScorePolicy::Lru, ScorePolicy::Lfu] {
+                    let what = format!("tier {tier} host {host} {way:?} {policy:?}");
+                    repeated_find_or_insert(&what, tier, host, way, policy, dim);
+                }
             }
         }
     }
 
-    fn repeated_find_or_insert(what: &str, host: bool, locked: bool, policy: ScorePolicy, dim: usize) {
+    fn repeated_find_or_insert(what: &str, tier: bool, host: bool, way: FindOrInsert, policy: ScorePolicy, dim: usize) {
         let mut cfg = TableConfig::new(1 << 17, dim).policy(policy).mode(BucketMode::Dual);
-        cfg.tuning = CudaTuning { locked_find_or_insert: locked, ..CudaTuning::default() };
+        if tier {
+            cfg.fast_tier_bytes = Some(cfg.capacity * dim as u64 * 4 / 2);
+        }
+        cfg.tuning = CudaTuning { find_or_insert: way, ..CudaTuning::default() };
         let t = CudaTable::new(cfg, device()).unwrap();
         let before: Vec<u64> = (1..=20_000u64).map(|k| k * 3).collect();
         let rows: Vec<f32> = before.iter().flat_map(|&k| [k as f32; 4]).collect();
@@ -1017,6 +1026,10 @@ fn large_find_or_insert_with_repeated_keys() {
                 assert_eq!(v, k as f32, "{what}: key {k} present before gets its stored row");
             } else {
                 assert!(v <= 0.0 && keys[(-v) as usize] == k, "{what}: key {k} gets a row given for it");
+                if way == FindOrInsert::Dedupe && policy == ScorePolicy::Lru {
+                    let first = keys.iter().position(|&x| x == k).unwrap();
+                    assert_eq!(-v as usize, first, "{what}: key {k} placed by its first occurrence");
+                }
             }
             assert_eq!(*seen.entry(k).or_insert(v), v, "{what}: key {k}: every occurrence the same row");
         }

@@ -79,6 +79,10 @@ pub(super) struct Funcs {
     pub(super) adapt_count: CudaFunction,
     pub(super) adapt_sample: CudaFunction,
     pub(super) adapt_halve: CudaFunction,
+    /// A large find_or_insert's keys placed once ([`CudaTable::k_find_or_insert`]).
+    pub(super) dedupe_claim: CudaFunction,
+    pub(super) dedupe_lead: CudaFunction,
+    pub(super) dedupe_fill: CudaFunction,
 }
 
 /// A kernel and the threads it gives each key.

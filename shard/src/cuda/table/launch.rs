@@ -272,30 +272,54 @@ impl CudaTable {
         Ok(())
     }
 
-    /// Whether a find_or_insert (or find_or_insert*) of `n` keys serves
-    /// its hits first without locks ([`CudaTable::k_find_or_insert`]):
+    /// Whether a find_or_insert (or find_or_insert*) of `n` keys takes
+    /// more than one locked launch ([`CudaTable::k_find_or_insert`]):
     /// above [`SEQUENTIAL_BATCH`] keys, whose order is unspecified, unless
-    /// the tuning keeps one locked launch
-    /// ([`CudaTuning::locked_find_or_insert`]). Adaptive too: a hit only
-    /// changes its own score (a main-tier entry becomes protected), by the
-    /// probe's compare-and-swap; the tier moves that other entries make
-    /// happen when a newcomer is placed, in the locked launch after.
+    /// the tuning keeps one locked launch ([`FindOrInsert::Locked`]).
+    /// Adaptive too: a hit only changes its own score (a main-tier entry
+    /// becomes protected), by the probe's compare-and-swap; the tier moves
+    /// that other entries make happen when a newcomer is placed, in the
+    /// locked launch after.
     pub(super) fn probes(&self, n: u64) -> bool {
-        n > SEQUENTIAL_BATCH as u64 && !self.config.tuning.locked_find_or_insert
+        n > SEQUENTIAL_BATCH as u64 && self.config.tuning.find_or_insert != FindOrInsert::Locked
+    }
+
+    /// Whether a large find_or_insert places each key once
+    /// ([`FindOrInsert::Dedupe`]): where a repeat would store nothing its
+    /// first occurrence did not (lru and epoch_lru whatever scores come
+    /// in, custom without input scores; lfu counts every occurrence and a
+    /// custom input score is each occurrence's own).
+    fn dedupes(&self, n: u64, scores: bool) -> bool {
+        self.config.tuning.find_or_insert == FindOrInsert::Dedupe
+            && n < u32::MAX as u64
+            && match self.config.policy {
+                ScorePolicy::Lru | ScorePolicy::EpochLru => true,
+                ScorePolicy::Custom => !scores,
+                _ => false,
+            }
     }
 
     /// A find_or_insert (`mode` [`UP_FIND_OR_INSERT`], or
     /// [`UP_FIND_OR_INSERT_PTR`] with `p.ptrs` and no values) of `n` keys
     /// on stream `l`, for every way into the table (host arrays, device
     /// batches, CUDA IPC): one `upsert_keys` launch, or, where
-    /// [`CudaTable::probes`] and `miss` is given, `probe_keys` first (the
-    /// keys present, without locks: repeated keys no longer wait on each
-    /// other's bucket locks) and then `upsert_keys` over the misses, whose
-    /// flags go into `miss`, a lane's reusable buffer (grown here).
+    /// [`CudaTable::probes`] and `scratch` (a lane's reusable bytes, grown
+    /// here) is given:
+    /// - [`FindOrInsert::Probe`], and `Dedupe` where it does not apply:
+    ///   `probe_keys` (the keys present, without locks: repeated keys no
+    ///   longer wait on each other's bucket locks), then `upsert_keys` over
+    ///   the misses;
+    /// - `Dedupe` ([`CudaTable::dedupes`]): on a table with a host tier,
+    ///   every key, elsewhere the probe's misses, deduplicated
+    ///   (`dedupe_claim`, `dedupe_lead`); `upsert_keys` over each key's
+    ///   first occurrence; its repeats take its answer (`dedupe_fill`). A
+    ///   host tier's hits are read in the launch that writes its misses
+    ///   (the probe's own launch cost it 30 %: `shard/BENCHMARKS.md`,
+    ///   "Repeated keys placed once").
     ///
     /// # Safety
     /// As [`CudaTable::k_upsert`] for find_or_insert (no lost outputs);
-    /// `miss` is not in use on another stream, and stays alive and
+    /// `scratch` is not in use on another stream, and stays alive and
     /// untouched until `l` is synchronised.
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn k_find_or_insert(
@@ -306,22 +330,88 @@ impl CudaTable {
         n: u64,
         mode: i32,
         p: Ptrs,
-        miss: Option<&mut Option<CudaSlice<u8>>>,
+        scratch: Option<&mut Option<CudaSlice<u8>>>,
     ) -> Result<()> {
         debug_assert!(matches!(mode, UP_FIND_OR_INSERT | UP_FIND_OR_INSERT_PTR) && p.lost.is_none());
-        match miss {
-            Some(buf) if self.probes(n) => {
-                let m = CudaTable::scratch(l, buf, n as usize)?;
-                // SAFETY: the caller's contract; `m` holds n bytes, which
-                // probe_keys writes for every key, before upsert_keys reads them.
-                unsafe {
-                    self.k_probe(l, st, sc, n, p, m)?;
-                    self.k_upsert(l, st, sc, n, mode, Ptrs { only: Some(m), ..p })
-                }
-            }
+        let Some(buf) = scratch.filter(|_| self.probes(n)) else {
             // SAFETY: the caller's contract.
-            _ => unsafe { self.k_upsert(l, st, sc, n, mode, p) },
+            return unsafe { self.k_upsert(l, st, sc, n, mode, p) };
+        };
+        let dedupe = self.dedupes(n, p.scores.is_some());
+        let s = FiorScratch::new(l, buf, n as usize, dedupe)?;
+        let mut only = p.only;
+        // SAFETY: the caller's contract; the scratch's parts hold n flags,
+        // n outcomes and n leads and its set, which each launch writes
+        // before the next reads them, on stream l.
+        unsafe {
+            if !dedupe || st.host_slots == 0 {
+                self.k_probe(l, st, sc, n, p, s.miss)?;
+                only = Some(s.miss);
+            }
+            if !dedupe {
+                return self.k_upsert(l, st, sc, n, mode, Ptrs { only, ..p });
+            }
+            self.k_dedupe(l, n, p.keys, only, &s)?;
+            let outcomes = p.outcomes.unwrap_or(s.outcomes);
+            self.k_upsert(l, st, sc, n, mode, Ptrs { only: Some(s.first), outcomes: Some(outcomes), ..p })?;
+            self.k_dedupe_fill(l, n, Ptrs { outcomes: Some(outcomes), ..p }, &s)
         }
+    }
+
+    /// Launches `dedupe_claim` and `dedupe_lead` on stream `l` over the
+    /// keys `only` flags (all when `None`): `s.first` flags each key's
+    /// first occurrence, `s.lead` gives each repeat its first occurrence.
+    ///
+    /// # Safety
+    /// `keys` holds `n` keys and `only` is `None` or `n` flags, alive until
+    /// `l` is synchronised; `s` as [`FiorScratch::new`] made it for `n` keys.
+    unsafe fn k_dedupe(
+        &self,
+        l: &Arc<CudaStream>,
+        n: u64,
+        keys: Option<DevPtr<u64>>,
+        only: Option<DevPtr<u8>>,
+        s: &FiorScratch,
+    ) -> Result<()> {
+        let keys = arg("keys", keys, n as usize)?;
+        let only = arg("only flags", only, n as usize)?;
+        let (slots, lead, first) = (s.slots.addr(), s.lead.addr(), s.first.addr());
+        let mask = s.slots.len() as u64 - 1;
+        let mut b = l.launch_builder(&self.f.dedupe_claim);
+        b.arg(&keys).arg(&n).arg(&only).arg(&slots).arg(&mask).arg(&lead);
+        // SAFETY: reads keys[0..n] and only[0..n] where non-null, claims
+        // entries of slots[0..=mask] (zeroed, more than n: a free one is
+        // always found), writes lead[0..n].
+        unsafe { b.launch(blocks(n)?) }.map_err(dev_err("launching dedupe_claim"))?;
+        let mut b = l.launch_builder(&self.f.dedupe_lead);
+        b.arg(&n).arg(&only).arg(&slots).arg(&lead).arg(&first);
+        // SAFETY: reads only[0..n], lead[0..n] (slots below mask + 1) and
+        // those slots, rewrites lead[0..n] and writes first[0..n].
+        unsafe { b.launch(blocks(n)?) }.map_err(dev_err("launching dedupe_lead"))?;
+        Ok(())
+    }
+
+    /// Launches `dedupe_fill` on stream `l`: each repeat of [`k_dedupe`]
+    /// takes its first occurrence's row (`p.values`), address (`p.ptrs`)
+    /// and outcome (`p.outcomes`, required), counted into `p.counters` and
+    /// sampled as the upsert samples.
+    ///
+    /// # Safety
+    /// As [`CudaTable::k_upsert`] for find_or_insert, with `p.outcomes`
+    /// holding `n` outcomes; `s` as `k_dedupe` left it.
+    unsafe fn k_dedupe_fill(&self, l: &Arc<CudaStream>, n: u64, p: Ptrs, s: &FiorScratch) -> Result<()> {
+        let smp = p.sample;
+        let p = p.addrs(n, self.config.dim)?;
+        let (lead, dim) = (s.lead.addr(), self.config.dim as u64);
+        let mut b = l.launch_builder(&self.f.dedupe_fill);
+        b.arg(&p.keys).arg(&n).arg(&lead).arg(&p.values).arg(&dim).arg(&p.outcomes).arg(&p.ptrs);
+        b.arg(&p.counters).arg(&smp);
+        // SAFETY: reads keys[0..n], lead[0..n] and the outcomes, rows
+        // (values[0..n*dim]) and addresses (ptrs[0..n]) of first
+        // occurrences, writes those of the repeats, 8 counters and, with a
+        // sampler, ring slots below smp.cap and its 2 counters (as k_lookup).
+        unsafe { b.launch(blocks(n * 8)?) }.map_err(dev_err("launching dedupe_fill"))?;
+        Ok(())
     }
 
     /// Launches `probe_keys` on stream `l`: the first launch of a large
@@ -459,5 +549,45 @@ impl CudaTable {
             unsafe { b.launch(blocks(nb * 32)?) }.map_err(dev_err("launching export_write"))?;
         }
         Ok(())
+    }
+}
+
+/// The parts of a large find_or_insert's scratch, carved from a lane's
+/// bytes: the probe's miss flags and, to deduplicate, the first
+/// occurrences' flags, outcomes (for a caller that takes none), each key's
+/// lead and the set of keys (`dedupe_claim`: a power of two of u32, at
+/// least 1.5 × n, zeroed). About 20 bytes a key with deduplication (a
+/// 16 Mi-key batch: about 320 MiB), 1 without.
+pub(super) struct FiorScratch {
+    miss: DevPtr<u8>,
+    first: DevPtr<u8>,
+    outcomes: DevPtr<u8>,
+    lead: DevPtr<u32>,
+    slots: DevPtr<u32>,
+}
+
+impl FiorScratch {
+    /// Carves `buf` (grown as needed) for `n` keys, the set zeroed on `l`.
+    fn new(l: &Arc<CudaStream>, buf: &mut Option<CudaSlice<u8>>, n: usize, dedupe: bool) -> Result<FiorScratch> {
+        let slots = if dedupe { (n + n / 2).next_power_of_two() } else { 0 };
+        let lead_at = (3 * n).next_multiple_of(8);
+        let slots_at = lead_at + 4 * n;
+        let len = if dedupe { slots_at + 4 * slots } else { n };
+        ensure(l, buf, len)?;
+        let b = buf.as_mut().expect("ensured");
+        if dedupe {
+            let mut set = b.slice_mut(slots_at..slots_at + 4 * slots);
+            l.memset_zeros(&mut set).map_err(dev_err("clearing the key set"))?;
+        }
+        let all = DevPtr::of(b, l);
+        let part = |at: usize, len: usize| all.skip(at).take(len);
+        let words = |at: usize, len: usize| DevPtr::<u32>::from_raw(all.skip(at).addr(), len);
+        Ok(FiorScratch {
+            miss: part(0, n),
+            first: part(n, if dedupe { n } else { 0 }),
+            outcomes: part(2 * n, if dedupe { n } else { 0 }),
+            lead: words(lead_at, if dedupe { n } else { 0 }),
+            slots: words(slots_at, slots),
+        })
     }
 }

@@ -79,7 +79,7 @@ use hkv_kernels::KernelId;
 use parking_lot::{Mutex, RwLock};
 
 use crate::check;
-use crate::config::{BucketMode, CudaTuning, LfuTies, ScorePolicy, TableConfig};
+use crate::config::{BucketMode, CudaTuning, FindOrInsert, LfuTies, ScorePolicy, TableConfig};
 use crate::cpu::Counters;
 use crate::cuda::staging::{Region, Staging};
 use crate::cuda::{alloc_err, arg, dev_err, ensure, DevPtr, Device};
@@ -190,6 +190,9 @@ impl CudaTable {
             adapt_count: get(KernelId::Upsert, "adapt_count")?,
             adapt_sample: get(KernelId::Upsert, "adapt_sample")?,
             adapt_halve: get(KernelId::Upsert, "adapt_halve")?,
+            dedupe_claim: get(KernelId::Upsert, "dedupe_claim")?,
+            dedupe_lead: get(KernelId::Upsert, "dedupe_lead")?,
+            dedupe_fill: get(KernelId::Upsert, "dedupe_fill")?,
         };
         let stream = dev.ctx.new_stream().map_err(dev_err("creating a stream"))?;
         let storage = Storage::new(&dev, &config, &f.clear, &stream, config.buckets())?;
