@@ -453,29 +453,27 @@ extern "C" __global__ void dedupe_lead(u64 n, const u8* only, const u32* slots, 
     lead[i] = l == (u32)i ? HKV_NO_LEAD : l;
 }
 
-// 8 threads per key, after upsert_keys placed the first occurrences: a
-// repeat (lead[i] set) takes its first occurrence's row (values, where
-// given: find_or_insert's rows out) and address (ptrs, where given), and
-// the outcome updated (rejected where its first occurrence was: the same
-// input against the same bucket), counted and sampled as upsert_keys
-// counts and samples the keys it serves.
+// One thread per key, after upsert_keys placed the first occurrences (most
+// keys of a batch are no repeat: a group per key cost more than the copies
+// it shares): a repeat (lead[i] set) takes its first occurrence's row
+// (values, where given: find_or_insert's rows out) and address (ptrs,
+// where given), and the outcome updated (rejected where its first
+// occurrence was: the same input against the same bucket), counted and
+// sampled as upsert_keys counts and samples the keys it serves.
 extern "C" __global__ void dedupe_fill(const u64* keys, u64 n, const u32* lead, float* values, u64 dim,
                                        u8* outcomes, u64* ptrs, u64* counters, HkvSample smp) {
     HKV_SAMPLE_INIT
     HKV_COUNTERS_INIT
-    HkvGroup<8> g;
-    u64 i = ((u64)blockIdx.x * blockDim.x + threadIdx.x) / 8;
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     u32 j = i < n ? lead[i] : HKV_NO_LEAD;
     bool rep = j != HKV_NO_LEAD;
-    if (smp.ring) hkv_sample_warp(smp, rep && g.rank == 0, rep ? keys[i] : 0, &hkv_seen);
+    if (smp.ring) hkv_sample_warp(smp, rep, rep ? keys[i] : 0, &hkv_seen);
     if (rep) {
         const int o = outcomes[j] == HKV_REJECTED ? HKV_REJECTED : HKV_UPDATED;
-        if (o == HKV_UPDATED && values) hkv_copy_row<8, true>(values + i * dim, values + (u64)j * dim, (u32)dim, g.rank);
-        if (g.rank == 0) {
-            outcomes[i] = (u8)o;
-            if (ptrs) ptrs[i] = o == HKV_UPDATED ? ptrs[j] : 0;
-            atomicAdd(hkv_cnt + HKV_C_UPDATED + o, 1ULL);
-        }
+        if (o == HKV_UPDATED && values) hkv_copy_row<1, true>(values + i * dim, values + (u64)j * dim, (u32)dim, 0);
+        outcomes[i] = (u8)o;
+        if (ptrs) ptrs[i] = o == HKV_UPDATED ? ptrs[j] : 0;
+        atomicAdd(hkv_cnt + HKV_C_UPDATED + o, 1ULL);
     }
     hkv_flush_counters(hkv_cnt, counters);
     hkv_flush_sample(smp, &hkv_seen);

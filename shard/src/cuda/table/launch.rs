@@ -410,7 +410,7 @@ impl CudaTable {
         // (values[0..n*dim]) and addresses (ptrs[0..n]) of first
         // occurrences, writes those of the repeats, 8 counters and, with a
         // sampler, ring slots below smp.cap and its 2 counters (as k_lookup).
-        unsafe { b.launch(blocks(n * 8)?) }.map_err(dev_err("launching dedupe_fill"))?;
+        unsafe { b.launch(blocks(n)?) }.map_err(dev_err("launching dedupe_fill"))?;
         Ok(())
     }
 
@@ -580,13 +580,18 @@ impl FiorScratch {
             l.memset_zeros(&mut set).map_err(dev_err("clearing the key set"))?;
         }
         let all = DevPtr::of(b, l);
-        let part = |at: usize, len: usize| all.skip(at).take(len);
+        let miss = all.take(n);
+        if !dedupe {
+            let none = miss.take(0);
+            let no_words = DevPtr::<u32>::from_raw(none.addr(), 0);
+            return Ok(FiorScratch { miss, first: none, outcomes: none, lead: no_words, slots: no_words });
+        }
         let words = |at: usize, len: usize| DevPtr::<u32>::from_raw(all.skip(at).addr(), len);
         Ok(FiorScratch {
-            miss: part(0, n),
-            first: part(n, if dedupe { n } else { 0 }),
-            outcomes: part(2 * n, if dedupe { n } else { 0 }),
-            lead: words(lead_at, if dedupe { n } else { 0 }),
+            miss,
+            first: all.skip(n).take(n),
+            outcomes: all.skip(2 * n).take(n),
+            lead: words(lead_at, n),
             slots: words(slots_at, slots),
         })
     }
