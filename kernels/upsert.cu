@@ -284,13 +284,18 @@ HKV_UPSERT_KERNEL(upsert_keys_g4, 4, , true, false, false)
 HKV_UPSERT_KERNEL(upsert_keys_g16, 16, , true, false, false)
 HKV_UPSERT_KERNEL(upsert_keys_g32, 32, , true, false, false)
 HKV_UPSERT_KERNEL(upsert_keys_g4_b5, 4, __launch_bounds__(256, 5), false, false, false)
-// The same for adaptive tables: upsert_keys_a, upsert_keys_a_gN.
-HKV_UPSERT_KERNEL(upsert_keys_a, 8, , true, true, false)
-HKV_UPSERT_KERNEL(upsert_keys_a_g1, 1, , true, true, false)
-HKV_UPSERT_KERNEL(upsert_keys_a_g2, 2, , true, true, false)
-HKV_UPSERT_KERNEL(upsert_keys_a_g4, 4, , true, true, false)
-HKV_UPSERT_KERNEL(upsert_keys_a_g16, 16, , true, true, false)
-HKV_UPSERT_KERNEL(upsert_keys_a_g32, 32, , true, true, false)
+// The same for adaptive tables: upsert_keys_a, upsert_keys_a_gN, held to
+// 64 registers so that 4 blocks of 256 fit an SM instead of 3 (71-80
+// registers of their own, 24-84 bytes of spills so): on the H200, 32 Mi
+// slots, dim 32, two rounds alternated, find_or_insert and
+// insert_and_evict at λ 1.0 5-6 % faster, the writers at λ 0.5 within 1 %
+// (shard/BENCHMARKS.md, "Repeated keys placed once").
+HKV_UPSERT_KERNEL(upsert_keys_a, 8, __launch_bounds__(256, 4), true, true, false)
+HKV_UPSERT_KERNEL(upsert_keys_a_g1, 1, __launch_bounds__(256, 4), true, true, false)
+HKV_UPSERT_KERNEL(upsert_keys_a_g2, 2, __launch_bounds__(256, 4), true, true, false)
+HKV_UPSERT_KERNEL(upsert_keys_a_g4, 4, __launch_bounds__(256, 4), true, true, false)
+HKV_UPSERT_KERNEL(upsert_keys_a_g16, 16, __launch_bounds__(256, 4), true, true, false)
+HKV_UPSERT_KERNEL(upsert_keys_a_g32, 32, __launch_bounds__(256, 4), true, true, false)
 HKV_UPSERT_KERNEL(upsert_keys_a_g4_b5, 4, __launch_bounds__(256, 5), false, true, false)
 // Verbatim writes (sc.verbatim: loads, rehashes) of every policy:
 // upsert_keys_v, upsert_keys_v_gN, the only kernels that relocate. Built
@@ -301,6 +306,111 @@ HKV_UPSERT_KERNEL(upsert_keys_v_g2, 2, , true, true, true)
 HKV_UPSERT_KERNEL(upsert_keys_v_g4, 4, , true, true, true)
 HKV_UPSERT_KERNEL(upsert_keys_v_g16, 16, , true, true, true)
 HKV_UPSERT_KERNEL(upsert_keys_v_g32, 32, , true, true, true)
+
+// ---- find_or_insert of a large batch: each key placed once --------------------
+// A key that comes many times in a batch and is absent serialised in
+// upsert_one on its buckets' locks, one occurrence after another (13 M
+// keys/s for Zipf keys new to the table, H200), and on a table with a host
+// tier the probe below cost 30 %: its hits read host rows in a launch of
+// their own, the misses' inserts write them in the next, so the link's two
+// directions never ran together. So where a repeat does not change what
+// its first occurrence stores (lru, epoch_lru, custom without input
+// scores), the keys of a large find_or_insert are deduplicated first: every
+// key on a table with a host tier (dedupe_claim), the misses elsewhere
+// (claimed in probe_keys); where a key repeats, dedupe_lead makes each
+// key's first occurrence (the lowest index) the one that upsert_keys
+// places, and dedupe_fill gives every repeat its answer. A batch without
+// repeats pays for the cleared set and the claims only.
+
+#define HKV_NO_LEAD 0xFFFFFFFFu
+
+// Key i (a thread for it): finds or claims its key's slot of the
+// open-addressed set `slots` (mask + 1 u32, at least 1.5 times the keys,
+// all 0 before: a slot holds an occurrence's index + 1), lowers the slot's
+// index to its own if smaller, leaves the slot in lead[i], and sets
+// first[i] to whether it claimed the slot; an occurrence that finds its
+// key claimed sets *repeats (so do the claims that an earlier occurrence
+// then lowers: it finds the key).
+__device__ __forceinline__ void hkv_dedupe_claim(const u64* keys, u64 i, u64 key, u32* slots, u64 mask, u32* lead,
+                                                 u8* first, u32* repeats) {
+    const u32 me = (u32)i + 1;
+    u64 h = hkv_fmix64(key ^ 0x2545f4914f6cdd1dULL) & mask;
+    bool claimed = false;
+    for (;;) {
+        u32 c = __ldcg(slots + h);
+        if (c == 0) {
+            c = atomicCAS(slots + h, 0u, me);
+            if (c == 0) {
+                claimed = true;
+                break;
+            }
+        }
+        // A claimed slot's index only ever moves to another occurrence of its key.
+        if (__ldg(keys + c - 1) == key) {
+            atomicMin(slots + h, me);
+            *repeats = 1;
+            break;
+        }
+        h = (h + 1) & mask;
+    }
+    lead[i] = (u32)h;
+    first[i] = claimed;
+}
+
+// One thread per key: dedupe_claim's claim for each key that only (when
+// given) flags; first[i] = 0 and lead[i] = HKV_NO_LEAD for the others.
+extern "C" __global__ void dedupe_claim(const u64* keys, u64 n, const u8* only, u32* slots, u64 mask, u32* lead,
+                                        u8* first, u32* repeats) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    if (only && !only[i]) {
+        first[i] = 0;
+        lead[i] = HKV_NO_LEAD;
+        return;
+    }
+    hkv_dedupe_claim(keys, i, keys[i], slots, mask, lead, first, repeats);
+}
+
+// One thread per key, after the claims, where a key repeats (*repeats;
+// else first[] is already right and nothing runs): first[i] = 1 where key
+// i is its key's first occurrence (upsert_keys' only), else 0; lead[i]
+// becomes the first occurrence's index for a repeat, HKV_NO_LEAD for the
+// others.
+extern "C" __global__ void dedupe_lead(u64 n, const u32* slots, u32* lead, u8* first, const u32* repeats) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n || !*repeats || lead[i] == HKV_NO_LEAD) return;
+    const u32 l = __ldcg(slots + lead[i]) - 1;
+    first[i] = l == (u32)i;
+    lead[i] = l == (u32)i ? HKV_NO_LEAD : l;
+}
+
+// One thread per key, after upsert_keys placed the first occurrences, where
+// a key repeats (*repeats; most keys of a batch are no repeat, so a group
+// per key cost more than the copies it shares): a repeat (lead[i] set)
+// takes its first occurrence's row (values, where given: find_or_insert's
+// rows out) and address (ptrs, where given), and the outcome updated
+// (rejected where its first occurrence was: the same input against the
+// same bucket), counted and sampled as upsert_keys counts and samples the
+// keys it serves.
+extern "C" __global__ void dedupe_fill(const u64* keys, u64 n, const u32* lead, float* values, u64 dim,
+                                       u8* outcomes, u64* ptrs, u64* counters, HkvSample smp, const u32* repeats) {
+    if (!*repeats) return;
+    HKV_SAMPLE_INIT
+    HKV_COUNTERS_INIT
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u32 j = i < n ? lead[i] : HKV_NO_LEAD;
+    bool rep = j != HKV_NO_LEAD;
+    if (smp.ring) hkv_sample_warp(smp, rep, rep ? keys[i] : 0, &hkv_seen);
+    if (rep) {
+        const int o = outcomes[j] == HKV_REJECTED ? HKV_REJECTED : HKV_UPDATED;
+        if (o == HKV_UPDATED && values) hkv_copy_row<1, true>(values + i * dim, values + (u64)j * dim, (u32)dim, 0);
+        outcomes[i] = (u8)o;
+        if (ptrs) ptrs[i] = o == HKV_UPDATED ? ptrs[j] : 0;
+        atomicAdd(hkv_cnt + HKV_C_UPDATED + o, 1ULL);
+    }
+    hkv_flush_counters(hkv_cnt, counters);
+    hkv_flush_sample(smp, &hkv_seen);
+}
 
 // ---- find_or_insert of a large batch: the hits first, without locks ----------
 // A batch whose keys repeat (Zipf traffic: the hottest key of a 1 Mi-key
@@ -319,7 +429,8 @@ HKV_UPSERT_KERNEL(upsert_keys_v_g32, 32, , true, true, true)
 template <int G>
 __device__ __forceinline__ void probe_one(const HkvTable& t, const HkvScoring& sc, const u64* keys, u64 n,
                                           float* values, const u64* scores_in, const u8* only, u8* outcomes,
-                                          u64* ptrs, u8* miss, u64* cnt, const HkvSample& smp, u32* seen) {
+                                          u64* ptrs, u8* miss, u32* slots, u64 mask, u32* lead, u32* repeats,
+                                          u64* cnt, const HkvSample& smp, u32* seen) {
     HkvGroup<G> g;
     u64 i = hkv_key_index(t, ((u64)blockIdx.x * blockDim.x + threadIdx.x) / G, n);
     bool active = i < n && !(only && !only[i]);
@@ -343,8 +454,17 @@ __device__ __forceinline__ void probe_one(const HkvTable& t, const HkvScoring& s
     if (smp.ring) hkv_sample_warp(smp, active && s >= 0 && g.rank == 0, key, seen);
     // Every key of the launch gets its flag, 0 where `only` leaves it out,
     // so that the flags need no clearing (they are a lane's reused buffer).
+    // Deduplicating (slots given), a miss is claimed (hkv_dedupe_claim):
+    // its flag says whether it was the first to claim its key.
     if (!active || s < 0) {
-        if (i < n && g.rank == 0) miss[i] = (u8)active;
+        if (i < n && g.rank == 0) {
+            if (slots && active) {
+                hkv_dedupe_claim(keys, i, key, slots, mask, lead, miss, repeats);
+            } else {
+                miss[i] = (u8)active;
+                if (slots) lead[i] = HKV_NO_LEAD;
+            }
+        }
         return;
     }
     u64 pos = b * 128 + s;
@@ -364,6 +484,7 @@ __device__ __forceinline__ void probe_one(const HkvTable& t, const HkvScoring& s
             t.scores[pos] = hkv_on_upsert(sc, 0, has, in);
         }
         miss[i] = 0;
+        if (slots) lead[i] = HKV_NO_LEAD;
         if (outcomes) outcomes[i] = HKV_UPDATED;
         if (ptrs) ptrs[i] = (u64)row;
         atomicAdd(cnt + HKV_C_UPDATED, 1ULL);
@@ -373,13 +494,16 @@ __device__ __forceinline__ void probe_one(const HkvTable& t, const HkvScoring& s
 // values: out (find_or_insert's rows of the hits), null for find_or_insert*;
 // scores_in, only, outcomes and ptrs may be null; miss: n flags out, 1
 // where key i is served and absent (upsert_keys' only), 0 elsewhere.
+// slots (null: no deduplication), mask, lead and repeats: dedupe_claim's,
+// for the misses (miss then flags the first to claim each key).
 #define HKV_PROBE_KERNEL(NAME, G)                                                                                   \
     extern "C" __global__ void NAME(HkvTable t, HkvScoring sc, const u64* keys, u64 n, float* values,               \
                                     const u64* scores_in, const u8* only, u8* outcomes, u64* ptrs, u8* miss,        \
-                                    u64* counters, HkvSample smp) {                                                 \
+                                    u32* slots, u64 mask, u32* lead, u32* repeats, u64* counters, HkvSample smp) {  \
         HKV_SAMPLE_INIT                                                                                             \
         HKV_COUNTERS_INIT                                                                                           \
-        probe_one<G>(t, sc, keys, n, values, scores_in, only, outcomes, ptrs, miss, hkv_cnt, smp, &hkv_seen);       \
+        probe_one<G>(t, sc, keys, n, values, scores_in, only, outcomes, ptrs, miss, slots, mask, lead, repeats,     \
+                     hkv_cnt, smp, &hkv_seen);                                                                      \
         hkv_flush_counters(hkv_cnt, counters);                                                                      \
         hkv_flush_sample(smp, &hkv_seen);                                                                           \
     }
@@ -391,93 +515,6 @@ HKV_PROBE_KERNEL(probe_keys_g2, 2)
 HKV_PROBE_KERNEL(probe_keys_g4, 4)
 HKV_PROBE_KERNEL(probe_keys_g16, 16)
 HKV_PROBE_KERNEL(probe_keys_g32, 32)
-
-// ---- find_or_insert of a large batch: each key placed once --------------------
-// A key that comes many times in a batch and is absent serialised in
-// upsert_one on its buckets' locks, one occurrence after another (2 M keys/s
-// for Zipf keys new to the table), and on a table with a host tier the
-// probe above costs 30 %: its hits read host rows in a launch of their own,
-// the misses' inserts write them in the next, so the link's two directions
-// never run together. So where a repeat does not change what its first
-// occurrence stores (lru, epoch_lru, custom scores), the keys of a large
-// find_or_insert (or the probe's misses) are deduplicated first:
-// dedupe_claim and dedupe_lead pick each key's first occurrence (the
-// lowest index), upsert_keys places only those, and dedupe_fill gives
-// every repeat its first occurrence's answer.
-
-#define HKV_NO_LEAD 0xFFFFFFFFu
-
-// One thread per key: key i (where only, when given, is set) finds or
-// claims its key's slot of the open-addressed set `slots` (mask + 1 u32,
-// at least twice the keys, all 0 before: a slot holds an occurrence's
-// index + 1), lowers the slot's index to its own if smaller, and leaves
-// the slot in lead[i] (HKV_NO_LEAD for keys left out).
-extern "C" __global__ void dedupe_claim(const u64* keys, u64 n, const u8* only, u32* slots, u64 mask, u32* lead) {
-    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    if (only && !only[i]) {
-        lead[i] = HKV_NO_LEAD;
-        return;
-    }
-    u64 key = keys[i];
-    const u32 me = (u32)i + 1;
-    u64 h = hkv_fmix64(key ^ 0x2545f4914f6cdd1dULL) & mask;
-    for (;;) {
-        u32 c = __ldcg(slots + h);
-        if (c == 0) {
-            c = atomicCAS(slots + h, 0u, me);
-            if (c == 0) break;
-        }
-        // A claimed slot's index only ever moves to another occurrence of its key.
-        if (__ldg(keys + c - 1) == key) {
-            atomicMin(slots + h, me);
-            break;
-        }
-        h = (h + 1) & mask;
-    }
-    lead[i] = (u32)h;
-}
-
-// One thread per key, after dedupe_claim: first[i] = 1 where key i is its
-// key's first occurrence (upsert_keys' only), else 0; lead[i] becomes the
-// first occurrence's index for a repeat, HKV_NO_LEAD for the others.
-extern "C" __global__ void dedupe_lead(u64 n, const u8* only, const u32* slots, u32* lead, u8* first) {
-    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    if (only && !only[i]) {
-        first[i] = 0;
-        return;
-    }
-    const u32 l = __ldcg(slots + lead[i]) - 1;
-    first[i] = l == (u32)i;
-    lead[i] = l == (u32)i ? HKV_NO_LEAD : l;
-}
-
-// One thread per key, after upsert_keys placed the first occurrences (most
-// keys of a batch are no repeat: a group per key cost more than the copies
-// it shares): a repeat (lead[i] set) takes its first occurrence's row
-// (values, where given: find_or_insert's rows out) and address (ptrs,
-// where given), and the outcome updated (rejected where its first
-// occurrence was: the same input against the same bucket), counted and
-// sampled as upsert_keys counts and samples the keys it serves.
-extern "C" __global__ void dedupe_fill(const u64* keys, u64 n, const u32* lead, float* values, u64 dim,
-                                       u8* outcomes, u64* ptrs, u64* counters, HkvSample smp) {
-    HKV_SAMPLE_INIT
-    HKV_COUNTERS_INIT
-    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    u32 j = i < n ? lead[i] : HKV_NO_LEAD;
-    bool rep = j != HKV_NO_LEAD;
-    if (smp.ring) hkv_sample_warp(smp, rep, rep ? keys[i] : 0, &hkv_seen);
-    if (rep) {
-        const int o = outcomes[j] == HKV_REJECTED ? HKV_REJECTED : HKV_UPDATED;
-        if (o == HKV_UPDATED && values) hkv_copy_row<1, true>(values + i * dim, values + (u64)j * dim, (u32)dim, 0);
-        outcomes[i] = (u8)o;
-        if (ptrs) ptrs[i] = o == HKV_UPDATED ? ptrs[j] : 0;
-        atomicAdd(hkv_cnt + HKV_C_UPDATED + o, 1ULL);
-    }
-    hkv_flush_counters(hkv_cnt, counters);
-    hkv_flush_sample(smp, &hkv_seen);
-}
 
 // Adaptive: counts keys[0..n] (where only, when given, is non-zero) in the
 // sketch, each one access (hkv_sketch_count), before a writer batch's

@@ -339,33 +339,35 @@ impl CudaTable {
         };
         let dedupe = self.dedupes(n, p.scores.is_some());
         let s = FiorScratch::new(l, buf, n as usize, dedupe)?;
-        let mut only = p.only;
         // SAFETY: the caller's contract; the scratch's parts hold n flags,
         // n outcomes and n leads and its set, which each launch writes
         // before the next reads them, on stream l.
         unsafe {
-            if !dedupe || st.host_slots == 0 {
-                self.k_probe(l, st, sc, n, p, s.miss)?;
-                only = Some(s.miss);
-            }
             if !dedupe {
-                return self.k_upsert(l, st, sc, n, mode, Ptrs { only, ..p });
+                self.k_probe(l, st, sc, n, p, s.miss, None)?;
+                return self.k_upsert(l, st, sc, n, mode, Ptrs { only: Some(s.miss), ..p });
             }
-            self.k_dedupe(l, n, p.keys, only, &s)?;
+            if st.host_slots == 0 {
+                self.k_probe(l, st, sc, n, p, s.first, Some(&s))?;
+            } else {
+                self.k_dedupe_claim(l, n, p.keys, p.only, &s)?;
+            }
+            self.k_dedupe_lead(l, n, &s)?;
             let outcomes = p.outcomes.unwrap_or(s.outcomes);
             self.k_upsert(l, st, sc, n, mode, Ptrs { only: Some(s.first), outcomes: Some(outcomes), ..p })?;
             self.k_dedupe_fill(l, n, Ptrs { outcomes: Some(outcomes), ..p }, &s)
         }
     }
 
-    /// Launches `dedupe_claim` and `dedupe_lead` on stream `l` over the
-    /// keys `only` flags (all when `None`): `s.first` flags each key's
-    /// first occurrence, `s.lead` gives each repeat its first occurrence.
+    /// Launches `dedupe_claim` on stream `l` over the keys `only` flags
+    /// (all when `None`): `s.first` flags the first to claim each key,
+    /// `s.lead` holds each key's slot in the set, `s.repeats` whether any
+    /// key repeats.
     ///
     /// # Safety
     /// `keys` holds `n` keys and `only` is `None` or `n` flags, alive until
     /// `l` is synchronised; `s` as [`FiorScratch::new`] made it for `n` keys.
-    unsafe fn k_dedupe(
+    unsafe fn k_dedupe_claim(
         &self,
         l: &Arc<CudaStream>,
         n: u64,
@@ -375,37 +377,48 @@ impl CudaTable {
     ) -> Result<()> {
         let keys = arg("keys", keys, n as usize)?;
         let only = arg("only flags", only, n as usize)?;
-        let (slots, lead, first) = (s.slots.addr(), s.lead.addr(), s.first.addr());
-        let mask = s.slots.len() as u64 - 1;
+        let (slots, mask, lead, first, repeats) = s.args();
         let mut b = l.launch_builder(&self.f.dedupe_claim);
-        b.arg(&keys).arg(&n).arg(&only).arg(&slots).arg(&mask).arg(&lead);
+        b.arg(&keys).arg(&n).arg(&only).arg(&slots).arg(&mask).arg(&lead).arg(&first).arg(&repeats);
         // SAFETY: reads keys[0..n] and only[0..n] where non-null, claims
         // entries of slots[0..=mask] (zeroed, more than n: a free one is
-        // always found), writes lead[0..n].
+        // always found), writes lead[0..n], first[0..n] and the repeats word.
         unsafe { b.launch(blocks(n)?) }.map_err(dev_err("launching dedupe_claim"))?;
+        Ok(())
+    }
+
+    /// Launches `dedupe_lead` on stream `l`, after the claims: where a key
+    /// repeats, `s.first` flags each key's first occurrence and `s.lead`
+    /// gives each repeat its first occurrence.
+    ///
+    /// # Safety
+    /// `s` as the claims (`k_dedupe_claim` or `k_probe`) left it for `n` keys.
+    unsafe fn k_dedupe_lead(&self, l: &Arc<CudaStream>, n: u64, s: &FiorScratch) -> Result<()> {
+        let (slots, _, lead, first, repeats) = s.args();
         let mut b = l.launch_builder(&self.f.dedupe_lead);
-        b.arg(&n).arg(&only).arg(&slots).arg(&lead).arg(&first);
-        // SAFETY: reads only[0..n], lead[0..n] (slots below mask + 1) and
-        // those slots, rewrites lead[0..n] and writes first[0..n].
+        b.arg(&n).arg(&slots).arg(&lead).arg(&first).arg(&repeats);
+        // SAFETY: reads the repeats word, lead[0..n] (slots below mask + 1,
+        // or HKV_NO_LEAD) and those slots, rewrites lead[0..n] and first[0..n].
         unsafe { b.launch(blocks(n)?) }.map_err(dev_err("launching dedupe_lead"))?;
         Ok(())
     }
 
-    /// Launches `dedupe_fill` on stream `l`: each repeat of [`k_dedupe`]
+    /// Launches `dedupe_fill` on stream `l`: where a key repeats, each repeat
     /// takes its first occurrence's row (`p.values`), address (`p.ptrs`)
     /// and outcome (`p.outcomes`, required), counted into `p.counters` and
     /// sampled as the upsert samples.
     ///
     /// # Safety
     /// As [`CudaTable::k_upsert`] for find_or_insert, with `p.outcomes`
-    /// holding `n` outcomes; `s` as `k_dedupe` left it.
+    /// holding `n` outcomes; `s` as `k_dedupe_lead` left it.
     unsafe fn k_dedupe_fill(&self, l: &Arc<CudaStream>, n: u64, p: Ptrs, s: &FiorScratch) -> Result<()> {
         let smp = p.sample;
         let p = p.addrs(n, self.config.dim)?;
-        let (lead, dim) = (s.lead.addr(), self.config.dim as u64);
+        let (_, _, lead, _, repeats) = s.args();
+        let dim = self.config.dim as u64;
         let mut b = l.launch_builder(&self.f.dedupe_fill);
         b.arg(&p.keys).arg(&n).arg(&lead).arg(&p.values).arg(&dim).arg(&p.outcomes).arg(&p.ptrs);
-        b.arg(&p.counters).arg(&smp);
+        b.arg(&p.counters).arg(&smp).arg(&repeats);
         // SAFETY: reads keys[0..n], lead[0..n] and the outcomes, rows
         // (values[0..n*dim]) and addresses (ptrs[0..n]) of first
         // occurrences, writes those of the repeats, 8 counters and, with a
@@ -417,11 +430,15 @@ impl CudaTable {
     /// Launches `probe_keys` on stream `l`: the first launch of a large
     /// find_or_insert (find_or_insert* without values), which serves the
     /// keys present without locks and writes into `miss` 1 for the others
-    /// and 0 for each key it serves or `p.only` leaves out.
+    /// and 0 for each key it serves or `p.only` leaves out; with `dedupe`,
+    /// it claims the others in its set (`dedupe_claim`'s rule: `miss`, its
+    /// first-occurrence flags, then says which claimed their key first).
     ///
     /// # Safety
     /// As [`CudaTable::k_upsert`] for find_or_insert (no lost outputs);
-    /// `miss` holds `n` bytes, alive until `l` is synchronised.
+    /// `miss` holds `n` bytes, alive until `l` is synchronised; `dedupe`
+    /// as [`FiorScratch::new`] made it for `n` keys.
+    #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn k_probe(
         &self,
         l: &Arc<CudaStream>,
@@ -430,22 +447,26 @@ impl CudaTable {
         n: u64,
         p: Ptrs,
         miss: DevPtr<u8>,
+        dedupe: Option<&FiorScratch>,
     ) -> Result<()> {
         let smp = p.sample;
         let p = p.addrs(n, self.config.dim)?;
         let miss = arg("miss flags", Some(miss), n as usize)?;
+        let (slots, mask, lead, _, repeats) = dedupe.map_or((0, 0, 0, 0, 0), FiorScratch::args);
         let c = p.counters;
         let (order, args) = self.key_order(l, st, n, p.keys, p.values != 0)?;
         let v = self.f.probe(p.values != 0, self.config.dim, order.is_some());
         let mut b = l.launch_builder(&v.f);
         b.arg(&args).arg(&sc).arg(&p.keys).arg(&n).arg(&p.values).arg(&p.scores).arg(&p.only).arg(&p.outcomes);
-        b.arg(&p.ptrs).arg(&miss).arg(&c).arg(&smp);
+        b.arg(&p.ptrs).arg(&miss).arg(&slots).arg(&mask).arg(&lead).arg(&repeats).arg(&c).arg(&smp);
         // SAFETY: probe_keys reads keys[0..n], scores[0..n] and only[0..n]
         // where non-null and the table (no writer runs on it meanwhile: the
         // caller holds the inserter group and launches on one stream), and
         // writes present keys' scores, values[0..n*dim], outcomes[0..n],
-        // ptrs[0..n] where non-null, miss[0..n] and 8 counters; with a
-        // sampler, ring slots below smp.cap and its 2 counters (as k_lookup).
+        // ptrs[0..n] where non-null, miss[0..n] and 8 counters; with a set
+        // (slots non-null) claims its entries and writes lead[0..n] and the
+        // repeats word as dedupe_claim; with a sampler, ring slots below
+        // smp.cap and its 2 counters (as k_lookup).
         unsafe { b.launch(blocks(n * v.g)?) }.map_err(dev_err("launching probe_keys"))?;
         Ok(())
     }
@@ -564,6 +585,8 @@ pub(super) struct FiorScratch {
     outcomes: DevPtr<u8>,
     lead: DevPtr<u32>,
     slots: DevPtr<u32>,
+    /// One word, cleared with the set: whether a key repeats.
+    repeats: DevPtr<u32>,
 }
 
 impl FiorScratch {
@@ -572,11 +595,12 @@ impl FiorScratch {
         let slots = if dedupe { (n + n / 2).next_power_of_two() } else { 0 };
         let lead_at = (3 * n).next_multiple_of(8);
         let slots_at = lead_at + 4 * n;
-        let len = if dedupe { slots_at + 4 * slots } else { n };
+        // The set, then the repeats word.
+        let len = if dedupe { slots_at + 4 * (slots + 1) } else { n };
         ensure(l, buf, len)?;
         let b = buf.as_mut().expect("ensured");
         if dedupe {
-            let mut set = b.slice_mut(slots_at..slots_at + 4 * slots);
+            let mut set = b.slice_mut(slots_at..len);
             l.memset_zeros(&mut set).map_err(dev_err("clearing the key set"))?;
         }
         let all = DevPtr::of(b, l);
@@ -584,7 +608,14 @@ impl FiorScratch {
         if !dedupe {
             let none = miss.take(0);
             let no_words = DevPtr::<u32>::from_raw(none.addr(), 0);
-            return Ok(FiorScratch { miss, first: none, outcomes: none, lead: no_words, slots: no_words });
+            return Ok(FiorScratch {
+                miss,
+                first: none,
+                outcomes: none,
+                lead: no_words,
+                slots: no_words,
+                repeats: no_words,
+            });
         }
         let words = |at: usize, len: usize| DevPtr::<u32>::from_raw(all.skip(at).addr(), len);
         Ok(FiorScratch {
@@ -593,6 +624,14 @@ impl FiorScratch {
             outcomes: all.skip(2 * n).take(n),
             lead: words(lead_at, n),
             slots: words(slots_at, slots),
+            repeats: words(slots_at + 4 * slots, 1),
         })
+    }
+
+    /// The kernels' arguments: the set's address and mask, the leads, the
+    /// first-occurrence flags and the repeats word.
+    fn args(&self) -> (u64, u64, u64, u64, u64) {
+        let mask = (self.slots.len() as u64).saturating_sub(1);
+        (self.slots.addr(), mask, self.lead.addr(), self.first.addr(), self.repeats.addr())
     }
 }
