@@ -331,9 +331,9 @@ impl CudaTable {
                         DeviceOp::FindOrInsert => (Ptrs { values: p.values, ..base }, UP_FIND_OR_INSERT),
                         _ => (Ptrs { ptrs: p.ptrs, ..base }, UP_FIND_OR_INSERT_PTR),
                     };
-                    // A large batch's miss flags are a lane's buffer, the
+                    // A large batch's scratch is a lane's buffer, the
                     // lane held by `pending` until `s` is synchronised.
-                    let miss = if self.probes(n64) { Some(&mut pending.hold(self.lane()?).miss) } else { None };
+                    let miss = if self.probes(n64) { Some(&mut pending.hold(self.lane()?).fior) } else { None };
                     self.k_find_or_insert(s, st, self.scoring(false), n64, mode, q, miss)?
                 }
                 DeviceOp::InsertOrAssign | DeviceOp::InsertAndEvict => {

@@ -211,10 +211,10 @@ impl CudaTable {
             self.in_rounds(l, keys, nb, only, |l, o| {
                 let q = Ptrs { only: o, ..p };
                 // SAFETY: keys, values, scores, outcomes and the lost buffers were uploaded or sized above for
-                // these n keys, flags2 by in_rounds; the miss flags are the lane's, synchronised with it
+                // these n keys, flags2 by in_rounds; the find_or_insert scratch is the lane's, synchronised with it
                 unsafe {
                     if find_or_insert {
-                        self.k_find_or_insert(&s, st, sc, n as u64, mode, q, Some(&mut l.miss))
+                        self.k_find_or_insert(&s, st, sc, n as u64, mode, q, Some(&mut l.fior))
                     } else {
                         self.k_upsert(&s, st, sc, n as u64, mode, q)
                     }

@@ -25,9 +25,9 @@ pub(super) struct Lane {
     pub(super) offsets: Option<CudaSlice<u64>>,
     /// find_at's output rows.
     pub(super) at: Option<CudaSlice<u32>>,
-    /// The miss flags of a large find_or_insert
-    /// ([`CudaTable::k_find_or_insert`]).
-    pub(super) miss: Option<CudaSlice<u8>>,
+    /// A large find_or_insert's scratch: the probe's miss flags, or the
+    /// parts of its deduplication ([`CudaTable::k_find_or_insert`]).
+    pub(super) fior: Option<CudaSlice<u8>>,
     /// Pinned memory the batch's host arrays pass through.
     pub(super) stage: Staging,
 }
@@ -55,7 +55,7 @@ impl CudaTable {
             counts: None,
             offsets: None,
             at: None,
-            miss: None,
+            fior: None,
             stage: Staging::new(self.dev.ctx.clone()),
         })
     }

@@ -337,16 +337,20 @@ impl CudaTable {
             // SAFETY: the caller's contract.
             return unsafe { self.k_upsert(l, st, sc, n, mode, p) };
         };
-        let dedupe = self.dedupes(n, p.scores.is_some());
-        let s = FiorScratch::new(l, buf, n as usize, dedupe)?;
+        if !self.dedupes(n, p.scores.is_some()) {
+            let m = CudaTable::scratch(l, buf, n as usize)?;
+            // SAFETY: the caller's contract; `m` holds n bytes, which
+            // probe_keys writes for every key, before upsert_keys reads them.
+            return unsafe {
+                self.k_probe(l, st, sc, n, p, m, None)?;
+                self.k_upsert(l, st, sc, n, mode, Ptrs { only: Some(m), ..p })
+            };
+        }
+        let s = Dedupe::new(l, buf, n as usize)?;
         // SAFETY: the caller's contract; the scratch's parts hold n flags,
-        // n outcomes and n leads and its set, which each launch writes
-        // before the next reads them, on stream l.
+        // n outcomes, n leads and the set, which each launch writes before
+        // the next reads them, on stream l.
         unsafe {
-            if !dedupe {
-                self.k_probe(l, st, sc, n, p, s.miss, None)?;
-                return self.k_upsert(l, st, sc, n, mode, Ptrs { only: Some(s.miss), ..p });
-            }
             if st.host_slots == 0 {
                 self.k_probe(l, st, sc, n, p, s.first, Some(&s))?;
             } else {
@@ -366,14 +370,14 @@ impl CudaTable {
     ///
     /// # Safety
     /// `keys` holds `n` keys and `only` is `None` or `n` flags, alive until
-    /// `l` is synchronised; `s` as [`FiorScratch::new`] made it for `n` keys.
+    /// `l` is synchronised; `s` as [`Dedupe::new`] made it for `n` keys.
     unsafe fn k_dedupe_claim(
         &self,
         l: &Arc<CudaStream>,
         n: u64,
         keys: Option<DevPtr<u64>>,
         only: Option<DevPtr<u8>>,
-        s: &FiorScratch,
+        s: &Dedupe,
     ) -> Result<()> {
         let keys = arg("keys", keys, n as usize)?;
         let only = arg("only flags", only, n as usize)?;
@@ -393,7 +397,7 @@ impl CudaTable {
     ///
     /// # Safety
     /// `s` as the claims (`k_dedupe_claim` or `k_probe`) left it for `n` keys.
-    unsafe fn k_dedupe_lead(&self, l: &Arc<CudaStream>, n: u64, s: &FiorScratch) -> Result<()> {
+    unsafe fn k_dedupe_lead(&self, l: &Arc<CudaStream>, n: u64, s: &Dedupe) -> Result<()> {
         let (slots, _, lead, first, repeats) = s.args();
         let mut b = l.launch_builder(&self.f.dedupe_lead);
         b.arg(&n).arg(&slots).arg(&lead).arg(&first).arg(&repeats);
@@ -411,7 +415,7 @@ impl CudaTable {
     /// # Safety
     /// As [`CudaTable::k_upsert`] for find_or_insert, with `p.outcomes`
     /// holding `n` outcomes; `s` as `k_dedupe_lead` left it.
-    unsafe fn k_dedupe_fill(&self, l: &Arc<CudaStream>, n: u64, p: Ptrs, s: &FiorScratch) -> Result<()> {
+    unsafe fn k_dedupe_fill(&self, l: &Arc<CudaStream>, n: u64, p: Ptrs, s: &Dedupe) -> Result<()> {
         let smp = p.sample;
         let p = p.addrs(n, self.config.dim)?;
         let (_, _, lead, _, repeats) = s.args();
@@ -437,7 +441,7 @@ impl CudaTable {
     /// # Safety
     /// As [`CudaTable::k_upsert`] for find_or_insert (no lost outputs);
     /// `miss` holds `n` bytes, alive until `l` is synchronised; `dedupe`
-    /// as [`FiorScratch::new`] made it for `n` keys.
+    /// as [`Dedupe::new`] made it for `n` keys.
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn k_probe(
         &self,
@@ -447,12 +451,12 @@ impl CudaTable {
         n: u64,
         p: Ptrs,
         miss: DevPtr<u8>,
-        dedupe: Option<&FiorScratch>,
+        dedupe: Option<&Dedupe>,
     ) -> Result<()> {
         let smp = p.sample;
         let p = p.addrs(n, self.config.dim)?;
         let miss = arg("miss flags", Some(miss), n as usize)?;
-        let (slots, mask, lead, _, repeats) = dedupe.map_or((0, 0, 0, 0, 0), FiorScratch::args);
+        let (slots, mask, lead, _, repeats) = dedupe.map_or((0, 0, 0, 0, 0), Dedupe::args);
         let c = p.counters;
         let (order, args) = self.key_order(l, st, n, p.keys, p.values != 0)?;
         let v = self.f.probe(p.values != 0, self.config.dim, order.is_some());
@@ -573,55 +577,36 @@ impl CudaTable {
     }
 }
 
-/// The parts of a large find_or_insert's scratch, carved from a lane's
-/// bytes: the probe's miss flags and, to deduplicate, the first
-/// occurrences' flags, outcomes (for a caller that takes none), each key's
-/// lead and the set of keys (`dedupe_claim`: a power of two of u32, at
-/// least 1.5 × n, zeroed). About 20 bytes a key with deduplication (a
-/// 16 Mi-key batch: about 320 MiB), 1 without.
-pub(super) struct FiorScratch {
-    miss: DevPtr<u8>,
+/// The parts of a deduplicating find_or_insert's scratch, carved from a
+/// lane's bytes: the first occurrences' flags (upsert_keys' only),
+/// outcomes (for a caller that takes none), each key's lead, the set of
+/// keys (`dedupe_claim`: a power of two of u32, at least 1.5 × n) and the
+/// word that says whether a key repeats, the last two zeroed. About 20
+/// bytes a key (the lane's buffer grows to a power of two: up to 40).
+pub(super) struct Dedupe {
     first: DevPtr<u8>,
     outcomes: DevPtr<u8>,
     lead: DevPtr<u32>,
     slots: DevPtr<u32>,
-    /// One word, cleared with the set: whether a key repeats.
     repeats: DevPtr<u32>,
 }
 
-impl FiorScratch {
-    /// Carves `buf` (grown as needed) for `n` keys, the set zeroed on `l`.
-    fn new(l: &Arc<CudaStream>, buf: &mut Option<CudaSlice<u8>>, n: usize, dedupe: bool) -> Result<FiorScratch> {
-        let slots = if dedupe { (n + n / 2).next_power_of_two() } else { 0 };
-        let lead_at = (3 * n).next_multiple_of(8);
+impl Dedupe {
+    /// Carves `buf` (grown as needed) for `n` keys, the set and the
+    /// repeats word zeroed on `l`.
+    fn new(l: &Arc<CudaStream>, buf: &mut Option<CudaSlice<u8>>, n: usize) -> Result<Dedupe> {
+        let slots = (n + n / 2).next_power_of_two();
+        let lead_at = (2 * n).next_multiple_of(4);
         let slots_at = lead_at + 4 * n;
-        // The set, then the repeats word.
-        let len = if dedupe { slots_at + 4 * (slots + 1) } else { n };
+        let len = slots_at + 4 * (slots + 1);
         ensure(l, buf, len)?;
         let b = buf.as_mut().expect("ensured");
-        if dedupe {
-            let mut set = b.slice_mut(slots_at..len);
-            l.memset_zeros(&mut set).map_err(dev_err("clearing the key set"))?;
-        }
+        l.memset_zeros(&mut b.slice_mut(slots_at..len)).map_err(dev_err("clearing the key set"))?;
         let all = DevPtr::of(b, l);
-        let miss = all.take(n);
-        if !dedupe {
-            let none = miss.take(0);
-            let no_words = DevPtr::<u32>::from_raw(none.addr(), 0);
-            return Ok(FiorScratch {
-                miss,
-                first: none,
-                outcomes: none,
-                lead: no_words,
-                slots: no_words,
-                repeats: no_words,
-            });
-        }
         let words = |at: usize, len: usize| DevPtr::<u32>::from_raw(all.skip(at).addr(), len);
-        Ok(FiorScratch {
-            miss,
-            first: all.skip(n).take(n),
-            outcomes: all.skip(2 * n).take(n),
+        Ok(Dedupe {
+            first: all.take(n),
+            outcomes: all.skip(n).take(n),
             lead: words(lead_at, n),
             slots: words(slots_at, slots),
             repeats: words(slots_at + 4 * slots, 1),
@@ -631,7 +616,6 @@ impl FiorScratch {
     /// The kernels' arguments: the set's address and mask, the leads, the
     /// first-occurrence flags and the repeats word.
     fn args(&self) -> (u64, u64, u64, u64, u64) {
-        let mask = (self.slots.len() as u64).saturating_sub(1);
-        (self.slots.addr(), mask, self.lead.addr(), self.first.addr(), self.repeats.addr())
+        (self.slots.addr(), self.slots.len() as u64 - 1, self.lead.addr(), self.first.addr(), self.repeats.addr())
     }
 }
