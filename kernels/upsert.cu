@@ -391,7 +391,9 @@ extern "C" __global__ void dedupe_lead(u64 n, const u32* slots, u32* lead, u8* f
 // rows out) and address (ptrs, where given), and the outcome updated
 // (rejected where its first occurrence was: the same input against the
 // same bucket), counted and sampled as upsert_keys counts and samples the
-// keys it serves.
+// keys it serves. The rows are copied by the whole warp, its repeats' rows
+// one after another (a thread per row read 32 rows apart at once: dim 64
+// ran at half dim 8's rate).
 extern "C" __global__ void dedupe_fill(const u64* keys, u64 n, const u32* lead, float* values, u64 dim,
                                        u8* outcomes, u64* ptrs, u64* counters, HkvSample smp, const u32* repeats) {
     if (!*repeats) return;
@@ -401,9 +403,13 @@ extern "C" __global__ void dedupe_fill(const u64* keys, u64 n, const u32* lead, 
     u32 j = i < n ? lead[i] : HKV_NO_LEAD;
     bool rep = j != HKV_NO_LEAD;
     if (smp.ring) hkv_sample_warp(smp, rep, rep ? keys[i] : 0, &hkv_seen);
+    const int o = rep && outcomes[j] == HKV_REJECTED ? HKV_REJECTED : HKV_UPDATED;
+    // A first occurrence is no repeat: no row this kernel reads is written in it.
+    if (values) {
+        HkvGroup<1> g;
+        hkv_copy_rows_warp<1>(g, rep && o == HKV_UPDATED, values + i * dim, values + (u64)j * dim, (u32)dim);
+    }
     if (rep) {
-        const int o = outcomes[j] == HKV_REJECTED ? HKV_REJECTED : HKV_UPDATED;
-        if (o == HKV_UPDATED && values) hkv_copy_row<1, true>(values + i * dim, values + (u64)j * dim, (u32)dim, 0);
         outcomes[i] = (u8)o;
         if (ptrs) ptrs[i] = o == HKV_UPDATED ? ptrs[j] : 0;
         atomicAdd(hkv_cnt + HKV_C_UPDATED + o, 1ULL);

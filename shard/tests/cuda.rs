@@ -969,7 +969,7 @@ fn large_find_or_insert_with_repeated_keys() {
     for tier in [false, true] {
         for host in [false, true] {
             for way in [FindOrInsert::Dedupe, FindOrInsert::Probe, FindOrInsert::Locked] {
-                for policy in [ScorePolicy::Lru, ScorePolicy::Lfu] {
+                for policy in [ScorePolicy::Lru, ScorePolicy::EpochLru, ScorePolicy::Lfu] {
                     let what = format!("tier {tier} host {host} {way:?} {policy:?}");
                     repeated_find_or_insert(&what, tier, host, way, policy, dim);
                 }
@@ -1026,7 +1026,7 @@ fn large_find_or_insert_with_repeated_keys() {
                 assert_eq!(v, k as f32, "{what}: key {k} present before gets its stored row");
             } else {
                 assert!(v <= 0.0 && keys[(-v) as usize] == k, "{what}: key {k} gets a row given for it");
-                if way == FindOrInsert::Dedupe && policy == ScorePolicy::Lru {
+                if way == FindOrInsert::Dedupe && policy != ScorePolicy::Lfu {
                     let first = keys.iter().position(|&x| x == k).unwrap();
                     assert_eq!(-v as usize, first, "{what}: key {k} placed by its first occurrence");
                 }
@@ -1064,6 +1064,116 @@ fn large_find_or_insert_with_repeated_keys() {
             assert!(ptrs[i] != 0);
             assert_eq!(*at.entry(k).or_insert(ptrs[i]), ptrs[i], "{what}: key {k}: one row address");
         }
+    }
+}
+
+/// The three ways of a large find_or_insert (`HKV_FIND_OR_INSERT`) answer
+/// alike where the answer does not depend on which occurrence of a new key
+/// places it: the miss-ratio sampler gets every occurrence of a batch once
+/// (the deduplicated path samples the repeats in `dedupe_fill`, the first
+/// occurrences in `upsert_keys`, the hits in the probe), and where a new
+/// key's first occurrence is refused admission (epoch_lru, a full table at
+/// a later epoch than the batch's) every repeat is refused too, with its
+/// input row left as it came, as when each occurrence is placed itself.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn find_or_insert_ways_sample_and_refuse_alike() {
+    use hkv_shard::mrc::{sample_hash, Sampler, Samples};
+    use hkv_shard::{CudaTuning, FindOrInsert};
+    use rand_distr::Distribution;
+    let dim = 4;
+    let ways = [FindOrInsert::Dedupe, FindOrInsert::Probe, FindOrInsert::Locked];
+    let z = rand_distr::Zipf::new(30_000, 0.9).unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(21);
+    let n = 40_000usize;
+    let draw: Vec<u64> = (0..n).map(|_| z.sample(&mut rng) as u64).collect();
+    let table = |policy: ScorePolicy, capacity: u64, tier: bool, way: FindOrInsert| {
+        let mut cfg = TableConfig::new(capacity, dim).policy(policy).mode(BucketMode::Dual);
+        if tier {
+            cfg.fast_tier_bytes = Some(capacity * dim as u64 * 4 / 2);
+        }
+        cfg.tuning = CudaTuning { find_or_insert: way, ..CudaTuning::default() };
+        CudaTable::new(cfg, device()).unwrap()
+    };
+
+    // Every occurrence sampled once, hits and new keys alike.
+    let sampler = Sampler { seed: 5, threshold: u64::MAX / 4 };
+    let mut want: Vec<u64> =
+        draw.iter().copied().filter(|&k| sample_hash(k, sampler.seed) < sampler.threshold).collect();
+    want.sort_unstable();
+    for tier in [false, true] {
+        for policy in [ScorePolicy::Lru, ScorePolicy::EpochLru] {
+            for way in ways {
+                let what = format!("sampling: tier {tier} {policy:?} {way:?}");
+                let t = table(policy, 1 << 17, tier, way);
+                let before: Vec<u64> = (1..=10_000u64).map(|k| k * 2).collect();
+                t.insert_or_assign(&before, &vec![1.0; before.len() * dim], None, None).unwrap();
+                t.set_sampler(Some(sampler));
+                let mut out = Samples::default();
+                t.drain_samples(&mut out);
+                out.clear();
+                let mut rows = vec![0.0f32; n * dim];
+                let s = t.find_or_insert(&draw, &mut rows, None, None).unwrap();
+                assert_eq!(s.updated + s.inserted, n as u64, "{what}: {s:?}");
+                let d = t.drain_samples(&mut out);
+                assert_eq!(d.accesses, n as u64, "{what}: every occurrence is an access");
+                assert_eq!(d.dropped, 0, "{what}");
+                let mut got = out.keys.clone();
+                got.sort_unstable();
+                assert_eq!(got.len(), want.len(), "{what}: sampled count");
+                assert!(got == want, "{what}: every occurrence below the threshold sampled once");
+            }
+        }
+    }
+
+    // A new key refused admission: every occurrence refused, its row as it came.
+    let capacity = 1u64 << 14;
+    let new_keys: Vec<u64> = draw.iter().map(|&k| (1 << 40) + k).collect();
+    let input: Vec<f32> = (0..n).flat_map(|i| [-(i as f32) - 1.0; 4]).collect();
+    let mut answers: Vec<(String, Vec<Outcome>, u64)> = Vec::new();
+    for tier in [false, true] {
+        for way in ways {
+            let what = format!("refused: tier {tier} {way:?}");
+            let t = table(ScorePolicy::EpochLru, capacity, tier, way);
+            t.set_global_epoch(5);
+            let full: Vec<u64> = (1..=4 * capacity).collect();
+            for c in full.chunks(4096) {
+                t.insert_or_assign(c, &vec![7.0; c.len() * dim], None, None).unwrap();
+            }
+            let size = t.size();
+            assert_eq!(size, capacity, "{what}: the table is full");
+            t.set_global_epoch(1);
+            let mut rows = input.clone();
+            let mut outcomes = vec![Outcome::Absent; n];
+            let s = t.find_or_insert(&new_keys, &mut rows, None, Some(&mut outcomes)).unwrap();
+            // A bucket pair with room admits its newcomers whatever their
+            // score: those keys are placed, the rest refused.
+            let placed: std::collections::HashSet<u64> =
+                new_keys.iter().zip(&outcomes).filter(|(_, &o)| o != Outcome::Rejected).map(|(&k, _)| k).collect();
+            assert_eq!(s.rejected + s.inserted + s.updated, n as u64, "{what}: {s:?}");
+            assert!(s.rejected as usize > n / 2, "{what}: most are refused: {s:?}");
+            assert_eq!(s.inserted, placed.len() as u64, "{what}: one insert per placed key");
+            assert_eq!(t.size(), size + s.inserted - s.evicted, "{what}");
+            for (i, &k) in new_keys.iter().enumerate() {
+                let row = &rows[i * dim..(i + 1) * dim];
+                if placed.contains(&k) {
+                    assert_ne!(outcomes[i], Outcome::Rejected, "{what}: key {k}: all its occurrences placed alike");
+                } else {
+                    assert_eq!(outcomes[i], Outcome::Rejected, "{what}: key {k}");
+                    assert_eq!(
+                        row,
+                        &input[i * dim..(i + 1) * dim],
+                        "{what}: key {k}: a refused row is left as it came"
+                    );
+                }
+            }
+            answers.push((what, outcomes, s.rejected));
+        }
+    }
+    // A full table (every pair full) refuses every occurrence in every way.
+    for (what, outcomes, rejected) in &answers {
+        assert_eq!(*rejected, n as u64, "{what}: a full table at a later epoch refuses every new key");
+        assert!(outcomes.iter().all(|&o| o == Outcome::Rejected), "{what}");
     }
 }
 
