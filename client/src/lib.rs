@@ -89,6 +89,9 @@ pub(crate) fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> C
             && !context.starts_with("cannot connect")
         {
             context = format!("hkvd closed the connection while {context} (did it stop or restart?)");
+        } else if matches!(cause.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) {
+            // A socket timeout (Client::set_timeout) ran out.
+            context = format!("hkvd did not answer in time while {context} (is it stopped, or busy?)");
         }
         ClientError::Io { context, cause }
     }
@@ -283,6 +286,16 @@ impl Client {
         let s = UnixStream::connect(p).map_err(|e| io(connect_context(p, &e))(e))?;
         let r = BufReader::with_capacity(1 << 16, s.try_clone().map_err(io("socket"))?);
         Ok(Client { w: s, r, next_id: 1, spare: Spare::default() })
+    }
+
+    /// Bounds how long one read or write of the socket may wait (`None`:
+    /// forever, the default). A request whose answer does not come in
+    /// time fails with an error that says so; the connection is then
+    /// unusable (its answer may still arrive): connect again.
+    pub fn set_timeout(&mut self, timeout: Option<std::time::Duration>) -> Result<()> {
+        let t = timeout.filter(|d| !d.is_zero());
+        self.w.set_read_timeout(t).map_err(io("setting the socket's timeout"))?;
+        self.w.set_write_timeout(t).map_err(io("setting the socket's timeout"))
     }
 
     /// Sends a request without waiting; returns its id.

@@ -103,6 +103,68 @@ fn tables_put_get_erase() {
     let out = d.hkvctl(&["fill", "cu", "--count", "2"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("use put --scores"), "{err}");
+    // Keys past the largest key are refused, not skipped with a success line.
+    for (start, count) in [("18446744073709551610", "10"), ("18446744073709551614", "3")] {
+        let out = d.hkvctl(&["fill", "opt", "--count", count, "--start", start]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains("passes the largest key"), "{start} {count}: {err}");
+    }
+    let out = d.hkvctl(&["fill", "opt", "--count", "5", "--batch", "0"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--batch"), "{err}");
+    // The lfu tie rule on another policy is refused, not listed as if followed.
+    for policy in ["lru", "epoch-lfu"] {
+        let out = d.hkvctl(&[
+            "create-table",
+            "ties",
+            "--dim",
+            "2",
+            "--capacity",
+            "4096",
+            "--policy",
+            policy,
+            "--lfu-ties",
+            "lowest-slot",
+        ]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains("--lfu-ties is for --policy lfu"), "{policy}: {err}");
+    }
+    // Every spec field has its option: the growth threshold.
+    d.run(&[
+        "create-table",
+        "grow",
+        "--dim",
+        "2",
+        "--capacity",
+        "4096",
+        "--max-capacity",
+        "16384",
+        "--max-load-factor",
+        "0.75",
+    ]);
+    d.run(&["create-table", "lt", "--dim", "2", "--capacity", "4096", "--policy", "lfu", "--lfu-ties", "lowest-slot"]);
+    let tables = Client::connect(&d.socket).unwrap().tables().unwrap();
+    let spec = |n: &str| tables.iter().find(|t| t.spec.name == n).unwrap().spec.clone();
+    assert_eq!(spec("grow").max_load_factor, Some(0.75));
+    assert_eq!(spec("lt").lfu_ties, hkv_client::proto::LfuTies::LowestSlot);
+}
+
+/// A daemon that stops answering (SIGSTOP) ends hkvctl with an error
+/// naming the wait, not a wait without end.
+#[test]
+fn a_daemon_that_does_not_answer_times_out() {
+    let d = Daemon::start();
+    let pid = d.child.id().to_string();
+    assert!(Command::new("kill").args(["-STOP", &pid]).status().unwrap().success());
+    let t = Instant::now();
+    let out = d.hkvctl(&["--timeout", "1", "ping"]);
+    let took = t.elapsed();
+    assert!(Command::new("kill").args(["-CONT", &pid]).status().unwrap().success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("did not answer in time"), "{err}");
+    assert!(took < Duration::from_secs(10), "gave up after {took:?}");
+    d.run(&["ping"]);
 }
 
 /// A reader that closes the pipe early (`hkvctl get ... | head -1`) ends

@@ -60,8 +60,9 @@ fn supplementary_groups(pid: i32) -> Vec<u32> {
         .unwrap_or_default()
 }
 
-/// The gid of a group name, read from /etc/group.
-pub fn group_gid(name: &str) -> anyhow::Result<u32> {
+/// The gid of a group name, read from /etc/group; `what` names the
+/// option that gave it (`admin_group (--admin-group)`) in the error.
+pub fn group_gid(what: &str, name: &str) -> anyhow::Result<u32> {
     let text = std::fs::read_to_string("/etc/group")?;
     text.lines()
         .filter_map(|l| {
@@ -71,7 +72,7 @@ pub fn group_gid(name: &str) -> anyhow::Result<u32> {
             (n == name).then_some(gid)
         })
         .next()
-        .ok_or_else(|| anyhow::anyhow!("admin group {name:?} is not in /etc/group"))
+        .ok_or_else(|| anyhow::anyhow!("{what}: group {name:?} is not in /etc/group"))
 }
 
 /// The modes of the state directory and its files.

@@ -342,6 +342,11 @@ impl Config {
                 "checkpoint.restore_readers (--restore-readers) must be 1 to 64, not {n}"
             );
         }
+        anyhow::ensure!(
+            self.threads_per_shard <= 64,
+            "threads_per_shard (--threads-per-shard) must be 1 to 64, not {}",
+            self.threads_per_shard
+        );
         if let Some(n) = self.shards {
             anyhow::ensure!((1..=1024).contains(&n), "shards (--shards) must be 1 to 1024, not {n}");
         }
@@ -500,6 +505,7 @@ mod tests {
         assert!(bad(|c| c.limits.max_connections = 0).contains("--max-connections"));
         assert!(bad(|c| c.shards = Some(0)).contains("--shards"));
         assert!(bad(|c| c.shards = Some(100_000)).contains("1 to 1024"));
+        assert!(bad(|c| c.threads_per_shard = 100_000).contains("1 to 64"));
         assert!(bad(|c| c.checkpoint.keep = 0).contains("--checkpoint-keep"));
         assert!(bad(|c| c.checkpoint.interval_s = Some(0)).contains("--checkpoint-interval"));
         assert!(bad(|c| c.metrics_listen = Some("0.0.0.0:9466".into())).contains("loopback"));

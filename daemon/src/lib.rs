@@ -74,6 +74,9 @@ use crate::state::State;
 fn backend(config: &Config) -> anyhow::Result<(Backend, Vec<usize>, String)> {
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let cpu = |why: &str| {
+        if let Some(d) = &config.devices {
+            warn!(devices = ?d, "--devices names CUDA devices; the CPU backend has none and ignores it");
+        }
         let n = config.shards.unwrap_or(cores).max(1);
         (Backend::Cpu, (0..n).collect(), format!("cpu ({n} shards{why})"))
     };
@@ -148,7 +151,8 @@ pub fn run(mut config: Config) -> anyhow::Result<()> {
         config.limits.max_connections = fit;
     }
     // Before anything is written: no file of the daemon is readable by others.
-    let admin_gid = config.admin_group.as_deref().map(admin::group_gid).transpose()?;
+    let admin_gid =
+        config.admin_group.as_deref().map(|g| admin::group_gid("admin_group (--admin-group)", g)).transpose()?;
     let modes = admin::Modes { gid: admin_gid };
     modes.apply_umask();
     modes.secure(&config.state_path())?;
@@ -167,7 +171,8 @@ pub fn run(mut config: Config) -> anyhow::Result<()> {
     system.block_on(async move {
         let router = start_router(&config, backend, &ordinals).await?;
         // Who may connect: the client group where there is one, else the admins.
-        let client_gid = config.client_group.as_deref().map(admin::group_gid).transpose()?;
+        let client_gid =
+            config.client_group.as_deref().map(|g| admin::group_gid("client_group (--client-group)", g)).transpose()?;
         let (listener, socket_file) = listen(&config, client_gid.or(admin_gid))?;
         let checkpoints = Arc::new(crate::ckpt::Checkpoints::open(&config.state_path(), config.checkpoint.clone())?);
         let uid = std::os::unix::fs::MetadataExt::uid(&std::fs::metadata("/proc/self")?);
@@ -269,11 +274,40 @@ pub fn run(mut config: Config) -> anyhow::Result<()> {
     })
 }
 
+/// One actor of `threads` threads per device (or CPU shard). The actor
+/// library panics when the system refuses a thread (too many shards and
+/// threads for the process's limits): that is this start's clear error,
+/// not a panic's message and backtrace.
+fn start_actors(
+    ordinals: &[usize],
+    threads: usize,
+) -> anyhow::Result<Vec<(actix::Addr<ShardActor>, crate::actor::Direct)>> {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let started = std::panic::catch_unwind(|| {
+        ordinals.iter().map(|&device| ShardActor::start(device, threads)).collect::<Vec<_>>()
+    });
+    std::panic::set_hook(hook);
+    started.map_err(|p| {
+        let why = p
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| p.downcast_ref::<&str>().copied())
+            .unwrap_or("a thread could not be started");
+        anyhow::anyhow!(
+            "could not start the shards' {} threads ({} shards x {threads}, --threads-per-shard): {why}; \
+             lower --shards or --threads-per-shard, or raise the limits on this process's threads and memory",
+            ordinals.len() * threads,
+            ordinals.len()
+        )
+    })
+}
+
 /// The shard actors (one per device or CPU shard), the memory budget, and
 /// the router over them with the configured tables.
 async fn start_router(config: &Config, backend: Backend, ordinals: &[usize]) -> anyhow::Result<Router> {
     let threads = config.threads_per_shard.max(1);
-    let actors = ordinals.iter().map(|&device| ShardActor::start(device, threads)).collect::<Vec<_>>();
+    let actors = start_actors(ordinals, threads)?;
     let hash_gpu = (backend == Backend::Cuda).then(|| ordinals[0]);
     let frame_cache = config.limits.frame_cache_bytes.unwrap_or(if backend == Backend::Cuda {
         frames::Frames::DEFAULT_TOTAL_CUDA

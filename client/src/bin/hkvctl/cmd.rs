@@ -14,6 +14,11 @@ pub struct Cli {
     /// Socket path [default: $HKVD_SOCKET, else $XDG_RUNTIME_DIR/hkvd/hkvd.sock, else ./hkvd-run/hkvd.sock].
     #[arg(long, global = true)]
     pub socket: Option<PathBuf>,
+    /// Seconds to wait for each answer of the daemon before giving up (0:
+    /// forever) [default: 60; forever for restore, trace, flush,
+    /// drop-table and shutdown, which answer when their work is done].
+    #[arg(long, global = true)]
+    pub timeout: Option<u64>,
     #[command(subcommand)]
     pub cmd: Cmd,
 }
@@ -107,8 +112,8 @@ pub enum Cmd {
         /// First key.
         #[arg(long, default_value_t = 0)]
         start: u64,
-        /// Keys per request.
-        #[arg(long, default_value_t = 1 << 18)]
+        /// Keys per request (at least 1).
+        #[arg(long, default_value_t = 1 << 18, value_parser = clap::value_parser!(u64).range(1..))]
         batch: u64,
     },
     /// Remove keys.

@@ -78,12 +78,20 @@ pub fn fill(c: &mut Client, table: &str, count: u64, start: u64, batch: u64) -> 
     if info.spec.policy == proto::Policy::Custom {
         bail!("table {table} has policy custom: each key needs a score, which fill does not give (use put --scores)");
     }
+    // The keys end at start + count - 1, which must be a key (below 2^64).
+    let Some(end) = start.checked_add(count) else {
+        bail!(
+            "--start {start} --count {count} passes the largest key ({}): at most {} keys from {start}",
+            u64::MAX,
+            u64::MAX - start
+        );
+    };
     let dim = info.row_dim();
     let t = Instant::now();
     let mut s = proto::Summary::default();
     let mut k = start;
-    while k < start + count {
-        let n = batch.max(1).min(start + count - k);
+    while k < end {
+        let n = batch.max(1).min(end - k);
         let keys: Vec<u64> = (k..k + n).collect();
         let values: Vec<f32> = keys.iter().flat_map(|&x| (0..dim).map(move |d| x as f32 + d as f32)).collect();
         s += c.insert_or_assign(table, &keys, &values, None)?;

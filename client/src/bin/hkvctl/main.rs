@@ -50,6 +50,9 @@ fn top(socket: &Path, args: &[String]) -> Result<()> {
     Ok(())
 }
 
+/// Seconds hkvctl waits for an answer unless told (`--timeout`).
+const DEFAULT_TIMEOUT_S: u64 = 60;
+
 fn run(cli: Cli) -> Result<()> {
     let socket = cli.socket.clone().unwrap_or_else(|| {
         let runtime_dir = std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from);
@@ -61,6 +64,15 @@ fn run(cli: Cli) -> Result<()> {
         cmd => cmd,
     };
     let c = &mut Client::connect(&socket)?;
+    // A daemon that stops answering (stopped with SIGSTOP, wedged) ends
+    // the command with an error instead of a wait without end; commands
+    // whose answer comes when long work is done wait as long as it takes.
+    let waits_for_work = matches!(
+        cmd,
+        Cmd::Restore { .. } | Cmd::Trace { .. } | Cmd::Flush { .. } | Cmd::DropTable { .. } | Cmd::Shutdown
+    );
+    let timeout = cli.timeout.unwrap_or(if waits_for_work { 0 } else { DEFAULT_TIMEOUT_S });
+    c.set_timeout(Some(std::time::Duration::from_secs(timeout)))?;
     match cmd {
         Cmd::Ping => {
             let t = Instant::now();

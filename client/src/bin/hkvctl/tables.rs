@@ -19,11 +19,11 @@ pub struct CreateTable {
     /// lru, lfu, epoch-lru, epoch-lfu, custom or adaptive.
     #[arg(long, default_value = "lru", value_parser = name::<proto::Policy>)]
     pub policy: proto::Policy,
-    /// lfu: which of equal frequencies goes, lru (least recently
-    /// written) or lowest-slot (the reference's rule; scores are plain
-    /// frequencies).
-    #[arg(long, default_value = "lru", value_parser = name::<proto::LfuTies>)]
-    pub lfu_ties: proto::LfuTies,
+    /// Policy lfu only: which of equal frequencies goes, lru (least
+    /// recently written; the default) or lowest-slot (the reference's rule;
+    /// scores are plain frequencies).
+    #[arg(long, value_parser = name::<proto::LfuTies>)]
+    pub lfu_ties: Option<proto::LfuTies>,
     /// The optimizer apply_gradients runs in the table (sgd, adagrad,
     /// rowwise_adagrad or adam): each row stores its state after the values.
     #[arg(long, value_parser = name::<proto::Optimizer>)]
@@ -38,6 +38,10 @@ pub struct CreateTable {
     /// Growth limit (slots); default: no growth.
     #[arg(long, default_value_t = 0)]
     pub max_capacity: u64,
+    /// The load (size / capacity) past which a table with --max-capacity
+    /// grows, in (0, 1]; default 0.5.
+    #[arg(long)]
+    pub max_load_factor: Option<f64>,
     /// Device-memory budget for values in bytes (CUDA); default: all.
     #[arg(long)]
     pub fast_tier_bytes: Option<u64>,
@@ -62,6 +66,14 @@ pub struct CreateTable {
     /// `WAIT`) before it counts as written (needs --backing).
     #[arg(long, requires = "backing")]
     pub backing_wait_replicas: Option<u32>,
+    /// How long a read of cache misses waits for the cluster, ms (1 to
+    /// 60000; default 250; needs --backing).
+    #[arg(long, requires = "backing")]
+    pub backing_deadline_ms: Option<u64>,
+    /// The write-back queue's bound in bytes (default 64 MiB; needs
+    /// --backing).
+    #[arg(long, requires = "backing")]
+    pub backing_queue_bytes: Option<u64>,
 }
 
 /// `hkvctl create-table`.
@@ -76,6 +88,7 @@ pub fn create(c: &mut Client, a: CreateTable) -> Result<()> {
         reads_refresh,
         dual,
         max_capacity,
+        max_load_factor,
         fast_tier_bytes,
         hash,
         num_buckets,
@@ -83,17 +96,27 @@ pub fn create(c: &mut Client, a: CreateTable) -> Result<()> {
         backing,
         backing_mode,
         backing_wait_replicas,
+        backing_deadline_ms,
+        backing_queue_bytes,
     } = a;
     let hash = feature_hash("--hash", &hash, num_buckets, &hash_key)?;
+    // The tie rule is lfu's: another policy's table would list one it does
+    // not follow (epoch-lfu always keeps the lowest slot).
+    if lfu_ties.is_some() && policy != proto::Policy::Lfu {
+        anyhow::bail!("--lfu-ties is for --policy lfu, not {}", policy.as_str());
+    }
     let spec = TableSpec {
         max_capacity,
         policy,
         mode: if dual { proto::Mode::Dual } else { proto::Mode::Single },
         fast_tier_bytes,
         hash,
-        lfu_ties,
+        lfu_ties: lfu_ties.unwrap_or_default(),
+        max_load_factor,
         backing: backing.map(|list| proto::BackingSpec {
             wait_replicas: backing_wait_replicas,
+            deadline_ms: backing_deadline_ms,
+            queue_bytes: backing_queue_bytes,
             ..proto::BackingSpec::from_list(&list, backing_mode.unwrap_or_default())
         }),
         reads_refresh,
