@@ -145,7 +145,7 @@ pub(crate) struct Cluster {
     conns: Mutex<HashMap<Arc<str>, MultiplexedConnection>>,
     /// Nodes whose last connection attempt failed, and when to try again:
     /// a dead node costs each request nothing until then.
-    down: Mutex<HashMap<Arc<str>, Instant>>,
+    down: Mutex<HashMap<Arc<str>, (Instant, String)>>,
     refreshed: Mutex<Option<Instant>>,
 }
 
@@ -200,13 +200,13 @@ impl Cluster {
         if let Some(c) = self.conns.lock().get(node) {
             return Ok(c.clone());
         }
-        if let Some(until) = self.down.lock().get(node) {
+        if let Some((until, why)) = self.down.lock().get(node) {
             if Instant::now() < *until {
-                return Err("down (its last connection attempt failed)".into());
+                return Err(format!("{why} (its last connection attempt, under 200 ms ago)"));
             }
         }
-        let c = self.connect(node, response).await.inspect_err(|_| {
-            self.down.lock().insert(node.clone(), Instant::now() + Duration::from_millis(200));
+        let c = self.connect(node, response).await.inspect_err(|e| {
+            self.down.lock().insert(node.clone(), (Instant::now() + Duration::from_millis(200), e.clone()));
         })?;
         self.down.lock().remove(node);
         self.conns.lock().insert(node.clone(), c.clone());
@@ -241,14 +241,17 @@ impl Cluster {
     /// trip per node. `MOVED` patches the slot map and resends, `ASK`
     /// resends to the importing node behind `ASKING`, `TRYAGAIN` /
     /// `CLUSTERDOWN` / `LOADING` resend after 25 ms, a failed connection
-    /// resends when a fresh slot map names another node (a failover);
-    /// all within `retries` rounds and the deadline.
+    /// resends when a fresh slot map names another node (a failover), and
+    /// once to the same node on a new connection (a node restarted since
+    /// its pooled connection was made); all within `retries` rounds and
+    /// the deadline.
     pub async fn run(&self, cmds: Vec<(u16, Cmd)>, deadline: tokio::time::Instant) -> Vec<Result<Value, Failure>> {
         // Commands move into the pipelines; the few a round resends are
         // cloned back out of them (a batch's rows are not copied per send).
         let (slots, mut cmds): (Vec<u16>, Vec<Cmd>) = cmds.into_iter().unzip();
         let mut out: Vec<Option<Result<Value, Failure>>> = vec![None; cmds.len()];
         let mut todo: Vec<(usize, Option<Arc<str>>)> = (0..cmds.len()).map(|i| (i, None)).collect();
+        let mut resent_same = vec![false; cmds.len()];
         for round in 0..=self.net.retries + 1 {
             if todo.is_empty() {
                 break;
@@ -360,8 +363,18 @@ impl Cluster {
             }
             if !last {
                 for (i, node) in dead {
-                    if self.node_arc(slots[i]).is_some_and(|n| n != node) {
-                        todo.push((i, None));
+                    // Another node serves the slot now (a failover), or the
+                    // node's pooled connection died while the node lived
+                    // (restarted, a reset): resent, to the same node once
+                    // on a fresh connection. A node that is down refuses
+                    // that connection at once.
+                    match self.node_arc(slots[i]) {
+                        Some(n) if n != node => todo.push((i, None)),
+                        Some(_) if !resent_same[i] => {
+                            resent_same[i] = true;
+                            todo.push((i, None));
+                        }
+                        _ => {}
                     }
                 }
             }

@@ -56,7 +56,7 @@ pub enum Error {
         detail: String,
     },
     /// A node could not serve a command (down, unreachable, failing over).
-    #[error("node {node}: {detail}; the cache keeps serving its hits, retry when the node is back")]
+    #[error("node {node}: {detail}; the cache keeps serving its hits, retry when the node (or its replicas) can serve again")]
     Unavailable {
         /// The node (`host:port`), or `cluster` when none can be named.
         node: String,

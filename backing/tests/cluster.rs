@@ -176,6 +176,31 @@ async fn node_killed_and_restarted_mid_load() {
     assert_eq!(wb.stats().queue_rows, 0);
 }
 
+/// A node restarted while nothing was in flight: the connection pooled
+/// before is dead, and the first read after the restart is served on a
+/// new one (it failed with a broken pipe, the next one passing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_read_after_a_node_restart_is_served() {
+    let mut c = cluster(3, 0);
+    let b = Backing::open("restart", DIM, options(&c, Mode::WriteThrough)).await.unwrap();
+    let keys: Vec<u64> = (1..=3000u64).collect();
+    b.write(&keys, &rows(&keys, 5), &[]).await.unwrap();
+    let out = b.read(&keys).await;
+    assert!(out.errors.is_empty(), "{:?}", out.errors);
+    blocking(|| {
+        c.kill(1);
+        c.restart(1).unwrap();
+        c.wait_healthy().unwrap();
+    });
+    for attempt in 0..3 {
+        let out = b.read(&keys).await;
+        assert!(out.errors.is_empty(), "read {attempt} after the restart: {:?}", out.errors);
+        assert!(out.fetched.iter().all(|f| *f == Fetched::Found), "read {attempt}");
+        assert!(same_bits(&out.values, &rows(&keys, 5)));
+    }
+    b.write(&keys[..10], &rows(&keys[..10], 6), &[]).await.expect("a write after the restart");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn master_failover_with_replicas() {
     let mut c = cluster(3, 1);

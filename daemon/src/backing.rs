@@ -1599,7 +1599,7 @@ pub fn wire_stats(s: &TableStats) -> hkv_proto::stats::BackingStats {
 pub fn prometheus(o: &mut String, d: &hkv_proto::stats::Stats) {
     use std::fmt::Write;
     type Get = fn(&hkv_proto::stats::BackingStats) -> u64;
-    let series: [(&str, &str, &str, Get); 11] = [
+    let series: [(&str, &str, &str, Get); 14] = [
         ("backing_hits_total", "counter", "Read keys the cache answered.", |b| b.hits),
         ("backing_filled_total", "counter", "Read keys filled from the cluster.", |b| b.filled),
         ("backing_absent_total", "counter", "Read keys absent from cache and cluster.", |b| b.absent),
@@ -1611,12 +1611,36 @@ pub fn prometheus(o: &mut String, d: &hkv_proto::stats::Stats) {
         ("backing_queue_rows", "gauge", "Rows in the write-back queue.", |b| b.queue_rows),
         ("backing_queue_bytes", "gauge", "Bytes in the write-back queue.", |b| b.queue_bytes),
         ("backing_queue_oldest_ms", "gauge", "Age of the oldest queued row.", |b| b.queue_oldest_ms),
+        ("backing_queue_limit_bytes", "gauge", "The write-back queue's bound.", |b| b.queue_limit_bytes),
+        ("backing_queue_full_total", "counter", "Writers refused by a full write-back queue.", |b| b.queue_full),
+        ("backing_invalidations_total", "counter", "Keys other hosts' writes invalidated here.", |b| b.invalidations),
     ];
     for (name, kind, help, get) in series {
         let _ = writeln!(o, "# HELP hkvd_{name} {help}\n# TYPE hkvd_{name} {kind}");
         for t in &d.tables {
             if let Some(b) = &t.backing {
                 let _ = writeln!(o, "hkvd_{name}{{table=\"{}\"}} {}", t.spec.name, get(b));
+            }
+        }
+    }
+    // Quantiles of the fetch latency and the staleness (time from another
+    // host's acknowledged write to its invalidation here), microseconds:
+    // the top of the power-of-two bucket they fall in, as in the stats.
+    type Pair = fn(&hkv_proto::stats::BackingStats) -> (u64, u64);
+    let quantiles: [(&str, &str, Pair); 2] = [
+        ("backing_fetch_us", "Time to fetch a read's misses from the cluster.", |b| (b.fetch_p50_us, b.fetch_p99_us)),
+        ("backing_staleness_us", "Time from another host's write to its invalidation here.", |b| {
+            (b.staleness_p50_us, b.staleness_p99_us)
+        }),
+    ];
+    for (name, help, get) in quantiles {
+        let _ = writeln!(o, "# HELP hkvd_{name} {help}\n# TYPE hkvd_{name} gauge");
+        for t in &d.tables {
+            if let Some(b) = &t.backing {
+                let (p50, p99) = get(b);
+                let table = &t.spec.name;
+                let _ = writeln!(o, "hkvd_{name}{{table=\"{table}\",quantile=\"0.5\"}} {p50}");
+                let _ = writeln!(o, "hkvd_{name}{{table=\"{table}\",quantile=\"0.99\"}} {p99}");
             }
         }
     }

@@ -132,6 +132,38 @@ fn two_daemons_share_a_table_through_the_cluster() {
     // B is read-only: its writes stay in its cache.
     cb.insert_or_assign("emb", &[7_000_000], &[1.0; 4], None).unwrap();
     assert_eq!(ca.find("emb", &[7_000_000]).unwrap().found, vec![false]);
+    // Prometheus has every figure the stats show (docs/backing.md, "Watching it").
+    let m = cb.metrics().unwrap();
+    for series in [
+        "hits_total",
+        "filled_total",
+        "absent_total",
+        "late_total",
+        "unavailable_total",
+        "rows_written_total",
+        "bytes_in_total",
+        "bytes_out_total",
+        "queue_rows",
+        "queue_bytes",
+        "queue_limit_bytes",
+        "queue_oldest_ms",
+        "queue_full_total",
+        "invalidations_total",
+    ] {
+        assert!(m.contains(&format!("\nhkvd_backing_{series}{{table=\"emb\"}} ")), "{series} missing:\n{m}");
+    }
+    for q in ["fetch_us", "staleness_us"] {
+        for quantile in ["0.5", "0.99"] {
+            let line = format!("\nhkvd_backing_{q}{{table=\"emb\",quantile=\"{quantile}\"}} ");
+            assert!(m.contains(&line), "{q} {quantile} missing:\n{m}");
+        }
+    }
+    // The same figures as the stats (nothing ran between the two).
+    let now = backing_stats(&mut cb, "emb");
+    let absent = m.lines().find(|l| l.starts_with("hkvd_backing_absent_total{table=\"emb\"}")).unwrap();
+    assert_eq!(absent.rsplit(' ').next(), Some(now.absent.to_string().as_str()), "{absent}");
+    let inval = m.lines().find(|l| l.starts_with("hkvd_backing_invalidations_total{table=\"emb\"}")).unwrap();
+    assert_ne!(inval.rsplit(' ').next(), Some("0"), "A's write invalidated B's rows: {inval}");
 }
 
 /// A write-back table: writes are answered before the cluster has them,
