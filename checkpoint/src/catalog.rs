@@ -23,6 +23,10 @@ use crate::{is_unwritable, Error, MemStore, Result, SledStore, Store, FORMAT_VER
 /// The manifest's file name inside a checkpoint directory.
 pub const MANIFEST_FILE: &str = "MANIFEST";
 
+/// The file a restore that found a checkpoint corrupt leaves in its
+/// directory: why (text). A restore that verifies it removes it.
+pub const CORRUPT_FILE: &str = "CORRUPT";
+
 fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }
@@ -255,9 +259,16 @@ impl Catalog {
 
     /// Records that a restore found checkpoint `id` corrupt (a chunk that
     /// fails verification or is missing): [`Catalog::list`] says so, for it
-    /// and for the incrementals built on it.
+    /// and for the incrementals built on it. The mark is also written into
+    /// the checkpoint's directory ([`CORRUPT_FILE`]), so that a later
+    /// process lists it too (a start refused by a corrupt checkpoint, then
+    /// one with `--restore none`); where that cannot be written, this
+    /// process alone knows.
     pub fn mark_corrupt(&self, id: u64, why: &str) {
         self.corrupt.lock().unwrap_or_else(|p| p.into_inner()).insert(id, why.to_string());
+        if self.paused.is_none() {
+            let _ = std::fs::write(self.chunk_dir(id).join(CORRUPT_FILE), why);
+        }
     }
 
     /// Records that every file of checkpoint `id` verified (a restore read
@@ -269,11 +280,19 @@ impl Catalog {
     /// Forgets a corrupt mark (a restore of it verified after all).
     pub fn clear_corrupt(&self, id: u64) {
         self.corrupt.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+        let _ = std::fs::remove_file(self.chunk_dir(id).join(CORRUPT_FILE));
     }
 
-    /// Why checkpoint `id` was found corrupt, if it was.
+    /// Why checkpoint `id` was found corrupt, if it was (by this process,
+    /// or by an earlier one that marked its directory).
     pub fn corrupt_reason(&self, id: u64) -> Option<String> {
-        self.corrupt.lock().unwrap_or_else(|p| p.into_inner()).get(&id).cloned()
+        let mut marks = self.corrupt.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(why) = marks.get(&id) {
+            return Some(why.clone());
+        }
+        let why = std::fs::read_to_string(self.chunk_dir(id).join(CORRUPT_FILE)).ok()?;
+        marks.insert(id, why.clone());
+        Some(why)
     }
 
     /// The directory of a checkpoint.

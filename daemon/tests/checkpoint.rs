@@ -882,18 +882,22 @@ fn a_corrupt_base_stops_start_up_with_one_line_per_checkpoint_and_a_hint() {
         }
         assert!(err.contains("--restore none") && err.contains("--restore ID"), "a hint: {err}");
         assert_eq!(checkpoint_dirs(&root).len(), 3, "every checkpoint kept");
-        // --restore none starts empty and keeps the files; a restore that
-        // finds the damage lists it.
+        // --restore none starts empty and keeps the files, and lists the
+        // damage the refused start found (it marked the directory); a
+        // restore finds it again.
         let d = Daemon::start_in(dir, root.join("run").join("hkvd.sock"), &["--restore", "none"]);
         let mut c = d.client();
-        assert!(listed_status(&mut c).values().all(|s| s == "complete"));
+        let listed = |c: &mut Client| {
+            let status = listed_status(c);
+            assert!(status[&ids[0]].starts_with("corrupt: ") && status[&ids[0]].contains(&name), "{status:?}");
+            for id in &ids[1..] {
+                assert_eq!(status[id], format!("unusable: base {} is corrupt", ids[0]), "{status:?}");
+            }
+        };
+        listed(&mut c);
         let e = c.restore(CheckpointId::Latest).unwrap_err().to_string();
         assert!(e.contains(&name), "{e}");
-        let status = listed_status(&mut c);
-        assert!(status[&ids[0]].starts_with("corrupt: ") && status[&ids[0]].contains(&name), "{status:?}");
-        for id in &ids[1..] {
-            assert_eq!(status[id], format!("unusable: base {} is corrupt", ids[0]), "{status:?}");
-        }
+        listed(&mut c);
         assert_eq!(checkpoint_dirs(d.dir.path()).len(), 3);
     }
 }
