@@ -70,7 +70,30 @@ pub fn parse_seeds(seeds: &[String]) -> Result<Vec<ConnectionInfo>, Error> {
                 _ => Err(bad("a seed needs a host and a port".into())),
             }
         })
-        .collect()
+        .collect::<Result<Vec<_>, Error>>()
+        .and_then(|infos| {
+            // The first seed's credentials are every node's: a later seed
+            // that names others would be ignored, and a restart that asks
+            // for them refused, so it is refused here.
+            let creds = |i: &ConnectionInfo| {
+                (i.redis_settings().username().map(str::to_owned), i.redis_settings().password().map(str::to_owned))
+            };
+            let first = creds(&infos[0]);
+            for (n, (info, raw)) in infos.iter().zip(seeds).enumerate().skip(1) {
+                let c = creds(info);
+                if c != (None, None) && c != first {
+                    return Err(Error::BadUrl {
+                        url: redact(raw.trim()),
+                        detail: format!(
+                            "seed {} gives other credentials than the first seed, whose credentials are used for \
+                             every node: give them on the first seed (or the same on every seed)",
+                            n + 1
+                        ),
+                    });
+                }
+            }
+            Ok(infos)
+        })
 }
 
 fn name(info: &ConnectionInfo) -> String {
@@ -503,5 +526,13 @@ mod tests {
             assert!(matches!(e, Error::BadUrl { .. }), "{bad:?} gave {e:?}");
         }
         assert!(matches!(parse_seeds(&[]), Err(Error::BadUrl { .. })));
+        // Credentials: the first seed's, repeated or left out on the others.
+        let same = ["redis://:pw@127.0.0.1:7001", "127.0.0.1:7002", "redis://:pw@127.0.0.1:7003"];
+        assert_eq!(parse_seeds(&same.map(String::from)).unwrap().len(), 3);
+        for other in [["127.0.0.1:7001", "redis://:pw@127.0.0.1:7002"], ["redis://:a@h:1", "redis://u:a@h:2"]] {
+            let e = parse_seeds(&other.map(String::from)).unwrap_err();
+            assert!(e.to_string().contains("other credentials than the first seed"), "{other:?}: {e}");
+            assert!(!e.to_string().contains(":pw@") && !e.to_string().contains(":a@"), "the password is hidden: {e}");
+        }
     }
 }

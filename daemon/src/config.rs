@@ -167,8 +167,9 @@ impl From<Restore> for String {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Args)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
-    /// Socket path. Unset: `$XDG_RUNTIME_DIR/hkvd/hkvd.sock` when that
-    /// directory exists, else `./hkvd-run/hkvd.sock`.
+    /// Socket path. Unset: `$HKVD_SOCKET`, else
+    /// `$XDG_RUNTIME_DIR/hkvd/hkvd.sock` when that directory exists, else
+    /// `./hkvd-run/hkvd.sock`.
     #[arg(long)]
     pub socket: Option<PathBuf>,
     /// State directory (checkpoints). Unset: `./hkvd-state`.
@@ -342,6 +343,15 @@ impl Config {
                 "checkpoint.restore_readers (--restore-readers) must be 1 to 64, not {n}"
             );
         }
+        for (i, t) in self.tables.iter().enumerate() {
+            anyhow::ensure!(
+                !self.tables[..i].iter().any(|u| u.name == t.name),
+                "table {:?} is declared twice ([[table]] entries {} and {} of the config file)",
+                t.name,
+                self.tables.iter().position(|u| u.name == t.name).unwrap_or(0) + 1,
+                i + 1
+            );
+        }
         anyhow::ensure!(
             self.threads_per_shard <= 64,
             "threads_per_shard (--threads-per-shard) must be 1 to 64, not {}",
@@ -506,6 +516,10 @@ mod tests {
         assert!(bad(|c| c.shards = Some(0)).contains("--shards"));
         assert!(bad(|c| c.shards = Some(100_000)).contains("1 to 1024"));
         assert!(bad(|c| c.threads_per_shard = 100_000).contains("1 to 64"));
+        let twice = |c: &mut Config| {
+            c.tables = vec![TableSpec::new("a", 2, 64), TableSpec::new("t", 2, 64), TableSpec::new("t", 4, 64)]
+        };
+        assert!(bad(twice).contains("table \"t\" is declared twice ([[table]] entries 2 and 3"), "{}", bad(twice));
         assert!(bad(|c| c.checkpoint.keep = 0).contains("--checkpoint-keep"));
         assert!(bad(|c| c.checkpoint.interval_s = Some(0)).contains("--checkpoint-interval"));
         assert!(bad(|c| c.metrics_listen = Some("0.0.0.0:9466".into())).contains("loopback"));

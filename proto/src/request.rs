@@ -589,6 +589,15 @@ impl Request {
                 let table = r.str("table")?.into();
                 let keys = r.u64s("keys")?;
                 let values = r.f32s("values")?;
+                if !scores && r.remaining() > 0 {
+                    // The likely cause of bytes after the values: scores
+                    // sent without the flag that says they are there.
+                    return Err(ProtoError::bad_request(format!(
+                        "{} unexpected bytes after the values: a scores array needs the SCORES header flag (0x0002){}",
+                        r.remaining(),
+                        if o == Op::Load { ", which load requires" } else { "" }
+                    )));
+                }
                 let scores = if scores { Some(r.u64s("scores")?) } else { None };
                 Request::Write { op, table, keys, values, scores, outcomes }
             }

@@ -232,6 +232,22 @@ fn unknown_op_and_trailing_bytes_are_named() {
     f[16] += 1;
     let FrameCheck::Ready(h) = check_frame(&f, 100).unwrap() else { panic!() };
     assert_eq!(Request::decode(&h, &f[20..]).unwrap_err().code, ErrorCode::BadRequest);
+    // A load's scores without the SCORES flag: the error names the flag.
+    let load = Request::Write {
+        op: WriteOp::Load,
+        table: "t".into(),
+        keys: vec![1],
+        values: vec![1.0],
+        scores: Some(vec![5]),
+        outcomes: false,
+    };
+    let mut f = load.encode(1);
+    let flags = u16::from_le_bytes([f[6], f[7]]) & !crate::header::flags::SCORES;
+    f[6..8].copy_from_slice(&flags.to_le_bytes());
+    let FrameCheck::Ready(h) = check_frame(&f, 1000).unwrap() else { panic!() };
+    let e = Request::decode(&h, &f[20..]).unwrap_err();
+    assert!(e.code == ErrorCode::BadRequest && e.message.contains("SCORES header flag"), "{e:?}");
+    assert!(e.message.contains("which load requires"), "{e:?}");
 }
 
 /// Writes the fuzzer's seed corpus: one encoded frame of every request and

@@ -469,7 +469,7 @@ fn draw_popup(f: &mut Frame, title: &str, text: &str) {
 }
 
 fn draw_help(f: &mut Frame) {
-    let area = centered(f.area(), 56, 14);
+    let area = centered(f.area(), 68, 14);
     f.render_widget(Clear, area);
     let lines = [
         "q, Esc, Ctrl-C   quit (the terminal is restored)",

@@ -194,7 +194,10 @@ fn help_filter_confirm_and_quit() {
     let mut a = app();
     a.on_key(key(KeyCode::Char('?')));
     assert_eq!(a.mode, Mode::Help);
-    assert!(render(&a, 100, 30).contains("filter tables by name"));
+    // Every help line whole (the longest was cut at the box's edge).
+    let help = render(&a, 100, 30);
+    assert!(help.contains("filter tables by name (enter keeps, esc clears)"), "{help}");
+    assert!(help.contains("lock groups: readers and updaters share, inserters run alone"), "{help}");
     a.on_key(key(KeyCode::Char('x')));
     assert_eq!(a.mode, Mode::Normal);
     for k in [KeyCode::Char('/'), KeyCode::Char('i'), KeyCode::Char('t'), KeyCode::Enter] {

@@ -45,7 +45,8 @@ pub fn doc<T: serde::de::DeserializeOwned>(v: serde_json::Value, what: &str) -> 
 /// The width of a column of table names: 20, or the longest name's, so
 /// that the columns after it line up.
 pub fn name_width<'a>(names: impl Iterator<Item = &'a str>) -> usize {
-    names.map(|n| n.chars().count()).max().unwrap_or(0).max(20)
+    // At most 40: a longer name widens its own row only, not every row.
+    names.map(|n| n.chars().count()).max().unwrap_or(0).clamp(20, 40)
 }
 
 /// The table `hkvctl stats` prints.
