@@ -10,6 +10,7 @@ no Python loop ever touches a key.
 from __future__ import annotations
 
 import json
+import operator
 import os
 import socket as _socket
 import struct
@@ -50,6 +51,7 @@ __all__ = [
     "Timeout",
     "CorruptCheckpoint",
     "BackingUnavailable",
+    "ConnectionLost",
     "InternalError",
     "ProtocolError",
     "CudaIpcUnavailable",
@@ -117,7 +119,7 @@ def state_cols(optimizer: Optional[str], dim: int) -> int:
 
 def hyper_bytes(lr: float, eps: float, beta1: float, beta2: float, weight_decay: float, step: int) -> bytes:
     """apply_gradients' hyperparameters as the wire carries them (28 bytes)."""
-    return struct.pack("<5fQ", lr, eps, beta1, beta2, weight_decay, step)
+    return struct.pack("<5fQ", lr, eps, beta1, beta2, weight_decay, _uint(step, 64, "step"))
 
 
 _WRITE_OPS = (OP_INSERT_OR_ASSIGN, OP_INSERT_AND_EVICT, OP_FIND_OR_INSERT, OP_ASSIGN, OP_ACCUM_OR_ASSIGN, OP_LOAD)
@@ -159,6 +161,13 @@ class NotFound(HkvdError): pass  # noqa: E701
 class Timeout(HkvdError): pass  # noqa: E701
 class CorruptCheckpoint(HkvdError): pass  # noqa: E701
 class BackingUnavailable(HkvdError): pass  # noqa: E701
+
+
+class ConnectionLost(HkvdError, ConnectionError):
+    """The daemon closed or reset the connection (it stopped, was killed or
+    restarted): raised by the client itself, with code ``connection_lost``
+    and the socket's error, if any, as ``__cause__``. Also a
+    ``ConnectionError``. The client is done: open a new one."""
 
 
 class ProtocolError(Exception):
@@ -250,6 +259,20 @@ def _u64(x, what: str = "scores") -> np.ndarray:
     return np.ascontiguousarray(a, dtype="<u8").reshape(-1)
 
 
+def _uint(x, bits: int, what: str) -> int:
+    """``x`` as an int of ``bits`` unsigned bits, checked before it is
+    packed: a ValueError naming ``what`` and its range when out of it (a
+    TypeError when it is no integer)."""
+    try:
+        v = operator.index(x)
+    except TypeError:
+        raise TypeError(f"{what} must be an integer, not {type(x).__name__}") from None
+    hi = (1 << bits) - 1
+    if not 0 <= v <= hi:
+        raise ValueError(f"{what} must be 0 to {hi}, not {v}")
+    return v
+
+
 def _f32(x) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(x), dtype="<f4").reshape(-1)
 
@@ -264,7 +287,8 @@ def _hash_spec(num_buckets: Optional[int], kind: str, key) -> bytes:
     if kind not in _HASH_KINDS:
         raise ValueError(f"hash kind {kind!r} is unknown: use fingerprint64 or strong")
     k0, k1 = key
-    return struct.pack("<BQQQ", _HASH_KINDS[kind], num_buckets, k0, k1)
+    return struct.pack("<BQQQ", _HASH_KINDS[kind], _uint(num_buckets, 64, "num_buckets"), _uint(k0, 64, "key[0]"),
+                       _uint(k1, 64, "key[1]"))
 
 
 def _features(features) -> Tuple[List, int]:
@@ -287,6 +311,8 @@ def _features(features) -> Tuple[List, int]:
 
 def _str(s: str) -> bytes:
     b = s.encode()
+    if len(b) > 0xFFFF:
+        raise ValueError(f"a table name must be at most 65535 bytes (UTF-8), not {len(b)}")
     return struct.pack("<H", len(b)) + b
 
 
@@ -372,34 +398,50 @@ class Client:
         rid = self._next
         self._next += 1
         body = sum(len(p) if not isinstance(p, memoryview) else p.nbytes for p in parts)
-        bufs = [HEADER.pack(MAGIC, VERSION, op, flags, rid, body)] + list(parts)
+        self._sendmsg([HEADER.pack(MAGIC, VERSION, op, flags, rid, body)] + list(parts))
+        self._pending[rid] = _Pending(op, dim, n, flags, out)
+        return rid
+
+    def _sendmsg(self, bufs: List, anc: Sequence = ()) -> None:
+        """Sends ``bufs`` (with ancillary data ``anc``: an fd). A connection
+        the daemon closed raises the error it said it closed it for, if it
+        said one, else ``ConnectionLost``; a timeout stays a TimeoutError."""
         total = sum(len(b) if not isinstance(b, memoryview) else b.nbytes for b in bufs)
         try:
-            sent = self._sock.sendmsg(bufs)
+            sent = self._sock.sendmsg(bufs, anc)
             if sent < total:
                 # Rare: the kernel took part of it; send the rest as one buffer.
                 rest = b"".join(bytes(b) for b in bufs)[sent:]
                 self._sock.sendall(rest)
-        except (BrokenPipeError, ConnectionResetError) as e:
+        except ConnectionError as e:
             # The daemon closed before the request went out: it may have
             # said why first (`busy` past its connection limit, id 0).
             try:
                 got, value = self._recv_one()
             except Exception:
-                raise e from None
+                raise self._lost(e) from e
             if got == 0 and isinstance(value, HkvdError):
                 raise value from None
-            raise
-        self._pending[rid] = _Pending(op, dim, n, flags, out)
-        return rid
+            self._done[got] = value  # an earlier request's answer: its result() returns it
+            raise self._lost(e) from e
+
+    def _lost(self, e: Optional[OSError]) -> ConnectionLost:
+        """The error of a connection the daemon closed (``e`` None: an end of
+        stream) or reset."""
+        how = f" ({e.strerror or e})" if e is not None else ""
+        return ConnectionLost("connection_lost", f"the daemon at {self.path} closed the connection{how}: did it "
+                                                 "stop or restart? Open a new Client once it is back")
 
     def _recv_exact(self, view: memoryview) -> None:
         got = 0
         n = view.nbytes
         while got < n:
-            k = self._sock.recv_into(view[got:], n - got)
+            try:
+                k = self._sock.recv_into(view[got:], n - got)
+            except ConnectionError as e:
+                raise self._lost(e) from e
             if k == 0:
-                raise ConnectionError("hkvd closed the connection")
+                raise self._lost(None)
             got += k
         self._body_read += n
 
@@ -790,26 +832,30 @@ class Client:
 
     def erase_if(self, table: str, key_mask: int = 0, key_pattern: int = 0, min_score: int = 0,
                  max_score: int = 2**64 - 1) -> int:
-        f = struct.pack("<4Q", key_mask, key_pattern, min_score, max_score)
+        f = struct.pack("<4Q", _uint(key_mask, 64, "key_mask"), _uint(key_pattern, 64, "key_pattern"),
+                        _uint(min_score, 64, "min_score"), _uint(max_score, 64, "max_score"))
         return self._call(OP_ERASE_IF, 0, [_str(table), f])[0]
 
     def clear(self, table: str) -> None:
         self._call(OP_CLEAR, 0, [_str(table)])
 
     def set_epoch(self, table: str, epoch: int) -> None:
-        self._call(OP_SET_EPOCH, 0, [_str(table), struct.pack("<I", epoch)])
+        self._call(OP_SET_EPOCH, 0, [_str(table), struct.pack("<I", _uint(epoch, 32, "epoch"))])
 
     def reserve(self, table: str, capacity: int) -> None:
-        self._call(OP_RESERVE, 0, [_str(table), struct.pack("<Q", capacity)])
+        self._call(OP_RESERVE, 0, [_str(table), struct.pack("<Q", _uint(capacity, 64, "capacity"))])
 
     def export(self, table: str, min_score: int = 0, max_score: int = 2**64 - 1, key_mask: int = 0,
                key_pattern: int = 0, chunk_slots: int = 1 << 16):
         """Every matching entry: ``(keys, values (n, dim), scores)``."""
+        filt = struct.pack("<Q4Q", _uint(chunk_slots, 64, "chunk_slots"), _uint(key_mask, 64, "key_mask"),
+                           _uint(key_pattern, 64, "key_pattern"), _uint(min_score, 64, "min_score"),
+                           _uint(max_score, 64, "max_score"))
         dim = self.dim(table)
         cursor = (0, 0)
         ks, vs, ss = [], [], []
         while cursor is not None:
-            body = struct.pack("<IQQ4Q", cursor[0], cursor[1], chunk_slots, key_mask, key_pattern, min_score, max_score)
+            body = struct.pack("<IQ", cursor[0], cursor[1]) + filt
             cursor, k, v, s = self._call(OP_EXPORT, 0, [_str(table), body], dim, 0)
             ks.append(k)
             vs.append(v)
@@ -854,7 +900,7 @@ class Client:
 
     def unregister(self, region: int) -> None:
         """Unregisters a region (or event) id of this connection."""
-        self._call(_shm.OP_UNREGISTER, _shm.F_REGION, [struct.pack("<I", region)])
+        self._call(_shm.OP_UNREGISTER, _shm.F_REGION, [struct.pack("<I", _uint(region, 32, "region"))])
         for d in (self._regions, self._cuda_regions):
             for k, v in list(d.items()):
                 if (v if isinstance(v, int) else v.id) == region:
@@ -953,7 +999,11 @@ class Client:
         count)``; ``next_cursor`` is None at the end of the table."""
         cap = _region.ref(self, keys, "keys").count
         slots = cap if max_slots is None else max_slots
-        head = struct.pack("<IQQ4Q", cursor[0], cursor[1], slots, key_mask, key_pattern, min_score, max_score)
+        shard, offset = cursor
+        head = struct.pack("<IQQ4Q", _uint(shard, 32, "cursor[0] (the shard)"),
+                           _uint(offset, 64, "cursor[1] (the offset)"), _uint(slots, 64, "max_slots"),
+                           _uint(key_mask, 64, "key_mask"), _uint(key_pattern, 64, "key_pattern"),
+                           _uint(min_score, 64, "min_score"), _uint(max_score, 64, "max_score"))
         body = _region.call(self, _region.OP_EXPORT, table, [keys, values, scores], False, False, stream, wait,
                             False, head)
         if body is None:

@@ -124,6 +124,8 @@ class Ref:
 
 def _str(s: str) -> bytes:
     b = s.encode()
+    if len(b) > 0xFFFF:
+        raise ValueError(f"a table name must be at most 65535 bytes (UTF-8), not {len(b)}")
     return struct.pack("<H", len(b)) + b
 
 
@@ -218,13 +220,15 @@ def _cuda_ref(client, dev: "_cuda.DeviceArray", name: str) -> Ref:
 
 
 def _register_allocation(client, ptr: int, ordinal: int, buf: int) -> _CudaRegion:
-    from . import HkvdError
+    from . import ConnectionLost, HkvdError
 
     _drop_stale(client)
     base, size, handle = _cuda.allocation(ptr, ordinal)
     uuid = _cuda.device_uuid(ordinal)
     try:
         body = raw_call(client, _cuda.OP_REGISTER_CUDA, _cuda.register_body(uuid, handle, size))
+    except ConnectionLost:
+        raise
     except HkvdError as e:
         raise _cuda.CudaIpcUnavailable(
             "daemon", f"the daemon refused register_cuda of GPU {ordinal} ({e.code}: {e.message})", e.code) from e
@@ -253,13 +257,15 @@ def _drop_stale(client) -> None:
 
 def cuda_event(client, device: int) -> "_cuda.CudaEvent":
     """A new interprocess event on GPU ``device``, registered on ``client``."""
-    from . import HkvdError
+    from . import ConnectionLost, HkvdError
 
     ev = _cuda.CudaEvent(device)
     try:
         body = raw_call(client, _cuda.OP_REGISTER_CUDA_EVENT, _cuda.register_body(ev.uuid, ev.handle, None))
     except HkvdError as e:
         ev.destroy()
+        if isinstance(e, ConnectionLost):
+            raise
         raise _cuda.CudaIpcUnavailable(
             "daemon", f"the daemon refused register_cuda_event of GPU {device} ({e.code}: {e.message})", e.code) from e
     ev.id = struct.unpack("<I", body)[0]

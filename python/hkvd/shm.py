@@ -81,9 +81,7 @@ def register_memfd(client, fd: int, nbytes: int) -> int:
     client._next += 1
     frame = client_header(OP_REGISTER_MEMFD, 0, rid, 8) + struct.pack("<Q", nbytes)
     anc = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, array.array("i", [fd]))]
-    sent = client._sock.sendmsg([frame], anc)
-    if sent < len(frame):
-        client._sock.sendall(frame[sent:])
+    client._sendmsg([frame], anc)
     client._pending[rid] = _raw_pending(client, rid)
     body = client.result(rid)
     region, _ = struct.unpack("<IQ", body)
@@ -92,7 +90,9 @@ def register_memfd(client, fd: int, nbytes: int) -> int:
 
 def unregister(client, region: int) -> None:
     """Unregisters a region id of this client."""
-    client._call(OP_UNREGISTER, F_REGION, [struct.pack("<I", region)])
+    from . import _uint
+
+    client._call(OP_UNREGISTER, F_REGION, [struct.pack("<I", _uint(region, 32, "region"))])
 
 
 def client_header(op: int, flags: int, rid: int, length: int) -> bytes:

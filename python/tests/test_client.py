@@ -1,6 +1,8 @@
 """The Python client against a real daemon: every op, errors, large batches,
 concurrent clients, pipelining, checkpoints, and the torch helper."""
 
+import signal
+import socket
 import threading
 import time
 
@@ -306,3 +308,126 @@ def test_a_client_past_the_connection_limit_is_told_busy(tmp_path):
             held.ping()
     finally:
         d.stop()
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGKILL"])
+def test_a_request_to_a_daemon_that_stopped_raises_connection_lost(tmp_path, stop):
+    # A request on a connection the daemon closed (stopped, drained after
+    # SIGTERM, or killed) raised a raw BrokenPipeError, missed by callers
+    # catching HkvdError.
+    from conftest import Daemon
+    d = Daemon(tmp_path)
+    try:
+        c = d.client()
+        c.create_table("t", dim=2, capacity=1024)
+        d.proc.send_signal(getattr(signal, stop))
+        d.proc.wait(timeout=30)
+        for _ in range(2):  # and again: the client stays closed, not confused
+            with pytest.raises(hkvd.ConnectionLost, match="closed the connection.*did it stop or restart") as e:
+                c.find("t", [1, 2])
+            assert isinstance(e.value, hkvd.HkvdError) and isinstance(e.value, ConnectionError)
+            assert e.value.code == "connection_lost"
+            assert isinstance(e.value.__cause__, OSError)
+        c.close()
+    finally:
+        d.stop()
+
+
+def test_an_answer_cut_off_by_the_daemon_raises_connection_lost(tmp_path):
+    """The same while receiving: a request the daemon never answers because
+    it was killed (reset: it had not read the request), or because it
+    closed the connection after reading part of a frame (end of stream)."""
+    from conftest import Daemon
+    d = Daemon(tmp_path, "--body-stall-seconds", "1")
+    try:
+        c = d.client()
+        c.create_table("t", dim=2, capacity=1024)
+        # A frame header promising a body that never comes: the daemon
+        # closes the connection after --body-stall-seconds.
+        rid = c._next
+        c._next += 1
+        c._sock.sendall(hkvd.HEADER.pack(hkvd.MAGIC, hkvd.VERSION, hkvd.OP_PING, 0, rid, 100))
+        c._pending[rid] = hkvd._Pending(hkvd.OP_PING, 0, 0, 0)
+        with pytest.raises(hkvd.ConnectionLost, match="closed the connection"):
+            c.result(rid)
+        c.close()
+        c = hkvd.Client(d.socket, timeout=30)  # a failure here fails, not hangs
+        c.dim("t")  # learned while the daemon runs: send_find then sends at once
+        d.proc.send_signal(signal.SIGSTOP)
+        rid = c.send_find("t", [1, 2])
+        d.proc.kill()
+        d.proc.wait(timeout=30)
+        with pytest.raises(hkvd.ConnectionLost, match="did it stop or restart") as e:
+            c.result(rid)
+        assert isinstance(e.value.__cause__, ConnectionResetError)
+        c.close()
+    finally:
+        d.proc.kill()  # stopped or not
+        d.proc.wait(timeout=30)
+
+
+def test_a_timeout_stays_a_timeout(tmp_path):
+    """``Client(timeout=S)``: a daemon that does not answer within S seconds
+    (here stopped, not gone) raises socket.timeout, not ConnectionLost."""
+    from conftest import Daemon
+    d = Daemon(tmp_path)
+    try:
+        c = hkvd.Client(d.socket, timeout=0.3)
+        c.ping()
+        d.proc.send_signal(signal.SIGSTOP)
+        with pytest.raises(socket.timeout) as e:
+            c.ping()
+        assert not isinstance(e.value, hkvd.HkvdError)
+        c.close()
+    finally:
+        d.proc.kill()
+        d.proc.wait(timeout=30)
+
+
+def test_integer_arguments_out_of_range_raise_value_error(daemon):
+    """Integers the client packs into fixed-width fields: out of range they
+    raised struct.error; now a ValueError naming the argument and its
+    range, before anything is sent."""
+    c = daemon.client()
+    c.create_table("ep", dim=2, capacity=1024, policy="epoch-lfu", max_capacity=4096)
+    c.create_table("opt", dim=2, capacity=1024, optimizer="sgd")
+    u32, u64 = "0 to 4294967295", "0 to 18446744073709551615"
+    bad = [
+        (lambda: c.set_epoch("ep", -1), f"epoch must be {u32}, not -1"),
+        (lambda: c.set_epoch("ep", 2**32), f"epoch must be {u32}, not 4294967296"),
+        (lambda: c.reserve("ep", 2**64), f"capacity must be {u64}, not 18446744073709551616"),
+        (lambda: c.reserve("ep", -1), f"capacity must be {u64}, not -1"),
+        (lambda: c.erase_if("ep", key_mask=-1), f"key_mask must be {u64}"),
+        (lambda: c.erase_if("ep", key_pattern=2**64), f"key_pattern must be {u64}"),
+        (lambda: c.erase_if("ep", min_score=-5), f"min_score must be {u64}, not -5"),
+        (lambda: c.erase_if("ep", max_score=2**64), f"max_score must be {u64}"),
+        (lambda: c.export("ep", chunk_slots=-1), f"chunk_slots must be {u64}"),
+        (lambda: c.export("ep", min_score=-1), f"min_score must be {u64}"),
+        (lambda: c.hash(["a"], num_buckets=2**64), f"num_buckets must be {u64}"),
+        (lambda: c.hash(["a"], num_buckets=10, kind="strong", key=(-1, 0)), f"key\\[0\\] must be {u64}"),
+        (lambda: c.find_features("ep", ["a"], num_buckets=10, key=(0, 2**64)), f"key\\[1\\] must be {u64}"),
+        (lambda: c.apply_gradients("opt", [1], np.zeros((1, 2), np.float32), lr=0.1, step=-1),
+         f"step must be {u64}, not -1"),
+        (lambda: c.unregister(-1), f"region must be {u32}, not -1"),
+        (lambda: c.clear("x" * 65536), "table name must be at most 65535 bytes"),
+    ]
+    keys = hkvd.shm_array((4,), np.uint64)
+    values = hkvd.shm_array((4, 2), np.float32)
+    scores = hkvd.shm_array((4,), np.uint64)
+    bad += [
+        (lambda: c.export_region("ep", keys, values, scores, cursor=(-1, 0)), f"cursor\\[0\\] .* must be {u32}"),
+        (lambda: c.export_region("ep", keys, values, scores, cursor=(0, 2**64)), f"cursor\\[1\\] .* must be {u64}"),
+        (lambda: c.export_region("ep", keys, values, scores, max_slots=-1), f"max_slots must be {u64}"),
+        (lambda: c.export_region("ep", keys, values, scores, key_mask=2**64), f"key_mask must be {u64}"),
+    ]
+    for call, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            call()
+    with pytest.raises(TypeError, match="epoch must be an integer, not float"):
+        c.set_epoch("ep", 1.5)
+    # Nothing was sent: the connection is in step, and the ends of each range work.
+    c.set_epoch("ep", 2**32 - 1)
+    c.set_epoch("ep", np.uint32(0))
+    c.reserve("ep", 4096)
+    assert c.erase_if("ep", key_mask=2**64 - 1, min_score=0, max_score=2**64 - 1) == 0
+    c.close()

@@ -119,7 +119,10 @@ impl HostSamples {
     /// gap.
     #[inline(never)]
     fn record_with(&self, s: Sampler, keys: &[u64], kind: Kind) {
-        let mut local = Vec::new();
+        // Room for the expected share and some: no regrowth on the way
+        // (a fresh table samples every key until its estimator is full).
+        let expect = (keys.len() as f64 * s.rate()) as usize;
+        let mut local = Vec::with_capacity((expect + expect / 8 + 16).min(keys.len()));
         for &k in keys {
             if s.sampled(k) {
                 local.push(k);
