@@ -1,11 +1,17 @@
 //! hkvctl end to end: the real binary against a real daemon (`hkvd`, built
 //! beside hkvctl by `cargo test --workspace`).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use hkv_client::Client;
+
+/// The hkvctl binary: `$HKVCTL_BIN` when set (test binaries copied to a
+/// GPU host, where cargo's path does not exist), else the one cargo built.
+fn hkvctl_bin() -> PathBuf {
+    std::env::var_os("HKVCTL_BIN").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_hkvctl")), PathBuf::from)
+}
 
 struct Daemon {
     child: Child,
@@ -22,8 +28,7 @@ impl Daemon {
     /// `$HKVD_BIN` when set (test binaries copied to a GPU host), else the
     /// one built beside hkvctl.
     fn start_with(flags: &[&str]) -> Daemon {
-        let hkvd = std::env::var_os("HKVD_BIN")
-            .map_or_else(|| Path::new(env!("CARGO_BIN_EXE_hkvctl")).with_file_name("hkvd"), PathBuf::from);
+        let hkvd = std::env::var_os("HKVD_BIN").map_or_else(|| hkvctl_bin().with_file_name("hkvd"), PathBuf::from);
         assert!(hkvd.exists(), "{} is missing: run the tests with cargo test --workspace", hkvd.display());
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("hkvd.sock");
@@ -55,7 +60,7 @@ impl Daemon {
     }
 
     fn hkvctl(&self, args: &[&str]) -> Output {
-        Command::new(env!("CARGO_BIN_EXE_hkvctl")).arg("--socket").arg(&self.socket).args(args).output().unwrap()
+        Command::new(hkvctl_bin()).arg("--socket").arg(&self.socket).args(args).output().unwrap()
     }
 
     fn run(&self, args: &[&str]) -> String {
@@ -178,7 +183,7 @@ fn a_closed_pipe_ends_hkvctl_quietly() {
     d.run(&["create-table", "p", "--dim", "4", "--capacity", "65536"]);
     d.run(&["fill", "p", "--count", "20000"]);
     let keys: Vec<String> = (1..=20000).map(|k| k.to_string()).collect();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_hkvctl"))
+    let mut child = Command::new(hkvctl_bin())
         .arg("--socket")
         .arg(&d.socket)
         .arg("get")
@@ -231,7 +236,7 @@ fn features_from_files_and_stdin_keys_and_escapes() {
     let out = d.run(&["hash", "--num-buckets", "1000", "--from", file.to_str().unwrap()]);
     assert_eq!(out, format!("a: {}\nb\\\\c: {}\n", fp("a"), fp("b\\c")));
     // NUL-separated from stdin, a newline inside a feature; JSON lines.
-    let mut child = Command::new(env!("CARGO_BIN_EXE_hkvctl"))
+    let mut child = Command::new(hkvctl_bin())
         .arg("--socket")
         .arg(&d.socket)
         .args(["hash", "--num-buckets", "1000", "--from", "-", "-0", "--json"])
@@ -347,7 +352,7 @@ fn bench_cuda_ipc_prints_its_figures() {
 fn no_daemon_is_one_clear_line_and_exit_2() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("none.sock");
-    let out = Command::new(env!("CARGO_BIN_EXE_hkvctl")).arg("--socket").arg(&socket).arg("ping").output().unwrap();
+    let out = Command::new(hkvctl_bin()).arg("--socket").arg(&socket).arg("ping").output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8(out.stderr).unwrap();
     assert!(err.contains(&socket.display().to_string()), "{err}");
