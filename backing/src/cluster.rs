@@ -38,6 +38,9 @@ pub fn redact(seed: &str) -> String {
     }
 }
 
+/// The most seeds a table names: a few nodes find the rest of the cluster.
+pub const MAX_SEEDS: usize = 64;
+
 /// Parses `--backing`'s seeds: `redis://HOST:PORT` or `HOST:PORT`, TCP only,
 /// with an optional password (`redis://:PASSWORD@HOST:PORT`) or ACL user
 /// and password (`redis://USER:PASSWORD@HOST:PORT`): the first seed's are
@@ -45,6 +48,15 @@ pub fn redact(seed: &str) -> String {
 pub fn parse_seeds(seeds: &[String]) -> Result<Vec<ConnectionInfo>, Error> {
     if seeds.is_empty() {
         return Err(Error::BadUrl { url: String::new(), detail: "no seed given".into() });
+    }
+    if seeds.len() > MAX_SEEDS {
+        return Err(Error::BadOption {
+            name: "backing seeds",
+            detail: format!(
+                "{} seeds given, at most {MAX_SEEDS}: a few nodes of the cluster find the rest",
+                seeds.len()
+            ),
+        });
     }
     seeds
         .iter()
@@ -79,6 +91,14 @@ pub fn parse_seeds(seeds: &[String]) -> Result<Vec<ConnectionInfo>, Error> {
                 (i.redis_settings().username().map(str::to_owned), i.redis_settings().password().map(str::to_owned))
             };
             let first = creds(&infos[0]);
+            for (n, info) in infos.iter().enumerate() {
+                if infos[..n].iter().any(|i| name(i) == name(info)) {
+                    return Err(Error::BadOption {
+                        name: "backing seeds",
+                        detail: format!("{} is given twice; name each node once", name(info)),
+                    });
+                }
+            }
             for (n, (info, raw)) in infos.iter().zip(seeds).enumerate().skip(1) {
                 let c = creds(info);
                 if c != (None, None) && c != first {
@@ -119,6 +139,12 @@ async fn probe(seeds: &[ConnectionInfo], net: Net) -> Result<(), Error> {
             Ok(c) => c,
             Err(e) if e.kind() == redis::ErrorKind::AuthenticationFailed => {
                 return Err(Error::Auth { node, detail: e.to_string() })
+            }
+            // Bytes came back that are not Redis's protocol (an HTTP
+            // server's page): the seed is something else, not down.
+            Err(e) if e.kind() == redis::ErrorKind::Parse => {
+                let detail = e.to_string().lines().next().unwrap_or("").trim().to_string();
+                return Err(Error::NotRedis { node, detail });
             }
             Err(e) => {
                 last = format!("{node}: {e}");
@@ -526,6 +552,11 @@ mod tests {
             assert!(matches!(e, Error::BadUrl { .. }), "{bad:?} gave {e:?}");
         }
         assert!(matches!(parse_seeds(&[]), Err(Error::BadUrl { .. })));
+        // At most 64 seeds, each node once.
+        let many: Vec<String> = (0..65).map(|i| format!("127.0.0.1:{}", 7000 + i)).collect();
+        assert!(parse_seeds(&many).unwrap_err().to_string().contains("at most 64"));
+        let twice = ["127.0.0.1:7001".to_string(), "redis://127.0.0.1:7001".to_string()];
+        assert!(parse_seeds(&twice).unwrap_err().to_string().contains("127.0.0.1:7001 is given twice"));
         // Credentials: the first seed's, repeated or left out on the others.
         let same = ["redis://:pw@127.0.0.1:7001", "127.0.0.1:7002", "redis://:pw@127.0.0.1:7003"];
         assert_eq!(parse_seeds(&same.map(String::from)).unwrap().len(), 3);

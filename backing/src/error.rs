@@ -37,6 +37,15 @@ pub enum Error {
         /// The server's or the client's words.
         detail: String,
     },
+    /// A seed answered, but not in Redis's protocol (a web server, a
+    /// proxy of something else).
+    #[error("backing seed {node} answered, but not as a Redis server ({detail}); name the nodes of a Redis Cluster")]
+    NotRedis {
+        /// The seed that answered.
+        node: String,
+        /// What the client made of the answer (its first line).
+        detail: String,
+    },
     /// A seed answered but is not a cluster node.
     #[error("backing seed {node} is a Redis server without cluster mode ({detail}); name the nodes of a Redis Cluster (cluster-enabled yes)")]
     NotCluster {
@@ -109,6 +118,7 @@ impl Error {
             | Error::BadOption { .. }
             | Error::Mismatch { .. }
             | Error::NotCluster { .. }
+            | Error::NotRedis { .. }
             | Error::Auth { .. } => "invalid_argument",
             Error::Unreachable { .. }
             | Error::Unavailable { .. }

@@ -441,6 +441,31 @@ async fn hostile_options_get_clear_errors() {
         Err(Error::NotCluster { node, .. }) => assert!(plain.url().ends_with(&node), "{node}"),
         other => panic!("{other:?}"),
     }
+    // A server of another protocol (a web server's page) is named as such,
+    // in one line, not as a seed that did not answer.
+    let web = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let web_addr = web.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        // Bounded: the tier tries a seed once or twice.
+        for s in web.incoming().take(4) {
+            let Ok(mut s) = s else { return };
+            let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+            let _ = s.read(&mut [0u8; 1024]);
+            let _ = s.write_all(b"HTTP/1.0 400 Bad Request\r\n\r\n<html><body>no</body></html>\n");
+        }
+    });
+    match open(vec![web_addr.clone()]).await {
+        Err(e @ Error::NotRedis { .. }) => {
+            let text = e.to_string();
+            assert_eq!(e.code(), "invalid_argument");
+            assert!(
+                text.contains(&web_addr) && text.contains("not as a Redis server") && !text.contains('\n'),
+                "{text}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
     let c = cluster(3, 0);
     // A dead seed before a live one: the live one serves.
     let mut seeds = vec![dead];

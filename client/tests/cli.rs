@@ -134,6 +134,21 @@ fn tables_put_get_erase() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && err.contains("--lfu-ties is for --policy lfu"), "{policy}: {err}");
     }
+    // A queue bound on a table without a write-back queue is refused before sending.
+    let out = d.hkvctl(&[
+        "create-table",
+        "q",
+        "--dim",
+        "2",
+        "--capacity",
+        "4096",
+        "--backing",
+        "127.0.0.1:1",
+        "--backing-queue-bytes",
+        "65536",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("this table is read-only"), "{err}");
     // Every spec field has its option: the growth threshold.
     d.run(&[
         "create-table",

@@ -62,6 +62,8 @@ struct Entry {
     /// (unavailable): counted here, since a prefetch also reads keys the
     /// cache then answers, and erase_if reads keys it does not fill.
     filled: AtomicU64,
+    /// Of `filled`, the keys answered from this host's write-back queue.
+    filled_queued: AtomicU64,
     absent: AtomicU64,
     late: AtomicU64,
     unavailable: AtomicU64,
@@ -142,8 +144,11 @@ async fn consume(
 pub struct TableStats {
     /// Keys of reads the cache answered (hits).
     pub hits: u64,
-    /// Keys of reads the cache missed, filled from the cluster.
+    /// Keys of reads the cache missed, filled from the cluster (or from
+    /// this host's write-back queue: `filled_queued` of them).
     pub filled: u64,
+    /// Of `filled`, the keys this host's write-back queue answered.
+    pub filled_queued: u64,
     /// Keys of reads the cache missed that the cluster has not either.
     pub absent: u64,
     /// Keys of reads the cache missed that the cluster did not answer
@@ -258,6 +263,7 @@ impl Tiers {
             backing,
             hits: AtomicU64::new(0),
             filled: AtomicU64::new(0),
+            filled_queued: AtomicU64::new(0),
             absent: AtomicU64::new(0),
             late: AtomicU64::new(0),
             unavailable: AtomicU64::new(0),
@@ -471,6 +477,13 @@ impl Tiers {
                 if n > 0 {
                     c.fetch_add(n, Relaxed);
                 }
+            }
+            // A row the queue answered has no version yet (the cluster's
+            // rows all have one).
+            let queued =
+                out.fetched.iter().zip(&out.versions).filter(|&(f, &v)| *f == Fetched::Found && v == 0).count();
+            if queued > 0 {
+                e.filled_queued.fetch_add(queued as u64, Relaxed);
             }
         }
     }
@@ -752,6 +765,7 @@ impl Tiers {
                 let s = TableStats {
                     hits: e.hits.load(Relaxed),
                     filled: e.filled.load(Relaxed),
+                    filled_queued: e.filled_queued.load(Relaxed),
                     absent: e.absent.load(Relaxed),
                     late: e.late.load(Relaxed),
                     unavailable: e.unavailable.load(Relaxed),
@@ -1575,6 +1589,7 @@ pub fn wire_stats(s: &TableStats) -> hkv_proto::stats::BackingStats {
         mode: t.mode.clone(),
         hits: s.hits,
         filled: s.filled,
+        filled_queued: s.filled_queued,
         absent: s.absent,
         late: s.late,
         unavailable: s.unavailable,
@@ -1599,9 +1614,14 @@ pub fn wire_stats(s: &TableStats) -> hkv_proto::stats::BackingStats {
 pub fn prometheus(o: &mut String, d: &hkv_proto::stats::Stats) {
     use std::fmt::Write;
     type Get = fn(&hkv_proto::stats::BackingStats) -> u64;
-    let series: [(&str, &str, &str, Get); 14] = [
+    let series: [(&str, &str, &str, Get); 15] = [
         ("backing_hits_total", "counter", "Read keys the cache answered.", |b| b.hits),
-        ("backing_filled_total", "counter", "Read keys filled from the cluster.", |b| b.filled),
+        ("backing_filled_total", "counter", "Read keys filled from the cluster (or the write-back queue).", |b| {
+            b.filled
+        }),
+        ("backing_filled_queued_total", "counter", "Read keys filled from this host's write-back queue.", |b| {
+            b.filled_queued
+        }),
         ("backing_absent_total", "counter", "Read keys absent from cache and cluster.", |b| b.absent),
         ("backing_late_total", "counter", "Read keys not fetched within the deadline.", |b| b.late),
         ("backing_unavailable_total", "counter", "Read keys whose node failed.", |b| b.unavailable),

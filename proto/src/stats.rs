@@ -168,8 +168,13 @@ pub struct BackingStats {
     pub mode: String,
     /// Keys of reads the cache answered.
     pub hits: u64,
-    /// Keys missed by the cache and filled from the cluster (or the queue).
+    /// Keys missed by the cache and filled from the cluster, or from this
+    /// host's write-back queue (rows written here that may not be in the
+    /// cluster yet; those are also counted in `filled_queued`).
     pub filled: u64,
+    /// Of `filled`, the keys this host's write-back queue answered.
+    #[serde(default)]
+    pub filled_queued: u64,
     /// Keys missed by the cache and absent from the cluster.
     pub absent: u64,
     /// Keys not fetched within the deadline.

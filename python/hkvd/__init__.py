@@ -616,7 +616,8 @@ class Client:
                      backing: Optional[Union[str, Sequence[str]]] = None,
                      backing_mode: str = "read-only",
                      reads_refresh: Optional[bool] = None, optimizer: Optional[str] = None,
-                     backing_wait_replicas: Optional[int] = None) -> dict:
+                     backing_wait_replicas: Optional[int] = None, backing_deadline_ms: Optional[int] = None,
+                     backing_queue_bytes: Optional[int] = None, max_load_factor: Optional[float] = None) -> dict:
         """Creates a table; ``num_buckets`` (with ``hash_kind``) sets the hash
         feature requests use when they name none; ``lfu_ties`` ("lru", the
         daemon's default, or "lowest-slot") the lfu tie rule; ``backing``
@@ -624,7 +625,11 @@ class Client:
         behind the table, ``backing_mode`` ("read-only", "write-through" or
         "write-back") says how writes reach it, ``backing_wait_replicas``
         how many replicas of each master must acknowledge a write (Redis
-        WAIT; None: the master's acknowledgement); ``reads_refresh`` whether
+        WAIT; None: the master's acknowledgement), ``backing_deadline_ms``
+        how long a read of cache misses waits for the cluster (None: 250),
+        ``backing_queue_bytes`` the write-back queue's bound (write-back
+        only; None: 64 MiB); ``max_load_factor`` the load past which a
+        table with ``max_capacity`` grows (None: 0.5); ``reads_refresh`` whether
         find hits refresh scores (None: the policy's default, on for
         "adaptive" only, and for every backed table on the CPU backend);
         ``optimizer`` (one of ``OPTIMIZERS``) makes each row
@@ -640,11 +645,24 @@ class Client:
             spec["hash"] = {"kind": hash_kind, "num_buckets": num_buckets, "key": list(hash_key)}
         if lfu_ties is not None:
             spec["lfu_ties"] = lfu_ties
+        if max_load_factor is not None:
+            spec["max_load_factor"] = float(max_load_factor)
+        given = [n for n, v in (("backing_wait_replicas", backing_wait_replicas),
+                                ("backing_deadline_ms", backing_deadline_ms),
+                                ("backing_queue_bytes", backing_queue_bytes)) if v is not None]
+        if backing is None and given:
+            raise ValueError(f"{given[0]} needs backing= (the cluster's seed URLs)")
+        if backing_queue_bytes is not None and backing_mode != "write-back":
+            raise ValueError(f"backing_queue_bytes bounds a write-back table's queue; this table is {backing_mode}")
         if backing is not None:
             seeds = backing.split(",") if isinstance(backing, str) else list(backing)
             spec["backing"] = {"seeds": [s.strip() for s in seeds], "mode": backing_mode}
             if backing_wait_replicas is not None:
                 spec["backing"]["wait_replicas"] = int(backing_wait_replicas)
+            if backing_deadline_ms is not None:
+                spec["backing"]["deadline_ms"] = int(backing_deadline_ms)
+            if backing_queue_bytes is not None:
+                spec["backing"]["queue_bytes"] = int(backing_queue_bytes)
         if reads_refresh is not None:
             spec["reads_refresh"] = bool(reads_refresh)
         if optimizer is not None:

@@ -431,3 +431,14 @@ def test_integer_arguments_out_of_range_raise_value_error(daemon):
     c.reserve("ep", 4096)
     assert c.erase_if("ep", key_mask=2**64 - 1, min_score=0, max_score=2**64 - 1) == 0
     c.close()
+
+
+def test_create_table_backing_options_are_checked_before_sending(daemon):
+    c = daemon.client()
+    with pytest.raises(ValueError, match="backing_deadline_ms needs backing="):
+        c.create_table("b1", dim=4, capacity=1024, backing_deadline_ms=100)
+    with pytest.raises(ValueError, match="write-back table's queue; this table is read-only"):
+        c.create_table("b2", dim=4, capacity=1024, backing="127.0.0.1:1", backing_queue_bytes=1 << 20)
+    info = c.create_table("g", dim=4, capacity=1024, max_capacity=4096, max_load_factor=0.75)
+    assert info["spec"]["max_load_factor"] == 0.75
+    assert "b1" not in [t["spec"]["name"] for t in c.tables()]

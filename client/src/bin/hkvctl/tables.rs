@@ -105,6 +105,11 @@ pub fn create(c: &mut Client, a: CreateTable) -> Result<()> {
     if lfu_ties.is_some() && policy != proto::Policy::Lfu {
         anyhow::bail!("--lfu-ties is for --policy lfu, not {}", policy.as_str());
     }
+    // Only a write-back table has a queue to bound.
+    let mode = backing_mode.unwrap_or_default();
+    if backing_queue_bytes.is_some() && mode != proto::BackingMode::WriteBack {
+        anyhow::bail!("--backing-queue-bytes bounds a write-back table's queue; this table is {}", mode.as_str());
+    }
     let spec = TableSpec {
         max_capacity,
         policy,
@@ -117,7 +122,7 @@ pub fn create(c: &mut Client, a: CreateTable) -> Result<()> {
             wait_replicas: backing_wait_replicas,
             deadline_ms: backing_deadline_ms,
             queue_bytes: backing_queue_bytes,
-            ..proto::BackingSpec::from_list(&list, backing_mode.unwrap_or_default())
+            ..proto::BackingSpec::from_list(&list, mode)
         }),
         reads_refresh,
         optimizer,
