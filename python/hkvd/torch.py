@@ -11,6 +11,7 @@ Needs torch; importing this module without it raises ImportError.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 import weakref
@@ -557,6 +558,16 @@ class _Sparse(torch.nn.Module):
         self.optimizer = self.cache.optimizer
         self.lr, self.eps, self.weight_decay = float(lr), float(eps), float(weight_decay)
         self.betas = (float(betas[0]), float(betas[1]))
+        # As the table checks them at each step (shard/src/optim.rs), but
+        # now: a step refused later is a step lost.
+        for name, v in (("lr", self.lr), ("eps", self.eps), ("weight_decay", self.weight_decay),
+                        ("betas[0]", self.betas[0]), ("betas[1]", self.betas[1])):
+            if not math.isfinite(v):
+                raise ValueError(f"{name} {v} is not a finite number")
+        if self.lr < 0 or self.eps < 0:
+            raise ValueError(f"lr {self.lr} and eps {self.eps} must not be negative")
+        if self.optimizer == "adam" and not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"Adam's betas {self.betas} must lie in [0, 1)")
         self.init = init
         self.step = 0
         self._missing = 0
@@ -667,6 +678,7 @@ class _Sparse(torch.nn.Module):
             del self._pending[:at + 1]
         if hit is None:
             uniq, inv = torch.unique(flat, return_inverse=True)
+            self._keep_patches()  # the lookup writes the buffers the patches read
             rows = self.cache.lookup_unique(uniq, self._init_rows(uniq))
         else:
             uniq, inv = hit.uniq, hit.inv
@@ -682,6 +694,19 @@ class _Sparse(torch.nn.Module):
                 self._patched = [torch.stack(self._patched).sum()]
         self.timings["lookup"] += time.perf_counter() - t0
         return uniq, inv, rows
+
+    def _keep_patches(self) -> None:
+        """Copies the updated rows that pending prefetches (of every module
+        of this table) would patch from this module's cache buffers: a step's
+        outputs are views of them (:meth:`EmbeddingCache.step_views`), and
+        the cache's next request, a step or a lookup, writes them. (A lookup
+        that overwrote them gave a later prefetched forward another id's
+        row: found by an independent tester over shm.)"""
+        c = self.cache
+        for m in list(self._sharing):
+            for p in m._pending:
+                p.patches = [(u, f.clone(), v.clone(), None) if owner is c else (u, f, v, owner)
+                             for u, f, v, owner in p.patches]
 
     # ---- the step -----------------------------------------------------
     def _grad_rows(self, n: int, device) -> torch.Tensor:
@@ -704,12 +729,8 @@ class _Sparse(torch.nn.Module):
         want = bool(pending)
         hyper = dict(lr=self.lr, eps=self.eps, beta1=self.betas[0], beta2=self.betas[1],
                      weight_decay=self.weight_decay, step=self.step)
-        # Patches that still read this module's cache buffers keep a copy:
-        # its next request (this step) writes them.
+        self._keep_patches()  # this step writes the buffers the patches read
         c = self.cache
-        for p in pending:
-            p.patches = [(u, f.clone(), v.clone(), None) if owner is c else (u, f, v, owner)
-                         for u, f, v, owner in p.patches]
         if want and c.transport != "socket" and uniq.numel() <= c.max_batch:
             found, values = c.step_views(uniq, grads, **hyper)
             for p in pending:
@@ -814,7 +835,7 @@ class EmbeddingBag(_Sparse):
         elif ids.dim() == 1:
             if offsets is None:
                 raise ValueError("1-D input needs offsets (the start of each bag)")
-            off = offsets.to(device=self.device, dtype=torch.int64)
+            off = _offsets(offsets, ids.numel(), self.include_last_offset).to(device=self.device, dtype=torch.int64)
             n = ids.numel()
             if self.include_last_offset:
                 starts, ends = off[:-1], off[1:]
@@ -825,10 +846,15 @@ class EmbeddingBag(_Sparse):
             bag = torch.arange(b, device=self.device).repeat_interleave(counts)
         else:
             raise ValueError(f"input must be 1-D or 2-D, not {ids.dim()}-D")
-        rows = self._gathered(ids)
         if per_sample_weights is not None:
             if self.mode != "sum":
                 raise ValueError("per_sample_weights need mode sum")
+            if tuple(per_sample_weights.shape) != tuple(ids.shape):
+                raise ValueError(f"per_sample_weights must have the input's shape {tuple(ids.shape)}, "
+                                 f"not {tuple(per_sample_weights.shape)}")
+        # Checked before the lookup, which inserts the ids the table lacks.
+        rows = self._gathered(ids)
+        if per_sample_weights is not None:
             rows = rows * per_sample_weights.reshape(-1, 1).to(device=self.device, dtype=torch.float32)
         out = torch.zeros((b, self.dim), dtype=torch.float32, device=self.device).index_add(0, bag, rows)
         if self.mode == "mean":
@@ -837,6 +863,29 @@ class EmbeddingBag(_Sparse):
 
     def prefetch(self, input) -> None:  # noqa: D102 - Embedding.prefetch, on the ids of the bags
         super().prefetch(input)
+
+
+def _offsets(offsets, n: int, include_last: bool) -> torch.Tensor:
+    """``offsets`` of a 1-D EmbeddingBag input of ``n`` ids, checked as
+    ``nn.EmbeddingBag`` checks them: a 1-D integer tensor starting at 0,
+    not decreasing, none past ``n`` (with ``include_last``, the last is
+    ``n``). The values are read only where they are on the CPU: on a GPU
+    that would make the host wait for the device every step."""
+    off = offsets if isinstance(offsets, torch.Tensor) else torch.as_tensor(np.asarray(offsets))
+    if off.is_floating_point() or off.is_complex() or off.dtype == torch.bool:
+        raise TypeError(f"offsets must be an integer tensor, not {off.dtype}")
+    if off.dim() != 1 or off.numel() == 0:
+        raise ValueError(f"offsets must be a non-empty 1-D tensor, not of shape {tuple(off.shape)}")
+    if not off.is_cuda:
+        o = off.to(torch.int64)
+        if int(o[0]) != 0:
+            raise ValueError(f"offsets[0] must be 0 (the first bag starts at the first id), not {int(o[0])}")
+        if bool((o[1:] < o[:-1]).any()):
+            raise ValueError("offsets must not decrease")
+        if int(o[-1]) > n or (include_last and int(o[-1]) != n):
+            want = f"= {n}" if include_last else f"<= {n}"
+            raise ValueError(f"offsets' last value must be {want} (the number of ids), not {int(o[-1])}")
+    return off
 
 
 class Prefetcher:

@@ -351,6 +351,44 @@ def test_prefetched_training_is_bit_identical(daemon, transport):
     c.close()
 
 
+@pytest.mark.parametrize("transport", ["shm", "socket"])
+def test_a_pending_prefetch_is_patched_after_other_lookups(daemon, transport):
+    """A prefetch left pending past forwards of other ids keeps the
+    updated rows of the steps between: a lookup of other ids by the same
+    module wrote the cache's buffers that a step's patch still read, and
+    the prefetched forward got another id's row (over shm: id 3's 300
+    instead of id 1's 99)."""
+    from hkvd.torch import Embedding
+
+    c = daemon.client()
+    c.create_table("pend", dim=1, capacity=1024, optimizer="sgd")
+    emb = Embedding(c, "pend", lr=1.0, transport=transport, verbose=False,
+                    init=lambda u: u.float()[:, None] * 100)
+    emb.prefetch(torch.tensor([1]))
+    emb(torch.tensor([1, 2])).sum().backward()  # not the prefetched ids: row 1 100 -> 99
+    emb(torch.tensor([3, 4])).sum().backward()  # a lookup of other ids by the same module
+    got = emb(torch.tensor([1]))
+    assert emb.prefetch_hits == 1
+    assert got.tolist() == [[99.0]] and c.find("pend", [1])[0].tolist() == [[99.0]]
+    c.close()
+
+
+def test_hyperparameters_are_checked_when_the_module_is_made(daemon):
+    """What the table would refuse at the step (after the backward, the
+    step then lost) is refused by the constructor."""
+    from hkvd.torch import Embedding
+
+    c = daemon.client()
+    c.create_table("hp", dim=2, capacity=1024, optimizer="adam")
+    for kw, match in [({"lr": -1.0}, "must not be negative"), ({"lr": float("nan")}, "lr nan is not a finite"),
+                      ({"eps": -1e-8}, "must not be negative"), ({"weight_decay": float("inf")}, "weight_decay inf"),
+                      ({"betas": (1.0, 0.999)}, r"betas \(1.0, 0.999\) must lie in \[0, 1\)")]:
+        with pytest.raises(ValueError, match=match):
+            Embedding(c, "hp", verbose=False, **kw)
+    Embedding(c, "hp", lr=0.0, verbose=False)
+    c.close()
+
+
 def test_a_prefetch_for_other_ids_is_dropped(daemon):
     from hkvd.torch import Embedding
 
@@ -490,6 +528,26 @@ def test_embedding_bag_options_match_native(daemon):
     assert found.all() and torch.allclose(torch.from_numpy(v), native.weight.detach()[1:6], atol=1e-5)
     with pytest.raises(ValueError, match="need mode sum"):
         EmbeddingBag(c, "o", mode="mean", verbose=False)(values, offsets, per_sample_weights=weights)
+    # Bad offsets and weights are refused as nn.EmbeddingBag refuses them,
+    # before the lookup inserts any id.
+    bag = EmbeddingBag(c, "o", mode="sum", verbose=False)
+    fresh = torch.tensor([40, 41, 42])
+    for off, err, match in [
+        (torch.tensor([1, 2]), ValueError, r"offsets\[0\] must be 0"),
+        (torch.tensor([0, 2, 1]), ValueError, "must not decrease"),
+        (torch.tensor([0, 5]), ValueError, "last value must be <= 3"),
+        (torch.tensor([0.0, 1.0]), TypeError, "integer tensor"),
+        (torch.tensor([[0, 1]]), ValueError, "1-D"),
+    ]:
+        with pytest.raises(err, match=match):
+            bag(fresh, off)
+    with pytest.raises(ValueError, match="last value must be = 3"):
+        EmbeddingBag(c, "o", mode="sum", include_last_offset=True, verbose=False)(fresh, torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match="per_sample_weights must have the input's shape"):
+        bag(fresh, torch.tensor([0, 1]), per_sample_weights=torch.ones(2))
+    with pytest.raises(ValueError, match=r"input's shape \(2, 2\)"):
+        bag(torch.tensor([[40, 41], [42, 43]]), per_sample_weights=torch.ones(4))
+    assert not c.find("o", np.arange(40, 44, dtype=np.uint64))[1].any(), "no id of a refused batch was inserted"
     c.close()
 
 
