@@ -351,8 +351,8 @@ def test_prefetched_training_is_bit_identical(daemon, transport):
     c.close()
 
 
-@pytest.mark.parametrize("transport", ["shm", "socket"])
-def test_a_pending_prefetch_is_patched_after_other_lookups(daemon, transport):
+@pytest.mark.parametrize("transport", ["shm", "socket", "cuda-ipc"])
+def test_a_pending_prefetch_is_patched_after_other_lookups(daemon, monkeypatch, transport):
     """A prefetch left pending past forwards of other ids keeps the
     updated rows of the steps between: a lookup of other ids by the same
     module wrote the cache's buffers that a step's patch still read, and
@@ -360,10 +360,13 @@ def test_a_pending_prefetch_is_patched_after_other_lookups(daemon, transport):
     instead of id 1's 99)."""
     from hkvd.torch import Embedding
 
+    if transport == "cuda-ipc":
+        _simulate_cuda(monkeypatch)  # the same buffers over a CPU daemon
     c = daemon.client()
     c.create_table("pend", dim=1, capacity=1024, optimizer="sgd")
-    emb = Embedding(c, "pend", lr=1.0, transport=transport, verbose=False,
+    emb = Embedding(c, "pend", lr=1.0, transport=transport, verbose=False, events=transport != "cuda-ipc",
                     init=lambda u: u.float()[:, None] * 100)
+    assert emb.cache.transport == transport
     emb.prefetch(torch.tensor([1]))
     emb(torch.tensor([1, 2])).sum().backward()  # not the prefetched ids: row 1 100 -> 99
     emb(torch.tensor([3, 4])).sum().backward()  # a lookup of other ids by the same module
