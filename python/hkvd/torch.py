@@ -20,7 +20,7 @@ from typing import Callable, Iterable, List, NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
-from . import Client, HkvdError, _integers, region
+from . import Client, HkvdError, WrongDim, _integers, region
 from .cuda import CudaError, CudaIpcUnavailable
 from .shm import shm_array
 
@@ -746,8 +746,27 @@ class _Sparse(torch.nn.Module):
 
     def _gathered(self, ids):
         flat = self._flat(ids)
-        uniq, inv, rows = self._lookup(flat)
+        try:
+            uniq, inv, rows = self._lookup(flat)
+        except WrongDim as e:
+            raise self._dim_changed(e) from e
         return _Gather.apply(self._anchor, rows, inv, uniq, self)
+
+    def _dim_changed(self, e: "WrongDim") -> "WrongDim":
+        """``e`` with what a user can act on when the table is not the one
+        this module was made for any more (dropped and created again with
+        another dim or optimizer): the daemon's message names row widths."""
+        now = next((t for t in self.client.tables() if t["spec"]["name"] == self.table), None)
+        if now is None:
+            return e
+        self.client._learn(now)  # the client's cached width is the old table's
+        spec = now["spec"]
+        if (spec["dim"], spec.get("optimizer")) == (self.dim, self.optimizer):
+            return e
+        return WrongDim(e.code, f"table {self.table!r} now has dim {spec['dim']} and optimizer "
+                                f"{spec.get('optimizer')}, not the dim {self.dim} and {self.optimizer} this module "
+                                f"was made for: was it dropped and created again? Make a new module for it "
+                                f"(the daemon said: {e.message})")
 
     @property
     def patched_rows(self) -> int:

@@ -392,6 +392,23 @@ def test_hyperparameters_are_checked_when_the_module_is_made(daemon):
     c.close()
 
 
+def test_a_table_made_again_with_another_dim_is_named(daemon):
+    """A module whose table was dropped and created again with another
+    dim says so, instead of the daemon's row widths."""
+    from hkvd.torch import Embedding
+
+    c, other = daemon.client(), daemon.client()
+    c.create_table("again", dim=3, capacity=1024, optimizer="adam")
+    emb = Embedding(c, "again", verbose=False)
+    emb(torch.tensor([1, 2])).sum().backward()
+    other.drop_table("again")
+    other.create_table("again", dim=5, capacity=1024, optimizer="adam")
+    with pytest.raises(hkvd.WrongDim, match="now has dim 5 and optimizer adam, not the dim 3"):
+        emb(torch.tensor([1]))
+    c.close()
+    other.close()
+
+
 def test_a_prefetch_for_other_ids_is_dropped(daemon):
     from hkvd.torch import Embedding
 
