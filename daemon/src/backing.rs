@@ -464,26 +464,22 @@ impl Tiers {
     /// answered).
     fn count_misses(&self, name: &str, out: &ReadOut) {
         if let Some(e) = self.tables.read().get(name) {
-            let mut n = [0u64; 4];
-            for f in &out.fetched {
+            // The last count: rows the queue answered, which have no
+            // version yet (the cluster's rows all have one).
+            let mut n = [0u64; 5];
+            for (f, &v) in out.fetched.iter().zip(&out.versions) {
                 n[match f {
                     Fetched::Found => 0,
                     Fetched::Absent => 1,
                     Fetched::Late => 2,
                     Fetched::Unavailable => 3,
                 }] += 1;
+                n[4] += u64::from(*f == Fetched::Found && v == 0);
             }
-            for (c, n) in [&e.filled, &e.absent, &e.late, &e.unavailable].into_iter().zip(n) {
+            for (c, n) in [&e.filled, &e.absent, &e.late, &e.unavailable, &e.filled_queued].into_iter().zip(n) {
                 if n > 0 {
                     c.fetch_add(n, Relaxed);
                 }
-            }
-            // A row the queue answered has no version yet (the cluster's
-            // rows all have one).
-            let queued =
-                out.fetched.iter().zip(&out.versions).filter(|&(f, &v)| *f == Fetched::Found && v == 0).count();
-            if queued > 0 {
-                e.filled_queued.fetch_add(queued as u64, Relaxed);
             }
         }
     }

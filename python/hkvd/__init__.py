@@ -309,11 +309,13 @@ def _features(features) -> Tuple[List, int]:
     return [b"\x01", *_arr(o), *_arr(b)], len(enc)
 
 
-def _str(s: str) -> bytes:
-    b = s.encode()
-    if len(b) > 0xFFFF:
-        raise ValueError(f"a table name must be at most 65535 bytes (UTF-8), not {len(b)}")
-    return struct.pack("<H", len(b)) + b
+_str = _region._str  # a table name as the wire carries it (one definition, in region.py)
+
+
+def _filter(key_mask: int, key_pattern: int, min_score: int, max_score: int) -> bytes:
+    """erase_if's and export's filter as the wire carries it, each part checked."""
+    return struct.pack("<4Q", _uint(key_mask, 64, "key_mask"), _uint(key_pattern, 64, "key_pattern"),
+                       _uint(min_score, 64, "min_score"), _uint(max_score, 64, "max_score"))
 
 
 def _arr(a: np.ndarray) -> List[memoryview]:
@@ -850,9 +852,7 @@ class Client:
 
     def erase_if(self, table: str, key_mask: int = 0, key_pattern: int = 0, min_score: int = 0,
                  max_score: int = 2**64 - 1) -> int:
-        f = struct.pack("<4Q", _uint(key_mask, 64, "key_mask"), _uint(key_pattern, 64, "key_pattern"),
-                        _uint(min_score, 64, "min_score"), _uint(max_score, 64, "max_score"))
-        return self._call(OP_ERASE_IF, 0, [_str(table), f])[0]
+        return self._call(OP_ERASE_IF, 0, [_str(table), _filter(key_mask, key_pattern, min_score, max_score)])[0]
 
     def clear(self, table: str) -> None:
         self._call(OP_CLEAR, 0, [_str(table)])
@@ -866,9 +866,8 @@ class Client:
     def export(self, table: str, min_score: int = 0, max_score: int = 2**64 - 1, key_mask: int = 0,
                key_pattern: int = 0, chunk_slots: int = 1 << 16):
         """Every matching entry: ``(keys, values (n, dim), scores)``."""
-        filt = struct.pack("<Q4Q", _uint(chunk_slots, 64, "chunk_slots"), _uint(key_mask, 64, "key_mask"),
-                           _uint(key_pattern, 64, "key_pattern"), _uint(min_score, 64, "min_score"),
-                           _uint(max_score, 64, "max_score"))
+        filt = struct.pack("<Q", _uint(chunk_slots, 64, "chunk_slots")) + _filter(key_mask, key_pattern, min_score,
+                                                                                  max_score)
         dim = self.dim(table)
         cursor = (0, 0)
         ks, vs, ss = [], [], []
@@ -1018,10 +1017,8 @@ class Client:
         cap = _region.ref(self, keys, "keys").count
         slots = cap if max_slots is None else max_slots
         shard, offset = cursor
-        head = struct.pack("<IQQ4Q", _uint(shard, 32, "cursor[0] (the shard)"),
-                           _uint(offset, 64, "cursor[1] (the offset)"), _uint(slots, 64, "max_slots"),
-                           _uint(key_mask, 64, "key_mask"), _uint(key_pattern, 64, "key_pattern"),
-                           _uint(min_score, 64, "min_score"), _uint(max_score, 64, "max_score"))
+        head = struct.pack("<IQQ", _uint(shard, 32, "cursor[0] (the shard)"), _uint(offset, 64, "cursor[1] (the offset)"),
+                           _uint(slots, 64, "max_slots")) + _filter(key_mask, key_pattern, min_score, max_score)
         body = _region.call(self, _region.OP_EXPORT, table, [keys, values, scores], False, False, stream, wait,
                             False, head)
         if body is None:

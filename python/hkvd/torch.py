@@ -32,11 +32,11 @@ _NAMES = {"cuda-ipc": "CUDA IPC", "shm": "shared memory", "socket": "the socket"
 _SHARING: dict = {}
 
 
-def _integer_ids(t: torch.Tensor) -> torch.Tensor:
-    """``t`` when it holds integers (ids), else TypeError: float ids would
-    be truncated silently (1.5 read as id 1)."""
+def _integer_ids(t: torch.Tensor, what: str = "ids") -> torch.Tensor:
+    """``t`` when it holds integers (ids, offsets), else TypeError naming
+    ``what``: float ids would be truncated silently (1.5 read as id 1)."""
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-        raise TypeError(f"ids must be an integer tensor (int64 preferred), not {t.dtype}")
+        raise TypeError(f"{what} must be an integer tensor (int64 preferred), not {t.dtype}")
     return t
 
 
@@ -890,9 +890,8 @@ def _offsets(offsets, n: int, include_last: bool) -> torch.Tensor:
     not decreasing, none past ``n`` (with ``include_last``, the last is
     ``n``). The values are read only where they are on the CPU: on a GPU
     that would make the host wait for the device every step."""
-    off = offsets if isinstance(offsets, torch.Tensor) else torch.as_tensor(np.asarray(offsets))
-    if off.is_floating_point() or off.is_complex() or off.dtype == torch.bool:
-        raise TypeError(f"offsets must be an integer tensor, not {off.dtype}")
+    off = _integer_ids(offsets if isinstance(offsets, torch.Tensor) else torch.as_tensor(np.asarray(offsets)),
+                       "offsets")
     if off.dim() != 1 or off.numel() == 0:
         raise ValueError(f"offsets must be a non-empty 1-D tensor, not of shape {tuple(off.shape)}")
     if not off.is_cuda:

@@ -91,7 +91,7 @@ pub fn fill(c: &mut Client, table: &str, count: u64, start: u64, batch: u64) -> 
     let mut s = proto::Summary::default();
     let mut k = start;
     while k < end {
-        let n = batch.max(1).min(end - k);
+        let n = batch.min(end - k); // batch >= 1 (the flag's range)
         let keys: Vec<u64> = (k..k + n).collect();
         let values: Vec<f32> = keys.iter().flat_map(|&x| (0..dim).map(move |d| x as f32 + d as f32)).collect();
         s += c.insert_or_assign(table, &keys, &values, None)?;

@@ -42,10 +42,10 @@ pub fn doc<T: serde::de::DeserializeOwned>(v: serde_json::Value, what: &str) -> 
     serde_json::from_value(v).with_context(|| format!("the daemon's {what} answer does not read"))
 }
 
-/// The width of a column of table names: 20, or the longest name's, so
-/// that the columns after it line up.
+/// The width of a column of table names: 20, or the longest name's up to
+/// 40, so that the columns after it line up (a longer name widens its own
+/// row only, not every row).
 pub fn name_width<'a>(names: impl Iterator<Item = &'a str>) -> usize {
-    // At most 40: a longer name widens its own row only, not every row.
     names.map(|n| n.chars().count()).max().unwrap_or(0).clamp(20, 40)
 }
 
