@@ -64,6 +64,10 @@ pub const FACTORS: [f64; 7] = [0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0];
 /// The default sampling seed (XORed into the key before the sampling mix).
 pub const SAMPLE_SEED: u64 = 0x6a09_e667_f3bc_c908;
 
+/// A new estimator samples at most `START_SPAN × max_keys / capacity` of
+/// the keys ([`Mrc::new`]).
+pub const START_SPAN: f64 = 2.0;
+
 /// The default number of distinct sampled keys tracked ([`MrcConfig::max_keys`]).
 pub const DEFAULT_MAX_KEYS: usize = 16 * 1024;
 
@@ -143,7 +147,8 @@ pub struct MrcConfig {
     pub max_keys: usize,
     /// The sampling hash's seed.
     pub seed: u64,
-    /// The rate to start at, in (0, 1]; it only ever drops from there.
+    /// The rate to start at, in (0, 1], at most [`START_SPAN`] ×
+    /// `max_keys` / capacity ([`Mrc::new`]); it only ever drops from there.
     pub initial_rate: f64,
 }
 
@@ -286,7 +291,7 @@ impl Mrc {
     pub fn new(cfg: MrcConfig, capacity: u64) -> Mrc {
         let cfg = MrcConfig { max_keys: cfg.max_keys.max(1), ..cfg };
         let mut m = Mrc {
-            threshold: Self::initial_threshold(&cfg),
+            threshold: Self::initial_threshold(&cfg, capacity),
             capacity,
             map: Slots::new(cfg.max_keys + 1),
             entries: Vec::with_capacity(cfg.max_keys + 1),
@@ -312,11 +317,21 @@ impl Mrc {
         m
     }
 
-    fn initial_threshold(cfg: &MrcConfig) -> u64 {
-        if cfg.initial_rate >= 1.0 || cfg.initial_rate.is_nan() {
+    /// The threshold a new estimator starts at: `cfg.initial_rate`, but no
+    /// more than [`START_SPAN`] × `max_keys` / `capacity`. A table that
+    /// sees at least `capacity / START_SPAN` distinct keys ends at a rate
+    /// below that start anyway (`max_keys` / distinct keys), so its curve
+    /// is the same; one that sees fewer tracks fewer keys (2 Ki at a
+    /// sixteenth of its capacity). What the cap saves is the warm-up: from
+    /// rate 1, every key of a new table's first requests was sampled,
+    /// tracked and then untracked again as the rate fell.
+    fn initial_threshold(cfg: &MrcConfig, capacity: u64) -> u64 {
+        let span = START_SPAN * cfg.max_keys as f64 / capacity.max(1) as f64;
+        let rate = if cfg.initial_rate.is_nan() { 1.0 } else { cfg.initial_rate }.min(span);
+        if rate >= 1.0 {
             u64::MAX
         } else {
-            (cfg.initial_rate.max(0.0) * TWO_64) as u64
+            (rate.max(0.0) * TWO_64) as u64
         }
     }
 

@@ -88,5 +88,38 @@ fn budget_is_kept() {
     assert!(m.lists.iter().all(|l| l.len <= l.cap));
     m.reset();
     assert_eq!(m.curve().accesses, 0);
-    assert_eq!(m.sampler().threshold, u64::MAX);
+    // Back at the start: 2 × 256 of the 1000 slots' keys.
+    assert!((m.rate() - START_SPAN * 256.0 / 1000.0).abs() < 1e-9, "{}", m.rate());
+}
+
+/// A new table's estimator starts at `START_SPAN × max_keys / capacity`
+/// (rate 1 where that is above 1), and on a stream of more distinct keys
+/// than that start can hold its curve is the one a start at rate 1 gives.
+#[test]
+fn start_rate_follows_the_capacity() {
+    let cfg = MrcConfig { max_keys: 1024, ..MrcConfig::default() };
+    assert_eq!(Mrc::new(cfg, 1024).sampler().threshold, u64::MAX);
+    assert!((Mrc::new(cfg, 1 << 16).rate() - 1.0 / 32.0).abs() < 1e-9);
+    assert!((Mrc::new(MrcConfig { initial_rate: 0.01, ..cfg }, 1 << 16).rate() - 0.01).abs() < 1e-9);
+    // Zipf-like over 200 Ki keys through a 16 Ki-slot table, in batches.
+    let mut capped = Mrc::new(cfg, 1 << 14);
+    let mut from_one = Mrc::new(cfg, 1 << 14);
+    from_one.threshold = u64::MAX;
+    let mut x = 1u64;
+    for b in 0..200u64 {
+        let keys: Vec<u64> = (0..2048u64)
+            .map(|i| {
+                x = sample_hash(x, b * 4096 + i);
+                let u = (x >> 11) as f64 / (1u64 << 53) as f64;
+                (200_000.0 * u.powi(3)) as u64
+            })
+            .collect();
+        capped.observe(&keys);
+        from_one.observe(&keys);
+    }
+    let (a, b) = (capped.curve(), from_one.curve());
+    assert!(a.tracked_keys > 900 && b.tracked_keys > 900, "{} {}", a.tracked_keys, b.tracked_keys);
+    for (p, q) in a.points.iter().zip(&b.points) {
+        assert!((p.hit_rate - q.hit_rate).abs() < 0.01, "{:?}\n{:?}", a.points, b.points);
+    }
 }
