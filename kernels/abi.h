@@ -154,7 +154,7 @@ struct HkvScoring {
     u32 lfu_lru;   // Lfu: 1 = frequency << 40 | stamp (LfuTies::Lru), 0 = plain frequency
     u32 refresh;   // lookups: a hit's score becomes what a write without input gives it (reads_refresh)
     u32 window;    // adaptive: every bucket's window share for this batch, 1..127 slots (adapt::Window)
-    u8* sketch;    // adaptive: the frequency sketch, sketch_lines lines of 64 counters (else null)
+    u8* sketch;    // adaptive: the frequency sketch, sketch_lines lines of 64 bytes (8 words of 16 4-bit counters; else null)
     u64 sketch_lines;  // a power of two
 };
 

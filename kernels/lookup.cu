@@ -15,10 +15,10 @@
 // A find hit in a table whose reads refresh (rs->refresh): its score
 // becomes hkv_on_read of it, by CAS (hits of one key in a batch compose),
 // and, adaptive, one access in the sketch (order-free increments); returns
-// the score written. The group's first thread. A call (__noinline__), so
-// that finds of tables whose reads do not refresh keep their registers; rs
-// by value, so that it is copied for the call only (taken by reference,
-// every find thread stored the 48-byte struct to local memory at start).
+// the score written. The group's first thread, in the refreshing kernels
+// only (lookup_findr, lookup_findzr): the others do not contain the call,
+// so a change here does not move their code. A call (__noinline__); rs by
+// value, so that it is copied for the call only.
 __device__ __noinline__ u64 hkv_refresh_hit(const HkvTable& t, const HkvScoring rs, u64 pos, u64 key) {
     unsigned long long* p = reinterpret_cast<unsigned long long*>(t.scores + pos);
     u64 old = __ldcg(t.scores + pos), nw = hkv_on_read(rs, old);
@@ -32,8 +32,9 @@ __device__ __noinline__ u64 hkv_refresh_hit(const HkvTable& t, const HkvScoring 
     return nw;
 }
 
-// rs: the refresh of find hits (null or rs->refresh 0: none; find_at does not refresh, as on the CPU backend).
-template <int G, bool AT, bool ZERO = false>
+// rs: the refresh of find hits (REFRESH kernels only; null or rs->refresh 0:
+// none; find_at does not refresh, as on the CPU backend).
+template <int G, bool AT, bool ZERO = false, bool REFRESH = false>
 __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u64 n, float* values, u8* found,
                                            u64* scores, u64* ptrs, u64* cnt, const u8* only, const u32* at,
                                            const HkvSample& smp, u32* seen, const HkvScoring* rs) {
@@ -60,7 +61,7 @@ __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u
         pos = b * 128 + s;
         if (g.rank == 0) {
             if (found) found[i] = hit;
-            if (hit && rs && rs->refresh) {
+            if (REFRESH && hit && rs && rs->refresh) {
                 u64 now = hkv_refresh_hit(t, *rs, pos, key);
                 if (scores) scores[i] = now;
             } else if (hit && scores) {
@@ -101,17 +102,19 @@ __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u
     }
 }
 
-#define HKV_LOOKUP_KERNEL_T(NAME, G, Z)                                                                         \
+#define HKV_LOOKUP_KERNEL_T(NAME, G, Z, R)                                                                      \
     extern "C" __global__ void NAME(HkvTable t, const u64* keys, u64 n, float* values, u8* found, u64* scores,     \
                                     u64* ptrs, u64* counters, const u8* only, HkvSample smp, HkvScoring rs) {      \
         HKV_SAMPLE_INIT                                                                                            \
         HKV_COUNTERS_INIT                                                                                          \
-        lookup_one<G, false, Z>(t, keys, n, values, found, scores, ptrs, hkv_cnt, only, 0, smp, &hkv_seen, &rs);  \
+        lookup_one<G, false, Z, R>(t, keys, n, values, found, scores, ptrs, hkv_cnt, only, 0, smp, &hkv_seen, &rs); \
         hkv_flush_counters(hkv_cnt, counters);                                                                     \
         hkv_flush_sample(smp, &hkv_seen);                                                                          \
     }
-#define HKV_LOOKUP_KERNEL(NAME, G) HKV_LOOKUP_KERNEL_T(NAME, G, false)
-#define HKV_LOOKUPZ_KERNEL(NAME, G) HKV_LOOKUP_KERNEL_T(NAME, G, true)
+#define HKV_LOOKUP_KERNEL(NAME, G) HKV_LOOKUP_KERNEL_T(NAME, G, false, false)
+#define HKV_LOOKUPZ_KERNEL(NAME, G) HKV_LOOKUP_KERNEL_T(NAME, G, true, false)
+#define HKV_LOOKUPR_KERNEL(NAME, G) HKV_LOOKUP_KERNEL_T(NAME, G, false, true)
+#define HKV_LOOKUPZR_KERNEL(NAME, G) HKV_LOOKUP_KERNEL_T(NAME, G, true, true)
 
 #define HKV_LOOKUP_AT_KERNEL(NAME, G)                                                                           \
     extern "C" __global__ void NAME(HkvTable t, const u64* keys, u64 n, const u32* at, float* values, u8* found,   \
@@ -144,6 +147,22 @@ HKV_LOOKUPZ_KERNEL(lookup_findz_g2, 2)
 HKV_LOOKUPZ_KERNEL(lookup_findz_g4, 4)
 HKV_LOOKUPZ_KERNEL(lookup_findz_g16, 16)
 HKV_LOOKUPZ_KERNEL(lookup_findz_g32, 32)
+
+// lookup_findr, lookup_findzr: lookup_find and lookup_findz of a table
+// whose reads refresh (rs.refresh), the only ones that contain the refresh
+// of a hit (hkv_refresh_hit).
+HKV_LOOKUPR_KERNEL(lookup_findr, 8)
+HKV_LOOKUPR_KERNEL(lookup_findr_g1, 1)
+HKV_LOOKUPR_KERNEL(lookup_findr_g2, 2)
+HKV_LOOKUPR_KERNEL(lookup_findr_g4, 4)
+HKV_LOOKUPR_KERNEL(lookup_findr_g16, 16)
+HKV_LOOKUPR_KERNEL(lookup_findr_g32, 32)
+HKV_LOOKUPZR_KERNEL(lookup_findzr, 8)
+HKV_LOOKUPZR_KERNEL(lookup_findzr_g1, 1)
+HKV_LOOKUPZR_KERNEL(lookup_findzr_g2, 2)
+HKV_LOOKUPZR_KERNEL(lookup_findzr_g4, 4)
+HKV_LOOKUPZR_KERNEL(lookup_findzr_g16, 16)
+HKV_LOOKUPZR_KERNEL(lookup_findzr_g32, 32)
 
 // find_at: key i's flag into found[i], its row into row at[i] of values
 // (4-byte aligned; at null: row i), a miss as zeros; with only (may be

@@ -669,49 +669,59 @@ __device__ __forceinline__ void hkv_flush_sample(const HkvSample& smp, const u32
 // once the main tier is 80 % protected); the two keys the frequency test
 // reads; one score written per change. Mostly L2 hits after the first read.
 
-// A key's 4 sketch counters: one 64-byte line, a counter in each quarter
-// (adapt::sketch_indices).
-__device__ __forceinline__ u64 hkv_sketch_at(u64 key, u64 lines, int row) {
+// A key's 4 sketch counters: 4-bit counters in one 64-bit word (16 of
+// them), the counter of row r one of the 4 nibbles of the word's quarter r
+// (adapt::sketch_slot): returns the word's index, and in sh each counter's
+// bit shift in it.
+__device__ __forceinline__ u64 hkv_sketch_word(u64 key, u64 lines, u32* sh) {
     u64 h = hkv_fmix64(key ^ 0x9e3779b97f4a7c15ULL);
-    return ((h >> 16) & (lines - 1)) * 64 + (u64)row * 16 + ((h >> (4 * row)) & 15);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) sh[r] = (u32)(r * 4 + ((h >> (2 * r)) & 3)) * 4;
+    return (h >> 16) & (lines * 8 - 1);
 }
 
-// The sketch's estimate of key's recent accesses (0..15).
-__device__ __forceinline__ u32 hkv_frequency(const HkvScoring& s, u64 key) {
+// The least of the 4 counters of the sketch word w (shifts sh): the
+// sketch's estimate of a key's recent accesses (0..15).
+__device__ __forceinline__ u32 hkv_sketch_min(u64 w, const u32* sh) {
     u32 f = 15;
+#pragma unroll
     for (int r = 0; r < 4; ++r) {
-        u32 c = __ldcg(s.sketch + hkv_sketch_at(key, s.sketch_lines, r));
+        u32 c = (u32)(w >> sh[r]) & 15;
         f = c < f ? c : f;
     }
     return f;
 }
 
-// One access of key: each of its counters one more, saturating at 15
-// (Adapt::count). A CAS on each counter's aligned word (the 4 lie in 4
-// words of one line); the 4 reads, then the 4 CASes, go out together, so
-// that an access waits about two round trips to L2 instead of eight.
+// The sketch's estimate of key's recent accesses (0..15).
+__device__ __forceinline__ u32 hkv_frequency(const HkvScoring& s, u64 key) {
+    u32 sh[4];
+    u64 i = hkv_sketch_word(key, s.sketch_lines, sh);
+    return hkv_sketch_min(__ldcg(reinterpret_cast<const u64*>(s.sketch) + i), sh);
+}
+
+// One access counted in sketch word p, read as old (shifts sh): each of
+// the key's counters one more, saturating at 15 (Adapt::count); one
+// compare-and-swap of the word (again only when another access changed it
+// first). A counter at 15 is never added to, so nothing carries into its
+// neighbour.
+__device__ __forceinline__ void hkv_sketch_add(unsigned long long* p, u64 old, const u32* sh) {
+    for (;;) {
+        u64 inc = 0;
+#pragma unroll
+        for (int r = 0; r < 4; ++r) inc |= (((old >> sh[r]) & 15) < 15 ? 1ULL : 0ULL) << sh[r];
+        if (!inc) return;
+        u64 seen = atomicCAS(p, old, old + inc);
+        if (seen == old) return;
+        old = seen;
+    }
+}
+
+// One access of key in the sketch: a read of its word, then its CAS.
 __device__ __forceinline__ void hkv_sketch_count(const HkvScoring& s, u64 key) {
-    u32* w[4];
-    u32 sh[4], old[4];
-    bool todo[4];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-        u64 at = hkv_sketch_at(key, s.sketch_lines, r);
-        w[r] = reinterpret_cast<u32*>(s.sketch + (at & ~3ULL));
-        sh[r] = (u32)(at & 3) * 8;
-        old[r] = __ldcg(w[r]);
-    }
-#pragma unroll
-    for (int r = 0; r < 4; ++r) todo[r] = ((old[r] >> sh[r]) & 0xff) < 15;
-    while (todo[0] || todo[1] || todo[2] || todo[3]) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            if (!todo[r]) continue;
-            u32 seen = atomicCAS(w[r], old[r], old[r] + (1u << sh[r]));
-            todo[r] = seen != old[r] && ((seen >> sh[r]) & 0xff) < 15;
-            old[r] = seen;
-        }
-    }
+    u32 sh[4];
+    u64 i = hkv_sketch_word(key, s.sketch_lines, sh);
+    unsigned long long* p = reinterpret_cast<unsigned long long*>(s.sketch) + i;
+    hkv_sketch_add(p, __ldcg(reinterpret_cast<const u64*>(p)), sh);
 }
 
 // How the adaptive paths of the writer kernels below are compiled was

@@ -549,10 +549,10 @@ extern "C" __global__ void adapt_sample(const u64* keys, u64 n, const u8* only, 
 }
 
 // Adaptive: halves every sketch counter (TinyLFU's reset, Adapt::age). One
-// thread per 4-byte word of the sketch's sketch_lines * 64 bytes.
+// thread per 4-byte word (8 counters) of the sketch's sketch_lines * 64 bytes.
 extern "C" __global__ void adapt_halve(HkvScoring sc) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= sc.sketch_lines * 16) return;
     u32* w = reinterpret_cast<u32*>(sc.sketch) + i;
-    *w = (*w >> 1) & 0x7f7f7f7fu;
+    *w = (*w >> 1) & 0x77777777u;
 }

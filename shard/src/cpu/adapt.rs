@@ -39,10 +39,12 @@
 //! [`Window`] per table for either backend; the CUDA kernels take the share
 //! as a launch argument.
 //!
-//! The sketch: 64-byte lines of 8-bit counters saturating at 15, a line
-//! per key, one counter of each row in its own 16-byte quarter of it (one
-//! cache line per key touched, as Caffeine's blocked sketch), 32 counters
-//! per slot of the table's largest size. Once the accesses counted reach
+//! The sketch: 64-bit words of 16 4-bit counters saturating at 15, a word
+//! per key, its counter of each row one of the 4 nibbles of the word's
+//! quarter for that row (one word touched per access, so that one
+//! compare-and-swap counts it; Caffeine's blocked sketch keeps a key in one
+//! 64-byte line instead), 32 bytes (64 counters) per slot of the table's
+//! largest size. Once the accesses counted reach
 //! 10 × the table's slots all counters halve (TinyLFU's reset), at the end
 //! of the batch that crossed the mark, so that a frequency is an estimate
 //! of the recent past only. Counted, as plain increments (their order does
@@ -65,7 +67,7 @@
 //! and the miniatures (the share starts again at 1 %, then follows the
 //! restored table's accesses).
 
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 
 use parking_lot::Mutex;
 
@@ -79,7 +81,7 @@ use crate::BUCKET_SLOTS;
 /// Sketch rows (counters per key).
 pub(crate) const ROWS: usize = 4;
 const COUNTER_MAX: u8 = 15;
-/// Sketch bytes (counters) per slot of the table's largest size.
+/// Sketch bytes (two 4-bit counters each) per slot of the table's largest size.
 pub(crate) const SKETCH_BYTES_PER_SLOT: u64 = 32;
 /// Counted accesses between halvings, per slot.
 pub(crate) const PERIOD_PER_SLOT: u64 = 10;
@@ -90,13 +92,15 @@ pub(crate) const PROTECTED_TENTHS: u32 = 8;
 /// use the same (`minisim::ADMIT_MARGIN`).
 pub(crate) const ADMIT_MARGIN: u8 = super::minisim::ADMIT_MARGIN;
 
-/// The sketch counters of `key` (one per row) in a sketch of `lines`
-/// 64-byte lines (a power of two).
+/// The sketch word of `key` in a sketch of `lines` 64-byte lines (a power
+/// of two; 8 words of 16 4-bit counters each) and the bit shift of its
+/// counter of each row in it: one of the 4 nibbles of the word's quarter
+/// for that row, so that one compare-and-swap counts an access.
 #[inline]
-pub(crate) fn sketch_indices(key: u64, lines: u64) -> [usize; ROWS] {
+pub(crate) fn sketch_slot(key: u64, lines: u64) -> (usize, [u32; ROWS]) {
     let h = fmix64(key ^ 0x9e37_79b9_7f4a_7c15);
-    let line = ((h >> 16) & (lines - 1)) as usize * 64;
-    std::array::from_fn(|r| line + r * 16 + ((h >> (4 * r)) & 15) as usize)
+    let word = ((h >> 16) & (lines * 8 - 1)) as usize;
+    (word, std::array::from_fn(|r| (r as u32 * 4 + ((h >> (2 * r)) & 3) as u32) * 4))
 }
 
 /// The sketch's 64-byte lines for a table of at most `max_slots` slots.
@@ -170,7 +174,8 @@ impl Window {
 /// The Adaptive policy's state of one table.
 #[derive(Debug)]
 pub(crate) struct Adapt {
-    sketch: Vec<AtomicU8>,
+    /// 16 4-bit counters a word ([`sketch_slot`]).
+    sketch: Vec<AtomicU64>,
     lines: u64,
     counted: AtomicU64,
     /// The window share.
@@ -252,7 +257,7 @@ impl Adapt {
     pub(crate) fn new(max_buckets: u64, slots: u64) -> Adapt {
         let lines = sketch_lines(max_buckets * BUCKET_SLOTS as u64);
         Adapt {
-            sketch: (0..lines * 64).map(|_| AtomicU8::new(0)).collect(),
+            sketch: (0..lines * 8).map(|_| AtomicU64::new(0)).collect(),
             lines,
             counted: AtomicU64::new(0),
             window: Window::new(slots),
@@ -262,16 +267,21 @@ impl Adapt {
     /// The sketch's estimate of `key`'s recent accesses (0 ..= 15).
     #[inline]
     pub(crate) fn frequency(&self, key: u64) -> u8 {
-        sketch_indices(key, self.lines).iter().map(|&i| self.sketch[i].load(Relaxed)).min().unwrap_or(0)
+        let (w, sh) = sketch_slot(key, self.lines);
+        let w = self.sketch[w].load(Relaxed);
+        sh.iter().map(|&s| ((w >> s) & 15) as u8).min().unwrap_or(0)
     }
 
     /// Counts one access of `key`: each of its counters one more,
-    /// saturating.
+    /// saturating at 15 (one compare-and-swap of its word; a counter at
+    /// 15 is never added to, so nothing carries into its neighbour).
     #[inline]
     pub(crate) fn count(&self, key: u64) {
-        for i in sketch_indices(key, self.lines) {
-            let _ = self.sketch[i].fetch_update(Relaxed, Relaxed, |c| (c < COUNTER_MAX).then_some(c + 1));
-        }
+        let (w, sh) = sketch_slot(key, self.lines);
+        let _ = self.sketch[w].fetch_update(Relaxed, Relaxed, |w| {
+            let inc = sh.iter().filter(|&&s| (w >> s) & 15 < u64::from(COUNTER_MAX)).fold(0, |a, &s| a | 1 << s);
+            (inc != 0).then_some(w + inc)
+        });
         self.counted.fetch_add(1, Relaxed);
     }
 
@@ -284,7 +294,7 @@ impl Adapt {
         }
         self.counted.store(0, Relaxed);
         for c in &self.sketch {
-            c.store(c.load(Relaxed) >> 1, Relaxed);
+            c.store((c.load(Relaxed) >> 1) & 0x7777_7777_7777_7777, Relaxed);
         }
     }
 }
@@ -309,14 +319,25 @@ mod tests {
         assert_eq!(a.frequency(7), COUNTER_MAX / 2);
     }
 
-    /// A key's counters lie in one 64-byte line, one in each quarter.
+    /// A key's counters lie in one word of the sketch, one nibble in each
+    /// quarter of it; counting one key leaves its word's other counters.
     #[test]
-    fn a_key_touches_one_line() {
+    fn a_key_counts_in_one_word() {
         for k in 0..1000u64 {
-            let ix = sketch_indices(k, 1 << 10);
-            assert!(ix.iter().all(|&i| i / 64 == ix[0] / 64 && i < 64 << 10));
-            assert!(ix.iter().enumerate().all(|(r, &i)| (i % 64) / 16 == r));
+            let (w, sh) = sketch_slot(k, 1 << 10);
+            assert!(w < 8 << 10);
+            assert!(sh.iter().enumerate().all(|(r, &s)| s % 4 == 0 && s / 16 == r as u32));
         }
+        let a = Adapt::new(1, 128);
+        let (w, sh) = sketch_slot(7, a.lines);
+        for _ in 0..40 {
+            a.count(7);
+        }
+        let word = a.sketch[w].load(Relaxed);
+        let mine: u64 = sh.iter().map(|&s| 15 << s).sum();
+        assert_eq!(word, mine, "{word:#x}: 15 in the key's four counters, 0 elsewhere");
+        a.age(0);
+        assert_eq!(a.sketch[w].load(Relaxed), sh.iter().map(|&s| 7 << s).sum::<u64>());
     }
 
     const M: u64 = ADAPTIVE_MAIN;

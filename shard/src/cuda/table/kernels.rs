@@ -30,6 +30,11 @@ pub(super) struct Funcs {
     pub(super) lookup_at: Vec<Variant>,
     /// The same writing misses as zero rows (`lookup_findz`).
     pub(super) lookup_zero: Vec<Variant>,
+    /// `lookup` and `lookup_zero` of a table whose reads refresh
+    /// (`lookup_findr`, `lookup_findzr`), the only ones with the refresh's
+    /// code.
+    pub(super) lookup_refresh: Vec<Variant>,
+    pub(super) lookup_zero_refresh: Vec<Variant>,
     /// Upsert and update kernels with 1 to 32 threads per key ([`WRITE_GROUPS`])
     /// (see [`Funcs::upsert`], [`Funcs::update`]).
     pub(super) upsert: Vec<Variant>,
@@ -132,7 +137,15 @@ impl Funcs {
     /// per 16 floats of a wide row; 16 for a batch in region order
     /// (`ordered`, a table with a host tier). `at`: the find_at kernel;
     /// `zero`: the kernel that writes misses as zero rows.
-    pub(super) fn lookup(&self, values: bool, dim: usize, ordered: bool, at: bool, zero: bool) -> &Variant {
+    pub(super) fn lookup(
+        &self,
+        values: bool,
+        dim: usize,
+        ordered: bool,
+        at: bool,
+        zero: bool,
+        refresh: bool,
+    ) -> &Variant {
         let g = if ordered {
             HOST_TIER_LOOKUP
         } else if values {
@@ -140,12 +153,12 @@ impl Funcs {
         } else {
             1
         };
-        let vs = if at {
-            &self.lookup_at
-        } else if zero {
-            &self.lookup_zero
-        } else {
-            &self.lookup
+        let vs = match (at, zero, refresh) {
+            (true, ..) => &self.lookup_at,
+            (false, true, false) => &self.lookup_zero,
+            (false, true, true) => &self.lookup_zero_refresh,
+            (false, false, false) => &self.lookup,
+            (false, false, true) => &self.lookup_refresh,
         };
         pick(vs, self.forced_lookup.unwrap_or(g))
     }
@@ -209,7 +222,7 @@ impl Funcs {
     /// The probe kernel of a large find_or_insert: the lookup's choice
     /// ([`Funcs::lookup`]), as it copies rows out as a find does.
     pub(super) fn probe(&self, values: bool, dim: usize, ordered: bool) -> &Variant {
-        let g = self.lookup(values, dim, ordered, false, false).g;
+        let g = self.lookup(values, dim, ordered, false, false, false).g;
         pick(&self.probe, g)
     }
 
@@ -258,6 +271,8 @@ mod tests {
             (KernelId::Lookup, "lookup_find", &LOOKUP_GROUPS[..]),
             (KernelId::Lookup, "lookup_at", &LOOKUP_GROUPS[..]),
             (KernelId::Lookup, "lookup_findz", &LOOKUP_GROUPS[..]),
+            (KernelId::Lookup, "lookup_findr", &LOOKUP_GROUPS[..]),
+            (KernelId::Lookup, "lookup_findzr", &LOOKUP_GROUPS[..]),
             (KernelId::Upsert, "upsert_keys", &WRITE_GROUPS[..]),
             (KernelId::Upsert, "upsert_keys_a", &WRITE_GROUPS[..]),
             (KernelId::Upsert, "upsert_keys_v", &WRITE_GROUPS[..]),

@@ -154,7 +154,7 @@ impl CudaTable {
         let p = p.addrs(n, self.config.dim)?;
         let c = p.counters;
         let (order, args) = self.key_order(l, st, n, p.keys, p.values != 0)?;
-        let v = self.f.lookup(p.values != 0, self.config.dim, order.is_some(), at, zero);
+        let v = self.f.lookup(p.values != 0, self.config.dim, order.is_some(), at, zero, rs.refresh != 0);
         let mut b = l.launch_builder(&v.f);
         if at {
             b.arg(&args).arg(&p.keys).arg(&n).arg(&p.at).arg(&p.values).arg(&p.found).arg(&c).arg(&p.only).arg(&smp);

@@ -164,6 +164,8 @@ impl CudaTable {
             lookup: variants(KernelId::Lookup, "lookup_find", &LOOKUP_GROUPS)?,
             lookup_at: variants(KernelId::Lookup, "lookup_at", &LOOKUP_GROUPS)?,
             lookup_zero: variants(KernelId::Lookup, "lookup_findz", &LOOKUP_GROUPS)?,
+            lookup_refresh: variants(KernelId::Lookup, "lookup_findr", &LOOKUP_GROUPS)?,
+            lookup_zero_refresh: variants(KernelId::Lookup, "lookup_findzr", &LOOKUP_GROUPS)?,
             upsert: variants(KernelId::Upsert, "upsert_keys", &WRITE_GROUPS)?,
             upsert_adaptive: variants(KernelId::Upsert, "upsert_keys_a", &WRITE_GROUPS)?,
             upsert_verbatim: variants(KernelId::Upsert, "upsert_keys_v", &WRITE_GROUPS)?,
