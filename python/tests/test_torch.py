@@ -401,6 +401,7 @@ def test_a_table_made_again_with_another_dim_is_named(daemon):
     c.create_table("again", dim=3, capacity=1024, optimizer="adam")
     emb = Embedding(c, "again", verbose=False)
     emb(torch.tensor([1, 2])).sum().backward()
+    emb.flush()  # the step done before the other connection drops the table
     other.drop_table("again")
     other.create_table("again", dim=5, capacity=1024, optimizer="adam")
     with pytest.raises(hkvd.WrongDim, match="now has dim 5 and optimizer adam, not the dim 3"):
