@@ -167,9 +167,22 @@ fn main() -> ExitCode {
         Cmd::Serve(a) => {
             // Before any thread starts: this may re-execute the process.
             let huge = huge_pages();
-            let filter = a.log.clone().or_else(|| std::env::var("RUST_LOG").ok()).unwrap_or_else(|| "info".into());
+            let (filter, from) = match (a.log.clone(), std::env::var("RUST_LOG").ok()) {
+                (Some(f), _) => (f, "--log"),
+                (None, Some(f)) => (f, "RUST_LOG"),
+                (None, None) => ("info".into(), "the default"),
+            };
+            // A filter that does not parse is refused, not dropped: a
+            // daemon that logged nothing at all would hide its errors.
+            let filter = match tracing_subscriber::EnvFilter::try_new(&filter) {
+                Ok(f) => f,
+                Err(e) => {
+                    eprintln!("hkvd: {from} {filter:?} is not a log filter ({e}); use a level such as info or warn, or directives such as hkvd=debug,warn");
+                    return ExitCode::from(2);
+                }
+            };
             tracing_subscriber::fmt()
-                .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+                .with_env_filter(filter)
                 .with_writer(std::io::stderr)
                 .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
                 .init();

@@ -110,6 +110,7 @@
 #![deny(unsafe_code)]
 
 pub mod check;
+pub mod cli;
 pub mod config;
 // The CPU prefetch (one intrinsic) is the one `unsafe` outside `cuda`.
 #[allow(unsafe_code)]

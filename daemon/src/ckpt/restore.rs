@@ -581,9 +581,14 @@ fn settle(
 /// carried `lfu_ties` is of a daemon whose lfu tables used the reference's
 /// rule (plain frequencies as scores): its tables restore as `lowest-slot`,
 /// so their scores keep their meaning; a spec that names the rule keeps it.
+/// Tables of other policies restore with the default rule, which they do
+/// not use (a daemon before 2026-12-04 let a config file name
+/// `lowest-slot` for them; tables are now refused that).
 pub(crate) fn manifest_spec(v: &serde_json::Value) -> Result<TableSpec, serde_json::Error> {
     let mut spec: TableSpec = serde_json::from_value(v.clone())?;
-    if v.get("lfu_ties").is_none() {
+    if spec.policy != hkv_proto::Policy::Lfu {
+        spec.lfu_ties = hkv_proto::LfuTies::Lru;
+    } else if v.get("lfu_ties").is_none() {
         spec.lfu_ties = hkv_proto::LfuTies::LowestSlot;
     }
     Ok(spec)

@@ -140,6 +140,13 @@ pub fn check_name(name: &str) -> Result<(), ProtoError> {
 pub fn shard_config(spec: &TableSpec, n: usize) -> Result<TableConfig, ProtoError> {
     let policy: ScorePolicy =
         spec.policy.as_str().parse().map_err(|e: ShardError| ProtoError::bad_request(e.to_string()))?;
+    if spec.lfu_ties != hkv_proto::LfuTies::Lru && policy != ScorePolicy::Lfu {
+        return Err(ProtoError::bad_request(format!(
+            "lfu_ties {} is for policy lfu, not {}",
+            spec.lfu_ties,
+            spec.policy.as_str()
+        )));
+    }
     let mode = match spec.mode.as_str() {
         "single" => BucketMode::Single,
         "dual" => BucketMode::Dual,
@@ -224,5 +231,12 @@ mod tests {
         assert_eq!(c.capacity, 250);
         let bad = serde_json::from_str::<TableSpec>(r#"{"name":"t","dim":8,"capacity":1000,"policy":"fifo"}"#);
         assert!(bad.unwrap_err().to_string().contains("fifo"));
+        // The lfu tie rule names a rule of lfu tables only (hkvctl, the
+        // protocol and the config file alike).
+        let mut s = TableSpec { lfu_ties: hkv_proto::LfuTies::LowestSlot, ..TableSpec::new("t", 8, 1024) };
+        let e = shard_config(&s, 1).unwrap_err();
+        assert!(e.message.contains("lfu_ties lowest-slot is for policy lfu, not lru"), "{}", e.message);
+        s.policy = hkv_proto::Policy::Lfu;
+        assert_eq!(shard_config(&s, 1).unwrap().lfu_ties, hkv_shard::LfuTies::LowestSlot);
     }
 }

@@ -434,8 +434,8 @@ fn parse_capacity(s: &str, base: u64) -> Result<u64> {
         s.parse::<u64>()
             .with_context(|| format!("--capacities: {s:?} is neither a slot count nor a factor such as 2x"))?
     };
-    if cap == 0 {
-        bail!("--capacities: {s:?} gives no slots");
+    if cap == 0 || cap > MAX_COUNT {
+        bail!("--capacities: {s:?} gives {cap} slots; 1 to {MAX_COUNT} are replayed");
     }
     Ok(cap)
 }
@@ -595,29 +595,67 @@ fn pct(x: Option<f64>) -> String {
     x.map_or("n/a".into(), |x| format!("{:.3}%", x * 100.0))
 }
 
+/// The largest --capacity, --keyspace and stream (accesses) the simulator
+/// takes: far past what it replays in an hour, short of the overflows and
+/// allocations that larger values run into.
+const MAX_COUNT: u64 = 1 << 40;
+/// The largest --batch (the table's batch buffers are this many keys).
+const MAX_BATCH: usize = 1 << 24;
+
 fn main() -> Result<()> {
+    hkv_shard::cli::quiet_on_broken_pipe();
     let a = Args::parse();
-    let policies: Vec<ScorePolicy> =
-        a.policy.split(',').map(|p| p.trim().parse().context("--policy")).collect::<Result<_>>()?;
-    if let Some(p) = policies.iter().find(|p| !matches!(p, ScorePolicy::Lru | ScorePolicy::Lfu | ScorePolicy::Adaptive))
-    {
-        bail!("--policy {}: use lru, lfu or adaptive (the ideal cache is defined for those)", p.name());
-    }
+    let policies: Vec<ScorePolicy> = a
+        .policy
+        .split(',')
+        .map(|p| match p.trim() {
+            "lru" => Ok(ScorePolicy::Lru),
+            "lfu" => Ok(ScorePolicy::Lfu),
+            "adaptive" => Ok(ScorePolicy::Adaptive),
+            other => bail!(
+                "--policy {other:?}: use lru, lfu or adaptive, comma separated (the ideal cache is defined for those)"
+            ),
+        })
+        .collect::<Result<_>>()?;
     let lfu_ties: LfuTies = a.lfu_ties.parse().context("--lfu-ties")?;
     let mode = match a.mode.as_str() {
         "single" => BucketMode::Single,
         "dual" => BucketMode::Dual,
         m => bail!("--mode must be single or dual, not {m:?}"),
     };
-    if a.capacity == 0 || a.batch == 0 {
-        bail!("--capacity and --batch must be positive");
+    if a.capacity == 0 || a.capacity > MAX_COUNT {
+        bail!("--capacity must be 1 to {MAX_COUNT}, not {}", a.capacity);
     }
-    let keyspace = a.keyspace.unwrap_or(a.capacity * 10);
-    if a.alpha.is_nan() || a.alpha <= 0.0 || keyspace == 0 {
-        bail!("--alpha must be > 0 and --keyspace positive");
+    if a.batch == 0 || a.batch > MAX_BATCH {
+        bail!("--batch must be 1 to {MAX_BATCH}, not {}", a.batch);
+    }
+    let keyspace = a.keyspace.unwrap_or(a.capacity.saturating_mul(10));
+    if a.alpha.is_nan() || a.alpha <= 0.0 {
+        bail!("--alpha must be > 0");
+    }
+    if keyspace == 0 || keyspace > MAX_COUNT {
+        bail!("--keyspace must be 1 to {MAX_COUNT}, not {keyspace}");
+    }
+    if a.mrc && !(256..=1 << 20).contains(&a.mrc_keys) {
+        bail!("--mrc-keys must be 256 to 1048576 (the daemon's mrc.max_keys range), not {}", a.mrc_keys);
     }
     // The same stream at every capacity: its size follows --capacity.
-    let total = (a.stream_multiple * a.capacity as f64) as u64;
+    let total = a.stream_multiple * a.capacity as f64;
+    if a.trace.is_none() && !(total >= 1.0 && total <= MAX_COUNT as f64) {
+        bail!(
+            "--stream-multiple {} × --capacity {} must come to 1 to {MAX_COUNT} accesses",
+            a.stream_multiple,
+            a.capacity
+        );
+    }
+    let total = total as u64;
+    if a.batch as u64 > a.capacity / 4 {
+        eprintln!(
+            "hkv-sim: note: --batch {} is above a quarter of --capacity {}: nothing is evicted within a batch, \
+             so the per-access hit rates come out above what accesses made one at a time get (docs/sizing.md)",
+            a.batch, a.capacity
+        );
+    }
     let capacities: Vec<u64> = if a.capacities.is_empty() {
         vec![a.capacity]
     } else {
