@@ -123,9 +123,24 @@ fn run(cli: Cli) -> Result<()> {
     Ok(())
 }
 
+/// A reader that goes away (`hkvctl metrics | head -1`) ends hkvctl
+/// quietly with status 141 (128 + SIGPIPE, what a shell reports for other
+/// tools killed by it), instead of the panic of `println!` on a closed
+/// pipe.
+fn quiet_on_broken_pipe() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let p = info.payload();
+        let msg = p.downcast_ref::<String>().map(String::as_str).or_else(|| p.downcast_ref::<&str>().copied());
+        if msg.is_some_and(|m| m.contains("Broken pipe")) {
+            std::process::exit(141);
+        }
+        default(info)
+    }));
+}
+
 fn main() -> ExitCode {
-    // `hkvctl metrics | head -1`: status 141, no panic.
-    hkv_shard::cli::quiet_on_broken_pipe();
+    quiet_on_broken_pipe();
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
