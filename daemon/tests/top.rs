@@ -115,6 +115,12 @@ fn top_under_tmux_shows_rising_load_evictions_and_exits_cleanly() {
     tmux.run(&["send-keys", "-t", &tmux.session, "Tab"]);
     let s = tmux.wait_for("the table view", |s| s.contains("emb — dim 4"));
     assert!(s.contains("shards") && s.contains("evictions"), "{s}");
+    // A daemon that stops answering (SIGSTOP) is reported within the
+    // answer timeout (5 s), not waited for; it answers again: the banner goes.
+    d.signal("STOP");
+    tmux.wait_for("the not-answering banner", |s| s.contains("hkvd down") && s.contains("did not answer in time"));
+    d.signal("CONT");
+    tmux.wait_for("the banner to go", |s| !s.contains("hkvd down") && s.contains("emb — dim 4"));
     // The daemon goes away: the console says so; it comes back: reconnected.
     drop(c);
     let mut d = d;

@@ -146,6 +146,8 @@ impl App {
 
     /// The daemon could not be reached.
     pub fn on_down(&mut self, why: String) {
+        // What the last checkpoint request said is stale once the daemon is gone.
+        self.message = None;
         self.down = Some(why);
         self.dirty = true;
     }

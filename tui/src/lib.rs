@@ -34,6 +34,10 @@ use crossterm::event::{self, Event, KeyEventKind};
 
 use crate::app::{Action, App};
 
+/// How long the poller waits for an answer before it reports the daemon
+/// down (at least four polls' intervals).
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// What the poller thread reports.
 enum Update {
     Stats(Box<hkv_client::proto::stats::Stats>),
@@ -51,7 +55,13 @@ pub fn run(socket: PathBuf, interval: Duration, log: Option<PathBuf>) -> anyhow:
          (hkvctl stats, hkvctl stats --json and hkvctl metrics print the same figures)"
     );
     let mut logf = match &log {
-        Some(p) => Some(std::fs::OpenOptions::new().create(true).append(true).open(p)?),
+        Some(p) => Some(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .with_context(|| format!("--log {}", p.display()))?,
+        ),
         None => None,
     };
     let (tx, rx) = mpsc::channel::<Update>();
@@ -61,7 +71,11 @@ pub fn run(socket: PathBuf, interval: Duration, log: Option<PathBuf>) -> anyhow:
         let mut client: Option<hkv_client::Client> = None;
         loop {
             if client.is_none() {
-                client = hkv_client::Client::connect(&sock).ok();
+                // A daemon that stops answering (stopped, wedged, or a
+                // socket nobody serves) is reported down, not waited for.
+                client = hkv_client::Client::connect(&sock)
+                    .and_then(|mut c| c.set_timeout(Some(ANSWER_TIMEOUT.max(4 * interval))).map(|()| c))
+                    .ok();
             }
             let update = match client.as_mut().map(|c| c.stats_doc()) {
                 Some(Ok(v)) => Update::Stats(Box::new(v)),

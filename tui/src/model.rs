@@ -125,6 +125,9 @@ pub struct Checkpoint {
     pub last: Option<(String, u64, f64, Option<String>)>,
     /// Seconds to the next scheduled one.
     pub next_in_s: Option<f64>,
+    /// The checkpoint the daemon restored (at start or by `restore`), with
+    /// the entries it placed.
+    pub restored: Option<(String, u64)>,
 }
 
 /// One stats document.
@@ -220,7 +223,12 @@ pub fn snapshot(v: &Stats) -> Snapshot {
         requests: v.requests,
         errors: v.errors,
         tables,
-        checkpoint: Checkpoint { running, last, next_in_s: ck.next_in_s },
+        checkpoint: Checkpoint {
+            running,
+            last,
+            next_in_s: ck.next_in_s,
+            restored: ck.last_restore.as_ref().map(|r| (r.id.clone(), r.entries)),
+        },
         op_names: v.op_names.clone(),
     }
 }

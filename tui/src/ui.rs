@@ -175,10 +175,10 @@ fn draw_overview(f: &mut Frame, app: &App, area: Rect) {
     );
     let Some(t) = app.current_table() else {
         f.render_widget(
-            Paragraph::new(if app.snap.is_some() {
-                "no tables (hkvctl create-table …)"
-            } else {
-                "waiting for stats"
+            Paragraph::new(match &app.snap {
+                Some(s) if !s.tables.is_empty() => format!("no table matches /{} (esc clears)", app.filter),
+                Some(_) => "no tables (hkvctl create-table …)".into(),
+                None => "waiting for stats".into(),
             })
             .block(Block::default().borders(Borders::ALL)),
             detail,
@@ -432,7 +432,10 @@ fn draw_footer(f: &mut Frame, app: &App, area: Rect) {
             let last = match c.and_then(|c| c.last.as_ref()) {
                 Some((id, n, secs, None)) => format!("last checkpoint {id}: {n} entries in {secs:.1}s"),
                 Some((id, _, _, Some(e))) => format!("last checkpoint {id} FAILED: {e}"),
-                None => "no checkpoint yet".into(),
+                None => match c.and_then(|c| c.restored.as_ref()) {
+                    Some((id, n)) => format!("no checkpoint since the restore of {id} ({n} entries)"),
+                    None => "no checkpoint yet".into(),
+                },
             };
             let next = match c.and_then(|c| c.next_in_s) {
                 Some(s) => format!("  next in {s:.0}s"),

@@ -34,6 +34,12 @@ pub fn trace(c: &mut Client, table: &str, seconds: u32, out: &std::path::Path, t
     // The file is opened before the window, so that a path that cannot be
     // written fails now, not after `seconds` of collecting; it is emptied
     // only once the keys came (a failed trace leaves a file as it was).
+    // An unknown table is refused before the file is touched or the
+    // window announced.
+    let spec = match c.tables()?.into_iter().find(|t| t.spec.name == table) {
+        Some(t) => t.spec,
+        None => bail!("no table named {table:?}; create it first (hkvctl create-table)"),
+    };
     let existed = out.exists();
     let mut file = std::fs::OpenOptions::new()
         .write(true)
@@ -87,9 +93,17 @@ pub fn trace(c: &mut Client, table: &str, seconds: u32, out: &std::path::Path, t
     // A spatial sample of rate r behaves as the whole stream in a cache r
     // times the size: replay it at capacity × rate.
     let scaled = ((capacity as f64 * rate).round() as u64).max(1);
+    // The table's bucket mode and, where hkv-sim replays it, its policy.
+    let mut like = String::new();
+    if spec.mode == hkv_client::proto::Mode::Dual {
+        like += " --mode dual";
+    }
+    if matches!(spec.policy, Policy::Lfu | Policy::Adaptive) {
+        like += &format!(" --policy {}", spec.policy.as_str());
+    }
     println!(
         "replay (a spatial sample: capacity {capacity} x rate): hkv-sim --trace {} --capacity {scaled} \
-         --capacities 1/8x,1/4x,1/2x,1x,2x,4x,8x --batch 1",
+         --capacities 1/8x,1/4x,1/2x,1x,2x,4x,8x --batch 1{like}",
         out.display()
     );
     Ok(())
