@@ -141,7 +141,9 @@ impl std::str::FromStr for Restore {
     fn from_str(s: &str) -> Result<Restore, String> {
         match s {
             "none" => Ok(Restore::None),
-            _ => s.parse().map(Restore::Checkpoint).map_err(|e: hkv_proto::ProtoError| format!("{e}; or none")),
+            _ => {
+                s.parse().map(Restore::Checkpoint).map_err(|e: hkv_proto::ProtoError| format!("{}; or none", e.message))
+            }
         }
     }
 }

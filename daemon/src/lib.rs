@@ -333,7 +333,14 @@ async fn start_router(config: &Config, backend: Backend, ordinals: &[usize]) -> 
         router.ordinals = ordinals.to_vec();
     }
     for spec in &config.tables {
-        router.create_table(spec.clone()).await.map_err(|e| anyhow::anyhow!("table {:?}: {}", spec.name, e.message))?;
+        router.create_table(spec.clone()).await.map_err(|e| {
+            // Some refusals name the table already.
+            let named = format!("table {:?}: ", spec.name);
+            match e.message.starts_with(&named) {
+                true => anyhow::anyhow!("{}", e.message),
+                false => anyhow::anyhow!("{named}{}", e.message),
+            }
+        })?;
     }
     Ok(router)
 }

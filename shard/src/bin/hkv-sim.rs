@@ -357,7 +357,16 @@ impl Source {
                     if t.is_empty() {
                         continue;
                     }
-                    let field = t.split(',').nth(*column).map(str::trim).unwrap_or("");
+                    let Some(field) = t.split(',').nth(*column).map(str::trim) else {
+                        bail!(
+                            "trace {} line {}: {} comma-separated columns; --csv-column {} needs at least {}",
+                            path.display(),
+                            *read,
+                            t.split(',').count(),
+                            *column,
+                            *column + 1
+                        );
+                    };
                     let k = match field.parse::<u64>() {
                         Ok(k) => k,
                         Err(_) if *read == 1 => continue, // a header
@@ -386,7 +395,14 @@ impl Source {
                         continue;
                     }
                     let k: u64 = t.parse().with_context(|| {
-                        format!("trace {} line {}: {t:?} is not a decimal u64 key", path.display(), *read)
+                        let shown: String = t.chars().take(40).collect();
+                        let more = if shown.len() < t.len() { "…" } else { "" };
+                        format!(
+                            "trace {} line {}: {shown:?}{more} is not a decimal u64 key \
+                             (a binary trace? use --trace-format bin)",
+                            path.display(),
+                            *read
+                        )
                     })?;
                     if is_reserved(k) {
                         bail!(
@@ -618,6 +634,15 @@ fn main() -> Result<()> {
         })
         .collect::<Result<_>>()?;
     let lfu_ties: LfuTies = a.lfu_ties.parse().context("--lfu-ties")?;
+    if lfu_ties != LfuTies::Lru && !policies.contains(&ScorePolicy::Lfu) {
+        eprintln!("hkv-sim: note: --lfu-ties is for --policy lfu; no lfu run uses it");
+    }
+    if a.mrc && (a.policy != "lru" || a.mode != "single" || !a.capacities.is_empty()) {
+        eprintln!(
+            "hkv-sim: note: --mrc compares the estimated and exact LRU curves at 1/8x to 8x --capacity; \
+             --policy, --mode and --capacities are not used"
+        );
+    }
     let mode = match a.mode.as_str() {
         "single" => BucketMode::Single,
         "dual" => BucketMode::Dual,

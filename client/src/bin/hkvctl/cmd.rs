@@ -173,6 +173,7 @@ pub enum Cmd {
     /// Restore a checkpoint (an id from `checkpoints`, or latest) into the running daemon.
     Restore {
         /// Checkpoint id or `latest`.
+        #[arg(value_parser = |s: &str| s.parse::<hkv_client::proto::CheckpointId>().map_err(|e| e.message))]
         id: hkv_client::proto::CheckpointId,
     },
     /// Ask the daemon to finish in-flight requests and exit.
