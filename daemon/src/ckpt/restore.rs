@@ -818,6 +818,11 @@ mod tests {
         for ties in hkv_proto::LfuTies::ALL {
             let mut spec = hkv_proto::TableSpec::new("t", 4, 1024);
             spec.lfu_ties = *ties;
+            // An lru table's rule is the default whatever its manifest says
+            // (a config file could name lowest-slot for it before it was refused).
+            let v = serde_json::to_value(&spec).unwrap();
+            assert_eq!(manifest_spec(&v).unwrap().lfu_ties, hkv_proto::LfuTies::Lru);
+            spec.policy = hkv_proto::Policy::Lfu;
             let v = serde_json::to_value(&spec).unwrap();
             assert_eq!(manifest_spec(&v).unwrap().lfu_ties, *ties);
         }
