@@ -16,10 +16,12 @@ use hkv_client::{Client, ClientError, Cursor, ErrorCode, Filter, Request, Respon
 /// plain counts these tests check (`lfu_tables_default_to_packed_scores`
 /// covers the default).
 fn spec(name: &str, dim: usize, capacity: u64, policy: &str, mode: &str) -> TableSpec {
+    let policy: proto::Policy = policy.parse().unwrap();
     TableSpec {
-        policy: policy.parse().unwrap(),
+        policy,
         mode: mode.parse().unwrap(),
-        lfu_ties: proto::LfuTies::LowestSlot,
+        // The rule names an lfu rule; other policies are refused it.
+        lfu_ties: if policy == proto::Policy::Lfu { proto::LfuTies::LowestSlot } else { proto::LfuTies::Lru },
         ..TableSpec::new(name, dim, capacity)
     }
 }
