@@ -163,6 +163,10 @@ fn tables_put_get_erase() {
         "0.75",
     ]);
     d.run(&["create-table", "lt", "--dim", "2", "--capacity", "4096", "--policy", "lfu", "--lfu-ties", "lowest-slot"]);
+    // A growth threshold for a table that does not grow is refused.
+    let out = d.hkvctl(&["create-table", "flat", "--dim", "2", "--capacity", "4096", "--max-load-factor", "0.7"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("give --max-capacity too"), "{err}");
     let tables = Client::connect(&d.socket).unwrap().tables().unwrap();
     let spec = |n: &str| tables.iter().find(|t| t.spec.name == n).unwrap().spec.clone();
     assert_eq!(spec("grow").max_load_factor, Some(0.75));

@@ -561,7 +561,10 @@ fn replay(a: &Args, cfg: &TableConfig, mut source: Source) -> Result<Run> {
         done += n as u64;
     }
     if done == 0 {
-        bail!("the stream holds no keys");
+        match &a.trace {
+            Some(p) => bail!("trace {} holds no keys", p.display()),
+            None => bail!("the stream holds no keys"),
+        }
     }
 
     // Top-N: the ideal cache's final contents, held by the table?
@@ -827,7 +830,10 @@ fn mrc_compare(a: &Args, mut source: Source, stream: &str) -> Result<()> {
     }
     let done = all.len() as u64;
     if done == 0 {
-        bail!("the stream holds no keys");
+        match &a.trace {
+            Some(p) => bail!("trace {} holds no keys", p.display()),
+            None => bail!("the stream holds no keys"),
+        }
     }
     let t = thread_seconds();
     for b in all.chunks(a.batch) {

@@ -105,6 +105,10 @@ pub fn create(c: &mut Client, a: CreateTable) -> Result<()> {
     if lfu_ties.is_some() && policy != proto::Policy::Lfu {
         anyhow::bail!("--lfu-ties is for --policy lfu, not {}", policy.as_str());
     }
+    // The growth threshold is for a table that grows.
+    if max_load_factor.is_some() && max_capacity == 0 {
+        anyhow::bail!("--max-load-factor is the load past which a table grows: give --max-capacity too");
+    }
     // Only a write-back table has a queue to bound.
     let mode = backing_mode.unwrap_or_default();
     if backing_queue_bytes.is_some() && mode != proto::BackingMode::WriteBack {
