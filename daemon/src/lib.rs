@@ -75,7 +75,7 @@ fn backend(config: &Config) -> anyhow::Result<(Backend, Vec<usize>, String)> {
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let cpu = |why: &str| {
         if let Some(d) = &config.devices {
-            warn!(devices = ?d, "--devices names CUDA devices; the CPU backend has none and ignores it");
+            warn!(devices = ?d, "devices (--devices, or the config file's devices) names CUDA devices; the CPU backend has none and ignores it");
         }
         let n = config.shards.unwrap_or(cores).max(1);
         (Backend::Cpu, (0..n).collect(), format!("cpu ({n} shards{why})"))
@@ -336,9 +336,10 @@ async fn start_router(config: &Config, backend: Backend, ordinals: &[usize]) -> 
         router.create_table(spec.clone()).await.map_err(|e| {
             // Some refusals name the table already.
             let named = format!("table {:?}: ", spec.name);
-            match e.message.starts_with(&named) {
-                true => anyhow::anyhow!("{}", e.message),
-                false => anyhow::anyhow!("{named}{}", e.message),
+            if e.message.starts_with(&named) {
+                anyhow::anyhow!("{}", e.message)
+            } else {
+                anyhow::anyhow!("{named}{}", e.message)
             }
         })?;
     }

@@ -91,6 +91,11 @@ fn top_under_tmux_shows_rising_load_evictions_and_exits_cleanly() {
     let s = tmux.wait_for("the table row", |s| load(s, "emb").is_some());
     assert!(s.contains("hkvd 0.1.0") && s.contains("Overview"), "{s}");
     assert_eq!(load(&s, "emb"), Some(0.0));
+    // A terminal too small for the views says so; grown again, the views return.
+    tmux.run(&["resize-window", "-t", &tmux.session, "-x", "40", "-y", "10"]);
+    tmux.wait_for("the too-small notice", |s| s.contains("needs 60x16") && s.contains("40x10"));
+    tmux.run(&["resize-window", "-t", &tmux.session, "-x", "150", "-y", "40"]);
+    tmux.wait_for("the views again", |s| load(s, "emb").is_some());
     // Insert a third of the capacity: the load factor rises.
     let keys: Vec<u64> = (1..=256).collect();
     c.insert_or_assign("emb", &keys, &vec![0.5; 256 * 4], None).unwrap();

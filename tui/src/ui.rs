@@ -51,8 +51,21 @@ fn load_color(frac: f64) -> Color {
     }
 }
 
+/// The smallest terminal the views fit in; below it the console says so
+/// instead of drawing views whose rows and columns would be cut.
+const MIN_AREA: (u16, u16) = (60, 16);
+
 /// Draws the whole console.
 pub fn draw(f: &mut Frame, app: &App) {
+    let a = f.area();
+    if a.width < MIN_AREA.0 || a.height < MIN_AREA.1 {
+        let text = format!(
+            "hkvd top needs {}x{} or more; this terminal is {}x{}. q quits.",
+            MIN_AREA.0, MIN_AREA.1, a.width, a.height
+        );
+        f.render_widget(Paragraph::new(text).wrap(Wrap { trim: true }), a);
+        return;
+    }
     let [header, tabs, body, footer] =
         Layout::vertical([Constraint::Length(1), Constraint::Length(1), Constraint::Min(0), Constraint::Length(2)])
             .areas(f.area());
