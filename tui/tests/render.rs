@@ -233,8 +233,11 @@ fn checkpoint_progress_and_daemon_down() {
 #[test]
 fn tiny_terminals_and_odd_stats_do_not_panic() {
     let a = app();
+    // Below 60x16 a notice instead of cut views; from there, the views.
     let s = render(&a, 40, 10);
-    assert!(s.contains("hkvd 0.1.0"));
+    assert!(s.contains("needs 60x16") && s.contains("40x10"), "{s}");
+    let s = render(&a, 60, 16);
+    assert!(s.contains("hkvd 0.1.0"), "{s}");
     for (w, h) in [(1, 1), (2, 3), (10, 2), (40, 10), (300, 5)] {
         render(&a, w, h);
     }
