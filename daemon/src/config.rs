@@ -421,11 +421,11 @@ pub struct MrcSettings {
 
 impl MrcSettings {
     /// The fewest keys a curve is worth estimating from.
-    pub const MIN_KEYS: usize = 256;
+    pub const MIN_KEYS: usize = hkv_shard::mrc::MIN_KEYS;
     /// The fewest keys one shard's estimator tracks.
     pub const MIN_SHARD_KEYS: usize = 256;
     /// The most (120 MiB per table).
-    pub const MAX_KEYS: usize = 1 << 20;
+    pub const MAX_KEYS: usize = hkv_shard::mrc::MAX_KEYS;
 
     /// The estimator's config, or None when off.
     pub fn config(&self) -> Option<hkv_shard::mrc::MrcConfig> {

@@ -561,10 +561,7 @@ fn replay(a: &Args, cfg: &TableConfig, mut source: Source) -> Result<Run> {
         done += n as u64;
     }
     if done == 0 {
-        match &a.trace {
-            Some(p) => bail!("trace {} holds no keys", p.display()),
-            None => bail!("the stream holds no keys"),
-        }
+        return Err(no_keys(a));
     }
 
     // Top-N: the ideal cache's final contents, held by the table?
@@ -610,6 +607,14 @@ fn replay(a: &Args, cfg: &TableConfig, mut source: Source) -> Result<Run> {
     })
 }
 
+/// The error of a stream that held no keys, naming its trace.
+fn no_keys(a: &Args) -> anyhow::Error {
+    match &a.trace {
+        Some(p) => anyhow::anyhow!("trace {} holds no keys", p.display()),
+        None => anyhow::anyhow!("the stream holds no keys"),
+    }
+}
+
 fn pct(x: Option<f64>) -> String {
     x.map_or("n/a".into(), |x| format!("{:.3}%", x * 100.0))
 }
@@ -627,12 +632,11 @@ fn main() -> Result<()> {
     let policies: Vec<ScorePolicy> = a
         .policy
         .split(',')
-        .map(|p| match p.trim() {
-            "lru" => Ok(ScorePolicy::Lru),
-            "lfu" => Ok(ScorePolicy::Lfu),
-            "adaptive" => Ok(ScorePolicy::Adaptive),
-            other => bail!(
-                "--policy {other:?}: use lru, lfu or adaptive, comma separated (the ideal cache is defined for those)"
+        .map(|p| match p.trim().parse() {
+            Ok(p @ (ScorePolicy::Lru | ScorePolicy::Lfu | ScorePolicy::Adaptive)) => Ok(p),
+            _ => bail!(
+                "--policy {:?}: use lru, lfu or adaptive, comma separated (the ideal cache is defined for those)",
+                p.trim()
             ),
         })
         .collect::<Result<_>>()?;
@@ -664,8 +668,9 @@ fn main() -> Result<()> {
     if keyspace == 0 || keyspace > MAX_COUNT {
         bail!("--keyspace must be 1 to {MAX_COUNT}, not {keyspace}");
     }
-    if a.mrc && !(256..=1 << 20).contains(&a.mrc_keys) {
-        bail!("--mrc-keys must be 256 to 1048576 (the daemon's mrc.max_keys range), not {}", a.mrc_keys);
+    let (lo, hi) = (hkv_shard::mrc::MIN_KEYS, hkv_shard::mrc::MAX_KEYS);
+    if a.mrc && !(lo..=hi).contains(&a.mrc_keys) {
+        bail!("--mrc-keys must be {lo} to {hi} (the daemon's mrc.max_keys range), not {}", a.mrc_keys);
     }
     // The same stream at every capacity: its size follows --capacity.
     let total = a.stream_multiple * a.capacity as f64;
@@ -830,10 +835,7 @@ fn mrc_compare(a: &Args, mut source: Source, stream: &str) -> Result<()> {
     }
     let done = all.len() as u64;
     if done == 0 {
-        match &a.trace {
-            Some(p) => bail!("trace {} holds no keys", p.display()),
-            None => bail!("the stream holds no keys"),
-        }
+        return Err(no_keys(a));
     }
     let t = thread_seconds();
     for b in all.chunks(a.batch) {

@@ -68,6 +68,12 @@ pub const SAMPLE_SEED: u64 = 0x6a09_e667_f3bc_c908;
 /// the keys ([`Mrc::new`]).
 pub const START_SPAN: f64 = 2.0;
 
+/// The fewest distinct sampled keys a curve is worth estimating from (the
+/// least [`MrcConfig::max_keys`] the daemon and `hkv-sim` take).
+pub const MIN_KEYS: usize = 256;
+/// The most distinct sampled keys tracked (120 MiB per table).
+pub const MAX_KEYS: usize = 1 << 20;
+
 /// The default number of distinct sampled keys tracked ([`MrcConfig::max_keys`]).
 pub const DEFAULT_MAX_KEYS: usize = 16 * 1024;
 
