@@ -241,7 +241,9 @@ fn main() {
         }
         print_cpu(what, batch, (rounds * n) as f64 / batch as f64, cpu_p, cpu_h);
         let b = backing(&mut ca, "cold");
-        let ratio = median(h.iter().zip(&p).map(|(h, p)| h / p).collect());
+        let ratios: Vec<f64> = h.iter().zip(&p).map(|(h, p)| h / p).collect();
+        eprintln!("{what}: ratio per round {}", ratios.iter().map(|r| format!("{r:.2}")).collect::<Vec<_>>().join(" "));
+        let ratio = median(ratios);
         rows.push(Row {
             what: if depth == 1 {
                 "cold read-through (find, every key a miss)"
