@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from . import Client, HkvdError, WrongDim, _integers, region
+from . import cuda as _cuda
 from .cuda import CudaError, CudaIpcUnavailable
 from .shm import shm_array
 
@@ -256,7 +257,7 @@ class EmbeddingCache:
                 region.finish(self.client, p)
                 if self.transport == "cuda-ipc" and p.post is None and self._done is not None:
                     # Sent with this cache's own done event (``_send``).
-                    self._done.wait(torch.cuda.current_stream(self.device).cuda_stream)
+                    self._done.wait(_cuda.torch_stream(self.device.index))
             if out is not None:
                 src = self._values[:m, :d] if self.transport == "cuda-ipc" else torch.from_numpy(self._values_np[:m, :d])
                 out.copy_(src)
@@ -352,7 +353,7 @@ class EmbeddingCache:
                                       f"(read before this request, which was not sent): {e.message}") from e
             raise
         if self.transport == "cuda-ipc" and p.post is None and self._done is not None:
-            self._done.wait(torch.cuda.current_stream(self.device).cuda_stream)
+            self._done.wait(_cuda.torch_stream(self.device.index))
         self.missing += region.count(body) or 0
         if out is not None:
             self._copy_out(m, out, found)
