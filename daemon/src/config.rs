@@ -53,13 +53,30 @@ impl std::str::FromStr for BackendChoice {
     }
 }
 
+/// The smallest `limits.max_frame_bytes`: a frame's header and the
+/// shortest bodies fit.
+const MIN_FRAME_BYTES: u32 = 64;
+
+/// `limits.max_frame_bytes` from the config file, its range said in the
+/// error (the integer's type alone said "expected u32").
+fn frame_bytes<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u32, D::Error> {
+    let v = i64::deserialize(d)?;
+    u32::try_from(v).ok().filter(|&b| b >= MIN_FRAME_BYTES).ok_or_else(|| {
+        serde::de::Error::custom(format!(
+            "limits.max_frame_bytes = {v} is out of range: {MIN_FRAME_BYTES} to {} bytes",
+            u32::MAX
+        ))
+    })
+}
+
 /// Explicit limits, all enforced before allocation (`[limits]`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Args)]
 #[serde(default, deny_unknown_fields)]
 #[command(next_help_heading = "Limits ([limits] in the config file)")]
 pub struct Limits {
-    /// Largest frame body accepted, bytes.
-    #[arg(long, default_value_t = 1 << 30)]
+    /// Largest frame body accepted, bytes (64 to 4294967295).
+    #[arg(long, default_value_t = 1 << 30, value_parser = clap::value_parser!(u32).range(MIN_FRAME_BYTES as i64..))]
+    #[serde(deserialize_with = "frame_bytes")]
     pub max_frame_bytes: u32,
     /// Requests of one connection executed at once; more wait (backpressure).
     #[arg(long, default_value_t = 64)]
@@ -373,7 +390,10 @@ impl Config {
                 "metrics_listen {addr}: the metrics listener serves loopback addresses only (e.g. 127.0.0.1:9466)"
             );
         }
-        anyhow::ensure!(l.max_frame_bytes >= 64, "limits.max_frame_bytes must be at least 64");
+        anyhow::ensure!(
+            l.max_frame_bytes >= MIN_FRAME_BYTES,
+            "limits.max_frame_bytes must be at least {MIN_FRAME_BYTES}"
+        );
         let k = self.mrc.max_keys;
         anyhow::ensure!(
             !self.mrc.enabled || (MrcSettings::MIN_KEYS..=MrcSettings::MAX_KEYS).contains(&k),
@@ -493,6 +513,11 @@ mod tests {
         assert_eq!(c.limits.max_in_flight, 64);
         assert_eq!(c.tables[0].policy, hkv_proto::Policy::Lfu);
         assert!(toml::from_str::<Config>("sockett = 1").unwrap_err().to_string().contains("sockett"));
+        // A frame limit outside 64..=u32::MAX is refused with its range.
+        for bad in ["10", "-5", "5000000000"] {
+            let e = toml::from_str::<Config>(&format!("[limits]\nmax_frame_bytes = {bad}")).unwrap_err().to_string();
+            assert!(e.contains(&format!("max_frame_bytes = {bad} is out of range: 64 to 4294967295 bytes")), "{e}");
+        }
         // The backend keeps its spellings; another is refused by name.
         for b in ["auto", "cpu", "cuda"] {
             let c: Config = toml::from_str(&format!("backend = {b:?}")).unwrap();
