@@ -154,6 +154,11 @@ fn bad_traces_are_refused_with_the_place() {
     let out = sim(&["--trace", t.path().to_str().unwrap(), "--capacity", "128"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("reserved") && err.contains("index 1"), "{err}");
+    // A binary file read as csv (or text) is refused by its line, naming the binary formats.
+    let t = Trace::raw("binary.csv", b"1,2\n3,4\n\xff\xfe\x00\x01,5\n");
+    let out = sim(&["--trace", t.path().to_str().unwrap(), "--capacity", "128"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("line 3: not UTF-8") && err.contains("--trace-format bin"), "{err}");
 }
 
 /// Issue 32, item 17. The story: with its default `--batch 1024`, hkv-sim

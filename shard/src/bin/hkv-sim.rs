@@ -349,7 +349,7 @@ impl Source {
             Source::Trace { path, format: TraceFormat::Csv, reader, read, line, column } => {
                 while keys.len() < n {
                     line.clear();
-                    if reader.read_line(line).with_context(|| format!("reading trace {}", path.display()))? == 0 {
+                    if read_text_line(reader, line, path, *read + 1)? == 0 {
                         break;
                     }
                     *read += 1;
@@ -386,7 +386,7 @@ impl Source {
             Source::Trace { path, format: TraceFormat::Text, reader, read, line, .. } => {
                 while keys.len() < n {
                     line.clear();
-                    if reader.read_line(line).with_context(|| format!("reading trace {}", path.display()))? == 0 {
+                    if read_text_line(reader, line, path, *read + 1)? == 0 {
                         break;
                     }
                     *read += 1;
@@ -420,6 +420,22 @@ impl Source {
 }
 
 /// Reads until `b` is full or the input ends; returns the bytes read.
+/// One line of a text or csv trace into `line` (0 at the end); a line
+/// that is not UTF-8 is refused by its number (line `no`), as a binary
+/// file read as text would be.
+fn read_text_line(reader: &mut impl BufRead, line: &mut String, path: &Path, no: u64) -> Result<usize> {
+    reader.read_line(line).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::InvalidData {
+            anyhow::anyhow!(
+                "trace {} line {no}: not UTF-8 text (a binary trace? use --trace-format bin or oracle)",
+                path.display()
+            )
+        } else {
+            anyhow::Error::new(e).context(format!("reading trace {}", path.display()))
+        }
+    })
+}
+
 fn read_full(r: &mut impl Read, b: &mut [u8]) -> std::io::Result<usize> {
     let mut got = 0;
     while got < b.len() {
