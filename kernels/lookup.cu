@@ -12,23 +12,30 @@
 // each, so that each row goes in whole-row writes (a group's own stores
 // would send 4 × G bytes at a time).
 
-// A find hit in a table whose reads refresh (rs->refresh): its score
+// A find hit in a table whose reads refresh (rs.refresh): its score
 // becomes hkv_on_read of it, by CAS (hits of one key in a batch compose),
 // and, adaptive, one access in the sketch (order-free increments); returns
 // the score written. The group's first thread, in the refreshing kernels
-// only (lookup_findr, lookup_findzr): the others do not contain the call,
-// so a change here does not move their code. A call (__noinline__); rs by
-// value, so that it is copied for the call only.
-__device__ __noinline__ u64 hkv_refresh_hit(const HkvTable& t, const HkvScoring rs, u64 pos, u64 key) {
+// only (lookup_findr, lookup_findzr): the others do not contain it. The
+// reads it starts from were issued earlier (hkv_refresh_reads), so that
+// they travel beside the lookup and the row's copy instead of after them:
+// `old` the score as read then, `sk_old` the key's sketch word (a stale
+// value only costs its CAS one retry).
+__device__ __forceinline__ u64 hkv_refresh_hit(const HkvTable& t, const HkvScoring& rs, u64 pos, u64 key, u64 old,
+                                               u64 sk_old) {
     unsigned long long* p = reinterpret_cast<unsigned long long*>(t.scores + pos);
-    u64 old = __ldcg(t.scores + pos), nw = hkv_on_read(rs, old);
+    u64 nw = hkv_on_read(rs, old);
     while (nw != old) {
         u64 seen = atomicCAS(p, old, nw);
         if (seen == old) break;
         old = seen;
         nw = hkv_on_read(rs, old);
     }
-    if (rs.sketch) hkv_sketch_count(rs, key);
+    if (rs.sketch) {
+        u32 sh[4];
+        u64 w = hkv_sketch_word(key, rs.sketch_lines, sh);
+        hkv_sketch_add(reinterpret_cast<unsigned long long*>(rs.sketch) + w, sk_old, sh);
+    }
     return nw;
 }
 
@@ -47,6 +54,15 @@ __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u
     u64 key = active ? keys[i] : 0;
     // The miss-ratio sampling filter, fused: the whole warp is here.
     if (smp.ring) hkv_sample_warp(smp, active && g.rank == 0, key, seen);
+    // A refreshing find: the key's sketch word is read now, beside the
+    // digests (its place depends on the key alone); the hit's score once
+    // its slot is known, beside the row's copy (hkv_refresh_hit).
+    const bool refresh = REFRESH && rs && rs->refresh && active && g.rank == 0;
+    u64 sk_old = 0, sc_old = 0;
+    if (refresh && rs->sketch) {
+        u32 sh[4];
+        sk_old = __ldcg(reinterpret_cast<const u64*>(rs->sketch) + hkv_sketch_word(key, rs->sketch_lines, sh));
+    }
     if (active) {
         u64 b1, b2;
         u8 d;
@@ -61,9 +77,8 @@ __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u
         pos = b * 128 + s;
         if (g.rank == 0) {
             if (found) found[i] = hit;
-            if (REFRESH && hit && rs && rs->refresh) {
-                u64 now = hkv_refresh_hit(t, *rs, pos, key);
-                if (scores) scores[i] = now;
+            if (refresh && hit) {
+                sc_old = __ldcg(t.scores + pos);
             } else if (hit && scores) {
                 scores[i] = __ldg(t.scores + pos);
             }
@@ -71,7 +86,13 @@ __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u
             if (hit) atomicAdd(cnt + HKV_C_HITS, 1ULL);
         }
     }
-    if (!values) return;
+    if (!values) {
+        if (refresh && hit) {
+            u64 now = hkv_refresh_hit(t, *rs, pos, key, sc_old, sk_old);
+            if (scores) scores[i] = now;
+        }
+        return;
+    }
     // find_at: the warp writes every row of its keys, one after the other.
     if (AT) {
         u32 lane = threadIdx.x & 31;
@@ -99,6 +120,11 @@ __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u
         float* dst = host ? values + i * t.dim : 0;
         const float* src = host ? hkv_row(t, pos) : 0;
         hkv_copy_rows_warp<G>(g, host, dst, src, t.dim);
+    }
+    // The refresh after the copy's loads and stores went out.
+    if (refresh && hit) {
+        u64 now = hkv_refresh_hit(t, *rs, pos, key, sc_old, sk_old);
+        if (scores) scores[i] = now;
     }
 }
 
