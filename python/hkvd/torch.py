@@ -12,6 +12,7 @@ Needs torch; importing this module without it raises ImportError.
 from __future__ import annotations
 
 import math
+import re
 import sys
 import time
 import weakref
@@ -20,7 +21,7 @@ from typing import Callable, Iterable, List, NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
-from . import Client, HkvdError, WrongDim, _integers, region
+from . import Client, HkvdError, ReservedKey, WrongDim, _integers, region
 from . import cuda as _cuda
 from .cuda import CudaError, CudaIpcUnavailable
 from .shm import shm_array
@@ -722,6 +723,12 @@ class _Sparse(torch.nn.Module):
 
     def _apply_step(self, uniq: torch.Tensor, grads: torch.Tensor) -> None:
         t0 = time.perf_counter()
+        # The steps in flight of this table's modules answered first: their
+        # updated rows are in the buffers before a patch copies them out
+        # (this module stepped twice in one backward: two forwards), and
+        # steps sent by modules on other connections run in backward
+        # order, not in whichever order the daemon takes them.
+        self._settle_sharing()
         self.step += 1
         # Updated rows are needed to patch the prefetches pending, this
         # module's and those of other modules of the table.
@@ -751,6 +758,8 @@ class _Sparse(torch.nn.Module):
             uniq, inv, rows = self._lookup(flat)
         except WrongDim as e:
             raise self._dim_changed(e) from e
+        except ReservedKey as e:
+            raise self._reserved_at(e, flat) from e
         return _Gather.apply(self._anchor, rows, inv, uniq, self)
 
     def _dim_changed(self, e: "WrongDim") -> "WrongDim":
@@ -768,6 +777,41 @@ class _Sparse(torch.nn.Module):
                                 f"{spec.get('optimizer')}, not the dim {self.dim} and {self.optimizer} this module "
                                 f"was made for: was it dropped and created again? Make a new module for it "
                                 f"(the daemon said: {e.message})")
+
+    @staticmethod
+    def _reserved_at(e: "ReservedKey", flat: torch.Tensor) -> "ReservedKey":
+        """``e`` with the reserved id's place in the forward's ids (flattened),
+        not in the distinct ids the daemon was sent."""
+        m = re.search(r"key (0x[0-9a-f]+) at index \d+", e.message)
+        if m is None:
+            return e
+        key = int(m.group(1), 16)
+        at = (flat == (key - (1 << 64) if key >= 1 << 63 else key)).nonzero()
+        if at.numel() == 0:
+            return e
+        return ReservedKey(e.code, f"id {key - (1 << 64) if key >= 1 << 63 else key} ({m.group(1)}) at index "
+                                   f"{int(at[0, 0])} of the ids (flattened) is reserved: ids "
+                                   f"-4 to -1 (0xfffffffffffffffc and up) mark empty slots in the table; "
+                                   f"nothing was looked up")
+
+    def get_extra_state(self) -> dict:
+        """What ``state_dict()`` keeps of the module: the optimizer's step
+        count (Adam's bias correction follows it). The rows and their
+        optimizer state are the table's (its checkpoints and exports)."""
+        return {"step": self.step}
+
+    def set_extra_state(self, state) -> None:
+        self.step = int(state["step"])
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        # A state_dict saved before the step count was kept has none: the
+        # count stays where it is, as it did then.
+        key = prefix + "_extra_state"
+        if key in missing_keys:
+            missing_keys.remove(key)
 
     @property
     def patched_rows(self) -> int:

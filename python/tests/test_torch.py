@@ -695,3 +695,139 @@ def test_modules_sharing_a_table_train_prefetched_bit_identical(daemon, transpor
     assert (a.prefetch_hits, b.prefetch_hits) == (small_a, small_b), "every batch prefetched was used"
     assert a.patched_rows > 0 and b.patched_rows > 0
     c.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "socket", "cuda-ipc"])
+def test_one_module_twice_a_step_prefetched_is_bit_identical(daemon, monkeypatch, transport):
+    """One module used for two fields of a step (two forwards, so two
+    optimizer steps in one backward) with the next batch prefetched: the
+    second step's patch copied the first step's updated rows out of the
+    cache's buffers before the first step's answer was read, and the
+    prefetched forward got stale rows, over shm even optimizer state
+    (found by an independent tester: 29 of 30 forwards differed from the
+    table with SGD). Every forward's rows equal the table's, and the run
+    equals an unprefetched one bit for bit."""
+    from hkvd.torch import Embedding, Prefetcher
+
+    if transport == "cuda-ipc":
+        _simulate_cuda(monkeypatch)
+    dim = 4
+    c, check = daemon.client(), daemon.client()
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randint(0, 40, (32,), generator=g), torch.randint(0, 40, (32,), generator=g)) for _ in range(20)]
+    w = [torch.randn(32, dim, generator=g) for _ in data]
+    runs = {}
+    for name, ahead in (("twice_plain", False), ("twice_ahead", True)):
+        c.create_table(name, dim=dim, capacity=1 << 12, optimizer="adagrad")
+        e = Embedding(c, name, lr=0.05, init=lambda i: (i % 7).float()[:, None].expand(-1, dim) / 7,
+                      transport=transport, verbose=False, events=transport != "cuda-ipc")
+        stale = 0
+        for step, (users, items) in enumerate(Prefetcher(data, e) if ahead else data):
+            u = e(users)
+            e.flush()
+            truth = check.find(name, users.numpy().astype(np.uint64))[0][:, :dim]
+            stale += not np.array_equal(u.detach().numpy(), truth)
+            ((u + e(items)) * w[step]).sum().backward()
+        e.flush()
+        assert stale == 0, f"{stale} of {len(data)} forwards got rows other than the table's"
+        runs[name] = e
+    assert runs["twice_ahead"].prefetch_hits == len(data)
+    ka, va, _ = c.export("twice_plain")
+    kb, vb, _ = c.export("twice_ahead")
+    oa, ob = np.argsort(ka), np.argsort(kb)
+    assert ka.size > 0 and np.array_equal(ka[oa], kb[ob])
+    assert np.array_equal(va[oa].view(np.uint32), vb[ob].view(np.uint32)), "rows (values and state) bit for bit"
+    c.close()
+    check.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "cuda-ipc"])
+def test_modules_of_one_table_on_two_clients_step_in_backward_order(daemon, monkeypatch, transport):
+    """Two Adam modules over one table on two connections, both stepped in
+    one backward: the second's step is sent once the first's is answered,
+    so the steps run in backward order and every run is the same (over shm
+    an independent tester saw six runs give six different tables: the two
+    steps, sent without waiting on two connections, ran in either order)."""
+    from hkvd.torch import Embedding
+
+    if transport == "cuda-ipc":
+        _simulate_cuda(monkeypatch)
+    dim = 4
+    ids = torch.tensor([1, 2, 3, 2])
+    tables = []
+    for run in range(4):
+        name = f"two_clients_{run}"
+        ca, cb = daemon.client(), daemon.client()
+        ca.create_table(name, dim=dim, capacity=1024, optimizer="adam")
+        kw = dict(lr=0.1, init=lambda i: i.float()[:, None].expand(-1, dim) / 4, transport=transport, verbose=False,
+                  events=transport != "cuda-ipc")
+        a, b = Embedding(ca, name, **kw), Embedding(cb, name, **kw)
+        g = torch.Generator().manual_seed(2)
+        for _ in range(6):
+            a.flush()
+            b.flush()
+            w = torch.randn(4, dim, generator=g)
+            ((a(ids) * w).sum() + (b(ids) * w * 2).sum()).backward()
+        a.flush()
+        b.flush()
+        k, v, _ = ca.export(name)
+        tables.append(v[np.argsort(k)].view(np.uint32).copy())
+        ca.close()
+        cb.close()
+    assert all(np.array_equal(tables[0], t) for t in tables[1:]), "every run the same table, bit for bit"
+
+
+def test_the_step_count_is_kept_in_the_state_dict(daemon):
+    """A module's state_dict keeps the optimizer's step count, so that a
+    run resumed into a new module (the rows are the table's) continues
+    Adam's bias correction where it was: 4 + 4 steps equal 8 bit for bit
+    (an independent tester found the count restarting at 0: the resumed
+    rows differed by 0.033). A state_dict without the count (saved before
+    it was kept) still loads."""
+    from hkvd.torch import Embedding
+
+    dim = 4
+    c = daemon.client()
+    ids = torch.tensor([1, 2, 3])
+    g = torch.Generator().manual_seed(4)
+    w = [torch.randn(3, dim, generator=g) for _ in range(8)]
+    init = lambda i: i.float()[:, None].expand(-1, dim) / 3  # noqa: E731
+    for name in ("resume_whole", "resume_split"):
+        c.create_table(name, dim=dim, capacity=1024, optimizer="adam")
+    e = Embedding(c, "resume_whole", lr=0.05, init=init, verbose=False)
+    for x in w:
+        (e(ids) * x).sum().backward()
+    a = Embedding(c, "resume_split", lr=0.05, init=init, verbose=False)
+    for x in w[:4]:
+        (a(ids) * x).sum().backward()
+    saved = torch.nn.Sequential(a).state_dict()
+    assert saved["0._extra_state"] == {"step": 4}
+    b = torch.nn.Sequential(Embedding(c, "resume_split", lr=0.05, init=init, verbose=False))
+    b.load_state_dict(saved)
+    assert b[0].step == 4
+    for x in w[4:]:
+        (b[0](ids) * x).sum().backward()
+    e.flush()
+    b[0].flush()
+    va, vb = c.find("resume_whole", [1, 2, 3])[0], c.find("resume_split", [1, 2, 3])[0]
+    assert np.array_equal(va.view(np.uint32), vb.view(np.uint32))
+    old = Embedding(c, "resume_split", lr=0.05, verbose=False)
+    torch.nn.Sequential(old).load_state_dict({})  # saved before the count was kept
+    assert old.step == 0
+    c.close()
+
+
+def test_a_reserved_id_is_named_by_its_place_in_the_forwards_ids(daemon):
+    """-1, a common padding id, is reserved: the error names its index in
+    the ids the forward was given (an independent tester saw index 0, its
+    place among the sorted distinct ids), and the module stays usable."""
+    from hkvd.torch import Embedding
+
+    c = daemon.client()
+    c.create_table("rk", dim=4, capacity=1024, optimizer="sgd")
+    e = Embedding(c, "rk", lr=0.1, verbose=False)
+    for ids, at in ((torch.tensor([3, 5, -1]), 2), (torch.tensor([[7, 8], [9, -2]]), 3)):
+        with pytest.raises(hkvd.ReservedKey, match=f"at index {at} of the ids"):
+            e(ids)
+    assert e(torch.tensor([1, 2])).shape == (2, 4)
+    c.close()
