@@ -31,8 +31,14 @@ pub const WINDOWS_PERCENT: [u64; 5] = [1, 5, 20, 50, 100];
 pub const SAMPLED_SLOTS: u64 = 2048;
 /// Frequency cap (as the sketch's counters).
 const FREQ_MAX: u8 = 15;
-/// Sampled accesses between frequency halvings, per miniature slot.
-const FREQ_PERIOD: u64 = 10;
+/// Sampled accesses between frequency halvings, per miniature slot: the
+/// miniatures' sketches forget fast, so that their admission follows a
+/// drift as soon as the table's own does. Measured with hkv-sim over the
+/// 36 non-IID points of two trace seeds (points within 1 pp of the best
+/// reference, with the hit period below): every 10 slots 30 / 30, every 2
+/// slots (the model's sweep: 1 to 20) 35 / 34 (`shard/BENCHMARKS.md`,
+/// "The miniatures' periods").
+const FREQ_PERIOD: u64 = 2;
 /// Sampled accesses between hit-count halvings, in percent of a
 /// miniature's capacity: a choice follows about the last cache's worth of
 /// accesses. Measured with hkv-sim over the 36 non-IID points of two trace
@@ -40,7 +46,9 @@ const FREQ_PERIOD: u64 = 10;
 /// shortfalls): every 4 capacities 30 / 30, −3.91 / −4.66; every capacity
 /// 31 / 30, −1.69 / −2.11; every ½ capacity 28 / 30, −1.27 / −1.51 (the
 /// model: ¼ capacity worse again, scan and loop traces flip windows).
-const HIT_PERIOD_PERCENT: u64 = 100;
+/// With the frequency period of 2, every 0.9 capacity (the model: 0.5 to
+/// 1.25 tried; 0.75 to 1 alike).
+const HIT_PERIOD_PERCENT: u64 = 90;
 /// Admission margin, the buckets' too (`adapt::ADMIT_MARGIN`): a window's
 /// oldest joins a full main tier only if counted at least 2 more times
 /// than the main tier's oldest. With TinyLFU's margin 0, a scan key
