@@ -559,6 +559,8 @@ class _Sparse(torch.nn.Module):
         self.device = self.cache.device
         self.optimizer = self.cache.optimizer
         self.lr, self.eps, self.weight_decay = float(lr), float(eps), float(weight_decay)
+        if len(betas) != 2:
+            raise ValueError(f"betas must be two numbers (beta1, beta2), not {tuple(betas)}")
         self.betas = (float(betas[0]), float(betas[1]))
         # As the table checks them at each step (shard/src/optim.rs), but
         # now: a step refused later is a step lost.
@@ -573,6 +575,7 @@ class _Sparse(torch.nn.Module):
         self.init = init
         self.step = 0
         self._missing = 0
+        self._remade: Optional[WrongDim] = None
         self._anchor = torch.zeros((), requires_grad=True)
         self._pending: List[_Prefetched] = []
         self._spare: List[EmbeddingCache] = []
@@ -645,6 +648,12 @@ class _Sparse(torch.nn.Module):
             raise
         self.timings["lookup"] += time.perf_counter() - t0
         self._pending.append(p)
+
+    @property
+    def transport(self) -> str:
+        """The transport the module's lookups and steps use (``cuda-ipc``,
+        ``shm`` or ``socket``)."""
+        return self.cache.transport
 
     @property
     def missing(self) -> int:
@@ -753,6 +762,10 @@ class _Sparse(torch.nn.Module):
         self.timings["apply"] += time.perf_counter() - t0
 
     def _gathered(self, ids):
+        if self._remade is not None:
+            # The table was made again under this module: every forward
+            # says so (a second one failed on the old width's buffers).
+            raise WrongDim(self._remade.code, self._remade.message)
         flat = self._flat(ids)
         try:
             uniq, inv, rows = self._lookup(flat)
@@ -773,10 +786,11 @@ class _Sparse(torch.nn.Module):
         spec = now["spec"]
         if (spec["dim"], spec.get("optimizer")) == (self.dim, self.optimizer):
             return e
-        return WrongDim(e.code, f"table {self.table!r} now has dim {spec['dim']} and optimizer "
-                                f"{spec.get('optimizer')}, not the dim {self.dim} and {self.optimizer} this module "
-                                f"was made for: was it dropped and created again? Make a new module for it "
-                                f"(the daemon said: {e.message})")
+        self._remade = WrongDim(e.code, f"table {self.table!r} now has dim {spec['dim']} and optimizer "
+                                        f"{spec.get('optimizer')}, not the dim {self.dim} and {self.optimizer} this "
+                                        f"module was made for: was it dropped and created again? Make a new module "
+                                        f"for it (the daemon said: {e.message})")
+        return self._remade
 
     @staticmethod
     def _reserved_at(e: "ReservedKey", flat: torch.Tensor) -> "ReservedKey":

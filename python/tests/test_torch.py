@@ -385,10 +385,11 @@ def test_hyperparameters_are_checked_when_the_module_is_made(daemon):
     c.create_table("hp", dim=2, capacity=1024, optimizer="adam")
     for kw, match in [({"lr": -1.0}, "must not be negative"), ({"lr": float("nan")}, "lr nan is not a finite"),
                       ({"eps": -1e-8}, "must not be negative"), ({"weight_decay": float("inf")}, "weight_decay inf"),
-                      ({"betas": (1.0, 0.999)}, r"betas \(1.0, 0.999\) must lie in \[0, 1\)")]:
+                      ({"betas": (1.0, 0.999)}, r"betas \(1.0, 0.999\) must lie in \[0, 1\)"),
+                      ({"betas": (0.9,)}, r"betas must be two numbers \(beta1, beta2\), not \(0.9,\)")]:
         with pytest.raises(ValueError, match=match):
             Embedding(c, "hp", verbose=False, **kw)
-    Embedding(c, "hp", lr=0.0, verbose=False)
+    assert Embedding(c, "hp", lr=0.0, verbose=False).transport == "shm"
     c.close()
 
 
@@ -406,6 +407,9 @@ def test_a_table_made_again_with_another_dim_is_named(daemon):
     other.create_table("again", dim=5, capacity=1024, optimizer="adam")
     with pytest.raises(hkvd.WrongDim, match="now has dim 5 and optimizer adam, not the dim 3"):
         emb(torch.tensor([1]))
+    # And every forward after it (the second one failed on the old width's buffers).
+    with pytest.raises(hkvd.WrongDim, match="now has dim 5 and optimizer adam, not the dim 3"):
+        emb(torch.tensor([1, 2]))
     c.close()
     other.close()
 
