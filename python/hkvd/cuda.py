@@ -405,11 +405,16 @@ class CudaEvent:
         then submits the stream's pending work (``cuStreamQuery``): the daemon
         asks the event from the host, and a record still queued in this
         process, not yet submitted, read there as complete."""
+        self._on_device(self._record, stream)
+
+    def _on_device(self, f, *args) -> None:
+        """``f(*args)`` with the device's primary context current, pushed
+        only where it is not already (:func:`is_current`)."""
         if is_current(self.device):
-            self._record(stream)
+            f(*args)
         else:
             with current(self.device):
-                self._record(stream)
+                f(*args)
 
     def _record(self, stream: int) -> None:
         d = driver()
@@ -422,11 +427,7 @@ class CudaEvent:
     def wait(self, stream: int = 0) -> None:
         """Makes ``stream`` wait (on the GPU) for the event's last record."""
         d = driver()
-        if is_current(self.device):
-            d.check(d.cuStreamWaitEvent, ctypes.c_void_p(stream), ctypes.c_void_p(self._ev), 0)
-            return
-        with current(self.device):
-            d.check(d.cuStreamWaitEvent, ctypes.c_void_p(stream), ctypes.c_void_p(self._ev), 0)
+        self._on_device(d.check, d.cuStreamWaitEvent, ctypes.c_void_p(stream), ctypes.c_void_p(self._ev), 0)
 
     def synchronize(self) -> None:
         """Blocks the calling thread until the event's last record completed."""

@@ -800,10 +800,11 @@ class _Sparse(torch.nn.Module):
         if m is None:
             return e
         key = int(m.group(1), 16)
-        at = (flat == (key - (1 << 64) if key >= 1 << 63 else key)).nonzero()
+        sid = key - (1 << 64) if key >= 1 << 63 else key  # as the int64 ids hold it
+        at = (flat == sid).nonzero()
         if at.numel() == 0:
             return e
-        return ReservedKey(e.code, f"id {key - (1 << 64) if key >= 1 << 63 else key} ({m.group(1)}) at index "
+        return ReservedKey(e.code, f"id {sid} ({m.group(1)}) at index "
                                    f"{int(at[0, 0])} of the ids (flattened) is reserved: ids "
                                    f"-4 to -1 (0xfffffffffffffffc and up) mark empty slots in the table; "
                                    f"nothing was looked up")
