@@ -582,7 +582,7 @@ class Client:
         spec = info["spec"]
         opt = spec.get("optimizer")
         self._dims[spec["name"]] = info.get("row_dim") or spec["dim"] + state_cols(opt, spec["dim"])
-        self.__dict__.setdefault("_specs", {})[spec["name"]] = (spec["dim"], opt)
+        self.__dict__.setdefault("_specs", {})[spec["name"]] = (spec["dim"], opt, spec.get("policy"))
 
     def dim(self, table: str) -> int:
         """The width of the table's value arrays on the wire: ``spec.dim``,
@@ -606,6 +606,11 @@ class Client:
         """The optimizer the table was created with, or None."""
         self.dim(table)
         return self.__dict__["_specs"][table][1]
+
+    def policy(self, table: str) -> Optional[str]:
+        """The table's score policy (``lru``, ``lfu``, ``custom`` …)."""
+        self.dim(table)
+        return self.__dict__["_specs"][table][2]
 
     # ---- admin --------------------------------------------------------
     def ping(self) -> None:

@@ -550,6 +550,9 @@ class _Sparse(torch.nn.Module):
         super().__init__()
         self.cache = EmbeddingCache(client, table, device=device, max_batch=max_batch, transport=transport,
                                     events=events, verbose=verbose)
+        if client.policy(table) == "custom":
+            raise ValueError(f"table {table!r} has policy custom, whose writes need the caller's score per key; "
+                             "this module's lookups (find_or_insert) and steps give none: use another policy")
         if self.cache.optimizer is None:
             raise ValueError(f"table {table!r} has no optimizer: create it with optimizer= (sgd, adagrad, "
                              "rowwise_adagrad or adam), e.g. client.create_table(name, dim, capacity, "
@@ -915,6 +918,8 @@ class EmbeddingBag(_Sparse):
             if offsets is None:
                 raise ValueError("1-D input needs offsets (the start of each bag)")
             off = _offsets(offsets, ids.numel(), self.include_last_offset).to(device=self.device, dtype=torch.int64)
+            if off.numel() == 0:
+                return torch.zeros((0, self.dim), dtype=torch.float32, device=self.device)
             n = ids.numel()
             if self.include_last_offset:
                 starts, ends = off[:-1], off[1:]
@@ -952,8 +957,12 @@ def _offsets(offsets, n: int, include_last: bool) -> torch.Tensor:
     that would make the host wait for the device every step."""
     off = _integer_ids(offsets if isinstance(offsets, torch.Tensor) else torch.as_tensor(np.asarray(offsets)),
                        "offsets")
-    if off.dim() != 1 or off.numel() == 0:
-        raise ValueError(f"offsets must be a non-empty 1-D tensor, not of shape {tuple(off.shape)}")
+    if off.dim() != 1:
+        raise ValueError(f"offsets must be a 1-D tensor, not of shape {tuple(off.shape)}")
+    if off.numel() == 0:
+        if include_last:
+            raise ValueError("with include_last_offset, offsets hold at least one value (the end of the ids)")
+        return off  # no bags, as nn.EmbeddingBag (the ids are not looked up)
     if not off.is_cuda:
         o = off.to(torch.int64)
         if int(o[0]) != 0:

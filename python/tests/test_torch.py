@@ -573,6 +573,13 @@ def test_embedding_bag_options_match_native(daemon):
     with pytest.raises(ValueError, match=r"input's shape \(2, 2\)"):
         bag(torch.tensor([[40, 41], [42, 43]]), per_sample_weights=torch.ones(4))
     assert not c.find("o", np.arange(40, 44, dtype=np.uint64))[1].any(), "no id of a refused batch was inserted"
+    # Empty offsets are no bags, as nn.EmbeddingBag answers them (the ids
+    # not looked up); with include_last_offset they are refused, as there.
+    empty = torch.tensor([], dtype=torch.int64)
+    assert bag(fresh, empty).shape == (0, 3) == torch.nn.EmbeddingBag(50, 3, mode="sum")(fresh, empty).shape
+    with pytest.raises(ValueError, match="at least one value"):
+        EmbeddingBag(c, "o", mode="sum", include_last_offset=True, verbose=False)(empty, empty)
+    assert not c.find("o", np.arange(40, 44, dtype=np.uint64))[1].any()
     c.close()
 
 
@@ -834,4 +841,18 @@ def test_a_reserved_id_is_named_by_its_place_in_the_forwards_ids(daemon):
         with pytest.raises(hkvd.ReservedKey, match=f"at index {at} of the ids"):
             e(ids)
     assert e(torch.tensor([1, 2])).shape == (2, 4)
+    c.close()
+
+
+def test_a_custom_policy_table_is_refused_by_the_constructor(daemon):
+    """A table whose writes need the caller's scores (policy custom) is
+    refused when the module is made, not at its first forward (where an
+    independent tester met ScoresError)."""
+    from hkvd.torch import Embedding
+
+    c = daemon.client()
+    c.create_table("cust", dim=4, capacity=1024, policy="custom", optimizer="sgd")
+    assert c.policy("cust") == "custom"
+    with pytest.raises(ValueError, match="policy custom"):
+        Embedding(c, "cust", verbose=False)
     c.close()
