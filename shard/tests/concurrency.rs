@@ -92,8 +92,19 @@ fn run(mode: BucketMode, make: fn(TableConfig) -> Arc<dyn Shard>) {
     let s = t.stats().lock;
     assert_eq!(s.violations, 0);
     assert!(samples > 100);
+    // On two loaded cores the workers' 150 rounds may not happen to meet:
+    // then two threads of the group run on until they do (10 s at most).
+    let find = move |t: &dyn Shard| {
+        let keys: Vec<u64> = (0..4096).collect();
+        t.find(&keys, &mut vec![0.0; 4096 * dim], &mut vec![false; 4096], None).unwrap();
+    };
+    let update = |t: &dyn Shard| t.assign_scores(&counters_of(0), None, None).map(|_| ()).unwrap();
+    overlap(&t, Group::Reader, find);
+    overlap(&t, Group::Updater, update);
+    let s = t.stats().lock;
     assert!(s.max_running[Group::Reader as usize] >= 2, "readers never overlapped: {s:?}");
     assert!(s.max_running[Group::Updater as usize] >= 2, "updaters never overlapped: {s:?}");
+    assert_eq!(s.violations, 0);
     assert!(s.waits.iter().sum::<u64>() > 0);
     // Two updater threads x rounds x 16 increments per key.
     let mut v = vec![0.0f32; 512 * dim];
@@ -103,6 +114,23 @@ fn run(mode: BucketMode, make: fn(TableConfig) -> Arc<dyn Shard>) {
     assert!(f.iter().all(|&x| x));
     assert!(v.iter().all(|&x| x == want), "lost updates: expected {want}, got e.g. {}", v[0]);
     assert_eq!(t.size(), 512);
+}
+
+/// Two threads calling `op` (of `group`) until the lock saw two of the
+/// group run at once, for 10 s at most.
+fn overlap(t: &Arc<dyn Shard>, group: Group, op: impl Fn(&dyn Shard) + Copy + Send + 'static) {
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let threads: Vec<_> = (0..2)
+        .map(|_| {
+            let t = t.clone();
+            thread::spawn(move || {
+                while t.stats().lock.max_running[group as usize] < 2 && std::time::Instant::now() < until {
+                    op(t.as_ref());
+                }
+            })
+        })
+        .collect();
+    threads.into_iter().for_each(|h| h.join().unwrap());
 }
 
 fn counters_of(r: u64) -> Vec<u64> {
