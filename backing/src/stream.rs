@@ -144,7 +144,6 @@ impl Invalidations {
                     continue;
                 }
                 self.core.counters.staleness.record(Duration::from_micros(now_us().saturating_sub(acked_us)));
-                Counters::add(&self.core.counters.invalidations, keys.len());
                 out.push(Invalidation { keys, version, origin, acked_us });
             }
         }
@@ -175,6 +174,10 @@ impl Invalidations {
                 Err(_) => self.check = Some(before),
             }
         }
+        // Counted as they are handed over, after the check's round trip: a
+        // reader of the count (a test waiting for other hosts' writes) then
+        // finds their keys with the caller, not still in flight here.
+        Counters::add(&self.core.counters.invalidations, out.iter().map(|i| i.keys.len()).sum::<usize>());
         Ok(out)
     }
 
