@@ -13,8 +13,8 @@
 //! window's oldest into a full main against the main's oldest (probation
 //! first): admitted only if more frequent by more than [`ADMIT_MARGIN`],
 //! as in the table's buckets. Frequencies are exact
-//! (a map, capped at 15), halved every 10 × capacity sampled accesses;
-//! hits halved every capacity, so the choice follows the recent past.
+//! (a map, capped at 15), halved every 2 × capacity sampled accesses;
+//! hits halved every 0.9 capacity, so the choice follows the recent past.
 //! The share moves to another miniature's window only when that one is
 //! strictly ahead (ties: the smaller window); it starts at 85 % (the
 //! largest window below 100 %).
@@ -32,8 +32,9 @@ use crate::hash::fmix64;
 /// 100 % window (LRU) would flush it; `mixture` at 50 % (whose last phase
 /// returns to the first phase's keys) went from 0.13 / 0.25 pp below the
 /// bar to 1.02 / 1.05 above on trace seeds 36 / 37 (the model, with the
-/// start below); the largest cost elsewhere: loop-mix at 50 %, 0.52 /
-/// 0.29 pp of margin (still 0.13 / 0.34 above).
+/// start below; hkv-sim: from 1.13 / 1.25 pp below the best reference to
+/// 0.02 / 0.05 above it); the largest cost elsewhere in the model:
+/// loop-mix at 50 %, 0.52 / 0.29 pp of margin (still 0.13 / 0.34 above).
 pub const WINDOWS_PERCENT: [u64; 6] = [1, 5, 20, 50, 85, 100];
 /// Before any miniature is ahead of another (the cache holds the whole
 /// working set, all miniatures hit alike), the share stays where it
