@@ -17,8 +17,8 @@
 // and, adaptive, one access in the sketch (order-free increments); returns
 // the score written. The group's first thread, in the refreshing kernels
 // only (lookup_findr, lookup_findzr): the others do not contain it. The
-// reads it starts from were issued earlier (hkv_refresh_reads), so that
-// they travel beside the lookup and the row's copy instead of after them:
+// reads it starts from were issued earlier (lookup_one), so that they
+// travel beside the lookup and the row's copy instead of after them:
 // `old` the score as read then, `sk_old` the key's sketch word (a stale
 // value only costs its CAS one retry).
 __device__ __forceinline__ u64 hkv_refresh_hit(const HkvTable& t, const HkvScoring& rs, u64 pos, u64 key, u64 old,

@@ -12,7 +12,6 @@ Needs torch; importing this module without it raises ImportError.
 from __future__ import annotations
 
 import math
-import re
 import sys
 import time
 import weakref
@@ -797,20 +796,17 @@ class _Sparse(torch.nn.Module):
 
     @staticmethod
     def _reserved_at(e: "ReservedKey", flat: torch.Tensor) -> "ReservedKey":
-        """``e`` with the reserved id's place in the forward's ids (flattened),
-        not in the distinct ids the daemon was sent."""
-        m = re.search(r"key (0x[0-9a-f]+) at index \d+", e.message)
-        if m is None:
-            return e
-        key = int(m.group(1), 16)
-        sid = key - (1 << 64) if key >= 1 << 63 else key  # as the int64 ids hold it
-        at = (flat == sid).nonzero()
+        """``e`` naming the first reserved id's place in the forward's ids
+        (flattened), not in the distinct ids the daemon was sent: the
+        reserved keys, 0xfffffffffffffffc and up, are -4 to -1 as int64."""
+        at = ((flat >= -4) & (flat < 0)).nonzero()
         if at.numel() == 0:
             return e
-        return ReservedKey(e.code, f"id {sid} ({m.group(1)}) at index "
-                                   f"{int(at[0, 0])} of the ids (flattened) is reserved: ids "
-                                   f"-4 to -1 (0xfffffffffffffffc and up) mark empty slots in the table; "
-                                   f"nothing was looked up")
+        i = int(at[0, 0])
+        sid = int(flat[i])
+        return ReservedKey(e.code, f"id {sid} ({sid + (1 << 64):#x}) at index {i} of the ids (flattened) is "
+                                   f"reserved: ids -4 to -1 (0xfffffffffffffffc and up) mark empty slots in the "
+                                   f"table; nothing was looked up")
 
     def get_extra_state(self) -> dict:
         """What ``state_dict()`` keeps of the module: the optimizer's step

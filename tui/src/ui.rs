@@ -68,7 +68,7 @@ pub fn draw(f: &mut Frame, app: &App) {
     }
     let [header, tabs, body, footer] =
         Layout::vertical([Constraint::Length(1), Constraint::Length(1), Constraint::Min(0), Constraint::Length(2)])
-            .areas(f.area());
+            .areas(a);
     draw_header(f, app, header);
     let titles = ["Overview", "Table", "Devices"];
     let idx = match app.view {

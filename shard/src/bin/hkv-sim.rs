@@ -419,7 +419,6 @@ impl Source {
     }
 }
 
-/// Reads until `b` is full or the input ends; returns the bytes read.
 /// One line of a text or csv trace into `line` (0 at the end); a line
 /// that is not UTF-8 is refused by its number (line `no`), as a binary
 /// file read as text would be.
@@ -436,6 +435,7 @@ fn read_text_line(reader: &mut impl BufRead, line: &mut String, path: &Path, no:
     })
 }
 
+/// Reads until `b` is full or the input ends; returns the bytes read.
 fn read_full(r: &mut impl Read, b: &mut [u8]) -> std::io::Result<usize> {
     let mut got = 0;
     while got < b.len() {
