@@ -156,6 +156,7 @@ struct HkvScoring {
     u32 window;    // adaptive: every bucket's window share for this batch, 1..127 slots (adapt::Window)
     u8* sketch;    // adaptive: the frequency sketch, sketch_lines lines of 64 bytes (8 words of 16 4-bit counters; else null)
     u64 sketch_lines;  // a power of two
+    u64* folds;    // adaptive writer batches: count, then (key, hits) pairs of the entries evicted with find hits (else null)
 };
 
 // A key and score predicate (shard::Filter).
@@ -211,7 +212,7 @@ struct HkvStep {
     AT(HkvTable, dual, 80)            \
     AT(HkvTable, pad, 84)             \
     AT(HkvTable, order, 88)           \
-    SIZE(HkvScoring, 48)              \
+    SIZE(HkvScoring, 56)              \
     AT(HkvScoring, now_ns, 0)         \
     AT(HkvScoring, policy, 8)         \
     AT(HkvScoring, epoch, 12)         \
@@ -221,6 +222,7 @@ struct HkvStep {
     AT(HkvScoring, window, 28)        \
     AT(HkvScoring, sketch, 32)        \
     AT(HkvScoring, sketch_lines, 40)  \
+    AT(HkvScoring, folds, 48)         \
     SIZE(HkvFilter, 32)               \
     AT(HkvFilter, key_mask, 0)        \
     AT(HkvFilter, key_pattern, 8)     \

@@ -13,16 +13,14 @@
 // would send 4 × G bytes at a time).
 
 // A find hit in a table whose reads refresh (rs.refresh): its score
-// becomes hkv_on_read of it, by CAS (hits of one key in a batch compose),
-// and, adaptive, one access in the sketch (order-free increments); returns
-// the score written. The group's first thread, in the refreshing kernels
-// only (lookup_findr, lookup_findzr): the others do not contain it. The
-// reads it starts from were issued earlier (lookup_one), so that they
-// travel beside the lookup and the row's copy instead of after them:
-// `old` the score as read then, `sk_old` the key's sketch word (a stale
-// value only costs its CAS one retry).
-__device__ __forceinline__ u64 hkv_refresh_hit(const HkvTable& t, const HkvScoring& rs, u64 pos, u64 key, u64 old,
-                                               u64 sk_old) {
+// becomes hkv_on_read of it, by CAS (hits of one key in a batch compose;
+// adaptive counts the hit in the score, not in the sketch, so that a hit
+// touches nothing but its entry); returns the score written. The group's
+// first thread, in the refreshing kernels only (lookup_findr,
+// lookup_findzr): the others do not contain it. `old` is the score as read
+// earlier (lookup_one), beside the row's copy instead of after it (a stale
+// value only costs the CAS one retry).
+__device__ __forceinline__ u64 hkv_refresh_hit(const HkvTable& t, const HkvScoring& rs, u64 pos, u64 old) {
     unsigned long long* p = reinterpret_cast<unsigned long long*>(t.scores + pos);
     u64 nw = hkv_on_read(rs, old);
     while (nw != old) {
@@ -31,12 +29,15 @@ __device__ __forceinline__ u64 hkv_refresh_hit(const HkvTable& t, const HkvScori
         old = seen;
         nw = hkv_on_read(rs, old);
     }
-    if (rs.sketch) {
-        u32 sh[4];
-        u64 w = hkv_sketch_word(key, rs.sketch_lines, sh);
-        hkv_sketch_add(reinterpret_cast<unsigned long long*>(rs.sketch) + w, sk_old, sh);
-    }
     return nw;
+}
+
+// The score a refreshing find reports for a hit whose score became `now`
+// (Scorer::read_answer): adaptive leaves out the hit count (bits 0-3), whose
+// value at a given key of a batch that holds the key more than once
+// depends on the order its hits ran in.
+__device__ __forceinline__ u64 hkv_read_answer(const HkvScoring& rs, u64 now) {
+    return rs.policy == HKV_ADAPTIVE ? now & ~HKV_ADAPTIVE_HITS : now;
 }
 
 // rs: the refresh of find hits (REFRESH kernels only; null or rs->refresh 0:
@@ -54,15 +55,10 @@ __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u
     u64 key = active ? keys[i] : 0;
     // The miss-ratio sampling filter, fused: the whole warp is here.
     if (smp.ring) hkv_sample_warp(smp, active && g.rank == 0, key, seen);
-    // A refreshing find: the key's sketch word is read now, beside the
-    // digests (its place depends on the key alone); the hit's score once
-    // its slot is known, beside the row's copy (hkv_refresh_hit).
+    // A refreshing find reads the hit's score once its slot is known,
+    // beside the row's copy (hkv_refresh_hit).
     const bool refresh = REFRESH && rs && rs->refresh && active && g.rank == 0;
-    u64 sk_old = 0, sc_old = 0;
-    if (refresh && rs->sketch) {
-        u32 sh[4];
-        sk_old = __ldcg(reinterpret_cast<const u64*>(rs->sketch) + hkv_sketch_word(key, rs->sketch_lines, sh));
-    }
+    u64 sc_old = 0;
     if (active) {
         u64 b1, b2;
         u8 d;
@@ -88,8 +84,8 @@ __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u
     }
     if (!values) {
         if (refresh && hit) {
-            u64 now = hkv_refresh_hit(t, *rs, pos, key, sc_old, sk_old);
-            if (scores) scores[i] = now;
+            u64 now = hkv_refresh_hit(t, *rs, pos, sc_old);
+            if (scores) scores[i] = hkv_read_answer(*rs, now);
         }
         return;
     }
@@ -123,8 +119,8 @@ __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u
     }
     // The refresh after the copy's loads and stores went out.
     if (refresh && hit) {
-        u64 now = hkv_refresh_hit(t, *rs, pos, key, sc_old, sk_old);
-        if (scores) scores[i] = now;
+        u64 now = hkv_refresh_hit(t, *rs, pos, sc_old);
+        if (scores) scores[i] = hkv_read_answer(*rs, now);
     }
 }
 

@@ -79,6 +79,10 @@ __device__ __forceinline__ u64 hkv_lfu(const HkvScoring& s, u64 f) {
 #define HKV_ADAPTIVE_MAIN (1ULL << 63)
 // Adaptive: the bit of a protected main-tier entry (score::ADAPTIVE_PROTECTED); clear: probation.
 #define HKV_ADAPTIVE_PROTECTED (1ULL << 62)
+// Adaptive: a score's find hits (bits 0-3; score::ADAPTIVE_HITS), and the
+// largest clock reading it holds, shifted past them (ADAPTIVE_STAMP_MAX).
+#define HKV_ADAPTIVE_HITS 15ULL
+#define HKV_ADAPTIVE_STAMP_MAX ((1ULL << 58) - 1)
 
 // Adaptive: the window bits, 4 words a bucket after the sketch's lines (one
 // allocation, sized for the table's largest size): bit s of bucket b is set
@@ -104,11 +108,22 @@ __device__ __forceinline__ void hkv_window_mark(const HkvScoring& s, u64 pos, bo
     else atomicAnd(w, ~m);
 }
 
+__device__ __forceinline__ u64 hkv_on_insert(const HkvScoring& s, bool has, u64 input);
+
+// Adaptive (Scorer::adaptive_refresh): `old` refreshed (the clock now, a
+// main-tier entry protected) with `hits` more find hits counted in its
+// bits 0-3 (saturating at 15).
+__device__ __forceinline__ u64 hkv_adaptive_refresh(const HkvScoring& s, u64 old, u64 hits) {
+    u64 h = (old & HKV_ADAPTIVE_HITS) + hits;
+    return ((old & HKV_ADAPTIVE_MAIN) ? (HKV_ADAPTIVE_MAIN | HKV_ADAPTIVE_PROTECTED) : 0) |
+           hkv_on_insert(s, false, 0) | (h < HKV_ADAPTIVE_HITS ? h : HKV_ADAPTIVE_HITS);
+}
+
 __device__ __forceinline__ u64 hkv_on_insert(const HkvScoring& s, bool has, u64 input) {
     u64 hi = (u64)s.epoch << 32;
     switch (s.policy) {
         case HKV_LRU: return s.now_ns;
-        case HKV_ADAPTIVE: return s.now_ns & ~(HKV_ADAPTIVE_MAIN | HKV_ADAPTIVE_PROTECTED);
+        case HKV_ADAPTIVE: return (s.now_ns < HKV_ADAPTIVE_STAMP_MAX ? s.now_ns : HKV_ADAPTIVE_STAMP_MAX) << 4;
         case HKV_LFU: return hkv_lfu(s, has ? input : 1);
         case HKV_EPOCH_LRU: return hi | ((s.now_ns >> 20) & 0xffffffffULL);
         case HKV_EPOCH_LFU: return hi | ((has ? input : 1) & 0xffffffffULL);
@@ -133,10 +148,9 @@ __device__ __forceinline__ u64 hkv_on_upsert(const HkvScoring& s, u64 old, bool 
             if (low > 0xffffffffULL) low = 0xffffffffULL;
             return ((u64)s.epoch << 32) | low;
         }
-        // A main-tier entry written or read again is protected (SLRU).
-        case HKV_ADAPTIVE:
-            return ((old & HKV_ADAPTIVE_MAIN) ? (HKV_ADAPTIVE_MAIN | HKV_ADAPTIVE_PROTECTED) : 0) |
-                   hkv_on_insert(s, false, 0);
+        // A main-tier entry written or read again is protected (SLRU); its
+        // find hits stay counted (writes count in the sketch).
+        case HKV_ADAPTIVE: return hkv_adaptive_refresh(s, old, 0);
         default: return hkv_on_insert(s, has, input);
     }
 }
@@ -156,6 +170,7 @@ __device__ __forceinline__ u64 hkv_on_update(const HkvScoring& s, u64 old, bool 
 // The score of a find hit in a table whose reads refresh (Scorer::on_read):
 // what a write without input gives it; Custom scores stay.
 __device__ __forceinline__ u64 hkv_on_read(const HkvScoring& s, u64 old) {
+    if (s.policy == HKV_ADAPTIVE) return hkv_adaptive_refresh(s, old, 1);
     return s.policy == HKV_CUSTOM ? old : hkv_on_upsert(s, old, false, 0);
 }
 
@@ -658,10 +673,13 @@ __device__ __forceinline__ void hkv_flush_sample(const HkvSample& smp, const u32
 // window-TinyLFU in each bucket with a segmented main tier, the window's
 // share one for the table, chosen between batches on the host and passed in
 // HkvScoring::window. The sketch is in HkvScoring (null: not adaptive).
-// Choices equal the CPU backend's key for key: the sketch only grows during
-// a writer batch by increments whose order does not matter (adapt_count,
-// before the batch's rounds; hits of refreshing finds), the share is fixed
-// for the batch, and a bucket's scores change only under its lock.
+// Choices equal the CPU backend's key for key: the sketch only grows by
+// increments whose order does not matter (adapt_count, before a writer
+// batch's rounds; adapt_fold, the find hits of the entries it evicted,
+// after them), a find hit counts in its entry's score (bits 0-3, by CAS),
+// the share is fixed for the batch, and a bucket's scores change only under
+// its lock or by a find's CAS outside writer batches. A window candidate
+// and its victim compare estimates: sketch plus hits (hkv_estimate).
 // Memory traffic of a newcomer to full candidates: the group reads 128
 // digests and scores of each candidate to choose the bucket, of the chosen
 // one again, and once more per window entry moved by a shrink (only after
@@ -697,6 +715,27 @@ __device__ __forceinline__ u32 hkv_frequency(const HkvScoring& s, u64 key) {
     u32 sh[4];
     u64 i = hkv_sketch_word(key, s.sketch_lines, sh);
     return hkv_sketch_min(__ldcg(reinterpret_cast<const u64*>(s.sketch) + i), sh);
+}
+
+// The estimate the window rule compares for a resident key of score
+// `score` (Adapt::estimate): the sketch's count plus the find hits its
+// score counted, at most 15.
+__device__ __forceinline__ u32 hkv_estimate(const HkvScoring& s, u64 key, u64 score) {
+    u32 f = hkv_frequency(s, key) + (u32)(score & HKV_ADAPTIVE_HITS);
+    return f < 15 ? f : 15;
+}
+
+// Adaptive, a writer batch with policy scores: the entry at pos is about
+// to be evicted; the find hits its score counted go to sc.folds (when
+// given) for adapt_fold after the batch (Adapt::evicted). The batch's
+// folds have room for one per key.
+__device__ __forceinline__ void hkv_adapt_evicted(const HkvScoring& sc, const HkvTable& t, u64 pos) {
+    if (!sc.folds) return;
+    u64 hits = __ldcg(t.scores + pos) & HKV_ADAPTIVE_HITS;
+    if (!hits) return;
+    u64 j = atomicAdd(reinterpret_cast<unsigned long long*>(sc.folds), 1ULL);
+    sc.folds[1 + 2 * j] = __ldcg(t.keys + pos);
+    sc.folds[2 + 2 * j] = hits;
 }
 
 // One access counted in sketch word p, read as old (shifts sh): each of
@@ -972,8 +1011,8 @@ __device__ __forceinline__ void hkv_adapt_room_in(const HkvTable& t, const HkvSc
     int victim = 0;
     if (g.rank == 0) {
         if (r.ow >= 0 && r.om >= 0 && r.window >= win) {
-            if (hkv_frequency(s, __ldcg(t.keys + base + r.ow)) >
-                hkv_frequency(s, __ldcg(t.keys + base + r.om)) + HKV_ADAPT_ADMIT_MARGIN) {
+            if (hkv_estimate(s, __ldcg(t.keys + base + r.ow), r.ows) >
+                hkv_estimate(s, __ldcg(t.keys + base + r.om), r.oms) + HKV_ADAPT_ADMIT_MARGIN) {
                 t.scores[base + r.ow] = r.ows | HKV_ADAPTIVE_MAIN;
                 hkv_window_mark(s, base + r.ow, false);
                 victim = r.om;

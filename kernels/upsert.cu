@@ -199,6 +199,7 @@ __device__ __forceinline__ void upsert_one(const HkvTable& t, const HkvScoring& 
             // spills around it: +16 % insert_or_assign at λ 1.0, H200).
             if (LOST) hkv_adapt_room<G>(t, sc, g, b1, b2, &b, &s);
             else hkv_adapt_room_in<G>(t, sc, g, b1, b2, &b, &s);
+            if (g.rank == 0) hkv_adapt_evicted(sc, t, b * 128 + s);
             out = HKV_EVICTED;
         } else {
             int ms;
@@ -548,11 +549,43 @@ extern "C" __global__ void adapt_sample(const u64* keys, u64 n, const u8* only, 
     out[2 + 2 * j] = key;
 }
 
-// Adaptive: halves every sketch counter (TinyLFU's reset, Adapt::age). One
-// thread per 4-byte word (8 counters) of the sketch's sketch_lines * 64 bytes.
-extern "C" __global__ void adapt_halve(HkvScoring sc) {
+// Adaptive: after a writer batch, the find hits of the entries it evicted
+// (sc.folds: a count, then (key, hits) pairs) into their keys' sketch
+// counters, saturating at 15 (Adapt::fold; order-free). One thread per
+// pair of room for `room`.
+extern "C" __global__ void adapt_fold(HkvScoring sc, u64 room) {
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= sc.sketch_lines * 16) return;
-    u32* w = reinterpret_cast<u32*>(sc.sketch) + i;
-    *w = (*w >> 1) & 0x77777777u;
+    if (i >= room || i >= sc.folds[0]) return;
+    u64 key = sc.folds[1 + 2 * i], hits = sc.folds[2 + 2 * i];
+    u32 sh[4];
+    unsigned long long* p = reinterpret_cast<unsigned long long*>(sc.sketch) + hkv_sketch_word(key, sc.sketch_lines, sh);
+    u64 old = __ldcg(reinterpret_cast<const u64*>(p));
+    for (;;) {
+        u64 nw = old;
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            u64 c = ((old >> sh[r]) & 15) + hits;
+            nw = (nw & ~(15ULL << sh[r])) | ((c < 15 ? c : 15) << sh[r]);
+        }
+        if (nw == old) return;
+        u64 seen = atomicCAS(p, old, nw);
+        if (seen == old) return;
+        old = seen;
+    }
+}
+
+// Adaptive: halves every sketch counter (TinyLFU's reset, Adapt::age) and
+// the find hits every occupied slot's score counted (adapt::halve_hits).
+// One thread per 4-byte word (8 counters) of the sketch's sketch_lines * 64
+// bytes and per slot of the table, whichever are more.
+extern "C" __global__ void adapt_halve(HkvScoring sc, HkvTable t) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < sc.sketch_lines * 16) {
+        u32* w = reinterpret_cast<u32*>(sc.sketch) + i;
+        *w = (*w >> 1) & 0x77777777u;
+    }
+    if (i < t.nbuckets * 128 && t.keys[i] != HKV_EMPTY_KEY) {
+        u64 v = t.scores[i];
+        t.scores[i] = (v & ~HKV_ADAPTIVE_HITS) | ((v & HKV_ADAPTIVE_HITS) >> 1);
+    }
 }

@@ -53,7 +53,7 @@ pub enum KernelId {
     Features,
     /// `lookup.cu`: `lookup_find` (and its `_gN` variants), `order_count`, `order_write`, `keys_reserved`, `keys_gate`.
     Lookup,
-    /// `upsert.cu`: `upsert_keys`, `upsert_keys_a` (adaptive tables) and `probe_keys` (and their `_gN` variants), `adapt_count`, `adapt_sample`, `adapt_halve`, `dedupe_claim`, `dedupe_lead`, `dedupe_fill`.
+    /// `upsert.cu`: `upsert_keys`, `upsert_keys_a` (adaptive tables) and `probe_keys` (and their `_gN` variants), `adapt_count`, `adapt_sample`, `adapt_halve`, `adapt_fold`, `dedupe_claim`, `dedupe_lead`, `dedupe_fill`.
     Upsert,
     /// `update.cu`: `update_keys` and `step_keys` (and their `_gN` variants).
     Update,
@@ -183,6 +183,7 @@ impl KernelId {
                 "adapt_count",
                 "adapt_sample",
                 "adapt_halve",
+                "adapt_fold",
                 "dedupe_claim",
                 "dedupe_lead",
                 "dedupe_fill",

@@ -161,8 +161,24 @@ pub const ADAPTIVE_MAIN: u64 = 1 << 63;
 /// since it entered the main tier; clear: probation, evicted first).
 pub const ADAPTIVE_PROTECTED: u64 = 1 << 62;
 
-/// Adaptive: the tier bits of a score (the rest is the clock).
+/// Adaptive: the tier bits of a score.
 pub const ADAPTIVE_TIERS: u64 = ADAPTIVE_MAIN | ADAPTIVE_PROTECTED;
+
+/// Adaptive: the bits of a score that count the entry's find hits (bits
+/// 0-3, saturating at 15; halved with the frequency sketch). Between them
+/// and the tier bits, the clock (ns) of its last write or hit.
+pub const ADAPTIVE_HITS: u64 = 15;
+
+/// Adaptive: how far the clock is shifted in a score (past the hits).
+pub const ADAPTIVE_STAMP_SHIFT: u32 = 4;
+
+/// Adaptive: the largest clock reading a score holds (later ones count as it: 9 years).
+pub const ADAPTIVE_STAMP_MAX: u64 = (1 << (62 - ADAPTIVE_STAMP_SHIFT)) - 1;
+
+/// Adaptive: the clock reading (ns) of a score, without tiers and hits.
+pub fn adaptive_stamp(score: u64) -> u64 {
+    (score & !ADAPTIVE_TIERS) >> ADAPTIVE_STAMP_SHIFT
+}
 
 /// A source of nanoseconds for Lru and EpochLru scores.
 pub trait Clock: Send + Sync + std::fmt::Debug {
@@ -240,7 +256,7 @@ pub fn resume_after(policy: ScorePolicy, ties: LfuTies, max_score: u64, clock: &
     match policy {
         ScorePolicy::Lfu if ties == LfuTies::Lru => clock.advance_to((lfu_stamp(max_score) + 1) << 20),
         ScorePolicy::Lru => clock.advance_to(max_score.saturating_add(1)),
-        ScorePolicy::Adaptive => clock.advance_to((max_score & !ADAPTIVE_TIERS).saturating_add(1)),
+        ScorePolicy::Adaptive => clock.advance_to(adaptive_stamp(max_score).saturating_add(1)),
         ScorePolicy::EpochLru => {
             epoch.fetch_max((max_score >> 32) as u32, Ordering::Relaxed);
             clock.advance_to(((max_score & 0xffff_ffff) + 1) << 20);
@@ -285,7 +301,7 @@ impl Scorer {
     pub fn on_insert(&self, input: Option<u64>) -> u64 {
         match self.policy {
             ScorePolicy::Lru => self.now_ns,
-            ScorePolicy::Adaptive => self.now_ns & !ADAPTIVE_TIERS,
+            ScorePolicy::Adaptive => self.now_ns.min(ADAPTIVE_STAMP_MAX) << ADAPTIVE_STAMP_SHIFT,
             ScorePolicy::Lfu => self.lfu(input.unwrap_or(1)),
             ScorePolicy::EpochLru => self.epoch_hi() | ((self.now_ns >> 20) & 0xffff_ffff),
             ScorePolicy::EpochLfu => self.epoch_hi() | (input.unwrap_or(1) & 0xffff_ffff),
@@ -310,9 +326,9 @@ impl Scorer {
     pub fn on_upsert(&self, old: u64, input: Option<u64>) -> u64 {
         match self.policy {
             ScorePolicy::Lru | ScorePolicy::EpochLru | ScorePolicy::Custom => self.on_insert(input),
-            // A main-tier entry written or read again is protected (SLRU).
-            ScorePolicy::Adaptive if old & ADAPTIVE_MAIN != 0 => ADAPTIVE_TIERS | self.on_insert(None),
-            ScorePolicy::Adaptive => self.on_insert(None),
+            // A main-tier entry written or read again is protected (SLRU);
+            // its find hits stay counted (writes count in the sketch).
+            ScorePolicy::Adaptive => self.adaptive_refresh(old, 0),
             ScorePolicy::Lfu => self.lfu(lfu_frequency(old, self.lfu_ties).saturating_add(input.unwrap_or(1))),
             ScorePolicy::EpochLfu => self.epoch_lfu_add(old, input.unwrap_or(1)),
         }
@@ -336,8 +352,29 @@ impl Scorer {
     pub fn on_read(&self, old: u64) -> u64 {
         match self.policy {
             ScorePolicy::Custom => old,
+            ScorePolicy::Adaptive => self.adaptive_refresh(old, 1),
             _ => self.on_upsert(old, None),
         }
+    }
+
+    /// The score a refreshing find reports for a hit whose score became
+    /// `now`: Adaptive leaves out the hit count (bits 0-3), whose value at
+    /// a given key of a batch that holds the key more than once depends on
+    /// the order its hits ran in.
+    #[inline]
+    pub fn read_answer(&self, now: u64) -> u64 {
+        match self.policy {
+            ScorePolicy::Adaptive => now & !ADAPTIVE_HITS,
+            _ => now,
+        }
+    }
+
+    /// Adaptive: `old` refreshed (the clock now; a main-tier entry
+    /// protected) with `hits` more find hits counted in it (saturating).
+    #[inline]
+    fn adaptive_refresh(&self, old: u64, hits: u64) -> u64 {
+        let tiers = if old & ADAPTIVE_MAIN != 0 { ADAPTIVE_TIERS } else { 0 };
+        tiers | self.on_insert(None) | ((old & ADAPTIVE_HITS) + hits).min(ADAPTIVE_HITS)
     }
 
     /// The lowest score a write made from now on can get, for policies whose

@@ -3,11 +3,13 @@
 //! batches by miniature simulations (`minisim`).
 //!
 //! Each bucket is a small window-TinyLFU cache with a segmented main tier.
-//! An entry's score is the clock (ns) with bit 63 set for the main tier
-//! ([`ADAPTIVE_MAIN`]) and bit 62 for its protected part
-//! ([`ADAPTIVE_PROTECTED`]); newcomers enter the window (both clear). A
-//! refresh (a find hit when reads refresh, or a write of a present key)
-//! of a main entry protects it; a window entry stays in the window. `win`
+//! An entry's score is bit 63 set for the main tier ([`ADAPTIVE_MAIN`]),
+//! bit 62 for its protected part ([`ADAPTIVE_PROTECTED`]), the clock (ns)
+//! of its last write or hit shifted past 4 bits, and in those 4 bits the
+//! find hits it had while resident ([`ADAPTIVE_HITS`], saturating at 15);
+//! newcomers enter the window (both tier bits clear, no hits). A refresh
+//! (a find hit when reads refresh, or a write of a present key) of a main
+//! entry protects it; a window entry stays in the window. `win`
 //! being the window's share of a bucket's 128 slots (the same for every
 //! bucket during a batch), a newcomer to a bucket makes room this way:
 //! - the window over its share: its oldest entries move to the main tier
@@ -20,7 +22,8 @@
 //!   its stamp: SLRU's demotion to probation). Then, the window at its
 //!   share, its oldest entry (the candidate) is compared with the main
 //!   tier's lowest score (the victim: the oldest unprotected entry, or the
-//!   oldest protected one when none is unprotected) in the sketch; the
+//!   oldest protected one when none is unprotected) by their estimates
+//!   (the sketch's count plus the hits in the score, at most 15); the
 //!   candidate moves to the main tier (unprotected) and the victim is
 //!   evicted only if the candidate was counted at least 2 more times
 //!   ([`ADMIT_MARGIN`]), else the candidate is evicted (TinyLFU's rule,
@@ -46,14 +49,22 @@
 //! 64-byte line instead), 32 bytes (64 counters) per slot of the table's
 //! largest size. Once the accesses counted reach
 //! 10 × the table's slots all counters halve (TinyLFU's reset), at the end
-//! of the batch that crossed the mark, so that a frequency is an estimate
-//! of the recent past only. Counted, as plain increments (their order does
-//! not change the result): every key an insert-like batch writes, before
-//! the batch places any, and each key a `find` hits when reads refresh.
+//! of the batch that crossed the mark, and so do the hits in every entry's
+//! score, so that a frequency is an estimate of the recent past only.
+//! Counted, as plain increments (their order does not change the result):
+//! every key an insert-like batch writes, before the batch places any, and,
+//! after a writer batch, the hits of each entry it evicted (so a key that
+//! comes back is as frequent as its past says). A `find` hit counts in its
+//! entry's score only: a refreshing find touches nothing but the entries it
+//! hits (on the H200 a hit's count in the sketch, one more random word read
+//! and swapped, halved the find's throughput), and each hit still counts
+//! towards the halving period.
 //!
 //! Determinism: within a batch the sketch only grows by order-free
 //! increments and is read only while no increments run (inserts after
-//! their batch's counts; finds do not read it); the window share is fixed
+//! their batch's counts and before its folds; finds do not read it); an
+//! entry's hits change only by finds (compare-and-swap increments, which
+//! compose) and halvings, outside writer batches; the window share is fixed
 //! for the batch; a bucket's scores are read and written only with the
 //! bucket locked, by keys that reach it in index order (small batches on
 //! either backend). So the CUDA backend (`kernels/table.cuh`, "adaptive
@@ -61,9 +72,10 @@
 //! miniatures are fed after each batch in index order; read batches that
 //! run at the same time feed them in the order they finish.
 //!
-//! What a checkpoint or export keeps: the entries' scores, tier bits
-//! included, so a restored table has its window, probation and protected
-//! entries where they were. Not kept: the sketch (frequencies start at 0)
+//! What a checkpoint or export keeps: the entries' scores, tier bits and
+//! hits included, so a restored table has its window, probation and
+//! protected entries where they were, and their own hits. Not kept: the
+//! sketch (the counts of writes and of evicted entries start at 0)
 //! and the miniatures (the share starts again at 85 %, then follows the
 //! restored table's accesses).
 
@@ -75,7 +87,7 @@ use rayon::prelude::*;
 
 use super::minisim::{sample_rate, sampled, Chooser};
 use crate::hash::fmix64;
-use crate::score::{ADAPTIVE_MAIN, ADAPTIVE_PROTECTED};
+use crate::score::{ADAPTIVE_HITS, ADAPTIVE_MAIN, ADAPTIVE_PROTECTED};
 use crate::BUCKET_SLOTS;
 
 /// Sketch rows (counters per key).
@@ -178,6 +190,9 @@ pub(crate) struct Adapt {
     sketch: Vec<AtomicU64>,
     lines: u64,
     counted: AtomicU64,
+    /// The keys a writer batch evicted with find hits counted in their
+    /// scores, and those hits: added to the sketch after the batch.
+    folds: Mutex<Vec<(u64, u8)>>,
     /// The window share.
     pub(crate) window: Window,
 }
@@ -260,6 +275,7 @@ impl Adapt {
             sketch: (0..lines * 8).map(|_| AtomicU64::new(0)).collect(),
             lines,
             counted: AtomicU64::new(0),
+            folds: Mutex::new(Vec::new()),
             window: Window::new(slots),
         }
     }
@@ -270,6 +286,46 @@ impl Adapt {
         let (w, sh) = sketch_slot(key, self.lines);
         let w = self.sketch[w].load(Relaxed);
         sh.iter().map(|&s| ((w >> s) & 15) as u8).min().unwrap_or(0)
+    }
+
+    /// The estimate the window rule compares for a resident `key` of
+    /// score `score`: the sketch's count plus the find hits its score
+    /// counted (at most 15).
+    #[inline]
+    pub(crate) fn estimate(&self, key: u64, score: u64) -> u8 {
+        (self.frequency(key) + (score & ADAPTIVE_HITS) as u8).min(COUNTER_MAX)
+    }
+
+    /// A find hit counted in its entry's score (towards the halving period).
+    #[inline]
+    pub(crate) fn counted_hit(&self) {
+        self.counted.fetch_add(1, Relaxed);
+    }
+
+    /// An entry of score `score` evicted by a writer batch: the find hits
+    /// its score counted go to the sketch after the batch ([`Adapt::fold`]),
+    /// so that a key that comes back is as frequent as its past says.
+    #[inline]
+    pub(crate) fn evicted(&self, key: u64, score: u64) {
+        let hits = (score & ADAPTIVE_HITS) as u8;
+        if hits > 0 {
+            self.folds.lock().push((key, hits));
+        }
+    }
+
+    /// After a writer batch (its group still held, before [`Adapt::age`]):
+    /// the hits of the entries it evicted, into their keys' counters
+    /// (saturating at 15; order-free, as the counts of the batch).
+    pub(crate) fn fold(&self) {
+        for (key, hits) in std::mem::take(&mut *self.folds.lock()) {
+            let (w, sh) = sketch_slot(key, self.lines);
+            let _ = self.sketch[w].fetch_update(Relaxed, Relaxed, |w| {
+                Some(sh.iter().fold(w, |w, &s| {
+                    let c = (w >> s) & 15;
+                    (w & !(15 << s)) | (c + u64::from(hits)).min(u64::from(COUNTER_MAX)) << s
+                }))
+            });
+        }
     }
 
     /// Counts one access of `key`: each of its counters one more,
@@ -287,16 +343,25 @@ impl Adapt {
 
     /// At a batch's end (its group still held): halves every counter once
     /// the accesses counted since the last halving reach the period of a
-    /// table of `slots` slots.
-    pub(crate) fn age(&self, slots: u64) {
+    /// table of `slots` slots; returns whether it did (the caller then
+    /// halves the hits of every entry's score, [`halve_hits`]).
+    #[must_use]
+    pub(crate) fn age(&self, slots: u64) -> bool {
         if self.counted.load(Relaxed) < slots * PERIOD_PER_SLOT {
-            return;
+            return false;
         }
         self.counted.store(0, Relaxed);
         for c in &self.sketch {
             c.store((c.load(Relaxed) >> 1) & 0x7777_7777_7777_7777, Relaxed);
         }
+        true
     }
+}
+
+/// An entry's score with its find hits halved (with the sketch, `Adapt::age`).
+#[inline]
+pub(crate) fn halve_hits(score: u64) -> u64 {
+    (score & !ADAPTIVE_HITS) | ((score & ADAPTIVE_HITS) >> 1)
 }
 
 #[cfg(test)]
@@ -315,7 +380,7 @@ mod tests {
         for k in 0..(10 * 128) {
             a.count(1_000_000 + k);
         }
-        a.age(128);
+        assert!(a.age(128));
         assert_eq!(a.frequency(7), COUNTER_MAX / 2);
     }
 
@@ -336,8 +401,27 @@ mod tests {
         let word = a.sketch[w].load(Relaxed);
         let mine: u64 = sh.iter().map(|&s| 15 << s).sum();
         assert_eq!(word, mine, "{word:#x}: 15 in the key's four counters, 0 elsewhere");
-        a.age(0);
+        assert!(a.age(0));
         assert_eq!(a.sketch[w].load(Relaxed), sh.iter().map(|&s| 7 << s).sum::<u64>());
+    }
+
+    /// An evicted entry's find hits go to its key's counters at the batch's
+    /// end (saturating at 15); the estimate adds a resident's own hits.
+    #[test]
+    fn evicted_hits_fold_into_the_sketch() {
+        let a = Adapt::new(1, 128);
+        a.count(7);
+        assert_eq!(a.estimate(7, 3), 4, "sketch 1 + hits 3");
+        assert_eq!(a.estimate(7, 15), COUNTER_MAX, "at most 15");
+        a.evicted(7, 9);
+        a.evicted(8, 0);
+        assert_eq!(a.frequency(7), 1, "folded only after the batch");
+        a.fold();
+        assert_eq!((a.frequency(7), a.frequency(8)), (10, 0));
+        a.evicted(7, 12);
+        a.fold();
+        assert_eq!(a.frequency(7), COUNTER_MAX);
+        assert_eq!(halve_hits(M | 0x70 | 15), M | 0x70 | 7);
     }
 
     const M: u64 = ADAPTIVE_MAIN;

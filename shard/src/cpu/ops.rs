@@ -3,6 +3,8 @@
 use std::ops::Range;
 use std::sync::atomic::Ordering::Relaxed;
 
+use rayon::prelude::*;
+
 use super::batch::{grain, run_batch, Acc, Outs, Rows, Scoring};
 use super::storage::Storage;
 use super::{CpuTable, PIPE, S};
@@ -18,7 +20,13 @@ impl CpuTable {
         self.size.fetch_add(acc.summary.inserted, Relaxed);
         self.counters.summary(&acc.summary);
         if let Some(a) = &self.adapt {
-            a.age(st.nbuckets() * S as u64);
+            a.fold();
+            if a.age(st.nbuckets() * S as u64) {
+                // The entries' find hits age with the sketch.
+                st.buckets.par_iter().for_each(|bk| {
+                    bk.each(|s| bk.set_score(s, super::adapt::halve_hits(bk.score(s))));
+                });
+            }
         }
     }
 
@@ -45,15 +53,26 @@ impl CpuTable {
 
     /// A find hit in a table whose reads refresh: the score a write
     /// without input would give (relaxed stores; readers that race on one
-    /// entry write the same clock reading), and, for Adaptive, one access
-    /// in the sketch. The find returns the refreshed score.
+    /// entry write the same clock reading); Adaptive counts the hit in the
+    /// score (`Scorer::on_read`, by compare-and-swap, so that hits of one
+    /// key in a batch compose). Returns the score the find reports
+    /// (`Scorer::read_answer`).
     #[inline]
-    pub(super) fn refresh_read(&self, st: &Storage, b: usize, s: usize, key: u64, scorer: &crate::score::Scorer) {
+    pub(super) fn refresh_read(&self, st: &Storage, b: usize, s: usize, scorer: &crate::score::Scorer) -> u64 {
         let bk = &st.buckets[b];
-        bk.set_score(s, scorer.on_read(bk.score(s)));
-        if let Some(a) = &self.adapt {
-            a.count(key);
-        }
+        let now = match &self.adapt {
+            Some(a) => {
+                a.counted_hit();
+                let old = bk.scores[s].fetch_update(Relaxed, Relaxed, |old| Some(scorer.on_read(old)));
+                scorer.on_read(old.unwrap_or_else(|o| o))
+            }
+            None => {
+                let now = scorer.on_read(bk.score(s));
+                bk.set_score(s, now);
+                now
+            }
+        };
+        scorer.read_answer(now)
     }
 
     /// The shared body of insert_or_assign, insert_and_evict and load.
@@ -274,11 +293,9 @@ impl Shard for CpuTable {
                     if let Some(v) = outs.values.as_deref_mut() {
                         st.read_row(b, s, &mut v[j * dim..(j + 1) * dim]);
                     }
-                    if let Some(sc) = &refresh {
-                        self.refresh_read(&st, b, s, part[j], sc);
-                    }
+                    let now = refresh.as_ref().map(|sc| self.refresh_read(&st, b, s, sc));
                     if let Some(sc) = outs.scores.as_deref_mut() {
-                        sc[j] = st.buckets[b].score(s);
+                        sc[j] = now.unwrap_or_else(|| st.buckets[b].score(s));
                     }
                     acc.hits += 1;
                 }

@@ -75,7 +75,7 @@ impl CpuTable {
                 found[r] = 1;
                 hits += 1;
                 if let Some(sc) = &refresh {
-                    self.refresh_read(st, b, s, keys[j], sc);
+                    self.refresh_read(st, b, s, sc);
                 }
             } else {
                 row.fill(0.0);

@@ -110,7 +110,7 @@ impl CpuTable {
             let bk = &st.buckets[b];
             let mut e: [(usize, u64); S] = std::array::from_fn(|s| (s, bk.score(s)));
             let win = a.window.bucket_slots();
-            let evict = plan(&mut e, win, true, |s| a.frequency(bk.key(s)), |s, sc| bk.set_score(s, sc));
+            let evict = plan(&mut e, win, true, |s| a.estimate(bk.key(s), bk.score(s)), |s, sc| bk.set_score(s, sc));
             (s, _) = evict.expect("a full bucket evicts");
             min = 0;
         }
@@ -129,6 +129,9 @@ impl CpuTable {
             st.push_row(b, s, &mut lost.values);
             lost.scores.push(bk.score(s));
             lost.kinds.push(Lost::Evicted);
+        }
+        if let Some(a) = adapt {
+            a.evicted(bk.key(s), bk.score(s));
         }
         bk.put_meta(s, key, d, score);
         st.write_row(b, s, value);

@@ -930,6 +930,46 @@ pub fn adaptive_keeps_frequent_keys_through_a_scan(make: Make) {
     assert_eq!(a, b, "a load restores keys and scores (tiers) as exported");
 }
 
+/// Issue 36, Adaptive: a find hit counts in its entry's score (bits 0-3,
+/// `score::ADAPTIVE_HITS`), not in the frequency sketch, so that it touches
+/// nothing but its entry: the count grows by one per hit (hits of one key
+/// in a batch compose), saturates at 15, stays through a write of the key,
+/// and halves with the sketch at the end of the writer batch that closes
+/// the period (10 accesses per slot). A find reports the score it wrote
+/// without the count, which for a key the batch holds twice would depend
+/// on the order of its hits.
+pub fn adaptive_find_hits_count_in_the_score(make: Make) {
+    use hkv_shard::score::{adaptive_stamp, ADAPTIVE_HITS};
+    let t = make(TableConfig::new(128, 1).policy(ScorePolicy::Adaptive));
+    t.insert_or_assign(&[5], &[1.0], None, None).unwrap();
+    // Key 5's score as stored (an export), and its hit count.
+    let stored = |t: &dyn Shard| {
+        let e = t.export_batch(0, t.capacity()).unwrap();
+        e.scores[e.keys.iter().position(|&k| k == 5).expect("key 5 resident")]
+    };
+    assert_eq!(stored(&*t) & ADAPTIVE_HITS, 0, "a newcomer has no hits");
+    let answer = find_all(&*t, &[5]).2[0];
+    assert_eq!(stored(&*t) & ADAPTIVE_HITS, 1, "one hit");
+    assert_eq!(answer, stored(&*t) & !ADAPTIVE_HITS, "the find reports the score it wrote, bits 0-3 clear");
+    find_all(&*t, &[5]);
+    assert_eq!(stored(&*t) & ADAPTIVE_HITS, 2);
+    let (_, f, s) = find_all(&*t, &[5, 5, 5]);
+    assert!(f.iter().all(|&x| x));
+    assert_eq!(stored(&*t) & ADAPTIVE_HITS, 5, "three hits in one batch compose");
+    assert!(s.iter().all(|&x| x == s[0]), "duplicates report one score: {s:x?}");
+    t.insert_or_assign(&[5], &[2.0], None, None).unwrap();
+    let after = stored(&*t);
+    assert_eq!(after & ADAPTIVE_HITS, 5, "a write keeps the hits counted");
+    assert!(adaptive_stamp(after) >= adaptive_stamp(answer), "the clock moves on");
+    // 1300 hits in one batch: saturated, and past the period (1280).
+    let (_, f, _) = find_all(&*t, &vec![5; 1300]);
+    assert!(f.iter().all(|&x| x));
+    assert_eq!(stored(&*t) & ADAPTIVE_HITS, 15, "saturated at 15");
+    // The period closes at the end of the next writer batch: halved.
+    t.insert_or_assign(&[6], &[1.0], None, None).unwrap();
+    assert_eq!(stored(&*t) & ADAPTIVE_HITS, 7, "halved with the sketch");
+}
+
 /// Issue 36, Adaptive: a loop longer than the table, read beside a hot
 /// set, keeps a fixed part of itself resident and hits it every round.
 /// The story: with TinyLFU's plain "more frequent" admission, the
@@ -1011,6 +1051,7 @@ macro_rules! conformance_suite {
         #[test] $(#[$attr])? fn adaptive_keeps_frequent_keys_through_a_scan() { c::adaptive_keeps_frequent_keys_through_a_scan($make) }
         #[test] $(#[$attr])? fn adaptive_insert_and_evict_conserves_entries() { c::adaptive_insert_and_evict_conserves_entries($make) }
         #[test] $(#[$attr])? fn adaptive_keeps_part_of_a_loop_longer_than_the_table() { c::adaptive_keeps_part_of_a_loop_longer_than_the_table($make) }
+        #[test] $(#[$attr])? fn adaptive_find_hits_count_in_the_score() { c::adaptive_find_hits_count_in_the_score($make) }
         #[test] $(#[$attr])? fn reads_refresh_keeps_read_keys() { c::reads_refresh_keeps_read_keys($make) }
     };
 }

@@ -13,7 +13,10 @@
 //! without waiting for them ([`Samples`]); the queue is settled (the
 //! samples fed in the order their batches were queued) before any batch
 //! that places keys reads the share, waiting for what is not done, and
-//! without waiting whenever a batch's scoring is built. An inserter batch
+//! without waiting once a batch's kernels are queued (feeding the
+//! miniatures took 40-145 µs a batch on the H200's host: before the
+//! kernels, the device waited for it; a refreshing find of 1 Mi keys ran
+//! at 2.9 instead of 4.4 G keys/s). An inserter batch
 //! runs alone, so every batch before it has finished and fed its sample:
 //! the share it gets is the one the CPU backend computes after the same
 //! batches.
@@ -36,6 +39,12 @@ pub(super) struct DeviceAdapt {
     lines: u64,
     /// Accesses counted in the sketch since it was last halved.
     counted: AtomicU64,
+    /// The folds of the writer batch running (`ScoringArgs::folds`): a
+    /// count, then room for a (key, hits) pair per key of the batch; and
+    /// that room (0: no batch's folds pending).
+    folds: Mutex<Option<CudaSlice<u64>>>,
+    folds_addr: AtomicU64,
+    fold_room: AtomicU64,
     /// The window share and its miniatures.
     pub(super) window: Window,
     /// Device batches' samples on their way to the miniatures.
@@ -74,6 +83,10 @@ struct Samples {
     free: Vec<SampleBuf>,
 }
 
+/// Device batches' samples in flight at most before a batch waits for
+/// the oldest (`adapt_sample_device`).
+const MAX_QUEUED: usize = 4;
+
 /// Pairs copied back with a sample's count: the expected sample and room
 /// for its spread (more are fetched in a second, waited copy).
 fn expected_pairs(n: usize, rate: u64) -> usize {
@@ -99,18 +112,22 @@ impl DeviceAdapt {
             buf,
             lines,
             counted: AtomicU64::new(0),
+            folds: Mutex::new(None),
+            folds_addr: AtomicU64::new(0),
+            fold_room: AtomicU64::new(0),
             window: Window::new(slots),
             samples: Mutex::new(Samples::default()),
         })
     }
 
-    /// `sc` with this state's address and the next batch's window share
-    /// (the samples of finished device batches fed first, without waiting).
+    /// `sc` with this state's address and the window share. Only a batch
+    /// that places keys reads the share, and it settles the samples of
+    /// every batch before it first (`k_adapt_count`); the others settle
+    /// after their kernels were queued (`adapt_sample_device`), so that
+    /// the device does not wait for the miniatures.
     pub(super) fn args(&self, sc: ScoringArgs) -> ScoringArgs {
-        // A failed copy leaves the share where it was; the batch that
-        // places keys next settles with a wait and reports it.
-        let _ = self.settle(false);
-        ScoringArgs { sketch: self.sketch, sketch_lines: self.lines, window: self.window.bucket_slots(), ..sc }
+        let folds = if self.fold_room.load(Relaxed) > 0 { self.folds_addr.load(Relaxed) } else { 0 };
+        ScoringArgs { sketch: self.sketch, sketch_lines: self.lines, window: self.window.bucket_slots(), folds, ..sc }
     }
 
     /// Feeds the queued samples to the miniatures in queue order: every
@@ -170,7 +187,7 @@ impl CudaTable {
     /// `l` is synchronised.
     pub(super) unsafe fn k_adapt_count(
         &self,
-        l: &CudaStream,
+        l: &Arc<CudaStream>,
         keys: DevPtr<u64>,
         n: u64,
         only: Option<DevPtr<u8>>,
@@ -182,6 +199,19 @@ impl CudaTable {
         a.settle(true)?;
         if n == 0 {
             return Ok(());
+        }
+        // Room for the batch's folds (an entry evicted per key at most),
+        // their count cleared on the batch's stream.
+        {
+            let mut f = a.folds.lock();
+            crate::cuda::ensure(l, &mut f, 1 + 2 * n as usize)?;
+            let at = ptr(f.as_ref().expect("ensured"), l);
+            // SAFETY: the buffer holds at least its count word.
+            unsafe { cudarc::driver::sys::cuMemsetD8Async(at, 0, 8, l.cu_stream()) }
+                .result()
+                .map_err(dev_err("clearing a batch's folds"))?;
+            a.folds_addr.store(at, Relaxed);
+            a.fold_room.store(n, Relaxed);
         }
         let sc = self.scoring(false);
         let k = arg("keys", Some(keys), n as usize)?;
@@ -233,8 +263,21 @@ impl CudaTable {
         let slots = st.nbuckets * S;
         let rate = sample_rate(slots);
         let want = expected_pairs(n, rate);
+        // The samples of finished batches to the miniatures, while this
+        // batch's kernels run (a failed copy leaves the share where it
+        // was; the batch that places keys next settles with a wait and
+        // reports it); with MAX_QUEUED samples in flight and none of their
+        // buffers free, the oldest are waited for instead of a new buffer
+        // allocated (pinned memory: its allocation stalls the device).
+        let _ = a.settle(false);
+        let fits = |b: &SampleBuf| b.pairs >= n && b.host_pairs >= want;
         let mut q = a.samples.lock();
-        let at = q.free.iter().position(|b| b.pairs >= n && b.host_pairs >= want);
+        if !q.free.iter().any(fits) && q.queue.len() >= MAX_QUEUED {
+            drop(q);
+            a.settle(true)?;
+            q = a.samples.lock();
+        }
+        let at = q.free.iter().position(fits);
         let buf = match at {
             Some(i) => q.free.swap_remove(i),
             None => {
@@ -297,7 +340,8 @@ impl CudaTable {
         }
     }
 
-    /// Adaptive: `hits` accesses counted by a refreshing find's kernel.
+    /// Adaptive: `hits` accesses a refreshing find's kernel counted in
+    /// its entries' scores (towards the halving period).
     pub(super) fn adapt_counted(&self, hits: u64) {
         if let Some(a) = &self.adapt {
             a.counted.fetch_add(hits, Relaxed);
@@ -305,20 +349,34 @@ impl CudaTable {
     }
 
     /// Adaptive, at a writer batch's end (its group still held): halves
-    /// every sketch counter once the accesses counted reach 10 × the
-    /// table's slots (`adapt_halve`; the CPU backend's `Adapt::age`).
+    /// every sketch counter, and the find hits every entry's score counted,
+    /// once the accesses counted reach 10 × the table's slots
+    /// (`adapt_halve`; the CPU backend's `Adapt::age`).
     pub(super) fn k_adapt_age(&self, l: &CudaStream, st: &Storage) -> Result<()> {
         let Some(a) = &self.adapt else { return Ok(()) };
+        if a.fold_room.load(Relaxed) > 0 {
+            // The find hits of the entries the batch evicted, into the
+            // sketch (`adapt_fold`; the CPU backend's `Adapt::fold`).
+            let sc = self.scoring(false);
+            let room = a.fold_room.swap(0, Relaxed);
+            let mut b = l.launch_builder(&self.f.adapt_fold);
+            b.arg(&sc).arg(&room);
+            // SAFETY: adapt_fold reads the count and the pairs below it and
+            // below `room` of sc.folds, which holds 1 + 2 × room words
+            // (k_adapt_count), and updates the words of the sketch.
+            unsafe { b.launch(blocks(room)?) }.map_err(dev_err("launching adapt_fold"))?;
+        }
         if a.counted.load(Relaxed) < st.nbuckets * S * PERIOD_PER_SLOT {
             return Ok(());
         }
         a.counted.store(0, Relaxed);
         let sc = self.scoring(false);
         let mut b = l.launch_builder(&self.f.adapt_halve);
-        b.arg(&sc);
+        b.arg(&sc).arg(&st.args);
         // SAFETY: adapt_halve rewrites the sketch's lines * 16 words, the
-        // buffer's whole length.
-        unsafe { b.launch(blocks(a.lines * 16)?) }.map_err(dev_err("launching adapt_halve"))?;
+        // buffer's whole length, and the scores of the table's occupied
+        // slots (its writer group held: no kernel reads or writes them).
+        unsafe { b.launch(blocks((a.lines * 16).max(st.nbuckets * S))?) }.map_err(dev_err("launching adapt_halve"))?;
         Ok(())
     }
 }

@@ -292,9 +292,9 @@ impl CudaTable {
         let p = r.p;
         let n64 = n as u64;
         // Adaptive: a write's keys into the sketch before the kernel places
-        // them; a find's hits count in it as the kernel refreshes them. The
-        // hits of a device batch are not known here: the halving period
-        // counts its keys (those of a part included) instead.
+        // them; a find's hits count in their scores as the kernel refreshes
+        // them. The hits of a device batch are not known here: the halving
+        // period counts its keys (those of a part included) instead.
         let writes = matches!(
             op,
             DeviceOp::InsertOrAssign
@@ -375,8 +375,8 @@ impl CudaTable {
         if writes || op == DeviceOp::Load {
             self.k_adapt_age(s, st)?;
         }
-        // Adaptive: the accesses the sketch counted (a write's keys, a
-        // refreshing find's hits), sampled for the window share's
+        // Adaptive: the accesses counted (a write's keys in the sketch, a
+        // refreshing find's hits in their scores), sampled for the window share's
         // miniatures. A find without found flags leaves its hits unknown
         // and feeds nothing.
         let read = op == DeviceOp::Find && self.config.refreshes_reads() && p.found.is_some();

@@ -80,10 +80,12 @@ pub(super) struct Funcs {
     pub(super) ex_scan: CudaFunction,
     pub(super) ex_write: CudaFunction,
     /// Adaptive: a writer batch's keys into the sketch, a device batch's
-    /// sampled accesses, and the sketch's halving (`super::adapt`).
+    /// sampled accesses, the sketch's halving, and the find hits of a
+    /// writer batch's evicted entries into the sketch (`super::adapt`).
     pub(super) adapt_count: CudaFunction,
     pub(super) adapt_sample: CudaFunction,
     pub(super) adapt_halve: CudaFunction,
+    pub(super) adapt_fold: CudaFunction,
     /// A large find_or_insert's keys placed once ([`CudaTable::k_find_or_insert`]).
     pub(super) dedupe_claim: CudaFunction,
     pub(super) dedupe_lead: CudaFunction,

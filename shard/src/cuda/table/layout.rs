@@ -51,6 +51,10 @@ pub(super) struct ScoringArgs {
     /// other policies.
     pub(super) sketch: u64,
     pub(super) sketch_lines: u64,
+    /// Adaptive writer batches: a count, then (key, hits) pairs of the
+    /// entries they evicted with find hits counted in their scores, folded
+    /// into the sketch after the batch (`super::adapt`); 0 otherwise.
+    pub(super) folds: u64,
 }
 
 /// `HkvFilter` of `kernels/abi.h`.

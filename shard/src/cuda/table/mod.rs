@@ -192,6 +192,7 @@ impl CudaTable {
             adapt_count: get(KernelId::Upsert, "adapt_count")?,
             adapt_sample: get(KernelId::Upsert, "adapt_sample")?,
             adapt_halve: get(KernelId::Upsert, "adapt_halve")?,
+            adapt_fold: get(KernelId::Upsert, "adapt_fold")?,
             dedupe_claim: get(KernelId::Upsert, "dedupe_claim")?,
             dedupe_lead: get(KernelId::Upsert, "dedupe_lead")?,
             dedupe_fill: get(KernelId::Upsert, "dedupe_fill")?,
@@ -253,6 +254,7 @@ impl CudaTable {
             window: 0,
             sketch: 0,
             sketch_lines: 0,
+            folds: 0,
         };
         match &self.adapt {
             Some(a) => a.args(sc),

@@ -500,8 +500,9 @@ impl CudaTable {
             // SAFETY: keys uploaded, values / flags / scores sized above for these n keys
             unsafe { self.k_lookup(&s, st, n as u64, p) }?;
             if self.config.refreshes_reads() {
-                // Adaptive: the hits the sketch counted, to the window
-                // share's miniatures, sampled on the device behind the find.
+                // Adaptive: the find's hits (counted in their scores), to
+                // the window share's miniatures, sampled on the device
+                // behind the find.
                 // SAFETY: keys and found flags are the lane's, n each, kept
                 // until the stream has run this.
                 unsafe { self.adapt_sample_device(&s, st, base.keys.expect("keys uploaded"), n, None, p.found) }?;
