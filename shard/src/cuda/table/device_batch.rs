@@ -424,6 +424,7 @@ impl CudaTable {
                 self.counters.summary(&counts.summary);
             }
         }
+        self.adapt_done();
         counts
     }
 }

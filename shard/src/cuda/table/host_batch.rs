@@ -241,6 +241,7 @@ impl CudaTable {
         };
         let flags = Self::fetch(&s, &mut l.stage, &l.flags, if want_outcomes { n } else { 0 })?;
         let mut c = self.read_counters(l)?;
+        self.adapt_done();
         c.summary.absent -= deferrals;
         if let (Some(r), Rows::InOut(out)) = (&rows, values) {
             l.stage.read_into(r, out);

@@ -514,6 +514,7 @@ impl CudaTable {
             let c = self.read_counters(l)?;
             if self.config.refreshes_reads() {
                 self.adapt_counted(c.hits);
+                self.adapt_done();
             }
             for (o, x) in found.iter_mut().zip(l.stage.read(&f)) {
                 *o = *x != 0;
