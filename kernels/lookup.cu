@@ -12,15 +12,25 @@
 // each, so that each row goes in whole-row writes (a group's own stores
 // would send 4 × G bytes at a time).
 
+// The score a refreshing find reports for a hit whose score became `now`
+// (Scorer::read_answer): adaptive leaves out the hit count (bits 0-3), whose
+// value at a given key of a batch that holds the key more than once
+// depends on the order its hits ran in.
+__device__ __forceinline__ u64 hkv_read_answer(const HkvScoring& rs, u64 now) {
+    return rs.policy == HKV_ADAPTIVE ? now & ~HKV_ADAPTIVE_HITS : now;
+}
+
 // A find hit in a table whose reads refresh (rs.refresh): its score
 // becomes hkv_on_read of it, by CAS (hits of one key in a batch compose;
 // adaptive counts the hit in the score, not in the sketch, so that a hit
-// touches nothing but its entry); returns the score written. The group's
+// touches nothing but its entry); the score it reports goes to scores[i]
+// (when given). The group's
 // first thread, in the refreshing kernels only (lookup_findr,
 // lookup_findzr): the others do not contain it. `old` is the score as read
 // earlier (lookup_one), beside the row's copy instead of after it (a stale
 // value only costs the CAS one retry).
-__device__ __forceinline__ u64 hkv_refresh_hit(const HkvTable& t, const HkvScoring& rs, u64 pos, u64 old) {
+__device__ __forceinline__ void hkv_refresh_hit(const HkvTable& t, const HkvScoring& rs, u64 pos, u64 old,
+                                                u64* scores, u64 i) {
     unsigned long long* p = reinterpret_cast<unsigned long long*>(t.scores + pos);
     u64 nw = hkv_on_read(rs, old);
     while (nw != old) {
@@ -29,15 +39,7 @@ __device__ __forceinline__ u64 hkv_refresh_hit(const HkvTable& t, const HkvScori
         old = seen;
         nw = hkv_on_read(rs, old);
     }
-    return nw;
-}
-
-// The score a refreshing find reports for a hit whose score became `now`
-// (Scorer::read_answer): adaptive leaves out the hit count (bits 0-3), whose
-// value at a given key of a batch that holds the key more than once
-// depends on the order its hits ran in.
-__device__ __forceinline__ u64 hkv_read_answer(const HkvScoring& rs, u64 now) {
-    return rs.policy == HKV_ADAPTIVE ? now & ~HKV_ADAPTIVE_HITS : now;
+    if (scores) scores[i] = hkv_read_answer(rs, nw);
 }
 
 // rs: the refresh of find hits (REFRESH kernels only; null or rs->refresh 0:
@@ -83,10 +85,7 @@ __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u
         }
     }
     if (!values) {
-        if (refresh && hit) {
-            u64 now = hkv_refresh_hit(t, *rs, pos, sc_old);
-            if (scores) scores[i] = hkv_read_answer(*rs, now);
-        }
+        if (refresh && hit) hkv_refresh_hit(t, *rs, pos, sc_old, scores, i);
         return;
     }
     // find_at: the warp writes every row of its keys, one after the other.
@@ -118,10 +117,7 @@ __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u
         hkv_copy_rows_warp<G>(g, host, dst, src, t.dim);
     }
     // The refresh after the copy's loads and stores went out.
-    if (refresh && hit) {
-        u64 now = hkv_refresh_hit(t, *rs, pos, sc_old);
-        if (scores) scores[i] = hkv_read_answer(*rs, now);
-    }
+    if (refresh && hit) hkv_refresh_hit(t, *rs, pos, sc_old, scores, i);
 }
 
 #define HKV_LOOKUP_KERNEL_T(NAME, G, Z, R)                                                                      \
