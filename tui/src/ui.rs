@@ -136,17 +136,75 @@ fn uptime(s: f64) -> String {
     }
 }
 
+/// The overview's columns.
+const OVERVIEW_COLUMNS: [Column; 12] = [
+    ("table", 8, 0),
+    ("dim", 4, 9),
+    ("policy", 9, 8),
+    ("mode", 6, 10),
+    ("size", 10, 2),
+    ("capacity", 10, 6),
+    ("load", 17, 3),
+    ("hit %", 6, 1),
+    ("ops/s", 7, 5),
+    ("keys/s", 7, 4),
+    ("evict/s", 7, 7),
+    ("reject/s", 8, 11),
+];
+
+/// A view's column: title, width, and rank (0 the last to go when the
+/// terminal is too narrow for all of a view's columns).
+type Column = (&'static str, u16, u8);
+
+/// Which of `cols` fit `width` cells (one cell between columns): the
+/// lowest ranks first, then the others in rank order while they fit.
+fn fit_columns(cols: &[Column], width: u16) -> Vec<bool> {
+    let mut keep = vec![false; cols.len()];
+    let mut order: Vec<usize> = (0..cols.len()).collect();
+    order.sort_by_key(|&i| cols[i].2);
+    let mut used = 0u16;
+    for i in order {
+        let need = cols[i].1 + u16::from(used > 0);
+        if used + need > width && used > 0 {
+            break;
+        }
+        used += need;
+        keep[i] = true;
+    }
+    keep
+}
+
+/// The items of `all` whose column `keep` holds.
+fn kept<T>(all: impl IntoIterator<Item = T>, keep: &[bool]) -> Vec<T> {
+    all.into_iter().zip(keep).filter(|(_, &k)| k).map(|(x, _)| x).collect()
+}
+
+/// The widths of the kept columns, the first (a name) free to grow.
+fn kept_widths(cols: &[Column], keep: &[bool]) -> Vec<Constraint> {
+    let w: Vec<Constraint> = cols
+        .iter()
+        .enumerate()
+        .map(|(i, c)| if i == 0 { Constraint::Min(c.1) } else { Constraint::Length(c.1) })
+        .collect();
+    kept(w, keep)
+}
+
 fn draw_overview(f: &mut Frame, app: &App, area: Rect) {
-    let [list, detail] = Layout::vertical([Constraint::Min(3), Constraint::Length(9)]).areas(area);
-    let header = Row::new([
-        "table", "dim", "policy", "mode", "size", "capacity", "load", "hit %", "ops/s", "keys/s", "evict/s", "reject/s",
-    ])
-    .style(Style::default().add_modifier(Modifier::BOLD));
+    // The detail panel's 9 rows give way on a short terminal, so that the
+    // list keeps room for a few tables (6 rows: 3 tables at 60x16).
+    let detail_rows = if area.height >= 18 { 9 } else { area.height.saturating_sub(6).min(9) };
+    let [list, detail] = Layout::vertical([Constraint::Min(3), Constraint::Length(detail_rows)]).areas(area);
+    // The columns that fit the panel, in their usual order (a narrow
+    // terminal drops reject/s first, then mode, dim, policy, evict/s,
+    // capacity, ops/s).
+    let keep = fit_columns(&OVERVIEW_COLUMNS, list.width.saturating_sub(2));
+    let header =
+        Row::new(kept(OVERVIEW_COLUMNS.map(|c| c.0), &keep)).style(Style::default().add_modifier(Modifier::BOLD));
     let visible = app.visible();
     let rows = visible.iter().enumerate().map(|(i, t)| {
         let r = app.rates.get(&t.name).copied().unwrap_or_default();
         let load = t.load();
-        let row = Row::new(vec![
+        let cells = [
             Cell::from(t.name.clone()),
             Cell::from(t.dim.to_string()),
             Cell::from(t.policy.clone()),
@@ -159,27 +217,15 @@ fn draw_overview(f: &mut Frame, app: &App, area: Rect) {
             Cell::from(human(r.keys)),
             Cell::from(human(r.evictions)),
             Cell::from(human(r.rejections)),
-        ]);
+        ];
+        let row = Row::new(kept(cells, &keep));
         if i == app.selected {
             row.style(Style::default().add_modifier(Modifier::REVERSED))
         } else {
             row
         }
     });
-    let widths = [
-        Constraint::Min(8),
-        Constraint::Length(4),
-        Constraint::Length(9),
-        Constraint::Length(6),
-        Constraint::Length(10),
-        Constraint::Length(10),
-        Constraint::Length(17),
-        Constraint::Length(6),
-        Constraint::Length(7),
-        Constraint::Length(7),
-        Constraint::Length(7),
-        Constraint::Length(8),
-    ];
+    let widths = kept_widths(&OVERVIEW_COLUMNS, &keep);
     let title =
         if app.filter.is_empty() { " tables ".to_string() } else { format!(" tables matching /{} ", app.filter) };
     f.render_widget(
@@ -251,13 +297,36 @@ fn draw_lock(f: &mut Frame, t: &T, area: Rect) {
     f.render_widget(Paragraph::new(lines).block(Block::default().borders(Borders::ALL).title(" lock groups ")), area);
 }
 
+/// The table view's shard columns.
+const SHARD_COLUMNS: [Column; 12] = [
+    ("shard", 5, 0),
+    ("size", 10, 2),
+    ("capacity", 10, 6),
+    ("load", 15, 3),
+    ("hit %", 6, 1),
+    ("evictions", 10, 4),
+    ("rejections", 10, 11),
+    ("lock", 8, 8),
+    ("R/U/I run", 9, 10),
+    ("R/U/I wait", 10, 5),
+    ("device", 9, 7),
+    ("host", 9, 9),
+];
+
 fn draw_table(f: &mut Frame, app: &App, area: Rect) {
     let Some(t) = app.current_table() else {
         f.render_widget(Paragraph::new("no table selected").block(Block::default().borders(Borders::ALL)), area);
         return;
     };
+    // The bottom panels' 14 rows give way on a short terminal, so that the
+    // shards (and a backed table's tier) keep their rows; under 6 they go.
+    let wanted = 3 + t.shards.len().min(8) as u16 + if t.backing.is_some() { 5 } else { 0 };
+    let bottom_rows = match area.height.saturating_sub(3 + wanted) {
+        r if r >= 6 => r.min(14),
+        _ => 0,
+    };
     let [gauge, rest, bottom] =
-        Layout::vertical([Constraint::Length(3), Constraint::Min(3), Constraint::Length(14)]).areas(area);
+        Layout::vertical([Constraint::Length(3), Constraint::Min(3), Constraint::Length(bottom_rows)]).areas(area);
     let [ops, curve] = Layout::horizontal([Constraint::Percentage(45), Constraint::Percentage(55)]).areas(bottom);
     crate::curve::draw(f, t, curve);
     let by_type = app.by_type.get(&t.name).cloned().unwrap_or_default();
@@ -265,7 +334,7 @@ fn draw_table(f: &mut Frame, app: &App, area: Rect) {
         .iter()
         .map(|(n, o, k)| Row::new(vec![Cell::from(n.clone()), Cell::from(human(*o)), Cell::from(human(*k))]));
     f.render_widget(
-        Table::new(op_rows, [Constraint::Length(18), Constraint::Length(12), Constraint::Length(12)])
+        Table::new(op_rows, [Constraint::Fill(1), Constraint::Length(9), Constraint::Length(8)])
             .header(Row::new(["operation", "batches/s", "keys/s"]).style(Style::default().add_modifier(Modifier::BOLD)))
             .block(Block::default().borders(Borders::ALL).title(" operations per second by type ")),
         ops,
@@ -282,25 +351,12 @@ fn draw_table(f: &mut Frame, app: &App, area: Rect) {
             .label(format!("load {:.1}%  ({} of {})", t.load() * 100.0, t.size(), t.capacity())),
         gauge,
     );
-    let header = Row::new([
-        "shard",
-        "size",
-        "capacity",
-        "load",
-        "hit %",
-        "evictions",
-        "rejections",
-        "lock",
-        "R/U/I run",
-        "R/U/I wait",
-        "device",
-        "host",
-    ])
-    .style(Style::default().add_modifier(Modifier::BOLD));
+    let keep = fit_columns(&SHARD_COLUMNS, area.width.saturating_sub(2));
+    let header = Row::new(kept(SHARD_COLUMNS.map(|c| c.0), &keep)).style(Style::default().add_modifier(Modifier::BOLD));
     let rows = t.shards.iter().enumerate().map(|(i, s)| {
         let load = if s.capacity == 0 { 0.0 } else { s.size as f64 / s.capacity as f64 };
         let (h, m) = (s.hits, s.misses);
-        Row::new(vec![
+        let cells = [
             Cell::from(i.to_string()),
             Cell::from(s.size.to_string()),
             Cell::from(s.capacity.to_string()),
@@ -313,22 +369,10 @@ fn draw_table(f: &mut Frame, app: &App, area: Rect) {
             Cell::from(format!("{}/{}/{}", s.lock.waiting[0], s.lock.waiting[1], s.lock.waiting[2])),
             Cell::from(bytes(s.fast_bytes)),
             Cell::from(bytes(s.host_bytes)),
-        ])
+        ];
+        Row::new(kept(cells, &keep))
     });
-    let widths = [
-        Constraint::Length(5),
-        Constraint::Length(10),
-        Constraint::Length(10),
-        Constraint::Length(15),
-        Constraint::Length(6),
-        Constraint::Length(10),
-        Constraint::Length(10),
-        Constraint::Length(8),
-        Constraint::Length(9),
-        Constraint::Length(10),
-        Constraint::Length(9),
-        Constraint::Length(9),
-    ];
+    let widths = kept_widths(&SHARD_COLUMNS, &keep);
     let rest = match &t.backing {
         Some(b) => {
             let [shards, tier] = Layout::vertical([Constraint::Min(3), Constraint::Length(5)]).areas(rest);
@@ -383,19 +427,31 @@ fn draw_backing(f: &mut Frame, b: &hkv_client::proto::stats::BackingStats, area:
     );
 }
 
+/// The devices view's columns.
+const DEVICE_COLUMNS: [Column; 7] = [
+    ("device", 7, 0),
+    ("tables", 7, 6),
+    ("entries", 12, 2),
+    ("capacity", 12, 4),
+    ("load", 17, 1),
+    ("device memory", 14, 3),
+    ("host memory", 12, 5),
+];
+
 fn draw_devices(f: &mut Frame, app: &App, area: Rect) {
     let Some(s) = &app.snap else {
         f.render_widget(Paragraph::new("waiting for stats").block(Block::default().borders(Borders::ALL)), area);
         return;
     };
     let n = s.tables.iter().map(|t| t.shards.len()).max().unwrap_or(0);
-    let header = Row::new(["device", "tables", "entries", "capacity", "load", "device memory", "host memory"])
-        .style(Style::default().add_modifier(Modifier::BOLD));
+    let keep = fit_columns(&DEVICE_COLUMNS, area.width.saturating_sub(2));
+    let header =
+        Row::new(kept(DEVICE_COLUMNS.map(|c| c.0), &keep)).style(Style::default().add_modifier(Modifier::BOLD));
     let rows = (0..n).map(|i| {
         let shards: Vec<_> = s.tables.iter().filter_map(|t| t.shards.get(i)).collect();
         let (size, cap) = (shards.iter().map(|x| x.size).sum::<u64>(), shards.iter().map(|x| x.capacity).sum::<u64>());
         let load = if cap == 0 { 0.0 } else { size as f64 / cap as f64 };
-        let row = Row::new(vec![
+        let cells = [
             Cell::from(i.to_string()),
             Cell::from(shards.len().to_string()),
             Cell::from(size.to_string()),
@@ -403,22 +459,15 @@ fn draw_devices(f: &mut Frame, app: &App, area: Rect) {
             Cell::from(bar(load, 10)).style(Style::default().fg(load_color(load))),
             Cell::from(bytes(shards.iter().map(|x| x.fast_bytes).sum())),
             Cell::from(bytes(shards.iter().map(|x| x.host_bytes).sum())),
-        ]);
+        ];
+        let row = Row::new(kept(cells, &keep));
         if i == app.selected {
             row.style(Style::default().add_modifier(Modifier::REVERSED))
         } else {
             row
         }
     });
-    let widths = [
-        Constraint::Length(7),
-        Constraint::Length(7),
-        Constraint::Length(12),
-        Constraint::Length(12),
-        Constraint::Length(17),
-        Constraint::Length(14),
-        Constraint::Length(12),
-    ];
+    let widths = kept_widths(&DEVICE_COLUMNS, &keep);
     f.render_widget(
         Table::new(rows, widths)
             .header(header)

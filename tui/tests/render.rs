@@ -230,6 +230,57 @@ fn checkpoint_progress_and_daemon_down() {
     assert!(render(&a, 120, 30).contains("reconnected"));
 }
 
+/// A narrow terminal drops the overview's least important columns instead
+/// of cutting every column short: the ones it keeps are whole.
+#[test]
+fn a_narrow_overview_keeps_whole_columns() {
+    let a = app();
+    let users = |s: &str| s.lines().find(|l| l.contains("users")).unwrap().to_string();
+    let head = |s: &str| s.lines().find(|l| l.contains("table") && l.contains("size")).unwrap().to_string();
+    let wide = render(&a, 140, 30);
+    for c in ["dim", "policy", "mode", "capacity", "load", "hit %", "ops/s", "keys/s", "evict/s", "reject/s"] {
+        assert!(head(&wide).contains(c), "140 columns: {c} in {}", head(&wide));
+    }
+    let s = render(&a, 80, 24);
+    let (h, u) = (head(&s), users(&s));
+    for c in ["size", "capacity", "load", "hit %", "ops/s", "keys/s"] {
+        assert!(h.contains(c), "80 columns: {c} in {h}");
+    }
+    for c in ["reject/s", "mode", "policy"] {
+        assert!(!h.contains(c), "80 columns: {c} dropped from {h}");
+    }
+    assert!(u.contains("1000") && u.contains("2000") && u.contains("50.0%") && u.contains("75.00"), "{u}");
+    // At 60x16 the list keeps room for both tables (items: 20 of 2000).
+    let s = render(&a, 60, 16);
+    let h = head(&s);
+    let i = s.lines().find(|l| l.contains("items") && l.contains("%")).unwrap_or_else(|| panic!("{s}"));
+    for c in ["size", "load", "hit %"] {
+        assert!(h.contains(c), "60 columns: {c} in {h}");
+    }
+    assert!(i.contains("20") && i.contains("1.0%") && i.contains("75.00"), "{i}");
+    assert!(users(&s).contains("50.0%"), "{s}");
+    // The table view (users selected): its shards' rows, whole columns.
+    let mut a = a;
+    a.on_key(key(KeyCode::Down));
+    a.on_key(key(KeyCode::Tab));
+    for (w, h) in [(80, 24), (60, 16)] {
+        let s = render(&a, w, h);
+        let head = s.lines().find(|l| l.contains("shard ")).unwrap_or_else(|| panic!("{s}"));
+        for c in ["size", "load", "hit %", "evictions"] {
+            assert!(head.contains(c), "{w}x{h}: {c} in {head}");
+        }
+        let row = s.lines().find(|l| l.contains("600")).unwrap_or_else(|| panic!("{w}x{h}: shard 0's row\n{s}"));
+        assert!(row.contains("60.0%") && row.contains("75.00") && row.contains("300"), "{row}");
+    }
+    // The devices view: whole columns at 80.
+    a.on_key(key(KeyCode::Tab));
+    let s = render(&a, 80, 24);
+    let head = s.lines().find(|l| l.contains("entries")).unwrap_or_else(|| panic!("{s}"));
+    for c in ["device", "capacity", "load", "device memory"] {
+        assert!(head.contains(c), "{c} in {head}");
+    }
+}
+
 #[test]
 fn tiny_terminals_and_odd_stats_do_not_panic() {
     let a = app();
