@@ -644,6 +644,8 @@ class Client:
         adagrad: dim, rowwise_adagrad: 1, adam: 2 × dim columns) for
         ``apply_gradients``; the other ops then read and write whole rows
         (``dim(name)`` floats)."""
+        if reads_refresh is not None and not isinstance(reads_refresh, bool):
+            raise ValueError(f"reads_refresh must be True, False or None (the policy's default); not {reads_refresh!r}")
         if optimizer is not None and optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}; not {optimizer!r}")
         spec = {"name": name, "dim": dim, "capacity": capacity, "max_capacity": max_capacity,
@@ -671,7 +673,7 @@ class Client:
             if backing_queue_bytes is not None:
                 spec["backing"]["queue_bytes"] = int(backing_queue_bytes)
         if reads_refresh is not None:
-            spec["reads_refresh"] = bool(reads_refresh)
+            spec["reads_refresh"] = reads_refresh
         if optimizer is not None:
             spec["optimizer"] = optimizer
         info = self._json(OP_CREATE_TABLE, spec)

@@ -433,6 +433,19 @@ def test_integer_arguments_out_of_range_raise_value_error(daemon):
     c.close()
 
 
+def test_reads_refresh_takes_a_bool_or_none(daemon):
+    """An independent tester's finding: reads_refresh="false" made a table
+    whose reads refresh (any truthy value was sent as True)."""
+    c = daemon.client()
+    for bad in ("false", "yes", 1, 0):
+        with pytest.raises(ValueError, match="reads_refresh must be True, False or None"):
+            c.create_table("rr", dim=2, capacity=1024, policy="adaptive", reads_refresh=bad)
+    assert "rr" not in [t["spec"]["name"] for t in c.tables()]
+    info = c.create_table("rr", dim=2, capacity=1024, policy="adaptive", reads_refresh=False)
+    assert info["spec"]["reads_refresh"] is False
+    c.close()
+
+
 def test_create_table_backing_options_are_checked_before_sending(daemon):
     c = daemon.client()
     with pytest.raises(ValueError, match="backing_deadline_ms needs backing="):

@@ -35,13 +35,13 @@ pub enum Error {
         detail: String,
     },
     /// The policy computes scores itself (Lru, EpochLru) but scores were passed.
-    #[error("policy {policy:?} computes its own scores; pass no scores (or use load() to restore verbatim)")]
+    #[error("policy {} computes its own scores; pass no scores (or use load() to restore verbatim)", policy.name())]
     ScoresNotAccepted {
         /// The table's policy.
         policy: ScorePolicy,
     },
     /// The policy needs caller scores (Custom) but none were passed.
-    #[error("policy {policy:?} needs a score per key; pass scores")]
+    #[error("policy {} needs a score per key; pass scores", policy.name())]
     ScoresRequired {
         /// The table's policy.
         policy: ScorePolicy,

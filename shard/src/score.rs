@@ -215,6 +215,19 @@ impl Clock for SystemClock {
     }
 }
 
+/// The process's one [`SystemClock`], which every table a backend creates
+/// without a clock of its own shares: scores of tables of one process are
+/// on one time line, so that entries exported from one table and loaded
+/// into another rank below later writes to it (with a clock per table, a
+/// table created later started again at 1, and the entries of an older
+/// table's export outranked every write to it until its clock caught up).
+/// A restore moves it past the restored clock (`resume_after`), which only
+/// ever moves it forward, for every table alike.
+pub fn process_clock() -> Arc<SystemClock> {
+    static CLOCK: std::sync::OnceLock<Arc<SystemClock>> = std::sync::OnceLock::new();
+    CLOCK.get_or_init(|| Arc::new(SystemClock::default())).clone()
+}
+
 /// A clock the caller moves: deterministic Lru scores for tests and simulators.
 #[derive(Debug, Default)]
 pub struct ManualClock(pub AtomicU64);

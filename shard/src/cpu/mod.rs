@@ -60,7 +60,7 @@ use crate::config::{BucketMode, TableConfig};
 use crate::error::Result;
 use crate::lock::{Group, GroupLock};
 use crate::sample::HostSamples;
-use crate::score::{Clock, Scorer, SystemClock};
+use crate::score::{Clock, Scorer};
 use crate::{Shard, BUCKET_SLOTS};
 
 pub(crate) use counters::Counters;
@@ -115,9 +115,9 @@ impl std::fmt::Debug for CpuTable {
 }
 
 impl CpuTable {
-    /// A table on the system clock.
+    /// A table on the process's clock (`score::process_clock`).
     pub fn new(config: TableConfig) -> Result<CpuTable> {
-        Self::with_clock(config, Arc::new(SystemClock::default()))
+        Self::with_clock(config, crate::score::process_clock())
     }
 
     /// A table reading Lru / EpochLru time from `clock`.

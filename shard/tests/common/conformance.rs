@@ -930,6 +930,32 @@ pub fn adaptive_keeps_frequent_keys_through_a_scan(make: Make) {
     assert_eq!(a, b, "a load restores keys and scores (tiers) as exported");
 }
 
+/// Tables of one process share one clock: entries exported from an older
+/// table and loaded into a newer one rank below the newer table's later
+/// writes (an independent tester's finding: with a clock per table, the
+/// newer table's clock started again at 1 and the loaded entries
+/// outranked every write until it caught up). The load itself moves no
+/// clock: a client's absurd score must not poison it.
+pub fn tables_share_one_clock(make: Make) {
+    use hkv_shard::score::adaptive_stamp;
+    for policy in [ScorePolicy::Lru, ScorePolicy::Adaptive] {
+        let a = make(TableConfig::new(128, 1).policy(policy));
+        std::thread::sleep(std::time::Duration::from_millis(30));
+        a.insert_or_assign(&[1], &[1.0], None, None).unwrap();
+        let e = a.export_batch(0, a.capacity()).unwrap();
+        let b = make(TableConfig::new(128, 1).policy(policy));
+        b.load(&e.keys, &e.values, &e.scores).unwrap();
+        b.insert_or_assign(&[2], &[2.0], None, None).unwrap();
+        let e = b.export_batch(0, b.capacity()).unwrap();
+        let score = |k: u64| e.scores[e.keys.iter().position(|&x| x == k).expect("resident")];
+        let (loaded, later) = match policy {
+            ScorePolicy::Adaptive => (adaptive_stamp(score(1)), adaptive_stamp(score(2))),
+            _ => (score(1), score(2)),
+        };
+        assert!(later > loaded, "{policy:?}: a later write ({later}) ranks above the loaded entry ({loaded})");
+    }
+}
+
 /// Issue 36, Adaptive: a find hit counts in its entry's score (bits 0-3,
 /// `score::ADAPTIVE_HITS`), not in the frequency sketch, so that it touches
 /// nothing but its entry: the count grows by one per hit (hits of one key
@@ -1052,6 +1078,7 @@ macro_rules! conformance_suite {
         #[test] $(#[$attr])? fn adaptive_insert_and_evict_conserves_entries() { c::adaptive_insert_and_evict_conserves_entries($make) }
         #[test] $(#[$attr])? fn adaptive_keeps_part_of_a_loop_longer_than_the_table() { c::adaptive_keeps_part_of_a_loop_longer_than_the_table($make) }
         #[test] $(#[$attr])? fn adaptive_find_hits_count_in_the_score() { c::adaptive_find_hits_count_in_the_score($make) }
+        #[test] $(#[$attr])? fn tables_share_one_clock() { c::tables_share_one_clock($make) }
         #[test] $(#[$attr])? fn reads_refresh_keeps_read_keys() { c::reads_refresh_keeps_read_keys($make) }
     };
 }

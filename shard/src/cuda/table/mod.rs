@@ -86,7 +86,7 @@ use crate::cuda::{alloc_err, arg, dev_err, ensure, DevPtr, Device};
 use crate::error::{Error, Result};
 use crate::lock::{Group, GroupLock};
 use crate::mrc::Kind;
-use crate::score::{Clock, Scorer, SystemClock};
+use crate::score::{Clock, Scorer};
 use std::collections::HashMap;
 
 use crate::hash::{bucket1, bucket2};
@@ -139,9 +139,9 @@ impl std::fmt::Debug for CudaTable {
 }
 
 impl CudaTable {
-    /// A table on `dev`, on the system clock.
+    /// A table on `dev`, on the process's clock (`score::process_clock`).
     pub fn new(config: TableConfig, dev: Arc<Device>) -> Result<CudaTable> {
-        Self::with_clock(config, dev, Arc::new(SystemClock::default()))
+        Self::with_clock(config, dev, crate::score::process_clock())
     }
 
     /// A table reading Lru / EpochLru time from `clock`.
