@@ -209,8 +209,8 @@ pub struct TableSpec {
     /// cache alone).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backing: Option<BackingSpec>,
-    /// Whether `find` hits refresh scores (and count in the adaptive
-    /// policy's sketch); absent: the policy's default (on for `adaptive`,
+    /// Whether `find` hits refresh scores (an adaptive entry's also
+    /// counting the hit in its score); absent: the policy's default (on for `adaptive`,
     /// off for the others, whose finds touch no score as in HKV), except
     /// on a table with `backing` on the CPU backend, where it is on (a
     /// backed table's find hits refresh their rows, `docs/backing.md`).

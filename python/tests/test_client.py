@@ -375,6 +375,15 @@ def test_a_timeout_stays_a_timeout(tmp_path):
         c = hkvd.Client(d.socket, timeout=0.3)
         c.ping()
         d.proc.send_signal(signal.SIGSTOP)
+        # The signal is asynchronous: a ping sent before every thread of the
+        # daemon stopped could still be answered (seen once on the 2-core
+        # machine). Wait until /proc says it is stopped.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with open(f"/proc/{d.proc.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                    break
+            time.sleep(0.01)
         with pytest.raises(socket.timeout) as e:
             c.ping()
         assert not isinstance(e.value, hkvd.HkvdError)
@@ -443,6 +452,11 @@ def test_reads_refresh_takes_a_bool_or_none(daemon):
     assert "rr" not in [t["spec"]["name"] for t in c.tables()]
     info = c.create_table("rr", dim=2, capacity=1024, policy="adaptive", reads_refresh=False)
     assert info["spec"]["reads_refresh"] is False
+    # Left to the policy's default, the listing still says which it is.
+    c.create_table("rr_a", dim=2, capacity=1024, policy="adaptive")
+    c.create_table("rr_l", dim=2, capacity=1024, policy="lru")
+    listed = {t["spec"]["name"]: t["spec"]["reads_refresh"] for t in c.tables()}
+    assert (listed["rr"], listed["rr_a"], listed["rr_l"]) == (False, True, False), listed
     c.close()
 
 

@@ -55,9 +55,12 @@ impl Router {
     /// The listing of a table.
     pub async fn info(&self, t: &Table) -> Result<TableInfo, ProtoError> {
         let sizes = self.sizes(t).await?;
+        // A backing's password stays in the daemon; whether reads refresh
+        // is said even where the policy's default decided it.
+        let mut spec = t.spec.redacted();
+        spec.reads_refresh = Some(t.config.refreshes_reads());
         Ok(TableInfo {
-            // A backing's password stays in the daemon.
-            spec: t.spec.redacted(),
+            spec,
             size: sizes.iter().map(|s| s.0).sum(),
             capacity: sizes.iter().map(|s| s.1).sum(),
             shards: t.shards() as u32,

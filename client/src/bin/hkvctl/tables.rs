@@ -150,8 +150,8 @@ pub fn list(c: &mut Client) -> Result<()> {
     let tables = c.tables()?;
     let w = crate::render::name_width(tables.iter().map(|t| t.spec.name.as_str()));
     println!(
-        "{:<w$} {:>5} {:<9} {:<6} {:>12} {:>12} {:>6} {:<14} backing",
-        "table", "dim", "policy", "mode", "size", "capacity", "shards", "optimizer"
+        "{:<w$} {:>5} {:<9} {:<6} {:<7} {:>12} {:>12} {:>6} {:<14} backing",
+        "table", "dim", "policy", "mode", "reads", "size", "capacity", "shards", "optimizer"
     );
     for t in tables {
         // The cluster a table is backed by, its password hidden (as the
@@ -164,11 +164,18 @@ pub fn list(c: &mut Client) -> Result<()> {
             },
         );
         println!(
-            "{:<w$} {:>5} {:<9} {:<6} {:>12} {:>12} {:>6} {:<14} {}",
+            "{:<w$} {:>5} {:<9} {:<6} {:<7} {:>12} {:>12} {:>6} {:<14} {}",
             t.spec.name,
             t.spec.dim,
             t.spec.policy.as_str(),
             t.spec.mode.as_str(),
+            // Whether find hits refresh scores (a daemon that predates the
+            // field lists it only where the spec set it).
+            match t.spec.reads_refresh {
+                Some(true) => "refresh",
+                Some(false) => "-",
+                None => "?",
+            },
             t.size,
             t.capacity,
             t.shards,
