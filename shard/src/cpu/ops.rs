@@ -63,8 +63,13 @@ impl CpuTable {
         let now = match &self.adapt {
             Some(a) => {
                 a.counted_hit();
-                let old = bk.scores[s].fetch_update(Relaxed, Relaxed, |old| Some(scorer.on_read(old)));
-                scorer.on_read(old.unwrap_or_else(|o| o))
+                // The score written by the compare-and-swap that succeeded.
+                let mut now = 0;
+                let _ = bk.scores[s].fetch_update(Relaxed, Relaxed, |old| {
+                    now = scorer.on_read(old);
+                    Some(now)
+                });
+                now
             }
             None => {
                 let now = scorer.on_read(bk.score(s));
