@@ -240,3 +240,74 @@ HKV_STEP_KERNEL(step_keys_g2, 2)
 HKV_STEP_KERNEL(step_keys_g4, 4)
 HKV_STEP_KERNEL(step_keys_g16, 16)
 HKV_STEP_KERNEL(step_keys_g32, 32)
+
+// apply_gradients with summed repeats (optim::sum_duplicates, bit for bit):
+// after dedupe_claim / dedupe_lead, first[i] flags each key's first
+// occurrence and lead[i] (where the key repeats) the first occurrence of a
+// repeat; a key left out (only) has neither. cnt and maxbits (n u32, zero)
+// and acc (n x dim i64, zero) are indexed by first occurrence.
+
+#define HKV_SUM_NO_LEAD 0xFFFFFFFFu
+
+// The first occurrence of key i, HKV_SUM_NO_LEAD for a key left out.
+__device__ __forceinline__ u32 hkv_sum_first(u64 i, const u8* first, const u32* lead, const u32* repeats) {
+    if (first[i]) return (u32)i;
+    return *repeats ? lead[i] : HKV_SUM_NO_LEAD;
+}
+
+// The exponent E of a repeated key's fixed-point sum: count * max (in f64)
+// lies below 2^(62 - E), so that count terms sum below 2^62.
+__device__ __forceinline__ int hkv_sum_exp(u32 count, u32 maxbits) {
+    double x = __dmul_rn((double)count, (double)__uint_as_float(maxbits));
+    return 62 - ((int)((__double_as_longlong(x) >> 52) & 0x7ff) - 1022);
+}
+
+// One thread per key: its occurrence counted, and its row's largest
+// magnitude (f32 bits: NaN above infinity above every finite value) kept,
+// in its first occurrence's entry.
+extern "C" __global__ void sum_count(const float* grads, u64 dim, u64 n, const u8* first, const u32* lead,
+                                     const u32* repeats, u32* cnt, u32* maxbits) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const u32 f = hkv_sum_first(i, first, lead, repeats);
+    if (f == HKV_SUM_NO_LEAD) return;
+    u32 m = 0;
+    for (u64 e = 0; e < dim; ++e) m = max(m, __float_as_uint(grads[i * dim + e]) & 0x7fffffffu);
+    atomicAdd(cnt + f, 1u);
+    atomicMax(maxbits + f, m);
+}
+
+// One thread per gradient element of a repeated key: its fixed-point term
+// (rounded to nearest, ties to even) added to its first occurrence's sum.
+// Integer sums do not depend on the order of the adds.
+extern "C" __global__ void sum_add(const float* grads, u64 dim, u64 n, const u8* first, const u32* lead,
+                                   const u32* repeats, const u32* cnt, const u32* maxbits, long long* acc) {
+    u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n * dim || !*repeats) return;
+    const u64 i = t / dim, e = t % dim;
+    const u32 f = hkv_sum_first(i, first, lead, repeats);
+    if (f == HKV_SUM_NO_LEAD) return;
+    const u32 c = cnt[f], m = maxbits[f];
+    if (c <= 1 || m == 0 || m >= 0x7f800000u) return;
+    const long long q = __double2ll_rn(ldexp((double)grads[t], hkv_sum_exp(c, m)));
+    atomicAdd((unsigned long long*)(acc + (u64)f * dim + e), (unsigned long long)q);
+}
+
+// One thread per gradient element of a first occurrence: the gradient its
+// key steps with, into out: its own where the key occurs once, else the
+// sum (through f64, rounded to nearest at each step), 0 where every
+// element is zero, NaN where one is not finite.
+extern "C" __global__ void sum_out(const float* grads, u64 dim, u64 n, const u8* first, const u32* cnt,
+                                   const u32* maxbits, const long long* acc, float* out) {
+    u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n * dim) return;
+    const u64 i = t / dim;
+    if (!first[i]) return;
+    const u32 c = cnt[i], m = maxbits[i];
+    float r;
+    if (c <= 1) r = grads[t];
+    else if (m >= 0x7f800000u) r = __int_as_float(0x7fc00000);
+    else if (m == 0) r = 0.0f;
+    else r = __double2float_rn(ldexp(__ll2double_rn(acc[t]), -hkv_sum_exp(c, m)));
+    out[t] = r;
+}

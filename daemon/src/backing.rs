@@ -1314,6 +1314,21 @@ pub async fn apply_gradients(
     grads: Vec<f32>,
     outcomes: bool,
 ) -> Result<ApplyAnswer, ProtoError> {
+    let (mut hyper, mut keys, mut grads) = (hyper, keys, grads);
+    if hyper.sum {
+        // Repeated keys' gradients summed here, once: the cluster's rows
+        // and the cache's are then stepped from the same gradients.
+        if outcomes {
+            return Err(crate::router::summed_outcomes());
+        }
+        let d = t.spec.dim;
+        if grads.len() == keys.len() * d {
+            if let Some((k, g, _)) = hkv_shard::optim::sum_duplicates(&keys, &grads, d) {
+                (keys, grads) = (k, g);
+            }
+        }
+        hyper.sum = false;
+    }
     invalidate(router, tiers, t, Some(&keys)).await?;
     if tier.mode() == Mode::ReadOnly {
         let held = tiers.begin_write(&t.spec.name, Some(&keys)).await;

@@ -84,7 +84,7 @@ fn every_optimizer_matches_the_reference() {
         // Batches: 120 stored keys and 30 absent ones, interleaved.
         let absent: Vec<u64> = (1..=30).map(|k| k * 7_919 + 1).collect();
         for step in 1..=6u64 {
-            let h = Hyper { lr: 0.05, eps: 1e-3, beta1: 0.8, beta2: 0.95, weight_decay: 0.01, step };
+            let h = Hyper { lr: 0.05, eps: 1e-3, beta1: 0.8, beta2: 0.95, weight_decay: 0.01, step, sum: false };
             let mut batch = Vec::new();
             let mut which = Vec::new();
             for i in 0..150 {

@@ -55,7 +55,7 @@ pub enum KernelId {
     Lookup,
     /// `upsert.cu`: `upsert_keys`, `upsert_keys_a` (adaptive tables) and `probe_keys` (and their `_gN` variants), `adapt_count`, `adapt_sample`, `adapt_halve`, `adapt_fold`, `dedupe_claim`, `dedupe_lead`, `dedupe_fill`.
     Upsert,
-    /// `update.cu`: `update_keys` and `step_keys` (and their `_gN` variants).
+    /// `update.cu`: `update_keys` and `step_keys` (and their `_gN` variants), `sum_count`, `sum_add`, `sum_out`.
     Update,
     /// `erase.cu`: `erase_keys`, `erase_if`, `clear_table`.
     Erase,
@@ -202,6 +202,9 @@ impl KernelId {
                 "step_keys_g4",
                 "step_keys_g16",
                 "step_keys_g32",
+                "sum_count",
+                "sum_add",
+                "sum_out",
             ],
             KernelId::Erase => &["erase_keys", "erase_if", "clear_table"],
             KernelId::Export => &["export_count", "export_scan", "export_write"],

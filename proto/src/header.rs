@@ -20,6 +20,9 @@ pub mod flags {
     pub const OUTCOMES: u16 = 0x0004;
     /// The frame is an error.
     pub const ERROR: u16 = 0x0008;
+    /// apply_gradients: sum the gradients of a key's occurrences, then
+    /// step it once.
+    pub const SUM: u16 = 0x0040;
 }
 
 /// A decoded frame header.

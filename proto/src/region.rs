@@ -391,6 +391,9 @@ impl RegionRequest {
         if self.outcomes {
             fl |= crate::flags::OUTCOMES;
         }
+        if matches!(self.head, Head::Apply(crate::Hyper { sum: true, .. })) {
+            fl |= crate::flags::SUM;
+        }
         w.finish_frame(self.op, fl, id)
             .unwrap_or_else(|(e, _)| panic!("a region request that does not fit the protocol: {e}"))
     }
@@ -419,7 +422,10 @@ impl RegionRequest {
                     max_score: r.u64("filter")?,
                 },
             },
-            Op::ApplyGradients => Head::Apply(crate::request::hyper_get(&mut r)?),
+            Op::ApplyGradients => Head::Apply(crate::Hyper {
+                sum: h.flags & crate::flags::SUM != 0,
+                ..crate::request::hyper_get(&mut r)?
+            }),
             Op::FindFeatures | Op::FindOrInsertFeatures => {
                 let code = r.u8("hash kind")?;
                 let hash = match code {

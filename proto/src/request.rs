@@ -232,6 +232,7 @@ pub(crate) fn hyper_get(r: &mut Reader<'_>) -> Result<Hyper, ProtoError> {
         beta2: r.f32("beta2")?,
         weight_decay: r.f32("weight_decay")?,
         step: r.u64("step")?,
+        sum: false,
     })
 }
 
@@ -542,6 +543,9 @@ impl Request {
                 if *outcomes {
                     fl |= flags::OUTCOMES;
                 }
+                if hyper.sum {
+                    fl |= flags::SUM;
+                }
             }
             Request::Control(c) => match c {
                 Control::CreateTable(spec) => w.buf.extend(json(spec)),
@@ -639,7 +643,7 @@ impl Request {
             }
             Op::ApplyGradients => {
                 let table = r.str("table")?.into();
-                let hyper = hyper_get(&mut r)?;
+                let hyper = Hyper { sum: h.flags & flags::SUM != 0, ..hyper_get(&mut r)? };
                 let keys = r.u64s("keys")?;
                 let grads = r.f32s("grads")?;
                 Request::ApplyGradients { table, hyper, keys, grads, outcomes }

@@ -272,11 +272,15 @@ pub struct Hyper {
     pub weight_decay: f32,
     /// The step number from 1 (Adam's bias correction).
     pub step: u64,
+    /// Sum the gradients of a key's occurrences before its one step: the
+    /// `SUM` flag of the frame (not in the 28 bytes).
+    #[serde(default)]
+    pub sum: bool,
 }
 
 impl Default for Hyper {
     fn default() -> Hyper {
-        Hyper { lr: 0.01, eps: 1e-8, beta1: 0.9, beta2: 0.999, weight_decay: 0.0, step: 1 }
+        Hyper { lr: 0.01, eps: 1e-8, beta1: 0.9, beta2: 0.999, weight_decay: 0.0, step: 1, sum: false }
     }
 }
 

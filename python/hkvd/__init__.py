@@ -72,6 +72,7 @@ VERSION = 1
 HEADER = struct.Struct("<4sBBHQI")
 
 F_RESPONSE, F_SCORES, F_OUTCOMES, F_ERROR = 0x1, 0x2, 0x4, 0x8
+F_SUM = 0x40  # apply_gradients: repeated keys' gradients summed, one step per key
 # Per-key origins of a backed table's find / contains (find_with_origins).
 ORIGIN_HIT, ORIGIN_FILLED, ORIGIN_ABSENT, ORIGIN_LATE = 0, 1, 2, 3
 
@@ -830,27 +831,31 @@ class Client:
 
     def send_apply_gradients(self, table: str, keys, grads, lr: float, eps: float = 1e-8, beta1: float = 0.9,
                              beta2: float = 0.999, weight_decay: float = 0.0, step: int = 1, values: bool = False,
-                             out: Optional[np.ndarray] = None) -> int:
+                             out: Optional[np.ndarray] = None, sum: bool = False) -> int:
         k = _keys(keys)
         d = self.value_dim(table)
         g = _f32(grads)
         if out is not None:
             _check_out(out, k.size, d)
         parts = [_str(table), hyper_bytes(lr, eps, beta1, beta2, weight_decay, step), *_arr(k), *_arr(g)]
-        return self._send(OP_APPLY_GRADIENTS, F_OUTCOMES if values else 0, parts, d, k.size, out)
+        flags = (F_OUTCOMES if values else 0) | (F_SUM if sum else 0)
+        return self._send(OP_APPLY_GRADIENTS, flags, parts, d, k.size, out)
 
     def apply_gradients(self, table: str, keys, grads, lr: float, eps: float = 1e-8, beta1: float = 0.9,
                         beta2: float = 0.999, weight_decay: float = 0.0, step: int = 1, values: bool = False,
-                        out: Optional[np.ndarray] = None):
+                        out: Optional[np.ndarray] = None, sum: bool = False):
         """One step of the table's optimizer (the table was created with
         ``optimizer``) on the rows of present ``keys``, given ``grads``
         (n × ``value_dim(table)`` float32); ``step`` counts from 1 (Adam's
         bias correction). Returns the count of keys absent (not updated);
         with ``values``, ``(missing, found (n,) bool, values (n, value_dim))``:
         each key's values after its step (zeros where absent), received into
-        ``out`` when given."""
+        ``out`` when given. A key given several times steps once per
+        occurrence, or with ``sum`` once with its occurrences' gradients
+        summed (exactly; PROTOCOL.md, apply_gradients); ``sum`` answers no
+        ``values`` and counts absent distinct keys."""
         r = self.result(self.send_apply_gradients(table, keys, grads, lr, eps, beta1, beta2, weight_decay, step,
-                                                  values, out))
+                                                  values, out, sum))
         return r if values else r[0]
 
     def erase(self, table: str, keys) -> int:
@@ -1050,19 +1055,20 @@ class Client:
 
     def apply_gradients_region(self, table: str, keys, grads, found=None, values=None, *, lr: float,
                                eps: float = 1e-8, beta1: float = 0.9, beta2: float = 0.999, weight_decay: float = 0.0,
-                               step: int = 1, stream=None, wait=True, done=False) -> int:
+                               step: int = 1, stream=None, wait=True, done=False, sum: bool = False) -> int:
         """apply_gradients with ``keys`` (n) and ``grads`` (n × value_dim
         float32) read from registered memory and, when both are given,
         ``found`` (n uint8, written: 1 updated, 0 absent) and ``values``
         (n × value_dim float32, written: the values after the step).
-        Returns the count of keys absent. On device memory it is staged
-        (the daemon copies the arrays through its memory)."""
+        Returns the count of keys absent. ``sum`` as for
+        :meth:`apply_gradients` (then without ``found`` and ``values``)."""
         outcomes = found is not None or values is not None
         if outcomes and (found is None or values is None):
             raise ValueError("give both found and values, or neither")
         arrays = [keys, grads] + ([found, values] if outcomes else [])
         head = hyper_bytes(lr, eps, beta1, beta2, weight_decay, step)
-        body = _region.call(self, OP_APPLY_GRADIENTS, table, arrays, False, outcomes, stream, wait, done, head)
+        body = _region.call(self, OP_APPLY_GRADIENTS, table, arrays, False, outcomes, stream, wait, done, head,
+                            F_SUM if sum else 0)
         return _region.count(body)
 
     def erase_region(self, table: str, keys, erased=None, *, stream=None, wait=True, done=False) -> Optional[int]:

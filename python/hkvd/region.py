@@ -25,6 +25,8 @@ F_SCORES = 0x0002
 F_OUTCOMES = 0x0004
 F_REGION = 0x0010
 F_EVENTS = 0x0020
+# apply_gradients: repeated keys' gradients summed, one step per key.
+F_SUM = 0x0040
 OP_UNREGISTER = 0x41
 
 OP_FIND = 0x10
@@ -338,7 +340,7 @@ def count(body: Optional[bytes]) -> Optional[int]:
 
 
 def call(client, op: int, table: str, arrays: Sequence, scores: bool = False, outcomes: bool = False,
-         stream=None, wait=True, done=False, head: bytes = b"") -> Optional[bytes]:
+         stream=None, wait=True, done=False, head: bytes = b"", flags: int = 0) -> Optional[bytes]:
     """Sends a region request naming ``arrays`` (in the op's slot order) and
     returns the answer body, or None when there are no keys (nothing sent).
 
@@ -364,12 +366,14 @@ def call(client, op: int, table: str, arrays: Sequence, scores: bool = False, ou
       the daemon records that one and the caller waits for it (say with
       ``event.wait(stream)``); False or None (default): no event (the
       outputs are complete, and counted, when the answer is read).
+
+    ``flags``: further flag bits of the op (``F_SUM`` for apply_gradients).
     """
     f = _frame(client, op, table, arrays, scores, outcomes, stream, wait, done, head)
     if f is None:
         return None
-    flags, body, post, h = f
-    answer = client._call(op, flags, [body])
+    fl, body, post, h = f
+    answer = client._call(op, fl | flags, [body])
     if post is not None:
         post.wait(h)
     return answer
@@ -384,7 +388,7 @@ class Pending(NamedTuple):
 
 
 def send(client, op: int, table: str, arrays: Sequence, scores: bool = False, outcomes: bool = False,
-         stream=None, wait=True, done=False, head: bytes = b"") -> Optional[Pending]:
+         stream=None, wait=True, done=False, head: bytes = b"", flags: int = 0) -> Optional[Pending]:
     """:func:`call`'s first half: checks and sends the request and returns
     at once (None when there are no keys: nothing sent); :func:`finish`
     reads its answer. Meanwhile the arrays belong to the daemon: the
@@ -394,8 +398,8 @@ def send(client, op: int, table: str, arrays: Sequence, scores: bool = False, ou
     f = _frame(client, op, table, arrays, scores, outcomes, stream, wait, done, head)
     if f is None:
         return None
-    flags, body, post, h = f
-    return Pending(client._send(op, flags, [body]), post, h if post is not None else None)
+    fl, body, post, h = f
+    return Pending(client._send(op, fl | flags, [body]), post, h if post is not None else None)
 
 
 def _frame(client, op, table, arrays, scores, outcomes, stream, wait, done, head):

@@ -287,14 +287,15 @@ class EmbeddingCache:
         return sync
 
     def _step_chunk(self, keys: torch.Tensor, grads: torch.Tensor, hyper: dict, out: Optional[torch.Tensor],
-                    found: Optional[torch.Tensor], wait: bool = True, views: bool = False) -> int:
+                    found: Optional[torch.Tensor], wait: bool = True, views: bool = False, sum: bool = False) -> int:
         self.settle()
         m = keys.numel()
         c = self.client
         want = out is not None or views
+        flags = region.F_SUM if sum else 0
         if self.transport == "socket":
             k = keys.cpu().numpy().view(np.uint64)
-            r = c.apply_gradients(self.table, k, grads.detach().cpu().numpy(), values=want, **hyper)
+            r = c.apply_gradients(self.table, k, grads.detach().cpu().numpy(), values=want, sum=sum, **hyper)
             if not want:
                 return r
             missing, f, v = r
@@ -314,7 +315,7 @@ class EmbeddingCache:
         if not wait:
             sync = self._done_sync() if self.transport == "cuda-ipc" else {}
             p = region.send(c, region.OP_APPLY_GRADIENTS, self.table, arrays, False, want,
-                            head=_hyper_bytes(**hyper), **sync)
+                            head=_hyper_bytes(**hyper), flags=flags, **sync)
             if p is not None:
                 self._inflight = (p, m, out, found)
                 if self.settle not in c._deferred:
@@ -322,7 +323,7 @@ class EmbeddingCache:
             return 0
         sync = self._sync_args() if self.transport == "cuda-ipc" else {}
         body = region.call(c, region.OP_APPLY_GRADIENTS, self.table, arrays, False, want,
-                           head=_hyper_bytes(**hyper), **sync)
+                           head=_hyper_bytes(**hyper), flags=flags, **sync)
         missing = region.count(body)
         if want:
             self._copy_out(m, out, found)
@@ -537,6 +538,25 @@ class _Gather(torch.autograd.Function):
         return None, None, None, None, None
 
 
+class _Positions(torch.autograd.Function):
+    """The rows of every position of the ids, as the table's find_or_insert
+    answered them (no deduplication on this side); backward hands the
+    gradient of every position to the table, which sums a repeated id's
+    gradients and steps it once (apply_gradients with SUM)."""
+
+    @staticmethod
+    def forward(ctx, anchor, rows, flat, module):
+        ctx.module = module
+        ctx.save_for_backward(flat)
+        return rows
+
+    @staticmethod
+    def backward(ctx, grad):
+        (flat,) = ctx.saved_tensors
+        ctx.module._apply_positions(flat, grad.reshape(-1, grad.shape[-1]))
+        return None, None, None, None
+
+
 class _Sparse(torch.nn.Module):
     """What :class:`Embedding` and :class:`EmbeddingBag` share: the table,
     its transport, the optimizer's hyperparameters and step count,
@@ -545,8 +565,15 @@ class _Sparse(torch.nn.Module):
     def __init__(self, client: Client, table: str, *, lr: float = 0.01, eps: float = 1e-8,
                  betas: Sequence[float] = (0.9, 0.999), weight_decay: float = 0.0,
                  init: Optional[Callable] = None, device=None, transport: str = "auto", max_batch: int = 1 << 16,
-                 events: bool = True, verbose: bool = True):
+                 events: bool = True, verbose: bool = True, dedupe: str = "module"):
         super().__init__()
+        if dedupe not in ("module", "table"):
+            raise ValueError(f"dedupe must be module or table, not {dedupe!r}")
+        # "table": every position's id goes to the table as it is; the
+        # table answers a row per position and sums a repeated id's
+        # gradients itself (apply_gradients with SUM). "module": the ids
+        # are deduplicated here (torch.unique) and the gradients summed here.
+        self.dedupe = dedupe
         self.cache = EmbeddingCache(client, table, device=device, max_batch=max_batch, transport=transport,
                                     events=events, verbose=verbose)
         if client.policy(table) == "custom":
@@ -580,6 +607,10 @@ class _Sparse(torch.nn.Module):
         self._remade: Optional[WrongDim] = None
         self._anchor = torch.zeros((), requires_grad=True)
         self._pending: List[_Prefetched] = []
+        # dedupe "table": the ids prefetch() was given, sent after this
+        # module's next step; and the lookups sent so, unanswered.
+        self._pos_next: Optional[_Prefetched] = None
+        self._pos_pending: List[_Prefetched] = []
         self._spare: List[EmbeddingCache] = []
         self._kw = dict(device=self.device, max_batch=max_batch, transport=self.cache.transport, events=events,
                         verbose=False)
@@ -632,6 +663,12 @@ class _Sparse(torch.nn.Module):
         array sharing the memory, or ``.data``) is not noticed: give the
         forward a new tensor then."""
         flat = self._flat(ids)
+        if self.dedupe == "table":
+            # Sent after this module's next step (so that it reads the
+            # step's writes): no patch, no deduplication here.
+            if 0 < flat.numel() <= self.cache.max_batch:
+                self._pos_next = _Prefetched(flat, None, None, None, None)
+            return
         uniq, inv = torch.unique(flat, return_inverse=True)
         if uniq.numel() > self.cache.max_batch or uniq.numel() == 0:
             return
@@ -721,6 +758,74 @@ class _Sparse(torch.nn.Module):
                 p.patches = [(u, f.clone(), v.clone(), None) if owner is c else (u, f, v, owner)
                              for u, f, v, owner in p.patches]
 
+    def _drop_table_lookups(self) -> None:
+        """Drops the lookups sent ahead by every module of this table that
+        no later step can patch: those of dedupe "table" (a step with SUM
+        answers no rows). Their forwards look the ids up again."""
+        for m in list(self._sharing):
+            for p in m._pos_pending:
+                m._drop(p)
+            m._pos_pending = []
+
+    def _positions(self, flat: torch.Tensor) -> torch.Tensor:
+        """dedupe "table": the ``(n, dim)`` rows of ``flat``'s positions, from
+        the lookup sent after the last step when it was for these ids, else
+        looked up now (find_or_insert of every position)."""
+        t0 = time.perf_counter()
+        self._settle_sharing()
+        rows = torch.empty((flat.numel(), self.dim), dtype=torch.float32, device=self.device)
+        at = next((i for i, p in enumerate(self._pos_pending) if p.matches(flat)), None)
+        if at is not None:
+            for p in self._pos_pending[:at]:
+                self._drop(p)
+            hit = self._pos_pending[at]
+            del self._pos_pending[:at + 1]
+            hit.cache._recv(hit.token, rows)
+            self._spare.append(hit.cache)
+            self.prefetch_hits += 1
+        else:
+            if self._pos_next is not None and self._pos_next.matches(flat):
+                self._pos_next = None  # looked up now: not again after the step
+            self._keep_patches()  # the lookup writes the buffers the patches read
+            c = self.cache
+            c._recv(c._send(region.OP_FIND_OR_INSERT, flat, self._init_rows(flat)), rows)
+        self.timings["lookup"] += time.perf_counter() - t0
+        return rows
+
+    def _apply_positions(self, flat: torch.Tensor, grads: torch.Tensor) -> None:
+        """dedupe "table": the step of every position's gradient, summed per
+        id by the table (apply_gradients with SUM), sent without waiting;
+        then the lookup of the ids prefetch() was given, ordered after the
+        step (its request first reads the step's answer, and its stream
+        waits for the step's writes)."""
+        t0 = time.perf_counter()
+        self._settle_sharing()
+        self.step += 1
+        # Rows looked up before this step are stale: prefetches of the
+        # other deduplication can be patched by none of its values, and
+        # lookups sent after an earlier step are read again.
+        self._drop_table_lookups()
+        for m in list(self._sharing):
+            for p in m._pending:
+                m._drop(p)
+            m._pending = []
+        hyper = dict(lr=self.lr, eps=self.eps, beta1=self.betas[0], beta2=self.betas[1],
+                     weight_decay=self.weight_decay, step=self.step)
+        self._keep_patches()
+        g = grads.detach().to(device=self.device, dtype=torch.float32)
+        self._missing += self.cache._step_chunk(flat, g, hyper, None, None, wait=False, sum=True)
+        nxt, self._pos_next = self._pos_next, None
+        if nxt is not None:
+            p = nxt
+            p.cache = self._spare.pop() if self._spare else EmbeddingCache(self.client, self.table, **self._kw)
+            try:
+                p.token = p.cache._send(region.OP_FIND_OR_INSERT, p.ids, self._init_rows(p.ids), done_event=False)
+            except BaseException:
+                self._spare.append(p.cache)
+                raise
+            self._pos_pending.append(p)
+        self.timings["apply"] += time.perf_counter() - t0
+
     # ---- the step -----------------------------------------------------
     def _grad_rows(self, n: int, device) -> torch.Tensor:
         """Zeroed ``(n, dim)`` rows for a step's summed gradients: the
@@ -741,6 +846,7 @@ class _Sparse(torch.nn.Module):
         # order, not in whichever order the daemon takes them.
         self._settle_sharing()
         self.step += 1
+        self._drop_table_lookups()  # nothing patches them: read again at their forward
         # Updated rows are needed to patch the prefetches pending, this
         # module's and those of other modules of the table.
         # (Modules on another device are left out: their rows live there.)
@@ -769,6 +875,14 @@ class _Sparse(torch.nn.Module):
             # says so (a second one failed on the old width's buffers).
             raise WrongDim(self._remade.code, self._remade.message)
         flat = self._flat(ids)
+        if self.dedupe == "table" and 0 < flat.numel() <= self.cache.max_batch:
+            try:
+                rows = self._positions(flat)
+            except WrongDim as e:
+                raise self._dim_changed(e) from e
+            except ReservedKey as e:
+                raise self._reserved_at(e, flat) from e
+            return _Positions.apply(self._anchor, rows, flat, self)
         try:
             uniq, inv, rows = self._lookup(flat)
         except WrongDim as e:

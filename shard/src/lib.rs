@@ -521,8 +521,11 @@ pub trait Shard: Send + Sync {
     /// (`step.dim` floats of `grads`); absent keys are left absent. `found`
     /// gets a flag per key; `updated`, when given, the key's values
     /// (`step.dim` floats) as its step left them (zeros for an absent key).
-    /// Duplicate keys are stepped one after the other. Returns the count of
-    /// keys absent. Scores as `assign` gives them (the policy's update rule
+    /// Duplicate keys are stepped one after the other, or, with
+    /// `step.sum`, their gradients summed first ([`optim::sum_duplicates`])
+    /// and each key stepped once (then `updated` must be `None`; each
+    /// occurrence gets its key's flag). Returns the count of keys absent
+    /// (of distinct keys, with `step.sum`). Scores as `assign` gives them (the policy's update rule
     /// without caller scores).
     ///
     /// The default reads the rows with [`Shard::find`], steps them on the
@@ -756,6 +759,9 @@ pub fn apply_gradients_by_find<S: Shard + ?Sized>(
 ) -> Result<u64> {
     let (n, d, w) = (keys.len(), step.dim, s.dim());
     optim::check_apply(w, step, keys, grads, found, updated.as_deref())?;
+    if let Some(r) = optim::apply_summed(keys, grads, step, found, |k, g, st, f| s.apply_gradients(k, g, st, f, None)) {
+        return r;
+    }
     let mut rows = vec![0.0f32; n * w];
     s.find(keys, &mut rows, found, None)?;
     // Duplicates step the row their first occurrence holds, in index order.

@@ -85,6 +85,10 @@ pub struct Step {
     pub dim: usize,
     /// This step's hyperparameters.
     pub hyper: Hyper,
+    /// Sum the gradients of a key's occurrences in the batch first, then
+    /// step the key once ([`sum_duplicates`]); without it each occurrence
+    /// steps the row in turn.
+    pub sum: bool,
 }
 
 impl Step {
@@ -210,6 +214,13 @@ pub fn check_batch(
     crate::check::len("grads", grads, n * step.dim, || format!("{n} keys, dim {}", step.dim))?;
     crate::check::len("found", found, n, || format!("{n} keys"))?;
     if let Some(u) = updated {
+        if step.sum {
+            return Err(Error::Optimizer(
+                "a step that sums repeated keys' gradients answers no updated values (one row per key, not per \
+                 occurrence); ask for one or the other"
+                    .into(),
+            ));
+        }
         crate::check::len("updated values", u, n * step.dim, || format!("{n} keys, dim {}", step.dim))?;
     }
     Ok(())
@@ -236,7 +247,7 @@ mod tests {
     use super::*;
 
     fn step(optimizer: Optimizer, dim: usize, hyper: Hyper) -> Step {
-        Step { optimizer, dim, hyper }
+        Step { optimizer, dim, hyper, sum: false }
     }
 
     #[test]
@@ -299,4 +310,125 @@ mod tests {
             Err(Error::ReservedKey { index: 0, .. })
         ));
     }
+}
+
+/// The exponent `E` of a repeated key's fixed-point sum: `2^E` scales its
+/// gradients so that `count` of them, each at most `max` in magnitude
+/// (positive and finite), sum to less than `2^62`: `count · max` (in f64)
+/// lies below `2^(62 − E)`. The CUDA kernel `sum_add` computes the same.
+fn sum_exponent(count: u32, max: f32) -> i32 {
+    let x = f64::from(count) * f64::from(max);
+    62 - (((x.to_bits() >> 52) & 0x7ff) as i32 - 1022)
+}
+
+/// `2^e` as an f64 (`e` within the normal range).
+fn pow2(e: i32) -> f64 {
+    f64::from_bits(((1023 + e) as u64) << 52)
+}
+
+/// A key's summed gradient element from its fixed-point sum `acc`
+/// (scaled by `2^e`): through f64, each conversion rounded to nearest.
+fn sum_value(acc: i64, e: i32) -> f32 {
+    ((acc as f64) * pow2(-e)) as f32
+}
+
+/// The fixed-point form of gradient element `g` at scale `2^e`.
+fn sum_term(g: f32, e: i32) -> i64 {
+    (f64::from(g) * pow2(e)).round_ties_even() as i64
+}
+
+/// The largest magnitude of a gradient row, as f32 bits (NaN above every
+/// finite value and infinity).
+fn max_bits(g: &[f32]) -> u32 {
+    g.iter().map(|x| x.to_bits() & 0x7fff_ffff).max().unwrap_or(0)
+}
+
+/// apply_gradients with `sum` ([`Step::sum`]): the distinct keys of `keys`
+/// in order of first occurrence, each with one gradient row, and the index
+/// of each key's entry among them; `None` when no key repeats (the batch
+/// steps as it is).
+///
+/// A key that occurs once keeps its gradient bit for bit. A repeated key's
+/// rows are summed exactly, element by element, in 64-bit fixed point: its
+/// count `c` and largest element magnitude `m` give the scale `2^E`
+/// ([`sum_exponent`]: `c · m < 2^(62 − E)`), each element is rounded to the
+/// nearest multiple of `2^−E` (ties to even), the integers are added, and
+/// the sum is rounded to f64 and then to f32. Integer sums do not depend on
+/// their order, so the CUDA backend, which adds with atomics in any order,
+/// gets the same bits. All elements zero sum to 0.0; a row holding a NaN
+/// or an infinity makes every element of its key's sum NaN.
+pub fn sum_duplicates(keys: &[u64], grads: &[f32], dim: usize) -> Option<(Vec<u64>, Vec<f32>, Vec<usize>)> {
+    let n = keys.len();
+    let mut at: std::collections::HashMap<u64, usize> = std::collections::HashMap::with_capacity(n);
+    let mut own = Vec::with_capacity(n);
+    let mut uniq = Vec::new();
+    for &k in keys {
+        let u = *at.entry(k).or_insert_with(|| {
+            uniq.push(k);
+            uniq.len() - 1
+        });
+        own.push(u);
+    }
+    if uniq.len() == n {
+        return None;
+    }
+    let m = uniq.len();
+    let (mut count, mut max) = (vec![0u32; m], vec![0u32; m]);
+    for (i, &u) in own.iter().enumerate() {
+        count[u] += 1;
+        max[u] = max[u].max(max_bits(&grads[i * dim..(i + 1) * dim]));
+    }
+    let mut acc = vec![0i64; m * dim];
+    let mut out = vec![0.0f32; m * dim];
+    for (i, &u) in own.iter().enumerate() {
+        let g = &grads[i * dim..(i + 1) * dim];
+        if count[u] == 1 {
+            out[u * dim..(u + 1) * dim].copy_from_slice(g);
+        } else if max[u] != 0 && max[u] < 0x7f80_0000 {
+            let e = sum_exponent(count[u], f32::from_bits(max[u]));
+            for (a, &x) in acc[u * dim..(u + 1) * dim].iter_mut().zip(g) {
+                *a = a.wrapping_add(sum_term(x, e));
+            }
+        }
+    }
+    for u in (0..m).filter(|&u| count[u] > 1) {
+        let o = &mut out[u * dim..(u + 1) * dim];
+        if max[u] >= 0x7f80_0000 {
+            o.fill(f32::NAN);
+        } else if max[u] != 0 {
+            let e = sum_exponent(count[u], f32::from_bits(max[u]));
+            for (x, &a) in o.iter_mut().zip(&acc[u * dim..(u + 1) * dim]) {
+                *x = sum_value(a, e);
+            }
+        }
+    }
+    Some((uniq, out, own))
+}
+
+/// [`Shard::apply_gradients`](crate::Shard::apply_gradients) with
+/// `step.sum` on the host: the batch's repeated keys summed
+/// ([`sum_duplicates`]), `apply` run on the distinct keys with the step
+/// unsummed, the found flags given back per occurrence. `None` when
+/// `step.sum` is off (the caller steps the batch itself).
+pub fn apply_summed(
+    keys: &[u64],
+    grads: &[f32],
+    step: &Step,
+    found: &mut [bool],
+    apply: impl FnOnce(&[u64], &[f32], &Step, &mut [bool]) -> Result<u64>,
+) -> Option<Result<u64>> {
+    if !step.sum {
+        return None;
+    }
+    let one = Step { sum: false, ..*step };
+    let Some((uniq, sums, own)) = sum_duplicates(keys, grads, step.dim) else {
+        return Some(apply(keys, grads, &one, found));
+    };
+    let mut f = vec![false; uniq.len()];
+    Some(apply(&uniq, &sums, &one, &mut f).map(|missing| {
+        for (o, &u) in found.iter_mut().zip(&own) {
+            *o = f[u];
+        }
+        missing
+    }))
 }

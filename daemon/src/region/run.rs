@@ -113,6 +113,9 @@ pub(super) async fn run(
             ),
         ));
     }
+    if req.outcomes && matches!(req.head, Head::Apply(hkv_proto::Hyper { sum: true, .. })) {
+        return Err(crate::router::summed_outcomes());
+    }
     let (wait, done) = events(known_events, &req)?;
     // The wait happens here, on the host, before the request reaches a
     // shard: the daemon's streams never wait on a client's event, and no

@@ -17,7 +17,7 @@ mod bounds;
 mod merge;
 pub(crate) use merge::to_wire;
 pub use merge::{ApplyAnswer, ExportAnswer, FindAnswer, WriteAnswer};
-pub(crate) use ops::step_of;
+pub(crate) use ops::{step_of, summed_outcomes};
 pub use ops::{Hashed, Part};
 mod mrc;
 mod ops;

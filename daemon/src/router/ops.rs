@@ -60,6 +60,14 @@ fn write_arrays(t: &Table, code: WriteOp, n: usize, values: usize, scores: Optio
     check::write_arrays(&t.config, n, Some((what, values)), scores, code != WriteOp::Assign, None)
 }
 
+/// apply_gradients with both SUM and OUTCOMES: refused.
+pub(crate) fn summed_outcomes() -> ProtoError {
+    ProtoError::bad_request(
+        "apply_gradients: SUM (repeated keys' gradients summed, one step per key) answers no flags or values per \
+         occurrence; send it without OUTCOMES, or without SUM",
+    )
+}
+
 /// The optimizer step of a request on `t`, which must have been created
 /// with an optimizer (else `bad_request`).
 pub(crate) fn step_of(t: &Table, hyper: hkv_proto::Hyper) -> Result<hkv_shard::optim::Step, ProtoError> {
@@ -85,7 +93,7 @@ pub(crate) fn step_of(t: &Table, hyper: hkv_proto::Hyper) -> Result<hkv_shard::o
         weight_decay: hyper.weight_decay,
         step: hyper.step,
     };
-    let step = hkv_shard::optim::Step { optimizer, dim: t.spec.dim, hyper: h };
+    let step = hkv_shard::optim::Step { optimizer, dim: t.spec.dim, hyper: h, sum: hyper.sum };
     step.check().map_err(shard_error)?;
     Ok(step)
 }
@@ -274,6 +282,9 @@ impl Router {
     ) -> Result<ApplyAnswer, ProtoError> {
         let step = step_of(t, hyper)?;
         let (n, d) = (keys.len(), step.dim);
+        if values && step.sum {
+            return Err(summed_outcomes());
+        }
         if values {
             self.bound("apply_gradients", n, d, 1 + 4 * d as u64, 64)?;
         }

@@ -510,6 +510,11 @@ impl Shard for CpuTable {
     ) -> Result<u64> {
         let (n, d, w) = (keys.len(), step.dim, self.config.dim);
         crate::optim::check_apply(w, step, keys, grads, found, updated.as_deref())?;
+        if let Some(r) =
+            crate::optim::apply_summed(keys, grads, step, found, |k, g, s, f| self.apply_gradients(k, g, s, f, None))
+        {
+            return r;
+        }
         // In place, in the updater group as accum_or_assign's first phase:
         // each row read, stepped and written under its bucket's mutex.
         let _g = self.lock.acquire(Group::Updater);

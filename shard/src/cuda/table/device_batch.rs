@@ -135,7 +135,11 @@ impl CudaTable {
                 keys: Some(DevPtr::of(&b.keys, &s)),
                 values: Some(DevPtr::of(&b.values, &s)),
                 scores: Some(DevPtr::of(&b.scores, &s)),
-                found: Some(DevPtr::of(&b.found, &s)),
+                // A step that sums repeated keys answers no flag per key.
+                found: match op {
+                    DeviceOp::ApplyGradients(step) if step.sum => None,
+                    _ => Some(DevPtr::of(&b.found, &s)),
+                },
                 ptrs: Some(DevPtr::of(&b.ptrs, &s)),
                 lost: Some(LostPtrs {
                     keys: DevPtr::of(&b.lost_keys, &s),
@@ -356,7 +360,20 @@ impl CudaTable {
                 }
                 DeviceOp::ApplyGradients(step) => {
                     crate::optim::check_step(self.config.dim, &step)?;
-                    let q = Ptrs { values: p.values, found: p.found, updated: p.updated, ..base };
+                    let mut q = Ptrs { values: p.values, found: p.found, updated: p.updated, ..base };
+                    if step.sum {
+                        if p.found.is_some() || p.updated.is_some() {
+                            return Err(Error::Optimizer(
+                                "a step that sums repeated keys' gradients answers no flags or values per key".into(),
+                            ));
+                        }
+                        // The scratch is a lane's, held by `pending` until
+                        // `s` is synchronised.
+                        let l = pending.hold(self.lane()?);
+                        let (first, sums) =
+                            self.k_sum(s, n64, step.dim, p.keys, p.only, p.values, &mut l.fior, &mut l.sums)?;
+                        q = Ptrs { values: Some(sums), only: Some(first), ..q };
+                    }
                     self.k_step(s, st, self.scoring(false), n64, &step, q)?
                 }
                 DeviceOp::Erase => self.k_erase(s, st, n64, Ptrs { found: p.found, ..base })?,

@@ -90,6 +90,10 @@ pub(super) struct Funcs {
     pub(super) dedupe_claim: CudaFunction,
     pub(super) dedupe_lead: CudaFunction,
     pub(super) dedupe_fill: CudaFunction,
+    /// apply_gradients summing a batch's repeated keys ([`CudaTable::k_sum`]).
+    pub(super) sum_count: CudaFunction,
+    pub(super) sum_add: CudaFunction,
+    pub(super) sum_out: CudaFunction,
 }
 
 /// A kernel and the threads it gives each key.

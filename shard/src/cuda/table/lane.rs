@@ -28,6 +28,8 @@ pub(super) struct Lane {
     /// A large find_or_insert's scratch: the probe's miss flags, or the
     /// parts of its deduplication ([`CudaTable::k_find_or_insert`]).
     pub(super) fior: Option<CudaSlice<u8>>,
+    /// An apply_gradients' sums of repeated keys ([`CudaTable::k_sum`]).
+    pub(super) sums: Option<CudaSlice<u8>>,
     /// Pinned memory the batch's host arrays pass through.
     pub(super) stage: Staging,
 }
@@ -56,6 +58,7 @@ impl CudaTable {
             offsets: None,
             at: None,
             fior: None,
+            sums: None,
             stage: Staging::new(self.dev.ctx.clone()),
         })
     }

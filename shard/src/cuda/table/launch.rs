@@ -363,6 +363,66 @@ impl CudaTable {
         }
     }
 
+    /// Before `step_keys` of an apply_gradients that sums repeated keys
+    /// (`Step::sum`): the keys `only` flags (all when `None`) deduplicated
+    /// (`dedupe_claim`, `dedupe_lead`; the scratch in `dedupe`), and each
+    /// key's gradient made at its first occurrence (`sum_count`,
+    /// `sum_add`, `sum_out`; in `sums`): its own for a key that occurs
+    /// once, else the fixed-point sum of its occurrences'
+    /// (`optim::sum_duplicates`, bit for bit). Returns the first
+    /// occurrences' flags (the step's only flags) and those gradients.
+    ///
+    /// # Safety
+    /// `keys` holds `n` keys, `only` is `None` or `n` flags, `grads` holds
+    /// `n × dim` floats, all alive until `l` is synchronised; `dedupe` and
+    /// `sums` are buffers that nothing else uses until then.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn k_sum(
+        &self,
+        l: &Arc<CudaStream>,
+        n: u64,
+        dim: usize,
+        keys: Option<DevPtr<u64>>,
+        only: Option<DevPtr<u8>>,
+        grads: Option<DevPtr<f32>>,
+        dedupe: &mut Option<CudaSlice<u8>>,
+        sums: &mut Option<CudaSlice<u8>>,
+    ) -> Result<(DevPtr<u8>, DevPtr<f32>)> {
+        let (nu, nd) = (n as usize, n as usize * dim);
+        let g = arg("gradients", grads, nd)?;
+        let s = Dedupe::new(l, dedupe, nu)?;
+        // SAFETY: the caller's contract; `s` was carved for n keys.
+        unsafe {
+            self.k_dedupe_claim(l, n, keys, only, &s)?;
+            self.k_dedupe_lead(l, n, &s)?;
+        }
+        // The sums' parts: acc (n × dim i64), cnt and max (n u32 each),
+        // zeroed, then the gradients out (n × dim f32).
+        let (cnt_at, max_at, out_at) = (8 * nd, 8 * nd + 4 * nu, 8 * nd + 8 * nu);
+        ensure(l, sums, out_at + 4 * nd)?;
+        let b = sums.as_mut().expect("ensured");
+        l.memset_zeros(&mut b.slice_mut(0..out_at)).map_err(dev_err("clearing the sums"))?;
+        let all = DevPtr::of(b, l);
+        let (acc, cnt, max, out) =
+            (all.addr(), all.skip(cnt_at).addr(), all.skip(max_at).addr(), all.skip(out_at).addr());
+        let (_, _, lead, first, repeats) = s.args();
+        let d = dim as u64;
+        let mut b = l.launch_builder(&self.f.sum_count);
+        b.arg(&g).arg(&d).arg(&n).arg(&first).arg(&lead).arg(&repeats).arg(&cnt).arg(&max);
+        // SAFETY: reads grads[0..n*dim], first, lead (n each) and the
+        // repeats word; adds into cnt and max below the first occurrences' indices (< n).
+        unsafe { b.launch(blocks(n)?) }.map_err(dev_err("launching sum_count"))?;
+        let mut b = l.launch_builder(&self.f.sum_add);
+        b.arg(&g).arg(&d).arg(&n).arg(&first).arg(&lead).arg(&repeats).arg(&cnt).arg(&max).arg(&acc);
+        // SAFETY: as sum_count, and adds into acc[0..n*dim].
+        unsafe { b.launch(blocks(n * d)?) }.map_err(dev_err("launching sum_add"))?;
+        let mut b = l.launch_builder(&self.f.sum_out);
+        b.arg(&g).arg(&d).arg(&n).arg(&first).arg(&cnt).arg(&max).arg(&acc).arg(&out);
+        // SAFETY: reads what the two above wrote; writes out[0..n*dim].
+        unsafe { b.launch(blocks(n * d)?) }.map_err(dev_err("launching sum_out"))?;
+        Ok((s.first, DevPtr::from_raw(out, nd)))
+    }
+
     /// Launches `dedupe_claim` on stream `l` over the keys `only` flags
     /// (all when `None`): `s.first` flags the first to claim each key,
     /// `s.lead` holds each key's slot in the set, `s.repeats` whether any

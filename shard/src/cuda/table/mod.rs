@@ -194,6 +194,9 @@ impl CudaTable {
             adapt_halve: get(KernelId::Upsert, "adapt_halve")?,
             adapt_fold: get(KernelId::Upsert, "adapt_fold")?,
             dedupe_claim: get(KernelId::Upsert, "dedupe_claim")?,
+            sum_count: get(KernelId::Update, "sum_count")?,
+            sum_add: get(KernelId::Update, "sum_add")?,
+            sum_out: get(KernelId::Update, "sum_out")?,
             dedupe_lead: get(KernelId::Upsert, "dedupe_lead")?,
             dedupe_fill: get(KernelId::Upsert, "dedupe_fill")?,
         };

@@ -176,6 +176,11 @@ impl Shard for CudaTable {
     ) -> Result<u64> {
         let (n, d) = (keys.len(), step.dim);
         crate::optim::check_apply(self.config.dim, step, keys, grads, found, updated.as_deref())?;
+        if let Some(r) =
+            crate::optim::apply_summed(keys, grads, step, found, |k, g, s, f| self.apply_gradients(k, g, s, f, None))
+        {
+            return r;
+        }
         let _g = self.lock.acquire(Group::Updater);
         self.counters.op(Op::ApplyGradients, n);
         if n == 0 {
