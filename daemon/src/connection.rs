@@ -211,7 +211,8 @@ pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
             }
         };
         let read = Instant::now();
-        let ctx = conn.ctx(&h, frame_start);
+        let mut ctx = conn.ctx(&h, frame_start);
+        ctx.sequence(&h, &body);
         let Ok(permit) = sem.clone().acquire_owned().await else { break };
         let (state, tx, peer, out) = (state.clone(), tx.clone(), peer.clone(), out.clone());
         tokio::spawn(async move {

@@ -536,6 +536,72 @@ fn events_order_the_clients_stream_with_the_daemons() {
     wait_regions(&mut c, (0, 0));
 }
 
+/// A request whose wait event is the done event of an earlier request of
+/// the connection, sent before that one's answer was read, polls it only
+/// once that request recorded it: a find sent right behind a write that
+/// first waits for a busy client stream reads the written rows (before,
+/// it polled the event's earlier state, complete, and read the old ones).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_request_waiting_on_an_earlier_requests_done_event_follows_its_writes() {
+    let (ctx, stream) = gpu();
+    let d = cuda_daemon("1", &[]);
+    let mut c = d.client();
+    let (n, dim) = (1u64 << 14, 8u64);
+    c.create_table(TableSpec::new("t", dim as usize, 1 << 16)).unwrap();
+    let keys: Vec<u64> = (1..=n).collect();
+    let old: Vec<f32> = vec![-1.0; (n * dim) as usize];
+    let new: Vec<f32> = (0..n * dim).map(|x| x as f32).collect();
+    c.insert_or_assign("t", &keys, &old, None).unwrap();
+    // keys | new rows | found flags | rows found
+    let len = n * 8 + 2 * n * dim * 4 + n;
+    let alloc = DeviceAlloc::new(&ctx, len as usize).unwrap();
+    let r = c.register_cuda(alloc.ptr(), len).unwrap();
+    let scratch = DeviceAlloc::new(&ctx, 512 << 20).unwrap();
+    let events: Vec<IpcEvent> = (0..3).map(|_| IpcEvent::new(&ctx).unwrap()).collect();
+    let ids: Vec<u32> = events.iter().map(|e| c.register_cuda_event(e).unwrap()).collect();
+    let m = Dev { alloc, stream: stream.clone(), at: 0 };
+    m.put(0, &keys);
+    m.put(n * 8, &new);
+    let (k, v) = (r.at::<u64>(0, n), r.at::<f32>(n * 8, n * dim));
+    let (f, out) = (r.at::<u8>(n * 8 + n * dim * 4, n), r.at::<f32>(n * 9 + n * dim * 4, n * dim));
+    for round in 0..3u8 {
+        m.fill(n * 9 + n * dim * 4, n * dim * 4, 0);
+        stream.synchronize().unwrap();
+        // The write waits for a stream busy for tens of milliseconds.
+        for _ in 0..200 {
+            scratch.fill(&stream, 0, 512 << 20, round).unwrap();
+        }
+        events[0].record(&stream).unwrap();
+        let write = with_events(keyed(u8::from(Op::InsertOrAssign), "t", vec![k, v], false, false), ids[0], ids[1]);
+        let find = with_events(keyed(u8::from(Op::Find), "t", vec![k, f, out], false, false), ids[1], ids[2]);
+        let w = c.send_region(&write).unwrap();
+        let q = c.send_region(&find).unwrap();
+        // Answered in either order, each with its own op.
+        let mut answers: Vec<(u64, u8)> = (0..2)
+            .map(|_| {
+                let (h, body) = c.recv_frame().unwrap();
+                assert!(RegionAnswer::decode(h.op, &body).is_ok(), "round {round}: op {} answered {body:?}", h.op);
+                (h.id, h.op)
+            })
+            .collect();
+        answers.sort_unstable();
+        assert_eq!(answers, [(w, u8::from(Op::InsertOrAssign)), (q, u8::from(Op::Find))], "round {round}");
+        events[2].wait_on(&stream).unwrap();
+        stream.synchronize().unwrap();
+        let got = m.get::<f32>(n * 9 + n * dim * 4, n * dim);
+        let stale = got.iter().zip(&new).filter(|(a, b)| a != b).count();
+        assert_eq!(stale, 0, "round {round}: {stale} of {} floats not the written rows", n * dim);
+        // Put the old rows back for the next round.
+        c.insert_or_assign("t", &keys, &old, None).unwrap();
+    }
+    for id in ids {
+        c.unregister(id).unwrap();
+    }
+    c.unregister(r.id()).unwrap();
+    wait_regions(&mut c, (0, 0));
+}
+
 /// A write with a done event is answered once queued, before the device
 /// has scanned its keys for reserved markers; a batch holding one writes
 /// nothing, and its refusal is the answer of the first region request of

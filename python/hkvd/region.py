@@ -402,11 +402,23 @@ def send(client, op: int, table: str, arrays: Sequence, scores: bool = False, ou
     return Pending(client._send(op, fl | flags, [body]), post, h if post is not None else None)
 
 
+class After(NamedTuple):
+    """``wait=After(event)`` (:func:`send`, CUDA arrays): the request waits
+    for the daemon's record of ``event``, the done event of an earlier
+    request of this client whose answer is not read yet (the daemon polls
+    it once that request recorded it; PROTOCOL.md, "Events"). Nothing is
+    recorded here and no answer is read first: the caller wrote the
+    request's inputs before it sent that earlier request (whose own wait
+    event covers them)."""
+
+    event: object
+
+
 def _frame(client, op, table, arrays, scores, outcomes, stream, wait, done, head):
     """The checked request of :func:`call` / :func:`send`: ``(flags, body,
     done event to wait for or None, stream)``, its events recorded; None
     when there are no keys."""
-    if getattr(client, "_deferred", None):
+    if getattr(client, "_deferred", None) and not isinstance(wait, After):
         # Answers that must come first: read before this request's wait
         # event is recorded, so its stream follows their done events.
         client.settle()
@@ -426,7 +438,9 @@ def _frame(client, op, table, arrays, scores, outcomes, stream, wait, done, head
         device = refs[0].device
         h = _cuda.stream_handle(stream, refs[0].lib, device)
         w = d = 0
-        if wait is True or isinstance(wait, _cuda.CudaEvent):
+        if isinstance(wait, After):
+            w = wait.event.id
+        elif wait is True or isinstance(wait, _cuda.CudaEvent):
             ev = _own_events(client, device)[0] if wait is True else wait
             ev.record(h)
             w = ev.id
@@ -439,7 +453,7 @@ def _frame(client, op, table, arrays, scores, outcomes, stream, wait, done, head
             d = done.id
         if w or d:
             events = (w, d)
-    elif isinstance(wait, _cuda.CudaEvent) or isinstance(done, _cuda.CudaEvent):
+    elif isinstance(wait, (_cuda.CudaEvent, After)) or isinstance(done, _cuda.CudaEvent):
         raise ValueError("events go with CUDA arrays; these arrays are in hkvd.shm_array memory")
     body = encode_body(table, [r.wire() for r in refs], events, head)
     return request_flags(scores, outcomes, events is not None), body, post, (h if post is not None else None)

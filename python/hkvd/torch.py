@@ -200,7 +200,22 @@ class EmbeddingCache:
             raise ValueError(f"init({n}, {self.dim}) returned shape {tuple(rows.shape)}")
         return rows.to(self.device)
 
-    def _send(self, op: int, keys: torch.Tensor, rows: Optional[torch.Tensor], done_event: bool = True):
+    def _fill(self, keys: torch.Tensor, rows: Optional[torch.Tensor]) -> None:
+        """cuda-ipc: a lookup's or write's keys and rows into this cache's
+        buffers, on the current stream (:meth:`_send` does it first, unless
+        given ``after``)."""
+        m, d, w = keys.numel(), self.dim, self.row_dim
+        self._keys[:m].copy_(keys, non_blocking=True)
+        v = self._values[:m]
+        if rows is None:
+            v.zero_()
+        else:
+            v[:, :d].copy_(rows, non_blocking=True)
+            if w > d:
+                v[:, d:].zero_()
+
+    def _send(self, op: int, keys: torch.Tensor, rows: Optional[torch.Tensor], done_event: bool = True,
+              after=None):
         """Sends one chunk of at most max_batch keys (``rows``: values or
         deltas, ``dim`` wide, the state columns sent as zeros; None: zeros)
         without waiting; :meth:`_recv` reads the answer. One request per
@@ -210,26 +225,27 @@ class EmbeddingCache:
         connection's done event but this cache's own (made on first use):
         the daemon answers as soon as its kernels are queued, and
         :meth:`_recv` makes the current stream wait for that event (without
-        events, the request is answered once its outputs are written)."""
+        events, the request is answered once its outputs are written).
+        ``after`` (cuda-ipc with events): the done event of a request of
+        this client still in flight whose writes this one must follow; the
+        keys and rows were put in the buffers (:meth:`_fill`) before that
+        request was sent, and its answer is not read first
+        (``region.After``)."""
         self.settle()
         m = keys.numel()
         c = self.client
         d, w = self.dim, self.row_dim
         if self.transport == "cuda-ipc":
-            self._keys[:m].copy_(keys, non_blocking=True)
-            v = self._values[:m]
-            if rows is None:
-                v.zero_()
-            else:
-                v[:, :d].copy_(rows, non_blocking=True)
-                if w > d:
-                    v[:, d:].zero_()
+            if after is None:
+                self._fill(keys, rows)
             k, vr = self._refs[0].head(m), self._refs[1].head(m)
             sync = self._sync_args()
             if not done_event and self.events:
                 if self._done is None:
                     self._done = region.cuda_event(c, self._refs[0].device)
                 sync["done"] = self._done
+            if after is not None:
+                sync["wait"] = region.After(after)
             return ("region", region.send(c, op, self.table, [k, vr], **sync), m)
         if self.transport == "shm":
             np.copyto(self._keys_np[:m], keys.cpu().numpy())
@@ -813,17 +829,30 @@ class _Sparse(torch.nn.Module):
                      weight_decay=self.weight_decay, step=self.step)
         self._keep_patches()
         g = grads.detach().to(device=self.device, dtype=torch.float32)
-        self._missing += self.cache._step_chunk(flat, g, hyper, None, None, wait=False, sum=True)
+        c = self.cache
         nxt, self._pos_next = self._pos_next, None
         if nxt is not None:
-            p = nxt
-            p.cache = self._spare.pop() if self._spare else EmbeddingCache(self.client, self.table, **self._kw)
-            try:
-                p.token = p.cache._send(region.OP_FIND_OR_INSERT, p.ids, self._init_rows(p.ids), done_event=False)
-            except BaseException:
-                self._spare.append(p.cache)
-                raise
-            self._pos_pending.append(p)
+            nxt.cache = self._spare.pop() if self._spare else EmbeddingCache(self.client, self.table, **self._kw)
+        # On cuda-ipc with events the lookup follows the step in the
+        # daemon: its inputs written before the step's wait event, its
+        # request waiting for the step's done event, the step's answer not
+        # read first. Elsewhere the lookup's request reads it first.
+        after = nxt is not None and c.transport == "cuda-ipc" and c.events
+        try:
+            if after:
+                nxt.cache.settle()
+                nxt.cache._fill(nxt.ids, self._init_rows(nxt.ids))
+            self._missing += c._step_chunk(flat, g, hyper, None, None, wait=False, sum=True)
+            if nxt is not None:
+                init = None if after else self._init_rows(nxt.ids)
+                nxt.token = nxt.cache._send(region.OP_FIND_OR_INSERT, nxt.ids, init, done_event=False,
+                                            after=c._done if after else None)
+        except BaseException:
+            if nxt is not None:
+                self._spare.append(nxt.cache)
+            raise
+        if nxt is not None:
+            self._pos_pending.append(nxt)
         self.timings["apply"] += time.perf_counter() - t0
 
     # ---- the step -----------------------------------------------------

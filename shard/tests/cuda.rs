@@ -978,8 +978,10 @@ fn summed_apply_gradients_step_rows_as_the_cpu_backend() {
                 clock.advance(1 << 20);
                 let n = [20_000, 300, 5000, 9000][t as usize - 1];
                 // Key k with weight ~1/k over 1..=3200 (3001..=3200 absent).
-                let batch: Vec<u64> =
+                let mut batch: Vec<u64> =
                     (0..n).map(|_| (3200f64.powf(rng.gen_range(0.0f64..1.0)) as u64).clamp(1, 3200)).collect();
+                batch[n / 2] = 3100 + t; // absent in every batch
+                batch[n - 1] = 3100 + t;
                 let mut grads: Vec<f32> = (0..n * dim)
                     .map(|i| rng.gen_range(-1.0f32..1.0) * [1e-6, 1e-3, 1.0, 50.0][(i / dim) % 4])
                     .collect();

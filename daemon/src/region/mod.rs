@@ -86,6 +86,47 @@ pub struct Conn {
     /// A request answered once queued (`device::early`) and refused when
     /// it ran: the error of the connection's first region request after.
     refused: Mutex<Option<ProtoError>>,
+    /// Per event id: the records that region requests of this connection
+    /// will make of it as their done event, in the order the frames were
+    /// read ([`Ctx::sequence`]).
+    records: Mutex<HashMap<u32, Records>>,
+    /// Wakes the requests waiting for an earlier request's record.
+    recorded_wake: tokio::sync::Notify,
+}
+
+/// The records of one event that this connection's requests announced
+/// (their frames named it as done event), and those finished.
+#[derive(Default)]
+struct Records {
+    /// Records announced so far; the next request's ticket.
+    announced: u64,
+    /// Every ticket below this one is finished.
+    done: u64,
+    /// Tickets finished above `done`.
+    above: std::collections::BTreeSet<u64>,
+}
+
+/// A request's place among the records of its done event: finished when
+/// dropped (the request recorded the event, or ended without recording
+/// it), which lets the requests that wait for that record go on.
+pub struct RecordTicket {
+    conn: Arc<Conn>,
+    event: u32,
+    n: u64,
+}
+
+impl Drop for RecordTicket {
+    fn drop(&mut self) {
+        let mut all = self.conn.records.lock();
+        if let Some(r) = all.get_mut(&self.event) {
+            r.above.insert(self.n);
+            while r.above.remove(&r.done) {
+                r.done += 1;
+            }
+        }
+        drop(all);
+        self.conn.recorded_wake.notify_waiters();
+    }
 }
 
 impl Conn {
@@ -148,7 +189,23 @@ impl Conn {
         drop(q);
         let regions = wire::is_region(h).then(|| self.regions.lock().clone());
         let events = regions.is_some().then(|| self.events.lock().clone());
-        Ctx { conn: self.clone(), fd, regions, events }
+        Ctx { conn: self.clone(), fd, regions, events, after: None, ticket: None }
+    }
+
+    /// Resolves once the first `need` records of `event` announced on this
+    /// connection are finished (or the peer has gone away).
+    async fn recorded(&self, event: u32, need: u64) {
+        loop {
+            let woken = self.recorded_wake.notified();
+            let done = self.records.lock().get(&event).is_none_or(|r| r.done >= need);
+            if done || self.is_gone() {
+                return;
+            }
+            tokio::select! {
+                _ = woken => {}
+                _ = self.gone() => return,
+            }
+        }
     }
 
     /// A new id, for a region or an event.
@@ -167,6 +224,39 @@ pub struct Ctx {
     regions: Option<HashMap<u32, Arc<Region>>>,
     /// Its events then (region requests).
     events: Option<HashMap<u32, Arc<IpcEvent>>>,
+    /// Its wait event and how many of its records, announced by earlier
+    /// requests of the connection, must be finished before it is polled.
+    after: Option<(u32, u64)>,
+    /// Its place among its done event's records.
+    ticket: Option<RecordTicket>,
+}
+
+impl Ctx {
+    /// Orders the events of a region request with those of the requests
+    /// read before it on the connection (call in the order frames are
+    /// read): a request whose wait event is the done event of earlier
+    /// requests still running polls it only once they recorded it, so a
+    /// client may send a request that follows another's writes without
+    /// waiting for that one's answer (PROTOCOL.md, "Events").
+    pub fn sequence(&mut self, h: &Header, body: &[u8]) {
+        if self.regions.is_none() || h.flags & wire::EVENTS == 0 || body.len() < 8 {
+            return;
+        }
+        let at = body.len() - 8;
+        let word = |i: usize| u32::from_le_bytes(body[i..i + 4].try_into().expect("4 bytes"));
+        let (wait, done) = (word(at), word(at + 4));
+        let mut all = self.conn.records.lock();
+        if wait != 0 {
+            if let Some(r) = all.get(&wait).filter(|r| r.done < r.announced) {
+                self.after = Some((wait, r.announced));
+            }
+        }
+        if done != 0 {
+            let r = all.entry(done).or_default();
+            self.ticket = Some(RecordTicket { conn: self.conn.clone(), event: done, n: r.announced });
+            r.announced += 1;
+        }
+    }
 }
 
 /// A registered region; unmapped (closed), and counted out, when the last
@@ -257,7 +347,7 @@ pub async fn answer(state: &Arc<State>, ctx: Ctx, h: &Header, body: &[u8]) -> Re
             let req = RegionRequest::decode(h, body)?;
             let none = HashMap::new();
             let regions = ctx.regions.as_ref().unwrap_or(&none);
-            run::run(state, &ctx.conn, regions, ctx.events.as_ref(), req).await?.encode(h.op, h.id)
+            run::run(state, &ctx.conn, regions, ctx.events.as_ref(), ctx.after, req).await?.encode(h.op, h.id)
         }
     };
     Ok(Response::Framed(FrameBuf::Vec(frame)))

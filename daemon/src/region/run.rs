@@ -95,6 +95,7 @@ pub(super) async fn run(
     conn: &Arc<super::Conn>,
     regions: &HashMap<u32, Arc<Region>>,
     known_events: Option<&HashMap<u32, Arc<IpcEvent>>>,
+    after: Option<(u32, u64)>,
     req: RegionRequest,
 ) -> Result<RegionAnswer, ProtoError> {
     if let Some(e) = conn.refused.lock().take() {
@@ -121,6 +122,11 @@ pub(super) async fn run(
     // shard: the daemon's streams never wait on a client's event, and no
     // path after this one waits again.
     if let (Some(w), Some((id, _))) = (&wait, req.events) {
+        // The earlier requests of this connection that record this event
+        // (their done event) record it first: the poll then sees theirs.
+        if let Some((event, need)) = after {
+            conn.recorded(event, need).await;
+        }
         wait_for_event(state, conn, w, id).await?;
     }
     let device = arrs.iter().any(|a| a.region.device().is_some());
