@@ -395,8 +395,10 @@ class Client:
             self._deferred.pop(0)()
 
     def _send(self, op: int, flags: int, parts: Sequence, dim: int = 0, n: int = 0,
-              out: Optional[np.ndarray] = None) -> int:
-        if self._deferred:
+              out: Optional[np.ndarray] = None, settle: bool = True) -> int:
+        # settle False: a request the daemon orders after the deferred
+        # answers' requests itself (hkvd.region.After).
+        if self._deferred and settle:
             self.settle()
         rid = self._next
         self._next += 1

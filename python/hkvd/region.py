@@ -399,7 +399,8 @@ def send(client, op: int, table: str, arrays: Sequence, scores: bool = False, ou
     if f is None:
         return None
     fl, body, post, h = f
-    return Pending(client._send(op, fl | flags, [body]), post, h if post is not None else None)
+    rid = client._send(op, fl | flags, [body], settle=not isinstance(wait, After))
+    return Pending(rid, post, h if post is not None else None)
 
 
 class After(NamedTuple):

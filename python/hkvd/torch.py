@@ -581,7 +581,7 @@ class _Sparse(torch.nn.Module):
     def __init__(self, client: Client, table: str, *, lr: float = 0.01, eps: float = 1e-8,
                  betas: Sequence[float] = (0.9, 0.999), weight_decay: float = 0.0,
                  init: Optional[Callable] = None, device=None, transport: str = "auto", max_batch: int = 1 << 16,
-                 events: bool = True, verbose: bool = True, dedupe: str = "module"):
+                 events: bool = True, verbose: bool = True, dedupe: str = "table"):
         super().__init__()
         if dedupe not in ("module", "table"):
             raise ValueError(f"dedupe must be module or table, not {dedupe!r}")
@@ -774,14 +774,18 @@ class _Sparse(torch.nn.Module):
                 p.patches = [(u, f.clone(), v.clone(), None) if owner is c else (u, f, v, owner)
                              for u, f, v, owner in p.patches]
 
-    def _drop_table_lookups(self) -> None:
+    def _drop_table_lookups(self) -> List[tuple]:
         """Drops the lookups sent ahead by every module of this table that
         no later step can patch: those of dedupe "table" (a step with SUM
-        answers no rows). Their forwards look the ids up again."""
+        answers no rows). Returns them, ``(module, lookup)``, for a step to
+        send again after itself."""
+        dropped = []
         for m in list(self._sharing):
             for p in m._pos_pending:
                 m._drop(p)
+                dropped.append((m, p))
             m._pos_pending = []
+        return dropped
 
     def _positions(self, flat: torch.Tensor) -> torch.Tensor:
         """dedupe "table": the ``(n, dim)`` rows of ``flat``'s positions, from
@@ -817,10 +821,14 @@ class _Sparse(torch.nn.Module):
         t0 = time.perf_counter()
         self._settle_sharing()
         self.step += 1
+        c = self.cache
         # Rows looked up before this step are stale: prefetches of the
         # other deduplication can be patched by none of its values, and
-        # lookups sent after an earlier step are read again.
-        self._drop_table_lookups()
+        # lookups sent after an earlier step are sent again after this one
+        # (those of modules on this module's device and transport; others
+        # look their ids up at their forward).
+        again = [(m, p) for m, p in self._drop_table_lookups()
+                 if m.device == self.device and m.cache.transport == c.transport]
         for m in list(self._sharing):
             for p in m._pending:
                 m._drop(p)
@@ -829,31 +837,45 @@ class _Sparse(torch.nn.Module):
                      weight_decay=self.weight_decay, step=self.step)
         self._keep_patches()
         g = grads.detach().to(device=self.device, dtype=torch.float32)
-        c = self.cache
+
+        def step():
+            self._missing += c._step_chunk(flat, g, hyper, None, None, wait=False, sum=True)
+
+        self._lookups_after(again, step, ordered=True)
+        self.timings["apply"] += time.perf_counter() - t0
+
+    def _lookups_after(self, again: List[tuple], step: Callable[[], None], ordered: bool) -> None:
+        """Runs ``step`` (which sends this module's step), then sends the
+        lookups ``again`` (``(module, lookup)``) and that of the ids
+        prefetch() gave this module, each on a spare cache of its module.
+        ``ordered`` on cuda-ipc with events: the lookups follow the step in
+        the daemon, their inputs written before the step's wait event,
+        their requests waiting for the step's done event, the step's answer
+        not read first; elsewhere each lookup's request reads it first."""
         nxt, self._pos_next = self._pos_next, None
         if nxt is not None:
-            nxt.cache = self._spare.pop() if self._spare else EmbeddingCache(self.client, self.table, **self._kw)
-        # On cuda-ipc with events the lookup follows the step in the
-        # daemon: its inputs written before the step's wait event, its
-        # request waiting for the step's done event, the step's answer not
-        # read first. Elsewhere the lookup's request reads it first.
-        after = nxt is not None and c.transport == "cuda-ipc" and c.events
+            again = again + [(self, nxt)]
+        c = self.cache
+        for m, p in again:
+            p.cache = m._spare.pop() if m._spare else EmbeddingCache(m.client, m.table, **m._kw)
+        after = ordered and bool(again) and c.transport == "cuda-ipc" and c.events
+        sent = 0
         try:
             if after:
-                nxt.cache.settle()
-                nxt.cache._fill(nxt.ids, self._init_rows(nxt.ids))
-            self._missing += c._step_chunk(flat, g, hyper, None, None, wait=False, sum=True)
-            if nxt is not None:
-                init = None if after else self._init_rows(nxt.ids)
-                nxt.token = nxt.cache._send(region.OP_FIND_OR_INSERT, nxt.ids, init, done_event=False,
-                                            after=c._done if after else None)
+                for m, p in again:
+                    p.cache.settle()
+                    p.cache._fill(p.ids, m._init_rows(p.ids))
+            step()
+            for m, p in again:
+                init = None if after else m._init_rows(p.ids)
+                p.token = p.cache._send(region.OP_FIND_OR_INSERT, p.ids, init, done_event=False,
+                                        after=c._done if after else None)
+                m._pos_pending.append(p)
+                sent += 1
         except BaseException:
-            if nxt is not None:
-                self._spare.append(nxt.cache)
+            for m, p in again[sent:]:
+                m._spare.append(p.cache)
             raise
-        if nxt is not None:
-            self._pos_pending.append(nxt)
-        self.timings["apply"] += time.perf_counter() - t0
 
     # ---- the step -----------------------------------------------------
     def _grad_rows(self, n: int, device) -> torch.Tensor:
@@ -875,7 +897,9 @@ class _Sparse(torch.nn.Module):
         # order, not in whichever order the daemon takes them.
         self._settle_sharing()
         self.step += 1
-        self._drop_table_lookups()  # nothing patches them: read again at their forward
+        # Nothing patches them: sent again after this step (below).
+        again = [(m, p) for m, p in self._drop_table_lookups()
+                 if m.device == self.device and m.cache.transport == self.cache.transport]
         # Updated rows are needed to patch the prefetches pending, this
         # module's and those of other modules of the table.
         # (Modules on another device are left out: their rows live there.)
@@ -896,6 +920,8 @@ class _Sparse(torch.nn.Module):
             self._missing += missing
         else:
             self._missing += self.cache.optimizer_step(uniq, grads, wait=False, **hyper)
+        if again or self._pos_next is not None:
+            self._lookups_after(again, lambda: None, ordered=False)
         self.timings["apply"] += time.perf_counter() - t0
 
     def _gathered(self, ids):

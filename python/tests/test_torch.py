@@ -427,7 +427,9 @@ def test_a_prefetch_for_other_ids_is_dropped(daemon):
 
     c = daemon.client()
     c.create_table("d", dim=2, capacity=1024, optimizer="sgd")
-    emb = Embedding(c, "d", lr=1.0, verbose=False)
+    # The module's deduplication sends a prefetch at once (the table's
+    # after the next step).
+    emb = Embedding(c, "d", lr=1.0, verbose=False, dedupe="module")
     emb.prefetch(torch.tensor([1, 2]))
     out = emb(torch.tensor([3, 4]))  # not the prefetched ids: looked up now
     assert out.shape == (2, 2) and emb.prefetch_hits == 0
@@ -498,8 +500,9 @@ def _simulate_cuda(monkeypatch):
     return allocs
 
 
+@pytest.mark.parametrize("dedupe", ["module", "table"])
 @pytest.mark.parametrize("opt", ["rowwise_adagrad", "sgd"])
-def test_modules_over_simulated_cuda_ipc(daemon, monkeypatch, opt):
+def test_modules_over_simulated_cuda_ipc(daemon, monkeypatch, opt, dedupe):
     """Embedding's cuda-ipc path (keys, rows, gradients and found in one
     registered allocation per cache, apply_gradients on it, prefetch with
     its own buffers, prefetched rows patched with the values the step
@@ -512,7 +515,8 @@ def test_modules_over_simulated_cuda_ipc(daemon, monkeypatch, opt):
     losses = {}
     for name, transport in (("ipc", "cuda-ipc"), ("shm", "shm")):
         c.create_table(name, dim=dim, capacity=1 << 12, optimizer=opt)
-        emb = Embedding(c, name, lr=0.1, transport=transport, events=False, verbose=False, max_batch=256)
+        emb = Embedding(c, name, lr=0.1, transport=transport, events=False, verbose=False, max_batch=256,
+                        dedupe=dedupe)
         assert emb.cache.transport == transport
         model = _Model(emb, fields, dim, 3)
         bce = torch.nn.BCEWithLogitsLoss()
@@ -522,8 +526,11 @@ def test_modules_over_simulated_cuda_ipc(daemon, monkeypatch, opt):
             loss.backward()
             out.append(loss.detach())
         losses[name] = torch.stack(out)
-        assert emb.prefetch_hits == 8
-        assert emb.patched_rows > 0, "consecutive batches share ids: the patch path ran"
+        if dedupe == "module":
+            assert emb.prefetch_hits == 8
+            assert emb.patched_rows > 0, "consecutive batches share ids: the patch path ran"
+        else:  # each lookup sent after the step before it: all but the first
+            assert emb.prefetch_hits == 7
     assert len(allocs) >= 2, "the prefetch has buffers of its own"
     assert torch.equal(losses["ipc"], losses["shm"])
     ka, va, _ = c.export("ipc")
@@ -543,7 +550,7 @@ def test_embedding_bag_options_match_native(daemon):
     native = torch.nn.EmbeddingBag(50, 3, mode="sum", sparse=True, include_last_offset=True)
     w0 = native.weight.detach().clone()
     ours = EmbeddingBag(c, "o", mode="sum", include_last_offset=True, lr=0.3, init=lambda ids: w0[ids],
-                        verbose=False)
+                        verbose=False, dedupe="module")
     o = torch.optim.SGD(native.parameters(), lr=0.3)
     values = torch.tensor([1, 2, 3, 4, 5, 1, 2])
     offsets = torch.tensor([0, 2, 2, 7])  # 3 bags, the second empty
@@ -664,8 +671,9 @@ def test_a_failed_step_patches_no_prefetched_row(daemon, transport):
     c.close()
 
 
+@pytest.mark.parametrize("dedupe", ["module", "table"])
 @pytest.mark.parametrize("transport", ["shm", "socket"])
-def test_modules_sharing_a_table_train_prefetched_bit_identical(daemon, transport):
+def test_modules_sharing_a_table_train_prefetched_bit_identical(daemon, transport, dedupe):
     """Two modules over one table (an Embedding for two fields, an
     EmbeddingBag for a third, the same ids in all), one of them a step
     behind the other: prefetched through Prefetcher, every loss and every
@@ -680,8 +688,9 @@ def test_modules_sharing_a_table_train_prefetched_bit_identical(daemon, transpor
     for name, ahead in (("share_plain", False), ("share_ahead", True)):
         c.create_table(name, dim=dim, capacity=1 << 12, optimizer="adam")
         init = lambda i: (i % 11).float()[:, None].expand(-1, dim) / 11  # noqa: E731
-        a = Embedding(c, name, lr=0.05, init=init, transport=transport, verbose=False, max_batch=16)
-        b = EmbeddingBag(c, name, mode="sum", lr=0.05, init=init, transport=transport, verbose=False, max_batch=16)
+        a = Embedding(c, name, lr=0.05, init=init, transport=transport, verbose=False, max_batch=16, dedupe=dedupe)
+        b = EmbeddingBag(c, name, mode="sum", lr=0.05, init=init, transport=transport, verbose=False, max_batch=16,
+                         dedupe=dedupe)
         torch.manual_seed(3)
         mlp = torch.nn.Sequential(torch.nn.Linear(3 * dim, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
         dense = torch.optim.SGD(mlp.parameters(), lr=0.05)
@@ -711,13 +720,19 @@ def test_modules_sharing_a_table_train_prefetched_bit_identical(daemon, transpor
     small_a = sum(1 for ids, _ in data if ids[:, :2].unique().numel() <= 16)
     small_b = sum(1 for ids, _ in data if ids[:, 2:].unique().numel() <= 16)
     assert 0 < small_a < 30, "some batches too large to prefetch"
-    assert (a.prefetch_hits, b.prefetch_hits) == (small_a, small_b), "every batch prefetched was used"
-    assert a.patched_rows > 0 and b.patched_rows > 0
+    if dedupe == "module":
+        assert (a.prefetch_hits, b.prefetch_hits) == (small_a, small_b), "every batch prefetched was used"
+        assert a.patched_rows > 0 and b.patched_rows > 0
+    else:
+        # Sent after the step before: all but the first batch's; a step of
+        # either module sends both modules' pending lookups again.
+        assert (a.prefetch_hits, b.prefetch_hits) == (small_a - 1, small_b - 1), "every batch prefetched was used"
     c.close()
 
 
+@pytest.mark.parametrize("dedupe", ["module", "table"])
 @pytest.mark.parametrize("transport", ["shm", "socket", "cuda-ipc"])
-def test_one_module_twice_a_step_prefetched_is_bit_identical(daemon, monkeypatch, transport):
+def test_one_module_twice_a_step_prefetched_is_bit_identical(daemon, monkeypatch, transport, dedupe):
     """One module used for two fields of a step (two forwards, so two
     optimizer steps in one backward) with the next batch prefetched: the
     second step's patch copied the first step's updated rows out of the
@@ -739,7 +754,7 @@ def test_one_module_twice_a_step_prefetched_is_bit_identical(daemon, monkeypatch
     for name, ahead in (("twice_plain", False), ("twice_ahead", True)):
         c.create_table(name, dim=dim, capacity=1 << 12, optimizer="adagrad")
         e = Embedding(c, name, lr=0.05, init=lambda i: (i % 7).float()[:, None].expand(-1, dim) / 7,
-                      transport=transport, verbose=False, events=transport != "cuda-ipc")
+                      transport=transport, verbose=False, events=transport != "cuda-ipc", dedupe=dedupe)
         stale = 0
         for step, (users, items) in enumerate(Prefetcher(data, e) if ahead else data):
             u = e(users)
@@ -750,7 +765,8 @@ def test_one_module_twice_a_step_prefetched_is_bit_identical(daemon, monkeypatch
         e.flush()
         assert stale == 0, f"{stale} of {len(data)} forwards got rows other than the table's"
         runs[name] = e
-    assert runs["twice_ahead"].prefetch_hits == len(data)
+    # The table's deduplication sends each lookup after the step before it.
+    assert runs["twice_ahead"].prefetch_hits == len(data) - (dedupe == "table")
     ka, va, _ = c.export("twice_plain")
     kb, vb, _ = c.export("twice_ahead")
     oa, ob = np.argsort(ka), np.argsort(kb)
