@@ -804,8 +804,6 @@ class _Sparse(torch.nn.Module):
             self._spare.append(hit.cache)
             self.prefetch_hits += 1
         else:
-            if self._pos_next is not None and self._pos_next.matches(flat):
-                self._pos_next = None  # looked up now: not again after the step
             self._keep_patches()  # the lookup writes the buffers the patches read
             c = self.cache
             c._recv(c._send(region.OP_FIND_OR_INSERT, flat, self._init_rows(flat)), rows)
@@ -872,6 +870,9 @@ class _Sparse(torch.nn.Module):
                                         after=c._done if after else None)
                 m._pos_pending.append(p)
                 sent += 1
+            for m in {id(m): m for m, _ in again}.values():
+                while len(m._pos_pending) > 2:  # unused ones: at most two kept
+                    m._drop(m._pos_pending.pop(0))
         except BaseException:
             for m, p in again[sent:]:
                 m._spare.append(p.cache)
