@@ -27,10 +27,12 @@ batches, one after the other in each round (``--rounds``):
   that transport, each batch's lookup prefetched one step ahead
   (``hkvd.torch.Prefetcher``; ``--no-prefetch``: looked up at the forward).
   A transport that is not available (cuda-ipc without a CUDA device the
-  daemon serves) is skipped, saying why. The suffix ``:table`` (say
-  ``cuda-ipc:table``) makes the module ``dedupe="table"``: every
-  position's id goes to the table, which answers a row per position and
-  sums a repeated id's gradients itself.
+  daemon serves) is skipped, saying why. The modules deduplicate as by
+  default (``dedupe="table"``: every position's id goes to the table,
+  which answers a row per position and sums a repeated id's gradients
+  itself); the suffix ``:module`` (say ``cuda-ipc:module``) makes them
+  ``dedupe="module"`` (``torch.unique`` and ``index_add_`` in the
+  training process).
 
 Prints per variant the steps/s (median over rounds of steps / seconds of
 the timed steps, after ``--warmup``; a step runs from the end of the
@@ -214,8 +216,8 @@ def run(variant, a, c, data, w0, device, round_no, prof=None):
         kw = {"mode": "sum"} if pooled else {}
         try:
             emb = cls(c, table, lr=a.emb_lr, eps=a.eps, init=lambda ids: w0[ids], device=device,
-                      transport=variant.removesuffix(":table"), max_batch=a.batch * a.fields * a.pooling,
-                      verbose=False, dedupe="table" if variant.endswith(":table") else "module", **kw)
+                      transport=variant.removesuffix(":module"), max_batch=a.batch * a.fields * a.pooling,
+                      verbose=False, dedupe="module" if variant.endswith(":module") else "table", **kw)
         except BaseException:
             c.drop_table(table)  # the transport is not available here: no table left behind
             raise
@@ -314,8 +316,8 @@ def main(argv=None) -> int:
     a.capacity = a.capacity or 2 * a.fields * a.vocab
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
     for v in variants:
-        if v != "native" and v.removesuffix(":table") not in TRANSPORTS:
-            p.error(f"unknown variant {v!r}: use native, {', '.join(TRANSPORTS)} (each also with :table)")
+        if v != "native" and v.removesuffix(":module") not in TRANSPORTS:
+            p.error(f"unknown variant {v!r}: use native, {', '.join(TRANSPORTS)} (each also with :module)")
 
     c = hkvd.Client(a.socket)
     g = torch.Generator().manual_seed(a.seed)
