@@ -242,76 +242,6 @@ pub fn check_apply(
     crate::check::keys(keys)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn step(optimizer: Optimizer, dim: usize, hyper: Hyper) -> Step {
-        Step { optimizer, dim, hyper, sum: false }
-    }
-
-    #[test]
-    fn row_widths() {
-        assert_eq!(Optimizer::Sgd.row_dim(8), 8);
-        assert_eq!(Optimizer::Adagrad.row_dim(8), 16);
-        assert_eq!(Optimizer::RowwiseAdagrad.row_dim(8), 9);
-        assert_eq!(Optimizer::Adam.row_dim(8), 24);
-    }
-
-    /// One step of each optimizer on a 2-value row, against the formulas
-    /// worked out by hand (f64, compared within 1e-6).
-    #[test]
-    fn one_step_by_hand() {
-        let h = Hyper { lr: 0.5, eps: 0.1, beta1: 0.9, beta2: 0.99, weight_decay: 0.0, step: 1 };
-        let g = [2.0f32, -1.0];
-        let mut r = vec![1.0f32, 1.0];
-        step(Optimizer::Sgd, 2, h).apply(&mut r, &g);
-        assert_eq!(r, vec![0.0, 1.5]);
-        let mut r = vec![1.0f32, 1.0, 0.0, 0.0];
-        step(Optimizer::Adagrad, 2, h).apply(&mut r, &g);
-        let want = [1.0 - 0.5 * 2.0 / (2.0 + 0.1), 1.0 + 0.5 * 1.0 / (1.0 + 0.1), 4.0, 1.0];
-        for (a, b) in r.iter().zip(want) {
-            assert!((*a as f64 - b).abs() < 1e-6, "{r:?} {want:?}");
-        }
-        let mut r = vec![1.0f32, 1.0, 0.0];
-        step(Optimizer::RowwiseAdagrad, 2, h).apply(&mut r, &g);
-        let acc: f64 = 2.5;
-        let want = [1.0 - 0.5 * 2.0 / (acc.sqrt() + 0.1), 1.0 + 0.5 / (acc.sqrt() + 0.1), acc];
-        for (a, b) in r.iter().zip(want) {
-            assert!((*a as f64 - b).abs() < 1e-6, "{r:?} {want:?}");
-        }
-        // Adam's first step moves every value by about lr (m̂ / √v̂ = ±1).
-        let mut r = vec![1.0f32, 1.0, 0.0, 0.0, 0.0, 0.0];
-        step(Optimizer::Adam, 2, Hyper { eps: 0.0, ..h }).apply(&mut r, &g);
-        assert!((r[0] - 0.5).abs() < 1e-5 && (r[1] - 1.5).abs() < 1e-5, "{r:?}");
-    }
-
-    #[test]
-    fn bad_hyperparameters_are_refused() {
-        let ok = step(Optimizer::Adam, 4, Hyper::default());
-        assert!(ok.check().is_ok());
-        for h in [
-            Hyper { lr: f32::NAN, ..Hyper::default() },
-            Hyper { lr: -1.0, ..Hyper::default() },
-            Hyper { beta1: 1.0, ..Hyper::default() },
-            Hyper { step: 0, ..Hyper::default() },
-            Hyper { weight_decay: f32::INFINITY, ..Hyper::default() },
-        ] {
-            assert!(matches!(step(Optimizer::Adam, 4, h).check(), Err(Error::Optimizer(_))), "{h:?}");
-        }
-        assert!(check_batch(12, &ok, 1, 4, 1, None).is_ok());
-        assert!(check_batch(8, &ok, 1, 4, 1, None).is_err());
-        assert!(check_batch(12, &ok, 1, 3, 1, None).is_err());
-        let (grads, found) = ([0.0f32; 4], [false]);
-        assert!(check_apply(12, &ok, &[7], &grads, &found, None).is_ok());
-        assert!(check_apply(12, &ok, &[7], &grads, &found, Some(&[0.0; 3])).is_err());
-        assert!(matches!(
-            check_apply(12, &ok, &[crate::RESERVED_KEY_MIN], &grads, &found, None),
-            Err(Error::ReservedKey { index: 0, .. })
-        ));
-    }
-}
-
 /// The exponent `E` of a repeated key's fixed-point sum: `2^E` scales its
 /// gradients so that `count` of them, each at most `max` in magnitude
 /// (positive and finite), sum to less than `2^62`: `count · max` (in f64)
@@ -425,10 +355,79 @@ pub fn apply_summed(
         return Some(apply(keys, grads, &one, found));
     };
     let mut f = vec![false; uniq.len()];
-    Some(apply(&uniq, &sums, &one, &mut f).map(|missing| {
+    Some(apply(&uniq, &sums, &one, &mut f).inspect(|_| {
         for (o, &u) in found.iter_mut().zip(&own) {
             *o = f[u];
         }
-        missing
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step(optimizer: Optimizer, dim: usize, hyper: Hyper) -> Step {
+        Step { optimizer, dim, hyper, sum: false }
+    }
+
+    #[test]
+    fn row_widths() {
+        assert_eq!(Optimizer::Sgd.row_dim(8), 8);
+        assert_eq!(Optimizer::Adagrad.row_dim(8), 16);
+        assert_eq!(Optimizer::RowwiseAdagrad.row_dim(8), 9);
+        assert_eq!(Optimizer::Adam.row_dim(8), 24);
+    }
+
+    /// One step of each optimizer on a 2-value row, against the formulas
+    /// worked out by hand (f64, compared within 1e-6).
+    #[test]
+    fn one_step_by_hand() {
+        let h = Hyper { lr: 0.5, eps: 0.1, beta1: 0.9, beta2: 0.99, weight_decay: 0.0, step: 1 };
+        let g = [2.0f32, -1.0];
+        let mut r = vec![1.0f32, 1.0];
+        step(Optimizer::Sgd, 2, h).apply(&mut r, &g);
+        assert_eq!(r, vec![0.0, 1.5]);
+        let mut r = vec![1.0f32, 1.0, 0.0, 0.0];
+        step(Optimizer::Adagrad, 2, h).apply(&mut r, &g);
+        let want = [1.0 - 0.5 * 2.0 / (2.0 + 0.1), 1.0 + 0.5 * 1.0 / (1.0 + 0.1), 4.0, 1.0];
+        for (a, b) in r.iter().zip(want) {
+            assert!((*a as f64 - b).abs() < 1e-6, "{r:?} {want:?}");
+        }
+        let mut r = vec![1.0f32, 1.0, 0.0];
+        step(Optimizer::RowwiseAdagrad, 2, h).apply(&mut r, &g);
+        let acc: f64 = 2.5;
+        let want = [1.0 - 0.5 * 2.0 / (acc.sqrt() + 0.1), 1.0 + 0.5 / (acc.sqrt() + 0.1), acc];
+        for (a, b) in r.iter().zip(want) {
+            assert!((*a as f64 - b).abs() < 1e-6, "{r:?} {want:?}");
+        }
+        // Adam's first step moves every value by about lr (m̂ / √v̂ = ±1).
+        let mut r = vec![1.0f32, 1.0, 0.0, 0.0, 0.0, 0.0];
+        step(Optimizer::Adam, 2, Hyper { eps: 0.0, ..h }).apply(&mut r, &g);
+        assert!((r[0] - 0.5).abs() < 1e-5 && (r[1] - 1.5).abs() < 1e-5, "{r:?}");
+    }
+
+    #[test]
+    fn bad_hyperparameters_are_refused() {
+        let ok = step(Optimizer::Adam, 4, Hyper::default());
+        assert!(ok.check().is_ok());
+        for h in [
+            Hyper { lr: f32::NAN, ..Hyper::default() },
+            Hyper { lr: -1.0, ..Hyper::default() },
+            Hyper { beta1: 1.0, ..Hyper::default() },
+            Hyper { step: 0, ..Hyper::default() },
+            Hyper { weight_decay: f32::INFINITY, ..Hyper::default() },
+        ] {
+            assert!(matches!(step(Optimizer::Adam, 4, h).check(), Err(Error::Optimizer(_))), "{h:?}");
+        }
+        assert!(check_batch(12, &ok, 1, 4, 1, None).is_ok());
+        assert!(check_batch(8, &ok, 1, 4, 1, None).is_err());
+        assert!(check_batch(12, &ok, 1, 3, 1, None).is_err());
+        let (grads, found) = ([0.0f32; 4], [false]);
+        assert!(check_apply(12, &ok, &[7], &grads, &found, None).is_ok());
+        assert!(check_apply(12, &ok, &[7], &grads, &found, Some(&[0.0; 3])).is_err());
+        assert!(matches!(
+            check_apply(12, &ok, &[crate::RESERVED_KEY_MIN], &grads, &found, None),
+            Err(Error::ReservedKey { index: 0, .. })
+        ));
+    }
 }
