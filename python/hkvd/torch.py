@@ -661,7 +661,13 @@ class _Sparse(torch.nn.Module):
         return rows
 
     def prefetch(self, ids) -> None:
-        """Sends the lookup of ``ids`` (the next step's) now, without
+        """With ``dedupe="table"``: keeps ``ids`` (the next step's), whose
+        lookup this module's next step sends right behind itself (over CUDA
+        IPC without waiting for the step's answer: the daemon runs it after
+        the step), so that it reads the step's writes and needs no patch;
+        the forward called with equal ids uses its rows. A step of another
+        module of the table sends it again behind that step. With
+        ``"module"``, as follows. Sends the lookup of ``ids`` now, without
         waiting: the daemon runs it while this step computes, and the
         forward called with equal ids uses its rows. Rows that a step
         updates meanwhile (this module's, or another module's of the same
@@ -854,20 +860,27 @@ class _Sparse(torch.nn.Module):
         if nxt is not None:
             again = again + [(self, nxt)]
         c = self.cache
+        # This client's lookups first: a lookup on another client's
+        # connection follows the step only once the step is answered.
+        again = sorted(again, key=lambda mp: mp[0].client is not self.client)
         for m, p in again:
             p.cache = m._spare.pop() if m._spare else EmbeddingCache(m.client, m.table, **m._kw)
-        after = ordered and bool(again) and c.transport == "cuda-ipc" and c.events
+        after = ordered and c.transport == "cuda-ipc" and c.events
         sent = 0
         try:
             if after:
                 for m, p in again:
-                    p.cache.settle()
-                    p.cache._fill(p.ids, m._init_rows(p.ids))
+                    if m.client is self.client:
+                        p.cache.settle()
+                        p.cache._fill(p.ids, m._init_rows(p.ids))
             step()
             for m, p in again:
-                init = None if after else m._init_rows(p.ids)
+                behind = after and m.client is self.client
+                if m.client is not self.client:
+                    c.settle()  # the step answered (on cuda-ipc: the stream follows its writes)
+                init = None if behind else m._init_rows(p.ids)
                 p.token = p.cache._send(region.OP_FIND_OR_INSERT, p.ids, init, done_event=False,
-                                        after=c._done if after else None)
+                                        after=c._done if behind else None)
                 m._pos_pending.append(p)
                 sent += 1
             for m in {id(m): m for m, _ in again}.values():
@@ -930,6 +943,12 @@ class _Sparse(torch.nn.Module):
             # The table was made again under this module: every forward
             # says so (a second one failed on the old width's buffers).
             raise WrongDim(self._remade.code, self._remade.message)
+        known = self.client._dims.get(self.table, self.cache.row_dim)
+        if known != self.cache.row_dim:
+            # This module's client made the table again (and learned its
+            # width): said here, not as a buffer's shape at the request.
+            raise self._dim_changed(WrongDim("wrong_dim", f"rows of {known} floats, this module's hold "
+                                                          f"{self.cache.row_dim}"))
         flat = self._flat(ids)
         if self.dedupe == "table" and 0 < flat.numel() <= self.cache.max_batch:
             try:
@@ -1030,20 +1049,25 @@ class Embedding(_Sparse):
     the optimizer running in the table.
 
     ``forward(ids)`` (int64 ids of any shape, on any device) returns float32
-    rows of shape ``ids.shape + (dim,)`` on ``device``: the ids are
-    deduplicated on ``device`` (``torch.unique``), looked up once each
-    (find_or_insert: unknown ids are inserted with ``init(ids)`` rows, a
-    function of the distinct ids returning ``(n, dim)``, zeros when None,
-    and zero optimizer state) and gathered. The backward sums the gradient
-    per distinct id on ``device`` and sends it to the table in one
-    apply_gradients request with ``lr``, ``eps``, ``betas``,
-    ``weight_decay`` and the step count: after ``loss.backward()`` the
-    table is updated, so no optimizer is needed for these rows (the
-    module has no parameters). The backward of each forward is one
-    optimizer step (Adam's step count advances with it).
+    rows of shape ``ids.shape + (dim,)`` on ``device``. With ``dedupe``
+    ``"table"`` (the default) every position's id goes to the table in one
+    find_or_insert, which answers a row per position (unknown ids are
+    inserted with ``init(ids)`` rows, a function of the ids returning
+    ``(n, dim)``, zeros when None, and zero optimizer state); the backward
+    sends every position's gradient in one apply_gradients request with
+    SUM (the table sums a repeated id's gradients and steps it once). With
+    ``"module"`` the ids are deduplicated on ``device`` (``torch.unique``),
+    looked up once each and gathered, and the backward sums the gradient
+    per distinct id on ``device`` before its apply_gradients request. The
+    step carries ``lr``, ``eps``, ``betas``, ``weight_decay`` and the step
+    count: after ``loss.backward()`` the table is updated, so no optimizer
+    is needed for these rows (the module has no parameters). The backward
+    of each forward is one optimizer step (Adam's step count advances with
+    it).
 
-    :meth:`prefetch` (``prefetch(next_ids)``) starts the next step's
-    lookup while this one computes. Transports are EmbeddingCache's
+    :meth:`prefetch` (``prefetch(next_ids)``) has the next step's lookup
+    sent ahead: with ``"table"`` right behind this step's apply_gradients,
+    with ``"module"`` at once (its rows patched after the step). Transports are EmbeddingCache's
     (``transport``, ``max_batch``, ``events``). ``timings`` sums the
     seconds spent in lookups and in apply_gradients; ``missing`` counts
     the ids whose row was gone when their step came (evicted meanwhile:

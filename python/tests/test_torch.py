@@ -429,6 +429,19 @@ def test_a_table_made_again_with_another_dim_is_named(daemon):
     # And every forward after it (the second one failed on the old width's buffers).
     with pytest.raises(hkvd.WrongDim, match="now has dim 5 and optimizer adam, not the dim 3"):
         emb(torch.tensor([1, 2]))
+    # Made again by the module's own client (over shm the request's buffer
+    # check answered first, with a shape error that named no table).
+    for dedupe in ("table", "module"):
+        name = f"again_own_{dedupe}"
+        c.create_table(name, dim=4, capacity=1024, optimizer="adam")
+        own = Embedding(c, name, verbose=False, dedupe=dedupe)
+        own(torch.tensor([1, 2])).sum().backward()
+        own.flush()
+        c.drop_table(name)
+        c.create_table(name, dim=7, capacity=1024, optimizer="adam")
+        for _ in range(2):
+            with pytest.raises(hkvd.WrongDim, match="now has dim 7 and optimizer adam, not the dim 4"):
+                own(torch.tensor([1, 2]))
     c.close()
     other.close()
 
@@ -821,6 +834,49 @@ def test_modules_of_one_table_on_two_clients_step_in_backward_order(daemon, monk
         ca.close()
         cb.close()
     assert all(np.array_equal(tables[0], t) for t in tables[1:]), "every run the same table, bit for bit"
+
+
+@pytest.mark.parametrize("dedupes", [("table", "table"), ("module", "table"), ("table", "module")])
+@pytest.mark.parametrize("transport", ["shm", "socket"])
+def test_modules_of_one_table_on_two_clients_prefetched_read_the_table(daemon, transport, dedupes):
+    """Two modules over one table on two connections, each prefetching its
+    next batch: every forward's rows are the table's rows at that moment.
+    A step of one module sends the other module's pending lookup again on
+    the other connection, where (found by an independent tester, over shm)
+    it ran before the step it should follow: 15-20 of 40 forwards got
+    rows from before the other module's step."""
+    from hkvd.torch import Embedding
+
+    dim = 4
+    ca, cb, check = daemon.client(), daemon.client(), daemon.client()
+    name = f"two_pf_{transport}_{dedupes[0]}_{dedupes[1]}"
+    ca.create_table(name, dim=dim, capacity=1 << 12, optimizer="sgd")
+    kw = dict(lr=0.5, init=lambda i: (i % 5).float()[:, None].expand(-1, dim) / 5, transport=transport,
+              verbose=False)
+    a = Embedding(ca, name, dedupe=dedupes[0], **kw)
+    b = Embedding(cb, name, dedupe=dedupes[1], **kw)
+    g = torch.Generator().manual_seed(4)
+    batches = [(torch.randint(0, 30, (64,), generator=g), torch.randint(0, 30, (64,), generator=g))
+               for _ in range(16)]
+    stale = 0
+    for t, (ia, ib) in enumerate(batches):
+        if t + 1 < len(batches):
+            a.prefetch(batches[t + 1][0])
+            b.prefetch(batches[t + 1][1])
+        ra, rb = a(ia), b(ib)
+        a.flush()
+        b.flush()
+        for ids, rows in ((ia, ra), (ib, rb)):
+            truth = check.find(name, ids.numpy().astype(np.uint64))[0][:, :dim]
+            stale += not np.array_equal(rows.detach().numpy(), truth)
+        w = torch.randn(64, dim, generator=g)
+        ((ra * w).sum() + (rb * w).sum()).backward()
+    a.flush()
+    b.flush()
+    assert stale == 0, f"{stale} of {2 * len(batches)} forwards got rows other than the table's"
+    assert a.prefetch_hits + b.prefetch_hits > 0
+    for c in (ca, cb, check):
+        c.close()
 
 
 def test_the_step_count_is_kept_in_the_state_dict(daemon):
