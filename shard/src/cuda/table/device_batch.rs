@@ -361,7 +361,7 @@ impl CudaTable {
                 DeviceOp::ApplyGradients(step) => {
                     crate::optim::check_step(self.config.dim, &step)?;
                     let mut q = Ptrs { values: p.values, found: p.found, updated: p.updated, ..base };
-                    if step.sum {
+                    if step.sum && n64 > 0 {
                         if p.found.is_some() || p.updated.is_some() {
                             return Err(Error::Optimizer(
                                 "a step that sums repeated keys' gradients answers no flags or values per key".into(),
