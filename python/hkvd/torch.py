@@ -104,6 +104,8 @@ class EmbeddingCache:
         self._inflight = None
         # Ids absent from the table in the steps read by settle (not updated).
         self.missing = 0
+        # Called when settle reads a refused optimizer step (it wrote nothing).
+        self.on_refused: Optional[Callable[[], None]] = None
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -365,6 +367,8 @@ class EmbeddingCache:
             if found is None:
                 self._found_flags(m).zero_()
             if isinstance(e, HkvdError):
+                if self.on_refused is not None:
+                    self.on_refused()
                 # Raised by whatever request came next: say whose it is.
                 raise type(e)(e.code, f"the optimizer step of table {self.table!r} that the last backward sent "
                                       f"(read before this request, which was not sent): {e.message}") from e
@@ -573,6 +577,20 @@ class _Positions(torch.autograd.Function):
         return None, None, None, None
 
 
+def _uncount_step(module: "_Sparse") -> Callable[[], None]:
+    """What a module's cache calls when it reads a refused step: the
+    module's step count goes back by one (held weakly: the cache does not
+    keep the module alive)."""
+    ref = weakref.ref(module)
+
+    def uncount() -> None:
+        m = ref()
+        if m is not None:
+            m.step -= 1
+
+    return uncount
+
+
 class _Sparse(torch.nn.Module):
     """What :class:`Embedding` and :class:`EmbeddingBag` share: the table,
     its transport, the optimizer's hyperparameters and step count,
@@ -639,6 +657,18 @@ class _Sparse(torch.nn.Module):
         # patches the prefetches pending in all.
         self._sharing = _SHARING.setdefault((client.path, table), weakref.WeakSet())
         self._sharing.add(self)
+        self.cache.on_refused = _uncount_step(self)
+
+    def _step_sent(self, send: Callable[[], None]) -> None:
+        """Runs ``send``, which sends this module's step (``self.step``
+        already counts it); a step that raises was not applied, and is not
+        counted (Adam's bias correction then goes on from the last step
+        applied)."""
+        try:
+            send()
+        except HkvdError:
+            self.step -= 1
+            raise
 
     def _settle_sharing(self) -> None:
         """Reads the answers of the steps in flight of every module of this
@@ -845,7 +875,7 @@ class _Sparse(torch.nn.Module):
         def step():
             self._missing += c._step_chunk(flat, g, hyper, None, None, wait=False, sum=True)
 
-        self._lookups_after(again, step, ordered=True)
+        self._lookups_after(again, lambda: self._step_sent(step), ordered=True)
         self.timings["apply"] += time.perf_counter() - t0
 
     def _lookups_after(self, again: List[tuple], step: Callable[[], None], ordered: bool) -> None:
@@ -923,17 +953,21 @@ class _Sparse(torch.nn.Module):
                      weight_decay=self.weight_decay, step=self.step)
         self._keep_patches()  # this step writes the buffers the patches read
         c = self.cache
-        if want and c.transport != "socket" and uniq.numel() <= c.max_batch:
-            found, values = c.step_views(uniq, grads, **hyper)
-            for p in pending:
-                p.patches.append((uniq, found, values, c))
-        elif want:
-            missing, found, values = c.optimizer_step(uniq, grads, values=True, wait=False, **hyper)
-            for p in pending:
-                p.patches.append((uniq, found, values, None))
-            self._missing += missing
-        else:
-            self._missing += self.cache.optimizer_step(uniq, grads, wait=False, **hyper)
+
+        def step():
+            if want and c.transport != "socket" and uniq.numel() <= c.max_batch:
+                found, values = c.step_views(uniq, grads, **hyper)
+                for p in pending:
+                    p.patches.append((uniq, found, values, c))
+            elif want:
+                missing, found, values = c.optimizer_step(uniq, grads, values=True, wait=False, **hyper)
+                for p in pending:
+                    p.patches.append((uniq, found, values, None))
+                self._missing += missing
+            else:
+                self._missing += self.cache.optimizer_step(uniq, grads, wait=False, **hyper)
+
+        self._step_sent(step)
         if again or self._pos_next is not None:
             self._lookups_after(again, lambda: None, ordered=False)
         self.timings["apply"] += time.perf_counter() - t0

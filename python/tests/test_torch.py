@@ -879,6 +879,34 @@ def test_modules_of_one_table_on_two_clients_prefetched_read_the_table(daemon, t
         c.close()
 
 
+@pytest.mark.parametrize("dedupe", ["table", "module"])
+@pytest.mark.parametrize("transport", ["shm", "socket"])
+def test_a_refused_step_is_not_counted(daemon, transport, dedupe):
+    """A step the table refuses writes nothing and does not count: the next
+    step applied is the one after the last applied (Adam's bias correction
+    goes on from it). Found by an independent tester: after one refused
+    step the count was 2 after the next good one."""
+    from hkvd.torch import Embedding
+
+    c = daemon.client()
+    name = f"refused_{transport}_{dedupe}"
+    c.create_table(name, dim=2, capacity=1024, optimizer="adam")
+    emb = Embedding(c, name, lr=0.1, transport=transport, verbose=False, dedupe=dedupe)
+    emb(torch.tensor([1, 2])).sum().backward()
+    emb.flush()
+    assert emb.step == 1
+    emb.lr = float("nan")  # refused by the table at the step
+    with pytest.raises(hkvd.HkvdError, match="lr"):
+        emb(torch.tensor([1, 2])).sum().backward()
+        emb.flush()  # over shm the refusal is read here
+    assert emb.step == 1, "the refused step is not counted"
+    emb.lr = 0.1
+    emb(torch.tensor([1, 2])).sum().backward()
+    emb.flush()
+    assert emb.step == 2
+    c.close()
+
+
 def test_the_step_count_is_kept_in_the_state_dict(daemon):
     """A module's state_dict keeps the optimizer's step count, so that a
     run resumed into a new module (the rows are the table's) continues
