@@ -854,7 +854,7 @@ class Client:
         each key's values after its step (zeros where absent), received into
         ``out`` when given. A key given several times steps once per
         occurrence, or with ``sum`` once with its occurrences' gradients
-        summed (exactly; PROTOCOL.md, apply_gradients); ``sum`` answers no
+        summed (in 64-bit fixed point, in no order: PROTOCOL.md, apply_gradients); ``sum`` answers no
         ``values`` and counts absent distinct keys."""
         r = self.result(self.send_apply_gradients(table, keys, grads, lr, eps, beta1, beta2, weight_decay, step,
                                                   values, out, sum))

@@ -853,39 +853,50 @@ class _Sparse(torch.nn.Module):
         step (its request first reads the step's answer, and its stream
         waits for the step's writes)."""
         t0 = time.perf_counter()
-        self._settle_sharing()
-        self.step += 1
-        c = self.cache
-        # Rows looked up before this step are stale: prefetches of the
-        # other deduplication can be patched by none of its values, and
-        # lookups sent after an earlier step are sent again after this one
-        # (those of modules on this module's device and transport; others
-        # look their ids up at their forward).
-        again = [(m, p) for m, p in self._drop_table_lookups()
-                 if m.device == self.device and m.cache.transport == c.transport]
+        again, hyper = self._begin_step()
+        # Prefetches of the other deduplication can be patched by none of
+        # this step's values: their forwards look up again.
         for m in list(self._sharing):
             for p in m._pending:
                 m._drop(p)
             m._pending = []
-        hyper = dict(lr=self.lr, eps=self.eps, beta1=self.betas[0], beta2=self.betas[1],
-                     weight_decay=self.weight_decay, step=self.step)
-        self._keep_patches()
+        c = self.cache
         g = grads.detach().to(device=self.device, dtype=torch.float32)
 
         def step():
             self._missing += c._step_chunk(flat, g, hyper, None, None, wait=False, sum=True)
 
-        self._lookups_after(again, lambda: self._step_sent(step), ordered=True)
+        self._step_then_lookups(again, step, ordered=True)
         self.timings["apply"] += time.perf_counter() - t0
 
-    def _lookups_after(self, again: List[tuple], step: Callable[[], None], ordered: bool) -> None:
-        """Runs ``step`` (which sends this module's step), then sends the
-        lookups ``again`` (``(module, lookup)``) and that of the ids
-        prefetch() gave this module, each on a spare cache of its module.
-        ``ordered`` on cuda-ipc with events: the lookups follow the step in
-        the daemon, their inputs written before the step's wait event,
-        their requests waiting for the step's done event, the step's answer
-        not read first; elsewhere each lookup's request reads it first."""
+    def _begin_step(self):
+        """What a step of either deduplication begins with: the steps in
+        flight of this table's modules answered (their writes come first;
+        steps sent by modules on other connections run in backward order),
+        the step counted, the lookups that modules of this table sent ahead
+        with dedupe "table" dropped (this step makes them stale and answers
+        no rows to patch them). Returns those lookups that are to be sent
+        again after the step (of modules on this module's device and
+        transport; the others' forwards look up) and the step's
+        hyperparameters."""
+        self._settle_sharing()
+        self.step += 1
+        again = [(m, p) for m, p in self._drop_table_lookups()
+                 if m.device == self.device and m.cache.transport == self.cache.transport]
+        hyper = dict(lr=self.lr, eps=self.eps, beta1=self.betas[0], beta2=self.betas[1],
+                     weight_decay=self.weight_decay, step=self.step)
+        self._keep_patches()  # the step writes the buffers the patches read
+        return again, hyper
+
+    def _step_then_lookups(self, again: List[tuple], step: Callable[[], None], ordered: bool) -> None:
+        """Runs ``step``, which sends this module's step (one that raises is
+        not counted: :meth:`_step_sent`), then sends the lookups ``again``
+        (``(module, lookup)``) and that of the ids prefetch() gave this
+        module, each on a spare cache of its module. ``ordered`` on
+        cuda-ipc with events: the lookups follow the step in the daemon,
+        their inputs written before the step's wait event, their requests
+        waiting for the step's done event, the step's answer not read
+        first; elsewhere each lookup's request reads it first."""
         nxt, self._pos_next = self._pos_next, None
         if nxt is not None:
             again = again + [(self, nxt)]
@@ -903,7 +914,7 @@ class _Sparse(torch.nn.Module):
                     if m.client is self.client:
                         p.cache.settle()
                         p.cache._fill(p.ids, m._init_rows(p.ids))
-            step()
+            self._step_sent(step)
             for m, p in again:
                 behind = after and m.client is self.client
                 if m.client is not self.client:
@@ -934,24 +945,15 @@ class _Sparse(torch.nn.Module):
 
     def _apply_step(self, uniq: torch.Tensor, grads: torch.Tensor) -> None:
         t0 = time.perf_counter()
-        # The steps in flight of this table's modules answered first: their
-        # updated rows are in the buffers before a patch copies them out
-        # (this module stepped twice in one backward: two forwards), and
-        # steps sent by modules on other connections run in backward
-        # order, not in whichever order the daemon takes them.
-        self._settle_sharing()
-        self.step += 1
-        # Nothing patches them: sent again after this step (below).
-        again = [(m, p) for m, p in self._drop_table_lookups()
-                 if m.device == self.device and m.cache.transport == self.cache.transport]
+        # The steps in flight answered first: their updated rows are in the
+        # buffers before a patch copies them out (this module stepped twice
+        # in one backward: two forwards).
+        again, hyper = self._begin_step()
         # Updated rows are needed to patch the prefetches pending, this
         # module's and those of other modules of the table.
         # (Modules on another device are left out: their rows live there.)
         pending = [p for m in list(self._sharing) if m.device == self.device for p in m._pending]
         want = bool(pending)
-        hyper = dict(lr=self.lr, eps=self.eps, beta1=self.betas[0], beta2=self.betas[1],
-                     weight_decay=self.weight_decay, step=self.step)
-        self._keep_patches()  # this step writes the buffers the patches read
         c = self.cache
 
         def step():
@@ -967,9 +969,7 @@ class _Sparse(torch.nn.Module):
             else:
                 self._missing += self.cache.optimizer_step(uniq, grads, wait=False, **hyper)
 
-        self._step_sent(step)
-        if again or self._pos_next is not None:
-            self._lookups_after(again, lambda: None, ordered=False)
+        self._step_then_lookups(again, step, ordered=False)
         self.timings["apply"] += time.perf_counter() - t0
 
     def _gathered(self, ids):

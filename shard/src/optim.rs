@@ -308,14 +308,20 @@ pub fn sum_duplicates(keys: &[u64], grads: &[f32], dim: usize) -> Option<(Vec<u6
         count[u] += 1;
         max[u] = max[u].max(max_bits(&grads[i * dim..(i + 1) * dim]));
     }
+    // Each key's scale, for a repeated key with finite, not all zero rows.
+    let exp: Vec<Option<i32>> = (0..m)
+        .map(|u| {
+            (count[u] > 1 && max[u] != 0 && max[u] < 0x7f80_0000)
+                .then(|| sum_exponent(count[u], f32::from_bits(max[u])))
+        })
+        .collect();
     let mut acc = vec![0i64; m * dim];
     let mut out = vec![0.0f32; m * dim];
     for (i, &u) in own.iter().enumerate() {
         let g = &grads[i * dim..(i + 1) * dim];
         if count[u] == 1 {
             out[u * dim..(u + 1) * dim].copy_from_slice(g);
-        } else if max[u] != 0 && max[u] < 0x7f80_0000 {
-            let e = sum_exponent(count[u], f32::from_bits(max[u]));
+        } else if let Some(e) = exp[u] {
             for (a, &x) in acc[u * dim..(u + 1) * dim].iter_mut().zip(g) {
                 *a = a.wrapping_add(sum_term(x, e));
             }
@@ -323,13 +329,10 @@ pub fn sum_duplicates(keys: &[u64], grads: &[f32], dim: usize) -> Option<(Vec<u6
     }
     for u in (0..m).filter(|&u| count[u] > 1) {
         let o = &mut out[u * dim..(u + 1) * dim];
-        if max[u] >= 0x7f80_0000 {
-            o.fill(f32::NAN);
-        } else if max[u] != 0 {
-            let e = sum_exponent(count[u], f32::from_bits(max[u]));
-            for (x, &a) in o.iter_mut().zip(&acc[u * dim..(u + 1) * dim]) {
-                *x = sum_value(a, e);
-            }
+        match exp[u] {
+            Some(e) => o.iter_mut().zip(&acc[u * dim..(u + 1) * dim]).for_each(|(x, &a)| *x = sum_value(a, e)),
+            None if max[u] >= 0x7f80_0000 => o.fill(f32::NAN),
+            None => {} // all zero
         }
     }
     Some((uniq, out, own))
