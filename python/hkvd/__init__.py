@@ -368,6 +368,10 @@ class Client:
         # Requests sent without waiting whose answer must be read before any
         # later request (hkvd.torch's optimizer steps): callables that read it.
         self._deferred: List[Callable[[], None]] = []
+        # Regions whose shm arrays are gone (hkvd.shm): unregistered with
+        # the next request, their answers (request ids in _ignored) dropped.
+        self._unneeded: List[int] = []
+        self._ignored: set = set()
 
     # ---- plumbing -----------------------------------------------------
     def close(self) -> None:
@@ -400,12 +404,29 @@ class Client:
         # answers' requests itself (hkvd.region.After).
         if self._deferred and settle:
             self.settle()
+        if self._unneeded:
+            self._unregister_unneeded()
         rid = self._next
         self._next += 1
         body = sum(len(p) if not isinstance(p, memoryview) else p.nbytes for p in parts)
         self._sendmsg([HEADER.pack(MAGIC, VERSION, op, flags, rid, body)] + list(parts))
         self._pending[rid] = _Pending(op, dim, n, flags, out)
         return rid
+
+    def _unregister_unneeded(self) -> None:
+        """Sends an unregister for each region whose shm arrays are gone,
+        pipelined before the request being sent; their answers are dropped
+        as they arrive."""
+        frames = []
+        while self._unneeded:
+            region = self._unneeded.pop()
+            rid = self._next
+            self._next += 1
+            frames.append(HEADER.pack(MAGIC, VERSION, _shm.OP_UNREGISTER, _shm.F_REGION, rid, 4))
+            frames.append(struct.pack("<I", region))
+            self._pending[rid] = _Pending(_shm.OP_UNREGISTER, 0, 0, _shm.F_REGION)
+            self._ignored.add(rid)
+        self._sendmsg(frames)
 
     def _sendmsg(self, bufs: List, anc: Sequence = ()) -> None:
         """Sends ``bufs`` (with ancillary data ``anc``: an fd). A connection
@@ -564,9 +585,14 @@ class Client:
                 # daemon closes the connection; it answers every request
                 # still outstanding (PROTOCOL.md, "Connection").
                 for r in self._pending:
-                    self._done[r] = value
+                    if r not in self._ignored:
+                        self._done[r] = value
                 self._pending.clear()
+                self._ignored.clear()
                 self._done.setdefault(rid, value)
+                continue
+            if got in self._ignored:
+                self._ignored.discard(got)
                 continue
             self._done[got] = value
         value = self._done.pop(rid)

@@ -200,6 +200,7 @@ def _shm_ref(client, a: np.ndarray, name: str) -> Ref:
     regions = client.__dict__.setdefault("_regions", {})
     if m.base not in regions:
         regions[m.base] = _shm.register_memfd(client, m.fd, m.size)
+        _shm._CLIENTS.add(client)
     return Ref(regions[m.base], offset, a.size, a.shape, a.dtype, "shm", -1, "numpy", a.flags.c_contiguous)
 
 

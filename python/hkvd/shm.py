@@ -24,6 +24,7 @@ import mmap
 import os
 import socket as _socket
 import struct
+import weakref
 from typing import Dict, Optional, Tuple
 
 import numpy as np
@@ -38,29 +39,55 @@ _PAGE = mmap.PAGESIZE
 
 
 class _Memfd:
-    """One sealed memfd and its shared mapping."""
+    """One sealed memfd, mapped at ``base`` (the mapping itself is held by
+    the arrays over it, not here)."""
 
-    def __init__(self, nbytes: int):
-        self.size = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
-        self.fd = os.memfd_create("hkvd-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        os.ftruncate(self.fd, self.size)
-        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-        self.mm = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        self.base = np.frombuffer(self.mm, dtype=np.uint8).__array_interface__["data"][0]
+    def __init__(self, fd: int, size: int, base: int):
+        self.fd, self.size, self.base = fd, size, base
 
 
-# Every shm array's memfd by the address of its mapping (kept for the
-# process's life: the arrays hold only the mapping).
+# Every live shm array's memfd by the address of its mapping. When the
+# last array (or view) over a mapping is gone, the mapping is unmapped, its
+# fd closed and its entry removed (`_released`), and every client that
+# registered it unregisters it with its next request.
 _MEMFDS: Dict[int, _Memfd] = {}
+# The clients that registered shm arrays (weakly: a client is not kept
+# alive for its regions).
+_CLIENTS: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def shm_array(shape, dtype=np.float32) -> np.ndarray:
-    """A zeroed numpy array of ``shape`` and ``dtype`` in a new sealed memfd."""
+    """A zeroed numpy array of ``shape`` and ``dtype`` in a new sealed memfd.
+    Its memory is released when the array and every view of it are gone:
+    the memfd is closed, and a client that registered it unregisters it
+    with its next request."""
     dtype = np.dtype(dtype)
     count = int(np.prod(shape, dtype=np.int64))
-    m = _Memfd(count * dtype.itemsize)
-    _MEMFDS[m.base] = m
-    return np.frombuffer(m.mm, dtype=dtype, count=count).reshape(shape)
+    size = max(_PAGE, -(-(count * dtype.itemsize) // _PAGE) * _PAGE)
+    fd = os.memfd_create("hkvd-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    base = np.frombuffer(mm, dtype=np.uint8).__array_interface__["data"][0]
+    _MEMFDS[base] = _Memfd(fd, size, base)
+    # Runs as the mapping is freed, before its address can be mapped again.
+    weakref.finalize(mm, _released, base, fd)
+    return np.frombuffer(mm, dtype=dtype, count=count).reshape(shape)
+
+
+def _released(base: int, fd: int) -> None:
+    """The mapping at ``base`` is gone: its fd is closed, and its region ids
+    are queued on the clients that registered it (``Client._unneeded``)."""
+    _MEMFDS.pop(base, None)
+    os.close(fd)
+    for c in list(_CLIENTS):
+        rid = c.__dict__.get("_regions", {}).pop(base, None)
+        if rid is not None:
+            c._unneeded.append(rid)
 
 
 def _memfd_of(a: np.ndarray) -> Tuple[_Memfd, int]:
