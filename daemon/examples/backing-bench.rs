@@ -24,11 +24,12 @@
 //! cargo build --release -p hkvd
 //! cargo run --release -p hkvd --example backing-bench -- [KEYS] [BATCH] [ROUNDS] [WARM_CAPACITY] [WRITES_PER_S]
 //! ```
-//! Defaults 200000 8192 5 49152 10000; dim 32. `HKV_BENCH_ONLY=cold,cold2,warm,warm2,wb,stale`
+//! Defaults 200000 8192 5 49152 10000; dim 32. `HKV_BENCH_ONLY=cold,cold2,cold-shm,cold2-shm,warm,warm2,warm-shm,wb,stale`
 //! runs some of them (`cold2`, `warm2`: the cold and warm streams with two
 //! requests in flight on both sides, hkvd's through `send_find` /
 //! `recv_found`, the plain client's as two batches of `MGET`s at once;
-//! `warm2` needs `warm`). `HKVD_BIN` names the
+//! `warm2` and `warm-shm` need `warm`; `-shm`: hkvd's finds through a
+//! registered memfd, `find_in`). `HKVD_BIN` names the
 //! daemon binary (default: `hkvd` beside the example's directory);
 //! `HKV_BENCH_DAEMON_ARGS` adds options to its `hkvd serve` (e.g.
 //! `--no-mrc`).
@@ -55,7 +56,7 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// One `hkvd serve --backend cpu --shards 2` on a socket in a temporary
+/// One `hkvd serve --backend cpu --shards 2` (`HKV_BENCH_SHARDS`) on a socket in a temporary
 /// directory; killed on drop.
 struct Daemon {
     child: Child,
@@ -77,7 +78,8 @@ impl Daemon {
             .arg(&socket)
             .arg("--state-dir")
             .arg(dir.path().join("state"))
-            .args(["--log", "warn", "--backend", "cpu", "--shards", "2"])
+            .args(["--log", "warn", "--backend", "cpu", "--shards"])
+            .arg(std::env::var("HKV_BENCH_SHARDS").unwrap_or_else(|_| "2".into()))
             .args(std::env::var("HKV_BENCH_DAEMON_ARGS").unwrap_or_default().split_whitespace())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -117,6 +119,60 @@ fn hkvd_finds(c: &mut Client, table: &str, chunks: std::slice::Chunks<'_, u64>, 
     }
     for _ in 0..in_flight {
         assert!(c.recv_found().expect("find").1.found.iter().all(|x| *x));
+    }
+}
+
+/// The same finds through a registered memfd (`find_in`): the keys are
+/// written into the region, the found flags and rows read from it; one
+/// output area per request in flight.
+struct Shm {
+    region: hkv_client::region::Region,
+    batch: u64,
+}
+
+impl Shm {
+    fn new(c: &mut Client, batch: usize, depth: usize) -> Shm {
+        let b = batch as u64;
+        let region = c.register_memfd(depth as u64 * b * (8 + 1 + 4 * DIM as u64)).expect("register a memfd");
+        Shm { region, batch: b }
+    }
+
+    fn finds(&self, c: &mut Client, table: &str, chunks: std::slice::Chunks<'_, u64>, depth: usize) {
+        use hkv_client::proto::Op;
+        let b = self.batch;
+        let area = |slot: u64| slot * b * (8 + 1 + 4 * DIM as u64);
+        let mut row = vec![0f32; DIM];
+        // Answers may come in another order than the requests: each frees
+        // the area of the request it answers.
+        let mut in_flight: Vec<(u64, u64, u64)> = Vec::new(); // (id, slot, keys)
+        let check = |c: &mut Client, in_flight: &mut Vec<(u64, u64, u64)>, row: &mut [f32]| -> u64 {
+            let (id, a) = c.recv_region(u8::from(Op::Find)).expect("find");
+            let i = in_flight.iter().position(|x| x.0 == id).expect("an answer to a request in flight");
+            let (_, slot, n) = in_flight.swap_remove(i);
+            assert!(matches!(a, hkv_client::proto::region::RegionAnswer::Count(h) if h == n), "{a:?}");
+            // Read one row back, as a client would use them.
+            self.region.read(area(slot) + b * 9, row).expect("read a row");
+            slot
+        };
+        let mut free: Vec<u64> = (0..depth as u64).rev().collect();
+        for ch in chunks {
+            if free.is_empty() {
+                free.push(check(c, &mut in_flight, &mut row));
+            }
+            let (slot, n) = (free.pop().unwrap(), ch.len() as u64);
+            let at = area(slot);
+            self.region.write(at, ch).expect("write keys");
+            let refs = vec![
+                self.region.at::<u64>(at, n),
+                self.region.at::<u8>(at + b * 8, n),
+                self.region.at::<f32>(at + b * 9, n * DIM as u64),
+            ];
+            let id = c.send_region(&hkv_client::region::keyed(u8::from(Op::Find), table, refs, false, false)).expect("send");
+            in_flight.push((id, slot, n));
+        }
+        while !in_flight.is_empty() {
+            check(c, &mut in_flight, &mut row);
+        }
     }
 }
 
@@ -229,15 +285,20 @@ fn main() {
     // CPU seconds of (this client, the cluster, the daemon).
     let cpu = || [cpu_secs(&[std::process::id()]), cpu_secs(&pids_named("redis-server")), cpu_secs(&[a.child.id()])];
     // With one request in flight (`cold`), then two on both sides (`cold2`).
-    for (what, depth) in [("cold", 1), ("cold2", 2)] {
+    // `-shm`: hkvd's finds through a registered memfd (`find_in`).
+    for (what, depth, shm) in [("cold", 1, false), ("cold2", 2, false), ("cold-shm", 1, true), ("cold2-shm", 2, true)] {
         if !want(what) {
             continue;
         }
+        let region = shm.then(|| Shm::new(&mut ca, batch, depth));
         let (mut p, mut h, mut cpu_p, mut cpu_h) = (vec![], vec![], [0.0; 3], [0.0; 3]);
         for _ in 0..rounds {
             p.push(timed(n, &cpu, &mut cpu_p, || rt.block_on(plain_gets(&plain, &cold, keys.chunks(batch), depth))));
             remake(&mut ca, spec("cold", 2 * n as u64, &seeds, BackingMode::ReadOnly));
-            h.push(timed(n, &cpu, &mut cpu_h, || hkvd_finds(&mut ca, "cold", keys.chunks(batch), depth)));
+            h.push(timed(n, &cpu, &mut cpu_h, || match &region {
+                Some(r) => r.finds(&mut ca, "cold", keys.chunks(batch), depth),
+                None => hkvd_finds(&mut ca, "cold", keys.chunks(batch), depth),
+            }));
         }
         print_cpu(what, batch, (rounds * n) as f64 / batch as f64, cpu_p, cpu_h);
         let b = backing(&mut ca, "cold");
@@ -245,10 +306,11 @@ fn main() {
         eprintln!("{what}: ratio per round {}", ratios.iter().map(|r| format!("{r:.2}")).collect::<Vec<_>>().join(" "));
         let ratio = median(ratios);
         rows.push(Row {
-            what: if depth == 1 {
-                "cold read-through (find, every key a miss)"
-            } else {
-                "cold, 2 requests in flight on both sides"
+            what: match (depth, shm) {
+                (1, false) => "cold read-through (find, every key a miss)",
+                (_, false) => "cold, 2 requests in flight on both sides",
+                (1, true) => "cold, through a memfd region",
+                (_, true) => "cold, memfd, 2 in flight on both sides",
             },
             plain: median(p),
             hkvd: median(h),
@@ -337,6 +399,25 @@ fn main() {
                 ratio,
                 bar: ">= 5",
                 note: format!("hkvd (2 in flight) / plain (1 in flight): {ratio1:.2}"),
+            });
+        }
+        // The warm stream through a registered memfd, against the plain
+        // client's rounds above (one request in flight on both sides).
+        if want("warm-shm") {
+            let r = Shm::new(&mut ca, batch, 1);
+            let (mut p3, mut h3) = (vec![], vec![]);
+            for _ in 0..rounds {
+                let k = stream.len();
+                p3.push(timed(k, &cpu, &mut [0.0; 3], || rt.block_on(plain_gets(&plain, &warm, stream.chunks(batch), 1))));
+                h3.push(timed(k, &cpu, &mut [0.0; 3], || r.finds(&mut ca, "cold", stream.chunks(batch), 1)));
+            }
+            rows.push(Row {
+                what: "warm, through a memfd region",
+                plain: median(p3.clone()),
+                hkvd: median(h3.clone()),
+                ratio: median(h3.iter().zip(&p3).map(|(h, p)| h / p).collect()),
+                bar: ">= 5",
+                note: String::new(),
             });
         }
         ca.drop_table("cold").unwrap();
