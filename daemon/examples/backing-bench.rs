@@ -167,7 +167,8 @@ impl Shm {
                 self.region.at::<u8>(at + b * 8, n),
                 self.region.at::<f32>(at + b * 9, n * DIM as u64),
             ];
-            let id = c.send_region(&hkv_client::region::keyed(u8::from(Op::Find), table, refs, false, false)).expect("send");
+            let id =
+                c.send_region(&hkv_client::region::keyed(u8::from(Op::Find), table, refs, false, false)).expect("send");
             in_flight.push((id, slot, n));
         }
         while !in_flight.is_empty() {
@@ -408,7 +409,9 @@ fn main() {
             let (mut p3, mut h3) = (vec![], vec![]);
             for _ in 0..rounds {
                 let k = stream.len();
-                p3.push(timed(k, &cpu, &mut [0.0; 3], || rt.block_on(plain_gets(&plain, &warm, stream.chunks(batch), 1))));
+                p3.push(timed(k, &cpu, &mut [0.0; 3], || {
+                    rt.block_on(plain_gets(&plain, &warm, stream.chunks(batch), 1))
+                }));
                 h3.push(timed(k, &cpu, &mut [0.0; 3], || r.finds(&mut ca, "cold", stream.chunks(batch), 1)));
             }
             rows.push(Row {

@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use hkv_backing::{Backing, Fetched, Gap, Mode, Options, ReadOut, Scan};
 use hkv_proto::{BackingMode, BackingSpec, ErrorCode, ProtoError, Request, Response, TableSpec, WriteOp};
-use hkv_shard::{Outcome, Rows, ScorePolicy};
+use hkv_shard::{Outcome, ScorePolicy};
 use parking_lot::RwLock;
 
 use self::order::{Hold, Order, Snapshot};
@@ -956,14 +956,26 @@ pub async fn find_response(
         let (a, o) = find_with_origins(router, tiers, tier, t, keys, scores, origins).await?;
         return Ok(with_origins(a.into(), o));
     };
+    Ok(find_to(router, tiers, tier, t, keys, frame).await?.0.into_response())
+}
+
+/// A backed table's find written in place into `dest` (a response frame,
+/// a client's region): the cache writes its hits there, and the rows
+/// filled from the cluster are written beside them (no answer arrays, no
+/// copy of the rows on the way out). Answers `dest` and the keys found.
+pub async fn find_to<D: Destination>(
+    router: &Arc<Router>,
+    tiers: &Tiers,
+    tier: &Backing,
+    t: &Arc<Table>,
+    keys: Vec<u64>,
+    dest: D,
+) -> Result<(D, u64), ProtoError> {
     invalidate(router, tiers, t, Some(&keys)).await?;
     let pre = tiers.prefetch(&t.spec.name, tier, &keys);
-    let mut frame = router.find_framed(t, keys.clone(), frame).await?;
-    let (found, rows) = frame.answer();
-    let values = match rows {
-        Rows::Host(v) => v,
-        Rows::Pinned(p) => p.into_values(),
-    };
+    let (mut dest, _) = router.find_to(t, keys.clone(), dest).await?;
+    let (found, rows) = dest.answer();
+    let values = rows.into_values();
     let hits = found.to_vec();
     refresh(router, tiers, t, &keys, &hits);
     let (miss, rows) = tiers.fill(router, t, tier, &keys, &hits, false, None, pre, Some(values)).await?;
@@ -972,7 +984,8 @@ pub async fn find_response(
             found[i] = 1;
         }
     }
-    Ok(frame.into_response())
+    let count = found.iter().filter(|&&f| f == 1).count() as u64;
+    Ok((dest, count))
 }
 
 /// [`find`], and with `origins` each key's origin (keys not fetched by the

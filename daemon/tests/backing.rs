@@ -232,6 +232,18 @@ fn region_finds_read_through_the_cluster() {
     // Now cached on B: contains through the region agrees.
     r.write(8192, &vec![7u8; m as usize]).unwrap();
     assert_eq!(cb.contains_in("r", r.at::<u64>(0, m), r.at::<u8>(8192, m)).unwrap(), 150);
+    // Hits and fills in one request: keys 0..150 cached on B, 150..300 only
+    // in the cluster, interleaved; every row lands at its key's place.
+    let mixed: Vec<usize> = (0..150).flat_map(|i| [i, 150 + i]).collect();
+    let probe: Vec<u64> = mixed.iter().map(|&i| keys[i]).collect();
+    r.write(0, &probe).unwrap();
+    r.write(16384, &vec![9.5f32; 300 * 4]).unwrap();
+    let hits = cb.find_in("r", r.at::<u64>(0, 300), r.at::<u8>(8192, 300), r.at::<f32>(16384, 300 * 4)).unwrap();
+    assert_eq!(hits, 300);
+    let mut got = vec![0f32; 300 * 4];
+    r.read(16384, &mut got).unwrap();
+    let want: Vec<u32> = mixed.iter().flat_map(|&i| values[i * 4..(i + 1) * 4].iter().map(|v| v.to_bits())).collect();
+    assert_eq!(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want);
 }
 
 /// `flush` drains a write-back table's queue: once it answered, another

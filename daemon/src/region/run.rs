@@ -278,12 +278,16 @@ async fn staged(
     };
     let router = &state.router;
     match (code, req.head) {
-        (Op::Find, _) if !req.scores && !device && backed.is_none() => {
+        (Op::Find, _) if !req.scores && !device => {
             let (Some(Out::U8(found)), Some(Out::F32(values))) = (take("found"), take("values")) else {
                 return Err(err(ErrorCode::Internal, "find's outputs are its found flags and values"));
             };
             let region = need(arrs, "values")?.region.clone();
-            let (_, hits) = router.find_to(t, keys, ClaimedRows { found, values, region }).await?;
+            let rows = ClaimedRows { found, values, region };
+            let (_, hits) = match &backed {
+                Some(b) => crate::backing::find_to(router, &state.backing, b, t, keys, rows).await?,
+                None => router.find_to(t, keys, rows).await?,
+            };
             Ok(RegionAnswer::Count(hits))
         }
         (Op::Find, _) => {
