@@ -363,7 +363,7 @@ class Client:
         self._hdr = bytearray(HEADER.size)
         self._body_read = 0  # bytes of the current answer's body read so far
         self._lock = threading.Lock()
-        self._regions: Dict[int, int] = {}  # memfd regions: mapping address -> region id
+        self._regions: Dict[int, int] = {}  # memfd regions: hkvd.shm serial -> region id
         self._cuda_regions: Dict[int, object] = {}  # device regions by allocation buffer id
         # Requests sent without waiting whose answer must be read before any
         # later request (hkvd.torch's optimizer steps): callables that read it.

@@ -198,10 +198,10 @@ def _shm_ref(client, a: np.ndarray, name: str) -> Ref:
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
     regions = client.__dict__.setdefault("_regions", {})
-    if m.base not in regions:
-        regions[m.base] = _shm.register_memfd(client, m.fd, m.size)
+    if m.serial not in regions:
+        regions[m.serial] = _shm.register_memfd(client, m.fd, m.size)
         _shm._CLIENTS.add(client)
-    return Ref(regions[m.base], offset, a.size, a.shape, a.dtype, "shm", -1, "numpy", a.flags.c_contiguous)
+    return Ref(regions[m.serial], offset, a.size, a.shape, a.dtype, "shm", -1, "numpy", a.flags.c_contiguous)
 
 
 def _cuda_ref(client, dev: "_cuda.DeviceArray", name: str) -> Ref:

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import array
 import fcntl
+import itertools
 import mmap
 import os
 import socket as _socket
 import struct
+import threading
 import weakref
 from typing import Dict, Optional, Tuple
 
@@ -40,17 +42,26 @@ _PAGE = mmap.PAGESIZE
 
 class _Memfd:
     """One sealed memfd, mapped at ``base`` (the mapping itself is held by
-    the arrays over it, not here)."""
+    the arrays over it, not here); ``serial`` names it for the process's
+    life (an address is mapped again once its mapping is gone)."""
+
+    _serials = itertools.count(1)
 
     def __init__(self, fd: int, size: int, base: int):
         self.fd, self.size, self.base = fd, size, base
+        self.serial = next(self._serials)
+        self.released = False
 
 
 # Every live shm array's memfd by the address of its mapping. When the
-# last array (or view) over a mapping is gone, the mapping is unmapped, its
-# fd closed and its entry removed (`_released`), and every client that
-# registered it unregisters it with its next request.
+# last array (or view) over a mapping is gone its fd is closed and its
+# entry removed (`_release`), and every client that registered it
+# unregisters it with its next request. Python unmaps a mapping before its
+# finalizer runs, with the GIL released, so another thread may be given
+# the same addresses first: a new mapping releases the entries it overlaps
+# (`shm_array`), and clients key their regions by serial, not address.
 _MEMFDS: Dict[int, _Memfd] = {}
+_LOCK = threading.RLock()
 # The clients that registered shm arrays (weakly: a client is not kept
 # alive for its regions).
 _CLIENTS: "weakref.WeakSet" = weakref.WeakSet()
@@ -62,7 +73,10 @@ def shm_array(shape, dtype=np.float32) -> np.ndarray:
     the memfd is closed, and a client that registered it unregisters it
     with its next request."""
     dtype = np.dtype(dtype)
-    count = int(np.prod(shape, dtype=np.int64))
+    dims = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    if any(int(d) < 0 for d in dims):
+        raise ValueError(f"shm_array: negative dimensions are not allowed (shape {shape})")
+    count = int(np.prod(dims, dtype=np.int64))
     size = max(_PAGE, -(-(count * dtype.itemsize) // _PAGE) * _PAGE)
     fd = os.memfd_create("hkvd-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
@@ -73,21 +87,31 @@ def shm_array(shape, dtype=np.float32) -> np.ndarray:
         os.close(fd)
         raise
     base = np.frombuffer(mm, dtype=np.uint8).__array_interface__["data"][0]
-    _MEMFDS[base] = _Memfd(fd, size, base)
-    # Runs as the mapping is freed, before its address can be mapped again.
-    weakref.finalize(mm, _released, base, fd)
-    return np.frombuffer(mm, dtype=dtype, count=count).reshape(shape)
+    m = _Memfd(fd, size, base)
+    with _LOCK:
+        # Entries these addresses overlap belong to mappings already gone
+        # whose finalizers have not run yet.
+        for old in [o for o in _MEMFDS.values() if o.base < base + size and base < o.base + o.size]:
+            _release(old)
+        _MEMFDS[base] = m
+    weakref.finalize(mm, _release, m)
+    return np.frombuffer(mm, dtype=dtype, count=count).reshape(dims)
 
 
-def _released(base: int, fd: int) -> None:
-    """The mapping at ``base`` is gone: its fd is closed, and its region ids
-    are queued on the clients that registered it (``Client._unneeded``)."""
-    _MEMFDS.pop(base, None)
-    os.close(fd)
-    for c in list(_CLIENTS):
-        rid = c.__dict__.get("_regions", {}).pop(base, None)
-        if rid is not None:
-            c._unneeded.append(rid)
+def _release(m: _Memfd) -> None:
+    """``m``'s mapping is gone: its fd is closed, and its region ids are
+    queued on the clients that registered it (``Client._unneeded``). Once."""
+    with _LOCK:
+        if m.released:
+            return
+        m.released = True
+        if _MEMFDS.get(m.base) is m:
+            del _MEMFDS[m.base]
+        os.close(m.fd)
+        for c in list(_CLIENTS):
+            rid = c.__dict__.get("_regions", {}).pop(m.serial, None)
+            if rid is not None:
+                c._unneeded.append(rid)
 
 
 def _memfd_of(a: np.ndarray) -> Tuple[_Memfd, int]:
@@ -95,9 +119,9 @@ def _memfd_of(a: np.ndarray) -> Tuple[_Memfd, int]:
     if not isinstance(a, np.ndarray) or not a.flags.c_contiguous:
         raise ValueError("region arrays must be C-contiguous views of an hkvd.shm_array")
     addr = a.__array_interface__["data"][0]
-    for base, m in _MEMFDS.items():
-        if base <= addr and addr + a.nbytes <= base + m.size:
-            return m, addr - base
+    for m in list(_MEMFDS.values()):
+        if m.base <= addr and addr + a.nbytes <= m.base + m.size:
+            return m, addr - m.base
     raise ValueError("this array is not in an hkvd.shm_array; make it with hkvd.shm_array(shape, dtype)")
 
 

@@ -96,3 +96,50 @@ def test_dropped_shm_arrays_are_released(daemon):
         a[:] = [1, 2, 3, 4]
         assert c.contains_region("t", a) == 4
     del a
+
+
+def test_threads_making_and_dropping_shm_arrays_each_get_their_own_rows(daemon):
+    # Python unmaps a dropped array's memory before its finalizer runs, so
+    # another thread's new array may be given the same addresses first:
+    # each client must still name its own memfd, and read its own rows.
+    import threading
+    import time
+
+    with daemon.client() as c:
+        c.create_table("t", 8, 4096)
+        keys = np.arange(1, 257, dtype=np.uint64)
+        c.insert_or_assign("t", keys, np.repeat(keys.astype(np.float32)[:, None], 8, 1))
+    errors = []
+    stop = time.monotonic() + 4
+
+    def worker(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        with daemon.client() as c:
+            for _ in range(20000):
+                if time.monotonic() > stop:
+                    break
+                k = hkvd.shm_array((64,), np.uint64)
+                v = hkvd.shm_array((64, 8), np.float32)
+                k[:] = rng.integers(1, 257, 64, dtype=np.uint64)
+                try:
+                    assert c.find_region("t", k, v) == 64
+                    assert (v == k.astype(np.float32)[:, None]).all(), "another array's rows"
+                except Exception as e:  # noqa: BLE001 (reported below)
+                    errors.append(f"{type(e).__name__}: {e}")
+                del k, v
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, f"{len(errors)} failures, e.g. {sorted(set(errors))[:3]}"
+    assert not shm._MEMFDS or all(not m.released for m in shm._MEMFDS.values())
+
+
+def test_negative_shapes_are_refused():
+    for shape in [(-1,), (-1, 4), -5]:
+        with pytest.raises(ValueError, match="negative dimensions"):
+            hkvd.shm_array(shape, np.float32)
+    assert hkvd.shm_array(3).shape == (3,)
+    assert hkvd.shm_array((0, 4)).shape == (0, 4)
