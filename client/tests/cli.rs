@@ -114,6 +114,10 @@ fn tables_put_get_erase() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && err.contains("passes the largest key"), "{start} {count}: {err}");
     }
+    // The count it suggests leaves out the reserved keys, and then works.
+    let out = d.hkvctl(&["fill", "opt", "--count", "10", "--start", "18446744073709551610"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("at most 2 keys from"), "{out:?}");
+    d.run(&["fill", "opt", "--count", "2", "--start", "18446744073709551610"]);
     let out = d.hkvctl(&["fill", "opt", "--count", "5", "--batch", "0"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("--batch"), "{err}");

@@ -384,3 +384,12 @@ fn backing_passwords_are_hidden_and_given_back() {
     assert_eq!(back.seeds[2..], spec.seeds[2..]);
     assert!(!back.password_hidden());
 }
+
+/// A write's summary as hkvctl prints it: each key counted once.
+#[test]
+fn a_summary_counts_each_key_once() {
+    let s = Summary { updated: 1, inserted: 2, evicted: 3, rejected: 4, absent: 0 };
+    assert_eq!(s.to_string(), "5 inserted (3 of them by evicting another entry), 1 updated, 4 rejected");
+    let s = Summary { inserted: 2, absent: 7, ..Default::default() };
+    assert_eq!(s.to_string(), "2 inserted, 0 updated, 0 rejected, 7 absent");
+}

@@ -31,17 +31,19 @@ impl std::ops::AddAssign for Summary {
 }
 
 impl std::fmt::Display for Summary {
-    /// "N inserted, N updated, N evicted another entry, N rejected" (keys
-    /// placed by eviction count as inserted too).
+    /// "N inserted (M of them by evicting another entry), N updated, N
+    /// rejected", and "N absent" for an update-only op that found some
+    /// keys absent: each key counted once.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{} inserted, {} updated, {} evicted another entry, {} rejected",
-            self.inserted + self.evicted,
-            self.updated,
-            self.evicted,
-            self.rejected
-        )
+        write!(f, "{} inserted", self.inserted + self.evicted)?;
+        if self.evicted > 0 {
+            write!(f, " ({} of them by evicting another entry)", self.evicted)?;
+        }
+        write!(f, ", {} updated, {} rejected", self.updated, self.rejected)?;
+        if self.absent > 0 {
+            write!(f, ", {} absent", self.absent)?;
+        }
+        Ok(())
     }
 }
 

@@ -72,19 +72,25 @@ pub fn get(c: &mut Client, table: &str, keys: &[u64]) -> Result<()> {
     Ok(())
 }
 
+/// The first of the reserved keys, which no table stores.
+const FIRST_RESERVED: u64 = 0xFFFF_FFFF_FFFF_FFFC;
+
 /// `hkvctl fill`: keys `start..start + count`, values derived from the key.
 pub fn fill(c: &mut Client, table: &str, count: u64, start: u64, batch: u64) -> Result<()> {
     let info = table_info(c, table)?;
     if info.spec.policy == proto::Policy::Custom {
         bail!("table {table} has policy custom: each key needs a score, which fill does not give (use put --scores)");
     }
-    // The keys end at start + count - 1, which must be a key (below 2^64).
-    let Some(end) = start.checked_add(count) else {
-        bail!(
-            "--start {start} --count {count} passes the largest key ({}): at most {} keys from {start}",
-            u64::MAX,
-            u64::MAX - start
-        );
+    // The keys end at start + count - 1, which must be below the reserved
+    // keys (PROTOCOL.md: 0xFFFF_FFFF_FFFF_FFFC and above).
+    let end = match start.checked_add(count) {
+        Some(end) if end <= FIRST_RESERVED => end,
+        _ => bail!(
+            "--start {start} --count {count} passes the largest key ({}; the keys from {FIRST_RESERVED:#x} on are \
+             reserved): at most {} keys from {start}",
+            FIRST_RESERVED - 1,
+            FIRST_RESERVED.saturating_sub(start)
+        ),
     };
     let dim = info.row_dim();
     let t = Instant::now();

@@ -144,6 +144,19 @@ pub fn curve_table(table: &str, policy: Policy, m: &MrcStats) -> String {
             "estimates are an LRU cache's hit rates; this table evicts by {policy}, its measured hit rate is {policy}'s"
         );
     }
+    // Below this many sampled lookups an estimate is noise (one sampled
+    // miss of a new key reads as 0 %, one hit as 100 % at every size).
+    let few = m.sampled_accesses < MIN_SAMPLED;
+    if few {
+        let _ = writeln!(
+            o,
+            "too few sampled lookups for an estimate yet: {} of the {MIN_SAMPLED} needed (at rate {:.4} %, about {} \
+             lookups)",
+            m.sampled_accesses,
+            m.rate * 100.0,
+            (MIN_SAMPLED as f64 / m.rate.max(1e-9)).ceil() as u64
+        );
+    }
     let _ = writeln!(o, "{:>7} {:>12} {:>12}", "factor", "capacity", "LRU est. hit");
     for p in &m.points {
         let mark = match (p.factor == 1.0, m.measured_hit_rate) {
@@ -152,10 +165,14 @@ pub fn curve_table(table: &str, policy: Policy, m: &MrcStats) -> String {
             (true, None) => "  <- this table (no lookups yet)".into(),
             _ => String::new(),
         };
-        let _ = writeln!(o, "{:>7} {:>12} {:>11.2}%{mark}", factor(p.factor), p.capacity, p.hit_rate * 100.0);
+        let est = if few { "-".to_string() } else { format!("{:.2}%", p.hit_rate * 100.0) };
+        let _ = writeln!(o, "{:>7} {:>12} {est:>12}{mark}", factor(p.factor), p.capacity);
     }
     o
 }
+
+/// The fewest sampled lookups whose curve `mrc` prints.
+const MIN_SAMPLED: u64 = 100;
 
 /// `1/8x` .. `8x`.
 fn factor(f: f64) -> String {
@@ -177,7 +194,13 @@ mod tests {
             .iter()
             .map(|&factor| MrcPoint { factor, capacity: (1024.0 * factor) as u64, hit_rate: factor / 4.0 })
             .collect();
-        let m = MrcStats { points, measured_hit_rate: Some(0.2512), accesses: 10, ..Default::default() };
+        let m = MrcStats {
+            points,
+            measured_hit_rate: Some(0.2512),
+            accesses: 1000,
+            sampled_accesses: 100,
+            ..Default::default()
+        };
         let s = curve_table("t", Policy::Lru, &m);
         assert!(s.contains("  1/2x          512       12.50%\n"), "{s}");
         assert!(s.contains("     1x         1024       25.00%  <- this table: measured 25.12 %\n"), "{s}");
@@ -190,10 +213,36 @@ mod tests {
     #[test]
     fn a_non_lru_table_says_the_curve_is_lru() {
         let points = vec![MrcPoint { factor: 1.0, capacity: 1024, hit_rate: 0.25 }];
-        let m = MrcStats { points, measured_hit_rate: Some(0.3), accesses: 10, dropped: 4, ..Default::default() };
+        let m = MrcStats {
+            points,
+            measured_hit_rate: Some(0.3),
+            accesses: 1000,
+            sampled_accesses: 200,
+            dropped: 4,
+            ..Default::default()
+        };
         let s = curve_table("t", Policy::Lfu, &m);
         assert!(s.contains("estimates are an LRU cache's hit rates; this table evicts by lfu"), "{s}");
         assert!(s.contains("<- this table (lfu): measured 30.00 %"), "{s}");
         assert!(s.contains("4 sampled keys dropped"), "{s}");
+    }
+
+    /// A tester's find: with one sampled lookup the curve read 100 % at
+    /// every size; too few samples now print no estimate.
+    #[test]
+    fn too_few_samples_print_no_estimate() {
+        let points = vec![MrcPoint { factor: 1.0, capacity: 1024, hit_rate: 1.0 }];
+        let m = MrcStats {
+            points,
+            measured_hit_rate: Some(0.0),
+            accesses: 1,
+            sampled_accesses: 1,
+            rate: 0.03,
+            ..Default::default()
+        };
+        let s = curve_table("t", Policy::Lru, &m);
+        assert!(s.contains("too few sampled lookups for an estimate yet: 1 of the 100 needed"), "{s}");
+        assert!(s.contains("     1x         1024            -  <- this table: measured 0.00 %"), "{s}");
+        assert!(!s.contains("100.00%"), "{s}");
     }
 }
