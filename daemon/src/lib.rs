@@ -197,6 +197,15 @@ pub fn run(mut config: Config) -> anyhow::Result<()> {
                 "the address space is limited (RLIMIT_AS): large bodies, answers and regions are checked against it"
             );
         }
+        // Bound before a restore, which may take long: a taken address
+        // stops the start at once.
+        let metrics = match &config.metrics_listen {
+            Some(addr) => {
+                let addr: std::net::SocketAddr = addr.parse().with_context(|| format!("metrics_listen {addr:?}"))?;
+                Some(stats::bind_metrics(addr).await?)
+            }
+            None => None,
+        };
         let restored = match config.restore {
             config::Restore::Checkpoint(which) => restore_at_start(&state, which).await?,
             config::Restore::None => {
@@ -207,11 +216,10 @@ pub fn run(mut config: Config) -> anyhow::Result<()> {
         open_tiers_at_start(&state, &restored).await?;
         state.checkpoints.retain().await;
         state.checkpoints.schedule(state.router.clone(), state.shutdown.subscribe());
-        if let Some(addr) = &config.metrics_listen {
-            let addr: std::net::SocketAddr = addr.parse().with_context(|| format!("metrics_listen {addr:?}"))?;
+        if let Some(listener) = metrics {
             let st = state.clone();
             tokio::spawn(async move {
-                if let Err(e) = stats::http_listener(st, addr).await {
+                if let Err(e) = stats::http_listener(st, listener).await {
                     warn!(error = %e, "metrics listener stopped");
                 }
             });

@@ -287,13 +287,20 @@ pub fn prometheus(d: &DaemonStats) -> String {
     o
 }
 
-/// Serves `GET /metrics` on a loopback TCP address until shutdown.
-pub async fn http_listener(state: std::sync::Arc<State>, addr: std::net::SocketAddr) -> anyhow::Result<()> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+/// The metrics listener's socket, bound at start so that a taken or
+/// refused address stops the start with its reason.
+pub async fn bind_metrics(addr: std::net::SocketAddr) -> anyhow::Result<tokio::net::TcpListener> {
     if !addr.ip().is_loopback() {
         anyhow::bail!("metrics_listen {addr} is not a loopback address; hkvd serves metrics on loopback only");
     }
-    let l = tokio::net::TcpListener::bind(addr).await?;
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("metrics_listen {addr} (--metrics-listen): cannot listen there: {e}"))
+}
+
+/// Serves `GET /metrics` on the bound loopback listener until shutdown.
+pub async fn http_listener(state: std::sync::Arc<State>, l: tokio::net::TcpListener) -> anyhow::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stop = state.shutdown.subscribe();
     loop {
         let (mut s, _) = tokio::select! {

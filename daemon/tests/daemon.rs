@@ -672,6 +672,19 @@ fn metrics_over_loopback_http() {
     }
     assert!(body.starts_with("HTTP/1.1 200 OK"), "{body}");
     assert!(body.contains("hkvd_capacity{table=\"t\",shard=\"1\"}"));
+    // A second daemon on the same metrics address does not start (it
+    // logged a warning and served without metrics before).
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_hkvd"))
+        .args(["serve", "--backend", "cpu", "--metrics-listen", &addr, "--socket"])
+        .arg(dir.path().join("s.sock"))
+        .arg("--state-dir")
+        .arg(dir.path().join("st"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains(&format!("metrics_listen {addr} (--metrics-listen): cannot listen there")), "{err}");
 }
 
 /// Admin rights come from SO_PEERCRED. As root, a child process runs this
