@@ -179,6 +179,25 @@ fn tables_put_get_erase() {
 
 /// A daemon that stops answering (SIGSTOP) ends hkvctl with an error
 /// naming the wait, not a wait without end.
+/// A start restores the newest checkpoint, which brings back a table
+/// dropped since (a tester's surprise): drop-table says so, and not once a
+/// later checkpoint recorded the drop.
+#[test]
+fn drop_table_says_when_a_checkpoint_brings_the_table_back() {
+    let d = Daemon::start();
+    d.run(&["create-table", "gone", "--dim", "2", "--capacity", "1024"]);
+    d.run(&["create-table", "kept", "--dim", "2", "--capacity", "1024"]);
+    assert!(!d.run(&["drop-table", "kept"]).contains("note:"), "no checkpoint yet");
+    d.run(&["create-table", "kept", "--dim", "2", "--capacity", "1024"]);
+    d.run(&["checkpoint", "--wait"]);
+    let out = d.run(&["drop-table", "gone"]);
+    assert!(out.contains("dropped gone\nnote: checkpoint ") && out.contains("brings gone back"), "{out}");
+    // A table made after the newest checkpoint: nothing to say.
+    d.run(&["create-table", "fresh", "--dim", "2", "--capacity", "1024"]);
+    assert!(!d.run(&["drop-table", "fresh"]).contains("note:"));
+    assert!(d.run(&["drop-table", "kept"]).contains("brings kept back"));
+}
+
 #[test]
 fn a_daemon_that_does_not_answer_times_out() {
     let d = Daemon::start();

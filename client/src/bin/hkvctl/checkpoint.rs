@@ -106,6 +106,25 @@ pub fn checkpoints(c: &mut Client) -> Result<()> {
     Ok(())
 }
 
+/// After `drop-table NAME`: when the newest complete checkpoint holds the
+/// table, a start (which restores it) brings the table back; says so.
+pub fn note_drop_undone_at_start(c: &mut Client, name: &str) {
+    let Ok(list) = c.checkpoints().map_err(anyhow::Error::from).and_then(|v| doc::<Vec<Listing>>(v, "checkpoints"))
+    else {
+        return;
+    };
+    if let Some(l) = list.iter().find(|l| l.status == "complete") {
+        if l.tables.iter().any(|(t, _)| t == name) {
+            println!(
+                "note: checkpoint {} ({}) holds {name}: a daemon start restores it and brings {name} back; take \
+                 a checkpoint (hkvctl checkpoint) to keep it dropped",
+                l.id,
+                fmt_time(l.created_unix_ms)
+            );
+        }
+    }
+}
+
 /// `hkvctl restore ID`; a second connection shows its progress on a terminal.
 pub fn restore(c: &mut Client, socket: &Path, id: proto::CheckpointId) -> Result<()> {
     // The restore answers when done; a second connection shows its progress meanwhile.

@@ -83,6 +83,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::DropTable { name } => {
             c.drop_table(&name)?;
             println!("dropped {name}");
+            checkpoint::note_drop_undone_at_start(c, &name);
         }
         Cmd::Flush { table } => {
             c.flush(&table)?;
