@@ -102,8 +102,8 @@ fn host_available() -> Option<u64> {
 }
 
 impl Budget {
-    /// The default `limits.max_table_bytes`: 3/4 of host memory on the CPU
-    /// backend; 7/8 of the devices' memory on CUDA (the rest is left to the
+    /// The default `limits.max_table_bytes`: 3/4 of host memory (or of the
+    /// address-space limit, when lower) on the CPU backend; 7/8 of the devices' memory on CUDA (the rest is left to the
     /// lanes' staging buffers, device batches and the driver).
     pub fn default_table_limit(backend: Backend, ordinals: &[usize]) -> u64 {
         match backend {
@@ -113,7 +113,11 @@ impl Budget {
                 seen.dedup();
                 seen.iter().filter_map(|&o| hkv_shard::cuda::memory(o).ok()).map(|(_, total)| total / 8 * 7).sum()
             }
-            _ => host_memory() / 4 * 3,
+            // An address-space limit (RLIMIT_AS) bounds host tables too.
+            _ => {
+                let space = crate::memory::AddressSpace::of_process().limit().map_or(u64::MAX, |l| l / 4 * 3);
+                (host_memory() / 4 * 3).min(space)
+            }
         }
     }
 
