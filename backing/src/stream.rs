@@ -90,7 +90,20 @@ impl Invalidations {
         let slot = crate::layout::slot(self.core.layout.table().as_bytes());
         let mut conn = match self.conn.take() {
             Some(c) => c,
-            None => self.core.cluster.dedicated(slot, BLOCK).await?,
+            None => match self.core.cluster.dedicated(slot, BLOCK).await {
+                Ok(c) => c,
+                Err(e) => {
+                    // The node the slot map names is down: the map is read
+                    // again (a failover may have promoted a replica), or this
+                    // consumer would try the dead node until it came back.
+                    self.check = Some(self.check.unwrap_or(self.read_to));
+                    self.core.cluster.refresh_soon().await;
+                    if let Error::Unavailable { node, .. } = &e {
+                        self.core.counters.node_error(node);
+                    }
+                    return Err(e);
+                }
+            },
         };
         let v: Value = match redis::cmd("XREAD")
             .arg("COUNT")

@@ -1780,3 +1780,47 @@ fn rows_read_from_the_write_back_queue_are_counted_apart() {
     assert!(s.filled_queued > 0 && s.filled_queued <= filled_now, "{s:?}, {filled_now} filled by this read");
     c.flush("wq").unwrap();
 }
+
+/// A tester's find: when the master holding a table's stream failed over,
+/// a host serving only cache hits (so touching no other slot) kept trying
+/// the dead node and never read the stream again until that node came
+/// back, serving other hosts' overwritten rows for good. Its consumer now
+/// reads the slot map again when it cannot connect.
+#[test]
+fn a_host_serving_only_hits_hears_writes_after_its_streams_master_fails_over() {
+    let mut cluster = TestCluster::start(3, 1).expect("start a redis-server cluster with replicas");
+    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
+    let (mut ca, mut cb) = (a.client(), b.client());
+    let seeds = cluster.seed_arg();
+    ca.create_table(backed("fo", &seeds, BackingMode::WriteThrough)).unwrap();
+    cb.create_table(backed("fo", &seeds, BackingMode::WriteThrough)).unwrap();
+    let keys: Vec<u64> = (1..=20).collect();
+    ca.insert_or_assign("fo", &keys, &[0.0; 80], None).unwrap();
+    until(10, "B did not hear A's writes", || backing_stats(&mut cb, "fo").invalidations >= 20);
+    assert!(cb.find("fo", &keys).unwrap().found.iter().all(|f| *f));
+    assert!(cb.find("fo", &keys).unwrap().found.iter().all(|f| *f), "B now serves them from its cache");
+    // The master whose slots hold the stream (the key exists only there).
+    let stream = "hkv:{fo}:stream";
+    let victim = (0..6)
+        .find(|&i| cluster.is_master(i) && cluster.cli(i, &["exists", stream]).is_ok_and(|o| o.trim() == "1"))
+        .expect("the stream's master");
+    cluster.kill(victim);
+    let start = Instant::now();
+    let mut written = None;
+    let mut v = 1.0f32;
+    while start.elapsed() < Duration::from_secs(40) {
+        if ca.insert_or_assign("fo", &keys, &vec![v; 80], None).is_ok() {
+            written = Some(v);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        let got = cb.find("fo", &keys[..1]).unwrap().values[0];
+        if written.is_some_and(|w| w == got) {
+            return;
+        }
+        v += 1.0;
+    }
+    panic!(
+        "B still served {:?} 40 s after the stream's master died (A's last write {written:?})",
+        cb.find("fo", &keys[..1]).unwrap().values
+    );
+}
