@@ -17,6 +17,10 @@ use redis::{Cmd, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, Value};
 use crate::error::Error;
 use crate::layout::SLOTS;
 
+/// The most rounds [`Cluster::run`] sends a batch's commands in (each
+/// following the redirections of the one before), whatever the deadline.
+pub const REDIRECT_ROUNDS: u32 = 64;
+
 /// Timeouts and retries of the node connections.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Net {
@@ -292,8 +296,10 @@ impl Cluster {
     /// `CLUSTERDOWN` / `LOADING` resend after 25 ms, a failed connection
     /// resends when a fresh slot map names another node (a failover), and
     /// once to the same node on a new connection (a node restarted since
-    /// its pooled connection was made); all within `retries` rounds and
-    /// the deadline.
+    /// its pooled connection was made); all within the deadline, with at
+    /// most `retries` rounds in which a node failed (redirections alone do
+    /// not count: a reshard redirects many commands) and
+    /// [`REDIRECT_ROUNDS`] in all.
     pub async fn run(&self, cmds: Vec<(u16, Cmd)>, deadline: tokio::time::Instant) -> Vec<Result<Value, Failure>> {
         // Commands move into the pipelines; the few a round resends are
         // cloned back out of them (a batch's rows are not copied per send).
@@ -301,11 +307,17 @@ impl Cluster {
         let mut out: Vec<Option<Result<Value, Failure>>> = vec![None; cmds.len()];
         let mut todo: Vec<(usize, Option<Arc<str>>)> = (0..cmds.len()).map(|i| (i, None)).collect();
         let mut resent_same = vec![false; cmds.len()];
-        for round in 0..=self.net.retries + 1 {
-            if todo.is_empty() {
-                break;
-            }
-            let last = round == self.net.retries + 1;
+        // Whether a command's last answer was a redirection.
+        let mut redirected = vec![false; cmds.len()];
+        // Rounds in which a node failed count against `retries`; rounds
+        // that only followed redirections (a reshard's MOVED, ASK and
+        // TRYAGAIN, which are normal while slots move) are bounded by the
+        // deadline and REDIRECT_ROUNDS alone.
+        let (mut failed_rounds, mut rounds) = (0u32, 0u32);
+        while !todo.is_empty() {
+            let last = failed_rounds == self.net.retries + 1 || rounds + 1 == REDIRECT_ROUNDS;
+            rounds += 1;
+            let mut failed = false;
             let mut by_node: HashMap<Arc<str>, Vec<(usize, bool)>> = HashMap::new();
             for (i, ask) in todo.drain(..) {
                 let asking = ask.is_some();
@@ -360,8 +372,9 @@ impl Cluster {
                         continue;
                     }
                     Ok(Err(detail)) => {
-                        refresh = true;
+                        (refresh, failed) = (true, true);
                         for (p, &(i, _)) in ix.iter().enumerate() {
+                            redirected[i] = false;
                             out[i] = Some(Err(Failure::Node { node: node.to_string(), detail: detail.clone() }));
                             dead.push((i, node.clone()));
                             resend(p, i);
@@ -390,6 +403,7 @@ impl Cluster {
                     if matches!(e.code(), "MOVED" | "ASK" | "TRYAGAIN" | "CLUSTERDOWN" | "LOADING" | "MASTERDOWN") {
                         resend(p, i);
                     }
+                    redirected[i] = matches!(e.code(), "MOVED" | "ASK" | "TRYAGAIN");
                     match e.code() {
                         "MOVED" => {
                             if let Some(t) = target {
@@ -399,8 +413,12 @@ impl Cluster {
                             todo.push((i, None));
                         }
                         "ASK" => todo.push((i, target)),
-                        "TRYAGAIN" | "CLUSTERDOWN" | "LOADING" | "MASTERDOWN" => {
+                        "TRYAGAIN" => {
                             pause = true;
+                            todo.push((i, None));
+                        }
+                        "CLUSTERDOWN" | "LOADING" | "MASTERDOWN" => {
+                            (pause, failed) = (true, true);
                             todo.push((i, None));
                         }
                         _ => {}
@@ -429,6 +447,16 @@ impl Cluster {
             }
             if pause && !todo.is_empty() {
                 tokio::time::sleep_until(deadline.min(tokio::time::Instant::now() + Duration::from_millis(25))).await;
+            }
+            failed_rounds += u32::from(failed);
+            if tokio::time::Instant::now() >= deadline {
+                // Commands still being redirected (slots moving) are late,
+                // not failed: their nodes are up.
+                for (i, _) in todo.drain(..) {
+                    if redirected[i] {
+                        out[i] = Some(Err(Failure::Late));
+                    }
+                }
             }
         }
         out.into_iter().map(|o| o.unwrap_or(Err(Failure::Late))).collect()

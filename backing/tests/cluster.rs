@@ -269,8 +269,14 @@ async fn slot_migration_during_reads_and_writes() {
             }
         }
         hiccups += out.unanswered() as u32;
+        // A reshard's redirections are followed, never failures (a key
+        // may at worst be late while its slot moves).
+        let redirect = |e: &str| ["MOVED", "ASK ", "TRYAGAIN"].iter().any(|r| e.contains(r));
+        assert!(!out.errors.iter().any(|e| redirect(&e.to_string())), "{:?}", out.errors);
+        assert!(!out.fetched.contains(&Fetched::Unavailable), "{:?}", out.errors);
         gen += 1;
-        if b.write(&keys, &rows(&keys, gen), &[]).await.is_err() {
+        if let Err(e) = b.write(&keys, &rows(&keys, gen), &[]).await {
+            assert!(!redirect(&e.to_string()), "a write failed on a redirection: {e}");
             hiccups += 1;
         }
         rounds += 1;
@@ -720,4 +726,76 @@ async fn insert_absent_sets_only_where_the_cluster_has_no_row() {
             .await,
         Err(Error::ReadOnly { .. })
     ));
+}
+
+/// A slot in the middle of its migration answers a multi-key command whose
+/// keys are split between the two nodes with TRYAGAIN, for as long as the
+/// migration lasts: the read keeps trying within its deadline (a tester saw
+/// such reads fail as `backing_unavailable` during a reshard).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_of_a_slot_being_migrated_waits_for_the_migration() {
+    let c = cluster(3, 0);
+    let mut o = options(&c, Mode::WriteThrough);
+    o.deadline = Duration::from_secs(5);
+    let b = Backing::open("tg", DIM, o).await.unwrap();
+    let layout = b.layout().clone();
+    let g = layout.group(0);
+    let keys: Vec<u64> = (0..100_000u64).filter(|&k| layout.group(k) == g).take(4).collect();
+    b.write(&keys, &rows(&keys, 3), &[]).await.unwrap();
+    let slot = layout.slot_of_group(g).to_string();
+    let ports = c.ports();
+    let src = (0..3)
+        .find(|&i| c.cli(i, &["cluster", "countkeysinslot", &slot]).is_ok_and(|o| o.trim() != "0"))
+        .expect("the slot's master");
+    let dst = (src + 1) % 3;
+    let (sid, did) = (c.node_id(src).unwrap(), c.node_id(dst).unwrap());
+    c.cli(dst, &["cluster", "setslot", &slot, "importing", &sid]).unwrap();
+    c.cli(src, &["cluster", "setslot", &slot, "migrating", &did]).unwrap();
+    // One of the group's rows moves; the others stay until the end.
+    let mut key = Vec::new();
+    layout.write_row_key(keys[0], &mut key);
+    let client = redis::Client::open(format!("redis://127.0.0.1:{}", ports[src])).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let migrate = redis::cmd("MIGRATE")
+        .arg("127.0.0.1")
+        .arg(ports[dst])
+        .arg("")
+        .arg(0)
+        .arg(5000)
+        .arg("KEYS")
+        .arg(&key[..])
+        .clone();
+    migrate.query_async::<()>(&mut conn).await.unwrap();
+    // 400 ms from now the rest moves and every node learns the slot's new owner.
+    let rest: Vec<Vec<u8>> = keys[1..]
+        .iter()
+        .map(|&k| {
+            let mut v = Vec::new();
+            layout.write_row_key(k, &mut v);
+            v
+        })
+        .collect();
+    let finish = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let mut m = redis::cmd("MIGRATE");
+        m.arg("127.0.0.1").arg(ports[dst]).arg("").arg(0).arg(5000).arg("KEYS");
+        rest.iter().for_each(|k| {
+            m.arg(&k[..]);
+        });
+        m.query_async::<()>(&mut conn).await.unwrap();
+        for p in [ports[dst], ports[src], ports[(dst + 1) % 3]] {
+            let out = std::process::Command::new("redis-cli")
+                .args(["-p", &p.to_string(), "cluster", "setslot", &slot, "node", &did])
+                .output()
+                .unwrap();
+            assert!(out.status.success());
+        }
+    });
+    let t = Instant::now();
+    let out = b.read(&keys).await;
+    finish.await.unwrap();
+    assert!(out.errors.is_empty(), "{:?} after {:?}", out.errors, t.elapsed());
+    assert!(out.fetched.iter().all(|f| *f == Fetched::Found), "{:?}", out.fetched);
+    assert!(same_bits(&out.values, &rows(&keys, 3)));
+    assert!(t.elapsed() >= Duration::from_millis(300), "the read was answered during the migration");
 }
