@@ -55,9 +55,7 @@ pub enum Error {
         detail: String,
     },
     /// The table's metadata in the cluster disagrees with this table.
-    #[error(
-        "backing table {table:?} in the cluster has {detail}; use another table name, or the same dim and optimizer"
-    )]
+    #[error("backing table {table:?} in the cluster has {detail}; or use another table name")]
     Mismatch {
         /// The table.
         table: String,

@@ -920,6 +920,20 @@ async fn meta(cluster: &Cluster, table: &str, dim: usize, row: &str) -> Result<u
     // HSETNX per field: two hosts creating the table at once both end up
     // reading the same fields back, whichever wrote each first. (A meta
     // hash written before `row` existed takes this host's.)
+    // The table's own keys hold what the layout says, or nothing yet: a
+    // key another program gave another type is named, not met later as a
+    // node's WRONGTYPE.
+    let stream = format!("hkv:{{{table}}}:stream");
+    for (k, want) in [(&key, "hash"), (&stream, "stream")] {
+        let t = cluster.one(slot, redis::cmd("TYPE").arg(k).clone()).await?;
+        let t: String = redis::FromRedisValue::from_redis_value(t).unwrap_or_default();
+        if t != "none" && t != want {
+            return Err(Error::Mismatch {
+                table: table.into(),
+                detail: format!("{k} holding a {t}, where the layout keeps a {want} (another program wrote it)"),
+            });
+        }
+    }
     let fields = [("layout", LAYOUT.to_string()), ("dim", dim.to_string()), ("groups", groups.to_string())];
     for (f, v) in fields.iter().map(|(f, v)| (*f, v.as_str())).chain([("row", row)]) {
         cluster.one(slot, redis::cmd("HSETNX").arg(&key).arg(f).arg(v).clone()).await?;
@@ -939,7 +953,8 @@ async fn meta(cluster: &Cluster, table: &str, dim: usize, row: &str) -> Result<u
     let stored_row = stored_row.unwrap_or_else(|| "none".into());
     if stored_dim != Some(dim as u64) || stored_row != row {
         return Err(mismatch(format!(
-            "rows of {} floats ({stored_row}), this table's rows are {dim} floats ({row})",
+            "rows of {} floats ({stored_row}), this table's rows are {dim} floats ({row}): give this table the \
+             same dim and optimizer",
             shown(stored_dim)
         )));
     }

@@ -79,6 +79,16 @@ fn create_table_opens_the_cluster_or_says_why_not() {
         ..TableSpec::new("a", 8, 4096)
     };
     assert_eq!(refused(&mut c, other_dim), Some(ErrorCode::BadRequest));
+    // The table's meta or stream key of another type (another program's
+    // writes): refused, the key named (a tester met WRONGTYPE as
+    // backing_unavailable, or a table whose every write then failed).
+    for (table, key) in [("wm", "hkv:{wm}:meta"), ("ws", "hkv:{ws}:stream")] {
+        let owner = (0..3).find(|&i| cluster.cli(i, &["set", key, "x"]).is_ok_and(|o| o.trim() == "OK"));
+        assert!(owner.is_some(), "{key} set on its master");
+        let e = c.create_table(backed(table, &cluster.seed_arg(), BackingMode::WriteThrough)).unwrap_err();
+        assert_eq!(e.code(), Some(ErrorCode::BadRequest), "{e}");
+        assert!(e.to_string().contains(&format!("{key} holding a string")), "{e}");
+    }
 
     // A table without backing behaves as today.
     c.create_table(TableSpec::new("plain", 2, 1024)).unwrap();
