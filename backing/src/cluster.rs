@@ -259,9 +259,14 @@ impl Cluster {
             }
         }
         let c = self.connect(node, response).await.inspect_err(|e| {
-            self.down.lock().insert(node.clone(), (Instant::now() + Duration::from_millis(200), e.clone()));
+            let was = self.down.lock().insert(node.clone(), (Instant::now() + Duration::from_millis(200), e.clone()));
+            if was.is_none() {
+                tracing::warn!(%node, error = %e, "a cluster node cannot be reached; its slots' misses and writes fail until it (or a replica taking over) answers");
+            }
         })?;
-        self.down.lock().remove(node);
+        if self.down.lock().remove(node).is_some() {
+            tracing::info!(%node, "a cluster node answers again");
+        }
         self.conns.lock().insert(node.clone(), c.clone());
         Ok(c)
     }
@@ -520,7 +525,13 @@ impl Cluster {
                 Ok(v) => {
                     let slots = parse_slots(v);
                     if slots.iter().any(Option::is_some) {
-                        *self.topo.write() = Topology { slots };
+                        let mut topo = self.topo.write();
+                        let moved = topo.slots.iter().zip(&slots).filter(|(a, b)| a.is_some() && a != b).count();
+                        if moved > 0 {
+                            tracing::info!(slots = moved, from = %node, "the cluster's slot map changed (a failover or a reshard)");
+                        }
+                        *topo = Topology { slots };
+                        drop(topo);
                         *self.refreshed.lock() = Some(Instant::now());
                         return Ok(());
                     }
