@@ -81,12 +81,12 @@ pub enum Error {
         waited_ms: u64,
     },
     /// A flush did not empty the queue in time.
-    #[error(
-        "flush timed out with {rows} rows still queued; the cluster is not accepting writes (see errors per node)"
-    )]
+    #[error("flush timed out with {rows} rows still queued; the cluster is not accepting writes ({nodes})")]
     FlushTimeout {
         /// Rows left in the queue.
         rows: u64,
+        /// The nodes that failed meanwhile, with their failed commands.
+        nodes: String,
     },
     /// The table is read-only in the tier.
     #[error("backing table {table:?} is read-only; create it with --backing-mode write-through or write-back to write to the cluster")]

@@ -257,7 +257,7 @@ impl Queue {
             }
             self.work.notify_one();
             if tokio::time::timeout_at(deadline, idle).await.is_err() {
-                return Err(Error::FlushTimeout { rows: self.window().0 });
+                return Err(Error::FlushTimeout { rows: self.window().0, nodes: String::new() });
             }
         }
     }

@@ -657,7 +657,24 @@ impl Backing {
     /// Waits until the write-back queue is empty (`FlushTimeout` naming
     /// the rows left after `timeout`). Immediate in other modes.
     pub async fn flush(&self, timeout: Duration) -> Result<(), Error> {
-        self.core.queue.drain(timeout).await
+        let before = self.core.counters.node_errors.lock().clone();
+        self.core.queue.drain(timeout).await.map_err(|e| match e {
+            Error::FlushTimeout { rows, .. } => {
+                let failed: Vec<String> = (self.core.counters.node_errors.lock().iter())
+                    .filter_map(|(n, &c)| {
+                        let new = c - before.get(n).copied().unwrap_or(0);
+                        (new > 0).then(|| format!("{n}: {new} failed commands"))
+                    })
+                    .collect();
+                let nodes = if failed.is_empty() {
+                    "no node failed a command meanwhile: the writes are slower than the timeout".into()
+                } else {
+                    failed.join(", ")
+                };
+                Error::FlushTimeout { rows, nodes }
+            }
+            e => e,
+        })
     }
 
     /// Gives the write-back queue up ([`Queue::discard`]); the rows

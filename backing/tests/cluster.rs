@@ -799,3 +799,19 @@ async fn a_read_of_a_slot_being_migrated_waits_for_the_migration() {
     assert!(same_bits(&out.values, &rows(&keys, 3)));
     assert!(t.elapsed() >= Duration::from_millis(300), "the read was answered during the migration");
 }
+
+/// A flush that times out names the nodes that failed meanwhile (a tester
+/// got only "see errors per node").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flush_that_times_out_names_the_failing_node() {
+    let mut c = cluster(3, 0);
+    let b = Backing::open("ft", DIM, options(&c, Mode::WriteBack)).await.unwrap();
+    let port = c.ports()[1];
+    blocking(|| c.kill(1));
+    let keys: Vec<u64> = (0..3000u64).collect();
+    b.write(&keys, &rows(&keys, 2), &[]).await.unwrap();
+    let e = b.flush(Duration::from_millis(1500)).await.unwrap_err();
+    assert!(matches!(e, Error::FlushTimeout { .. }), "{e}");
+    assert!(e.to_string().contains(&format!("127.0.0.1:{port}: ")), "{e}");
+    b.discard();
+}
