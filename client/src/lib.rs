@@ -46,7 +46,7 @@ pub enum ClientError {
         cause: std::io::Error,
     },
     /// The daemon answered with an error frame.
-    #[error("hkvd refused the request ({:?}): {}", .0.code, .0.message)]
+    #[error("hkvd refused the request ({}): {}", .0.code, .0.message)]
     Daemon(ProtoError),
     /// The daemon answered something this client did not expect.
     #[error("unexpected answer from hkvd: {0}")]

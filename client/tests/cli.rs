@@ -204,7 +204,7 @@ fn a_daemon_that_does_not_answer_times_out() {
     let pid = d.child.id().to_string();
     assert!(Command::new("kill").args(["-STOP", &pid]).status().unwrap().success());
     let t = Instant::now();
-    let out = d.hkvctl(&["--timeout", "1", "ping"]);
+    let out = d.hkvctl(&["--timeout", "0.5", "ping"]);
     let took = t.elapsed();
     assert!(Command::new("kill").args(["-CONT", &pid]).status().unwrap().success());
     let err = String::from_utf8_lossy(&out.stderr);

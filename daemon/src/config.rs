@@ -403,6 +403,29 @@ impl Config {
             MrcSettings::MAX_KEYS,
             hkv_shard::mrc::Mrc::BYTES_PER_KEY
         );
+        self.check_passwords_file()
+    }
+
+    /// `checkpoint.backing_passwords`: checked at start as well as at each
+    /// restore that reads it (which may come after the file was made or
+    /// changed): a file others may read stops the start; a missing one
+    /// does not.
+    fn check_passwords_file(&self) -> anyhow::Result<()> {
+        use std::os::unix::fs::PermissionsExt;
+        let Some(p) = &self.checkpoint.backing_passwords else { return Ok(()) };
+        let what = "checkpoint.backing_passwords (--backing-passwords)";
+        let meta = match std::fs::metadata(p) {
+            // (Logged at start: `crate::run`.)
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            m => m.map_err(|e| anyhow::anyhow!("{what} {}: {e}", p.display()))?,
+        };
+        anyhow::ensure!(meta.is_file(), "{what} {} is not a file", p.display());
+        let mode = meta.permissions().mode() & 0o777;
+        anyhow::ensure!(
+            mode & 0o077 == 0,
+            "{what} {} may be read by others than its owner (mode {mode:o}): chmod 600 it",
+            p.display()
+        );
         Ok(())
     }
 
@@ -556,6 +579,20 @@ mod tests {
         assert!(bad(|c| c.mrc.max_keys = usize::MAX).contains("--mrc-max-keys"));
         let off: Config = toml::from_str("[mrc]\nenabled = false\nmax_keys = 0").unwrap();
         assert!(off.check().is_ok() && off.mrc.config().is_none());
+        // The passwords file: others may read it, stop; missing, go on.
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let pw = dir.path().join("pw");
+        let mut c = Config::default();
+        c.checkpoint.backing_passwords = Some(pw.clone());
+        assert!(c.check().is_ok(), "a file made later");
+        std::fs::write(&pw, "t secret\n").unwrap();
+        std::fs::set_permissions(&pw, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert!(c.check().unwrap_err().to_string().contains("mode 644): chmod 600 it"));
+        std::fs::set_permissions(&pw, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert!(c.check().is_ok());
+        c.checkpoint.backing_passwords = Some(dir.path().to_path_buf());
+        assert!(c.check().unwrap_err().to_string().contains("is not a file"));
     }
 
     /// The options used to be written three times (this file, then twice

@@ -135,6 +135,13 @@ fn backend(config: &Config) -> anyhow::Result<(Backend, Vec<usize>, String)> {
 /// after in-flight requests are answered.
 pub fn run(mut config: Config) -> anyhow::Result<()> {
     config.check()?;
+    if let Some(p) = config.checkpoint.backing_passwords.as_deref().filter(|p| !p.exists()) {
+        tracing::warn!(
+            "checkpoint.backing_passwords (--backing-passwords) {} does not exist (yet): a restore of a table whose \
+             cluster asks for a password will need it",
+            p.display()
+        );
+    }
     // Connections each take descriptors: as many as the limit allows.
     let open_files = server::raise_open_files();
     let fit = server::connections_for(open_files);
@@ -432,7 +439,7 @@ async fn restore_at_start(state: &State, which: hkv_proto::CheckpointId) -> anyh
              hkvd did not start, so that no checkpointed data is silently lost; every checkpoint is kept. \
              To start with empty tables and keep the checkpoints on disk, use --restore none \
              (hkvctl restore ID can try one later); to try one checkpoint, use --restore ID \
-             (ids are in the lines above, or in hkvctl checkpoints).",
+             (hkvctl checkpoints lists the ids of a running daemon's state directory).",
             e.message
         ),
     }

@@ -59,9 +59,19 @@ pub enum ErrorCode {
     BackingUnavailable,
 }
 
+impl std::fmt::Display for ErrorCode {
+    /// The wire name (`not_found`), as the documents write it.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match serde_json::to_value(self) {
+            Ok(serde_json::Value::String(s)) => f.write_str(&s),
+            _ => write!(f, "{self:?}"),
+        }
+    }
+}
+
 /// An error as carried by an error frame: a code and a message for people.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
-#[error("{code:?}: {message}")]
+#[error("{code}: {message}")]
 pub struct ProtoError {
     /// Machine-readable cause.
     pub code: ErrorCode,

@@ -393,3 +393,11 @@ fn a_summary_counts_each_key_once() {
     let s = Summary { inserted: 2, absent: 7, ..Default::default() };
     assert_eq!(s.to_string(), "2 inserted, 0 updated, 0 rejected, 7 absent");
 }
+
+/// Errors print the code as the documents name it.
+#[test]
+fn error_codes_print_their_wire_names() {
+    assert_eq!(ErrorCode::NotFound.to_string(), "not_found");
+    assert_eq!(ErrorCode::BackingUnavailable.to_string(), "backing_unavailable");
+    assert_eq!(ProtoError::new(ErrorCode::UnknownTable, "x").to_string(), "unknown_table: x");
+}

@@ -35,7 +35,7 @@ pub enum Error {
         detail: String,
     },
     /// The policy computes scores itself (Lru, EpochLru) but scores were passed.
-    #[error("policy {} computes its own scores; pass no scores (or use load() to restore verbatim)", policy.name())]
+    #[error("policy {} computes its own scores; pass no scores (the load op, which restores entries, takes scores verbatim)", policy.name())]
     ScoresNotAccepted {
         /// The table's policy.
         policy: ScorePolicy,

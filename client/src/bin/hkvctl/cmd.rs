@@ -14,11 +14,12 @@ pub struct Cli {
     /// Socket path [default: $HKVD_SOCKET, else $XDG_RUNTIME_DIR/hkvd/hkvd.sock, else ./hkvd-run/hkvd.sock].
     #[arg(long, global = true)]
     pub socket: Option<PathBuf>,
-    /// Seconds to wait for each answer of the daemon before giving up (0:
-    /// forever) [default: 60; forever for restore, trace, flush,
-    /// drop-table and shutdown, which answer when their work is done].
-    #[arg(long, global = true)]
-    pub timeout: Option<u64>,
+    /// Seconds to wait for each answer of the daemon before giving up, a
+    /// fraction allowed (0: forever) [default: 60; forever for restore,
+    /// trace, flush, drop-table and shutdown, which answer when their work
+    /// is done].
+    #[arg(long, global = true, value_parser = seconds)]
+    pub timeout: Option<f64>,
     #[command(subcommand)]
     pub cmd: Cmd,
 }
@@ -184,4 +185,12 @@ pub enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+}
+
+/// `--timeout`: seconds, zero or more, a fraction allowed.
+fn seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+        _ => Err(format!("{s:?} is not a number of seconds (0 or more, e.g. 0.5)")),
+    }
 }

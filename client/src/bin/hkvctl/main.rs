@@ -51,7 +51,7 @@ fn top(socket: &Path, args: &[String]) -> Result<()> {
 }
 
 /// Seconds hkvctl waits for an answer unless told (`--timeout`).
-const DEFAULT_TIMEOUT_S: u64 = 60;
+const DEFAULT_TIMEOUT_S: f64 = 60.0;
 
 fn run(cli: Cli) -> Result<()> {
     let socket = cli.socket.clone().unwrap_or_else(|| {
@@ -71,8 +71,8 @@ fn run(cli: Cli) -> Result<()> {
         cmd,
         Cmd::Restore { .. } | Cmd::Trace { .. } | Cmd::Flush { .. } | Cmd::DropTable { .. } | Cmd::Shutdown
     );
-    let timeout = cli.timeout.unwrap_or(if waits_for_work { 0 } else { DEFAULT_TIMEOUT_S });
-    c.set_timeout(Some(std::time::Duration::from_secs(timeout)))?;
+    let timeout = cli.timeout.unwrap_or(if waits_for_work { 0.0 } else { DEFAULT_TIMEOUT_S });
+    c.set_timeout(Some(std::time::Duration::from_secs_f64(timeout)))?;
     match cmd {
         Cmd::Ping => {
             let t = Instant::now();

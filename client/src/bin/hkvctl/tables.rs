@@ -35,7 +35,7 @@ pub struct CreateTable {
     /// Dual-bucket mode (fills to ~98 % before evicting).
     #[arg(long)]
     pub dual: bool,
-    /// Growth limit (slots); default: no growth.
+    /// Growth limit (slots); 0: no growth.
     #[arg(long, default_value_t = 0)]
     pub max_capacity: u64,
     /// The load (size / capacity) past which a table with --max-capacity
