@@ -675,6 +675,12 @@ class Client:
         (``dim(name)`` floats)."""
         if reads_refresh is not None and not isinstance(reads_refresh, bool):
             raise ValueError(f"reads_refresh must be True, False or None (the policy's default); not {reads_refresh!r}")
+        for what, v in [("dim", dim), ("capacity", capacity), ("max_capacity", max_capacity),
+                        ("fast_tier_bytes", fast_tier_bytes), ("num_buckets", num_buckets),
+                        ("backing_wait_replicas", backing_wait_replicas),
+                        ("backing_deadline_ms", backing_deadline_ms), ("backing_queue_bytes", backing_queue_bytes)]:
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v < 1 << 64):
+                raise ValueError(f"{what} must be a whole number from 0 to 2**64 - 1, not {v!r}")
         if optimizer is not None and optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}; not {optimizer!r}")
         spec = {"name": name, "dim": dim, "capacity": capacity, "max_capacity": max_capacity,

@@ -100,7 +100,12 @@ pub fn fill(c: &mut Client, table: &str, count: u64, start: u64, batch: u64) -> 
         let n = batch.min(end - k); // batch >= 1 (the flag's range)
         let keys: Vec<u64> = (k..k + n).collect();
         let values: Vec<f32> = keys.iter().flat_map(|&x| (0..dim).map(move |d| x as f32 + d as f32)).collect();
-        s += c.insert_or_assign(table, &keys, &values, None)?;
+        s += c.insert_or_assign(table, &keys, &values, None).map_err(|e| match e.code() {
+            Some(proto::ErrorCode::Oversized) => {
+                anyhow::anyhow!("{e} (fill sends --batch {batch} keys a request: give a smaller --batch)")
+            }
+            _ => e.into(),
+        })?;
         k += n;
     }
     let secs = t.elapsed().as_secs_f64();

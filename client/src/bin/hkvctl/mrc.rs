@@ -84,7 +84,11 @@ pub fn trace(c: &mut Client, table: &str, seconds: u32, out: &std::path::Path, t
         }
     };
     if keys.is_empty() {
-        println!("no lookups reached {table} during the window: run the trace while clients use the table");
+        println!(
+            "no sampled lookups of {table} during the window (the curves sample {:.4} % of keys): run the trace \
+             longer, or while clients use the table",
+            rate * 100.0
+        );
         return Ok(());
     }
     if truncated {
