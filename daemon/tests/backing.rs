@@ -1690,6 +1690,34 @@ fn a_write_whose_stream_entry_was_refused_is_heard_later() {
     });
 }
 
+/// A write whose rows all landed but whose stream entry the stream's node
+/// refused succeeds (it failed, though the cluster had the rows: a retry
+/// of a non-idempotent write would apply twice), and other hosts hear it
+/// once the node takes the entry.
+#[test]
+fn a_write_whose_rows_landed_succeeds_and_its_entry_follows() {
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let seeds = cluster.seed_arg();
+    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
+    let (mut ca, mut cb) = (a.client(), b.client());
+    ca.create_table(backed("se", &seeds, BackingMode::WriteThrough)).unwrap();
+    cb.create_table(backed("se", &seeds, BackingMode::ReadOnly)).unwrap();
+    let keys: Vec<u64> = (1..=200u64).collect();
+    ca.insert_or_assign("se", &keys, &vec![1.0; 800], None).unwrap();
+    until(10, "B did not hear A's first write", || backing_stats(&mut cb, "se").invalidations >= 200);
+    assert_eq!(cb.find("se", &keys).unwrap().values, vec![1.0; 800], "B caches the rows");
+    let owner =
+        (0..3).find(|&i| cluster.cli(i, &["exists", "hkv:{se}:stream"]).is_ok_and(|o| o.trim() == "1")).unwrap();
+    // The stream's node refuses XADD only (rows are SET everywhere).
+    cluster.cli(owner, &["acl", "setuser", "default", "-xadd"]).unwrap();
+    ca.accum_or_assign("se", &keys, &vec![3.0; 800], None).expect("the rows landed: the write stands");
+    assert_eq!(ca.find("se", &keys).unwrap().values, vec![4.0; 800]);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(cb.find("se", &keys).unwrap().values, vec![1.0; 800], "B has not heard it yet");
+    cluster.cli(owner, &["acl", "setuser", "default", "+xadd"]).unwrap();
+    until(10, "B never heard the write whose entry waited", || cb.find("se", &keys).unwrap().values == vec![4.0; 800]);
+}
+
 /// A backed table checks a write's arrays before it reads them or writes
 /// the cluster: too few or too many floats for the keys is `wrong_dim`,
 /// as on a table without backing, and nothing of the request is applied
