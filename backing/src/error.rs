@@ -62,8 +62,9 @@ pub enum Error {
         /// What differs.
         detail: String,
     },
-    /// A node could not serve a command (down, unreachable, failing over).
-    #[error("node {node}: {detail}; the cache keeps serving its hits, retry when the node (or its replicas) can serve again")]
+    /// A node could not serve a command (down, unreachable, failing over),
+    /// or refused it (a key of another type, a permission).
+    #[error("{}", unavailable_text(node, detail))]
     Unavailable {
         /// The node (`host:port`), or `cluster` when none can be named.
         node: String,
@@ -108,6 +109,25 @@ pub enum Error {
     },
 }
 
+/// An `Unavailable` error's words: a node that answered with a refusal
+/// (`WRONGTYPE`, `NOPERM`, …) is up, so the retry advice of a node that is
+/// down would mislead.
+fn unavailable_text(node: &str, detail: &str) -> String {
+    const REFUSALS: [&str; 7] = ["WRONGTYPE", "NOPERM", "OOM", "ERR", "NOSCRIPT", "BUSYKEY", "READONLY"];
+    let first = detail.split_whitespace().next().unwrap_or("");
+    if REFUSALS.contains(&first) {
+        format!(
+            "node {node} refused the command: {detail}; a key of the table may hold what another program wrote, or \
+             the node's configuration refuses it (the cache keeps serving its hits)"
+        )
+    } else {
+        format!(
+            "node {node}: {detail}; the cache keeps serving its hits, retry when the node (or its replicas) can serve \
+             again"
+        )
+    }
+}
+
 impl Error {
     /// The protocol's error code name this error travels under.
     pub fn code(&self) -> &'static str {
@@ -125,5 +145,24 @@ impl Error {
             Error::QueueFull { .. } => "resource_exhausted",
             Error::ReadOnly { .. } => "invalid_argument",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A node that refused a command is not called down.
+    #[test]
+    fn a_refusal_is_not_advice_to_wait_for_the_node() {
+        let e = |detail: &str| Error::Unavailable { node: "h:1".into(), detail: detail.into() }.to_string();
+        let refused = e("WRONGTYPE Operation against a key holding the wrong kind of value");
+        assert!(
+            refused.starts_with("node h:1 refused the command: WRONGTYPE") && !refused.contains("retry"),
+            "{refused}"
+        );
+        let down = e("Connection refused (os error 111)");
+        assert!(down.contains("retry when the node"), "{down}");
+        assert_eq!(Error::Unavailable { node: "h:1".into(), detail: "x".into() }.code(), "backing_unavailable");
     }
 }
