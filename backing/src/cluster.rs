@@ -200,11 +200,13 @@ pub(crate) struct Cluster {
     /// a dead node costs each request nothing until then.
     down: Mutex<HashMap<Arc<str>, (Instant, String)>>,
     refreshed: Mutex<Option<Instant>>,
+    /// The table whose tier this is (named in the log).
+    table: String,
 }
 
 impl Cluster {
     /// Checks the seeds and reads the slot map.
-    pub async fn open(seeds: &[String], net: Net) -> Result<Cluster, Error> {
+    pub async fn open(table: &str, seeds: &[String], net: Net) -> Result<Cluster, Error> {
         let infos = parse_seeds(seeds)?;
         probe(&infos, net).await?;
         let cluster = Cluster {
@@ -214,6 +216,7 @@ impl Cluster {
             conns: Mutex::new(HashMap::new()),
             down: Mutex::new(HashMap::new()),
             refreshed: Mutex::new(None),
+            table: table.to_string(),
         };
         cluster.refresh().await?;
         if cluster.masters() == 0 {
@@ -258,17 +261,26 @@ impl Cluster {
                 return Err(format!("{why} (its last connection attempt, under 200 ms ago)"));
             }
         }
-        let c = self.connect(node, response).await.inspect_err(|e| {
-            let was = self.down.lock().insert(node.clone(), (Instant::now() + Duration::from_millis(200), e.clone()));
-            if was.is_none() {
-                tracing::warn!(%node, error = %e, "a cluster node cannot be reached; its slots' misses and writes fail until it (or a replica taking over) answers");
-            }
-        })?;
-        if self.down.lock().remove(node).is_some() {
-            tracing::info!(%node, "a cluster node answers again");
-        }
+        let c = self.connect(node, response).await.inspect_err(|e| self.note_down(node, e))?;
+        self.note_up(node);
         self.conns.lock().insert(node.clone(), c.clone());
         Ok(c)
+    }
+
+    /// A connection to `node` failed: it is tried again no sooner than in
+    /// 200 ms, and the log says so once, until it answers again.
+    fn note_down(&self, node: &Arc<str>, e: &str) {
+        let was = self.down.lock().insert(node.clone(), (Instant::now() + Duration::from_millis(200), e.to_string()));
+        if was.is_none() {
+            tracing::warn!(table = %self.table, %node, error = %e, "a cluster node cannot be reached; its slots' misses and writes fail until it (or a replica taking over) answers");
+        }
+    }
+
+    /// A connection to `node` was made.
+    fn note_up(&self, node: &Arc<str>) {
+        if self.down.lock().remove(node).is_some() {
+            tracing::info!(table = %self.table, %node, "a cluster node answers again");
+        }
     }
 
     async fn connect(&self, node: &str, response: Duration) -> Result<MultiplexedConnection, String> {
@@ -286,8 +298,17 @@ impl Cluster {
     /// A connection of its own to the node serving `slot`, for blocking
     /// reads (the stream consumer) that must not hold up other commands.
     pub async fn dedicated(&self, slot: u16, block: Duration) -> Result<MultiplexedConnection, Error> {
-        let node = self.node_of(slot);
-        self.connect(&node, block + self.net.response).await.map_err(|detail| Error::Unavailable { node, detail })
+        let node: Arc<str> = self.node_of(slot).into();
+        match self.connect(&node, block + self.net.response).await {
+            Ok(c) => {
+                self.note_up(&node);
+                Ok(c)
+            }
+            Err(detail) => {
+                self.note_down(&node, &detail);
+                Err(Error::Unavailable { node: node.to_string(), detail })
+            }
+        }
     }
 
     fn forget(&self, node: &Arc<str>) {
@@ -528,7 +549,7 @@ impl Cluster {
                         let mut topo = self.topo.write();
                         let moved = topo.slots.iter().zip(&slots).filter(|(a, b)| a.is_some() && a != b).count();
                         if moved > 0 {
-                            tracing::info!(slots = moved, from = %node, "the cluster's slot map changed (a failover or a reshard)");
+                            tracing::info!(table = %self.table, slots = moved, from = %node, "the cluster's slot map changed (a failover or a reshard)");
                         }
                         *topo = Topology { slots };
                         drop(topo);

@@ -65,6 +65,9 @@ pub struct Invalidations {
     /// the consumer's (`read_to` then): a read failed (the stream's node
     /// down, a failover, a migration), or the check after a read did.
     check: Option<u64>,
+    /// The log said the stream key holds another type (once, until a read
+    /// succeeds again).
+    warned_type: bool,
 }
 
 impl Invalidations {
@@ -76,7 +79,7 @@ impl Invalidations {
             Some(i) => (i.last_id, i.added),
             None => ("0-0".into(), 0),
         };
-        Ok(Invalidations { core, conn: None, key, last, read_to, gap: None, check: None })
+        Ok(Invalidations { core, conn: None, key, last, read_to, gap: None, check: None, warned_type: false })
     }
 
     /// The next entries of other writers, waiting up to 100 ms for one;
@@ -118,6 +121,10 @@ impl Invalidations {
         {
             Ok(v) => v,
             Err(e) => {
+                if e.code() == Some("WRONGTYPE") && !self.warned_type {
+                    self.warned_type = true;
+                    tracing::warn!(table = %self.core.layout.table(), key = %self.key, "the table's stream key holds another type (another program wrote it): this host cannot hear other hosts' writes until it is deleted");
+                }
                 // The stream's slot may have moved (failover, migration).
                 self.check = Some(self.check.unwrap_or(self.read_to));
                 self.core.cluster.refresh_soon().await;
@@ -125,6 +132,7 @@ impl Invalidations {
             }
         };
         self.conn = Some(conn);
+        self.warned_type = false;
         let mut read = 0usize;
         let mut out = Vec::new();
         // XREAD answers [[stream, [[id, [field, value, ...]], ...]]] (or a

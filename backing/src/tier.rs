@@ -313,7 +313,7 @@ impl Backing {
         }
         let net =
             Net { connect: options.connect_timeout, response: options.response_timeout, retries: options.retries };
-        let cluster = Cluster::open(&options.seeds, net).await?;
+        let cluster = Cluster::open(table, &options.seeds, net).await?;
         let groups = meta(&cluster, table, dim, &options.row).await?;
         let layout = Layout::new(table, dim, groups);
         let queue = Queue::new(layout.row_bytes(), options.queue_bytes, options.queue_wait);
