@@ -132,7 +132,12 @@ impl Layout {
 
     /// The stream's key.
     pub fn stream_key(&self) -> String {
-        format!("hkv:{{{}}}:stream", self.table)
+        Layout::stream_key_of(&self.table)
+    }
+
+    /// The stream's key of table `table` (before its layout is known).
+    pub fn stream_key_of(table: &str) -> String {
+        format!("hkv:{{{table}}}:stream")
     }
 }
 

@@ -96,11 +96,11 @@ impl Invalidations {
             None => match self.core.cluster.dedicated(slot, BLOCK).await {
                 Ok(c) => c,
                 Err(e) => {
-                    // The node the slot map names is down: the map is read
-                    // again (a failover may have promoted a replica), or this
-                    // consumer would try the dead node until it came back.
-                    self.check = Some(self.check.unwrap_or(self.read_to));
-                    self.core.cluster.refresh_soon().await;
+                    // The node the slot map names is down: without reading
+                    // the map again (a failover may have promoted a
+                    // replica) this consumer would try the dead node until
+                    // it came back.
+                    self.read_failed().await;
                     if let Error::Unavailable { node, .. } = &e {
                         self.core.counters.node_error(node);
                     }
@@ -125,9 +125,7 @@ impl Invalidations {
                     self.warned_type = true;
                     tracing::warn!(table = %self.core.layout.table(), key = %self.key, "the table's stream key holds another type (another program wrote it): this host cannot hear other hosts' writes until it is deleted");
                 }
-                // The stream's slot may have moved (failover, migration).
-                self.check = Some(self.check.unwrap_or(self.read_to));
-                self.core.cluster.refresh_soon().await;
+                self.read_failed().await;
                 return Err(unavailable(&self.core, e));
             }
         };
@@ -200,6 +198,14 @@ impl Invalidations {
         // finds their keys with the caller, not still in flight here.
         Counters::add(&self.core.counters.invalidations, out.iter().map(|i| i.keys.len()).sum::<usize>());
         Ok(out)
+    }
+
+    /// A read failed: the stream's slot may have moved (a failover, a
+    /// migration), so the slot map is read again, and the stream's count
+    /// is checked at the next read that succeeds.
+    async fn read_failed(&mut self) {
+        self.check = Some(self.check.unwrap_or(self.read_to));
+        self.core.cluster.refresh_soon().await;
     }
 
     /// Whether, and why, entries of other hosts were lost to this

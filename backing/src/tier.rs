@@ -938,13 +938,10 @@ async fn meta(cluster: &Cluster, table: &str, dim: usize, row: &str) -> Result<u
     let key = Layout::meta_key(table);
     let slot = crate::layout::slot(table.as_bytes());
     let groups = GROUPS_PER_MASTER * cluster.masters().max(1) as u32;
-    // HSETNX per field: two hosts creating the table at once both end up
-    // reading the same fields back, whichever wrote each first. (A meta
-    // hash written before `row` existed takes this host's.)
     // The table's own keys hold what the layout says, or nothing yet: a
     // key another program gave another type is named, not met later as a
     // node's WRONGTYPE.
-    let stream = format!("hkv:{{{table}}}:stream");
+    let stream = Layout::stream_key_of(table);
     for (k, want) in [(&key, "hash"), (&stream, "stream")] {
         let t = cluster.one(slot, redis::cmd("TYPE").arg(k).clone()).await?;
         let t: String = redis::FromRedisValue::from_redis_value(t).unwrap_or_default();
@@ -955,6 +952,9 @@ async fn meta(cluster: &Cluster, table: &str, dim: usize, row: &str) -> Result<u
             });
         }
     }
+    // HSETNX per field: two hosts creating the table at once both end up
+    // reading the same fields back, whichever wrote each first. (A meta
+    // hash written before `row` existed takes this host's.)
     let fields = [("layout", LAYOUT.to_string()), ("dim", dim.to_string()), ("groups", groups.to_string())];
     for (f, v) in fields.iter().map(|(f, v)| (*f, v.as_str())).chain([("row", row)]) {
         cluster.one(slot, redis::cmd("HSETNX").arg(&key).arg(f).arg(v).clone()).await?;

@@ -103,8 +103,9 @@ fn host_available() -> Option<u64> {
 
 impl Budget {
     /// The default `limits.max_table_bytes`: 3/4 of host memory (or of the
-    /// address-space limit, when lower) on the CPU backend; 7/8 of the devices' memory on CUDA (the rest is left to the
-    /// lanes' staging buffers, device batches and the driver).
+    /// address-space limit, when lower) on the CPU backend; 7/8 of the
+    /// devices' memory on CUDA (the rest is left to the lanes' staging
+    /// buffers, device batches and the driver).
     pub fn default_table_limit(backend: Backend, ordinals: &[usize]) -> u64 {
         match backend {
             Backend::Cuda => {
