@@ -122,9 +122,29 @@ pub fn parse_seeds(seeds: &[String]) -> Result<Vec<ConnectionInfo>, Error> {
 
 fn name(info: &ConnectionInfo) -> String {
     match info.addr() {
-        ConnectionAddr::Tcp(h, p) => format!("{h}:{p}"),
+        ConnectionAddr::Tcp(h, p) => node_addr(h, *p),
         other => other.to_string(),
     }
+}
+
+/// A node's address as errors, logs and stats show it and as the slot map
+/// keys it: `HOST:PORT`, an IPv6 host in brackets (`[::1]:7101`, never
+/// the ambiguous `::1:7101` that Redis itself writes in `MOVED`).
+pub(crate) fn node_addr(host: &str, port: u16) -> String {
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+/// `HOST:PORT`, `[V6]:PORT` or Redis's `V6:PORT` (a redirection's target)
+/// as the host to connect to (brackets dropped) and the port.
+fn split_addr(addr: &str) -> Option<(&str, u16)> {
+    let (host, port) = addr.rsplit_once(':')?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    Some((host, port.parse().ok()?)).filter(|(h, _)| !h.is_empty())
 }
 
 /// Probes each seed with a plain connection: the first that answers
@@ -285,8 +305,7 @@ impl Cluster {
 
     async fn connect(&self, node: &str, response: Duration) -> Result<MultiplexedConnection, String> {
         // The node's address with the first seed's credentials.
-        let (host, port) = node.rsplit_once(':').ok_or_else(|| format!("{node}: not HOST:PORT"))?;
-        let port: u16 = port.parse().map_err(|_| format!("{node}: not HOST:PORT"))?;
+        let (host, port) = split_addr(node).ok_or_else(|| format!("{node}: not HOST:PORT"))?;
         let info = self.seeds[0].clone().set_addr(ConnectionAddr::Tcp(host.to_string(), port));
         let client = redis::Client::open(info).map_err(|e| e.to_string())?;
         let cfg = redis::AsyncConnectionConfig::new()
@@ -425,7 +444,8 @@ impl Cluster {
                     if last {
                         continue;
                     }
-                    let target = detail.split(' ').nth(1).map(Arc::<str>::from);
+                    let target =
+                        (detail.split(' ').nth(1).and_then(split_addr)).map(|(h, p)| Arc::<str>::from(node_addr(h, p)));
                     if matches!(e.code(), "MOVED" | "ASK" | "TRYAGAIN" | "CLUSTERDOWN" | "LOADING" | "MASTERDOWN") {
                         resend(p, i);
                     }
@@ -588,7 +608,8 @@ fn parse_slots(v: Value) -> Vec<Option<Arc<str>>> {
             _ => continue,
         };
         let Some(Value::Int(port)) = master.get(1) else { continue };
-        let node: Arc<str> = format!("{host}:{port}").into();
+        let Ok(port) = u16::try_from(*port) else { continue };
+        let node: Arc<str> = node_addr(&host, port).into();
         let (a, b) = ((*a).clamp(0, SLOTS as i64 - 1) as usize, (*b).clamp(0, SLOTS as i64 - 1) as usize);
         for s in &mut slots[a..=b] {
             *s = Some(node.clone());
@@ -617,6 +638,24 @@ mod tests {
         assert!(parse_seeds(&many).unwrap_err().to_string().contains("at most 64"));
         let twice = ["127.0.0.1:7001".to_string(), "redis://127.0.0.1:7001".to_string()];
         assert!(parse_seeds(&twice).unwrap_err().to_string().contains("127.0.0.1:7001 is given twice"));
+        // An IPv6 node is named in brackets, whether a seed, a slot map's
+        // entry or a redirection's target (Redis writes `::1:7101`), and
+        // its brackets are dropped to connect.
+        let v6 = parse_seeds(&["redis://[::1]:7101".into()]).unwrap();
+        assert_eq!(name(&v6[0]), "[::1]:7101");
+        assert_eq!(split_addr("::1:7101"), Some(("::1", 7101)));
+        assert_eq!(split_addr("[::1]:7101"), Some(("::1", 7101)));
+        assert_eq!(split_addr("127.0.0.1:7101"), Some(("127.0.0.1", 7101)));
+        assert_eq!(node_addr("::1", 7101), "[::1]:7101");
+        let entry = |host: &str| {
+            Value::Array(vec![Value::Array(vec![
+                Value::Int(0),
+                Value::Int(16383),
+                Value::Array(vec![Value::BulkString(host.into()), Value::Int(7101)]),
+            ])])
+        };
+        assert_eq!(parse_slots(entry("::1"))[5].as_deref(), Some("[::1]:7101"));
+        assert_eq!(parse_slots(entry("10.0.0.1"))[5].as_deref(), Some("10.0.0.1:7101"));
         // Credentials: the first seed's, repeated or left out on the others.
         let same = ["redis://:pw@127.0.0.1:7001", "127.0.0.1:7002", "redis://:pw@127.0.0.1:7003"];
         assert_eq!(parse_seeds(&same.map(String::from)).unwrap().len(), 3);

@@ -498,6 +498,23 @@ async fn hostile_options_get_clear_errors() {
     assert!(matches!(b.write(&[1, 2], &[0.0; DIM], &[]).await, Err(Error::BadOption { .. })));
 }
 
+/// An IPv6 seed was shown as `::1:7101`, which reads as a host `::1:7101`
+/// without a port or a port of another host: errors (and so logs and
+/// stats, which name nodes the same way) show `[::1]:7101`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ipv6_node_is_shown_in_brackets() {
+    let port = dead_port().unwrap();
+    for seed in [format!("redis://[::1]:{port}"), format!("[::1]:{port}")] {
+        match Backing::open("v6", DIM, Options::new(vec![seed.clone()], Mode::ReadOnly)).await {
+            Err(Error::Unreachable { seeds, detail }) => {
+                assert_eq!(seeds, format!("[::1]:{port}"), "{seed}");
+                assert!(detail.starts_with(&format!("[::1]:{port}: ")), "{detail}");
+            }
+            other => panic!("{seed}: {other:?}"),
+        }
+    }
+}
+
 /// A password in the seed URL is passed on to every node: a cluster
 /// started with `requirepass` / `masterauth` (replicas authenticate to
 /// their masters) is refused without it or with a wrong one (the error
