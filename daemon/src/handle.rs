@@ -137,6 +137,9 @@ async fn control(
 ) -> Result<Response, ProtoError> {
     match c {
         Control::CreateTable(spec) => {
+            if let Some(why) = state.router.unsupported(&spec) {
+                return Err(ProtoError::new(ErrorCode::BadRequest, why));
+            }
             // A table naming a cluster is refused when it cannot be opened,
             // before any memory is charged.
             state.backing.open(&spec).await?;

@@ -348,6 +348,11 @@ async fn start_router(config: &Config, backend: Backend, ordinals: &[usize]) -> 
         router.ordinals = ordinals.to_vec();
     }
     for spec in &config.tables {
+        let mut spec = spec.clone();
+        if let Some(why) = router.unsupported(&spec) {
+            warn!("{why}; made without it");
+            spec.fast_tier_bytes = None;
+        }
         router.create_table(spec.clone()).await.map_err(|e| {
             // Some refusals name the table already.
             let named = format!("table {:?}: ", spec.name);

@@ -584,6 +584,28 @@ fn socket_modes_and_a_second_daemon_on_the_same_socket() {
     d.client().ping().unwrap();
 }
 
+/// A fast tier's size means nothing on the CPU backend (every value is in
+/// host memory): a request naming it is refused, saying so; a config
+/// file's table is made without it (a GPU host's config still starts).
+#[test]
+fn the_cpu_backend_refuses_a_fast_tier_size() {
+    let d = Daemon::start(&[]);
+    let mut c = d.client();
+    let e = c.create_table(TableSpec { fast_tier_bytes: Some(1 << 20), ..TableSpec::new("t", 4, 4096) }).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::BadRequest), "{e}");
+    assert!(e.to_string().contains("fast_tier_bytes") && e.to_string().contains("CPU backend"), "{e}");
+    assert!(c.tables().unwrap().is_empty());
+    c.create_table(TableSpec::new("t", 4, 4096)).unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("hkvd.toml");
+    let sock = dir.path().join("s.sock");
+    std::fs::write(&cfg, "[[table]]\nname = \"emb\"\ndim = 8\ncapacity = 4096\nfast_tier_bytes = 65536\n").unwrap();
+    let d = Daemon::start_in(dir, sock, &["--config", common::path_str(&cfg)]);
+    let t = &d.client().tables().unwrap()[0];
+    assert_eq!((t.spec.name.as_str(), t.spec.fast_tier_bytes), ("emb", None));
+}
+
 #[test]
 fn config_file_tables_and_flags_win() {
     let dir = tempfile::tempdir().unwrap();

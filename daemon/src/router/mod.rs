@@ -143,6 +143,22 @@ impl Router {
         })
     }
 
+    /// Why `spec` asks for something this daemon's backend has not: the
+    /// CPU backend keeps every value in host memory, so a fast tier's size
+    /// means nothing there. A request naming it is refused
+    /// (`crate::handle`); a table of the config file is made without it, with
+    /// a warning (a config written for a GPU host still starts on one
+    /// without a GPU).
+    pub fn unsupported(&self, spec: &TableSpec) -> Option<String> {
+        (self.backend == Backend::Cpu && spec.fast_tier_bytes.is_some()).then(|| {
+            format!(
+                "table {:?}: fast_tier_bytes sizes a CUDA table's values in GPU memory; this daemon runs the CPU \
+                 backend, which keeps every value in host memory: leave it out",
+                spec.name
+            )
+        })
+    }
+
     /// Creates a table on every actor.
     pub async fn create_table(&self, spec: TableSpec) -> Result<TableInfo, ProtoError> {
         check_name(&spec.name)?;

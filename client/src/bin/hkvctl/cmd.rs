@@ -12,13 +12,13 @@ use crate::tables::CreateTable;
 #[command(name = "hkvctl", version, about = "Command-line client of hkvd")]
 pub struct Cli {
     /// Socket path [default: $HKVD_SOCKET, else $XDG_RUNTIME_DIR/hkvd/hkvd.sock, else ./hkvd-run/hkvd.sock].
-    #[arg(long, global = true)]
+    #[arg(long, global = true, display_order = 1000)]
     pub socket: Option<PathBuf>,
     /// Seconds to wait for each answer of the daemon before giving up, a
     /// fraction allowed (0: forever) [default: 60; forever for restore,
     /// trace, flush, drop-table and shutdown, which answer when their work
     /// is done].
-    #[arg(long, global = true, value_parser = seconds)]
+    #[arg(long, global = true, value_parser = seconds, display_order = 1001)]
     pub timeout: Option<f64>,
     #[command(subcommand)]
     pub cmd: Cmd,
