@@ -317,7 +317,17 @@ impl Cluster {
     /// A connection of its own to the node serving `slot`, for blocking
     /// reads (the stream consumer) that must not hold up other commands.
     pub async fn dedicated(&self, slot: u16, block: Duration) -> Result<MultiplexedConnection, Error> {
-        let node: Arc<str> = self.node_of(slot).into();
+        self.dedicated_to(&self.node_of(slot), block).await
+    }
+
+    /// A connection of its own to `node` (`HOST:PORT`, or a redirection's
+    /// target as Redis writes it), for blocking reads; the node's name as
+    /// [`node_addr`] writes it comes with it.
+    pub async fn dedicated_to(&self, node: &str, block: Duration) -> Result<MultiplexedConnection, Error> {
+        let node: Arc<str> = match split_addr(node) {
+            Some((h, p)) => node_addr(h, p).into(),
+            None => node.into(),
+        };
         match self.connect(&node, block + self.net.response).await {
             Ok(c) => {
                 self.note_up(&node);

@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
 
-use redis::aio::MultiplexedConnection;
+use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::Value;
 
 use crate::error::Error;
@@ -53,6 +53,10 @@ pub struct Invalidations {
     /// A connection of its own to the stream's node; dropped on an error
     /// and made again (to the node the slot map names then) on next use.
     conn: Option<MultiplexedConnection>,
+    /// A connection to the node importing the stream's slot, named by the
+    /// last `ASK` (`HOST:PORT` as Redis wrote it), kept while reads are
+    /// asked there.
+    asked: Option<(String, MultiplexedConnection)>,
     key: String,
     last: String,
     /// Entries ever added to the stream up to `last` (its place in the
@@ -79,7 +83,17 @@ impl Invalidations {
             Some(i) => (i.last_id, i.added),
             None => ("0-0".into(), 0),
         };
-        Ok(Invalidations { core, conn: None, key, last, read_to, gap: None, check: None, warned_type: false })
+        Ok(Invalidations {
+            core,
+            conn: None,
+            asked: None,
+            key,
+            last,
+            read_to,
+            gap: None,
+            check: None,
+            warned_type: false,
+        })
     }
 
     /// The next entries of other writers, waiting up to 100 ms for one;
@@ -108,17 +122,22 @@ impl Invalidations {
                 }
             },
         };
-        let v: Value = match redis::cmd("XREAD")
-            .arg("COUNT")
-            .arg(COUNT)
-            .arg("BLOCK")
-            .arg(BLOCK.as_millis() as u64)
-            .arg("STREAMS")
-            .arg(&self.key)
-            .arg(&self.last)
-            .query_async(&mut conn)
-            .await
-        {
+        let mut xread = redis::cmd("XREAD");
+        xread.arg("COUNT").arg(COUNT).arg("BLOCK").arg(BLOCK.as_millis() as u64);
+        xread.arg("STREAMS").arg(&self.key).arg(&self.last);
+        let read = match xread.query_async::<Value>(&mut conn).await {
+            // The stream's slot is being migrated and its key has moved to
+            // the importing node already: the read is asked there (ASKING,
+            // then the read, on one connection), as every other command of
+            // the tier follows ASK; without it this host heard no other
+            // host's write until the migration ended.
+            Err(e) if e.code() == Some("ASK") => match e.redirect_node().map(|(node, _)| node.to_string()) {
+                Some(node) => self.read_asking(&node, xread).await,
+                None => Err(e),
+            },
+            other => other,
+        };
+        let v: Value = match read {
             Ok(v) => v,
             Err(e) => {
                 if e.code() == Some("WRONGTYPE") && !self.warned_type {
@@ -198,6 +217,29 @@ impl Invalidations {
         // finds their keys with the caller, not still in flight here.
         Counters::add(&self.core.counters.invalidations, out.iter().map(|i| i.keys.len()).sum::<usize>());
         Ok(out)
+    }
+
+    /// `xread` on `node`, the importing node an `ASK` named, behind
+    /// `ASKING` on the same connection (the flag lasts one command). The
+    /// connection is kept for the next reads while the migration lasts;
+    /// each read still goes to the slot's owner first, which redirects it
+    /// only while the key is away (an aborted migration ends the ASKs).
+    async fn read_asking(&mut self, node: &str, xread: redis::Cmd) -> redis::RedisResult<Value> {
+        let mut conn = match self.asked.take() {
+            Some((n, c)) if n == node => c,
+            _ => self.core.cluster.dedicated_to(node, BLOCK).await.map_err(|e| {
+                redis::RedisError::from((redis::ErrorKind::Io, "ASK target unreachable", e.to_string()))
+            })?,
+        };
+        let mut pipe = redis::pipe();
+        pipe.cmd("ASKING").add_command(xread);
+        let mut answers = conn.req_packed_commands(&pipe, 0, 2).await?;
+        self.asked = Some((node.to_string(), conn));
+        match answers.pop() {
+            Some(Value::ServerError(e)) => Err(e.into()),
+            Some(v) => Ok(v),
+            None => Err(redis::RedisError::from((redis::ErrorKind::Parse, "no answer to XREAD after ASKING"))),
+        }
     }
 
     /// A read failed: the stream's slot may have moved (a failover, a

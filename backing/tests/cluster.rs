@@ -817,6 +817,58 @@ async fn a_read_of_a_slot_being_migrated_waits_for_the_migration() {
     assert!(t.elapsed() >= Duration::from_millis(300), "the read was answered during the migration");
 }
 
+/// While the stream's slot was half migrated (the source MIGRATING, the
+/// target IMPORTING, the stream key moved already, the slot not yet
+/// reassigned), every XREAD of a reader got `ASK` and failed: the reader
+/// heard no other host's write until the migration ended (a tester's
+/// reader stayed stale for the whole stalled migration). The read now
+/// follows `ASK` to the target.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_follows_ask_to_a_stream_being_migrated() {
+    let c = cluster(3, 0);
+    let a = Backing::open("askst", DIM, options(&c, Mode::WriteThrough)).await.unwrap();
+    let b = Backing::open("askst", DIM, options(&c, Mode::WriteThrough)).await.unwrap();
+    let mut inv = b.subscribe().await.unwrap();
+    // Reads until `key` is invalidated (bounded: 100 reads of at most
+    // 100 ms each, or 5 s); how long it took.
+    async fn heard(inv: &mut hkv_backing::Invalidations, key: u64) -> Option<Duration> {
+        let t = Instant::now();
+        for _ in 0..100 {
+            if let Ok(got) = inv.next().await {
+                if got.iter().any(|i| i.keys.contains(&key)) {
+                    return Some(t.elapsed());
+                }
+            }
+            if t.elapsed() > Duration::from_secs(5) {
+                break;
+            }
+        }
+        None
+    }
+    a.write(&[1], &row(1, 1), &[]).await.unwrap();
+    assert!(heard(&mut inv, 1).await.is_some(), "the stream works before the migration");
+    // Stall the migration of the stream's slot half way.
+    let slot = hkv_backing::layout::slot(b"askst").to_string();
+    let src = (0..3)
+        .find(|&i| c.cli(i, &["cluster", "countkeysinslot", &slot]).is_ok_and(|o| o.trim() != "0"))
+        .expect("the stream's master");
+    let dst = (src + 1) % 3;
+    let (sid, did) = (c.node_id(src).unwrap(), c.node_id(dst).unwrap());
+    c.cli(dst, &["cluster", "setslot", &slot, "importing", &sid]).unwrap();
+    c.cli(src, &["cluster", "setslot", &slot, "migrating", &did]).unwrap();
+    let stream = "hkv:{askst}:stream";
+    let dst_port = c.ports()[dst].to_string();
+    let out = c.cli(src, &["migrate", "127.0.0.1", &dst_port, stream, "0", "5000"]).unwrap();
+    assert_eq!(out.trim(), "OK", "MIGRATE of the stream key");
+    a.write(&[2], &row(2, 1), &[]).await.unwrap();
+    let took = heard(&mut inv, 2).await;
+    eprintln!("write heard during the migration after {took:?}");
+    assert!(took.is_some_and(|t| t < Duration::from_secs(2)), "the reader did not hear the write: {took:?}");
+    // And on: a later write is heard too, on the kept connection.
+    a.write(&[3], &row(3, 1), &[]).await.unwrap();
+    assert!(heard(&mut inv, 3).await.is_some());
+}
+
 /// A flush that times out names the nodes that failed meanwhile (a tester
 /// got only "see errors per node").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
