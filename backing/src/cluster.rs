@@ -355,10 +355,22 @@ impl Cluster {
     /// most `retries` rounds in which a node failed (redirections alone do
     /// not count: a reshard redirects many commands) and
     /// [`REDIRECT_ROUNDS`] in all.
+    ///
+    /// A command of several keys (`MGET`, `MSET`, `DEL`) answered
+    /// `TRYAGAIN` or `ASK` is resent as one command per key, each
+    /// following its own `ASK`, and their answers merged into its own: a
+    /// slot being migrated answers a multi-key command whose keys are
+    /// split between the two nodes with `TRYAGAIN` (and the importing node
+    /// answers one whose keys it lacks with `TRYAGAIN` too) for as long as
+    /// the migration lasts, while it serves each key alone.
     pub async fn run(&self, cmds: Vec<(u16, Cmd)>, deadline: tokio::time::Instant) -> Vec<Result<Value, Failure>> {
         // Commands move into the pipelines; the few a round resends are
         // cloned back out of them (a batch's rows are not copied per send).
-        let (slots, mut cmds): (Vec<u16>, Vec<Cmd>) = cmds.into_iter().unzip();
+        let (mut slots, mut cmds): (Vec<u16>, Vec<Cmd>) = cmds.into_iter().unzip();
+        let n = cmds.len();
+        // Commands split into one per key: each parent, what it was, and
+        // its children (appended after the batch's own commands).
+        let mut splits: Vec<(usize, Multi, std::ops::Range<usize>)> = Vec::new();
         let mut out: Vec<Option<Result<Value, Failure>>> = vec![None; cmds.len()];
         let mut todo: Vec<(usize, Option<Arc<str>>)> = (0..cmds.len()).map(|i| (i, None)).collect();
         let mut resent_same = vec![false; cmds.len()];
@@ -416,7 +428,7 @@ impl Cluster {
                 // What a failed or redirected command is resent as: its
                 // copy in the pipeline (ASKING skipped), cloned only then.
                 let sent: Vec<&Cmd> = pipe.cmd_iter().filter(|c| !is_asking(c)).collect();
-                let mut resend = |p: usize, i: usize| {
+                let resend = |cmds: &mut Vec<Cmd>, p: usize, i: usize| {
                     if let Some(c) = sent.get(p) {
                         cmds[i] = (*c).clone();
                     }
@@ -432,7 +444,7 @@ impl Cluster {
                             redirected[i] = false;
                             out[i] = Some(Err(Failure::Node { node: node.to_string(), detail: detail.clone() }));
                             dead.push((i, node.clone()));
-                            resend(p, i);
+                            resend(&mut cmds, p, i);
                         }
                         continue;
                     }
@@ -457,9 +469,27 @@ impl Cluster {
                     let target =
                         (detail.split(' ').nth(1).and_then(split_addr)).map(|(h, p)| Arc::<str>::from(node_addr(h, p)));
                     if matches!(e.code(), "MOVED" | "ASK" | "TRYAGAIN" | "CLUSTERDOWN" | "LOADING" | "MASTERDOWN") {
-                        resend(p, i);
+                        resend(&mut cmds, p, i);
                     }
                     redirected[i] = matches!(e.code(), "MOVED" | "ASK" | "TRYAGAIN");
+                    if matches!(e.code(), "ASK" | "TRYAGAIN") {
+                        if let Some((multi, keys)) = split(&cmds[i]) {
+                            // Sent to the slot's owner, each: a key it
+                            // still has is served there, one that moved is
+                            // asked of the importing node.
+                            let first = cmds.len();
+                            for c in keys {
+                                slots.push(slots[i]);
+                                cmds.push(c);
+                                out.push(None);
+                                resent_same.push(false);
+                                redirected.push(false);
+                                todo.push((cmds.len() - 1, None));
+                            }
+                            splits.push((i, multi, first..cmds.len()));
+                            continue;
+                        }
+                    }
                     match e.code() {
                         "MOVED" => {
                             if let Some(t) = target {
@@ -515,7 +545,12 @@ impl Cluster {
                 }
             }
         }
-        out.into_iter().map(|o| o.unwrap_or(Err(Failure::Late))).collect()
+        let mut out: Vec<Result<Value, Failure>> = out.into_iter().map(|o| o.unwrap_or(Err(Failure::Late))).collect();
+        let mut children = out.split_off(n).into_iter();
+        for (parent, multi, range) in splits {
+            out[parent] = merge(multi, children.by_ref().take(range.len()).collect());
+        }
+        out
     }
 
     /// Runs one command on `node` (`HOST:PORT`) itself, on its shared
@@ -596,6 +631,77 @@ impl Cluster {
         }
         Err(Error::Unavailable { node: "cluster".into(), detail: format!("CLUSTER SLOTS: {last}") })
     }
+}
+
+/// A multi-key command that a migration may split: what its per-key
+/// commands' answers merge into.
+#[derive(Debug, Clone, Copy)]
+enum Multi {
+    /// `MGET` → `GET`s: the array of their answers.
+    Get,
+    /// `MSET` → `SET`s: `OK`.
+    Set,
+    /// `DEL` → `DEL`s: the sum of their counts.
+    Del,
+}
+
+/// `cmd` as one command per key, when it is an `MGET`, `MSET` or `DEL` of
+/// more than one key.
+fn split(cmd: &Cmd) -> Option<(Multi, Vec<Cmd>)> {
+    let mut args = cmd.args_iter().map(|a| match a {
+        redis::Arg::Simple(b) => b,
+        _ => &[],
+    });
+    let name = args.next()?.to_ascii_uppercase();
+    let rest: Vec<&[u8]> = args.collect();
+    let (multi, per_key) = match &name[..] {
+        b"MGET" => (Multi::Get, 1),
+        b"MSET" => (Multi::Set, 2),
+        b"DEL" => (Multi::Del, 1),
+        _ => return None,
+    };
+    if rest.len() <= per_key || rest.len() % per_key != 0 {
+        return None;
+    }
+    let single = match multi {
+        Multi::Get => "GET",
+        Multi::Set => "SET",
+        Multi::Del => "DEL",
+    };
+    let cmds = rest
+        .chunks_exact(per_key)
+        .map(|a| {
+            let mut c = redis::cmd(single);
+            a.iter().for_each(|b| {
+                c.arg(*b);
+            });
+            c
+        })
+        .collect();
+    Some((multi, cmds))
+}
+
+/// The answer of a split command from its per-key answers (a server's
+/// refusal is a node's failure by then): the first node's failure if one
+/// failed, else late if one was, else the merged answer.
+fn merge(multi: Multi, answers: Vec<Result<Value, Failure>>) -> Result<Value, Failure> {
+    let mut values = Vec::with_capacity(answers.len());
+    let mut late = false;
+    for a in answers {
+        match a {
+            Ok(v) => values.push(v),
+            Err(f @ Failure::Node { .. }) => return Err(f),
+            Err(Failure::Late) => late = true,
+        }
+    }
+    if late {
+        return Err(Failure::Late);
+    }
+    Ok(match multi {
+        Multi::Get => Value::Array(values),
+        Multi::Set => Value::Okay,
+        Multi::Del => Value::Int(values.iter().map(|v| if let Value::Int(n) = v { *n } else { 0 }).sum()),
+    })
 }
 
 fn is_asking(c: &Cmd) -> bool {

@@ -746,19 +746,24 @@ async fn insert_absent_sets_only_where_the_cluster_has_no_row() {
 }
 
 /// A slot in the middle of its migration answers a multi-key command whose
-/// keys are split between the two nodes with TRYAGAIN, for as long as the
-/// migration lasts: the read keeps trying within its deadline (a tester saw
-/// such reads fail as `backing_unavailable` during a reshard).
+/// keys are split between the two nodes (and the importing node one whose
+/// keys it lacks) with TRYAGAIN for as long as the migration lasts. Reads
+/// of such a group waited for the migration's end (late at the deadline)
+/// and writes failed with TRYAGAIN once theirs passed (a tester stalled a
+/// migration by hand): now such a command is resent one key at a time,
+/// each key following its own ASK, so the group is served meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_read_of_a_slot_being_migrated_waits_for_the_migration() {
+async fn a_group_split_by_a_stalled_migration_is_served() {
     let c = cluster(3, 0);
     let mut o = options(&c, Mode::WriteThrough);
-    o.deadline = Duration::from_secs(5);
+    o.deadline = Duration::from_secs(2);
     let b = Backing::open("tg", DIM, o).await.unwrap();
     let layout = b.layout().clone();
     let g = layout.group(0);
-    let keys: Vec<u64> = (0..100_000u64).filter(|&k| layout.group(k) == g).take(4).collect();
-    b.write(&keys, &rows(&keys, 3), &[]).await.unwrap();
+    // Four rows of one group, and a fifth key of it that has none.
+    let all: Vec<u64> = (0..100_000u64).filter(|&k| layout.group(k) == g).take(5).collect();
+    let keys = &all[..4];
+    b.write(keys, &rows(keys, 3), &[]).await.unwrap();
     let slot = layout.slot_of_group(g).to_string();
     let ports = c.ports();
     let src = (0..3)
@@ -768,53 +773,45 @@ async fn a_read_of_a_slot_being_migrated_waits_for_the_migration() {
     let (sid, did) = (c.node_id(src).unwrap(), c.node_id(dst).unwrap());
     c.cli(dst, &["cluster", "setslot", &slot, "importing", &sid]).unwrap();
     c.cli(src, &["cluster", "setslot", &slot, "migrating", &did]).unwrap();
-    // One of the group's rows moves; the others stay until the end.
-    let mut key = Vec::new();
-    layout.write_row_key(keys[0], &mut key);
+    // One of the group's rows moves; the others stay: the migration stalls.
     let client = redis::Client::open(format!("redis://127.0.0.1:{}", ports[src])).unwrap();
     let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-    let migrate = redis::cmd("MIGRATE")
-        .arg("127.0.0.1")
-        .arg(ports[dst])
-        .arg("")
-        .arg(0)
-        .arg(5000)
-        .arg("KEYS")
-        .arg(&key[..])
-        .clone();
-    migrate.query_async::<()>(&mut conn).await.unwrap();
-    // 400 ms from now the rest moves and every node learns the slot's new owner.
-    let rest: Vec<Vec<u8>> = keys[1..]
-        .iter()
-        .map(|&k| {
-            let mut v = Vec::new();
-            layout.write_row_key(k, &mut v);
-            v
-        })
-        .collect();
-    let finish = tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(400)).await;
+    let migrate = |ks: &[u64]| {
         let mut m = redis::cmd("MIGRATE");
         m.arg("127.0.0.1").arg(ports[dst]).arg("").arg(0).arg(5000).arg("KEYS");
-        rest.iter().for_each(|k| {
-            m.arg(&k[..]);
+        ks.iter().for_each(|&k| {
+            m.arg(layout.row_key(k));
         });
-        m.query_async::<()>(&mut conn).await.unwrap();
-        for p in [ports[dst], ports[src], ports[(dst + 1) % 3]] {
-            let out = std::process::Command::new("redis-cli")
-                .args(["-p", &p.to_string(), "cluster", "setslot", &slot, "node", &did])
-                .output()
-                .unwrap();
-            assert!(out.status.success());
-        }
-    });
+        m
+    };
+    migrate(&keys[..1]).query_async::<()>(&mut conn).await.unwrap();
     let t = Instant::now();
-    let out = b.read(&keys).await;
-    finish.await.unwrap();
-    assert!(out.errors.is_empty(), "{:?} after {:?}", out.errors, t.elapsed());
-    assert!(out.fetched.iter().all(|f| *f == Fetched::Found), "{:?}", out.fetched);
-    assert!(same_bits(&out.values, &rows(&keys, 3)));
-    assert!(t.elapsed() >= Duration::from_millis(300), "the read was answered during the migration");
+    let out = b.read(&all).await;
+    let read_took = t.elapsed();
+    assert!(out.errors.is_empty(), "{:?} after {read_took:?}", out.errors);
+    assert_eq!(out.fetched, [[Fetched::Found; 4].as_slice(), &[Fetched::Absent]].concat(), "after {read_took:?}");
+    assert!(same_bits(&out.values[..4 * DIM], &rows(keys, 3)));
+    // Writes of the split group land (MSET and DEL split alike).
+    let t = Instant::now();
+    let wrote = b.write(keys, &rows(keys, 4), &[]).await;
+    let write_took = t.elapsed();
+    assert!(wrote.is_ok(), "{wrote:?} after {write_took:?}");
+    b.erase(&keys[..2]).await.unwrap();
+    let out = b.read(&all).await;
+    assert!(out.errors.is_empty(), "{:?}", out.errors);
+    let want = [[Fetched::Absent; 2].as_slice(), &[Fetched::Found; 2], &[Fetched::Absent]].concat();
+    assert_eq!(out.fetched, want);
+    assert!(same_bits(&out.values[2 * DIM..4 * DIM], &rows(&keys[2..], 4)));
+    eprintln!("during the stalled migration: read {read_took:?}, write {write_took:?}");
+    assert!(read_took < Duration::from_millis(500) && write_took < Duration::from_millis(500));
+    // The migration ends: the rows are where the cluster says.
+    migrate(&keys[2..]).query_async::<()>(&mut conn).await.unwrap();
+    for i in [dst, src, (dst + 1) % 3] {
+        c.cli(i, &["cluster", "setslot", &slot, "node", &did]).unwrap();
+    }
+    let out = read_all(&b, &all, Duration::from_secs(5)).await;
+    assert_eq!(out.fetched, want);
+    assert!(same_bits(&out.values[2 * DIM..4 * DIM], &rows(&keys[2..], 4)));
 }
 
 /// While the stream's slot was half migrated (the source MIGRATING, the
