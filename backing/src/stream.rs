@@ -44,6 +44,10 @@ pub enum Gap {
     /// deleted, or a failover promoted a replica that had not received
     /// them (entries, and maybe rows, the old master had acknowledged).
     WentBack,
+    /// Another host published a reset entry: the entries of its writes
+    /// that waited for the stream's node outgrew their bound there, and it
+    /// replaced them with one entry that names no keys.
+    Reset,
 }
 
 /// A consumer of one table's stream, on its own connection (its blocking
@@ -164,11 +168,13 @@ impl Invalidations {
                 read += 1;
                 self.last = id;
                 let (mut origin, mut version, mut acked_us, mut keys) = (0u64, 0u64, 0u64, Vec::new());
+                let mut reset = false;
                 for (f, val) in fields {
                     match f.as_slice() {
                         b"o" => origin = parse(&val),
                         b"v" => version = parse(&val),
                         b"t" => acked_us = parse(&val),
+                        b"r" => reset = parse(&val) == 1,
                         b"k" => {
                             keys = val
                                 .chunks_exact(8)
@@ -182,6 +188,10 @@ impl Invalidations {
                     continue;
                 }
                 self.core.counters.staleness.record(Duration::from_micros(now_us().saturating_sub(acked_us)));
+                if reset {
+                    self.gap = Some(Gap::Reset);
+                    continue;
+                }
                 out.push(Invalidation { keys, version, origin, acked_us });
             }
         }

@@ -78,6 +78,11 @@ pub struct Options {
     pub wait_replicas: u32,
     /// How long `WAIT` waits for them (below `response_timeout`).
     pub wait_timeout: Duration,
+    /// The bound in bytes (keys, plus 48 per entry) of the stream entries
+    /// that wait on this host because the stream's node refused them (or
+    /// did not answer): past it they are all replaced by one reset entry,
+    /// which tells the other hosts to drop their whole cache of the table.
+    pub unpublished_bytes: u64,
     /// What a row's floats are (hkvd's: `values`, or `OPTIMIZER over N
     /// values` for a table with an optimizer), kept in the table's meta
     /// hash by the first host: a host whose rows mean something else
@@ -88,7 +93,8 @@ pub struct Options {
 
 impl Options {
     /// Defaults: 250 ms deadline, a 64 MiB queue with a 2 s wait, batches of
-    /// 4096 rows, 1 s connect, 1 s answer, 3 retries, 100 000 stream entries.
+    /// 4096 rows, 1 s connect, 1 s answer, 3 retries, 100 000 stream entries,
+    /// 4 MiB of stream entries waiting (half a million keys).
     pub fn new(seeds: Vec<String>, mode: Mode) -> Options {
         Options {
             seeds,
@@ -103,6 +109,7 @@ impl Options {
             stream_len: 100_000,
             wait_replicas: 0,
             wait_timeout: Duration::from_millis(500),
+            unpublished_bytes: 4 << 20,
             row: "values".into(),
         }
     }
@@ -142,6 +149,9 @@ impl Options {
                     self.wait_timeout, self.response_timeout
                 ),
             );
+        }
+        if !(1024..=1 << 30).contains(&self.unpublished_bytes) {
+            return bad("unpublished_bytes", format!("{}: use 1 KiB to 1 GiB", self.unpublished_bytes));
         }
         if self.retries > 16 {
             return bad("retries", format!("{}: use at most 16", self.retries));
@@ -243,9 +253,67 @@ pub(crate) struct Core {
     /// (the stream's node refused or was down), oldest first: appended
     /// before the next entry, and retried by the table's stream consumer
     /// ([`Core::republish`]), so that other hosts hear every write, late
-    /// rather than never.
-    /// Each: version, keys, acknowledgement time (µs).
-    unpublished: parking_lot::Mutex<std::collections::VecDeque<(u64, Vec<u8>, u64)>>,
+    /// rather than never. Bounded in bytes ([`Unpublished`]).
+    unpublished: parking_lot::Mutex<Unpublished>,
+}
+
+/// Bytes counted per waiting stream entry beside its keys: its version,
+/// time and the vector's header.
+const ENTRY_OVERHEAD: u64 = 48;
+
+/// The stream entries that wait to be appended, bounded in bytes. Past the
+/// bound they are replaced by one reset entry (`r` = 1, no keys): readers
+/// then drop their whole cache of the table, which covers every write it
+/// replaced. While a reset waits, later entries are folded into it too
+/// (it is appended after their writes were acknowledged), so an outage of
+/// the stream's node costs this host a few bytes, however long it lasts.
+#[derive(Debug, Default)]
+pub(crate) struct Unpublished {
+    /// Each: version, keys (u64 LE), acknowledgement time (µs).
+    entries: std::collections::VecDeque<(u64, Vec<u8>, u64)>,
+    /// Their bytes ([`ENTRY_OVERHEAD`] each, and the keys).
+    bytes: u64,
+    /// A reset entry waiting, ahead of `entries`: the newest version and
+    /// the oldest acknowledgement it replaces.
+    reset: Option<(u64, u64)>,
+    /// Times the bound was reached.
+    pub resets: u64,
+}
+
+impl Unpublished {
+    /// Adds an entry, or folds it into a reset (one waiting, or made now
+    /// because the bound is reached); whether a reset was made now.
+    fn push(&mut self, version: u64, keys: &[u8], acked: u64, limit: u64) -> bool {
+        let cost = ENTRY_OVERHEAD + keys.len() as u64;
+        if let Some((v, t)) = &mut self.reset {
+            (*v, *t) = ((*v).max(version), (*t).min(acked));
+            return false;
+        }
+        if self.bytes + cost <= limit {
+            self.entries.push_back((version, keys.to_vec(), acked));
+            self.bytes += cost;
+            return false;
+        }
+        let newest = self.entries.iter().map(|e| e.0).fold(version, u64::max);
+        let oldest = self.entries.iter().map(|e| e.2).fold(acked, u64::min);
+        self.entries.clear();
+        self.bytes = 0;
+        self.reset = Some((newest, oldest));
+        self.resets += 1;
+        true
+    }
+
+    /// Entries waiting (a reset counts one) and their bytes.
+    pub fn window(&self) -> (u64, u64) {
+        let reset = u64::from(self.reset.is_some());
+        (self.entries.len() as u64 + reset, self.bytes + reset * ENTRY_OVERHEAD)
+    }
+}
+
+/// What [`Core::republish`] appends next.
+enum Waiting {
+    Reset(u64, u64),
+    Entry(u64, Vec<u8>, u64),
 }
 
 /// Closes the queue when the last handle goes: the flusher then sends
@@ -329,7 +397,7 @@ impl Backing {
             origin,
             clock: AtomicU64::new(0),
             conflicts: parking_lot::Mutex::new(Vec::new()),
-            unpublished: parking_lot::Mutex::new(std::collections::VecDeque::new()),
+            unpublished: parking_lot::Mutex::new(Unpublished::default()),
         });
         if core.mode == Mode::WriteBack {
             tokio::spawn(flusher(core.clone()));
@@ -693,6 +761,10 @@ impl Backing {
     pub fn stats(&self) -> Stats {
         let c = &self.core.counters;
         let (queue_rows, queue_bytes, oldest) = self.core.queue.window();
+        let ((unpublished_entries, unpublished_bytes), unpublished_resets) = {
+            let u = self.core.unpublished.lock();
+            (u.window(), u.resets)
+        };
         let l = |a: &AtomicU64| a.load(Relaxed);
         Stats {
             mode: self.core.mode.as_str().into(),
@@ -714,6 +786,10 @@ impl Backing {
             queued_total: l(&c.queued_total),
             queue_full: l(&c.queue_full),
             invalidations: l(&c.invalidations),
+            unpublished_entries,
+            unpublished_bytes,
+            unpublished_limit_bytes: self.core.options.unpublished_bytes,
+            unpublished_resets,
             node_errors: c.node_errors.lock().clone(),
             fetch_us: c.fetch.snapshot(),
             write_us: c.write.snapshot(),
@@ -893,20 +969,56 @@ impl Core {
         }
     }
 
-    /// Publishes a write's entry after the entries still unpublished; one
-    /// that cannot be appended waits with them ([`Core::unpublished`]).
+    /// Publishes a write's entry: appended at once when none waits, else
+    /// after those waiting; one that cannot be appended waits with them
+    /// ([`Core::unpublished`]).
     async fn publish(&self, version: u64, keys: &[u8]) -> Result<(), Error> {
-        self.unpublished.lock().push_back((version, keys.to_vec(), now_us()));
+        let acked = now_us();
+        if !self.has_unpublished() && self.append(version, keys, acked, false).await.is_ok() {
+            return Ok(());
+        }
+        let limit = self.options.unpublished_bytes;
+        if self.unpublished.lock().push(version, keys, acked, limit) {
+            tracing::warn!(table = %self.layout.table(), limit_bytes = limit, "the table's stream entries waiting for the stream's node reached their bound: they are replaced by one reset entry, and other hosts drop their whole cache of the table when it is appended");
+        }
         self.republish().await
     }
 
-    /// Appends the unpublished entries, oldest first, stopping at the first
-    /// that fails (it and those after it wait for the next try).
+    /// Appends the unpublished entries, a reset first, then oldest first,
+    /// stopping at the first that fails (it and those after it wait for
+    /// the next try).
     pub(crate) async fn republish(&self) -> Result<(), Error> {
         loop {
-            let Some((version, keys, acked)) = self.unpublished.lock().pop_front() else { return Ok(()) };
-            if let Err(e) = self.append(version, &keys, acked).await {
-                self.unpublished.lock().push_front((version, keys, acked));
+            let next = {
+                let mut u = self.unpublished.lock();
+                if let Some((v, t)) = u.reset.take() {
+                    Waiting::Reset(v, t)
+                } else if let Some((v, k, t)) = u.entries.pop_front() {
+                    u.bytes -= ENTRY_OVERHEAD + k.len() as u64;
+                    Waiting::Entry(v, k, t)
+                } else {
+                    return Ok(());
+                }
+            };
+            let r = match &next {
+                Waiting::Reset(v, t) => self.append(*v, &[], *t, true).await,
+                Waiting::Entry(v, k, t) => self.append(*v, k, *t, false).await,
+            };
+            if let Err(e) = r {
+                let mut u = self.unpublished.lock();
+                match next {
+                    // Entries that came while it was tried were later
+                    // writes: they stay behind it (or were folded in).
+                    Waiting::Reset(v, t) => {
+                        u.reset = Some(u.reset.map_or((v, t), |(v2, t2)| (v.max(v2), t.min(t2))));
+                    }
+                    Waiting::Entry(v, k, t) if u.reset.is_none() => {
+                        u.bytes += ENTRY_OVERHEAD + k.len() as u64;
+                        u.entries.push_front((v, k, t));
+                    }
+                    // A reset made meanwhile covers it.
+                    Waiting::Entry(..) => {}
+                }
                 return Err(e);
             }
         }
@@ -914,16 +1026,21 @@ impl Core {
 
     /// Whether entries wait to be appended.
     pub(crate) fn has_unpublished(&self) -> bool {
-        !self.unpublished.lock().is_empty()
+        let u = self.unpublished.lock();
+        u.reset.is_some() || !u.entries.is_empty()
     }
 
     /// Appends `{o: origin, v: version, t: ack µs, k: keys (u64 LE)}` to
-    /// the table's stream, trimmed to about `stream_len` entries.
-    async fn append(&self, version: u64, keys: &[u8], acked_us: u64) -> Result<(), Error> {
+    /// the table's stream (with `r: 1` for a reset, which names no keys),
+    /// trimmed to about `stream_len` entries.
+    async fn append(&self, version: u64, keys: &[u8], acked_us: u64, reset: bool) -> Result<(), Error> {
         let key = self.layout.stream_key();
         let mut cmd = redis::cmd("XADD");
         cmd.arg(&key).arg("MAXLEN").arg("~").arg(self.options.stream_len).arg("*");
         cmd.arg("o").arg(self.origin).arg("v").arg(version).arg("t").arg(acked_us).arg("k").arg(keys);
+        if reset {
+            cmd.arg("r").arg(1);
+        }
         let r = self.cluster.one(crate::layout::slot(self.layout.table().as_bytes()), cmd).await;
         r.map(drop).inspect_err(|e| {
             if let Error::Unavailable { node, .. } = e {

@@ -866,6 +866,60 @@ async fn a_reader_follows_ask_to_a_stream_being_migrated() {
     assert!(heard(&mut inv, 3).await.is_some());
 }
 
+/// The stream entries of writes whose rows landed but whose XADD was
+/// refused waited on the writer without bound (a tester's 3 000 refused
+/// writes of 1 024 keys grew the daemon by 29 MB). They are bounded in
+/// bytes: past the bound they become one reset entry, which has every
+/// reader drop its cache of the table, and later entries fold into it
+/// until it is appended; the stats show what waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_stream_entries_are_bounded_by_a_reset() {
+    let c = cluster(3, 0);
+    let mut o = options(&c, Mode::WriteThrough);
+    o.unpublished_bytes = 64 << 10;
+    let a = Backing::open("ub", DIM, o).await.unwrap();
+    // The stream's key holds a hash: every XADD is refused (WRONGTYPE),
+    // the rows land.
+    let slot = hkv_backing::layout::slot(b"ub").to_string();
+    let m = (0..3)
+        .find(|&i| c.cli(i, &["cluster", "countkeysinslot", &slot]).is_ok_and(|o| o.trim() != "0"))
+        .expect("the stream's master");
+    let stream = "hkv:{ub}:stream";
+    c.cli(m, &["del", stream]).unwrap();
+    c.cli(m, &["hset", stream, "x", "y"]).unwrap();
+    let keys: Vec<u64> = (0..1024).collect();
+    let values = rows(&keys, 1);
+    let mut most = 0;
+    for _ in 0..100 {
+        a.write(&keys, &values, &[]).await.unwrap();
+        most = most.max(a.stats().unpublished_bytes);
+    }
+    let s = a.stats();
+    eprintln!(
+        "100 refused writes of 1024 keys: at most {most} bytes waited (bound {}), {} now in {} entries, {} resets",
+        s.unpublished_limit_bytes, s.unpublished_bytes, s.unpublished_entries, s.unpublished_resets
+    );
+    assert!(most <= 64 << 10, "{most}");
+    assert_eq!((s.unpublished_entries, s.unpublished_resets, s.unpublished_limit_bytes), (1, 1, 64 << 10));
+    // The key is freed: the next write appends the reset (its own entry
+    // folded in), the one after its own entry; a reader hears both.
+    c.cli(m, &["del", stream]).unwrap();
+    let b = Backing::open("ub", DIM, options(&c, Mode::WriteThrough)).await.unwrap();
+    let mut inv = b.subscribe().await.unwrap();
+    a.write(&[5000], &row(5000, 1), &[]).await.unwrap();
+    a.write(&[5001], &row(5001, 1), &[]).await.unwrap();
+    assert_eq!((a.stats().unpublished_entries, a.stats().unpublished_bytes), (0, 0));
+    let (mut gap, mut heard) = (None, Vec::new());
+    for _ in 0..20 {
+        heard.extend(inv.next().await.unwrap().into_iter().flat_map(|i| i.keys));
+        gap = gap.or(inv.take_gap());
+        if heard.contains(&5001) {
+            break;
+        }
+    }
+    assert_eq!((gap, heard), (Some(Gap::Reset), vec![5001]));
+}
+
 /// A flush that times out names the nodes that failed meanwhile (a tester
 /// got only "see errors per node").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

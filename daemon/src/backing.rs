@@ -130,6 +130,10 @@ async fn consume(
                 tracing::warn!(table = %name, "the table's stream was trimmed past entries this host had not read (it fell behind by more than the stream's length): their keys are unknown, so its cache is dropped");
                 all_stale.store(true, Relaxed);
             }
+            Some(Gap::Reset) => {
+                tracing::warn!(table = %name, "another host published a reset on the table's stream (the entries of its writes that waited for the stream's node outgrew their bound): the keys it wrote are unknown, so this host's cache is dropped");
+                all_stale.store(true, Relaxed);
+            }
             Some(Gap::WentBack) => {
                 tracing::warn!(table = %name, "the table's stream holds fewer entries than this host read (it was deleted, or a failover promoted a replica that had not received them): other hosts' writes may be unknown, so its cache is dropped");
                 all_stale.store(true, Relaxed);

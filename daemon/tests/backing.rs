@@ -1718,6 +1718,37 @@ fn a_write_whose_rows_landed_succeeds_and_its_entry_follows() {
     until(10, "B never heard the write whose entry waited", || cb.find("se", &keys).unwrap().values == vec![4.0; 800]);
 }
 
+/// The stream entries a writer keeps while the stream's node refuses them
+/// are bounded (4 MiB by default; they grew without bound): past it they
+/// become one reset entry, and a host that reads it drops its whole cache
+/// of the table, so it serves the rows those writes replaced from the
+/// cluster, as it would have after reading their entries.
+#[test]
+fn a_reset_on_the_stream_drops_other_hosts_caches() {
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let seeds = cluster.seed_arg();
+    let (a, b) = (Daemon::start(&[]), Daemon::start(&[]));
+    let (mut ca, mut cb) = (a.client(), b.client());
+    ca.create_table(backed("rz", &seeds, BackingMode::WriteThrough)).unwrap();
+    cb.create_table(backed("rz", &seeds, BackingMode::ReadOnly)).unwrap();
+    ca.insert_or_assign("rz", &[1], &[1.0; 4], None).unwrap();
+    until(10, "B did not hear A's first write", || backing_stats(&mut cb, "rz").invalidations >= 1);
+    assert_eq!(cb.find("rz", &[1]).unwrap().values, vec![1.0; 4], "B caches the row");
+    let owner =
+        (0..3).find(|&i| cluster.cli(i, &["exists", "hkv:{rz}:stream"]).is_ok_and(|o| o.trim() == "1")).unwrap();
+    cluster.cli(owner, &["acl", "setuser", "default", "-xadd"]).unwrap();
+    ca.insert_or_assign("rz", &[1], &[5.0; 4], None).unwrap();
+    // More than 4 MiB of keys whose entries wait.
+    for round in 0..9u64 {
+        let keys: Vec<u64> = (0..65_536u64).map(|k| 1_000_000 + round * 65_536 + k).collect();
+        ca.insert_or_assign("rz", &keys, &vec![2.0; keys.len() * 4], None).unwrap();
+    }
+    cluster.cli(owner, &["acl", "setuser", "default", "+xadd"]).unwrap();
+    until(10, "B never dropped the row a reset entry covered", || cb.find("rz", &[1]).unwrap().values == vec![5.0; 4]);
+    let entries = cluster.cli(owner, &["xlen", "hkv:{rz}:stream"]).unwrap();
+    assert_eq!(entries.trim(), "2", "the first write's entry, then one reset for the ten refused");
+}
+
 /// A backed table checks a write's arrays before it reads them or writes
 /// the cluster: too few or too many floats for the keys is `wrong_dim`,
 /// as on a table without backing, and nothing of the request is applied
