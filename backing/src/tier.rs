@@ -1119,17 +1119,23 @@ impl Core {
 
     /// Publishes a write's entry: appended at once when none waits, else
     /// after those waiting; one that cannot be appended waits with them
-    /// ([`Core::unpublished`]).
+    /// ([`Core::unpublished`]). An entry whose own append failed is not
+    /// tried again here (a stream node that does not answer would hold
+    /// the write for a second timeout): the table's consumer retries it.
     async fn publish(&self, version: u64, keys: &[u8]) -> Result<(), Error> {
         let acked = now_us();
-        if !self.has_unpublished() && self.append(version, keys, acked, false).await.is_ok() {
+        let direct = if self.has_unpublished() { None } else { Some(self.append(version, keys, acked, false).await) };
+        if let Some(Ok(())) = direct {
             return Ok(());
         }
         let limit = self.options.unpublished_bytes;
         if self.unpublished.lock().push(version, keys, acked, limit) {
             tracing::warn!(table = %self.layout.table(), limit_bytes = limit, "the table's stream entries waiting for the stream's node reached their bound: they are replaced by one reset entry, and other hosts drop their whole cache of the table when it is appended");
         }
-        self.republish().await
+        match direct {
+            Some(failed) => failed,
+            None => self.republish().await,
+        }
     }
 
     /// Appends the unpublished entries, a reset first, then oldest first,

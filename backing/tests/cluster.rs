@@ -970,6 +970,37 @@ async fn a_row_key_of_another_type_is_named_and_left_alone() {
     assert_eq!(theirs, redis::Value::BulkString(b"theirs".to_vec()), "the other program's hash is intact");
 }
 
+/// A write whose rows landed but whose stream entry's node did not answer
+/// waits for that node once, then returns: the entry waits for the
+/// table's consumer. (The bound on waiting entries first tried a failed
+/// entry's append again at once, holding such a write for two timeouts.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_stream_node_holds_a_write_for_one_timeout() {
+    let c = cluster(3, 0);
+    let mut o = options(&c, Mode::WriteThrough);
+    o.response_timeout = Duration::from_millis(300);
+    o.retries = 0;
+    let b = Backing::open("sl", DIM, o).await.unwrap();
+    let layout = b.layout().clone();
+    let owner = |slot: u16| {
+        let slot = slot.to_string();
+        (0..3).find(|&i| c.cli(i, &["cluster", "countkeysinslot", &slot]).is_ok_and(|o| o.trim() != "0"))
+    };
+    let m = owner(hkv_backing::layout::slot(b"sl")).expect("the stream's master");
+    // Keys whose rows live on the other masters.
+    let candidates: Vec<u64> = (0..200).collect();
+    b.write(&candidates, &rows(&candidates, 1), &[]).await.unwrap();
+    let keys: Vec<u64> =
+        candidates.into_iter().filter(|&k| owner(layout.slot_of_group(layout.group(k))) != Some(m)).take(20).collect();
+    c.cli(m, &["client", "pause", "3000", "WRITE"]).unwrap();
+    let t = Instant::now();
+    b.write(&keys, &rows(&keys, 2), &[]).await.unwrap();
+    let took = t.elapsed();
+    eprintln!("the write returned after {took:?}");
+    assert!(took < Duration::from_millis(900), "{took:?}");
+    assert_eq!(b.stats().unpublished_entries, 1);
+}
+
 /// A flush that times out names the nodes that failed meanwhile (a tester
 /// got only "see errors per node").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
