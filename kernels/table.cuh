@@ -785,29 +785,27 @@ __device__ __forceinline__ void hkv_tiers_min(u64* v, int* o, u64 v2, int o2) {
     }
 }
 
-// Each thread of the group reads its own 128 / G contiguous slots: the
-// digests a word (4 slots) at a time, and the 4 slots' scores at once, so
-// that the loads of a scan are independent and few (a scan runs with the
-// bucket locked: its length is what other keys of the bucket wait for).
-// The minima take the lowest slot on ties whatever the order of visits.
+// Each thread of the group reads its own 128 / G contiguous slots, the 4
+// slots' scores at once, so that the loads of a scan are independent and
+// few (a scan runs with the bucket locked: its length is what other keys of
+// the bucket wait for). The minima take the lowest slot on ties whatever
+// the order of visits.
+// The buckets scanned are full (the writers' room path, whose candidates
+// have no free slot): every slot holds an entry, so no digest is read.
 template <int G>
 __device__ __forceinline__ HkvTiers hkv_tiers(const HkvTable& t, const HkvGroup<G>& g, u64 b) {
     const u64 none = 0xFFFFFFFFFFFFFFFFULL;
     HkvTiers r = {0, 0, 0, -1, -1, -1, none, none, none};
-    const u32 empty = hkv_empty_digest();
     constexpr int P = 128 / G;
     const int first = (int)g.rank * P;
-    const u32* dw = reinterpret_cast<const u32*>(t.digests + b * 128 + first);
     const u64* sp = t.scores + b * 128 + first;
 #pragma unroll 2
     for (int c = 0; c < P; c += 4) {
-        u32 w = __ldcg(dw + c / 4);
         u64 sc4[4];
 #pragma unroll
         for (int k = 0; k < 4; ++k) sc4[k] = __ldcg(sp + c + k);
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-            if (((w >> (8 * k)) & 0xff) == empty) continue;
             u64 sc = sc4[k];
             int s = first + c + k;
             ++r.occupied;

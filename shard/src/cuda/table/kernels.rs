@@ -108,6 +108,18 @@ pub(super) struct Variant {
 /// (BENCHMARKS.md, "Kernel choice").
 pub(super) const WRITER_PAIR_FROM: f64 = 0.875;
 
+/// Fewest threads per key of an adaptive table's writes without lost
+/// outputs (not in region order): the 4-thread adaptive kernel held to 48
+/// registers (`upsert_keys_a_g4_b5`) ran them faster than the 1 or 2
+/// threads chosen by the row's width. On the H200, 32 Mi slots, dim 32,
+/// two rounds, B-KV/s at λ 0.5 / 1.0: insert_or_assign 1.17 / 0.53 with 2
+/// threads, 1.46 / 0.53 with 4, 0.81 / 0.39 with 8; find_or_insert 1.51 /
+/// 0.56, 1.81-1.83 / 0.80, 1.04 / 0.55. insert_and_evict (lost outputs:
+/// the 4-thread kernel without the bound, 224 bytes of stack) was slower
+/// on 4 at λ 0.5-0.75 and keeps the width's choice (shard/BENCHMARKS.md,
+/// "Adaptive writes: four threads a key, full buckets' scans").
+pub(super) const ADAPTIVE_WRITE_MIN: u64 = 4;
+
 /// Widest row for which assign and accumulate take `update_keys_g2_b5` (48
 /// registers: 5 blocks per SM): faster up to dim 32, slower at 64
 /// (BENCHMARKS.md, "Kernel choice").
@@ -175,7 +187,8 @@ impl Funcs {
     /// copied row ([`upsert_copy_threads`]); 8 for a batch in region order
     /// (BENCHMARKS.md, "Kernel choice"). Four threads without lost outputs
     /// (`lost`: insert_and_evict) take the variant held to 48 registers.
-    /// An `adaptive` table's kernels are its own (`upsert_keys_a`), and a
+    /// An `adaptive` table's kernels are its own (`upsert_keys_a`, at least
+    /// [`ADAPTIVE_WRITE_MIN`] threads a key), and a
     /// `verbatim` write's (scores kept as given: a load, a rehash) are
     /// `upsert_keys_v`, whatever the policy.
     #[allow(clippy::too_many_arguments)]
@@ -202,6 +215,7 @@ impl Funcs {
         } else {
             scan
         };
+        let g = if adaptive && !verbatim && !ordered && !lost { g.max(ADAPTIVE_WRITE_MIN) } else { g };
         let (all, bounded) = match (verbatim, adaptive) {
             (true, _) => (&self.upsert_verbatim, None),
             (false, false) => (&self.upsert, Some(&self.upsert_bounded)),
