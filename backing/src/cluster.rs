@@ -356,14 +356,13 @@ impl Cluster {
     /// not count: a reshard redirects many commands) and
     /// [`REDIRECT_ROUNDS`] in all.
     ///
-    /// A command of several keys (`MGET`, `MSET`, `DEL`, `EXISTS`, the
-    /// tier's write script) answered `TRYAGAIN` or `ASK` is resent as one
-    /// command per key, each following its own `ASK`, and their answers
-    /// merged into its own: a slot being migrated answers a multi-key
-    /// command whose keys are split between the two nodes with `TRYAGAIN`
-    /// (and the importing node answers one whose keys it lacks with
-    /// `TRYAGAIN` too) for as long as the migration lasts, while it serves
-    /// each key alone.
+    /// A command of several keys (`MGET`, `MSET`, `DEL`) answered
+    /// `TRYAGAIN` or `ASK` is resent as one command per key, each
+    /// following its own `ASK`, and their answers merged into its own: a
+    /// slot being migrated answers a multi-key command whose keys are
+    /// split between the two nodes with `TRYAGAIN` (and the importing node
+    /// answers one whose keys it lacks with `TRYAGAIN` too) for as long as
+    /// the migration lasts, while it serves each key alone.
     pub async fn run(&self, cmds: Vec<(u16, Cmd)>, deadline: tokio::time::Instant) -> Vec<Result<Value, Failure>> {
         // Commands move into the pipelines; the few a round resends are
         // cloned back out of them (a batch's rows are not copied per send).
@@ -642,17 +641,12 @@ enum Multi {
     Get,
     /// `MSET` → `SET`s: `OK`.
     Set,
-    /// `DEL` → `DEL`s (`EXISTS` → `EXISTS`s): the sum of their counts.
-    Del(&'static str),
-    /// The tier's write script over several keys → the script over each
-    /// key with its own value: the keys it left (`[index, type, ...]`),
-    /// renumbered.
-    Eval,
+    /// `DEL` → `DEL`s: the sum of their counts.
+    Del,
 }
 
-/// `cmd` as one command per key, when it is an `MGET`, `MSET`, `DEL` or
-/// `EXISTS` of more than one key, or an `EVAL` of the tier's write script
-/// (`EVAL script n KEYS… mode [one value per key]`) over more than one.
+/// `cmd` as one command per key, when it is an `MGET`, `MSET` or `DEL` of
+/// more than one key.
 fn split(cmd: &Cmd) -> Option<(Multi, Vec<Cmd>)> {
     let mut args = cmd.args_iter().map(|a| match a {
         redis::Arg::Simple(b) => b,
@@ -660,30 +654,10 @@ fn split(cmd: &Cmd) -> Option<(Multi, Vec<Cmd>)> {
     });
     let name = args.next()?.to_ascii_uppercase();
     let rest: Vec<&[u8]> = args.collect();
-    if name == b"EVAL" {
-        let n: usize = std::str::from_utf8(rest.get(1)?).ok()?.parse().ok()?;
-        let (keys, argv) = rest.get(2..)?.split_at_checked(n)?;
-        let (mode, values) = argv.split_first()?;
-        if n < 2 || !(values.is_empty() || values.len() == n) {
-            return None;
-        }
-        let cmds = (0..n)
-            .map(|j| {
-                let mut c = redis::cmd("EVAL");
-                c.arg(rest[0]).arg(1).arg(keys[j]).arg(*mode);
-                if let Some(v) = values.get(j) {
-                    c.arg(*v);
-                }
-                c
-            })
-            .collect();
-        return Some((Multi::Eval, cmds));
-    }
     let (multi, per_key) = match &name[..] {
         b"MGET" => (Multi::Get, 1),
         b"MSET" => (Multi::Set, 2),
-        b"DEL" => (Multi::Del("DEL"), 1),
-        b"EXISTS" => (Multi::Del("EXISTS"), 1),
+        b"DEL" => (Multi::Del, 1),
         _ => return None,
     };
     if rest.len() <= per_key || rest.len() % per_key != 0 {
@@ -692,8 +666,7 @@ fn split(cmd: &Cmd) -> Option<(Multi, Vec<Cmd>)> {
     let single = match multi {
         Multi::Get => "GET",
         Multi::Set => "SET",
-        Multi::Del(name) => name,
-        Multi::Eval => "EVAL",
+        Multi::Del => "DEL",
     };
     let cmds = rest
         .chunks_exact(per_key)
@@ -727,15 +700,7 @@ fn merge(multi: Multi, answers: Vec<Result<Value, Failure>>) -> Result<Value, Fa
     Ok(match multi {
         Multi::Get => Value::Array(values),
         Multi::Set => Value::Okay,
-        Multi::Del(_) => Value::Int(values.iter().map(|v| if let Value::Int(n) = v { *n } else { 0 }).sum()),
-        Multi::Eval => Value::Array(
-            (values.into_iter().enumerate())
-                .flat_map(|(j, v)| match v {
-                    Value::Array(left) if left.len() == 2 => vec![Value::Int(j as i64 + 1), left[1].clone()],
-                    _ => Vec::new(),
-                })
-                .collect(),
-        ),
+        Multi::Del => Value::Int(values.iter().map(|v| if let Value::Int(n) = v { *n } else { 0 }).sum()),
     })
 }
 

@@ -107,20 +107,6 @@ pub enum Error {
         /// The length the layout wants.
         want: usize,
     },
-    /// A row's key in the cluster holds another Redis type than a row's
-    /// string (a hash, a list, ...): another program wrote it. A read of
-    /// the key fails with this error, and a write leaves it as it is.
-    #[error("backing row {key} of table {table:?} is the cluster key {redis_key}, which holds a Redis {found}, not a row: another program wrote it; delete or rename that key (the tier neither reads it as absent nor overwrites it)")]
-    WrongType {
-        /// The table.
-        table: String,
-        /// The row's key.
-        key: u64,
-        /// The cluster key, its bytes that are not printable ASCII escaped.
-        redis_key: String,
-        /// The Redis type it holds (`TYPE`'s answer).
-        found: String,
-    },
 }
 
 /// An `Unavailable` error's words: a node that answered with a refusal
@@ -155,8 +141,7 @@ impl Error {
             Error::Unreachable { .. }
             | Error::Unavailable { .. }
             | Error::FlushTimeout { .. }
-            | Error::BadRow { .. }
-            | Error::WrongType { .. } => "backing_unavailable",
+            | Error::BadRow { .. } => "backing_unavailable",
             Error::QueueFull { .. } => "resource_exhausted",
             Error::ReadOnly { .. } => "invalid_argument",
         }

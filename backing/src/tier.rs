@@ -231,28 +231,9 @@ pub(crate) struct Sent {
     /// row's index and the cluster's row (encoded), which stays. Such a
     /// row is done (never retried): the cluster's row is the key's.
     pub kept: Vec<(usize, Vec<u8>)>,
-    /// Rows whose key holds another Redis type (a hash, ...), left as it
-    /// is: the row's index and the type. Such a row is done (never
-    /// retried).
-    pub wrong: Vec<(usize, String)>,
-    /// A [`Error::WrongType`] per such row, then one per failed node.
+    /// One per failed node.
     pub errors: Vec<Error>,
 }
-
-/// The script that writes (`ARGV[1]` = `s`: `SET` each key of `KEYS` to
-/// `ARGV[i + 1]`) or erases (`d`) one group's rows, except those whose key
-/// holds another type than a string, which it leaves as they are and
-/// answers as `[index, type, ...]` (empty when none). `MSET` and `DEL`
-/// would overwrite or delete another program's hash silently. Sent with
-/// `EVAL` (about 400 bytes per group's command, small beside its rows; the
-/// server caches it compiled); `MSET` / `DEL` in chunks of 4000 arguments,
-/// under Lua's stack limit (8000).
-const WRITE_SCRIPT: &str = "local bad={} for i=1,#KEYS do local t=redis.call('TYPE',KEYS[i]).ok \
-if t~='string' and t~='none' then bad[#bad+1]=i bad[#bad+1]=t end end \
-local set=ARGV[1]=='s' local a={} local b=1 \
-local function go() if #a>0 then if set then redis.call('MSET',unpack(a)) else redis.call('DEL',unpack(a)) end a={} end end \
-for i=1,#KEYS do if bad[b]==i then b=b+2 else a[#a+1]=KEYS[i] if set then a[#a+1]=ARGV[i+1] end \
-if #a>=4000 then go() end end end go() return bad";
 
 /// The shared part of a tier: what the flusher and the handles use.
 pub(crate) struct Core {
@@ -495,9 +476,6 @@ impl Backing {
         let results = core.cluster.run(cmds, deadline).await;
         let mut failed_nodes: Vec<String> = Vec::new();
         let mut spent: Vec<Vec<Value>> = Vec::new();
-        // Per group, the keys MGET answered nil: absent, or of another
-        // type than a row (MGET answers nil for a hash too).
-        let mut nils: Vec<(u32, Vec<usize>)> = Vec::new();
         for (&(g, ix), r) in groups.iter().zip(results) {
             // An `MGET` answers an array of bulk strings and nils: its rows
             // are decoded where the parser left them (no conversion of the
@@ -532,12 +510,8 @@ impl Backing {
                 }
             };
             let mut bytes_in = 0;
-            let mut nil = Vec::new();
             for (&i, row) in ix.iter().zip(&rows) {
-                let Value::BulkString(row) = row else {
-                    nil.push(i);
-                    continue;
-                };
+                let Value::BulkString(row) = row else { continue };
                 bytes_in += row.len();
                 match decode_row(row, &mut out.values[i * dim..(i + 1) * dim]) {
                     Some((version, score)) => {
@@ -558,12 +532,6 @@ impl Backing {
             }
             Counters::add(&core.counters.bytes_in, bytes_in);
             spent.push(rows);
-            if !nil.is_empty() {
-                nils.push((g, nil));
-            }
-        }
-        if !nils.is_empty() {
-            self.check_absent(keys, &nils, deadline, &mut out, &mut failed_nodes).await;
         }
         // The parser's row buffers are freed on a task of their own, after
         // the rows are answered (inline outside a runtime): one free per
@@ -587,73 +555,6 @@ impl Backing {
         }
         c.fetch.record(start.elapsed());
         out
-    }
-
-    /// Tells the keys an `MGET` answered nil apart: absent, or holding
-    /// another type than a row (which a read must not call absent). One
-    /// `EXISTS` per group of them (one more round trip, only for reads
-    /// with absent keys), then, only where one exists, a `TYPE` per key.
-    /// A key of another type is `Unavailable` with [`Error::WrongType`];
-    /// a check that fails leaves its keys late or unavailable, as a read.
-    async fn check_absent(
-        &self,
-        keys: &[u64],
-        nils: &[(u32, Vec<usize>)],
-        deadline: tokio::time::Instant,
-        out: &mut ReadOut,
-        failed_nodes: &mut Vec<String>,
-    ) {
-        let core = &self.core;
-        let mut fail = |out: &mut ReadOut, ix: &[usize], f: Failure| {
-            let (node, detail) = match f {
-                Failure::Late => return ix.iter().for_each(|&i| out.fetched[i] = Fetched::Late),
-                Failure::Node { node, detail } => (node, detail),
-            };
-            ix.iter().for_each(|&i| out.fetched[i] = Fetched::Unavailable);
-            core.counters.node_error(&node);
-            if !failed_nodes.contains(&node) {
-                failed_nodes.push(node.clone());
-                out.errors.push(Error::Unavailable { node, detail });
-            }
-        };
-        let cmds = nils
-            .iter()
-            .map(|(g, ix)| {
-                let mut cmd = redis::cmd("EXISTS");
-                ix.iter().for_each(|&i| {
-                    cmd.arg(core.layout.row_key(keys[i]));
-                });
-                (core.layout.slot_of_group(*g), cmd)
-            })
-            .collect();
-        let mut suspects: Vec<(u32, usize)> = Vec::new();
-        for ((g, ix), r) in nils.iter().zip(core.cluster.run(cmds, deadline).await) {
-            match r {
-                Ok(Value::Int(0)) => {}
-                Ok(_) => suspects.extend(ix.iter().map(|&i| (*g, i))),
-                Err(f) => fail(out, ix, f),
-            }
-        }
-        if suspects.is_empty() {
-            return;
-        }
-        let cmds = (suspects.iter())
-            .map(|&(g, i)| (core.layout.slot_of_group(g), redis::cmd("TYPE").arg(core.layout.row_key(keys[i])).clone()))
-            .collect();
-        for (&(g, i), r) in suspects.iter().zip(core.cluster.run(cmds, deadline).await) {
-            match r.map(<String as redis::FromRedisValue>::from_redis_value) {
-                Ok(Ok(t)) if t == "none" || t == "string" => {}
-                Ok(Ok(t)) => {
-                    out.fetched[i] = Fetched::Unavailable;
-                    out.errors.push(core.wrong_type(keys[i], &t));
-                }
-                Ok(Err(e)) => {
-                    let node = core.cluster.node_of(core.layout.slot_of_group(g));
-                    fail(out, &[i], Failure::Node { node, detail: format!("TYPE answer: {e}") })
-                }
-                Err(f) => fail(out, &[i], f),
-            }
-        }
     }
 
     /// Writes rows as the mode says: write-through sends them and returns
@@ -930,9 +831,8 @@ impl Core {
         for (i, r) in rows.iter().enumerate() {
             by_group[self.layout.group(r.key) as usize].push(i);
         }
-        // Per group: one write of its rows, one erase of its erasures
-        // ([`WRITE_SCRIPT`]); one SET NX per set-if-absent row (Redis has
-        // no multi-key form).
+        // Per group: one MSET of its rows, one DEL of its erasures; one
+        // SET NX per set-if-absent row (Redis has no multi-key form).
         let mut parts: Vec<(u32, Vec<usize>)> = Vec::new();
         for (g, ix) in by_group.into_iter().enumerate() {
             let (nx, ix): (Vec<usize>, Vec<usize>) = ix.into_iter().partition(|&i| rows[i].nx);
@@ -947,32 +847,28 @@ impl Core {
             .map(|&(g, ix)| {
                 let first = &rows[ix[0]];
                 let erase = first.values.is_empty();
-                let slot = self.layout.slot_of_group(g);
-                if first.nx {
-                    // Redis 7: NX with GET answers the row it kept, or nil
-                    // where it set ours (and refuses a key of another type).
-                    let mut cmd = redis::cmd("SET");
-                    self.layout.write_row_key(first.key, &mut key);
-                    buf.clear();
-                    encode_row(version, first.score, first.values, &mut buf);
-                    cmd.arg(&key[..]).arg(&buf[..]).arg("NX").arg("GET");
-                    return (slot, cmd);
-                }
-                let mut cmd = redis::cmd("EVAL");
-                cmd.arg(WRITE_SCRIPT).arg(ix.len());
+                let mut cmd = redis::cmd(if first.nx {
+                    "SET"
+                } else if erase {
+                    "DEL"
+                } else {
+                    "MSET"
+                });
                 for &i in ix {
                     self.layout.write_row_key(rows[i].key, &mut key);
                     cmd.arg(&key[..]);
-                }
-                cmd.arg(if erase { "d" } else { "s" });
-                if !erase {
-                    for &i in ix {
+                    if !erase {
                         buf.clear();
                         encode_row(version, rows[i].score, rows[i].values, &mut buf);
                         cmd.arg(&buf[..]);
                     }
                 }
-                (slot, cmd)
+                if first.nx {
+                    // Redis 7: NX with GET answers the row it kept, or nil
+                    // where it set ours.
+                    cmd.arg("NX").arg("GET");
+                }
+                (self.layout.slot_of_group(g), cmd)
             })
             .collect();
         // Writes wait for the cluster as long as a command may take (the
@@ -1008,27 +904,12 @@ impl Core {
         let mut errors = Vec::new();
         let mut nodes: Vec<String> = Vec::new();
         let mut acked: Vec<u8> = Vec::with_capacity(rows.len() * 8);
-        let mut wrong: Vec<(usize, String)> = Vec::new();
-        let mut wrong_rows: Vec<(usize, String)> = Vec::new();
         for ((&(g, ix), r), refused) in groups.iter().zip(results).zip(refused) {
             if refused {
                 continue;
             }
             match r {
-                Ok(v) => {
-                    // The script's answer: the rows it left, by position.
-                    let left = if rows[ix[0]].nx { Vec::new() } else { left_rows(&v) };
-                    for (p, &i) in ix.iter().enumerate() {
-                        match left.iter().find(|(q, _)| *q == p) {
-                            Some((_, t)) => wrong.push((i, t.clone())),
-                            None => acked.extend_from_slice(&rows[i].key.to_le_bytes()),
-                        }
-                    }
-                }
-                // SET NX GET refused a key of another type: named below.
-                Err(Failure::Node { detail, .. }) if rows[ix[0]].nx && detail.starts_with("WRONGTYPE") => {
-                    wrong.push((ix[0], String::new()))
-                }
+                Ok(_) => ix.iter().for_each(|&i| acked.extend_from_slice(&rows[i].key.to_le_bytes())),
                 Err(f) => {
                     ix.iter().for_each(|&i| failed[i] = true);
                     let (node, detail) = match f {
@@ -1043,17 +924,6 @@ impl Core {
                 }
             }
         }
-        // A key of another type, named by its type (`SET NX GET` does not
-        // say which), each its own error ahead of the nodes' failures.
-        let mut named = Vec::with_capacity(wrong.len());
-        for (i, mut found) in wrong {
-            if found.is_empty() {
-                found = self.type_of(rows[i].key).await.unwrap_or_else(|| "value of another type".into());
-            }
-            named.push(self.wrong_type(rows[i].key, &found));
-            wrong_rows.push((i, found));
-        }
-        errors.splice(0..0, named);
         let sent = acked.len() / 8;
         Counters::add(&self.counters.rows_written, sent);
         Counters::add(&self.counters.bytes_out, sent * self.layout.row_bytes());
@@ -1068,25 +938,7 @@ impl Core {
             let _ = self.publish(version, &acked).await;
         }
         self.counters.write.record(start.elapsed());
-        Sent { failed, kept, wrong: wrong_rows, errors }
-    }
-
-    /// The Redis type the cluster key of `key` holds (`TYPE`), when its
-    /// node answers.
-    pub(crate) async fn type_of(&self, key: u64) -> Option<String> {
-        let slot = self.layout.slot_of_group(self.layout.group(key));
-        let v = self.cluster.one(slot, redis::cmd("TYPE").arg(self.layout.row_key(key)).clone()).await.ok()?;
-        redis::FromRedisValue::from_redis_value(v).ok()
-    }
-
-    /// The error of a row key that holds `found`, another type than a row.
-    pub(crate) fn wrong_type(&self, key: u64, found: &str) -> Error {
-        Error::WrongType {
-            table: self.layout.table().into(),
-            key,
-            redis_key: self.layout.row_key(key).escape_ascii().to_string(),
-            found: found.into(),
-        }
+        Sent { failed, kept, errors }
     }
 
     /// `WAIT`s on every master that acknowledged a part of the batch for
@@ -1204,19 +1056,6 @@ impl Core {
     }
 }
 
-/// The rows [`WRITE_SCRIPT`] left because their key holds another type:
-/// `[index (1-based), type, ...]` as (position, type).
-fn left_rows(v: &Value) -> Vec<(usize, String)> {
-    let Value::Array(a) = v else { return Vec::new() };
-    a.chunks_exact(2)
-        .filter_map(|c| {
-            let Value::Int(i) = c[0] else { return None };
-            let t: String = redis::FromRedisValue::from_redis_value(c[1].clone()).ok()?;
-            Some((usize::try_from(i).ok()?.checked_sub(1)?, t))
-        })
-        .collect()
-}
-
 /// Reads the table's meta hash, writing it first if the table is new.
 async fn meta(cluster: &Cluster, table: &str, dim: usize, row: &str) -> Result<u32, Error> {
     let key = Layout::meta_key(table);
@@ -1310,18 +1149,12 @@ async fn flusher(core: Arc<Core>) {
 async fn send_batch(core: Arc<Core>, batch: Batch) -> bool {
     let rows: Vec<Row> =
         batch.iter().map(|(k, e)| Row { key: *k, score: e.score, values: &e.values, nx: e.nx }).collect();
-    let Sent { failed, kept, wrong, errors } = core.send(&rows).await;
+    let Sent { failed, kept, errors } = core.send(&rows).await;
     drop(rows);
     // Before the rows leave the queue: once `flush` returns, the cache's
-    // rows the cluster refused are known. A row whose key holds another
-    // type is refused too (never retried): the cache drops it, and reads
-    // of the key then say what the key holds.
-    if !kept.is_empty() || !wrong.is_empty() {
-        let keys = kept.iter().map(|k| k.0).chain(wrong.iter().map(|w| w.0));
-        core.conflicts.lock().extend(keys.map(|i| batch[i].0));
-    }
-    for e in errors.iter().filter(|e| matches!(e, Error::WrongType { .. })) {
-        tracing::warn!(table = %core.layout.table(), "a queued row was not written: {e}");
+    // rows the cluster refused are known.
+    if !kept.is_empty() {
+        core.conflicts.lock().extend(kept.iter().map(|&(i, _)| batch[i].0));
     }
     core.queue.settle(batch, &failed);
     !failed.iter().any(|f| *f) && errors.is_empty()

@@ -920,56 +920,6 @@ async fn waiting_stream_entries_are_bounded_by_a_reset() {
     assert_eq!((gap, heard), (Some(Gap::Reset), vec![5001]));
 }
 
-/// Runs `cmd` (of one key) on whichever node of `c` serves its key: the
-/// others answer `MOVED`.
-async fn on_owner(c: &TestCluster, cmd: &redis::Cmd) -> redis::Value {
-    for port in c.ports() {
-        let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).unwrap();
-        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-        match cmd.query_async::<redis::Value>(&mut conn).await {
-            Err(e) if e.code() == Some("MOVED") => continue,
-            other => return other.unwrap(),
-        }
-    }
-    panic!("no node serves the key of {cmd:?}")
-}
-
-/// A row key that holds another Redis type (another program's hash) read
-/// as absent (MGET answers nil), failed find_or_insert as an unavailable
-/// node, and was overwritten by a write's MSET without a word. Now a read
-/// of it is `Unavailable` with `WrongType` naming the key and the type,
-/// a write or an erase leaves it (and is refused with that error under
-/// write-through; under write-back the row leaves the queue and the key
-/// is handed to the cache to drop), and the other keys are served.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_row_key_of_another_type_is_named_and_left_alone() {
-    let c = cluster(3, 0);
-    let b = Backing::open("wt", DIM, options(&c, Mode::WriteThrough)).await.unwrap();
-    let key = b.layout().row_key(7);
-    on_owner(&c, redis::cmd("HSET").arg(&key[..]).arg("f").arg("theirs")).await;
-    let is_wrong = |e: &Error| matches!(e, Error::WrongType { key: 7, found, .. } if found == "hash");
-    let out = b.read(&[7, 8]).await;
-    assert_eq!(out.fetched, [Fetched::Unavailable, Fetched::Absent]);
-    assert!(out.errors.len() == 1 && is_wrong(&out.errors[0]), "{:?}", out.errors);
-    let e = b.write(&[7, 9], &rows(&[7, 9], 1), &[]).await.unwrap_err();
-    assert!(is_wrong(&e), "{e}");
-    assert_eq!(e.code(), "backing_unavailable");
-    let e = b.insert_absent(&[7], &row(7, 1), &[]).await.unwrap_err();
-    assert!(is_wrong(&e), "{e}");
-    let e = b.erase(&[7]).await.unwrap_err();
-    assert!(is_wrong(&e), "{e}");
-    let out = b.read(&[9]).await;
-    assert_eq!(out.fetched, [Fetched::Found], "the write's other key landed");
-    // Under write-back the queued row leaves the queue, unsent, and the
-    // key goes to the cache to drop.
-    let q = Backing::open("wt", DIM, options(&c, Mode::WriteBack)).await.unwrap();
-    q.write(&[7], &row(7, 2), &[]).await.unwrap();
-    q.flush(Duration::from_secs(5)).await.unwrap();
-    assert_eq!(q.take_conflicts(), vec![7]);
-    let theirs = on_owner(&c, redis::cmd("HGET").arg(&key[..]).arg("f")).await;
-    assert_eq!(theirs, redis::Value::BulkString(b"theirs".to_vec()), "the other program's hash is intact");
-}
-
 /// A write whose rows landed but whose stream entry's node did not answer
 /// waits for that node once, then returns: the entry waits for the
 /// table's consumer. (The bound on waiting entries first tried a failed

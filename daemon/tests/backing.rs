@@ -1749,35 +1749,6 @@ fn a_reset_on_the_stream_drops_other_hosts_caches() {
     assert_eq!(entries.trim(), "2", "the first write's entry, then one reset for the ten refused");
 }
 
-/// A row key holding another Redis type (another program's hash) read as
-/// absent, failed find_or_insert as if its node were down, and was
-/// overwritten by insert_or_assign without a word. Each now fails with
-/// `backing_unavailable` naming the key and the type, and the hash stays.
-#[test]
-fn a_row_key_of_another_type_is_named_and_left_alone() {
-    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
-    let seeds = cluster.seed_arg();
-    let d = Daemon::start(&[]);
-    let mut c = d.client();
-    c.create_table(backed("wy", &seeds, BackingMode::WriteThrough)).unwrap();
-    // A key whose 8 bytes are all 0x01, so redis-cli can name its row key.
-    let k = 0x0101_0101_0101_0101u64;
-    let groups: u32 = cluster.cli(0, &["-c", "hget", "hkv:{wy}:meta", "groups"]).unwrap().trim().parse().unwrap();
-    let row_key = String::from_utf8(hkv_backing::layout::Layout::new("wy", 4, groups).row_key(k)).unwrap();
-    let hset = cluster.cli(0, &["-c", "hset", &row_key, "f", "theirs"]).unwrap();
-    assert_eq!(hset.trim(), "1", "{hset}");
-    let named = |e: hkv_client::ClientError| {
-        let text = e.to_string();
-        assert_eq!(e.code(), Some(ErrorCode::BackingUnavailable), "{text}");
-        assert!(text.contains(&k.to_string()) && text.contains("hash"), "{text}");
-    };
-    named(c.find("wy", &[k]).unwrap_err());
-    named(c.insert_or_assign("wy", &[k], &[1.0; 4], None).unwrap_err());
-    named(c.find_or_insert("wy", &[k], &[1.0; 4], None).unwrap_err());
-    let theirs = cluster.cli(0, &["-c", "hget", &row_key, "f"]).unwrap();
-    assert_eq!(theirs.trim(), "theirs", "the other program's hash is intact");
-}
-
 /// A backed table checks a write's arrays before it reads them or writes
 /// the cluster: too few or too many floats for the keys is `wrong_dim`,
 /// as on a table without backing, and nothing of the request is applied
