@@ -1630,6 +1630,10 @@ pub fn wire_stats(s: &TableStats) -> hkv_proto::stats::BackingStats {
         queue_oldest_ms: t.queue_oldest_ms,
         queue_full: t.queue_full,
         invalidations: t.invalidations,
+        unpublished_entries: t.unpublished_entries,
+        unpublished_bytes: t.unpublished_bytes,
+        unpublished_limit_bytes: t.unpublished_limit_bytes,
+        unpublished_resets: t.unpublished_resets,
         node_errors: t.node_errors.clone(),
         fetch_p50_us: t.fetch_us.quantile_us(0.5),
         fetch_p99_us: t.fetch_us.quantile_us(0.99),
@@ -1642,7 +1646,7 @@ pub fn wire_stats(s: &TableStats) -> hkv_proto::stats::BackingStats {
 pub fn prometheus(o: &mut String, d: &hkv_proto::stats::Stats) {
     use std::fmt::Write;
     type Get = fn(&hkv_proto::stats::BackingStats) -> u64;
-    let series: [(&str, &str, &str, Get); 15] = [
+    let series: [(&str, &str, &str, Get); 19] = [
         ("backing_hits_total", "counter", "Read keys the cache answered.", |b| b.hits),
         ("backing_filled_total", "counter", "Read keys filled from the cluster (or the write-back queue).", |b| {
             b.filled
@@ -1662,6 +1666,16 @@ pub fn prometheus(o: &mut String, d: &hkv_proto::stats::Stats) {
         ("backing_queue_limit_bytes", "gauge", "The write-back queue's bound.", |b| b.queue_limit_bytes),
         ("backing_queue_full_total", "counter", "Writers refused by a full write-back queue.", |b| b.queue_full),
         ("backing_invalidations_total", "counter", "Keys other hosts' writes invalidated here.", |b| b.invalidations),
+        ("backing_unpublished_entries", "gauge", "Stream entries of this host's writes waiting to be appended.", |b| {
+            b.unpublished_entries
+        }),
+        ("backing_unpublished_bytes", "gauge", "Bytes of the stream entries waiting.", |b| b.unpublished_bytes),
+        ("backing_unpublished_limit_bytes", "gauge", "The waiting stream entries' bound.", |b| {
+            b.unpublished_limit_bytes
+        }),
+        ("backing_unpublished_resets_total", "counter", "Times the waiting stream entries became one reset.", |b| {
+            b.unpublished_resets
+        }),
     ];
     for (name, kind, help, get) in series {
         let _ = writeln!(o, "# HELP hkvd_{name} {help}\n# TYPE hkvd_{name} {kind}");

@@ -160,6 +160,10 @@ fn two_daemons_share_a_table_through_the_cluster() {
         "queue_oldest_ms",
         "queue_full_total",
         "invalidations_total",
+        "unpublished_entries",
+        "unpublished_bytes",
+        "unpublished_limit_bytes",
+        "unpublished_resets_total",
     ] {
         assert!(m.contains(&format!("\nhkvd_backing_{series}{{table=\"emb\"}} ")), "{series} missing:\n{m}");
     }

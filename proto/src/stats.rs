@@ -199,6 +199,21 @@ pub struct BackingStats {
     pub queue_full: u64,
     /// Keys invalidated by other hosts' writes.
     pub invalidations: u64,
+    /// Stream entries of this host's acknowledged writes waiting to be
+    /// appended (the stream's node refused them or did not answer); a
+    /// reset entry counts one.
+    #[serde(default)]
+    pub unpublished_entries: u64,
+    /// Their bytes (keys, and 48 per entry).
+    #[serde(default)]
+    pub unpublished_bytes: u64,
+    /// Their bound: past it they are replaced by one reset entry.
+    #[serde(default)]
+    pub unpublished_limit_bytes: u64,
+    /// Times the bound was reached (each made a reset entry, on which
+    /// every other host drops its cache of the table).
+    #[serde(default)]
+    pub unpublished_resets: u64,
     /// Errors per node (`host:port`).
     pub node_errors: std::collections::BTreeMap<String, u64>,
     /// Fetch latency per batch, median and 99th percentile, µs.
