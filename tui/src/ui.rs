@@ -417,8 +417,24 @@ fn draw_backing(f: &mut Frame, b: &hkv_client::proto::stats::BackingStats, area:
             b.rows_written
         )),
         Line::from(format!(
-            "other hosts: {} invalidations, staleness p50 {} µs, p99 {} µs   node errors {}",
-            b.invalidations, b.staleness_p50_us, b.staleness_p99_us, errors
+            "other hosts: {} invalidations, staleness p50 {} µs, p99 {} µs   node errors {}{}",
+            b.invalidations,
+            b.staleness_p50_us,
+            b.staleness_p99_us,
+            errors,
+            // This host's writes other hosts have not heard yet (the
+            // stream's node refused their entries), when there are any.
+            if b.unpublished_entries + b.unpublished_resets > 0 {
+                format!(
+                    "   unheard: {} stream entries ({} of {}), {} resets",
+                    b.unpublished_entries,
+                    bytes(b.unpublished_bytes),
+                    bytes(b.unpublished_limit_bytes),
+                    b.unpublished_resets
+                )
+            } else {
+                String::new()
+            }
         )),
     ];
     f.render_widget(

@@ -326,6 +326,15 @@ fn a_backed_tables_view_shows_its_cluster() {
     assert!(s.contains("cache 90.0%") && s.contains("filled 8.0%") && s.contains("absent 2.0%"), "{s}");
     assert!(s.contains("queue: 12 rows") && s.contains("oldest 35 ms"), "{s}");
     assert!(s.contains("staleness p50 3000 µs, p99 21000 µs") && s.contains("node errors 2"), "{s}");
+    assert!(!s.contains("unheard"), "no stream entries wait: {s}");
+    // Stream entries of this host's writes waiting for the stream's node.
+    v["tables"][0]["backing"]["unpublished_entries"] = json!(3);
+    v["tables"][0]["backing"]["unpublished_bytes"] = json!(2048);
+    v["tables"][0]["backing"]["unpublished_limit_bytes"] = json!(4 << 20);
+    v["tables"][0]["backing"]["unpublished_resets"] = json!(1);
+    a.on_stats(&typed(&v), Instant::now());
+    let s = render(&a, 200, 40);
+    assert!(s.contains("unheard: 3 stream entries") && s.contains("1 resets"), "{s}");
     // A table without a cluster shows no such panel.
     let mut b = App::new("/tmp/hkvd.sock".into());
     b.on_stats(&stats(100, false), Instant::now());
