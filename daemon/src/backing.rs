@@ -928,6 +928,18 @@ fn origin_codes(found: &[u8], miss: &[usize], rows: &ReadOut) -> Vec<u8> {
     o
 }
 
+/// Marks found the misses (`miss`: their indices among the request's
+/// keys) that the cluster answered in `rows`, calling `each(j, i)` for
+/// each: its place among the misses and among the keys.
+fn mark_filled(found: &mut [u8], miss: &[usize], rows: &ReadOut, mut each: impl FnMut(usize, usize)) {
+    for (j, &i) in miss.iter().enumerate() {
+        if rows.fetched[j] == Fetched::Found {
+            found[i] = 1;
+            each(j, i);
+        }
+    }
+}
+
 /// find on a backed table: hits refresh their scores, misses are read
 /// from the cluster, inserted and returned, in the same request.
 pub async fn find(
@@ -983,11 +995,7 @@ pub async fn find_to<D: Destination>(
     let hits = found.to_vec();
     refresh(router, tiers, t, &keys, &hits);
     let (miss, rows) = tiers.fill(router, t, tier, &keys, &hits, false, None, pre, Some(values)).await?;
-    for (j, &i) in miss.iter().enumerate() {
-        if rows.fetched[j] == Fetched::Found {
-            found[i] = 1;
-        }
-    }
+    mark_filled(found, &miss, &rows, |_, _| {});
     let count = found.iter().filter(|&&f| f == 1).count() as u64;
     Ok((dest, count))
 }
@@ -1011,14 +1019,11 @@ pub async fn find_with_origins(
     refresh(router, tiers, t, &keys, &found);
     let (miss, rows) = tiers.fill(router, t, tier, &keys, &found, origins, None, None, Some(&mut values)).await?;
     let codes = origins.then(|| origin_codes(&found, &miss, &rows));
-    for (j, &i) in miss.iter().enumerate() {
-        if rows.fetched[j] == Fetched::Found {
-            found[i] = 1;
-            if let Some(s) = got.get_mut(i) {
-                *s = rows.scores[j];
-            }
+    mark_filled(&mut found, &miss, &rows, |j, i| {
+        if let Some(s) = got.get_mut(i) {
+            *s = rows.scores[j];
         }
-    }
+    });
     Ok((FindAnswer { found, values, scores: scores.then_some(got) }, codes))
 }
 
@@ -1047,11 +1052,7 @@ pub async fn contains_with_origins(
     let mut found = router.contains(t, keys.clone()).await?;
     let (miss, rows) = tiers.fill(router, t, tier, &keys, &found, origins, None, None, None).await?;
     let codes = origins.then(|| origin_codes(&found, &miss, &rows));
-    for (j, &i) in miss.iter().enumerate() {
-        if rows.fetched[j] == Fetched::Found {
-            found[i] = 1;
-        }
-    }
+    mark_filled(&mut found, &miss, &rows, |_, _| {});
     Ok((found, codes))
 }
 
