@@ -343,7 +343,12 @@ def _check_out(out: np.ndarray, n: int, dim: int) -> np.ndarray:
 
 
 class Client:
-    """A connection to hkvd. Not shared between threads (open one per thread)."""
+    """A connection to hkvd. Meant for one thread: open one per thread for
+    speed. Calls from several threads at once are safe, one request's
+    sending or one answer's reading at a time (a thread waiting for its
+    answer reads the others' answers and keeps them for them), but the
+    ``hkvd.torch`` modules and arrays registered through a client are not:
+    use each from one thread."""
 
     def __init__(self, socket: Optional[str] = None, timeout: Optional[float] = None):
         self.path = socket or default_socket()
@@ -363,6 +368,10 @@ class Client:
         self._hdr = bytearray(HEADER.size)
         self._body_read = 0  # bytes of the current answer's body read so far
         self._lock = threading.Lock()
+        # One request's sending (its id, frame and pending entry) or one
+        # answer's reading at a time: threads sharing a client would
+        # otherwise interleave frames on the socket.
+        self._io = threading.RLock()
         self._regions: Dict[int, int] = {}  # memfd regions: hkvd.shm serial -> region id
         self._cuda_regions: Dict[int, object] = {}  # device regions by allocation buffer id
         # Requests sent without waiting whose answer must be read before any
@@ -402,16 +411,22 @@ class Client:
               out: Optional[np.ndarray] = None, settle: bool = True) -> int:
         # settle False: a request the daemon orders after the deferred
         # answers' requests itself (hkvd.region.After).
-        if self._deferred and settle:
-            self.settle()
-        if self._unneeded:
-            self._unregister_unneeded()
-        rid = self._next
-        self._next += 1
-        body = sum(len(p) if not isinstance(p, memoryview) else p.nbytes for p in parts)
-        self._sendmsg([HEADER.pack(MAGIC, VERSION, op, flags, rid, body)] + list(parts))
-        self._pending[rid] = _Pending(op, dim, n, flags, out)
-        return rid
+        with self._io:
+            if self._deferred and settle:
+                self.settle()
+            if self._unneeded:
+                self._unregister_unneeded()
+            rid = self._next
+            self._next += 1
+            body = sum(len(p) if not isinstance(p, memoryview) else p.nbytes for p in parts)
+            # Pending before it is sent: another thread may read its answer.
+            self._pending[rid] = _Pending(op, dim, n, flags, out)
+            try:
+                self._sendmsg([HEADER.pack(MAGIC, VERSION, op, flags, rid, body)] + list(parts))
+            except BaseException:
+                self._pending.pop(rid, None)
+                raise
+            return rid
 
     def _unregister_unneeded(self) -> None:
         """Sends an unregister for each region whose shm arrays are gone,
@@ -578,24 +593,29 @@ class Client:
 
     def result(self, rid: int):
         """The answer to a request sent with a ``send_*`` method (raises its error)."""
-        while rid not in self._done:
-            got, value = self._recv_one()
-            if got == 0 and isinstance(value, HkvdError):
-                # A connection-level error (`busy`, a bad frame): the
-                # daemon closes the connection; it answers every request
-                # still outstanding (PROTOCOL.md, "Connection").
-                for r in self._pending:
-                    if r not in self._ignored:
-                        self._done[r] = value
-                self._pending.clear()
-                self._ignored.clear()
-                self._done.setdefault(rid, value)
-                continue
-            if got in self._ignored:
-                self._ignored.discard(got)
-                continue
-            self._done[got] = value
-        value = self._done.pop(rid)
+        while True:
+            # One answer read at a time; another thread's answers are kept
+            # for it in _done.
+            with self._io:
+                if rid in self._done:
+                    value = self._done.pop(rid)
+                    break
+                got, value = self._recv_one()
+                if got == 0 and isinstance(value, HkvdError):
+                    # A connection-level error (`busy`, a bad frame): the
+                    # daemon closes the connection; it answers every request
+                    # still outstanding (PROTOCOL.md, "Connection").
+                    for r in self._pending:
+                        if r not in self._ignored:
+                            self._done[r] = value
+                    self._pending.clear()
+                    self._ignored.clear()
+                    self._done.setdefault(rid, value)
+                    continue
+                if got in self._ignored:
+                    self._ignored.discard(got)
+                    continue
+                self._done[got] = value
         if isinstance(value, HkvdError):
             raise value
         return value

@@ -157,8 +157,9 @@ def encode_request(op: int, rid: int, table: str, refs: Sequence[Tuple[int, int,
 def raw_call(client, op: int, body: bytes, flags: int = 0) -> bytes:
     """Sends one request and returns its answer body unparsed (raises the
     daemon's error)."""
-    rid = client._send(op, flags, [body])
-    client._pending[rid].flags |= F_REGION  # the answer is returned as bytes
+    with client._io:  # flagged before another thread can read the answer
+        rid = client._send(op, flags, [body])
+        client._pending[rid].flags |= F_REGION  # the answer is returned as bytes
     return client.result(rid)
 
 

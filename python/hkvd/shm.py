@@ -128,12 +128,17 @@ def _memfd_of(a: np.ndarray) -> Tuple[_Memfd, int]:
 def register_memfd(client, fd: int, nbytes: int) -> int:
     """Sends ``register_memfd`` with ``fd`` (any fd: the daemon checks it) and
     returns the region id."""
-    rid = client._next
-    client._next += 1
-    frame = client_header(OP_REGISTER_MEMFD, 0, rid, 8) + struct.pack("<Q", nbytes)
-    anc = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, array.array("i", [fd]))]
-    client._sendmsg([frame], anc)
-    client._pending[rid] = _raw_pending(client, rid)
+    with client._io:  # the id, the frame and its pending entry together
+        rid = client._next
+        client._next += 1
+        frame = client_header(OP_REGISTER_MEMFD, 0, rid, 8) + struct.pack("<Q", nbytes)
+        anc = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, array.array("i", [fd]))]
+        client._pending[rid] = _raw_pending(client, rid)
+        try:
+            client._sendmsg([frame], anc)
+        except BaseException:
+            client._pending.pop(rid, None)
+            raise
     body = client.result(rid)
     region, _ = struct.unpack("<IQ", body)
     return region

@@ -153,6 +153,36 @@ def test_concurrent_clients_and_pipelining(daemon):
     assert daemon.client().tables()[0]["size"] == 8 * 8 * 500
 
 
+def test_one_client_shared_by_threads(daemon):
+    """Threads sharing one Client: each gets its own answers (frames were
+    interleaved on the socket, answers read before their request was
+    pending, and calls hung: an independent tester's finding)."""
+    c = daemon.client()
+    c.create_table("shared", dim=4, capacity=1 << 20)
+    errors = []
+
+    def work(w):
+        try:
+            for j in range(40):
+                k = np.arange(300, dtype=np.uint64) + (w << 40) + (j << 20)
+                assert c.insert_or_assign("shared", k, rows(k, 4, w)).inserted == 300
+                i = c.send_find("shared", k)
+                values, found, _ = c.result(i)
+                assert found.all()
+                np.testing.assert_array_equal(values, rows(k, 4, w))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(w,), daemon=True) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    assert not errors, errors
+    assert c.tables()[0]["size"] == 4 * 40 * 300
+
+
 def test_checkpoint_and_restore(daemon, tmp_path):
     c = daemon.client()
     c.create_table("t", dim=2, capacity=4096, policy="custom")
