@@ -381,6 +381,9 @@ class Client:
         # the next request, their answers (request ids in _ignored) dropped.
         self._unneeded: List[int] = []
         self._ignored: set = set()
+        # The daemon closed or reset the connection (a ConnectionLost was
+        # raised): this client is done.
+        self.lost = False
 
     # ---- plumbing -----------------------------------------------------
     def close(self) -> None:
@@ -470,6 +473,7 @@ class Client:
         """The error of a connection the daemon closed (``e`` None: an end of
         stream) or reset."""
         how = f" ({e.strerror or e})" if e is not None else ""
+        self.lost = True
         return ConnectionLost("connection_lost", f"the daemon at {self.path} closed the connection{how}: did it "
                                                  "stop or restart? Open a new Client once it is back")
 

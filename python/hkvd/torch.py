@@ -20,7 +20,7 @@ from typing import Callable, Iterable, List, NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
-from . import Client, HkvdError, ReservedKey, WrongDim, _integers, region
+from . import Client, ConnectionLost, HkvdError, ReservedKey, WrongDim, _integers, region
 from . import cuda as _cuda
 from .cuda import CudaError, CudaIpcUnavailable
 from .shm import shm_array
@@ -670,11 +670,23 @@ class _Sparse(torch.nn.Module):
             self.step -= 1
             raise
 
+    def _members(self) -> List["_Sparse"]:
+        """The modules of this table (this one among them) whose connection
+        is not known lost: a module left over from before a restart of the
+        daemon (its client got ``ConnectionLost``) is none of a new one's."""
+        return [m for m in list(self._sharing) if m is self or not m.client.lost]
+
     def _settle_sharing(self) -> None:
         """Reads the answers of the steps in flight of every module of this
-        table (each module's last step), so that what follows sees them."""
-        for m in list(self._sharing):
-            m.cache.settle()
+        table (each module's last step), so that what follows sees them. A
+        module on another client whose connection turns out lost here
+        leaves the table's modules (its step's answer is lost with it)."""
+        for m in self._members():
+            try:
+                m.cache.settle()
+            except ConnectionLost:
+                if m.client is self.client:
+                    raise
 
     # ---- lookups ------------------------------------------------------
     def _flat(self, ids) -> torch.Tensor:
@@ -805,7 +817,7 @@ class _Sparse(torch.nn.Module):
         that overwrote them gave a later prefetched forward another id's
         row: found by an independent tester over shm.)"""
         c = self.cache
-        for m in list(self._sharing):
+        for m in self._members():
             for p in m._pending:
                 p.patches = [(u, f.clone(), v.clone(), None) if owner is c else (u, f, v, owner)
                              for u, f, v, owner in p.patches]
@@ -816,12 +828,24 @@ class _Sparse(torch.nn.Module):
         answers no rows). Returns them, ``(module, lookup)``, for a step to
         send again after itself."""
         dropped = []
-        for m in list(self._sharing):
+        for m in self._members():
             for p in m._pos_pending:
-                m._drop(p)
-                dropped.append((m, p))
+                if self._drop_of(m, p):
+                    dropped.append((m, p))
             m._pos_pending = []
         return dropped
+
+    def _drop_of(self, m: "_Sparse", p: _Prefetched) -> bool:
+        """Drops module ``m``'s lookup ``p``; False when ``m`` is on another
+        client whose connection turned out lost here (it then leaves the
+        table's modules: :meth:`_members`)."""
+        try:
+            m._drop(p)
+        except ConnectionLost:
+            if m.client is self.client:
+                raise
+            return False
+        return True
 
     def _positions(self, flat: torch.Tensor) -> torch.Tensor:
         """dedupe "table": the ``(n, dim)`` rows of ``flat``'s positions, from
@@ -856,9 +880,9 @@ class _Sparse(torch.nn.Module):
         again, hyper = self._begin_step()
         # Prefetches of the other deduplication can be patched by none of
         # this step's values: their forwards look up again.
-        for m in list(self._sharing):
+        for m in self._members():
             for p in m._pending:
-                m._drop(p)
+                self._drop_of(m, p)
             m._pending = []
         c = self.cache
         g = grads.detach().to(device=self.device, dtype=torch.float32)
@@ -920,8 +944,16 @@ class _Sparse(torch.nn.Module):
                 if m.client is not self.client:
                     c.settle()  # the step answered (on cuda-ipc: the stream follows its writes)
                 init = None if behind else m._init_rows(p.ids)
-                p.token = p.cache._send(region.OP_FIND_OR_INSERT, p.ids, init, done_event=False,
-                                        after=c._done if behind else None)
+                try:
+                    p.token = p.cache._send(region.OP_FIND_OR_INSERT, p.ids, init, done_event=False,
+                                            after=c._done if behind else None)
+                except ConnectionLost:
+                    # Another client's connection lost: that module is
+                    # done (:meth:`_members`), this step stands.
+                    if m.client is self.client:
+                        raise
+                    sent += 1
+                    continue
                 m._pos_pending.append(p)
                 sent += 1
             for m in {id(m): m for m, _ in again}.values():
@@ -952,7 +984,7 @@ class _Sparse(torch.nn.Module):
         # Updated rows are needed to patch the prefetches pending, this
         # module's and those of other modules of the table.
         # (Modules on another device are left out: their rows live there.)
-        pending = [p for m in list(self._sharing) if m.device == self.device for p in m._pending]
+        pending = [p for m in self._members() if m.device == self.device for p in m._pending]
         want = bool(pending)
         c = self.cache
 

@@ -975,3 +975,43 @@ def test_a_custom_policy_table_is_refused_by_the_constructor(daemon):
     with pytest.raises(ValueError, match="policy custom"):
         Embedding(c, "cust", verbose=False)
     c.close()
+
+
+@pytest.mark.parametrize("dedupe", ["table", "module"])
+def test_a_module_made_after_a_restart_ignores_the_dead_connections_modules(tmp_path, dedupe):
+    """The daemon killed with a step in flight and started again: a new
+    module on a new client trains, while the old module (on the dead
+    connection) is still alive. Its first forward raised the old module's
+    ConnectionLost (an independent tester's finding: the modules of a
+    table are found by socket path and table)."""
+    import signal
+
+    from conftest import Daemon
+    from hkvd.torch import Embedding
+
+    d = Daemon(tmp_path)
+    c = d.client()
+    c.create_table("rs", dim=4, capacity=4096, optimizer="adam")
+    old = Embedding(c, "rs", lr=0.01, verbose=False, transport="shm", dedupe=dedupe)
+    ids = [torch.randint(0, 50, (4, 2), generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    old(ids[0]).sum().backward()
+    old.prefetch(ids[1])
+    old(ids[1]).sum().backward()  # its step unanswered
+    old.prefetch(ids[2])
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait(timeout=30)
+    d = Daemon(tmp_path)
+    try:
+        c2 = d.client()
+        c2.create_table("rs", dim=4, capacity=4096, optimizer="adam")
+        new = Embedding(c2, "rs", lr=0.01, verbose=False, transport="shm", dedupe=dedupe)
+        for x in ids[2:]:
+            new.prefetch(x)
+            new(x).sum().backward()
+        new.flush()
+        assert new.step == 4
+        with pytest.raises(hkvd.ConnectionLost):  # the old module is done
+            old(ids[3]).sum().backward()
+        c2.close()
+    finally:
+        d.stop()
