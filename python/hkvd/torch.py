@@ -120,6 +120,11 @@ class EmbeddingCache:
             try:
                 getattr(self, "_setup_" + t.replace("-", "_"))()
             except (CudaIpcUnavailable, CudaError, HkvdError, OSError, ValueError) as e:
+                # What the failed transport made is let go (an shm array
+                # registered before a larger one failed held its region).
+                for a in ("_buf", "_keys", "_values", "_found", "_grads", "_refs", "_grad_ref", "_out_ref",
+                          "_keys_np", "_values_np", "_found_np", "_grads_np"):
+                    self.__dict__.pop(a, None)
                 if transport != "auto":
                     raise
                 why.append(f"{_NAMES[t]} unavailable: {e}")

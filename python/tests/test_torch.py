@@ -1015,3 +1015,24 @@ def test_a_module_made_after_a_restart_ignores_the_dead_connections_modules(tmp_
         c2.close()
     finally:
         d.stop()
+
+
+def test_a_failed_shared_memory_setup_leaves_no_region(daemon):
+    """A module whose shared-memory buffers the daemon refuses (here past
+    limits.max_region_bytes_per_connection) falls back to the socket and
+    keeps none of them: the keys buffer registered before the refusal
+    stayed registered for the module's life (an independent tester's
+    finding, 512 MiB)."""
+    import gc
+
+    from hkvd.torch import Embedding
+
+    c = daemon.client()
+    c.create_table("big", dim=64, capacity=4096, optimizer="adam")
+    e = Embedding(c, "big", lr=0.01, verbose=False, max_batch=1 << 26)
+    assert e.transport == "socket"
+    gc.collect()
+    e(torch.tensor([1])).sum().backward()
+    e.flush()
+    assert c.stats()["regions"]["regions"] == 0
+    c.close()
