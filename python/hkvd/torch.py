@@ -713,8 +713,9 @@ class _Sparse(torch.nn.Module):
         IPC without waiting for the step's answer: the daemon runs it after
         the step), so that it reads the step's writes and needs no patch;
         the forward called with equal ids uses its rows. A step of another
-        module of the table sends it again behind that step. With
-        ``"module"``, as follows. Sends the lookup of ``ids`` now, without
+        module of the table sends it again behind that step. With autograd
+        off (``torch.no_grad()``: evaluation, inference) no step comes, so
+        the lookup is sent now. With ``"module"``, as follows. Sends the lookup of ``ids`` now, without
         waiting: the daemon runs it while this step computes, and the
         forward called with equal ids uses its rows. Rows that a step
         updates meanwhile (this module's, or another module's of the same
@@ -736,7 +737,11 @@ class _Sparse(torch.nn.Module):
             # Sent after this module's next step (so that it reads the
             # step's writes): no patch, no deduplication here.
             if 0 < flat.numel() <= self.cache.max_batch:
-                self._pos_next = _Prefetched(flat, None, None, None, None)
+                p = _Prefetched(flat, None, None, None, None)
+                if torch.is_grad_enabled():
+                    self._pos_next = p
+                else:
+                    self._lookup_now(p)
             return
         uniq, inv = torch.unique(flat, return_inverse=True)
         if uniq.numel() > self.cache.max_batch or uniq.numel() == 0:
@@ -756,6 +761,24 @@ class _Sparse(torch.nn.Module):
             raise
         self.timings["lookup"] += time.perf_counter() - t0
         self._pending.append(p)
+
+    def _lookup_now(self, p: _Prefetched) -> None:
+        """dedupe "table", autograd off: sends the lookup of ``p``'s ids now,
+        after the steps in flight of the table's modules (their answers
+        read first); a later step drops it and sends it again behind itself
+        (:meth:`_drop_table_lookups`)."""
+        self._settle_sharing()
+        t0 = time.perf_counter()
+        p.cache = self._spare.pop() if self._spare else EmbeddingCache(self.client, self.table, **self._kw)
+        try:
+            p.token = p.cache._send(region.OP_FIND_OR_INSERT, p.ids, self._init_rows(p.ids), done_event=False)
+        except BaseException:
+            self._spare.append(p.cache)
+            raise
+        self._pos_pending.append(p)
+        while len(self._pos_pending) > 2:  # unused ones: at most two kept
+            self._drop(self._pos_pending.pop(0))
+        self.timings["lookup"] += time.perf_counter() - t0
 
     @property
     def transport(self) -> str:
