@@ -559,7 +559,10 @@ class _Gather(torch.autograd.Function):
         inv, uniq = ctx.saved_tensors
         g = ctx.module._grad_rows(ctx.n, grad.device)
         g.index_add_(0, inv, grad.reshape(-1, grad.shape[-1]).to(torch.float32))
-        ctx.module._apply_step(uniq, g)
+        try:
+            ctx.module._apply_step(uniq, g)
+        except WrongDim as e:
+            raise ctx.module._dim_changed(e) from e
         return None, None, None, None, None
 
 
@@ -578,7 +581,10 @@ class _Positions(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (flat,) = ctx.saved_tensors
-        ctx.module._apply_positions(flat, grad.reshape(-1, grad.shape[-1]))
+        try:
+            ctx.module._apply_positions(flat, grad.reshape(-1, grad.shape[-1]))
+        except WrongDim as e:  # the table made again under the module
+            raise ctx.module._dim_changed(e) from e
         return None, None, None, None
 
 
@@ -797,7 +803,10 @@ class _Sparse(torch.nn.Module):
         without waiting) and raises its error, if any. Any later request of
         the module or of its client reads it first anyway, so only a reader
         on another connection needs this before it sees the step's rows."""
-        self.cache.settle()
+        try:
+            self.cache.settle()
+        except WrongDim as e:  # the table made again under the module
+            raise self._dim_changed(e) from e
 
     def _drop(self, p: _Prefetched) -> None:
         p.cache._recv(p.token, None)

@@ -1065,3 +1065,26 @@ def test_prefetcher_serves_an_evaluation_loop(daemon, dedupe):
     e.flush()
     assert e.step == 5
     c.close()
+
+
+@pytest.mark.parametrize("transport", ["socket", "shm"])
+def test_a_table_made_again_with_rows_as_wide_is_named_at_the_step(daemon, transport):
+    """A table dropped and made again with another dim and optimizer but
+    rows as wide (dim 4 sgd, then dim 2 adagrad: 4 floats a row): the step
+    says the table was made again, wherever its error is read (an
+    independent tester got only the daemon's 'grads has 4 elements but 2
+    are needed' from the socket's backward)."""
+    from hkvd.torch import Embedding
+
+    c, c2 = daemon.client(), daemon.client()
+    c.create_table("sw", dim=4, capacity=1024, optimizer="sgd")
+    e = Embedding(c, "sw", lr=0.1, verbose=False, transport=transport)
+    e(torch.tensor([1])).sum().backward()
+    e.flush()
+    c2.drop_table("sw")
+    c2.create_table("sw", dim=2, capacity=1024, optimizer="adagrad")
+    with pytest.raises(hkvd.WrongDim, match="was it dropped and created again"):
+        e(torch.tensor([1])).sum().backward()
+        e.flush()
+    c.close()
+    c2.close()
