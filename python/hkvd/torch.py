@@ -1268,12 +1268,24 @@ def _offsets(offsets, n: int, include_last: bool) -> torch.Tensor:
     return off
 
 
+def _batch_ids(batch):
+    """A batch's ids as :class:`Prefetcher` takes them by default: the
+    batch itself when it is a tensor, else its first element."""
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, dict):
+        raise TypeError("Prefetcher(loader, module) takes a batch's ids as batch[0], and this batch is a dict: "
+                        "say where its ids are, e.g. Prefetcher(loader, [(module, lambda b: b['ids'])])")
+    return batch[0]
+
+
 class Prefetcher:
     """Iterates ``loader`` one batch ahead: before batch t is yielded, the
     lookup of batch t + 1's ids is sent (``module.prefetch(ids(batch))``
     for each ``(module, ids)`` pair), so the forward of step t + 1 finds its
     rows fetched while step t computed. ``ids`` picks the ids a module takes
-    from a batch (default: the batch's first element)::
+    from a batch (default: a tensor batch itself, else the batch's first
+    element; a dict batch needs ``ids``)::
 
         for x, y in hkvd.torch.Prefetcher(loader, [(emb, lambda b: b[0])]):
             loss = loss_fn(model(x), y)
@@ -1282,7 +1294,7 @@ class Prefetcher:
 
     def __init__(self, loader: Iterable, modules):
         if isinstance(modules, _Sparse):
-            modules = [(modules, lambda b: b[0])]
+            modules = [(modules, _batch_ids)]
         self.loader = loader
         self.modules = [(m, f) for m, f in modules]
 

@@ -1088,3 +1088,22 @@ def test_a_table_made_again_with_rows_as_wide_is_named_at_the_step(daemon, trans
         e.flush()
     c.close()
     c2.close()
+
+
+def test_prefetcher_takes_a_tensor_batch_whole_and_refuses_a_dict(daemon):
+    """The default ids of a batch: a tensor batch is its own ids (its first
+    row was taken: an independent tester's finding), a dict batch is
+    refused saying how to name its ids (a bare KeyError: 0 before)."""
+    from hkvd.torch import Embedding, Prefetcher
+
+    c = daemon.client()
+    c.create_table("pb", dim=4, capacity=4096, optimizer="sgd")
+    e = Embedding(c, "pb", lr=0.1, verbose=False)
+    batches = [torch.tensor([[i, i + 1], [i + 2, i + 3]]) for i in range(0, 40, 10)]
+    for ids in Prefetcher(batches, e):
+        e(ids).sum().backward()
+    assert e.prefetch_hits == 3
+    with pytest.raises(TypeError, match="dict"):
+        for b in Prefetcher([{"ids": torch.tensor([1])}], e):
+            pass
+    c.close()
