@@ -172,9 +172,14 @@ class EmbeddingCache:
 
     def _setup_shm(self) -> None:
         m, w, d = self.max_batch, self.row_dim, self.dim
-        self._keys_np = shm_array((m,), np.int64)
-        self._values_np = shm_array((m, w), np.float32)
-        self._found_np = shm_array((m,), np.uint8)
+        try:
+            self._keys_np = shm_array((m,), np.int64)
+            self._values_np = shm_array((m, w), np.float32)
+            self._found_np = shm_array((m,), np.uint8)
+        except OSError as e:
+            need = m * (8 + 4 * w + 1 + (4 * d if self.optimizer is not None else 0))
+            raise OSError(e.errno, f"shared memory for max_batch {m} ({need} bytes of buffers) could not be "
+                                   f"made ({e.strerror}): lower max_batch") from e
         self._refs = [self.client.region_ref(x) for x in (self._keys_np, self._values_np, self._found_np)]
         if self.optimizer is not None:
             self._grads_np = shm_array((m, d), np.float32)

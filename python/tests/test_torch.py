@@ -1107,3 +1107,25 @@ def test_prefetcher_takes_a_tensor_batch_whole_and_refuses_a_dict(daemon):
         for b in Prefetcher([{"ids": torch.tensor([1])}], e):
             pass
     c.close()
+
+
+def test_shared_memory_that_cannot_be_made_names_max_batch(daemon, monkeypatch):
+    """Buffers for a max_batch the host cannot map: the error names
+    max_batch and the bytes (an independent tester got a bare
+    "[Errno 12] Cannot allocate memory")."""
+    import errno
+
+    import hkvd.torch as ht
+
+    c = daemon.client()
+    c.create_table("nm", dim=4, capacity=4096, optimizer="sgd")
+
+    def no_memory(shape, dtype=np.float32):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(ht, "shm_array", no_memory)
+    with pytest.raises(OSError, match=r"max_batch 1024 \(.* bytes of buffers\).*lower max_batch"):
+        ht.Embedding(c, "nm", lr=0.1, verbose=False, transport="shm", max_batch=1024)
+    e = ht.Embedding(c, "nm", lr=0.1, verbose=False, max_batch=1024)  # auto: the socket
+    assert e.transport == "socket"
+    c.close()
