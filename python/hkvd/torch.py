@@ -11,6 +11,7 @@ Needs torch; importing this module without it raises ImportError.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -564,10 +565,8 @@ class _Gather(torch.autograd.Function):
         inv, uniq = ctx.saved_tensors
         g = ctx.module._grad_rows(ctx.n, grad.device)
         g.index_add_(0, inv, grad.reshape(-1, grad.shape[-1]).to(torch.float32))
-        try:
+        with ctx.module._remade_named():
             ctx.module._apply_step(uniq, g)
-        except WrongDim as e:
-            raise ctx.module._dim_changed(e) from e
         return None, None, None, None, None
 
 
@@ -586,10 +585,8 @@ class _Positions(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (flat,) = ctx.saved_tensors
-        try:
+        with ctx.module._remade_named():
             ctx.module._apply_positions(flat, grad.reshape(-1, grad.shape[-1]))
-        except WrongDim as e:  # the table made again under the module
-            raise ctx.module._dim_changed(e) from e
         return None, None, None, None
 
 
@@ -726,11 +723,11 @@ class _Sparse(torch.nn.Module):
         the forward called with equal ids uses its rows. A step of another
         module of the table sends it again behind that step. With autograd
         off (``torch.no_grad()``: evaluation, inference) no step comes, so
-        the lookup is sent now. With ``"module"``, as follows. Sends the lookup of ``ids`` now, without
-        waiting: the daemon runs it while this step computes, and the
-        forward called with equal ids uses its rows. Rows that a step
-        updates meanwhile (this module's, or another module's of the same
-        table) are patched with the values apply_gradients returns, so the
+        the lookup is sent now. With ``"module"``, as follows. Sends the
+        lookup of ``ids`` now, without waiting: the daemon runs it while
+        this step computes, and the forward called with equal ids uses its
+        rows. Rows that a step updates meanwhile (this module's, or another
+        module's of the same table) are patched with the values apply_gradients returns, so the
         rows the forward sees are those an unprefetched lookup would have
         read (bit for bit). A forward uses the first pending prefetch of
         its ids and drops those sent before it; one whose ids none holds
@@ -808,10 +805,8 @@ class _Sparse(torch.nn.Module):
         without waiting) and raises its error, if any. Any later request of
         the module or of its client reads it first anyway, so only a reader
         on another connection needs this before it sees the step's rows."""
-        try:
+        with self._remade_named():
             self.cache.settle()
-        except WrongDim as e:  # the table made again under the module
-            raise self._dim_changed(e) from e
 
     def _drop(self, p: _Prefetched) -> None:
         p.cache._recv(p.token, None)
@@ -1073,6 +1068,16 @@ class _Sparse(torch.nn.Module):
         except ReservedKey as e:
             raise self._reserved_at(e, flat) from e
         return _Gather.apply(self._anchor, rows, inv, uniq, self)
+
+    @contextlib.contextmanager
+    def _remade_named(self):
+        """A step's ``WrongDim`` read inside (the backward, :meth:`flush`)
+        raised as :meth:`_dim_changed` makes it: saying the table was made
+        again under the module when it was."""
+        try:
+            yield
+        except WrongDim as e:
+            raise self._dim_changed(e) from e
 
     def _dim_changed(self, e: "WrongDim") -> "WrongDim":
         """``e`` with what a user can act on when the table is not the one
