@@ -285,8 +285,8 @@ impl Unpublished {
     /// because the bound is reached); whether a reset was made now.
     fn push(&mut self, version: u64, keys: &[u8], acked: u64, limit: u64) -> bool {
         let cost = ENTRY_OVERHEAD + keys.len() as u64;
-        if let Some((v, t)) = &mut self.reset {
-            (*v, *t) = ((*v).max(version), (*t).min(acked));
+        if self.reset.is_some() {
+            self.fold(version, acked);
             return false;
         }
         if self.bytes + cost <= limit {
@@ -301,6 +301,42 @@ impl Unpublished {
         self.reset = Some((newest, oldest));
         self.resets += 1;
         true
+    }
+
+    /// Folds an entry of `version`, acknowledged at `acked`, into the
+    /// reset waiting (made if none is).
+    fn fold(&mut self, version: u64, acked: u64) {
+        self.reset = Some(self.reset.map_or((version, acked), |(v, t)| (v.max(version), t.min(acked))));
+    }
+
+    /// The next to append: the reset first, then the oldest entry.
+    fn take(&mut self) -> Option<Waiting> {
+        if let Some((v, t)) = self.reset.take() {
+            return Some(Waiting::Reset(v, t));
+        }
+        let (v, k, t) = self.entries.pop_front()?;
+        self.bytes -= ENTRY_OVERHEAD + k.len() as u64;
+        Some(Waiting::Entry(v, k, t))
+    }
+
+    /// What [`Unpublished::take`] gave, back in front after its append
+    /// failed. Entries that came meanwhile were later writes: they stay
+    /// behind it, or were folded into it; an entry is dropped when a
+    /// reset made meanwhile covers it.
+    fn put_back(&mut self, w: Waiting) {
+        match w {
+            Waiting::Reset(v, t) => self.fold(v, t),
+            Waiting::Entry(v, k, t) if self.reset.is_none() => {
+                self.bytes += ENTRY_OVERHEAD + k.len() as u64;
+                self.entries.push_front((v, k, t));
+            }
+            Waiting::Entry(..) => {}
+        }
+    }
+
+    /// Whether anything waits.
+    fn is_empty(&self) -> bool {
+        self.reset.is_none() && self.entries.is_empty()
     }
 
     /// Entries waiting (a reset counts one) and their bytes.
@@ -935,7 +971,7 @@ impl Core {
             // other hosts hear the write late; failing the request would
             // tell the writer its rows did not land (a retried
             // accum_or_assign or apply_gradients would apply twice).
-            let _ = self.publish(version, &acked).await;
+            self.publish(version, &acked).await;
         }
         self.counters.write.record(start.elapsed());
         Sent { failed, kept, errors }
@@ -971,22 +1007,22 @@ impl Core {
 
     /// Publishes a write's entry: appended at once when none waits, else
     /// after those waiting; one that cannot be appended waits with them
-    /// ([`Core::unpublished`]). An entry whose own append failed is not
-    /// tried again here (a stream node that does not answer would hold
-    /// the write for a second timeout): the table's consumer retries it.
-    async fn publish(&self, version: u64, keys: &[u8]) -> Result<(), Error> {
+    /// ([`Core::unpublished`]), and the write stands. An entry whose own
+    /// append failed is not tried again here (a stream node that does not
+    /// answer would hold the write for a second timeout): the table's
+    /// consumer retries it.
+    async fn publish(&self, version: u64, keys: &[u8]) {
         let acked = now_us();
-        let direct = if self.has_unpublished() { None } else { Some(self.append(version, keys, acked, false).await) };
-        if let Some(Ok(())) = direct {
-            return Ok(());
+        let direct = !self.has_unpublished();
+        if direct && self.append(version, keys, acked, false).await.is_ok() {
+            return;
         }
         let limit = self.options.unpublished_bytes;
         if self.unpublished.lock().push(version, keys, acked, limit) {
             tracing::warn!(table = %self.layout.table(), limit_bytes = limit, "the table's stream entries waiting for the stream's node reached their bound: they are replaced by one reset entry, and other hosts drop their whole cache of the table when it is appended");
         }
-        match direct {
-            Some(failed) => failed,
-            None => self.republish().await,
+        if !direct {
+            let _ = self.republish().await;
         }
     }
 
@@ -995,36 +1031,13 @@ impl Core {
     /// the next try).
     pub(crate) async fn republish(&self) -> Result<(), Error> {
         loop {
-            let next = {
-                let mut u = self.unpublished.lock();
-                if let Some((v, t)) = u.reset.take() {
-                    Waiting::Reset(v, t)
-                } else if let Some((v, k, t)) = u.entries.pop_front() {
-                    u.bytes -= ENTRY_OVERHEAD + k.len() as u64;
-                    Waiting::Entry(v, k, t)
-                } else {
-                    return Ok(());
-                }
-            };
+            let Some(next) = self.unpublished.lock().take() else { return Ok(()) };
             let r = match &next {
                 Waiting::Reset(v, t) => self.append(*v, &[], *t, true).await,
                 Waiting::Entry(v, k, t) => self.append(*v, k, *t, false).await,
             };
             if let Err(e) = r {
-                let mut u = self.unpublished.lock();
-                match next {
-                    // Entries that came while it was tried were later
-                    // writes: they stay behind it (or were folded in).
-                    Waiting::Reset(v, t) => {
-                        u.reset = Some(u.reset.map_or((v, t), |(v2, t2)| (v.max(v2), t.min(t2))));
-                    }
-                    Waiting::Entry(v, k, t) if u.reset.is_none() => {
-                        u.bytes += ENTRY_OVERHEAD + k.len() as u64;
-                        u.entries.push_front((v, k, t));
-                    }
-                    // A reset made meanwhile covers it.
-                    Waiting::Entry(..) => {}
-                }
+                self.unpublished.lock().put_back(next);
                 return Err(e);
             }
         }
@@ -1032,8 +1045,7 @@ impl Core {
 
     /// Whether entries wait to be appended.
     pub(crate) fn has_unpublished(&self) -> bool {
-        let u = self.unpublished.lock();
-        u.reset.is_some() || !u.entries.is_empty()
+        !self.unpublished.lock().is_empty()
     }
 
     /// Appends `{o: origin, v: version, t: ack µs, k: keys (u64 LE)}` to
