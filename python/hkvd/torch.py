@@ -42,6 +42,19 @@ def _integer_ids(t: torch.Tensor, what: str = "ids") -> torch.Tensor:
     return t
 
 
+# The daemon's default limits.max_frame_bytes: the largest request body,
+# which also bounds an answer and what a staged region request copies.
+_MAX_FRAME_BYTES = 1 << 30
+
+
+def _frame_keys(row_dim: int) -> int:
+    """Most keys of one request whose body, answer and staged copies all fit
+    the daemon's default frame bound, for rows of ``row_dim`` floats: a key,
+    its row in and out, its found flag and a score, with room for the
+    header."""
+    return max(1, (_MAX_FRAME_BYTES - 4096) // (8 + 8 * row_dim + 1 + 8))
+
+
 def _align(n: int, to: int = 256) -> int:
     return -(-n // to) * to
 
@@ -56,7 +69,9 @@ class EmbeddingCache:
     adds ``-lr * grads`` to the rows (accum_or_assign; the gradients of
     repeated ids are summed first). ``write_back(ids, rows)`` stores rows
     (insert_or_assign). Batches of more than ``max_batch`` distinct ids are
-    split.
+    split; over ``shm`` and the socket ``max_batch`` is lowered to what one
+    request under the daemon's default ``limits.max_frame_bytes`` (1 GiB)
+    holds (about 3.9 M keys of 32 floats).
 
     On a table created with an ``optimizer``, ``dim`` is the table's value
     dim (``spec.dim``): lookups return the values only, rows are inserted
@@ -171,7 +186,15 @@ class EmbeddingCache:
                       file=sys.stderr)
                 self.events = False
 
+    def _bound_batch(self) -> None:
+        """A transport whose requests the daemon copies (shm, socket): at
+        most as many keys a request as the default frame bound allows
+        (:func:`_frame_keys`), so that a large ``max_batch`` is split
+        instead of refused as ``oversized``."""
+        self.max_batch = min(self.max_batch, _frame_keys(self.row_dim))
+
     def _setup_shm(self) -> None:
+        self._bound_batch()
         m, w, d = self.max_batch, self.row_dim, self.dim
         try:
             self._keys_np = shm_array((m,), np.int64)
@@ -188,6 +211,7 @@ class EmbeddingCache:
             self._out_ref = self.client.region_ref(self._values_np.reshape(-1)[:m * d].reshape(m, d))
 
     def _setup_socket(self) -> None:
+        self._bound_batch()
         self._refs = []
 
     # ---- helpers ------------------------------------------------------

@@ -1017,25 +1017,31 @@ def test_a_module_made_after_a_restart_ignores_the_dead_connections_modules(tmp_
         d.stop()
 
 
-def test_a_failed_shared_memory_setup_leaves_no_region(daemon):
+def test_a_failed_shared_memory_setup_leaves_no_region(tmp_path):
     """A module whose shared-memory buffers the daemon refuses (here past
-    limits.max_region_bytes_per_connection) falls back to the socket and
-    keeps none of them: the keys buffer registered before the refusal
-    stayed registered for the module's life (an independent tester's
-    finding, 512 MiB)."""
+    limits.max_region_bytes_per_connection, 8 MiB: the 512 KiB of keys
+    fit, the 48 MiB of rows do not) falls back to the socket and keeps
+    none of them: the keys buffer registered before the refusal stayed
+    registered for the module's life (an independent tester's finding,
+    512 MiB)."""
     import gc
 
+    from conftest import Daemon
     from hkvd.torch import Embedding
 
-    c = daemon.client()
-    c.create_table("big", dim=64, capacity=4096, optimizer="adam")
-    e = Embedding(c, "big", lr=0.01, verbose=False, max_batch=1 << 26)
-    assert e.transport == "socket"
-    gc.collect()
-    e(torch.tensor([1])).sum().backward()
-    e.flush()
-    assert c.stats()["regions"]["regions"] == 0
-    c.close()
+    d = Daemon(tmp_path, "--max-region-bytes-per-connection", str(8 << 20))
+    try:
+        c = d.client()
+        c.create_table("big", dim=64, capacity=4096, optimizer="adam")
+        e = Embedding(c, "big", lr=0.01, verbose=False, max_batch=1 << 16)
+        assert e.transport == "socket"
+        gc.collect()
+        e(torch.tensor([1])).sum().backward()
+        e.flush()
+        assert c.stats()["regions"]["regions"] == 0
+        c.close()
+    finally:
+        d.stop()
 
 
 @pytest.mark.parametrize("dedupe", ["table", "module"])
@@ -1129,3 +1135,30 @@ def test_shared_memory_that_cannot_be_made_names_max_batch(daemon, monkeypatch):
     e = ht.Embedding(c, "nm", lr=0.1, verbose=False, max_batch=1024)  # auto: the socket
     assert e.transport == "socket"
     c.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "socket"])
+def test_a_batch_above_the_frame_bound_is_split(tmp_path, monkeypatch, transport):
+    """A module whose max_batch would make a request larger than the
+    daemon's limits.max_frame_bytes splits its batches instead of getting
+    ``oversized`` (an independent tester's finding, a socket module with
+    max_batch 2^26). Here the bound is 64 KiB on both sides."""
+    import hkvd.torch as ht
+    from conftest import Daemon
+
+    d = Daemon(tmp_path, "--max-frame-bytes", "65536")
+    try:
+        monkeypatch.setattr(ht, "_MAX_FRAME_BYTES", 65536)
+        c = d.client()
+        c.create_table("f", dim=8, capacity=1 << 14, optimizer="sgd")
+        e = ht.Embedding(c, "f", lr=0.5, transport=transport, verbose=False, max_batch=1 << 20)
+        assert e.transport == transport
+        ids = torch.arange(5000)  # 5000 × (8 + 32) bytes a request: above 64 KiB
+        e(ids).sum().backward()
+        e.flush()
+        for s in range(0, 5000, 1000):
+            assert np.allclose(c.find("f", np.arange(s, s + 1000, dtype=np.uint64))[0][:, :8], -0.5)
+        assert e.cache.max_batch == ht._frame_keys(8) < 5000
+        c.close()
+    finally:
+        d.stop()
