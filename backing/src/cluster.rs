@@ -364,6 +364,18 @@ impl Cluster {
     /// answers one whose keys it lacks with `TRYAGAIN` too) for as long as
     /// the migration lasts, while it serves each key alone.
     pub async fn run(&self, cmds: Vec<(u16, Cmd)>, deadline: tokio::time::Instant) -> Vec<Result<Value, Failure>> {
+        self.run_at(cmds, deadline).await.0
+    }
+
+    /// [`Cluster::run`], and per command the nodes that answered it
+    /// without an error: the node it was last sent to, or for a command
+    /// split into one per key, each key's (a migration's source and its
+    /// importing node). A write's `WAIT` goes to each of them.
+    pub async fn run_at(
+        &self,
+        cmds: Vec<(u16, Cmd)>,
+        deadline: tokio::time::Instant,
+    ) -> (Vec<Result<Value, Failure>>, Vec<Vec<Arc<str>>>) {
         // Commands move into the pipelines; the few a round resends are
         // cloned back out of them (a batch's rows are not copied per send).
         let (mut slots, mut cmds): (Vec<u16>, Vec<Cmd>) = cmds.into_iter().unzip();
@@ -372,6 +384,8 @@ impl Cluster {
         // its children (appended after the batch's own commands).
         let mut splits: Vec<(usize, Multi, std::ops::Range<usize>)> = Vec::new();
         let mut out: Vec<Option<Result<Value, Failure>>> = vec![None; cmds.len()];
+        // The node whose answer is in `out`, where it is not an error.
+        let mut at: Vec<Option<Arc<str>>> = vec![None; cmds.len()];
         let mut todo: Vec<(usize, Option<Arc<str>>)> = (0..cmds.len()).map(|i| (i, None)).collect();
         let mut resent_same = vec![false; cmds.len()];
         // Whether a command's last answer was a redirection.
@@ -458,6 +472,7 @@ impl Cluster {
                     let v = values.next().unwrap_or(Value::Nil);
                     let Value::ServerError(e) = &v else {
                         out[i] = Some(Ok(v));
+                        at[i] = Some(node.clone());
                         continue;
                     };
                     let detail = e.details().unwrap_or("").to_string();
@@ -482,6 +497,7 @@ impl Cluster {
                                 slots.push(slots[i]);
                                 cmds.push(c);
                                 out.push(None);
+                                at.push(None);
                                 resent_same.push(false);
                                 redirected.push(false);
                                 todo.push((cmds.len() - 1, None));
@@ -546,11 +562,19 @@ impl Cluster {
             }
         }
         let mut out: Vec<Result<Value, Failure>> = out.into_iter().map(|o| o.unwrap_or(Err(Failure::Late))).collect();
+        // A command answered with an error has no node that took it.
+        let mut nodes: Vec<Vec<Arc<str>>> =
+            at.into_iter().zip(&out).map(|(a, o)| a.filter(|_| o.is_ok()).into_iter().collect()).collect();
         let mut children = out.split_off(n).into_iter();
+        let mut child_nodes = nodes.split_off(n).into_iter();
         for (parent, multi, range) in splits {
             out[parent] = merge(multi, children.by_ref().take(range.len()).collect());
+            let mut took: Vec<Arc<str>> = child_nodes.by_ref().take(range.len()).flatten().collect();
+            took.sort_unstable();
+            took.dedup();
+            nodes[parent] = took;
         }
-        out
+        (out, nodes)
     }
 
     /// Runs one command on `node` (`HOST:PORT`) itself, on its shared

@@ -205,6 +205,43 @@ impl TestCluster {
         self.nodes[i].spawn()
     }
 
+    /// Stops node `i` with SIGSTOP: its sockets stay open and the kernel
+    /// still accepts connections and buffers commands for it, but nothing
+    /// answers (a node stalled by the host, not one that is down).
+    pub fn pause(&self, i: usize) -> io::Result<()> {
+        self.signal(i, "-STOP")
+    }
+
+    /// Resumes node `i` after [`TestCluster::pause`] (SIGCONT): it then
+    /// runs the commands buffered meanwhile.
+    pub fn resume(&self, i: usize) -> io::Result<()> {
+        self.signal(i, "-CONT")
+    }
+
+    fn signal(&self, i: usize, sig: &str) -> io::Result<()> {
+        let pid = self.nodes[i].child.as_ref().map(Child::id).ok_or_else(|| io::Error::other("node not running"))?;
+        let st = Command::new("kill").arg(sig).arg(pid.to_string()).stdin(Stdio::null()).status()?;
+        if st.success() {
+            Ok(())
+        } else {
+            Err(io::Error::other(format!("kill {sig} {pid}: {st}")))
+        }
+    }
+
+    /// The replica of node `i` (a master), as an index, if it has one.
+    pub fn replica_of(&self, i: usize) -> Option<usize> {
+        let info = self.cli(i, &["info", "replication"]).ok()?;
+        let port: u16 = info
+            .lines()
+            .find(|l| l.starts_with("slave0:"))?
+            .split(',')
+            .find_map(|f| f.strip_prefix("port="))?
+            .trim()
+            .parse()
+            .ok()?;
+        self.nodes.iter().position(|n| n.port == port)
+    }
+
     /// Whether node `i`'s process runs.
     pub fn alive(&self, i: usize) -> bool {
         self.nodes[i].child.is_some()

@@ -910,7 +910,7 @@ impl Core {
         // Writes wait for the cluster as long as a command may take (the
         // read deadline is for reads); a row not acknowledged is failed.
         let deadline = tokio::time::Instant::now() + self.options.response_timeout * (self.options.retries + 2);
-        let mut results = self.cluster.run(cmds, deadline).await;
+        let (mut results, took) = self.cluster.run_at(cmds, deadline).await;
         // A set-if-absent row the cluster refused is done whatever `WAIT`
         // says: nothing of ours was written.
         let mut kept = Vec::new();
@@ -934,7 +934,7 @@ impl Core {
             }
         }
         if self.options.wait_replicas > 0 {
-            self.wait_replicas(&groups, &mut results).await;
+            self.wait_replicas(&took, &mut results).await;
         }
         let mut failed = vec![false; rows.len()];
         let mut errors = Vec::new();
@@ -977,29 +977,28 @@ impl Core {
         Sent { failed, kept, errors }
     }
 
-    /// `WAIT`s on every master that acknowledged a part of the batch for
-    /// `wait_replicas` replicas to have it; the parts of a master whose
-    /// replicas did not all acknowledge within `wait_timeout` fail.
-    async fn wait_replicas(&self, groups: &[(u32, &Vec<usize>)], results: &mut [Result<redis::Value, Failure>]) {
-        let mut nodes: Vec<String> = Vec::new();
-        for (&(g, _), r) in groups.iter().zip(results.iter()) {
-            let node = self.cluster.node_of(self.layout.slot_of_group(g));
-            if r.is_ok() && !nodes.contains(&node) {
-                nodes.push(node);
-            }
-        }
+    /// `WAIT`s on every node that took a write of the batch (`took`, per
+    /// command: the nodes that acknowledged it, a migration's importing
+    /// node among them where a key was asked there) for `wait_replicas`
+    /// replicas to have it; a command fails when one of its nodes' replicas
+    /// did not all acknowledge within `wait_timeout`.
+    async fn wait_replicas(&self, took: &[Vec<Arc<str>>], results: &mut [Result<redis::Value, Failure>]) {
+        let mut nodes: Vec<&Arc<str>> =
+            took.iter().zip(results.iter()).filter(|(_, r)| r.is_ok()).flat_map(|(t, _)| t).collect();
+        nodes.sort_unstable();
+        nodes.dedup();
         let (want, ms) = (self.options.wait_replicas, self.options.wait_timeout.as_millis() as u64);
         let waits = nodes.iter().map(|n| self.cluster.on_node(n, redis::cmd("WAIT").arg(want).arg(ms).clone()));
         let answers = futures_util::future::join_all(waits).await;
-        for (node, a) in nodes.iter().zip(answers) {
+        for (node, a) in nodes.into_iter().zip(answers) {
             let detail = match a {
                 Ok(redis::Value::Int(got)) if got >= i64::from(want) => continue,
                 Ok(v) => format!("WAIT: {v:?} of {want} replicas acknowledged within {ms} ms"),
                 Err(e) => format!("WAIT: {e}"),
             };
-            for (&(g, _), r) in groups.iter().zip(results.iter_mut()) {
-                if r.is_ok() && self.cluster.node_of(self.layout.slot_of_group(g)) == *node {
-                    *r = Err(Failure::Node { node: node.clone(), detail: detail.clone() });
+            for (t, r) in took.iter().zip(results.iter_mut()) {
+                if r.is_ok() && t.contains(node) {
+                    *r = Err(Failure::Node { node: node.to_string(), detail: detail.clone() });
                 }
             }
         }

@@ -966,3 +966,58 @@ async fn a_flush_that_times_out_names_the_failing_node() {
     assert!(e.to_string().contains(&format!("127.0.0.1:{port}: ")), "{e}");
     b.discard();
 }
+
+/// `wait_replicas` WAITed only on each group's slot owner: while a slot
+/// migrated, the rows of a group that were written to the importing node
+/// (its per-key commands followed `ASK` there) were never WAITed on
+/// there, so a write counted as replicated whose rows on the importing
+/// node no replica had. The WAIT now goes to every node that took a
+/// write of the batch: with the importing node's replica down, the write
+/// fails naming that node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_redirected_by_ask_wait_for_the_importing_nodes_replicas() {
+    let mut c = cluster(3, 1);
+    let mut o = options(&c, Mode::WriteThrough);
+    o.wait_replicas = 1;
+    // Room for a loaded CI machine in the WAIT that must pass (as
+    // `writes_wait_for_replicas`); the one that must fail waits it out.
+    o.wait_timeout = Duration::from_secs(2);
+    o.response_timeout = Duration::from_secs(5);
+    let b = Backing::open("wask", DIM, o).await.unwrap();
+    let layout = b.layout().clone();
+    let g = layout.group(0);
+    let keys: Vec<u64> = (0..100_000u64).filter(|&k| layout.group(k) == g).take(4).collect();
+    b.write(&keys, &rows(&keys, 1), &[]).await.unwrap();
+    let slot = layout.slot_of_group(g).to_string();
+    let ports = c.ports();
+    let owner = |c: &TestCluster| {
+        (0..6).find(|&i| {
+            c.is_master(i) && c.cli(i, &["cluster", "countkeysinslot", &slot]).is_ok_and(|o| o.trim() != "0")
+        })
+    };
+    let src = owner(&c).expect("the slot's master");
+    let dst = (0..6).find(|&i| i != src && c.is_master(i)).expect("another master");
+    let (sid, did) = (c.node_id(src).unwrap(), c.node_id(dst).unwrap());
+    c.cli(dst, &["cluster", "setslot", &slot, "importing", &sid]).unwrap();
+    c.cli(src, &["cluster", "setslot", &slot, "migrating", &did]).unwrap();
+    // One row of the group moves to dst: the group's MSET splits, its
+    // first key's SET asked of dst.
+    let client = redis::Client::open(format!("redis://127.0.0.1:{}", ports[src])).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let mut migrate = redis::cmd("MIGRATE");
+    migrate.arg("127.0.0.1").arg(ports[dst]).arg(layout.row_key(keys[0])).arg(0).arg(5000);
+    migrate.query_async::<()>(&mut conn).await.unwrap();
+    b.write(&keys, &rows(&keys, 2), &[]).await.expect("every node's replica acknowledges");
+    let replica = c.replica_of(dst).expect("dst's replica");
+    blocking(|| c.kill(replica));
+    let t = Instant::now();
+    let e = b.write(&keys, &rows(&keys, 3), &[]).await.expect_err("a row on dst that no replica has");
+    eprintln!("failed after {:?}: {e}", t.elapsed());
+    match &e {
+        Error::Unavailable { node, detail } => {
+            assert_eq!(node, &format!("127.0.0.1:{}", ports[dst]), "{e}");
+            assert!(detail.contains("WAIT"), "{e}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
