@@ -139,6 +139,15 @@ pub(crate) fn node_addr(host: &str, port: u16) -> String {
     }
 }
 
+/// A redirection's target as Redis writes it (`V6:PORT` unbracketed) in
+/// the form errors, logs and stats name nodes ([`node_addr`]).
+pub(crate) fn node_name(addr: &str) -> String {
+    match split_addr(addr) {
+        Some((h, p)) => node_addr(h, p),
+        None => addr.to_string(),
+    }
+}
+
 /// `HOST:PORT`, `[V6]:PORT` or Redis's `V6:PORT` (a redirection's target)
 /// as the host to connect to (brackets dropped) and the port.
 fn split_addr(addr: &str) -> Option<(&str, u16)> {
@@ -324,10 +333,7 @@ impl Cluster {
     /// target as Redis writes it), for blocking reads; the node's name as
     /// [`node_addr`] writes it comes with it.
     pub async fn dedicated_to(&self, node: &str, block: Duration) -> Result<MultiplexedConnection, Error> {
-        let node: Arc<str> = match split_addr(node) {
-            Some((h, p)) => node_addr(h, p).into(),
-            None => node.into(),
-        };
+        let node: Arc<str> = node_name(node).into();
         match self.connect(&node, block + self.net.response).await {
             Ok(c) => {
                 self.note_up(&node);

@@ -129,6 +129,8 @@ impl Invalidations {
         let mut xread = redis::cmd("XREAD");
         xread.arg("COUNT").arg(COUNT).arg("BLOCK").arg(BLOCK.as_millis() as u64);
         xread.arg("STREAMS").arg(&self.key).arg(&self.last);
+        // The node a failed read is counted against: the one it failed on.
+        let mut asked: Option<String> = None;
         let read = match xread.query_async::<Value>(&mut conn).await {
             // The stream's slot is being migrated and its key has moved to
             // the importing node already: the read is asked there (ASKING,
@@ -136,7 +138,11 @@ impl Invalidations {
             // the tier follows ASK; without it this host heard no other
             // host's write until the migration ended.
             Err(e) if e.code() == Some("ASK") => match e.redirect_node().map(|(node, _)| node.to_string()) {
-                Some(node) => self.read_asking(&node, xread).await,
+                Some(node) => {
+                    let r = self.read_asking(&node, xread).await;
+                    asked = Some(crate::cluster::node_name(&node));
+                    r
+                }
                 None => Err(e),
             },
             other => other,
@@ -149,7 +155,7 @@ impl Invalidations {
                     tracing::warn!(table = %self.core.layout.table(), key = %self.key, "the table's stream key holds another type (another program wrote it): this host cannot hear other hosts' writes until it is deleted");
                 }
                 self.read_failed().await;
-                return Err(unavailable(&self.core, e));
+                return Err(unavailable(&self.core, e, asked));
             }
         };
         self.conn = Some(conn);
@@ -281,8 +287,10 @@ impl Invalidations {
     }
 }
 
-fn unavailable(core: &Core, e: redis::RedisError) -> Error {
-    let node = core.cluster.node_of(crate::layout::slot(core.layout.table().as_bytes()));
+/// A failed read of the stream, counted against the node it failed on:
+/// `asked`, the importing node an `ASK` sent it to, else the slot's owner.
+fn unavailable(core: &Core, e: redis::RedisError, asked: Option<String>) -> Error {
+    let node = asked.unwrap_or_else(|| core.cluster.node_of(crate::layout::slot(core.layout.table().as_bytes())));
     core.counters.node_error(&node);
     Error::Unavailable { node, detail: format!("stream {}: {e}", core.layout.stream_key()) }
 }

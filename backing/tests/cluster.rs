@@ -1021,3 +1021,42 @@ async fn writes_redirected_by_ask_wait_for_the_importing_nodes_replicas() {
         other => panic!("{other:?}"),
     }
 }
+
+/// A reader that followed `ASK` to the node importing the stream's slot
+/// counted that node's failure against the slot's owner, which had
+/// answered (its `ASK`): the stats blamed a live node and not the dead
+/// one. The failure is now counted against the node that failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_ask_target_of_the_stream_is_the_node_counted() {
+    let mut c = cluster(3, 0);
+    let a = Backing::open("askf", DIM, options(&c, Mode::WriteThrough)).await.unwrap();
+    let b = Backing::open("askf", DIM, options(&c, Mode::WriteThrough)).await.unwrap();
+    let mut inv = b.subscribe().await.unwrap();
+    a.write(&[1], &row(1, 1), &[]).await.unwrap();
+    let slot = hkv_backing::layout::slot(b"askf").to_string();
+    let src = (0..3)
+        .find(|&i| c.cli(i, &["cluster", "countkeysinslot", &slot]).is_ok_and(|o| o.trim() != "0"))
+        .expect("the stream's master");
+    let dst = (src + 1) % 3;
+    let (sid, did) = (c.node_id(src).unwrap(), c.node_id(dst).unwrap());
+    c.cli(dst, &["cluster", "setslot", &slot, "importing", &sid]).unwrap();
+    c.cli(src, &["cluster", "setslot", &slot, "migrating", &did]).unwrap();
+    let ports = c.ports();
+    let out = c.cli(src, &["migrate", "127.0.0.1", &ports[dst].to_string(), "hkv:{askf}:stream", "0", "5000"]);
+    assert_eq!(out.unwrap().trim(), "OK");
+    // The reader reads on dst, asked there; then dst dies.
+    for _ in 0..5 {
+        inv.next().await.unwrap();
+    }
+    blocking(|| c.kill(dst));
+    let mut failed = 0;
+    for _ in 0..5 {
+        failed += usize::from(inv.next().await.is_err());
+    }
+    assert!(failed > 0, "reads of a dead ASK target fail");
+    let errors = b.stats().node_errors;
+    eprintln!("errors per node: {errors:?}");
+    let (at_src, at_dst) = (format!("127.0.0.1:{}", ports[src]), format!("127.0.0.1:{}", ports[dst]));
+    assert!(errors.get(&at_dst).is_some_and(|&n| n > 0), "the dead node counted: {errors:?}");
+    assert!(!errors.contains_key(&at_src), "the live owner that answered ASK is not: {errors:?}");
+}
