@@ -255,7 +255,19 @@ pub(crate) struct Core {
     /// ([`Core::republish`]), so that other hosts hear every write, late
     /// rather than never. Bounded in bytes ([`Unpublished`]).
     unpublished: parking_lot::Mutex<Unpublished>,
+    /// The connection the stream's entries are appended on, to the node
+    /// named with it, made on first use; its answers are awaited up to
+    /// [`STALL_LIMIT`] ([`Core::append`]).
+    appender: parking_lot::Mutex<Option<(String, redis::aio::MultiplexedConnection)>>,
 }
+
+/// How long an append its node has not answered may still land, and is
+/// awaited on its connection for: a node that stalls (stopped, swapping)
+/// runs the commands buffered for it when it resumes, so an entry sent
+/// again meanwhile would be appended twice. The entry waits meanwhile,
+/// with those behind it; past this it is sent again (and may then be in
+/// the stream twice).
+const STALL_LIMIT: Duration = Duration::from_secs(60);
 
 /// Bytes counted per waiting stream entry beside its keys: its version,
 /// time and the vector's header.
@@ -278,6 +290,10 @@ pub(crate) struct Unpublished {
     reset: Option<(u64, u64)>,
     /// Times the bound was reached.
     pub resets: u64,
+    /// Entries whose append their node has not answered within the
+    /// response timeout, and their bytes: each may still land, and is
+    /// awaited ([`STALL_LIMIT`]); nothing is taken while any is.
+    stalled: (u64, u64),
 }
 
 impl Unpublished {
@@ -309,8 +325,13 @@ impl Unpublished {
         self.reset = Some(self.reset.map_or((version, acked), |(v, t)| (v.max(version), t.min(acked))));
     }
 
-    /// The next to append: the reset first, then the oldest entry.
+    /// The next to append: the reset first, then the oldest entry; none
+    /// while an append is stalled (its entry is ahead of them, and may
+    /// land yet).
     fn take(&mut self) -> Option<Waiting> {
+        if self.stalled.0 > 0 {
+            return None;
+        }
         if let Some((v, t)) = self.reset.take() {
             return Some(Waiting::Reset(v, t));
         }
@@ -336,13 +357,13 @@ impl Unpublished {
 
     /// Whether anything waits.
     fn is_empty(&self) -> bool {
-        self.reset.is_none() && self.entries.is_empty()
+        self.reset.is_none() && self.entries.is_empty() && self.stalled.0 == 0
     }
 
     /// Entries waiting (a reset counts one) and their bytes.
     pub fn window(&self) -> (u64, u64) {
         let reset = u64::from(self.reset.is_some());
-        (self.entries.len() as u64 + reset, self.bytes + reset * ENTRY_OVERHEAD)
+        (self.entries.len() as u64 + reset + self.stalled.0, self.bytes + reset * ENTRY_OVERHEAD + self.stalled.1)
     }
 }
 
@@ -350,6 +371,28 @@ impl Unpublished {
 enum Waiting {
     Reset(u64, u64),
     Entry(u64, Vec<u8>, u64),
+}
+
+impl Waiting {
+    /// Its bytes as [`Unpublished`] counts them.
+    fn bytes(&self) -> u64 {
+        match self {
+            Waiting::Reset(..) => ENTRY_OVERHEAD,
+            Waiting::Entry(_, k, _) => ENTRY_OVERHEAD + k.len() as u64,
+        }
+    }
+}
+
+/// What became of an append ([`Core::append`]).
+enum Appended {
+    /// The entry is in the stream.
+    Done,
+    /// Its node has not answered within the response timeout: the entry
+    /// is awaited on its connection, and waits if it does not land.
+    Stalled,
+    /// It is not in the stream: the node refused it, or could not be
+    /// reached.
+    Failed(Waiting, Error),
 }
 
 /// Closes the queue when the last handle goes: the flusher then sends
@@ -434,6 +477,7 @@ impl Backing {
             clock: AtomicU64::new(0),
             conflicts: parking_lot::Mutex::new(Vec::new()),
             unpublished: parking_lot::Mutex::new(Unpublished::default()),
+            appender: parking_lot::Mutex::new(None),
         });
         if core.mode == Mode::WriteBack {
             tokio::spawn(flusher(core.clone()));
@@ -860,7 +904,7 @@ impl Core {
     /// the cluster acknowledged writing. Returns which rows failed, the
     /// set-if-absent rows whose key the cluster had already (with its
     /// row), and one error per failed node.
-    pub(crate) async fn send(&self, rows: &[Row<'_>]) -> Sent {
+    pub(crate) async fn send(self: &Arc<Self>, rows: &[Row<'_>]) -> Sent {
         let start = Instant::now();
         let version = self.version();
         let mut by_group: Vec<Vec<usize>> = vec![Vec::new(); self.layout.groups() as usize];
@@ -1010,34 +1054,41 @@ impl Core {
     /// append failed is not tried again here (a stream node that does not
     /// answer would hold the write for a second timeout): the table's
     /// consumer retries it.
-    async fn publish(&self, version: u64, keys: &[u8]) {
+    async fn publish(self: &Arc<Self>, version: u64, keys: &[u8]) {
         let acked = now_us();
-        let direct = !self.has_unpublished();
-        if direct && self.append(version, keys, acked, false).await.is_ok() {
+        if !self.has_unpublished() {
+            if let Appended::Failed(Waiting::Entry(v, k, t), _) =
+                self.append(Waiting::Entry(version, keys.to_vec(), acked)).await
+            {
+                self.hold(v, &k, t);
+            }
             return;
         }
+        self.hold(version, keys, acked);
+        let _ = self.republish().await;
+    }
+
+    /// An entry that waits, behind those waiting ([`Unpublished::push`]).
+    fn hold(&self, version: u64, keys: &[u8], acked: u64) {
         let limit = self.options.unpublished_bytes;
         if self.unpublished.lock().push(version, keys, acked, limit) {
             tracing::warn!(table = %self.layout.table(), limit_bytes = limit, "the table's stream entries waiting for the stream's node reached their bound: they are replaced by one reset entry, and other hosts drop their whole cache of the table when it is appended");
-        }
-        if !direct {
-            let _ = self.republish().await;
         }
     }
 
     /// Appends the unpublished entries, a reset first, then oldest first,
     /// stopping at the first that fails (it and those after it wait for
-    /// the next try).
-    pub(crate) async fn republish(&self) -> Result<(), Error> {
+    /// the next try) or stalls.
+    pub(crate) async fn republish(self: &Arc<Self>) -> Result<(), Error> {
         loop {
             let Some(next) = self.unpublished.lock().take() else { return Ok(()) };
-            let r = match &next {
-                Waiting::Reset(v, t) => self.append(*v, &[], *t, true).await,
-                Waiting::Entry(v, k, t) => self.append(*v, k, *t, false).await,
-            };
-            if let Err(e) = r {
-                self.unpublished.lock().put_back(next);
-                return Err(e);
+            match self.append(next).await {
+                Appended::Done => {}
+                Appended::Stalled => return Ok(()),
+                Appended::Failed(w, e) => {
+                    self.unpublished.lock().put_back(w);
+                    return Err(e);
+                }
             }
         }
     }
@@ -1049,21 +1100,104 @@ impl Core {
 
     /// Appends `{o: origin, v: version, t: ack µs, k: keys (u64 LE)}` to
     /// the table's stream (with `r: 1` for a reset, which names no keys),
-    /// trimmed to about `stream_len` entries.
-    async fn append(&self, version: u64, keys: &[u8], acked_us: u64, reset: bool) -> Result<(), Error> {
-        let key = self.layout.stream_key();
+    /// trimmed to about `stream_len` entries, waiting up to the response
+    /// timeout for the node.
+    ///
+    /// An `XADD` is sent once: a node that does not answer may be stalled
+    /// with the command in its socket, and runs it when it resumes, so
+    /// sending it again would append the entry twice (a tester's stopped
+    /// stream node got each such entry two or three times). Past the
+    /// response timeout the entry is left to a task that awaits its
+    /// answer on its connection, for up to [`STALL_LIMIT`], and puts it
+    /// back among the waiting entries unless it landed. A refusal (a
+    /// redirection, `WRONGTYPE`) was not run: a redirected entry is sent
+    /// again through the cluster's redirections at once.
+    async fn append(self: &Arc<Self>, w: Waiting) -> Appended {
+        let slot = crate::layout::slot(self.layout.table().as_bytes());
+        let (version, keys, acked_us, reset) = match &w {
+            Waiting::Reset(v, t) => (*v, &[][..], *t, true),
+            Waiting::Entry(v, k, t) => (*v, &k[..], *t, false),
+        };
         let mut cmd = redis::cmd("XADD");
-        cmd.arg(&key).arg("MAXLEN").arg("~").arg(self.options.stream_len).arg("*");
+        cmd.arg(self.layout.stream_key()).arg("MAXLEN").arg("~").arg(self.options.stream_len).arg("*");
         cmd.arg("o").arg(self.origin).arg("v").arg(version).arg("t").arg(acked_us).arg("k").arg(keys);
         if reset {
             cmd.arg("r").arg(1);
         }
-        let r = self.cluster.one(crate::layout::slot(self.layout.table().as_bytes()), cmd).await;
-        r.map(drop).inspect_err(|e| {
-            if let Error::Unavailable { node, .. } = e {
-                self.counters.node_error(node);
+        let bytes = w.bytes();
+        let abandoned = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (tx, mut rx) = tokio::sync::oneshot::channel::<(Result<(), Error>, Waiting)>();
+        let (core, gave_up) = (self.clone(), abandoned.clone());
+        tokio::spawn(async move {
+            let r = core.xadd(slot, cmd).await;
+            if let Err(Error::Unavailable { node, .. }) = &r {
+                core.counters.node_error(node);
             }
-        })
+            // Under the lock: the caller either takes the answer or has
+            // given up on it (and counted the entry stalled), never neither.
+            let mut u = core.unpublished.lock();
+            if gave_up.load(Relaxed) {
+                u.stalled = (u.stalled.0 - 1, u.stalled.1 - bytes);
+                if r.is_err() {
+                    u.put_back(w);
+                }
+            } else if let Err((Err(_), w)) = tx.send((r, w)) {
+                u.put_back(w);
+            }
+        });
+        let got = match tokio::time::timeout(self.options.response_timeout, &mut rx).await {
+            Ok(got) => got.ok(),
+            Err(_) => {
+                let mut u = self.unpublished.lock();
+                match rx.try_recv() {
+                    Ok(got) => Some(got),
+                    Err(_) => {
+                        abandoned.store(true, Relaxed);
+                        u.stalled = (u.stalled.0 + 1, u.stalled.1 + bytes);
+                        drop(u);
+                        self.counters.node_error(&self.cluster.node_of(slot));
+                        return Appended::Stalled;
+                    }
+                }
+            }
+        };
+        match got {
+            Some((Ok(()), _)) => Appended::Done,
+            Some((Err(e), w)) => Appended::Failed(w, e),
+            // The task ended without an answer (it panicked): its entry is
+            // lost, as a crash of this host would lose it.
+            None => Appended::Done,
+        }
+    }
+
+    /// Sends one `XADD` on the appending connection, made to the stream's
+    /// node if needed; a refusal that redirects it is sent again through
+    /// the cluster's redirections.
+    async fn xadd(&self, slot: u16, cmd: redis::Cmd) -> Result<(), Error> {
+        let node = self.cluster.node_of(slot);
+        let cached = self.appender.lock().as_ref().filter(|(n, _)| *n == node).map(|(_, c)| c.clone());
+        let mut conn = match cached {
+            Some(c) => c,
+            None => {
+                let c = self.cluster.dedicated(slot, STALL_LIMIT).await?;
+                *self.appender.lock() = Some((node.clone(), c.clone()));
+                c
+            }
+        };
+        let e = match redis::aio::ConnectionLike::req_packed_command(&mut conn, &cmd).await {
+            Ok(redis::Value::ServerError(e)) => redis::RedisError::from(e),
+            Ok(_) => return Ok(()),
+            Err(e) => e,
+        };
+        if matches!(e.code(), Some("MOVED" | "ASK" | "TRYAGAIN" | "CLUSTERDOWN" | "LOADING" | "MASTERDOWN")) {
+            self.cluster.refresh_soon().await;
+            return self.cluster.one(slot, cmd).await.map(drop);
+        }
+        if e.code().is_none() {
+            // The connection failed (not the command): made again next time.
+            *self.appender.lock() = None;
+        }
+        Err(Error::Unavailable { node, detail: format!("XADD {}: {e}", self.layout.stream_key()) })
     }
 }
 

@@ -1060,3 +1060,55 @@ async fn a_failed_ask_target_of_the_stream_is_the_node_counted() {
     assert!(errors.get(&at_dst).is_some_and(|&n| n > 0), "the dead node counted: {errors:?}");
     assert!(!errors.contains_key(&at_src), "the live owner that answered ASK is not: {errors:?}");
 }
+
+/// With the stream's node stopped (SIGSTOP: its sockets stay open and
+/// buffer what is sent, nothing answers), a write-through write whose rows
+/// landed on the other masters waited out several response timeouts for
+/// its stream entry, and the entry's appends sent meanwhile all ran when
+/// the node resumed: other hosts read the same write twice (or more).
+/// The write now waits for the stream's node once, and the entry is in
+/// the stream once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_stream_node_gets_a_write_s_entry_once() {
+    let c = cluster(3, 0);
+    let mut o = options(&c, Mode::WriteThrough);
+    o.response_timeout = Duration::from_millis(500);
+    let b = Backing::open("stop", DIM, o).await.unwrap();
+    let layout = b.layout().clone();
+    let owner = |slot: u16| {
+        let slot = slot.to_string();
+        (0..3).find(|&i| c.cli(i, &["cluster", "countkeysinslot", &slot]).is_ok_and(|o| o.trim() != "0"))
+    };
+    let m = owner(hkv_backing::layout::slot(b"stop")).expect("the stream's master");
+    let candidates: Vec<u64> = (0..200).collect();
+    b.write(&candidates, &rows(&candidates, 1), &[]).await.unwrap();
+    let keys: Vec<u64> =
+        candidates.into_iter().filter(|&k| owner(layout.slot_of_group(layout.group(k))) != Some(m)).take(20).collect();
+    // The writer's own consumer retries its waiting entries, as the
+    // daemon's does.
+    let mut inv = b.subscribe().await.unwrap();
+    let stream = "hkv:{stop}:stream";
+    let entries = || c.cli(m, &["xlen", stream]).unwrap().trim().parse::<u64>().unwrap();
+    let before = entries();
+    c.pause(m).unwrap();
+    let t = Instant::now();
+    let wrote = b.write(&keys, &rows(&keys, 2), &[]).await;
+    let took = t.elapsed();
+    // The consumer runs on while the node is stopped, then after it resumes.
+    let t2 = Instant::now();
+    while t2.elapsed() < Duration::from_secs(3) {
+        let _ = inv.next().await;
+    }
+    c.resume(m).unwrap();
+    let t3 = Instant::now();
+    while t3.elapsed() < Duration::from_secs(3) {
+        let _ = inv.next().await;
+    }
+    let after = entries();
+    let all = c.cli(m, &["xrange", stream, "-", "+"]).unwrap();
+    eprintln!("the write returned {wrote:?} after {took:?}; entries {before} -> {after}; stats {:?}", b.stats());
+    wrote.unwrap();
+    assert_eq!(b.stats().unpublished_entries, 0, "the entry was appended");
+    assert_eq!(after - before, 1, "one entry for one write:\n{all}");
+    assert!(took < Duration::from_millis(900), "the write waits for the stream's node once: {took:?}");
+}
