@@ -12,9 +12,10 @@ use crate::connection::connection;
 use crate::state::State;
 
 /// Binds the socket: creates its directory (mode 0750, in group `gid` when
-/// given) when missing, replaces a stale socket file, refuses when another
+/// given) when missing, opens an existing one to group `gid`
+/// ([`open_to_group`]), replaces a stale socket file, refuses when another
 /// daemon answers there, and gives the socket mode 0660 and group `gid`, so
-/// that the admin group's members can connect.
+/// that the group's members can connect.
 pub fn bind(path: &Path, gid: Option<u32>) -> anyhow::Result<UnixListener> {
     use std::os::unix::fs::PermissionsExt;
     let chgrp = |p: &Path| -> anyhow::Result<()> {
@@ -32,6 +33,9 @@ pub fn bind(path: &Path, gid: Option<u32>) -> anyhow::Result<UnixListener> {
             std::fs::create_dir(d).map_err(|e| anyhow::anyhow!("cannot create {}: {e}", d.display()))?;
             std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o750))?;
             chgrp(d)?;
+        }
+        if let Some(g) = gid {
+            open_to_group(dir, path, g)?;
         }
     }
     if let Ok(meta) = std::fs::symlink_metadata(path) {
@@ -53,6 +57,52 @@ pub fn bind(path: &Path, gid: Option<u32>) -> anyhow::Result<UnixListener> {
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))?;
     chgrp(path)?;
     Ok(l)
+}
+
+/// Lets members of group `gid` pass through `dir`, the socket's directory,
+/// when it already existed: a start without the group (or with another)
+/// left it 0750 in the daemon's own group, and members were refused the
+/// socket although the socket itself was theirs. A directory anyone may
+/// pass through, or the group already may, is left as it is. One of the
+/// daemon's user that holds nothing but the socket is hkvd's: it gets the
+/// group and mode 0750, as if hkvd created it now. Any other (someone
+/// else's, or one holding other files, such as a home directory) is not
+/// hkvd's to open: the start is refused, naming it and what to do.
+fn open_to_group(dir: &Path, socket: &Path, gid: u32) -> anyhow::Result<()> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let meta = std::fs::metadata(dir).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", dir.display()))?;
+    let mode = meta.mode() & 0o7777;
+    if mode & 0o001 != 0 || (meta.gid() == gid && mode & 0o010 != 0) {
+        return Ok(());
+    }
+    let only_the_socket = || -> std::io::Result<bool> {
+        for entry in std::fs::read_dir(dir)? {
+            if Some(entry?.file_name().as_os_str()) != socket.file_name() {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    };
+    if meta.uid() == rustix::process::geteuid().as_raw() && only_the_socket().unwrap_or(false) {
+        let what = |e: std::io::Error| {
+            anyhow::anyhow!("cannot give the socket's directory {} group gid {gid}: {e}", dir.display())
+        };
+        std::os::unix::fs::chown(dir, None, Some(gid)).map_err(what)?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode((mode & 0o7700) | 0o050)).map_err(what)?;
+        info!(dir = %dir.display(), gid, "the socket's directory now lets the socket's group in");
+        return Ok(());
+    }
+    anyhow::bail!(
+        "the socket's directory {} (mode {:o}, uid {}, gid {}) does not let group gid {gid} (--client-group, \
+         else --admin-group) pass, so its members could not use the socket, and hkvd does not change it: it \
+         is not a directory of hkvd's alone. Run `chgrp {gid} {dir} && chmod g+x {dir}` (or o+x), or pick a \
+         --socket in a directory of its own, which hkvd creates or fixes",
+        dir.display(),
+        mode,
+        meta.uid(),
+        meta.gid(),
+        dir = dir.display()
+    )
 }
 
 /// Removes the socket file on drop (the daemon's own, not an inherited one).

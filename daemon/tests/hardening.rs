@@ -484,6 +484,41 @@ fn client_group_members_use_tables_and_only_admins_administer() {
     child("65534", "no-access");
 }
 
+/// A tester's finding: after a start without groups, a restart with
+/// `--client-group users --admin-group staff` left the socket's directory
+/// 0750 root:root while the socket was 0660 root:users, so members of
+/// users were refused the socket ("this user may not use its socket").
+/// The directory, hkvd's own, now gets the group; one that is not hkvd's
+/// alone (it holds another file) is refused at start, naming it, and left
+/// as it was.
+#[test]
+fn a_restart_with_a_client_group_opens_the_existing_socket_directory() {
+    let me = std::fs::metadata("/proc/self").unwrap().uid();
+    assert!(me == 0 && Path::new("/usr/bin/setpriv").exists(), "this test needs root and setpriv (util-linux)");
+    let users = users_gid();
+    let d = Daemon::start(&[]);
+    let run = d.socket.parent().unwrap().to_path_buf();
+    assert_eq!((std::fs::metadata(&run).unwrap().gid(), mode(&run)), (0, 0o750));
+    let d = d.restart(&["--admin-group", "staff", "--client-group", "users"]);
+    std::fs::set_permissions(d.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    assert_eq!((std::fs::metadata(&run).unwrap().gid(), mode(&run)), (users, 0o750));
+    d.client().create_table(spec("by-a-member", 2, 1024)).unwrap();
+    let ids = ["--reuid", "65534", "--regid", "65534", "--groups", &users.to_string()];
+    common::run_child_as(&ids, "group_child", &d.socket, "client");
+    // A directory holding more than the socket is not changed: the start
+    // is refused, naming it.
+    let mut d = d;
+    d.signal("TERM");
+    assert_eq!(d.wait(Duration::from_secs(60)), 0);
+    std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o700)).unwrap();
+    std::fs::write(run.join("notes.txt"), b"not hkvd's").unwrap();
+    let out = common::command(d.dir.path(), &["--client-group", "users"]).stderr(Stdio::piped()).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains(&format!("socket's directory {} ", run.display())), "{err}");
+    assert_eq!((std::fs::metadata(&run).unwrap().gid(), mode(&run)), (users, 0o700), "left as it was");
+}
+
 #[test]
 #[ignore = "child of supplementary_admin_group_members_administer"]
 fn group_child() {
