@@ -334,6 +334,39 @@ fn bench_prints_every_figure_and_cleans_up() {
     assert!(!d.run(&["tables"]).contains("hkvctl-bench"), "tables left behind");
 }
 
+/// A tester's finding: a bench stopped by SIGINT (Ctrl-C, `timeout -s INT`)
+/// left its table `hkvctl-bench-PID` behind, holding its memory, and the
+/// next checkpoint saved it. SIGINT and SIGTERM now drop it, as a finished
+/// bench does, and end hkvctl with 128 + the signal.
+#[test]
+fn an_interrupted_bench_drops_its_table() {
+    let d = Daemon::start();
+    for (signal, number) in [("INT", 2), ("TERM", 15)] {
+        let child = Command::new(hkvctl_bin())
+            .arg("--socket")
+            .arg(&d.socket)
+            .args(["bench", "--dim", "8", "--capacity", "65536", "--batches", "1024", "--clients", "1"])
+            .args(["--seconds", "30"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let name = format!("hkvctl-bench-{}", child.id());
+        let benching = || Client::connect(&d.socket).unwrap().tables().unwrap().iter().any(|t| t.spec.name == name);
+        let t = Instant::now();
+        while !benching() {
+            assert!(t.elapsed() < Duration::from_secs(20), "no table {name}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let pid = child.id().to_string();
+        assert!(Command::new("kill").args([&format!("-{signal}"), &pid]).status().unwrap().success());
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(128 + number), "SIG{signal}: {err}");
+        assert!(!d.run(&["tables"]).contains("hkvctl-bench"), "SIG{signal}: table left behind: {err}");
+    }
+}
+
 /// Without CUDA in hkvctl's process, `--transport cuda-ipc` is refused
 /// before anything is measured: one line naming the transport and why,
 /// exit code 1, no panic, no table left behind.

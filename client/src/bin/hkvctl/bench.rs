@@ -3,12 +3,91 @@
 //! memory registered with CUDA IPC (find and insert_or_assign beside the raw
 //! socket moving the same bytes; with --features, the feature requests).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
-use hkv_client::{proto, Client, Request, TableSpec};
+use hkv_client::{proto, Client, ErrorCode, Request, TableSpec};
 use rand::Rng;
+
+/// The table a bench makes (`hkvctl-bench-PID`), dropped when the bench
+/// ends, however it ends: done, failed, or stopped by SIGINT or SIGTERM.
+/// An interrupted bench used to leave its table behind, holding its
+/// memory, and the next checkpoint saved it.
+struct Scratch {
+    socket: PathBuf,
+    name: String,
+    dropped: bool,
+}
+
+impl Scratch {
+    /// Creates table `spec` on `c`. From just before, SIGINT and SIGTERM
+    /// drop it and end hkvctl with status 128 + the signal, as the signal
+    /// would have.
+    fn create(c: &mut Client, socket: &Path, spec: TableSpec) -> Result<Scratch> {
+        let name = spec.name.clone();
+        drop_on_signal(socket, &name)?;
+        c.create_table(spec)?;
+        Ok(Scratch { socket: socket.to_path_buf(), name, dropped: false })
+    }
+
+    /// Drops the table now (the bench is done).
+    fn finish(mut self) -> Result<()> {
+        self.dropped = true;
+        drop_table(&self.socket, &self.name)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if !self.dropped {
+            if let Err(e) = drop_table(&self.socket, &self.name) {
+                eprintln!("hkvctl bench: its table {} was not dropped ({e:#}): hkvctl drop-table {0}", self.name);
+            }
+        }
+    }
+}
+
+/// Drops table `name` on its own connection (the bench's may be busy):
+/// one already gone is fine; a daemon that does not answer does not keep
+/// hkvctl from ending.
+fn drop_table(socket: &Path, name: &str) -> Result<()> {
+    let mut c = Client::connect(socket)?;
+    c.set_timeout(Some(Duration::from_secs(10)))?;
+    match c.drop_table(name) {
+        Err(e) if e.code() != Some(ErrorCode::UnknownTable) => Err(e.into()),
+        _ => Ok(()),
+    }
+}
+
+/// Catches SIGINT and SIGTERM from now on (the handlers are installed
+/// before this returns); on either, a thread drops table `name` and ends
+/// the process.
+fn drop_on_signal(socket: &Path, name: &str) -> Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let (mut int, mut term) = {
+        let _in = rt.enter();
+        (signal(SignalKind::interrupt())?, signal(SignalKind::terminate())?)
+    };
+    let (socket, name) = (socket.to_path_buf(), name.to_string());
+    std::thread::spawn(move || {
+        let signal = rt.block_on(async {
+            tokio::select! {
+                _ = int.recv() => 2,
+                _ = term.recv() => 15,
+            }
+        });
+        match drop_table(&socket, &name) {
+            Ok(()) => eprintln!("hkvctl bench: stopped; its table {name} is dropped"),
+            Err(e) => {
+                eprintln!("hkvctl bench: stopped; its table {name} was not dropped ({e:#}): hkvctl drop-table {name}")
+            }
+        }
+        std::process::exit(128 + signal);
+    });
+    Ok(())
+}
 
 #[derive(clap::Args, Clone)]
 pub struct BenchArgs {
@@ -134,10 +213,11 @@ pub fn bench_features(socket: PathBuf, a: BenchArgs) -> Result<()> {
     let mut c = Client::connect(&socket)?;
     let table = format!("hkvctl-bench-{}", std::process::id());
     let nb = 1u64 << 40;
-    c.create_table(TableSpec {
-        hash: Some(proto::FeatureHash::fingerprint64(nb)),
-        ..TableSpec::new(&table, a.dim, a.capacity)
-    })?;
+    let scratch = Scratch::create(
+        &mut c,
+        &socket,
+        TableSpec { hash: Some(proto::FeatureHash::fingerprint64(nb)), ..TableSpec::new(&table, a.dim, a.capacity) },
+    )?;
     let fill = (a.capacity / 2) as i64;
     let mut resident = Vec::with_capacity(fill as usize);
     let mut x = 1i64;
@@ -192,8 +272,7 @@ pub fn bench_features(socket: PathBuf, a: BenchArgs) -> Result<()> {
             }
         }
     }
-    c.drop_table(&table)?;
-    Ok(())
+    scratch.finish()
 }
 
 /// Features per second of `hash`, then `find` with the keys (two round
@@ -271,7 +350,7 @@ pub fn bench(socket: PathBuf, a: BenchArgs) -> Result<()> {
     }
     let mut c = Client::connect(&socket)?;
     let table = format!("hkvctl-bench-{}", std::process::id());
-    c.create_table(TableSpec::new(&table, a.dim, a.capacity))?;
+    let scratch = Scratch::create(&mut c, &socket, TableSpec::new(&table, a.dim, a.capacity))?;
     let fill = (a.capacity / 2) as usize;
     let mut key = 1u64;
     while (key as usize) <= fill {
@@ -405,6 +484,5 @@ pub fn bench(socket: PathBuf, a: BenchArgs) -> Result<()> {
             }
         }
     }
-    c.drop_table(&table)?;
-    Ok(())
+    scratch.finish()
 }

@@ -158,7 +158,9 @@ pub enum Cmd {
     /// Prometheus text.
     Metrics,
     /// Throughput over the socket: find and insert_or_assign beside the raw
-    /// socket moving the same bytes.
+    /// socket moving the same bytes, on a table `hkvctl-bench-PID` it
+    /// creates (admin) and drops when it ends, stopped by SIGINT or SIGTERM
+    /// included.
     Bench(BenchArgs),
     /// Take a checkpoint now; with --wait, show its progress until it completes.
     Checkpoint {
