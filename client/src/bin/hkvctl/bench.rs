@@ -143,6 +143,15 @@ pub struct BenchArgs {
     pub features: bool,
 }
 
+/// A figure of the text table, `width` wide with `precision` decimals,
+/// or `-` for one not measured (`--ops`): it printed NaN.
+fn cell(v: Option<f64>, width: usize, precision: usize) -> String {
+    match v {
+        Some(x) => format!("{x:>width$.precision$}"),
+        None => format!("{:>width$}", "-"),
+    }
+}
+
 /// Runs `run` on `clients` connections at once (each on its own thread);
 /// returns keys per second over all of them: the keys they did over the
 /// longest time one took.
@@ -390,10 +399,11 @@ pub fn bench(socket: PathBuf, a: BenchArgs) -> Result<()> {
             // The same bytes each way: keys in, flags and values out.
             let reply = (batch * (1 + 4 * a.dim) + 8) as u32;
             let want = |op: &str| a.ops.iter().any(|o| o == op);
+            // None: not measured (--ops), `-` in the text table.
             let raw = if want("raw") {
-                measure(&socket, &a, clients, &|_| Request::Echo { reply_len: reply, padding: batch * 8 })?
+                Some(measure(&socket, &a, clients, &|_| Request::Echo { reply_len: reply, padding: batch * 8 })?)
             } else {
-                f64::NAN
+                None
             };
             let figure = |transport: &str, op: &str, kps: f64, per_key: f64| {
                 println!(
@@ -402,7 +412,7 @@ pub fn bench(socket: PathBuf, a: BenchArgs) -> Result<()> {
                         "dim": a.dim, "keys_per_s": kps, "bytes_per_s": kps * per_key})
                 );
             };
-            if a.json && want("raw") {
+            if let (true, Some(raw)) = (a.json, raw) {
                 figure("raw_socket", "echo", raw, row_bytes(1));
             }
             for transport in &a.transport {
@@ -430,55 +440,59 @@ pub fn bench(socket: PathBuf, a: BenchArgs) -> Result<()> {
                         want("find"),
                         want("insert"),
                     )?;
-                    (f.unwrap_or(f64::NAN), i.unwrap_or(f64::NAN))
+                    (f, i)
                 } else {
                     let t = table.clone();
                     let find = if want("find") {
-                        measure(&socket, &a, clients, &|rng| Request::Find {
+                        Some(measure(&socket, &a, clients, &|rng| Request::Find {
                             table: t.clone(),
                             keys: (0..batch).map(|_| rng.gen_range(1..=resident)).collect(),
                             scores: false,
-                        })?
+                        })?)
                     } else {
-                        f64::NAN
+                        None
                     };
                     let t = table.clone();
                     let dim = a.dim;
                     let insert = if want("insert") {
-                        measure(&socket, &a, clients, &|rng| Request::Write {
+                        Some(measure(&socket, &a, clients, &|rng| Request::Write {
                             op: proto::WriteOp::InsertOrAssign,
                             table: t.clone(),
                             keys: (0..batch).map(|_| rng.gen_range(1..=resident)).collect(),
                             values: vec![1.5; batch * dim],
                             scores: None,
                             outcomes: false,
-                        })?
+                        })?)
                     } else {
-                        f64::NAN
+                        None
                     };
                     (find, insert)
                 };
-                let gb = |kps: f64| kps * row_bytes(1) / 1e9;
+                let gb = |kps: Option<f64>| kps.map(|k| k * row_bytes(1) / 1e9);
                 if a.json {
-                    if want("find") {
+                    // An op not measured has no line (rather than a null figure).
+                    if let Some(find) = find {
                         figure(transport, "find", find, row_bytes(1));
                     }
-                    if want("insert") {
+                    if let Some(insert) = insert {
                         figure(transport, "insert_or_assign", insert, ins_bytes);
                     }
                 } else {
+                    let ratio = match (find, raw) {
+                        (Some(f), Some(r)) => format!("{:>9.0}%", 100.0 * f / r),
+                        _ => format!("{:>10}", "-"),
+                    };
                     println!(
-                        "{:>8} {:>7} {:>9} {:>14.0} {:>10.2} {:>14.0} {:>10.2} {:>9.0}% {:>14.0} {:>10.2}",
+                        "{:>8} {:>7} {:>9} {} {} {} {} {ratio} {} {}",
                         batch,
                         clients,
                         transport,
-                        find,
-                        gb(find),
-                        raw,
-                        gb(raw),
-                        100.0 * find / raw,
-                        insert,
-                        insert * ins_bytes / 1e9
+                        cell(find, 14, 0),
+                        cell(gb(find), 10, 2),
+                        cell(raw, 14, 0),
+                        cell(gb(raw), 10, 2),
+                        cell(insert, 14, 0),
+                        cell(insert.map(|i| i * ins_bytes / 1e9), 10, 2)
                     );
                 }
             }
