@@ -210,6 +210,9 @@ fn a_daemon_that_does_not_answer_times_out() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("did not answer in time"), "{err}");
+    // A tester's finding: the error did not name the option that set the
+    // wait, nor its value.
+    assert!(err.contains("--timeout 0.5 s"), "{err}");
     assert!(took < Duration::from_secs(10), "gave up after {took:?}");
     d.run(&["ping"]);
 }

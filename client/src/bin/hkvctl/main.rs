@@ -140,12 +140,34 @@ fn quiet_on_broken_pipe() {
     }));
 }
 
+/// What a wait that ran out of time adds to its error: the `--timeout`
+/// it ran under and how to wait longer (the error named neither).
+fn timeout_hint(e: &anyhow::Error, timeout: Option<f64>) -> Option<String> {
+    use std::io::ErrorKind::{TimedOut, WouldBlock};
+    let Some(ClientError::Io { cause, .. }) = e.downcast_ref::<ClientError>() else { return None };
+    if !matches!(cause.kind(), WouldBlock | TimedOut) {
+        return None;
+    }
+    Some(match timeout {
+        Some(t) => format!("hkvctl waits --timeout {t} s for each answer: raise it, or give 0 to wait forever"),
+        None => format!(
+            "hkvctl waits {DEFAULT_TIMEOUT_S} s (the default --timeout) for each answer: raise --timeout, or \
+             give 0 to wait forever"
+        ),
+    })
+}
+
 fn main() -> ExitCode {
     quiet_on_broken_pipe();
-    match run(Cli::parse()) {
+    let cli = Cli::parse();
+    let timeout = cli.timeout;
+    match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("hkvctl: {e:#}");
+            match timeout_hint(&e, timeout) {
+                Some(hint) => eprintln!("hkvctl: {e:#}; {hint}"),
+                None => eprintln!("hkvctl: {e:#}"),
+            }
             match e.downcast_ref::<ClientError>() {
                 Some(ClientError::Io { .. }) => ExitCode::from(2),
                 _ => ExitCode::from(1),
