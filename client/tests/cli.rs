@@ -91,6 +91,13 @@ fn tables_put_get_erase() {
     // A table without a cluster says so in the last column.
     assert!(tables.lines().next().is_some_and(|h| h.trim_end().ends_with("backing")), "{tables}");
     assert!(tables.lines().any(|l| l.starts_with("emb ") && l.trim_end().ends_with(" -")), "{tables}");
+    // A table that does not exist: put and fill say what to do, as get
+    // does (put did not, a tester found).
+    for args in [&["put", "nosuch", "1=1"][..], &["get", "nosuch", "1"], &["fill", "nosuch", "--count", "1"]] {
+        let out = d.hkvctl(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains("create it first (hkvctl create-table)"), "{args:?}: {err}");
+    }
     // A wrong dim is refused with what the table needs.
     let out = d.hkvctl(&["put", "emb", "1=1,2,3"]);
     assert!(!out.status.success());

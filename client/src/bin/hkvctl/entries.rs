@@ -28,7 +28,10 @@ pub fn parse_value(x: &str) -> Result<f32> {
 
 /// Table `table` as the daemon lists it.
 pub fn table_info(c: &mut Client, table: &str) -> Result<proto::TableInfo> {
-    c.tables()?.into_iter().find(|t| t.spec.name == table).with_context(|| format!("no table named {table:?}"))
+    c.tables()?
+        .into_iter()
+        .find(|t| t.spec.name == table)
+        .with_context(|| format!("no table named {table:?}; create it first (hkvctl create-table)"))
 }
 
 /// Refuses an entry of `got` values for table `t`'s rows, saying what a
