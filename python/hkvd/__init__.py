@@ -812,6 +812,9 @@ class Client:
         (``kind="fingerprint64"``) or ``to_hash_bucket_strong`` (``kind="strong"``,
         ``key=(k0, k1)``) computes them; int64 features are hashed as their
         decimal text. Without ``num_buckets``, ``table``'s hash setting applies."""
+        if num_buckets is None and not table:
+            raise ValueError("hash: give num_buckets= (keys in [0, num_buckets)) or table= (a table created "
+                             "with num_buckets, whose hash setting applies)")
         parts, n = _features(features)
         return self._call(OP_HASH, 0, [_str(table), _hash_spec(num_buckets, kind, key), *parts], 0, n)
 

@@ -26,6 +26,17 @@ def test_hash_equals_pyfarmhash_for_every_length_and_int64_edge(daemon):
         assert [int(k) for k in c.hash((b"abcd", [0, 1, 2, 3, 4]), num_buckets=NB)] == [t % NB for t in tf]
 
 
+def test_hash_without_buckets_or_table_names_both(daemon):
+    # A tester's finding: c.hash(["a"]) said only "the table's hash was asked
+    # for, but no table was named", not the arguments that give one.
+    with hkvd.Client(daemon.socket) as c:
+        try:
+            c.hash(["a"])
+            raise AssertionError("a hash without num_buckets or table was sent")
+        except ValueError as e:
+            assert "num_buckets=" in str(e) and "table=" in str(e), e
+
+
 def test_fused_requests_use_the_tables_hash(daemon):
     with hkvd.Client(daemon.socket) as c:
         c.create_table("feat", dim=3, capacity=1 << 12, num_buckets=2**40)
