@@ -309,6 +309,7 @@ fn start_actors(
             .map(String::as_str)
             .or_else(|| p.downcast_ref::<&str>().copied())
             .unwrap_or("a thread could not be started");
+        let why = plain_os_error(why);
         anyhow::anyhow!(
             "could not start the shards' {} threads ({} shards x {threads}, --threads-per-shard): {why}; \
              lower --shards or --threads-per-shard, or raise the limits on this process's threads and memory",
@@ -316,6 +317,24 @@ fn start_actors(
             ordinals.len()
         )
     })
+}
+
+/// `why` with the debug text of an OS error in it (`Os { code: 11, kind:
+/// WouldBlock, message: "..." }`, what the thread library's panic holds)
+/// written as the error displays itself: `Resource temporarily
+/// unavailable (os error 11)`. Any other text is returned as it is.
+fn plain_os_error(why: &str) -> String {
+    const OS: &str = "Os { code: ";
+    let Some(start) = why.find(OS) else { return why.to_string() };
+    let rest = &why[start + OS.len()..];
+    let code = rest.split(|c: char| !c.is_ascii_digit() && c != '-').next().and_then(|n| n.parse().ok());
+    match (code, rest.find(" }")) {
+        (Some(code), Some(end)) => {
+            let tail = &rest[end + " }".len()..];
+            format!("{}{}{tail}", &why[..start], std::io::Error::from_raw_os_error(code))
+        }
+        _ => why.to_string(),
+    }
 }
 
 /// The shard actors (one per device or CPU shard), the memory budget, and

@@ -519,6 +519,27 @@ fn a_restart_with_a_client_group_opens_the_existing_socket_directory() {
     assert_eq!((std::fs::metadata(&run).unwrap().gid(), mode(&run)), (users, 0o700), "left as it was");
 }
 
+/// A tester's finding: a start whose shard threads the system refuses
+/// (`prlimit --as=400000000`, 64 shards of 64 threads) said why in Rust's
+/// debug text (`Os { code: 11, kind: WouldBlock, message: ... }`); it
+/// says the OS error as the OS words it.
+#[test]
+fn refused_shard_threads_are_said_plainly() {
+    let dir = tempfile::tempdir().unwrap();
+    let inner = common::command(dir.path(), &["--shards", "64", "--threads-per-shard", "64"]);
+    let out = std::process::Command::new("prlimit")
+        .args(["--as=400000000", "--"])
+        .arg(inner.get_program())
+        .args(inner.get_args())
+        .stdin(Stdio::null())
+        .output()
+        .expect("prlimit (util-linux)");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("could not start the shards' 4096 threads"), "{err}");
+    assert!(err.contains("(os error ") && !err.contains("Os {"), "{err}");
+}
+
 #[test]
 #[ignore = "child of supplementary_admin_group_members_administer"]
 fn group_child() {
