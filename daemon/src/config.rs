@@ -211,8 +211,8 @@ pub struct Config {
     /// after `CUDA_VISIBLE_DEVICES`). Unset: every visible device.
     #[arg(long, value_delimiter = ',')]
     pub devices: Option<Vec<usize>>,
-    /// Threads per shard actor, so that readers and updaters of one shard can
-    /// run together.
+    /// Threads per shard actor, 1 to 64, so that readers and updaters of one
+    /// shard can run together.
     #[arg(long, default_value_t = 4)]
     pub threads_per_shard: usize,
     /// A group (name) whose members may run admin operations, besides the

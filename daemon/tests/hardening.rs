@@ -540,6 +540,17 @@ fn refused_shard_threads_are_said_plainly() {
     assert!(err.contains("(os error ") && !err.contains("Os {"), "{err}");
 }
 
+/// `hkvd serve --help` gives the range of `--threads-per-shard`, which a
+/// start checks (a tester had to find it by trying).
+#[test]
+fn the_help_gives_the_threads_per_shard_range() {
+    let out = std::process::Command::new(common::hkvd_bin()).args(["serve", "--help"]).output().unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    let (_, option) = help.split_once("--threads-per-shard").expect("the option is listed");
+    let text = option.split("\n      --").next().unwrap_or_default();
+    assert!(text.contains("1 to 64"), "{text}");
+}
+
 #[test]
 #[ignore = "child of supplementary_admin_group_members_administer"]
 fn group_child() {
