@@ -195,7 +195,7 @@ async fn control(
             Ok(Response::Json(serde_json::to_vec(&state.checkpoints.list()?).expect("serializes")))
         }
         Control::Restore { id } => {
-            let r = state.checkpoints.restore(state.router.clone(), id).await?;
+            let r = state.checkpoints.restore(state.router.clone(), id, crate::ckpt::Occasion::Request).await?;
             let r = r.ok_or_else(|| ProtoError::new(ErrorCode::NotFound, "there is no checkpoint to restore"))?;
             crate::backing::Tiers::log_unopened(&state.backing.sync(&state.router).await);
             let names: Vec<String> = r.tables.iter().map(|(n, _)| n.clone()).collect();

@@ -426,7 +426,7 @@ async fn open_tiers_at_start(state: &State, restored: &[String]) -> anyhow::Resu
 /// silently serve without the data, and says how to start anyway (every
 /// file stays on disk). Returns the tables restored.
 async fn restore_at_start(state: &State, which: hkv_proto::CheckpointId) -> anyhow::Result<Vec<String>> {
-    match state.checkpoints.restore(state.router.clone(), which).await {
+    match state.checkpoints.restore(state.router.clone(), which, crate::ckpt::Occasion::Start).await {
         Ok(Some(r)) => {
             for s in &r.skipped {
                 warn!("skipped an unusable checkpoint: {s}");

@@ -209,7 +209,7 @@ fn a_table_with_another_dim_or_policy_refuses_the_checkpoint() {
     assert_eq!(d.wait(Duration::from_secs(30)), 0);
     let root = d.dir.path().to_path_buf();
     let cfg = root.join("other.toml");
-    std::fs::write(&cfg, "[[table]]\nname = \"emb\"\ndim = 8\ncapacity = 4096\npolicy = \"lru\"\n").unwrap();
+    std::fs::write(&cfg, "[[table]]\nname = \"emb\"\ndim = 8\ncapacity = 1000\npolicy = \"lru\"\n").unwrap();
     let out = common::command(&root, &["--config", cfg.to_str().unwrap()]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1));
@@ -217,6 +217,11 @@ fn a_table_with_another_dim_or_policy_refuses_the_checkpoint() {
         err.contains("dim 8 here, 4 in the checkpoint") && err.contains("policy lru here, lfu in the checkpoint"),
         "{err}"
     );
+    // A tester's finding: the refusal said "drop the table or restore
+    // elsewhere", which a table the config file declares does not allow,
+    // after a WARN that the capacity was kept by this restore it refused.
+    assert!(err.contains("make its [[table]] \"emb\" match the checkpoint"), "{err}");
+    assert!(!err.contains("drop the table") && !err.contains("capacity is kept"), "{err}");
     // --restore none starts anyway.
     let d = d.restart(&["--config", cfg.to_str().unwrap(), "--restore", "none"]);
     assert_eq!(d.client().tables().unwrap()[0].size, 0);

@@ -17,6 +17,7 @@ mod schedule;
 mod write;
 
 pub use hkv_proto::stats::{CheckpointStats, Finished, Listing, Progress, Restored};
+pub use restore::Occasion;
 use std::sync::atomic::{AtomicU32, AtomicU64};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};

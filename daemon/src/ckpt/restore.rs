@@ -152,6 +152,19 @@ fn resume_point(t: &TableEntry, m: &Manifest, max_restored: u64) -> u64 {
     max_restored.min(cap)
 }
 
+/// What a restore is for, which decides what a refusal for a running
+/// table that differs from the checkpoint tells the operator to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Occasion {
+    /// A client's `restore` into the running daemon: drop the table, or
+    /// restore elsewhere.
+    Request,
+    /// `--restore` at start, whose running tables are the config file's:
+    /// dropping one is no answer (the next start declares it again); fix
+    /// it in the config file, or start with `--restore none`.
+    Start,
+}
+
 impl Checkpoints {
     /// Restores `which` (the newest or one by id). With `latest`, a corrupt
     /// checkpoint is skipped with a warning and the previous complete one is
@@ -161,17 +174,21 @@ impl Checkpoints {
         self: &Arc<Self>,
         router: Arc<Router>,
         which: CheckpointId,
+        occasion: Occasion,
     ) -> Result<Option<Restored>, ProtoError> {
         let _gate = self.gate.lock().await;
         let ck = self.clone();
         let handle = tokio::runtime::Handle::current();
-        tokio::task::spawn_blocking(move || ck.restore_blocking(&router, which, &handle)).await.map_err(internal)?
+        tokio::task::spawn_blocking(move || ck.restore_blocking(&router, which, occasion, &handle))
+            .await
+            .map_err(internal)?
     }
 
     fn restore_blocking(
         &self,
         router: &Router,
         which: CheckpointId,
+        occasion: Occasion,
         rt: &tokio::runtime::Handle,
     ) -> Result<Option<Restored>, ProtoError> {
         let started = Instant::now();
@@ -216,7 +233,7 @@ impl Checkpoints {
                 if let Some(b) = bad.iter().find(|b| chain.iter().any(|m| m.id == **b)) {
                     return Err(Failure::Known(*b));
                 }
-                self.load_chain(router, &chain, rt, &progress).map(|l| (chain, l))
+                self.load_chain(router, &chain, occasion, rt, &progress).map(|l| (chain, l))
             });
             match loaded {
                 Ok((chain, (loaded, dropped, bytes))) => {
@@ -358,12 +375,13 @@ impl Checkpoints {
         &self,
         router: &Router,
         chain: &[Manifest],
+        occasion: Occasion,
         rt: &tokio::runtime::Handle,
         progress: &dyn Fn(&str, u64, u64, u64, u64),
     ) -> Result<Loaded, Failure> {
         let target = chain.last().ok_or_else(|| Failure::Refused(internal("an empty chain")))?;
         // Check every table before loading any.
-        check_compatible(router, target)?;
+        check_compatible(router, target, occasion)?;
         // Per table, the manifests to apply: from the last holding it whole.
         let plan: Vec<(&TableEntry, Vec<(u64, &TableEntry)>)> = target
             .tables
@@ -698,8 +716,11 @@ fn with_password(spec: TableSpec, passwords: Option<&Path>) -> Result<TableSpec,
 
 /// Refuses a checkpoint whose tables differ from running tables of the
 /// same names in dim (the stored row's width, optimizer state included),
-/// optimizer or policy.
-fn check_compatible(router: &Router, target: &Manifest) -> Result<(), Failure> {
+/// optimizer or policy, saying what to do for the `occasion`. Differences
+/// the rows survive (backing, capacity) are logged, once no table refused
+/// it: a tester was told a capacity was kept by a restore then refused.
+fn check_compatible(router: &Router, target: &Manifest, occasion: Occasion) -> Result<(), Failure> {
+    let mut kept = vec![];
     for t in &target.tables {
         let Ok(running) = router.table(&t.name) else { continue };
         let mut diff = vec![];
@@ -742,32 +763,46 @@ fn check_compatible(router: &Router, target: &Manifest) -> Result<(), Failure> {
             };
             let (here, there) = (shown(&running.spec.backing), shown(&saved.backing));
             if here != there {
-                warn!(
-                    table = %t.name,
-                    checkpoint = %format!("{:016x}", target.id),
-                    "the running table's backing is kept: {here} here, {there} in the checkpoint \
-                     (a table made by create-table or the config file keeps its own spec)"
-                );
+                kept.push((
+                    &t.name,
+                    format!(
+                        "the running table's backing is kept: {here} here, {there} in the checkpoint \
+                         (a table made by create-table or the config file keeps its own spec)"
+                    ),
+                ));
             }
             if running.spec.capacity != saved.capacity {
-                warn!(
-                    table = %t.name,
-                    checkpoint = %format!("{:016x}", target.id),
-                    "the running table's capacity is kept: {} here, {} in the checkpoint; \
-                     entries that do not fit are evicted and counted as dropped",
-                    running.spec.capacity,
-                    saved.capacity
-                );
+                kept.push((
+                    &t.name,
+                    format!(
+                        "the running table's capacity is kept: {} here, {} in the checkpoint (as asked for; \
+                         each rounded up to whole buckets); entries that do not fit are evicted and counted as \
+                         dropped",
+                        running.spec.capacity, saved.capacity
+                    ),
+                ));
             }
         }
         if !diff.is_empty() {
+            let what = match occasion {
+                Occasion::Request => "drop the table or restore elsewhere".to_string(),
+                Occasion::Start => format!(
+                    "the table is the config file's: make its [[table]] {:?} match the checkpoint (or remove \
+                     it, and the checkpoint's own spec applies), or start with --restore none to start with \
+                     empty tables and keep the checkpoint on disk",
+                    t.name
+                ),
+            };
             return Err(Failure::Refused(ProtoError::bad_request(format!(
-                "checkpoint {:016x} cannot be restored into table {:?}: {}; drop the table or restore elsewhere",
+                "checkpoint {:016x} cannot be restored into table {:?}: {}; {what}",
                 target.id,
                 t.name,
                 diff.join(", ")
             ))));
         }
+    }
+    for (table, why) in kept {
+        warn!(table = %table, checkpoint = %format!("{:016x}", target.id), "{why}");
     }
     Ok(())
 }
