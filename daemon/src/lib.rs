@@ -458,6 +458,14 @@ async fn restore_at_start(state: &State, which: hkv_proto::CheckpointId) -> anyh
             info!("no checkpoint to restore");
             Ok(Vec::new())
         }
+        // An empty (or new) state directory: "every checkpoint is kept"
+        // would speak of checkpoints that are not there.
+        Err(_) if state.checkpoints.list().is_ok_and(|l| l.is_empty()) => anyhow::bail!(
+            "restore {which}: there are no checkpoints in {} (is --state-dir the directory that holds them?); \
+             hkvd did not start. To start with empty tables, use --restore none, or --restore latest, which \
+             starts empty when there is no checkpoint.",
+            state.config.state_path().join("checkpoints").display()
+        ),
         Err(e) => anyhow::bail!(
             "restore {which}: {}\n\
              hkvd did not start, so that no checkpointed data is silently lost; every checkpoint is kept. \

@@ -197,6 +197,20 @@ fn clients_keep_working_during_a_checkpoint_and_no_value_is_torn() {
     }
 }
 
+/// A tester's finding: `--restore ID` on an empty state directory said
+/// "every checkpoint is kept" of checkpoints there were none of; it says
+/// there are none, where it looked, and still does not start.
+#[test]
+fn restoring_an_id_where_there_are_no_checkpoints_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = common::command(dir.path(), &["--restore", "00000000000000ff"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    let where_ = dir.path().join("state").join("checkpoints");
+    assert!(err.contains(&format!("there are no checkpoints in {}", where_.display())), "{err}");
+    assert!(!err.contains("every checkpoint is kept"), "{err}");
+}
+
 #[test]
 fn a_table_with_another_dim_or_policy_refuses_the_checkpoint() {
     let d = Daemon::start(&[]);
