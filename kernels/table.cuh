@@ -908,6 +908,11 @@ __device__ __forceinline__ void hkv_adapt_fill(const HkvTable& t, const HkvScori
     int window = 0;
     u64 ows = 0xFFFFFFFFFFFFFFFFULL;
     int ow = -1;
+    // This thread's slots, 4 scores and 4 digests a load where any of the
+    // 4 has its bit (independent loads, as hkv_tiers: the bucket is locked
+    // while they are waited for; a loop over the set bits, a score and a
+    // digest load each, waited for them one by one), each set bit's slot
+    // checked (shard/BENCHMARKS.md, "Adaptive fills: the window's scan").
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
         const int lo = first > 32 * k ? first - 32 * k : 0;
@@ -916,16 +921,27 @@ __device__ __forceinline__ void hkv_adapt_fill(const HkvTable& t, const HkvScori
         if (lo >= hi) continue;
         const u32 range = (hi - lo == 32 ? 0xFFFFFFFFu : ((1u << (hi - lo)) - 1)) << lo;
         u32 m = __ldcg(bits + k) & range, stale = 0;
-        for (u32 x = m; x; x &= x - 1) {
-            const int slot = 32 * k + __ffs(x) - 1;
-            const u64 sc = __ldcg(sp + slot);
-            if (slot == fs) {
-                // The newcomer's free slot: its bit stays (set below).
-                m &= ~(1u << (slot & 31));
-            } else if ((u32)__ldcg(dp + slot) == empty || (sc & HKV_ADAPTIVE_MAIN)) {
-                stale |= 1u << (slot & 31);
-            } else {
-                hkv_tiers_min(&ows, &ow, sc, slot);
+#pragma unroll 1
+        for (int c = lo; c < hi; c += 4) {
+            const u32 m4 = (m >> c) & 15u;
+            if (!m4) continue;
+            const int s0 = 32 * k + c;
+            u64 sc4[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) sc4[j] = __ldcg(sp + s0 + j);
+            const u32 d4 = __ldcg(reinterpret_cast<const u32*>(dp + s0));
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                if (!(m4 >> j & 1)) continue;
+                const int slot = s0 + j;
+                if (slot == fs) {
+                    // The newcomer's free slot: its bit stays (set below).
+                    m &= ~(1u << (slot & 31));
+                } else if (((d4 >> (8 * j)) & 0xFF) == empty || (sc4[j] & HKV_ADAPTIVE_MAIN)) {
+                    stale |= 1u << (slot & 31);
+                } else {
+                    hkv_tiers_min(&ows, &ow, sc4[j], slot);
+                }
             }
         }
         if (stale) atomicAnd(bits + k, ~stale);
