@@ -297,6 +297,23 @@ fn start_actors(
     ordinals: &[usize],
     threads: usize,
 ) -> anyhow::Result<Vec<(actix::Addr<ShardActor>, crate::actor::Direct)>> {
+    let total = ordinals.len() * threads;
+    // Their stacks first, against the address space's limit: a thread
+    // whose stack was mapped but whose signal stack then was not aborts
+    // the process from inside the standard library (a tester's start
+    // under `prlimit --as` ended so, with exit code 134, about once in
+    // eight), where a refusal here is the same clear error every time.
+    let space = crate::memory::AddressSpace::of_process();
+    let need = total as u64 * thread_bytes();
+    if !space.fits_mapped(need) {
+        anyhow::bail!(
+            "could not start the shards' {total} threads ({} shards x {threads}, --threads-per-shard): their \
+             stacks need {need} bytes of address space{}; lower --shards or --threads-per-shard, or raise the \
+             limit",
+            ordinals.len(),
+            space.describe()
+        );
+    }
     let hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(|_| {}));
     let started = std::panic::catch_unwind(|| {
@@ -313,10 +330,18 @@ fn start_actors(
         anyhow::anyhow!(
             "could not start the shards' {} threads ({} shards x {threads}, --threads-per-shard): {why}; \
              lower --shards or --threads-per-shard, or raise the limits on this process's threads and memory",
-            ordinals.len() * threads,
+            total,
             ordinals.len()
         )
     })
+}
+
+/// Address space a shard thread maps: its stack (the standard library's
+/// 2 MiB, or `RUST_MIN_STACK`), and 64 KiB for its guard page and signal
+/// stack.
+fn thread_bytes() -> u64 {
+    let stack = std::env::var("RUST_MIN_STACK").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(2 << 20);
+    stack + (64 << 10)
 }
 
 /// `why` with the debug text of an OS error in it (`Os { code: 11, kind:

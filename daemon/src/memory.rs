@@ -51,6 +51,15 @@ impl AddressSpace {
         mapped.saturating_add(pending).saturating_add(n).saturating_add(self.reserve()) <= limit
     }
 
+    /// Whether `n` more bytes fit beside what is mapped now, without the
+    /// reserve (for the start's own threads, mapped before any client
+    /// comes). Always true without a limit.
+    pub fn fits_mapped(&self, n: u64) -> bool {
+        let Some(limit) = self.limit else { return true };
+        let Some(mapped) = mapped_bytes() else { return true };
+        mapped.saturating_add(n) <= limit
+    }
+
     /// For error messages: the limit and what is mapped, or nothing
     /// without a limit.
     pub fn describe(&self) -> String {
