@@ -36,6 +36,22 @@ fn options(c: &TestCluster, mode: Mode) -> Options {
 }
 
 /// Runs blocking test-kit work (processes, sleeps) off the async workers.
+/// The master of table `table`'s stream (a 3-master cluster), and 20 keys
+/// whose rows live on the other masters, written once (generation 1).
+async fn off_the_stream_node(c: &TestCluster, b: &Backing, table: &str) -> (usize, Vec<u64>) {
+    let layout = b.layout().clone();
+    let owner = |slot: u16| {
+        let slot = slot.to_string();
+        (0..3).find(|&i| c.cli(i, &["cluster", "countkeysinslot", &slot]).is_ok_and(|o| o.trim() != "0"))
+    };
+    let m = owner(hkv_backing::layout::slot(table.as_bytes())).expect("the stream's master");
+    let candidates: Vec<u64> = (0..200).collect();
+    b.write(&candidates, &rows(&candidates, 1), &[]).await.unwrap();
+    let keys =
+        candidates.into_iter().filter(|&k| owner(layout.slot_of_group(layout.group(k))) != Some(m)).take(20).collect();
+    (m, keys)
+}
+
 fn blocking<T>(f: impl FnOnce() -> T) -> T {
     tokio::task::block_in_place(f)
 }
@@ -931,17 +947,8 @@ async fn a_silent_stream_node_holds_a_write_for_one_timeout() {
     o.response_timeout = Duration::from_millis(300);
     o.retries = 0;
     let b = Backing::open("sl", DIM, o).await.unwrap();
-    let layout = b.layout().clone();
-    let owner = |slot: u16| {
-        let slot = slot.to_string();
-        (0..3).find(|&i| c.cli(i, &["cluster", "countkeysinslot", &slot]).is_ok_and(|o| o.trim() != "0"))
-    };
-    let m = owner(hkv_backing::layout::slot(b"sl")).expect("the stream's master");
     // Keys whose rows live on the other masters.
-    let candidates: Vec<u64> = (0..200).collect();
-    b.write(&candidates, &rows(&candidates, 1), &[]).await.unwrap();
-    let keys: Vec<u64> =
-        candidates.into_iter().filter(|&k| owner(layout.slot_of_group(layout.group(k))) != Some(m)).take(20).collect();
+    let (m, keys) = off_the_stream_node(&c, &b, "sl").await;
     c.cli(m, &["client", "pause", "3000", "WRITE"]).unwrap();
     let t = Instant::now();
     b.write(&keys, &rows(&keys, 2), &[]).await.unwrap();
@@ -1074,16 +1081,7 @@ async fn a_stopped_stream_node_gets_a_write_s_entry_once() {
     let mut o = options(&c, Mode::WriteThrough);
     o.response_timeout = Duration::from_millis(500);
     let b = Backing::open("stop", DIM, o).await.unwrap();
-    let layout = b.layout().clone();
-    let owner = |slot: u16| {
-        let slot = slot.to_string();
-        (0..3).find(|&i| c.cli(i, &["cluster", "countkeysinslot", &slot]).is_ok_and(|o| o.trim() != "0"))
-    };
-    let m = owner(hkv_backing::layout::slot(b"stop")).expect("the stream's master");
-    let candidates: Vec<u64> = (0..200).collect();
-    b.write(&candidates, &rows(&candidates, 1), &[]).await.unwrap();
-    let keys: Vec<u64> =
-        candidates.into_iter().filter(|&k| owner(layout.slot_of_group(layout.group(k))) != Some(m)).take(20).collect();
+    let (m, keys) = off_the_stream_node(&c, &b, "stop").await;
     // The writer's own consumer retries its waiting entries, as the
     // daemon's does.
     let mut inv = b.subscribe().await.unwrap();
