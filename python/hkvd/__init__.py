@@ -384,12 +384,15 @@ class Client:
         # The daemon closed or reset the connection (a ConnectionLost was
         # raised): this client is done.
         self.lost = False
+        # close() was called: this client is done too.
+        self.closed = False
 
     # ---- plumbing -----------------------------------------------------
     def close(self) -> None:
         """Unregisters this connection's regions and events (the daemon
         would release them with the connection anyway), destroys its CUDA
         events, and closes the socket."""
+        self.closed = True
         try:
             _region.release(self)
         finally:
@@ -646,7 +649,8 @@ class Client:
             for t in self.tables():
                 self._learn(t)
         if table not in self._dims:
-            raise UnknownTable("unknown_table", f"no table named {table!r}")
+            raise UnknownTable("unknown_table", f"no table named {table!r}; create it first "
+                                                "(client.create_table or hkvctl create-table)")
         return self._dims[table]
 
     def value_dim(self, table: str) -> int:

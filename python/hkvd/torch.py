@@ -645,19 +645,17 @@ class _Sparse(torch.nn.Module):
         # gradients itself (apply_gradients with SUM). "module": the ids
         # are deduplicated here (torch.unique) and the gradients summed here.
         self.dedupe = dedupe
-        self.cache = EmbeddingCache(client, table, device=device, max_batch=max_batch, transport=transport,
-                                    events=events, verbose=verbose)
+        # The table and the arguments first: a module refused here made no
+        # buffers and printed no transport line.
         if client.policy(table) == "custom":
             raise ValueError(f"table {table!r} has policy custom, whose writes need the caller's score per key; "
                              "this module's lookups (find_or_insert) and steps give none: use another policy")
-        if self.cache.optimizer is None:
+        self.optimizer = client.optimizer(table)
+        if self.optimizer is None:
             raise ValueError(f"table {table!r} has no optimizer: create it with optimizer= (sgd, adagrad, "
                              "rowwise_adagrad or adam), e.g. client.create_table(name, dim, capacity, "
                              "optimizer='rowwise_adagrad')")
         self.client, self.table = client, table
-        self.dim = self.cache.dim
-        self.device = self.cache.device
-        self.optimizer = self.cache.optimizer
         self.lr, self.eps, self.weight_decay = float(lr), float(eps), float(weight_decay)
         if len(betas) != 2:
             raise ValueError(f"betas must be two numbers (beta1, beta2), not {tuple(betas)}")
@@ -672,6 +670,10 @@ class _Sparse(torch.nn.Module):
             raise ValueError(f"lr {self.lr} and eps {self.eps} must not be negative")
         if self.optimizer == "adam" and not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"Adam's betas {self.betas} must lie in [0, 1)")
+        self.cache = EmbeddingCache(client, table, device=device, max_batch=max_batch, transport=transport,
+                                    events=events, verbose=verbose)
+        self.dim = self.cache.dim
+        self.device = self.cache.device
         self.init = init
         self.step = 0
         self._missing = 0
@@ -709,9 +711,12 @@ class _Sparse(torch.nn.Module):
 
     def _members(self) -> List["_Sparse"]:
         """The modules of this table (this one among them) whose connection
-        is not known lost: a module left over from before a restart of the
-        daemon (its client got ``ConnectionLost``) is none of a new one's."""
-        return [m for m in list(self._sharing) if m is self or not m.client.lost]
+        is not known lost or closed: a module left over from before a
+        restart of the daemon (its client got ``ConnectionLost``), or whose
+        client was closed, is none of a new one's (a tester's new module
+        sent such a module's pending lookup again on its closed socket, and
+        got ``Bad file descriptor`` after its own step was applied)."""
+        return [m for m in list(self._sharing) if m is self or not (m.client.lost or m.client.closed)]
 
     def _settle_sharing(self) -> None:
         """Reads the answers of the steps in flight of every module of this
@@ -828,7 +833,15 @@ class _Sparse(torch.nn.Module):
         """Waits for the last optimizer step's answer (the backward sends it
         without waiting) and raises its error, if any. Any later request of
         the module or of its client reads it first anyway, so only a reader
-        on another connection needs this before it sees the step's rows."""
+        on another connection needs this before it sees the step's rows.
+        Raises ``ConnectionLost`` when the module's connection was lost
+        (its last step's answer with it), so that a ``finally: flush()``
+        does not report success."""
+        if self.client.lost:
+            raise ConnectionLost("connection_lost",
+                                 f"the connection of the module of table {self.table!r} was lost; whether its last "
+                                 "optimizer step was applied is unknown: check the rows, or restore a checkpoint, "
+                                 "with a new client")
         with self._remade_named():
             self.cache.settle()
 

@@ -1162,3 +1162,73 @@ def test_a_batch_above_the_frame_bound_is_split(tmp_path, monkeypatch, transport
         c.close()
     finally:
         d.stop()
+
+
+@pytest.mark.parametrize("transport", ["shm", "socket"])
+def test_a_closed_clients_module_leaves_the_tables_modules(daemon, transport):
+    """A module whose client was closed with a prefetch pending is none of
+    the table's modules: a tester's new module on a new client sent that
+    lookup again on the closed socket and got ``Bad file descriptor``,
+    after its own step was applied."""
+    from hkvd.torch import Embedding, Prefetcher
+
+    c1 = daemon.client()
+    c1.create_table("cl", dim=3, capacity=4096, optimizer="sgd")
+    m1 = Embedding(c1, "cl", lr=0.1, transport=transport, verbose=False)
+    batches = [(torch.tensor([1, 2]),), (torch.tensor([2, 3]),), (torch.tensor([3, 4]),)]
+    for i, (ids,) in enumerate(Prefetcher(batches, m1)):
+        m1(ids).sum().backward()
+        if i == 1:
+            break  # an early stop leaves a prefetch pending
+    m1.flush()
+    c1.close()
+    c2 = daemon.client()
+    before = c2.find("cl", np.array([1, 2], dtype=np.uint64))[0][:, :3].copy()
+    m2 = Embedding(c2, "cl", lr=0.1, transport=transport, verbose=False)
+    m2(torch.tensor([1, 2])).sum().backward()
+    m2.flush()
+    after = c2.find("cl", np.array([1, 2], dtype=np.uint64))[0][:, :3]
+    assert np.allclose(after, before - 0.1)
+    c2.close()
+
+
+def test_flush_after_a_lost_connection_raises(tmp_path):
+    """``flush()`` on a module whose connection was lost raises
+    ``ConnectionLost`` (a tester's ``finally: flush()`` returned normally
+    after the daemon was killed)."""
+    from conftest import Daemon
+    from hkvd.torch import Embedding
+
+    d = Daemon(tmp_path)
+    c = d.client()
+    c.create_table("lo", dim=4, capacity=4096, optimizer="sgd")
+    e = Embedding(c, "lo", lr=0.1, verbose=False)
+    e(torch.tensor([1, 2])).sum().backward()
+    d.proc.kill()
+    d.proc.wait()
+    with pytest.raises(hkvd.ConnectionLost):
+        for _ in range(3):
+            e(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(hkvd.ConnectionLost, match="was lost"):
+        e.flush()
+
+
+def test_a_module_refused_at_construction_makes_no_buffers(daemon, capsys):
+    """A module whose table is missing or has no optimizer, or whose
+    arguments are refused, says so before it sets up a transport (a tester
+    saw the transport line printed, and shared memory made, first); a
+    missing table's error says to create it."""
+    from hkvd.torch import Embedding
+
+    c = daemon.client()
+    c.create_table("plain", dim=4, capacity=4096)
+    c.create_table("opt", dim=4, capacity=4096, optimizer="sgd")
+    with pytest.raises(hkvd.UnknownTable, match="create it first"):
+        Embedding(c, "missing")
+    with pytest.raises(ValueError, match="no optimizer"):
+        Embedding(c, "plain")
+    with pytest.raises(ValueError, match="not a finite number"):
+        Embedding(c, "opt", lr=float("nan"))
+    assert "hkvd.torch" not in capsys.readouterr().err
+    assert c.stats()["regions"]["regions"] == 0
+    c.close()
