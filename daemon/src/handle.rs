@@ -57,6 +57,12 @@ async fn answer(
         return crate::region::answer(state, ctx, h, body).await;
     }
     let req = Request::decode(h, body)?;
+    // A table this connection knew, dropped and created again since, is
+    // refused once (`Conn::same_table`); an unknown one is the op's own
+    // error.
+    if let Some(t) = req.table().and_then(|name| state.router.table(name).ok()) {
+        ctx.conn.same_table(&t)?;
+    }
     // OUTCOMES on a read asks a backed table for each key's origin (other
     // tables ignore it, as PROTOCOL.md says).
     let origins = h.flags & hkv_proto::flags::OUTCOMES != 0;
@@ -151,6 +157,9 @@ async fn control(
                     return Err(e);
                 }
             };
+            if let Ok(t) = state.router.table(&name) {
+                conn.made_table(&name, Some(t.made()));
+            }
             info!(table = %info.spec.name, dim = info.spec.dim, capacity = info.capacity, "table created");
             Ok(Response::Json(serde_json::to_vec(&info).expect("serializes")))
         }
@@ -164,6 +173,7 @@ async fn control(
                 e
             })?;
             state.router.drop_table(&name).await?;
+            conn.made_table(&name, None);
             state.backing.close(&name).await?;
             info!(table = %name, "table dropped");
             Ok(Response::Empty)

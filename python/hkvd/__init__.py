@@ -541,6 +541,10 @@ class Client:
         if op == OP_ERROR:
             err = json.loads(self._read(length))
             cls = _ERRORS.get(err.get("code"), HkvdError)
+            if cls is UnknownTable:
+                # Gone, or dropped and made again: its spec is learned again.
+                self._dims.clear()
+                self.__dict__.pop("_specs", None)
             return rid, cls(err.get("code", "?"), err.get("message", ""))
         if p is not None and p.flags & _shm.F_REGION:
             return rid, self._read(length)  # registered regions: decoded by hkvd.shm

@@ -21,7 +21,7 @@ from typing import Callable, Iterable, List, NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
-from . import Client, ConnectionLost, HkvdError, ReservedKey, WrongDim, _integers, region
+from . import Client, ConnectionLost, HkvdError, ReservedKey, UnknownTable, WrongDim, _integers, region
 from . import cuda as _cuda
 from .cuda import CudaError, CudaIpcUnavailable
 from .shm import shm_array
@@ -677,7 +677,9 @@ class _Sparse(torch.nn.Module):
         self.init = init
         self.step = 0
         self._missing = 0
-        self._remade: Optional[WrongDim] = None
+        # The error that said the table was made again under this module,
+        # raised again by every later forward.
+        self._remade: Optional[HkvdError] = None
         self._anchor = torch.zeros((), requires_grad=True)
         self._pending: List[_Prefetched] = []
         # dedupe "table": the ids prefetch() was given, sent after this
@@ -1081,8 +1083,9 @@ class _Sparse(torch.nn.Module):
     def _gathered(self, ids):
         if self._remade is not None:
             # The table was made again under this module: every forward
-            # says so (a second one failed on the old width's buffers).
-            raise WrongDim(self._remade.code, self._remade.message)
+            # says so (a second one failed on the old width's buffers, or
+            # ran on the new table's rows as the old one's).
+            raise type(self._remade)(self._remade.code, self._remade.message)
         known = self.client._dims.get(self.table, self.cache.row_dim)
         if known != self.cache.row_dim:
             # This module's client made the table again (and learned its
@@ -1095,6 +1098,8 @@ class _Sparse(torch.nn.Module):
                 rows = self._positions(flat)
             except WrongDim as e:
                 raise self._dim_changed(e) from e
+            except UnknownTable as e:
+                raise self._made_again(e) from e
             except ReservedKey as e:
                 raise self._reserved_at(e, flat) from e
             return _Positions.apply(self._anchor, rows, flat, self)
@@ -1102,6 +1107,8 @@ class _Sparse(torch.nn.Module):
             uniq, inv, rows = self._lookup(flat)
         except WrongDim as e:
             raise self._dim_changed(e) from e
+        except UnknownTable as e:
+            raise self._made_again(e) from e
         except ReservedKey as e:
             raise self._reserved_at(e, flat) from e
         return _Gather.apply(self._anchor, rows, inv, uniq, self)
@@ -1115,6 +1122,21 @@ class _Sparse(torch.nn.Module):
             yield
         except WrongDim as e:
             raise self._dim_changed(e) from e
+        except UnknownTable as e:
+            raise self._made_again(e) from e
+
+    def _made_again(self, e: "UnknownTable") -> "HkvdError":
+        """``e``, or, where the daemon says the table was dropped and
+        created again since this module's connection used it (it refuses
+        that once; the table may be as wide as the old one, whose rows
+        this module would read as its own), the error every later forward
+        raises too."""
+        if "dropped and created again" not in e.message:
+            return e
+        self._remade = UnknownTable(e.code, f"table {self.table!r} was dropped and created again since this module "
+                                            f"was made for it: make a new module for it (the daemon said: "
+                                            f"{e.message})")
+        return self._remade
 
     def _dim_changed(self, e: "WrongDim") -> "WrongDim":
         """``e`` with what a user can act on when the table is not the one

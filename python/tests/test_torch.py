@@ -414,7 +414,9 @@ def test_hyperparameters_are_checked_when_the_module_is_made(daemon):
 
 def test_a_table_made_again_with_another_dim_is_named(daemon):
     """A module whose table was dropped and created again with another
-    dim says so, instead of the daemon's row widths."""
+    dim says so, instead of the daemon's row widths: by another client
+    (the daemon refuses that connection's next request on it), or by the
+    module's own."""
     from hkvd.torch import Embedding
 
     c, other = daemon.client(), daemon.client()
@@ -424,10 +426,10 @@ def test_a_table_made_again_with_another_dim_is_named(daemon):
     emb.flush()  # the step done before the other connection drops the table
     other.drop_table("again")
     other.create_table("again", dim=5, capacity=1024, optimizer="adam")
-    with pytest.raises(hkvd.WrongDim, match="now has dim 5 and optimizer adam, not the dim 3"):
+    with pytest.raises(hkvd.UnknownTable, match="dropped and created again since this module was made"):
         emb(torch.tensor([1]))
     # And every forward after it (the second one failed on the old width's buffers).
-    with pytest.raises(hkvd.WrongDim, match="now has dim 5 and optimizer adam, not the dim 3"):
+    with pytest.raises(hkvd.UnknownTable, match="dropped and created again since this module was made"):
         emb(torch.tensor([1, 2]))
     # Made again by the module's own client (over shm the request's buffer
     # check answered first, with a shape error that named no table).
@@ -1076,10 +1078,11 @@ def test_prefetcher_serves_an_evaluation_loop(daemon, dedupe):
 @pytest.mark.parametrize("transport", ["socket", "shm"])
 def test_a_table_made_again_with_rows_as_wide_is_named_at_the_step(daemon, transport):
     """A table dropped and made again with another dim and optimizer but
-    rows as wide (dim 4 sgd, then dim 2 adagrad: 4 floats a row): the step
-    says the table was made again, wherever its error is read (an
+    rows as wide (dim 4 sgd, then dim 2 adagrad: 4 floats a row) by
+    another client: the next forward says the table was made again (an
     independent tester got only the daemon's 'grads has 4 elements but 2
-    are needed' from the socket's backward)."""
+    are needed' from the socket's backward; the forward before it read the
+    new rows as the old table's)."""
     from hkvd.torch import Embedding
 
     c, c2 = daemon.client(), daemon.client()
@@ -1089,7 +1092,7 @@ def test_a_table_made_again_with_rows_as_wide_is_named_at_the_step(daemon, trans
     e.flush()
     c2.drop_table("sw")
     c2.create_table("sw", dim=2, capacity=1024, optimizer="adagrad")
-    with pytest.raises(hkvd.WrongDim, match="was it dropped and created again"):
+    with pytest.raises(hkvd.UnknownTable, match="dropped and created again since this module was made"):
         e(torch.tensor([1])).sum().backward()
         e.flush()
     c.close()
@@ -1232,3 +1235,31 @@ def test_a_module_refused_at_construction_makes_no_buffers(daemon, capsys):
     assert "hkvd.torch" not in capsys.readouterr().err
     assert c.stats()["regions"]["regions"] == 0
     c.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "socket"])
+def test_a_table_made_again_as_wide_is_refused_not_read(daemon, transport):
+    """A table dropped and created again by another client with rows as
+    wide (adagrad dim 8, then sgd dim 16: 16 floats a row) and rows of
+    its own: the module's next forward is refused, and every one after
+    it, instead of reading the new rows' columns as its values and state
+    (a tester's forward succeeded; the step failed later, or, with the
+    same spec, never)."""
+    from hkvd.torch import Embedding
+
+    c, c2 = daemon.client(), daemon.client()
+    c.create_table("wide", dim=8, capacity=1024, optimizer="adagrad")
+    e = Embedding(c, "wide", lr=0.1, verbose=False, transport=transport)
+    e(torch.tensor([1, 2])).sum().backward()
+    e.flush()
+    c2.drop_table("wide")
+    c2.create_table("wide", dim=16, capacity=1024, optimizer="sgd")
+    c2.insert_or_assign("wide", np.array([1, 2], np.uint64), np.full((2, 16), 7.0, np.float32))
+    for _ in range(2):
+        with pytest.raises(hkvd.UnknownTable, match="dropped and created again"):
+            e(torch.tensor([1, 2]))
+    # A new module over the new table works.
+    e2 = Embedding(c, "wide", lr=0.1, verbose=False, transport=transport)
+    assert torch.equal(e2(torch.tensor([1])), torch.full((1, 16), 7.0))
+    c.close()
+    c2.close()

@@ -92,6 +92,9 @@ pub struct Conn {
     records: Mutex<HashMap<u32, Records>>,
     /// Wakes the requests waiting for an earlier request's record.
     recorded_wake: tokio::sync::Notify,
+    /// The tables this connection's requests named, each with which
+    /// creation of it it was then ([`Conn::same_table`]).
+    used: Mutex<HashMap<String, u64>>,
 }
 
 /// The records of one event that this connection's requests announced
@@ -141,6 +144,51 @@ impl Conn {
         let regions = std::mem::take(&mut *self.regions.lock());
         let events = std::mem::take(&mut *self.events.lock());
         drop((regions, events));
+    }
+
+    /// Refuses, once, a request naming table `t` when the table this
+    /// connection last used by that name was dropped and another created
+    /// under it since (by another connection): a client that learned the
+    /// old one's dim and optimizer would read the new one's rows as
+    /// those (a tester's training module read a re-made table's optimizer
+    /// state as values, the row width being the same). The next request
+    /// runs on the new table. Tables this connection created or dropped
+    /// itself are known to it ([`Conn::made_table`]).
+    pub fn same_table(&self, t: &crate::router::Table) -> Result<(), ProtoError> {
+        let name = &t.spec.name;
+        let mut used = self.used.lock();
+        let was = match used.get_mut(name.as_str()) {
+            Some(made) => std::mem::replace(made, t.made()),
+            None => {
+                used.insert(name.clone(), t.made());
+                return Ok(());
+            }
+        };
+        if was == t.made() {
+            return Ok(());
+        }
+        Err(err(
+            ErrorCode::UnknownTable,
+            format!(
+                "table {name:?} was dropped and created again since this connection last used it; nothing of this \
+                 request was run. Its spec, rows and optimizer state are the new table's: learn them again (a \
+                 training module: make a new one), then send the request again"
+            ),
+        ))
+    }
+
+    /// This connection created table `name` (`Some` of its
+    /// [`Table::made`](crate::router::Table::made)) or dropped it (`None`).
+    pub fn made_table(&self, name: &str, made: Option<u64>) {
+        let mut used = self.used.lock();
+        match made {
+            Some(made) => {
+                used.insert(name.to_string(), made);
+            }
+            None => {
+                used.remove(name);
+            }
+        }
     }
 
     /// Whether the peer has gone away ([`Conn::close`]).

@@ -102,6 +102,7 @@ pub(super) async fn run(
         return Err(e);
     }
     let t = state.router.table(&req.table)?;
+    conn.same_table(&t)?;
     let dim = t.config.dim;
     let (arrs, n) = resolve(regions, known_events, &req, dim, t.spec.dim)?;
     if req.op == u8::from(Op::InsertAndEvict) && need(&arrs, "evicted_keys")?.r.count < n as u64 {

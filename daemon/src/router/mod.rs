@@ -247,6 +247,9 @@ impl Router {
     pub fn install(&self, built: Vec<Arc<Table>>) {
         let mut tables = self.tables.write();
         for t in built {
+            if let Some(old) = tables.get(&t.spec.name) {
+                t.replaces(old);
+            }
             tables.insert(t.spec.name.clone(), t);
         }
         self.generation.fetch_add(1, Relaxed);

@@ -1,7 +1,7 @@
 //! A table as the router holds it: its spec, its per-shard config, and the
 //! id its shards go by on the actors; names and specs are checked here.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::SeqCst};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::Arc;
 
 use actix::Addr;
@@ -39,6 +39,10 @@ pub struct Table {
     /// first shard to the last): such a write is wholly before or wholly
     /// after the table's part of a checkpoint, never half in it.
     pub rewrite: tokio::sync::RwLock<()>,
+    /// Which creation of a table of this name it is: its own id when
+    /// created, that of the table it replaced when a restore installed it
+    /// in place of one ([`Table::made`]).
+    made: AtomicU64,
     /// Its shards on the actors, closed when the last request holding the
     /// table is done.
     owner: Owner,
@@ -60,6 +64,7 @@ impl Table {
             untracked: AtomicBool::new(false),
             epoch: AtomicU32::new(0),
             rewrite: tokio::sync::RwLock::new(()),
+            made: AtomicU64::new(id),
             owner: Owner { id, actors, charge: Some(charge) },
         }
     }
@@ -74,6 +79,19 @@ impl Table {
     /// The id its shards go by on the actors.
     pub fn id(&self) -> TableId {
         self.owner.id
+    }
+
+    /// Which creation of a table of this name it is: a table dropped and
+    /// created again is another, a table a restore replaced is the same
+    /// (the same spec, its rows the checkpoint's). Clients that learned a
+    /// table's spec are told when it changes (`region::Conn::same_table`).
+    pub fn made(&self) -> u64 {
+        self.made.load(Relaxed)
+    }
+
+    /// This table stands in for `old` (a restore's install).
+    pub(super) fn replaces(&self, old: &Table) {
+        self.made.store(old.made(), Relaxed);
     }
 
     /// Shards (one per actor).
