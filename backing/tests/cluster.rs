@@ -52,6 +52,25 @@ async fn off_the_stream_node(c: &TestCluster, b: &Backing, table: &str) -> (usiz
     (m, keys)
 }
 
+/// Stalls the migration of table `table`'s stream slot half way (a
+/// 3-master cluster): the slot migrating from its master to the next,
+/// the stream key moved already. Returns (source, destination).
+fn stream_half_migrated(c: &TestCluster, table: &str) -> (usize, usize) {
+    let slot = hkv_backing::layout::slot(table.as_bytes()).to_string();
+    let src = (0..3)
+        .find(|&i| c.cli(i, &["cluster", "countkeysinslot", &slot]).is_ok_and(|o| o.trim() != "0"))
+        .expect("the stream's master");
+    let dst = (src + 1) % 3;
+    let (sid, did) = (c.node_id(src).unwrap(), c.node_id(dst).unwrap());
+    c.cli(dst, &["cluster", "setslot", &slot, "importing", &sid]).unwrap();
+    c.cli(src, &["cluster", "setslot", &slot, "migrating", &did]).unwrap();
+    let stream = format!("hkv:{{{table}}}:stream");
+    let dst_port = c.ports()[dst].to_string();
+    let out = c.cli(src, &["migrate", "127.0.0.1", &dst_port, &stream, "0", "5000"]).unwrap();
+    assert_eq!(out.trim(), "OK", "MIGRATE of the stream key");
+    (src, dst)
+}
+
 fn blocking<T>(f: impl FnOnce() -> T) -> T {
     tokio::task::block_in_place(f)
 }
@@ -861,18 +880,7 @@ async fn a_reader_follows_ask_to_a_stream_being_migrated() {
     a.write(&[1], &row(1, 1), &[]).await.unwrap();
     assert!(heard(&mut inv, 1).await.is_some(), "the stream works before the migration");
     // Stall the migration of the stream's slot half way.
-    let slot = hkv_backing::layout::slot(b"askst").to_string();
-    let src = (0..3)
-        .find(|&i| c.cli(i, &["cluster", "countkeysinslot", &slot]).is_ok_and(|o| o.trim() != "0"))
-        .expect("the stream's master");
-    let dst = (src + 1) % 3;
-    let (sid, did) = (c.node_id(src).unwrap(), c.node_id(dst).unwrap());
-    c.cli(dst, &["cluster", "setslot", &slot, "importing", &sid]).unwrap();
-    c.cli(src, &["cluster", "setslot", &slot, "migrating", &did]).unwrap();
-    let stream = "hkv:{askst}:stream";
-    let dst_port = c.ports()[dst].to_string();
-    let out = c.cli(src, &["migrate", "127.0.0.1", &dst_port, stream, "0", "5000"]).unwrap();
-    assert_eq!(out.trim(), "OK", "MIGRATE of the stream key");
+    stream_half_migrated(&c, "askst");
     a.write(&[2], &row(2, 1), &[]).await.unwrap();
     let took = heard(&mut inv, 2).await;
     eprintln!("write heard during the migration after {took:?}");
@@ -1040,17 +1048,8 @@ async fn a_failed_ask_target_of_the_stream_is_the_node_counted() {
     let b = Backing::open("askf", DIM, options(&c, Mode::WriteThrough)).await.unwrap();
     let mut inv = b.subscribe().await.unwrap();
     a.write(&[1], &row(1, 1), &[]).await.unwrap();
-    let slot = hkv_backing::layout::slot(b"askf").to_string();
-    let src = (0..3)
-        .find(|&i| c.cli(i, &["cluster", "countkeysinslot", &slot]).is_ok_and(|o| o.trim() != "0"))
-        .expect("the stream's master");
-    let dst = (src + 1) % 3;
-    let (sid, did) = (c.node_id(src).unwrap(), c.node_id(dst).unwrap());
-    c.cli(dst, &["cluster", "setslot", &slot, "importing", &sid]).unwrap();
-    c.cli(src, &["cluster", "setslot", &slot, "migrating", &did]).unwrap();
+    let (src, dst) = stream_half_migrated(&c, "askf");
     let ports = c.ports();
-    let out = c.cli(src, &["migrate", "127.0.0.1", &ports[dst].to_string(), "hkv:{askf}:stream", "0", "5000"]);
-    assert_eq!(out.unwrap().trim(), "OK");
     // The reader reads on dst, asked there; then dst dies.
     for _ in 0..5 {
         inv.next().await.unwrap();
