@@ -118,6 +118,10 @@ class EmbeddingCache:
         # An optimizer step sent without waiting (optimizer_step(wait=False)):
         # (pending request, rows, values out, found out) until :meth:`settle`.
         self._inflight = None
+        # The daemon's error that said the table was dropped and created
+        # again since this cache's connection used it: raised again by
+        # every later request of this cache (its dims are the old table's).
+        self._remade: Optional[UnknownTable] = None
         # Ids absent from the table in the steps read by settle (not updated).
         self.missing = 0
         # Called when settle reads a refused optimizer step (it wrote nothing).
@@ -269,6 +273,7 @@ class EmbeddingCache:
         request was sent, and its answer is not read first
         (``region.After``)."""
         self.settle()
+        self._refuse_if_remade()
         m = keys.numel()
         c = self.client
         d, w = self.dim, self.row_dim
@@ -300,9 +305,29 @@ class EmbeddingCache:
             v[:, :d] = rows.detach().cpu().numpy()
         return ("socket", c.send_write(op, self.table, k, v), m)
 
+    def _refuse_if_remade(self) -> None:
+        if self._remade is not None:
+            raise UnknownTable(self._remade.code, self._remade.message)
+
+    @contextlib.contextmanager
+    def _noting_remade(self):
+        """An answer read inside that says the table was dropped and
+        created again (refused once by the daemon) is kept: every later
+        request of this cache raises it too (:meth:`_refuse_if_remade`)."""
+        try:
+            yield
+        except UnknownTable as e:
+            if "dropped and created again" in e.message:
+                self._remade = e
+            raise
+
     def _recv(self, token, out: Optional[torch.Tensor]) -> None:
         """The answer of :meth:`_send`'s request; find_or_insert's rows
         (their values) copied to ``out``."""
+        with self._noting_remade():
+            self._recv_noted(token, out)
+
+    def _recv_noted(self, token, out: Optional[torch.Tensor]) -> None:
         kind, p, m = token
         d = self.dim
         if kind == "region":
@@ -342,6 +367,12 @@ class EmbeddingCache:
     def _step_chunk(self, keys: torch.Tensor, grads: torch.Tensor, hyper: dict, out: Optional[torch.Tensor],
                     found: Optional[torch.Tensor], wait: bool = True, views: bool = False, sum: bool = False) -> int:
         self.settle()
+        self._refuse_if_remade()
+        with self._noting_remade():
+            return self._step_chunk_noted(keys, grads, hyper, out, found, wait, views, sum)
+
+    def _step_chunk_noted(self, keys: torch.Tensor, grads: torch.Tensor, hyper: dict, out: Optional[torch.Tensor],
+                          found: Optional[torch.Tensor], wait: bool, views: bool, sum: bool) -> int:
         m = keys.numel()
         c = self.client
         want = out is not None or views
@@ -395,7 +426,8 @@ class EmbeddingCache:
         self._inflight = None
         p, m, out, found = f
         try:
-            body = region.finish(self.client, p)
+            with self._noting_remade():
+                body = region.finish(self.client, p)
         except BaseException as e:
             # The step wrote nothing: its found flags say so (zeros), so
             # that no prefetched row is patched from its buffers.

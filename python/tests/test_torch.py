@@ -1263,3 +1263,25 @@ def test_a_table_made_again_as_wide_is_refused_not_read(daemon, transport):
     assert torch.equal(e2(torch.tensor([1])), torch.full((1, 16), 7.0))
     c.close()
     c2.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "socket"])
+def test_an_embedding_cache_of_a_table_made_again_keeps_refusing(daemon, transport):
+    """An EmbeddingCache whose table another client dropped and created
+    again with rows as wide: every request after the daemon's one refusal
+    is refused too (the cache's dims are the old table's), where the
+    second one read the new table's rows."""
+    c, c2 = daemon.client(), daemon.client()
+    c.create_table("ec", dim=8, capacity=1024, optimizer="adagrad")
+    cache = EmbeddingCache(c, "ec", device="cpu", transport=transport, verbose=False)
+    cache.lookup(torch.tensor([1, 2]))
+    c2.drop_table("ec")
+    c2.create_table("ec", dim=16, capacity=1024, optimizer="sgd")
+    for _ in range(2):
+        with pytest.raises(hkvd.UnknownTable, match="dropped and created again"):
+            cache.lookup(torch.tensor([1, 2]))
+    with pytest.raises(hkvd.UnknownTable, match="dropped and created again"):
+        cache.optimizer_step(torch.tensor([1]), torch.ones((1, 8)), lr=0.1)
+    assert EmbeddingCache(c, "ec", device="cpu", transport=transport, verbose=False).dim == 16
+    c.close()
+    c2.close()
