@@ -42,6 +42,10 @@ def _integer_ids(t: torch.Tensor, what: str = "ids") -> torch.Tensor:
     return t
 
 
+# What the daemon's unknown_table says of a table dropped and created again
+# since the connection last used it (PROTOCOL.md, "A table made again").
+_MADE_AGAIN = "dropped and created again"
+
 # The daemon's default limits.max_frame_bytes: the largest request body,
 # which also bounds an answer and what a staged region request copies.
 _MAX_FRAME_BYTES = 1 << 30
@@ -317,7 +321,7 @@ class EmbeddingCache:
         try:
             yield
         except UnknownTable as e:
-            if "dropped and created again" in e.message:
+            if _MADE_AGAIN in e.message:
                 self._remade = e
             raise
 
@@ -1163,7 +1167,7 @@ class _Sparse(torch.nn.Module):
         that once; the table may be as wide as the old one, whose rows
         this module would read as its own), the error every later forward
         raises too."""
-        if "dropped and created again" not in e.message:
+        if _MADE_AGAIN not in e.message:
             return e
         self._remade = UnknownTable(e.code, f"table {self.table!r} was dropped and created again since this module "
                                             f"was made for it: make a new module for it (the daemon said: "
