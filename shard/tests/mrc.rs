@@ -215,9 +215,12 @@ fn bursty(n: usize) -> Vec<u64> {
 }
 
 /// A fully associative cache with the table's LRU policy: recency by the
-/// last write (or find_or_insert); a lookup moves nothing.
+/// last write (or find_or_insert); a lookup moves nothing, unless the
+/// table's reads refresh (`reads_refresh`): then a lookup's hit is as
+/// recent as a write.
 struct Exact {
     cap: usize,
+    reads_refresh: bool,
     last: HashMap<u64, usize>,
     order: BTreeSet<(usize, u64)>,
     now: usize,
@@ -226,8 +229,8 @@ struct Exact {
 }
 
 impl Exact {
-    fn new(cap: usize) -> Exact {
-        Exact { cap, last: HashMap::new(), order: BTreeSet::new(), now: 0, hits: 0, lookups: 0 }
+    fn new(cap: usize, reads_refresh: bool) -> Exact {
+        Exact { cap, reads_refresh, last: HashMap::new(), order: BTreeSet::new(), now: 0, hits: 0, lookups: 0 }
     }
     fn has(&self, k: u64) -> bool {
         self.last.contains_key(&k)
@@ -257,6 +260,9 @@ impl Exact {
                 }
                 let found: Vec<bool> = batch.iter().map(|&k| self.has(k)).collect();
                 self.hits += found.iter().filter(|&&f| f).count() as u64;
+                if self.reads_refresh {
+                    batch.iter().zip(&found).filter(|(_, &f)| f).for_each(|(&k, _)| self.write(k));
+                }
                 for (&k, &f) in batch.iter().zip(&found) {
                     if p == Pattern::WriteBack || (p == Pattern::InsertMisses && !f) {
                         self.write(k);
@@ -268,16 +274,18 @@ impl Exact {
 }
 
 /// Drives `p` over `keys` on a real CPU table with the sampler on, drained
-/// into an estimator every 8 batches. Returns per factor (estimate, exact),
-/// and the table's own hit rate.
-fn drive(p: Pattern, keys: &[u64], old_semantics: bool) -> (Vec<(f64, f64)>, f64) {
-    let cfg = TableConfig { mode: BucketMode::Dual, ..TableConfig::new(TABLE, 1) };
+/// into an estimator every 8 batches (with `reads_refresh`, a table whose
+/// find hits refresh scores, and an estimator told so). Returns per factor
+/// (estimate, exact), and the table's own hit rate.
+fn drive(p: Pattern, keys: &[u64], old_semantics: bool, reads_refresh: bool) -> (Vec<(f64, f64)>, f64) {
+    let cfg = TableConfig { mode: BucketMode::Dual, ..TableConfig::new(TABLE, 1) }.reads_refresh(Some(reads_refresh));
     let t = CpuTable::new(cfg).unwrap();
     assert_eq!(t.capacity(), TABLE);
-    let mut m = Mrc::new(MrcConfig::default(), TABLE);
+    let mut m = Mrc::new(MrcConfig { reads_refresh, ..MrcConfig::default() }, TABLE);
     let mut old = Mrc::new(MrcConfig::default(), TABLE);
     t.set_sampler(Some(m.sampler()));
-    let mut exact: Vec<Exact> = FACTORS.iter().map(|f| Exact::new((TABLE as f64 * f) as usize)).collect();
+    let mut exact: Vec<Exact> =
+        FACTORS.iter().map(|f| Exact::new((TABLE as f64 * f) as usize, reads_refresh)).collect();
     let batches: Vec<&[u64]> = keys.chunks(BATCH).collect();
     let mut out = Samples::default();
     let mut written = 0u64;
@@ -334,8 +342,8 @@ fn drive(p: Pattern, keys: &[u64], old_semantics: bool) -> (Vec<(f64, f64)>, f64
 
 /// (mean, worst) error in pp: at 1× against the table's own hit rate, at
 /// the other factors against the exact simulation.
-fn pattern_errors(p: Pattern, trace: &str, keys: &[u64], old_semantics: bool) -> (f64, f64) {
-    let (pts, table) = drive(p, keys, old_semantics);
+fn pattern_errors(p: Pattern, trace: &str, keys: &[u64], old_semantics: bool, reads_refresh: bool) -> (f64, f64) {
+    let (pts, table) = drive(p, keys, old_semantics, reads_refresh);
     let errs: Vec<f64> = pts
         .iter()
         .enumerate()
@@ -343,7 +351,11 @@ fn pattern_errors(p: Pattern, trace: &str, keys: &[u64], old_semantics: bool) ->
         .collect();
     let mean = errs.iter().sum::<f64>() / errs.len() as f64;
     let worst = errs.iter().cloned().fold(0.0, f64::max);
-    let tag = if old_semantics { "every key a reference" } else { "by op kind" };
+    let tag = match (old_semantics, reads_refresh) {
+        (true, _) => "every key a reference",
+        (false, false) => "by op kind",
+        (false, true) => "by op kind, reads refresh",
+    };
     eprintln!(
         "{trace:>12} {p:?} ({tag}): table {:.2} %, (estimate, exact) {:.2?}: mean {mean:.2} pp, worst {worst:.2} pp",
         table * 100.0,
@@ -352,15 +364,15 @@ fn pattern_errors(p: Pattern, trace: &str, keys: &[u64], old_semantics: bool) ->
     (mean, worst)
 }
 
-#[test]
-fn the_curve_estimates_each_client_pattern() {
+/// Every pattern on every trace within 1 pp mean and 2 pp worst.
+fn each_pattern_within_the_bar(reads_refresh: bool) {
     let n = 24 * TABLE as usize;
     let traces = [("shifting", shifting(n)), ("scan+hot", scan_and_hot(n)), ("bursty", bursty(n))];
     let patterns = [Pattern::FindOrInsert, Pattern::WriteBack, Pattern::InsertMisses, Pattern::ReadOnly];
     let mut failed = vec![];
     for (name, keys) in &traces {
         for p in patterns {
-            let (mean, worst) = pattern_errors(p, name, keys, false);
+            let (mean, worst) = pattern_errors(p, name, keys, false, reads_refresh);
             if mean > 1.0 || worst > 2.0 {
                 failed.push(format!("{name} {p:?}: mean {mean:.2} pp, worst {worst:.2} pp"));
             }
@@ -369,11 +381,25 @@ fn the_curve_estimates_each_client_pattern() {
     assert!(failed.is_empty(), "{failed:#?}");
 }
 
+#[test]
+fn the_curve_estimates_each_client_pattern() {
+    each_pattern_within_the_bar(false);
+}
+
+/// A table whose finds refresh scores (lru with reads refresh; adaptive and
+/// lfu tables with it are held against this LRU reference): the estimator
+/// told so refreshes a lookup's hits. Before it was, a client that inserts
+/// only its misses got a curve of a few percent beside the table's 40-80 %.
+#[test]
+fn the_curve_estimates_each_client_pattern_when_reads_refresh() {
+    each_pattern_within_the_bar(true);
+}
+
 /// The estimator as it was (every sampled key, writes too, a reference) on
 /// the write-back pattern: far off the bar, as the review found.
 #[test]
 fn counting_writes_as_references_misses_the_bar() {
     let keys = shifting(24 * TABLE as usize);
-    let (mean, worst) = pattern_errors(Pattern::WriteBack, "shifting", &keys, true);
+    let (mean, worst) = pattern_errors(Pattern::WriteBack, "shifting", &keys, true, false);
     assert!(mean > 5.0 && worst > 10.0, "mean {mean:.2} pp, worst {worst:.2} pp");
 }

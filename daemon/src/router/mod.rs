@@ -218,6 +218,7 @@ impl Router {
         // the CPU time per key, by the shards).
         let mrc = self.mrc.map(|c| hkv_shard::mrc::MrcConfig {
             max_keys: (c.max_keys / n).max(crate::config::MrcSettings::MIN_SHARD_KEYS),
+            reads_refresh: table.config.refreshes_reads(),
             ..c
         });
         let opened = join_all(

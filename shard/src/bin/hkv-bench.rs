@@ -150,7 +150,7 @@ impl SampleRun {
         }
         let threshold = if r >= 1.0 { u64::MAX } else { (r * 18_446_744_073_709_551_616.0) as u64 };
         // A budget large enough that the estimator keeps the rate it is given.
-        let cfg = MrcConfig { max_keys: 1 << 22, seed: SAMPLE_SEED, initial_rate: r };
+        let cfg = MrcConfig { max_keys: 1 << 22, seed: SAMPLE_SEED, initial_rate: r, reads_refresh: false };
         Ok(Some(SampleRun {
             sampler: Sampler { seed: SAMPLE_SEED, threshold },
             mrc: Mrc::new(cfg, 0),

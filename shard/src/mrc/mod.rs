@@ -156,11 +156,16 @@ pub struct MrcConfig {
     /// The rate to start at, in (0, 1], at most [`START_SPAN`] ×
     /// `max_keys` / capacity ([`Mrc::new`]); it only ever drops from there.
     pub initial_rate: f64,
+    /// Whether the table's find hits refresh scores (its reads refresh:
+    /// `TableConfig::refreshes_reads`): then a lookup that hits one of the
+    /// simulated caches makes the key its most recent, as the table's find
+    /// does, whatever the client writes after it.
+    pub reads_refresh: bool,
 }
 
 impl Default for MrcConfig {
     fn default() -> Self {
-        MrcConfig { max_keys: DEFAULT_MAX_KEYS, seed: SAMPLE_SEED, initial_rate: 1.0 }
+        MrcConfig { max_keys: DEFAULT_MAX_KEYS, seed: SAMPLE_SEED, initial_rate: 1.0, reads_refresh: false }
     }
 }
 
@@ -499,12 +504,24 @@ impl Mrc {
                 }
                 if kind == Kind::FindOrInsert {
                     self.touch_all(e, true);
-                } else if ent.pending.is_none() {
+                    return;
+                }
+                if ent.pending.is_none() {
                     // A key repeated in one batch finds the table as the
                     // first lookup did: the answer to both is one write.
                     ent.pending = Some(member);
                     ent.pending_pos = self.pending.len() as u32;
                     self.pending.push(e);
+                }
+                if self.cfg.reads_refresh {
+                    // The find itself refreshed the hit. Without this, a
+                    // client that inserts only its misses left hot keys
+                    // to age out of every simulated cache while the table
+                    // kept them: its 1x outcome disagreed with the table's,
+                    // the misses the client never wrote (table hits) taught
+                    // the estimator that misses are not inserted, and the
+                    // curve fell to a few percent beside a measured 50-80 %.
+                    self.touch_all(e, false);
                 }
             }
             Kind::Write | Kind::Update => {
