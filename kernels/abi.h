@@ -119,6 +119,10 @@ typedef unsigned char u8;
 #define HKV_TAG_FIND_OR_INSERT 1
 #define HKV_TAG_WRITE 2
 #define HKV_TAG_UPDATE 3
+// A lookup's answer in its tag (mrc::OUTCOME_KNOWN, mrc::OUTCOME_HIT): bit 2
+// set by the lookup kernels, bit 3 where the key was found.
+#define HKV_TAG_OUTCOME_KNOWN 4
+#define HKV_TAG_OUTCOME_HIT 8
 
 // Route kernels: the most shards of a group (at least cuda::MAX_GPUS) and
 // the keys of a tile (group::node::TILE).

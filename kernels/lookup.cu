@@ -55,8 +55,6 @@ __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u
     bool hit = false;
     u64 o = AT && active && at ? at[i] : i;
     u64 key = active ? keys[i] : 0;
-    // The miss-ratio sampling filter, fused: the whole warp is here.
-    if (smp.ring) hkv_sample_warp(smp, active && g.rank == 0, key, seen);
     // A refreshing find reads the hit's score once its slot is known,
     // beside the row's copy (hkv_refresh_hit).
     const bool refresh = REFRESH && rs && rs->refresh && active && g.rank == 0;
@@ -84,6 +82,11 @@ __device__ __forceinline__ void lookup_one(const HkvTable& t, const u64* keys, u
             if (hit) atomicAdd(cnt + HKV_C_HITS, 1ULL);
         }
     }
+    // The miss-ratio sampling filter, fused (the whole warp is here again),
+    // each sampled key tagged with the table's answer (mrc::with_outcome).
+    if (smp.ring)
+        hkv_sample_warp(smp, active && g.rank == 0, key, seen,
+                        HKV_TAG_OUTCOME_KNOWN | (hit ? HKV_TAG_OUTCOME_HIT : 0u));
     if (!values) {
         if (refresh && hit) hkv_refresh_hit(t, *rs, pos, sc_old, scores, i);
         return;

@@ -636,8 +636,11 @@ __device__ __forceinline__ void hkv_flush_counters(u64* shared, u64* global) {
 // non-null); `live`: this thread stands for key `key` (one thread per key)
 // and the key is served. Counts the warp's live keys into *seen and appends
 // its sampled ones (hkv_sample_hash(key, seed) < threshold) to the ring,
-// writing only slots below cap.
-__device__ __forceinline__ void hkv_sample_warp(const HkvSample& smp, bool live, u64 key, u32* seen) {
+// writing only slots below cap, each with the batch's tag and `outcome`'s
+// bits (a lookup's answer: HKV_TAG_OUTCOME_KNOWN, HKV_TAG_OUTCOME_HIT; 0
+// from the writer kernels).
+__device__ __forceinline__ void hkv_sample_warp(const HkvSample& smp, bool live, u64 key, u32* seen,
+                                                u32 outcome = 0) {
     u32 lane = threadIdx.x & 31;
     bool take = live && hkv_sample_hash(key, smp.seed) < smp.threshold;
     u32 taken = __ballot_sync(0xffffffffu, take);
@@ -652,7 +655,7 @@ __device__ __forceinline__ void hkv_sample_warp(const HkvSample& smp, bool live,
         u64 slot = base + (u64)__popc(taken & ((1u << lane) - 1));
         if (slot < smp.cap) {
             smp.ring[slot] = key;
-            smp.tags[slot] = (u8)smp.tag;
+            smp.tags[slot] = (u8)(smp.tag | outcome);
         }
     }
 }

@@ -17,8 +17,9 @@
 //! the CUDA backend a warp's keys at a time (each warp's in the order of
 //! its lanes, the warps in the order the device ran them), as the batch's
 //! own keys are processed in no set order. Each key comes with its tag
-//! ([`crate::mrc::tag`]: the operation's kind and the batch's sequence
-//! number), and with them the lookups counted since the last drain (writes
+//! ([`crate::mrc::tag`]: the operation's kind, the batch's sequence
+//! number and, for a find's or a contains' key, whether the table found
+//! it), and with them the lookups counted since the last drain (writes
 //! are sampled but are not accesses, issue 32). On the CPU backend a burst
 //! that would overflow the buffer ([`SAMPLE_BUFFER_KEYS`]) lowers the
 //! buffer's own threshold instead (nothing is dropped; the drain names the
@@ -36,7 +37,7 @@ use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 
 use parking_lot::Mutex;
 
-use crate::mrc::{sample_hash, tag, Kind, Sampler, Samples};
+use crate::mrc::{sample_hash, tag, with_outcome, Kind, Sampler, Samples};
 use crate::SampleDrain;
 
 /// Sampled keys a shard holds between two drains (CPU buffer, CUDA ring):
@@ -105,7 +106,18 @@ impl HostSamples {
     #[inline]
     pub(crate) fn record(&self, keys: &[u64], kind: Kind) {
         if let Some(s) = self.switch.get() {
-            self.record_with(s, keys, kind);
+            self.record_with(s, keys, kind, None);
+        }
+    }
+
+    /// Filters the keys of one lookup batch (find, contains; in index
+    /// order) into the buffer, each tagged with the table's answer
+    /// (`hit(i)`: key i was found), from which the estimator learns what
+    /// the client does after a hit and after a miss ([`crate::mrc::outcome`]).
+    #[inline]
+    pub(crate) fn record_lookups(&self, keys: &[u64], hit: &dyn Fn(usize) -> bool) {
+        if let Some(s) = self.switch.get() {
+            self.record_with(s, keys, Kind::Lookup, Some(hit));
         }
     }
 
@@ -118,14 +130,20 @@ impl HostSamples {
     /// (it would have, with this many distinct keys) instead of seeing a
     /// gap.
     #[inline(never)]
-    fn record_with(&self, s: Sampler, keys: &[u64], kind: Kind) {
+    fn record_with(&self, s: Sampler, keys: &[u64], kind: Kind, hit: Option<&dyn Fn(usize) -> bool>) {
         // Room for the expected share and some: no regrowth on the way
         // (a fresh table samples every key until its estimator is full).
         let expect = (keys.len() as f64 * s.rate()) as usize;
-        let mut local = Vec::with_capacity((expect + expect / 8 + 16).min(keys.len()));
-        for &k in keys {
+        let room = (expect + expect / 8 + 16).min(keys.len());
+        let mut local = Vec::with_capacity(room);
+        // Per kept key, the table's answer (lookups with `hit` only).
+        let mut hits = Vec::with_capacity(if hit.is_some() { room } else { 0 });
+        for (i, &k) in keys.iter().enumerate() {
             if s.sampled(k) {
                 local.push(k);
+                if let Some(h) = hit {
+                    hits.push(h(i));
+                }
             }
         }
         let mut b = self.buf.lock();
@@ -134,15 +152,28 @@ impl HostSamples {
         }
         let t = tag(kind, b.batches);
         b.batches = b.batches.wrapping_add(1);
+        let below_all = |local: &mut Vec<u64>, hits: &mut Vec<bool>, th: u64| {
+            let mut j = 0;
+            for i in 0..local.len() {
+                if sample_hash(local[i], s.seed) < th {
+                    local[j] = local[i];
+                    if !hits.is_empty() {
+                        hits[j] = hits[i];
+                    }
+                    j += 1;
+                }
+            }
+            local.truncate(j);
+            hits.truncate(j.min(hits.len()));
+        };
         if b.threshold < s.threshold {
-            let th = b.threshold;
-            local.retain(|&k| sample_hash(k, s.seed) < th);
+            below_all(&mut local, &mut hits, b.threshold);
         }
         while b.samples.len() + local.len() > SAMPLE_BUFFER_KEYS {
             let th = b.threshold.min(s.threshold) / 2;
             b.threshold = th;
+            below_all(&mut local, &mut hits, th);
             let below = |k: u64| sample_hash(k, s.seed) < th;
-            local.retain(|&k| below(k));
             let Samples { keys, tags } = &mut b.samples;
             let mut j = 0;
             for i in 0..keys.len() {
@@ -155,7 +186,12 @@ impl HostSamples {
             keys.truncate(j);
             tags.truncate(j);
         }
-        b.samples.push_batch(&local, t);
+        if hit.is_some() {
+            let tags: Vec<u8> = hits.iter().map(|&h| with_outcome(t, h)).collect();
+            b.samples.push_tagged(&local, &tags);
+        } else {
+            b.samples.push_batch(&local, t);
+        }
     }
 
     /// Hands over what was sampled since the last drain.
@@ -208,5 +244,24 @@ mod tests {
         out.clear();
         assert_eq!(h.drain(&mut out), SampleDrain::default());
         assert!(out.is_empty());
+    }
+
+    /// A lookup's sampled keys carry the table's answer in their tags, a
+    /// write's none, and the batch part of the tag is the batch's alone.
+    #[test]
+    fn lookups_are_tagged_with_the_tables_answer() {
+        use crate::mrc::{batch_of, outcome};
+        let h = HostSamples::default();
+        h.set(Some(Sampler { seed: 1, threshold: u64::MAX }));
+        let keys: Vec<u64> = (1..=8).collect();
+        h.record_lookups(&keys, &|i| i % 3 == 0);
+        h.record(&keys[..2], Kind::Write);
+        let mut out = Samples::default();
+        let d = h.drain(&mut out);
+        assert_eq!((d.accesses, d.sampled), (8, 10));
+        let want: Vec<Option<bool>> = (0..8).map(|i| Some(i % 3 == 0)).chain([None, None]).collect();
+        assert_eq!(out.tags.iter().map(|&t| outcome(t)).collect::<Vec<_>>(), want);
+        assert!(out.tags[..8].iter().all(|&t| batch_of(t) == tag(Kind::Lookup, 0)));
+        assert!(out.tags[8..].iter().all(|&t| t == tag(Kind::Write, 1)));
     }
 }

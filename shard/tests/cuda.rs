@@ -741,6 +741,35 @@ fn device_batches_are_sampled() {
     assert_eq!(t.drain_samples(&mut out), SampleDrain::default());
 }
 
+/// A find's and a contains' sampled keys carry the table's answer in their
+/// tags (`mrc::outcome`), as the CPU backend's do: the curve learns from
+/// them what the client does after a hit and after a miss. A write's carry
+/// none.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn lookup_samples_carry_the_tables_answer() {
+    use hkv_shard::mrc::{outcome, Sampler, Samples};
+    let dim = 4;
+    let t = CudaTable::new(TableConfig::new(1 << 14, dim), device()).unwrap();
+    let keys: Vec<u64> = (1..=2000u64).map(|i| i * 13 + 1).collect();
+    // Every other key present: those of odd i.
+    let present: Vec<u64> = keys.iter().copied().step_by(2).collect();
+    t.insert_or_assign(&present, &vec![1.0; present.len() * dim], None, None).unwrap();
+    t.set_sampler(Some(Sampler { seed: 1, threshold: u64::MAX }));
+    let (mut v, mut f) = (vec![0.0; keys.len() * dim], vec![false; keys.len()]);
+    t.find(&keys, &mut v, &mut f, None).unwrap();
+    t.contains(&keys, &mut f).unwrap();
+    t.insert_or_assign(&keys[..10], &vec![0.0; 10 * dim], None, None).unwrap();
+    let mut out = Samples::default();
+    t.drain_samples(&mut out);
+    let n = keys.len();
+    assert_eq!(out.len(), 2 * n + 10);
+    for (j, (&k, &tag)) in out.keys.iter().zip(&out.tags).enumerate() {
+        let want = (j < 2 * n).then_some((k - 1) / 13 % 2 == 1);
+        assert_eq!(outcome(tag), want, "sample {j}, key {k}");
+    }
+}
+
 /// The kernels run the sampling filter themselves: find, find_at,
 /// contains, insert_or_assign, assign and the device batches' find, find*,
 /// contains, insert_or_assign and assign sample exactly the keys

@@ -285,7 +285,6 @@ impl Shard for CpuTable {
         check::lookup(&self.config, keys, Some(values.len()), found.len(), scores.as_ref().map(|s| s.len()))?;
         let _g = self.lock.acquire(Group::Reader);
         self.counters.op(Op::Find, n);
-        self.samples.record(keys, Kind::Lookup);
         let st = self.storage.read();
         let dim = self.config.dim;
         let refresh = self.config.refreshes_reads().then(|| self.scorer());
@@ -308,6 +307,7 @@ impl Shard for CpuTable {
             });
             acc
         });
+        self.samples.record_lookups(keys, &|i| found[i]);
         if refresh.is_some() {
             let found = &*found;
             self.observe(&st, n, |i| found[i].then_some(keys[i]));
@@ -323,9 +323,9 @@ impl Shard for CpuTable {
         check::rows_at(&self.config, n, at, values.len(), found.len())?;
         let _g = self.lock.acquire(Group::Reader);
         self.counters.op(Op::Find, n);
-        self.samples.record(keys, Kind::Lookup);
         let st = self.storage.read();
         let hits = self.find_rows(&st, keys, at, Rows { base: 0, values, found: &mut *found }, grain(n));
+        self.samples.record_lookups(keys, &|i| found[at[i] as usize] != 0);
         if self.config.refreshes_reads() {
             let found = &*found;
             self.observe(&st, n, |i| (found[at[i] as usize] != 0).then_some(keys[i]));
@@ -339,7 +339,6 @@ impl Shard for CpuTable {
         check::lookup(&self.config, keys, None, found.len(), None)?;
         let _g = self.lock.acquire(Group::Reader);
         self.counters.op(Op::Contains, n);
-        self.samples.record(keys, Kind::Lookup);
         let st = self.storage.read();
         let outs = Outs { found: Some(found), ..Outs::default() };
         let acc = run_batch(n, outs, self.config.dim, &|r: Range<usize>, mut outs: Outs<'_>| {
@@ -350,6 +349,7 @@ impl Shard for CpuTable {
             });
             acc
         });
+        self.samples.record_lookups(keys, &|i| found[i]);
         self.counters.lookups(acc.hits, n);
         Ok(acc.hits as usize)
     }

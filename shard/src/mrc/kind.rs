@@ -42,12 +42,41 @@ impl Kind {
     }
 }
 
-/// A sample's tag byte: the [`Kind`] in bits 0–1 and the batch's sequence
-/// number modulo 64 in bits 2–7, so that a drain shows where one batch
-/// ends and the next begins (a change of tag). The CUDA kernels write the
-/// same byte beside each key of their ring (`HkvSample::tag`).
+/// A sample's tag byte: the [`Kind`] in bits 0–1, the lookup's outcome in
+/// the table in bits 2–3 ([`OUTCOME_KNOWN`], [`OUTCOME_HIT`]; both clear
+/// where the sampler does not know it: writes, and the CUDA kernels' rings),
+/// and the batch's sequence number modulo 16 in bits 4–7, so that a drain
+/// shows where one batch ends and the next begins (a change of
+/// [`batch_of`]). The CUDA kernels write the byte the host gives them
+/// beside each key of their ring (`HkvSample::tag`).
 pub const fn tag(kind: Kind, batch: u32) -> u8 {
-    kind as u8 | ((batch & 63) as u8) << 2
+    kind as u8 | ((batch & 15) as u8) << 4
+}
+
+/// Set in a lookup's tag where the sampler saw the table's answer: the
+/// key's hit or miss is [`OUTCOME_HIT`].
+pub const OUTCOME_KNOWN: u8 = 1 << 2;
+/// With [`OUTCOME_KNOWN`]: the table found the key.
+pub const OUTCOME_HIT: u8 = 1 << 3;
+
+/// `t` (a [`tag`]) with the outcome of the key `hit` in the table.
+pub const fn with_outcome(t: u8, hit: bool) -> u8 {
+    t | OUTCOME_KNOWN | if hit { OUTCOME_HIT } else { 0 }
+}
+
+/// The table's answer to a sampled lookup, where its tag carries one.
+pub const fn outcome(t: u8) -> Option<bool> {
+    if t & OUTCOME_KNOWN == 0 {
+        None
+    } else {
+        Some(t & OUTCOME_HIT != 0)
+    }
+}
+
+/// The tag's kind and batch, without the key's outcome: equal for every
+/// key of one batch.
+pub const fn batch_of(t: u8) -> u8 {
+    t & !(OUTCOME_KNOWN | OUTCOME_HIT)
 }
 
 /// Sampled keys and their tags ([`tag`]), in the order they were drained.
@@ -80,6 +109,13 @@ impl Samples {
     pub fn push_batch(&mut self, keys: &[u64], t: u8) {
         self.keys.extend_from_slice(keys);
         self.tags.resize(self.keys.len(), t);
+    }
+
+    /// Appends `keys`, each with its own tag.
+    pub fn push_tagged(&mut self, keys: &[u64], tags: &[u8]) {
+        debug_assert_eq!(keys.len(), tags.len());
+        self.keys.extend_from_slice(keys);
+        self.tags.extend_from_slice(tags);
     }
 
     /// The keys of lookups (find, contains, find_or_insert) only.

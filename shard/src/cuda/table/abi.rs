@@ -62,6 +62,8 @@ const _: () = {
     assert!(Kind::FindOrInsert as u32 == abi::HKV_TAG_FIND_OR_INSERT);
     assert!(Kind::Write as u32 == abi::HKV_TAG_WRITE);
     assert!(Kind::Update as u32 == abi::HKV_TAG_UPDATE);
+    assert!(crate::mrc::OUTCOME_KNOWN as u32 == abi::HKV_TAG_OUTCOME_KNOWN);
+    assert!(crate::mrc::OUTCOME_HIT as u32 == abi::HKV_TAG_OUTCOME_HIT);
     assert!(BUCKET_SLOTS as u64 == abi::HKV_BUCKET_SLOTS);
     assert!(crate::EMPTY_KEY == abi::HKV_EMPTY_KEY);
     assert!(crate::hash::DUAL_SEED == abi::HKV_DUAL_SEED);
