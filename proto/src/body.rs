@@ -53,7 +53,8 @@ impl Writer {
         crate::header::body_len(self.buf.len().saturating_sub(crate::HEADER_LEN)).map(|_| ())
     }
 
-    fn note(&mut self, what: String) {
+    /// Refuses the request (at [`Writer::check`]) for the reason `what`.
+    pub(crate) fn note(&mut self, what: String) {
         self.too_long.get_or_insert(what);
     }
 

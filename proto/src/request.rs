@@ -548,7 +548,14 @@ impl Request {
                 }
             }
             Request::Control(c) => match c {
-                Control::CreateTable(spec) => w.buf.extend(json(spec)),
+                Control::CreateTable(spec) => {
+                    // JSON has no NaN or infinity: serde writes null, which
+                    // the daemon reads as "the default".
+                    if let Some(f) = spec.max_load_factor.filter(|f| !f.is_finite()) {
+                        w.note(format!("max_load_factor {f} is not a number in (0, 1]"));
+                    }
+                    w.buf.extend(json(spec))
+                }
                 Control::DropTable { name } => w.buf.extend(json(&serde_json::json!({ "name": name }))),
                 Control::Checkpoint { wait, full } => {
                     w.buf.extend(json(&serde_json::json!({ "wait": wait, "full": full })))

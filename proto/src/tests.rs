@@ -401,3 +401,18 @@ fn error_codes_print_their_wire_names() {
     assert_eq!(ErrorCode::BackingUnavailable.to_string(), "backing_unavailable");
     assert_eq!(ProtoError::new(ErrorCode::UnknownTable, "x").to_string(), "unknown_table: x");
 }
+
+/// A create_table whose max_load_factor is NaN or infinite is refused
+/// before it is sent: JSON carries neither, serde writes null, and the
+/// daemon took that for "the default" (a tester's `--max-load-factor nan`
+/// made a table that grew at 0.5).
+#[test]
+fn a_load_factor_json_cannot_carry_is_refused() {
+    for f in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+        let spec = TableSpec { max_load_factor: Some(f), ..TableSpec::new("x", 8, 1024) };
+        let (e, _) = Request::Control(Control::CreateTable(spec)).try_encode_into(1, Vec::new()).unwrap_err();
+        assert!(e.message.contains("max_load_factor") && e.message.contains("(0, 1]"), "{}", e.message);
+    }
+    let ok = TableSpec { max_load_factor: Some(0.75), ..TableSpec::new("x", 8, 1024) };
+    assert!(Request::Control(Control::CreateTable(ok)).try_encode_into(1, Vec::new()).is_ok());
+}

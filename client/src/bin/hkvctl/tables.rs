@@ -40,7 +40,7 @@ pub struct CreateTable {
     pub max_capacity: u64,
     /// The load (size / capacity) past which a table with --max-capacity
     /// grows, in (0, 1]; default 0.5.
-    #[arg(long)]
+    #[arg(long, value_parser = load_factor)]
     pub max_load_factor: Option<f64>,
     /// Device-memory budget for values in bytes (CUDA); default: all.
     #[arg(long)]
@@ -184,4 +184,13 @@ pub fn list(c: &mut Client) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// A load factor in (0, 1] (`nan` and `inf` parse as floats, but JSON
+/// carries neither: the daemon would have taken the default).
+fn load_factor(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v > 0.0 && v <= 1.0 => Ok(v),
+        _ => Err(format!("{s:?} is not a load factor in (0, 1] (e.g. 0.75)")),
+    }
 }
