@@ -103,6 +103,26 @@ fn tables_put_get_erase() {
     assert!(!out.status.success());
     // Refused before sending: the error names the argument at fault.
     assert!(String::from_utf8_lossy(&out.stderr).contains("\"1=1,2,3\""), "{}", String::from_utf8_lossy(&out.stderr));
+    // A key given twice is refused before sending (one batch would write
+    // it twice, in no set order, and the summary count it twice).
+    let out = d.hkvctl(&["put", "emb", "5=1,1", "6=1,1", "6=3,3"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("key 6 is given twice"), "{err}");
+    // A load factor JSON cannot carry (nan) is refused, not taken for the default.
+    let out = d.hkvctl(&[
+        "create-table",
+        "lf",
+        "--dim",
+        "2",
+        "--capacity",
+        "1024",
+        "--max-capacity",
+        "4096",
+        "--max-load-factor",
+        "nan",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("not a load factor in (0, 1]"), "{err}");
     // On a table with an optimizer a row is the values and the state: the
     // error says so, with the dim `tables` shows.
     d.run(&["create-table", "opt", "--dim", "2", "--capacity", "4096", "--optimizer", "adam"]);

@@ -58,9 +58,15 @@ pub fn put(c: &mut Client, table: &str, entries: &[String], scores: Option<Vec<u
     let info = table_info(c, table)?;
     let mut keys = vec![];
     let mut values = vec![];
+    let mut given = std::collections::HashMap::new();
     for e in entries {
         let (k, v) = parse_entry(e)?;
         check_width(e, v.len(), &info)?;
+        // One batch writes a key given twice twice, in no set order: which
+        // value stays is not said, and the summary would count the key twice.
+        if let Some(first) = given.insert(k, e) {
+            bail!("key {k} is given twice ({first:?} and {e:?}); give each key once");
+        }
         keys.push(k);
         values.extend(v);
     }
