@@ -59,6 +59,7 @@ __all__ = [
     "CudaEvent",
     "Ref",
     "OPTIMIZERS",
+    "BACKING_MODES",
     "default_socket",
     "ORIGIN_HIT",
     "ORIGIN_FILLED",
@@ -111,6 +112,9 @@ OP_ERROR = 0xFF
 # The optimizers a table can run in place (create_table's ``optimizer``) and
 # the state columns each stores after the values.
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+# How a backed table's writes reach its cluster (create_table's
+# ``backing_mode``); the first is the daemon's default.
+BACKING_MODES = ("read-only", "write-through", "write-back")
 
 
 def state_cols(optimizer: Optional[str], dim: int) -> int:
@@ -682,7 +686,7 @@ class Client:
                      num_buckets: Optional[int] = None, hash_kind: str = "fingerprint64",
                      hash_key=(0, 0), lfu_ties: Optional[str] = None,
                      backing: Optional[Union[str, Sequence[str]]] = None,
-                     backing_mode: str = "read-only",
+                     backing_mode: Optional[str] = None,
                      reads_refresh: Optional[bool] = None, optimizer: Optional[str] = None,
                      backing_wait_replicas: Optional[int] = None, backing_deadline_ms: Optional[int] = None,
                      backing_queue_bytes: Optional[int] = None, max_load_factor: Optional[float] = None) -> dict:
@@ -690,8 +694,9 @@ class Client:
         feature requests use when they name none; ``lfu_ties`` ("lru", the
         daemon's default, or "lowest-slot") the lfu tie rule; ``backing``
         (seed URLs of a Redis Cluster, a list or "URL,URL") puts the cluster
-        behind the table, ``backing_mode`` ("read-only", "write-through" or
-        "write-back") says how writes reach it, ``backing_wait_replicas``
+        behind the table, ``backing_mode`` (one of ``BACKING_MODES``:
+        "read-only", the default, "write-through" or "write-back") says how
+        writes reach it, ``backing_wait_replicas``
         how many replicas of each master must acknowledge a write (Redis
         WAIT; None: the master's acknowledgement), ``backing_deadline_ms``
         how long a read of cache misses waits for the cluster (None: 250),
@@ -723,11 +728,14 @@ class Client:
             spec["lfu_ties"] = lfu_ties
         if max_load_factor is not None:
             spec["max_load_factor"] = float(max_load_factor)
-        given = [n for n, v in (("backing_wait_replicas", backing_wait_replicas),
+        if backing_mode is not None and backing_mode not in BACKING_MODES:
+            raise ValueError(f"backing_mode must be one of {', '.join(BACKING_MODES)}; not {backing_mode!r}")
+        given = [n for n, v in (("backing_mode", backing_mode), ("backing_wait_replicas", backing_wait_replicas),
                                 ("backing_deadline_ms", backing_deadline_ms),
                                 ("backing_queue_bytes", backing_queue_bytes)) if v is not None]
         if backing is None and given:
             raise ValueError(f"{given[0]} needs backing= (the cluster's seed URLs)")
+        backing_mode = backing_mode or BACKING_MODES[0]
         if backing_queue_bytes is not None and backing_mode != "write-back":
             raise ValueError(f"backing_queue_bytes bounds a write-back table's queue; this table is {backing_mode}")
         if backing is not None:

@@ -502,3 +502,21 @@ def test_create_table_backing_options_are_checked_before_sending(daemon):
     info = c.create_table("g", dim=4, capacity=1024, max_capacity=4096, max_load_factor=0.75)
     assert info["spec"]["max_load_factor"] == 0.75
     assert "b1" not in [t["spec"]["name"] for t in c.tables()]
+
+
+def test_backing_mode_needs_backing_and_a_known_name(daemon):
+    """An independent tester's finding: backing_mode without backing= (even
+    backing_mode="bogus") made an unbacked table, where its sibling keywords
+    and hkvctl's --backing-mode refuse the same call."""
+    c = daemon.client()
+    for mode in ("write-back", "write-through", "read-only"):
+        with pytest.raises(ValueError, match="backing_mode needs backing="):
+            c.create_table("pz3", dim=4, capacity=1024, backing_mode=mode)
+    for backing in (None, "127.0.0.1:1"):
+        with pytest.raises(ValueError, match="backing_mode must be one of read-only, write-through, write-back"):
+            c.create_table("pz3", dim=4, capacity=1024, backing=backing, backing_mode="bogus")
+    # Nothing was sent: no table was made, and the connection is in step.
+    assert "pz3" not in [t["spec"]["name"] for t in c.tables()]
+    info = c.create_table("pz3", dim=4, capacity=1024)
+    assert info["spec"].get("backing") is None
+    c.close()
