@@ -278,6 +278,51 @@ def _uint(x, bits: int, what: str) -> int:
     return v
 
 
+class _ArgumentTypeError(TypeError, ValueError):
+    """A create_table argument of the wrong type: a TypeError, and a
+    ValueError too, which create_table raised for integers and
+    reads_refresh of a wrong type before, so code catching that still
+    does."""
+
+
+def _typed(v, what: str, types: tuple, wants: str, optional: bool = False):
+    """``v``, when it is one of ``types`` (a bool only where ``types`` names
+    bool) or None where ``optional``; else a TypeError naming ``what``."""
+    if v is None and optional:
+        return v
+    if isinstance(v, types) and (bool in types or not isinstance(v, (bool, np.bool_))):
+        return v
+    raise _ArgumentTypeError(f"{what} must be {wants}, not {type(v).__name__}")
+
+
+def _whole(v, what: str, optional: bool = False) -> Optional[int]:
+    """A create_table integer as an int (numpy's too, which json cannot
+    write), checked: a TypeError naming ``what`` when it is no integer, a
+    ValueError when it is out of 0 to 2**64 - 1."""
+    if _typed(v, what, (int, np.integer), "an integer" + (" or None" if optional else ""), optional) is None:
+        return None
+    v = int(v)
+    if not 0 <= v < 1 << 64:
+        raise ValueError(f"{what} must be a whole number from 0 to 2**64 - 1, not {v!r}")
+    return v
+
+
+def _seeds(backing) -> List[str]:
+    """create_table's ``backing`` as seed URLs: one str "URL,URL" or an
+    iterable of str; anything else a TypeError naming it (bytes included:
+    a URL is text)."""
+    if isinstance(backing, str):
+        return [u.strip() for u in backing.split(",")]
+    wants = 'the seed URLs, a str ("URL,URL") or a list of str'
+    if isinstance(backing, (bytes, bytearray, memoryview)):
+        raise _ArgumentTypeError(f"backing must be {wants}, not {type(backing).__name__}")
+    try:
+        seeds = list(backing)
+    except TypeError:
+        raise _ArgumentTypeError(f"backing must be {wants}, not {type(backing).__name__}") from None
+    return [_typed(u, f"backing[{i}]", (str,), "a str (a seed URL)").strip() for i, u in enumerate(seeds)]
+
+
 def _f32(x) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(x), dtype="<f4").reshape(-1)
 
@@ -710,20 +755,37 @@ class Client:
         adagrad: dim, rowwise_adagrad: 1, adam: 2 × dim columns) for
         ``apply_gradients``; the other ops then read and write whole rows
         (``dim(name)`` floats)."""
-        if reads_refresh is not None and not isinstance(reads_refresh, bool):
-            raise ValueError(f"reads_refresh must be True, False or None (the policy's default); not {reads_refresh!r}")
-        for what, v in [("dim", dim), ("capacity", capacity), ("max_capacity", max_capacity),
-                        ("fast_tier_bytes", fast_tier_bytes), ("num_buckets", num_buckets),
-                        ("backing_wait_replicas", backing_wait_replicas),
-                        ("backing_deadline_ms", backing_deadline_ms), ("backing_queue_bytes", backing_queue_bytes)]:
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v < 1 << 64):
-                raise ValueError(f"{what} must be a whole number from 0 to 2**64 - 1, not {v!r}")
+        # Every argument's type before anything is sent (a wrong one would
+        # otherwise fail inside this method, or come back as the daemon's
+        # JSON error at some column); the daemon checks their values.
+        _typed(name, "name", (str,), "a str")
+        dim = _whole(dim, "dim")
+        capacity = _whole(capacity, "capacity")
+        max_capacity = _whole(max_capacity, "max_capacity")
+        fast_tier_bytes = _whole(fast_tier_bytes, "fast_tier_bytes", optional=True)
+        num_buckets = _whole(num_buckets, "num_buckets", optional=True)
+        backing_wait_replicas = _whole(backing_wait_replicas, "backing_wait_replicas", optional=True)
+        backing_deadline_ms = _whole(backing_deadline_ms, "backing_deadline_ms", optional=True)
+        backing_queue_bytes = _whole(backing_queue_bytes, "backing_queue_bytes", optional=True)
+        for what, v, optional in [("policy", policy, False), ("mode", mode, False), ("hash_kind", hash_kind, False),
+                                  ("lfu_ties", lfu_ties, True), ("optimizer", optimizer, True),
+                                  ("backing_mode", backing_mode, True)]:
+            _typed(v, what, (str,), "a str" + (" or None" if optional else ""), optional)
+        try:
+            k0, k1 = hash_key
+        except (TypeError, ValueError):
+            raise _ArgumentTypeError(f"hash_key must be a pair of integers (k0, k1), not {hash_key!r}") from None
+        hash_key = [_whole(k0, "hash_key[0]"), _whole(k1, "hash_key[1]")]
+        _typed(reads_refresh, "reads_refresh", (bool,), "True, False or None (the policy's default)", optional=True)
+        _typed(max_load_factor, "max_load_factor", (int, float, np.integer, np.floating), "a number or None",
+               optional=True)
+        seeds = None if backing is None else _seeds(backing)
         if optimizer is not None and optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}; not {optimizer!r}")
         spec = {"name": name, "dim": dim, "capacity": capacity, "max_capacity": max_capacity,
                 "policy": policy, "mode": mode, "fast_tier_bytes": fast_tier_bytes}
         if num_buckets is not None:
-            spec["hash"] = {"kind": hash_kind, "num_buckets": num_buckets, "key": list(hash_key)}
+            spec["hash"] = {"kind": hash_kind, "num_buckets": num_buckets, "key": hash_key}
         if lfu_ties is not None:
             spec["lfu_ties"] = lfu_ties
         if max_load_factor is not None:
@@ -738,15 +800,14 @@ class Client:
         backing_mode = backing_mode or BACKING_MODES[0]
         if backing_queue_bytes is not None and backing_mode != "write-back":
             raise ValueError(f"backing_queue_bytes bounds a write-back table's queue; this table is {backing_mode}")
-        if backing is not None:
-            seeds = backing.split(",") if isinstance(backing, str) else list(backing)
-            spec["backing"] = {"seeds": [s.strip() for s in seeds], "mode": backing_mode}
+        if seeds is not None:
+            spec["backing"] = {"seeds": seeds, "mode": backing_mode}
             if backing_wait_replicas is not None:
-                spec["backing"]["wait_replicas"] = int(backing_wait_replicas)
+                spec["backing"]["wait_replicas"] = backing_wait_replicas
             if backing_deadline_ms is not None:
-                spec["backing"]["deadline_ms"] = int(backing_deadline_ms)
+                spec["backing"]["deadline_ms"] = backing_deadline_ms
             if backing_queue_bytes is not None:
-                spec["backing"]["queue_bytes"] = int(backing_queue_bytes)
+                spec["backing"]["queue_bytes"] = backing_queue_bytes
         if reads_refresh is not None:
             spec["reads_refresh"] = reads_refresh
         if optimizer is not None:

@@ -520,3 +520,48 @@ def test_backing_mode_needs_backing_and_a_known_name(daemon):
     info = c.create_table("pz3", dim=4, capacity=1024)
     assert info["spec"].get("backing") is None
     c.close()
+
+
+def test_create_table_arguments_of_a_wrong_type_raise_type_error_naming_them(daemon):
+    """An independent tester's finding: backing=b"127.0.0.1:23001" or
+    backing=[1, 2] raised AttributeError ('int' object has no attribute
+    'strip') from inside create_table, where the docs promise an error
+    naming the argument. Each argument's type is checked before sending: a
+    wrong type is a TypeError naming it (also a ValueError, which the
+    integers and reads_refresh raised before), a wrong value a ValueError."""
+    c = daemon.client()
+    base = dict(name="t", dim=4, capacity=1024)
+    wrong = [
+        ("name", b"t"), ("name", None),
+        ("dim", "4"), ("dim", 4.0), ("dim", None), ("dim", True), ("capacity", [1024]),
+        ("max_capacity", None), ("max_capacity", 1.5), ("fast_tier_bytes", "1"), ("num_buckets", 10.0),
+        ("policy", None), ("policy", b"lru"), ("mode", 2), ("hash_kind", None), ("hash_key", 5),
+        ("hash_key", (0, "1")), ("lfu_ties", 1), ("optimizer", b"sgd"), ("reads_refresh", "false"),
+        ("backing", b"127.0.0.1:23001"), ("backing", [1, 2]), ("backing", ["127.0.0.1:1", b"127.0.0.1:2"]),
+        ("backing", 23001), ("backing_mode", b"write-back"), ("backing_wait_replicas", "1"),
+        ("backing_deadline_ms", 1.5), ("backing_queue_bytes", "1M"), ("max_load_factor", "0.5"),
+        ("max_load_factor", True),
+    ]
+    for what, v in wrong:
+        args = dict(base, **{what: v})
+        if what.startswith("backing_"):
+            args["backing"] = "127.0.0.1:1"
+        if what == "hash_key":
+            args["num_buckets"] = 10
+        with pytest.raises(TypeError, match=f"^{what}") as e:
+            c.create_table(**args)
+        assert isinstance(e.value, ValueError), (what, v)
+    for what, v in [("dim", -1), ("capacity", 2**64), ("backing_deadline_ms", -5), ("hash_key", (0, -1))]:
+        args = dict(base, **{what: v})
+        if what.startswith("backing_"):
+            args["backing"] = "127.0.0.1:1"
+        with pytest.raises(ValueError, match=f"^{what}") as e:
+            c.create_table(**args)
+        assert not isinstance(e.value, TypeError), (what, v)
+    # Nothing was sent: no table was made, and the connection is in step.
+    assert c.tables() == []
+    # numpy scalars are integers and floats too.
+    info = c.create_table("t", dim=np.int64(4), capacity=np.uint32(1024), max_capacity=np.int64(4096),
+                          max_load_factor=np.float32(0.75), hash_key=(np.uint64(0), 0), num_buckets=np.int64(10))
+    assert (info["spec"]["dim"], info["spec"]["max_load_factor"]) == (4, 0.75)
+    c.close()
