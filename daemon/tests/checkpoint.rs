@@ -217,6 +217,7 @@ fn a_table_with_another_dim_or_policy_refuses_the_checkpoint() {
     let mut c = d.client();
     c.create_table(spec("emb", 4, 4096, "lfu", "single")).unwrap();
     fill(&mut c, "emb", 4, 1..100, true);
+    c.create_table(spec("two", 4, 4096, "lru", "single")).unwrap();
     c.checkpoint(true, false).unwrap();
     let mut d = d;
     d.signal("TERM");
@@ -238,7 +239,16 @@ fn a_table_with_another_dim_or_policy_refuses_the_checkpoint() {
     assert!(!err.contains("drop the table") && !err.contains("capacity is kept"), "{err}");
     // --restore none starts anyway.
     let d = d.restart(&["--config", cfg.to_str().unwrap(), "--restore", "none"]);
-    assert_eq!(d.client().tables().unwrap()[0].size, 0);
+    let mut c = d.client();
+    assert_eq!(c.tables().unwrap()[0].size, 0);
+    // A restore into running tables names every table that differs, each
+    // with its differences (a tester took four refused restores for four
+    // tables, one name each).
+    c.create_table(spec("two", 2, 4096, "lru", "single")).unwrap();
+    let e = c.restore("latest".parse().unwrap()).unwrap_err().to_string();
+    assert!(e.contains("table \"emb\": dim 8 here, 4 in the checkpoint, policy lru here, lfu"), "{e}");
+    assert!(e.contains("table \"two\": dim 2 here, 4 in the checkpoint"), "{e}");
+    assert!(e.contains("drop the tables or restore elsewhere"), "{e}");
 }
 
 #[test]

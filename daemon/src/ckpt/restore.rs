@@ -719,8 +719,11 @@ fn with_password(spec: TableSpec, passwords: Option<&Path>) -> Result<TableSpec,
 /// optimizer or policy, saying what to do for the `occasion`. Differences
 /// the rows survive (backing, capacity) are logged, once no table refused
 /// it: a tester was told a capacity was kept by a restore then refused.
+/// The refusal names every table that differs, each with its differences
+/// (a tester's four tables took four refused restores, one name each).
 fn check_compatible(router: &Router, target: &Manifest, occasion: Occasion) -> Result<(), Failure> {
     let mut kept = vec![];
+    let mut refused: Vec<(&str, String)> = vec![];
     for t in &target.tables {
         let Ok(running) = router.table(&t.name) else { continue };
         let mut diff = vec![];
@@ -784,22 +787,28 @@ fn check_compatible(router: &Router, target: &Manifest, occasion: Occasion) -> R
             }
         }
         if !diff.is_empty() {
-            let what = match occasion {
-                Occasion::Request => "drop the table or restore elsewhere".to_string(),
-                Occasion::Start => format!(
-                    "the table is the config file's: make its [[table]] {:?} match the checkpoint (or remove \
-                     it, and the checkpoint's own spec applies), or start with --restore none to start with \
-                     empty tables and keep the checkpoint on disk",
-                    t.name
-                ),
-            };
-            return Err(Failure::Refused(ProtoError::bad_request(format!(
-                "checkpoint {:016x} cannot be restored into table {:?}: {}; {what}",
-                target.id,
-                t.name,
-                diff.join(", ")
-            ))));
+            refused.push((&t.name, diff.join(", ")));
         }
+    }
+    if !refused.is_empty() {
+        let names: Vec<String> = refused.iter().map(|(n, _)| format!("{n:?}")).collect();
+        let (them, each) = if refused.len() == 1 { ("the table", "its") } else { ("the tables", "each one's") };
+        let what = match occasion {
+            Occasion::Request => format!("drop {them} or restore elsewhere"),
+            Occasion::Start => format!(
+                "{them} {} the config file's: make {each} [[table]] {} match the checkpoint (or remove it, \
+                 and the checkpoint's own spec applies), or start with --restore none to start with empty \
+                 tables and keep the checkpoint on disk",
+                if refused.len() == 1 { "is" } else { "are" },
+                names.join(", ")
+            ),
+        };
+        let tables: Vec<String> = refused.iter().map(|(n, d)| format!("table {n:?}: {d}")).collect();
+        return Err(Failure::Refused(ProtoError::bad_request(format!(
+            "checkpoint {:016x} cannot be restored into {}; {what}",
+            target.id,
+            tables.join("; ")
+        ))));
     }
     for (table, why) in kept {
         warn!(table = %table, checkpoint = %format!("{:016x}", target.id), "{why}");
