@@ -46,7 +46,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::fs::File;
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader, Chain, Cursor, Read};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -80,7 +80,9 @@ struct Args {
     #[arg(long, default_value_t = 5.0)]
     stream_multiple: f64,
     /// Replay this key trace instead of a Zipf stream (alpha, keyspace and
-    /// stream-multiple are then unused).
+    /// stream-multiple are then unused). A pipe or FIFO (`/dev/stdin`,
+    /// `<(zcat t.gz)`) is read once, so it takes one policy and one
+    /// capacity.
     #[arg(long)]
     trace: Option<PathBuf>,
     /// Trace format: `bin` (u64 little-endian keys, 8 bytes each), `text`
@@ -232,11 +234,12 @@ impl TraceFormat {
         }
     }
 
-    /// `bin` or `text` as asked, or for `auto` guessed from the first 4 KiB:
-    /// text when they are printable ASCII and white space (binary keys are
-    /// that only by a vanishing chance; a text trace with a typo is still
-    /// read as text, so the error names the line).
-    fn pick(asked: &str, path: &Path) -> Result<TraceFormat> {
+    /// The format asked, or for `auto` guessed from the name or from
+    /// `head`, the trace's first bytes: text when they are printable ASCII
+    /// and white space (binary keys are that only by a vanishing chance; a
+    /// text trace with a typo is still read as text, so the error names
+    /// the line).
+    fn pick(asked: &str, path: &Path, head: &[u8]) -> Result<TraceFormat> {
         match asked {
             "bin" => Ok(TraceFormat::Bin),
             "text" => Ok(TraceFormat::Text),
@@ -245,12 +248,6 @@ impl TraceFormat {
             "auto" if path.to_string_lossy().contains("oracleGeneral") => Ok(TraceFormat::Oracle),
             "auto" if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("csv")) => Ok(TraceFormat::Csv),
             "auto" => {
-                let mut head = Vec::with_capacity(4096);
-                File::open(path)
-                    .with_context(|| format!("opening trace {}", path.display()))?
-                    .take(4096)
-                    .read_to_end(&mut head)
-                    .with_context(|| format!("reading trace {}", path.display()))?;
                 if head.is_empty() {
                     bail!("trace {} is empty", path.display());
                 }
@@ -262,13 +259,46 @@ impl TraceFormat {
     }
 }
 
+/// The bytes `--trace-format auto` looks at.
+const HEAD: usize = 4096;
+
+/// A trace file opened for one replay: its first [`HEAD`] bytes, already
+/// read (to detect the format), then the rest of the file.
+///
+/// The story: detection read the head, then the replay opened the path
+/// again. A regular file starts over; a pipe, a FIFO or a `<(…)` does not,
+/// so the first 4 KiB of every piped trace were silently dropped (99488 of
+/// 100000 keys, and a text key cut in two). Now the file is opened once
+/// and the head is replayed from memory before the rest.
+struct Opened {
+    head: Vec<u8>,
+    file: File,
+}
+
+impl Opened {
+    fn open(path: &Path) -> Result<Opened> {
+        let mut file = File::open(path).with_context(|| format!("opening trace {}", path.display()))?;
+        let mut head = vec![0; HEAD];
+        let got = read_full(&mut file, &mut head).with_context(|| format!("reading trace {}", path.display()))?;
+        head.truncate(got);
+        Ok(Opened { head, file })
+    }
+
+    /// Every byte of the trace, from the first.
+    fn reader(self) -> TraceReader {
+        BufReader::with_capacity(1 << 20, Cursor::new(self.head).chain(self.file))
+    }
+}
+
+type TraceReader = BufReader<Chain<Cursor<Vec<u8>>, File>>;
+
 /// Where the keys come from: a Zipf stream or a trace file, read a batch at
 /// a time (a trace is streamed, never held whole). One lives per replay, so
 /// the variants' sizes do not matter.
 #[allow(clippy::large_enum_variant)]
 enum Source {
     Zipf { zipf: Zipf<f64>, rng: rand::rngs::StdRng, seed: u64, left: u64 },
-    Trace { path: PathBuf, format: TraceFormat, reader: BufReader<File>, read: u64, line: String, column: usize },
+    Trace { path: PathBuf, format: TraceFormat, reader: TraceReader, read: u64, line: String, column: usize },
 }
 
 impl Source {
@@ -277,16 +307,15 @@ impl Source {
         Ok(Source::Zipf { zipf, rng: rand::rngs::StdRng::seed_from_u64(seed), seed, left: total })
     }
 
-    fn trace(path: &Path, format: TraceFormat, column: usize) -> Result<Source> {
-        let f = File::open(path).with_context(|| format!("opening trace {}", path.display()))?;
-        Ok(Source::Trace {
+    fn trace(path: &Path, format: TraceFormat, column: usize, opened: Opened) -> Source {
+        Source::Trace {
             path: path.to_path_buf(),
             format,
-            reader: BufReader::with_capacity(1 << 20, f),
+            reader: opened.reader(),
             read: 0,
             line: String::new(),
             column,
-        })
+        }
     }
 
     /// Replaces `keys` with up to `n` next keys; empty at the end.
@@ -710,10 +739,32 @@ fn main() -> Result<()> {
     } else {
         a.capacities.iter().map(|c| parse_capacity(c, a.capacity)).collect::<Result<_>>()?
     };
-    let format = a.trace.as_deref().map(|p| TraceFormat::pick(&a.trace_format, p)).transpose()?;
+    // The trace is opened once here and its head read to detect the
+    // format; the first replay reads on from there, later ones open the
+    // file again, which only a regular file allows.
+    let replays = if a.mrc { 1 } else { policies.len() * capacities.len() };
+    let mut opened = None;
+    let format = match &a.trace {
+        Some(p) => {
+            let meta = std::fs::metadata(p).with_context(|| format!("opening trace {}", p.display()))?;
+            if !meta.is_file() && replays > 1 {
+                bail!(
+                    "--trace {} is not a regular file (a pipe or FIFO?) and can be read only once, but {replays} \
+                     replays were asked (--policy × --capacities): save the trace to a file, or give one policy \
+                     and one capacity",
+                    p.display()
+                );
+            }
+            let o = Opened::open(p)?;
+            let f = TraceFormat::pick(&a.trace_format, p, &o.head)?;
+            opened = Some(o);
+            Some(f)
+        }
+        None => None,
+    };
     if a.mrc {
         let source = match (&a.trace, format) {
-            (Some(p), Some(f)) => Source::trace(p, f, a.csv_column)?,
+            (Some(p), Some(f)) => Source::trace(p, f, a.csv_column, opened.take().map_or_else(|| Opened::open(p), Ok)?),
             _ => Source::zipf(keyspace, a.alpha, a.seed, total)?,
         };
         let stream = match &a.trace {
@@ -727,7 +778,7 @@ fn main() -> Result<()> {
     for (policy, cap) in policies.iter().flat_map(|&p| capacities.iter().map(move |&c| (p, c))) {
         let cfg = TableConfig::new(cap, 1).policy(policy).mode(mode).lfu_ties(lfu_ties);
         let source = match (&a.trace, format) {
-            (Some(p), Some(f)) => Source::trace(p, f, a.csv_column)?,
+            (Some(p), Some(f)) => Source::trace(p, f, a.csv_column, opened.take().map_or_else(|| Opened::open(p), Ok)?),
             _ => Source::zipf(keyspace, a.alpha, a.seed, total)?,
         };
         let r = replay(&a, &cfg, source)?;
