@@ -1,6 +1,7 @@
 """The Python client against a real daemon: every op, errors, large batches,
 concurrent clients, pipelining, checkpoints, and the torch helper."""
 
+import os
 import signal
 import socket
 import threading
@@ -366,6 +367,28 @@ def test_a_request_to_a_daemon_that_stopped_raises_connection_lost(tmp_path, sto
         d.stop()
 
 
+def stop(proc):
+    """SIGSTOPs ``proc`` and returns once every thread of it is stopped.
+    The signal is asynchronous: a request sent before each thread stopped
+    could still be read, even answered (seen on the 2-core machine while
+    others built: the find below was read, so the kill closed the socket
+    cleanly instead of resetting it). Waits until /proc says so."""
+    proc.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir(f"/proc/{proc.pid}/task"):
+            try:
+                with open(f"/proc/{proc.pid}/task/{task}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that ended
+                pass
+        if states and all(st in "tT" for st in states):
+            return
+        time.sleep(0.01)
+    pytest.fail(f"hkvd {proc.pid} did not stop within 10 s of SIGSTOP")
+
+
 def test_an_answer_cut_off_by_the_daemon_raises_connection_lost(tmp_path):
     """The same while receiving: a request the daemon never answers because
     it was killed (reset: it had not read the request), or because it
@@ -386,7 +409,7 @@ def test_an_answer_cut_off_by_the_daemon_raises_connection_lost(tmp_path):
         c.close()
         c = hkvd.Client(d.socket, timeout=30)  # a failure here fails, not hangs
         c.dim("t")  # learned while the daemon runs: send_find then sends at once
-        d.proc.send_signal(signal.SIGSTOP)
+        stop(d.proc)
         rid = c.send_find("t", [1, 2])
         d.proc.kill()
         d.proc.wait(timeout=30)
@@ -407,16 +430,7 @@ def test_a_timeout_stays_a_timeout(tmp_path):
     try:
         c = hkvd.Client(d.socket, timeout=0.3)
         c.ping()
-        d.proc.send_signal(signal.SIGSTOP)
-        # The signal is asynchronous: a ping sent before every thread of the
-        # daemon stopped could still be answered (seen once on the 2-core
-        # machine). Wait until /proc says it is stopped.
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with open(f"/proc/{d.proc.pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                    break
-            time.sleep(0.01)
+        stop(d.proc)
         with pytest.raises(socket.timeout) as e:
             c.ping()
         assert not isinstance(e.value, hkvd.HkvdError)
