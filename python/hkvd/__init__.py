@@ -10,6 +10,7 @@ no Python loop ever touches a key.
 from __future__ import annotations
 
 import json
+import math
 import operator
 import os
 import socket as _socket
@@ -789,6 +790,10 @@ class Client:
         if lfu_ties is not None:
             spec["lfu_ties"] = lfu_ties
         if max_load_factor is not None:
+            # JSON has no inf or nan: json.dumps would write Infinity, which
+            # the daemon refuses as unparsable at some column.
+            if not math.isfinite(max_load_factor):
+                raise ValueError(f"max_load_factor must be a finite number in (0, 1], not {max_load_factor!r}")
             spec["max_load_factor"] = float(max_load_factor)
         if backing_mode is not None and backing_mode not in BACKING_MODES:
             raise ValueError(f"backing_mode must be one of {', '.join(BACKING_MODES)}; not {backing_mode!r}")

@@ -579,3 +579,18 @@ def test_create_table_arguments_of_a_wrong_type_raise_type_error_naming_them(dae
                           max_load_factor=np.float32(0.75), hash_key=(np.uint64(0), 0), num_buckets=np.int64(10))
     assert (info["spec"]["dim"], info["spec"]["max_load_factor"]) == (4, 0.75)
     c.close()
+
+
+def test_max_load_factor_must_be_finite(daemon):
+    """An independent tester's finding: max_load_factor=float('inf') came
+    back as the daemon's "create_table body: expected value at line 1
+    column 144" (JSON has no inf or nan; json.dumps wrote Infinity)."""
+    c = daemon.client()
+    for v in (float("inf"), float("-inf"), float("nan"), np.float32("nan"), np.inf):
+        with pytest.raises(ValueError, match="^max_load_factor must be a finite number"):
+            c.create_table("g", dim=4, capacity=1024, max_capacity=4096, max_load_factor=v)
+    # Nothing was sent: no table was made, and the connection is in step.
+    assert c.tables() == []
+    info = c.create_table("g", dim=4, capacity=1024, max_capacity=4096, max_load_factor=1)
+    assert info["spec"]["max_load_factor"] == 1
+    c.close()
