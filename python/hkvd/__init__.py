@@ -219,13 +219,33 @@ def default_socket() -> str:
 
 @dataclass
 class Summary:
-    """Per-outcome counts of a write."""
+    """Per-outcome counts of a write: each key is counted once, in the field
+    of its outcome (``proto/PROTOCOL.md``, outcome bytes 0-4).
 
+    A key that was absent and is now stored counts in ``inserted`` when it
+    took a free slot and in ``evicted`` when it took the slot of another
+    entry (which is gone): both were inserted, and ``inserted_total``
+    (``inserted + evicted``) is the keys a write added, what hkvctl prints
+    as "N inserted (M of them by evicting another entry)"."""
+
+    #: Keys that were present: written in place.
     updated: int = 0
+    #: Absent keys stored in a free slot (not those that evicted: see
+    #: ``inserted_total``).
     inserted: int = 0
+    #: Absent keys stored in the slot of the bucket's minimum-score entry,
+    #: which lost it (the number of entries evicted, too).
     evicted: int = 0
+    #: Absent keys refused (a score below the full bucket's minimum): not
+    #: stored.
     rejected: int = 0
+    #: Keys absent for an update-only op (assign, assign_scores): not stored.
     absent: int = 0
+
+    @property
+    def inserted_total(self) -> int:
+        """The keys this write added to the table: ``inserted + evicted``."""
+        return self.inserted + self.evicted
 
 
 @dataclass

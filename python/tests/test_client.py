@@ -594,3 +594,24 @@ def test_max_load_factor_must_be_finite(daemon):
     info = c.create_table("g", dim=4, capacity=1024, max_capacity=4096, max_load_factor=1)
     assert info["spec"]["max_load_factor"] == 1
     c.close()
+
+
+def test_summary_counts_each_key_once_and_totals_the_inserted(daemon):
+    """An independent tester's finding: an insert_or_assign whose key took
+    another entry's slot reads "1 inserted (1 of them by evicting another
+    entry)" in hkvctl but Summary(inserted=0, evicted=1) here, and a user
+    summing ``inserted`` undercounted. The fields keep their meaning (one
+    outcome per key); ``inserted_total`` is what hkvctl calls inserted."""
+    c = daemon.client()
+    c.create_table("full", dim=2, capacity=256, policy="custom")
+    k = np.arange(1, 2001, dtype=np.uint64)
+    s = c.insert_or_assign("full", k, rows(k, 2), scores=np.full(len(k), 10, np.uint64))
+    assert s.inserted == 256 and s.inserted_total == s.inserted + s.evicted
+    assert s.updated + s.inserted + s.evicted + s.rejected + s.absent == len(k)
+    assert c.tables()[0]["size"] == 256  # full: a newcomer now evicts or is rejected
+    s = c.insert_or_assign("full", [10**9], rows([10**9], 2), scores=[1000])
+    assert (s.inserted, s.evicted, s.inserted_total) == (0, 1, 1)
+    assert c.find("full", [10**9])[1].all()
+    s = c.insert_or_assign("full", [10**9 + 1, 10**9], rows([1, 2], 2), scores=[1, 1000])
+    assert (s.inserted_total, s.rejected, s.updated) == (0, 1, 1)
+    c.close()
