@@ -483,3 +483,40 @@ fn no_daemon_is_one_clear_line_and_exit_2() {
     assert_eq!(err.matches("os error").count(), 1, "{err}");
     assert_eq!(err.lines().count(), 1, "{err}");
 }
+
+/// `hkvctl trace` prints a replay command that replays the table as it is:
+/// an lfu table's tie rule is passed on, and the capacity is whole buckets
+/// (whole 1024s from 1024 on) so that every factor of the curve is one
+/// hkv-sim keeps exactly (a capacity of 1677 replayed its factors at 0.153
+/// to 8.014 of it, and an lfu table with lowest-slot ties replayed with the
+/// other rule).
+#[test]
+fn trace_prints_a_replay_of_the_table_as_it_is() {
+    let d = Daemon::start();
+    d.run(&["create-table", "t", "--dim", "2", "--capacity", "300000", "--policy", "lfu", "--lfu-ties", "lowest-slot"]);
+    d.run(&["fill", "t", "--count", "2000"]);
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("keys.bin");
+    let trace = Command::new(hkvctl_bin())
+        .arg("--socket")
+        .arg(&d.socket)
+        .args(["trace", "t", "--seconds", "1", "--out"])
+        .arg(&out)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Lookups during the window: the trace holds the sampled lookups only.
+    let mut c = Client::connect(&d.socket).unwrap();
+    let keys: Vec<u64> = (0..2000).collect();
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_millis(1500) {
+        c.find("t", &keys).unwrap();
+    }
+    let o = trace.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{text}");
+    let line = text.lines().find(|l| l.contains("hkv-sim --trace")).unwrap_or_else(|| panic!("{text}"));
+    assert!(line.contains("--policy lfu --lfu-ties lowest-slot"), "{line}");
+    let cap: u64 = line.split("--capacity ").nth(1).and_then(|s| s.split(' ').next()).unwrap().parse().unwrap();
+    assert!(cap >= 1024 && cap.is_multiple_of(1024), "{line}");
+}

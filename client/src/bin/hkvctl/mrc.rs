@@ -95,8 +95,13 @@ pub fn trace(c: &mut Client, table: &str, seconds: u32, out: &std::path::Path, t
         println!("truncated: the daemon left keys out to fit limits.max_frame_bytes; ask for fewer seconds");
     }
     // A spatial sample of rate r behaves as the whole stream in a cache r
-    // times the size: replay it at capacity × rate.
-    let scaled = ((capacity as f64 * rate).round() as u64).max(1);
+    // times the size: replay it at capacity × rate, in whole 128-slot
+    // buckets (hkv-sim rounds each capacity up to them) and, where that is
+    // at least 1024 slots, in whole 1024s, so that 1/8x is whole buckets
+    // too (a capacity of 1677 replayed its factors at 0.153 to 8.014).
+    let exact = capacity as f64 * rate;
+    let unit = if exact >= 1024.0 { 1024.0 } else { 128.0 };
+    let scaled = ((exact / unit).round().max(1.0) * unit) as u64;
     // The table's bucket mode and, where hkv-sim replays it, its policy.
     let mut like = String::new();
     if spec.mode == hkv_client::proto::Mode::Dual {
@@ -104,6 +109,9 @@ pub fn trace(c: &mut Client, table: &str, seconds: u32, out: &std::path::Path, t
     }
     if matches!(spec.policy, Policy::Lfu | Policy::Adaptive) {
         like += &format!(" --policy {}", spec.policy.as_str());
+    }
+    if spec.policy == Policy::Lfu && spec.lfu_ties != hkv_client::proto::LfuTies::Lru {
+        like += &format!(" --lfu-ties {}", spec.lfu_ties.as_str());
     }
     println!(
         "replay (a spatial sample: capacity {capacity} x rate): hkv-sim --trace {} --capacity {scaled} \
