@@ -770,7 +770,10 @@ class Client:
         only; None: 64 MiB); ``max_load_factor`` the load past which a
         table with ``max_capacity`` grows (None: 0.5); ``reads_refresh`` whether
         find hits refresh scores (None: the policy's default, on for
-        "adaptive" only, and for every backed table on the CPU backend);
+        "adaptive" only, except that a backed table on the CPU backend gets
+        it on; on the CUDA backend the daemon refreshes a backed table's
+        hits after the answer instead; the answer's ``spec["reads_refresh"]``
+        says what the table got);
         ``optimizer`` (one of ``OPTIMIZERS``) makes each row
         ``dim`` values followed by that optimizer's state (sgd: none,
         adagrad: dim, rowwise_adagrad: 1, adam: 2 × dim columns) for
