@@ -314,3 +314,24 @@ fn a_piped_trace_is_read_whole() {
     assert!(!out.status.success() && err.contains("--trace"), "{err}");
     std::fs::remove_file(&fifo).unwrap();
 }
+
+/// The story: the table rounds its capacity up to whole 128-slot buckets,
+/// but hkv-sim derived the rest from the flag: `--capacity 1 --batch 1
+/// --stream-multiple 100` replayed 100 accesses over 10 keys through 128
+/// slots and warned that --batch 1 was above a quarter of the capacity;
+/// `--capacity 1099511627776 --stream-multiple 1` was refused as a
+/// `--keyspace` the user never gave. Now the stream, the keyspace and the
+/// note follow the table's slots, and a derived value out of range names
+/// the flags given.
+#[test]
+fn what_follows_from_the_capacity_follows_the_tables_slots() {
+    let out = sim(&["--capacity", "1", "--batch", "1", "--stream-multiple", "100", "--json"]);
+    let j = json_of(&out);
+    let got = (j["capacity"].as_u64(), j["keyspace"].as_u64(), j["accesses"].as_u64());
+    assert_eq!(got, (Some(128), Some(1280), Some(12_800)));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("--batch"), "batch 1 is no quarter of 128 slots: {err}");
+    let out = sim(&["--capacity", "1099511627776", "--stream-multiple", "1"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--capacity 1099511627776"), "{err}");
+}

@@ -55,28 +55,31 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use hkv_shard::cpu::CpuTable;
 use hkv_shard::score::ManualClock;
-use hkv_shard::{is_reserved, BucketMode, LfuTies, Outcome, ScorePolicy, Shard, TableConfig};
+use hkv_shard::{is_reserved, BucketMode, LfuTies, Outcome, ScorePolicy, Shard, TableConfig, BUCKET_SLOTS};
 use rand::SeedableRng;
 use rand_distr::{Distribution, Zipf};
 
 #[derive(Parser, Debug)]
 #[command(name = "hkv-sim", about = "Cache quality of the HKV table vs an ideal fully associative cache")]
 struct Args {
-    /// Table capacity in slots (a multiple of 128 keeps it exact).
+    /// Table capacity in slots, rounded up to whole 128-slot buckets (what
+    /// follows from it follows the rounded slots; --mrc does not round).
     #[arg(long, default_value_t = 1 << 20)]
     capacity: u64,
     /// Capacities to replay the same stream at, comma separated: slot
-    /// counts (`262144`) or factors of --capacity (`1/8x,1/2x,1x,2x,8x`).
+    /// counts (`262144`) or factors of --capacity, rounded
+    /// (`1/8x,1/2x,1x,2x,8x`).
     /// Default: --capacity alone.
     #[arg(long, value_delimiter = ',')]
     capacities: Vec<String>,
     /// Zipf exponent of the key popularity.
     #[arg(long, default_value_t = 0.99)]
     alpha: f64,
-    /// Distinct keys in the stream's universe (default: 10 × capacity).
+    /// Distinct keys in the stream's universe (default: 10 × --capacity,
+    /// rounded).
     #[arg(long)]
     keyspace: Option<u64>,
-    /// Accesses = stream-multiple × capacity.
+    /// Accesses = stream-multiple × --capacity, rounded.
     #[arg(long, default_value_t = 5.0)]
     stream_multiple: f64,
     /// Replay this key trace instead of a Zipf stream (alpha, keyspace and
@@ -297,14 +300,14 @@ type TraceReader = BufReader<Chain<Cursor<Vec<u8>>, File>>;
 /// the variants' sizes do not matter.
 #[allow(clippy::large_enum_variant)]
 enum Source {
-    Zipf { zipf: Zipf<f64>, rng: rand::rngs::StdRng, seed: u64, left: u64 },
+    Zipf { zipf: Zipf<f64>, rng: rand::rngs::StdRng, seed: u64, left: u64, keyspace: u64 },
     Trace { path: PathBuf, format: TraceFormat, reader: TraceReader, read: u64, line: String, column: usize },
 }
 
 impl Source {
     fn zipf(keyspace: u64, alpha: f64, seed: u64, total: u64) -> Result<Source> {
         let zipf = Zipf::new(keyspace, alpha).context("zipf parameters")?;
-        Ok(Source::Zipf { zipf, rng: rand::rngs::StdRng::seed_from_u64(seed), seed, left: total })
+        Ok(Source::Zipf { zipf, rng: rand::rngs::StdRng::seed_from_u64(seed), seed, left: total, keyspace })
     }
 
     fn trace(path: &Path, format: TraceFormat, column: usize, opened: Opened) -> Source {
@@ -322,7 +325,7 @@ impl Source {
     fn next_batch(&mut self, keys: &mut Vec<u64>, n: usize) -> Result<()> {
         keys.clear();
         match self {
-            Source::Zipf { zipf, rng, seed, left } => {
+            Source::Zipf { zipf, rng, seed, left, .. } => {
                 let n = n.min(*left as usize);
                 for _ in 0..n {
                     let rank = zipf.sample(rng) as u64;
@@ -626,10 +629,7 @@ fn replay(a: &Args, cfg: &TableConfig, mut source: Source) -> Result<Run> {
     let popular_n_retention = retention(&popular)?;
     let ideal_popular = popular.iter().filter(|&&k| ideal.contains(k)).count() as f64 / n_top.max(1) as f64;
     let ceiling = match &source {
-        Source::Zipf { .. } => {
-            let keyspace = a.keyspace.unwrap_or(a.capacity * 10);
-            Some(harmonic(capacity.min(keyspace), a.alpha) / harmonic(keyspace, a.alpha))
-        }
+        &Source::Zipf { keyspace, .. } => Some(harmonic(capacity.min(keyspace), a.alpha) / harmonic(keyspace, a.alpha)),
         Source::Trace { .. } => None,
     };
     Ok(Run {
@@ -706,39 +706,69 @@ fn main() -> Result<()> {
     if a.batch == 0 || a.batch > MAX_BATCH {
         bail!("--batch must be 1 to {MAX_BATCH}, not {}", a.batch);
     }
-    let keyspace = a.keyspace.unwrap_or(a.capacity.saturating_mul(10));
+    // The table rounds its capacity up to whole buckets; what follows from
+    // the capacity (the stream's length, the default keyspace, the
+    // factors of --capacities, the batch note) follows the table's slots,
+    // not the flag. The story: `--capacity 1 --stream-multiple 100` replayed
+    // 100 accesses over 10 keys through a table of 128 slots, and warned
+    // that --batch 1 was above a quarter of the capacity. --mrc builds no
+    // table: its capacity is the flag's.
+    let slots = |c: u64| TableConfig::new(c, 1).buckets() * BUCKET_SLOTS as u64;
+    let capacity = if a.mrc { a.capacity } else { slots(a.capacity) };
+    let cap_words = if capacity == a.capacity {
+        format!("--capacity {capacity}")
+    } else {
+        format!("--capacity {} (rounded up to {capacity} slots, whole buckets of {BUCKET_SLOTS})", a.capacity)
+    };
+    if capacity != a.capacity {
+        let follow =
+            if a.trace.is_none() { "; the stream's length and the default --keyspace follow the slots" } else { "" };
+        eprintln!("hkv-sim: note: {cap_words}{follow}");
+    }
     if a.alpha.is_nan() || a.alpha <= 0.0 {
         bail!("--alpha must be > 0");
     }
-    if keyspace == 0 || keyspace > MAX_COUNT {
-        bail!("--keyspace must be 1 to {MAX_COUNT}, not {keyspace}");
-    }
+    let keyspace = match a.keyspace {
+        Some(k) if k == 0 || k > MAX_COUNT => bail!("--keyspace must be 1 to {MAX_COUNT}, not {k}"),
+        Some(k) => k,
+        // Unused by a trace, so not checked then.
+        None if a.trace.is_none() && capacity * 10 > MAX_COUNT => bail!(
+            "the default --keyspace, 10 × {cap_words}, is {} keys, above {MAX_COUNT}: give --keyspace, or a smaller --capacity",
+            capacity * 10
+        ),
+        None => capacity * 10,
+    };
     let (lo, hi) = (hkv_shard::mrc::MIN_KEYS, hkv_shard::mrc::MAX_KEYS);
     if a.mrc && !(lo..=hi).contains(&a.mrc_keys) {
         bail!("--mrc-keys must be {lo} to {hi} (the daemon's mrc.max_keys range), not {}", a.mrc_keys);
     }
     // The same stream at every capacity: its size follows --capacity.
-    let total = a.stream_multiple * a.capacity as f64;
+    let total = a.stream_multiple * capacity as f64;
     if a.trace.is_none() && !(total >= 1.0 && total <= MAX_COUNT as f64) {
-        bail!(
-            "--stream-multiple {} × --capacity {} must come to 1 to {MAX_COUNT} accesses",
-            a.stream_multiple,
-            a.capacity
-        );
+        bail!("--stream-multiple {} × {cap_words} must come to 1 to {MAX_COUNT} accesses", a.stream_multiple,);
     }
     let total = total as u64;
-    if a.batch as u64 > a.capacity / 4 {
+    let capacities: Vec<u64> = if a.capacities.is_empty() {
+        vec![capacity]
+    } else {
+        a.capacities.iter().map(|c| parse_capacity(c, capacity)).collect::<Result<_>>()?
+    };
+    // Against the smallest table replayed, which it misleads most.
+    let smallest = capacities.iter().map(|&c| slots(c)).min().expect("one capacity at least");
+    if !a.mrc && a.batch as u64 > smallest / 4 {
         eprintln!(
-            "hkv-sim: note: --batch {} is above a quarter of --capacity {}: nothing is evicted within a batch, \
-             so the per-access hit rates come out above what accesses made one at a time get (docs/sizing.md)",
-            a.batch, a.capacity
+            "hkv-sim: note: --batch {} is above a quarter of the table's {smallest} slots{}: nothing is evicted within \
+             a batch, so the per-access hit rates come out above what accesses made one at a time get (docs/sizing.md)",
+            a.batch,
+            if capacities.len() > 1 {
+                " (the smallest of --capacities)".to_string()
+            } else if capacity != a.capacity {
+                format!(" (--capacity {})", a.capacity)
+            } else {
+                String::new()
+            },
         );
     }
-    let capacities: Vec<u64> = if a.capacities.is_empty() {
-        vec![a.capacity]
-    } else {
-        a.capacities.iter().map(|c| parse_capacity(c, a.capacity)).collect::<Result<_>>()?
-    };
     // The trace is opened once here and its head read to detect the
     // format; the first replay reads on from there, later ones open the
     // file again, which only a regular file allows.
@@ -842,7 +872,7 @@ fn main() -> Result<()> {
             println!(
                 "{:>12} {:>8.3} {:>9.3}% {:>9.3}% {:>+10.3} {:>9.3}%",
                 r.capacity,
-                r.capacity as f64 / a.capacity as f64,
+                r.capacity as f64 / capacity as f64,
                 r.hit_rate * 100.0,
                 r.ideal_hit_rate * 100.0,
                 (r.hit_rate - r.ideal_hit_rate) * 100.0,
