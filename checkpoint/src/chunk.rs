@@ -61,6 +61,16 @@ pub fn encode_into(b: &mut [u8], dim: usize, keys: &[u64], scores: &[u64], value
     sum
 }
 
+/// Why a file of `len` bytes is not the `need` bytes its header's `what`
+/// (and the checksum after it) take.
+fn size_mismatch(len: usize, need: usize, what: &str) -> String {
+    if len < need {
+        format!("truncated: {len} bytes, where its header's {what} and the checksum take {need}")
+    } else {
+        format!("{len} bytes, {} more than its header's {what} and the checksum take ({need})", len - need)
+    }
+}
+
 fn u32_at(b: &[u8], o: usize) -> u32 {
     u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]])
 }
@@ -89,6 +99,14 @@ pub fn verify<'a>(id: u64, key: &str, b: &'a [u8], expected: u64) -> Result<View
     if b.len() < HEAD + 8 || &b[..4] != MAGIC {
         return Err(corrupt(format!("{} bytes, no chunk header", b.len())));
     }
+    // The length first: a cut chunk's last 8 bytes are not its checksum
+    // (a tester was shown a "checksum" read from the middle of the values).
+    let dim = u32_at(b, 8) as usize;
+    let n = u64_at(b, 12) as usize;
+    let need = n.checked_mul(16 + 4 * dim).and_then(|x| x.checked_add(HEAD + 8)).unwrap_or(usize::MAX);
+    if need != b.len() {
+        return Err(corrupt(size_mismatch(b.len(), need, &format!("{n} entries of dim {dim}"))));
+    }
     let body = &b[..b.len() - 8];
     let stored = u64_at(b, b.len() - 8);
     let actual = xxhash_rust::xxh3::xxh3_64(body);
@@ -100,12 +118,6 @@ pub fn verify<'a>(id: u64, key: &str, b: &'a [u8], expected: u64) -> Result<View
     let version = u32_at(b, 4);
     if version != FORMAT_VERSION {
         return Err(corrupt(format!("format version {version}, this build reads {FORMAT_VERSION}")));
-    }
-    let dim = u32_at(b, 8) as usize;
-    let n = u64_at(b, 12) as usize;
-    let need = n.checked_mul(16 + 4 * dim).and_then(|x| x.checked_add(HEAD)).unwrap_or(usize::MAX);
-    if need != body.len() {
-        return Err(corrupt(format!("{n} entries of dim {dim} need {need} bytes, the chunk has {}", body.len())));
     }
     Ok(View { dim, n, body })
 }
@@ -223,6 +235,11 @@ pub fn decode_keys(id: u64, key: &str, b: &[u8], expected: u64) -> Result<Vec<u6
     if b.len() < KEYS_HEAD + 8 || &b[..4] != KEYS_MAGIC {
         return Err(corrupt(format!("{} bytes, no key-list header", b.len())));
     }
+    let n = u64_at(b, 8) as usize;
+    let need = n.checked_mul(8).and_then(|x| x.checked_add(KEYS_HEAD + 8)).unwrap_or(usize::MAX);
+    if need != b.len() {
+        return Err(corrupt(size_mismatch(b.len(), need, &format!("a list of {n} keys"))));
+    }
     let body = &b[..b.len() - 8];
     let stored = u64_at(b, b.len() - 8);
     let actual = xxhash_rust::xxh3::xxh3_64(body);
@@ -234,10 +251,6 @@ pub fn decode_keys(id: u64, key: &str, b: &[u8], expected: u64) -> Result<Vec<u6
     let version = u32_at(b, 4);
     if version != FORMAT_VERSION {
         return Err(corrupt(format!("format version {version}, this build reads {FORMAT_VERSION}")));
-    }
-    let n = u64_at(b, 8) as usize;
-    if n.checked_mul(8).and_then(|x| x.checked_add(KEYS_HEAD)) != Some(body.len()) {
-        return Err(corrupt(format!("{n} keys do not fit {} bytes", body.len())));
     }
     Ok(body[KEYS_HEAD..].chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8"))).collect())
 }
@@ -260,6 +273,16 @@ mod tests {
             assert!(e.to_string().contains("chunk k"), "{e}");
         }
         assert!(decode(7, "k", &b[..b.len() - 1], sum).is_err());
+        // A cut chunk says it was cut, and how much is missing.
+        let e = decode(7, "k", &b[..b.len() - 5], sum).unwrap_err().to_string();
+        assert!(e.contains(&format!("truncated: {} bytes", b.len() - 5)) && !e.contains("chunk says"), "{e}");
+        let mut long = b.clone();
+        long.push(0);
+        let e = decode(7, "k", &long, sum).unwrap_err().to_string();
+        assert!(e.contains("1 more than its header's 2 entries of dim 2"), "{e}");
+        let (k, ksum) = encode_keys(&[1, 2, 3]);
+        let e = decode_keys(7, "k", &k[..k.len() - 3], ksum).unwrap_err().to_string();
+        assert!(e.contains("truncated") && e.contains("a list of 3 keys"), "{e}");
     }
 
     /// A view split by key parity, one key left out: each entry whole in
