@@ -335,3 +335,20 @@ fn what_follows_from_the_capacity_follows_the_tables_slots() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("--capacity 1099511627776"), "{err}");
 }
+
+/// The story: `--mrc` replays no table; it compares the estimated and the
+/// exact LRU curves at fixed factors of --capacity. A `--policy lfu`,
+/// `--mode dual` or `--capacities` given with it was dropped (a note on
+/// stderr, exit 0), so the LRU curve could be read as the one asked for.
+/// Each is refused now, naming the flag; `--policy lru` is what --mrc
+/// measures and is taken.
+#[test]
+fn mrc_refuses_the_table_replay_flags() {
+    for extra in [["--policy", "lfu"], ["--mode", "dual"], ["--capacities", "1x,2x"]] {
+        let out = sim(&[&["--mrc", "--capacity", "1024", "--stream-multiple", "2"][..], &extra].concat());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(extra[0]), "{extra:?}: {err}");
+    }
+    let out = sim(&["--mrc", "--capacity", "1024", "--stream-multiple", "2", "--policy", "lru"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}

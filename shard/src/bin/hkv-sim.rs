@@ -118,7 +118,8 @@ struct Args {
     batch: usize,
     /// Compare the miss-ratio-curve estimate (SHARDS) with the exact fully
     /// associative LRU at 1/8× to 8× --capacity, instead of replaying the
-    /// table.
+    /// table (--policy other than lru, --mode dual and --capacities are
+    /// refused with it).
     #[arg(long)]
     mrc: bool,
     /// With --mrc: distinct sampled keys tracked (the estimator's budget).
@@ -689,11 +690,23 @@ fn main() -> Result<()> {
     if lfu_ties != LfuTies::Lru && !policies.contains(&ScorePolicy::Lfu) {
         eprintln!("hkv-sim: note: --lfu-ties is for --policy lfu; no lfu run uses it");
     }
-    if a.mrc && (a.policy != "lru" || a.mode != "single" || !a.capacities.is_empty()) {
-        eprintln!(
-            "hkv-sim: note: --mrc compares the estimated and exact LRU curves at 1/8x to 8x --capacity; \
-             --policy, --mode and --capacities are not used"
-        );
+    // The story: --mrc replays no table, and the estimator is the LRU
+    // curve at fixed factors; a --policy lfu, --mode or --capacities given
+    // with it was noted on stderr and dropped, so a user could read the
+    // LRU curve as the one of the policy or capacities asked for. They are
+    // refused instead.
+    if a.mrc {
+        let asked = [
+            (policies != [ScorePolicy::Lru], "--policy", a.policy.clone()),
+            (a.mode != "single", "--mode", a.mode.clone()),
+            (!a.capacities.is_empty(), "--capacities", a.capacities.join(",")),
+        ];
+        if let Some((_, flag, value)) = asked.iter().find(|(given, ..)| *given) {
+            bail!(
+                "--mrc compares the estimated and the exact fully associative LRU curves at 1/8x to 8x --capacity \
+                 and replays no table: {flag} {value} is for table replays; drop it, or --mrc"
+            );
+        }
     }
     let mode = match a.mode.as_str() {
         "single" => BucketMode::Single,
