@@ -352,3 +352,29 @@ fn mrc_refuses_the_table_replay_flags() {
     let out = sim(&["--mrc", "--capacity", "1024", "--stream-multiple", "2", "--policy", "lru"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+/// The story: a binary trace forced to `--trace-format csv` was read as one
+/// line of NUL-filled text, taken as a header, and reported as holding no
+/// keys; and a quoted field (`"1"`, what many CSV writers put out) was
+/// refused as not a decimal key, while a quoted comma in an earlier column
+/// would have moved the key. Now the binary file is refused as not CSV
+/// text, at its line, and quoted fields are read as RFC 4180 has them.
+#[test]
+fn csv_reads_quoted_fields_and_refuses_binary() {
+    let keys = cycle(100, 10);
+    let bin = Trace::bin("q.bin", &keys);
+    let base = sim_json(&bin, &["--capacity", "128", "--batch", "10"]);
+    let csv: String = std::iter::once("\"name, first\",\"key\"\n".to_string())
+        .chain(keys.iter().enumerate().map(|(i, k)| format!("\"user {i}, \"\"x\"\"\",\"{k}\"\n")))
+        .collect();
+    let csv = Trace::raw("q.csv", csv.as_bytes());
+    let j = sim_json(&csv, &["--capacity", "128", "--batch", "10", "--csv-column", "1"]);
+    let counts = |j: &Value| (j["accesses"].as_u64(), j["distinct_keys"].as_u64(), j["hits"].as_u64());
+    assert_eq!(counts(&j), counts(&base));
+    assert_eq!(counts(&j), (Some(1000), Some(100), Some(900)));
+    // Small keys: valid UTF-8, no line break, one "line" of NULs.
+    let small = Trace::bin("small.bin", &(1..=9).collect::<Vec<u64>>());
+    let out = sim(&["--trace", small.path().to_str().unwrap(), "--trace-format", "csv", "--capacity", "128"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("line 1: not CSV text"), "{err}");
+}

@@ -44,6 +44,7 @@
 //! exact fully associative LRU hit rate at 1/8× to 8× `--capacity`, with
 //! the mean absolute and worst errors and the cost of `observe` per key.
 
+use std::borrow::Cow;
 use std::collections::{BTreeSet, HashMap};
 use std::fs::File;
 use std::io::{BufRead, BufReader, Chain, Cursor, Read};
@@ -92,7 +93,7 @@ struct Args {
     /// (one decimal key per line, blank lines skipped), `oracle`
     /// (libCacheSim's oracleGeneral: u32 time, u64 id, u32 size, i64
     /// next access; the id is the key), `csv` (the key in column
-    /// --csv-column) or `auto` (oracle for a name containing
+    /// --csv-column; a field may be in double quotes) or `auto` (oracle for a name containing
     /// `oracleGeneral`, csv for a name ending in `.csv`, else text when the
     /// first 4 KiB are printable ASCII and white space, else bin).
     #[arg(long, default_value = "auto")]
@@ -390,18 +391,34 @@ impl Source {
                     if t.is_empty() {
                         continue;
                     }
-                    let Some(field) = t.split(',').nth(*column).map(str::trim) else {
-                        bail!(
-                            "trace {} line {}: {} comma-separated columns; --csv-column {} needs at least {}",
+                    // A binary file read as csv: its first "line" was
+                    // taken as a header and the trace said it held no keys.
+                    let binary = || {
+                        anyhow::anyhow!(
+                            "trace {} line {}: not CSV text (control bytes; a binary trace? use --trace-format bin or oracle)",
+                            path.display(),
+                            *read
+                        )
+                    };
+                    let field = match csv_field(t, *column) {
+                        CsvField::Field(f) => f,
+                        _ if has_control(t) => return Err(binary()),
+                        CsvField::Short(columns) => bail!(
+                            "trace {} line {}: {columns} comma-separated columns; --csv-column {} needs at least {}",
                             path.display(),
                             *read,
-                            t.split(',').count(),
                             *column,
                             *column + 1
-                        );
+                        ),
+                        CsvField::Unclosed => bail!(
+                            "trace {} line {}: a quoted field is not closed on its line (a line break inside quotes is not read)",
+                            path.display(),
+                            *read
+                        ),
                     };
                     let k = match field.parse::<u64>() {
                         Ok(k) => k,
+                        Err(_) if has_control(t) => return Err(binary()),
                         Err(_) if *read == 1 => continue, // a header
                         Err(_) => bail!(
                             "trace {} line {}: column {} ({field:?}) is not a decimal u64 key",
@@ -450,6 +467,58 @@ impl Source {
         }
         Ok(())
     }
+}
+
+/// Column `column` of a CSV line, as [`csv_field`] finds it.
+enum CsvField<'a> {
+    /// The field, out of its quotes and trimmed of white space.
+    Field(Cow<'a, str>),
+    /// The line has only this many columns.
+    Short(usize),
+    /// A quote opened on the line is not closed on it.
+    Unclosed,
+}
+
+/// Field `column` of a CSV line (RFC 4180: a field in double quotes may hold
+/// commas, and `""` in it is one quote). The story: `"1"` was refused as
+/// not a decimal key, and a quoted comma in an earlier column moved the key.
+fn csv_field(line: &str, column: usize) -> CsvField<'_> {
+    if !line.contains('"') {
+        return match line.split(',').nth(column) {
+            Some(f) => CsvField::Field(Cow::Borrowed(f.trim())),
+            None => CsvField::Short(line.split(',').count()),
+        };
+    }
+    let (mut at, mut field, mut quoted) = (0, String::new(), false);
+    let mut chars = line.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' if quoted && chars.peek() == Some(&'"') => {
+                chars.next();
+                field.push('"');
+            }
+            '"' => quoted = !quoted,
+            ',' if !quoted => {
+                if at == column {
+                    return CsvField::Field(Cow::Owned(field.trim().to_string()));
+                }
+                at += 1;
+                field.clear();
+            }
+            c => field.push(c),
+        }
+    }
+    match (quoted, at == column) {
+        (true, _) => CsvField::Unclosed,
+        (false, true) => CsvField::Field(Cow::Owned(field.trim().to_string())),
+        (false, false) => CsvField::Short(at + 1),
+    }
+}
+
+/// Whether a text line holds control characters other than tabs: a binary
+/// file's, not a CSV file's.
+fn has_control(line: &str) -> bool {
+    line.chars().any(|c| c.is_control() && c != '\t')
 }
 
 /// One line of a text or csv trace into `line` (0 at the end); a line
