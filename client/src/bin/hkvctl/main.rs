@@ -117,7 +117,9 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Restore { id } => checkpoint::restore(c, &socket, id)?,
         Cmd::Shutdown => {
             c.shutdown()?;
-            println!("hkvd is draining and will exit");
+            // Answered as the drain begins: the daemon's exit status and
+            // any rows it could not drain are in its log (cli.md).
+            println!("hkvd is draining and will exit (its log says how the drain ended)");
         }
         Cmd::Bench(_) | Cmd::Top { .. } => unreachable!("handled before connecting"),
     }
