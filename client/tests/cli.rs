@@ -123,6 +123,22 @@ fn tables_put_get_erase() {
     ]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("not a load factor in (0, 1]"), "{err}");
+    // Reads refresh means nothing to a custom table (its scores are the
+    // caller's): refused, not accepted without effect.
+    let out = d.hkvctl(&[
+        "create-table",
+        "cr",
+        "--dim",
+        "2",
+        "--capacity",
+        "1024",
+        "--policy",
+        "custom",
+        "--reads-refresh",
+        "true",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("reads_refresh with policy custom"), "{err}");
     // On a table with an optimizer a row is the values and the state: the
     // error says so, with the dim `tables` shows.
     d.run(&["create-table", "opt", "--dim", "2", "--capacity", "4096", "--optimizer", "adam"]);

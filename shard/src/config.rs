@@ -238,6 +238,13 @@ impl TableConfig {
         if self.capacity == 0 {
             return Err(Error::Config("capacity must be at least 1".into()));
         }
+        if self.policy == ScorePolicy::Custom && self.reads_refresh == Some(true) {
+            return Err(Error::Config(
+                "reads_refresh with policy custom: a custom table's scores are the caller's, which a find does not \
+                 change (reads refresh applies to lru, lfu, epoch-lru, epoch-lfu and adaptive)"
+                    .into(),
+            ));
+        }
         if self.max_capacity != 0 && self.max_capacity < self.capacity {
             return Err(Error::Config(format!(
                 "max_capacity {} is below capacity {}",

@@ -194,7 +194,11 @@ impl Router {
         // (`reads_refresh`), instead of a second lookup of every hit
         // (`assign_scores`) after the answer; the CUDA backend has no
         // `reads_refresh` (`crate::backing` refreshes there).
-        if spec.backing.is_some() && spec.reads_refresh.is_none() && self.backend == Backend::Cpu {
+        if spec.backing.is_some()
+            && spec.reads_refresh.is_none()
+            && self.backend == Backend::Cpu
+            && config.policy != hkv_shard::ScorePolicy::Custom
+        {
             config.reads_refresh = Some(true);
         }
         let n = self.actors.len();
