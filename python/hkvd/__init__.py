@@ -769,11 +769,10 @@ class Client:
         ``backing_queue_bytes`` the write-back queue's bound (write-back
         only; None: 64 MiB); ``max_load_factor`` the load past which a
         table with ``max_capacity`` grows (None: 0.5); ``reads_refresh`` whether
-        find hits refresh scores (None: the policy's default, on for
-        "adaptive" only, except that a backed table on the CPU backend gets
-        it on; on the CUDA backend the daemon refreshes a backed table's
-        hits after the answer instead; the answer's ``spec["reads_refresh"]``
-        says what the table got);
+        find hits refresh scores (None: on for "adaptive" and for a backed
+        table that is not "custom", off for the others; True is refused for
+        "custom"; the answer's ``spec["reads_refresh"]`` says what the table
+        got);
         ``optimizer`` (one of ``OPTIMIZERS``) makes each row
         ``dim`` values followed by that optimizer's state (sgd: none,
         adagrad: dim, rowwise_adagrad: 1, adam: 2 × dim columns) for

@@ -617,20 +617,22 @@ def test_summary_counts_each_key_once_and_totals_the_inserted(daemon):
     c.close()
 
 
-def test_reads_refresh_defaults_on_for_a_backed_table_on_the_cpu_backend(daemon, redis_cluster):
+def test_reads_refresh_defaults_on_for_a_backed_table(daemon, redis_cluster):
     """An independent tester's finding: create_table's docstring said
     reads_refresh (None) is on for every backed table on the CPU backend,
-    docs/tables.md and docs/cli.md on for adaptive only. The daemon does
-    what the docstring says (router::build_table: a backed CPU table left to
-    the default refreshes, issue 34); this pins it, as docs/python.md now
-    says too. An explicit False is kept."""
+    docs/tables.md and docs/cli.md on for adaptive only. A backed table
+    left to the default refreshes (issue 34; router::build_table, on both
+    backends), except a custom one, whose scores are the caller's; an
+    explicit False is kept. The docs say so."""
     c = daemon.client()
     seeds = redis_cluster.seeds()
     c.create_table("backed", dim=2, capacity=1024, backing=seeds)
     c.create_table("backed_off", dim=2, capacity=1024, backing=seeds, reads_refresh=False)
+    c.create_table("backed_custom", dim=2, capacity=1024, backing=seeds, policy="custom")
     c.create_table("plain", dim=2, capacity=1024)
     listed = {t["spec"]["name"]: t["spec"]["reads_refresh"] for t in c.tables()}
-    assert listed == {"backed": True, "backed_off": False, "plain": False}, listed
+    want = {"backed": True, "backed_off": False, "backed_custom": False, "plain": False}
+    assert listed == want, listed
     # On: a find hit gets the score a write would (lru: the clock, later).
     c.insert_or_assign("backed", [7], [[1.0, 2.0]])
     first = c.find("backed", [7], scores=True)[2][0]

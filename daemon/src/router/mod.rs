@@ -189,16 +189,11 @@ impl Router {
             crate::features::check(h)?;
         }
         let mut config = hkv_shard::TableConfig { tuning: self.tuning, ..shard_config(&spec, self.actors.len())? };
-        // A backed table's find hits refresh their scores (issue 34). On
-        // the CPU backend the find does it as it reads the row
-        // (`reads_refresh`), instead of a second lookup of every hit
-        // (`assign_scores`) after the answer; the CUDA backend has no
-        // `reads_refresh` (`crate::backing` refreshes there).
-        if spec.backing.is_some()
-            && spec.reads_refresh.is_none()
-            && self.backend == Backend::Cpu
-            && config.policy != hkv_shard::ScorePolicy::Custom
-        {
+        // A backed table's find hits refresh their scores (issue 34): the
+        // find does it as it reads the row (`reads_refresh`, on both
+        // backends), unless the spec says otherwise. A custom table's
+        // scores are the caller's.
+        if spec.backing.is_some() && spec.reads_refresh.is_none() && config.policy != hkv_shard::ScorePolicy::Custom {
             config.reads_refresh = Some(true);
         }
         let n = self.actors.len();
