@@ -455,6 +455,12 @@ impl Cluster {
                 };
                 let values = match r {
                     Err(_) => {
+                        // The node's answer is still coming on the pooled
+                        // connection: a later command sent there would wait
+                        // behind it (a late read of 64 MB of rows held up
+                        // the next request's reads for as long), so the
+                        // next command gets a connection of its own.
+                        self.forget(&node);
                         ix.iter().for_each(|&(i, _)| out[i] = Some(Err(Failure::Late)));
                         continue;
                     }

@@ -1109,3 +1109,53 @@ async fn a_stopped_stream_node_gets_a_write_s_entry_once() {
     assert_eq!(after - before, 1, "one entry for one write:\n{all}");
     assert!(took < Duration::from_millis(900), "the write waits for the stream's node once: {took:?}");
 }
+
+// A tester's cold read of 2000 rows of dim 16384 (128 MB) with a 300 ms
+// deadline took 1.9 s before failing `timeout`. The deadline bounded the
+// wait for answers only: rows that came just in time were then decoded
+// past it (reads of 600 such rows at 100 ms took up to 227 ms, every key
+// found), and a late answer kept coming on the node's pooled
+// connection, so the next read's commands waited behind it and were late
+// too. Now an answer not decoded by the deadline is late, and a node that
+// was late gets a fresh connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_bounds_a_read_of_wide_rows() {
+    const WIDE: usize = 16384;
+    let c = cluster(3, 0);
+    let mut o = Options::new(c.seeds(), Mode::WriteThrough);
+    o.deadline = Duration::from_millis(100);
+    o.response_timeout = Duration::from_secs(5);
+    let b = Backing::open("wide", WIDE, o).await.unwrap();
+    let keys: Vec<u64> = (0..1500u64).collect();
+    let row: Vec<f32> = (0..WIDE).map(|j| j as f32).collect();
+    for chunk in keys.chunks(100) {
+        let v: Vec<f32> = chunk.iter().flat_map(|_| row.iter().copied()).collect();
+        b.write(chunk, &v, &[]).await.unwrap();
+    }
+    let mut worst = Duration::ZERO;
+    for _ in 0..4 {
+        let t = Instant::now();
+        let out = b.read(&keys).await;
+        worst = worst.max(t.elapsed());
+        for (i, f) in out.fetched.iter().enumerate() {
+            assert!(matches!(f, Fetched::Found | Fetched::Late), "key {i}: {f:?}");
+            if *f == Fetched::Found {
+                assert!(same_bits(&out.values[i * WIDE..(i + 1) * WIDE], &row));
+            }
+        }
+        // A read with a deadline too short for its 96 MB: its answers
+        // are still coming when it returns. The next read, of 3 rows,
+        // does not wait behind them.
+        let t = Instant::now();
+        let late = b.read_by(&keys, std::time::Instant::now() + Duration::from_millis(5)).await;
+        worst = worst.max(t.elapsed().saturating_sub(Duration::from_millis(5)) + Duration::from_millis(100));
+        assert!(late.fetched.contains(&Fetched::Late));
+        let t = Instant::now();
+        let small = b.read(&keys[..3]).await;
+        worst = worst.max(t.elapsed());
+        assert_eq!(small.fetched, vec![Fetched::Found; 3], "a small read after a late one");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    eprintln!("the slowest read with a 100 ms deadline took {worst:?}");
+    assert!(worst < Duration::from_millis(140), "a read with a 100 ms deadline took {worst:?}");
+}

@@ -17,7 +17,7 @@ mod order;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use hkv_backing::{Backing, Fetched, Gap, Mode, Options, ReadOut, Scan};
 use hkv_proto::{BackingMode, BackingSpec, ErrorCode, ProtoError, Request, Response, TableSpec, WriteOp};
@@ -492,14 +492,15 @@ impl Tiers {
     /// noted ([`order`]) and begun now, beside the cache's find. Begun
     /// after the request's invalidations were taken, so its rows are no
     /// older than a fetch after the find would read.
-    fn prefetch(&self, name: &str, tier: &Backing, keys: &[u64]) -> Option<Prefetch> {
+    fn prefetch(&self, name: &str, tier: &Backing, keys: &[u64], since: Instant) -> Option<Prefetch> {
         let entry = self.tables.read().get(name).cloned()?;
         if !entry.cold.load(Relaxed) {
             return None;
         }
         let snap = entry.order.lock().snapshot(keys);
         let (b, k) = (tier.clone(), keys.to_vec());
-        let out = self.rt().ok()?.spawn(async move { b.read(&k).await });
+        let deadline = since + b.deadline();
+        let out = self.rt().ok()?.spawn(async move { b.read_by(&k, deadline).await });
         Some(Prefetch { order: entry.order.clone(), snap, out })
     }
 
@@ -507,7 +508,9 @@ impl Tiers {
     /// cluster and the rows found inserted into the cache (under its
     /// admission rules), the cache's hits counted: the misses' indices and
     /// the answer per missed key. Keys not answered (a node down, the
-    /// deadline) fail the request by name: never a made-up row. With
+    /// deadline, counted from `since`: the request's start, so that the
+    /// cache's search and the wait for earlier fills count against it)
+    /// fail the request by name: never a made-up row. With
     /// `late_ok` (a request that asked for per-key origins) keys not
     /// fetched by the deadline are left `Late` for the answer to say so;
     /// a failed node still fails the request.
@@ -537,6 +540,7 @@ impl Tiers {
         held: Option<&Hold>,
         pre: Option<Prefetch>,
         answer: Option<&mut [f32]>,
+        since: Instant,
     ) -> Result<(Vec<usize>, ReadOut), ProtoError> {
         let table = t.spec.name.as_str();
         let miss: Vec<usize> = (0..keys.len()).filter(|&i| found[i] == 0).collect();
@@ -563,10 +567,10 @@ impl Tiers {
                 // Noted before the fetch: a write of these keys that begins
                 // from here on makes the fill drop them ([`order`]).
                 let snap = if held.is_some() { None } else { self.snapshot(table, &mk) };
-                let b = tier.clone();
+                let (b, deadline) = (tier.clone(), since + tier.deadline());
                 let (out, mk) = self
                     .on_rt(async move {
-                        let out = b.read(&mk).await;
+                        let out = b.read_by(&mk, deadline).await;
                         (out, mk)
                     })
                     .await?;
@@ -987,14 +991,15 @@ pub async fn find_to<D: Destination>(
     keys: Vec<u64>,
     dest: D,
 ) -> Result<(D, u64), ProtoError> {
+    let since = Instant::now();
     invalidate(router, tiers, t, Some(&keys)).await?;
-    let pre = tiers.prefetch(&t.spec.name, tier, &keys);
+    let pre = tiers.prefetch(&t.spec.name, tier, &keys, since);
     let (mut dest, _) = router.find_to(t, keys.clone(), dest).await?;
     let (found, rows) = dest.answer();
     let values = rows.into_values();
     let hits = found.to_vec();
     refresh(router, tiers, t, &keys, &hits);
-    let (miss, rows) = tiers.fill(router, t, tier, &keys, &hits, false, None, pre, Some(values)).await?;
+    let (miss, rows) = tiers.fill(router, t, tier, &keys, &hits, false, None, pre, Some(values), since).await?;
     mark_filled(found, &miss, &rows, |_, _| {});
     let count = found.iter().filter(|&&f| f == 1).count() as u64;
     Ok((dest, count))
@@ -1012,12 +1017,14 @@ pub async fn find_with_origins(
     scores: bool,
     origins: bool,
 ) -> Result<(FindAnswer, Option<Vec<u8>>), ProtoError> {
+    let since = Instant::now();
     invalidate(router, tiers, t, Some(&keys)).await?;
     // Scores when asked: the misses' are written into them too.
     let FindAnswer { mut found, mut values, scores: got } = router.find_rows(t, keys.clone(), scores).await?;
     let mut got = got.unwrap_or_default();
     refresh(router, tiers, t, &keys, &found);
-    let (miss, rows) = tiers.fill(router, t, tier, &keys, &found, origins, None, None, Some(&mut values)).await?;
+    let (miss, rows) =
+        tiers.fill(router, t, tier, &keys, &found, origins, None, None, Some(&mut values), since).await?;
     let codes = origins.then(|| origin_codes(&found, &miss, &rows));
     mark_filled(&mut found, &miss, &rows, |j, i| {
         if let Some(s) = got.get_mut(i) {
@@ -1048,9 +1055,10 @@ pub async fn contains_with_origins(
     keys: Vec<u64>,
     origins: bool,
 ) -> Result<(Vec<u8>, Option<Vec<u8>>), ProtoError> {
+    let since = Instant::now();
     invalidate(router, tiers, t, Some(&keys)).await?;
     let mut found = router.contains(t, keys.clone()).await?;
-    let (miss, rows) = tiers.fill(router, t, tier, &keys, &found, origins, None, None, None).await?;
+    let (miss, rows) = tiers.fill(router, t, tier, &keys, &found, origins, None, None, None, since).await?;
     let codes = origins.then(|| origin_codes(&found, &miss, &rows));
     mark_filled(&mut found, &miss, &rows, |_, _| {});
     Ok((found, codes))
@@ -1258,6 +1266,7 @@ async fn rows_now(
     held: Option<&Hold>,
     want_rows: bool,
 ) -> Result<RowsNow, ProtoError> {
+    let since = Instant::now();
     // A custom table's scores are the caller's: a write that builds on a
     // row keeps its score.
     let custom = want_rows && t.config.policy == ScorePolicy::Custom;
@@ -1268,7 +1277,7 @@ async fn rows_now(
         (router.contains(t, keys.to_vec()).await?, Vec::new(), Vec::new())
     };
     let answer = if want_rows { Some(&mut rows[..]) } else { None };
-    let (miss, read) = tiers.fill(router, t, tier, keys, &found, false, held, None, answer).await?;
+    let (miss, read) = tiers.fill(router, t, tier, keys, &found, false, held, None, answer, since).await?;
     let mut exists: Vec<bool> = found.iter().map(|&f| f == 1).collect();
     for (j, &i) in miss.iter().enumerate() {
         let got = read.fetched[j] == Fetched::Found;
