@@ -390,6 +390,7 @@ fn backing_passwords_are_hidden_and_given_back() {
 fn a_summary_counts_each_key_once() {
     let s = Summary { updated: 1, inserted: 2, evicted: 3, rejected: 4, absent: 0 };
     assert_eq!(s.to_string(), "5 inserted (3 of them by evicting another entry), 1 updated, 4 rejected");
+    assert_eq!(s.inserted_total(), 5, "the inserted the line counts");
     let s = Summary { inserted: 2, absent: 7, ..Default::default() };
     assert_eq!(s.to_string(), "2 inserted, 0 updated, 0 rejected, 7 absent");
 }

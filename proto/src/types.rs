@@ -10,9 +10,10 @@ use crate::error::ProtoError;
 pub struct Summary {
     /// Keys that were present.
     pub updated: u64,
-    /// Keys placed in a free slot.
+    /// Keys placed in a free slot (those placed by evicting another entry
+    /// are `evicted`, not here: [`Summary::inserted_total`] counts both).
     pub inserted: u64,
-    /// Keys placed by evicting another entry.
+    /// Keys placed by evicting another entry (inserted too).
     pub evicted: u64,
     /// Keys refused by admission control.
     pub rejected: u64,
@@ -30,12 +31,21 @@ impl std::ops::AddAssign for Summary {
     }
 }
 
+impl Summary {
+    /// Keys the write placed, in a free slot or by evicting another entry:
+    /// the "N inserted" of hkvctl (and the Python client's
+    /// `Summary.inserted_total`).
+    pub fn inserted_total(&self) -> u64 {
+        self.inserted + self.evicted
+    }
+}
+
 impl std::fmt::Display for Summary {
     /// "N inserted (M of them by evicting another entry), N updated, N
     /// rejected", and "N absent" for an update-only op that found some
     /// keys absent: each key counted once.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} inserted", self.inserted + self.evicted)?;
+        write!(f, "{} inserted", self.inserted_total())?;
         if self.evicted > 0 {
             write!(f, " ({} of them by evicting another entry)", self.evicted)?;
         }
