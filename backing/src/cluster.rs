@@ -74,6 +74,25 @@ pub fn parse_seeds(seeds: &[String]) -> Result<Vec<ConnectionInfo>, Error> {
             if !url.starts_with("redis://") {
                 return Err(bad("only redis:// (TCP) seeds name cluster nodes".into()));
             }
+            // The address is what follows the credentials. The URL parser
+            // would take `HOST` alone as port 6379 and keep a query or a
+            // fragment unread: a seed names its node's port, and nothing
+            // else.
+            let addr = url["redis://".len()..].rsplit_once('@').map_or(&url["redis://".len()..], |(_, a)| a);
+            if addr.contains(['?', '#']) {
+                return Err(bad(
+                    "a query (?...) or fragment (#...) names nothing here; write the node's address alone".into(),
+                ));
+            }
+            let hostport = addr.split('/').next().unwrap_or("");
+            let port_given = hostport
+                .rsplit_once(':')
+                .is_some_and(|(h, p)| !h.is_empty() && !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
+            if !port_given {
+                return Err(bad(format!(
+                    "{hostport:?} has no port; name the node's port (HOST:PORT), there is no default"
+                )));
+            }
             let info = url.as_str().into_connection_info().map_err(|e| bad(e.to_string()))?;
             if info.redis_settings().db() != 0 {
                 return Err(bad(format!(

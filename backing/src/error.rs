@@ -72,8 +72,10 @@ pub enum Error {
         detail: String,
     },
     /// The write-back queue stayed full past the writer's wait.
-    #[error("the write-back queue held {queued_bytes} of {limit_bytes} bytes for {waited_ms} ms; the cluster is not keeping up (see the table's backing stats)")]
+    #[error("the write-back queue had no room for {batch_bytes} more bytes of this write beside the {queued_bytes} queued (its bound is {limit_bytes} bytes) within {waited_ms} ms; the cluster is not keeping up (see the table's backing stats)")]
     QueueFull {
+        /// Bytes the write's rows (the part that did not fit) needed.
+        batch_bytes: u64,
         /// Bytes queued when the writer gave up.
         queued_bytes: u64,
         /// The queue's bound.
@@ -82,7 +84,7 @@ pub enum Error {
         waited_ms: u64,
     },
     /// A flush did not empty the queue in time.
-    #[error("flush timed out with {rows} rows still queued; the cluster is not accepting writes ({nodes})")]
+    #[error("flush timed out with {} still queued; the cluster is not accepting them: {nodes}", crate::tier::plural_n(*rows, "row"))]
     FlushTimeout {
         /// Rows left in the queue.
         rows: u64,

@@ -116,6 +116,7 @@ impl Queue {
         let mut done = 0;
         while done < keys.len() {
             let end = (done + per_chunk).min(keys.len());
+            let mut wanted;
             loop {
                 let room = self.room.notified();
                 tokio::pin!(room);
@@ -124,6 +125,7 @@ impl Queue {
                     let mut s = self.state.lock();
                     let new = keys[done..end].iter().filter(|k| !s.pending.contains_key(k)).count() as u64;
                     let need = new * self.entry_bytes;
+                    wanted = need;
                     if s.bytes + need <= self.limit {
                         let now = Instant::now();
                         s.pending.reserve(end - done);
@@ -154,6 +156,7 @@ impl Queue {
                 if tokio::time::timeout_at(deadline, room).await.is_err() {
                     let s = self.state.lock();
                     return Err(Error::QueueFull {
+                        batch_bytes: wanted,
                         queued_bytes: s.bytes,
                         limit_bytes: self.limit,
                         waited_ms: start.elapsed().as_millis() as u64,

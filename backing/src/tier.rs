@@ -49,6 +49,24 @@ impl std::str::FromStr for Mode {
     }
 }
 
+/// The most floats a stored row holds (values and optimizer state): the
+/// daemon's limit on a table's row (`shard`'s `dim` above 65536 is refused).
+pub const MAX_ROW: usize = 65536;
+
+/// `n word`, with an `s` unless `n` is 1.
+pub(crate) fn plural_n(n: u64, word: &str) -> String {
+    format!("{n} {}", plural(n, word))
+}
+
+/// `word`, with an `s` unless `n` is 1.
+pub(crate) fn plural(n: u64, word: &str) -> String {
+    if n == 1 {
+        word.to_string()
+    } else {
+        format!("{word}s")
+    }
+}
+
 /// A tier's options. [`Options::new`] gives the defaults.
 #[derive(Debug, Clone)]
 pub struct Options {
@@ -138,6 +156,16 @@ impl Options {
                 return bad(name, format!("{d:?}: use 1 ms to 60 s"));
             }
         }
+        if self.wait_replicas > 0 && self.mode == Mode::ReadOnly {
+            return bad(
+                "wait_replicas",
+                format!(
+                    "{}: a read-only table writes nothing to the cluster, so no write waits for replicas; leave it out \
+                     (or 0), or use write-through or write-back",
+                    self.wait_replicas
+                ),
+            );
+        }
         if self.wait_replicas > 64 {
             return bad("wait_replicas", format!("{}: use 0 to 64", self.wait_replicas));
         }
@@ -156,8 +184,11 @@ impl Options {
         if self.retries > 16 {
             return bad("retries", format!("{}: use at most 16", self.retries));
         }
-        if !(1..=1 << 32).contains(&dim) {
-            return bad("dim", format!("{dim}: a backed table needs dim 1 to 2^32"));
+        if !(1..=MAX_ROW).contains(&dim) {
+            return bad(
+                "dim",
+                format!("{dim}: a table's rows (values and optimizer state) hold 1 to {MAX_ROW} floats"),
+            );
         }
         Ok(())
     }
@@ -455,7 +486,10 @@ impl Backing {
         if table.is_empty() || table.contains(['{', '}']) {
             return Err(Error::BadOption {
                 name: "table",
-                detail: format!("{table:?}: a backed table's name is non-empty without braces"),
+                detail: format!(
+                    "{table:?}: a table name may not be empty or hold a brace ('{{' or '}}'); the cluster's keys put \
+                     it inside a hash tag"
+                ),
             });
         }
         let net =
@@ -831,16 +865,32 @@ impl Backing {
         let before = self.core.counters.node_errors.lock().clone();
         self.core.queue.drain(timeout).await.map_err(|e| match e {
             Error::FlushTimeout { rows, .. } => {
+                let last = self.core.counters.last_write_error.lock().clone();
+                let mut short = false;
                 let failed: Vec<String> = (self.core.counters.node_errors.lock().iter())
                     .filter_map(|(n, &c)| {
                         let new = c - before.get(n).copied().unwrap_or(0);
-                        (new > 0).then(|| format!("{n}: {new} failed commands"))
+                        let why = last.get(n).map(|d| {
+                            short |= d.starts_with("WAIT");
+                            format!(", the last: {d}")
+                        });
+                        (new > 0)
+                            .then(|| format!("{n}: {new} failed {}{}", plural(new, "command"), why.unwrap_or_default()))
                     })
                     .collect();
                 let nodes = if failed.is_empty() {
-                    "no node failed a command meanwhile: the writes are slower than the timeout".into()
+                    "no node failed a command meanwhile: the writes are slower than the timeout; retry".into()
+                } else if short {
+                    format!(
+                        "{}; the masters took the rows, but fewer of their replicas acknowledged them than the \
+                         table's wait_replicas ({}) asks: attach replicas to every master (redis-cli --cluster \
+                         add-node NEW:PORT ANY:PORT --cluster-slave), or drop-table once they are there and create \
+                         the table again with a lower --backing-wait-replicas",
+                        failed.join(", "),
+                        self.core.options.wait_replicas
+                    )
                 } else {
-                    failed.join(", ")
+                    format!("{}; retry when the nodes accept writes again", failed.join(", "))
                 };
                 Error::FlushTimeout { rows, nodes }
             }
@@ -1020,6 +1070,7 @@ impl Core {
                         Failure::Late => (self.cluster.node_of(self.layout.slot_of_group(g)), "timed out".into()),
                     };
                     self.counters.node_error(&node);
+                    self.counters.last_write_error.lock().insert(node.clone(), detail.clone());
                     if !nodes.contains(&node) {
                         nodes.push(node.clone());
                         errors.push(Error::Unavailable { node, detail });
@@ -1060,7 +1111,8 @@ impl Core {
         for (node, a) in nodes.into_iter().zip(answers) {
             let detail = match a {
                 Ok(redis::Value::Int(got)) if got >= i64::from(want) => continue,
-                Ok(v) => format!("WAIT: {v:?} of {want} replicas acknowledged within {ms} ms"),
+                Ok(redis::Value::Int(got)) => format!("WAIT: {got} of {want} replicas acknowledged within {ms} ms"),
+                Ok(v) => format!("WAIT answered {v:?}, not a count of replicas"),
                 Err(e) => format!("WAIT: {e}"),
             };
             for (t, r) in took.iter().zip(results.iter_mut()) {

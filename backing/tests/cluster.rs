@@ -472,6 +472,22 @@ async fn hostile_options_get_clear_errors() {
     for bad in ["", "http://127.0.0.1:1", "redis://", "127.0.0.1:notaport", "unix:///tmp/x"] {
         assert!(matches!(open(vec![bad.into()]).await, Err(Error::BadUrl { .. })), "{bad:?}");
     }
+    // A seed without a port was sent to 6379 (`no backing seed answered
+    // (127.0.0.1:6379)`), and a query or a fragment was kept unread: each
+    // is refused as a bad URL, before any connection.
+    for bad in [
+        "127.0.0.1",
+        "redis://127.0.0.1",
+        "redis://:pw@127.0.0.1",
+        "redis://127.0.0.1/",
+        "[::1]",
+        "redis://127.0.0.1:1?x=1",
+        "redis://127.0.0.1:1#frag",
+        "127.0.0.1:1?x",
+    ] {
+        let got = open(vec![bad.into()]).await;
+        assert!(matches!(got, Err(Error::BadUrl { .. })), "{bad:?}: {got:?}");
+    }
     let dead = format!("127.0.0.1:{}", dead_port().unwrap());
     match open(vec![dead.clone()]).await {
         Err(e @ Error::Unreachable { .. }) => assert_eq!(e.code(), "backing_unavailable"),
@@ -525,6 +541,11 @@ async fn hostile_options_get_clear_errors() {
         tweak(&mut o);
         assert!(matches!(Backing::open("h2", DIM, o).await, Err(Error::BadOption { .. })));
     }
+    // `wait_replicas` on a read-only table (which writes nothing to the
+    // cluster) was accepted and meant nothing.
+    let mut o = options(&c, Mode::ReadOnly);
+    o.wait_replicas = 3;
+    assert!(matches!(Backing::open("h2", DIM, o).await, Err(Error::BadOption { name: "wait_replicas", .. })));
     assert!(matches!(
         Backing::open("a{b}", DIM, options(&c, Mode::ReadOnly)).await,
         Err(Error::BadOption { name: "table", .. })
