@@ -413,21 +413,8 @@ impl Tiers {
         (e.all_stale.swap(false, Relaxed), keys)
     }
 
-    /// Runs `work`, which touches `keys`, on a task of its own after the
-    /// answer; the table's later requests on any of those keys wait for it.
-    /// A table whose tier is gone (dropped meanwhile) skips the work:
-    /// nothing reads that cache through any more.
-    fn after_answer(&self, name: &str, keys: Vec<u64>, work: impl std::future::Future<Output = ()> + Send + 'static) {
-        let Some(entry) = self.tables.read().get(name).cloned() else { return };
-        let (hold, _) = Order::register(&entry.order, Some(keys), false);
-        tokio::spawn(async move {
-            work.await;
-            drop(hold);
-        });
-    }
-
     /// Waits until the work on the cache registered before now (inserts
-    /// of fills, writes, work after answers) is done, where it touches any
+    /// of fills, writes) is done, where it touches any
     /// of `keys` (all of it for `None`: a request without keys).
     async fn settle(&self, name: &str, keys: Option<&[u64]>) {
         let Some(entry) = self.tables.read().get(name).cloned() else { return };
@@ -841,8 +828,8 @@ pub async fn execute(
 /// Erases the rows other hosts wrote since the last request (the table's
 /// stream), so that this request reads them from the cluster again.
 ///
-/// Rows that earlier reads filled are put in the cache after their answers
-/// (and hits' scores refreshed so): every request first waits for those
+/// Rows that earlier reads filled are put in the cache after their answers:
+/// every request first waits for those
 /// of its `keys` (all of them for `None`) and of the stale keys, so that
 /// it sees them (a key an answered read filled is a hit, not a second
 /// fetch) and no such insert lands after a write or an erase.
@@ -998,7 +985,6 @@ pub async fn find_to<D: Destination>(
     let (found, rows) = dest.answer();
     let values = rows.into_values();
     let hits = found.to_vec();
-    refresh(router, tiers, t, &keys, &hits);
     let (miss, rows) = tiers.fill(router, t, tier, &keys, &hits, false, None, pre, Some(values), since).await?;
     mark_filled(found, &miss, &rows, |_, _| {});
     let count = found.iter().filter(|&&f| f == 1).count() as u64;
@@ -1022,7 +1008,6 @@ pub async fn find_with_origins(
     // Scores when asked: the misses' are written into them too.
     let FindAnswer { mut found, mut values, scores: got } = router.find_rows(t, keys.clone(), scores).await?;
     let mut got = got.unwrap_or_default();
-    refresh(router, tiers, t, &keys, &found);
     let (miss, rows) =
         tiers.fill(router, t, tier, &keys, &found, origins, None, None, Some(&mut values), since).await?;
     let codes = origins.then(|| origin_codes(&found, &miss, &rows));
@@ -1594,30 +1579,6 @@ pub async fn clear(router: &Arc<Router>, tiers: &Tiers, tier: &Backing, t: &Arc<
         }
     }
     router.execute(Request::Clear { table: t.spec.name.clone() }).await.map(drop)
-}
-
-/// On a backed table a find hit refreshes its row's score (lru and lfu
-/// tables; today only writes do elsewhere), so an inference cache keeps its
-/// hot rows. After the answer, on a task of its own (the table's next
-/// request waits for it, as for a fill's insert): the answer's rows do not
-/// depend on it.
-///
-/// A table whose finds refresh scores themselves (`reads_refresh`: every
-/// backed table on the CPU backend, `Router::build_table`) needs none of this.
-fn refresh(router: &Arc<Router>, tiers: &Tiers, t: &Arc<Table>, keys: &[u64], found: &[u8]) {
-    if t.config.policy == ScorePolicy::Custom || t.config.refreshes_reads() {
-        return;
-    }
-    let hits: Vec<u64> = keys.iter().zip(found).filter(|(_, f)| **f == 1).map(|(k, _)| *k).collect();
-    if hits.is_empty() {
-        return;
-    }
-    let (router, t2) = (router.clone(), t.clone());
-    tiers.after_answer(&t.spec.name, hits.clone(), async move {
-        if let Err(e) = router.assign_scores(&t2, hits, None, false).await {
-            tracing::debug!(table = %t2.spec.name, "refreshing the scores of hits: {}", e.message);
-        }
-    });
 }
 
 /// A table's stats as the stats document carries them.
