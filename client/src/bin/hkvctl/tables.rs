@@ -135,12 +135,12 @@ pub fn create(c: &mut Client, a: CreateTable) -> Result<()> {
     let info = c.create_table(spec)?;
     match optimizer {
         Some(o) => println!(
-            "created {name}: dim {dim} with {o} state (rows of {}), capacity {} over {} shards",
+            "created {name}: dim {dim} with {o} state (rows of {}), capacity {} over {}",
             info.row_dim(),
             info.capacity,
-            info.shards
+            shards(info.shards)
         ),
-        None => println!("created {name}: dim {dim}, capacity {} over {} shards", info.capacity, info.shards),
+        None => println!("created {name}: dim {dim}, capacity {} over {}", info.capacity, shards(info.shards)),
     }
     Ok(())
 }
@@ -193,4 +193,9 @@ fn load_factor(s: &str) -> Result<f64, String> {
         Ok(v) if v > 0.0 && v <= 1.0 => Ok(v),
         _ => Err(format!("{s:?} is not a load factor in (0, 1] (e.g. 0.75)")),
     }
+}
+
+/// "1 shard", "2 shards".
+fn shards(n: u32) -> String {
+    format!("{n} shard{}", if n == 1 { "" } else { "s" })
 }
