@@ -56,6 +56,9 @@ const REOPEN_EVERY: Duration = Duration::from_secs(5);
 /// the keys other hosts wrote since its last request.
 struct Entry {
     backing: Backing,
+    /// The write-back queue's bound in bytes (0: not write-back), counted
+    /// against the host's memory at open ([`Tiers::open`]).
+    queue_bound: u64,
     hits: AtomicU64,
     /// Keys of reads the cache missed that the cluster had (filled), had
     /// not (absent), did not answer in time (late) or failed to answer
@@ -258,6 +261,8 @@ impl Tiers {
         // Rows in the cluster are whole stored rows: values and optimizer state.
         let (name, dim, mut o) = (spec.name.clone(), spec.row_dim(), options(b));
         o.row = row_meaning(spec);
+        let queue_bound = if o.mode == Mode::WriteBack { o.queue_bytes } else { 0 };
+        self.check_queue_bound(&spec.name, queue_bound)?;
         let backing = self.on_rt(async move { Backing::open(&name, dim, o).await }).await?.map_err(wire)?;
         let invalid = Arc::new(parking_lot::Mutex::new(Vec::new()));
         let all_stale = Arc::new(AtomicBool::new(false));
@@ -265,6 +270,7 @@ impl Tiers {
             self.rt()?.spawn(consume(spec.name.clone(), backing.clone(), invalid.clone(), all_stale.clone()));
         let entry = Entry {
             backing,
+            queue_bound,
             hits: AtomicU64::new(0),
             filled: AtomicU64::new(0),
             filled_queued: AtomicU64::new(0),
@@ -279,6 +285,33 @@ impl Tiers {
         };
         self.tables.write().insert(spec.name.clone(), Arc::new(entry));
         Ok(())
+    }
+
+    /// Refuses a write-back queue bound that, with the other tables'
+    /// bounds, passes half of the memory this process may use (the host's,
+    /// a cgroup's or the address-space limit, the least): a queue holds
+    /// rows while their cluster is down, and a bound past memory let an
+    /// outage grow the daemon past it (a tester's 64 GiB bound on a
+    /// machine with less was accepted).
+    fn check_queue_bound(&self, table: &str, bound: u64) -> Result<(), ProtoError> {
+        if bound == 0 {
+            return Ok(());
+        }
+        let space = crate::memory::AddressSpace::of_process().limit().unwrap_or(u64::MAX);
+        let limit = crate::budget::host_memory().min(space) / 2;
+        let others: u64 =
+            self.tables.read().iter().filter(|(n, _)| n.as_str() != table).map(|(_, e)| e.queue_bound).sum();
+        if others.saturating_add(bound) <= limit {
+            return Ok(());
+        }
+        Err(ProtoError::new(
+            ErrorCode::ResourceExhausted,
+            format!(
+                "table {table:?}: a write-back queue of up to {bound} bytes, beside the {others} bytes other tables' \
+                 queues may hold, passes {limit} bytes, half of the memory this daemon may use; give a smaller \
+                 queue_bytes (--backing-queue-bytes)"
+            ),
+        ))
     }
 
     /// HOOK(backing) of drop-table (after the table is gone; drop-table

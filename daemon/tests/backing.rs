@@ -55,6 +55,14 @@ fn create_table_opens_the_cluster_or_says_why_not() {
     let mut tiny = backed("a", &cluster.seed_arg(), BackingMode::WriteBack);
     tiny.backing.as_mut().unwrap().queue_bytes = Some(1);
     assert_eq!(refused(&mut c, tiny), Some(ErrorCode::BadRequest));
+    // A queue bound past half the memory the daemon may use (64 GiB, the
+    // option's top; CI has 24 GiB) is refused, naming the sizes: a queue
+    // holds rows while a node is down, and this one could outgrow the host.
+    let mut huge = backed("a", &cluster.seed_arg(), BackingMode::WriteBack);
+    huge.backing.as_mut().unwrap().queue_bytes = Some(64 << 30);
+    let e = c.create_table(huge).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::ResourceExhausted), "{e}");
+    assert!(e.to_string().contains("half of the memory this daemon may use"), "{e}");
     // Nothing refused was created.
     assert!(c.tables().unwrap().is_empty());
 
