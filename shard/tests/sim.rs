@@ -378,3 +378,22 @@ fn csv_reads_quoted_fields_and_refuses_binary() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("line 1: not CSV text"), "{err}");
 }
+
+/// A bad --trace-format is refused before the trace is opened: opening a
+/// FIFO that no one writes blocks, and the refusal came only after it.
+#[test]
+fn a_bad_trace_format_is_refused_before_the_trace_is_opened() {
+    let fifo = std::env::temp_dir().join(format!("hkv-sim-{}-nowriter", std::process::id()));
+    let _ = std::fs::remove_file(&fifo);
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success(), "mkfifo");
+    let child = Command::new(env!("CARGO_BIN_EXE_hkv-sim"))
+        .args(["--trace", fifo.to_str().unwrap(), "--trace-format", "nope"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = output_within_a_minute(child);
+    let _ = std::fs::remove_file(&fifo);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("'nope'") && err.contains("bin, text, oracle, csv, auto"), "{err}");
+}

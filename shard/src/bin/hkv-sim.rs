@@ -96,7 +96,9 @@ struct Args {
     /// --csv-column; a field may be in double quotes) or `auto` (oracle for a name containing
     /// `oracleGeneral`, csv for a name ending in `.csv`, else text when the
     /// first 4 KiB are printable ASCII and white space, else bin).
-    #[arg(long, default_value = "auto")]
+    /// Checked before the trace is opened (a FIFO without a writer blocks
+    /// the open).
+    #[arg(long, default_value = "auto", value_parser = ["bin", "text", "oracle", "csv", "auto"])]
     trace_format: String,
     /// With --trace-format csv: the 0-based column holding the key.
     #[arg(long, default_value_t = 0)]
