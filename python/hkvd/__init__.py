@@ -300,10 +300,10 @@ def _uint(x, bits: int, what: str) -> int:
 
 
 class _ArgumentTypeError(TypeError, ValueError):
-    """A create_table argument of the wrong type: a TypeError, and a
-    ValueError too, which create_table raised for integers and
-    reads_refresh of a wrong type before, so code catching that still
-    does."""
+    """An argument of the wrong type: a TypeError, and a ValueError too,
+    which create_table raised for integers and reads_refresh of a wrong
+    type before, so code catching that still does (the feature methods
+    use it too: numpy's casts raised ValueError for some wrong types)."""
 
 
 def _typed(v, what: str, types: tuple, wants: str, optional: bool = False):
@@ -357,27 +357,128 @@ def _hash_spec(num_buckets: Optional[int], kind: str, key) -> bytes:
         return b"\xff"
     if kind not in _HASH_KINDS:
         raise ValueError(f"hash kind {kind!r} is unknown: use fingerprint64 or strong")
-    k0, k1 = key
+    try:
+        k0, k1 = key
+    except TypeError:
+        raise _ArgumentTypeError(f"key must be a pair (k0, k1) of integers, not {type(key).__name__}") from None
+    except ValueError:
+        raise ValueError(f"key must be a pair (k0, k1) of integers, not {key!r}") from None
     return struct.pack("<BQQQ", _HASH_KINDS[kind], _uint(num_buckets, 64, "num_buckets"), _uint(k0, 64, "key[0]"),
                        _uint(k1, 64, "key[1]"))
 
 
-def _features(features) -> Tuple[List, int]:
-    """Wire parts and count of a feature batch: an int64 array or list of
-    ints; a list of str / bytes; or an Arrow-style ``(bytes, offsets)`` pair."""
-    if isinstance(features, tuple) and len(features) == 2 and isinstance(features[0], (bytes, bytearray, memoryview)):
-        data, offsets = features
-        o = np.ascontiguousarray(np.asarray(offsets), dtype="<u4").reshape(-1)
-        b = np.frombuffer(bytes(data), dtype="u1")
-        return [b"\x01", *_arr(o), *_arr(b)], max(o.size - 1, 0)
-    if isinstance(features, np.ndarray) or (len(features) > 0 and isinstance(features[0], (int, np.integer))):
-        a = np.ascontiguousarray(np.asarray(features), dtype="<i8").reshape(-1)
-        return [b"\x00", *_arr(a)], a.size
-    enc = [f.encode() if isinstance(f, str) else bytes(f) for f in features]
+_BYTES = (bytes, bytearray, memoryview)
+_U32_MAX = 0xFFFF_FFFF
+_I64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def _is_int(v) -> bool:
+    """An integer feature or offset: a Python or numpy int, never a bool
+    (``True`` is no int64 feature: TensorFlow would not hash it as "1")."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _offsets(offsets) -> np.ndarray:
+    """The ``(bytes, offsets)`` pair's offsets as the wire's u32s, checked
+    here: a value outside 0 to 2**32 - 1 would wrap on the wire and pick
+    other bytes, so it is a ValueError naming its index and its value as
+    given."""
+    if isinstance(offsets, np.ndarray) and offsets.dtype.kind in "iu":
+        o = offsets.reshape(-1)
+        wide = o.astype(np.int64 if o.dtype.kind == "i" else np.uint64)
+        bad = np.flatnonzero(wide > np.array(_U32_MAX, wide.dtype))
+        if o.dtype.kind == "i":
+            bad = np.union1d(bad, np.flatnonzero(wide < 0))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"offsets[{i}] = {int(o[i])} is outside 0 to {_U32_MAX} (the wire's u32 offsets)")
+        return np.ascontiguousarray(o, dtype="<u4")
+    if isinstance(offsets, np.ndarray) and offsets.dtype.kind != "O":
+        raise _ArgumentTypeError(f"offsets must be integers, not an array of {offsets.dtype}")
+    try:
+        items = offsets.reshape(-1).tolist() if isinstance(offsets, np.ndarray) else list(offsets)
+    except TypeError:
+        raise _ArgumentTypeError(f"offsets must be a sequence of integers, not {type(offsets).__name__}") from None
+    for i, v in enumerate(items):
+        if not _is_int(v):
+            raise _ArgumentTypeError(f"offsets[{i}] must be an integer, not {type(v).__name__}")
+        if not 0 <= v <= _U32_MAX:
+            raise ValueError(f"offsets[{i}] = {int(v)} is outside 0 to {_U32_MAX} (the wire's u32 offsets)")
+    return np.array(items, dtype="<u4")
+
+
+def _int64_features(items: list) -> Tuple[List, int]:
+    """Python ints as the wire's int64 features (type 0), each checked to
+    be an int64: the daemon hashes the decimal text of a signed 64-bit
+    value, so 2**64 - 1 would be hashed as "-1"."""
+    for i, v in enumerate(items):
+        if not _I64[0] <= v <= _I64[1]:
+            raise ValueError(f"features[{i}] = {int(v)} is not an int64 (-2**63 to 2**63 - 1)")
+    a = np.array([int(v) for v in items], dtype="<i8")
+    return [b"\x00", *_arr(a)], a.size
+
+
+def _string_features(items: list) -> Tuple[List, int]:
+    """str (as UTF-8) and bytes features as the wire's strings (type 1);
+    any other element is a TypeError naming its index (an int there would
+    have been taken as a count of zero bytes)."""
+    enc = []
+    for i, f in enumerate(items):
+        if isinstance(f, str):
+            enc.append(f.encode())
+        elif isinstance(f, _BYTES):
+            enc.append(bytes(f))
+        else:
+            raise _ArgumentTypeError(f"features[{i}] must be a str or bytes like features[0] (string features), "
+                                     f"not {type(f).__name__}")
     o = np.zeros(len(enc) + 1, dtype="<u4")
     np.cumsum([len(e) for e in enc], out=o[1:])
     b = np.frombuffer(b"".join(enc), dtype="u1")
     return [b"\x01", *_arr(o), *_arr(b)], len(enc)
+
+
+def _features(features) -> Tuple[List, int]:
+    """Wire parts and count of a feature batch: an integer array or list of
+    ints, each an int64; a list or numpy array of str / bytes; or an
+    Arrow-style ``(bytes, offsets)`` pair. What the daemon could not hash
+    as documented is refused here, naming the argument: a bare str or
+    bytes, floats, bools, ints outside int64, a mixed list, offsets outside
+    the wire's u32."""
+    if isinstance(features, (str, *_BYTES)):
+        raise _ArgumentTypeError(f"features must be a sequence of features, not a bare {type(features).__name__} "
+                                 "(it would be hashed one character at a time): pass a list, [x] for one feature")
+    if (isinstance(features, tuple) and len(features) == 2 and isinstance(features[0], _BYTES)
+            and not isinstance(features[1], (str, *_BYTES))):
+        data, offsets = features
+        o = _offsets(offsets)
+        b = np.frombuffer(bytes(data), dtype="u1")
+        return [b"\x01", *_arr(o), *_arr(b)], max(o.size - 1, 0)
+    if isinstance(features, np.ndarray) and features.dtype.kind != "O":
+        a = features.reshape(-1)
+        if a.dtype.kind in "US":
+            return _string_features(a.tolist())
+        if a.dtype.kind not in "iu":
+            raise _ArgumentTypeError(f"features must be integers (int64) or strings, not an array of {a.dtype}: "
+                                     "int64 features are hashed as their decimal text, floats and bools have none")
+        if a.dtype.kind == "u" and a.size and a.max() > _I64[1]:
+            i = int(np.flatnonzero(a > np.uint64(_I64[1]))[0])
+            raise ValueError(f"features[{i}] = {int(a[i])} is not an int64 (-2**63 to 2**63 - 1)")
+        a = np.ascontiguousarray(a, dtype="<i8")
+        return [b"\x00", *_arr(a)], a.size
+    try:
+        items = features.reshape(-1).tolist() if isinstance(features, np.ndarray) else list(features)
+    except TypeError:
+        raise _ArgumentTypeError(f"features must be a sequence of features, not {type(features).__name__}") from None
+    if not items or isinstance(items[0], (str, *_BYTES)):
+        return _string_features(items)
+    if not _is_int(items[0]):
+        raise _ArgumentTypeError(f"features[0] must be a str, bytes or int (an int64 feature), "
+                                 f"not {type(items[0]).__name__}")
+    for i, v in enumerate(items):
+        if not _is_int(v):
+            raise _ArgumentTypeError(f"features[{i}] must be an int like features[0] (int64 features), "
+                                     f"not {type(v).__name__}")
+    return _int64_features(items)
 
 
 _str = _region._str  # a table name as the wire carries it (one definition, in region.py)
@@ -915,7 +1016,9 @@ class Client:
         """Keys (uint64) of raw features, as TensorFlow's ``to_hash_bucket_fast``
         (``kind="fingerprint64"``) or ``to_hash_bucket_strong`` (``kind="strong"``,
         ``key=(k0, k1)``) computes them; int64 features are hashed as their
-        decimal text. Without ``num_buckets``, ``table``'s hash setting applies."""
+        decimal text. Without ``num_buckets``, ``table``'s hash setting applies.
+        What cannot be hashed as documented (floats, bools, ints outside
+        int64, a bare str, offsets outside u32) is refused before sending."""
         if num_buckets is None and not table:
             raise ValueError("hash: give num_buckets= (keys in [0, num_buckets)) or table= (a table created "
                              "with num_buckets, whose hash setting applies)")
