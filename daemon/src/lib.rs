@@ -505,13 +505,19 @@ async fn restore_at_start(state: &State, which: hkv_proto::CheckpointId) -> anyh
 /// Starts draining on SIGTERM or SIGINT.
 async fn drain_on_signal(state: Arc<State>) {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+    let (Ok(mut term), Ok(mut int), Ok(mut hup)) =
+        (signal(SignalKind::terminate()), signal(SignalKind::interrupt()), signal(SignalKind::hangup()))
+    else {
         warn!("cannot install signal handlers");
         return;
     };
+    // SIGHUP (the terminal of a foreground daemon closed) drains as SIGTERM
+    // does: its default action killed the daemon at once, with no drain and
+    // no --checkpoint-on-shutdown checkpoint (a tester's finding).
     tokio::select! {
         _ = term.recv() => info!("SIGTERM: draining"),
         _ = int.recv() => info!("SIGINT: draining"),
+        _ = hup.recv() => info!("SIGHUP: draining"),
     }
     let _ = state.shutdown.send(true);
 }

@@ -299,16 +299,44 @@ pub async fn bind_metrics(addr: std::net::SocketAddr) -> anyhow::Result<tokio::n
 }
 
 /// Serves `GET /metrics` on the bound loopback listener until shutdown.
+///
+/// The port is open to every local user, so it holds few descriptors: at
+/// most [`METRICS_CONNECTIONS`] connections at once (one past them is
+/// closed at once), each closed after [`METRICS_SECONDS`] whatever it
+/// sends; and a failed accept (the process out of descriptors) is retried,
+/// never the listener's end. An independent tester held 385 idle
+/// connections to it: the daemon ran out of descriptors (checkpoints
+/// refused `busy`), and the listener died on the first `EMFILE` for good.
 pub async fn http_listener(state: std::sync::Arc<State>, l: tokio::net::TcpListener) -> anyhow::Result<()> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stop = state.shutdown.subscribe();
+    let permits = std::sync::Arc::new(tokio::sync::Semaphore::new(METRICS_CONNECTIONS));
+    let mut last_warned = None::<std::time::Instant>;
     loop {
-        let (mut s, _) = tokio::select! {
-            r = l.accept() => r?,
+        let accepted = tokio::select! {
+            r = l.accept() => r,
             _ = stop.changed() => return Ok(()),
+        };
+        let mut s = match accepted {
+            Ok((s, _)) => s,
+            Err(e) => {
+                if last_warned.is_none_or(|t| t.elapsed() >= std::time::Duration::from_secs(10)) {
+                    tracing::warn!(error = %e, "metrics: accept failed; retrying");
+                    last_warned = Some(std::time::Instant::now());
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            // Too many at once: this one is closed unanswered.
+            continue;
         };
         let st = state.clone();
         tokio::spawn(async move {
+            let _permit = permit;
+            let limit = std::time::Duration::from_secs(METRICS_SECONDS);
+            let _ = tokio::time::timeout(limit, async move {
             let mut buf = [0u8; 1024];
             let n = s.read(&mut buf).await.unwrap_or(0);
             let ok = buf[..n].starts_with(b"GET /metrics");
@@ -326,6 +354,14 @@ pub async fn http_listener(state: std::sync::Arc<State>, l: tokio::net::TcpListe
             );
             let _ = s.write_all(head.as_bytes()).await;
             let _ = s.write_all(body.as_bytes()).await;
+            })
+            .await;
         });
     }
 }
+
+/// Metrics connections served at once ([`http_listener`]).
+pub const METRICS_CONNECTIONS: usize = 16;
+
+/// Seconds a metrics connection may take, from accept to answer.
+pub const METRICS_SECONDS: u64 = 10;

@@ -298,8 +298,16 @@ fn retention_schedule_and_final_checkpoint() {
     let d = d.restart(&["--checkpoint-on-shutdown"]);
     let mut c = d.client();
     c.insert_or_assign("t", &[5000], &[1.0, 2.0], None).unwrap();
-    let d = d.restart(&[]);
+    let mut d = d.restart(&["--checkpoint-on-shutdown"]);
     assert_eq!(d.client().find("t", &[5000]).unwrap().values, [1.0, 2.0]);
+    // SIGHUP (a foreground daemon's terminal closed) drains and takes the
+    // final checkpoint as SIGTERM does; it killed the daemon at once (exit
+    // 129, the row lost: a tester's finding).
+    d.client().insert_or_assign("t", &[5001], &[3.0, 4.0], None).unwrap();
+    d.signal("HUP");
+    assert_eq!(d.wait(Duration::from_secs(60)), 0);
+    let d = d.restart(&[]);
+    assert_eq!(d.client().find("t", &[5001]).unwrap().values, [3.0, 4.0]);
 }
 
 /// Starts hkvd on `dir` with its log (at `level`) going to `dir/log`.

@@ -694,6 +694,23 @@ fn metrics_over_loopback_http() {
     }
     assert!(body.starts_with("HTTP/1.1 200 OK"), "{body}");
     assert!(body.contains("hkvd_capacity{table=\"t\",shard=\"1\"}"));
+    // Any local user may connect: idle connections past the cap are closed
+    // unanswered (a tester held 385 until the daemon ran out of
+    // descriptors), and the listener serves again once they are gone.
+    let get = || {
+        let mut s = std::net::TcpStream::connect(&addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let _ = s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+        let mut b = String::new();
+        let _ = s.read_to_string(&mut b);
+        b
+    };
+    let idle: Vec<_> = (0..40).map(|_| std::net::TcpStream::connect(&addr).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(get(), "", "past the cap a connection is closed unanswered");
+    drop(idle);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(get().starts_with("HTTP/1.1 200 OK"), "the listener serves again");
     // A second daemon on the same metrics address does not start (it
     // logged a warning and served without metrics before).
     let dir = tempfile::tempdir().unwrap();
