@@ -78,7 +78,7 @@ fn backend(config: &Config) -> anyhow::Result<(Backend, Vec<usize>, String)> {
             warn!(devices = ?d, "devices (--devices, or the config file's devices) names CUDA devices; the CPU backend has none and ignores it");
         }
         let n = config.shards.unwrap_or(cores).max(1);
-        (Backend::Cpu, (0..n).collect(), format!("cpu ({n} shards{why})"))
+        (Backend::Cpu, (0..n).collect(), format!("cpu ({n} shard{}{why})", if n == 1 { "" } else { "s" }))
     };
     let gpus = |found: Vec<hkv_shard::cuda::DeviceInfo>| -> anyhow::Result<(Backend, Vec<usize>, String)> {
         let chosen: Vec<hkv_shard::cuda::DeviceInfo> = match &config.devices {

@@ -190,9 +190,14 @@ pub enum Cmd {
 }
 
 /// `--timeout`: seconds, zero or more, a fraction allowed.
+/// Seconds in a year: the longest --timeout.
+const YEAR: f64 = 365.0 * 86400.0;
+
 fn seconds(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
-        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
-        _ => Err(format!("{s:?} is not a number of seconds (0 or more, e.g. 0.5)")),
+        // At most a year: a larger one (1e20) is no Duration, and hkvctl
+        // panicked making it; 0 waits forever.
+        Ok(v) if v.is_finite() && (0.0..=YEAR).contains(&v) => Ok(v),
+        _ => Err(format!("{s:?} is not a number of seconds (0 to {YEAR}, e.g. 0.5; 0 waits forever)")),
     }
 }
