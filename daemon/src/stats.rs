@@ -215,14 +215,19 @@ pub fn prometheus(d: &DaemonStats) -> String {
             }
         }
     }
-    family(&mut o, "ops_total", "counter", "Batches per operation.");
-    family(&mut o, "keys_total", "counter", "Keys per operation.");
-    for t in &d.tables {
-        for (i, s) in t.shards.iter().enumerate() {
-            for (k, op) in d.op_names.iter().enumerate() {
-                let l = format!("{{table=\"{}\",shard=\"{i}\",op=\"{op}\"}}", t.spec.name);
-                let _ = writeln!(o, "hkvd_ops_total{l} {}", s.ops.get(k).unwrap_or(&0));
-                let _ = writeln!(o, "hkvd_keys_total{l} {}", s.keys.get(k).unwrap_or(&0));
+    // Each family's samples together, after its HELP and TYPE (the text
+    // format asks it; the two families' lines alternated before).
+    for (name, help, per_op) in [
+        ("ops_total", "Batches per operation.", (|s| &s.ops) as fn(&ShardStats) -> &Vec<u64>),
+        ("keys_total", "Keys per operation.", |s| &s.keys),
+    ] {
+        family(&mut o, name, "counter", help);
+        for t in &d.tables {
+            for (i, s) in t.shards.iter().enumerate() {
+                for (k, op) in d.op_names.iter().enumerate() {
+                    let l = format!("{{table=\"{}\",shard=\"{i}\",op=\"{op}\"}}", t.spec.name);
+                    let _ = writeln!(o, "hkvd_{name}{l} {}", per_op(s).get(k).unwrap_or(&0));
+                }
             }
         }
     }
@@ -269,18 +274,25 @@ pub fn prometheus(d: &DaemonStats) -> String {
     }
     // HOOK(backing): each backed table's tier.
     crate::backing::prometheus(&mut o, d);
-    family(&mut o, "lock_running", "gauge", "Operations running per lock group.");
-    family(&mut o, "lock_waiting", "gauge", "Operations waiting per lock group.");
-    family(&mut o, "lock_waits_total", "counter", "Acquisitions that waited, per lock group.");
-    for t in &d.tables {
-        for (i, s) in t.shards.iter().enumerate() {
-            for g in Group::ALL {
-                let gi = g as usize;
-                let name = ["reader", "updater", "inserter"][gi];
-                let l = format!("{{table=\"{}\",shard=\"{i}\",group=\"{name}\"}}", t.spec.name);
-                let _ = writeln!(o, "hkvd_lock_running{l} {}", s.lock.running[gi]);
-                let _ = writeln!(o, "hkvd_lock_waiting{l} {}", s.lock.waiting[gi]);
-                let _ = writeln!(o, "hkvd_lock_waits_total{l} {}", s.lock.waits[gi]);
+    for (name, kind, help, per_group) in [
+        (
+            "lock_running",
+            "gauge",
+            "Operations running per lock group.",
+            (|s, g| s.lock.running[g] as u64) as fn(&ShardStats, usize) -> u64,
+        ),
+        ("lock_waiting", "gauge", "Operations waiting per lock group.", |s, g| s.lock.waiting[g] as u64),
+        ("lock_waits_total", "counter", "Acquisitions that waited, per lock group.", |s, g| s.lock.waits[g]),
+    ] {
+        family(&mut o, name, kind, help);
+        for t in &d.tables {
+            for (i, s) in t.shards.iter().enumerate() {
+                for g in Group::ALL {
+                    let gi = g as usize;
+                    let group = ["reader", "updater", "inserter"][gi];
+                    let l = format!("{{table=\"{}\",shard=\"{i}\",group=\"{group}\"}}", t.spec.name);
+                    let _ = writeln!(o, "hkvd_{name}{l} {}", per_group(s, gi));
+                }
             }
         }
     }

@@ -694,6 +694,23 @@ fn metrics_over_loopback_http() {
     }
     assert!(body.starts_with("HTTP/1.1 200 OK"), "{body}");
     assert!(body.contains("hkvd_capacity{table=\"t\",shard=\"1\"}"));
+    // The text format: each family's samples together, after its TYPE
+    // (hkvd_ops_total's and hkvd_keys_total's alternated).
+    let mut done = std::collections::HashSet::new();
+    let mut current = String::new();
+    for line in body.lines().skip_while(|l| !l.is_empty()).skip(1) {
+        let name = match line.strip_prefix("# TYPE ") {
+            Some(t) => t.split(' ').next().unwrap().to_string(),
+            None if line.starts_with('#') || line.is_empty() => continue,
+            None => line.split(['{', ' ']).next().unwrap().to_string(),
+        };
+        if name != current {
+            assert!(done.insert(name.clone()), "{name}'s lines are not together");
+            assert!(line.starts_with("# TYPE"), "{name} sampled before its TYPE");
+            current = name;
+        }
+    }
+    assert!(done.contains("hkvd_keys_total") && done.contains("hkvd_lock_waits_total"), "{done:?}");
     // Any local user may connect: idle connections past the cap are closed
     // unanswered (a tester held 385 until the daemon ran out of
     // descriptors), and the listener serves again once they are gone.
