@@ -72,8 +72,27 @@ async fn answer(
     let need = state.router.peak_bytes(&req);
     if need > 0 {
         let mut c = InFlight::total(state);
-        if !c.add(need, state.config.limits.max_bytes_in_flight) {
+        let limit = state.config.limits.max_bytes_in_flight;
+        if !c.add(need, limit) {
             state.stats.in_flight_refusals.fetch_add(1, Relaxed);
+            if need > limit {
+                // Alone past the limit: retrying never helps (a tester's
+                // trace under a 256 KiB limit was told to retry).
+                let what = if matches!(req, Request::Control(hkv_proto::Control::Trace { .. })) {
+                    "a trace (its sampled keys, their merge and its answer)".to_string()
+                } else {
+                    "this request's answer".to_string()
+                };
+                return Err(ProtoError::new(
+                    ErrorCode::ResourceExhausted,
+                    format!(
+                        "{what} takes up to {need} bytes while it is built, more than limits.max_bytes_in_flight = \
+                         {limit} allows in all: raise --max-bytes-in-flight (limits.max_bytes_in_flight) to at \
+                         least {need}{}",
+                        if what.starts_with("this") { ", or send smaller batches" } else { "" }
+                    ),
+                ));
+            }
             return Err(ProtoError::new(
                 ErrorCode::ResourceExhausted,
                 format!(

@@ -375,3 +375,16 @@ fn an_lfu_tables_curve_is_what_an_lru_table_measures_with_the_same_client() {
     // 82.7-82.8 % beside a measured 81.0 %).
     assert!((one - lru).abs() <= 0.025, "lfu curve {one:.4} at 1x, lru measured {lru:.4}");
 }
+
+/// A trace under a max_bytes_in_flight below what a trace takes is refused
+/// saying what to raise (it said "retry, or send smaller batches", which
+/// never helps: a tester's finding).
+#[test]
+fn a_trace_the_in_flight_limit_cannot_hold_says_what_to_raise() {
+    let d = Daemon::start(&["--max-frame-bytes", "131072", "--max-bytes-in-flight", "262144"]);
+    let mut c = d.client();
+    c.create_table(TableSpec::new("t", 1, 1024)).expect("create");
+    let e = c.trace("t", 1).unwrap_err().to_string();
+    assert!(e.contains("a trace") && e.contains("raise --max-bytes-in-flight"), "{e}");
+    assert!(!e.contains("retry"), "{e}");
+}
