@@ -63,6 +63,13 @@ impl Daemon {
         Command::new(hkvctl_bin()).arg("--socket").arg(&self.socket).args(args).output().unwrap()
     }
 
+    /// Runs hkvctl with `args`, which must fail with `needle` in its error.
+    fn refuses(&self, args: &[&str], needle: &str) {
+        let out = self.hkvctl(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(needle), "hkvctl {args:?}: {err}");
+    }
+
     fn run(&self, args: &[&str]) -> String {
         let out = self.hkvctl(args);
         assert!(out.status.success(), "hkvctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
@@ -105,97 +112,80 @@ fn tables_put_get_erase() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("\"1=1,2,3\""), "{}", String::from_utf8_lossy(&out.stderr));
     // A key given twice is refused before sending (one batch would write
     // it twice, in no set order, and the summary count it twice).
-    let out = d.hkvctl(&["put", "emb", "5=1,1", "6=1,1", "6=3,3"]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("key 6 is given twice"), "{err}");
+    d.refuses(&["put", "emb", "5=1,1", "6=1,1", "6=3,3"], "key 6 is given twice");
     // A load factor JSON cannot carry (nan) is refused, not taken for the default.
-    let out = d.hkvctl(&[
-        "create-table",
-        "lf",
-        "--dim",
-        "2",
-        "--capacity",
-        "1024",
-        "--max-capacity",
-        "4096",
-        "--max-load-factor",
-        "nan",
-    ]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("not a load factor in (0, 1]"), "{err}");
+    d.refuses(
+        &[
+            "create-table",
+            "lf",
+            "--dim",
+            "2",
+            "--capacity",
+            "1024",
+            "--max-capacity",
+            "4096",
+            "--max-load-factor",
+            "nan",
+        ],
+        "not a load factor in (0, 1]",
+    );
     // Reads refresh means nothing to a custom table (its scores are the
     // caller's): refused, not accepted without effect.
-    let out = d.hkvctl(&[
-        "create-table",
-        "cr",
-        "--dim",
-        "2",
-        "--capacity",
-        "1024",
-        "--policy",
-        "custom",
-        "--reads-refresh",
-        "true",
-    ]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("reads_refresh with policy custom"), "{err}");
+    d.refuses(
+        &["create-table", "cr", "--dim", "2", "--capacity", "1024", "--policy", "custom", "--reads-refresh", "true"],
+        "reads_refresh with policy custom",
+    );
     // On a table with an optimizer a row is the values and the state: the
     // error says so, with the dim `tables` shows.
     d.run(&["create-table", "opt", "--dim", "2", "--capacity", "4096", "--optimizer", "adam"]);
-    let out = d.hkvctl(&["put", "opt", "1=1,2"]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("its dim 2 and 4 columns of its optimizer's state"), "{err}");
+    d.refuses(&["put", "opt", "1=1,2"], "its dim 2 and 4 columns of its optimizer's state");
     d.run(&["put", "opt", "1=1,2,0,0,0,0"]);
     // fill gives no scores: a custom-policy table is refused before sending.
     d.run(&["create-table", "cu", "--dim", "2", "--capacity", "4096", "--policy", "custom"]);
-    let out = d.hkvctl(&["fill", "cu", "--count", "2"]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("use put --scores"), "{err}");
+    d.refuses(&["fill", "cu", "--count", "2"], "use put --scores");
     // Keys past the largest key are refused, not skipped with a success line.
     for (start, count) in [("18446744073709551610", "10"), ("18446744073709551614", "3")] {
-        let out = d.hkvctl(&["fill", "opt", "--count", count, "--start", start]);
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success() && err.contains("passes the largest key"), "{start} {count}: {err}");
+        d.refuses(&["fill", "opt", "--count", count, "--start", start], "passes the largest key");
     }
     // The count it suggests leaves out the reserved keys, and then works.
     let out = d.hkvctl(&["fill", "opt", "--count", "10", "--start", "18446744073709551610"]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("at most 2 keys from"), "{out:?}");
     d.run(&["fill", "opt", "--count", "2", "--start", "18446744073709551610"]);
-    let out = d.hkvctl(&["fill", "opt", "--count", "5", "--batch", "0"]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("--batch"), "{err}");
+    d.refuses(&["fill", "opt", "--count", "5", "--batch", "0"], "--batch");
     // The lfu tie rule on another policy is refused, not listed as if followed.
     for policy in ["lru", "epoch-lfu"] {
-        let out = d.hkvctl(&[
+        d.refuses(
+            &[
+                "create-table",
+                "ties",
+                "--dim",
+                "2",
+                "--capacity",
+                "4096",
+                "--policy",
+                policy,
+                "--lfu-ties",
+                "lowest-slot",
+            ],
+            "--lfu-ties is for --policy lfu",
+        );
+    }
+    // A queue bound on a table without a write-back queue is refused before sending.
+    d.refuses(
+        &[
             "create-table",
-            "ties",
+            "q",
             "--dim",
             "2",
             "--capacity",
             "4096",
-            "--policy",
-            policy,
-            "--lfu-ties",
-            "lowest-slot",
-        ]);
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success() && err.contains("--lfu-ties is for --policy lfu"), "{policy}: {err}");
-    }
-    // A queue bound on a table without a write-back queue is refused before sending.
-    let out = d.hkvctl(&[
-        "create-table",
-        "q",
-        "--dim",
-        "2",
-        "--capacity",
-        "4096",
-        "--backing",
-        "127.0.0.1:1",
-        "--backing-queue-bytes",
-        "65536",
-    ]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("this table is read-only"), "{err}");
+            "--backing",
+            "127.0.0.1:1",
+            "--backing-queue-bytes",
+            "65536",
+        ],
+        "this table is read-only",
+    );
     // Every spec field has its option: the growth threshold.
     d.run(&[
         "create-table",
@@ -211,9 +201,10 @@ fn tables_put_get_erase() {
     ]);
     d.run(&["create-table", "lt", "--dim", "2", "--capacity", "4096", "--policy", "lfu", "--lfu-ties", "lowest-slot"]);
     // A growth threshold for a table that does not grow is refused.
-    let out = d.hkvctl(&["create-table", "flat", "--dim", "2", "--capacity", "4096", "--max-load-factor", "0.7"]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("give --max-capacity too"), "{err}");
+    d.refuses(
+        &["create-table", "flat", "--dim", "2", "--capacity", "4096", "--max-load-factor", "0.7"],
+        "give --max-capacity too",
+    );
     let tables = Client::connect(&d.socket).unwrap().tables().unwrap();
     let spec = |n: &str| tables.iter().find(|t| t.spec.name == n).unwrap().spec.clone();
     assert_eq!(spec("grow").max_load_factor, Some(0.75));
