@@ -56,15 +56,16 @@ pub(crate) async fn refuse(mut stream: UnixStream, e: ProtoError, linger: Durati
 }
 
 /// Reads one header; `Ok(None)` is a clean close between frames. Its
-/// first byte may take `idle` (None: forever) while `busy()` is false (a
-/// connection whose requests are still running is not idle); once it has
-/// begun, the rest must come within `stall`. Either wait passed is a
-/// `TimedOut` error: the connection closes, and its slot comes back.
+/// first byte may take `idle` (None: forever), after which the connection
+/// closes if `may_close()` says so (it then gave its slot back; a
+/// connection whose requests are still running is not idle), else it waits
+/// again; once the header has begun, the rest must come within `stall`.
+/// Either wait passed is a `TimedOut` error: the connection closes.
 async fn read_header<R: AsyncReadExt + Unpin>(
     r: &mut R,
     idle: Option<Duration>,
     stall: Duration,
-    busy: impl Fn() -> bool,
+    may_close: impl Fn() -> bool,
 ) -> std::io::Result<Option<[u8; HEADER_LEN]>> {
     let mut h = [0u8; HEADER_LEN];
     let mut got = 0;
@@ -75,7 +76,7 @@ async fn read_header<R: AsyncReadExt + Unpin>(
             // `read` is cancel-safe: a timed-out read took no byte.
             Some(t) => match tokio::time::timeout(t, r.read(&mut h[got..])).await {
                 Ok(n) => n?,
-                Err(_) if got == 0 && busy() => continue,
+                Err(_) if got == 0 && !may_close() => continue,
                 Err(_) => {
                     let what = if got == 0 { "no request came" } else { "a frame header stopped arriving" };
                     return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, what));
@@ -116,8 +117,13 @@ pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
         refuse(stream, e, REFUSE_LINGER).await;
         return;
     }
+    // Set once this connection took itself out of the count to close for
+    // idleness ([`read_header`]'s `may_close`): not counted out twice.
+    let released = std::sync::atomic::AtomicBool::new(false);
     let _open = scopeguard(|| {
-        state.stats.connections.fetch_sub(1, Relaxed);
+        if !released.load(Relaxed) {
+            state.stats.connections.fetch_sub(1, Relaxed);
+        }
     });
     let peer = match stream.peer_cred() {
         Ok(c) => Arc::new(Peer::new(c.uid(), c.gid(), c.pid())),
@@ -138,10 +144,20 @@ pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
     let idle = (limits.idle_seconds > 0).then(|| Duration::from_secs(limits.idle_seconds));
     let sem = Arc::new(Semaphore::new(limits.max_in_flight));
     // Idle means nothing running, while at least half the slots are taken:
-    // a quiet client keeps its connection until others need the slots.
-    let busy = || {
-        sem.available_permits() < limits.max_in_flight
-            || state.stats.connections.load(Relaxed) < limits.max_connections.div_ceil(2)
+    // a quiet client keeps its connection until others need the slots. The
+    // count is taken down in the same step as the check, so that idle
+    // connections timing out together close only until fewer than half
+    // remain (each checked the count at once and all of them closed).
+    let may_close = || {
+        if sem.available_permits() < limits.max_in_flight {
+            return false;
+        }
+        let half = limits.max_connections.div_ceil(2);
+        let claimed = state.stats.connections.fetch_update(Relaxed, Relaxed, |n| (n >= half).then(|| n - 1)).is_ok();
+        if claimed {
+            released.store(true, Relaxed);
+        }
+        claimed
     };
     let mut rd = BufReader::with_capacity(1 << 16, rd);
     let mut stop = state.shutdown.subscribe();
@@ -153,12 +169,12 @@ pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
             // Requests still arriving are answered `shutting_down` until
             // this connection's in-flight requests are done.
             tokio::select! {
-                h = read_header(&mut rd, None, stall, || true) => h,
+                h = read_header(&mut rd, None, stall, || false) => h,
                 _ = sem.acquire_many(limits.max_in_flight as u32) => break,
             }
         } else {
             tokio::select! {
-                h = read_header(&mut rd, idle, stall, busy) => h,
+                h = read_header(&mut rd, idle, stall, may_close) => h,
                 _ = stop.changed() => {
                     draining = true;
                     continue;

@@ -1039,8 +1039,11 @@ fn idle_peers_and_gone_peers_give_their_slots_and_regions_back() {
     half.write_all(&Request::Ping.encode(1)[..7]).unwrap();
     assert!(closed_within(&mut half, Duration::from_secs(4)), "a half-sent header holds its connection");
     std::thread::sleep(Duration::from_secs(3));
+    // Exactly down to 3: idle connections timing out together each took
+    // the count down as they checked it (they all checked it at once and
+    // all closed: a tester's three of three, with max_connections 4).
     let closed = crowd.iter_mut().map(|s| closed_within(s, Duration::from_millis(50))).filter(|&c| c).count();
-    assert!((4..=7).contains(&closed), "{closed} of 7 idle connections closed");
+    assert_eq!(closed, 4, "{closed} of 7 idle connections closed");
     crowd.clear();
 
     // Two clients each register 32 MiB (the whole cap), start an hour's
