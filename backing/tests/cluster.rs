@@ -52,18 +52,25 @@ async fn off_the_stream_node(c: &TestCluster, b: &Backing, table: &str) -> (usiz
     (m, keys)
 }
 
+/// Marks hash slot `slot` (which holds keys) migrating from its master to
+/// the next of a 3-master cluster, and importing there, moving no key.
+/// Returns (source, destination).
+fn start_migration(c: &TestCluster, slot: &str) -> (usize, usize) {
+    let src = (0..3)
+        .find(|&i| c.cli(i, &["cluster", "countkeysinslot", slot]).is_ok_and(|o| o.trim() != "0"))
+        .expect("the slot's master");
+    let dst = (src + 1) % 3;
+    let (sid, did) = (c.node_id(src).unwrap(), c.node_id(dst).unwrap());
+    c.cli(dst, &["cluster", "setslot", slot, "importing", &sid]).unwrap();
+    c.cli(src, &["cluster", "setslot", slot, "migrating", &did]).unwrap();
+    (src, dst)
+}
+
 /// Stalls the migration of table `table`'s stream slot half way (a
 /// 3-master cluster): the slot migrating from its master to the next,
 /// the stream key moved already. Returns (source, destination).
 fn stream_half_migrated(c: &TestCluster, table: &str) -> (usize, usize) {
-    let slot = hkv_backing::layout::slot(table.as_bytes()).to_string();
-    let src = (0..3)
-        .find(|&i| c.cli(i, &["cluster", "countkeysinslot", &slot]).is_ok_and(|o| o.trim() != "0"))
-        .expect("the stream's master");
-    let dst = (src + 1) % 3;
-    let (sid, did) = (c.node_id(src).unwrap(), c.node_id(dst).unwrap());
-    c.cli(dst, &["cluster", "setslot", &slot, "importing", &sid]).unwrap();
-    c.cli(src, &["cluster", "setslot", &slot, "migrating", &did]).unwrap();
+    let (src, dst) = start_migration(c, &hkv_backing::layout::slot(table.as_bytes()).to_string());
     let stream = format!("hkv:{{{table}}}:stream");
     let dst_port = c.ports()[dst].to_string();
     let out = c.cli(src, &["migrate", "127.0.0.1", &dst_port, &stream, "0", "5000"]).unwrap();
@@ -822,13 +829,7 @@ async fn a_group_split_by_a_stalled_migration_is_served() {
     b.write(keys, &rows(keys, 3), &[]).await.unwrap();
     let slot = layout.slot_of_group(g).to_string();
     let ports = c.ports();
-    let src = (0..3)
-        .find(|&i| c.cli(i, &["cluster", "countkeysinslot", &slot]).is_ok_and(|o| o.trim() != "0"))
-        .expect("the slot's master");
-    let dst = (src + 1) % 3;
-    let (sid, did) = (c.node_id(src).unwrap(), c.node_id(dst).unwrap());
-    c.cli(dst, &["cluster", "setslot", &slot, "importing", &sid]).unwrap();
-    c.cli(src, &["cluster", "setslot", &slot, "migrating", &did]).unwrap();
+    let (src, dst) = start_migration(&c, &slot);
     // One of the group's rows moves; the others stay: the migration stalls.
     let client = redis::Client::open(format!("redis://127.0.0.1:{}", ports[src])).unwrap();
     let mut conn = client.get_multiplexed_async_connection().await.unwrap();
@@ -863,7 +864,7 @@ async fn a_group_split_by_a_stalled_migration_is_served() {
     // The migration ends: the rows are where the cluster says.
     migrate(&keys[2..]).query_async::<()>(&mut conn).await.unwrap();
     for i in [dst, src, (dst + 1) % 3] {
-        c.cli(i, &["cluster", "setslot", &slot, "node", &did]).unwrap();
+        c.cli(i, &["cluster", "setslot", &slot, "node", &c.node_id(dst).unwrap()]).unwrap();
     }
     let out = read_all(&b, &all, Duration::from_secs(5)).await;
     assert_eq!(out.fetched, want);

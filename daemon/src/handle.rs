@@ -78,18 +78,18 @@ async fn answer(
             if need > limit {
                 // Alone past the limit: retrying never helps (a tester's
                 // trace under a 256 KiB limit was told to retry).
-                let what = if matches!(req, Request::Control(hkv_proto::Control::Trace { .. })) {
-                    "a trace (its sampled keys, their merge and its answer)".to_string()
-                } else {
-                    "this request's answer".to_string()
+                let (what, or) = match req {
+                    Request::Control(hkv_proto::Control::Trace { .. }) => {
+                        ("a trace (its sampled keys, their merge and its answer)", "")
+                    }
+                    _ => ("this request's answer", ", or send smaller batches"),
                 };
                 return Err(ProtoError::new(
                     ErrorCode::ResourceExhausted,
                     format!(
                         "{what} takes up to {need} bytes while it is built, more than limits.max_bytes_in_flight = \
                          {limit} allows in all: raise --max-bytes-in-flight (limits.max_bytes_in_flight) to at \
-                         least {need}{}",
-                        if what.starts_with("this") { ", or send smaller batches" } else { "" }
+                         least {need}{or}"
                     ),
                 ));
             }

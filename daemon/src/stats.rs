@@ -320,7 +320,6 @@ pub async fn bind_metrics(addr: std::net::SocketAddr) -> anyhow::Result<tokio::n
 /// connections to it: the daemon ran out of descriptors (checkpoints
 /// refused `busy`), and the listener died on the first `EMFILE` for good.
 pub async fn http_listener(state: std::sync::Arc<State>, l: tokio::net::TcpListener) -> anyhow::Result<()> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stop = state.shutdown.subscribe();
     let permits = std::sync::Arc::new(tokio::sync::Semaphore::new(METRICS_CONNECTIONS));
     let mut last_warned = None::<std::time::Instant>;
@@ -348,28 +347,32 @@ pub async fn http_listener(state: std::sync::Arc<State>, l: tokio::net::TcpListe
         tokio::spawn(async move {
             let _permit = permit;
             let limit = std::time::Duration::from_secs(METRICS_SECONDS);
-            let _ = tokio::time::timeout(limit, async move {
-            let mut buf = [0u8; 1024];
-            let n = s.read(&mut buf).await.unwrap_or(0);
-            let ok = buf[..n].starts_with(b"GET /metrics");
-            let (status, body) = if !ok {
-                ("404 Not Found", "try GET /metrics\n".to_string())
-            } else {
-                match collect(&st).await {
-                    Ok(d) => ("200 OK", prometheus(&d)),
-                    Err(e) => ("500 Internal Server Error", format!("{}\n", e.message)),
-                }
-            };
-            let head = format!(
-                "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-                body.len()
-            );
-            let _ = s.write_all(head.as_bytes()).await;
-            let _ = s.write_all(body.as_bytes()).await;
-            })
-            .await;
+            let _ = tokio::time::timeout(limit, answer_metrics(&st, &mut s)).await;
         });
     }
+}
+
+/// Reads one request from `s` and answers it: the metrics for `GET
+/// /metrics`, else 404.
+async fn answer_metrics(st: &State, s: &mut tokio::net::TcpStream) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = [0u8; 1024];
+    let n = s.read(&mut buf).await.unwrap_or(0);
+    let ok = buf[..n].starts_with(b"GET /metrics");
+    let (status, body) = if !ok {
+        ("404 Not Found", "try GET /metrics\n".to_string())
+    } else {
+        match collect(st).await {
+            Ok(d) => ("200 OK", prometheus(&d)),
+            Err(e) => ("500 Internal Server Error", format!("{}\n", e.message)),
+        }
+    };
+    let head = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    let _ = s.write_all(head.as_bytes()).await;
+    let _ = s.write_all(body.as_bytes()).await;
 }
 
 /// Metrics connections served at once ([`http_listener`]).

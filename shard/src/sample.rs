@@ -37,7 +37,7 @@ use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 
 use parking_lot::Mutex;
 
-use crate::mrc::{sample_hash, tag, with_outcome, Kind, Sampler, Samples};
+use crate::mrc::{tag, with_outcome, Kind, Sampler, Samples};
 use crate::SampleDrain;
 
 /// Sampled keys a shard holds between two drains (CPU buffer, CUDA ring):
@@ -135,15 +135,13 @@ impl HostSamples {
         // (a fresh table samples every key until its estimator is full).
         let expect = (keys.len() as f64 * s.rate()) as usize;
         let room = (expect + expect / 8 + 16).min(keys.len());
-        let mut local = Vec::with_capacity(room);
-        // Per kept key, the table's answer (lookups with `hit` only).
-        let mut hits = Vec::with_capacity(if hit.is_some() { room } else { 0 });
+        // The sampled keys, each with the table's answer where `hit` says it
+        // (the batch's tag comes with the lock: its sequence number).
+        let mut local = Samples { keys: Vec::with_capacity(room), tags: Vec::with_capacity(room) };
         for (i, &k) in keys.iter().enumerate() {
             if s.sampled(k) {
-                local.push(k);
-                if let Some(h) = hit {
-                    hits.push(h(i));
-                }
+                local.keys.push(k);
+                local.tags.push(hit.map_or(0, |h| with_outcome(0, h(i))));
             }
         }
         let mut b = self.buf.lock();
@@ -152,46 +150,17 @@ impl HostSamples {
         }
         let t = tag(kind, b.batches);
         b.batches = b.batches.wrapping_add(1);
-        let below_all = |local: &mut Vec<u64>, hits: &mut Vec<bool>, th: u64| {
-            let mut j = 0;
-            for i in 0..local.len() {
-                if sample_hash(local[i], s.seed) < th {
-                    local[j] = local[i];
-                    if !hits.is_empty() {
-                        hits[j] = hits[i];
-                    }
-                    j += 1;
-                }
-            }
-            local.truncate(j);
-            hits.truncate(j.min(hits.len()));
-        };
+        local.tags.iter_mut().for_each(|x| *x |= t);
         if b.threshold < s.threshold {
-            below_all(&mut local, &mut hits, b.threshold);
+            local.retain_below(s.seed, b.threshold);
         }
         while b.samples.len() + local.len() > SAMPLE_BUFFER_KEYS {
             let th = b.threshold.min(s.threshold) / 2;
             b.threshold = th;
-            below_all(&mut local, &mut hits, th);
-            let below = |k: u64| sample_hash(k, s.seed) < th;
-            let Samples { keys, tags } = &mut b.samples;
-            let mut j = 0;
-            for i in 0..keys.len() {
-                if below(keys[i]) {
-                    keys[j] = keys[i];
-                    tags[j] = tags[i];
-                    j += 1;
-                }
-            }
-            keys.truncate(j);
-            tags.truncate(j);
+            local.retain_below(s.seed, th);
+            b.samples.retain_below(s.seed, th);
         }
-        if hit.is_some() {
-            let tags: Vec<u8> = hits.iter().map(|&h| with_outcome(t, h)).collect();
-            b.samples.push_tagged(&local, &tags);
-        } else {
-            b.samples.push_batch(&local, t);
-        }
+        b.samples.push_tagged(&local.keys, &local.tags);
     }
 
     /// Hands over what was sampled since the last drain.
@@ -216,6 +185,7 @@ impl HostSamples {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::mrc::sample_hash;
 
     /// Issue 32: a burst that would overflow the buffer lowers the
     /// buffer's threshold instead of losing keys: nothing is dropped, what

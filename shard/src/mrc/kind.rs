@@ -111,6 +111,21 @@ impl Samples {
         self.tags.resize(self.keys.len(), t);
     }
 
+    /// Keeps the keys whose sampling hash (seed `seed`) is below `threshold`,
+    /// each with its tag, in order.
+    pub fn retain_below(&mut self, seed: u64, threshold: u64) {
+        let mut j = 0;
+        for i in 0..self.keys.len() {
+            if super::sample_hash(self.keys[i], seed) < threshold {
+                self.keys[j] = self.keys[i];
+                self.tags[j] = self.tags[i];
+                j += 1;
+            }
+        }
+        self.keys.truncate(j);
+        self.tags.truncate(j);
+    }
+
     /// Appends `keys`, each with its own tag.
     pub fn push_tagged(&mut self, keys: &[u64], tags: &[u8]) {
         debug_assert_eq!(keys.len(), tags.len());
