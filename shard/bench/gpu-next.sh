@@ -17,6 +17,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 export HKV_KERNEL_CACHE=/tmp/kc
+export HKVD_BIN=$PWD/.gpu/bin/hkvd  # the daemon tests spawn it (no cargo there)
 L=${OUT:-/tmp}/next.txt
 step() { echo "== $*" >> "$L"; timeout 240 "$@" > /tmp/step.txt 2>&1; echo "rc=$? at ${SECONDS}s" >> "$L"; grep -E "^test .*(FAILED|ok)$|test result|panicked|^\| *[01]\.|^\| *λ" /tmp/step.txt | grep -v " ok$" | cut -c1-120 >> "$L"; }
 step .gpu/tests/shard-cuda --ignored --test-threads 1
