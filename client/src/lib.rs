@@ -88,7 +88,10 @@ pub(crate) fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> C
         if matches!(cause.kind(), BrokenPipe | ConnectionReset | UnexpectedEof)
             && !context.starts_with("cannot connect")
         {
-            context = format!("hkvd closed the connection while {context} (did it stop or restart?)");
+            context = format!(
+                "hkvd closed the connection while {context} (did it stop or restart? It also closes a \
+                 connection left idle past its --idle-seconds while many are open)"
+            );
         } else if matches!(cause.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) {
             // A socket timeout (Client::set_timeout) ran out.
             context = format!("hkvd did not answer in time while {context} (is it stopped, or busy?)");

@@ -649,7 +649,9 @@ class Client:
         how = f" ({e.strerror or e})" if e is not None else ""
         self.lost = True
         return ConnectionLost("connection_lost", f"the daemon at {self.path} closed the connection{how}: did it "
-                                                 "stop or restart? Open a new Client once it is back")
+                                                 "stop or restart? (It also closes a connection left idle past "
+                                                 "its --idle-seconds while many are open.) Open a new Client, "
+                                                 "once the daemon is back")
 
     def _recv_exact(self, view: memoryview) -> None:
         got = 0
