@@ -784,6 +784,11 @@ class Client:
                 if rid in self._done:
                     value = self._done.pop(rid)
                     break
+                if rid not in self._pending:
+                    # Its answer was read already (or it was never sent):
+                    # reading on would wait for an answer that never comes.
+                    raise RuntimeError(f"request {rid} of this client has no answer to come: it was read already "
+                                       "or never sent")
                 got, value = self._recv_one()
                 if got == 0 and isinstance(value, HkvdError):
                     # A connection-level error (`busy`, a bad frame): the

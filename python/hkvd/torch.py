@@ -34,6 +34,20 @@ _NAMES = {"cuda-ipc": "CUDA IPC", "shm": "shared memory", "socket": "the socket"
 _SHARING: dict = {}
 
 
+def _readable(t: torch.Tensor) -> bool:
+    """Whether the host may read ``t``'s values without waiting for a
+    device: a tensor on the CPU (a prefetch checks its ids then)."""
+    return not t.is_cuda
+
+
+def _unsigned(ids) -> bool:
+    """Whether the caller gave ids as uint64 (a torch or numpy array): a
+    message then names an id as its uint64 value (2**64 - 1, not -1)."""
+    if isinstance(ids, torch.Tensor):
+        return ids.dtype == getattr(torch, "uint64", None)
+    return np.asarray(ids).dtype == np.uint64
+
+
 def _integer_ids(t: torch.Tensor, what: str = "ids") -> torch.Tensor:
     """``t`` when it holds integers (ids, offsets), else TypeError naming
     ``what``: float ids would be truncated silently (1.5 read as id 1)."""
@@ -806,8 +820,23 @@ class _Sparse(torch.nn.Module):
         (torch's version counter: no device sync), or else equal element
         by element; a change made behind torch's back (through a numpy
         array sharing the memory, or ``.data``) is not noticed: give the
-        forward a new tensor then."""
-        flat = self._flat(ids)
+        forward a new tensor then.
+
+        Ids on the CPU are checked first, as the table checks them: one of
+        the reserved ids (-4 to -1, 2**64 - 4 and up as uint64) raises
+        ``ReservedKey`` now, naming its place, and nothing is sent (ids on
+        a GPU are not read here: the forward that would use the lookup
+        raises the table's refusal, and one no forward uses is dropped)."""
+        src = ids if isinstance(ids, torch.Tensor) else torch.as_tensor(np.asarray(ids))
+        if _readable(src):
+            bad = self._reserved_at(None, _integer_ids(src).reshape(-1).to(torch.int64), _unsigned(ids),
+                                    "the ids given to prefetch()",
+                                    "nothing was looked up: prefetch() takes the ids that the next forward takes "
+                                    "(a Prefetcher's loader gives the ids raw: map them as the forward does, say "
+                                    "Prefetcher(loader, [(module, lambda b: b[0].clamp(min=0))]))")
+            if bad is not None:
+                raise bad
+        flat = self._flat(src)
         if self.dedupe == "table":
             # Sent after this module's next step (so that it reads the
             # step's writes): no patch, no deduplication here.
@@ -883,9 +912,49 @@ class _Sparse(torch.nn.Module):
         with self._remade_named():
             self.cache.settle()
 
-    def _drop(self, p: _Prefetched) -> None:
-        p.cache._recv(p.token, None)
-        self._spare.append(p.cache)
+    def _drop(self, p: _Prefetched) -> bool:
+        """Reads and discards the answer of ``p``, a lookup sent ahead that
+        no forward uses (its cache goes back to the spares). Its token is
+        spent first, whatever the answer: a lookup read twice waited for an
+        answer that never comes (a tester's refused prefetch stayed in the
+        pending list, and the next step hung reading it again). A refusal
+        is dropped with it: the daemon changed nothing, and the forwards
+        that follow send their own lookups, which say what is wrong; only
+        a lost connection is raised, and a table made again is kept for
+        every later forward to raise (the daemon says it once). Returns
+        whether the lookup was answered with rows (a refused one is not
+        worth sending again)."""
+        token, p.token = p.token, None
+        try:
+            if token is not None:
+                p.cache._recv(token, None)
+        except ConnectionLost:
+            raise
+        except UnknownTable as e:
+            self._made_again(e)
+            return False
+        except HkvdError:
+            return False
+        finally:
+            self._spare.append(p.cache)
+        return token is not None
+
+    def _take(self, p: _Prefetched, rows: torch.Tensor) -> None:
+        """The rows of ``p``, a lookup sent ahead that this forward uses,
+        into ``rows`` (its cache goes back to the spares); its error, if the
+        daemon refused it, is raised as the prefetch's."""
+        token, p.token = p.token, None
+        try:
+            p.cache._recv(token, rows)
+        except ConnectionLost:
+            raise
+        except HkvdError as e:
+            err = type(e)(e.code, f"the lookup that prefetch() sent ahead for these ids was refused: {e.message}")
+            err.prefetched = True
+            raise err from e
+        finally:
+            self._spare.append(p.cache)
+        self.prefetch_hits += 1
 
     def _lookup(self, flat: torch.Tensor):
         """(uniq, inv, rows) of flat ids: a matching prefetch's rows
@@ -898,10 +967,11 @@ class _Sparse(torch.nn.Module):
         # a batch too large to prefetch comes between).
         at = next((i for i, p in enumerate(self._pending) if p.matches(flat)), None)
         if at is not None:
-            for p in self._pending[:at]:
-                self._drop(p)
-            hit = self._pending[at]
+            # Out of the list before any answer is read: each is read once.
+            before, hit = self._pending[:at], self._pending[at]
             del self._pending[:at + 1]
+            for p in before:
+                self._drop(p)
         if hit is None:
             uniq, inv = torch.unique(flat, return_inverse=True)
             self._keep_patches()  # the lookup writes the buffers the patches read
@@ -909,9 +979,7 @@ class _Sparse(torch.nn.Module):
         else:
             uniq, inv = hit.uniq, hit.inv
             rows = torch.empty((uniq.numel(), self.dim), dtype=torch.float32, device=self.device)
-            hit.cache._recv(hit.token, rows)
-            self._spare.append(hit.cache)
-            self.prefetch_hits += 1
+            self._take(hit, rows)
             for upd_uniq, found, values, _ in hit.patches:
                 n = _patch(rows, uniq, upd_uniq, found, values)
                 if n is not None:
@@ -941,23 +1009,22 @@ class _Sparse(torch.nn.Module):
         send again after itself."""
         dropped = []
         for m in self._members():
-            for p in m._pos_pending:
+            pending, m._pos_pending = m._pos_pending, []
+            for p in pending:
                 if self._drop_of(m, p):
                     dropped.append((m, p))
-            m._pos_pending = []
         return dropped
 
     def _drop_of(self, m: "_Sparse", p: _Prefetched) -> bool:
-        """Drops module ``m``'s lookup ``p``; False when ``m`` is on another
-        client whose connection turned out lost here (it then leaves the
-        table's modules: :meth:`_members`)."""
+        """Drops module ``m``'s lookup ``p``; False when the daemon refused
+        it, or when ``m`` is on another client whose connection turned out
+        lost here (it then leaves the table's modules: :meth:`_members`)."""
         try:
-            m._drop(p)
+            return m._drop(p)
         except ConnectionLost:
             if m.client is self.client:
                 raise
             return False
-        return True
 
     def _positions(self, flat: torch.Tensor) -> torch.Tensor:
         """dedupe "table": the ``(n, dim)`` rows of ``flat``'s positions, from
@@ -968,13 +1035,11 @@ class _Sparse(torch.nn.Module):
         rows = torch.empty((flat.numel(), self.dim), dtype=torch.float32, device=self.device)
         at = next((i for i, p in enumerate(self._pos_pending) if p.matches(flat)), None)
         if at is not None:
-            for p in self._pos_pending[:at]:
-                self._drop(p)
-            hit = self._pos_pending[at]
+            before, hit = self._pos_pending[:at], self._pos_pending[at]
             del self._pos_pending[:at + 1]
-            hit.cache._recv(hit.token, rows)
-            self._spare.append(hit.cache)
-            self.prefetch_hits += 1
+            for p in before:
+                self._drop(p)
+            self._take(hit, rows)
         else:
             self._keep_patches()  # the lookup writes the buffers the patches read
             c = self.cache
@@ -989,13 +1054,7 @@ class _Sparse(torch.nn.Module):
         step (its request first reads the step's answer, and its stream
         waits for the step's writes)."""
         t0 = time.perf_counter()
-        again, hyper = self._begin_step()
-        # Prefetches of the other deduplication can be patched by none of
-        # this step's values: their forwards look up again.
-        for m in self._members():
-            for p in m._pending:
-                self._drop_of(m, p)
-            m._pending = []
+        again, hyper = self._begin_step(drop_pending=True)
         c = self.cache
         g = grads.detach().to(device=self.device, dtype=torch.float32)
 
@@ -1005,20 +1064,29 @@ class _Sparse(torch.nn.Module):
         self._step_then_lookups(again, step, ordered=True)
         self.timings["apply"] += time.perf_counter() - t0
 
-    def _begin_step(self):
+    def _begin_step(self, drop_pending: bool = False):
         """What a step of either deduplication begins with: the steps in
         flight of this table's modules answered (their writes come first;
         steps sent by modules on other connections run in backward order),
-        the step counted, the lookups that modules of this table sent ahead
-        with dedupe "table" dropped (this step makes them stale and answers
-        no rows to patch them). Returns those lookups that are to be sent
-        again after the step (of modules on this module's device and
+        the lookups that modules of this table sent ahead with dedupe
+        "table" dropped (this step makes them stale and answers no rows to
+        patch them), with ``drop_pending`` those of dedupe "module" too (a
+        step of dedupe "table" answers no rows to patch them either: their
+        forwards look up again), then the step counted: whatever raises
+        before leaves it uncounted (:meth:`_step_sent` uncounts one that
+        raises after). Returns the lookups of dedupe "table" that are to be
+        sent again after the step (of modules on this module's device and
         transport; the others' forwards look up) and the step's
         hyperparameters."""
         self._settle_sharing()
-        self.step += 1
         again = [(m, p) for m, p in self._drop_table_lookups()
                  if m.device == self.device and m.cache.transport == self.cache.transport]
+        if drop_pending:
+            for m in self._members():
+                pending, m._pending = m._pending, []
+                for p in pending:
+                    self._drop_of(m, p)
+        self.step += 1
         hyper = dict(lr=self.lr, eps=self.eps, beta1=self.betas[0], beta2=self.betas[1],
                      weight_decay=self.weight_decay, step=self.step)
         self._keep_patches()  # the step writes the buffers the patches read
@@ -1055,8 +1123,13 @@ class _Sparse(torch.nn.Module):
                 behind = after and m.client is self.client
                 if m.client is not self.client:
                     c.settle()  # the step answered (on cuda-ipc: the stream follows its writes)
-                init = None if behind else m._init_rows(p.ids)
+                if not behind:
+                    # The step's answer read here, outside the lookup's
+                    # try below: the step's refusal is the backward's
+                    # error, not the lookup's.
+                    m.client.settle()
                 try:
+                    init = None if behind else m._init_rows(p.ids)
                     p.token = p.cache._send(region.OP_FIND_OR_INSERT, p.ids, init, done_event=False,
                                             after=c._done if behind else None)
                 except ConnectionLost:
@@ -1064,6 +1137,15 @@ class _Sparse(torch.nn.Module):
                     # done (:meth:`_members`), this step stands.
                     if m.client is self.client:
                         raise
+                    m._spare.append(p.cache)
+                    sent += 1
+                    continue
+                except (HkvdError, ValueError, TypeError):
+                    # A lookup that cannot go out (its init refused, the
+                    # table gone) is not prefetched: the step was sent and
+                    # stands, and the forward that looks the ids up says
+                    # what is wrong.
+                    m._spare.append(p.cache)
                     sent += 1
                     continue
                 m._pos_pending.append(p)
@@ -1137,7 +1219,7 @@ class _Sparse(torch.nn.Module):
             except UnknownTable as e:
                 raise self._made_again(e) from e
             except ReservedKey as e:
-                raise self._reserved_at(e, flat) from e
+                raise self._reserved_at(e, flat, _unsigned(ids)) from e
             return _Positions.apply(self._anchor, rows, flat, self)
         try:
             uniq, inv, rows = self._lookup(flat)
@@ -1146,7 +1228,7 @@ class _Sparse(torch.nn.Module):
         except UnknownTable as e:
             raise self._made_again(e) from e
         except ReservedKey as e:
-            raise self._reserved_at(e, flat) from e
+            raise self._reserved_at(e, flat, _unsigned(ids)) from e
         return _Gather.apply(self._anchor, rows, inv, uniq, self)
 
     @contextlib.contextmanager
@@ -1192,18 +1274,26 @@ class _Sparse(torch.nn.Module):
         return self._remade
 
     @staticmethod
-    def _reserved_at(e: "ReservedKey", flat: torch.Tensor) -> "ReservedKey":
-        """``e`` naming the first reserved id's place in the forward's ids
-        (flattened), not in the distinct ids the daemon was sent: the
-        reserved keys, 0xfffffffffffffffc and up, are -4 to -1 as int64."""
+    def _reserved_at(e: Optional["ReservedKey"], flat: torch.Tensor, unsigned: bool, where: str = "the ids",
+                     then: str = "nothing was looked up") -> Optional["ReservedKey"]:
+        """``e`` (None: the ids are checked here, before sending) naming
+        the first reserved id's place in ``where`` (flattened), not in the
+        distinct ids the daemon was sent: the reserved keys,
+        0xfffffffffffffffc and up, are -4 to -1 as int64, and are named as
+        the caller gave them (``unsigned``: uint64 ids, 2**64 - 1 and not
+        -1). None when ``flat`` holds none."""
         at = ((flat >= -4) & (flat < 0)).nonzero()
         if at.numel() == 0:
             return e
         i = int(at[0, 0])
         sid = int(flat[i])
-        return ReservedKey(e.code, f"id {sid} ({sid + (1 << 64):#x}) at index {i} of the ids (flattened) is "
-                                   f"reserved: ids -4 to -1 (0xfffffffffffffffc and up) mark empty slots in the "
-                                   f"table; nothing was looked up")
+        uid = sid + (1 << 64)
+        shown, span = (f"{uid}", f"{(1 << 64) - 4} and up") if unsigned else (f"{sid}", "-4 to -1")
+        if getattr(e, "prefetched", False):
+            then += " (the lookup that prefetch() sent ahead for these ids was refused)"
+        return ReservedKey(getattr(e, "code", "reserved_key"),
+                           f"id {shown} ({uid:#x}) at index {i} of {where} (flattened) is reserved: ids {span} "
+                           f"(0xfffffffffffffffc and up) mark empty slots in the table; {then}")
 
     def get_extra_state(self) -> dict:
         """What ``state_dict()`` keeps of the module: the optimizer's step

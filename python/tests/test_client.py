@@ -638,3 +638,26 @@ def test_reads_refresh_defaults_on_for_a_backed_table(daemon, redis_cluster):
     first = c.find("backed", [7], scores=True)[2][0]
     assert c.find("backed", [7], scores=True)[2][0] > first
     c.close()
+
+
+def test_an_answer_read_twice_raises_instead_of_waiting(daemon):
+    """hkvd.torch read a refused prefetch's answer a second time (its
+    lookup stayed pending after the first read raised), and result()
+    waited for an answer that never comes: the training loop hung. A
+    request id whose answer was read already, or that was never sent,
+    now raises at once."""
+    c = hkvd.Client(daemon.socket, timeout=10)
+    c.create_table("twice", dim=2, capacity=64)
+    rid = c.send_find("twice", [1, 2])
+    assert c.result(rid)[1].tolist() == [False, False]
+    with pytest.raises(RuntimeError, match="no answer to come"):
+        c.result(rid)
+    with pytest.raises(RuntimeError, match="no answer to come"):
+        c.result(rid + 1000)
+    bad = c.send_find("twice", [2**64 - 1])
+    with pytest.raises(hkvd.ReservedKey):
+        c.result(bad)
+    with pytest.raises(RuntimeError, match="no answer to come"):
+        c.result(bad)
+    assert c.find("twice", [1])[1].tolist() == [False]  # the connection is in step
+    c.close()

@@ -1285,3 +1285,157 @@ def test_an_embedding_cache_of_a_table_made_again_keeps_refusing(daemon, transpo
     assert EmbeddingCache(c, "ec", device="cpu", transport=transport, verbose=False).dim == 16
     c.close()
     c2.close()
+
+
+def _found_rows(c, table, keys):
+    """The values of ``keys`` (found ones) and their found flags."""
+    values, found = c.find(table, keys)
+    return values[:, :c.value_dim(table)], found
+
+
+@pytest.mark.parametrize("transport", ["shm", "socket"])
+def test_a_refused_prefetch_neither_hangs_nor_takes_a_step(daemon, monkeypatch, transport):
+    """An independent tester prefetched [-1] (dedupe "table"), then stepped
+    and looked up other ids: the forward dropped the refused lookup, whose
+    error escaped from the next backward (naming the index among the
+    prefetched ids), which lost its step while module.step counted it,
+    and left the lookup in the pending list, so the backward after it
+    read its spent answer again and blocked forever. Now prefetch()
+    refuses reserved ids on the CPU at once, and a lookup that the daemon
+    refuses (ids on a GPU are not read by prefetch(): simulated here) is
+    dropped once, unused, or fails the forward that uses it; every step
+    is applied and counted. The client times out, so a hang fails."""
+    from hkvd.torch import Embedding
+
+    c = hkvd.Client(daemon.socket, timeout=10)
+    c.create_table("hang", dim=4, capacity=1024, optimizer="sgd")
+    e = Embedding(c, "hang", lr=1.0, transport=transport, verbose=False)
+    e(torch.tensor([1])).sum().backward()
+    with pytest.raises(hkvd.ReservedKey, match="index 1 of the ids given to prefetch"):
+        e.prefetch(torch.tensor([3, -1]))
+    monkeypatch.setattr(hkvd.torch, "_readable", lambda t: False)  # as ids on a GPU
+    e.prefetch(torch.tensor([-1]))
+    e(torch.tensor([1])).sum().backward()  # sends the lookup of [-1] behind the step
+    e(torch.tensor([2])).sum().backward()  # drops it unused
+    e(torch.tensor([7])).sum().backward()
+    e.flush()
+    assert e.step == 4
+    values, found = _found_rows(c, "hang", [1, 2, 7])
+    assert found.all() and values[:, 0].tolist() == [-2.0, -1.0, -1.0]
+    # A refused lookup that the forward uses fails that forward, naming
+    # the id's place in its ids; no step is counted, the module goes on.
+    e.prefetch(torch.tensor([5, -1]))
+    e(torch.tensor([1])).sum().backward()
+    with pytest.raises(hkvd.ReservedKey, match="at index 1 of the ids .* prefetch"):
+        e(torch.tensor([5, -1]))
+    e(torch.tensor([5])).sum().backward()
+    e.flush()
+    assert e.step == 6
+    values, found = _found_rows(c, "hang", [1, 5])
+    assert found.all() and values[:, 0].tolist() == [-3.0, -1.0]
+    # A refused step with a lookup to send behind it is still the
+    # backward's (or the flush's) error, and is not counted.
+    e.lr = float("nan")
+    e.prefetch(torch.tensor([5]))
+    with pytest.raises(hkvd.BadRequest, match="lr"):
+        e(torch.tensor([1])).sum().backward()
+        e.flush()
+    assert e.step == 6
+    e.lr = 1.0
+    e(torch.tensor([5])).sum().backward()
+    e.flush()
+    assert e.step == 7 and _found_rows(c, "hang", [1, 5])[0][:, 0].tolist() == [-3.0, -2.0]
+    c.close()
+
+
+@pytest.mark.parametrize("dedupe", ["table", "module"])
+@pytest.mark.parametrize("transport", ["shm", "socket"])
+def test_a_dropped_prefetchs_refusal_leaves_the_module_in_step(daemon, monkeypatch, transport, dedupe):
+    """Whatever error the daemon answers to a prefetched lookup that no
+    forward uses, its answer is read once and the module's pending
+    lookups stay in step with the connection: here an unknown table
+    (dropped behind the module, then made again by the module's own
+    client, so that the daemon does not call it made again) refuses the
+    prefetch, and the steps after it are applied and counted."""
+    from hkvd.torch import Embedding
+
+    c = hkvd.Client(daemon.socket, timeout=10)
+    c.create_table("gone", dim=2, capacity=1024, optimizer="sgd")
+    e = Embedding(c, "gone", lr=1.0, transport=transport, verbose=False, dedupe=dedupe)
+    e(torch.tensor([1])).sum().backward()
+    e.flush()
+    sent = []
+    real = e.cache.__class__._send
+
+    def send_to_nowhere(self, op, keys, rows, *a, **kw):
+        # The prefetched lookups (on the module's spare caches) go to a
+        # table that does not exist: the daemon refuses them.
+        if self is not e.cache and op == hkvd.region.OP_FIND_OR_INSERT:
+            sent.append(self.table)
+            c.dim("gone")
+            c._dims["nowhere"] = c._dims["gone"]  # else the client refuses it unsent
+            c._specs["nowhere"] = c._specs["gone"]
+            self.table = "nowhere"
+            try:
+                return real(self, op, keys, rows, *a, **kw)
+            finally:
+                self.table = "gone"
+        return real(self, op, keys, rows, *a, **kw)
+
+    monkeypatch.setattr(e.cache.__class__, "_send", send_to_nowhere)
+    for ids in ([4], [5], [6]):
+        e.prefetch(torch.tensor([9]))  # never used
+        e(torch.tensor(ids)).sum().backward()
+    e(torch.tensor([1])).sum().backward()
+    e.flush()
+    assert sent, "the prefetches were sent"
+    assert e.step == 5 and e.prefetch_hits == 0
+    values, found = _found_rows(c, "gone", [1, 4, 5, 6])
+    assert found.all() and values[:, 0].tolist() == [-2.0, -1.0, -1.0, -1.0]
+    c.close()
+
+
+@pytest.mark.parametrize("dedupe", ["table", "module"])
+@pytest.mark.parametrize("transport", ["shm", "socket"])
+def test_a_prefetcher_over_padded_batches(daemon, transport, dedupe):
+    """A tester's loader padded batches with -1 and the forward clamped
+    them; Prefetcher prefetched the raw ids. With dedupe "table" the
+    refused lookup later cost a step and hung the loop; with "module" the
+    refusal came out of the loop after a step. Now the first prefetch
+    refuses at once (nothing looked up, no step); given the ids the
+    forward takes, the loop trains exactly as one without prefetching."""
+    from hkvd.torch import Embedding, Prefetcher
+
+    c = hkvd.Client(daemon.socket, timeout=10)
+    batches = [(torch.tensor([[1, 2], [3, -1]]) + k, torch.ones(2)) for k in range(4)]
+    init = lambda i: (i.float()[:, None] / 7).expand(-1, 4).contiguous()  # noqa: E731
+    for name in ("pad_raw", "pad_fetch", "pad_plain"):
+        c.create_table(name, dim=4, capacity=1024, optimizer="adagrad")
+    mods = {n: Embedding(c, n, lr=0.1, init=init, transport=transport, verbose=False, dedupe=dedupe)
+            for n in ("pad_raw", "pad_fetch", "pad_plain")}
+
+    def train(e, loader):
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(8, 1)
+        for ids, y in loader:
+            lin(e(ids.clamp(min=0)).flatten(1)).sum().backward()
+        e.flush()
+
+    raw = mods["pad_raw"]
+    with pytest.raises(hkvd.ReservedKey, match="index 3 of the ids given to prefetch"):
+        train(raw, Prefetcher(batches, raw))
+    assert raw.step == 0
+    assert not _found_rows(c, "pad_raw", np.arange(8))[1].any(), "nothing was looked up"
+    train(raw, batches)  # the module goes on
+    assert raw.step == 4
+    fetch = mods["pad_fetch"]
+    train(fetch, Prefetcher(batches, [(fetch, lambda b: b[0].clamp(min=0))]))
+    train(mods["pad_plain"], batches)
+    assert fetch.step == mods["pad_plain"].step == 4
+    assert fetch.prefetch_hits == (3 if dedupe == "table" else 4)  # "table": the first step is not prefetched
+    keys = np.arange(8)
+    a, fa = _found_rows(c, "pad_fetch", keys)
+    b, fb = _found_rows(c, "pad_plain", keys)
+    assert fa.tolist() == fb.tolist() and fa[:7].all()
+    assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    c.close()
