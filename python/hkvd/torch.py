@@ -93,7 +93,9 @@ class EmbeddingCache:
 
     On a table created with an ``optimizer``, ``dim`` is the table's value
     dim (``spec.dim``): lookups return the values only, rows are inserted
-    with zero optimizer state, ``write_back`` resets the state to zero, and
+    with zero optimizer state, ``write_back`` refuses to reset the state
+    to zero unless given ``reset_state=True`` (an optimizer without state,
+    sgd, has none to lose), and
     :meth:`optimizer_step` runs the table's optimizer (apply_gradients).
     ``row_dim`` is the stored row's width (values and state), which the
     buffers hold.
@@ -563,9 +565,20 @@ class EmbeddingCache:
                                         None if found is None else found[s:e], wait=wait or e < n)
         return (missing, found, out) if values else missing
 
-    def write_back(self, ids, rows: torch.Tensor) -> None:
-        """Stores ``rows`` for ``ids`` (insert_or_assign; an optimizer's
-        state columns are stored as zeros)."""
+    def write_back(self, ids, rows: torch.Tensor, *, reset_state: bool = False) -> None:
+        """Stores ``rows`` for ``ids`` (insert_or_assign). A row is stored
+        whole, so on a table whose optimizer keeps state (adagrad,
+        rowwise_adagrad, adam) the ids' state would be replaced with zeros:
+        that is refused (ValueError) unless ``reset_state`` is True. Train
+        such rows with :meth:`optimizer_step` (or the modules), or store
+        values and state together with ``client.insert_or_assign`` rows of
+        ``row_dim`` floats."""
+        if self.row_dim > self.dim and not reset_state:
+            raise ValueError(f"table {self.table!r} keeps {self.optimizer} state beside each row's values, and "
+                             f"write_back stores whole rows: it would reset the state of these ids to zeros. Pass "
+                             f"reset_state=True to do that; to train the rows use optimizer_step (or "
+                             f"hkvd.torch.Embedding); to set values and state, client.insert_or_assign rows of "
+                             f"{self.row_dim} floats (values, then state)")
         flat = self._ids(ids).to(self.device)
         r = rows.detach().reshape(-1, self.dim).to(device=self.device, dtype=torch.float32)
         if r.shape[0] != flat.numel():

@@ -1439,3 +1439,32 @@ def test_a_prefetcher_over_padded_batches(daemon, transport, dedupe):
     assert fa.tolist() == fb.tolist() and fa[:7].all()
     assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
     c.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "socket"])
+@pytest.mark.parametrize("opt", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
+def test_write_back_keeps_optimizer_state_unless_told_to_reset_it(daemon, transport, opt):
+    """An independent tester's write_back on an Adam (adagrad, row-wise
+    Adagrad) table stored the values and zeroed the rows' optimizer state,
+    silently. It is now refused on a table whose optimizer keeps state,
+    leaving the rows as they were, unless reset_state=True, which zeroes
+    it as asked; SGD has no state and writes as before."""
+    c = daemon.client()
+    name = f"wb_{opt}_{transport}"
+    c.create_table(name, dim=2, capacity=1024, optimizer=opt)
+    w = c.dim(name)
+    before = np.arange(2 * w, dtype=np.float32).reshape(2, w) + 1
+    c.insert_or_assign(name, [1, 2], before)
+    cache = EmbeddingCache(c, name, transport=transport, verbose=False)
+    new = torch.full((2, 2), 9.0)
+    if w > 2:
+        with pytest.raises(ValueError, match="reset_state=True"):
+            cache.write_back(torch.tensor([1, 2]), new)
+        assert np.array_equal(c.find(name, [1, 2])[0], before)
+        cache.write_back(torch.tensor([1, 2]), new, reset_state=True)
+    else:
+        cache.write_back(torch.tensor([1, 2]), new)
+    got = c.find(name, [1, 2])[0]
+    assert np.array_equal(got[:, :2], np.full((2, 2), 9.0, np.float32))
+    assert not got[:, 2:].any()
+    c.close()
