@@ -547,7 +547,7 @@ class Client:
         self._cuda_regions: Dict[int, object] = {}  # device regions by allocation buffer id
         # Requests sent without waiting whose answer must be read before any
         # later request (hkvd.torch's optimizer steps): callables that read it.
-        self._deferred: List[Callable[[], None]] = []
+        self._deferred: List[Callable[[Optional[str]], None]] = []
         # Regions whose shm arrays are gone (hkvd.shm): unregistered with
         # the next request, their answers (request ids in _ignored) dropped.
         self._unneeded: List[int] = []
@@ -581,8 +581,14 @@ class Client:
         optimizer step): runs at the start of every request of this client,
         so a later request sees their writes; call it to have their errors
         raised now."""
+        self._settle("client.settle()")
+
+    def _settle(self, by: Optional[str] = None) -> None:
+        """:meth:`settle`, telling each deferred reader who reads its answer
+        (``by``, for its error's message; None: the request about to be
+        sent, which then is not)."""
         while self._deferred:
-            self._deferred.pop(0)()
+            self._deferred.pop(0)(by)
 
     def _send(self, op: int, flags: int, parts: Sequence, dim: int = 0, n: int = 0,
               out: Optional[np.ndarray] = None, settle: bool = True) -> int:
@@ -590,7 +596,7 @@ class Client:
         # answers' requests itself (hkvd.region.After).
         with self._io:
             if self._deferred and settle:
-                self.settle()
+                self._settle()
             if self._unneeded:
                 self._unregister_unneeded()
             rid = self._next

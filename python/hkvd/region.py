@@ -424,7 +424,7 @@ def _frame(client, op, table, arrays, scores, outcomes, stream, wait, done, head
     if getattr(client, "_deferred", None) and not isinstance(wait, After):
         # Answers that must come first: read before this request's wait
         # event is recorded, so its stream follows their done events.
-        client.settle()
+        client._settle()
     sl = slots(op, scores, outcomes)
     if len(arrays) != len(sl):
         raise TypeError(f"this request names {len(sl)} arrays ({', '.join(s.name for s in sl)}), "

@@ -433,13 +433,15 @@ class EmbeddingCache:
             self._copy_out(m, out, found)
         return missing or 0
 
-    def settle(self) -> None:
+    def settle(self, by: Optional[str] = None) -> None:
         """Reads the answer of the optimizer step sent without waiting
         (``optimizer_step(wait=False)``), if one is in flight: its count of
         absent ids is added to ``missing``, its updated values copied to
         the ``values`` it returned, and on cuda-ipc the current stream then
         follows its writes. Every request of this cache, and every later
-        request of its client, does this first."""
+        request of its client, does this first. ``by`` names who reads it
+        for the step's error (``"flush()"``); None: the request about to be
+        sent, which the error then stops."""
         f = self._inflight
         if f is None:
             return
@@ -456,9 +458,10 @@ class EmbeddingCache:
             if isinstance(e, HkvdError):
                 if self.on_refused is not None:
                     self.on_refused()
-                # Raised by whatever request came next: say whose it is.
+                # Raised by whatever came next: say whose it is.
+                when = "read before this request, which was not sent" if by is None else f"read by {by}"
                 raise type(e)(e.code, f"the optimizer step of table {self.table!r} that the last backward sent "
-                                      f"(read before this request, which was not sent): {e.message}") from e
+                                      f"was refused and not applied ({when}): {e.message}") from e
             raise
         if self.transport == "cuda-ipc" and p.post is None and self._done is not None:
             self._done.wait(_cuda.torch_stream(self.device.index))
@@ -923,7 +926,7 @@ class _Sparse(torch.nn.Module):
                                  "optimizer step was applied is unknown: check the rows, or restore a checkpoint, "
                                  "with a new client")
         with self._remade_named():
-            self.cache.settle()
+            self.cache.settle(by="flush()")
 
     def _drop(self, p: _Prefetched) -> bool:
         """Reads and discards the answer of ``p``, a lookup sent ahead that
@@ -1140,7 +1143,7 @@ class _Sparse(torch.nn.Module):
                     # The step's answer read here, outside the lookup's
                     # try below: the step's refusal is the backward's
                     # error, not the lookup's.
-                    m.client.settle()
+                    m.client._settle()
                 try:
                     init = None if behind else m._init_rows(p.ids)
                     p.token = p.cache._send(region.OP_FIND_OR_INSERT, p.ids, init, done_event=False,

@@ -1468,3 +1468,26 @@ def test_write_back_keeps_optimizer_state_unless_told_to_reset_it(daemon, transp
     assert np.array_equal(got[:, :2], np.full((2, 2), 9.0, np.float32))
     assert not got[:, 2:].any()
     c.close()
+
+
+def test_a_refused_step_read_by_flush_says_so(daemon):
+    """A tester's flush() after a refused step raised "(read before this
+    request, which was not sent)", though flush sends no request: the
+    error now says who read it (flush(), client.settle(), or the request
+    it stopped). Over shm, where the backward does not wait for the step
+    (over the socket the backward raises it itself)."""
+    from hkvd.torch import Embedding
+
+    c = daemon.client()
+    c.create_table("fl", dim=2, capacity=1024, optimizer="sgd")
+    m = Embedding(c, "fl", lr=0.1, transport="shm", verbose=False)
+    for reader, said in (("flush", "read by flush()"), ("settle", "read by client.settle()"),
+                         ("find", "which was not sent")):
+        m.lr = -1.0
+        m(torch.tensor([1, 2])).sum().backward()
+        with pytest.raises(hkvd.BadRequest) as e:
+            {"flush": m.flush, "settle": c.settle, "find": lambda: c.find("fl", [1])}[reader]()
+        assert said in e.value.message
+        assert m.step == 0
+        m.lr = 0.1
+    c.close()
