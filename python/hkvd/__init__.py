@@ -285,17 +285,18 @@ def _u64(x, what: str = "scores") -> np.ndarray:
     return np.ascontiguousarray(a, dtype="<u8").reshape(-1)
 
 
-def _uint(x, bits: int, what: str) -> int:
-    """``x`` as an int of ``bits`` unsigned bits, checked before it is
-    packed: a ValueError naming ``what`` and its range when out of it (a
+def _uint(x, bits: int, what: str, lo: int = 0, why: str = "") -> int:
+    """``x`` as an int of ``bits`` unsigned bits (at least ``lo``), checked
+    before it is packed: a ValueError naming ``what`` and its range (and
+    ``why``, when the range is narrower than the wire's) when out of it (a
     TypeError when it is no integer)."""
     try:
         v = operator.index(x)
     except TypeError:
         raise TypeError(f"{what} must be an integer, not {type(x).__name__}") from None
     hi = (1 << bits) - 1
-    if not 0 <= v <= hi:
-        raise ValueError(f"{what} must be 0 to {hi}, not {v}")
+    if not lo <= v <= hi:
+        raise ValueError(f"{what} must be {lo} to {hi}{why}, not {v}")
     return v
 
 
@@ -852,6 +853,14 @@ class Client:
         self.dim(table)
         return self.__dict__["_specs"][table][1]
 
+    def _step(self, table: str, step) -> int:
+        """apply_gradients' ``step``, checked before sending: 0 to 2**64 - 1,
+        and from 1 on an Adam table (its bias correction of step 0 divides
+        by zero: the daemon refuses it)."""
+        if self.optimizer(table) == "adam":
+            return _uint(step, 64, "step", 1, " on an Adam table (its bias correction counts steps from 1)")
+        return _uint(step, 64, "step")
+
     def policy(self, table: str) -> Optional[str]:
         """The table's score policy (``lru``, ``lfu``, ``custom`` …)."""
         self.dim(table)
@@ -1118,6 +1127,7 @@ class Client:
         g = _f32(grads)
         if out is not None:
             _check_out(out, k.size, d)
+        step = self._step(table, step)
         parts = [_str(table), hyper_bytes(lr, eps, beta1, beta2, weight_decay, step), *_arr(k), *_arr(g)]
         flags = (F_OUTCOMES if values else 0) | (F_SUM if sum else 0)
         return self._send(OP_APPLY_GRADIENTS, flags, parts, d, k.size, out)
@@ -1347,7 +1357,7 @@ class Client:
         if outcomes and (found is None or values is None):
             raise ValueError("give both found and values, or neither")
         arrays = [keys, grads] + ([found, values] if outcomes else [])
-        head = hyper_bytes(lr, eps, beta1, beta2, weight_decay, step)
+        head = hyper_bytes(lr, eps, beta1, beta2, weight_decay, self._step(table, step))
         body = _region.call(self, OP_APPLY_GRADIENTS, table, arrays, False, outcomes, stream, wait, done, head,
                             F_SUM if sum else 0)
         return _region.count(body)

@@ -557,7 +557,7 @@ class EmbeddingCache:
         n = uniq.numel()
         g = grads.detach().reshape(n, self.dim).to(device=self.device, dtype=torch.float32)
         hyper = dict(lr=float(lr), eps=float(eps), beta1=float(beta1), beta2=float(beta2),
-                     weight_decay=float(weight_decay), step=int(step))
+                     weight_decay=float(weight_decay), step=self.client._step(self.table, step))
         out = torch.empty((n, self.dim), dtype=torch.float32, device=self.device) if values else None
         # Zeros until the answer is read: a step that fails found no row.
         found = torch.zeros(n, dtype=torch.bool, device=self.device) if values else None

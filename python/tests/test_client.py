@@ -661,3 +661,31 @@ def test_an_answer_read_twice_raises_instead_of_waiting(daemon):
         c.result(bad)
     assert c.find("twice", [1])[1].tolist() == [False]  # the connection is in step
     c.close()
+
+
+@pytest.mark.parametrize("opt", ["adam", "sgd", "adagrad"])
+def test_apply_gradients_checks_adams_step_from_one(daemon, opt):
+    """A tester's apply_gradients(step=-1) was told "step must be 0 to
+    2**64 - 1", and step 0 then went to the daemon, which refuses it on
+    an Adam table (its bias correction divides by zero). On an Adam table
+    step is now checked from 1 before sending, over the socket and
+    registered memory alike, with one message; other optimizers keep 0."""
+    c = daemon.client()
+    name = f"st_{opt}"
+    c.create_table(name, dim=2, capacity=64, optimizer=opt)
+    c.insert_or_assign(name, [1], np.zeros((1, c.dim(name)), np.float32))
+    keys = hkvd.shm_array((1,), np.uint64)
+    keys[:] = 1
+    grads = hkvd.shm_array((1, 2), np.float32)
+    grads[:] = 1.0
+    lowest = 1 if opt == "adam" else 0
+    for step in (-1, 0):
+        if step >= lowest:
+            continue
+        with pytest.raises(ValueError, match=f"step must be {lowest} to {2**64 - 1}"):
+            c.apply_gradients(name, [1], np.ones((1, 2), np.float32), lr=0.1, step=step)
+        with pytest.raises(ValueError, match=f"step must be {lowest} to {2**64 - 1}"):
+            c.apply_gradients_region(name, keys, grads, lr=0.1, step=step)
+    assert not c.find(name, [1])[0].any(), "nothing was sent"
+    assert c.apply_gradients(name, [1], np.ones((1, 2), np.float32), lr=0.1, step=lowest) == 0
+    c.close()

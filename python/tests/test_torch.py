@@ -1491,3 +1491,16 @@ def test_a_refused_step_read_by_flush_says_so(daemon):
         assert m.step == 0
         m.lr = 0.1
     c.close()
+
+
+def test_an_adam_step_of_0_is_refused_before_sending(daemon):
+    """EmbeddingCache.optimizer_step checks Adam's step from 1, as the
+    client's apply_gradients does (the daemon refuses step 0)."""
+    c = daemon.client()
+    c.create_table("adam0", dim=2, capacity=64, optimizer="adam")
+    cache = EmbeddingCache(c, "adam0", verbose=False)
+    cache.lookup(torch.tensor([1]))
+    with pytest.raises(ValueError, match=f"step must be 1 to {2**64 - 1}"):
+        cache.optimizer_step(torch.tensor([1]), torch.ones(1, 2), lr=0.1, step=0)
+    assert cache.optimizer_step(torch.tensor([1]), torch.ones(1, 2), lr=0.1, step=1) == 0
+    c.close()
