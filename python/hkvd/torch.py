@@ -1304,7 +1304,7 @@ class _Sparse(torch.nn.Module):
         i = int(at[0, 0])
         sid = int(flat[i])
         uid = sid + (1 << 64)
-        shown, span = (f"{uid}", f"{(1 << 64) - 4} and up") if unsigned else (f"{sid}", "-4 to -1")
+        shown, span = (f"{uid}", f"{(1 << 64) - 4} to {(1 << 64) - 1}") if unsigned else (f"{sid}", "-4 to -1")
         if getattr(e, "prefetched", False):
             then += " (the lookup that prefetch() sent ahead for these ids was refused)"
         return ReservedKey(getattr(e, "code", "reserved_key"),

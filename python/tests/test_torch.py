@@ -1504,3 +1504,24 @@ def test_an_adam_step_of_0_is_refused_before_sending(daemon):
         cache.optimizer_step(torch.tensor([1]), torch.ones(1, 2), lr=0.1, step=0)
     assert cache.optimizer_step(torch.tensor([1]), torch.ones(1, 2), lr=0.1, step=1) == 0
     c.close()
+
+
+@pytest.mark.parametrize("dedupe", ["table", "module"])
+def test_a_reserved_uint64_id_is_named_as_given(daemon, dedupe):
+    """A tester's uint64 id 2**64 - 1 (torch.uint64 or np.uint64) was
+    reported as "id -1": the forward and prefetch() now name it as the
+    caller gave it; int64 ids keep their negative names."""
+    from hkvd.torch import Embedding
+
+    c = daemon.client()
+    c.create_table(f"u64_{dedupe}", dim=2, capacity=64, optimizer="sgd")
+    e = Embedding(c, f"u64_{dedupe}", lr=0.1, verbose=False, dedupe=dedupe)
+    for ids, named in ((torch.tensor([5, 2**64 - 1], dtype=torch.uint64), f"id {2**64 - 1} "),
+                       (np.array([5, 2**64 - 2], dtype=np.uint64), f"id {2**64 - 2} "),
+                       (torch.tensor([5, -2]), "id -2 ")):
+        for call in (e, e.prefetch):
+            with pytest.raises(hkvd.ReservedKey) as err:
+                call(ids)
+            assert err.value.message.startswith(named + "(0x")
+    assert e.step == 0 and e(torch.tensor([5], dtype=torch.uint64)).shape == (1, 2)
+    c.close()
