@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import sys
 import time
 import weakref
@@ -32,6 +33,39 @@ _NAMES = {"cuda-ipc": "CUDA IPC", "shm": "shared memory", "socket": "the socket"
 
 # The modules of each (socket, table), for steps that patch every module's prefetches.
 _SHARING: dict = {}
+
+
+def _device(device) -> torch.device:
+    """``device`` as a torch device the rows can be copied to: the CPU, or
+    a CUDA GPU torch sees. Refused here, when the cache or module is made,
+    with what to give instead: torch's own errors came at the first
+    forward ("Cannot copy out of meta tensor", "Found no NVIDIA driver")."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r} is no torch device ({e}): give 'cpu', 'cuda' or 'cuda:N'") from None
+    if d.type == "cpu":
+        return d
+    if d.type != "cuda":
+        raise ValueError(f"device {d} holds no data the table's rows can be copied into: give 'cpu', 'cuda' or "
+                         f"'cuda:N' (or None: a GPU when torch sees one, else the CPU)")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {d}: torch sees no CUDA GPU here (torch.cuda.is_available() is False): give "
+                         f"device='cpu', or None")
+    if d.index is not None and d.index >= torch.cuda.device_count():
+        raise ValueError(f"device {d}: torch sees {torch.cuda.device_count()} CUDA GPU(s), numbered from 0")
+    return d
+
+
+def _number(v, name: str) -> float:
+    """``v`` as a float, when it is a real number (a Python or numpy
+    number, a one-element tensor): a string ("0.1") or a bool is refused
+    with a TypeError naming ``name``, not read as a number."""
+    if isinstance(v, torch.Tensor) and v.numel() == 1 and not v.dtype.is_complex and v.dtype != torch.bool:
+        return float(v)
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{name} must be a number, not {type(v).__name__} {v!r}")
+    return float(v)
 
 
 def _readable(t: torch.Tensor) -> bool:
@@ -148,7 +182,7 @@ class EmbeddingCache:
         self.on_refused: Optional[Callable[[], None]] = None
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        self.device = _device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if transport == "auto":
@@ -722,10 +756,11 @@ class _Sparse(torch.nn.Module):
                              "rowwise_adagrad or adam), e.g. client.create_table(name, dim, capacity, "
                              "optimizer='rowwise_adagrad')")
         self.client, self.table = client, table
-        self.lr, self.eps, self.weight_decay = float(lr), float(eps), float(weight_decay)
-        if len(betas) != 2:
-            raise ValueError(f"betas must be two numbers (beta1, beta2), not {tuple(betas)}")
-        self.betas = (float(betas[0]), float(betas[1]))
+        self.lr, self.eps = _number(lr, "lr"), _number(eps, "eps")
+        self.weight_decay = _number(weight_decay, "weight_decay")
+        if isinstance(betas, (str, bytes)) or len(betas) != 2:
+            raise ValueError(f"betas must be two numbers (beta1, beta2), not {betas!r}")
+        self.betas = (_number(betas[0], "betas[0]"), _number(betas[1], "betas[1]"))
         # As the table checks them at each step (shard/src/optim.rs), but
         # now: a step refused later is a step lost.
         for name, v in (("lr", self.lr), ("eps", self.eps), ("weight_decay", self.weight_decay),

@@ -1525,3 +1525,32 @@ def test_a_reserved_uint64_id_is_named_as_given(daemon, dedupe):
             assert err.value.message.startswith(named + "(0x")
     assert e.step == 0 and e(torch.tensor([5], dtype=torch.uint64)).shape == (1, 2)
     c.close()
+
+
+def test_a_device_or_hyperparameter_torch_cannot_use_is_refused_when_made(daemon, capsys):
+    """A tester's Embedding(device="meta") was made and failed at the
+    forward with torch's "Cannot copy out of meta tensor"; device="cuda"
+    without a GPU with torch's "Found no NVIDIA driver"; lr="0.1" was
+    taken as 0.1. They are refused when the module (or cache) is made,
+    by hkvd, before any buffer or transport line; numbers of numpy or
+    torch are still taken."""
+    from hkvd.torch import Embedding, EmbeddingBag
+
+    c = daemon.client()
+    c.create_table("dev", dim=2, capacity=64, optimizer="sgd")
+    devices = ["meta", "xyz"] + ([] if torch.cuda.is_available() else ["cuda", "cuda:1"])
+    for device in devices:
+        for make in (Embedding, EmbeddingBag, EmbeddingCache):
+            with pytest.raises(ValueError, match=f"device '?{device}"):
+                make(c, "dev", device=device)
+    for kw, name in (({"lr": "0.1"}, "lr"), ({"lr": True}, "lr"), ({"eps": b"1"}, "eps"),
+                     ({"weight_decay": "0"}, "weight_decay"), ({"betas": (0.9, "0.99")}, r"betas\[1\]")):
+        with pytest.raises(TypeError, match=f"^{name} must be a number"):
+            Embedding(c, "dev", **kw)
+    assert capsys.readouterr().err == "", "nothing was made"
+    e = Embedding(c, "dev", lr=np.float32(0.5), eps=torch.tensor(1e-6), weight_decay=0, device="cpu", verbose=False)
+    assert e.lr == 0.5 and e.weight_decay == 0.0
+    e(torch.tensor([1])).sum().backward()
+    e.flush()
+    assert c.find("dev", [1])[0][0].tolist() == [-0.5, -0.5]
+    c.close()
