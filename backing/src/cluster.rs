@@ -66,7 +66,7 @@ pub fn parse_seeds(seeds: &[String]) -> Result<Vec<ConnectionInfo>, Error> {
         .iter()
         .map(|s| {
             let s = s.trim();
-            let bad = |detail: String| Error::BadUrl { url: redact(s), detail };
+            let bad = |detail: String| Error::BadUrl { url: clip(&redact(s)), detail };
             if s.is_empty() {
                 return Err(bad("empty seed".into()));
             }
@@ -90,10 +90,11 @@ pub fn parse_seeds(seeds: &[String]) -> Result<Vec<ConnectionInfo>, Error> {
                 .is_some_and(|(h, p)| !h.is_empty() && !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
             if !port_given {
                 return Err(bad(format!(
-                    "{hostport:?} has no port; name the node's port (HOST:PORT), there is no default"
+                    "{:?} has no port; name the node's port (HOST:PORT), there is no default",
+                    clip(hostport)
                 )));
             }
-            let info = url.as_str().into_connection_info().map_err(|e| bad(e.to_string()))?;
+            let info = url.as_str().into_connection_info().map_err(|e| bad(clip(&e.to_string())))?;
             if info.redis_settings().db() != 0 {
                 return Err(bad(format!(
                     "database {}: a cluster has database 0 only (leave the path out)",
@@ -118,7 +119,7 @@ pub fn parse_seeds(seeds: &[String]) -> Result<Vec<ConnectionInfo>, Error> {
                 if infos[..n].iter().any(|i| name(i) == name(info)) {
                     return Err(Error::BadOption {
                         name: "backing seeds",
-                        detail: format!("{} is given twice; name each node once", name(info)),
+                        detail: format!("{} is given twice; name each node once", clip(&name(info))),
                     });
                 }
             }
@@ -126,7 +127,7 @@ pub fn parse_seeds(seeds: &[String]) -> Result<Vec<ConnectionInfo>, Error> {
                 let c = creds(info);
                 if c != (None, None) && c != first {
                     return Err(Error::BadUrl {
-                        url: redact(raw.trim()),
+                        url: clip(&redact(raw.trim())),
                         detail: format!(
                             "seed {} gives other credentials than the first seed, whose credentials are used for \
                              every node: give them on the first seed (or the same on every seed)",
@@ -137,6 +138,16 @@ pub fn parse_seeds(seeds: &[String]) -> Result<Vec<ConnectionInfo>, Error> {
             }
             Ok(infos)
         })
+}
+
+/// `cluster 1: A, B; cluster 2: C` for seed groups ([`seed_clusters`]),
+/// each seed as errors show it (password hidden, long input clipped).
+pub(crate) fn describe_groups(seeds: &[String], groups: &[Vec<usize>]) -> String {
+    let seed = |i: usize| clip(&redact(seeds[i].trim()));
+    (groups.iter().enumerate())
+        .map(|(n, g)| format!("cluster {}: {}", n + 1, g.iter().map(|&i| seed(i)).collect::<Vec<_>>().join(", ")))
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 fn name(info: &ConnectionInfo) -> String {
@@ -183,23 +194,23 @@ async fn probe(seeds: &[ConnectionInfo], net: Net) -> Result<(), Error> {
     for info in seeds {
         let node = name(info);
         let client = redis::Client::open(info.clone())
-            .map_err(|e| Error::BadUrl { url: node.clone(), detail: e.to_string() })?;
+            .map_err(|e| Error::BadUrl { url: clip(&node), detail: clip(&e.to_string()) })?;
         let cfg = redis::AsyncConnectionConfig::new()
             .set_connection_timeout(Some(net.connect))
             .set_response_timeout(Some(net.response));
         let mut conn = match client.get_multiplexed_async_connection_with_config(&cfg).await {
             Ok(c) => c,
             Err(e) if e.kind() == redis::ErrorKind::AuthenticationFailed => {
-                return Err(Error::Auth { node, detail: e.to_string() })
+                return Err(Error::Auth { node: clip(&node), detail: clip(&e.to_string()) })
             }
             // Bytes came back that are not Redis's protocol (an HTTP
             // server's page): the seed is something else, not down.
             Err(e) if e.kind() == redis::ErrorKind::Parse => {
                 let detail = e.to_string().lines().next().unwrap_or("").trim().to_string();
-                return Err(Error::NotRedis { node, detail });
+                return Err(Error::NotRedis { node: clip(&node), detail: clip(&detail) });
             }
             Err(e) => {
-                last = format!("{node}: {e}");
+                last = clip(&format!("{node}: {e}"));
                 continue;
             }
         };
@@ -213,7 +224,54 @@ async fn probe(seeds: &[ConnectionInfo], net: Net) -> Result<(), Error> {
             Err(e) => Err(Error::NotCluster { node, detail: e.to_string() }),
         };
     }
-    Err(Error::Unreachable { seeds: seeds.iter().map(name).collect::<Vec<_>>().join(","), detail: last })
+    Err(Error::Unreachable { seeds: seeds.iter().map(|s| clip(&name(s))).collect::<Vec<_>>().join(","), detail: last })
+}
+
+/// The seeds that answer, grouped by the cluster they belong to, each
+/// group in the seeds' order, groups in the order of their first seed;
+/// seeds that do not answer (down, stalled past the response timeout) are
+/// in none. Every seed is asked at once for its `CLUSTER MYID` and
+/// `CLUSTER NODES`: a seed is in a group when its id is among the node
+/// ids of the group's first seed (a tester's table named a node of each of
+/// two clusters, was accepted, and a restart that found one of them
+/// stopped opened the table on the other).
+pub(crate) async fn seed_clusters(seeds: &[ConnectionInfo], net: Net) -> Vec<Vec<usize>> {
+    let ask = seeds.iter().map(|info| async move {
+        let client = redis::Client::open(info.clone()).ok()?;
+        let cfg = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(net.connect))
+            .set_response_timeout(Some(net.response));
+        let mut conn = client.get_multiplexed_async_connection_with_config(&cfg).await.ok()?;
+        let id: String = redis::cmd("CLUSTER").arg("MYID").query_async(&mut conn).await.ok()?;
+        let nodes: String = redis::cmd("CLUSTER").arg("NODES").query_async(&mut conn).await.ok()?;
+        let ids: Vec<String> = nodes.lines().filter_map(|l| l.split_whitespace().next()).map(String::from).collect();
+        Some((id.trim().to_string(), ids))
+    });
+    let answers = join_all(ask).await;
+    // Each group: its seeds and the node ids its first seed knows.
+    let mut groups: Vec<(Vec<usize>, Vec<String>)> = Vec::new();
+    for (i, a) in answers.into_iter().enumerate() {
+        let Some((id, ids)) = a else { continue };
+        match groups.iter_mut().find(|(_, known)| known.contains(&id)) {
+            Some((members, _)) => members.push(i),
+            None => groups.push((vec![i], ids)),
+        }
+    }
+    groups.into_iter().map(|(members, _)| members).collect()
+}
+
+/// At most this many characters of a user's input are echoed in an
+/// error: a 100 000-character host name was echoed twice in a 200 KB
+/// error.
+pub const ECHO_CHARS: usize = 200;
+
+/// `text` as errors echo it: its first [`ECHO_CHARS`] characters, then
+/// `…` when there were more.
+pub fn clip(text: &str) -> String {
+    match text.char_indices().nth(ECHO_CHARS) {
+        Some((at, _)) => format!("{}…", &text[..at]),
+        None => text.to_string(),
+    }
 }
 
 /// A failed command.
@@ -248,15 +306,28 @@ pub(crate) struct Cluster {
     /// a dead node costs each request nothing until then.
     down: Mutex<HashMap<Arc<str>, (Instant, String)>>,
     refreshed: Mutex<Option<Instant>>,
+    /// Slots that a `MOVED` moved to another node since the slot map's
+    /// last logged change: counted in the next one, with those the map
+    /// itself changed (a graceful failover's slots come mostly one by one
+    /// through `MOVED`, and a tester's 5461-slot master logged `slots=27`).
+    moved: Mutex<std::collections::BTreeSet<u16>>,
     /// The table whose tier this is (named in the log).
     table: String,
 }
 
 impl Cluster {
-    /// Checks the seeds and reads the slot map.
-    pub async fn open(table: &str, seeds: &[String], net: Net) -> Result<Cluster, Error> {
+    /// Checks the seeds and reads the slot map. With `one_cluster`, seeds
+    /// that answer from more than one cluster are refused
+    /// ([`Error::SeedsSplit`], naming which seeds belong together).
+    pub async fn open(table: &str, seeds: &[String], net: Net, one_cluster: bool) -> Result<Cluster, Error> {
         let infos = parse_seeds(seeds)?;
         probe(&infos, net).await?;
+        if one_cluster {
+            let groups = seed_clusters(&infos, net).await;
+            if groups.len() > 1 {
+                return Err(Error::SeedsSplit { groups: describe_groups(seeds, &groups) });
+            }
+        }
         let cluster = Cluster {
             seeds: infos,
             net,
@@ -264,12 +335,13 @@ impl Cluster {
             conns: Mutex::new(HashMap::new()),
             down: Mutex::new(HashMap::new()),
             refreshed: Mutex::new(None),
+            moved: Mutex::new(std::collections::BTreeSet::new()),
             table: table.to_string(),
         };
         cluster.refresh().await?;
         if cluster.masters() == 0 {
             return Err(Error::Unreachable {
-                seeds: seeds.iter().map(|s| redact(s)).collect::<Vec<_>>().join(","),
+                seeds: seeds.iter().map(|s| clip(&redact(s))).collect::<Vec<_>>().join(","),
                 detail: "the cluster serves no slots yet".into(),
             });
         }
@@ -293,6 +365,19 @@ impl Cluster {
     /// The node serving `slot`, as last seen, or `cluster`.
     pub fn node_of(&self, slot: u16) -> String {
         self.topo.read().slots[slot as usize].as_deref().unwrap_or("cluster").to_string()
+    }
+
+    /// A `MOVED` named `node` for `slot`: the slot map says so now, and
+    /// a move from another node counts in the next logged change.
+    fn patch(&self, slot: u16, node: Arc<str>) {
+        let mut topo = self.topo.write();
+        let old = &mut topo.slots[slot as usize];
+        if old.as_ref() != Some(&node) {
+            if old.is_some() {
+                self.moved.lock().insert(slot);
+            }
+            *old = Some(node);
+        }
     }
 
     fn node_arc(&self, slot: u16) -> Option<Arc<str>> {
@@ -540,7 +625,7 @@ impl Cluster {
                     match e.code() {
                         "MOVED" => {
                             if let Some(t) = target {
-                                self.topo.write().slots[slots[i] as usize] = Some(t);
+                                self.patch(slots[i], t);
                             }
                             refresh = true;
                             todo.push((i, None));
@@ -667,7 +752,10 @@ impl Cluster {
                     let slots = parse_slots(v);
                     if slots.iter().any(Option::is_some) {
                         let mut topo = self.topo.write();
-                        let moved = topo.slots.iter().zip(&slots).filter(|(a, b)| a.is_some() && a != b).count();
+                        let mut moved = std::mem::take(&mut *self.moved.lock());
+                        let changed = topo.slots.iter().zip(&slots).enumerate();
+                        moved.extend(changed.filter(|(_, (a, b))| a.is_some() && a != b).map(|(s, _)| s as u16));
+                        let moved = moved.len();
                         if moved > 0 {
                             tracing::info!(table = %self.table, slots = moved, from = %node, "the cluster's slot map changed (a failover or a reshard)");
                         }
@@ -804,6 +892,13 @@ mod tests {
             assert!(matches!(e, Error::BadUrl { .. }), "{bad:?} gave {e:?}");
         }
         assert!(matches!(parse_seeds(&[]), Err(Error::BadUrl { .. })));
+        // A tester's 100 000-character host name was echoed twice in a
+        // 200 KB error: echoed input is clipped to 200 characters.
+        let long = "h".repeat(100_000);
+        for seed in [long.clone(), format!("redis://{long}/x:1"), format!("{long}:1?q")] {
+            let e = parse_seeds(&[seed]).unwrap_err().to_string();
+            assert!(e.len() < 1000 && e.contains(&format!("{}…", "h".repeat(ECHO_CHARS))), "{} bytes", e.len());
+        }
         // At most 64 seeds, each node once.
         let many: Vec<String> = (0..65).map(|i| format!("127.0.0.1:{}", 7000 + i)).collect();
         assert!(parse_seeds(&many).unwrap_err().to_string().contains("at most 64"));

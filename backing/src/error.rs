@@ -62,6 +62,24 @@ pub enum Error {
         /// What differs.
         detail: String,
     },
+    /// The seeds that answered belong to more than one cluster.
+    #[error("the backing seeds belong to more than one cluster ({groups}); name nodes of the one cluster that keeps the table")]
+    SeedsSplit {
+        /// Which seeds belong to which cluster.
+        groups: String,
+    },
+    /// A table that existed before (restored, or opened again) found no
+    /// meta hash in the cluster its seeds reached: it may be another
+    /// cluster than the one it was created on, which is not adopted.
+    #[error("the cluster of masters {nodes} has no meta hash {key} for table {table:?}: is it the cluster the table was created on? The table waits for that cluster (nothing is written to this one, no restored row is erased); if its data was deleted on purpose, drop the table and create it again")]
+    NoMeta {
+        /// The table.
+        table: String,
+        /// The meta hash's key.
+        key: String,
+        /// The cluster's masters, as its slot map named them.
+        nodes: String,
+    },
     /// A node could not serve a command (down, unreachable, failing over),
     /// or refused it (a key of another type, a permission).
     #[error("{}", unavailable_text(node, detail))]
@@ -139,8 +157,10 @@ impl Error {
             | Error::Mismatch { .. }
             | Error::NotCluster { .. }
             | Error::NotRedis { .. }
-            | Error::Auth { .. } => "invalid_argument",
+            | Error::Auth { .. }
+            | Error::SeedsSplit { .. } => "invalid_argument",
             Error::Unreachable { .. }
+            | Error::NoMeta { .. }
             | Error::Unavailable { .. }
             | Error::FlushTimeout { .. }
             | Error::BadRow { .. } => "backing_unavailable",

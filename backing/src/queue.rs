@@ -13,8 +13,14 @@
 //! Bytes: a row costs its value and key once while pending and once more
 //! while a newer write of its key waits behind the batch sending it.
 //!
-//! Costs: pending keys also sit in a FIFO of first-queued order, so taking
-//! a batch costs its own rows (not a scan of everything queued); a row's
+//! Pending keys sit in one FIFO of first-queued order per group of the
+//! table's layout, so that the flusher takes a batch for one node from
+//! that node's groups only ([`Queue::take_groups`]): a stalled node's rows
+//! wait in its own groups while the other nodes' rows are sent (one FIFO
+//! for the whole queue let a stalled node's rows hold up everyone's).
+//!
+//! Costs: taking a batch costs its own rows (not a scan of everything
+//! queued); a row's
 //! values are shared (`Arc`) between `pending`, `sending` and the batch, so
 //! moving a row to a batch copies no floats; the maps hash a key with the
 //! layout's `mix` instead of SipHash.
@@ -62,8 +68,12 @@ type Map = HashMap<u64, Entry, BuildHasherDefault<KeyHasher>>;
 #[derive(Debug, Default)]
 struct State {
     pending: Map,
-    /// Every pending key once, in first-queued order (the flusher's order).
-    order: VecDeque<u64>,
+    /// Every pending key once, in its group's FIFO, in first-queued order
+    /// (the flusher's order).
+    order: Vec<VecDeque<u64>>,
+    /// The group a take of several groups starts at, moved on each take
+    /// so that no group of a node waits behind the others for ever.
+    start: usize,
     sending: Map,
     bytes: u64,
     closed: bool,
@@ -71,10 +81,13 @@ struct State {
     discarded: bool,
 }
 
+/// A key's group (its FIFO in the queue).
+pub(crate) type GroupOf = Box<dyn Fn(u64) -> usize + Send + Sync>;
+
 /// The queue and its wake-ups.
-#[derive(Debug)]
 pub(crate) struct Queue {
     state: Mutex<State>,
+    group_of: GroupOf,
     /// Bytes a row costs here: its cluster value and its key.
     entry_bytes: u64,
     pub limit: u64,
@@ -91,9 +104,14 @@ pub(crate) struct Queue {
 pub(crate) type Batch = Vec<(u64, Entry)>;
 
 impl Queue {
-    pub fn new(row_bytes: usize, limit: u64, wait: Duration) -> Queue {
+    /// A queue of rows of `row_bytes`, bounded to `limit` bytes, whose
+    /// writers wait up to `wait` for room; `groups` FIFOs, a key's given
+    /// by `group_of` (below `groups`).
+    pub fn new(row_bytes: usize, limit: u64, wait: Duration, groups: usize, group_of: GroupOf) -> Queue {
+        let state = State { order: vec![VecDeque::new(); groups.max(1)], ..State::default() };
         Queue {
-            state: Mutex::new(State::default()),
+            state: Mutex::new(state),
+            group_of,
             entry_bytes: row_bytes as u64 + 8,
             limit,
             wait,
@@ -144,7 +162,7 @@ impl Queue {
                                 None => {
                                     let nx = nx && !s.sending.contains_key(&k);
                                     s.pending.insert(k, Entry { score, values: row, since: now, nx });
-                                    s.order.push_back(k);
+                                    s.order[(self.group_of)(k)].push_back(k);
                                 }
                             }
                         }
@@ -186,30 +204,50 @@ impl Queue {
         s.pending.is_empty() && s.sending.is_empty()
     }
 
-    /// Moves up to `max` pending rows, oldest first, to `sending`. A key
-    /// already being sent stays pending until its batch settles: a key is
-    /// in one batch at a time, so its writes reach the cluster in order
-    /// however many batches are in flight.
+    /// [`Queue::take_groups`] of every group.
+    #[cfg(test)]
     pub fn take(&self, max: usize) -> Batch {
+        let all: Vec<usize> = (0..self.state.lock().order.len()).collect();
+        self.take_groups(&all, max)
+    }
+
+    /// Moves up to `max` pending rows of `groups` (one node's), each
+    /// group's oldest first, to `sending`; the groups are taken in turn
+    /// from one that moves on with each take. A key already being sent
+    /// stays pending until its batch settles: a key is in one batch at a
+    /// time, so its writes reach the cluster in order however many
+    /// batches are in flight.
+    pub fn take_groups(&self, groups: &[usize], max: usize) -> Batch {
         let mut guard = self.state.lock();
         let s = &mut *guard;
-        let mut batch = Vec::with_capacity(max.min(s.order.len()));
-        // Keys passed over because a batch is sending them: at most the
-        // rows in flight, put back in front in their order.
-        let mut held = Vec::new();
-        while batch.len() < max {
-            let Some(k) = s.order.pop_front() else { break };
-            if s.sending.contains_key(&k) {
-                held.push(k);
-                continue;
-            }
-            if let Some(e) = s.pending.remove(&k) {
-                s.sending.insert(k, e.clone());
-                batch.push((k, e));
-            }
+        let mut batch = Vec::new();
+        if groups.is_empty() {
+            return batch;
         }
-        for k in held.into_iter().rev() {
-            s.order.push_front(k);
+        s.start = s.start.wrapping_add(1);
+        let first = s.start % groups.len();
+        for &g in groups[first..].iter().chain(&groups[..first]) {
+            let Some(order) = s.order.get_mut(g) else { continue };
+            // Keys passed over because a batch is sending them: at most
+            // the rows in flight, put back in front in their order.
+            let mut held = Vec::new();
+            while batch.len() < max {
+                let Some(k) = order.pop_front() else { break };
+                if s.sending.contains_key(&k) {
+                    held.push(k);
+                    continue;
+                }
+                if let Some(e) = s.pending.remove(&k) {
+                    s.sending.insert(k, e.clone());
+                    batch.push((k, e));
+                }
+            }
+            for k in held.into_iter().rev() {
+                order.push_front(k);
+            }
+            if batch.len() >= max {
+                break;
+            }
         }
         batch
     }
@@ -223,7 +261,7 @@ impl Queue {
             s.sending.remove(&k);
             if *failed && !s.discarded && !s.pending.contains_key(&k) {
                 s.pending.insert(k, e);
-                s.order.push_front(k);
+                s.order[(self.group_of)(k)].push_front(k);
             } else {
                 s.bytes -= self.entry_bytes;
             }
@@ -236,11 +274,11 @@ impl Queue {
     /// Rows and bytes queued, the age of the oldest.
     pub fn window(&self) -> (u64, u64, Duration) {
         let s = self.state.lock();
-        // The front of `order` is the oldest pending row (rows keep their
-        // place when replaced, failed ones go back in front); `sending`
-        // holds at most the rows in flight.
-        let front = s.order.front().and_then(|k| s.pending.get(k)).map(|e| e.since);
-        let oldest = s.sending.values().map(|e| e.since).chain(front).min();
+        // The front of each group's FIFO is its oldest pending row (rows
+        // keep their place when replaced, failed ones go back in front);
+        // `sending` holds at most the rows in flight.
+        let fronts = s.order.iter().filter_map(|o| o.front().and_then(|k| s.pending.get(k)).map(|e| e.since));
+        let oldest = s.sending.values().map(|e| e.since).chain(fronts).min();
         ((s.pending.len() + s.sending.len()) as u64, s.bytes, oldest.map(|t| t.elapsed()).unwrap_or_default())
     }
 
@@ -274,7 +312,7 @@ impl Queue {
         let rows = s.pending.len() as u64;
         s.bytes -= rows * self.entry_bytes;
         s.pending.clear();
-        s.order.clear();
+        s.order.iter_mut().for_each(VecDeque::clear);
         s.closed = true;
         s.discarded = true;
         drop(s);
@@ -309,7 +347,7 @@ mod tests {
     #[test]
     fn take_is_fifo_and_holds_keys_in_flight() {
         let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
-        let q = Queue::new(8, 1 << 20, Duration::from_secs(1));
+        let q = Queue::new(8, 1 << 20, Duration::from_secs(1), 1, Box::new(|_| 0));
         rt.block_on(q.push(&[1, 2, 3, 4], &[1.0, 2.0, 3.0, 4.0], &[], 1, false)).unwrap();
         let a = q.take(2);
         assert_eq!(keys(&a), vec![1, 2]);
@@ -338,7 +376,7 @@ mod tests {
     #[test]
     fn set_if_absent_rows_yield_to_other_writes_of_their_key() {
         let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
-        let q = Queue::new(8, 1 << 20, Duration::from_secs(1));
+        let q = Queue::new(8, 1 << 20, Duration::from_secs(1), 1, Box::new(|_| 0));
         rt.block_on(q.push(&[1, 2], &[1.0, 2.0], &[], 1, true)).unwrap();
         rt.block_on(q.push(&[3], &[], &[], 0, false)).unwrap();
         rt.block_on(q.push(&[2], &[20.0], &[], 1, false)).unwrap();

@@ -148,7 +148,8 @@ pub struct Stats {
     pub queued_total: u64,
     /// Writers refused with `resource_exhausted`.
     pub queue_full: u64,
-    /// Invalidations received from other writers' streams.
+    /// Keys named by other writers' stream entries that this host heard
+    /// (each an invalidation, whether or not the key is cached here).
     pub invalidations: u64,
     /// Stream entries of this host's acknowledged writes waiting to be
     /// appended (the stream's node refused them or did not answer); a

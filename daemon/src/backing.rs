@@ -39,13 +39,22 @@ pub struct Tiers {
     rt: OnceLock<tokio::runtime::Runtime>,
     tables: RwLock<HashMap<String, Arc<Entry>>>,
     /// Restored tables whose cluster could not be opened yet: their spec,
-    /// the last attempt and why it failed. Their requests are refused
-    /// (`backing_unavailable`) and the open is tried again by a request at
-    /// most every [`REOPEN_EVERY`].
-    waiting: parking_lot::Mutex<HashMap<String, (TableSpec, std::time::Instant, String)>>,
+    /// the last attempt, why it failed, and whether the table existed
+    /// before ([`Options::existing`]: it held rows). Their requests are
+    /// refused (`backing_unavailable`) and the open is tried again by a
+    /// request at most every [`REOPEN_EVERY`].
+    waiting: parking_lot::Mutex<HashMap<String, Waiting>>,
     /// Whether `waiting` has any table: a request of a table without a
     /// tier reads only this (no lock) in the common case of none.
     any_waiting: AtomicBool,
+}
+
+/// A restored table waiting for its cluster ([`Tiers::waiting`]).
+struct Waiting {
+    spec: TableSpec,
+    last: std::time::Instant,
+    why: String,
+    existing: bool,
 }
 
 /// How often a request of a restored table whose cluster is not open yet
@@ -255,12 +264,21 @@ impl Tiers {
 
     /// HOOK(backing) of create-table: opens the tier of a spec that names
     /// one (nothing for one that does not). Refuses the table when the
-    /// cluster cannot be opened.
+    /// cluster cannot be opened, or when its seeds answer from more than
+    /// one cluster.
     pub async fn open(&self, spec: &TableSpec) -> Result<(), ProtoError> {
+        self.open_as(spec, false).await
+    }
+
+    /// [`Tiers::open`]; with `existing`, for a table that existed before
+    /// (restored with rows): a cluster without its meta hash is refused,
+    /// never adopted ([`Options::existing`]).
+    async fn open_as(&self, spec: &TableSpec, existing: bool) -> Result<(), ProtoError> {
         let Some(b) = &spec.backing else { return Ok(()) };
         // Rows in the cluster are whole stored rows: values and optimizer state.
         let (name, dim, mut o) = (spec.name.clone(), spec.row_dim(), options(b));
         o.row = row_meaning(spec);
+        o.existing = existing;
         let queue_bound = if o.mode == Mode::WriteBack { o.queue_bytes } else { 0 };
         self.check_queue_bound(&spec.name, queue_bound)?;
         let backing = self.on_rt(async move { Backing::open(&name, dim, o).await }).await?.map_err(wire)?;
@@ -365,14 +383,14 @@ impl Tiers {
         }
         let due = match self.waiting.lock().get_mut(name) {
             None => return Ok(None),
-            Some((spec, last, _)) if last.elapsed() >= REOPEN_EVERY => {
-                *last = std::time::Instant::now();
-                Some(spec.clone())
+            Some(w) if w.last.elapsed() >= REOPEN_EVERY => {
+                w.last = std::time::Instant::now();
+                Some((w.spec.clone(), w.existing))
             }
             Some(_) => None,
         };
-        if let Some(spec) = due {
-            match self.open(&spec).await {
+        if let Some((spec, existing)) = due {
+            match self.open_as(&spec, existing).await {
                 Ok(()) => {
                     self.unwait(name);
                     // Its restored rows were never checked against the
@@ -383,12 +401,12 @@ impl Tiers {
                 }
                 Err(e) => {
                     if let Some(w) = self.waiting.lock().get_mut(name) {
-                        w.2 = e.message;
+                        w.why = e.message;
                     }
                 }
             }
         }
-        let why = self.waiting.lock().get(name).map(|w| w.2.clone()).unwrap_or_default();
+        let why = self.waiting.lock().get(name).map(|w| w.why.clone()).unwrap_or_default();
         Err(ProtoError::new(
             ErrorCode::BackingUnavailable,
             format!(
@@ -731,13 +749,30 @@ impl Tiers {
     /// file with the one it declares). Returns the tables whose cluster
     /// could not be opened, with why: their requests are refused
     /// ([`Tiers::backed`]) until a later try opens it.
+    ///
+    /// A table that holds rows here existed before (a restore brought
+    /// them: a table of the config file starts empty), so its cluster
+    /// must hold its meta hash: one that does not is refused, never
+    /// adopted ([`Options::existing`]). A tester's restored table, whose
+    /// seeds named nodes of two clusters, was opened on the other one
+    /// while its own was stopped for 3 s: the restore's check erased all
+    /// its rows from the cache, and new writes went to the wrong cluster.
     pub async fn sync(&self, router: &Router) -> Vec<(String, String)> {
         let mut failed = Vec::new();
         for t in router.tables() {
             if t.spec.backing.is_some() && self.get(&t.spec.name).is_none() {
-                if let Err(e) = self.open(&t.spec).await {
+                // Unknown counts as rows: refusing a wrong cluster costs
+                // a wait, adopting one costs the rows.
+                let existing = router.sizes(&t).await.map_or(true, |s| s.iter().any(|s| s.0 > 0));
+                if let Err(e) = self.open_as(&t.spec, existing).await {
                     let mut w = self.waiting.lock();
-                    w.insert(t.spec.name.clone(), (t.spec.clone(), std::time::Instant::now(), e.message.clone()));
+                    let waiting = Waiting {
+                        spec: t.spec.clone(),
+                        last: std::time::Instant::now(),
+                        why: e.message.clone(),
+                        existing,
+                    };
+                    w.insert(t.spec.name.clone(), waiting);
                     self.any_waiting.store(true, Relaxed);
                     failed.push((t.spec.name.clone(), e.message));
                 }
@@ -1669,7 +1704,12 @@ pub fn prometheus(o: &mut String, d: &hkv_proto::stats::Stats) {
         ("backing_queue_oldest_ms", "gauge", "Age of the oldest queued row.", |b| b.queue_oldest_ms),
         ("backing_queue_limit_bytes", "gauge", "The write-back queue's bound.", |b| b.queue_limit_bytes),
         ("backing_queue_full_total", "counter", "Writers refused by a full write-back queue.", |b| b.queue_full),
-        ("backing_invalidations_total", "counter", "Keys other hosts' writes invalidated here.", |b| b.invalidations),
+        (
+            "backing_invalidations_total",
+            "counter",
+            "Keys named by other hosts' stream entries heard here, cached here or not.",
+            |b| b.invalidations,
+        ),
         ("backing_unpublished_entries", "gauge", "Stream entries of this host's writes waiting to be appended.", |b| {
             b.unpublished_entries
         }),

@@ -1905,3 +1905,68 @@ fn a_host_serving_only_hits_hears_writes_after_its_streams_master_fails_over() {
         cb.find("fo", &keys[..1]).unwrap().values
     );
 }
+
+/// A tester's table named a node of each of two clusters and was
+/// accepted; after a checkpoint, a restart that found its own cluster's
+/// seed stopped (SIGSTOP, 3 s) opened it on the other cluster: the
+/// restore's check erased all 1000 restored rows from the cache (`erased=
+/// 1000`), new writes went to the other cluster, which got a meta hash of
+/// the table too. Now create-table refuses seeds of two clusters, and a
+/// restored table waits for a cluster that holds its meta hash: refused
+/// (`backing_unavailable`, naming the meta hash), its cache untouched,
+/// nothing written to the other cluster, and served again once its own
+/// cluster answers.
+#[test]
+fn a_restored_table_never_adopts_a_cluster_without_its_meta_hash() {
+    let start = |_| TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let (one, two) = (start(1), start(2));
+    let mixed = format!("{},{}", one.seeds()[0], two.seeds()[0]);
+    let d = Daemon::start(&[]);
+    let mut c = d.client();
+    let e = c.create_table(backed("split", &mixed, BackingMode::WriteThrough)).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::BadRequest), "{e}");
+    assert!(e.to_string().contains(&format!("cluster 2: {}", two.seeds()[0])), "{e}");
+    assert!(c.tables().unwrap().is_empty());
+    // Seeds that do not answer are not checked: the other cluster's seed
+    // stopped, the table is made as before the check existed.
+    two.pause(0).unwrap();
+    c.create_table(backed("split", &mixed, BackingMode::WriteThrough)).unwrap();
+    two.resume(0).unwrap();
+    let keys: Vec<u64> = (1..=200).collect();
+    let values: Vec<f32> = keys.iter().flat_map(|&k| [k as f32, 0.5, -1.0, f32::from_bits(k as u32)]).collect();
+    c.insert_or_assign("split", &keys, &values, None).unwrap();
+    c.checkpoint(true, true).unwrap();
+    drop(c);
+
+    one.pause(0).unwrap();
+    let d = d.restart(&["--restore", "latest"]);
+    let mut c = d.client();
+    let e = c.find("split", &keys[..3]).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::BackingUnavailable), "{e}");
+    assert!(e.to_string().contains("no meta hash hkv:{split}:meta"), "{e}");
+    let e = c.insert_or_assign("split", &[9999], &[1.0; 4], None).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::BackingUnavailable), "{e}");
+    assert_eq!(c.tables().unwrap()[0].size, 200, "no restored row is erased");
+    for i in 0..3 {
+        assert_eq!(two.cli(i, &["dbsize"]).unwrap().trim(), "0", "nothing reaches the other cluster (node {i})");
+    }
+
+    one.resume(0).unwrap();
+    let since = Instant::now();
+    let f = loop {
+        match c.find("split", &keys) {
+            Ok(f) => break f,
+            Err(e) => {
+                assert_eq!(e.code(), Some(ErrorCode::BackingUnavailable), "{e}");
+                assert!(since.elapsed() < Duration::from_secs(40), "the table's own cluster was not opened: {e}");
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    };
+    assert!(f.found.iter().all(|f| *f), "every row is read back");
+    assert!(f.values.iter().zip(&values).all(|(x, y)| x.to_bits() == y.to_bits()), "rows bit for bit");
+    c.insert_or_assign("split", &[9999], &[1.0; 4], None).unwrap();
+    for i in 0..3 {
+        assert_eq!(two.cli(i, &["dbsize"]).unwrap().trim(), "0", "nothing reaches the other cluster (node {i})");
+    }
+}
