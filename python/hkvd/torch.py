@@ -1129,6 +1129,10 @@ class _Sparse(torch.nn.Module):
         sent again after the step (of modules on this module's device and
         transport; the others' forwards look up) and the step's
         hyperparameters."""
+        # Values set on the module since it was made: one that is no
+        # number raises here, before anything is read or counted.
+        hyper = dict(lr=_number(self.lr, "lr"), eps=_number(self.eps, "eps"), beta1=_number(self.betas[0], "betas[0]"),
+                     beta2=_number(self.betas[1], "betas[1]"), weight_decay=_number(self.weight_decay, "weight_decay"))
         self._settle_sharing()
         again = [(m, p) for m, p in self._drop_table_lookups()
                  if m.device == self.device and m.cache.transport == self.cache.transport]
@@ -1138,8 +1142,7 @@ class _Sparse(torch.nn.Module):
                 for p in pending:
                     self._drop_of(m, p)
         self.step += 1
-        hyper = dict(lr=self.lr, eps=self.eps, beta1=self.betas[0], beta2=self.betas[1],
-                     weight_decay=self.weight_decay, step=self.step)
+        hyper["step"] = self.step
         self._keep_patches()  # the step writes the buffers the patches read
         return again, hyper
 

@@ -1553,4 +1553,11 @@ def test_a_device_or_hyperparameter_torch_cannot_use_is_refused_when_made(daemon
     e(torch.tensor([1])).sum().backward()
     e.flush()
     assert c.find("dev", [1])[0][0].tolist() == [-0.5, -0.5]
+    e.lr = "0.5"  # set later: refused at the backward, the step not counted
+    with pytest.raises(TypeError, match="^lr must be a number"):
+        e(torch.tensor([1])).sum().backward()
+    e.lr = 0.5
+    e(torch.tensor([1])).sum().backward()
+    e.flush()
+    assert e.step == 2 and c.find("dev", [1])[0][0].tolist() == [-1.0, -1.0]
     c.close()
