@@ -77,6 +77,11 @@ pub enum Cmd {
         /// Table name.
         name: String,
     },
+    /// Erase every entry of a table; a backed table that writes (write-through, write-back) erases its rows from its cluster too.
+    Clear {
+        /// Table name.
+        table: String,
+    },
     /// Drain a backed table's write-back queue into its cluster (returns once every queued row is there).
     Flush {
         /// Table name.

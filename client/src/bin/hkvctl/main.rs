@@ -69,7 +69,12 @@ fn run(cli: Cli) -> Result<()> {
     // whose answer comes when long work is done wait as long as it takes.
     let waits_for_work = matches!(
         cmd,
-        Cmd::Restore { .. } | Cmd::Trace { .. } | Cmd::Flush { .. } | Cmd::DropTable { .. } | Cmd::Shutdown
+        Cmd::Restore { .. }
+            | Cmd::Trace { .. }
+            | Cmd::Flush { .. }
+            | Cmd::Clear { .. }
+            | Cmd::DropTable { .. }
+            | Cmd::Shutdown
     );
     let timeout = cli.timeout.unwrap_or(if waits_for_work { 0.0 } else { DEFAULT_TIMEOUT_S });
     c.set_timeout(Some(std::time::Duration::from_secs_f64(timeout)))?;
@@ -84,6 +89,10 @@ fn run(cli: Cli) -> Result<()> {
             c.drop_table(&name)?;
             println!("dropped {name}");
             checkpoint::note_drop_undone_at_start(c, &name);
+        }
+        Cmd::Clear { table } => {
+            c.clear(&table)?;
+            println!("cleared {table}");
         }
         Cmd::Flush { table } => {
             c.flush(&table)?;
