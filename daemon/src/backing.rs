@@ -750,20 +750,24 @@ impl Tiers {
     /// could not be opened, with why: their requests are refused
     /// ([`Tiers::backed`]) until a later try opens it.
     ///
-    /// A table that holds rows here existed before (a restore brought
-    /// them: a table of the config file starts empty), so its cluster
-    /// must hold its meta hash: one that does not is refused, never
+    /// A table of `restored`, or one that holds rows here, existed before
+    /// (a table of the config file starts empty), so its cluster must
+    /// hold its meta hash: one that does not is refused, never
     /// adopted ([`Options::existing`]). A tester's restored table, whose
     /// seeds named nodes of two clusters, was opened on the other one
     /// while its own was stopped for 3 s: the restore's check erased all
     /// its rows from the cache, and new writes went to the wrong cluster.
-    pub async fn sync(&self, router: &Router) -> Vec<(String, String)> {
+    pub async fn sync(&self, router: &Router, restored: &[String]) -> Vec<(String, String)> {
         let mut failed = Vec::new();
         for t in router.tables() {
             if t.spec.backing.is_some() && self.get(&t.spec.name).is_none() {
-                // Unknown counts as rows: refusing a wrong cluster costs
-                // a wait, adopting one costs the rows.
-                let existing = router.sizes(&t).await.map_or(true, |s| s.iter().any(|s| s.0 > 0));
+                // A restored table was created on its cluster before, rows
+                // or none (a tester's restored empty table adopted another
+                // cluster). Otherwise rows say so; unknown counts as rows:
+                // refusing a wrong cluster costs a wait, adopting one
+                // costs the rows.
+                let existing = restored.contains(&t.spec.name)
+                    || router.sizes(&t).await.map_or(true, |s| s.iter().any(|s| s.0 > 0));
                 if let Err(e) = self.open_as(&t.spec, existing).await {
                     let mut w = self.waiting.lock();
                     let waiting = Waiting {

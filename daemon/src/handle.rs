@@ -226,8 +226,8 @@ async fn control(
         Control::Restore { id } => {
             let r = state.checkpoints.restore(state.router.clone(), id, crate::ckpt::Occasion::Request).await?;
             let r = r.ok_or_else(|| ProtoError::new(ErrorCode::NotFound, "there is no checkpoint to restore"))?;
-            crate::backing::Tiers::log_unopened(&state.backing.sync(&state.router).await);
             let names: Vec<String> = r.tables.iter().map(|(n, _)| n.clone()).collect();
+            crate::backing::Tiers::log_unopened(&state.backing.sync(&state.router, &names).await);
             state.backing.reconcile_restored(&state.router, &names).await;
             Ok(Response::Json(serde_json::to_vec(&r).expect("serializes")))
         }

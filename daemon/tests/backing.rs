@@ -1931,6 +1931,9 @@ fn a_restored_table_never_adopts_a_cluster_without_its_meta_hash() {
     // stopped, the table is made as before the check existed.
     two.pause(0).unwrap();
     c.create_table(backed("split", &mixed, BackingMode::WriteThrough)).unwrap();
+    // A table restored without rows existed before too (it adopted the
+    // other cluster, a tester found, when only rows counted).
+    c.create_table(backed("hollow", &mixed, BackingMode::WriteThrough)).unwrap();
     two.resume(0).unwrap();
     let keys: Vec<u64> = (1..=200).collect();
     let values: Vec<f32> = keys.iter().flat_map(|&k| [k as f32, 0.5, -1.0, f32::from_bits(k as u32)]).collect();
@@ -1946,7 +1949,11 @@ fn a_restored_table_never_adopts_a_cluster_without_its_meta_hash() {
     assert!(e.to_string().contains("no meta hash hkv:{split}:meta"), "{e}");
     let e = c.insert_or_assign("split", &[9999], &[1.0; 4], None).unwrap_err();
     assert_eq!(e.code(), Some(ErrorCode::BackingUnavailable), "{e}");
-    assert_eq!(c.tables().unwrap()[0].size, 200, "no restored row is erased");
+    let e = c.find("hollow", &keys[..3]).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::BackingUnavailable), "{e}");
+    assert!(e.to_string().contains("no meta hash hkv:{hollow}:meta"), "{e}");
+    let split = c.tables().unwrap().into_iter().find(|t| t.spec.name == "split").unwrap();
+    assert_eq!(split.size, 200, "no restored row is erased");
     for i in 0..3 {
         assert_eq!(two.cli(i, &["dbsize"]).unwrap().trim(), "0", "nothing reaches the other cluster (node {i})");
     }
