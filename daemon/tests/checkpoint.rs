@@ -787,13 +787,14 @@ fn chunk_dir(root: &std::path::Path, id: &str) -> std::path::PathBuf {
     root.join("state/checkpoints/chunks").join(id)
 }
 
-/// The checkpoint's files other than its MANIFEST (chunks, key lists).
+/// The checkpoint's files other than its MANIFEST and marks (chunks, key
+/// lists).
 fn chunk_files(root: &std::path::Path, id: &str) -> Vec<std::path::PathBuf> {
     let mut v: Vec<_> = std::fs::read_dir(chunk_dir(root, id))
         .unwrap()
         .flatten()
         .map(|e| e.path())
-        .filter(|p| p.file_name().unwrap() != "MANIFEST")
+        .filter(|p| !["MANIFEST", "VERIFIED", "CORRUPT"].contains(&p.file_name().unwrap().to_str().unwrap()))
         .collect();
     v.sort();
     v
@@ -867,7 +868,8 @@ fn a_damaged_manifest_is_rewritten_from_the_catalog_and_never_deletes_a_checkpoi
         .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with(&format!("{}.damaged-", ids[1])))
         .collect();
     assert_eq!(moved.len(), 1, "I2 is moved aside");
-    assert_eq!(std::fs::read_dir(&moved[0]).unwrap().count(), files.len() + 1, "with every file");
+    // Every file: its data, its MANIFEST and its VERIFIED mark.
+    assert_eq!(std::fs::read_dir(&moved[0]).unwrap().count(), files.len() + 2, "with every file");
     let status = listed_status(&mut c);
     assert_eq!(status[&ids[2]], format!("unusable: base {} is missing", ids[1]), "{status:?}");
     assert_eq!(status[&ids[0]], "complete");
@@ -1351,6 +1353,34 @@ fn a_lower_keep_never_deletes_the_checkpoints_a_restore_needs() {
     assert_eq!(checkpoint_dirs(&root), [l["id"].as_str().unwrap().to_string()]);
 }
 
+/// A tester's daemon, stopped and started again with a checkpoint in each
+/// lifetime, kept every checkpoint under keep 3 (and 28, 1.9 GB, under
+/// keep 6): each process counted as restorable only the checkpoint it
+/// restored and the one it wrote. A checkpoint a daemon wrote or verified
+/// whole stays known restorable in later processes (its VERIFIED mark).
+#[test]
+fn keep_holds_across_restarts() {
+    let flags = ["--checkpoint-keep", "3"];
+    let mut d = Daemon::start(&flags);
+    d.client().create_table(spec("t", 4, 1 << 12, "lru", "single")).unwrap();
+    let mut ids = vec![];
+    let mut last = BTreeMap::new();
+    for i in 0..6u64 {
+        let mut c = d.client();
+        fill(&mut c, "t", 4, i * 100..i * 100 + 50, false);
+        let l = c.checkpoint(true, true).unwrap();
+        ids.push(l["id"].as_str().unwrap().to_string());
+        last = snapshot(&mut c, "t");
+        drop(c);
+        let dir = stop(d);
+        let root = dir.path().to_path_buf();
+        d = Daemon::start_in(dir, root.join("run").join("hkvd.sock"), &flags);
+    }
+    let root = d.dir.path().to_path_buf();
+    assert_eq!(checkpoint_dirs(&root), ids[3..], "the newest 3 are kept, the older ones go");
+    assert_eq!(snapshot(&mut d.client(), "t"), last, "the newest is restored");
+}
+
 /// Fills the file system holding `dir` (a file written until ENOSPC).
 fn fill_disk(dir: &std::path::Path) {
     use std::io::Write;
@@ -1580,4 +1610,13 @@ fn restore_none_keeps_the_checkpoints_it_did_not_restore() {
     let d = d.restart(&["--checkpoint-keep", "1", "--restore", &old]);
     let mut c = d.client();
     assert_eq!(c.find("kept", &[1, 2, 3]).unwrap().found, vec![true; 3]);
+    // The restored checkpoint stays on disk, though newer ones are known
+    // restorable, until a newer one holds the tables' data.
+    let ids: Vec<String> =
+        c.checkpoints().unwrap().as_array().unwrap().iter().map(|x| x["id"].as_str().unwrap().to_string()).collect();
+    assert!(ids.contains(&old), "the restored checkpoint is kept: {ids:?}");
+    let l = c.checkpoint(true, false).unwrap();
+    let ids: Vec<String> =
+        c.checkpoints().unwrap().as_array().unwrap().iter().map(|x| x["id"].as_str().unwrap().to_string()).collect();
+    assert_eq!(ids, [l["id"].as_str().unwrap().to_string()], "then keep 1 keeps the newest alone");
 }

@@ -152,6 +152,8 @@ impl Checkpoints {
     pub async fn retain(self: &Arc<Self>) {
         let _gate = self.gate.lock().await;
         let ck = self.clone();
+        // Checkpoints earlier processes wrote or verified count from now on.
+        self.catalog.trust_marks();
         match tokio::task::spawn_blocking(move || ck.catalog.collect(ck.config.keep, None)).await {
             Ok(Ok(removed)) if !removed.is_empty() => info!(
                 removed = ?removed.iter().map(|i| format!("{i:016x}")).collect::<Vec<_>>(),

@@ -243,6 +243,9 @@ impl Checkpoints {
                         // Restorable: every file it needs was just read and verified.
                         self.catalog.mark_verified(m.id);
                     }
+                    if let Some(m) = chain.last() {
+                        self.catalog.pin(m.id);
+                    }
                     let seconds = started.elapsed().as_secs_f64();
                     let r = Restored {
                         id: format!("{:016x}", chain.last().map_or(id, |m| m.id)),
