@@ -205,7 +205,8 @@ def test_restoring_a_corrupt_checkpoint_raises_corrupt_checkpoint(daemon, tmp_pa
     c.insert_or_assign("t", [1, 2, 3], np.ones((3, 2), np.float32), scores=[5, 6, 7])
     listing = c.checkpoint(wait=True)
     d = tmp_path / "state" / "checkpoints" / "chunks" / listing["id"]
-    chunk = sorted(p for p in d.iterdir() if p.name != "MANIFEST")[0]
+    # A data file: not the MANIFEST, nor the VERIFIED / CORRUPT marks.
+    chunk = sorted(p for p in d.iterdir() if p.name not in ("MANIFEST", "VERIFIED", "CORRUPT"))[0]
     b = bytearray(chunk.read_bytes())
     b[len(b) // 2] ^= 0x10
     chunk.write_bytes(bytes(b))
