@@ -127,8 +127,9 @@ pub struct Catalog {
     /// for is never removed before it runs.
     marks: Arc<std::sync::atomic::AtomicBool>,
     /// The checkpoint the tables were last restored from, kept with its
-    /// chain until this process writes a newer one ([`Catalog::pin`]): a
-    /// restore of an older checkpoint is what a restart restores next.
+    /// chain until this process writes a newer one ([`Catalog::pin`]): the
+    /// data the tables hold stays on disk after a restore of an older
+    /// checkpoint, though newer ones are known restorable.
     pinned: Arc<Mutex<Option<u64>>>,
 }
 
