@@ -287,6 +287,9 @@ pub(crate) enum Failure {
 #[derive(Debug)]
 struct Topology {
     slots: Vec<Option<Arc<str>>>,
+    /// One more with each change of `slots` (readers of the whole map
+    /// keep what they derived from it until this moves).
+    generation: u64,
 }
 
 /// A connected cluster: our own slot map and one multiplexed connection
@@ -331,7 +334,7 @@ impl Cluster {
         let cluster = Cluster {
             seeds: infos,
             net,
-            topo: RwLock::new(Topology { slots: vec![None; SLOTS as usize] }),
+            topo: RwLock::new(Topology { slots: vec![None; SLOTS as usize], generation: 0 }),
             conns: Mutex::new(HashMap::new()),
             down: Mutex::new(HashMap::new()),
             refreshed: Mutex::new(None),
@@ -377,7 +380,13 @@ impl Cluster {
                 self.moved.lock().insert(slot);
             }
             *old = Some(node);
+            topo.generation += 1;
         }
+    }
+
+    /// The slot map's generation: it moves whenever the map changes.
+    pub fn generation(&self) -> u64 {
+        self.topo.read().generation
     }
 
     fn node_arc(&self, slot: u16) -> Option<Arc<str>> {
@@ -759,7 +768,7 @@ impl Cluster {
                         if moved > 0 {
                             tracing::info!(table = %self.table, slots = moved, from = %node, "the cluster's slot map changed (a failover or a reshard)");
                         }
-                        *topo = Topology { slots };
+                        *topo = Topology { slots, generation: topo.generation + 1 };
                         drop(topo);
                         *self.refreshed.lock() = Some(Instant::now());
                         return Ok(());

@@ -1411,11 +1411,18 @@ async fn flusher(core: Arc<Core>) {
     let mut busy: HashMap<String, usize> = HashMap::new();
     // Per node that failed: not before when, and the pause after the next failure.
     let mut paused: HashMap<String, (tokio::time::Instant, Duration)> = HashMap::new();
+    // The groups of each node, made again only when the slot map changed
+    // (the loop runs at every write's wake-up).
+    let mut by_node: (Option<u64>, Vec<(String, Vec<usize>)>) = (None, Vec::new());
     loop {
         let now = tokio::time::Instant::now();
         let mut wake = now + Duration::from_millis(100);
-        for (node, groups) in core.groups_by_node() {
-            if let Some(&(until, _)) = paused.get(&node) {
+        let generation = core.cluster.generation();
+        if by_node.0 != Some(generation) {
+            by_node = (Some(generation), core.groups_by_node());
+        }
+        for (node, groups) in &by_node.1 {
+            if let Some(&(until, _)) = paused.get(node) {
                 if until > now {
                     wake = wake.min(until);
                     continue;
@@ -1423,7 +1430,7 @@ async fn flusher(core: Arc<Core>) {
             }
             let n = busy.entry(node.clone()).or_default();
             while *n < NODE_DEPTH {
-                let batch: Batch = core.queue.take_groups(&groups, core.options.batch_rows);
+                let batch: Batch = core.queue.take_groups(groups, core.options.batch_rows);
                 if batch.is_empty() {
                     break;
                 }

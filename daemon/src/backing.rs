@@ -40,7 +40,7 @@ pub struct Tiers {
     tables: RwLock<HashMap<String, Arc<Entry>>>,
     /// Restored tables whose cluster could not be opened yet: their spec,
     /// the last attempt, why it failed, and whether the table existed
-    /// before ([`Options::existing`]: it held rows). Their requests are
+    /// before ([`Options::existing`]: restored, or holding rows). Their requests are
     /// refused (`backing_unavailable`) and the open is tried again by a
     /// request at most every [`REOPEN_EVERY`].
     waiting: parking_lot::Mutex<HashMap<String, Waiting>>,
@@ -271,7 +271,7 @@ impl Tiers {
     }
 
     /// [`Tiers::open`]; with `existing`, for a table that existed before
-    /// (restored with rows): a cluster without its meta hash is refused,
+    /// (restored, or holding rows): a cluster without its meta hash is refused,
     /// never adopted ([`Options::existing`]).
     async fn open_as(&self, spec: &TableSpec, existing: bool) -> Result<(), ProtoError> {
         let Some(b) = &spec.backing else { return Ok(()) };
