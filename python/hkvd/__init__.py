@@ -537,6 +537,11 @@ class Client:
         self._pending: Dict[int, _Pending] = {}
         self._done: Dict[int, object] = {}
         self._dims: Dict[str, int] = {}
+        # How many times this client dropped or created each table: the
+        # daemon does not refuse a connection's request on a table it made
+        # again itself (PROTOCOL.md, "A table made again"), so hkvd.torch
+        # compares this count with the one its module or cache was made at.
+        self._made: Dict[str, int] = {}
         self._hdr = bytearray(HEADER.size)
         self._body_read = 0  # bytes of the current answer's body read so far
         self._lock = threading.Lock()
@@ -963,11 +968,13 @@ class Client:
         if optimizer is not None:
             spec["optimizer"] = optimizer
         info = self._json(OP_CREATE_TABLE, spec)
+        self._made[name] = self._made.get(name, 0) + 1
         self._learn(info)
         return info
 
     def drop_table(self, name: str) -> None:
         self._json(OP_DROP_TABLE, {"name": name})
+        self._made[name] = self._made.get(name, 0) + 1
         self._dims.pop(name, None)
         self.__dict__.get("_specs", {}).pop(name, None)
 

@@ -165,6 +165,9 @@ class EmbeddingCache:
         self.row_dim = client.dim(table)
         self.dim = client.value_dim(table)
         self.optimizer = client.optimizer(table)
+        # The client's count of its own drops and creations of the table
+        # now: one made again by this client since is not this cache's.
+        self._made_at = client._made.get(table, 0)
         self.init = init
         self.max_batch = max_batch
         self.events = events
@@ -360,6 +363,16 @@ class EmbeddingCache:
         return ("socket", c.send_write(op, self.table, k, v), m)
 
     def _refuse_if_remade(self) -> None:
+        """Raises, before a request is sent, the error that said the table
+        was made again since this cache was made for it; or says so first
+        where this cache's own client dropped or created the table since
+        (the daemon refuses such a request only on another connection:
+        PROTOCOL.md, "A table made again"; a tester's module read the first
+        columns of the new table's rows as its own)."""
+        if self._remade is None and self.client._made.get(self.table, 0) != self._made_at:
+            how = "dropped and created again" if self.table in self.client._dims else "dropped"
+            self._remade = UnknownTable("unknown_table", f"table {self.table!r} was {how} by this cache's client "
+                                                         f"since the cache was made for it: make a new one for it")
         if self._remade is not None:
             raise UnknownTable(self._remade.code, self._remade.message)
 
@@ -878,6 +891,7 @@ class _Sparse(torch.nn.Module):
         ``ReservedKey`` now, naming its place, and nothing is sent (ids on
         a GPU are not read here: the forward that would use the lookup
         raises the table's refusal, and one no forward uses is dropped)."""
+        self._refuse_if_remade()
         src = ids if isinstance(ids, torch.Tensor) else torch.as_tensor(np.asarray(ids))
         if _readable(src):
             bad = self._reserved_at(None, _integer_ids(src).reshape(-1).to(torch.int64), _unsigned(ids),
@@ -907,7 +921,7 @@ class _Sparse(torch.nn.Module):
         while len(self._pending) >= 2:
             self._drop(self._pending.pop(0))
         p = _Prefetched(flat, uniq, inv, None, None)
-        p.cache = self._spare.pop() if self._spare else EmbeddingCache(self.client, self.table, **self._kw)
+        p.cache = self._spare_cache()
         t0 = time.perf_counter()
         try:
             p.token = p.cache._send(region.OP_FIND_OR_INSERT, uniq, self._init_rows(uniq), done_event=False)
@@ -924,7 +938,7 @@ class _Sparse(torch.nn.Module):
         (:meth:`_drop_table_lookups`)."""
         self._settle_sharing()
         t0 = time.perf_counter()
-        p.cache = self._spare.pop() if self._spare else EmbeddingCache(self.client, self.table, **self._kw)
+        p.cache = self._spare_cache()
         try:
             p.token = p.cache._send(region.OP_FIND_OR_INSERT, p.ids, self._init_rows(p.ids), done_event=False)
         except BaseException:
@@ -934,6 +948,16 @@ class _Sparse(torch.nn.Module):
         while len(self._pos_pending) > 2:  # unused ones: at most two kept
             self._drop(self._pos_pending.pop(0))
         self.timings["lookup"] += time.perf_counter() - t0
+
+    def _spare_cache(self) -> EmbeddingCache:
+        """A cache for a lookup sent ahead: a spare one, else a new one,
+        which refuses what the module's own cache refuses (a table this
+        module's client made again since the module was made)."""
+        if self._spare:
+            return self._spare.pop()
+        c = EmbeddingCache(self.client, self.table, **self._kw)
+        c._made_at = self.cache._made_at
+        return c
 
     @property
     def transport(self) -> str:
@@ -1133,6 +1157,9 @@ class _Sparse(torch.nn.Module):
         # number raises here, before anything is read or counted.
         hyper = dict(lr=_number(self.lr, "lr"), eps=_number(self.eps, "eps"), beta1=_number(self.betas[0], "betas[0]"),
                      beta2=_number(self.betas[1], "betas[1]"), weight_decay=_number(self.weight_decay, "weight_decay"))
+        # A forward before the table was made again, its backward after:
+        # no step for the new table's rows.
+        self._refuse_if_remade()
         self._settle_sharing()
         again = [(m, p) for m, p in self._drop_table_lookups()
                  if m.device == self.device and m.cache.transport == self.cache.transport]
@@ -1163,7 +1190,7 @@ class _Sparse(torch.nn.Module):
         # connection follows the step only once the step is answered.
         again = sorted(again, key=lambda mp: mp[0].client is not self.client)
         for m, p in again:
-            p.cache = m._spare.pop() if m._spare else EmbeddingCache(m.client, m.table, **m._kw)
+            p.cache = m._spare_cache()
         after = ordered and c.transport == "cuda-ipc" and c.events
         sent = 0
         try:
@@ -1252,12 +1279,41 @@ class _Sparse(torch.nn.Module):
         self._step_then_lookups(again, step, ordered=False)
         self.timings["apply"] += time.perf_counter() - t0
 
-    def _gathered(self, ids):
+    def _refuse_if_remade(self) -> None:
+        """Raises the error that said the table was made again under this
+        module, again: every forward, step and prefetch after it says so (a
+        second one failed on the old width's buffers, or ran on the new
+        table's rows as the old one's). Where this module's own client
+        dropped or created the table since the module was made, says so
+        first: the daemon refuses that only on other connections
+        (PROTOCOL.md, "A table made again"), and a new table of rows as
+        wide (adagrad dim 4, then sgd dim 8) was read by a tester's forward
+        as the old one's."""
+        if self._remade is None and self.client._made.get(self.table, 0) != self.cache._made_at:
+            self._remade = self._made_again_here()
         if self._remade is not None:
-            # The table was made again under this module: every forward
-            # says so (a second one failed on the old width's buffers, or
-            # ran on the new table's rows as the old one's).
             raise type(self._remade)(self._remade.code, self._remade.message)
+
+    def _made_again_here(self) -> HkvdError:
+        """The error of a table this module's client dropped (and perhaps
+        created again) since the module was made: ``WrongDim`` naming the
+        new dim and optimizer where they differ (as :meth:`_dim_changed`),
+        else ``UnknownTable``."""
+        now = next((t["spec"] for t in self.client.tables() if t["spec"]["name"] == self.table), None)
+        if now is None:
+            return UnknownTable("unknown_table", f"table {self.table!r} was dropped by this module's client since "
+                                                 f"this module was made for it: make a new module for a table "
+                                                 f"created again")
+        if (now["dim"], now.get("optimizer")) != (self.dim, self.optimizer):
+            return WrongDim("wrong_dim", f"table {self.table!r} now has dim {now['dim']} and optimizer "
+                                         f"{now.get('optimizer')}, not the dim {self.dim} and {self.optimizer} this "
+                                         f"module was made for: this module's client dropped and created it again. "
+                                         f"Make a new module for it")
+        return UnknownTable("unknown_table", f"table {self.table!r} was dropped and created again since this module "
+                                             f"was made for it (by this module's client): make a new module for it")
+
+    def _gathered(self, ids):
+        self._refuse_if_remade()
         known = self.client._dims.get(self.table, self.cache.row_dim)
         if known != self.cache.row_dim:
             # This module's client made the table again (and learned its
@@ -1303,6 +1359,8 @@ class _Sparse(torch.nn.Module):
         that once; the table may be as wide as the old one, whose rows
         this module would read as its own), the error every later forward
         raises too."""
+        if self._remade is not None:
+            return self._said(e)
         if _MADE_AGAIN not in e.message:
             return e
         self._remade = UnknownTable(e.code, f"table {self.table!r} was dropped and created again since this module "
@@ -1310,10 +1368,20 @@ class _Sparse(torch.nn.Module):
                                             f"{e.message})")
         return self._remade
 
+    def _said(self, e: HkvdError) -> HkvdError:
+        """``e`` when it is the error that said the table was made again
+        under this module (raised by :meth:`_refuse_if_remade`), else that
+        error: what was said once is said again, not wrapped."""
+        if type(e) is type(self._remade) and e.message == self._remade.message:
+            return e
+        return type(self._remade)(self._remade.code, self._remade.message)
+
     def _dim_changed(self, e: "WrongDim") -> "WrongDim":
         """``e`` with what a user can act on when the table is not the one
         this module was made for any more (dropped and created again with
         another dim or optimizer): the daemon's message names row widths."""
+        if self._remade is not None:
+            return self._said(e)
         now = next((t for t in self.client.tables() if t["spec"]["name"] == self.table), None)
         if now is None:
             return e

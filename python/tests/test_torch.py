@@ -1375,6 +1375,7 @@ def test_a_dropped_prefetchs_refusal_leaves_the_module_in_step(daemon, monkeypat
             c.dim("gone")
             c._dims["nowhere"] = c._dims["gone"]  # else the client refuses it unsent
             c._specs["nowhere"] = c._specs["gone"]
+            c._made["nowhere"] = c._made["gone"]  # else the cache calls "gone" made again
             self.table = "nowhere"
             try:
                 return real(self, op, keys, rows, *a, **kw)
@@ -1560,4 +1561,69 @@ def test_a_device_or_hyperparameter_torch_cannot_use_is_refused_when_made(daemon
     e(torch.tensor([1])).sum().backward()
     e.flush()
     assert e.step == 2 and c.find("dev", [1])[0][0].tolist() == [-1.0, -1.0]
+    c.close()
+
+
+@pytest.mark.parametrize("dedupe", ["table", "module"])
+@pytest.mark.parametrize("transport", ["shm", "socket"])
+def test_a_table_made_again_by_the_modules_own_client_is_named(daemon, transport, dedupe):
+    """A tester dropped and created a module's table again through the
+    module's own client with rows as wide (adagrad dim 4, then sgd dim 8:
+    8 floats a row). The daemon refuses that only on other connections,
+    so the forward returned the first 4 columns of each new row as the
+    old table's values, and the backward then failed on a gradient's
+    shape. Now the module says the table was made again (the new dim
+    named), and so does every forward, step and prefetch after it; with
+    the same spec too; and its cache refuses the same. The new table's
+    rows are left as they were."""
+    from hkvd.torch import Embedding
+
+    c = daemon.client()
+    kw = dict(lr=0.1, verbose=False, device="cpu", transport=transport, dedupe=dedupe)
+    ids = torch.tensor([1, 2])
+    for new_dim, new_opt, err in [(8, "sgd", hkvd.WrongDim), (4, "adagrad", hkvd.UnknownTable)]:
+        name = f"own_{new_dim}"
+        c.create_table(name, dim=4, capacity=1024, optimizer="adagrad")
+        e = Embedding(c, name, **kw)
+        e(ids).sum().backward()
+        e.prefetch(ids)
+        late = e(ids)  # its backward comes after the table is made again
+        c.drop_table(name)
+        c.create_table(name, dim=new_dim, capacity=1024, optimizer=new_opt)
+        row_dim = c.dim(name)
+        c.insert_or_assign(name, [1, 2], np.full((2, row_dim), 7.0, np.float32))
+        with pytest.raises(err):
+            late.sum().backward()
+        for _ in range(2):
+            with pytest.raises(err):
+                e(ids)
+            with torch.no_grad(), pytest.raises(err):
+                e(ids)
+            with pytest.raises(err):
+                e.prefetch(ids)
+        with pytest.raises(hkvd.UnknownTable):
+            e.cache.lookup(ids)
+        assert e.step == 1
+        values, found = c.find(name, [1, 2])
+        assert found.all() and (values == 7.0).all()
+        # A module made for the new table reads its rows.
+        assert torch.equal(Embedding(c, name, **kw)(ids), torch.full((2, new_dim), 7.0))
+    c.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "socket"])
+def test_an_embedding_cache_of_a_table_its_client_made_again_refuses(daemon, transport):
+    """The same for an EmbeddingCache: its client dropped and created the
+    table again with rows as wide, and the cache's next lookups read the
+    new rows with the old dims."""
+    c = daemon.client()
+    c.create_table("ec_own", dim=4, capacity=1024, optimizer="adagrad")
+    cache = EmbeddingCache(c, "ec_own", device="cpu", transport=transport, verbose=False)
+    cache.lookup(torch.tensor([1]))
+    c.drop_table("ec_own")
+    c.create_table("ec_own", dim=8, capacity=1024, optimizer="sgd")
+    for _ in range(2):
+        with pytest.raises(hkvd.UnknownTable):
+            cache.lookup(torch.tensor([1]))
+    assert EmbeddingCache(c, "ec_own", device="cpu", transport=transport, verbose=False).dim == 8
     c.close()
