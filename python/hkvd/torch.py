@@ -129,7 +129,8 @@ class EmbeddingCache:
     dim (``spec.dim``): lookups return the values only, rows are inserted
     with zero optimizer state, ``write_back`` refuses to reset the state
     to zero unless given ``reset_state=True`` (an optimizer without state,
-    sgd, has none to lose), and
+    sgd, has none to lose), ``apply_gradients`` (which runs no optimizer)
+    is refused, and
     :meth:`optimizer_step` runs the table's optimizer (apply_gradients).
     ``row_dim`` is the stored row's width (values and state), which the
     buffers hold.
@@ -569,7 +570,19 @@ class EmbeddingCache:
     def apply_gradients(self, ids, grads: torch.Tensor, lr: float) -> None:
         """Adds ``-lr * grads`` to the rows of ``ids`` (``grads``: shape
         ``ids.shape + (dim,)`` or ``(n, dim)``); repeated ids get the sum of
-        their gradients."""
+        their gradients. A table created with an optimizer refuses it
+        (ValueError): this is accum_or_assign, not the table's optimizer,
+        which :meth:`optimizer_step` runs."""
+        if self.optimizer is not None:
+            # A tester's adagrad table got plain SGD here, its accumulators
+            # untouched: the client's apply_gradients of the same name runs
+            # the table's optimizer, and this one cannot (no eps, betas or
+            # Adam step count). Refused as write_back refuses to reset the
+            # state, pointing to what trains such rows.
+            raise ValueError(f"table {self.table!r} has optimizer {self.optimizer}, and "
+                             f"EmbeddingCache.apply_gradients adds -lr * grads to the values (accum_or_assign) "
+                             f"without it: use optimizer_step(uniq, grads, lr, ...) to run the table's optimizer "
+                             f"(or hkvd.torch.Embedding)")
         flat = self._ids(ids)
         if flat.numel() == 0:
             return

@@ -1627,3 +1627,26 @@ def test_an_embedding_cache_of_a_table_its_client_made_again_refuses(daemon, tra
             cache.lookup(torch.tensor([1]))
     assert EmbeddingCache(c, "ec_own", device="cpu", transport=transport, verbose=False).dim == 8
     c.close()
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adagrad"])
+@pytest.mark.parametrize("transport", ["shm", "socket"])
+def test_embedding_cache_apply_gradients_refuses_an_optimizer_table(daemon, transport, opt):
+    """EmbeddingCache.apply_gradients is accum_or_assign of -lr * grads. On
+    a tester's adagrad table it did plain SGD, silently, the accumulators
+    untouched (and an absent id would be inserted as -lr * grad). On a
+    table with an optimizer it is refused, pointing to optimizer_step,
+    which runs the table's optimizer; nothing is written."""
+    c = daemon.client()
+    c.create_table("ag", dim=4, capacity=1024, optimizer=opt)
+    cache = EmbeddingCache(c, "ag", device="cpu", transport=transport, verbose=False)
+    ids = torch.tensor([1, 2, 2])
+    before = cache.lookup(ids)
+    with pytest.raises(ValueError, match="optimizer_step"):
+        cache.apply_gradients(ids, torch.ones(3, 4), 0.1)
+    with pytest.raises(ValueError, match="optimizer_step"):
+        cache.apply_gradients(torch.tensor([9]), torch.ones(1, 4), 0.1)
+    assert torch.equal(cache.lookup(ids), before)
+    assert not c.contains("ag", [9]).any()
+    assert cache.optimizer_step(torch.tensor([1, 2]), torch.ones(2, 4), lr=0.1) == 0
+    c.close()
