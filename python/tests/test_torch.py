@@ -1650,3 +1650,36 @@ def test_embedding_cache_apply_gradients_refuses_an_optimizer_table(daemon, tran
     assert not c.contains("ag", [9]).any()
     assert cache.optimizer_step(torch.tensor([1, 2]), torch.ones(2, 4), lr=0.1) == 0
     c.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "socket"])
+def test_batches_past_max_batch_are_prefetched_with_dedupe_table(daemon, transport):
+    """With dedupe "table" a batch of more positions than max_batch takes
+    the module's deduplication at the forward, and prefetch() dropped it
+    silently: a tester's DLRM batches (4096 x 26 ids, max_batch 65536)
+    were never prefetched. Now its lookup is sent as the module's
+    deduplication sends it (patched after the step), so the forwards use
+    it, and rows and outputs are bit-identical to an unprefetched run
+    (here max_batch 16, 32 positions of at most 12 distinct ids, Adam)."""
+    from hkvd.torch import Embedding, Prefetcher
+
+    c = daemon.client()
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, 12, (8, 4), generator=g) for _ in range(6)]
+    init = lambda i: (i % 7).float()[:, None].expand(-1, 4) / 7  # noqa: E731
+    runs = {}
+    for prefetched in (False, True):
+        name = f"big_{prefetched}"
+        c.create_table(name, dim=4, capacity=1024, optimizer="adam")
+        e = Embedding(c, name, lr=0.05, init=init, transport=transport, verbose=False, max_batch=16)
+        outs = []
+        for ids in (Prefetcher(batches, e) if prefetched else batches):
+            out = e(ids)
+            outs.append(out.detach().clone())
+            (out * torch.arange(4.0)).pow(2).sum().backward()
+        e.flush()
+        runs[prefetched] = (outs, c.find(name, np.arange(12, dtype=np.uint64))[0], e.prefetch_hits)
+    assert runs[True][2] == len(batches) and runs[False][2] == 0
+    assert all(torch.equal(a, b) for a, b in zip(runs[True][0], runs[False][0]))
+    assert np.array_equal(runs[True][1].view(np.uint32), runs[False][1].view(np.uint32))
+    c.close()
