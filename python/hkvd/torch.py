@@ -182,7 +182,8 @@ class EmbeddingCache:
         self._remade: Optional[UnknownTable] = None
         # Ids absent from the table in the steps read by settle (not updated).
         self.missing = 0
-        # Called when settle reads a refused optimizer step (it wrote nothing).
+        # Called when settle reads a refused optimizer step (it wrote
+        # nothing), or none (the connection lost: whether it wrote is unknown).
         self.on_refused: Optional[Callable[[], None]] = None
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
@@ -508,8 +509,17 @@ class EmbeddingCache:
                     self.on_refused()
                 # Raised by whatever came next: say whose it is.
                 when = "read before this request, which was not sent" if by is None else f"read by {by}"
+                if isinstance(e, ConnectionLost):
+                    # No answer came: the daemon may have applied the step
+                    # before it stopped (a tester's SIGKILL and SIGTERM
+                    # were told it was "refused").
+                    what = ("got no answer: the connection was lost or closed first, so whether the daemon "
+                            "applied it is unknown")
+                    when = "found by this request, which was not sent" if by is None else f"found by {by}"
+                else:
+                    what = "was refused and not applied"
                 raise type(e)(e.code, f"the optimizer step of table {self.table!r} that the last backward sent "
-                                      f"was refused and not applied ({when}): {e.message}") from e
+                                      f"{what} ({when}): {e.message}") from e
             raise
         if self.transport == "cuda-ipc" and p.post is None and self._done is not None:
             self._done.wait(_cuda.torch_stream(self.device.index))

@@ -1683,3 +1683,33 @@ def test_batches_past_max_batch_are_prefetched_with_dedupe_table(daemon, transpo
     assert all(torch.equal(a, b) for a, b in zip(runs[True][0], runs[False][0]))
     assert np.array_equal(runs[True][1].view(np.uint32), runs[False][1].view(np.uint32))
     c.close()
+
+
+@pytest.mark.parametrize("reader", ["forward", "flush"])
+def test_a_step_without_an_answer_is_not_called_refused(tmp_path, reader):
+    """The daemon killed with a step in flight (its answer never read): a
+    tester's next request said the step "was refused and not applied".
+    No answer came, so whether it was applied is unknown, and the error
+    (ConnectionLost) says so; "refused" stays for the daemon's refusals."""
+    from conftest import Daemon
+    from test_client import stop
+
+    from hkvd.torch import Embedding
+
+    d = Daemon(tmp_path)
+    try:
+        c = hkvd.Client(d.socket, timeout=30)
+        c.create_table("k", dim=4, capacity=1024, optimizer="adam")
+        e = Embedding(c, "k", lr=0.1, verbose=False, device="cpu", transport="shm")
+        out = e(torch.tensor([1, 2]))
+        stop(d.proc)  # the step is sent, not read
+        out.sum().backward()
+        d.proc.kill()
+        d.proc.wait(timeout=30)
+        with pytest.raises(hkvd.ConnectionLost) as err:
+            e(torch.tensor([1, 2])) if reader == "forward" else e.flush()
+        assert "refused" not in err.value.message and "unknown" in err.value.message
+        c.close()
+    finally:
+        d.proc.kill()
+        d.proc.wait(timeout=30)
