@@ -561,18 +561,21 @@ class Client:
         # The daemon closed or reset the connection (a ConnectionLost was
         # raised): this client is done.
         self.lost = False
-        # close() was called: this client is done too.
+        # close() was called: this client is done too (a request then
+        # raises ConnectionLost, :meth:`_closed`).
         self.closed = False
 
     # ---- plumbing -----------------------------------------------------
     def close(self) -> None:
         """Unregisters this connection's regions and events (the daemon
         would release them with the connection anyway), destroys its CUDA
-        events, and closes the socket."""
-        self.closed = True
+        events, and closes the socket. A request of this client (or of an
+        ``hkvd.torch`` module or cache over it) after this raises
+        ``ConnectionLost``, saying the client was closed."""
         try:
-            _region.release(self)
+            _region.release(self)  # its unregisters are this client's last requests
         finally:
+            self.closed = True
             self._sock.close()
 
     def __enter__(self) -> "Client":
@@ -636,6 +639,8 @@ class Client:
         """Sends ``bufs`` (with ancillary data ``anc``: an fd). A connection
         the daemon closed raises the error it said it closed it for, if it
         said one, else ``ConnectionLost``; a timeout stays a TimeoutError."""
+        if self.closed:
+            raise self._closed()
         total = sum(len(b) if not isinstance(b, memoryview) else b.nbytes for b in bufs)
         try:
             sent = self._sock.sendmsg(bufs, anc)
@@ -665,7 +670,18 @@ class Client:
                                                  "its --idle-seconds while many are open.) Open a new Client, "
                                                  "once the daemon is back")
 
+    def _closed(self) -> ConnectionLost:
+        """The error of a request on this client after :meth:`close` (the
+        socket's own was ``OSError: Bad file descriptor``): a
+        ``ConnectionLost``, as the connection is gone for good, with a
+        message that says who closed it."""
+        return ConnectionLost("connection_lost", f"this client of the daemon at {self.path} was closed "
+                                                 "(client.close()): open a new Client, and new hkvd.torch modules "
+                                                 "or caches over it")
+
     def _recv_exact(self, view: memoryview) -> None:
+        if self.closed:
+            raise self._closed()
         got = 0
         n = view.nbytes
         while got < n:

@@ -368,6 +368,23 @@ def test_a_request_to_a_daemon_that_stopped_raises_connection_lost(tmp_path, sto
         d.stop()
 
 
+def test_a_request_after_close_raises_connection_lost(daemon):
+    # A tester's request on a client after close() raised the socket's
+    # OSError "Bad file descriptor", missed by callers catching HkvdError.
+    c = daemon.client()
+    c.create_table("t", dim=2, capacity=1024)
+    keys = hkvd.shm_array((2,), np.uint64)
+    values = hkvd.shm_array((2, 2), np.float32)
+    c.find_region("t", keys, values)  # a region, unregistered by close()
+    c.close()
+    for call in (c.ping, lambda: c.find("t", [1]), lambda: c.find_region("t", keys, values)):
+        with pytest.raises(hkvd.ConnectionLost) as e:
+            call()
+        assert e.value.code == "connection_lost" and not c.lost
+    c.close()  # again: no error
+    assert daemon.client().stats()["regions"]["regions"] == 0
+
+
 def stop(proc):
     """SIGSTOPs ``proc`` and returns once every thread of it is stopped.
     The signal is asynchronous: a request sent before each thread stopped

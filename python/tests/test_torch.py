@@ -1713,3 +1713,23 @@ def test_a_step_without_an_answer_is_not_called_refused(tmp_path, reader):
     finally:
         d.proc.kill()
         d.proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("transport", ["shm", "socket"])
+def test_a_closed_client_raises_connection_lost(daemon, transport):
+    """A module, cache or Client used after client.close() raised the
+    socket's OSError "Bad file descriptor" (a tester's). It raises
+    ConnectionLost, the client's error for a connection that is gone."""
+    from hkvd.torch import Embedding
+
+    c = daemon.client()
+    c.create_table("cl", dim=4, capacity=1024, optimizer="adam")
+    e = Embedding(c, "cl", lr=0.1, verbose=False, device="cpu", transport=transport)
+    cache = EmbeddingCache(c, "cl", device="cpu", transport=transport, verbose=False)
+    out = e(torch.tensor([1, 2]))
+    c.close()
+    for call in (lambda: out.sum().backward(), lambda: e(torch.tensor([1])), lambda: cache.lookup([1]),
+                 lambda: c.find("cl", [1]), lambda: c.ping()):
+        with pytest.raises(hkvd.ConnectionLost):
+            call()
+    c.close()  # a second close is no error
