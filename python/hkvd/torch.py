@@ -107,6 +107,24 @@ def _frame_keys(row_dim: int) -> int:
     return max(1, (_MAX_FRAME_BYTES - 4096) // (8 + 8 * row_dim + 1 + 8))
 
 
+def _init_result(rows, call: str, n: int, dim: int, device: torch.device) -> torch.Tensor:
+    """What an ``init`` function returned for ``n`` ids, as float32 rows on
+    ``device``: a tensor or array of shape ``(n, dim)``. Anything else
+    raises naming ``call`` and the shape wanted (a TypeError for what is
+    no array, None say, where torch's own error read "must be real
+    number, not NoneType"; a ValueError for another shape)."""
+    want = f"a tensor (or array) of shape ({n}, {dim})"
+    if rows is None:
+        raise TypeError(f"{call} returned None for {n} ids, not {want}: does it lack a return?")
+    try:
+        t = torch.as_tensor(rows, dtype=torch.float32, device=device)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(f"{call} returned {type(rows).__name__} for {n} ids, not {want} ({e})") from None
+    if t.shape != (n, dim):
+        raise ValueError(f"{call} returned shape {tuple(t.shape)} for {n} ids, not ({n}, {dim})")
+    return t
+
+
 def _align(n: int, to: int = 256) -> int:
     return -(-n // to) * to
 
@@ -295,10 +313,7 @@ class EmbeddingCache:
         return t.reshape(-1)
 
     def _init_rows(self, n: int) -> torch.Tensor:
-        rows = torch.as_tensor(self.init(n, self.dim), dtype=torch.float32)
-        if rows.shape != (n, self.dim):
-            raise ValueError(f"init({n}, {self.dim}) returned shape {tuple(rows.shape)}")
-        return rows.to(self.device)
+        return _init_result(self.init(n, self.dim), f"init({n}, {self.dim})", n, self.dim, self.device)
 
     def _fill(self, keys: torch.Tensor, rows: Optional[torch.Tensor]) -> None:
         """cuda-ipc: a lookup's or write's keys and rows into this cache's
@@ -877,11 +892,7 @@ class _Sparse(torch.nn.Module):
     def _init_rows(self, uniq: torch.Tensor) -> Optional[torch.Tensor]:
         if self.init is None:
             return None
-        rows = torch.as_tensor(self.init(uniq), dtype=torch.float32, device=self.device)
-        if rows.shape != (uniq.numel(), self.dim):
-            raise ValueError(f"init(ids) returned shape {tuple(rows.shape)} for {uniq.numel()} ids, "
-                             f"not ({uniq.numel()}, {self.dim})")
-        return rows
+        return _init_result(self.init(uniq), "init(ids)", uniq.numel(), self.dim, self.device)
 
     def prefetch(self, ids) -> None:
         """With ``dedupe="table"``: keeps ``ids`` (the next step's), whose

@@ -1733,3 +1733,23 @@ def test_a_closed_client_raises_connection_lost(daemon, transport):
         with pytest.raises(hkvd.ConnectionLost):
             call()
     c.close()  # a second close is no error
+
+
+def test_an_init_returning_no_rows_is_named(daemon):
+    """An init returning None raised torch's "must be real number, not
+    NoneType" (a tester's); it is named, with the shape wanted, as a
+    wrong shape is."""
+    from hkvd.torch import Embedding
+
+    c = daemon.client()
+    c.create_table("in", dim=4, capacity=1024, optimizer="sgd")
+    for dedupe in ("table", "module"):
+        for bad in (lambda ids: None, lambda ids: "rows"):
+            e = Embedding(c, "in", lr=0.1, verbose=False, device="cpu", dedupe=dedupe, init=bad)
+            with pytest.raises(TypeError, match=r"init\(ids\) returned"):
+                e(torch.tensor([5]))
+    cache = EmbeddingCache(c, "in", init=lambda n, d: None, device="cpu", verbose=False)
+    with pytest.raises(TypeError, match=r"init\(1, 4\) returned None"):
+        cache.lookup([6])
+    assert not c.contains("in", [5, 6]).any()
+    c.close()
