@@ -84,7 +84,17 @@ pub fn parse_seeds(seeds: &[String]) -> Result<Vec<ConnectionInfo>, Error> {
                     "a query (?...) or fragment (#...) names nothing here; write the node's address alone".into(),
                 ));
             }
-            let hostport = addr.split('/').next().unwrap_or("");
+            // Any path, `/` and `/0` too: the docs say a seed names a node
+            // and nothing else (`/0` and `/` were accepted, `/5` refused).
+            if let Some((node, path)) = addr.split_once('/') {
+                return Err(bad(format!(
+                    "{:?} is followed by a path (/{}), which names nothing here: a cluster has database 0 only; \
+                     write HOST:PORT alone",
+                    clip(node),
+                    clip(path)
+                )));
+            }
+            let hostport = addr;
             let port_given = hostport
                 .rsplit_once(':')
                 .is_some_and(|(h, p)| !h.is_empty() && !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
@@ -260,6 +270,14 @@ pub(crate) async fn seed_clusters(seeds: &[ConnectionInfo], net: Net) -> Vec<Vec
     groups.into_iter().map(|(members, _)| members).collect()
 }
 
+/// Whether a connection's failure is the node refusing the credentials
+/// (`WRONGPASS`, `NOAUTH`, the client's authentication failure).
+pub(crate) fn is_auth_refusal(detail: &str) -> bool {
+    ["WRONGPASS", "NOAUTH", "AuthenticationFailed", "authentication failed", "Authentication failed"]
+        .iter()
+        .any(|w| detail.contains(w))
+}
+
 /// At most this many characters of a user's input are echoed in an
 /// error: a 100 000-character host name was echoed twice in a 200 KB
 /// error.
@@ -348,7 +366,57 @@ impl Cluster {
                 detail: "the cluster serves no slots yet".into(),
             });
         }
+        let unserved = cluster.unserved();
+        if !unserved.is_empty() {
+            return Err(Error::SlotsUnserved { table: table.into(), ranges: unserved });
+        }
+        cluster.check_credentials().await?;
         Ok(cluster)
+    }
+
+    /// The hash slots no master serves, as ranges (`5461-10922, 16000`);
+    /// empty when every slot is served. (A cluster with unassigned slots
+    /// was accepted, and every request on a key of theirs failed.)
+    fn unserved(&self) -> String {
+        let t = self.topo.read();
+        let mut ranges: Vec<String> = Vec::new();
+        let mut slot = 0;
+        while slot < t.slots.len() {
+            if t.slots[slot].is_some() {
+                slot += 1;
+                continue;
+            }
+            let first = slot;
+            while slot < t.slots.len() && t.slots[slot].is_none() {
+                slot += 1;
+            }
+            ranges.push(if slot - 1 == first { first.to_string() } else { format!("{first}-{}", slot - 1) });
+        }
+        if ranges.len() > 8 {
+            let n = ranges.len();
+            ranges.truncate(8);
+            ranges.push(format!("… {} ranges in all", n));
+        }
+        ranges.join(", ")
+    }
+
+    /// Connects to every master at once: one that refuses the seed's
+    /// credentials ([`Error::Auth`], naming it) refuses the table, as the
+    /// seed itself would have. (An ACL user present on one node only made
+    /// `create-table` answer `backing_unavailable … retry`, as if a node
+    /// were down.) A master that cannot be reached is left for the
+    /// requests to find.
+    async fn check_credentials(&self) -> Result<(), Error> {
+        let masters: Vec<Arc<str>> = self.master_nodes().into_iter().map(Arc::from).collect();
+        let tries = masters.iter().map(|n| self.conn(n, self.net.response));
+        for (node, r) in masters.iter().zip(join_all(tries).await) {
+            if let Err(detail) = r {
+                if is_auth_refusal(&detail) {
+                    return Err(Error::Auth { node: node.to_string(), detail });
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Masters serving slots.
@@ -526,7 +594,7 @@ impl Cluster {
                     None => {
                         out[i] = Some(Err(Failure::Node {
                             node: "cluster".into(),
-                            detail: format!("no node serves slot {}", slots[i]),
+                            detail: format!("no node serves hash slot {} (the cluster has no master for it)", slots[i]),
                         }))
                     }
                 }
@@ -894,9 +962,19 @@ mod tests {
     fn seeds_are_checked() {
         let ok = parse_seeds(&["redis://127.0.0.1:7001".into(), "127.0.0.1:7002".into()]).unwrap();
         assert_eq!(ok.len(), 2);
-        for bad in
-            ["", "http://x:1", "unix:///tmp/s", "redis://", "redis://h:notaport", "rediss://h:1", "redis://h:1/5"]
-        {
+        for bad in [
+            "",
+            "http://x:1",
+            "unix:///tmp/s",
+            "redis://",
+            "redis://h:notaport",
+            "rediss://h:1",
+            "redis://h:1/5",
+            "redis://h:1/0",
+            "redis://h:1/",
+            "h:1/0",
+            "redis://:pw@h:1/",
+        ] {
             let e = parse_seeds(&[bad.to_string()]).unwrap_err();
             assert!(matches!(e, Error::BadUrl { .. }), "{bad:?} gave {e:?}");
         }

@@ -90,9 +90,9 @@ pub enum Error {
         detail: String,
     },
     /// The write-back queue stayed full past the writer's wait.
-    #[error("the write-back queue had no room for {batch_bytes} more bytes of this write beside the {queued_bytes} queued (its bound is {limit_bytes} bytes) within {waited_ms} ms; the cluster is not keeping up (see the table's backing stats)")]
+    #[error("the write-back queue had no room for the {batch_bytes} bytes of this write beside the {queued_bytes} queued (its bound is {limit_bytes} bytes) within {waited_ms} ms, so nothing of it was applied; the cluster is not keeping up (see the table's backing stats): retry later")]
     QueueFull {
-        /// Bytes the write's rows (the part that did not fit) needed.
+        /// Bytes the write's rows needed.
         batch_bytes: u64,
         /// Bytes queued when the writer gave up.
         queued_bytes: u64,
@@ -101,13 +101,55 @@ pub enum Error {
         /// How long the writer waited.
         waited_ms: u64,
     },
+    /// A write needs more room in the write-back queue than its whole
+    /// bound: it could never be queued as one request, so it is refused
+    /// at once, nothing of it applied.
+    #[error("this write needs {batch_bytes} bytes of the write-back queue, more than its whole bound ({limit_bytes} bytes): nothing of it was applied, and as one request it never can be; send it in smaller requests, or create the table with a larger queue (--backing-queue-bytes)")]
+    QueueTooSmall {
+        /// Bytes the write's rows need.
+        batch_bytes: u64,
+        /// The queue's bound.
+        limit_bytes: u64,
+    },
+    /// The table's meta hash in the cluster no longer says what this
+    /// handle opened the table with: it was lost (deleted, or its node
+    /// restarted empty) and another host created the table again with
+    /// another layout. Requests that need the cluster are refused (and a
+    /// write-back queue is held) rather than read or write the keys of
+    /// another layout.
+    #[error("the meta hash {key} of backing table {table:?} was replaced: it says {found}, where this host opened the table with {ours} (the hash was lost, deleted or its node restarted empty, and another host created the table again); this host refuses the table's requests that need the cluster, and holds its write-back queue, rather than read or write under another layout. Drop the table on the hosts of one of the two layouts (and create it again there), or, if no host uses the other, put this host's back: HSET {key} {restore}")]
+    MetaReplaced {
+        /// The table.
+        table: String,
+        /// The meta hash's key.
+        key: String,
+        /// What the meta hash says now.
+        found: String,
+        /// What this host opened the table with.
+        ours: String,
+        /// This host's fields as `HSET` arguments.
+        restore: String,
+    },
+    /// The cluster has hash slots that no master serves: the table's
+    /// keys in them could be neither read nor written.
+    #[error("the cluster of backing table {table:?} has hash slots that no master serves ({ranges}); assign every slot first (redis-cli --cluster fix HOST:PORT, or CLUSTER ADDSLOTS)")]
+    SlotsUnserved {
+        /// The table.
+        table: String,
+        /// The unserved slots, as ranges (`5461-10922, 16000`).
+        ranges: String,
+    },
     /// A flush did not empty the queue in time.
     #[error("flush timed out with {} still queued; the cluster is not accepting them: {nodes}", crate::tier::plural_n(*rows, "row"))]
     FlushTimeout {
         /// Rows left in the queue.
         rows: u64,
-        /// The nodes that failed meanwhile, with their failed commands.
+        /// The nodes that failed meanwhile, with their failed commands,
+        /// and those that answered nothing.
         nodes: String,
+        /// Every node that failed failed only `WAIT`: the masters hold the
+        /// rows, fewer of their replicas than asked do.
+        replicas_only: bool,
     },
     /// The table is read-only in the tier.
     #[error("backing table {table:?} is read-only; create it with --backing-mode write-through or write-back to write to the cluster")]
@@ -116,7 +158,7 @@ pub enum Error {
         table: String,
     },
     /// A row in the cluster does not decode.
-    #[error("backing row {key} of table {table:?} is {len} bytes, the layout wants {want}; another program wrote it wrongly")]
+    #[error("backing row {key} of table {table:?} is {len} bytes, the layout wants {want}: another program wrote it wrongly, or the table's meta hash (hkv:{{TABLE}}:meta) was lost and another host created the table again with another dim (its log says so)")]
     BadRow {
         /// The table.
         table: String,
@@ -149,6 +191,13 @@ fn unavailable_text(node: &str, detail: &str) -> String {
 }
 
 impl Error {
+    /// Whether a write that failed with this error may have reached some
+    /// of the cluster's nodes: a node's failure mid-write may, a refusal
+    /// before anything was sent (a full queue, a replaced meta hash) not.
+    pub fn may_have_landed(&self) -> bool {
+        matches!(self, Error::Unavailable { .. } | Error::FlushTimeout { .. })
+    }
+
     /// The protocol's error code name this error travels under.
     pub fn code(&self) -> &'static str {
         match self {
@@ -158,13 +207,15 @@ impl Error {
             | Error::NotCluster { .. }
             | Error::NotRedis { .. }
             | Error::Auth { .. }
-            | Error::SeedsSplit { .. } => "invalid_argument",
+            | Error::SeedsSplit { .. }
+            | Error::SlotsUnserved { .. } => "invalid_argument",
             Error::Unreachable { .. }
             | Error::NoMeta { .. }
             | Error::Unavailable { .. }
             | Error::FlushTimeout { .. }
-            | Error::BadRow { .. } => "backing_unavailable",
-            Error::QueueFull { .. } => "resource_exhausted",
+            | Error::BadRow { .. }
+            | Error::MetaReplaced { .. } => "backing_unavailable",
+            Error::QueueFull { .. } | Error::QueueTooSmall { .. } => "resource_exhausted",
             Error::ReadOnly { .. } => "invalid_argument",
         }
     }

@@ -121,67 +121,70 @@ impl Queue {
         }
     }
 
-    /// Queues rows, waiting up to `wait` for room; a key already pending is
-    /// replaced in place (its bytes are counted once). With `nx` the rows
-    /// are to be sent set-if-absent, unless the key is already queued
-    /// (then they are plain writes, see the module's docs).
+    /// Queues rows, all or none: waits up to `wait` for room for the
+    /// whole write, then queues every row at once, or none (`QueueFull`)
+    /// when the room did not come; a write that needs more than the whole
+    /// bound is refused at once (`QueueTooSmall`). A key already pending
+    /// is replaced in place (its bytes are counted once, and so are a key
+    /// given twice). With `nx` the rows are to be sent set-if-absent,
+    /// unless the key is already queued (then they are plain writes, see
+    /// the module's docs).
+    ///
+    /// (It queued chunks of half the bound one after the other: a write
+    /// that timed out on a later chunk was refused with its first chunks
+    /// queued, and they reached the cluster, and reads, after the writer
+    /// was told nothing was written.)
     pub async fn push(&self, keys: &[u64], values: &[f32], scores: &[u64], dim: usize, nx: bool) -> Result<(), Error> {
-        // Chunks of at most half the bound, so that one large write never
-        // needs more room than the queue has.
-        let per_chunk = ((self.limit / 2) / self.entry_bytes).max(1) as usize;
         let deadline = tokio::time::Instant::now() + self.wait;
         let start = Instant::now();
-        let mut done = 0;
-        while done < keys.len() {
-            let end = (done + per_chunk).min(keys.len());
-            let mut wanted;
-            loop {
-                let room = self.room.notified();
-                tokio::pin!(room);
-                room.as_mut().enable();
-                {
-                    let mut s = self.state.lock();
-                    let new = keys[done..end].iter().filter(|k| !s.pending.contains_key(k)).count() as u64;
-                    let need = new * self.entry_bytes;
-                    wanted = need;
-                    if s.bytes + need <= self.limit {
-                        let now = Instant::now();
-                        s.pending.reserve(end - done);
-                        for (i, &k) in keys.iter().enumerate().take(end).skip(done) {
-                            let score = scores.get(i).copied().unwrap_or(0);
-                            let row: Arc<[f32]> = values[i * dim..(i + 1) * dim].into();
-                            // A replaced row keeps its age and its place:
-                            // the window is how long the oldest unsent
-                            // write has waited.
-                            match s.pending.get_mut(&k) {
-                                Some(old) => {
-                                    old.score = score;
-                                    old.values = row;
-                                    old.nx = false;
-                                }
-                                None => {
-                                    let nx = nx && !s.sending.contains_key(&k);
-                                    s.pending.insert(k, Entry { score, values: row, since: now, nx });
-                                    s.order[(self.group_of)(k)].push_back(k);
-                                }
+        let distinct: std::collections::HashSet<u64, BuildHasherDefault<KeyHasher>> = keys.iter().copied().collect();
+        loop {
+            let room = self.room.notified();
+            tokio::pin!(room);
+            room.as_mut().enable();
+            let need = {
+                let mut s = self.state.lock();
+                let need = distinct.iter().filter(|k| !s.pending.contains_key(k)).count() as u64 * self.entry_bytes;
+                if need > self.limit {
+                    return Err(Error::QueueTooSmall { batch_bytes: need, limit_bytes: self.limit });
+                }
+                if s.bytes + need <= self.limit {
+                    let now = Instant::now();
+                    s.pending.reserve(distinct.len());
+                    for (i, &k) in keys.iter().enumerate() {
+                        let score = scores.get(i).copied().unwrap_or(0);
+                        let row: Arc<[f32]> = values[i * dim..(i + 1) * dim].into();
+                        // A replaced row keeps its age and its place: the
+                        // window is how long the oldest unsent write has
+                        // waited.
+                        match s.pending.get_mut(&k) {
+                            Some(old) => {
+                                old.score = score;
+                                old.values = row;
+                                old.nx = false;
+                            }
+                            None => {
+                                let nx = nx && !s.sending.contains_key(&k);
+                                s.pending.insert(k, Entry { score, values: row, since: now, nx });
+                                s.order[(self.group_of)(k)].push_back(k);
                             }
                         }
-                        s.bytes += need;
-                        break;
                     }
+                    s.bytes += need;
+                    break;
                 }
-                self.work.notify_one();
-                if tokio::time::timeout_at(deadline, room).await.is_err() {
-                    let s = self.state.lock();
-                    return Err(Error::QueueFull {
-                        batch_bytes: wanted,
-                        queued_bytes: s.bytes,
-                        limit_bytes: self.limit,
-                        waited_ms: start.elapsed().as_millis() as u64,
-                    });
-                }
+                need
+            };
+            self.work.notify_one();
+            if tokio::time::timeout_at(deadline, room).await.is_err() {
+                let s = self.state.lock();
+                return Err(Error::QueueFull {
+                    batch_bytes: need,
+                    queued_bytes: s.bytes,
+                    limit_bytes: self.limit,
+                    waited_ms: start.elapsed().as_millis() as u64,
+                });
             }
-            done = end;
         }
         self.work.notify_one();
         Ok(())
@@ -298,7 +301,7 @@ impl Queue {
             }
             self.work.notify_one();
             if tokio::time::timeout_at(deadline, idle).await.is_err() {
-                return Err(Error::FlushTimeout { rows: self.window().0, nodes: String::new() });
+                return Err(Error::FlushTimeout { rows: self.window().0, nodes: String::new(), replicas_only: false });
             }
         }
     }
@@ -391,5 +394,42 @@ mod tests {
         assert_eq!(nx, vec![(3, false), (4, true)]);
         q.settle(b, &[false, false]);
         assert_eq!(q.window().1, 0);
+    }
+
+    /// A write is queued whole or not at all. A tester's write-back write,
+    /// refused with `resource_exhausted` behind a stopped master, had its
+    /// first chunks (half the bound each) queued already: they reached
+    /// the cluster and other hosts' reads after the writer was told
+    /// nothing was written. Now a write waits for room for all its rows,
+    /// and one larger than the whole bound is refused at once; a key
+    /// given twice costs its bytes once (it counted twice and the extra
+    /// bytes were never given back).
+    #[test]
+    fn a_write_is_queued_whole_or_not_at_all() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+        // Rows of 8 bytes and their 8-byte keys: room for 10 rows.
+        let q = Queue::new(8, 160, Duration::from_millis(50), 1, Box::new(|_| 0));
+        let ones = |n: usize| vec![1.0f32; n];
+        rt.block_on(q.push(&[1, 2, 3, 4], &ones(4), &[], 1, false)).unwrap();
+        // 8 more rows while nothing drains: room for 6 only.
+        let late: Vec<u64> = (10..18).collect();
+        let e = rt.block_on(q.push(&late, &ones(8), &[], 1, false)).unwrap_err();
+        assert!(matches!(e, Error::QueueFull { .. }), "{e}");
+        let mut seen = 0;
+        q.lookup_many(&late, |_, _| seen += 1);
+        assert_eq!(seen, 0, "no row of a refused write is queued");
+        assert_eq!(q.window().0, 4);
+        // More than the whole bound: refused at once, without the wait.
+        let many: Vec<u64> = (100..111).collect();
+        let start = Instant::now();
+        let e = rt.block_on(q.push(&many, &ones(11), &[], 1, false)).unwrap_err();
+        assert!(matches!(e, Error::QueueTooSmall { .. }), "{e}");
+        assert!(start.elapsed() < Duration::from_millis(40), "refused at once");
+        // A key twice costs once; every byte comes back.
+        rt.block_on(q.push(&[7, 7, 1], &ones(3), &[], 1, false)).unwrap();
+        assert_eq!((q.window().0, q.window().1), (5, 5 * 16));
+        let all = q.take(100);
+        q.settle(all, &[false; 5]);
+        assert_eq!(q.window().1, 0, "every byte counted is returned");
     }
 }

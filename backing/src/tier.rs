@@ -115,6 +115,11 @@ pub struct Options {
     /// cluster for the one holding the meta hash, where a new table
     /// (`false`) refuses them ([`Error::SeedsSplit`]).
     pub existing: bool,
+    /// How often the open tier reads the table's meta hash again: one
+    /// that is gone is written back (where still absent), one that says
+    /// another layout fails the table's requests that need the cluster
+    /// ([`Error::MetaReplaced`]) until it agrees again.
+    pub meta_every: Duration,
 }
 
 impl Options {
@@ -138,6 +143,7 @@ impl Options {
             unpublished_bytes: 4 << 20,
             row: "values".into(),
             existing: false,
+            meta_every: Duration::from_secs(5),
         }
     }
 
@@ -149,6 +155,13 @@ impl Options {
     fn check(&self, dim: usize) -> Result<(), Error> {
         let bad = |name, detail: String| Err(Error::BadOption { name, detail });
         let ms = |d: Duration| d.as_millis();
+        // The row's width first: the queue's bounds are counted in rows.
+        if !(1..=MAX_ROW).contains(&dim) {
+            return bad(
+                "dim",
+                format!("{dim}: a table's rows (values and optimizer state) hold 1 to {MAX_ROW} floats"),
+            );
+        }
         if !(1..=60_000).contains(&ms(self.deadline)) {
             return bad("deadline", format!("{:?}: use 1 ms to 60 s", self.deadline));
         }
@@ -195,14 +208,11 @@ impl Options {
         if !(1024..=1 << 30).contains(&self.unpublished_bytes) {
             return bad("unpublished_bytes", format!("{}: use 1 KiB to 1 GiB", self.unpublished_bytes));
         }
+        if !(1..=3_600_000).contains(&ms(self.meta_every)) {
+            return bad("meta_every", format!("{:?}: use 1 ms to 1 hour", self.meta_every));
+        }
         if self.retries > 16 {
             return bad("retries", format!("{}: use at most 16", self.retries));
-        }
-        if !(1..=MAX_ROW).contains(&dim) {
-            return bad(
-                "dim",
-                format!("{dim}: a table's rows (values and optimizer state) hold 1 to {MAX_ROW} floats"),
-            );
         }
         Ok(())
     }
@@ -304,6 +314,13 @@ pub(crate) struct Core {
     /// named with it, made on first use; its answers are awaited up to
     /// [`STALL_LIMIT`] ([`Core::append`]).
     appender: parking_lot::Mutex<Option<(String, redis::aio::MultiplexedConnection)>>,
+    /// Set while the table's meta hash says another layout than this
+    /// handle's ([`Core::check_meta`]): the table's requests that need the
+    /// cluster fail with it, and the write-back queue is held.
+    meta_error: parking_lot::Mutex<Option<Error>>,
+    /// When each write-back batch in flight was sent, by node: a flush
+    /// that times out names the nodes that have not answered.
+    in_flight: parking_lot::Mutex<std::collections::HashMap<String, Vec<Instant>>>,
 }
 
 /// How long an append its node has not answered may still land, and is
@@ -534,10 +551,13 @@ impl Backing {
             conflicts: parking_lot::Mutex::new(Vec::new()),
             unpublished: parking_lot::Mutex::new(Unpublished::default()),
             appender: parking_lot::Mutex::new(None),
+            meta_error: parking_lot::Mutex::new(None),
+            in_flight: parking_lot::Mutex::new(std::collections::HashMap::new()),
         });
         if core.mode == Mode::WriteBack {
             tokio::spawn(flusher(core.clone()));
         }
+        tokio::spawn(watch_meta(Arc::downgrade(&core), core.options.meta_every));
         Ok(Backing { _close: Arc::new(CloseOnDrop(core.clone())), core })
     }
 
@@ -580,6 +600,13 @@ impl Backing {
             versions: vec![0; keys.len()],
             errors: Vec::new(),
         };
+        if let Some(e) = core.meta_error() {
+            out.fetched.fill(Fetched::Unavailable);
+            out.errors.push(e);
+            Counters::add(&core.counters.keys_read, keys.len());
+            Counters::add(&core.counters.unavailable, keys.len());
+            return out;
+        }
         let mut by_group: Vec<Vec<usize>> = vec![Vec::new(); core.layout.groups() as usize];
         // Keys answered by the queue: its rows, or its erasures (absent).
         let mut queued = Vec::new();
@@ -723,6 +750,7 @@ impl Backing {
     pub async fn write(&self, keys: &[u64], values: &[f32], scores: &[u64]) -> Result<(), Error> {
         let dim = self.core.layout.dim();
         check_rows(keys, values, scores, dim)?;
+        self.core.meta_ok()?;
         match self.core.mode {
             Mode::ReadOnly => Err(Error::ReadOnly { table: self.core.layout.table().into() }),
             Mode::WriteThrough => self.send_now(&rows(keys, values, scores, dim, false)).await,
@@ -747,6 +775,7 @@ impl Backing {
     pub async fn insert_absent(&self, keys: &[u64], values: &[f32], scores: &[u64]) -> Result<ReadOut, Error> {
         let dim = self.core.layout.dim();
         check_rows(keys, values, scores, dim)?;
+        self.core.meta_ok()?;
         let mut out = ReadOut {
             fetched: vec![Fetched::Absent; keys.len()],
             values: Vec::new(),
@@ -803,6 +832,7 @@ impl Backing {
     /// erasures (a read of a queued erasure finds the key absent);
     /// read-only refuses.
     pub async fn erase(&self, keys: &[u64]) -> Result<(), Error> {
+        self.core.meta_ok()?;
         match self.core.mode {
             Mode::ReadOnly => Err(Error::ReadOnly { table: self.core.layout.table().into() }),
             Mode::WriteThrough => self.erase_now(keys).await,
@@ -819,6 +849,7 @@ impl Backing {
         if self.core.mode == Mode::ReadOnly {
             return Err(Error::ReadOnly { table: self.core.layout.table().into() });
         }
+        self.core.meta_ok()?;
         let rows: Vec<Row> = keys.iter().map(|&key| Row { key, score: 0, values: &[], nx: false }).collect();
         self.send_now(&rows).await
     }
@@ -838,6 +869,7 @@ impl Backing {
     /// ends the walk with `Unavailable`, naming it.
     pub async fn scan_next(&self, scan: &mut Scan, count: usize) -> Result<Option<Vec<u64>>, Error> {
         let (core, mut keys) = (&self.core, Vec::new());
+        core.meta_ok()?;
         let pattern = core.layout.scan_pattern();
         while keys.len() < count {
             let Some(node) = scan.nodes.get(scan.node) else { break };
@@ -884,24 +916,47 @@ impl Backing {
     /// Waits until the write-back queue is empty (`FlushTimeout` naming
     /// the rows left after `timeout`). Immediate in other modes.
     pub async fn flush(&self, timeout: Duration) -> Result<(), Error> {
+        if !self.core.queue.is_empty() {
+            // A held queue does not drain.
+            self.core.meta_ok()?;
+        }
         let before = self.core.counters.node_errors.lock().clone();
         self.core.queue.drain(timeout).await.map_err(|e| match e {
+            Error::FlushTimeout { .. } if self.core.meta_error().is_some() => self.core.meta_error().unwrap_or(e),
             Error::FlushTimeout { rows, .. } => {
                 let last = self.core.counters.last_write_error.lock().clone();
-                let mut short = false;
-                let failed: Vec<String> = (self.core.counters.node_errors.lock().iter())
+                let (mut short, mut other) = (false, false);
+                let mut failed: Vec<String> = (self.core.counters.node_errors.lock().iter())
                     .filter_map(|(n, &c)| {
                         let new = c - before.get(n).copied().unwrap_or(0);
-                        let why = last.get(n).map(|d| {
-                            short |= d.starts_with("WAIT");
-                            format!(", the last: {d}")
-                        });
+                        let why = last.get(n).map(|d| format!(", the last: {d}"));
+                        if new > 0 {
+                            match last.get(n) {
+                                Some(d) if d.starts_with("WAIT") => short = true,
+                                _ => other = true,
+                            }
+                        }
                         (new > 0)
                             .then(|| format!("{n}: {new} failed {}{}", plural(new, "command"), why.unwrap_or_default()))
                     })
                     .collect();
+                // A node that answers nothing (stopped, swapping) fails no
+                // command before the batch's own deadline: named as silent,
+                // not as slow (a tester's SIGSTOPped master was "no node
+                // failed a command meanwhile").
+                let silent = self.core.silent_nodes();
+                other |= !silent.is_empty();
+                failed.extend(silent.iter().map(|(n, waited)| {
+                    format!(
+                        "{n} has not answered the batch sent to it {} ms ago (stopped, swapping or overloaded: its \
+                         rows wait for it)",
+                        waited.as_millis()
+                    )
+                }));
                 let nodes = if failed.is_empty() {
-                    "no node failed a command meanwhile: the writes are slower than the timeout; retry".into()
+                    "no node failed a command meanwhile, and every node answered within the response timeout: the \
+                     writes are slower than the flush's timeout; retry"
+                        .into()
                 } else if short {
                     format!(
                         "{}; the masters took the rows, but fewer of their replicas acknowledged them than the \
@@ -914,7 +969,7 @@ impl Backing {
                 } else {
                     format!("{}; retry when the nodes accept writes again", failed.join(", "))
                 };
-                Error::FlushTimeout { rows, nodes }
+                Error::FlushTimeout { rows, nodes, replicas_only: short && !other }
             }
             e => e,
         })
@@ -1386,6 +1441,145 @@ async fn meta(cluster: &Cluster, table: &str, dim: usize, row: &str, create: boo
     }
 }
 
+/// The meta hash's fields as `HMGET … layout dim groups row` answers them.
+type MetaFields = (Option<u64>, Option<u64>, Option<u64>, Option<String>);
+
+/// A meta hash's fields as errors show them.
+fn describe_meta(m: &MetaFields) -> String {
+    let shown = |v: Option<u64>| v.map_or_else(|| "none".to_string(), |v| v.to_string());
+    format!(
+        "layout {}, dim {}, groups {}, row {:?}",
+        shown(m.0),
+        shown(m.1),
+        shown(m.2),
+        m.3.as_deref().unwrap_or("none")
+    )
+}
+
+/// Reads the table's meta hash again every `every`, for as long as the
+/// tier is open ([`Core::check_meta`]). (An open table never looked at
+/// it again: a tester's meta hash, deleted, or lost with a node restarted
+/// empty, let another host create the table anew with another group
+/// count, and the two hosts then read and wrote different keys, each
+/// believing the other's rows absent.)
+async fn watch_meta(core: std::sync::Weak<Core>, every: Duration) {
+    loop {
+        tokio::time::sleep(every).await;
+        let Some(core) = core.upgrade() else { return };
+        if core.queue.closed() && core.queue.is_empty() {
+            return;
+        }
+        core.check_meta().await;
+    }
+}
+
+impl Core {
+    /// The error the table's requests that need the cluster fail with
+    /// while its meta hash says another layout.
+    fn meta_error(&self) -> Option<Error> {
+        self.meta_error.lock().clone()
+    }
+
+    /// `Err` while the table's meta hash says another layout.
+    fn meta_ok(&self) -> Result<(), Error> {
+        self.meta_error().map_or(Ok(()), Err)
+    }
+
+    /// The nodes with a write-back batch in flight for longer than the
+    /// response timeout, and how long the oldest has waited.
+    fn silent_nodes(&self) -> Vec<(String, Duration)> {
+        let limit = self.options.response_timeout;
+        let mut v: Vec<(String, Duration)> = (self.in_flight.lock().iter())
+            .filter_map(|(n, at)| at.iter().map(Instant::elapsed).max().map(|w| (n.clone(), w)))
+            .filter(|(_, w)| *w > limit)
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// This handle's meta fields.
+    fn own_meta(&self) -> MetaFields {
+        let l = &self.layout;
+        (Some(u64::from(LAYOUT)), Some(l.dim() as u64), Some(u64::from(l.groups())), Some(self.options.row.clone()))
+    }
+
+    /// Reads the table's meta hash: a field that is gone (the hash
+    /// deleted, or lost with its node) is written back with this handle's
+    /// value where still absent (`HSETNX`: of several hosts doing so, the
+    /// first wins each field), said at WARN; a hash that then says another
+    /// layout than this handle's sets [`Core::meta_error`] (said at ERROR),
+    /// one that agrees clears it. A node that does not answer changes
+    /// nothing: it is read again at the next check.
+    pub(crate) async fn check_meta(&self) {
+        let table = self.layout.table();
+        let key = Layout::meta_key(table);
+        let slot = crate::layout::slot(table.as_bytes());
+        let read = || async {
+            let v = self
+                .cluster
+                .one(slot, redis::cmd("HMGET").arg(&key).arg("layout").arg("dim").arg("groups").arg("row").clone())
+                .await;
+            match v {
+                Ok(v) => Some(<MetaFields as redis::FromRedisValue>::from_redis_value(v).map_err(|e| e.to_string())),
+                Err(Error::Unavailable { detail, .. }) if detail.starts_with("WRONGTYPE") => {
+                    Some(Err(format!("a key of another type ({detail})")))
+                }
+                Err(_) => None,
+            }
+        };
+        let ours = self.own_meta();
+        let Some(mut got) = read().await else { return };
+        if let Ok(m) = &got {
+            if m.0.is_none() || m.1.is_none() || m.2.is_none() || m.3.is_none() {
+                let (layout, dim, groups, row) = &ours;
+                let fields = [
+                    ("layout", layout.unwrap_or_default().to_string()),
+                    ("dim", dim.unwrap_or_default().to_string()),
+                    ("groups", groups.unwrap_or_default().to_string()),
+                    ("row", row.clone().unwrap_or_default()),
+                ];
+                for (f, v) in &fields {
+                    let cmd = redis::cmd("HSETNX").arg(&key).arg(*f).arg(v).clone();
+                    if self.cluster.one(slot, cmd).await.is_err() {
+                        return;
+                    }
+                }
+                tracing::warn!(table, key = %key, was = %describe_meta(m), "the table's meta hash was gone from the cluster (deleted, or its node restarted without its data): this host wrote its layout back, so that a host that opens the table now gets the layout of the hosts that use it");
+                let Some(again) = read().await else { return };
+                got = again;
+            }
+        }
+        let found = match &got {
+            Ok(m) if *m == ours => {
+                if self.meta_error.lock().take().is_some() {
+                    tracing::info!(table, key = %key, "the table's meta hash agrees with this host's layout again: its requests reach the cluster again");
+                }
+                return;
+            }
+            Ok(m) => describe_meta(m),
+            Err(e) => format!("what does not parse as a meta hash ({e})"),
+        };
+        let (_, dim, groups, row) = &ours;
+        let e = Error::MetaReplaced {
+            table: table.into(),
+            key: key.clone(),
+            found,
+            ours: describe_meta(&ours),
+            restore: format!(
+                "layout {LAYOUT} dim {} groups {} row {:?}",
+                dim.unwrap_or_default(),
+                groups.unwrap_or_default(),
+                row.as_deref().unwrap_or_default()
+            ),
+        };
+        let mut held = self.meta_error.lock();
+        if held.as_ref() != Some(&e) {
+            tracing::error!(table, error = %e, "the table's meta hash in the cluster says another layout than this host's");
+            *held = Some(e);
+        }
+    }
+}
+
 /// Batches of the write-back queue in flight at once per node: one being
 /// answered while the next is written. Each batch holds the rows of one
 /// node's groups, so a node that stalls holds up its own rows only.
@@ -1421,7 +1615,11 @@ async fn flusher(core: Arc<Core>) {
         if by_node.0 != Some(generation) {
             by_node = (Some(generation), core.groups_by_node());
         }
-        for (node, groups) in &by_node.1 {
+        // A replaced meta hash holds the queue: its rows are this
+        // layout's, and would land where the table's other hosts do not
+        // read (or read rows of another width).
+        let held = core.meta_error.lock().is_some();
+        for (node, groups) in by_node.1.iter().filter(|_| !held) {
             if let Some(&(until, _)) = paused.get(node) {
                 if until > now {
                     wake = wake.min(until);
@@ -1474,6 +1672,19 @@ impl Core {
 /// Sends one batch (of `node`'s groups) and settles it; the node, and
 /// whether it all went.
 async fn send_batch(core: Arc<Core>, node: String, batch: Batch) -> (String, bool) {
+    let sent_at = Instant::now();
+    core.in_flight.lock().entry(node.clone()).or_default().push(sent_at);
+    let r = send_batch_now(&core, batch).await;
+    if let Some(v) = core.in_flight.lock().get_mut(&node) {
+        if let Some(i) = v.iter().position(|t| *t == sent_at) {
+            v.swap_remove(i);
+        }
+    }
+    (node, r)
+}
+
+/// [`send_batch`]'s send: whether it all went.
+async fn send_batch_now(core: &Arc<Core>, batch: Batch) -> bool {
     let rows: Vec<Row> =
         batch.iter().map(|(k, e)| Row { key: *k, score: e.score, values: &e.values, nx: e.nx }).collect();
     let Sent { failed, kept, errors } = core.send(&rows).await;
@@ -1484,5 +1695,5 @@ async fn send_batch(core: Arc<Core>, node: String, batch: Batch) -> (String, boo
         core.conflicts.lock().extend(kept.iter().map(|&(i, _)| batch[i].0));
     }
     core.queue.settle(batch, &failed);
-    (node, !failed.iter().any(|f| *f) && errors.is_empty())
+    !failed.iter().any(|f| *f) && errors.is_empty()
 }

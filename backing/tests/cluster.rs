@@ -645,6 +645,17 @@ async fn a_password_in_the_seed_url_is_passed_on() {
     assert!(out.errors.is_empty() && out.fetched.iter().all(|f| *f == Fetched::Found), "{:?}", out.errors);
     assert!(same_bits(&out.values, &rows(&keys, 4)), "rows from all three masters");
 
+    // An ACL user on the seed only: the other masters refuse it. That
+    // answered `backing_unavailable … retry` (a node "down") for a table
+    // that did not exist; it is the credentials' refusal, naming the node.
+    let ok = blocking(|| c.cli(0, &["acl", "setuser", "hkv", "on", ">user-pw", "~*", "&*", "+@all"])).unwrap();
+    assert!(ok.contains("OK"), "{ok}");
+    let e = open(format!("redis://hkv:user-pw@127.0.0.1:{port}"), Mode::ReadOnly).await.unwrap_err();
+    match &e {
+        Error::Auth { node, .. } => assert_ne!(node, &format!("127.0.0.1:{port}"), "{e}"),
+        _ => panic!("{e:?}"),
+    }
+    assert_eq!(e.code(), "invalid_argument");
     // An ACL user on every node (ACLs are per node).
     for i in 0..c.ports().len() {
         let ok = blocking(|| c.cli(i, &["acl", "setuser", "hkv", "on", ">user-pw", "~*", "&*", "+@all"])).unwrap();
@@ -1351,4 +1362,140 @@ async fn a_stalled_master_holds_up_only_its_own_write_back_rows() {
     assert!(out.fetched.iter().all(|f| *f == Fetched::Found), "the stalled node's rows drained");
     assert!(same_bits(&out.values, &rows(&theirs, 2)), "each key ends with its later row");
     assert_eq!(b.stats().queue_rows, 0);
+}
+
+/// The node of a 3-master cluster that serves the slot of `tag` (it must
+/// hold a key there).
+fn owner_of(c: &TestCluster, tag: &str) -> usize {
+    let slot = hkv_backing::layout::slot(tag.as_bytes()).to_string();
+    (0..3)
+        .find(|&i| c.cli(i, &["cluster", "countkeysinslot", &slot]).is_ok_and(|o| o.trim() != "0"))
+        .expect("the slot's master")
+}
+
+/// An open table never read its meta hash again. A tester deleted it (or
+/// restarted its node empty) while host A had the table open: host B's
+/// create-table then wrote a meta hash of its own (another group count
+/// after masters were added, or another dim), and A and B read and wrote
+/// different keys, each seeing the other's rows absent, with nothing said.
+/// Now each open tier reads it again every `meta_every`: a lost one is
+/// written back with its layout (so a later opener gets it), and one that
+/// says another layout fails the table's requests that need the cluster
+/// (`backing_unavailable`) until it agrees again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_meta_hash_comes_back_and_a_replaced_one_stops_the_table() {
+    let c = cluster(3, 0);
+    let table = "metaw";
+    let mut o = options(&c, Mode::WriteBack);
+    o.meta_every = Duration::from_millis(200);
+    let a = Backing::open(table, DIM, o).await.unwrap();
+    let keys: Vec<u64> = (0..50).collect();
+    a.write(&keys, &rows(&keys, 1), &[]).await.unwrap();
+    a.flush(Duration::from_secs(10)).await.unwrap();
+    let node = owner_of(&c, table);
+    let meta = format!("hkv:{{{table}}}:meta");
+    let groups = a.layout().groups().to_string();
+
+    // Deleted: back within the period, with A's layout.
+    assert_eq!(blocking(|| c.cli(node, &["del", &meta])).unwrap().trim(), "1");
+    let back = || c.cli(node, &["hget", &meta, "groups"]).map(|g| g.trim() == groups).unwrap_or(false);
+    blocking(|| hkv_backing::testkit::wait_until(Duration::from_secs(3), "the meta hash written back", back)).unwrap();
+    assert_eq!(blocking(|| c.cli(node, &["hget", &meta, "dim"])).unwrap().trim(), DIM.to_string());
+    // So B, opening now with another dim, is refused as before the loss.
+    let b = Backing::open(table, DIM / 2, options(&c, Mode::ReadOnly)).await;
+    assert!(matches!(b, Err(Error::Mismatch { .. })), "{b:?}");
+
+    // Replaced with another layout: A's requests that need the cluster
+    // fail (its queue held), naming the meta hash, until it agrees again.
+    blocking(|| c.cli(node, &["del", &meta])).unwrap();
+    let other = (DIM / 2).to_string();
+    let hset = ["hset", &meta, "layout", "1", "dim", &other, "groups", "7", "row", "values"];
+    blocking(|| c.cli(node, &hset)).unwrap();
+    let refused = || async {
+        let out = a.read(&keys).await;
+        out.errors.iter().any(|e| matches!(e, Error::MetaReplaced { .. }))
+            && out.fetched.iter().all(|f| *f == Fetched::Unavailable)
+    };
+    let start = Instant::now();
+    while !refused().await && start.elapsed() < Duration::from_secs(3) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(refused().await, "reads refused while the meta hash says another layout");
+    let e = a.write(&keys, &rows(&keys, 2), &[]).await.unwrap_err();
+    assert!(matches!(e, Error::MetaReplaced { .. }) && e.code() == "backing_unavailable", "{e}");
+    assert!(!e.may_have_landed(), "nothing of it was sent");
+    assert_eq!(a.stats().queue_rows, 0, "nothing of the refused write was queued");
+
+    // Put back: A serves again.
+    blocking(|| c.cli(node, &["hset", &meta, "dim", &DIM.to_string(), "groups", &groups])).unwrap();
+    let start = Instant::now();
+    while refused().await && start.elapsed() < Duration::from_secs(3) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let out = a.read(&keys).await;
+    assert!(out.errors.is_empty() && same_bits(&out.values, &rows(&keys, 1)), "{:?}", out.errors);
+}
+
+/// A write-back write refused with `resource_exhausted` was partly
+/// applied: the queue took it in chunks of half its bound, and a write
+/// whose later chunk found no room before the writer's wait had its first
+/// chunks queued already; they reached the cluster once the stalled master
+/// resumed, though the writer was told the write failed. Now a write is
+/// queued whole or not at all, and one larger than the whole queue is
+/// refused at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_the_full_queue_refuses_leaves_nothing_behind() {
+    let c = cluster(3, 0);
+    let table = "qfull";
+    let mut o = options(&c, Mode::WriteBack);
+    // Room for 64 rows (each its value and its 8-byte key).
+    let entry = (16 + 4 * DIM + 8) as u64;
+    o.queue_bytes = 64 * entry;
+    o.queue_wait = Duration::from_millis(300);
+    let b = Backing::open(table, DIM, o).await.unwrap();
+    let owners = slot_owners(&c);
+    let layout = b.layout().clone();
+    let stream = owners[hkv_backing::layout::slot(table.as_bytes()) as usize];
+    let stalled = (0..3).find(|&i| i != stream).unwrap();
+    let theirs: Vec<u64> =
+        (0..100_000u64).filter(|&k| owners[layout.slot_of_group(layout.group(k)) as usize] == stalled).collect();
+    c.pause(stalled).unwrap();
+    // 20 rows that cannot drain, then 60 more of the stalled node's keys:
+    // they fit the bound, not beside the 20.
+    b.write(&theirs[..20], &rows(&theirs[..20], 1), &[]).await.unwrap();
+    let refused = &theirs[20..80];
+    let e = b.write(refused, &rows(refused, 1), &[]).await.unwrap_err();
+    assert!(matches!(e, Error::QueueFull { .. }) && e.code() == "resource_exhausted", "{e}");
+    // More than the whole bound: at once, without the wait.
+    let huge = &theirs[100..200];
+    let start = Instant::now();
+    let e = b.write(huge, &rows(huge, 1), &[]).await.unwrap_err();
+    assert!(matches!(e, Error::QueueTooSmall { .. }) && e.code() == "resource_exhausted", "{e}");
+    assert!(start.elapsed() < Duration::from_millis(250), "refused at once, not after the wait");
+    assert_eq!(b.stats().queue_rows, 20);
+
+    blocking(|| c.resume(stalled)).unwrap();
+    b.flush(Duration::from_secs(30)).await.unwrap();
+    let fresh = Backing::open(table, DIM, options(&c, Mode::ReadOnly)).await.unwrap();
+    let out = read_all(&fresh, &theirs[..200], Duration::from_secs(10)).await;
+    let found: Vec<usize> = (0..200).filter(|&i| out.fetched[i] == Fetched::Found).collect();
+    assert_eq!(found, (0..20).collect::<Vec<_>>(), "only the accepted write's rows are in the cluster");
+}
+
+/// A cluster with hash slots that no master serves was accepted, and the
+/// table's requests on keys of those slots failed later ("no node serves
+/// slot 12758"): it is refused at open, naming the slot ranges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_with_unserved_slots_is_refused() {
+    let c = cluster(3, 0);
+    // Each node forgets the slots' master itself (gossip tells no node to).
+    for i in 0..3 {
+        let out = blocking(|| c.cli(i, &["cluster", "delslotsrange", "16000", "16383"])).unwrap();
+        assert!(out.contains("OK"), "{out}");
+    }
+    let unassigned = || (0..3).all(|i| c.cli(i, &["cluster", "slots"]).is_ok_and(|o| !o.contains("16383")));
+    blocking(|| hkv_backing::testkit::wait_until(Duration::from_secs(10), "the slots unassigned", unassigned)).unwrap();
+    let e = Backing::open("holes", DIM, options(&c, Mode::WriteThrough)).await.unwrap_err();
+    assert!(matches!(e, Error::SlotsUnserved { .. }) && e.code() == "invalid_argument", "{e:?}");
+    assert!(e.to_string().contains("16000-16383"), "{e}");
 }
