@@ -155,6 +155,45 @@ async fn consume(
     }
 }
 
+/// What [`Tiers::flush_all`] could not drain.
+#[derive(Debug)]
+pub struct DrainFailed {
+    /// Each table's error, `; `-separated.
+    pub message: String,
+    /// Every table's rows failed only their `WAIT`: the masters hold
+    /// them, fewer of their replicas than asked.
+    pub replicas_only: bool,
+}
+
+/// Drops each seed's empty password: `redis://:@HOST:PORT` becomes
+/// `redis://HOST:PORT` and `redis://USER:@HOST:PORT` `redis://USER@HOST:PORT`
+/// (the client sends no password for either). A tester's table created
+/// with `redis://:@…` was listed as `redis://:***@…`, its checkpoint kept
+/// the `***`, and the restart that restored it then asked for a password
+/// that no line of the passwords file could give: hkvd did not start.
+pub fn drop_empty_passwords(spec: &mut TableSpec) {
+    if let Some(b) = spec.backing.as_mut() {
+        for seed in &mut b.seeds {
+            *seed = without_empty_password(seed);
+        }
+    }
+}
+
+/// One seed of [`drop_empty_passwords`].
+fn without_empty_password(seed: &str) -> String {
+    let (Some(a), Some(at)) = (seed.find("://"), seed.rfind('@')) else { return seed.to_string() };
+    if at < a + 3 {
+        return seed.to_string();
+    }
+    let user = match seed[a + 3..at].split_once(':') {
+        Some((user, "")) => user,
+        None if at == a + 3 => "",
+        _ => return seed.to_string(),
+    };
+    let at_user = if user.is_empty() { String::new() } else { format!("{user}@") };
+    format!("{}{at_user}{}", &seed[..a + 3], &seed[at + 1..])
+}
+
 /// A backed table's stats: the cache's hits beside the tier's own.
 #[derive(Debug, Clone)]
 pub struct TableStats {
@@ -697,19 +736,21 @@ impl Tiers {
         self.on_rt(async move { b.erase_now(&keys).await }).await?.map_err(wire)
     }
 
-    /// Writes rows to the table's tier as its mode says.
+    /// Writes rows to the table's tier as its mode says; the tier's own
+    /// error inside ([`refused_write`] tells a write that may have
+    /// reached some nodes from one refused before anything was sent).
     async fn write(
         &self,
         tier: &Backing,
         keys: Vec<u64>,
         values: Vec<f32>,
         scores: Vec<u64>,
-    ) -> Result<(), ProtoError> {
+    ) -> Result<Result<(), hkv_backing::Error>, ProtoError> {
         if keys.is_empty() {
-            return Ok(());
+            return Ok(Ok(()));
         }
         let b = tier.clone();
-        self.on_rt(async move { b.write(&keys, &values, &scores).await }).await?.map_err(wire)
+        self.on_rt(async move { b.write(&keys, &values, &scores).await }).await
     }
 
     /// find_or_insert's new rows, written to the cluster where it has none
@@ -798,23 +839,31 @@ impl Tiers {
 
     /// SIGTERM: drains every table's queue; the error names the tables
     /// whose rows did not all reach the cluster.
-    pub async fn flush_all(&self, timeout: Duration) -> Result<(), ProtoError> {
+    pub async fn flush_all(&self, timeout: Duration) -> Result<(), DrainFailed> {
         let all: Vec<(String, Backing)> =
             self.tables.read().iter().map(|(n, e)| (n.clone(), e.backing.clone())).collect();
         // All at once: one deadline for every table, not one each.
         let drains = all
             .into_iter()
             .map(|(name, b)| async move { (name, self.on_rt(async move { b.flush(timeout).await }).await) });
-        let mut failed = Vec::new();
+        let (mut failed, mut replicas_only) = (Vec::new(), true);
         for (name, drained) in futures::future::join_all(drains).await {
-            if let Err(e) = drained? {
-                failed.push(format!("{name}: {e}"));
+            match drained {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    replicas_only &= matches!(e, hkv_backing::Error::FlushTimeout { replicas_only: true, .. });
+                    failed.push(format!("{name}: {e}"));
+                }
+                Err(e) => {
+                    replicas_only = false;
+                    failed.push(format!("{name}: {}", e.message));
+                }
             }
         }
         if failed.is_empty() {
             Ok(())
         } else {
-            Err(ProtoError::new(ErrorCode::BackingUnavailable, failed.join("; ")))
+            Err(DrainFailed { message: failed.join("; "), replicas_only })
         }
     }
 
@@ -1350,17 +1399,21 @@ async fn rows_now(
 /// reached some of its nodes (a write spans nodes; there is no
 /// transaction across them): the request's keys leave the cache, so that
 /// it never serves a row that differs from the cluster's (a later read
-/// fetches whichever row the cluster kept), and the error says so.
+/// fetches whichever row the cluster kept), and the error says so. A
+/// write refused before anything was sent (a full write-back queue, a
+/// replaced meta hash) changed nothing: its error goes back as it is.
 async fn refused_write(
     router: &Arc<Router>,
     t: &Arc<Table>,
     keys: &[u64],
-    sent: Result<(), ProtoError>,
+    sent: Result<Result<(), hkv_backing::Error>, ProtoError>,
 ) -> Result<(), ProtoError> {
-    let Err(e) = sent else { return Ok(()) };
-    if e.code != ErrorCode::BackingUnavailable {
-        return Err(e);
-    }
+    let e = match sent {
+        Ok(Ok(())) => return Ok(()),
+        Err(e) => return Err(e),
+        Ok(Err(e)) if !e.may_have_landed() => return Err(wire(e)),
+        Ok(Err(e)) => wire(e),
+    };
     router.erase(t, keys.to_vec(), false).await?;
     Err(partly_applied(e, "the write", "its keys were dropped from this cache"))
 }
@@ -1479,7 +1532,7 @@ pub async fn erase(
     let _held = tiers.begin_write(&t.spec.name, Some(&keys)).await;
     if tier.mode() != Mode::ReadOnly && !keys.is_empty() {
         let (b, k) = (tier.clone(), keys.clone());
-        let sent = tiers.on_rt(async move { b.erase(&k).await }).await?.map_err(wire);
+        let sent = tiers.on_rt(async move { b.erase(&k).await }).await;
         // Refused by some node: others may have erased their rows.
         refused_write(router, t, &keys, sent).await?;
     }
@@ -1768,6 +1821,27 @@ pub fn prometheus(o: &mut String, d: &hkv_proto::stats::Stats) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An empty password is no password (see [`drop_empty_passwords`]).
+    #[test]
+    fn empty_passwords_are_dropped() {
+        for (given, kept) in [
+            ("redis://:@127.0.0.1:1", "redis://127.0.0.1:1"),
+            ("redis://default:@127.0.0.1:1", "redis://default@127.0.0.1:1"),
+            ("redis://@127.0.0.1:1", "redis://127.0.0.1:1"),
+            ("redis://:pw@127.0.0.1:1", "redis://:pw@127.0.0.1:1"),
+            ("redis://u:pw@127.0.0.1:1", "redis://u:pw@127.0.0.1:1"),
+            ("127.0.0.1:1", "127.0.0.1:1"),
+        ] {
+            assert_eq!(without_empty_password(given), kept, "{given}");
+            let mut spec = TableSpec::new("t", 4, 64);
+            spec.backing = Some(BackingSpec::from_list(given, BackingMode::ReadOnly));
+            drop_empty_passwords(&mut spec);
+            let b = spec.backing.unwrap();
+            assert_eq!(b.seeds, vec![kept.to_string()]);
+            assert!(!b.redacted().password_hidden() || given.contains("pw@"), "{given}: listed with a hidden password");
+        }
+    }
 
     /// The daemon's TOML names a table's backing as the protocol does.
     #[test]

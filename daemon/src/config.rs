@@ -86,7 +86,8 @@ pub struct Limits {
     pub max_connections: usize,
     /// Seconds SIGTERM waits for in-flight requests before closing the
     /// remaining connections, then as long for write-back queues to reach
-    /// their clusters (rows left queued fail the exit).
+    /// their clusters (rows left queued fail the exit); 0 waits for
+    /// neither.
     #[arg(long, default_value_t = 30)]
     pub drain_seconds: u64,
     /// Bytes of sent answer frames kept for later find and echo answers to

@@ -161,10 +161,13 @@ async fn control(
     conn: &crate::region::Conn,
 ) -> Result<Response, ProtoError> {
     match c {
-        Control::CreateTable(spec) => {
+        Control::CreateTable(mut spec) => {
             if let Some(why) = state.router.unsupported(&spec) {
                 return Err(ProtoError::new(ErrorCode::BadRequest, why));
             }
+            // An empty password is none: kept, it would be listed and
+            // checkpointed as a hidden one that no restore can fill in.
+            crate::backing::drop_empty_passwords(&mut spec);
             // A table naming a cluster is refused when it cannot be opened,
             // before any memory is charged.
             state.backing.open(&spec).await?;

@@ -246,14 +246,24 @@ pub fn run(mut config: Config) -> anyhow::Result<()> {
         // HOOK(backing): every backed table's write-back queue drains
         // before exit (for up to drain_seconds); rows that could not reach
         // the cluster are named, at ERROR and in the exit status.
+        // `--drain-seconds 0` waits for nothing (it waited 1 s).
         let mut failed = None;
-        let drain = std::time::Duration::from_secs(config.limits.drain_seconds.max(1));
+        let drain = std::time::Duration::from_secs(config.limits.drain_seconds);
         if let Err(e) = state.backing.flush_all(drain).await {
-            error!(
-                error = %e.message,
-                "backing: queued write-back rows were NOT all acknowledged by the cluster within drain_seconds; \
-                 those not acknowledged are lost with this exit (rows still in flight may have landed)"
-            );
+            if e.replicas_only {
+                error!(
+                    error = %e.message,
+                    "backing: queued write-back rows were NOT all acknowledged as the tables' wait_replicas asks \
+                     within drain_seconds: their masters hold them, but fewer of the masters' replicas than asked \
+                     do, so a master lost before its replicas get them loses them"
+                );
+            } else {
+                error!(
+                    error = %e.message,
+                    "backing: queued write-back rows were NOT all acknowledged by the cluster within drain_seconds; \
+                     those not acknowledged are lost with this exit (rows still in flight may have landed)"
+                );
+            }
             failed = Some(format!(
                 "write-back rows were not all acknowledged by the cluster within {}s ({}); raise \
                  --drain-seconds or bring the cluster back before stopping",

@@ -730,6 +730,36 @@ fn checkpoints_keep_no_cluster_password() {
     assert!(err.contains("--backing-passwords") && err.contains("\"pk\""), "{err}");
 }
 
+/// A tester's table created with an empty password
+/// (`redis://:@HOST:PORT`, on a cluster that asks for none) was accepted
+/// and listed as `redis://:***@…`; its checkpoint kept the `***`, and the
+/// restart that restored it refused to start, asking for a password that
+/// no line of the passwords file could give. An empty password is no
+/// password: create-table drops it, the listing shows none, and the
+/// restart restores the table and reads through.
+#[test]
+fn an_empty_password_is_no_password_and_a_restart_restores_the_table() {
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster");
+    let port = cluster.ports()[0];
+    let a = Daemon::start(&[]);
+    let mut c = a.client();
+    c.create_table(backed("ep", &format!("redis://:@127.0.0.1:{port}"), BackingMode::WriteThrough)).unwrap();
+    c.create_table(backed("eu", &format!("redis://default:@127.0.0.1:{port}"), BackingMode::ReadOnly)).unwrap();
+    let t = c.tables().unwrap();
+    let seeds = |name: &str| t.iter().find(|t| t.spec.name == name).unwrap().spec.backing.clone().unwrap().seeds;
+    assert_eq!(seeds("ep"), vec![format!("redis://127.0.0.1:{port}")]);
+    assert_eq!(seeds("eu"), vec![format!("redis://default@127.0.0.1:{port}")]);
+    let keys: Vec<u64> = (1..=50u64).collect();
+    let values: Vec<f32> = keys.iter().flat_map(|&k| [k as f32; 4]).collect();
+    c.insert_or_assign("ep", &keys, &values, None).unwrap();
+    c.checkpoint(true, true).unwrap();
+    drop(c);
+    let a = a.restart(&["--restore", "latest"]);
+    let mut c = a.client();
+    let f = c.find("ep", &keys).unwrap();
+    assert_eq!(f.values, values, "restored, and its cluster open");
+}
+
 /// Issue 34's race: a read-through fill of a key whose cluster fetch began
 /// before a concurrent write (or erase) of that key could land in the
 /// cache after the write's own cache update: the cache then kept the old

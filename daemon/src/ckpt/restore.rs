@@ -691,7 +691,8 @@ fn with_password(spec: TableSpec, passwords: Option<&Path>) -> Result<TableSpec,
     };
     let Some(path) = passwords else {
         return Err(refuse(format!(
-            "start hkvd with --backing-passwords FILE (checkpoint.backing_passwords), FILE holding the line `{} PASSWORD`",
+            "start hkvd with --backing-passwords FILE (checkpoint.backing_passwords), FILE holding the line `{} PASSWORD` \
+             (the table's name alone if its cluster asks for none: a table created with an empty password)",
             spec.name
         )));
     };
@@ -707,13 +708,24 @@ fn with_password(spec: TableSpec, passwords: Option<&Path>) -> Result<TableSpec,
         }
     }
     let text = std::fs::read_to_string(path).map_err(|e| refuse(format!("{}: {e}", path.display())))?;
+    // The table's name alone on its line: no password. A table created
+    // with an empty one (`redis://:@…`, before create-table dropped it)
+    // was checkpointed as `redis://:***@…`, and no line could say so.
     let password = text.lines().filter(|l| !l.trim_start().starts_with('#')).find_map(|l| {
-        let (name, rest) = l.trim().split_once(char::is_whitespace)?;
+        let (name, rest) = l.trim().split_once(char::is_whitespace).unwrap_or((l.trim(), ""));
         (name == spec.name).then(|| rest.trim_start().to_string())
     });
     match password {
-        Some(pw) if !pw.is_empty() => Ok(TableSpec { backing: Some(backing.with_password(&pw)), ..spec }),
-        _ => Err(refuse(format!("{} has no line `{} PASSWORD`", path.display(), spec.name))),
+        Some(pw) => {
+            let mut spec = TableSpec { backing: Some(backing.with_password(&pw)), ..spec };
+            crate::backing::drop_empty_passwords(&mut spec);
+            Ok(spec)
+        }
+        None => Err(refuse(format!(
+            "{} has no line `{} PASSWORD` (the table's name alone if its cluster asks for none)",
+            path.display(),
+            spec.name
+        ))),
     }
 }
 

@@ -1,7 +1,7 @@
 //! How answers are printed: values, found rows, times, the stats table.
 
 use anyhow::{Context, Result};
-use hkv_client::proto::stats::{PathStats, ShardStats, Stats};
+use hkv_client::proto::stats::{BackingStats, PathStats, ShardStats, Stats};
 
 /// `YYYY-MM-DD HH:MM:SS` (UTC) of a Unix time in ms.
 pub fn fmt_time(ms: u64) -> String {
@@ -78,9 +78,40 @@ pub fn stats_table(v: &Stats) -> String {
             sum(|s| s.evictions),
             sum(|s| s.rejections)
         );
+        if let Some(b) = &t.backing {
+            out += &backing_line(b);
+        }
     }
     out += &path_line(&v.path);
     out
+}
+
+/// A backed table's line under its row: its cluster's part of the reads,
+/// its write-back queue, its stream entries waiting and its failed
+/// commands (`--json` has every field).
+fn backing_line(b: &BackingStats) -> String {
+    let mut line = format!(
+        "  backing {}: filled {} (queued {})  absent {}  late {}  unavailable {}  written {}  fetch p99 {} us",
+        b.mode, b.filled, b.filled_queued, b.absent, b.late, b.unavailable, b.rows_written, b.fetch_p99_us
+    );
+    if b.queue_limit_bytes > 0 {
+        line += &format!(
+            "; queue {} rows, {} of {} bytes, oldest {} ms, {} refused full",
+            b.queue_rows, b.queue_bytes, b.queue_limit_bytes, b.queue_oldest_ms, b.queue_full
+        );
+    }
+    if b.unpublished_entries > 0 || b.unpublished_resets > 0 {
+        line += &format!(
+            "; unpublished {} entries, {} bytes, {} resets",
+            b.unpublished_entries, b.unpublished_bytes, b.unpublished_resets
+        );
+    }
+    let errors: u64 = b.node_errors.values().sum();
+    if errors > 0 {
+        let nodes: Vec<String> = b.node_errors.iter().map(|(n, c)| format!("{n} {c}")).collect();
+        line += &format!("; node errors {}", nodes.join(", "));
+    }
+    line + "\n"
 }
 
 /// Where requests' time went in the daemon (`stats.path`), as means in
@@ -126,6 +157,32 @@ mod tests {
         assert_eq!(name_width(std::iter::empty()), 20);
         let long = "a_rather_long_table_name_for_embeddings";
         assert_eq!(name_width(["t", long].into_iter()), long.len());
+    }
+
+    /// `hkvctl stats` showed nothing of a table's cluster (its queue, its
+    /// fills), only `--json` did, though the docs said it counts them.
+    #[test]
+    fn stats_table_shows_a_backed_table_s_cluster() {
+        let mut s = Stats::default();
+        let mut t = hkv_client::proto::stats::TableStats {
+            spec: hkv_client::proto::TableSpec::new("emb", 4, 64),
+            size: 0,
+            capacity: 64,
+            load_factor: 0.0,
+            imbalance: 1.0,
+            shards: Vec::new(),
+            mrc: None,
+            backing: None,
+        };
+        let mut b = BackingStats { mode: "write-back".into(), filled: 7, queue_rows: 3, ..Default::default() };
+        b.queue_limit_bytes = 1024;
+        b.node_errors.insert("127.0.0.1:7001".into(), 2);
+        t.backing = Some(b);
+        s.tables.push(t);
+        let out = stats_table(&s);
+        assert!(out.contains("backing write-back: filled 7"), "{out}");
+        assert!(out.contains("queue 3 rows"), "{out}");
+        assert!(out.contains("node errors 127.0.0.1:7001 2"), "{out}");
     }
 
     #[test]
