@@ -231,8 +231,26 @@ pub fn prometheus(d: &DaemonStats) -> String {
             }
         }
     }
-    family(&mut o, "mrc_hit_rate", "gauge", "Estimated hit rate of an LRU cache of factor × the table's capacity.");
+    family(
+        &mut o,
+        "mrc_ready",
+        "gauge",
+        "1 once the table's miss-ratio curve has sampled enough lookups for an estimate (hkvd_mrc_hit_rate has samples), else 0.",
+    );
     for t in &d.tables {
+        if let Some(m) = &t.mrc {
+            let ready = crate::mrc::ready(m.sampled_accesses) && !m.points.is_empty();
+            let _ = writeln!(o, "hkvd_mrc_ready{{table=\"{}\"}} {}", t.spec.name, u8::from(ready));
+        }
+    }
+    family(
+        &mut o,
+        "mrc_hit_rate",
+        "gauge",
+        "Estimated hit rate of an LRU cache of factor × the table's capacity (no samples until hkvd_mrc_ready is 1).",
+    );
+    for t in &d.tables {
+        // `combine` leaves a curve that is not ready without points.
         for p in t.mrc.iter().flat_map(|m| &m.points) {
             let _ =
                 writeln!(o, "hkvd_mrc_hit_rate{{table=\"{}\",factor=\"{}\"}} {}", t.spec.name, p.factor, p.hit_rate);

@@ -23,8 +23,14 @@ pub fn draw(f: &mut Frame, t: &Table, area: Rect) {
         format!(" hit rate by capacity (LRU estimate; table evicts by {}) ", t.policy)
     };
     let block = Block::default().borders(Borders::ALL).title(title);
-    if t.curve.is_empty() {
+    if !t.curve_on {
         f.render_widget(Paragraph::new("no curve: the daemon runs with --no-mrc").block(block), area);
+        return;
+    }
+    if t.curve.is_empty() {
+        // The daemon gives a curve points from 100 sampled lookups on.
+        let note = format!("no estimate yet: {} of 100 sampled lookups", t.curve_sampled);
+        f.render_widget(Paragraph::new(note).block(block), area);
         return;
     }
     let points: Vec<(f64, f64)> = t.curve.iter().map(|&(x, y)| (x.log2(), y * 100.0)).collect();

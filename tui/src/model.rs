@@ -65,8 +65,12 @@ pub struct Table {
     /// Per shard.
     pub shards: Vec<Shard>,
     /// The live miss-ratio curve: (capacity factor, estimated hit rate)
-    /// points; empty when the daemon estimates none.
+    /// points; empty when the daemon estimates none, or none yet.
     pub curve: Vec<(f64, f64)>,
+    /// Whether the daemon keeps a curve for the table (not `--no-mrc`).
+    pub curve_on: bool,
+    /// Lookups the curve sampled: the daemon gives it points from 100 on.
+    pub curve_sampled: u64,
     /// Sampled keys lost before the curve's estimator (issue 32): the
     /// curve is less exact when this is not 0.
     pub curve_dropped: u64,
@@ -184,6 +188,8 @@ pub fn snapshot(v: &Stats) -> Snapshot {
             mode: t.spec.mode.to_string(),
             curve: t.mrc.iter().flat_map(|m| &m.points).map(|p| (p.factor, p.hit_rate)).collect(),
             curve_dropped: t.mrc.as_ref().map_or(0, |m| m.dropped),
+            curve_on: t.mrc.is_some(),
+            curve_sampled: t.mrc.as_ref().map_or(0, |m| m.sampled_accesses),
             backing: t.backing.clone(),
             shards: t
                 .shards

@@ -1,0 +1,65 @@
+//! An operator-minded tester's findings about what the daemon tells its
+//! operators (metrics, stats, checkpoints, the memory budget), each against
+//! a real daemon on a temporary socket.
+
+mod common;
+
+use common::Daemon;
+use hkv_client::proto::{Mode, Policy};
+use hkv_client::TableSpec;
+
+/// The samples of metric `name` (with its labels) in a Prometheus text.
+fn samples<'a>(text: &'a str, name: &str) -> Vec<(&'a str, f64)> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let bare = series.split('{').next()?;
+            (bare == name).then(|| (series, value.parse().expect("a sample's value")))
+        })
+        .collect()
+}
+
+/// The one sample of `series` (name and labels exactly as printed).
+fn sample(text: &str, series: &str) -> Option<f64> {
+    let name = series.split('{').next().expect("name");
+    samples(text, name).into_iter().find(|(s, _)| *s == series).map(|(_, v)| v)
+}
+
+/// Finding 4. `hkvctl mrc` said "too few sampled lookups for an estimate
+/// yet" while Prometheus exported `hkvd_mrc_hit_rate` 0 at 1/8×–1/2× and
+/// 0.234 at 1×–8× (and `stats --json` the same points) for a table that
+/// measured 75 %: 4 lookups after a fill. Now a curve that is not ready has
+/// no points and no hit-rate samples, and `hkvd_mrc_ready` says which.
+#[test]
+fn a_curve_with_too_few_samples_exports_no_estimate() {
+    let d = Daemon::start(&[]);
+    let mut c = d.client();
+    let spec = TableSpec { mode: Mode::Dual, policy: Policy::Lru, ..TableSpec::new("user_emb", 8, 65536) };
+    c.create_table(spec).expect("create");
+    let keys: Vec<u64> = (1..=50_000).collect();
+    for b in keys.chunks(10_000) {
+        c.insert_or_assign("user_emb", b, &vec![0.5; 8 * b.len()], None).expect("fill");
+    }
+    c.find("user_emb", &[1, 2, 3, 60_000]).expect("get");
+    let s = c.stats_doc().expect("stats");
+    let m = s.tables[0].mrc.as_ref().expect("curves are on by default");
+    assert!(m.sampled_accesses < 100, "{} sampled lookups", m.sampled_accesses);
+    assert!(m.points.is_empty(), "a curve that is not ready has no points: {:?}", m.points);
+    let text = c.metrics().expect("metrics");
+    assert_eq!(sample(&text, "hkvd_mrc_ready{table=\"user_emb\"}"), Some(0.0), "{text}");
+    assert!(samples(&text, "hkvd_mrc_hit_rate").is_empty(), "hit rates of a curve that is not ready");
+    // Enough lookups later it is an estimate, at every factor.
+    let mut looked = 0u64;
+    while c.stats_doc().expect("stats").tables[0].mrc.as_ref().expect("mrc").sampled_accesses < 100 {
+        assert!(looked < 1 << 20, "{looked} lookups and still not 100 sampled");
+        let b: Vec<u64> = (looked..looked + 1000).map(|k| k % 50_000 + 1).collect();
+        c.find("user_emb", &b).expect("find");
+        looked += 1000;
+    }
+    let s = c.stats_doc().expect("stats");
+    assert_eq!(s.tables[0].mrc.as_ref().expect("mrc").points.len(), 7);
+    let text = c.metrics().expect("metrics");
+    assert_eq!(sample(&text, "hkvd_mrc_ready{table=\"user_emb\"}"), Some(1.0), "{text}");
+    assert_eq!(samples(&text, "hkvd_mrc_hit_rate").len(), 7, "{text}");
+}
