@@ -34,8 +34,8 @@ pub fn checkpoint(c: &mut Client, wait: bool, full: bool) -> Result<()> {
     let id = (!started.id.is_empty()).then_some(started.id);
     if !wait {
         match &id {
-            Some(id) => println!("checkpoint {id} started; `hkvctl stats` shows its progress"),
-            None => println!("checkpoint started; `hkvctl stats` shows its progress"),
+            Some(id) => println!("checkpoint {id} started; `hkvctl checkpoints` shows its progress"),
+            None => println!("checkpoint started; `hkvctl checkpoints` shows its progress"),
         }
         return Ok(());
     }
@@ -51,19 +51,8 @@ fn follow(c: &mut Client, id: Option<&str>, before: Option<u64>) -> Result<()> {
         let st: Stats = doc(c.stats()?, "stats")?;
         let ck = &st.checkpoint;
         if let Some(p) = &ck.running {
-            let (done, total) = (p.entries_done, p.entries_total);
-            let frac = if total > 0 { (done as f64 / total as f64).min(1.0) } else { 0.0 };
-            let bar = "#".repeat((frac * 30.0) as usize) + &"-".repeat(30 - (frac * 30.0) as usize);
-            let line = format!(
-                "checkpoint {} [{bar}] {done}/{total} entries, {:.1} MB, {:.0} MB/s, {:.0} entries/s, ETA {:.0}s",
-                p.id,
-                p.bytes as f64 / 1e6,
-                p.mb_per_s,
-                p.rate,
-                p.eta_s
-            );
             if tty {
-                eprint!("\r{line}");
+                eprint!("\r{}\x1b[K", progress_line(p, columns()));
             }
         } else if let Some(l) = ck.last.as_ref().filter(|l| match &id {
             Some(id) => l.id == *id,
@@ -89,9 +78,74 @@ fn follow(c: &mut Client, id: Option<&str>, before: Option<u64>) -> Result<()> {
     Ok(())
 }
 
-/// `hkvctl checkpoints`: one line per checkpoint.
+/// The progress line of checkpoint `p` in at most `width` columns: the
+/// id and counts first, then the bar, rate and ETA while they fit (a
+/// line wider than the terminal wraps at each redraw instead of being
+/// overwritten: a tester's 100-column pane filled with copies of it).
+fn progress_line(p: &proto::stats::Progress, width: usize) -> String {
+    let (done, total) = (p.entries_done, p.entries_total);
+    let frac = if total > 0 { (done as f64 / total as f64).min(1.0) } else { 0.0 };
+    let bar = |n: usize| {
+        let k = (frac * n as f64) as usize;
+        format!(" [{}{}]", "#".repeat(k), "-".repeat(n - k))
+    };
+    let mut line = format!("checkpoint {} {done}/{total} entries", p.id);
+    if line.chars().count() > width {
+        // Narrower than the essentials: the counts, else the percentage.
+        let short = format!("{done}/{total} ({:.0}%)", frac * 100.0);
+        let pct = format!("{:.0}%", frac * 100.0);
+        return if short.chars().count() <= width { short } else { pct.chars().take(width).collect() };
+    }
+    for part in [
+        format!(", {:.1} MB", p.bytes as f64 / 1e6),
+        format!(", {:.0} MB/s", p.mb_per_s),
+        format!(", ETA {:.0}s", p.eta_s),
+        format!(", {:.0} entries/s", p.rate),
+    ] {
+        if line.chars().count() + part.chars().count() <= width {
+            line.push_str(&part);
+        }
+    }
+    // The bar after the id takes what room is left, up to 30 marks.
+    let room = width.saturating_sub(line.chars().count() + 3).min(30);
+    if room >= 5 {
+        let at = line.find(' ').and_then(|i| line[i + 1..].find(' ').map(|j| i + 1 + j)).unwrap_or(line.len());
+        line.insert_str(at, &bar(room));
+    }
+    line
+}
+
+/// The terminal's width in columns, from stderr (where the progress line
+/// goes), else `$COLUMNS`, else 80; one less, so that the cursor never
+/// reaches the last column (some terminals wrap there).
+fn columns() -> usize {
+    let cols = rustix::termios::tcgetwinsize(std::io::stderr())
+        .ok()
+        .map(|w| w.ws_col as usize)
+        .filter(|&c| c > 0)
+        .or_else(|| std::env::var("COLUMNS").ok()?.parse().ok())
+        .unwrap_or(80);
+    cols.saturating_sub(1).max(1)
+}
+
+/// `hkvctl checkpoints`: one line per checkpoint, the one being written first.
 pub fn checkpoints(c: &mut Client) -> Result<()> {
     println!("{:<18} {:<20} {:<30} {:>12} {:>10}  status", "id", "created (UTC)", "kind", "entries", "MB");
+    // The one being written is not in the store's list until it is
+    // complete: its row comes from the stats.
+    if let Some(p) = doc::<Stats>(c.stats()?, "stats")?.checkpoint.running {
+        println!(
+            "{:<18} {:<20} {:<30} {:>12} {:>10.1}  writing ({}/{} entries, ETA {:.0}s)",
+            p.id,
+            "-",
+            p.kind,
+            p.entries_done,
+            p.bytes as f64 / 1e6,
+            p.entries_done,
+            p.entries_total,
+            p.eta_s
+        );
+    }
     for l in doc::<Vec<Listing>>(c.checkpoints()?, "list_checkpoints")? {
         println!(
             "{:<18} {:<20} {:<30} {:>12} {:>10.1}  {}",
@@ -140,8 +194,8 @@ pub fn restore(c: &mut Client, socket: &Path, id: proto::CheckpointId) -> Result
                     return;
                 };
                 if let Some(p) = &st.checkpoint.restoring {
-                    eprint!(
-                        "\rrestore {} {}: {}/{} entries, {:.1} MB, {:.0} MB/s   ",
+                    let line = format!(
+                        "restore {} {}: {}/{} entries, {:.1} MB, {:.0} MB/s",
                         p.id,
                         p.kind,
                         p.entries_done,
@@ -149,6 +203,8 @@ pub fn restore(c: &mut Client, socket: &Path, id: proto::CheckpointId) -> Result
                         p.bytes as f64 / 1e6,
                         p.mb_per_s
                     );
+                    // Cut to the terminal, so that each redraw overwrites the last.
+                    eprint!("\r{}\x1b[K", line.chars().take(columns()).collect::<String>());
                 }
             }
         })
@@ -180,4 +236,45 @@ pub fn restore(c: &mut Client, socket: &Path, id: proto::CheckpointId) -> Result
         if tables.is_empty() { "none".to_string() } else { tables.join(", ") }
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn running() -> proto::stats::Progress {
+        proto::stats::Progress {
+            id: "0000019ae1c2d3f4".into(),
+            kind: "full".into(),
+            entries_done: 1_250_000,
+            entries_total: 5_000_000,
+            bytes: 160_000_000,
+            seconds: 2.0,
+            rate: 625_000.0,
+            eta_s: 6.0,
+            mb_per_s: 80.0,
+        }
+    }
+
+    #[test]
+    fn the_progress_line_fits_the_terminal() {
+        for width in [8, 20, 30, 45, 60, 79, 99, 200] {
+            let line = progress_line(&running(), width);
+            assert!(line.chars().count() <= width, "{width}: {line:?} is {} wide", line.chars().count());
+            assert!(!line.is_empty());
+        }
+        // Wide: every field and the whole bar.
+        let wide = progress_line(&running(), 200);
+        assert!(wide.contains("[#######-----------------------]"), "{wide}");
+        for part in ["1250000/5000000 entries", "160.0 MB", "80 MB/s", "ETA 6s", "625000 entries/s"] {
+            assert!(wide.contains(part), "{part} not in {wide}");
+        }
+        // Narrow: the id and counts stay, the bar and rates go first.
+        let narrow = progress_line(&running(), 60);
+        assert!(narrow.starts_with("checkpoint 0000019ae1c2d3f4"), "{narrow}");
+        assert!(narrow.contains("1250000/5000000"), "{narrow}");
+        // Narrower than the essentials: the percentage.
+        assert_eq!(progress_line(&running(), 30), "1250000/5000000 (25%)");
+        assert_eq!(progress_line(&running(), 8), "25%");
+    }
 }
