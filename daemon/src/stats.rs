@@ -1,6 +1,7 @@
 //! Statistics: one JSON document (the `stats` request) and its Prometheus
 //! rendering (`metrics`, and the optional loopback HTTP listener).
 
+use std::collections::HashMap;
 use std::fmt::Write;
 use std::sync::atomic::Ordering::Relaxed;
 
@@ -51,6 +52,95 @@ fn shard_stats(s: hkv_shard::ShardStats) -> ShardStats {
     }
 }
 
+/// The op label of the export batches checkpoints take (`op_names`' last).
+pub const CHECKPOINT_OP: &str = "checkpoint";
+
+/// Applies `f` to each counter of `s` and the same counter of `other`
+/// (the gauges, sizes and lock state now, stay `s`'s).
+fn each_counter(s: &mut ShardStats, other: &ShardStats, f: fn(u64, u64) -> u64) {
+    for (a, &b) in [
+        (&mut s.hits, &other.hits),
+        (&mut s.misses, &other.misses),
+        (&mut s.inserts, &other.inserts),
+        (&mut s.evictions, &other.evictions),
+        (&mut s.rejections, &other.rejections),
+        (&mut s.lock.violations, &other.lock.violations),
+    ] {
+        *a = f(*a, b);
+    }
+    for (a, b) in s.ops.iter_mut().zip(&other.ops).chain(s.keys.iter_mut().zip(&other.keys)) {
+        *a = f(*a, *b);
+    }
+    for (a, b) in s.lock.waits.iter_mut().zip(other.lock.waits).chain(s.lock.wait_ns.iter_mut().zip(other.lock.wait_ns))
+    {
+        *a = f(*a, b);
+    }
+}
+
+/// What the stats last reported of one table, by [`crate::router::Table::made`]
+/// (which a restore keeps while it installs new shards).
+struct Reported {
+    /// The shards' table id (a restore's new shards have another).
+    id: crate::actor::TableId,
+    /// Per shard: the totals of the table's earlier shards.
+    base: Vec<ShardStats>,
+    /// Per shard: the counters last reported.
+    last: Vec<ShardStats>,
+}
+
+/// Every table's [`Reported`]. A live restore installs new shards whose
+/// counters start at 0: an operator's tester saw `hkvd_hits_total` go 6 →
+/// 0, which Prometheus reads as a counter reset (rates jump). The totals
+/// carry on instead: the new shards' counts are added to what was reported
+/// before, and no counter is ever reported below its last value. A static
+/// rather than a field of `State` because only the stats read it; table
+/// ids are unique within the process.
+static REPORTED: std::sync::LazyLock<parking_lot::Mutex<HashMap<u64, Reported>>> =
+    std::sync::LazyLock::new(Default::default);
+
+/// `shards` of `t` as reported: checkpoints' export batches moved from
+/// `op="export"` to [`CHECKPOINT_OP`] (appended to `ops` and `keys`), and
+/// the counters carried across restores ([`REPORTED`]).
+fn reported(state: &State, t: &crate::router::Table, shards: Vec<ShardStats>) -> Vec<ShardStats> {
+    let export = Op::ALL.iter().position(|&o| o == Op::Export);
+    let mut cur: Vec<ShardStats> = shards
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut s)| {
+            // Read after the shard's counters: a batch a checkpoint is
+            // taking may be counted here and not there yet, never the
+            // other way round (`Checkpoints::count_export`).
+            let [batches, keys] = state.checkpoints.exports(t.id(), i);
+            if let Some(e) = export {
+                for (v, n) in [(&mut s.ops, batches), (&mut s.keys, keys)] {
+                    if let Some(x) = v.get_mut(e) {
+                        *x = x.saturating_sub(n);
+                    }
+                }
+            }
+            s.ops.push(batches);
+            s.keys.push(keys);
+            s
+        })
+        .collect();
+    let mut all = REPORTED.lock();
+    let r = all.entry(t.made()).or_insert_with(|| Reported { id: t.id(), base: vec![], last: vec![] });
+    if r.id != t.id() {
+        r.base = std::mem::take(&mut r.last);
+        r.id = t.id();
+    }
+    for (i, s) in cur.iter_mut().enumerate() {
+        if let Some(b) = r.base.get(i) {
+            each_counter(s, b, u64::saturating_add);
+        }
+        if let Some(l) = r.last.get(i) {
+            each_counter(s, l, u64::max);
+        }
+    }
+    r.last = cur.clone();
+    cur
+}
+
 /// Collects the current statistics (each shard's from its actor).
 pub async fn collect(state: &State) -> Result<DaemonStats, hkv_proto::ProtoError> {
     let mut per_table = vec![];
@@ -60,13 +150,22 @@ pub async fn collect(state: &State) -> Result<DaemonStats, hkv_proto::ProtoError
         let shards = state.router.shard_stats(&t).await?;
         per_table.push((t, shards, curves));
     }
+    {
+        let live: Vec<_> = per_table.iter().map(|(t, _, _)| t.id()).collect();
+        state.checkpoints.forget_exports(&live);
+        let made: Vec<_> = per_table.iter().map(|(t, _, _)| t.made()).collect();
+        REPORTED.lock().retain(|m, _| made.contains(m));
+    }
     let backed = state.backing.stats();
     let tables = per_table
         .into_iter()
         .map(|(t, shards, curves)| {
             let shards: Vec<ShardStats> = shards.into_iter().map(shard_stats).collect();
+            // The curve's measured hit rate is over the lookups the curve
+            // saw: those of the shards now (a restore starts both afresh).
             let (hits, misses) = shards.iter().fold((0u64, 0u64), |(h, m), s| (h + s.hits, m + s.misses));
             let measured = (hits + misses > 0).then(|| hits as f64 / (hits + misses) as f64);
+            let shards = reported(state, &t, shards);
             let mrc = curves.map(|c| crate::mrc::combine(&c, measured));
             let size: u64 = shards.iter().map(|s| s.size).sum();
             let capacity: u64 = shards.iter().map(|s| s.capacity).sum();
@@ -97,7 +196,7 @@ pub async fn collect(state: &State) -> Result<DaemonStats, hkv_proto::ProtoError
         errors: s.errors.load(Relaxed),
         in_flight: s.in_flight.load(Relaxed),
         tables,
-        op_names: Op::ALL.iter().map(|o| o.name().to_string()).collect(),
+        op_names: Op::ALL.iter().map(|o| o.name().to_string()).chain([CHECKPOINT_OP.to_string()]).collect(),
         checkpoint: state.checkpoints.stats(),
         memory: {
             let b = state.router.budget.stats();
@@ -218,7 +317,11 @@ pub fn prometheus(d: &DaemonStats) -> String {
     // Each family's samples together, after its HELP and TYPE (the text
     // format asks it; the two families' lines alternated before).
     for (name, help, per_op) in [
-        ("ops_total", "Batches per operation.", (|s| &s.ops) as fn(&ShardStats) -> &Vec<u64>),
+        (
+            "ops_total",
+            "Batches per operation (op=\"checkpoint\": export batches checkpoints took; op=\"export\": clients').",
+            (|s| &s.ops) as fn(&ShardStats) -> &Vec<u64>,
+        ),
         ("keys_total", "Keys per operation.", |s| &s.keys),
     ] {
         family(&mut o, name, "counter", help);

@@ -63,3 +63,49 @@ fn a_curve_with_too_few_samples_exports_no_estimate() {
     assert_eq!(sample(&text, "hkvd_mrc_ready{table=\"user_emb\"}"), Some(1.0), "{text}");
     assert_eq!(samples(&text, "hkvd_mrc_hit_rate").len(), 7, "{text}");
 }
+
+/// The sum of the samples of `name` whose labels contain every one of `labels`.
+fn total(text: &str, name: &str, labels: &[&str]) -> f64 {
+    samples(text, name).into_iter().filter(|(s, _)| labels.iter().all(|l| s.contains(l))).map(|(_, v)| v).sum()
+}
+
+/// Finding 8. A live restore installs new shards whose counters start at
+/// 0: `hkvd_hits_total` went 6 → 0 (Prometheus reads a counter reset, and
+/// rates jump); and every checkpoint counted as two client exports
+/// (`hkvd_ops_total{op="export"}` +2 per checkpoint). Now every counter
+/// series carries on across the restore, and checkpoints' export batches
+/// are `op="checkpoint"`, not `op="export"`.
+#[test]
+fn counters_carry_on_across_a_restore_and_checkpoints_are_not_client_exports() {
+    let d = Daemon::start(&[]);
+    let mut c = d.client();
+    c.create_table(TableSpec::new("t", 2, 4096)).expect("create");
+    let keys: Vec<u64> = (1..=300).collect();
+    c.insert_or_assign("t", &keys, &vec![1.0; 2 * keys.len()], None).expect("insert");
+    c.find("t", &keys).expect("find");
+    let before = c.metrics().expect("metrics");
+    c.checkpoint(true, false).expect("checkpoint");
+    let after_ck = c.metrics().expect("metrics");
+    let exports = |t: &str| total(t, "hkvd_ops_total", &["op=\"export\""]);
+    assert_eq!(exports(&after_ck), exports(&before), "a checkpoint is not a client's export");
+    assert!(total(&after_ck, "hkvd_ops_total", &["op=\"checkpoint\""]) >= 3.0, "one batch per shard at least");
+    assert_eq!(total(&after_ck, "hkvd_keys_total", &["op=\"checkpoint\""]), 300.0, "{after_ck}");
+    let doc = c.stats_doc().expect("stats");
+    assert_eq!(doc.op_names.last().map(String::as_str), Some("checkpoint"));
+    assert!(doc.tables[0].shards.iter().all(|s| s.ops.len() == doc.op_names.len()));
+    c.find("t", &keys).expect("find");
+    let pre = c.metrics().expect("metrics");
+    c.restore(hkv_client::proto::CheckpointId::Latest).expect("live restore");
+    let post = c.metrics().expect("metrics");
+    // Every counter series of the table: none lower than before the restore.
+    for name in ["hkvd_hits_total", "hkvd_misses_total", "hkvd_inserts_total", "hkvd_ops_total", "hkvd_keys_total"] {
+        for (series, v) in samples(&pre, name) {
+            let now = sample(&post, series).unwrap_or_else(|| panic!("{series} gone after the restore"));
+            assert!(now >= v, "{series}: {v} before the restore, {now} after");
+        }
+    }
+    assert_eq!(total(&post, "hkvd_hits_total", &[]), 600.0, "two finds of 300 keys that hit");
+    // And they keep counting on the restored shards.
+    c.find("t", &keys).expect("find");
+    assert_eq!(total(&c.metrics().expect("metrics"), "hkvd_hits_total", &[]), 900.0);
+}

@@ -18,6 +18,7 @@ mod write;
 
 pub use hkv_proto::stats::{CheckpointStats, Finished, Listing, Progress, Restored};
 pub use restore::Occasion;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -28,6 +29,7 @@ use parking_lot::Mutex;
 
 use tracing::{info, warn};
 
+use crate::actor::TableId;
 use crate::config::CheckpointConfig;
 
 /// The daemon's checkpoints.
@@ -45,6 +47,10 @@ pub struct Checkpoints {
     chain_generation: AtomicU64,
     restoring: Mutex<Option<Progress>>,
     last_restore: Mutex<Option<Restored>>,
+    /// Export batches and keys checkpoints asked of each shard (by table
+    /// id and shard), which the shards count as exports: the stats move
+    /// them from `op="export"` (a client's) to `op="checkpoint"`.
+    exports: Mutex<HashMap<(TableId, usize), [u64; 2]>>,
 }
 
 fn now_ms() -> u64 {
@@ -136,6 +142,7 @@ impl Checkpoints {
             chain_generation: AtomicU64::new(u64::MAX),
             restoring: Mutex::new(None),
             last_restore: Mutex::new(None),
+            exports: Mutex::new(HashMap::new()),
         })
     }
 
@@ -184,6 +191,36 @@ impl Checkpoints {
             last_restore: self.last_restore.lock().clone(),
             paused: self.catalog.paused(),
         }
+    }
+
+    /// Counts `batches` export batches of `keys` keys a checkpoint asks of
+    /// shard `shard` of table `table`.
+    fn count_export(&self, table: TableId, shard: usize, batches: u64, keys: u64) {
+        let mut g = self.exports.lock();
+        let e = g.entry((table, shard)).or_default();
+        e[0] += batches;
+        e[1] += keys;
+    }
+
+    /// Takes back what [`Checkpoints::count_export`] counted and the shard did not.
+    fn uncount_export(&self, table: TableId, shard: usize, batches: u64, keys: u64) {
+        if let Some(e) = self.exports.lock().get_mut(&(table, shard)) {
+            e[0] = e[0].saturating_sub(batches);
+            e[1] = e[1].saturating_sub(keys);
+        }
+    }
+
+    /// The export batches and keys checkpoints took from shard `shard` of
+    /// table `table` (the table's instance: a restore's new shards count
+    /// from 0, as the shards' own counters do).
+    pub fn exports(&self, table: TableId, shard: usize) -> [u64; 2] {
+        self.exports.lock().get(&(table, shard)).copied().unwrap_or_default()
+    }
+
+    /// Forgets the export counts of tables not in `live` (dropped, or
+    /// replaced by a restore).
+    pub fn forget_exports(&self, live: &[TableId]) {
+        self.exports.lock().retain(|(t, _), _| live.contains(t));
     }
 
     /// Every checkpoint, newest first.

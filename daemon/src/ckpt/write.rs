@@ -229,7 +229,19 @@ impl Checkpoints {
                 attempt += 1;
                 continue;
             }
-            let (mut e, _) = x.rt.block_on(x.router.export_part(t, i, offset, slots, Filter::ALL))?;
+            // Counted as the checkpoint's before the shard counts it as an
+            // export: the stats read the shard's counters first, so they
+            // never see a checkpoint's batch as a client's.
+            self.count_export(t.id(), i, 1, slots);
+            let (mut e, _) = match x.rt.block_on(x.router.export_part(t, i, offset, slots, Filter::ALL)) {
+                Ok(r) => r,
+                Err(err) => {
+                    self.uncount_export(t.id(), i, 1, slots);
+                    return Err(err);
+                }
+            };
+            // The shard counted the keys it found, at most `slots`.
+            self.uncount_export(t.id(), i, 0, slots - e.keys.len() as u64);
             offset += slots;
             if let Some(wm) = watermark {
                 // One pass: every live key for the key list, and the
