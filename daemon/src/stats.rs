@@ -393,6 +393,55 @@ pub fn prometheus(d: &DaemonStats) -> String {
             let _ = writeln!(o, "hkvd_mrc_lookups_total{{table=\"{}\"}} {}", t.spec.name, m.accesses);
         }
     }
+    let ck = &d.checkpoint;
+    let out = crate::ckpt::outcomes();
+    for (name, kind, help, v) in [
+        (
+            "checkpoint_last_success_timestamp_seconds",
+            "gauge",
+            "When the last checkpoint completed, Unix seconds (0 before the first).",
+            out.last_ok_unix_ms as f64 / 1e3,
+        ),
+        (
+            "checkpoint_last_failure_timestamp_seconds",
+            "gauge",
+            "When the last checkpoint failed or was refused, Unix seconds (0 before the first).",
+            out.last_failed_unix_ms as f64 / 1e3,
+        ),
+        (
+            "checkpoint_consecutive_failures",
+            "gauge",
+            "Checkpoints failed since the last that completed (stats: checkpoint.last.error).",
+            out.consecutive_failures as f64,
+        ),
+        (
+            "checkpoint_running",
+            "gauge",
+            "1 while a checkpoint runs, else 0.",
+            f64::from(u8::from(ck.running.is_some())),
+        ),
+        (
+            "checkpoint_paused",
+            "gauge",
+            "1 while checkpoints are paused (the state directory cannot be written: stats checkpoint.paused), else 0.",
+            f64::from(u8::from(ck.paused.is_some())),
+        ),
+        (
+            "checkpoint_last_duration_seconds",
+            "gauge",
+            "Seconds the last completed checkpoint took.",
+            out.last_ok_seconds,
+        ),
+        (
+            "checkpoint_last_bytes",
+            "gauge",
+            "Chunk bytes the last completed checkpoint wrote.",
+            out.last_ok_bytes as f64,
+        ),
+    ] {
+        family(&mut o, name, kind, help);
+        let _ = writeln!(o, "hkvd_{name} {v}");
+    }
     // HOOK(backing): each backed table's tier.
     crate::backing::prometheus(&mut o, d);
     for (name, kind, help, per_group) in [

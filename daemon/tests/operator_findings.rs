@@ -109,3 +109,37 @@ fn counters_carry_on_across_a_restore_and_checkpoints_are_not_client_exports() {
     c.find("t", &keys).expect("find");
     assert_eq!(total(&c.metrics().expect("metrics"), "hkvd_hits_total", &[]), 900.0);
 }
+
+/// Finding 7. `stats --json` had `checkpoint.last.error` and the rest, but
+/// Prometheus had no checkpoint metric at all: a daemon whose checkpoints
+/// failed every time could not be alerted on. (Failures moving them:
+/// `a_full_disk_pauses_checkpoints_and_room_resumes_them`.)
+#[test]
+fn checkpoints_are_in_the_metrics() {
+    let d = Daemon::start(&[]);
+    let mut c = d.client();
+    let text = c.metrics().expect("metrics");
+    for (series, v) in [
+        ("hkvd_checkpoint_last_success_timestamp_seconds", 0.0),
+        ("hkvd_checkpoint_last_failure_timestamp_seconds", 0.0),
+        ("hkvd_checkpoint_consecutive_failures", 0.0),
+        ("hkvd_checkpoint_running", 0.0),
+        ("hkvd_checkpoint_paused", 0.0),
+        ("hkvd_checkpoint_last_duration_seconds", 0.0),
+        ("hkvd_checkpoint_last_bytes", 0.0),
+    ] {
+        assert_eq!(sample(&text, series), Some(v), "{series} in\n{text}");
+    }
+    c.create_table(TableSpec::new("t", 4, 4096)).expect("create");
+    let keys: Vec<u64> = (1..=1000).collect();
+    c.insert_or_assign("t", &keys, &vec![1.0; 4 * keys.len()], None).expect("insert");
+    let t0 = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_secs_f64();
+    c.checkpoint(true, false).expect("checkpoint");
+    let text = c.metrics().expect("metrics");
+    let at = sample(&text, "hkvd_checkpoint_last_success_timestamp_seconds").expect("last success");
+    assert!(at >= t0 - 1.0 && at <= t0 + 60.0, "last success at {at}, asked at {t0}");
+    assert!(sample(&text, "hkvd_checkpoint_last_bytes").expect("bytes") >= 1000.0 * 16.0, "{text}");
+    assert!(sample(&text, "hkvd_checkpoint_last_duration_seconds").expect("duration") > 0.0);
+    assert_eq!(sample(&text, "hkvd_checkpoint_consecutive_failures"), Some(0.0));
+    assert_eq!(sample(&text, "hkvd_checkpoint_running"), Some(0.0));
+}

@@ -32,6 +32,52 @@ use tracing::{info, warn};
 use crate::actor::TableId;
 use crate::config::CheckpointConfig;
 
+/// How this process's checkpoints went, for Prometheus
+/// (`crate::stats::prometheus`): an operator's tester found no checkpoint
+/// metric at all, so a failing or stuck checkpoint could not be alerted on.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Outcomes {
+    /// When the last checkpoint completed, ms since the Unix epoch (0: none yet).
+    pub last_ok_unix_ms: u64,
+    /// When the last one failed (or was refused), ms since the Unix epoch (0: none yet).
+    pub last_failed_unix_ms: u64,
+    /// Attempts that failed since the last that completed.
+    pub consecutive_failures: u64,
+    /// The last completed checkpoint's duration, seconds.
+    pub last_ok_seconds: f64,
+    /// The last completed checkpoint's chunk bytes.
+    pub last_ok_bytes: u64,
+}
+
+/// This process's [`Outcomes`]. Process-wide rather than a field of
+/// [`Checkpoints`] because the Prometheus text is rendered from the stats
+/// document alone, which has no room for them (`CheckpointStats` in
+/// `hkv_proto`); a process runs one daemon.
+static OUTCOMES: Mutex<Outcomes> = Mutex::new(Outcomes {
+    last_ok_unix_ms: 0,
+    last_failed_unix_ms: 0,
+    consecutive_failures: 0,
+    last_ok_seconds: 0.0,
+    last_ok_bytes: 0,
+});
+
+/// How this process's checkpoints went.
+pub fn outcomes() -> Outcomes {
+    *OUTCOMES.lock()
+}
+
+/// Records a checkpoint attempt's end in [`OUTCOMES`].
+fn record(f: &Finished) {
+    let mut o = OUTCOMES.lock();
+    if f.error.is_none() {
+        (o.last_ok_unix_ms, o.consecutive_failures) = (f.finished_unix_ms, 0);
+        (o.last_ok_seconds, o.last_ok_bytes) = (f.seconds, f.bytes);
+    } else {
+        o.last_failed_unix_ms = f.finished_unix_ms;
+        o.consecutive_failures += 1;
+    }
+}
+
 /// The daemon's checkpoints.
 pub struct Checkpoints {
     catalog: Catalog,

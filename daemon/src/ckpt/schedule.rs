@@ -25,7 +25,21 @@ impl Checkpoints {
             ));
         };
         let c = ck.clone();
-        let w = tokio::task::spawn_blocking(move || c.catalog.begin()).await.map_err(internal)?.map_err(store_error)?;
+        let begun = tokio::task::spawn_blocking(move || c.catalog.begin()).await.map_err(internal)?;
+        let w = match begun {
+            Ok(w) => w,
+            Err(e) => {
+                // Refused before it had an id (checkpoints paused, say): an
+                // attempt that failed all the same, in stats and metrics.
+                let e = store_error(e);
+                ck.finish(Finished {
+                    finished_unix_ms: now_ms(),
+                    error: Some(e.message.clone()),
+                    ..Finished::default()
+                });
+                return Err(e);
+            }
+        };
         let id = format!("{:016x}", w.id());
         *ck.running.lock() = Some(Progress {
             id: id.clone(),
@@ -124,7 +138,13 @@ impl Checkpoints {
             }
         };
         *ck.running.lock() = None;
-        *ck.last.lock() = Some(finished);
+        ck.finish(finished);
         result
+    }
+
+    /// Records an attempt's end: stats' `last`, and the metrics' outcomes.
+    fn finish(&self, f: Finished) {
+        super::record(&f);
+        *self.last.lock() = Some(f);
     }
 }
