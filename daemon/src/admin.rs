@@ -160,7 +160,20 @@ impl Modes {
             *fixed += 1;
         }
         if let Some(gid) = self.gid.filter(|&g| g != meta.gid()) {
-            std::os::unix::fs::lchown(path, None, Some(gid)).map_err(what)?;
+            std::os::unix::fs::lchown(path, None, Some(gid)).map_err(|e| {
+                // Only root gives a file a group its owner is not in (a
+                // tester's daemon user outside admin_group got "Operation
+                // not permitted" and no hint).
+                if e.kind() == std::io::ErrorKind::PermissionDenied {
+                    anyhow::anyhow!(
+                        "cannot give {} the admin group (gid {gid}): {e}. The daemon's user must be a member of \
+                         admin_group (usermod -aG GROUP USER, or SupplementaryGroups=GROUP in its systemd unit)",
+                        path.display()
+                    )
+                } else {
+                    what(e)
+                }
+            })?;
         }
         Ok(())
     }

@@ -512,22 +512,51 @@ async fn restore_at_start(state: &State, which: hkv_proto::CheckpointId) -> anyh
     }
 }
 
-/// Starts draining on SIGTERM or SIGINT.
+/// Starts draining on SIGTERM, SIGINT or SIGHUP. SIGUSR1 and SIGUSR2
+/// (whose default action killed the daemon at once, with no drain and no
+/// final checkpoint: an operator's log-reopen habit lost a table) are
+/// logged and ignored, and so is each drain signal after the first, said
+/// at WARN so that an operator waiting on a slow stop sees why.
 async fn drain_on_signal(state: Arc<State>) {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int), Ok(mut hup)) =
-        (signal(SignalKind::terminate()), signal(SignalKind::interrupt()), signal(SignalKind::hangup()))
-    else {
+    let (Ok(mut term), Ok(mut int), Ok(mut hup), Ok(mut usr1), Ok(mut usr2)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::hangup()),
+        signal(SignalKind::user_defined1()),
+        signal(SignalKind::user_defined2()),
+    ) else {
         warn!("cannot install signal handlers");
         return;
     };
     // SIGHUP (the terminal of a foreground daemon closed) drains as SIGTERM
     // does: its default action killed the daemon at once, with no drain and
     // no --checkpoint-on-shutdown checkpoint (a tester's finding).
-    tokio::select! {
-        _ = term.recv() => info!("SIGTERM: draining"),
-        _ = int.recv() => info!("SIGINT: draining"),
-        _ = hup.recv() => info!("SIGHUP: draining"),
+    let mut draining = false;
+    loop {
+        let name = tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+            _ = hup.recv() => "SIGHUP",
+            _ = usr1.recv() => {
+                warn!("SIGUSR1 ignored: hkvd has no action for it (SIGTERM drains and exits; logs go to stderr, nothing to reopen)");
+                continue;
+            }
+            _ = usr2.recv() => {
+                warn!("SIGUSR2 ignored: hkvd has no action for it (SIGTERM drains and exits)");
+                continue;
+            }
+        };
+        if draining {
+            warn!(
+                "{name} ignored: already stopping (in-flight requests, then write-back queues, then the final \
+                 checkpoint if asked, each bounded; see --drain-seconds); SIGKILL stops at once, losing what \
+                 those steps would keep"
+            );
+            continue;
+        }
+        info!("{name}: draining");
+        draining = true;
+        let _ = state.shutdown.send(true);
     }
-    let _ = state.shutdown.send(true);
 }

@@ -173,7 +173,17 @@ fn main() -> ExitCode {
                 (None, None) => ("info".into(), "the default"),
             };
             // A filter that does not parse is refused, not dropped: a
-            // daemon that logged nothing at all would hide its errors.
+            // daemon that logged nothing at all would hide its errors. So
+            // is a bare word that is no level: it parses as a target
+            // (`warning` logged the target "warning" alone, which is
+            // nothing: a tester's typo silenced every error).
+            if let Some(word) = bare_target(&filter) {
+                eprintln!(
+                    "hkvd: {from} {filter:?}: {word:?} is not a level (trace, debug, info, warn, error, off); \
+                     a target needs its level, as in {word}=debug"
+                );
+                return ExitCode::from(2);
+            }
             let filter = match tracing_subscriber::EnvFilter::try_new(&filter) {
                 Ok(f) => f,
                 Err(e) => {
@@ -197,4 +207,16 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+/// The first directive of log filter `filter` that is a bare word but no
+/// level (`warning`, `hkvd`): EnvFilter takes it as a target logged at
+/// every level, and every other target then logs nothing.
+fn bare_target(filter: &str) -> Option<&str> {
+    const LEVELS: [&str; 6] = ["trace", "debug", "info", "warn", "error", "off"];
+    filter.split(',').map(str::trim).filter(|d| !d.is_empty()).find(|d| {
+        !d.contains(['=', '[', ':'])
+            && !d.bytes().all(|b| b.is_ascii_digit())
+            && !LEVELS.iter().any(|l| l.eq_ignore_ascii_case(d))
+    })
 }

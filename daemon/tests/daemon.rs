@@ -1004,6 +1004,48 @@ fn serve_binds_hkvd_socket_when_no_socket_is_given() {
     assert!(pinged, "no daemon answered at $HKVD_SOCKET = {}", socket.display());
 }
 
+/// A log filter that is a bare word but no level (`warning`) stops the
+/// start with status 2, naming it: EnvFilter took it as a target, and the
+/// daemon logged nothing at all, its errors included (a tester's typo).
+/// Levels, digits and target=level directives start.
+#[test]
+fn a_log_filter_word_that_is_no_level_stops_the_start() {
+    let hkvd = std::env::var_os("HKVD_BIN")
+        .map_or_else(|| std::path::PathBuf::from(env!("CARGO_BIN_EXE_hkvd")), std::path::PathBuf::from);
+    for (filter, refused) in [("warning", true), ("info,hkvd", true), ("WARN", false), ("hkvd=debug,warn", false)] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut child = std::process::Command::new(&hkvd)
+            .args(["serve", "--backend", "cpu", "--shards", "1", "--restore", "none", "--log", filter])
+            .arg("--socket")
+            .arg(dir.path().join("s.sock"))
+            .arg("--state-dir")
+            .arg(dir.path().join("state"))
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        if refused {
+            let out = child.wait_with_output().unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{filter}: {err}");
+            assert!(err.contains("is not a level"), "{filter}: {err}");
+        } else {
+            let mut up = false;
+            for _ in 0..200 {
+                if Client::connect(dir.path().join("s.sock")).is_ok_and(|mut c| c.ping().is_ok()) {
+                    up = true;
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+            assert!(up, "{filter}: the daemon did not start");
+        }
+    }
+}
+
 /// A connection's first request on a table that another connection
 /// dropped and created again since this one used it is refused once
 /// (`unknown_table`, saying so), nothing of it run: a client that learned

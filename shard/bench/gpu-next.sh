@@ -33,7 +33,7 @@ if [ -x .gpu/bin/hkv-bench-next ]; then
   step 60 .gpu/bin/hkv-bench $B --policy lru --reads-refresh true
 fi
 for t in daemon-mrc daemon-cuda_ipc daemon-daemon daemon-shm daemon-hardening daemon-checkpoint; do
-  [ -x .gpu/tests/$t ] && [ $SECONDS -lt 480 ] && step 100 .gpu/tests/$t --ignored --test-threads 1
+  [ -x .gpu/tests/$t ] && [ $SECONDS -lt ${LIMIT:-480} ] && step 100 .gpu/tests/$t --ignored --test-threads 1
 done
 echo "done at ${SECONDS}s" >> "$L"
 (cd /tmp && tar czf "${OUT:-/tmp}/steps.tgz" step*.txt)
