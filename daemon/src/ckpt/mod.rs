@@ -97,6 +97,13 @@ pub struct Checkpoints {
     /// id and shard), which the shards count as exports: the stats move
     /// them from `op="export"` (a client's) to `op="checkpoint"`.
     exports: Mutex<HashMap<(TableId, usize), [u64; 2]>>,
+    /// The checkpoint store's directory (`<state>/checkpoints`).
+    dir: std::path::PathBuf,
+    /// Why checkpoints are paused since a write found the file system
+    /// full, over quota or read-only while the daemon ran (the catalog's
+    /// own pause is the one found at start-up); cleared by the first
+    /// attempt that finds room again ([`Checkpoints::room`]).
+    full: Mutex<Option<String>>,
 }
 
 fn now_ms() -> u64 {
@@ -112,6 +119,27 @@ fn kind_name(k: &Kind) -> String {
 
 fn internal(e: impl std::fmt::Display) -> ProtoError {
     ProtoError::new(ErrorCode::Internal, e.to_string())
+}
+
+/// Whether the file system of `dir` takes a write: 1 MiB written, synced
+/// and removed. Err: why not, when it is full, over quota, read-only or
+/// the file too large for the process (EFBIG: `RLIMIT_FSIZE`); other
+/// errors (damage, a missing directory) are not a want of room and say Ok.
+fn probe(dir: &std::path::Path) -> Result<(), String> {
+    use std::io::ErrorKind::{FileTooLarge, QuotaExceeded, ReadOnlyFilesystem, StorageFull};
+    use std::io::Write;
+    let path = dir.join(".room-probe");
+    let r = std::fs::File::create(&path).and_then(|mut f| {
+        f.write_all(&vec![0u8; 1 << 20])?;
+        f.sync_all()
+    });
+    let _ = std::fs::remove_file(&path);
+    match r {
+        Err(e) if matches!(e.kind(), StorageFull | QuotaExceeded | ReadOnlyFilesystem | FileTooLarge) => {
+            Err(format!("writing 1 MiB to {} failed ({e})", path.display()))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// A checkpoint store error as a wire error: a file system that cannot be
@@ -189,6 +217,8 @@ impl Checkpoints {
             restoring: Mutex::new(None),
             last_restore: Mutex::new(None),
             exports: Mutex::new(HashMap::new()),
+            dir: dir.join("checkpoints"),
+            full: Mutex::new(None),
         })
     }
 
@@ -235,7 +265,79 @@ impl Checkpoints {
             complete: self.catalog.count().unwrap_or(0),
             restoring: self.restoring.lock().clone(),
             last_restore: self.last_restore.lock().clone(),
-            paused: self.catalog.paused(),
+            paused: self.catalog.paused().or_else(|| self.full.lock().clone()),
+        }
+    }
+
+    /// A checkpoint store error as a wire error ([`store_error`]); a file
+    /// system that cannot be written pauses checkpoints until one finds
+    /// room again. An operator's tester filled a 3 MiB state directory:
+    /// every attempt failed with "No space left on device" at WARN, while
+    /// docs/checkpoints.md promised a pause (`checkpoint.paused`).
+    fn store_error(&self, e: hkv_checkpoint::Error) -> ProtoError {
+        if let hkv_checkpoint::Error::Unwritable { .. } = &e {
+            self.pause(e.to_string());
+        }
+        store_error(e)
+    }
+
+    /// Pauses checkpoints for want of room (`why`), saying so once.
+    fn pause(&self, why: String) {
+        let mut full = self.full.lock();
+        if full.is_none() {
+            warn!(
+                reason = %why,
+                "CHECKPOINTS ARE PAUSED: the state directory's file system cannot be written; hkvd serves, and \
+                 each later checkpoint first checks for room and resumes them once there is some"
+            );
+        }
+        *full = Some(why);
+    }
+
+    /// Before a checkpoint: while checkpoints are paused for want of room,
+    /// whether there is room again (a probe write, [`probe`]): if so they
+    /// resume, else the attempt is refused `resource_exhausted`. A failure
+    /// that was not an I/O error of the store (sled can fail for want of
+    /// space without one) is told apart the same way, in
+    /// [`Checkpoints::failed`].
+    async fn room(self: &Arc<Self>) -> Result<(), ProtoError> {
+        if self.full.lock().is_none() {
+            return Ok(());
+        }
+        let dir = self.dir.clone();
+        match tokio::task::spawn_blocking(move || probe(&dir)).await.map_err(internal)? {
+            Err(why) => {
+                self.pause(why.clone());
+                Err(ProtoError::new(
+                    ErrorCode::ResourceExhausted,
+                    format!(
+                        "checkpoints are paused: {why}; free space on the state directory's file system (or make \
+                         it writable), and the next checkpoint resumes them"
+                    ),
+                ))
+            }
+            Ok(()) => {
+                info!("the state directory's file system takes writes again: checkpoints resume");
+                *self.full.lock() = None;
+                Ok(())
+            }
+        }
+    }
+
+    /// A failed checkpoint's error, as answered: one that was not already
+    /// a full file system's (`resource_exhausted`) but happened on a file
+    /// system the probe finds full is one, and pauses checkpoints.
+    async fn failed(self: &Arc<Self>, e: ProtoError) -> ProtoError {
+        if e.code == ErrorCode::ResourceExhausted && self.full.lock().is_some() {
+            return e;
+        }
+        let dir = self.dir.clone();
+        match tokio::task::spawn_blocking(move || probe(&dir)).await {
+            Ok(Err(why)) => {
+                self.pause(why.clone());
+                ProtoError::new(ErrorCode::ResourceExhausted, format!("{}; {why}", e.message))
+            }
+            _ => e,
         }
     }
 

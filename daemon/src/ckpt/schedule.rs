@@ -9,7 +9,7 @@ use hkv_checkpoint::{ChunkWriter, Manifest};
 use hkv_proto::{ErrorCode, ProtoError};
 use tracing::{info, warn};
 
-use super::{internal, kind_name, now_ms, store_error, Checkpoints, Finished, Progress};
+use super::{internal, kind_name, now_ms, Checkpoints, Finished, Progress};
 use crate::router::Router;
 
 impl Checkpoints {
@@ -25,13 +25,18 @@ impl Checkpoints {
             ));
         };
         let c = ck.clone();
-        let begun = tokio::task::spawn_blocking(move || c.catalog.begin()).await.map_err(internal)?;
+        let begun = match ck.room().await {
+            Ok(()) => tokio::task::spawn_blocking(move || c.catalog.begin())
+                .await
+                .map_err(internal)?
+                .map_err(|e| ck.store_error(e)),
+            Err(e) => Err(e),
+        };
         let w = match begun {
             Ok(w) => w,
             Err(e) => {
                 // Refused before it had an id (checkpoints paused, say): an
                 // attempt that failed all the same, in stats and metrics.
-                let e = store_error(e);
                 ck.finish(Finished {
                     finished_unix_ms: now_ms(),
                     error: Some(e.message.clone()),
@@ -60,6 +65,10 @@ impl Checkpoints {
     /// restore to finish first); `full` forces a full one.
     pub async fn take(self: &Arc<Self>, router: Arc<Router>, full: bool) -> Result<Manifest, ProtoError> {
         let gate = self.gate.clone().lock_owned().await;
+        if let Err(e) = self.room().await {
+            self.finish(Finished { finished_unix_ms: now_ms(), error: Some(e.message.clone()), ..Finished::default() });
+            return Err(e);
+        }
         self.clone().run(router, full, gate, None).await
     }
 
@@ -98,6 +107,10 @@ impl Checkpoints {
         let result =
             tokio::task::spawn_blocking(move || c.write(&router, &rt, full, w)).await.map_err(internal).and_then(|r| r);
         let seconds = started.elapsed().as_secs_f64();
+        let result = match result {
+            Err(e) => Err(ck.failed(e).await),
+            ok => ok,
+        };
         if result.is_err() {
             // The failed checkpoint's files (a full disk, say) go now: left
             // until the next start, they made every later checkpoint fail too.

@@ -78,7 +78,7 @@ impl Checkpoints {
         self.incrementals.store(u32::MAX, Relaxed);
         let mut w = match w {
             Some(w) => w,
-            None => self.catalog.begin().map_err(super::store_error)?,
+            None => self.catalog.begin().map_err(|e| self.store_error(e))?,
         };
         let mut total = 0;
         for t in &tables {
@@ -101,7 +101,7 @@ impl Checkpoints {
             let prev_t = prev.as_ref().and_then(|p| p.tables.iter().find(|e| e.name == t.spec.name));
             entries.push(self.export_table(&mut x, t, index as u32, prev_t, incremental)?);
         }
-        let m = w.commit(kind, entries, env!("CARGO_PKG_VERSION")).map_err(super::store_error)?;
+        let m = w.commit(kind, entries, env!("CARGO_PKG_VERSION")).map_err(|e| self.store_error(e))?;
         self.chain_generation.store(generation, Relaxed);
         match kind {
             Kind::Full => self.incrementals.store(0, Relaxed),
@@ -251,7 +251,7 @@ impl Checkpoints {
                     e = changed_since(e, wm, dim);
                 }
                 if live.len() >= keys_per_list {
-                    out.key_lists.push(x.w.write_keys(index, i as u32, kseq, &live).map_err(super::store_error)?);
+                    out.key_lists.push(x.w.write_keys(index, i as u32, kseq, &live).map_err(|e| self.store_error(e))?);
                     kseq += 1;
                     live.clear();
                 }
@@ -259,7 +259,8 @@ impl Checkpoints {
             if e.keys.is_empty() {
                 continue;
             }
-            let c = x.w.write(index, i as u32, seq, dim, &e.keys, &e.scores, &e.values).map_err(super::store_error)?;
+            let c =
+                x.w.write(index, i as u32, seq, dim, &e.keys, &e.scores, &e.values).map_err(|e| self.store_error(e))?;
             seq += 1;
             out.count += c.entries;
             out.chunks.push(c);
@@ -267,7 +268,7 @@ impl Checkpoints {
         }
         if watermark.is_some() {
             // Always at least one list per shard: an empty one says "no keys".
-            out.key_lists.push(x.w.write_keys(index, i as u32, kseq, &live).map_err(super::store_error)?);
+            out.key_lists.push(x.w.write_keys(index, i as u32, kseq, &live).map_err(|e| self.store_error(e))?);
         }
         Ok(())
     }
