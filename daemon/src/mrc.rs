@@ -20,6 +20,8 @@
 //! shard's trace, up to a bound; [`ShardMrc::trace_take`] hands them over with
 //! the rate they were sampled at.
 
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::SeqCst;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -35,6 +37,12 @@ pub const DRAIN_EVERY: Duration = Duration::from_millis(250);
 /// One shard's estimator and trace, owned by its actor beside the shard.
 pub struct ShardMrc {
     inner: Mutex<Inner>,
+}
+
+impl Drop for ShardMrc {
+    fn drop(&mut self) {
+        HELD.fetch_sub(self.inner.get_mut().mrc.memory_bytes() as u64, SeqCst);
+    }
 }
 
 struct Inner {
@@ -69,10 +77,59 @@ pub struct ShardTrace {
     pub truncated: bool,
 }
 
+/// Bytes all open estimators hold ([`Mrc::memory_bytes`], reserved when
+/// one opens), process-wide: the share they may take is of the process's
+/// memory, not of one table's.
+static HELD: AtomicU64 = AtomicU64::new(0);
+
+/// The most bytes all tables' estimators may hold together: 1/16 of host
+/// memory (RAM, or the cgroup's limit) or of the address-space limit,
+/// whichever is lower. Each estimator reserves its whole `max_keys` × 120
+/// bytes when it opens, whatever the table's size, and outside the table
+/// budget: an operator's tester gave `--mrc-max-keys 1048576` and made
+/// tables of 256 slots; the 43rd exhausted the address space (an
+/// infallible allocation, so an abort), while `hkvd_table_granted_bytes`
+/// said 57 600 bytes.
+pub fn share() -> u64 {
+    let space = crate::memory::AddressSpace::of_process().limit().unwrap_or(u64::MAX);
+    crate::budget::host_memory().min(space) / 16
+}
+
+/// The keys an estimator asked for `want` keys may track beside `held`
+/// bytes of others within `share` bytes: all of them while they fit, else
+/// what is left, never below `MIN_SHARD_KEYS` (256 keys, 30 KiB: every
+/// table keeps a rough curve).
+fn keys_within(want: usize, held: u64, share: u64) -> usize {
+    let left = share.saturating_sub(held) / Mrc::BYTES_PER_KEY as u64;
+    want.min(usize::try_from(left).unwrap_or(usize::MAX)).max(MIN_SHARD_KEYS.min(want))
+}
+
+/// The fewest keys an estimator opened past the share tracks
+/// (`MrcSettings::MIN_SHARD_KEYS`, the least a shard gets anyway).
+const MIN_SHARD_KEYS: usize = 256;
+
 impl ShardMrc {
-    /// An estimator for `shard`, whose sampler it sets.
+    /// An estimator for `shard`, whose sampler it sets. It tracks
+    /// `cfg.max_keys` keys, or fewer where all estimators would hold more
+    /// than their [`share`] of memory (its stats' `memory_bytes` says).
     pub fn open(shard: &dyn Shard, cfg: MrcConfig) -> Arc<ShardMrc> {
-        let mrc = Mrc::new(cfg, shard.capacity());
+        let share = share();
+        let mut keys = 0;
+        let _ = HELD.fetch_update(SeqCst, SeqCst, |held| {
+            // At least 1: what `Mrc::new` tracks and `Drop` gives back.
+            keys = keys_within(cfg.max_keys, held, share).max(1);
+            Some(held + (keys * Mrc::BYTES_PER_KEY) as u64)
+        });
+        if keys < cfg.max_keys {
+            tracing::warn!(
+                wanted = cfg.max_keys,
+                keys,
+                share,
+                "the curves' estimators hold their share of memory (1/16 of host memory or the address-space \
+                 limit): this shard's tracks fewer keys; lower --mrc-max-keys or drop tables"
+            );
+        }
+        let mrc = Mrc::new(MrcConfig { max_keys: keys, ..cfg }, shard.capacity());
         shard.set_sampler(Some(mrc.sampler()));
         Arc::new(ShardMrc { inner: Mutex::new(Inner { mrc, buf: Samples::default(), trace: None }) })
     }
@@ -254,6 +311,15 @@ mod tests {
             },
             memory: 1000,
         }
+    }
+
+    #[test]
+    fn estimators_past_their_share_track_fewer_keys() {
+        let b = Mrc::BYTES_PER_KEY as u64;
+        assert_eq!(keys_within(1000, 0, 10_000 * b), 1000, "all of them while they fit");
+        assert_eq!(keys_within(1000, 9_500 * b, 10_000 * b), 500, "what is left");
+        assert_eq!(keys_within(1000, 10_000 * b, 10_000 * b), MIN_SHARD_KEYS, "never below the floor");
+        assert_eq!(keys_within(100, u64::MAX, 0), 100, "a smaller ask than the floor is kept");
     }
 
     #[test]

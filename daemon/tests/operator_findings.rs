@@ -206,3 +206,32 @@ fn a_full_disk_pauses_checkpoints_and_room_resumes_them() {
     assert_eq!(sample(&text, "hkvd_checkpoint_paused"), Some(0.0));
     assert_eq!(sample(&text, "hkvd_checkpoint_consecutive_failures"), Some(0.0));
 }
+
+/// Finding 5. With `--mrc-max-keys 1048576` every table's curve
+/// estimators reserve up to 1 Mi × 120 bytes whatever the table's size,
+/// none of it in the table budget: ten tables of 256 slots filled with
+/// 1.2 M keys each grew RSS by 804 MB while `hkvd_table_granted_bytes`
+/// stayed 57 600, and the 43rd table exhausted the address space (an
+/// infallible allocation: an abort). Now all tables' estimators together
+/// hold at most 1/16 of host memory (or of the address-space limit); an
+/// estimator opened past that share tracks fewer keys. Forty tiny tables
+/// under a 4 GiB address-space limit: the daemon serves on, and the
+/// estimators' memory stays within the share.
+#[test]
+fn curve_estimators_stay_within_their_share_of_memory() {
+    let limit: u64 = 4 << 30;
+    let mut d = Daemon::start_limited(limit, &["--mrc-max-keys", "1048576"]);
+    let mut c = d.client();
+    for i in 0..40 {
+        c.create_table(TableSpec::new(&format!("t{i}"), 1, 256)).expect("create a tiny table");
+    }
+    assert!(d.alive(), "the daemon died creating tables");
+    let s = c.stats_doc().expect("stats");
+    let curves: u64 = s.tables.iter().filter_map(|t| t.mrc.as_ref()).map(|m| m.memory_bytes).sum();
+    // The share, plus each shard's floor of 256 keys past it.
+    let floor = 40 * 3 * 256 * 120;
+    assert!(curves <= limit / 16 + floor, "the curves hold {curves} bytes");
+    let keys: Vec<u64> = (1..=100_000).collect();
+    c.insert_or_assign("t39", &keys, &vec![0.0; keys.len()], None).expect("the last table serves");
+    c.find("t39", &keys).expect("find");
+}
