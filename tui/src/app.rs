@@ -239,6 +239,12 @@ impl App {
                 self.message = Some("checkpoint cancelled".into());
             }
             Mode::Normal => match k.code {
+                // Esc clears a kept filter first (the help says "esc
+                // clears"); it quit with the filter still on before.
+                KeyCode::Esc if !self.filter.is_empty() => {
+                    self.filter.clear();
+                    self.clamp();
+                }
                 KeyCode::Char('q') | KeyCode::Esc => return Action::Quit,
                 KeyCode::Char('?') => self.mode = Mode::Help,
                 KeyCode::Char('/') => self.mode = Mode::Filter,

@@ -290,12 +290,37 @@ fn draw_lock(f: &mut Frame, t: &T, area: Rect) {
         Span::raw("active: "),
         Span::styled(active, Style::default().add_modifier(Modifier::BOLD)),
     ])];
-    lines.push(Line::raw(format!("{:<9}{:>8}{:>8}{:>9}{:>9}", "group", "running", "waiting", "waits", "wait s")));
+    // The columns that fit, whole: at 80x24 the panel is 28 cells wide
+    // and cut the header mid-word (`waiting    w`); the least important go.
+    let keep = fit_columns(&LOCK_COLUMNS, area.width.saturating_sub(2));
+    let row = |cells: [String; 5]| {
+        let mut out = String::new();
+        for (i, (c, col)) in cells.iter().zip(&LOCK_COLUMNS).enumerate().filter(|(i, _)| keep[*i]) {
+            if i == 0 {
+                out += &format!("{c:<w$}", w = col.1 as usize);
+            } else {
+                out += &format!(" {c:>w$}", w = col.1 as usize);
+            }
+        }
+        Line::raw(out)
+    };
+    lines.push(row(LOCK_COLUMNS.map(|c| c.0.to_string())));
     for (g, name) in ["readers", "updaters", "inserters"].iter().enumerate() {
-        lines.push(Line::raw(format!("{name:<9}{:>8}{:>8}{:>9}{:>9.2}", running[g], waiting[g], waits[g], wait_s[g])));
+        lines.push(row([
+            name.to_string(),
+            running[g].to_string(),
+            waiting[g].to_string(),
+            waits[g].to_string(),
+            format!("{:.2}", wait_s[g]),
+        ]));
     }
     f.render_widget(Paragraph::new(lines).block(Block::default().borders(Borders::ALL).title(" lock groups ")), area);
 }
+
+/// The lock-groups panel's columns: waits (a count since start) goes
+/// first, then the seconds waited.
+const LOCK_COLUMNS: [Column; 5] =
+    [("group", 9, 0), ("running", 7, 1), ("waiting", 7, 2), ("waits", 8, 4), ("wait s", 8, 3)];
 
 /// The table view's shard columns.
 const SHARD_COLUMNS: [Column; 12] = [
@@ -495,31 +520,52 @@ fn draw_devices(f: &mut Frame, app: &App, area: Rect) {
 fn draw_footer(f: &mut Frame, app: &App, area: Rect) {
     let [ck, keys] = Layout::vertical([Constraint::Length(1), Constraint::Length(1)]).areas(area);
     let c = app.snap.as_ref().map(|s| &s.checkpoint);
+    // The status line in the longest form that fits (a 16-digit id, or an
+    // error, was cut off at 60 columns), else the shortest cut with "…".
+    let w = ck.width as usize;
     match c.and_then(|c| c.running.as_ref()) {
         Some(p) => {
             let ratio = if p.total == 0 { 0.0 } else { (p.done as f64 / p.total as f64).clamp(0.0, 1.0) };
+            let label = fit_line(
+                &[
+                    format!("checkpoint {}: {}/{} entries, ETA {:.0}s", p.id, p.done, p.total, p.eta_s),
+                    format!("checkpoint {}/{} entries, ETA {:.0}s", p.done, p.total, p.eta_s),
+                    format!("ckpt {:.0}%, ETA {:.0}s", ratio * 100.0, p.eta_s),
+                ],
+                w,
+            );
             f.render_widget(
-                Gauge::default()
-                    .gauge_style(Style::default().fg(Color::Cyan))
-                    .ratio(ratio)
-                    .label(format!("checkpoint {}: {}/{} entries, ETA {:.0}s", p.id, p.done, p.total, p.eta_s)),
+                Gauge::default().gauge_style(Style::default().fg(Color::Cyan)).ratio(ratio).label(label),
                 ck,
             );
         }
         None => {
-            let last = match c.and_then(|c| c.last.as_ref()) {
-                Some((id, n, secs, None)) => format!("last checkpoint {id}: {n} entries in {secs:.1}s"),
-                Some((id, _, _, Some(e))) => format!("last checkpoint {id} FAILED: {e}"),
+            let (next, short_next) = match c.and_then(|c| c.next_in_s) {
+                Some(s) => (format!("  next in {s:.0}s"), format!("  next {s:.0}s")),
+                None => ("  next: on demand (c)".into(), "  next: c".into()),
+            };
+            let forms = match c.and_then(|c| c.last.as_ref()) {
+                Some((id, n, secs, None)) => vec![
+                    format!("last checkpoint {id}: {n} entries in {secs:.1}s{next}"),
+                    format!("last checkpoint: {n} entries in {secs:.1}s{next}"),
+                    format!("ckpt: {n} entries, {secs:.1}s{short_next}"),
+                ],
+                Some((id, _, _, Some(e))) => vec![
+                    format!("last checkpoint {id} FAILED: {e}{next}"),
+                    format!("last checkpoint FAILED: {e}{next}"),
+                    // The error cut, the schedule kept.
+                    format!("{}{short_next}", cut(&format!("ckpt FAILED: {e}"), w.saturating_sub(short_next.len()))),
+                ],
                 None => match c.and_then(|c| c.restored.as_ref()) {
-                    Some((id, n)) => format!("no checkpoint since the restore of {id} ({n} entries)"),
-                    None => "no checkpoint yet".into(),
+                    Some((id, n)) => vec![
+                        format!("no checkpoint since the restore of {id} ({n} entries){next}"),
+                        format!("no checkpoint since the restore ({n} entries){next}"),
+                        format!("no ckpt since the restore{short_next}"),
+                    ],
+                    None => vec![format!("no checkpoint yet{next}")],
                 },
             };
-            let next = match c.and_then(|c| c.next_in_s) {
-                Some(s) => format!("  next in {s:.0}s"),
-                None => "  next: on demand (c)".into(),
-            };
-            f.render_widget(Paragraph::new(last + &next), ck);
+            f.render_widget(Paragraph::new(fit_line(&forms, w)), ck);
         }
     }
     let text = match app.mode {
@@ -530,6 +576,25 @@ fn draw_footer(f: &mut Frame, app: &App, area: Rect) {
         }
     };
     f.render_widget(Paragraph::new(text).style(Style::default().add_modifier(Modifier::DIM)), keys);
+}
+
+/// The first of `forms` (longest first) that fits `width` cells, else the
+/// last cut to fit.
+fn fit_line(forms: &[String], width: usize) -> String {
+    match forms.iter().find(|f| f.chars().count() <= width) {
+        Some(f) => f.clone(),
+        None => cut(forms.last().map_or("", String::as_str), width),
+    }
+}
+
+/// `s` in at most `width` cells, ending in "…" when cut.
+fn cut(s: &str, width: usize) -> String {
+    if s.chars().count() <= width {
+        return s.to_string();
+    }
+    let mut out: String = s.chars().take(width.saturating_sub(1)).collect();
+    out.push('…');
+    out
 }
 
 fn centered(area: Rect, w: u16, h: u16) -> Rect {
@@ -553,7 +618,7 @@ fn draw_help(f: &mut Frame) {
     let area = centered(f.area(), 68, 14);
     f.render_widget(Clear, area);
     let lines = [
-        "q, Esc, Ctrl-C   quit (the terminal is restored)",
+        "q, Esc, Ctrl-C   quit (the terminal is restored; Esc clears a filter first)",
         "?                this help (any key closes it)",
         "tab / shift-tab  overview → table by shard → devices",
         "↑ ↓  or  k j     move the selection",

@@ -342,3 +342,75 @@ fn a_backed_tables_view_shows_its_cluster() {
     b.on_key(key(KeyCode::Tab));
     assert!(!render(&b, 160, 40).contains("cluster ("));
 }
+
+/// An operator's tester: after `/it` and Enter (which keeps the filter),
+/// Esc quit the console instead of clearing the filter, though the help
+/// says "esc clears". Esc now clears a kept filter first, and quits only
+/// when none is set.
+#[test]
+fn esc_clears_a_kept_filter_before_it_quits() {
+    let mut a = app();
+    for k in [KeyCode::Char('/'), KeyCode::Char('i'), KeyCode::Char('t'), KeyCode::Enter] {
+        a.on_key(key(k));
+    }
+    assert!(!render(&a, 140, 30).contains("users"));
+    assert_eq!(a.on_key(key(KeyCode::Esc)), Action::None, "Esc with a filter kept clears it");
+    assert!(a.filter.is_empty());
+    assert!(render(&a, 140, 30).contains("users"));
+    assert_eq!(a.on_key(key(KeyCode::Esc)), Action::Quit, "Esc without a filter quits");
+}
+
+/// The same tester: at 80x24 the lock-groups panel cut a column mid-word
+/// (`waiting    w`), against "the least important ones are left out
+/// rather than every column cut short"; at 60x16 the checkpoint status
+/// line was cut off (a daemon's ids have 16 digits). The panel keeps whole
+/// columns; the status line takes the longest form that fits.
+#[test]
+fn the_lock_panel_and_the_checkpoint_line_fit_small_terminals() {
+    let mut v = stats_json(300, false);
+    v["checkpoint"]["last"] = json!({"id": "000001a2468b1985", "entries": 123456, "seconds": 12.5, "error": null});
+    let mut a = App::new("/tmp/hkvd.sock".into());
+    a.on_stats(&typed(&v), Instant::now());
+    a.on_key(key(KeyCode::Down));
+    let titles = ["group", "running", "waiting", "waits", "wait", "s"];
+    for (w, h) in [(80, 24), (100, 30), (140, 30)] {
+        let s = render(&a, w, h);
+        let head = s.lines().find(|l| l.contains("││group")).unwrap_or_else(|| panic!("{w}x{h}: lock header\n{s}"));
+        let panel = head.rsplit("││").next().expect("the lock panel").trim_end_matches('│');
+        assert!(panel.split_whitespace().all(|t| titles.contains(&t)), "{w}x{h}: a column cut: {panel:?}");
+        assert!(panel.contains("running") && panel.contains("waiting"), "{w}x{h}: {panel:?}");
+        let readers = s.lines().find(|l| l.contains("readers")).expect("readers");
+        let cells = readers.rsplit("││").next().expect("panel").trim_end_matches('│').split_whitespace().count();
+        assert_eq!(cells, panel.split_whitespace().count() - usize::from(panel.contains("wait s")), "{w}x{h}");
+    }
+    for (w, h) in [(60, 16), (80, 24)] {
+        let s = render(&a, w, h);
+        let line = s.lines().find(|l| l.contains("123456")).unwrap_or_else(|| panic!("{w}x{h}: status line\n{s}"));
+        assert!(line.contains("12.5s") && line.contains("next") && line.contains("42s"), "{w}x{h}: {line:?}");
+    }
+    assert!(render(&a, 80, 24).contains("last checkpoint 000001a2468b1985: 123456 entries in 12.5s  next in 42s"));
+    // A failed one keeps FAILED and the schedule, the error cut with "…".
+    v["checkpoint"]["last"] = json!({"id": "000001a2468b1985", "entries": 0, "seconds": 0.1,
+        "error": "cannot write /var/lib/hkvd/checkpoints/chunks/000001a2468b1985/t0000.tmp: No space left on device"});
+    a.on_stats(&typed(&v), Instant::now());
+    let s = render(&a, 60, 16);
+    let line = s.lines().find(|l| l.contains("FAILED")).unwrap_or_else(|| panic!("{s}"));
+    assert!(line.contains('…') && line.trim_end().ends_with("next 42s"), "{line:?}");
+}
+
+/// A table whose curve has too few sampled lookups (the daemon sends no
+/// points) says so, and does not blame --no-mrc.
+#[test]
+fn a_curve_that_is_not_ready_says_so() {
+    let mut v = stats_json(300, false);
+    v["tables"][0]["mrc"]["points"] = json!([]);
+    v["tables"][0]["mrc"]["sampled_accesses"] = json!(4);
+    let mut a = App::new("/tmp/hkvd.sock".into());
+    a.on_stats(&typed(&v), Instant::now());
+    a.on_key(key(KeyCode::Down));
+    a.on_key(key(KeyCode::Tab));
+    let s = render(&a, 140, 30);
+    assert!(s.contains("no estimate yet: 4 of 100 sampled lookups") && !s.contains("--no-mrc"), "{s}");
+    a.on_key(key(KeyCode::Up));
+    assert!(render(&a, 140, 30).contains("--no-mrc"), "items has no curve at all");
+}
