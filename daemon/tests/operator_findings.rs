@@ -235,3 +235,32 @@ fn curve_estimators_stay_within_their_share_of_memory() {
     c.insert_or_assign("t39", &keys, &vec![0.0; keys.len()], None).expect("the last table serves");
     c.find("t39", &keys).expect("find");
 }
+
+/// `KEY=value` of a unit file (the last setting wins, as in systemd).
+fn unit_value(text: &str, key: &str) -> Option<String> {
+    text.lines().filter_map(|l| l.trim().strip_prefix(key)?.strip_prefix('=')).last().map(str::to_string)
+}
+
+/// Finding 13 (the units). `TimeoutStopSec=90` was less than a stop can
+/// take (30 s drain + 30 s write-back + the final checkpoint): systemd
+/// killed hkvd mid-checkpoint. And hkvd.socket made /run/hkvd root:root
+/// 0750 before the service first ran, so no client could reach the socket
+/// its mode let them use. (`systemd-analyze verify` stays clean:
+/// tests/systemd.rs.)
+#[test]
+fn the_units_let_a_stop_finish_and_clients_reach_the_socket() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../systemd");
+    let service = std::fs::read_to_string(dir.join("hkvd.service")).expect("hkvd.service");
+    let socket = std::fs::read_to_string(dir.join("hkvd.socket")).expect("hkvd.socket");
+    let stop = unit_value(&service, "TimeoutStopSec").expect("TimeoutStopSec");
+    let secs: u64 = match stop.strip_suffix("min") {
+        Some(m) => m.parse::<u64>().expect("minutes") * 60,
+        None => stop.trim_end_matches('s').parse().expect("seconds"),
+    };
+    assert!(secs >= 30 + 30 + 300, "TimeoutStopSec={stop}: drain, write-back and a final checkpoint");
+    assert_eq!(unit_value(&socket, "DirectoryMode").as_deref(), Some("0755"));
+    assert_eq!(unit_value(&service, "RuntimeDirectoryMode").as_deref(), Some("0755"));
+    assert_eq!(unit_value(&socket, "SocketMode").as_deref(), Some("0660"), "the socket's mode says who connects");
+    // The admin_group conflict is written down where it bites.
+    assert!(service.contains("RestrictSUIDSGID=no") && service.contains("SupplementaryGroups="), "{service}");
+}
