@@ -238,7 +238,7 @@ fn curve_estimators_stay_within_their_share_of_memory() {
 
 /// `KEY=value` of a unit file (the last setting wins, as in systemd).
 fn unit_value(text: &str, key: &str) -> Option<String> {
-    text.lines().filter_map(|l| l.trim().strip_prefix(key)?.strip_prefix('=')).last().map(str::to_string)
+    text.lines().rev().find_map(|l| l.trim().strip_prefix(key)?.strip_prefix('=')).map(str::to_string)
 }
 
 /// Finding 13 (the units). `TimeoutStopSec=90` was less than a stop can
