@@ -394,25 +394,25 @@ pub fn prometheus(d: &DaemonStats) -> String {
         }
     }
     let ck = &d.checkpoint;
-    let out = crate::ckpt::outcomes();
+    let ok = ck.last_ok.as_ref();
     for (name, kind, help, v) in [
         (
             "checkpoint_last_success_timestamp_seconds",
             "gauge",
             "When the last checkpoint completed, Unix seconds (0 before the first).",
-            out.last_ok_unix_ms as f64 / 1e3,
+            ok.map_or(0.0, |f| f.finished_unix_ms as f64 / 1e3),
         ),
         (
             "checkpoint_last_failure_timestamp_seconds",
             "gauge",
             "When the last checkpoint failed or was refused, Unix seconds (0 before the first).",
-            out.last_failed_unix_ms as f64 / 1e3,
+            ck.last_failed_unix_ms as f64 / 1e3,
         ),
         (
             "checkpoint_consecutive_failures",
             "gauge",
             "Checkpoints failed since the last that completed (stats: checkpoint.last.error).",
-            out.consecutive_failures as f64,
+            ck.consecutive_failures as f64,
         ),
         (
             "checkpoint_running",
@@ -430,13 +430,13 @@ pub fn prometheus(d: &DaemonStats) -> String {
             "checkpoint_last_duration_seconds",
             "gauge",
             "Seconds the last completed checkpoint took.",
-            out.last_ok_seconds,
+            ok.map_or(0.0, |f| f.seconds),
         ),
         (
             "checkpoint_last_bytes",
             "gauge",
             "Chunk bytes the last completed checkpoint wrote.",
-            out.last_ok_bytes as f64,
+            ok.map_or(0.0, |f| f.bytes as f64),
         ),
     ] {
         family(&mut o, name, kind, help);

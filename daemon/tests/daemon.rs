@@ -770,7 +770,12 @@ fn admin_operations_check_peer_credentials() {
 #[test]
 #[ignore = "child of admin_operations_check_peer_credentials"]
 fn admin_child() {
-    let socket = std::env::var("HKVD_TEST_SOCKET").unwrap();
+    // Run by its parent test, which sets the socket; run on its own (all
+    // ignored tests at once, as on the GPU host) it has nothing to check.
+    let Ok(socket) = std::env::var("HKVD_TEST_SOCKET") else {
+        eprintln!("run by its parent test only (HKVD_TEST_SOCKET is not set)");
+        return;
+    };
     let mut c = Client::connect(&socket).unwrap();
     c.ping().unwrap();
     let r = c.create_table(spec("by-nobody", 2, 1024, "lru", "single"));

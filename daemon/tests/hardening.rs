@@ -557,7 +557,12 @@ fn the_help_gives_the_threads_per_shard_range() {
 #[test]
 #[ignore = "child of supplementary_admin_group_members_administer"]
 fn group_child() {
-    let socket = std::env::var("HKVD_TEST_SOCKET").unwrap();
+    // Run by its parent test, which sets the socket; run on its own (all
+    // ignored tests at once, as on the GPU host) it has nothing to check.
+    let Ok(socket) = std::env::var("HKVD_TEST_SOCKET") else {
+        eprintln!("run by its parent test only (HKVD_TEST_SOCKET is not set)");
+        return;
+    };
     match std::env::var("HKVD_TEST_EXPECT").unwrap().as_str() {
         "admin" => {
             let mut c = Client::connect(&socket).unwrap();

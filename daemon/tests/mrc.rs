@@ -27,7 +27,12 @@ fn hkv_sim() -> PathBuf {
             .args(["build", "--release", "-p", "hkv-shard", "--bin", "hkv-sim"])
             .current_dir(env!("CARGO_MANIFEST_DIR"))
             .status()
-            .expect("cargo build hkv-sim");
+            .unwrap_or_else(|e| {
+                panic!(
+                    "no hkv-sim at {} and cargo cannot build one ({e}): set HKV_SIM to an hkv-sim binary",
+                    sim.display()
+                )
+            });
         assert!(ok.success(), "building hkv-sim failed");
     }
     sim

@@ -360,6 +360,14 @@ pub struct CheckpointStats {
     /// full or read-only), if they are; restores still read.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub paused: Option<String>,
+    /// The last checkpoint that completed (`last` may be a failure since).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_ok: Option<Finished>,
+    /// When the last attempt failed or was refused, ms since the Unix
+    /// epoch (0: none since the daemon started).
+    pub last_failed_unix_ms: u64,
+    /// Attempts that failed since the last that completed.
+    pub consecutive_failures: u64,
 }
 
 /// A checkpoint (or restore) in progress.

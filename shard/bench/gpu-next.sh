@@ -22,6 +22,7 @@ set -u
 cd "$(dirname "$0")/../.."
 export HKV_KERNEL_CACHE=/tmp/kc
 export HKVD_BIN=$PWD/.gpu/bin/hkvd  # the daemon tests spawn it (no cargo there)
+export HKV_SIM=$PWD/.gpu/bin/hkv-sim  # daemon-mrc replays with it
 L=${OUT:-/tmp}/next.txt
 n=0
 step() { local t=$1; shift; n=$((n+1)); echo "== [$n] $*" >> "$L"; timeout "$t" "$@" > /tmp/step$n.txt 2>&1; echo "rc=$? at ${SECONDS}s" >> "$L"; grep -E "^test .*(FAILED|ok)$|test result|panicked|^\| [01]\." /tmp/step$n.txt | grep -v " ok$" | cut -c1-200 >> "$L"; }

@@ -32,50 +32,17 @@ use tracing::{info, warn};
 use crate::actor::TableId;
 use crate::config::CheckpointConfig;
 
-/// How this process's checkpoints went, for Prometheus
-/// (`crate::stats::prometheus`): an operator's tester found no checkpoint
-/// metric at all, so a failing or stuck checkpoint could not be alerted on.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Outcomes {
-    /// When the last checkpoint completed, ms since the Unix epoch (0: none yet).
-    pub last_ok_unix_ms: u64,
+/// How the daemon's checkpoints went, for stats and Prometheus (an
+/// operator's tester found no checkpoint metric at all, so a failing or
+/// stuck checkpoint could not be alerted on).
+#[derive(Debug, Clone, Default)]
+struct Outcomes {
+    /// The last checkpoint that completed.
+    last_ok: Option<Finished>,
     /// When the last one failed (or was refused), ms since the Unix epoch (0: none yet).
-    pub last_failed_unix_ms: u64,
+    last_failed_unix_ms: u64,
     /// Attempts that failed since the last that completed.
-    pub consecutive_failures: u64,
-    /// The last completed checkpoint's duration, seconds.
-    pub last_ok_seconds: f64,
-    /// The last completed checkpoint's chunk bytes.
-    pub last_ok_bytes: u64,
-}
-
-/// This process's [`Outcomes`]. Process-wide rather than a field of
-/// [`Checkpoints`] because the Prometheus text is rendered from the stats
-/// document alone, which has no room for them (`CheckpointStats` in
-/// `hkv_proto`); a process runs one daemon.
-static OUTCOMES: Mutex<Outcomes> = Mutex::new(Outcomes {
-    last_ok_unix_ms: 0,
-    last_failed_unix_ms: 0,
-    consecutive_failures: 0,
-    last_ok_seconds: 0.0,
-    last_ok_bytes: 0,
-});
-
-/// How this process's checkpoints went.
-pub fn outcomes() -> Outcomes {
-    *OUTCOMES.lock()
-}
-
-/// Records a checkpoint attempt's end in [`OUTCOMES`].
-fn record(f: &Finished) {
-    let mut o = OUTCOMES.lock();
-    if f.error.is_none() {
-        (o.last_ok_unix_ms, o.consecutive_failures) = (f.finished_unix_ms, 0);
-        (o.last_ok_seconds, o.last_ok_bytes) = (f.seconds, f.bytes);
-    } else {
-        o.last_failed_unix_ms = f.finished_unix_ms;
-        o.consecutive_failures += 1;
-    }
+    consecutive_failures: u64,
 }
 
 /// The daemon's checkpoints.
@@ -84,6 +51,7 @@ pub struct Checkpoints {
     config: CheckpointConfig,
     running: Mutex<Option<Progress>>,
     last: Mutex<Option<Finished>>,
+    outcomes: Mutex<Outcomes>,
     next_due: Mutex<Option<Instant>>,
     /// Held by the one checkpoint or restore running, from the moment it
     /// is accepted: a checkpoint without `wait` claims it or answers busy.
@@ -210,6 +178,7 @@ impl Checkpoints {
             config,
             running: Mutex::new(None),
             last: Mutex::new(None),
+            outcomes: Mutex::new(Outcomes::default()),
             next_due: Mutex::new(next_due),
             gate: Arc::new(tokio::sync::Mutex::new(())),
             incrementals: AtomicU32::new(u32::MAX),
@@ -256,6 +225,9 @@ impl Checkpoints {
 
     /// Status for stats.
     pub fn stats(&self) -> CheckpointStats {
+        // Cloned out first: a guard taken in the literal below would live
+        // to its end, and a second lock of the same mutex would wait on it.
+        let outcomes = self.outcomes.lock().clone();
         CheckpointStats {
             running: self.running.lock().clone(),
             last: self.last.lock().clone(),
@@ -266,6 +238,9 @@ impl Checkpoints {
             restoring: self.restoring.lock().clone(),
             last_restore: self.last_restore.lock().clone(),
             paused: self.catalog.paused().or_else(|| self.full.lock().clone()),
+            last_ok: outcomes.last_ok,
+            last_failed_unix_ms: outcomes.last_failed_unix_ms,
+            consecutive_failures: outcomes.consecutive_failures,
         }
     }
 

@@ -155,9 +155,17 @@ impl Checkpoints {
         result
     }
 
-    /// Records an attempt's end: stats' `last`, and the metrics' outcomes.
+    /// Records an attempt's end: stats' `last`, and the outcomes beside it.
     fn finish(&self, f: Finished) {
-        super::record(&f);
+        {
+            let mut o = self.outcomes.lock();
+            if f.error.is_none() {
+                (o.last_ok, o.consecutive_failures) = (Some(f.clone()), 0);
+            } else {
+                o.last_failed_unix_ms = f.finished_unix_ms;
+                o.consecutive_failures += 1;
+            }
+        }
         *self.last.lock() = Some(f);
     }
 }
