@@ -1411,15 +1411,14 @@ async fn meta(cluster: &Cluster, table: &str, dim: usize, row: &str, create: boo
     // HSETNX per field: two hosts creating the table at once both end up
     // reading the same fields back, whichever wrote each first. (A meta
     // hash written before `row` existed takes this host's.)
-    let fields = [("layout", LAYOUT.to_string()), ("dim", dim.to_string()), ("groups", groups.to_string())];
-    for (f, v) in fields.iter().map(|(f, v)| (*f, v.as_str())).chain([("row", row)]) {
-        cluster.one(slot, redis::cmd("HSETNX").arg(&key).arg(f).arg(v).clone()).await?;
-    }
-    let v = cluster
-        .one(slot, redis::cmd("HMGET").arg(&key).arg("layout").arg("dim").arg("groups").arg("row").clone())
-        .await?;
-    type Meta = (Option<u64>, Option<u64>, Option<u64>, Option<String>);
-    let (layout, stored_dim, groups, stored_row): Meta = redis::FromRedisValue::from_redis_value(v).map_err(|e| {
+    write_meta_absent(
+        cluster,
+        &key,
+        slot,
+        &(Some(u64::from(LAYOUT)), Some(dim as u64), Some(u64::from(groups)), Some(row.into())),
+    )
+    .await?;
+    let (layout, stored_dim, groups, stored_row) = read_meta(cluster, &key, slot).await?.map_err(|e| {
         Error::Mismatch { table: table.into(), detail: format!("a meta hash {key} that does not parse ({e})") }
     })?;
     let mismatch = |detail: String| Error::Mismatch { table: table.into(), detail };
@@ -1443,6 +1442,26 @@ async fn meta(cluster: &Cluster, table: &str, dim: usize, row: &str, create: boo
 
 /// The meta hash's fields as `HMGET … layout dim groups row` answers them.
 type MetaFields = (Option<u64>, Option<u64>, Option<u64>, Option<String>);
+
+/// Reads the meta hash `key` (in `slot`): its fields, or why they do not
+/// parse (the inner error); the outer one is the node's.
+async fn read_meta(cluster: &Cluster, key: &str, slot: u16) -> Result<Result<MetaFields, String>, Error> {
+    let cmd = redis::cmd("HMGET").arg(key).arg("layout").arg("dim").arg("groups").arg("row").clone();
+    let v = cluster.one(slot, cmd).await?;
+    Ok(<MetaFields as redis::FromRedisValue>::from_redis_value(v).map_err(|e| e.to_string()))
+}
+
+/// Writes each field of `m` into the meta hash `key` where it is absent
+/// (`HSETNX`: of several hosts writing at once, the first wins each field).
+async fn write_meta_absent(cluster: &Cluster, key: &str, slot: u16, m: &MetaFields) -> Result<(), Error> {
+    let text = |v: Option<u64>| v.unwrap_or_default().to_string();
+    let fields =
+        [("layout", text(m.0)), ("dim", text(m.1)), ("groups", text(m.2)), ("row", m.3.clone().unwrap_or_default())];
+    for (f, v) in &fields {
+        cluster.one(slot, redis::cmd("HSETNX").arg(key).arg(*f).arg(v).clone()).await?;
+    }
+    Ok(())
+}
 
 /// A meta hash's fields as errors show them.
 fn describe_meta(m: &MetaFields) -> String {
@@ -1515,12 +1534,8 @@ impl Core {
         let key = Layout::meta_key(table);
         let slot = crate::layout::slot(table.as_bytes());
         let read = || async {
-            let v = self
-                .cluster
-                .one(slot, redis::cmd("HMGET").arg(&key).arg("layout").arg("dim").arg("groups").arg("row").clone())
-                .await;
-            match v {
-                Ok(v) => Some(<MetaFields as redis::FromRedisValue>::from_redis_value(v).map_err(|e| e.to_string())),
+            match read_meta(&self.cluster, &key, slot).await {
+                Ok(m) => Some(m),
                 Err(Error::Unavailable { detail, .. }) if detail.starts_with("WRONGTYPE") => {
                     Some(Err(format!("a key of another type ({detail})")))
                 }
@@ -1531,18 +1546,8 @@ impl Core {
         let Some(mut got) = read().await else { return };
         if let Ok(m) = &got {
             if m.0.is_none() || m.1.is_none() || m.2.is_none() || m.3.is_none() {
-                let (layout, dim, groups, row) = &ours;
-                let fields = [
-                    ("layout", layout.unwrap_or_default().to_string()),
-                    ("dim", dim.unwrap_or_default().to_string()),
-                    ("groups", groups.unwrap_or_default().to_string()),
-                    ("row", row.clone().unwrap_or_default()),
-                ];
-                for (f, v) in &fields {
-                    let cmd = redis::cmd("HSETNX").arg(&key).arg(*f).arg(v).clone();
-                    if self.cluster.one(slot, cmd).await.is_err() {
-                        return;
-                    }
+                if write_meta_absent(&self.cluster, &key, slot, &ours).await.is_err() {
+                    return;
                 }
                 tracing::warn!(table, key = %key, was = %describe_meta(m), "the table's meta hash was gone from the cluster (deleted, or its node restarted without its data): this host wrote its layout back, so that a host that opens the table now gets the layout of the hosts that use it");
                 let Some(again) = read().await else { return };

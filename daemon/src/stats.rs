@@ -336,18 +336,6 @@ pub fn prometheus(d: &DaemonStats) -> String {
     }
     family(
         &mut o,
-        "mrc_ready",
-        "gauge",
-        "1 once the table's miss-ratio curve has sampled enough lookups for an estimate (hkvd_mrc_hit_rate has samples), else 0.",
-    );
-    for t in &d.tables {
-        if let Some(m) = &t.mrc {
-            let ready = crate::mrc::ready(m.sampled_accesses) && !m.points.is_empty();
-            let _ = writeln!(o, "hkvd_mrc_ready{{table=\"{}\"}} {}", t.spec.name, u8::from(ready));
-        }
-    }
-    family(
-        &mut o,
         "mrc_hit_rate",
         "gauge",
         "Estimated hit rate of an LRU cache of factor × the table's capacity (no samples until hkvd_mrc_ready is 1).",
@@ -359,38 +347,36 @@ pub fn prometheus(d: &DaemonStats) -> String {
                 writeln!(o, "hkvd_mrc_hit_rate{{table=\"{}\",factor=\"{}\"}} {}", t.spec.name, p.factor, p.hit_rate);
         }
     }
-    family(&mut o, "mrc_sampling_rate", "gauge", "Share of the table's keys its miss-ratio curve samples.");
-    for t in &d.tables {
-        if let Some(m) = &t.mrc {
-            let _ = writeln!(o, "hkvd_mrc_sampling_rate{{table=\"{}\"}} {}", t.spec.name, m.rate);
-        }
-    }
-    family(
-        &mut o,
-        "mrc_sampled_dropped_total",
-        "counter",
-        "Sampled keys lost before the miss-ratio estimator (a shard's sample buffer full).",
-    );
-    for t in &d.tables {
-        if let Some(m) = &t.mrc {
-            let _ = writeln!(o, "hkvd_mrc_sampled_dropped_total{{table=\"{}\"}} {}", t.spec.name, m.dropped);
-        }
-    }
-    family(
-        &mut o,
-        "mrc_lookups_dropped_total",
-        "counter",
-        "Lookups left out of the miss-ratio curve with the sampled keys dropped.",
-    );
-    for t in &d.tables {
-        if let Some(m) = &t.mrc {
-            let _ = writeln!(o, "hkvd_mrc_lookups_dropped_total{{table=\"{}\"}} {}", t.spec.name, m.dropped_lookups);
-        }
-    }
-    family(&mut o, "mrc_lookups_total", "counter", "Lookups the table's miss-ratio curve has observed.");
-    for t in &d.tables {
-        if let Some(m) = &t.mrc {
-            let _ = writeln!(o, "hkvd_mrc_lookups_total{{table=\"{}\"}} {}", t.spec.name, m.accesses);
+    // One sample per table with a curve, each family after its HELP.
+    type PerCurve = fn(&hkv_proto::stats::MrcStats) -> f64;
+    let per_curve: [(&str, &str, &str, PerCurve); 5] = [
+        (
+            "mrc_ready",
+            "gauge",
+            "1 once the table's miss-ratio curve has sampled enough lookups for an estimate (hkvd_mrc_hit_rate has samples), else 0.",
+            |m| f64::from(u8::from(crate::mrc::ready(m.sampled_accesses) && !m.points.is_empty())),
+        ),
+        ("mrc_sampling_rate", "gauge", "Share of the table's keys its miss-ratio curve samples.", |m| m.rate),
+        (
+            "mrc_sampled_dropped_total",
+            "counter",
+            "Sampled keys lost before the miss-ratio estimator (a shard's sample buffer full).",
+            |m| m.dropped as f64,
+        ),
+        (
+            "mrc_lookups_dropped_total",
+            "counter",
+            "Lookups left out of the miss-ratio curve with the sampled keys dropped.",
+            |m| m.dropped_lookups as f64,
+        ),
+        ("mrc_lookups_total", "counter", "Lookups the table's miss-ratio curve has observed.", |m| m.accesses as f64),
+    ];
+    for (name, kind, help, value) in per_curve {
+        family(&mut o, name, kind, help);
+        for t in &d.tables {
+            if let Some(m) = &t.mrc {
+                let _ = writeln!(o, "hkvd_{name}{{table=\"{}\"}} {}", t.spec.name, value(m));
+            }
         }
     }
     let ck = &d.checkpoint;

@@ -378,6 +378,12 @@ fn backing_passwords_are_hidden_and_given_back() {
     assert_eq!(hidden.seeds, ["redis://:***@h:1", "redis://bob:***@h:2", "redis://bob@h:3", "h:4", "redis://h:5"]);
     assert!(hidden.password_hidden());
     assert!(!BackingSpec::from_list("redis://bob@h:3,h:4", BackingMode::ReadOnly).redacted().password_hidden());
+    // An empty password is not hidden: a restore could never fill it in
+    // (a config-file table with `redis://:@…` is not made passwordless by
+    // create-table's normalisation).
+    let empty = BackingSpec::from_list("redis://:@h:6,redis://bob:@h:7", BackingMode::ReadOnly).redacted();
+    assert_eq!(empty.seeds, ["redis://:@h:6", "redis://bob:@h:7"]);
+    assert!(!empty.password_hidden());
     let back = hidden.with_password("p@ss:w/rd é");
     assert_eq!(back.seeds[0], "redis://:p%40ss%3Aw%2Frd%20%C3%A9@h:1");
     assert_eq!(back.seeds[1], "redis://bob:p%40ss%3Aw%2Frd%20%C3%A9@h:2");

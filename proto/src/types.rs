@@ -323,11 +323,16 @@ pub struct BackingSpec {
 impl BackingSpec {
     /// The spec as listings show it and checkpoints keep it: each seed's
     /// password replaced by [`BackingSpec::HIDDEN`]
-    /// (`redis://:***@HOST:PORT`, `redis://USER:***@HOST:PORT`).
+    /// (`redis://:***@HOST:PORT`, `redis://USER:***@HOST:PORT`). An empty
+    /// password is left as it is: hidden, it would make a restore ask for
+    /// a password no passwords file can give (a tester's daemon did not
+    /// start).
     pub fn redacted(&self) -> BackingSpec {
         let hide = |seed: &String| match userinfo(seed).and_then(|(a, b)| Some((a, b, seed[a..b].split_once(':')?))) {
-            Some((a, b, (user, _))) => format!("{}{user}:{}{}", &seed[..a], BackingSpec::HIDDEN, &seed[b..]),
-            None => seed.clone(),
+            Some((a, b, (user, pw))) if !pw.is_empty() => {
+                format!("{}{user}:{}{}", &seed[..a], BackingSpec::HIDDEN, &seed[b..])
+            }
+            _ => seed.clone(),
         };
         BackingSpec { seeds: self.seeds.iter().map(hide).collect(), ..self.clone() }
     }
