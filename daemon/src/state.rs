@@ -39,6 +39,8 @@ pub struct ServerStats {
     pub regions: RegionCounters,
     /// Where requests' time goes (`stats.path`).
     pub path: crate::path::PathTimes,
+    /// The tables' counters as last reported, carried across restores.
+    pub reported: crate::stats::Carried,
 }
 
 /// Everything the request handlers share.

@@ -86,22 +86,43 @@ struct Reported {
     base: Vec<ShardStats>,
     /// Per shard: the counters last reported.
     last: Vec<ShardStats>,
+    /// The curve's counters (`accesses`, `dropped`, `dropped_lookups`):
+    /// the totals of the table's earlier shards, and as last reported.
+    curve_base: [u64; 3],
+    curve_last: [u64; 3],
 }
 
-/// Every table's [`Reported`]. A live restore installs new shards whose
-/// counters start at 0: an operator's tester saw `hkvd_hits_total` go 6 →
-/// 0, which Prometheus reads as a counter reset (rates jump). The totals
-/// carry on instead: the new shards' counts are added to what was reported
-/// before, and no counter is ever reported below its last value. A static
-/// rather than a field of `State` because only the stats read it; table
-/// ids are unique within the process.
-static REPORTED: std::sync::LazyLock<parking_lot::Mutex<HashMap<u64, Reported>>> =
-    std::sync::LazyLock::new(Default::default);
+/// Every table's [`Reported`] (a field of [`crate::state::ServerStats`]).
+/// A live restore installs new shards whose counters start at 0: an
+/// operator's tester saw `hkvd_hits_total` go 6 → 0, which Prometheus
+/// reads as a counter reset (rates jump). The totals carry on instead: the
+/// new shards' counts are added to what was reported before, and no
+/// counter is ever reported below its last value. Table ids are unique
+/// within the process.
+#[derive(Default)]
+pub struct Carried(parking_lot::Mutex<HashMap<u64, Reported>>);
+
+impl std::fmt::Debug for Carried {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Carried({} tables)", self.0.lock().len())
+    }
+}
+
+/// The miss-ratio curve's counters, in [`Reported::curve_base`]'s order.
+fn curve_counters(m: &mut hkv_proto::stats::MrcStats) -> [&mut u64; 3] {
+    [&mut m.accesses, &mut m.dropped, &mut m.dropped_lookups]
+}
 
 /// `shards` of `t` as reported: checkpoints' export batches moved from
 /// `op="export"` to [`CHECKPOINT_OP`] (appended to `ops` and `keys`), and
-/// the counters carried across restores ([`REPORTED`]).
-fn reported(state: &State, t: &crate::router::Table, shards: Vec<ShardStats>) -> Vec<ShardStats> {
+/// the counters, the curve's (`mrc`) too, carried across restores
+/// ([`Carried`]).
+fn reported(
+    state: &State,
+    t: &crate::router::Table,
+    shards: Vec<ShardStats>,
+    mrc: Option<&mut hkv_proto::stats::MrcStats>,
+) -> Vec<ShardStats> {
     let export = Op::ALL.iter().position(|&o| o == Op::Export);
     let mut cur: Vec<ShardStats> = shards
         .into_iter()
@@ -123,10 +144,17 @@ fn reported(state: &State, t: &crate::router::Table, shards: Vec<ShardStats>) ->
             s
         })
         .collect();
-    let mut all = REPORTED.lock();
-    let r = all.entry(t.made()).or_insert_with(|| Reported { id: t.id(), base: vec![], last: vec![] });
+    let mut all = state.stats.reported.0.lock();
+    let r = all.entry(t.made()).or_insert_with(|| Reported {
+        id: t.id(),
+        base: vec![],
+        last: vec![],
+        curve_base: [0; 3],
+        curve_last: [0; 3],
+    });
     if r.id != t.id() {
         r.base = std::mem::take(&mut r.last);
+        r.curve_base = r.curve_last;
         r.id = t.id();
     }
     for (i, s) in cur.iter_mut().enumerate() {
@@ -138,6 +166,12 @@ fn reported(state: &State, t: &crate::router::Table, shards: Vec<ShardStats>) ->
         }
     }
     r.last = cur.clone();
+    if let Some(m) = mrc {
+        for (i, c) in curve_counters(m).into_iter().enumerate() {
+            *c = c.saturating_add(r.curve_base[i]).max(r.curve_last[i]);
+            r.curve_last[i] = *c;
+        }
+    }
     cur
 }
 
@@ -154,7 +188,7 @@ pub async fn collect(state: &State) -> Result<DaemonStats, hkv_proto::ProtoError
         let live: Vec<_> = per_table.iter().map(|(t, _, _)| t.id()).collect();
         state.checkpoints.forget_exports(&live);
         let made: Vec<_> = per_table.iter().map(|(t, _, _)| t.made()).collect();
-        REPORTED.lock().retain(|m, _| made.contains(m));
+        state.stats.reported.0.lock().retain(|m, _| made.contains(m));
     }
     let backed = state.backing.stats();
     let tables = per_table
@@ -165,8 +199,8 @@ pub async fn collect(state: &State) -> Result<DaemonStats, hkv_proto::ProtoError
             // saw: those of the shards now (a restore starts both afresh).
             let (hits, misses) = shards.iter().fold((0u64, 0u64), |(h, m), s| (h + s.hits, m + s.misses));
             let measured = (hits + misses > 0).then(|| hits as f64 / (hits + misses) as f64);
-            let shards = reported(state, &t, shards);
-            let mrc = curves.map(|c| crate::mrc::combine(&c, measured));
+            let mut mrc = curves.map(|c| crate::mrc::combine(&c, measured));
+            let shards = reported(state, &t, shards, mrc.as_mut());
             let size: u64 = shards.iter().map(|s| s.size).sum();
             let capacity: u64 = shards.iter().map(|s| s.capacity).sum();
             let mean = size as f64 / shards.len().max(1) as f64;

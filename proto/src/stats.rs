@@ -241,7 +241,8 @@ pub struct MrcStats {
     /// lookups (None before any lookup).
     pub measured_hit_rate: Option<f64>,
     /// Keys of lookups (find, contains, find_or_insert) observed: the
-    /// references the hit rates count.
+    /// references the hit rates count. It and the two `dropped` counters
+    /// carry on across a live restore.
     pub accesses: u64,
     /// Of them, lookups of sampled keys.
     pub sampled_accesses: u64,
