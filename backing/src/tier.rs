@@ -321,6 +321,73 @@ pub(crate) struct Core {
     /// When each write-back batch in flight was sent, by node: a flush
     /// that times out names the nodes that have not answered.
     in_flight: parking_lot::Mutex<std::collections::HashMap<String, Vec<Instant>>>,
+    /// Keys announced again once their nodes answer ([`Doubts`]).
+    doubts: parking_lot::Mutex<Doubts>,
+}
+
+/// Keys whose rows in the cluster other hosts may not have heard of, to be
+/// announced again on the stream ([`Core::settle_doubts`]):
+/// - the keys of a write a node failed or did not answer in time: a
+///   stalled node runs the commands buffered for it when it resumes, so
+///   the write may land after the writer was told it failed, and no entry
+///   named those keys (a tester's other host served the old rows of 31
+///   such keys with no end);
+/// - the keys of a stream entry whose node answered only after it stalled:
+///   a failover meanwhile may have promoted a replica without it (a
+///   tester's entry was answered, then gone with the demoted master, and
+///   the other host served 76 old rows with no end). Such keys are
+///   announced again only if the node that answered no longer serves the
+///   stream's slot by then (else the entry stands, once).
+///
+/// Announced once every node named answers again (a node no longer
+/// serving slots counts as answered: its late writes are not read) and
+/// `2 × response_timeout` after the last doubt, so that a resumed master
+/// learns of its demotion first. Another host then drops those keys and
+/// reads whatever the cluster kept. Bounded like the waiting entries: past
+/// `unpublished_bytes` a reset is announced instead.
+#[derive(Debug, Default)]
+struct Doubts {
+    /// The keys, u64 LE.
+    keys: Vec<u8>,
+    /// Past the bound, or a reset entry in doubt: a reset is announced.
+    reset: bool,
+    /// The nodes that must answer first.
+    nodes: Vec<String>,
+    /// When the last doubt came.
+    last: Option<Instant>,
+    /// Stream entries that landed late: per stream node that answered,
+    /// their keys, or a reset (`None`).
+    landed_late: Vec<(String, Option<Vec<u8>>)>,
+}
+
+impl Doubts {
+    /// Keys of a write `node` failed.
+    fn add(&mut self, keys: impl Iterator<Item = u64>, node: &str, limit: u64) {
+        if !self.reset {
+            keys.for_each(|k| self.keys.extend_from_slice(&k.to_le_bytes()));
+            if self.keys.len() as u64 + ENTRY_OVERHEAD > limit {
+                self.keys = Vec::new();
+                self.reset = true;
+            }
+        }
+        if !self.nodes.iter().any(|n| n == node) {
+            self.nodes.push(node.to_string());
+        }
+        self.last = Some(Instant::now());
+    }
+
+    /// An entry `node` answered after it stalled (its keys, `None` for a
+    /// reset).
+    fn landed_late(&mut self, node: String, keys: Option<Vec<u8>>, limit: u64) {
+        let bytes: u64 = self.landed_late.iter().map(|(_, k)| k.as_ref().map_or(0, |k| k.len() as u64)).sum();
+        if bytes + keys.as_ref().map_or(0, |k| k.len() as u64) + ENTRY_OVERHEAD > limit {
+            self.landed_late.retain(|(n, _)| *n != node);
+            self.landed_late.push((node, None));
+        } else {
+            self.landed_late.push((node, keys));
+        }
+        self.last = Some(Instant::now());
+    }
 }
 
 /// How long an append its node has not answered may still land, and is
@@ -553,11 +620,13 @@ impl Backing {
             appender: parking_lot::Mutex::new(None),
             meta_error: parking_lot::Mutex::new(None),
             in_flight: parking_lot::Mutex::new(std::collections::HashMap::new()),
+            doubts: parking_lot::Mutex::new(Doubts::default()),
         });
         if core.mode == Mode::WriteBack {
             tokio::spawn(flusher(core.clone()));
         }
         tokio::spawn(watch_meta(Arc::downgrade(&core), core.options.meta_every));
+        tokio::spawn(watch_doubts(Arc::downgrade(&core)));
         Ok(Backing { _close: Arc::new(CloseOnDrop(core.clone())), core })
     }
 
@@ -1148,6 +1217,8 @@ impl Core {
                     };
                     self.counters.node_error(&node);
                     self.counters.last_write_error.lock().insert(node.clone(), detail.clone());
+                    // The node may still run it: announced again later.
+                    self.doubts.lock().add(ix.iter().map(|&i| rows[i].key), &node, self.options.unpublished_bytes);
                     if !nodes.contains(&node) {
                         nodes.push(node.clone());
                         errors.push(Error::Unavailable { node, detail });
@@ -1280,6 +1351,8 @@ impl Core {
         let abandoned = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (tx, mut rx) = tokio::sync::oneshot::channel::<(Result<(), Error>, Waiting)>();
         let (core, gave_up) = (self.clone(), abandoned.clone());
+        // The node it is sent to (`xadd` follows the slot map).
+        let answered = self.cluster.node_of(slot);
         tokio::spawn(async move {
             let r = core.xadd(slot, cmd).await;
             if let Err(Error::Unavailable { node, .. }) = &r {
@@ -1292,6 +1365,14 @@ impl Core {
                 u.stalled = (u.stalled.0 - 1, u.stalled.1 - bytes);
                 if r.is_err() {
                     u.put_back(w);
+                } else {
+                    // Landed after a stall: a failover meanwhile may
+                    // have lost it ([`Doubts`]).
+                    let keys = match w {
+                        Waiting::Reset(..) => None,
+                        Waiting::Entry(_, k, _) => Some(k),
+                    };
+                    core.doubts.lock().landed_late(answered, keys, core.options.unpublished_bytes);
                 }
             } else if let Err((Err(_), w)) = tx.send((r, w)) {
                 u.put_back(w);
@@ -1481,6 +1562,16 @@ fn describe_meta(m: &MetaFields) -> String {
 /// empty, let another host create the table anew with another group
 /// count, and the two hosts then read and wrote different keys, each
 /// believing the other's rows absent.)
+/// Announces [`Doubts`] once they settle, every 250 ms, while the tier
+/// lives.
+async fn watch_doubts(core: std::sync::Weak<Core>) {
+    loop {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let Some(core) = core.upgrade() else { return };
+        core.settle_doubts().await;
+    }
+}
+
 async fn watch_meta(core: std::sync::Weak<Core>, every: Duration) {
     loop {
         tokio::time::sleep(every).await;
@@ -1493,6 +1584,55 @@ async fn watch_meta(core: std::sync::Weak<Core>, every: Duration) {
 }
 
 impl Core {
+    /// Announces the [`Doubts`] on the stream once `2 × response_timeout`
+    /// passed since the last and every node they name that still serves
+    /// slots answers a `PING` (after the commands buffered before it).
+    async fn settle_doubts(self: &Arc<Self>) {
+        let (nodes, last) = {
+            let d = self.doubts.lock();
+            match d.last {
+                Some(t) if t.elapsed() >= 2 * self.options.response_timeout => (d.nodes.clone(), d.last),
+                _ => return,
+            }
+        };
+        self.cluster.refresh_soon().await;
+        let masters = self.cluster.master_nodes();
+        for n in nodes.iter().filter(|n| masters.contains(n)) {
+            let ping = self.cluster.on_node(n, redis::cmd("PING"));
+            if !matches!(tokio::time::timeout(self.options.response_timeout, ping).await, Ok(Ok(_))) {
+                return;
+            }
+        }
+        let stream = self.cluster.node_of(crate::layout::slot(self.layout.table().as_bytes()));
+        let (mut keys, mut reset, late) = {
+            let mut d = self.doubts.lock();
+            if d.last != last {
+                return; // more came meanwhile: they settle first
+            }
+            let d = std::mem::take(&mut *d);
+            (d.keys, d.reset, d.landed_late)
+        };
+        // Entries whose node still serves the stream stand.
+        for (_, k) in late.into_iter().filter(|(n, _)| *n != stream) {
+            match k {
+                Some(k) if !reset => keys.extend_from_slice(&k),
+                _ => reset = true,
+            }
+        }
+        if !reset && keys.is_empty() {
+            return;
+        }
+        let table = self.layout.table();
+        if reset {
+            tracing::warn!(table, nodes = %nodes.join(","), "the keys of writes a node left in doubt (it failed or stalled mid-write, or a failover may have lost their stream entry) outgrew the bound of waiting entries: a reset is announced, and other hosts drop their cache of the table");
+            self.unpublished.lock().fold(self.version(), now_us());
+            let _ = self.republish().await;
+        } else {
+            tracing::info!(table, keys = keys.len() / 8, nodes = %nodes.join(","), "announcing again the keys of writes a node left in doubt (it failed or stalled mid-write, or a failover may have lost their stream entry): other hosts read them from the cluster again");
+            self.publish(self.version(), &keys).await;
+        }
+    }
+
     /// The error the table's requests that need the cluster fail with
     /// while its meta hash says another layout.
     fn meta_error(&self) -> Option<Error> {
