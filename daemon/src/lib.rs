@@ -515,16 +515,18 @@ async fn restore_at_start(state: &State, which: hkv_proto::CheckpointId) -> anyh
 /// Starts draining on SIGTERM, SIGINT or SIGHUP. SIGUSR1 and SIGUSR2
 /// (whose default action killed the daemon at once, with no drain and no
 /// final checkpoint: an operator's log-reopen habit lost a table) are
-/// logged and ignored, and so is each drain signal after the first, said
+/// logged and ignored, as is SIGXFSZ (a file-size limit reached), and so is each drain signal after the first, said
 /// at WARN so that an operator waiting on a slow stop sees why.
 async fn drain_on_signal(state: Arc<State>) {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int), Ok(mut hup), Ok(mut usr1), Ok(mut usr2)) = (
+    let xfsz = SignalKind::from_raw(rustix::process::Signal::XFSZ.as_raw());
+    let (Ok(mut term), Ok(mut int), Ok(mut hup), Ok(mut usr1), Ok(mut usr2), Ok(mut fsize)) = (
         signal(SignalKind::terminate()),
         signal(SignalKind::interrupt()),
         signal(SignalKind::hangup()),
         signal(SignalKind::user_defined1()),
         signal(SignalKind::user_defined2()),
+        signal(xfsz),
     ) else {
         warn!("cannot install signal handlers");
         return;
@@ -544,6 +546,15 @@ async fn drain_on_signal(state: Arc<State>) {
             }
             _ = usr2.recv() => {
                 warn!("SIGUSR2 ignored: hkvd has no action for it (SIGTERM drains and exits)");
+                continue;
+            }
+            // Its default action killed the daemon at a checkpoint past a
+            // file-size limit (`prlimit --fsize`, systemd's LimitFSIZE=),
+            // with nothing logged and every table lost. Caught, the write
+            // fails with EFBIG instead, and checkpoints pause as on a full
+            // disk.
+            _ = fsize.recv() => {
+                warn!("SIGXFSZ: a write went past the process's file-size limit (RLIMIT_FSIZE: prlimit --fsize, systemd's LimitFSIZE=); it failed with EFBIG, and checkpoints pause as on a full disk until one fits");
                 continue;
             }
         };

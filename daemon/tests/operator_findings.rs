@@ -218,6 +218,30 @@ fn a_full_disk_pauses_checkpoints_and_room_resumes_them() {
     assert_eq!(sample(&text, "hkvd_checkpoint_consecutive_failures"), Some(0.0));
 }
 
+/// A newcomer's daemon under a file-size limit (`prlimit --fsize`,
+/// systemd's `LimitFSIZE=`) was killed by SIGXFSZ at its first checkpoint
+/// past the limit (exit 153, nothing logged, every table lost), where the
+/// docs say EFBIG pauses checkpoints as a full disk does. Now the signal
+/// is caught: the write fails with EFBIG, the checkpoint is refused with
+/// `resource_exhausted`, checkpoints pause, and the daemon serves on.
+#[test]
+fn a_file_size_limit_pauses_checkpoints_instead_of_killing_the_daemon() {
+    use hkv_client::ErrorCode;
+    let mut d = Daemon::start_under(&["--fsize=300000"], &[]);
+    let mut c = d.client();
+    c.create_table(TableSpec::new("t", 32, 65536)).expect("create");
+    let keys: Vec<u64> = (1..=20_000).collect();
+    c.insert_or_assign("t", &keys, &vec![1.5; 32 * keys.len()], None).expect("insert");
+    let e = c.checkpoint(true, false).expect_err("2.5 MB of rows past a 300 kB file-size limit");
+    assert_eq!(e.code(), Some(ErrorCode::ResourceExhausted), "{e}");
+    assert!(d.alive(), "hkvd was killed by the file-size limit");
+    let mut c = d.client();
+    let s = c.stats_doc().expect("stats");
+    assert!(s.checkpoint.paused.is_some(), "checkpoint.paused: {:?}", s.checkpoint);
+    let found = c.find("t", &keys[..100]).expect("find after the refused checkpoint");
+    assert!(found.values.iter().all(|&v| v == 1.5), "the rows are still served");
+}
+
 /// Finding 5. With `--mrc-max-keys 1048576` every table's curve
 /// estimators reserve up to 1 Mi × 120 bytes whatever the table's size,
 /// none of it in the table budget: ten tables of 256 slots filled with
