@@ -242,6 +242,44 @@ fn a_file_size_limit_pauses_checkpoints_instead_of_killing_the_daemon() {
     assert!(found.values.iter().all(|&v| v == 1.5), "the rows are still served");
 }
 
+/// `max_load_factor` without `max_capacity` was refused by hkvctl only: a
+/// config file's `[[table]]` and the Python client created such a table
+/// silently, with a threshold it never uses. The daemon refuses it now.
+#[test]
+fn a_growth_threshold_without_room_to_grow_is_refused() {
+    let d = Daemon::start(&[]);
+    let mut c = d.client();
+    let spec = TableSpec { max_load_factor: Some(0.7), ..TableSpec::new("t", 4, 1024) };
+    let e = c.create_table(spec.clone()).expect_err("max_load_factor without max_capacity");
+    assert_eq!(e.code(), Some(hkv_client::ErrorCode::BadRequest), "{e}");
+    assert!(e.to_string().contains("give max_capacity"), "{e}");
+    c.create_table(TableSpec { max_capacity: 4096, ..spec }).expect("with room to grow");
+}
+
+/// A newcomer restored a checkpoint of a dual table into a running single
+/// one: it stayed single, and only a capacity difference was logged. Every
+/// difference of the spec the restore keeps is said at WARN now.
+#[test]
+fn a_restore_into_a_table_of_another_bucket_mode_says_so() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log = dir.path().join("log");
+    let mut cmd = common::command(dir.path(), &[]);
+    cmd.stderr(std::fs::File::create(&log).expect("log file"));
+    let socket = dir.path().join("run").join("hkvd.sock");
+    let mut d = Daemon { child: Some(cmd.spawn().expect("spawn hkvd")), dir, socket };
+    d.wait_ready();
+    let mut c = d.client();
+    c.create_table(TableSpec { mode: Mode::Dual, ..TableSpec::new("t", 4, 4096) }).expect("create dual");
+    c.insert_or_assign("t", &[1, 2], &[1.0; 8], None).expect("insert");
+    c.checkpoint(true, false).expect("checkpoint");
+    c.drop_table("t").expect("drop");
+    c.create_table(TableSpec::new("t", 4, 4096)).expect("create single");
+    c.restore(hkv_client::proto::CheckpointId::Latest).expect("restore into the running table");
+    assert_eq!(c.find("t", &[1, 2]).expect("find").found, vec![true, true], "the rows were restored");
+    let text = std::fs::read_to_string(&log).expect("log");
+    assert!(text.contains("mode is kept: single here, dual in the checkpoint"), "{text}");
+}
+
 /// Finding 5. With `--mrc-max-keys 1048576` every table's curve
 /// estimators reserve up to 1 Mi × 120 bytes whatever the table's size,
 /// none of it in the table budget: ten tables of 256 slots filled with

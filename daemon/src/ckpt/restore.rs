@@ -789,6 +789,26 @@ fn check_compatible(router: &Router, target: &Manifest, occasion: Occasion) -> R
                     ),
                 ));
             }
+            // Nor is any other difference of the spec kept silently (a
+            // newcomer's dual table restored into a single one with no
+            // word).
+            let (r, c) = (&running.spec, &saved);
+            let others = [
+                ("mode", r.mode.as_str().to_string(), c.mode.as_str().to_string()),
+                ("max_capacity", r.max_capacity.to_string(), c.max_capacity.to_string()),
+                ("max_load_factor", format!("{:?}", r.max_load_factor), format!("{:?}", c.max_load_factor)),
+                ("fast_tier_bytes", format!("{:?}", r.fast_tier_bytes), format!("{:?}", c.fast_tier_bytes)),
+                ("reads_refresh", format!("{:?}", r.reads_refresh), format!("{:?}", c.reads_refresh)),
+            ];
+            for (what, here, there) in others.into_iter().filter(|(_, h, t)| h != t) {
+                kept.push((
+                    &t.name,
+                    format!(
+                        "the running table's {what} is kept: {here} here, {there} in the checkpoint (a table made \
+                         by create-table or the config file keeps its own spec)"
+                    ),
+                ));
+            }
             if running.spec.capacity != saved.capacity {
                 kept.push((
                     &t.name,

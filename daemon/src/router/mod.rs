@@ -162,6 +162,14 @@ impl Router {
     /// Creates a table on every actor.
     pub async fn create_table(&self, spec: TableSpec) -> Result<TableInfo, ProtoError> {
         check_name(&spec.name)?;
+        // hkvctl refused it, the config file and the Python client did
+        // not (a newcomer's table kept a threshold it never uses). Not in
+        // `build_table`: a checkpoint's older spec still restores.
+        if let (Some(f), 0) = (spec.max_load_factor, spec.max_capacity) {
+            return Err(ProtoError::bad_request(format!(
+                "max_load_factor {f} is the load past which a table grows: give max_capacity too (above capacity)"
+            )));
+        }
         if let Some(h) = &spec.hash {
             crate::features::check(h)?;
         }
