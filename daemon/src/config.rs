@@ -98,7 +98,8 @@ pub struct Limits {
     /// Bytes all tables may hold at their peak (their storage at
     /// max_capacity): device memory on CUDA, host memory on the CPU backend.
     /// Unset: 7/8 of the devices' memory on CUDA, 3/4 of host memory (or of
-    /// the cgroup's limit) on the CPU backend.
+    /// the cgroup's limit, or of the address-space limit `ulimit -v` when
+    /// lower) on the CPU backend.
     #[arg(long)]
     pub max_table_bytes: Option<u64>,
     /// Bytes of pinned host memory CUDA tables' host tiers may hold.
