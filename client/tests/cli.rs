@@ -300,7 +300,17 @@ fn feature_commands_hash_and_look_up() {
     assert_eq!(d.run(&["hash", "--int", "--num-buckets", "10", "--", "-1"]), format!("-1: {}\n", minus_one % 10));
     d.run(&["create-table", "t", "--dim", "2", "--capacity", "4096", "--num-buckets", "1000"]);
     let out = d.run(&["find-or-insert-features", "t", "--int", "42=1.5,2.5", "7=3,4"]);
-    assert!(out.starts_with("42: 1.5,2.5\n7: 3,4\n"), "{out}");
+    assert_eq!(out, "42: 1.5,2.5\n7: 3,4\n0 found, 2 inserted, 0 rejected\n");
+    // A tester's finding: a feature already there was counted "1 updated",
+    // though nothing was written; it is found.
+    assert_eq!(
+        d.run(&["find-or-insert-features", "t", "--int", "42=9,9"]),
+        "42: 1.5,2.5\n1 found, 0 inserted, 0 rejected\n"
+    );
+    // A feature given twice is refused before sending, as put refuses a
+    // key given twice (`07` is the int64 7).
+    d.refuses(&["find-or-insert-features", "t", "--int", "5=1,1", "07=1,1", "7=2,2"], "given twice");
+    d.refuses(&["find-or-insert-features", "t", "a=1,1", "a=2,2"], "given twice");
     assert_eq!(d.run(&["find-features", "t", "--int", "42", "8"]), "42: 1.5,2.5\n8: not found\n");
     // The table's setting applies when none is given.
     let x = hkv_shard::features::fingerprint64(b"x") % 1000;
@@ -398,11 +408,13 @@ fn a_bench_of_some_ops_leaves_the_others_blank() {
 /// A tester's finding: a bench stopped by SIGINT (Ctrl-C, `timeout -s INT`)
 /// left its table `hkvctl-bench-PID` behind, holding its memory, and the
 /// next checkpoint saved it. SIGINT and SIGTERM now drop it, as a finished
-/// bench does, and end hkvctl with 128 + the signal.
+/// bench does, and end hkvctl with 128 + the signal. Then a closed
+/// terminal (SIGHUP) still left it, ending hkvctl with 129: it is dropped
+/// too.
 #[test]
 fn an_interrupted_bench_drops_its_table() {
     let d = Daemon::start();
-    for (signal, number) in [("INT", 2), ("TERM", 15)] {
+    for (signal, number) in [("INT", 2), ("TERM", 15), ("HUP", 1)] {
         let child = Command::new(hkvctl_bin())
             .arg("--socket")
             .arg(&d.socket)
@@ -426,6 +438,84 @@ fn an_interrupted_bench_drops_its_table() {
         assert_eq!(out.status.code(), Some(128 + number), "SIG{signal}: {err}");
         assert!(!d.run(&["tables"]).contains("hkvctl-bench"), "SIG{signal}: table left behind: {err}");
     }
+}
+
+/// A tester's finding: `hkvctl bench ... | head -1` ended with 141 and left
+/// its table behind (println! panicked on the closed pipe, and the panic
+/// hook's exit skipped the drop). A reader that goes away now ends the
+/// bench with its table dropped, quietly, with status 141.
+#[test]
+fn a_bench_whose_reader_goes_away_drops_its_table() {
+    use std::io::{BufRead, BufReader};
+    let d = Daemon::start();
+    let mut child = Command::new(hkvctl_bin())
+        .arg("--socket")
+        .arg(&d.socket)
+        .args(["bench", "--dim", "8", "--capacity", "8192", "--batches", "64,128,256", "--clients", "1"])
+        .args(["--seconds", "0.2", "--warmup", "0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut first).unwrap();
+    assert!(first.starts_with("hkvctl bench: "), "{first}");
+    // The reader is gone (stdout dropped above); the bench's next lines fail.
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(141), "{err}");
+    assert!(err.is_empty(), "{err}");
+    assert!(!d.run(&["tables"]).contains("hkvctl-bench"), "table left behind");
+}
+
+/// A tester's finding: `--batches 0`, `--clients 0` and `--pipeline 0` were
+/// taken, and the bench printed NaN rows with status 0. They are usage
+/// errors now (status 2), refused before a table is made.
+#[test]
+fn a_bench_of_zero_is_refused() {
+    let d = Daemon::start();
+    for flag in ["--batches", "--clients", "--pipeline"] {
+        let out = d.hkvctl(&["bench", "--capacity", "8192", "--seconds", "0.1", flag, "0"]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flag}: {err}");
+        assert!(err.contains(flag), "{flag}: {err}");
+    }
+    let out = d.hkvctl(&["bench", "--capacity", "8192", "--batches", "64,0"]);
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!d.run(&["tables"]).contains("hkvctl-bench"), "table left behind");
+}
+
+/// A tester's finding: `bench --batches 100000000` built 3 GB of requests,
+/// and `fill --batch 9000000` at dim 32 3.5 GB, before the daemon refused
+/// them as oversized. Both are refused before anything is built (under an
+/// address-space limit far below those sizes where `prlimit` exists), and
+/// name the flag to lower.
+#[test]
+fn requests_too_large_for_the_daemon_are_refused_before_they_are_built() {
+    let d = Daemon::start();
+    d.run(&["create-table", "wide", "--dim", "32", "--capacity", "4096"]);
+    let limited = Command::new("prlimit").arg("--version").output().is_ok_and(|o| o.status.success());
+    let hkvctl = |args: &[&str]| {
+        let mut cmd = if limited {
+            let mut c = Command::new("prlimit");
+            c.arg("--as=1000000000").arg(hkvctl_bin());
+            c
+        } else {
+            Command::new(hkvctl_bin())
+        };
+        cmd.arg("--socket").arg(&d.socket).args(args).output().unwrap()
+    };
+    for (args, flag) in [
+        (&["bench", "--capacity", "8192", "--batches", "100000000", "--clients", "1"][..], "--batches"),
+        (&["fill", "wide", "--count", "9000000", "--batch", "9000000"][..], "--batch"),
+    ] {
+        let out = hkvctl(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains("in one frame") && err.contains(flag), "{args:?}: {err}");
+    }
+    assert!(!d.run(&["tables"]).contains("hkvctl-bench"), "table left behind");
+    assert!(d.run(&["tables"]).lines().any(|l| l.starts_with("wide ") && l.contains(" 0 ")), "fill wrote");
 }
 
 /// Without CUDA in hkvctl's process, `--transport cuda-ipc` is refused
@@ -484,6 +574,38 @@ fn bench_cuda_ipc_prints_its_figures() {
     assert!(ipc.iter().all(|r| r["keys_per_s"].as_f64().is_some_and(|x| x > 0.0)), "{out}");
 }
 
+/// A tester's finding: `HKVD_SOCKET= hkvctl ping` tried to connect to ""
+/// ("Invalid argument") while `hkvd serve` takes an empty one as unset.
+/// hkvctl does too: the default place is used.
+#[test]
+fn an_empty_hkvd_socket_is_unset() {
+    let d = Daemon::start();
+    let runtime = tempfile::tempdir().unwrap();
+    std::fs::create_dir(runtime.path().join("hkvd")).unwrap();
+    std::os::unix::fs::symlink(&d.socket, runtime.path().join("hkvd/hkvd.sock")).unwrap();
+    let out = Command::new(hkvctl_bin())
+        .arg("ping")
+        .env("HKVD_SOCKET", "")
+        .env("XDG_RUNTIME_DIR", runtime.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// The commands that wait forever by default are the ones `--help` and
+/// cli.md name (they disagreed with each other and with the code: clear
+/// and shutdown wait forever, and each list left one out).
+#[test]
+fn help_names_the_commands_that_wait_forever() {
+    let out = Command::new(hkvctl_bin()).arg("--help").output().unwrap();
+    let help = String::from_utf8_lossy(&out.stdout).split_whitespace().collect::<Vec<_>>().join(" ");
+    let list = "forever for restore, trace, flush, clear, drop-table and shutdown";
+    assert!(help.contains(list), "{help}");
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/cli.md")).unwrap();
+    let doc = doc.split_whitespace().collect::<Vec<_>>().join(" ").replace('`', "");
+    assert!(doc.contains(list), "cli.md does not say: {list}");
+}
+
 #[test]
 fn no_daemon_is_one_clear_line_and_exit_2() {
     let dir = tempfile::tempdir().unwrap();
@@ -495,6 +617,69 @@ fn no_daemon_is_one_clear_line_and_exit_2() {
     // The I/O error is said once (not again as the error's source).
     assert_eq!(err.matches("os error").count(), 1, "{err}");
     assert_eq!(err.lines().count(), 1, "{err}");
+}
+
+/// A tester's findings: a table dropped (or dropped and created again)
+/// during a trace's window ended with status 0 and "no sampled lookups
+/// ... run the trace longer"; it is an error that says what happened, and
+/// the file is not written. On a daemon without curves, the progress line
+/// came before the refusal; the refusal comes first now.
+#[test]
+fn a_trace_whose_table_is_dropped_fails() {
+    let d = Daemon::start();
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("keys.bin");
+    for recreate in [false, true] {
+        d.run(&["create-table", "t", "--dim", "2", "--capacity", "4096"]);
+        d.run(&["fill", "t", "--count", "1000"]);
+        let keys: Vec<String> = (0..1000).map(|k| k.to_string()).collect();
+        let get: Vec<&str> = ["get", "t"].into_iter().chain(keys.iter().map(String::as_str)).collect();
+        d.run(&get);
+        let trace = Command::new(hkvctl_bin())
+            .arg("--socket")
+            .arg(&d.socket)
+            .args(["trace", "t", "--seconds", "2", "--out"])
+            .arg(&out)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(500));
+        d.run(&["drop-table", "t"]);
+        if recreate {
+            d.run(&["create-table", "t", "--dim", "2", "--capacity", "4096"]);
+        }
+        let o = trace.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        let what = if recreate { "dropped and created again" } else { "dropped" };
+        assert!(err.contains(&format!("table t was {what} during")), "{err}");
+        assert!(!out.exists(), "a failed trace wrote {}", out.display());
+        if recreate {
+            d.run(&["drop-table", "t"]);
+        }
+    }
+    let d = Daemon::start_with(&["--backend", "cpu", "--shards", "2", "--no-mrc"]);
+    d.run(&["create-table", "t", "--dim", "2", "--capacity", "4096"]);
+    let o = d.hkvctl(&["trace", "t", "--seconds", "1", "--out", out.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("--no-mrc") && !err.contains("collecting"), "{err}");
+}
+
+/// `hkvctl tables` keeps its columns in line: the optimizer name
+/// rowwise_adagrad (15 letters) pushed the backing column one to the right.
+#[test]
+fn tables_columns_hold_the_longest_optimizer() {
+    let d = Daemon::start();
+    d.run(&["create-table", "o", "--dim", "2", "--capacity", "1024", "--optimizer", "rowwise_adagrad"]);
+    let out = d.run(&["tables"]);
+    let at = |l: &str, w: &str| l.rfind(w).unwrap();
+    let (head, row) = (out.lines().next().unwrap(), out.lines().nth(1).unwrap());
+    assert_eq!(at(head, "backing"), at(row, "-"), "{out}");
+    // --json has the spec in full (the tie rule and hash setting included).
+    let v: serde_json::Value = serde_json::from_str(&d.run(&["tables", "--json"])).unwrap();
+    assert_eq!(v[0]["spec"]["optimizer"], "rowwise_adagrad", "{v}");
 }
 
 /// `hkvctl trace` prints a replay command that replays the table as it is:

@@ -6,12 +6,23 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use std::io::Write;
+
 use anyhow::{bail, Result};
 use hkv_client::{proto, Client, ErrorCode, Request, TableSpec};
 use rand::Rng;
 
+/// A line on stdout, whose failure ends the bench: a reader that went
+/// away (`hkvctl bench | head -1`) made `println!` panic, and the panic
+/// hook's exit left the table behind. The error drops the table on its
+/// way out, and main ends quietly with status 141 (cli.md).
+macro_rules! say {
+    ($($t:tt)*) => { writeln!(std::io::stdout().lock(), $($t)*)? };
+}
+
 /// The table a bench makes (`hkvctl-bench-PID`), dropped when the bench
-/// ends, however it ends: done, failed, or stopped by SIGINT or SIGTERM.
+/// ends, however it ends: done, failed, stopped by SIGINT, SIGTERM or
+/// SIGHUP (a closed terminal), or its reader gone (stdout a closed pipe).
 /// An interrupted bench used to leave its table behind, holding its
 /// memory, and the next checkpoint saved it.
 struct Scratch {
@@ -21,8 +32,8 @@ struct Scratch {
 }
 
 impl Scratch {
-    /// Creates table `spec` on `c`. From just before, SIGINT and SIGTERM
-    /// drop it and end hkvctl with status 128 + the signal, as the signal
+    /// Creates table `spec` on `c`. From just before, SIGINT, SIGTERM and
+    /// SIGHUP drop it and end hkvctl with status 128 + the signal, as the signal
     /// would have.
     fn create(c: &mut Client, socket: &Path, spec: TableSpec) -> Result<Scratch> {
         let name = spec.name.clone();
@@ -42,7 +53,11 @@ impl Drop for Scratch {
     fn drop(&mut self) {
         if !self.dropped {
             if let Err(e) = drop_table(&self.socket, &self.name) {
-                eprintln!("hkvctl bench: its table {} was not dropped ({e:#}): hkvctl drop-table {0}", self.name);
+                let name = &self.name;
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "hkvctl bench: its table {name} was not dropped ({e:#}): hkvctl drop-table {name}"
+                );
             }
         }
     }
@@ -60,15 +75,15 @@ fn drop_table(socket: &Path, name: &str) -> Result<()> {
     }
 }
 
-/// Catches SIGINT and SIGTERM from now on (the handlers are installed
-/// before this returns); on either, a thread drops table `name` and ends
-/// the process.
+/// Catches SIGINT, SIGTERM and SIGHUP from now on (the handlers are
+/// installed before this returns); on any, a thread drops table `name` and
+/// ends the process.
 fn drop_on_signal(socket: &Path, name: &str) -> Result<()> {
     use tokio::signal::unix::{signal, SignalKind};
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let (mut int, mut term) = {
+    let (mut int, mut term, mut hup) = {
         let _in = rt.enter();
-        (signal(SignalKind::interrupt())?, signal(SignalKind::terminate())?)
+        (signal(SignalKind::interrupt())?, signal(SignalKind::terminate())?, signal(SignalKind::hangup())?)
     };
     let (socket, name) = (socket.to_path_buf(), name.to_string());
     std::thread::spawn(move || {
@@ -76,14 +91,18 @@ fn drop_on_signal(socket: &Path, name: &str) -> Result<()> {
             tokio::select! {
                 _ = int.recv() => 2,
                 _ = term.recv() => 15,
+                _ = hup.recv() => 1,
             }
         });
-        match drop_table(&socket, &name) {
-            Ok(()) => eprintln!("hkvctl bench: stopped; its table {name} is dropped"),
+        // Not eprintln!: after SIGHUP the terminal is gone, and its panic
+        // would end this thread before the exit below.
+        let said = match drop_table(&socket, &name) {
+            Ok(()) => format!("hkvctl bench: stopped; its table {name} is dropped"),
             Err(e) => {
-                eprintln!("hkvctl bench: stopped; its table {name} was not dropped ({e:#}): hkvctl drop-table {name}")
+                format!("hkvctl bench: stopped; its table {name} was not dropped ({e:#}): hkvctl drop-table {name}")
             }
-        }
+        };
+        let _ = writeln!(std::io::stderr(), "{said}");
         std::process::exit(128 + signal);
     });
     Ok(())
@@ -97,14 +116,14 @@ pub struct BenchArgs {
     /// Table capacity (slots); the table is filled to half.
     #[arg(long, default_value_t = 1 << 20)]
     pub capacity: u64,
-    /// Keys per request, comma separated.
-    #[arg(long, value_delimiter = ',', default_value = "65536,262144,1048576")]
+    /// Keys per request, comma separated (each at least 1).
+    #[arg(long, value_delimiter = ',', default_value = "65536,262144,1048576", value_parser = at_least_1())]
     pub batches: Vec<usize>,
-    /// Concurrent client connections, comma separated.
-    #[arg(long, value_delimiter = ',', default_value = "1,4")]
+    /// Concurrent client connections, comma separated (each at least 1).
+    #[arg(long, value_delimiter = ',', default_value = "1,4", value_parser = at_least_1())]
     pub clients: Vec<usize>,
-    /// Requests in flight per connection.
-    #[arg(long, default_value_t = 2)]
+    /// Requests in flight per connection (at least 1).
+    #[arg(long, default_value_t = 2, value_parser = at_least_1())]
     pub pipeline: usize,
     /// Seconds per measurement.
     #[arg(long, default_value_t = 2.0)]
@@ -141,6 +160,52 @@ pub struct BenchArgs {
     /// find_features, and hash then find (two round trips), int64 features.
     #[arg(long)]
     pub features: bool,
+}
+
+/// A count of at least 1: a bench of 0 keys, clients or requests in
+/// flight measured nothing and printed NaN rows with status 0.
+fn at_least_1() -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::new().range(1..)
+}
+
+/// Refuses, before the table is made, a batch whose largest frame the
+/// daemon would refuse (a find's answer, a write's body or, with
+/// `features`, a feature request's body): `--batches 100000000` built 3 GB
+/// of requests before the daemon's `oversized`.
+fn check_batches(c: &mut Client, a: &BenchArgs, table: &str, features: bool) -> Result<()> {
+    let dim = a.dim;
+    let find_answer = |n: u64| 16u64.saturating_add(n.saturating_mul(1 + 4 * dim as u64));
+    let frame = |n: u64| {
+        let body = if features {
+            crate::frame::body_len(
+                |k| Request::FindFeatures {
+                    table: table.into(),
+                    hash: proto::HashSpec::Table,
+                    features: proto::Features::Int64(vec![0; k]),
+                    scores: false,
+                },
+                n,
+            )
+        } else {
+            crate::frame::body_len(
+                |k| Request::Write {
+                    op: proto::WriteOp::InsertOrAssign,
+                    table: table.into(),
+                    keys: vec![0; k],
+                    values: vec![0.0; k * dim],
+                    scores: None,
+                    outcomes: false,
+                },
+                n,
+            )
+        };
+        find_answer(n).max(body)
+    };
+    if let Some(&most) = a.batches.iter().max() {
+        let what = format!("a batch of {most} keys at dim {dim}");
+        crate::frame::check(c, most as u64, &frame, &what, "--batches")?;
+    }
+    Ok(())
 }
 
 /// A figure of the text table, `width` wide with `precision` decimals,
@@ -221,6 +286,7 @@ fn keep_busy(c: &mut Client, reqs: &[Request], pipeline: usize, time: Duration) 
 pub fn bench_features(socket: PathBuf, a: BenchArgs) -> Result<()> {
     let mut c = Client::connect(&socket)?;
     let table = format!("hkvctl-bench-{}", std::process::id());
+    check_batches(&mut c, &a, &table, true)?;
     let nb = 1u64 << 40;
     let scratch = Scratch::create(
         &mut c,
@@ -238,13 +304,18 @@ pub fn bench_features(socket: PathBuf, a: BenchArgs) -> Result<()> {
         resident.extend(keys);
         x += n;
     }
-    println!(
+    say!(
         "hkvctl bench --features: table dim {}, capacity {}, {fill} int64 features resident; {} s per figure after {} s warm-up, pipeline {}",
         a.dim, a.capacity, a.seconds, a.warmup, a.pipeline
     );
-    println!(
+    say!(
         "{:>8} {:>7} {:>16} {:>18} {:>16} {:>12}",
-        "batch", "clients", "find keys/s", "find_features/s", "hash+find/s", "fused/find"
+        "batch",
+        "clients",
+        "find keys/s",
+        "find_features/s",
+        "hash+find/s",
+        "fused/find"
     );
     for &batch in &a.batches {
         for &clients in &a.clients {
@@ -263,13 +334,13 @@ pub fn bench_features(socket: PathBuf, a: BenchArgs) -> Result<()> {
             })?;
             let two = hash_then_find(&socket, &a, clients, &table, batch, fill)?;
             if a.json {
-                println!(
+                say!(
                     "{}",
                     serde_json::json!({"batch": batch, "clients": clients, "dim": a.dim, "find_keys_per_s": find,
                         "find_features_per_s": fused, "hash_then_find_per_s": two, "fused_over_find": fused / find})
                 );
             } else {
-                println!(
+                say!(
                     "{:>8} {:>7} {:>16.0} {:>18.0} {:>16.0} {:>11.0}%",
                     batch,
                     clients,
@@ -359,6 +430,7 @@ pub fn bench(socket: PathBuf, a: BenchArgs) -> Result<()> {
     }
     let mut c = Client::connect(&socket)?;
     let table = format!("hkvctl-bench-{}", std::process::id());
+    check_batches(&mut c, &a, &table, false)?;
     let scratch = Scratch::create(&mut c, &socket, TableSpec::new(&table, a.dim, a.capacity))?;
     let fill = (a.capacity / 2) as usize;
     let mut key = 1u64;
@@ -377,8 +449,8 @@ pub fn bench(socket: PathBuf, a: BenchArgs) -> Result<()> {
     if a.json {
         eprintln!("{info}");
     } else {
-        println!("{info}");
-        println!(
+        say!("{info}");
+        say!(
             "{:>8} {:>7} {:>9} {:>14} {:>10} {:>14} {:>10} {:>10} {:>14} {:>10}",
             "batch",
             "clients",
@@ -405,15 +477,16 @@ pub fn bench(socket: PathBuf, a: BenchArgs) -> Result<()> {
             } else {
                 None
             };
-            let figure = |transport: &str, op: &str, kps: f64, per_key: f64| {
-                println!(
+            let figure = |transport: &str, op: &str, kps: f64, per_key: f64| -> Result<()> {
+                say!(
                     "{}",
                     serde_json::json!({"transport": transport, "op": op, "batch": batch, "clients": clients,
                         "dim": a.dim, "keys_per_s": kps, "bytes_per_s": kps * per_key})
                 );
+                Ok(())
             };
             if let (true, Some(raw)) = (a.json, raw) {
-                figure("raw_socket", "echo", raw, row_bytes(1));
+                figure("raw_socket", "echo", raw, row_bytes(1))?;
             }
             for transport in &a.transport {
                 let region = match transport.as_str() {
@@ -472,17 +545,17 @@ pub fn bench(socket: PathBuf, a: BenchArgs) -> Result<()> {
                 if a.json {
                     // An op not measured has no line (rather than a null figure).
                     if let Some(find) = find {
-                        figure(transport, "find", find, row_bytes(1));
+                        figure(transport, "find", find, row_bytes(1))?;
                     }
                     if let Some(insert) = insert {
-                        figure(transport, "insert_or_assign", insert, ins_bytes);
+                        figure(transport, "insert_or_assign", insert, ins_bytes)?;
                     }
                 } else {
                     let ratio = match (find, raw) {
                         (Some(f), Some(r)) => format!("{:>9.0}%", 100.0 * f / r),
                         _ => format!("{:>10}", "-"),
                     };
-                    println!(
+                    say!(
                         "{:>8} {:>7} {:>9} {} {} {} {} {ratio} {} {}",
                         batch,
                         clients,

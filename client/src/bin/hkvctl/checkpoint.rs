@@ -27,6 +27,12 @@ pub fn checkpoint(c: &mut Client, wait: bool, full: bool) -> Result<()> {
                 }
                 std::thread::sleep(Duration::from_millis(200));
             }
+            // The daemon's refusal points to `hkvctl stats`, whose text has
+            // no checkpoint line: `checkpoints` lists the running one.
+            Err(e) if e.code() == Some(proto::ErrorCode::Busy) => bail!(
+                "a checkpoint or restore is already running: `hkvctl checkpoints` shows its progress (--wait takes \
+                 this one after it)"
+            ),
             r => break r?,
         }
     };

@@ -16,8 +16,8 @@ pub struct Cli {
     pub socket: Option<PathBuf>,
     /// Seconds to wait for each answer of the daemon before giving up, a
     /// fraction allowed (0: forever) [default: 60; forever for restore,
-    /// trace, flush, drop-table and shutdown, which answer when their work
-    /// is done].
+    /// trace, flush, clear, drop-table and shutdown, which answer when
+    /// their work is done].
     #[arg(long, global = true, value_parser = seconds, display_order = 1001)]
     pub timeout: Option<f64>,
     #[command(subcommand)]
@@ -87,9 +87,15 @@ pub enum Cmd {
         /// Table name.
         table: String,
     },
-    /// List tables.
-    Tables,
-    /// Write values: KEY=V1,V2,... (dim values each).
+    /// List tables (--json: each table's spec in full, the lfu tie rule
+    /// and hash setting included).
+    Tables {
+        /// Print the daemon's JSON list (the table info of PROTOCOL.md).
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write values: KEY=V1,V2,... (a row each: dim values, then an
+    /// optimizer table's state columns).
     Put {
         /// Table name.
         table: String,
@@ -164,8 +170,8 @@ pub enum Cmd {
     Metrics,
     /// Throughput over the socket: find and insert_or_assign beside the raw
     /// socket moving the same bytes, on a table `hkvctl-bench-PID` it
-    /// creates (admin) and drops when it ends, stopped by SIGINT or SIGTERM
-    /// included.
+    /// creates (admin) and drops when it ends, stopped by SIGINT, SIGTERM
+    /// or SIGHUP or by a reader that went away included.
     Bench(BenchArgs),
     /// Take a checkpoint now; with --wait, show its progress until it completes.
     Checkpoint {

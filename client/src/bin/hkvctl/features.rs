@@ -200,10 +200,21 @@ pub fn find_or_insert_features(
     let dim = info.row_dim();
     let mut names = vec![];
     let mut values = vec![];
+    let mut given = std::collections::HashMap::new();
     for e in &entries {
         let (f, v) = e.rsplit_once('=').with_context(|| format!("{e:?}: expected FEATURE=V1,V2,..."))?;
         let v = v.split(',').map(crate::entries::parse_value).collect::<Result<Vec<_>>>()?;
         crate::entries::check_width(e, v.len(), &info)?;
+        // As put refuses a key given twice: one batch would write the key
+        // twice, in no set order. An int64 feature is the number (`07` is
+        // `7`), hashed as its decimal text.
+        let same = match f.trim().parse::<i64>() {
+            Ok(n) if hash.int => n.to_string(),
+            _ => f.to_string(),
+        };
+        if let Some(first) = given.insert(same, e) {
+            bail!("feature {f:?} is given twice ({first:?} and {e:?}); give each feature once");
+        }
         names.push(f.to_string());
         values.extend(v);
     }
@@ -213,7 +224,18 @@ pub fn find_or_insert_features(
         input.line(f, Answer::Values(&stored[i * dim..(i + 1) * dim]));
     }
     if !input.json {
-        println!("{}", w.summary);
+        println!("{}", found_or_inserted(&w.summary));
     }
     Ok(())
+}
+
+/// A find_or_insert's summary: the keys it found (the daemon counts them
+/// as `updated`, though nothing was written: a tester read "1 updated" for
+/// a row left as it was), those it inserted, those it refused.
+fn found_or_inserted(s: &proto::Summary) -> String {
+    let mut o = format!("{} found, {} inserted", s.updated, s.inserted_total());
+    if s.evicted > 0 {
+        o += &format!(" ({} of them by evicting another entry)", s.evicted);
+    }
+    o + &format!(", {} rejected", s.rejected)
 }

@@ -7,6 +7,8 @@
 //! - [`features`]: hash, find-features, find-or-insert-features; the hash
 //!   flags, `--from` input and the answer lines.
 //! - [`checkpoint`]: checkpoint, checkpoints, restore.
+//! - [`frame`]: requests too large for the daemon, refused before they are
+//!   built.
 //! - [`mrc`]: mrc (a table's miss-ratio curve), trace (its sampled keys).
 //! - [`render`]: printing values, times and the stats table.
 //! - [`bench`]: `hkvctl bench`.
@@ -19,6 +21,7 @@ mod checkpoint;
 mod cmd;
 mod entries;
 mod features;
+mod frame;
 mod mrc;
 mod render;
 mod tables;
@@ -56,7 +59,10 @@ const DEFAULT_TIMEOUT_S: f64 = 60.0;
 fn run(cli: Cli) -> Result<()> {
     let socket = cli.socket.clone().unwrap_or_else(|| {
         let runtime_dir = std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from);
-        proto::client_socket_path(std::env::var_os("HKVD_SOCKET").map(Into::into), runtime_dir.as_deref())
+        // An empty HKVD_SOCKET is unset, as `hkvd serve` takes it (hkvctl
+        // tried to connect to "" and failed with "Invalid argument").
+        let named = std::env::var_os("HKVD_SOCKET").filter(|s| !s.is_empty());
+        proto::client_socket_path(named.map(Into::into), runtime_dir.as_deref())
     });
     let cmd = match cli.cmd {
         Cmd::Bench(a) => return bench::bench(socket, a),
@@ -66,7 +72,8 @@ fn run(cli: Cli) -> Result<()> {
     let c = &mut Client::connect(&socket)?;
     // A daemon that stops answering (stopped with SIGSTOP, wedged) ends
     // the command with an error instead of a wait without end; commands
-    // whose answer comes when long work is done wait as long as it takes.
+    // whose answer comes when long work is done wait as long as it takes
+    // (the list `--timeout`'s help and cli.md give: keep them the same).
     let waits_for_work = matches!(
         cmd,
         Cmd::Restore { .. }
@@ -98,7 +105,7 @@ fn run(cli: Cli) -> Result<()> {
             c.flush(&table)?;
             println!("flushed {table}");
         }
-        Cmd::Tables => tables::list(c)?,
+        Cmd::Tables { json } => tables::list(c, json)?,
         Cmd::Put { table, entries, scores } => entries::put(c, &table, &entries, scores)?,
         Cmd::Get { table, keys } => entries::get(c, &table, &keys)?,
         Cmd::Hash { features, input, hash, table } => features::hash(c, features, &input, &hash, table)?,
@@ -168,12 +175,20 @@ fn timeout_hint(e: &anyhow::Error, timeout: Option<f64>) -> Option<String> {
     })
 }
 
+/// Whether `e` is a write to a reader that went away (`hkvctl bench |
+/// head -1`): a command that writes its lines through `Result`s rather
+/// than `println!` (bench, which drops its table first) ends with it.
+fn broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| c.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe))
+}
+
 fn main() -> ExitCode {
     quiet_on_broken_pipe();
     let cli = Cli::parse();
     let timeout = cli.timeout;
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if broken_pipe(&e) => ExitCode::from(141),
         Err(e) => {
             match timeout_hint(&e, timeout) {
                 Some(hint) => eprintln!("hkvctl: {e:#}; {hint}"),

@@ -4,7 +4,7 @@
 use std::fmt::Write;
 
 use anyhow::{bail, Result};
-use hkv_client::proto::stats::{MrcStats, Stats};
+use hkv_client::proto::stats::{MrcStats, Stats, TableStats};
 use hkv_client::proto::Policy;
 use hkv_client::Client;
 
@@ -36,10 +36,18 @@ pub fn trace(c: &mut Client, table: &str, seconds: u32, out: &std::path::Path, t
     // only once the keys came (a failed trace leaves a file as it was).
     // An unknown table is refused before the file is touched or the
     // window announced.
-    let spec = match c.tables()?.into_iter().find(|t| t.spec.name == table) {
-        Some(t) => t.spec,
+    // A daemon without curves is refused here too, before the window is
+    // announced (the progress line came before the daemon's refusal).
+    let before = match table_stats(c, table)? {
+        Some(t) => t,
         None => bail!("no table named {table:?}; create it first (hkvctl create-table)"),
     };
+    let Some(lookups) = before.mrc.as_ref().map(|m| m.accesses) else {
+        bail!(
+            "the daemon samples no keys (started with --no-mrc, or [mrc] enabled = false): start it with the curves on"
+        );
+    };
+    let spec = before.spec;
     let existed = out.exists();
     let mut file = std::fs::OpenOptions::new()
         .write(true)
@@ -57,6 +65,22 @@ pub fn trace(c: &mut Client, table: &str, seconds: u32, out: &std::path::Path, t
             return Err(e.into());
         }
     };
+    // A table dropped during the window took its collection with it: the
+    // daemon answers the keys it had, none or a few, and hkvctl said "run
+    // the trace longer". One dropped and created again is told by its curve's
+    // lookup count, which starts again at 0. A daemon that stopped after
+    // answering tells nothing: the trace is written.
+    let gone = match table_stats(c, table) {
+        Ok(None) => Some("dropped"),
+        Ok(Some(t)) if t.mrc.as_ref().is_some_and(|m| m.accesses < lookups) => Some("dropped and created again"),
+        _ => None,
+    };
+    if let Some(what) = gone {
+        if !existed {
+            let _ = std::fs::remove_file(out);
+        }
+        bail!("table {table} was {what} during the {seconds} s window: its trace is lost; trace it again");
+    }
     if file.metadata().is_ok_and(|m| m.is_file()) {
         // (Not a pipe or a device such as /dev/stdout, which take no length.)
         file.set_len(0).with_context(|| format!("cannot write {}", out.display()))?;
@@ -121,6 +145,12 @@ pub fn trace(c: &mut Client, table: &str, seconds: u32, out: &std::path::Path, t
     Ok(())
 }
 
+/// Table `table` as the stats document has it (none: no such table).
+fn table_stats(c: &mut Client, table: &str) -> Result<Option<TableStats>> {
+    let stats: Stats = render::doc(c.stats()?, "stats")?;
+    Ok(stats.tables.into_iter().find(|t| t.spec.name == table))
+}
+
 /// The table's slots over all shards.
 fn stats_capacity(c: &mut Client, table: &str) -> Result<u64> {
     let t = c.tables()?.into_iter().find(|t| t.spec.name == table);
@@ -158,8 +188,7 @@ pub fn curve_table(table: &str, policy: Policy, m: &MrcStats) -> String {
     }
     // Below this many sampled lookups an estimate is noise (one sampled
     // miss of a new key reads as 0 %, one hit as 100 % at every size).
-    let few = m.sampled_accesses < MIN_SAMPLED;
-    if few {
+    if m.sampled_accesses < MIN_SAMPLED {
         let _ = writeln!(
             o,
             "too few sampled lookups for an estimate yet: {} of the {MIN_SAMPLED} needed (at rate {:.4} %, about {} \
@@ -168,6 +197,8 @@ pub fn curve_table(table: &str, policy: Policy, m: &MrcStats) -> String {
             m.rate * 100.0,
             (MIN_SAMPLED as f64 / m.rate.max(1e-9)).ceil() as u64
         );
+        // No estimate to show: a header over no lines read as a broken table.
+        return o;
     }
     let _ = writeln!(o, "{:>7} {:>12} {:>12}", "factor", "capacity", "LRU est. hit");
     for p in &m.points {
@@ -177,8 +208,13 @@ pub fn curve_table(table: &str, policy: Policy, m: &MrcStats) -> String {
             (true, None) => "  <- this table (no lookups yet)".into(),
             _ => String::new(),
         };
-        let est = if few { "-".to_string() } else { format!("{:.2}%", p.hit_rate * 100.0) };
-        let _ = writeln!(o, "{:>7} {:>12} {est:>12}{mark}", factor(p.factor), p.capacity);
+        let _ = writeln!(
+            o,
+            "{:>7} {:>12} {:>12}{mark}",
+            factor(p.factor),
+            p.capacity,
+            format!("{:.2}%", p.hit_rate * 100.0)
+        );
     }
     o
 }
@@ -240,7 +276,9 @@ mod tests {
     }
 
     /// A tester's find: with one sampled lookup the curve read 100 % at
-    /// every size; too few samples now print no estimate.
+    /// every size; too few samples now print no estimate. Then a tester
+    /// found the header of the curve's columns printed over no estimates:
+    /// the message alone is printed.
     #[test]
     fn too_few_samples_print_no_estimate() {
         let points = vec![MrcPoint { factor: 1.0, capacity: 1024, hit_rate: 1.0 }];
@@ -254,7 +292,7 @@ mod tests {
         };
         let s = curve_table("t", Policy::Lru, &m);
         assert!(s.contains("too few sampled lookups for an estimate yet: 1 of the 100 needed"), "{s}");
-        assert!(s.contains("     1x         1024            -  <- this table: measured 0.00 %"), "{s}");
+        assert!(!s.contains("LRU est. hit") && !s.contains("1024"), "{s}");
         assert!(!s.contains("100.00%"), "{s}");
     }
 }

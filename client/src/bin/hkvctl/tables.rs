@@ -28,8 +28,9 @@ pub struct CreateTable {
     /// rowwise_adagrad or adam): each row stores its state after the values.
     #[arg(long, value_parser = name::<proto::Optimizer>)]
     pub optimizer: Option<proto::Optimizer>,
-    /// Whether find hits refresh scores (true or false); default: the
-    /// policy's (on for adaptive, off for the others).
+    /// Whether find hits refresh scores (true or false); default: on for
+    /// adaptive and for a table with --backing (not custom), off for the
+    /// others.
     #[arg(long)]
     pub reads_refresh: Option<bool>,
     /// Dual-bucket mode (fills to ~98 % before evicting).
@@ -145,12 +146,18 @@ pub fn create(c: &mut Client, a: CreateTable) -> Result<()> {
     Ok(())
 }
 
-/// `hkvctl tables`: one line per table.
-pub fn list(c: &mut Client) -> Result<()> {
+/// `hkvctl tables`: one line per table; `--json`: the daemon's list.
+pub fn list(c: &mut Client, json: bool) -> Result<()> {
     let tables = c.tables()?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&tables)?);
+        return Ok(());
+    }
     let w = crate::render::name_width(tables.iter().map(|t| t.spec.name.as_str()));
+    // 15: the longest optimizer name, rowwise_adagrad (it pushed the
+    // backing column out of line at 14).
     println!(
-        "{:<w$} {:>5} {:<9} {:<6} {:<7} {:>12} {:>12} {:>6} {:<14} backing",
+        "{:<w$} {:>5} {:<9} {:<6} {:<7} {:>12} {:>12} {:>6} {:<15} backing",
         "table", "dim", "policy", "mode", "reads", "size", "capacity", "shards", "optimizer"
     );
     for t in tables {
@@ -164,7 +171,7 @@ pub fn list(c: &mut Client) -> Result<()> {
             },
         );
         println!(
-            "{:<w$} {:>5} {:<9} {:<6} {:<7} {:>12} {:>12} {:>6} {:<14} {}",
+            "{:<w$} {:>5} {:<9} {:<6} {:<7} {:>12} {:>12} {:>6} {:<15} {}",
             t.spec.name,
             t.spec.dim,
             t.spec.policy.as_str(),
