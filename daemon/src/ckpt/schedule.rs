@@ -21,7 +21,7 @@ impl Checkpoints {
         let Ok(gate) = ck.gate.clone().try_lock_owned() else {
             return Err(ProtoError::new(
                 ErrorCode::Busy,
-                "a checkpoint or restore is already running; watch it with hkvctl stats",
+                "a checkpoint or restore is already running; watch it with hkvctl checkpoints",
             ));
         };
         let c = ck.clone();
