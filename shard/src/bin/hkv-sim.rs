@@ -43,9 +43,16 @@
 //! an exact LRU stack, and the estimated hit rate is printed beside the
 //! exact fully associative LRU hit rate at 1/8× to 8× `--capacity`, with
 //! the mean absolute and worst errors and the cost of `observe` per key.
+//!
+//! An option the run chosen does not use (`--mrc-keys` without `--mrc`,
+//! `--lfu-ties` without an lfu policy, a Zipf option with `--trace`) is
+//! refused, and what the options make the simulator allocate (the
+//! stream `--mrc` holds, the ideal cache, the per-key counts) is allocated
+//! fallibly: too much for the host is an error naming the options, not an
+//! abort.
 
 use std::borrow::Cow;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, TryReserveError};
 use std::fs::File;
 use std::io::{BufRead, BufReader, Chain, Cursor, Read};
 use std::path::{Path, PathBuf};
@@ -53,7 +60,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use clap::Parser;
+use clap::parser::ValueSource;
+use clap::{CommandFactory, FromArgMatches, Parser};
 use hkv_shard::cpu::CpuTable;
 use hkv_shard::score::ManualClock;
 use hkv_shard::{is_reserved, BucketMode, LfuTies, Outcome, ScorePolicy, Shard, TableConfig, BUCKET_SLOTS};
@@ -73,7 +81,7 @@ struct Args {
     /// Default: --capacity alone.
     #[arg(long, value_delimiter = ',')]
     capacities: Vec<String>,
-    /// Zipf exponent of the key popularity.
+    /// Zipf exponent of the key popularity, finite and above 0.
     #[arg(long, default_value_t = 0.99)]
     alpha: f64,
     /// Distinct keys in the stream's universe (default: 10 × --capacity,
@@ -83,14 +91,15 @@ struct Args {
     /// Accesses = stream-multiple × --capacity, rounded.
     #[arg(long, default_value_t = 5.0)]
     stream_multiple: f64,
-    /// Replay this key trace instead of a Zipf stream (alpha, keyspace and
-    /// stream-multiple are then unused). A pipe or FIFO (`/dev/stdin`,
-    /// `<(zcat t.gz)`) is read once, so it takes one policy and one
-    /// capacity.
+    /// Replay this key trace instead of a Zipf stream (--alpha,
+    /// --keyspace, --stream-multiple and --seed are then refused). A pipe
+    /// or FIFO (`/dev/stdin`, `<(zcat t.gz)`) is read once, so it takes
+    /// one policy and one capacity.
     #[arg(long)]
     trace: Option<PathBuf>,
-    /// Trace format: `bin` (u64 little-endian keys, 8 bytes each), `text`
-    /// (one decimal key per line, blank lines skipped), `oracle`
+    /// Trace format (with --trace only): `bin` (u64 little-endian keys, 8
+    /// bytes each), `text` (one decimal key per line, blank lines
+    /// skipped), `oracle`
     /// (libCacheSim's oracleGeneral: u32 time, u64 id, u32 size, i64
     /// next access; the id is the key), `csv` (the key in column
     /// --csv-column; a field may be in double quotes) or `auto` (oracle for a name containing
@@ -100,20 +109,21 @@ struct Args {
     /// the open).
     #[arg(long, default_value = "auto", value_parser = ["bin", "text", "oracle", "csv", "auto"])]
     trace_format: String,
-    /// With --trace-format csv: the 0-based column holding the key.
+    /// With a csv --trace: the 0-based column holding the key.
     #[arg(long, default_value_t = 0)]
     csv_column: usize,
     /// Score policies, comma separated: lru, lfu, adaptive.
     #[arg(long, default_value = "lru")]
     policy: String,
-    /// Lfu tie rule: lru (the least recently written of equal frequencies
-    /// goes) or lowest-slot (the reference library's rule).
+    /// Lfu tie rule (refused unless --policy lists lfu): lru (the least
+    /// recently written of equal frequencies goes) or lowest-slot (the
+    /// reference library's rule).
     #[arg(long, default_value = "lru")]
     lfu_ties: String,
     /// Bucket mode: single or dual.
     #[arg(long, default_value = "single")]
     mode: String,
-    /// Random seed.
+    /// Random seed of the Zipf stream.
     #[arg(long, default_value_t = 1)]
     seed: u64,
     /// Keys per batch.
@@ -125,10 +135,12 @@ struct Args {
     /// refused with it).
     #[arg(long)]
     mrc: bool,
-    /// With --mrc: distinct sampled keys tracked (the estimator's budget).
+    /// With --mrc (refused without): distinct sampled keys tracked (the
+    /// estimator's budget).
     #[arg(long, default_value_t = hkv_shard::mrc::DEFAULT_MAX_KEYS)]
     mrc_keys: usize,
-    /// With --mrc: the sampling hash's seed (default: the library's).
+    /// With --mrc (refused without): the sampling hash's seed (default:
+    /// the library's).
     #[arg(long)]
     mrc_seed: Option<u64>,
     /// Print one JSON object as the last line (with several capacities:
@@ -147,10 +159,23 @@ fn splitmix64(mut z: u64) -> u64 {
 /// Ideal fully associative cache with the table's batch semantics.
 trait Ideal {
     fn contains(&self, key: u64) -> bool;
+    /// Keys held.
+    fn len(&self) -> usize;
     /// Every key held.
-    fn keys(&self) -> Vec<u64>;
+    fn keys(&self) -> Result<Vec<u64>, TryReserveError>;
+    /// Room for `n` more keys, up to the capacity, so that the map's
+    /// growth is a reported error, not an abort.
+    fn reserve(&mut self, n: usize) -> Result<(), TryReserveError>;
     /// Writes one key (refresh or insert, evicting the global minimum).
     fn write(&mut self, key: u64, now: u64);
+}
+
+/// The keys of `map`, in a vector allocated fallibly.
+fn keys_of<V>(map: &HashMap<u64, V>) -> Result<Vec<u64>, TryReserveError> {
+    let mut keys = Vec::new();
+    keys.try_reserve_exact(map.len())?;
+    keys.extend(map.keys().copied());
+    Ok(keys)
 }
 
 /// Exact LRU: a recency-ordered set.
@@ -164,8 +189,16 @@ impl Ideal for IdealLru {
     fn contains(&self, key: u64) -> bool {
         self.last.contains_key(&key)
     }
-    fn keys(&self) -> Vec<u64> {
-        self.last.keys().copied().collect()
+    fn len(&self) -> usize {
+        self.last.len()
+    }
+    fn keys(&self) -> Result<Vec<u64>, TryReserveError> {
+        keys_of(&self.last)
+    }
+    fn reserve(&mut self, n: usize) -> Result<(), TryReserveError> {
+        // One over the capacity: a newcomer is inserted before the
+        // eviction.
+        self.last.try_reserve(n.min((self.cap + 1).saturating_sub(self.last.len())))
     }
     fn write(&mut self, key: u64, now: u64) {
         if let Some(t) = self.last.insert(key, now) {
@@ -191,8 +224,14 @@ impl Ideal for IdealLfu {
     fn contains(&self, key: u64) -> bool {
         self.entry.contains_key(&key)
     }
-    fn keys(&self) -> Vec<u64> {
-        self.entry.keys().copied().collect()
+    fn len(&self) -> usize {
+        self.entry.len()
+    }
+    fn keys(&self) -> Result<Vec<u64>, TryReserveError> {
+        keys_of(&self.entry)
+    }
+    fn reserve(&mut self, n: usize) -> Result<(), TryReserveError> {
+        self.entry.try_reserve(n.min(self.cap.saturating_sub(self.entry.len())))
     }
     fn write(&mut self, key: u64, now: u64) {
         match self.entry.get(&key).copied() {
@@ -213,10 +252,30 @@ impl Ideal for IdealLfu {
     }
 }
 
-/// Σ_{r=1..n} r^-alpha, summed from the small terms up for accuracy.
+/// Σ_{r=1..n} r^-alpha: the first [`HARMONIC_TERMS`] terms summed from
+/// the small ones up for accuracy, the rest by Euler–Maclaurin. The story:
+/// every term was summed, so `--keyspace 1099511627776 --capacity 128`
+/// replayed 640 accesses and then spent hours on the ceiling's 2^40 powers.
 fn harmonic(n: u64, alpha: f64) -> f64 {
-    (1..=n).rev().map(|r| (r as f64).powf(-alpha)).sum()
+    let head: f64 = (1..=n.min(HARMONIC_TERMS)).rev().map(|r| (r as f64).powf(-alpha)).sum();
+    if n <= HARMONIC_TERMS {
+        return head;
+    }
+    // Σ_{r=a..b} f(r) ≈ ∫_a^b f + (f(a) + f(b))/2 + (f'(b) - f'(a))/12,
+    // f(x) = x^-alpha; the next term, of order alpha³ a^(-alpha-3) / 720,
+    // is below 1e-20 of the sum (at least 1) at a = 2^20.
+    let (a, b) = ((HARMONIC_TERMS + 1) as f64, n as f64);
+    let f = |x: f64| x.powf(-alpha);
+    let df = |x: f64| -alpha * x.powf(-alpha - 1.0);
+    // ∫_a^b x^-alpha dx = a^(1-alpha) · ((b/a)^(1-alpha) - 1) / (1 - alpha),
+    // written with expm1 so that alpha near 1 loses nothing (ln(b/a) at 1).
+    let (s, l) = (1.0 - alpha, (b / a).ln());
+    let integral = if s == 0.0 { l } else { a.powf(s) * (s * l).exp_m1() / s };
+    head + integral + (f(a) + f(b)) / 2.0 + (df(b) - df(a)) / 12.0
 }
+
+/// The terms of [`harmonic`] summed one by one.
+const HARMONIC_TERMS: u64 = 1 << 20;
 
 /// How a trace file is laid out.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -619,18 +678,32 @@ fn replay(a: &Args, cfg: &TableConfig, mut source: Source) -> Result<Run> {
     let (mut batch_hits, mut ideal_batch_hits) = (0u64, 0u64);
     let mut seen = std::collections::HashSet::new();
     let mut first_eviction: Option<f64> = None;
-    let mut keys = Vec::with_capacity(a.batch);
-    let mut found = vec![false; a.batch];
-    let mut vals = vec![0.0f32; a.batch];
-    let mut outcomes = vec![Outcome::Absent; a.batch];
-    let ones = vec![1u64; a.batch];
-    let mut missed = Vec::with_capacity(a.batch);
+    let mut keys = buffer(a.batch, 0u64, "the buffers of --batch")?;
+    let mut found = buffer(a.batch, false, "the buffers of --batch")?;
+    let mut vals = buffer(a.batch, 0.0f32, "the buffers of --batch")?;
+    let mut outcomes = buffer(a.batch, Outcome::Absent, "the buffers of --batch")?;
+    let ones = buffer(a.batch, 1u64, "the buffers of --batch")?;
+    let mut missed = buffer(a.batch, 0u64, "the buffers of --batch")?;
+    seen.try_reserve(a.batch).map_err(|_| anyhow::anyhow!("out of memory: the keys of --batch {}", a.batch))?;
     let mut step = 1u64;
     loop {
         source.next_batch(&mut keys, a.batch)?;
         let n = keys.len();
         if n == 0 {
             break;
+        }
+        // The story: the ideal cache and the per-key counts grew until an
+        // allocation failed and the process aborted (exit 134); they grow
+        // fallibly now, a batch's worth ahead (their tree nodes are small
+        // and come after the maps' large tables).
+        if truth.try_reserve(n).is_err() || ideal.reserve(n).is_err() {
+            bail!(
+                "out of memory: the ideal cache ({} keys of {capacity}) and the per-key counts ({} distinct keys, \
+                 {done} accesses in) could not grow: give a smaller --capacity, or a stream of fewer distinct keys \
+                 (--keyspace, --stream-multiple, or a shorter --trace)",
+                ideal.len(),
+                truth.len()
+            );
         }
         let table_hits = table.find(&keys, &mut vals[..n], &mut found[..n], None)? as u64;
         let ideal_found: Vec<bool> = keys.iter().map(|&k| ideal.contains(k)).collect();
@@ -686,13 +759,22 @@ fn replay(a: &Args, cfg: &TableConfig, mut source: Source) -> Result<Run> {
 
     // Top-N: the ideal cache's final contents, held by the table?
     let retention = |keys: &[u64]| -> Result<f64> {
-        let mut present = vec![false; keys.len()];
+        let mut present = buffer(keys.len(), false, "the retention flags")?;
         table.contains(keys, &mut present)?;
         Ok(if keys.is_empty() { 1.0 } else { present.iter().filter(|&&p| p).count() as f64 / keys.len() as f64 })
     };
-    let top_n_retention = retention(&ideal.keys())?;
+    let oom = |what: &str| {
+        anyhow::anyhow!(
+            "out of memory: {what} ({} distinct keys) could not be allocated: give a smaller --capacity, or a stream of \
+             fewer distinct keys",
+            truth.len()
+        )
+    };
+    let top_n_retention = retention(&ideal.keys().map_err(|_| oom("the ideal cache's keys"))?)?;
     // The N most frequently accessed keys (latest access breaks ties).
-    let mut ranked: Vec<(u64, u64, u64)> = truth.iter().map(|(&k, &(last, count))| (count, last, k)).collect();
+    let mut ranked: Vec<(u64, u64, u64)> = Vec::new();
+    ranked.try_reserve_exact(truth.len()).map_err(|_| oom("the keys ranked by accesses"))?;
+    ranked.extend(truth.iter().map(|(&k, &(last, count))| (count, last, k)));
     let n_top = (capacity as usize).min(ranked.len());
     if n_top < ranked.len() {
         ranked.select_nth_unstable_by(n_top - 1, |a, b| b.cmp(a));
@@ -732,6 +814,21 @@ fn no_keys(a: &Args) -> anyhow::Error {
     }
 }
 
+/// `n` copies of `v`, allocated fallibly: `what` names them in the error
+/// (batch buffers: --batch is up to 16 Mi keys).
+fn buffer<T: Clone>(n: usize, v: T, what: &str) -> Result<Vec<T>> {
+    let mut b = Vec::new();
+    b.try_reserve_exact(n)
+        .map_err(|_| anyhow::anyhow!("out of memory: {what} ({n} entries) could not be allocated"))?;
+    b.resize(n, v);
+    Ok(b)
+}
+
+/// Bytes, in GiB for a message.
+fn gib(bytes: u64) -> String {
+    format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
+
 fn pct(x: Option<f64>) -> String {
     x.map_or("n/a".into(), |x| format!("{:.3}%", x * 100.0))
 }
@@ -745,7 +842,10 @@ const MAX_BATCH: usize = 1 << 24;
 
 fn main() -> Result<()> {
     hkv_shard::cli::quiet_on_broken_pipe();
-    let a = Args::parse();
+    let matches = Args::command().get_matches();
+    let a = Args::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    // Given on the command line, not left at its default.
+    let given = |id: &str| matches.value_source(id) == Some(ValueSource::CommandLine);
     let policies: Vec<ScorePolicy> = a
         .policy
         .split(',')
@@ -758,9 +858,6 @@ fn main() -> Result<()> {
         })
         .collect::<Result<_>>()?;
     let lfu_ties: LfuTies = a.lfu_ties.parse().context("--lfu-ties")?;
-    if lfu_ties != LfuTies::Lru && !policies.contains(&ScorePolicy::Lfu) {
-        eprintln!("hkv-sim: note: --lfu-ties is for --policy lfu; no lfu run uses it");
-    }
     // The story: --mrc replays no table, and the estimator is the LRU
     // curve at fixed factors; a --policy lfu, --mode or --capacities given
     // with it was noted on stderr and dropped, so a user could read the
@@ -778,6 +875,37 @@ fn main() -> Result<()> {
                  and replays no table: {flag} {value} is for table replays; drop it, or --mrc"
             );
         }
+    }
+    // The story: an option the run does not use was taken and dropped
+    // (`--mrc-keys 500` without --mrc, `--lfu-ties lowest-slot --policy
+    // lru`, `--alpha 2 --trace t.bin`: exit 0), so a user could take the
+    // figures for ones the option shaped. Each is refused, naming what it
+    // needs. (--policy lru and --mode single with --mrc are what --mrc
+    // measures, and are taken.)
+    let zipf = "describes the Zipf stream, and --trace replays the trace's keys instead: drop it";
+    let unused = [
+        ("mrc_keys", "--mrc-keys", a.mrc, "is the budget of --mrc's estimator: add --mrc, or drop it"),
+        ("mrc_seed", "--mrc-seed", a.mrc, "is the seed of --mrc's sampling hash: add --mrc, or drop it"),
+        (
+            "lfu_ties",
+            "--lfu-ties",
+            policies.contains(&ScorePolicy::Lfu),
+            "is the tie rule of --policy lfu, and no run here is lfu: drop it, or list lfu in --policy",
+        ),
+        ("trace_format", "--trace-format", a.trace.is_some(), "is the format of --trace FILE: add --trace, or drop it"),
+        (
+            "csv_column",
+            "--csv-column",
+            a.trace.is_some(),
+            "is the key's column of a csv --trace: add --trace, or drop it",
+        ),
+        ("alpha", "--alpha", a.trace.is_none(), zipf),
+        ("keyspace", "--keyspace", a.trace.is_none(), zipf),
+        ("stream_multiple", "--stream-multiple", a.trace.is_none(), zipf),
+        ("seed", "--seed", a.trace.is_none(), zipf),
+    ];
+    if let Some((_, flag, _, why)) = unused.iter().find(|(id, _, used, _)| given(id) && !used) {
+        bail!("{flag} has no effect here: it {why}");
     }
     let mode = match a.mode.as_str() {
         "single" => BucketMode::Single,
@@ -809,8 +937,10 @@ fn main() -> Result<()> {
             if a.trace.is_none() { "; the stream's length and the default --keyspace follow the slots" } else { "" };
         eprintln!("hkv-sim: note: {cap_words}{follow}");
     }
-    if a.alpha.is_nan() || a.alpha <= 0.0 {
-        bail!("--alpha must be > 0");
+    // The story: `--alpha inf` (or 1e309, which parses as infinity) was
+    // taken, and the Zipf sampler never returned.
+    if !(a.alpha.is_finite() && a.alpha > 0.0) {
+        bail!("--alpha must be a finite number > 0, not {}", a.alpha);
     }
     let keyspace = match a.keyspace {
         Some(k) if k == 0 || k > MAX_COUNT => bail!("--keyspace must be 1 to {MAX_COUNT}, not {k}"),
@@ -871,6 +1001,13 @@ fn main() -> Result<()> {
             }
             let o = Opened::open(p)?;
             let f = TraceFormat::pick(&a.trace_format, p, &o.head)?;
+            if given("csv_column") && f != TraceFormat::Csv {
+                bail!(
+                    "--csv-column has no effect here: trace {} is read as {} (--trace-format), not csv; drop it",
+                    p.display(),
+                    f.name()
+                );
+            }
             opened = Some(o);
             Some(f)
         }
@@ -1005,13 +1142,37 @@ fn mrc_compare(a: &Args, mut source: Source, stream: &str) -> Result<()> {
     let caps: Vec<u64> = FACTORS.iter().map(|f| (a.capacity as f64 * f).round() as u64).collect();
     let mut exact_hits = vec![0u64; caps.len()];
     // The whole stream in memory (8 bytes an access), so that observe is
-    // timed alone.
-    let (mut all, mut keys) = (Vec::new(), Vec::new());
+    // timed alone. The story: its growth aborted the process ("memory
+    // allocation of 2147483648 bytes failed", exit 134) where the host
+    // could not hold it; it is allocated fallibly now, a Zipf stream's
+    // whole length before the first key is drawn.
+    let (mut all, mut keys): (Vec<u64>, _) = (Vec::new(), buffer(a.batch, 0u64, "the buffers of --batch")?);
+    if let Source::Zipf { left, .. } = &source {
+        let n = *left;
+        all.try_reserve_exact(n as usize).map_err(|_| {
+            anyhow::anyhow!(
+                "out of memory: --mrc holds the whole stream, 8 bytes an access, and {n} accesses \
+                 (--stream-multiple {} × --capacity {}) take {}, which could not be allocated: give a smaller \
+                 --stream-multiple or --capacity",
+                a.stream_multiple,
+                a.capacity,
+                gib(n.saturating_mul(8))
+            )
+        })?;
+    }
     loop {
         source.next_batch(&mut keys, a.batch)?;
         if keys.is_empty() {
             break;
         }
+        all.try_reserve(keys.len()).map_err(|_| {
+            anyhow::anyhow!(
+                "out of memory: --mrc holds the whole trace, 8 bytes a key, and its keys past the first {} ({}) \
+                 could not be allocated: give --trace a shorter trace",
+                all.len(),
+                gib(all.len() as u64 * 8)
+            )
+        })?;
         all.extend_from_slice(&keys);
     }
     let done = all.len() as u64;
@@ -1023,8 +1184,20 @@ fn mrc_compare(a: &Args, mut source: Source, stream: &str) -> Result<()> {
         mrc.observe(b);
     }
     let observe_s = thread_seconds() - t;
-    for &k in &all {
-        if let Some(d) = exact.access(k) {
+    // The exact stack takes some 40 bytes a distinct key, and its growth
+    // is fallible too.
+    let grown = |why: &str, held: usize, at: usize| {
+        anyhow::anyhow!(
+            "{why}: --mrc's exact LRU stack could not track more than the {held} distinct keys it holds ({at} \
+             accesses in): give a smaller --keyspace or --stream-multiple, or a trace of fewer keys"
+        )
+    };
+    for (i, &k) in all.iter().enumerate() {
+        if exact.len() >= LruStack::MAX_KEYS {
+            return Err(grown("too many keys", exact.len(), i));
+        }
+        let held = exact.len();
+        if let Some(d) = exact.try_access(k).map_err(|_| grown("out of memory", held, i))? {
             for (h, &c) in exact_hits.iter_mut().zip(&caps) {
                 *h += u64::from(d < c);
             }

@@ -1,7 +1,7 @@
 //! Exact LRU stack distances ([`LruStack`]), for `hkv-sim`'s exact curves
 //! and the tests.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, TryReserveError};
 use std::hash::{BuildHasherDefault, Hasher};
 
 /// Hashes u64 keys for the stack's map with one multiply-xorshift round
@@ -46,6 +46,9 @@ pub struct LruStack {
 
 impl LruStack {
     const MIN_WINDOW: usize = 1024;
+    /// The most keys a stack tracks: the window of times (four per key)
+    /// must stay below `u32::MAX`.
+    pub const MAX_KEYS: usize = (1 << 30) - 1;
 
     /// An empty stack.
     pub fn new() -> LruStack {
@@ -69,12 +72,24 @@ impl LruStack {
     }
 
     /// Records an access of `key`: its stack distance, or `None` for a
-    /// key's first access (or the first since its removal).
+    /// key's first access (or the first since its removal). At most
+    /// [`LruStack::MAX_KEYS`] keys are tracked (more panic).
     #[inline]
     pub fn access(&mut self, key: u64) -> Option<u64> {
+        self.try_access(key).expect("memory for the LRU stack")
+    }
+
+    /// [`LruStack::access`], with the memory its map and window grow into
+    /// allocated fallibly: a stream with more distinct keys than the host
+    /// can track is an error for the caller to report (`hkv-sim --mrc`
+    /// sized from a user's options), not an abort. The caller keeps the
+    /// keys below [`LruStack::MAX_KEYS`].
+    #[inline]
+    pub fn try_access(&mut self, key: u64) -> Result<Option<u64>, TryReserveError> {
         if self.now as usize + 1 >= self.tree.len() {
-            self.compact();
+            self.compact()?;
         }
+        self.last.try_reserve(1)?;
         let t = self.now;
         self.now += 1;
         let prev = self.last.insert(key, t);
@@ -85,7 +100,7 @@ impl LruStack {
             d
         });
         self.add(t, 1);
-        d
+        Ok(d)
     }
 
     /// Stops tracking `key`.
@@ -118,8 +133,10 @@ impl LruStack {
 
     /// Renumbers the tracked keys' times `0..len` in their order and sizes
     /// the window to four times the keys.
-    fn compact(&mut self) {
-        let mut times: Vec<u32> = self.last.values().copied().collect();
+    fn compact(&mut self) -> Result<(), TryReserveError> {
+        let mut times: Vec<u32> = Vec::new();
+        times.try_reserve_exact(self.last.len())?;
+        times.extend(self.last.values().copied());
         times.sort_unstable();
         for t in self.last.values_mut() {
             *t = times.binary_search(t).expect("a tracked time") as u32;
@@ -127,6 +144,9 @@ impl LruStack {
         let n = times.len();
         let window = (4 * n).max(Self::MIN_WINDOW);
         assert!(window < u32::MAX as usize, "LruStack tracks fewer than 2^30 keys");
+        if window + 1 > self.tree.len() {
+            self.tree.try_reserve_exact(window + 1 - self.tree.len())?;
+        }
         // A Fenwick tree of ones at 0..n: cell i sums (i - lowbit(i), i].
         self.tree.clear();
         self.tree.resize(window + 1, 0);
@@ -135,5 +155,6 @@ impl LruStack {
             self.tree[i] = (i.min(n)).saturating_sub(lo) as u32;
         }
         self.now = n as u32;
+        Ok(())
     }
 }
