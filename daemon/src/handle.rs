@@ -281,5 +281,17 @@ async fn trace(
         _ = peer_gone => {}
     }
     let (keys, rate, truncated) = crate::mrc::merge_traces(router.trace_take(&t).await?);
-    Ok(hkv_proto::Response::Trace { rate, truncated, keys })
+    // A table dropped (or dropped and made again) meanwhile: its keys are
+    // not the table's of that name now, and an empty trace read as "too
+    // few lookups" (a newcomer's finding). A live restore keeps the table.
+    match router.table(table) {
+        Err(_) => Err(hkv_proto::ProtoError::new(
+            hkv_proto::ErrorCode::UnknownTable,
+            format!("table {table:?} was dropped during the trace's window; no keys are given"),
+        )),
+        Ok(now) if now.made() != t.made() => Err(hkv_proto::ProtoError::bad_request(format!(
+            "table {table:?} was dropped and created again during the trace's window; no keys are given: trace it again"
+        ))),
+        Ok(_) => Ok(hkv_proto::Response::Trace { rate, truncated, keys }),
+    }
 }

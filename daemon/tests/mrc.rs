@@ -172,6 +172,37 @@ fn trace_answers_the_sampled_keys_of_the_window() {
     assert!(c.trace("z", 0).is_err(), "a zero-second window is refused");
 }
 
+/// A newcomer's table dropped during a trace's window gave an empty trace
+/// and "too few lookups: run the trace longer"; dropped and created again,
+/// the same. Both are refused now, by what happened.
+#[test]
+fn a_trace_whose_table_goes_away_is_refused() {
+    let d = Daemon::start(&[]);
+    let mut c = d.client();
+    for (i, again) in [false, true].into_iter().enumerate() {
+        c.create_table(TableSpec::new("z", 1, 1 << 12)).expect("create");
+        let socket = d.socket.clone();
+        let dropper = std::thread::spawn(move || {
+            let mut c = hkv_client::Client::connect(&socket).expect("connect");
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            c.drop_table("z").expect("drop during the window");
+            if again {
+                c.create_table(TableSpec::new("z", 1, 1 << 12)).expect("create again");
+            }
+        });
+        let e = c.trace("z", 1).expect_err("the table went away during the window");
+        dropper.join().expect("dropper");
+        if again {
+            assert_eq!(e.code(), Some(hkv_client::ErrorCode::BadRequest), "{e}");
+            assert!(e.to_string().contains("dropped and created again"), "{e}");
+            c.drop_table("z").expect("drop");
+        } else {
+            assert_eq!(e.code(), Some(hkv_client::ErrorCode::UnknownTable), "round {i}: {e}");
+            assert!(e.to_string().contains("dropped during the trace's window"), "{e}");
+        }
+    }
+}
+
 /// Issue 32, item 14. The story: with one table fed 64 Ki-key batches at
 /// the CPU backend's full speed (1.5–2.4 M keys/s), the 64 Ki sample buffer
 /// overflowed between 250 ms drains while the rate was still falling; only
