@@ -95,14 +95,26 @@ pub fn parse_seeds(seeds: &[String]) -> Result<Vec<ConnectionInfo>, Error> {
                 )));
             }
             let hostport = addr;
-            let port_given = hostport
+            // Blanks around a seed are trimmed (as `--backing`'s list
+            // trims them after each comma); one inside its address made
+            // the URL parser answer "did not parse", naming nothing.
+            if hostport.contains(char::is_whitespace) {
+                return Err(bad(format!("{:?} holds a blank; write HOST:PORT without blanks", clip(hostport))));
+            }
+            let port = hostport
                 .rsplit_once(':')
-                .is_some_and(|(h, p)| !h.is_empty() && !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
-            if !port_given {
+                .filter(|(h, p)| !h.is_empty() && !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+                .map(|(_, p)| p);
+            let Some(port) = port else {
                 return Err(bad(format!(
                     "{:?} has no port; name the node's port (HOST:PORT), there is no default",
                     clip(hostport)
                 )));
+            };
+            // `127.0.0.1:99999` got the URL parser's "InvalidClientConfig",
+            // which named neither the port nor its range.
+            if !port.parse::<u16>().is_ok_and(|p| p != 0) {
+                return Err(bad(format!("port {} is out of range: a port is 1 to 65535", clip(port))));
             }
             let info = url.as_str().into_connection_info().map_err(|e| bad(clip(&e.to_string())))?;
             if info.redis_settings().db() != 0 {
@@ -194,6 +206,25 @@ fn split_addr(addr: &str) -> Option<(&str, u16)> {
     let (host, port) = addr.rsplit_once(':')?;
     let host = host.trim_start_matches('[').trim_end_matches(']');
     Some((host, port.parse().ok()?)).filter(|(h, _)| !h.is_empty())
+}
+
+/// A node's address as `from` (`HOST:PORT`, the node that named it)
+/// wrote it, where an empty host (`:7320`) is `from`'s own: a node that
+/// never met another (a one-master cluster made with `CLUSTER
+/// ADDSLOTSRANGE`) does not know its address and names itself so, in
+/// `CLUSTER SLOTS` and `MOVED` alike, meaning "the host you reached me
+/// at" (a tester's one-master cluster was refused with "node :7320: not
+/// HOST:PORT").
+fn resolve(host: &str, port: u16, from: &str) -> Arc<str> {
+    let host = if host.is_empty() { split_addr(from).map_or("", |(h, _)| h) } else { host };
+    node_addr(host, port).into()
+}
+
+/// A redirection's target (`HOST:PORT`, Redis's `V6:PORT`, or `:PORT`)
+/// sent by node `from`, as [`resolve`] reads it.
+fn target_of(addr: &str, from: &str) -> Option<Arc<str>> {
+    let (host, port) = addr.rsplit_once(':')?;
+    Some(resolve(host.trim_start_matches('[').trim_end_matches(']'), port.parse().ok()?, from))
 }
 
 /// Probes each seed with a plain connection: the first that answers
@@ -674,8 +705,7 @@ impl Cluster {
                     if last {
                         continue;
                     }
-                    let target =
-                        (detail.split(' ').nth(1).and_then(split_addr)).map(|(h, p)| Arc::<str>::from(node_addr(h, p)));
+                    let target = detail.split(' ').nth(1).and_then(|t| target_of(t, &node));
                     if matches!(e.code(), "MOVED" | "ASK" | "TRYAGAIN" | "CLUSTERDOWN" | "LOADING" | "MASTERDOWN") {
                         resend(&mut cmds, p, i);
                     }
@@ -826,7 +856,7 @@ impl Cluster {
             };
             match redis::cmd("CLUSTER").arg("SLOTS").query_async::<Value>(&mut c).await {
                 Ok(v) => {
-                    let slots = parse_slots(v);
+                    let slots = parse_slots(v, &node);
                     if slots.iter().any(Option::is_some) {
                         let mut topo = self.topo.write();
                         let mut moved = std::mem::take(&mut *self.moved.lock());
@@ -928,8 +958,9 @@ fn is_asking(c: &Cmd) -> bool {
     c.args_iter().next().is_some_and(|a| matches!(a, redis::Arg::Simple(b) if b.eq_ignore_ascii_case(b"ASKING")))
 }
 
-/// `CLUSTER SLOTS`' answer as a slot → master table.
-fn parse_slots(v: Value) -> Vec<Option<Arc<str>>> {
+/// `CLUSTER SLOTS`' answer, given by node `from`, as a slot → master
+/// table (a master without a host is `from`'s host, [`resolve`]).
+fn parse_slots(v: Value, from: &str) -> Vec<Option<Arc<str>>> {
     let mut slots = vec![None; SLOTS as usize];
     let Value::Array(items) = v else { return slots };
     for item in items {
@@ -945,7 +976,7 @@ fn parse_slots(v: Value) -> Vec<Option<Arc<str>>> {
         };
         let Some(Value::Int(port)) = master.get(1) else { continue };
         let Ok(port) = u16::try_from(*port) else { continue };
-        let node: Arc<str> = node_addr(&host, port).into();
+        let node = resolve(host.trim_start_matches('[').trim_end_matches(']'), port, from);
         let (a, b) = ((*a).clamp(0, SLOTS as i64 - 1) as usize, (*b).clamp(0, SLOTS as i64 - 1) as usize);
         for s in &mut slots[a..=b] {
             *s = Some(node.clone());
@@ -979,6 +1010,24 @@ mod tests {
             assert!(matches!(e, Error::BadUrl { .. }), "{bad:?} gave {e:?}");
         }
         assert!(matches!(parse_seeds(&[]), Err(Error::BadUrl { .. })));
+        // `127.0.0.1:99999` got the URL parser's "did not parse -
+        // InvalidClientConfig": the port and its range are named.
+        for bad in ["127.0.0.1:99999", "redis://127.0.0.1:65536", "127.0.0.1:0", "redis://:pw@h:123456789012345678901"]
+        {
+            match parse_seeds(&[bad.to_string()]) {
+                Err(Error::BadUrl { detail, .. }) => assert!(detail.contains("out of range"), "{bad:?}: {detail}"),
+                other => panic!("{bad:?} gave {other:?}"),
+            }
+        }
+        // Blanks around a seed are trimmed, as `--backing`'s list trims
+        // them after a comma; one inside the address is named.
+        assert_eq!(name(&parse_seeds(&[" 127.0.0.1:7001\t".into()]).unwrap()[0]), "127.0.0.1:7001");
+        for bad in ["127.0.0.1 :7001", "127.0.0.1: 7001", "redis://:pw@127.0.0.1 :7001"] {
+            match parse_seeds(&[bad.to_string()]) {
+                Err(Error::BadUrl { detail, .. }) => assert!(detail.contains("blank"), "{bad:?}: {detail}"),
+                other => panic!("{bad:?} gave {other:?}"),
+            }
+        }
         // A tester's 100 000-character host name was echoed twice in a
         // 200 KB error: echoed input is clipped to 200 characters.
         let long = "h".repeat(100_000);
@@ -1007,8 +1056,14 @@ mod tests {
                 Value::Array(vec![Value::BulkString(host.into()), Value::Int(7101)]),
             ])])
         };
-        assert_eq!(parse_slots(entry("::1"))[5].as_deref(), Some("[::1]:7101"));
-        assert_eq!(parse_slots(entry("10.0.0.1"))[5].as_deref(), Some("10.0.0.1:7101"));
+        assert_eq!(parse_slots(entry("::1"), "10.0.0.9:7100")[5].as_deref(), Some("[::1]:7101"));
+        assert_eq!(parse_slots(entry("10.0.0.1"), "10.0.0.9:7100")[5].as_deref(), Some("10.0.0.1:7101"));
+        // A node that never met another names itself without a host: the
+        // host it was reached at, whether in the slot map or a `MOVED`.
+        assert_eq!(parse_slots(entry(""), "10.0.0.9:7100")[5].as_deref(), Some("10.0.0.9:7101"));
+        assert_eq!(parse_slots(entry(""), "[::1]:7100")[5].as_deref(), Some("[::1]:7101"));
+        assert_eq!(target_of(":7101", "10.0.0.9:7100").as_deref(), Some("10.0.0.9:7101"));
+        assert_eq!(target_of("::1:7101", "10.0.0.9:7100").as_deref(), Some("[::1]:7101"));
         // Credentials: the first seed's, repeated or left out on the others.
         let same = ["redis://:pw@127.0.0.1:7001", "127.0.0.1:7002", "redis://:pw@127.0.0.1:7003"];
         assert_eq!(parse_seeds(&same.map(String::from)).unwrap().len(), 3);

@@ -144,8 +144,9 @@ pub enum Error {
     FlushTimeout {
         /// Rows left in the queue.
         rows: u64,
-        /// The nodes that failed meanwhile, with their failed commands,
-        /// and those that answered nothing.
+        /// The nodes whose writes (rows, stream entries) failed meanwhile,
+        /// each with its count and last failure, and those that answered
+        /// nothing.
         nodes: String,
         /// Every node that failed failed only `WAIT`: the masters hold the
         /// rows, fewer of their replicas than asked do.

@@ -323,6 +323,10 @@ pub(crate) struct Core {
     in_flight: parking_lot::Mutex<std::collections::HashMap<String, Vec<Instant>>>,
     /// Keys announced again once their nodes answer ([`Doubts`]).
     doubts: parking_lot::Mutex<Doubts>,
+    /// Per node, its failed writes (rows and stream entries), counted
+    /// with the words of the last in `Counters::last_write_error`
+    /// ([`Core::write_failed`]): what a flush that times out reports.
+    write_failures: parking_lot::Mutex<std::collections::BTreeMap<String, u64>>,
 }
 
 /// Keys whose rows in the cluster other hosts may not have heard of, to be
@@ -621,6 +625,7 @@ impl Backing {
             meta_error: parking_lot::Mutex::new(None),
             in_flight: parking_lot::Mutex::new(std::collections::HashMap::new()),
             doubts: parking_lot::Mutex::new(Doubts::default()),
+            write_failures: parking_lot::Mutex::new(std::collections::BTreeMap::new()),
         });
         if core.mode == Mode::WriteBack {
             tokio::spawn(flusher(core.clone()));
@@ -989,13 +994,16 @@ impl Backing {
             // A held queue does not drain.
             self.core.meta_ok()?;
         }
-        let before = self.core.counters.node_errors.lock().clone();
+        let before = self.core.write_failures.lock().clone();
         self.core.queue.drain(timeout).await.map_err(|e| match e {
             Error::FlushTimeout { .. } if self.core.meta_error().is_some() => self.core.meta_error().unwrap_or(e),
             Error::FlushTimeout { rows, .. } => {
                 let last = self.core.counters.last_write_error.lock().clone();
                 let (mut short, mut other) = (false, false);
-                let mut failed: Vec<String> = (self.core.counters.node_errors.lock().iter())
+                // Failed writes only, each counted with its words: the node
+                // errors of every kind (the stream's reads too) named a
+                // node "25 failed commands" with no last failure.
+                let mut failed: Vec<String> = (self.core.write_failures.lock().iter())
                     .filter_map(|(n, &c)| {
                         let new = c - before.get(n).copied().unwrap_or(0);
                         let why = last.get(n).map(|d| format!(", the last: {d}"));
@@ -1215,8 +1223,7 @@ impl Core {
                         Failure::Node { node, detail } => (node, detail),
                         Failure::Late => (self.cluster.node_of(self.layout.slot_of_group(g)), "timed out".into()),
                     };
-                    self.counters.node_error(&node);
-                    self.counters.last_write_error.lock().insert(node.clone(), detail.clone());
+                    self.write_failed(&node, &detail);
                     // The node may still run it: announced again later.
                     self.doubts.lock().add(ix.iter().map(|&i| rows[i].key), &node, self.options.unpublished_bytes);
                     if !nodes.contains(&node) {
@@ -1269,6 +1276,15 @@ impl Core {
                 }
             }
         }
+    }
+
+    /// A write (rows, or a stream entry) failed on `node`: counted in
+    /// `node_errors` and, with `detail`, among the failed writes a flush
+    /// that times out names.
+    fn write_failed(&self, node: &str, detail: &str) {
+        self.counters.node_error(node);
+        self.counters.last_write_error.lock().insert(node.to_string(), detail.to_string());
+        *self.write_failures.lock().entry(node.to_string()).or_default() += 1;
     }
 
     /// Publishes a write's entry: appended at once when none waits, else
@@ -1355,8 +1371,8 @@ impl Core {
         let answered = self.cluster.node_of(slot);
         tokio::spawn(async move {
             let r = core.xadd(slot, cmd).await;
-            if let Err(Error::Unavailable { node, .. }) = &r {
-                core.counters.node_error(node);
+            if let Err(Error::Unavailable { node, detail }) = &r {
+                core.write_failed(node, &format!("the table's stream entry: {detail}"));
             }
             // Under the lock: the caller either takes the answer or has
             // given up on it (and counted the entry stalled), never neither.
@@ -1388,7 +1404,9 @@ impl Core {
                         abandoned.store(true, Relaxed);
                         u.stalled = (u.stalled.0 + 1, u.stalled.1 + bytes);
                         drop(u);
-                        self.counters.node_error(&self.cluster.node_of(slot));
+                        let detail =
+                            format!("the table's stream entry: no answer within {:?}", self.options.response_timeout);
+                        self.write_failed(&self.cluster.node_of(slot), &detail);
                         return Appended::Stalled;
                     }
                 }
