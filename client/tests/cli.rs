@@ -653,7 +653,7 @@ fn a_trace_whose_table_is_dropped_fails() {
         let err = String::from_utf8_lossy(&o.stderr);
         assert_eq!(o.status.code(), Some(1), "{err}");
         let what = if recreate { "dropped and created again" } else { "dropped" };
-        assert!(err.contains(&format!("table t was {what} during")), "{err}");
+        assert!(err.contains(&format!("table \"t\" was {what} during")), "{err}");
         assert!(!out.exists(), "a failed trace wrote {}", out.display());
         if recreate {
             d.run(&["drop-table", "t"]);
