@@ -351,8 +351,8 @@ pub(crate) struct Core {
 /// `unpublished_bytes` a reset is announced instead.
 #[derive(Debug, Default)]
 struct Doubts {
-    /// The keys, u64 LE.
-    keys: Vec<u8>,
+    /// The keys (a write retried by its client adds them once).
+    keys: std::collections::HashSet<u64>,
     /// Past the bound, or a reset entry in doubt: a reset is announced.
     reset: bool,
     /// The nodes that must answer first.
@@ -368,9 +368,9 @@ impl Doubts {
     /// Keys of a write `node` failed.
     fn add(&mut self, keys: impl Iterator<Item = u64>, node: &str, limit: u64) {
         if !self.reset {
-            keys.for_each(|k| self.keys.extend_from_slice(&k.to_le_bytes()));
-            if self.keys.len() as u64 + ENTRY_OVERHEAD > limit {
-                self.keys = Vec::new();
+            self.keys.extend(keys);
+            if 8 * self.keys.len() as u64 + ENTRY_OVERHEAD > limit {
+                self.keys = Default::default();
                 self.reset = true;
             }
         }
@@ -865,7 +865,7 @@ impl Backing {
             }
             Mode::WriteThrough => {}
         }
-        let Sent { kept, mut errors, .. } = self.core.send(&rows(keys, values, scores, dim, true)).await;
+        let Sent { kept, mut errors, .. } = self.core.send(&rows(keys, values, scores, dim, true), false).await;
         if !errors.is_empty() {
             return Err(errors.swap_remove(0));
         }
@@ -968,7 +968,7 @@ impl Backing {
     /// Write-through's half of `write` and `erase`: `rows` sent, the first
     /// error (if any) answered once every node has answered.
     async fn send_now(&self, rows: &[Row<'_>]) -> Result<(), Error> {
-        let Sent { mut errors, .. } = self.core.send(rows).await;
+        let Sent { mut errors, .. } = self.core.send(rows, false).await;
         if errors.is_empty() {
             Ok(())
         } else {
@@ -1130,8 +1130,10 @@ impl Core {
     /// once (one pipeline per node), then one stream entry naming the keys
     /// the cluster acknowledged writing. Returns which rows failed, the
     /// set-if-absent rows whose key the cluster had already (with its
-    /// row), and one error per failed node.
-    pub(crate) async fn send(self: &Arc<Self>, rows: &[Row<'_>]) -> Sent {
+    /// row), and one error per failed node. The keys of failed rows are
+    /// [`Doubts`] unless `queued` (the write-back queue sends them again,
+    /// and their entry follows that send).
+    pub(crate) async fn send(self: &Arc<Self>, rows: &[Row<'_>], queued: bool) -> Sent {
         let start = Instant::now();
         let version = self.version();
         let mut by_group: Vec<Vec<usize>> = vec![Vec::new(); self.layout.groups() as usize];
@@ -1225,7 +1227,9 @@ impl Core {
                     };
                     self.write_failed(&node, &detail);
                     // The node may still run it: announced again later.
-                    self.doubts.lock().add(ix.iter().map(|&i| rows[i].key), &node, self.options.unpublished_bytes);
+                    if !queued {
+                        self.doubts.lock().add(ix.iter().map(|&i| rows[i].key), &node, self.options.unpublished_bytes);
+                    }
                     if !nodes.contains(&node) {
                         nodes.push(node.clone());
                         errors.push(Error::Unavailable { node, detail });
@@ -1628,7 +1632,8 @@ impl Core {
                 return; // more came meanwhile: they settle first
             }
             let d = std::mem::take(&mut *d);
-            (d.keys, d.reset, d.landed_late)
+            let keys: Vec<u8> = d.keys.into_iter().flat_map(u64::to_le_bytes).collect();
+            (keys, d.reset, d.landed_late)
         };
         // Entries whose node still serves the stream stand.
         for (_, k) in late.into_iter().filter(|(n, _)| *n != stream) {
@@ -1850,7 +1855,7 @@ async fn send_batch(core: Arc<Core>, node: String, batch: Batch) -> (String, boo
 async fn send_batch_now(core: &Arc<Core>, batch: Batch) -> bool {
     let rows: Vec<Row> =
         batch.iter().map(|(k, e)| Row { key: *k, score: e.score, values: &e.values, nx: e.nx }).collect();
-    let Sent { failed, kept, errors } = core.send(&rows).await;
+    let Sent { failed, kept, errors } = core.send(&rows, true).await;
     drop(rows);
     // Before the rows leave the queue: once `flush` returns, the cache's
     // rows the cluster refused are known.

@@ -39,6 +39,7 @@ pub mod actor;
 pub mod admin;
 pub mod backing;
 pub mod budget;
+pub mod carried;
 pub mod ckpt;
 pub mod config;
 pub mod connection;

@@ -40,7 +40,7 @@ pub struct ServerStats {
     /// Where requests' time goes (`stats.path`).
     pub path: crate::path::PathTimes,
     /// The tables' counters as last reported, carried across restores.
-    pub reported: crate::stats::Carried,
+    pub reported: crate::carried::Carried,
 }
 
 /// Everything the request handlers share.

@@ -1,7 +1,6 @@
 //! Statistics: one JSON document (the `stats` request) and its Prometheus
 //! rendering (`metrics`, and the optional loopback HTTP listener).
 
-use std::collections::HashMap;
 use std::fmt::Write;
 use std::sync::atomic::Ordering::Relaxed;
 
@@ -55,68 +54,10 @@ fn shard_stats(s: hkv_shard::ShardStats) -> ShardStats {
 /// The op label of the export batches checkpoints take (`op_names`' last).
 pub const CHECKPOINT_OP: &str = "checkpoint";
 
-/// Applies `f` to each counter of `s` and the same counter of `other`
-/// (the gauges, sizes and lock state now, stay `s`'s).
-fn each_counter(s: &mut ShardStats, other: &ShardStats, f: fn(u64, u64) -> u64) {
-    for (a, &b) in [
-        (&mut s.hits, &other.hits),
-        (&mut s.misses, &other.misses),
-        (&mut s.inserts, &other.inserts),
-        (&mut s.evictions, &other.evictions),
-        (&mut s.rejections, &other.rejections),
-        (&mut s.lock.violations, &other.lock.violations),
-    ] {
-        *a = f(*a, b);
-    }
-    for (a, b) in s.ops.iter_mut().zip(&other.ops).chain(s.keys.iter_mut().zip(&other.keys)) {
-        *a = f(*a, *b);
-    }
-    for (a, b) in s.lock.waits.iter_mut().zip(other.lock.waits).chain(s.lock.wait_ns.iter_mut().zip(other.lock.wait_ns))
-    {
-        *a = f(*a, b);
-    }
-}
-
-/// What the stats last reported of one table, by [`crate::router::Table::made`]
-/// (which a restore keeps while it installs new shards).
-struct Reported {
-    /// The shards' table id (a restore's new shards have another).
-    id: crate::actor::TableId,
-    /// Per shard: the totals of the table's earlier shards.
-    base: Vec<ShardStats>,
-    /// Per shard: the counters last reported.
-    last: Vec<ShardStats>,
-    /// The curve's counters (`accesses`, `dropped`, `dropped_lookups`):
-    /// the totals of the table's earlier shards, and as last reported.
-    curve_base: [u64; 3],
-    curve_last: [u64; 3],
-}
-
-/// Every table's [`Reported`] (a field of [`crate::state::ServerStats`]).
-/// A live restore installs new shards whose counters start at 0: an
-/// operator's tester saw `hkvd_hits_total` go 6 → 0, which Prometheus
-/// reads as a counter reset (rates jump). The totals carry on instead: the
-/// new shards' counts are added to what was reported before, and no
-/// counter is ever reported below its last value. Table ids are unique
-/// within the process.
-#[derive(Default)]
-pub struct Carried(parking_lot::Mutex<HashMap<u64, Reported>>);
-
-impl std::fmt::Debug for Carried {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Carried({} tables)", self.0.lock().len())
-    }
-}
-
-/// The miss-ratio curve's counters, in [`Reported::curve_base`]'s order.
-fn curve_counters(m: &mut hkv_proto::stats::MrcStats) -> [&mut u64; 3] {
-    [&mut m.accesses, &mut m.dropped, &mut m.dropped_lookups]
-}
-
 /// `shards` of `t` as reported: checkpoints' export batches moved from
 /// `op="export"` to [`CHECKPOINT_OP`] (appended to `ops` and `keys`), and
 /// the counters, the curve's (`mrc`) too, carried across restores
-/// ([`Carried`]).
+/// ([`crate::carried::Carried`]).
 fn reported(
     state: &State,
     t: &crate::router::Table,
@@ -144,34 +85,7 @@ fn reported(
             s
         })
         .collect();
-    let mut all = state.stats.reported.0.lock();
-    let r = all.entry(t.made()).or_insert_with(|| Reported {
-        id: t.id(),
-        base: vec![],
-        last: vec![],
-        curve_base: [0; 3],
-        curve_last: [0; 3],
-    });
-    if r.id != t.id() {
-        r.base = std::mem::take(&mut r.last);
-        r.curve_base = r.curve_last;
-        r.id = t.id();
-    }
-    for (i, s) in cur.iter_mut().enumerate() {
-        if let Some(b) = r.base.get(i) {
-            each_counter(s, b, u64::saturating_add);
-        }
-        if let Some(l) = r.last.get(i) {
-            each_counter(s, l, u64::max);
-        }
-    }
-    r.last = cur.clone();
-    if let Some(m) = mrc {
-        for (i, c) in curve_counters(m).into_iter().enumerate() {
-            *c = c.saturating_add(r.curve_base[i]).max(r.curve_last[i]);
-            r.curve_last[i] = *c;
-        }
-    }
+    state.stats.reported.carry(t.made(), t.id(), &mut cur, mrc);
     cur
 }
 
@@ -188,7 +102,7 @@ pub async fn collect(state: &State) -> Result<DaemonStats, hkv_proto::ProtoError
         let live: Vec<_> = per_table.iter().map(|(t, _, _)| t.id()).collect();
         state.checkpoints.forget_exports(&live);
         let made: Vec<_> = per_table.iter().map(|(t, _, _)| t.made()).collect();
-        state.stats.reported.0.lock().retain(|m, _| made.contains(m));
+        state.stats.reported.retain(&made);
     }
     let backed = state.backing.stats();
     let tables = per_table
