@@ -53,6 +53,7 @@ __all__ = [
     "CorruptCheckpoint",
     "BackingUnavailable",
     "ConnectionLost",
+    "WrongProcess",
     "InternalError",
     "ProtocolError",
     "CudaIpcUnavailable",
@@ -174,6 +175,16 @@ class ConnectionLost(HkvdError, ConnectionError):
     restarted): raised by the client itself, with code ``connection_lost``
     and the socket's error, if any, as ``__cause__``. Also a
     ``ConnectionError``. The client is done: open a new one."""
+
+
+class WrongProcess(HkvdError):
+    """A client (or a region, an ``hkvd.torch`` module or cache over it)
+    used in a process other than the one that connected it, a child made
+    by ``fork()`` (``os.fork``, ``multiprocessing``): raised by the client
+    itself, with code ``wrong_process``, before it sends or reads
+    anything. A socket shared by two processes mixes their frames, so each
+    would read the other's answers; the connection stays the parent's, and
+    the child opens its own ``Client``."""
 
 
 class ProtocolError(Exception):
@@ -520,10 +531,15 @@ class Client:
     sending or one answer's reading at a time (a thread waiting for its
     answer reads the others' answers and keeps them for them), but the
     ``hkvd.torch`` modules and arrays registered through a client are not:
-    use each from one thread."""
+    use each from one thread. A client belongs to the process that opened
+    it: in a child made by ``fork()`` its requests raise
+    :class:`WrongProcess` (open a new client there)."""
 
     def __init__(self, socket: Optional[str] = None, timeout: Optional[float] = None):
         self.path = socket or default_socket()
+        # The process that connected: the only one that may use the socket
+        # (:meth:`_here`).
+        self._pid = os.getpid()
         self._sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         try:
@@ -571,7 +587,15 @@ class Client:
         would release them with the connection anyway), destroys its CUDA
         events, and closes the socket. A request of this client (or of an
         ``hkvd.torch`` module or cache over it) after this raises
-        ``ConnectionLost``, saying the client was closed."""
+        ``ConnectionLost``, saying the client was closed.
+
+        In a child made by ``fork()`` it sends nothing: it closes the
+        child's copy of the socket's descriptor, and the connection (and
+        its regions) stay the parent's."""
+        if os.getpid() != self._pid:
+            self.closed = True
+            self._sock.close()
+            return
         try:
             _region.release(self)  # its unregisters are this client's last requests
         finally:
@@ -583,6 +607,23 @@ class Client:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _here(self) -> None:
+        """Raises :class:`WrongProcess` in a process other than the one that
+        connected (a child made by ``fork()``), before anything is sent,
+        read or locked: the child shares the socket with its parent (their
+        frames would mix, each reading the other's answers) and its copies
+        of the locks may be held by a thread that is not in it. One
+        ``getpid`` per request (a fraction of a microsecond): this catches
+        every fork, ``os.fork``'s, ``multiprocessing``'s and a C library's
+        alike."""
+        if os.getpid() != self._pid:
+            raise WrongProcess("wrong_process", f"this client connected to the daemon at {self.path} in process "
+                                                f"{self._pid}, and this is process {os.getpid()}, a child made "
+                                                "by fork(): a connection belongs to the process that opened it "
+                                                "(two processes on one socket read each other's answers). "
+                                                "Open a new hkvd.Client in this process, and new hkvd.torch "
+                                                "modules or caches over it")
 
     def settle(self) -> None:
         """Reads the answers of requests sent without waiting that must
@@ -603,6 +644,7 @@ class Client:
               out: Optional[np.ndarray] = None, settle: bool = True) -> int:
         # settle False: a request the daemon orders after the deferred
         # answers' requests itself (hkvd.region.After).
+        self._here()
         with self._io:
             if self._deferred and settle:
                 self._settle()
@@ -639,6 +681,7 @@ class Client:
         """Sends ``bufs`` (with ancillary data ``anc``: an fd). A connection
         the daemon closed raises the error it said it closed it for, if it
         said one, else ``ConnectionLost``; a timeout stays a TimeoutError."""
+        self._here()
         if self.closed:
             raise self._closed()
         total = sum(len(b) if not isinstance(b, memoryview) else b.nbytes for b in bufs)
@@ -721,6 +764,7 @@ class Client:
         (the table was dropped and made again with another dim since this
         client learned it) is read to its end, so the connection stays in
         step, and answered as ``WrongDim``; the dims learned are forgotten."""
+        self._here()
         self._recv_exact(memoryview(self._hdr))
         magic, version, op, flags, rid, length = HEADER.unpack(self._hdr)
         if magic != MAGIC or version != VERSION:
@@ -805,6 +849,7 @@ class Client:
 
     def result(self, rid: int):
         """The answer to a request sent with a ``send_*`` method (raises its error)."""
+        self._here()
         while True:
             # One answer read at a time; another thread's answers are kept
             # for it in _done.

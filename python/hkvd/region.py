@@ -157,6 +157,7 @@ def encode_request(op: int, rid: int, table: str, refs: Sequence[Tuple[int, int,
 def raw_call(client, op: int, body: bytes, flags: int = 0) -> bytes:
     """Sends one request and returns its answer body unparsed (raises the
     daemon's error)."""
+    client._here()  # before the lock, which a parent's thread may hold in a forked child
     with client._io:  # flagged before another thread can read the answer
         rid = client._send(op, flags, [body])
         client._pending[rid].flags |= F_REGION  # the answer is returned as bytes
@@ -176,6 +177,7 @@ def ref(client, a, name: str = "array") -> Ref:
     """The reference to ``a`` (an ``hkvd.shm_array`` or a view of one, a
     CUDA array, a torch tensor on either), registering its memory on
     ``client`` the first time."""
+    client._here()  # in a forked child, before any CUDA or memfd work
     if isinstance(a, Ref):
         return a
     if isinstance(a, np.ndarray):
@@ -421,6 +423,7 @@ def _frame(client, op, table, arrays, scores, outcomes, stream, wait, done, head
     """The checked request of :func:`call` / :func:`send`: ``(flags, body,
     done event to wait for or None, stream)``, its events recorded; None
     when there are no keys."""
+    client._here()  # in a forked child, before events are recorded
     if getattr(client, "_deferred", None) and not isinstance(wait, After):
         # Answers that must come first: read before this request's wait
         # event is recorded, so its stream follows their done events.

@@ -128,6 +128,7 @@ def _memfd_of(a: np.ndarray) -> Tuple[_Memfd, int]:
 def register_memfd(client, fd: int, nbytes: int) -> int:
     """Sends ``register_memfd`` with ``fd`` (any fd: the daemon checks it) and
     returns the region id."""
+    client._here()  # before the lock, which a parent's thread may hold in a forked child
     with client._io:  # the id, the frame and its pending entry together
         rid = client._next
         client._next += 1

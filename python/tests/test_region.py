@@ -76,6 +76,9 @@ class _Recorder:
     def dim(self, table):
         return self._dim
 
+    def _here(self):
+        pass  # always the process that "connected"
+
     def _call(self, op, flags, parts):
         self.sent.append((op, flags, b"".join(bytes(p) for p in parts)))
         return struct.pack("<5Q", 0, 2, 0, 0, 0)
