@@ -340,7 +340,18 @@ impl Tiers {
             consumer,
             order: Order::new(),
         };
-        self.tables.write().insert(spec.name.clone(), Arc::new(entry));
+        // One tier per name: a second create_table of a backed name must
+        // not replace (and then close) the running table's.
+        let mut tables = self.tables.write();
+        if tables.contains_key(&spec.name) {
+            drop(tables);
+            entry.consumer.abort();
+            return Err(ProtoError::new(
+                ErrorCode::TableExists,
+                format!("table {:?} exists; drop it first", spec.name),
+            ));
+        }
+        tables.insert(spec.name.clone(), Arc::new(entry));
         Ok(())
     }
 

@@ -168,11 +168,17 @@ async fn control(
             // An empty password is none: kept, it would be listed and
             // checkpointed as a hidden one that no restore can fill in.
             crate::backing::drop_empty_passwords(&mut spec);
-            // A table naming a cluster is refused when it cannot be opened,
-            // before any memory is charged.
-            state.backing.open(&spec).await?;
+            // The spec and the budget first, then the cluster: a refused
+            // create_table wrote a meta hash into it (a fuzzer's refused
+            // table of another dim kept a later good one out), and one of
+            // an existing name closed that table's tier on its way out.
+            let table = state.router.prepare_table(spec.clone()).await?;
+            if let Err(e) = state.backing.open(&spec).await {
+                crate::router::Router::discard(table).await;
+                return Err(e);
+            }
             let name = spec.name.clone();
-            let info = match state.router.create_table(spec).await {
+            let info = match state.router.add_table(table).await {
                 Ok(info) => info,
                 Err(e) => {
                     let _ = state.backing.close(&name).await;

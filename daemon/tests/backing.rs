@@ -2020,3 +2020,44 @@ fn a_restored_table_never_adopts_a_cluster_without_its_meta_hash() {
         assert_eq!(two.cli(i, &["dbsize"]).unwrap().trim(), "0", "nothing reaches the other cluster (node {i})");
     }
 }
+
+/// A fuzzer's create_table of an existing name with a cluster (another
+/// dim) was refused `table_exists`, but only after the cluster was opened
+/// and the table's meta hash written with that dim: once the plain table
+/// was dropped, every create of the name with its real dim was refused
+/// ("rows of 7 floats"). And a second create of a backed table's name
+/// opened a tier that replaced the running table's, then closed it on its
+/// way out. The spec and the name are checked before the cluster now, and
+/// a name has one tier.
+#[test]
+fn a_refused_create_table_leaves_the_cluster_and_the_running_table_alone() {
+    let cluster = TestCluster::start(3, 0).expect("start a redis-server cluster (test.sh installs redis-server)");
+    let seeds = cluster.seed_arg();
+    let d = Daemon::start(&[]);
+    let mut c = d.client();
+    // A plain table; a backed create of its name with another dim.
+    c.create_table(TableSpec::new("victim", 2, 4096)).unwrap();
+    let wider = TableSpec { dim: 7, ..backed("victim", &seeds, BackingMode::WriteThrough) };
+    assert_eq!(c.create_table(wider).unwrap_err().code(), Some(ErrorCode::TableExists));
+    c.drop_table("victim").unwrap();
+    let real = TableSpec { dim: 2, ..backed("victim", &seeds, BackingMode::WriteThrough) };
+    c.create_table(real).expect("the name's real dim: the refused create wrote nothing to the cluster");
+    // A backed table, and a second create of its name: the first keeps its tier.
+    c.create_table(backed("kept", &seeds, BackingMode::WriteThrough)).unwrap();
+    let again = c.create_table(backed("kept", &seeds, BackingMode::WriteThrough)).unwrap_err();
+    assert_eq!(again.code(), Some(ErrorCode::TableExists), "{again}");
+    c.insert_or_assign("kept", &[1, 2], &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0], None).unwrap();
+    let other = Daemon::start(&[]);
+    let mut co = other.client();
+    co.create_table(backed("kept", &seeds, BackingMode::ReadOnly)).unwrap();
+    let f = co.find("kept", &[1, 2]).expect("read through from the cluster");
+    assert_eq!(f.found, vec![true, true], "the table's writes still reach the cluster");
+    assert_eq!(f.values, vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]);
+    // An invalid spec touches no cluster either: refused by name, not
+    // `backing_unavailable` from an unreachable seed.
+    let bad = TableSpec {
+        name: "-x".into(),
+        ..backed("-x", &format!("127.0.0.1:{}", dead_port().unwrap()), BackingMode::WriteThrough)
+    };
+    assert_eq!(c.create_table(bad).unwrap_err().code(), Some(ErrorCode::BadRequest));
+}

@@ -1626,3 +1626,45 @@ fn restore_none_keeps_the_checkpoints_it_did_not_restore() {
         c.checkpoints().unwrap().as_array().unwrap().iter().map(|x| x["id"].as_str().unwrap().to_string()).collect();
     assert_eq!(ids, [l["id"].as_str().unwrap().to_string()], "then keep 1 keeps the newest alone");
 }
+
+/// A tester dropped a table and made it again (dim 4 and adagrad, where
+/// the checkpoint had dim 8) while a live restore of a checkpoint holding
+/// it ran: the restore put the checkpoint's table over the new one, and
+/// the new one's acknowledged rows were gone with no word. Now a table a
+/// restore holds is neither dropped nor created until the restore ends:
+/// both are refused `busy`.
+#[test]
+fn a_restore_holds_the_names_of_its_tables() {
+    let d = Daemon::start(&["--shards", "2"]);
+    let mut c = d.client();
+    // A restore long enough to act during it.
+    c.create_table(TableSpec::new("big", 16, 1 << 22)).unwrap();
+    let keys: Vec<u64> = (1..=3_000_000u64).collect();
+    for k in keys.chunks(1 << 18) {
+        c.insert_or_assign("big", k, &vec![1.0; 16 * k.len()], None).unwrap();
+    }
+    c.create_table(TableSpec::new("x", 8, 4096)).unwrap();
+    c.insert_or_assign("x", &[1, 2], &[2.0; 16], None).unwrap();
+    c.checkpoint(true, true).unwrap();
+    let answered = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (socket, done) = (d.socket.clone(), answered.clone());
+    let restore = std::thread::spawn(move || {
+        let r = Client::connect(&socket).unwrap().restore(CheckpointId::Latest);
+        done.store(true, std::sync::atomic::Ordering::SeqCst);
+        r
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    let dropped = c.drop_table("x");
+    let during = !answered.load(std::sync::atomic::Ordering::SeqCst);
+    let created = c.create_table(TableSpec::new("y", 4, 4096));
+    restore.join().unwrap().expect("the restore");
+    assert!(during, "the restore answered before the drop: too fast for this test");
+    let e = dropped.expect_err("a drop of a table the restore holds");
+    assert_eq!(e.code(), Some(hkv_client::ErrorCode::Busy), "{e}");
+    assert!(e.to_string().contains("a restore of table \"x\" is running"), "{e}");
+    created.expect("a table the restore does not hold is made meanwhile");
+    // After it, both as usual; the table is the checkpoint's.
+    assert_eq!(c.find("x", &[1, 2]).unwrap().found, vec![true, true]);
+    c.drop_table("x").unwrap();
+    c.create_table(TableSpec { optimizer: None, ..TableSpec::new("x", 4, 4096) }).unwrap();
+}

@@ -383,6 +383,9 @@ impl Checkpoints {
         progress: &dyn Fn(&str, u64, u64, u64, u64),
     ) -> Result<Loaded, Failure> {
         let target = chain.last().ok_or_else(|| Failure::Refused(internal("an empty chain")))?;
+        // Its tables are neither dropped nor created until it ends, from
+        // before the running ones are looked at.
+        let _held = router.hold_for_restore(target.tables.iter().map(|t| t.name.clone()).collect());
         // Check every table before loading any.
         check_compatible(router, target, occasion)?;
         // Per table, the manifests to apply: from the last holding it whole.

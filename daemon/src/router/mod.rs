@@ -75,6 +75,26 @@ pub struct Router {
     /// The CUDA kernel tuning every table created from now on gets (the
     /// `HKV_*` variables `hkvd` reads; the default otherwise).
     pub tuning: hkv_shard::CudaTuning,
+    /// Names of the tables a restore loads: neither dropped nor created
+    /// until it ends ([`Router::hold_for_restore`]).
+    restoring: parking_lot::Mutex<Vec<String>>,
+}
+
+/// [`Router::hold_for_restore`]'s hold: the names are free again on drop.
+pub struct RestoreHold<'a> {
+    router: &'a Router,
+    names: Vec<String>,
+}
+
+impl Drop for RestoreHold<'_> {
+    fn drop(&mut self) {
+        let mut held = self.router.restoring.lock();
+        for n in &self.names {
+            if let Some(i) = held.iter().position(|h| h == n) {
+                held.swap_remove(i);
+            }
+        }
+    }
 }
 
 impl Router {
@@ -110,7 +130,34 @@ impl Router {
             mrc: None,
             ordinals: Vec::new(),
             tuning: hkv_shard::CudaTuning::default(),
+            restoring: parking_lot::Mutex::new(Vec::new()),
         }
+    }
+
+    /// Holds `names` for a restore until the hold drops: drop_table and
+    /// create_table of them are refused `busy` meanwhile. A tester's table
+    /// dropped and made again (another dim, an optimizer) while a live
+    /// restore ran was replaced by the checkpoint's, silently, and one
+    /// dropped during an in-place restore was gone though the restore
+    /// answered its rows. Taken under the tables' lock, so that a create
+    /// or drop is either seen by the restore or refused.
+    pub fn hold_for_restore(&self, names: Vec<String>) -> RestoreHold<'_> {
+        let _tables = self.tables.write();
+        self.restoring.lock().extend(names.iter().cloned());
+        RestoreHold { router: self, names }
+    }
+
+    /// `busy` while a restore holds `name` (call with the tables' lock held).
+    fn not_restoring(&self, name: &str, what: &str) -> Result<(), ProtoError> {
+        if self.restoring.lock().iter().any(|n| n == name) {
+            return Err(err(
+                ErrorCode::Busy,
+                format!(
+                    "a restore of table {name:?} is running: it cannot be {what} until the restore ends; try again"
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Shards per table.
@@ -161,6 +208,15 @@ impl Router {
 
     /// Creates a table on every actor.
     pub async fn create_table(&self, spec: TableSpec) -> Result<TableInfo, ProtoError> {
+        let table = self.prepare_table(spec).await?;
+        self.add_table(table).await
+    }
+
+    /// Checks a new table's spec and builds it, charged to the budget but
+    /// not visible ([`Router::add_table`] makes it so): the first half of
+    /// create_table, so that what the spec or the budget refuses is
+    /// refused before anything else (a backed table's cluster) is touched.
+    pub async fn prepare_table(&self, spec: TableSpec) -> Result<Arc<Table>, ProtoError> {
         check_name(&spec.name)?;
         // hkvctl refused it, the config file and the Python client did
         // not (a newcomer's table kept a threshold it never uses). Not in
@@ -170,22 +226,43 @@ impl Router {
                 "max_load_factor {f} is the load past which a table grows: give max_capacity too (above capacity)"
             )));
         }
-        if let Some(h) = &spec.hash {
-            crate::features::check(h)?;
-        }
         if self.tables.read().contains_key(&spec.name) {
             return Err(err(ErrorCode::TableExists, format!("table {:?} exists; drop it first", spec.name)));
         }
-        let table = self.build_table(spec).await?;
-        {
+        self.not_restoring(&spec.name, "created")?;
+        self.build_table(spec).await
+    }
+
+    /// Makes a table [`Router::prepare_table`] built visible, unless one of
+    /// its name was made meanwhile (then it is closed, its memory given
+    /// back, and the answer is `table_exists`).
+    pub async fn add_table(&self, table: Arc<Table>) -> Result<TableInfo, ProtoError> {
+        let refused = {
             let mut tables = self.tables.write();
-            if tables.contains_key(&table.spec.name) {
-                return Err(err(ErrorCode::TableExists, format!("table {:?} exists; drop it first", table.spec.name)));
+            let name = &table.spec.name;
+            let refused = if tables.contains_key(name) {
+                Some(err(ErrorCode::TableExists, format!("table {name:?} exists; drop it first")))
+            } else {
+                self.not_restoring(name, "created").err()
+            };
+            if refused.is_none() {
+                tables.insert(name.clone(), table.clone());
+                self.generation.fetch_add(1, Relaxed);
             }
-            tables.insert(table.spec.name.clone(), table.clone());
-            self.generation.fetch_add(1, Relaxed);
+            refused
+        };
+        if let Some(e) = refused {
+            Self::discard(table).await;
+            return Err(e);
         }
         self.info(&table).await
+    }
+
+    /// Closes a table no one else holds (one built and never made visible).
+    pub async fn discard(table: Arc<Table>) {
+        if let Some(t) = Arc::into_inner(table) {
+            t.close().await;
+        }
     }
 
     /// Builds a table on every actor, charged to the budget, without making
@@ -269,6 +346,9 @@ impl Router {
     pub async fn drop_table(&self, name: &str) -> Result<(), ProtoError> {
         let removed = {
             let mut tables = self.tables.write();
+            if tables.contains_key(name) {
+                self.not_restoring(name, "dropped")?;
+            }
             self.generation.fetch_add(1, Relaxed);
             tables.remove(name)
         };
