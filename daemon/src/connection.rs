@@ -217,8 +217,12 @@ pub(crate) async fn connection(state: Arc<State>, stream: UnixStream) {
                 st.errors.fetch_add(1, Relaxed);
                 let _ = tx.send((error_frame(h.id, h.op, e), None, None)).await;
                 let rest = h.body_len as u64 - read as u64;
-                let skipped = tokio::io::copy(&mut (&mut rd).take(rest), &mut tokio::io::sink()).await;
-                if skipped.map(|n| n < rest).unwrap_or(true) {
+                if let Err(e) = skip(&mut rd, rest, stall).await {
+                    if e.kind() == std::io::ErrorKind::TimedOut {
+                        info!(reason = %e, "closing a connection (limits.body_stall_seconds)");
+                    } else {
+                        debug!(error = %e, "connection closed inside a refused frame body");
+                    }
                     break;
                 }
                 // The fds that came with the refused frame are closed.
@@ -393,6 +397,31 @@ async fn run(
     }
     let frame = resp.into_frame(h.op, h.id);
     (frame, answer, Some(Stamps { read, began, answered: Instant::now() }))
+}
+
+/// Reads and drops the `len` bytes left of a refused frame's body (its
+/// answer was already sent), through a fixed buffer: nothing is allocated
+/// or counted for them. A body that gets no byte for `stall` is a
+/// `TimedOut` error, as one being read is ([`read_body`]): a peer that
+/// announced 4 GiB and went silent held its slot for good, and eight such
+/// held every slot of `--max-connections 8`.
+async fn skip<R: AsyncReadExt + Unpin>(rd: &mut R, mut len: u64, stall: Duration) -> std::io::Result<()> {
+    let mut drop = [0u8; 8192];
+    while len > 0 {
+        let room = drop.len().min(usize::try_from(len).unwrap_or(usize::MAX));
+        match tokio::time::timeout(stall, rd.read(&mut drop[..room])).await {
+            Ok(Ok(0)) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(Ok(n)) => len -= n as u64,
+            Ok(Err(e)) => return Err(e),
+            Err(_) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "the body of a refused frame stopped arriving",
+                ))
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Bodies up to this size are not counted among those still arriving (each

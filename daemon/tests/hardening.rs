@@ -1151,3 +1151,28 @@ fn a_reserve_that_cannot_grow_every_shard_grows_none() {
     assert_eq!(c.find("r", &keys).unwrap().values, values);
     assert!(d.alive());
 }
+
+/// A ping announcing a 4 GiB body, then silence: the daemon answered
+/// `oversized` and went on discarding the announced length with no stall
+/// limit (nor the idle one), so eight such peers held every slot of
+/// `--max-connections 8` for as long as they stayed. The discarding now
+/// gets `limits.body_stall_seconds` as a body being read does.
+#[test]
+fn a_refused_body_that_stops_arriving_gives_its_slot_back() {
+    let mut d = Daemon::start_limited(LIMIT, &["--max-connections", "2", "--body-stall-seconds", "1"]);
+    let mut held = vec![];
+    for i in 0..2 {
+        let mut s = UnixStream::connect(&d.socket).unwrap();
+        s.write_all(&Header { op: Op::Ping as u8, flags: 0, id: i, body_len: u32::MAX }.bytes()).unwrap();
+        // A part of the body, then nothing.
+        s.write_all(&[0u8; 1000]).unwrap();
+        let (h, r) = read_answer(&mut s);
+        assert_eq!(h.id, i);
+        expect_error(r, ErrorCode::Oversized, "max_frame_bytes");
+        held.push(s);
+    }
+    for s in &mut held {
+        assert!(closed_within(s, Duration::from_secs(5)), "a silent refused body is closed after its stall limit");
+    }
+    still_serves(&mut d, "after_stall");
+}
