@@ -237,7 +237,7 @@ impl Conn {
         drop(q);
         let regions = wire::is_region(h).then(|| self.regions.lock().clone());
         let events = regions.is_some().then(|| self.events.lock().clone());
-        Ctx { conn: self.clone(), fd, regions, events, after: None, ticket: None }
+        Ctx { conn: self.clone(), fd, regions, events, after: None, ticket: None, unregistered: None }
     }
 
     /// Resolves once the first `need` records of `event` announced on this
@@ -277,16 +277,45 @@ pub struct Ctx {
     after: Option<(u32, u64)>,
     /// Its place among its done event's records.
     ticket: Option<RecordTicket>,
+    /// An `unregister`'s id and what it took off the connection when its
+    /// frame was read ([`Ctx::sequence`]).
+    unregistered: Option<(u32, Taken)>,
+}
+
+/// What an `unregister` took off its connection: the region, or whether
+/// an event of that id was there.
+struct Taken {
+    region: Option<Arc<Region>>,
+    event: bool,
 }
 
 impl Ctx {
-    /// Orders the events of a region request with those of the requests
-    /// read before it on the connection (call in the order frames are
-    /// read): a request whose wait event is the done event of earlier
-    /// requests still running polls it only once they recorded it, so a
-    /// client may send a request that follows another's writes without
-    /// waiting for that one's answer (PROTOCOL.md, "Events").
+    /// Gives the request its place among the connection's requests (call
+    /// in the order frames are read, before any is run).
+    ///
+    /// An `unregister` takes its region (or event) off the connection now,
+    /// not when its task runs: the requests read after it then hold the
+    /// regions without it ([`Conn::ctx`]) and are answered `not_found`
+    /// for it, as PROTOCOL.md says. Taken when the task ran, a find sent
+    /// in the same write as the unregister before it was run on the
+    /// region (100 times of 100).
+    ///
+    /// A region request's events are ordered with those of the requests
+    /// read before it: a request whose wait event is the done event of
+    /// earlier requests still running polls it only once they recorded it,
+    /// so a client may send a request that follows another's writes
+    /// without waiting for that one's answer (PROTOCOL.md, "Events").
     pub fn sequence(&mut self, h: &Header, body: &[u8]) {
+        if h.op == wire::UNREGISTER {
+            // A body that does not decode takes nothing: its task answers the error.
+            if let Ok(id) = wire::decode_small(h, body) {
+                let id = id as u32;
+                let region = self.conn.regions.lock().remove(&id);
+                let event = region.is_none() && self.conn.events.lock().remove(&id).is_some();
+                self.unregistered = Some((id, Taken { region, event }));
+            }
+            return;
+        }
         if self.regions.is_none() || h.flags & wire::EVENTS == 0 || body.len() < 8 {
             return;
         }
@@ -379,9 +408,18 @@ pub async fn answer(state: &Arc<State>, ctx: Ctx, h: &Header, body: &[u8]) -> Re
             wire::registered_event(h.id, id)
         }
         wire::UNREGISTER => {
-            let id = wire::decode_small(h, body)? as u32;
-            let region = ctx.conn.regions.lock().remove(&id);
-            if region.is_none() && ctx.conn.events.lock().remove(&id).is_none() {
+            // Taken off the connection when the frame was read (`Ctx::sequence`).
+            let (id, taken) = match ctx.unregistered {
+                Some(t) => t,
+                None => {
+                    let id = wire::decode_small(h, body)? as u32;
+                    let region = ctx.conn.regions.lock().remove(&id);
+                    let event = region.is_none() && ctx.conn.events.lock().remove(&id).is_some();
+                    (id, Taken { region, event })
+                }
+            };
+            let Taken { region, event } = taken;
+            if region.is_none() && !event {
                 return Err(not_registered(id));
             }
             // A device region's handle is closed off the executor (the
