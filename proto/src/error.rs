@@ -90,3 +90,20 @@ impl ProtoError {
         ProtoError::new(ErrorCode::BadRequest, message)
     }
 }
+
+/// Characters of a client's string that an error message quotes at most.
+pub const QUOTED_CHARS: usize = 64;
+
+/// A client's string as an error message quotes it: in Rust's debug
+/// quotes, its first [`QUOTED_CHARS`] characters and, past them, an
+/// ellipsis and its length (`"aaaa…" (1048576 bytes)`). A 1 MB table
+/// name made a 1 MB error body.
+pub fn quoted(s: &str) -> String {
+    match s.char_indices().nth(QUOTED_CHARS) {
+        None => format!("{s:?}"),
+        Some((end, _)) => {
+            let head = format!("{:?}", &s[..end]);
+            format!("{}…\" ({} bytes)", &head[..head.len() - 1], s.len())
+        }
+    }
+}

@@ -312,8 +312,99 @@ pub(crate) fn json<T: Serialize>(x: &T) -> Vec<u8> {
     serde_json::to_vec(x).expect("plain data serializes")
 }
 
-pub(crate) fn from_json<'a, T: Deserialize<'a>>(b: &'a [u8], what: &str) -> Result<T, ProtoError> {
-    serde_json::from_slice(b).map_err(|e| ProtoError::bad_request(format!("{what}: {}", plain_types(&e.to_string()))))
+/// Reads a JSON body `what` whose objects are PROTOCOL.md's. serde's
+/// derived structs also read a JSON array, field by field in their order
+/// (`create_table ["t", 4, 1000]` created a table, `"hash": ["strong", 5,
+/// [1, 2]]` was a hash): a body or field that is an array where the value
+/// read is an object (seen by writing the value back) is refused, naming it.
+pub(crate) fn from_json<'a, T: Deserialize<'a> + Serialize>(b: &'a [u8], what: &str) -> Result<T, ProtoError> {
+    let bad = |e: serde_json::Error| {
+        ProtoError::bad_request(format!("{what}: {}", plain_types(&capped_quotes(&e.to_string()))))
+    };
+    let x: T = serde_json::from_slice(b).map_err(bad)?;
+    let sent: serde_json::Value = serde_json::from_slice(b).map_err(bad)?;
+    let read = serde_json::to_value(&x).map_err(bad)?;
+    match array_for_object(&sent, &read) {
+        None => Ok(x),
+        Some(at) => {
+            let at = if at.is_empty() { String::new() } else { format!(": field {at}") };
+            Err(ProtoError::bad_request(format!(
+                "{what}{at}: a JSON array where a JSON object is expected; send an object with named fields \
+                 (PROTOCOL.md)"
+            )))
+        }
+    }
+}
+
+/// Where `sent` has an array that was read as the object in `read` at the
+/// same place: "" for the whole value, else the path (`hash`,
+/// `backing.seeds[0]`). Fields that `read` leaves out are not looked into.
+fn array_for_object(sent: &serde_json::Value, read: &serde_json::Value) -> Option<String> {
+    use serde_json::Value::{Array, Object};
+    match (sent, read) {
+        (Array(_), Object(_)) => Some(String::new()),
+        (Object(s), Object(r)) => s.iter().find_map(|(k, v)| {
+            let inner = array_for_object(v, r.get(k)?)?;
+            Some(if inner.is_empty() || inner.starts_with('[') {
+                format!("{k}{inner}")
+            } else {
+                format!("{k}.{inner}")
+            })
+        }),
+        (Array(s), Array(r)) => s.iter().zip(r).enumerate().find_map(|(i, (v, w))| {
+            let inner = array_for_object(v, w)?;
+            Some(if inner.is_empty() || inner.starts_with('[') {
+                format!("[{i}]{inner}")
+            } else {
+                format!("[{i}].{inner}")
+            })
+        }),
+        _ => None,
+    }
+}
+
+/// serde's message with each string it quotes from the body (an unknown
+/// field or variant in backticks, a string value in double quotes) cut to
+/// [`crate::error::QUOTED_CHARS`] characters, an ellipsis and its length:
+/// a 1 MB unknown field name made a 1 MB error body.
+fn capped_quotes(msg: &str) -> String {
+    let mut out = String::with_capacity(msg.len().min(1024));
+    let mut rest = msg;
+    while let Some(open) = rest.find(['`', '"']) {
+        let delim = rest.as_bytes()[open];
+        out.push_str(&rest[..=open]);
+        let inner = &rest[open + 1..];
+        // The closing delimiter: a backtick, or a double quote not escaped.
+        let mut close = None;
+        let mut escaped = false;
+        for (i, b) in inner.bytes().enumerate() {
+            if b == delim && !escaped {
+                close = Some(i);
+                break;
+            }
+            escaped = delim == b'"' && b == b'\\' && !escaped;
+        }
+        let Some(close) = close else {
+            rest = inner;
+            continue;
+        };
+        let quoted = &inner[..close];
+        match quoted.char_indices().nth(crate::error::QUOTED_CHARS) {
+            None => out.push_str(quoted),
+            Some((end, _)) => {
+                out.push_str(&quoted[..end]);
+                out.push('…');
+                out.push(delim as char);
+                out.push_str(&format!(" ({} bytes)", quoted.len()));
+                rest = &inner[close + 1..];
+                continue;
+            }
+        }
+        out.push(delim as char);
+        rest = &inner[close + 1..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// serde's message with the Rust type names it expects (`expected usize`,
@@ -657,7 +748,7 @@ impl Request {
             }
             Op::CreateTable => Request::Control(Control::CreateTable(from_json(r.rest(), "create_table body")?)),
             Op::DropTable => {
-                #[derive(Deserialize)]
+                #[derive(Deserialize, Serialize)]
                 #[serde(deny_unknown_fields)]
                 struct Drop {
                     name: String,
@@ -666,7 +757,7 @@ impl Request {
                 Request::Control(Control::DropTable { name: d.name })
             }
             Op::Checkpoint => {
-                #[derive(Deserialize)]
+                #[derive(Deserialize, Serialize)]
                 #[serde(deny_unknown_fields)]
                 struct Ck {
                     #[serde(default)]
@@ -683,7 +774,7 @@ impl Request {
             }
             Op::ListCheckpoints => Request::Control(Control::ListCheckpoints),
             Op::Restore => {
-                #[derive(Deserialize)]
+                #[derive(Deserialize, Serialize)]
                 #[serde(deny_unknown_fields)]
                 struct Re {
                     id: CheckpointId,
@@ -692,7 +783,7 @@ impl Request {
                 Request::Control(Control::Restore { id: x.id })
             }
             Op::Trace => {
-                #[derive(Deserialize)]
+                #[derive(Deserialize, Serialize)]
                 #[serde(deny_unknown_fields)]
                 struct Tr {
                     table: String,
@@ -709,7 +800,7 @@ impl Request {
                 Request::Control(Control::Trace { table: x.table, seconds: x.seconds })
             }
             Op::Flush => {
-                #[derive(Deserialize)]
+                #[derive(Deserialize, Serialize)]
                 #[serde(deny_unknown_fields)]
                 struct Fl {
                     table: String,

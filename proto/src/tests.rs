@@ -423,3 +423,57 @@ fn a_load_factor_json_cannot_carry_is_refused() {
     let ok = TableSpec { max_load_factor: Some(0.75), ..TableSpec::new("x", 8, 1024) };
     assert!(Request::Control(Control::CreateTable(ok)).try_encode_into(1, Vec::new()).is_ok());
 }
+
+/// serde's derived structs read a JSON array field by field, so
+/// `create_table ["t",4,1000]` created a table and `checkpoint [true,true]`,
+/// `restore ["latest"]`, `drop_table ["t"]`, `trace ["t",1]` and
+/// `flush ["t"]` ran; a `hash` of `["strong",5,[1,2]]` was a hash. Every
+/// body and nested object is a JSON object in PROTOCOL.md: arrays are
+/// refused, naming the body or field.
+#[test]
+fn json_arrays_are_not_objects() {
+    let refused = [
+        (Op::CreateTable, r#"["t",4,1000]"#, "create_table body:"),
+        (Op::CreateTable, r#"{"name":"t","dim":4,"capacity":1000,"hash":["strong",5,[1,2]]}"#, "field hash"),
+        (Op::CreateTable, r#"{"name":"t","dim":4,"capacity":1000,"backing":[["h:1"]]}"#, "field backing"),
+        (Op::Checkpoint, "[true,true]", "checkpoint body"),
+        (Op::Checkpoint, "[]", "checkpoint body"),
+        (Op::Restore, r#"["latest"]"#, "restore body"),
+        (Op::DropTable, r#"["t"]"#, "drop_table body"),
+        (Op::Trace, r#"["t",1]"#, "trace body"),
+        (Op::Flush, r#"["t"]"#, "flush body"),
+    ];
+    for (op, body, culprit) in refused {
+        let h = Header { op: op.into(), flags: 0, id: 1, body_len: body.len() as u32 };
+        let e = Request::decode(&h, body.as_bytes()).unwrap_err();
+        assert_eq!(e.code, ErrorCode::BadRequest, "{body}");
+        assert!(e.message.contains(culprit), "{body}: {}", e.message);
+    }
+    // Arrays the spec does define still read: a hash key, the seeds.
+    let body = r#"{"name":"t","dim":4,"capacity":1000,"hash":{"kind":"strong","num_buckets":5,"key":[1,2]},
+        "backing":{"seeds":["h:1","h:2"]}}"#;
+    let h = Header { op: Op::CreateTable.into(), flags: 0, id: 1, body_len: body.len() as u32 };
+    assert!(Request::decode(&h, body.as_bytes()).is_ok());
+}
+
+/// Error messages quoted a client's whole string: a 1 MB table name or
+/// unknown field gave a 1 MB error body. They quote at most
+/// `QUOTED_CHARS` characters now, then an ellipsis and the length.
+#[test]
+fn quoted_client_strings_are_capped() {
+    assert_eq!(crate::quoted("t1"), "\"t1\"");
+    let long = "a".repeat(1 << 20);
+    let q = crate::quoted(&long);
+    assert!(q.len() < 100 && q.contains("1048576 bytes") && q.contains('…'), "{q}");
+    // Cut at a character, not inside one.
+    assert!(crate::quoted(&"é".repeat(100)).contains("200 bytes"));
+    let field = format!(r#"{{"name":"t","dim":4,"capacity":8,"{long}":1}}"#);
+    let value = format!(r#"{{"name":"t","dim":4,"capacity":8,"policy":"{long}"}}"#);
+    let number = format!(r#"{{"name":"t","dim":4,"capacity":"{long}"}}"#);
+    for body in [field, value, number] {
+        let h = Header { op: Op::CreateTable.into(), flags: 0, id: 1, body_len: body.len() as u32 };
+        let e = Request::decode(&h, body.as_bytes()).unwrap_err();
+        assert_eq!(e.code, ErrorCode::BadRequest);
+        assert!(e.message.len() < 1000 && e.message.contains("1048576 bytes"), "{}", &e.message[..200]);
+    }
+}

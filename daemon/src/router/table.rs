@@ -149,7 +149,8 @@ pub fn check_name(name: &str) -> Result<(), ProtoError> {
         Ok(())
     } else {
         Err(ProtoError::bad_request(format!(
-            "table name {name:?}: use 1 to 255 letters, digits, '_', '-' or '.', starting with a letter, digit or '_'"
+            "table name {}: use 1 to 255 letters, digits, '_', '-' or '.', starting with a letter, digit or '_'",
+            hkv_proto::quoted(name)
         )))
     }
 }
