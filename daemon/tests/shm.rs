@@ -638,3 +638,23 @@ fn an_unregister_read_first_is_never_overtaken() {
         assert!(got.contains(&Ok(wire::UNREGISTER)) && got.contains(&Err(ErrorCode::NotFound)), "{got:?}");
     }
 }
+
+/// Every memfd the daemon could not map was said to carry a write seal,
+/// also one reopened read-only (EACCES), which has none: the seal is named
+/// only when the fd has it, else what the mapping's errno means.
+#[test]
+fn an_unmappable_memfd_is_refused_with_its_own_reason() {
+    let d = Daemon::start_limited(LIMIT, &[]);
+    let mut c = d.client();
+    let fd = hkv_region::create_memfd("ro", 8192).unwrap();
+    let ro = std::fs::File::open(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&fd))).unwrap();
+    let (e, m) = code(c.register_fd(ro.as_fd(), 4096).unwrap_err());
+    assert_eq!(e, ErrorCode::BadRequest);
+    assert!(!m.contains("F_SEAL_WRITE"), "{m}");
+    let w = rustix::fs::memfd_create("w", rustix::fs::MemfdFlags::ALLOW_SEALING).unwrap();
+    rustix::fs::ftruncate(&w, 4096).unwrap();
+    rustix::fs::fcntl_add_seals(&w, rustix::fs::SealFlags::SHRINK | rustix::fs::SealFlags::WRITE).unwrap();
+    let (e, m) = code(c.register_fd(w.as_fd(), 4096).unwrap_err());
+    assert_eq!(e, ErrorCode::BadRequest);
+    assert!(m.contains("F_SEAL_WRITE"), "{m}");
+}

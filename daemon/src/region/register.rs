@@ -57,8 +57,8 @@ pub(super) fn register(state: &Arc<State>, ctx: &Ctx, len: u64) -> Result<(u32, 
         Err(e) => {
             unreserve(state, ctx, len);
             return Err(ProtoError::bad_request(format!(
-                "register_memfd: cannot map the memfd shared read-write ({e}); a memfd sealed with \
-                 F_SEAL_WRITE or F_SEAL_FUTURE_WRITE cannot be registered"
+                "register_memfd: cannot map the memfd shared read-write ({e}): {}",
+                unmappable(seals, &e)
             )));
         }
     };
@@ -73,6 +73,29 @@ pub(super) fn register(state: &Arc<State>, ctx: &Ctx, len: u64) -> Result<(u32, 
         }
     });
     Ok((add(state, ctx, Mem::Host { pin, map }, len), len))
+}
+
+/// Why a memfd with `seals` could not be mapped shared read-write (`e`),
+/// and what to do: every failure was said to be a write seal, also that
+/// of an fd reopened read-only (EACCES) and of a hugetlb memfd on a host
+/// without huge pages (ENOMEM).
+fn unmappable(seals: rustix::fs::SealFlags, e: &std::io::Error) -> &'static str {
+    use rustix::fs::SealFlags;
+    use rustix::io::Errno;
+    if seals.intersects(SealFlags::WRITE | SealFlags::FUTURE_WRITE) {
+        return "the memfd is sealed with F_SEAL_WRITE or F_SEAL_FUTURE_WRITE, and the daemon writes answers into \
+                regions: register a memfd without those seals";
+    }
+    match e.raw_os_error().map(Errno::from_raw_os_error) {
+        Some(Errno::ACCESS) => {
+            "the file descriptor is not open for writing (a memfd reopened O_RDONLY?): send one opened read-write"
+        }
+        Some(Errno::NOMEM) => {
+            "the daemon's host has no memory for the mapping; for a hugetlb memfd (MFD_HUGETLB), no free huge pages \
+             (vm.nr_hugepages): free some, or register an ordinary memfd"
+        }
+        _ => "register a memfd created with memfd_create(MFD_ALLOW_SEALING), open read-write",
+    }
 }
 
 /// Counts `len` bytes against both caps, or says which one they pass.
