@@ -152,7 +152,9 @@ impl Options {
         Options { seeds, ..self }
     }
 
-    fn check(&self, dim: usize) -> Result<(), Error> {
+    /// The options' ranges for rows of `dim` floats (`Backing::open`
+    /// checks them first; a caller may check them before its own checks).
+    pub fn check(&self, dim: usize) -> Result<(), Error> {
         let bad = |name, detail: String| Err(Error::BadOption { name, detail });
         let ms = |d: Duration| d.as_millis();
         // The row's width first: the queue's bounds are counted in rows.

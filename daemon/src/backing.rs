@@ -318,6 +318,9 @@ impl Tiers {
         let (name, dim, mut o) = (spec.name.clone(), spec.row_dim(), options(b));
         o.row = row_meaning(spec);
         o.existing = existing;
+        // The options' ranges before this host's memory: a bound over the
+        // range is `bad_request` whatever the host has.
+        o.check(dim).map_err(wire)?;
         let queue_bound = if o.mode == Mode::WriteBack { o.queue_bytes } else { 0 };
         self.check_queue_bound(&spec.name, queue_bound)?;
         let backing = self.on_rt(async move { Backing::open(&name, dim, o).await }).await?.map_err(wire)?;

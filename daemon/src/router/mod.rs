@@ -186,7 +186,10 @@ impl Router {
     /// A table by name.
     pub fn table(&self, name: &str) -> Result<Arc<Table>, ProtoError> {
         self.tables.read().get(name).cloned().ok_or_else(|| {
-            err(ErrorCode::UnknownTable, format!("no table named {name:?}; create it first (hkvctl create-table)"))
+            err(
+                ErrorCode::UnknownTable,
+                format!("no table named {}; create it first (hkvctl create-table)", hkv_proto::quoted(name)),
+            )
         })
     }
 
@@ -352,7 +355,8 @@ impl Router {
             self.generation.fetch_add(1, Relaxed);
             tables.remove(name)
         };
-        let t = removed.ok_or_else(|| err(ErrorCode::UnknownTable, format!("no table named {name:?}")))?;
+        let t = removed
+            .ok_or_else(|| err(ErrorCode::UnknownTable, format!("no table named {}", hkv_proto::quoted(name))))?;
         if let Some(t) = Arc::into_inner(t) {
             t.close().await;
         }
