@@ -242,6 +242,27 @@ impl TestCluster {
         self.nodes.iter().position(|n| n.port == port)
     }
 
+    /// Which node (an index) serves each hash slot, from `CLUSTER NODES`
+    /// as node 0 sees it.
+    pub fn slot_owners(&self) -> Vec<usize> {
+        let ports = self.ports();
+        let mut owners = vec![usize::MAX; 16384];
+        for line in self.cli(0, &["cluster", "nodes"]).unwrap_or_default().lines() {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let Some(port) = f.get(1).and_then(|a| a.split('@').next()?.rsplit(':').next()?.parse::<u16>().ok()) else {
+                continue;
+            };
+            let Some(i) = ports.iter().position(|&p| p == port) else { continue };
+            for range in f.iter().skip(8).filter(|r| !r.starts_with('[')) {
+                let (a, b) = range.split_once('-').unwrap_or((range, range));
+                let (Ok(a), Ok(b)) = (a.parse::<usize>(), b.parse::<usize>()) else { continue };
+                owners[a..=b.min(16383)].iter_mut().for_each(|o| *o = i);
+            }
+        }
+        assert!(owners.iter().all(|&o| o < ports.len()), "every slot has a master");
+        owners
+    }
+
     /// Whether node `i`'s process runs.
     pub fn alive(&self, i: usize) -> bool {
         self.nodes[i].child.is_some()

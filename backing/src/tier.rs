@@ -1638,10 +1638,14 @@ impl Core {
             (keys, d.reset, d.landed_late)
         };
         // Entries whose node still serves the stream stand.
-        for (_, k) in late.into_iter().filter(|(n, _)| *n != stream) {
+        let mut nodes = nodes;
+        for (n, k) in late.into_iter().filter(|(n, _)| *n != stream) {
             match k {
                 Some(k) if !reset => keys.extend_from_slice(&k),
                 _ => reset = true,
+            }
+            if !nodes.contains(&n) {
+                nodes.push(n);
             }
         }
         if !reset && keys.is_empty() {

@@ -1303,27 +1303,6 @@ async fn seeds_of_two_clusters_are_refused_and_an_existing_table_never_adopts_an
     assert_eq!(two.cli(0, &["dbsize"]).unwrap().trim(), "0");
 }
 
-/// Which node (an index of `c`) serves each hash slot, from `CLUSTER
-/// NODES` as node 0 sees it.
-fn slot_owners(c: &TestCluster) -> Vec<usize> {
-    let ports = c.ports();
-    let mut owners = vec![usize::MAX; 16384];
-    for line in c.cli(0, &["cluster", "nodes"]).unwrap().lines() {
-        let f: Vec<&str> = line.split_whitespace().collect();
-        let Some(port) = f.get(1).and_then(|a| a.split('@').next()?.rsplit(':').next()?.parse::<u16>().ok()) else {
-            continue;
-        };
-        let Some(i) = ports.iter().position(|&p| p == port) else { continue };
-        for range in f.iter().skip(8).filter(|r| !r.starts_with('[')) {
-            let (a, b) = range.split_once('-').unwrap_or((range, range));
-            let (a, b): (usize, usize) = (a.parse().unwrap(), b.parse().unwrap());
-            owners[a..=b].iter_mut().for_each(|o| *o = i);
-        }
-    }
-    assert!(owners.iter().all(|&o| o < ports.len()), "every slot has a master");
-    owners
-}
-
 /// A tester stopped one master (SIGSTOP) under write-back: of 20 000
 /// queued rows, 7 650 were the stopped node's, yet the queue stayed at
 /// 20 000 for 2 s and came down to 7 650 only after about 10 s (batches
@@ -1337,7 +1316,7 @@ async fn a_stalled_master_holds_up_only_its_own_write_back_rows() {
     let c = cluster(3, 0);
     let table = "stall";
     let b = Backing::open(table, DIM, options(&c, Mode::WriteBack)).await.unwrap();
-    let owners = slot_owners(&c);
+    let owners = c.slot_owners();
     let layout = b.layout().clone();
     let node = |k: u64| owners[layout.slot_of_group(layout.group(k)) as usize];
     // Not the stream's master: a stopped stream node costs each write
@@ -1483,7 +1462,7 @@ async fn a_write_the_full_queue_refuses_leaves_nothing_behind() {
     // margin and still be told from a wait.
     o.queue_wait = Duration::from_secs(2);
     let b = Backing::open(table, DIM, o).await.unwrap();
-    let owners = slot_owners(&c);
+    let owners = c.slot_owners();
     let layout = b.layout().clone();
     let stream = owners[hkv_backing::layout::slot(table.as_bytes()) as usize];
     let stalled = (0..3).find(|&i| i != stream).unwrap();
@@ -1580,7 +1559,7 @@ async fn a_write_a_stopped_master_ran_late_is_announced() {
     let a = Backing::open(table, DIM, o).await.unwrap();
     // Keys off the stream's master: the one stopped holds them.
     let (stream, keys) = off_the_stream_node(&c, &a, table).await;
-    let slots = slot_owners(&c);
+    let slots = c.slot_owners();
     let layout = a.layout().clone();
     let stopped = slots[layout.slot_of_group(layout.group(keys[0])) as usize];
     assert_ne!(stopped, stream);

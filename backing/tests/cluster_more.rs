@@ -29,27 +29,6 @@ fn cluster(masters: usize, replicas: usize) -> TestCluster {
         .expect("start a redis-server cluster (is redis-server installed? test.sh installs it)")
 }
 
-/// Which node (an index of `c`) serves each hash slot, from `CLUSTER
-/// NODES` as node 0 sees it.
-fn slot_owners(c: &TestCluster) -> Vec<usize> {
-    let ports = c.ports();
-    let mut owners = vec![usize::MAX; 16384];
-    for line in c.cli(0, &["cluster", "nodes"]).unwrap().lines() {
-        let f: Vec<&str> = line.split_whitespace().collect();
-        let Some(port) = f.get(1).and_then(|a| a.split('@').next()?.rsplit(':').next()?.parse::<u16>().ok()) else {
-            continue;
-        };
-        let Some(i) = ports.iter().position(|&p| p == port) else { continue };
-        for range in f.iter().skip(8).filter(|r| !r.starts_with('[')) {
-            let (a, b) = range.split_once('-').unwrap_or((range, range));
-            let (a, b): (usize, usize) = (a.parse().unwrap(), b.parse().unwrap());
-            owners[a..=b].iter_mut().for_each(|o| *o = i);
-        }
-    }
-    assert!(owners.iter().all(|&o| o < ports.len()), "every slot has a master");
-    owners
-}
-
 /// One cluster-mode `redis-server` that has met no other node and serves
 /// every slot (`CLUSTER ADDSLOTSRANGE 0 16383`): it never learnt its own
 /// address, so `CLUSTER SLOTS` and `CLUSTER NODES` name it `:PORT`.
@@ -149,7 +128,7 @@ async fn a_flush_that_times_out_gives_each_node_its_last_failure() {
     let mut c = cluster(5, 0);
     let table = "flushlast";
     let b = Backing::open(table, DIM, Options::new(c.seeds(), Mode::WriteBack)).await.unwrap();
-    let owners = slot_owners(&c);
+    let owners = c.slot_owners();
     let layout = b.layout().clone();
     let node = |k: u64| owners[layout.slot_of_group(layout.group(k)) as usize];
     let stream = owners[hkv_backing::layout::slot(table.as_bytes()) as usize];
@@ -207,7 +186,7 @@ async fn a_write_through_write_to_a_silent_master_ends_within_its_deadline() {
     let opts = Options::new(c.seeds(), Mode::WriteThrough);
     let bound = opts.response_timeout * (opts.retries + 3);
     let b = Backing::open(table, DIM, opts).await.unwrap();
-    let owners = slot_owners(&c);
+    let owners = c.slot_owners();
     let layout = b.layout().clone();
     let node = |k: u64| owners[layout.slot_of_group(layout.group(k)) as usize];
     let stream = owners[hkv_backing::layout::slot(table.as_bytes()) as usize];

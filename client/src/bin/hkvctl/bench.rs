@@ -187,17 +187,7 @@ fn check_batches(c: &mut Client, a: &BenchArgs, table: &str, features: bool) -> 
                 n,
             )
         } else {
-            crate::frame::body_len(
-                |k| Request::Write {
-                    op: proto::WriteOp::InsertOrAssign,
-                    table: table.into(),
-                    keys: vec![0; k],
-                    values: vec![0.0; k * dim],
-                    scores: None,
-                    outcomes: false,
-                },
-                n,
-            )
+            crate::frame::insert_body_len(table, dim, n)
         };
         find_answer(n).max(body)
     };

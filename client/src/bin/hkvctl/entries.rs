@@ -104,15 +104,7 @@ pub fn fill(c: &mut Client, table: &str, count: u64, start: u64, batch: u64) -> 
     let dim = info.row_dim();
     // The largest request, refused before it is built when the daemon
     // would refuse it (its body is the larger frame: the answer is a summary).
-    let write = |n: usize| proto::Request::Write {
-        op: proto::WriteOp::InsertOrAssign,
-        table: table.into(),
-        keys: vec![0; n],
-        values: vec![0.0; n * dim],
-        scores: None,
-        outcomes: false,
-    };
-    let frame = |n: u64| crate::frame::body_len(write, n);
+    let frame = |n: u64| crate::frame::insert_body_len(table, dim, n);
     let most = batch.min(count);
     crate::frame::check(c, most, &frame, &format!("a write of {most} keys of {dim} values"), "--batch")?;
     let t = Instant::now();

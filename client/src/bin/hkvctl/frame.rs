@@ -27,6 +27,22 @@ pub fn body_len(make: impl Fn(usize) -> Request, n: u64) -> u64 {
     one.saturating_add((two - one).saturating_mul(n.saturating_sub(1)))
 }
 
+/// Bytes of the body of an insert_or_assign of `n` rows of `dim` floats
+/// into `table`.
+pub fn insert_body_len(table: &str, dim: usize, n: u64) -> u64 {
+    body_len(
+        |k| Request::Write {
+            op: proto::WriteOp::InsertOrAssign,
+            table: table.into(),
+            keys: vec![0; k],
+            values: vec![0.0; k * dim],
+            scores: None,
+            outcomes: false,
+        },
+        n,
+    )
+}
+
 /// Refuses a request of `n` keys whose largest frame (its body or its
 /// answer), `frame(n)` bytes, the daemon would refuse as `oversized`:
 /// above the protocol's 32-bit frame length, or, asked with an echo, above
