@@ -22,7 +22,7 @@ from typing import Callable, Iterable, List, NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
-from . import Client, ConnectionLost, HkvdError, ReservedKey, UnknownTable, WrongDim, _integers, region
+from . import BackingUnavailable, Client, ConnectionLost, HkvdError, ReservedKey, UnknownTable, WrongDim, _integers, region
 from . import cuda as _cuda
 from .cuda import CudaError, CudaIpcUnavailable
 from .shm import shm_array
@@ -531,6 +531,13 @@ class EmbeddingCache:
                     what = ("got no answer: the connection was lost or closed first, so whether the daemon "
                             "applied it is unknown")
                     when = "found by this request, which was not sent" if by is None else f"found by {by}"
+                elif isinstance(e, BackingUnavailable) and "may have reached" in e.message:
+                    # The daemon's words for a write a cluster node failed
+                    # mid-way: a stalled node runs it when it resumes (a
+                    # tester's every row had the step said "not applied").
+                    what = ("may have been applied: a node of the table's cluster failed or stalled mid-write, "
+                            "and a stalled node runs the write when it resumes, so whether (and to which rows) "
+                            "it was applied is unknown")
                 else:
                     what = "was refused and not applied"
                 raise type(e)(e.code, f"the optimizer step of table {self.table!r} that the last backward sent "

@@ -2,6 +2,8 @@
 shared memory, then the socket, says which, and every transport gives the
 same rows; apply_gradients sums repeated ids; batches are split."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -1752,4 +1754,42 @@ def test_an_init_returning_no_rows_is_named(daemon):
     with pytest.raises(TypeError, match=r"init\(1, 4\) returned None"):
         cache.lookup([6])
     assert not c.contains("in", [5, 6]).any()
+    c.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "socket"])
+def test_a_step_a_stalled_cluster_node_may_run_is_not_called_refused(daemon, redis_cluster, transport):
+    """A tester stopped (SIGSTOP) a master of a write-through table's
+    cluster mid-training: the step failed with the daemon's "the write may
+    have reached some of the cluster's nodes", the module said it "was
+    refused and not applied", yet the stopped node ran it when it resumed
+    and every row had it. The module now says its fate is unknown (it is
+    not counted, as a step whose answer never came)."""
+    import signal
+
+    from hkvd.torch import Embedding
+
+    c = daemon.client()
+    c.create_table("stalled", dim=2, capacity=1024, optimizer="sgd",
+                   backing=redis_cluster.seeds(), backing_mode="write-through")
+    emb = Embedding(c, "stalled", lr=0.125, transport=transport, verbose=False)
+    ids = torch.arange(1, 65)
+    emb(ids).sum().backward()
+    emb.flush()
+    assert emb.step == 1
+    for p in redis_cluster.procs:
+        os.kill(p.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(hkvd.BackingUnavailable) as e:
+            emb(ids).sum().backward()
+            emb.flush()
+    finally:
+        for p in redis_cluster.procs:
+            os.kill(p.pid, signal.SIGCONT)
+    # Over shm the module reads the step's answer later and says whose it
+    # is; over the socket the daemon's own words come at once.
+    said = "whether (and to which rows) it was applied is unknown" if transport == "shm" else "may have reached"
+    assert said in str(e.value), str(e.value)
+    assert "refused and not applied" not in str(e.value), str(e.value)
+    assert emb.step == 1, "a step of unknown fate is not counted"
     c.close()
