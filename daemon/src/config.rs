@@ -299,7 +299,29 @@ impl Config {
     pub fn from_file(path: &Path) -> anyhow::Result<Config> {
         let text =
             std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("cannot read config {}: {e}", path.display()))?;
-        toml::from_str(&text).map_err(|e| anyhow::anyhow!("config {}: {e}", path.display()))
+        Self::from_toml(&text).map_err(|e| anyhow::anyhow!("config {}: {e}", path.display()))
+    }
+
+    /// A config file's text as a [`Config`]. serde reads a TOML array into
+    /// a table's keys field by field, in their order (`hash = ["strong",
+    /// 1000000, [1, 2]]` was a hash, `table = [["t", 4, 4096]]` a table, as
+    /// JSON arrays were in the protocol's bodies): an array where a table
+    /// goes is refused, naming it.
+    fn from_toml(text: &str) -> Result<Config, String> {
+        let c: Config = toml::from_str(text).map_err(|e| e.to_string())?;
+        let sent: toml::Table = toml::from_str(text).map_err(|e| e.to_string())?;
+        let json = |v: serde_json::Result<serde_json::Value>| v.map_err(|e| e.to_string());
+        match hkv_proto::request::array_for_object(
+            &json(serde_json::to_value(&sent))?,
+            &json(serde_json::to_value(&c))?,
+        ) {
+            None => Ok(c),
+            Some(at) => Err(format!(
+                "{}: an array where a table is expected; write a table with named keys (`[[table]]` with `name = …`, \
+                 `hash = {{ kind = …, num_buckets = … }}`)",
+                if at.is_empty() { "the file" } else { &at }
+            )),
+        }
     }
 
     /// The configuration from the command line: `flags` (what
@@ -538,6 +560,14 @@ mod tests {
         assert_eq!(c.limits.max_in_flight, 64);
         assert_eq!(c.tables[0].policy, hkv_proto::Policy::Lfu);
         assert!(toml::from_str::<Config>("sockett = 1").unwrap_err().to_string().contains("sockett"));
+        // Arrays where tables go (serde would read them field by field).
+        let t = "[[table]]\nname = \"t\"\ndim = 4\ncapacity = 4096\n";
+        let e = Config::from_toml(&format!("{t}hash = [\"strong\", 1000000, [1, 2]]")).unwrap_err();
+        assert!(e.starts_with("table[0].hash: an array where a table is expected"), "{e}");
+        let e = Config::from_toml("table = [[\"t\", 4, 4096]]").unwrap_err();
+        assert!(e.starts_with("table[0]: an array"), "{e}");
+        let ok = Config::from_toml(&format!("{t}hash = {{ kind = \"strong\", num_buckets = 1000000, key = [1, 2] }}"));
+        assert!(ok.is_ok(), "{ok:?}");
         // A frame limit outside 64..=u32::MAX is refused with its range.
         for bad in ["10", "-5", "5000000000"] {
             let e = toml::from_str::<Config>(&format!("[limits]\nmax_frame_bytes = {bad}")).unwrap_err().to_string();

@@ -339,7 +339,8 @@ pub(crate) fn from_json<'a, T: Deserialize<'a> + Serialize>(b: &'a [u8], what: &
 /// Where `sent` has an array that was read as the object in `read` at the
 /// same place: "" for the whole value, else the path (`hash`,
 /// `backing.seeds[0]`). Fields that `read` leaves out are not looked into.
-fn array_for_object(sent: &serde_json::Value, read: &serde_json::Value) -> Option<String> {
+/// (The daemon's config file is checked with it too, as TOML turned JSON.)
+pub fn array_for_object(sent: &serde_json::Value, read: &serde_json::Value) -> Option<String> {
     use serde_json::Value::{Array, Object};
     match (sent, read) {
         (Array(_), Object(_)) => Some(String::new()),
