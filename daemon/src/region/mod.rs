@@ -289,6 +289,15 @@ struct Taken {
     event: bool,
 }
 
+impl Taken {
+    /// Takes region (or event) `id` off `conn`.
+    fn from(conn: &Conn, id: u32) -> Taken {
+        let region = conn.regions.lock().remove(&id);
+        let event = region.is_none() && conn.events.lock().remove(&id).is_some();
+        Taken { region, event }
+    }
+}
+
 impl Ctx {
     /// Gives the request its place among the connection's requests (call
     /// in the order frames are read, before any is run).
@@ -309,10 +318,7 @@ impl Ctx {
         if h.op == wire::UNREGISTER {
             // A body that does not decode takes nothing: its task answers the error.
             if let Ok(id) = wire::decode_small(h, body) {
-                let id = id as u32;
-                let region = self.conn.regions.lock().remove(&id);
-                let event = region.is_none() && self.conn.events.lock().remove(&id).is_some();
-                self.unregistered = Some((id, Taken { region, event }));
+                self.unregistered = Some((id as u32, Taken::from(&self.conn, id as u32)));
             }
             return;
         }
@@ -413,9 +419,7 @@ pub async fn answer(state: &Arc<State>, ctx: Ctx, h: &Header, body: &[u8]) -> Re
                 Some(t) => t,
                 None => {
                     let id = wire::decode_small(h, body)? as u32;
-                    let region = ctx.conn.regions.lock().remove(&id);
-                    let event = region.is_none() && ctx.conn.events.lock().remove(&id).is_some();
-                    (id, Taken { region, event })
+                    (id, Taken::from(&ctx.conn, id))
                 }
             };
             let Taken { region, event } = taken;
