@@ -57,6 +57,11 @@ async fn answer(
         return crate::region::answer(state, ctx, h, body).await;
     }
     let req = Request::decode(h, body)?;
+    // A backed table a restore changed serves once its rows are checked
+    // (before its table is looked up: the restore installs another).
+    if let Some(name) = req.table() {
+        state.router.wait_checked(name).await;
+    }
     // A table this connection knew, dropped and created again since, is
     // refused once (`Conn::same_table`); an unknown one is the op's own
     // error.
@@ -233,6 +238,8 @@ async fn control(
             Ok(Response::Json(serde_json::to_vec(&state.checkpoints.list()?).expect("serializes")))
         }
         Control::Restore { id } => {
+            // The backed tables it changes wait until their rows are checked.
+            let _release = state.router.release_unchecked_after();
             let r = state.checkpoints.restore(state.router.clone(), id, crate::ckpt::Occasion::Request).await?;
             let r = r.ok_or_else(|| ProtoError::new(ErrorCode::NotFound, "there is no checkpoint to restore"))?;
             let names: Vec<String> = r.tables.iter().map(|(n, _)| n.clone()).collect();

@@ -444,6 +444,8 @@ fn listen(config: &Config, socket_gid: Option<u32>) -> anyhow::Result<(tokio::ne
 /// it, as `create_table` refuses one; a restored one waits for its
 /// cluster, its requests refused meanwhile.
 async fn open_tiers_at_start(state: &State, restored: &[String]) -> anyhow::Result<()> {
+    // The restored backed tables serve once their rows are checked.
+    let _release = state.router.release_unchecked_after();
     let failed = state.backing.sync(&state.router, restored).await;
     let declared = |name: &str| state.config.tables.iter().any(|s| s.name == name && s.backing.is_some());
     if let Some((name, why)) = failed.iter().find(|(n, _)| declared(n)) {

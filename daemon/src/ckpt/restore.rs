@@ -537,6 +537,16 @@ impl Checkpoints {
         // Every chunk verified: from here on the restore changes what clients see.
         // A restore ends the chain: the next checkpoint is full.
         self.incrementals.store(u32::MAX, Relaxed);
+        // Backed tables serve again once their rows are checked against
+        // their clusters (the caller's `Router::release_unchecked`).
+        router.hold_unchecked(
+            built
+                .iter()
+                .zip(&running)
+                .filter_map(|(b, r)| b.as_ref().or(r.as_ref()))
+                .filter(|t| t.spec.backing.is_some())
+                .map(|t| t.spec.name.clone()),
+        );
         for i in 0..plan.len() {
             let (Some(r), None) = (&running[i], &built[i]) else { continue };
             rt.block_on(router.clear(r)).map_err(Failure::Refused)?;

@@ -101,6 +101,9 @@ pub(super) async fn run(
     if let Some(e) = conn.refused.lock().take() {
         return Err(e);
     }
+    // A backed table a restore changed serves once its rows are checked
+    // (before its table is looked up: the restore installs another).
+    state.router.wait_checked(&req.table).await;
     let t = state.router.table(&req.table)?;
     conn.same_table(&t)?;
     let dim = t.config.dim;
