@@ -93,9 +93,6 @@ pub struct Counters {
     pub(crate) write: Histogram,
     pub(crate) staleness: Histogram,
     pub(crate) node_errors: Mutex<BTreeMap<String, u64>>,
-    /// Per node, the words of its last failed write: a flush that times
-    /// out says why (a `WAIT` shortfall reads as one, not as a node down).
-    pub(crate) last_write_error: Mutex<BTreeMap<String, String>>,
 }
 
 impl Counters {

@@ -325,10 +325,18 @@ pub(crate) struct Core {
     in_flight: parking_lot::Mutex<std::collections::HashMap<String, Vec<Instant>>>,
     /// Keys announced again once their nodes answer ([`Doubts`]).
     doubts: parking_lot::Mutex<Doubts>,
-    /// Per node, its failed writes (rows and stream entries), counted
-    /// with the words of the last in `Counters::last_write_error`
+    /// Per node, its failed writes (rows and stream entries)
     /// ([`Core::write_failed`]): what a flush that times out reports.
-    write_failures: parking_lot::Mutex<std::collections::BTreeMap<String, u64>>,
+    write_failures: parking_lot::Mutex<std::collections::BTreeMap<String, WriteFailures>>,
+}
+
+/// A node's failed writes: how many, and the words of the last (a flush
+/// that times out says why: a `WAIT` shortfall reads as one, not as a
+/// node down).
+#[derive(Clone, Default)]
+struct WriteFailures {
+    count: u64,
+    last: String,
 }
 
 /// Keys whose rows in the cluster other hosts may not have heard of, to be
@@ -1000,23 +1008,21 @@ impl Backing {
         self.core.queue.drain(timeout).await.map_err(|e| match e {
             Error::FlushTimeout { .. } if self.core.meta_error().is_some() => self.core.meta_error().unwrap_or(e),
             Error::FlushTimeout { rows, .. } => {
-                let last = self.core.counters.last_write_error.lock().clone();
                 let (mut short, mut other) = (false, false);
                 // Failed writes only, each counted with its words: the node
                 // errors of every kind (the stream's reads too) named a
                 // node "25 failed commands" with no last failure.
                 let mut failed: Vec<String> = (self.core.write_failures.lock().iter())
-                    .filter_map(|(n, &c)| {
-                        let new = c - before.get(n).copied().unwrap_or(0);
-                        let why = last.get(n).map(|d| format!(", the last: {d}"));
-                        if new > 0 {
-                            match last.get(n) {
-                                Some(d) if d.starts_with("WAIT") => short = true,
-                                _ => other = true,
-                            }
+                    .filter_map(|(n, f)| {
+                        let new = f.count - before.get(n).map_or(0, |b| b.count);
+                        if new == 0 {
+                            return None;
                         }
-                        (new > 0)
-                            .then(|| format!("{n}: {new} failed {}{}", plural(new, "command"), why.unwrap_or_default()))
+                        match f.last.starts_with("WAIT") {
+                            true => short = true,
+                            false => other = true,
+                        }
+                        Some(format!("{n}: {new} failed {}, the last: {}", plural(new, "command"), f.last))
                     })
                     .collect();
                 // A node that answers nothing (stopped, swapping) fails no
@@ -1289,8 +1295,10 @@ impl Core {
     /// that times out names.
     fn write_failed(&self, node: &str, detail: &str) {
         self.counters.node_error(node);
-        self.counters.last_write_error.lock().insert(node.to_string(), detail.to_string());
-        *self.write_failures.lock().entry(node.to_string()).or_default() += 1;
+        let mut failures = self.write_failures.lock();
+        let f = failures.entry(node.to_string()).or_default();
+        f.count += 1;
+        f.last = detail.to_string();
     }
 
     /// Publishes a write's entry: appended at once when none waits, else
