@@ -334,7 +334,7 @@ impl Catalog {
     /// Reads a directory's manifest.
     fn dir_manifest(&self, id: u64) -> DirManifest {
         let path = self.chunk_dir(id).join(MANIFEST_FILE);
-        match std::fs::read(&path) {
+        match read_manifest_file(&path) {
             Ok(b) => match manifest::decode(id, &b) {
                 Ok(m) => DirManifest::Valid(m, b),
                 Err(e) => DirManifest::Invalid(e.to_string()),
@@ -630,8 +630,48 @@ impl Catalog {
 
     /// Reads and verifies one chunk.
     pub fn read_chunk(&self, id: u64, c: &ChunkRef) -> Result<Chunk> {
-        let b = std::fs::read(self.chunk_path(c)).map_err(|_| Error::MissingChunk { id, chunk: c.key.clone() })?;
-        chunk::decode(id, &c.key, &b, c.checksum)
+        chunk::decode(id, &c.key, &self.read_whole(id, c)?, c.checksum)
+    }
+
+    /// The bytes of chunk or key list `c` of checkpoint `id`, read buffered
+    /// after [`Catalog::open_chunk`] checked the file.
+    fn read_whole(&self, id: u64, c: &ChunkRef) -> Result<Vec<u8>> {
+        let (f, len) = self.open_chunk(id, c, false)?;
+        let mut b = Vec::with_capacity(len);
+        std::io::Read::read_to_end(&mut std::io::Read::take(&f, len as u64), &mut b)
+            .map_err(|_| Error::MissingChunk { id, chunk: c.key.clone() })?;
+        Ok(b)
+    }
+
+    /// Opens chunk or key list `c` of checkpoint `id` for reading (with
+    /// `O_DIRECT` when `direct`): a regular file of exactly the bytes its
+    /// manifest says, checked before a byte is read or a buffer sized.
+    /// Returns the file and its length. A file grown past its manifest's
+    /// size was read whole at its size on disk before its header was
+    /// checked: a tester's `truncate -s 100G` of one chunk aborted the
+    /// daemon (a 100 GiB allocation), at start or at a restore that threw
+    /// away every live table. A FIFO in a chunk's place hung the start
+    /// (opened without `O_NONBLOCK`, it waits for a writer). An open that
+    /// fails (missing, no permission) is `MissingChunk`, an error of the
+    /// open itself where `O_DIRECT` is refused (for the caller to retry
+    /// buffered).
+    fn open_chunk(&self, id: u64, c: &ChunkRef, direct: bool) -> Result<(std::fs::File, usize), OpenError> {
+        let path = self.chunk_path(c);
+        let f = open_nonblocking(&path, direct).map_err(|e| match e.kind() {
+            std::io::ErrorKind::InvalidInput | std::io::ErrorKind::Unsupported if direct => OpenError::NoDirect,
+            _ => OpenError::Failed(Error::MissingChunk { id, chunk: c.key.clone() }),
+        })?;
+        let corrupt = |why: String| OpenError::Failed(Error::CorruptChunk { id, chunk: c.key.clone(), why });
+        let meta = f.metadata().map_err(|e| corrupt(format!("cannot stat {}: {e}", path.display())))?;
+        if !meta.is_file() {
+            return Err(corrupt(format!("{} is {}, not a regular file", path.display(), file_kind(&meta))));
+        }
+        if meta.len() != c.bytes {
+            return Err(corrupt(format!("{} bytes on disk, the manifest says {}", meta.len(), c.bytes)));
+        }
+        let len = usize::try_from(c.bytes)
+            .map_err(|_| corrupt(format!("the manifest says {} bytes, more than this machine addresses", c.bytes)))?;
+        Ok((f, len))
     }
 
     /// Reads one chunk file into `buf` (grown when too small, else reused:
@@ -642,19 +682,22 @@ impl Catalog {
     /// `O_DIRECT` (tmpfs) the file is read buffered. Returns where in `buf`
     /// the file's bytes lie; verify them with [`chunk::verify`].
     pub fn read_into(&self, id: u64, c: &ChunkRef, buf: &mut Vec<u8>) -> Result<std::ops::Range<usize>> {
-        let path = self.chunk_path(c);
         let missing = || Error::MissingChunk { id, chunk: c.key.clone() };
-        match read_direct(&path, buf) {
-            Ok(r) => Ok(r),
-            // EINVAL (tmpfs), EOPNOTSUPP: this file system does not do O_DIRECT.
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::InvalidInput | std::io::ErrorKind::Unsupported) => {
-                let mut f = std::fs::File::open(&path).map_err(|_| missing())?;
-                buf.clear();
-                std::io::Read::read_to_end(&mut f, buf).map_err(|_| missing())?;
-                Ok(0..buf.len())
-            }
-            Err(_) => Err(missing()),
+        match self.open_chunk(id, c, true) {
+            Ok((f, len)) => match read_direct(&f, len, buf) {
+                Ok(r) => return Ok(r),
+                // EINVAL (tmpfs), EOPNOTSUPP: this file system does not do O_DIRECT.
+                Err(e) if matches!(e.kind(), std::io::ErrorKind::InvalidInput | std::io::ErrorKind::Unsupported) => {}
+                Err(_) => return Err(missing()),
+            },
+            Err(OpenError::NoDirect) => {}
+            Err(OpenError::Failed(e)) => return Err(e),
         }
+        let (f, len) = self.open_chunk(id, c, false)?;
+        buf.clear();
+        buf.reserve(len);
+        std::io::Read::read_to_end(&mut std::io::Read::take(&f, len as u64), buf).map_err(|_| missing())?;
+        Ok(0..buf.len())
     }
 
     /// Reads one chunk into `buf` ([`Catalog::read_into`]) and verifies it;
@@ -666,8 +709,7 @@ impl Catalog {
 
     /// Reads and verifies one key list.
     pub fn read_keys(&self, id: u64, c: &ChunkRef) -> Result<Vec<u64>> {
-        let b = std::fs::read(self.chunk_path(c)).map_err(|_| Error::MissingChunk { id, chunk: c.key.clone() })?;
-        chunk::decode_keys(id, &c.key, &b, c.checksum)
+        chunk::decode_keys(id, &c.key, &self.read_whole(id, c)?, c.checksum)
     }
 
     /// The manifests to apply to restore `id`: its full base first. A base
@@ -921,13 +963,84 @@ impl Direct {
     }
 }
 
-/// Reads the file at `path` with `O_DIRECT` into a block-aligned place of
-/// `buf` (its length rounded up to a block); where it lies.
-fn read_direct(path: &Path, buf: &mut Vec<u8>) -> std::io::Result<std::ops::Range<usize>> {
-    use std::io::Read;
+/// Why [`Catalog::open_chunk`] did not open a chunk.
+enum OpenError {
+    /// `O_DIRECT` was asked for and this file system refuses it.
+    NoDirect,
+    /// The chunk is missing, or not what its manifest says.
+    Failed(Error),
+}
+
+impl From<OpenError> for Error {
+    fn from(e: OpenError) -> Error {
+        match e {
+            OpenError::Failed(e) => e,
+            // (Only an open with `O_DIRECT` says this.)
+            OpenError::NoDirect => Error::Store("the file system refused O_DIRECT".into()),
+        }
+    }
+}
+
+/// Opens `path` for reading without waiting: `O_NONBLOCK` makes a FIFO
+/// open at once (it changes nothing for a regular file's reads), so that
+/// the caller can refuse what is not a regular file.
+fn open_nonblocking(path: &Path, direct: bool) -> std::io::Result<std::fs::File> {
     use std::os::unix::fs::OpenOptionsExt;
-    let f = std::fs::OpenOptions::new().read(true).custom_flags(rustix::fs::OFlags::DIRECT.bits() as i32).open(path)?;
-    let len = usize::try_from(f.metadata()?.len()).map_err(|_| std::io::Error::other("a file larger than memory"))?;
+    let mut flags = rustix::fs::OFlags::NONBLOCK;
+    if direct {
+        flags |= rustix::fs::OFlags::DIRECT;
+    }
+    std::fs::OpenOptions::new().read(true).custom_flags(flags.bits() as i32).open(path)
+}
+
+/// The most bytes a `MANIFEST` file is read to: a manifest names each
+/// chunk in about 150 bytes of JSON, so 256 MiB name 13 TB of 8 MiB
+/// chunks; a larger file is damage, and is not read into memory whole.
+const MAX_MANIFEST_BYTES: u64 = 256 << 20;
+
+/// The bytes of the `MANIFEST` file at `path`, refused (`InvalidData`)
+/// when it is not a regular file (a FIFO would hang the start) or is
+/// larger than [`MAX_MANIFEST_BYTES`].
+fn read_manifest_file(path: &Path) -> std::io::Result<Vec<u8>> {
+    let f = open_nonblocking(path, false)?;
+    let meta = f.metadata()?;
+    let bad = |why: String| std::io::Error::new(std::io::ErrorKind::InvalidData, why);
+    if !meta.is_file() {
+        return Err(bad(format!("{}, not a regular file", file_kind(&meta))));
+    }
+    if meta.len() > MAX_MANIFEST_BYTES {
+        return Err(bad(format!("{} bytes, more than a manifest's {MAX_MANIFEST_BYTES}", meta.len())));
+    }
+    let mut b = Vec::with_capacity(meta.len() as usize);
+    std::io::Read::read_to_end(&mut std::io::Read::take(&f, MAX_MANIFEST_BYTES), &mut b)?;
+    Ok(b)
+}
+
+/// What a file that is not a regular file is, in words.
+fn file_kind(meta: &std::fs::Metadata) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    let t = meta.file_type();
+    if t.is_dir() {
+        "a directory"
+    } else if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else {
+        "something else"
+    }
+}
+
+/// Reads `len` bytes of file `f` (opened with `O_DIRECT`, its length
+/// checked against its manifest: [`Catalog::open_chunk`]) into a
+/// block-aligned place of `buf` (`len` rounded up to a block); where they
+/// lie (fewer bytes where the file ended sooner, which verifying finds).
+fn read_direct(f: &std::fs::File, len: usize, buf: &mut Vec<u8>) -> std::io::Result<std::ops::Range<usize>> {
+    use std::io::Read;
     let want = len.div_ceil(BLOCK) * BLOCK;
     if buf.len() < want + BLOCK {
         *buf = vec![0; want + BLOCK];
@@ -937,7 +1050,7 @@ fn read_direct(path: &Path, buf: &mut Vec<u8>) -> std::io::Result<std::ops::Rang
     let mut got = 0;
     // Bounded: each read returns at least one byte or ends the loop.
     while got < len {
-        match (&f).read(&mut dst[got..])? {
+        match (&*f).read(&mut dst[got..])? {
             0 => break,
             r => got += r,
         }
@@ -1368,6 +1481,66 @@ mod tests {
         }
         let gone = ChunkRef { key: "0000000000000001/gone".into(), shard: 0, entries: 0, bytes: 1, checksum: 0 };
         assert!(matches!(cat.read_into(1, &gone, &mut buf), Err(Error::MissingChunk { .. })));
+    }
+
+    /// A tester's `truncate -s 100G` of one chunk aborted the daemon: the
+    /// chunk was read whole at its size on disk (a 100 GiB buffer) before
+    /// its header was checked. A FIFO in a chunk's place hung the start.
+    /// Now a chunk or key list that is not a regular file of the size its
+    /// manifest says is `CorruptChunk` before a byte of it is read: the
+    /// reused buffer is not grown past the manifest's size, and a FIFO
+    /// is refused at once (the read runs in a thread, so that a hang
+    /// fails the test instead of hanging it).
+    #[test]
+    fn a_chunk_that_is_not_what_its_manifest_says_is_refused_before_it_is_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let cat = Catalog::open(dir.path()).unwrap();
+        let mut w = cat.begin().unwrap();
+        let c = w.write(0, 0, 0, 2, &[1, 2], &[5, 6], &[0.5; 4]).unwrap();
+        let k = w.write_keys(0, 0, 0, &[1, 2]).unwrap();
+        let mut t = table("t", vec![c.clone()], false);
+        t.keys = vec![k.clone()];
+        let m = w.commit(Kind::Full, vec![t], "test").unwrap();
+        let corrupt = |r: Result<()>, what: &ChunkRef| match r {
+            Err(Error::CorruptChunk { id, chunk, .. }) => assert_eq!((id, &chunk), (m.id, &what.key)),
+            r => panic!("{:?}: {r:?}", what.key),
+        };
+        let mut buf = vec![];
+        for r in [&c, &k] {
+            let path = cat.chunk_path(r);
+            let bytes = std::fs::read(&path).unwrap();
+            // Grown (sparse): 64 MiB on disk, a few dozen bytes in the manifest.
+            std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(64 << 20).unwrap();
+            corrupt(cat.read_into(m.id, r, &mut buf).map(drop), r);
+            assert!(buf.capacity() < 1 << 20, "a buffer of {} bytes for a chunk of {}", buf.capacity(), r.bytes);
+            corrupt(cat.read_chunk(m.id, r).map(drop), r);
+            corrupt(cat.read_keys(m.id, r).map(drop), r);
+            // A FIFO, a directory, a link to /dev/zero.
+            std::fs::remove_file(&path).unwrap();
+            assert!(std::process::Command::new("mkfifo").arg(&path).status().unwrap().success());
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::scope(|s| {
+                let (cat, owned) = (&cat, r.clone());
+                s.spawn(move || tx.send(cat.read_into(m.id, &owned, &mut vec![]).map(drop)).unwrap());
+                let got = rx.recv_timeout(std::time::Duration::from_secs(10));
+                if got.is_err() {
+                    // Lets the blocked open go, so that the test ends.
+                    drop(std::fs::OpenOptions::new().write(true).open(&path));
+                }
+                corrupt(got.expect("a read of a FIFO returns"), r);
+            });
+            corrupt(cat.read_chunk(m.id, r).map(drop), r);
+            std::fs::remove_file(&path).unwrap();
+            std::fs::create_dir(&path).unwrap();
+            corrupt(cat.read_into(m.id, r, &mut buf).map(drop), r);
+            std::fs::remove_dir(&path).unwrap();
+            std::os::unix::fs::symlink("/dev/zero", &path).unwrap();
+            corrupt(cat.read_into(m.id, r, &mut buf).map(drop), r);
+            corrupt(cat.read_keys(m.id, r).map(drop), r);
+            std::fs::remove_file(&path).unwrap();
+            std::fs::write(&path, bytes).unwrap();
+        }
+        cat.verify(&cat.chain(m.id).unwrap(), |_| ()).unwrap();
     }
 
     /// Checkpoints written before file names held the table's index name
