@@ -443,6 +443,12 @@ pub trait Shard: Send + Sync {
     }
     /// Sets the epoch used by EpochLru and EpochLfu scores.
     fn set_global_epoch(&self, epoch: u32);
+    /// The adaptive policy's window share for the next batch (slots of
+    /// each bucket's 128); None for other policies. For benchmarks and
+    /// diagnostics.
+    fn adaptive_window(&self) -> Option<u32> {
+        None
+    }
 
     /// Copies the values (and scores) of present keys; misses leave the
     /// caller's values untouched. Returns the number of hits. Reader group.

@@ -316,10 +316,19 @@ impl Bench<'_> {
     ) -> Result<Option<(f64, Option<f64>)>> {
         let n = self.batch;
         let mut secs = [vec![], vec![]];
+        // HKV_BENCH_CALLS: each timed call's time and the adaptive
+        // window share after it, on stderr (a diagnosis of a figure).
+        let calls = std::env::var_os("HKV_BENCH_CALLS").is_some();
         for _ in 0..self.runs {
             match sampling {
                 None => match self.once(op, lambda)? {
-                    Some(x) => secs[0].push(x),
+                    Some(x) => {
+                        if calls {
+                            let w = self.t.adaptive_window();
+                            eprintln!("call {op} λ {lambda} {:.1} µs, window {w:?}, size {}", x * 1e6, self.t.size());
+                        }
+                        secs[0].push(x)
+                    }
                     None => return Ok(None),
                 },
                 Some(sr) => {

@@ -280,6 +280,10 @@ impl Shard for CpuTable {
         self.epoch.store(epoch, Relaxed);
     }
 
+    fn adaptive_window(&self) -> Option<u32> {
+        self.adapt.as_ref().map(|a| a.window.bucket_slots())
+    }
+
     fn find(&self, keys: &[u64], values: &mut [f32], found: &mut [bool], scores: Option<&mut [u64]>) -> Result<usize> {
         let n = keys.len();
         check::lookup(&self.config, keys, Some(values.len()), found.len(), scores.as_ref().map(|s| s.len()))?;

@@ -19,6 +19,10 @@ impl Shard for CudaTable {
         self.epoch.store(epoch, Relaxed);
     }
 
+    fn adaptive_window(&self) -> Option<u32> {
+        self.adapt.as_ref().map(|a| a.window.bucket_slots())
+    }
+
     fn find(&self, keys: &[u64], values: &mut [f32], found: &mut [bool], scores: Option<&mut [u64]>) -> Result<usize> {
         self.find_rows(keys, values, false, found, scores)
     }
