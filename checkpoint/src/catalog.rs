@@ -194,7 +194,7 @@ impl Catalog {
                 let why = ("creating".into(), chunks.clone(), e.to_string());
                 return Self::open_paused(chunks, why);
             }
-            return Err(io_err("cannot create", &chunks, e));
+            return Err(not_a_directory(&[dir, &chunks]).unwrap_or_else(|| io_err("cannot create", &chunks, e)));
         }
         let path = dir.join("catalog");
         let mut rec = Recovery::default();
@@ -1016,6 +1016,28 @@ fn read_manifest_file(path: &Path) -> std::io::Result<Vec<u8>> {
     Ok(b)
 }
 
+/// The first of `paths` that exists and is no directory (a dangling
+/// symlink, a regular file), as an error that says what it is and what
+/// to do: creating the directories said "File exists" of a regular file
+/// where `chunks` goes.
+fn not_a_directory(paths: &[&Path]) -> Option<Error> {
+    paths.iter().find_map(|p| {
+        let meta = std::fs::symlink_metadata(p).ok()?;
+        let kind = match std::fs::metadata(p) {
+            Ok(m) if m.is_dir() => return None,
+            Ok(m) if m.is_file() => "a regular file",
+            Ok(m) => file_kind(&m),
+            Err(_) if meta.file_type().is_symlink() => "a symlink to nothing",
+            Err(_) => file_kind(&meta),
+        };
+        Some(Error::Store(format!(
+            "{} is {kind}, where hkvd keeps checkpoints in a directory: move it away (hkvd creates the \
+             directory), or give --state-dir another path",
+            p.display()
+        )))
+    })
+}
+
 /// What a file that is not a regular file is, in words.
 fn file_kind(meta: &std::fs::Metadata) -> &'static str {
     use std::os::unix::fs::FileTypeExt;
@@ -1541,6 +1563,22 @@ mod tests {
             std::fs::write(&path, bytes).unwrap();
         }
         cat.verify(&cat.chain(m.id).unwrap(), |_| ()).unwrap();
+    }
+
+    /// A regular file or a dangling symlink where `chunks` goes said
+    /// "cannot create …/chunks: File exists": the error now says what the
+    /// path is (and what to do).
+    #[test]
+    fn a_file_where_the_chunks_directory_goes_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let chunks = dir.path().join("chunks");
+        std::fs::write(&chunks, "").unwrap();
+        let e = Catalog::open(dir.path()).err().expect("refused");
+        assert!(matches!(&e, Error::Store(m) if m.contains("is a regular file")), "{e}");
+        std::fs::remove_file(&chunks).unwrap();
+        std::os::unix::fs::symlink(dir.path().join("gone"), &chunks).unwrap();
+        let e = Catalog::open(dir.path()).err().expect("refused");
+        assert!(matches!(&e, Error::Store(m) if m.contains("is a symlink to nothing")), "{e}");
     }
 
     /// Checkpoints written before file names held the table's index name

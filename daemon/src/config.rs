@@ -265,6 +265,33 @@ fn defaults<T: Args + FromArgMatches>() -> T {
     T::from_arg_matches(&m).expect("the defaults are values of their options")
 }
 
+/// What serde lets through in a file's `[[table]]`s and the protocol's
+/// checks never see: `max_load_factor = nan` or `inf` (JSON has neither:
+/// the file's value became null on its way to the table, so the table
+/// grew at the default with `hkvctl tables --json` saying null); and a
+/// hash `key` of another length than 2 or not of integers (`[1, 2, 3]`
+/// was cut to `[1, 2]`, `[1, 2, "x"]` taken as `[1, 2]`). Errors name the
+/// place, as `table[0].hash.key`.
+fn check_tables(c: &Config, sent: &toml::Table) -> Result<(), String> {
+    for (i, t) in c.tables.iter().enumerate() {
+        if let Some(f) = t.max_load_factor.filter(|f| !f.is_finite()) {
+            return Err(format!("table[{i}].max_load_factor = {f}: use a number in (0, 1]"));
+        }
+    }
+    let tables = sent.get("table").and_then(toml::Value::as_array).map_or(&[][..], Vec::as_slice);
+    for (i, t) in tables.iter().enumerate() {
+        let Some(key) = t.get("hash").and_then(|h| h.get("key")) else { continue };
+        let ok =
+            key.as_array().is_some_and(|k| k.len() == 2 && k.iter().all(|v| v.as_integer().is_some_and(|n| n >= 0)));
+        if !ok {
+            return Err(format!(
+                "table[{i}].hash.key = {key}: use an array of 2 integers, 0 to 9223372036854775807 (the SipHash key)"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The ids (= field names = TOML keys) of an options struct's flags.
 fn ids<T: Args>() -> Vec<String> {
     T::augment_args(Command::new("ids")).get_arguments().map(|a| a.get_id().to_string()).collect()
@@ -295,10 +322,42 @@ impl Default for CheckpointConfig {
 }
 
 impl Config {
-    /// Reads a TOML file; unknown keys are errors that name the key.
+    /// The most bytes a config file may hold: a config is a few KiB (a
+    /// `[[table]]` takes a few lines), and `--config /dev/zero` was read
+    /// until memory ran out.
+    pub const MAX_FILE_BYTES: u64 = 16 << 20;
+
+    /// Reads a TOML file; unknown keys are errors that name the key. The
+    /// file is a regular file or a pipe (`--config <(…)`), of at most
+    /// [`Config::MAX_FILE_BYTES`].
     pub fn from_file(path: &Path) -> anyhow::Result<Config> {
-        let text =
-            std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("cannot read config {}: {e}", path.display()))?;
+        use std::io::Read;
+        use std::os::unix::fs::FileTypeExt;
+        let cannot = |e: std::io::Error| anyhow::anyhow!("cannot read config {}: {e}", path.display());
+        let f = std::fs::File::open(path).map_err(cannot)?;
+        let kind = f.metadata().map_err(cannot)?.file_type();
+        let what = if kind.is_dir() {
+            Some("a directory")
+        } else if kind.is_char_device() || kind.is_block_device() {
+            Some("a device")
+        } else if kind.is_socket() {
+            Some("a socket")
+        } else {
+            None
+        };
+        if let Some(what) = what {
+            anyhow::bail!("config {} is {what}, not a file: give --config a TOML file", path.display());
+        }
+        let mut bytes = Vec::new();
+        f.take(Self::MAX_FILE_BYTES + 1).read_to_end(&mut bytes).map_err(cannot)?;
+        anyhow::ensure!(
+            bytes.len() as u64 <= Self::MAX_FILE_BYTES,
+            "config {} is larger than {} MiB: a config file holds a few KiB of TOML; is it the right file?",
+            path.display(),
+            Self::MAX_FILE_BYTES >> 20
+        );
+        let text = String::from_utf8(bytes)
+            .map_err(|e| anyhow::anyhow!("config {} is not UTF-8 text ({e})", path.display()))?;
         Self::from_toml(&text).map_err(|e| anyhow::anyhow!("config {}: {e}", path.display()))
     }
 
@@ -310,6 +369,7 @@ impl Config {
     fn from_toml(text: &str) -> Result<Config, String> {
         let c: Config = toml::from_str(text).map_err(|e| e.to_string())?;
         let sent: toml::Table = toml::from_str(text).map_err(|e| e.to_string())?;
+        check_tables(&c, &sent)?;
         let json = |v: serde_json::Result<serde_json::Value>| v.map_err(|e| e.to_string());
         match hkv_proto::request::array_for_object(
             &json(serde_json::to_value(&sent))?,
@@ -387,13 +447,29 @@ impl Config {
             );
         }
         for (i, t) in self.tables.iter().enumerate() {
+            crate::router::check_name(&t.name)
+                .map_err(|e| anyhow::anyhow!("[[table]] entry {} of the config file: {}", i + 1, e.message))?;
             anyhow::ensure!(
                 !self.tables[..i].iter().any(|u| u.name == t.name),
-                "table {:?} is declared twice ([[table]] entries {} and {} of the config file)",
-                t.name,
+                "table {} is declared twice ([[table]] entries {} and {} of the config file)",
+                hkv_proto::quoted(&t.name),
                 self.tables.iter().position(|u| u.name == t.name).unwrap_or(0) + 1,
                 i + 1
             );
+            // The cluster's options are options: checked here, before any
+            // cluster is opened (their errors read "its cluster cannot be
+            // opened (backing option queue_bytes: 0: …)"). The row's
+            // width is the table's own check, at its creation.
+            if let Some(b) = &t.backing {
+                match crate::backing::options(b).check(t.row_dim()) {
+                    Err(hkv_backing::Error::BadOption { name: "dim", .. }) | Ok(()) => {}
+                    Err(e) => anyhow::bail!(
+                        "table {} ([[table]] entry {} of the config file): {e}",
+                        hkv_proto::quoted(&t.name),
+                        i + 1
+                    ),
+                }
+            }
         }
         anyhow::ensure!(
             self.threads_per_shard <= 64,
@@ -404,11 +480,21 @@ impl Config {
             anyhow::ensure!((1..=1024).contains(&n), "shards (--shards) must be 1 to 1024, not {n}");
         }
         if let Some(s) = self.checkpoint.interval_s {
-            anyhow::ensure!(s >= 1, "checkpoint.interval_s (--checkpoint-interval) must be at least 1 second");
+            anyhow::ensure!(
+                (1..=CheckpointConfig::MAX_INTERVAL_S).contains(&s),
+                "checkpoint.interval_s (--checkpoint-interval) must be 1 to {} seconds (a year), not {s}; \
+                 leave it unset for checkpoints on demand only",
+                CheckpointConfig::MAX_INTERVAL_S
+            );
         }
+        self.check_state_dir()?;
         if let Some(addr) = &self.metrics_listen {
-            let a: std::net::SocketAddr =
-                addr.parse().map_err(|e| anyhow::anyhow!("metrics_listen {addr:?} is not an address: {e}"))?;
+            let a: std::net::SocketAddr = addr.parse().map_err(|e| {
+                anyhow::anyhow!(
+                    "metrics_listen (--metrics-listen) {addr:?} is not an address ({e}): \
+                     give an IP address and a port, e.g. 127.0.0.1:9466"
+                )
+            })?;
             anyhow::ensure!(
                 a.ip().is_loopback(),
                 "metrics_listen {addr}: the metrics listener serves loopback addresses only (e.g. 127.0.0.1:9466)"
@@ -428,6 +514,27 @@ impl Config {
             hkv_shard::mrc::Mrc::BYTES_PER_KEY
         );
         self.check_passwords_file()
+    }
+
+    /// The state directory, where it exists but is no directory: a
+    /// dangling symlink said "cannot create …: File exists (os error 17)".
+    fn check_state_dir(&self) -> anyhow::Result<()> {
+        let dir = self.state_path();
+        let Ok(meta) = std::fs::symlink_metadata(&dir) else { return Ok(()) };
+        let shown = dir.display();
+        if meta.file_type().is_symlink() && std::fs::metadata(&dir).is_err() {
+            let to = std::fs::read_link(&dir).map(|t| t.display().to_string()).unwrap_or_default();
+            anyhow::bail!(
+                "state_dir (--state-dir) {shown} is a symlink to {to}, which does not exist: create that \
+                 directory, or give --state-dir another path"
+            );
+        }
+        anyhow::ensure!(
+            std::fs::metadata(&dir).is_ok_and(|m| m.is_dir()),
+            "state_dir (--state-dir) {shown} exists and is not a directory: move it away, or give --state-dir \
+             another path"
+        );
+        Ok(())
     }
 
     /// `checkpoint.backing_passwords`: checked at start as well as at each
@@ -500,12 +607,19 @@ impl MrcSettings {
     }
 }
 
+impl CheckpointConfig {
+    /// The longest `interval_s`: a year. `18446744073709551615` panicked
+    /// the start ("overflow when adding duration to instant").
+    pub const MAX_INTERVAL_S: u64 = 365 * 24 * 3600;
+}
+
 /// The `[checkpoint]` section of the config.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Args)]
 #[serde(default, deny_unknown_fields)]
 #[command(next_help_heading = "Checkpoints ([checkpoint] in the config file)")]
 pub struct CheckpointConfig {
-    /// Seconds between scheduled checkpoints. Unset: only on demand.
+    /// Seconds between scheduled checkpoints, 1 to 31536000 (a year).
+    /// Unset: only on demand.
     #[arg(long = "checkpoint-interval", value_name = "SECONDS")]
     pub interval_s: Option<u64>,
     /// Complete checkpoints kept (plus the bases incremental ones need).
@@ -625,6 +739,93 @@ mod tests {
         assert!(c.check().is_ok());
         c.checkpoint.backing_passwords = Some(dir.path().to_path_buf());
         assert!(c.check().unwrap_err().to_string().contains("is not a file"));
+    }
+
+    /// A tester's hostile config files and flags: `max_load_factor = nan`
+    /// or `inf` started a table that grew at the default (JSON made the
+    /// value null); a hash `key = [1, 2, 3]` was cut to `[1, 2]` and `[1,
+    /// 2, "x"]` taken; `--checkpoint-interval 18446744073709551615`
+    /// panicked the start; backing options were told as "its cluster
+    /// cannot be opened"; a 5000-character table name was echoed whole,
+    /// twice; a state directory that is a dangling symlink said "File
+    /// exists"; `--metrics-listen localhost:9466` gave no hint. Each is
+    /// refused, naming the place (and the culprit, capped).
+    #[test]
+    fn hostile_values_are_refused_naming_the_place() {
+        let t = "[[table]]\nname = \"t\"\ndim = 4\ncapacity = 4096\nmax_capacity = 8192\n";
+        for f in ["nan", "inf", "-inf", "+nan"] {
+            let e = Config::from_toml(&format!("{t}max_load_factor = {f}")).unwrap_err();
+            assert!(e.starts_with("table[0].max_load_factor"), "{e}");
+        }
+        assert!(Config::from_toml(&format!("{t}max_load_factor = 0.75")).is_ok());
+        for key in ["[1, 2, 3]", "[1, 2, \"x\"]", "[1, 2.5]", "[-1, 2]", "\"ab\"", "[]"] {
+            let e = Config::from_toml(&format!("{t}hash = {{ kind = \"strong\", num_buckets = 10, key = {key} }}"))
+                .unwrap_err();
+            assert!(e.starts_with("table[0].hash.key") || e.contains("key"), "{key}: {e}");
+        }
+        let k = Config::from_toml(&format!(
+            "{t}[[table]]\nname = \"u\"\ndim = 4\ncapacity = 64\nhash = {{ num_buckets = 10, key = [1, 2, 3] }}"
+        ));
+        assert!(k.unwrap_err().starts_with("table[1].hash.key"));
+
+        let bad = |edit: &dyn Fn(&mut Config)| {
+            let mut c = Config::default();
+            edit(&mut c);
+            c.check().unwrap_err().to_string()
+        };
+        for s in [u64::MAX, i64::MAX as u64, CheckpointConfig::MAX_INTERVAL_S + 1] {
+            assert!(bad(&|c| c.checkpoint.interval_s = Some(s)).contains("--checkpoint-interval"));
+        }
+        let mut c = Config::default();
+        c.checkpoint.interval_s = Some(CheckpointConfig::MAX_INTERVAL_S);
+        assert!(c.check().is_ok());
+
+        let backed = |edit: fn(&mut hkv_proto::BackingSpec)| {
+            let mut spec = TableSpec::new("t", 4, 4096);
+            let mut b: hkv_proto::BackingSpec =
+                serde_json::from_value(serde_json::json!({ "seeds": ["127.0.0.1:1"] })).unwrap();
+            edit(&mut b);
+            spec.backing = Some(b);
+            bad(&move |c| c.tables = vec![spec.clone()])
+        };
+        assert!(backed(|b| b.queue_bytes = Some(0)).contains("backing option queue_bytes"));
+        assert!(backed(|b| b.deadline_ms = Some(0)).contains("backing option deadline"));
+        assert!(backed(|b| {
+            b.mode = hkv_proto::BackingMode::ReadOnly;
+            b.wait_replicas = Some(3)
+        })
+        .contains("backing option wait_replicas"));
+
+        let long = "n".repeat(5000);
+        let e = bad(&|c| c.tables = vec![TableSpec::new(&long, 4, 64)]);
+        assert!(e.starts_with("[[table]] entry 1") && e.len() < 400, "{e}");
+
+        let dir = tempfile::tempdir().unwrap();
+        let link = dir.path().join("state");
+        std::os::unix::fs::symlink(dir.path().join("gone"), &link).unwrap();
+        assert!(bad(&|c| c.state_dir = Some(link.clone())).contains("does not exist"));
+        let file = dir.path().join("file");
+        std::fs::write(&file, "").unwrap();
+        assert!(bad(&|c| c.state_dir = Some(file.clone())).contains("not a directory"));
+
+        let e = bad(&|c| c.metrics_listen = Some("localhost:9466".into()));
+        assert!(e.contains("127.0.0.1:9466"), "{e}");
+    }
+
+    /// `--config /dev/zero` was read until memory ran out: a config file
+    /// is a regular file or a pipe, of at most 16 MiB. (`/dev/zero` itself
+    /// is tried under an address-space limit, in
+    /// daemon/tests/startup_input.rs.)
+    #[test]
+    fn a_config_file_is_bounded() {
+        let e = Config::from_file(Path::new("/dev/null")).unwrap_err().to_string();
+        assert!(e.contains("/dev/null is a device"), "{e}");
+        let dir = tempfile::tempdir().unwrap();
+        assert!(Config::from_file(dir.path()).unwrap_err().to_string().contains("a directory"));
+        let big = dir.path().join("big.toml");
+        let f = std::fs::File::create(&big).unwrap();
+        f.set_len(Config::MAX_FILE_BYTES + 1).unwrap();
+        assert!(Config::from_file(&big).unwrap_err().to_string().contains("larger than 16 MiB"));
     }
 
     /// The options used to be written three times (this file, then twice

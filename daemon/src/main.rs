@@ -91,10 +91,32 @@ fn config(a: Serve, given: &clap::ArgMatches) -> anyhow::Result<Config> {
         c.kernel_cache_dir = std::env::var_os("HKV_KERNEL_CACHE").map(PathBuf::from);
     }
     // The CUDA kernel tuning knobs: the library reads no environment.
-    c.cuda_tuning = hkv_shard::CudaTuning::from_vars(|k| std::env::var(k).ok())?;
+    c.cuda_tuning = hkv_shard::CudaTuning::from_vars(|k| std::env::var(k).ok()).map_err(|e| match e {
+        // (Its message began "invalid table config:", of a variable.)
+        hkv_shard::Error::Config(why) => {
+            anyhow::anyhow!("environment variable {why}; unset it, or see `hkvd serve --help` (Environment)")
+        }
+        e => anyhow::anyhow!("the environment: {e}"),
+    })?;
     c.check()?;
+    // A socket hkvd binds itself (systemd's socket activation passes one
+    // bound): std's refusal said "path must be shorter than SUN_LEN".
+    if std::env::var_os("LISTEN_FDS").is_none() {
+        let path = c.socket_path();
+        let len = path.as_os_str().len();
+        anyhow::ensure!(
+            len < SUN_PATH_BYTES,
+            "socket (--socket) {}: {len} bytes, where a Unix socket's path holds at most {} \
+             ({SUN_PATH_BYTES} bytes with its NUL); pick a shorter path",
+            path.display(),
+            SUN_PATH_BYTES - 1
+        );
+    }
     Ok(c)
 }
+
+/// The bytes of `sockaddr_un.sun_path` on Linux, its closing NUL included.
+const SUN_PATH_BYTES: usize = 108;
 
 /// Transparent huge pages for the host memory of tables. Lookups touch table
 /// memory at random, so with 4 KiB pages nearly every one also misses the
@@ -196,9 +218,11 @@ fn main() -> ExitCode {
                 .with_writer(std::io::stderr)
                 .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
                 .init();
-            tracing::info!(huge_pages = %huge, "host memory for tables");
             let given = matches.subcommand_matches("serve").expect("the serve subcommand was parsed");
-            match config(*a, given).and_then(hkvd::run) {
+            // The options are checked before the first line is logged: a
+            // refusal used to come after an INFO line, as if hkvd started.
+            let checked = config(*a, given).inspect(|_| tracing::info!(huge_pages = %huge, "host memory for tables"));
+            match checked.and_then(hkvd::run) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("hkvd: {e:#}");

@@ -114,3 +114,58 @@ fn a_chunk_grown_past_its_manifest_or_a_fifo_is_refused_not_read() {
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("t0000.0000.00000000") && err.contains("FIFO"), "{err}");
 }
+
+/// `hkvd serve` with the default log level (info) in `root`, with
+/// `extra`, and the environment `env`, under the address-space limit:
+/// its exit code and stderr (`start_fails` runs `common::command`, which
+/// logs warnings only).
+fn start_fails_at_info(root: &Path, extra: &[&str], env: &[(&str, &str)]) -> (i32, String) {
+    let mut inner = Command::new(common::hkvd_bin());
+    inner.arg("serve").arg("--backend").arg("cpu").arg("--state-dir").arg(root.join("state"));
+    if !extra.contains(&"--socket") {
+        inner.arg("--socket").arg(root.join("run/hkvd.sock"));
+    }
+    inner.args(extra);
+    let out = limited(&inner).envs(env.iter().copied()).env_remove("RUST_LOG").output().expect("spawn prlimit hkvd");
+    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// A tester's hostile starts, each refused with exit 1 and a message that
+/// names the option (or file, or variable) and its range, before any INFO
+/// line: `--checkpoint-interval 18446744073709551615` panicked (exit 101,
+/// "overflow when adding duration to instant"); `--config /dev/zero` was
+/// read until memory ran out; `HKV_FIND_OR_INSERT=bogus` was "invalid
+/// table config"; a socket path too long said "shorter than SUN_LEN" with
+/// no length; a state directory that is a dangling symlink, and a
+/// `checkpoints/chunks` that is a regular file, said "File exists"; and
+/// `--shards 0` was refused after "INFO hkvd: host memory for tables".
+#[test]
+fn hostile_starts_are_refused_with_the_option_and_its_range() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let refused = |extra: &[&str], env: &[(&str, &str)], says: &str| {
+        let (code, err) = start_fails_at_info(root, extra, env);
+        assert_eq!(code, 1, "{extra:?}: {err}");
+        assert!(err.contains(says), "{extra:?}: {err}");
+        assert!(!err.contains("INFO"), "{extra:?}: logged before the refusal: {err}");
+    };
+    refused(&["--checkpoint-interval", "18446744073709551615"], &[], "--checkpoint-interval) must be 1 to 31536000");
+    let config = root.join("hkvd.toml");
+    std::fs::write(&config, "[checkpoint]\ninterval_s = 9223372036854775807\n").unwrap();
+    refused(&["--config", config.to_str().unwrap()], &[], "must be 1 to 31536000");
+    refused(&["--config", "/dev/zero"], &[], "/dev/zero is a device");
+    refused(&[], &[("HKV_FIND_OR_INSERT", "bogus")], "environment variable HKV_FIND_OR_INSERT");
+    let long = root.join("s".repeat(120));
+    refused(&["--socket", long.to_str().unwrap()], &[], "a Unix socket's path holds at most 107");
+    refused(&["--shards", "0"], &[], "must be 1 to 1024, not 0");
+    refused(&["--metrics-listen", "localhost:9466"], &[], "e.g. 127.0.0.1:9466");
+
+    std::os::unix::fs::symlink(root.join("gone"), root.join("state")).unwrap();
+    refused(&[], &[], "which does not exist");
+    std::fs::remove_file(root.join("state")).unwrap();
+    std::fs::create_dir_all(root.join("state/checkpoints")).unwrap();
+    std::fs::write(root.join("state/checkpoints/chunks"), "").unwrap();
+    let (code, err) = start_fails_at_info(root, &[], &[]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("chunks is a regular file"), "{err}");
+}

@@ -74,6 +74,13 @@ pub struct Checkpoints {
     full: Mutex<Option<String>>,
 }
 
+/// When a checkpoint `interval_s` seconds from now is due; None where
+/// that is past what an `Instant` holds (`Config::check` refuses such an
+/// interval; `Instant + Duration` panicked the start).
+fn due_in(interval_s: u64) -> Option<Instant> {
+    Instant::now().checked_add(Duration::from_secs(interval_s.max(1)))
+}
+
 fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }
@@ -172,7 +179,7 @@ impl Checkpoints {
         if !removed.is_empty() {
             info!(removed = removed.len(), "collected leftovers of interrupted checkpoints");
         }
-        let next_due = config.interval_s.map(|s| Instant::now() + Duration::from_secs(s.max(1)));
+        let next_due = config.interval_s.and_then(due_in);
         Ok(Checkpoints {
             catalog,
             config,

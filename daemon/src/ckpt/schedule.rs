@@ -99,7 +99,7 @@ impl Checkpoints {
     ) -> Result<Manifest, ProtoError> {
         let ck = self;
         if let Some(s) = ck.config.interval_s {
-            *ck.next_due.lock() = Some(Instant::now() + Duration::from_secs(s.max(1)));
+            *ck.next_due.lock() = super::due_in(s);
         }
         let started = Instant::now();
         let c = ck.clone();
