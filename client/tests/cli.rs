@@ -479,10 +479,114 @@ fn a_bench_of_zero_is_refused() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{flag}: {err}");
         assert!(err.contains(flag), "{flag}: {err}");
+        // The bound in words: clap's range said `0 is not in
+        // 1..18446744073709551615`.
+        assert!(err.contains("must be at least 1") && !err.contains("18446744073709551615"), "{flag}: {err}");
     }
     let out = d.hkvctl(&["bench", "--capacity", "8192", "--batches", "64,0"]);
     assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(!d.run(&["tables"]).contains("hkvctl-bench"), "table left behind");
+    let out = d.hkvctl(&["fill", "t", "--count", "5", "--batch", "0"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--batch") && err.contains("must be at least 1"), "{err}");
+}
+
+/// A tester's finding: `create-table x ... --backing-wait-replicas 1`
+/// without --backing printed a usage line listing --backing-wait-replicas
+/// as if it were required. The error says the flag needs --backing, and
+/// the usage line is the command's own (status 2, a usage error).
+#[test]
+fn a_cluster_flag_without_backing_says_it_needs_backing() {
+    for flag in ["--backing-wait-replicas", "--backing-deadline-ms", "--backing-queue-bytes", "--backing-mode"] {
+        let value = if flag == "--backing-mode" { "write-back" } else { "1" };
+        let out = Command::new(hkvctl_bin())
+            .args(["create-table", "x", "--dim", "4", "--capacity", "100", flag, value])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flag}: {err}");
+        assert!(err.contains(&format!("{flag} needs --backing")), "{flag}: {err}");
+        let usage = err.lines().find(|l| l.starts_with("Usage:")).unwrap_or_else(|| panic!("{err}"));
+        assert!(!usage.contains(flag), "{flag}: {usage}");
+    }
+}
+
+/// A tester's findings under a daemon's `--max-frame-bytes 4096`: `fill t
+/// --count 1000` was refused by the daemon (`oversized`) with "fill sends
+/// --batch 262144 keys a request" though 1000 were sent, and `bench` filled
+/// its table in 4.4 MB requests whatever --batches said, so the advice to
+/// send smaller batches could not be followed. Fill is refused before it
+/// sends, naming a --batch that passes (which then fills); bench fills in
+/// requests the limit takes.
+#[test]
+fn a_small_frame_limit_names_a_batch_that_passes() {
+    let d = Daemon::start_with(&["--backend", "cpu", "--shards", "2", "--max-frame-bytes", "4096"]);
+    d.run(&["create-table", "t", "--dim", "16", "--capacity", "4096"]);
+    let out = d.hkvctl(&["fill", "t", "--count", "1000"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("a write of 1000 keys") && !err.contains("262144"), "{err}");
+    let most: u64 = err
+        .split("give --batch at most ")
+        .nth(1)
+        .and_then(|s| s.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no --batch named: {err}"));
+    // 4096 bytes hold some 56 rows of 72 bytes (key and 16 floats).
+    assert!((40..=56).contains(&most), "{err}");
+    assert!(d.run(&["tables"]).lines().any(|l| l.starts_with("t ") && l.contains(" 0 ")), "the refused fill wrote");
+    let out = d.run(&["fill", "t", "--count", "1000", "--batch", &most.to_string()]);
+    assert!(out.starts_with("wrote 1000 keys"), "{out}");
+    d.refuses(&["fill", "t", "--count", "1000", "--batch", &(most + 1).to_string()], "--batch at most");
+    let out = d.run(&[
+        "bench",
+        "--json",
+        "--dim",
+        "4",
+        "--capacity",
+        "8192",
+        "--batches",
+        "16",
+        "--clients",
+        "1",
+        "--seconds",
+        "0.1",
+        "--warmup",
+        "0",
+    ]);
+    assert_eq!(out.lines().count(), 3, "{out}");
+    assert!(!d.run(&["tables"]).contains("hkvctl-bench"), "table left behind");
+}
+
+/// A tester's finding: a trace of 5 s whose daemon got SIGTERM at about
+/// 1 s ended at once with "wrote 0 keys" and status 0, as if the window
+/// had been whole. The daemon answers early only when it drains: hkvctl
+/// says the window was cut short and how long it covered, and fails.
+#[test]
+fn a_trace_cut_short_by_a_shutdown_says_so_and_fails() {
+    let d = Daemon::start();
+    d.run(&["create-table", "t", "--dim", "2", "--capacity", "4096"]);
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("keys.bin");
+    let trace = Command::new(hkvctl_bin())
+        .arg("--socket")
+        .arg(&d.socket)
+        .args(["trace", "t", "--seconds", "5", "--out"])
+        .arg(&out)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1000));
+    let t = Instant::now();
+    let killed = Command::new("kill").args(["-TERM", &d.child.id().to_string()]).status().unwrap();
+    assert!(killed.success());
+    let o = trace.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(t.elapsed() < Duration::from_secs(3), "the trace waited out its window: {err}");
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("cut short") && err.contains("into the 5 s window"), "{err}");
 }
 
 /// A tester's finding: `bench --batches 100000000` built 3 GB of requests,

@@ -117,13 +117,13 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 1 << 20)]
     pub capacity: u64,
     /// Keys per request, comma separated (each at least 1).
-    #[arg(long, value_delimiter = ',', default_value = "65536,262144,1048576", value_parser = at_least_1())]
+    #[arg(long, value_delimiter = ',', default_value = "65536,262144,1048576", value_parser = crate::cmd::at_least_1::<usize>)]
     pub batches: Vec<usize>,
     /// Concurrent client connections, comma separated (each at least 1).
-    #[arg(long, value_delimiter = ',', default_value = "1,4", value_parser = at_least_1())]
+    #[arg(long, value_delimiter = ',', default_value = "1,4", value_parser = crate::cmd::at_least_1::<usize>)]
     pub clients: Vec<usize>,
     /// Requests in flight per connection (at least 1).
-    #[arg(long, default_value_t = 2, value_parser = at_least_1())]
+    #[arg(long, default_value_t = 2, value_parser = crate::cmd::at_least_1::<usize>)]
     pub pipeline: usize,
     /// Seconds per measurement.
     #[arg(long, default_value_t = 2.0)]
@@ -162,11 +162,9 @@ pub struct BenchArgs {
     pub features: bool,
 }
 
-/// A count of at least 1: a bench of 0 keys, clients or requests in
-/// flight measured nothing and printed NaN rows with status 0.
-fn at_least_1() -> clap::builder::RangedU64ValueParser<usize> {
-    clap::builder::RangedU64ValueParser::new().range(1..)
-}
+/// Keys per request of the bench's filling of its table, at most (fewer
+/// where the daemon's limits.max_frame_bytes takes fewer).
+const FILL_BATCH: u64 = 1 << 18;
 
 /// Refuses, before the table is made, a batch whose largest frame the
 /// daemon would refuse (a find's answer, a write's body or, with
@@ -284,10 +282,14 @@ pub fn bench_features(socket: PathBuf, a: BenchArgs) -> Result<()> {
         TableSpec { hash: Some(proto::FeatureHash::fingerprint64(nb)), ..TableSpec::new(&table, a.dim, a.capacity) },
     )?;
     let fill = (a.capacity / 2) as i64;
+    // Requests the daemon's frame limit takes, whatever --batches says (the
+    // insert's body is larger than the hash's, and than its answer).
+    let insert = |n: u64| crate::frame::insert_body_len(&table, a.dim, n);
+    let chunk = crate::frame::fitting(&mut c, (fill as u64).clamp(1, FILL_BATCH), &insert)? as i64;
     let mut resident = Vec::with_capacity(fill as usize);
     let mut x = 1i64;
     while x <= fill {
-        let n = (fill + 1 - x).min(1 << 18);
+        let n = (fill + 1 - x).min(chunk);
         let f: Vec<i64> = (x..x + n).collect();
         let keys = c.hash(&table, proto::HashSpec::Table, proto::Features::Int64(f))?;
         c.insert_or_assign(&table, &keys, &vec![0.5; keys.len() * a.dim], None)?;
@@ -423,9 +425,13 @@ pub fn bench(socket: PathBuf, a: BenchArgs) -> Result<()> {
     check_batches(&mut c, &a, &table, false)?;
     let scratch = Scratch::create(&mut c, &socket, TableSpec::new(&table, a.dim, a.capacity))?;
     let fill = (a.capacity / 2) as usize;
+    // Requests the daemon's frame limit takes, whatever --batches says
+    // (they were 1 << 18 keys, 34 MB at dim 32, however small the limit).
+    let insert = |n: u64| crate::frame::insert_body_len(&table, a.dim, n);
+    let chunk = crate::frame::fitting(&mut c, (fill as u64).clamp(1, FILL_BATCH), &insert)? as usize;
     let mut key = 1u64;
     while (key as usize) <= fill {
-        let n = (fill + 1 - key as usize).min(1 << 18);
+        let n = (fill + 1 - key as usize).min(chunk);
         let keys: Vec<u64> = (key..key + n as u64).collect();
         c.insert_or_assign(&table, &keys, &vec![0.5; n * a.dim], None)?;
         key += n as u64;

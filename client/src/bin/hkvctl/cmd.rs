@@ -125,7 +125,7 @@ pub enum Cmd {
         #[arg(long, default_value_t = 0)]
         start: u64,
         /// Keys per request (at least 1).
-        #[arg(long, default_value_t = 1 << 18, value_parser = clap::value_parser!(u64).range(1..))]
+        #[arg(long, default_value_t = 1 << 18, value_parser = at_least_1::<u64>)]
         batch: u64,
     },
     /// Remove keys.
@@ -210,5 +210,17 @@ fn seconds(s: &str) -> Result<f64, String> {
         // panicked making it; 0 waits forever.
         Ok(v) if v.is_finite() && (0.0..=YEAR).contains(&v) => Ok(v),
         _ => Err(format!("{s:?} is not a number of seconds (0 to {YEAR}, e.g. 0.5; 0 waits forever)")),
+    }
+}
+
+/// A count of at least 1 (fill's `--batch`, bench's `--batches`,
+/// `--clients`, `--pipeline`): a bench of 0 keys, clients or requests in
+/// flight measured nothing and printed NaN rows with status 0; clap's own
+/// range check then said `0 is not in 1..18446744073709551615`.
+pub fn at_least_1<T: std::str::FromStr + PartialOrd + From<u8>>(s: &str) -> Result<T, String> {
+    match s.parse::<T>() {
+        Ok(v) if v >= T::from(1) => Ok(v),
+        Ok(_) => Err("must be at least 1".into()),
+        Err(_) => Err(format!("{s:?} is not a whole number")),
     }
 }

@@ -103,7 +103,8 @@ pub fn fill(c: &mut Client, table: &str, count: u64, start: u64, batch: u64) -> 
     };
     let dim = info.row_dim();
     // The largest request, refused before it is built when the daemon
-    // would refuse it (its body is the larger frame: the answer is a summary).
+    // would refuse it (its body is the larger frame: the answer is a
+    // summary), with the --batch that passes.
     let frame = |n: u64| crate::frame::insert_body_len(table, dim, n);
     let most = batch.min(count);
     crate::frame::check(c, most, &frame, &format!("a write of {most} keys of {dim} values"), "--batch")?;
@@ -116,7 +117,7 @@ pub fn fill(c: &mut Client, table: &str, count: u64, start: u64, batch: u64) -> 
         let values: Vec<f32> = keys.iter().flat_map(|&x| (0..dim).map(move |d| x as f32 + d as f32)).collect();
         s += c.insert_or_assign(table, &keys, &values, None).map_err(|e| match e.code() {
             Some(proto::ErrorCode::Oversized) => {
-                anyhow::anyhow!("{e} (fill sends --batch {batch} keys a request: give a smaller --batch)")
+                anyhow::anyhow!("{e} (fill sends {most} keys a request: give a smaller --batch)")
             }
             _ => e.into(),
         })?;

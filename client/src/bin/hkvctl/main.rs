@@ -185,6 +185,18 @@ fn broken_pipe(e: &anyhow::Error) -> bool {
 fn main() -> ExitCode {
     quiet_on_broken_pipe();
     let cli = Cli::parse();
+    if let Cmd::CreateTable(a) = &cli.cmd {
+        if let Some(flag) = a.without_backing() {
+            let mut cmd = <Cli as clap::CommandFactory>::command();
+            cmd.build();
+            let sub = cmd.find_subcommand_mut("create-table").expect("create-table is a command");
+            sub.error(
+                clap::error::ErrorKind::MissingRequiredArgument,
+                format!("{flag} needs --backing (the seed nodes of the table's Redis Cluster)"),
+            )
+            .exit();
+        }
+    }
     let timeout = cli.timeout;
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,

@@ -58,6 +58,7 @@ pub fn trace(c: &mut Client, table: &str, seconds: u32, out: &std::path::Path, t
         .open(out)
         .with_context(|| format!("cannot write {}", out.display()))?;
     eprintln!("collecting {table}'s sampled keys for {seconds} s ...");
+    let started = std::time::Instant::now();
     let (keys, rate, truncated) = match c.trace(table, seconds) {
         Ok(got) => got,
         Err(e) => {
@@ -67,6 +68,13 @@ pub fn trace(c: &mut Client, table: &str, seconds: u32, out: &std::path::Path, t
             return Err(e.into());
         }
     };
+    // The answer does not say that the window was cut short (PROTOCOL.md:
+    // the daemon collects for N seconds, less when it begins to drain),
+    // but the daemon answers no sooner otherwise: an answer well before
+    // the window's end is a drain's. A tester's trace of 5 s cut at 1 s
+    // said "wrote 0 keys" and exited 0 as if the window had been whole.
+    let took = started.elapsed().as_secs_f64();
+    let cut_short = took + CUT_SHORT_SLACK_S < f64::from(seconds);
     if file.metadata().is_ok_and(|m| m.is_file()) {
         // (Not a pipe or a device such as /dev/stdout, which take no length.)
         file.set_len(0).with_context(|| format!("cannot write {}", out.display()))?;
@@ -83,6 +91,13 @@ pub fn trace(c: &mut Client, table: &str, seconds: u32, out: &std::path::Path, t
         out.display(),
         if text { "text" } else { "u64 LE" }
     );
+    if cut_short {
+        bail!(
+            "the trace was cut short: the daemon began shutting down {took:.1} s into the {seconds} s window, so {} \
+             holds the keys of those {took:.1} s only; trace again once the daemon is back",
+            out.display()
+        );
+    }
     // The replay hint needs the table's capacity: a daemon that stopped
     // after answering the trace (a drain answers it early) leaves the
     // trace written and the hint out.
@@ -130,6 +145,11 @@ pub fn trace(c: &mut Client, table: &str, seconds: u32, out: &std::path::Path, t
     );
     Ok(())
 }
+
+/// How much earlier than the window's end a trace's answer must come to
+/// be a window cut short: the daemon's timer and the answer's way back
+/// take milliseconds, a drain cuts at any moment.
+const CUT_SHORT_SLACK_S: f64 = 0.25;
 
 /// Table `table` as the stats document has it (none: no such table).
 fn table_stats(c: &mut Client, table: &str) -> Result<Option<TableStats>> {

@@ -61,20 +61,39 @@ pub struct CreateTable {
     pub backing: Option<String>,
     /// How writes reach the cluster: read-only, write-through or
     /// write-back (needs --backing).
-    #[arg(long, requires = "backing", value_parser = name::<proto::BackingMode>)]
+    #[arg(long, value_parser = name::<proto::BackingMode>)]
     pub backing_mode: Option<proto::BackingMode>,
     /// Replicas of each master that must acknowledge a write (Redis
     /// `WAIT`) before it counts as written (needs --backing).
-    #[arg(long, requires = "backing")]
+    #[arg(long)]
     pub backing_wait_replicas: Option<u32>,
     /// How long a read of cache misses waits for the cluster, ms (1 to
     /// 60000; default 250; needs --backing).
-    #[arg(long, requires = "backing")]
+    #[arg(long)]
     pub backing_deadline_ms: Option<u64>,
     /// The write-back queue's bound in bytes (default 64 MiB; needs
     /// --backing).
-    #[arg(long, requires = "backing")]
+    #[arg(long)]
     pub backing_queue_bytes: Option<u64>,
+}
+
+impl CreateTable {
+    /// The first of the cluster's flags given without `--backing`: a usage
+    /// error. (Not clap's `requires`: its usage line then listed the flag
+    /// given as if it were required too.)
+    pub fn without_backing(&self) -> Option<&'static str> {
+        if self.backing.is_some() {
+            return None;
+        }
+        [
+            ("--backing-mode", self.backing_mode.is_some()),
+            ("--backing-wait-replicas", self.backing_wait_replicas.is_some()),
+            ("--backing-deadline-ms", self.backing_deadline_ms.is_some()),
+            ("--backing-queue-bytes", self.backing_queue_bytes.is_some()),
+        ]
+        .into_iter()
+        .find_map(|(flag, given)| given.then_some(flag))
+    }
 }
 
 /// `hkvctl create-table`.
