@@ -637,17 +637,27 @@ class Client:
         """:meth:`settle`, telling each deferred reader who reads its answer
         (``by``, for its error's message; None: the request about to be
         sent, which then is not)."""
-        while self._deferred:
-            self._deferred.pop(0)(by)
+        while True:
+            try:
+                # Taken one at a time: another thread sharing this client
+                # may be reading the same list.
+                read = self._deferred.pop(0)
+            except IndexError:
+                return
+            read(by)
 
     def _send(self, op: int, flags: int, parts: Sequence, dim: int = 0, n: int = 0,
               out: Optional[np.ndarray] = None, settle: bool = True) -> int:
         # settle False: a request the daemon orders after the deferred
-        # answers' requests itself (hkvd.region.After).
+        # answers' requests itself (hkvd.region.After), or whose caller
+        # read them before taking _io (hkvd.region.raw_call).
         self._here()
+        if settle:
+            # Before _io, never under it: a deferred reader takes its
+            # cache's lock and then _io, and a thread holding that lock
+            # (reading the same answer) waits for _io.
+            self._settle()
         with self._io:
-            if self._deferred and settle:
-                self._settle()
             if self._unneeded:
                 self._unregister_unneeded()
             rid = self._next

@@ -158,8 +158,9 @@ def raw_call(client, op: int, body: bytes, flags: int = 0) -> bytes:
     """Sends one request and returns its answer body unparsed (raises the
     daemon's error)."""
     client._here()  # before the lock, which a parent's thread may hold in a forked child
+    client._settle()  # not under _io (Client._send)
     with client._io:  # flagged before another thread can read the answer
-        rid = client._send(op, flags, [body])
+        rid = client._send(op, flags, [body], settle=False)
         client._pending[rid].flags |= F_REGION  # the answer is returned as bytes
     return client.result(rid)
 

@@ -12,9 +12,11 @@ Needs torch; importing this module without it raises ImportError.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import numbers
 import sys
+import threading
 import time
 import weakref
 from typing import Callable, Iterable, List, NamedTuple, Optional, Sequence
@@ -31,8 +33,26 @@ TRANSPORTS = ("cuda-ipc", "shm", "socket")
 _NAMES = {"cuda-ipc": "CUDA IPC", "shm": "shared memory", "socket": "the socket"}
 
 
-# The modules of each (socket, table), for steps that patch every module's prefetches.
+# The modules of each (socket, table), for steps that patch every module's
+# prefetches, and the lock they take turns with (:func:`_in_turn`).
 _SHARING: dict = {}
+_TURNS: dict = {}
+
+
+def _in_turn(method):
+    """``method`` of a module run holding its table's turn: a forward, a
+    prefetch, a step or a flush reads and changes the pending lookups and
+    steps of every module of the table (``_SHARING``), so modules of one
+    table used from several threads take turns (a tester's threads, each
+    with its own module of one table, prefetching, took each other's
+    lookups from their lists: IndexError, lookups read twice)."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._turn:
+            return method(self, *args, **kwargs)
+
+    return run
 
 
 def _device(device) -> torch.device:
@@ -203,6 +223,20 @@ class EmbeddingCache:
         # Called when settle reads a refused optimizer step (it wrote
         # nothing), or none (the connection lost: whether it wrote is unknown).
         self.on_refused: Optional[Callable[[], None]] = None
+        # Held by :meth:`settle` from taking the step in flight until its
+        # answer is read: another thread may settle it (a request of a
+        # shared client reads the deferred answers first, a module of the
+        # same table settles its fellows), and this cache's own next
+        # request must wait for that, not write its buffers while the
+        # daemon may still read the step's keys and gradients from them (a
+        # tester's threads sharing one client over shm stepped rows of
+        # their next batch: -0.9 and -1.1 where -1.0 was due). Taken before
+        # the client's ``_io``, never while holding it.
+        self._settling = threading.RLock()
+        # A step's done event was waited for on the stream of whoever read
+        # its answer (cuda-ipc): this cache's next request waits for it on
+        # its own stream too (:meth:`_settle_own`).
+        self._owed = False
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = _device(device)
@@ -346,7 +380,7 @@ class EmbeddingCache:
         keys and rows were put in the buffers (:meth:`_fill`) before that
         request was sent, and its answer is not read first
         (``region.After``)."""
-        self.settle()
+        self._settle_own()
         self._refuse_if_remade()
         m = keys.numel()
         c = self.client
@@ -450,7 +484,7 @@ class EmbeddingCache:
 
     def _step_chunk(self, keys: torch.Tensor, grads: torch.Tensor, hyper: dict, out: Optional[torch.Tensor],
                     found: Optional[torch.Tensor], wait: bool = True, views: bool = False, sum: bool = False) -> int:
-        self.settle()
+        self._settle_own()
         self._refuse_if_remade()
         with self._noting_remade():
             return self._step_chunk_noted(keys, grads, hyper, out, found, wait, views, sum)
@@ -505,7 +539,23 @@ class EmbeddingCache:
         follows its writes. Every request of this cache, and every later
         request of its client, does this first. ``by`` names who reads it
         for the step's error (``"flush()"``); None: the request about to be
-        sent, which the error then stops."""
+        sent, which the error then stops.
+
+        Safe from any thread: one that finds the step being read by another
+        waits until its answer is in."""
+        with self._settling:
+            self._settle_locked(by)
+
+    def _settle_own(self) -> None:
+        """:meth:`settle` before a request of this cache, which writes its
+        buffers: on cuda-ipc the current stream then also follows a step
+        whose answer another thread read (:attr:`_owed`)."""
+        self.settle()
+        if self._owed:
+            self._owed = False
+            self._done.wait(_cuda.torch_stream(self.device.index))
+
+    def _settle_locked(self, by: Optional[str]) -> None:
         f = self._inflight
         if f is None:
             return
@@ -545,6 +595,7 @@ class EmbeddingCache:
             raise
         if self.transport == "cuda-ipc" and p.post is None and self._done is not None:
             self._done.wait(_cuda.torch_stream(self.device.index))
+            self._owed = True
         self.missing += region.count(body) or 0
         if out is not None:
             self._copy_out(m, out, found)
@@ -745,10 +796,11 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         inv, uniq = ctx.saved_tensors
-        g = ctx.module._grad_rows(ctx.n, grad.device)
-        g.index_add_(0, inv, grad.reshape(-1, grad.shape[-1]).to(torch.float32))
-        with ctx.module._remade_named():
-            ctx.module._apply_step(uniq, g)
+        with ctx.module._turn:
+            g = ctx.module._grad_rows(ctx.n, grad.device)
+            g.index_add_(0, inv, grad.reshape(-1, grad.shape[-1]).to(torch.float32))
+            with ctx.module._remade_named():
+                ctx.module._apply_step(uniq, g)
         return None, None, None, None, None
 
 
@@ -767,7 +819,7 @@ class _Positions(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (flat,) = ctx.saved_tensors
-        with ctx.module._remade_named():
+        with ctx.module._turn, ctx.module._remade_named():
             ctx.module._apply_positions(flat, grad.reshape(-1, grad.shape[-1]))
         return None, None, None, None
 
@@ -855,8 +907,10 @@ class _Sparse(torch.nn.Module):
         self._patched: list = []  # each patch's count (0-d tensors on the device), summed when asked
         # The modules of this table (this one among them): a step of any
         # patches the prefetches pending in all.
-        self._sharing = _SHARING.setdefault((client.path, table), weakref.WeakSet())
-        self._sharing.add(self)
+        self._turn = _TURNS.setdefault((client.path, table), threading.RLock())
+        with self._turn:
+            self._sharing = _SHARING.setdefault((client.path, table), weakref.WeakSet())
+            self._sharing.add(self)
         self.cache.on_refused = _uncount_step(self)
 
     def _step_sent(self, send: Callable[[], None]) -> None:
@@ -901,6 +955,7 @@ class _Sparse(torch.nn.Module):
             return None
         return _init_result(self.init(uniq), "init(ids)", uniq.numel(), self.dim, self.device)
 
+    @_in_turn
     def prefetch(self, ids) -> None:
         """With ``dedupe="table"``: keeps ``ids`` (the next step's), whose
         lookup this module's next step sends right behind itself (over CUDA
@@ -1019,6 +1074,7 @@ class _Sparse(torch.nn.Module):
         dropped), over the steps whose answers were read."""
         return self._missing + self.cache.missing
 
+    @_in_turn
     def flush(self) -> None:
         """Waits for the last optimizer step's answer (the backward sends it
         without waiting) and raises its error, if any. Any later request of
@@ -1245,7 +1301,7 @@ class _Sparse(torch.nn.Module):
             if after:
                 for m, p in again:
                     if m.client is self.client:
-                        p.cache.settle()
+                        p.cache._settle_own()
                         p.cache._fill(p.ids, m._init_rows(p.ids))
             self._step_sent(step)
             for m, p in again:
@@ -1294,7 +1350,7 @@ class _Sparse(torch.nn.Module):
         into it later), else a new tensor."""
         c = self.cache
         if c.transport == "cuda-ipc" and n <= c.max_batch and torch.device(device) == c.device:
-            c.settle()  # the buffer may still be the last step's
+            c._settle_own()  # the buffer may still be the last step's
             return c._grads[:n].zero_()
         return torch.zeros((n, self.dim), dtype=torch.float32, device=device)
 
@@ -1360,6 +1416,7 @@ class _Sparse(torch.nn.Module):
         return UnknownTable("unknown_table", f"table {self.table!r} was dropped and created again since this module "
                                              f"was made for it (by this module's client): make a new module for it")
 
+    @_in_turn
     def _gathered(self, ids):
         self._refuse_if_remade()
         known = self.client._dims.get(self.table, self.cache.row_dim)

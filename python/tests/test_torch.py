@@ -1793,3 +1793,47 @@ def test_a_step_a_stalled_cluster_node_may_run_is_not_called_refused(daemon, red
     assert "refused and not applied" not in str(e.value), str(e.value)
     assert emb.step == 1, "a step of unknown fate is not counted"
     c.close()
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("dedupe", ["table", "module"])
+@pytest.mark.parametrize("shared", [True, False])
+def test_threads_each_with_a_module_of_one_table_step_every_row_exactly(daemon, shared, dedupe, prefetch):
+    # A tester's six threads, each with its own module of one table over
+    # one shared client (shm), stepped rows of their next batch, silently:
+    # a thread reading the deferred answers settled another thread's step,
+    # whose own thread then took it for answered and wrote its next keys
+    # into the buffers the daemon had yet to read the step from (rows at
+    # -0.9 and -1.1 where -1.0 was due). With prefetch, modules of one
+    # table in several threads (shared client or not) took each other's
+    # pending lookups from their lists (IndexError). Every row must get
+    # exactly its steps.
+    import threading
+
+    c = hkvd.Client(daemon.socket, timeout=30)
+    c.create_table("th", dim=4, capacity=1 << 14, optimizer="sgd")
+    threads, steps, errors = 6, 100, []
+
+    def train(i):
+        try:
+            cl = c if shared else hkvd.Client(daemon.socket, timeout=30)
+            m = hkvd.torch.Embedding(cl, "th", lr=0.1, device="cpu", verbose=False, transport="shm", dedupe=dedupe)
+            for s in range(steps):
+                if prefetch:
+                    m.prefetch(torch.tensor([i * 100 + (s + 1) % 5]))
+                m(torch.tensor([i * 100 + s % 5])).sum().backward()
+            m.flush()
+            assert m.step == steps and m.missing == 0
+        except Exception as e:  # noqa: BLE001 - reported by the test's thread
+            errors.append(repr(e))
+
+    ts = [threading.Thread(target=train, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not any(t.is_alive() for t in ts) and errors == []
+    keys = np.array([i * 100 + k for i in range(threads) for k in range(5)], np.uint64)
+    values, found = c.find("th", keys)
+    assert found.all()
+    assert np.round(-values[:, 0] / 0.1).astype(int).tolist() == [steps // 5] * keys.size
