@@ -104,25 +104,49 @@ fn draw_header(f: &mut Frame, app: &App, area: Rect) {
             ),
             Span::raw(format!(" {e} — reconnecting to {}", app.socket)),
         ]),
-        (None, Some(s)) => Line::from(vec![
-            Span::styled(
-                format!(" hkvd {} ", s.version),
-                Style::default().add_modifier(Modifier::BOLD | Modifier::REVERSED),
-            ),
-            Span::raw(format!(
-                " up {}  {}  {} shards  {} conn  {} req  {} err  {}",
-                uptime(s.uptime_s),
-                s.backend,
-                s.shards,
-                s.connections,
-                human(s.requests as f64),
-                s.errors,
-                app.socket
-            )),
-        ]),
+        (None, Some(s)) => {
+            let badge = format!(" hkvd {} ", s.version);
+            // Whole items, the least important left out first (the socket,
+            // then the request count, ...): at 80 columns the line was cut
+            // mid-value (`1 conn  114.8`).
+            let items = [
+                (format!("up {}", uptime(s.uptime_s)), 0),
+                (s.backend.clone(), 2),
+                (format!("{} shards", s.shards), 4),
+                (format!("{} conn", s.connections), 3),
+                (format!("{} req", human(s.requests as f64)), 5),
+                (format!("{} err", s.errors), 1),
+                (app.socket.clone(), 6),
+            ];
+            let room = (area.width as usize).saturating_sub(badge.chars().count() + 1);
+            let shown = fit_items(&items, room, 2);
+            Line::from(vec![
+                Span::styled(badge, Style::default().add_modifier(Modifier::BOLD | Modifier::REVERSED)),
+                Span::raw(format!(" {}", shown.join("  "))),
+            ])
+        }
         (None, None) => Line::raw(format!(" connecting to {} …", app.socket)),
     };
     f.render_widget(Paragraph::new(line), area);
+}
+
+/// The texts of `items` (text, rank: 0 the last to go) that fit `width`
+/// cells with `gap` cells between them: the lowest ranks first, then the
+/// others in rank order while they fit; in their given order.
+fn fit_items(items: &[(String, u8)], width: usize, gap: usize) -> Vec<String> {
+    let mut order: Vec<usize> = (0..items.len()).collect();
+    order.sort_by_key(|&i| items[i].1);
+    let mut keep = vec![false; items.len()];
+    let mut used = 0;
+    for i in order {
+        let need = items[i].0.chars().count() + if used > 0 { gap } else { 0 };
+        if used + need > width {
+            break;
+        }
+        used += need;
+        keep[i] = true;
+    }
+    kept(items.iter().map(|(t, _)| t.clone()), &keep)
 }
 
 fn uptime(s: f64) -> String {
@@ -179,14 +203,23 @@ fn kept<T>(all: impl IntoIterator<Item = T>, keep: &[bool]) -> Vec<T> {
     all.into_iter().zip(keep).filter(|(_, &k)| k).map(|(x, _)| x).collect()
 }
 
-/// The widths of the kept columns, the first (a name) free to grow.
+/// The widths of the kept columns.
 fn kept_widths(cols: &[Column], keep: &[bool]) -> Vec<Constraint> {
-    let w: Vec<Constraint> = cols
-        .iter()
-        .enumerate()
-        .map(|(i, c)| if i == 0 { Constraint::Min(c.1) } else { Constraint::Length(c.1) })
-        .collect();
-    kept(w, keep)
+    kept(cols.iter().map(|c| Constraint::Length(c.1)), keep)
+}
+
+/// The widest a name column grows (a longer name is cut): a name column
+/// free to grow took what the others left (96 cells at 200 columns) and
+/// pushed them to the far right.
+const NAME_CAP: usize = 32;
+
+/// `cols` with the first (a name) as wide as the longest of `names`, at
+/// least its usual width and at most [`NAME_CAP`].
+fn name_sized(cols: &[Column], names: impl IntoIterator<Item = usize>) -> Vec<Column> {
+    let mut out = cols.to_vec();
+    let widest = names.into_iter().max().unwrap_or(0).min(NAME_CAP) as u16;
+    out[0].1 = out[0].1.max(widest);
+    out
 }
 
 fn draw_overview(f: &mut Frame, app: &App, area: Rect) {
@@ -197,10 +230,11 @@ fn draw_overview(f: &mut Frame, app: &App, area: Rect) {
     // The columns that fit the panel, in their usual order (a narrow
     // terminal drops reject/s first, then mode, dim, policy, evict/s,
     // capacity, ops/s).
-    let keep = fit_columns(&OVERVIEW_COLUMNS, list.width.saturating_sub(2));
+    let visible = app.visible();
+    let cols = name_sized(&OVERVIEW_COLUMNS, visible.iter().map(|t| t.name.chars().count()));
+    let keep = fit_columns(&cols, list.width.saturating_sub(2));
     let header =
         Row::new(kept(OVERVIEW_COLUMNS.map(|c| c.0), &keep)).style(Style::default().add_modifier(Modifier::BOLD));
-    let visible = app.visible();
     let rows = visible.iter().enumerate().map(|(i, t)| {
         let r = app.rates.get(&t.name).copied().unwrap_or_default();
         let load = t.load();
@@ -225,7 +259,7 @@ fn draw_overview(f: &mut Frame, app: &App, area: Rect) {
             row
         }
     });
-    let widths = kept_widths(&OVERVIEW_COLUMNS, &keep);
+    let widths = kept_widths(&cols, &keep);
     let title =
         if app.filter.is_empty() { " tables ".to_string() } else { format!(" tables matching /{} ", app.filter) };
     f.render_widget(
@@ -358,8 +392,10 @@ fn draw_table(f: &mut Frame, app: &App, area: Rect) {
     let op_rows = by_type
         .iter()
         .map(|(n, o, k)| Row::new(vec![Cell::from(n.clone()), Cell::from(human(*o)), Cell::from(human(*k))]));
+    // The operation's name as wide as the longest (not all the panel left).
+    let op_width = by_type.iter().map(|(n, _, _)| n.chars().count()).max().unwrap_or(0).clamp(9, NAME_CAP) as u16;
     f.render_widget(
-        Table::new(op_rows, [Constraint::Fill(1), Constraint::Length(9), Constraint::Length(8)])
+        Table::new(op_rows, [Constraint::Length(op_width), Constraint::Length(9), Constraint::Length(8)])
             .header(Row::new(["operation", "batches/s", "keys/s"]).style(Style::default().add_modifier(Modifier::BOLD)))
             .block(Block::default().borders(Borders::ALL).title(" operations per second by type ")),
         ops,
@@ -376,7 +412,8 @@ fn draw_table(f: &mut Frame, app: &App, area: Rect) {
             .label(format!("load {:.1}%  ({} of {})", t.load() * 100.0, t.size(), t.capacity())),
         gauge,
     );
-    let keep = fit_columns(&SHARD_COLUMNS, area.width.saturating_sub(2));
+    let cols = name_sized(&SHARD_COLUMNS, [t.shards.len().saturating_sub(1).to_string().len()]);
+    let keep = fit_columns(&cols, area.width.saturating_sub(2));
     let header = Row::new(kept(SHARD_COLUMNS.map(|c| c.0), &keep)).style(Style::default().add_modifier(Modifier::BOLD));
     let rows = t.shards.iter().enumerate().map(|(i, s)| {
         let load = if s.capacity == 0 { 0.0 } else { s.size as f64 / s.capacity as f64 };
@@ -397,7 +434,7 @@ fn draw_table(f: &mut Frame, app: &App, area: Rect) {
         ];
         Row::new(kept(cells, &keep))
     });
-    let widths = kept_widths(&SHARD_COLUMNS, &keep);
+    let widths = kept_widths(&cols, &keep);
     let rest = match &t.backing {
         Some(b) => {
             let [shards, tier] = Layout::vertical([Constraint::Min(3), Constraint::Length(5)]).areas(rest);
@@ -485,7 +522,8 @@ fn draw_devices(f: &mut Frame, app: &App, area: Rect) {
         return;
     };
     let n = s.tables.iter().map(|t| t.shards.len()).max().unwrap_or(0);
-    let keep = fit_columns(&DEVICE_COLUMNS, area.width.saturating_sub(2));
+    let cols = name_sized(&DEVICE_COLUMNS, [n.saturating_sub(1).to_string().len()]);
+    let keep = fit_columns(&cols, area.width.saturating_sub(2));
     let header =
         Row::new(kept(DEVICE_COLUMNS.map(|c| c.0), &keep)).style(Style::default().add_modifier(Modifier::BOLD));
     let rows = (0..n).map(|i| {
@@ -508,7 +546,7 @@ fn draw_devices(f: &mut Frame, app: &App, area: Rect) {
             row
         }
     });
-    let widths = kept_widths(&DEVICE_COLUMNS, &keep);
+    let widths = kept_widths(&cols, &keep);
     f.render_widget(
         Table::new(rows, widths)
             .header(header)
@@ -615,8 +653,6 @@ fn draw_popup(f: &mut Frame, title: &str, text: &str) {
 }
 
 fn draw_help(f: &mut Frame) {
-    let area = centered(f.area(), 68, 14);
-    f.render_widget(Clear, area);
     let lines = [
         "q, Esc, Ctrl-C   quit (the terminal is restored; Esc clears a filter first)",
         "?                this help (any key closes it)",
@@ -629,8 +665,18 @@ fn draw_help(f: &mut Frame) {
         "sparklines: evictions and rejections per second",
         "lock groups: readers and updaters share, inserters run alone",
     ];
+    // As wide as the longest line and its borders (a fixed 68 cut the
+    // first line at any terminal size); on a narrower terminal the lines
+    // wrap, and the box grows by the rows they take.
+    let widest = lines.iter().map(|l| l.chars().count()).max().unwrap_or(0) as u16 + 2;
+    let width = widest.min(f.area().width);
+    let inner = width.saturating_sub(2).max(1) as usize;
+    let rows: usize = lines.iter().map(|l| l.chars().count().div_ceil(inner).max(1)).sum();
+    let area = centered(f.area(), width, rows as u16 + 2);
+    f.render_widget(Clear, area);
     f.render_widget(
         Paragraph::new(lines.iter().map(|l| Line::raw(*l)).collect::<Vec<_>>())
+            .wrap(Wrap { trim: false })
             .block(Block::default().borders(Borders::ALL).title(" hkvd top — help ")),
         area,
     );

@@ -414,3 +414,68 @@ fn a_curve_that_is_not_ready_says_so() {
     a.on_key(key(KeyCode::Up));
     assert!(render(&a, 140, 30).contains("--no-mrc"), "items has no curve at all");
 }
+
+/// A tester's finding: the help box had a fixed width, and its first line
+/// read `q, Esc, Ctrl-C   quit (the terminal is restored; Esc clears a
+/// filt` at 200, 120 and 100 columns alike. The box is as wide as its
+/// longest line; on a narrower terminal the lines wrap, nothing is lost.
+#[test]
+fn the_help_box_holds_its_longest_line() {
+    let mut a = app();
+    a.on_key(key(KeyCode::Char('?')));
+    let quit = "q, Esc, Ctrl-C   quit (the terminal is restored; Esc clears a filter first)";
+    for w in [200, 120, 100, 80] {
+        let s = render(&a, w, 30);
+        assert!(s.contains(quit), "{w} columns:\n{s}");
+    }
+    // At the smallest console the long lines wrap: every word is there.
+    let s = render(&a, 60, 16);
+    let words: Vec<&str> = s.split(['│', ' ']).collect();
+    for w in quit.split(' ').chain("lock groups: readers and updaters share, inserters run alone".split(' ')) {
+        assert!(words.contains(&w), "{w:?} missing at 60x16:\n{s}");
+    }
+}
+
+/// The same tester, at 200 columns: the name column (table, shard,
+/// device, operation) took what the other columns left, some 96 cells,
+/// and pushed them to the far right; at 80 the header line was cut
+/// mid-value (`1 conn  114.8`). Name columns are as wide as their names
+/// (at most 32 cells), and the header leaves out whole items.
+#[test]
+fn name_columns_fit_their_names_and_the_header_drops_whole_items() {
+    let mut a = app();
+    let gap = |s: &str, first: &str, next: &str| {
+        let l = s.lines().find(|l| l.contains(first) && l.contains(next)).unwrap_or_else(|| panic!("{s}"));
+        l.find(next).unwrap() - l.find(first).unwrap()
+    };
+    let s = render(&a, 200, 40);
+    // "table" padded to 8 cells, a space, then "dim".
+    assert!(gap(&s, "table", "dim") <= 10, "{s}");
+    a.on_key(key(KeyCode::Down));
+    a.on_key(key(KeyCode::Tab));
+    let s = render(&a, 200, 45);
+    assert!(gap(&s, "shard", "size") <= 7, "{s}");
+    // insert_or_assign, the longest operation, then its figures.
+    assert!(gap(&s, "operation", "batches/s") <= 18, "{s}");
+    a.on_key(key(KeyCode::Tab));
+    let s = render(&a, 200, 40);
+    assert!(gap(&s, "device", "tables") <= 9, "{s}");
+    // A long name is cut at the cap rather than pushing the columns out.
+    let mut v = stats_json(100, false);
+    v["tables"][0]["spec"]["name"] = json!("n".repeat(80));
+    let mut b = App::new("/tmp/hkvd.sock".into());
+    b.on_stats(&typed(&v), Instant::now());
+    let s = render(&b, 200, 40);
+    assert!(gap(&s, "table", "dim") <= 34, "{s}");
+    // The header: whole items at any width, the socket going first.
+    let full = render(&a, 200, 40).lines().next().unwrap().to_string();
+    let items: Vec<&str> = full.split("  ").map(str::trim).filter(|i| !i.is_empty()).collect();
+    assert!(items.contains(&"3 conn") && items.contains(&"/tmp/hkvd.sock"), "{full}");
+    for w in [80, 70, 60] {
+        let head = render(&a, w, 24).lines().next().unwrap().to_string();
+        for i in head.split("  ").map(str::trim).filter(|i| !i.is_empty()) {
+            assert!(items.contains(&i), "{w} columns: {i:?} is cut in {head:?}");
+        }
+        assert!(head.contains("up 1h2m") && head.contains("1 err"), "{w}: {head:?}");
+    }
+}
