@@ -125,8 +125,13 @@ def state_cols(optimizer: Optional[str], dim: int) -> int:
 
 
 def hyper_bytes(lr: float, eps: float, beta1: float, beta2: float, weight_decay: float, step: int) -> bytes:
-    """apply_gradients' hyperparameters as the wire carries them (28 bytes)."""
-    return struct.pack("<5fQ", lr, eps, beta1, beta2, weight_decay, _uint(step, 64, "step"))
+    """apply_gradients' hyperparameters as the wire carries them (28 bytes);
+    one that is no number is a TypeError naming it (struct's own error
+    named none)."""
+    floats = [float(_typed(v, what, (int, float, np.integer, np.floating), "a number"))
+              for what, v in (("lr", lr), ("eps", eps), ("beta1", beta1), ("beta2", beta2),
+                              ("weight_decay", weight_decay))]
+    return struct.pack("<5fQ", *floats, _uint(step, 64, "step"))
 
 
 _WRITE_OPS = (OP_INSERT_OR_ASSIGN, OP_INSERT_AND_EVICT, OP_FIND_OR_INSERT, OP_ASSIGN, OP_ACCUM_OR_ASSIGN, OP_LOAD)

@@ -199,6 +199,8 @@ class EmbeddingCache:
             raise ValueError(f"transport must be auto, {', '.join(TRANSPORTS)}; not {transport!r}")
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
+        if init is not None and not callable(init):
+            raise TypeError(f"init must be a callable (init(n, dim) -> rows) or None, not {type(init).__name__}")
         self.client = client
         self.table = table
         self.row_dim = client.dim(table)
@@ -850,6 +852,9 @@ class _Sparse(torch.nn.Module):
         super().__init__()
         if dedupe not in ("module", "table"):
             raise ValueError(f"dedupe must be module or table, not {dedupe!r}")
+        if init is not None and not callable(init):
+            # Else refused only at the first forward of an unknown id.
+            raise TypeError(f"init must be a callable (init(ids) -> rows) or None, not {type(init).__name__}")
         # "table": every position's id goes to the table as it is; the
         # table answers a row per position and sums a repeated id's
         # gradients itself (apply_gradients with SUM). "module": the ids
@@ -1529,7 +1534,17 @@ class _Sparse(torch.nn.Module):
         return {"step": self.step}
 
     def set_extra_state(self, state) -> None:
-        self.step = int(state["step"])
+        """The step count of ``state`` (``get_extra_state``), checked as the
+        wire checks ``step`` before it is kept: a count the next backward
+        would send refused (-3, 2**64, a float) was accepted here, and that
+        step then raised and still moved the count."""
+        step = state.get("step") if isinstance(state, dict) else None
+        if not isinstance(state, dict) or isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+            raise TypeError(f"_extra_state must be a dict {{'step': int}} (get_extra_state's), not {state!r}")
+        # The next step sends step + 1: at most 2**64 - 1.
+        if not 0 <= int(step) < (1 << 64) - 1:
+            raise ValueError(f"_extra_state['step'] must be 0 to {(1 << 64) - 2}, not {int(step)}")
+        self.step = int(step)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):

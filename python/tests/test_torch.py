@@ -1837,3 +1837,30 @@ def test_threads_each_with_a_module_of_one_table_step_every_row_exactly(daemon, 
     values, found = c.find("th", keys)
     assert found.all()
     assert np.round(-values[:, 0] / 0.1).astype(int).tolist() == [steps // 5] * keys.size
+
+
+def test_a_wrong_extra_state_init_or_hyperparameter_is_refused_at_once(daemon):
+    # A tester's load_state_dict took {"step": -3} (and 2**64, 1.7): the
+    # next backward raised and still moved the count; "garbage" gave
+    # "string indices must be integers"; init=5 was taken until a forward;
+    # apply_gradients(lr="0.1") raised struct.error.
+    c = daemon.client()
+    c.create_table("x", dim=4, capacity=1 << 10, optimizer="sgd")
+    m = hkvd.torch.Embedding(c, "x", device="cpu", verbose=False)
+    for bad, kind in [({"step": -3}, ValueError), ({"step": 2 ** 64}, ValueError), ({"step": 1.7}, TypeError),
+                      ("garbage", TypeError), ({}, TypeError)]:
+        with pytest.raises(kind):
+            m.load_state_dict({"_extra_state": bad})
+        assert m.step == 0
+    m.load_state_dict({"_extra_state": {"step": 7}})
+    m(torch.tensor([1])).sum().backward()
+    m.flush()
+    assert m.step == 8
+    with pytest.raises(TypeError, match="init"):
+        hkvd.torch.Embedding(c, "x", init=5, device="cpu", verbose=False)
+    with pytest.raises(TypeError, match="init"):
+        EmbeddingCache(c, "x", init=5, device="cpu", verbose=False)
+    for name in ("lr", "eps", "beta1", "beta2", "weight_decay"):
+        hyper = {"lr": 0.1, name: "0.1"}
+        with pytest.raises(TypeError, match=name):
+            c.apply_gradients("x", [1], np.ones((1, 4), np.float32), **hyper)
