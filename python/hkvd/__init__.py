@@ -289,6 +289,12 @@ def _keys(keys) -> np.ndarray:
             isinstance(k, (int, np.integer)) and not isinstance(k, bool) for k in keys):
         # Python ints beside numpy uint64 scalars: numpy makes them float64.
         a = np.array([int(k) % (1 << 64) for k in keys], dtype=np.uint64)
+    if a.dtype.kind == "O":
+        # Python ints numpy cannot hold in 64 bits (2**64, -2**63 - 1).
+        wide = [k for k in a.reshape(-1) if isinstance(k, int) and not -(1 << 63) <= k < (1 << 64)]
+        if wide:
+            raise ValueError(f"key {wide[0]} is out of range: keys are 0 to 2**64 - 1 (negative ones, "
+                             f"-2**63 to -1, are read as int64's two's complement)")
     _integers(a, "keys")
     if a.dtype == np.int64:
         a = a.view(np.uint64)
@@ -541,6 +547,12 @@ class Client:
     :class:`WrongProcess` (open a new client there)."""
 
     def __init__(self, socket: Optional[str] = None, timeout: Optional[float] = None):
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+                raise TypeError(f"timeout must be a number of seconds or None, not {type(timeout).__name__}")
+            if not (math.isfinite(timeout) and timeout > 0):
+                raise ValueError(f"timeout must be a positive, finite number of seconds or None (no limit), "
+                                 f"not {timeout!r}")
         self.path = socket or default_socket()
         # The process that connected: the only one that may use the socket
         # (:meth:`_here`).

@@ -85,6 +85,22 @@ def slots(op: int, scores: bool = False, outcomes: bool = False) -> List[Slot]:
     raise ValueError(f"op 0x{op:02x} has no region form in this client")
 
 
+def outputs(op: int) -> Tuple[str, ...]:
+    """The names of the arrays of ``op`` the daemon writes."""
+    if op == OP_FIND:
+        return ("found", "values", "scores")
+    if op == OP_CONTAINS:
+        return ("found",)
+    if op == OP_EXPORT:
+        return ("keys", "values", "scores")
+    if op == OP_ERASE:
+        return ("erased",)
+    if op == OP_APPLY_GRADIENTS:
+        return ("found", "values")
+    out = ("outcomes", "evicted_keys", "evicted_values", "evicted_scores", "evicted_kinds")
+    return out + (("values",) if op == OP_FIND_OR_INSERT else ())
+
+
 _ELEM_DTYPES = {
     "u64": (np.dtype(np.uint64), np.dtype(np.int64)),
     "u8": (np.dtype(np.uint8), np.dtype(np.bool_)),
@@ -433,6 +449,12 @@ def _frame(client, op, table, arrays, scores, outcomes, stream, wait, done, head
     if len(arrays) != len(sl):
         raise TypeError(f"this request names {len(sl)} arrays ({', '.join(s.name for s in sl)}), "
                         f"{len(arrays)} were given")
+    written = outputs(op)
+    for a, s in zip(arrays, sl):
+        # The daemon writes these through its own mapping: a read-only view
+        # would be changed behind numpy's back.
+        if s.name in written and isinstance(a, np.ndarray) and not a.flags.writeable:
+            raise ValueError(f"{s.name} is read-only (its writeable flag is off), and the daemon writes it")
     refs = [ref(client, a, s.name) for a, s in zip(arrays, sl)]
     dim = client.dim(table) if any(s.count in ("ND", "CD") for s in sl) else None
     vdim = client.value_dim(table) if any(s.count == "NV" for s in sl) else None

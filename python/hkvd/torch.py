@@ -145,6 +145,16 @@ def _init_result(rows, call: str, n: int, dim: int, device: torch.device) -> tor
     return t
 
 
+def _rows_of(t: torch.Tensor, n: int, dim: int, what: str) -> torch.Tensor:
+    """``t`` as ``n`` rows of ``dim`` (a ValueError naming the shapes when
+    it is not ``n * dim`` elements)."""
+    t = t.detach()
+    if t.numel() != n * dim or (t.dim() >= 2 and t.shape[-1] != dim):
+        raise ValueError(f"{n} ids need {what} of shape ({n}, {dim}) (the table's dim is {dim}), "
+                         f"not of shape {tuple(t.shape)}")
+    return t.reshape(n, dim)
+
+
 def _align(n: int, to: int = 256) -> int:
     return -(-n // to) * to
 
@@ -671,9 +681,7 @@ class EmbeddingCache:
         flat = self._ids(ids)
         if flat.numel() == 0:
             return
-        g = grads.detach().reshape(-1, self.dim).to(device=self.device, dtype=torch.float32)
-        if g.shape[0] != flat.numel():
-            raise ValueError(f"{flat.numel()} ids but {g.shape[0]} gradient rows")
+        g = _rows_of(grads, flat.numel(), self.dim, "gradient rows").to(device=self.device, dtype=torch.float32)
         uniq, inv = torch.unique(flat.to(self.device), return_inverse=True)
         summed = torch.zeros((uniq.numel(), self.dim), dtype=torch.float32, device=self.device)
         summed.index_add_(0, inv, g)
@@ -728,9 +736,7 @@ class EmbeddingCache:
                              f"hkvd.torch.Embedding); to set values and state, client.insert_or_assign rows of "
                              f"{self.row_dim} floats (values, then state)")
         flat = self._ids(ids).to(self.device)
-        r = rows.detach().reshape(-1, self.dim).to(device=self.device, dtype=torch.float32)
-        if r.shape[0] != flat.numel():
-            raise ValueError(f"{flat.numel()} ids but {r.shape[0]} rows")
+        r = _rows_of(rows, flat.numel(), self.dim, "rows").to(device=self.device, dtype=torch.float32)
         self._chunks(region.OP_INSERT_OR_ASSIGN, flat, r, None)
 
 

@@ -1864,3 +1864,30 @@ def test_a_wrong_extra_state_init_or_hyperparameter_is_refused_at_once(daemon):
         hyper = {"lr": 0.1, name: "0.1"}
         with pytest.raises(TypeError, match=name):
             c.apply_gradients("x", [1], np.ones((1, 4), np.float32), **hyper)
+
+
+def test_wrong_rows_timeouts_read_only_outputs_and_wide_keys_are_refused_clearly(daemon):
+    # A tester's findings: rows of the wrong width gave torch's "shape
+    # '[-1, 4]' is invalid"; Client(timeout=0) raised BlockingIOError at
+    # the first call; a read-only shm array was written as a find's output;
+    # a key of 2**64 was "not object".
+    c = daemon.client()
+    c.create_table("w", dim=4, capacity=1 << 10)
+    cache = EmbeddingCache(c, "w", device="cpu", verbose=False, transport="shm")
+    with pytest.raises(ValueError, match=r"shape \(2, 4\)"):
+        cache.apply_gradients(torch.tensor([1, 2]), torch.ones(10), lr=0.1)
+    with pytest.raises(ValueError, match=r"shape \(2, 4\)"):
+        cache.write_back(torch.tensor([1, 2]), torch.ones((2, 5)))
+    for bad, kind in [(0, ValueError), (-1, ValueError), (float("nan"), ValueError), ("1", TypeError)]:
+        with pytest.raises(kind, match="timeout"):
+            hkvd.Client(daemon.socket, timeout=bad)
+    keys = hkvd.shm_array((2,), np.uint64)
+    keys[:] = [1, 2]
+    found, values = hkvd.shm_array((2,), np.uint8), hkvd.shm_array((2, 4), np.float32)
+    values[:] = 7.0
+    values.setflags(write=False)
+    with pytest.raises(ValueError, match="values is read-only"):
+        c.find_region("w", keys, values, found)
+    assert (values == 7.0).all()
+    with pytest.raises(ValueError, match="out of range"):
+        c.find("w", [2 ** 64])
