@@ -19,12 +19,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use hkv_backing::{Backing, Fetched, Gap, Mode, Options, ReadOut, Scan};
-use hkv_proto::{BackingMode, BackingSpec, ErrorCode, ProtoError, Request, Response, TableSpec, WriteOp};
+use hkv_backing::{Backing, Fetched, Gap, Mode, ReadOut, Scan};
+use hkv_proto::{ErrorCode, ProtoError, Request, Response, TableSpec, WriteOp};
 use hkv_shard::{Outcome, ScorePolicy};
 use parking_lot::RwLock;
 
 use self::order::{Hold, Order, Snapshot};
+use crate::config::backing_options;
 use crate::error::shard_error;
 use crate::router::{ApplyAnswer, FindAnswer, Router, Table, WriteAnswer};
 use crate::shard_ops::Destination;
@@ -226,26 +227,6 @@ impl Drop for Tiers {
     }
 }
 
-/// The tier's options from a table's spec.
-pub fn options(spec: &BackingSpec) -> Options {
-    let mode = match spec.mode {
-        BackingMode::ReadOnly => Mode::ReadOnly,
-        BackingMode::WriteThrough => Mode::WriteThrough,
-        BackingMode::WriteBack => Mode::WriteBack,
-    };
-    let mut o = Options::new(spec.seeds.clone(), mode);
-    if let Some(ms) = spec.deadline_ms {
-        o.deadline = Duration::from_millis(ms);
-    }
-    if let Some(b) = spec.queue_bytes {
-        o.queue_bytes = b;
-    }
-    if let Some(n) = spec.wait_replicas {
-        o.wait_replicas = n;
-    }
-    o
-}
-
 /// What a table's stored rows are, as its cluster's meta hash keeps it:
 /// `values`, or `OPTIMIZER over N values` (the optimizer's state after
 /// the values), so that hosts whose rows mean different things never
@@ -315,7 +296,7 @@ impl Tiers {
     async fn open_as(&self, spec: &TableSpec, existing: bool) -> Result<(), ProtoError> {
         let Some(b) = &spec.backing else { return Ok(()) };
         // Rows in the cluster are whole stored rows: values and optimizer state.
-        let (name, dim, mut o) = (spec.name.clone(), spec.row_dim(), options(b));
+        let (name, dim, mut o) = (spec.name.clone(), spec.row_dim(), backing_options(b));
         o.row = row_meaning(spec);
         o.existing = existing;
         // The options' ranges before this host's memory: a bound over the
@@ -1835,6 +1816,7 @@ pub fn prometheus(o: &mut String, d: &hkv_proto::stats::Stats) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use hkv_proto::{BackingMode, BackingSpec};
 
     /// An empty password is no password (see [`drop_empty_passwords`]).
     #[test]
@@ -1877,7 +1859,7 @@ mod tests {
         let b = c.tables[0].backing.as_ref().unwrap();
         assert_eq!(b.mode, BackingMode::WriteBack);
         assert_eq!(b.seeds.len(), 2);
-        let o = options(b);
+        let o = backing_options(b);
         assert_eq!((o.mode, o.queue_bytes), (Mode::WriteBack, 1 << 20));
         assert!(c.tables[1].backing.is_none());
         let bad = toml::from_str::<crate::config::Config>(

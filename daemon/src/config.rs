@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use clap::parser::ValueSource;
 use clap::{ArgAction, ArgMatches, Args, Command, FromArgMatches};
-use hkv_proto::{CheckpointId, TableSpec};
+use hkv_proto::{BackingMode, BackingSpec, CheckpointId, TableSpec};
 use hkv_shard::CudaTuning;
 use serde::{Deserialize, Serialize};
 
@@ -447,7 +447,7 @@ impl Config {
             );
         }
         for (i, t) in self.tables.iter().enumerate() {
-            crate::router::check_name(&t.name)
+            hkv_proto::check_name(&t.name)
                 .map_err(|e| anyhow::anyhow!("[[table]] entry {} of the config file: {}", i + 1, e.message))?;
             anyhow::ensure!(
                 !self.tables[..i].iter().any(|u| u.name == t.name),
@@ -461,7 +461,7 @@ impl Config {
             // opened (backing option queue_bytes: 0: …)"). The row's
             // width is the table's own check, at its creation.
             if let Some(b) = &t.backing {
-                match crate::backing::options(b).check(t.row_dim()) {
+                match backing_options(b).check(t.row_dim()) {
                     Err(hkv_backing::Error::BadOption { name: "dim", .. }) | Ok(()) => {}
                     Err(e) => anyhow::bail!(
                         "table {} ([[table]] entry {} of the config file): {e}",
@@ -646,6 +646,28 @@ pub struct CheckpointConfig {
     pub backing_passwords: Option<PathBuf>,
 }
 
+/// The cluster tier's options from a table's backing spec (the daemon's
+/// `backing` module opens tiers with them; [`Config::check`] checks a
+/// config file's with them before any cluster is opened).
+pub fn backing_options(spec: &BackingSpec) -> hkv_backing::Options {
+    let mode = match spec.mode {
+        BackingMode::ReadOnly => hkv_backing::Mode::ReadOnly,
+        BackingMode::WriteThrough => hkv_backing::Mode::WriteThrough,
+        BackingMode::WriteBack => hkv_backing::Mode::WriteBack,
+    };
+    let mut o = hkv_backing::Options::new(spec.seeds.clone(), mode);
+    if let Some(ms) = spec.deadline_ms {
+        o.deadline = std::time::Duration::from_millis(ms);
+    }
+    if let Some(b) = spec.queue_bytes {
+        o.queue_bytes = b;
+    }
+    if let Some(n) = spec.wait_replicas {
+        o.wait_replicas = n;
+    }
+    o
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -791,7 +813,7 @@ mod tests {
         assert!(backed(|b| b.queue_bytes = Some(0)).contains("backing option queue_bytes"));
         assert!(backed(|b| b.deadline_ms = Some(0)).contains("backing option deadline"));
         assert!(backed(|b| {
-            b.mode = hkv_proto::BackingMode::ReadOnly;
+            b.mode = BackingMode::ReadOnly;
             b.wait_replicas = Some(3)
         })
         .contains("backing option wait_replicas"));

@@ -107,3 +107,20 @@ pub fn quoted(s: &str) -> String {
         }
     }
 }
+
+/// Validates a table name: 1..=255 bytes of `[A-Za-z0-9_.-]` starting with
+/// a letter, digit or '_' (so never `.`, `..`, a hidden chunk file name or
+/// something a command line takes for a flag).
+pub fn check_name(name: &str) -> Result<(), ProtoError> {
+    let ok = name.len() <= 255
+        && name.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric() || b == b'_')
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(ProtoError::bad_request(format!(
+            "table name {}: use 1 to 255 letters, digits, '_', '-' or '.', starting with a letter, digit or '_'",
+            quoted(name)
+        )))
+    }
+}

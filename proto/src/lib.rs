@@ -19,7 +19,8 @@
 //! - [`stats`]: the typed JSON documents (`stats`, `list_checkpoints`,
 //!   `checkpoint`, `restore`).
 //! - [`body`]: the field reader and writer (strings, little-endian arrays).
-//! - [`error`]: the [`ProtoError`] codes shared by both sides, and [`quoted`],
+//! - [`error`]: the [`ProtoError`] codes shared by both sides,
+//!   [`check_name`] (the table names a daemon accepts), and [`quoted`],
 //!   how their messages quote a client's strings.
 //! - [`region`]: registered regions: their ops, the `REGION` flag,
 //!   requests naming arrays in them and their small answers.
@@ -42,7 +43,7 @@ pub mod stats;
 mod tests;
 pub mod types;
 
-pub use error::{quoted, ErrorCode, ProtoError};
+pub use error::{check_name, quoted, ErrorCode, ProtoError};
 pub use frame::{FindFrame, FrameBuf, FrameMemory};
 pub use header::{check_frame, flags, frame, FrameCheck, Header, HEADER_LEN, MAGIC, VERSION};
 pub use op::{Op, WriteOp};

@@ -35,8 +35,9 @@ use hkv_proto::{ErrorCode, ProtoError, TableInfo, TableSpec};
 use hkv_shard::Backend;
 use parking_lot::RwLock;
 
+pub use hkv_proto::check_name;
 pub use mrc::drain_samples;
-pub use table::{check_name, shard_config, Table};
+pub use table::{shard_config, Table};
 
 use crate::actor::{Direct, Open, ShardActor};
 use crate::budget::Budget;

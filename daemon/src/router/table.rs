@@ -138,23 +138,6 @@ impl Drop for Owner {
     }
 }
 
-/// Validates a table name: 1..=255 bytes of `[A-Za-z0-9_.-]` starting with
-/// a letter, digit or '_' (so never `.`, `..`, a hidden chunk file name or
-/// something a command line takes for a flag).
-pub fn check_name(name: &str) -> Result<(), ProtoError> {
-    let ok = name.len() <= 255
-        && name.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric() || b == b'_')
-        && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
-    if ok {
-        Ok(())
-    } else {
-        Err(ProtoError::bad_request(format!(
-            "table name {}: use 1 to 255 letters, digits, '_', '-' or '.', starting with a letter, digit or '_'",
-            hkv_proto::quoted(name)
-        )))
-    }
-}
-
 /// The per-shard config of a table spec spread over `n` shards.
 pub fn shard_config(spec: &TableSpec, n: usize) -> Result<TableConfig, ProtoError> {
     let policy: ScorePolicy =
@@ -229,6 +212,7 @@ pub fn shard_config(spec: &TableSpec, n: usize) -> Result<TableConfig, ProtoErro
 #[cfg(test)]
 mod tests {
     use super::*;
+    use hkv_proto::check_name;
 
     #[test]
     fn names_and_configs_are_checked() {
