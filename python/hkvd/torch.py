@@ -245,10 +245,11 @@ class EmbeddingCache:
         # their next batch: -0.9 and -1.1 where -1.0 was due). Taken before
         # the client's ``_io``, never while holding it.
         self._settling = threading.RLock()
-        # A step's done event was waited for on the stream of whoever read
-        # its answer (cuda-ipc): this cache's next request waits for it on
-        # its own stream too (:meth:`_settle_own`).
-        self._owed = False
+        # The thread on whose (thread-local) current stream a step's done
+        # event was waited for, by whoever read its answer (cuda-ipc): a
+        # request of this cache from another thread waits for it on its own
+        # stream too (:meth:`_settle_own`); None: nothing owed.
+        self._waited_by: Optional[int] = None
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.device = _device(device)
@@ -561,10 +562,10 @@ class EmbeddingCache:
     def _settle_own(self) -> None:
         """:meth:`settle` before a request of this cache, which writes its
         buffers: on cuda-ipc the current stream then also follows a step
-        whose answer another thread read (:attr:`_owed`)."""
+        whose answer another thread read (:attr:`_waited_by`)."""
         self.settle()
-        if self._owed:
-            self._owed = False
+        by, self._waited_by = self._waited_by, None
+        if by is not None and by != threading.get_ident():
             self._done.wait(_cuda.torch_stream(self.device.index))
 
     def _settle_locked(self, by: Optional[str]) -> None:
@@ -607,7 +608,7 @@ class EmbeddingCache:
             raise
         if self.transport == "cuda-ipc" and p.post is None and self._done is not None:
             self._done.wait(_cuda.torch_stream(self.device.index))
-            self._owed = True
+            self._waited_by = threading.get_ident()
         self.missing += region.count(body) or 0
         if out is not None:
             self._copy_out(m, out, found)
