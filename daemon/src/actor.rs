@@ -130,6 +130,10 @@ pub struct Open {
     pub backend: Backend,
     /// Its miss-ratio estimator's config (None: the curves are off).
     pub mrc: Option<MrcConfig>,
+    /// The table's name, for the log.
+    pub name: Arc<str>,
+    /// This shard's index among the table's, for the log.
+    pub shard: usize,
 }
 
 /// Drops this device's shard of a table (a call running on it finishes first).
@@ -151,7 +155,7 @@ impl Handler<Open> for ShardActor {
         let shard: Arc<dyn Shard> =
             contained("create_table", || Ok(Arc::from(hkv_shard::open_on(msg.config, msg.backend, device)?)))?;
         if let Some(cfg) = msg.mrc {
-            own.mrcs.write().insert(msg.table, ShardMrc::open(&*shard, cfg));
+            own.mrcs.write().insert(msg.table, ShardMrc::open(&*shard, cfg, &msg.name, msg.shard));
         }
         own.shards.write().insert(msg.table, shard);
         Ok(())

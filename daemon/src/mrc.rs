@@ -112,7 +112,7 @@ impl ShardMrc {
     /// An estimator for `shard`, whose sampler it sets. It tracks
     /// `cfg.max_keys` keys, or fewer where all estimators would hold more
     /// than their [`share`] of memory (its stats' `memory_bytes` says).
-    pub fn open(shard: &dyn Shard, cfg: MrcConfig) -> Arc<ShardMrc> {
+    pub fn open(shard: &dyn Shard, cfg: MrcConfig, table: &str, index: usize) -> Arc<ShardMrc> {
         let share = share();
         let mut keys = 0;
         let _ = HELD.fetch_update(SeqCst, SeqCst, |held| {
@@ -122,11 +122,14 @@ impl ShardMrc {
         });
         if keys < cfg.max_keys {
             tracing::warn!(
+                table,
+                shard = index,
                 wanted = cfg.max_keys,
                 keys,
                 share,
                 "the curves' estimators hold their share of memory (1/16 of host memory or the address-space \
-                 limit): this shard's tracks fewer keys; lower --mrc-max-keys or drop tables"
+                 limit): this table's curve on this shard tracks fewer keys, so its estimate is coarser; lower \
+                 --mrc-max-keys or drop tables"
             );
         }
         let mrc = Mrc::new(MrcConfig { max_keys: keys, ..cfg }, shard.capacity());

@@ -375,11 +375,11 @@ impl Router {
             reads_refresh: table.config.refreshes_reads(),
             ..c
         });
-        let opened = join_all(
-            self.actors
-                .iter()
-                .map(|a| a.send(Open { table: id, config: table.config.clone(), backend: self.backend, mrc })),
-        )
+        let name: Arc<str> = Arc::from(table.spec.name.as_str());
+        let opened = join_all(self.actors.iter().enumerate().map(|(shard, a)| {
+            let config = table.config.clone();
+            a.send(Open { table: id, config, backend: self.backend, mrc, name: name.clone(), shard })
+        }))
         .await;
         let mut failed = None;
         for r in opened {
