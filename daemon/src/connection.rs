@@ -356,7 +356,8 @@ fn admit(
             let e = ProtoError::new(
                 ErrorCode::Oversized,
                 format!(
-                    "frame body of {} bytes is above limits.max_frame_bytes = {max_frame_bytes}; send smaller batches",
+                    "frame body of {} bytes is above limits.max_frame_bytes = {max_frame_bytes}; send smaller batches \
+                     (hkvctl: --batch), or start hkvd with a larger --max-frame-bytes",
                     h.body_len
                 ),
             );

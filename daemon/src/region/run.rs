@@ -43,7 +43,8 @@ fn charge(state: &Arc<State>, req: &RegionRequest, arrs: &[Arr]) -> Result<InFli
             ErrorCode::Oversized,
             format!(
                 "this region request would have the daemon copy {bytes} bytes of its arrays, above \
-                 limits.max_frame_bytes = {}; send smaller batches",
+                 limits.max_frame_bytes = {}; send smaller batches, or start hkvd with a larger \
+                 --max-frame-bytes",
                 limits.max_frame_bytes
             ),
         ));
