@@ -636,11 +636,21 @@ impl Catalog {
     /// The bytes of chunk or key list `c` of checkpoint `id`, read buffered
     /// after [`Catalog::open_chunk`] checked the file.
     fn read_whole(&self, id: u64, c: &ChunkRef) -> Result<Vec<u8>> {
-        let (f, len) = self.open_chunk(id, c, false)?;
-        let mut b = Vec::with_capacity(len);
-        std::io::Read::read_to_end(&mut std::io::Read::take(&f, len as u64), &mut b)
-            .map_err(|_| Error::MissingChunk { id, chunk: c.key.clone() })?;
+        let mut b = Vec::new();
+        self.read_buffered(id, c, &mut b)?;
         Ok(b)
+    }
+
+    /// Chunk or key list `c` of checkpoint `id` read without `O_DIRECT`
+    /// into `buf` (its bytes only, at most the manifest's length), after
+    /// [`Catalog::open_chunk`] checked the file.
+    fn read_buffered(&self, id: u64, c: &ChunkRef, buf: &mut Vec<u8>) -> Result<()> {
+        let (f, len) = self.open_chunk(id, c, false)?;
+        buf.clear();
+        buf.reserve(len);
+        std::io::Read::read_to_end(&mut std::io::Read::take(&f, len as u64), buf)
+            .map_err(|_| Error::MissingChunk { id, chunk: c.key.clone() })?;
+        Ok(())
     }
 
     /// Opens chunk or key list `c` of checkpoint `id` for reading (with
@@ -693,10 +703,7 @@ impl Catalog {
             Err(OpenError::NoDirect) => {}
             Err(OpenError::Failed(e)) => return Err(e),
         }
-        let (f, len) = self.open_chunk(id, c, false)?;
-        buf.clear();
-        buf.reserve(len);
-        std::io::Read::read_to_end(&mut std::io::Read::take(&f, len as u64), buf).map_err(|_| missing())?;
+        self.read_buffered(id, c, buf)?;
         Ok(0..buf.len())
     }
 

@@ -547,9 +547,8 @@ class Client:
     :class:`WrongProcess` (open a new client there)."""
 
     def __init__(self, socket: Optional[str] = None, timeout: Optional[float] = None):
-        if timeout is not None:
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-                raise TypeError(f"timeout must be a number of seconds or None, not {type(timeout).__name__}")
+        if _typed(timeout, "timeout", (int, float, np.integer, np.floating), "a number of seconds or None",
+                  optional=True) is not None:
             if not (math.isfinite(timeout) and timeout > 0):
                 raise ValueError(f"timeout must be a positive, finite number of seconds or None (no limit), "
                                  f"not {timeout!r}")

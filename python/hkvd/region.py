@@ -47,13 +47,15 @@ _HEADER = struct.Struct("<4sBBHQI")
 
 class Slot(NamedTuple):
     """One array of a region request: its name, element type (``u64``,
-    ``u8``, ``f32``) and count rule (``n``: sets n; ``N``: n; ``ND``: n × dim;
+    ``u8``, ``f32``), count rule (``n``: sets n; ``N``: n; ``ND``: n × dim;
     ``NV``: n × the table's value dim, without optimizer state;
-    ``C``: the output capacity c ≥ n, set by the first such array; ``CD``: c × dim)."""
+    ``C``: the output capacity c ≥ n, set by the first such array; ``CD``: c × dim)
+    and whether the daemon writes it (``out``)."""
 
     name: str
     elem: str
     count: str
+    out: bool = False
 
 
 def slots(op: int, scores: bool = False, outcomes: bool = False) -> List[Slot]:
@@ -61,44 +63,29 @@ def slots(op: int, scores: bool = False, outcomes: bool = False) -> List[Slot]:
     keyed ops; PROTOCOL.md's table)."""
     keys = Slot("keys", "u64", "n")
     if op == OP_FIND:
-        s = [keys, Slot("found", "u8", "N"), Slot("values", "f32", "ND")]
-        return s + ([Slot("scores", "u64", "N")] if scores else [])
+        s = [keys, Slot("found", "u8", "N", True), Slot("values", "f32", "ND", True)]
+        return s + ([Slot("scores", "u64", "N", True)] if scores else [])
     if op == OP_CONTAINS:
-        return [keys, Slot("found", "u8", "N")]
+        return [keys, Slot("found", "u8", "N", True)]
     if op == OP_EXPORT:
-        return [Slot("keys", "u64", "C"), Slot("values", "f32", "CD"), Slot("scores", "u64", "C")]
+        return [Slot("keys", "u64", "C", True), Slot("values", "f32", "CD", True), Slot("scores", "u64", "C", True)]
     if op == OP_ERASE:
-        return [keys] + ([Slot("erased", "u8", "N")] if outcomes else [])
+        return [keys] + ([Slot("erased", "u8", "N", True)] if outcomes else [])
     if op == OP_APPLY_GRADIENTS:
         s = [keys, Slot("grads", "f32", "NV")]
-        return s + ([Slot("found", "u8", "N"), Slot("values", "f32", "NV")] if outcomes else [])
+        return s + ([Slot("found", "u8", "N", True), Slot("values", "f32", "NV", True)] if outcomes else [])
     if op in (OP_INSERT_OR_ASSIGN, OP_INSERT_AND_EVICT, OP_FIND_OR_INSERT, OP_ASSIGN, OP_ACCUM_OR_ASSIGN, OP_LOAD):
-        s = [keys, Slot("deltas" if op == OP_ACCUM_OR_ASSIGN else "values", "f32", "ND")]
+        # find_or_insert's values are read (the rows to insert) and written (the rows found).
+        s = [keys, Slot("deltas" if op == OP_ACCUM_OR_ASSIGN else "values", "f32", "ND", op == OP_FIND_OR_INSERT)]
         if scores:
             s.append(Slot("scores", "u64", "N"))
         if outcomes and op != OP_LOAD:
-            s.append(Slot("outcomes", "u8", "N"))
+            s.append(Slot("outcomes", "u8", "N", True))
         if op == OP_INSERT_AND_EVICT:
-            s += [Slot("evicted_keys", "u64", "C"), Slot("evicted_values", "f32", "CD"),
-                  Slot("evicted_scores", "u64", "C"), Slot("evicted_kinds", "u8", "C")]
+            s += [Slot("evicted_keys", "u64", "C", True), Slot("evicted_values", "f32", "CD", True),
+                  Slot("evicted_scores", "u64", "C", True), Slot("evicted_kinds", "u8", "C", True)]
         return s
     raise ValueError(f"op 0x{op:02x} has no region form in this client")
-
-
-def outputs(op: int) -> Tuple[str, ...]:
-    """The names of the arrays of ``op`` the daemon writes."""
-    if op == OP_FIND:
-        return ("found", "values", "scores")
-    if op == OP_CONTAINS:
-        return ("found",)
-    if op == OP_EXPORT:
-        return ("keys", "values", "scores")
-    if op == OP_ERASE:
-        return ("erased",)
-    if op == OP_APPLY_GRADIENTS:
-        return ("found", "values")
-    out = ("outcomes", "evicted_keys", "evicted_values", "evicted_scores", "evicted_kinds")
-    return out + (("values",) if op == OP_FIND_OR_INSERT else ())
 
 
 _ELEM_DTYPES = {
@@ -449,11 +436,10 @@ def _frame(client, op, table, arrays, scores, outcomes, stream, wait, done, head
     if len(arrays) != len(sl):
         raise TypeError(f"this request names {len(sl)} arrays ({', '.join(s.name for s in sl)}), "
                         f"{len(arrays)} were given")
-    written = outputs(op)
     for a, s in zip(arrays, sl):
         # The daemon writes these through its own mapping: a read-only view
         # would be changed behind numpy's back.
-        if s.name in written and isinstance(a, np.ndarray) and not a.flags.writeable:
+        if s.out and isinstance(a, np.ndarray) and not a.flags.writeable:
             raise ValueError(f"{s.name} is read-only (its writeable flag is off), and the daemon writes it")
     refs = [ref(client, a, s.name) for a, s in zip(arrays, sl)]
     dim = client.dim(table) if any(s.count in ("ND", "CD") for s in sl) else None
