@@ -131,21 +131,9 @@ fn draw_header(f: &mut Frame, app: &App, area: Rect) {
 }
 
 /// The texts of `items` (text, rank: 0 the last to go) that fit `width`
-/// cells with `gap` cells between them: the lowest ranks first, then the
-/// others in rank order while they fit; in their given order.
+/// cells with `gap` cells between them ([`fit`]), in their given order.
 fn fit_items(items: &[(String, u8)], width: usize, gap: usize) -> Vec<String> {
-    let mut order: Vec<usize> = (0..items.len()).collect();
-    order.sort_by_key(|&i| items[i].1);
-    let mut keep = vec![false; items.len()];
-    let mut used = 0;
-    for i in order {
-        let need = items[i].0.chars().count() + if used > 0 { gap } else { 0 };
-        if used + need > width {
-            break;
-        }
-        used += need;
-        keep[i] = true;
-    }
+    let keep = fit(items.iter().map(|(t, rank)| (t.chars().count(), *rank)), width, gap);
     kept(items.iter().map(|(t, _)| t.clone()), &keep)
 }
 
@@ -180,15 +168,22 @@ const OVERVIEW_COLUMNS: [Column; 12] = [
 /// terminal is too narrow for all of a view's columns).
 type Column = (&'static str, u16, u8);
 
-/// Which of `cols` fit `width` cells (one cell between columns): the
-/// lowest ranks first, then the others in rank order while they fit.
+/// Which of `cols` fit `width` cells (one cell between columns) ([`fit`]).
 fn fit_columns(cols: &[Column], width: u16) -> Vec<bool> {
-    let mut keep = vec![false; cols.len()];
-    let mut order: Vec<usize> = (0..cols.len()).collect();
-    order.sort_by_key(|&i| cols[i].2);
-    let mut used = 0u16;
+    fit(cols.iter().map(|c| (usize::from(c.1), c.2)), usize::from(width), 1)
+}
+
+/// Which of the things of `(width, rank)` fit `width` cells with `gap`
+/// cells between two: the lowest ranks first (the lowest always), then
+/// the others in rank order while they fit.
+fn fit(things: impl Iterator<Item = (usize, u8)>, width: usize, gap: usize) -> Vec<bool> {
+    let things: Vec<(usize, u8)> = things.collect();
+    let mut keep = vec![false; things.len()];
+    let mut order: Vec<usize> = (0..things.len()).collect();
+    order.sort_by_key(|&i| things[i].1);
+    let mut used = 0;
     for i in order {
-        let need = cols[i].1 + u16::from(used > 0);
+        let need = things[i].0 + if used > 0 { gap } else { 0 };
         if used + need > width && used > 0 {
             break;
         }
